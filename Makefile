@@ -1,0 +1,60 @@
+# The two commands users run: `make run` and `make test`. Each does all its own set-up.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+DEVSTAMP:= $(VENV)/.installed-dev
+# CPU machines take the CPU wheel of torch; GPU users install their own build first (README).
+TORCH   ?= torch==2.13.0
+
+.PHONY: run test lint typecheck pytest verify check diagrams docs bench clean system-deps
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(DEVSTAMP): pyproject.toml $(STAMP)
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+run: $(STAMP)
+	$(BIN)/fsm-cache demo
+
+system-deps:
+	@bash .ci/system-deps
+
+lint: $(DEVSTAMP)
+	$(BIN)/ruff check fsm_cache tests specs
+	$(BIN)/ruff format --check fsm_cache tests specs
+
+typecheck: $(DEVSTAMP)
+	$(BIN)/mypy
+
+pytest: $(DEVSTAMP)
+	$(BIN)/pytest -q
+
+verify: $(DEVSTAMP)
+	$(BIN)/fsm-cache verify
+
+check: $(DEVSTAMP)
+	$(BIN)/fsm-cache check
+
+diagrams: $(DEVSTAMP)
+	$(BIN)/fsm-cache diagram --check
+
+docs: $(DEVSTAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
+
+bench: $(STAMP)
+	$(BIN)/fsm-cache bench
+
+test: system-deps $(DEVSTAMP)
+	$(MAKE) lint typecheck pytest verify check diagrams docs
+
+clean:
+	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Subcommands of the fsm-cache CLI, one module each."""

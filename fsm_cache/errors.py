@@ -1,0 +1,202 @@
+"""The typed error tree of fsm_cache.
+
+Every error the library raises on bad input or an illegal step derives from
+:class:`FsmCacheError`, so a caller can catch the whole family at once::
+
+    FsmCacheError
+    ├── SpecError                 a spec file or spec object is malformed
+    ├── IllegalTransition         an event refused by a machine; nothing changed
+    │   ├── ReleaseAtZero         (also a RuntimeError, as SGLang's check was)
+    │   ├── UnlockAtZero, HostCopyPinned, CopyInFlight, NoHostCopy,
+    │   │   AlreadyBacked, NotLoading, DuplicateAck, ...
+    │   └── <classes a spec names>   created on first use
+    ├── EffectFailed              a bound effect raised; the record is unchanged
+    ├── LeaseError                a lease released twice
+    ├── PoolError                 slot accounting refused a request
+    │   ├── PoolExhausted         more requested than is free
+    │   ├── DoubleFree            a slot freed that is already free
+    │   └── ForeignSlot           a slot outside the pool or not owned
+    ├── CopyFailed                a copy between tiers failed
+    ├── InvariantViolation        a structural invariant does not hold
+    └── RankDivergence            tensor-parallel ranks applied different steps
+
+Refusals carry the instance, its state and counters, the event and the reason,
+so messages read ``node 17: release refused in backed (pins=0): <reason>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class FsmCacheError(Exception):
+    """Root of every error fsm_cache raises on purpose."""
+
+
+class SpecError(FsmCacheError):
+    """A spec is malformed; ``problems`` lists one line per fault.
+
+    Each problem names the file and the table or key at fault, e.g.
+    ``host.toml: transition[3].guard: unknown counter 'pinz'``.
+    """
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class IllegalTransition(FsmCacheError):
+    """An event was refused; the record it was fired at is exactly as before.
+
+    Attributes:
+        label: What the instances are called in messages (``node``).
+        instance: The instance id.
+        state: The state of the refusing machine.
+        counters: That machine's counters at the time of refusal.
+        event: The refused event.
+        reason: Why the spec refuses it.
+        history: Pre-rendered audit history (call sites), or ``""``.
+    """
+
+    def __init__(
+        self,
+        *,
+        label: str,
+        instance: object,
+        state: str,
+        counters: Mapping[str, int],
+        event: str,
+        reason: str,
+        history: str = "",
+    ) -> None:
+        self.label = label
+        self.instance = instance
+        self.state = state
+        self.counters = dict(counters)
+        self.event = event
+        self.reason = reason
+        self.history = history
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        """Return the one-line message: who, what, where, why, and what came before."""
+        shown = ", ".join(f"{k}={v}" for k, v in self.counters.items())
+        where = f"{self.state} ({shown})" if shown else self.state
+        text = f"{self.label} {self.instance}: {self.event} refused in {where}: {self.reason}"
+        return f"{text}; {self.history}" if self.history else text
+
+
+class ReleaseAtZero(IllegalTransition, RuntimeError):
+    """A release with no pin outstanding (SGLang: 'Host reference counter is already zero.')."""
+
+
+class UnlockAtZero(IllegalTransition):
+    """An unlock with no lock outstanding."""
+
+
+class HostCopyPinned(IllegalTransition):
+    """The host copy is held by a pin and may not be freed."""
+
+
+class CopyInFlight(IllegalTransition):
+    """A copy still reads or writes the pages this event would free or reuse."""
+
+
+class NoHostCopy(IllegalTransition):
+    """The event needs a valid host copy and there is none."""
+
+
+class AlreadyBacked(IllegalTransition):
+    """A backup was asked for a node whose host copy is already valid."""
+
+
+class NotLoading(IllegalTransition):
+    """A load acknowledgement arrived for a node with no load in flight."""
+
+
+class DuplicateAck(IllegalTransition):
+    """A copy acknowledgement arrived for a node with no such copy in flight."""
+
+
+_PREDEFINED: dict[str, type[IllegalTransition]] = {
+    cls.__name__: cls
+    for cls in (
+        IllegalTransition,
+        ReleaseAtZero,
+        UnlockAtZero,
+        HostCopyPinned,
+        CopyInFlight,
+        NoHostCopy,
+        AlreadyBacked,
+        NotLoading,
+        DuplicateAck,
+    )
+}
+_CREATED: dict[str, type[IllegalTransition]] = {}
+
+
+def error_class(name: str) -> type[IllegalTransition]:
+    """Return the refusal class called ``name``, creating it under IllegalTransition.
+
+    Specs name their errors; names that fsm_cache does not predefine become new
+    subclasses of :class:`IllegalTransition`, created once per process so that
+    ``except`` clauses and ``isinstance`` checks see one class per name.
+
+    Args:
+        name: A Python identifier, conventionally CamelCase.
+
+    Returns:
+        The class; the same object for every call with the same name.
+    """
+    found = _PREDEFINED.get(name) or _CREATED.get(name)
+    if found is None:
+        found = type(name, (IllegalTransition,), {"__module__": __name__})
+        _CREATED[name] = found
+    return found
+
+
+def is_predefined(name: str) -> bool:
+    """Return whether ``name`` is one of fsm_cache's own refusal classes."""
+    return name in _PREDEFINED
+
+
+class EffectFailed(FsmCacheError):
+    """A bound effect raised while an event was being applied; the record is unchanged."""
+
+
+class LeaseError(FsmCacheError):
+    """A lease was released a second time; the message names the first release."""
+
+
+class PoolError(FsmCacheError):
+    """Slot accounting refused a request and changed nothing."""
+
+
+class PoolExhausted(PoolError):
+    """More slots were requested than are free."""
+
+    def __init__(self, pool: str, requested: int, free: int) -> None:
+        self.pool = pool
+        self.requested = requested
+        self.free = free
+        super().__init__(f"{pool} pool exhausted: requested {requested} slots, {free} free")
+
+
+class DoubleFree(PoolError):
+    """A slot was freed that is already free."""
+
+
+class ForeignSlot(PoolError):
+    """A slot outside the pool, unaligned, or not owned by the caller."""
+
+
+class CopyFailed(FsmCacheError):
+    """A copy between the device and host tiers failed."""
+
+
+class InvariantViolation(FsmCacheError):
+    """A structural invariant of the cache does not hold; names the invariant and node."""
+
+
+class RankDivergence(FsmCacheError):
+    """Tensor-parallel ranks applied different transitions."""
