@@ -1,0 +1,1 @@
+"""fsm_cache: typed, formally checked state machines for KV-cache residency."""

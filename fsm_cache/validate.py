@@ -1,0 +1,233 @@
+"""Load-time validation of specs: names, determinism, totality, safety, reachability.
+
+Guards only compare counters with constants, and updates only add, subtract or
+set constants, so every guard's truth is constant beyond the largest constant
+plus the largest step. Checking every counter value from 0 up to that bound is
+therefore exact, not a sample: :func:`valuations` enumerates exactly those.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+from fsm_cache.errors import SpecError, error_class
+from fsm_cache.guards import Guard
+from fsm_cache.spec import MachineSpec, Spec, System
+
+
+def validate(spec: Spec) -> None:
+    """Raise :class:`SpecError` listing every problem of ``spec``; return if none."""
+    found = problems(spec)
+    if found:
+        raise SpecError(found)
+
+
+def problems(spec: Spec) -> list[str]:
+    """Return one located line per problem of ``spec`` (empty when valid)."""
+    if isinstance(spec, System):
+        return _system_problems(spec)
+    names = _name_problems(spec)
+    if names:
+        return [f"{spec.source}: {line}" for line in names]
+    lines = [*_determinism(spec), *_totality(spec), *_safety(spec), *_liveness(spec)]
+    return [f"{spec.source}: {line}" for line in lines]
+
+
+def bound(spec: MachineSpec) -> int:
+    """Return the counter value past which no guard or invariant changes its truth."""
+    constants = [abs(t.value) for s in spec.states for t in s.invariant.terms]
+    constants += [abs(t.value) for tr in spec.transitions for t in tr.guard.terms]
+    constants += [abs(t.value) for f in spec.forbids for t in f.guard.terms]
+    constants += [v for _, v in spec.counters]
+    steps = [a.amount for tr in spec.transitions for a in tr.update.assigns]
+    return max(constants, default=0) + max(steps, default=0) + 2
+
+
+def valuations(spec: MachineSpec, invariant: Guard) -> Iterator[dict[str, int]]:
+    """Yield every representative counter valuation that satisfies ``invariant``."""
+    names = spec.counter_names
+    top = bound(spec)
+    for values in itertools.product(range(top + 1), repeat=len(names)):
+        counters = dict(zip(names, values, strict=True))
+        if invariant.holds(counters):
+            yield counters
+
+
+def _shown(counters: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in counters.items()) or "always"
+
+
+def _name_problems(spec: MachineSpec) -> list[str]:
+    states, counters = set(spec.state_names), set(spec.counter_names)
+    out = [] if spec.initial in states else [f"machine.initial: unknown state {spec.initial!r}"]
+    if len(states) != len(spec.states):
+        out.append("states: a state name is declared twice")
+    for st in spec.states:
+        out += [
+            f"states.{st.name}.invariant: unknown counter {c!r}"
+            for c in st.invariant.counters() - counters
+        ]
+        if st.counter is not None and st.counter not in counters:
+            out.append(f"states.{st.name}.counter: unknown counter {st.counter!r}")
+    for i, tr in enumerate(spec.transitions):
+        where = f"transition[{i}]"
+        out += [f"{where}.source: unknown state {s!r}" for s in tr.sources if s not in states]
+        out += [f"{where}.dest: unknown state {tr.dest!r}"] if tr.dest not in states else []
+        used = tr.guard.counters() | tr.update.counters()
+        out += [f"{where}: unknown counter {c!r}" for c in sorted(used - counters)]
+    for i, fb in enumerate(spec.forbids):
+        where = f"forbid[{i}]"
+        out += [f"{where}.source: unknown state {s!r}" for s in fb.sources if s not in states]
+        out += [
+            f"{where}.guard: unknown counter {c!r}" for c in sorted(fb.guard.counters() - counters)
+        ]
+        out += (
+            [f"{where}.when: a machine file cannot use conditions; use a composition"]
+            if fb.when
+            else []
+        )
+        out += (
+            [f"{where}.source: a machine's forbid must name its states"] if not fb.sources else []
+        )
+        out += _error_name(where, fb.error)
+    events = set(spec.event_names)
+    out += [f"events.{e.name}: unknown event" for e in spec.events if e.name not in events]
+    return out
+
+
+def _error_name(where: str, name: str) -> list[str]:
+    if not name or not name[0].isupper():
+        return [f"{where}.error: error class names are CapitalisedIdentifiers, got {name!r}"]
+    error_class(name)
+    return []
+
+
+def _determinism(spec: MachineSpec) -> Iterator[str]:
+    for st in spec.states:
+        for event in spec.event_names:
+            options = [
+                (i, t)
+                for i, t in enumerate(spec.transitions)
+                if t.event == event and st.name in t.sources
+            ]
+            for (i, a), (j, b) in itertools.combinations(options, 2):
+                both = next(
+                    (
+                        c
+                        for c in valuations(spec, st.invariant)
+                        if a.guard.holds(c) and b.guard.holds(c)
+                    ),
+                    None,
+                )
+                if both is not None:
+                    yield f"transition[{j}].guard: overlaps transition[{i}] on {event} in {st.name} when {_shown(both)} (non-deterministic)"
+            for k, fb in enumerate(spec.forbids):
+                if fb.event != event or st.name not in fb.sources:
+                    continue
+                for i, tr in options:
+                    both = next(
+                        (
+                            c
+                            for c in valuations(spec, st.invariant)
+                            if tr.guard.holds(c) and fb.guard.holds(c)
+                        ),
+                        None,
+                    )
+                    if both is not None:
+                        yield f"forbid[{k}]: overlaps transition[{i}] on {event} in {st.name} when {_shown(both)}"
+
+
+def _totality(spec: MachineSpec) -> Iterator[str]:
+    for st in spec.states:
+        if st.final:
+            continue
+        for event in spec.event_names:
+            covers = [t.guard for t in spec.transitions_for(st.name, event)]
+            covers += [f.guard for f in spec.forbids_for(st.name, event)]
+            gap = next(
+                (c for c in valuations(spec, st.invariant) if not any(g.holds(c) for g in covers)),
+                None,
+            )
+            if gap is not None:
+                yield f"states.{st.name}: event {event!r} is neither a transition nor a forbid when {_shown(gap)} (not total)"
+
+
+def _safety(spec: MachineSpec) -> Iterator[str]:
+    names = set(spec.state_names)
+    for i, tr in enumerate(spec.transitions):
+        if tr.dest not in names:
+            continue
+        dest = spec.state(tr.dest)
+        for source in tr.sources:
+            for before in valuations(spec, spec.state(source).invariant):
+                if not tr.guard.holds(before):
+                    continue
+                after = tr.update.apply(before)
+                negative = [k for k, v in after.items() if v < 0]
+                if negative:
+                    yield f"transition[{i}].update: drives {negative[0]} negative from {source} when {_shown(before)}"
+                    break
+                if not dest.invariant.holds(after):
+                    yield f"transition[{i}].update: breaks the invariant of {dest.name} ({dest.invariant}) from {source} when {_shown(before)}"
+                    break
+
+
+def _liveness(spec: MachineSpec) -> Iterator[str]:
+    reached, frontier = {spec.initial}, [spec.initial]
+    while frontier:
+        state = frontier.pop()
+        for tr in spec.transitions:
+            if state in tr.sources and tr.dest not in reached and _enabled(spec, state, tr.guard):
+                reached.add(tr.dest)
+                frontier.append(tr.dest)
+    for st in spec.states:
+        if st.name not in reached:
+            yield f"states.{st.name}: unreachable from {spec.initial}"
+        exits = [t for t in spec.transitions if st.name in t.sources and t.dest != st.name]
+        if not st.final and not exits:
+            yield f"states.{st.name}: not final and has no transition out"
+
+
+def _enabled(spec: MachineSpec, state: str, guard: Guard) -> bool:
+    return any(guard.holds(c) for c in valuations(spec, spec.state(state).invariant))
+
+
+def _system_problems(system: System) -> list[str]:
+    out: list[str] = []
+    inner: list[str] = []
+    seen: dict[str, str] = {}
+    for region, machine in system.regions:
+        inner += problems(machine)
+        for counter in machine.counter_names:
+            if counter in seen:
+                out.append(
+                    f"composition.regions.{region}: counter {counter!r} also in region {seen[counter]!r}"
+                )
+            seen[counter] = region
+    machines = system.machines
+    events = set(system.event_names)
+    for i, fb in enumerate(system.forbids):
+        where = f"forbid[{i}]"
+        out += [] if fb.event in events else [f"{where}.event: no region declares {fb.event!r}"]
+        out += [
+            f"{where}.guard: unknown counter {c!r}" for c in sorted(fb.guard.counters() - set(seen))
+        ]
+        out += _error_name(where, fb.error)
+        owners = [machines[r] for r in system.regions_of(fb.event)]
+        out += [
+            f"{where}.source: unknown state {s!r}"
+            for s in fb.sources
+            if not any(s in m.state_names for m in owners)
+        ]
+        for cond in fb.when:
+            if cond.region not in machines:
+                out.append(f"{where}.when: unknown region {cond.region!r}")
+                continue
+            known = machines[cond.region].state_names
+            out += [
+                f"{where}.when: unknown state {s!r} of {cond.region}"
+                for s in cond.states
+                if s not in known
+            ]
+    return inner + [f"{system.source}: {line}" for line in out]
