@@ -18,7 +18,6 @@ from fsm_cache.errors import FsmCacheError, SpecError
 # NOTE: modules are imported when the parser is built; none of them imports torch at import time.
 _TOOLS = (
     "fsm_cache.commands.validate",
-    "fsm_cache.commands.bench",
 )
 
 
