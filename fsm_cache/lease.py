@@ -19,6 +19,7 @@ from typing import Any
 from fsm_cache import trail
 from fsm_cache.errors import LeaseError
 
+
 trail.internal(__file__)
 
 
@@ -40,6 +41,7 @@ class Lease:
         "label",
         "record",
         "released_at",
+        "serial",
         "taken_at",
     )
 
@@ -53,6 +55,7 @@ class Lease:
         self.taken_at = trail.caller_site()
         self.released_at: trail.Site | None = None
         self._book = book
+        self.serial = 0
 
     @property
     def held(self) -> bool:
@@ -107,10 +110,13 @@ class LeaseBook:
 
     def __init__(self) -> None:
         self._open: weakref.WeakSet[Lease] = weakref.WeakSet()
+        self._serial = 0
 
     def open(self, record: Any, release: Callable[[Any], None], event: str, label: str) -> Lease:
         """Record and return a new held lease on ``record``."""
         lease = Lease(record, release, event, label, self)
+        self._serial += 1
+        lease.serial = self._serial
         self._open.add(lease)
         return lease
 
@@ -118,6 +124,11 @@ class LeaseBook:
         """Forget a released lease."""
         self._open.discard(lease)
 
+    def oldest(self, record: Any, event: str) -> Lease | None:
+        """Return the oldest held lease of ``event`` on ``record``, or None."""
+        held = [x for x in self._open if x.record is record and x.event == event]
+        return min(held, key=lambda x: x.serial, default=None)
+
     def outstanding(self) -> list[Lease]:
         """Return the leases still held, oldest site first."""
-        return sorted(self._open, key=lambda x: (x.taken_at.filename, x.taken_at.line))
+        return sorted(self._open, key=lambda x: x.serial)

@@ -1,0 +1,1 @@
+"""Drop-in adapters that give existing caches fsm_cache residency checks."""

@@ -1,0 +1,210 @@
+"""The residency of a radix-tree node: a typed record and its verbs.
+
+The rules live in ``specs/residency.toml`` (host and device machines composed,
+plus the rules across them and along the tree). This module gives them a
+typed face:
+
+* :class:`ResidencyRecord` is the slotted per-node record: ``host`` state,
+  ``device`` state, ``pins``, ``locks``, and the audit ``trail``. Tree nodes
+  subclass it and add their own fields.
+* :class:`Residency` compiles the spec once, optionally with effects bound to
+  real memory, and exposes each event as a checked function of a record.
+* :class:`Node` is a standalone record whose methods are the verbs
+  (``node.pin()`` returns a lease), for code that wants residency checks
+  without fsm_cache's tree.
+
+Host states: ``unbacked`` (device only), ``writing`` (device-to-host copy in
+flight), ``backed`` (valid, unpinned), ``pinned`` (valid, held by ``pins``
+holders), ``evicted`` (host copy freed). Device states: ``resident``,
+``loading`` (host-to-device copy in flight), ``absent``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Literal
+
+from fsm_cache import trail
+from fsm_cache.engine import Effect, Engine, Verb
+from fsm_cache.lease import Lease
+from fsm_cache.shipped import residency_system
+
+
+trail.internal(__file__)
+
+HostState = Literal["unbacked", "writing", "backed", "pinned", "evicted"]
+DeviceState = Literal["resident", "loading", "absent"]
+Event = Literal[
+    "write",
+    "write_done",
+    "write_failed",
+    "pin",
+    "release",
+    "evict_host",
+    "lock",
+    "unlock",
+    "evict_device",
+    "load",
+    "load_done",
+]
+HOST_VALID: frozenset[str] = frozenset({"backed", "pinned"})
+"""Host states in which the host copy is readable."""
+HOST_HELD: frozenset[str] = frozenset({"writing", "backed", "pinned"})
+"""Host states in which host slots are allocated."""
+DEVICE_HELD: frozenset[str] = frozenset({"resident", "loading"})
+"""Device states in which device slots are allocated."""
+
+
+class ResidencyRecord:
+    """The residency of one node: two machine states and two counters.
+
+    Attributes:
+        id: The node's id, used in messages (``node 17: ...``).
+        host: Host residency state.
+        device: Device residency state.
+        pins: Holders of the host copy.
+        locks: Running requests holding the device copy (propagated to ancestors).
+        trail: Recent events with call sites in audit mode, else None.
+    """
+
+    __slots__ = ("device", "host", "id", "locks", "pins", "trail")
+
+    def __init__(
+        self, ident: int = 0, *, host: HostState = "unbacked", device: DeviceState = "resident"
+    ) -> None:
+        self.id = ident
+        self.host: str = host
+        self.device: str = device
+        self.pins = 0
+        self.locks = 0
+        self.trail: trail.Trail | None = None
+
+    def residency(self) -> str:
+        """Return ``backed/resident (pins=0, locks=0)``."""
+        return f"{self.host}/{self.device} (pins={self.pins}, locks={self.locks})"
+
+
+class Residency:
+    """The residency spec compiled once, its events exposed as checked functions.
+
+    Args:
+        effects: Hooks for the spec's effects (``start_write``, ``free_host``,
+            ``free_device``, ``start_load``); None for a pure engine.
+        audit: Keep call sites; defaults to ``FSM_CACHE_AUDIT``.
+    """
+
+    def __init__(
+        self, effects: Mapping[str, Effect] | None = None, audit: bool | None = None
+    ) -> None:
+        self.engine = Engine(residency_system(), effects=effects, audit=audit)
+        verb = self.engine.verb
+        self.write, self.write_done, self.write_failed = (
+            verb("write"),
+            verb("write_done"),
+            verb("write_failed"),
+        )
+        self.pin, self.release, self.evict_host = verb("pin"), verb("release"), verb("evict_host")
+        self.lock, self.unlock, self.evict_device = (
+            verb("lock"),
+            verb("unlock"),
+            verb("evict_device"),
+        )
+        self.load, self.load_done = verb("load"), verb("load_done")
+
+    def verb(self, event: Event) -> Verb:
+        """Return the checked function for ``event``."""
+        return self.engine.verb(event)
+
+    def allowed(self, rec: ResidencyRecord, event: Event) -> bool:
+        """Return whether ``event`` would be accepted now, changing nothing."""
+        return self.engine.allowed(rec, event)
+
+    def lease(self, rec: ResidencyRecord, kind: Literal["pin", "lock"] = "pin") -> Lease:
+        """Pin (or lock) ``rec`` and return the receipt that undoes it exactly once."""
+        undo = "release" if kind == "pin" else "unlock"
+        return self.engine.lease(rec, kind, undo)
+
+
+_default: list[Residency] = []
+
+
+def default_residency() -> Residency:
+    """Return the process-wide pure residency engine used by :class:`Node`."""
+    if not _default:
+        _default.append(Residency())
+    return _default[0]
+
+
+def configure(*, audit: bool) -> Residency:
+    """Rebuild the default engine, e.g. to turn audit mode on for a test run."""
+    _default[:] = [Residency(audit=audit)]
+    return _default[0]
+
+
+def _verb(event: Event) -> Callable[[Node], None]:
+    def method(self: Node) -> None:
+        type(self).machine().verb(event)(self)
+
+    method.__name__ = event
+    method.__doc__ = f"Fire ``{event}`` (checked; refused atomically as the spec says)."
+    return method
+
+
+class Node(ResidencyRecord):
+    """A standalone residency record whose methods are the spec's verbs.
+
+    ``parent`` and ``children`` take part in the tree rules (a load needs a
+    device-resident parent; host eviction needs no child holding a host copy).
+    """
+
+    __slots__ = ("__weakref__", "children", "parent")
+
+    machine: ClassVar[Callable[[], Residency]] = staticmethod(default_residency)
+
+    def __init__(
+        self,
+        ident: int = 0,
+        *,
+        host: HostState = "unbacked",
+        device: DeviceState = "resident",
+        parent: Node | None = None,
+    ) -> None:
+        super().__init__(ident, host=host, device=device)
+        self.parent = parent
+        self.children: dict[Any, Node] = {}
+
+    write = _verb("write")
+    write_done = _verb("write_done")
+    write_failed = _verb("write_failed")
+    evict_host = _verb("evict_host")
+    evict_device = _verb("evict_device")
+    load = _verb("load")
+    load_done = _verb("load_done")
+
+    def pin(self) -> Lease:
+        """Pin the host copy and return the lease that releases it once.
+
+        Keep the lease (or use it in a ``with`` block): a lease collected while
+        held warns with the site that took it, which is how leaked pins show up.
+        """
+        return type(self).machine().lease(self, "pin")
+
+    def release(self) -> None:
+        """Give back one pin: the oldest open lease of this node if any, else a bare release."""
+        self._undo("pin", "release")
+
+    def lock(self) -> Lease:
+        """Lock the device copy (and every ancestor's); return the lease that unlocks."""
+        return type(self).machine().lease(self, "lock")
+
+    def unlock(self) -> None:
+        """Give back one lock: the oldest open lock lease of this node if any, else a bare unlock."""
+        self._undo("lock", "unlock")
+
+    def _undo(self, acquire: Event, event: Event) -> None:
+        machine = type(self).machine()
+        lease = machine.engine.leases.oldest(self, acquire)
+        if lease is not None:
+            lease.release()
+        else:
+            machine.verb(event)(self)

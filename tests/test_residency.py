@@ -1,0 +1,240 @@
+"""The residency spec against the design's event table, over the whole matrix.
+
+The oracle below is written from shared/design/residency.md, independently of
+the spec files: every (host state, device state, event, pins, locks) either
+reaches the state the design says or raises the error class and message it
+says, and a refusal changes nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from fsm_cache.errors import IllegalTransition, ReleaseAtZero
+from fsm_cache.residency import Node, Residency, ResidencyRecord
+
+
+HOST = ("unbacked", "writing", "backed", "pinned", "evicted")
+DEVICE = ("resident", "loading", "absent")
+EVENTS = (
+    "write",
+    "write_done",
+    "write_failed",
+    "pin",
+    "release",
+    "evict_host",
+    "lock",
+    "unlock",
+    "evict_device",
+    "load",
+    "load_done",
+)
+REASONS = {
+    "CopyInFlight/write": "a device-to-host copy of this node is already in flight",
+    "AlreadyBacked": "the host already holds a valid copy",
+    "DeviceAbsent": "a backup copies from the device and the device holds no valid copy",
+    "DuplicateAck/write_done": "no device-to-host copy in flight: a duplicate or stray acknowledgement",
+    "DuplicateAck/write_failed": "no device-to-host copy in flight to fail",
+    "NoHostCopy/pin": "no valid host copy to pin",
+    "ReleaseAtZero": "release without a matching pin",
+    "HostCopyPinned": "the host copy is pinned by a holder",
+    "CopyInFlight/evict_host/host": "a device-to-host copy is still writing the host slots",
+    "CopyInFlight/evict_host/device": "a host-to-device copy still reads the host slots",
+    "NoHostCopy/evict_host": "no host copy to evict",
+    "NotResident/lock": "the device copy was freed; load it back first",
+    "UnlockAtZero": "unlock without a matching lock",
+    "DeviceLocked": "a running request holds the device copy",
+    "CopyInFlight/evict_device/device": "a host-to-device copy is still writing the device slots",
+    "CopyInFlight/evict_device/host": "a device-to-host copy still reads the device slots",
+    "NotResident/evict_device": "the device copy is already freed",
+    "NoHostCopy/evict_device": "the device copy is the only copy; back it up or delete the node",
+    "NoHostCopy/load": "no valid host copy to load from",
+    "AlreadyResident": "the device already holds this node or is loading it",
+    "NotLoading": "no host-to-device copy in flight",
+}
+
+Row = tuple[str, str, int, int]
+Refusal = tuple[str, str, str]  # error class, refusing region, reason key
+
+
+def _host_pins(pins: int) -> tuple[str, int]:
+    return ("pinned" if pins else "backed", pins)
+
+
+def oracle(event: str, h: str, d: str, pins: int, locks: int) -> Row | Refusal:  # noqa: PLR0911, PLR0912
+    """The design's event table, for one node without parent or children."""
+    if event == "write":
+        if h == "writing":
+            return ("CopyInFlight", "host", "CopyInFlight/write")
+        if h in ("backed", "pinned"):
+            return ("AlreadyBacked", "host", "AlreadyBacked")
+        if d != "resident":
+            return ("DeviceAbsent", "host", "DeviceAbsent")
+        return ("writing", d, pins, locks)
+    if event in ("write_done", "write_failed"):
+        if h != "writing":
+            return ("DuplicateAck", "host", f"DuplicateAck/{event}")
+        return ("backed" if event == "write_done" else "unbacked", d, pins, locks)
+    if event == "pin":
+        if h not in ("backed", "pinned"):
+            return ("NoHostCopy", "host", "NoHostCopy/pin")
+        return ("pinned", d, pins + 1, locks)
+    if event == "release":
+        if h != "pinned":
+            return ("ReleaseAtZero", "host", "ReleaseAtZero")
+        return (_host_pins(pins - 1)[0], d, pins - 1, locks)
+    if event == "evict_host":
+        if h == "pinned":
+            return ("HostCopyPinned", "host", "HostCopyPinned")
+        if h == "writing":
+            return ("CopyInFlight", "host", "CopyInFlight/evict_host/host")
+        if h in ("unbacked", "evicted"):
+            return ("NoHostCopy", "host", "NoHostCopy/evict_host")
+        if d == "loading":
+            return ("CopyInFlight", "host", "CopyInFlight/evict_host/device")
+        return ("evicted", d, pins, locks)
+    if event == "lock":
+        if d == "absent":
+            return ("NotResident", "device", "NotResident/lock")
+        return (h, d, pins, locks + 1)
+    if event == "unlock":
+        if d == "absent" or locks == 0:
+            return ("UnlockAtZero", "device", "UnlockAtZero")
+        return (h, d, pins, locks - 1)
+    if event == "evict_device":
+        if d == "resident" and locks:
+            return ("DeviceLocked", "device", "DeviceLocked")
+        if d == "loading":
+            return ("CopyInFlight", "device", "CopyInFlight/evict_device/device")
+        if d == "absent":
+            return ("NotResident", "device", "NotResident/evict_device")
+        if h == "writing":
+            return ("CopyInFlight", "device", "CopyInFlight/evict_device/host")
+        if h in ("unbacked", "evicted"):
+            return ("NoHostCopy", "device", "NoHostCopy/evict_device")
+        return (h, "absent", pins, locks)
+    if event == "load":
+        if h not in ("backed", "pinned"):
+            return ("NoHostCopy", "host", "NoHostCopy/load")
+        if d != "absent":
+            return ("AlreadyResident", "device", "AlreadyResident")
+        return ("pinned", "loading", pins + 1, locks)
+    assert event == "load_done"
+    if h != "pinned" or d != "loading":
+        return ("NotLoading", "host" if h != "pinned" else "device", "NotLoading")
+    return (_host_pins(pins - 1)[0], "resident", pins - 1, locks)
+
+
+def _valid(h: str, d: str, pins: int, locks: int) -> bool:
+    return (pins >= 1) == (h == "pinned") and not (d == "absent" and locks)
+
+
+MATRIX = [
+    (event, h, d, pins, locks)
+    for event, h, d, pins, locks in itertools.product(EVENTS, HOST, DEVICE, (0, 1, 2), (0, 1, 2))
+    if _valid(h, d, pins, locks)
+]
+RES = Residency(audit=False)
+
+
+def _record(h: str, d: str, pins: int, locks: int) -> ResidencyRecord:
+    rec = ResidencyRecord(7, host=h, device=d)  # type: ignore[arg-type]
+    rec.pins, rec.locks = pins, locks
+    return rec
+
+
+def _snapshot(rec: ResidencyRecord) -> Row:
+    return (rec.host, rec.device, rec.pins, rec.locks)
+
+
+@pytest.mark.parametrize(("event", "h", "d", "pins", "locks"), MATRIX)
+def test_matrix(event: str, h: str, d: str, pins: int, locks: int) -> None:
+    """Each step reaches the design's next state, or raises its exact error and changes nothing."""
+    rec = _record(h, d, pins, locks)
+    expected = oracle(event, h, d, pins, locks)
+    if len(expected) == 4:
+        RES.verb(event)(rec)  # type: ignore[arg-type]
+        assert _snapshot(rec) == expected
+        return
+    error, region, key = expected
+    state, counter = (h, f"pins={pins}") if region == "host" else (d, f"locks={locks}")
+    with pytest.raises(IllegalTransition) as caught:
+        RES.verb(event)(rec)  # type: ignore[arg-type]
+    assert type(caught.value).__name__ == error
+    assert str(caught.value) == f"node 7: {event} refused in {state} ({counter}): {REASONS[key]}"
+    assert _snapshot(rec) == (h, d, pins, locks)
+
+
+def test_matrix_is_complete() -> None:
+    """Every event is exercised in every valid combination of states and counts."""
+    # host x pins: 4 states at 0 pins + pinned at 1 and 2; device x locks: 3 + 3 + absent at 0
+    assert len(MATRIX) == len(EVENTS) * 6 * 7
+
+
+def test_release_at_zero_is_a_runtime_error() -> None:
+    """Existing ``except RuntimeError`` handlers keep catching release-at-zero."""
+    assert issubclass(ReleaseAtZero, RuntimeError)
+    with pytest.raises(RuntimeError, match="release without a matching pin"):
+        RES.release(_record("backed", "resident", 0, 0))
+
+
+class TestTreeRules:
+    """Rules that read the parent or the children of a node."""
+
+    def test_load_needs_a_device_resident_parent(self) -> None:
+        """A load under an absent parent is refused; under a loading parent it is allowed."""
+        parent = Node(1, host="backed", device="absent")
+        child = Node(2, host="backed", device="absent", parent=parent)
+        parent.children["a"] = child
+        with pytest.raises(IllegalTransition) as caught:
+            child.load()
+        assert str(caught.value) == (
+            "node 2: load refused in backed (pins=0): the parent is not on the device "
+            "(device residency is prefix-closed)"
+        )
+        parent.load()
+        child.load()
+        assert (parent.device, child.device, child.pins) == ("loading", "loading", 1)
+
+    def test_device_eviction_takes_only_device_leaves(self) -> None:
+        """A node with a device-resident child keeps its device copy."""
+        parent = Node(1, host="backed")
+        parent.children["a"] = Node(2, host="backed", parent=parent)
+        with pytest.raises(IllegalTransition, match="a child is still on the device"):
+            parent.evict_device()
+        parent.children["a"].evict_device()
+        parent.evict_device()
+        assert parent.device == "absent"
+
+    def test_host_eviction_takes_only_host_leaves(self) -> None:
+        """A node whose child still holds a host copy keeps its own."""
+        parent = Node(1, host="backed")
+        child = Node(2, host="backed", parent=parent)
+        parent.children["a"] = child
+        with pytest.raises(IllegalTransition, match="a child still holds a host copy") as caught:
+            parent.evict_host()
+        assert type(caught.value).__name__ == "NotAHostLeaf"
+        child.evict_host()
+        parent.evict_host()
+        assert (parent.host, child.host) == ("evicted", "evicted")
+
+    def test_lock_propagates_to_every_ancestor_or_none(self) -> None:
+        """Locking a node locks its ancestors; a refused unlock changes no ancestor."""
+        root = Node(0, host="backed")
+        mid = Node(1, host="backed", parent=root)
+        leaf = Node(2, host="backed", parent=mid)
+        lease = leaf.lock()
+        assert (root.locks, mid.locks, leaf.locks) == (1, 1, 1)
+        lease.release()
+        mid.locks = 1  # a corrupted count above the leaf: the unlock must refuse as a whole
+        root.locks = 0
+        mid.children["x"] = leaf
+        with pytest.raises(IllegalTransition) as caught:
+            RES.unlock(mid)
+        assert (
+            str(caught.value)
+            == "node 0: unlock refused in resident (locks=0): unlock without a matching lock"
+        )
+        assert (root.locks, mid.locks) == (0, 1)
