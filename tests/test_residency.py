@@ -30,6 +30,8 @@ EVENTS = (
     "evict_device",
     "load",
     "load_done",
+    "load_failed",
+    "adopt",
 )
 REASONS = {
     "CopyInFlight/write": "a device-to-host copy of this node is already in flight",
@@ -53,6 +55,9 @@ REASONS = {
     "NoHostCopy/load": "no valid host copy to load from",
     "AlreadyResident": "the device already holds this node or is loading it",
     "NotLoading": "no host-to-device copy in flight",
+    "DeviceLocked/load_failed": (
+        "a running request holds the loading device copy; unlock it before failing the load"
+    ),
 }
 
 Row = tuple[str, str, int, int]
@@ -121,10 +126,20 @@ def oracle(event: str, h: str, d: str, pins: int, locks: int) -> Row | Refusal: 
         if d != "absent":
             return ("AlreadyResident", "device", "AlreadyResident")
         return ("pinned", "loading", pins + 1, locks)
-    assert event == "load_done"
+    if event == "adopt":
+        if d != "absent":
+            return ("AlreadyResident", "device", "AlreadyResident")
+        return (h, "resident", pins, locks)
     if h != "pinned" or d != "loading":
         return ("NotLoading", "host" if h != "pinned" else "device", "NotLoading")
-    return (_host_pins(pins - 1)[0], "resident", pins - 1, locks)
+    if event == "load_failed" and locks:
+        return ("DeviceLocked", "device", "DeviceLocked/load_failed")
+    return (
+        _host_pins(pins - 1)[0],
+        "resident" if event == "load_done" else "absent",
+        pins - 1,
+        locks,
+    )
 
 
 def _valid(h: str, d: str, pins: int, locks: int) -> bool:
