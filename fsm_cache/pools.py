@@ -1,0 +1,195 @@
+"""Page-granular slot allocators for the device and host KV pools.
+
+Pure Python and torch-free, so that CrossHair can analyse it and so that the
+cache's accounting can be tested without tensors. A pool of ``num_pages``
+pages holds ``num_pages * page_size`` slots; slot ``s`` lives in page
+``s // page_size``. The allocator hands out and takes back whole pages, named
+by their page index; :func:`slots_of` expands pages into slot indices.
+
+Every used page records its owner (a node id), so a free by the wrong owner is
+refused, and :meth:`PageAllocator.check` can verify conservation at any time.
+Every refusal raises a :class:`~fsm_cache.errors.PoolError` and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from fsm_cache.errors import DoubleFree, ForeignSlot, InvariantViolation, PoolError, PoolExhausted
+
+
+FREE = -1
+"""The owner recorded for a page that is free; real owners are ``>= 0``."""
+
+
+def slots_of(pages: Iterable[int], page_size: int) -> list[int]:
+    """Return the slot indices of ``pages``, page by page, in order.
+
+    Postcondition: the result has ``len(pages) * page_size`` entries and page
+    ``p`` contributes ``p*page_size .. p*page_size + page_size - 1``.
+    """
+    return [p * page_size + i for p in pages for i in range(page_size)]
+
+
+def pages_of(slots: Sequence[int], page_size: int) -> list[int]:
+    """Return the pages whose slots are exactly ``slots`` (the inverse of :func:`slots_of`).
+
+    Raises:
+        ForeignSlot: ``slots`` is not a run of whole, aligned pages.
+    """
+    if len(slots) % page_size:
+        raise ForeignSlot(f"{len(slots)} slots is not a multiple of page_size {page_size}")
+    pages = [slots[i] // page_size for i in range(0, len(slots), page_size)]
+    if slots_of(pages, page_size) != list(slots):
+        raise ForeignSlot(f"slots are not whole pages of size {page_size}")
+    return pages
+
+
+@dataclass
+class PageAllocator:
+    """Free-list allocator of whole pages, with an owner per used page.
+
+    Invariants (checked by :meth:`check`): ``len(free) + used == num_pages``;
+    each free page appears once in the free list and has owner ``FREE``; each
+    used page has exactly one owner ``>= 0``.
+
+    Attributes:
+        name: The pool's name in messages (``device``, ``host``).
+        num_pages: Pages in the pool; ``>= 0``.
+        page_size: Slots per page; ``>= 1``.
+    """
+
+    name: str
+    num_pages: int
+    page_size: int
+    _free: list[int] = field(init=False, repr=False)
+    _owner: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_pages < 0 or self.page_size < 1:
+            raise PoolError(
+                f"{self.name} pool: need num_pages >= 0 and page_size >= 1, "
+                f"got {self.num_pages} and {self.page_size}"
+            )
+        # A stack popped from the end: fresh pools hand out ascending runs.
+        self._free = list(range(self.num_pages - 1, -1, -1))
+        self._owner = [FREE] * self.num_pages
+
+    @property
+    def size(self) -> int:
+        """Slots in the pool."""
+        return self.num_pages * self.page_size
+
+    @property
+    def free_pages(self) -> int:
+        """Pages currently free."""
+        return len(self._free)
+
+    @property
+    def free_slots(self) -> int:
+        """Slots currently free."""
+        return len(self._free) * self.page_size
+
+    @property
+    def used_slots(self) -> int:
+        """Slots currently owned."""
+        return self.size - self.free_slots
+
+    def alloc(self, num_slots: int, owner: int = 0) -> list[int]:
+        """Take ``num_slots // page_size`` free pages for ``owner``.
+
+        Preconditions: ``num_slots >= 0`` and a multiple of ``page_size``;
+        ``owner >= 0``. Postcondition: the pages returned were free and are now
+        owned by ``owner``; ``free_slots`` dropped by ``num_slots``.
+
+        Raises:
+            PoolError: ``num_slots`` is negative or not page-aligned, or ``owner < 0``.
+            PoolExhausted: fewer than ``num_slots`` slots are free.
+        """
+        if num_slots < 0 or num_slots % self.page_size or owner < 0:
+            raise PoolError(
+                f"{self.name} pool: cannot allocate {num_slots} slots for owner {owner} "
+                f"(page_size {self.page_size})"
+            )
+        n = num_slots // self.page_size
+        if n > len(self._free):
+            raise PoolExhausted(self.name, num_slots, self.free_slots)
+        if n == 0:
+            return []
+        pages = self._free[-n:][::-1]
+        del self._free[-n:]
+        for p in pages:
+            self._owner[p] = owner
+        return pages
+
+    def free(self, pages: Sequence[int], owner: int = 0) -> None:
+        """Give ``pages`` back; all of them, or none if any is refused.
+
+        Precondition: every page is in range, used, owned by ``owner``, and
+        listed once. Postcondition: those pages are free.
+
+        Raises:
+            ForeignSlot: a page is out of range or owned by someone else.
+            DoubleFree: a page is already free or listed twice.
+        """
+        self._check_owned(pages, owner)
+        for p in pages:
+            self._owner[p] = FREE
+        self._free.extend(reversed(pages))
+
+    def reassign(self, pages: Sequence[int], owner: int, new_owner: int) -> None:
+        """Hand ``pages`` from ``owner`` to ``new_owner`` (a radix split); all or none.
+
+        Raises:
+            PoolError: ``new_owner < 0``.
+            ForeignSlot: a page is out of range or owned by someone else.
+            DoubleFree: a page is free or listed twice.
+        """
+        if new_owner < 0:
+            raise PoolError(f"{self.name} pool: owner must be >= 0, got {new_owner}")
+        self._check_owned(pages, owner)
+        for p in pages:
+            self._owner[p] = new_owner
+
+    def owner_of(self, page: int) -> int:
+        """Return the owner of ``page``, or ``FREE``.
+
+        Raises:
+            ForeignSlot: ``page`` is outside the pool.
+        """
+        self._check_range(page)
+        return self._owner[page]
+
+    def _check_range(self, page: int) -> None:
+        if not 0 <= page < self.num_pages:
+            raise ForeignSlot(f"{self.name} pool: page {page} outside 0..{self.num_pages - 1}")
+
+    def _check_owned(self, pages: Sequence[int], owner: int) -> None:
+        seen: set[int] = set()
+        for p in pages:
+            self._check_range(p)
+            held = self._owner[p]
+            if held == FREE or p in seen:
+                raise DoubleFree(f"{self.name} pool: page {p} is already free")
+            if held != owner:
+                raise ForeignSlot(f"{self.name} pool: page {p} is owned by {held}, not {owner}")
+            seen.add(p)
+
+    def check(self) -> None:
+        """Verify conservation and single ownership.
+
+        Raises:
+            InvariantViolation: naming the first broken invariant.
+        """
+        if len(set(self._free)) != len(self._free):
+            raise InvariantViolation(f"{self.name} pool: a page is on the free list twice")
+        for p in self._free:
+            if not 0 <= p < self.num_pages or self._owner[p] != FREE:
+                raise InvariantViolation(f"{self.name} pool: free-listed page {p} is owned")
+        used = sum(1 for o in self._owner if o != FREE)
+        if used + len(self._free) != self.num_pages:
+            raise InvariantViolation(
+                f"{self.name} pool: conservation broken: {len(self._free)} free + "
+                f"{used} used != {self.num_pages} pages"
+            )

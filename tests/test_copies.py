@@ -1,0 +1,320 @@
+"""The copy engine: bit-exact round trips, tickets, busy pages, and injected faults."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+
+
+with warnings.catch_warnings():
+    # A torch without numpy warns at import, which filterwarnings=error would turn into an error.
+    warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+    import torch
+
+    from fsm_cache.copies import Completion, CopyEngine, Direction, host_runs
+    from fsm_cache.errors import CopyFailed, ForeignSlot
+    from fsm_cache.kvpool import KVLayout, KVPool, device_pool, host_pool
+    from fsm_cache.membench import bench_copies
+    from fsm_cache.testing import POISON, FaultyCopyEngine
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, needs_cuda]),
+]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES.append(torch.float8_e4m3fn)
+
+
+def make(
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float16,
+    *,
+    dev_pages: int = 8,
+    host_pages: int = 8,
+    staging_pages: int = 64,
+    mla: bool = False,
+) -> CopyEngine:
+    layout = (
+        KVLayout.mla(layers=3, latent_dim=12, dtype=dtype, page_size=4)
+        if mla
+        else KVLayout(layers=3, heads=2, head_dim=4, dtype=dtype, page_size=4)
+    )
+    dev = device_pool(layout, dev_pages, torch.device(device))
+    host = host_pool(layout, host_pages)
+    dev.tensor.view(torch.uint8).random_(0, 256)
+    host.tensor.view(torch.uint8).zero_()
+    return CopyEngine(dev, host, staging_bytes=staging_pages * layout.page_bytes)
+
+
+def raw(pool: KVPool, pages: list[int]) -> torch.Tensor:
+    """The pages' bytes: bit-exact even where random bytes are NaNs."""
+    return pool.read(pages).view(torch.uint8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mla", [False, True], ids=["kv", "mla"])
+def test_round_trip_is_bit_exact(device: str, dtype: torch.dtype, mla: bool) -> None:
+    engine = make(device, dtype, staging_pages=2, mla=mla)
+    src, spare = [6, 1, 4], [0, 7, 3]
+    before = raw(engine.device, src)
+    host = [5, 2, 3]  # two runs: [5] and [2, 3]
+    engine.start_write(src, host)
+    assert [c.ok for c in engine.drain()] == [True]
+    assert torch.equal(raw(engine.host, host), before)
+    engine.device.tensor.view(torch.uint8).zero_()
+    engine.start_load(host, spare)
+    assert [c.ok for c in engine.drain()] == [True]
+    assert torch.equal(raw(engine.device, spare), before)
+
+
+def test_host_runs_split_at_gaps() -> None:
+    assert list(host_runs([4, 5, 6, 1, 2, 9])) == [(4, 0, 3), (1, 3, 2), (9, 5, 1)]
+    assert list(host_runs([])) == []
+
+
+def test_cpu_ticket_is_reported_once_at_the_next_poll() -> None:
+    engine = make()
+    ticket = engine.start_write([2, 3], [0, 1])
+    assert ticket.direction is Direction.D2H
+    assert (ticket.device_pages, ticket.host_pages) == ((2, 3), (0, 1))
+    assert engine.in_flight() == [ticket]
+    assert engine.device_busy([3])
+    assert engine.host_busy([0, 7])
+    assert not engine.device_busy([0, 1])
+    assert not engine.host_busy([2])
+    assert engine.busy_device_pages() == {2, 3}
+    assert engine.busy_host_pages() == {0, 1}
+    assert engine.poll() == [Completion(ticket)]
+    assert engine.poll() == []
+    assert engine.in_flight() == []
+    assert engine.busy_device_pages() == frozenset() == engine.busy_host_pages()
+    assert engine.stats.bytes[Direction.D2H] == 2 * engine.device.layout.page_bytes
+
+
+def test_overlapping_tickets_keep_pages_busy_until_both_are_reported() -> None:
+    engine = FaultyCopyEngine(make(), delay=1)
+    first = engine.start_write([2], [0])
+    assert engine.poll() == []
+    second = engine.start_load([0], [5])
+    assert [c.ticket for c in engine.poll()] == [first]
+    assert engine.host_busy([0])
+    assert [c.ticket for c in engine.poll()] == [second]
+    assert not engine.host_busy([0])
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "error", "message"),
+    [
+        ([1, 2], [0], ValueError, "copy: 2 source pages but 1 destination pages"),
+        ([1, 2], [0, 0], ValueError, "copy: a destination page is listed twice"),
+        ([8], [0], ForeignSlot, "device pool: page 8 outside 0..7"),
+        ([0], [-1], ForeignSlot, "host pool: page -1 outside 0..7"),
+    ],
+)
+def test_bad_copies_are_refused_before_anything_starts(
+    src: list[int], dst: list[int], error: type[Exception], message: str
+) -> None:
+    engine = make()
+    with pytest.raises(error, match=re.escape(message)) as info:
+        engine.start_write(src, dst)
+    assert str(info.value) == message
+    assert engine.in_flight() == []
+    assert engine.poll() == []
+
+
+@pytest.mark.parametrize("delay", [0, 2])
+def test_a_busy_destination_is_refused_until_its_copy_is_reported(delay: int) -> None:
+    engine = FaultyCopyEngine(make(), delay=delay)
+    engine.start_write([1], [2])
+    for polls in range(delay + 1):
+        if polls:
+            assert engine.poll() == []  # done in the inner engine, acknowledgement held
+        with pytest.raises(ValueError, match=re.escape("copy: host page 2 is still in use")):
+            engine.start_write([3], [2])  # write after write
+        with pytest.raises(ValueError, match=re.escape("copy: device page 1 is still in use")):
+            engine.start_load([0], [1])  # write after read
+    assert len(engine.poll()) == 1
+    engine.start_write([3], [2])
+    engine.start_load([0], [1])
+    assert len(engine.drain()) == 2
+
+
+def test_a_launch_that_raises_is_reported_as_a_failed_ticket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = make()
+
+    def broken(src: object, dst: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "_h2d", broken)
+    ticket = engine.start_load([0], [1])
+    assert engine.host_busy([0])
+    (done,) = engine.poll()
+    assert done.ticket == ticket
+    assert not done.ok
+    assert str(done.error) == "copy 1 (h2d) failed: boom"
+    assert engine.stats.failures[Direction.H2D] == 1
+
+
+class Driver:
+    """A stand-in for the cache: write nodes through, free on failure, load back."""
+
+    def __init__(self, engine: FaultyCopyEngine) -> None:
+        self.engine = engine
+        self.dev = engine.inner.device
+        self.host = engine.inner.host
+        self.backed: dict[int, list[int]] = {}
+        self.loaded: dict[int, list[int]] = {}
+        self.owner: dict[int, int] = {}
+        self.failures = 0
+
+    def write_all(self, nodes: dict[int, list[int]]) -> None:
+        for node, dev_pages in nodes.items():
+            host_pages = self.host.allocator.alloc(len(dev_pages) * 4, owner=node)
+            ticket = self.engine.start_write(dev_pages, host_pages)
+            self.owner[ticket.id] = node
+        self.settle(self.backed)
+
+    def load_all(self) -> None:
+        for node, host_pages in self.backed.items():
+            dev_pages = self.dev.allocator.alloc(len(host_pages) * 4, owner=node)
+            ticket = self.engine.start_load(host_pages, dev_pages)
+            self.owner[ticket.id] = node
+        self.settle(self.loaded)
+
+    def settle(self, done: dict[int, list[int]]) -> None:
+        while self.engine.in_flight():
+            for c in self.engine.poll():
+                self.ack(c, done)
+
+    def ack(self, c: Completion, done: dict[int, list[int]]) -> None:
+        node = self.owner.pop(c.ticket.id)
+        pool = self.host if c.ticket.direction is Direction.D2H else self.dev
+        dst = list(c.ticket.dst_pages)
+        busy = self.engine.host_busy if pool is self.host else self.engine.device_busy
+        assert not busy(dst)  # reported, so the pages may be freed now
+        if c.ok:
+            done[node] = dst
+        else:
+            self.failures += 1
+            pool.allocator.free(dst, owner=node)
+
+
+def own_scattered(pool: KVPool, sizes: dict[int, int]) -> dict[int, list[int]]:
+    """Give each node its pages, with a filler page between nodes so they scatter."""
+    nodes = {}
+    for node, n in sizes.items():
+        pool.allocator.alloc(4, owner=99)
+        nodes[node] = pool.allocator.alloc(4 * n, owner=node)
+    return nodes
+
+
+@pytest.mark.parametrize("fail_at", range(1, 7))
+def test_a_failure_at_any_copy_leaks_nothing_and_keeps_copied_data(fail_at: int) -> None:
+    inner = make(dev_pages=16)
+    nodes = own_scattered(inner.device, {10: 2, 11: 1, 12: 3})
+    expected = {node: raw(inner.device, pages) for node, pages in nodes.items()}
+    driver = Driver(FaultyCopyEngine(inner, fail=[fail_at], delay=1, shuffle=True, seed=fail_at))
+    free_dev_before = inner.device.allocator.free_slots
+    driver.write_all(nodes)
+    driver.load_all()
+    assert driver.failures == 1
+    for pool in (inner.device, inner.host):
+        pool.allocator.check()
+    assert inner.host.allocator.used_slots == 4 * sum(len(p) for p in driver.backed.values())
+    assert inner.device.allocator.free_slots == free_dev_before - 4 * sum(
+        len(p) for p in driver.loaded.values()
+    )
+    assert inner.busy_device_pages() == frozenset() == inner.busy_host_pages()
+    for node, host_pages in driver.backed.items():
+        assert torch.equal(raw(inner.host, host_pages), expected[node])
+    for node, dev_pages in driver.loaded.items():
+        assert torch.equal(raw(inner.device, dev_pages), expected[node])
+    assert len(driver.backed) + len(driver.loaded) == 2 * len(nodes) - 1 - (fail_at <= 3)
+
+
+def test_failed_copy_poisons_its_destination() -> None:
+    engine = FaultyCopyEngine(make(), fail=[1])
+    engine.start_write([3], [4])
+    (done,) = engine.poll()
+    assert str(done.error) == "injected failure of copy 1"
+    assert bool((engine.inner.host.pages[4] == POISON).all())
+
+
+def test_refused_copy_starts_nothing() -> None:
+    engine = FaultyCopyEngine(make(), refuse=[2])
+    engine.start_write([0], [0])
+    with pytest.raises(CopyFailed, match=r"^injected refusal of copy 2$"):
+        engine.start_write([1], [1])
+    assert [t.src_pages for t in engine.in_flight()] == [(0,)]
+    assert not engine.host_busy([1])
+    engine.start_write([1], [1])
+    assert engine.started == 3
+
+
+def test_delayed_acks_stay_busy_and_drain_delivers_them() -> None:
+    engine = FaultyCopyEngine(make(), delay=3)
+    ticket = engine.start_write([2], [1])
+    assert engine.poll() == []
+    assert engine.poll() == []
+    assert engine.in_flight() == [ticket]
+    assert engine.device_busy([2])
+    assert engine.host_busy([1])
+    assert engine.busy_device_pages() == {2}
+    assert engine.busy_host_pages() == {1}
+    assert [c.ticket for c in engine.drain()] == [ticket]
+    assert not engine.device_busy([2])
+
+
+def test_shuffled_acks_arrive_once_each_out_of_order() -> None:
+    engine = FaultyCopyEngine(make(host_pages=8), shuffle=True, seed=3)
+    tickets = [engine.start_write([p], [p]) for p in range(8)]
+    got = [c.ticket for c in engine.poll()]
+    assert sorted(got, key=lambda t: t.id) == tickets
+    assert got != tickets
+    assert engine.poll() == []
+
+
+def test_bench_copies_reports_each_path() -> None:
+    result = bench_copies(4, layers=2, heads=2, head_dim=8, reps=2, device=torch.device("cpu"))
+    assert (result.device, result.pages, result.reps) == ("cpu", 4, 2)
+    assert result.nbytes == 4 * 16 * 2 * 2 * 2 * 8 * 2
+    assert result.write_gbps > 0
+    assert result.raw_gbps > 0
+    assert result.load_gbps > 0
+    assert result.ratio == result.write_gbps / result.raw_gbps
+    assert result.ceiling_gbps is None
+    assert "engine / raw" in result.render()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_d2h_waits_for_the_compute_stream() -> None:
+    engine = make("cuda", torch.float32, dev_pages=64, host_pages=64)
+    dev = engine.device.tensor
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):  # keep the compute stream busy, then write the KV last
+        big = big @ big / 4096
+    dev.fill_(3.0)
+    engine.start_write(list(range(64)), list(range(64)))
+    assert all(c.ok for c in engine.drain())
+    assert bool((engine.host.read(list(range(64))) == 3.0).all())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_poll_never_blocks_and_reports_once() -> None:
+    engine = make("cuda", dev_pages=64, host_pages=64)
+    ticket = engine.start_write(list(range(64)), list(range(64)))
+    reported = engine.poll()
+    reported += engine.drain()
+    assert [c.ticket for c in reported] == [ticket]
+    assert engine.poll() == []
+    assert engine.host.tensor.is_pinned()

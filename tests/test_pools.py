@@ -1,0 +1,224 @@
+"""The page allocator: exhaustion, refusals that change nothing, conservation, alignment."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from fsm_cache.errors import DoubleFree, ForeignSlot, InvariantViolation, PoolError, PoolExhausted
+from fsm_cache.pools import FREE, PageAllocator, pages_of, slots_of
+
+
+def snapshot(a: PageAllocator) -> tuple[list[int], list[int]]:
+    return list(a._free), list(a._owner)
+
+
+def test_fresh_pool_hands_out_ascending_pages() -> None:
+    a = PageAllocator("host", 8, 4)
+    assert a.alloc(12, owner=1) == [0, 1, 2]
+    assert a.alloc(4, owner=2) == [3]
+    assert (a.size, a.free_slots, a.used_slots, a.free_pages) == (32, 16, 16, 4)
+    a.check()
+
+
+def test_exhaustion_message_is_exact_and_nothing_changes() -> None:
+    a = PageAllocator("device", 4, 16)
+    a.alloc(32)
+    before = snapshot(a)
+    with pytest.raises(PoolExhausted) as info:
+        a.alloc(48)
+    assert str(info.value) == "device pool exhausted: requested 48 slots, 32 free"
+    assert (info.value.pool, info.value.requested, info.value.free) == ("device", 48, 32)
+    assert snapshot(a) == before
+
+
+def test_unaligned_or_negative_request_is_refused() -> None:
+    a = PageAllocator("host", 4, 16)
+    with pytest.raises(PoolError) as info:
+        a.alloc(17, owner=3)
+    assert str(info.value) == "host pool: cannot allocate 17 slots for owner 3 (page_size 16)"
+    with pytest.raises(PoolError):
+        a.alloc(-16)
+    with pytest.raises(PoolError):
+        a.alloc(16, owner=FREE)
+    assert a.free_pages == 4
+
+
+def test_zero_slots_is_an_empty_run() -> None:
+    a = PageAllocator("host", 0, 16)
+    assert a.alloc(0) == []
+    a.check()
+
+
+def test_bad_construction_is_refused() -> None:
+    with pytest.raises(PoolError) as info:
+        PageAllocator("host", 4, 0)
+    assert str(info.value) == "host pool: need num_pages >= 0 and page_size >= 1, got 4 and 0"
+
+
+def test_double_free_is_refused_and_changes_nothing() -> None:
+    a = PageAllocator("host", 4, 2)
+    pages = a.alloc(4, owner=7)
+    a.free(pages, owner=7)
+    before = snapshot(a)
+    with pytest.raises(DoubleFree) as info:
+        a.free(pages, owner=7)
+    assert str(info.value) == "host pool: page 0 is already free"
+    assert snapshot(a) == before
+
+
+def test_page_listed_twice_is_a_double_free_and_nothing_is_freed() -> None:
+    a = PageAllocator("host", 4, 2)
+    a.alloc(6, owner=1)
+    before = snapshot(a)
+    with pytest.raises(DoubleFree) as info:
+        a.free([0, 1, 0], owner=1)
+    assert str(info.value) == "host pool: page 0 is already free"
+    assert snapshot(a) == before
+
+
+def test_foreign_and_out_of_range_frees_change_nothing() -> None:
+    a = PageAllocator("device", 4, 2)
+    mine = a.alloc(4, owner=1)
+    theirs = a.alloc(2, owner=2)
+    before = snapshot(a)
+    with pytest.raises(ForeignSlot) as info:
+        a.free([*mine, *theirs], owner=1)
+    assert str(info.value) == "device pool: page 2 is owned by 2, not 1"
+    with pytest.raises(ForeignSlot) as info:
+        a.free([mine[0], 4], owner=1)
+    assert str(info.value) == "device pool: page 4 outside 0..3"
+    with pytest.raises(ForeignSlot):
+        a.free([-1], owner=1)
+    assert snapshot(a) == before
+
+
+def test_reassign_moves_ownership_for_a_split() -> None:
+    a = PageAllocator("device", 4, 2)
+    pages = a.alloc(8, owner=1)
+    a.reassign(pages[2:], owner=1, new_owner=9)
+    assert [a.owner_of(p) for p in pages] == [1, 1, 9, 9]
+    with pytest.raises(ForeignSlot):
+        a.free(pages, owner=1)
+    a.free(pages[:2], owner=1)
+    a.free(pages[2:], owner=9)
+    assert a.free_pages == 4
+    with pytest.raises(DoubleFree):
+        a.reassign(pages[:1], owner=1, new_owner=2)
+    with pytest.raises(PoolError):
+        a.reassign(pages[:1], owner=1, new_owner=-5)
+
+
+def test_owner_of_reports_free_and_refuses_out_of_range() -> None:
+    a = PageAllocator("host", 2, 1)
+    assert a.owner_of(1) == FREE
+    with pytest.raises(ForeignSlot):
+        a.owner_of(2)
+
+
+def test_slots_are_whole_aligned_pages() -> None:
+    assert slots_of([2, 0], 4) == [8, 9, 10, 11, 0, 1, 2, 3]
+    assert pages_of([8, 9, 10, 11, 0, 1, 2, 3], 4) == [2, 0]
+    with pytest.raises(ForeignSlot) as info:
+        pages_of([1, 2, 3], 4)
+    assert str(info.value) == "3 slots is not a multiple of page_size 4"
+    with pytest.raises(ForeignSlot) as info:
+        pages_of([1, 2, 3, 4], 4)
+    assert str(info.value) == "slots are not whole pages of size 4"
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda a: a._free.append(a._free[-1]), "host pool: a page is on the free list twice"),
+        (lambda a: a._owner.__setitem__(a._free[0], 5), "host pool: free-listed page 3 is owned"),
+        (
+            lambda a: a._free.pop(),
+            "host pool: conservation broken: 1 free + 2 used != 4 pages",
+        ),
+    ],
+)
+def test_check_names_what_broke(corrupt: object, message: str) -> None:
+    a = PageAllocator("host", 4, 1)
+    a.alloc(2)
+    assert callable(corrupt)
+    corrupt(a)
+    with pytest.raises(InvariantViolation) as info:
+        a.check()
+    assert str(info.value) == message
+
+
+def test_importing_pools_does_not_import_torch() -> None:
+    code = "import sys, fsm_cache.pools; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Random alloc/free/reassign sequences against a model of who owns what."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = PageAllocator("host", 16, 4)
+        self.held: dict[int, list[int]] = {}
+
+    @rule(owner=st.integers(0, 5), pages=st.integers(0, 20))
+    def alloc(self, owner: int, pages: int) -> None:
+        free = self.pool.free_pages
+        if pages > free:
+            with pytest.raises(PoolExhausted):
+                self.pool.alloc(pages * 4, owner)
+            return
+        got = self.pool.alloc(pages * 4, owner)
+        owned = {p for run in self.held.values() for p in run}
+        assert len(got) == pages
+        assert not owned.intersection(got)
+        self.held.setdefault(owner, []).extend(got)
+
+    @precondition(lambda self: any(self.held.values()))
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        owner = data.draw(st.sampled_from(sorted(o for o, r in self.held.items() if r)))
+        run = self.held[owner]
+        k = data.draw(st.integers(1, len(run)))
+        self.pool.free(run[:k], owner)
+        self.held[owner] = run[k:]
+
+    @precondition(lambda self: any(self.held.values()))
+    @rule(data=st.data())
+    def refused_free(self, data: st.DataObject) -> None:
+        owner = data.draw(st.sampled_from(sorted(o for o, r in self.held.items() if r)))
+        page = self.held[owner][0]
+        before = snapshot(self.pool)
+        with pytest.raises((DoubleFree, ForeignSlot)):
+            self.pool.free([page, page], owner)
+        with pytest.raises(ForeignSlot):
+            self.pool.free([page], owner + 1)
+        assert snapshot(self.pool) == before
+
+    @precondition(lambda self: any(self.held.values()))
+    @rule(data=st.data(), new_owner=st.integers(0, 5))
+    def reassign(self, data: st.DataObject, new_owner: int) -> None:
+        owner = data.draw(st.sampled_from(sorted(o for o, r in self.held.items() if r)))
+        page = self.held[owner].pop()
+        self.pool.reassign([page], owner, new_owner)
+        self.held.setdefault(new_owner, []).append(page)
+
+    @invariant()
+    def conserves(self) -> None:
+        self.pool.check()
+        owned = [p for run in self.held.values() for p in run]
+        assert len(owned) == len(set(owned))
+        assert self.pool.used_slots == 4 * len(owned)
+        assert self.pool.free_slots + self.pool.used_slots == self.pool.size
+        for owner, run in self.held.items():
+            assert all(self.pool.owner_of(p) == owner for p in run)
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
