@@ -109,6 +109,14 @@ class Copier(Protocol):
         """Whether an unreported copy reads or writes any of these host pages."""
         ...
 
+    def busy_device_pages(self) -> frozenset[int]:
+        """Every device page an unreported copy reads or writes."""
+        ...
+
+    def busy_host_pages(self) -> frozenset[int]:
+        """Every host page an unreported copy reads or writes."""
+        ...
+
 
 @dataclass
 class _Pending:

@@ -15,7 +15,8 @@ Every error the library raises on bad input or an illegal step derives from
     ├── PoolError                 slot accounting refused a request
     │   ├── PoolExhausted         more requested than is free
     │   ├── DoubleFree            a slot freed that is already free
-    │   └── ForeignSlot           a slot outside the pool or not owned
+    │   ├── ForeignSlot           a slot outside the pool or not owned
+    │   └── PageBusy              a page still read or written by a copy
     ├── CopyFailed                a copy between tiers failed
     ├── InvariantViolation        a structural invariant does not hold
     └── RankDivergence            tensor-parallel ranks applied different steps
@@ -188,6 +189,10 @@ class DoubleFree(PoolError):
 
 class ForeignSlot(PoolError):
     """A slot outside the pool, unaligned, or not owned by the caller."""
+
+
+class PageBusy(PoolError):
+    """A page cannot be freed: a copy in flight still reads or writes it."""
 
 
 class CopyFailed(FsmCacheError):

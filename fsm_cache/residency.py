@@ -46,6 +46,8 @@ Event = Literal[
     "evict_device",
     "load",
     "load_done",
+    "load_failed",
+    "adopt",
 ]
 HOST_VALID: frozenset[str] = frozenset({"backed", "pinned"})
 """Host states in which the host copy is readable."""
