@@ -147,7 +147,10 @@ def _assigned(system: System, event: str) -> list[str]:
 def _region_block(em: Emitter, region: str, machine: MachineSpec, event: str) -> None:
     em.emit(1, f"s_{region} = rec.{region}")
     first = True
-    for state in machine.states:
+    # States where the event can succeed are tested first: the branches exclude each other,
+    # so the order changes no outcome, and the hot (legal) case takes the fewest comparisons.
+    legal = {s for t in machine.transitions if t.event == event for s in t.sources}
+    for state in sorted(machine.states, key=lambda st: st.name not in legal):
         transitions = list(machine.transitions_for(state.name, event))
         forbids = list(machine.forbids_for(state.name, event))
         if not transitions and not forbids:
@@ -166,11 +169,15 @@ def _region_block(em: Emitter, region: str, machine: MachineSpec, event: str) ->
 def _state_body(
     em: Emitter, region: str, transitions: list[Transition], forbids: list[Forbid]
 ) -> None:
-    for forbid in (f for f in forbids if f.conditional):
+    # Forbids first, in declaration order: the first that holds is the refusal. A plain
+    # (unguarded) forbid refuses outright, so nothing declared after it can apply.
+    for forbid in forbids:
         index = em.refusal(region, forbid.error, forbid.reason)
+        if not forbid.conditional:
+            em.emit(2, f"_refuse(rec, {index})")
+            return
         em.emit(2, f"if {guard_expr(forbid.guard)}:")
         em.emit(3, f"_refuse(rec, {index})")
-    plain = next((f for f in forbids if not f.conditional), None)
     if len(transitions) == 1 and not transitions[0].guard:
         _transition_body(em, region, transitions[0], 2)
         return
@@ -179,11 +186,7 @@ def _state_body(
         em.emit(2, f"{keyword} {guard_expr(tr.guard)}:")
         keyword = "elif"
         _transition_body(em, region, tr, 3)
-    index = (
-        em.refusal(region, plain.error, plain.reason)
-        if plain
-        else em.refusal(region, "IllegalTransition", "no transition's guard holds")
-    )
+    index = em.refusal(region, "IllegalTransition", "no transition's guard holds")
     if keyword == "if":
         em.emit(2, f"_refuse(rec, {index})")
     else:

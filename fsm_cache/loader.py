@@ -18,6 +18,7 @@ from fsm_cache.errors import SpecError
 from fsm_cache.guards import GrammarError, parse_condition, parse_guard, parse_update
 from fsm_cache.spec import EventSpec, Forbid, MachineSpec, Spec, StateSpec, System, Transition
 
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -88,7 +89,11 @@ def machine_from_dict(data: _Table, source: str = "<python>") -> MachineSpec:
         SpecError: A table or key is missing, mistyped or does not parse.
     """
     problems = _Problems(source)
+    _known_keys(
+        data, {"machine", "counters", "states", "transition", "forbid", "events"}, "", problems
+    )
     head = _table(data, "machine", problems)
+    _known_keys(head, {"name", "initial", "doc", "label"}, "machine", problems)
     counters = _counters(data.get("counters", {}), problems)
     states = _states(data.get("states", {}), problems)
     transitions = _transitions(data.get("transition", []), problems)
@@ -114,7 +119,9 @@ def machine_from_dict(data: _Table, source: str = "<python>") -> MachineSpec:
 
 def _composition(data: _Table, source: str, base: Path) -> System:
     problems = _Problems(source)
+    _known_keys(data, {"composition", "forbid"}, "", problems)
     head = _table(data, "composition", problems)
+    _known_keys(head, {"name", "regions", "doc", "label"}, "composition", problems)
     regions_table = head.get("regions")
     if not isinstance(regions_table, Mapping) or not regions_table:
         problems.add("composition.regions", "missing: a table of REGION = 'machine.toml'")
@@ -224,6 +231,11 @@ def _forbids(items: object, key: str, problems: _Problems) -> tuple[Forbid, ...]
         guard = _parse(parse_guard, body.get("guard", ""), f"{where}.guard", problems)
         when_raw = body.get("when", [])
         when_list = [when_raw] if isinstance(when_raw, str) else when_raw
+        if not isinstance(when_list, list):
+            problems.add(
+                f"{where}.when", f"must be a condition or a list of them, got {when_raw!r}"
+            )
+            when_list = []
         when = [_parse(parse_condition, c, f"{where}.when", problems) for c in when_list]
         sources = _names(body["source"], f"{where}.source", problems) if "source" in body else ()
         event, error = _name(body, "event", where, problems), _name(body, "error", where, problems)
@@ -260,7 +272,8 @@ def _array(items: object, key: str, problems: _Problems) -> list[_Table]:
 def _known_keys(body: _Table, allowed: set[str], where: str, problems: _Problems) -> None:
     for key in body:
         if key not in allowed:
-            problems.add(f"{where}.{key}", f"unknown key (allowed: {', '.join(sorted(allowed))})")
+            at = f"{where}.{key}" if where else key
+            problems.add(at, f"unknown key (allowed: {', '.join(sorted(allowed))})")
 
 
 def _name(body: _Table, key: str, where: str, problems: _Problems) -> str:

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from types import CodeType
 
+
 _INTERNAL: set[str] = set()
 ENV_FLAG = "FSM_CACHE_AUDIT"
 
@@ -96,8 +97,10 @@ def past_tense(event: str) -> str:
     if event.endswith("e"):
         return event + "d"
     vowels = "aeiou"
-    short = len(event) <= 4 and event[-1] not in vowels + "wxy"
-    if short and event[-2] in vowels and event[-3] not in vowels:
+    # Double the final consonant of one-syllable words only (pin -> pinned, open -> opened).
+    one_syllable = sum(ch in vowels for ch in event) == 1
+    single_vowel = len(event) >= 3 and event[-2] in vowels and event[-3] not in vowels
+    if one_syllable and single_vowel and event[-1] not in vowels + "wxy":
         return event + event[-1] + "ed"
     return event + "ed"
 

@@ -9,11 +9,17 @@ therefore exact, not a sample: :func:`valuations` enumerates exactly those.
 from __future__ import annotations
 
 import itertools
+import keyword
 from collections.abc import Iterator
 
 from fsm_cache.errors import SpecError, error_class
 from fsm_cache.guards import Guard
-from fsm_cache.spec import MachineSpec, Spec, System
+from fsm_cache.spec import Forbid, MachineSpec, Spec, System
+
+
+# Attributes every record has besides regions and counters (see Engine.slots and the
+# tree protocol), and the region name of a single machine: counters may not shadow them.
+RESERVED = frozenset({"id", "trail", "parent", "children", "state"})
 
 
 def validate(spec: Spec) -> None:
@@ -54,8 +60,10 @@ def valuations(spec: MachineSpec, invariant: Guard) -> Iterator[dict[str, int]]:
             yield counters
 
 
-def _shown(counters: dict[str, int]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in counters.items()) or "always"
+def _when(counters: dict[str, int]) -> str:
+    """Return `` when pins=0, locks=1`` (empty for a machine without counters)."""
+    shown = ", ".join(f"{k}={v}" for k, v in counters.items())
+    return f" when {shown}" if shown else ""
 
 
 def _name_problems(spec: MachineSpec) -> list[str]:
@@ -63,6 +71,11 @@ def _name_problems(spec: MachineSpec) -> list[str]:
     out = [] if spec.initial in states else [f"machine.initial: unknown state {spec.initial!r}"]
     if len(states) != len(spec.states):
         out.append("states: a state name is declared twice")
+    out += [
+        f"counters.{c}: {c!r} is reserved (a Python keyword or a record attribute)"
+        for c in spec.counter_names
+        if _reserved(c)
+    ]
     for st in spec.states:
         out += [
             f"states.{st.name}.invariant: unknown counter {c!r}"
@@ -96,6 +109,16 @@ def _name_problems(spec: MachineSpec) -> list[str]:
     return out
 
 
+def _reserved(name: str) -> bool:
+    return keyword.iskeyword(name) or name in RESERVED
+
+
+def _region_name_ok(region: str, system: System) -> bool:
+    # "state" is the region name of a single machine (System.single), so it stays allowed.
+    clash = region in RESERVED - {"state"} or region in machine_counters(system)
+    return region.isidentifier() and not keyword.iskeyword(region) and not clash
+
+
 def _error_name(where: str, name: str) -> list[str]:
     if not name or not name[0].isupper():
         return [f"{where}.error: error class names are CapitalisedIdentifiers, got {name!r}"]
@@ -121,7 +144,7 @@ def _determinism(spec: MachineSpec) -> Iterator[str]:
                     None,
                 )
                 if both is not None:
-                    yield f"transition[{j}].guard: overlaps transition[{i}] on {event} in {st.name} when {_shown(both)} (non-deterministic)"
+                    yield f"transition[{j}].guard: overlaps transition[{i}] on {event} in {st.name}{_when(both)} (non-deterministic)"
             for k, fb in enumerate(spec.forbids):
                 if fb.event != event or st.name not in fb.sources:
                     continue
@@ -135,7 +158,7 @@ def _determinism(spec: MachineSpec) -> Iterator[str]:
                         None,
                     )
                     if both is not None:
-                        yield f"forbid[{k}]: overlaps transition[{i}] on {event} in {st.name} when {_shown(both)}"
+                        yield f"forbid[{k}]: overlaps transition[{i}] on {event} in {st.name}{_when(both)}"
 
 
 def _totality(spec: MachineSpec) -> Iterator[str]:
@@ -150,7 +173,7 @@ def _totality(spec: MachineSpec) -> Iterator[str]:
                 None,
             )
             if gap is not None:
-                yield f"states.{st.name}: event {event!r} is neither a transition nor a forbid when {_shown(gap)} (not total)"
+                yield f"states.{st.name}: event {event!r} is neither a transition nor a forbid{_when(gap)} (not total)"
 
 
 def _safety(spec: MachineSpec) -> Iterator[str]:
@@ -166,10 +189,10 @@ def _safety(spec: MachineSpec) -> Iterator[str]:
                 after = tr.update.apply(before)
                 negative = [k for k, v in after.items() if v < 0]
                 if negative:
-                    yield f"transition[{i}].update: drives {negative[0]} negative from {source} when {_shown(before)}"
+                    yield f"transition[{i}].update: drives {negative[0]} negative from {source}{_when(before)}"
                     break
                 if not dest.invariant.holds(after):
-                    yield f"transition[{i}].update: breaks the invariant of {dest.name} ({dest.invariant}) from {source} when {_shown(before)}"
+                    yield f"transition[{i}].update: breaks the invariant of {dest.name} ({dest.invariant}) from {source}{_when(before)}"
                     break
 
 
@@ -199,35 +222,52 @@ def _system_problems(system: System) -> list[str]:
     seen: dict[str, str] = {}
     for region, machine in system.regions:
         inner += problems(machine)
+        if not _region_name_ok(region, system):
+            out.append(
+                f"composition.regions.{region}: not a usable region name (an identifier that is no keyword, record attribute or counter)"
+            )
         for counter in machine.counter_names:
             if counter in seen:
                 out.append(
                     f"composition.regions.{region}: counter {counter!r} also in region {seen[counter]!r}"
                 )
             seen[counter] = region
-    machines = system.machines
-    events = set(system.event_names)
     for i, fb in enumerate(system.forbids):
-        where = f"forbid[{i}]"
-        out += [] if fb.event in events else [f"{where}.event: no region declares {fb.event!r}"]
-        out += [
-            f"{where}.guard: unknown counter {c!r}" for c in sorted(fb.guard.counters() - set(seen))
-        ]
-        out += _error_name(where, fb.error)
-        owners = [machines[r] for r in system.regions_of(fb.event)]
-        out += [
-            f"{where}.source: unknown state {s!r}"
-            for s in fb.sources
-            if not any(s in m.state_names for m in owners)
-        ]
-        for cond in fb.when:
-            if cond.region not in machines:
-                out.append(f"{where}.when: unknown region {cond.region!r}")
-                continue
-            known = machines[cond.region].state_names
-            out += [
-                f"{where}.when: unknown state {s!r} of {cond.region}"
-                for s in cond.states
-                if s not in known
-            ]
+        out += _system_forbid_problems(system, f"forbid[{i}]", fb)
     return inner + [f"{system.source}: {line}" for line in out]
+
+
+def _system_forbid_problems(system: System, where: str, fb: Forbid) -> list[str]:
+    machines = system.machines
+    out = (
+        []
+        if fb.event in system.event_names
+        else [f"{where}.event: no region declares {fb.event!r}"]
+    )
+    unknown = fb.guard.counters() - machine_counters(system)
+    out += [f"{where}.guard: unknown counter {c!r}" for c in sorted(unknown)]
+    out += _error_name(where, fb.error)
+    # The engine tests a composition forbid's sources against the first region
+    # that declares the event (the region the refusal is reported in).
+    owners = system.regions_of(fb.event)
+    out += [
+        f"{where}.source: unknown state {s!r} of region {owners[0]!r}"
+        for s in fb.sources
+        if owners and s not in machines[owners[0]].state_names
+    ]
+    for cond in fb.when:
+        if cond.region not in machines:
+            out.append(f"{where}.when: unknown region {cond.region!r}")
+            continue
+        known = machines[cond.region].state_names
+        out += [
+            f"{where}.when: unknown state {s!r} of {cond.region}"
+            for s in cond.states
+            if s not in known
+        ]
+    return out
+
+
+def machine_counters(system: System) -> set[str]:
+    """Return every counter name of every region of ``system``."""
+    return {c for _, machine in system.regions for c in machine.counter_names}

@@ -1,0 +1,210 @@
+"""The checked engine on the shipped residency specs: every kind of refusal, check-then-act."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from records import Node, snapshot
+
+from fsm_cache import errors
+from fsm_cache.engine import Engine
+from fsm_cache.enginebench import record_bytes, run_engine_bench
+from fsm_cache.errors import EffectFailed, IllegalTransition, SpecError, error_class
+from fsm_cache.loader import spec_from_dict
+from fsm_cache.shipped import host_machine, residency_system
+
+
+@pytest.fixture
+def engine() -> Engine:
+    return Engine(residency_system(), audit=False)
+
+
+def test_a_full_lifecycle(engine: Engine) -> None:
+    root = Node(engine, 0)
+    node = Node(engine, 5, root)
+    for event in ("write", "write_done", "pin", "pin", "release", "evict_device"):
+        engine.fire(node, event)
+    assert engine.describe(node) == "pinned/absent (pins=1, locks=0)"
+    for event in ("load", "load_done", "release", "evict_host"):
+        engine.fire(node, event)
+    assert engine.describe(node) == "evicted/resident (pins=0, locks=0)"
+
+
+def effect_engine(calls: list[str], fail: str = "") -> Engine:
+    def hook(name: str) -> Any:
+        def run(rec: Any) -> None:
+            calls.append(f"{name} {rec.id} {rec.host}/{rec.device}")
+            if name == fail:
+                raise OSError("boom")
+
+        return run
+
+    return Engine(residency_system(), effects={n: hook(n) for n in effect_names()}, audit=False)
+
+
+def effect_names() -> list[str]:
+    machines = residency_system().machines.values()
+    return sorted({t.effect for m in machines for t in m.transitions if t.effect is not None})
+
+
+def test_effects_run_after_the_checks_and_before_the_commit() -> None:
+    calls: list[str] = []
+    engine = effect_engine(calls)
+    node = Node(engine, 4)
+    engine.fire(node, "write")
+    assert calls == ["start_write 4 unbacked/resident"]
+    assert node.host == "writing"
+    with pytest.raises(errors.CopyInFlight):
+        engine.fire(node, "evict_device")
+    assert calls == ["start_write 4 unbacked/resident"]
+
+
+def test_a_failing_effect_leaves_the_record_unchanged() -> None:
+    calls: list[str] = []
+    engine = effect_engine(calls, fail="free_device")
+    node = Node(engine, 9, host="backed", device="resident")
+    before = snapshot(engine, node)
+    with pytest.raises(EffectFailed) as info:
+        engine.fire(node, "evict_device")
+    assert str(info.value) == "node 9: effect free_device of evict_device failed: boom"
+    assert isinstance(info.value.__cause__, OSError)
+    assert snapshot(engine, node) == before
+    assert calls == ["free_device 9 backed/resident"]
+
+
+def test_every_named_effect_must_be_bound() -> None:
+    with pytest.raises(SpecError) as info:
+        Engine(residency_system(), effects={"start_write": print})
+    source = residency_system().source
+    assert {"free_device", "free_host", "start_load", "start_write"} <= set(effect_names())
+    assert info.value.problems == [
+        f"{source}: effect {name!r} is not bound"
+        for name in effect_names()
+        if name != "start_write"
+    ]
+
+
+def test_unknown_events(engine: Engine) -> None:
+    node = engine.new(1)
+    source = residency_system().source
+    for call in (lambda: engine.fire(node, "fly"), lambda: engine.allowed(node, "fly")):
+        with pytest.raises(SpecError) as info:
+            call()
+        assert str(info.value) == f"{source}: unknown event 'fly'"
+
+
+GATE = {
+    "machine": {"name": "gate", "initial": "shut", "label": "gate"},
+    "states": {"shut": {}, "open": {}, "gone": {"final": True}},
+    "transition": [
+        {"event": "open", "source": "shut", "dest": "open"},
+        {"event": "close", "source": "open", "dest": "shut"},
+        {"event": "remove", "source": ["shut", "open"], "dest": "gone"},
+    ],
+    "forbid": [
+        {"event": "open", "source": "open", "error": "GateJammed", "reason": "already open"},
+        {"event": "close", "source": "shut", "error": "GateJammed", "reason": "already shut"},
+    ],
+}
+
+
+def test_a_user_spec_names_its_own_error_classes() -> None:
+    engine = Engine(spec_from_dict(GATE), audit=False)
+    gate = engine.new("north")
+    assert engine.slots == ("id", "state", "trail")
+    assert repr(gate) == "gate.Record(id='north', state='shut')"
+    engine.fire(gate, "open")
+    with pytest.raises(IllegalTransition) as info:
+        engine.fire(gate, "open")
+    jammed = type(info.value)
+    assert jammed.__name__ == "GateJammed"
+    assert jammed.__module__ == "fsm_cache.errors"
+    assert jammed is error_class("GateJammed")
+    assert str(info.value) == "gate north: open refused in open: already open"
+    engine.fire(gate, "remove")
+    with pytest.raises(IllegalTransition) as final:
+        engine.fire(gate, "close")
+    assert type(final.value) is IllegalTransition
+    assert (
+        str(final.value) == "gate north: close refused in gone: close is not defined in this state"
+    )
+
+
+def test_records_are_slotted_and_start_initial(engine: Engine) -> None:
+    node = engine.new(8)
+    assert engine.slots == ("id", "host", "device", "pins", "locks", "trail")
+    assert not hasattr(node, "__dict__")
+    assert engine.describe(node) == "unbacked/resident (pins=0, locks=0)"
+    assert engine.counters(node, "host") == {"pins": 0}
+    assert [m.name for m in engine.machines()] == ["host_residency", "device_residency"]
+    assert set(engine.events) == set(residency_system().event_names)
+
+
+def test_a_single_machine_runs_alone() -> None:
+    engine = Engine(host_machine(), audit=False)
+    rec = engine.new(1)
+    rec.state = "backed"
+    engine.verb("pin")(rec)
+    engine.verb("pin")(rec)
+    assert (rec.state, rec.pins) == ("pinned", 2)
+
+
+def test_records_stay_under_100_bytes() -> None:
+    assert record_bytes(10_000) < 100
+
+
+def test_the_bench_reports_every_figure() -> None:
+    bench = run_engine_bench(n=200, repeat=1)
+    assert min(bench.bare_ns, bench.engine_ns, bench.audit_ns, bench.transitions_ns) > 0
+    text = bench.format()
+    assert text.splitlines()[0] == "pin+release pairs: n=200, best of 1"
+    assert "bytes per residency record: " in text
+    assert set(bench.targets()) == {
+        "engine <= 2.0x bare",
+        "audit <= 5.0x bare",
+        "transitions >= 20x engine",
+        "< 100 bytes per record",
+    }
+
+
+def test_the_first_declared_forbid_that_holds_decides() -> None:
+    spec = spec_from_dict(
+        {
+            "machine": {"name": "m", "initial": "a"},
+            "counters": {"n": 0},
+            "states": {"a": {}, "b": {}},
+            "transition": [
+                {"event": "go", "source": "a", "dest": "b"},
+                {"event": "back", "source": "b", "dest": "a"},
+            ],
+            "forbid": [
+                {"event": "go", "source": "b", "error": "Plain", "reason": "declared first"},
+                {
+                    "event": "go",
+                    "source": "b",
+                    "guard": "n >= 1",
+                    "error": "Guarded",
+                    "reason": "r",
+                },
+                {
+                    "event": "back",
+                    "source": "a",
+                    "guard": "n >= 1",
+                    "error": "Guarded",
+                    "reason": "r",
+                },
+                {"event": "back", "source": "a", "error": "Plain", "reason": "declared second"},
+            ],
+        }
+    )
+    engine = Engine(spec, audit=False)
+    rec = engine.new(1)
+    rec.n = 1
+    with pytest.raises(IllegalTransition) as back:
+        engine.fire(rec, "back")
+    assert str(back.value) == "instance 1: back refused in a (n=1): r"
+    engine.fire(rec, "go")
+    with pytest.raises(IllegalTransition) as go:
+        engine.fire(rec, "go")
+    assert str(go.value) == "instance 1: go refused in b (n=1): declared first"

@@ -1,0 +1,296 @@
+"""Every kind of refusal of the shipped residency specs, exact messages, nothing changed."""
+
+from __future__ import annotations
+
+import pytest
+from records import Node, snapshot
+
+from fsm_cache import errors
+from fsm_cache.engine import Engine
+from fsm_cache.errors import IllegalTransition, error_class
+from fsm_cache.shipped import residency_system
+
+
+@pytest.fixture
+def engine() -> Engine:
+    return Engine(residency_system(), audit=False)
+
+
+# (host, device, pins, locks), event, error class name, message after "node 17: "
+REFUSALS = [
+    # plain forbids of each region
+    (
+        ("backed", "resident", 0, 0),
+        "release",
+        "ReleaseAtZero",
+        "release refused in backed (pins=0): release without a matching pin",
+    ),
+    (
+        ("unbacked", "resident", 0, 0),
+        "pin",
+        "NoHostCopy",
+        "pin refused in unbacked (pins=0): no valid host copy to pin",
+    ),
+    (
+        ("writing", "resident", 0, 0),
+        "write",
+        "CopyInFlight",
+        "write refused in writing (pins=0): a device-to-host copy of this node is already in flight",
+    ),
+    (
+        ("pinned", "resident", 2, 0),
+        "write",
+        "AlreadyBacked",
+        "write refused in pinned (pins=2): the host already holds a valid copy",
+    ),
+    (
+        ("backed", "resident", 0, 0),
+        "write_done",
+        "DuplicateAck",
+        "write_done refused in backed (pins=0): no device-to-host copy in flight: a duplicate or stray acknowledgement",
+    ),
+    (
+        ("evicted", "resident", 0, 0),
+        "write_failed",
+        "DuplicateAck",
+        "write_failed refused in evicted (pins=0): no device-to-host copy in flight to fail",
+    ),
+    (
+        ("pinned", "resident", 1, 0),
+        "evict_host",
+        "HostCopyPinned",
+        "evict_host refused in pinned (pins=1): the host copy is pinned by a holder",
+    ),
+    (
+        ("writing", "resident", 0, 0),
+        "evict_host",
+        "CopyInFlight",
+        "evict_host refused in writing (pins=0): a device-to-host copy is still writing the host slots",
+    ),
+    (
+        ("backed", "absent", 0, 0),
+        "lock",
+        "NotResident",
+        "lock refused in absent (locks=0): the device copy was freed; load it back first",
+    ),
+    (
+        ("backed", "loading", 0, 0),
+        "evict_device",
+        "CopyInFlight",
+        "evict_device refused in loading (locks=0): a host-to-device copy is still writing the device slots",
+    ),
+    (
+        ("backed", "resident", 0, 0),
+        "load",
+        "AlreadyResident",
+        "load refused in resident (locks=0): the device already holds this node or is loading it",
+    ),
+    # guarded forbids
+    (
+        ("backed", "resident", 0, 0),
+        "unlock",
+        "UnlockAtZero",
+        "unlock refused in resident (locks=0): unlock without a matching lock",
+    ),
+    (
+        ("backed", "resident", 0, 2),
+        "evict_device",
+        "DeviceLocked",
+        "evict_device refused in resident (locks=2): a running request holds the device copy",
+    ),
+    # an event of both regions: the host region is checked first, then the device region
+    (
+        ("unbacked", "absent", 0, 0),
+        "load",
+        "NoHostCopy",
+        "load refused in unbacked (pins=0): no valid host copy to load from",
+    ),
+    (
+        ("pinned", "resident", 1, 0),
+        "load_done",
+        "NotLoading",
+        "load_done refused in resident (locks=0): no host-to-device copy in flight",
+    ),
+    (
+        ("backed", "loading", 0, 0),
+        "load_done",
+        "NotLoading",
+        "load_done refused in backed (pins=0): no host-to-device copy in flight",
+    ),
+    # cross-region forbids (reported in the first region that declares the event)
+    (
+        ("unbacked", "absent", 0, 0),
+        "write",
+        "DeviceAbsent",
+        "write refused in unbacked (pins=0): a backup copies from the device and the device holds no valid copy",
+    ),
+    (
+        ("writing", "resident", 0, 0),
+        "evict_device",
+        "CopyInFlight",
+        "evict_device refused in resident (locks=0): a device-to-host copy still reads the device slots",
+    ),
+    (
+        ("evicted", "resident", 0, 0),
+        "evict_device",
+        "NoHostCopy",
+        "evict_device refused in resident (locks=0): the device copy is the only copy; back it up or delete the node",
+    ),
+    (
+        ("backed", "loading", 0, 0),
+        "evict_host",
+        "CopyInFlight",
+        "evict_host refused in backed (pins=0): a host-to-device copy still reads the host slots",
+    ),
+    # region rules before cross-region rules
+    (
+        ("backed", "absent", 0, 0),
+        "write",
+        "AlreadyBacked",
+        "write refused in backed (pins=0): the host already holds a valid copy",
+    ),
+    # counters outside a state's invariant: no guard holds, the generic refusal
+    (
+        ("pinned", "resident", 0, 0),
+        "release",
+        "IllegalTransition",
+        "release refused in pinned (pins=0): no transition's guard holds",
+    ),
+]
+
+
+@pytest.mark.parametrize(("state", "event", "error", "message"), REFUSALS)
+def test_refusals_raise_the_declared_class_and_change_nothing(
+    engine: Engine, state: tuple[str, str, int, int], event: str, error: str, message: str
+) -> None:
+    host, device, pins, locks = state
+    node = Node(engine, 17, host=host, device=device, pins=pins, locks=locks)
+    before = snapshot(engine, node)
+    assert not engine.allowed(node, event)
+    with pytest.raises(IllegalTransition) as info:
+        engine.fire(node, event)
+    assert type(info.value) is error_class(error)
+    assert str(info.value) == f"node 17: {message}"
+    assert (info.value.instance, info.value.event, info.value.history) == (17, event, "")
+    assert snapshot(engine, node) == before
+
+
+def test_refusal_carries_its_fields(engine: Engine) -> None:
+    node = Node(engine, 3, host="backed")
+    with pytest.raises(errors.ReleaseAtZero) as info:
+        engine.verb("release")(node)
+    exc = info.value
+    assert isinstance(exc, RuntimeError)
+    assert (exc.label, exc.instance, exc.state, exc.counters) == ("node", 3, "backed", {"pins": 0})
+    assert (exc.event, exc.reason) == ("release", "release without a matching pin")
+
+
+TREE_REFUSALS = [
+    # parent, node, child states as (host, device); event; class; message
+    (
+        None,
+        ("backed", "resident"),
+        ("unbacked", "resident"),
+        "evict_device",
+        "NotADeviceLeaf",
+        "node 2: evict_device refused in resident (locks=0): a child is still on the device (device residency is prefix-closed)",
+    ),
+    (
+        None,
+        ("backed", "resident"),
+        ("unbacked", "loading"),
+        "evict_device",
+        "NotADeviceLeaf",
+        "node 2: evict_device refused in resident (locks=0): a child is still on the device (device residency is prefix-closed)",
+    ),
+    (
+        None,
+        ("backed", "resident"),
+        ("writing", "resident"),
+        "evict_host",
+        "NotAHostLeaf",
+        "node 2: evict_host refused in backed (pins=0): a child still holds a host copy",
+    ),
+    (
+        ("backed", "absent"),
+        ("backed", "absent"),
+        None,
+        "load",
+        "ParentNotResident",
+        "node 2: load refused in backed (pins=0): the parent is not on the device (device residency is prefix-closed)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("parent", "node", "child", "event", "error", "message"), TREE_REFUSALS)
+def test_tree_rules(  # noqa: PLR0917 -- one argument per table column
+    engine: Engine,
+    parent: tuple[str, str] | None,
+    node: tuple[str, str],
+    child: tuple[str, str] | None,
+    event: str,
+    error: str,
+    message: str,
+) -> None:
+    up = None if parent is None else Node(engine, 1, host=parent[0], device=parent[1])
+    me = Node(engine, 2, up, host=node[0], device=node[1])
+    kids = [] if child is None else [Node(engine, 3, me, host=child[0], device=child[1])]
+    everyone = [r for r in (up, me, *kids) if r is not None]
+    before = snapshot(engine, *everyone)
+    with pytest.raises(IllegalTransition) as info:
+        engine.fire(me, event)
+    assert (type(info.value), str(info.value)) == (error_class(error), message)
+    assert snapshot(engine, *everyone) == before
+    # with the tree rule satisfied the same event is legal
+    for rec in [*kids, *([up] if up else [])]:
+        rec.host, rec.device = "evicted", "resident"
+    for rec in kids:
+        rec.device = "absent"
+    assert engine.allowed(me, event)
+
+
+def test_children_may_be_any_iterable(engine: Engine) -> None:
+    node = Node(engine, 2, host="backed")
+    node.children = [Node(engine, 3, device="loading")]
+    assert not engine.allowed(node, "evict_device")
+    node.children = []
+    assert engine.allowed(node, "evict_device")
+
+
+def chain(engine: Engine, locks: list[int], device: str = "resident") -> list[Node]:
+    nodes: list[Node] = []
+    for i, count in enumerate(locks):
+        nodes.append(Node(engine, i, nodes[-1] if nodes else None, device=device, locks=count))
+    return nodes
+
+
+def test_lock_and_unlock_propagate_to_every_ancestor(engine: Engine) -> None:
+    root, mid, leaf = chain(engine, [0, 0, 0])
+    engine.fire(leaf, "lock")
+    engine.fire(mid, "lock")
+    assert [root.locks, mid.locks, leaf.locks] == [2, 2, 1]
+    engine.fire(leaf, "unlock")
+    assert [root.locks, mid.locks, leaf.locks] == [1, 1, 0]
+
+
+def test_propagation_is_all_or_nothing(engine: Engine) -> None:
+    root, mid, leaf = chain(engine, [1, 1, 1])
+    root.device = "absent"
+    before = snapshot(engine, root, mid, leaf)
+    with pytest.raises(error_class("NotResident")) as info:
+        engine.fire(leaf, "lock")
+    assert (
+        str(info.value)
+        == "node 0: lock refused in absent (locks=1): the device copy was freed; load it back first"
+    )
+    assert snapshot(engine, root, mid, leaf) == before
+
+    root.device, mid.locks = "resident", 0
+    before = snapshot(engine, root, mid, leaf)
+    with pytest.raises(errors.UnlockAtZero) as unlock:
+        engine.fire(leaf, "unlock")
+    assert (
+        str(unlock.value)
+        == "node 1: unlock refused in resident (locks=0): unlock without a matching lock"
+    )
+    assert snapshot(engine, root, mid, leaf) == before

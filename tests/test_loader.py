@@ -1,0 +1,270 @@
+"""Loading specs: every structural fault is a SpecError naming the file and the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fsm_cache.errors import SpecError
+from fsm_cache.guards import parse_condition, parse_guard, parse_update
+from fsm_cache.loader import load_spec, machine_from_dict, spec_from_dict
+from fsm_cache.spec import Forbid, MachineSpec, StateSpec, System, Transition
+
+
+LAMP = """
+[machine]
+name = "lamp"
+initial = "off"
+label = "lamp"
+doc = "A push button lamp."
+
+[counters]
+n = 0
+
+[states]
+off = { doc = "dark", invariant = "n == 0" }
+on = { invariant = "n >= 1", counter = "n" }
+
+[events]
+press = { doc = "push", past = "pressed" }
+
+[[transition]]
+event = "press"
+source = ["off", "on"]
+dest = "on"
+update = "n += 1"
+effect = "glow"
+
+[[transition]]
+event = "unpress"
+source = "on"
+dest = "off"
+guard = "n == 1"
+update = "n -= 1"
+
+[[transition]]
+event = "unpress"
+source = "on"
+dest = "on"
+guard = "n >= 2"
+update = "n -= 1"
+
+[[forbid]]
+event = "unpress"
+source = "off"
+error = "UnpressAtZero"
+reason = "nothing pressed"
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "spec.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def problems(path: Path) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert str(info.value) == "\n".join(info.value.problems)
+    return info.value.problems
+
+
+def test_a_valid_machine_loads_into_spec_objects(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, LAMP))
+    assert isinstance(spec, MachineSpec)
+    assert (spec.name, spec.initial, spec.label, spec.doc) == (
+        "lamp",
+        "off",
+        "lamp",
+        "A push button lamp.",
+    )
+    assert spec.source == str(tmp_path / "spec.toml")
+    assert spec.counters == (("n", 0),)
+    assert spec.states[0] == StateSpec("off", "dark", invariant=parse_guard("n == 0"))
+    assert spec.state("on").counter == "n"
+    assert spec.transitions[0] == Transition(
+        "press", ("off", "on"), "on", update=parse_update("n += 1"), effect="glow"
+    )
+    assert spec.forbids == (Forbid("unpress", ("off",), "UnpressAtZero", "nothing pressed"),)
+    assert spec.event_names == ("press", "unpress")
+    assert spec.event_doc("press").past == "pressed"
+    assert spec.event_doc("unpress").past == ""
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.toml"
+    assert problems(missing) == [f"{missing}: cannot read: No such file or directory"]
+    assert problems(tmp_path) == [f"{tmp_path}: cannot read: Is a directory"]
+
+
+def test_invalid_toml(tmp_path: Path) -> None:
+    path = write(tmp_path, "[machine]\nname = \n")
+    assert problems(path) == [f"{path}: invalid TOML: Invalid value (at line 2, column 8)"]
+
+
+def test_invalid_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "bytes.toml"
+    path.write_bytes(b"name = '\xff'\n")
+    [line] = problems(path)
+    assert line.startswith(f"{path}: invalid TOML: 'utf-8' codec can't decode byte 0xff")
+
+
+def test_missing_tables_are_all_reported(tmp_path: Path) -> None:
+    path = write(tmp_path, "title = 'x'\n")
+    assert problems(path) == [
+        f"{path}: title: unknown key (allowed: counters, events, forbid, machine, states, transition)",
+        f"{path}: machine: missing table",
+        f"{path}: states: missing: a table of NAME = {{ doc = ... }}",
+        f"{path}: machine.name: missing or not a string",
+        f"{path}: machine.initial: missing or not a string",
+    ]
+
+
+def test_unknown_keys(tmp_path: Path) -> None:
+    text = LAMP.replace('label = "lamp"', 'lable = "lamp"')
+    text = text.replace('dest = "off"', 'dest = "off"\nguards = "n == 1"')
+    text = text.replace('doc = "dark",', 'doc = "dark", final = false, colour = "red",')
+    text = text.replace('past = "pressed"', 'past = "pressed", tense = 1')
+    text = text.replace('reason = "nothing pressed"', 'reason = "nothing pressed"\nerrors = "X"')
+    text += "\n[[transitions]]\nevent = 'x'\n"
+    path = write(tmp_path, text)
+    assert problems(path) == [
+        f"{path}: transitions: unknown key (allowed: counters, events, forbid, machine, states, transition)",
+        f"{path}: machine.lable: unknown key (allowed: doc, initial, label, name)",
+        f"{path}: states.off.colour: unknown key (allowed: counter, doc, final, invariant)",
+        f"{path}: transition[1].guards: unknown key (allowed: dest, doc, effect, event, guard, propagate, source, update)",
+        f"{path}: forbid[0].errors: unknown key (allowed: error, event, guard, reason, source, when)",
+        f"{path}: events.press.tense: unknown key (allowed: doc, past)",
+    ]
+
+
+def test_malformed_guards_and_updates_name_their_key(tmp_path: Path) -> None:
+    text = LAMP.replace('guard = "n == 1"', 'guard = "n = 1"')
+    text = text.replace('update = "n += 1"', 'update = "n ++"')
+    text = text.replace('invariant = "n == 0"', "invariant = 0")
+    text = text.replace(
+        'reason = "nothing pressed"', 'reason = "nothing pressed"\nguard = "n >= x"'
+    )
+    path = write(tmp_path, text)
+    assert problems(path) == [
+        f"{path}: states.off.invariant: must be a string, got 0",
+        f"{path}: transition[0].update: expected COUNTER += INT, COUNTER -= INT or COUNTER = INT, got 'n ++'",
+        f"{path}: transition[1].guard: expected COUNTER OP INT (OP one of == != < <= > >=), got 'n = 1'",
+        f"{path}: forbid[0].guard: expected COUNTER OP INT (OP one of == != < <= > >=), got 'n >= x'",
+    ]
+
+
+def test_bad_names_and_shapes(tmp_path: Path) -> None:
+    text = LAMP.replace("n = 0\n", 'n = -1\nm = "zero"\n')
+    text = text.replace('event = "press"', 'event = "press now"')
+    text = text.replace('source = ["off", "on"]', "source = []")
+    text = text.replace('effect = "glow"', 'effect = "glow!"\npropagate = "children"')
+    text = text.replace('error = "UnpressAtZero"', "error = 3")
+    text = text.replace('reason = "nothing pressed"', "")
+    path = write(tmp_path, text)
+    assert problems(path) == [
+        f"{path}: counters.n: initial value must be an integer >= 0, got -1",
+        f"{path}: counters.m: initial value must be an integer >= 0, got 'zero'",
+        f"{path}: transition[0].event: missing or not an identifier: 'press now'",
+        f"{path}: transition[0].source: must be a state name or a list of them, got []",
+        f"{path}: transition[0].effect: not an identifier: 'glow!'",
+        f"{path}: transition[0].propagate: must be 'ancestors', got 'children'",
+        f"{path}: forbid[0].error: missing or not an identifier: 3",
+        f"{path}: forbid[0].reason: missing or not a string",
+    ]
+
+
+def test_tables_of_the_wrong_type(tmp_path: Path) -> None:
+    text = LAMP.replace("[counters]\nn = 0\n", "")
+    text = text.replace('[events]\npress = { doc = "push", past = "pressed" }\n', "")
+    text = text.replace("[[forbid]]\nevent", "[[forbidden]]\nevent")
+    path = write(tmp_path, "counters = 1\nevents = [1]\nforbid = 2\n" + text)
+    assert problems(path) == [
+        f"{path}: forbidden: unknown key (allowed: counters, events, forbid, machine, states, transition)",
+        f"{path}: counters: must be a table of NAME = INT",
+        f"{path}: forbid: must be an array of tables ([[forbid]])",
+        f"{path}: events: must be a table of EVENT = {{ doc = ..., past = ... }}",
+    ]
+
+
+def test_bad_when_conditions(tmp_path: Path) -> None:
+    data = {
+        "composition": {"name": "c", "regions": {"lamp": "lamp.toml"}},
+        "forbid": [
+            {"event": "press", "when": 5, "error": "E", "reason": "r"},
+            {"event": "press", "when": ["lamp on [x]"], "error": "E", "reason": "r"},
+            {"event": "press", "when": [7], "error": "E", "reason": "r"},
+        ],
+    }
+    write(tmp_path, LAMP, "lamp.toml")
+    with pytest.raises(SpecError) as info:
+        spec_from_dict(data, source="c.toml", base=tmp_path)
+    assert info.value.problems == [
+        "c.toml: forbid[0].when: must be a condition or a list of them, got 5",
+        "c.toml: forbid[1].when: expected [parent|any child] REGION in [STATE, ...], got 'lamp on [x]'",
+        "c.toml: forbid[2].when: must be a string, got 7",
+    ]
+
+
+def test_composition_loads_regions_relative_to_its_file(tmp_path: Path) -> None:
+    write(tmp_path, LAMP, "lamp.toml")
+    text = """
+[composition]
+name = "room"
+label = "room"
+
+[composition.regions]
+lamp = "lamp.toml"
+
+[[forbid]]
+event = "press"
+when = "lamp in [on]"
+guard = "n >= 3"
+error = "TooBright"
+reason = "three presses are enough"
+"""
+    spec = load_spec(write(tmp_path, text, "room.toml"))
+    assert isinstance(spec, System)
+    assert spec.machines["lamp"].name == "lamp"
+    assert spec.forbids == (
+        Forbid(
+            "press",
+            (),
+            "TooBright",
+            "three presses are enough",
+            parse_guard("n >= 3"),
+            (parse_condition("lamp in [on]"),),
+        ),
+    )
+
+
+def test_composition_faults(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        "[composition]\nname = 'inner'\n[composition.regions]\nx = 'lamp.toml'\n",
+        "inner.toml",
+    )
+    write(tmp_path, LAMP, "lamp.toml")
+    no_regions = write(tmp_path, "[composition]\nnames = 'c'\n[[forbids]]\n", "a.toml")
+    assert problems(no_regions) == [
+        f"{no_regions}: forbids: unknown key (allowed: composition, forbid)",
+        f"{no_regions}: composition.names: unknown key (allowed: doc, label, name, regions)",
+        f"{no_regions}: composition.regions: missing: a table of REGION = 'machine.toml'",
+    ]
+    nested = write(tmp_path, "[composition]\n[composition.regions]\nx = 'inner.toml'\n", "b.toml")
+    assert problems(nested) == [
+        f"{nested}: composition.regions.x: inner.toml is not a [machine] file",
+        f"{nested}: composition.name: missing or not a string",
+    ]
+    missing = write(
+        tmp_path, "[composition]\nname='c'\n[composition.regions]\nx = 'no.toml'\n", "c.toml"
+    )
+    assert problems(missing) == [f"{tmp_path / 'no.toml'}: cannot read: No such file or directory"]
+
+
+def test_machine_from_dict_does_not_validate() -> None:
+    spec = machine_from_dict({"machine": {"name": "m", "initial": "nowhere"}, "states": {"a": {}}})
+    assert spec.initial == "nowhere"
+    assert spec.source == "<python>"

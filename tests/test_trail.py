@@ -1,0 +1,215 @@
+"""Audit mode: refusals name the call sites of the record's last few events."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+import pytest
+
+from fsm_cache import trail
+from fsm_cache.engine import Engine
+from fsm_cache.errors import IllegalTransition
+from fsm_cache.loader import spec_from_dict
+from fsm_cache.shipped import host_machine, residency_system
+
+
+HERE = os.path.basename(__file__)
+
+
+def here() -> int:
+    """Return the line number of the caller's current line."""
+    frame = inspect.currentframe()
+    assert frame is not None
+    assert frame.f_back is not None
+    return frame.f_back.f_lineno
+
+
+def backup_to_storage(engine: Engine, node: Any) -> int:
+    line = here() + 1
+    engine.fire(node, "pin")
+    return line
+
+
+def prefetch(engine: Engine, node: Any) -> int:
+    line = here() + 1
+    engine.verb("pin")(node)
+    return line
+
+
+def drain_backup(engine: Engine, node: Any) -> int:
+    line = here() + 1
+    engine.fire(node, "release")
+    return line
+
+
+def release_aborted_request(engine: Engine, node: Any) -> int:
+    line = here() + 1
+    engine.verb("release")(node)
+    return line
+
+
+def backed(engine: Engine, ident: int = 17) -> Any:
+    node = engine.new(ident)
+    setattr(node, engine.system.regions[0][0], "backed")
+    return node
+
+
+def refusal(engine: Engine, node: Any, event: str) -> IllegalTransition:
+    with pytest.raises(IllegalTransition) as info:
+        engine.fire(node, event)
+    return info.value
+
+
+def test_a_refusal_names_the_earlier_call_sites() -> None:
+    engine = Engine(residency_system(), audit=True)
+    node = backed(engine)
+    a = backup_to_storage(engine, node)
+    b = prefetch(engine, node)
+    c = drain_backup(engine, node)
+    d = release_aborted_request(engine, node)
+    exc = refusal(engine, node, "release")
+    history = (
+        f"pinned at {HERE}:{a} in backup_to_storage and at {HERE}:{b} in prefetch; "
+        f"released at {HERE}:{c} in drain_backup and at {HERE}:{d} in release_aborted_request"
+    )
+    assert exc.history == history
+    assert str(exc) == (
+        f"node 17: release refused in backed (pins=0): release without a matching pin; {history}"
+    )
+
+
+def test_propagating_events_are_noted_on_every_record() -> None:
+    engine = Engine(residency_system(), audit=True)
+    root, leaf = engine.new(1), engine.new(2)
+    leaf_tree = _Tree(leaf, root)
+    line = here() + 1
+    engine.fire(leaf_tree, "lock")
+    engine.fire(leaf_tree, "unlock")
+    exc = refusal(engine, root, "unlock")
+    site = f"{HERE}:{line} in test_propagating_events_are_noted_on_every_record"
+    assert str(exc) == (
+        "node 1: unlock refused in resident (locks=0): unlock without a matching lock; "
+        f"locked at {site}; unlocked at {HERE}:{line + 1} in "
+        "test_propagating_events_are_noted_on_every_record"
+    )
+
+
+class _Tree:
+    """A record wrapper with a parent, for engines whose records have no parent slot."""
+
+    __slots__ = ("device", "host", "id", "locks", "parent", "pins", "rec", "trail")
+
+    def __init__(self, rec: Any, parent: Any) -> None:
+        for slot in ("id", "host", "device", "pins", "locks", "trail"):
+            setattr(self, slot, getattr(rec, slot))
+        self.parent = parent
+
+
+def test_the_trail_keeps_only_the_last_events() -> None:
+    engine = Engine(host_machine(), audit=True, history=2)
+    node = backed(engine)
+    backup_to_storage(engine, node)
+    b = prefetch(engine, node)
+    c = drain_backup(engine, node)
+    engine.fire(node, "release")
+    exc = refusal(engine, node, "release")
+    last = here() - 2
+    assert exc.history == (
+        f"released at {HERE}:{c} in drain_backup and at {HERE}:{last} in "
+        "test_the_trail_keeps_only_the_last_events"
+    )
+    assert b not in (c, last)
+
+
+def test_without_audit_there_is_no_history() -> None:
+    engine = Engine(host_machine(), audit=False)
+    node = backed(engine)
+    backup_to_storage(engine, node)
+    drain_backup(engine, node)
+    assert node.trail is None
+    assert str(refusal(engine, node, "release")) == (
+        "node 17: release refused in backed (pins=0): release without a matching pin"
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "audit"), [("1", True), ("yes", True), ("0", False), ("", False)]
+)
+def test_the_environment_turns_audit_on(
+    monkeypatch: pytest.MonkeyPatch, value: str, audit: bool
+) -> None:
+    monkeypatch.setenv("FSM_CACHE_AUDIT", value)
+    engine = Engine(host_machine())
+    assert engine.audit is audit
+    node = backed(engine)
+    line = backup_to_storage(engine, node)
+    drain_backup(engine, node)
+    message = str(refusal(engine, node, "release"))
+    assert (f"pinned at {HERE}:{line} in backup_to_storage" in message) is audit
+
+
+def test_the_argument_overrides_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FSM_CACHE_AUDIT", "1")
+    assert Engine(host_machine(), audit=False).audit is False
+    monkeypatch.delenv("FSM_CACHE_AUDIT")
+    assert Engine(host_machine(), audit=True).audit is True
+    assert Engine(host_machine()).audit is False
+
+
+def test_undeclared_past_tenses_are_derived() -> None:
+    spec = spec_from_dict(
+        {
+            "machine": {"name": "m", "initial": "a"},
+            "states": {"a": {}, "b": {}},
+            "transition": [
+                {"event": "stop", "source": "a", "dest": "b"},
+                {"event": "go_on", "source": "b", "dest": "a"},
+            ],
+            "forbid": [
+                {"event": "stop", "source": "b", "error": "E", "reason": "stopped"},
+                {"event": "go_on", "source": "a", "error": "E", "reason": "going"},
+            ],
+        }
+    )
+    engine = Engine(spec, audit=True)
+    rec = engine.new(1)
+    line = here() + 1
+    engine.fire(rec, "stop")
+    engine.fire(rec, "go_on")
+    exc = refusal(engine, rec, "go_on")
+    where = "test_undeclared_past_tenses_are_derived"
+    assert exc.history == (
+        f"stopped at {HERE}:{line} in {where}; go_on at {HERE}:{line + 1} in {where}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("event", "past"),
+    [
+        ("pin", "pinned"),
+        ("release", "released"),
+        ("lock", "locked"),
+        ("stop", "stopped"),
+        ("load", "loaded"),
+        ("fix", "fixed"),
+        ("evict_host", "evict_host"),
+        ("open", "opened"),
+        ("flip", "flipped"),
+        ("free", "freed"),
+        ("clip", "clipped"),
+        ("drop", "dropped"),
+        ("tap", "tapped"),
+    ],
+)
+def test_past_tense(event: str, past: str) -> None:
+    assert trail.past_tense(event) == past
+
+
+def test_internal_files_are_skipped() -> None:
+    assert trail.is_internal(trail.__file__) is False
+    import fsm_cache.engine
+
+    assert trail.is_internal(fsm_cache.engine.__file__)
+    assert trail.render(None, {}) == ""
