@@ -1,0 +1,407 @@
+"""Diagrams generated from specs: Mermaid, Graphviz DOT, SVG and Markdown tables.
+
+A spec becomes a small, renderer-neutral :class:`Diagram` (regions of states,
+edges and refusals, in a stable order), and each format is one function of
+that diagram. Every picture in the docs is rendered from the same spec objects
+the engine runs, so a diagram cannot say anything the runtime does not do.
+
+Conventions shared by all formats: an edge reads ``event [guard] / update``;
+a state that carries a counter is one state drawn as ``pinned(pins)``; the
+initial state is entered from a start point and final states lead to an end
+point; a composition draws each region as a composite state, side by side.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from fsm_cache.errors import FsmCacheError
+from fsm_cache.spec import Forbid, MachineSpec, Spec, System
+
+
+FORMATS = ("mermaid", "dot", "svg", "md")
+HIGHLIGHT_FILL = "#ffd54f"
+HIGHLIGHT_STROKE = "#e65100"
+
+
+class DiagramError(FsmCacheError):
+    """A diagram cannot be made: unknown format or state, or Graphviz is missing for SVG."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One state as drawn: ``label`` shows its counter, e.g. ``pinned(pins)``."""
+
+    name: str
+    label: str
+    doc: str
+    invariant: str
+    initial: bool
+    final: bool
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One move of ``event`` from ``source`` to ``dest`` (a transition has one per source)."""
+
+    source: str
+    dest: str
+    event: str
+    guard: str
+    update: str
+    effect: str
+    propagate: str
+
+    @property
+    def label(self) -> str:
+        """The edge text, ``event [guard] / update``."""
+        guard = f" [{self.guard}]" if self.guard else ""
+        update = f" / {self.update}" if self.update else ""
+        return f"{self.event}{guard}{update}"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A refused pair: ``event`` in ``state`` raises ``error``.
+
+    For a composition's refusal, ``state`` is a condition on the region owning the
+    event (``host in [backed]``), or empty for any state.
+    """
+
+    state: str
+    event: str
+    guard: str
+    when: str
+    error: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Region:
+    """One machine as drawn, in its region of a composition (``state`` when alone)."""
+
+    name: str
+    machine: str
+    doc: str
+    nodes: tuple[Node, ...]
+    edges: tuple[Edge, ...]
+    refusals: tuple[Refusal, ...]
+
+
+@dataclass(frozen=True)
+class Diagram:
+    """What every renderer draws: regions, cross-region refusals and highlighted states.
+
+    Attributes:
+        name: The spec's name.
+        doc: What the spec models.
+        composed: Whether the spec is a composition (regions drawn as composite states).
+        regions: The machines, in region order.
+        refusals: The composition's cross-region and tree refusals.
+        highlight: ``(region, state)`` pairs to mark, e.g. where a node was.
+    """
+
+    name: str
+    doc: str
+    composed: bool
+    regions: tuple[Region, ...]
+    refusals: tuple[Refusal, ...] = ()
+    highlight: frozenset[tuple[str, str]] = frozenset()
+
+
+def build(spec: Spec) -> Diagram:
+    """Return the diagram of a machine or a composition."""
+    if isinstance(spec, MachineSpec):
+        return Diagram(spec.name, spec.doc, False, (_region("state", spec),))
+    regions = tuple(_region(name, machine) for name, machine in spec.regions)
+    refusals = tuple(_cross_refusal(spec, f) for f in spec.forbids)
+    return Diagram(spec.name, spec.doc, True, regions, refusals)
+
+
+def _cross_refusal(spec: System, forbid: Forbid) -> Refusal:
+    # A composition forbid's sources are states of the first region declaring its event.
+    if not forbid.sources:
+        return _refusal("", forbid)
+    owner = spec.regions_of(forbid.event)[0]
+    return _refusal(f"{owner} in [{', '.join(forbid.sources)}]", forbid)
+
+
+def _region(name: str, machine: MachineSpec) -> Region:
+    order = {state: i for i, state in enumerate(machine.state_names)}
+    nodes = tuple(
+        Node(
+            s.name,
+            f"{s.name}({s.counter})" if s.counter else s.name,
+            s.doc,
+            str(s.invariant),
+            s.name == machine.initial,
+            s.final,
+        )
+        for s in machine.states
+    )
+    moves = sorted(
+        ((order[src], i, src, t) for i, t in enumerate(machine.transitions) for src in t.sources),
+        key=lambda move: move[:2],
+    )
+    edges = tuple(
+        Edge(src, t.dest, t.event, str(t.guard), str(t.update), t.effect or "", t.propagate or "")
+        for _, _, src, t in moves
+    )
+    pairs = sorted(
+        ((order[src], i, src, f) for i, f in enumerate(machine.forbids) for src in f.sources),
+        key=lambda pair: pair[:2],
+    )
+    refusals = tuple(_refusal(src, f) for _, _, src, f in pairs)
+    return Region(name, machine.name, machine.doc, nodes, edges, refusals)
+
+
+def _refusal(state: str, forbid: Forbid) -> Refusal:
+    when = " and ".join(str(c) for c in forbid.when)
+    return Refusal(state, forbid.event, str(forbid.guard), when, forbid.error, forbid.reason)
+
+
+def highlight(diagram: Diagram, where: str) -> Diagram:
+    """Return ``diagram`` with one state marked, named ``STATE`` or ``REGION=STATE``.
+
+    Raises:
+        DiagramError: No such region or state, or a bare state name is ambiguous.
+    """
+    region_name, _, state = where.rpartition("=")
+    found = [
+        (r.name, state)
+        for r in diagram.regions
+        if region_name in ("", r.name) and state in (n.name for n in r.nodes)
+    ]
+    if len(found) != 1:
+        known = ", ".join(f"{r.name}={n.name}" for r in diagram.regions for n in r.nodes)
+        why = "is ambiguous" if found else "names no state"
+        msg = f"{diagram.name}: highlight {where!r} {why}; known: {known}"
+        raise DiagramError(msg)
+    return replace(diagram, highlight=diagram.highlight | {found[0]})
+
+
+# -- Mermaid -------------------------------------------------------------------
+
+
+def mermaid(diagram: Diagram) -> str:
+    """Return a Mermaid ``stateDiagram-v2`` of the diagram."""
+    lines = ["stateDiagram-v2", f"    %% {diagram.name}: generated by fsm-cache diagram"]
+    for region in diagram.regions:
+        indent = "    "
+        if diagram.composed:
+            lines.append(f"    state {region.name} {{")
+            indent = "        "
+        lines += [indent + line for line in _mermaid_region(diagram, region)]
+        if diagram.composed:
+            lines.append("    }")
+    marked = [_id(diagram, region, state) for region, state in sorted(diagram.highlight)]
+    if marked:
+        style = f"fill:{HIGHLIGHT_FILL},stroke:{HIGHLIGHT_STROKE},stroke-width:3px"
+        lines += [f"    classDef here {style}", f"    class {','.join(marked)} here"]
+    return "\n".join(lines) + "\n"
+
+
+def _mermaid_region(diagram: Diagram, region: Region) -> list[str]:
+    lines = []
+    for node in region.nodes:
+        lines.append(f'state "{node.label}" as {_id(diagram, region.name, node.name)}')
+    for node in region.nodes:
+        if node.initial:
+            lines.append(f"[*] --> {_id(diagram, region.name, node.name)}")
+    for (source, dest), labels in _parallel(region).items():
+        src, dst = _id(diagram, region.name, source), _id(diagram, region.name, dest)
+        lines.append(f"{src} --> {dst} : {'<br/>'.join(map(_mermaid_text, labels))}")
+    for node in region.nodes:
+        if node.final:
+            lines.append(f"{_id(diagram, region.name, node.name)} --> [*]")
+    return lines
+
+
+def _parallel(region: Region) -> dict[tuple[str, str], list[str]]:
+    """Group edge labels by (source, dest), in edge order.
+
+    Both Mermaid and Graphviz draw parallel edges and self-loops on top of each
+    other, hiding labels; one edge per pair of states, one line per move, keeps
+    every label readable.
+    """
+    pairs: dict[tuple[str, str], list[str]] = {}
+    for edge in region.edges:
+        pairs.setdefault((edge.source, edge.dest), []).append(edge.label)
+    return pairs
+
+
+def _id(diagram: Diagram, region: str, state: str) -> str:
+    return f"{region}_{state}" if diagram.composed else state
+
+
+_MERMAID_UNSAFE = str.maketrans({":": "\uff1a", ";": "\uff1b", "#": "\uff03"})
+
+
+def _mermaid_text(text: str) -> str:
+    # NOTE: Mermaid ends a label at ':' or ';' and reads '#' as an entity start; the spec
+    # grammar produces none of them, but a future operator must not break every diagram.
+    return text.translate(_MERMAID_UNSAFE)
+
+
+# -- Graphviz ------------------------------------------------------------------
+
+
+def dot(diagram: Diagram) -> str:
+    """Return a Graphviz DOT digraph of the diagram (regions as side-by-side clusters)."""
+    lines = [
+        f"digraph {_q(diagram.name)} {{",
+        '    graph [fontname="Helvetica", labeljust=l];',
+        '    node [shape=box, style=rounded, fontname="Helvetica"];',
+        '    edge [fontname="Helvetica", fontsize=10];',
+    ]
+    for region in diagram.regions:
+        body = _dot_region(diagram, region)
+        if diagram.composed:
+            title = f"{region.name}: {region.machine}"
+            body = [f"subgraph {_q('cluster_' + region.name)} {{", f"    label={_q(title)};"] + [
+                "    " + line for line in body
+            ]
+            body.append("}")
+        lines += ["    " + line for line in body]
+    if diagram.refusals:
+        note = "".join(f"{_refusal_line(r)}\\l" for r in diagram.refusals)
+        lines.append(f'    "refusals" [shape=note, label="refused across regions:\\l{note}"];')
+    return "\n".join([*lines, "}"]) + "\n"
+
+
+def _dot_region(diagram: Diagram, region: Region) -> list[str]:
+    def ident(state: str) -> str:
+        return _q(_id(diagram, region.name, state))
+
+    lines = []
+    for node in region.nodes:
+        attrs = [f"label={_q(node.label)}"]
+        if node.final:
+            attrs.append("peripheries=2")
+        if (region.name, node.name) in diagram.highlight:
+            attrs.append(f'style="rounded,filled,bold", fillcolor="{HIGHLIGHT_FILL}"')
+        lines.append(f"{ident(node.name)} [{', '.join(attrs)}];")
+    for node in region.nodes:
+        if node.initial:
+            start = ident("__start")
+            lines += [f'{start} [shape=point, label=""];', f"{start} -> {ident(node.name)};"]
+    lines += [
+        f"{ident(src)} -> {ident(dst)} [label={_q(*labels)}];"
+        for (src, dst), labels in _parallel(region).items()
+    ]
+    return lines
+
+
+def _q(*lines: str) -> str:
+    """Quote text for DOT, one line per argument."""
+    escaped = (line.replace("\\", "\\\\").replace('"', '\\"') for line in lines)
+    return '"' + "\\n".join(escaped) + '"'
+
+
+def svg(diagram: Diagram) -> str:
+    """Return the diagram as SVG, drawn by Graphviz's ``dot``.
+
+    Raises:
+        DiagramError: ``dot`` is not on PATH, or it failed.
+    """
+    program = shutil.which("dot")
+    if program is None:
+        msg = "svg output needs Graphviz's 'dot' on PATH (Debian: apt-get install graphviz); --format dot writes the source without it"
+        raise DiagramError(msg)
+    done = subprocess.run(
+        [program, "-Tsvg"], input=dot(diagram), capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        msg = f"dot -Tsvg failed with exit status {done.returncode}: {done.stderr.strip()}"
+        raise DiagramError(msg)
+    return done.stdout
+
+
+# -- Markdown ------------------------------------------------------------------
+
+
+def markdown(diagram: Diagram) -> str:
+    """Return Markdown tables: states, transitions, refused pairs and cross-region refusals."""
+    parts: list[str] = []
+    for region in diagram.regions:
+        title = f"Region `{region.name}`: " if diagram.composed else ""
+        parts.append(f"**{title}`{region.machine}`**: {region.doc}")
+        parts.append(_md_states(region))
+        parts.append(_md_edges(region))
+        if region.refusals:
+            parts.append(_md_table(
+                ("state", "event", "guard", "refused with", "reason"),
+                [(_c(r.state), _c(r.event), _c(r.guard), _c(r.error), r.reason) for r in region.refusals],
+            ))  # fmt: skip
+    if diagram.refusals:
+        parts.append(f"**Refused across regions and along the tree** (`{diagram.name}`)")
+        parts.append(_md_table(
+            ("event", "when", "refused with", "reason"),
+            [(_c(r.event), _c(_condition(r)), _c(r.error), r.reason) for r in diagram.refusals],
+        ))  # fmt: skip
+    return "\n\n".join(parts) + "\n"
+
+
+def _md_states(region: Region) -> str:
+    def mark(node: Node) -> str:
+        return " (initial)" if node.initial else " (final)" if node.final else ""
+
+    rows = [(_c(n.label) + mark(n), _c(n.invariant), n.doc) for n in region.nodes]
+    return _md_table(("state", "invariant", "meaning"), rows)
+
+
+def _md_edges(region: Region) -> str:
+    def effect(edge: Edge) -> str:
+        also = f"to {edge.propagate} too" if edge.propagate else ""
+        return ", ".join(part for part in (_c(edge.effect), also) if part)
+
+    rows = [
+        (_c(e.source), _c(e.event), _c(e.guard), _c(e.dest), _c(e.update), effect(e))
+        for e in region.edges
+    ]
+    return _md_table(("state", "event", "guard", "next state", "update", "effect"), rows)
+
+
+def _md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _c(text: str) -> str:
+    return f"`{text}`" if text else ""
+
+
+def _condition(refusal: Refusal) -> str:
+    return " and ".join(part for part in (refusal.state, refusal.when, refusal.guard) if part)
+
+
+def _refusal_line(refusal: Refusal) -> str:
+    return f"{refusal.event} when {_condition(refusal)}: {refusal.error}"
+
+
+RENDERERS: dict[str, Callable[[Diagram], str]] = {
+    "mermaid": mermaid,
+    "dot": dot,
+    "svg": svg,
+    "md": markdown,
+}
+
+
+def render(spec: Spec, fmt: str, *, mark: tuple[str, ...] = ()) -> str:
+    """Render ``spec`` in ``fmt`` (one of :data:`FORMATS`), highlighting the states in ``mark``.
+
+    Raises:
+        DiagramError: Unknown format or highlighted state, or no Graphviz for SVG.
+    """
+    renderer = RENDERERS.get(fmt)
+    if renderer is None:
+        msg = f"unknown diagram format {fmt!r} (known: {', '.join(FORMATS)})"
+        raise DiagramError(msg)
+    diagram = build(spec)
+    for where in mark:
+        diagram = highlight(diagram, where)
+    return renderer(diagram)
