@@ -1,0 +1,130 @@
+"""What a call does to ownership: acquire, release, hand on, or maybe raise.
+
+Resources are named by text. ``node.protect_host()`` acts on ``node`` (the
+receiver); ``self.inc_lock_ref(node)`` acts on ``node`` (the first argument).
+"""
+
+from __future__ import annotations
+
+import ast
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from fsm_cache.audit.model import AuditConfig
+from fsm_cache.audit.scope import Scope, root_name
+
+
+# Methods that put their arguments into the receiver: a store into a
+# container that outlives the function hands ownership on.
+STORE_METHODS = frozenset(
+    {"append", "appendleft", "add", "extend", "insert", "put", "put_nowait", "push", "update"}
+)
+
+
+class OpKind(enum.Enum):
+    """What a call does to the resources of the analysis."""
+
+    ACQUIRE = "acquire"
+    RELEASE = "release"
+    TAKE = "take"
+    STORE = "store"
+    COLLECT = "collect"
+    SAFE = "safe"
+    CALL = "call"
+
+
+@dataclass(frozen=True)
+class Op:
+    """A classified call.
+
+    Attributes:
+        kind: What the call does.
+        call: The call node.
+        pair: Index of the pair for ACQUIRE and RELEASE, else -1.
+        resource: The expression acquired or released, if any.
+    """
+
+    kind: OpKind
+    call: ast.Call
+    pair: int = -1
+    resource: ast.expr | None = None
+
+
+class Classifier:
+    """Classifies calls against the configured pairs and ownership-taking functions."""
+
+    def __init__(self, config: AuditConfig, takers: frozenset[str]) -> None:
+        self.acquires = {pair.acquire: index for index, pair in enumerate(config.pairs)}
+        self.releases = {pair.release: index for index, pair in enumerate(config.pairs)}
+        self.takers = frozenset(name.rsplit(".", 1)[-1] for name in takers)
+        self.non_raising = config.non_raising
+
+    def classify(self, call: ast.Call, scope: Scope) -> Op:
+        """Return what ``call`` does, judged by the name it calls."""
+        name = callee_name(call)
+        if name in self.acquires or name in self.releases:
+            return self._pair_op(call, name)
+        if name in self.takers:
+            return Op(OpKind.TAKE, call)
+        if name in STORE_METHODS and isinstance(call.func, ast.Attribute):
+            stays_local = scope.is_local(call.func.value)
+            return Op(
+                OpKind.COLLECT if stays_local else OpKind.STORE, call, resource=call.func.value
+            )
+        return Op(OpKind.SAFE if name in self.non_raising else OpKind.CALL, call)
+
+    def _pair_op(self, call: ast.Call, name: str) -> Op:
+        resource = subject(call)
+        if resource is None:
+            return Op(OpKind.SAFE, call)
+        if name in self.acquires:
+            return Op(OpKind.ACQUIRE, call, self.acquires[name], resource)
+        return Op(OpKind.RELEASE, call, self.releases[name], resource)
+
+    def release_texts(self, node: ast.AST, scope: Scope) -> Iterator[tuple[str, str]]:
+        """Yield (root name, canonical text) of every release anywhere inside ``node``."""
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Call) and callee_name(sub) in self.releases:
+                resource = subject(sub)
+                root = None if resource is None else root_name(resource)
+                if resource is not None and root is not None:
+                    yield root, scope.canon(resource)
+
+
+def callee_name(call: ast.Call) -> str:
+    """Return the bare name a call invokes (``release_host`` for ``node.release_host()``)."""
+    if isinstance(call.func, ast.Attribute):
+        return call.func.attr
+    if isinstance(call.func, ast.Name):
+        return call.func.id
+    return ""
+
+
+def subject(call: ast.Call) -> ast.expr | None:
+    """Return the resource of a pair call: its first argument, else its receiver.
+
+    A literal first argument is a flag (``lock.acquire(False)``), not a resource.
+    """
+    first = call.args[0] if call.args else None
+    if first is not None and not isinstance(first, ast.Starred | ast.Constant):
+        return first
+    if isinstance(call.func, ast.Attribute):
+        return call.func.value
+    return None
+
+
+def call_arguments(call: ast.Call) -> list[ast.expr]:
+    """Return the positional and keyword argument expressions of ``call``."""
+    return [*call.args, *(keyword.value for keyword in call.keywords)]
+
+
+def effects(node: ast.AST) -> Iterator[ast.Call | ast.Yield | ast.YieldFrom | ast.Lambda]:
+    """Yield the calls, yields and lambdas of ``node`` in evaluation order (post-order)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Lambda):
+            yield child
+        elif not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            yield from effects(child)
+    if isinstance(node, ast.Call | ast.Yield | ast.YieldFrom):
+        yield node

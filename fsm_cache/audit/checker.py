@@ -1,0 +1,152 @@
+"""Audit one module: find its functions, analyze each, turn events into findings.
+
+This is where the declared hand-offs apply: ``# fsm-cache:`` markers on a call
+or a ``def``, and the ``takes_ownership``/``hands_off`` lists of the config.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from fsm_cache.audit import messages
+from fsm_cache.audit.calls import Classifier
+from fsm_cache.audit.events import Sink
+from fsm_cache.audit.flow import analyze
+from fsm_cache.audit.markers import HANDS_OFF, TAKES_OWNERSHIP, Markers, read_markers
+from fsm_cache.audit.model import AuditConfig, AuditError, Finding
+from fsm_cache.audit.scope import FunctionNode, build_scope
+from fsm_cache.audit.state import Flow, Outcome
+
+
+@dataclass(frozen=True)
+class Module:
+    """What applies to every function of one module: its path, the config, its markers."""
+
+    path: str
+    config: AuditConfig
+    markers: Markers
+
+
+@dataclass(frozen=True)
+class Function:
+    """A function to analyze, with what the module and config declare about it.
+
+    Attributes:
+        node: The ``def``.
+        qualname: ``Class.method`` or ``outer.inner``.
+        nested: Whether it is defined inside another function (a closure).
+        hands_off: Its acquires are handed on by design (no FSM101/FSM104).
+        takes_ownership: It releases what its callers acquired (no FSM103/FSM105).
+    """
+
+    node: FunctionNode
+    qualname: str
+    nested: bool
+    hands_off: bool
+    takes_ownership: bool
+
+
+def parse(source: str, path: str) -> ast.Module:
+    """Parse ``source``; a syntax error becomes an :class:`AuditError` naming the place."""
+    try:
+        return ast.parse(source, filename=path)
+    except SyntaxError as exc:
+        where = f"{path}:{exc.lineno or 0}:{exc.offset or 0}"
+        raise AuditError(f"{where}: syntax error: {exc.msg}") from None
+    except ValueError as exc:  # null bytes in the source
+        raise AuditError(f"{path}: cannot parse: {exc}") from None
+
+
+def check_source(source: str, path: str, config: AuditConfig) -> list[Finding]:
+    """Return the findings of one module's source text, sorted by place."""
+    return check_tree(parse(source, path), path, config, read_markers(source))
+
+
+def check_tree(
+    tree: ast.Module, path: str, config: AuditConfig, markers: Markers | None = None
+) -> list[Finding]:
+    """Return the findings of a parsed module; ``markers`` come from its comments."""
+    module = Module(path, config, markers or Markers())
+    functions = list(_functions(tree, "", False, module))
+    takers = config.takes_ownership | {fn.node.name for fn in functions if fn.takes_ownership}
+    classifier = Classifier(config, frozenset(takers))
+    found = [
+        Finding(path, line, col, "FSM100", text, "") for line, col, text in module.markers.problems
+    ]
+    for function in functions:
+        outcome, sink = analyze(function.node, classifier)
+        found.extend(_findings(module, function, outcome, sink))
+    ignored = module.markers.ignored
+    return sorted({f for f in found if f.code not in config.ignore and not ignored(f.line, f.code)})
+
+
+def _functions(node: ast.AST, prefix: str, nested: bool, module: Module) -> Iterator[Function]:
+    """Yield every function under ``node`` with its qualified name, outermost first."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+            qualname = prefix + child.name
+            yield _declared(child, qualname, nested, module)
+            yield from _functions(child, qualname + ".", True, module)
+        elif isinstance(child, ast.ClassDef):
+            yield from _functions(child, f"{prefix}{child.name}.", nested, module)
+        else:
+            yield from _functions(child, prefix, nested, module)
+
+
+def _declared(node: FunctionNode, qualname: str, nested: bool, module: Module) -> Function:
+    """Return the function with the hand-offs its signature markers and the config declare."""
+    signature = range(node.lineno, node.body[0].lineno)
+    names = {qualname, node.name}
+    config, markers = module.config, module.markers
+    return Function(
+        node,
+        qualname,
+        nested,
+        hands_off=markers.has(signature, HANDS_OFF) or bool(names & config.hands_off),
+        takes_ownership=(
+            markers.has(signature, TAKES_OWNERSHIP) or bool(names & config.takes_ownership)
+        ),
+    )
+
+
+def _findings(module: Module, fn: Function, outcome: Outcome, sink: Sink) -> Iterator[Finding]:
+    """Record the leaks of the paths leaving ``fn``, then render every event as a finding."""
+    end = fn.node.end_lineno or fn.node.lineno
+    exits = [
+        *((state, end, "ends") for state in outcome.get(Flow.NORMAL, {})),
+        *((state, state.site, "returns") for state in outcome.get(Flow.RETURN, {})),
+        *((state, state.site, "raises") for state in outcome.get(Flow.RAISE, {})),
+    ]
+    for state, line, how in exits:
+        for held in state.held:
+            site = (held.line, held.col, held.key)
+            if held.handed:
+                continue
+            if how == "raises":
+                sink.raised(site, line)
+            else:
+                sink.leak(site, line, how)
+    for item in messages.render(sink, module.config.pairs):
+        if not _declared_away(fn, item, module.markers):
+            yield Finding(module.path, item.line, item.col, item.code, item.message, fn.qualname)
+
+
+def _declared_away(fn: Function, item: messages.Rendered, markers: Markers) -> bool:
+    """Return whether a documented hand-off covers this finding.
+
+    A release in a closure of a resource the closure captures is a hand-off too:
+    the enclosing function gave the resource to the callback.
+    """
+    if item.code in ("FSM101", "FSM104"):
+        return fn.hands_off or markers.has((item.line,), HANDS_OFF)
+    if item.code in ("FSM103", "FSM105"):
+        captured = fn.nested and messages.root_of(item.key) not in _own_names(fn.node)
+        return fn.takes_ownership or markers.has((item.line,), TAKES_OWNERSHIP) or captured
+    return False
+
+
+def _own_names(node: FunctionNode) -> frozenset[str]:
+    scope = build_scope(node)
+    return scope.params | scope.locals

@@ -1,0 +1,120 @@
+"""The ``fsm-cache audit`` subcommand: read sources, audit them, print a report.
+
+Exit status: 0 when clean, 1 when there are findings, 2 on bad input (an
+unreadable file, a syntax error, a bad option or config), which the CLI shell
+prints as ``error: ...`` from the :class:`AuditError` raised here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+import tokenize
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from fsm_cache.audit.checker import check_source
+from fsm_cache.audit.config import find_pyproject, load_config, with_pairs
+from fsm_cache.audit.model import DEFAULT_PAIRS, AuditConfig, AuditError, Finding
+from fsm_cache.audit.report import FORMATS, render
+from fsm_cache.errors import FsmCacheError
+
+
+_SKIPPED_DIRS = frozenset({"__pycache__", "node_modules", "site-packages"})
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``audit`` subparser; its handler returns the exit status."""
+    defaults = " ".join(f"--pair {pair}" for pair in DEFAULT_PAIRS)
+    parser = subparsers.add_parser(
+        "audit",
+        help="find unpaired acquire/release call sites in Python sources",
+        description=(
+            "Pair acquires with releases along every path of every function and report "
+            "leaks, double releases, unmatched releases and exception-unsafe pairs."
+        ),
+    )
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="files or folders to audit")
+    parser.add_argument(
+        "--pair",
+        action="append",
+        default=[],
+        metavar="ACQUIRE:RELEASE",
+        help=f"call names to pair; replaces the configured pairs (default: {defaults})",
+    )
+    parser.add_argument("--format", choices=FORMATS, default="text", help="report format")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="PYPROJECT",
+        help="pyproject.toml to read [tool.fsm_cache.audit] from (default: nearest one)",
+    )
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Audit ``args.paths``, print the report, and return the exit status."""
+    config = with_pairs(_config(args.config), args.pair)
+    findings = audit_paths(args.paths, config)
+    sys.stdout.write(render(findings, args.format))
+    return 1 if findings else 0
+
+
+def audit_paths(paths: Sequence[str], config: AuditConfig) -> list[Finding]:
+    """Return the findings of every Python file under ``paths``, sorted by place."""
+    sources = [(path, _read(path)) for path in _python_files(paths)]
+    return sorted(f for path, source in sources for f in check_source(source, path, config))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``audit`` as a standalone program (``python -m fsm_cache.audit``)."""
+    parser = argparse.ArgumentParser(prog="fsm-cache")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["audit", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        status: int = args.handler(args)
+    except (FsmCacheError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return status
+
+
+def _config(explicit: Path | None) -> AuditConfig:
+    if explicit is not None and not explicit.is_file():
+        raise AuditError(f"{explicit}: no such config file")
+    return load_config(explicit or find_pyproject(Path.cwd()))
+
+
+def _python_files(paths: Sequence[str]) -> Iterator[str]:
+    """Yield the files named, and the ``.py`` files under the folders named, in order."""
+    for name in paths:
+        path = Path(name)
+        if path.is_dir():
+            yield from (str(found) for found in sorted(path.rglob("*.py")) if _wanted(found, path))
+        elif path.exists():
+            yield name
+        else:
+            raise AuditError(f"{name}: no such file or directory")
+
+
+def _wanted(found: Path, root: Path) -> bool:
+    parts = found.relative_to(root).parts[:-1]
+    return found.is_file() and not any(
+        part.startswith(".") or part in _SKIPPED_DIRS for part in parts
+    )
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, "rb") as stream:
+            data = stream.read()
+    except OSError as exc:
+        raise AuditError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+        return data.decode(encoding)
+    except SyntaxError as exc:  # a bad or missing coding cookie
+        raise AuditError(f"{path}: cannot decode: {exc.msg}") from None
+    except (UnicodeDecodeError, LookupError) as exc:
+        raise AuditError(f"{path}: cannot decode: {exc}") from None

@@ -1,0 +1,144 @@
+"""Compound statements for the path analysis: ``try``, loops, ``with`` and ``match``.
+
+Each handler takes the walker, the statement and the incoming states, and
+returns the states per way of leaving the statement, as
+:meth:`fsm_cache.audit.flow.Walker.stmt` does.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from fsm_cache.audit.scope import loop_bindings
+from fsm_cache.audit.state import Flow, Outcome, States, add, merge, states_of
+
+
+if TYPE_CHECKING:
+    from fsm_cache.audit.flow import Walker
+
+_CATCH_ALL = frozenset({"Exception", "BaseException"})
+if sys.version_info >= (3, 11):
+    _TRY = (ast.Try, ast.TryStar)
+else:
+    _TRY = (ast.Try,)
+
+
+def run_try(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
+    """Run ``try``: handlers see the body's raising paths; ``finally`` sees every exit."""
+    assert isinstance(stmt, _TRY)
+    body = walker.block(stmt.body, states)
+    pending: Outcome = {}
+    merge(pending, walker.block(stmt.orelse, body.pop(Flow.NORMAL, {})))
+    raised = body.pop(Flow.RAISE, {})
+    merge(pending, body)
+    caught = states_of(*(state.at(0) for state in raised))
+    for handler in stmt.handlers:
+        merge(pending, walker.block(handler.body, caught))
+    if not any(_catches_all(handler) for handler in stmt.handlers):
+        add(pending, Flow.RAISE, raised)
+    if not stmt.finalbody:
+        return pending
+    outcome: Outcome = {}
+    for flow, leaving in pending.items():
+        final = walker.block(stmt.finalbody, leaving)
+        add(outcome, flow, final.pop(Flow.NORMAL, {}))
+        merge(outcome, final)
+    return outcome
+
+
+def _catches_all(handler: ast.ExceptHandler) -> bool:
+    kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return any(kind is None or ast.unparse(kind) in _CATCH_ALL for kind in kinds)
+
+
+def run_loop(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
+    """Run a loop body once and twice; ``for`` loops are assumed to run at least once.
+
+    A ``for`` loop's variable stands for every element, so pinning and releasing
+    it pair up across loops over the same collection, and its operations are
+    not repeated in the second pass. Anything else repeats and can double.
+    """
+    assert isinstance(stmt, ast.For | ast.AsyncFor | ast.While)
+    outcome: Outcome = {}
+    header = stmt.test if isinstance(stmt, ast.While) else stmt.iter
+    current = walker.evaluate(header, states, outcome)
+    endless = isinstance(stmt, ast.While) and _always_true(stmt.test)
+    exits: States = {}
+    if isinstance(stmt, ast.While) and not endless:
+        exits.update(current)
+    bindings = loop_bindings(stmt, walker.scope)
+    for iteration in range(2):
+        body = _iterate(walker, stmt, current, bindings, iteration)
+        add(outcome, Flow.NORMAL, body.pop(Flow.BREAK, {}))
+        current = {**body.pop(Flow.NORMAL, {}), **body.pop(Flow.CONTINUE, {})}
+        if isinstance(stmt, ast.While):
+            current = walker.evaluate(stmt.test, current, outcome)
+        merge(outcome, body)
+        if not endless:
+            exits.update(current)
+    merge(outcome, walker.block(stmt.orelse, exits))
+    return outcome
+
+
+def _iterate(
+    walker: Walker,
+    stmt: ast.For | ast.AsyncFor | ast.While,
+    states: States,
+    bindings: dict[str, str],
+    iteration: int,
+) -> Outcome:
+    """Run one pass of a loop body with its loop variables bound."""
+    saved_env, saved_frozen = walker.scope.env, walker.frozen
+    walker.scope.env = {**saved_env, **bindings}
+    if iteration:
+        walker.frozen = saved_frozen | frozenset(bindings.values())
+    try:
+        targets = [] if isinstance(stmt, ast.While) else [stmt.target]
+        entry = walker.forget(targets, states)
+        return walker.block(stmt.body, entry)
+    finally:
+        walker.scope.env, walker.frozen = saved_env, saved_frozen
+
+
+def _always_true(test: ast.expr) -> bool:
+    return isinstance(test, ast.Constant) and bool(test.value)
+
+
+def run_with(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
+    """Run ``with``: entering may raise; the body's exits pass through unchanged."""
+    assert isinstance(stmt, ast.With | ast.AsyncWith)
+    outcome: Outcome = {}
+    for item in stmt.items:
+        states = walker.evaluate(item.context_expr, states, outcome)
+    targets = [item.optional_vars for item in stmt.items if item.optional_vars is not None]
+    merge(outcome, walker.block(stmt.body, walker.forget(targets, states)))
+    return outcome
+
+
+def run_match(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
+    """Run ``match``: every case is a branch; no case matching falls through."""
+    assert isinstance(stmt, ast.Match)
+    outcome: Outcome = {}
+    states = walker.evaluate(stmt.subject, states, outcome)
+    for case in stmt.cases:
+        merge(outcome, walker.block(case.body, states))
+    last = stmt.cases[-1].pattern if stmt.cases else None
+    if not (isinstance(last, ast.MatchAs) and last.pattern is None):
+        add(outcome, Flow.NORMAL, states)
+    return outcome
+
+
+Handler = Callable[["Walker", ast.stmt, States], Outcome]
+
+HANDLERS: dict[type[ast.stmt], Handler] = {
+    **dict.fromkeys(_TRY, run_try),
+    ast.For: run_loop,
+    ast.AsyncFor: run_loop,
+    ast.While: run_loop,
+    ast.With: run_with,
+    ast.AsyncWith: run_with,
+    ast.Match: run_match,
+}

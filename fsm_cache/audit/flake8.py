@@ -1,0 +1,57 @@
+"""The audit as a flake8 plugin: codes ``FSM1xx``, registered under the ``FSM`` prefix.
+
+flake8 hands the plugin a parsed tree and the file name; the comment markers
+come from ``lines`` when flake8 passes them, else from the file itself. The
+``[tool.fsm_cache.audit]`` table is read from the nearest pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from fsm_cache.audit.checker import check_tree
+from fsm_cache.audit.config import find_pyproject, load_config
+from fsm_cache.audit.markers import Markers, read_markers
+from fsm_cache.audit.model import VERSION, AuditConfig, AuditError
+
+
+class AuditPlugin:
+    """flake8 entry point: ``run()`` yields ``(line, col, "FSM1xx message", type)``."""
+
+    name = "fsm-cache-audit"
+    version = VERSION
+
+    def __init__(self, tree: ast.AST, filename: str, lines: Sequence[str] | None = None) -> None:
+        self.tree = tree
+        self.filename = filename
+        self.lines = lines
+
+    def run(self) -> Iterator[tuple[int, int, str, type[AuditPlugin]]]:
+        """Yield one flake8 result per finding; columns are 0-based, as flake8 expects."""
+        if not isinstance(self.tree, ast.Module):
+            return
+        try:
+            config = _config_for(self.filename)
+        except AuditError as exc:
+            yield 1, 0, f"FSM100 {exc}", type(self)
+            return
+        for finding in check_tree(self.tree, self.filename, config, self._markers()):
+            where = f" [{finding.function}]" if finding.function else ""
+            message = f"{finding.code} {finding.message}{where}"
+            yield finding.line, finding.col - 1, message, type(self)
+
+    def _markers(self) -> Markers:
+        if self.lines is not None:
+            return read_markers("".join(self.lines))
+        try:
+            return read_markers(Path(self.filename).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError):
+            return Markers()
+
+
+def _config_for(filename: str) -> AuditConfig:
+    path = Path(filename)
+    start = path.parent if path.parent.is_dir() else Path.cwd()
+    return load_config(find_pyproject(start))

@@ -1,0 +1,278 @@
+"""Path analysis of one function: every path, with what it holds at each point.
+
+The walker interprets the statements of a function over sets of abstract
+states (:mod:`fsm_cache.audit.state`). A call that may raise forks a state
+into the ``raise`` flow, so ``try``/``except``/``finally`` see exactly the
+acquisitions outstanding at each possible raise. Loops run their body once and
+twice, which exposes a release that repeats. Compound statements live in
+:mod:`fsm_cache.audit.compound`.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fsm_cache.audit import compound
+from fsm_cache.audit.calls import Classifier, Op, OpKind, call_arguments, effects
+from fsm_cache.audit.events import Sink
+from fsm_cache.audit.scope import Scope, build_scope, test_fact
+from fsm_cache.audit.state import Flow, Key, Outcome, State, States, add, merge, states_of
+
+
+Handler = Callable[["Walker", ast.stmt, States], Outcome]
+
+
+@dataclass
+class Walker:
+    """Interprets one function's statements over sets of path states.
+
+    Attributes:
+        scope: The function's names; its ``env`` changes as loops are entered.
+        classifier: Says what each call does.
+        sink: Receives the events seen along the way.
+        frozen: Resource texts whose operations repeat harmlessly in a later loop
+            iteration (the loop variable of that loop stands for every element).
+    """
+
+    scope: Scope
+    classifier: Classifier
+    sink: Sink = field(default_factory=Sink)
+    frozen: frozenset[str] = frozenset()
+
+    def block(self, body: list[ast.stmt], states: States) -> Outcome:
+        """Run ``body`` from ``states``; return the states per way of leaving it."""
+        outcome: Outcome = {}
+        current = states
+        for stmt in body:
+            if not current:
+                break
+            result = self.stmt(stmt, current)
+            current = result.pop(Flow.NORMAL, {})
+            merge(outcome, result)
+        add(outcome, Flow.NORMAL, current)
+        return outcome
+
+    def stmt(self, stmt: ast.stmt, states: States) -> Outcome:
+        """Run one statement."""
+        handler = _HANDLERS.get(type(stmt), _simple)
+        return handler(self, stmt, states)
+
+    def evaluate(self, node: ast.AST, states: States, outcome: Outcome) -> States:
+        """Apply the calls inside ``node`` in order; raising paths go to ``outcome``."""
+        for effect in effects(node):
+            states = self._effect(effect, states, outcome)
+        return states
+
+    def hand_on(self, value: ast.AST | None, states: States) -> States:
+        """Mark the resources named in ``value`` as handed on."""
+        texts = self.scope.texts(value) if value is not None else frozenset()
+        if not texts:
+            return states
+        return states_of(*(state.hand_on(texts) for state in states))
+
+    def forget(self, targets: list[ast.expr], states: States) -> States:
+        """Drop the branch facts that read any of the assigned ``targets``."""
+        names = frozenset(ast.unparse(sub) for target in targets for sub in _stored(target))
+        return states_of(*(state.forget(names, self.scope.mentions) for state in states))
+
+    def _effect(self, effect: ast.AST, states: States, outcome: Outcome) -> States:
+        if isinstance(effect, ast.Lambda):
+            return self.closure(effect, states)
+        if isinstance(effect, ast.Yield | ast.YieldFrom):
+            states = self.hand_on(effect.value, states)
+            add(outcome, Flow.RAISE, _at(states, effect.lineno))
+            return states
+        assert isinstance(effect, ast.Call)
+        return self._call(self.classifier.classify(effect, self.scope), states, outcome)
+
+    def _call(self, op: Op, states: States, outcome: Outcome) -> States:
+        if op.kind is OpKind.CALL:
+            add(outcome, Flow.RAISE, _at(states, op.call.lineno))
+        elif op.kind in (OpKind.TAKE, OpKind.STORE):
+            for argument in call_arguments(op.call):
+                states = self.hand_on(argument, states)
+            if op.kind is OpKind.TAKE:
+                add(outcome, Flow.RAISE, _at(states, op.call.lineno))
+        elif op.kind is OpKind.COLLECT and op.resource is not None:
+            states = self.collect(op.resource, call_arguments(op.call), states)
+        elif op.resource is not None and op.kind is not OpKind.SAFE:
+            key = (op.pair, self.scope.canon(op.resource))
+            if not self._repeats(key[1]):
+                states = self._pair(op, key, states)
+        return states
+
+    def collect(self, container: ast.expr, values: list[ast.expr], states: States) -> States:
+        """Record that the elements of a local ``container`` stand for ``values``."""
+        texts = frozenset(text for value in values for text in self.scope.texts(value))
+        alias = f"{self.scope.canon(container)}[*]"
+        if texts:
+            self.sink.aliased(alias, texts)
+        return states_of(*(state.alias(alias, texts) for state in states)) if texts else states
+
+    def _repeats(self, text: str) -> bool:
+        """Return whether ``text`` is a per-iteration resource seen again in a later pass."""
+        return any(text == f or text.startswith((f + ".", f + "[")) for f in self.frozen)
+
+    def _pair(self, op: Op, key: Key, states: States) -> States:
+        line, col = op.call.lineno, op.call.col_offset + 1
+        if op.kind is OpKind.ACQUIRE:
+            self.sink.acquired(key, line, col)
+            return states_of(*(state.acquire(key, line, col) for state in states))
+        after: list[State] = []
+        for state in states:
+            released, earlier, matched = state.release(key, line)
+            if earlier is None and not matched:
+                earlier = state.last_release(_last_element(key))
+            if earlier is not None:
+                self.sink.double((line, col, key), earlier)
+            elif not matched:
+                self.sink.unmatch((line, col, key))
+            after.append(released)
+        return states_of(*after)
+
+    def closure(
+        self, func: ast.Lambda | ast.FunctionDef | ast.AsyncFunctionDef, states: States
+    ) -> States:
+        """A nested function that releases a captured resource takes its ownership."""
+        inner = build_scope(func)
+        own = inner.params | inner.locals
+        texts = frozenset(
+            text
+            for root, text in self.classifier.release_texts(func, self.scope)
+            if root not in own
+        )
+        return states_of(*(state.hand_on(texts) for state in states)) if texts else states
+
+
+def _last_element(key: Key) -> Key:
+    """Return the key a loop gave ``key`` while its variable was rebound each pass.
+
+    After ``for op in ops: node = pop(op); node.release_host()``, ``node`` is the
+    last element, which the loop already released.
+    """
+    root = re.match(r"[A-Za-z_]\w*", key[1])
+    if root is None:
+        return key
+    return key[0], f"{root.group(0)}[*]{key[1][root.end() :]}"
+
+
+def _at(states: States, line: int) -> States:
+    return states_of(*(state.at(line) for state in states))
+
+
+def _stored(target: ast.expr) -> list[ast.expr]:
+    """Return the names and attributes an assignment to ``target`` changes."""
+    if isinstance(target, ast.Tuple | ast.List | ast.Starred):
+        elements = target.elts if not isinstance(target, ast.Starred) else [target.value]
+        return [sub for element in elements for sub in _stored(element)]
+    if isinstance(target, ast.Subscript):
+        return [target.value]
+    return [target]
+
+
+def _simple(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
+    """Run a statement without control flow: its calls, then its stores."""
+    outcome: Outcome = {}
+    if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
+        states = walker.closure(stmt, states)
+    elif not isinstance(stmt, ast.ClassDef):
+        states = walker.evaluate(stmt, states, outcome)
+    targets = _targets(stmt)
+    value = getattr(stmt, "value", None)
+    if any(_escapes(walker.scope, target) for target in targets):
+        states = walker.hand_on(value, states)
+    elif isinstance(value, ast.expr):
+        for target in targets:
+            if isinstance(target, ast.Subscript):
+                states = walker.collect(target.value, [value], states)
+    add(outcome, Flow.NORMAL, walker.forget(targets, states))
+    return outcome
+
+
+def _targets(stmt: ast.stmt) -> list[ast.expr]:
+    if isinstance(stmt, ast.Assign):
+        return list(stmt.targets)
+    if isinstance(stmt, ast.AugAssign | ast.AnnAssign):
+        return [stmt.target]
+    return []
+
+
+def _escapes(scope: Scope, target: ast.expr) -> bool:
+    """Return whether storing into ``target`` hands the value on (an attribute, a shared container)."""
+    if isinstance(target, ast.Tuple | ast.List):
+        return any(_escapes(scope, element) for element in target.elts)
+    if isinstance(target, ast.Attribute):
+        return True
+    return isinstance(target, ast.Subscript) and not scope.is_local(target.value)
+
+
+def _return(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
+    assert isinstance(stmt, ast.Return)
+    outcome: Outcome = {}
+    states = walker.hand_on(stmt.value, walker.evaluate(stmt, states, outcome))
+    add(outcome, Flow.RETURN, _at(states, stmt.lineno))
+    return outcome
+
+
+def _raise(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
+    outcome: Outcome = {}
+    states = walker.evaluate(stmt, states, outcome)
+    add(outcome, Flow.RAISE, _at(states, stmt.lineno))
+    return outcome
+
+
+def _assert(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
+    outcome: Outcome = {}
+    states = walker.evaluate(stmt, states, outcome)
+    add(outcome, Flow.RAISE, _at(states, stmt.lineno))
+    add(outcome, Flow.NORMAL, states)
+    return outcome
+
+
+def _jump(flow: Flow) -> Handler:
+    def run(_walker: Walker, _stmt: ast.stmt, states: States) -> Outcome:
+        return {flow: states}
+
+    return run
+
+
+def _if(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
+    """Run both branches; a repeated test takes the branch it took before on that path."""
+    assert isinstance(stmt, ast.If)
+    outcome: Outcome = {}
+    states = walker.evaluate(stmt.test, states, outcome)
+    test, polarity = test_fact(stmt.test)
+    tracked = test in walker.scope.correlated
+    branches: dict[bool, list[State]] = {True: [], False: []}
+    for state in states:
+        known = state.fact(test) if tracked else None
+        for taken in (True, False):
+            value = polarity == taken
+            if known is None or known == value:
+                branches[taken].append(state.assume(test, value) if tracked else state)
+    merge(outcome, walker.block(stmt.body, states_of(*branches[True])))
+    merge(outcome, walker.block(stmt.orelse, states_of(*branches[False])))
+    return outcome
+
+
+_HANDLERS: dict[type[ast.stmt], Handler] = {
+    ast.Return: _return,
+    ast.Raise: _raise,
+    ast.Assert: _assert,
+    ast.Break: _jump(Flow.BREAK),
+    ast.Continue: _jump(Flow.CONTINUE),
+    ast.If: _if,
+    **compound.HANDLERS,
+}
+
+
+def analyze(
+    func: ast.FunctionDef | ast.AsyncFunctionDef, classifier: Classifier
+) -> tuple[Outcome, Sink]:
+    """Run every path of ``func``; return how they leave it and the events seen."""
+    walker = Walker(build_scope(func), classifier)
+    outcome = walker.block(func.body, states_of(State()))
+    return outcome, walker.sink

@@ -1,0 +1,167 @@
+"""Abstract path states: what one path through a function holds at a point.
+
+A state is a small immutable value, so the analysis can keep an ordered set of
+them per program point and drop duplicates; the number of distinct states is
+bounded by the acquire sites and the correlated branch tests of the function.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+
+# A resource: the index of its pair and the canonical text of the expression.
+Key = tuple[int, str]
+
+# States kept per program point; a guard against pathological functions.
+MAX_STATES = 256
+
+
+class Flow(enum.Enum):
+    """How control leaves a statement."""
+
+    NORMAL = "normal"
+    RETURN = "return"
+    BREAK = "break"
+    CONTINUE = "continue"
+    RAISE = "raise"
+
+
+@dataclass(frozen=True, order=True)
+class Held:
+    """One outstanding acquisition on a path.
+
+    Attributes:
+        key: The resource acquired.
+        line: Line of the acquiring call.
+        col: 1-based column of the acquiring call.
+        handed: Whether its ownership was handed on (stored, returned, passed on).
+    """
+
+    key: Key
+    line: int
+    col: int
+    handed: bool = False
+
+
+@dataclass(frozen=True)
+class State:
+    """What one path holds and knows.
+
+    Attributes:
+        held: Outstanding acquisitions, sorted (a multiset).
+        released: (key, line) of the latest release of each key on this path.
+        stored: Canonical texts handed on before any acquire (store-then-pin).
+        aliases: (alias, original) texts: ``staged[*]`` stands for ``x`` once
+            ``x`` was put into the local list ``staged``.
+        facts: (branch test, outcome) pairs assumed on this path.
+        site: Line where a return or raise left (0 on normal paths).
+    """
+
+    held: tuple[Held, ...] = ()
+    released: tuple[tuple[Key, int], ...] = ()
+    stored: frozenset[str] = frozenset()
+    aliases: frozenset[tuple[str, str]] = frozenset()
+    facts: tuple[tuple[str, bool], ...] = ()
+    site: int = 0
+
+    def acquire(self, key: Key, line: int, col: int) -> State:
+        """Return the state after acquiring ``key`` at ``line``."""
+        entry = Held(key, line, col, handed=key[1] in self.stored)
+        return replace(self, held=tuple(sorted((*self.held, entry))))
+
+    def release(self, key: Key, line: int) -> tuple[State, int | None, bool]:
+        """Return the state after releasing ``key``, the earlier release line, and a match flag.
+
+        The earlier release line is set when nothing was held but this path
+        already released the key (a double release); the flag says whether a
+        held entry was consumed.
+        """
+        previous = dict(self.released).get(key)
+        released = tuple(sorted({**dict(self.released), key: line}.items()))
+        entry = _pick(self.held, key, self.aliases)
+        if entry is None:
+            return replace(self, released=released), previous, False
+        held = list(self.held)
+        held.remove(entry)
+        return replace(self, held=tuple(held), released=released), None, True
+
+    def last_release(self, key: Key) -> int | None:
+        """Return the line of this path's latest release of ``key``, if any."""
+        return dict(self.released).get(key)
+
+    def hand_on(self, texts: frozenset[str]) -> State:
+        """Return the state after the resources named by ``texts`` were handed on."""
+        held = tuple(
+            replace(entry, handed=True) if self._named(entry.key, texts) else entry
+            for entry in self.held
+        )
+        return replace(self, held=tuple(sorted(held)), stored=self.stored | texts)
+
+    def alias(self, alias: str, texts: frozenset[str]) -> State:
+        """Return the state where ``alias`` (a local container's elements) stands for ``texts``."""
+        pairs = frozenset((alias, text) for text in texts)
+        return replace(self, aliases=self.aliases | pairs)
+
+    def _named(self, key: Key, texts: frozenset[str]) -> bool:
+        """Return whether ``texts`` names ``key``, directly or through an alias."""
+        names = {key[1]} | {alias for alias, original in self.aliases if original == key[1]}
+        return any(_names(name, texts) for name in names)
+
+    def assume(self, test: str, outcome: bool) -> State:
+        """Return the state that assumes branch ``test`` evaluated to ``outcome``."""
+        return replace(self, facts=tuple(sorted({*self.facts, (test, outcome)})))
+
+    def forget(self, names: frozenset[str], mentions: dict[str, frozenset[str]]) -> State:
+        """Drop the facts whose test mentions any of ``names`` (they were reassigned)."""
+        facts = tuple(fact for fact in self.facts if not mentions.get(fact[0], set()) & names)
+        return self if facts == self.facts else replace(self, facts=facts)
+
+    def fact(self, test: str) -> bool | None:
+        """Return the assumed outcome of ``test`` on this path, if any."""
+        return dict(self.facts).get(test)
+
+    def at(self, site: int) -> State:
+        """Return this state marked as leaving at line ``site``."""
+        return replace(self, site=site)
+
+
+def _pick(held: tuple[Held, ...], key: Key, aliases: frozenset[tuple[str, str]]) -> Held | None:
+    """Choose the entry a release consumes: the latest acquire not handed on, if any."""
+    matching = [entry for entry in held if entry.key == key]
+    if not matching:
+        originals = {original for alias, original in aliases if alias == key[1]}
+        matching = [e for e in held if e.key[0] == key[0] and e.key[1] in originals]
+    own = [entry for entry in matching if not entry.handed]
+    chosen = own or matching
+    return chosen[-1] if chosen else None
+
+
+def _names(text: str, texts: frozenset[str]) -> bool:
+    """Return whether ``texts`` names the resource ``text`` (or its whole collection)."""
+    return text in texts or (text.endswith("[*]") and text[:-3] in texts)
+
+
+States = dict[State, None]
+Outcome = dict[Flow, States]
+
+
+def states_of(*states: State) -> States:
+    """Return an ordered set of ``states``."""
+    return dict.fromkeys(states)
+
+
+def add(outcome: Outcome, flow: Flow, states: States) -> None:
+    """Merge ``states`` into ``outcome[flow]``, keeping first arrivals and the cap."""
+    bucket = outcome.setdefault(flow, {})
+    for state in states:
+        if len(bucket) >= MAX_STATES:
+            return
+        bucket.setdefault(state, None)
+
+
+def merge(into: Outcome, other: Outcome) -> None:
+    """Merge every flow of ``other`` into ``into``."""
+    for flow, states in other.items():
+        add(into, flow, states)

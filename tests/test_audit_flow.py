@@ -1,0 +1,486 @@
+"""The path analysis, construct by construct: each test is one code shape and its findings."""
+
+from __future__ import annotations
+
+import textwrap
+
+from fsm_cache.audit import AuditConfig, check_source
+
+
+def audit(source: str, config: AuditConfig | None = None) -> list[str]:
+    """Return ``line:col: CODE message [function]`` for each finding in ``source``."""
+    text = textwrap.dedent(source)
+    found = check_source(text, "m.py", config or AuditConfig())
+    return [f"{f.line}:{f.col}: {f.code} {f.message} [{f.function}]" for f in found]
+
+
+LEAK_HINT = "release it in try/finally or hold it with a lease"
+
+
+def test_try_finally_pair_is_clean() -> None:
+    assert not audit("""
+        def f(node):
+            node.protect_host()
+            try:
+                work(node)
+            finally:
+                node.release_host()
+    """)
+
+
+def test_return_inside_try_runs_the_finally() -> None:
+    assert not audit("""
+        def f(node):
+            node.protect_host()
+            try:
+                if node.ready:
+                    return 1
+                return work(node)
+            finally:
+                node.release_host()
+    """)
+
+
+def test_early_return_leaks() -> None:
+    assert audit("""
+        def f(node):
+            node.protect_host()
+            if node.evicted:
+                return None
+            node.release_host()
+            return node.value
+    """) == [
+        "3:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function returns at line 5 [f]"
+    ]
+
+
+def test_falling_off_the_end_leaks() -> None:
+    assert audit("""
+        def f(node):
+            node.protect_host()
+            if node.ready:
+                node.release_host()
+    """) == [
+        "3:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function ends at line 5 [f]"
+    ]
+
+
+def test_a_call_between_acquire_and_release_leaks_when_it_raises() -> None:
+    assert audit("""
+        def f(self, node):
+            self.inc_lock_ref(node)
+            self.copy(node)
+            self.dec_lock_ref(node)
+    """) == [f"3:5: FSM104 inc_lock_ref() on 'node' leaks if line 4 raises; {LEAK_HINT} [f]"]
+
+
+def test_raise_and_assert_are_exception_exits() -> None:
+    assert audit("""
+        def f(node, strict):
+            node.protect_host()
+            assert node.host_value is not None
+            node.release_host()
+
+        def g(node, strict):
+            node.protect_host()
+            if strict:
+                raise ValueError("no host copy")
+            node.release_host()
+    """) == [
+        f"3:5: FSM104 protect_host() on 'node' leaks if line 4 raises; {LEAK_HINT} [f]",
+        f"8:5: FSM104 protect_host() on 'node' leaks if line 10 raises; {LEAK_HINT} [g]",
+    ]
+
+
+def test_non_raising_builtins_and_logging_do_not_count() -> None:
+    assert not audit("""
+        def f(node, logger):
+            node.protect_host()
+            n = len(node.key)
+            logger.debug("pinned %d", n)
+            node.release_host()
+    """)
+
+
+def test_release_in_except_and_finally_is_a_double_release() -> None:
+    assert audit("""
+        def f(node):
+            node.protect_host()
+            try:
+                work()
+            except Exception:
+                node.release_host()
+                raise
+            finally:
+                node.release_host()
+    """) == ["10:9: FSM102 release_host() on 'node' can run twice: already released at line 7 [f]"]
+
+
+def test_sibling_handlers_run_at_most_one() -> None:
+    assert not audit("""
+        def f(node):
+            node.protect_host()
+            try:
+                work()
+            except TimeoutError:
+                node.release_host()
+                raise
+            except Exception:
+                node.release_host()
+                raise
+            node.release_host()
+    """)
+
+
+def test_a_typed_handler_lets_other_exceptions_escape() -> None:
+    assert audit("""
+        def f(node):
+            node.protect_host()
+            try:
+                work()
+            except KeyError:
+                node.release_host()
+                raise
+            node.release_host()
+    """) == [f"3:5: FSM104 protect_host() on 'node' leaks if line 5 raises; {LEAK_HINT} [f]"]
+
+
+def test_nested_cleanup_handlers_release_twice() -> None:
+    assert audit("""
+        def f(self, node):
+            self.inc_lock_ref(node)
+            try:
+                try:
+                    self.load(node)
+                except RuntimeError:
+                    self.dec_lock_ref(node)
+                    raise
+            except Exception:
+                self.dec_lock_ref(node)
+                return False
+            self.dec_lock_ref(node)
+            return True
+    """) == ["11:9: FSM102 dec_lock_ref() on 'node' can run twice: already released at line 8 [f]"]
+
+
+def test_a_release_inside_a_loop_repeats() -> None:
+    assert audit("""
+        def f(node, ops):
+            node.protect_host()
+            for op in ops:
+                node.release_host()
+    """) == [
+        "5:9: FSM102 release_host() on 'node' can run twice: it runs again on a later loop"
+        " iteration [f]"
+    ]
+
+
+def test_release_in_loop_then_unconditional_release() -> None:
+    assert audit("""
+        def f(node, reqs):
+            node.protect_host()
+            for req in reqs:
+                if req.aborted:
+                    node.release_host()
+                    break
+            node.release_host()
+    """) == ["8:5: FSM102 release_host() on 'node' can run twice: already released at line 6 [f]"]
+
+
+def test_while_true_leaves_only_by_break_or_return() -> None:
+    assert not audit("""
+        def f(node, queue):
+            node.protect_host()
+            while True:
+                if not queue:
+                    node.release_host()
+                    return None
+                if queue[0] is None:
+                    break
+                del queue[0]
+            node.release_host()
+    """)
+
+
+def test_loops_over_the_same_collection_pair_up_per_element() -> None:
+    assert not audit("""
+        def f(nodes, controller):
+            for node in nodes:
+                node.protect_host()
+            try:
+                controller.load([n.host_value for n in nodes])
+            finally:
+                for node in reversed(nodes):
+                    node.release_host()
+    """)
+
+
+def test_loop_else_runs_when_the_loop_does_not_break() -> None:
+    assert (
+        audit("""
+        def f(node, attempts):
+            node.protect_host()
+            for attempt in attempts:
+                if attempt.ok:
+                    break
+            else:
+                node.release_host()
+                return False
+            node.release_host()
+            return True
+    """)
+        == []
+    )
+
+
+def test_a_local_list_stands_for_what_was_put_in_it() -> None:
+    assert not audit("""
+        def f(leaves, flush):
+            staged = []
+            try:
+                for x in leaves:
+                    x.protect_host()
+                    staged.append(x)
+                flush()
+            finally:
+                for x in staged:
+                    x.release_host()
+    """)
+
+
+def test_a_local_list_is_not_a_hand_off() -> None:
+    assert audit("""
+        def f(node):
+            batch = []
+            node.protect_host()
+            batch.append(node)
+    """) == [
+        "4:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function ends at line 5 [f]"
+    ]
+
+
+def test_hand_offs_by_return_attribute_container_and_yield() -> None:
+    assert not audit("""
+        def returned(node):
+            node.protect_host()
+            return node
+
+        def attribute(req, node):
+            node.protect_host()
+            req.anchor = node
+
+        def table(self, rid, node, op):
+            node.protect_host()
+            self.ongoing[rid] = (node, op)
+
+        def queue(self, node):
+            node.protect_host()
+            self.staged.append(node)
+
+        def generator(nodes):
+            for node in nodes:
+                node.protect_host()
+                yield node
+    """)
+
+
+def test_store_then_pin_is_a_hand_off() -> None:
+    assert not audit("""
+        def f(self, node, op_id):
+            self.ongoing_backup[op_id] = node
+            node.protect_host()
+    """)
+
+
+def test_release_without_acquire() -> None:
+    assert audit("""
+        def f(self, req):
+            self.dec_lock_ref(req.last_node)
+    """) == [
+        "3:5: FSM103 dec_lock_ref() on 'req.last_node' has no inc_lock_ref() in reach"
+        " and no documented hand-off [f]"
+    ]
+
+
+def test_release_on_a_path_that_skipped_the_acquire() -> None:
+    assert audit("""
+        def f(node, pin):
+            if pin:
+                node.protect_host()
+            work()
+            node.release_host()
+    """) == [
+        f"4:9: FSM104 protect_host() on 'node' leaks if line 5 raises; {LEAK_HINT} [f]",
+        "6:5: FSM105 release_host() on 'node' also runs on a path that skipped"
+        " protect_host() at line 4 [f]",
+    ]
+
+
+def test_a_repeated_branch_test_takes_the_same_branch() -> None:
+    assert not audit("""
+        def f(self, node):
+            if self.enable_storage:
+                node.protect_host()
+            try:
+                self.flush()
+            finally:
+                if self.enable_storage:
+                    node.release_host()
+    """)
+
+
+def test_reassigning_a_tested_name_forgets_the_branch() -> None:
+    assert audit("""
+        def f(node, pin):
+            if pin:
+                node.protect_host()
+            pin = node.ready
+            if pin:
+                node.release_host()
+    """) == [
+        "4:9: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function ends at line 7 [f]",
+        "7:9: FSM105 release_host() on 'node' also runs on a path that skipped"
+        " protect_host() at line 4 [f]",
+    ]
+
+
+def test_with_body_exceptions_pass_through() -> None:
+    assert audit("""
+        def f(node, lock):
+            node.protect_host()
+            with lock:
+                work(node)
+            node.release_host()
+
+        def g(node, lock):
+            with lock.held():
+                node.protect_host()
+                try:
+                    work(node)
+                finally:
+                    node.release_host()
+    """) == [f"3:5: FSM104 protect_host() on 'node' leaks if line 5 raises; {LEAK_HINT} [f]"]
+
+
+def test_async_code_is_followed_like_sync_code() -> None:
+    assert audit("""
+        async def f(node, storage):
+            node.protect_host()
+            async with storage.session() as session:
+                await session.fetch(node)
+            node.release_host()
+    """) == [f"3:5: FSM104 protect_host() on 'node' leaks if line 4 raises; {LEAK_HINT} [f]"]
+
+
+def test_match_cases_are_branches() -> None:
+    assert audit("""
+        def f(node, policy):
+            node.protect_host()
+            match policy:
+                case "write_back":
+                    node.release_host()
+                case "write_through":
+                    node.release_host()
+    """) == [
+        "3:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function ends at line 8 [f]"
+    ]
+
+
+def test_a_closure_that_releases_takes_the_resource() -> None:
+    assert not audit("""
+        def f(node, controller):
+            node.protect_host()
+
+            def done(_):
+                node.release_host()
+
+            controller.submit(node.host_value, callback=done)
+
+        def g(self, node):
+            self.inc_lock_ref(node)
+            self.controller.submit(node.value, callback=lambda _: self.dec_lock_ref(node))
+    """)
+
+
+def test_a_contextmanager_with_try_finally_is_clean() -> None:
+    assert not audit("""
+        import contextlib
+
+        class Cache:
+            @contextlib.contextmanager
+            def locked(self, node):
+                self.inc_lock_ref(node)
+                try:
+                    yield node
+                finally:
+                    self.dec_lock_ref(node)
+    """)
+
+
+def test_methods_and_nested_functions_are_named_by_qualified_name() -> None:
+    assert [
+        line.rsplit(" ", 1)[1]
+        for line in audit("""
+        class Cache:
+            def outer(self, req):
+                def inner(other):
+                    other.release_host()
+                self.dec_lock_ref(req.node)
+    """)
+    ] == ["[Cache.outer.inner]", "[Cache.outer]"]
+
+
+def test_config_takes_ownership_hands_on_and_permits_releases() -> None:
+    config = AuditConfig(takes_ownership=frozenset({"Cache.track", "finish"}))
+    assert not audit(
+        """
+        class Cache:
+            def start(self, node):
+                self.inc_lock_ref(node)
+                self.track(node)
+
+            def track(self, node):
+                self.dec_lock_ref(node)
+
+            def finish(self, node):
+                self.dec_lock_ref(node)
+    """,
+        config,
+    )
+
+
+def test_config_hands_off_silences_leaks_only() -> None:
+    config = AuditConfig(hands_off=frozenset({"start"}))
+    assert audit(
+        """
+        def start(node):
+            node.protect_host()
+            node.release_host()
+            node.release_host()
+    """,
+        config,
+    ) == ["5:5: FSM102 release_host() on 'node' can run twice: already released at line 4 [start]"]
+
+
+def test_config_ignore_drops_codes() -> None:
+    config = AuditConfig(ignore=frozenset({"FSM104"}))
+    assert not audit(
+        """
+        def f(node):
+            node.protect_host()
+            work()
+            node.release_host()
+    """,
+        config,
+    )
+
+
+def test_module_level_code_is_not_audited() -> None:
+    assert not audit("""
+        node.protect_host()
+    """)
