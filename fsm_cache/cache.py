@@ -88,6 +88,7 @@ class HiCache:
         self._batch: dict[Direction, list[TreeNode]] = {Direction.D2H: [], Direction.H2D: []}
         self._incoming: dict[int, Pages] = {}
         self._evict_after_ack: set[int] = set()
+        self.leaf_hints: set[TreeNode] = set()
 
     # -- lookups and inserts -------------------------------------------------
 
@@ -151,6 +152,7 @@ class HiCache:
             parent = walk.path[-1] if walk.path else self.tree.root(namespace)
             leaf = self.tree.add_leaf(parent, key[walk.matched :], fresh.pop(-1))
             self.tiers.device.allocator.reassign(leaf.device_pages, 0, leaf.id)
+            self.leaf_hints.add(leaf)
         for node in walk.path:
             if node.id in fresh:
                 self._incoming[node.id] = fresh[node.id]
@@ -202,7 +204,40 @@ class HiCache:
         """Give back request-held device slots (e.g. the duplicates of a cached prefix)."""
         self.tiers.free_device(pages_of(slots, self.config.page_size), 0)
 
+    def backup(self, nodes: Sequence[TreeNode]) -> int:
+        """Start backing up ``nodes`` to the host in one batched copy; return how many started.
+
+        For explicit backups (a storage tier, a write-back flush). Nodes the
+        machines refuse to write (already backed, writing, off the device) are
+        skipped; a full host pool stops the batch where it is.
+        """
+        self.log.op("backup", tuple(n.id for n in nodes))
+        started = 0
+        for node in nodes:
+            if not self.machine.allowed(node, "write"):
+                continue
+            try:
+                self._fire(node, "write")
+            except EffectFailed as exc:
+                if isinstance(exc.__cause__, PoolExhausted):
+                    break
+                raise
+            started += 1
+        self._flush()
+        self._after("backup")
+        return started
+
     # -- locks ---------------------------------------------------------------
+
+    def pin(self, node: TreeNode) -> Lease:
+        """Pin ``node``'s host copy (a storage backup, a prefetch anchor); the lease releases once."""
+        self.log.op("pin", node.id)
+        self._fire(node, "pin")
+        return self.machine.engine.leases.open(node, self._release, "pin", "node")
+
+    def _release(self, node: TreeNode) -> None:
+        self.log.op("release", node.id)
+        self._fire(node, "release")
 
     def lock(self, node: TreeNode) -> Lease:
         """Lock ``node`` and its ancestors on the device; the receipt unlocks once."""
@@ -341,6 +376,8 @@ class HiCache:
             node.hit_count += 1
 
     def _maybe_backup(self, node: TreeNode) -> None:
+        if self.tiers.host.num_pages == 0:
+            return  # a device-only cache: nothing to back up to
         if wants_backup(self.policy, node, self.config.selective_threshold):
             try:
                 self._fire(node, "write")
@@ -404,10 +441,12 @@ class HiCache:
 
     def _start_load(self, node: TreeNode) -> None:
         node.device_pages = self._incoming.pop(node.id)
+        self.leaf_hints.add(node)
         self.tiers.device.allocator.reassign(node.device_pages, 0, node.id)
         self._batch[Direction.H2D].append(node)
 
     def _adopt(self, node: TreeNode) -> None:
         node.device_pages = self._incoming.pop(node.id)
+        self.leaf_hints.add(node)
         if node.device_pages and self.tiers.device.allocator.owner_of(node.device_pages[0]) == 0:
             self.tiers.device.allocator.reassign(node.device_pages, 0, node.id)

@@ -15,9 +15,14 @@ from collections.abc import Sequence
 
 from fsm_cache.errors import FsmCacheError, SpecError
 
+
 # NOTE: modules are imported when the parser is built; none of them imports torch at import time.
 _TOOLS = (
+    "fsm_cache.demo",
     "fsm_cache.commands.validate",
+    "fsm_cache.commands.diagram",
+    "fsm_cache.commands.bench",
+    "fsm_cache.audit",
 )
 
 

@@ -26,6 +26,7 @@ from fsm_cache.errors import EffectFailed, IllegalTransition, SpecError, error_c
 from fsm_cache.lease import Lease, LeaseBook
 from fsm_cache.spec import Spec, System, as_system
 
+
 trail.internal(__file__)
 
 Effect = Callable[[Any], None]

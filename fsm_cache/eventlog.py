@@ -85,6 +85,12 @@ def _apply(cache: HiCache, name: str, args: tuple[Any, ...], locks: dict[int, li
         locks.setdefault(args[0], []).append(cache.lock(cache.tree.nodes[args[0]]))
     elif name == "unlock":
         cache.unlock(locks[args[0]].pop(0))
+    elif name == "pin":
+        locks.setdefault(-args[0], []).append(cache.pin(cache.tree.nodes[args[0]]))
+    elif name == "release":
+        locks[-args[0]].pop(0).release()
+    elif name == "backup":
+        cache.backup([cache.tree.nodes[i] for i in args[0]])
     elif name == "load_back":
         cache.load_back(cache.tree.nodes[args[0]])
     elif name in ("evict", "evict_host"):

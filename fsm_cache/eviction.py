@@ -33,9 +33,25 @@ def _device_leaf(node: TreeNode) -> bool:
     )
 
 
+def _structural_leaf(cache: HiCache, node: TreeNode) -> bool:
+    """Whether ``node`` is still in the tree, on the device, with no child on the device."""
+    return (
+        cache.tree.nodes.get(node.id) is node
+        and node.device == "resident"
+        and not any(c.device in DEVICE_HELD for c in node.children.values())
+    )
+
+
 def evict_device(cache: HiCache, num_tokens: int) -> int:
-    """Evict least recently used unlocked device leaves until ``num_tokens`` are freed."""
-    heap = [(n.last_access, n.id, n) for n in cache.tree if _device_leaf(n)]
+    """Evict least recently used unlocked device leaves until ``num_tokens`` are freed.
+
+    Candidates come from ``cache.leaf_hints``, the nodes that may have become
+    device leaves since the last eviction (new leaves, parents of evicted or
+    deleted nodes, loaded nodes), so eviction costs the leaves, not the tree.
+    """
+    hints = cache.leaf_hints
+    hints.difference_update([n for n in hints if not _structural_leaf(cache, n)])
+    heap = [(n.last_access, n.id, n) for n in hints if _device_leaf(n)]
     heapq.heapify(heap)
     freed = 0
     while freed < num_tokens and heap:
@@ -44,8 +60,10 @@ def evict_device(cache: HiCache, num_tokens: int) -> int:
             continue
         parent = node.parent
         freed += _evict_one(cache, node)
-        if parent is not None and _device_leaf(parent):
-            heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        if parent is not None and parent.parent is not None:
+            hints.add(parent)
+            if _device_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
     return freed
 
 
@@ -73,6 +91,7 @@ def _delete(cache: HiCache, node: TreeNode) -> None:
     cache.tree.remove_leaf(node)
     cache.counters.deleted_nodes += 1
     cache.log.transition(node.id, "delete")
+    cache.leaf_hints.discard(node)
 
 
 def _host_leaf(node: TreeNode) -> bool:

@@ -146,9 +146,10 @@ def _page_view(
 ) -> torch.Tensor:
     raw = tensor.view(torch.uint8)
     lay = layout
+    row = lay.head_dim * lay.itemsize  # explicit, so an empty pool still has a shape
     if page_first:
-        return raw.view(num_pages, lay.layers, lay.planes, lay.page_size, lay.heads, -1)
-    view = raw.view(lay.layers, lay.planes, num_pages, lay.page_size, lay.heads, -1)
+        return raw.view(num_pages, lay.layers, lay.planes, lay.page_size, lay.heads, row)
+    view = raw.view(lay.layers, lay.planes, num_pages, lay.page_size, lay.heads, row)
     return view.permute(2, 0, 1, 3, 4, 5)
 
 

@@ -37,7 +37,7 @@ def load_shipped(name: str) -> Spec:
 def residency_system() -> System:
     """Return the composed residency system of a tree node (host and device regions)."""
     spec = load_shipped("residency")
-    assert isinstance(spec, System)  # noqa: S101 -- the shipped file is a composition
+    assert isinstance(spec, System)
     return spec
 
 

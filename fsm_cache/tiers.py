@@ -148,16 +148,14 @@ class Tiers:
 
 
 def synthetic_kv(layout: KVLayout, tokens: Sequence[int]) -> torch.Tensor:
-    """Return a KV tensor that depends on every token and position, reproducibly.
+    """Return a KV tensor whose every token's vector depends on its token id, reproducibly.
 
     Shape ``[layers, planes, len(tokens), heads, head_dim]``: what a forward
-    pass over ``tokens`` would write, close enough for bit-exact round trips.
+    pass over ``tokens`` would write, close enough for bit-exact round trips
+    (a page copied to the wrong place shows up as a different token's values).
+    Values are multiples of 1/8 below 128, exact in every supported dtype.
     """
     ids = torch.tensor(list(tokens), dtype=torch.float32)
-    n = len(tokens)
-    grid = torch.arange(
-        layout.layers * layout.planes * layout.heads * layout.head_dim, dtype=torch.float32
-    )
-    grid = grid.view(layout.layers, layout.planes, 1, layout.heads, layout.head_dim)
-    values = torch.remainder(ids.view(1, 1, n, 1, 1) * 0.37 + grid * 0.011, 7.0) - 3.5
-    return values.to(layout.dtype)
+    values = torch.remainder(ids, 997.0) * 0.125 - 62.0
+    shape = (layout.layers, layout.planes, len(tokens), layout.heads, layout.head_dim)
+    return values.view(1, 1, -1, 1, 1).expand(shape).to(layout.dtype)

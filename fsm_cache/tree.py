@@ -15,8 +15,9 @@ new prefix node so that every count stays exact.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from fsm_cache.errors import InvariantViolation
 from fsm_cache.residency import ResidencyRecord
@@ -24,6 +25,9 @@ from fsm_cache.residency import ResidencyRecord
 
 Key = tuple[int, ...]
 Pages = tuple[int, ...]
+# NOTE: leaves share one empty, read-only mapping; a node gets its own dict with its first
+# child. Most nodes are leaves, and an empty dict per leaf would cost 64 bytes each.
+NO_CHILDREN: Mapping[Key, TreeNode] = MappingProxyType({})
 
 
 class TreeNode(ResidencyRecord):
@@ -55,7 +59,7 @@ class TreeNode(ResidencyRecord):
         super().__init__(ident)
         self.key = key
         self.parent = parent
-        self.children: dict[Key, TreeNode] = {}
+        self.children: Mapping[Key, TreeNode] = NO_CHILDREN
         self.device_pages = device_pages
         self.host_pages: Pages = ()
         self.last_access = 0
@@ -129,7 +133,7 @@ class RadixTree:
     def add_leaf(self, parent: TreeNode, key: Key, device_pages: Pages) -> TreeNode:
         """Create a device-resident, unbacked leaf under ``parent``."""
         node = TreeNode(next(self._ids), key, parent, device_pages)
-        parent.children[key[: self.page_size]] = node
+        _children(parent)[key[: self.page_size]] = node
         self.nodes[node.id] = node
         return node
 
@@ -142,7 +146,7 @@ class RadixTree:
         if node.parent is None or node.children:
             msg = f"node {node.id}: only a leaf can be removed ({len(node.children)} children)"
             raise InvariantViolation(msg)
-        del node.parent.children[node.key[: self.page_size]]
+        del _children(node.parent)[node.key[: self.page_size]]
         del self.nodes[node.id]
 
     def split(self, node: TreeNode, at: int) -> TreeNode:
@@ -165,10 +169,10 @@ class RadixTree:
         prefix.pins = 1 if loading else 0
         prefix.host = "pinned" if loading else ("backed" if node.host == "pinned" else node.host)
         prefix.last_access, prefix.hit_count = node.last_access, node.hit_count
-        node.parent.children[node.key[:page]] = prefix
+        _children(node.parent)[node.key[:page]] = prefix
         node.key, node.parent = node.key[at:], prefix
         node.device_pages, node.host_pages = node.device_pages[cut:], node.host_pages[cut:]
-        prefix.children[node.key[:page]] = node
+        prefix.children = {node.key[:page]: node}
         self.nodes[prefix.id] = prefix
         if self._on_split is not None:
             self._on_split(prefix, node)
@@ -190,6 +194,13 @@ class RadixTree:
             path.append(node)
             node = node.parent
         return path[::-1]
+
+
+def _children(node: TreeNode) -> dict[Key, TreeNode]:
+    """Return ``node``'s own children dict, giving it one if it still shares the empty one."""
+    if node.children is NO_CHILDREN:
+        node.children = {}
+    return node.children  # type: ignore[return-value]
 
 
 def _common_pages(a: Key, b: Key, page: int) -> int:

@@ -1,0 +1,267 @@
+"""``fsm-cache bench cache``: HiCache against a minimal unchecked radix tree, one trace.
+
+Both replay the same chat-like trace (match + insert per request, eviction
+when the device pool runs short), side by side in one run: HiCache with every
+transition checked and only the device tier in use; the baseline, a radix
+tree written for this benchmark in the style of SGLang's Python
+``RadixCache`` (torch slot tensors, ``lock_ref`` ints, LRU leaf heap, no
+checks); and HiCache with write-through to the host tier, to show what the
+copies add. Memory per node is the resident memory of many nodes of each kind.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fsm_cache.cache import HiCache
+from fsm_cache.tiers import CacheConfig
+from fsm_cache.tree import TreeNode
+from fsm_cache.workload import ChatWorkload, requests
+
+
+PAGE = 16
+
+
+class _BaseNode:
+    """The fields SGLang's TreeNode keeps (radix_cache.py), without its behaviour."""
+
+    counter = 0
+
+    def __init__(self) -> None:
+        self.children: defaultdict[Any, _BaseNode] = defaultdict(_BaseNode)
+        self.parent: _BaseNode | None = None
+        self.key: list[int] = []
+        self.value: torch.Tensor | None = None
+        self.lock_ref = 0
+        self.last_access_time = time.monotonic()
+        self.hit_count = 0
+        self.host_ref_counter = 0
+        self.host_value: torch.Tensor | None = None
+        self.hash_value: list[str] | None = None
+        self.id = _BaseNode.counter
+        _BaseNode.counter += 1
+
+
+class BaselineRadix:
+    """A minimal unchecked radix tree: match, insert with splits, LRU leaf eviction."""
+
+    def __init__(self, slots: int) -> None:
+        self.root = _BaseNode()
+        self.root.lock_ref = 1
+        self.free = list(range(slots - 1, -1, -1))
+
+    def match_prefix(self, key: list[int]) -> int:
+        """Return the matched length, splitting where a match ends inside a node."""
+        node, pos = self.root, 0
+        node.last_access_time = time.monotonic()
+        while pos < len(key) and tuple(key[pos : pos + PAGE]) in node.children:
+            child = node.children[tuple(key[pos : pos + PAGE])]
+            n = _common(child.key, key[pos:])
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access_time = time.monotonic()
+            pos += n
+            node = child
+        return pos
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Insert ``key`` with slot tensor ``value``; return the length already cached."""
+        node, pos = self.root, 0
+        while pos < len(key) and tuple(key[pos : pos + PAGE]) in node.children:
+            child = node.children[tuple(key[pos : pos + PAGE])]
+            n = _common(child.key, key[pos:])
+            if n < len(child.key):
+                child = self._split(child, n)
+            pos += n
+            node = child
+        if pos < len(key):
+            leaf = _BaseNode()
+            leaf.parent, leaf.key, leaf.value = node, key[pos:], value[pos:].clone()
+            node.children[tuple(key[pos : pos + PAGE])] = leaf
+        return pos
+
+    def _split(self, child: _BaseNode, n: int) -> _BaseNode:
+        new = _BaseNode()
+        parent = child.parent
+        assert parent is not None
+        new.parent, new.key, new.lock_ref = parent, child.key[:n], child.lock_ref
+        new.value = child.value[:n].clone() if child.value is not None else None
+        new.children[tuple(child.key[n : n + PAGE])] = child
+        parent.children[tuple(child.key[:PAGE])] = new
+        child.parent, child.key = new, child.key[n:]
+        child.value = child.value[n:].clone() if child.value is not None else None
+        return new
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """Take ``n`` free slots as an int64 tensor."""
+        taken = self.free[-n:] if n else []
+        del self.free[len(self.free) - n :]
+        return torch.tensor(taken, dtype=torch.int64)
+
+    def evict(self, tokens: int) -> None:
+        """Free at least ``tokens`` slots from least recently used unlocked leaves."""
+        leaves = [
+            (n.last_access_time, n.id, n)
+            for n in self._nodes()
+            if not n.children and n.lock_ref == 0
+        ]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < tokens and leaves:
+            _, _, node = heapq.heappop(leaves)
+            assert node.value is not None
+            assert node.parent is not None
+            self.free.extend(node.value.tolist())
+            freed += len(node.key)
+            del node.parent.children[tuple(node.key[:PAGE])]
+            parent = node.parent
+            if parent is not self.root and not parent.children:
+                heapq.heappush(leaves, (parent.last_access_time, parent.id, parent))
+
+    def _nodes(self) -> list[_BaseNode]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out[1:]
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    i, n = 0, min(len(a), len(b))
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i - i % PAGE
+
+
+@dataclass(frozen=True)
+class CacheBench:
+    """Figures of one run."""
+
+    requests: int
+    baseline_rps: float
+    hicache_rps: float
+    write_through_rps: float
+    hicache_node_bytes: float
+    baseline_node_bytes: float
+
+    def format(self) -> str:
+        """Render the figures as a table with the ratios the issue targets."""
+        lines = [
+            f"chat trace: {self.requests} requests, each one match_prefix + one insert, page {PAGE}",
+            f"  baseline radix tree (unchecked)     {self.baseline_rps:10,.0f} requests/s",
+            f"  HiCache, device tier only, checked  {self.hicache_rps:10,.0f} requests/s "
+            f"({self.hicache_rps / self.baseline_rps:.2f}x baseline)",
+            f"  HiCache, write-through to host      {self.write_through_rps:10,.0f} requests/s "
+            f"(copies cost {1 - self.write_through_rps / self.hicache_rps:.0%})",
+            f"  bytes per node: HiCache {self.hicache_node_bytes:,.0f}, "
+            f"SGLang-style TreeNode {self.baseline_node_bytes:,.0f} "
+            f"({self.hicache_node_bytes / self.baseline_node_bytes:.2f}x)",
+        ]
+        return "\n".join(lines)
+
+
+def _trace(n: int) -> list[list[int]]:
+    page = PAGE
+    return [
+        list(r.tokens[: len(r.tokens) - len(r.tokens) % page])
+        for r in requests(ChatWorkload(requests=n))
+    ]
+
+
+def _run_baseline(trace: list[list[int]], slots: int) -> float:
+    tree = BaselineRadix(slots)
+    started = time.perf_counter()
+    for key in trace:
+        hit = tree.match_prefix(key)
+        need = len(key) - hit
+        if need > len(tree.free):
+            tree.evict(need - len(tree.free))
+        fresh = tree.alloc(need)
+        tree.insert(key, torch.cat([torch.zeros(hit, dtype=torch.int64), fresh]))
+    return len(trace) / (time.perf_counter() - started)
+
+
+def _run_hicache(trace: list[list[int]], pages: int, host_pages: int) -> float:
+    cache = HiCache(
+        CacheConfig(
+            device_pages=pages, host_pages=host_pages, page_size=PAGE, layers=1, heads=1, head_dim=8
+        )
+    )
+    started = time.perf_counter()
+    for key in trace:
+        match = cache.match_prefix(key)
+        need = len(key) - match.device_len
+        free = cache.tiers.device.allocator.free_slots
+        if need > free:
+            cache.evict(need - free)
+        slots = [p * PAGE + i for p in match.device_pages for i in range(PAGE)]
+        cache.insert(key, slots + cache.alloc_slots(need))
+        if host_pages:
+            cache.poll()
+    return len(trace) / (time.perf_counter() - started)
+
+
+def node_bytes(make: Callable[[int], object], count: int = 50_000) -> float:
+    """Return resident memory per object of ``count`` objects built by ``make``.
+
+    Resident set size, not tracemalloc: torch allocates tensor storage and its
+    C++ tensor objects outside Python's allocator, where tracemalloc cannot see.
+    """
+    gc.collect()
+    before = _rss()
+    kept = [make(i) for i in range(count)]
+    after = _rss()
+    del kept
+    return (after - before) / count
+
+
+def _rss() -> int:
+    with open("/proc/self/statm", encoding="ascii") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# Token ids and page numbers exist before a node is built (in the request), so both
+# node kinds reference shared int objects and only the node's own memory is counted.
+_TOKENS = list(range(40_000, 40_000 + 64 * 1024))
+
+
+def _hicache_node(i: int) -> object:
+    at = (i * 2 * PAGE) % (len(_TOKENS) - 2 * PAGE)
+    node = TreeNode(i, tuple(_TOKENS[at : at + 2 * PAGE]), None, (_TOKENS[i], _TOKENS[i + 1]))
+    node.host_pages = (_TOKENS[i + 2], _TOKENS[i + 3])
+    return node
+
+
+def _sglang_node(i: int) -> object:
+    at = (i * 2 * PAGE) % (len(_TOKENS) - 2 * PAGE)
+    node = _BaseNode()
+    node.key = _TOKENS[at : at + 2 * PAGE]
+    node.value = torch.arange(at, at + 2 * PAGE)  # SGLang keeps slot indices as int64 tensors
+    node.host_value = torch.arange(at, at + 2 * PAGE)
+    return node
+
+
+def run_cache_bench(num_requests: int = 2000, device_pages: int = 512) -> CacheBench:
+    """Replay one trace through all three and measure bytes per node."""
+    trace = _trace(num_requests)
+    baseline = _run_baseline(trace, device_pages * PAGE)
+    hicache = _run_hicache(trace, device_pages, 0)
+    write_through = _run_hicache(trace, device_pages, device_pages * 4)
+    return CacheBench(
+        requests=len(trace),
+        baseline_rps=baseline,
+        hicache_rps=hicache,
+        write_through_rps=write_through,
+        hicache_node_bytes=node_bytes(_hicache_node),
+        baseline_node_bytes=node_bytes(_sglang_node),
+    )
