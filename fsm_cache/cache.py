@@ -24,7 +24,7 @@ from fsm_cache.lease import Lease
 from fsm_cache.metrics import Counters, Stats, snapshot
 from fsm_cache.policy import WritePolicy, wants_backup
 from fsm_cache.pools import pages_of
-from fsm_cache.residency import Event, Residency
+from fsm_cache.residency import DEVICE_HELD, Event, Residency
 from fsm_cache.tiers import CacheConfig, Tiers
 from fsm_cache.tree import Key, Pages, RadixTree, TreeNode
 
@@ -178,7 +178,7 @@ class HiCache:
         if pages is not None:
             return {ident: pages[o // page : (o + n) // page] for ident, o, n in wanted}
         total = sum(n for _, _, n in wanted) // page
-        run = self._alloc_device(total)
+        run = self._alloc_device(total, keep=path[-1] if path else None)
         out, at = {}, 0
         for ident, o, n in wanted:
             out[ident] = run[at : at + n // page]
@@ -326,11 +326,13 @@ class HiCache:
             )
         else:
             self.counters.copy_failures[name] += 1
-        if not write and not completion.ok and any(n.locks for n in ticket.nodes):
-            from fsm_cache.eviction import start_batch
+        if not write and not completion.ok:
+            stuck = [n for n in ticket.nodes if not self.machine.allowed(n, "load_failed")]
+            if stuck:  # locked, or a child was inserted on the device below: copy again
+                from fsm_cache.eviction import start_batch
 
-            start_batch(self, Direction.H2D, ticket.nodes)  # a request holds them: copy again
-            return
+                start_batch(self, Direction.H2D, ticket.nodes)
+                return
         event: Event = ("write_done" if completion.ok else "write_failed") if write else "load_done"
         if not write and not completion.ok:
             event = "load_failed"
@@ -385,15 +387,24 @@ class HiCache:
                 if not isinstance(exc.__cause__, PoolExhausted):
                     raise
 
-    def _alloc_device(self, pages: int) -> Pages:
+    def _alloc_device(self, pages: int, keep: TreeNode | None = None) -> Pages:
+        """Take device pages, evicting if needed; ``keep`` and its ancestors are never evicted."""
         try:
             return self.tiers.alloc_device(pages, 0)
         except PoolExhausted:
             from fsm_cache.eviction import evict_device
 
-            evict_device(
-                self, pages * self.config.page_size - self.tiers.device.allocator.free_slots
-            )
+            while keep is not None and keep.device not in DEVICE_HELD:
+                keep = keep.parent
+            held = keep is not None and keep.parent is not None
+            if held:
+                self._fire(keep, "lock")  # type: ignore[arg-type]
+            try:
+                short = pages * self.config.page_size - self.tiers.device.allocator.free_slots
+                evict_device(self, short)
+            finally:
+                if held:
+                    self._fire(keep, "unlock")  # type: ignore[arg-type]
             return self.tiers.alloc_device(pages, 0)
 
     def _after(self, operation: str) -> None:

@@ -1,0 +1,281 @@
+"""HiCache's public API: lookups, inserts, splits, locks, eviction, load-back, policies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsm_cache.cache import HiCache
+from fsm_cache.errors import IllegalTransition, LeaseError, PoolExhausted
+from fsm_cache.tiers import CacheConfig, ConfigError, synthetic_kv
+from fsm_cache.tree import TreeNode
+
+
+def make(**overrides: object) -> HiCache:
+    """A small debug-mode cache: 4-token pages, every invariant checked after every call."""
+    settings: dict[str, object] = {
+        "device_pages": 16,
+        "host_pages": 32,
+        "page_size": 4,
+        "layers": 1,
+        "heads": 1,
+        "head_dim": 4,
+        "debug": True,
+    }
+    settings.update(overrides)
+    return HiCache(CacheConfig(**settings))  # type: ignore[arg-type]
+
+
+def tokens(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def kv_of(cache: HiCache, node: TreeNode) -> torch.Tensor:
+    return cache.tiers.read_device(node.device_pages)
+
+
+class TestInsertAndMatch:
+    """Prefix lookups and inserts, page-aligned."""
+
+    def test_insert_then_match_whole_and_partial(self) -> None:
+        """A cached prefix matches to the page; the rest of the query is not matched."""
+        cache = make()
+        assert cache.insert(tokens(0, 12)) == 0
+        result = cache.match_prefix([*tokens(0, 12), 99, 98, 97, 96])
+        assert (result.device_len, result.host_len) == (12, 0)
+        assert result.last_device_node is result.last_host_node
+        assert len(result.device_pages) == 3
+
+    def test_keys_are_cut_to_whole_pages(self) -> None:
+        """A 10-token insert caches 8 tokens with page size 4."""
+        cache = make()
+        cache.insert(tokens(0, 10))
+        assert [len(n.key) for n in cache.tree] == [8]
+
+    def test_match_inside_a_node_splits_it_at_a_page_boundary(self) -> None:
+        """Matching 8 of 12 tokens splits the node into 8 + 4, pages and states carried."""
+        cache = make()
+        cache.insert(tokens(0, 12))
+        cache.poll()
+        (node,) = list(cache.tree)
+        pages = node.device_pages
+        result = cache.match_prefix([*tokens(0, 8), 50, 51, 52, 53])
+        prefix = result.last_device_node
+        assert (len(prefix.key), len(node.key)) == (8, 4)
+        assert node.parent is prefix
+        assert prefix.device_pages + node.device_pages == pages
+        assert (prefix.host, node.host) == ("backed", "backed")
+
+    def test_second_insert_reports_cached_length(self) -> None:
+        """Inserting a longer sequence returns the length already cached and adds one leaf."""
+        cache = make()
+        cache.insert(tokens(0, 8))
+        assert cache.insert(tokens(0, 16)) == 8
+        assert sorted(len(n.key) for n in cache.tree) == [8, 8]
+
+    def test_namespaces_keep_equal_prefixes_apart(self) -> None:
+        """The same tokens under two namespaces are two nodes; a lookup sees only its own."""
+        cache = make()
+        cache.insert(tokens(0, 8), namespace="lora-a")
+        assert cache.match_prefix(tokens(0, 8), namespace="lora-b").device_len == 0
+        cache.insert(tokens(0, 8), namespace="lora-b")
+        assert cache.match_prefix(tokens(0, 8), namespace="lora-a").device_len == 8
+        assert len(list(cache.tree)) == 2
+
+    def test_caller_slots_are_adopted(self) -> None:
+        """Slots the caller allocated and filled become the new node's pages."""
+        cache = make()
+        slots = cache.alloc_slots(8)
+        kv = synthetic_kv(cache.tiers.device.layout, [7] * 8)
+        cache.tiers.device.write([s // 4 for s in slots[::4]], kv)
+        cache.insert([7] * 8, slots)
+        (node,) = list(cache.tree)
+        assert list(node.device_pages) == [s // 4 for s in slots[::4]]
+        assert torch.equal(kv_of(cache, node), kv)
+
+    def test_exhausted_device_pool_raises_and_changes_nothing(self) -> None:
+        """With every page locked, an insert that needs more refuses with PoolExhausted."""
+        cache = make(device_pages=4)
+        cache.insert(tokens(0, 16))
+        lock = cache.lock(next(iter(cache.tree)))
+        before = [(n.id, n.residency()) for n in cache.tree]
+        with pytest.raises(PoolExhausted) as caught:
+            cache.insert(tokens(100, 8))
+        assert str(caught.value) == "device pool exhausted: requested 8 slots, 0 free"
+        assert [(n.id, n.residency()) for n in cache.tree] == before
+        cache.unlock(lock)
+
+
+class TestLocks:
+    """Locks are receipts: they propagate to ancestors and unlock exactly once."""
+
+    def test_lock_propagates_and_unlocks_once(self) -> None:
+        """A lock on a leaf locks its ancestors; a second unlock of the receipt is refused."""
+        cache = make()
+        cache.insert(tokens(0, 8))
+        cache.insert(tokens(0, 16))
+        leaf = max(cache.tree, key=lambda n: n.id)
+        lock = cache.lock(leaf)
+        assert [n.locks for n in cache.tree] == [1, 1]
+        cache.unlock(lock)
+        assert [n.locks for n in cache.tree] == [0, 0]
+        with pytest.raises(LeaseError, match="already released"):
+            cache.unlock(lock)
+
+    def test_eviction_honours_locks(self) -> None:
+        """A locked node is not evicted, however much is asked."""
+        cache = make()
+        cache.insert(tokens(0, 8))
+        cache.poll()
+        lock = cache.lock(next(iter(cache.tree)))
+        assert cache.evict(100) == 0
+        cache.unlock(lock)
+        assert cache.evict(100) == 8
+
+
+class TestEviction:
+    """Device eviction per policy, host eviction of unpinned host leaves."""
+
+    def test_backed_leaves_become_host_only_in_lru_order(self) -> None:
+        """The least recently used backed leaf is evicted first and stays on the host."""
+        cache = make()
+        cache.insert(tokens(0, 8))
+        cache.insert(tokens(100, 8))
+        cache.poll()
+        cache.match_prefix(tokens(0, 8))
+        assert cache.evict(4) == 8
+        states = {n.key[0]: (n.host, n.device) for n in cache.tree}
+        assert states == {0: ("backed", "resident"), 100: ("backed", "absent")}
+
+    def test_unbacked_leaf_is_deleted_under_write_through(self) -> None:
+        """A leaf whose backup has not started is deleted: the device held its only copy."""
+        cache = make(host_pages=0)
+        cache.insert(tokens(0, 8))
+        assert cache.evict(8) == 8
+        assert list(cache.tree) == []
+        assert cache.tiers.device.allocator.free_pages == 16
+
+    def test_write_back_backs_up_then_evicts_after_the_ack(self) -> None:
+        """Under write-back, eviction starts a backup and frees device pages only at the ack."""
+        cache = make(write_policy="write_back")
+        cache.insert(tokens(0, 8))
+        (node,) = list(cache.tree)
+        assert node.host == "unbacked"
+        assert cache.evict(8) == 0
+        assert (node.host, node.device) == ("writing", "resident")
+        cache.poll()
+        assert (node.host, node.device) == ("backed", "absent")
+
+    def test_host_eviction_honours_pins_and_deletes(self) -> None:
+        """A pinned host-only leaf stays; once released, host eviction deletes the node."""
+        cache = make()
+        cache.insert(tokens(0, 8))
+        cache.poll()
+        cache.evict(8)
+        (node,) = list(cache.tree)
+        pin = cache.pin(node)
+        assert cache.evict_host(8) == 0
+        pin.release()
+        assert cache.evict_host(8) == 8
+        assert list(cache.tree) == []
+        assert cache.tiers.host.allocator.free_pages == 32
+
+
+class TestLoadBack:
+    """Load-back brings the whole evicted chain back, or nothing."""
+
+    def test_round_trip_is_bit_exact(self) -> None:
+        """KV evicted to the host and loaded back equals what was written."""
+        cache = make()
+        cache.insert(tokens(0, 12))
+        cache.poll()
+        (node,) = list(cache.tree)
+        before = kv_of(cache, node)
+        cache.evict(12)
+        chain = cache.load_back(node)
+        assert chain == [node]
+        assert (node.host, node.device, node.pins) == ("pinned", "loading", 1)
+        cache.poll()
+        assert (node.host, node.device, node.pins) == ("backed", "resident", 0)
+        assert torch.equal(kv_of(cache, node), before)
+
+    def test_below_threshold_is_skipped(self) -> None:
+        """A chain shorter than the load-back threshold is recomputed, not loaded."""
+        cache = make(load_back_threshold=10)
+        cache.insert(tokens(0, 8))
+        cache.poll()
+        cache.evict(8)
+        assert cache.load_back(next(iter(cache.tree))) is None
+
+    def test_whole_chain_from_the_first_absent_ancestor(self) -> None:
+        """Loading a leaf under an evicted parent loads the parent too, top-down."""
+        cache = make()
+        cache.insert(tokens(0, 8))
+        cache.poll()
+        cache.insert(tokens(0, 16))
+        cache.poll()
+        cache.evict(16)
+        parent, leaf = sorted(cache.tree, key=lambda n: n.id)
+        assert cache.load_back(leaf) == [parent, leaf]
+        cache.poll()
+        assert (parent.device, leaf.device) == ("resident", "resident")
+
+
+class TestPolicies:
+    """When backups start."""
+
+    def test_selective_write_through_waits_for_the_second_hit(self) -> None:
+        """With threshold 2, the first insert does not back up; the next hit does."""
+        cache = make(write_policy="write_through_selective", selective_threshold=2)
+        cache.insert(tokens(0, 8))
+        (node,) = list(cache.tree)
+        assert node.host == "unbacked"
+        cache.insert(tokens(0, 8))
+        assert node.host == "writing"
+
+    def test_write_through_child_waits_for_its_parent(self) -> None:
+        """A child's backup starts only once its parent's host copy is valid."""
+        cache = make()
+        cache.insert(tokens(0, 8))
+        cache.insert(tokens(0, 16))
+        parent, child = sorted(cache.tree, key=lambda n: n.id)
+        assert (parent.host, child.host) == ("writing", "unbacked")
+        cache.poll()
+        assert parent.host == "backed"
+        assert child.host == "writing"
+
+
+class TestReporting:
+    """Stats, config errors and misuse refused at the call."""
+
+    def test_stats_count_tiers_hits_and_transitions(self) -> None:
+        """Stats report tokens per tier, hit rates and applied transitions."""
+        cache = make()
+        cache.insert(tokens(0, 8))
+        cache.poll()
+        cache.match_prefix(tokens(0, 16))
+        stats = cache.stats()
+        assert (stats.device_tokens, stats.host_tokens) == (8, 8)
+        assert stats.device_hit_rate == 0.5
+        assert stats.transitions == {"write": 1, "write_done": 1}
+        assert stats.bytes == {"d2h": 2 * cache.tiers.device.layout.page_bytes}
+        assert stats.refused == {}
+
+    def test_bad_config_is_refused_with_its_name(self) -> None:
+        """A config value out of range raises ConfigError naming it."""
+        with pytest.raises(ConfigError) as caught:
+            make(write_policy="write_sometimes")
+        assert str(caught.value) == (
+            "config: write_policy must be one of write_through, write_through_selective, "
+            "write_back, got 'write_sometimes'"
+        )
+
+    def test_refused_transition_is_counted_and_changes_nothing(self) -> None:
+        """Releasing a pin that was never taken is refused and counted."""
+        cache = make()
+        cache.insert(tokens(0, 8))
+        (node,) = list(cache.tree)
+        with pytest.raises(IllegalTransition, match="release refused in writing"):
+            cache._release(node)
+        assert cache.stats().refused == {"release": 1}
+        assert node.host == "writing"
