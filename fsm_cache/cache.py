@@ -299,14 +299,22 @@ class HiCache:
     # -- copies --------------------------------------------------------------
 
     def poll(self) -> int:
-        """Apply every finished copy (any order); return how many copies were applied."""
+        """Apply every finished copy (in any order); return how many copies were applied."""
         self.log.op("poll")
-        done = self.tiers.copier.poll()
-        for completion in done:
+        return self.apply_completions(self.tiers.copier.poll())
+
+    def apply_completions(self, completions: Sequence[Completion]) -> int:
+        """Apply finished copies in the given order, then start any copies they asked for.
+
+        :meth:`poll` applies whatever the copy engine reports; a tensor-parallel
+        group applies an agreed prefix of :meth:`issued` instead
+        (:mod:`fsm_cache.distributed`).
+        """
+        for completion in completions:
             self.apply(completion)
         self._flush()
         self._after("poll")
-        return len(done)
+        return len(completions)
 
     def issued(self) -> list[int]:
         """Return the ids of copies started and not yet applied, in issue order."""

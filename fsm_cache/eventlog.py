@@ -18,6 +18,7 @@ from fsm_cache.errors import FsmCacheError
 
 if TYPE_CHECKING:
     from fsm_cache.cache import HiCache
+    from fsm_cache.copies import Completion
     from fsm_cache.lease import Lease
     from fsm_cache.tiers import CacheConfig
 
@@ -63,8 +64,13 @@ def replay(log: EventLog, config: CacheConfig) -> HiCache:
 
     cache = HiCache(config)
     locks: dict[int, list[Lease]] = {}
+    finished: dict[int, Completion] = {}
     for name, args in log.operations():
-        _apply(cache, name, args, locks)
+        if name == "agreed_poll":  # a tensor-parallel group applied the first k issued copies
+            finished.update((c.ticket.id, c) for c in cache.tiers.copier.drain())
+            cache.apply_completions([finished.pop(t) for t in cache.issued()[: args[0]]])
+        else:
+            _apply(cache, name, args, locks)
     want, got = log.transitions(), cache.log.transitions()
     for i, (a, b) in enumerate(zip(want, got, strict=False)):
         if a != b:

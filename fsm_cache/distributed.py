@@ -1,0 +1,285 @@
+"""Tensor-parallel agreement: every rank applies the same finished copies in the same order.
+
+In tensor-parallel serving each rank keeps its own radix tree and its own copy
+engine, and copies finish at different times on different ranks. If each rank
+applied its own acknowledgements as they came, the trees would drift apart
+silently. :class:`DistributedCache` wraps a :class:`~fsm_cache.cache.HiCache`
+and, on every :meth:`~DistributedCache.poll`, agrees with the other ranks of a
+``torch.distributed`` process group (a MIN all-reduce, as SGLang does) on how
+many finished copies, in issue order, every rank applies. Host allocation and
+eviction then stay deterministic: they read only the agreed tree.
+
+Each rank also keeps a running digest of the transitions it applied;
+:meth:`~DistributedCache.verify_agreement` all-gathers the digests and raises
+:class:`~fsm_cache.errors.RankDivergence` naming the first differing
+transition, its node and that node's state on each rank. A collective that
+fails (a rank died, or stopped taking part for longer than ``timeout``) raises
+:class:`RankFailure` instead of hanging.
+
+Every method here is a collective: all ranks of the group call it, in the same
+order. Works with gloo (CPU) and NCCL (tensors go to the current CUDA device).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from fsm_cache.cache import HiCache
+from fsm_cache.copies import Completion
+from fsm_cache.digest import (
+    Transition,
+    TransitionDigest,
+    divergence_message,
+    first_difference,
+    involved_nodes,
+    waiting_message,
+)
+from fsm_cache.errors import FsmCacheError, RankDivergence
+from fsm_cache.tiers import ConfigError
+
+
+T = TypeVar("T")
+
+
+class RankFailure(FsmCacheError):
+    """A collective failed: a rank of the group died or stopped taking part in time."""
+
+
+class NoProcessGroup(FsmCacheError):
+    """``torch.distributed`` has no process group to agree over."""
+
+
+class DistributedCache:
+    """A :class:`HiCache` whose copy acknowledgements are agreed across a process group.
+
+    Call :meth:`poll` instead of ``cache.poll()``: the cache's own poll would
+    apply this rank's completions without agreement. Every other cache
+    operation is called on ``cache`` directly, identically on every rank.
+
+    Args:
+        cache: This rank's cache; same configuration and operations on every rank.
+        group: The process group; None for the default group.
+        timeout: Seconds a collective may wait for the other ranks before
+            :class:`RankFailure` (gloo honours it per call; NCCL uses the
+            group's own timeout and watchdog).
+        verify_every: Run :meth:`verify_agreement` every this many polls; 0 never.
+        device: Where the agreement tensors live; None: the current CUDA device
+            for NCCL, the CPU otherwise.
+
+    Raises:
+        NoProcessGroup: ``torch.distributed`` is not initialised.
+        ConfigError: ``timeout`` is not positive or ``verify_every`` is negative.
+    """
+
+    def __init__(
+        self,
+        cache: HiCache,
+        group: dist.ProcessGroup | None = None,
+        *,
+        timeout: float = 60.0,
+        verify_every: int = 0,
+        device: torch.device | None = None,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise NoProcessGroup(
+                "distributed: no process group; call torch.distributed.init_process_group first"
+            )
+        if timeout <= 0 or verify_every < 0:
+            raise ConfigError(
+                "distributed: timeout must be > 0 and verify_every >= 0, "
+                f"got timeout={timeout} and verify_every={verify_every}"
+            )
+        self.cache = cache
+        self.group = group
+        self.timeout = timeout
+        self.verify_every = verify_every
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.device = device or _default_device(group)
+        self.polls = 0
+        self._finished: dict[int, Completion] = {}
+        self._digest = TransitionDigest(cache.log)
+
+    # -- agreement on acknowledgements -----------------------------------------
+
+    @property
+    def buffered(self) -> int:
+        """Copies finished on this rank and not yet applied (waiting for the slower ranks)."""
+        return len(self._finished)
+
+    def local_ready(self) -> int:
+        """Return how many copies, in issue order, have finished on this rank."""
+        ready = 0
+        for ticket in self.cache.issued():
+            if ticket not in self._finished:
+                break
+            ready += 1
+        return ready
+
+    def poll(self) -> int:
+        """Apply the finished copies every rank has, in issue order; return how many.
+
+        Collects this rank's completions (never blocks on copies), agrees on
+        the smallest count of finished copies at the head of the issue order
+        across the group, and applies exactly that many: every rank fires the
+        same ``write_done`` / ``load_done`` events in the same order.
+
+        Raises:
+            RankFailure: The agreement collective failed or timed out.
+            RankDivergence: The ranks have different numbers of copies in flight
+                (one lost or invented a copy), or a periodic verification found
+                them apart.
+        """
+        for completion in self.cache.tiers.copier.poll():
+            self._finished[completion.ticket.id] = completion
+        issued = len(self.cache.issued())
+        # one collective: the fewest finished copies, and the fewest and most copies in flight
+        agreed, fewest, most = self._all_reduce_min([self.local_ready(), issued, -issued])
+        if fewest != -most:
+            raise RankDivergence(self._locate())
+        self.cache.log.op("agreed_poll", agreed)
+        chosen = [self._finished.pop(ticket) for ticket in self.cache.issued()[:agreed]]
+        self.cache.apply_completions(chosen)
+        self.polls += 1
+        if self.verify_every and self.polls % self.verify_every == 0:
+            self.verify_agreement()
+        return agreed
+
+    def drain(self) -> int:
+        """Wait for every copy on this rank, then poll until no copy is in flight anywhere.
+
+        Applying an acknowledgement may start new copies (a deferred backup of
+        a child), hence the loop. Returns how many copies were applied.
+        """
+        applied = 0
+        while self.cache.issued():
+            for completion in self.cache.tiers.copier.drain():
+                self._finished[completion.ticket.id] = completion
+            applied += self.poll()
+        return applied
+
+    # -- divergence detection --------------------------------------------------
+
+    @property
+    def digest(self) -> bytes:
+        """The running digest of every transition this rank's cache applied."""
+        return self._digest.update()
+
+    @property
+    def transitions(self) -> int:
+        """How many transitions the digest covers."""
+        self._digest.update()
+        return self._digest.count
+
+    def verify_agreement(self) -> bytes:
+        """Check that every rank applied the same transitions; return the agreed digest.
+
+        Raises:
+            RankDivergence: The digests differ; names the first differing
+                transition, its node and that node's state on each rank
+                (every rank raises the same message).
+            RankFailure: A collective failed or timed out.
+        """
+        mine = self._digest.update()
+        issued = len(self.cache.issued())
+        gathered = self._all_gather_digest([self._digest.count, issued, *mine])
+        if all(g == gathered[0] for g in gathered):
+            self._digest.agree()
+            return mine
+        raise RankDivergence(self._locate())
+
+    def _locate(self) -> str:
+        """Gather what each rank did since the agreed point and describe the first split."""
+        self._digest.update()
+        start = self._digest.agreed
+        tails: list[list[Transition]] = self._all_gather_object(self._digest.tail())
+        index = first_difference(tails)
+        if index is not None:
+            states = self._gather_states(involved_nodes(tails, index))
+            return divergence_message(start, index, tails, states)
+        waits: list[list[list[int]]] = self._all_gather_object(self._waiting())
+        if any(w != waits[0] for w in waits):
+            nodes = [n for copies in waits for copy in copies for n in copy]
+            return waiting_message(start + len(tails[0]), waits, self._gather_states(nodes))
+        return (
+            f"rank divergence after transition {start}: the digests differ, yet every rank "
+            "applied the same transitions since; the ranks last agreed at different points"
+        )
+
+    def _waiting(self) -> list[list[int]]:
+        """Per copy in flight, in issue order, the nodes whose host pages it writes or reads."""
+        tickets = {t.id: t for t in self.cache.tiers.copier.in_flight()}
+        tickets.update((i, c.ticket) for i, c in self._finished.items())
+        nodes = sorted(self.cache.tree.nodes.values(), key=lambda n: n.id)
+        waits = []
+        for ident in self.cache.issued():
+            ticket = tickets.get(ident)
+            pages = set(ticket.host_pages) if ticket else set()
+            waits.append([n.id for n in nodes if pages.intersection(n.host_pages)])
+        return waits
+
+    def _gather_states(self, nodes: list[int]) -> list[dict[int, str]]:
+        """Every rank's residency of ``nodes`` (the same list on every rank)."""
+        tree = self.cache.tree.nodes
+        here = {n: tree[n].residency() for n in dict.fromkeys(nodes) if n in tree}
+        return self._all_gather_object(here)
+
+    # -- collectives, with failures turned into RankFailure --------------------
+
+    def _all_reduce_min(self, values: list[int]) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        def call() -> None:
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+            self._wait(work)
+
+        self._collective("poll agreement (all_reduce MIN)", call)
+        return [int(v) for v in tensor.tolist()]
+
+    def _all_gather_digest(self, payload: list[int]) -> list[list[int]]:
+        mine = torch.tensor(payload, dtype=torch.int64, device=self.device)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+
+        def call() -> None:
+            self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
+
+        self._collective("digest verification (all_gather)", call)
+        return [[int(v) for v in t.tolist()] for t in out]
+
+    def _all_gather_object(self, obj: T) -> list[T]:
+        out: list[T] = [obj] * self.world_size
+
+        def call() -> None:
+            dist.all_gather_object(out, obj, group=self.group)
+
+        self._collective("divergence report (all_gather_object)", call)
+        return out
+
+    def _wait(self, work: dist.Work | None) -> None:
+        if work is not None:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+
+    def _collective(self, what: str, call: Callable[[], None]) -> None:
+        started = time.perf_counter()
+        try:
+            call()
+        except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
+            elapsed = time.perf_counter() - started
+            detail = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise RankFailure(
+                f"rank {self.rank} of {self.world_size}: {what} failed after {elapsed:.2f} s "
+                f"(timeout {self.timeout:g} s): another rank died or stopped taking part: {detail}"
+            ) from exc
+
+
+def _default_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The current CUDA device for NCCL (its tensors must live there), else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

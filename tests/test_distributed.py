@@ -1,0 +1,473 @@
+"""Tensor-parallel agreement: gloo ranks on CPU apply the same transitions, or say where not.
+
+The multi-process tests spawn 2 and 4 ranks (``torch.multiprocessing``, spawn
+start method, a FileStore in a temporary folder, 127.0.0.1 only). Each rank
+runs scenarios one after another over one process group and writes what it
+saw as JSON; the tests compare the ranks' files. A rank that raises fails its
+test with the rank's traceback; a group that outlives its deadline is killed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import re
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+with warnings.catch_warnings():
+    # A torch without numpy warns at import, which filterwarnings=error would turn into an error.
+    warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+    import torch
+    import torch.distributed as dist
+    from torch.multiprocessing.spawn import start_processes
+
+    from fsm_cache.cache import HiCache
+    from fsm_cache.copies import Completion, CopyEngine
+    from fsm_cache.digest import (
+        TransitionDigest,
+        divergence_message,
+        first_difference,
+        involved_nodes,
+    )
+    from fsm_cache.distributed import DistributedCache, NoProcessGroup, RankFailure
+    from fsm_cache.errors import RankDivergence
+    from fsm_cache.eventlog import EventLog
+    from fsm_cache.testing import FaultyCopyEngine
+    from fsm_cache.tiers import CacheConfig, ConfigError
+    from fsm_cache.tpbench import TPBench, bench_config, chat_trace, replay, run_tp_bench, serve
+
+TIMEOUT = 20.0  # seconds a collective waits for the other ranks
+DEADLINE = 120.0  # seconds a whole spawned group may run before the test kills it
+Results = list[dict[str, Any]]
+
+
+# -- spawning ------------------------------------------------------------------
+
+
+def spawn(worker: Callable[..., None], world: int, folder: Path) -> Results:
+    """Run ``worker(rank, world, store, out)`` on ``world`` ranks; return each rank's JSON."""
+    folder.mkdir(parents=True, exist_ok=True)
+    args = (world, str(folder / "store"), str(folder))
+    ctx = start_processes(worker, args=args, nprocs=world, join=False)  # type: ignore[no-untyped-call]
+    ends = time.monotonic() + DEADLINE
+    while not ctx.join(timeout=1.0):  # raises ProcessRaisedException with a rank's traceback
+        if time.monotonic() > ends:
+            for process in ctx.processes:
+                process.kill()
+            pytest.fail(f"{world} ranks still running after {DEADLINE:g} s")
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def join_group(rank: int, world: int, store: str) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=TIMEOUT),
+    )
+
+
+def skewed(rank: int, **faults: Any) -> CacheConfig:
+    """A small debug cache whose acknowledgements come late and shuffled, differently per rank."""
+    copier = _Skew(delay=rank % 3, seed=rank, **faults)
+    return bench_config(debug=True, copier=copier)
+
+
+class _Skew:
+    """A picklable copier factory: a FaultyCopyEngine with per-rank delay and order."""
+
+    def __init__(self, **faults: Any) -> None:
+        self.faults = faults
+
+    def __call__(self, device: Any, host: Any) -> FaultyCopyEngine:
+        return FaultyCopyEngine(CopyEngine(device, host), shuffle=True, **self.faults)
+
+
+def fingerprint(cache: HiCache) -> list[list[Any]]:
+    """Every node: id, parent, key length, residency and pages, in id order."""
+    return [
+        [n.id, n.parent and n.parent.id, len(n.key), n.residency(), n.device_pages, n.host_pages]
+        for n in sorted(cache.tree.nodes.values(), key=lambda n: n.id)
+    ]
+
+
+# -- what each rank runs ---------------------------------------------------------
+
+
+def agree_on_workload(rank: int) -> dict[str, Any]:
+    """Run the chat trace with skewed acknowledgements; report digests, tree and skew seen."""
+    shared = DistributedCache(HiCache(skewed(rank)), timeout=TIMEOUT, verify_every=5)
+    ahead = 0
+
+    def poll() -> None:
+        nonlocal ahead
+        ahead = max(ahead, shared.buffered)
+        shared.poll()
+
+    replay(shared.cache, chat_trace(60), poll)
+    shared.drain()
+    digest = shared.verify_agreement()
+    return {
+        "digest": digest.hex(),
+        "transitions": shared.transitions,
+        "tree": fingerprint(shared.cache),
+        "events": dict(shared.cache.stats().transitions),
+        "ahead": ahead,
+        "in_flight": len(shared.cache.issued()),
+    }
+
+
+def divergence(rank: int, world: int, inject: Callable[[DistributedCache], None]) -> str:
+    """Serve a few requests, let the last rank ``inject`` a fault, and report what verify says."""
+    faulty = rank == world - 1
+    shared = DistributedCache(HiCache(skewed(0)), timeout=TIMEOUT)
+    for tokens in chat_trace(6, seed=1):
+        serve(shared.cache, tokens)
+        shared.poll()
+    shared.verify_agreement()
+    serve(shared.cache, chat_trace(7, seed=1)[-1])  # leaves copies in flight
+    if faulty:
+        inject(shared)
+    try:
+        for _ in range(2):
+            shared.poll()
+        shared.verify_agreement()
+    except RankDivergence as exc:
+        return str(exc)
+    return "no divergence"
+
+
+def drop_ack(shared: DistributedCache) -> None:
+    """Forget the oldest copy in flight, as a rank that lost its acknowledgement would."""
+    shared.cache._tickets.pop(shared.cache.issued()[0])  # the bug being simulated
+
+
+def extra_eviction(shared: DistributedCache) -> None:
+    """Evict device memory on this rank only."""
+    shared.cache.evict(8)
+
+
+def two_rank_worker(rank: int, world: int, store: str, out: str) -> None:
+    join_group(rank, world, store)
+    report: dict[str, Any] = {"workload": agree_on_workload(rank)}
+    report["dropped_ack"] = divergence(rank, world, drop_ack)
+    report["extra_eviction"] = divergence(rank, world, extra_eviction)
+    report["failed_copy"] = failed_copy(rank, world)
+    report["hang"] = survive_a_hang(rank)  # last: the group is broken after it
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def failed_copy(rank: int, world: int) -> str:
+    """The last rank's third copy fails; the others' succeeds."""
+    fail = {3} if rank == world - 1 else set()
+    shared = DistributedCache(HiCache(skewed(0, fail=fail)), timeout=TIMEOUT)
+    try:
+        replay(shared.cache, chat_trace(6, seed=1), shared.poll)
+        shared.verify_agreement()
+    except RankDivergence as exc:
+        return str(exc)
+    return "no divergence"
+
+
+def survive_a_hang(rank: int) -> str:
+    """Rank 1 stops taking part for longer than the timeout; rank 0 must give up, not wait."""
+    shared = DistributedCache(HiCache(bench_config()), timeout=1.0)
+    shared.poll()
+    if rank == 1:
+        time.sleep(3.0)
+    try:
+        shared.poll()
+    except RankFailure as exc:
+        return str(exc)
+    return "finished"
+
+
+def four_rank_worker(rank: int, world: int, store: str, out: str) -> None:
+    join_group(rank, world, store)
+    report: dict[str, Any] = {"workload": agree_on_workload(rank)}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    report["death"] = survive_a_death(rank, world)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def survive_a_death(rank: int, world: int) -> str:
+    """The last rank dies after three requests; the others must fail, not hang."""
+    shared = DistributedCache(HiCache(skewed(rank)), timeout=TIMEOUT)
+    try:
+        for i, tokens in enumerate(chat_trace(40, seed=2)):
+            if i == 3 and rank == world - 1:
+                os._exit(0)  # dies without a word, as a crashed rank does
+            serve(shared.cache, tokens)
+            shared.poll()
+    except RankFailure as exc:
+        return str(exc)
+    return "finished"
+
+
+# -- multi-process tests ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Results:
+    return spawn(two_rank_worker, 2, tmp_path_factory.mktemp("tp2"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Results:
+    return spawn(four_rank_worker, 4, tmp_path_factory.mktemp("tp4"))
+
+
+def assert_agreed(results: Results) -> None:
+    runs = [r["workload"] for r in results]
+    first = runs[0]
+    assert first["in_flight"] == 0
+    for event in ("write_done", "load_done", "evict_device", "evict_host"):
+        assert first["events"][event] > 0, event
+    for run in runs[1:]:
+        assert run["digest"] == first["digest"]
+        assert run["transitions"] == first["transitions"]
+        assert run["events"] == first["events"]
+        assert run["tree"] == first["tree"]
+    # the fast rank really ran ahead of the slow ones: completions waited for agreement
+    assert runs[0]["ahead"] > 0
+
+
+def test_two_ranks_with_skewed_acks_end_identical(two_ranks: Results) -> None:
+    assert_agreed(two_ranks)
+
+
+def test_four_ranks_with_skewed_acks_end_identical(four_ranks: Results) -> None:
+    assert_agreed(four_ranks)
+
+
+def test_a_dropped_acknowledgement_is_named(two_ranks: Results) -> None:
+    want = (
+        "rank divergence after transition 24: the ranks wait on different copies: "
+        "rank 0 on 1 copy of nodes [8], rank 1 on 0 copies; "
+        "node 8 now: rank 0 writing/resident (pins=0, locks=0), "
+        "rank 1 writing/resident (pins=0, locks=0)"
+    )
+    assert [r["dropped_ack"] for r in two_ranks] == [want, want]
+
+
+def test_an_eviction_on_one_rank_is_named(two_ranks: Results) -> None:
+    want = (
+        "rank divergence at transition 24: rank 0 applied node 8 write_done, "
+        "rank 1 applied node 4 evict_device; "
+        "node 8 now: rank 0 backed/resident (pins=0, locks=0), "
+        "rank 1 backed/resident (pins=0, locks=0); "
+        "node 4 now: rank 0 backed/resident (pins=0, locks=0), "
+        "rank 1 backed/absent (pins=0, locks=0)"
+    )
+    assert [r["extra_eviction"] for r in two_ranks] == [want, want]
+
+
+def test_a_copy_failed_on_one_rank_is_named(two_ranks: Results) -> None:
+    want = (
+        "rank divergence at transition 7: rank 0 applied node 3 write_done, "
+        "rank 1 applied node 3 write_failed; "
+        "node 3 now: rank 0 backed/resident (pins=0, locks=0), "
+        "rank 1 backed/resident (pins=0, locks=0)"
+    )
+    assert [r["failed_copy"] for r in two_ranks] == [want, want]
+
+
+def test_a_dead_rank_makes_the_others_fail_not_hang(four_ranks: Results) -> None:
+    assert "death" not in four_ranks[3]  # it died before reporting
+    for rank, result in enumerate(four_ranks[:3]):
+        pattern = (
+            rf"rank {rank} of 4: poll agreement \(all_reduce MIN\) failed after \d+\.\d\d s "
+            r"\(timeout 20 s\): another rank died or stopped taking part: .+"
+        )
+        assert re.fullmatch(pattern, result["death"]), result["death"]
+
+
+def test_a_hung_rank_makes_the_other_fail_after_the_timeout(two_ranks: Results) -> None:
+    pattern = (
+        r"rank 0 of 2: poll agreement \(all_reduce MIN\) failed after \d+\.\d\d s "
+        r"\(timeout 1 s\): another rank died or stopped taking part: Operation timed out!"
+    )
+    assert re.fullmatch(pattern, two_ranks[0]["hang"]), two_ranks[0]["hang"]
+
+
+def test_tp_bench_runs_on_two_ranks() -> None:
+    bench = run_tp_bench(2, polls=20, requests=16, timeout=TIMEOUT)
+    assert (bench.ranks, bench.polls, bench.requests) == (2, 20, 16)
+    assert min(bench.agreed_poll_us, bench.local_poll_us) > 0
+    assert min(bench.trace_local_s, bench.trace_agreed_s) > 0
+
+
+# -- one process: digests, messages, a world of one --------------------------------
+
+
+def test_digest_folds_in_only_new_transitions() -> None:
+    log = EventLog()
+    digest = TransitionDigest(log)
+    log.op("insert", (1, 2))
+    log.transition(7, "write")
+    first = digest.update()
+    log.transition(7, "write_done")
+    assert digest.update() == hashlib.blake2b(b"7:write;7:write_done;", digest_size=16).digest()
+    assert first == hashlib.blake2b(b"7:write;", digest_size=16).digest()
+    assert digest.count == 2
+
+
+def test_digest_tail_starts_at_the_agreed_point() -> None:
+    log = EventLog()
+    digest = TransitionDigest(log)
+    log.transition(1, "write")
+    digest.update()
+    digest.agree()
+    log.transition(1, "write_done")
+    log.op("poll")
+    log.transition(2, "write")
+    digest.update()
+    assert (digest.agreed, digest.count) == (1, 3)
+    assert digest.tail() == [(1, "write_done"), (2, "write")]
+
+
+def test_first_difference() -> None:
+    a = [(1, "write"), (1, "write_done")]
+    assert first_difference([a, list(a)]) is None
+    assert first_difference([a, [(1, "write"), (2, "write")]]) == 1
+    assert first_difference([a, a[:1], a]) == 1
+    assert first_difference([[], []]) is None
+
+
+def test_divergence_message_names_every_rank_and_node() -> None:
+    tails = [[(4, "write"), (7, "write_done")], [(4, "write"), (9, "evict_device")], [(4, "write")]]
+    states = [{7: "backed/resident (pins=0, locks=0)"}, {9: "backed/absent (pins=0, locks=0)"}, {}]
+    assert involved_nodes(tails, 1) == [7, 9]
+    assert divergence_message(40, 1, tails, states) == (
+        "rank divergence at transition 41: rank 0 applied node 7 write_done, "
+        "rank 1 applied node 9 evict_device, rank 2 applied nothing (only 41 transitions); "
+        "node 7 now: rank 0 backed/resident (pins=0, locks=0), rank 1 not in the tree, "
+        "rank 2 not in the tree; "
+        "node 9 now: rank 0 not in the tree, rank 1 backed/absent (pins=0, locks=0), "
+        "rank 2 not in the tree"
+    )
+
+
+def test_without_a_process_group_it_says_so() -> None:
+    with pytest.raises(NoProcessGroup) as caught:
+        DistributedCache(HiCache(bench_config()))
+    assert str(caught.value) == (
+        "distributed: no process group; call torch.distributed.init_process_group first"
+    )
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[None]:
+    join_group(0, 1, str(tmp_path / "store"))
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ConfigError) as caught:
+        DistributedCache(HiCache(bench_config()), timeout=0)
+    assert str(caught.value) == (
+        "distributed: timeout must be > 0 and verify_every >= 0, got timeout=0 and verify_every=0"
+    )
+
+
+class _HoldFirst(FaultyCopyEngine):
+    """Withholds the acknowledgement of the first copy until ``let_go`` is set."""
+
+    let_go = False
+    _stash: tuple[Completion, ...] = ()
+
+    def poll(self) -> list[Completion]:
+        done = [*self._stash, *super().poll()]
+        self._stash = () if self.let_go else tuple(c for c in done if c.ticket.id == 1)
+        return [c for c in done if self.let_go or c.ticket.id != 1]
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_poll_applies_only_the_finished_head_of_the_issue_order() -> None:
+    cache = HiCache(bench_config(debug=True, copier=lambda d, h: _HoldFirst(CopyEngine(d, h))))
+    copier = cache.tiers.copier
+    assert isinstance(copier, _HoldFirst)
+    shared = DistributedCache(cache, verify_every=1)
+    for first in (100, 200, 300):
+        cache.insert(range(first, first + 8))  # three unrelated prompts: three copies
+    issued = cache.issued()
+    assert issued == [1, 2, 3]
+    assert shared.poll() == 0  # the oldest copy has not finished: nothing may be applied
+    assert (shared.buffered, shared.local_ready()) == (len(issued) - 1, 0)
+    copier.let_go = True
+    assert shared.poll() == len(issued)
+    assert shared.buffered == 0
+    assert not set(issued) & set(cache.issued())
+    assert [e for e in cache.log.entries if e[1] == "agreed_poll"] == [
+        ("op", "agreed_poll", (0,)),
+        ("op", "agreed_poll", (len(issued),)),
+    ]
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_drain_applies_everything_and_verify_returns_the_digest() -> None:
+    cache = HiCache(bench_config(debug=True, copier=_Skew(delay=2, seed=1)))
+    shared = DistributedCache(cache)
+    replay(cache, chat_trace(20), shared.poll)
+    shared.drain()
+    assert cache.issued() == []
+    assert shared.verify_agreement() == shared.digest
+    assert shared.transitions == len(cache.log.transitions())
+
+
+@pytest.mark.gpu
+def test_nccl_world_of_one_agrees_on_cuda_copies(tmp_path: Path) -> None:
+    torch.cuda.set_device(0)
+    dist.init_process_group(
+        "nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        cache = HiCache(bench_config(device="cuda", debug=True))
+        shared = DistributedCache(cache, timeout=TIMEOUT, verify_every=4)
+        assert shared.device == torch.device("cuda", 0)
+        replay(cache, chat_trace(20), shared.poll)
+        shared.drain()
+        assert cache.issued() == []
+        assert cache.stats().transitions["write_done"] > 0
+        assert shared.verify_agreement() == shared.digest
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp_bench_format() -> None:
+    bench = TPBench(2, 100, 120.04, 3.5, 400, 0.5, 0.55)
+    assert bench.format() == "\n".join(
+        [
+            "tensor-parallel agreement: 2 gloo ranks on CPU",
+            "agreed poll (median of 100)      120.0 us",
+            "local poll  (median of 100)        3.5 us",
+            "trace, local poll        1250.0 us/request  (400 requests)",
+            "trace, agreed poll       1375.0 us/request",
+            "agreement overhead        +10.0 %",
+        ]
+    )
+
+
+def test_chat_trace_is_reproducible_and_page_aligned() -> None:
+    trace = chat_trace(50, seed=4)
+    assert trace == chat_trace(50, seed=4)
+    assert trace != chat_trace(50, seed=5)
+    assert all(len(t) % 4 == 0 and 8 <= len(t) <= 96 for t in trace)
+    # conversations grow: some request extends an earlier one
+    pairs = itertools.combinations(trace, 2)
+    assert any(len(b) > len(a) and b[: len(a)] == a for a, b in pairs)
