@@ -27,7 +27,7 @@ MERMAID_FENCE = re.compile(r"^``` ?mermaid\n", re.MULTILINE)
 BROWSER = "chromium"
 
 
-@pytest.mark.parametrize("page", ["index.md", "leases.md", "errors.md"])
+@pytest.mark.parametrize("page", ["index.md", "leases.md", "errors.md", "sglang.md", "hicache.md"])
 def test_code_blocks_run(page: str) -> None:
     """The quick start and the other examples run as written, in order, in one namespace."""
     blocks = PYTHON_BLOCK.findall((DOCS / page).read_text(encoding="utf-8"))

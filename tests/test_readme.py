@@ -1,0 +1,35 @@
+"""The README's example runs, and its diagram is the generated one."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_example_runs_and_prints_the_refusal(capsys: pytest.CaptureFixture[str]) -> None:
+    """The ten-line example runs and prints the release-at-zero refusal it promises."""
+    (block,) = re.findall(r"^```python\n(.*?)^```", README, re.DOTALL | re.MULTILINE)
+    exec(compile(block, "README.md", "exec"), {"__name__": "readme"})
+    assert capsys.readouterr().out == (
+        "node 17: release refused in backed (pins=0): release without a matching pin\n"
+    )
+
+
+def test_diagram_is_the_generated_one() -> None:
+    """The README's Mermaid diagram equals docs/diagrams/host_residency.mmd."""
+    (diagram,) = re.findall(r"^```mermaid\n(.*?)^```", README, re.DOTALL | re.MULTILINE)
+    assert diagram == (ROOT / "docs/diagrams/host_residency.mmd").read_text(encoding="utf-8")
+
+
+def test_names_both_commands() -> None:
+    """The two set-up commands are the ones the Makefile provides."""
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    for target in ("run", "test"):
+        assert f"make {target}" in README
+        assert re.search(rf"^{target}:", makefile, re.MULTILINE)
