@@ -1,0 +1,152 @@
+"""HiCache under copy faults, its metrics, its event log, and the CLI jobs built on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+
+from fsm_cache.cache import HiCache
+from fsm_cache.cli import main
+from fsm_cache.copies import CopyEngine
+from fsm_cache.eventlog import ReplayMismatch, replay
+from fsm_cache.kvpool import KVPool
+from fsm_cache.metrics import register
+from fsm_cache.testing import FaultyCopyEngine
+from fsm_cache.tiers import CacheConfig, synthetic_kv
+
+
+def config(fail: tuple[int, ...] = (), **overrides: object) -> CacheConfig:
+    def build(device: KVPool, host: KVPool) -> FaultyCopyEngine:
+        return FaultyCopyEngine(CopyEngine(device, host), fail=fail)
+
+    settings: dict[str, object] = {
+        "device_pages": 8,
+        "host_pages": 16,
+        "page_size": 4,
+        "layers": 1,
+        "heads": 1,
+        "head_dim": 4,
+        "load_back_threshold": 4,
+        "debug": True,
+        "copier": build,
+    }
+    settings.update(overrides)
+    return CacheConfig(**settings)  # type: ignore[arg-type]
+
+
+class TestCopyFaults:
+    """A failed copy is an event like any other: nothing leaks, data already safe stays."""
+
+    def test_failed_backup_frees_its_host_pages(self) -> None:
+        """A failed device-to-host copy fires write_failed: unbacked again, host pages free."""
+        cache = HiCache(config(fail=(1,)))
+        cache.insert(list(range(8)))
+        cache.poll()
+        (node,) = list(cache.tree)
+        assert (node.host, node.host_pages) == ("unbacked", ())
+        assert cache.tiers.host.allocator.free_pages == 16
+        assert cache.stats().transitions["write_failed"] == 1
+
+    def test_failed_load_leaves_the_host_copy(self) -> None:
+        """A failed host-to-device copy fires load_failed: absent again, host copy intact."""
+        cache = HiCache(config(fail=(2,)))
+        cache.insert(list(range(8)))
+        cache.poll()
+        cache.evict(8)
+        (node,) = list(cache.tree)
+        assert cache.load_back(node) == [node]
+        cache.poll()
+        assert (node.host, node.device, node.pins) == ("backed", "absent", 0)
+        assert cache.tiers.device.allocator.free_pages == 8
+        expected = synthetic_kv(cache.tiers.device.layout, node.key)
+        assert torch.equal(cache.tiers.host.read(node.host_pages), expected)
+
+    @pytest.mark.parametrize("position", [1, 2, 3, 4])
+    def test_every_copy_position_conserves_both_pools(self, position: int) -> None:
+        """Whichever copy fails, both pools conserve and backed nodes keep their KV."""
+        cache = HiCache(config(fail=(position,)))
+        for start in (0, 100):
+            cache.insert(list(range(start, start + 8)))
+            cache.poll()
+        cache.evict(16)
+        for node in list(cache.tree):
+            cache.load_back(node)
+            cache.poll()
+        cache.check_invariants()
+        for node in cache.tree:
+            if node.host in ("backed", "pinned"):
+                expected = synthetic_kv(cache.tiers.device.layout, node.key)
+                assert torch.equal(cache.tiers.host.read(node.host_pages), expected)
+
+    @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float8_e4m3fn"])
+    def test_round_trip_is_bit_exact_for_each_dtype(self, dtype: str) -> None:
+        """Write, back up, evict, load back: the device KV equals what was written."""
+        cache = HiCache(config(dtype=dtype))
+        cache.insert(list(range(16)))
+        cache.poll()
+        (node,) = list(cache.tree)
+        written = cache.tiers.read_device(node.device_pages)
+        cache.evict(16)
+        cache.load_back(node)
+        cache.poll()
+        assert torch.equal(cache.tiers.read_device(node.device_pages), written)
+
+
+def test_prometheus_exposes_the_stats() -> None:
+    """A scrape shows tokens per tier and applied transitions."""
+    cache = HiCache(config())
+    cache.insert(list(range(8)))
+    cache.poll()
+    registry = CollectorRegistry()
+    register(cache, registry)
+    text = generate_latest(registry).decode()
+    assert 'fsm_cache_tokens{tier="device"} 8.0' in text
+    assert 'fsm_cache_transitions_total{event="write_done"} 1.0' in text
+
+
+def test_event_log_replays_into_the_same_tree() -> None:
+    """Replaying a log rebuilds the same nodes in the same states."""
+    cache = HiCache(config())
+    for start in (0, 0, 100, 200):
+        cache.insert(list(range(start, start + 12)))
+        cache.poll()
+    cache.evict(12)
+    lock = cache.lock(next(iter(cache.tree)))
+    cache.unlock(lock)
+    rebuilt = replay(cache.log, cache.config)
+    assert [(n.id, n.residency()) for n in rebuilt.tree] == [
+        (n.id, n.residency()) for n in cache.tree
+    ]
+
+
+def test_replay_reports_the_first_difference() -> None:
+    """A log whose transitions were tampered with does not replay."""
+    cache = HiCache(config())
+    cache.insert(list(range(8)))
+    cache.log.entries[-1] = ("transition", 1, "write_done")
+    with pytest.raises(ReplayMismatch) as caught:
+        replay(cache.log, cache.config)
+    assert str(caught.value) == "transition 0: recorded node 1 write_done, replayed node 1 write"
+
+
+def test_demo_serves_and_refuses_the_planted_double_release(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The demo exits 0, reports no refused transitions and shows both call sites."""
+    assert main(["demo", "--requests", "150"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "refused transitions │ 0" in out
+    assert "pinned at demo.py:" in out
+    assert "released at demo.py:" in out
+    assert "in drain_backup" in out
+
+
+@pytest.mark.parametrize(
+    ("what", "ratio"),
+    [("engine", "x bare"), ("cache", "x baseline"), ("copies", "machine / raw = ")],
+)
+def test_bench_smoke(what: str, ratio: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each benchmark runs at small sizes and prints its side-by-side ratio."""
+    assert main(["bench", what, "--quick"]) == 0
+    assert ratio in capsys.readouterr().out
