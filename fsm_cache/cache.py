@@ -18,7 +18,7 @@ from typing import Any
 
 from fsm_cache import trail
 from fsm_cache.copies import Completion, Direction
-from fsm_cache.errors import EffectFailed, IllegalTransition, PoolExhausted
+from fsm_cache.errors import EffectFailed, ForeignSlot, IllegalTransition, PoolExhausted
 from fsm_cache.eventlog import EventLog
 from fsm_cache.lease import Lease
 from fsm_cache.metrics import Counters, Stats, snapshot
@@ -140,13 +140,11 @@ class HiCache:
             None if device_slots is None else tuple(device_slots),
         )
         key = self.tree.aligned(tuple(tokens))
-        pages = (
-            None
-            if device_slots is None
-            else tuple(pages_of(device_slots[: len(key)], self.config.page_size))
-        )
+        if device_slots is not None and len(device_slots) < len(key):
+            msg = f"{len(device_slots)} device slots for {len(key)} tokens"
+            raise ForeignSlot(msg)
         walk = self.tree.walk(key, namespace)
-        fresh = self._fresh_pages(walk.path, key, pages)
+        fresh = self._fresh_pages(walk.path, key, device_slots)
         leaf = None
         if walk.matched < len(key):
             parent = walk.path[-1] if walk.path else self.tree.root(namespace)
@@ -165,9 +163,13 @@ class HiCache:
         return walk.matched
 
     def _fresh_pages(
-        self, path: Sequence[TreeNode], key: Key, pages: Pages | None
+        self, path: Sequence[TreeNode], key: Key, slots: Sequence[int] | None
     ) -> dict[int, Pages]:
-        """Device pages for host-only path nodes (by id) and the new tail (key -1)."""
+        """Device pages for host-only path nodes (by id) and the new tail (key -1).
+
+        Only the caller's slots for those parts are read (and checked to be whole
+        pages); slots of the part already on the device are the caller's business.
+        """
         page, offset, wanted = self.config.page_size, 0, []
         for node in path:
             if node.device == "absent":
@@ -175,8 +177,8 @@ class HiCache:
             offset += len(node.key)
         if offset < len(key):
             wanted.append((-1, offset, len(key) - offset))
-        if pages is not None:
-            return {ident: pages[o // page : (o + n) // page] for ident, o, n in wanted}
+        if slots is not None:
+            return {ident: tuple(pages_of(slots[o : o + n], page)) for ident, o, n in wanted}
         total = sum(n for _, _, n in wanted) // page
         run = self._alloc_device(total, keep=path[-1] if path else None)
         out, at = {}, 0

@@ -40,7 +40,7 @@ def pages_of(slots: Sequence[int], page_size: int) -> list[int]:
     """
     if len(slots) % page_size:
         raise ForeignSlot(f"{len(slots)} slots is not a multiple of page_size {page_size}")
-    pages = [slots[i] // page_size for i in range(0, len(slots), page_size)]
+    pages = [s // page_size for s in slots[::page_size]]
     if slots_of(pages, page_size) != list(slots):
         raise ForeignSlot(f"slots are not whole pages of size {page_size}")
     return pages

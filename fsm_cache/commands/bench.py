@@ -42,7 +42,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.what == "cache":
         from fsm_cache.cachebench import run_cache_bench
 
-        print(run_cache_bench(num_requests=200 if args.quick else 2000).format())
+        print(
+            run_cache_bench(
+                num_requests=200 if args.quick else 2000, rounds=1 if args.quick else 3
+            ).format()
+        )
     else:
         from fsm_cache.tpbench import run_tp_bench
 
