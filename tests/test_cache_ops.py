@@ -150,3 +150,20 @@ def test_bench_smoke(what: str, ratio: str, capsys: pytest.CaptureFixture[str]) 
     """Each benchmark runs at small sizes and prints its side-by-side ratio."""
     assert main(["bench", what, "--quick"]) == 0
     assert ratio in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_cuda_round_trip_through_streams_and_events() -> None:
+    """On CUDA: backup on the copy stream, evict, load back; KV equal, no page freed early."""
+    cache = HiCache(config(device="cuda", layers=4, heads=8, head_dim=128, device_pages=64))
+    cache.insert(list(range(64)))
+    (node,) = list(cache.tree)
+    written = cache.tiers.read_device(node.device_pages)
+    while cache.issued():
+        cache.poll()
+    cache.evict(64)
+    cache.load_back(node)
+    while cache.issued():
+        cache.poll()
+    assert torch.equal(cache.tiers.read_device(node.device_pages), written)
+    assert cache.tiers.host.pinned
