@@ -40,19 +40,10 @@ from fsm_cache.digest import (
     involved_nodes,
     waiting_message,
 )
-from fsm_cache.errors import FsmCacheError, RankDivergence
-from fsm_cache.tiers import ConfigError
+from fsm_cache.errors import ConfigError, NoProcessGroup, RankDivergence, RankFailure
 
 
 T = TypeVar("T")
-
-
-class RankFailure(FsmCacheError):
-    """A collective failed: a rank of the group died or stopped taking part in time."""
-
-
-class NoProcessGroup(FsmCacheError):
-    """``torch.distributed`` has no process group to agree over."""
 
 
 class DistributedCache:

@@ -19,7 +19,14 @@ Every error the library raises on bad input or an illegal step derives from
     │   └── PageBusy              a page still read or written by a copy
     ├── CopyFailed                a copy between tiers failed
     ├── InvariantViolation        a structural invariant does not hold
-    └── RankDivergence            tensor-parallel ranks applied different steps
+    ├── ConfigError               a cache configuration value is out of range
+    ├── ReplayMismatch            an event log replays into different transitions
+    ├── RankDivergence            tensor-parallel ranks applied different steps
+    └── RankFailure               a rank died or stopped answering a collective
+        └── NoProcessGroup        no process group to agree over
+
+Tools add their own under the root: ``DiagramError`` (diagram), ``AuditError``
+(audit), ``ReadOnlyCounter`` (compat.sglang).
 
 Refusals carry the instance, its state and counters, the event and the reason,
 so messages read ``node 17: release refused in backed (pins=0): <reason>``.
@@ -205,3 +212,19 @@ class InvariantViolation(FsmCacheError):
 
 class RankDivergence(FsmCacheError):
     """Tensor-parallel ranks applied different transitions."""
+
+
+class ConfigError(FsmCacheError):
+    """A cache configuration value is out of range; the message names it."""
+
+
+class ReplayMismatch(FsmCacheError):
+    """A replayed event log applied different transitions than it recorded."""
+
+
+class RankFailure(FsmCacheError):
+    """A collective failed: a rank of the group died or stopped taking part in time."""
+
+
+class NoProcessGroup(RankFailure):
+    """``torch.distributed`` has no process group to agree over."""

@@ -13,7 +13,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fsm_cache.errors import FsmCacheError
+from fsm_cache.errors import ReplayMismatch
 
 
 if TYPE_CHECKING:
@@ -21,10 +21,6 @@ if TYPE_CHECKING:
     from fsm_cache.copies import Completion
     from fsm_cache.lease import Lease
     from fsm_cache.tiers import CacheConfig
-
-
-class ReplayMismatch(FsmCacheError):
-    """A replay applied different transitions than the log recorded."""
 
 
 @dataclass

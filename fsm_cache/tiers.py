@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fsm_cache.copies import Copier, CopyEngine
-from fsm_cache.errors import FsmCacheError, PageBusy
+from fsm_cache.errors import ConfigError, PageBusy
 from fsm_cache.kvpool import KVLayout, KVPool, device_pool, host_pool
 
 
@@ -24,10 +24,6 @@ _DTYPES = {
     "float32": torch.float32,
     "float8_e4m3fn": getattr(torch, "float8_e4m3fn", torch.float16),
 }
-
-
-class ConfigError(FsmCacheError):
-    """A cache configuration value is out of range; the message names it."""
 
 
 @dataclass(frozen=True)

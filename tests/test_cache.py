@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fsm_cache.cache import HiCache
-from fsm_cache.errors import IllegalTransition, LeaseError, PoolExhausted
-from fsm_cache.tiers import CacheConfig, ConfigError, synthetic_kv
+from fsm_cache.errors import ConfigError, IllegalTransition, LeaseError, PoolExhausted
+from fsm_cache.tiers import CacheConfig, synthetic_kv
 from fsm_cache.tree import TreeNode
 
 

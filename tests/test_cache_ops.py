@@ -9,7 +9,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from fsm_cache.cache import HiCache
 from fsm_cache.cli import main
 from fsm_cache.copies import CopyEngine
-from fsm_cache.eventlog import ReplayMismatch, replay
+from fsm_cache.errors import ReplayMismatch
+from fsm_cache.eventlog import replay
 from fsm_cache.kvpool import KVPool
 from fsm_cache.metrics import register
 from fsm_cache.testing import FaultyCopyEngine

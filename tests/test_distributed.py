@@ -39,11 +39,11 @@ with warnings.catch_warnings():
         first_difference,
         involved_nodes,
     )
-    from fsm_cache.distributed import DistributedCache, NoProcessGroup, RankFailure
-    from fsm_cache.errors import RankDivergence
+    from fsm_cache.distributed import DistributedCache
+    from fsm_cache.errors import ConfigError, NoProcessGroup, RankDivergence, RankFailure
     from fsm_cache.eventlog import EventLog
     from fsm_cache.testing import FaultyCopyEngine
-    from fsm_cache.tiers import CacheConfig, ConfigError
+    from fsm_cache.tiers import CacheConfig
     from fsm_cache.tpbench import TPBench, bench_config, chat_trace, replay, run_tp_bench, serve
 
 TIMEOUT = 20.0  # seconds a collective waits for the other ranks
