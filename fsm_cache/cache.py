@@ -31,6 +31,9 @@ from fsm_cache.tree import Key, Pages, RadixTree, TreeNode
 
 trail.internal(__file__)
 
+Lock = Lease
+"""The receipt :meth:`HiCache.lock` returns: a lease of ``lock`` released by ``unlock``."""
+
 
 @dataclass(frozen=True)
 class MatchResult:
@@ -241,14 +244,14 @@ class HiCache:
         self.log.op("release", node.id)
         self._fire(node, "release")
 
-    def lock(self, node: TreeNode) -> Lease:
+    def lock(self, node: TreeNode) -> Lock:
         """Lock ``node`` and its ancestors on the device; the receipt unlocks once."""
         self.log.op("lock", node.id)
         lease = self.machine.lease(node, "lock")
         self._count(node, "lock")
         return lease
 
-    def unlock(self, lock: Lease) -> None:
+    def unlock(self, lock: Lock) -> None:
         """Unlock what ``lock`` locked (a second unlock raises LeaseError)."""
         self.log.op("unlock", lock.record.id)
         lock.release()

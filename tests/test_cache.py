@@ -279,3 +279,16 @@ class TestReporting:
             cache._release(node)
         assert cache.stats().refused == {"release": 1}
         assert node.host == "writing"
+
+
+def test_reset_drains_copies_and_starts_empty() -> None:
+    """After reset the tree is empty, both pools are whole, and nothing is in flight."""
+    cache = make()
+    cache.insert(tokens(0, 8))
+    assert cache.issued()
+    cache.reset()
+    assert list(cache.tree) == []
+    assert cache.issued() == []
+    assert cache.tiers.device.allocator.free_pages == 16
+    assert cache.tiers.host.allocator.free_pages == 32
+    assert cache.insert(tokens(0, 8)) == 0
