@@ -11,12 +11,12 @@ illegal step is refused at the call and changes nothing.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-from fsm_cache import trail
+from fsm_cache import trail, transfers
 from fsm_cache.copies import Completion, Direction
 from fsm_cache.errors import EffectFailed, ForeignSlot, IllegalTransition, PoolExhausted
 from fsm_cache.eventlog import EventLog
@@ -24,7 +24,7 @@ from fsm_cache.lease import Lease
 from fsm_cache.metrics import Counters, Stats, snapshot
 from fsm_cache.policy import WritePolicy, wants_backup
 from fsm_cache.pools import pages_of
-from fsm_cache.residency import DEVICE_HELD, Event, Residency
+from fsm_cache.residency import Event, Residency
 from fsm_cache.tiers import CacheConfig, Tiers
 from fsm_cache.tree import Key, Pages, RadixTree, TreeNode
 
@@ -54,12 +54,6 @@ class MatchResult:
     device_pages: Pages
 
 
-@dataclass
-class _Ticket:
-    nodes: list[TreeNode]
-    started: float
-
-
 class HiCache:
     """A prefix KV cache over a device tier and a host tier.
 
@@ -75,19 +69,12 @@ class HiCache:
         self.config.check()
         self.policy = WritePolicy(self.config.write_policy)
         self.tiers = Tiers(self.config)
-        self.tree = RadixTree(self.config.page_size, on_split=self._on_split)
-        effects = {
-            "start_write": self._start_write,
-            "free_host": self._free_host,
-            "free_device": self._free_device,
-            "start_load": self._start_load,
-            "adopt_device": self._adopt,
-        }
-        self.machine = Residency(effects=effects, audit=self.config.audit)
+        self.tree = RadixTree(self.config.page_size, on_split=partial(transfers.on_split, self))
+        self.machine = Residency(effects=transfers.effects(self), audit=self.config.audit)
         self.counters = Counters()
         self.log = EventLog()
         self._clock = 0
-        self._tickets: dict[int, _Ticket] = {}
+        self._tickets: dict[int, transfers.Ticket] = {}
         self._batch: dict[Direction, list[TreeNode]] = {Direction.D2H: [], Direction.H2D: []}
         self._incoming: dict[int, Pages] = {}
         self._evict_after_ack: set[int] = set()
@@ -327,31 +314,7 @@ class HiCache:
 
     def apply(self, completion: Completion) -> None:
         """Fire the acknowledgement events of one finished copy."""
-        from fsm_cache.eviction import after_ack
-
-        ticket = self._tickets.pop(completion.ticket.id)
-        write = completion.ticket.direction is Direction.D2H
-        name = "d2h" if write else "h2d"
-        self.counters.copy_seconds[name] += time.perf_counter() - ticket.started
-        if completion.ok:
-            self.counters.copy_bytes[name] += (
-                len(completion.ticket.src_pages) * self.tiers.device.layout.page_bytes
-            )
-        else:
-            self.counters.copy_failures[name] += 1
-        if not write and not completion.ok:
-            stuck = [n for n in ticket.nodes if not self.machine.allowed(n, "load_failed")]
-            if stuck:  # locked, or a child was inserted on the device below: copy again
-                from fsm_cache.eviction import start_batch
-
-                start_batch(self, Direction.H2D, ticket.nodes)
-                return
-        event: Event = ("write_done" if completion.ok else "write_failed") if write else "load_done"
-        if not write and not completion.ok:
-            event = "load_failed"
-        for node in ticket.nodes:
-            self._fire(node, event)
-        after_ack(self, ticket.nodes, event)
+        transfers.apply_completion(self, completion)
 
     # -- reporting -----------------------------------------------------------
 
@@ -401,24 +364,10 @@ class HiCache:
                     raise
 
     def _alloc_device(self, pages: int, keep: TreeNode | None = None) -> Pages:
-        """Take device pages, evicting if needed; ``keep`` and its ancestors are never evicted."""
-        try:
-            return self.tiers.alloc_device(pages, 0)
-        except PoolExhausted:
-            from fsm_cache.eviction import evict_device
+        """Take device pages, evicting if needed; ``keep`` and its ancestors stay."""
+        from fsm_cache.eviction import alloc_device
 
-            while keep is not None and keep.device not in DEVICE_HELD:
-                keep = keep.parent
-            held = keep is not None and keep.parent is not None
-            if held:
-                self._fire(keep, "lock")  # type: ignore[arg-type]
-            try:
-                short = pages * self.config.page_size - self.tiers.device.allocator.free_slots
-                evict_device(self, short)
-            finally:
-                if held:
-                    self._fire(keep, "unlock")  # type: ignore[arg-type]
-            return self.tiers.alloc_device(pages, 0)
+        return alloc_device(self, pages, keep)
 
     def _after(self, operation: str) -> None:
         if self.config.debug:
@@ -428,49 +377,4 @@ class HiCache:
 
     def _flush(self) -> None:
         """Start one batched copy per direction for the nodes whose events asked for one."""
-        from fsm_cache.eviction import start_batch
-
-        for direction, nodes in self._batch.items():
-            if nodes:
-                self._batch[direction] = []
-                start_batch(self, direction, nodes)
-
-    def _on_split(self, prefix: TreeNode, suffix: TreeNode) -> None:
-        self.tiers.reassign(prefix.device_pages, prefix.host_pages, suffix.id, prefix.id)
-        for ticket in self._tickets.values():
-            if suffix in ticket.nodes:
-                ticket.nodes.insert(ticket.nodes.index(suffix), prefix)
-        self.log.transition(prefix.id, f"split:{suffix.id}")
-
-    # -- effects (run by the engine after its checks, before its commit) ------
-
-    def _start_write(self, node: TreeNode) -> None:
-        try:
-            pages = self.tiers.alloc_host(len(node.device_pages), node.id)
-        except PoolExhausted:
-            from fsm_cache.eviction import evict_host
-
-            evict_host(self, len(node.key))
-            pages = self.tiers.alloc_host(len(node.device_pages), node.id)
-        node.host_pages = pages
-        self._batch[Direction.D2H].append(node)
-
-    def _free_host(self, node: TreeNode) -> None:
-        self.tiers.free_host(node.host_pages, node.id)
-        node.host_pages = ()
-
-    def _free_device(self, node: TreeNode) -> None:
-        self.tiers.free_device(node.device_pages, node.id)
-        node.device_pages = ()
-
-    def _start_load(self, node: TreeNode) -> None:
-        node.device_pages = self._incoming.pop(node.id)
-        self.leaf_hints.add(node)
-        self.tiers.device.allocator.reassign(node.device_pages, 0, node.id)
-        self._batch[Direction.H2D].append(node)
-
-    def _adopt(self, node: TreeNode) -> None:
-        node.device_pages = self._incoming.pop(node.id)
-        self.leaf_hints.add(node)
-        if node.device_pages and self.tiers.device.allocator.owner_of(node.device_pages[0]) == 0:
-            self.tiers.device.allocator.reassign(node.device_pages, 0, node.id)
+        transfers.flush(self)

@@ -9,13 +9,11 @@ order.
 from __future__ import annotations
 
 import heapq
-import time
 from typing import TYPE_CHECKING
 
-from fsm_cache.copies import Direction
-from fsm_cache.errors import CopyFailed, InvariantViolation, PoolExhausted
+from fsm_cache.errors import InvariantViolation, PoolExhausted
 from fsm_cache.policy import deletes_unbacked, worth_loading
-from fsm_cache.residency import DEVICE_HELD, HOST_HELD, HOST_VALID, Event
+from fsm_cache.residency import DEVICE_HELD, HOST_HELD, HOST_VALID
 
 
 if TYPE_CHECKING:
@@ -153,39 +151,30 @@ def load_chain(cache: HiCache, node: TreeNode) -> list[TreeNode] | None:
     return chain
 
 
-def start_batch(cache: HiCache, direction: Direction, nodes: list[TreeNode]) -> None:
-    """Start one copy for ``nodes``; if the engine refuses it, fail their events at once."""
-    copier = cache.tiers.copier
-    dev = [p for n in nodes for p in n.device_pages]
-    host = [p for n in nodes for p in n.host_pages]
+def alloc_device(cache: HiCache, pages: int, keep: TreeNode | None) -> tuple[int, ...]:
+    """Take ``pages`` device pages, evicting if the pool is short.
+
+    ``keep`` (or its nearest device-held ancestor) is locked while eviction
+    runs, so the path an insert or a load hangs under is never evicted from
+    under it.
+
+    Raises:
+        PoolExhausted: Too little can be evicted; nothing was allocated.
+    """
     try:
-        if direction is Direction.D2H:
-            ticket = copier.start_write(dev, host)
-        else:
-            ticket = copier.start_load(host, dev)
-    except CopyFailed:
-        failed: Event = "write_failed" if direction is Direction.D2H else "load_failed"
-        for n in nodes:
-            cache._fire(n, failed)
-        after_ack(cache, nodes, failed)
-        return
-    from fsm_cache.cache import _Ticket
-
-    cache._tickets[ticket.id] = _Ticket(list(nodes), time.perf_counter())
-
-
-def after_ack(cache: HiCache, nodes: list[TreeNode], event: Event) -> None:
-    """Follow-ups once acknowledgements are applied: write-back evictions, deferred backups."""
-    for node in nodes:
-        if node.id not in cache._evict_after_ack:
-            continue
-        if event == "write_done":
-            cache._evict_after_ack.discard(node.id)
-            if node.locks == 0 and not any(c.device in DEVICE_HELD for c in node.children.values()):
-                cache._fire(node, "evict_device")
-        elif event == "write_failed":
-            cache._evict_after_ack.discard(node.id)
-    if event == "write_done":
-        for node in nodes:
-            for child in node.children.values():
-                cache._maybe_backup(child)
+        return cache.tiers.alloc_device(pages, 0)
+    except PoolExhausted:
+        pass
+    while keep is not None and keep.device not in DEVICE_HELD:
+        keep = keep.parent
+    held = keep if keep is not None and keep.parent is not None else None
+    if held is not None:
+        cache._fire(held, "lock")
+    try:
+        evict_device(
+            cache, pages * cache.config.page_size - cache.tiers.device.allocator.free_slots
+        )
+    finally:
+        if held is not None:
+            cache._fire(held, "unlock")
+    return cache.tiers.alloc_device(pages, 0)

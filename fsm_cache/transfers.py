@@ -1,0 +1,163 @@
+"""Where HiCache's residency events meet memory: effects, copy batches, acknowledgements.
+
+The residency spec names four effects (``start_write``, ``free_host``,
+``free_device``, ``start_load``) and one more for recomputed KV
+(``adopt_device``); :func:`effects` binds them to a cache. The engine runs an
+effect after every check passed and before it commits, so a failing effect
+(a full host pool, a page still being copied) leaves the node unchanged.
+
+Copies are batched: effects only queue nodes, and :func:`flush` starts one
+copy per direction for everything an operation queued. :func:`apply_completion`
+turns a finished copy back into events (``write_done``, ``load_failed``, ...).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fsm_cache import trail
+from fsm_cache.copies import Completion, Direction
+from fsm_cache.errors import CopyFailed, PoolExhausted
+from fsm_cache.residency import DEVICE_HELD, Event
+
+
+if TYPE_CHECKING:
+    from fsm_cache.cache import HiCache
+    from fsm_cache.tree import TreeNode
+
+
+trail.internal(__file__)
+
+
+@dataclass
+class Ticket:
+    """The nodes one started copy serves, and when it started."""
+
+    nodes: list[TreeNode]
+    started: float
+
+
+def effects(cache: HiCache) -> dict[str, Callable[[Any], None]]:
+    """Return the residency effects bound to ``cache``'s memory."""
+
+    def start_write(node: TreeNode) -> None:
+        try:
+            pages = cache.tiers.alloc_host(len(node.device_pages), node.id)
+        except PoolExhausted:
+            from fsm_cache.eviction import evict_host
+
+            evict_host(cache, len(node.key))
+            pages = cache.tiers.alloc_host(len(node.device_pages), node.id)
+        node.host_pages = pages
+        cache._batch[Direction.D2H].append(node)
+
+    def free_host(node: TreeNode) -> None:
+        cache.tiers.free_host(node.host_pages, node.id)
+        node.host_pages = ()
+
+    def free_device(node: TreeNode) -> None:
+        cache.tiers.free_device(node.device_pages, node.id)
+        node.device_pages = ()
+
+    def start_load(node: TreeNode) -> None:
+        node.device_pages = cache._incoming.pop(node.id)
+        cache.leaf_hints.add(node)
+        cache.tiers.device.allocator.reassign(node.device_pages, 0, node.id)
+        cache._batch[Direction.H2D].append(node)
+
+    def adopt_device(node: TreeNode) -> None:
+        node.device_pages = cache._incoming.pop(node.id)
+        cache.leaf_hints.add(node)
+        allocator = cache.tiers.device.allocator
+        if node.device_pages and allocator.owner_of(node.device_pages[0]) == 0:
+            allocator.reassign(node.device_pages, 0, node.id)
+
+    return {
+        "start_write": start_write,
+        "free_host": free_host,
+        "free_device": free_device,
+        "start_load": start_load,
+        "adopt_device": adopt_device,
+    }
+
+
+def flush(cache: HiCache) -> None:
+    """Start one batched copy per direction for the nodes whose events asked for one."""
+    for direction, nodes in cache._batch.items():
+        if nodes:
+            cache._batch[direction] = []
+            start_batch(cache, direction, nodes)
+
+
+def start_batch(cache: HiCache, direction: Direction, nodes: list[TreeNode]) -> None:
+    """Start one copy for ``nodes``; if the engine refuses it, fail their events at once."""
+    copier = cache.tiers.copier
+    dev = [p for n in nodes for p in n.device_pages]
+    host = [p for n in nodes for p in n.host_pages]
+    try:
+        if direction is Direction.D2H:
+            ticket = copier.start_write(dev, host)
+        else:
+            ticket = copier.start_load(host, dev)
+    except CopyFailed:
+        failed: Event = "write_failed" if direction is Direction.D2H else "load_failed"
+        for n in nodes:
+            cache._fire(n, failed)
+        after_ack(cache, nodes, failed)
+        return
+    cache._tickets[ticket.id] = Ticket(list(nodes), time.perf_counter())
+
+
+def apply_completion(cache: HiCache, completion: Completion) -> None:
+    """Fire the acknowledgement events of one finished copy, and their follow-ups."""
+    ticket = cache._tickets.pop(completion.ticket.id)
+    write = completion.ticket.direction is Direction.D2H
+    _count(cache, completion, ticket, "d2h" if write else "h2d")
+    if not write and not completion.ok:
+        stuck = [n for n in ticket.nodes if not cache.machine.allowed(n, "load_failed")]
+        if stuck:  # locked, or a child was inserted on the device below: copy again
+            start_batch(cache, Direction.H2D, ticket.nodes)
+            return
+    if write:
+        event: Event = "write_done" if completion.ok else "write_failed"
+    else:
+        event = "load_done" if completion.ok else "load_failed"
+    for node in ticket.nodes:
+        cache._fire(node, event)
+    after_ack(cache, ticket.nodes, event)
+
+
+def _count(cache: HiCache, completion: Completion, ticket: Ticket, name: str) -> None:
+    cache.counters.copy_seconds[name] += time.perf_counter() - ticket.started
+    if completion.ok:
+        page_bytes = cache.tiers.device.layout.page_bytes
+        cache.counters.copy_bytes[name] += len(completion.ticket.src_pages) * page_bytes
+    else:
+        cache.counters.copy_failures[name] += 1
+
+
+def after_ack(cache: HiCache, nodes: list[TreeNode], event: Event) -> None:
+    """Follow-ups once acknowledgements are applied: write-back evictions, deferred backups."""
+    for node in nodes:
+        if event not in ("write_done", "write_failed") or node.id not in cache._evict_after_ack:
+            continue
+        cache._evict_after_ack.discard(node.id)
+        device_child = any(c.device in DEVICE_HELD for c in node.children.values())
+        if event == "write_done" and node.locks == 0 and not device_child:
+            cache._fire(node, "evict_device")
+    if event == "write_done":
+        for node in nodes:
+            for child in node.children.values():
+                cache._maybe_backup(child)
+
+
+def on_split(cache: HiCache, prefix: TreeNode, suffix: TreeNode) -> None:
+    """Re-home page ownership and in-flight copies after ``suffix`` was split off ``prefix``."""
+    cache.tiers.reassign(prefix.device_pages, prefix.host_pages, suffix.id, prefix.id)
+    for ticket in cache._tickets.values():
+        if suffix in ticket.nodes:
+            ticket.nodes.insert(ticket.nodes.index(suffix), prefix)
+    cache.log.transition(prefix.id, f"split:{suffix.id}")
