@@ -22,6 +22,8 @@ _TOOLS = (
     "fsm_cache.commands.validate",
     "fsm_cache.commands.diagram",
     "fsm_cache.commands.bench",
+    "fsm_cache.verify",
+    "fsm_cache.check",
     "fsm_cache.audit",
 )
 

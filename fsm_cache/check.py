@@ -1,0 +1,215 @@
+"""``fsm-cache check``: an explicit-state bounded model checker of the composed system.
+
+A small tree of ``--nodes`` nodes, in several shapes (a chain, a fan-out, a
+binary tree), each node running the spec's machines, with locks, pins, copies
+in flight and acknowledgements arriving in any order, plus the cache's tree
+operations (insert a leaf, split a node, delete a node whose data is gone).
+Every reachable state is explored breadth-first and checked against the
+design's invariants (:mod:`fsm_cache.invariants`); on a violation the
+shortest event sequence reaching it is printed and the exit status is 1.
+Without arguments it checks the shipped specs and the negative controls of
+``specs/bugs_detected`` (each of which must still yield its finding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from fsm_cache import treeops
+from fsm_cache.controls import Control, controls, load_finding
+from fsm_cache.errors import SpecError
+from fsm_cache.explore import Bounds, Explorer, Result
+from fsm_cache.loader import load_spec
+from fsm_cache.model import Layout, Nodes
+from fsm_cache.shipped import shipped_spec_paths
+from fsm_cache.spec import as_system
+
+
+SHAPES: dict[str, Callable[[int], list[int]]] = {
+    "chain": lambda n: [i - 1 for i in range(n)],
+    "fan-out": lambda n: [-1, *([0] * (n - 1))][:n],
+    "binary": lambda n: [(i - 1) // 2 if i else -1 for i in range(n)],
+}
+
+
+def shapes(layout: Layout, nodes: int) -> dict[str, Nodes]:
+    """Return the initial model state of each tree shape: every node fresh."""
+    return {
+        name: tuple(layout.fresh(parent) for parent in parents(nodes))
+        for name, parents in SHAPES.items()
+    }
+
+
+def check_spec(
+    path: Path,
+    nodes: int,
+    bounds: Bounds,
+    ops: ModuleType | Any = treeops,
+    tick: Callable[[int], None] | None = None,
+) -> Result:
+    """Model-check the spec at ``path``.
+
+    Raises:
+        SpecError: The spec does not load.
+    """
+    layout = Layout.of(as_system(load_spec(path)))
+    return Explorer(layout, bounds, ops).run(shapes(layout, nodes), tick)
+
+
+def load_ops(path: Path) -> tuple[Path, ModuleType]:
+    """Load a control module: its ``SPEC`` path and the tree operations it overrides.
+
+    Raises:
+        SpecError: The module cannot be imported or names no ``SPEC``.
+    """
+    spec = importlib.util.spec_from_file_location(f"fsm_cache_ops_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise SpecError([f"{path}: cannot import"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    target = getattr(module, "SPEC", None)
+    if not isinstance(target, str):
+        raise SpecError([f"{path}: names no SPEC = 'path/to/spec.toml'"])
+    for name in ("insert", "split", "prune"):
+        if not hasattr(module, name):
+            setattr(module, name, getattr(treeops, name))
+    return (path.parent / target).resolve(), module
+
+
+CONTROL_NODES = 3
+"""Controls run on a fixed tree size, so their expected findings do not move with --nodes."""
+
+
+def control_finding(
+    control: Control, nodes: int = CONTROL_NODES, bounds: Bounds | None = None
+) -> str:
+    """Return the first finding of ``validate`` or ``check`` on a control (``""`` if none)."""
+    bounds = bounds or Bounds({})
+    path, ops = (control.path, treeops)
+    if path.suffix == ".py":
+        path, ops = load_ops(path)
+    spec, problem = load_finding(path)
+    if spec is None:
+        return f"validate: {problem}"
+    result = check_spec(path, nodes, bounds, ops)
+    return f"check: violation: {result.violation}" if result.violation else ""
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Check the targets (the shipped specs when none) and, without targets, the controls."""
+    bounds = Bounds({"pins": args.max_pins, "locks": args.max_locks}, args.max_count)
+    paths = [Path(p) for p in args.specs] or shipped_spec_paths()
+    ops = treeops
+    if args.ops:
+        _, ops = load_ops(Path(args.ops))
+    specs = []
+    for path in paths:
+        started = time.perf_counter()
+        with _progress(args.progress, path.name) as tick:
+            result = check_spec(path, args.nodes, bounds, ops, tick)
+        seconds = time.perf_counter() - started
+        specs.append({"spec": str(path), "seconds": seconds, **vars(result)})
+    checked = []
+    for control in (
+        controls(tools=("validate", "check")) if not args.specs and not args.no_controls else []
+    ):
+        found = control_finding(control)
+        want = f"{control.tool}: {control.finding}"
+        checked.append(
+            {"control": control.name, "expected": want, "found": found, "ok": found == want}
+        )
+    return {"specs": specs, "controls": checked}
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> str:
+    """Return the human summary of a :func:`run` result."""
+    lines = []
+    for s in result["specs"]:
+        rate = s["states"] / s["seconds"] if s["seconds"] else 0.0
+        lines.append(
+            f"{s['spec']}: {args.nodes} nodes ({', '.join(SHAPES)}), pins <= {args.max_pins}, locks <= {args.max_locks}"
+        )
+        lines.append(f"  states explored: {s['states']}")
+        lines.append(f"  states/s: {rate:.0f}")
+        lines.append(f"  time: {s['seconds']:.2f} s")
+        if s["violation"]:
+            lines.append(f"  violation: {s['violation']}")
+            lines.append(f"  shortest trace ({len(s['trace']) - 1} steps):")
+            lines += [f"    {step}" for step in s["trace"]]
+        else:
+            lines.append("  no invariant violated")
+    for c in result["controls"]:
+        mark = "ok  " if c["ok"] else "LOST"
+        lines.append(f"control {mark} {c['control']}: {c['found'] or 'no finding'}")
+        if not c["ok"]:
+            lines.append(f"     expected {c['expected']}")
+    return "\n".join(lines)
+
+
+def handle(args: argparse.Namespace) -> int:
+    """Run ``fsm-cache check`` and return its exit status."""
+    if args.nodes < 1 or min(args.max_pins, args.max_locks, args.max_count) < 0:
+        raise SpecError(["check: --nodes must be >= 1 and counter bounds >= 0"])
+    result = run(args)
+    print(json.dumps(result, indent=2) if args.json else report(result, args))
+    bad = any(s["violation"] for s in result["specs"])
+    return 1 if bad or not all(c["ok"] for c in result["controls"]) else 0
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``check`` subcommand."""
+    parser = subparsers.add_parser(
+        "check", help="model-check specs on a small tree", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "specs",
+        nargs="*",
+        metavar="SPEC",
+        help="spec .toml files; default: the shipped specs and the negative controls",
+    )
+    parser.add_argument("--nodes", type=int, default=3, help="nodes in the tree (default 3)")
+    parser.add_argument("--max-pins", type=int, default=2, help="pins per node at most (default 2)")
+    parser.add_argument(
+        "--max-locks", type=int, default=2, help="locks per node at most (default 2)"
+    )
+    parser.add_argument(
+        "--max-count", type=int, default=2, help="bound of any other counter (default 2)"
+    )
+    parser.add_argument(
+        "--ops", metavar="FILE.py", help="a module replacing tree operations (insert, split, prune)"
+    )
+    parser.add_argument(
+        "--progress",
+        action="store_true",
+        default=None,
+        help="show a progress bar (default: when stderr is a terminal)",
+    )
+    parser.add_argument("--no-controls", action="store_true", help="skip the negative controls")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.set_defaults(handler=handle)
+
+
+@contextmanager
+def _progress(wanted: bool | None, name: str) -> Iterator[Callable[[int], None] | None]:
+    if not (wanted if wanted is not None else sys.stderr.isatty()):
+        yield None
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}: {task.completed} states"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, transient=True, console=None) as bar:
+        task = bar.add_task(name, total=None)
+        yield lambda n: bar.update(task, completed=n)

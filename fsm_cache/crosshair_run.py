@@ -1,0 +1,219 @@
+"""Run CrossHair on contract modules with pinned options and read its report as rows.
+
+CrossHair prints one line per postcondition with ``--report_all``
+(``file:LINE: info: Confirmed over all paths.``, ``... Not confirmed.``,
+``... error: <what> when calling <call> (which returns ...)``). Each line
+is mapped back to the contract declared at that line, found by parsing the
+module with :mod:`ast`, so every contract gets exactly one row, and a
+contract CrossHair did not report, or could not analyse (``Unable to meet
+precondition``, ``no checkable functions``), is a failure rather than a pass.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fsm_cache.errors import FsmCacheError
+
+
+CONFIRMED = "confirmed over all paths"
+WITHIN_BUDGET = "no counterexample within budget"
+COUNTEREXAMPLE = "counterexample"
+NOT_ANALYSED = "not analysed"
+
+_LINE = re.compile(r"^(?P<file>.+?):(?P<line>\d+): (?P<kind>info|error|warning): (?P<msg>.*)$")
+_CALL = re.compile(r"when calling (?P<call>.*?)(?: \(which (?:returns|raises) .*\))?$")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Pinned CrossHair options (``[tool.fsm_cache.verify]`` in pyproject.toml)."""
+
+    analysis_kind: str = "icontract"
+    per_condition_timeout: float = 4.0
+    per_path_timeout: float = 2.0
+    jobs: int = 2
+
+    def argv(self) -> list[str]:
+        """Return the ``crosshair check`` options."""
+        return [
+            "--report_all",
+            f"--analysis_kind={self.analysis_kind}",
+            f"--per_condition_timeout={self.per_condition_timeout}",
+            f"--per_path_timeout={self.per_path_timeout}",
+        ]
+
+
+@dataclass(frozen=True)
+class Contract:
+    """One pre- or postcondition declared in a module."""
+
+    file: str
+    line: int
+    function: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Row:
+    """The verdict on one contract.
+
+    Attributes:
+        target: What was verified (a spec name or a module).
+        function: The checked function.
+        contract: The postcondition's description.
+        status: One of the module's status constants.
+        detail: The call of a counterexample, or why it was not analysed.
+    """
+
+    target: str
+    function: str
+    contract: str
+    status: str
+    detail: str = ""
+
+    @property
+    def failed(self) -> bool:
+        """Whether the row fails a verify run."""
+        return self.status in (COUNTEREXAMPLE, NOT_ANALYSED)
+
+    def verdict(self) -> str:
+        """Return ``confirmed over all paths`` or ``counterexample: <call>`` etc."""
+        return f"{self.status}: {self.detail}" if self.detail else self.status
+
+    def as_dict(self) -> dict[str, str]:
+        """Return the row for ``--json``."""
+        return asdict(self)
+
+
+def contracts(path: Path) -> list[Contract]:
+    """Return the postconditions declared in the module at ``path``, in line order."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for deco in node.decorator_list:
+            if isinstance(deco, ast.Call) and _name(deco.func).endswith("ensure"):
+                text = _description(deco)
+                found.append(Contract(str(path.resolve()), deco.lineno, node.name, text))
+    return sorted(found, key=lambda c: c.line)
+
+
+def functions(path: Path) -> list[tuple[str, int]]:
+    """Return ``(name, line)`` of every function in the module that declares a postcondition."""
+    seen: dict[str, int] = {}
+    for c in contracts(path):
+        seen.setdefault(c.function, c.line)
+    return list(seen.items())
+
+
+def check(target: str, path: Path, options: Options) -> list[Row]:
+    """Run CrossHair on ``path``; one row per postcondition it declares or reports on.
+
+    A module whose own file declares no postcondition (one that builds its
+    checked functions from a harness elsewhere) is checked as a whole, and its
+    rows are the contracts of the files CrossHair reports on.
+
+    Raises:
+        FsmCacheError: CrossHair could not run or import the module.
+    """
+    lines = [_def_line(path, name) for name, _ in functions(path)]
+    targets = [f"{path.resolve()}:{n}" for n in lines] if all(lines) else []
+    chunks = _chunks(targets, options.jobs) if targets else [[str(path.resolve())]]
+    with ThreadPoolExecutor(max_workers=options.jobs) as pool:
+        reports = list(pool.map(lambda chunk: _run(chunk, options, path.parent), chunks))
+    files = {str(path.resolve())} | {f for r in reports for f in _files(r)}
+    known = {(c.file, c.line): c for f in sorted(files) for c in contracts(Path(f))}
+    verdicts: dict[tuple[str, int], tuple[str, str]] = {}
+    for report in reports:
+        verdicts.update(_parse(report, known))
+    if not known:
+        return [Row(target, "-", "-", NOT_ANALYSED, "no checkable functions")]
+    return [
+        Row(target, c.function, c.text, *verdicts.get(key, _unreported()))
+        for key, c in sorted(known.items())
+    ]
+
+
+def _files(report: str) -> set[str]:
+    return {m["file"] for raw in report.splitlines() if (m := _LINE.match(raw.strip()))}
+
+
+def _unreported() -> tuple[str, str]:
+    return NOT_ANALYSED, "CrossHair did not report this contract"
+
+
+def _run(targets: Sequence[str], options: Options, cwd: Path) -> str:
+    argv = [sys.executable, "-m", "crosshair", "check", *options.argv(), *targets]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, cwd=cwd, check=False)
+    except OSError as exc:
+        raise FsmCacheError(f"cannot run CrossHair: {exc}") from exc
+    if done.returncode not in (0, 1):
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise FsmCacheError(f"CrossHair failed on {' '.join(targets)}: {tail[0]}")
+    return done.stdout + done.stderr
+
+
+def _parse(
+    report: str, known: dict[tuple[str, int], Contract]
+) -> dict[tuple[str, int], tuple[str, str]]:
+    out: dict[tuple[str, int], tuple[str, str]] = {}
+    for raw in report.splitlines():
+        match = _LINE.match(raw.strip())
+        if match is None:
+            continue
+        key, msg = _owner(known, match["file"], int(match["line"])), match["msg"]
+        if "Unable to meet precondition" in msg:
+            out[key] = (NOT_ANALYSED, "unable to meet precondition")
+        elif match["kind"] == "error":
+            call = _CALL.search(msg)
+            out.setdefault(key, (COUNTEREXAMPLE, call["call"] if call else msg))
+        elif msg.startswith("Confirmed over all paths"):
+            out.setdefault(key, (CONFIRMED, ""))
+        elif msg.startswith("Not confirmed"):
+            out.setdefault(key, (WITHIN_BUDGET, ""))
+    return out
+
+
+def _owner(known: dict[tuple[str, int], Contract], file: str, line: int) -> tuple[str, int]:
+    """Map a report on a non-contract line (a raise in a body) to the contract just above it."""
+    if (file, line) in known:
+        return file, line
+    before = [n for f, n in known if f == file and n <= line]
+    return (file, max(before)) if before else (file, line)
+
+
+def _def_line(path: Path, name: str) -> int:
+    """Return the line of the module-level function ``name``, or 0 if it is built elsewhere."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node.lineno
+    return 0
+
+
+def _chunks(items: list[str], jobs: int) -> list[list[str]]:
+    count = max(1, min(jobs, len(items)))
+    return [items[i::count] for i in range(count)]
+
+
+def _name(node: ast.expr) -> str:
+    if isinstance(node, ast.Attribute):
+        return f"{_name(node.value)}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def _description(deco: ast.Call) -> str:
+    for arg in (*deco.args[1:], *(k.value for k in deco.keywords if k.arg == "description")):
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            return arg.value
+    return ast.unparse(deco.args[0]) if deco.args else "postcondition"

@@ -1,0 +1,118 @@
+"""The design's invariants, as checks on a model state of the whole tree.
+
+Numbers refer to the invariants of the residency design (shared design
+notes, "Invariants"). Counter invariants come from the spec objects (each
+state's ``invariant``); the tree-level ones are the design's statements about
+the ``host`` and ``device`` regions and are skipped for specs without them.
+Each check returns a one-line description of the first violation, or None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fsm_cache.model import Entry, Layout, Nodes, children
+from fsm_cache.treeops import DEVICE_HELD, dataless
+
+
+Check = Callable[[Layout, Nodes], "str | None"]
+
+
+def counts(layout: Layout, nodes: Nodes) -> str | None:
+    """Invariant 8: counters are never negative and every state's invariant holds."""
+    for i, entry in _present(nodes):
+        for name in layout.counters:
+            if layout.counter(entry, name) < 0:
+                return f"invariant 8: node {i}: {name} is negative ({layout.counter(entry, name)})"
+        values = {name: layout.counter(entry, name) for name in layout.counters}
+        for region, machine in layout.system.regions:
+            state = machine.state(layout.state(entry, region))
+            if not state.invariant.holds(values):
+                return f"invariant 8: node {i}: {region} {state.name} requires {state.invariant} ({_shown(values)})"
+    return None
+
+
+def accounted(layout: Layout, nodes: Nodes) -> str | None:
+    """Invariant 6: each count equals its holders (plus its children's, if it propagates)."""
+    for i, entry in _present(nodes):
+        for name in layout.counters:
+            want = layout.held(entry, name)
+            if name in layout.propagating:
+                want += sum(layout.counter(_at(nodes, c), name) for c in children(nodes, i))
+            have = layout.counter(entry, name)
+            if have != want:
+                return f"invariant 6: node {i}: {name} is {have} but its holders account for {want}"
+    return None
+
+
+def prefix_closed(layout: Layout, nodes: Nodes) -> str | None:
+    """Invariant 1: a device-resident (or loading) node's parent is device-resident too."""
+    if not layout.has("device"):
+        return None
+    for i, entry in _present(nodes):
+        parent = int(entry[0])
+        if parent < 0 or layout.state(entry, "device") not in DEVICE_HELD:
+            continue
+        if layout.state(_at(nodes, parent), "device") not in DEVICE_HELD:
+            return f"invariant 1: node {i} is on the device but its parent node {parent} is not"
+    return None
+
+
+def held_somewhere(layout: Layout, nodes: Nodes) -> str | None:
+    """Invariant 2: every node that is not deleted holds its data on the device or the host."""
+    for i, entry in _present(nodes):
+        if dataless(layout, entry):
+            return f"invariant 2: node {i} holds its data nowhere but cannot be deleted (it has children)"
+    return None
+
+
+def copies_safe(layout: Layout, nodes: Nodes) -> str | None:
+    """Invariant 5: no slot is freed while a copy reads it.
+
+    A device-to-host copy (host ``writing``) reads the device copy, which
+    must stay resident; a host-to-device copy (device ``loading``) reads the
+    host copy, which must stay valid and pinned.
+    """
+    if not (layout.has("device") and layout.has("host")):
+        return None
+    for i, entry in _present(nodes):
+        host, device = layout.state(entry, "host"), layout.state(entry, "device")
+        if host == "writing" and device != "resident":
+            return (
+                f"invariant 5: node {i}: a device-to-host copy reads a device copy that is {device}"
+            )
+        if device == "loading" and host != "pinned":
+            return f"invariant 5: node {i}: a host-to-device copy reads a host copy that is {host}"
+    return None
+
+
+CHECKS: tuple[Check, ...] = (
+    counts,
+    accounted,
+    prefix_closed,
+    held_somewhere,
+    copies_safe,
+)
+
+
+def violation(layout: Layout, nodes: Nodes) -> str | None:
+    """Return the first violated invariant of a model state, or None."""
+    for check in CHECKS:
+        found = check(layout, nodes)
+        if found is not None:
+            return found
+    return None
+
+
+def _present(nodes: Nodes) -> list[tuple[int, Entry]]:
+    return [(i, e) for i, e in enumerate(nodes) if e is not None]
+
+
+def _at(nodes: Nodes, index: int) -> Entry:
+    entry = nodes[index]
+    assert entry is not None
+    return entry
+
+
+def _shown(values: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in values.items())

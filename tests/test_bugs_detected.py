@@ -1,0 +1,70 @@
+"""Negative controls keep yielding their findings; the shipped specs yield none."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fsm_cache import check, verify
+from fsm_cache.controls import Control, control_dir, controls
+from fsm_cache.crosshair_run import Options
+from fsm_cache.explore import Bounds
+from fsm_cache.shipped import shipped_spec_paths
+
+
+ALL = controls()
+ISSUE_CLASSES = {
+    "release_without_guard.toml",  # a release without its guard
+    "evict_host_while_pinned.toml",  # host eviction allowed while pinned
+    "split_drops_pins.py",  # a split that drops the pins
+    "evict_device_while_writing.toml",  # device eviction while a copy still reads
+    "unlock_skips_ancestor.toml",  # an unlock that skips an ancestor
+}
+
+
+def test_every_class_the_issue_lists_has_a_control() -> None:
+    assert {c.name for c in ALL} >= ISSUE_CLASSES
+    assert {c.tool for c in ALL} == {"validate", "verify", "check"}
+
+
+def test_every_control_file_has_an_expected_finding() -> None:
+    parts = {p.name for p in control_dir().glob("*.*.toml")}  # machines a control composes
+    tops = {p.name for p in control_dir().iterdir() if p.suffix in (".toml", ".py")} - parts
+    assert tops == {c.name for c in ALL}
+
+
+@pytest.mark.parametrize("control", [c for c in ALL if c.tool != "verify"], ids=lambda c: c.name)
+def test_validate_and_check_controls_yield_their_finding(control: Control) -> None:
+    assert check.control_finding(control) == f"{control.tool}: {control.finding}"
+
+
+@pytest.mark.parametrize("control", [c for c in ALL if c.tool == "verify"], ids=lambda c: c.name)
+def test_verify_controls_yield_their_counterexample(control: Control, tmp_path: Path) -> None:
+    assert (
+        verify.control_finding(control, verify.load_options(), tmp_path)
+        == f"verify: {control.finding}"
+    )
+
+
+@pytest.mark.parametrize("path", shipped_spec_paths(), ids=lambda p: p.name)
+def test_shipped_specs_hold_in_the_model_checker(path: Path) -> None:
+    result = check.check_spec(path, 3, Bounds({"pins": 2, "locks": 2}))
+    assert result.violation is None
+    assert result.states > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", shipped_spec_paths(), ids=lambda p: p.name)
+def test_shipped_specs_have_no_counterexample(path: Path, tmp_path: Path) -> None:
+    rows = verify.verify_spec(path, verify.load_options(), tmp_path)
+    assert rows
+    assert [r for r in rows if r.failed] == []
+
+
+def test_pool_contracts_have_no_counterexample() -> None:
+    rows = verify.verify_module(
+        verify.POOL_CONTRACTS, Options(per_condition_timeout=2.0, per_path_timeout=1.0)
+    )
+    assert {r.function for r in rows} == {"alloc_twice", "alloc_free"}
+    assert [r for r in rows if r.failed] == []

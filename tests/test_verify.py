@@ -1,0 +1,182 @@
+"""fsm-cache verify: generated contracts, the spec's meaning, CrossHair rows and options."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from fsm_cache import crosshair_run, verify
+from fsm_cache.contracts import generate
+from fsm_cache.crosshair_run import Contract, Options, Row
+from fsm_cache.engine import Engine
+from fsm_cache.errors import IllegalTransition, SpecError
+from fsm_cache.meaning import step
+from fsm_cache.shipped import residency_system, spec_dir
+from fsm_cache.validate import valuations
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    verify.register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    status: int = args.handler(args)
+    return status
+
+
+def test_meaning_agrees_with_the_engine_on_every_state_and_valuation() -> None:
+    system = residency_system()
+    engine = Engine(system)
+    host, device = system.machines["host"], system.machines["device"]
+    checked = 0
+    for hs, ds in itertools.product(host.states, device.states):
+        for hc, dc in itertools.product(
+            valuations(host, hs.invariant), valuations(device, ds.invariant)
+        ):
+            for event in system.event_names:
+                rec = engine.new(1)
+                rec.host, rec.device = hs.name, ds.name
+                for name, value in {**hc, **dc}.items():
+                    setattr(rec, name, value)
+                want = step(system, event, {"host": hs.name, "device": ds.name}, {**hc, **dc})
+                try:
+                    engine.fire(rec, event)
+                    got: tuple[object, ...] = ("", rec.host, rec.device, rec.pins, rec.locks)
+                except IllegalTransition as exc:
+                    got = (type(exc).__name__, rec.host, rec.device, rec.pins, rec.locks)
+                assert got == want, (hs.name, ds.name, hc, dc, event)
+                checked += 1
+    assert checked > 500
+
+
+def test_meaning_refuses_release_at_zero_and_changes_nothing() -> None:
+    out = step(
+        residency_system(),
+        "release",
+        {"host": "backed", "device": "resident"},
+        {"pins": 0, "locks": 0},
+    )
+    assert out == ("ReleaseAtZero", "backed", "resident", 0, 0)
+
+
+def test_meaning_reads_the_parent_and_children() -> None:
+    system = residency_system()
+    states = {"host": "backed", "device": "absent"}
+    counters = {"pins": 0, "locks": 0}
+    assert (
+        step(system, "load", states, counters, parent={"host": "backed", "device": "absent"})[0]
+        == "ParentNotResident"
+    )
+    assert step(system, "load", states, counters) == ("", "pinned", "loading", 1, 0)
+    kids = [{"host": "backed", "device": "absent"}]
+    assert step(system, "evict_host", states, counters, children=kids)[0] == "NotAHostLeaf"
+
+
+def test_generated_module_holds_the_engines_code_and_the_contracts(tmp_path: Path) -> None:
+    path = spec_dir() / "residency.toml"
+    module = generate(residency_system(), path)
+    assert "def _fire_pin(rec):" in module.source
+    assert "def _step_lock(rec):" in module.source
+    assert "'release changes pins by exactly -1'" in module.source
+    assert "'pins moves by at most one (pinned(N) counts holders)'" in module.source
+    assert (
+        "def load(host: HostState, device: DeviceState, pins: int, locks: int, parent_device: Optional[DeviceState]) -> Result:"
+        in module.source
+    )
+    assert module.functions == residency_system().event_names
+    written = module.write(tmp_path)
+    assert written.name == "contracts_residency.py"
+    compile(written.read_text(), str(written), "exec")
+
+
+def test_device_spec_confirmed_over_all_paths(tmp_path: Path) -> None:
+    rows = verify.verify_spec(spec_dir() / "device_residency.toml", Options(), tmp_path)
+    assert rows
+    assert {r.status for r in rows} == {crosshair_run.CONFIRMED}
+    assert {r.function for r in rows} == set(residency_system().machines["device"].event_names)
+    assert "lock changes locks by exactly +1" in {r.contract for r in rows if r.function == "lock"}
+
+
+def test_cli_json_rows_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    status = _cli(["verify", "--json", str(spec_dir() / "device_residency.toml")])
+    out = json.loads(capsys.readouterr().out)
+    assert status == 0
+    assert out["controls"] == []
+    assert out["rows"][0]["target"] == "device_residency"
+    assert all(r["status"] == "confirmed over all paths" for r in out["rows"])
+
+
+def test_cli_reports_a_counterexample_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    status = _cli(["verify", str(spec_dir() / "bugs_detected" / "pin_steps_by_two.toml")])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "counterexample: pin(State.backed, 0)" in out
+    assert out.splitlines()[-1].startswith("contracts: ") is False
+    assert "1 counterexample" in out
+
+
+def test_unknown_target_is_a_clear_error() -> None:
+    with pytest.raises(
+        SpecError, match=r"^no_such\.module: not a spec file, a \.py file or an importable module$"
+    ):
+        verify.verify_target("no_such.module", Options(), Path())
+
+
+def test_parse_maps_lines_to_contracts() -> None:
+    known = {
+        ("/m.py", 10): Contract("/m.py", 10, "pin", "a"),
+        ("/m.py", 11): Contract("/m.py", 11, "pin", "b"),
+        ("/m.py", 12): Contract("/m.py", 12, "pin", "c"),
+    }
+    report = (
+        "/m.py:10: info: Confirmed over all paths.\n"
+        "/m.py:11: error: false when calling pin(State.backed, 0) (which returns Result(error=''))\n"
+        "/m.py:12: info: Unable to meet precondition.\n"
+    )
+    assert crosshair_run._parse(report, known) == {
+        ("/m.py", 10): (crosshair_run.CONFIRMED, ""),
+        ("/m.py", 11): (crosshair_run.COUNTEREXAMPLE, "pin(State.backed, 0)"),
+        ("/m.py", 12): (crosshair_run.NOT_ANALYSED, "unable to meet precondition"),
+    }
+
+
+def test_row_verdicts() -> None:
+    assert (
+        Row("t", "f", "c", crosshair_run.WITHIN_BUDGET).verdict()
+        == "no counterexample within budget"
+    )
+    bad = Row("t", "f", "c", crosshair_run.COUNTEREXAMPLE, "f(1)")
+    assert bad.verdict() == "counterexample: f(1)"
+    assert bad.failed
+    assert not Row("t", "f", "c", crosshair_run.WITHIN_BUDGET).failed
+
+
+def test_options_come_from_pyproject(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text(
+        "[tool.fsm_cache.verify]\nper_condition_timeout = 3\njobs = 1\n"
+    )
+    sub = tmp_path / "a" / "b"
+    sub.mkdir(parents=True)
+    assert verify.load_options(sub) == Options(per_condition_timeout=3.0, jobs=1)
+
+
+def test_options_default_without_pyproject(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    assert verify.load_options(tmp_path) == Options()
+
+
+def test_bad_option_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "pyproject.toml"
+    path.write_text("[tool.fsm_cache.verify]\nper_condition_timout = 3\n")
+    with pytest.raises(SpecError) as info:
+        verify.load_options(tmp_path)
+    assert info.value.problems == [
+        f"{path}: tool.fsm_cache.verify.per_condition_timout: unknown option"
+    ]
+    path.write_text("[tool.fsm_cache.verify]\njobs = 'two'\n")
+    with pytest.raises(SpecError) as info:
+        verify.load_options(tmp_path)
+    assert info.value.problems == [f"{path}: tool.fsm_cache.verify.jobs: expected int"]
