@@ -237,7 +237,8 @@ def _ensures(system: System, event: str, parent: list[str], child: list[str]) ->
         out.append(_ensure(f"result.{name} >= 0", f"{name} never goes negative"))
     for region, machine in system.regions:
         text = _invariants(machine, lambda s: f"result.{s}", f"result.{region}")
-        out.append(_ensure(text, f"every {region} state's invariant holds"))
+        whose = "every state's" if region == "state" else f"every {region} state's"
+        out.append(_ensure(text, f"{whose} invariant holds"))
     for _, machine in system.regions:
         for state in machine.states:
             if state.counter is not None and event in machine.event_names:

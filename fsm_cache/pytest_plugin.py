@@ -19,19 +19,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fsm_cache.engine import Engine
-
-
-_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
-_ORIGINAL_INIT = Engine.__init__
-_ACTIVE: list[pytest.Config] = []  # nested runs (pytester) share one patch
+from fsm_cache.lease import open_leases
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -54,25 +48,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Turn on audit mode if asked, register the marker, and start tracking engines."""
+    """Turn on audit mode if asked and register the marker."""
     config.addinivalue_line("markers", "fsm_spec(path): model-check this spec before the test")
     if config.getoption("--fsm-audit"):
         os.environ["FSM_CACHE_AUDIT"] = "1"
-    _ACTIVE.append(config)
-    Engine.__init__ = _tracking_init  # type: ignore[method-assign]
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    """Stop tracking engines when the outermost run ends."""
-    if config in _ACTIVE:
-        _ACTIVE.remove(config)
-    if not _ACTIVE:
-        Engine.__init__ = _ORIGINAL_INIT  # type: ignore[method-assign]
-
-
-def _tracking_init(self: Engine, *args: Any, **kwargs: Any) -> None:
-    _ORIGINAL_INIT(self, *args, **kwargs)
-    _ENGINES.add(self)
 
 
 def pytest_collection_modifyitems(
@@ -100,7 +79,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if an engine still holds leases nobody released."""
     if not session.config.getini("fsm_leases"):
         return
-    leaked = [lease for engine in list(_ENGINES) for lease in engine.leases.outstanding()]
+    leaked = open_leases()
     if not leaked:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
