@@ -26,6 +26,7 @@ from typing import Any
 
 from fsm_cache import treeops
 from fsm_cache.controls import Control, controls, load_finding
+from fsm_cache.controls import render as render_controls
 from fsm_cache.errors import SpecError
 from fsm_cache.explore import Bounds, Explorer, Result
 from fsm_cache.loader import load_spec
@@ -147,11 +148,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
             lines += [f"    {step}" for step in s["trace"]]
         else:
             lines.append("  no invariant violated")
-    for c in result["controls"]:
-        mark = "ok  " if c["ok"] else "LOST"
-        lines.append(f"control {mark} {c['control']}: {c['found'] or 'no finding'}")
-        if not c["ok"]:
-            lines.append(f"     expected {c['expected']}")
+    lines += render_controls(result["controls"])
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fsm_cache.errors import SpecError
 from fsm_cache.loader import load_spec
@@ -87,3 +88,14 @@ def _control(expected: Path) -> Control:
         if path.is_file():
             return Control(path, tool, finding)
     raise SpecError([f"{expected}: no {expected.stem}.toml or {expected.stem}.py beside it"])
+
+
+def render(checked: list[dict[str, Any]]) -> list[str]:
+    """Return one line per negative control: found as expected (``ok``) or ``LOST``."""
+    lines = []
+    for c in checked:
+        mark = "ok  " if c["ok"] else "LOST"
+        lines.append(f"control {mark} {c['control']}: {c['found'] or 'no finding'}")
+        if not c["ok"]:
+            lines.append(f"     expected {c['expected']}")
+    return lines

@@ -135,30 +135,21 @@ def _determinism(spec: MachineSpec) -> Iterator[str]:
                 if t.event == event and st.name in t.sources
             ]
             for (i, a), (j, b) in itertools.combinations(options, 2):
-                both = next(
-                    (
-                        c
-                        for c in valuations(spec, st.invariant)
-                        if a.guard.holds(c) and b.guard.holds(c)
-                    ),
-                    None,
-                )
+                both = _overlap(spec, st.invariant, a.guard, b.guard)
                 if both is not None:
                     yield f"transition[{j}].guard: overlaps transition[{i}] on {event} in {st.name}{_when(both)} (non-deterministic)"
             for k, fb in enumerate(spec.forbids):
                 if fb.event != event or st.name not in fb.sources:
                     continue
                 for i, tr in options:
-                    both = next(
-                        (
-                            c
-                            for c in valuations(spec, st.invariant)
-                            if tr.guard.holds(c) and fb.guard.holds(c)
-                        ),
-                        None,
-                    )
+                    both = _overlap(spec, st.invariant, tr.guard, fb.guard)
                     if both is not None:
                         yield f"forbid[{k}]: overlaps transition[{i}] on {event} in {st.name}{_when(both)}"
+
+
+def _overlap(spec: MachineSpec, invariant: Guard, a: Guard, b: Guard) -> dict[str, int] | None:
+    """Return a counter valuation allowed by ``invariant`` where both guards hold, if any."""
+    return next((c for c in valuations(spec, invariant) if a.holds(c) and b.holds(c)), None)
 
 
 def _totality(spec: MachineSpec) -> Iterator[str]:

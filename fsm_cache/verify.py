@@ -27,6 +27,7 @@ import tomllib
 from fsm_cache import crosshair_run
 from fsm_cache.contracts import generate
 from fsm_cache.controls import Control, controls, load_finding, relative
+from fsm_cache.controls import render as render_controls
 from fsm_cache.crosshair_run import Options, Row
 from fsm_cache.errors import SpecError
 from fsm_cache.loader import load_spec
@@ -164,11 +165,7 @@ def report(result: dict[str, Any]) -> str:
     }
     summary = ", ".join(f"{n} {s}" for s, n in counts.items())
     lines.append(f"{len(rows)} contracts: {summary} ({result['seconds']:.1f} s)")
-    for c in result["controls"]:
-        mark = "ok  " if c["ok"] else "LOST"
-        lines.append(f"control {mark} {c['control']}: {c['found'] or 'no finding'}")
-        if not c["ok"]:
-            lines.append(f"     expected {c['expected']}")
+    lines += render_controls(result["controls"])
     return "\n".join(lines)
 
 
