@@ -7,7 +7,7 @@ DEVSTAMP:= $(VENV)/.installed-dev
 # CPU machines take the CPU wheel of torch; GPU users install their own build first (README).
 TORCH   ?= torch==2.13.0
 
-.PHONY: run test lint typecheck pytest verify check diagrams docs bench clean system-deps
+.PHONY: run test lint typecheck pytest verify check audit diagrams docs bench clean system-deps
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -44,17 +44,20 @@ verify: $(DEVSTAMP)
 check: $(DEVSTAMP)
 	$(BIN)/fsm-cache check
 
+audit: $(DEVSTAMP)
+	$(BIN)/fsm-cache audit fsm_cache
+
 diagrams: $(DEVSTAMP)
 	$(BIN)/fsm-cache diagram --check
 
 docs: $(DEVSTAMP)
-	$(BIN)/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench: $(STAMP)
 	$(BIN)/fsm-cache bench
 
 test: system-deps $(DEVSTAMP)
-	$(MAKE) lint typecheck pytest verify check diagrams docs
+	$(MAKE) lint typecheck pytest verify check audit diagrams docs
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache
