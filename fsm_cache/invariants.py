@@ -4,7 +4,13 @@ Numbers refer to the invariants of the residency design (shared design
 notes, "Invariants"). Counter invariants come from the spec objects (each
 state's ``invariant``); the tree-level ones are the design's statements about
 the ``host`` and ``device`` regions and are skipped for specs without them.
-Each check returns a one-line description of the first violation, or None.
+
+Every invariant is a statement about one node, read with its parent's and its
+children's entries and nothing else, so each check takes the node: the
+explorer checks a node once per distinct neighbourhood
+(:func:`violation_at`), and :func:`violation` reports the first violation of
+a whole tree, check by check, node by node. Each returns a one-line
+description of the violation, or None.
 """
 
 from __future__ import annotations
@@ -15,58 +21,56 @@ from fsm_cache.model import Entry, Layout, Nodes, children
 from fsm_cache.treeops import DEVICE_HELD, dataless
 
 
-Check = Callable[[Layout, Nodes], "str | None"]
+Check = Callable[[Layout, Nodes, int, Entry], "str | None"]
 
 
-def counts(layout: Layout, nodes: Nodes) -> str | None:
+def counts(layout: Layout, _nodes: Nodes, i: int, entry: Entry) -> str | None:
     """Invariant 8: counters are never negative and every state's invariant holds."""
-    for i, entry in _present(nodes):
-        for name in layout.counters:
-            if layout.counter(entry, name) < 0:
-                return f"invariant 8: node {i}: {name} is negative ({layout.counter(entry, name)})"
-        values = {name: layout.counter(entry, name) for name in layout.counters}
-        for region, machine in layout.system.regions:
-            state = machine.state(layout.state(entry, region))
-            if not state.invariant.holds(values):
-                return f"invariant 8: node {i}: {region} {state.name} requires {state.invariant} ({_shown(values)})"
+    for name in layout.counters:
+        if layout.counter(entry, name) < 0:
+            return f"invariant 8: node {i}: {name} is negative ({layout.counter(entry, name)})"
+    values = {name: layout.counter(entry, name) for name in layout.counters}
+    for region, machine in layout.system.regions:
+        state = machine.state(layout.state(entry, region))
+        if not state.invariant.holds(values):
+            return f"invariant 8: node {i}: {region} {state.name} requires {state.invariant} ({_shown(values)})"
     return None
 
 
-def accounted(layout: Layout, nodes: Nodes) -> str | None:
+def accounted(layout: Layout, nodes: Nodes, i: int, entry: Entry) -> str | None:
     """Invariant 6: each count equals its holders (plus its children's, if it propagates)."""
-    for i, entry in _present(nodes):
-        for name in layout.counters:
-            want = layout.held(entry, name)
-            if name in layout.propagating:
-                want += sum(layout.counter(_at(nodes, c), name) for c in children(nodes, i))
-            have = layout.counter(entry, name)
-            if have != want:
-                return f"invariant 6: node {i}: {name} is {have} but its holders account for {want}"
+    for name in layout.counters:
+        want = layout.held(entry, name)
+        if name in layout.propagating:
+            want += sum(layout.counter(_at(nodes, c), name) for c in children(nodes, i))
+        have = layout.counter(entry, name)
+        if have != want:
+            return f"invariant 6: node {i}: {name} is {have} but its holders account for {want}"
     return None
 
 
-def prefix_closed(layout: Layout, nodes: Nodes) -> str | None:
+def prefix_closed(layout: Layout, nodes: Nodes, i: int, entry: Entry) -> str | None:
     """Invariant 1: a device-resident (or loading) node's parent is device-resident too."""
     if not layout.has("device"):
         return None
-    for i, entry in _present(nodes):
-        parent = int(entry[0])
-        if parent < 0 or layout.state(entry, "device") not in DEVICE_HELD:
-            continue
-        if layout.state(_at(nodes, parent), "device") not in DEVICE_HELD:
-            return f"invariant 1: node {i} is on the device but its parent node {parent} is not"
+    parent = int(entry[0])
+    if parent < 0 or layout.state(entry, "device") not in DEVICE_HELD:
+        return None
+    if layout.state(_at(nodes, parent), "device") not in DEVICE_HELD:
+        return f"invariant 1: node {i} is on the device but its parent node {parent} is not"
     return None
 
 
-def held_somewhere(layout: Layout, nodes: Nodes) -> str | None:
+def held_somewhere(layout: Layout, _nodes: Nodes, i: int, entry: Entry) -> str | None:
     """Invariant 2: every node that is not deleted holds its data on the device or the host."""
-    for i, entry in _present(nodes):
-        if dataless(layout, entry):
-            return f"invariant 2: node {i} holds its data nowhere but cannot be deleted (it has children)"
+    if dataless(layout, entry):
+        return (
+            f"invariant 2: node {i} holds its data nowhere but cannot be deleted (it has children)"
+        )
     return None
 
 
-def copies_safe(layout: Layout, nodes: Nodes) -> str | None:
+def copies_safe(layout: Layout, _nodes: Nodes, i: int, entry: Entry) -> str | None:
     """Invariant 5: no slot is freed while a copy reads it.
 
     A device-to-host copy (host ``writing``) reads the device copy, which
@@ -75,14 +79,11 @@ def copies_safe(layout: Layout, nodes: Nodes) -> str | None:
     """
     if not (layout.has("device") and layout.has("host")):
         return None
-    for i, entry in _present(nodes):
-        host, device = layout.state(entry, "host"), layout.state(entry, "device")
-        if host == "writing" and device != "resident":
-            return (
-                f"invariant 5: node {i}: a device-to-host copy reads a device copy that is {device}"
-            )
-        if device == "loading" and host != "pinned":
-            return f"invariant 5: node {i}: a host-to-device copy reads a host copy that is {host}"
+    host, device = layout.state(entry, "host"), layout.state(entry, "device")
+    if host == "writing" and device != "resident":
+        return f"invariant 5: node {i}: a device-to-host copy reads a device copy that is {device}"
+    if device == "loading" and host != "pinned":
+        return f"invariant 5: node {i}: a host-to-device copy reads a host copy that is {host}"
     return None
 
 
@@ -96,16 +97,24 @@ CHECKS: tuple[Check, ...] = (
 
 
 def violation(layout: Layout, nodes: Nodes) -> str | None:
-    """Return the first violated invariant of a model state, or None."""
+    """Return the first violated invariant of a model state (check by check), or None."""
+    present = [(i, e) for i, e in enumerate(nodes) if e is not None]
     for check in CHECKS:
-        found = check(layout, nodes)
-        if found is not None:
-            return found
+        for i, entry in present:
+            found = check(layout, nodes, i, entry)
+            if found is not None:
+                return found
     return None
 
 
-def _present(nodes: Nodes) -> list[tuple[int, Entry]]:
-    return [(i, e) for i, e in enumerate(nodes) if e is not None]
+def violation_at(layout: Layout, nodes: Nodes, i: int) -> str | None:
+    """Return the first invariant violated at node ``i`` (it reads only its parent and children)."""
+    entry = _at(nodes, i)
+    for check in CHECKS:
+        found = check(layout, nodes, i, entry)
+        if found is not None:
+            return found
+    return None
 
 
 def _at(nodes: Nodes, index: int) -> Entry:

@@ -10,7 +10,7 @@ them with a broken variant to show the checker catches it.
 
 from __future__ import annotations
 
-from fsm_cache.model import Entry, Layout, Nodes, children
+from fsm_cache.model import Entry, Forest, Layout, Nodes, Trees, children
 
 
 DEVICE_HELD = ("resident", "loading")
@@ -80,3 +80,20 @@ def prune(layout: Layout, nodes: Nodes) -> Nodes:
 
 def _put(nodes: Nodes, index: int, entry: Entry | None) -> Nodes:
     return (*nodes[:index], entry, *nodes[index + 1 :])
+
+
+def prune_forest(
+    layout: Layout, trees: Trees, forest: Forest, memo: dict[int, int | None]
+) -> Forest:
+    """:func:`prune` on a canonical state: drop every subtree whose nodes all hold no data."""
+
+    def sub(sid: int) -> int | None:
+        if sid in memo:
+            return memo[sid]
+        kids = [k for k in (sub(c) for c in trees.kids[sid]) if k is not None]
+        lid = trees.local[sid]
+        gone = not kids and dataless(layout, (0, *trees.locals[lid]))
+        memo[sid] = None if gone else trees.sid(lid, trees.order(kids))
+        return memo[sid]
+
+    return trees.order([k for k in (sub(s) for s in forest) if k is not None])
