@@ -121,6 +121,22 @@ class Engine:
             raise SpecError([f"{self.system.source}: unknown event {event!r}"]) from None
         return True
 
+    def plan(self, rec: Any, event: str) -> Plan:
+        """Check ``event`` on ``rec`` alone and return what it would write, changing nothing.
+
+        The plan is ``(assignments, effect names, propagates)``; when
+        ``propagates`` is true, :meth:`fire` checks and applies the same event on
+        every ancestor too. Model checkers use this to combine per-node answers.
+
+        Raises:
+            IllegalTransition: ``rec`` refuses ``event`` (nothing changed).
+            SpecError: Unknown event name.
+        """
+        step = self._steps.get(event)
+        if step is None:
+            raise SpecError([f"{self.system.source}: unknown event {event!r}"])
+        return step(rec)
+
     def lease(self, rec: Any, acquire: str = "pin", release: str = "release") -> Lease:
         """Fire ``acquire`` and return a lease whose ``release()`` fires ``release`` once."""
         self.fire(rec, acquire)
