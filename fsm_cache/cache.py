@@ -20,6 +20,7 @@ from fsm_cache import trail, transfers
 from fsm_cache.copies import Completion, Direction
 from fsm_cache.errors import EffectFailed, ForeignSlot, IllegalTransition, PoolExhausted
 from fsm_cache.eventlog import EventLog
+from fsm_cache.eviction import LeafHeap
 from fsm_cache.lease import Lease
 from fsm_cache.metrics import Counters, Stats, snapshot
 from fsm_cache.policy import WritePolicy, wants_backup
@@ -78,7 +79,7 @@ class HiCache:
         self._batch: dict[Direction, list[TreeNode]] = {Direction.D2H: [], Direction.H2D: []}
         self._incoming: dict[int, Pages] = {}
         self._evict_after_ack: set[int] = set()
-        self.leaf_hints: set[TreeNode] = set()
+        self.leaf_heap = LeafHeap()
 
     # -- lookups and inserts -------------------------------------------------
 
@@ -140,7 +141,7 @@ class HiCache:
             parent = walk.path[-1] if walk.path else self.tree.root(namespace)
             leaf = self.tree.add_leaf(parent, key[walk.matched :], fresh.pop(-1))
             self.tiers.device.allocator.reassign(leaf.device_pages, 0, leaf.id)
-            self.leaf_hints.add(leaf)
+            self.leaf_heap.push(leaf)
         for node in walk.path:
             if node.id in fresh:
                 self._incoming[node.id] = fresh[node.id]

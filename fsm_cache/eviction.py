@@ -32,36 +32,62 @@ def _device_leaf(node: TreeNode) -> bool:
 
 
 def _structural_leaf(cache: HiCache, node: TreeNode) -> bool:
-    """Whether ``node`` is still in the tree, on the device, with no child on the device."""
+    """Whether ``node`` is in the tree, holds device pages, and no child is on the device.
+
+    A loading node counts: once its load completes it is a leaf to evict.
+    """
     return (
         cache.tree.nodes.get(node.id) is node
-        and node.device == "resident"
+        and node.device in DEVICE_HELD
         and not any(c.device in DEVICE_HELD for c in node.children.values())
     )
 
 
-def evict_device(cache: HiCache, num_tokens: int) -> int:
-    """Evict least recently used unlocked device leaves until ``num_tokens`` are freed.
+class LeafHeap:
+    """Device-leaf candidates in least-recently-used order, kept across evictions.
 
-    Candidates come from ``cache.leaf_hints``, the nodes that may have become
-    device leaves since the last eviction (new leaves, parents of evicted or
-    deleted nodes, loaded nodes), so eviction costs the leaves, not the tree.
+    Nodes are pushed when they may have become device leaves (new leaves,
+    parents of evicted or deleted nodes, loaded or adopted nodes). Entries go
+    stale when a node is touched, gains a child or leaves the device; they are
+    checked when popped, so eviction costs the leaves it looks at, not the tree.
     """
-    hints = cache.leaf_hints
-    hints.difference_update([n for n in hints if not _structural_leaf(cache, n)])
-    heap = [(n.last_access, n.id, n) for n in hints if _device_leaf(n)]
-    heapq.heapify(heap)
-    freed = 0
-    while freed < num_tokens and heap:
-        _, _, node = heapq.heappop(heap)
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[int, int, TreeNode]] = []
+
+    def push(self, node: TreeNode) -> None:
+        """Offer ``node`` as a candidate at its current recency."""
+        heapq.heappush(self.heap, (node.last_access, node.id, node))
+
+    def pop(self, cache: HiCache) -> TreeNode | None:
+        """Return the least recently used candidate still a structural device leaf, or None."""
+        while self.heap:
+            stamp, _, node = heapq.heappop(self.heap)
+            if not _structural_leaf(cache, node):
+                continue
+            if stamp != node.last_access:  # touched since it was pushed: file it anew
+                self.push(node)
+                continue
+            return node
+        return None
+
+
+def evict_device(cache: HiCache, num_tokens: int) -> int:
+    """Evict least recently used unlocked device leaves until ``num_tokens`` are freed."""
+    freed, held = 0, []
+    while freed < num_tokens:
+        node = cache.leaf_heap.pop(cache)
+        if node is None:
+            break
         if not _device_leaf(node) or node.id in cache._evict_after_ack:
+            held.append(node)  # locked, loading or being written: a candidate again later
             continue
         parent = node.parent
         freed += _evict_one(cache, node)
         if parent is not None and parent.parent is not None:
-            hints.add(parent)
-            if _device_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+            cache.leaf_heap.push(parent)
+    for node in held:
+        cache.leaf_heap.push(node)
     return freed
 
 
@@ -89,7 +115,6 @@ def _delete(cache: HiCache, node: TreeNode) -> None:
     cache.tree.remove_leaf(node)
     cache.counters.deleted_nodes += 1
     cache.log.transition(node.id, "delete")
-    cache.leaf_hints.discard(node)
 
 
 def _host_leaf(node: TreeNode) -> bool:

@@ -61,16 +61,19 @@ def effects(cache: HiCache) -> dict[str, Callable[[Any], None]]:
     def free_device(node: TreeNode) -> None:
         cache.tiers.free_device(node.device_pages, node.id)
         node.device_pages = ()
+        parent = node.parent
+        if parent is not None and parent.parent is not None:
+            cache.leaf_heap.push(parent)  # it may have just become a device leaf
 
     def start_load(node: TreeNode) -> None:
         node.device_pages = cache._incoming.pop(node.id)
-        cache.leaf_hints.add(node)
+        cache.leaf_heap.push(node)
         cache.tiers.device.allocator.reassign(node.device_pages, 0, node.id)
         cache._batch[Direction.H2D].append(node)
 
     def adopt_device(node: TreeNode) -> None:
         node.device_pages = cache._incoming.pop(node.id)
-        cache.leaf_hints.add(node)
+        cache.leaf_heap.push(node)
         allocator = cache.tiers.device.allocator
         if node.device_pages and allocator.owner_of(node.device_pages[0]) == 0:
             allocator.reassign(node.device_pages, 0, node.id)
@@ -148,6 +151,8 @@ def after_ack(cache: HiCache, nodes: list[TreeNode], event: Event) -> None:
         device_child = any(c.device in DEVICE_HELD for c in node.children.values())
         if event == "write_done" and node.locks == 0 and not device_child:
             cache._fire(node, "evict_device")
+        else:
+            cache.leaf_heap.push(node)  # locked meanwhile, or the backup failed: evict later
     if event == "write_done":
         for node in nodes:
             for child in node.children.values():
