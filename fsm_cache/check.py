@@ -173,7 +173,7 @@ def register(subparsers: Any) -> None:
         metavar="SPEC",
         help="spec .toml files; default: the shipped specs and the negative controls",
     )
-    parser.add_argument("--nodes", type=int, default=3, help="nodes in the tree (default 3)")
+    parser.add_argument("--nodes", type=int, default=4, help="nodes in the tree (default 4)")
     parser.add_argument("--max-pins", type=int, default=2, help="pins per node at most (default 2)")
     parser.add_argument(
         "--max-locks", type=int, default=2, help="locks per node at most (default 2)"

@@ -117,6 +117,22 @@ class Layout:
         """Whether the spec has a region of this name."""
         return region in self.regions
 
+    def deltas(self, event: str) -> dict[Hold, int]:
+        """Return how ``event`` moves the ghost holds of the node it is fired at."""
+        out = dict.fromkeys(self.acquires[event], 1)
+        out.update(dict.fromkeys(self.releases[event], -1))
+        return out
+
+    def gives_back_unheld(self, entry: Entry, event: str) -> bool:
+        """Whether ``event`` would give back a hold the node's clients do not have."""
+        return any(self.hold(entry, key) == 0 for key in self.releases[event])
+
+    def over(self, entry: Entry, bounds: list[int]) -> bool:
+        """Whether a counter of ``entry`` is past its ceiling (``bounds``, in counter order)."""
+        start = 1 + len(self.regions)
+        values = entry[start : start + len(bounds)]
+        return any(int(v) > b for v, b in zip(values, bounds, strict=True))
+
 
 def canonical(nodes: Nodes) -> tuple[Nodes, tuple[int, ...]]:
     """Return the canonical relabelling of a model state and where each node came from.
@@ -215,6 +231,8 @@ class Trees:
         self.locals: list[Entry] = []
         self.stid: list[int] = []
         """Local id to the id of its region states."""
+        self.states: list[Entry] = []
+        """Region-states id to the region states."""
         self.local: list[int] = []
         """Subtree id to its root's local id."""
         self.kids: list[Forest] = []
@@ -222,9 +240,12 @@ class Trees:
         """Subtree id to the sort key of :func:`canonical`."""
         self.kid_states: list[tuple[int, ...]] = []
         """Subtree id to its root's children's region-state ids, sorted."""
+        self.size: list[int] = []
+        """Subtree id to its number of nodes."""
         self._lids: dict[Entry, int] = {}
         self._stids: dict[Entry, int] = {}
         self._sids: dict[tuple[int, Forest], int] = {}
+        self._swaps: dict[tuple[int, int, int, int], int] = {}
 
     def lid(self, local: Entry) -> int:
         """Return the id of a node's local (its entry without the parent)."""
@@ -233,7 +254,10 @@ class Trees:
             found = self._lids[local] = len(self.locals)
             self.locals.append(local)
             states = local[: self.regions]
-            self.stid.append(self._stids.setdefault(states, len(self._stids)))
+            if states not in self._stids:
+                self._stids[states] = len(self.states)
+                self.states.append(states)
+            self.stid.append(self._stids[states])
         return found
 
     def sid(self, lid: int, kids: Forest) -> int:
@@ -245,6 +269,7 @@ class Trees:
             self.kids.append(kids)
             self.key.append((self.locals[lid], tuple(self.key[k] for k in kids)))
             self.kid_states.append(tuple(sorted(self.stid[self.local[k]] for k in kids)))
+            self.size.append(1 + sum(self.size[k] for k in kids))
         return found
 
     def order(self, sids: list[int]) -> Forest:
@@ -286,9 +311,12 @@ class Trees:
 
     def swap(self, sid: int, old: int, new: int, lid: int) -> int:
         """Return subtree ``sid`` with child ``old`` replaced by ``new`` and root local ``lid``."""
-        kids = list(self.kids[sid])
-        kids[kids.index(old)] = new
-        return self.sid(lid, self.order(kids))
+        found = self._swaps.get((sid, old, new, lid))
+        if found is None:
+            kids = list(self.kids[sid])
+            kids[kids.index(old)] = new
+            found = self._swaps[(sid, old, new, lid)] = self.sid(lid, self.order(kids))
+        return found
 
     def swap_root(self, forest: Forest, old: int, new: int) -> Forest:
         """Return ``forest`` with root subtree ``old`` replaced by ``new``."""

@@ -131,3 +131,25 @@ def test_ops_module_must_name_its_spec(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as info:
         check.load_ops(path)
     assert info.value.problems == [f"{path}: names no SPEC = 'path/to/spec.toml'"]
+
+
+def test_tabled_answers_agree_with_engine_fire(layout: Layout) -> None:
+    """Per-node plan answers, combined along chains, give exactly what Engine.fire does."""
+    explorer = Explorer(layout, Bounds({"pins": 2, "locks": 2}))
+    explorer.slots = 3
+    trees = explorer.trees
+    frontier = [trees.encode(nodes) for nodes in check.shapes(layout, 3).values()]
+    seen = set(frontier)
+    while frontier and len(seen) < 3000:
+        forest = frontier.pop()
+        flat = trees.decode(forest, explorer.slots)
+        found = {s: nxt for s, nxt in explorer.successors(forest) if s[0] == "event"}
+        for k in range(sum(e is not None for e in flat)):
+            for event in layout.system.event_names:
+                fired = explorer.replay.apply(flat, ("event", k, event))
+                want = None if fired is None else trees.encode(fired)
+                assert found.get(("event", k, event)) == want, (flat, k, event)
+        fresh = [nxt for nxt in found.values() if nxt not in seen]
+        seen.update(fresh)
+        frontier += fresh
+    assert len(seen) >= 3000
