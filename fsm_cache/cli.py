@@ -34,10 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fsm-cache",
         description="Typed, formally checked state machines for KV-cache residency.",
     )
+    parser.add_argument("--version", action="version", version=f"fsm-cache {_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _TOOLS:
         importlib.import_module(name).register(subparsers)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fsm-cache")
+    except PackageNotFoundError:  # running from a checkout that was never installed
+        return "unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

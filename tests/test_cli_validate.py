@@ -132,3 +132,13 @@ def test_no_file_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert err.splitlines()[-1] == (
         "fsm-cache validate: error: the following arguments are required: SPEC"
     )
+
+
+def test_version_is_the_installed_one(capsys: pytest.CaptureFixture[str]) -> None:
+    """``fsm-cache --version`` prints the distribution's version and exits 0."""
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"fsm-cache {version('fsm-cache')}\n"
