@@ -83,12 +83,7 @@ class Engine:
 
     def init(self, rec: Any, ident: object) -> None:
         """Put any object with the record's attributes into the initial state."""
-        rec.id = ident
-        for region, machine in self.system.regions:
-            setattr(rec, region, machine.initial)
-        for name, value in self.system.counters:
-            setattr(rec, name, value)
-        rec.trail = None
+        _initialise(self.system, rec, ident)
 
     def verb(self, event: str) -> Verb:
         """Return the checked function for ``event``, to call as ``verb(record)``.
@@ -271,22 +266,25 @@ def _child_in(rec: Any, region: str, states: tuple[str, ...]) -> bool:
     return any(getattr(child, region) in states for child in values)
 
 
+def _initialise(system: System, rec: Any, ident: object) -> None:
+    """Set ``rec``'s id, every region's initial state, initial counters and no trail."""
+    rec.id = ident
+    for region, machine in system.regions:
+        setattr(rec, region, machine.initial)
+    for name, value in system.counters:
+        setattr(rec, name, value)
+    rec.trail = None
+
+
 def _slots(system: System) -> tuple[str, ...]:
     return ("id", *(r for r, _ in system.regions), *(c for c, _ in system.counters), "trail")
 
 
 def _record_class(system: System) -> type:
     """Build the slotted record class of ``system`` (under 100 bytes an instance)."""
-    regions = tuple((r, m.initial) for r, m in system.regions)
-    counters = system.counters
 
     def init(self: Any, ident: object = 0) -> None:
-        self.id = ident
-        for region, initial in regions:
-            setattr(self, region, initial)
-        for name, value in counters:
-            setattr(self, name, value)
-        self.trail = None
+        _initialise(system, self, ident)
 
     def show(self: Any) -> str:
         fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in _slots(system)[:-1])

@@ -163,11 +163,6 @@ def error_class(name: str) -> type[IllegalTransition]:
     return found
 
 
-def is_predefined(name: str) -> bool:
-    """Return whether ``name`` is one of fsm_cache's own refusal classes."""
-    return name in _PREDEFINED
-
-
 class EffectFailed(FsmCacheError):
     """A bound effect raised while an event was being applied; the record is unchanged."""
 

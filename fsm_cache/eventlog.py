@@ -59,14 +59,14 @@ def replay(log: EventLog, config: CacheConfig) -> HiCache:
     from fsm_cache.cache import HiCache
 
     cache = HiCache(config)
-    locks: dict[int, list[Lease]] = {}
+    held: dict[tuple[str, int], list[Lease]] = {}  # receipts by (lock|pin, node id)
     finished: dict[int, Completion] = {}
     for name, args in log.operations():
         if name == "agreed_poll":  # a tensor-parallel group applied the first k issued copies
             finished.update((c.ticket.id, c) for c in cache.tiers.copier.drain())
             cache.apply_completions([finished.pop(t) for t in cache.issued()[: args[0]]])
         else:
-            _apply(cache, name, args, locks)
+            _apply(cache, name, args, held)
     want, got = log.transitions(), cache.log.transitions()
     for i, (a, b) in enumerate(zip(want, got, strict=False)):
         if a != b:
@@ -78,19 +78,21 @@ def replay(log: EventLog, config: CacheConfig) -> HiCache:
     return cache
 
 
-def _apply(cache: HiCache, name: str, args: tuple[Any, ...], locks: dict[int, list[Lease]]) -> None:
+def _apply(
+    cache: HiCache, name: str, args: tuple[Any, ...], held: dict[tuple[str, int], list[Lease]]
+) -> None:
     if name == "insert":
         cache.insert(args[0], args[2], namespace=args[1])
     elif name == "match_prefix":
         cache.match_prefix(args[0], namespace=args[1])
     elif name == "lock":
-        locks.setdefault(args[0], []).append(cache.lock(cache.tree.nodes[args[0]]))
+        held.setdefault(("lock", args[0]), []).append(cache.lock(cache.tree.nodes[args[0]]))
     elif name == "unlock":
-        cache.unlock(locks[args[0]].pop(0))
+        cache.unlock(held[("lock", args[0])].pop(0))
     elif name == "pin":
-        locks.setdefault(-args[0], []).append(cache.pin(cache.tree.nodes[args[0]]))
+        held.setdefault(("pin", args[0]), []).append(cache.pin(cache.tree.nodes[args[0]]))
     elif name == "release":
-        locks[-args[0]].pop(0).release()
+        held[("pin", args[0])].pop(0).release()
     elif name == "backup":
         cache.backup([cache.tree.nodes[i] for i in args[0]])
     elif name == "load_back":

@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fsm_cache.model import Entry, Layout, Nodes, children
-from fsm_cache.treeops import DEVICE_HELD, dataless
+from fsm_cache.residency import DEVICE_HELD
+from fsm_cache.treeops import dataless
 
 
 Check = Callable[[Layout, Nodes, int, Entry], "str | None"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from fsm_cache.cache import HiCache
 from fsm_cache.lease import Lease
-from fsm_cache.pools import slots_of
+from fsm_cache.pools import pages_of, slots_of
 from fsm_cache.residency import HOST_VALID
 from fsm_cache.tree import TreeNode
 from fsm_cache.workload import Request
@@ -86,7 +86,7 @@ def _serve_one(cache: HiCache, tokens: tuple[int, ...], report: ServeReport) -> 
     if need > free:
         report.evicted_tokens += cache.evict(need - free)
     fresh = cache.alloc_slots(need)
-    cache.tiers.write_tokens([s // page for s in fresh[::page]], key[match.device_len :])
+    cache.tiers.write_tokens(pages_of(fresh, page), key[match.device_len :])
     cache.insert(key, slots_of(match.device_pages, page) + fresh)
     if lock is not None:
         cache.unlock(lock)

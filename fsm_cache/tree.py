@@ -187,14 +187,6 @@ class RadixTree:
                 yield node
             stack.extend(node.children.values())
 
-    def path_to(self, node: TreeNode) -> list[TreeNode]:
-        """Return the nodes from the root's child down to ``node``."""
-        path = []
-        while node.parent is not None:
-            path.append(node)
-            node = node.parent
-        return path[::-1]
-
 
 def _children(node: TreeNode) -> dict[Key, TreeNode]:
     """Return ``node``'s own children dict, giving it one if it still shares the empty one."""

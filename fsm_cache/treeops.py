@@ -11,10 +11,7 @@ them with a broken variant to show the checker catches it.
 from __future__ import annotations
 
 from fsm_cache.model import Entry, Forest, Layout, Nodes, Trees, children
-
-
-DEVICE_HELD = ("resident", "loading")
-HOST_VALID = ("writing", "backed", "pinned")
+from fsm_cache.residency import HOST_HELD
 
 
 def insert(layout: Layout, nodes: Nodes, parent: int, slot: int) -> Nodes | None:
@@ -57,7 +54,7 @@ def dataless(layout: Layout, entry: Entry) -> bool:
     if not (layout.has("device") and layout.has("host")):
         return False
     return (
-        layout.state(entry, "device") == "absent" and layout.state(entry, "host") not in HOST_VALID
+        layout.state(entry, "device") == "absent" and layout.state(entry, "host") not in HOST_HELD
     )
 
 
