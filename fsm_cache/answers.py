@@ -16,7 +16,8 @@ from typing import Any
 
 from fsm_cache.engine import Engine
 from fsm_cache.errors import IllegalTransition
-from fsm_cache.model import Entry, Layout, Trees
+from fsm_cache.forest import Trees
+from fsm_cache.model import Entry, Layout
 
 
 Context = tuple[int, int, tuple[int, ...]]

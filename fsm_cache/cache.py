@@ -16,18 +16,17 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from fsm_cache import trail, transfers
-from fsm_cache.copies import Completion, Direction
-from fsm_cache.errors import EffectFailed, ForeignSlot, IllegalTransition, PoolExhausted
+from fsm_cache import slots, trail, transfers
+from fsm_cache.errors import EffectFailed, ForeignSlot, IllegalTransition
 from fsm_cache.eventlog import EventLog
 from fsm_cache.eviction import LeafHeap
 from fsm_cache.lease import Lease
 from fsm_cache.metrics import Counters, Stats, snapshot
-from fsm_cache.policy import WritePolicy, wants_backup
-from fsm_cache.pools import pages_of
+from fsm_cache.policy import WritePolicy
 from fsm_cache.residency import Event, Residency
+from fsm_cache.tickets import Completion, Direction
 from fsm_cache.tiers import CacheConfig, Tiers
-from fsm_cache.tree import Key, Pages, RadixTree, TreeNode
+from fsm_cache.tree import Pages, RadixTree, TreeNode
 
 
 trail.internal(__file__)
@@ -135,7 +134,7 @@ class HiCache:
             msg = f"{len(device_slots)} device slots for {len(key)} tokens"
             raise ForeignSlot(msg)
         walk = self.tree.walk(key, namespace)
-        fresh = self._fresh_pages(walk.path, key, device_slots)
+        fresh = slots.fresh_pages(self, walk.path, key, device_slots)
         leaf = None
         if walk.matched < len(key):
             parent = walk.path[-1] if walk.path else self.tree.root(namespace)
@@ -148,36 +147,10 @@ class HiCache:
                 self._fire(node, "adopt")
         self._touch((*walk.path, *([leaf] if leaf else [])))
         for node in (*walk.path, *([leaf] if leaf else [])):
-            self._maybe_backup(node)
+            transfers.maybe_backup(self, node)
         self._flush()
         self._after("insert")
         return walk.matched
-
-    def _fresh_pages(
-        self, path: Sequence[TreeNode], key: Key, slots: Sequence[int] | None
-    ) -> dict[int, Pages]:
-        """Device pages for host-only path nodes (by id) and the new tail (key -1).
-
-        Only the caller's slots for those parts are read (and checked to be whole
-        pages); slots of the part already on the device are the caller's business.
-        """
-        page, offset, wanted = self.config.page_size, 0, []
-        for node in path:
-            if node.device == "absent":
-                wanted.append((node.id, offset, len(node.key)))
-            offset += len(node.key)
-        if offset < len(key):
-            wanted.append((-1, offset, len(key) - offset))
-        if slots is not None:
-            return {ident: tuple(pages_of(slots[o : o + n], page)) for ident, o, n in wanted}
-        total = sum(n for _, _, n in wanted) // page
-        run = self._alloc_device(total, keep=path[-1] if path else None)
-        out, at = {}, 0
-        for ident, o, n in wanted:
-            out[ident] = run[at : at + n // page]
-            self.tiers.write_tokens(out[ident], key[o : o + n])
-            at += n // page
-        return out
 
     def alloc_slots(self, num_tokens: int) -> list[int]:
         """Allocate device slots for a request to compute KV into (evicting if needed).
@@ -188,14 +161,11 @@ class HiCache:
         Raises:
             PoolExhausted: Not enough device memory even after eviction.
         """
-        from fsm_cache.pools import slots_of
+        return slots.alloc(self, num_tokens)
 
-        pages = -(-num_tokens // self.config.page_size)
-        return slots_of(self._alloc_device(pages), self.config.page_size)
-
-    def free_slots(self, slots: Sequence[int]) -> None:
+    def free_slots(self, device_slots: Sequence[int]) -> None:
         """Give back request-held device slots (e.g. the duplicates of a cached prefix)."""
-        self.tiers.free_device(pages_of(slots, self.config.page_size), 0)
+        slots.free(self, device_slots)
 
     def backup(self, nodes: Sequence[TreeNode]) -> int:
         """Start backing up ``nodes`` to the host in one batched copy; return how many started.
@@ -205,17 +175,7 @@ class HiCache:
         skipped; a full host pool stops the batch where it is.
         """
         self.log.op("backup", tuple(n.id for n in nodes))
-        started = 0
-        for node in nodes:
-            if not self.machine.allowed(node, "write"):
-                continue
-            try:
-                self._fire(node, "write")
-            except EffectFailed as exc:
-                if isinstance(exc.__cause__, PoolExhausted):
-                    break
-                raise
-            started += 1
+        started = transfers.start_writes(self, nodes)
         self._flush()
         self._after("backup")
         return started
@@ -353,22 +313,6 @@ class HiCache:
         for node in nodes:
             node.last_access = self._clock
             node.hit_count += 1
-
-    def _maybe_backup(self, node: TreeNode) -> None:
-        if self.tiers.host.num_pages == 0:
-            return  # a device-only cache: nothing to back up to
-        if wants_backup(self.policy, node, self.config.selective_threshold):
-            try:
-                self._fire(node, "write")
-            except EffectFailed as exc:
-                if not isinstance(exc.__cause__, PoolExhausted):
-                    raise
-
-    def _alloc_device(self, pages: int, keep: TreeNode | None = None) -> Pages:
-        """Take device pages, evicting if needed; ``keep`` and its ancestors stay."""
-        from fsm_cache.eviction import alloc_device
-
-        return alloc_device(self, pages, keep)
 
     def _after(self, operation: str) -> None:
         if self.config.debug:

@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from fsm_cache.cache import HiCache
-from fsm_cache.copies import Completion
 from fsm_cache.digest import (
     Transition,
     TransitionDigest,
@@ -41,6 +40,7 @@ from fsm_cache.digest import (
     waiting_message,
 )
 from fsm_cache.errors import ConfigError, NoProcessGroup, RankDivergence, RankFailure
+from fsm_cache.tickets import Completion
 
 
 T = TypeVar("T")

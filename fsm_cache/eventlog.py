@@ -18,8 +18,8 @@ from fsm_cache.errors import ReplayMismatch
 
 if TYPE_CHECKING:
     from fsm_cache.cache import HiCache
-    from fsm_cache.copies import Completion
     from fsm_cache.lease import Lease
+    from fsm_cache.tickets import Completion
     from fsm_cache.tiers import CacheConfig
 
 

@@ -163,7 +163,7 @@ def load_chain(cache: HiCache, node: TreeNode) -> list[TreeNode] | None:
             cache._fire(n, "load")  # refused by the spec (no valid host copy): raises
     pages = sum(len(n.key) for n in chain) // cache.config.page_size
     try:
-        run = cache._alloc_device(pages, keep=chain[0].parent)
+        run = alloc_device(cache, pages, chain[0].parent)
     except PoolExhausted:
         return None
     at = 0

@@ -20,8 +20,9 @@ from typing import Any
 
 from fsm_cache import treeops
 from fsm_cache.answers import Answers
+from fsm_cache.forest import Forest, Trees
 from fsm_cache.invariants import violation, violation_at
-from fsm_cache.model import Entry, Forest, Layout, Nodes, Trees
+from fsm_cache.model import Entry, Layout, Nodes
 from fsm_cache.traces import Replay, Seen, Step
 
 

@@ -21,8 +21,9 @@ import random
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-from fsm_cache.copies import Completion, CopyEngine, Direction, Ticket, refuse_busy_destination
+from fsm_cache.copies import CopyEngine
 from fsm_cache.errors import CopyFailed
+from fsm_cache.tickets import Completion, Direction, Ticket, refuse_busy_destination
 
 
 POISON = 0xFF

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fsm_cache.copies import Copier, CopyEngine
+from fsm_cache.copies import CopyEngine
 from fsm_cache.errors import ConfigError, PageBusy
 from fsm_cache.kvpool import KVLayout, KVPool, device_pool, host_pool
+from fsm_cache.tickets import Copier
 
 
 CopierFactory = Callable[[KVPool, KVPool], Copier]

@@ -1,6 +1,6 @@
 """Steps on flat model states (numbered nodes), and the replay of a trace on them.
 
-The explorer works on interned canonical states (:class:`~fsm_cache.model.Trees`)
+The explorer works on interned canonical states (:class:`~fsm_cache.forest.Trees`)
 and tabled per-node answers (:mod:`fsm_cache.answers`). Here a step is applied
 to a plain model state instead: an event is fired by
 :meth:`~fsm_cache.engine.Engine.fire` on records of every node, linked as the
@@ -18,7 +18,8 @@ from typing import Any
 from fsm_cache import treeops
 from fsm_cache.engine import Engine
 from fsm_cache.errors import IllegalTransition
-from fsm_cache.model import Entry, Forest, Layout, Nodes, ancestors, canonical, children
+from fsm_cache.forest import Forest
+from fsm_cache.model import Entry, Layout, Nodes, ancestors, canonical, children
 
 
 Step = tuple[Any, ...]

@@ -14,14 +14,15 @@ turns a finished copy back into events (``write_done``, ``load_failed``, ...).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fsm_cache import trail
-from fsm_cache.copies import Completion, Direction
-from fsm_cache.errors import CopyFailed, PoolExhausted
+from fsm_cache.errors import CopyFailed, EffectFailed, PoolExhausted
+from fsm_cache.policy import wants_backup
 from fsm_cache.residency import DEVICE_HELD, Event
+from fsm_cache.tickets import Completion, Direction
 
 
 if TYPE_CHECKING:
@@ -30,6 +31,37 @@ if TYPE_CHECKING:
 
 
 trail.internal(__file__)
+
+
+def start_writes(cache: HiCache, nodes: Sequence[TreeNode]) -> int:
+    """Fire ``write`` on each node the machines allow; return how many started.
+
+    A full host pool stops the batch where it is; any other failing effect raises.
+    """
+    started = 0
+    for node in nodes:
+        if not cache.machine.allowed(node, "write"):
+            continue
+        try:
+            cache._fire(node, "write")
+        except EffectFailed as exc:
+            if isinstance(exc.__cause__, PoolExhausted):
+                break
+            raise
+        started += 1
+    return started
+
+
+def maybe_backup(cache: HiCache, node: TreeNode) -> None:
+    """Start a write of ``node`` if the write policy wants one and the host has room."""
+    if cache.tiers.host.num_pages == 0:
+        return  # a device-only cache: nothing to back up to
+    if wants_backup(cache.policy, node, cache.config.selective_threshold):
+        try:
+            cache._fire(node, "write")
+        except EffectFailed as exc:
+            if not isinstance(exc.__cause__, PoolExhausted):
+                raise
 
 
 @dataclass
@@ -156,7 +188,7 @@ def after_ack(cache: HiCache, nodes: list[TreeNode], event: Event) -> None:
     if event == "write_done":
         for node in nodes:
             for child in node.children.values():
-                cache._maybe_backup(child)
+                maybe_backup(cache, child)
 
 
 def on_split(cache: HiCache, prefix: TreeNode, suffix: TreeNode) -> None:

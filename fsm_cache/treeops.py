@@ -10,7 +10,8 @@ them with a broken variant to show the checker catches it.
 
 from __future__ import annotations
 
-from fsm_cache.model import Entry, Forest, Layout, Nodes, Trees, children
+from fsm_cache.forest import Forest, Trees
+from fsm_cache.model import Entry, Layout, Nodes, children
 from fsm_cache.residency import HOST_HELD
 
 
