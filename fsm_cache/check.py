@@ -124,9 +124,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         controls(tools=("validate", "check")) if not args.specs and not args.no_controls else []
     ):
         found = control_finding(control)
-        want = f"{control.tool}: {control.finding}"
         checked.append(
-            {"control": control.name, "expected": want, "found": found, "ok": found == want}
+            {
+                "control": control.name,
+                "expected": control.expected,
+                "found": found,
+                "ok": control.matches(found),
+            }
         )
     return {"specs": specs, "controls": checked}
 

@@ -137,9 +137,9 @@ def run(targets: Sequence[str], options: Options, with_controls: bool) -> dict[s
             checked.append(
                 {
                     "control": control.name,
-                    "expected": control.tool + ": " + control.finding,
+                    "expected": control.expected,
                     "found": found,
-                    "ok": found == f"{control.tool}: {control.finding}",
+                    "ok": control.matches(found),
                 }
             )
     return {"rows": rows, "controls": checked, "seconds": time.perf_counter() - started}
