@@ -7,6 +7,11 @@ is mapped back to the contract declared at that line, found by parsing the
 module with :mod:`ast`, so every contract gets exactly one row, and a
 contract CrossHair did not report, or could not analyse (``Unable to meet
 precondition``, ``no checkable functions``), is a failure rather than a pass.
+
+A module may set its own search budget with CrossHair's directive syntax in
+a top-level comment (``# crosshair: per_condition_timeout=20``); it takes
+precedence over the project's pinned options, as it would in CrossHair if
+no options were given on its command line.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from fsm_cache.errors import FsmCacheError
@@ -123,8 +128,10 @@ def check(target: str, path: Path, options: Options) -> list[Row]:
     rows are the contracts of the files CrossHair reports on.
 
     Raises:
-        FsmCacheError: CrossHair could not run or import the module.
+        FsmCacheError: CrossHair could not run or import the module, or a
+            ``# crosshair:`` directive in it is malformed.
     """
+    options = with_directives(options, path)
     lines = [_def_line(path, name) for name, _ in functions(path)]
     targets = [f"{path.resolve()}:{n}" for n in lines] if all(lines) else []
     chunks = _chunks(targets, options.jobs) if targets else [[str(path.resolve())]]
@@ -141,6 +148,24 @@ def check(target: str, path: Path, options: Options) -> list[Row]:
         Row(target, c.function, c.text, *verdicts.get(key, _unreported()))
         for key, c in sorted(known.items())
     ]
+
+
+def with_directives(options: Options, path: Path) -> Options:
+    """Return ``options`` with the timeouts set by top-level ``# crosshair:`` comments in ``path``.
+
+    Raises:
+        FsmCacheError: A directive is malformed or names an unknown option.
+    """
+    from crosshair.codeconfig import InvalidDirective, get_directives, parse_directives
+
+    top = [d for d in get_directives(path.read_text(encoding="utf-8")) if d[1] == 0]
+    try:
+        found = parse_directives(top)
+    except InvalidDirective as exc:
+        what, line = exc.args
+        raise FsmCacheError(f"{path}:{line}: crosshair directive: {what}") from exc
+    timeouts = ("per_condition_timeout", "per_path_timeout")
+    return replace(options, **{k: getattr(found, k) for k in timeouts if getattr(found, k)})
 
 
 def _files(report: str) -> set[str]:

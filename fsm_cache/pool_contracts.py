@@ -6,8 +6,11 @@ same contracts check :class:`~fsm_cache.pools.PageAllocator` here and a
 deliberately broken allocator in ``specs/bugs_detected``. Pool sizes are
 bounded by preconditions (at most 4 pages of at most 2 slots): the allocator
 does not branch on sizes beyond "enough free pages or not", so small pools
-reach every path.
+reach every path. Two allocations over those bounds take CrossHair about
+12 s per contract to exhaust, hence the longer budget below.
 """
+
+# crosshair: per_condition_timeout=30
 
 from __future__ import annotations
 

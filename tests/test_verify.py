@@ -13,7 +13,7 @@ from fsm_cache import crosshair_run, verify
 from fsm_cache.contracts import generate
 from fsm_cache.crosshair_run import Contract, Options, Row
 from fsm_cache.engine import Engine
-from fsm_cache.errors import IllegalTransition, SpecError
+from fsm_cache.errors import FsmCacheError, IllegalTransition, SpecError
 from fsm_cache.meaning import step
 from fsm_cache.shipped import residency_system, spec_dir
 from fsm_cache.validate import valuations
@@ -180,3 +180,35 @@ def test_bad_option_is_named(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as info:
         verify.load_options(tmp_path)
     assert info.value.problems == [f"{path}: tool.fsm_cache.verify.jobs: expected int"]
+
+
+def test_a_modules_crosshair_directive_sets_its_budget(tmp_path: Path) -> None:
+    path = tmp_path / "contracts.py"
+    path.write_text(
+        "# crosshair: per_condition_timeout=30 per_path_timeout=5\n"
+        "def f() -> None:\n"
+        "    # crosshair: per_path_timeout=9\n"  # a function's own directive: not the module's
+        "    pass\n"
+    )
+    assert crosshair_run.with_directives(Options(jobs=1), path) == Options(
+        per_condition_timeout=30.0, per_path_timeout=5.0, jobs=1
+    )
+    path.write_text("x = 1\n")
+    assert crosshair_run.with_directives(Options(jobs=1), path) == Options(jobs=1)
+
+
+def test_a_malformed_crosshair_directive_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "contracts.py"
+    path.write_text("x = 1\n# crosshair: per_condition_timout=30\n")
+    with pytest.raises(FsmCacheError) as info:
+        crosshair_run.with_directives(Options(), path)
+    assert (
+        str(info.value) == f'{path}:2: crosshair directive: Unknown option: "per_condition_timout"'
+    )
+
+
+def test_the_allocator_contracts_set_a_budget_that_exhausts_them() -> None:
+    from fsm_cache import pool_contracts
+
+    options = crosshair_run.with_directives(Options(), Path(pool_contracts.__file__))
+    assert options.per_condition_timeout == 30.0
