@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from fsm_cache.cache import HiCache
-from fsm_cache.membench import _raw_gather_copy
+from fsm_cache.membench import _raw_gather_copy, ceiling_copy
 from fsm_cache.tiers import CacheConfig
 from fsm_cache.tree import TreeNode
 
@@ -77,17 +77,8 @@ def run_copy_bench(quick: bool = False, reps: int = 5) -> CopyBenchResult:
         raw_times.append(_time(raw, sync))
     ceiling = None
     if cuda:
-        dst, src = (
-            cache.tiers.host.tensor.view(torch.uint8),
-            cache.tiers.device.tensor.view(torch.uint8),
-        )
-        ceiling = (
-            nbytes
-            / statistics.median(
-                _time(lambda: dst.copy_(src, non_blocking=True), sync) for _ in range(reps)
-            )
-            / 1e9
-        )
+        one_copy = ceiling_copy(cache.tiers.device, cache.tiers.host, nbytes)
+        ceiling = nbytes / statistics.median(_time(one_copy, sync) for _ in range(reps)) / 1e9
     return CopyBenchResult(
         device=str(cache.tiers.device.device),
         nodes=nodes,

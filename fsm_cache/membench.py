@@ -125,8 +125,7 @@ def _measure(dev: KVPool, host: KVPool, reps: int, seed: int) -> CopyBench:
     gbps = {name: _median_gbps(fn, nbytes, reps, sync) for name, fn in [("w", write), ("r", raw)]}
     ceiling = None
     if dev.device.type == "cuda":
-        flat_dst, flat_src = host.tensor.view(torch.uint8), dev.tensor.view(torch.uint8)
-        ceiling = _median_gbps(lambda: _copy(flat_dst, flat_src), nbytes, reps, sync)
+        ceiling = _median_gbps(ceiling_copy(dev, host, nbytes), nbytes, reps, sync)
     return CopyBench(
         device=str(dev.device),
         pages=dev.num_pages,
@@ -150,6 +149,23 @@ def _raw_gather_copy(dev: KVPool, host: KVPool, dev_pages: Sequence[int]) -> Cal
         target.copy_(dev.tensor.index_select(2, idx), non_blocking=True)
 
     return run
+
+
+def ceiling_copy(dev: KVPool, host: KVPool, nbytes: int) -> Callable[[], None]:
+    """Return one device-to-host ``copy_`` of ``nbytes`` contiguous bytes: the bandwidth ceiling.
+
+    The pools' layouts differ (layer-first on the device, page-first on the
+    host) and the host may be larger, so both are seen as flat bytes.
+
+    Raises:
+        ValueError: A pool holds fewer than ``nbytes`` bytes.
+    """
+    if nbytes > min(dev.nbytes, host.nbytes):
+        msg = f"ceiling copy of {nbytes} bytes: pools hold {dev.nbytes} and {host.nbytes}"
+        raise ValueError(msg)
+    dst = host.tensor.view(-1).view(torch.uint8)[:nbytes]
+    src = dev.tensor.view(-1).view(torch.uint8)[:nbytes]
+    return lambda: _copy(dst, src)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

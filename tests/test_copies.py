@@ -14,9 +14,10 @@ with warnings.catch_warnings():
     import torch
 
     from fsm_cache.copies import Completion, CopyEngine, Direction, host_runs
+    from fsm_cache.copybench import run_copy_bench
     from fsm_cache.errors import CopyFailed, ForeignSlot
     from fsm_cache.kvpool import KVLayout, KVPool, device_pool, host_pool
-    from fsm_cache.membench import bench_copies
+    from fsm_cache.membench import bench_copies, ceiling_copy
     from fsm_cache.testing import POISON, FaultyCopyEngine
 
 CUDA = torch.cuda.is_available()
@@ -292,6 +293,31 @@ def test_bench_copies_reports_each_path() -> None:
     assert result.ratio == result.write_gbps / result.raw_gbps
     assert result.ceiling_gbps is None
     assert "engine / raw" in result.render()
+
+
+def test_ceiling_copy_moves_flat_bytes_between_pools_of_other_layouts() -> None:
+    layout = KVLayout(layers=2, heads=2, head_dim=8, page_size=4, dtype=torch.float16)
+    dev = device_pool(layout, 4, torch.device("cpu"))
+    host = host_pool(layout, 8, pin=False)  # page-first, and twice the device's size
+    dev.tensor.copy_(torch.randn(dev.tensor.shape).to(dev.tensor.dtype))
+    host.tensor.zero_()
+    ceiling_copy(dev, host, dev.nbytes)()
+    flat = host.tensor.view(-1).view(torch.uint8)
+    assert torch.equal(flat[: dev.nbytes], dev.tensor.view(-1).view(torch.uint8))
+    assert not flat[dev.nbytes :].any()
+    with pytest.raises(ValueError, match=f"ceiling copy of {host.nbytes} bytes"):
+        ceiling_copy(dev, host, host.nbytes)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_copy_benchmarks_measure_the_ceiling_on_cuda() -> None:
+    small = bench_copies(4, layers=2, heads=2, head_dim=8, reps=2, device=torch.device("cuda"))
+    assert small.ceiling_gbps is not None
+    assert small.ceiling_gbps > 0
+    result = run_copy_bench(quick=True, reps=2)
+    assert result.ceiling_gbps is not None
+    assert result.ceiling_gbps > 0
 
 
 @pytest.mark.gpu
