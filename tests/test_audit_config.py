@@ -1,14 +1,28 @@
-"""Settings of the audit: the pyproject table, ``--pair``, and the comment markers."""
+"""Settings of the audit: the pyproject table, where it is found, ``--pair``, the markers."""
 
 from __future__ import annotations
 
+import argparse
+import ast
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from fsm_cache.audit import AuditConfig, AuditError, Pair, check_source, load_config, parse_pair
-from fsm_cache.audit.config import config_from_table, find_pyproject, parse_pairs, with_pairs
+from fsm_cache.audit import (
+    AuditConfig,
+    AuditError,
+    Pair,
+    audit_paths,
+    check_source,
+    load_config,
+    main,
+    parse_pair,
+    register,
+)
+from fsm_cache.audit import config as config_module
+from fsm_cache.audit.config import ConfigFinder, find_pyproject, parse_pairs
+from fsm_cache.audit.flake8 import AuditPlugin
 from fsm_cache.audit.markers import read_markers
 from fsm_cache.audit.model import DEFAULT_NON_RAISING, DEFAULT_PAIRS
 
@@ -116,10 +130,13 @@ def test_a_name_in_two_pairs_is_refused() -> None:
     assert str(caught.value) == "call name 'unpin' appears in more than one pair"
 
 
-def test_pair_options_replace_configured_pairs() -> None:
-    config = config_from_table({"pairs": ["pin:unpin"]}, "t")
-    assert with_pairs(config, ["a:b"]).pairs == (Pair("a", "b"),)
-    assert with_pairs(config, []).pairs == (Pair("pin", "unpin"),)
+def test_pair_options_replace_configured_pairs_only(tmp_path: Path) -> None:
+    write_pyproject(tmp_path, "pairs = ['pin:unpin']\nhands_off = ['start']")
+    source = tmp_path / "m.py"
+    assert ConfigFinder(pairs=["a:b"]).for_file(source) == AuditConfig(
+        pairs=(Pair("a", "b"),), hands_off=frozenset({"start"})
+    )
+    assert ConfigFinder().for_file(source).pairs == (Pair("pin", "unpin"),)
     assert str(DEFAULT_PAIRS[0]) == "protect_host:release_host"
 
 
@@ -202,3 +219,221 @@ def test_an_ignore_marker_silences_one_line() -> None:
             node.release_host()  # fsm-cache: ignore
     """)
     assert check_source(source, "m.py", AuditConfig()) == []
+
+
+# Where the config is found: the nearest pyproject.toml at or above each audited file.
+
+HANDOFFS = """
+    takes_ownership = ["Tracker.track", "Cache.finish"]
+    hands_off = ["Cache.start_prefetch"]
+"""
+CACHE = textwrap.dedent("""\
+    class Cache:
+        def write(self, node):
+            self.inc_lock_ref(node)
+            self.tracker.track(node)
+
+        def start_prefetch(self, node):
+            node.protect_host()
+
+        def finish(self, node):
+            self.dec_lock_ref(node)
+
+        def other(self, node):
+            node.release_host()
+""")
+WRITE = (
+    "3:9: FSM101 inc_lock_ref() on 'node' is not released or handed on"
+    " when the function ends at line 4 [Cache.write]"
+)
+PREFETCH = (
+    "7:9: FSM101 protect_host() on 'node' is not released or handed on"
+    " when the function ends at line 7 [Cache.start_prefetch]"
+)
+FINISH = (
+    "10:9: FSM103 dec_lock_ref() on 'node' has no inc_lock_ref() in reach"
+    " and no documented hand-off [Cache.finish]"
+)
+OTHER = (
+    "13:9: FSM103 release_host() on 'node' has no protect_host() in reach"
+    " and no documented hand-off [Cache.other]"
+)
+
+
+def project(folder: Path, table: str) -> Path:
+    """Write a project with ``table`` as its audit config and ``src/m.py``; return its folder."""
+    (folder / "src").mkdir(parents=True)
+    write_pyproject(folder, table)
+    (folder / "src" / "m.py").write_text(CACHE)
+    return folder
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    """Run the audit handler through its own ``register``, as the CLI shell does."""
+    parser = argparse.ArgumentParser(prog="fsm-cache")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["audit", *argv])
+    status: int = args.handler(args)
+    return status, capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("cwd", "target"),
+    [("proj", "src"), (".", "proj/src"), ("elsewhere", "../proj/src")],
+    ids=["in-the-project", "from-the-parent", "from-a-sibling"],
+)
+def test_the_project_config_applies_from_any_working_directory(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    cwd: str,
+    target: str,
+) -> None:
+    project(tmp_path / "proj", HANDOFFS)
+    # The working directory's own config must not apply to the project's files.
+    write_pyproject(tmp_path, "ignore = ['FSM103']")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / cwd)
+    assert run_cli([target], capsys) == (1, [f"{target}/m.py:{OTHER}"])
+
+
+def test_each_audited_tree_gets_its_own_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project(tmp_path / "a", HANDOFFS)
+    project(tmp_path / "b", "ignore = ['FSM101']")
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(["a", "b/src/m.py"], capsys) == (
+        1,
+        [f"a/src/m.py:{OTHER}", f"b/src/m.py:{FINISH}", f"b/src/m.py:{OTHER}"],
+    )
+
+
+def test_audit_paths_finds_each_files_config_by_default(tmp_path: Path) -> None:
+    project(tmp_path / "a", HANDOFFS)
+    project(tmp_path / "b", "")
+    findings = audit_paths([str(tmp_path / "a"), str(tmp_path / "b")])
+    assert [(Path(f.path).parts[-3], f.line, f.code) for f in findings] == [
+        ("a", 13, "FSM103"),
+        ("b", 3, "FSM101"),
+        ("b", 7, "FSM101"),
+        ("b", 10, "FSM103"),
+        ("b", 13, "FSM103"),
+    ]
+    fixed = audit_paths([str(tmp_path / "a")], AuditConfig())
+    assert [(f.line, f.code) for f in fixed] == [
+        (3, "FSM101"),
+        (7, "FSM101"),
+        (10, "FSM103"),
+        (13, "FSM103"),
+    ]
+
+
+def test_the_config_option_applies_to_every_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project(tmp_path / "a", HANDOFFS)
+    project(tmp_path / "b", "ignore = ['FSM101']")
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(["a", "b", "--config", "b/pyproject.toml"], capsys) == (
+        1,
+        [
+            f"a/src/m.py:{FINISH}",
+            f"a/src/m.py:{OTHER}",
+            f"b/src/m.py:{FINISH}",
+            f"b/src/m.py:{OTHER}",
+        ],
+    )
+
+
+def test_pair_options_apply_to_every_found_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project(tmp_path / "a", HANDOFFS)
+    project(tmp_path / "b", "")
+    monkeypatch.chdir(tmp_path)
+    status, out = run_cli(["a", "b", "--pair", "inc_lock_ref:dec_lock_ref"], capsys)
+    assert (status, out) == (1, [f"b/src/m.py:{WRITE}", f"b/src/m.py:{FINISH}"])
+
+
+def test_the_flake8_plugin_finds_the_config_as_the_cli_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project(tmp_path / "proj", HANDOFFS)
+    write_pyproject(tmp_path, "ignore = ['FSM103']")
+    monkeypatch.chdir(tmp_path)
+    results = AuditPlugin(ast.parse(CACHE), "proj/src/m.py").run()
+    flake8 = [f"proj/src/m.py:{line}:{col + 1}: {text}" for line, col, text, _ in results]
+    assert run_cli(["proj/src/m.py"], capsys) == (1, flake8)
+    assert flake8 == [f"proj/src/m.py:{OTHER}"]
+
+
+def test_a_bad_config_in_one_tree_is_bad_input_naming_file_and_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    project(tmp_path / "a", HANDOFFS)
+    bad = project(tmp_path / "b", "hands_off = 'start'")
+    status = main([str(tmp_path / "a"), str(bad)])
+    out, err = capsys.readouterr()
+    assert (status, out, err) == (
+        2,
+        "",
+        f"error: {(bad / 'pyproject.toml').resolve()}: [tool.fsm_cache.audit].hands_off:"
+        " expected a list of strings\n",
+    )
+
+
+def test_a_missing_config_option_is_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    project(tmp_path / "a", "")
+    status = main([str(tmp_path / "a"), "--config", str(tmp_path / "nope.toml")])
+    out, err = capsys.readouterr()
+    assert (status, out, err) == (2, "", f"error: {tmp_path / 'nope.toml'}: no such config file\n")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"tool = 1\n", "[tool]: expected a table"),
+        (b"[tool]\nfsm_cache = 3\n", "[tool.fsm_cache]: expected a table"),
+        (b"[tool.fsm_cache]\naudit = [1]\n", "[tool.fsm_cache.audit]: expected a table"),
+        (b"\xff\n", "invalid TOML: not UTF-8: invalid start byte"),
+    ],
+)
+def test_misshapen_pyprojects_are_refused_with_the_place(
+    tmp_path: Path, content: bytes, message: str
+) -> None:
+    path = tmp_path / "pyproject.toml"
+    path.write_bytes(content)
+    with pytest.raises(AuditError) as caught:
+        ConfigFinder().for_file(tmp_path / "m.py")
+    assert str(caught.value) == f"{path.resolve()}: {message}"
+
+
+def test_each_pyproject_is_read_once_per_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = project(tmp_path / "a", HANDOFFS)
+    (root / "src" / "sub").mkdir()
+    read: list[Path | None] = []
+
+    def counting(path: Path | None) -> AuditConfig:
+        read.append(path)
+        return load_config(path)
+
+    monkeypatch.setattr(config_module, "load_config", counting)
+    finder = ConfigFinder()
+    names = ["src/m.py", "src/n.py", "src/sub/o.py", "p.py"]
+    configs = {finder.for_file(root / name) for name in names}
+    assert configs == {load_config(root / "pyproject.toml")}
+    assert read == [(root / "pyproject.toml").resolve()]
+
+
+def test_a_file_outside_any_folder_takes_the_working_directorys_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = project(tmp_path / "a", HANDOFFS)
+    monkeypatch.chdir(root / "src")
+    assert ConfigFinder().for_file("stdin") == load_config(root / "pyproject.toml")
+    assert ConfigFinder().for_file("no/such/dir/m.py") == load_config(root / "pyproject.toml")

@@ -3,6 +3,9 @@
 Exit status: 0 when clean, 1 when there are findings, 2 on bad input (an
 unreadable file, a syntax error, a bad option or config), which the CLI shell
 prints as ``error: ...`` from the :class:`AuditError` raised here.
+
+Each file is audited under the config of its own project (see
+:class:`~fsm_cache.audit.config.ConfigFinder`), not that of the working directory.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from fsm_cache.audit.checker import check_source
-from fsm_cache.audit.config import find_pyproject, load_config, with_pairs
+from fsm_cache.audit.config import ConfigFinder
 from fsm_cache.audit.model import DEFAULT_PAIRS, AuditConfig, AuditError, Finding
 from fsm_cache.audit.report import FORMATS, render
 from fsm_cache.errors import FsmCacheError
@@ -48,23 +51,36 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--config",
         type=Path,
         metavar="PYPROJECT",
-        help="pyproject.toml to read [tool.fsm_cache.audit] from (default: nearest one)",
+        help=(
+            "pyproject.toml to read [tool.fsm_cache.audit] from, for every file "
+            "(default: the nearest one at or above each file)"
+        ),
     )
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Audit ``args.paths``, print the report, and return the exit status."""
-    config = with_pairs(_config(args.config), args.pair)
-    findings = audit_paths(args.paths, config)
+    findings = audit_paths(args.paths, ConfigFinder(args.config, args.pair))
     sys.stdout.write(render(findings, args.format))
     return 1 if findings else 0
 
 
-def audit_paths(paths: Sequence[str], config: AuditConfig) -> list[Finding]:
-    """Return the findings of every Python file under ``paths``, sorted by place."""
+def audit_paths(
+    paths: Sequence[str], config: AuditConfig | ConfigFinder | None = None
+) -> list[Finding]:
+    """Return the findings of every Python file under ``paths``, sorted by place.
+
+    ``config`` applies to every file when it is an :class:`AuditConfig`; by
+    default each file gets the config of the nearest pyproject.toml above it.
+    """
+    configs = ConfigFinder() if config is None else config
     sources = [(path, _read(path)) for path in _python_files(paths)]
-    return sorted(f for path, source in sources for f in check_source(source, path, config))
+    return sorted(
+        finding
+        for path, source in sources
+        for finding in check_source(source, path, _config_of(configs, path))
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,10 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
-def _config(explicit: Path | None) -> AuditConfig:
-    if explicit is not None and not explicit.is_file():
-        raise AuditError(f"{explicit}: no such config file")
-    return load_config(explicit or find_pyproject(Path.cwd()))
+def _config_of(config: AuditConfig | ConfigFinder, path: str) -> AuditConfig:
+    return config.for_file(path) if isinstance(config, ConfigFinder) else config
 
 
 def _python_files(paths: Sequence[str]) -> Iterator[str]:

@@ -1,6 +1,9 @@
 """Settings of the audit: the ``[tool.fsm_cache.audit]`` table and ``--pair`` options.
 
-Example::
+The table that applies to a source file is the one in the nearest
+``pyproject.toml`` at or above that file, so a project's declarations hold
+wherever the audit runs from; :class:`ConfigFinder` is that one rule, shared
+by the CLI and the flake8 plugin. Example::
 
     [tool.fsm_cache.audit]
     pairs = ["protect_host:release_host", "inc_lock_ref:dec_lock_ref"]
@@ -31,6 +34,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+_TABLE = ("tool", "fsm_cache", "audit")
 _KEYS = ("pairs", "takes_ownership", "hands_off", "non_raising", "ignore")
 
 
@@ -66,6 +70,50 @@ def find_pyproject(start: Path) -> Path | None:
     return None
 
 
+class ConfigFinder:
+    """Find the config of each audited file, reading each pyproject.toml once.
+
+    Without ``explicit``, a file gets the table of the nearest pyproject.toml at
+    or above its folder (defaults when there is none), whatever the working
+    directory. ``explicit`` (``--config``) applies to every file instead, and
+    ``pairs`` (``--pair``) replace the pairs of every config. Both are checked
+    here, before any file is read. Results are cached for the finder's lifetime:
+    one run.
+    """
+
+    def __init__(self, explicit: Path | None = None, pairs: Sequence[str] = ()) -> None:
+        self._pairs = parse_pairs(pairs) if pairs else None
+        self._by_pyproject: dict[Path | None, AuditConfig] = {}
+        self._by_folder: dict[Path, AuditConfig] = {}
+        self._explicit: AuditConfig | None = None
+        if explicit is not None:
+            if not explicit.is_file():
+                raise AuditError(f"{explicit}: no such config file")
+            self._explicit = self._load(explicit)
+
+    def for_file(self, filename: str | Path) -> AuditConfig:
+        """Return the config that applies to the source file ``filename``.
+
+        A name whose folder does not exist (flake8's ``stdin``) is taken to be
+        in the working directory.
+        """
+        if self._explicit is not None:
+            return self._explicit
+        folder = Path(filename).parent
+        folder = (folder if folder.is_dir() else Path.cwd()).resolve()
+        if folder not in self._by_folder:
+            self._by_folder[folder] = self._load(find_pyproject(folder))
+        return self._by_folder[folder]
+
+    def _load(self, path: Path | None) -> AuditConfig:
+        if path not in self._by_pyproject:
+            config = load_config(path)
+            if self._pairs is not None:
+                config = replace(config, pairs=self._pairs)
+            self._by_pyproject[path] = config
+        return self._by_pyproject[path]
+
+
 def load_config(path: Path | None) -> AuditConfig:
     """Read the audit table of the pyproject.toml at ``path``; defaults when absent."""
     if path is None:
@@ -73,9 +121,19 @@ def load_config(path: Path | None) -> AuditConfig:
     try:
         with path.open("rb") as stream:
             document = tomllib.load(stream)
+    except OSError as exc:
+        raise AuditError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise AuditError(f"{path}: invalid TOML: not UTF-8: {exc.reason}") from None
     except tomllib.TOMLDecodeError as exc:
         raise AuditError(f"{path}: invalid TOML: {exc}") from None
-    table = document.get("tool", {}).get("fsm_cache", {}).get("audit", {})
+    table: Mapping[str, object] = document
+    for depth, key in enumerate(_TABLE):
+        value = table.get(key, {})
+        if not isinstance(value, dict):
+            where = ".".join(_TABLE[: depth + 1])
+            raise AuditError(f"{path}: [{where}]: expected a table")
+        table = value
     return config_from_table(table, f"{path}: [tool.fsm_cache.audit]")
 
 
@@ -97,11 +155,6 @@ def config_from_table(table: Mapping[str, object], origin: str) -> AuditConfig:
     if "pairs" in table:
         config = replace(config, pairs=_pairs_at(lists["pairs"], f"{origin}.pairs"))
     return config
-
-
-def with_pairs(config: AuditConfig, texts: Sequence[str]) -> AuditConfig:
-    """Return ``config`` with its pairs replaced by the ``--pair`` options, if any."""
-    return replace(config, pairs=parse_pairs(texts)) if texts else config
 
 
 def _pairs_at(texts: list[str], origin: str) -> tuple[Pair, ...]:

@@ -2,7 +2,8 @@
 
 flake8 hands the plugin a parsed tree and the file name; the comment markers
 come from ``lines`` when flake8 passes them, else from the file itself. The
-``[tool.fsm_cache.audit]`` table is read from the nearest pyproject.toml.
+``[tool.fsm_cache.audit]`` table is found as the CLI finds it: in the nearest
+pyproject.toml at or above each file.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from fsm_cache.audit.checker import check_tree
-from fsm_cache.audit.config import find_pyproject, load_config
+from fsm_cache.audit.config import ConfigFinder
 from fsm_cache.audit.markers import Markers, read_markers
-from fsm_cache.audit.model import VERSION, AuditConfig, AuditError
+from fsm_cache.audit.model import VERSION, AuditError
+
+
+# One flake8 process is one run: each pyproject.toml is read once for all its files.
+_CONFIGS = ConfigFinder()
 
 
 class AuditPlugin:
@@ -33,7 +38,7 @@ class AuditPlugin:
         if not isinstance(self.tree, ast.Module):
             return
         try:
-            config = _config_for(self.filename)
+            config = _CONFIGS.for_file(self.filename)
         except AuditError as exc:
             yield 1, 0, f"FSM100 {exc}", type(self)
             return
@@ -49,9 +54,3 @@ class AuditPlugin:
             return read_markers(Path(self.filename).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError):
             return Markers()
-
-
-def _config_for(filename: str) -> AuditConfig:
-    path = Path(filename)
-    start = path.parent if path.parent.is_dir() else Path.cwd()
-    return load_config(find_pyproject(start))
