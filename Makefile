@@ -4,8 +4,11 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 DEVSTAMP:= $(VENV)/.installed-dev
-# CPU machines take the CPU wheel of torch; GPU users install their own build first (README).
-TORCH   ?= torch==2.13.0
+# CPU machines take the CPU wheel of torch (the +cpu local version, so a CUDA build is never
+# pulled by accident): from pip's configured sources first (a local wheel), else from the
+# PyTorch CPU index. GPU users install their own build first (README).
+TORCH   ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: run test lint typecheck pytest verify check audit diagrams docs bench clean system-deps
 
@@ -14,7 +17,8 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)" \
+		|| $(BIN)/pip install -q --index-url "$(TORCH_INDEX)" "$(TORCH)"
 	$(BIN)/pip install -q -e .
 	touch $@
 
