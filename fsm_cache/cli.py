@@ -21,6 +21,7 @@ _TOOLS = (
     "fsm_cache.demo",
     "fsm_cache.commands.validate",
     "fsm_cache.commands.diagram",
+    "fsm_cache.commands.types",
     "fsm_cache.commands.bench",
     "fsm_cache.verify",
     "fsm_cache.check",

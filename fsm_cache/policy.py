@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from typing import Protocol
 
-from fsm_cache.residency import HOST_VALID
+from fsm_cache.residency import HOST_VALID, DeviceState, HostState
 
 
 class WritePolicy(str, enum.Enum):
@@ -31,9 +31,17 @@ class WritePolicy(str, enum.Enum):
 class PolicyNode(Protocol):
     """What policy decisions read from a node."""
 
-    host: str
-    device: str
-    hit_count: int
+    @property
+    def host(self) -> HostState:
+        """The host residency state."""
+
+    @property
+    def device(self) -> DeviceState:
+        """The device residency state."""
+
+    @property
+    def hit_count(self) -> int:
+        """How often the node was matched or inserted."""
 
     @property
     def parent(self) -> PolicyNode | None:

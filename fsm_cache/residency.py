@@ -75,8 +75,8 @@ class ResidencyRecord:
         self, ident: int = 0, *, host: HostState = "unbacked", device: DeviceState = "resident"
     ) -> None:
         self.id = ident
-        self.host: str = host
-        self.device: str = device
+        self.host: HostState = host
+        self.device: DeviceState = device
         self.pins = 0
         self.locks = 0
         self.trail: trail.Trail | None = None
