@@ -16,6 +16,14 @@ properties but routes every change through the residency machines:
   states.
 * ``inc_lock_ref()`` / ``dec_lock_ref()`` lock or unlock the node and every
   ancestor, as SGLang's cache methods of the same names do.
+* ``value`` and ``host_value`` (the slot indices) stay plain fields, but an
+  assignment must agree with the state the machines hold: host slots only
+  while the host copy is held (after ``write``), none after ``evict_host``;
+  device slots only while resident or loading, none after ``evict_device``.
+  An assignment that disagrees raises :class:`SlotsOutOfStep` naming the
+  event to fire first, so a code path that moves memory without telling the
+  machines fails at that line instead of drifting silently. Assignments in
+  the original ``__init__`` are accepted as they are.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from typing import Any, ClassVar
 
 from fsm_cache import trail
 from fsm_cache.errors import FsmCacheError, ReleaseAtZero
-from fsm_cache.residency import HOST_HELD, Residency, default_residency
+from fsm_cache.residency import DEVICE_HELD, HOST_HELD, Residency, default_residency
 
 
 trail.internal(__file__)
@@ -42,6 +50,25 @@ class HostRefCounterZero(ReleaseAtZero):
 
 class ReadOnlyCounter(FsmCacheError, AttributeError):
     """A counter the residency machines own was assigned directly."""
+
+
+class SlotsOutOfStep(FsmCacheError, AttributeError):
+    """A slot field was assigned in a way the node's residency state does not allow."""
+
+
+def _slot_rule(field: str, state: str, present: bool) -> str | None:
+    """Return the event to fire before this assignment, or None when it agrees with ``state``."""
+    if field == "host_value":
+        if present and state not in HOST_HELD:
+            return "write"
+        if not present and state in HOST_HELD:
+            return "evict_host" if state != "writing" else "write_failed"
+        return None
+    if present and state not in DEVICE_HELD:
+        return "load"
+    if not present and state in DEVICE_HELD:
+        return "evict_device"
+    return None
 
 
 class ResidencyMixin:
@@ -65,7 +92,10 @@ class ResidencyMixin:
         self.pins = 0
         self.locks = 0
         self.trail = None
+        self._slots: dict[str, Any] = {"value": None, "host_value": None}
+        self._constructing = True
         super().__init__(*args, **kwargs)
+        self._constructing = False
 
     @classmethod
     def machine(cls) -> Residency:
@@ -126,6 +156,36 @@ class ResidencyMixin:
     def evicted(self) -> bool:
         """Whether the device copy is gone (SGLang: ``value is None``)."""
         return self.device == "absent"
+
+    @property
+    def value(self) -> Any:
+        """Device slot indices (SGLang: ``None`` once evicted from the device)."""
+        return self._slots["value"]
+
+    @value.setter
+    def value(self, slots: Any) -> None:
+        self._assign_slots("value", "device", slots)
+
+    @property
+    def host_value(self) -> Any:
+        """Host slot indices (SGLang: ``None`` without a host copy)."""
+        return self._slots["host_value"]
+
+    @host_value.setter
+    def host_value(self, slots: Any) -> None:
+        self._assign_slots("host_value", "host", slots)
+
+    def _assign_slots(self, field: str, region: str, slots: Any) -> None:
+        state = getattr(self, region)
+        event = None if self._constructing else _slot_rule(field, state, slots is not None)
+        if event is not None:
+            what = "set" if slots is not None else "cleared"
+            msg = (
+                f"node {getattr(self, 'id', '?')}: {field} {what} while {region} is {state}; "
+                f"fire {event} first (machine().{event}(node))"
+            )
+            raise SlotsOutOfStep(msg)
+        self._slots[field] = slots
 
     def _refuse_assign(self, name: str, field: str, value: int, use: str) -> None:
         if getattr(self, field, 0) != value:
