@@ -14,7 +14,7 @@ from fsm_cache.residency import Residency
 class TreeNode:
     """SGLang's node, residency part, as it is before the migration."""
 
-    def __init__(self, ident: int) -> None:
+    def __init__(self, ident: int = 0) -> None:
         self.children: Any = defaultdict(TreeNode)
         self.parent: Any = None
         self.value: Any = None
