@@ -159,8 +159,8 @@ class CacheBench:
     def format(self) -> str:
         """Render the figures as a table with the ratios the issue targets."""
         lines = [
-            f"chat trace: {self.requests} requests, each one match_prefix + one insert, "
-            f"page {PAGE}; best of interleaved rounds",
+            f"chat trace: {self.requests} requests, each one match_prefix + one insert "
+            f"(requests/s = match+insert pairs/s), page {PAGE}; best of interleaved rounds",
             f"  baseline radix tree (unchecked)     {self.baseline_rps:10,.0f} requests/s",
             f"  HiCache, device tier only, checked  {self.hicache_rps:10,.0f} requests/s "
             f"({self.hicache_rps / self.baseline_rps:.2f}x baseline)",
