@@ -33,8 +33,8 @@ system-deps:
 	@bash .ci/system-deps
 
 lint: $(DEVSTAMP)
-	$(BIN)/ruff check fsm_cache tests specs
-	$(BIN)/ruff format --check fsm_cache tests specs
+	$(BIN)/ruff check fsm_cache tests specs docs/hooks
+	$(BIN)/ruff format --check fsm_cache tests specs docs/hooks
 
 typecheck: $(DEVSTAMP)
 	$(BIN)/mypy

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import http.server
+import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -12,7 +14,9 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
+import griffe
 import pytest
 
 from fsm_cache.loader import load_spec
@@ -25,6 +29,8 @@ DOCS = ROOT / "docs"
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 MERMAID_FENCE = re.compile(r"^``` ?mermaid\n", re.MULTILINE)
 BROWSER = "chromium"
+# reStructuredText a reader must never see: a role before its code span, or a `::` marker.
+RST_LEFT = re.compile(r":(?:[a-z]+:)?[a-z]+:(?:<code>|`)|::</p>")
 
 
 @pytest.mark.parametrize("page", ["index.md", "leases.md", "errors.md", "sglang.md", "hicache.md"])
@@ -57,6 +63,92 @@ def test_residency_page_explains_every_refusal_class_the_specs_name() -> None:
     assert sorted(named - explained) == []
 
 
+# -- Sphinx roles in docstrings become Markdown ----------------------------------
+
+ROLES_PACKAGE = {
+    "__init__.py": '"""Top: see :mod:`pkg.engine` and :class:`~pkg.engine.Engine`."""\n',
+    "errors.py": 'class Boom(Exception):\n    """Boom."""\n',
+    "engine.py": '''\
+"""Engines: :meth:`Engine.fire`, :func:`helper`, :class:`Missing`, :ref:`intro`.
+
+Run one at once::
+
+    Engine().fire()
+
+Or ::
+
+    helper()
+"""
+
+from pkg.errors import Boom
+
+
+class Engine:
+    """Raises :exc:`Boom`."""
+
+    def fire(self) -> None:
+        """Fire; see :meth:`lease` and :py:meth:`~Engine.lease`."""
+
+    def lease(self) -> None:
+        """Lease."""
+
+
+def helper() -> None:
+    """Help, as ``:func:`helper``` would say."""
+''',
+}
+
+
+def rst_roles() -> ModuleType:
+    """Import the docs hook module (it lives in docs/hooks, outside any package)."""
+    spec = importlib.util.spec_from_file_location("rst_roles", DOCS / "hooks" / "rst_roles.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def autoref(path: str, shown: str) -> str:
+    return f'<autoref identifier="{path}" optional>`{shown}`</autoref>'
+
+
+def test_roles_become_links_resolved_from_the_docstrings_scope(tmp_path: Path) -> None:
+    for name, text in ROLES_PACKAGE.items():
+        (tmp_path / "pkg").mkdir(exist_ok=True)
+        (tmp_path / "pkg" / name).write_text(text, encoding="utf-8")
+    extensions = griffe.load_extensions(rst_roles().RstRoles)
+    pkg = griffe.load("pkg", search_paths=[tmp_path], extensions=extensions)
+    objects = {"": pkg, "engine": pkg["engine"], "engine.Engine": pkg["engine.Engine"]}
+    objects |= {"fire": pkg["engine.Engine.fire"], "helper": pkg["engine.helper"]}
+    docs = {key: obj.docstring.value for key, obj in objects.items() if obj.docstring}
+    assert docs == {
+        "": f"Top: see {autoref('pkg.engine', 'pkg.engine')} and {autoref('pkg.engine.Engine', 'Engine')}.",
+        "engine": (
+            f"Engines: {autoref('pkg.engine.Engine.fire', 'Engine.fire')}, "
+            f"{autoref('pkg.engine.helper', 'helper')}, `Missing`, `intro`.\n\n"
+            "Run one at once:\n\n    Engine().fire()\n\nOr\n\n    helper()"
+        ),
+        "engine.Engine": f"Raises {autoref('pkg.errors.Boom', 'Boom')}.",
+        "fire": (
+            f"Fire; see {autoref('pkg.engine.Engine.lease', 'lease')} "
+            f"and {autoref('pkg.engine.Engine.lease', 'lease')}."
+        ),
+        "helper": "Help, as ``:func:`helper``` would say.",
+    }
+
+
+def test_markup_left_in_a_page_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    page = SimpleNamespace(file=SimpleNamespace(src_path="api.md"))
+    html = "<p>Use :class:<code>X</code> like this::</p>"
+    with caplog.at_level(logging.WARNING):
+        assert rst_roles().on_page_content(html, page=page) == html
+    assert [r.getMessage() for r in caplog.records] == [
+        f"rst_roles: api.md: reStructuredText ':class:<code>' left in the page: {html}",
+        f"rst_roles: api.md: reStructuredText '::</p>' left in the page: {html}",
+    ]
+
+
 # -- the built site, in a real browser ------------------------------------------
 
 
@@ -74,6 +166,16 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert done.returncode == 0, done.stderr
     return folder
+
+
+def test_built_site_shows_no_restructuredtext_markup(site: Path) -> None:
+    pages = sorted(site.rglob("*.html"))
+    left = {
+        str(p.relative_to(site)): RST_LEFT.findall(p.read_text(encoding="utf-8")) for p in pages
+    }
+    assert {page: found for page, found in left.items() if found} == {}
+    api = (site / "api" / "index.html").read_text(encoding="utf-8")
+    assert 'href="../errors/#fsm_cache.errors.' in api  # roles link across pages
 
 
 @pytest.fixture(scope="module")

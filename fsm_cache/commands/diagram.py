@@ -25,6 +25,17 @@ from fsm_cache.shipped import shipped_spec_paths
 
 DEFAULT_DIR = Path("docs/diagrams")
 SET_SUFFIXES = {"mermaid": ".mmd", "dot": ".dot", "md": ".md"}
+# Formats whose documents can hold several specs; the others are one picture each.
+SECTIONED = ("md",)
+EPILOG = """\
+One document goes to stdout, or to PATH with -o. A mermaid, dot or svg document
+draws one SPEC, so several SPECs are refused there: draw them one at a time, or
+--write each spec's .mmd, .dot and .md files into --dir. With --format md,
+several SPECs make one Markdown document, a '## NAME' section per spec.
+
+--highlight marks a state of one SPEC, e.g. where a node was when an error was
+reported: filled in mermaid, dot and svg; bold, and '(here)', in md's tables.
+"""
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -33,6 +44,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "diagram",
         help="draw specs as Mermaid, DOT, SVG or Markdown tables",
         description="Render state machine specs; --check fails when committed diagrams are stale.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("specs", nargs="*", type=Path, metavar="SPEC", help="spec TOML files")
     parser.add_argument("--format", choices=FORMATS, default="mermaid", help="default: mermaid")
@@ -57,25 +70,47 @@ def run(args: argparse.Namespace) -> int:
     """Render, write or check diagrams as the arguments ask; return the exit status.
 
     Raises:
-        DiagramError: The arguments do not name what to render.
+        DiagramError: The arguments do not name what to render, or ask for one
+            document of several specs in a format that draws one.
     """
-    if args.output is not None:
-        if len(args.specs) != 1:
-            msg = f"-o writes one rendering; give exactly one SPEC (got {len(args.specs)})"
-            raise DiagramError(msg)
-        text = _render(args.specs[0], args.format, args.highlight)
-        return _check({args.output: text}) if args.check else _write({args.output: text})
-    if args.check or args.write:
+    if args.output is None and (args.check or args.write):
         if args.highlight:
             msg = "--highlight marks one rendering; use it with -o or stdout, not --check/--write"
             raise DiagramError(msg)
         wanted = expected(args.specs or shipped_spec_paths(), args.dir)
         return _check(wanted) if args.check else _write(wanted)
-    if not args.specs:
-        msg = "give SPEC files to draw, or --check/--write for the shipped specs"
+    text = document(args.specs, args.format, tuple(args.highlight))
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    return _check({args.output: text}) if args.check else _write({args.output: text})
+
+
+def document(specs: list[Path], fmt: str, highlight: tuple[str, ...] = ()) -> str:
+    """Return one ``fmt`` document of ``specs``: the rendering of one, or md sections of several.
+
+    Raises:
+        DiagramError: No spec, or several in a one-picture format or with a highlight.
+    """
+    if not specs:
+        msg = "give SPEC files to draw, or --check/--write without -o for the shipped specs"
         raise DiagramError(msg)
-    sys.stdout.write("\n".join(_render(p, args.format, args.highlight) for p in args.specs))
-    return 0
+    if len(specs) == 1:
+        return render(load_spec(specs[0]), fmt, mark=highlight)
+    if fmt not in SECTIONED:
+        msg = (
+            f"--format {fmt} draws one SPEC per document (got {len(specs)}); "
+            "draw them one at a time, or --write their files into --dir"
+        )
+        raise DiagramError(msg)
+    if highlight:
+        msg = f"--highlight marks a state of one SPEC (got {len(specs)})"
+        raise DiagramError(msg)
+    sections = []
+    for path in specs:
+        spec = load_spec(path)
+        sections.append(f"## {spec.name}\n\n{render(spec, fmt)}")
+    return "\n".join(sections)
 
 
 def expected(specs: list[Path], folder: Path) -> dict[Path, str]:
@@ -86,10 +121,6 @@ def expected(specs: list[Path], folder: Path) -> dict[Path, str]:
         for fmt, suffix in SET_SUFFIXES.items():
             wanted[folder / f"{path.stem}{suffix}"] = render(spec, fmt)
     return wanted
-
-
-def _render(path: Path, fmt: str, highlight: list[str]) -> str:
-    return render(load_spec(path), fmt, mark=tuple(highlight))
 
 
 def _check(wanted: dict[Path, str]) -> int:
