@@ -41,6 +41,7 @@ REASONS = {
     "DuplicateAck/write_failed": "no device-to-host copy in flight to fail",
     "NoHostCopy/pin": "no valid host copy to pin",
     "ReleaseAtZero": "release without a matching pin",
+    "LoadPinHeld": "the last pin belongs to the load in flight",
     "HostCopyPinned": "the host copy is pinned by a holder",
     "CopyInFlight/evict_host/host": "a device-to-host copy is still writing the host slots",
     "CopyInFlight/evict_host/device": "a host-to-device copy still reads the host slots",
@@ -89,6 +90,8 @@ def oracle(event: str, h: str, d: str, pins: int, locks: int) -> Row | Refusal: 
     if event == "release":
         if h != "pinned":
             return ("ReleaseAtZero", "host", "ReleaseAtZero")
+        if d == "loading" and pins == 1:  # the load holds a pin until load_done
+            return ("LoadPinHeld", "host", "LoadPinHeld")
         return (_host_pins(pins - 1)[0], d, pins - 1, locks)
     if event == "evict_host":
         if h == "pinned":
