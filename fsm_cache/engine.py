@@ -223,11 +223,14 @@ class Engine:
         return fire
 
     def _refuser(self, em: Emitter) -> Callable[[Any, int], None]:
-        refusals, system, past = em.refusals, self.system, self._past
+        refusals, system, past, audit = em.refusals, self.system, self._past, self.audit
 
         def refuse(rec: Any, index: int) -> None:
             refusal = refusals[index]
             machine = system.machines[refusal.region]
+            recent = trail.sites(getattr(rec, "trail", None))
+            # Only audit mode pays for the frame walk to the refused call's own site.
+            site = trail.caller_site() if audit else None
             raise error_class(refusal.error)(
                 label=system.label,
                 instance=rec.id,
@@ -235,7 +238,9 @@ class Engine:
                 counters={c: getattr(rec, c) for c in machine.counter_names},
                 event=refusal.event,
                 reason=refusal.reason,
-                history=trail.render(getattr(rec, "trail", None), past),
+                history=trail.render(recent, past, site),
+                site=site,
+                sites=recent,
             )
 
         return refuse

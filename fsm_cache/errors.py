@@ -29,12 +29,20 @@ Tools add their own under the root: ``DiagramError`` (diagram), ``AuditError``
 (audit), ``ReadOnlyCounter`` (compat.sglang).
 
 Refusals carry the instance, its state and counters, the event and the reason,
-so messages read ``node 17: release refused in backed (pins=0): <reason>``.
+so messages read ``node 17: release refused in backed (pins=0): <reason>``; in
+audit mode they also carry the call sites of the record's recent events and of
+the refused call, and the message ends with that account
+(``...; pinned at a.py:10 in f; released at b.py:20 in g; refused at c.py:31 in h``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+
+if TYPE_CHECKING:
+    from fsm_cache.trail import Site, Sites
 
 
 class FsmCacheError(Exception):
@@ -63,7 +71,13 @@ class IllegalTransition(FsmCacheError):
         counters: That machine's counters at the time of refusal.
         event: The refused event.
         reason: Why the spec refuses it.
-        history: Pre-rendered audit history (call sites), or ``""``.
+        history: The rendered audit account, or ``""`` outside audit mode: the
+            sites of the record's recent events, then ``refused at`` the site of
+            the refused call. It is what the message ends with.
+        site: Where the refused call was made (the first frame outside
+            fsm_cache's dispatch code), or None outside audit mode.
+        sites: ``(event, site)`` of the record's recent accepted events, oldest
+            first; empty outside audit mode.
     """
 
     def __init__(
@@ -76,6 +90,8 @@ class IllegalTransition(FsmCacheError):
         event: str,
         reason: str,
         history: str = "",
+        site: Site | None = None,
+        sites: Sites = (),
     ) -> None:
         self.label = label
         self.instance = instance
@@ -84,6 +100,8 @@ class IllegalTransition(FsmCacheError):
         self.event = event
         self.reason = reason
         self.history = history
+        self.site = site
+        self.sites = sites
         super().__init__(self.render())
 
     def render(self) -> str:

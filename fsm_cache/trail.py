@@ -1,9 +1,10 @@
 """Audit trails: the call sites of an instance's last few events.
 
 In audit mode each record keeps a bounded deque of ``(event, site)`` entries.
-A refusal then says what happened before, e.g. ``pinned at a.py:10 in
-backup; released at b.py:20 in drain and at c.py:31 in abort``, which is the
-information SGLang's ``Host reference counter is already zero.`` never had.
+A refusal then says what happened before and where the refused call itself
+came from, e.g. ``pinned at a.py:10 in backup; released at b.py:20 in drain;
+refused at c.py:31 in abort``: both cleanup paths of a double release, which is
+the information SGLang's ``Host reference counter is already zero.`` never had.
 
 Sites are the first frame outside fsm_cache's own dispatch modules, so they
 point at the user's code, not at the engine.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import CodeType
 
@@ -90,6 +92,14 @@ def site_of(entry: Entry) -> Site:
     return Site(code.co_filename, line, code.co_name)
 
 
+Sites = tuple[tuple[str, Site], ...]
+
+
+def sites(trail: Trail | None) -> Sites:
+    """Return a trail's ``(event, site)`` pairs, oldest first; None has none."""
+    return tuple((entry[0], site_of(entry)) for entry in trail) if trail else ()
+
+
 def past_tense(event: str) -> str:
     """Return a readable past tense of a one-word event (``pin`` -> ``pinned``)."""
     if "_" in event or not event.isalpha():
@@ -105,20 +115,23 @@ def past_tense(event: str) -> str:
     return event + "ed"
 
 
-def render(trail: Trail | None, past: dict[str, str]) -> str:
-    """Render a trail as ``pinned at a.py:10 in f; released at b.py:2 in g and at ...``.
+def render(
+    recent: Sequence[tuple[str, Site]], past: dict[str, str], refused: Site | None = None
+) -> str:
+    """Render ``pinned at a.py:10 in f; released at b.py:2 in g and at ...; refused at ...``.
 
     Args:
-        trail: The record's trail, oldest first; None renders as empty.
+        recent: The record's earlier events and their sites, oldest first.
         past: Past-tense names declared by the spec, by event.
+        refused: The site of the refused call itself, named last; None omits it.
     """
-    if not trail:
-        return ""
     groups: dict[str, list[Site]] = {}
-    for entry in trail:
-        groups.setdefault(entry[0], []).append(site_of(entry))
+    for event, site in recent:
+        groups.setdefault(event, []).append(site)
     parts = []
-    for event, sites in groups.items():
-        where = " and ".join(f"at {site}" for site in sites)
-        parts.append(f"{past.get(event) or past_tense(event)} {where}")
+    for event, where in groups.items():
+        joined = " and ".join(f"at {site}" for site in where)
+        parts.append(f"{past.get(event) or past_tense(event)} {joined}")
+    if refused is not None:
+        parts.append(f"refused at {refused}")
     return "; ".join(parts)

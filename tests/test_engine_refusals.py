@@ -171,7 +171,8 @@ def test_refusals_raise_the_declared_class_and_change_nothing(
         engine.fire(node, event)
     assert type(info.value) is error_class(error)
     assert str(info.value) == f"node 17: {message}"
-    assert (info.value.instance, info.value.event, info.value.history) == (17, event, "")
+    exc = info.value
+    assert (exc.instance, exc.event, exc.history, exc.site, exc.sites) == (17, event, "", None, ())
     assert snapshot(engine, node) == before
 
 

@@ -56,10 +56,12 @@ def test_two_cleanup_paths_releasing_one_pin_are_named() -> None:
     retracted_at = backup.retract()
     with pytest.raises(ReleaseAtZero) as caught:
         backup.drain()
+    drained_at = inspect.getsourcelines(StorageBackup.drain)[1] + 1
     assert str(caught.value) == (
         "node 17: release refused in backed (pins=0): release without a matching pin; "
         f"pinned at test_scenarios.py:{pinned_at} in start; "
-        f"released at test_scenarios.py:{retracted_at} in retract"
+        f"released at test_scenarios.py:{retracted_at} in retract; "
+        f"refused at test_scenarios.py:{drained_at} in drain"
     )
     assert (node.host, node.pins) == ("backed", 0)
 
@@ -140,6 +142,54 @@ def test_pin_of_a_copy_still_being_written_is_refused() -> None:
     assert (node.host, node.pins) == ("writing", 0)
 
 
+def _loading_node() -> Node:
+    """A host-only node whose load back is in flight under a device-resident parent."""
+    parent = Node(1, host="backed")
+    node = Node(2, host="backed", device="absent", parent=parent)
+    parent.children["a"] = node
+    node.load()
+    assert node.residency() == "pinned/loading (pins=1, locks=0)"
+    return node
+
+
+def test_release_cannot_take_the_pin_a_load_holds() -> None:
+    """A bare release during a load is refused: the last pin is the load's, not a client's."""
+    node = _loading_node()
+    with pytest.raises(IllegalTransition) as caught:
+        node.release()
+    assert type(caught.value).__name__ == "LoadPinHeld"
+    assert str(caught.value) == (
+        "node 2: release refused in pinned (pins=1): the last pin belongs to the load in flight"
+    )
+    assert node.residency() == "pinned/loading (pins=1, locks=0)"
+    node.load_done()
+    assert node.residency() == "backed/resident (pins=0, locks=0)"
+
+
+def test_a_failed_load_gives_its_pin_back_after_a_refused_release() -> None:
+    """After the refused release the load can still fail cleanly, returning its pin."""
+    node = _loading_node()
+    with pytest.raises(IllegalTransition, match="the last pin belongs to the load in flight"):
+        node.release()
+    Residency().verb("load_failed")(node)
+    assert node.residency() == "backed/absent (pins=0, locks=0)"
+
+
+def test_client_pins_around_a_load_are_released_freely() -> None:
+    """A client's own pins, taken before or during the load, come back; only the load's stays."""
+    parent = Node(1, host="backed")
+    node = Node(2, host="backed", device="absent", parent=parent)
+    before = node.pin()
+    node.load()
+    during = node.pin()
+    assert node.pins == 3
+    before.release()
+    during.release()
+    assert node.residency() == "pinned/loading (pins=1, locks=0)"
+    node.load_done()
+    assert node.residency() == "backed/resident (pins=0, locks=0)"
+
+
 class OldTreeNode:
     """The residency part of SGLang's TreeNode, as an existing cache has it."""
 
@@ -171,6 +221,7 @@ class TestSGLangDropIn:
         protected = _line() - 1
         node.release_host()
         released = _line() - 1
+        refused = _line() + 2
         with pytest.raises(RuntimeError) as caught:
             node.release_host()
         assert isinstance(caught.value, HostRefCounterZero)
@@ -180,6 +231,8 @@ class TestSGLangDropIn:
             f"pinned at test_scenarios.py:{protected} in "
             "test_release_host_at_zero_keeps_sglang_text_and_adds_history; "
             f"released at test_scenarios.py:{released} in "
+            "test_release_host_at_zero_keeps_sglang_text_and_adds_history; "
+            f"refused at test_scenarios.py:{refused} in "
             "test_release_host_at_zero_keeps_sglang_text_and_adds_history"
         )
 

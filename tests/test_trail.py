@@ -1,4 +1,4 @@
-"""Audit mode: refusals name the call sites of the record's last few events."""
+"""Audit mode: refusals name the call sites of the record's last few events and their own."""
 
 from __future__ import annotations
 
@@ -24,6 +24,12 @@ def here() -> int:
     assert frame is not None
     assert frame.f_back is not None
     return frame.f_back.f_lineno
+
+
+def firing_line(function: Any) -> int:
+    """Return the line of ``function`` that fires the engine (for calls that raise)."""
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, text in enumerate(lines) if "engine." in text)
 
 
 def backup_to_storage(engine: Engine, node: Any) -> int:
@@ -62,21 +68,53 @@ def refusal(engine: Engine, node: Any, event: str) -> IllegalTransition:
     return info.value
 
 
-def test_a_refusal_names_the_earlier_call_sites() -> None:
+REFUSED = f"refused at {HERE}:{firing_line(refusal)} in refusal"
+
+
+def test_a_refusal_names_the_earlier_call_sites_and_its_own() -> None:
     engine = Engine(residency_system(), audit=True)
     node = backed(engine)
     a = backup_to_storage(engine, node)
     b = prefetch(engine, node)
     c = drain_backup(engine, node)
     d = release_aborted_request(engine, node)
-    exc = refusal(engine, node, "release")
+    with pytest.raises(IllegalTransition) as info:
+        release_aborted_request(engine, node)
     history = (
         f"pinned at {HERE}:{a} in backup_to_storage and at {HERE}:{b} in prefetch; "
-        f"released at {HERE}:{c} in drain_backup and at {HERE}:{d} in release_aborted_request"
+        f"released at {HERE}:{c} in drain_backup and at {HERE}:{d} in release_aborted_request; "
+        f"refused at {HERE}:{d} in release_aborted_request"
     )
+    exc = info.value
     assert exc.history == history
     assert str(exc) == (
         f"node 17: release refused in backed (pins=0): release without a matching pin; {history}"
+    )
+
+
+def test_the_sites_are_on_the_refusal() -> None:
+    engine = Engine(host_machine(), audit=True)
+    node = backed(engine)
+    a = backup_to_storage(engine, node)
+    c = drain_backup(engine, node)
+    with pytest.raises(IllegalTransition) as info:
+        release_aborted_request(engine, node)
+    exc = info.value
+    assert exc.site == trail.Site(
+        __file__, firing_line(release_aborted_request), "release_aborted_request"
+    )
+    assert exc.sites == (
+        ("pin", trail.Site(__file__, a, "backup_to_storage")),
+        ("release", trail.Site(__file__, c, "drain_backup")),
+    )
+
+
+def test_a_first_event_refused_names_only_its_own_site() -> None:
+    engine = Engine(host_machine(), audit=True)
+    exc = refusal(engine, engine.new(5), "release")
+    assert exc.sites == ()
+    assert str(exc) == (
+        f"node 5: release refused in unbacked (pins=0): release without a matching pin; {REFUSED}"
     )
 
 
@@ -92,14 +130,30 @@ def test_propagating_events_are_noted_on_every_record() -> None:
     assert str(exc) == (
         "node 1: unlock refused in resident (locks=0): unlock without a matching lock; "
         f"locked at {site}; unlocked at {HERE}:{line + 1} in "
-        "test_propagating_events_are_noted_on_every_record"
+        f"test_propagating_events_are_noted_on_every_record; {REFUSED}"
     )
+
+
+def test_a_refusal_at_an_ancestor_names_the_call_on_the_descendant() -> None:
+    engine = Engine(residency_system(), audit=True)
+    root = engine.new(1)
+    leaf = _Tree(engine.new(2), root)
+    leaf.locks = 1
+    line = here() + 2
+    with pytest.raises(IllegalTransition) as info:
+        engine.fire(leaf, "unlock")
+    assert str(info.value) == (
+        "node 1: unlock refused in resident (locks=0): unlock without a matching lock; "
+        f"refused at {HERE}:{line} in test_a_refusal_at_an_ancestor_names_the_call_on_the_descendant"
+    )
+    assert (leaf.locks, root.locks) == (1, 0)
 
 
 class _Tree:
     """A record wrapper with a parent, for engines whose records have no parent slot."""
 
     __slots__ = ("device", "host", "id", "locks", "parent", "pins", "rec", "trail")
+    locks: int
 
     def __init__(self, rec: Any, parent: Any) -> None:
         for slot in ("id", "host", "device", "pins", "locks", "trail"):
@@ -114,11 +168,11 @@ def test_the_trail_keeps_only_the_last_events() -> None:
     b = prefetch(engine, node)
     c = drain_backup(engine, node)
     engine.fire(node, "release")
+    last = here() - 1
     exc = refusal(engine, node, "release")
-    last = here() - 2
     assert exc.history == (
         f"released at {HERE}:{c} in drain_backup and at {HERE}:{last} in "
-        "test_the_trail_keeps_only_the_last_events"
+        f"test_the_trail_keeps_only_the_last_events; {REFUSED}"
     )
     assert b not in (c, last)
 
@@ -129,9 +183,9 @@ def test_without_audit_there_is_no_history() -> None:
     backup_to_storage(engine, node)
     drain_backup(engine, node)
     assert node.trail is None
-    assert str(refusal(engine, node, "release")) == (
-        "node 17: release refused in backed (pins=0): release without a matching pin"
-    )
+    exc = refusal(engine, node, "release")
+    assert str(exc) == "node 17: release refused in backed (pins=0): release without a matching pin"
+    assert (exc.history, exc.site, exc.sites) == ("", None, ())
 
 
 @pytest.mark.parametrize(
@@ -148,6 +202,7 @@ def test_the_environment_turns_audit_on(
     drain_backup(engine, node)
     message = str(refusal(engine, node, "release"))
     assert (f"pinned at {HERE}:{line} in backup_to_storage" in message) is audit
+    assert message.endswith(REFUSED) is audit
 
 
 def test_the_argument_overrides_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -181,7 +236,7 @@ def test_undeclared_past_tenses_are_derived() -> None:
     exc = refusal(engine, rec, "go_on")
     where = "test_undeclared_past_tenses_are_derived"
     assert exc.history == (
-        f"stopped at {HERE}:{line} in {where}; go_on at {HERE}:{line + 1} in {where}"
+        f"stopped at {HERE}:{line} in {where}; go_on at {HERE}:{line + 1} in {where}; {REFUSED}"
     )
 
 
@@ -212,4 +267,5 @@ def test_internal_files_are_skipped() -> None:
     import fsm_cache.engine
 
     assert trail.is_internal(fsm_cache.engine.__file__)
-    assert trail.render(None, {}) == ""
+    assert trail.sites(None) == ()
+    assert trail.render((), {}) == ""

@@ -1,0 +1,53 @@
+"""``fsm-cache demo``: what its summary claims and how it shows the planted double release."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import pytest
+
+from fsm_cache import demo
+from fsm_cache.cli import main
+
+
+def call_line(method: Callable[..., object]) -> int:
+    """Return the line of ``method``'s one call into the residency machine."""
+    lines, start = inspect.getsourcelines(method)
+    (offset,) = [i for i, line in enumerate(lines) if "self.machine." in line]
+    return start + offset
+
+
+@pytest.fixture
+def output(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """Run a short demo on a console wide enough that no line wraps; return its lines."""
+    monkeypatch.setenv("COLUMNS", "1000")
+    assert main(["demo", "--requests", "30"]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_planted_double_release_names_all_three_sites(output: list[str]) -> None:
+    """The refusal names the refused release's site as well as the pin's and the first release's."""
+    backup = demo._StorageBackup
+    pinned = call_line(backup.backup_to_storage)
+    released = call_line(backup.drain_backup)
+    refused = call_line(backup.release_aborted_request)
+    assert output[-3:] == [
+        "planted bug: two cleanup paths release one storage-backup pin",
+        "refused: node 17: release refused in backed (pins=0): release without a matching pin; "
+        f"pinned at demo.py:{pinned} in backup_to_storage; "
+        f"released at demo.py:{released} in drain_backup; "
+        f"refused at demo.py:{refused} in release_aborted_request",
+        "node 17 is unchanged: backed/resident (pins=0, locks=0)",
+    ]
+
+
+def test_summary_claims_only_the_invariants_one_cache_checks(output: list[str]) -> None:
+    """Invariant 10 is across ranks: the summary says it is not checked here."""
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in output if "│" in line]
+    assert [
+        "invariant checks passed",
+        "3 (design invariants 1-9, every 10 requests; "
+        "10 is agreement across ranks, not checked on one cache)",
+    ] in rows
+    assert ["refused transitions", "0"] in rows
