@@ -119,6 +119,8 @@ class ResidencyMixin:
                 event=exc.event,
                 reason=exc.reason,
                 history=exc.history,
+                site=exc.site,
+                sites=exc.sites,
             ) from None
 
     def inc_lock_ref(self) -> None:
