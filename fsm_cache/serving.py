@@ -47,7 +47,7 @@ def serve(
     Args:
         cache: The cache.
         trace: Requests in arrival order.
-        check_every: Check every design invariant after this many requests (0: never).
+        check_every: Check design invariants 1-9 after this many requests (0: never).
         backup_every: Pin a backed node for a storage backup every this many requests (0: never).
         backup_hold: Requests a backup pin is held for.
         on_request: Called after each request (progress bars).
