@@ -139,6 +139,89 @@ def waiting_message(
     )
 
 
+def copy_nodes(waits: Sequence[Sequence[Sequence[int]]]) -> list[list[int]]:
+    """Per copy in flight, its nodes as seen by the first rank that still holds its ticket.
+
+    A rank that lost a copy's completion no longer knows which pages it
+    copied; the other ranks do. ``waits`` holds, per rank, per copy in issue
+    order, the nodes it copies; every rank has the same number of copies.
+    """
+    count = min((len(w) for w in waits), default=0)
+    return [next((list(w[k]) for w in waits if w[k]), []) for k in range(count)]
+
+
+def lost_message(
+    start: int,
+    copies: Sequence[Sequence[int]],
+    ready: Sequence[int],
+    states: Sequence[Mapping[int, str]],
+) -> str:
+    """Describe ranks whose copy engine drained without reporting every copy they started.
+
+    Args:
+        start: Transitions every rank applied.
+        copies: Per copy in flight (issue order), the nodes it copies.
+        ready: Per rank, how many copies at the head of the issue order finished.
+        states: Per rank, the residency of each node of the missing copies.
+
+    Returns:
+        ``rank divergence after transition 24: a completion was lost: rank 1
+        drained its copy engine without the completion of copy 1 of 2 in
+        flight (nodes [8]); node 8 now: rank 0 writing/resident (pins=0,
+        locks=0), rank 1 writing/resident (pins=0, locks=0)``.
+    """
+    total = len(copies)
+    short = {rank: k for rank, k in enumerate(ready) if k < total}
+    missing = [
+        f"rank {rank} drained its copy engine without the completion of "
+        f"copy {k + 1} of {total} in flight (nodes {list(copies[k])})"
+        for rank, k in short.items()
+    ]
+    named = dict.fromkeys(n for k in short.values() for n in copies[k])
+    return f"rank divergence after transition {start}: a completion was lost: " + "; ".join(
+        [", ".join(missing), *_now(named, states)]
+    )
+
+
+def stalled_message(
+    start: int,
+    copies: Sequence[Sequence[int]],
+    ready: Sequence[int],
+    timeout: float,
+    states: Sequence[Mapping[int, str]],
+) -> str:
+    """Describe an oldest copy that finished on some ranks and not on the others in time.
+
+    Args:
+        start: Transitions every rank applied.
+        copies: Per copy in flight (issue order), the nodes it copies.
+        ready: Per rank, how many copies at the head of the issue order finished.
+        timeout: Seconds the group waited.
+        states: Per rank, the residency of each node of the oldest copy.
+
+    Returns:
+        ``rank divergence after transition 24: copy 1 of 2 in flight (nodes [8])
+        finished on rank 0 and not on rank 1 for longer than the timeout (1 s);
+        node 8 now: rank 0 writing/resident (pins=0, locks=0), rank 1
+        writing/resident (pins=0, locks=0)``.
+    """
+    done = [rank for rank, k in enumerate(ready) if k]
+    late = [rank for rank, k in enumerate(ready) if not k]
+    head = list(copies[0]) if copies else []
+    return f"rank divergence after transition {start}: " + "; ".join(
+        [
+            f"copy 1 of {len(copies)} in flight (nodes {head}) finished on {_ranks(done)} "
+            f"and not on {_ranks(late)} for longer than the timeout ({timeout:g} s)",
+            *_now(head, states),
+        ]
+    )
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``rank 1`` or ``ranks 0, 2``."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
 def _now(nodes: Iterable[int], states: Sequence[Mapping[int, str]]) -> list[str]:
     """``node 7 now: rank 0 <state>, rank 1 <state>`` for each node."""
     return [

@@ -12,8 +12,12 @@ eviction then stay deterministic: they read only the agreed tree.
 Each rank also keeps a running digest of the transitions it applied;
 :meth:`~DistributedCache.verify_agreement` all-gathers the digests and raises
 :class:`~fsm_cache.errors.RankDivergence` naming the first differing
-transition, its node and that node's state on each rank. A collective that
-fails (a rank died, or stopped taking part for longer than ``timeout``) raises
+transition, its node and that node's state on each rank. A lost completion
+raises it too, instead of leaving every rank waiting for a copy that will
+never be acknowledged: at once in :meth:`~DistributedCache.drain`, and in
+:meth:`~DistributedCache.poll` once the oldest copy has been finished on some
+ranks only for longer than ``timeout``. A collective that fails (a rank died,
+or stopped taking part for longer than ``timeout``) raises
 :class:`RankFailure` instead of hanging.
 
 Every method here is a collective: all ranks of the group call it, in the same
@@ -25,7 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,9 +38,12 @@ from fsm_cache.cache import HiCache
 from fsm_cache.digest import (
     Transition,
     TransitionDigest,
+    copy_nodes,
     divergence_message,
     first_difference,
     involved_nodes,
+    lost_message,
+    stalled_message,
     waiting_message,
 )
 from fsm_cache.errors import ConfigError, NoProcessGroup, RankDivergence, RankFailure
@@ -58,7 +65,8 @@ class DistributedCache:
         group: The process group; None for the default group.
         timeout: Seconds a collective may wait for the other ranks before
             :class:`RankFailure` (gloo honours it per call; NCCL uses the
-            group's own timeout and watchdog).
+            group's own timeout and watchdog); also how long the oldest copy
+            may stay finished on some ranks only before :class:`RankDivergence`.
         verify_every: Run :meth:`verify_agreement` every this many polls; 0 never.
         device: Where the agreement tensors live; None: the current CUDA device
             for NCCL, the CPU otherwise.
@@ -95,6 +103,7 @@ class DistributedCache:
         self.device = device or _default_device(group)
         self.polls = 0
         self._finished: dict[int, Completion] = {}
+        self._stalled_since: float | None = None
         self._digest = TransitionDigest(cache.log)
 
     # -- agreement on acknowledgements -----------------------------------------
@@ -124,16 +133,56 @@ class DistributedCache:
         Raises:
             RankFailure: The agreement collective failed or timed out.
             RankDivergence: The ranks have different numbers of copies in flight
-                (one lost or invented a copy), or a periodic verification found
-                them apart.
+                (one lost or invented a copy); the oldest copy finished on some
+                ranks and not on others for longer than ``timeout``; or a
+                periodic verification found them apart.
         """
         for completion in self.cache.tiers.copier.poll():
             self._finished[completion.ticket.id] = completion
-        issued = len(self.cache.issued())
-        # one collective: the fewest finished copies, and the fewest and most copies in flight
-        agreed, fewest, most = self._all_reduce_min([self.local_ready(), issued, -issued])
+        return self._agree(drained=False)
+
+    def drain(self) -> int:
+        """Wait for every copy on this rank, then poll until no copy is in flight anywhere.
+
+        Applying an acknowledgement may start new copies (a deferred backup of
+        a child), hence the loop. Returns how many copies were applied.
+
+        Raises:
+            RankDivergence: As :meth:`poll`; also when a rank's copy engine
+                drained without reporting a copy that rank started (a lost
+                completion), which would otherwise leave every rank waiting.
+            RankFailure: A collective failed or timed out.
+        """
+        applied = 0
+        while True:  # agree at least once, so that every rank takes the same turns
+            for completion in self.cache.tiers.copier.drain():
+                self._finished[completion.ticket.id] = completion
+            applied += self._agree(drained=True)
+            if not self.cache.issued():
+                return applied
+
+    def _agree(self, *, drained: bool) -> int:
+        """Agree on the finished head of the issue order and apply it; see :meth:`poll`.
+
+        Args:
+            drained: This rank's copy engine was just drained, so every copy it
+                started has finished and must be in the buffer.
+        """
+        ready, issued = self.local_ready(), len(self.cache.issued())
+        short = drained and ready < issued  # every copy finished, yet one never reported
+        now, since = time.monotonic(), self._stalled_since
+        overdue = since is not None and now - since > self.timeout
+        # one collective: the MIN of each value and of its negation (the MAX), so
+        # any rank's flag reaches all, and all raise or go on at the same poll
+        agreed, most_ready, fewest, most, lost, late = self._all_reduce_min(
+            [ready, -ready, issued, -issued, -short, -overdue]
+        )
         if fewest != -most:
             raise RankDivergence(self._locate())
+        stalled = agreed == 0 and most_ready < 0  # the oldest copy finished on some ranks only
+        if lost or (stalled and late):
+            raise RankDivergence(self._locate("lost" if lost else "stalled"))
+        self._stalled_since = None if not stalled else now if since is None else since
         self.cache.log.op("agreed_poll", agreed)
         chosen = [self._finished.pop(ticket) for ticket in self.cache.issued()[:agreed]]
         self.cache.apply_completions(chosen)
@@ -141,19 +190,6 @@ class DistributedCache:
         if self.verify_every and self.polls % self.verify_every == 0:
             self.verify_agreement()
         return agreed
-
-    def drain(self) -> int:
-        """Wait for every copy on this rank, then poll until no copy is in flight anywhere.
-
-        Applying an acknowledgement may start new copies (a deferred backup of
-        a child), hence the loop. Returns how many copies were applied.
-        """
-        applied = 0
-        while self.cache.issued():
-            for completion in self.cache.tiers.copier.drain():
-                self._finished[completion.ticket.id] = completion
-            applied += self.poll()
-        return applied
 
     # -- divergence detection --------------------------------------------------
 
@@ -185,8 +221,16 @@ class DistributedCache:
             return mine
         raise RankDivergence(self._locate())
 
-    def _locate(self) -> str:
-        """Gather what each rank did since the agreed point and describe the first split."""
+    def _locate(self, why: Literal["split", "lost", "stalled"] = "split") -> str:
+        """Gather what each rank did since the agreed point and describe the first split.
+
+        Args:
+            why: ``split``: find where the transitions or the copies in flight
+                part. ``lost``: a rank drained its copy engine and still lacks
+                a completion. ``stalled``: the oldest copy finished on some
+                ranks only, for longer than ``timeout``. A difference in the
+                transitions is reported first in every case.
+        """
         self._digest.update()
         start = self._digest.agreed
         tails: list[list[Transition]] = self._all_gather_object(self._digest.tail())
@@ -194,14 +238,28 @@ class DistributedCache:
         if index is not None:
             states = self._gather_states(involved_nodes(tails, index))
             return divergence_message(start, index, tails, states)
+        applied = start + len(tails[0])
+        if why != "split":
+            return self._missing(applied, lost=why == "lost")
         waits: list[list[list[int]]] = self._all_gather_object(self._waiting())
         if any(w != waits[0] for w in waits):
             nodes = [n for copies in waits for copy in copies for n in copy]
-            return waiting_message(start + len(tails[0]), waits, self._gather_states(nodes))
+            return waiting_message(applied, waits, self._gather_states(nodes))
         return (
             f"rank divergence after transition {start}: the digests differ, yet every rank "
             "applied the same transitions since; the ranks last agreed at different points"
         )
+
+    def _missing(self, applied: int, *, lost: bool) -> str:
+        """Describe a completion that some ranks lack: lost in a drain, or overdue in a poll."""
+        found = self._all_gather_object((self.local_ready(), self._waiting()))
+        ready = [r for r, _ in found]
+        copies = copy_nodes([w for _, w in found])
+        if lost:
+            named = [n for k in ready if k < len(copies) for n in copies[k]]
+            return lost_message(applied, copies, ready, self._gather_states(named))
+        states = self._gather_states(copies[0])
+        return stalled_message(applied, copies, ready, self.timeout, states)
 
     def _waiting(self) -> list[list[int]]:
         """Per copy in flight, in issue order, the nodes whose host pages it writes or reads."""

@@ -1,14 +1,19 @@
-"""What tensor-parallel agreement costs: per agreed poll, and on a chat-like HiCache trace.
+"""What tensor-parallel agreement costs: per agreed poll, and on the HiCache trace benchmark.
 
 :func:`run_tp_bench` starts ``ranks`` CPU processes on the gloo backend
 (127.0.0.1 only) and measures, on each:
 
 * the median time of one agreed :meth:`~fsm_cache.distributed.DistributedCache.poll`
-  with nothing to apply (the bare cost of the MIN all-reduce) next to a local
+  with nothing to apply (the bare cost of the all-reduce) next to a local
   ``HiCache.poll()``;
-* the wall time of replaying a chat-like trace (:func:`chat_trace`: match,
-  load back, insert, poll per request, evictions every few requests) with the
-  local poll and with the agreed poll; the difference is what agreement adds.
+* the trace of ``fsm-cache bench cache`` (:mod:`fsm_cache.cachebench`: the
+  :class:`~fsm_cache.workload.ChatWorkload` requests, match + insert per
+  request, write-through to the host tier, one poll per request) replayed with
+  the local poll and with the agreed poll, side by side, best of interleaved
+  rounds; their ratio is what agreement costs that benchmark;
+* the same for the small trace the distributed tests replay (:func:`chat_trace`
+  through :func:`replay`: a cache the trace overflows, so load-backs and host
+  evictions come with the copies).
 
 Figures are rank 0's; the ranks run in lock step, so the slowest sets the pace.
 ``fsm-cache bench tp`` calls :func:`run_tp_bench`.
@@ -25,10 +30,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import start_processes
 
+from fsm_cache import cachebench
 from fsm_cache.cache import HiCache
 from fsm_cache.distributed import DistributedCache
 from fsm_cache.errors import PoolExhausted
@@ -113,6 +121,56 @@ def bench_config(**overrides: object) -> CacheConfig:
     return CacheConfig(**base)  # type: ignore[arg-type]
 
 
+def replay_cache_trace(
+    cache: HiCache, trace: Sequence[Sequence[int]], poll: Callable[[], object]
+) -> None:
+    """Serve ``trace`` as ``bench cache`` does, calling ``poll`` once per request."""
+    for key in trace:
+        match = cache.match_prefix(key)
+        need = len(key) - match.device_len
+        free = cache.tiers.device.allocator.free_slots
+        if need > free:
+            cache.evict(need - free)
+        cache.insert(key, [0] * match.device_len + cache.alloc_slots(need))
+        poll()
+
+
+def cache_trace_config(device_pages: int = 512) -> CacheConfig:
+    """The write-through cache of ``bench cache``: page 16, four times the device pool on the host."""
+    return CacheConfig(
+        device_pages=device_pages,
+        host_pages=4 * device_pages,
+        page_size=cachebench.PAGE,
+        layers=1,
+        heads=1,
+        head_dim=8,
+    )
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One trace replayed with the local poll and with the agreed poll (best of the rounds).
+
+    Attributes:
+        requests: Requests in the trace.
+        local_rps: Requests per second with ``HiCache.poll()``.
+        agreed_rps: Requests per second with the agreed poll.
+    """
+
+    requests: int
+    local_rps: float
+    agreed_rps: float
+
+    def format(self) -> list[str]:
+        """Two lines: the local and the agreed rate, with the ratio and the added time."""
+        added_us = 1e6 * (1 / self.agreed_rps - 1 / self.local_rps)
+        return [
+            f"    local poll   {self.local_rps:10,.0f} requests/s",
+            f"    agreed poll  {self.agreed_rps:10,.0f} requests/s  "
+            f"({self.agreed_rps / self.local_rps:.2f}x local; {added_us:+,.0f} us per request)",
+        ]
+
+
 @dataclass(frozen=True)
 class TPBench:
     """Figures of one run (rank 0's).
@@ -122,64 +180,86 @@ class TPBench:
         polls: Polls timed for the per-call figures.
         agreed_poll_us: Median microseconds of one agreed poll with nothing to apply.
         local_poll_us: Median microseconds of one local ``HiCache.poll()``.
-        requests: Requests in the trace.
-        trace_local_s: Seconds to replay the trace with the local poll.
-        trace_agreed_s: Seconds to replay it with the agreed poll.
+        rounds: Interleaved rounds of each trace replay; the best of each counts.
+        cache_trace: The ``bench cache`` trace.
+        small_trace: The small trace of the distributed tests.
     """
 
     ranks: int
     polls: int
     agreed_poll_us: float
     local_poll_us: float
-    requests: int
-    trace_local_s: float
-    trace_agreed_s: float
-
-    @property
-    def overhead_pct(self) -> float:
-        """What agreement adds to the trace replay, in percent of the local replay."""
-        return 100.0 * (self.trace_agreed_s - self.trace_local_s) / self.trace_local_s
+    rounds: int
+    cache_trace: Replay
+    small_trace: Replay
 
     def format(self) -> str:
-        """Return the figures, one per line."""
-        per_local = 1e6 * self.trace_local_s / self.requests
-        per_agreed = 1e6 * self.trace_agreed_s / self.requests
+        """Return the figures as a table."""
         return "\n".join(
             [
                 f"tensor-parallel agreement: {self.ranks} gloo ranks on CPU",
-                f"agreed poll (median of {self.polls}) {self.agreed_poll_us:10.1f} us",
-                f"local poll  (median of {self.polls}) {self.local_poll_us:10.1f} us",
-                f"trace, local poll    {per_local:10.1f} us/request  ({self.requests} requests)",
-                f"trace, agreed poll   {per_agreed:10.1f} us/request",
-                f"agreement overhead   {self.overhead_pct:+10.1f} %",
+                f"  agreed poll, nothing to apply {self.agreed_poll_us:10.1f} us "
+                f"(median of {self.polls})",
+                f"  local HiCache.poll()          {self.local_poll_us:10.1f} us",
+                f"  bench cache trace: {self.cache_trace.requests} chat requests, "
+                f"write-through to host, page {cachebench.PAGE}; best of {self.rounds}",
+                *self.cache_trace.format(),
+                f"  small trace: {self.small_trace.requests} requests, "
+                f"load-backs and host evictions, page {bench_config().page_size}; "
+                f"best of {self.rounds}",
+                *self.small_trace.format(),
             ]
         )
 
 
+QUICK: dict[str, int] = {"polls": 100, "requests": 100, "small_requests": 40, "rounds": 1}
+"""Sizes for a smoke run (``fsm-cache bench tp --quick``): the measurements take seconds;
+starting the ranks (a torch import each) takes most of the run."""
+
+
 def run_tp_bench(
-    ranks: int = 2, *, polls: int = 2000, requests: int = 400, timeout: float = 60.0
+    ranks: int = 2,
+    *,
+    polls: int = 2000,
+    requests: int = 2000,
+    small_requests: int = 400,
+    rounds: int = 2,
+    timeout: float = 60.0,
 ) -> TPBench:
     """Spawn ``ranks`` gloo processes on 127.0.0.1, measure, and return rank 0's figures.
+
+    Args:
+        ranks: Processes in the group.
+        polls: Polls timed for the per-call figures.
+        requests: Requests of the ``bench cache`` trace.
+        small_requests: Requests of the small trace.
+        rounds: Interleaved rounds of each replay.
+        timeout: Seconds a collective may wait.
 
     Raises:
         ProcessRaisedException: A rank failed; carries its traceback.
     """
+    settings = _Settings(polls, requests, small_requests, rounds, timeout)
     with tempfile.TemporaryDirectory(prefix="fsm-tpbench-") as tmp:
-        args = (ranks, str(Path(tmp) / "store"), tmp, _Settings(polls, requests, timeout))
+        args = (ranks, str(Path(tmp) / "store"), tmp, settings)
         start_processes(_bench_rank, args=args, nprocs=ranks)  # type: ignore[no-untyped-call]
         figures = json.loads((Path(tmp) / "rank0.json").read_text())
-    return TPBench(**figures)
+    big, small = (Replay(**figures.pop(k)) for k in ("cache_trace", "small_trace"))
+    return TPBench(**figures, cache_trace=big, small_trace=small)
 
 
 @dataclass(frozen=True)
 class _Settings:
     polls: int
     requests: int
+    small_requests: int
+    rounds: int
     timeout: float
 
 
 def _bench_rank(rank: int, world: int, store: str, out: str, settings: _Settings) -> None:
     """One rank of :func:`run_tp_bench`; rank 0 writes the figures as JSON."""
+    torch.set_num_threads(1)  # a core per rank at most; idle intra-op threads would spin
     dist.init_process_group(
         "gloo",
         init_method=f"file://{store}",
@@ -188,30 +268,60 @@ def _bench_rank(rank: int, world: int, store: str, out: str, settings: _Settings
         timeout=timedelta(seconds=settings.timeout),
     )
     try:
-        figures = _measure(world, settings.polls, settings.requests, settings.timeout)
+        figures = _measure(world, settings)
         if rank == 0:
             (Path(out) / "rank0.json").write_text(json.dumps(asdict(figures)))
     finally:
         dist.destroy_process_group()
 
 
-def _measure(world: int, polls: int, requests: int, timeout: float) -> TPBench:
+def _measure(world: int, settings: _Settings) -> TPBench:
     idle = HiCache(bench_config())
-    agreed = DistributedCache(idle, timeout=timeout)
-    agreed_us = _median_us(agreed.poll, polls)
-    local_us = _median_us(idle.poll, polls)
-    trace = chat_trace(requests)
-    dist.barrier()
-    local = HiCache(bench_config())
+    agreed = DistributedCache(idle, timeout=settings.timeout)
+    agreed_us = _median_us(agreed.poll, settings.polls)
+    local_us = _median_us(idle.poll, settings.polls)
+    return TPBench(
+        world,
+        settings.polls,
+        agreed_us,
+        local_us,
+        settings.rounds,
+        _compare(
+            cache_trace_config, replay_cache_trace, cachebench._trace(settings.requests), settings
+        ),
+        _compare(bench_config, replay, chat_trace(settings.small_requests), settings),
+    )
+
+
+K = TypeVar("K")
+Replayer = Callable[[HiCache, Sequence[K], Callable[[], object]], None]
+
+
+def _compare(
+    config: Callable[[], CacheConfig], run: Replayer[K], trace: Sequence[K], settings: _Settings
+) -> Replay:
+    """Replay ``trace`` with the local and the agreed poll, interleaved; the best of each."""
+    local: list[float] = []
+    agreed: list[float] = []
+    for _ in range(settings.rounds):  # interleaved, so a noisy neighbour slows both alike
+        dist.barrier()
+        cache = HiCache(config())
+        local.append(_rate(run, cache, trace, cache.poll))
+        dist.barrier()
+        shared = DistributedCache(HiCache(config()), timeout=settings.timeout)
+        agreed.append(_rate(run, shared.cache, trace, shared.poll))
+        shared.drain()
+        shared.verify_agreement()  # the ranks really applied the same transitions (not timed)
+    return Replay(len(trace), max(local), max(agreed))
+
+
+def _rate(
+    run: Replayer[K], cache: HiCache, trace: Sequence[K], poll: Callable[[], object]
+) -> float:
+    """Requests per second of one replay."""
     started = time.perf_counter()
-    replay(local, trace, local.poll)
-    local_s = time.perf_counter() - started
-    dist.barrier()
-    shared = DistributedCache(HiCache(bench_config()), timeout=timeout)
-    started = time.perf_counter()
-    replay(shared.cache, trace, shared.poll)
-    agreed_s = time.perf_counter() - started
-    return TPBench(world, polls, agreed_us, local_us, requests, local_s, agreed_s)
+    run(cache, trace, poll)
+    return len(trace) / (time.perf_counter() - started)
 
 
 def _median_us(call: Callable[[], object], times: int) -> float:

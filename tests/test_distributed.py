@@ -9,7 +9,9 @@ test with the rank's traceback; a group that outlives its deadline is killed.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import inspect
 import itertools
 import json
 import os
@@ -31,20 +33,35 @@ with warnings.catch_warnings():
     import torch.distributed as dist
     from torch.multiprocessing.spawn import start_processes
 
+    from fsm_cache import cachebench, tpbench
     from fsm_cache.cache import HiCache
-    from fsm_cache.copies import Completion, CopyEngine
+    from fsm_cache.commands import bench
+    from fsm_cache.copies import Completion, CopyEngine, Ticket
     from fsm_cache.digest import (
         TransitionDigest,
+        copy_nodes,
         divergence_message,
         first_difference,
         involved_nodes,
+        lost_message,
+        stalled_message,
     )
     from fsm_cache.distributed import DistributedCache
     from fsm_cache.errors import ConfigError, NoProcessGroup, RankDivergence, RankFailure
     from fsm_cache.eventlog import EventLog
     from fsm_cache.testing import FaultyCopyEngine
     from fsm_cache.tiers import CacheConfig
-    from fsm_cache.tpbench import TPBench, bench_config, chat_trace, replay, run_tp_bench, serve
+    from fsm_cache.tpbench import (
+        Replay,
+        TPBench,
+        bench_config,
+        cache_trace_config,
+        chat_trace,
+        replay,
+        replay_cache_trace,
+        run_tp_bench,
+        serve,
+    )
 
 TIMEOUT = 20.0  # seconds a collective waits for the other ranks
 DEADLINE = 120.0  # seconds a whole spawned group may run before the test kills it
@@ -164,6 +181,8 @@ def two_rank_worker(rank: int, world: int, store: str, out: str) -> None:
     report["dropped_ack"] = divergence(rank, world, drop_ack)
     report["extra_eviction"] = divergence(rank, world, extra_eviction)
     report["failed_copy"] = failed_copy(rank, world)
+    report["lost_in_drain"] = lost_completion(rank, world, stall=False)
+    report["lost_in_poll"] = lost_completion(rank, world, stall=True)
     report["hang"] = survive_a_hang(rank)  # last: the group is broken after it
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
@@ -179,6 +198,69 @@ def failed_copy(rank: int, world: int) -> str:
     except RankDivergence as exc:
         return str(exc)
     return "no divergence"
+
+
+class _Lossy(FaultyCopyEngine):
+    """Loses the completions of the copies started at the positions in ``lose`` (from 1)."""
+
+    lose: frozenset[int] = frozenset()
+
+    def __init__(self, inner: CopyEngine) -> None:
+        super().__init__(inner)
+        self._lost: set[int] = set()
+
+    def start_write(self, device_pages: Any, host_pages: Any) -> Ticket:
+        return self._mark(super().start_write(device_pages, host_pages))
+
+    def start_load(self, host_pages: Any, device_pages: Any) -> Ticket:
+        return self._mark(super().start_load(host_pages, device_pages))
+
+    def _mark(self, ticket: Ticket) -> Ticket:
+        if self.started in self.lose:
+            self._lost.add(ticket.id)
+        return ticket
+
+    def poll(self) -> list[Completion]:
+        return [c for c in super().poll() if c.ticket.id not in self._lost]
+
+    def drain(self) -> list[Completion]:
+        return [c for c in super().drain() if c.ticket.id not in self._lost]
+
+
+def _lossy(device: Any, host: Any) -> _Lossy:
+    return _Lossy(CopyEngine(device, host))
+
+
+def lost_completion(rank: int, world: int, *, stall: bool) -> tuple[str, int]:
+    """The last rank loses the completion of the first copy of the seventh request.
+
+    ``stall``: keep polling (timeout 1 s) until the group gives up on the copy;
+    otherwise drain, which must notice the loss at once. Returns the message
+    and how many polls after the loss returned normally.
+    """
+    shared = DistributedCache(
+        HiCache(bench_config(debug=True, copier=_lossy)), timeout=1.0 if stall else TIMEOUT
+    )
+    copier = shared.cache.tiers.copier
+    assert isinstance(copier, _Lossy)
+    trace = chat_trace(7, seed=1)
+    for tokens in trace[:-1]:
+        serve(shared.cache, tokens)
+        shared.poll()
+    if rank == world - 1:
+        copier.lose = frozenset({copier.started + 1})
+    serve(shared.cache, trace[-1])
+    polls = 0
+    try:
+        if not stall:
+            shared.drain()
+        for _ in range(40):  # 2 s of polls: longer than the timeout, and bounded
+            shared.poll()
+            polls += 1
+            time.sleep(0.05)
+    except RankDivergence as exc:
+        return str(exc), polls
+    return "no divergence", polls
 
 
 def survive_a_hang(rank: int) -> str:
@@ -285,6 +367,30 @@ def test_a_copy_failed_on_one_rank_is_named(two_ranks: Results) -> None:
     assert [r["failed_copy"] for r in two_ranks] == [want, want]
 
 
+def test_a_lost_completion_is_named_when_draining(two_ranks: Results) -> None:
+    want = (
+        "rank divergence after transition 24: a completion was lost: rank 1 drained its "
+        "copy engine without the completion of copy 1 of 1 in flight (nodes [8]); "
+        "node 8 now: rank 0 writing/resident (pins=0, locks=0), "
+        "rank 1 writing/resident (pins=0, locks=0)"
+    )
+    assert [r["lost_in_drain"] for r in two_ranks] == [[want, 0], [want, 0]]
+
+
+def test_a_completion_missing_past_the_timeout_is_named_when_polling(two_ranks: Results) -> None:
+    want = (
+        "rank divergence after transition 24: copy 1 of 1 in flight (nodes [8]) finished "
+        "on rank 0 and not on rank 1 for longer than the timeout (1 s); "
+        "node 8 now: rank 0 writing/resident (pins=0, locks=0), "
+        "rank 1 writing/resident (pins=0, locks=0)"
+    )
+    assert [r["lost_in_poll"][0] for r in two_ranks] == [want, want]
+    # both ranks gave up at the same poll, and not at the first one: that one starts the clock
+    polls = {r["lost_in_poll"][1] for r in two_ranks}
+    assert len(polls) == 1
+    assert 1 <= polls.pop() < 40
+
+
 def test_a_dead_rank_makes_the_others_fail_not_hang(four_ranks: Results) -> None:
     assert "death" not in four_ranks[3]  # it died before reporting
     for rank, result in enumerate(four_ranks[:3]):
@@ -304,10 +410,12 @@ def test_a_hung_rank_makes_the_other_fail_after_the_timeout(two_ranks: Results) 
 
 
 def test_tp_bench_runs_on_two_ranks() -> None:
-    bench = run_tp_bench(2, polls=20, requests=16, timeout=TIMEOUT)
-    assert (bench.ranks, bench.polls, bench.requests) == (2, 20, 16)
+    bench = run_tp_bench(2, polls=20, requests=16, small_requests=8, rounds=1, timeout=TIMEOUT)
+    assert (bench.ranks, bench.polls, bench.rounds) == (2, 20, 1)
+    assert (bench.cache_trace.requests, bench.small_trace.requests) == (16, 8)
     assert min(bench.agreed_poll_us, bench.local_poll_us) > 0
-    assert min(bench.trace_local_s, bench.trace_agreed_s) > 0
+    for replayed in (bench.cache_trace, bench.small_trace):
+        assert min(replayed.local_rps, replayed.agreed_rps) > 0
 
 
 # -- one process: digests, messages, a world of one --------------------------------
@@ -358,6 +466,41 @@ def test_divergence_message_names_every_rank_and_node() -> None:
         "rank 2 not in the tree; "
         "node 9 now: rank 0 not in the tree, rank 1 backed/absent (pins=0, locks=0), "
         "rank 2 not in the tree"
+    )
+
+
+def test_copy_nodes_come_from_a_rank_that_still_holds_the_ticket() -> None:
+    waits = [[[], [5, 6]], [[3], [5, 6]], [[4], []]]
+    assert copy_nodes(waits) == [[3], [5, 6]]
+    assert copy_nodes([[[]], [[]]]) == [[]]
+    assert copy_nodes([]) == []
+
+
+def test_lost_message_names_each_short_rank_and_its_copy() -> None:
+    states = [
+        {3: "writing/resident (pins=0, locks=0)"},
+        {},
+        {5: "writing/absent (pins=0, locks=0)"},
+    ]
+    assert lost_message(12, [[3], [5]], [0, 2, 1], states) == (
+        "rank divergence after transition 12: a completion was lost: rank 0 drained its "
+        "copy engine without the completion of copy 1 of 2 in flight (nodes [3]), "
+        "rank 2 drained its copy engine without the completion of copy 2 of 2 in flight "
+        "(nodes [5]); "
+        "node 3 now: rank 0 writing/resident (pins=0, locks=0), rank 1 not in the tree, "
+        "rank 2 not in the tree; "
+        "node 5 now: rank 0 not in the tree, rank 1 not in the tree, "
+        "rank 2 writing/absent (pins=0, locks=0)"
+    )
+
+
+def test_stalled_message_names_the_ranks_on_each_side() -> None:
+    states = [{7: "backed/loading (pins=1, locks=1)"}] * 3
+    assert stalled_message(30, [[7], [9]], [2, 0, 1], 0.5, states) == (
+        "rank divergence after transition 30: copy 1 of 2 in flight (nodes [7]) finished "
+        "on ranks 0, 2 and not on rank 1 for longer than the timeout (0.5 s); "
+        "node 7 now: rank 0 backed/loading (pins=1, locks=1), "
+        "rank 1 backed/loading (pins=1, locks=1), rank 2 backed/loading (pins=1, locks=1)"
     )
 
 
@@ -450,17 +593,57 @@ def test_nccl_world_of_one_agrees_on_cuda_copies(tmp_path: Path) -> None:
 
 
 def test_tp_bench_format() -> None:
-    bench = TPBench(2, 100, 120.04, 3.5, 400, 0.5, 0.55)
+    bench = TPBench(
+        2, 100, 120.04, 3.5, 2, Replay(2000, 2000.0, 1000.0), Replay(400, 800.0, 1600.0)
+    )
     assert bench.format() == "\n".join(
         [
             "tensor-parallel agreement: 2 gloo ranks on CPU",
-            "agreed poll (median of 100)      120.0 us",
-            "local poll  (median of 100)        3.5 us",
-            "trace, local poll        1250.0 us/request  (400 requests)",
-            "trace, agreed poll       1375.0 us/request",
-            "agreement overhead        +10.0 %",
+            "  agreed poll, nothing to apply      120.0 us (median of 100)",
+            "  local HiCache.poll()                 3.5 us",
+            "  bench cache trace: 2000 chat requests, write-through to host, page 16; best of 2",
+            "    local poll        2,000 requests/s",
+            "    agreed poll       1,000 requests/s  (0.50x local; +500 us per request)",
+            "  small trace: 400 requests, load-backs and host evictions, page 4; best of 2",
+            "    local poll          800 requests/s",
+            "    agreed poll       1,600 requests/s  (2.00x local; -625 us per request)",
         ]
     )
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_bench_tp_runs_both_group_sizes_and_honours_quick(
+    quick: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calls: list[tuple[int, dict[str, int]]] = []
+    figures = TPBench(2, 1, 1.0, 1.0, 1, Replay(1, 1.0, 1.0), Replay(1, 1.0, 1.0))
+
+    def fake(ranks: int, **sizes: int) -> TPBench:
+        calls.append((ranks, sizes))
+        return figures
+
+    defaults = inspect.signature(tpbench.run_tp_bench).parameters
+    monkeypatch.setattr(tpbench, "run_tp_bench", fake)
+    parser = argparse.ArgumentParser()
+    bench.register(parser.add_subparsers())
+    args = parser.parse_args(["bench", "tp", *(["--quick"] if quick else [])])
+    assert args.handler(args) == 0
+    sizes = tpbench.QUICK if quick else {}
+    assert calls == [(2, sizes), (4, sizes)]
+    assert capsys.readouterr().out == f"{figures.format()}\n" * 2
+    assert all(size < defaults[name].default for name, size in tpbench.QUICK.items())
+
+
+def test_the_bench_replays_the_cache_bench_trace() -> None:
+    """The ``bench cache`` requests, one poll each: copies acknowledged, the latest turns cached."""
+    trace = cachebench._trace(30)
+    cache = HiCache(cache_trace_config())
+    polls = []
+    replay_cache_trace(cache, trace, lambda: polls.append(cache.poll()))
+    assert len(polls) == len(trace)
+    assert cache.stats().transitions["write_done"] > 0
+    for tokens in trace[-3:]:
+        assert cache.match_prefix(tokens).device_len == len(tokens)
 
 
 def test_chat_trace_is_reproducible_and_page_aligned() -> None:

@@ -48,8 +48,9 @@ def run(args: argparse.Namespace) -> int:
             ).format()
         )
     else:
-        from fsm_cache.tpbench import run_tp_bench
+        from fsm_cache.tpbench import QUICK, run_tp_bench
 
+        sizes = QUICK if args.quick else {}
         for ranks in (2, 4):
-            print(run_tp_bench(ranks).format())
+            print(run_tp_bench(ranks, **sizes).format())
     return 0
