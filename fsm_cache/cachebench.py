@@ -17,7 +17,7 @@ import multiprocessing
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -173,7 +173,8 @@ class CacheBench:
         return "\n".join(lines)
 
 
-def _trace(n: int) -> list[list[int]]:
+def trace(n: int) -> list[list[int]]:
+    """Return the chat trace of ``n`` requests, each cut down to whole pages."""
     page = PAGE
     return [
         list(r.tokens[: len(r.tokens) - len(r.tokens) % page])
@@ -194,14 +195,23 @@ def _run_baseline(trace: list[list[int]], slots: int) -> float:
     return len(trace) / (time.perf_counter() - started)
 
 
-def _run_hicache(trace: list[list[int]], pages: int, host_pages: int) -> float:
-    cache = HiCache(
-        CacheConfig(
-            device_pages=pages, host_pages=host_pages, page_size=PAGE, layers=1, heads=1, head_dim=8
-        )
+def trace_config(device_pages: int, host_pages: int) -> CacheConfig:
+    """The cache ``bench cache`` measures: page 16, a tiny KV (the tree is what is timed)."""
+    return CacheConfig(
+        device_pages=device_pages,
+        host_pages=host_pages,
+        page_size=PAGE,
+        layers=1,
+        heads=1,
+        head_dim=8,
     )
-    started = time.perf_counter()
-    for key in trace:
+
+
+def serve_trace(
+    cache: HiCache, keys: Sequence[Sequence[int]], poll: Callable[[], object] | None
+) -> None:
+    """Serve ``keys`` as a scheduler would: match, evict if short, insert, then ``poll``."""
+    for key in keys:
         match = cache.match_prefix(key)
         need = len(key) - match.device_len
         free = cache.tiers.device.allocator.free_slots
@@ -209,9 +219,15 @@ def _run_hicache(trace: list[list[int]], pages: int, host_pages: int) -> float:
             cache.evict(need - free)
         # the prefix's slots are the tree's own: placeholders, as the baseline passes zeros
         cache.insert(key, [0] * match.device_len + cache.alloc_slots(need))
-        if host_pages:
-            cache.poll()
-    return len(trace) / (time.perf_counter() - started)
+        if poll is not None:
+            poll()
+
+
+def _run_hicache(keys: list[list[int]], pages: int, host_pages: int) -> float:
+    cache = HiCache(trace_config(pages, host_pages))
+    started = time.perf_counter()
+    serve_trace(cache, keys, cache.poll if host_pages else None)
+    return len(keys) / (time.perf_counter() - started)
 
 
 def node_bytes(make: Callable[[int], object], count: int = 50_000) -> float:
@@ -263,17 +279,17 @@ def run_cache_bench(
         hicache_bytes = fresh.submit(node_bytes, _hicache_node).result()
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as fresh:
         baseline_bytes = fresh.submit(node_bytes, _sglang_node).result()
-    trace = _trace(num_requests)
+    keys = trace(num_requests)
     runs: dict[str, list[float]] = {"baseline": [], "hicache": [], "write_through": []}
     for _ in range(rounds):  # interleaved, so a noisy neighbour slows all three alike
-        runs["baseline"].append(_run_baseline(trace, device_pages * PAGE))
-        runs["hicache"].append(_run_hicache(trace, device_pages, 0))
-        runs["write_through"].append(_run_hicache(trace, device_pages, device_pages * 4))
+        runs["baseline"].append(_run_baseline(keys, device_pages * PAGE))
+        runs["hicache"].append(_run_hicache(keys, device_pages, 0))
+        runs["write_through"].append(_run_hicache(keys, device_pages, device_pages * 4))
     baseline, hicache, write_through = (
         max(runs[k]) for k in ("baseline", "hicache", "write_through")
     )
     return CacheBench(
-        requests=len(trace),
+        requests=len(keys),
         baseline_rps=baseline,
         hicache_rps=hicache,
         write_through_rps=write_through,

@@ -121,30 +121,9 @@ def bench_config(**overrides: object) -> CacheConfig:
     return CacheConfig(**base)  # type: ignore[arg-type]
 
 
-def replay_cache_trace(
-    cache: HiCache, trace: Sequence[Sequence[int]], poll: Callable[[], object]
-) -> None:
-    """Serve ``trace`` as ``bench cache`` does, calling ``poll`` once per request."""
-    for key in trace:
-        match = cache.match_prefix(key)
-        need = len(key) - match.device_len
-        free = cache.tiers.device.allocator.free_slots
-        if need > free:
-            cache.evict(need - free)
-        cache.insert(key, [0] * match.device_len + cache.alloc_slots(need))
-        poll()
-
-
 def cache_trace_config(device_pages: int = 512) -> CacheConfig:
-    """The write-through cache of ``bench cache``: page 16, four times the device pool on the host."""
-    return CacheConfig(
-        device_pages=device_pages,
-        host_pages=4 * device_pages,
-        page_size=cachebench.PAGE,
-        layers=1,
-        heads=1,
-        head_dim=8,
-    )
+    """The write-through cache of ``bench cache``: four times the device pool on the host."""
+    return cachebench.trace_config(device_pages, 4 * device_pages)
 
 
 @dataclass(frozen=True)
@@ -287,7 +266,10 @@ def _measure(world: int, settings: _Settings) -> TPBench:
         local_us,
         settings.rounds,
         _compare(
-            cache_trace_config, replay_cache_trace, cachebench._trace(settings.requests), settings
+            cache_trace_config,
+            cachebench.serve_trace,
+            cachebench.trace(settings.requests),
+            settings,
         ),
         _compare(bench_config, replay, chat_trace(settings.small_requests), settings),
     )

@@ -58,7 +58,6 @@ with warnings.catch_warnings():
         cache_trace_config,
         chat_trace,
         replay,
-        replay_cache_trace,
         run_tp_bench,
         serve,
     )
@@ -636,10 +635,10 @@ def test_bench_tp_runs_both_group_sizes_and_honours_quick(
 
 def test_the_bench_replays_the_cache_bench_trace() -> None:
     """The ``bench cache`` requests, one poll each: copies acknowledged, the latest turns cached."""
-    trace = cachebench._trace(30)
+    trace = cachebench.trace(30)
     cache = HiCache(cache_trace_config())
     polls = []
-    replay_cache_trace(cache, trace, lambda: polls.append(cache.poll()))
+    cachebench.serve_trace(cache, trace, lambda: polls.append(cache.poll()))
     assert len(polls) == len(trace)
     assert cache.stats().transitions["write_done"] > 0
     for tokens in trace[-3:]:
