@@ -27,14 +27,13 @@ order. Works with gloo (CPU) and NCCL (tensors go to the current CUDA device).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from datetime import timedelta
-from typing import Literal, TypeVar
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from fsm_cache.cache import HiCache
+from fsm_cache.collectives import Collectives
 from fsm_cache.digest import (
     Transition,
     TransitionDigest,
@@ -46,11 +45,8 @@ from fsm_cache.digest import (
     stalled_message,
     waiting_message,
 )
-from fsm_cache.errors import ConfigError, NoProcessGroup, RankDivergence, RankFailure
+from fsm_cache.errors import ConfigError, NoProcessGroup, RankDivergence
 from fsm_cache.tickets import Completion
-
-
-T = TypeVar("T")
 
 
 class DistributedCache:
@@ -95,12 +91,13 @@ class DistributedCache:
                 f"got timeout={timeout} and verify_every={verify_every}"
             )
         self.cache = cache
-        self.group = group
-        self.timeout = timeout
-        self.verify_every = verify_every
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.device = device or _default_device(group)
+        self.comm = Collectives.of(group, device, timeout)
+        self.group, self.timeout, self.verify_every = group, timeout, verify_every
+        self.rank, self.world_size, self.device = (
+            self.comm.rank,
+            self.comm.world_size,
+            self.comm.device,
+        )
         self.polls = 0
         self._finished: dict[int, Completion] = {}
         self._stalled_since: float | None = None
@@ -174,7 +171,7 @@ class DistributedCache:
         overdue = since is not None and now - since > self.timeout
         # one collective: the MIN of each value and of its negation (the MAX), so
         # any rank's flag reaches all, and all raise or go on at the same poll
-        agreed, most_ready, fewest, most, lost, late = self._all_reduce_min(
+        agreed, most_ready, fewest, most, lost, late = self.comm.all_reduce_min(
             [ready, -ready, issued, -issued, -short, -overdue]
         )
         if fewest != -most:
@@ -215,7 +212,7 @@ class DistributedCache:
         """
         mine = self._digest.update()
         issued = len(self.cache.issued())
-        gathered = self._all_gather_digest([self._digest.count, issued, *mine])
+        gathered = self.comm.all_gather_digest([self._digest.count, issued, *mine])
         if all(g == gathered[0] for g in gathered):
             self._digest.agree()
             return mine
@@ -233,7 +230,7 @@ class DistributedCache:
         """
         self._digest.update()
         start = self._digest.agreed
-        tails: list[list[Transition]] = self._all_gather_object(self._digest.tail())
+        tails: list[list[Transition]] = self.comm.all_gather_object(self._digest.tail())
         index = first_difference(tails)
         if index is not None:
             states = self._gather_states(involved_nodes(tails, index))
@@ -241,7 +238,7 @@ class DistributedCache:
         applied = start + len(tails[0])
         if why != "split":
             return self._missing(applied, lost=why == "lost")
-        waits: list[list[list[int]]] = self._all_gather_object(self._waiting())
+        waits: list[list[list[int]]] = self.comm.all_gather_object(self._waiting())
         if any(w != waits[0] for w in waits):
             nodes = [n for copies in waits for copy in copies for n in copy]
             return waiting_message(applied, waits, self._gather_states(nodes))
@@ -252,7 +249,7 @@ class DistributedCache:
 
     def _missing(self, applied: int, *, lost: bool) -> str:
         """Describe a completion that some ranks lack: lost in a drain, or overdue in a poll."""
-        found = self._all_gather_object((self.local_ready(), self._waiting()))
+        found = self.comm.all_gather_object((self.local_ready(), self._waiting()))
         ready = [r for r, _ in found]
         copies = copy_nodes([w for _, w in found])
         if lost:
@@ -277,58 +274,4 @@ class DistributedCache:
         """Every rank's residency of ``nodes`` (the same list on every rank)."""
         tree = self.cache.tree.nodes
         here = {n: tree[n].residency() for n in dict.fromkeys(nodes) if n in tree}
-        return self._all_gather_object(here)
-
-    # -- collectives, with failures turned into RankFailure --------------------
-
-    def _all_reduce_min(self, values: list[int]) -> list[int]:
-        tensor = torch.tensor(values, dtype=torch.int64, device=self.device)
-
-        def call() -> None:
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
-            self._wait(work)
-
-        self._collective("poll agreement (all_reduce MIN)", call)
-        return [int(v) for v in tensor.tolist()]
-
-    def _all_gather_digest(self, payload: list[int]) -> list[list[int]]:
-        mine = torch.tensor(payload, dtype=torch.int64, device=self.device)
-        out = [torch.empty_like(mine) for _ in range(self.world_size)]
-
-        def call() -> None:
-            self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
-
-        self._collective("digest verification (all_gather)", call)
-        return [[int(v) for v in t.tolist()] for t in out]
-
-    def _all_gather_object(self, obj: T) -> list[T]:
-        out: list[T] = [obj] * self.world_size
-
-        def call() -> None:
-            dist.all_gather_object(out, obj, group=self.group)
-
-        self._collective("divergence report (all_gather_object)", call)
-        return out
-
-    def _wait(self, work: dist.Work | None) -> None:
-        if work is not None:
-            work.wait(timeout=timedelta(seconds=self.timeout))
-
-    def _collective(self, what: str, call: Callable[[], None]) -> None:
-        started = time.perf_counter()
-        try:
-            call()
-        except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
-            elapsed = time.perf_counter() - started
-            detail = (str(exc).splitlines() or [type(exc).__name__])[0]
-            raise RankFailure(
-                f"rank {self.rank} of {self.world_size}: {what} failed after {elapsed:.2f} s "
-                f"(timeout {self.timeout:g} s): another rank died or stopped taking part: {detail}"
-            ) from exc
-
-
-def _default_device(group: dist.ProcessGroup | None) -> torch.device:
-    """The current CUDA device for NCCL (its tensors must live there), else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+        return self.comm.all_gather_object(here)
