@@ -3,21 +3,30 @@
 A lease is the receipt of a pin (or a lock). ``release()`` works once; a
 second call raises :class:`~fsm_cache.errors.LeaseError` naming where the
 first release happened. Used as a context manager it releases on the way
-out, exceptions included. A lease collected while still held emits a
-``ResourceWarning`` naming where it was taken, and :class:`LeaseBook` lists
-the leases still open, so a test can fail on leaked pins.
+out, exceptions included.
+
+Leaks are found three ways, for a test run to fail on (the pytest plugin does):
+:func:`open_leases` lists leases still held and still referenced; a lease
+collected while still held emits a ``ResourceWarning`` naming where it was
+taken and, while :func:`record_dropped` is on, is kept as a :class:`Dropped`
+(:func:`dropped_leases`). :func:`fsm_cache.holds.held_records` finds the live
+records whose hold counters (pins, locks) are still up, lease or no lease.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable
-from types import TracebackType
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from fsm_cache import trail
 from fsm_cache.errors import LeaseError
+
+
+if TYPE_CHECKING:
+    from types import TracebackType
 
 
 trail.internal(__file__)
@@ -92,13 +101,20 @@ class Lease:
             self.release()
 
     def __del__(self) -> None:
-        if getattr(self, "released_at", True) is None:
-            warnings.warn(
-                f"{self.label} {self.record.id}: lease ({self.event} taken at {self.taken_at}) "
-                "was never released",
-                ResourceWarning,
-                stacklevel=1,
-            )
+        # A finalizer runs wherever the collector happens to run: keep it to
+        # plain attribute reads, one allocation and a list append (atomic, no
+        # lock to deadlock on), and record before warning, which may raise.
+        if getattr(self, "released_at", True) is not None:
+            return
+        dropped = Dropped(self.label, self.record.id, self.event, self.taken_at)
+        if _DROPS.recording:
+            _DROPS.entries.append(dropped)
+        warnings.warn(
+            f"{self.label} {dropped.ident}: lease ({self.event} taken at {self.taken_at}) "
+            "was never released",
+            ResourceWarning,
+            stacklevel=1,
+        )
 
     def __repr__(self) -> str:
         state = "held" if self.held else f"released at {self.released_at}"
@@ -109,6 +125,7 @@ class LeaseBook:
     """The leases an engine has handed out and not yet seen released."""
 
     def __init__(self) -> None:
+        # Weak, so that a lease its holder drops is collected and reported as dropped.
         self._open: weakref.WeakSet[Lease] = weakref.WeakSet()
         self._serial = 0
         _BOOKS.add(self)
@@ -139,9 +156,68 @@ _BOOKS: weakref.WeakSet[LeaseBook] = weakref.WeakSet()
 
 
 def open_leases() -> list[Lease]:
-    """Return every lease still held in this process, across all engines.
+    """Return every lease still held (and still referenced) in this process, across all engines.
 
     What a test suite checks at the end of a run (the pytest plugin does):
     a lease still held when nothing runs any more is a leaked pin or lock.
     """
     return [lease for book in list(_BOOKS) for lease in book.outstanding()]
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A lease collected while still held: a pin or lock nobody can release any more.
+
+    Attributes:
+        label: How the record is called in messages (``node``).
+        ident: The record's id.
+        event: The acquiring event (``pin``, ``lock``).
+        taken_at: Where the lease was taken.
+    """
+
+    label: str
+    ident: object
+    event: str
+    taken_at: trail.Site
+
+    def __str__(self) -> str:
+        return f"{self.label} {self.ident}: {self.event} taken at {self.taken_at}"
+
+
+class _DropLog:
+    """The dropped leases, kept only while recording is on."""
+
+    __slots__ = ("entries", "recording")
+
+    def __init__(self) -> None:
+        self.recording = False
+        self.entries: list[Dropped] = []
+
+
+_DROPS = _DropLog()
+
+
+def record_dropped(on: bool = True) -> bool:
+    """Turn on (or off) keeping leases collected while held; return the previous setting.
+
+    Off by default, so a process that does not ask keeps nothing (a leak
+    still warns); the pytest plugin turns it on for the run.
+    """
+    before = _DROPS.recording
+    _DROPS.recording = on
+    return before
+
+
+def dropped_leases() -> list[Dropped]:
+    """Return the leases collected while held since recording was turned on, oldest first."""
+    return list(_DROPS.entries)
+
+
+def forget_dropped(dropped: Iterable[Dropped]) -> None:
+    """Stop reporting these dropped leases (a test that drops one on purpose forgets it)."""
+    gone = {id(entry) for entry in dropped}
+    entries = _DROPS.entries
+    # Delete in place, from the end: a finalizer may append meanwhile.
+    for index in range(len(entries) - 1, -1, -1):
+        if id(entries[index]) in gone:
+            del entries[index]

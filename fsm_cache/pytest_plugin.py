@@ -1,4 +1,4 @@
-"""pytest plugin: run fsm_cache's formal checks and lease accounting inside a test suite.
+"""pytest plugin: run fsm_cache's formal checks and leak accounting inside a test suite.
 
 Installed with fsm_cache (a ``pytest11`` entry point), it adds:
 
@@ -8,24 +8,37 @@ Installed with fsm_cache (a ``pytest11`` entry point), it adds:
   spec becomes two test items, ``fsm-verify[PATH]`` (the CrossHair
   contracts of ``fsm-cache verify``) and ``fsm-check[PATH]`` (the model
   checker of ``fsm-cache check``); ``fsm_check_nodes`` sets the tree size;
-* the marker ``@pytest.mark.fsm_spec("path.toml")``: the marked test first
-  model-checks that spec and fails on a violation;
-* at the end of the run, a failure if any :class:`~fsm_cache.engine.Engine`
-  still has leases (pins, locks) that were taken and never released
-  (``fsm_leases = false`` turns that off).
+* the marker ``@pytest.mark.fsm_spec("path.toml")``: before the marked test
+  runs, the spec is model-checked and verified (``check=False`` or
+  ``verify=False`` skips one), and the test errors on any finding;
+* at the end of the run (after every fixture is torn down), a failure on
+  leases still held, leases collected while held (``fsm_leases = false``
+  turns both off) and live records still holding a counter a state carries,
+  pins or locks taken with or without a lease (``fsm_holds = false``).
+  ``@pytest.mark.fsm_allow_leaks`` excuses the leases a test drops on purpose.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fsm_cache.lease import open_leases
+from fsm_cache.errors import FsmCacheError
+from fsm_cache.lease import Dropped, dropped_leases, forget_dropped, open_leases, record_dropped
+
+
+_RECORDING = pytest.StashKey[bool]()
+"""Whether dropped leases were recorded before this run turned recording on."""
+_DURING = pytest.StashKey[dict[int, str]]()
+"""The test each dropped lease was collected during, by ``id()`` of its :class:`Dropped`."""
+_REPORT = pytest.StashKey[list[str]]()
+"""The lines of the leak report, printed in the terminal summary."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -41,17 +54,38 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("fsm_check_nodes", "tree size of the model checker (default 3)", default="3")
     parser.addini(
         "fsm_leases",
-        "fail the run on leases never released (default true)",
+        "fail the run on leases never released or dropped while held (default true)",
+        type="bool",
+        default=True,
+    )
+    parser.addini(
+        "fsm_holds",
+        "fail the run on live records still holding pins or locks (default true)",
         type="bool",
         default=True,
     )
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Turn on audit mode if asked and register the marker."""
-    config.addinivalue_line("markers", "fsm_spec(path): model-check this spec before the test")
+    """Register the markers, turn on audit mode if asked and start recording dropped leases."""
+    config.addinivalue_line(
+        "markers",
+        "fsm_spec(path, verify=True, check=True): verify and model-check this spec before the test",
+    )
+    config.addinivalue_line(
+        "markers", "fsm_allow_leaks: leases this test drops while held are not reported"
+    )
     if config.getoption("--fsm-audit"):
         os.environ["FSM_CACHE_AUDIT"] = "1"
+    if config.getini("fsm_leases"):
+        config.stash[_RECORDING] = record_dropped(True)
+        config.stash[_DURING] = {}
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Put recording of dropped leases back as it was."""
+    if _RECORDING in config.stash:
+        record_dropped(config.stash[_RECORDING])
 
 
 def pytest_collection_modifyitems(
@@ -67,28 +101,77 @@ def pytest_collection_modifyitems(
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Model-check the spec of an ``fsm_spec`` marker before the test runs."""
+    """Model-check and verify the spec of each ``fsm_spec`` marker before the test runs."""
     for marker in item.iter_markers("fsm_spec"):
+        unknown = sorted(set(marker.kwargs) - {"verify", "check"})
+        if len(marker.args) != 1 or unknown:
+            pytest.fail(
+                f"fsm_spec takes one spec path, verify= and check=: {marker}", pytrace=False
+            )
         path = (item.config.rootpath / str(marker.args[0])).resolve()
-        problem = _check(path, int(item.config.getini("fsm_check_nodes")))
-        if problem:
-            pytest.fail(problem, pytrace=False)
+        found = []
+        if marker.kwargs.get("check", True):
+            found.append(_check(path, int(item.config.getini("fsm_check_nodes"))))
+        if marker.kwargs.get("verify", True):
+            found.append(_verify(path))
+        if any(found):  # a spec that does not load fails both the same way: say it once
+            pytest.fail("\n".join(dict.fromkeys(x for x in found if x)), pytrace=False)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    """Note which test each dropped lease was collected during (or forget it if allowed)."""
+    during = item.config.stash.get(_DURING, None)
+    before = {id(x) for x in dropped_leases()}
+    try:
+        return (yield)
+    finally:
+        new = [x for x in dropped_leases() if id(x) not in before]
+        if item.get_closest_marker("fsm_allow_leaks"):
+            forget_dropped(new)
+        elif during is not None:
+            during.update((id(x), item.nodeid) for x in new)
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fail the run if an engine still holds leases nobody released."""
-    if not session.config.getini("fsm_leases"):
-        return
-    leaked = open_leases()
-    if not leaked:
-        return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    lines = [f"fsm_cache: {len(leaked)} lease(s) never released:"]
-    lines += [f"  {lease!r}" for lease in leaked]
-    if reporter is not None:
-        reporter.write_line("\n".join(lines), red=True)
-    if exitstatus == 0:
+    """After fixture teardown, fail the run if it leaked leases or left records held."""
+    lines = session.config.stash[_REPORT] = _leaks(session.config)
+    if lines and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print what the run leaked, if anything, in a section of its own."""
+    lines = terminalreporter.config.stash.get(_REPORT, [])
+    if lines:
+        terminalreporter.write_sep("=", "fsm_cache leaks", red=True)
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+def _leaks(config: pytest.Config) -> list[str]:
+    """Return the report of what the run leaked, one heading per kind; [] if nothing."""
+    sections: list[tuple[str, list[str]]] = []
+    if config.getini("fsm_leases"):
+        gc.collect()  # a held lease only a reference cycle keeps is dropped, not open
+        during = config.stash.get(_DURING, {})
+        sections.append(("lease(s) never released", [repr(x) for x in open_leases()]))
+        dropped = [_dropped(x, during.get(id(x))) for x in dropped_leases()]
+        sections.append(("lease(s) dropped while held", dropped))
+    if config.getini("fsm_holds"):
+        from fsm_cache.holds import held_records  # late: pytest starts without the engine
+
+        sections.append(("record(s) still held", [str(x) for x in held_records()]))
+    lines = []
+    for heading, found in sections:
+        if found:
+            lines += [f"fsm_cache: {len(found)} {heading}:", *(f"  {x}" for x in found)]
+    return lines
+
+
+def _dropped(lease: Dropped, test: str | None) -> str:
+    return f"{lease} (collected during {test})" if test else str(lease)
 
 
 class SpecItem(pytest.Item):
@@ -124,19 +207,29 @@ class SpecFinding(Exception):
 
 
 def _check(path: Path, nodes: int) -> str:
+    """Return the model checker's violation and its trace, or ``""``."""
     from fsm_cache.check import check_spec
     from fsm_cache.explore import Bounds
 
-    result = check_spec(path, nodes, Bounds({}))
+    try:
+        result = check_spec(path, nodes, Bounds({}))
+    except FsmCacheError as exc:  # the spec does not load: its message names the file
+        return str(exc)
     if result.violation is None:
         return ""
     return "\n".join([f"{path}: violation: {result.violation}", *result.trace])
 
 
 def _verify(path: Path) -> str:
+    """Return one line per contract CrossHair did not confirm, or ``""``."""
     from fsm_cache.verify import load_options, verify_spec
 
-    with tempfile.TemporaryDirectory(prefix="fsm-verify-") as tmp:
-        rows = verify_spec(path, load_options(path.parent), Path(tmp))
-    bad = [f"{r.target}.{r.function}: {r.contract}: {r.verdict()}" for r in rows if r.failed]
+    try:
+        with tempfile.TemporaryDirectory(prefix="fsm-verify-") as tmp:
+            rows = verify_spec(path, load_options(path.parent), Path(tmp))
+    except FsmCacheError as exc:
+        return str(exc)
+    bad = [
+        f"{path}: {r.target}.{r.function}: {r.contract}: {r.verdict()}" for r in rows if r.failed
+    ]
     return "\n".join(bad)

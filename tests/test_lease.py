@@ -1,16 +1,25 @@
-"""Leases: release once, name the first release on a second, release on exceptions, warn on leaks."""
+"""Leases: release once, name the first release on a second, release on exceptions, report leaks.
+
+Leaks are reported three ways: leases still open, leases collected while held
+(recorded while recording is on) and live records still holding a counter.
+"""
 
 from __future__ import annotations
 
 import gc
 import inspect
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from fsm_cache import lease as leases
+from fsm_cache.compat.sglang import ResidencyMixin
 from fsm_cache.engine import Engine
 from fsm_cache.errors import LeaseError, ReleaseAtZero
+from fsm_cache.holds import Held, held_records
+from fsm_cache.residency import Residency
 from fsm_cache.shipped import host_machine, residency_system
 
 
@@ -100,13 +109,30 @@ def test_a_release_refused_by_the_machine_keeps_the_lease_held(engine: Engine) -
     lease.release()
 
 
-def test_an_unreleased_lease_warns_when_collected(engine: Engine) -> None:
+@pytest.fixture
+def recording() -> Iterator[None]:
+    """Record dropped leases during the test, and forget the ones it made afterwards."""
+    before = leases.record_dropped(True)
+    known = {id(x) for x in leases.dropped_leases()}
+    yield
+    leases.forget_dropped(new_drops(known))
+    leases.record_dropped(before)
+
+
+def new_drops(known: set[int]) -> list[leases.Dropped]:
+    return [x for x in leases.dropped_leases() if id(x) not in known]
+
+
+def test_an_unreleased_lease_warns_and_is_recorded_when_collected(
+    engine: Engine, recording: None
+) -> None:
     rec = backed(engine)
     taken = here() + 1
     held = [engine.lease(rec)]
-    site = f"{HERE}:{taken} in test_an_unreleased_lease_warns_when_collected"
+    site = f"{HERE}:{taken} in test_an_unreleased_lease_warns_and_is_recorded_when_collected"
     assert repr(held[0]) == f"<Lease pin on node 7, taken at {site}, held>"
     gc.collect()
+    known = {id(x) for x in leases.dropped_leases()}
     with pytest.warns(ResourceWarning) as record:
         held.clear()  # drops the last reference: collected at once (no cycle)
     assert [str(w.message) for w in record] == [
@@ -114,6 +140,35 @@ def test_an_unreleased_lease_warns_when_collected(engine: Engine) -> None:
     ]
     assert engine.leases.outstanding() == []
     assert rec.pins == 1
+    dropped = new_drops(known)
+    assert [str(x) for x in dropped] == [f"node 7: pin taken at {site}"]
+    assert (dropped[0].label, dropped[0].ident, dropped[0].event) == ("node", 7, "pin")
+    leases.forget_dropped(dropped)
+    assert new_drops(known) == []
+
+
+def test_a_lease_dropped_in_a_reference_cycle_is_recorded_when_collected(
+    engine: Engine, recording: None
+) -> None:
+    rec = backed(engine)
+    cycle: list[Any] = [engine.lease(rec)]
+    cycle.append(cycle)
+    known = {id(x) for x in leases.dropped_leases()}
+    del cycle
+    with pytest.warns(ResourceWarning, match="node 7: lease"):
+        gc.collect()
+    assert [(x.ident, x.event) for x in new_drops(known)] == [(7, "pin")]
+
+
+def test_dropped_leases_are_not_kept_unless_recording(engine: Engine) -> None:
+    before = leases.record_dropped(False)
+    known = {id(x) for x in leases.dropped_leases()}
+    try:
+        with pytest.warns(ResourceWarning):
+            engine.lease(backed(engine))  # the receipt is dropped at once
+    finally:
+        assert leases.record_dropped(before) is False
+    assert new_drops(known) == []
 
 
 def test_a_released_lease_is_collected_silently(engine: Engine) -> None:
@@ -139,3 +194,80 @@ def test_outstanding_lists_leases_oldest_site_first(engine: Engine) -> None:
     assert engine.leases.outstanding() == [first, second]
     second.release()
     first.release()
+
+
+def test_held_records_finds_pins_taken_without_a_lease(engine: Engine) -> None:
+    bare, leased, idle = backed(engine), engine.new(8), engine.new(9)
+    leased.state = "backed"
+    engine.fire(bare, "pin")
+    lease = engine.lease(leased)
+    assert held_records([engine]) == [
+        Held("node", 7, "pinned (pins=1)"),
+        Held("node", 8, "pinned (pins=1)"),
+    ]
+    assert str(held_records([engine])[0]) == "node 7: pinned (pins=1)"
+    engine.fire(bare, "release")
+    lease.release()
+    assert held_records([engine]) == []
+    assert idle.state == "unbacked"
+
+
+def test_held_records_names_the_sites_in_audit_mode() -> None:
+    engine = Engine(host_machine(), audit=True)
+    rec = engine.new(4)
+    line = here() + 2
+    for event in ("write", "write_done", "pin"):
+        engine.fire(rec, event)
+    where = f"{HERE}:{line} in test_held_records_names_the_sites_in_audit_mode"
+    assert [str(h) for h in held_records([engine])] == [
+        f"node 4: pinned (pins=1); written at {where}; acknowledged at {where}; pinned at {where}"
+    ]
+
+
+def test_held_records_finds_locks_and_sglang_nodes_and_skips_garbage() -> None:
+    residency = Residency(audit=False)
+
+    class TreeNode(ResidencyMixin):
+        """An SGLang-style node: plain instance attributes, no slots."""
+
+        def __init__(self, ident: int) -> None:
+            super().__init__()
+            self.id, self.parent = ident, None
+            self.children: dict[str, TreeNode] = {}
+
+    TreeNode.residency = residency
+
+    node, locked, garbage = TreeNode(3), TreeNode(5), TreeNode(6)
+    for each in (node, garbage):
+        residency.write(each)
+        residency.write_done(each)
+        each.protect_host()
+    locked.inc_lock_ref()
+    garbage.children = {"self": garbage}  # only a reference cycle keeps it alive
+    del garbage, each
+    assert [str(h) for h in held_records([residency.engine])] == [
+        "node 3: pinned/resident (pins=1, locks=0)",
+        "node 5: unbacked/resident (pins=0, locks=1)",
+    ]
+    node.release_host()
+    locked.dec_lock_ref()
+    assert held_records([residency.engine]) == []
+
+
+def test_held_records_ignores_objects_that_only_look_like_records(engine: Engine) -> None:
+    class Lookalike:
+        def __init__(self) -> None:
+            self.id, self.state, self.pins = 1, "pinned", 1
+
+    class Derived:
+        __slots__ = ("id", "state")
+        id: int
+        state: str
+        pins = 1  # a class attribute is not a record field
+
+    fake = Lookalike()
+    fake.state = "stuck"  # not a state of the machine
+    derived = Derived()
+    derived.id, derived.state = 2, "pinned"
+    assert held_records([engine]) == []
+    assert (fake.pins, derived.pins) == (1, 1)

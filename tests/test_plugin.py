@@ -1,6 +1,8 @@
-"""The pytest plugin: audit mode, spec items, the fsm_spec marker and leaked leases."""
+"""The pytest plugin: audit mode, spec items, the fsm_spec marker and leaks at the end of the run."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +12,82 @@ from fsm_cache.shipped import spec_dir
 pytest_plugins = ["pytester"]
 
 BUGS = spec_dir() / "bugs_detected"
+
+RECORD = """
+from fsm_cache.engine import Engine
+from fsm_cache.shipped import host_machine
+
+ENGINE = Engine(host_machine())
+NODES = []
+
+
+def backed(ident):
+    rec = ENGINE.new(ident)
+    NODES.append(rec)
+    ENGINE.fire(rec, "write")
+    ENGINE.fire(rec, "write_done")
+    return rec
+"""
+"""A test module's prelude: a live engine, and nodes the module keeps alive."""
+
+GATE = """
+[machine]
+name = "gate"
+initial = "open"
+
+[counters]
+holders = 0
+
+[states]
+open = {{ invariant = "holders == 0" }}
+held = {{ invariant = "holders >= 1", counter = "holders" }}
+
+[[transition]]
+event = "take"
+source = ["open", "held"]
+dest = "held"
+update = "holders += {take}"
+
+[[transition]]
+event = "give"
+source = "held"
+dest = "open"
+guard = "holders == 1"
+update = "{last}"
+
+[[transition]]
+event = "give"
+source = "held"
+dest = "held"
+guard = "holders >= 2"
+update = "holders -= 1"
+
+[[forbid]]
+event = "give"
+source = "open"
+error = "GiveAtZero"
+reason = "nobody holds it"
+"""
+"""A two-state user spec: ``take`` adds ``take`` holders, the last ``give`` does ``last``."""
+GOOD_GATE = GATE.format(take=1, last="holders -= 1")
+BROKEN_GATE = GATE.format(take=2, last="holders = 0")
+"""A take that adds two holders: verify and check both find it."""
+
+
+def line_of(path: Path, text: str) -> int:
+    """Return the number of the first line of the file at ``path`` that contains ``text``."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return next(n for n, line in enumerate(lines, 1) if text in line)
+
+
+def leaks(result: pytest.RunResult) -> list[str]:
+    """Return the lines of the run's ``fsm_cache leaks`` section."""
+    lines = result.stdout.lines
+    starts = [i for i, line in enumerate(lines) if " fsm_cache leaks " in line]
+    if not starts:
+        return []
+    section = lines[starts[0] + 1 :]
+    return section[: next(i for i, line in enumerate(section) if line.startswith("="))]
 
 
 def test_fsm_audit_turns_on_audit_mode(pytester: pytest.Pytester) -> None:
@@ -28,44 +106,171 @@ def test_fsm_audit_turns_on_audit_mode(pytester: pytest.Pytester) -> None:
 
 
 def test_leaked_lease_fails_the_run(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(
+    module = pytester.makepyfile(
+        RECORD
+        + """
+HELD = []
+
+def test_leaks():
+    HELD.append(ENGINE.lease(backed(7)))
+"""
+    )
+    taken = line_of(module, "HELD.append")
+    result = pytester.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(passed=1)
+    assert leaks(result) == [
+        "fsm_cache: 1 lease(s) never released:",
+        f"  <Lease pin on node 7, taken at {module.name}:{taken} in test_leaks, held>",
+        "fsm_cache: 1 record(s) still held:",
+        "  node 7: pinned (pins=1)",
+    ]
+
+
+def test_dropped_receipt_fails_the_run(pytester: pytest.Pytester) -> None:
+    """The lease is collected at once, its node stays pinned: both are reported."""
+    module = pytester.makepyfile(
+        RECORD
+        + """
+def test_drops_its_receipt():
+    ENGINE.lease(backed(7))
+"""
+    )
+    taken = line_of(module, "ENGINE.lease")
+    result = pytester.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    assert leaks(result) == [
+        "fsm_cache: 1 lease(s) dropped while held:",
+        f"  node 7: pin taken at {module.name}:{taken} in test_drops_its_receipt"
+        f" (collected during {module.name}::test_drops_its_receipt)",
+        "fsm_cache: 1 record(s) still held:",
+        "  node 7: pinned (pins=1)",
+    ]
+
+
+SITES = (  # the lines each audited event is fired from, found by their text
+    '"write"',
+    '"write_done"',
+    '"pin"',
+    ".write(node)",
+    ".write_done(node)",
+    "node.protect_host()",
+)
+
+
+def test_pins_without_a_lease_fail_the_run_and_name_their_sites_in_audit_mode(
+    pytester: pytest.Pytester,
+) -> None:
+    module = pytester.makepyfile(
+        RECORD
+        + """
+from fsm_cache.compat.sglang import ResidencyMixin
+
+class TreeNode(ResidencyMixin):
+    def __init__(self, ident):
+        super().__init__()
+        self.id, self.parent, self.children = ident, None, {}
+
+def test_bare_pin():
+    ENGINE.fire(backed(8), "pin")
+
+def test_sglang_protect_host():
+    node = TreeNode(9)
+    NODES.append(node)
+    TreeNode.machine().write(node)
+    TreeNode.machine().write_done(node)
+    node.protect_host()
+"""
+    )
+    result = pytester.runpytest_subprocess("--fsm-audit")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    written, acked, pinned, *compat = (f"{module.name}:{line_of(module, x)}" for x in SITES)
+    assert leaks(result) == [
+        "fsm_cache: 2 record(s) still held:",
+        f"  node 8: pinned (pins=1); written at {written} in backed;"
+        f" acknowledged at {acked} in backed; pinned at {pinned} in test_bare_pin",
+        "  node 9: pinned/resident (pins=1, locks=0);"
+        f" written at {compat[0]} in test_sglang_protect_host;"
+        f" acknowledged at {compat[1]} in test_sglang_protect_host;"
+        f" pinned at {compat[2]} in test_sglang_protect_host",
+    ]
+
+
+def test_ini_options_turn_leak_checks_off(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(RECORD + "\ndef test_drops():\n    ENGINE.lease(backed(7))\n")
+    pytester.makeini("[pytest]\nfsm_leases = false\nfsm_holds = false\n")
+    result = pytester.runpytest_subprocess("-W", "ignore::ResourceWarning")
+    assert result.ret == pytest.ExitCode.OK
+    assert leaks(result) == []
+
+
+def test_allow_leaks_excuses_a_lease_dropped_on_purpose(pytester: pytest.Pytester) -> None:
+    module = pytester.makepyfile(
         """
+        import pytest
         from fsm_cache.engine import Engine
         from fsm_cache.shipped import host_machine
 
-        HELD = []
-
-        def test_leaks():
+        def drop():
             engine = Engine(host_machine())
-            rec = engine.new(7)
-            engine.fire(rec, "write")
-            engine.fire(rec, "write_done")
-            HELD.append(engine.lease(rec))
+            rec = engine.new(3)
+            rec.state = "backed"
+            engine.lease(rec)
+
+        @pytest.mark.fsm_allow_leaks
+        def test_on_purpose():
+            drop()
+
+        def test_by_mistake():
+            drop()
         """
     )
-    result = pytester.runpytest_subprocess()
+    result = pytester.runpytest_subprocess("-W", "ignore::ResourceWarning")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(
-        ["fsm_cache: 1 lease(s) never released:", "  <Lease pin on node 7, taken at *"]
-    )
+    assert leaks(result) == [
+        "fsm_cache: 1 lease(s) dropped while held:",
+        f"  node 3: pin taken at {module.name}:{line_of(module, 'engine.lease')} in drop"
+        f" (collected during {module.name}::test_by_mistake)",
+    ]
 
 
 def test_released_leases_pass(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
-        """
-        from fsm_cache.engine import Engine
-        from fsm_cache.shipped import host_machine
-
-        def test_releases():
-            engine = Engine(host_machine())
-            rec = engine.new(7)
-            engine.fire(rec, "write")
-            engine.fire(rec, "write_done")
-            with engine.lease(rec):
-                assert rec.pins == 1
-        """
+        RECORD
+        + """
+def test_releases():
+    rec = backed(7)
+    with ENGINE.lease(rec):
+        assert rec.pins == 1
+"""
     )
-    assert pytester.runpytest_subprocess().ret == pytest.ExitCode.OK
+    result = pytester.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.OK
+    assert leaks(result) == []
+
+
+def test_leases_a_session_fixture_releases_at_teardown_pass(pytester: pytest.Pytester) -> None:
+    """The check runs after every fixture is torn down, even on a run cut short by pytest.exit."""
+    pytester.makepyfile(
+        RECORD
+        + """
+import pytest
+
+@pytest.fixture(scope="session")
+def pinned():
+    rec = backed(7)
+    lease = ENGINE.lease(rec)
+    yield rec
+    lease.release()
+
+def test_stops_the_run(pinned):
+    assert pinned.pins == 1
+    pytest.exit("stopped")
+"""
+    )
+    result = pytester.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    assert leaks(result) == []
 
 
 def test_ini_specs_become_check_and_verify_items(pytester: pytest.Pytester) -> None:
@@ -95,11 +300,11 @@ def test_marker_model_checks_before_the_test(pytester: pytest.Pytester) -> None:
         f"""
         import pytest
 
-        @pytest.mark.fsm_spec({str(spec_dir() / "residency.toml")!r})
+        @pytest.mark.fsm_spec({str(spec_dir() / "residency.toml")!r}, verify=False)
         def test_good():
             pass
 
-        @pytest.mark.fsm_spec({str(BUGS / "evict_device_while_writing.toml")!r})
+        @pytest.mark.fsm_spec({str(BUGS / "evict_device_while_writing.toml")!r}, verify=False)
         def test_bad():
             pass
         """
@@ -112,3 +317,85 @@ def test_marker_model_checks_before_the_test(pytester: pytest.Pytester) -> None:
             "*violation: invariant 5: node 1: a device-to-host copy reads a device copy that is absent"
         ]
     )
+
+
+def setup_errors(result: pytest.RunResult) -> dict[str, str]:
+    """Return each test's setup error text, by test name."""
+    found: dict[str, str] = {}
+    name = ""
+    for line in result.stdout.lines:
+        if " ERROR at setup of " in line:
+            name = line.split(" ERROR at setup of ")[1].split(" ")[0]
+            found[name] = ""
+        elif line.startswith(("=", "_")):
+            name = ""
+        elif name:
+            found[name] += line + "\n"
+    return found
+
+
+def test_marker_verifies_and_model_checks_a_user_spec(pytester: pytest.Pytester) -> None:
+    pytester.makefile(".toml", gate=GOOD_GATE, broken=BROKEN_GATE)
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.fsm_spec("gate.toml")
+        def test_good():
+            pass
+
+        @pytest.mark.fsm_spec("broken.toml")
+        def test_both():
+            pass
+
+        @pytest.mark.fsm_spec("broken.toml", verify=False)
+        def test_check_only():
+            pass
+
+        @pytest.mark.fsm_spec("broken.toml", check=False)
+        def test_verify_only():
+            pass
+
+        @pytest.mark.fsm_spec("broken.toml", check=False, verify=False)
+        def test_neither():
+            pass
+
+        @pytest.mark.fsm_spec("broken.toml", verfy=False)
+        def test_misspelt():
+            pass
+
+        @pytest.mark.fsm_spec("missing.toml")
+        def test_missing():
+            pass
+        """
+    )
+    pytester.makeini("[pytest]\nfsm_check_nodes = 2\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rN")
+    result.assert_outcomes(passed=2, errors=5)
+    broken = pytester.path / "broken.toml"
+    check = [
+        f"{broken}: violation: invariant 6: node 0: holders is 2 but its holders account for 0",
+        "start: chain",
+        "node 0: take",
+    ]
+    verify = f"{broken}: gate.take: holders moves by at most one (held(N) counts holders): counterexample: take("
+    errors = {name: text.splitlines() for name, text in setup_errors(result).items()}
+    assert sorted(errors) == [
+        "test_both",
+        "test_check_only",
+        "test_missing",
+        "test_misspelt",
+        "test_verify_only",
+    ]
+    assert errors["test_check_only"][:3] == check
+    assert errors["test_both"][:3] == check
+    assert errors["test_both"][3].startswith(verify)
+    assert errors["test_verify_only"][0].startswith(verify)
+    assert not any(line.startswith(verify) for line in errors["test_check_only"])
+    assert not any(line.endswith("account for 0") for line in errors["test_verify_only"])
+    assert errors["test_misspelt"][0] == (
+        "fsm_spec takes one spec path, verify= and check=:"
+        " Mark(name='fsm_spec', args=('broken.toml',), kwargs={'verfy': False})"
+    )
+    missing = pytester.path / "missing.toml"
+    assert errors["test_missing"] == [f"{missing}: cannot read: No such file or directory"]
