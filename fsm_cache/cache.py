@@ -14,25 +14,26 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 from fsm_cache import slots, trail, transfers
-from fsm_cache.errors import EffectFailed, ForeignSlot, IllegalTransition
+from fsm_cache.errors import EffectFailed, IllegalTransition, LeaseError
 from fsm_cache.eventlog import EventLog
-from fsm_cache.eviction import LeafHeap
+from fsm_cache.eviction import LeafHeap, evict_device, evict_host, load_chain
 from fsm_cache.lease import Lease
 from fsm_cache.metrics import Counters, Stats, snapshot
 from fsm_cache.policy import WritePolicy
 from fsm_cache.residency import Event, Residency
 from fsm_cache.tickets import Completion, Direction
 from fsm_cache.tiers import CacheConfig, Tiers
+from fsm_cache.transfers import Operation
 from fsm_cache.tree import Pages, RadixTree, TreeNode
 
 
 trail.internal(__file__)
 
 Lock = Lease
-"""The receipt :meth:`HiCache.lock` returns: a lease of ``lock`` released by ``unlock``."""
+"""The receipt :meth:`HiCache.lock` returns; releasing it (``unlock``, ``release()``,
+the end of a ``with`` block) is the cache's ``unlock``, once."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class MatchResult:
 class HiCache:
     """A prefix KV cache over a device tier and a host tier.
 
+    Every public operation is logged with its arguments (:attr:`log`), starts
+    the copies it queued even when it raises, and in debug mode checks every
+    design invariant when it returns.
+
     Args:
         config: Sizes, KV layout, policy and thresholds; checked first.
 
@@ -69,39 +74,44 @@ class HiCache:
         self.config.check()
         self.policy = WritePolicy(self.config.write_policy)
         self.tiers = Tiers(self.config)
-        self.tree = RadixTree(self.config.page_size, on_split=partial(transfers.on_split, self))
         self.machine = Residency(effects=transfers.effects(self), audit=self.config.audit)
+        self._start()
+
+    def _start(self) -> None:
+        """Set up an empty tree and fresh bookkeeping (construction and :meth:`reset`)."""
+        self.tree = RadixTree(self.config.page_size, on_split=partial(transfers.on_split, self))
         self.counters = Counters()
         self.log = EventLog()
         self._clock = 0
+        self._copies = 0  # copies started since construction or reset: their log numbers
         self._tickets: dict[int, transfers.Ticket] = {}
         self._batch: dict[Direction, list[TreeNode]] = {Direction.D2H: [], Direction.H2D: []}
         self._incoming: dict[int, Pages] = {}
         self._evict_after_ack: set[int] = set()
+        self._spared: frozenset[int] = frozenset()  # nodes host eviction must keep, for now
         self.leaf_heap = LeafHeap()
 
     # -- lookups and inserts -------------------------------------------------
 
     def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> MatchResult:
         """Return how much of ``tokens`` is cached on each tier; may split a node."""
-        self.log.op("match_prefix", tuple(tokens), namespace)
-        key = self.tree.aligned(tuple(tokens))
-        walk = self.tree.walk(key, namespace)
-        self._touch(walk.path)
-        root = self.tree.root(namespace)
-        on_device = [n for n in walk.path if n.device == "resident"]
-        device_len = sum(len(n.key) for n in on_device)
-        self.counters.lookup_tokens += len(key)
-        self.counters.device_hit_tokens += device_len
-        self.counters.host_hit_tokens += walk.matched - device_len
-        self._after("match_prefix")
-        return MatchResult(
-            device_len=device_len,
-            host_len=walk.matched - device_len,
-            last_device_node=on_device[-1] if on_device else root,
-            last_host_node=walk.path[-1] if walk.path else root,
-            device_pages=tuple(p for n in on_device for p in n.device_pages),
-        )
+        with Operation(self, "match_prefix", tuple(tokens), namespace):
+            key = self.tree.aligned(tuple(tokens))
+            walk = self.tree.walk(key, namespace)
+            self._touch(walk.path)
+            root = self.tree.root(namespace)
+            on_device = [n for n in walk.path if n.device == "resident"]
+            device_len = sum(len(n.key) for n in on_device)
+            self.counters.lookup_tokens += len(key)
+            self.counters.device_hit_tokens += device_len
+            self.counters.host_hit_tokens += walk.matched - device_len
+            return MatchResult(
+                device_len=device_len,
+                host_len=walk.matched - device_len,
+                last_device_node=on_device[-1] if on_device else root,
+                last_host_node=walk.path[-1] if walk.path else root,
+                device_pages=tuple(p for n in on_device for p in n.device_pages),
+            )
 
     def insert(
         self,
@@ -114,43 +124,34 @@ class HiCache:
         Args:
             tokens: The token ids; cut down to whole pages.
             device_slots: The device slots the request computed ``tokens`` into
-                (a multiple of page_size, page-aligned runs). Slots of the part
-                already on the device are the caller's to free. If None, the
-                cache allocates slots and writes KV derived from the tokens.
+                (whole pages, at least one slot per token). Slots of the part
+                already on the device are the caller's to free; the others must
+                be held by the request (:meth:`alloc_slots`), each page once.
+                If None, the cache allocates slots and writes KV derived from
+                the tokens.
             namespace: Keeps equal prefixes of different namespaces apart.
 
         Raises:
-            PoolExhausted: No device pages left even after eviction (nothing changed).
-            ForeignSlot: ``device_slots`` are not whole pages.
+            ForeignSlot: ``device_slots`` are too few, not whole pages, repeat a
+                page, or name a page the request does not hold. Nothing was
+                inserted (a node may have been split at a page boundary).
+            PoolExhausted: Too little device memory even after eviction (only
+                when ``device_slots`` is None). Nothing was inserted; what the
+                eviction did stays done: the leaves it evicted are host-only
+                (or deleted, under write-through), and the write-backs it
+                started were waited for and applied.
         """
-        self.log.op(
-            "insert",
-            tuple(tokens),
-            namespace,
-            None if device_slots is None else tuple(device_slots),
-        )
-        key = self.tree.aligned(tuple(tokens))
-        if device_slots is not None and len(device_slots) < len(key):
-            msg = f"{len(device_slots)} device slots for {len(key)} tokens"
-            raise ForeignSlot(msg)
-        walk = self.tree.walk(key, namespace)
-        fresh = slots.fresh_pages(self, walk.path, key, device_slots)
-        leaf = None
-        if walk.matched < len(key):
-            parent = walk.path[-1] if walk.path else self.tree.root(namespace)
-            leaf = self.tree.add_leaf(parent, key[walk.matched :], fresh.pop(-1))
-            self.tiers.device.allocator.reassign(leaf.device_pages, 0, leaf.id)
-            self.leaf_heap.push(leaf)
-        for node in walk.path:
-            if node.id in fresh:
-                self._incoming[node.id] = fresh[node.id]
-                self._fire(node, "adopt")
-        self._touch((*walk.path, *([leaf] if leaf else [])))
-        for node in (*walk.path, *([leaf] if leaf else [])):
-            transfers.maybe_backup(self, node)
-        self._flush()
-        self._after("insert")
-        return walk.matched
+        args = None if device_slots is None else tuple(device_slots)
+        with Operation(self, "insert", tuple(tokens), namespace, args):
+            key = self.tree.aligned(tuple(tokens))
+            slots.check_count(device_slots, len(key))
+            walk = self.tree.walk(key, namespace)
+            fresh = slots.fresh_pages(self, walk.path, key, device_slots)
+            added = slots.take_over(self, walk, key, fresh, namespace)
+            self._touch((*walk.path, *added))
+            for node in (*walk.path, *added):
+                transfers.maybe_backup(self, node)
+            return walk.matched
 
     def alloc_slots(self, num_tokens: int) -> list[int]:
         """Allocate device slots for a request to compute KV into (evicting if needed).
@@ -159,13 +160,16 @@ class HiCache:
         :meth:`free_slots` gives them back.
 
         Raises:
-            PoolExhausted: Not enough device memory even after eviction.
+            PoolExhausted: Not enough device memory even after eviction; as
+                for :meth:`insert`, what the eviction did stays done.
         """
-        return slots.alloc(self, num_tokens)
+        with Operation(self, "alloc_slots", num_tokens, check=False):
+            return slots.alloc(self, num_tokens)
 
     def free_slots(self, device_slots: Sequence[int]) -> None:
         """Give back request-held device slots (e.g. the duplicates of a cached prefix)."""
-        slots.free(self, device_slots)
+        with Operation(self, "free_slots", tuple(device_slots), check=False):
+            slots.free(self, device_slots)
 
     def backup(self, nodes: Sequence[TreeNode]) -> int:
         """Start backing up ``nodes`` to the host in one batched copy; return how many started.
@@ -174,37 +178,47 @@ class HiCache:
         machines refuse to write (already backed, writing, off the device) are
         skipped; a full host pool stops the batch where it is.
         """
-        self.log.op("backup", tuple(n.id for n in nodes))
-        started = transfers.start_writes(self, nodes)
-        self._flush()
-        self._after("backup")
-        return started
+        with Operation(self, "backup", tuple(n.id for n in nodes)):
+            return transfers.start_writes(self, nodes)
 
     # -- locks ---------------------------------------------------------------
 
     def pin(self, node: TreeNode) -> Lease:
         """Pin ``node``'s host copy (a storage backup, a prefetch anchor); the lease releases once."""
-        self.log.op("pin", node.id)
-        self._fire(node, "pin")
+        with Operation(self, "pin", node.id):
+            self._fire(node, "pin")
         return self.machine.engine.leases.open(node, self._release, "pin", "node")
 
     def _release(self, node: TreeNode) -> None:
-        self.log.op("release", node.id)
-        self._fire(node, "release")
+        with Operation(self, "release", node.id):
+            self._fire(node, "release")
 
     def lock(self, node: TreeNode) -> Lock:
-        """Lock ``node`` and its ancestors on the device; the receipt unlocks once."""
-        self.log.op("lock", node.id)
-        lease = self.machine.lease(node, "lock")
-        self._count(node, "lock")
-        return lease
+        """Lock ``node`` and its ancestors on the device; the receipt unlocks once.
+
+        Releasing the receipt any way (``unlock(lock)``, ``lock.release()``, the
+        end of ``with cache.lock(node):``) runs the cache's unlock: logged,
+        counted and checked. A second release raises LeaseError.
+        """
+        with Operation(self, "lock", node.id):
+            self._fire(node, "lock")
+        return self.machine.engine.leases.open(node, self._unlock, "lock", "node")
 
     def unlock(self, lock: Lock) -> None:
-        """Unlock what ``lock`` locked (a second unlock raises LeaseError)."""
-        self.log.op("unlock", lock.record.id)
+        """Unlock what ``lock`` locked.
+
+        Raises:
+            LeaseError: ``lock`` was released already, or is not a lock receipt.
+        """
+        if lock.event != "lock":
+            raise LeaseError(
+                f"node {lock.record.id}: unlock takes a lock receipt, not a {lock.event}"
+            )
         lock.release()
-        self._count(lock.record, "unlock")
-        self._after("unlock")
+
+    def _unlock(self, node: TreeNode) -> None:
+        with Operation(self, "unlock", node.id):
+            self._fire(node, "unlock")
 
     # -- memory pressure -----------------------------------------------------
 
@@ -214,24 +228,17 @@ class HiCache:
         Least recently used unlocked device leaves go first. Backed leaves
         become host-only; unbacked ones are deleted (write-through) or backed
         up and evicted once the copy is acknowledged (write-back; counted when
-        the acknowledgement is applied).
+        the acknowledgement is applied). An allocation that needs the room now
+        (:meth:`insert`, :meth:`alloc_slots`, :meth:`load_back`) waits for those
+        acknowledgements instead.
         """
-        from fsm_cache.eviction import evict_device
-
-        self.log.op("evict", num_tokens)
-        freed = evict_device(self, num_tokens)
-        self._flush()
-        self._after("evict")
-        return freed
+        with Operation(self, "evict", num_tokens):
+            return evict_device(self, num_tokens)
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host tokens from unpinned host-only leaves; return tokens freed."""
-        from fsm_cache.eviction import evict_host
-
-        self.log.op("evict_host", num_tokens)
-        freed = evict_host(self, num_tokens)
-        self._after("evict_host")
-        return freed
+        with Operation(self, "evict_host", num_tokens):
+            return evict_host(self, num_tokens)
 
     def load_back(self, node: TreeNode) -> list[TreeNode] | None:
         """Start loading the evicted chain ending at ``node``; the whole chain or nothing.
@@ -241,41 +248,42 @@ class HiCache:
             when the chain is shorter than the load-back threshold or device
             memory cannot be freed for it.
         """
-        from fsm_cache.eviction import load_chain
-
-        self.log.op("load_back", node.id)
-        chain = load_chain(self, node)
-        self._flush()
-        self._after("load_back")
-        return chain
+        with Operation(self, "load_back", node.id):
+            return load_chain(self, node)
 
     # -- copies --------------------------------------------------------------
 
     def poll(self) -> int:
         """Apply every finished copy (in any order); return how many copies were applied."""
-        self.log.op("poll")
-        return self.apply_completions(self.tiers.copier.poll())
+        with Operation(self, "poll"):
+            return transfers.apply_acks(self, self._collect(wait=False), "poll")
 
     def apply_completions(self, completions: Sequence[Completion]) -> int:
         """Apply finished copies in the given order, then start any copies they asked for.
 
         :meth:`poll` applies whatever the copy engine reports; a tensor-parallel
         group applies an agreed prefix of :meth:`issued` instead
-        (:mod:`fsm_cache.distributed`).
+        (:mod:`fsm_cache.distributed`). Either way the log records which copies
+        were applied, in order, and whether each succeeded.
         """
-        for completion in completions:
-            self.apply(completion)
-        self._flush()
-        self._after("poll")
-        return len(completions)
+        with Operation(self, "apply_completions"):
+            return transfers.apply_acks(self, completions, "apply_completions")
+
+    def apply(self, completion: Completion) -> None:
+        """Apply one finished copy: :meth:`apply_completions` of one."""
+        self.apply_completions([completion])
 
     def issued(self) -> list[int]:
         """Return the ids of copies started and not yet applied, in issue order."""
         return list(self._tickets)
 
-    def apply(self, completion: Completion) -> None:
-        """Fire the acknowledgement events of one finished copy."""
-        transfers.apply_completion(self, completion)
+    def _collect(self, wait: bool) -> list[Completion]:
+        """Return the copies the engine reports finished; with ``wait``, all of them, in issue order."""
+        copier = self.tiers.copier
+        if not wait:
+            return copier.poll()
+        order = {ident: i for i, ident in enumerate(self._tickets)}
+        return sorted(copier.drain(), key=lambda c: order.get(c.ticket.id, len(order)))
 
     # -- reporting -----------------------------------------------------------
 
@@ -290,9 +298,20 @@ class HiCache:
         check(self)
 
     def reset(self) -> None:
-        """Drop everything (copies in flight are drained first) and start empty."""
+        """Drop everything and start empty, keeping the pools and the copy engine.
+
+        Copies in flight are waited for and discarded. The KV tensors and the
+        pinned host memory are reused as they are (every page is free again, so
+        their old contents are never read). Leases still held are void: a later
+        release raises LeaseError naming this reset as the release.
+        """
         self.tiers.copier.drain()
-        self.__init__(self.config)  # type: ignore[misc]
+        self.tiers.reset()
+        site = trail.caller_site()
+        for lease in self.machine.engine.leases.outstanding():
+            lease.released_at = site
+            self.machine.engine.leases.closed(lease)
+        self._start()
 
     # -- internals -----------------------------------------------------------
 
@@ -302,9 +321,6 @@ class HiCache:
         except (IllegalTransition, EffectFailed):
             self.counters.refused[event] += 1
             raise
-        self._count(node, event)
-
-    def _count(self, node: Any, event: str) -> None:
         self.counters.transitions[event] += 1
         self.log.transition(node.id, event)
 
@@ -313,13 +329,3 @@ class HiCache:
         for node in nodes:
             node.last_access = self._clock
             node.hit_count += 1
-
-    def _after(self, operation: str) -> None:
-        if self.config.debug:
-            from fsm_cache.consistency import check
-
-            check(self, after=operation)
-
-    def _flush(self) -> None:
-        """Start one batched copy per direction for the nodes whose events asked for one."""
-        transfers.flush(self)

@@ -9,9 +9,11 @@ order.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from fsm_cache.errors import InvariantViolation, PoolExhausted
+from fsm_cache import transfers
+from fsm_cache.errors import EffectFailed, InvariantViolation, PoolExhausted
 from fsm_cache.policy import deletes_unbacked, worth_loading
 from fsm_cache.residency import DEVICE_HELD, HOST_HELD, HOST_VALID
 
@@ -83,7 +85,11 @@ def evict_device(cache: HiCache, num_tokens: int) -> int:
             held.append(node)  # locked, loading or being written: a candidate again later
             continue
         parent = node.parent
-        freed += _evict_one(cache, node)
+        tokens = _evict_one(cache, node)
+        if tokens is None:
+            held.append(node)  # no host room for its write-back: a candidate again later
+            continue
+        freed += tokens
         if parent is not None and parent.parent is not None:
             cache.leaf_heap.push(parent)
     for node in held:
@@ -91,8 +97,11 @@ def evict_device(cache: HiCache, num_tokens: int) -> int:
     return freed
 
 
-def _evict_one(cache: HiCache, node: TreeNode) -> int:
-    """Evict one device leaf per the write policy; return the device tokens freed now."""
+def _evict_one(cache: HiCache, node: TreeNode) -> int | None:
+    """Evict one device leaf per the write policy; return the device tokens freed now.
+
+    None: a write-back leaf whose backup finds no host room even after host eviction.
+    """
     tokens = len(node.key)
     if node.host in HOST_VALID:
         cache._fire(node, "evict_device")
@@ -100,7 +109,12 @@ def _evict_one(cache: HiCache, node: TreeNode) -> int:
     if deletes_unbacked(cache.policy):
         _delete(cache, node)
         return tokens
-    cache._fire(node, "write")  # write-back: back it up, evict once acknowledged
+    try:
+        cache._fire(node, "write")  # write-back: back it up, evict once acknowledged
+    except EffectFailed as exc:
+        if isinstance(exc.__cause__, PoolExhausted):
+            return None
+        raise
     cache._evict_after_ack.add(node.id)
     return 0
 
@@ -117,9 +131,10 @@ def _delete(cache: HiCache, node: TreeNode) -> None:
     cache.log.transition(node.id, "delete")
 
 
-def _host_leaf(node: TreeNode) -> bool:
+def _host_leaf(cache: HiCache, node: TreeNode) -> bool:
     return (
         node.parent is not None
+        and node.id not in cache._spared
         and node.host == "backed"
         and node.device == "absent"
         and not any(c.host in HOST_HELD for c in node.children.values())
@@ -128,12 +143,12 @@ def _host_leaf(node: TreeNode) -> bool:
 
 def evict_host(cache: HiCache, num_tokens: int) -> int:
     """Evict least recently used unpinned host-only leaves, deleting each; return tokens freed."""
-    heap = [(n.last_access, n.id, n) for n in cache.tree if _host_leaf(n)]
+    heap = [(n.last_access, n.id, n) for n in cache.tree if _host_leaf(cache, n)]
     heapq.heapify(heap)
     freed = 0
     while freed < num_tokens and heap:
         _, _, node = heapq.heappop(heap)
-        if not _host_leaf(node):
+        if not _host_leaf(cache, node):
             continue
         parent = node.parent
         cache._fire(node, "evict_host")
@@ -142,7 +157,7 @@ def evict_host(cache: HiCache, num_tokens: int) -> int:
             cache.tree.remove_leaf(node)
             cache.counters.deleted_nodes += 1
             cache.log.transition(node.id, "delete")
-        if parent is not None and _host_leaf(parent):
+        if parent is not None and _host_leaf(cache, parent):
             heapq.heappush(heap, (parent.last_access, parent.id, parent))
     return freed
 
@@ -163,7 +178,7 @@ def load_chain(cache: HiCache, node: TreeNode) -> list[TreeNode] | None:
             cache._fire(n, "load")  # refused by the spec (no valid host copy): raises
     pages = sum(len(n.key) for n in chain) // cache.config.page_size
     try:
-        run = alloc_device(cache, pages, chain[0].parent)
+        run = alloc_device(cache, pages, chain[0].parent, chain)
     except PoolExhausted:
         return None
     at = 0
@@ -176,15 +191,19 @@ def load_chain(cache: HiCache, node: TreeNode) -> list[TreeNode] | None:
     return chain
 
 
-def alloc_device(cache: HiCache, pages: int, keep: TreeNode | None) -> tuple[int, ...]:
-    """Take ``pages`` device pages, evicting if the pool is short.
+def alloc_device(
+    cache: HiCache, pages: int, keep: TreeNode | None, spare: Sequence[TreeNode] = ()
+) -> tuple[int, ...]:
+    """Take ``pages`` device pages for a request, evicting if the pool is short.
 
     ``keep`` (or its nearest device-held ancestor) is locked while eviction
     runs, so the path an insert or a load hangs under is never evicted from
-    under it.
+    under it; the ``spare`` nodes (host-only nodes about to be adopted or
+    loaded) are kept from host eviction meanwhile.
 
     Raises:
-        PoolExhausted: Too little can be evicted; nothing was allocated.
+        PoolExhausted: Too little can be evicted; nothing was allocated, and
+            what eviction did stays done (see :func:`make_room`).
     """
     try:
         return cache.tiers.alloc_device(pages, 0)
@@ -195,11 +214,34 @@ def alloc_device(cache: HiCache, pages: int, keep: TreeNode | None) -> tuple[int
     held = keep if keep is not None and keep.parent is not None else None
     if held is not None:
         cache._fire(held, "lock")
+    cache._spared = frozenset(n.id for n in spare)
     try:
-        evict_device(
-            cache, pages * cache.config.page_size - cache.tiers.device.allocator.free_slots
-        )
+        make_room(cache, pages * cache.config.page_size)
     finally:
+        cache._spared = frozenset()
         if held is not None:
             cache._fire(held, "unlock")
     return cache.tiers.alloc_device(pages, 0)
+
+
+def make_room(cache: HiCache, slots: int) -> None:
+    """Evict until ``slots`` device slots are free, waiting for write-backs if they are needed.
+
+    Write-back eviction frees device pages only once a backup is
+    acknowledged. An allocation cannot wait for a later poll, so while the
+    pool is still short and write-backs are pending, this starts their
+    copies, waits for every copy in flight, applies the acknowledgements (in
+    issue order; the log records them) and evicts again, as SGLang's
+    write-back eviction waits for its backups. It stops when the pool has
+    room, when no write-back is pending, or when waiting freed nothing (the
+    backups failed, or their nodes were locked meanwhile); a write-back it
+    started is then applied, never left in flight.
+    """
+    allocator = cache.tiers.device.allocator
+    evict_device(cache, slots - allocator.free_slots)
+    while allocator.free_slots < slots and cache._evict_after_ack:
+        before = allocator.free_slots
+        transfers.settle(cache)
+        if allocator.free_slots == before:
+            return
+        evict_device(cache, slots - allocator.free_slots)

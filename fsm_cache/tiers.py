@@ -15,6 +15,7 @@ import torch
 from fsm_cache.copies import CopyEngine
 from fsm_cache.errors import ConfigError, PageBusy
 from fsm_cache.kvpool import KVLayout, KVPool, device_pool, host_pool
+from fsm_cache.pools import PageAllocator
 from fsm_cache.tickets import Copier
 
 
@@ -109,6 +110,14 @@ class Tiers:
         make = config.copier or CopyEngine
         self.copier: Copier = make(self.device, self.host)
         self.page_size = config.page_size
+
+    def reset(self) -> None:
+        """Free every page of both pools, keeping their tensors (and pinned memory) as they are.
+
+        The copy engine must have nothing in flight (drain it first): no page may be busy.
+        """
+        for pool in (self.device, self.host):
+            pool.allocator = PageAllocator(pool.name, pool.num_pages, pool.layout.page_size)
 
     def alloc_device(self, pages: int, owner: int) -> tuple[int, ...]:
         """Take ``pages`` device pages for ``owner`` (raises PoolExhausted, changes nothing)."""

@@ -7,19 +7,24 @@ effect after every check passed and before it commits, so a failing effect
 (a full host pool, a page still being copied) leaves the node unchanged.
 
 Copies are batched: effects only queue nodes, and :func:`flush` starts one
-copy per direction for everything an operation queued. :func:`apply_completion`
-turns a finished copy back into events (``write_done``, ``load_failed``, ...).
+copy per direction for everything an operation queued; :class:`Operation`
+brackets every public cache call so that the flush happens however the call
+ends. :func:`apply_acks` logs which copies a batch of acknowledgements covers
+and turns each finished copy back into events (``write_done``,
+``load_failed``, ...); :func:`settle` waits for every copy in flight, for an
+allocation that cannot wait for the next poll.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from fsm_cache import trail
-from fsm_cache.errors import CopyFailed, EffectFailed, PoolExhausted
+from fsm_cache.errors import CopyFailed, EffectFailed, FsmCacheError, PoolExhausted
 from fsm_cache.policy import wants_backup
 from fsm_cache.residency import DEVICE_HELD, Event
 from fsm_cache.tickets import Completion, Direction
@@ -66,10 +71,16 @@ def maybe_backup(cache: HiCache, node: TreeNode) -> None:
 
 @dataclass
 class Ticket:
-    """The nodes one started copy serves, and when it started."""
+    """The nodes one started copy serves, when it started, and its number in the log.
+
+    Copies are numbered from 1 in start order since the cache was built or
+    reset; the event log names copies by these numbers, which a replay
+    reproduces whatever ids its copy engine hands out.
+    """
 
     nodes: list[TreeNode]
     started: float
+    number: int
 
 
 def effects(cache: HiCache) -> dict[str, Callable[[Any], None]]:
@@ -106,9 +117,7 @@ def effects(cache: HiCache) -> dict[str, Callable[[Any], None]]:
     def adopt_device(node: TreeNode) -> None:
         node.device_pages = cache._incoming.pop(node.id)
         cache.leaf_heap.push(node)
-        allocator = cache.tiers.device.allocator
-        if node.device_pages and allocator.owner_of(node.device_pages[0]) == 0:
-            allocator.reassign(node.device_pages, 0, node.id)
+        cache.tiers.device.allocator.reassign(node.device_pages, 0, node.id)
 
     return {
         "start_write": start_write,
@@ -143,7 +152,31 @@ def start_batch(cache: HiCache, direction: Direction, nodes: list[TreeNode]) -> 
             cache._fire(n, failed)
         after_ack(cache, nodes, failed)
         return
-    cache._tickets[ticket.id] = Ticket(list(nodes), time.perf_counter())
+    cache._copies += 1
+    cache._tickets[ticket.id] = Ticket(list(nodes), time.perf_counter(), cache._copies)
+
+
+def apply_acks(cache: HiCache, completions: Sequence[Completion], origin: str) -> int:
+    """Log which copies ``completions`` acknowledge, then apply them in that order.
+
+    The log entry lists ``(copy number, ok)`` per completion, so that a replay
+    applies exactly these acknowledgements, at this point, with these outcomes.
+    """
+    acks = [(cache._tickets[c.ticket.id].number, c.ok) for c in completions]
+    cache.log.acks(origin, acks)
+    for completion in completions:
+        apply_completion(cache, completion)
+    return len(completions)
+
+
+def settle(cache: HiCache) -> int:
+    """Start the queued copies, wait for every copy in flight, and apply them all.
+
+    For an allocation that needs what acknowledgements free now (write-back
+    eviction); a poll would apply them later. Returns how many were applied.
+    """
+    flush(cache)
+    return apply_acks(cache, cache._collect(wait=True), "wait")
 
 
 def apply_completion(cache: HiCache, completion: Completion) -> None:
@@ -198,3 +231,30 @@ def on_split(cache: HiCache, prefix: TreeNode, suffix: TreeNode) -> None:
         if suffix in ticket.nodes:
             ticket.nodes.insert(ticket.nodes.index(suffix), prefix)
     cache.log.transition(prefix.id, f"split:{suffix.id}")
+
+
+class Operation:
+    """One public operation: logged first, its copies started however it ends, checked after."""
+
+    __slots__ = ("cache", "check", "name")
+
+    # NOTE: check=False where request-held slots may be outstanding: the design's
+    # conservation invariant counts only node-held pages.
+    def __init__(self, cache: HiCache, name: str, *args: Hashable, check: bool = True) -> None:
+        self.cache, self.name, self.check = cache, name, check and cache.config.debug
+        cache.log.op(name, *args)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        cache = self.cache
+        if isinstance(exc, FsmCacheError):
+            cache.log.refusal(self.name, exc)
+        flush(cache)  # nothing stays queued without its copy, even on a refusal
+        if exc is None and self.check:
+            from fsm_cache.consistency import check
+
+            check(cache, after=self.name)

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from fsm_cache.cache import HiCache
-from fsm_cache.errors import ConfigError, IllegalTransition, LeaseError, PoolExhausted
+from fsm_cache.copies import CopyEngine
+from fsm_cache.errors import ConfigError, ForeignSlot, IllegalTransition, LeaseError, PoolExhausted
+from fsm_cache.eventlog import replay
+from fsm_cache.kvpool import KVPool
+from fsm_cache.pools import slots_of
+from fsm_cache.testing import FaultyCopyEngine
+from fsm_cache.tickets import Direction
 from fsm_cache.tiers import CacheConfig, synthetic_kv
 from fsm_cache.tree import TreeNode
 
@@ -32,6 +38,22 @@ def tokens(start: int, n: int) -> list[int]:
 
 def kv_of(cache: HiCache, node: TreeNode) -> torch.Tensor:
     return cache.tiers.read_device(node.device_pages)
+
+
+def states(cache: HiCache) -> list[tuple[int, str]]:
+    return sorted((n.id, n.residency()) for n in cache.tree)
+
+
+def nothing_queued(cache: HiCache) -> bool:
+    """No node waits in a batch without its copy, and no copy is in flight."""
+    return cache._batch == {Direction.D2H: [], Direction.H2D: []} and cache.issued() == []
+
+
+def failing(*positions: int) -> object:
+    def build(device: KVPool, host: KVPool) -> FaultyCopyEngine:
+        return FaultyCopyEngine(CopyEngine(device, host), fail=positions)
+
+    return build
 
 
 class TestInsertAndMatch:
@@ -93,6 +115,63 @@ class TestInsertAndMatch:
         assert list(node.device_pages) == [s // 4 for s in slots[::4]]
         assert torch.equal(kv_of(cache, node), kv)
 
+    def test_slots_the_request_never_allocated_are_refused_first(self) -> None:
+        """Free pages passed as a request's slots are refused before the tree changes."""
+        cache = make()
+        with pytest.raises(ForeignSlot) as caught:
+            cache.insert(tokens(0, 8), list(range(8)))
+        assert str(caught.value) == (
+            "insert: device page 0 is free; a request's slots come from alloc_slots"
+        )
+        assert list(cache.tree) == []
+        assert cache.tiers.device.allocator.free_pages == 16
+        cache.check_invariants()
+
+    def test_a_page_given_twice_is_refused_first(self) -> None:
+        """The same request page passed for two pages of the key is refused; the request keeps it."""
+        cache = make()
+        held = cache.alloc_slots(4)
+        with pytest.raises(ForeignSlot) as caught:
+            cache.insert(tokens(0, 8), held + held)
+        assert str(caught.value) == "insert: device page 0 is given twice"
+        assert list(cache.tree) == []
+        cache.free_slots(held)
+        assert cache.tiers.device.allocator.free_pages == 16
+        cache.check_invariants()
+
+    def test_pages_of_a_node_are_refused(self) -> None:
+        """A node's own pages are not a request's to hand over."""
+        cache = make()
+        cache.insert(tokens(0, 8))
+        (node,) = list(cache.tree)
+        before = states(cache)
+        with pytest.raises(ForeignSlot) as caught:
+            cache.insert(tokens(100, 8), slots_of(node.device_pages, 4))
+        assert str(caught.value) == "insert: device page 0 belongs to node 1, not to a request"
+        assert states(cache) == before
+        cache.check_invariants()
+
+    def test_slots_for_a_host_only_prefix_are_checked_too(self) -> None:
+        """Recomputed KV for an evicted prefix must come in request pages as well."""
+        cache = make()
+        cache.insert(tokens(0, 8))
+        cache.poll()
+        cache.evict(8)
+        with pytest.raises(ForeignSlot) as caught:
+            cache.insert(tokens(0, 16), [*range(60, 64), *range(56, 60), *cache.alloc_slots(8)])
+        assert str(caught.value) == (
+            "insert: device page 15 is free; a request's slots come from alloc_slots"
+        )
+        assert states(cache) == [(1, "backed/absent (pins=0, locks=0)")]
+
+    def test_too_few_slots_are_refused(self) -> None:
+        """Every token of the key needs a slot."""
+        cache = make()
+        with pytest.raises(ForeignSlot) as caught:
+            cache.insert(tokens(0, 8), cache.alloc_slots(4))
+        assert str(caught.value) == "insert: 4 device slots for 8 tokens"
+        assert list(cache.tree) == []
+
     def test_exhausted_device_pool_raises_and_changes_nothing(self) -> None:
         """With every page locked, an insert that needs more refuses with PoolExhausted."""
         cache = make(device_pages=4)
@@ -121,6 +200,48 @@ class TestLocks:
         assert [n.locks for n in cache.tree] == [0, 0]
         with pytest.raises(LeaseError, match="already released"):
             cache.unlock(lock)
+
+    def test_releasing_the_receipt_itself_is_the_cache_unlock(self) -> None:
+        """lock.release() unlocks through the cache: logged, counted, replayed."""
+        cache = make()
+        cache.insert(tokens(0, 8))
+        (node,) = list(cache.tree)
+        lock = cache.lock(node)
+        lock.release()
+        assert node.locks == 0
+        assert cache.stats().transitions["unlock"] == 1
+        assert cache.log.entries[-2:] == [("op", "unlock", (1,)), ("transition", 1, "unlock")]
+        assert replay(cache.log, cache.config).tree.nodes[1].locks == 0
+        with pytest.raises(LeaseError, match="already released"):
+            cache.unlock(lock)
+
+    def test_a_with_block_unlocks_once(self) -> None:
+        """The end of ``with cache.lock(node):`` is one unlock; a later unlock is refused."""
+        cache = make()
+        cache.insert(tokens(0, 8))
+        (node,) = list(cache.tree)
+        with cache.lock(node) as lock:
+            assert node.locks == 1
+        assert (node.locks, cache.stats().transitions["unlock"]) == (0, 1)
+        with pytest.raises(LeaseError) as caught:
+            cache.unlock(lock)
+        assert str(caught.value) == (
+            f"node 1: lease (lock taken at {lock.taken_at}) already released at {lock.released_at}"
+        )
+        assert cache.stats().transitions["unlock"] == 1
+
+    def test_unlock_refuses_a_pin_receipt(self) -> None:
+        """A pin's lease is not a lock: unlock refuses it and the pin stays."""
+        cache = make()
+        cache.insert(tokens(0, 8))
+        cache.poll()
+        (node,) = list(cache.tree)
+        pin = cache.pin(node)
+        with pytest.raises(LeaseError) as caught:
+            cache.unlock(pin)
+        assert str(caught.value) == "node 1: unlock takes a lock receipt, not a pin"
+        assert node.pins == 1
+        pin.release()
 
     def test_eviction_honours_locks(self) -> None:
         """A locked node is not evicted, however much is asked."""
@@ -165,6 +286,77 @@ class TestEviction:
         assert (node.host, node.device) == ("writing", "resident")
         cache.poll()
         assert (node.host, node.device) == ("backed", "absent")
+
+    def test_write_back_insert_waits_for_the_backup_it_needs(self) -> None:
+        """A full device under write-back: the insert backs the LRU leaf up, waits, evicts it."""
+        cache = make(device_pages=4, write_policy="write_back")
+        cache.insert(tokens(0, 16))
+        assert cache.insert(tokens(100, 8)) == 0
+        assert states(cache) == [
+            (1, "backed/absent (pins=0, locks=0)"),
+            (2, "unbacked/resident (pins=0, locks=0)"),
+        ]
+        assert nothing_queued(cache)
+        assert ("acks", "wait", ((1, True),)) in cache.log.entries
+
+    def test_write_back_alloc_slots_waits_too(self) -> None:
+        """A request's slots under write-back pressure come from a waited-for backup."""
+        cache = make(device_pages=4, write_policy="write_back")
+        cache.insert(tokens(0, 16))
+        held = cache.alloc_slots(8)
+        assert len(held) == 8
+        assert states(cache) == [(1, "backed/absent (pins=0, locks=0)")]
+        cache.free_slots(held)
+        assert cache.tiers.device.allocator.free_pages == 4
+
+    def test_write_back_refusal_applies_its_backups_and_queues_nothing(self) -> None:
+        """Too little room even after waiting: refused; the backup it started was applied."""
+        cache = make(device_pages=4, write_policy="write_back")
+        cache.insert(tokens(0, 8))
+        cache.insert(tokens(100, 8))
+        lock = cache.lock(cache.tree.nodes[2])
+        with pytest.raises(PoolExhausted) as caught:
+            cache.insert(tokens(200, 16))
+        assert str(caught.value) == "device pool exhausted: requested 16 slots, 8 free"
+        assert states(cache) == [
+            (1, "backed/absent (pins=0, locks=0)"),
+            (2, "unbacked/resident (pins=0, locks=1)"),
+        ]
+        assert nothing_queued(cache)
+        assert cache.log.entries[-1] == (
+            "refused",
+            "insert",
+            "PoolExhausted: device pool exhausted: requested 16 slots, 8 free",
+        )
+        cache.unlock(lock)
+
+    def test_failed_write_back_is_applied_before_the_refusal(self) -> None:
+        """A backup that fails frees nothing: the insert is refused with the failure applied."""
+        cache = make(device_pages=4, write_policy="write_back", copier=failing(1))
+        cache.insert(tokens(0, 16))
+        with pytest.raises(PoolExhausted) as caught:
+            cache.insert(tokens(100, 8))
+        assert str(caught.value) == "device pool exhausted: requested 8 slots, 0 free"
+        assert states(cache) == [(1, "unbacked/resident (pins=0, locks=0)")]
+        assert cache.tiers.host.allocator.free_pages == 32
+        assert cache.stats().transitions == {"write": 1, "write_failed": 1}
+        assert nothing_queued(cache)
+
+    def test_host_only_prefix_survives_a_write_back_that_needs_host_room(self) -> None:
+        """The host-only prefix an insert adopts is never the host eviction a backup makes."""
+        cache = make(device_pages=4, host_pages=4, write_policy="write_back")
+        cache.insert(tokens(0, 8))
+        cache.evict(8)
+        cache.poll()
+        cache.insert(tokens(100, 16))
+        with pytest.raises(PoolExhausted) as caught:
+            cache.insert(tokens(0, 16))
+        assert str(caught.value) == "device pool exhausted: requested 16 slots, 0 free"
+        assert states(cache) == [
+            (1, "backed/absent (pins=0, locks=0)"),
+            (2, "unbacked/resident (pins=0, locks=0)"),
+        ]
+        assert nothing_queued(cache)
 
     def test_host_eviction_honours_pins_and_deletes(self) -> None:
         """A pinned host-only leaf stays; once released, host eviction deletes the node."""
@@ -231,7 +423,7 @@ class TestPolicies:
         (node,) = list(cache.tree)
         assert node.host == "unbacked"
         cache.insert(tokens(0, 8))
-        assert node.host == "writing"
+        assert states(cache) == [(1, "writing/resident (pins=0, locks=0)")]
 
     def test_write_through_child_waits_for_its_parent(self) -> None:
         """A child's backup starts only once its parent's host copy is valid."""
@@ -292,3 +484,43 @@ def test_reset_drains_copies_and_starts_empty() -> None:
     assert cache.tiers.device.allocator.free_pages == 16
     assert cache.tiers.host.allocator.free_pages == 32
     assert cache.insert(tokens(0, 8)) == 0
+
+
+def test_reset_keeps_pools_and_copier_and_behaves_as_new() -> None:
+    """Reset reuses the KV tensors and the copy engine; the cache then acts as a fresh one."""
+    cache, fresh = make(), make()
+    device, host, copier = cache.tiers.device.tensor, cache.tiers.host.tensor, cache.tiers.copier
+    for c in (cache, fresh):
+        c.insert(tokens(0, 8))
+    cache.poll()
+    cache.evict(8)
+    cache.reset()
+    assert cache.tiers.device.tensor is device
+    assert cache.tiers.host.tensor is host
+    assert cache.tiers.copier is copier
+    assert cache.log.entries == []
+    assert cache.stats() == make().stats()
+    fresh.reset()
+    for c in (cache, fresh):
+        c.insert(tokens(0, 16))
+        c.poll()
+        c.match_prefix(tokens(0, 8))
+    assert cache.log.entries == fresh.log.entries
+    assert states(cache) == states(fresh)
+
+
+def test_reset_voids_receipts_taken_before() -> None:
+    """A lock taken before a reset cannot unlock a node of the new tree."""
+    cache = make()
+    cache.insert(tokens(0, 8))
+    lock = cache.lock(next(iter(cache.tree)))
+    cache.reset()
+    cache.insert(tokens(0, 8))
+    with pytest.raises(LeaseError) as caught:
+        cache.unlock(lock)
+    assert str(caught.value) == (
+        f"node 1: lease (lock taken at {lock.taken_at}) already released at {lock.released_at}"
+    )
+    assert lock.released_at is not None
+    assert lock.released_at.function == "test_reset_voids_receipts_taken_before"
+    assert cache.tree.nodes[1].locks == 0

@@ -143,6 +143,15 @@ def test_demo_serves_and_refuses_the_planted_double_release(
     assert "in drain_backup" in out
 
 
+@pytest.mark.parametrize("policy", ["write_through_selective", "write_back"])
+def test_demo_serves_under_every_policy(policy: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under memory pressure every write policy serves the workload with nothing refused."""
+    assert main(["demo", "--requests", "150", "--policy", policy]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"tokens, {policy})" in out
+    assert "refused transitions │ 0" in out
+
+
 @pytest.mark.parametrize(
     ("what", "ratio"),
     [("engine", "x bare"), ("cache", "x baseline"), ("copies", "machine / raw = ")],
@@ -168,3 +177,24 @@ def test_cuda_round_trip_through_streams_and_events() -> None:
         cache.poll()
     assert torch.equal(cache.tiers.read_device(node.device_pages), written)
     assert cache.tiers.host.pinned
+
+
+@pytest.mark.gpu
+def test_cuda_write_back_waits_on_events_and_reset_keeps_pinned_memory() -> None:
+    """On CUDA: an insert waits for the write-back it needs; reset reuses the pools."""
+    cache = HiCache(config(device="cuda", write_policy="write_back", device_pages=4))
+    cache.insert(list(range(16)))
+    (first,) = list(cache.tree)
+    written = cache.tiers.read_device(first.device_pages)
+    assert cache.insert(list(range(100, 108))) == 0
+    assert (first.host, first.device) == ("backed", "absent")
+    assert cache.issued() == []
+    expected = synthetic_kv(cache.tiers.device.layout, first.key)
+    assert torch.equal(cache.tiers.host.read(first.host_pages), expected)
+    assert torch.equal(written, expected)
+    device, host = cache.tiers.device.tensor, cache.tiers.host.tensor
+    cache.reset()
+    assert cache.tiers.device.tensor is device
+    assert cache.tiers.host.tensor is host
+    assert cache.tiers.host.pinned
+    assert cache.insert(list(range(16))) == 0
