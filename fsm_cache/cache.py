@@ -163,12 +163,12 @@ class HiCache:
             PoolExhausted: Not enough device memory even after eviction; as
                 for :meth:`insert`, what the eviction did stays done.
         """
-        with Operation(self, "alloc_slots", num_tokens, check=False):
+        with Operation(self, "alloc_slots", num_tokens):
             return slots.alloc(self, num_tokens)
 
     def free_slots(self, device_slots: Sequence[int]) -> None:
         """Give back request-held device slots (e.g. the duplicates of a cached prefix)."""
-        with Operation(self, "free_slots", tuple(device_slots), check=False):
+        with Operation(self, "free_slots", tuple(device_slots)):
             slots.free(self, device_slots)
 
     def backup(self, nodes: Sequence[TreeNode]) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from fsm_cache.errors import InvariantViolation
-from fsm_cache.pools import FREE
+from fsm_cache.pools import FREE, REQUEST
 from fsm_cache.residency import DEVICE_HELD, HOST_HELD, HOST_VALID
 from fsm_cache.shipped import host_machine
 
@@ -175,11 +175,14 @@ def _pools(cache: HiCache) -> Iterator[Finding]:
                         f"{pool.name} page {p}",
                         f"held by node {node.id}, owned by {alloc.owner_of(p)}",
                     )
-        if owned != alloc.num_pages - alloc.free_pages:
+        # pages a request took with alloc_slots and has not inserted or freed yet
+        requested = sum(alloc.owner_of(p) == REQUEST for p in range(alloc.num_pages))
+        if owned + requested != alloc.num_pages - alloc.free_pages:
             yield (
                 7,
                 f"{pool.name} pool",
-                f"{alloc.num_pages - alloc.free_pages} pages used, {owned} held by nodes",
+                f"{alloc.num_pages - alloc.free_pages} pages used, {owned} held by nodes "
+                f"and {requested} by requests",
             )
         for p in sorted(busy):
             if alloc.owner_of(p) == FREE:

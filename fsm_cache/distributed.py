@@ -69,7 +69,8 @@ class DistributedCache:
 
     Raises:
         NoProcessGroup: ``torch.distributed`` is not initialised.
-        ConfigError: ``timeout`` is not positive or ``verify_every`` is negative.
+        ConfigError: ``timeout`` is not positive, ``verify_every`` is negative, or
+            the cache's write policy is ``write_back``.
     """
 
     def __init__(
@@ -89,6 +90,11 @@ class DistributedCache:
             raise ConfigError(
                 "distributed: timeout must be > 0 and verify_every >= 0, "
                 f"got timeout={timeout} and verify_every={verify_every}"
+            )
+        if cache.config.write_policy == "write_back":
+            raise ConfigError(
+                "distributed: write_back waits for its copies inside an allocation, where the "
+                "ranks cannot agree on them yet; use write_through or write_through_selective"
             )
         self.cache = cache
         self.comm = Collectives.of(group, device, timeout)

@@ -22,6 +22,9 @@ from fsm_cache.errors import DoubleFree, ForeignSlot, InvariantViolation, PoolEr
 FREE = -1
 """The owner recorded for a page that is free; real owners are ``>= 0``."""
 
+REQUEST = 0
+"""The owner of pages a request holds (tree nodes own theirs by node id, from 1)."""
+
 
 def slots_of(pages: Iterable[int], page_size: int) -> list[int]:
     """Return the slot indices of ``pages``, page by page, in order.
@@ -96,7 +99,7 @@ class PageAllocator:
         """Slots currently owned."""
         return self.size - self.free_slots
 
-    def alloc(self, num_slots: int, owner: int = 0) -> list[int]:
+    def alloc(self, num_slots: int, owner: int = REQUEST) -> list[int]:
         """Take ``num_slots // page_size`` free pages for ``owner``.
 
         Preconditions: ``num_slots >= 0`` and a multiple of ``page_size``;
@@ -123,7 +126,7 @@ class PageAllocator:
             self._owner[p] = owner
         return pages
 
-    def free(self, pages: Sequence[int], owner: int = 0) -> None:
+    def free(self, pages: Sequence[int], owner: int = REQUEST) -> None:
         """Give ``pages`` back; all of them, or none if any is refused.
 
         Precondition: every page is in range, used, owned by ``owner``, and

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from fsm_cache.cache import HiCache
 from fsm_cache.lease import Lease
-from fsm_cache.pools import pages_of, slots_of
+from fsm_cache.pools import REQUEST, pages_of, slots_of
 from fsm_cache.residency import HOST_VALID
 from fsm_cache.tree import TreeNode
 from fsm_cache.workload import Request
@@ -88,6 +88,12 @@ def _serve_one(cache: HiCache, tokens: tuple[int, ...], report: ServeReport) -> 
     fresh = cache.alloc_slots(need)
     cache.tiers.write_tokens(pages_of(fresh, page), key[match.device_len :])
     cache.insert(key, slots_of(match.device_pages, page) + fresh)
+    # insert adopts slots only for what the device lacked; a node still loading was not
+    # matched on the device, so its part of ``fresh`` stays the request's to give back
+    allocator = cache.tiers.device.allocator
+    kept = [p for p in pages_of(fresh, page) if allocator.owner_of(p) == REQUEST]
+    if kept:
+        cache.free_slots(slots_of(kept, page))
     if lock is not None:
         cache.unlock(lock)
     report.requests += 1

@@ -238,8 +238,6 @@ class Operation:
 
     __slots__ = ("cache", "check", "name")
 
-    # NOTE: check=False where request-held slots may be outstanding: the design's
-    # conservation invariant counts only node-held pages.
     def __init__(self, cache: HiCache, name: str, *args: Hashable, check: bool = True) -> None:
         self.cache, self.name, self.check = cache, name, check and cache.config.debug
         cache.log.op(name, *args)

@@ -192,7 +192,22 @@ def test_invariant_7_every_used_page_belongs_to_the_node_holding_it() -> None:
 def test_invariant_7_pages_used_equal_pages_held() -> None:
     built, node = single()
     built.tiers.host.allocator.alloc(4, owner=node.id)
-    assert violation(built) == "invariant 7 broken at host pool: 3 pages used, 2 held by nodes"
+    assert violation(built) == (
+        "invariant 7 broken at host pool: 3 pages used, 2 held by nodes and 0 by requests"
+    )
+
+
+def test_invariant_7_counts_the_slots_a_request_holds() -> None:
+    built, _ = single(debug=True)  # debug mode checks after alloc_slots and free_slots too
+    held = built.alloc_slots(8)  # a request between its allocation and its insert
+    built.check_invariants()
+    built.free_slots(held)
+    built.check_invariants()
+    stray = built.tiers.device.allocator.alloc(4)
+    built.tiers.device.allocator.reassign(stray, 0, 99)  # owned by no node and no request
+    assert violation(built) == (
+        "invariant 7 broken at device pool: 3 pages used, 2 held by nodes and 0 by requests"
+    )
 
 
 def test_invariant_8_counts_never_go_negative() -> None:

@@ -10,6 +10,7 @@ test with the rank's traceback; a group that outlives its deadline is killed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import inspect
 import itertools
@@ -524,6 +525,13 @@ def test_bad_settings_are_refused() -> None:
         DistributedCache(HiCache(bench_config()), timeout=0)
     assert str(caught.value) == (
         "distributed: timeout must be > 0 and verify_every >= 0, got timeout=0 and verify_every=0"
+    )
+    write_back = dataclasses.replace(bench_config(), write_policy="write_back")
+    with pytest.raises(ConfigError) as caught:
+        DistributedCache(HiCache(write_back))
+    assert str(caught.value) == (
+        "distributed: write_back waits for its copies inside an allocation, where the "
+        "ranks cannot agree on them yet; use write_through or write_through_selective"
     )
 
 
