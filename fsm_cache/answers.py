@@ -7,7 +7,9 @@ alone, which reads the node's states and counters and its parent's and
 children's region states and nothing else. So each node's answer is tabled on
 exactly that (its *context*), and an event's outcome on a chain of nodes is
 the combination of its nodes' answers: refused if any of them refuses, in
-node-to-root order as the engine checks them.
+node-to-root order as the engine checks them. Under a write policy
+(:class:`~fsm_cache.model.Choices`) an acknowledgement of a backup likewise
+changes the ancestors the same copy serves.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from fsm_cache.engine import Engine
 from fsm_cache.errors import IllegalTransition
 from fsm_cache.forest import Trees
-from fsm_cache.model import Entry, Layout
+from fsm_cache.model import Choices, Entry, Layout
 
 
 Context = tuple[int, int, tuple[int, ...]]
@@ -33,12 +35,16 @@ class Answers:
         layout: The node layout of the spec.
         trees: The interned subtrees the contexts are read from.
         bounds: Counter ceilings in counter order (an answer past one is a refusal).
+        choices: What the cache chooses among the steps the spec allows.
     """
 
-    def __init__(self, layout: Layout, trees: Trees, bounds: list[int]) -> None:
+    def __init__(
+        self, layout: Layout, trees: Trees, bounds: list[int], choices: Choices | None = None
+    ) -> None:
         self.layout = layout
         self.trees = trees
         self.bounds = bounds
+        self.choices = choices or Choices()
         self.engine = Engine(layout.system, audit=False)
         self.Rec: type = type("Rec", (), {"__slots__": (*self.engine.slots, "parent", "children")})
         self.fields = (*layout.regions, *layout.counters)
@@ -67,20 +73,30 @@ class Answers:
 
         Returns:
             ``(event, locals)`` in event order, the node's new local first, then
-            those of the ancestors it propagates to; an event any of them refuses
-            is left out.
+            those of the ancestors it propagates to (or whose copy it
+            acknowledges too); an event any of them refuses is left out.
         """
         out = []
         for event, lid, propagates in self.enabled(chain[0]):
             lids = [lid]
-            for ctx in chain[1:] if propagates else ():
+            for ctx in chain[1:]:
+                if not (propagates or self._joins(event, ctx)):
+                    break
                 above = self.answer(event, ctx, False)
                 if above is None:
+                    lids = []
                     break
                 lids.append(above[0])
-            else:
+            if lids:
                 out.append((event, tuple(lids)))
         return out
+
+    def _joins(self, event: str, ctx: int) -> bool:
+        """Whether ``event``, acknowledging a copy below, applies to the node of ``ctx`` too."""
+        if event not in self.choices.acks:
+            return False
+        lid = self.contexts[ctx][0]
+        return self.choices.joins(self.layout, event, (0, *self.trees.locals[lid]))
 
     def enabled(self, ctx: int) -> list[tuple[str, int, bool]]:
         """Return the events the node of context ``ctx`` accepts: name, new local, propagates."""
@@ -106,6 +122,8 @@ class Answers:
         entry: Entry = (0, *self.trees.locals[lid])
         if fired and layout.gives_back_unheld(entry, event):
             return None  # clients only give back what they hold
+        if fired and not self._chosen(event, entry, up, kids):
+            return None  # the cache does not fire it here
         try:
             assigns, _, propagates = self.engine.plan(self._record(entry, up, kids), event)
         except IllegalTransition:
@@ -118,6 +136,18 @@ class Answers:
         if layout.over(after, self.bounds):
             return None
         return self.trees.lid(after[1:]), propagates
+
+    def _chosen(self, event: str, entry: Entry, up: int, kids: tuple[int, ...]) -> bool:
+        """Whether the cache fires ``event`` at the node itself (its policy, its copies)."""
+        if self.choices.policy is None:
+            return True  # any step the spec allows
+        states = self.trees.states
+        parent = (0, *states[up]) if up >= 0 else None
+        if not self.choices.fires(self.layout, event, entry, parent):
+            return False
+        return not self.choices.waits(
+            event, [self.layout.state((0, *states[s]), "host") for s in kids]
+        )
 
     def _record(self, entry: Entry, up: int, kids: tuple[int, ...]) -> Any:
         """Return a record of the node, with views of its parent's and children's region states."""

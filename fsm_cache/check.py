@@ -7,7 +7,10 @@ operations (insert a leaf, split a node, delete a node whose data is gone).
 Every reachable state is explored breadth-first and checked against the
 design's invariants (:mod:`fsm_cache.invariants`); on a violation the
 shortest event sequence reaching it is printed and the exit status is 1.
-Without arguments it checks the shipped specs and the negative controls of
+``--policy write_through`` checks HiCache's own choices too: backups start
+only where its write policy starts them, and their prefix-closure
+(invariant 3) is checked. Without arguments it checks the shipped specs, the
+residency spec under the write-through policy, and the negative controls of
 ``specs/bugs_detected`` (each of which must still yield its finding).
 """
 
@@ -31,6 +34,7 @@ from fsm_cache.errors import SpecError
 from fsm_cache.explore import Bounds, Explorer, Result
 from fsm_cache.loader import load_spec
 from fsm_cache.model import Layout, Nodes
+from fsm_cache.policy import WritePolicy
 from fsm_cache.shipped import shipped_spec_paths
 from fsm_cache.spec import as_system
 
@@ -50,27 +54,40 @@ def shapes(layout: Layout, nodes: int) -> dict[str, Nodes]:
     }
 
 
+POLICIES: dict[str, WritePolicy | None] = {"none": None, "write_through": WritePolicy.WRITE_THROUGH}
+"""``--policy`` choices: none (every step the spec allows), or HiCache's write-through."""
+
+POLICY_NODES = 3
+"""Tree size of the write-through pass of the no-argument run (it keeps ``make test`` short)."""
+
+
 def check_spec(
     path: Path,
     nodes: int,
     bounds: Bounds,
     ops: ModuleType | Any = treeops,
+    *,
     tick: Callable[[int], None] | None = None,
+    policy: WritePolicy | None = None,
 ) -> Result:
-    """Model-check the spec at ``path``.
+    """Model-check the spec at ``path``, under the cache's write ``policy`` if one is given.
 
     Raises:
-        SpecError: The spec does not load.
+        SpecError: The spec does not load, or a policy is given for a spec
+            without host and device regions.
     """
     layout = Layout.of(as_system(load_spec(path)))
-    return Explorer(layout, bounds, ops).run(shapes(layout, nodes), tick)
+    return Explorer(layout, bounds, ops, policy).run(shapes(layout, nodes), tick)
 
 
 def load_ops(path: Path) -> tuple[Path, ModuleType]:
     """Load a control module: its ``SPEC`` path and the tree operations it overrides.
 
+    The module may also replace ``wants_backup`` (where the write policy
+    starts backups) and name the ``POLICY`` to check under (default none).
+
     Raises:
-        SpecError: The module cannot be imported or names no ``SPEC``.
+        SpecError: The module cannot be imported, names no ``SPEC`` or an unknown ``POLICY``.
     """
     spec = importlib.util.spec_from_file_location(f"fsm_cache_ops_{path.stem}", path)
     if spec is None or spec.loader is None:
@@ -80,6 +97,8 @@ def load_ops(path: Path) -> tuple[Path, ModuleType]:
     target = getattr(module, "SPEC", None)
     if not isinstance(target, str):
         raise SpecError([f"{path}: names no SPEC = 'path/to/spec.toml'"])
+    if getattr(module, "POLICY", "none") not in POLICIES:
+        raise SpecError([f"{path}: POLICY must be one of {', '.join(POLICIES)}"])
     for name in ("insert", "split", "prune"):
         if not hasattr(module, name):
             setattr(module, name, getattr(treeops, name))
@@ -101,24 +120,55 @@ def control_finding(
     spec, problem = load_finding(path)
     if spec is None:
         return f"validate: {problem}"
-    result = check_spec(path, nodes, bounds, ops)
+    policy = POLICIES[getattr(ops, "POLICY", "none")]
+    result = check_spec(path, nodes, bounds, ops, policy=policy)
     return f"check: violation: {result.violation}" if result.violation else ""
+
+
+def targets(args: argparse.Namespace) -> list[tuple[Path, str, int]]:
+    """Return what to check: ``(spec, policy, nodes)`` in order.
+
+    Named specs run under ``--policy`` (default none). Without specs, the
+    shipped specs run with no policy, then those of the residency layout under
+    the write-through policy on at most :data:`POLICY_NODES` nodes; an explicit
+    ``--policy`` runs the shipped specs it applies to under it instead.
+    """
+    if args.specs:
+        return [(Path(p), args.policy or "none", args.nodes) for p in args.specs]
+    shipped = shipped_spec_paths()
+    residency = [p for p in shipped if Layout.of(as_system(load_spec(p))).residency]
+    if args.policy is not None:
+        return [
+            (p, args.policy, args.nodes) for p in (residency if POLICIES[args.policy] else shipped)
+        ]
+    through = min(args.nodes, POLICY_NODES)
+    return [
+        *((p, "none", args.nodes) for p in shipped),
+        *((p, "write_through", through) for p in residency),
+    ]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Check the targets (the shipped specs when none) and, without targets, the controls."""
     bounds = Bounds({"pins": args.max_pins, "locks": args.max_locks}, args.max_count)
-    paths = [Path(p) for p in args.specs] or shipped_spec_paths()
     ops = treeops
     if args.ops:
         _, ops = load_ops(Path(args.ops))
     specs = []
-    for path in paths:
+    for path, policy, nodes in targets(args):
         started = time.perf_counter()
-        with _progress(args.progress, path.name) as tick:
-            result = check_spec(path, args.nodes, bounds, ops, tick)
+        with _progress(args.progress, _title(path.name, policy)) as tick:
+            result = check_spec(path, nodes, bounds, ops, tick=tick, policy=POLICIES[policy])
         seconds = time.perf_counter() - started
-        specs.append({"spec": str(path), "seconds": seconds, **vars(result)})
+        specs.append(
+            {
+                "spec": str(path),
+                "policy": policy,
+                "nodes": nodes,
+                "seconds": seconds,
+                **vars(result),
+            }
+        )
     checked = []
     for control in (
         controls(tools=("validate", "check")) if not args.specs and not args.no_controls else []
@@ -141,7 +191,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     for s in result["specs"]:
         rate = s["states"] / s["seconds"] if s["seconds"] else 0.0
         lines.append(
-            f"{s['spec']}: {args.nodes} nodes ({', '.join(SHAPES)}), pins <= {args.max_pins}, locks <= {args.max_locks}"
+            f"{_title(s['spec'], s['policy'])}: {s['nodes']} nodes ({', '.join(SHAPES)}), pins <= {args.max_pins}, locks <= {args.max_locks}"
         )
         lines.append(f"  states explored: {s['states']}")
         lines.append(f"  states/s: {rate:.0f}")
@@ -154,6 +204,11 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
             lines.append("  no invariant violated")
     lines += render_controls(result["controls"])
     return "\n".join(lines)
+
+
+def _title(spec: str, policy: str) -> str:
+    """Return how a spec is named in the report: its path, and its policy if any."""
+    return spec if policy == "none" else f"{spec} ({policy} policy)"
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -186,24 +241,53 @@ def register(subparsers: Any) -> None:
         "--max-count", type=int, default=2, help="bound of any other counter (default 2)"
     )
     parser.add_argument(
-        "--ops", metavar="FILE.py", help="a module replacing tree operations (insert, split, prune)"
+        "--policy",
+        choices=tuple(POLICIES),
+        help="the cache's write policy: none (every step the spec allows) or write_through "
+        "(backups start where HiCache starts them; invariant 3 checked); default: none, and "
+        f"without SPEC also the residency spec under write_through on {POLICY_NODES} nodes",
+    )
+    parser.add_argument(
+        "--ops",
+        metavar="FILE.py",
+        help="a module replacing tree operations (insert, split, prune) or wants_backup",
     )
     parser.add_argument(
         "--progress",
         action="store_true",
         default=None,
-        help="show a progress bar (default: when stderr is a terminal)",
+        help="show progress on stderr: a bar on a terminal, else a line every "
+        f"{PLAIN_EVERY:.0f} s (default: when stderr is a terminal)",
     )
     parser.add_argument("--no-controls", action="store_true", help="skip the negative controls")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(handler=handle)
 
 
+PLAIN_EVERY = 5.0
+"""Seconds between plain progress lines (progress on a non-terminal, as in CI logs)."""
+
+
 @contextmanager
 def _progress(wanted: bool | None, name: str) -> Iterator[Callable[[int], None] | None]:
-    if not (wanted if wanted is not None else sys.stderr.isatty()):
+    """Yield the callback that shows progress on stderr (None: show none).
+
+    On a terminal a rich progress display; elsewhere (CI logs), with
+    ``--progress``, a plain line every :data:`PLAIN_EVERY` seconds.
+    """
+    terminal = sys.stderr.isatty()
+    if not (wanted if wanted is not None else terminal):
         yield None
-        return
+    elif terminal:
+        with _bar(name) as tick:
+            yield tick
+    else:
+        yield _plain(name)
+
+
+@contextmanager
+def _bar(name: str) -> Iterator[Callable[[int], None]]:
+    from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     columns = (
@@ -211,6 +295,20 @@ def _progress(wanted: bool | None, name: str) -> Iterator[Callable[[int], None] 
         TextColumn("{task.description}: {task.completed} states"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, transient=True, console=None) as bar:
+    with Progress(*columns, transient=True, console=Console(stderr=True)) as bar:
         task = bar.add_task(name, total=None)
         yield lambda n: bar.update(task, completed=n)
+
+
+def _plain(name: str) -> Callable[[int], None]:
+    started = last = time.perf_counter()
+
+    def tick(states: int) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if now - last >= PLAIN_EVERY:
+            last = now
+            rate = states / (now - started)
+            print(f"{name}: {states} states, {rate:.0f} states/s", file=sys.stderr, flush=True)
+
+    return tick

@@ -5,9 +5,11 @@ Each step is either a spec event on one node, or a tree operation of
 outcome is the engine's own (:mod:`fsm_cache.answers`: per-node
 :meth:`~fsm_cache.engine.Engine.plan` answers, tabled on each node's context
 and combined along the chain it propagates to), so the checker checks the
-spec's real semantics, refusals and propagation included. The events of a
-root subtree depend on that subtree alone, so they are tabled per root
-subtree. Parent pointers give the shortest step sequence to any state.
+spec's real semantics, refusals and propagation included. Under a write
+policy, the cache's own choices (:class:`~fsm_cache.model.Choices`) narrow
+the events to those HiCache fires. The events of a root subtree depend on
+that subtree alone, so they are tabled per root subtree. Parent pointers
+give the shortest step sequence to any state.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from fsm_cache import treeops
 from fsm_cache.answers import Answers
 from fsm_cache.forest import Forest, Trees
 from fsm_cache.invariants import violation, violation_at
-from fsm_cache.model import Entry, Layout, Nodes
+from fsm_cache.model import Choices, Entry, Layout, Nodes
+from fsm_cache.policy import WritePolicy, wants_backup
 from fsm_cache.traces import Replay, Seen, Step
 
 
@@ -63,16 +66,27 @@ class Explorer:
         layout: The node layout of the spec.
         bounds: Counter ceilings.
         ops: The module providing ``insert``, ``split`` and ``prune``
-            (:mod:`fsm_cache.treeops`, or a broken variant).
+            (:mod:`fsm_cache.treeops`, or a broken variant), and optionally
+            ``wants_backup`` (default :func:`fsm_cache.policy.wants_backup`).
+        policy: The write policy the cache follows: it decides where backups
+            start, and adds its invariants (None: any event the spec allows).
     """
 
-    def __init__(self, layout: Layout, bounds: Bounds, ops: ModuleType | Any = treeops) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        bounds: Bounds,
+        ops: ModuleType | Any = treeops,
+        policy: WritePolicy | None = None,
+    ) -> None:
         self.layout = layout
         ceilings = [bounds.counters.get(c, bounds.default) for c in layout.counters]
         self.ops = ops
+        self.policy = policy
         self.trees = Trees(layout)
-        self.answers = Answers(layout, self.trees, ceilings)
-        self.replay = Replay(layout, ceilings, ops)
+        choices = Choices.of(layout, policy, getattr(ops, "wants_backup", wants_backup))
+        self.answers = Answers(layout, self.trees, ceilings, choices)
+        self.replay = Replay(layout, ceilings, ops, choices)
         self.slots = 0
         self.moves: dict[tuple[int, ...], list[Move]] = {}
         self.steps: dict[int, list[Successor]] = {}
@@ -215,9 +229,9 @@ class Explorer:
         me = len(entries)
         entries.append((me - 1, *locals_[lid]))
         entries += [(me, *locals_[c]) for c in kids]
-        return violation_at(self.layout, tuple(entries), me) is None
+        return violation_at(self.layout, tuple(entries), me, self.policy) is None
 
     def _found(self, seen: Seen, starts: dict[Forest, Nodes], last: Forest) -> Result:
         """Return the violation at ``last``, described in the replayed tree's node numbers."""
         lines, nodes = self.replay.trace(seen, last, starts)
-        return Result(len(seen), violation(self.layout, nodes), lines)
+        return Result(len(seen), violation(self.layout, nodes, self.policy), lines)

@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fsm_cache.model import Entry, Layout, Nodes, children
-from fsm_cache.residency import DEVICE_HELD
+from fsm_cache.policy import WritePolicy
+from fsm_cache.residency import DEVICE_HELD, HOST_HELD, HOST_VALID
 from fsm_cache.treeops import dataless
 
 
@@ -88,6 +89,29 @@ def copies_safe(layout: Layout, _nodes: Nodes, i: int, entry: Entry) -> str | No
     return None
 
 
+def backup_prefix_closed(layout: Layout, nodes: Nodes, i: int, entry: Entry) -> str | None:
+    """Invariant 3 (write-through policies): host backup is prefix-closed.
+
+    A node whose host copy is valid (``backed``, ``pinned``) has a parent
+    whose host copy is valid too, or is under the root. A node being written
+    has a parent whose copy is valid or being written by the same copy (a
+    split of a node being written puts the prefix in that copy, and one
+    acknowledgement settles both).
+    """
+    if not layout.residency:
+        return None
+    parent = int(entry[0])
+    host = layout.state(entry, "host")
+    if parent < 0 or host not in HOST_HELD:
+        return None
+    above = layout.state(_at(nodes, parent), "host")
+    if above not in HOST_VALID and (host in HOST_VALID or above != host):
+        return (
+            f"invariant 3: node {i} is {host} on the host but its parent node {parent} is {above}"
+        )
+    return None
+
+
 CHECKS: tuple[Check, ...] = (
     counts,
     accounted,
@@ -95,12 +119,21 @@ CHECKS: tuple[Check, ...] = (
     held_somewhere,
     copies_safe,
 )
+"""The invariants every policy keeps."""
+
+WRITE_THROUGH = frozenset({WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_THROUGH_SELECTIVE})
+"""The policies under which backups are prefix-closed (design invariant 3)."""
 
 
-def violation(layout: Layout, nodes: Nodes) -> str | None:
+def checks(policy: WritePolicy | None = None) -> tuple[Check, ...]:
+    """Return the invariants to check under ``policy`` (None: no policy, any legal step)."""
+    return (*CHECKS, backup_prefix_closed) if policy in WRITE_THROUGH else CHECKS
+
+
+def violation(layout: Layout, nodes: Nodes, policy: WritePolicy | None = None) -> str | None:
     """Return the first violated invariant of a model state (check by check), or None."""
     present = [(i, e) for i, e in enumerate(nodes) if e is not None]
-    for check in CHECKS:
+    for check in checks(policy):
         for i, entry in present:
             found = check(layout, nodes, i, entry)
             if found is not None:
@@ -108,10 +141,12 @@ def violation(layout: Layout, nodes: Nodes) -> str | None:
     return None
 
 
-def violation_at(layout: Layout, nodes: Nodes, i: int) -> str | None:
+def violation_at(
+    layout: Layout, nodes: Nodes, i: int, policy: WritePolicy | None = None
+) -> str | None:
     """Return the first invariant violated at node ``i`` (it reads only its parent and children)."""
     entry = _at(nodes, i)
-    for check in CHECKS:
+    for check in checks(policy):
         found = check(layout, nodes, i, entry)
         if found is not None:
             return found

@@ -15,12 +15,20 @@ every transition subtracts one releases it. Holders are told apart by the
 regions their events are declared in: a ``load`` (host and device) is given
 back by ``load_done`` (host and device), never by ``release`` (host only), so
 a client can give back only what it holds.
+
+What the cache itself chooses among the steps the spec allows (its write
+policy, how it acknowledges a copy) is :class:`Choices`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
+from fsm_cache.errors import SpecError
+from fsm_cache.policy import PolicyNode, WritePolicy, wants_backup
+from fsm_cache.residency import DeviceState, HostState
 from fsm_cache.spec import System
 
 
@@ -117,6 +125,11 @@ class Layout:
         """Whether the spec has a region of this name."""
         return region in self.regions
 
+    @property
+    def residency(self) -> bool:
+        """Whether nodes are residency records: ``host`` and ``device`` regions, ``pins`` and ``locks``."""
+        return {"host", "device"} <= set(self.regions) and {"pins", "locks"} <= set(self.counters)
+
     def deltas(self, event: str) -> dict[Hold, int]:
         """Return how ``event`` moves the ghost holds of the node it is fired at."""
         out = dict.fromkeys(self.acquires[event], 1)
@@ -132,6 +145,99 @@ class Layout:
         start = 1 + len(self.regions)
         values = entry[start : start + len(bounds)]
         return any(int(v) > b for v, b in zip(values, bounds, strict=True))
+
+
+Wants = Callable[[WritePolicy, PolicyNode, int], bool]
+"""A policy's decision to start a backup, as :func:`fsm_cache.policy.wants_backup`."""
+
+BACKUP = "write"
+"""The event a write policy decides on: the cache fires it when the policy wants a backup."""
+
+
+@dataclass(frozen=True)
+class PolicyView:
+    """A node as a write policy reads it (a :class:`fsm_cache.policy.PolicyNode`)."""
+
+    host: HostState
+    device: DeviceState
+    hit_count: int
+    parent: PolicyView | None
+
+
+ROOT = PolicyView("backed", "resident", 0, None)
+"""The radix root, as :meth:`fsm_cache.tree.RadixTree.root` makes it."""
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What the cache chooses to do among the steps the spec allows, under a write policy.
+
+    Without a policy, every step the spec allows may happen, and copies are
+    acknowledged one node at a time in any order. Under a write policy:
+
+    * a backup (:data:`BACKUP`) starts only where
+      :func:`fsm_cache.policy.wants_backup` says so (the model asks it for a
+      node hit often enough: it does not count hits);
+    * a backup in flight is acknowledged as HiCache does it, for a whole copy
+      at once: a split of a node being written adds the prefix to the copy
+      (``transfers.on_split``), and the policy starts a child's backup only
+      under a backed parent, so a chain of nodes being written is one copy.
+      Its acknowledgement is fired at the chain's lowest node and applied to
+      the chain up to its top.
+
+    Attributes:
+        policy: The write policy, or None.
+        copying: The host state of a backup in flight (where ``write`` leads).
+        acks: The events acknowledging a backup (transitions out of ``copying``).
+    """
+
+    policy: WritePolicy | None = None
+    copying: str = ""
+    acks: frozenset[str] = frozenset()
+    wants: Wants = wants_backup
+
+    @classmethod
+    def of(cls, layout: Layout, policy: WritePolicy | None, wants: Wants = wants_backup) -> Choices:
+        """Return the choices of ``policy`` on the residency spec of ``layout``.
+
+        ``wants`` decides where backups start: HiCache's own
+        :func:`~fsm_cache.policy.wants_backup`, or a broken variant (a control).
+
+        Raises:
+            SpecError: A policy is given for a spec whose nodes are not residency records.
+        """
+        if policy is None:
+            return cls()
+        if not layout.residency:
+            name = layout.system.name
+            raise SpecError([f"{name}: the {policy.value} policy needs host and device regions"])
+        host = layout.system.machines["host"].transitions
+        copying = next(t.dest for t in host if t.event == BACKUP)
+        acks = frozenset(t.event for t in host if copying in t.sources and t.event != BACKUP)
+        return cls(policy, copying, acks, wants)
+
+    def fires(self, layout: Layout, event: str, node: Entry, parent: Entry | None) -> bool:
+        """Whether the cache fires ``event`` at ``node`` under ``parent`` (None: the root)."""
+        if self.policy is None or event != BACKUP:
+            return True
+        # Above a modelled parent is the root or another node; the policy asks only which.
+        up = ROOT if parent is None else PolicyView(*_residency(layout, parent), 0, ROOT)
+        return self.wants(self.policy, PolicyView(*_residency(layout, node), 1, up), 1)
+
+    def waits(self, event: str, children: list[str]) -> bool:
+        """Whether ``event`` waits for a child's: the node shares its copy with a child (host states)."""
+        return event in self.acks and self.copying in children
+
+    def joins(self, layout: Layout, event: str, ancestor: Entry) -> bool:
+        """Whether ``event``, acknowledging the copy of a child, applies to ``ancestor`` too."""
+        return event in self.acks and layout.state(ancestor, "host") == self.copying
+
+
+def _residency(layout: Layout, entry: Entry) -> tuple[HostState, DeviceState]:
+    return (
+        cast("HostState", layout.state(entry, "host")),
+        cast("DeviceState", layout.state(entry, "device")),
+    )
 
 
 def canonical(nodes: Nodes) -> tuple[Nodes, tuple[int, ...]]:

@@ -57,6 +57,29 @@ DEVICE_HELD: frozenset[str] = frozenset({"resident", "loading"})
 """Device states in which device slots are allocated."""
 
 
+def split_prefix(
+    host: HostState, device: DeviceState, locks: int
+) -> tuple[HostState, DeviceState, int, int]:
+    """Return the residency a radix split gives the new prefix: ``(host, device, pins, locks)``.
+
+    The prefix takes the first pages of the node's slots in both tiers, so it
+    has the node's states, but not all its counts. Locks are copied: the
+    prefix is an ancestor of every lock holder, and a lock holds its ancestors
+    too. Pins stay with their holders on the suffix (as SGLang's
+    ``_split_node`` leaves ``host_ref_counter``), so a ``pinned`` host copy
+    is only ``backed`` on the prefix; except the pin of a load in flight,
+    which the prefix needs too because the same copy fills it, and which the
+    same ``load_done`` or ``load_failed`` gives back. The node's own pin count
+    plays no part, hence no ``pins`` argument.
+
+    This is the one rule both the cache (:meth:`fsm_cache.tree.RadixTree.split`)
+    and the model checker (:func:`fsm_cache.treeops.split`) apply.
+    """
+    if device == "loading":
+        return "pinned", device, 1, locks
+    return ("backed" if host == "pinned" else host), device, 0, locks
+
+
 class ResidencyRecord:
     """The residency of one node: two machine states and two counters.
 

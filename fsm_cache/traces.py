@@ -19,7 +19,7 @@ from fsm_cache import treeops
 from fsm_cache.engine import Engine
 from fsm_cache.errors import IllegalTransition
 from fsm_cache.forest import Forest
-from fsm_cache.model import Entry, Layout, Nodes, ancestors, canonical, children
+from fsm_cache.model import Choices, Entry, Layout, Nodes, ancestors, canonical, children
 
 
 Step = tuple[Any, ...]
@@ -35,12 +35,20 @@ class Replay:
         layout: The node layout of the spec.
         bounds: Counter ceilings in counter order (an event past one is not fired).
         ops: The module providing ``insert``, ``split`` and ``prune``.
+        choices: What the cache chooses among the steps the spec allows.
     """
 
-    def __init__(self, layout: Layout, bounds: list[int], ops: ModuleType | Any) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        bounds: list[int],
+        ops: ModuleType | Any,
+        choices: Choices | None = None,
+    ) -> None:
         self.layout = layout
         self.bounds = bounds
         self.ops = ops
+        self.choices = choices or Choices()
         self.engine = Engine(layout.system, audit=False)
         self.Rec: type = type("Rec", (), {"__slots__": (*self.engine.slots, "parent", "children")})
         self.fields = (*layout.regions, *layout.counters)
@@ -61,13 +69,17 @@ class Replay:
         layout = self.layout
         if layout.gives_back_unheld(_at(nodes, index), event):
             return None  # clients only give back what they hold
+        if not self._chosen(nodes, index, event):
+            return None  # the cache does not fire it here
         recs = self._records(nodes)
         try:
             propagates = self.engine.plan(recs[index], event)[2]
-            self.engine.fire(recs[index], event)
+            joined = [] if propagates else self._joined(nodes, index, event)
+            for n in [*reversed(joined), index]:  # a copy's nodes are acknowledged top down
+                self.engine.fire(recs[n], event)
+            chain = [index, *ancestors(nodes, index)] if propagates else [index, *joined]
         except IllegalTransition:
             return None
-        chain = [index, *ancestors(nodes, index)] if propagates else [index]
         out = list(nodes)
         for n in chain:
             old = _at(nodes, n)
@@ -78,6 +90,28 @@ class Replay:
         if any(treeops.dataless(layout, _at(out, n)) for n in chain):
             return self.ops.prune(layout, tuple(out))  # type: ignore[no-any-return]
         return tuple(out)
+
+    def _chosen(self, nodes: Nodes, index: int, event: str) -> bool:
+        """Whether the cache fires ``event`` at node ``index`` itself (its policy, its copies)."""
+        if self.choices.policy is None:
+            return True  # any step the spec allows
+        entry = _at(nodes, index)
+        parent = int(entry[0])
+        if not self.choices.fires(
+            self.layout, event, entry, nodes[parent] if parent >= 0 else None
+        ):
+            return False
+        below = [self.layout.state(_at(nodes, c), "host") for c in children(nodes, index)]
+        return not self.choices.waits(event, below)
+
+    def _joined(self, nodes: Nodes, index: int, event: str) -> list[int]:
+        """Return the ancestors that ``event`` at ``index`` acknowledges too (one shared copy)."""
+        out = []
+        for n in ancestors(nodes, index):
+            if not self.choices.joins(self.layout, event, _at(nodes, n)):
+                break
+            out.append(n)
+        return out
 
     def trace(
         self, seen: Seen, last: Forest, starts: dict[Forest, Nodes]

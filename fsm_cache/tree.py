@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from fsm_cache.errors import InvariantViolation
-from fsm_cache.residency import ResidencyRecord
+from fsm_cache.residency import ResidencyRecord, split_prefix
 
 
 Key = tuple[int, ...]
@@ -152,10 +152,11 @@ class RadixTree:
     def split(self, node: TreeNode, at: int) -> TreeNode:
         """Split ``node`` after ``at`` tokens; return the new prefix node (the old one's parent).
 
-        The prefix inherits both states and the lock count (it is now an
-        ancestor of every lock holder below ``node``); pins stay with their
-        holders on ``node``, except the pin of a load in flight, which the
-        prefix needs too because the same copy fills it.
+        The prefix's residency is :func:`~fsm_cache.residency.split_prefix`'s,
+        the rule ``fsm-cache check`` model-checks: both states and the lock
+        count (it is now an ancestor of every lock holder below ``node``);
+        pins stay with their holders on ``node``, except the pin of a load in
+        flight, which the prefix needs too because the same copy fills it.
         """
         page = self.page_size
         if at <= 0 or at >= len(node.key) or at % page or node.parent is None:
@@ -164,10 +165,9 @@ class RadixTree:
         cut = at // page
         prefix = TreeNode(next(self._ids), node.key[:at], node.parent, node.device_pages[:cut])
         prefix.host_pages = node.host_pages[:cut]
-        prefix.device, prefix.locks = node.device, node.locks
-        loading = node.device == "loading"
-        prefix.pins = 1 if loading else 0
-        prefix.host = "pinned" if loading else ("backed" if node.host == "pinned" else node.host)
+        prefix.host, prefix.device, prefix.pins, prefix.locks = split_prefix(
+            node.host, node.device, node.locks
+        )
         prefix.last_access, prefix.hit_count = node.last_access, node.hit_count
         _children(node.parent)[node.key[:page]] = prefix
         node.key, node.parent = node.key[at:], prefix

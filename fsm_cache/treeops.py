@@ -10,9 +10,11 @@ them with a broken variant to show the checker catches it.
 
 from __future__ import annotations
 
+from typing import cast
+
 from fsm_cache.forest import Forest, Trees
-from fsm_cache.model import Entry, Layout, Nodes, children
-from fsm_cache.residency import HOST_HELD
+from fsm_cache.model import Entry, Hold, Layout, Nodes, children
+from fsm_cache.residency import HOST_HELD, DeviceState, HostState, split_prefix
 
 
 def insert(layout: Layout, nodes: Nodes, parent: int, slot: int) -> Nodes | None:
@@ -32,22 +34,62 @@ def insert(layout: Layout, nodes: Nodes, parent: int, slot: int) -> Nodes | None
 def split(layout: Layout, nodes: Nodes, index: int, slot: int) -> Nodes | None:
     """Cut node ``index`` into a new prefix node in ``slot`` and the suffix ``index``.
 
-    The prefix takes the node's place under its parent and copies its states
-    and counters: every holder of the node holds both halves, and every lock
-    below passes through the prefix. A propagating counter's holds stay with
-    the suffix (the prefix's count is all its child's); other holds are copied.
+    The prefix takes the node's place under its parent, with the fields of
+    :func:`prefix_fields` and the holds of :func:`prefix_holds`; the suffix
+    keeps everything it had.
     """
     entry = nodes[index]
     if entry is None or nodes[slot] is not None:
         return None
-    parent = int(entry[0])
-    base = layout.base
-    holds = tuple(
-        0 if key[0] in layout.propagating else entry[base + i] for i, key in enumerate(layout.holds)
-    )
-    prefix: Entry = (parent, *entry[1:base], *holds)
+    prefix: Entry = (int(entry[0]), *prefix_fields(layout, entry), *prefix_holds(layout, entry))
     moved = _put(nodes, slot, prefix)
     return _put(moved, index, (slot, *entry[1:]))
+
+
+def prefix_fields(layout: Layout, entry: Entry) -> Entry:
+    """Return the states and counters a split gives the prefix of the node ``entry``.
+
+    For the residency composition, the cache's own rule
+    (:func:`fsm_cache.residency.split_prefix`, which :meth:`RadixTree.split
+    <fsm_cache.tree.RadixTree.split>` applies), so the split the cache
+    performs is the one checked. For any other spec, a copy of the node's.
+    """
+    fields = entry[1 : layout.base]
+    if not layout.residency:
+        return fields
+    host, device, pins, locks = split_prefix(
+        cast("HostState", layout.state(entry, "host")),
+        cast("DeviceState", layout.state(entry, "device")),
+        layout.counter(entry, "locks"),
+    )
+    given = {"host": host, "device": device, "pins": pins, "locks": locks}
+    names = (*layout.regions, *layout.counters)
+    return tuple(given.get(name, value) for name, value in zip(names, fields, strict=True))
+
+
+def prefix_holds(layout: Layout, entry: Entry) -> Entry:
+    """Return who holds the prefix of the node ``entry`` after a split: its ghost holds.
+
+    The holds are the model's account of who holds what, kept apart from
+    :func:`prefix_fields` so that invariant 6 checks one against the other.
+    A propagating counter's holders stay with the suffix (the prefix's count
+    is then all its child's). In the residency composition, the clients'
+    holds stay with the suffix too, and only a copy between the tiers (a
+    holder whose events are declared in both regions: a load) holds the
+    prefix as well, since the same copy fills it. In other specs every
+    holder holds both halves.
+    """
+    base = layout.base
+    return tuple(
+        entry[base + i] if _holds_prefix(layout, key) else 0 for i, key in enumerate(layout.holds)
+    )
+
+
+def _holds_prefix(layout: Layout, key: Hold) -> bool:
+    counter, regions = key
+    if counter in layout.propagating:
+        return False
+    return not layout.residency or len(regions) > 1
 
 
 def dataless(layout: Layout, entry: Entry) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,10 @@ from fsm_cache import check, invariants, treeops
 from fsm_cache.errors import SpecError
 from fsm_cache.explore import Bounds, Explorer
 from fsm_cache.model import Layout, canonical
-from fsm_cache.shipped import residency_system, spec_dir
+from fsm_cache.policy import WritePolicy
+from fsm_cache.shipped import load_shipped, residency_system, shipped_spec_paths, spec_dir
+from fsm_cache.spec import as_system
+from fsm_cache.tree import RadixTree
 
 
 BUGS = spec_dir() / "bugs_detected"
@@ -50,16 +54,53 @@ def test_canonical_form_ignores_numbering(layout: Layout) -> None:
     assert canonical(c)[1] == (0, 2, 1)  # the pinned child sorts first
 
 
-def test_split_carries_states_counters_and_holds(layout: Layout) -> None:
-    locked = (-1, "pinned", "resident", 1, 1, 1, 0, 1)
-    nodes = (locked, None)
-    after = treeops.split(layout, nodes, 0, 1)
+def test_split_gives_the_prefix_locks_but_leaves_client_pins_on_the_suffix(
+    layout: Layout,
+) -> None:
+    pinned_locked = (-1, "pinned", "resident", 1, 1, 1, 0, 1)
+    after = treeops.split(layout, (pinned_locked, None), 0, 1)
     assert after == (
         (1, "pinned", "resident", 1, 1, 1, 0, 1),
-        (-1, "pinned", "resident", 1, 1, 1, 0, 0),
+        (-1, "backed", "resident", 0, 1, 0, 0, 0),
     )
-    assert after is not None
     assert invariants.violation(layout, after) is None
+
+
+def test_split_of_a_loading_node_gives_the_prefix_the_loads_pin(layout: Layout) -> None:
+    loading = (-1, "pinned", "loading", 2, 0, 1, 1, 0)  # a client's pin and the load's
+    after = treeops.split(layout, (loading, None), 0, 1)
+    assert after == (
+        (1, "pinned", "loading", 2, 0, 1, 1, 0),
+        (-1, "pinned", "loading", 1, 0, 0, 1, 0),
+    )
+    assert invariants.violation(layout, after) is None
+    replay = Explorer(layout, Bounds({})).replay
+    acked = replay.apply(after, ("event", 1, "load_done"))  # the prefix's share of the copy
+    assert acked is not None
+    assert acked[1] == (-1, "backed", "resident", 0, 0, 0, 0, 0)
+    assert replay.apply(acked, ("event", 1, "load_done")) is None  # given back once
+
+
+@pytest.mark.parametrize("device", ["resident", "loading", "absent"])
+@pytest.mark.parametrize("host", ["unbacked", "writing", "backed", "pinned", "evicted"])
+def test_the_model_splits_as_the_cache_does(layout: Layout, host: str, device: str) -> None:
+    """treeops.split and RadixTree.split give the prefix the same residency."""
+    tree = RadixTree(page_size=1)
+    node = tree.add_leaf(tree.root(), (1, 2), (10, 11))
+    node.host, node.device, node.pins, node.locks = host, device, 2, 1  # type: ignore[assignment]
+    prefix = tree.split(node, 1)
+    entry = (-1, host, device, 2, 1, 1, 1, 1)
+    model = treeops.split(layout, (entry, None), 0, 1)
+    assert model is not None
+    assert model[1] is not None
+    assert model[1][1:5] == (prefix.host, prefix.device, prefix.pins, prefix.locks)
+
+
+def test_split_copies_everything_in_specs_without_residency_regions() -> None:
+    layout = Layout.of(as_system(load_shipped("host_residency")))
+    pinned = (-1, "pinned", 2, 2)  # two holders: every holder holds both halves
+    after = treeops.split(layout, (pinned, None), 0, 1)
+    assert after == ((1, "pinned", 2, 2), (-1, "pinned", 2, 2))
 
 
 def test_invariants_name_the_node(layout: Layout) -> None:
@@ -133,9 +174,10 @@ def test_ops_module_must_name_its_spec(tmp_path: Path) -> None:
     assert info.value.problems == [f"{path}: names no SPEC = 'path/to/spec.toml'"]
 
 
-def test_tabled_answers_agree_with_engine_fire(layout: Layout) -> None:
+@pytest.mark.parametrize("policy", [None, WritePolicy.WRITE_THROUGH])
+def test_tabled_answers_agree_with_engine_fire(layout: Layout, policy: WritePolicy | None) -> None:
     """Per-node plan answers, combined along chains, give exactly what Engine.fire does."""
-    explorer = Explorer(layout, Bounds({"pins": 2, "locks": 2}))
+    explorer = Explorer(layout, Bounds({"pins": 2, "locks": 2}), policy=policy)
     explorer.slots = 3
     trees = explorer.trees
     frontier = [trees.encode(nodes) for nodes in check.shapes(layout, 3).values()]
@@ -153,3 +195,118 @@ def test_tabled_answers_agree_with_engine_fire(layout: Layout) -> None:
         seen.update(fresh)
         frontier += fresh
     assert len(seen) >= 3000
+
+
+WRITE_THROUGH = WritePolicy.WRITE_THROUGH
+
+
+def test_invariant_3_backups_are_prefix_closed_under_write_through(layout: Layout) -> None:
+    parent = (-1, "unbacked", "resident", 0, 0, 0, 0, 0)
+    backed = (0, "backed", "resident", 0, 0, 0, 0, 0)
+    assert invariants.violation(layout, (parent, backed)) is None  # no policy: no invariant 3
+    assert invariants.violation(layout, (parent, backed), WRITE_THROUGH) == (
+        "invariant 3: node 1 is backed on the host but its parent node 0 is unbacked"
+    )
+    writing = (-1, "writing", "resident", 0, 0, 0, 0, 0)
+    below = (0, "writing", "resident", 0, 0, 0, 0, 0)  # one copy, split in two
+    assert invariants.violation(layout, (writing, below), WRITE_THROUGH) is None
+    assert invariants.violation(layout, (writing, backed), WRITE_THROUGH) == (
+        "invariant 3: node 1 is backed on the host but its parent node 0 is writing"
+    )
+
+
+def test_write_through_starts_a_backup_only_under_a_backed_parent(layout: Layout) -> None:
+    chain = check.shapes(layout, 2)["chain"]
+    free = Explorer(layout, Bounds({})).replay
+    policy = Explorer(layout, Bounds({}), policy=WRITE_THROUGH).replay
+    assert free.apply(chain, ("event", 1, "write")) is not None
+    assert policy.apply(chain, ("event", 1, "write")) is None
+    written = policy.apply(chain, ("event", 0, "write"))  # under the root
+    assert written is not None
+    backed = policy.apply(written, ("event", 0, "write_done"))
+    assert backed is not None
+    assert policy.apply(backed, ("event", 1, "write")) is not None
+
+
+def test_write_through_acknowledges_a_split_copy_at_once(layout: Layout) -> None:
+    """A split of a node being written puts the prefix in the copy: one ack settles both."""
+    replay = Explorer(layout, Bounds({}), policy=WRITE_THROUGH).replay
+    writing = (-1, "writing", "resident", 0, 0, 0, 0, 0)
+    split = treeops.split(layout, (writing, None), 0, 1)
+    assert split is not None
+    assert replay.apply(split, ("event", 1, "write_failed")) is None  # the prefix waits
+    failed = replay.apply(split, ("event", 0, "write_failed"))
+    assert failed is not None
+    assert [layout.state(e, "host") for e in failed if e is not None] == ["unbacked", "unbacked"]
+    free = Explorer(layout, Bounds({})).replay  # no policy: any order, one node at a time
+    alone = free.apply(split, ("event", 1, "write_failed"))
+    assert alone is not None
+    assert [layout.state(e, "host") for e in alone if e is not None] == ["writing", "unbacked"]
+
+
+def test_shipped_residency_holds_under_write_through(layout: Layout) -> None:
+    shapes = check.shapes(layout, 3)
+    bounds = Bounds({"pins": 2, "locks": 2})
+    result = Explorer(layout, bounds, policy=WRITE_THROUGH).run(shapes)
+    assert result.violation is None
+    assert 0 < result.states < Explorer(layout, bounds).run(shapes).states
+
+
+def test_a_policy_needs_residency_regions() -> None:
+    with pytest.raises(SpecError) as info:
+        _cli(["check", "--policy", "write_through", str(spec_dir() / "host_residency.toml")])
+    assert info.value.problems == [
+        "host_residency: the write_through policy needs host and device regions"
+    ]
+
+
+def test_cli_names_the_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = str(spec_dir() / "residency.toml")
+    status = _cli(["check", "--policy", "write_through", "--nodes", "2", spec])
+    out = capsys.readouterr().out.splitlines()
+    assert status == 0
+    assert out[0] == (
+        f"{spec} (write_through policy): 2 nodes (chain, fan-out, binary), pins <= 2, locks <= 2"
+    )
+    assert out[-1] == "  no invariant violated"
+
+
+def test_the_default_run_adds_write_through_on_three_nodes() -> None:
+    parser = argparse.ArgumentParser()
+    check.register(parser.add_subparsers())
+    shipped = shipped_spec_paths()
+    residency = spec_dir() / "residency.toml"
+    assert check.targets(parser.parse_args(["check"])) == [
+        *((p, "none", 4) for p in shipped),
+        (residency, "write_through", 3),
+    ]
+    assert check.targets(parser.parse_args(["check", "--policy", "write_through"])) == [
+        (residency, "write_through", 4)
+    ]
+    assert check.targets(parser.parse_args(["check", "x.toml"])) == [(Path("x.toml"), "none", 4)]
+
+
+def test_ops_module_policy_must_be_known(tmp_path: Path) -> None:
+    path = tmp_path / "ops.py"
+    path.write_text("SPEC = 'x.toml'\nPOLICY = 'write_back'\n")
+    with pytest.raises(SpecError) as info:
+        check.load_ops(path)
+    assert info.value.problems == [f"{path}: POLICY must be one of none, write_through"]
+
+
+def test_progress_off_a_terminal_is_plain_lines_on_stderr(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(check, "PLAIN_EVERY", 0.0)
+    spec = str(spec_dir() / "residency.toml")
+    assert _cli(["check", "--nodes", "2", "--progress", spec]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert lines
+    assert all(re.fullmatch(r"residency\.toml: \d+ states, \d+ states/s", line) for line in lines)
+    assert captured.out.startswith(f"{spec}: 2 nodes")
+
+
+def test_no_progress_off_a_terminal_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli(["check", "--nodes", "2", str(spec_dir() / "residency.toml")]) == 0
+    assert capsys.readouterr().err == ""
