@@ -69,6 +69,17 @@ def wants_backup(policy: WritePolicy, node: PolicyNode, selective_threshold: int
         return False
     if node.host not in ("unbacked", "evicted") or node.device != "resident":
         return False
+    return parent_allows_backup(policy, node)
+
+
+def parent_allows_backup(policy: WritePolicy, node: PolicyNode) -> bool:
+    """Return whether ``node``'s parent lets its backup start under ``policy``.
+
+    Under the write-through policies (design invariant 3) the parent must hold
+    a valid host copy or be a root; write-back keeps no such order.
+    """
+    if policy is WritePolicy.WRITE_BACK:
+        return True
     parent = node.parent
     return parent is None or parent.parent is None or parent.host in HOST_VALID
 

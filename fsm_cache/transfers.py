@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsm_cache import trail
 from fsm_cache.errors import CopyFailed, EffectFailed, FsmCacheError, PoolExhausted
-from fsm_cache.policy import wants_backup
+from fsm_cache.policy import parent_allows_backup, wants_backup
 from fsm_cache.residency import DEVICE_HELD, Event
 from fsm_cache.tickets import Completion, Direction
 
@@ -39,13 +39,17 @@ trail.internal(__file__)
 
 
 def start_writes(cache: HiCache, nodes: Sequence[TreeNode]) -> int:
-    """Fire ``write`` on each node the machines allow; return how many started.
+    """Fire ``write`` on each node the machines and the write policy allow; return how many.
 
-    A full host pool stops the batch where it is; any other failing effect raises.
+    Under write-through a node whose parent holds no valid host copy yet is
+    skipped (design invariant 3). A full host pool stops the batch where it
+    is; any other failing effect raises.
     """
     started = 0
     for node in nodes:
         if not cache.machine.allowed(node, "write"):
+            continue
+        if not parent_allows_backup(cache.policy, node):
             continue
         try:
             cache._fire(node, "write")

@@ -524,3 +524,22 @@ def test_reset_voids_receipts_taken_before() -> None:
     assert lock.released_at is not None
     assert lock.released_at.function == "test_reset_voids_receipts_taken_before"
     assert cache.tree.nodes[1].locks == 0
+
+
+def test_an_explicit_backup_keeps_write_through_prefix_closed() -> None:
+    """backup() skips a child whose parent has no valid host copy yet (design invariant 3)."""
+    cache = make(write_policy="write_through_selective", selective_threshold=5)
+    cache.insert(tokens(0, 8))
+    cache.insert(tokens(0, 16))  # two hits below the threshold: nothing backed up
+    parent, child = sorted(cache.tree, key=lambda n: n.id)
+    assert cache.backup([child]) == 0  # its parent is unbacked
+    assert cache.backup([parent, child]) == 1  # the parent starts; the child still waits
+    while cache.issued():
+        cache.poll()
+    assert cache.backup([child]) == 1
+    while cache.issued():
+        cache.poll()
+    assert states(cache) == [
+        (parent.id, "backed/resident (pins=0, locks=0)"),
+        (child.id, "backed/resident (pins=0, locks=0)"),
+    ]
