@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -34,6 +34,9 @@ OPS: dict[str, Callable[[int, int], bool]] = {
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 _COMPARISON = re.compile(rf"^\s*({_NAME})\s*(==|!=|<=|>=|<|>)\s*(-?\d+)\s*$")
 _ASSIGN = re.compile(rf"^\s*({_NAME})\s*(\+=|-=|=)\s*(\d+)\s*$")
+# Python converts at most 4300 digits between int and str; a constant stays well below
+# that, so every value the tools derive from one (c + 1, c + step) still prints.
+MAX_DIGITS = 1000
 _CONDITION = re.compile(rf"^\s*(parent\s+|any\s+child\s+)?({_NAME})\s+in\s+\[([^\]]*)\]\s*$")
 
 
@@ -155,6 +158,26 @@ class Condition:
         return f"{prefix}{self.region} in [{', '.join(self.states)}]"
 
 
+def critical_values(constants: Iterable[int], steps: Iterable[int]) -> tuple[int, ...]:
+    """Return ascending counter values that meet every class no comparison tells apart.
+
+    ``constants`` are what the counter is compared with (``x OP c``), ``steps``
+    the signed amounts updates move it by (``x += k``: ``k``; ``x -= k``: ``-k``).
+    A check of one step asks about ``x`` before it (``x OP c``), after it
+    (``x + d OP c``, with ``d`` a step or 0 for an untouched counter; ``x = k``
+    makes the image a constant) and whether it went negative (``x + d < 0``, so
+    0 counts as a constant). Each such atom is ``x OP p`` for a *critical point*
+    ``p = c - d``; so between two consecutive critical points, and past the last,
+    every value of ``x`` answers every atom alike. The critical points >= 0
+    (0 is always one) and each point plus one thus meet every class. Each value
+    returned is the smallest of its class, so the first counterexample found in
+    ascending order is the smallest there is.
+    """
+    shifts = {0, *steps}
+    points = {c - d for c in {0, *constants} for d in shifts if c >= d}
+    return tuple(sorted(points | {p + 1 for p in points}))
+
+
 def parse_guard(text: str) -> Guard:
     """Parse ``pins >= 1 and locks == 0`` into a :class:`Guard`.
 
@@ -169,7 +192,7 @@ def parse_guard(text: str) -> Guard:
         if match is None:
             msg = f"expected COUNTER OP INT (OP one of == != < <= > >=), got {part.strip()!r}"
             raise GrammarError(msg)
-        terms.append(Comparison(match[1], match[2], int(match[3])))
+        terms.append(Comparison(match[1], match[2], _integer(match[3])))
     return Guard(tuple(terms))
 
 
@@ -187,12 +210,20 @@ def parse_update(text: str) -> Update:
         if match is None:
             msg = f"expected COUNTER += INT, COUNTER -= INT or COUNTER = INT, got {part.strip()!r}"
             raise GrammarError(msg)
-        assigns.append(Assign(match[1], match[2], int(match[3])))
+        assigns.append(Assign(match[1], match[2], _integer(match[3])))
     names = [assign.counter for assign in assigns]
     if len(set(names)) != len(names):
         msg = f"a counter is assigned twice in {text.strip()!r}"
         raise GrammarError(msg)
     return Update(tuple(assigns))
+
+
+def _integer(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_DIGITS:
+        msg = f"an integer has {digits} digits, more than {MAX_DIGITS}"
+        raise GrammarError(msg)
+    return int(text)
 
 
 def parse_condition(text: str) -> Condition:

@@ -58,12 +58,24 @@ def load_spec(path: str | Path) -> Spec:
     """
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = _read(path)
     except OSError as exc:
         raise SpecError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise SpecError([f"{path}: invalid TOML: {exc}"]) from exc
     return spec_from_dict(data, source=str(path), base=path.parent)
+
+
+def _read(path: Path) -> _Table:
+    """Return the TOML table of ``path``; OSError is left to the caller to locate.
+
+    Raises:
+        SpecError: Not UTF-8 or not TOML (including integers too long to convert).
+    """
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # TOMLDecodeError, UnicodeDecodeError, int digit limit
+        raise SpecError([f"{path}: invalid TOML: {exc}"]) from exc
+    except RecursionError as exc:  # tomllib parses nested arrays and tables recursively
+        raise SpecError([f"{path}: invalid TOML: nested too deeply"]) from exc
 
 
 def spec_from_dict(data: _Table, source: str = "<python>", base: Path | None = None) -> Spec:
@@ -102,6 +114,7 @@ def machine_from_dict(data: _Table, source: str = "<python>") -> MachineSpec:
     for key in ("name", "initial"):
         if not isinstance(head.get(key), str):
             problems.add(f"machine.{key}", "missing or not a string")
+    doc, label = _text(head, "doc", "machine", problems), _text(head, "label", "machine", problems)
     problems.check()
     return MachineSpec(
         name=head["name"],
@@ -111,8 +124,8 @@ def machine_from_dict(data: _Table, source: str = "<python>") -> MachineSpec:
         transitions=transitions,
         forbids=forbids,
         events=events,
-        doc=str(head.get("doc", "")),
-        label=str(head.get("label", "instance")),
+        doc=doc,
+        label=label or "instance",
         source=source,
     )
 
@@ -126,25 +139,48 @@ def _composition(data: _Table, source: str, base: Path) -> System:
     if not isinstance(regions_table, Mapping) or not regions_table:
         problems.add("composition.regions", "missing: a table of REGION = 'machine.toml'")
         problems.check()
-    regions: list[tuple[str, MachineSpec]] = []
+    regions = []
     for region, rel in cast("_Table", regions_table).items():
-        loaded = load_spec(base / str(rel))
-        if not isinstance(loaded, MachineSpec):
-            problems.add(f"composition.regions.{region}", f"{rel} is not a [machine] file")
-            continue
-        regions.append((region, loaded))
+        machine = _region(f"composition.regions.{region}", rel, base, problems)
+        if machine is not None:
+            regions.append((region, machine))
     forbids = _forbids(data.get("forbid", []), "forbid", problems)
     if not isinstance(head.get("name"), str):
         problems.add("composition.name", "missing or not a string")
+    doc = _text(head, "doc", "composition", problems)
+    label = _text(head, "label", "composition", problems)
     problems.check()
     return System(
         name=head["name"],
         regions=tuple(regions),
         forbids=forbids,
-        doc=str(head.get("doc", "")),
-        label=str(head.get("label", "instance")),
+        doc=doc,
+        label=label or "instance",
         source=source,
     )
+
+
+def _region(where: str, rel: object, base: Path, problems: _Problems) -> MachineSpec | None:
+    """Read one region's machine file (relative to the composition), not yet validated.
+
+    Faults of the region's own content name the region's file; a file that is
+    missing or unreadable names the composition's key that points at it.
+    """
+    if not isinstance(rel, str) or not rel:
+        problems.add(where, f"must be the file name of a machine, got {rel!r}")
+        return None
+    path = base / rel
+    try:
+        data = _read(path)
+        if "composition" in data:
+            problems.add(where, f"{rel} is not a [machine] file")
+            return None
+        return machine_from_dict(data, source=str(path))
+    except OSError as exc:
+        problems.add(where, f"cannot read {path}: {exc.strerror or exc}")
+    except SpecError as exc:
+        problems.lines += exc.problems
+    return None
 
 
 def _table(data: _Table, key: str, problems: _Problems) -> _Table:
@@ -179,20 +215,20 @@ def _states(table: object, problems: _Problems) -> tuple[StateSpec, ...]:
     result = []
     for name, body in table.items():
         where = f"states.{name}"
+        if not _IDENT.match(name):
+            problems.add(where, "not an identifier")
         if not isinstance(body, Mapping):
             problems.add(where, "must be a table")
             continue
         _known_keys(body, {"doc", "final", "invariant", "counter"}, where, problems)
         invariant = _parse(parse_guard, body.get("invariant", ""), f"{where}.invariant", problems)
-        result.append(
-            StateSpec(
-                name=name,
-                doc=str(body.get("doc", "")),
-                final=bool(body.get("final", False)),
-                invariant=invariant or parse_guard(""),
-                counter=body.get("counter"),
-            )
-        )
+        final, counter = body.get("final", False), body.get("counter")
+        if not isinstance(final, bool):
+            problems.add(f"{where}.final", f"must be true or false, got {final!r}")
+        if counter is not None and not isinstance(counter, str):
+            problems.add(f"{where}.counter", f"must be a counter name, got {counter!r}")
+        doc = _text(body, "doc", where, problems)
+        result.append(StateSpec(name, doc, final is True, invariant or parse_guard(""), counter))
     return tuple(result)
 
 
@@ -215,11 +251,10 @@ def _transitions(items: object, problems: _Problems) -> tuple[Transition, ...]:
             problems.add(f"{where}.effect", f"not an identifier: {effect!r}")
         if propagate not in (None, "ancestors"):
             problems.add(f"{where}.propagate", f"must be 'ancestors', got {propagate!r}")
+        doc = _text(body, "doc", where, problems)
         if guard is None or update is None:
             continue
-        result.append(
-            Transition(event, sources, dest, guard, update, effect, propagate, body.get("doc", ""))
-        )
+        result.append(Transition(event, sources, dest, guard, update, effect, propagate, doc))
     return tuple(result)
 
 
@@ -257,8 +292,10 @@ def _events(table: object, problems: _Problems) -> tuple[EventSpec, ...]:
         if not isinstance(body, Mapping):
             problems.add(f"events.{name}", "must be a table")
             continue
-        _known_keys(body, {"doc", "past"}, f"events.{name}", problems)
-        result.append(EventSpec(name, str(body.get("doc", "")), str(body.get("past", ""))))
+        where = f"events.{name}"
+        _known_keys(body, {"doc", "past"}, where, problems)
+        doc, past = _text(body, "doc", where, problems), _text(body, "past", where, problems)
+        result.append(EventSpec(name, doc, past))
     return tuple(result)
 
 
@@ -280,6 +317,15 @@ def _name(body: _Table, key: str, where: str, problems: _Problems) -> str:
     value = body.get(key)
     if not isinstance(value, str) or not _IDENT.match(value):
         problems.add(f"{where}.{key}", f"missing or not an identifier: {value!r}")
+        return ""
+    return value
+
+
+def _text(body: _Table, key: str, where: str, problems: _Problems) -> str:
+    """Return the optional text ``body[key]`` ("" if absent), reporting a non-string."""
+    value = body.get(key, "")
+    if not isinstance(value, str):
+        problems.add(f"{where}.{key}", f"must be a string, got {value!r}")
         return ""
     return value
 

@@ -1,20 +1,24 @@
 """Load-time validation of specs: names, determinism, totality, safety, reachability.
 
-Guards only compare counters with constants, and updates only add, subtract or
-set constants, so every guard's truth is constant beyond the largest constant
-plus the largest step. Checking every counter value from 0 up to that bound is
-therefore exact, not a sample: :func:`valuations` enumerates exactly those.
+Every check looks at one step from one counter valuation, and guards,
+invariants and updates are simple enough (``COUNTER OP INT`` conjunctions;
+``+=``, ``-=``, ``=`` a constant) that a handful of values per counter stands
+for all of them: :func:`representatives` says which, and
+:func:`fsm_cache.guards.critical_values` why that is exact. So a guard
+``tokens <= 4096`` costs a few values, not four thousand.
 """
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import keyword
 from collections.abc import Iterator
 
-from fsm_cache.errors import SpecError, error_class
-from fsm_cache.guards import Guard
-from fsm_cache.spec import Forbid, MachineSpec, Spec, System
+from fsm_cache import errors
+from fsm_cache.errors import FsmCacheError, IllegalTransition, SpecError, error_class
+from fsm_cache.guards import Guard, critical_values
+from fsm_cache.spec import Forbid, MachineSpec, Spec, System, Transition
 
 
 # Attributes every record has besides regions and counters (see Engine.slots and the
@@ -36,12 +40,22 @@ def problems(spec: Spec) -> list[str]:
     names = _name_problems(spec)
     if names:
         return [f"{spec.source}: {line}" for line in names]
-    lines = [*_determinism(spec), *_totality(spec), *_safety(spec), *_liveness(spec)]
+    lines = [
+        *_initial(spec),
+        *_determinism(spec),
+        *_totality(spec),
+        *_safety(spec),
+        *_liveness(spec),
+    ]
     return [f"{spec.source}: {line}" for line in lines]
 
 
 def bound(spec: MachineSpec) -> int:
-    """Return the counter value past which no guard or invariant changes its truth."""
+    """Return a counter value past which no guard or invariant changes its truth.
+
+    The values 0..bound include every one of :func:`representatives`; tests that
+    want a dense range rather than the few exact representatives use it.
+    """
     constants = [abs(t.value) for s in spec.states for t in s.invariant.terms]
     constants += [abs(t.value) for tr in spec.transitions for t in tr.guard.terms]
     constants += [abs(t.value) for f in spec.forbids for t in f.guard.terms]
@@ -50,14 +64,47 @@ def bound(spec: MachineSpec) -> int:
     return max(constants, default=0) + max(steps, default=0) + 2
 
 
+def representatives(spec: MachineSpec, *extra: Guard) -> dict[str, tuple[int, ...]]:
+    """Return, per counter, ascending values that stand for every value it can take.
+
+    Each counter's :func:`~fsm_cache.guards.critical_values` (which says why they
+    are exact) for the constants it is compared with (every invariant, guard and
+    forbid guard, and the ``extra`` guards) and the steps updates move it by.
+    Guards are conjunctions and updates assign counters one by one, so the
+    counters are independent: the product of these meets every class of
+    valuations that any check tells apart.
+    """
+    guards = [s.invariant for s in spec.states] + [t.guard for t in spec.transitions]
+    guards += [f.guard for f in spec.forbids] + list(extra)
+    constants: dict[str, list[int]] = {name: [] for name in spec.counter_names}
+    steps: dict[str, list[int]] = {name: [] for name in spec.counter_names}
+    for term in (term for guard in guards for term in guard.terms):
+        constants.get(term.counter, []).append(term.value)
+    for assign in (a for tr in spec.transitions for a in tr.update.assigns):
+        steps.get(assign.counter, []).append(assign.delta())
+    return {name: critical_values(constants[name], steps[name]) for name in spec.counter_names}
+
+
 def valuations(spec: MachineSpec, invariant: Guard) -> Iterator[dict[str, int]]:
-    """Yield every representative counter valuation that satisfies ``invariant``."""
+    """Yield the exact representative counter valuations that satisfy ``invariant``.
+
+    The product of :func:`representatives` over the counters, in ascending
+    lexicographic order, keeping those where ``invariant`` holds; checking a
+    property of one step on these is checking it on every valuation.
+    """
     names = spec.counter_names
-    top = bound(spec)
-    for values in itertools.product(range(top + 1), repeat=len(names)):
-        counters = dict(zip(names, values, strict=True))
-        if invariant.holds(counters):
-            yield counters
+    reps = representatives(spec, invariant)
+    # The invariant is a conjunction of single-counter terms: filter each axis alone.
+    axes = [
+        [
+            v
+            for v in reps[name]
+            if all(t.holds({name: v}) for t in invariant.terms if t.counter == name)
+        ]
+        for name in names
+    ]
+    for values in itertools.product(*axes):
+        yield dict(zip(names, values, strict=True))
 
 
 def _when(counters: dict[str, int]) -> str:
@@ -84,29 +131,44 @@ def _name_problems(spec: MachineSpec) -> list[str]:
         if st.counter is not None and st.counter not in counters:
             out.append(f"states.{st.name}.counter: unknown counter {st.counter!r}")
     for i, tr in enumerate(spec.transitions):
-        where = f"transition[{i}]"
-        out += [f"{where}.source: unknown state {s!r}" for s in tr.sources if s not in states]
-        out += [f"{where}.dest: unknown state {tr.dest!r}"] if tr.dest not in states else []
-        used = tr.guard.counters() | tr.update.counters()
-        out += [f"{where}: unknown counter {c!r}" for c in sorted(used - counters)]
+        out += _transition_names(spec, f"transition[{i}]", tr)
     for i, fb in enumerate(spec.forbids):
-        where = f"forbid[{i}]"
-        out += [f"{where}.source: unknown state {s!r}" for s in fb.sources if s not in states]
-        out += [
-            f"{where}.guard: unknown counter {c!r}" for c in sorted(fb.guard.counters() - counters)
-        ]
-        out += (
-            [f"{where}.when: a machine file cannot use conditions; use a composition"]
-            if fb.when
-            else []
-        )
-        out += (
-            [f"{where}.source: a machine's forbid must name its states"] if not fb.sources else []
-        )
-        out += _error_name(where, fb.error)
-    events = set(spec.event_names)
-    out += [f"events.{e.name}: unknown event" for e in spec.events if e.name not in events]
-    return out
+        out += _forbid_names(spec, f"forbid[{i}]", fb)
+    used = set(spec.event_names)
+    return out + [
+        f"events.{e.name}: declared but no transition or forbid uses it"
+        for e in spec.events
+        if e.name not in used
+    ]
+
+
+def _transition_names(spec: MachineSpec, where: str, tr: Transition) -> list[str]:
+    states = spec.state_names
+    out = _undeclared(spec, f"{where}.event", tr.event)
+    out += [f"{where}.source: unknown state {s!r}" for s in tr.sources if s not in states]
+    out += [f"{where}.dest: unknown state {tr.dest!r}"] if tr.dest not in states else []
+    used = tr.guard.counters() | tr.update.counters()
+    return out + [f"{where}: unknown counter {c!r}" for c in sorted(used - set(spec.counter_names))]
+
+
+def _forbid_names(spec: MachineSpec, where: str, fb: Forbid) -> list[str]:
+    out = _undeclared(spec, f"{where}.event", fb.event)
+    out += [f"{where}.source: unknown state {s!r}" for s in fb.sources if s not in spec.state_names]
+    unknown = fb.guard.counters() - set(spec.counter_names)
+    out += [f"{where}.guard: unknown counter {c!r}" for c in sorted(unknown)]
+    if fb.when:
+        out.append(f"{where}.when: a machine file cannot use conditions; use a composition")
+    if not fb.sources:
+        out.append(f"{where}.source: a machine's forbid must name its states")
+    return out + _error_name(where, fb.error)
+
+
+def _undeclared(spec: MachineSpec, where: str, event: str) -> list[str]:
+    """An ``[events]`` table, when a machine has one, is the closed list of its events."""
+    declared = [e.name for e in spec.events]
+    if not declared or event in declared:
+        return []
+    return [f"{where}: unknown event {event!r} (declared in [events]: {', '.join(declared)})"]
 
 
 def _reserved(name: str) -> bool:
@@ -122,29 +184,55 @@ def _region_name_ok(region: str, system: System) -> bool:
 def _error_name(where: str, name: str) -> list[str]:
     if not name or not name[0].isupper():
         return [f"{where}.error: error class names are CapitalisedIdentifiers, got {name!r}"]
+    # A refusal named like another class would be a different class of the same name:
+    # `except SpecError` would not catch it, nor would `except ValueError`.
+    if hasattr(builtins, name):
+        return [f"{where}.error: {name!r} is a Python builtin, not a refusal; choose another name"]
+    own = getattr(errors, name, None)
+    refusal = isinstance(own, type) and issubclass(own, IllegalTransition)
+    if isinstance(own, type) and issubclass(own, FsmCacheError) and not refusal:
+        return [
+            f"{where}.error: {name!r} is fsm_cache's own {name}, not a refusal; choose another name"
+        ]
     error_class(name)
     return []
+
+
+def _initial(spec: MachineSpec) -> Iterator[str]:
+    invariant = spec.state(spec.initial).invariant
+    values = dict(spec.counters)
+    broken = {t.counter for t in invariant.terms if not t.holds(values)}
+    for name in (n for n in spec.counter_names if n in broken):
+        yield f"counters.{name}: initial value {values[name]} breaks the invariant of the initial state {spec.initial} ({invariant})"
 
 
 def _determinism(spec: MachineSpec) -> Iterator[str]:
     for st in spec.states:
         for event in spec.event_names:
-            options = [
+            moves = [
                 (i, t)
                 for i, t in enumerate(spec.transitions)
                 if t.event == event and st.name in t.sources
             ]
-            for (i, a), (j, b) in itertools.combinations(options, 2):
+            refusals = [
+                (k, f)
+                for k, f in enumerate(spec.forbids)
+                if f.event == event and st.name in f.sources
+            ]
+            at = f"on {event} in {st.name}"
+            for (i, a), (j, b) in itertools.combinations(moves, 2):
                 both = _overlap(spec, st.invariant, a.guard, b.guard)
                 if both is not None:
-                    yield f"transition[{j}].guard: overlaps transition[{i}] on {event} in {st.name}{_when(both)} (non-deterministic)"
-            for k, fb in enumerate(spec.forbids):
-                if fb.event != event or st.name not in fb.sources:
-                    continue
-                for i, tr in options:
+                    yield f"transition[{j}].guard: overlaps transition[{i}] {at}{_when(both)} (non-deterministic)"
+            for n, (k, fb) in enumerate(refusals):
+                for i, tr in moves:
                     both = _overlap(spec, st.invariant, tr.guard, fb.guard)
                     if both is not None:
-                        yield f"forbid[{k}]: overlaps transition[{i}] on {event} in {st.name}{_when(both)}"
+                        yield f"forbid[{k}]: overlaps transition[{i}] {at}{_when(both)}"
+                for m, earlier in refusals[:n]:
+                    both = _overlap(spec, st.invariant, earlier.guard, fb.guard)
+                    if both is not None:
+                        yield f"forbid[{k}]: overlaps forbid[{m}] {at}{_when(both)} (ambiguous refusal)"
 
 
 def _overlap(spec: MachineSpec, invariant: Guard, a: Guard, b: Guard) -> dict[str, int] | None:

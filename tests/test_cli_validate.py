@@ -124,6 +124,71 @@ def test_a_spec_error_in_a_region_file_names_that_file(
     )
 
 
+SPEND = """
+[machine]
+name = "budget"
+initial = "open"
+[counters]
+tokens = 0
+[states]
+open = {}
+closed = { final = true }
+[[transition]]
+event = "close"
+source = "open"
+dest = "closed"
+[[transition]]
+event = "spend"
+source = "open"
+dest = "open"
+guard = "tokens <= 4096"
+[[transition]]
+event = "spend"
+source = "open"
+dest = "open"
+guard = "tokens >= 99999999999999999999"
+[[forbid]]
+event = "spend"
+source = "open"
+guard = "tokens >= 4097 and tokens <= 99999999999999999998"
+error = "OverBudget"
+reason = "too many tokens"
+"""
+
+
+def test_big_constants_are_findings_not_tracebacks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    good = tmp_path / "budget.toml"
+    good.write_text(SPEND, encoding="utf-8")
+    gap = tmp_path / "gap.toml"
+    gap.write_text(SPEND.replace("99999999999999999998", "99999999999999999997"), encoding="utf-8")
+    huge = tmp_path / "huge.toml"
+    huge.write_text(SPEND.replace("4096", "4" + "0" * 1000), encoding="utf-8")
+    assert run(capsys, str(good), str(gap), str(huge)) == (
+        2,
+        [f"ok: {good} (machine budget: 2 states, 3 transitions, 1 refusals)"],
+        [
+            f"error: {gap}: states.open: event 'spend' is neither a transition nor a forbid when tokens=99999999999999999998 (not total)",
+            f"error: {huge}: transition[1].guard: an integer has 1001 digits, more than 1000",
+        ],
+    )
+
+
+def test_a_missing_region_file_names_the_composition_key(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    comp = tmp_path / "pair.toml"
+    comp.write_text(PAIR, encoding="utf-8")
+    assert run(capsys, str(comp)) == (
+        2,
+        [],
+        [
+            f"error: {comp}: composition.regions.one: cannot read {tmp_path / 'flip.toml'}: No such file or directory"
+        ],
+    )
+
+
 def test_no_file_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["validate"])

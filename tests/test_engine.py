@@ -11,7 +11,7 @@ from fsm_cache import errors
 from fsm_cache.engine import Engine
 from fsm_cache.enginebench import record_bytes, run_engine_bench
 from fsm_cache.errors import EffectFailed, IllegalTransition, SpecError, error_class
-from fsm_cache.loader import spec_from_dict
+from fsm_cache.loader import machine_from_dict, spec_from_dict
 from fsm_cache.shipped import host_machine, residency_system
 
 
@@ -169,7 +169,9 @@ def test_the_bench_reports_every_figure() -> None:
 
 
 def test_the_first_declared_forbid_that_holds_decides() -> None:
-    spec = spec_from_dict(
+    # Validation refuses overlapping forbids of one machine; a composition's own forbids
+    # may overlap and are tried in declaration order, which is what the engine must do.
+    spec = machine_from_dict(
         {
             "machine": {"name": "m", "initial": "a"},
             "counters": {"n": 0},

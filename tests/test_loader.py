@@ -9,7 +9,7 @@ import pytest
 from fsm_cache.errors import SpecError
 from fsm_cache.guards import parse_condition, parse_guard, parse_update
 from fsm_cache.loader import load_spec, machine_from_dict, spec_from_dict
-from fsm_cache.spec import Forbid, MachineSpec, StateSpec, System, Transition
+from fsm_cache.spec import EventSpec, Forbid, MachineSpec, StateSpec, System, Transition
 
 
 LAMP = """
@@ -28,6 +28,7 @@ on = { invariant = "n >= 1", counter = "n" }
 
 [events]
 press = { doc = "push", past = "pressed" }
+unpress = { doc = "let go" }
 
 [[transition]]
 event = "press"
@@ -90,7 +91,8 @@ def test_a_valid_machine_loads_into_spec_objects(tmp_path: Path) -> None:
     assert spec.forbids == (Forbid("unpress", ("off",), "UnpressAtZero", "nothing pressed"),)
     assert spec.event_names == ("press", "unpress")
     assert spec.event_doc("press").past == "pressed"
-    assert spec.event_doc("unpress").past == ""
+    assert spec.event_doc("unpress") == EventSpec("unpress", "let go")
+    assert spec.event_doc("undeclared") == EventSpec("undeclared")
 
 
 def test_unreadable_file(tmp_path: Path) -> None:
@@ -158,6 +160,7 @@ def test_malformed_guards_and_updates_name_their_key(tmp_path: Path) -> None:
 
 def test_bad_names_and_shapes(tmp_path: Path) -> None:
     text = LAMP.replace("n = 0\n", 'n = -1\nm = "zero"\n')
+    text = text.replace("on = {", '"on air" = { final = true }\non = {')
     text = text.replace('event = "press"', 'event = "press now"')
     text = text.replace('source = ["off", "on"]', "source = []")
     text = text.replace('effect = "glow"', 'effect = "glow!"\npropagate = "children"')
@@ -167,6 +170,7 @@ def test_bad_names_and_shapes(tmp_path: Path) -> None:
     assert problems(path) == [
         f"{path}: counters.n: initial value must be an integer >= 0, got -1",
         f"{path}: counters.m: initial value must be an integer >= 0, got 'zero'",
+        f"{path}: states.on air: not an identifier",
         f"{path}: transition[0].event: missing or not an identifier: 'press now'",
         f"{path}: transition[0].source: must be a state name or a list of them, got []",
         f"{path}: transition[0].effect: not an identifier: 'glow!'",
@@ -178,7 +182,9 @@ def test_bad_names_and_shapes(tmp_path: Path) -> None:
 
 def test_tables_of_the_wrong_type(tmp_path: Path) -> None:
     text = LAMP.replace("[counters]\nn = 0\n", "")
-    text = text.replace('[events]\npress = { doc = "push", past = "pressed" }\n', "")
+    text = text.replace(
+        '[events]\npress = { doc = "push", past = "pressed" }\nunpress = { doc = "let go" }\n', ""
+    )
     text = text.replace("[[forbid]]\nevent", "[[forbidden]]\nevent")
     path = write(tmp_path, "counters = 1\nevents = [1]\nforbid = 2\n" + text)
     assert problems(path) == [
@@ -261,7 +267,82 @@ def test_composition_faults(tmp_path: Path) -> None:
     missing = write(
         tmp_path, "[composition]\nname='c'\n[composition.regions]\nx = 'no.toml'\n", "c.toml"
     )
-    assert problems(missing) == [f"{tmp_path / 'no.toml'}: cannot read: No such file or directory"]
+    assert problems(missing) == [
+        f"{missing}: composition.regions.x: cannot read {tmp_path / 'no.toml'}: No such file or directory"
+    ]
+    odd = write(
+        tmp_path, "[composition]\nname='d'\n[composition.regions]\nx = 3\ny = ''\n", "d.toml"
+    )
+    assert problems(odd) == [
+        f"{odd}: composition.regions.x: must be the file name of a machine, got 3",
+        f"{odd}: composition.regions.y: must be the file name of a machine, got ''",
+    ]
+    itself = write(
+        tmp_path, "[composition]\nname='e'\n[composition.regions]\nx = 'e.toml'\n", "e.toml"
+    )
+    assert problems(itself) == [f"{itself}: composition.regions.x: e.toml is not a [machine] file"]
+
+
+def test_a_composition_reports_its_regions_faults_with_its_own(tmp_path: Path) -> None:
+    broken = write(tmp_path, LAMP.replace('guard = "n == 1"', 'guard = "n = 1"'), "lamp.toml")
+    toml = write(tmp_path, "[machine\n", "bad.toml")
+    comp = write(
+        tmp_path,
+        "[composition]\n[composition.regions]\na = 'lamp.toml'\nb = 'bad.toml'\n",
+        "c.toml",
+    )
+    assert problems(comp) == [
+        f"{broken}: transition[1].guard: expected COUNTER OP INT (OP one of == != < <= > >=), got 'n = 1'",
+        f"{toml}: invalid TOML: Expected ']' at the end of a table declaration (at line 1, column 9)",
+        f"{comp}: composition.name: missing or not a string",
+    ]
+
+
+def test_text_fields_must_be_strings_and_flags_booleans(tmp_path: Path) -> None:
+    text = LAMP.replace('label = "lamp"', "label = 3").replace('"A push button lamp."', "5")
+    text = text.replace('doc = "dark"', 'doc = 1, final = "yes"').replace(
+        'counter = "n"', "counter = 2"
+    )
+    text = text.replace('past = "pressed"', "past = false").replace(
+        'unpress = { doc = "let go" }', "unpress = { doc = [] }"
+    )
+    text = text.replace('effect = "glow"', 'effect = "glow"\ndoc = 7')
+    path = write(tmp_path, text)
+    assert problems(path) == [
+        f"{path}: states.off.final: must be true or false, got 'yes'",
+        f"{path}: states.off.doc: must be a string, got 1",
+        f"{path}: states.on.counter: must be a counter name, got 2",
+        f"{path}: transition[0].doc: must be a string, got 7",
+        f"{path}: events.press.past: must be a string, got False",
+        f"{path}: events.unpress.doc: must be a string, got []",
+        f"{path}: machine.doc: must be a string, got 5",
+        f"{path}: machine.label: must be a string, got 3",
+    ]
+    comp = write(
+        tmp_path,
+        "[composition]\nname = 'c'\ndoc = 1\nlabel = 2\n[composition.regions]\nx = 'spec.toml'\n",
+        "c.toml",
+    )
+    write(tmp_path, LAMP)
+    assert problems(comp) == [
+        f"{comp}: composition.doc: must be a string, got 1",
+        f"{comp}: composition.label: must be a string, got 2",
+    ]
+
+
+def test_toml_nested_too_deeply_is_invalid(tmp_path: Path) -> None:
+    path = write(tmp_path, "a = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    assert problems(path) == [f"{path}: invalid TOML: nested too deeply"]
+
+
+def test_integers_too_long_to_convert_are_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, LAMP.replace("n = 0", "n = 1" + "0" * 5000))
+    [line] = problems(path)
+    assert line.startswith(f"{path}: invalid TOML: Exceeds the limit (4300 digits) for integer")
+    path = write(tmp_path, LAMP.replace('guard = "n == 1"', 'guard = "n == 1' + "0" * 1000 + '"'))
+    assert problems(path) == [
+        f"{path}: transition[1].guard: an integer has 1001 digits, more than 1000"
+    ]
 
 
 def test_machine_from_dict_does_not_validate() -> None:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
+from fsm_cache import validate as validate_module
 from fsm_cache.errors import SpecError
-from fsm_cache.guards import parse_guard
+from fsm_cache.guards import Assign, Comparison, Guard, Update, parse_guard, parse_update
 from fsm_cache.loader import load_spec
 from fsm_cache.shipped import load_shipped, shipped_spec_paths
-from fsm_cache.spec import MachineSpec, StateSpec, System
-from fsm_cache.validate import bound, problems, validate, valuations
+from fsm_cache.spec import Forbid, MachineSpec, StateSpec, System, Transition
+from fsm_cache.validate import bound, problems, representatives, validate, valuations
 
 
 # A valid counter machine; each test breaks one rule by adding or replacing a line.
@@ -86,7 +90,7 @@ def test_unknown_and_missing_names(tmp_path: Path) -> None:
     text = text.replace('source = "closed"', 'source = ["closed", "ajar"]')
     text = text.replace('error = "Empty"', 'error = "empty"')
     text += '\n[[forbid]]\nevent = "enter"\nsource = "open"\nguard = "q == 9"\nerror = "Full"\nreason = "r"\n'
-    text += '\n[events]\nexit = { doc = "typo" }\n'
+    text += '\n[events]\nenter = {}\nleave = {}\nexit = { doc = "never used" }\n'
     assert found(tmp_path, text) == [
         "machine.initial: unknown state 'shut'",
         "states.open.invariant: unknown counter 'm'",
@@ -96,7 +100,18 @@ def test_unknown_and_missing_names(tmp_path: Path) -> None:
         "forbid[0].source: unknown state 'ajar'",
         "forbid[0].error: error class names are CapitalisedIdentifiers, got 'empty'",
         "forbid[1].guard: unknown counter 'q'",
-        "events.exit: unknown event",
+        "events.exit: declared but no transition or forbid uses it",
+    ]
+
+
+def test_an_events_table_is_the_closed_list_of_events(tmp_path: Path) -> None:
+    text = GATE + "\n[events]\nenter = {}\nleave = {}\n"
+    text += '\n[[forbid]]\nevent = "frobnicate"\nsource = "open"\nerror = "E"\nreason = "r"\n'
+    text = text.replace('event = "enter"', 'event = "entre"')
+    assert found(tmp_path, text) == [
+        "transition[0].event: unknown event 'entre' (declared in [events]: enter, leave)",
+        "forbid[1].event: unknown event 'frobnicate' (declared in [events]: enter, leave)",
+        "events.enter: declared but no transition or forbid uses it",
     ]
 
 
@@ -226,9 +241,13 @@ def test_valuations_are_the_exact_representatives() -> None:
     host = load_shipped("host_residency")
     assert isinstance(host, MachineSpec)
     assert bound(host) == 5  # largest constant 2, largest step 1, plus 2
+    # Constants 0, 1, 2 and steps +1, -1: critical points c - d are 0..3, plus one past each.
+    assert representatives(host) == {"pins": (0, 1, 2, 3, 4)}
     pinned = host.state("pinned").invariant
-    assert list(valuations(host, pinned)) == [{"pins": v} for v in range(1, 6)]
+    assert list(valuations(host, pinned)) == [{"pins": v} for v in range(1, 5)]
     assert list(valuations(host, parse_guard("pins == 0"))) == [{"pins": 0}]
+    # The constants of the invariant asked about count too.
+    assert list(valuations(host, parse_guard("pins >= 7"))) == [{"pins": v} for v in (7, 8, 9)]
 
 
 def test_composition_rules(tmp_path: Path) -> None:
@@ -286,8 +305,166 @@ def test_region_problems_keep_their_own_file() -> None:
 
 def test_a_final_state_needs_no_exit_and_no_coverage() -> None:
     states = (StateSpec("a"), StateSpec("done", final=True))
-    from fsm_cache.spec import Transition
-
     spec = MachineSpec("m", "a", (), states, (Transition("finish", ("a",), "done"),))
     assert problems(spec) == []
     assert list(itertools.islice(valuations(spec, parse_guard("")), 3)) == [{}]
+
+
+def test_big_constants_cost_a_few_representatives(tmp_path: Path) -> None:
+    text = GATE.replace("n = 0", "n = 0\ntokens = 0").replace(
+        'guard = "n == 1"', 'guard = "n == 1 and tokens <= 4096"'
+    )
+    text += '\n[[forbid]]\nevent = "leave"\nsource = "open"\nguard = "n == 1 and tokens > 4096"\nerror = "Full"\nreason = "r"\n'
+    path = tmp_path / "gate.toml"
+    path.write_text(text, encoding="utf-8")
+    spec = load_spec(path)
+    assert isinstance(spec, MachineSpec)
+    assert representatives(spec) == {"n": (0, 1, 2, 3, 4), "tokens": (0, 1, 4096, 4097)}
+
+
+def test_a_fault_at_a_big_constant_is_found_exactly(tmp_path: Path) -> None:
+    huge = 99999999999999999999
+    text = GATE.replace("n = 0", "n = 0\ntokens = 0").replace(
+        'guard = "n >= 2"', f'guard = "n >= 2 and n <= {huge}"'
+    )
+    text += f'\n[[transition]]\nevent = "leave"\nsource = "open"\ndest = "open"\nguard = "n >= {huge}"\nupdate = "n -= 1"\n'
+    text += '\n[[transition]]\nevent = "spend"\nsource = "open"\ndest = "open"\nguard = "tokens >= 4095"\nupdate = "tokens -= 5000"\n'
+    text += '\n[[forbid]]\nevent = "spend"\nsource = ["closed", "open"]\nguard = "tokens <= 4094"\nerror = "Broke"\nreason = "r"\n'
+    text += '\n[[forbid]]\nevent = "spend"\nsource = ["closed"]\nguard = "tokens >= 4095"\nerror = "Shut"\nreason = "r"\n'
+    assert found(tmp_path, text) == [
+        f"transition[3].guard: overlaps transition[2] on leave in open when n={huge}, tokens=0 (non-deterministic)",
+        "transition[4].update: drives tokens negative from open when n=1, tokens=4095",
+    ]
+
+
+def test_forbids_that_overlap_are_an_ambiguous_refusal(tmp_path: Path) -> None:
+    text = (
+        GATE
+        + '\n[[forbid]]\nevent = "leave"\nsource = ["closed"]\nguard = "n <= 5"\nerror = "Shut"\nreason = "r"\n'
+    )
+    assert found(tmp_path, text) == [
+        "forbid[1]: overlaps forbid[0] on leave in closed when n=0 (ambiguous refusal)"
+    ]
+
+
+def test_initial_counters_must_satisfy_the_initial_invariant(tmp_path: Path) -> None:
+    text = GATE.replace("n = 0", "n = 2")
+    assert found(tmp_path, text) == [
+        "counters.n: initial value 2 breaks the invariant of the initial state closed (n == 0)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        (
+            "SpecError",
+            "'SpecError' is fsm_cache's own SpecError, not a refusal; choose another name",
+        ),
+        (
+            "LeaseError",
+            "'LeaseError' is fsm_cache's own LeaseError, not a refusal; choose another name",
+        ),
+        ("ValueError", "'ValueError' is a Python builtin, not a refusal; choose another name"),
+        ("Exception", "'Exception' is a Python builtin, not a refusal; choose another name"),
+        ("True", "'True' is a Python builtin, not a refusal; choose another name"),
+    ],
+)
+def test_error_names_may_not_clash_with_other_classes(
+    tmp_path: Path, name: str, problem: str
+) -> None:
+    text = GATE.replace('error = "Empty"', f'error = "{name}"')
+    assert found(tmp_path, text) == [f"forbid[0].error: {problem}"]
+
+
+def test_refusals_fsm_cache_predefines_are_welcome(tmp_path: Path) -> None:
+    for name in ("IllegalTransition", "ReleaseAtZero"):
+        path = tmp_path / "gate.toml"
+        path.write_text(GATE.replace('error = "Empty"', f'error = "{name}"'), encoding="utf-8")
+        assert problems(load_spec(path)) == []
+
+
+def _dense(spec: MachineSpec, invariant: Guard) -> Iterator[dict[str, int]]:
+    """Every valuation from 0 to ``bound``: the exhaustive search representatives replace."""
+    names = spec.counter_names
+    for values in itertools.product(range(bound(spec) + 1), repeat=len(names)):
+        counters = dict(zip(names, values, strict=True))
+        if invariant.holds(counters):
+            yield counters
+
+
+_OPS = st.sampled_from(["==", "!=", "<", "<=", ">", ">="])
+_GUARDS = st.lists(
+    st.builds(Comparison, st.sampled_from(["a", "b"]), _OPS, st.integers(-1, 6)), max_size=2
+).map(lambda terms: Guard(tuple(terms)))
+_UPDATES = st.lists(
+    st.builds(
+        Assign, st.sampled_from(["a", "b"]), st.sampled_from(["+=", "-=", "="]), st.integers(0, 4)
+    ),
+    max_size=2,
+    unique_by=lambda a: a.counter,
+).map(lambda assigns: Update(tuple(assigns)))
+_STATES = st.sampled_from(["p", "q", "r"])
+
+
+@st.composite
+def _machines(draw: st.DrawFn) -> MachineSpec:
+    states = tuple(StateSpec(n, invariant=draw(_GUARDS), final=draw(st.booleans())) for n in "pqr")
+    transitions = draw(
+        st.lists(
+            st.builds(
+                Transition,
+                st.sampled_from(["x", "y"]),
+                st.tuples(_STATES),
+                _STATES,
+                _GUARDS,
+                _UPDATES,
+            ),
+            min_size=1,
+            max_size=4,
+        )
+    )
+    forbids = draw(
+        st.lists(
+            st.builds(
+                Forbid,
+                st.sampled_from(["x", "y"]),
+                st.tuples(_STATES),
+                st.just("E"),
+                st.just("r"),
+                _GUARDS,
+            ),
+            max_size=3,
+        )
+    )
+    return MachineSpec("m", "p", (("a", 0), ("b", 0)), states, tuple(transitions), tuple(forbids))
+
+
+def _step(update: str, dest_invariant: str, guard: str = "") -> MachineSpec:
+    """A machine whose one step from ``p`` can break ``q``'s invariant."""
+    states = (StateSpec("p"), StateSpec("q", invariant=parse_guard(dest_invariant), final=True))
+    step = Transition("x", ("p",), "q", parse_guard(guard), parse_update(update))
+    return MachineSpec("m", "p", (("a", 0), ("b", 0)), states, (step,))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_machines())
+# Faults found only through a critical point c - d: a += 2 breaks a <= 4 first at a = 3
+# (point 4 - 2 = 2, plus one); a -= 2 breaks a != 5 only at a = 7 (point 5 + 2).
+@example(_step("a += 2", "a <= 4"))
+@example(_step("a -= 2", "a != 5", guard="a >= 2"))
+def test_representatives_find_what_an_exhaustive_search_finds(spec: MachineSpec) -> None:
+    exact = problems(spec)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(validate_module, "valuations", _dense)
+        assert exact == problems(spec)
+
+
+def test_the_examples_above_are_faults() -> None:
+    assert problems(_step("a += 2", "a <= 4")) == [
+        "<python>: transition[0].update: breaks the invariant of q (a <= 4) from p when a=3, b=0"
+    ]
+    assert problems(_step("a -= 2", "a != 5", guard="a >= 2")) == [
+        "<python>: states.p: event 'x' is neither a transition nor a forbid when a=0, b=0 (not total)",
+        "<python>: transition[0].update: breaks the invariant of q (a != 5) from p when a=7, b=0",
+    ]
