@@ -10,6 +10,11 @@ the combination of its nodes' answers: refused if any of them refuses, in
 node-to-root order as the engine checks them. Under a write policy
 (:class:`~fsm_cache.model.Choices`) an acknowledgement of a backup likewise
 changes the ancestors the same copy serves.
+
+Clients give back only what they hold, so the tables also answer, per node
+chain, whether the engine would accept a give-back the node's clients hold
+none of (:meth:`Answers.takes_unheld`): a dry run, asked only at nodes where
+another kind of holder holds the counter.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class Answers:
         self._at: dict[tuple[int, int], int] = {}
         self._table: dict[tuple[str, int, bool], Answer] = {}
         self._enabled: dict[int, list[tuple[str, int, bool]]] = {}
+        self._unheld: dict[int, list[str]] = {}
+        self._free: dict[tuple[str, int], bool | None] = {}
 
     def context(self, sid: int, up: int) -> int:
         """Return the id of the context of subtree ``sid``'s root under region states ``up``."""
@@ -90,6 +97,40 @@ class Answers:
             if lids:
                 out.append((event, tuple(lids)))
         return out
+
+    def takes_unheld(self, chain: tuple[int, ...]) -> bool:
+        """Whether the node accepts a give-back its clients hold none of (another holder's count).
+
+        Args:
+            chain: The contexts of the node and of its ancestors, nearest first.
+        """
+        lid = self.contexts[chain[0]][0]
+        events = self._unheld.get(lid)
+        if events is None:
+            entry: Entry = (0, *self.trees.locals[lid])
+            events = self._unheld[lid] = [event for event, _ in self.layout.unheld(entry)]
+        return any(self.accepts(event, chain) for event in events)
+
+    def accepts(self, event: str, chain: tuple[int, ...]) -> bool:
+        """Whether the engine accepts ``event`` fired at the node of ``chain``, whoever holds what.
+
+        A dry run of the spec alone, as :meth:`~fsm_cache.engine.Engine.allowed`
+        answers it: no ghost holds, no choices of the cache, no counter bounds.
+        """
+        key = (event, chain[0])
+        if key not in self._free:
+            lid, up, kids = self.contexts[chain[0]]
+            try:
+                entry: Entry = (0, *self.trees.locals[lid])
+                self._free[key] = self.engine.plan(self._record(entry, up, kids), event)[2]
+            except IllegalTransition:
+                self._free[key] = None
+        propagates = self._free[key]
+        if propagates is None:
+            return False
+        return not propagates or all(
+            self.answer(event, ctx, False) is not None for ctx in chain[1:]
+        )
 
     def _joins(self, event: str, ctx: int) -> bool:
         """Whether ``event``, acknowledging a copy below, applies to the node of ``ctx`` too."""

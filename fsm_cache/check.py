@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -35,6 +33,7 @@ from fsm_cache.explore import Bounds, Explorer, Result
 from fsm_cache.loader import load_spec
 from fsm_cache.model import Layout, Nodes
 from fsm_cache.policy import WritePolicy
+from fsm_cache.progress import PLAIN_EVERY, progress
 from fsm_cache.shipped import shipped_spec_paths
 from fsm_cache.spec import as_system
 
@@ -157,7 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     specs = []
     for path, policy, nodes in targets(args):
         started = time.perf_counter()
-        with _progress(args.progress, _title(path.name, policy)) as tick:
+        with progress(args.progress, _title(path.name, policy)) as tick:
             result = check_spec(path, nodes, bounds, ops, tick=tick, policy=POLICIES[policy])
         seconds = time.perf_counter() - started
         specs.append(
@@ -198,8 +197,9 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         lines.append(f"  time: {s['seconds']:.2f} s")
         if s["violation"]:
             lines.append(f"  violation: {s['violation']}")
-            lines.append(f"  shortest trace ({len(s['trace']) - 1} steps):")
-            lines += [f"    {step}" for step in s["trace"]]
+            if s["trace"]:  # none for a finding about the spec, made before exploring
+                lines.append(f"  shortest trace ({len(s['trace']) - 1} steps):")
+                lines += [f"    {step}" for step in s["trace"]]
         else:
             lines.append("  no invariant violated")
     lines += render_controls(result["controls"])
@@ -262,53 +262,3 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--no-controls", action="store_true", help="skip the negative controls")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(handler=handle)
-
-
-PLAIN_EVERY = 5.0
-"""Seconds between plain progress lines (progress on a non-terminal, as in CI logs)."""
-
-
-@contextmanager
-def _progress(wanted: bool | None, name: str) -> Iterator[Callable[[int], None] | None]:
-    """Yield the callback that shows progress on stderr (None: show none).
-
-    On a terminal a rich progress display; elsewhere (CI logs), with
-    ``--progress``, a plain line every :data:`PLAIN_EVERY` seconds.
-    """
-    terminal = sys.stderr.isatty()
-    if not (wanted if wanted is not None else terminal):
-        yield None
-    elif terminal:
-        with _bar(name) as tick:
-            yield tick
-    else:
-        yield _plain(name)
-
-
-@contextmanager
-def _bar(name: str) -> Iterator[Callable[[int], None]]:
-    from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    columns = (
-        SpinnerColumn(),
-        TextColumn("{task.description}: {task.completed} states"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, transient=True, console=Console(stderr=True)) as bar:
-        task = bar.add_task(name, total=None)
-        yield lambda n: bar.update(task, completed=n)
-
-
-def _plain(name: str) -> Callable[[int], None]:
-    started = last = time.perf_counter()
-
-    def tick(states: int) -> None:
-        nonlocal last
-        now = time.perf_counter()
-        if now - last >= PLAIN_EVERY:
-            last = now
-            rate = states / (now - started)
-            print(f"{name}: {states} states, {rate:.0f} states/s", file=sys.stderr, flush=True)
-
-    return tick

@@ -8,8 +8,10 @@ and combined along the chain it propagates to), so the checker checks the
 spec's real semantics, refusals and propagation included. Under a write
 policy, the cache's own choices (:class:`~fsm_cache.model.Choices`) narrow
 the events to those HiCache fires. The events of a root subtree depend on
-that subtree alone, so they are tabled per root subtree. Parent pointers
-give the shortest step sequence to any state.
+that subtree alone, so they are tabled per root subtree, with whether a node
+in it accepts a give-back its clients hold none of (invariant 6 where
+clients never go, :func:`~fsm_cache.invariants.unheld_give_back`). Parent
+pointers give the shortest step sequence to any state.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 from fsm_cache import treeops
 from fsm_cache.answers import Answers
 from fsm_cache.forest import Forest, Trees
-from fsm_cache.invariants import violation, violation_at
+from fsm_cache.invariants import unheld_give_back, violation, violation_at
 from fsm_cache.model import Choices, Entry, Layout, Nodes
 from fsm_cache.policy import WritePolicy, wants_backup
 from fsm_cache.traces import Replay, Seen, Step
@@ -34,6 +36,8 @@ Move = tuple[str, tuple[int, ...], bool]
 it changed (nearest first), and whether one of them holds its data nowhere."""
 Successor = tuple[Step, int, bool]
 """An event step in a root subtree: the step, the new subtree (before pruning), whether to prune."""
+Root = tuple[list[Successor], bool]
+"""A root subtree's event steps, and whether a node in it accepts a give-back its clients do not hold."""
 
 
 @dataclass
@@ -88,15 +92,21 @@ class Explorer:
         self.answers = Answers(layout, self.trees, ceilings, choices)
         self.replay = Replay(layout, ceilings, ops, choices)
         self.slots = 0
-        self.moves: dict[tuple[int, ...], list[Move]] = {}
-        self.steps: dict[int, list[Successor]] = {}
+        self.moves: dict[tuple[int, ...], tuple[list[Move], bool]] = {}
+        self.roots: dict[int, Root] = {}
         self.holds: dict[tuple[int, int], bool] = {}
         self.node_holds: dict[tuple[int, int, tuple[int, ...]], bool] = {}
         self.pruned: dict[int, int | None] = {}
         self.dataless: dict[int, bool] = {}
 
     def run(self, initial: dict[str, Nodes], tick: Callable[[int], None] | None = None) -> Result:
-        """Explore from the named initial states; stop at the first violation."""
+        """Explore from the named initial states; stop at the first violation.
+
+        A spec whose give-backs do not pair with its acquires is a finding
+        before anything is explored (:attr:`fsm_cache.holders.Holders.unpaired`).
+        """
+        if self.layout.holders.unpaired:
+            return Result(0, self.layout.holders.unpaired[0])
         seen: Seen = {}
         starts: dict[Forest, Nodes] = {}
         queue: deque[Forest] = deque()
@@ -107,7 +117,7 @@ class Explorer:
                 continue  # the same tree as an earlier shape (small trees)
             seen[start] = (None, ("start", name))
             starts[start] = nodes
-            if not self._holds(start):
+            if not self.passes(start):
                 return self._found(seen, starts, start)
             queue.append(start)
         while queue:
@@ -116,7 +126,7 @@ class Explorer:
                 if nxt in seen:
                     continue
                 seen[nxt] = (current, step)
-                if not self._holds(nxt):
+                if not self.passes(nxt):
                     return self._found(seen, starts, nxt)
                 queue.append(nxt)
             if tick is not None and len(seen) % 4096 < 64:
@@ -131,10 +141,7 @@ class Explorer:
         trees = self.trees
         at = 0
         for root in forest:
-            steps = self.steps.get(root)
-            if steps is None:
-                steps = self.steps[root] = self._root_steps(root)
-            for step, new, gone in steps:
+            for step, new, gone in self._root(root)[0]:
                 nxt = (new,) if len(forest) == 1 else trees.swap_root(forest, root, new)
                 if gone:
                     nxt = self._prune(nxt)
@@ -155,22 +162,34 @@ class Explorer:
             if nxt is not None:
                 yield step, self.trees.encode(nxt)
 
-    def _root_steps(self, root: int) -> list[Successor]:
-        """Return the events enabled in root subtree ``root``, numbered in its preorder."""
+    def _root(self, root: int) -> Root:
+        """Return the tabled steps of root subtree ``root`` (see :meth:`_root_steps`)."""
+        found = self.roots.get(root)
+        if found is None:
+            found = self.roots[root] = self._root_steps(root)
+        return found
+
+    def _root_steps(self, root: int) -> Root:
+        """Return the events enabled in root subtree ``root``, numbered in its preorder.
+
+        With them, whether a node in it accepts a give-back its clients hold none of.
+        """
         trees = self.trees
         order = trees.preorder((root,))
         chains: list[tuple[int, ...]] = []
         out: list[Successor] = []
+        takes = False
         for k, (sid, parent) in enumerate(order):
             up = trees.stid[trees.local[order[parent][0]]] if parent >= 0 else -1
             chain = (self.answers.context(sid, up), *(chains[parent] if parent >= 0 else ()))
             chains.append(chain)
-            moves = self.moves.get(chain)
-            if moves is None:
-                moves = self.moves[chain] = self._moves(chain)
-            for event, lids, gone in moves:
+            found = self.moves.get(chain)
+            if found is None:
+                found = self.moves[chain] = (self._moves(chain), self.answers.takes_unheld(chain))
+            takes = takes or found[1]
+            for event, lids, gone in found[0]:
                 out.append((("event", k, event), self._lift(order, k, lids), gone))
-        return out
+        return out, takes
 
     def _moves(self, chain: tuple[int, ...]) -> list[Move]:
         """Return the enabled events at the node of context ``chain`` (then its ancestors')."""
@@ -205,9 +224,9 @@ class Explorer:
         flat = self.ops.prune(self.layout, self.trees.decode(forest, self.slots))
         return self.trees.encode(flat)
 
-    def _holds(self, forest: Forest) -> bool:
-        """Whether every invariant holds in ``forest``."""
-        return all(self._sub_holds(sid, -1) for sid in forest)
+    def passes(self, forest: Forest) -> bool:
+        """Whether every invariant holds in ``forest``, where clients go and where they never do."""
+        return all(self._sub_holds(sid, -1) and not self._root(sid)[1] for sid in forest)
 
     def _sub_holds(self, sid: int, up: int) -> bool:
         found = self.holds.get((sid, up))
@@ -234,4 +253,7 @@ class Explorer:
     def _found(self, seen: Seen, starts: dict[Forest, Nodes], last: Forest) -> Result:
         """Return the violation at ``last``, described in the replayed tree's node numbers."""
         lines, nodes = self.replay.trace(seen, last, starts)
-        return Result(len(seen), violation(self.layout, nodes, self.policy), lines)
+        found = violation(self.layout, nodes, self.policy) or unheld_give_back(
+            self.layout, nodes, lambda i, event: self.replay.accepts(nodes, i, event)
+        )
+        return Result(len(seen), found, lines)

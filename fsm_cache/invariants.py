@@ -11,12 +11,18 @@ explorer checks a node once per distinct neighbourhood
 (:func:`violation_at`), and :func:`violation` reports the first violation of
 a whole tree, check by check, node by node. Each returns a one-line
 description of the violation, or None.
+
+Clients give back only what they hold, so invariant 6 can also break where
+no client goes: a give-back of one holder kind that the spec accepts while
+only another kind holds the counter. :func:`unheld_give_back` asks the
+engine (a dry run) about each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from fsm_cache.holders import Hold
 from fsm_cache.model import Entry, Layout, Nodes, children
 from fsm_cache.policy import WritePolicy
 from fsm_cache.residency import DEVICE_HELD, HOST_HELD, HOST_VALID
@@ -24,6 +30,8 @@ from fsm_cache.treeops import dataless
 
 
 Check = Callable[[Layout, Nodes, int, Entry], "str | None"]
+Accepts = Callable[[int, str], bool]
+"""Whether the engine would accept an event fired at a node (a dry run): node, event."""
 
 
 def counts(layout: Layout, _nodes: Nodes, i: int, entry: Entry) -> str | None:
@@ -43,7 +51,7 @@ def accounted(layout: Layout, nodes: Nodes, i: int, entry: Entry) -> str | None:
     """Invariant 6: each count equals its holders (plus its children's, if it propagates)."""
     for name in layout.counters:
         want = layout.held(entry, name)
-        if name in layout.propagating:
+        if name in layout.holders.propagating:
             want += sum(layout.counter(_at(nodes, c), name) for c in children(nodes, i))
         have = layout.counter(entry, name)
         if have != want:
@@ -151,6 +159,37 @@ def violation_at(
         if found is not None:
             return found
     return None
+
+
+def unheld_give_back(layout: Layout, nodes: Nodes, accepts: Accepts) -> str | None:
+    """Invariant 6 where clients never go: a give-back taking another holder's count.
+
+    For each node and each give-back its clients hold none of while holders
+    of another kind hold the counter (:meth:`~fsm_cache.model.Layout.unheld`),
+    the spec must refuse it: accepted, it would take, say, the pin a load
+    holds, and the load could not give it back. Returns the first accepted.
+    """
+    for i, entry in enumerate(nodes):
+        if entry is None:
+            continue
+        for event, key in layout.unheld(entry):
+            if accepts(i, event):
+                return _taken(layout, i, entry, event, key)
+    return None
+
+
+def _taken(layout: Layout, i: int, entry: Entry, event: str, key: Hold) -> str:
+    """Describe ``event`` at node ``i`` taking a count of ``key``'s counter that others hold."""
+    counter = key[0]
+    others = [
+        k
+        for k in layout.holders.kinds
+        if k[0] == counter and k != key and layout.hold(entry, k) > 0
+    ]
+    by = " and ".join(layout.holders.acquirers(k) for k in others)
+    mine = layout.holders.acquirers(key)
+    value = layout.counter(entry, counter)
+    return f"invariant 6: node {i}: {event} would take {counter} held by {by} ({counter}={value}, none held by {mine})"
 
 
 def _at(nodes: Nodes, index: int) -> Entry:

@@ -7,14 +7,8 @@ slot index or ``-1`` under the (unmodelled, always resident) radix root.
 directly at this node and have not given back (``pin`` minus ``release``,
 ``lock`` minus ``unlock``, ``load`` minus its acknowledgement). They are what
 the counters must account for, so a tree operation or transition that loses
-a count is caught.
-
-Which events acquire and release which counter is read from the spec: an
-event whose every transition adds one to a counter acquires it, one whose
-every transition subtracts one releases it. Holders are told apart by the
-regions their events are declared in: a ``load`` (host and device) is given
-back by ``load_done`` (host and device), never by ``release`` (host only), so
-a client can give back only what it holds.
+a count is caught. Which events acquire and give back which counter, and so
+the kinds of holds, is read from the spec (:mod:`fsm_cache.holders`).
 
 What the cache itself chooses among the steps the spec allows (its write
 policy, how it acknowledges a copy) is :class:`Choices`.
@@ -27,14 +21,13 @@ from dataclasses import dataclass
 from typing import cast
 
 from fsm_cache.errors import SpecError
+from fsm_cache.holders import Hold, Holders
 from fsm_cache.policy import PolicyNode, WritePolicy, wants_backup
 from fsm_cache.residency import DeviceState, HostState
 from fsm_cache.spec import System
 
 
 Entry = tuple[int | str, ...]
-Hold = tuple[str, tuple[str, ...]]
-"""A kind of holder: the counter it holds and the regions its events are declared in."""
 Nodes = tuple[Entry | None, ...]
 
 
@@ -46,45 +39,19 @@ class Layout:
         system: The spec.
         regions: Region names, in order.
         counters: Counter names, in order.
-        acquires: Event to the holds it acquires (adds one to).
-        releases: Event to the holds it releases.
-        holds: The hold keys ``(counter, regions of the holder's events)``.
-        propagating: Counters whose transitions propagate to ancestors.
+        holders: The holder kinds, and the events that acquire and give back each.
     """
 
     system: System
     regions: tuple[str, ...]
     counters: tuple[str, ...]
-    acquires: dict[str, tuple[Hold, ...]]
-    releases: dict[str, tuple[Hold, ...]]
-    holds: tuple[Hold, ...]
-    propagating: frozenset[str]
+    holders: Holders
 
     @classmethod
     def of(cls, system: System) -> Layout:
         """Return the layout of ``system``'s node entries."""
-        acquires: dict[str, tuple[Hold, ...]] = {}
-        releases: dict[str, tuple[Hold, ...]] = {}
-        for event in system.event_names:
-            acquires[event] = _moved(system, event, 1)
-            releases[event] = _moved(system, event, -1)
-        propagating = frozenset(
-            a.counter
-            for _, m in system.regions
-            for t in m.transitions
-            if t.propagate
-            for a in t.update.assigns
-        )
-        holds = tuple(dict.fromkeys(h for hs in acquires.values() for h in hs))
-        return cls(
-            system,
-            tuple(r for r, _ in system.regions),
-            tuple(c for c, _ in system.counters),
-            acquires,
-            releases,
-            holds,
-            propagating,
-        )
+        regions = tuple(r for r, _ in system.regions)
+        return cls(system, regions, tuple(c for c, _ in system.counters), Holders.of(system))
 
     def state(self, entry: Entry, region: str) -> str:
         """Return the state of ``region`` in a node entry."""
@@ -101,23 +68,23 @@ class Layout:
 
     def hold(self, entry: Entry, key: Hold) -> int:
         """Return the ghost holds of ``key``."""
-        return int(entry[self.base + self.holds.index(key)])
+        return int(entry[self.base + self.holders.kinds.index(key)])
 
     def held(self, entry: Entry, name: str) -> int:
         """Return every hold on counter ``name``."""
-        return sum(self.hold(entry, key) for key in self.holds if key[0] == name)
+        return sum(self.hold(entry, key) for key in self.holders.kinds if key[0] == name)
 
     def fresh(self, parent: int) -> Entry:
         """Return a new node under ``parent`` in the initial states with initial counters."""
         states = tuple(m.initial for _, m in self.system.regions)
         counters = tuple(v for _, v in self.system.counters)
-        return (parent, *states, *counters, *(0 for _ in self.holds))
+        return (parent, *states, *counters, *(0 for _ in self.holders.kinds))
 
     def with_holds(self, entry: Entry, deltas: dict[Hold, int]) -> Entry:
         """Return ``entry`` with its ghost holds moved by ``deltas``."""
         out = list(entry)
         for key, delta in deltas.items():
-            index = self.base + self.holds.index(key)
+            index = self.base + self.holders.kinds.index(key)
             out[index] = int(out[index]) + delta
         return tuple(out)
 
@@ -132,13 +99,31 @@ class Layout:
 
     def deltas(self, event: str) -> dict[Hold, int]:
         """Return how ``event`` moves the ghost holds of the node it is fired at."""
-        out = dict.fromkeys(self.acquires[event], 1)
-        out.update(dict.fromkeys(self.releases[event], -1))
+        out = dict.fromkeys(self.holders.acquires[event], 1)
+        out.update(dict.fromkeys(self.holders.releases[event], -1))
         return out
 
     def gives_back_unheld(self, entry: Entry, event: str) -> bool:
         """Whether ``event`` would give back a hold the node's clients do not have."""
-        return any(self.hold(entry, key) == 0 for key in self.releases[event])
+        return any(self.hold(entry, key) == 0 for key in self.holders.releases[event])
+
+    def unheld(self, entry: Entry) -> list[tuple[str, Hold]]:
+        """Return the give-backs ``(event, hold)`` that would take another holder's count.
+
+        ``event`` gives back ``hold``, which no client holds at the node, while
+        holders of another kind hold the same counter there (a ``release`` where
+        the only pin is the one a ``load`` holds). Clients never fire these; the
+        spec must refuse them, or a client's give-back takes what it never held.
+        """
+        return [
+            (event, key)
+            for event, keys in self.holders.releases.items()
+            for key in keys
+            if self.hold(entry, key) == 0
+            and any(
+                self.hold(entry, k) > 0 for k in self.holders.kinds if k[0] == key[0] and k != key
+            )
+        ]
 
     def over(self, entry: Entry, bounds: list[int]) -> bool:
         """Whether a counter of ``entry`` is past its ceiling (``bounds``, in counter order)."""
@@ -295,20 +280,3 @@ def ancestors(nodes: Nodes, index: int) -> list[int]:
         out.append(int(entry[0]))
         entry = nodes[int(entry[0])]
     return out
-
-
-def _moved(system: System, event: str, step: int) -> tuple[Hold, ...]:
-    found: list[Hold] = []
-    for region in system.regions_of(event):
-        machine = system.machines[region]
-        trs = [t for t in machine.transitions if t.event == event]
-        for name in machine.counter_names:
-            if trs and all(
-                any(
-                    a.counter == name and a.op != "=" and a.delta() == step
-                    for a in t.update.assigns
-                )
-                for t in trs
-            ):
-                found.append((name, system.regions_of(event)))
-    return tuple(found)

@@ -91,6 +91,10 @@ class Replay:
             return self.ops.prune(layout, tuple(out))  # type: ignore[no-any-return]
         return tuple(out)
 
+    def accepts(self, nodes: Nodes, index: int, event: str) -> bool:
+        """Whether the engine accepts ``event`` at node ``index``, whoever holds what (a dry run)."""
+        return self.engine.allowed(self._records(nodes)[index], event)
+
     def _chosen(self, nodes: Nodes, index: int, event: str) -> bool:
         """Whether the cache fires ``event`` at node ``index`` itself (its policy, its copies)."""
         if self.choices.policy is None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import cast
 
 from fsm_cache.forest import Forest, Trees
-from fsm_cache.model import Entry, Hold, Layout, Nodes, children
+from fsm_cache.holders import Hold
+from fsm_cache.model import Entry, Layout, Nodes, children
 from fsm_cache.residency import HOST_HELD, DeviceState, HostState, split_prefix
 
 
@@ -81,13 +82,14 @@ def prefix_holds(layout: Layout, entry: Entry) -> Entry:
     """
     base = layout.base
     return tuple(
-        entry[base + i] if _holds_prefix(layout, key) else 0 for i, key in enumerate(layout.holds)
+        entry[base + i] if _holds_prefix(layout, key) else 0
+        for i, key in enumerate(layout.holders.kinds)
     )
 
 
 def _holds_prefix(layout: Layout, key: Hold) -> bool:
     counter, regions = key
-    if counter in layout.propagating:
+    if counter in layout.holders.propagating:
         return False
     return not layout.residency or len(regions) > 1
 

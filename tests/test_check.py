@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from fsm_cache import check, invariants, treeops
+from fsm_cache import check, invariants, progress, treeops
 from fsm_cache.errors import SpecError
 from fsm_cache.explore import Bounds, Explorer
+from fsm_cache.loader import load_spec
 from fsm_cache.model import Layout, canonical
 from fsm_cache.policy import WritePolicy
 from fsm_cache.shipped import load_shipped, residency_system, shipped_spec_paths, spec_dir
@@ -36,12 +38,20 @@ def layout() -> Layout:
 
 
 def test_layout_reads_counter_roles_from_the_spec(layout: Layout) -> None:
-    assert layout.acquires["pin"] == (("pins", ("host",)),)
-    assert layout.releases["release"] == (("pins", ("host",)),)
-    assert layout.acquires["load"] == (("pins", ("host", "device")),)
-    assert layout.releases["load_done"] == (("pins", ("host", "device")),)
-    assert layout.acquires["lock"] == (("locks", ("device",)),)
-    assert layout.propagating == frozenset({"locks"})
+    holders = layout.holders
+    assert holders.acquires["pin"] == (("pins", ("host",)),)
+    assert holders.releases["release"] == (("pins", ("host",)),)
+    assert holders.acquires["load"] == (("pins", ("host", "device")),)
+    assert holders.releases["load_done"] == (("pins", ("host", "device")),)
+    assert holders.acquires["lock"] == (("locks", ("device",)),)
+    assert holders.kinds == (
+        ("pins", ("host",)),
+        ("pins", ("host", "device")),
+        ("locks", ("device",)),
+    )
+    assert holders.propagating == frozenset({"locks"})
+    assert holders.unpaired == ()
+    assert holders.acquirers(("pins", ("host", "device"))) == "load"
 
 
 def test_canonical_form_ignores_numbering(layout: Layout) -> None:
@@ -297,7 +307,7 @@ def test_ops_module_policy_must_be_known(tmp_path: Path) -> None:
 def test_progress_off_a_terminal_is_plain_lines_on_stderr(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(check, "PLAIN_EVERY", 0.0)
+    monkeypatch.setattr(progress, "PLAIN_EVERY", 0.0)
     spec = str(spec_dir() / "residency.toml")
     assert _cli(["check", "--nodes", "2", "--progress", spec]) == 0
     captured = capsys.readouterr()
@@ -310,3 +320,204 @@ def test_progress_off_a_terminal_is_plain_lines_on_stderr(
 def test_no_progress_off_a_terminal_by_default(capsys: pytest.CaptureFixture[str]) -> None:
     assert _cli(["check", "--nodes", "2", str(spec_dir() / "residency.toml")]) == 0
     assert capsys.readouterr().err == ""
+
+
+TAKES_LOAD_PIN = BUGS / "release_takes_load_pin.toml"
+
+
+def test_a_release_taking_the_loads_pin_is_refused_by_the_shipped_spec(layout: Layout) -> None:
+    loading = (-1, "pinned", "loading", 1, 0, 0, 1, 0)  # the load's pin; no client pin
+    assert layout.unheld(loading) == [("release", ("pins", ("host",)))]
+    assert layout.unheld((-1, "pinned", "loading", 2, 0, 1, 1, 0)) == []  # a client pin too
+    assert layout.unheld((-1, "pinned", "resident", 1, 0, 1, 0, 0)) == [
+        ("load_done", ("pins", ("host", "device"))),
+        ("load_failed", ("pins", ("host", "device"))),
+    ]
+    replay = Explorer(layout, Bounds({})).replay
+    assert not replay.accepts((loading,), 0, "release")  # LoadPinHeld
+    accepts = partial(replay.accepts, (loading,))
+    assert invariants.unheld_give_back(layout, (loading,), accepts) is None
+
+
+def test_a_release_taking_the_loads_pin_is_a_violation_without_load_pin_held() -> None:
+    layout = Layout.of(as_system(load_spec(TAKES_LOAD_PIN)))
+    loading = (-1, "pinned", "loading", 1, 0, 0, 1, 0)
+    accepts = partial(Explorer(layout, Bounds({})).replay.accepts, (loading,))
+    assert invariants.unheld_give_back(layout, (loading,), accepts) == (
+        "invariant 6: node 0: release would take pins held by load (pins=1, none held by pin)"
+    )
+    result = check.check_spec(TAKES_LOAD_PIN, 3, Bounds({}))
+    assert result.violation == (
+        "invariant 6: node 2: release would take pins held by load (pins=1, none held by pin)"
+    )
+    assert result.trace == [
+        "start: chain",
+        "node 2: write",
+        "node 2: write_done",
+        "node 2: evict_device",
+        "node 2: load",
+    ]
+
+
+@pytest.mark.parametrize("spec", ["residency.toml", "bugs_detected/release_takes_load_pin.toml"])
+def test_tabled_give_back_answers_agree_with_engine_allowed(spec: str) -> None:
+    """The explorer's per-context dry runs say what Engine.allowed says on the whole tree."""
+    layout = Layout.of(as_system(load_spec(spec_dir() / spec)))
+    explorer = Explorer(layout, Bounds({"pins": 2, "locks": 2}))
+    explorer.slots = 3
+    trees, replay = explorer.trees, explorer.replay
+    frontier = [trees.encode(nodes) for nodes in check.shapes(layout, 3).values()]
+    seen, taking = set(frontier), 0
+    while frontier and len(seen) < 3000:
+        forest = frontier.pop()
+        flat = trees.decode(forest, explorer.slots)
+        found = invariants.unheld_give_back(layout, flat, partial(replay.accepts, flat))
+        assert explorer.passes(forest) is (found is None), flat
+        taking += found is not None
+        fresh = [nxt for _, nxt in explorer.successors(forest) if nxt not in seen]
+        seen.update(fresh)
+        frontier += fresh
+    assert len(seen) >= 3000
+    assert bool(taking) is (spec != "residency.toml")
+
+
+STEPS_BY_TWO = """\
+[machine]
+name = "steps"
+initial = "idle"
+
+[counters]
+holders = 0
+
+[states]
+idle = { invariant = "holders == 0" }
+held = { invariant = "holders >= 1", counter = "holders" }
+
+[[transition]]
+event = "take"
+source = ["idle", "held"]
+dest = "held"
+update = "holders += 2"
+
+[[transition]]
+event = "give"
+source = "held"
+dest = "idle"
+guard = "holders == 1"
+update = "holders -= 1"
+
+[[transition]]
+event = "give"
+source = "held"
+dest = "held"
+guard = "holders >= 2"
+update = "holders -= 1"
+
+[[forbid]]
+event = "give"
+source = "idle"
+error = "ReleaseAtZero"
+reason = "nothing to give back"
+"""
+
+
+def test_a_release_no_acquire_pairs_with_is_a_finding(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A take of two and a give of one never balance: found before exploring, no traceback."""
+    path = tmp_path / "steps.toml"
+    path.write_text(STEPS_BY_TWO)
+    assert _cli(["check", "--nodes", "2", str(path)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{path}: 2 nodes (chain, fan-out, binary), pins <= 2, locks <= 2"
+    assert out[1:3] == ["  states explored: 0", "  states/s: 0"]
+    assert out[4:] == [
+        "  violation: holders: give gives back one, but no event takes one (take adds 2): "
+        "its acquires and releases do not pair"
+    ]
+    layout = Layout.of(as_system(load_spec(path)))
+    assert layout.holders.releases == {"take": (), "give": ()}  # nothing to hold: no crash
+    assert layout.unheld(layout.fresh(-1)) == []
+
+
+COUNTED = """\
+[machine]
+name = "counted"
+initial = "free"
+
+[counters]
+n = 0
+
+[states]
+free = { invariant = "n == 0" }
+held = { invariant = "n >= 1", counter = "n" }
+
+[[transition]]
+event = "take"
+source = ["free", "held"]
+dest = "held"
+update = "n += 1"
+
+[[transition]]
+event = "give"
+source = "held"
+dest = "free"
+guard = "n == 1"
+update = "n -= 1"
+
+[[transition]]
+event = "give"
+source = "held"
+dest = "held"
+guard = "n >= 2"
+update = "n -= 1"
+
+[[forbid]]
+event = "give"
+source = "free"
+error = "ReleaseAtZero"
+reason = "nothing to give back"
+"""
+
+WATCHER = """\
+[machine]
+name = "watcher"
+initial = "idle"
+
+[states]
+idle = {}
+seen = {}
+
+[[transition]]
+event = "give"
+source = "idle"
+dest = "seen"
+
+[[transition]]
+event = "give"
+source = "seen"
+dest = "idle"
+"""
+
+COMPOSED = """\
+[composition]
+name = "composed"
+
+[composition.regions]
+a = "counted.toml"
+b = "watcher.toml"
+"""
+
+
+def test_an_unpaired_release_in_a_composition_names_the_regions(tmp_path: Path) -> None:
+    """``give`` is declared in a and b, ``take`` in a alone: different holders, no pair."""
+    for name, text in (("counted", COUNTED), ("watcher", WATCHER), ("composed", COMPOSED)):
+        (tmp_path / f"{name}.toml").write_text(text)
+    result = check.check_spec(tmp_path / "composed.toml", 2, Bounds({}))
+    assert result.violation == (
+        "n: give gives back one, but no event of a, b takes one (take adds 1 in a): "
+        "its acquires and releases do not pair"
+    )
+    assert (result.states, result.trace) == (0, [])
+    single = check.check_spec(tmp_path / "counted.toml", 2, Bounds({}))
+    assert single.violation is None  # alone, take and give pair
