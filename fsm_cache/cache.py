@@ -185,13 +185,7 @@ class HiCache:
 
     def pin(self, node: TreeNode) -> Lease:
         """Pin ``node``'s host copy (a storage backup, a prefetch anchor); the lease releases once."""
-        with Operation(self, "pin", node.id):
-            self._fire(node, "pin")
-        return self.machine.engine.leases.open(node, self._release, "pin", "node")
-
-    def _release(self, node: TreeNode) -> None:
-        with Operation(self, "release", node.id):
-            self._fire(node, "release")
+        return self._take(node, "pin", "release")
 
     def lock(self, node: TreeNode) -> Lock:
         """Lock ``node`` and its ancestors on the device; the receipt unlocks once.
@@ -200,9 +194,7 @@ class HiCache:
         end of ``with cache.lock(node):``) runs the cache's unlock: logged,
         counted and checked. A second release raises LeaseError.
         """
-        with Operation(self, "lock", node.id):
-            self._fire(node, "lock")
-        return self.machine.engine.leases.open(node, self._unlock, "lock", "node")
+        return self._take(node, "lock", "unlock")
 
     def unlock(self, lock: Lock) -> None:
         """Unlock what ``lock`` locked.
@@ -216,9 +208,16 @@ class HiCache:
             )
         lock.release()
 
-    def _unlock(self, node: TreeNode) -> None:
-        with Operation(self, "unlock", node.id):
-            self._fire(node, "unlock")
+    def _take(self, node: TreeNode, event: Event, give_back: Event) -> Lease:
+        """Fire ``event`` as one operation; the receipt fires ``give_back`` as another."""
+        self._operate(event, node)
+        return self.machine.engine.leases.open(
+            node, partial(self._operate, give_back), event, "node"
+        )
+
+    def _operate(self, event: Event, node: TreeNode) -> None:
+        with Operation(self, event, node.id):
+            self._fire(node, event)
 
     # -- memory pressure -----------------------------------------------------
 

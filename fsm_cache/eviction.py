@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fsm_cache import transfers
-from fsm_cache.errors import EffectFailed, InvariantViolation, PoolExhausted
+from fsm_cache.errors import InvariantViolation, PoolExhausted
 from fsm_cache.policy import deletes_unbacked, worth_loading
 from fsm_cache.residency import DEVICE_HELD, HOST_HELD, HOST_VALID
 
@@ -109,12 +109,8 @@ def _evict_one(cache: HiCache, node: TreeNode) -> int | None:
     if deletes_unbacked(cache.policy):
         _delete(cache, node)
         return tokens
-    try:
-        cache._fire(node, "write")  # write-back: back it up, evict once acknowledged
-    except EffectFailed as exc:
-        if isinstance(exc.__cause__, PoolExhausted):
-            return None
-        raise
+    if not transfers.try_write(cache, node):  # write-back: back it up, evict once acknowledged
+        return None
     cache._evict_after_ack.add(node.id)
     return 0
 

@@ -51,12 +51,8 @@ def start_writes(cache: HiCache, nodes: Sequence[TreeNode]) -> int:
             continue
         if not parent_allows_backup(cache.policy, node):
             continue
-        try:
-            cache._fire(node, "write")
-        except EffectFailed as exc:
-            if isinstance(exc.__cause__, PoolExhausted):
-                break
-            raise
+        if not try_write(cache, node):
+            break
         started += 1
     return started
 
@@ -66,11 +62,21 @@ def maybe_backup(cache: HiCache, node: TreeNode) -> None:
     if cache.tiers.host.num_pages == 0:
         return  # a device-only cache: nothing to back up to
     if wants_backup(cache.policy, node, cache.config.selective_threshold):
-        try:
-            cache._fire(node, "write")
-        except EffectFailed as exc:
-            if not isinstance(exc.__cause__, PoolExhausted):
-                raise
+        try_write(cache, node)
+
+
+def try_write(cache: HiCache, node: TreeNode) -> bool:
+    """Fire ``write`` on ``node``; False when the host pool has no room even after eviction.
+
+    Any other failing effect, and any refusal, raises.
+    """
+    try:
+        cache._fire(node, "write")
+    except EffectFailed as exc:
+        if isinstance(exc.__cause__, PoolExhausted):
+            return False
+        raise
+    return True
 
 
 @dataclass
@@ -242,8 +248,8 @@ class Operation:
 
     __slots__ = ("cache", "check", "name")
 
-    def __init__(self, cache: HiCache, name: str, *args: Hashable, check: bool = True) -> None:
-        self.cache, self.name, self.check = cache, name, check and cache.config.debug
+    def __init__(self, cache: HiCache, name: str, *args: Hashable) -> None:
+        self.cache, self.name, self.check = cache, name, cache.config.debug
         cache.log.op(name, *args)
 
     def __enter__(self) -> None:

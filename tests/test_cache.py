@@ -468,7 +468,7 @@ class TestReporting:
         cache.insert(tokens(0, 8))
         (node,) = list(cache.tree)
         with pytest.raises(IllegalTransition, match="release refused in writing"):
-            cache._release(node)
+            cache._operate("release", node)
         assert cache.stats().refused == {"release": 1}
         assert node.host == "writing"
 
