@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from fsm_cache.engine import Engine
+from fsm_cache.engine.core import Engine
+from fsm_cache.engine.lease import Lease
 from fsm_cache.errors import (
     FsmCacheError,
     IllegalTransition,
@@ -20,15 +21,14 @@ from fsm_cache.errors import (
     SpecError,
     UnlockAtZero,
 )
-from fsm_cache.lease import Lease
-from fsm_cache.loader import load_spec
 from fsm_cache.residency import Node, Residency, ResidencyRecord
-from fsm_cache.spec import MachineSpec, System
+from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.machine import MachineSpec, System
 
 
 if TYPE_CHECKING:
-    from fsm_cache.cache import HiCache, MatchResult
-    from fsm_cache.tiers import CacheConfig
+    from fsm_cache.cache.hicache import HiCache, MatchResult
+    from fsm_cache.memory.tiers import CacheConfig
 
 __version__ = "0.1.0"
 __all__ = [
@@ -53,9 +53,9 @@ __all__ = [
     "load_spec",
 ]
 _LAZY = {
-    "HiCache": "fsm_cache.cache",
-    "MatchResult": "fsm_cache.cache",
-    "CacheConfig": "fsm_cache.tiers",
+    "HiCache": "fsm_cache.cache.hicache",
+    "MatchResult": "fsm_cache.cache.hicache",
+    "CacheConfig": "fsm_cache.memory.tiers",
 }
 
 

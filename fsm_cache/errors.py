@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 
 if TYPE_CHECKING:
-    from fsm_cache.trail import Site, Sites
+    from fsm_cache.engine.trail import Site, Sites
 
 
 class FsmCacheError(Exception):

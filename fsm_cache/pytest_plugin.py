@@ -29,8 +29,14 @@ from typing import Any
 
 import pytest
 
+from fsm_cache.engine.lease import (
+    Dropped,
+    dropped_leases,
+    forget_dropped,
+    open_leases,
+    record_dropped,
+)
 from fsm_cache.errors import FsmCacheError
-from fsm_cache.lease import Dropped, dropped_leases, forget_dropped, open_leases, record_dropped
 
 
 _RECORDING = pytest.StashKey[bool]()
@@ -160,7 +166,7 @@ def _leaks(config: pytest.Config) -> list[str]:
         dropped = [_dropped(x, during.get(id(x))) for x in dropped_leases()]
         sections.append(("lease(s) dropped while held", dropped))
     if config.getini("fsm_holds"):
-        from fsm_cache.holds import held_records  # late: pytest starts without the engine
+        from fsm_cache.engine.holds import held_records  # late: pytest starts without the engine
 
         sections.append(("record(s) still held", [str(x) for x in held_records()]))
     lines = []
@@ -208,8 +214,8 @@ class SpecFinding(Exception):
 
 def _check(path: Path, nodes: int) -> str:
     """Return the model checker's violation and its trace, or ``""``."""
-    from fsm_cache.check import check_spec
-    from fsm_cache.explore import Bounds
+    from fsm_cache.modelcheck.check import check_spec
+    from fsm_cache.modelcheck.explore import Bounds
 
     try:
         result = check_spec(path, nodes, Bounds({}))
@@ -222,7 +228,7 @@ def _check(path: Path, nodes: int) -> str:
 
 def _verify(path: Path) -> str:
     """Return one line per contract CrossHair did not confirm, or ``""``."""
-    from fsm_cache.verify import load_options, verify_spec
+    from fsm_cache.contracts.verify import load_options, verify_spec
 
     try:
         with tempfile.TemporaryDirectory(prefix="fsm-verify-") as tmp:

@@ -24,10 +24,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal
 
-from fsm_cache import trail
-from fsm_cache.engine import Effect, Engine, Verb
-from fsm_cache.lease import Lease
-from fsm_cache.shipped import residency_system
+from fsm_cache.engine import trail
+from fsm_cache.engine.core import Effect, Engine, Verb
+from fsm_cache.engine.lease import Lease
+from fsm_cache.spec.shipped import residency_system
 
 
 trail.internal(__file__)
@@ -72,8 +72,8 @@ def split_prefix(
     same ``load_done`` or ``load_failed`` gives back. The node's own pin count
     plays no part, hence no ``pins`` argument.
 
-    This is the one rule both the cache (:meth:`fsm_cache.tree.RadixTree.split`)
-    and the model checker (:func:`fsm_cache.treeops.split`) apply.
+    This is the one rule both the cache (:meth:`fsm_cache.cache.tree.RadixTree.split`)
+    and the model checker (:func:`fsm_cache.modelcheck.treeops.split`) apply.
     """
     if device == "loading":
         return "pinned", device, 1, locks

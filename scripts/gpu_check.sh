@@ -29,12 +29,12 @@ timeout 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collecti
     -W ignore::pytest.PytestConfigWarning || status=1
 
 echo "== copy bandwidth: 4096 pages of 16 tokens, 32 layers x 8 heads x 128, fp16 (8 GiB)"
-timeout 90 "$PY" -m fsm_cache.membench --reps 5 || status=1
+timeout 90 "$PY" -m fsm_cache.bench.memory --reps 5 || status=1
 
 echo "== machine-driven write-through vs raw gather-and-copy vs one pinned copy_ (fsm-cache bench copies)"
-timeout 120 "$PY" -m fsm_cache.cli bench copies || status=1
+timeout 120 "$PY" -m fsm_cache.cli.main bench copies || status=1
 
 echo "== copy bandwidth: small batch, 64 pages (128 MiB)"
-timeout 30 "$PY" -m fsm_cache.membench --pages 64 --reps 9 || status=1
+timeout 30 "$PY" -m fsm_cache.bench.memory --pages 64 --reps 9 || status=1
 
 exit "$status"

@@ -8,10 +8,10 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from fsm_cache.engine import Engine
-from fsm_cache.reference import Record, Reference
-from fsm_cache.spec import System
-from fsm_cache.validate import bound
+from fsm_cache.engine.core import Engine
+from fsm_cache.spec.machine import System
+from fsm_cache.spec.validate import bound
+from fsm_cache.testing.reference import Record, Reference
 
 
 Outcome = tuple[type, str] | None

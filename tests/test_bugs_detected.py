@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from fsm_cache import check, verify
-from fsm_cache.controls import Control, control_dir, controls
-from fsm_cache.crosshair_run import Options
-from fsm_cache.explore import Bounds
-from fsm_cache.shipped import shipped_spec_paths
+from fsm_cache.contracts import verify
+from fsm_cache.contracts.runner import Options
+from fsm_cache.modelcheck import check
+from fsm_cache.modelcheck.explore import Bounds
+from fsm_cache.spec.controls import Control, control_dir, controls
+from fsm_cache.spec.shipped import shipped_spec_paths
 
 
 ALL = controls()

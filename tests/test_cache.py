@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsm_cache.cache import HiCache
-from fsm_cache.copies import CopyEngine
+from fsm_cache.cache.eventlog import replay
+from fsm_cache.cache.hicache import HiCache
+from fsm_cache.cache.tree import TreeNode
 from fsm_cache.errors import ConfigError, ForeignSlot, IllegalTransition, LeaseError, PoolExhausted
-from fsm_cache.eventlog import replay
-from fsm_cache.kvpool import KVPool
-from fsm_cache.pools import slots_of
-from fsm_cache.testing import FaultyCopyEngine
-from fsm_cache.tickets import Direction
-from fsm_cache.tiers import CacheConfig, synthetic_kv
-from fsm_cache.tree import TreeNode
+from fsm_cache.memory.copies import CopyEngine
+from fsm_cache.memory.kv import KVPool
+from fsm_cache.memory.pages import slots_of
+from fsm_cache.memory.tickets import Direction
+from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
+from fsm_cache.testing.faults import FaultyCopyEngine
 
 
 def make(**overrides: object) -> HiCache:

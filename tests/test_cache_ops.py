@@ -6,15 +6,15 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from fsm_cache.cache import HiCache
-from fsm_cache.cli import main
-from fsm_cache.copies import CopyEngine
+from fsm_cache.cache.eventlog import replay
+from fsm_cache.cache.hicache import HiCache
+from fsm_cache.cache.metrics import register
+from fsm_cache.cli.main import main
 from fsm_cache.errors import ReplayMismatch
-from fsm_cache.eventlog import replay
-from fsm_cache.kvpool import KVPool
-from fsm_cache.metrics import register
-from fsm_cache.testing import FaultyCopyEngine
-from fsm_cache.tiers import CacheConfig, synthetic_kv
+from fsm_cache.memory.copies import CopyEngine
+from fsm_cache.memory.kv import KVPool
+from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
+from fsm_cache.testing.faults import FaultyCopyEngine
 
 
 def config(fail: tuple[int, ...] = (), **overrides: object) -> CacheConfig:

@@ -17,16 +17,16 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from fsm_cache.cache import HiCache
-from fsm_cache.copies import CopyEngine
+from fsm_cache.cache.eventlog import replay
+from fsm_cache.cache.eviction import _device_leaf
+from fsm_cache.cache.hicache import HiCache
+from fsm_cache.engine.lease import Lease
 from fsm_cache.errors import PoolExhausted
-from fsm_cache.eventlog import replay
-from fsm_cache.eviction import _device_leaf
-from fsm_cache.kvpool import KVPool
-from fsm_cache.lease import Lease
+from fsm_cache.memory.copies import CopyEngine
+from fsm_cache.memory.kv import KVPool
+from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
 from fsm_cache.residency import HOST_VALID
-from fsm_cache.testing import FaultyCopyEngine
-from fsm_cache.tiers import CacheConfig, synthetic_kv
+from fsm_cache.testing.faults import FaultyCopyEngine
 
 
 PAGE = 2

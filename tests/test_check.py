@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from fsm_cache import check, invariants, progress, treeops
+from fsm_cache.cache.tree import RadixTree
 from fsm_cache.errors import SpecError
-from fsm_cache.explore import Bounds, Explorer
-from fsm_cache.loader import load_spec
-from fsm_cache.model import Layout, canonical
+from fsm_cache.modelcheck import check, invariants, progress, treeops
+from fsm_cache.modelcheck.explore import Bounds, Explorer
+from fsm_cache.modelcheck.state import Layout, canonical
 from fsm_cache.policy import WritePolicy
-from fsm_cache.shipped import load_shipped, residency_system, shipped_spec_paths, spec_dir
-from fsm_cache.spec import as_system
-from fsm_cache.tree import RadixTree
+from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.machine import as_system
+from fsm_cache.spec.shipped import load_shipped, residency_system, shipped_spec_paths, spec_dir
 
 
 BUGS = spec_dir() / "bugs_detected"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fsm_cache.cli import main
-from fsm_cache.shipped import spec_dir
+from fsm_cache.cli.main import main
+from fsm_cache.spec.shipped import spec_dir
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, list[str], list[str]]:

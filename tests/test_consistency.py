@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from fsm_cache.cache import HiCache
-from fsm_cache.consistency import CHECKED
+from fsm_cache.cache.hicache import HiCache
+from fsm_cache.cache.invariants import CHECKED
+from fsm_cache.cache.tree import RadixTree, TreeNode
 from fsm_cache.errors import InvariantViolation
+from fsm_cache.memory.tiers import CacheConfig
 from fsm_cache.residency import HostState
-from fsm_cache.tiers import CacheConfig
-from fsm_cache.tree import RadixTree, TreeNode
 
 
 def cache(policy: str = "write_through", debug: bool = False) -> HiCache:

@@ -13,12 +13,12 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
     import torch
 
-    from fsm_cache.copies import Completion, CopyEngine, Direction, host_runs
-    from fsm_cache.copybench import run_copy_bench
+    from fsm_cache.bench.copies import run_copy_bench
+    from fsm_cache.bench.memory import bench_copies, ceiling_copy
     from fsm_cache.errors import CopyFailed, ForeignSlot
-    from fsm_cache.kvpool import KVLayout, KVPool, device_pool, host_pool
-    from fsm_cache.membench import bench_copies, ceiling_copy
-    from fsm_cache.testing import POISON, FaultyCopyEngine
+    from fsm_cache.memory.copies import Completion, CopyEngine, Direction, host_runs
+    from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
+    from fsm_cache.testing.faults import POISON, FaultyCopyEngine
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

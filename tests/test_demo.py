@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from fsm_cache import demo
-from fsm_cache.cli import main
+from fsm_cache.cli import demo
+from fsm_cache.cli.main import main
 
 
 def call_line(method: Callable[..., object]) -> int:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from fsm_cache.cli import main
-from fsm_cache.commands import diagram as command
-from fsm_cache.diagram import DiagramError, build, highlight, render
-from fsm_cache.loader import load_spec
-from fsm_cache.shipped import residency_system, shipped_spec_paths
-from fsm_cache.spec import Spec
+from fsm_cache.cli import diagram as command
+from fsm_cache.cli.main import main
+from fsm_cache.diagram.ir import DiagramError, build, highlight, render
+from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.machine import Spec
+from fsm_cache.spec.shipped import residency_system, shipped_spec_paths
 
 
 DOOR = """\

@@ -34,25 +34,9 @@ with warnings.catch_warnings():
     import torch.distributed as dist
     from torch.multiprocessing.spawn import start_processes
 
-    from fsm_cache import cachebench, tpbench
-    from fsm_cache.cache import HiCache
-    from fsm_cache.commands import bench
-    from fsm_cache.copies import Completion, CopyEngine, Ticket
-    from fsm_cache.digest import (
-        TransitionDigest,
-        copy_nodes,
-        divergence_message,
-        first_difference,
-        involved_nodes,
-        lost_message,
-        stalled_message,
-    )
-    from fsm_cache.distributed import DistributedCache
-    from fsm_cache.errors import ConfigError, NoProcessGroup, RankDivergence, RankFailure
-    from fsm_cache.eventlog import EventLog
-    from fsm_cache.testing import FaultyCopyEngine
-    from fsm_cache.tiers import CacheConfig
-    from fsm_cache.tpbench import (
+    from fsm_cache.bench import cache as cachebench
+    from fsm_cache.bench import tp as tpbench
+    from fsm_cache.bench.tp import (
         Replay,
         TPBench,
         bench_config,
@@ -62,6 +46,23 @@ with warnings.catch_warnings():
         run_tp_bench,
         serve,
     )
+    from fsm_cache.cache.eventlog import EventLog
+    from fsm_cache.cache.hicache import HiCache
+    from fsm_cache.cli import bench
+    from fsm_cache.distributed.agreement import DistributedCache
+    from fsm_cache.distributed.digest import (
+        TransitionDigest,
+        copy_nodes,
+        divergence_message,
+        first_difference,
+        involved_nodes,
+        lost_message,
+        stalled_message,
+    )
+    from fsm_cache.errors import ConfigError, NoProcessGroup, RankDivergence, RankFailure
+    from fsm_cache.memory.copies import Completion, CopyEngine, Ticket
+    from fsm_cache.memory.tiers import CacheConfig
+    from fsm_cache.testing.faults import FaultyCopyEngine
 
 TIMEOUT = 20.0  # seconds a collective waits for the other ranks
 DEADLINE = 120.0  # seconds a whole spawned group may run before the test kills it

@@ -19,9 +19,9 @@ from types import ModuleType, SimpleNamespace
 import griffe
 import pytest
 
-from fsm_cache.loader import load_spec
-from fsm_cache.shipped import shipped_spec_paths
-from fsm_cache.spec import as_system
+from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.machine import as_system
+from fsm_cache.spec.shipped import shipped_spec_paths
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,11 +8,11 @@ import pytest
 from records import Node, snapshot
 
 from fsm_cache import errors
-from fsm_cache.engine import Engine
-from fsm_cache.enginebench import record_bytes, run_engine_bench
+from fsm_cache.bench.engine import record_bytes, run_engine_bench
+from fsm_cache.engine.core import Engine
 from fsm_cache.errors import EffectFailed, IllegalTransition, SpecError, error_class
-from fsm_cache.loader import machine_from_dict, spec_from_dict
-from fsm_cache.shipped import host_machine, residency_system
+from fsm_cache.spec.loader import machine_from_dict, spec_from_dict
+from fsm_cache.spec.shipped import host_machine, residency_system
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import pytest
 from records import Node, snapshot
 
 from fsm_cache import errors
-from fsm_cache.engine import Engine
+from fsm_cache.engine.core import Engine
 from fsm_cache.errors import IllegalTransition, error_class
-from fsm_cache.shipped import residency_system
+from fsm_cache.spec.shipped import residency_system
 
 
 @pytest.fixture

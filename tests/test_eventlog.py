@@ -6,13 +6,13 @@ from dataclasses import replace
 
 import pytest
 
-from fsm_cache.cache import HiCache
-from fsm_cache.copies import CopyEngine
+from fsm_cache.cache.eventlog import replay
+from fsm_cache.cache.hicache import HiCache
 from fsm_cache.errors import PoolExhausted, ReplayMismatch
-from fsm_cache.eventlog import replay
-from fsm_cache.kvpool import KVPool
-from fsm_cache.testing import FaultyCopyEngine
-from fsm_cache.tiers import CacheConfig
+from fsm_cache.memory.copies import CopyEngine
+from fsm_cache.memory.kv import KVPool
+from fsm_cache.memory.tiers import CacheConfig
+from fsm_cache.testing.faults import FaultyCopyEngine
 
 
 BASE = CacheConfig(

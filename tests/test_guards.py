@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fsm_cache.guards import (
+from fsm_cache.spec.guards import (
     NO_UPDATE,
     TRUE,
     Assign,

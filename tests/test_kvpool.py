@@ -13,7 +13,13 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
     import torch
 
-    from fsm_cache.kvpool import KVLayout, alloc_exact_host, default_device, device_pool, host_pool
+    from fsm_cache.memory.kv import (
+        KVLayout,
+        alloc_exact_host,
+        default_device,
+        device_pool,
+        host_pool,
+    )
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from fsm_cache import lease as leases
 from fsm_cache.compat.sglang import ResidencyMixin
-from fsm_cache.engine import Engine
+from fsm_cache.engine import lease as leases
+from fsm_cache.engine.core import Engine
+from fsm_cache.engine.holds import Held, held_records
 from fsm_cache.errors import LeaseError, ReleaseAtZero
-from fsm_cache.holds import Held, held_records
 from fsm_cache.residency import Residency
-from fsm_cache.shipped import host_machine, residency_system
+from fsm_cache.spec.shipped import host_machine, residency_system
 
 
 HERE = os.path.basename(__file__)

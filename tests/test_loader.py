@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from fsm_cache.errors import SpecError
-from fsm_cache.guards import parse_condition, parse_guard, parse_update
-from fsm_cache.loader import load_spec, machine_from_dict, spec_from_dict
-from fsm_cache.spec import EventSpec, Forbid, MachineSpec, StateSpec, System, Transition
+from fsm_cache.spec.guards import parse_condition, parse_guard, parse_update
+from fsm_cache.spec.loader import load_spec, machine_from_dict, spec_from_dict
+from fsm_cache.spec.machine import EventSpec, Forbid, MachineSpec, StateSpec, System, Transition
 
 
 LAMP = """

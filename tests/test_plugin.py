@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fsm_cache.shipped import spec_dir
+from fsm_cache.spec.shipped import spec_dir
 
 
 pytest_plugins = ["pytester"]
@@ -14,8 +14,8 @@ pytest_plugins = ["pytester"]
 BUGS = spec_dir() / "bugs_detected"
 
 RECORD = """
-from fsm_cache.engine import Engine
-from fsm_cache.shipped import host_machine
+from fsm_cache.engine.core import Engine
+from fsm_cache.spec.shipped import host_machine
 
 ENGINE = Engine(host_machine())
 NODES = []
@@ -94,8 +94,8 @@ def test_fsm_audit_turns_on_audit_mode(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
         import os
-        from fsm_cache.engine import Engine
-        from fsm_cache.shipped import host_machine
+        from fsm_cache.engine.core import Engine
+        from fsm_cache.spec.shipped import host_machine
 
         def test_audit():
             assert os.environ["FSM_CACHE_AUDIT"] == "1"
@@ -208,8 +208,8 @@ def test_allow_leaks_excuses_a_lease_dropped_on_purpose(pytester: pytest.Pyteste
     module = pytester.makepyfile(
         """
         import pytest
-        from fsm_cache.engine import Engine
-        from fsm_cache.shipped import host_machine
+        from fsm_cache.engine.core import Engine
+        from fsm_cache.spec.shipped import host_machine
 
         def drop():
             engine = Engine(host_machine())

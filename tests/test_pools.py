@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from fsm_cache.errors import DoubleFree, ForeignSlot, InvariantViolation, PoolError, PoolExhausted
-from fsm_cache.pools import FREE, PageAllocator, pages_of, slots_of
+from fsm_cache.memory.pages import FREE, PageAllocator, pages_of, slots_of
 
 
 def snapshot(a: PageAllocator) -> tuple[list[int], list[int]]:
@@ -154,7 +154,7 @@ def test_check_names_what_broke(corrupt: object, message: str) -> None:
 
 
 def test_importing_pools_does_not_import_torch() -> None:
-    code = "import sys, fsm_cache.pools; print('torch' in sys.modules)"
+    code = "import sys, fsm_cache.memory.pages; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 from records import configurations, outcome, run_both, step_lists, values
 from transitions import Machine
 
-from fsm_cache.engine import Engine
+from fsm_cache.engine.core import Engine
 from fsm_cache.errors import EffectFailed
-from fsm_cache.loader import load_spec, spec_from_dict
-from fsm_cache.reference import Record, Reference
-from fsm_cache.shipped import load_shipped
-from fsm_cache.spec import MachineSpec, Spec, System, as_system
-from fsm_cache.validate import bound
+from fsm_cache.spec.loader import load_spec, spec_from_dict
+from fsm_cache.spec.machine import MachineSpec, Spec, System, as_system
+from fsm_cache.spec.shipped import load_shipped
+from fsm_cache.spec.validate import bound
+from fsm_cache.testing.reference import Record, Reference
 
 
 Outcome = tuple[type, str] | None

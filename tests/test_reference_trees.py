@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from records import configurations, outcome, run_both, step_lists, tree_pair, tree_values
 
-from fsm_cache.engine import Engine
-from fsm_cache.reference import Reference
-from fsm_cache.shipped import residency_system
-from fsm_cache.spec import System
+from fsm_cache.engine.core import Engine
+from fsm_cache.spec.machine import System
+from fsm_cache.spec.shipped import residency_system
+from fsm_cache.testing.reference import Reference
 
 
 def representative(system: System) -> Iterator[dict[str, object]]:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from fsm_cache.cache import HiCache
-from fsm_cache.copies import CopyEngine
-from fsm_cache.kvpool import KVPool
-from fsm_cache.pools import REQUEST
-from fsm_cache.serving import serve
-from fsm_cache.testing import FaultyCopyEngine
-from fsm_cache.tiers import CacheConfig
-from fsm_cache.workload import Request
+from fsm_cache.bench.serving import serve
+from fsm_cache.bench.workload import Request
+from fsm_cache.cache.hicache import HiCache
+from fsm_cache.memory.copies import CopyEngine
+from fsm_cache.memory.kv import KVPool
+from fsm_cache.memory.pages import REQUEST
+from fsm_cache.memory.tiers import CacheConfig
+from fsm_cache.testing.faults import FaultyCopyEngine
 
 
 def slow_acks(device: KVPool, host: KVPool) -> FaultyCopyEngine:

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from fsm_cache import trail
-from fsm_cache.engine import Engine
+from fsm_cache.engine import trail
+from fsm_cache.engine.core import Engine
 from fsm_cache.errors import IllegalTransition
-from fsm_cache.loader import spec_from_dict
-from fsm_cache.shipped import host_machine, residency_system
+from fsm_cache.spec.loader import spec_from_dict
+from fsm_cache.spec.shipped import host_machine, residency_system
 
 
 HERE = os.path.basename(__file__)
@@ -264,8 +264,8 @@ def test_past_tense(event: str, past: str) -> None:
 
 def test_internal_files_are_skipped() -> None:
     assert trail.is_internal(trail.__file__) is False
-    import fsm_cache.engine
+    import fsm_cache.engine.core
 
-    assert trail.is_internal(fsm_cache.engine.__file__)
+    assert trail.is_internal(fsm_cache.engine.core.__file__)
     assert trail.sites(None) == ()
     assert trail.render((), {}) == ""

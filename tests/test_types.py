@@ -9,10 +9,10 @@ import pytest
 from mypy import api as mypy_api
 
 from fsm_cache import residency
-from fsm_cache.cli import main
-from fsm_cache.loader import load_spec
-from fsm_cache.shipped import residency_system, spec_dir
-from fsm_cache.stubs import stub
+from fsm_cache.cli.main import main
+from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.shipped import residency_system, spec_dir
+from fsm_cache.spec.stubs import stub
 
 
 SPEC = """

@@ -10,13 +10,13 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from fsm_cache import validate as validate_module
 from fsm_cache.errors import SpecError
-from fsm_cache.guards import Assign, Comparison, Guard, Update, parse_guard, parse_update
-from fsm_cache.loader import load_spec
-from fsm_cache.shipped import load_shipped, shipped_spec_paths
-from fsm_cache.spec import Forbid, MachineSpec, StateSpec, System, Transition
-from fsm_cache.validate import bound, problems, representatives, validate, valuations
+from fsm_cache.spec import validate as validate_module
+from fsm_cache.spec.guards import Assign, Comparison, Guard, Update, parse_guard, parse_update
+from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.machine import Forbid, MachineSpec, StateSpec, System, Transition
+from fsm_cache.spec.shipped import load_shipped, shipped_spec_paths
+from fsm_cache.spec.validate import bound, problems, representatives, validate, valuations
 
 
 # A valid counter machine; each test breaks one rule by adding or replacing a line.

@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from fsm_cache import crosshair_run, verify
-from fsm_cache.contracts import generate
-from fsm_cache.crosshair_run import Contract, Options, Row
-from fsm_cache.engine import Engine
+from fsm_cache.contracts import runner as crosshair_run
+from fsm_cache.contracts import verify
+from fsm_cache.contracts.generate import generate
+from fsm_cache.contracts.runner import Contract, Options, Row
+from fsm_cache.engine.core import Engine
 from fsm_cache.errors import FsmCacheError, IllegalTransition, SpecError
-from fsm_cache.meaning import step
-from fsm_cache.shipped import residency_system, spec_dir
-from fsm_cache.validate import valuations
+from fsm_cache.spec.meaning import step
+from fsm_cache.spec.shipped import residency_system, spec_dir
+from fsm_cache.spec.validate import valuations
 
 
 def _cli(argv: list[str]) -> int:
@@ -208,7 +209,7 @@ def test_a_malformed_crosshair_directive_is_named(tmp_path: Path) -> None:
 
 
 def test_the_allocator_contracts_set_a_budget_that_exhausts_them() -> None:
-    from fsm_cache import pool_contracts
+    from fsm_cache.contracts import pages as pool_contracts
 
     options = crosshair_run.with_directives(Options(), Path(pool_contracts.__file__))
     assert options.per_condition_timeout == 30.0

@@ -1,7 +1,7 @@
 """Sphinx cross-reference roles in docstrings, made Markdown for the API reference.
 
 The docstrings are Google style but cross-reference the Sphinx way
-(``:class:`~fsm_cache.engine.Engine```), and a paragraph ends in ``::`` before a
+(``:class:`~fsm_cache.engine.core.Engine```), and a paragraph ends in ``::`` before a
 literal block. mkdocstrings renders neither, so the site would show the raw
 markup. Two parts, both named in ``mkdocs.yml``:
 
@@ -63,7 +63,7 @@ def resolver(obj: griffe.Object) -> Callable[[str], str | None]:
 
     A dotted target is absolute when it starts with a loaded package
     (``fsm_cache.errors.LeaseError``); otherwise its first name is looked up in
-    the docstring's scope (``Engine.verb`` in ``fsm_cache.engine``, ``fire`` in
+    the docstring's scope (``Engine.verb`` in ``fsm_cache.engine.core``, ``fire`` in
     a method of ``Engine``).
     """
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from fsm_cache import trail
+from fsm_cache.engine import trail
 from fsm_cache.errors import FsmCacheError, ReleaseAtZero
 from fsm_cache.residency import DEVICE_HELD, HOST_HELD, Residency, default_residency
 

@@ -2,13 +2,13 @@
 
 It forgets to take the pages it returns off the free list, so the next
 allocation returns them again. The allocator contracts of
-``fsm_cache.pool_contracts`` are applied to it unchanged.
+``fsm_cache.contracts.pages`` are applied to it unchanged.
 """
 
 from __future__ import annotations
 
-from fsm_cache.pool_contracts import harness
-from fsm_cache.pools import PageAllocator
+from fsm_cache.contracts.pages import harness
+from fsm_cache.memory.pages import PageAllocator
 
 
 class DoubleHandout(PageAllocator):

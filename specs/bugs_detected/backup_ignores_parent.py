@@ -8,7 +8,7 @@ replaces :func:`fsm_cache.policy.wants_backup`.
 from __future__ import annotations
 
 from fsm_cache import policy
-from fsm_cache.model import PolicyView
+from fsm_cache.modelcheck.state import PolicyView
 
 
 SPEC = "../residency.toml"

@@ -5,13 +5,13 @@ the pin of a load in flight, since the same copy fills it
 (:func:`fsm_cache.residency.split_prefix`); this one drops that pin too, so
 a prefix being loaded is ``pinned`` with no pins. ``fsm-cache check --ops``
 loads this module: ``SPEC`` names the spec to check and ``split`` replaces
-:func:`fsm_cache.treeops.split`.
+:func:`fsm_cache.modelcheck.treeops.split`.
 """
 
 from __future__ import annotations
 
-from fsm_cache import treeops
-from fsm_cache.model import Layout, Nodes
+from fsm_cache.modelcheck import treeops
+from fsm_cache.modelcheck.state import Layout, Nodes
 
 
 SPEC = "../residency.toml"

@@ -1,0 +1,228 @@
+"""How much the checked engine costs: a pin+release pair against a bare guarded counter.
+
+One run measures, side by side and interleaved (so machine noise hits all
+alike), the nanoseconds per pin+release pair of
+
+* the bare guarded counter SGLang uses (``if count > 0: count -= 1 else: raise``),
+* the checked engine on the shipped host residency machine,
+* the same engine in audit mode (call sites kept per event),
+* the ``transitions`` machine the reference executor builds from the same spec,
+
+and, with tracemalloc, the bytes per record of the composed residency engine.
+Targets: engine <= 2x bare, audit <= 5x bare, transitions >= 20x engine, and
+< 100 bytes per record.
+"""
+
+from __future__ import annotations
+
+import timeit
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fsm_cache.engine.core import Engine
+from fsm_cache.spec.shipped import host_machine, residency_system
+from fsm_cache.testing.reference import Reference
+
+
+TRANSITIONS_SHARE = 50
+"""The transitions machine runs n / TRANSITIONS_SHARE pairs: it is that much slower."""
+
+
+@dataclass(frozen=True)
+class EngineBench:
+    """Measured costs; times are nanoseconds per pin+release pair, best of ``repeat``.
+
+    Attributes:
+        n: Pairs per timing of the bare counter and the engines.
+        repeat: Timings per implementation; the best is kept.
+        bare_ns: The bare guarded counter.
+        engine_ns: The checked engine (``engine.verb``).
+        audit_ns: The checked engine in audit mode.
+        transitions_ns: The ``transitions`` machine of the reference executor.
+        bytes_per_record: tracemalloc bytes per composed residency record.
+        records: How many records the memory figure is averaged over.
+    """
+
+    n: int
+    repeat: int
+    bare_ns: float
+    engine_ns: float
+    audit_ns: float
+    transitions_ns: float
+    bytes_per_record: float
+    records: int
+
+    @property
+    def engine_ratio(self) -> float:
+        """Engine time over bare time (target <= 2.0)."""
+        return self.engine_ns / self.bare_ns
+
+    @property
+    def audit_ratio(self) -> float:
+        """Audit-mode time over bare time (target <= 5.0)."""
+        return self.audit_ns / self.bare_ns
+
+    @property
+    def transitions_ratio(self) -> float:
+        """Time of the transitions machine over engine time (target >= 20)."""
+        return self.transitions_ns / self.engine_ns
+
+    def targets(self) -> dict[str, bool]:
+        """Return whether each target is met, by name."""
+        return {
+            "engine <= 2.0x bare": self.engine_ratio <= 2.0,
+            "audit <= 5.0x bare": self.audit_ratio <= 5.0,
+            "transitions >= 20x engine": self.transitions_ratio >= 20.0,
+            "< 100 bytes per record": self.bytes_per_record < 100.0,
+        }
+
+    def format(self) -> str:
+        """Return the figures as a plain-text table."""
+        rows = [
+            ("bare guarded counter", self.bare_ns, "1.00x bare"),
+            ("checked engine", self.engine_ns, f"{self.engine_ratio:.2f}x bare (target <= 2.0)"),
+            (
+                "checked engine, audit",
+                self.audit_ns,
+                f"{self.audit_ratio:.2f}x bare (target <= 5.0)",
+            ),
+            (
+                "transitions machine",
+                self.transitions_ns,
+                f"{self.transitions_ratio:.0f}x engine (target >= 20)",
+            ),
+        ]
+        lines = [f"pin+release pairs: n={self.n}, best of {self.repeat}", ""]
+        lines.append(f"{'implementation':<24}{'ns/pair':>10}  ratio")
+        lines += [f"{name:<24}{ns:>10.1f}  {ratio}" for name, ns, ratio in rows]
+        lines.append("")
+        lines.append(
+            f"bytes per residency record: {self.bytes_per_record:.1f} "
+            f"(tracemalloc over {self.records} records; target < 100)"
+        )
+        missed = [name for name, met in self.targets().items() if not met]
+        lines.append("targets met" if not missed else f"targets missed: {', '.join(missed)}")
+        return "\n".join(lines)
+
+
+class _Bare:
+    """SGLang's host reference counter: a guarded int on a slotted object."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def pin(self) -> None:
+        self.count += 1
+
+    def release(self) -> None:
+        if self.count > 0:
+            self.count -= 1
+        else:
+            raise RuntimeError("Host reference counter is already zero.")
+
+
+def run_engine_bench(n: int = 200_000, repeat: int = 7) -> EngineBench:
+    """Measure the engine against the bare counter and transitions; see the module doc.
+
+    Args:
+        n: pin+release pairs per timing (transitions runs ``n // 50`` of them).
+        repeat: Timings per implementation, interleaved; the best is kept.
+    """
+    loops = {
+        "bare": (_bare_loop(n), n),
+        "engine": (_engine_loop(n, audit=False), n),
+        "audit": (_engine_loop(n, audit=True), n),
+        "transitions": (_transitions_loop(max(1, n // TRANSITIONS_SHARE)), n // TRANSITIONS_SHARE),
+    }
+    best = dict.fromkeys(loops, float("inf"))
+    for _ in range(repeat):
+        for name, (loop, pairs) in loops.items():
+            seconds = timeit.timeit(loop, number=1)
+            best[name] = min(best[name], seconds * 1e9 / max(1, pairs))
+    records = 100_000
+    return EngineBench(
+        n=n,
+        repeat=repeat,
+        bare_ns=best["bare"],
+        engine_ns=best["engine"],
+        audit_ns=best["audit"],
+        transitions_ns=best["transitions"],
+        bytes_per_record=record_bytes(records),
+        records=records,
+    )
+
+
+def _bare_loop(n: int) -> Callable[[], None]:
+    counter = _Bare()
+    pin, release = counter.pin, counter.release
+
+    def loop() -> None:
+        for _ in range(n):
+            pin()
+            release()
+
+    return loop
+
+
+def _engine_loop(n: int, *, audit: bool) -> Callable[[], None]:
+    engine = Engine(host_machine(), audit=audit)
+    rec = engine.new(1)
+    rec.state = "backed"
+    pin, release = engine.verb("pin"), engine.verb("release")
+
+    def loop() -> None:
+        for _ in range(n):
+            pin(rec)
+            release(rec)
+
+    return loop
+
+
+def _transitions_loop(n: int) -> Callable[[], None]:
+    reference = Reference(host_machine())
+    events = reference.machines["state"].events
+    pin, release = events["pin"].trigger, events["release"].trigger
+    model = _Model()
+
+    def loop() -> None:
+        for _ in range(n):
+            pin(model)
+            release(model)
+        model.chosen.clear()
+
+    return loop
+
+
+class _Model:
+    """What the reference's callbacks read and write: the state, the counter, the logs."""
+
+    def __init__(self) -> None:
+        self.state = "backed"
+        self.pins = 0
+        self.effects: list[str] = []
+        self.chosen: list[Any] = []
+
+
+def record_bytes(count: int) -> float:
+    """Return tracemalloc bytes per record of the composed residency engine.
+
+    Ids and the list holding the records are allocated before tracing starts,
+    so the figure is the records' own memory.
+    """
+    engine = Engine(residency_system(), audit=False)
+    ids = list(range(count))
+    held: list[Any] = [None] * count
+    new = engine.new
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in ids:
+            held[i] = new(i)
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    return (after - before) / count

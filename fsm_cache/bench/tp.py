@@ -1,0 +1,315 @@
+"""What tensor-parallel agreement costs: per agreed poll, and on the HiCache trace benchmark.
+
+:func:`run_tp_bench` starts ``ranks`` CPU processes on the gloo backend
+(127.0.0.1 only) and measures, on each:
+
+* the median time of one agreed :meth:`~fsm_cache.distributed.agreement.DistributedCache.poll`
+  with nothing to apply (the bare cost of the all-reduce) next to a local
+  ``HiCache.poll()``;
+* the trace of ``fsm-cache bench cache`` (:mod:`fsm_cache.bench.cache`: the
+  :class:`~fsm_cache.bench.workload.ChatWorkload` requests, match + insert per
+  request, write-through to the host tier, one poll per request) replayed with
+  the local poll and with the agreed poll, side by side, best of interleaved
+  rounds; their ratio is what agreement costs that benchmark;
+* the same for the small trace the distributed tests replay (:func:`chat_trace`
+  through :func:`replay`: a cache the trace overflows, so load-backs and host
+  evictions come with the copies).
+
+Figures are rank 0's; the ranks run in lock step, so the slowest sets the pace.
+``fsm-cache bench tp`` calls :func:`run_tp_bench`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.spawn import start_processes
+
+from fsm_cache.bench import cache as cachebench
+from fsm_cache.cache.hicache import HiCache
+from fsm_cache.distributed.agreement import DistributedCache
+from fsm_cache.errors import PoolExhausted
+from fsm_cache.memory.tiers import CacheConfig
+
+
+Request = tuple[int, ...]
+
+
+def chat_trace(
+    requests: int,
+    *,
+    sessions: int = 6,
+    seed: int = 0,
+    page_size: int = 4,
+    max_len: int = 96,
+) -> list[Request]:
+    """Return a reproducible chat-like trace: each request extends its session's conversation.
+
+    Sessions share one of two system prompts; a turn adds a user message and
+    the previous answer, and a conversation that outgrows ``max_len`` tokens
+    starts over. Lengths are whole pages.
+    """
+    rng = random.Random(seed)
+    systems = [tuple(rng.randrange(1000) for _ in range(2 * page_size)) for _ in range(2)]
+    talks = [systems[s % 2] for s in range(sessions)]
+    trace = []
+    for _ in range(requests):
+        s = rng.randrange(sessions)
+        turn = tuple(rng.randrange(1000) for _ in range(page_size * rng.randint(1, 4)))
+        talks[s] = talks[s] + turn if len(talks[s]) + len(turn) <= max_len else systems[s % 2]
+        trace.append(talks[s])
+    return trace
+
+
+def serve(cache: HiCache, tokens: Request) -> None:
+    """One request: look the prefix up, load back what the host holds, insert the rest.
+
+    The matched path is locked while the insert allocates, as a scheduler
+    holds a running request's prefix, so that eviction cannot take it.
+    """
+    found = cache.match_prefix(tokens)
+    held = found.last_device_node
+    if found.host_len and cache.load_back(found.last_host_node):
+        held = found.last_host_node
+    lock = None if held.is_root else cache.lock(held)
+    try:
+        cache.insert(tokens)
+    except PoolExhausted:
+        pass  # every device page is locked or busy with copies: the request is not cached
+    finally:
+        if lock is not None:
+            cache.unlock(lock)
+
+
+def replay(
+    cache: HiCache, trace: Sequence[Request], poll: Callable[[], object], evict_every: int = 8
+) -> None:
+    """Serve every request of ``trace``, polling after each and evicting every few."""
+    quarter = cache.config.device_pages * cache.config.page_size // 4
+    for i, tokens in enumerate(trace, 1):
+        serve(cache, tokens)
+        poll()
+        if i % evict_every == 0:
+            cache.evict(quarter)
+            cache.evict_host(quarter)
+
+
+def bench_config(**overrides: object) -> CacheConfig:
+    """A small CPU cache: page_size 4, a tiny KV, a device pool the trace overflows."""
+    base: dict[str, object] = {
+        "device_pages": 48,
+        "host_pages": 96,
+        "page_size": 4,
+        "layers": 1,
+        "heads": 1,
+        "head_dim": 8,
+        "dtype": "float32",
+        "device": "cpu",
+    }
+    base.update(overrides)
+    return CacheConfig(**base)  # type: ignore[arg-type]
+
+
+def cache_trace_config(device_pages: int = 512) -> CacheConfig:
+    """The write-through cache of ``bench cache``: four times the device pool on the host."""
+    return cachebench.trace_config(device_pages, 4 * device_pages)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One trace replayed with the local poll and with the agreed poll (best of the rounds).
+
+    Attributes:
+        requests: Requests in the trace.
+        local_rps: Requests per second with ``HiCache.poll()``.
+        agreed_rps: Requests per second with the agreed poll.
+    """
+
+    requests: int
+    local_rps: float
+    agreed_rps: float
+
+    def format(self) -> list[str]:
+        """Two lines: the local and the agreed rate, with the ratio and the added time."""
+        added_us = 1e6 * (1 / self.agreed_rps - 1 / self.local_rps)
+        return [
+            f"    local poll   {self.local_rps:10,.0f} requests/s",
+            f"    agreed poll  {self.agreed_rps:10,.0f} requests/s  "
+            f"({self.agreed_rps / self.local_rps:.2f}x local; {added_us:+,.0f} us per request)",
+        ]
+
+
+@dataclass(frozen=True)
+class TPBench:
+    """Figures of one run (rank 0's).
+
+    Attributes:
+        ranks: Processes in the gloo group.
+        polls: Polls timed for the per-call figures.
+        agreed_poll_us: Median microseconds of one agreed poll with nothing to apply.
+        local_poll_us: Median microseconds of one local ``HiCache.poll()``.
+        rounds: Interleaved rounds of each trace replay; the best of each counts.
+        cache_trace: The ``bench cache`` trace.
+        small_trace: The small trace of the distributed tests.
+    """
+
+    ranks: int
+    polls: int
+    agreed_poll_us: float
+    local_poll_us: float
+    rounds: int
+    cache_trace: Replay
+    small_trace: Replay
+
+    def format(self) -> str:
+        """Return the figures as a table."""
+        return "\n".join(
+            [
+                f"tensor-parallel agreement: {self.ranks} gloo ranks on CPU",
+                f"  agreed poll, nothing to apply {self.agreed_poll_us:10.1f} us "
+                f"(median of {self.polls})",
+                f"  local HiCache.poll()          {self.local_poll_us:10.1f} us",
+                f"  bench cache trace: {self.cache_trace.requests} chat requests, "
+                f"write-through to host, page {cachebench.PAGE}; best of {self.rounds}",
+                *self.cache_trace.format(),
+                f"  small trace: {self.small_trace.requests} requests, "
+                f"load-backs and host evictions, page {bench_config().page_size}; "
+                f"best of {self.rounds}",
+                *self.small_trace.format(),
+            ]
+        )
+
+
+QUICK: dict[str, int] = {"polls": 100, "requests": 100, "small_requests": 40, "rounds": 1}
+"""Sizes for a smoke run (``fsm-cache bench tp --quick``): the measurements take seconds;
+starting the ranks (a torch import each) takes most of the run."""
+
+
+def run_tp_bench(
+    ranks: int = 2,
+    *,
+    polls: int = 2000,
+    requests: int = 2000,
+    small_requests: int = 400,
+    rounds: int = 2,
+    timeout: float = 60.0,
+) -> TPBench:
+    """Spawn ``ranks`` gloo processes on 127.0.0.1, measure, and return rank 0's figures.
+
+    Args:
+        ranks: Processes in the group.
+        polls: Polls timed for the per-call figures.
+        requests: Requests of the ``bench cache`` trace.
+        small_requests: Requests of the small trace.
+        rounds: Interleaved rounds of each replay.
+        timeout: Seconds a collective may wait.
+
+    Raises:
+        ProcessRaisedException: A rank failed; carries its traceback.
+    """
+    settings = _Settings(polls, requests, small_requests, rounds, timeout)
+    with tempfile.TemporaryDirectory(prefix="fsm-tpbench-") as tmp:
+        args = (ranks, str(Path(tmp) / "store"), tmp, settings)
+        start_processes(_bench_rank, args=args, nprocs=ranks)  # type: ignore[no-untyped-call]
+        figures = json.loads((Path(tmp) / "rank0.json").read_text())
+    big, small = (Replay(**figures.pop(k)) for k in ("cache_trace", "small_trace"))
+    return TPBench(**figures, cache_trace=big, small_trace=small)
+
+
+@dataclass(frozen=True)
+class _Settings:
+    polls: int
+    requests: int
+    small_requests: int
+    rounds: int
+    timeout: float
+
+
+def _bench_rank(rank: int, world: int, store: str, out: str, settings: _Settings) -> None:
+    """One rank of :func:`run_tp_bench`; rank 0 writes the figures as JSON."""
+    torch.set_num_threads(1)  # a core per rank at most; idle intra-op threads would spin
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=settings.timeout),
+    )
+    try:
+        figures = _measure(world, settings)
+        if rank == 0:
+            (Path(out) / "rank0.json").write_text(json.dumps(asdict(figures)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(world: int, settings: _Settings) -> TPBench:
+    idle = HiCache(bench_config())
+    agreed = DistributedCache(idle, timeout=settings.timeout)
+    agreed_us = _median_us(agreed.poll, settings.polls)
+    local_us = _median_us(idle.poll, settings.polls)
+    return TPBench(
+        world,
+        settings.polls,
+        agreed_us,
+        local_us,
+        settings.rounds,
+        _compare(
+            cache_trace_config,
+            cachebench.serve_trace,
+            cachebench.trace(settings.requests),
+            settings,
+        ),
+        _compare(bench_config, replay, chat_trace(settings.small_requests), settings),
+    )
+
+
+K = TypeVar("K")
+Replayer = Callable[[HiCache, Sequence[K], Callable[[], object]], None]
+
+
+def _compare(
+    config: Callable[[], CacheConfig], run: Replayer[K], trace: Sequence[K], settings: _Settings
+) -> Replay:
+    """Replay ``trace`` with the local and the agreed poll, interleaved; the best of each."""
+    local: list[float] = []
+    agreed: list[float] = []
+    for _ in range(settings.rounds):  # interleaved, so a noisy neighbour slows both alike
+        dist.barrier()
+        cache = HiCache(config())
+        local.append(_rate(run, cache, trace, cache.poll))
+        dist.barrier()
+        shared = DistributedCache(HiCache(config()), timeout=settings.timeout)
+        agreed.append(_rate(run, shared.cache, trace, shared.poll))
+        shared.drain()
+        shared.verify_agreement()  # the ranks really applied the same transitions (not timed)
+    return Replay(len(trace), max(local), max(agreed))
+
+
+def _rate(
+    run: Replayer[K], cache: HiCache, trace: Sequence[K], poll: Callable[[], object]
+) -> float:
+    """Requests per second of one replay."""
+    started = time.perf_counter()
+    run(cache, trace, poll)
+    return len(trace) / (time.perf_counter() - started)
+
+
+def _median_us(call: Callable[[], object], times: int) -> float:
+    samples = []
+    for _ in range(times):
+        started = time.perf_counter_ns()
+        call()
+        samples.append(time.perf_counter_ns() - started)
+    return statistics.median(samples) / 1000.0

@@ -1,0 +1,189 @@
+"""The design's invariants, checked on a live cache (debug mode and tests).
+
+Numbers follow shared/design/residency.md. A violation raises
+:class:`~fsm_cache.errors.InvariantViolation` naming the invariant, the node
+and the operation after which it was found.
+
+One cache checks invariants 1 to 9 (:data:`CHECKED`). Invariant 10 (every rank
+of a tensor-parallel group applies the same transitions in the same order)
+needs the other ranks' histories, which one cache cannot see:
+:meth:`fsm_cache.distributed.agreement.DistributedCache.verify_agreement` checks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from fsm_cache.errors import InvariantViolation
+from fsm_cache.memory.pages import FREE, REQUEST
+from fsm_cache.residency import DEVICE_HELD, HOST_HELD, HOST_VALID
+from fsm_cache.spec.shipped import host_machine
+
+
+if TYPE_CHECKING:
+    from fsm_cache.cache.hicache import HiCache
+    from fsm_cache.cache.tree import TreeNode
+
+Finding = tuple[int, str, str]  # invariant number, node description, detail
+
+CHECKED: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+"""The design invariants :func:`check` checks on one cache (10 is across ranks)."""
+
+HOST_EVICTED: frozenset[str] = frozenset(
+    t.dest for t in host_machine().transitions if t.event == "evict_host"
+)
+"""Host states that ``evict_host`` leaves a node in, read from the spec."""
+
+
+def check(cache: HiCache, after: str = "") -> None:
+    """Raise on the first broken invariant of ``cache``; return if all hold.
+
+    Checks invariants 1 to 9, node by node (parents first), then the pools.
+    Invariant 4 (eviction) is checked on what an eviction leaves: no lock on a
+    node off the device, no pin on a node evicted from the host and, in
+    write-through policies, no host copy below one. A device eviction of a
+    node with a device-resident child shows as invariant 1 at the child, and
+    a host eviction that keeps a node the device no longer holds shows as
+    invariant 2. Invariant 10 needs every rank:
+    :meth:`fsm_cache.distributed.agreement.DistributedCache.verify_agreement` checks it.
+
+    Args:
+        cache: The cache to check.
+        after: The operation just run, named in the message.
+
+    Raises:
+        InvariantViolation: ``invariant N broken at <where>[ after <operation>]:
+            <what is wrong>``; <where> is ``node I (<residency>)``, a page or a pool.
+    """
+    for number, where, detail in findings(cache):
+        suffix = f" after {after}" if after else ""
+        raise InvariantViolation(f"invariant {number} broken at {where}{suffix}: {detail}")
+
+
+def findings(cache: HiCache) -> Iterator[Finding]:
+    """Yield every broken invariant of ``cache``, node by node, then the pools."""
+    write_through = cache.policy.value != "write_back"
+    for node in cache.tree:
+        for rule in _NODE_RULES:
+            found = rule(node, write_through)
+            if found:
+                yield found[0], f"node {node.id} ({node.residency()})", found[1]
+        yield from _pages(node, cache.config.page_size)
+    yield from _pools(cache)
+
+
+def _inner_parent(node: TreeNode) -> TreeNode | None:
+    """Return the parent unless it is a root (roots hold nothing and never move)."""
+    parent = node.parent
+    return parent if parent is not None and parent.parent is not None else None
+
+
+def _prefix_closed(node: TreeNode, _: bool) -> tuple[int, str] | None:
+    parent = _inner_parent(node)
+    if parent is not None and node.device in DEVICE_HELD and parent.device not in DEVICE_HELD:
+        return 1, f"on the device under node {parent.id}, which is {parent.device}"
+    return None
+
+
+def _held_somewhere(node: TreeNode, _: bool) -> tuple[int, str] | None:
+    if node.device == "absent" and node.host not in HOST_VALID:
+        return 2, "neither tier holds its KV"
+    return None
+
+
+def _backup_prefix_closed(node: TreeNode, write_through: bool) -> tuple[int, str] | None:
+    parent = _inner_parent(node)
+    backed = write_through and node.host in HOST_VALID
+    if parent is not None and backed and parent.host not in HOST_VALID:
+        return 3, f"backed under node {parent.id}, which is {parent.host}"
+    return None
+
+
+def _eviction_honoured(node: TreeNode, write_through: bool) -> tuple[int, str] | None:
+    if node.locks > 0 and node.device not in DEVICE_HELD:
+        return 4, "off the device while locked: device eviction takes only unlocked nodes"
+    if node.host not in HOST_EVICTED:
+        return None
+    if node.pins > 0:
+        return 4, "evicted from the host while pinned: host eviction takes only unpinned nodes"
+    # NOTE: under write-back a child may be backed up after its parent's host copy went.
+    children = node.children.values() if write_through else ()
+    held = next((c for c in children if c.host in HOST_HELD), None)
+    if held is not None:
+        return 4, (
+            f"evicted from the host while child node {held.id} holds a host copy "
+            f"({held.host}): host eviction takes only host leaves"
+        )
+    return None
+
+
+def _locks_propagate(node: TreeNode, _: bool) -> tuple[int, str] | None:
+    below = sum(child.locks for child in node.children.values())
+    if node.locks < below:
+        return 6, f"{node.locks} locks but its children hold {below}"
+    return None
+
+
+def _counts(node: TreeNode, _: bool) -> tuple[int, str] | None:
+    if node.pins < 0 or node.locks < 0:
+        return 8, "a count is negative"
+    if (node.host == "pinned") != (node.pins >= 1):
+        return 8, "pinned <=> pins >= 1 does not hold"
+    return None
+
+
+_NODE_RULES: tuple[Callable[[TreeNode, bool], tuple[int, str] | None], ...] = (
+    _prefix_closed,
+    _held_somewhere,
+    _backup_prefix_closed,
+    _eviction_honoured,
+    _locks_propagate,
+    _counts,
+)
+
+
+def _pages(node: TreeNode, page: int) -> Iterator[Finding]:
+    where = f"node {node.id} ({node.residency()})"
+    pages = len(node.key) // page
+    if len(node.key) % page:
+        yield 9, where, f"key of {len(node.key)} tokens is not whole pages of {page}"
+    if len(node.device_pages) != (pages if node.device in DEVICE_HELD else 0):
+        yield 9, where, f"{len(node.device_pages)} device pages for {pages} pages of key"
+    if len(node.host_pages) != (pages if node.host in HOST_HELD else 0):
+        yield 9, where, f"{len(node.host_pages)} host pages for {pages} pages of key"
+
+
+def _pools(cache: HiCache) -> Iterator[Finding]:
+    tiers = cache.tiers
+    for pool, attr, busy in (
+        (tiers.device, "device_pages", tiers.copier.busy_device_pages()),
+        (tiers.host, "host_pages", tiers.copier.busy_host_pages()),
+    ):
+        alloc = pool.allocator
+        try:
+            alloc.check()
+        except InvariantViolation as exc:
+            yield 7, f"{pool.name} pool", str(exc)
+        owned = 0
+        for node in cache.tree:
+            for p in getattr(node, attr):
+                owned += 1
+                if alloc.owner_of(p) != node.id:
+                    yield (
+                        7,
+                        f"{pool.name} page {p}",
+                        f"held by node {node.id}, owned by {alloc.owner_of(p)}",
+                    )
+        # pages a request took with alloc_slots and has not inserted or freed yet
+        requested = sum(alloc.owner_of(p) == REQUEST for p in range(alloc.num_pages))
+        if owned + requested != alloc.num_pages - alloc.free_pages:
+            yield (
+                7,
+                f"{pool.name} pool",
+                f"{alloc.num_pages - alloc.free_pages} pages used, {owned} held by nodes "
+                f"and {requested} by requests",
+            )
+        for p in sorted(busy):
+            if alloc.owner_of(p) == FREE:
+                yield 5, f"{pool.name} page {p}", "freed while a copy still uses it"

@@ -1,0 +1,163 @@
+"""What a cache reports: tier occupancy, hit rates, copies, transitions and refusals.
+
+:class:`Counters` is updated by the cache as it works; :func:`snapshot`
+combines it with a walk of the tree into a :class:`Stats`. :func:`register`
+exposes the same figures to Prometheus through a custom collector, read at
+scrape time so the hot path pays nothing for it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fsm_cache.residency import DEVICE_HELD, HOST_HELD
+
+
+if TYPE_CHECKING:
+    from fsm_cache.cache.hicache import HiCache
+
+
+@dataclass
+class Counters:
+    """Running totals kept by the cache."""
+
+    lookup_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    transitions: Counter[str] = field(default_factory=Counter)
+    refused: Counter[str] = field(default_factory=Counter)
+    copy_bytes: Counter[str] = field(default_factory=Counter)
+    copy_seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    copy_failures: Counter[str] = field(default_factory=Counter)
+    deleted_nodes: int = 0
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A point-in-time report of a cache.
+
+    Attributes:
+        nodes: Tree nodes (roots excluded).
+        device_tokens: Tokens whose KV the device holds or is loading.
+        host_tokens: Tokens whose KV the host holds or is writing.
+        device_hit_rate: Matched device tokens over looked-up tokens.
+        host_hit_rate: Host-only matched tokens over looked-up tokens.
+        pins: Pins outstanding, summed over nodes.
+        locks: Locks outstanding on leaves of lock paths (a lock counts once).
+        copies_in_flight: Copies started and not yet applied.
+        bytes: Bytes copied per direction (``d2h``, ``h2d``).
+        seconds: Seconds from start to applied acknowledgement, per direction.
+        transitions: Applied transitions by event.
+        refused: Refused transitions by event.
+        states: Nodes per ``host/device`` state pair.
+    """
+
+    nodes: int
+    device_tokens: int
+    host_tokens: int
+    device_hit_rate: float
+    host_hit_rate: float
+    pins: int
+    locks: int
+    copies_in_flight: int
+    bytes: dict[str, int]
+    seconds: dict[str, float]
+    transitions: dict[str, int]
+    refused: dict[str, int]
+    states: dict[str, int]
+
+
+def snapshot(cache: HiCache) -> Stats:
+    """Return the :class:`Stats` of ``cache`` now."""
+    nodes = list(cache.tree)
+    c = cache.counters
+    looked = max(c.lookup_tokens, 1)
+    locks = sum(n.locks - sum(ch.locks for ch in n.children.values()) for n in nodes)
+    return Stats(
+        nodes=len(nodes),
+        device_tokens=sum(len(n.key) for n in nodes if n.device in DEVICE_HELD),
+        host_tokens=sum(len(n.key) for n in nodes if n.host in HOST_HELD),
+        device_hit_rate=c.device_hit_tokens / looked,
+        host_hit_rate=c.host_hit_tokens / looked,
+        pins=sum(n.pins for n in nodes),
+        locks=locks,
+        copies_in_flight=len(cache.tiers.copier.in_flight()),
+        bytes=dict(c.copy_bytes),
+        seconds=dict(c.copy_seconds),
+        transitions=dict(c.transitions),
+        refused=dict(c.refused),
+        states=dict(Counter(f"{n.host}/{n.device}" for n in nodes)),
+    )
+
+
+class _Collector:
+    """A Prometheus collector that reads a cache's stats at scrape time."""
+
+    def __init__(self, cache: HiCache, prefix: str) -> None:
+        self.cache = cache
+        self.prefix = prefix
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats, p = snapshot(self.cache), self.prefix
+        tokens = GaugeMetricFamily(f"{p}_tokens", "Tokens held per tier", labels=["tier"])
+        tokens.add_metric(["device"], stats.device_tokens)
+        tokens.add_metric(["host"], stats.host_tokens)
+        yield tokens
+        hits = GaugeMetricFamily(
+            f"{p}_hit_rate", "Matched tokens over looked-up tokens", labels=["tier"]
+        )
+        hits.add_metric(["device"], stats.device_hit_rate)
+        hits.add_metric(["host"], stats.host_hit_rate)
+        yield hits
+        for name, value, text in (
+            ("pins", stats.pins, "Host pins outstanding"),
+            ("locks", stats.locks, "Device locks outstanding"),
+            ("copies_in_flight", stats.copies_in_flight, "Copies started, not yet applied"),
+        ):
+            yield GaugeMetricFamily(f"{p}_{name}", text, value=value)
+        yield _labelled(
+            CounterMetricFamily(f"{p}_copy_bytes", "Bytes copied", labels=["direction"]),
+            stats.bytes.items(),
+        )
+        yield _labelled(
+            CounterMetricFamily(f"{p}_copy_seconds", "Copy seconds", labels=["direction"]),
+            stats.seconds.items(),
+        )
+        yield _labelled(
+            CounterMetricFamily(f"{p}_transitions", "Applied transitions", labels=["event"]),
+            stats.transitions.items(),
+        )
+        yield _labelled(
+            CounterMetricFamily(f"{p}_refused", "Refused transitions", labels=["event"]),
+            stats.refused.items(),
+        )
+        yield _labelled(
+            GaugeMetricFamily(f"{p}_nodes", "Nodes per residency state", labels=["state"]),
+            stats.states.items(),
+        )
+
+
+def _labelled(family: Any, items: Iterable[tuple[str, float]]) -> Any:
+    for label, value in sorted(items):
+        family.add_metric([label], value)
+    return family
+
+
+def register(cache: HiCache, registry: Any = None, prefix: str = "fsm_cache") -> Any:
+    """Expose ``cache``'s stats to Prometheus; returns the collector.
+
+    Args:
+        cache: The cache to report.
+        registry: A ``prometheus_client.CollectorRegistry``; the default registry if None.
+        prefix: Metric name prefix.
+    """
+    from prometheus_client import REGISTRY
+
+    collector = _Collector(cache, prefix)
+    (registry or REGISTRY).register(collector)
+    return collector

@@ -1,0 +1,207 @@
+"""The radix tree: token prefixes to nodes, each node a residency record.
+
+Keys are tuples of token ids whose lengths are multiples of ``page_size``;
+a node owns one device page and one host page per ``page_size`` tokens of its
+key in each tier it occupies. Children are keyed by their first page of
+tokens. Namespaces (a LoRA id, say) get separate roots, so equal token
+prefixes under different namespaces never share nodes.
+
+The tree changes shape (new leaves, splits, deletions); residency changes go
+through the residency machines in :mod:`fsm_cache.cache.hicache`. A split is the one
+place both meet: :meth:`RadixTree.split` carries states, pins and locks to the
+new prefix node so that every count stays exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from fsm_cache.errors import InvariantViolation
+from fsm_cache.residency import ResidencyRecord, split_prefix
+
+
+Key = tuple[int, ...]
+Pages = tuple[int, ...]
+# NOTE: leaves share one empty, read-only mapping; a node gets its own dict with its first
+# child. Most nodes are leaves, and an empty dict per leaf would cost 64 bytes each.
+NO_CHILDREN: Mapping[Key, TreeNode] = MappingProxyType({})
+
+
+class TreeNode(ResidencyRecord):
+    """A radix-tree node: a run of tokens, its pages in each tier, and its residency.
+
+    Attributes:
+        key: The node's tokens (a multiple of ``page_size`` long; empty at a root).
+        parent: The parent node, None at a root.
+        children: Children keyed by their first page of tokens.
+        device_pages: Device pages while the device holds (or is loading) the KV.
+        host_pages: Host pages while the host holds (or is writing) the KV.
+        last_access: Logical time of the last match, for LRU eviction.
+        hit_count: Matches and inserts through this node, for selective write-through.
+    """
+
+    __slots__ = (
+        "children",
+        "device_pages",
+        "hit_count",
+        "host_pages",
+        "key",
+        "last_access",
+        "parent",
+    )
+
+    def __init__(
+        self, ident: int, key: Key, parent: TreeNode | None, device_pages: Pages = ()
+    ) -> None:
+        super().__init__(ident)
+        self.key = key
+        self.parent = parent
+        self.children: Mapping[Key, TreeNode] = NO_CHILDREN
+        self.device_pages = device_pages
+        self.host_pages: Pages = ()
+        self.last_access = 0
+        self.hit_count = 0
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this is a namespace root (holds no tokens, never evicted)."""
+        return self.parent is None
+
+    def __repr__(self) -> str:
+        return f"<TreeNode {self.id} len={len(self.key)} {self.residency()}>"
+
+
+@dataclass(frozen=True)
+class Walk:
+    """The nodes a key runs through from the root, and how many tokens matched."""
+
+    path: tuple[TreeNode, ...]
+    matched: int
+
+
+SplitHook = Callable[[TreeNode, TreeNode], None]
+
+
+class RadixTree:
+    """Nodes indexed by token prefix, per namespace.
+
+    Args:
+        page_size: Tokens per page; keys and splits are multiples of it.
+        on_split: Called as ``on_split(prefix, suffix)`` after a split, so the
+            owner can re-home page ownership and in-flight copies.
+    """
+
+    def __init__(self, page_size: int, on_split: SplitHook | None = None) -> None:
+        self.page_size = page_size
+        self.roots: dict[Hashable, TreeNode] = {}
+        self.nodes: dict[int, TreeNode] = {}
+        self._ids = itertools.count(1)
+        self._on_split = on_split
+
+    def root(self, namespace: Hashable = None) -> TreeNode:
+        """Return the root of ``namespace``, creating it on first use."""
+        found = self.roots.get(namespace)
+        if found is None:
+            found = TreeNode(0, (), None)
+            found.host = "backed"  # the empty prefix is trivially backed and resident
+            self.roots[namespace] = found
+        return found
+
+    def aligned(self, tokens: Key) -> Key:
+        """Return ``tokens`` cut down to a whole number of pages."""
+        return tokens[: len(tokens) - len(tokens) % self.page_size]
+
+    def walk(self, key: Key, namespace: Hashable = None) -> Walk:
+        """Follow ``key`` down the tree, splitting a node where a match ends inside it."""
+        node, pos, path = self.root(namespace), 0, []
+        page = self.page_size
+        while pos < len(key):
+            child = node.children.get(key[pos : pos + page])
+            if child is None:
+                break
+            common = _common_pages(child.key, key[pos:], page)
+            if common < len(child.key):
+                child = self.split(child, common)
+            path.append(child)
+            pos += common
+            node = child
+        return Walk(tuple(path), pos)
+
+    def add_leaf(self, parent: TreeNode, key: Key, device_pages: Pages) -> TreeNode:
+        """Create a device-resident, unbacked leaf under ``parent``."""
+        node = TreeNode(next(self._ids), key, parent, device_pages)
+        _children(parent)[key[: self.page_size]] = node
+        self.nodes[node.id] = node
+        return node
+
+    def remove_leaf(self, node: TreeNode) -> None:
+        """Detach a leaf from the tree.
+
+        Raises:
+            InvariantViolation: ``node`` is a root or still has children.
+        """
+        if node.parent is None or node.children:
+            msg = f"node {node.id}: only a leaf can be removed ({len(node.children)} children)"
+            raise InvariantViolation(msg)
+        del _children(node.parent)[node.key[: self.page_size]]
+        del self.nodes[node.id]
+
+    def split(self, node: TreeNode, at: int) -> TreeNode:
+        """Split ``node`` after ``at`` tokens; return the new prefix node (the old one's parent).
+
+        The prefix's residency is :func:`~fsm_cache.residency.split_prefix`'s,
+        the rule ``fsm-cache check`` model-checks: both states and the lock
+        count (it is now an ancestor of every lock holder below ``node``);
+        pins stay with their holders on ``node``, except the pin of a load in
+        flight, which the prefix needs too because the same copy fills it.
+        """
+        page = self.page_size
+        if at <= 0 or at >= len(node.key) or at % page or node.parent is None:
+            msg = f"node {node.id}: cannot split {len(node.key)} tokens at {at}"
+            raise InvariantViolation(msg)
+        cut = at // page
+        prefix = TreeNode(next(self._ids), node.key[:at], node.parent, node.device_pages[:cut])
+        prefix.host_pages = node.host_pages[:cut]
+        prefix.host, prefix.device, prefix.pins, prefix.locks = split_prefix(
+            node.host, node.device, node.locks
+        )
+        prefix.last_access, prefix.hit_count = node.last_access, node.hit_count
+        _children(node.parent)[node.key[:page]] = prefix
+        node.key, node.parent = node.key[at:], prefix
+        node.device_pages, node.host_pages = node.device_pages[cut:], node.host_pages[cut:]
+        prefix.children = {node.key[:page]: node}
+        self.nodes[prefix.id] = prefix
+        if self._on_split is not None:
+            self._on_split(prefix, node)
+        return prefix
+
+    def __iter__(self) -> Iterator[TreeNode]:
+        """Yield every non-root node, parents before children."""
+        stack = list(self.roots.values())
+        while stack:
+            node = stack.pop()
+            if node.parent is not None:
+                yield node
+            stack.extend(node.children.values())
+
+
+def _children(node: TreeNode) -> dict[Key, TreeNode]:
+    """Return ``node``'s own children dict, giving it one if it still shares the empty one."""
+    if node.children is NO_CHILDREN:
+        node.children = {}
+    return node.children  # type: ignore[return-value]
+
+
+def _common_pages(a: Key, b: Key, page: int) -> int:
+    """Return the length of the common prefix of ``a`` and ``b`` in whole pages."""
+    n = min(len(a), len(b))
+    n -= n % page
+    if a[:n] == b[:n]:
+        return n
+    i = page  # the first page matched: that is how the child was found
+    while a[i : i + page] == b[i : i + page]:
+        i += page
+    return i

@@ -1,0 +1,56 @@
+"""``fsm-cache bench [engine|copies|cache|tp]``: speed figures, measured side by side in one run.
+
+Speed targets live here, never in timed tests: these machines are shared and
+noisy, so every figure is a ratio of two things measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``bench`` subcommand."""
+    parser = subparsers.add_parser("bench", help="measure speed (ratios, side by side)")
+    parser.add_argument(
+        "what",
+        nargs="?",
+        default="engine",
+        choices=("engine", "copies", "cache", "tp"),
+        help="engine (default): checked pin+release vs a bare counter and transitions; "
+        "copies: machine-driven write-through vs raw gather-and-copy; "
+        "cache: HiCache vs an unchecked radix tree; tp: poll agreement across gloo ranks",
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen benchmark and print its table."""
+    import torch
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)  # one thread per core is what a busy 2-core box gives
+    if args.what == "engine":
+        from fsm_cache.bench.engine import run_engine_bench
+
+        print(run_engine_bench(n=20_000 if args.quick else 200_000).format())
+    elif args.what == "copies":
+        from fsm_cache.bench.copies import run_copy_bench
+
+        print(run_copy_bench(quick=args.quick).format())
+    elif args.what == "cache":
+        from fsm_cache.bench.cache import run_cache_bench
+
+        print(
+            run_cache_bench(
+                num_requests=200 if args.quick else 2000, rounds=1 if args.quick else 3
+            ).format()
+        )
+    else:
+        from fsm_cache.bench.tp import QUICK, run_tp_bench
+
+        sizes = QUICK if args.quick else {}
+        for ranks in (2, 4):
+            print(run_tp_bench(ranks, **sizes).format())
+    return 0

@@ -1,0 +1,204 @@
+"""``fsm-cache demo``: a chat workload through HiCache, then a planted double release.
+
+The demo serves a synthetic multi-turn chat trace (shared system prompts,
+branching conversations) through a small model-shaped KV on CPU (CUDA when
+present), with evictions, load-backs and storage-backup pins, checking the
+design invariants one cache can check (1 to 9; 10 is across ranks) as it goes
+and the KV of every cached prefix at the end. It then plants the bug SGLang
+users meet as ``Host reference counter is already zero.``, and shows fsm_cache
+refusing it at the second release, naming the site of the refused release and
+those of the pin and the first release.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from fsm_cache.bench.serving import ServeReport, serve
+from fsm_cache.bench.workload import ChatWorkload, requests
+from fsm_cache.cache.hicache import HiCache
+from fsm_cache.cache.invariants import CHECKED
+from fsm_cache.errors import ReleaseAtZero
+from fsm_cache.memory.tiers import CacheConfig
+from fsm_cache.residency import HOST_VALID, Node, Residency
+
+
+CHECK_EVERY = 10
+"""Requests served between two invariant checks."""
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``demo`` subcommand."""
+    parser = subparsers.add_parser("demo", help="serve a chat workload through HiCache")
+    parser.add_argument("--requests", type=int, default=2000, help="requests to serve")
+    parser.add_argument("--policy", default="write_through", help="write policy")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve the workload, print the summary, show the planted refusal; 0 when all is well."""
+    _quiet_threads()
+    console = Console()
+    config = CacheConfig(
+        device_pages=256,
+        host_pages=1024,
+        page_size=16,
+        layers=2,
+        heads=4,
+        head_dim=32,
+        write_policy=args.policy,
+    )
+    cache = HiCache(config)
+    trace = ChatWorkload(requests=args.requests, seed=args.seed)
+    console.print(
+        f"[bold]fsm_cache demo[/]: {trace.requests} chat requests through HiCache on "
+        f"{cache.tiers.device.device} ({config.device_pages} device pages, "
+        f"{config.host_pages} host pages of {config.page_size} tokens, {config.write_policy})"
+    )
+    started = time.perf_counter()
+    report = _serve(cache, trace, console)
+    checked = _check_prefixes(cache, trace)
+    console.print(_summary(cache, report, checked, time.perf_counter() - started))
+    planted = _planted_double_release(console)
+    refused = sum(cache.stats().refused.values())
+    return 0 if planted and refused == 0 else 1
+
+
+def _quiet_threads() -> None:
+    import torch
+
+    # NOTE: the demo's copies are small; torch's intra-op thread pool costs more than it
+    # gains on them, and far more on a busy two-core machine.
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+
+
+def _serve(cache: HiCache, trace: ChatWorkload, console: Console) -> ServeReport:
+    columns = (TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("serve", total=trace.requests)
+        return serve(
+            cache,
+            requests(trace),
+            check_every=CHECK_EVERY,
+            backup_every=7,
+            on_request=lambda: progress.advance(task),
+        )
+
+
+def _check_prefixes(cache: HiCache, trace: ChatWorkload) -> int:
+    """Compare the KV of every request's cached prefix with what was written; return the count."""
+    import torch
+
+    from fsm_cache.memory.tiers import synthetic_kv
+
+    checked = 0
+    for request in requests(trace):
+        key = cache.tree.aligned(request.tokens)
+        walk = cache.tree.walk(key)
+        on_device = [n for n in walk.path if n.device == "resident"]
+        if not on_device:
+            continue
+        pages = [p for n in on_device for p in n.device_pages]
+        tokens = [t for n in on_device for t in n.key]
+        expected = synthetic_kv(cache.tiers.device.layout, tokens)
+        if not torch.equal(cache.tiers.read_device(pages), expected):
+            msg = (
+                f"KV of request {request.conversation}/{request.turn} differs from what was written"
+            )
+            raise AssertionError(msg)
+        checked += 1
+    return checked
+
+
+def _summary(cache: HiCache, report: ServeReport, checked: int, seconds: float) -> Table:
+    stats = cache.stats()
+    table = Table(title=f"served {report.requests} requests in {seconds:.1f} s", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    rows = [
+        ("hit rate, device", f"{stats.device_hit_rate:.1%}"),
+        ("hit rate, host only", f"{stats.host_hit_rate:.1%}"),
+        ("tokens on device / host", f"{stats.device_tokens} / {stats.host_tokens}"),
+        ("bytes copied device->host", f"{stats.bytes.get('d2h', 0):,}"),
+        ("bytes copied host->device", f"{stats.bytes.get('h2d', 0):,}"),
+        ("load-backs", str(report.load_backs)),
+        ("tokens evicted from device", f"{report.evicted_tokens:,}"),
+        ("storage-backup pins taken and released", str(report.backups_pinned)),
+        ("transitions", ", ".join(f"{k} {v}" for k, v in sorted(stats.transitions.items()))),
+        ("invariant checks passed", f"{report.invariant_checks} ({_checked()})"),
+        ("cached prefixes read back bit-exact", str(checked)),
+        ("refused transitions", str(sum(stats.refused.values()))),
+    ]
+    for what, value in rows:
+        table.add_row(what, value)
+    return table
+
+
+def _checked() -> str:
+    """Say which design invariants each check covers, and which it cannot."""
+    return (
+        f"design invariants {_spans(CHECKED)}, every {CHECK_EVERY} requests; "
+        "10 is agreement across ranks, not checked on one cache"
+    )
+
+
+def _spans(numbers: Sequence[int]) -> str:
+    """Render ``1, 2, 3, 5`` as ``1-3, 5``."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+class _StorageBackup:
+    """Two cleanup paths that both think they own one pin: SGLang #13483's shape."""
+
+    def __init__(self, node: Node, machine: Residency) -> None:
+        self.node, self.machine = node, machine
+
+    def backup_to_storage(self) -> None:
+        self.machine.pin(self.node)
+
+    def drain_backup(self) -> None:
+        self.machine.release(self.node)
+
+    def release_aborted_request(self) -> None:
+        self.machine.release(self.node)
+
+
+def _planted_double_release(console: Console) -> bool:
+    """Plant a double release in audit mode; return whether it was refused naming all three sites.
+
+    The refusal's audit account names the pin, the first release and the
+    refused release itself (``...; refused at demo.py:N in release_aborted_request``).
+    """
+    machine = Residency(audit=True)
+    node = Node(17, host="backed")
+    backup = _StorageBackup(node, machine)
+    backup.backup_to_storage()
+    backup.drain_backup()
+    console.print("\n[bold]planted bug[/]: two cleanup paths release one storage-backup pin")
+    try:
+        backup.release_aborted_request()
+    except ReleaseAtZero as exc:
+        console.print(f"[red]refused[/]: {exc}", highlight=False)
+        console.print(f"node 17 is unchanged: {node.residency()}")
+        released = [site.function for event, site in exc.sites if event == "release"]
+        return (
+            exc.site is not None
+            and exc.site.function == _StorageBackup.release_aborted_request.__name__
+            and released == [_StorageBackup.drain_backup.__name__]
+            and node.host in HOST_VALID
+        )
+    return False

@@ -1,0 +1,149 @@
+"""``fsm-cache diagram``: draw specs, and keep the committed diagrams in step with them.
+
+Usage::
+
+    fsm-cache diagram SPEC... [--format mermaid|dot|svg|md] [-o PATH] [--highlight [REGION=]STATE]
+    fsm-cache diagram SPEC --format md -o PATH --check     # exit 1 if PATH is stale
+    fsm-cache diagram [SPEC...] --write [--dir docs/diagrams]
+    fsm-cache diagram [SPEC...] --check [--dir docs/diagrams]
+
+``--write`` and ``--check`` without ``-o`` work on a set of files per spec,
+``<dir>/<name>.mmd``, ``.dot`` and ``.md`` (every shipped spec when no SPEC is
+given). SVG is left out of the set: its bytes depend on the Graphviz version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fsm_cache.diagram.ir import FORMATS, DiagramError, render
+from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.shipped import shipped_spec_paths
+
+
+DEFAULT_DIR = Path("docs/diagrams")
+SET_SUFFIXES = {"mermaid": ".mmd", "dot": ".dot", "md": ".md"}
+# Formats whose documents can hold several specs; the others are one picture each.
+SECTIONED = ("md",)
+EPILOG = """\
+One document goes to stdout, or to PATH with -o. A mermaid, dot or svg document
+draws one SPEC, so several SPECs are refused there: draw them one at a time, or
+--write each spec's .mmd, .dot and .md files into --dir. With --format md,
+several SPECs make one Markdown document, a '## NAME' section per spec.
+
+--highlight marks a state of one SPEC, e.g. where a node was when an error was
+reported: filled in mermaid, dot and svg; bold, and '(here)', in md's tables.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``diagram`` subcommand."""
+    parser = subparsers.add_parser(
+        "diagram",
+        help="draw specs as Mermaid, DOT, SVG or Markdown tables",
+        description="Render state machine specs; --check fails when committed diagrams are stale.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("specs", nargs="*", type=Path, metavar="SPEC", help="spec TOML files")
+    parser.add_argument("--format", choices=FORMATS, default="mermaid", help="default: mermaid")
+    parser.add_argument("-o", "--output", type=Path, metavar="PATH", help="write here, not stdout")
+    parser.add_argument(
+        "--highlight",
+        action="append",
+        default=[],
+        metavar="[REGION=]STATE",
+        help="mark a state, e.g. where a node was when an error was reported",
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="exit 1 if a file differs")
+    mode.add_argument("--write", action="store_true", help="regenerate the diagram files")
+    parser.add_argument(
+        "--dir", type=Path, default=DEFAULT_DIR, help=f"diagram folder (default: {DEFAULT_DIR})"
+    )
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Render, write or check diagrams as the arguments ask; return the exit status.
+
+    Raises:
+        DiagramError: The arguments do not name what to render, or ask for one
+            document of several specs in a format that draws one.
+    """
+    if args.output is None and (args.check or args.write):
+        if args.highlight:
+            msg = "--highlight marks one rendering; use it with -o or stdout, not --check/--write"
+            raise DiagramError(msg)
+        wanted = expected(args.specs or shipped_spec_paths(), args.dir)
+        return _check(wanted) if args.check else _write(wanted)
+    text = document(args.specs, args.format, tuple(args.highlight))
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    return _check({args.output: text}) if args.check else _write({args.output: text})
+
+
+def document(specs: list[Path], fmt: str, highlight: tuple[str, ...] = ()) -> str:
+    """Return one ``fmt`` document of ``specs``: the rendering of one, or md sections of several.
+
+    Raises:
+        DiagramError: No spec, or several in a one-picture format or with a highlight.
+    """
+    if not specs:
+        msg = "give SPEC files to draw, or --check/--write without -o for the shipped specs"
+        raise DiagramError(msg)
+    if len(specs) == 1:
+        return render(load_spec(specs[0]), fmt, mark=highlight)
+    if fmt not in SECTIONED:
+        msg = (
+            f"--format {fmt} draws one SPEC per document (got {len(specs)}); "
+            "draw them one at a time, or --write their files into --dir"
+        )
+        raise DiagramError(msg)
+    if highlight:
+        msg = f"--highlight marks a state of one SPEC (got {len(specs)})"
+        raise DiagramError(msg)
+    sections = []
+    for path in specs:
+        spec = load_spec(path)
+        sections.append(f"## {spec.name}\n\n{render(spec, fmt)}")
+    return "\n".join(sections)
+
+
+def expected(specs: list[Path], folder: Path) -> dict[Path, str]:
+    """Return the fresh rendering of each spec's diagram files in ``folder``, by path."""
+    wanted: dict[Path, str] = {}
+    for path in specs:
+        spec = load_spec(path)
+        for fmt, suffix in SET_SUFFIXES.items():
+            wanted[folder / f"{path.stem}{suffix}"] = render(spec, fmt)
+    return wanted
+
+
+def _check(wanted: dict[Path, str]) -> int:
+    stale = 0
+    for path, text in wanted.items():
+        if not path.is_file():
+            print(f"{path}: missing")
+            stale += 1
+        elif path.read_text(encoding="utf-8") != text:
+            print(f"{path}: differs from a fresh rendering")
+            stale += 1
+    if stale:
+        print(f"{stale} of {len(wanted)} diagram files are stale; run: fsm-cache diagram --write")
+        return 1
+    print(f"{len(wanted)} diagram files match their specs")
+    return 0
+
+
+def _write(wanted: dict[Path, str]) -> int:
+    for path, text in wanted.items():
+        if path.is_file() and path.read_text(encoding="utf-8") == text:
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8", newline="\n")
+        print(f"wrote {path}")
+    return 0

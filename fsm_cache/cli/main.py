@@ -1,0 +1,70 @@
+"""The ``fsm-cache`` command line: one console script, one subcommand per tool.
+
+Each tool module exposes ``register(subparsers)``, which adds its subparser and
+sets ``handler`` to a function taking the parsed namespace and returning the
+exit status. Bad input never shows a traceback: any :class:`FsmCacheError`
+(and OSError for unreadable files) becomes ``error: ...`` lines and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from fsm_cache.errors import FsmCacheError, SpecError
+
+
+# NOTE: modules are imported when the parser is built; none of them imports torch at import time.
+_TOOLS = (
+    "fsm_cache.cli.demo",
+    "fsm_cache.cli.validate",
+    "fsm_cache.cli.diagram",
+    "fsm_cache.cli.types",
+    "fsm_cache.cli.bench",
+    "fsm_cache.contracts.verify",
+    "fsm_cache.modelcheck.check",
+    "fsm_cache.audit",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the parser with every available subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="fsm-cache",
+        description="Typed, formally checked state machines for KV-cache residency.",
+    )
+    parser.add_argument("--version", action="version", version=f"fsm-cache {_version()}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in _TOOLS:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fsm-cache")
+    except PackageNotFoundError:  # running from a checkout that was never installed
+        return "unknown"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI and return its exit status (0 ok, 1 findings, 2 bad input)."""
+    args = build_parser().parse_args(argv)
+    try:
+        status: int = args.handler(args)
+    except SpecError as exc:
+        for problem in exc.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
+    except (FsmCacheError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

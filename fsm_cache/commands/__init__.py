@@ -1,1 +1,0 @@
-"""Subcommands of the fsm-cache CLI, one module each."""

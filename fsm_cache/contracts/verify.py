@@ -1,0 +1,220 @@
+"""``fsm-cache verify``: prove the contracts of compiled specs and of the pool allocators.
+
+For each spec, :mod:`fsm_cache.contracts.generate` generates a module of the engine's
+own step code under icontract contracts derived from the spec; CrossHair
+(options pinned in ``[tool.fsm_cache.verify]`` of pyproject.toml) searches
+every path for a counterexample. One row per contract: ``confirmed over all
+paths``, ``no counterexample within budget`` or ``counterexample: <call>``.
+Without arguments it verifies the shipped specs, the allocator contracts and
+the negative controls of ``specs/bugs_detected`` (which must keep failing).
+Exit status: 0 clean, 1 a counterexample, an unanalysed contract or a control
+that no longer finds its bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from fsm_cache.contracts import runner as crosshair_run
+from fsm_cache.contracts.generate import generate
+from fsm_cache.contracts.runner import Options, Row
+from fsm_cache.errors import SpecError
+from fsm_cache.spec.controls import Control, controls, load_finding, relative
+from fsm_cache.spec.controls import render as render_controls
+from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.machine import as_system
+from fsm_cache.spec.shipped import shipped_spec_paths
+
+
+POOL_CONTRACTS = "fsm_cache.contracts.pages"
+
+
+def load_options(start: Path | None = None) -> Options:
+    """Read ``[tool.fsm_cache.verify]`` from the nearest pyproject.toml; defaults without one.
+
+    Raises:
+        SpecError: The table holds an unknown key or a value of the wrong type.
+    """
+    folder = (start or Path.cwd()).resolve()
+    for candidate in (folder, *folder.parents):
+        path = candidate / "pyproject.toml"
+        if path.is_file():
+            table = tomllib.loads(path.read_text(encoding="utf-8"))
+            return _options(table.get("tool", {}).get("fsm_cache", {}).get("verify", {}), path)
+    return Options()
+
+
+def _options(table: dict[str, Any], path: Path) -> Options:
+    default = Options()
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        expected = type(getattr(default, key, None))
+        if not hasattr(default, key):
+            raise SpecError([f"{path}: tool.fsm_cache.verify.{key}: unknown option"])
+        given = value
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            given = float(value)
+        if not isinstance(given, expected) or isinstance(given, bool):
+            raise SpecError([f"{path}: tool.fsm_cache.verify.{key}: expected {expected.__name__}"])
+        values[key] = given
+    return Options(**values)
+
+
+def verify_spec(path: Path, options: Options, workdir: Path) -> list[Row]:
+    """Generate the contracts of the spec at ``path`` and check them.
+
+    Raises:
+        SpecError: The spec does not load.
+    """
+    system = as_system(load_spec(path))
+    folder = Path(tempfile.mkdtemp(dir=workdir))
+    module = generate(system, path).write(folder)
+    return crosshair_run.check(system.name, module, options)
+
+
+def verify_module(name: str, options: Options) -> list[Row]:
+    """Check a contracts module given as a ``.py`` path or a dotted module name.
+
+    Raises:
+        SpecError: No such file or module.
+    """
+    path = Path(name)
+    if path.suffix != ".py":
+        try:
+            spec = importlib.util.find_spec(name) if _dotted(name) else None
+        except ModuleNotFoundError:
+            spec = None
+        if spec is None or spec.origin is None:
+            raise SpecError([f"{name}: not a spec file, a .py file or an importable module"])
+        path = Path(spec.origin)
+    if not path.is_file():
+        raise SpecError([f"{name}: no such file"])
+    return crosshair_run.check(path.stem, path, options)
+
+
+def verify_target(target: str, options: Options, workdir: Path) -> list[Row]:
+    """Verify one command-line target: a spec file, a module file or a module name."""
+    if target.endswith(".toml"):
+        return verify_spec(Path(target), options, workdir)
+    return verify_module(target, options)
+
+
+def control_finding(control: Control, options: Options, workdir: Path) -> str:
+    """Return the first finding ``validate`` or ``verify`` reports on a control (``""`` if none)."""
+    if control.path.suffix == ".toml":
+        spec, problem = load_finding(control.path)
+        if spec is None:
+            return f"validate: {problem}"
+        rows = verify_spec(control.path, options, workdir)
+    else:
+        rows = verify_module(str(control.path), options)
+    bad = next((r for r in rows if r.failed), None)
+    if bad is None:
+        return ""
+    return relative(
+        f"verify: {bad.target}.{bad.function}: {bad.contract}: {bad.verdict()}", control.path.parent
+    )
+
+
+def run(targets: Sequence[str], options: Options, with_controls: bool) -> dict[str, Any]:
+    """Verify targets (the shipped set when empty) and, if asked, the negative controls."""
+    started = time.perf_counter()
+    shipped = [str(p) for p in shipped_spec_paths()] + [POOL_CONTRACTS]
+    with tempfile.TemporaryDirectory(prefix="fsm-verify-") as tmp:
+        rows = [r for t in (targets or shipped) for r in verify_target(t, options, Path(tmp))]
+        checked = []
+        for control in controls(tools=("validate", "verify")) if with_controls else []:
+            found = control_finding(control, options, Path(tmp))
+            checked.append(
+                {
+                    "control": control.name,
+                    "expected": control.expected,
+                    "found": found,
+                    "ok": control.matches(found),
+                }
+            )
+    return {"rows": rows, "controls": checked, "seconds": time.perf_counter() - started}
+
+
+def report(result: dict[str, Any]) -> str:
+    """Return the human table of a :func:`run` result."""
+    rows: list[Row] = result["rows"]
+    width = max((len(f"{r.target}.{r.function}") for r in rows), default=10)
+    cwidth = max((len(r.contract) for r in rows), default=10)
+    lines = [
+        f"{r.target + '.' + r.function:<{width}}  {r.contract:<{cwidth}}  {r.verdict()}"
+        for r in rows
+    ]
+    counts = {
+        s: sum(r.status == s for r in rows)
+        for s in (
+            crosshair_run.CONFIRMED,
+            crosshair_run.WITHIN_BUDGET,
+            crosshair_run.COUNTEREXAMPLE,
+            crosshair_run.NOT_ANALYSED,
+        )
+    }
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items())
+    lines.append(f"{len(rows)} contracts: {summary} ({result['seconds']:.1f} s)")
+    lines += render_controls(result["controls"])
+    return "\n".join(lines)
+
+
+def failed(result: dict[str, Any]) -> bool:
+    """Whether the run must exit 1."""
+    return any(r.failed for r in result["rows"]) or not all(c["ok"] for c in result["controls"])
+
+
+def handle(args: argparse.Namespace) -> int:
+    """Run ``fsm-cache verify`` and return its exit status."""
+    options = load_options()
+    if args.jobs is not None:
+        options = Options(
+            options.analysis_kind,
+            options.per_condition_timeout,
+            options.per_path_timeout,
+            max(1, args.jobs),
+        )
+    result = run(args.targets, options, with_controls=not args.targets and not args.no_controls)
+    if args.json:
+        print(json.dumps({**result, "rows": [r.as_dict() for r in result["rows"]]}, indent=2))
+    else:
+        print(report(result))
+    return 1 if failed(result) else 0
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``verify`` subcommand."""
+    parser = subparsers.add_parser(
+        "verify",
+        help="prove the contracts of specs with CrossHair",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument(
+        "targets",
+        nargs="*",
+        metavar="SPEC_OR_MODULE",
+        help="spec .toml files, contract modules (.py or dotted names); default: the shipped specs, pool contracts and negative controls",
+    )
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="CrossHair processes in parallel (default: pyproject's jobs, else 2)",
+    )
+    parser.add_argument("--no-controls", action="store_true", help="skip the negative controls")
+    parser.set_defaults(handler=handle)
+
+
+def _dotted(name: str) -> bool:
+    return all(part.isidentifier() for part in name.split("."))

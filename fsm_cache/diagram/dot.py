@@ -1,0 +1,91 @@
+"""Graphviz rendering of a :class:`~fsm_cache.diagram.ir.Diagram`: DOT source, and SVG via ``dot``.
+
+Regions of a composed machine become side-by-side clusters; cross-region
+refusals are listed in a note.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+from fsm_cache.diagram.ir import (
+    HIGHLIGHT_FILL,
+    Diagram,
+    DiagramError,
+    Region,
+    parallel,
+    refusal_line,
+    state_id,
+)
+
+
+def dot(diagram: Diagram) -> str:
+    """Return a Graphviz DOT digraph of the diagram (regions as side-by-side clusters)."""
+    lines = [
+        f"digraph {_q(diagram.name)} {{",
+        '    graph [fontname="Helvetica", labeljust=l];',
+        '    node [shape=box, style=rounded, fontname="Helvetica"];',
+        '    edge [fontname="Helvetica", fontsize=10];',
+    ]
+    for region in diagram.regions:
+        body = _dot_region(diagram, region)
+        if diagram.composed:
+            title = f"{region.name}: {region.machine}"
+            body = [f"subgraph {_q('cluster_' + region.name)} {{", f"    label={_q(title)};"] + [
+                "    " + line for line in body
+            ]
+            body.append("}")
+        lines += ["    " + line for line in body]
+    if diagram.refusals:
+        note = "".join(f"{refusal_line(r)}\\l" for r in diagram.refusals)
+        lines.append(f'    "refusals" [shape=note, label="refused across regions:\\l{note}"];')
+    return "\n".join([*lines, "}"]) + "\n"
+
+
+def _dot_region(diagram: Diagram, region: Region) -> list[str]:
+    def ident(state: str) -> str:
+        return _q(state_id(diagram, region.name, state))
+
+    lines = []
+    for node in region.nodes:
+        attrs = [f"label={_q(node.label)}"]
+        if node.final:
+            attrs.append("peripheries=2")
+        if (region.name, node.name) in diagram.highlight:
+            attrs.append(f'style="rounded,filled,bold", fillcolor="{HIGHLIGHT_FILL}"')
+        lines.append(f"{ident(node.name)} [{', '.join(attrs)}];")
+    for node in region.nodes:
+        if node.initial:
+            start = ident("__start")
+            lines += [f'{start} [shape=point, label=""];', f"{start} -> {ident(node.name)};"]
+    lines += [
+        f"{ident(src)} -> {ident(dst)} [label={_q(*labels)}];"
+        for (src, dst), labels in parallel(region).items()
+    ]
+    return lines
+
+
+def _q(*lines: str) -> str:
+    """Quote text for DOT, one line per argument."""
+    escaped = (line.replace("\\", "\\\\").replace('"', '\\"') for line in lines)
+    return '"' + "\\n".join(escaped) + '"'
+
+
+def svg(diagram: Diagram) -> str:
+    """Return the diagram as SVG, drawn by Graphviz's ``dot``.
+
+    Raises:
+        DiagramError: ``dot`` is not on PATH, or it failed.
+    """
+    program = shutil.which("dot")
+    if program is None:
+        msg = "svg output needs Graphviz's 'dot' on PATH (Debian: apt-get install graphviz); --format dot writes the source without it"
+        raise DiagramError(msg)
+    done = subprocess.run(
+        [program, "-Tsvg"], input=dot(diagram), capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        msg = f"dot -Tsvg failed with exit status {done.returncode}: {done.stderr.strip()}"
+        raise DiagramError(msg)
+    return done.stdout

@@ -1,0 +1,79 @@
+"""Markdown transition tables of a diagram: states, transitions, refusals.
+
+The tables list what a picture cannot hold: every guard, update and effect,
+and every refused (state, event) pair with its error class and reason. They
+are rendered from the same :class:`~fsm_cache.diagram.ir.Diagram` as the pictures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fsm_cache.diagram.ir import Diagram, Edge, Node, Region, condition_text
+
+
+def markdown_tables(diagram: Diagram) -> str:
+    """Return Markdown tables: states, transitions, refused pairs and cross-region refusals.
+
+    A highlighted state is bold in each row it starts and marked ``(here)`` in the
+    states table, so a report can show where a node was and what it could do there.
+    """
+    parts: list[str] = []
+    for region in diagram.regions:
+        title = f"Region `{region.name}`: " if diagram.composed else ""
+        here = {state for name, state in diagram.highlight if name == region.name}
+        parts.append(f"**{title}`{region.machine}`**: {region.doc}")
+        parts.append(_md_states(region, here))
+        parts.append(_md_edges(region, here))
+        if region.refusals:
+            parts.append(_md_table(
+                ("state", "event", "guard", "refused with", "reason"),
+                [(_state(r.state, here), _c(r.event), _c(r.guard), _c(r.error), r.reason) for r in region.refusals],
+            ))  # fmt: skip
+    if diagram.refusals:
+        parts.append(f"**Refused across regions and along the tree** (`{diagram.name}`)")
+        parts.append(_md_table(
+            ("event", "when", "refused with", "reason"),
+            [(_c(r.event), _c(condition_text(r)), _c(r.error), r.reason) for r in diagram.refusals],
+        ))  # fmt: skip
+    return "\n\n".join(parts) + "\n"
+
+
+def _md_states(region: Region, here: set[str]) -> str:
+    def marks(node: Node) -> str:
+        found = ["initial"] if node.initial else ["final"] if node.final else []
+        found += ["here"] if node.name in here else []
+        return f" ({', '.join(found)})" if found else ""
+
+    rows = [
+        (_state(n.name, here, n.label) + marks(n), _c(n.invariant), n.doc) for n in region.nodes
+    ]
+    return _md_table(("state", "invariant", "meaning"), rows)
+
+
+def _md_edges(region: Region, here: set[str]) -> str:
+    def effect(edge: Edge) -> str:
+        also = f"to {edge.propagate} too" if edge.propagate else ""
+        return ", ".join(part for part in (_c(edge.effect), also) if part)
+
+    rows = [
+        (_state(e.source, here), _c(e.event), _c(e.guard), _c(e.dest), _c(e.update), effect(e))
+        for e in region.edges
+    ]
+    return _md_table(("state", "event", "guard", "next state", "update", "effect"), rows)
+
+
+def _md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _state(name: str, here: set[str], label: str = "") -> str:
+    # A highlighted state (where a node was) is bold in every row it starts.
+    text = _c(label or name)
+    return f"**{text}**" if name in here else text
+
+
+def _c(text: str) -> str:
+    return f"`{text}`" if text else ""

@@ -1,0 +1,239 @@
+"""Running digests of the transitions a cache applied, and where two ranks' streams part.
+
+Ranks of a tensor-parallel group must apply the same transitions in the same
+order (design invariant 10). Comparing whole trees across ranks is costly; a
+running hash of the transitions each rank applied is 16 bytes, so ranks can
+compare it often. When hashes differ, :func:`first_difference` and
+:func:`divergence_message` turn the transitions each rank applied since the
+last agreed point into a message naming the transition, the node and the
+node's state on every rank.
+
+Pure Python and torch-free: :mod:`fsm_cache.distributed.agreement` moves the bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+
+from fsm_cache.cache.eventlog import EventLog
+
+
+Transition = tuple[int, str]
+"""``(node id, event)``, as :class:`~fsm_cache.cache.eventlog.EventLog` records it."""
+
+DIGEST_BYTES = 16
+
+
+class TransitionDigest:
+    """A blake2b hash over the transitions of one event log, folded in as they are logged.
+
+    Args:
+        log: The cache's event log; only appended to, never rewritten.
+
+    Attributes:
+        count: Transitions folded in so far.
+        agreed: Transitions folded in when the group last agreed (see :meth:`agree`).
+    """
+
+    def __init__(self, log: EventLog) -> None:
+        self._log = log
+        self._hash = hashlib.blake2b(digest_size=DIGEST_BYTES)
+        self._scanned = 0
+        self._agreed_entry = 0
+        self.count = 0
+        self.agreed = 0
+
+    def update(self) -> bytes:
+        """Fold in the transitions logged since the last update; return the digest."""
+        entries = self._log.entries
+        for kind, node, event in itertools.islice(entries, self._scanned, None):
+            if kind == "transition":
+                self._hash.update(f"{node}:{event};".encode())
+                self.count += 1
+        self._scanned = len(entries)
+        return self._hash.digest()
+
+    def agree(self) -> None:
+        """Mark everything folded in so far as agreed by the group."""
+        self.agreed = self.count
+        self._agreed_entry = self._scanned
+
+    def tail(self) -> list[Transition]:
+        """Return the transitions folded in since the last agreed point, in order."""
+        entries = itertools.islice(self._log.entries, self._agreed_entry, self._scanned)
+        return [(node, event) for kind, node, event in entries if kind == "transition"]
+
+
+def first_difference(tails: Sequence[Sequence[Transition]]) -> int | None:
+    """Return the first index at which the ranks' transitions differ, or None if none does.
+
+    A rank that applied fewer transitions differs at the index just past its last one.
+    """
+    longest = max((len(t) for t in tails), default=0)
+    for i in range(longest):
+        seen = {tail[i] if i < len(tail) else None for tail in tails}
+        if len(seen) > 1:
+            return i
+    return None
+
+
+def divergence_message(
+    start: int,
+    index: int,
+    tails: Sequence[Sequence[Transition]],
+    states: Sequence[Mapping[int, str]],
+) -> str:
+    """Describe the first differing transition and the involved nodes' states on every rank.
+
+    Args:
+        start: Transitions every rank had agreed on before ``tails`` begin.
+        index: Where the tails first differ (from :func:`first_difference`).
+        tails: Per rank, the transitions applied since the agreed point.
+        states: Per rank, the residency of each involved node now (absent: not in the tree).
+
+    Returns:
+        ``rank divergence at transition 41: rank 0 applied node 7 write_done, rank 1
+        applied node 7 write_failed; node 7 now: rank 0 backed/resident (pins=0,
+        locks=0), rank 1 unbacked/resident (pins=0, locks=0)``.
+    """
+    applied = []
+    for rank, tail in enumerate(tails):
+        if index < len(tail):
+            node, event = tail[index]
+            applied.append(f"rank {rank} applied node {node} {event}")
+        else:
+            applied.append(f"rank {rank} applied nothing (only {start + len(tail)} transitions)")
+    now = _now(involved_nodes(tails, index), states)
+    return f"rank divergence at transition {start + index}: " + "; ".join(
+        [", ".join(applied), *now]
+    )
+
+
+def waiting_message(
+    start: int, waits: Sequence[Sequence[Sequence[int]]], states: Sequence[Mapping[int, str]]
+) -> str:
+    """Describe ranks that applied the same transitions but wait on different copies.
+
+    Args:
+        start: Transitions every rank applied.
+        waits: Per rank, per copy in flight (issue order), the nodes it copies.
+        states: Per rank, the residency of each node named in ``waits``.
+
+    Returns:
+        ``rank divergence after transition 38: the ranks wait on different copies:
+        rank 0 on 1 copy of nodes [9], rank 1 on 0 copies; node 9 now: rank 0
+        writing/resident (pins=0, locks=0), rank 1 writing/resident (pins=0, locks=0)``.
+    """
+    waiting = []
+    for rank, copies in enumerate(waits):
+        plural = "copy" if len(copies) == 1 else "copies"
+        nodes = " then ".join(str(list(copy)) for copy in copies)
+        waiting.append(
+            f"rank {rank} on {len(copies)} {plural}" + (f" of nodes {nodes}" if nodes else "")
+        )
+    named = dict.fromkeys(n for copies in waits for copy in copies for n in copy)
+    return f"rank divergence after transition {start}: the ranks wait on different copies: " + (
+        "; ".join([", ".join(waiting), *_now(named, states)])
+    )
+
+
+def copy_nodes(waits: Sequence[Sequence[Sequence[int]]]) -> list[list[int]]:
+    """Per copy in flight, its nodes as seen by the first rank that still holds its ticket.
+
+    A rank that lost a copy's completion no longer knows which pages it
+    copied; the other ranks do. ``waits`` holds, per rank, per copy in issue
+    order, the nodes it copies; every rank has the same number of copies.
+    """
+    count = min((len(w) for w in waits), default=0)
+    return [next((list(w[k]) for w in waits if w[k]), []) for k in range(count)]
+
+
+def lost_message(
+    start: int,
+    copies: Sequence[Sequence[int]],
+    ready: Sequence[int],
+    states: Sequence[Mapping[int, str]],
+) -> str:
+    """Describe ranks whose copy engine drained without reporting every copy they started.
+
+    Args:
+        start: Transitions every rank applied.
+        copies: Per copy in flight (issue order), the nodes it copies.
+        ready: Per rank, how many copies at the head of the issue order finished.
+        states: Per rank, the residency of each node of the missing copies.
+
+    Returns:
+        ``rank divergence after transition 24: a completion was lost: rank 1
+        drained its copy engine without the completion of copy 1 of 2 in
+        flight (nodes [8]); node 8 now: rank 0 writing/resident (pins=0,
+        locks=0), rank 1 writing/resident (pins=0, locks=0)``.
+    """
+    total = len(copies)
+    short = {rank: k for rank, k in enumerate(ready) if k < total}
+    missing = [
+        f"rank {rank} drained its copy engine without the completion of "
+        f"copy {k + 1} of {total} in flight (nodes {list(copies[k])})"
+        for rank, k in short.items()
+    ]
+    named = dict.fromkeys(n for k in short.values() for n in copies[k])
+    return f"rank divergence after transition {start}: a completion was lost: " + "; ".join(
+        [", ".join(missing), *_now(named, states)]
+    )
+
+
+def stalled_message(
+    start: int,
+    copies: Sequence[Sequence[int]],
+    ready: Sequence[int],
+    timeout: float,
+    states: Sequence[Mapping[int, str]],
+) -> str:
+    """Describe an oldest copy that finished on some ranks and not on the others in time.
+
+    Args:
+        start: Transitions every rank applied.
+        copies: Per copy in flight (issue order), the nodes it copies.
+        ready: Per rank, how many copies at the head of the issue order finished.
+        timeout: Seconds the group waited.
+        states: Per rank, the residency of each node of the oldest copy.
+
+    Returns:
+        ``rank divergence after transition 24: copy 1 of 2 in flight (nodes [8])
+        finished on rank 0 and not on rank 1 for longer than the timeout (1 s);
+        node 8 now: rank 0 writing/resident (pins=0, locks=0), rank 1
+        writing/resident (pins=0, locks=0)``.
+    """
+    done = [rank for rank, k in enumerate(ready) if k]
+    late = [rank for rank, k in enumerate(ready) if not k]
+    head = list(copies[0]) if copies else []
+    return f"rank divergence after transition {start}: " + "; ".join(
+        [
+            f"copy 1 of {len(copies)} in flight (nodes {head}) finished on {_ranks(done)} "
+            f"and not on {_ranks(late)} for longer than the timeout ({timeout:g} s)",
+            *_now(head, states),
+        ]
+    )
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``rank 1`` or ``ranks 0, 2``."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _now(nodes: Iterable[int], states: Sequence[Mapping[int, str]]) -> list[str]:
+    """``node 7 now: rank 0 <state>, rank 1 <state>`` for each node."""
+    return [
+        f"node {node} now: "
+        + ", ".join(
+            f"rank {rank} {found.get(node, 'not in the tree')}" for rank, found in enumerate(states)
+        )
+        for node in nodes
+    ]
+
+
+def involved_nodes(tails: Sequence[Sequence[Transition]], index: int) -> list[int]:
+    """Return the nodes any rank applied a transition to at ``index``, in rank order."""
+    nodes = (tail[index][0] for tail in tails if index < len(tail))
+    return list(dict.fromkeys(nodes))

@@ -1,0 +1,223 @@
+"""Compile a :class:`System` into Python source, one checked function per event.
+
+The engine runs generated code rather than interpreting the spec: each event
+becomes a straight-line function of ``if`` tests on interned state strings and
+counter comparisons, which is what makes a checked pin cost about as much as a
+hand-written guarded counter. The source is generated from the spec objects
+only, never from user strings: names are validated identifiers, and guards
+were parsed into comparisons before they reach this module.
+
+Every generated function checks everything first and only then writes the
+record, so a refused event changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsm_cache.spec.guards import Condition, Guard
+from fsm_cache.spec.machine import Forbid, MachineSpec, System, Transition
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """What a generated function needs to raise: region, error class name and reason."""
+
+    region: str
+    event: str
+    error: str
+    reason: str
+
+
+class Emitter:
+    """Accumulates generated source and the refusals it refers to by index."""
+
+    def __init__(self, system: System, *, audit: bool = False) -> None:
+        self.system = system
+        self.audit = audit
+        self.refusals: list[Refusal] = []
+        self.lines: list[str] = []
+        self.event = ""
+
+    def refusal(self, region: str, error: str, reason: str) -> int:
+        """Register a refusal of the event being compiled and return its index."""
+        self.refusals.append(Refusal(region, self.event, error, reason))
+        return len(self.refusals) - 1
+
+    def emit(self, depth: int, line: str) -> None:
+        """Append one line at indentation ``depth``."""
+        self.lines.append("    " * depth + line)
+
+
+def guard_expr(guard: Guard, local: bool = True) -> str:
+    """Return a Python expression for ``guard`` over counter locals (``c_pins``)."""
+    if not guard:
+        return "True"
+    name = "c_{}" if local else "rec.{}"
+    return " and ".join(f"{name.format(t.counter)} {t.op} {t.value}" for t in guard.terms)
+
+
+def condition_expr(cond: Condition) -> str:
+    """Return a Python expression for a region/parent/children condition."""
+    states = repr(tuple(cond.states))
+    if cond.scope == "self":
+        return f"rec.{cond.region} in {states}"
+    if cond.scope == "parent":
+        return f"_parent_in(rec, {cond.region!r}, {states})"
+    return f"_child_in(rec, {cond.region!r}, {states})"
+
+
+def needs_general(system: System, event: str) -> bool:
+    """Whether ``event`` has effects or propagation and so needs the plan/commit path."""
+    return any(
+        t.effect is not None or t.propagate is not None
+        for region in system.regions_of(event)
+        for t in system.machines[region].transitions
+        if t.event == event
+    )
+
+
+def compile_event(em: Emitter, event: str) -> str:
+    """Emit ``_step_<event>(rec)`` and return its name.
+
+    The step checks, then returns a plan ``(assignments, effects, propagate)``
+    without touching the record; :class:`~fsm_cache.engine.core.Engine` commits it.
+    """
+    name = f"_step_{event}"
+    em.event = event
+    em.emit(0, f"def {name}(rec):")
+    counters = [c for r in em.system.regions_of(event) for c in em.system.machines[r].counter_names]
+    for counter in counters:
+        em.emit(1, f"c_{counter} = rec.{counter}")
+    em.emit(1, "effects = []")
+    em.emit(1, "propagate = False")
+    for region in em.system.regions_of(event):
+        _region_block(em, region, em.system.machines[region], event)
+    _system_forbids(em, event)
+    assigns = [f"({r!r}, n_{r})" for r in em.system.regions_of(event)]
+    assigns += [f"({c!r}, c_{c})" for c in counters]
+    em.emit(1, f"return ({', '.join(assigns)},), effects, propagate")
+    em.emit(0, "")
+    return name
+
+
+def compile_fast(em: Emitter, event: str) -> str:
+    """Emit ``_fire_<event>(rec)`` that checks and commits inline; return its name.
+
+    Only for events with no effects and no propagation: the common, hot case.
+    """
+    name = f"_fire_{event}"
+    em.event = event
+    em.emit(0, f"def {name}(rec):")
+    regions = em.system.regions_of(event)
+    counters = [c for r in regions for c in em.system.machines[r].counter_names]
+    for counter in counters:
+        em.emit(1, f"c_{counter} = rec.{counter}")
+    for region in regions:
+        _region_block(em, region, em.system.machines[region], event)
+    _system_forbids(em, event)
+    for region in regions:
+        em.emit(1, f"rec.{region} = n_{region}")
+    for counter in _assigned(em.system, event):
+        em.emit(1, f"rec.{counter} = c_{counter}")
+    if em.audit:
+        em.emit(1, "f = _getframe(1)")
+        em.emit(1, "c = f.f_code")
+        em.emit(1, "while c.co_filename in _INTERNAL:")
+        em.emit(2, "f = f.f_back")
+        em.emit(2, "c = f.f_code")
+        em.emit(1, "t = rec.trail")
+        em.emit(1, "if t is None:")
+        em.emit(2, "t = rec.trail = _deque(maxlen=_history)")
+        em.emit(1, f"t.append(({event!r}, c, f.f_lasti))")
+    em.emit(0, "")
+    return name
+
+
+def _assigned(system: System, event: str) -> list[str]:
+    """Return the counters some transition of ``event`` writes, in declaration order."""
+    written: dict[str, None] = {}
+    for region in system.regions_of(event):
+        for tr in system.machines[region].transitions:
+            if tr.event == event:
+                written.update(dict.fromkeys(a.counter for a in tr.update.assigns))
+    return list(written)
+
+
+def _region_block(em: Emitter, region: str, machine: MachineSpec, event: str) -> None:
+    em.emit(1, f"s_{region} = rec.{region}")
+    first = True
+    # States where the event can succeed are tested first: the branches exclude each other,
+    # so the order changes no outcome, and the hot (legal) case takes the fewest comparisons.
+    legal = {s for t in machine.transitions if t.event == event for s in t.sources}
+    for state in sorted(machine.states, key=lambda st: st.name not in legal):
+        transitions = list(machine.transitions_for(state.name, event))
+        forbids = list(machine.forbids_for(state.name, event))
+        if not transitions and not forbids:
+            continue
+        em.emit(1, f"{'if' if first else 'elif'} s_{region} == {state.name!r}:")
+        first = False
+        _state_body(em, region, transitions, forbids)
+    fallback = em.refusal(region, "IllegalTransition", f"{event} is not defined in this state")
+    if first:
+        em.emit(1, f"_refuse(rec, {fallback})")
+        return
+    em.emit(1, "else:")
+    em.emit(2, f"_refuse(rec, {fallback})")
+
+
+def _state_body(
+    em: Emitter, region: str, transitions: list[Transition], forbids: list[Forbid]
+) -> None:
+    # Forbids first, in declaration order: the first that holds is the refusal. A plain
+    # (unguarded) forbid refuses outright, so nothing declared after it can apply.
+    for forbid in forbids:
+        index = em.refusal(region, forbid.error, forbid.reason)
+        if not forbid.conditional:
+            em.emit(2, f"_refuse(rec, {index})")
+            return
+        em.emit(2, f"if {guard_expr(forbid.guard)}:")
+        em.emit(3, f"_refuse(rec, {index})")
+    if len(transitions) == 1 and not transitions[0].guard:
+        _transition_body(em, region, transitions[0], 2)
+        return
+    keyword = "if"
+    for tr in transitions:
+        em.emit(2, f"{keyword} {guard_expr(tr.guard)}:")
+        keyword = "elif"
+        _transition_body(em, region, tr, 3)
+    index = em.refusal(region, "IllegalTransition", "no transition's guard holds")
+    if keyword == "if":
+        em.emit(2, f"_refuse(rec, {index})")
+    else:
+        em.emit(2, "else:")
+        em.emit(3, f"_refuse(rec, {index})")
+
+
+def _transition_body(em: Emitter, region: str, tr: Transition, depth: int) -> None:
+    em.emit(depth, f"n_{region} = {tr.dest!r}")
+    for assign in tr.update.assigns:
+        value = (
+            f"c_{assign.counter} {assign.op[0]} {assign.amount}"
+            if assign.op != "="
+            else str(assign.amount)
+        )
+        em.emit(depth, f"c_{assign.counter} = {value}")
+    if tr.effect is not None:
+        em.emit(depth, f"effects.append({tr.effect!r})")
+    if tr.propagate is not None:
+        em.emit(depth, "propagate = True")
+
+
+def _system_forbids(em: Emitter, event: str) -> None:
+    regions = em.system.regions_of(event)
+    owner = regions[0]
+    for forbid in em.system.forbids_for(event):
+        tests = [condition_expr(c) for c in forbid.when]
+        if forbid.sources:
+            tests.append(f"s_{owner} in {tuple(forbid.sources)!r}")
+        if forbid.guard:
+            tests.append(guard_expr(forbid.guard, local=False))
+        index = em.refusal(owner, forbid.error, forbid.reason)
+        em.emit(1, f"if {' and '.join(tests) or 'True'}:")
+        em.emit(2, f"_refuse(rec, {index})")

@@ -1,0 +1,223 @@
+"""Leases: an acquire that remembers where it was taken and releases exactly once.
+
+A lease is the receipt of a pin (or a lock). ``release()`` works once; a
+second call raises :class:`~fsm_cache.errors.LeaseError` naming where the
+first release happened. Used as a context manager it releases on the way
+out, exceptions included.
+
+Leaks are found three ways, for a test run to fail on (the pytest plugin does):
+:func:`open_leases` lists leases still held and still referenced; a lease
+collected while still held emits a ``ResourceWarning`` naming where it was
+taken and, while :func:`record_dropped` is on, is kept as a :class:`Dropped`
+(:func:`dropped_leases`). :func:`fsm_cache.engine.holds.held_records` finds the live
+records whose hold counters (pins, locks) are still up, lease or no lease.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fsm_cache.engine import trail
+from fsm_cache.errors import LeaseError
+
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+
+trail.internal(__file__)
+
+
+class Lease:
+    """One held acquisition of ``acquire`` on a record, released by ``release()``.
+
+    Attributes:
+        record: The record the lease holds.
+        event: The acquiring event (``pin``, ``lock``).
+        taken_at: Where the lease was taken.
+        released_at: Where it was released, or None while held.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_book",
+        "_release",
+        "event",
+        "label",
+        "record",
+        "released_at",
+        "serial",
+        "taken_at",
+    )
+
+    def __init__(
+        self, record: Any, release: Callable[[Any], None], event: str, label: str, book: LeaseBook
+    ) -> None:
+        self.record = record
+        self._release = release
+        self.event = event
+        self.label = label
+        self.taken_at = trail.caller_site()
+        self.released_at: trail.Site | None = None
+        self._book = book
+        self.serial = 0
+
+    @property
+    def held(self) -> bool:
+        """Whether the lease has not been released yet."""
+        return self.released_at is None
+
+    def release(self) -> None:
+        """Fire the releasing event once.
+
+        Raises:
+            LeaseError: The lease was already released; names the first release.
+            IllegalTransition: The machine refused the release (nothing changed).
+        """
+        if self.released_at is not None:
+            msg = (
+                f"{self.label} {self.record.id}: lease ({self.event} taken at {self.taken_at}) "
+                f"already released at {self.released_at}"
+            )
+            raise LeaseError(msg)
+        self._release(self.record)
+        self.released_at = trail.caller_site()
+        self._book.closed(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.released_at is None:
+            self.release()
+
+    def __del__(self) -> None:
+        # A finalizer runs wherever the collector happens to run: keep it to
+        # plain attribute reads, one allocation and a list append (atomic, no
+        # lock to deadlock on), and record before warning, which may raise.
+        if getattr(self, "released_at", True) is not None:
+            return
+        dropped = Dropped(self.label, self.record.id, self.event, self.taken_at)
+        if _DROPS.recording:
+            _DROPS.entries.append(dropped)
+        warnings.warn(
+            f"{self.label} {dropped.ident}: lease ({self.event} taken at {self.taken_at}) "
+            "was never released",
+            ResourceWarning,
+            stacklevel=1,
+        )
+
+    def __repr__(self) -> str:
+        state = "held" if self.held else f"released at {self.released_at}"
+        return f"<Lease {self.event} on {self.label} {self.record.id}, taken at {self.taken_at}, {state}>"
+
+
+class LeaseBook:
+    """The leases an engine has handed out and not yet seen released."""
+
+    def __init__(self) -> None:
+        # Weak, so that a lease its holder drops is collected and reported as dropped.
+        self._open: weakref.WeakSet[Lease] = weakref.WeakSet()
+        self._serial = 0
+        _BOOKS.add(self)
+
+    def open(self, record: Any, release: Callable[[Any], None], event: str, label: str) -> Lease:
+        """Record and return a new held lease on ``record``."""
+        lease = Lease(record, release, event, label, self)
+        self._serial += 1
+        lease.serial = self._serial
+        self._open.add(lease)
+        return lease
+
+    def closed(self, lease: Lease) -> None:
+        """Forget a released lease."""
+        self._open.discard(lease)
+
+    def oldest(self, record: Any, event: str) -> Lease | None:
+        """Return the oldest held lease of ``event`` on ``record``, or None."""
+        held = [x for x in self._open if x.record is record and x.event == event]
+        return min(held, key=lambda x: x.serial, default=None)
+
+    def outstanding(self) -> list[Lease]:
+        """Return the leases still held, oldest site first."""
+        return sorted(self._open, key=lambda x: x.serial)
+
+
+_BOOKS: weakref.WeakSet[LeaseBook] = weakref.WeakSet()
+
+
+def open_leases() -> list[Lease]:
+    """Return every lease still held (and still referenced) in this process, across all engines.
+
+    What a test suite checks at the end of a run (the pytest plugin does):
+    a lease still held when nothing runs any more is a leaked pin or lock.
+    """
+    return [lease for book in list(_BOOKS) for lease in book.outstanding()]
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A lease collected while still held: a pin or lock nobody can release any more.
+
+    Attributes:
+        label: How the record is called in messages (``node``).
+        ident: The record's id.
+        event: The acquiring event (``pin``, ``lock``).
+        taken_at: Where the lease was taken.
+    """
+
+    label: str
+    ident: object
+    event: str
+    taken_at: trail.Site
+
+    def __str__(self) -> str:
+        return f"{self.label} {self.ident}: {self.event} taken at {self.taken_at}"
+
+
+class _DropLog:
+    """The dropped leases, kept only while recording is on."""
+
+    __slots__ = ("entries", "recording")
+
+    def __init__(self) -> None:
+        self.recording = False
+        self.entries: list[Dropped] = []
+
+
+_DROPS = _DropLog()
+
+
+def record_dropped(on: bool = True) -> bool:
+    """Turn on (or off) keeping leases collected while held; return the previous setting.
+
+    Off by default, so a process that does not ask keeps nothing (a leak
+    still warns); the pytest plugin turns it on for the run.
+    """
+    before = _DROPS.recording
+    _DROPS.recording = on
+    return before
+
+
+def dropped_leases() -> list[Dropped]:
+    """Return the leases collected while held since recording was turned on, oldest first."""
+    return list(_DROPS.entries)
+
+
+def forget_dropped(dropped: Iterable[Dropped]) -> None:
+    """Stop reporting these dropped leases (a test that drops one on purpose forgets it)."""
+    gone = {id(entry) for entry in dropped}
+    entries = _DROPS.entries
+    # Delete in place, from the end: a finalizer may append meanwhile.
+    for index in range(len(entries) - 1, -1, -1):
+        if id(entries[index]) in gone:
+            del entries[index]

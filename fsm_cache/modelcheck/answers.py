@@ -1,0 +1,205 @@
+"""The engine's answers per node context: what one event does to one node, tabled.
+
+An event changes the node it is fired at and, when it propagates, every
+ancestor too, all or nothing (:meth:`~fsm_cache.engine.core.Engine.fire`). Each
+node's part is checked by :meth:`~fsm_cache.engine.core.Engine.plan` on that node
+alone, which reads the node's states and counters and its parent's and
+children's region states and nothing else. So each node's answer is tabled on
+exactly that (its *context*), and an event's outcome on a chain of nodes is
+the combination of its nodes' answers: refused if any of them refuses, in
+node-to-root order as the engine checks them. Under a write policy
+(:class:`~fsm_cache.modelcheck.state.Choices`) an acknowledgement of a backup likewise
+changes the ancestors the same copy serves.
+
+Clients give back only what they hold, so the tables also answer, per node
+chain, whether the engine would accept a give-back the node's clients hold
+none of (:meth:`Answers.takes_unheld`): a dry run, asked only at nodes where
+another kind of holder holds the counter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsm_cache.engine.core import Engine
+from fsm_cache.errors import IllegalTransition
+from fsm_cache.modelcheck.forest import Trees
+from fsm_cache.modelcheck.state import Choices, Entry, Layout
+
+
+Context = tuple[int, int, tuple[int, ...]]
+"""A node's local id, its parent's region-states id (-1: none) and its children's, sorted."""
+Answer = tuple[int, bool] | None
+"""The node's new local id and whether the event propagates to the ancestors; None: refused."""
+
+
+class Answers:
+    """Tabled per-node answers of the engine, on interned node contexts.
+
+    Args:
+        layout: The node layout of the spec.
+        trees: The interned subtrees the contexts are read from.
+        bounds: Counter ceilings in counter order (an answer past one is a refusal).
+        choices: What the cache chooses among the steps the spec allows.
+    """
+
+    def __init__(
+        self, layout: Layout, trees: Trees, bounds: list[int], choices: Choices | None = None
+    ) -> None:
+        self.layout = layout
+        self.trees = trees
+        self.bounds = bounds
+        self.choices = choices or Choices()
+        self.engine = Engine(layout.system, audit=False)
+        self.Rec: type = type("Rec", (), {"__slots__": (*self.engine.slots, "parent", "children")})
+        self.fields = (*layout.regions, *layout.counters)
+        self.contexts: list[Context] = []
+        self._ids: dict[Context, int] = {}
+        self._at: dict[tuple[int, int], int] = {}
+        self._table: dict[tuple[str, int, bool], Answer] = {}
+        self._enabled: dict[int, list[tuple[str, int, bool]]] = {}
+        self._unheld: dict[int, list[str]] = {}
+        self._free: dict[tuple[str, int], bool | None] = {}
+
+    def context(self, sid: int, up: int) -> int:
+        """Return the id of the context of subtree ``sid``'s root under region states ``up``."""
+        found = self._at.get((sid, up))
+        if found is None:
+            trees = self.trees
+            ctx = (trees.local[sid], up, trees.kid_states[sid])
+            found = self._at[(sid, up)] = self._ids.setdefault(ctx, len(self.contexts))
+            if found == len(self.contexts):
+                self.contexts.append(ctx)
+        return found
+
+    def moves(self, chain: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        """Return each event the node accepts, with the new locals of the chain it changes.
+
+        Args:
+            chain: The contexts of the node and of its ancestors, nearest first.
+
+        Returns:
+            ``(event, locals)`` in event order, the node's new local first, then
+            those of the ancestors it propagates to (or whose copy it
+            acknowledges too); an event any of them refuses is left out.
+        """
+        out = []
+        for event, lid, propagates in self.enabled(chain[0]):
+            lids = [lid]
+            for ctx in chain[1:]:
+                if not (propagates or self._joins(event, ctx)):
+                    break
+                above = self.answer(event, ctx, False)
+                if above is None:
+                    lids = []
+                    break
+                lids.append(above[0])
+            if lids:
+                out.append((event, tuple(lids)))
+        return out
+
+    def takes_unheld(self, chain: tuple[int, ...]) -> bool:
+        """Whether the node accepts a give-back its clients hold none of (another holder's count).
+
+        Args:
+            chain: The contexts of the node and of its ancestors, nearest first.
+        """
+        lid = self.contexts[chain[0]][0]
+        events = self._unheld.get(lid)
+        if events is None:
+            entry: Entry = (0, *self.trees.locals[lid])
+            events = self._unheld[lid] = [event for event, _ in self.layout.unheld(entry)]
+        return any(self.accepts(event, chain) for event in events)
+
+    def accepts(self, event: str, chain: tuple[int, ...]) -> bool:
+        """Whether the engine accepts ``event`` fired at the node of ``chain``, whoever holds what.
+
+        A dry run of the spec alone, as :meth:`~fsm_cache.engine.core.Engine.allowed`
+        answers it: no ghost holds, no choices of the cache, no counter bounds.
+        """
+        key = (event, chain[0])
+        if key not in self._free:
+            lid, up, kids = self.contexts[chain[0]]
+            try:
+                entry: Entry = (0, *self.trees.locals[lid])
+                self._free[key] = self.engine.plan(self._record(entry, up, kids), event)[2]
+            except IllegalTransition:
+                self._free[key] = None
+        propagates = self._free[key]
+        if propagates is None:
+            return False
+        return not propagates or all(
+            self.answer(event, ctx, False) is not None for ctx in chain[1:]
+        )
+
+    def _joins(self, event: str, ctx: int) -> bool:
+        """Whether ``event``, acknowledging a copy below, applies to the node of ``ctx`` too."""
+        if event not in self.choices.acks:
+            return False
+        lid = self.contexts[ctx][0]
+        return self.choices.joins(self.layout, event, (0, *self.trees.locals[lid]))
+
+    def enabled(self, ctx: int) -> list[tuple[str, int, bool]]:
+        """Return the events the node of context ``ctx`` accepts: name, new local, propagates."""
+        found = self._enabled.get(ctx)
+        if found is None:
+            found = self._enabled[ctx] = [
+                (event, *answer)
+                for event in self.layout.system.event_names
+                if (answer := self.answer(event, ctx, True)) is not None
+            ]
+        return found
+
+    def answer(self, event: str, ctx: int, fired: bool) -> Answer:
+        """Return the answer of the node of context ``ctx``: fired at it, or propagated to it."""
+        key = (event, ctx, fired)
+        if key not in self._table:
+            self._table[key] = self._ask(event, self.contexts[ctx], fired)
+        return self._table[key]
+
+    def _ask(self, event: str, ctx: Context, fired: bool) -> Answer:
+        layout = self.layout
+        lid, up, kids = ctx
+        entry: Entry = (0, *self.trees.locals[lid])
+        if fired and layout.gives_back_unheld(entry, event):
+            return None  # clients only give back what they hold
+        if fired and not self._chosen(event, entry, up, kids):
+            return None  # the cache does not fire it here
+        try:
+            assigns, _, propagates = self.engine.plan(self._record(entry, up, kids), event)
+        except IllegalTransition:
+            return None
+        values: dict[str, Any] = dict(zip(self.fields, entry[1:], strict=False))
+        values.update(assigns)
+        after: Entry = (0, *(values[f] for f in self.fields), *entry[layout.base :])
+        if fired:
+            after = layout.with_holds(after, layout.deltas(event))
+        if layout.over(after, self.bounds):
+            return None
+        return self.trees.lid(after[1:]), propagates
+
+    def _chosen(self, event: str, entry: Entry, up: int, kids: tuple[int, ...]) -> bool:
+        """Whether the cache fires ``event`` at the node itself (its policy, its copies)."""
+        if self.choices.policy is None:
+            return True  # any step the spec allows
+        states = self.trees.states
+        parent = (0, *states[up]) if up >= 0 else None
+        if not self.choices.fires(self.layout, event, entry, parent):
+            return False
+        return not self.choices.waits(
+            event, [self.layout.state((0, *states[s]), "host") for s in kids]
+        )
+
+    def _record(self, entry: Entry, up: int, kids: tuple[int, ...]) -> Any:
+        """Return a record of the node, with views of its parent's and children's region states."""
+        rec = self._view(entry[1:])
+        rec.parent = self._view(self.trees.states[up]) if up >= 0 else None
+        rec.children = [self._view(self.trees.states[s]) for s in kids]
+        return rec
+
+    def _view(self, values: Entry) -> Any:
+        rec = self.Rec()
+        rec.id, rec.trail, rec.parent, rec.children = 0, None, None, []
+        for name, value in zip(self.fields, values, strict=False):
+            setattr(rec, name, value)
+        return rec

@@ -1,0 +1,264 @@
+"""``fsm-cache check``: an explicit-state bounded model checker of the composed system.
+
+A small tree of ``--nodes`` nodes, in several shapes (a chain, a fan-out, a
+binary tree), each node running the spec's machines, with locks, pins, copies
+in flight and acknowledgements arriving in any order, plus the cache's tree
+operations (insert a leaf, split a node, delete a node whose data is gone).
+Every reachable state is explored breadth-first and checked against the
+design's invariants (:mod:`fsm_cache.modelcheck.invariants`); on a violation the
+shortest event sequence reaching it is printed and the exit status is 1.
+``--policy write_through`` checks HiCache's own choices too: backups start
+only where its write policy starts them, and their prefix-closure
+(invariant 3) is checked. Without arguments it checks the shipped specs, the
+residency spec under the write-through policy, and the negative controls of
+``specs/bugs_detected`` (each of which must still yield its finding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from fsm_cache.errors import SpecError
+from fsm_cache.modelcheck import treeops
+from fsm_cache.modelcheck.explore import Bounds, Explorer, Result
+from fsm_cache.modelcheck.progress import PLAIN_EVERY, progress
+from fsm_cache.modelcheck.state import Layout, Nodes
+from fsm_cache.policy import WritePolicy
+from fsm_cache.spec.controls import Control, controls, load_finding
+from fsm_cache.spec.controls import render as render_controls
+from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.machine import as_system
+from fsm_cache.spec.shipped import shipped_spec_paths
+
+
+SHAPES: dict[str, Callable[[int], list[int]]] = {
+    "chain": lambda n: [i - 1 for i in range(n)],
+    "fan-out": lambda n: [-1, *([0] * (n - 1))][:n],
+    "binary": lambda n: [(i - 1) // 2 if i else -1 for i in range(n)],
+}
+
+
+def shapes(layout: Layout, nodes: int) -> dict[str, Nodes]:
+    """Return the initial model state of each tree shape: every node fresh."""
+    return {
+        name: tuple(layout.fresh(parent) for parent in parents(nodes))
+        for name, parents in SHAPES.items()
+    }
+
+
+POLICIES: dict[str, WritePolicy | None] = {"none": None, "write_through": WritePolicy.WRITE_THROUGH}
+"""``--policy`` choices: none (every step the spec allows), or HiCache's write-through."""
+
+POLICY_NODES = 3
+"""Tree size of the write-through pass of the no-argument run (it keeps ``make test`` short)."""
+
+
+def check_spec(
+    path: Path,
+    nodes: int,
+    bounds: Bounds,
+    ops: ModuleType | Any = treeops,
+    *,
+    tick: Callable[[int], None] | None = None,
+    policy: WritePolicy | None = None,
+) -> Result:
+    """Model-check the spec at ``path``, under the cache's write ``policy`` if one is given.
+
+    Raises:
+        SpecError: The spec does not load, or a policy is given for a spec
+            without host and device regions.
+    """
+    layout = Layout.of(as_system(load_spec(path)))
+    return Explorer(layout, bounds, ops, policy).run(shapes(layout, nodes), tick)
+
+
+def load_ops(path: Path) -> tuple[Path, ModuleType]:
+    """Load a control module: its ``SPEC`` path and the tree operations it overrides.
+
+    The module may also replace ``wants_backup`` (where the write policy
+    starts backups) and name the ``POLICY`` to check under (default none).
+
+    Raises:
+        SpecError: The module cannot be imported, names no ``SPEC`` or an unknown ``POLICY``.
+    """
+    spec = importlib.util.spec_from_file_location(f"fsm_cache_ops_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise SpecError([f"{path}: cannot import"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    target = getattr(module, "SPEC", None)
+    if not isinstance(target, str):
+        raise SpecError([f"{path}: names no SPEC = 'path/to/spec.toml'"])
+    if getattr(module, "POLICY", "none") not in POLICIES:
+        raise SpecError([f"{path}: POLICY must be one of {', '.join(POLICIES)}"])
+    for name in ("insert", "split", "prune"):
+        if not hasattr(module, name):
+            setattr(module, name, getattr(treeops, name))
+    return (path.parent / target).resolve(), module
+
+
+CONTROL_NODES = 3
+"""Controls run on a fixed tree size, so their expected findings do not move with --nodes."""
+
+
+def control_finding(
+    control: Control, nodes: int = CONTROL_NODES, bounds: Bounds | None = None
+) -> str:
+    """Return the first finding of ``validate`` or ``check`` on a control (``""`` if none)."""
+    bounds = bounds or Bounds({})
+    path, ops = (control.path, treeops)
+    if path.suffix == ".py":
+        path, ops = load_ops(path)
+    spec, problem = load_finding(path)
+    if spec is None:
+        return f"validate: {problem}"
+    policy = POLICIES[getattr(ops, "POLICY", "none")]
+    result = check_spec(path, nodes, bounds, ops, policy=policy)
+    return f"check: violation: {result.violation}" if result.violation else ""
+
+
+def targets(args: argparse.Namespace) -> list[tuple[Path, str, int]]:
+    """Return what to check: ``(spec, policy, nodes)`` in order.
+
+    Named specs run under ``--policy`` (default none). Without specs, the
+    shipped specs run with no policy, then those of the residency layout under
+    the write-through policy on at most :data:`POLICY_NODES` nodes; an explicit
+    ``--policy`` runs the shipped specs it applies to under it instead.
+    """
+    if args.specs:
+        return [(Path(p), args.policy or "none", args.nodes) for p in args.specs]
+    shipped = shipped_spec_paths()
+    residency = [p for p in shipped if Layout.of(as_system(load_spec(p))).residency]
+    if args.policy is not None:
+        return [
+            (p, args.policy, args.nodes) for p in (residency if POLICIES[args.policy] else shipped)
+        ]
+    through = min(args.nodes, POLICY_NODES)
+    return [
+        *((p, "none", args.nodes) for p in shipped),
+        *((p, "write_through", through) for p in residency),
+    ]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Check the targets (the shipped specs when none) and, without targets, the controls."""
+    bounds = Bounds({"pins": args.max_pins, "locks": args.max_locks}, args.max_count)
+    ops = treeops
+    if args.ops:
+        _, ops = load_ops(Path(args.ops))
+    specs = []
+    for path, policy, nodes in targets(args):
+        started = time.perf_counter()
+        with progress(args.progress, _title(path.name, policy)) as tick:
+            result = check_spec(path, nodes, bounds, ops, tick=tick, policy=POLICIES[policy])
+        seconds = time.perf_counter() - started
+        specs.append(
+            {
+                "spec": str(path),
+                "policy": policy,
+                "nodes": nodes,
+                "seconds": seconds,
+                **vars(result),
+            }
+        )
+    checked = []
+    for control in (
+        controls(tools=("validate", "check")) if not args.specs and not args.no_controls else []
+    ):
+        found = control_finding(control)
+        checked.append(
+            {
+                "control": control.name,
+                "expected": control.expected,
+                "found": found,
+                "ok": control.matches(found),
+            }
+        )
+    return {"specs": specs, "controls": checked}
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> str:
+    """Return the human summary of a :func:`run` result."""
+    lines = []
+    for s in result["specs"]:
+        rate = s["states"] / s["seconds"] if s["seconds"] else 0.0
+        lines.append(
+            f"{_title(s['spec'], s['policy'])}: {s['nodes']} nodes ({', '.join(SHAPES)}), pins <= {args.max_pins}, locks <= {args.max_locks}"
+        )
+        lines.append(f"  states explored: {s['states']}")
+        lines.append(f"  states/s: {rate:.0f}")
+        lines.append(f"  time: {s['seconds']:.2f} s")
+        if s["violation"]:
+            lines.append(f"  violation: {s['violation']}")
+            if s["trace"]:  # none for a finding about the spec, made before exploring
+                lines.append(f"  shortest trace ({len(s['trace']) - 1} steps):")
+                lines += [f"    {step}" for step in s["trace"]]
+        else:
+            lines.append("  no invariant violated")
+    lines += render_controls(result["controls"])
+    return "\n".join(lines)
+
+
+def _title(spec: str, policy: str) -> str:
+    """Return how a spec is named in the report: its path, and its policy if any."""
+    return spec if policy == "none" else f"{spec} ({policy} policy)"
+
+
+def handle(args: argparse.Namespace) -> int:
+    """Run ``fsm-cache check`` and return its exit status."""
+    if args.nodes < 1 or min(args.max_pins, args.max_locks, args.max_count) < 0:
+        raise SpecError(["check: --nodes must be >= 1 and counter bounds >= 0"])
+    result = run(args)
+    print(json.dumps(result, indent=2) if args.json else report(result, args))
+    bad = any(s["violation"] for s in result["specs"])
+    return 1 if bad or not all(c["ok"] for c in result["controls"]) else 0
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``check`` subcommand."""
+    parser = subparsers.add_parser(
+        "check", help="model-check specs on a small tree", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "specs",
+        nargs="*",
+        metavar="SPEC",
+        help="spec .toml files; default: the shipped specs and the negative controls",
+    )
+    parser.add_argument("--nodes", type=int, default=4, help="nodes in the tree (default 4)")
+    parser.add_argument("--max-pins", type=int, default=2, help="pins per node at most (default 2)")
+    parser.add_argument(
+        "--max-locks", type=int, default=2, help="locks per node at most (default 2)"
+    )
+    parser.add_argument(
+        "--max-count", type=int, default=2, help="bound of any other counter (default 2)"
+    )
+    parser.add_argument(
+        "--policy",
+        choices=tuple(POLICIES),
+        help="the cache's write policy: none (every step the spec allows) or write_through "
+        "(backups start where HiCache starts them; invariant 3 checked); default: none, and "
+        f"without SPEC also the residency spec under write_through on {POLICY_NODES} nodes",
+    )
+    parser.add_argument(
+        "--ops",
+        metavar="FILE.py",
+        help="a module replacing tree operations (insert, split, prune) or wants_backup",
+    )
+    parser.add_argument(
+        "--progress",
+        action="store_true",
+        default=None,
+        help="show progress on stderr: a bar on a terminal, else a line every "
+        f"{PLAIN_EVERY:.0f} s (default: when stderr is a terminal)",
+    )
+    parser.add_argument("--no-controls", action="store_true", help="skip the negative controls")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.set_defaults(handler=handle)

@@ -1,0 +1,259 @@
+"""Breadth-first exploration of every reachable model state, firing events through the engine.
+
+Each step is either a spec event on one node, or a tree operation of
+:mod:`fsm_cache.modelcheck.treeops` (applied by :mod:`fsm_cache.modelcheck.traces`). An event's
+outcome is the engine's own (:mod:`fsm_cache.modelcheck.answers`: per-node
+:meth:`~fsm_cache.engine.core.Engine.plan` answers, tabled on each node's context
+and combined along the chain it propagates to), so the checker checks the
+spec's real semantics, refusals and propagation included. Under a write
+policy, the cache's own choices (:class:`~fsm_cache.modelcheck.state.Choices`) narrow
+the events to those HiCache fires. The events of a root subtree depend on
+that subtree alone, so they are tabled per root subtree, with whether a node
+in it accepts a give-back its clients hold none of (invariant 6 where
+clients never go, :func:`~fsm_cache.modelcheck.invariants.unheld_give_back`). Parent
+pointers give the shortest step sequence to any state.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from fsm_cache.modelcheck import treeops
+from fsm_cache.modelcheck.answers import Answers
+from fsm_cache.modelcheck.forest import Forest, Trees
+from fsm_cache.modelcheck.invariants import unheld_give_back, violation, violation_at
+from fsm_cache.modelcheck.state import Choices, Entry, Layout, Nodes
+from fsm_cache.modelcheck.traces import Replay, Seen, Step
+from fsm_cache.policy import WritePolicy, wants_backup
+
+
+Move = tuple[str, tuple[int, ...], bool]
+"""An enabled event at a node: its name, the new locals of the node and the ancestors
+it changed (nearest first), and whether one of them holds its data nowhere."""
+Successor = tuple[Step, int, bool]
+"""An event step in a root subtree: the step, the new subtree (before pruning), whether to prune."""
+Root = tuple[list[Successor], bool]
+"""A root subtree's event steps, and whether a node in it accepts a give-back its clients do not hold."""
+
+
+@dataclass
+class Bounds:
+    """How far the exploration goes: counter ceilings (events past them are not fired)."""
+
+    counters: dict[str, int]
+    default: int = 2
+
+
+@dataclass
+class Result:
+    """What an exploration found.
+
+    Attributes:
+        states: Distinct model states explored.
+        violation: The first violated invariant, or None.
+        trace: The shortest sequence of steps reaching it (first: the initial shape).
+    """
+
+    states: int
+    violation: str | None = None
+    trace: list[str] = field(default_factory=list)
+
+
+class Explorer:
+    """Explores one spec's model states.
+
+    Args:
+        layout: The node layout of the spec.
+        bounds: Counter ceilings.
+        ops: The module providing ``insert``, ``split`` and ``prune``
+            (:mod:`fsm_cache.modelcheck.treeops`, or a broken variant), and optionally
+            ``wants_backup`` (default :func:`fsm_cache.policy.wants_backup`).
+        policy: The write policy the cache follows: it decides where backups
+            start, and adds its invariants (None: any event the spec allows).
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        bounds: Bounds,
+        ops: ModuleType | Any = treeops,
+        policy: WritePolicy | None = None,
+    ) -> None:
+        self.layout = layout
+        ceilings = [bounds.counters.get(c, bounds.default) for c in layout.counters]
+        self.ops = ops
+        self.policy = policy
+        self.trees = Trees(layout)
+        choices = Choices.of(layout, policy, getattr(ops, "wants_backup", wants_backup))
+        self.answers = Answers(layout, self.trees, ceilings, choices)
+        self.replay = Replay(layout, ceilings, ops, choices)
+        self.slots = 0
+        self.moves: dict[tuple[int, ...], tuple[list[Move], bool]] = {}
+        self.roots: dict[int, Root] = {}
+        self.holds: dict[tuple[int, int], bool] = {}
+        self.node_holds: dict[tuple[int, int, tuple[int, ...]], bool] = {}
+        self.pruned: dict[int, int | None] = {}
+        self.dataless: dict[int, bool] = {}
+
+    def run(self, initial: dict[str, Nodes], tick: Callable[[int], None] | None = None) -> Result:
+        """Explore from the named initial states; stop at the first violation.
+
+        A spec whose give-backs do not pair with its acquires is a finding
+        before anything is explored (:attr:`fsm_cache.modelcheck.holders.Holders.unpaired`).
+        """
+        if self.layout.holders.unpaired:
+            return Result(0, self.layout.holders.unpaired[0])
+        seen: Seen = {}
+        starts: dict[Forest, Nodes] = {}
+        queue: deque[Forest] = deque()
+        for name, nodes in initial.items():
+            self.slots = len(nodes)
+            start = self.trees.encode(nodes)
+            if start in seen:
+                continue  # the same tree as an earlier shape (small trees)
+            seen[start] = (None, ("start", name))
+            starts[start] = nodes
+            if not self.passes(start):
+                return self._found(seen, starts, start)
+            queue.append(start)
+        while queue:
+            current = queue.popleft()
+            for step, nxt in self.successors(current):
+                if nxt in seen:
+                    continue
+                seen[nxt] = (current, step)
+                if not self.passes(nxt):
+                    return self._found(seen, starts, nxt)
+                queue.append(nxt)
+            if tick is not None and len(seen) % 4096 < 64:
+                tick(len(seen))
+        return Result(len(seen))
+
+    def successors(self, forest: Forest) -> Iterator[tuple[Step, Forest]]:
+        """Yield every step from ``forest`` with its result: events on each node, then tree operations.
+
+        Nodes are numbered in preorder, as :func:`~fsm_cache.modelcheck.state.canonical` numbers them.
+        """
+        trees = self.trees
+        at = 0
+        for root in forest:
+            for step, new, gone in self._root(root)[0]:
+                nxt = (new,) if len(forest) == 1 else trees.swap_root(forest, root, new)
+                if gone:
+                    nxt = self._prune(nxt)
+                yield (step if not at else ("event", at + step[1], step[2])), nxt
+            at += trees.size[root]
+        if at < self.slots:
+            yield from self._tree_steps(forest, at)
+
+    def _tree_steps(self, forest: Forest, count: int) -> Iterator[tuple[Step, Forest]]:
+        """Yield the tree operations from ``forest`` (of ``count`` nodes): splits, then inserts."""
+        flat = self.trees.decode(forest, self.slots)
+        present = range(count)
+        for step in (
+            *(("split", i) for i in present),
+            *(("insert", p) for p in (-1, *present)),
+        ):
+            nxt = self.replay.apply(flat, step)
+            if nxt is not None:
+                yield step, self.trees.encode(nxt)
+
+    def _root(self, root: int) -> Root:
+        """Return the tabled steps of root subtree ``root`` (see :meth:`_root_steps`)."""
+        found = self.roots.get(root)
+        if found is None:
+            found = self.roots[root] = self._root_steps(root)
+        return found
+
+    def _root_steps(self, root: int) -> Root:
+        """Return the events enabled in root subtree ``root``, numbered in its preorder.
+
+        With them, whether a node in it accepts a give-back its clients hold none of.
+        """
+        trees = self.trees
+        order = trees.preorder((root,))
+        chains: list[tuple[int, ...]] = []
+        out: list[Successor] = []
+        takes = False
+        for k, (sid, parent) in enumerate(order):
+            up = trees.stid[trees.local[order[parent][0]]] if parent >= 0 else -1
+            chain = (self.answers.context(sid, up), *(chains[parent] if parent >= 0 else ()))
+            chains.append(chain)
+            found = self.moves.get(chain)
+            if found is None:
+                found = self.moves[chain] = (self._moves(chain), self.answers.takes_unheld(chain))
+            takes = takes or found[1]
+            for event, lids, gone in found[0]:
+                out.append((("event", k, event), self._lift(order, k, lids), gone))
+        return out, takes
+
+    def _moves(self, chain: tuple[int, ...]) -> list[Move]:
+        """Return the enabled events at the node of context ``chain`` (then its ancestors')."""
+        return [
+            (event, lids, any(self._dataless(i) for i in lids))
+            for event, lids in self.answers.moves(chain)
+        ]
+
+    def _dataless(self, lid: int) -> bool:
+        found = self.dataless.get(lid)
+        if found is None:
+            found = self.dataless[lid] = treeops.dataless(self.layout, (0, *self.trees.locals[lid]))
+        return found
+
+    def _lift(self, order: list[tuple[int, int]], k: int, lids: tuple[int, ...]) -> int:
+        """Return the subtree of ``order`` with node ``k`` and its nearest ancestors given new locals."""
+        trees = self.trees
+        old, parent = order[k]
+        new = trees.sid(lids[0], trees.kids[old])
+        at = 1
+        while parent >= 0:
+            sid, parent = order[parent]
+            lid = lids[at] if at < len(lids) else trees.local[sid]
+            old, new = sid, trees.swap(sid, old, new, lid)
+            at += 1
+        return new
+
+    def _prune(self, forest: Forest) -> Forest:
+        """Delete the nodes that hold their data nowhere, as the ops module does."""
+        if self.ops.prune is treeops.prune:
+            return treeops.prune_forest(self.layout, self.trees, forest, self.pruned)
+        flat = self.ops.prune(self.layout, self.trees.decode(forest, self.slots))
+        return self.trees.encode(flat)
+
+    def passes(self, forest: Forest) -> bool:
+        """Whether every invariant holds in ``forest``, where clients go and where they never do."""
+        return all(self._sub_holds(sid, -1) and not self._root(sid)[1] for sid in forest)
+
+    def _sub_holds(self, sid: int, up: int) -> bool:
+        found = self.holds.get((sid, up))
+        if found is None:
+            trees = self.trees
+            lid = trees.local[sid]
+            kids = tuple(trees.local[c] for c in trees.kids[sid])
+            here = (lid, up, kids)
+            if here not in self.node_holds:
+                self.node_holds[here] = self._node_holds(lid, up, kids)
+            found = self.node_holds[here] and all(self._sub_holds(c, lid) for c in trees.kids[sid])
+            self.holds[(sid, up)] = found
+        return found
+
+    def _node_holds(self, lid: int, up: int, kids: tuple[int, ...]) -> bool:
+        """Check a node of local ``lid`` under local ``up`` over ``kids`` on its neighbourhood."""
+        locals_ = self.trees.locals
+        entries: list[Entry | None] = [(-1, *locals_[up])] if up >= 0 else []
+        me = len(entries)
+        entries.append((me - 1, *locals_[lid]))
+        entries += [(me, *locals_[c]) for c in kids]
+        return violation_at(self.layout, tuple(entries), me, self.policy) is None
+
+    def _found(self, seen: Seen, starts: dict[Forest, Nodes], last: Forest) -> Result:
+        """Return the violation at ``last``, described in the replayed tree's node numbers."""
+        lines, nodes = self.replay.trace(seen, last, starts)
+        found = violation(self.layout, nodes, self.policy) or unheld_give_back(
+            self.layout, nodes, lambda i, event: self.replay.accepts(nodes, i, event)
+        )
+        return Result(len(seen), found, lines)

@@ -1,0 +1,202 @@
+"""The design's invariants, as checks on a model state of the whole tree.
+
+Numbers refer to the invariants of the residency design (shared design
+notes, "Invariants"). Counter invariants come from the spec objects (each
+state's ``invariant``); the tree-level ones are the design's statements about
+the ``host`` and ``device`` regions and are skipped for specs without them.
+
+Every invariant is a statement about one node, read with its parent's and its
+children's entries and nothing else, so each check takes the node: the
+explorer checks a node once per distinct neighbourhood
+(:func:`violation_at`), and :func:`violation` reports the first violation of
+a whole tree, check by check, node by node. Each returns a one-line
+description of the violation, or None.
+
+Clients give back only what they hold, so invariant 6 can also break where
+no client goes: a give-back of one holder kind that the spec accepts while
+only another kind holds the counter. :func:`unheld_give_back` asks the
+engine (a dry run) about each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fsm_cache.modelcheck.holders import Hold
+from fsm_cache.modelcheck.state import Entry, Layout, Nodes, children
+from fsm_cache.modelcheck.treeops import dataless
+from fsm_cache.policy import WritePolicy
+from fsm_cache.residency import DEVICE_HELD, HOST_HELD, HOST_VALID
+
+
+Check = Callable[[Layout, Nodes, int, Entry], "str | None"]
+Accepts = Callable[[int, str], bool]
+"""Whether the engine would accept an event fired at a node (a dry run): node, event."""
+
+
+def counts(layout: Layout, _nodes: Nodes, i: int, entry: Entry) -> str | None:
+    """Invariant 8: counters are never negative and every state's invariant holds."""
+    for name in layout.counters:
+        if layout.counter(entry, name) < 0:
+            return f"invariant 8: node {i}: {name} is negative ({layout.counter(entry, name)})"
+    values = {name: layout.counter(entry, name) for name in layout.counters}
+    for region, machine in layout.system.regions:
+        state = machine.state(layout.state(entry, region))
+        if not state.invariant.holds(values):
+            return f"invariant 8: node {i}: {region} {state.name} requires {state.invariant} ({_shown(values)})"
+    return None
+
+
+def accounted(layout: Layout, nodes: Nodes, i: int, entry: Entry) -> str | None:
+    """Invariant 6: each count equals its holders (plus its children's, if it propagates)."""
+    for name in layout.counters:
+        want = layout.held(entry, name)
+        if name in layout.holders.propagating:
+            want += sum(layout.counter(_at(nodes, c), name) for c in children(nodes, i))
+        have = layout.counter(entry, name)
+        if have != want:
+            return f"invariant 6: node {i}: {name} is {have} but its holders account for {want}"
+    return None
+
+
+def prefix_closed(layout: Layout, nodes: Nodes, i: int, entry: Entry) -> str | None:
+    """Invariant 1: a device-resident (or loading) node's parent is device-resident too."""
+    if not layout.has("device"):
+        return None
+    parent = int(entry[0])
+    if parent < 0 or layout.state(entry, "device") not in DEVICE_HELD:
+        return None
+    if layout.state(_at(nodes, parent), "device") not in DEVICE_HELD:
+        return f"invariant 1: node {i} is on the device but its parent node {parent} is not"
+    return None
+
+
+def held_somewhere(layout: Layout, _nodes: Nodes, i: int, entry: Entry) -> str | None:
+    """Invariant 2: every node that is not deleted holds its data on the device or the host."""
+    if dataless(layout, entry):
+        return (
+            f"invariant 2: node {i} holds its data nowhere but cannot be deleted (it has children)"
+        )
+    return None
+
+
+def copies_safe(layout: Layout, _nodes: Nodes, i: int, entry: Entry) -> str | None:
+    """Invariant 5: no slot is freed while a copy reads it.
+
+    A device-to-host copy (host ``writing``) reads the device copy, which
+    must stay resident; a host-to-device copy (device ``loading``) reads the
+    host copy, which must stay valid and pinned.
+    """
+    if not (layout.has("device") and layout.has("host")):
+        return None
+    host, device = layout.state(entry, "host"), layout.state(entry, "device")
+    if host == "writing" and device != "resident":
+        return f"invariant 5: node {i}: a device-to-host copy reads a device copy that is {device}"
+    if device == "loading" and host != "pinned":
+        return f"invariant 5: node {i}: a host-to-device copy reads a host copy that is {host}"
+    return None
+
+
+def backup_prefix_closed(layout: Layout, nodes: Nodes, i: int, entry: Entry) -> str | None:
+    """Invariant 3 (write-through policies): host backup is prefix-closed.
+
+    A node whose host copy is valid (``backed``, ``pinned``) has a parent
+    whose host copy is valid too, or is under the root. A node being written
+    has a parent whose copy is valid or being written by the same copy (a
+    split of a node being written puts the prefix in that copy, and one
+    acknowledgement settles both).
+    """
+    if not layout.residency:
+        return None
+    parent = int(entry[0])
+    host = layout.state(entry, "host")
+    if parent < 0 or host not in HOST_HELD:
+        return None
+    above = layout.state(_at(nodes, parent), "host")
+    if above not in HOST_VALID and (host in HOST_VALID or above != host):
+        return (
+            f"invariant 3: node {i} is {host} on the host but its parent node {parent} is {above}"
+        )
+    return None
+
+
+CHECKS: tuple[Check, ...] = (
+    counts,
+    accounted,
+    prefix_closed,
+    held_somewhere,
+    copies_safe,
+)
+"""The invariants every policy keeps."""
+
+WRITE_THROUGH = frozenset({WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_THROUGH_SELECTIVE})
+"""The policies under which backups are prefix-closed (design invariant 3)."""
+
+
+def checks(policy: WritePolicy | None = None) -> tuple[Check, ...]:
+    """Return the invariants to check under ``policy`` (None: no policy, any legal step)."""
+    return (*CHECKS, backup_prefix_closed) if policy in WRITE_THROUGH else CHECKS
+
+
+def violation(layout: Layout, nodes: Nodes, policy: WritePolicy | None = None) -> str | None:
+    """Return the first violated invariant of a model state (check by check), or None."""
+    present = [(i, e) for i, e in enumerate(nodes) if e is not None]
+    for check in checks(policy):
+        for i, entry in present:
+            found = check(layout, nodes, i, entry)
+            if found is not None:
+                return found
+    return None
+
+
+def violation_at(
+    layout: Layout, nodes: Nodes, i: int, policy: WritePolicy | None = None
+) -> str | None:
+    """Return the first invariant violated at node ``i`` (it reads only its parent and children)."""
+    entry = _at(nodes, i)
+    for check in checks(policy):
+        found = check(layout, nodes, i, entry)
+        if found is not None:
+            return found
+    return None
+
+
+def unheld_give_back(layout: Layout, nodes: Nodes, accepts: Accepts) -> str | None:
+    """Invariant 6 where clients never go: a give-back taking another holder's count.
+
+    For each node and each give-back its clients hold none of while holders
+    of another kind hold the counter (:meth:`~fsm_cache.modelcheck.state.Layout.unheld`),
+    the spec must refuse it: accepted, it would take, say, the pin a load
+    holds, and the load could not give it back. Returns the first accepted.
+    """
+    for i, entry in enumerate(nodes):
+        if entry is None:
+            continue
+        for event, key in layout.unheld(entry):
+            if accepts(i, event):
+                return _taken(layout, i, entry, event, key)
+    return None
+
+
+def _taken(layout: Layout, i: int, entry: Entry, event: str, key: Hold) -> str:
+    """Describe ``event`` at node ``i`` taking a count of ``key``'s counter that others hold."""
+    counter = key[0]
+    others = [
+        k
+        for k in layout.holders.kinds
+        if k[0] == counter and k != key and layout.hold(entry, k) > 0
+    ]
+    by = " and ".join(layout.holders.acquirers(k) for k in others)
+    mine = layout.holders.acquirers(key)
+    value = layout.counter(entry, counter)
+    return f"invariant 6: node {i}: {event} would take {counter} held by {by} ({counter}={value}, none held by {mine})"
+
+
+def _at(nodes: Nodes, index: int) -> Entry:
+    entry = nodes[index]
+    assert entry is not None
+    return entry
+
+
+def _shown(values: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in values.items())

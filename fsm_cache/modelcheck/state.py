@@ -1,0 +1,282 @@
+"""The model checker's state: a small tree of nodes, each a record of the spec, as tuples.
+
+A model state is a tuple with one entry per node slot: ``None`` for a free
+slot, else ``(parent, *region states, *counters, *holds)``. ``parent`` is a
+slot index or ``-1`` under the (unmodelled, always resident) radix root.
+``holds`` are ghost counters: how many acquisitions of a counter clients made
+directly at this node and have not given back (``pin`` minus ``release``,
+``lock`` minus ``unlock``, ``load`` minus its acknowledgement). They are what
+the counters must account for, so a tree operation or transition that loses
+a count is caught. Which events acquire and give back which counter, and so
+the kinds of holds, is read from the spec (:mod:`fsm_cache.modelcheck.holders`).
+
+What the cache itself chooses among the steps the spec allows (its write
+policy, how it acknowledges a copy) is :class:`Choices`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+from fsm_cache.errors import SpecError
+from fsm_cache.modelcheck.holders import Hold, Holders
+from fsm_cache.policy import PolicyNode, WritePolicy, wants_backup
+from fsm_cache.residency import DeviceState, HostState
+from fsm_cache.spec.machine import System
+
+
+Entry = tuple[int | str, ...]
+Nodes = tuple[Entry | None, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each field lives in a node entry, and the spec's counter roles.
+
+    Attributes:
+        system: The spec.
+        regions: Region names, in order.
+        counters: Counter names, in order.
+        holders: The holder kinds, and the events that acquire and give back each.
+    """
+
+    system: System
+    regions: tuple[str, ...]
+    counters: tuple[str, ...]
+    holders: Holders
+
+    @classmethod
+    def of(cls, system: System) -> Layout:
+        """Return the layout of ``system``'s node entries."""
+        regions = tuple(r for r, _ in system.regions)
+        return cls(system, regions, tuple(c for c, _ in system.counters), Holders.of(system))
+
+    def state(self, entry: Entry, region: str) -> str:
+        """Return the state of ``region`` in a node entry."""
+        return str(entry[1 + self.regions.index(region)])
+
+    def counter(self, entry: Entry, name: str) -> int:
+        """Return counter ``name`` of a node entry."""
+        return int(entry[1 + len(self.regions) + self.counters.index(name)])
+
+    @property
+    def base(self) -> int:
+        """Index of the first hold in an entry."""
+        return 1 + len(self.regions) + len(self.counters)
+
+    def hold(self, entry: Entry, key: Hold) -> int:
+        """Return the ghost holds of ``key``."""
+        return int(entry[self.base + self.holders.kinds.index(key)])
+
+    def held(self, entry: Entry, name: str) -> int:
+        """Return every hold on counter ``name``."""
+        return sum(self.hold(entry, key) for key in self.holders.kinds if key[0] == name)
+
+    def fresh(self, parent: int) -> Entry:
+        """Return a new node under ``parent`` in the initial states with initial counters."""
+        states = tuple(m.initial for _, m in self.system.regions)
+        counters = tuple(v for _, v in self.system.counters)
+        return (parent, *states, *counters, *(0 for _ in self.holders.kinds))
+
+    def with_holds(self, entry: Entry, deltas: dict[Hold, int]) -> Entry:
+        """Return ``entry`` with its ghost holds moved by ``deltas``."""
+        out = list(entry)
+        for key, delta in deltas.items():
+            index = self.base + self.holders.kinds.index(key)
+            out[index] = int(out[index]) + delta
+        return tuple(out)
+
+    def has(self, region: str) -> bool:
+        """Whether the spec has a region of this name."""
+        return region in self.regions
+
+    @property
+    def residency(self) -> bool:
+        """Whether nodes are residency records: ``host`` and ``device`` regions, ``pins`` and ``locks``."""
+        return {"host", "device"} <= set(self.regions) and {"pins", "locks"} <= set(self.counters)
+
+    def deltas(self, event: str) -> dict[Hold, int]:
+        """Return how ``event`` moves the ghost holds of the node it is fired at."""
+        out = dict.fromkeys(self.holders.acquires[event], 1)
+        out.update(dict.fromkeys(self.holders.releases[event], -1))
+        return out
+
+    def gives_back_unheld(self, entry: Entry, event: str) -> bool:
+        """Whether ``event`` would give back a hold the node's clients do not have."""
+        return any(self.hold(entry, key) == 0 for key in self.holders.releases[event])
+
+    def unheld(self, entry: Entry) -> list[tuple[str, Hold]]:
+        """Return the give-backs ``(event, hold)`` that would take another holder's count.
+
+        ``event`` gives back ``hold``, which no client holds at the node, while
+        holders of another kind hold the same counter there (a ``release`` where
+        the only pin is the one a ``load`` holds). Clients never fire these; the
+        spec must refuse them, or a client's give-back takes what it never held.
+        """
+        return [
+            (event, key)
+            for event, keys in self.holders.releases.items()
+            for key in keys
+            if self.hold(entry, key) == 0
+            and any(
+                self.hold(entry, k) > 0 for k in self.holders.kinds if k[0] == key[0] and k != key
+            )
+        ]
+
+    def over(self, entry: Entry, bounds: list[int]) -> bool:
+        """Whether a counter of ``entry`` is past its ceiling (``bounds``, in counter order)."""
+        start = 1 + len(self.regions)
+        values = entry[start : start + len(bounds)]
+        return any(int(v) > b for v, b in zip(values, bounds, strict=True))
+
+
+Wants = Callable[[WritePolicy, PolicyNode, int], bool]
+"""A policy's decision to start a backup, as :func:`fsm_cache.policy.wants_backup`."""
+
+BACKUP = "write"
+"""The event a write policy decides on: the cache fires it when the policy wants a backup."""
+
+
+@dataclass(frozen=True)
+class PolicyView:
+    """A node as a write policy reads it (a :class:`fsm_cache.policy.PolicyNode`)."""
+
+    host: HostState
+    device: DeviceState
+    hit_count: int
+    parent: PolicyView | None
+
+
+ROOT = PolicyView("backed", "resident", 0, None)
+"""The radix root, as :meth:`fsm_cache.cache.tree.RadixTree.root` makes it."""
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What the cache chooses to do among the steps the spec allows, under a write policy.
+
+    Without a policy, every step the spec allows may happen, and copies are
+    acknowledged one node at a time in any order. Under a write policy:
+
+    * a backup (:data:`BACKUP`) starts only where
+      :func:`fsm_cache.policy.wants_backup` says so (the model asks it for a
+      node hit often enough: it does not count hits);
+    * a backup in flight is acknowledged as HiCache does it, for a whole copy
+      at once: a split of a node being written adds the prefix to the copy
+      (``transfers.on_split``), and the policy starts a child's backup only
+      under a backed parent, so a chain of nodes being written is one copy.
+      Its acknowledgement is fired at the chain's lowest node and applied to
+      the chain up to its top.
+
+    Attributes:
+        policy: The write policy, or None.
+        copying: The host state of a backup in flight (where ``write`` leads).
+        acks: The events acknowledging a backup (transitions out of ``copying``).
+    """
+
+    policy: WritePolicy | None = None
+    copying: str = ""
+    acks: frozenset[str] = frozenset()
+    wants: Wants = wants_backup
+
+    @classmethod
+    def of(cls, layout: Layout, policy: WritePolicy | None, wants: Wants = wants_backup) -> Choices:
+        """Return the choices of ``policy`` on the residency spec of ``layout``.
+
+        ``wants`` decides where backups start: HiCache's own
+        :func:`~fsm_cache.policy.wants_backup`, or a broken variant (a control).
+
+        Raises:
+            SpecError: A policy is given for a spec whose nodes are not residency records.
+        """
+        if policy is None:
+            return cls()
+        if not layout.residency:
+            name = layout.system.name
+            raise SpecError([f"{name}: the {policy.value} policy needs host and device regions"])
+        host = layout.system.machines["host"].transitions
+        copying = next(t.dest for t in host if t.event == BACKUP)
+        acks = frozenset(t.event for t in host if copying in t.sources and t.event != BACKUP)
+        return cls(policy, copying, acks, wants)
+
+    def fires(self, layout: Layout, event: str, node: Entry, parent: Entry | None) -> bool:
+        """Whether the cache fires ``event`` at ``node`` under ``parent`` (None: the root)."""
+        if self.policy is None or event != BACKUP:
+            return True
+        # Above a modelled parent is the root or another node; the policy asks only which.
+        up = ROOT if parent is None else PolicyView(*_residency(layout, parent), 0, ROOT)
+        return self.wants(self.policy, PolicyView(*_residency(layout, node), 1, up), 1)
+
+    def waits(self, event: str, children: list[str]) -> bool:
+        """Whether ``event`` waits for a child's: the node shares its copy with a child (host states)."""
+        return event in self.acks and self.copying in children
+
+    def joins(self, layout: Layout, event: str, ancestor: Entry) -> bool:
+        """Whether ``event``, acknowledging the copy of a child, applies to ``ancestor`` too."""
+        return event in self.acks and layout.state(ancestor, "host") == self.copying
+
+
+def _residency(layout: Layout, entry: Entry) -> tuple[HostState, DeviceState]:
+    return (
+        cast("HostState", layout.state(entry, "host")),
+        cast("DeviceState", layout.state(entry, "device")),
+    )
+
+
+def canonical(nodes: Nodes) -> tuple[Nodes, tuple[int, ...]]:
+    """Return the canonical relabelling of a model state and where each node came from.
+
+    Sibling subtrees are sorted by content and nodes renumbered in preorder,
+    so states that differ only in how their nodes are numbered (the same tree
+    built in another order, interchangeable siblings) are explored once.
+    ``perm[k]`` is the slot of ``nodes`` that canonical node ``k`` was.
+    """
+    kids: dict[int, list[int]] = {}
+    for i, entry in enumerate(nodes):
+        if entry is not None:
+            kids.setdefault(int(entry[0]), []).append(i)
+    keys: dict[int, tuple[object, ...]] = {}
+
+    def key(i: int) -> tuple[object, ...]:
+        entry = nodes[i]
+        assert entry is not None
+        below = tuple(sorted(key(c) for c in kids.get(i, ())))
+        keys[i] = (entry[1:], below)
+        return keys[i]
+
+    roots = sorted(kids.get(-1, ()), key=key)
+    order: list[int] = []
+
+    def visit(i: int) -> None:
+        order.append(i)
+        for c in sorted(kids.get(i, ()), key=keys.__getitem__):
+            visit(c)
+
+    for r in roots:
+        visit(r)
+    where = {old: new for new, old in enumerate(order)}
+    out: list[Entry | None] = []
+    for old in order:
+        entry = nodes[old]
+        assert entry is not None
+        parent = int(entry[0])
+        out.append((where[parent] if parent >= 0 else -1, *entry[1:]))
+    out += [None] * (len(nodes) - len(order))
+    return tuple(out), tuple(order)
+
+
+def children(nodes: Nodes, index: int) -> list[int]:
+    """Return the slots whose parent is ``index``."""
+    return [i for i, e in enumerate(nodes) if e is not None and e[0] == index]
+
+
+def ancestors(nodes: Nodes, index: int) -> list[int]:
+    """Return ``index``'s ancestors, nearest first."""
+    out = []
+    entry = nodes[index]
+    while entry is not None and int(entry[0]) >= 0:
+        out.append(int(entry[0]))
+        entry = nodes[int(entry[0])]
+    return out

@@ -1,0 +1,141 @@
+"""Tree operations of the radix cache, as the model checker applies them.
+
+Spec events change one node (and its ancestors when they propagate); these
+change the tree: :func:`insert` adds a new leaf, :func:`split` cuts a node
+into a prefix and a suffix, :func:`prune` deletes nodes that hold their data
+nowhere. Each returns the new model state, or None when the operation does
+not apply. A control module in ``specs/bugs_detected`` may replace any of
+them with a broken variant to show the checker catches it.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from fsm_cache.modelcheck.forest import Forest, Trees
+from fsm_cache.modelcheck.holders import Hold
+from fsm_cache.modelcheck.state import Entry, Layout, Nodes, children
+from fsm_cache.residency import HOST_HELD, DeviceState, HostState, split_prefix
+
+
+def insert(layout: Layout, nodes: Nodes, parent: int, slot: int) -> Nodes | None:
+    """Add a fresh leaf in ``slot`` under ``parent`` (``-1``: under the root).
+
+    A request inserts the tokens it computed on the device, under the last
+    node it matched there, so the parent must hold its device copy.
+    """
+    if nodes[slot] is not None:
+        return None
+    entry = nodes[parent] if parent >= 0 else None
+    if entry is not None and layout.has("device") and layout.state(entry, "device") != "resident":
+        return None
+    return _put(nodes, slot, layout.fresh(parent))
+
+
+def split(layout: Layout, nodes: Nodes, index: int, slot: int) -> Nodes | None:
+    """Cut node ``index`` into a new prefix node in ``slot`` and the suffix ``index``.
+
+    The prefix takes the node's place under its parent, with the fields of
+    :func:`prefix_fields` and the holds of :func:`prefix_holds`; the suffix
+    keeps everything it had.
+    """
+    entry = nodes[index]
+    if entry is None or nodes[slot] is not None:
+        return None
+    prefix: Entry = (int(entry[0]), *prefix_fields(layout, entry), *prefix_holds(layout, entry))
+    moved = _put(nodes, slot, prefix)
+    return _put(moved, index, (slot, *entry[1:]))
+
+
+def prefix_fields(layout: Layout, entry: Entry) -> Entry:
+    """Return the states and counters a split gives the prefix of the node ``entry``.
+
+    For the residency composition, the cache's own rule
+    (:func:`fsm_cache.residency.split_prefix`, which :meth:`RadixTree.split
+    <fsm_cache.cache.tree.RadixTree.split>` applies), so the split the cache
+    performs is the one checked. For any other spec, a copy of the node's.
+    """
+    fields = entry[1 : layout.base]
+    if not layout.residency:
+        return fields
+    host, device, pins, locks = split_prefix(
+        cast("HostState", layout.state(entry, "host")),
+        cast("DeviceState", layout.state(entry, "device")),
+        layout.counter(entry, "locks"),
+    )
+    given = {"host": host, "device": device, "pins": pins, "locks": locks}
+    names = (*layout.regions, *layout.counters)
+    return tuple(given.get(name, value) for name, value in zip(names, fields, strict=True))
+
+
+def prefix_holds(layout: Layout, entry: Entry) -> Entry:
+    """Return who holds the prefix of the node ``entry`` after a split: its ghost holds.
+
+    The holds are the model's account of who holds what, kept apart from
+    :func:`prefix_fields` so that invariant 6 checks one against the other.
+    A propagating counter's holders stay with the suffix (the prefix's count
+    is then all its child's). In the residency composition, the clients'
+    holds stay with the suffix too, and only a copy between the tiers (a
+    holder whose events are declared in both regions: a load) holds the
+    prefix as well, since the same copy fills it. In other specs every
+    holder holds both halves.
+    """
+    base = layout.base
+    return tuple(
+        entry[base + i] if _holds_prefix(layout, key) else 0
+        for i, key in enumerate(layout.holders.kinds)
+    )
+
+
+def _holds_prefix(layout: Layout, key: Hold) -> bool:
+    counter, regions = key
+    if counter in layout.holders.propagating:
+        return False
+    return not layout.residency or len(regions) > 1
+
+
+def dataless(layout: Layout, entry: Entry) -> bool:
+    """Whether a node holds its data nowhere (device absent and no valid host copy)."""
+    if not (layout.has("device") and layout.has("host")):
+        return False
+    return (
+        layout.state(entry, "device") == "absent" and layout.state(entry, "host") not in HOST_HELD
+    )
+
+
+def prune(layout: Layout, nodes: Nodes) -> Nodes:
+    """Delete every dataless leaf, as the cache does when a node's last copy goes."""
+    out = nodes
+    while True:
+        gone = next(
+            (
+                i
+                for i, entry in enumerate(out)
+                if entry is not None and dataless(layout, entry) and not children(out, i)
+            ),
+            None,
+        )
+        if gone is None:
+            return out
+        out = _put(out, gone, None)
+
+
+def _put(nodes: Nodes, index: int, entry: Entry | None) -> Nodes:
+    return (*nodes[:index], entry, *nodes[index + 1 :])
+
+
+def prune_forest(
+    layout: Layout, trees: Trees, forest: Forest, memo: dict[int, int | None]
+) -> Forest:
+    """:func:`prune` on a canonical state: drop every subtree whose nodes all hold no data."""
+
+    def sub(sid: int) -> int | None:
+        if sid in memo:
+            return memo[sid]
+        kids = [k for k in (sub(c) for c in trees.kids[sid]) if k is not None]
+        lid = trees.local[sid]
+        gone = not kids and dataless(layout, (0, *trees.locals[lid]))
+        memo[sid] = None if gone else trees.sid(lid, trees.order(kids))
+        return memo[sid]
+
+    return trees.order([k for k in (sub(s) for s in forest) if k is not None])

@@ -1,0 +1,357 @@
+"""Load specs from TOML files or plain dicts, reporting every fault with its location.
+
+A file holds either one ``[machine]`` or one ``[composition]`` whose
+``[composition.regions]`` table maps region names to machine files (paths
+relative to the composition file). Loading validates the result
+(:mod:`fsm_cache.spec.validate`): a spec that loads is one the engine can run.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, cast
+
+from fsm_cache.errors import SpecError
+from fsm_cache.spec.guards import GrammarError, parse_condition, parse_guard, parse_update
+from fsm_cache.spec.machine import (
+    EventSpec,
+    Forbid,
+    MachineSpec,
+    Spec,
+    StateSpec,
+    System,
+    Transition,
+)
+
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_Table = Mapping[str, Any]
+
+
+class _Problems:
+    """Collects located problems so one load reports all of them at once."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.lines: list[str] = []
+
+    def add(self, where: str, message: str) -> None:
+        self.lines.append(f"{self.source}: {where}: {message}")
+
+    def check(self) -> None:
+        if self.lines:
+            raise SpecError(self.lines)
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read, parse and validate one spec file.
+
+    Args:
+        path: A ``.toml`` file holding a ``[machine]`` or a ``[composition]``.
+
+    Returns:
+        The validated :class:`MachineSpec` or :class:`System`.
+
+    Raises:
+        SpecError: The file is unreadable, not TOML, or the spec is invalid;
+            one problem per fault, each naming the file and key.
+    """
+    path = Path(path)
+    try:
+        data = _read(path)
+    except OSError as exc:
+        raise SpecError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
+    return spec_from_dict(data, source=str(path), base=path.parent)
+
+
+def _read(path: Path) -> _Table:
+    """Return the TOML table of ``path``; OSError is left to the caller to locate.
+
+    Raises:
+        SpecError: Not UTF-8 or not TOML (including integers too long to convert).
+    """
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # TOMLDecodeError, UnicodeDecodeError, int digit limit
+        raise SpecError([f"{path}: invalid TOML: {exc}"]) from exc
+    except RecursionError as exc:  # tomllib parses nested arrays and tables recursively
+        raise SpecError([f"{path}: invalid TOML: nested too deeply"]) from exc
+
+
+def spec_from_dict(data: _Table, source: str = "<python>", base: Path | None = None) -> Spec:
+    """Build and validate a spec from the TOML-shaped ``data``.
+
+    Raises:
+        SpecError: As for :func:`load_spec`.
+    """
+    from fsm_cache.spec.validate import validate
+
+    if "composition" in data:
+        spec: Spec = _composition(data, source, base or Path())
+    else:
+        spec = machine_from_dict(data, source)
+    validate(spec)
+    return spec
+
+
+def machine_from_dict(data: _Table, source: str = "<python>") -> MachineSpec:
+    """Build a :class:`MachineSpec` from TOML-shaped data, without validating it.
+
+    Raises:
+        SpecError: A table or key is missing, mistyped or does not parse.
+    """
+    problems = _Problems(source)
+    _known_keys(
+        data, {"machine", "counters", "states", "transition", "forbid", "events"}, "", problems
+    )
+    head = _table(data, "machine", problems)
+    _known_keys(head, {"name", "initial", "doc", "label"}, "machine", problems)
+    counters = _counters(data.get("counters", {}), problems)
+    states = _states(data.get("states", {}), problems)
+    transitions = _transitions(data.get("transition", []), problems)
+    forbids = _forbids(data.get("forbid", []), "forbid", problems)
+    events = _events(data.get("events", {}), problems)
+    for key in ("name", "initial"):
+        if not isinstance(head.get(key), str):
+            problems.add(f"machine.{key}", "missing or not a string")
+    doc, label = _text(head, "doc", "machine", problems), _text(head, "label", "machine", problems)
+    problems.check()
+    return MachineSpec(
+        name=head["name"],
+        initial=head["initial"],
+        counters=counters,
+        states=states,
+        transitions=transitions,
+        forbids=forbids,
+        events=events,
+        doc=doc,
+        label=label or "instance",
+        source=source,
+    )
+
+
+def _composition(data: _Table, source: str, base: Path) -> System:
+    problems = _Problems(source)
+    _known_keys(data, {"composition", "forbid"}, "", problems)
+    head = _table(data, "composition", problems)
+    _known_keys(head, {"name", "regions", "doc", "label"}, "composition", problems)
+    regions_table = head.get("regions")
+    if not isinstance(regions_table, Mapping) or not regions_table:
+        problems.add("composition.regions", "missing: a table of REGION = 'machine.toml'")
+        problems.check()
+    regions = []
+    for region, rel in cast("_Table", regions_table).items():
+        machine = _region(f"composition.regions.{region}", rel, base, problems)
+        if machine is not None:
+            regions.append((region, machine))
+    forbids = _forbids(data.get("forbid", []), "forbid", problems)
+    if not isinstance(head.get("name"), str):
+        problems.add("composition.name", "missing or not a string")
+    doc = _text(head, "doc", "composition", problems)
+    label = _text(head, "label", "composition", problems)
+    problems.check()
+    return System(
+        name=head["name"],
+        regions=tuple(regions),
+        forbids=forbids,
+        doc=doc,
+        label=label or "instance",
+        source=source,
+    )
+
+
+def _region(where: str, rel: object, base: Path, problems: _Problems) -> MachineSpec | None:
+    """Read one region's machine file (relative to the composition), not yet validated.
+
+    Faults of the region's own content name the region's file; a file that is
+    missing or unreadable names the composition's key that points at it.
+    """
+    if not isinstance(rel, str) or not rel:
+        problems.add(where, f"must be the file name of a machine, got {rel!r}")
+        return None
+    path = base / rel
+    try:
+        data = _read(path)
+        if "composition" in data:
+            problems.add(where, f"{rel} is not a [machine] file")
+            return None
+        return machine_from_dict(data, source=str(path))
+    except OSError as exc:
+        problems.add(where, f"cannot read {path}: {exc.strerror or exc}")
+    except SpecError as exc:
+        problems.lines += exc.problems
+    return None
+
+
+def _table(data: _Table, key: str, problems: _Problems) -> _Table:
+    value = data.get(key)
+    if not isinstance(value, Mapping):
+        problems.add(key, "missing table")
+        return {}
+    return value
+
+
+def _counters(table: object, problems: _Problems) -> tuple[tuple[str, int], ...]:
+    if not isinstance(table, Mapping):
+        problems.add("counters", "must be a table of NAME = INT")
+        return ()
+    result = []
+    for name, value in table.items():
+        if not _IDENT.match(name):
+            problems.add(f"counters.{name}", "not an identifier")
+        elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            problems.add(
+                f"counters.{name}", f"initial value must be an integer >= 0, got {value!r}"
+            )
+        else:
+            result.append((name, value))
+    return tuple(result)
+
+
+def _states(table: object, problems: _Problems) -> tuple[StateSpec, ...]:
+    if not isinstance(table, Mapping) or not table:
+        problems.add("states", "missing: a table of NAME = { doc = ... }")
+        return ()
+    result = []
+    for name, body in table.items():
+        where = f"states.{name}"
+        if not _IDENT.match(name):
+            problems.add(where, "not an identifier")
+        if not isinstance(body, Mapping):
+            problems.add(where, "must be a table")
+            continue
+        _known_keys(body, {"doc", "final", "invariant", "counter"}, where, problems)
+        invariant = _parse(parse_guard, body.get("invariant", ""), f"{where}.invariant", problems)
+        final, counter = body.get("final", False), body.get("counter")
+        if not isinstance(final, bool):
+            problems.add(f"{where}.final", f"must be true or false, got {final!r}")
+        if counter is not None and not isinstance(counter, str):
+            problems.add(f"{where}.counter", f"must be a counter name, got {counter!r}")
+        doc = _text(body, "doc", where, problems)
+        result.append(StateSpec(name, doc, final is True, invariant or parse_guard(""), counter))
+    return tuple(result)
+
+
+def _transitions(items: object, problems: _Problems) -> tuple[Transition, ...]:
+    result = []
+    for i, body in enumerate(_array(items, "transition", problems)):
+        where = f"transition[{i}]"
+        _known_keys(
+            body,
+            {"event", "source", "dest", "guard", "update", "effect", "propagate", "doc"},
+            where,
+            problems,
+        )
+        guard = _parse(parse_guard, body.get("guard", ""), f"{where}.guard", problems)
+        update = _parse(parse_update, body.get("update", ""), f"{where}.update", problems)
+        event, dest = _name(body, "event", where, problems), _name(body, "dest", where, problems)
+        sources = _names(body.get("source"), f"{where}.source", problems)
+        effect, propagate = body.get("effect"), body.get("propagate")
+        if effect is not None and not _IDENT.match(str(effect)):
+            problems.add(f"{where}.effect", f"not an identifier: {effect!r}")
+        if propagate not in (None, "ancestors"):
+            problems.add(f"{where}.propagate", f"must be 'ancestors', got {propagate!r}")
+        doc = _text(body, "doc", where, problems)
+        if guard is None or update is None:
+            continue
+        result.append(Transition(event, sources, dest, guard, update, effect, propagate, doc))
+    return tuple(result)
+
+
+def _forbids(items: object, key: str, problems: _Problems) -> tuple[Forbid, ...]:
+    result = []
+    for i, body in enumerate(_array(items, key, problems)):
+        where = f"{key}[{i}]"
+        _known_keys(body, {"event", "source", "error", "reason", "guard", "when"}, where, problems)
+        guard = _parse(parse_guard, body.get("guard", ""), f"{where}.guard", problems)
+        when_raw = body.get("when", [])
+        when_list = [when_raw] if isinstance(when_raw, str) else when_raw
+        if not isinstance(when_list, list):
+            problems.add(
+                f"{where}.when", f"must be a condition or a list of them, got {when_raw!r}"
+            )
+            when_list = []
+        when = [_parse(parse_condition, c, f"{where}.when", problems) for c in when_list]
+        sources = _names(body["source"], f"{where}.source", problems) if "source" in body else ()
+        event, error = _name(body, "event", where, problems), _name(body, "error", where, problems)
+        if not isinstance(body.get("reason"), str):
+            problems.add(f"{where}.reason", "missing or not a string")
+        if guard is None or None in when:
+            continue
+        conditions = tuple(c for c in when if c is not None)
+        result.append(Forbid(event, sources, error, str(body.get("reason")), guard, conditions))
+    return tuple(result)
+
+
+def _events(table: object, problems: _Problems) -> tuple[EventSpec, ...]:
+    if not isinstance(table, Mapping):
+        problems.add("events", "must be a table of EVENT = { doc = ..., past = ... }")
+        return ()
+    result = []
+    for name, body in table.items():
+        if not isinstance(body, Mapping):
+            problems.add(f"events.{name}", "must be a table")
+            continue
+        where = f"events.{name}"
+        _known_keys(body, {"doc", "past"}, where, problems)
+        doc, past = _text(body, "doc", where, problems), _text(body, "past", where, problems)
+        result.append(EventSpec(name, doc, past))
+    return tuple(result)
+
+
+def _array(items: object, key: str, problems: _Problems) -> list[_Table]:
+    if not isinstance(items, list) or not all(isinstance(x, Mapping) for x in items):
+        problems.add(key, f"must be an array of tables ([[{key}]])")
+        return []
+    return items
+
+
+def _known_keys(body: _Table, allowed: set[str], where: str, problems: _Problems) -> None:
+    for key in body:
+        if key not in allowed:
+            at = f"{where}.{key}" if where else key
+            problems.add(at, f"unknown key (allowed: {', '.join(sorted(allowed))})")
+
+
+def _name(body: _Table, key: str, where: str, problems: _Problems) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or not _IDENT.match(value):
+        problems.add(f"{where}.{key}", f"missing or not an identifier: {value!r}")
+        return ""
+    return value
+
+
+def _text(body: _Table, key: str, where: str, problems: _Problems) -> str:
+    """Return the optional text ``body[key]`` ("" if absent), reporting a non-string."""
+    value = body.get(key, "")
+    if not isinstance(value, str):
+        problems.add(f"{where}.{key}", f"must be a string, got {value!r}")
+        return ""
+    return value
+
+
+def _names(value: object, where: str, problems: _Problems) -> tuple[str, ...]:
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        problems.add(where, f"must be a state name or a list of them, got {value!r}")
+        return ()
+    return tuple(names)
+
+
+def _parse(parser: Any, text: object, where: str, problems: _Problems) -> Any:
+    if not isinstance(text, str):
+        problems.add(where, f"must be a string, got {text!r}")
+        return None
+    try:
+        return parser(text)
+    except GrammarError as exc:
+        problems.add(where, str(exc))
+        return None

@@ -1,0 +1,264 @@
+"""Machine specifications as data: states, counters, transitions and refusals.
+
+A :class:`MachineSpec` is what a ``[machine]`` TOML file declares; a
+:class:`System` composes several machines ("regions") over one record, for
+example the host and device residency of a tree node, and adds refusals that
+look across regions or along the tree. Everything downstream (the engine, the
+``transitions`` reference, the contracts, the model checker and the diagrams)
+reads these objects; no rule lives anywhere else.
+
+Specs are built from TOML by :func:`fsm_cache.spec.loader.load_spec`, or from
+Python with :func:`machine_from_dict`, which takes the same shape as the TOML.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from fsm_cache.spec.guards import NO_UPDATE, TRUE, Condition, Guard, Update
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One state of a machine.
+
+    Attributes:
+        name: The state's name, unique in its machine.
+        doc: What the state means, shown in docs and diagrams.
+        final: A final state needs no way out; events there are refused.
+        invariant: A guard over counters that holds whenever the machine is here.
+        counter: A counter carried by the state, drawn as ``pinned(N)``.
+    """
+
+    name: str
+    doc: str = ""
+    final: bool = False
+    invariant: Guard = TRUE
+    counter: str | None = None
+
+
+@dataclass(frozen=True)
+class Transition:
+    """``event`` moves the machine from any of ``sources`` to ``dest``.
+
+    Attributes:
+        event: The event's name.
+        sources: The states it is legal from.
+        dest: The state it leads to.
+        guard: Counter condition that must hold (checked before anything changes).
+        update: Counter assignments applied with the move.
+        effect: Name of a hook bound at run time, run after the checks and
+            before the commit; if it raises, nothing changes.
+        propagate: ``"ancestors"`` to fire the same step on every ancestor too,
+            all checked before any is changed.
+        doc: Why the transition exists.
+    """
+
+    event: str
+    sources: tuple[str, ...]
+    dest: str
+    guard: Guard = TRUE
+    update: Update = NO_UPDATE
+    effect: str | None = None
+    propagate: str | None = None
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Forbid:
+    """A declared refusal: ``event`` from ``sources`` raises ``error``.
+
+    Attributes:
+        event: The refused event.
+        sources: States it is refused in; empty means any state (compositions).
+        error: Name of the exception class raised, an IllegalTransition subclass.
+        reason: Human reason, the tail of the error message.
+        guard: Refuse only when this counter condition holds.
+        when: Refuse only when every condition holds (other regions, parent, children).
+    """
+
+    event: str
+    sources: tuple[str, ...]
+    error: str
+    reason: str
+    guard: Guard = TRUE
+    when: tuple[Condition, ...] = ()
+
+    @property
+    def conditional(self) -> bool:
+        """Whether the refusal depends on a guard or a condition (vs. a plain gap-filler)."""
+        return bool(self.guard) or bool(self.when)
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    """Documentation of an event: what it means and how history names it."""
+
+    name: str
+    doc: str = ""
+    past: str = ""
+
+
+@dataclass(frozen=True)
+class MachineSpec:
+    """One state machine, as declared by a ``[machine]`` file.
+
+    Attributes:
+        name: The machine's name.
+        initial: The state new instances start in.
+        counters: Counter names with their initial values, in declaration order.
+        states: Every state, in declaration order.
+        transitions: Every transition, in declaration order (indices are used
+            in error locations: ``transition[3]``).
+        forbids: Every declared refusal, in declaration order.
+        events: Optional documentation of events.
+        doc: What the machine models.
+        label: How instances are called in messages (``node 17: ...``).
+        source: The file the spec came from, used in error locations.
+    """
+
+    name: str
+    initial: str
+    counters: tuple[tuple[str, int], ...]
+    states: tuple[StateSpec, ...]
+    transitions: tuple[Transition, ...]
+    forbids: tuple[Forbid, ...] = ()
+    events: tuple[EventSpec, ...] = ()
+    doc: str = ""
+    label: str = "instance"
+    source: str = "<python>"
+
+    def state(self, name: str) -> StateSpec:
+        """Return the state called ``name``.
+
+        Raises:
+            KeyError: No such state.
+        """
+        for state in self.states:
+            if state.name == name:
+                return state
+        raise KeyError(name)
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """The state names in declaration order."""
+        return tuple(state.name for state in self.states)
+
+    @property
+    def counter_names(self) -> tuple[str, ...]:
+        """The counter names in declaration order."""
+        return tuple(name for name, _ in self.counters)
+
+    @property
+    def event_names(self) -> tuple[str, ...]:
+        """Every event the machine knows, in order of first mention."""
+        seen: dict[str, None] = {}
+        for event in (*(t.event for t in self.transitions), *(f.event for f in self.forbids)):
+            seen.setdefault(event, None)
+        return tuple(seen)
+
+    def event_doc(self, name: str) -> EventSpec:
+        """Return the documentation of event ``name`` (empty if undocumented)."""
+        return next((e for e in self.events if e.name == name), EventSpec(name))
+
+    def transitions_for(self, state: str, event: str) -> Iterator[Transition]:
+        """Yield the transitions of ``event`` leaving ``state``, in declaration order."""
+        return (t for t in self.transitions if t.event == event and state in t.sources)
+
+    def forbids_for(self, state: str, event: str) -> Iterator[Forbid]:
+        """Yield the refusals of ``event`` in ``state``, in declaration order."""
+        return (
+            f for f in self.forbids if f.event == event and (not f.sources or state in f.sources)
+        )
+
+
+@dataclass(frozen=True)
+class System:
+    """Machines composed over one record, each in its own named region.
+
+    An event fires in every region whose machine declares it, in region
+    order, and is legal only if every such region allows it (a synchronous
+    product). ``forbids`` add refusals that read other regions' states or the
+    record's parent and children.
+
+    Attributes:
+        name: The composition's name.
+        regions: ``(region name, machine)`` pairs; the region name is the
+            record attribute that holds that machine's state.
+        forbids: Cross-region and structural refusals.
+        doc: What the composition models.
+        label: How instances are called in messages.
+        source: The file the composition came from.
+    """
+
+    name: str
+    regions: tuple[tuple[str, MachineSpec], ...]
+    forbids: tuple[Forbid, ...] = ()
+    doc: str = ""
+    label: str = "instance"
+    source: str = "<python>"
+    _event_regions: dict[str, tuple[str, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    @classmethod
+    def single(cls, machine: MachineSpec) -> System:
+        """Wrap one machine as a one-region system whose region is ``state``."""
+        return cls(
+            machine.name,
+            (("state", machine),),
+            doc=machine.doc,
+            label=machine.label,
+            source=machine.source,
+        )
+
+    @property
+    def machines(self) -> dict[str, MachineSpec]:
+        """Region name to machine."""
+        return dict(self.regions)
+
+    @property
+    def counters(self) -> tuple[tuple[str, int], ...]:
+        """Every region's counters with initial values, in region order."""
+        return tuple(pair for _, machine in self.regions for pair in machine.counters)
+
+    @property
+    def event_names(self) -> tuple[str, ...]:
+        """Every event of every region, in order of first mention."""
+        seen: dict[str, None] = {}
+        for _, machine in self.regions:
+            for event in machine.event_names:
+                seen.setdefault(event, None)
+        return tuple(seen)
+
+    def regions_of(self, event: str) -> tuple[str, ...]:
+        """Return the regions whose machine declares ``event``, in region order."""
+        cached = self._event_regions.get(event)
+        if cached is None:
+            cached = tuple(r for r, m in self.regions if event in m.event_names)
+            self._event_regions[event] = cached
+        return cached
+
+    def region_of_counter(self, counter: str) -> str:
+        """Return the region that owns ``counter``.
+
+        Raises:
+            KeyError: No region declares it.
+        """
+        for region, machine in self.regions:
+            if counter in machine.counter_names:
+                return region
+        raise KeyError(counter)
+
+    def forbids_for(self, event: str) -> tuple[Forbid, ...]:
+        """Return the cross-region refusals of ``event``, in declaration order."""
+        return tuple(f for f in self.forbids if f.event == event)
+
+
+Spec = MachineSpec | System
+
+
+def as_system(spec: Spec) -> System:
+    """Return ``spec`` as a system (a machine becomes a one-region system)."""
+    return spec if isinstance(spec, System) else System.single(spec)

@@ -1,0 +1,51 @@
+"""Where the shipped specs live, in a checkout and in an installed wheel."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+from fsm_cache.spec.machine import MachineSpec, Spec, System
+
+
+_PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def spec_dir() -> Path:
+    """Return the folder holding the shipped ``*.toml`` specs.
+
+    A wheel carries them inside the package (``fsm_cache/specs``); a checkout
+    keeps them at the top level (``specs/``) beside the package.
+    """
+    inside = _PACKAGE / "specs"
+    return inside if inside.is_dir() else _PACKAGE.parent / "specs"
+
+
+def shipped_spec_paths() -> list[Path]:
+    """Return every shipped spec file (negative controls excluded), sorted."""
+    return sorted(spec_dir().glob("*.toml"))
+
+
+@cache
+def load_shipped(name: str) -> Spec:
+    """Load and validate the shipped spec ``name`` (``residency``, ``host_residency``, ...)."""
+    from fsm_cache.spec.loader import load_spec
+
+    return load_spec(spec_dir() / f"{name}.toml")
+
+
+def residency_system() -> System:
+    """Return the composed residency system of a tree node (host and device regions)."""
+    spec = load_shipped("residency")
+    assert isinstance(spec, System)
+    return spec
+
+
+def host_machine() -> MachineSpec:
+    """Return the host residency machine on its own."""
+    return residency_system().machines["host"]
+
+
+def device_machine() -> MachineSpec:
+    """Return the device residency machine on its own."""
+    return residency_system().machines["device"]

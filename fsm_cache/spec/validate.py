@@ -1,0 +1,352 @@
+"""Load-time validation of specs: names, determinism, totality, safety, reachability.
+
+Every check looks at one step from one counter valuation, and guards,
+invariants and updates are simple enough (``COUNTER OP INT`` conjunctions;
+``+=``, ``-=``, ``=`` a constant) that a handful of values per counter stands
+for all of them: :func:`representatives` says which, and
+:func:`fsm_cache.spec.guards.critical_values` why that is exact. So a guard
+``tokens <= 4096`` costs a few values, not four thousand.
+"""
+
+from __future__ import annotations
+
+import builtins
+import itertools
+import keyword
+from collections.abc import Iterator
+
+from fsm_cache import errors
+from fsm_cache.errors import FsmCacheError, IllegalTransition, SpecError, error_class
+from fsm_cache.spec.guards import Guard, critical_values
+from fsm_cache.spec.machine import Forbid, MachineSpec, Spec, System, Transition
+
+
+# Attributes every record has besides regions and counters (see Engine.slots and the
+# tree protocol), and the region name of a single machine: counters may not shadow them.
+RESERVED = frozenset({"id", "trail", "parent", "children", "state"})
+
+
+def validate(spec: Spec) -> None:
+    """Raise :class:`SpecError` listing every problem of ``spec``; return if none."""
+    found = problems(spec)
+    if found:
+        raise SpecError(found)
+
+
+def problems(spec: Spec) -> list[str]:
+    """Return one located line per problem of ``spec`` (empty when valid)."""
+    if isinstance(spec, System):
+        return _system_problems(spec)
+    names = _name_problems(spec)
+    if names:
+        return [f"{spec.source}: {line}" for line in names]
+    lines = [
+        *_initial(spec),
+        *_determinism(spec),
+        *_totality(spec),
+        *_safety(spec),
+        *_liveness(spec),
+    ]
+    return [f"{spec.source}: {line}" for line in lines]
+
+
+def bound(spec: MachineSpec) -> int:
+    """Return a counter value past which no guard or invariant changes its truth.
+
+    The values 0..bound include every one of :func:`representatives`; tests that
+    want a dense range rather than the few exact representatives use it.
+    """
+    constants = [abs(t.value) for s in spec.states for t in s.invariant.terms]
+    constants += [abs(t.value) for tr in spec.transitions for t in tr.guard.terms]
+    constants += [abs(t.value) for f in spec.forbids for t in f.guard.terms]
+    constants += [v for _, v in spec.counters]
+    steps = [a.amount for tr in spec.transitions for a in tr.update.assigns]
+    return max(constants, default=0) + max(steps, default=0) + 2
+
+
+def representatives(spec: MachineSpec, *extra: Guard) -> dict[str, tuple[int, ...]]:
+    """Return, per counter, ascending values that stand for every value it can take.
+
+    Each counter's :func:`~fsm_cache.spec.guards.critical_values` (which says why they
+    are exact) for the constants it is compared with (every invariant, guard and
+    forbid guard, and the ``extra`` guards) and the steps updates move it by.
+    Guards are conjunctions and updates assign counters one by one, so the
+    counters are independent: the product of these meets every class of
+    valuations that any check tells apart.
+    """
+    guards = [s.invariant for s in spec.states] + [t.guard for t in spec.transitions]
+    guards += [f.guard for f in spec.forbids] + list(extra)
+    constants: dict[str, list[int]] = {name: [] for name in spec.counter_names}
+    steps: dict[str, list[int]] = {name: [] for name in spec.counter_names}
+    for term in (term for guard in guards for term in guard.terms):
+        constants.get(term.counter, []).append(term.value)
+    for assign in (a for tr in spec.transitions for a in tr.update.assigns):
+        steps.get(assign.counter, []).append(assign.delta())
+    return {name: critical_values(constants[name], steps[name]) for name in spec.counter_names}
+
+
+def valuations(spec: MachineSpec, invariant: Guard) -> Iterator[dict[str, int]]:
+    """Yield the exact representative counter valuations that satisfy ``invariant``.
+
+    The product of :func:`representatives` over the counters, in ascending
+    lexicographic order, keeping those where ``invariant`` holds; checking a
+    property of one step on these is checking it on every valuation.
+    """
+    names = spec.counter_names
+    reps = representatives(spec, invariant)
+    # The invariant is a conjunction of single-counter terms: filter each axis alone.
+    axes = [
+        [
+            v
+            for v in reps[name]
+            if all(t.holds({name: v}) for t in invariant.terms if t.counter == name)
+        ]
+        for name in names
+    ]
+    for values in itertools.product(*axes):
+        yield dict(zip(names, values, strict=True))
+
+
+def _when(counters: dict[str, int]) -> str:
+    """Return `` when pins=0, locks=1`` (empty for a machine without counters)."""
+    shown = ", ".join(f"{k}={v}" for k, v in counters.items())
+    return f" when {shown}" if shown else ""
+
+
+def _name_problems(spec: MachineSpec) -> list[str]:
+    states, counters = set(spec.state_names), set(spec.counter_names)
+    out = [] if spec.initial in states else [f"machine.initial: unknown state {spec.initial!r}"]
+    if len(states) != len(spec.states):
+        out.append("states: a state name is declared twice")
+    out += [
+        f"counters.{c}: {c!r} is reserved (a Python keyword or a record attribute)"
+        for c in spec.counter_names
+        if _reserved(c)
+    ]
+    for st in spec.states:
+        out += [
+            f"states.{st.name}.invariant: unknown counter {c!r}"
+            for c in st.invariant.counters() - counters
+        ]
+        if st.counter is not None and st.counter not in counters:
+            out.append(f"states.{st.name}.counter: unknown counter {st.counter!r}")
+    for i, tr in enumerate(spec.transitions):
+        out += _transition_names(spec, f"transition[{i}]", tr)
+    for i, fb in enumerate(spec.forbids):
+        out += _forbid_names(spec, f"forbid[{i}]", fb)
+    used = set(spec.event_names)
+    return out + [
+        f"events.{e.name}: declared but no transition or forbid uses it"
+        for e in spec.events
+        if e.name not in used
+    ]
+
+
+def _transition_names(spec: MachineSpec, where: str, tr: Transition) -> list[str]:
+    states = spec.state_names
+    out = _undeclared(spec, f"{where}.event", tr.event)
+    out += [f"{where}.source: unknown state {s!r}" for s in tr.sources if s not in states]
+    out += [f"{where}.dest: unknown state {tr.dest!r}"] if tr.dest not in states else []
+    used = tr.guard.counters() | tr.update.counters()
+    return out + [f"{where}: unknown counter {c!r}" for c in sorted(used - set(spec.counter_names))]
+
+
+def _forbid_names(spec: MachineSpec, where: str, fb: Forbid) -> list[str]:
+    out = _undeclared(spec, f"{where}.event", fb.event)
+    out += [f"{where}.source: unknown state {s!r}" for s in fb.sources if s not in spec.state_names]
+    unknown = fb.guard.counters() - set(spec.counter_names)
+    out += [f"{where}.guard: unknown counter {c!r}" for c in sorted(unknown)]
+    if fb.when:
+        out.append(f"{where}.when: a machine file cannot use conditions; use a composition")
+    if not fb.sources:
+        out.append(f"{where}.source: a machine's forbid must name its states")
+    return out + _error_name(where, fb.error)
+
+
+def _undeclared(spec: MachineSpec, where: str, event: str) -> list[str]:
+    """An ``[events]`` table, when a machine has one, is the closed list of its events."""
+    declared = [e.name for e in spec.events]
+    if not declared or event in declared:
+        return []
+    return [f"{where}: unknown event {event!r} (declared in [events]: {', '.join(declared)})"]
+
+
+def _reserved(name: str) -> bool:
+    return keyword.iskeyword(name) or name in RESERVED
+
+
+def _region_name_ok(region: str, system: System) -> bool:
+    # "state" is the region name of a single machine (System.single), so it stays allowed.
+    clash = region in RESERVED - {"state"} or region in machine_counters(system)
+    return region.isidentifier() and not keyword.iskeyword(region) and not clash
+
+
+def _error_name(where: str, name: str) -> list[str]:
+    if not name or not name[0].isupper():
+        return [f"{where}.error: error class names are CapitalisedIdentifiers, got {name!r}"]
+    # A refusal named like another class would be a different class of the same name:
+    # `except SpecError` would not catch it, nor would `except ValueError`.
+    if hasattr(builtins, name):
+        return [f"{where}.error: {name!r} is a Python builtin, not a refusal; choose another name"]
+    own = getattr(errors, name, None)
+    refusal = isinstance(own, type) and issubclass(own, IllegalTransition)
+    if isinstance(own, type) and issubclass(own, FsmCacheError) and not refusal:
+        return [
+            f"{where}.error: {name!r} is fsm_cache's own {name}, not a refusal; choose another name"
+        ]
+    error_class(name)
+    return []
+
+
+def _initial(spec: MachineSpec) -> Iterator[str]:
+    invariant = spec.state(spec.initial).invariant
+    values = dict(spec.counters)
+    broken = {t.counter for t in invariant.terms if not t.holds(values)}
+    for name in (n for n in spec.counter_names if n in broken):
+        yield f"counters.{name}: initial value {values[name]} breaks the invariant of the initial state {spec.initial} ({invariant})"
+
+
+def _determinism(spec: MachineSpec) -> Iterator[str]:
+    for st in spec.states:
+        for event in spec.event_names:
+            moves = [
+                (i, t)
+                for i, t in enumerate(spec.transitions)
+                if t.event == event and st.name in t.sources
+            ]
+            refusals = [
+                (k, f)
+                for k, f in enumerate(spec.forbids)
+                if f.event == event and st.name in f.sources
+            ]
+            at = f"on {event} in {st.name}"
+            for (i, a), (j, b) in itertools.combinations(moves, 2):
+                both = _overlap(spec, st.invariant, a.guard, b.guard)
+                if both is not None:
+                    yield f"transition[{j}].guard: overlaps transition[{i}] {at}{_when(both)} (non-deterministic)"
+            for n, (k, fb) in enumerate(refusals):
+                for i, tr in moves:
+                    both = _overlap(spec, st.invariant, tr.guard, fb.guard)
+                    if both is not None:
+                        yield f"forbid[{k}]: overlaps transition[{i}] {at}{_when(both)}"
+                for m, earlier in refusals[:n]:
+                    both = _overlap(spec, st.invariant, earlier.guard, fb.guard)
+                    if both is not None:
+                        yield f"forbid[{k}]: overlaps forbid[{m}] {at}{_when(both)} (ambiguous refusal)"
+
+
+def _overlap(spec: MachineSpec, invariant: Guard, a: Guard, b: Guard) -> dict[str, int] | None:
+    """Return a counter valuation allowed by ``invariant`` where both guards hold, if any."""
+    return next((c for c in valuations(spec, invariant) if a.holds(c) and b.holds(c)), None)
+
+
+def _totality(spec: MachineSpec) -> Iterator[str]:
+    for st in spec.states:
+        if st.final:
+            continue
+        for event in spec.event_names:
+            covers = [t.guard for t in spec.transitions_for(st.name, event)]
+            covers += [f.guard for f in spec.forbids_for(st.name, event)]
+            gap = next(
+                (c for c in valuations(spec, st.invariant) if not any(g.holds(c) for g in covers)),
+                None,
+            )
+            if gap is not None:
+                yield f"states.{st.name}: event {event!r} is neither a transition nor a forbid{_when(gap)} (not total)"
+
+
+def _safety(spec: MachineSpec) -> Iterator[str]:
+    names = set(spec.state_names)
+    for i, tr in enumerate(spec.transitions):
+        if tr.dest not in names:
+            continue
+        dest = spec.state(tr.dest)
+        for source in tr.sources:
+            for before in valuations(spec, spec.state(source).invariant):
+                if not tr.guard.holds(before):
+                    continue
+                after = tr.update.apply(before)
+                negative = [k for k, v in after.items() if v < 0]
+                if negative:
+                    yield f"transition[{i}].update: drives {negative[0]} negative from {source}{_when(before)}"
+                    break
+                if not dest.invariant.holds(after):
+                    yield f"transition[{i}].update: breaks the invariant of {dest.name} ({dest.invariant}) from {source}{_when(before)}"
+                    break
+
+
+def _liveness(spec: MachineSpec) -> Iterator[str]:
+    reached, frontier = {spec.initial}, [spec.initial]
+    while frontier:
+        state = frontier.pop()
+        for tr in spec.transitions:
+            if state in tr.sources and tr.dest not in reached and _enabled(spec, state, tr.guard):
+                reached.add(tr.dest)
+                frontier.append(tr.dest)
+    for st in spec.states:
+        if st.name not in reached:
+            yield f"states.{st.name}: unreachable from {spec.initial}"
+        exits = [t for t in spec.transitions if st.name in t.sources and t.dest != st.name]
+        if not st.final and not exits:
+            yield f"states.{st.name}: not final and has no transition out"
+
+
+def _enabled(spec: MachineSpec, state: str, guard: Guard) -> bool:
+    return any(guard.holds(c) for c in valuations(spec, spec.state(state).invariant))
+
+
+def _system_problems(system: System) -> list[str]:
+    out: list[str] = []
+    inner: list[str] = []
+    seen: dict[str, str] = {}
+    for region, machine in system.regions:
+        inner += problems(machine)
+        if not _region_name_ok(region, system):
+            out.append(
+                f"composition.regions.{region}: not a usable region name (an identifier that is no keyword, record attribute or counter)"
+            )
+        for counter in machine.counter_names:
+            if counter in seen:
+                out.append(
+                    f"composition.regions.{region}: counter {counter!r} also in region {seen[counter]!r}"
+                )
+            seen[counter] = region
+    for i, fb in enumerate(system.forbids):
+        out += _system_forbid_problems(system, f"forbid[{i}]", fb)
+    return inner + [f"{system.source}: {line}" for line in out]
+
+
+def _system_forbid_problems(system: System, where: str, fb: Forbid) -> list[str]:
+    machines = system.machines
+    out = (
+        []
+        if fb.event in system.event_names
+        else [f"{where}.event: no region declares {fb.event!r}"]
+    )
+    unknown = fb.guard.counters() - machine_counters(system)
+    out += [f"{where}.guard: unknown counter {c!r}" for c in sorted(unknown)]
+    out += _error_name(where, fb.error)
+    # The engine tests a composition forbid's sources against the first region
+    # that declares the event (the region the refusal is reported in).
+    owners = system.regions_of(fb.event)
+    out += [
+        f"{where}.source: unknown state {s!r} of region {owners[0]!r}"
+        for s in fb.sources
+        if owners and s not in machines[owners[0]].state_names
+    ]
+    for cond in fb.when:
+        if cond.region not in machines:
+            out.append(f"{where}.when: unknown region {cond.region!r}")
+            continue
+        known = machines[cond.region].state_names
+        out += [
+            f"{where}.when: unknown state {s!r} of {cond.region}"
+            for s in cond.states
+            if s not in known
+        ]
+    return out
+
+
+def machine_counters(system: System) -> set[str]:
+    """Return every counter name of every region of ``system``."""
+    return {c for _, machine in system.regions for c in machine.counter_names}

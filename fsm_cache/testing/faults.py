@@ -1,0 +1,162 @@
+"""Test helpers for users of fsm_cache: a fault-injecting copy engine.
+
+:class:`FaultyCopyEngine` wraps a :class:`~fsm_cache.memory.copies.CopyEngine` and
+keeps its interface (:class:`~fsm_cache.memory.copies.Copier`), so a cache under test
+cannot tell it apart, except that it can:
+
+* fail chosen copies (counted from 1 in start order): the copy runs, its
+  completion carries a :class:`~fsm_cache.errors.CopyFailed`, and its
+  destination pages are poisoned with ``0xFF`` bytes, as a half-done copy would
+  leave them;
+* refuse chosen copies at start, raising :class:`CopyFailed` with nothing started;
+* hold every acknowledgement back for ``delay`` extra polls;
+* deliver the acknowledgements of one poll in a seeded random order.
+
+Pages stay busy until their ticket is delivered, so early frees stay visible.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+from fsm_cache.errors import CopyFailed
+from fsm_cache.memory.copies import CopyEngine
+from fsm_cache.memory.tickets import Completion, Direction, Ticket, refuse_busy_destination
+
+
+POISON = 0xFF
+"""The byte a failed copy leaves in its destination pages."""
+
+
+@dataclass
+class _Held:
+    completion: Completion
+    polls_left: int
+
+
+class FaultyCopyEngine:
+    """A :class:`CopyEngine` with injected failures, delays and reordering.
+
+    Args:
+        inner: The engine that really copies.
+        fail: 1-based positions of copies whose completion reports failure.
+        refuse: 1-based positions of copies whose start raises ``CopyFailed``.
+        delay: Polls each acknowledgement is held back after the copy finished.
+        shuffle: Deliver each poll's acknowledgements in a random order.
+        seed: Seed of that order, for reproducible tests.
+        poison: Overwrite the destination of failed copies with ``POISON``.
+    """
+
+    def __init__(
+        self,
+        inner: CopyEngine,
+        *,
+        fail: Collection[int] = (),
+        refuse: Collection[int] = (),
+        delay: int = 0,
+        shuffle: bool = False,
+        seed: int = 0,
+        poison: bool = True,
+    ) -> None:
+        self.inner = inner
+        self.fail = frozenset(fail)
+        self.refuse = frozenset(refuse)
+        self.delay = delay
+        self.shuffle = shuffle
+        self.poison = poison
+        self.started = 0
+        self._rng = random.Random(seed)
+        self._doomed: dict[int, int] = {}
+        self._held: list[_Held] = []
+
+    def start_write(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Ticket:
+        """Start a device-to-host copy, or refuse it if its position is in ``refuse``."""
+        self._refuse_held(Direction.D2H, host_pages)
+        self._count_start()
+        return self._watch(self.inner.start_write(device_pages, host_pages))
+
+    def start_load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> Ticket:
+        """Start a host-to-device copy, or refuse it if its position is in ``refuse``."""
+        self._refuse_held(Direction.H2D, device_pages)
+        self._count_start()
+        return self._watch(self.inner.start_load(host_pages, device_pages))
+
+    def _refuse_held(self, direction: Direction, dst: Sequence[int]) -> None:
+        tickets = [h.completion.ticket for h in self._held]
+        to_host = direction is Direction.D2H
+        held = {p for t in tickets for p in (t.host_pages if to_host else t.device_pages)}
+        refuse_busy_destination(direction, dst, held)
+
+    def _count_start(self) -> None:
+        self.started += 1
+        if self.started in self.refuse:
+            raise CopyFailed(f"injected refusal of copy {self.started}")
+
+    def _watch(self, ticket: Ticket) -> Ticket:
+        if self.started in self.fail:
+            self._doomed[ticket.id] = self.started
+        return ticket
+
+    def poll(self) -> list[Completion]:
+        """Report the acknowledgements whose delay has run out."""
+        return self._deliver(self.inner.poll(), flush=False)
+
+    def drain(self) -> list[Completion]:
+        """Finish every copy and deliver every acknowledgement, held ones included."""
+        return self._deliver(self.inner.drain(), flush=True)
+
+    def _deliver(self, finished: list[Completion], flush: bool) -> list[Completion]:
+        for c in finished:
+            self._held.append(_Held(self._inject(c), self.delay))
+        due: list[_Held] = []
+        kept: list[_Held] = []
+        for h in self._held:
+            (due if flush or h.polls_left <= 0 else kept).append(h)
+            h.polls_left -= 1
+        self._held = kept
+        out = [h.completion for h in due]
+        if self.shuffle:
+            self._rng.shuffle(out)
+        return out
+
+    def _inject(self, completion: Completion) -> Completion:
+        position = self._doomed.pop(completion.ticket.id, None)
+        if position is None:
+            return completion
+        ticket = completion.ticket
+        if self.poison:
+            to_device = ticket.direction is Direction.H2D
+            pool = self.inner.device if to_device else self.inner.host
+            pool.fill(ticket.dst_pages, POISON)
+        return Completion(ticket, CopyFailed(f"injected failure of copy {position}"))
+
+    def in_flight(self) -> list[Ticket]:
+        """Tickets started and not yet delivered, oldest first."""
+        held = [h.completion.ticket for h in self._held]
+        return sorted(self.inner.in_flight() + held, key=lambda t: t.id)
+
+    def device_busy(self, pages: Iterable[int]) -> bool:
+        """Whether an undelivered copy reads or writes any of these device pages."""
+        wanted = set(pages)
+        return self.inner.device_busy(wanted) or any(
+            wanted.intersection(h.completion.ticket.device_pages) for h in self._held
+        )
+
+    def host_busy(self, pages: Iterable[int]) -> bool:
+        """Whether an undelivered copy reads or writes any of these host pages."""
+        wanted = set(pages)
+        return self.inner.host_busy(wanted) or any(
+            wanted.intersection(h.completion.ticket.host_pages) for h in self._held
+        )
+
+    def busy_device_pages(self) -> frozenset[int]:
+        """Every device page an undelivered copy touches."""
+        held = (p for h in self._held for p in h.completion.ticket.device_pages)
+        return self.inner.busy_device_pages() | frozenset(held)
+
+    def busy_host_pages(self) -> frozenset[int]:
+        """Every host page an undelivered copy touches."""
+        held = (p for h in self._held for p in h.completion.ticket.host_pages)
+        return self.inner.busy_host_pages() | frozenset(held)
