@@ -42,7 +42,7 @@ def test_validate_and_check_controls_yield_their_finding(control: Control) -> No
 
 @pytest.mark.parametrize("control", [c for c in ALL if c.tool == "verify"], ids=lambda c: c.name)
 def test_verify_controls_yield_their_counterexample(control: Control, tmp_path: Path) -> None:
-    assert control.matches(verify.control_finding(control, verify.load_options(), tmp_path))
+    assert control.matches(verify.verify_control(control, verify.load_options(), tmp_path))
 
 
 VERIFY_CONTROL = Control(Path("c.py"), "verify", "m.f: no page twice: counterexample: f(1, 1)")

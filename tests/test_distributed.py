@@ -37,14 +37,14 @@ with warnings.catch_warnings():
     from fsm_cache.bench import cache as cachebench
     from fsm_cache.bench import tp as tpbench
     from fsm_cache.bench.tp import (
-        Replay,
         TPBench,
+        TraceRates,
         bench_config,
         cache_trace_config,
         chat_trace,
-        replay,
         run_tp_bench,
-        serve,
+        serve_chat_trace,
+        serve_request,
     )
     from fsm_cache.cache.eventlog import EventLog
     from fsm_cache.cache.hicache import HiCache
@@ -133,7 +133,7 @@ def agree_on_workload(rank: int) -> dict[str, Any]:
         ahead = max(ahead, shared.buffered)
         shared.poll()
 
-    replay(shared.cache, chat_trace(60), poll)
+    serve_chat_trace(shared.cache, chat_trace(60), poll)
     shared.drain()
     digest = shared.verify_agreement()
     return {
@@ -151,10 +151,10 @@ def divergence(rank: int, world: int, inject: Callable[[DistributedCache], None]
     faulty = rank == world - 1
     shared = DistributedCache(HiCache(skewed(0)), timeout=TIMEOUT)
     for tokens in chat_trace(6, seed=1):
-        serve(shared.cache, tokens)
+        serve_request(shared.cache, tokens)
         shared.poll()
     shared.verify_agreement()
-    serve(shared.cache, chat_trace(7, seed=1)[-1])  # leaves copies in flight
+    serve_request(shared.cache, chat_trace(7, seed=1)[-1])  # leaves copies in flight
     if faulty:
         inject(shared)
     try:
@@ -194,7 +194,7 @@ def failed_copy(rank: int, world: int) -> str:
     fail = {3} if rank == world - 1 else set()
     shared = DistributedCache(HiCache(skewed(0, fail=fail)), timeout=TIMEOUT)
     try:
-        replay(shared.cache, chat_trace(6, seed=1), shared.poll)
+        serve_chat_trace(shared.cache, chat_trace(6, seed=1), shared.poll)
         shared.verify_agreement()
     except RankDivergence as exc:
         return str(exc)
@@ -246,11 +246,11 @@ def lost_completion(rank: int, world: int, *, stall: bool) -> tuple[str, int]:
     assert isinstance(copier, _Lossy)
     trace = chat_trace(7, seed=1)
     for tokens in trace[:-1]:
-        serve(shared.cache, tokens)
+        serve_request(shared.cache, tokens)
         shared.poll()
     if rank == world - 1:
         copier.lose = frozenset({copier.started + 1})
-    serve(shared.cache, trace[-1])
+    serve_request(shared.cache, trace[-1])
     polls = 0
     try:
         if not stall:
@@ -293,7 +293,7 @@ def survive_a_death(rank: int, world: int) -> str:
         for i, tokens in enumerate(chat_trace(40, seed=2)):
             if i == 3 and rank == world - 1:
                 os._exit(0)  # dies without a word, as a crashed rank does
-            serve(shared.cache, tokens)
+            serve_request(shared.cache, tokens)
             shared.poll()
     except RankFailure as exc:
         return str(exc)
@@ -574,7 +574,7 @@ def test_poll_applies_only_the_finished_head_of_the_issue_order() -> None:
 def test_drain_applies_everything_and_verify_returns_the_digest() -> None:
     cache = HiCache(bench_config(debug=True, copier=_Skew(delay=2, seed=1)))
     shared = DistributedCache(cache)
-    replay(cache, chat_trace(20), shared.poll)
+    serve_chat_trace(cache, chat_trace(20), shared.poll)
     shared.drain()
     assert cache.issued() == []
     assert shared.verify_agreement() == shared.digest
@@ -591,7 +591,7 @@ def test_nccl_world_of_one_agrees_on_cuda_copies(tmp_path: Path) -> None:
         cache = HiCache(bench_config(device="cuda", debug=True))
         shared = DistributedCache(cache, timeout=TIMEOUT, verify_every=4)
         assert shared.device == torch.device("cuda", 0)
-        replay(cache, chat_trace(20), shared.poll)
+        serve_chat_trace(cache, chat_trace(20), shared.poll)
         shared.drain()
         assert cache.issued() == []
         assert cache.stats().transitions["write_done"] > 0
@@ -602,7 +602,7 @@ def test_nccl_world_of_one_agrees_on_cuda_copies(tmp_path: Path) -> None:
 
 def test_tp_bench_format() -> None:
     bench = TPBench(
-        2, 100, 120.04, 3.5, 2, Replay(2000, 2000.0, 1000.0), Replay(400, 800.0, 1600.0)
+        2, 100, 120.04, 3.5, 2, TraceRates(2000, 2000.0, 1000.0), TraceRates(400, 800.0, 1600.0)
     )
     assert bench.format() == "\n".join(
         [
@@ -624,7 +624,7 @@ def test_bench_tp_runs_both_group_sizes_and_honours_quick(
     quick: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     calls: list[tuple[int, dict[str, int]]] = []
-    figures = TPBench(2, 1, 1.0, 1.0, 1, Replay(1, 1.0, 1.0), Replay(1, 1.0, 1.0))
+    figures = TPBench(2, 1, 1.0, 1.0, 1, TraceRates(1, 1.0, 1.0), TraceRates(1, 1.0, 1.0))
 
     def fake(ranks: int, **sizes: int) -> TPBench:
         calls.append((ranks, sizes))

@@ -12,8 +12,8 @@
   the local poll and with the agreed poll, side by side, best of interleaved
   rounds; their ratio is what agreement costs that benchmark;
 * the same for the small trace the distributed tests replay (:func:`chat_trace`
-  through :func:`replay`: a cache the trace overflows, so load-backs and host
-  evictions come with the copies).
+  through :func:`serve_chat_trace`: a cache the trace overflows, so load-backs
+  and host evictions come with the copies).
 
 Figures are rank 0's; the ranks run in lock step, so the slowest sets the pace.
 ``fsm-cache bench tp`` calls :func:`run_tp_bench`.
@@ -38,12 +38,10 @@ from torch.multiprocessing.spawn import start_processes
 
 from fsm_cache.bench import cache as cachebench
 from fsm_cache.cache.hicache import HiCache
+from fsm_cache.cache.tree import Key
 from fsm_cache.distributed.agreement import DistributedCache
 from fsm_cache.errors import PoolExhausted
 from fsm_cache.memory.tiers import CacheConfig
-
-
-Request = tuple[int, ...]
 
 
 def chat_trace(
@@ -53,7 +51,7 @@ def chat_trace(
     seed: int = 0,
     page_size: int = 4,
     max_len: int = 96,
-) -> list[Request]:
+) -> list[Key]:
     """Return a reproducible chat-like trace: each request extends its session's conversation.
 
     Sessions share one of two system prompts; a turn adds a user message and
@@ -72,8 +70,8 @@ def chat_trace(
     return trace
 
 
-def serve(cache: HiCache, tokens: Request) -> None:
-    """One request: look the prefix up, load back what the host holds, insert the rest.
+def serve_request(cache: HiCache, tokens: Key) -> None:
+    """Serve one request: look the prefix up, load back what the host holds, insert the rest.
 
     The matched path is locked while the insert allocates, as a scheduler
     holds a running request's prefix, so that eviction cannot take it.
@@ -92,13 +90,13 @@ def serve(cache: HiCache, tokens: Request) -> None:
             cache.unlock(lock)
 
 
-def replay(
-    cache: HiCache, trace: Sequence[Request], poll: Callable[[], object], evict_every: int = 8
+def serve_chat_trace(
+    cache: HiCache, trace: Sequence[Key], poll: Callable[[], object], evict_every: int = 8
 ) -> None:
     """Serve every request of ``trace``, polling after each and evicting every few."""
     quarter = cache.config.device_pages * cache.config.page_size // 4
     for i, tokens in enumerate(trace, 1):
-        serve(cache, tokens)
+        serve_request(cache, tokens)
         poll()
         if i % evict_every == 0:
             cache.evict(quarter)
@@ -127,8 +125,8 @@ def cache_trace_config(device_pages: int = 512) -> CacheConfig:
 
 
 @dataclass(frozen=True)
-class Replay:
-    """One trace replayed with the local poll and with the agreed poll (best of the rounds).
+class TraceRates:
+    """Request rates of one trace served with the local and with the agreed poll (best rounds).
 
     Attributes:
         requests: Requests in the trace.
@@ -169,8 +167,8 @@ class TPBench:
     agreed_poll_us: float
     local_poll_us: float
     rounds: int
-    cache_trace: Replay
-    small_trace: Replay
+    cache_trace: TraceRates
+    small_trace: TraceRates
 
     def format(self) -> str:
         """Return the figures as a table."""
@@ -223,7 +221,7 @@ def run_tp_bench(
         args = (ranks, str(Path(tmp) / "store"), tmp, settings)
         start_processes(_bench_rank, args=args, nprocs=ranks)  # type: ignore[no-untyped-call]
         figures = json.loads((Path(tmp) / "rank0.json").read_text())
-    big, small = (Replay(**figures.pop(k)) for k in ("cache_trace", "small_trace"))
+    big, small = (TraceRates(**figures.pop(k)) for k in ("cache_trace", "small_trace"))
     return TPBench(**figures, cache_trace=big, small_trace=small)
 
 
@@ -271,7 +269,7 @@ def _measure(world: int, settings: _Settings) -> TPBench:
             cachebench.trace(settings.requests),
             settings,
         ),
-        _compare(bench_config, replay, chat_trace(settings.small_requests), settings),
+        _compare(bench_config, serve_chat_trace, chat_trace(settings.small_requests), settings),
     )
 
 
@@ -281,7 +279,7 @@ Replayer = Callable[[HiCache, Sequence[K], Callable[[], object]], None]
 
 def _compare(
     config: Callable[[], CacheConfig], run: Replayer[K], trace: Sequence[K], settings: _Settings
-) -> Replay:
+) -> TraceRates:
     """Replay ``trace`` with the local and the agreed poll, interleaved; the best of each."""
     local: list[float] = []
     agreed: list[float] = []
@@ -294,7 +292,7 @@ def _compare(
         agreed.append(_rate(run, shared.cache, trace, shared.poll))
         shared.drain()
         shared.verify_agreement()  # the ranks really applied the same transitions (not timed)
-    return Replay(len(trace), max(local), max(agreed))
+    return TraceRates(len(trace), max(local), max(agreed))
 
 
 def _rate(

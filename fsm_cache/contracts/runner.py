@@ -120,7 +120,7 @@ def functions(path: Path) -> list[tuple[str, int]]:
     return list(seen.items())
 
 
-def check(target: str, path: Path, options: Options) -> list[Row]:
+def prove(target: str, path: Path, options: Options) -> list[Row]:
     """Run CrossHair on ``path``; one row per postcondition it declares or reports on.
 
     A module whose own file declares no postcondition (one that builds its

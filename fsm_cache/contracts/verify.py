@@ -78,7 +78,7 @@ def verify_spec(path: Path, options: Options, workdir: Path) -> list[Row]:
     system = as_system(load_spec(path))
     folder = Path(tempfile.mkdtemp(dir=workdir))
     module = generate(system, path).write(folder)
-    return crosshair_run.check(system.name, module, options)
+    return crosshair_run.prove(system.name, module, options)
 
 
 def verify_module(name: str, options: Options) -> list[Row]:
@@ -98,7 +98,7 @@ def verify_module(name: str, options: Options) -> list[Row]:
         path = Path(spec.origin)
     if not path.is_file():
         raise SpecError([f"{name}: no such file"])
-    return crosshair_run.check(path.stem, path, options)
+    return crosshair_run.prove(path.stem, path, options)
 
 
 def verify_target(target: str, options: Options, workdir: Path) -> list[Row]:
@@ -108,7 +108,7 @@ def verify_target(target: str, options: Options, workdir: Path) -> list[Row]:
     return verify_module(target, options)
 
 
-def control_finding(control: Control, options: Options, workdir: Path) -> str:
+def verify_control(control: Control, options: Options, workdir: Path) -> str:
     """Return the first finding ``validate`` or ``verify`` reports on a control (``""`` if none)."""
     if control.path.suffix == ".toml":
         spec, problem = load_finding(control.path)
@@ -133,7 +133,7 @@ def run(targets: Sequence[str], options: Options, with_controls: bool) -> dict[s
         rows = [r for t in (targets or shipped) for r in verify_target(t, options, Path(tmp))]
         checked = []
         for control in controls(tools=("validate", "verify")) if with_controls else []:
-            found = control_finding(control, options, Path(tmp))
+            found = verify_control(control, options, Path(tmp))
             checked.append(
                 {
                     "control": control.name,

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.distributed.collectives import Collectives
 from fsm_cache.distributed.digest import (
-    Transition,
+    AppliedTransition,
     TransitionDigest,
     copy_nodes,
     divergence_message,
@@ -236,7 +236,7 @@ class DistributedCache:
         """
         self._digest.update()
         start = self._digest.agreed
-        tails: list[list[Transition]] = self.comm.all_gather_object(self._digest.tail())
+        tails: list[list[AppliedTransition]] = self.comm.all_gather_object(self._digest.tail())
         index = first_difference(tails)
         if index is not None:
             states = self._gather_states(involved_nodes(tails, index))

@@ -48,7 +48,7 @@ class Collectives:
     ) -> Collectives:
         """Return the collectives of ``group`` (device None: CUDA for NCCL, else the CPU)."""
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        return cls(group, rank, size, device or default_device(group), timeout)
+        return cls(group, rank, size, device or group_device(group), timeout)
 
     def all_reduce_min(self, values: list[int]) -> list[int]:
         """Return the element-wise minimum of ``values`` over the ranks."""
@@ -99,8 +99,12 @@ class Collectives:
             ) from exc
 
 
-def default_device(group: dist.ProcessGroup | None) -> torch.device:
-    """The current CUDA device for NCCL (its tensors must live there), else the CPU."""
+def group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Return where the collectives of ``group`` put their tensors.
+
+    The current CUDA device for an NCCL group (its tensors must live there),
+    else the CPU.
+    """
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -20,8 +20,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from fsm_cache.cache.eventlog import EventLog
 
 
-Transition = tuple[int, str]
-"""``(node id, event)``, as :class:`~fsm_cache.cache.eventlog.EventLog` records it."""
+AppliedTransition = tuple[int, str]
+"""``(node id, event)`` of a transition a cache applied, as
+:class:`~fsm_cache.cache.eventlog.EventLog` records it (not a spec's
+:class:`~fsm_cache.spec.machine.Transition`)."""
 
 DIGEST_BYTES = 16
 
@@ -60,13 +62,13 @@ class TransitionDigest:
         self.agreed = self.count
         self._agreed_entry = self._scanned
 
-    def tail(self) -> list[Transition]:
+    def tail(self) -> list[AppliedTransition]:
         """Return the transitions folded in since the last agreed point, in order."""
         entries = itertools.islice(self._log.entries, self._agreed_entry, self._scanned)
         return [(node, event) for kind, node, event in entries if kind == "transition"]
 
 
-def first_difference(tails: Sequence[Sequence[Transition]]) -> int | None:
+def first_difference(tails: Sequence[Sequence[AppliedTransition]]) -> int | None:
     """Return the first index at which the ranks' transitions differ, or None if none does.
 
     A rank that applied fewer transitions differs at the index just past its last one.
@@ -82,7 +84,7 @@ def first_difference(tails: Sequence[Sequence[Transition]]) -> int | None:
 def divergence_message(
     start: int,
     index: int,
-    tails: Sequence[Sequence[Transition]],
+    tails: Sequence[Sequence[AppliedTransition]],
     states: Sequence[Mapping[int, str]],
 ) -> str:
     """Describe the first differing transition and the involved nodes' states on every rank.
@@ -233,7 +235,7 @@ def _now(nodes: Iterable[int], states: Sequence[Mapping[int, str]]) -> list[str]
     ]
 
 
-def involved_nodes(tails: Sequence[Sequence[Transition]], index: int) -> list[int]:
+def involved_nodes(tails: Sequence[Sequence[AppliedTransition]], index: int) -> list[int]:
     """Return the nodes any rank applied a transition to at ``index``, in rank order."""
     nodes = (tail[index][0] for tail in tails if index < len(tail))
     return list(dict.fromkeys(nodes))
