@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsm_cache.cache.eventlog import replay
 from fsm_cache.cache.hicache import HiCache
+from fsm_cache.cache.replay import replay
 from fsm_cache.cache.tree import TreeNode
 from fsm_cache.errors import ConfigError, ForeignSlot, IllegalTransition, LeaseError, PoolExhausted
 from fsm_cache.memory.copies import CopyEngine
 from fsm_cache.memory.kv import KVPool
 from fsm_cache.memory.pages import slots_of
-from fsm_cache.memory.tickets import Direction
 from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
 from fsm_cache.testing.faults import FaultyCopyEngine
 
@@ -46,7 +45,7 @@ def states(cache: HiCache) -> list[tuple[int, str]]:
 
 def nothing_queued(cache: HiCache) -> bool:
     """No node waits in a batch without its copy, and no copy is in flight."""
-    return cache._batch == {Direction.D2H: [], Direction.H2D: []} and cache.issued() == []
+    return cache.transfers.queued() == 0 and cache.issued() == []
 
 
 def failing(*positions: int) -> object:
@@ -468,7 +467,7 @@ class TestReporting:
         cache.insert(tokens(0, 8))
         (node,) = list(cache.tree)
         with pytest.raises(IllegalTransition, match="release refused in writing"):
-            cache._operate("release", node)
+            cache.fire("release", node)
         assert cache.stats().refused == {"release": 1}
         assert node.host == "writing"
 

@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from fsm_cache.cache.eventlog import replay
 from fsm_cache.cache.eviction import _device_leaf
 from fsm_cache.cache.hicache import HiCache
+from fsm_cache.cache.replay import replay
 from fsm_cache.engine.lease import Lease
 from fsm_cache.errors import PoolExhausted
 from fsm_cache.memory.copies import CopyEngine
@@ -79,7 +79,7 @@ class CacheMachine(RuleBasedStateMachine):
             # only a full device tier may refuse; that is possible only when too little is free
             assert free < len(seq)
             # and any write-back the refused allocation waited for was applied, not left pending
-            assert not self.cache._evict_after_ack
+            assert not self.cache.evictor.waiting()
             return
         self.inserted.append(tuple(seq))
 
@@ -115,7 +115,7 @@ class CacheMachine(RuleBasedStateMachine):
         refused = self.cache.stats().refused.get("write", 0)
         freed = self.cache.evict(n)
         if freed < n:  # then nothing evictable may be left behind (eviction saw every leaf)
-            waiting = self.cache._evict_after_ack
+            waiting = self.cache.evictor.waiting()
             left = [x for x in self.cache.tree if _device_leaf(x) and x.id not in waiting]
             # except write-back leaves whose backups a full host pool refused
             unbacked = [x for x in left if x.host in ("unbacked", "evicted")]
@@ -138,7 +138,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def nothing_waits_without_its_copy(self) -> None:
-        assert not any(self.cache._batch.values())
+        assert self.cache.transfers.queued() == 0
 
     @invariant()
     def kv_is_what_was_written(self) -> None:

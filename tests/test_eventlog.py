@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from fsm_cache.cache.eventlog import replay
+from fsm_cache.cache.replay import replay
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.errors import PoolExhausted, ReplayMismatch
 from fsm_cache.memory.copies import CopyEngine

@@ -104,7 +104,7 @@ def _machine_write(cache: HiCache, nodes: list[TreeNode]) -> None:
 
 def _reset(cache: HiCache, nodes: list[TreeNode]) -> None:
     for node in nodes:
-        cache._fire(node, "evict_host")
+        cache.fire("evict_host", node)
 
 
 def _time(fn: Callable[[], object], sync: Callable[[], object]) -> float:

@@ -12,9 +12,10 @@ from fsm_cache.lazy import resolver
 
 
 if TYPE_CHECKING:
-    from fsm_cache.cache.eventlog import EventLog, replay
+    from fsm_cache.cache.eventlog import EventLog
     from fsm_cache.cache.hicache import HiCache, Lock, MatchResult
     from fsm_cache.cache.metrics import Stats
+    from fsm_cache.cache.replay import replay
     from fsm_cache.memory.tiers import CacheConfig
 
 __all__ = ["CacheConfig", "EventLog", "HiCache", "Lock", "MatchResult", "Stats", "replay"]
@@ -27,6 +28,6 @@ __getattr__ = resolver(
         "Lock": "fsm_cache.cache.hicache",
         "MatchResult": "fsm_cache.cache.hicache",
         "Stats": "fsm_cache.cache.metrics",
-        "replay": "fsm_cache.cache.eventlog",
+        "replay": "fsm_cache.cache.replay",
     },
 )

@@ -7,6 +7,12 @@ load-back of evicted chains. Unlike it, nothing is implicit: every residency
 change is an event of ``specs/residency.toml`` fired through the compiled
 engine, whose effects move real memory (:mod:`fsm_cache.memory.tiers`), so an
 illegal step is refused at the call and changes nothing.
+
+:class:`HiCache` is the facade and owns no state of its own: the core (tree,
+machine, counters, log), :class:`~fsm_cache.cache.transfers.Transfers`
+(copies and acknowledgements) and :class:`~fsm_cache.cache.eviction.Evictor`
+(eviction) each own theirs, and the spec's effects are bound once to them
+(:class:`~fsm_cache.cache.effects.MemoryEffects`).
 """
 
 from __future__ import annotations
@@ -14,20 +20,24 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from types import TracebackType
 
-from fsm_cache.cache import slots, transfers
+from fsm_cache.cache import invariants, slots
+from fsm_cache.cache.core import CacheCore
+from fsm_cache.cache.effects import MemoryEffects
 from fsm_cache.cache.eventlog import EventLog
-from fsm_cache.cache.eviction import LeafHeap, evict_device, evict_host, load_chain
+from fsm_cache.cache.eviction import Evictor
 from fsm_cache.cache.metrics import Counters, Stats, snapshot
-from fsm_cache.cache.transfers import Operation
+from fsm_cache.cache.transfers import AckSourceFactory, Transfers
 from fsm_cache.cache.tree import Pages, RadixTree, TreeNode
 from fsm_cache.engine import trail
 from fsm_cache.engine.lease import Lease
-from fsm_cache.errors import EffectFailed, IllegalTransition, LeaseError
-from fsm_cache.memory.tickets import Completion, Direction
+from fsm_cache.errors import FsmCacheError, LeaseError, PoolExhausted
+from fsm_cache.memory.pages import REQUEST, pages_of, slots_of
+from fsm_cache.memory.tickets import Completion
 from fsm_cache.memory.tiers import CacheConfig, Tiers
-from fsm_cache.policy import WritePolicy
-from fsm_cache.residency import Event, Residency
+from fsm_cache.policy import WritePolicy, worth_loading
+from fsm_cache.residency import HOST_VALID, Event, Residency
 
 
 trail.internal(__file__)
@@ -65,47 +75,76 @@ class HiCache:
 
     Args:
         config: Sizes, KV layout, policy and thresholds; checked first.
+        acks: Builds the source of copy acknowledgements from the copy engine
+            and the copies in flight; the copy engine's own reports by default
+            (:func:`~fsm_cache.cache.replay.replay` passes a scripted one).
 
     Raises:
         ConfigError: A configuration value is out of range.
     """
 
-    def __init__(self, config: CacheConfig | None = None) -> None:
+    def __init__(
+        self, config: CacheConfig | None = None, *, acks: AckSourceFactory | None = None
+    ) -> None:
         self.config = config or CacheConfig()
         self.config.check()
         self.policy = WritePolicy(self.config.write_policy)
         self.tiers = Tiers(self.config)
-        self.machine = Residency(effects=transfers.effects(self), audit=self.config.audit)
-        self._start()
+        self._core = CacheCore(
+            self.config.page_size, self.tiers, self.config.audit
+        )  # FIXME(trail rename)
+        self._transfers = Transfers(
+            self._core, self.tiers, self.policy, self.config.selective_threshold, acks
+        )
+        self._evictor = Evictor(self._core, self.tiers, self._transfers, self.policy)
+        effects = MemoryEffects(self._core, self.tiers, self._transfers, self._evictor)
+        self._core.bind(effects.bound())
 
-    def _start(self) -> None:
-        """Set up an empty tree and fresh bookkeeping (construction and :meth:`reset`)."""
-        self.tree = RadixTree(self.config.page_size, on_split=partial(transfers.on_split, self))
-        self.counters = Counters()
-        self.log = EventLog()
-        self._clock = 0
-        self._copies = 0  # copies started since construction or reset: their log numbers
-        self._tickets: dict[int, transfers.Ticket] = {}
-        self._batch: dict[Direction, list[TreeNode]] = {Direction.D2H: [], Direction.H2D: []}
-        self._incoming: dict[int, Pages] = {}
-        self._evict_after_ack: set[int] = set()
-        self._spared: frozenset[int] = frozenset()  # nodes host eviction must keep, for now
-        self.leaf_heap = LeafHeap()
+    # -- the parts, read-only ------------------------------------------------
+
+    @property
+    def tree(self) -> RadixTree:
+        """The radix tree (owned by the core; replaced by :meth:`reset`)."""
+        return self._core.tree
+
+    @property
+    def log(self) -> EventLog:
+        """The event log of operations, transitions and acknowledgements since the last reset."""
+        return self._core.log
+
+    @property
+    def counters(self) -> Counters:
+        """Running totals since the last reset."""
+        return self._core.counters
+
+    @property
+    def machine(self) -> Residency:
+        """The residency machine, compiled with this cache's memory effects."""
+        return self._core.machine
+
+    @property
+    def transfers(self) -> Transfers:
+        """Copies queued and in flight (read their views; the cache drives them)."""
+        return self._transfers
+
+    @property
+    def evictor(self) -> Evictor:
+        """Eviction candidates and write-back evictions waiting for their backups."""
+        return self._evictor
 
     # -- lookups and inserts -------------------------------------------------
 
     def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> MatchResult:
         """Return how much of ``tokens`` is cached on each tier; may split a node."""
-        with Operation(self, "match_prefix", tuple(tokens), namespace):
-            key = self.tree.aligned(tuple(tokens))
-            walk = self.tree.walk(key, namespace)
-            self._touch(walk.path)
-            root = self.tree.root(namespace)
+        with self._operation("match_prefix", tuple(tokens), namespace):
+            tree = self._core.tree
+            key = tree.aligned(tuple(tokens))
+            walk = tree.walk(key, namespace)
+            self._core.touch(walk.path)
+            root = tree.root(namespace)
             on_device = [n for n in walk.path if n.device == "resident"]
             device_len = sum(len(n.key) for n in on_device)
-            self.counters.lookup_tokens += len(key)
-            self.counters.device_hit_tokens += device_len
-            self.counters.host_hit_tokens += walk.matched - device_len
+            self._core.counters.looked_up(len(key), device_len, walk.matched - device_len)
             return MatchResult(
                 device_len=device_len,
                 host_len=walk.matched - device_len,
@@ -143,16 +182,67 @@ class HiCache:
                 started were waited for and applied.
         """
         args = None if device_slots is None else tuple(device_slots)
-        with Operation(self, "insert", tuple(tokens), namespace, args):
-            key = self.tree.aligned(tuple(tokens))
+        with self._operation("insert", tuple(tokens), namespace, args):
+            key = self._core.tree.aligned(tuple(tokens))
             slots.check_count(device_slots, len(key))
-            walk = self.tree.walk(key, namespace)
-            fresh = slots.fresh_pages(self, walk.path, key, device_slots)
-            added = slots.take_over(self, walk, key, fresh, namespace)
-            self._touch((*walk.path, *added))
+            walk = self._core.tree.walk(key, namespace)
+            fresh = self._fresh_pages(walk.path, key, device_slots)
+            added = self._take_over(walk.path, walk.matched, key, fresh, namespace)
+            self._core.touch((*walk.path, *added))
             for node in (*walk.path, *added):
-                transfers.maybe_backup(self, node)
+                self._transfers.maybe_backup(node)
             return walk.matched
+
+    def _fresh_pages(
+        self, path: Sequence[TreeNode], key: tuple[int, ...], given: Sequence[int] | None
+    ) -> dict[int, Pages]:
+        """Device pages for host-only path nodes (by id) and the new tail (:data:`slots.NEW_TAIL`).
+
+        Only the caller's slots for those parts are read, and checked before
+        anything changes; slots of the part already on the device are the
+        caller's business. Without caller slots, pages are allocated (evicting
+        if needed) and filled with KV derived from the tokens.
+        """
+        page, parts = self.config.page_size, slots.wanted(path, key)
+        if given is not None:
+            out = {ident: tuple(pages_of(given[o : o + n], page)) for ident, o, n in parts}
+            slots.check_held(self.tiers.device.allocator, [p for ps in out.values() for p in ps])
+            return out
+        total = sum(n for _, _, n in parts) // page
+        run = self._evictor.alloc_device(total, path[-1] if path else None, path)
+        out, at = {}, 0
+        for ident, o, n in parts:
+            out[ident] = run[at : at + n // page]
+            self.tiers.write_tokens(out[ident], key[o : o + n])
+            at += n // page
+        return out
+
+    def _take_over(
+        self,
+        path: Sequence[TreeNode],
+        matched: int,
+        key: tuple[int, ...],
+        fresh: dict[int, Pages],
+        namespace: Hashable,
+    ) -> tuple[TreeNode, ...]:
+        """Hang the new tail under the walk's end and adopt the host-only path nodes.
+
+        ``fresh`` holds request-held pages (:meth:`_fresh_pages`), so no step
+        here can be refused. Returns the new leaf, if there is one.
+        """
+        added: tuple[TreeNode, ...] = ()
+        tree = self._core.tree
+        if matched < len(key):
+            parent = path[-1] if path else tree.root(namespace)
+            leaf = tree.add_leaf(parent, key[matched:], fresh.pop(slots.NEW_TAIL))
+            self.tiers.device.allocator.reassign(leaf.device_pages, REQUEST, leaf.id)
+            self._evictor.offer(leaf)
+            added = (leaf,)
+        for node in path:
+            if node.id in fresh:
+                self._core.stage(node, fresh[node.id])
+                self._core.fire(node, "adopt")
+        return added
 
     def alloc_slots(self, num_tokens: int) -> list[int]:
         """Allocate device slots for a request to compute KV into (evicting if needed).
@@ -164,13 +254,14 @@ class HiCache:
             PoolExhausted: Not enough device memory even after eviction; as
                 for :meth:`insert`, what the eviction did stays done.
         """
-        with Operation(self, "alloc_slots", num_tokens):
-            return slots.alloc(self, num_tokens)
+        with self._operation("alloc_slots", num_tokens):
+            page = self.config.page_size
+            return slots_of(self._evictor.alloc_device(-(-num_tokens // page), None), page)
 
     def free_slots(self, device_slots: Sequence[int]) -> None:
         """Give back request-held device slots (e.g. the duplicates of a cached prefix)."""
-        with Operation(self, "free_slots", tuple(device_slots)):
-            slots.free(self, device_slots)
+        with self._operation("free_slots", tuple(device_slots)):
+            self.tiers.free_device(pages_of(device_slots, self.config.page_size), REQUEST)
 
     def backup(self, nodes: Sequence[TreeNode]) -> int:
         """Start backing up ``nodes`` to the host in one batched copy; return how many started.
@@ -179,8 +270,8 @@ class HiCache:
         machines refuse to write (already backed, writing, off the device) are
         skipped; a full host pool stops the batch where it is.
         """
-        with Operation(self, "backup", tuple(n.id for n in nodes)):
-            return transfers.start_writes(self, nodes)
+        with self._operation("backup", tuple(n.id for n in nodes)):
+            return self._transfers.start_writes(nodes)
 
     # -- locks ---------------------------------------------------------------
 
@@ -211,14 +302,19 @@ class HiCache:
 
     def _take(self, node: TreeNode, event: Event, give_back: Event) -> Lease:
         """Fire ``event`` as one operation; the receipt fires ``give_back`` as another."""
-        self._operate(event, node)
-        return self.machine.engine.leases.open(
-            node, partial(self._operate, give_back), event, "node"
+        self.fire(event, node)
+        return self._core.machine.engine.leases.open(
+            node, partial(self.fire, give_back), event, "node"
         )
 
-    def _operate(self, event: Event, node: TreeNode) -> None:
-        with Operation(self, event, node.id):
-            self._fire(node, event)
+    def fire(self, event: Event, node: TreeNode) -> None:
+        """Fire one residency event at ``node`` as a public operation: logged, flushed, checked.
+
+        For callers that drive the machines by hand (the release a lock receipt
+        runs, a test of a refusal); the named operations above are the usual way.
+        """
+        with self._operation(event, node.id):
+            self._core.fire(node, event)
 
     # -- memory pressure -----------------------------------------------------
 
@@ -232,13 +328,13 @@ class HiCache:
         (:meth:`insert`, :meth:`alloc_slots`, :meth:`load_back`) waits for those
         acknowledgements instead.
         """
-        with Operation(self, "evict", num_tokens):
-            return evict_device(self, num_tokens)
+        with self._operation("evict", num_tokens):
+            return self._evictor.evict_device(num_tokens)
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host tokens from unpinned host-only leaves; return tokens freed."""
-        with Operation(self, "evict_host", num_tokens):
-            return evict_host(self, num_tokens)
+        with self._operation("evict_host", num_tokens):
+            return self._evictor.evict_host(num_tokens)
 
     def load_back(self, node: TreeNode) -> list[TreeNode] | None:
         """Start loading the evicted chain ending at ``node``; the whole chain or nothing.
@@ -248,15 +344,43 @@ class HiCache:
             when the chain is shorter than the load-back threshold or device
             memory cannot be freed for it.
         """
-        with Operation(self, "load_back", node.id):
-            return load_chain(self, node)
+        with self._operation("load_back", node.id):
+            return self._load_chain(node)
+
+    def _load_chain(self, node: TreeNode) -> list[TreeNode] | None:
+        """Start loading every device-absent node from the first one above ``node`` down to it."""
+        chain: list[TreeNode] = []
+        walk: TreeNode | None = node
+        while walk is not None and walk.parent is not None and walk.device == "absent":
+            chain.append(walk)
+            walk = walk.parent
+        chain.reverse()
+        tokens = sum(len(n.key) for n in chain)
+        if not chain or not worth_loading(tokens, self.config.load_back_threshold):
+            return None
+        for n in chain:
+            if n.host not in HOST_VALID:
+                self._core.fire(n, "load")  # refused by the spec (no valid host copy): raises
+        page = self.config.page_size
+        try:
+            run = self._evictor.alloc_device(tokens // page, chain[0].parent, chain)
+        except PoolExhausted:
+            return None
+        at = 0
+        for n in chain:
+            count = len(n.key) // page
+            self._core.stage(n, run[at : at + count])
+            at += count
+        for n in chain:
+            self._core.fire(n, "load")
+        return chain
 
     # -- copies --------------------------------------------------------------
 
     def poll(self) -> int:
         """Apply every finished copy (in any order); return how many copies were applied."""
-        with Operation(self, "poll"):
-            return transfers.apply_acks(self, self._collect(wait=False), "poll")
+        with self._operation("poll"):
+            return self._transfers.apply(self._transfers.collect(wait=False), "poll")
 
     def apply_completions(self, completions: Sequence[Completion]) -> int:
         """Apply finished copies in the given order, then start any copies they asked for.
@@ -266,8 +390,8 @@ class HiCache:
         (:mod:`fsm_cache.distributed.agreement`). Either way the log records which copies
         were applied, in order, and whether each succeeded.
         """
-        with Operation(self, "apply_completions"):
-            return transfers.apply_acks(self, completions, "apply_completions")
+        with self._operation("apply_completions"):
+            return self._transfers.apply(completions, "apply_completions")
 
     def apply(self, completion: Completion) -> None:
         """Apply one finished copy: :meth:`apply_completions` of one."""
@@ -275,15 +399,7 @@ class HiCache:
 
     def issued(self) -> list[int]:
         """Return the ids of copies started and not yet applied, in issue order."""
-        return list(self._tickets)
-
-    def _collect(self, wait: bool) -> list[Completion]:
-        """Return the copies the engine reports finished; with ``wait``, all of them, in issue order."""
-        copier = self.tiers.copier
-        if not wait:
-            return copier.poll()
-        order = {ident: i for i, ident in enumerate(self._tickets)}
-        return sorted(copier.drain(), key=lambda c: order.get(c.ticket.id, len(order)))
+        return self._transfers.issued()
 
     # -- reporting -----------------------------------------------------------
 
@@ -293,9 +409,7 @@ class HiCache:
 
     def check_invariants(self) -> None:
         """Raise InvariantViolation naming the first broken design invariant and node."""
-        from fsm_cache.cache.invariants import check
-
-        check(self)
+        invariants.check(self)
 
     def reset(self) -> None:
         """Drop everything and start empty, keeping the pools and the copy engine.
@@ -303,29 +417,44 @@ class HiCache:
         Copies in flight are waited for and discarded. The KV tensors and the
         pinned host memory are reused as they are (every page is free again, so
         their old contents are never read). Leases still held are void: a later
-        release raises LeaseError naming this reset as the release.
+        release raises LeaseError naming this reset as the release. Each part
+        is cleared in place, so the effects bound to them stay bound.
         """
         self.tiers.copier.drain()
         self.tiers.reset()
         site = trail.caller_site()
-        for lease in self.machine.engine.leases.outstanding():
+        leases = self._core.machine.engine.leases
+        for lease in leases.outstanding():
             lease.released_at = site
-            self.machine.engine.leases.closed(lease)
-        self._start()
+            leases.closed(lease)
+        self._core.reset()
+        self._transfers.reset()
+        self._evictor.reset()
 
     # -- internals -----------------------------------------------------------
 
-    def _fire(self, node: TreeNode, event: Event) -> None:
-        try:
-            self.machine.verb(event)(node)
-        except (IllegalTransition, EffectFailed):
-            self.counters.refused[event] += 1
-            raise
-        self.counters.transitions[event] += 1
-        self.log.transition(node.id, event)
+    def _operation(self, name: str, *args: Hashable) -> _Operation:
+        return _Operation(self, name, args)
 
-    def _touch(self, nodes: Sequence[TreeNode]) -> None:
-        self._clock += 1
-        for node in nodes:
-            node.last_access = self._clock
-            node.hit_count += 1
+
+class _Operation:
+    """One public operation: logged first, its copies started however it ends, checked after."""
+
+    __slots__ = ("cache", "name")
+
+    def __init__(self, cache: HiCache, name: str, args: tuple[Hashable, ...]) -> None:
+        self.cache, self.name = cache, name
+        cache.log.op(name, *args)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        cache = self.cache
+        if isinstance(exc, FsmCacheError):
+            cache.log.refusal(self.name, exc)
+        cache.transfers.flush()  # nothing stays queued without its copy, even on a refusal
+        if exc is None and cache.config.debug:
+            invariants.check(cache, after=self.name)

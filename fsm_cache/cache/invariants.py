@@ -13,17 +13,16 @@ needs the other ranks' histories, which one cache cannot see:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from fsm_cache.cache.tree import RadixTree, TreeNode
 from fsm_cache.errors import InvariantViolation
 from fsm_cache.memory.pages import FREE, REQUEST
+from fsm_cache.memory.tiers import Tiers
+from fsm_cache.policy import WritePolicy
 from fsm_cache.residency import DEVICE_HELD, HOST_HELD, HOST_VALID
 from fsm_cache.spec.shipped import host_machine
 
-
-if TYPE_CHECKING:
-    from fsm_cache.cache.hicache import HiCache
-    from fsm_cache.cache.tree import TreeNode
 
 Finding = tuple[int, str, str]  # invariant number, node description, detail
 
@@ -36,7 +35,26 @@ HOST_EVICTED: frozenset[str] = frozenset(
 """Host states that ``evict_host`` leaves a node in, read from the spec."""
 
 
-def check(cache: HiCache, after: str = "") -> None:
+class Checked(Protocol):
+    """What the invariant checks read of a cache."""
+
+    @property
+    def tree(self) -> RadixTree:
+        """The radix tree."""
+        ...
+
+    @property
+    def tiers(self) -> Tiers:
+        """The pools and the copy engine."""
+        ...
+
+    @property
+    def policy(self) -> WritePolicy:
+        """The write policy (invariants 3 and 4 depend on it)."""
+        ...
+
+
+def check(cache: Checked, after: str = "") -> None:
     """Raise on the first broken invariant of ``cache``; return if all hold.
 
     Checks invariants 1 to 9, node by node (parents first), then the pools.
@@ -61,7 +79,7 @@ def check(cache: HiCache, after: str = "") -> None:
         raise InvariantViolation(f"invariant {number} broken at {where}{suffix}: {detail}")
 
 
-def findings(cache: HiCache) -> Iterator[Finding]:
+def findings(cache: Checked) -> Iterator[Finding]:
     """Yield every broken invariant of ``cache``, node by node, then the pools."""
     write_through = cache.policy.value != "write_back"
     for node in cache.tree:
@@ -69,7 +87,7 @@ def findings(cache: HiCache) -> Iterator[Finding]:
             found = rule(node, write_through)
             if found:
                 yield found[0], f"node {node.id} ({node.residency()})", found[1]
-        yield from _pages(node, cache.config.page_size)
+        yield from _pages(node, cache.tree.page_size)
     yield from _pools(cache)
 
 
@@ -154,7 +172,7 @@ def _pages(node: TreeNode, page: int) -> Iterator[Finding]:
         yield 9, where, f"{len(node.host_pages)} host pages for {pages} pages of key"
 
 
-def _pools(cache: HiCache) -> Iterator[Finding]:
+def _pools(cache: Checked) -> Iterator[Finding]:
     tiers = cache.tiers
     for pool, attr, busy in (
         (tiers.device, "device_pages", tiers.copier.busy_device_pages()),

@@ -11,13 +11,11 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from fsm_cache.cache.tree import RadixTree
+from fsm_cache.memory.tiers import Tiers
 from fsm_cache.residency import DEVICE_HELD, HOST_HELD
-
-
-if TYPE_CHECKING:
-    from fsm_cache.cache.hicache import HiCache
 
 
 @dataclass
@@ -33,6 +31,39 @@ class Counters:
     copy_seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     copy_failures: Counter[str] = field(default_factory=Counter)
     deleted_nodes: int = 0
+
+    def looked_up(self, tokens: int, device: int, host: int) -> None:
+        """Count one lookup of ``tokens``, ``device`` of them on the device and ``host`` host-only."""
+        self.lookup_tokens += tokens
+        self.device_hit_tokens += device
+        self.host_hit_tokens += host
+
+    def copied(self, direction: str, seconds: float, nbytes: int, ok: bool) -> None:
+        """Count one applied copy: its seconds, and its bytes if it succeeded, else a failure."""
+        self.copy_seconds[direction] += seconds
+        if ok:
+            self.copy_bytes[direction] += nbytes
+        else:
+            self.copy_failures[direction] += 1
+
+
+class Observed(Protocol):
+    """What the stats read of a cache."""
+
+    @property
+    def tree(self) -> RadixTree:
+        """The radix tree."""
+        ...
+
+    @property
+    def tiers(self) -> Tiers:
+        """The pools and the copy engine."""
+        ...
+
+    @property
+    def counters(self) -> Counters:
+        """The running totals."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -70,7 +101,7 @@ class Stats:
     states: dict[str, int]
 
 
-def snapshot(cache: HiCache) -> Stats:
+def snapshot(cache: Observed) -> Stats:
     """Return the :class:`Stats` of ``cache`` now."""
     nodes = list(cache.tree)
     c = cache.counters
@@ -96,7 +127,7 @@ def snapshot(cache: HiCache) -> Stats:
 class _Collector:
     """A Prometheus collector that reads a cache's stats at scrape time."""
 
-    def __init__(self, cache: HiCache, prefix: str) -> None:
+    def __init__(self, cache: Observed, prefix: str) -> None:
         self.cache = cache
         self.prefix = prefix
 
@@ -148,7 +179,7 @@ def _labelled(family: Any, items: Iterable[tuple[str, float]]) -> Any:
     return family
 
 
-def register(cache: HiCache, registry: Any = None, prefix: str = "fsm_cache") -> Any:
+def register(cache: Observed, registry: Any = None, prefix: str = "fsm_cache") -> Any:
     """Expose ``cache``'s stats to Prometheus; returns the collector.
 
     Args:

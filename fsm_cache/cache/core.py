@@ -1,0 +1,117 @@
+"""The cache's core: the tree, the residency machine, and what every step records.
+
+:class:`CacheCore` owns the radix tree, the compiled residency machine, the
+access clock, the running counters and the event log. Every residency change
+of the cache goes through :meth:`CacheCore.fire`, so each applied transition
+is counted and logged in one place and each refusal is counted before it
+propagates. The other parts (:class:`~fsm_cache.cache.transfers.Transfers`,
+:class:`~fsm_cache.cache.eviction.Evictor`) are handed the core and never
+reach past it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from fsm_cache.cache.eventlog import EventLog
+from fsm_cache.cache.metrics import Counters
+from fsm_cache.cache.tree import Pages, RadixTree, TreeNode
+from fsm_cache.engine import trail
+from fsm_cache.engine.core import Effect
+from fsm_cache.errors import EffectFailed, IllegalTransition
+from fsm_cache.memory.tiers import Tiers
+from fsm_cache.residency import Event, Residency
+
+
+trail.internal(__file__)
+
+SplitListener = Callable[[TreeNode, TreeNode], None]
+"""Called as ``listener(prefix, suffix)`` after a node was split, pages re-homed."""
+
+
+class CacheCore:
+    """The tree, the machine, the clock, staged pages, the counters and the log of one cache.
+
+    Args:
+        page_size: Tokens per page of the tree's keys.
+        tiers: The memory tiers; a split re-homes page ownership in them.
+        trail: Keep call sites of recent events per node (None: the environment's default).
+    """
+
+    def __init__(self, page_size: int, tiers: Tiers, trail: bool | None) -> None:
+        self._tiers = tiers
+        self._trail = trail
+        self._split_listeners: list[SplitListener] = []
+        self.machine: Residency  # compiled by bind(), once the parts its effects use exist
+        self.tree = RadixTree(page_size, on_split=self._split)
+        self.counters = Counters()
+        self.log = EventLog()
+        self.clock = 0
+        self._staged: dict[int, Pages] = {}
+
+    def bind(self, effects: Mapping[str, Effect]) -> None:
+        """Compile the residency machine with the cache's memory effects (once, at construction).
+
+        The effects close over the parts that are built around this core, so
+        the core exists first and takes its effects afterwards.
+        """
+        self.machine = Residency(effects=effects, audit=self._trail)  # FIXME(trail rename)
+
+    def on_split(self, listener: SplitListener) -> None:
+        """Call ``listener`` after every split (a part re-homes what it holds for the suffix)."""
+        self._split_listeners.append(listener)
+
+    def reset(self) -> None:
+        """Start an empty tree, counters, log and clock; the machine and listeners stay."""
+        self.tree = RadixTree(self.tree.page_size, on_split=self._split)
+        self.counters = Counters()
+        self.log = EventLog()
+        self.clock = 0
+        self._staged = {}
+
+    def stage(self, node: TreeNode, pages: Pages) -> None:
+        """Hold device ``pages`` for ``node``'s next ``load`` or ``adopt``, whose effect takes them."""
+        self._staged[node.id] = pages
+
+    def take_staged(self, node_id: int) -> Pages:
+        """Return and forget the pages staged for node ``node_id`` (the effect's side)."""
+        return self._staged.pop(node_id)
+
+    def fire(self, node: TreeNode, event: Event) -> None:
+        """Fire ``event`` at ``node``: counted and logged if applied, counted if refused.
+
+        Raises:
+            IllegalTransition: The spec refuses the event; nothing changed.
+            EffectFailed: An effect failed; nothing changed.
+        """
+        try:
+            self.machine.verb(event)(node)
+        except (IllegalTransition, EffectFailed):
+            self.counters.refused[event] += 1
+            raise
+        self.counters.transitions[event] += 1
+        self.log.transition(node.id, event)
+
+    def allowed(self, node: TreeNode, event: Event) -> bool:
+        """Return whether ``event`` would be accepted at ``node`` now, changing nothing."""
+        return self.machine.allowed(node, event)
+
+    def touch(self, nodes: Iterable[TreeNode]) -> None:
+        """Mark ``nodes`` used now (one tick of the clock) and count a hit on each."""
+        self.clock += 1
+        clock = self.clock
+        for node in nodes:
+            node.last_access = clock
+            node.hit_count += 1
+
+    def delete(self, node: TreeNode) -> None:
+        """Remove a leaf that holds no data any more from the tree, counted and logged."""
+        self.tree.remove_leaf(node)
+        self.counters.deleted_nodes += 1
+        self.log.transition(node.id, "delete")
+
+    def _split(self, prefix: TreeNode, suffix: TreeNode) -> None:
+        self._tiers.reassign(prefix.device_pages, prefix.host_pages, suffix.id, prefix.id)
+        for listener in self._split_listeners:
+            listener(prefix, suffix)
+        self.log.transition(prefix.id, f"split:{suffix.id}")
