@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from fsm_cache.cli import diagram as command
 from fsm_cache.cli.main import main
-from fsm_cache.diagram.ir import DiagramError, build, highlight, render
+from fsm_cache.diagram import FORMATS, RENDERERS, DiagramError, build, highlight, ir, render
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import Spec
 from fsm_cache.spec.shipped import residency_system, shipped_spec_paths
@@ -364,6 +365,29 @@ def test_unknown_format_is_refused(specs: Path) -> None:
     with pytest.raises(DiagramError) as caught:
         render(door(specs), "png")
     assert str(caught.value) == "unknown diagram format 'png' (known: mermaid, dot, svg, md)"
+
+
+# -- layering -----------------------------------------------------------------
+
+PACKAGE = Path(ir.__file__).parent
+IR_ONLY = {"fsm_cache.diagram.ir", "fsm_cache.errors"}
+
+
+def fsm_cache_imports(module: str) -> set[str]:
+    """Return the fsm_cache modules that ``fsm_cache/diagram/<module>.py`` imports."""
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text(encoding="utf-8"))
+    found = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    found |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    return {name for name in found if name.startswith("fsm_cache")}
+
+
+@pytest.mark.parametrize("module", ["ir", "mermaid", "dot", "markdown"])
+def test_renderers_and_the_ir_import_only_the_ir(module: str) -> None:
+    assert fsm_cache_imports(module) <= IR_ONLY
+
+
+def test_the_registry_renders_every_format() -> None:
+    assert tuple(RENDERERS) == FORMATS == ("mermaid", "dot", "svg", "md")
 
 
 # -- svg ----------------------------------------------------------------------

@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsm_cache.diagram.ir import FORMATS, DiagramError, render
+from fsm_cache.diagram import FORMATS, DiagramError, render
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.shipped import shipped_spec_paths
 

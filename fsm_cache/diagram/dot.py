@@ -48,17 +48,17 @@ def _dot_region(diagram: Diagram, region: Region) -> list[str]:
         return _q(state_id(diagram, region.name, state))
 
     lines = []
-    for node in region.nodes:
-        attrs = [f"label={_q(node.label)}"]
-        if node.final:
+    for state in region.states:
+        attrs = [f"label={_q(state.label)}"]
+        if state.final:
             attrs.append("peripheries=2")
-        if (region.name, node.name) in diagram.highlight:
+        if (region.name, state.name) in diagram.highlight:
             attrs.append(f'style="rounded,filled,bold", fillcolor="{HIGHLIGHT_FILL}"')
-        lines.append(f"{ident(node.name)} [{', '.join(attrs)}];")
-    for node in region.nodes:
-        if node.initial:
+        lines.append(f"{ident(state.name)} [{', '.join(attrs)}];")
+    for state in region.states:
+        if state.initial:
             start = ident("__start")
-            lines += [f'{start} [shape=point, label=""];', f"{start} -> {ident(node.name)};"]
+            lines += [f'{start} [shape=point, label=""];', f"{start} -> {ident(state.name)};"]
     lines += [
         f"{ident(src)} -> {ident(dst)} [label={_q(*labels)}];"
         for (src, dst), labels in parallel(region).items()

@@ -1,10 +1,12 @@
-"""Diagrams generated from specs: Mermaid, Graphviz DOT, SVG and Markdown tables.
+"""The diagram IR: what every renderer draws, and helpers that read only it.
 
-A spec becomes a small, renderer-neutral :class:`Diagram` (regions of states,
-edges and refusals, in a stable order), and each format is one function of
-that diagram: :mod:`fsm_cache.diagram.mermaid`, :mod:`fsm_cache.diagram.dot` (DOT and
-SVG) and :mod:`fsm_cache.diagram.markdown` (Markdown). Every picture in the docs is rendered from the same spec objects
-the engine runs, so a diagram cannot say anything the runtime does not do.
+:func:`fsm_cache.diagram.build.build` turns a spec into a small,
+renderer-neutral :class:`Diagram` (regions of states, edges and refusals, in a
+stable order). Each format is then one function of that diagram, in a module
+that imports this one and nothing of the spec: :mod:`fsm_cache.diagram.mermaid`,
+:mod:`fsm_cache.diagram.dot` (DOT and SVG) and :mod:`fsm_cache.diagram.markdown`.
+Keeping the spec out of the renderers means a new format needs to learn only
+these five classes, and a change to the spec model touches only the builder.
 
 Conventions shared by all formats: an edge reads ``event [guard] / update``;
 a state that carries a counter is one state drawn as ``pinned(pins)``; the
@@ -14,14 +16,11 @@ point; a composition draws each region as a composite state, side by side.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from fsm_cache.errors import FsmCacheError
-from fsm_cache.spec.machine import Forbid, MachineSpec, Spec, System
 
 
-FORMATS = ("mermaid", "dot", "svg", "md")
 HIGHLIGHT_FILL = "#ffd54f"
 HIGHLIGHT_STROKE = "#e65100"
 
@@ -30,9 +29,18 @@ class DiagramError(FsmCacheError):
     """A diagram cannot be made: unknown format or state, or Graphviz is missing for SVG."""
 
 
-@dataclass(frozen=True)
-class Node:
-    """One state as drawn: ``label`` shows its counter, e.g. ``pinned(pins)``."""
+@dataclass(frozen=True, slots=True)
+class DiagramState:
+    """One state as drawn.
+
+    Attributes:
+        name: The state's name in its machine.
+        label: The name as drawn, with its counter if it carries one, e.g. ``pinned(pins)``.
+        doc: What the state means.
+        invariant: The state's invariant, as the spec writes it.
+        initial: Whether the machine starts here.
+        final: Whether the machine ends here.
+    """
 
     name: str
     label: str
@@ -42,9 +50,19 @@ class Node:
     final: bool
 
 
-@dataclass(frozen=True)
-class Edge:
-    """One move of ``event`` from ``source`` to ``dest`` (a transition has one per source)."""
+@dataclass(frozen=True, slots=True)
+class DiagramEdge:
+    """One move of ``event`` from ``source`` to ``dest`` (a transition has one per source).
+
+    Attributes:
+        source: The state the move leaves.
+        dest: The state the move enters.
+        event: The event that makes the move.
+        guard: The guard, or empty when there is none.
+        update: The counter update, or empty when there is none.
+        effect: The effect the move runs, or empty.
+        propagate: The region the event is passed on to, or empty.
+    """
 
     source: str
     dest: str
@@ -62,12 +80,18 @@ class Edge:
         return f"{self.event}{guard}{update}"
 
 
-@dataclass(frozen=True)
-class Refusal:
+@dataclass(frozen=True, slots=True)
+class DiagramRefusal:
     """A refused pair: ``event`` in ``state`` raises ``error``.
 
-    For a composition's refusal, ``state`` is a condition on the region owning the
-    event (``host in [backed]``), or empty for any state.
+    Attributes:
+        state: The refusing state; for a composition's refusal, a condition on the
+            region owning the event (``host in [backed]``), or empty for any state.
+        event: The refused event.
+        guard: The guard under which it is refused, or empty.
+        when: The conditions on other regions, joined by ``and``, or empty.
+        error: The error class the refusal raises.
+        reason: Why the pair is refused, in words.
     """
 
     state: str
@@ -78,19 +102,28 @@ class Refusal:
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Region:
-    """One machine as drawn, in its region of a composition (``state`` when alone)."""
+    """One machine as drawn, in its region of a composition (``state`` when alone).
+
+    Attributes:
+        name: The region's name, ``state`` for a machine on its own.
+        machine: The machine's name.
+        doc: What the machine models.
+        states: Its states, in declaration order.
+        edges: Its moves, by source state then transition order.
+        refusals: Its refused pairs, by state then forbid order.
+    """
 
     name: str
     machine: str
     doc: str
-    nodes: tuple[Node, ...]
-    edges: tuple[Edge, ...]
-    refusals: tuple[Refusal, ...]
+    states: tuple[DiagramState, ...]
+    edges: tuple[DiagramEdge, ...]
+    refusals: tuple[DiagramRefusal, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Diagram:
     """What every renderer draws: regions, cross-region refusals and highlighted states.
 
@@ -107,59 +140,8 @@ class Diagram:
     doc: str
     composed: bool
     regions: tuple[Region, ...]
-    refusals: tuple[Refusal, ...] = ()
+    refusals: tuple[DiagramRefusal, ...] = ()
     highlight: frozenset[tuple[str, str]] = frozenset()
-
-
-def build(spec: Spec) -> Diagram:
-    """Return the diagram of a machine or a composition."""
-    if isinstance(spec, MachineSpec):
-        return Diagram(spec.name, spec.doc, False, (_region("state", spec),))
-    regions = tuple(_region(name, machine) for name, machine in spec.regions)
-    refusals = tuple(_cross_refusal(spec, f) for f in spec.forbids)
-    return Diagram(spec.name, spec.doc, True, regions, refusals)
-
-
-def _cross_refusal(spec: System, forbid: Forbid) -> Refusal:
-    # A composition forbid's sources are states of the first region declaring its event.
-    if not forbid.sources:
-        return _refusal("", forbid)
-    owner = spec.regions_of(forbid.event)[0]
-    return _refusal(f"{owner} in [{', '.join(forbid.sources)}]", forbid)
-
-
-def _region(name: str, machine: MachineSpec) -> Region:
-    order = {state: i for i, state in enumerate(machine.state_names)}
-    nodes = tuple(
-        Node(
-            s.name,
-            f"{s.name}({s.counter})" if s.counter else s.name,
-            s.doc,
-            str(s.invariant),
-            s.name == machine.initial,
-            s.final,
-        )
-        for s in machine.states
-    )
-    moves = sorted(
-        ((order[src], i, src, t) for i, t in enumerate(machine.transitions) for src in t.sources),
-        key=lambda move: move[:2],
-    )
-    edges = tuple(
-        Edge(src, t.dest, t.event, str(t.guard), str(t.update), t.effect or "", t.propagate or "")
-        for _, _, src, t in moves
-    )
-    pairs = sorted(
-        ((order[src], i, src, f) for i, f in enumerate(machine.forbids) for src in f.sources),
-        key=lambda pair: pair[:2],
-    )
-    refusals = tuple(_refusal(src, f) for _, _, src, f in pairs)
-    return Region(name, machine.name, machine.doc, nodes, edges, refusals)
-
-
-def _refusal(state: str, forbid: Forbid) -> Refusal:
-    when = " and ".join(str(c) for c in forbid.when)
-    return Refusal(state, forbid.event, str(forbid.guard), when, forbid.error, forbid.reason)
 
 
 def highlight(diagram: Diagram, where: str) -> Diagram:
@@ -172,10 +154,10 @@ def highlight(diagram: Diagram, where: str) -> Diagram:
     found = [
         (r.name, state)
         for r in diagram.regions
-        if region_name in ("", r.name) and state in (n.name for n in r.nodes)
+        if region_name in ("", r.name) and state in (s.name for s in r.states)
     ]
     if len(found) != 1:
-        known = ", ".join(f"{r.name}={n.name}" for r in diagram.regions for n in r.nodes)
+        known = ", ".join(f"{r.name}={s.name}" for r in diagram.regions for s in r.states)
         why = "is ambiguous" if found else "names no state"
         msg = f"{diagram.name}: highlight {where!r} {why}; known: {known}"
         raise DiagramError(msg)
@@ -203,41 +185,11 @@ def state_id(diagram: Diagram, region: str, state: str) -> str:
     return f"{region}_{state}" if diagram.composed else state
 
 
-def condition_text(refusal: Refusal) -> str:
+def condition_text(refusal: DiagramRefusal) -> str:
     """Return ``state and when and guard``: the condition under which ``refusal`` applies."""
     return " and ".join(part for part in (refusal.state, refusal.when, refusal.guard) if part)
 
 
-def refusal_line(refusal: Refusal) -> str:
+def refusal_line(refusal: DiagramRefusal) -> str:
     """Return ``event when condition: error``, one line per cross-region refusal."""
     return f"{refusal.event} when {condition_text(refusal)}: {refusal.error}"
-
-
-def _renderers() -> dict[str, Callable[[Diagram], str]]:
-    # The format modules build on this one, so they are imported when used.
-    from fsm_cache.diagram import dot as graphviz
-    from fsm_cache.diagram import markdown as tables
-    from fsm_cache.diagram import mermaid
-
-    return {
-        "mermaid": mermaid.mermaid,
-        "dot": graphviz.dot,
-        "svg": graphviz.svg,
-        "md": tables.markdown_tables,
-    }
-
-
-def render(spec: Spec, fmt: str, *, mark: tuple[str, ...] = ()) -> str:
-    """Render ``spec`` in ``fmt`` (one of :data:`FORMATS`), highlighting the states in ``mark``.
-
-    Raises:
-        DiagramError: Unknown format or highlighted state, or no Graphviz for SVG.
-    """
-    renderer = _renderers().get(fmt)
-    if renderer is None:
-        msg = f"unknown diagram format {fmt!r} (known: {', '.join(FORMATS)})"
-        raise DiagramError(msg)
-    diagram = build(spec)
-    for where in mark:
-        diagram = highlight(diagram, where)
-    return renderer(diagram)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fsm_cache.diagram.ir import Diagram, Edge, Node, Region, condition_text
+from fsm_cache.diagram.ir import Diagram, DiagramEdge, DiagramState, Region, condition_text
 
 
 def markdown_tables(diagram: Diagram) -> str:
@@ -40,19 +40,19 @@ def markdown_tables(diagram: Diagram) -> str:
 
 
 def _md_states(region: Region, here: set[str]) -> str:
-    def marks(node: Node) -> str:
-        found = ["initial"] if node.initial else ["final"] if node.final else []
-        found += ["here"] if node.name in here else []
+    def marks(state: DiagramState) -> str:
+        found = ["initial"] if state.initial else ["final"] if state.final else []
+        found += ["here"] if state.name in here else []
         return f" ({', '.join(found)})" if found else ""
 
     rows = [
-        (_state(n.name, here, n.label) + marks(n), _c(n.invariant), n.doc) for n in region.nodes
+        (_state(s.name, here, s.label) + marks(s), _c(s.invariant), s.doc) for s in region.states
     ]
     return _md_table(("state", "invariant", "meaning"), rows)
 
 
 def _md_edges(region: Region, here: set[str]) -> str:
-    def effect(edge: Edge) -> str:
+    def effect(edge: DiagramEdge) -> str:
         also = f"to {edge.propagate} too" if edge.propagate else ""
         return ", ".join(part for part in (_c(edge.effect), also) if part)
 

@@ -36,17 +36,17 @@ def mermaid(diagram: Diagram) -> str:
 
 def _mermaid_region(diagram: Diagram, region: Region) -> list[str]:
     lines = []
-    for node in region.nodes:
-        lines.append(f'state "{node.label}" as {state_id(diagram, region.name, node.name)}')
-    for node in region.nodes:
-        if node.initial:
-            lines.append(f"[*] --> {state_id(diagram, region.name, node.name)}")
+    for state in region.states:
+        lines.append(f'state "{state.label}" as {state_id(diagram, region.name, state.name)}')
+    for state in region.states:
+        if state.initial:
+            lines.append(f"[*] --> {state_id(diagram, region.name, state.name)}")
     for (source, dest), labels in parallel(region).items():
         src, dst = state_id(diagram, region.name, source), state_id(diagram, region.name, dest)
         lines.append(f"{src} --> {dst} : {'<br/>'.join(map(_mermaid_text, labels))}")
-    for node in region.nodes:
-        if node.final:
-            lines.append(f"{state_id(diagram, region.name, node.name)} --> [*]")
+    for state in region.states:
+        if state.final:
+            lines.append(f"{state_id(diagram, region.name, state.name)} --> [*]")
     return lines
 
 
