@@ -24,7 +24,8 @@ from fsm_cache.residency import DEVICE_HELD, HOST_HELD, HOST_VALID
 from fsm_cache.spec.shipped import host_machine
 
 
-Finding = tuple[int, str, str]  # invariant number, node description, detail
+Violation = tuple[int, str, str]
+"""A broken invariant: its number, where (a node, a page or a pool), and what is wrong."""
 
 CHECKED: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 """The design invariants :func:`check` checks on one cache (10 is across ranks)."""
@@ -79,7 +80,7 @@ def check(cache: Checked, after: str = "") -> None:
         raise InvariantViolation(f"invariant {number} broken at {where}{suffix}: {detail}")
 
 
-def findings(cache: Checked) -> Iterator[Finding]:
+def findings(cache: Checked) -> Iterator[Violation]:
     """Yield every broken invariant of ``cache``, node by node, then the pools."""
     write_through = cache.policy.value != "write_back"
     for node in cache.tree:
@@ -161,7 +162,7 @@ _NODE_RULES: tuple[Callable[[TreeNode, bool], tuple[int, str] | None], ...] = (
 )
 
 
-def _pages(node: TreeNode, page: int) -> Iterator[Finding]:
+def _pages(node: TreeNode, page: int) -> Iterator[Violation]:
     where = f"node {node.id} ({node.residency()})"
     pages = len(node.key) // page
     if len(node.key) % page:
@@ -172,7 +173,7 @@ def _pages(node: TreeNode, page: int) -> Iterator[Finding]:
         yield 9, where, f"{len(node.host_pages)} host pages for {pages} pages of key"
 
 
-def _pools(cache: Checked) -> Iterator[Finding]:
+def _pools(cache: Checked) -> Iterator[Violation]:
     tiers = cache.tiers
     for pool, attr, busy in (
         (tiers.device, "device_pages", tiers.copier.busy_device_pages()),
