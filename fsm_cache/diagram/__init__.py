@@ -1,6 +1,6 @@
 """Diagrams generated from specs: an IR built from the spec, and renderers of it.
 
-:func:`~fsm_cache.diagram.build.build` reads a spec into a :class:`Diagram`
+:func:`~fsm_cache.diagram.builder.build` reads a spec into a :class:`Diagram`
 (:mod:`fsm_cache.diagram.ir`); each renderer is a function of that diagram
 alone, and :data:`RENDERERS` names them by format. :func:`render` is the one
 entry point that joins the two, so the command line and the docs draw every
@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from fsm_cache.diagram import dot, markdown, mermaid
-from fsm_cache.diagram.build import build
+from fsm_cache.diagram.builder import build
 from fsm_cache.diagram.ir import (
     Diagram,
     DiagramEdge,

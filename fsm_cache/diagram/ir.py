@@ -1,6 +1,6 @@
 """The diagram IR: what every renderer draws, and helpers that read only it.
 
-:func:`fsm_cache.diagram.build.build` turns a spec into a small,
+:func:`fsm_cache.diagram.builder.build` turns a spec into a small,
 renderer-neutral :class:`Diagram` (regions of states, edges and refusals, in a
 stable order). Each format is then one function of that diagram, in a module
 that imports this one and nothing of the spec: :mod:`fsm_cache.diagram.mermaid`,
