@@ -137,7 +137,7 @@ def test_parse_maps_lines_to_contracts() -> None:
         "/m.py:11: error: false when calling pin(State.backed, 0) (which returns Result(error=''))\n"
         "/m.py:12: info: Unable to meet precondition.\n"
     )
-    assert crosshair_run._parse(report, known) == {
+    assert crosshair_run.parse_report(report, known) == {
         ("/m.py", 10): (crosshair_run.CONFIRMED, ""),
         ("/m.py", 11): (crosshair_run.COUNTEREXAMPLE, "pin(State.backed, 0)"),
         ("/m.py", 12): (crosshair_run.NOT_ANALYSED, "unable to meet precondition"),

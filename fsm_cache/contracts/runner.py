@@ -141,7 +141,7 @@ def prove(target: str, path: Path, options: Options) -> list[Row]:
     known = {(c.file, c.line): c for f in sorted(files) for c in contracts(Path(f))}
     verdicts: dict[tuple[str, int], tuple[str, str]] = {}
     for report in reports:
-        verdicts.update(_parse(report, known))
+        verdicts.update(parse_report(report, known))
     if not known:
         return [Row(target, "-", "-", NOT_ANALYSED, "no checkable functions")]
     return [
@@ -188,9 +188,16 @@ def _run(targets: Sequence[str], options: Options, cwd: Path) -> str:
     return done.stdout + done.stderr
 
 
-def _parse(
+def parse_report(
     report: str, known: dict[tuple[str, int], Contract]
 ) -> dict[tuple[str, int], tuple[str, str]]:
+    """Return a status and detail for each contract a CrossHair report speaks of.
+
+    Args:
+        report: CrossHair's output (``FILE:LINE: KIND: MESSAGE`` lines; others are skipped).
+        known: The contracts by ``(file, line)``; a report on another line (a raise
+            in a body) counts for the contract just above it.
+    """
     out: dict[tuple[str, int], tuple[str, str]] = {}
     for raw in report.splitlines():
         match = _LINE.match(raw.strip())
