@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 from hypothesis import settings
@@ -11,11 +12,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from fsm_cache.errors import DoubleFree, ForeignSlot, InvariantViolation, PoolError, PoolExhausted
-from fsm_cache.memory.pages import FREE, PageAllocator, pages_of, slots_of
+from fsm_cache.memory.pages import FREE, PageAllocator, check_pages, pages_of, slots_of
 
 
 def snapshot(a: PageAllocator) -> tuple[list[int], list[int]]:
-    return list(a._free), list(a._owner)
+    return list(a.free_list), list(a.owners)
 
 
 def test_fresh_pool_hands_out_ascending_pages() -> None:
@@ -135,22 +136,36 @@ def test_slots_are_whole_aligned_pages() -> None:
 @pytest.mark.parametrize(
     ("corrupt", "message"),
     [
-        (lambda a: a._free.append(a._free[-1]), "host pool: a page is on the free list twice"),
-        (lambda a: a._owner.__setitem__(a._free[0], 5), "host pool: free-listed page 3 is owned"),
+        (lambda free, owners: free.append(free[-1]), "host pool: a page is on the free list twice"),
         (
-            lambda a: a._free.pop(),
+            lambda free, owners: owners.__setitem__(free[0], 5),
+            "host pool: free-listed page 3 is owned",
+        ),
+        (
+            lambda free, owners: free.pop(),
             "host pool: conservation broken: 1 free + 2 used != 4 pages",
         ),
     ],
 )
-def test_check_names_what_broke(corrupt: object, message: str) -> None:
+def test_check_names_what_broke(
+    corrupt: Callable[[list[int], list[int]], object], message: str
+) -> None:
     a = PageAllocator("host", 4, 1)
     a.alloc(2)
-    assert callable(corrupt)
-    corrupt(a)
+    a.check()
+    free, owners = snapshot(a)
+    corrupt(free, owners)
     with pytest.raises(InvariantViolation) as info:
-        a.check()
+        check_pages(a.name, a.num_pages, free, owners)
     assert str(info.value) == message
+
+
+def test_views_are_read_only_snapshots() -> None:
+    a = PageAllocator("host", 4, 1)
+    a.alloc(1, owner=3)
+    assert (a.free_list, a.owners) == ((3, 2, 1), (3, FREE, FREE, FREE))
+    assert isinstance(a.free_list, tuple)
+    assert isinstance(a.owners, tuple)
 
 
 def test_importing_pools_does_not_import_torch() -> None:

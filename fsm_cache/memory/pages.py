@@ -99,6 +99,16 @@ class PageAllocator:
         """Slots currently owned."""
         return self.size - self.free_slots
 
+    @property
+    def free_list(self) -> tuple[int, ...]:
+        """The free pages, in the order of the stack: the last is handed out first."""
+        return tuple(self._free)
+
+    @property
+    def owners(self) -> tuple[int, ...]:
+        """The owner of each page, by page index (``FREE`` for a free page)."""
+        return tuple(self._owner)
+
     def alloc(self, num_slots: int, owner: int = REQUEST) -> list[int]:
         """Take ``num_slots // page_size`` free pages for ``owner``.
 
@@ -180,19 +190,33 @@ class PageAllocator:
             seen.add(p)
 
     def check(self) -> None:
-        """Verify conservation and single ownership.
+        """Verify conservation and single ownership (:func:`check_pages` of this pool).
 
         Raises:
             InvariantViolation: naming the first broken invariant.
         """
-        if len(set(self._free)) != len(self._free):
-            raise InvariantViolation(f"{self.name} pool: a page is on the free list twice")
-        for p in self._free:
-            if not 0 <= p < self.num_pages or self._owner[p] != FREE:
-                raise InvariantViolation(f"{self.name} pool: free-listed page {p} is owned")
-        used = sum(1 for o in self._owner if o != FREE)
-        if used + len(self._free) != self.num_pages:
-            raise InvariantViolation(
-                f"{self.name} pool: conservation broken: {len(self._free)} free + "
-                f"{used} used != {self.num_pages} pages"
-            )
+        check_pages(self.name, self.num_pages, self._free, self._owner)
+
+
+def check_pages(name: str, num_pages: int, free: Sequence[int], owners: Sequence[int]) -> None:
+    """Verify a pool's free list and owners: the invariants :meth:`PageAllocator.check` checks.
+
+    Args:
+        name: The pool's name in messages.
+        num_pages: Pages in the pool.
+        free: The free list (:attr:`PageAllocator.free_list`).
+        owners: The owner of each page (:attr:`PageAllocator.owners`).
+
+    Raises:
+        InvariantViolation: naming the first broken invariant.
+    """
+    if len(set(free)) != len(free):
+        raise InvariantViolation(f"{name} pool: a page is on the free list twice")
+    for p in free:
+        if not 0 <= p < num_pages or owners[p] != FREE:
+            raise InvariantViolation(f"{name} pool: free-listed page {p} is owned")
+    used = sum(1 for o in owners if o != FREE)
+    if used + len(free) != num_pages:
+        raise InvariantViolation(
+            f"{name} pool: conservation broken: {len(free)} free + {used} used != {num_pages} pages"
+        )
