@@ -9,6 +9,9 @@ DEVSTAMP:= $(VENV)/.installed-dev
 # PyTorch CPU index. GPU users install their own build first (README).
 TORCH   ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# The extras `make run` and `make bench` need (rich for the demo, transitions for `bench engine`);
+# `make test` installs `dev`, which holds every extra (pyproject.toml).
+EXTRAS  := cli,reference
 
 .PHONY: run test lint typecheck pytest verify check audit diagrams docs bench clean system-deps
 
@@ -19,7 +22,7 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)" \
 		|| $(BIN)/pip install -q --index-url "$(TORCH_INDEX)" "$(TORCH)"
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
 $(DEVSTAMP): pyproject.toml $(STAMP)

@@ -187,7 +187,10 @@ def register(cache: Observed, registry: Any = None, prefix: str = "fsm_cache") -
         registry: A ``prometheus_client.CollectorRegistry``; the default registry if None.
         prefix: Metric name prefix.
     """
-    from prometheus_client import REGISTRY
+    try:
+        from prometheus_client import REGISTRY
+    except ModuleNotFoundError as exc:  # prometheus-client comes with the metrics extra
+        raise ModuleNotFoundError(f"{exc}: pip install 'fsm-cache[metrics]'") from exc
 
     collector = _Collector(cache, prefix)
     (registry or REGISTRY).register(collector)

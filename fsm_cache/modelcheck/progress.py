@@ -1,7 +1,8 @@
 """Progress of a long check on stderr, so the report on stdout stays clean.
 
 On a terminal a rich progress display; elsewhere (CI logs), when asked, a
-plain line every :data:`PLAIN_EVERY` seconds.
+plain line every :data:`PLAIN_EVERY` seconds. Without rich (it comes with the
+``cli`` extra) a terminal gets the plain lines too.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from importlib.util import find_spec
 
 
 PLAIN_EVERY = 5.0
@@ -21,12 +23,13 @@ def progress(wanted: bool | None, name: str) -> Iterator[Callable[[int], None] |
     """Yield the callback that shows progress on stderr (None: show none).
 
     On a terminal a rich progress display; elsewhere (CI logs), with
-    ``--progress``, a plain line every :data:`PLAIN_EVERY` seconds.
+    ``--progress``, a plain line every :data:`PLAIN_EVERY` seconds. A
+    terminal without rich installed gets the plain lines.
     """
     terminal = sys.stderr.isatty()
     if not (wanted if wanted is not None else terminal):
         yield None
-    elif terminal:
+    elif terminal and find_spec("rich") is not None:
         with _bar(name) as tick:
             yield tick
     else:
