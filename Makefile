@@ -38,6 +38,7 @@ system-deps:
 lint: $(DEVSTAMP)
 	$(BIN)/ruff check fsm_cache tests specs docs/hooks
 	$(BIN)/ruff format --check fsm_cache tests specs docs/hooks
+	$(BIN)/lint-imports
 
 typecheck: $(DEVSTAMP)
 	$(BIN)/mypy
@@ -67,4 +68,4 @@ test: system-deps $(DEVSTAMP)
 	$(MAKE) lint typecheck pytest verify check audit diagrams docs
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
