@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
-from collections.abc import Callable
 
 import pytest
 
@@ -11,11 +11,18 @@ from fsm_cache.cli import demo
 from fsm_cache.cli.main import main
 
 
-def call_line(method: Callable[..., object]) -> int:
-    """Return the line of ``method``'s one call into the residency machine."""
-    lines, start = inspect.getsourcelines(method)
-    (offset,) = [i for i, line in enumerate(lines) if "self.machine." in line]
-    return start + offset
+def call_line(method: str) -> int:
+    """Return the line of the demo method ``method``'s one call into the residency machine."""
+    tree = ast.parse(inspect.getsource(demo))
+    (function,) = [
+        node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == method
+    ]
+    (call,) = [
+        node
+        for node in ast.walk(function)
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "self.machine"
+    ]
+    return call.lineno
 
 
 @pytest.fixture
@@ -28,10 +35,9 @@ def output(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) 
 
 def test_planted_double_release_names_all_three_sites(output: list[str]) -> None:
     """The refusal names the refused release's site as well as the pin's and the first release's."""
-    backup = demo._StorageBackup
-    pinned = call_line(backup.backup_to_storage)
-    released = call_line(backup.drain_backup)
-    refused = call_line(backup.release_aborted_request)
+    pinned = call_line("backup_to_storage")
+    released = call_line("drain_backup")
+    refused = call_line("release_aborted_request")
     assert output[-3:] == [
         "planted bug: two cleanup paths release one storage-backup pin",
         "refused: node 17: release refused in backed (pins=0): release without a matching pin; "
