@@ -17,7 +17,7 @@ from fsm_cache.audit.flow import analyze
 from fsm_cache.audit.markers import HANDS_OFF, TAKES_OWNERSHIP, Markers, read_markers
 from fsm_cache.audit.model import AuditConfig, AuditError, Finding
 from fsm_cache.audit.scope import FunctionNode, build_scope
-from fsm_cache.audit.state import Flow, Outcome
+from fsm_cache.audit.state import Flow, FlowOutcome
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def _declared(node: FunctionNode, qualname: str, nested: bool, module: Module) -
     )
 
 
-def _findings(module: Module, fn: Function, outcome: Outcome, sink: Sink) -> Iterator[Finding]:
+def _findings(module: Module, fn: Function, outcome: FlowOutcome, sink: Sink) -> Iterator[Finding]:
     """Record the leaks of the paths leaving ``fn``, then render every event as a finding."""
     end = fn.node.end_lineno or fn.node.lineno
     exits = [
@@ -128,7 +128,7 @@ def _findings(module: Module, fn: Function, outcome: Outcome, sink: Sink) -> Ite
                 sink.raised(site, line)
             else:
                 sink.leak(site, line, how)
-    for item in messages.render(sink, module.config.pairs):
+    for item in messages.render_events(sink, module.config.pairs):
         if not _declared_away(fn, item, module.markers):
             yield Finding(module.path, item.line, item.col, item.code, item.message, fn.qualname)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from fsm_cache.audit.checker import check_source
 from fsm_cache.audit.config import ConfigFinder
 from fsm_cache.audit.model import DEFAULT_PAIRS, AuditConfig, AuditError, Finding
-from fsm_cache.audit.report import FORMATS, render
+from fsm_cache.audit.report import REPORT_FORMATS, render
 from fsm_cache.errors import FsmCacheError
 
 
@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="ACQUIRE:RELEASE",
         help=f"call names to pair; replaces the configured pairs (default: {defaults})",
     )
-    parser.add_argument("--format", choices=FORMATS, default="text", help="report format")
+    parser.add_argument("--format", choices=REPORT_FORMATS, default="text", help="report format")
     parser.add_argument(
         "--config",
         type=Path,

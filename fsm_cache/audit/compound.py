@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fsm_cache.audit.scope import loop_bindings
-from fsm_cache.audit.state import Flow, Outcome, States, add, merge, states_of
+from fsm_cache.audit.state import Flow, FlowOutcome, States, add, merge, states_of
 
 
 if TYPE_CHECKING:
@@ -26,11 +26,11 @@ else:
     _TRY = (ast.Try,)
 
 
-def run_try(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
+def run_try(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
     """Run ``try``: handlers see the body's raising paths; ``finally`` sees every exit."""
     assert isinstance(stmt, _TRY)
     body = walker.block(stmt.body, states)
-    pending: Outcome = {}
+    pending: FlowOutcome = {}
     merge(pending, walker.block(stmt.orelse, body.pop(Flow.NORMAL, {})))
     raised = body.pop(Flow.RAISE, {})
     merge(pending, body)
@@ -41,7 +41,7 @@ def run_try(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
         add(pending, Flow.RAISE, raised)
     if not stmt.finalbody:
         return pending
-    outcome: Outcome = {}
+    outcome: FlowOutcome = {}
     for flow, leaving in pending.items():
         final = walker.block(stmt.finalbody, leaving)
         add(outcome, flow, final.pop(Flow.NORMAL, {}))
@@ -54,7 +54,7 @@ def _catches_all(handler: ast.ExceptHandler) -> bool:
     return any(kind is None or ast.unparse(kind) in _CATCH_ALL for kind in kinds)
 
 
-def run_loop(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
+def run_loop(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
     """Run a loop body once and twice; ``for`` loops are assumed to run at least once.
 
     A ``for`` loop's variable stands for every element, so pinning and releasing
@@ -62,7 +62,7 @@ def run_loop(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
     not repeated in the second pass. Anything else repeats and can double.
     """
     assert isinstance(stmt, ast.For | ast.AsyncFor | ast.While)
-    outcome: Outcome = {}
+    outcome: FlowOutcome = {}
     header = stmt.test if isinstance(stmt, ast.While) else stmt.iter
     current = walker.evaluate(header, states, outcome)
     endless = isinstance(stmt, ast.While) and _always_true(stmt.test)
@@ -89,7 +89,7 @@ def _iterate(
     states: States,
     bindings: dict[str, str],
     iteration: int,
-) -> Outcome:
+) -> FlowOutcome:
     """Run one pass of a loop body with its loop variables bound."""
     saved_env, saved_frozen = walker.scope.env, walker.frozen
     walker.scope.env = {**saved_env, **bindings}
@@ -107,10 +107,10 @@ def _always_true(test: ast.expr) -> bool:
     return isinstance(test, ast.Constant) and bool(test.value)
 
 
-def run_with(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
+def run_with(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
     """Run ``with``: entering may raise; the body's exits pass through unchanged."""
     assert isinstance(stmt, ast.With | ast.AsyncWith)
-    outcome: Outcome = {}
+    outcome: FlowOutcome = {}
     for item in stmt.items:
         states = walker.evaluate(item.context_expr, states, outcome)
     targets = [item.optional_vars for item in stmt.items if item.optional_vars is not None]
@@ -118,10 +118,10 @@ def run_with(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
     return outcome
 
 
-def run_match(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
+def run_match(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
     """Run ``match``: every case is a branch; no case matching falls through."""
     assert isinstance(stmt, ast.Match)
-    outcome: Outcome = {}
+    outcome: FlowOutcome = {}
     states = walker.evaluate(stmt.subject, states, outcome)
     for case in stmt.cases:
         merge(outcome, walker.block(case.body, states))
@@ -131,7 +131,7 @@ def run_match(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
     return outcome
 
 
-Handler = Callable[["Walker", ast.stmt, States], Outcome]
+Handler = Callable[["Walker", ast.stmt, States], FlowOutcome]
 
 HANDLERS: dict[type[ast.stmt], Handler] = {
     **dict.fromkeys(_TRY, run_try),

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fsm_cache.audit.state import Key
+from fsm_cache.audit.state import ResourceKey
 
 
 # (line, col, key): one call site acting on one resource.
-SiteKey = tuple[int, int, Key]
+SiteKey = tuple[int, int, ResourceKey]
 
 
 @dataclass
@@ -21,7 +21,7 @@ class Sink:
     """The events of one function.
 
     Attributes:
-        acquires: Key -> the earliest (line, col) acquiring it.
+        acquires: ResourceKey -> the earliest (line, col) acquiring it.
         leaks: Acquire site -> (exit line, "returns" or "ends") of a normal path leaking it.
         raises: Acquire site -> the line whose raise leaks it.
         doubles: Release site -> the line of the earlier release on the same path.
@@ -29,14 +29,14 @@ class Sink:
         aliases: Local container element text (``staged[*]``) -> the texts put into it.
     """
 
-    acquires: dict[Key, tuple[int, int]] = field(default_factory=dict)
+    acquires: dict[ResourceKey, tuple[int, int]] = field(default_factory=dict)
     leaks: dict[SiteKey, tuple[int, str]] = field(default_factory=dict)
     raises: dict[SiteKey, int] = field(default_factory=dict)
     doubles: dict[SiteKey, int] = field(default_factory=dict)
     unmatched: set[SiteKey] = field(default_factory=set)
     aliases: dict[str, set[str]] = field(default_factory=dict)
 
-    def acquired(self, key: Key, line: int, col: int) -> None:
+    def acquired(self, key: ResourceKey, line: int, col: int) -> None:
         """Record an acquire site."""
         self.acquires[key] = min(self.acquires.get(key, (line, col)), (line, col))
 
@@ -65,7 +65,7 @@ class Sink:
         """Record that the local container elements ``alias`` stand for ``texts``."""
         self.aliases.setdefault(alias, set()).update(texts)
 
-    def first_acquire(self, key: Key) -> tuple[int, int] | None:
+    def first_acquire(self, key: ResourceKey) -> tuple[int, int] | None:
         """Return the earliest acquire of ``key`` or of what its alias stands for."""
         texts = {key[1], *self.aliases.get(key[1], ())}
         sites = [

@@ -12,17 +12,23 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fsm_cache.audit import compound
 from fsm_cache.audit.calls import Classifier, Op, OpKind, call_arguments, effects
+from fsm_cache.audit.compound import Handler
 from fsm_cache.audit.events import Sink
 from fsm_cache.audit.scope import Scope, build_scope, test_fact
-from fsm_cache.audit.state import Flow, Key, Outcome, State, States, add, merge, states_of
-
-
-Handler = Callable[["Walker", ast.stmt, States], Outcome]
+from fsm_cache.audit.state import (
+    Flow,
+    FlowOutcome,
+    ResourceKey,
+    State,
+    States,
+    add,
+    merge,
+    states_of,
+)
 
 
 @dataclass
@@ -42,9 +48,9 @@ class Walker:
     sink: Sink = field(default_factory=Sink)
     frozen: frozenset[str] = frozenset()
 
-    def block(self, body: list[ast.stmt], states: States) -> Outcome:
+    def block(self, body: list[ast.stmt], states: States) -> FlowOutcome:
         """Run ``body`` from ``states``; return the states per way of leaving it."""
-        outcome: Outcome = {}
+        outcome: FlowOutcome = {}
         current = states
         for stmt in body:
             if not current:
@@ -55,12 +61,12 @@ class Walker:
         add(outcome, Flow.NORMAL, current)
         return outcome
 
-    def stmt(self, stmt: ast.stmt, states: States) -> Outcome:
+    def stmt(self, stmt: ast.stmt, states: States) -> FlowOutcome:
         """Run one statement."""
         handler = _HANDLERS.get(type(stmt), _simple)
         return handler(self, stmt, states)
 
-    def evaluate(self, node: ast.AST, states: States, outcome: Outcome) -> States:
+    def evaluate(self, node: ast.AST, states: States, outcome: FlowOutcome) -> States:
         """Apply the calls inside ``node`` in order; raising paths go to ``outcome``."""
         for effect in effects(node):
             states = self._effect(effect, states, outcome)
@@ -78,7 +84,7 @@ class Walker:
         names = frozenset(ast.unparse(sub) for target in targets for sub in _stored(target))
         return states_of(*(state.forget(names, self.scope.mentions) for state in states))
 
-    def _effect(self, effect: ast.AST, states: States, outcome: Outcome) -> States:
+    def _effect(self, effect: ast.AST, states: States, outcome: FlowOutcome) -> States:
         if isinstance(effect, ast.Lambda):
             return self.closure(effect, states)
         if isinstance(effect, ast.Yield | ast.YieldFrom):
@@ -88,7 +94,7 @@ class Walker:
         assert isinstance(effect, ast.Call)
         return self._call(self.classifier.classify(effect, self.scope), states, outcome)
 
-    def _call(self, op: Op, states: States, outcome: Outcome) -> States:
+    def _call(self, op: Op, states: States, outcome: FlowOutcome) -> States:
         if op.kind is OpKind.CALL:
             add(outcome, Flow.RAISE, _at(states, op.call.lineno))
         elif op.kind in (OpKind.TAKE, OpKind.STORE):
@@ -116,7 +122,7 @@ class Walker:
         """Return whether ``text`` is a per-iteration resource seen again in a later pass."""
         return any(text == f or text.startswith((f + ".", f + "[")) for f in self.frozen)
 
-    def _pair(self, op: Op, key: Key, states: States) -> States:
+    def _pair(self, op: Op, key: ResourceKey, states: States) -> States:
         line, col = op.call.lineno, op.call.col_offset + 1
         if op.kind is OpKind.ACQUIRE:
             self.sink.acquired(key, line, col)
@@ -147,7 +153,7 @@ class Walker:
         return states_of(*(state.hand_on(texts) for state in states)) if texts else states
 
 
-def _last_element(key: Key) -> Key:
+def _last_element(key: ResourceKey) -> ResourceKey:
     """Return the key a loop gave ``key`` while its variable was rebound each pass.
 
     After ``for op in ops: node = pop(op); node.release_host()``, ``node`` is the
@@ -173,9 +179,9 @@ def _stored(target: ast.expr) -> list[ast.expr]:
     return [target]
 
 
-def _simple(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
+def _simple(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
     """Run a statement without control flow: its calls, then its stores."""
-    outcome: Outcome = {}
+    outcome: FlowOutcome = {}
     if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
         states = walker.closure(stmt, states)
     elif not isinstance(stmt, ast.ClassDef):
@@ -209,23 +215,23 @@ def _escapes(scope: Scope, target: ast.expr) -> bool:
     return isinstance(target, ast.Subscript) and not scope.is_local(target.value)
 
 
-def _return(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
+def _return(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
     assert isinstance(stmt, ast.Return)
-    outcome: Outcome = {}
+    outcome: FlowOutcome = {}
     states = walker.hand_on(stmt.value, walker.evaluate(stmt, states, outcome))
     add(outcome, Flow.RETURN, _at(states, stmt.lineno))
     return outcome
 
 
-def _raise(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
-    outcome: Outcome = {}
+def _raise(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
+    outcome: FlowOutcome = {}
     states = walker.evaluate(stmt, states, outcome)
     add(outcome, Flow.RAISE, _at(states, stmt.lineno))
     return outcome
 
 
-def _assert(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
-    outcome: Outcome = {}
+def _assert(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
+    outcome: FlowOutcome = {}
     states = walker.evaluate(stmt, states, outcome)
     add(outcome, Flow.RAISE, _at(states, stmt.lineno))
     add(outcome, Flow.NORMAL, states)
@@ -233,16 +239,16 @@ def _assert(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
 
 
 def _jump(flow: Flow) -> Handler:
-    def run(_walker: Walker, _stmt: ast.stmt, states: States) -> Outcome:
+    def run(_walker: Walker, _stmt: ast.stmt, states: States) -> FlowOutcome:
         return {flow: states}
 
     return run
 
 
-def _if(walker: Walker, stmt: ast.stmt, states: States) -> Outcome:
+def _if(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
     """Run both branches; a repeated test takes the branch it took before on that path."""
     assert isinstance(stmt, ast.If)
-    outcome: Outcome = {}
+    outcome: FlowOutcome = {}
     states = walker.evaluate(stmt.test, states, outcome)
     test, polarity = test_fact(stmt.test)
     tracked = test in walker.scope.correlated
@@ -271,7 +277,7 @@ _HANDLERS: dict[type[ast.stmt], Handler] = {
 
 def analyze(
     func: ast.FunctionDef | ast.AsyncFunctionDef, classifier: Classifier
-) -> tuple[Outcome, Sink]:
+) -> tuple[FlowOutcome, Sink]:
     """Run every path of ``func``; return how they leave it and the events seen."""
     walker = Walker(build_scope(func), classifier)
     outcome = walker.block(func.body, states_of(State()))

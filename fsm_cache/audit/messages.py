@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from fsm_cache.audit.events import Sink
 from fsm_cache.audit.model import Pair
-from fsm_cache.audit.state import Key
+from fsm_cache.audit.state import ResourceKey
 
 
 _ROOT = re.compile(r"[A-Za-z_]\w*")
@@ -26,16 +26,16 @@ class Rendered(NamedTuple):
     col: int
     code: str
     message: str
-    key: Key
+    key: ResourceKey
 
 
-def root_of(key: Key) -> str:
+def root_of(key: ResourceKey) -> str:
     """Return the variable a resource text starts from (``nodes`` for ``nodes[*].parent``)."""
     match = _ROOT.match(key[1])
     return match.group(0) if match else ""
 
 
-def render(sink: Sink, pairs: tuple[Pair, ...]) -> Iterator[Rendered]:
+def render_events(sink: Sink, pairs: tuple[Pair, ...]) -> Iterator[Rendered]:
     """Yield the findings of one function's events.
 
     An acquire that leaks on a normal path is reported once, as FSM101; its
@@ -69,7 +69,7 @@ def render(sink: Sink, pairs: tuple[Pair, ...]) -> Iterator[Rendered]:
             yield rendered
 
 
-def _unmatched(line: int, col: int, key: Key, sink: Sink, pair: Pair) -> Rendered | None:
+def _unmatched(line: int, col: int, key: ResourceKey, sink: Sink, pair: Pair) -> Rendered | None:
     """Render a release that found nothing held: FSM103, or FSM105 when an acquire exists.
 
     A release of each element of a local container filled alongside the acquires

@@ -16,12 +16,12 @@ from urllib.parse import quote
 from fsm_cache.audit.model import RULES, RULES_BY_CODE, VERSION, Finding
 
 
-FORMATS = ("text", "json", "sarif")
+REPORT_FORMATS = ("text", "json", "sarif")
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 
 
 def render(findings: Sequence[Finding], fmt: str) -> str:
-    """Return the report in ``fmt`` (one of :data:`FORMATS`), ending with a newline if non-empty."""
+    """Return the report in ``fmt`` (one of :data:`REPORT_FORMATS`), ending with a newline if non-empty."""
     if fmt == "json":
         return to_json(findings)
     if fmt == "sarif":

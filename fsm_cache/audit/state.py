@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 
 # A resource: the index of its pair and the canonical text of the expression.
-Key = tuple[int, str]
+ResourceKey = tuple[int, str]
 
 # States kept per program point; a guard against pathological functions.
 MAX_STATES = 256
@@ -29,7 +29,7 @@ class Flow(enum.Enum):
 
 
 @dataclass(frozen=True, order=True)
-class Held:
+class Acquisition:
     """One outstanding acquisition on a path.
 
     Attributes:
@@ -39,7 +39,7 @@ class Held:
         handed: Whether its ownership was handed on (stored, returned, passed on).
     """
 
-    key: Key
+    key: ResourceKey
     line: int
     col: int
     handed: bool = False
@@ -59,19 +59,19 @@ class State:
         site: Line where a return or raise left (0 on normal paths).
     """
 
-    held: tuple[Held, ...] = ()
-    released: tuple[tuple[Key, int], ...] = ()
+    held: tuple[Acquisition, ...] = ()
+    released: tuple[tuple[ResourceKey, int], ...] = ()
     stored: frozenset[str] = frozenset()
     aliases: frozenset[tuple[str, str]] = frozenset()
     facts: tuple[tuple[str, bool], ...] = ()
     site: int = 0
 
-    def acquire(self, key: Key, line: int, col: int) -> State:
+    def acquire(self, key: ResourceKey, line: int, col: int) -> State:
         """Return the state after acquiring ``key`` at ``line``."""
-        entry = Held(key, line, col, handed=key[1] in self.stored)
+        entry = Acquisition(key, line, col, handed=key[1] in self.stored)
         return replace(self, held=tuple(sorted((*self.held, entry))))
 
-    def release(self, key: Key, line: int) -> tuple[State, int | None, bool]:
+    def release(self, key: ResourceKey, line: int) -> tuple[State, int | None, bool]:
         """Return the state after releasing ``key``, the earlier release line, and a match flag.
 
         The earlier release line is set when nothing was held but this path
@@ -87,7 +87,7 @@ class State:
         held.remove(entry)
         return replace(self, held=tuple(held), released=released), None, True
 
-    def last_release(self, key: Key) -> int | None:
+    def last_release(self, key: ResourceKey) -> int | None:
         """Return the line of this path's latest release of ``key``, if any."""
         return dict(self.released).get(key)
 
@@ -104,7 +104,7 @@ class State:
         pairs = frozenset((alias, text) for text in texts)
         return replace(self, aliases=self.aliases | pairs)
 
-    def _named(self, key: Key, texts: frozenset[str]) -> bool:
+    def _named(self, key: ResourceKey, texts: frozenset[str]) -> bool:
         """Return whether ``texts`` names ``key``, directly or through an alias."""
         names = {key[1]} | {alias for alias, original in self.aliases if original == key[1]}
         return any(_names(name, texts) for name in names)
@@ -127,7 +127,9 @@ class State:
         return replace(self, site=site)
 
 
-def _pick(held: tuple[Held, ...], key: Key, aliases: frozenset[tuple[str, str]]) -> Held | None:
+def _pick(
+    held: tuple[Acquisition, ...], key: ResourceKey, aliases: frozenset[tuple[str, str]]
+) -> Acquisition | None:
     """Choose the entry a release consumes: the latest acquire not handed on, if any."""
     matching = [entry for entry in held if entry.key == key]
     if not matching:
@@ -144,7 +146,7 @@ def _names(text: str, texts: frozenset[str]) -> bool:
 
 
 States = dict[State, None]
-Outcome = dict[Flow, States]
+FlowOutcome = dict[Flow, States]
 
 
 def states_of(*states: State) -> States:
@@ -152,7 +154,7 @@ def states_of(*states: State) -> States:
     return dict.fromkeys(states)
 
 
-def add(outcome: Outcome, flow: Flow, states: States) -> None:
+def add(outcome: FlowOutcome, flow: Flow, states: States) -> None:
     """Merge ``states`` into ``outcome[flow]``, keeping first arrivals and the cap."""
     bucket = outcome.setdefault(flow, {})
     for state in states:
@@ -161,7 +163,7 @@ def add(outcome: Outcome, flow: Flow, states: States) -> None:
         bucket.setdefault(state, None)
 
 
-def merge(into: Outcome, other: Outcome) -> None:
+def merge(into: FlowOutcome, other: FlowOutcome) -> None:
     """Merge every flow of ``other`` into ``into``."""
     for flow, states in other.items():
         add(into, flow, states)

@@ -24,7 +24,7 @@ from typing import Any
 from fsm_cache.engine.core import Engine
 from fsm_cache.errors import IllegalTransition
 from fsm_cache.modelcheck.forest import Trees
-from fsm_cache.modelcheck.state import Choices, Entry, Layout
+from fsm_cache.modelcheck.state import Choices, Layout, NodeEntry
 
 
 Context = tuple[int, int, tuple[int, ...]]
@@ -107,7 +107,7 @@ class Answers:
         lid = self.contexts[chain[0]][0]
         events = self._unheld.get(lid)
         if events is None:
-            entry: Entry = (0, *self.trees.locals[lid])
+            entry: NodeEntry = (0, *self.trees.locals[lid])
             events = self._unheld[lid] = [event for event, _ in self.layout.unheld(entry)]
         return any(self.accepts(event, chain) for event in events)
 
@@ -121,7 +121,7 @@ class Answers:
         if key not in self._free:
             lid, up, kids = self.contexts[chain[0]]
             try:
-                entry: Entry = (0, *self.trees.locals[lid])
+                entry: NodeEntry = (0, *self.trees.locals[lid])
                 self._free[key] = self.engine.plan(self._record(entry, up, kids), event)[2]
             except IllegalTransition:
                 self._free[key] = None
@@ -160,7 +160,7 @@ class Answers:
     def _ask(self, event: str, ctx: Context, fired: bool) -> Answer:
         layout = self.layout
         lid, up, kids = ctx
-        entry: Entry = (0, *self.trees.locals[lid])
+        entry: NodeEntry = (0, *self.trees.locals[lid])
         if fired and layout.gives_back_unheld(entry, event):
             return None  # clients only give back what they hold
         if fired and not self._chosen(event, entry, up, kids):
@@ -171,14 +171,14 @@ class Answers:
             return None
         values: dict[str, Any] = dict(zip(self.fields, entry[1:], strict=False))
         values.update(assigns)
-        after: Entry = (0, *(values[f] for f in self.fields), *entry[layout.base :])
+        after: NodeEntry = (0, *(values[f] for f in self.fields), *entry[layout.base :])
         if fired:
             after = layout.with_holds(after, layout.deltas(event))
         if layout.over(after, self.bounds):
             return None
         return self.trees.lid(after[1:]), propagates
 
-    def _chosen(self, event: str, entry: Entry, up: int, kids: tuple[int, ...]) -> bool:
+    def _chosen(self, event: str, entry: NodeEntry, up: int, kids: tuple[int, ...]) -> bool:
         """Whether the cache fires ``event`` at the node itself (its policy, its copies)."""
         if self.choices.policy is None:
             return True  # any step the spec allows
@@ -190,14 +190,14 @@ class Answers:
             event, [self.layout.state((0, *states[s]), "host") for s in kids]
         )
 
-    def _record(self, entry: Entry, up: int, kids: tuple[int, ...]) -> Any:
+    def _record(self, entry: NodeEntry, up: int, kids: tuple[int, ...]) -> Any:
         """Return a record of the node, with views of its parent's and children's region states."""
         rec = self._view(entry[1:])
         rec.parent = self._view(self.trees.states[up]) if up >= 0 else None
         rec.children = [self._view(self.trees.states[s]) for s in kids]
         return rec
 
-    def _view(self, values: Entry) -> Any:
+    def _view(self, values: NodeEntry) -> Any:
         rec = self.Rec()
         rec.id, rec.trail, rec.parent, rec.children = 0, None, None, []
         for name, value in zip(self.fields, values, strict=False):

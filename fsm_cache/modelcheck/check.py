@@ -31,8 +31,7 @@ from fsm_cache.modelcheck.explore import Bounds, Explorer, Result
 from fsm_cache.modelcheck.progress import PLAIN_EVERY, progress
 from fsm_cache.modelcheck.state import Layout, Nodes
 from fsm_cache.policy import WritePolicy
-from fsm_cache.spec.controls import Control, controls, load_finding
-from fsm_cache.spec.controls import render as render_controls
+from fsm_cache.spec.controls import Control, controls, load_finding, render_controls
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import as_system
 from fsm_cache.spec.shipped import shipped_spec_paths
@@ -108,7 +107,7 @@ CONTROL_NODES = 3
 """Controls run on a fixed tree size, so their expected findings do not move with --nodes."""
 
 
-def control_finding(
+def check_control(
     control: Control, nodes: int = CONTROL_NODES, bounds: Bounds | None = None
 ) -> str:
     """Return the first finding of ``validate`` or ``check`` on a control (``""`` if none)."""
@@ -172,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for control in (
         controls(tools=("validate", "check")) if not args.specs and not args.no_controls else []
     ):
-        found = control_finding(control)
+        found = check_control(control)
         checked.append(
             {
                 "control": control.name,

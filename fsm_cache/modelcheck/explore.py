@@ -26,7 +26,7 @@ from fsm_cache.modelcheck import treeops
 from fsm_cache.modelcheck.answers import Answers
 from fsm_cache.modelcheck.forest import Forest, Trees
 from fsm_cache.modelcheck.invariants import unheld_give_back, violation, violation_at
-from fsm_cache.modelcheck.state import Choices, Entry, Layout, Nodes
+from fsm_cache.modelcheck.state import Choices, Layout, NodeEntry, Nodes
 from fsm_cache.modelcheck.traces import Replay, Seen, Step
 from fsm_cache.policy import WritePolicy, wants_backup
 
@@ -244,7 +244,7 @@ class Explorer:
     def _node_holds(self, lid: int, up: int, kids: tuple[int, ...]) -> bool:
         """Check a node of local ``lid`` under local ``up`` over ``kids`` on its neighbourhood."""
         locals_ = self.trees.locals
-        entries: list[Entry | None] = [(-1, *locals_[up])] if up >= 0 else []
+        entries: list[NodeEntry | None] = [(-1, *locals_[up])] if up >= 0 else []
         me = len(entries)
         entries.append((me - 1, *locals_[lid]))
         entries += [(me, *locals_[c]) for c in kids]

@@ -8,7 +8,7 @@ explorer stores and compares whole states as short tuples of ints.
 
 from __future__ import annotations
 
-from fsm_cache.modelcheck.state import Entry, Layout, Nodes
+from fsm_cache.modelcheck.state import Layout, NodeEntry, Nodes
 
 
 Forest = tuple[int, ...]
@@ -31,10 +31,10 @@ class Trees:
 
     def __init__(self, layout: Layout) -> None:
         self.regions = len(layout.regions)
-        self.locals: list[Entry] = []
+        self.locals: list[NodeEntry] = []
         self.stid: list[int] = []
         """Local id to the id of its region states."""
-        self.states: list[Entry] = []
+        self.states: list[NodeEntry] = []
         """Region-states id to the region states."""
         self.local: list[int] = []
         """Subtree id to its root's local id."""
@@ -45,12 +45,12 @@ class Trees:
         """Subtree id to its root's children's region-state ids, sorted."""
         self.size: list[int] = []
         """Subtree id to its number of nodes."""
-        self._lids: dict[Entry, int] = {}
-        self._stids: dict[Entry, int] = {}
+        self._lids: dict[NodeEntry, int] = {}
+        self._stids: dict[NodeEntry, int] = {}
         self._sids: dict[tuple[int, Forest], int] = {}
         self._swaps: dict[tuple[int, int, int, int], int] = {}
 
-    def lid(self, local: Entry) -> int:
+    def lid(self, local: NodeEntry) -> int:
         """Return the id of a node's local (its entry without the parent)."""
         found = self._lids.get(local)
         if found is None:
@@ -109,7 +109,7 @@ class Trees:
     def decode(self, forest: Forest, slots: int) -> Nodes:
         """Return the model state of ``forest`` in ``slots`` slots, numbered canonically."""
         order = self.preorder(forest)
-        out: list[Entry | None] = [(p, *self.locals[self.local[s]]) for s, p in order]
+        out: list[NodeEntry | None] = [(p, *self.locals[self.local[s]]) for s, p in order]
         return (*out, *([None] * (slots - len(out))))
 
     def swap(self, sid: int, old: int, new: int, lid: int) -> int:

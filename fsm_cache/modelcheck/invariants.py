@@ -23,18 +23,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fsm_cache.modelcheck.holders import Hold
-from fsm_cache.modelcheck.state import Entry, Layout, Nodes, children
+from fsm_cache.modelcheck.state import Layout, NodeEntry, Nodes, children
 from fsm_cache.modelcheck.treeops import dataless
 from fsm_cache.policy import WritePolicy
 from fsm_cache.residency import DEVICE_HELD, HOST_HELD, HOST_VALID
 
 
-Check = Callable[[Layout, Nodes, int, Entry], "str | None"]
+Check = Callable[[Layout, Nodes, int, NodeEntry], "str | None"]
 Accepts = Callable[[int, str], bool]
 """Whether the engine would accept an event fired at a node (a dry run): node, event."""
 
 
-def counts(layout: Layout, _nodes: Nodes, i: int, entry: Entry) -> str | None:
+def counts(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
     """Invariant 8: counters are never negative and every state's invariant holds."""
     for name in layout.counters:
         if layout.counter(entry, name) < 0:
@@ -47,7 +47,7 @@ def counts(layout: Layout, _nodes: Nodes, i: int, entry: Entry) -> str | None:
     return None
 
 
-def accounted(layout: Layout, nodes: Nodes, i: int, entry: Entry) -> str | None:
+def accounted(layout: Layout, nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
     """Invariant 6: each count equals its holders (plus its children's, if it propagates)."""
     for name in layout.counters:
         want = layout.held(entry, name)
@@ -59,7 +59,7 @@ def accounted(layout: Layout, nodes: Nodes, i: int, entry: Entry) -> str | None:
     return None
 
 
-def prefix_closed(layout: Layout, nodes: Nodes, i: int, entry: Entry) -> str | None:
+def prefix_closed(layout: Layout, nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
     """Invariant 1: a device-resident (or loading) node's parent is device-resident too."""
     if not layout.has("device"):
         return None
@@ -71,7 +71,7 @@ def prefix_closed(layout: Layout, nodes: Nodes, i: int, entry: Entry) -> str | N
     return None
 
 
-def held_somewhere(layout: Layout, _nodes: Nodes, i: int, entry: Entry) -> str | None:
+def held_somewhere(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
     """Invariant 2: every node that is not deleted holds its data on the device or the host."""
     if dataless(layout, entry):
         return (
@@ -80,7 +80,7 @@ def held_somewhere(layout: Layout, _nodes: Nodes, i: int, entry: Entry) -> str |
     return None
 
 
-def copies_safe(layout: Layout, _nodes: Nodes, i: int, entry: Entry) -> str | None:
+def copies_safe(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
     """Invariant 5: no slot is freed while a copy reads it.
 
     A device-to-host copy (host ``writing``) reads the device copy, which
@@ -97,7 +97,7 @@ def copies_safe(layout: Layout, _nodes: Nodes, i: int, entry: Entry) -> str | No
     return None
 
 
-def backup_prefix_closed(layout: Layout, nodes: Nodes, i: int, entry: Entry) -> str | None:
+def backup_prefix_closed(layout: Layout, nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
     """Invariant 3 (write-through policies): host backup is prefix-closed.
 
     A node whose host copy is valid (``backed``, ``pinned``) has a parent
@@ -178,7 +178,7 @@ def unheld_give_back(layout: Layout, nodes: Nodes, accepts: Accepts) -> str | No
     return None
 
 
-def _taken(layout: Layout, i: int, entry: Entry, event: str, key: Hold) -> str:
+def _taken(layout: Layout, i: int, entry: NodeEntry, event: str, key: Hold) -> str:
     """Describe ``event`` at node ``i`` taking a count of ``key``'s counter that others hold."""
     counter = key[0]
     others = [
@@ -192,7 +192,7 @@ def _taken(layout: Layout, i: int, entry: Entry, event: str, key: Hold) -> str:
     return f"invariant 6: node {i}: {event} would take {counter} held by {by} ({counter}={value}, none held by {mine})"
 
 
-def _at(nodes: Nodes, index: int) -> Entry:
+def _at(nodes: Nodes, index: int) -> NodeEntry:
     entry = nodes[index]
     assert entry is not None
     return entry

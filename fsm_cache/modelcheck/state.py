@@ -27,8 +27,8 @@ from fsm_cache.residency import DeviceState, HostState
 from fsm_cache.spec.machine import System
 
 
-Entry = tuple[int | str, ...]
-Nodes = tuple[Entry | None, ...]
+NodeEntry = tuple[int | str, ...]
+Nodes = tuple[NodeEntry | None, ...]
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,11 @@ class Layout:
         regions = tuple(r for r, _ in system.regions)
         return cls(system, regions, tuple(c for c, _ in system.counters), Holders.of(system))
 
-    def state(self, entry: Entry, region: str) -> str:
+    def state(self, entry: NodeEntry, region: str) -> str:
         """Return the state of ``region`` in a node entry."""
         return str(entry[1 + self.regions.index(region)])
 
-    def counter(self, entry: Entry, name: str) -> int:
+    def counter(self, entry: NodeEntry, name: str) -> int:
         """Return counter ``name`` of a node entry."""
         return int(entry[1 + len(self.regions) + self.counters.index(name)])
 
@@ -66,21 +66,21 @@ class Layout:
         """Index of the first hold in an entry."""
         return 1 + len(self.regions) + len(self.counters)
 
-    def hold(self, entry: Entry, key: Hold) -> int:
+    def hold(self, entry: NodeEntry, key: Hold) -> int:
         """Return the ghost holds of ``key``."""
         return int(entry[self.base + self.holders.kinds.index(key)])
 
-    def held(self, entry: Entry, name: str) -> int:
+    def held(self, entry: NodeEntry, name: str) -> int:
         """Return every hold on counter ``name``."""
         return sum(self.hold(entry, key) for key in self.holders.kinds if key[0] == name)
 
-    def fresh(self, parent: int) -> Entry:
+    def fresh(self, parent: int) -> NodeEntry:
         """Return a new node under ``parent`` in the initial states with initial counters."""
         states = tuple(m.initial for _, m in self.system.regions)
         counters = tuple(v for _, v in self.system.counters)
         return (parent, *states, *counters, *(0 for _ in self.holders.kinds))
 
-    def with_holds(self, entry: Entry, deltas: dict[Hold, int]) -> Entry:
+    def with_holds(self, entry: NodeEntry, deltas: dict[Hold, int]) -> NodeEntry:
         """Return ``entry`` with its ghost holds moved by ``deltas``."""
         out = list(entry)
         for key, delta in deltas.items():
@@ -103,11 +103,11 @@ class Layout:
         out.update(dict.fromkeys(self.holders.releases[event], -1))
         return out
 
-    def gives_back_unheld(self, entry: Entry, event: str) -> bool:
+    def gives_back_unheld(self, entry: NodeEntry, event: str) -> bool:
         """Whether ``event`` would give back a hold the node's clients do not have."""
         return any(self.hold(entry, key) == 0 for key in self.holders.releases[event])
 
-    def unheld(self, entry: Entry) -> list[tuple[str, Hold]]:
+    def unheld(self, entry: NodeEntry) -> list[tuple[str, Hold]]:
         """Return the give-backs ``(event, hold)`` that would take another holder's count.
 
         ``event`` gives back ``hold``, which no client holds at the node, while
@@ -125,7 +125,7 @@ class Layout:
             )
         ]
 
-    def over(self, entry: Entry, bounds: list[int]) -> bool:
+    def over(self, entry: NodeEntry, bounds: list[int]) -> bool:
         """Whether a counter of ``entry`` is past its ceiling (``bounds``, in counter order)."""
         start = 1 + len(self.regions)
         values = entry[start : start + len(bounds)]
@@ -201,7 +201,7 @@ class Choices:
         acks = frozenset(t.event for t in host if copying in t.sources and t.event != BACKUP)
         return cls(policy, copying, acks, wants)
 
-    def fires(self, layout: Layout, event: str, node: Entry, parent: Entry | None) -> bool:
+    def fires(self, layout: Layout, event: str, node: NodeEntry, parent: NodeEntry | None) -> bool:
         """Whether the cache fires ``event`` at ``node`` under ``parent`` (None: the root)."""
         if self.policy is None or event != BACKUP:
             return True
@@ -213,12 +213,12 @@ class Choices:
         """Whether ``event`` waits for a child's: the node shares its copy with a child (host states)."""
         return event in self.acks and self.copying in children
 
-    def joins(self, layout: Layout, event: str, ancestor: Entry) -> bool:
+    def joins(self, layout: Layout, event: str, ancestor: NodeEntry) -> bool:
         """Whether ``event``, acknowledging the copy of a child, applies to ``ancestor`` too."""
         return event in self.acks and layout.state(ancestor, "host") == self.copying
 
 
-def _residency(layout: Layout, entry: Entry) -> tuple[HostState, DeviceState]:
+def _residency(layout: Layout, entry: NodeEntry) -> tuple[HostState, DeviceState]:
     return (
         cast("HostState", layout.state(entry, "host")),
         cast("DeviceState", layout.state(entry, "device")),
@@ -257,7 +257,7 @@ def canonical(nodes: Nodes) -> tuple[Nodes, tuple[int, ...]]:
     for r in roots:
         visit(r)
     where = {old: new for new, old in enumerate(order)}
-    out: list[Entry | None] = []
+    out: list[NodeEntry | None] = []
     for old in order:
         entry = nodes[old]
         assert entry is not None

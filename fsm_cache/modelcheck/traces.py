@@ -19,7 +19,15 @@ from fsm_cache.engine.core import Engine
 from fsm_cache.errors import IllegalTransition
 from fsm_cache.modelcheck import treeops
 from fsm_cache.modelcheck.forest import Forest
-from fsm_cache.modelcheck.state import Choices, Entry, Layout, Nodes, ancestors, canonical, children
+from fsm_cache.modelcheck.state import (
+    Choices,
+    Layout,
+    NodeEntry,
+    Nodes,
+    ancestors,
+    canonical,
+    children,
+)
 
 
 Step = tuple[Any, ...]
@@ -167,7 +175,7 @@ def label(nodes: Nodes, step: Step) -> str:
     return f"insert node {slot} under {where}"
 
 
-def _at(nodes: Nodes | list[Entry | None], index: int) -> Entry:
+def _at(nodes: Nodes | list[NodeEntry | None], index: int) -> NodeEntry:
     entry = nodes[index]
     assert entry is not None
     return entry

@@ -14,7 +14,7 @@ from typing import cast
 
 from fsm_cache.modelcheck.forest import Forest, Trees
 from fsm_cache.modelcheck.holders import Hold
-from fsm_cache.modelcheck.state import Entry, Layout, Nodes, children
+from fsm_cache.modelcheck.state import Layout, NodeEntry, Nodes, children
 from fsm_cache.residency import HOST_HELD, DeviceState, HostState, split_prefix
 
 
@@ -42,12 +42,12 @@ def split(layout: Layout, nodes: Nodes, index: int, slot: int) -> Nodes | None:
     entry = nodes[index]
     if entry is None or nodes[slot] is not None:
         return None
-    prefix: Entry = (int(entry[0]), *prefix_fields(layout, entry), *prefix_holds(layout, entry))
+    prefix: NodeEntry = (int(entry[0]), *prefix_fields(layout, entry), *prefix_holds(layout, entry))
     moved = _put(nodes, slot, prefix)
     return _put(moved, index, (slot, *entry[1:]))
 
 
-def prefix_fields(layout: Layout, entry: Entry) -> Entry:
+def prefix_fields(layout: Layout, entry: NodeEntry) -> NodeEntry:
     """Return the states and counters a split gives the prefix of the node ``entry``.
 
     For the residency composition, the cache's own rule
@@ -68,7 +68,7 @@ def prefix_fields(layout: Layout, entry: Entry) -> Entry:
     return tuple(given.get(name, value) for name, value in zip(names, fields, strict=True))
 
 
-def prefix_holds(layout: Layout, entry: Entry) -> Entry:
+def prefix_holds(layout: Layout, entry: NodeEntry) -> NodeEntry:
     """Return who holds the prefix of the node ``entry`` after a split: its ghost holds.
 
     The holds are the model's account of who holds what, kept apart from
@@ -94,7 +94,7 @@ def _holds_prefix(layout: Layout, key: Hold) -> bool:
     return not layout.residency or len(regions) > 1
 
 
-def dataless(layout: Layout, entry: Entry) -> bool:
+def dataless(layout: Layout, entry: NodeEntry) -> bool:
     """Whether a node holds its data nowhere (device absent and no valid host copy)."""
     if not (layout.has("device") and layout.has("host")):
         return False
@@ -120,7 +120,7 @@ def prune(layout: Layout, nodes: Nodes) -> Nodes:
         out = _put(out, gone, None)
 
 
-def _put(nodes: Nodes, index: int, entry: Entry | None) -> Nodes:
+def _put(nodes: Nodes, index: int, entry: NodeEntry | None) -> Nodes:
     return (*nodes[:index], entry, *nodes[index + 1 :])
 
 

@@ -22,7 +22,7 @@ from fsm_cache.spec.shipped import spec_dir
 
 
 TOOLS = ("validate", "verify", "check")
-COUNTEREXAMPLE = ": counterexample: "
+_COUNTEREXAMPLE = ": counterexample: "
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Control:
         ``...: counterexample: ARGS`` matches on the text before ``ARGS``;
         every other finding must match exactly.
         """
-        head, sep, _ = self.expected.partition(COUNTEREXAMPLE)
+        head, sep, _ = self.expected.partition(_COUNTEREXAMPLE)
         return found == self.expected or (bool(sep) and found.startswith(head + sep))
 
 
@@ -108,7 +108,7 @@ def _control(expected: Path) -> Control:
     raise SpecError([f"{expected}: no {expected.stem}.toml or {expected.stem}.py beside it"])
 
 
-def render(checked: list[dict[str, Any]]) -> list[str]:
+def render_controls(checked: list[dict[str, Any]]) -> list[str]:
     """Return one line per negative control: found as expected (``ok``) or ``LOST``."""
     lines = []
     for c in checked:

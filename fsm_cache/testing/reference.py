@@ -28,12 +28,10 @@ from typing import Any
 
 from transitions import Machine, MachineError
 
+from fsm_cache.engine.core import Effect
 from fsm_cache.errors import EffectFailed, IllegalTransition, SpecError, error_class
 from fsm_cache.spec.guards import Condition
 from fsm_cache.spec.machine import Forbid, MachineSpec, Spec, System, Transition, as_system
-
-
-Effect = Callable[[Any], None]
 
 
 class Record:
