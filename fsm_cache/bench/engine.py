@@ -26,18 +26,7 @@ from typing import Any
 
 from fsm_cache.engine.core import Engine
 from fsm_cache.spec.shipped import host_machine, residency_system
-
-
-try:
-    from fsm_cache.testing.reference import Reference
-except ModuleNotFoundError as exc:
-    if exc.name != "transitions":
-        raise
-    raise ModuleNotFoundError(
-        "the engine benchmark compares against the transitions-based reference, "
-        "which needs the reference extra: pip install 'fsm-cache[reference]'",
-        name=exc.name,
-    ) from exc
+from fsm_cache.testing.reference import Reference
 
 
 TRANSITIONS_SHARE = 50

@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from fsm_cache.contracts import runner as crosshair_run
 from fsm_cache.contracts.generate import generate
@@ -33,6 +32,11 @@ from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import as_system
 from fsm_cache.spec.shipped import shipped_spec_paths
 
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 POOL_CONTRACTS = "fsm_cache.contracts.pages"
 

@@ -26,7 +26,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from transitions import Machine, MachineError
+
+try:
+    from transitions import Machine, MachineError
+except ModuleNotFoundError as exc:  # an optional dependency: say which extra brings it
+    if exc.name != "transitions":
+        raise
+    raise ModuleNotFoundError(
+        "the reference executor is built on transitions, which comes with the reference "
+        "extra: pip install 'fsm-cache[reference]'",
+        name=exc.name,
+    ) from exc
 
 from fsm_cache.engine.core import Effect
 from fsm_cache.errors import EffectFailed, IllegalTransition, SpecError, error_class
