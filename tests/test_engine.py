@@ -17,7 +17,7 @@ from fsm_cache.spec.shipped import host_machine, residency_system
 
 @pytest.fixture
 def engine() -> Engine:
-    return Engine(residency_system(), audit=False)
+    return Engine(residency_system(), trail=False)
 
 
 def test_a_full_lifecycle(engine: Engine) -> None:
@@ -40,7 +40,7 @@ def effect_engine(calls: list[str], fail: str = "") -> Engine:
 
         return run
 
-    return Engine(residency_system(), effects={n: hook(n) for n in effect_names()}, audit=False)
+    return Engine(residency_system(), effects={n: hook(n) for n in effect_names()}, trail=False)
 
 
 def effect_names() -> list[str]:
@@ -110,7 +110,7 @@ GATE = {
 
 
 def test_a_user_spec_names_its_own_error_classes() -> None:
-    engine = Engine(spec_from_dict(GATE), audit=False)
+    engine = Engine(spec_from_dict(GATE), trail=False)
     gate = engine.new("north")
     assert engine.slots == ("id", "state", "trail")
     assert repr(gate) == "gate.Record(id='north', state='shut')"
@@ -142,7 +142,7 @@ def test_records_are_slotted_and_start_initial(engine: Engine) -> None:
 
 
 def test_a_single_machine_runs_alone() -> None:
-    engine = Engine(host_machine(), audit=False)
+    engine = Engine(host_machine(), trail=False)
     rec = engine.new(1)
     rec.state = "backed"
     engine.verb("pin")(rec)
@@ -200,7 +200,7 @@ def test_the_first_declared_forbid_that_holds_decides() -> None:
             ],
         }
     )
-    engine = Engine(spec, audit=False)
+    engine = Engine(spec, trail=False)
     rec = engine.new(1)
     rec.n = 1
     with pytest.raises(IllegalTransition) as back:

@@ -13,7 +13,7 @@ from fsm_cache.spec.shipped import residency_system
 
 @pytest.fixture
 def engine() -> Engine:
-    return Engine(residency_system(), audit=False)
+    return Engine(residency_system(), trail=False)
 
 
 # (host, device, pins, locks), event, error class name, message after "node 17: "

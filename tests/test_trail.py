@@ -1,4 +1,4 @@
-"""Audit mode: refusals name the call sites of the record's last few events and their own."""
+"""Trail mode: refusals name the call sites of the record's last few events and their own."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ REFUSED = f"refused at {HERE}:{firing_line(refusal)} in refusal"
 
 
 def test_a_refusal_names_the_earlier_call_sites_and_its_own() -> None:
-    engine = Engine(residency_system(), audit=True)
+    engine = Engine(residency_system(), trail=True)
     node = backed(engine)
     a = backup_to_storage(engine, node)
     b = prefetch(engine, node)
@@ -93,7 +93,7 @@ def test_a_refusal_names_the_earlier_call_sites_and_its_own() -> None:
 
 
 def test_the_sites_are_on_the_refusal() -> None:
-    engine = Engine(host_machine(), audit=True)
+    engine = Engine(host_machine(), trail=True)
     node = backed(engine)
     a = backup_to_storage(engine, node)
     c = drain_backup(engine, node)
@@ -110,7 +110,7 @@ def test_the_sites_are_on_the_refusal() -> None:
 
 
 def test_a_first_event_refused_names_only_its_own_site() -> None:
-    engine = Engine(host_machine(), audit=True)
+    engine = Engine(host_machine(), trail=True)
     exc = refusal(engine, engine.new(5), "release")
     assert exc.sites == ()
     assert str(exc) == (
@@ -119,7 +119,7 @@ def test_a_first_event_refused_names_only_its_own_site() -> None:
 
 
 def test_propagating_events_are_noted_on_every_record() -> None:
-    engine = Engine(residency_system(), audit=True)
+    engine = Engine(residency_system(), trail=True)
     root, leaf = engine.new(1), engine.new(2)
     leaf_tree = _Tree(leaf, root)
     line = here() + 1
@@ -135,7 +135,7 @@ def test_propagating_events_are_noted_on_every_record() -> None:
 
 
 def test_a_refusal_at_an_ancestor_names_the_call_on_the_descendant() -> None:
-    engine = Engine(residency_system(), audit=True)
+    engine = Engine(residency_system(), trail=True)
     root = engine.new(1)
     leaf = _Tree(engine.new(2), root)
     leaf.locks = 1
@@ -162,7 +162,7 @@ class _Tree:
 
 
 def test_the_trail_keeps_only_the_last_events() -> None:
-    engine = Engine(host_machine(), audit=True, history=2)
+    engine = Engine(host_machine(), trail=True, history=2)
     node = backed(engine)
     backup_to_storage(engine, node)
     b = prefetch(engine, node)
@@ -177,8 +177,8 @@ def test_the_trail_keeps_only_the_last_events() -> None:
     assert b not in (c, last)
 
 
-def test_without_audit_there_is_no_history() -> None:
-    engine = Engine(host_machine(), audit=False)
+def test_without_trail_mode_there_is_no_history() -> None:
+    engine = Engine(host_machine(), trail=False)
     node = backed(engine)
     backup_to_storage(engine, node)
     drain_backup(engine, node)
@@ -188,29 +188,38 @@ def test_without_audit_there_is_no_history() -> None:
     assert (exc.history, exc.site, exc.sites) == ("", None, ())
 
 
+@pytest.fixture
+def environ(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """Neither trail variable set, whatever the shell running the tests exports."""
+    monkeypatch.delenv("FSM_CACHE_TRAIL", raising=False)
+    monkeypatch.delenv("FSM_CACHE_AUDIT", raising=False)
+    return monkeypatch
+
+
 @pytest.mark.parametrize(
-    ("value", "audit"), [("1", True), ("yes", True), ("0", False), ("", False)]
+    ("value", "on"),
+    [("1", True), ("yes", True), ("0", False), ("", False), ("no", False), ("FALSE", False)],
 )
-def test_the_environment_turns_audit_on(
-    monkeypatch: pytest.MonkeyPatch, value: str, audit: bool
+def test_the_environment_turns_trail_mode_on(
+    environ: pytest.MonkeyPatch, value: str, on: bool
 ) -> None:
-    monkeypatch.setenv("FSM_CACHE_AUDIT", value)
+    environ.setenv("FSM_CACHE_TRAIL", value)
     engine = Engine(host_machine())
-    assert engine.audit is audit
+    assert engine.trail is on
     node = backed(engine)
     line = backup_to_storage(engine, node)
     drain_backup(engine, node)
     message = str(refusal(engine, node, "release"))
-    assert (f"pinned at {HERE}:{line} in backup_to_storage" in message) is audit
-    assert message.endswith(REFUSED) is audit
+    assert (f"pinned at {HERE}:{line} in backup_to_storage" in message) is on
+    assert message.endswith(REFUSED) is on
 
 
-def test_the_argument_overrides_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FSM_CACHE_AUDIT", "1")
-    assert Engine(host_machine(), audit=False).audit is False
-    monkeypatch.delenv("FSM_CACHE_AUDIT")
-    assert Engine(host_machine(), audit=True).audit is True
-    assert Engine(host_machine()).audit is False
+def test_the_argument_overrides_the_environment(environ: pytest.MonkeyPatch) -> None:
+    environ.setenv("FSM_CACHE_TRAIL", "1")
+    assert Engine(host_machine(), trail=False).trail is False
+    environ.delenv("FSM_CACHE_TRAIL")
+    assert Engine(host_machine(), trail=True).trail is True
+    assert Engine(host_machine()).trail is False
 
 
 def test_undeclared_past_tenses_are_derived() -> None:
@@ -228,7 +237,7 @@ def test_undeclared_past_tenses_are_derived() -> None:
             ],
         }
     )
-    engine = Engine(spec, audit=True)
+    engine = Engine(spec, trail=True)
     rec = engine.new(1)
     line = here() + 1
     engine.fire(rec, "stop")

@@ -6,6 +6,8 @@ For a spec, :func:`generate` writes a self-contained Python module holding:
   engine has a fast path, ``_step_<event>`` otherwise), emitted by
   :mod:`fsm_cache.engine.codegen` exactly as :class:`~fsm_cache.engine.core.Engine`
   compiles it;
+* the same tree tests the engine's code calls (``_parent_in``, ``_child_in``),
+  imported from :mod:`fsm_cache.engine.runtime`, not copied;
 * one top-level function per event, over ``(region states as Enums, counters
   as ints, the parent's and a child's states where the event reads them)``,
   which runs that code on a record and returns the record after the step
@@ -39,6 +41,7 @@ from typing import NamedTuple, Optional
 
 import icontract
 
+from fsm_cache.engine.runtime import child_in as _child_in, parent_in as _parent_in
 from fsm_cache.errors import IllegalTransition, error_class
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.meaning import step as _meaning
@@ -54,14 +57,6 @@ def _refuse(rec, index):
     raise error_class(error)(
         label=LABEL, instance=rec.id, state="", counters={{}}, event=event, reason=reason
     )
-
-
-def _parent_in(rec, region, states):
-    return rec.parent is not None and getattr(rec.parent, region) in states
-
-
-def _child_in(rec, region, states):
-    return any(getattr(child, region) in states for child in rec.children)
 
 
 class _Rec:

@@ -9,14 +9,37 @@ were parsed into comparisons before they reach this module.
 
 Every generated function checks everything first and only then writes the
 record, so a refused event changes nothing.
+
+:func:`compile_system` turns the text into functions the way attrs does: the
+source is registered in :mod:`linecache` under a filename unique to each
+compilation (``<fsm_cache residency engine 3>``), so tracebacks, ``pdb`` and
+``inspect`` show the generated line that refused, and two engines of one
+system never share a name. The entry is dropped once nothing runs the code.
 """
 
 from __future__ import annotations
 
+import itertools
+import linecache
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
+from fsm_cache.engine import runtime
+from fsm_cache.engine import trail as trails
 from fsm_cache.spec.guards import Condition, Guard
 from fsm_cache.spec.machine import Forbid, MachineSpec, System, Transition
+
+
+Plan = tuple[tuple[tuple[str, object], ...], list[str], bool]
+"""What a step returns: ``(assignments, effect names, propagates)``."""
+Step = Callable[[Any], Plan]
+Verb = Callable[[Any], None]
+Refuser = Callable[[Any, int], None]
+"""``refuse(rec, index)``: raise the refusal at ``index``; generated code calls it."""
 
 
 @dataclass(frozen=True)
@@ -32,9 +55,9 @@ class Refusal:
 class Emitter:
     """Accumulates generated source and the refusals it refers to by index."""
 
-    def __init__(self, system: System, *, audit: bool = False) -> None:
+    def __init__(self, system: System, *, trail: bool = False) -> None:
         self.system = system
-        self.audit = audit
+        self.trail = trail
         self.refusals: list[Refusal] = []
         self.lines: list[str] = []
         self.event = ""
@@ -47,6 +70,108 @@ class Emitter:
     def emit(self, depth: int, line: str) -> None:
         """Append one line at indentation ``depth``."""
         self.lines.append("    " * depth + line)
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A system compiled into functions: what :func:`compile_system` returns.
+
+    Attributes:
+        source: The generated Python source.
+        filename: The unique name the code was compiled under and is registered
+            as in :mod:`linecache` (``<fsm_cache residency engine 3>``).
+        steps: Every event's checking function, ``step(rec) -> plan``, which
+            writes nothing.
+        verbs: The events with a fast path (no effects, no propagation): checked
+            functions that commit inline, ``verb(rec)``.
+        refusals: What each ``_refuse(rec, index)`` of the source raises, by index.
+    """
+
+    source: str
+    filename: str
+    steps: Mapping[str, Step]
+    verbs: Mapping[str, Verb]
+    refusals: tuple[Refusal, ...]
+
+
+_numbers = itertools.count(1)
+"""Numbers compilations, so each gets its own filename (``next()`` is atomic)."""
+
+
+def compile_system(
+    system: System,
+    refuser: Callable[[Sequence[Refusal]], Refuser],
+    *,
+    trail: bool = False,
+    history: int = 8,
+) -> Compiled:
+    """Generate, register and compile ``system``'s functions; return them with their source.
+
+    Args:
+        system: The machine or composition to compile.
+        refuser: Given the refusals the source refers to by index, returns the
+            ``_refuse(rec, index)`` the generated code calls to raise one.
+        trail: Emit fast paths that note each event's call site on the record.
+        history: How many events a record's trail keeps.
+    """
+    em = Emitter(system, trail=trail)
+    steps = {event: compile_event(em, event) for event in system.event_names}
+    fast = {
+        event: compile_fast(em, event)
+        for event in system.event_names
+        if not needs_general(system, event)
+    }
+    source = "\n".join(em.lines)
+    refusals = tuple(em.refusals)
+    filename = f"<fsm_cache {system.name} engine {next(_numbers)}>"
+    namespace = _namespace(refuser(refusals), history)
+    _register(source, filename, namespace["_registration"])
+    exec(compile(source, filename, "exec"), namespace)
+    return Compiled(
+        source=source,
+        filename=filename,
+        steps=MappingProxyType({event: namespace[name] for event, name in steps.items()}),
+        verbs=MappingProxyType({event: namespace[name] for event, name in fast.items()}),
+        refusals=refusals,
+    )
+
+
+class _Registration:
+    """Sits in the generated functions' globals: it dies with the last of them."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _namespace(refuse: Refuser, history: int) -> dict[str, Any]:
+    """Return the globals generated code runs with: the names it calls, and nothing else."""
+    return {
+        "_refuse": refuse,
+        "_parent_in": runtime.parent_in,
+        "_child_in": runtime.child_in,
+        "_getframe": runtime.caller_frame,
+        "_INTERNAL": trails.internal_files(),
+        "_deque": deque,
+        "_history": history,
+        "_registration": _Registration(),
+    }
+
+
+def _register(source: str, filename: str, owner: _Registration) -> None:
+    """Put ``source`` in linecache as ``filename`` for as long as ``owner`` lives.
+
+    The entry has no modification time, which is how :func:`linecache.checkcache`
+    knows not to look for a file of that name and keeps it (attrs does the
+    same). ``filename`` is also dispatch code that call sites skip over.
+    """
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    trails.internal(filename)
+    weakref.finalize(owner, _forget, filename).atexit = False
+
+
+def _forget(filename: str) -> None:
+    """Drop a compilation's source and dispatch mark once no function of it is left."""
+    linecache.cache.pop(filename, None)
+    trails.forget(filename)
 
 
 def guard_expr(guard: Guard, local: bool = True) -> str:
@@ -120,7 +245,7 @@ def compile_fast(em: Emitter, event: str) -> str:
         em.emit(1, f"rec.{region} = n_{region}")
     for counter in _assigned(em.system, event):
         em.emit(1, f"rec.{counter} = c_{counter}")
-    if em.audit:
+    if em.trail:
         em.emit(1, "f = _getframe(1)")
         em.emit(1, "c = f.f_code")
         em.emit(1, "while c.co_filename in _INTERNAL:")

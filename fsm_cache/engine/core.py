@@ -1,9 +1,9 @@
 """The checked engine: a spec compiled into fast per-event functions over slotted records.
 
 Per instance the engine keeps only a slotted record: an ``id``, one state per
-region, the counters and an audit ``trail`` slot (None unless audit mode is
-on). Events are plain functions of the record; :meth:`Engine.verb` returns one
-for a hot loop, :meth:`Engine.fire` looks it up by name.
+region, the counters and a ``trail`` slot (None unless trail mode is on).
+Events are plain functions of the record; :meth:`Engine.verb` returns one for
+a hot loop, :meth:`Engine.fire` looks it up by name.
 
 Check, then act: every event is checked completely (every region, every
 cross-region and tree condition, every ancestor it propagates to) before
@@ -11,27 +11,28 @@ effects run, and effects run before anything is written. A refusal raises the
 spec's error class and leaves every record exactly as it was; an effect that
 raises leaves them unchanged too and is chained as the cause of
 :class:`~fsm_cache.errors.EffectFailed`.
+
+The generated source is in :mod:`linecache` under :attr:`Engine.filename`, so a
+refusal's traceback shows the generated line that refused.
 """
 
 from __future__ import annotations
 
-import sys
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsm_cache.engine import trail
-from fsm_cache.engine.codegen import Emitter, compile_event, compile_fast, needs_general
+from fsm_cache.engine import trail as trails
+from fsm_cache.engine.codegen import Compiled, Plan, Refusal, Refuser, Step, Verb, compile_system
 from fsm_cache.engine.lease import Lease, LeaseBook
-from fsm_cache.errors import EffectFailed, IllegalTransition, SpecError, error_class
+from fsm_cache.engine.runtime import Effect, no_effect, run_effect
+from fsm_cache.errors import IllegalTransition, SpecError, error_class
 from fsm_cache.spec.machine import Spec, System, as_system
 
 
-trail.internal(__file__)
+__all__ = ["Effect", "Engine", "Plan", "Verb"]
 
-Effect = Callable[[Any], None]
-Verb = Callable[[Any], None]
-Plan = tuple[tuple[tuple[str, object], ...], list[str], bool]
+trails.internal(__file__)
 
 
 class Engine:
@@ -42,12 +43,22 @@ class Engine:
         effects: Hooks by effect name, called with the record after all checks
             pass and before the commit. Without a mapping, effects are no-ops
             (a pure engine); with one, every effect the spec names must be bound.
-        audit: Keep call sites of each record's recent events; defaults to
-            ``FSM_CACHE_AUDIT``.
-        history: How many events each record's trail keeps in audit mode.
+        trail: Trail mode: keep the call sites of each record's recent events,
+            so refusals name them; defaults to ``FSM_CACHE_TRAIL``.
+        history: How many events each record's trail keeps in trail mode.
+        audit: Deprecated spelling of ``trail`` (warns); to be removed.
+
+    Attributes:
+        system: The compiled system.
+        trail: Whether the engine runs in trail mode.
+        history: How many events each record's trail keeps.
+        leases: The leases :meth:`lease` handed out and not yet released.
+        Record: The slotted record class; :meth:`new` builds one.
 
     Raises:
         SpecError: An effect the spec names is not bound.
+        ConfigError: ``trail`` and ``audit`` both given and different, or
+            ``FSM_CACHE_TRAIL`` and ``FSM_CACHE_AUDIT`` disagree.
     """
 
     def __init__(
@@ -55,17 +66,49 @@ class Engine:
         spec: Spec,
         *,
         effects: Mapping[str, Effect] | None = None,
-        audit: bool | None = None,
+        trail: bool | None = None,
         history: int = 8,
+        audit: bool | None = None,
     ) -> None:
         self.system: System = as_system(spec)
-        self.audit = trail.audit_default() if audit is None else audit
+        chosen = trails.choose(trail, audit, "Engine", stacklevel=2)
+        self.trail = trails.from_environment(stacklevel=2) if chosen is None else chosen
         self.history = history
         self.leases = LeaseBook()
         self._effects = self._bind(effects)
         self._past = {e.name: e.past for _, m in self.system.regions for e in m.events if e.past}
-        self._verbs = self._compile()
+        self._compiled: Compiled = compile_system(
+            self.system, self._refuser, trail=self.trail, history=history
+        )
+        self._verbs = {
+            event: self._compiled.verbs.get(event) or self._general(event)
+            for event in self.system.event_names
+        }
         self.Record = _record_class(self.system)
+
+    @property
+    def audit(self) -> bool:
+        """Deprecated name of :attr:`trail` (warns); to be removed."""
+        warnings.warn(
+            "Engine.audit is deprecated; read Engine.trail instead",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.trail
+
+    @property
+    def source(self) -> str:
+        """The generated Python source of the engine's functions."""
+        return self._compiled.source
+
+    @property
+    def filename(self) -> str:
+        """The unique name the source is compiled and registered in linecache under.
+
+        ``<fsm_cache residency engine 3>``: the system's name and a number no
+        other engine in the process has. Tracebacks name it, with the line.
+        """
+        return self._compiled.filename
 
     @property
     def slots(self) -> tuple[str, ...]:
@@ -109,7 +152,7 @@ class Engine:
     def allowed(self, rec: Any, event: str) -> bool:
         """Return whether ``event`` would be accepted now, without changing anything."""
         try:
-            self._plans(rec, self._steps[event])
+            self._plans(rec, self._compiled.steps[event])
         except IllegalTransition:
             return False
         except KeyError:
@@ -127,7 +170,7 @@ class Engine:
             IllegalTransition: ``rec`` refuses ``event`` (nothing changed).
             SpecError: Unknown event name.
         """
-        step = self._steps.get(event)
+        step = self._compiled.steps.get(event)
         if step is None:
             raise SpecError([f"{self.system.source}: unknown event {event!r}"])
         return step(rec)
@@ -159,7 +202,7 @@ class Engine:
             t.effect for _, m in self.system.regions for t in m.transitions if t.effect is not None
         }
         if effects is None:
-            return dict.fromkeys(named, _no_effect)
+            return dict.fromkeys(named, no_effect)
         missing = sorted(named - set(effects))
         if missing:
             raise SpecError(
@@ -167,35 +210,7 @@ class Engine:
             )
         return dict(effects)
 
-    def _compile(self) -> dict[str, Verb]:
-        em = Emitter(self.system, audit=self.audit)
-        steps = {event: compile_event(em, event) for event in self.system.event_names}
-        fast = {
-            event: compile_fast(em, event)
-            for event in self.system.event_names
-            if not needs_general(self.system, event)
-        }
-        namespace: dict[str, Any] = {
-            "_refuse": self._refuser(em),
-            "_parent_in": _parent_in,
-            "_child_in": _child_in,
-            "_getframe": sys._getframe,
-            "_INTERNAL": trail.internal_files(),
-            "_deque": deque,
-            "_history": self.history,
-        }
-        self.source = "\n".join(em.lines)
-        filename = f"<fsm_cache:{self.system.name}>"
-        trail.internal(filename)
-        code = compile(self.source, filename, "exec")
-        exec(code, namespace)
-        self._steps: dict[str, Callable[[Any], Plan]] = {e: namespace[n] for e, n in steps.items()}
-        verbs: dict[str, Verb] = {}
-        for event in self.system.event_names:
-            verbs[event] = namespace[fast[event]] if event in fast else self._general(event)
-        return verbs
-
-    def _plans(self, rec: Any, step: Callable[[Any], Plan]) -> list[tuple[Any, Plan]]:
+    def _plans(self, rec: Any, step: Step) -> list[tuple[Any, Plan]]:
         """Check ``event`` on ``rec`` (and its ancestors if it propagates); change nothing."""
         plans = [(rec, step(rec))]
         if plans[0][1][2]:
@@ -206,31 +221,32 @@ class Engine:
         return plans
 
     def _general(self, event: str) -> Verb:
-        effects, audit, history, label = self._effects, self.audit, self.history, self.system.label
-        step = self._steps[event]
+        effects, on, history, label = self._effects, self.trail, self.history, self.system.label
+        step = self._compiled.steps[event]
 
         def fire(rec: Any) -> None:
             plans = self._plans(rec, step)
             for target, (_, names, _) in plans:
                 for name in names:
-                    _run_effect(effects[name], name, event, target, label)
+                    run_effect(effects[name], name, event, target, label)
             for target, (assigns, _, _) in plans:
                 for attr, value in assigns:
                     setattr(target, attr, value)
-                if audit:
-                    target.trail = trail.note(target.trail, event, history)
+                if on:
+                    target.trail = trails.note(target.trail, event, history)
 
         return fire
 
-    def _refuser(self, em: Emitter) -> Callable[[Any, int], None]:
-        refusals, system, past, audit = em.refusals, self.system, self._past, self.audit
+    def _refuser(self, refusals: Sequence[Refusal]) -> Refuser:
+        """Return the ``_refuse(rec, index)`` generated code calls to raise ``refusals[index]``."""
+        system, past, on = self.system, self._past, self.trail
 
         def refuse(rec: Any, index: int) -> None:
             refusal = refusals[index]
             machine = system.machines[refusal.region]
-            recent = trail.sites(getattr(rec, "trail", None))
-            # Only audit mode pays for the frame walk to the refused call's own site.
-            site = trail.caller_site() if audit else None
+            recent = trails.sites(getattr(rec, "trail", None))
+            # Only trail mode pays for the frame walk to the refused call's own site.
+            site = trails.caller_site() if on else None
             raise error_class(refusal.error)(
                 label=system.label,
                 instance=rec.id,
@@ -238,37 +254,12 @@ class Engine:
                 counters={c: getattr(rec, c) for c in machine.counter_names},
                 event=refusal.event,
                 reason=refusal.reason,
-                history=trail.render(recent, past, site),
+                history=trails.render(recent, past, site),
                 site=site,
                 sites=recent,
             )
 
         return refuse
-
-
-def _run_effect(effect: Effect, name: str, event: str, rec: Any, label: str) -> None:
-    try:
-        effect(rec)
-    except Exception as exc:
-        msg = f"{label} {rec.id}: effect {name} of {event} failed: {exc}"
-        raise EffectFailed(msg) from exc
-
-
-def _no_effect(rec: Any) -> None:
-    """Stand-in for an effect when the engine runs without bound effects."""
-
-
-def _parent_in(rec: Any, region: str, states: tuple[str, ...]) -> bool:
-    parent = getattr(rec, "parent", None)
-    return parent is not None and getattr(parent, region) in states
-
-
-def _child_in(rec: Any, region: str, states: tuple[str, ...]) -> bool:
-    children = getattr(rec, "children", None)
-    if not children:
-        return False
-    values: Iterable[Any] = children.values() if isinstance(children, Mapping) else children
-    return any(getattr(child, region) in states for child in values)
 
 
 def _initialise(system: System, rec: Any, ident: object) -> None:

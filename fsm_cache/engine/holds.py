@@ -30,7 +30,7 @@ class Held:
         label: How the record is called in messages (``node``).
         ident: The record's id.
         state: The record's states and counters (``pinned (pins=1)``).
-        history: Its audit trail (``pinned at a.py:3 in f``), empty without audit mode.
+        history: Its trail (``pinned at a.py:3 in f``), empty outside trail mode.
     """
 
     label: str

@@ -1,6 +1,6 @@
-"""Audit trails: the call sites of an instance's last few events.
+"""Trails: the call sites of an instance's last few events.
 
-In audit mode each record keeps a bounded deque of ``(event, site)`` entries.
+In trail mode each record keeps a bounded deque of ``(event, site)`` entries.
 A refusal then says what happened before and where the refused call itself
 came from, e.g. ``pinned at a.py:10 in backup; released at b.py:20 in drain;
 refused at c.py:31 in abort``: both cleanup paths of a double release, which is
@@ -8,20 +8,32 @@ the information SGLang's ``Host reference counter is already zero.`` never had.
 
 Sites are the first frame outside fsm_cache's own dispatch modules, so they
 point at the user's code, not at the engine.
+
+Trail mode was called audit mode up to fsm_cache 0.1; the ``audit=`` keyword
+and the ``FSM_CACHE_AUDIT`` variable still work for one release, with a
+:class:`DeprecationWarning`. "Audit" now means only the static checker,
+``fsm-cache audit`` (:mod:`fsm_cache.audit`).
 """
 
 from __future__ import annotations
 
 import os
-import sys
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import CodeType
 
+from fsm_cache.engine.runtime import caller_frame
+from fsm_cache.errors import ConfigError
+
 
 _INTERNAL: set[str] = set()
-ENV_FLAG = "FSM_CACHE_AUDIT"
+ENV_FLAG = "FSM_CACHE_TRAIL"
+"""The environment variable that turns trail mode on for the process (``1``, ``yes``)."""
+OLD_ENV_FLAG = "FSM_CACHE_AUDIT"
+"""The deprecated name of :data:`ENV_FLAG`, read (with a warning) when it is set."""
+_OFF = ("0", "false", "no")
 
 
 def is_internal(filename: str) -> bool:
@@ -34,14 +46,78 @@ def internal(filename: str) -> None:
     _INTERNAL.add(filename)
 
 
+def forget(filename: str) -> None:
+    """Stop treating ``filename`` as dispatch code (generated code no function runs any more)."""
+    _INTERNAL.discard(filename)
+
+
 def internal_files() -> set[str]:
     """Return the live set of dispatch files (generated code checks it directly)."""
     return _INTERNAL
 
 
-def audit_default() -> bool:
-    """Return whether audit mode is on by default (``FSM_CACHE_AUDIT=1``)."""
-    return os.environ.get(ENV_FLAG, "") not in ("", "0", "false", "no")
+def from_environment(stacklevel: int = 1) -> bool:
+    """Return whether trail mode is on by default: ``FSM_CACHE_TRAIL=1``.
+
+    An empty value counts as unset; ``0``, ``false`` and ``no`` (any case) are
+    off, anything else on. The deprecated ``FSM_CACHE_AUDIT`` is read when set,
+    with a :class:`DeprecationWarning` attributed ``stacklevel`` frames above
+    the caller.
+
+    Raises:
+        ConfigError: Both variables are set and one turns trail mode on, the
+            other off.
+    """
+    new, old = os.environ.get(ENV_FLAG, ""), os.environ.get(OLD_ENV_FLAG, "")
+    if not old:
+        return _on(new)
+    if new and _on(new) != _on(old):
+        raise ConfigError(
+            f"{ENV_FLAG}={new} and {OLD_ENV_FLAG}={old} disagree; "
+            f"set {ENV_FLAG} only ({OLD_ENV_FLAG} is its deprecated name)"
+        )
+    warnings.warn(
+        f"{OLD_ENV_FLAG} is deprecated; set {ENV_FLAG}={old} instead",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
+    return _on(old)
+
+
+def choose(trail: bool | None, audit: bool | None, where: str, stacklevel: int = 1) -> bool | None:
+    """Return the trail mode asked for by ``trail=`` or by its deprecated spelling ``audit=``.
+
+    Args:
+        trail: The ``trail=`` argument; None when not given.
+        audit: The ``audit=`` argument; None when not given. Given, it warns
+            with a :class:`DeprecationWarning` naming ``trail=``.
+        where: The callable the arguments were passed to (``Engine``), for messages.
+        stacklevel: Which frame above the caller the warning is attributed to.
+
+    Returns:
+        The mode, or None when neither argument was given (the caller falls
+        back on :func:`from_environment`).
+
+    Raises:
+        ConfigError: Both spellings were given, with different values.
+    """
+    if audit is None:
+        return trail
+    if trail is not None and trail != audit:
+        raise ConfigError(
+            f"{where}: trail={trail} and audit={audit} disagree; "
+            "pass trail= only (audit= is its deprecated spelling)"
+        )
+    warnings.warn(
+        f"{where}(audit=...) is deprecated; pass {where}(trail={audit}) instead",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
+    return audit
+
+
+def _on(value: str) -> bool:
+    return value.lower() not in ("", *_OFF)
 
 
 @dataclass(frozen=True)
@@ -58,7 +134,7 @@ class Site:
 
 def caller_site() -> Site:
     """Return the first frame outside fsm_cache's dispatch modules."""
-    frame = sys._getframe(1)
+    frame = caller_frame(1)
     while frame.f_back is not None and frame.f_code.co_filename in _INTERNAL:
         frame = frame.f_back
     return Site(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
@@ -75,7 +151,7 @@ def note(trail: Trail | None, event: str, length: int) -> Trail:
     """Append ``event`` at the caller's site to ``trail`` (creating it) and return it."""
     if trail is None:
         trail = deque(maxlen=length)
-    frame = sys._getframe(1)
+    frame = caller_frame(1)
     while frame.f_back is not None and frame.f_code.co_filename in _INTERNAL:
         frame = frame.f_back
     trail.append((event, frame.f_code, frame.f_lasti))

@@ -50,7 +50,7 @@ class Answers:
         self.trees = trees
         self.bounds = bounds
         self.choices = choices or Choices()
-        self.engine = Engine(layout.system, audit=False)
+        self.engine = Engine(layout.system, trail=False)
         self.Rec: type = type("Rec", (), {"__slots__": (*self.engine.slots, "parent", "children")})
         self.fields = (*layout.regions, *layout.counters)
         self.contexts: list[Context] = []

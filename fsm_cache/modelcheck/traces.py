@@ -57,7 +57,7 @@ class Replay:
         self.bounds = bounds
         self.ops = ops
         self.choices = choices or Choices()
-        self.engine = Engine(layout.system, audit=False)
+        self.engine = Engine(layout.system, trail=False)
         self.Rec: type = type("Rec", (), {"__slots__": (*self.engine.slots, "parent", "children")})
         self.fields = (*layout.regions, *layout.counters)
 

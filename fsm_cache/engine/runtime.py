@@ -1,0 +1,66 @@
+"""What generated code calls at run time, defined once for every caller.
+
+The engine (:mod:`fsm_cache.engine.codegen` compiles the spec into functions
+that call these by name) and the CrossHair contract harness
+(:mod:`fsm_cache.contracts.generate` runs the same generated text) share this
+module, so the code CrossHair proves is the code the engine runs, down to
+the tree tests and the effect wrapper. Torch-free, and cheap to import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+# NOTE: imported by name rather than read as ``sys._getframe``: it is CPython's documented
+# frame accessor, not another component's private, and ``inspect.currentframe`` costs one
+# Python call more (about 120 ns), which trail mode would pay on every event.
+from sys import _getframe as caller_frame
+from typing import Any
+
+from fsm_cache.errors import EffectFailed
+
+
+__all__ = ["Effect", "caller_frame", "child_in", "no_effect", "parent_in", "run_effect"]
+
+Effect = Callable[[Any], None]
+"""A hook bound to an effect name, called with the record before the commit."""
+
+
+def parent_in(rec: Any, region: str, states: tuple[str, ...]) -> bool:
+    """Return whether ``rec`` has a parent whose ``region`` is in ``states``.
+
+    A record without a ``parent`` attribute, or with None there, is a root.
+    """
+    parent = getattr(rec, "parent", None)
+    return parent is not None and getattr(parent, region) in states
+
+
+def child_in(rec: Any, region: str, states: tuple[str, ...]) -> bool:
+    """Return whether some child of ``rec`` has its ``region`` in ``states``.
+
+    ``children`` may be a mapping (a tree's key -> child) or any iterable of
+    children; a record without it has none.
+    """
+    children = getattr(rec, "children", None)
+    if not children:
+        return False
+    values: Iterable[Any] = children.values() if isinstance(children, Mapping) else children
+    return any(getattr(child, region) in states for child in values)
+
+
+def run_effect(effect: Effect, name: str, event: str, rec: Any, label: str) -> None:
+    """Call ``effect`` on ``rec``, chaining whatever it raises under :class:`EffectFailed`.
+
+    Raises:
+        EffectFailed: The effect raised; the caller has written nothing yet, so
+            the record is unchanged.
+    """
+    try:
+        effect(rec)
+    except Exception as exc:
+        msg = f"{label} {rec.id}: effect {name} of {event} failed: {exc}"
+        raise EffectFailed(msg) from exc
+
+
+def no_effect(rec: Any) -> None:
+    """Stand in for an effect when the engine runs without bound effects (a pure engine)."""

@@ -1,0 +1,177 @@
+"""Generated code keeps its source: linecache, unique filenames, one set of runtime helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import inspect
+import linecache
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsm_cache.contracts.generate import generate
+from fsm_cache.engine import runtime, trail
+from fsm_cache.engine.codegen import Compiled, Refusal, compile_system
+from fsm_cache.engine.core import Engine
+from fsm_cache.errors import IllegalTransition, NoHostCopy
+from fsm_cache.spec.loader import spec_from_dict
+from fsm_cache.spec.machine import as_system
+from fsm_cache.spec.shipped import residency_system
+
+
+GATE = {
+    "machine": {"name": "gate", "initial": "shut"},
+    "states": {"shut": {}, "open": {}},
+    "transition": [
+        {"event": "open", "source": "shut", "dest": "open"},
+        {"event": "close", "source": "open", "dest": "shut"},
+    ],
+    "forbid": [
+        {"event": "open", "source": "open", "error": "GateJammed", "reason": "already open"},
+        {"event": "close", "source": "shut", "error": "GateJammed", "reason": "already shut"},
+    ],
+}
+FIRE_OPEN = """\
+def _fire_open(rec):
+    s_state = rec.state
+    if s_state == 'shut':
+        n_state = 'open'
+    elif s_state == 'open':
+        _refuse(rec, 4)
+    else:
+        _refuse(rec, 5)
+    rec.state = n_state
+"""
+
+
+def gate() -> Engine:
+    return Engine(spec_from_dict(GATE), trail=False)
+
+
+def number(filename: str, system: str) -> int:
+    """Return N of ``<fsm_cache SYSTEM engine N>``, failing on any other shape."""
+    prefix, suffix = f"<fsm_cache {system} engine ", ">"
+    assert filename.startswith(prefix)
+    assert filename.endswith(suffix)
+    return int(filename[len(prefix) : -len(suffix)])
+
+
+def refused(engine: Engine, rec: Any, event: str) -> IllegalTransition:
+    with pytest.raises(IllegalTransition) as info:
+        engine.fire(rec, event)
+    return info.value
+
+
+def test_a_refusal_traceback_shows_the_generated_line() -> None:
+    engine = gate()
+    rec = engine.new(1)
+    engine.fire(rec, "open")
+    text = "".join(traceback.format_exception(refused(engine, rec, "open")))
+    assert f'  File "{engine.filename}", line 30, in _fire_open\n    _refuse(rec, 4)\n' in text
+
+
+def test_a_refusal_on_the_plan_path_shows_the_generated_step_line() -> None:
+    engine = Engine(residency_system(), trail=False)
+    exc = refused(engine, engine.new(17), "evict_host")  # has an effect: checked by its step
+    assert isinstance(exc, NoHostCopy)
+    text = "".join(traceback.format_exception(exc))
+    assert (
+        f'  File "{engine.filename}", line 121, in _step_evict_host\n    _refuse(rec, 26)\n' in text
+    )
+    assert engine.source.splitlines()[120] == "        _refuse(rec, 26)"
+
+
+def test_two_engines_of_one_system_have_their_own_filenames() -> None:
+    first, second = gate(), gate()
+    assert first.filename != second.filename
+    assert second.filename == f"<fsm_cache gate engine {number(first.filename, 'gate') + 1}>"
+    rec = second.new(2)
+    second.fire(rec, "open")
+    text = "".join(traceback.format_exception(refused(second, rec, "open")))
+    assert f'  File "{second.filename}", line 30, in _fire_open\n' in text
+    assert first.filename not in text
+
+
+def test_the_source_survives_checkcache() -> None:
+    engine = gate()
+    linecache.checkcache()
+    linecache.checkcache(engine.filename)
+    assert linecache.getline(engine.filename, 30) == "        _refuse(rec, 4)\n"
+    lines = engine.source.splitlines(keepends=True)  # no mtime: checkcache has no file to stat
+    assert linecache.cache[engine.filename] == (len(engine.source), None, lines, engine.filename)
+
+
+def test_inspect_finds_the_source_of_a_verb() -> None:
+    engine = gate()
+    assert inspect.getsource(engine.verb("open")) == FIRE_OPEN
+
+
+def test_the_source_is_forgotten_with_the_last_function() -> None:
+    engine = gate()
+    filename, verb = engine.filename, engine.verb("open")
+    del engine
+    gc.collect()
+    assert filename in linecache.cache
+    assert trail.is_internal(filename)
+    del verb
+    gc.collect()
+    assert filename not in linecache.cache
+    assert not trail.is_internal(filename)
+
+
+def test_the_compiler_returns_its_pieces() -> None:
+    system = as_system(spec_from_dict(GATE))
+    seen: list[tuple[Refusal, ...]] = []
+
+    def refuser(refusals: Any) -> Any:
+        seen.append(tuple(refusals))
+
+        def refuse(rec: Any, index: int) -> None:
+            raise LookupError(refusals[index].reason)
+
+        return refuse
+
+    compiled = compile_system(system, refuser)
+    assert isinstance(compiled, Compiled)
+    assert dataclasses.is_dataclass(compiled)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        compiled.source = ""  # type: ignore[misc]
+    assert seen == [compiled.refusals]
+    assert compiled.refusals[4] == Refusal("state", "open", "GateJammed", "already open")
+    assert (list(compiled.steps), list(compiled.verbs)) == (["open", "close"], ["open", "close"])
+    assert FIRE_OPEN in compiled.source
+    rec = Engine(system, trail=False).new(1)
+    assert compiled.steps["open"](rec) == ((("state", "open"),), [], False)
+    assert rec.state == "shut"
+    compiled.verbs["open"](rec)
+    assert rec.state == "open"
+    with pytest.raises(LookupError, match=r"^already open$"):
+        compiled.verbs["open"](rec)
+
+
+def test_the_contract_harness_imports_the_engines_helpers(tmp_path: Path) -> None:
+    module = generate(residency_system(), tmp_path / "residency.toml")
+    assert (
+        "from fsm_cache.engine.runtime import child_in as _child_in, parent_in as _parent_in\n"
+        in module.source
+    )
+    assert "def _parent_in" not in module.source
+    assert "def _child_in" not in module.source
+    assert "    if _parent_in(rec, 'device', ('absent',)):\n" in module.source
+
+
+def test_the_tree_helpers() -> None:
+    class Rec:
+        def __init__(self, state: str, parent: Any = None, children: Any = ()) -> None:
+            self.state, self.parent, self.children = state, parent, children
+
+    root = Rec("a")
+    assert runtime.parent_in(Rec("b", root), "state", ("a",)) is True
+    assert runtime.parent_in(root, "state", ("a",)) is False
+    assert runtime.parent_in(object(), "state", ("a",)) is False
+    assert runtime.child_in(Rec("a", children=[Rec("b")]), "state", ("b",)) is True
+    assert runtime.child_in(Rec("a", children={1: Rec("c")}), "state", ("b",)) is False
+    assert runtime.child_in(object(), "state", ("b",)) is False
