@@ -30,7 +30,7 @@ Tools add their own under the root: ``DiagramError`` (diagram), ``AuditError``
 
 Refusals carry the instance, its state and counters, the event and the reason,
 so messages read ``node 17: release refused in backed (pins=0): <reason>``; in
-audit mode they also carry the call sites of the record's recent events and of
+trail mode they also carry the call sites of the record's recent events and of
 the refused call, and the message ends with that account
 (``...; pinned at a.py:10 in f; released at b.py:20 in g; refused at c.py:31 in h``).
 """
@@ -71,13 +71,13 @@ class IllegalTransition(FsmCacheError):
         counters: That machine's counters at the time of refusal.
         event: The refused event.
         reason: Why the spec refuses it.
-        history: The rendered audit account, or ``""`` outside audit mode: the
+        history: The rendered trail, or ``""`` outside trail mode: the
             sites of the record's recent events, then ``refused at`` the site of
             the refused call. It is what the message ends with.
         site: Where the refused call was made (the first frame outside
-            fsm_cache's dispatch code), or None outside audit mode.
+            fsm_cache's dispatch code), or None outside trail mode.
         sites: ``(event, site)`` of the record's recent accepted events, oldest
-            first; empty outside audit mode.
+            first; empty outside trail mode.
     """
 
     def __init__(

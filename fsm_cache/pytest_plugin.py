@@ -2,8 +2,9 @@
 
 Installed with fsm_cache (a ``pytest11`` entry point), it adds:
 
-* ``--fsm-audit``: audit mode for the whole run (``FSM_CACHE_AUDIT=1``), so
-  every refusal names the call sites of the record's recent events;
+* ``--fsm-trail``: trail mode for the whole run (``FSM_CACHE_TRAIL=1``), so
+  every refusal names the call sites of the record's recent events
+  (``--fsm-audit`` is its deprecated spelling and warns);
 * the ini option ``fsm_specs`` (spec paths, relative to the rootdir): each
   spec becomes two test items, ``fsm-verify[PATH]`` (the CrossHair
   contracts of ``fsm-cache verify``) and ``fsm-check[PATH]`` (the model
@@ -36,6 +37,7 @@ from fsm_cache.engine.lease import (
     open_leases,
     record_dropped,
 )
+from fsm_cache.engine.trail import ENV_FLAG
 from fsm_cache.errors import FsmCacheError
 
 
@@ -48,13 +50,19 @@ _REPORT = pytest.StashKey[list[str]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """Register ``--fsm-audit`` and the ini options."""
+    """Register ``--fsm-trail`` (and its deprecated spelling ``--fsm-audit``) and the ini options."""
     group = parser.getgroup("fsm_cache")
+    group.addoption(
+        "--fsm-trail",
+        action="store_true",
+        default=False,
+        help="run fsm_cache engines in trail mode (FSM_CACHE_TRAIL=1)",
+    )
     group.addoption(
         "--fsm-audit",
         action="store_true",
         default=False,
-        help="run fsm_cache engines in audit mode (FSM_CACHE_AUDIT=1)",
+        help="deprecated spelling of --fsm-trail",
     )
     parser.addini("fsm_specs", "spec files to verify and model-check as tests", type="linelist")
     parser.addini("fsm_check_nodes", "tree size of the model checker (default 3)", default="3")
@@ -73,7 +81,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the markers, turn on audit mode if asked and start recording dropped leases."""
+    """Register the markers, turn on trail mode if asked and start recording dropped leases."""
     config.addinivalue_line(
         "markers",
         "fsm_spec(path, verify=True, check=True): verify and model-check this spec before the test",
@@ -82,7 +90,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "fsm_allow_leaks: leases this test drops while held are not reported"
     )
     if config.getoption("--fsm-audit"):
-        os.environ["FSM_CACHE_AUDIT"] = "1"
+        config.issue_config_time_warning(
+            DeprecationWarning("--fsm-audit is deprecated; pass --fsm-trail instead"), stacklevel=2
+        )
+    if config.getoption("--fsm-trail") or config.getoption("--fsm-audit"):
+        os.environ[ENV_FLAG] = "1"
     if config.getini("fsm_leases"):
         config.stash[_RECORDING] = record_dropped(True)
         config.stash[_DURING] = {}

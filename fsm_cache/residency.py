@@ -5,7 +5,7 @@ plus the rules across them and along the tree). This module gives them a
 typed face:
 
 * :class:`ResidencyRecord` is the slotted per-node record: ``host`` state,
-  ``device`` state, ``pins``, ``locks``, and the audit ``trail``. Tree nodes
+  ``device`` state, ``pins``, ``locks``, and the ``trail`` of trail mode. Tree nodes
   subclass it and add their own fields.
 * :class:`Residency` compiles the spec once, optionally with effects bound to
   real memory, and exposes each event as a checked function of a record.
@@ -24,13 +24,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal
 
-from fsm_cache.engine import trail
+from fsm_cache.engine import trail as trails
 from fsm_cache.engine.core import Effect, Engine, Verb
 from fsm_cache.engine.lease import Lease
 from fsm_cache.spec.shipped import residency_system
 
 
-trail.internal(__file__)
+trails.internal(__file__)
 
 HostState = Literal["unbacked", "writing", "backed", "pinned", "evicted"]
 DeviceState = Literal["resident", "loading", "absent"]
@@ -89,7 +89,7 @@ class ResidencyRecord:
         device: Device residency state.
         pins: Holders of the host copy.
         locks: Running requests holding the device copy (propagated to ancestors).
-        trail: Recent events with call sites in audit mode, else None.
+        trail: Recent events with call sites in trail mode, else None.
     """
 
     __slots__ = ("device", "host", "id", "locks", "pins", "trail")
@@ -102,7 +102,7 @@ class ResidencyRecord:
         self.device: DeviceState = device
         self.pins = 0
         self.locks = 0
-        self.trail: trail.Trail | None = None
+        self.trail: trails.Trail | None = None
 
     def residency(self) -> str:
         """Return ``backed/resident (pins=0, locks=0)``."""
@@ -115,13 +115,23 @@ class Residency:
     Args:
         effects: Hooks for the spec's effects (``start_write``, ``free_host``,
             ``free_device``, ``start_load``); None for a pure engine.
-        audit: Keep call sites; defaults to ``FSM_CACHE_AUDIT``.
+        trail: Trail mode: refusals name the call sites of the node's recent
+            events; defaults to ``FSM_CACHE_TRAIL``.
+        audit: Deprecated spelling of ``trail`` (warns); to be removed.
+
+    Raises:
+        ConfigError: ``trail`` and ``audit`` both given and different.
     """
 
     def __init__(
-        self, effects: Mapping[str, Effect] | None = None, audit: bool | None = None
+        self,
+        effects: Mapping[str, Effect] | None = None,
+        trail: bool | None = None,
+        *,
+        audit: bool | None = None,
     ) -> None:
-        self.engine = Engine(residency_system(), effects=effects, audit=audit)
+        chosen = trails.choose(trail, audit, "Residency", stacklevel=2)
+        self.engine = Engine(residency_system(), effects=effects, trail=chosen)
         verb = self.engine.verb
         self.write, self.write_done, self.write_failed = (
             verb("write"),
@@ -160,9 +170,17 @@ def default_residency() -> Residency:
     return _default[0]
 
 
-def configure(*, audit: bool) -> Residency:
-    """Rebuild the default engine, e.g. to turn audit mode on for a test run."""
-    _default[:] = [Residency(audit=audit)]
+def configure(*, trail: bool | None = None, audit: bool | None = None) -> Residency:
+    """Rebuild the default engine, e.g. to turn trail mode on for a test run.
+
+    Args:
+        trail: Trail mode for :class:`Node` verbs; None reads ``FSM_CACHE_TRAIL``.
+        audit: Deprecated spelling of ``trail`` (warns); to be removed.
+
+    Raises:
+        ConfigError: ``trail`` and ``audit`` both given and different.
+    """
+    _default[:] = [Residency(trail=trails.choose(trail, audit, "configure", stacklevel=2))]
     return _default[0]
 
 

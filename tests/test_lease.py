@@ -35,7 +35,7 @@ def here() -> int:
 
 @pytest.fixture
 def engine() -> Engine:
-    return Engine(host_machine(), audit=False)
+    return Engine(host_machine(), trail=False)
 
 
 def backed(engine: Engine) -> Any:
@@ -179,7 +179,7 @@ def test_a_released_lease_is_collected_silently(engine: Engine) -> None:
 
 
 def test_locks_can_be_leased_too() -> None:
-    engine = Engine(residency_system(), audit=False)
+    engine = Engine(residency_system(), trail=False)
     rec = engine.new(3)
     lease = engine.lease(rec, "lock", "unlock")
     assert rec.locks == 1
@@ -212,20 +212,20 @@ def test_held_records_finds_pins_taken_without_a_lease(engine: Engine) -> None:
     assert idle.state == "unbacked"
 
 
-def test_held_records_names_the_sites_in_audit_mode() -> None:
-    engine = Engine(host_machine(), audit=True)
+def test_held_records_names_the_sites_in_trail_mode() -> None:
+    engine = Engine(host_machine(), trail=True)
     rec = engine.new(4)
     line = here() + 2
     for event in ("write", "write_done", "pin"):
         engine.fire(rec, event)
-    where = f"{HERE}:{line} in test_held_records_names_the_sites_in_audit_mode"
+    where = f"{HERE}:{line} in test_held_records_names_the_sites_in_trail_mode"
     assert [str(h) for h in held_records([engine])] == [
         f"node 4: pinned (pins=1); written at {where}; acknowledged at {where}; pinned at {where}"
     ]
 
 
 def test_held_records_finds_locks_and_sglang_nodes_and_skips_garbage() -> None:
-    residency = Residency(audit=False)
+    residency = Residency(trail=False)
 
     class TreeNode(ResidencyMixin):
         """An SGLang-style node: plain instance attributes, no slots."""

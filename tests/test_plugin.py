@@ -1,4 +1,4 @@
-"""The pytest plugin: audit mode, spec items, the fsm_spec marker and leaks at the end of the run."""
+"""The pytest plugin: trail mode, spec items, the fsm_spec marker and leaks at the end of the run."""
 
 from __future__ import annotations
 
@@ -90,19 +90,40 @@ def leaks(result: pytest.RunResult) -> list[str]:
     return section[: next(i for i, line in enumerate(section) if line.startswith("="))]
 
 
-def test_fsm_audit_turns_on_audit_mode(pytester: pytest.Pytester) -> None:
+def test_fsm_trail_turns_on_trail_mode(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
         import os
         from fsm_cache.engine.core import Engine
         from fsm_cache.spec.shipped import host_machine
 
-        def test_audit():
-            assert os.environ["FSM_CACHE_AUDIT"] == "1"
-            assert Engine(host_machine()).audit
+        def test_trail():
+            assert os.environ["FSM_CACHE_TRAIL"] == "1"
+            assert Engine(host_machine()).trail
         """
     )
-    pytester.runpytest_subprocess("--fsm-audit").assert_outcomes(passed=1)
+    result = pytester.runpytest_subprocess("--fsm-trail")
+    result.assert_outcomes(passed=1)
+    assert "DeprecationWarning" not in result.stdout.str()
+
+
+def test_fsm_audit_is_a_deprecated_spelling_of_fsm_trail(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import os
+        from fsm_cache.engine.core import Engine
+        from fsm_cache.spec.shipped import host_machine
+
+        def test_trail():
+            assert os.environ["FSM_CACHE_TRAIL"] == "1"
+            assert Engine(host_machine()).trail
+        """
+    )
+    result = pytester.runpytest_subprocess("--fsm-audit")
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(
+        ["*DeprecationWarning: --fsm-audit is deprecated; pass --fsm-trail instead"]
+    )
 
 
 def test_leaked_lease_fails_the_run(pytester: pytest.Pytester) -> None:
@@ -148,7 +169,7 @@ def test_drops_its_receipt():
     ]
 
 
-SITES = (  # the lines each audited event is fired from, found by their text
+SITES = (  # the lines each event in trail mode is fired from, found by their text
     '"write"',
     '"write_done"',
     '"pin"',
@@ -158,7 +179,7 @@ SITES = (  # the lines each audited event is fired from, found by their text
 )
 
 
-def test_pins_without_a_lease_fail_the_run_and_name_their_sites_in_audit_mode(
+def test_pins_without_a_lease_fail_the_run_and_name_their_sites_in_trail_mode(
     pytester: pytest.Pytester,
 ) -> None:
     module = pytester.makepyfile(
@@ -182,7 +203,7 @@ def test_sglang_protect_host():
     node.protect_host()
 """
     )
-    result = pytester.runpytest_subprocess("--fsm-audit")
+    result = pytester.runpytest_subprocess("--fsm-trail")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     written, acked, pinned, *compat = (f"{module.name}:{line_of(module, x)}" for x in SITES)
     assert leaks(result) == [

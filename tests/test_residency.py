@@ -154,7 +154,7 @@ MATRIX = [
     for event, h, d, pins, locks in itertools.product(EVENTS, HOST, DEVICE, (0, 1, 2), (0, 1, 2))
     if _valid(h, d, pins, locks)
 ]
-RES = Residency(audit=False)
+RES = Residency(trail=False)
 
 
 def _record(h: str, d: str, pins: int, locks: int) -> ResidencyRecord:

@@ -178,12 +178,12 @@ class _StorageBackup:
 
 
 def _planted_double_release(console: Console) -> bool:
-    """Plant a double release in audit mode; return whether it was refused naming all three sites.
+    """Plant a double release in trail mode; return whether it was refused naming all three sites.
 
-    The refusal's audit account names the pin, the first release and the
+    The refusal's trail names the pin, the first release and the
     refused release itself (``...; refused at demo.py:N in release_aborted_request``).
     """
-    machine = Residency(audit=True)
+    machine = Residency(trail=True)
     node = Node(17, host="backed")
     backup = _StorageBackup(node, machine)
     backup.backup_to_storage()

@@ -9,7 +9,7 @@ properties but routes every change through the residency machines:
 
 * ``protect_host()`` / ``release_host()`` fire ``pin`` / ``release``; a release
   at zero raises :class:`HostRefCounterZero` (a ``RuntimeError``) whose message
-  starts with SGLang's text and then names the node, its state and, in audit
+  starts with SGLang's text and then names the node, its state and, in trail
   mode, the call sites of the earlier pins and releases.
 * ``host_ref_counter`` and ``lock_ref`` are read-only views of ``pins`` and
   ``locks``; ``backuped`` and ``evicted`` are derived from the host and device
@@ -81,7 +81,7 @@ class ResidencyMixin:
     no-ops.
 
     Set ``residency`` on the class to a :class:`Residency` of your own (for
-    example one built with ``audit=True``); by default the process-wide one is used.
+    example one built with ``trail=True``); by default the process-wide one is used.
     """
 
     residency: ClassVar[Residency | None] = None

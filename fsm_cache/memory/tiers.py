@@ -8,10 +8,11 @@ machines stay torch-free.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
+from fsm_cache.engine.trail import choose
 from fsm_cache.errors import ConfigError, PageBusy
 from fsm_cache.memory.copies import CopyEngine
 from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
@@ -28,7 +29,7 @@ _DTYPES = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class CacheConfig:
     """How big the cache is, what its KV looks like, and how it behaves.
 
@@ -46,25 +47,62 @@ class CacheConfig:
         selective_threshold: Hits before a selective write-through backs a node up.
         load_back_threshold: Fewest tokens worth loading back rather than recomputing.
         debug: Check every invariant after every operation.
-        audit: Keep call sites of recent events per node (``None``: ``FSM_CACHE_AUDIT``).
+        trail: Trail mode: keep call sites of recent events per node, so refusals
+            name them (``None``: ``FSM_CACHE_TRAIL``).
         copier: Builds the copy engine from the two pools (tests inject faults here).
+
+    ``audit=`` is the deprecated spelling of ``trail=`` (it warns; passing both
+    with different values raises :class:`ConfigError`), and :attr:`audit` reads
+    ``trail``; both go in the next release. The initialiser is written out only
+    to accept that keyword: ``audit`` is no field, so :func:`dataclasses.replace`
+    and comparisons see ``trail`` alone.
     """
 
-    device_pages: int = 256
-    host_pages: int | None = None
-    host_ratio: float = 2.0
-    page_size: int = 16
-    layers: int = 2
-    heads: int = 2
-    head_dim: int = 16
-    dtype: str = "float16"
-    device: str | None = None
-    write_policy: str = "write_through"
-    selective_threshold: int = 2
-    load_back_threshold: int = 10
-    debug: bool = False
-    audit: bool | None = None
-    copier: CopierFactory | None = field(default=None, compare=False)
+    device_pages: int
+    host_pages: int | None
+    host_ratio: float
+    page_size: int
+    layers: int
+    heads: int
+    head_dim: int
+    dtype: str
+    device: str | None
+    write_policy: str
+    selective_threshold: int
+    load_back_threshold: int
+    debug: bool
+    trail: bool | None
+    copier: CopierFactory | None = field(compare=False)
+
+    def __init__(  # noqa: PLR0917 (the positional order the generated initialiser had)
+        self,
+        device_pages: int = 256,
+        host_pages: int | None = None,
+        host_ratio: float = 2.0,
+        page_size: int = 16,
+        layers: int = 2,
+        heads: int = 2,
+        head_dim: int = 16,
+        dtype: str = "float16",
+        device: str | None = None,
+        write_policy: str = "write_through",
+        selective_threshold: int = 2,
+        load_back_threshold: int = 10,
+        debug: bool = False,
+        trail: bool | None = None,
+        copier: CopierFactory | None = None,
+        *,
+        audit: bool | None = None,
+    ) -> None:
+        trail = choose(trail, audit, "CacheConfig", stacklevel=2)
+        given = locals()  # every field is a parameter of the same name
+        for name in (f.name for f in fields(self)):
+            object.__setattr__(self, name, given[name])
+
+    @property
+    def audit(self) -> bool | None:
+        """Deprecated name of :attr:`trail`; goes in the next release."""
+        return self.trail
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the first value out of range."""
