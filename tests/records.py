@@ -90,7 +90,7 @@ SHAPE = [None, 0, 0, 1, 3, 1]  # a root, two children, a grandchild chain and a 
 
 
 def run_both(system: System, steps: list[tuple[int, str]], **kwargs: Any) -> None:
-    engine, ref = Engine(system, audit=False, **kwargs), Reference(system, **kwargs)
+    engine, ref = Engine(system, trail=False, **kwargs), Reference(system, **kwargs)
     ours, theirs = tree_pair(engine, SHAPE)
     for index, event in steps:
         got = outcome(engine.fire, ours[index], event)

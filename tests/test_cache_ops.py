@@ -6,9 +6,9 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from fsm_cache.cache.replay import replay
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.metrics import register
+from fsm_cache.cache.replay import replay
 from fsm_cache.cli.main import main
 from fsm_cache.errors import ReplayMismatch
 from fsm_cache.memory.copies import CopyEngine

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from fsm_cache.cache.replay import replay
 from fsm_cache.cache.hicache import HiCache
+from fsm_cache.cache.replay import replay
 from fsm_cache.errors import PoolExhausted, ReplayMismatch
 from fsm_cache.memory.copies import CopyEngine
 from fsm_cache.memory.kv import KVPool

@@ -39,15 +39,23 @@ def test_every_package_imports_without_the_extras() -> None:
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fsm_cache/cli/demo.py imports rich at module level; import it inside run()",
-)
 def test_cli_starts_without_rich() -> None:
     """``fsm-cache --help`` needs no extra: the commands import their extras when run."""
     done = without(OPTIONAL, "from fsm_cache.cli.main import main\nmain(['--help'])")
     assert done.returncode == 0, done.stderr
     assert "demo" in done.stdout
+
+
+def test_demo_without_rich_names_the_extra() -> None:
+    """``fsm-cache demo`` without rich says which extra to install, with no traceback."""
+    done = without(
+        ("rich",), "from fsm_cache.cli.main import main\nraise SystemExit(main(['demo']))"
+    )
+    assert done.returncode == 2
+    assert done.stderr == (
+        "error: fsm-cache demo draws with rich, which comes with the cli extra: "
+        "pip install 'fsm-cache[cli]'\n"
+    )
 
 
 def test_engine_bench_without_transitions_names_the_extra() -> None:

@@ -251,7 +251,7 @@ def pair(
 
 def agree_everywhere(spec: Spec, **kwargs: Any) -> int:
     system = as_system(spec)
-    engine, ref = Engine(spec, audit=False, **kwargs), Reference(spec, **kwargs)
+    engine, ref = Engine(spec, trail=False, **kwargs), Reference(spec, **kwargs)
     checked = 0
     for config in configurations(system):
         for event in system.event_names:
@@ -286,7 +286,7 @@ def test_a_user_spec_agrees_with_effects_and_failures() -> None:
         return {"note": note, "archive": archive}
 
     spec = spec_from_dict(COUNTERS)
-    engine = Engine(spec, effects=effects(calls["engine"]), audit=False)
+    engine = Engine(spec, effects=effects(calls["engine"]), trail=False)
     ref = Reference(spec, effects=effects(calls["reference"]))
     for config in configurations(as_system(spec)):
         for event in ("stop", "finish"):

@@ -22,7 +22,7 @@ def representative(system: System) -> Iterator[dict[str, object]]:
 
 def test_residency_tree_rules_agree_exhaustively() -> None:
     system = residency_system()
-    engine, ref = Engine(system, audit=False), Reference(system)
+    engine, ref = Engine(system, trail=False), Reference(system)
     neighbours = [None, *configurations(system, top=0)]  # tree rules read states only
     checked = 0
     for me, other in itertools.product(representative(system), neighbours):
@@ -45,7 +45,7 @@ def test_residency_tree_rules_agree_exhaustively() -> None:
 
 def test_propagation_agrees_on_every_chain() -> None:
     system = residency_system()
-    engine, ref = Engine(system, audit=False), Reference(system)
+    engine, ref = Engine(system, trail=False), Reference(system)
     device = system.machines["device"].state_names
     for states in itertools.product(device, repeat=3):
         for locks in itertools.product(range(2), repeat=3):

@@ -12,11 +12,11 @@ from fsm_cache.errors import DuplicateAck, IllegalTransition, ReleaseAtZero
 from fsm_cache.residency import Node, Residency
 
 
-AUDITED = Residency(audit=True)
+AUDITED = Residency(trail=True)
 
 
 class AuditedNode(Node):
-    """A node class whose verbs fire through an audit-mode engine."""
+    """A node class whose verbs fire through a trail-mode engine."""
 
     __slots__ = ()
     machine = staticmethod(lambda: AUDITED)

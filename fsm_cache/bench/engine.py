@@ -5,11 +5,11 @@ alike), the nanoseconds per pin+release pair of
 
 * the bare guarded counter SGLang uses (``if count > 0: count -= 1 else: raise``),
 * the checked engine on the shipped host residency machine,
-* the same engine in audit mode (call sites kept per event),
+* the same engine in trail mode (call sites kept per event),
 * the ``transitions`` machine the reference executor builds from the same spec,
 
 and, with tracemalloc, the bytes per record of the composed residency engine.
-Targets: engine <= 2x bare, audit <= 5x bare, transitions >= 20x engine, and
+Targets: engine <= 2x bare, trail <= 5x bare, transitions >= 20x engine, and
 < 100 bytes per record.
 
 The ``transitions`` package comes with the ``reference`` extra
@@ -42,7 +42,7 @@ class EngineBench:
         repeat: Timings per implementation; the best is kept.
         bare_ns: The bare guarded counter.
         engine_ns: The checked engine (``engine.verb``).
-        audit_ns: The checked engine in audit mode.
+        trail_ns: The checked engine in trail mode.
         transitions_ns: The ``transitions`` machine of the reference executor.
         bytes_per_record: tracemalloc bytes per composed residency record.
         records: How many records the memory figure is averaged over.
@@ -52,7 +52,7 @@ class EngineBench:
     repeat: int
     bare_ns: float
     engine_ns: float
-    audit_ns: float
+    trail_ns: float
     transitions_ns: float
     bytes_per_record: float
     records: int
@@ -63,9 +63,9 @@ class EngineBench:
         return self.engine_ns / self.bare_ns
 
     @property
-    def audit_ratio(self) -> float:
+    def trail_ratio(self) -> float:
         """Audit-mode time over bare time (target <= 5.0)."""
-        return self.audit_ns / self.bare_ns
+        return self.trail_ns / self.bare_ns
 
     @property
     def transitions_ratio(self) -> float:
@@ -76,7 +76,7 @@ class EngineBench:
         """Return whether each target is met, by name."""
         return {
             "engine <= 2.0x bare": self.engine_ratio <= 2.0,
-            "audit <= 5.0x bare": self.audit_ratio <= 5.0,
+            "trail <= 5.0x bare": self.trail_ratio <= 5.0,
             "transitions >= 20x engine": self.transitions_ratio >= 20.0,
             "< 100 bytes per record": self.bytes_per_record < 100.0,
         }
@@ -87,9 +87,9 @@ class EngineBench:
             ("bare guarded counter", self.bare_ns, "1.00x bare"),
             ("checked engine", self.engine_ns, f"{self.engine_ratio:.2f}x bare (target <= 2.0)"),
             (
-                "checked engine, audit",
-                self.audit_ns,
-                f"{self.audit_ratio:.2f}x bare (target <= 5.0)",
+                "checked engine, trail",
+                self.trail_ns,
+                f"{self.trail_ratio:.2f}x bare (target <= 5.0)",
             ),
             (
                 "transitions machine",
@@ -137,8 +137,8 @@ def run_engine_bench(n: int = 200_000, repeat: int = 7) -> EngineBench:
     """
     loops = {
         "bare": (_bare_loop(n), n),
-        "engine": (_engine_loop(n, audit=False), n),
-        "audit": (_engine_loop(n, audit=True), n),
+        "engine": (_engine_loop(n, trail=False), n),
+        "trail": (_engine_loop(n, trail=True), n),
         "transitions": (_transitions_loop(max(1, n // TRANSITIONS_SHARE)), n // TRANSITIONS_SHARE),
     }
     best = dict.fromkeys(loops, float("inf"))
@@ -152,7 +152,7 @@ def run_engine_bench(n: int = 200_000, repeat: int = 7) -> EngineBench:
         repeat=repeat,
         bare_ns=best["bare"],
         engine_ns=best["engine"],
-        audit_ns=best["audit"],
+        trail_ns=best["trail"],
         transitions_ns=best["transitions"],
         bytes_per_record=record_bytes(records),
         records=records,
@@ -171,8 +171,8 @@ def _bare_loop(n: int) -> Callable[[], None]:
     return loop
 
 
-def _engine_loop(n: int, *, audit: bool) -> Callable[[], None]:
-    engine = Engine(host_machine(), audit=audit)
+def _engine_loop(n: int, *, trail: bool) -> Callable[[], None]:
+    engine = Engine(host_machine(), trail=trail)
     rec = engine.new(1)
     rec.state = "backed"
     pin, release = engine.verb("pin"), engine.verb("release")
@@ -216,7 +216,7 @@ def record_bytes(count: int) -> float:
     Ids and the list holding the records are allocated before tracing starts,
     so the figure is the records' own memory.
     """
-    engine = Engine(residency_system(), audit=False)
+    engine = Engine(residency_system(), trail=False)
     ids = list(range(count))
     held: list[Any] = [None] * count
     new = engine.new

@@ -55,7 +55,7 @@ class CacheCore:
         The effects close over the parts that are built around this core, so
         the core exists first and takes its effects afterwards.
         """
-        self.machine = Residency(effects=effects, audit=self._trail)  # FIXME(trail rename)
+        self.machine = Residency(effects=effects, trail=self._trail)
 
     def on_split(self, listener: SplitListener) -> None:
         """Call ``listener`` after every split (a part re-homes what it holds for the suffix)."""

@@ -15,18 +15,20 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
-
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from fsm_cache.bench.serving import ServeReport, serve
 from fsm_cache.bench.workload import ChatWorkload, requests
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.invariants import CHECKED
-from fsm_cache.errors import ReleaseAtZero
+from fsm_cache.errors import FsmCacheError, ReleaseAtZero
 from fsm_cache.memory.tiers import CacheConfig
 from fsm_cache.residency import HOST_VALID, Node, Residency
+
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 
 CHECK_EVERY = 10
@@ -44,6 +46,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     """Serve the workload, print the summary, show the planted refusal; 0 when all is well."""
+    try:
+        from rich.console import Console
+    except ModuleNotFoundError as exc:
+        raise FsmCacheError(
+            "fsm-cache demo draws with rich, which comes with the cli extra: "
+            "pip install 'fsm-cache[cli]'"
+        ) from exc
     _quiet_threads()
     console = Console()
     config = CacheConfig(
@@ -81,6 +90,8 @@ def _quiet_threads() -> None:
 
 
 def _serve(cache: HiCache, trace: ChatWorkload, console: Console) -> ServeReport:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     columns = (TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("serve", total=trace.requests)
@@ -120,6 +131,8 @@ def _check_prefixes(cache: HiCache, trace: ChatWorkload) -> int:
 
 def _summary(cache: HiCache, report: ServeReport, checked: int, seconds: float) -> Table:
     stats = cache.stats()
+    from rich.table import Table
+
     table = Table(title=f"served {report.requests} requests in {seconds:.1f} s", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value")

@@ -48,7 +48,7 @@ class Record:
     """A record with every attribute the engine and the reference read.
 
     ``id``, one attribute per region, one per counter, ``trail`` (for the
-    engine's audit mode), ``parent`` (a record or None) and ``children``
+    engine's trail mode), ``parent`` (a record or None) and ``children``
     (a list of records). Attributes are set by :meth:`Reference.new` or
     :meth:`fsm_cache.engine.core.Engine.init`.
     """
