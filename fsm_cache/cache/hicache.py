@@ -90,9 +90,7 @@ class HiCache:
         self.config.check()
         self.policy = WritePolicy(self.config.write_policy)
         self.tiers = Tiers(self.config)
-        self._core = CacheCore(
-            self.config.page_size, self.tiers, self.config.audit
-        )  # FIXME(trail rename)
+        self._core = CacheCore(self.config.page_size, self.tiers, self.config.trail)
         self._transfers = Transfers(
             self._core, self.tiers, self.policy, self.config.selective_threshold, acks
         )
