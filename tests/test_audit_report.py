@@ -12,7 +12,7 @@ import pytest
 from fsm_cache.audit import RULES, Finding
 from fsm_cache.audit.flake8 import AuditPlugin
 from fsm_cache.audit.model import VERSION
-from fsm_cache.audit.report import render, to_sarif, to_text
+from fsm_cache.audit.report import render_report, to_sarif, to_text
 
 
 FINDINGS = [
@@ -32,11 +32,11 @@ def test_text_is_one_linter_line_per_finding() -> None:
         "pkg/cache.py:12:9: FSM102 release_host() on 'node' can run twice [C.f]",
         "pkg/cache.py:30:1: FSM100 empty fsm-cache marker",
     ]
-    assert render([], "text") == ""
+    assert render_report([], "text") == ""
 
 
 def test_json_round_trips() -> None:
-    data = json.loads(render(FINDINGS, "json"))
+    data = json.loads(render_report(FINDINGS, "json"))
     assert data["version"] == VERSION
     assert data["findings"][0] == {
         "path": "pkg/cache.py",

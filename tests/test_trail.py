@@ -277,4 +277,4 @@ def test_internal_files_are_skipped() -> None:
 
     assert trail.is_internal(fsm_cache.engine.core.__file__)
     assert trail.sites(None) == ()
-    assert trail.render((), {}) == ""
+    assert trail.account((), {}) == ""

@@ -20,7 +20,7 @@ from pathlib import Path
 from fsm_cache.audit.checker import check_source
 from fsm_cache.audit.config import ConfigFinder
 from fsm_cache.audit.model import DEFAULT_PAIRS, AuditConfig, AuditError, Finding
-from fsm_cache.audit.report import REPORT_FORMATS, render
+from fsm_cache.audit.report import REPORT_FORMATS, render_report
 from fsm_cache.errors import FsmCacheError
 
 
@@ -62,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     """Audit ``args.paths``, print the report, and return the exit status."""
     findings = audit_paths(args.paths, ConfigFinder(args.config, args.pair))
-    sys.stdout.write(render(findings, args.format))
+    sys.stdout.write(render_report(findings, args.format))
     return 1 if findings else 0
 
 

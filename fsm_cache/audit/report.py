@@ -20,7 +20,7 @@ REPORT_FORMATS = ("text", "json", "sarif")
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 
 
-def render(findings: Sequence[Finding], fmt: str) -> str:
+def render_report(findings: Sequence[Finding], fmt: str) -> str:
     """Return the report in ``fmt`` (one of :data:`REPORT_FORMATS`), ending with a newline if non-empty."""
     if fmt == "json":
         return to_json(findings)

@@ -254,7 +254,7 @@ class Engine:
                 counters={c: getattr(rec, c) for c in machine.counter_names},
                 event=refusal.event,
                 reason=refusal.reason,
-                history=trails.render(recent, past, site),
+                history=trails.account(recent, past, site),
                 site=site,
                 sites=recent,
             )

@@ -101,7 +101,7 @@ class _Shape:
         if all(values[counter] == initial for counter, initial in self.carried):
             return None
         log = values.get("trail")
-        history = trail.render(trail.sites(log), self.past) if isinstance(log, deque) else ""
+        history = trail.account(trail.sites(log), self.past) if isinstance(log, deque) else ""
         return Held(self.engine.system.label, values["id"], self.engine.describe(obj), history)
 
 

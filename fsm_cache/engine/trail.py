@@ -191,7 +191,7 @@ def past_tense(event: str) -> str:
     return event + "ed"
 
 
-def render(
+def account(
     recent: Sequence[tuple[str, Site]], past: dict[str, str], refused: Site | None = None
 ) -> str:
     """Render ``pinned at a.py:10 in f; released at b.py:2 in g and at ...; refused at ...``.

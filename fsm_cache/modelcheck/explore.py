@@ -27,14 +27,14 @@ from fsm_cache.modelcheck.answers import Answers
 from fsm_cache.modelcheck.forest import Forest, Trees
 from fsm_cache.modelcheck.invariants import unheld_give_back, violation, violation_at
 from fsm_cache.modelcheck.state import Choices, Layout, NodeEntry, Nodes
-from fsm_cache.modelcheck.traces import Replay, Seen, Step
+from fsm_cache.modelcheck.traces import Replay, Seen, TraceStep
 from fsm_cache.policy import WritePolicy, wants_backup
 
 
 Move = tuple[str, tuple[int, ...], bool]
 """An enabled event at a node: its name, the new locals of the node and the ancestors
 it changed (nearest first), and whether one of them holds its data nowhere."""
-Successor = tuple[Step, int, bool]
+Successor = tuple[TraceStep, int, bool]
 """An event step in a root subtree: the step, the new subtree (before pruning), whether to prune."""
 Root = tuple[list[Successor], bool]
 """A root subtree's event steps, and whether a node in it accepts a give-back its clients do not hold."""
@@ -133,7 +133,7 @@ class Explorer:
                 tick(len(seen))
         return Result(len(seen))
 
-    def successors(self, forest: Forest) -> Iterator[tuple[Step, Forest]]:
+    def successors(self, forest: Forest) -> Iterator[tuple[TraceStep, Forest]]:
         """Yield every step from ``forest`` with its result: events on each node, then tree operations.
 
         Nodes are numbered in preorder, as :func:`~fsm_cache.modelcheck.state.canonical` numbers them.
@@ -150,7 +150,7 @@ class Explorer:
         if at < self.slots:
             yield from self._tree_steps(forest, at)
 
-    def _tree_steps(self, forest: Forest, count: int) -> Iterator[tuple[Step, Forest]]:
+    def _tree_steps(self, forest: Forest, count: int) -> Iterator[tuple[TraceStep, Forest]]:
         """Yield the tree operations from ``forest`` (of ``count`` nodes): splits, then inserts."""
         flat = self.trees.decode(forest, self.slots)
         present = range(count)

@@ -30,9 +30,9 @@ from fsm_cache.modelcheck.state import (
 )
 
 
-Step = tuple[Any, ...]
+TraceStep = tuple[Any, ...]
 """``("event", node, name)``, ``("insert", parent)``, ``("split", node)`` or ``("start", shape)``."""
-Seen = dict[Forest, tuple[Forest | None, Step]]
+Seen = dict[Forest, tuple[Forest | None, TraceStep]]
 """Each explored state's predecessor and the step from it (None and the start for a start)."""
 
 
@@ -61,7 +61,7 @@ class Replay:
         self.Rec: type = type("Rec", (), {"__slots__": (*self.engine.slots, "parent", "children")})
         self.fields = (*layout.regions, *layout.counters)
 
-    def apply(self, nodes: Nodes, step: Step) -> Nodes | None:
+    def apply(self, nodes: Nodes, step: TraceStep) -> Nodes | None:
         """Return the state after ``step`` (None if it is refused or does not apply)."""
         if step[0] == "event":
             return self.event(nodes, int(step[1]), str(step[2]))
@@ -129,7 +129,7 @@ class Replay:
         self, seen: Seen, last: Forest, starts: dict[Forest, Nodes]
     ) -> tuple[list[str], Nodes]:
         """Replay the steps reaching ``last`` on its starting tree; return their labels and the end."""
-        steps: list[Step] = []
+        steps: list[TraceStep] = []
         current: Forest | None = last
         while current is not None:
             previous, step = seen[current]
@@ -141,7 +141,7 @@ class Replay:
         perm = canonical(nodes)[1]
         for step in steps[-2::-1]:
             where = int(step[1])
-            concrete: Step = (step[0], perm[where] if where >= 0 else -1, *step[2:])
+            concrete: TraceStep = (step[0], perm[where] if where >= 0 else -1, *step[2:])
             lines.append(label(nodes, concrete))
             after = self.apply(nodes, concrete)
             assert after is not None, f"replay refused {concrete}"
@@ -164,7 +164,7 @@ class Replay:
         return recs
 
 
-def label(nodes: Nodes, step: Step) -> str:
+def label(nodes: Nodes, step: TraceStep) -> str:
     """Return how a trace shows ``step`` taken in ``nodes`` (with the slot it fills)."""
     slot = next((i for i, e in enumerate(nodes) if e is None), -1)
     if step[0] == "event":
