@@ -17,7 +17,7 @@ machine, counters, log), :class:`~fsm_cache.cache.transfers.Transfers`
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
@@ -405,9 +405,13 @@ class HiCache:
         """Return tier occupancy, hit rates, copies, pins, locks and transition counts."""
         return snapshot(self)
 
-    def check_invariants(self) -> None:
-        """Raise InvariantViolation naming the first broken design invariant and node."""
-        invariants.check(self)
+    def check_invariants(self, after: str = "") -> None:
+        """Raise InvariantViolation naming the first broken design invariant and node.
+
+        Args:
+            after: The operation just run, named in the message (debug mode passes it).
+        """
+        invariants.check(self, after=after)
 
     def reset(self) -> None:
         """Drop everything and start empty, keeping the pools and the copy engine.
@@ -432,17 +436,25 @@ class HiCache:
     # -- internals -----------------------------------------------------------
 
     def _operation(self, name: str, *args: Hashable) -> _Operation:
-        return _Operation(self, name, args)
+        check = self.check_invariants if self.config.debug else None
+        return _Operation(self._core.log, self._transfers, check, name, args)
 
 
 class _Operation:
     """One public operation: logged first, its copies started however it ends, checked after."""
 
-    __slots__ = ("cache", "name")
+    __slots__ = ("check", "log", "name", "transfers")
 
-    def __init__(self, cache: HiCache, name: str, args: tuple[Hashable, ...]) -> None:
-        self.cache, self.name = cache, name
-        cache.log.op(name, *args)
+    def __init__(
+        self,
+        log: EventLog,
+        transfers: Transfers,
+        check: Callable[[str], None] | None,
+        name: str,
+        args: tuple[Hashable, ...],
+    ) -> None:
+        self.log, self.transfers, self.check, self.name = log, transfers, check, name
+        log.op(name, *args)
 
     def __enter__(self) -> None:
         return None
@@ -450,9 +462,8 @@ class _Operation:
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        cache = self.cache
         if isinstance(exc, FsmCacheError):
-            cache.log.refusal(self.name, exc)
-        cache.transfers.flush()  # nothing stays queued without its copy, even on a refusal
-        if exc is None and cache.config.debug:
-            invariants.check(cache, after=self.name)
+            self.log.refusal(self.name, exc)
+        self.transfers.flush()  # nothing stays queued without its copy, even on a refusal
+        if exc is None and self.check is not None:
+            self.check(self.name)
