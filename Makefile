@@ -9,9 +9,10 @@ DEVSTAMP:= $(VENV)/.installed-dev
 # PyTorch CPU index. GPU users install their own build first (README).
 TORCH   ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
-# The extras `make run` and `make bench` need (rich for the demo, transitions for `bench engine`);
+# The extras `make run` and `make bench` need (rich for the demo, transitions for `bench engine`,
+# numpy for the object collectives of `bench tp`);
 # `make test` installs `dev`, which holds every extra (pyproject.toml).
-EXTRAS  := cli,reference
+EXTRAS  := cli,reference,distributed
 
 .PHONY: run test lint typecheck pytest verify check audit diagrams docs bench clean system-deps
 
