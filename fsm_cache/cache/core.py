@@ -62,7 +62,12 @@ class CacheCore:
         self._split_listeners.append(listener)
 
     def reset(self) -> None:
-        """Start an empty tree, counters, log and clock; the machine and listeners stay."""
+        """Start an empty tree, counters, log and clock; the machine and listeners stay.
+
+        Leases still held on the old tree are void: a later release raises
+        LeaseError naming the caller of the reset as the release.
+        """
+        self.machine.engine.leases.void(trail.caller_site())
         self.tree = RadixTree(self.tree.page_size, on_split=self._split)
         self.counters = Counters()
         self.log = EventLog()

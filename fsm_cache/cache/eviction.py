@@ -43,9 +43,6 @@ class LeafHeap:
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, TreeNode]] = []
 
-    def __len__(self) -> int:
-        return len(self._heap)
-
     def push(self, node: TreeNode) -> None:
         """Offer ``node`` as a candidate at its current recency."""
         heapq.heappush(self._heap, (node.last_access, node.id, node))

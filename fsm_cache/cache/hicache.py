@@ -424,11 +424,6 @@ class HiCache:
         """
         self.tiers.copier.drain()
         self.tiers.reset()
-        site = trail.caller_site()
-        leases = self._core.machine.engine.leases
-        for lease in leases.outstanding():
-            lease.released_at = site
-            leases.closed(lease)
         self._core.reset()
         self._transfers.reset()
         self._evictor.reset()

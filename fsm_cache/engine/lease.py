@@ -151,6 +151,15 @@ class LeaseBook:
         """Return the leases still held, oldest site first."""
         return sorted(self._open, key=lambda x: x.serial)
 
+    def void(self, site: trail.Site | None) -> None:
+        """Close every held lease as released at ``site`` (a reset that drops what they hold).
+
+        A later release of a voided lease raises LeaseError naming ``site``.
+        """
+        for lease in self.outstanding():
+            lease.released_at = site
+            self._open.discard(lease)
+
 
 _BOOKS: weakref.WeakSet[LeaseBook] = weakref.WeakSet()
 
