@@ -18,6 +18,10 @@ Every error the library raises on bad input or an illegal step derives from
     │   ├── ForeignSlot           a slot outside the pool or not owned
     │   └── PageBusy              a page still read or written by a copy
     ├── CopyFailed                a copy between tiers failed
+    ├── BadArgument               an argument of the wrong type or value (also a
+    │                             TypeError and a ValueError); nothing changed
+    ├── StaleNode                 a node that is not (or no longer) in this cache
+    ├── ConcurrentUse             two threads inside one cache at once
     ├── InvariantViolation        a structural invariant does not hold
     ├── ConfigError               a cache configuration value is out of range
     ├── ReplayMismatch            an event log replays into different transitions
@@ -217,6 +221,26 @@ class PageBusy(PoolError):
 
 class CopyFailed(FsmCacheError):
     """A copy between the device and host tiers failed."""
+
+
+class BadArgument(FsmCacheError, TypeError, ValueError):
+    """An argument has the wrong type or an impossible value; nothing changed.
+
+    Also a TypeError and a ValueError, so code written against the builtin
+    errors a plain container would raise still catches it.
+    """
+
+
+class StaleNode(FsmCacheError):
+    """A node handle that is not in this cache's tree: deleted, or from before a reset."""
+
+
+class ConcurrentUse(FsmCacheError):
+    """A second thread entered a cache while another thread was inside it.
+
+    A cache is single-threaded (like the scheduler loop that drives it); callers
+    that share one across threads must serialise the calls themselves.
+    """
 
 
 class InvariantViolation(FsmCacheError):
