@@ -22,6 +22,7 @@ Every error the library raises on bad input or an illegal step derives from
     │                             TypeError and a ValueError); nothing changed
     ├── StaleNode                 a node that is not (or no longer) in this cache
     ├── ConcurrentUse             two threads inside one cache at once
+    ├── CacheClosed               an operation on a cache after close()
     ├── InvariantViolation        a structural invariant does not hold
     ├── ConfigError               a cache configuration value is out of range
     ├── ReplayMismatch            an event log replays into different transitions
@@ -241,6 +242,10 @@ class ConcurrentUse(FsmCacheError):
     A cache is single-threaded (like the scheduler loop that drives it); callers
     that share one across threads must serialise the calls themselves.
     """
+
+
+class CacheClosed(FsmCacheError):
+    """An operation on a cache after :meth:`~fsm_cache.cache.hicache.HiCache.close`."""
 
 
 class InvariantViolation(FsmCacheError):
