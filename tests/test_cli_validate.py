@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fsm_cache.cli.main import main
 from fsm_cache.spec.shipped import spec_dir
@@ -207,3 +211,194 @@ def test_version_is_the_installed_one(capsys: pytest.CaptureFixture[str]) -> Non
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out == f"fsm-cache {version('fsm-cache')}\n"
+
+
+def test_nesting_too_deep_is_a_finding_not_a_recursion_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Defect 9: a value thousands of levels deep is reported, not a RecursionError traceback.
+
+    Brackets overflow tomllib's recursive parser; dotted keys parse without
+    recursion into tables just as deep, which quoting back used to overflow.
+    """
+    brackets = tmp_path / "brackets.toml"
+    brackets.write_text("x = " + "[" * 5000 + "]" * 5000 + "\n", encoding="utf-8")
+    dotted = tmp_path / "dotted.toml"
+    dotted.write_text(
+        FLIP.replace("a = {}", "a = {}\nb.final." + ".".join(["x"] * 5000) + " = 1", 1).replace(
+            "b = {}\n", ""
+        ),
+        encoding="utf-8",
+    )
+    headers = tmp_path / "headers.toml"
+    headers.write_text("[" + ".".join(["t"] * 5000) + "]\n", encoding="utf-8")
+    assert run(capsys, str(brackets), str(dotted), str(headers)) == (
+        2,
+        [],
+        [
+            f"error: {brackets}: invalid TOML: nested too deeply",
+            f"error: {dotted}: states.b.final: nested deeper than 64 levels",
+            f"error: {headers}: t.t.t: nested deeper than 64 levels",
+        ],
+    )
+
+
+def test_files_that_are_no_spec_at_all(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Binary garbage, another encoding, an empty file, a huge file: one line each, exit 2."""
+    garbage = tmp_path / "garbage.toml"
+    garbage.write_bytes(bytes(range(256)))
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(FLIP.replace('"already flipped"', '"d\u00e9j\u00e0"').encode("latin-1"))
+    empty = tmp_path / "empty.toml"
+    empty.write_bytes(b"")
+    huge = tmp_path / "huge.toml"
+    with huge.open("wb") as file:
+        file.truncate(16 * 2**20 + 1)  # sparse: costs no disk
+    status, out, err = run(capsys, str(garbage), str(latin), str(empty), str(huge))
+    assert (status, out) == (2, [])
+    assert err == [
+        f"error: {garbage}: invalid TOML: 'utf-8' codec can't decode byte 0x80 in position 128: invalid start byte",
+        f"error: {latin}: invalid TOML: 'utf-8' codec can't decode byte 0xe9 in position 238: invalid continuation byte",
+        f"error: {empty}: machine: missing table",
+        f"error: {empty}: states: missing: a table of NAME = {{ doc = ... }}",
+        f"error: {empty}: machine.name: missing or not a string",
+        f"error: {empty}: machine.initial: missing or not a string",
+        f"error: {huge}: larger than 16 MiB; not a spec file",
+    ]
+
+
+ALL_INTS = """
+[machine]
+name = 1
+initial = 2
+doc = 3
+label = 4
+[counters]
+n = "0"
+big = 1{zeros}
+[states]
+a = {{ doc = 5, final = 6, invariant = 7, counter = 8 }}
+b = 9
+[events]
+flip = {{ doc = 10, past = 11 }}
+[[transition]]
+event = 12
+source = 13
+dest = 14
+guard = 15
+update = 16
+effect = 17
+propagate = 18
+doc = 19
+[[forbid]]
+event = 20
+source = 21
+error = 22
+reason = 23
+guard = 24
+when = 25
+""".format(zeros="0" * 1000)
+
+
+def test_every_field_of_the_wrong_type_is_a_located_finding(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "ints.toml"
+    path.write_text(ALL_INTS, encoding="utf-8")
+    comp = tmp_path / "comp.toml"
+    comp.write_text(
+        "[composition]\nname = 1\ndoc = 2\nlabel = 3\n"
+        'regions = { one = 4, two = "", three = "a\\u0000b", four = [] }\n'
+        "[[forbid]]\nevent = 5\nwhen = [6]\nerror = 7\nreason = 8\n"
+        "[[forbid]]\nevent = 'e'\nwhen = 9\nerror = 'E'\nreason = 'r'\nsource = 10\n",
+        encoding="utf-8",
+    )
+    odd = tmp_path / "odd.toml"
+    odd.write_text("composition = 1\nforbid = {}\n", encoding="utf-8")
+    status, out, err = run(capsys, str(path), str(comp), str(odd))
+    assert (status, out) == (2, [])
+    assert err == [
+        f"error: {path}: counters.n: initial value must be an integer >= 0, got '0'",
+        f"error: {path}: counters.big: initial value has more than 1000 digits",
+        f"error: {path}: states.a.invariant: must be a string, got 7",
+        f"error: {path}: states.a.final: must be true or false, got 6",
+        f"error: {path}: states.a.counter: must be a counter name, got 8",
+        f"error: {path}: states.a.doc: must be a string, got 5",
+        f"error: {path}: states.b: must be a table",
+        f"error: {path}: transition[0].guard: must be a string, got 15",
+        f"error: {path}: transition[0].update: must be a string, got 16",
+        f"error: {path}: transition[0].event: missing or not an identifier: 12",
+        f"error: {path}: transition[0].dest: missing or not an identifier: 14",
+        f"error: {path}: transition[0].source: must be a state name or a list of them, got 13",
+        f"error: {path}: transition[0].effect: not an identifier: 17",
+        f"error: {path}: transition[0].propagate: must be 'ancestors', got 18",
+        f"error: {path}: transition[0].doc: must be a string, got 19",
+        f"error: {path}: forbid[0].guard: must be a string, got 24",
+        f"error: {path}: forbid[0].when: must be a condition or a list of them, got 25",
+        f"error: {path}: forbid[0].source: must be a state name or a list of them, got 21",
+        f"error: {path}: forbid[0].event: missing or not an identifier: 20",
+        f"error: {path}: forbid[0].error: missing or not an identifier: 22",
+        f"error: {path}: forbid[0].reason: missing or not a string",
+        f"error: {path}: events.flip.doc: must be a string, got 10",
+        f"error: {path}: events.flip.past: must be a string, got 11",
+        f"error: {path}: machine.name: missing or not a string",
+        f"error: {path}: machine.initial: missing or not a string",
+        f"error: {path}: machine.doc: must be a string, got 3",
+        f"error: {path}: machine.label: must be a string, got 4",
+        f"error: {comp}: composition.regions.one: must be the file name of a machine, got 4",
+        f"error: {comp}: composition.regions.two: must be the file name of a machine, got ''",
+        f"error: {comp}: composition.regions.three: must be the file name of a machine, got 'a\\x00b'",
+        f"error: {comp}: composition.regions.four: must be the file name of a machine, got []",
+        f"error: {comp}: forbid[0].when: must be a string, got 6",
+        f"error: {comp}: forbid[0].event: missing or not an identifier: 5",
+        f"error: {comp}: forbid[0].error: missing or not an identifier: 7",
+        f"error: {comp}: forbid[0].reason: missing or not a string",
+        f"error: {comp}: forbid[1].when: must be a condition or a list of them, got 9",
+        f"error: {comp}: forbid[1].source: must be a state name or a list of them, got 10",
+        f"error: {comp}: composition.name: missing or not a string",
+        f"error: {comp}: composition.doc: must be a string, got 2",
+        f"error: {comp}: composition.label: must be a string, got 3",
+        f"error: {odd}: composition: missing table",
+        f"error: {odd}: composition.regions: missing: a table of REGION = 'machine.toml'",
+    ]
+
+
+def test_long_values_are_quoted_short(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "long.toml"
+    path.write_text(
+        FLIP.replace("a = {}", f"a = {{ final = {list(range(100_000))} }}", 1), encoding="utf-8"
+    )
+    assert run(capsys, str(path)) == (
+        2,
+        [],
+        [f"error: {path}: states.a.final: must be true or false, got [0, 1, 2, 3, 4, 5, ...]"],
+    )
+
+
+def _validate_quietly(path: Path) -> int:
+    """Run ``fsm-cache validate PATH`` with its output discarded; return its status."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return main(["validate", str(path)])
+
+
+_JUNK = ["[counters]", "n = 0", "n = -1", "x = [[[1]]]", "guard = 'n >= 1'", "[states.a]"]
+_LINES = st.sampled_from([*FLIP.splitlines(), *PAIR.splitlines(), *_JUNK, "[[x]]", "a.b.c = {}"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=200),
+        st.text(max_size=200).map(lambda text: text.encode("utf-8", "surrogatepass")),
+        st.lists(_LINES, max_size=30).map(lambda lines: "\n".join(lines).encode()),
+    )
+)
+def test_no_file_content_makes_a_traceback(
+    tmp_path_factory: pytest.TempPathFactory, content: bytes
+) -> None:
+    """Whatever the file holds, validate answers 0 or 2: a finding, never a traceback."""
+    folder = tmp_path_factory.mktemp("fuzz")
+    (folder / "flip.toml").write_text(FLIP, encoding="utf-8")  # for compositions' regions
+    path = folder / "spec.toml"
+    path.write_bytes(content)
+    assert _validate_quietly(path) in (0, 2)

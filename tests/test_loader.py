@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fsm_cache.errors import SpecError
 from fsm_cache.spec.guards import parse_condition, parse_guard, parse_update
-from fsm_cache.spec.loader import load_spec, machine_from_dict, spec_from_dict
+from fsm_cache.spec.loader import MAX_DEPTH, load_spec, machine_from_dict, shown, spec_from_dict
 from fsm_cache.spec.machine import EventSpec, Forbid, MachineSpec, StateSpec, System, Transition
+
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 
 LAMP = """
@@ -349,3 +359,114 @@ def test_machine_from_dict_does_not_validate() -> None:
     spec = machine_from_dict({"machine": {"name": "m", "initial": "nowhere"}, "states": {"a": {}}})
     assert spec.initial == "nowhere"
     assert spec.source == "<python>"
+
+
+def test_data_too_deep_or_not_a_table_is_refused_before_it_is_read() -> None:
+    """Nesting past MAX_DEPTH, a table holding itself, odd keys: a SpecError, never a RecursionError."""
+    deep: list[object] = []
+    for _ in range(10_000):
+        deep = [deep]
+    data: dict[str, Any] = {
+        "machine": {"name": "m", "initial": "a"},
+        "states": {"a": {"final": deep}},
+    }
+    loop: dict[str, object] = {"machine": {"name": "m", "initial": "a"}}
+    loop["states"] = {"a": loop}
+    cases = [
+        (data, "<python>: states.a.final: nested deeper than 64 levels"),
+        (loop, "<python>: states.a.states: nested deeper than 64 levels"),
+        (
+            [data],
+            "<python>: the top level must be a table, got [{'machine': {'initial': 'a', 'name': 'm'}, 'states': {'a': {...}}}]",
+        ),
+        ({"states": {1: {}}}, "<python>: states: keys must be strings, got 1"),
+        ({2: {}}, "<python>: keys must be strings, got 2"),
+    ]
+    for bad, message in cases:
+        for build in (spec_from_dict, machine_from_dict):
+            with pytest.raises(SpecError) as info:
+                build(bad)  # type: ignore[arg-type]
+            assert info.value.problems == [message]
+    shallow: list[object] = []
+    for _ in range(MAX_DEPTH - 4):  # MAX_DEPTH levels: the top table, states, a, and these lists
+        shallow = [shallow]
+    data["states"]["a"]["final"] = shallow
+    with pytest.raises(SpecError) as info:
+        spec_from_dict(data)
+    assert info.value.problems == [
+        "<python>: states.a.final: must be true or false, got [[[[...]]]]"
+    ]
+
+
+def test_values_too_large_to_print_are_named_not_printed() -> None:
+    data = {"machine": {"name": "m", "initial": "a"}, "states": {"a": {"final": 10**5000}}}
+    data["counters"] = {"n": 10**5000}
+    with pytest.raises(SpecError) as info:
+        spec_from_dict(data)
+    assert info.value.problems == [
+        "<python>: counters.n: initial value has more than 1000 digits",
+        "<python>: states.a.final: must be true or false, got a value too large to show",
+    ]
+    assert shown("x" * 1000) == "'" + "x" * 37 + "..." + "x" * 38 + "'"
+
+
+_WORDS = ["off", "on", "press", "unpress", "n", "n >= 1", "n += 1", "ancestors", "Oops", ""]
+_SCALARS = st.one_of(
+    st.sampled_from(_WORDS),
+    st.text(max_size=8),
+    st.integers(),
+    st.booleans(),
+    st.floats(),
+    st.datetimes(),
+)
+_VALUES = st.recursive(
+    _SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.sampled_from(_WORDS) | st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+def _places(data: object, path: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+    """Every key and index path in ``data``: the places a fuzzed value may go."""
+    out = [path]
+    if isinstance(data, dict):
+        for key, value in data.items():
+            out += _places(value, (*path, key))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            out += _places(value, (*path, i))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_no_value_anywhere_makes_anything_but_a_spec_error(
+    tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
+    """Any value put in any place of a valid machine or composition: a spec or a SpecError."""
+    folder = tmp_path_factory.mktemp("regions")
+    write(folder, LAMP, "lamp.toml")
+    machine = tomllib.loads(LAMP)
+    composition = {
+        "composition": {"name": "c", "regions": {"one": "lamp.toml"}},
+        "forbid": [{"event": "press", "when": "one in [on]", "error": "E", "reason": "r"}],
+    }
+    spec = data.draw(st.sampled_from([machine, composition]))
+    *above, last = data.draw(st.sampled_from(_places(spec)[1:]))
+    holder: Any = spec
+    for key in above:
+        holder = holder[key]
+    holder[last] = data.draw(_VALUES)
+    if data.draw(st.booleans()) and isinstance(holder, dict):
+        holder[data.draw(st.sampled_from(_WORDS))] = data.draw(_VALUES)
+    try:
+        spec_from_dict(spec, base=folder)
+    except SpecError as exc:
+        problems = exc.problems
+    else:
+        return
+    assert problems
+    assert all(line.startswith(("<python>: ", f"{folder}")) for line in problems)

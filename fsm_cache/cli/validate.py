@@ -3,7 +3,10 @@
 Each valid file gets an ``ok:`` line on stdout summarising what it declares;
 each problem of an invalid one gets an ``error: FILE: KEY: ...`` line on
 stderr. Every file is checked even after a failure, so one run reports all of
-them; the exit status is 2 if any file failed, 0 otherwise.
+them; the exit status is 2 if any file failed, 0 otherwise. Whatever a file
+holds (binary garbage, another encoding, values nested thousands of levels
+deep, wrong types anywhere) is such a line, never a traceback: the loader turns
+every fault into a :class:`~fsm_cache.errors.SpecError`.
 """
 
 from __future__ import annotations

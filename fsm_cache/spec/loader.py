@@ -4,18 +4,30 @@ A file holds either one ``[machine]`` or one ``[composition]`` whose
 ``[composition.regions]`` table maps region names to machine files (paths
 relative to the composition file). Loading validates the result
 (:mod:`fsm_cache.spec.validate`): a spec that loads is one the engine can run.
+
+Whatever the input, a fault is a :class:`SpecError`, never another exception:
+files are read up to :data:`MAX_BYTES`, data is refused past :data:`MAX_DEPTH`
+levels of nesting before anything walks it recursively, and values quoted in
+messages are shortened (:func:`shown`).
 """
 
 from __future__ import annotations
 
 import re
+import reprlib
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
 from fsm_cache.errors import SpecError
-from fsm_cache.spec.guards import GrammarError, parse_condition, parse_guard, parse_update
+from fsm_cache.spec.guards import (
+    MAX_DIGITS,
+    GrammarError,
+    parse_condition,
+    parse_guard,
+    parse_update,
+)
 from fsm_cache.spec.machine import (
     EventSpec,
     Forbid,
@@ -34,6 +46,33 @@ else:  # pragma: no cover
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _Table = Mapping[str, Any]
+
+MAX_BYTES = 16 * 2**20
+"""The largest spec file read; a real one is a few kilobytes, and ``/dev/zero`` is not one."""
+
+MAX_DEPTH = 64
+"""The deepest nesting of tables and arrays accepted; a real spec nests four levels.
+
+Deeper data is refused before it is built into a spec, because quoting or
+walking it recursively would exceed Python's recursion limit (``RecursionError``).
+"""
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxtuple = 3, 6, 6, 6
+_SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 80, 80, 80
+
+
+def shown(value: object) -> str:
+    """Return ``repr(value)`` shortened for a message: three levels, a few items, 80 characters.
+
+    A value quoted back to the user may be anything the file holds: an array
+    of a million items or one nested hundreds of levels deep, whose full
+    ``repr`` would flood the terminal or raise ``RecursionError``.
+    """
+    try:
+        return _SHOWN.repr(value)
+    except ValueError:  # an int past Python's int-to-str digit limit, from a Python caller
+        return "a value too large to show"
 
 
 class _Problems:
@@ -67,23 +106,68 @@ def load_spec(path: str | Path) -> Spec:
     path = Path(path)
     try:
         data = _read(path)
-    except OSError as exc:
-        raise SpecError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
+    except (OSError, ValueError) as exc:
+        raise SpecError([f"{path}: cannot read: {_why(exc)}"]) from exc
     return spec_from_dict(data, source=str(path), base=path.parent)
 
 
 def _read(path: Path) -> _Table:
-    """Return the TOML table of ``path``; OSError is left to the caller to locate.
+    """Return the TOML table of ``path``; a failure to open or read it is left to the caller.
+
+    The caller names the fault: the file itself for :func:`load_spec`, the
+    composition's key for a region file.
 
     Raises:
-        SpecError: Not UTF-8 or not TOML (including integers too long to convert).
+        OSError: The file cannot be opened or read (missing, a directory, ...).
+        ValueError: The path cannot name a file (it holds a NUL character).
+        SpecError: Larger than :data:`MAX_BYTES`, not UTF-8, or not TOML
+            (including integers too long to convert and nesting too deep for
+            the parser).
     """
+    with path.open("rb") as file:
+        raw = file.read(MAX_BYTES + 1)
+    if len(raw) > MAX_BYTES:
+        raise SpecError([f"{path}: larger than {MAX_BYTES // 2**20} MiB; not a spec file"])
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(raw.decode("utf-8"))
     except ValueError as exc:  # TOMLDecodeError, UnicodeDecodeError, int digit limit
         raise SpecError([f"{path}: invalid TOML: {exc}"]) from exc
     except RecursionError as exc:  # tomllib parses nested arrays and tables recursively
         raise SpecError([f"{path}: invalid TOML: nested too deeply"]) from exc
+
+
+def _why(exc: OSError | ValueError) -> str:
+    """Return why a file could not be read: the OS's words (``No such file or directory``)."""
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
+
+
+def _check_shape(data: object, source: str) -> None:
+    """Refuse data that is not a table, nests deeper than :data:`MAX_DEPTH` or has odd keys.
+
+    Walks ``data`` without recursion, so it is safe on any depth, and a table
+    that contains itself counts as too deep. TOML always gives a table with
+    string keys; a Python caller of :func:`spec_from_dict` may not.
+
+    Raises:
+        SpecError: The first such fault, naming the key (its first levels) at fault.
+    """
+    if not isinstance(data, Mapping):
+        raise SpecError([f"{source}: the top level must be a table, got {shown(data)}"])
+    stack: list[tuple[object, int, tuple[str, ...]]] = [(data, 1, ())]
+    while stack:
+        value, depth, path = stack.pop()
+        where = "".join(path)[1:] if path and path[0].startswith(".") else "".join(path)
+        if depth > MAX_DEPTH:
+            raise SpecError([f"{source}: {where}: nested deeper than {MAX_DEPTH} levels"])
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    at = f"{where}: " if where else ""
+                    raise SpecError([f"{source}: {at}keys must be strings, got {shown(key)}"])
+                stack.append((item, depth + 1, path if len(path) >= 3 else (*path, f".{key}")))
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                stack.append((item, depth + 1, path if len(path) >= 3 else (*path, f"[{i}]")))
 
 
 def spec_from_dict(data: _Table, source: str = "<python>", base: Path | None = None) -> Spec:
@@ -94,6 +178,7 @@ def spec_from_dict(data: _Table, source: str = "<python>", base: Path | None = N
     """
     from fsm_cache.spec.validate import validate
 
+    _check_shape(data, source)
     if "composition" in data:
         spec: Spec = _composition(data, source, base or Path())
     else:
@@ -106,8 +191,10 @@ def machine_from_dict(data: _Table, source: str = "<python>") -> MachineSpec:
     """Build a :class:`MachineSpec` from TOML-shaped data, without validating it.
 
     Raises:
-        SpecError: A table or key is missing, mistyped or does not parse.
+        SpecError: A table or key is missing, mistyped or does not parse, or
+            the data is not a table or nests too deeply (:data:`MAX_DEPTH`).
     """
+    _check_shape(data, source)
     problems = _Problems(source)
     _known_keys(
         data, {"machine", "counters", "states", "transition", "forbid", "events"}, "", problems
@@ -174,8 +261,8 @@ def _region(where: str, rel: object, base: Path, problems: _Problems) -> Machine
     Faults of the region's own content name the region's file; a file that is
     missing or unreadable names the composition's key that points at it.
     """
-    if not isinstance(rel, str) or not rel:
-        problems.add(where, f"must be the file name of a machine, got {rel!r}")
+    if not isinstance(rel, str) or not rel or "\0" in rel:  # no file name holds a NUL
+        problems.add(where, f"must be the file name of a machine, got {shown(rel)}")
         return None
     path = base / rel
     try:
@@ -184,8 +271,8 @@ def _region(where: str, rel: object, base: Path, problems: _Problems) -> Machine
             problems.add(where, f"{rel} is not a [machine] file")
             return None
         return machine_from_dict(data, source=str(path))
-    except OSError as exc:
-        problems.add(where, f"cannot read {path}: {exc.strerror or exc}")
+    except (OSError, ValueError) as exc:
+        problems.add(where, f"cannot read {path}: {_why(exc)}")
     except SpecError as exc:
         problems.lines += exc.problems
     return None
@@ -209,8 +296,10 @@ def _counters(table: object, problems: _Problems) -> tuple[tuple[str, int], ...]
             problems.add(f"counters.{name}", "not an identifier")
         elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
             problems.add(
-                f"counters.{name}", f"initial value must be an integer >= 0, got {value!r}"
+                f"counters.{name}", f"initial value must be an integer >= 0, got {shown(value)}"
             )
+        elif value >= 10**MAX_DIGITS:  # as for guards' constants: derived values must print
+            problems.add(f"counters.{name}", f"initial value has more than {MAX_DIGITS} digits")
         else:
             result.append((name, value))
     return tuple(result)
@@ -232,9 +321,9 @@ def _states(table: object, problems: _Problems) -> tuple[StateSpec, ...]:
         invariant = _parse(parse_guard, body.get("invariant", ""), f"{where}.invariant", problems)
         final, counter = body.get("final", False), body.get("counter")
         if not isinstance(final, bool):
-            problems.add(f"{where}.final", f"must be true or false, got {final!r}")
+            problems.add(f"{where}.final", f"must be true or false, got {shown(final)}")
         if counter is not None and not isinstance(counter, str):
-            problems.add(f"{where}.counter", f"must be a counter name, got {counter!r}")
+            problems.add(f"{where}.counter", f"must be a counter name, got {shown(counter)}")
         doc = _text(body, "doc", where, problems)
         result.append(StateSpec(name, doc, final is True, invariant or parse_guard(""), counter))
     return tuple(result)
@@ -256,9 +345,9 @@ def _transitions(items: object, problems: _Problems) -> tuple[Transition, ...]:
         sources = _names(body.get("source"), f"{where}.source", problems)
         effect, propagate = body.get("effect"), body.get("propagate")
         if effect is not None and not _IDENT.match(str(effect)):
-            problems.add(f"{where}.effect", f"not an identifier: {effect!r}")
+            problems.add(f"{where}.effect", f"not an identifier: {shown(effect)}")
         if propagate not in (None, "ancestors"):
-            problems.add(f"{where}.propagate", f"must be 'ancestors', got {propagate!r}")
+            problems.add(f"{where}.propagate", f"must be 'ancestors', got {shown(propagate)}")
         doc = _text(body, "doc", where, problems)
         if guard is None or update is None:
             continue
@@ -276,7 +365,7 @@ def _forbids(items: object, key: str, problems: _Problems) -> tuple[Forbid, ...]
         when_list = [when_raw] if isinstance(when_raw, str) else when_raw
         if not isinstance(when_list, list):
             problems.add(
-                f"{where}.when", f"must be a condition or a list of them, got {when_raw!r}"
+                f"{where}.when", f"must be a condition or a list of them, got {shown(when_raw)}"
             )
             when_list = []
         when = [_parse(parse_condition, c, f"{where}.when", problems) for c in when_list]
@@ -324,7 +413,7 @@ def _known_keys(body: _Table, allowed: set[str], where: str, problems: _Problems
 def _name(body: _Table, key: str, where: str, problems: _Problems) -> str:
     value = body.get(key)
     if not isinstance(value, str) or not _IDENT.match(value):
-        problems.add(f"{where}.{key}", f"missing or not an identifier: {value!r}")
+        problems.add(f"{where}.{key}", f"missing or not an identifier: {shown(value)}")
         return ""
     return value
 
@@ -333,7 +422,7 @@ def _text(body: _Table, key: str, where: str, problems: _Problems) -> str:
     """Return the optional text ``body[key]`` ("" if absent), reporting a non-string."""
     value = body.get(key, "")
     if not isinstance(value, str):
-        problems.add(f"{where}.{key}", f"must be a string, got {value!r}")
+        problems.add(f"{where}.{key}", f"must be a string, got {shown(value)}")
         return ""
     return value
 
@@ -341,14 +430,14 @@ def _text(body: _Table, key: str, where: str, problems: _Problems) -> str:
 def _names(value: object, where: str, problems: _Problems) -> tuple[str, ...]:
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-        problems.add(where, f"must be a state name or a list of them, got {value!r}")
+        problems.add(where, f"must be a state name or a list of them, got {shown(value)}")
         return ()
     return tuple(names)
 
 
 def _parse(parser: Any, text: object, where: str, problems: _Problems) -> Any:
     if not isinstance(text, str):
-        problems.add(where, f"must be a string, got {text!r}")
+        problems.add(where, f"must be a string, got {shown(text)}")
         return None
     try:
         return parser(text)
