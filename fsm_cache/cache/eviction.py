@@ -176,8 +176,7 @@ class Evictor:
             if node.id not in self._waiting:
                 continue
             self._waiting.discard(node.id)
-            device_child = any(c.device in DEVICE_HELD for c in node.children.values())
-            if event == "write_done" and node.locks == 0 and not device_child:
+            if event == "write_done" and self._core.allowed(node, "evict_device"):
                 self._core.fire(node, "evict_device")
             else:
                 self._leaves.push(node)  # locked meanwhile, or the backup failed: evict later
@@ -221,7 +220,9 @@ class Evictor:
         ``keep`` (or its nearest device-held ancestor) is locked while eviction
         runs, so the path an insert or a load hangs under is never evicted from
         under it; the ``spare`` nodes (host-only nodes about to be adopted or
-        loaded) are kept from host eviction meanwhile.
+        loaded) are kept from host eviction meanwhile. An allocation that could
+        not fit even if every unlocked device page were evicted is refused
+        before anything is evicted.
 
         Raises:
             PoolExhausted: Too little can be evicted; nothing was allocated, and
@@ -234,6 +235,7 @@ class Evictor:
         while keep is not None and keep.device not in DEVICE_HELD:
             keep = keep.parent
         held = keep if keep is not None and keep.parent is not None else None
+        self._refuse_impossible(pages, held)
         if held is not None:
             self._core.fire(held, "lock")
         self._spared = frozenset(n.id for n in spare)
@@ -245,24 +247,57 @@ class Evictor:
                 self._core.fire(held, "unlock")
         return self._tiers.alloc_device(pages, 0)
 
-    def make_room(self, slots: int) -> None:
-        """Evict until ``slots`` device slots are free, waiting for write-backs if they are needed.
+    def _refuse_impossible(self, pages: int, keep: TreeNode | None) -> None:
+        """Raise PoolExhausted, evicting nothing, if eviction could never free ``pages``.
 
-        Write-back eviction frees device pages only once a backup is
-        acknowledged. An allocation cannot wait for a later poll, so while the
-        pool is still short and write-backs are pending, this starts their
-        copies, waits for every copy in flight, applies the acknowledgements (in
-        issue order; the log records them) and evicts again, as SGLang's
-        write-back eviction waits for its backups. It stops when the pool has
-        room, when no write-back is pending, or when waiting freed nothing (the
-        backups failed, or their nodes were locked meanwhile); a write-back it
-        started is then applied, never left in flight.
+        The bound counts every free page and every page of an unlocked device
+        node off ``keep``'s path: no eviction frees more than that.
+        """
+        allocator = self._tiers.device.allocator
+        kept = set()
+        while keep is not None:
+            kept.add(keep.id)
+            keep = keep.parent
+        bound = allocator.free_pages + sum(
+            len(n.device_pages)
+            for n in self._core.tree
+            if n.locks == 0 and n.device in DEVICE_HELD and n.id not in kept
+        )
+        if bound < pages:
+            size = self._tiers.page_size
+            raise PoolExhausted(allocator.name, pages * size, allocator.free_slots)
+
+    def make_room(self, slots: int) -> None:
+        """Evict until ``slots`` device slots are free, applying and waiting for copies if needed.
+
+        A leaf still being backed up (write-through) or whose write-back
+        eviction waits for its backup frees its device pages only once the
+        copy is acknowledged. An allocation cannot wait for a later poll, so
+        while the pool is still short and copies are in flight or queued, this
+        first applies the copies that already finished (non-blocking) and
+        evicts again; then it starts the queued copies, waits for every copy in
+        flight, applies the acknowledgements (in issue order; the log records
+        them) and evicts again, as SGLang's eviction waits for its backups. It
+        stops when the pool has room, when nothing is in flight, or when a
+        round changed nothing (the backups failed, or their nodes were locked
+        meanwhile); a copy it started is then applied, never left in flight.
         """
         allocator = self._tiers.device.allocator
         self.evict_device(slots - allocator.free_slots)
-        while allocator.free_slots < slots and self._waiting:
-            before = allocator.free_slots
+        if allocator.free_slots >= slots or not self._copies_pending():
+            return
+        self._transfers.apply(self._transfers.collect(wait=False), "evict")
+        self.evict_device(slots - allocator.free_slots)
+        rounds = len(self._core.tree.nodes) + 1  # each useful round backs up one more level
+        while allocator.free_slots < slots and self._copies_pending():
+            before = (allocator.free_slots, self._core.counters.transitions.total())
             self._transfers.settle()
-            if allocator.free_slots == before:
+            rounds -= 1
+            if rounds <= 0:
                 return
             self.evict_device(slots - allocator.free_slots)
+            if before == (allocator.free_slots, self._core.counters.transitions.total()):
+                return
+
+    def _copies_pending(self) -> bool:
+        return bool(self._transfers.in_flight()) or self._transfers.queued() > 0

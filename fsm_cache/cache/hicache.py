@@ -17,12 +17,15 @@ machine, counters, log), :class:`~fsm_cache.cache.transfers.Transfers`
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
+from typing import get_args
 
-from fsm_cache.cache import invariants, slots
+from fsm_cache.cache import arguments, invariants, slots
+from fsm_cache.cache.arguments import Tokens
 from fsm_cache.cache.core import CacheCore
 from fsm_cache.cache.effects import MemoryEffects
 from fsm_cache.cache.eventlog import EventLog
@@ -32,7 +35,15 @@ from fsm_cache.cache.transfers import AckSourceFactory, Transfers
 from fsm_cache.cache.tree import Pages, RadixTree, TreeNode
 from fsm_cache.engine import trail
 from fsm_cache.engine.lease import Lease
-from fsm_cache.errors import FsmCacheError, LeaseError, PoolExhausted
+from fsm_cache.errors import (
+    BadArgument,
+    CacheClosed,
+    ConcurrentUse,
+    ConfigError,
+    FsmCacheError,
+    LeaseError,
+    PoolExhausted,
+)
 from fsm_cache.memory.pages import REQUEST, pages_of, slots_of
 from fsm_cache.memory.tickets import Completion
 from fsm_cache.memory.tiers import CacheConfig, Tiers
@@ -41,6 +52,8 @@ from fsm_cache.residency import HOST_VALID, Event, Residency
 
 
 trail.internal(__file__)
+
+_EVENTS = frozenset(get_args(Event))
 
 Lock = Lease
 """The receipt :meth:`HiCache.lock` returns; releasing it (``unlock``, ``release()``,
@@ -69,9 +82,18 @@ class MatchResult:
 class HiCache:
     """A prefix KV cache over a device tier and a host tier.
 
-    Every public operation is logged with its arguments (:attr:`log`), starts
+    Every public operation checks its arguments first (a wrong one raises
+    :class:`~fsm_cache.errors.BadArgument` or :class:`~fsm_cache.errors.StaleNode`
+    and changes nothing), is logged with its arguments (:attr:`log`), starts
     the copies it queued even when it raises, and in debug mode checks every
     design invariant when it returns.
+
+    A cache is single-threaded, like the scheduler loop that drives it: a
+    thread that calls an operation while another thread is inside one gets
+    :class:`~fsm_cache.errors.ConcurrentUse` and changes nothing. Share one
+    cache across threads only behind a lock of your own. :meth:`close` (or the
+    end of a ``with`` block) waits for every copy in flight before the memory
+    goes back.
 
     Args:
         config: Sizes, KV layout, policy and thresholds; checked first.
@@ -80,7 +102,9 @@ class HiCache:
             (:func:`~fsm_cache.cache.replay.replay` passes a scripted one).
 
     Raises:
-        ConfigError: A configuration value is out of range.
+        ConfigError: A configuration value is out of range, or the write
+            policy cannot work with these tiers (write-back with no host pages
+            could never evict a device page).
     """
 
     def __init__(
@@ -90,6 +114,11 @@ class HiCache:
         self.config.check()
         self.policy = WritePolicy(self.config.write_policy)
         self.tiers = Tiers(self.config)
+        if self.policy is WritePolicy.WRITE_BACK and self.tiers.host.num_pages == 0:
+            raise ConfigError(
+                "config: write_back needs host pages: with none, no device page could be evicted"
+            )
+        self._gate = _Gate()
         self._core = CacheCore(self.config.page_size, self.tiers, self.config.trail)
         self._transfers = Transfers(
             self._core, self.tiers, self.policy, self.config.selective_threshold, acks
@@ -132,15 +161,31 @@ class HiCache:
 
     # -- lookups and inserts -------------------------------------------------
 
-    def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> MatchResult:
-        """Return how much of ``tokens`` is cached on each tier; may split a node."""
-        with self._operation("match_prefix", tuple(tokens), namespace):
+    def match_prefix(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult:
+        """Return how much of ``tokens`` is cached on each tier; may split a node.
+
+        The device prefix is the run of nodes from the root whose KV is on the
+        device now: it stops at the first node that is not (a node still
+        loading, or host-only), so ``device_pages`` hold exactly the KV of
+        ``tokens[:device_len]``. The host part counts every matched token after it.
+
+        Raises:
+            BadArgument: ``tokens`` is not a sequence of non-negative ints (a 1-d
+                tensor or array is fine), or ``namespace`` is unhashable.
+        """
+        key = arguments.ints(tokens, "match_prefix", "tokens")
+        namespace = arguments.namespace(namespace, "match_prefix")
+        with self._operation("match_prefix", key, namespace):
             tree = self._core.tree
-            key = tree.aligned(tuple(tokens))
+            key = tree.aligned(key)
             walk = tree.walk(key, namespace)
             self._core.touch(walk.path)
             root = tree.root(namespace)
-            on_device = [n for n in walk.path if n.device == "resident"]
+            on_device = []
+            for n in walk.path:
+                if n.device != "resident":
+                    break
+                on_device.append(n)
             device_len = sum(len(n.key) for n in on_device)
             self._core.counters.looked_up(len(key), device_len, walk.matched - device_len)
             return MatchResult(
@@ -153,11 +198,18 @@ class HiCache:
 
     def insert(
         self,
-        tokens: Sequence[int],
-        device_slots: Sequence[int] | None = None,
+        tokens: Tokens,
+        device_slots: Tokens | None = None,
         namespace: Hashable = None,
     ) -> int:
-        """Cache ``tokens``; return how many were cached already.
+        """Cache ``tokens``; return how many leading tokens were on the device already.
+
+        The slots of those tokens are the caller's to free (SGLang's
+        ``free(slots[len(prefix):returned])``); every other slot passed is the
+        cache's now, including those of host-only nodes it adopted. An insert
+        that runs through a node still loading first applies the finished
+        copies, and waits for that load if it is still in flight: nothing is
+        put on the device under a node whose load may yet fail.
 
         Args:
             tokens: The token ids; cut down to whole pages.
@@ -170,6 +222,8 @@ class HiCache:
             namespace: Keeps equal prefixes of different namespaces apart.
 
         Raises:
+            BadArgument: ``tokens`` or ``device_slots`` is not a sequence of
+                non-negative ints, or ``namespace`` is unhashable; nothing changed.
             ForeignSlot: ``device_slots`` are too few, not whole pages, repeat a
                 page, or name a page the request does not hold. Nothing was
                 inserted (a node may have been split at a page boundary).
@@ -179,17 +233,27 @@ class HiCache:
                 (or deleted, under write-through), and the write-backs it
                 started were waited for and applied.
         """
-        args = None if device_slots is None else tuple(device_slots)
-        with self._operation("insert", tuple(tokens), namespace, args):
-            key = self._core.tree.aligned(tuple(tokens))
-            slots.check_count(device_slots, len(key))
-            walk = self._core.tree.walk(key, namespace)
-            fresh = self._fresh_pages(walk.path, key, device_slots)
+        given = arguments.ints(tokens, "insert", "tokens")
+        args = None if device_slots is None else arguments.ints(device_slots, "insert", "slots")
+        namespace = arguments.namespace(namespace, "insert")
+        with self._operation("insert", given, namespace, args):
+            tree = self._core.tree
+            key = tree.aligned(given)
+            slots.check_count(args, len(key))
+            walk = tree.walk(key, namespace)
+            if self._transfers.finish_loads(walk.path, "insert"):
+                walk = tree.walk(key, namespace)  # what the copies applied may have changed it
+            cached = 0
+            for node in walk.path:
+                if node.device == "absent":
+                    break
+                cached += len(node.key)
+            fresh = self._fresh_pages(walk.path, key, args)
             added = self._take_over(walk.path, walk.matched, key, fresh, namespace)
             self._core.touch((*walk.path, *added))
             for node in (*walk.path, *added):
                 self._transfers.maybe_backup(node)
-            return walk.matched
+            return cached
 
     def _fresh_pages(
         self, path: Sequence[TreeNode], key: tuple[int, ...], given: Sequence[int] | None
@@ -249,17 +313,26 @@ class HiCache:
         :meth:`free_slots` gives them back.
 
         Raises:
+            BadArgument: ``num_tokens`` is not an int >= 0.
             PoolExhausted: Not enough device memory even after eviction; as
                 for :meth:`insert`, what the eviction did stays done.
         """
+        num_tokens = arguments.count(num_tokens, "alloc_slots")
         with self._operation("alloc_slots", num_tokens):
             page = self.config.page_size
             return slots_of(self._evictor.alloc_device(-(-num_tokens // page), None), page)
 
     def free_slots(self, device_slots: Sequence[int]) -> None:
-        """Give back request-held device slots (e.g. the duplicates of a cached prefix)."""
-        with self._operation("free_slots", tuple(device_slots)):
-            self.tiers.free_device(pages_of(device_slots, self.config.page_size), REQUEST)
+        """Give back request-held device slots (e.g. the duplicates of a cached prefix).
+
+        Raises:
+            BadArgument: ``device_slots`` is not a sequence of non-negative ints.
+            ForeignSlot: A slot is outside the pool, not page-aligned, or not a
+                request's; nothing was freed.
+        """
+        given = arguments.ints(device_slots, "free_slots", "slots")
+        with self._operation("free_slots", given):
+            self.tiers.free_device(pages_of(given, self.config.page_size), REQUEST)
 
     def backup(self, nodes: Sequence[TreeNode]) -> int:
         """Start backing up ``nodes`` to the host in one batched copy; return how many started.
@@ -268,8 +341,11 @@ class HiCache:
         machines refuse to write (already backed, writing, off the device) are
         skipped; a full host pool stops the batch where it is.
         """
-        with self._operation("backup", tuple(n.id for n in nodes)):
-            return self._transfers.start_writes(nodes)
+        if isinstance(nodes, TreeNode) or not isinstance(nodes, Sequence):
+            raise BadArgument(f"backup: expected a sequence of nodes, got {type(nodes).__name__}")
+        given = [arguments.node(self._core.tree, n, "backup") for n in nodes]
+        with self._operation("backup", tuple(n.id for n in given)):
+            return self._transfers.start_writes(given)
 
     # -- locks ---------------------------------------------------------------
 
@@ -291,7 +367,10 @@ class HiCache:
 
         Raises:
             LeaseError: ``lock`` was released already, or is not a lock receipt.
+            BadArgument: ``lock`` is not a receipt at all.
         """
+        if not isinstance(lock, Lease):
+            raise BadArgument(f"unlock: expected a lock receipt, got {type(lock).__name__}")
         if lock.event != "lock":
             raise LeaseError(
                 f"node {lock.record.id}: unlock takes a lock receipt, not a {lock.event}"
@@ -310,7 +389,15 @@ class HiCache:
 
         For callers that drive the machines by hand (the release a lock receipt
         runs, a test of a refusal); the named operations above are the usual way.
+
+        Raises:
+            BadArgument: ``event`` is not a residency event, or ``node`` not a node.
+            StaleNode: ``node`` is not in this cache (deleted, or from before a reset).
+            IllegalTransition: The spec refuses the event; nothing changed.
         """
+        if event not in _EVENTS:
+            raise BadArgument(f"fire: {event!r} is not a residency event")
+        node = arguments.node(self._core.tree, node, event)
         with self._operation(event, node.id):
             self._core.fire(node, event)
 
@@ -326,33 +413,43 @@ class HiCache:
         (:meth:`insert`, :meth:`alloc_slots`, :meth:`load_back`) waits for those
         acknowledgements instead.
         """
+        num_tokens = arguments.count(num_tokens, "evict")
         with self._operation("evict", num_tokens):
             return self._evictor.evict_device(num_tokens)
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host tokens from unpinned host-only leaves; return tokens freed."""
+        num_tokens = arguments.count(num_tokens, "evict_host")
         with self._operation("evict_host", num_tokens):
             return self._evictor.evict_host(num_tokens)
 
     def load_back(self, node: TreeNode) -> list[TreeNode] | None:
         """Start loading the evicted chain ending at ``node``; the whole chain or nothing.
 
+        A chain that would hang under a node still loading first applies the
+        finished copies and waits for that load (see :meth:`insert`).
+
         Returns:
             The nodes now loading (apply completions with :meth:`poll`), or None
-            when the chain is shorter than the load-back threshold or device
-            memory cannot be freed for it.
+            when the chain is shorter than the load-back threshold, device
+            memory cannot be freed for it, or the node left the tree meanwhile.
+
+        Raises:
+            BadArgument: ``node`` is not a tree node.
+            StaleNode: ``node`` is not in this cache (deleted, or from before a reset).
+            IllegalTransition: A node of the chain holds no valid host copy.
         """
+        node = arguments.node(self._core.tree, node, "load_back")
         with self._operation("load_back", node.id):
+            above = _chain(node)[1]
+            waited = above is not None and self._transfers.finish_loads([above], "load_back")
+            if waited and self._core.tree.nodes.get(node.id) is not node:
+                return None  # host eviction took it while the copies were applied
             return self._load_chain(node)
 
     def _load_chain(self, node: TreeNode) -> list[TreeNode] | None:
         """Start loading every device-absent node from the first one above ``node`` down to it."""
-        chain: list[TreeNode] = []
-        walk: TreeNode | None = node
-        while walk is not None and walk.parent is not None and walk.device == "absent":
-            chain.append(walk)
-            walk = walk.parent
-        chain.reverse()
+        chain = _chain(node)[0]
         tokens = sum(len(n.key) for n in chain)
         if not chain or not worth_loading(tokens, self.config.load_back_threshold):
             return None
@@ -399,6 +496,30 @@ class HiCache:
         """Return the ids of copies started and not yet applied, in issue order."""
         return self._transfers.issued()
 
+    def close(self) -> None:
+        """Wait for every copy in flight, apply it, and give the tiers' memory back.
+
+        Pinned host memory is unregistered and device memory returned only once
+        no copy can still read or write it. Idempotent; any later operation
+        raises :class:`~fsm_cache.errors.CacheClosed`.
+        """
+        if self._gate.closed:
+            return
+        with self._operation("close"):
+            self._transfers.settle()
+        self._gate.closed = True
+        closer = getattr(self.tiers, "close", None)
+        if closer is not None:
+            closer()
+
+    def __enter__(self) -> HiCache:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
     # -- reporting -----------------------------------------------------------
 
     def stats(self) -> Stats:
@@ -422,43 +543,90 @@ class HiCache:
         release raises LeaseError naming this reset as the release. Each part
         is cleared in place, so the effects bound to them stay bound.
         """
-        self.tiers.copier.drain()
-        self.tiers.reset()
-        self._core.reset()
-        self._transfers.reset()
-        self._evictor.reset()
+        self._gate.enter("reset")
+        try:
+            self.tiers.copier.drain()
+            self.tiers.reset()
+            self._core.reset()
+            self._transfers.reset()
+            self._evictor.reset()
+        finally:
+            self._gate.leave()
 
     # -- internals -----------------------------------------------------------
 
     def _operation(self, name: str, *args: Hashable) -> _Operation:
         check = self.check_invariants if self.config.debug else None
-        return _Operation(self._core.log, self._transfers, check, name, args)
+        return _Operation(self._gate, self._core.log, self._transfers, check, name=name, args=args)
+
+
+def _chain(node: TreeNode) -> tuple[list[TreeNode], TreeNode | None]:
+    """Return the device-absent chain ending at ``node`` (top first) and the node above it."""
+    chain: list[TreeNode] = []
+    walk: TreeNode | None = node
+    while walk is not None and walk.parent is not None and walk.device == "absent":
+        chain.append(walk)
+        walk = walk.parent
+    chain.reverse()
+    return chain, walk
+
+
+class _Gate:
+    """Who is inside a cache: one thread at a time (re-entrant), and none once closed."""
+
+    __slots__ = ("closed", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.closed = False
+
+    def check_open(self, name: str) -> None:
+        if self.closed:
+            raise CacheClosed(f"{name}: the cache was closed")
+
+    def enter(self, name: str) -> None:
+        """Let the calling thread in, or raise ConcurrentUse at once (never blocks)."""
+        self.check_open(name)
+        if not self.lock.acquire(blocking=False):
+            raise ConcurrentUse(
+                f"{name}: another thread is inside this cache; a cache is single-threaded"
+                " (serialise calls with a lock of your own)"
+            )
+
+    def leave(self) -> None:
+        self.lock.release()
 
 
 class _Operation:
-    """One public operation: logged first, its copies started however it ends, checked after."""
+    """One public operation: gated, logged first, its copies started however it ends, checked after."""
 
-    __slots__ = ("check", "log", "name", "transfers")
+    __slots__ = ("args", "check", "gate", "log", "name", "transfers")
 
     def __init__(
         self,
+        gate: _Gate,
         log: EventLog,
         transfers: Transfers,
         check: Callable[[str], None] | None,
+        *,
         name: str,
         args: tuple[Hashable, ...],
     ) -> None:
-        self.log, self.transfers, self.check, self.name = log, transfers, check, name
-        log.op(name, *args)
+        self.gate, self.log, self.transfers, self.check = gate, log, transfers, check
+        self.name, self.args = name, args
 
     def __enter__(self) -> None:
-        return None
+        self.gate.enter(self.name)
+        self.log.op(self.name, *self.args)
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if isinstance(exc, FsmCacheError):
-            self.log.refusal(self.name, exc)
-        self.transfers.flush()  # nothing stays queued without its copy, even on a refusal
-        if exc is None and self.check is not None:
-            self.check(self.name)
+        try:
+            if isinstance(exc, FsmCacheError):
+                self.log.refusal(self.name, exc)
+            self.transfers.flush()  # nothing stays queued without its copy, even on a refusal
+            if exc is None and self.check is not None:
+                self.check(self.name)
+        finally:
+            self.gate.leave()

@@ -4,7 +4,12 @@ Numbers follow shared/design/residency.md. A violation raises
 :class:`~fsm_cache.errors.InvariantViolation` naming the invariant, the node
 and the operation after which it was found.
 
-One cache checks invariants 1 to 9 (:data:`CHECKED`). Invariant 10 (every rank
+One cache checks invariants 1 to 9 (:data:`CHECKED`), and two that callers
+rely on beyond the design's list: 11, a node on the device never hangs under
+a node still loading (so a lookup's device prefix is contiguous and its pages
+hold exactly its tokens' KV), and 12, no node is ``writing`` or ``loading``
+without a copy in flight, queued, or about to be copied again (nothing is
+stuck). Invariant 10 (every rank
 of a tensor-parallel group applies the same transitions in the same order)
 needs the other ranks' histories, which one cache cannot see:
 :meth:`fsm_cache.distributed.agreement.DistributedCache.verify_agreement` checks it.
@@ -27,8 +32,11 @@ from fsm_cache.spec.shipped import host_machine
 Violation = tuple[int, str, str]
 """A broken invariant: its number, where (a node, a page or a pool), and what is wrong."""
 
-CHECKED: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9)
-"""The design invariants :func:`check` checks on one cache (10 is across ranks)."""
+CHECKED: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12)
+"""The invariants :func:`check` checks on one cache (10 is across ranks)."""
+
+COPYING: frozenset[str] = frozenset({"writing", "loading"})
+"""States in which a node waits for a copy's acknowledgement."""
 
 HOST_EVICTED: frozenset[str] = frozenset(
     t.dest for t in host_machine().transitions if t.event == "evict_host"
@@ -36,8 +44,21 @@ HOST_EVICTED: frozenset[str] = frozenset(
 """Host states that ``evict_host`` leaves a node in, read from the spec."""
 
 
+class Copies(Protocol):
+    """What the invariant checks read of a cache's copies."""
+
+    def pending(self) -> frozenset[int]:
+        """The ids of nodes with a copy in flight, queued, or to be copied again."""
+        ...
+
+
 class Checked(Protocol):
     """What the invariant checks read of a cache."""
+
+    @property
+    def transfers(self) -> Copies:
+        """The copies in flight (invariant 12)."""
+        ...
 
     @property
     def tree(self) -> RadixTree:
@@ -83,11 +104,16 @@ def check(cache: Checked, after: str = "") -> None:
 def findings(cache: Checked) -> Iterator[Violation]:
     """Yield every broken invariant of ``cache``, node by node, then the pools."""
     write_through = cache.policy.value != "write_back"
+    pending = cache.transfers.pending()
     for node in cache.tree:
+        where = f"node {node.id} ({node.residency()})"
         for rule in _NODE_RULES:
             found = rule(node, write_through)
             if found:
-                yield found[0], f"node {node.id} ({node.residency()})", found[1]
+                yield found[0], where, found[1]
+        copying = node.host if node.host in COPYING else node.device
+        if copying in COPYING and node.id not in pending:
+            yield 12, where, f"{copying} with no copy in flight or queued: it can never finish"
         yield from _pages(node, cache.tree.page_size)
     yield from _pools(cache)
 
@@ -102,6 +128,13 @@ def _prefix_closed(node: TreeNode, _: bool) -> tuple[int, str] | None:
     parent = _inner_parent(node)
     if parent is not None and node.device in DEVICE_HELD and parent.device not in DEVICE_HELD:
         return 1, f"on the device under node {parent.id}, which is {parent.device}"
+    return None
+
+
+def _usable_prefix(node: TreeNode, _: bool) -> tuple[int, str] | None:
+    parent = _inner_parent(node)
+    if parent is not None and node.device == "resident" and parent.device == "loading":
+        return 11, f"on the device under node {parent.id}, which is still loading"
     return None
 
 
@@ -154,6 +187,7 @@ def _counts(node: TreeNode, _: bool) -> tuple[int, str] | None:
 
 _NODE_RULES: tuple[Callable[[TreeNode, bool], tuple[int, str] | None], ...] = (
     _prefix_closed,
+    _usable_prefix,
     _held_somewhere,
     _backup_prefix_closed,
     _eviction_honoured,

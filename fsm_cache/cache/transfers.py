@@ -24,7 +24,7 @@ from typing import Protocol
 from fsm_cache.cache.core import CacheCore
 from fsm_cache.cache.tree import TreeNode
 from fsm_cache.engine import trail
-from fsm_cache.errors import CopyFailed, EffectFailed, PoolExhausted
+from fsm_cache.errors import BadArgument, CopyFailed, DuplicateAck, EffectFailed, PoolExhausted
 from fsm_cache.memory.tickets import Completion, Copier, Direction
 from fsm_cache.memory.tiers import Tiers
 from fsm_cache.policy import WritePolicy, parent_allows_backup, wants_backup
@@ -121,6 +121,7 @@ class Transfers:
         self._listeners: list[AckListener] = []
         self._batch: dict[Direction, list[TreeNode]] = {Direction.D2H: [], Direction.H2D: []}
         self._tickets: dict[int, CopyBatch] = {}
+        self._retry: list[TreeNode] = []  # loading nodes whose copy failed and must run again
         self._started = 0  # copies started since construction or reset: their log numbers
         self._source = (acks or CopierAcks)(tiers.copier, self)
         core.on_split(self._rehome)
@@ -140,8 +141,15 @@ class Transfers:
         return self._tickets
 
     def queued(self) -> int:
-        """Return how many nodes wait in a batch for their copy to start."""
-        return sum(len(nodes) for nodes in self._batch.values())
+        """Return how many nodes wait in a batch for their copy to start (retries included)."""
+        return sum(len(nodes) for nodes in self._batch.values()) + len(self._retry)
+
+    def pending(self) -> frozenset[int]:
+        """Return the ids of nodes with a copy in flight, queued, or waiting to be copied again."""
+        out = {n.id for batch in self._tickets.values() for n in batch.nodes}
+        out.update(n.id for nodes in self._batch.values() for n in nodes)
+        out.update(n.id for n in self._retry)
+        return frozenset(out)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -153,6 +161,7 @@ class Transfers:
         """Forget every batch and ticket (the copy engine was drained) and renumber from 1."""
         self._batch = {Direction.D2H: [], Direction.H2D: []}
         self._tickets = {}
+        self._retry = []
         self._started = 0
 
     # -- writes the policy starts --------------------------------------------
@@ -202,7 +211,13 @@ class Transfers:
         self._batch[direction].append(node)
 
     def flush(self) -> None:
-        """Start one batched copy per direction for the nodes whose events asked for one."""
+        """Start one batched copy per direction for the nodes whose events asked for one.
+
+        Loads to copy again (see :meth:`_fail_loads`) join this flush's load copy.
+        """
+        if self._retry:
+            self._batch[Direction.H2D].extend(self._retry)
+            self._retry = []
         for direction, nodes in self._batch.items():
             if nodes:
                 self._batch[direction] = []
@@ -219,10 +234,12 @@ class Transfers:
             else:
                 ticket = copier.start_load(host, dev)
         except CopyFailed:
-            failed: Event = "write_failed" if direction is Direction.D2H else "load_failed"
+            if direction is Direction.H2D:
+                self._fail_loads(nodes)
+                return
             for n in nodes:
-                self._core.fire(n, failed)
-            self._acknowledged(nodes, failed)
+                self._core.fire(n, "write_failed")
+            self._acknowledged(nodes, "write_failed")
             return
         self._started += 1
         self._tickets[ticket.id] = CopyBatch(list(nodes), time.perf_counter(), self._started)
@@ -238,12 +255,39 @@ class Transfers:
 
         The log entry lists ``(copy number, ok)`` per completion, so that a replay
         applies exactly these acknowledgements, at this point, with these outcomes.
+        Every completion is checked before any is applied, and applying one never
+        raises: a failed load that cannot be failed yet is copied again.
+
+        Raises:
+            BadArgument: An item is not a :class:`Completion`.
+            DuplicateAck: A completion names a copy that is not in flight (applied
+                already, listed twice, or never started by this cache); nothing
+                was applied.
         """
+        self._check_acks(completions)
         acks = [(self._tickets[c.ticket.id].number, c.ok) for c in completions]
         self._core.log.acks(origin, acks)
         for completion in completions:
             self._apply_one(completion)
         return len(completions)
+
+    def _check_acks(self, completions: Sequence[Completion]) -> None:
+        seen: set[int] = set()
+        for c in completions:
+            if not isinstance(c, Completion):
+                raise BadArgument(f"apply_completions: expected a Completion, got {c!r}")
+            ident = c.ticket.id
+            if ident in seen or ident not in self._tickets:
+                state = "listed twice" if ident in seen else "not in flight"
+                raise DuplicateAck(
+                    label="ticket",
+                    instance=ident,
+                    state=state,
+                    counters={},
+                    event="ack",
+                    reason="a duplicate or stray acknowledgement; nothing was applied",
+                )
+            seen.add(ident)
 
     def settle(self) -> int:
         """Start the queued copies, wait for every copy in flight, and apply them all.
@@ -254,6 +298,23 @@ class Transfers:
         self.flush()
         return self.apply(self.collect(wait=True), "wait")
 
+    def finish_loads(self, nodes: Sequence[TreeNode], origin: str) -> bool:
+        """Make sure no node of ``nodes`` is still loading; return whether any was.
+
+        Nothing may be put on the device under a node whose load is in flight:
+        a failed load must be able to free its pages, and a lookup must never
+        hand out a child's KV ahead of its parent's. So an operation about to do
+        that first applies the copies that finished (non-blocking) and, if a
+        load is still in flight, waits for every copy and applies them (the
+        load-back was started earlier and is normally done by now).
+        """
+        if not any(n.device == "loading" for n in nodes):
+            return False
+        self.apply(self.collect(wait=False), origin)
+        if any(n.device == "loading" for n in nodes):
+            self.settle()
+        return True
+
     def _apply_one(self, completion: Completion) -> None:
         """Fire the acknowledgement events of one finished copy, and their follow-ups."""
         batch = self._tickets.pop(completion.ticket.id)
@@ -262,17 +323,33 @@ class Transfers:
         nbytes = len(completion.ticket.src_pages) * self._tiers.device.layout.page_bytes
         self._core.counters.copied("d2h" if write else "h2d", seconds, nbytes, completion.ok)
         if not write and not completion.ok:
-            stuck = [n for n in batch.nodes if not self._core.allowed(n, "load_failed")]
-            if stuck:  # locked, or a child was inserted on the device below: copy again
-                self._start(Direction.H2D, batch.nodes)
-                return
+            self._fail_loads(batch.nodes)
+            return
         if write:
             event: Event = "write_done" if completion.ok else "write_failed"
         else:
-            event = "load_done" if completion.ok else "load_failed"
+            event = "load_done"
         for node in batch.nodes:
             self._core.fire(node, event)
         self._acknowledged(batch.nodes, event)
+
+    def _fail_loads(self, nodes: Sequence[TreeNode]) -> None:
+        """Fail the loads of ``nodes``, deepest first; queue the rest to be copied again.
+
+        A node gives up its load (``load_failed``) once nothing below it is on
+        the device, so children go first. A node the spec still refuses (a
+        request locked it while it loaded) keeps its pages and host pin and is
+        copied again with the next flush: the host copy is still valid.
+        """
+        failed: list[TreeNode] = []
+        for node in sorted(nodes, key=_depth, reverse=True):
+            if self._core.allowed(node, "load_failed"):
+                self._core.fire(node, "load_failed")
+                failed.append(node)
+            else:
+                self._retry.append(node)
+        if failed:
+            self._acknowledged(failed, "load_failed")
 
     def _acknowledged(self, nodes: Sequence[TreeNode], event: Event) -> None:
         """Tell the listeners, then start the backups a finished write allows (children next)."""
@@ -284,7 +361,16 @@ class Transfers:
                     self.maybe_backup(child)
 
     def _rehome(self, prefix: TreeNode, suffix: TreeNode) -> None:
-        """A copy in flight for ``suffix`` now serves the split-off ``prefix`` too."""
-        for batch in self._tickets.values():
-            if suffix in batch.nodes:
-                batch.nodes.insert(batch.nodes.index(suffix), prefix)
+        """A copy in flight, queued or to retry for ``suffix`` now serves the split-off ``prefix`` too."""
+        lists = [batch.nodes for batch in self._tickets.values()]
+        lists.extend([*self._batch.values(), self._retry])
+        for nodes in lists:
+            if suffix in nodes:
+                nodes.insert(nodes.index(suffix), prefix)
+
+
+def _depth(node: TreeNode) -> int:
+    depth, walk = 0, node.parent
+    while walk is not None:
+        depth, walk = depth + 1, walk.parent
+    return depth

@@ -1,0 +1,106 @@
+"""Checks of what callers pass to the cache, before anything changes.
+
+Every public operation of :class:`~fsm_cache.cache.hicache.HiCache` reads its
+arguments through these functions first, so wrong input is refused with a
+:class:`~fsm_cache.errors.BadArgument` or :class:`~fsm_cache.errors.StaleNode`
+that names the operation and the value, and no page, pin or lock is taken.
+
+Token ids and slots may come as any sequence of ints, including a torch
+tensor or a numpy array (SGLang passes both): they are converted to a tuple
+of Python ints once, so equal prefixes match whatever they were passed as.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any, Protocol, TypeAlias
+
+from fsm_cache.cache.tree import RadixTree, TreeNode
+from fsm_cache.errors import BadArgument, StaleNode
+
+
+class TokenArray(Protocol):
+    """A 1-d array of ints that converts to a list: a torch tensor, a numpy array."""
+
+    def tolist(self) -> Any:
+        """Return the elements as Python values."""
+        ...
+
+
+Tokens: TypeAlias = Sequence[int] | TokenArray
+"""Token ids (or slots) as callers pass them: a sequence of ints, or a 1-d tensor or array."""
+
+
+def ints(value: object, op: str, what: str) -> tuple[int, ...]:
+    """Return ``value`` as a tuple of non-negative Python ints.
+
+    Accepts a sequence or iterable of ints, or anything with ``tolist()`` that
+    gives one (a 1-d tensor or array).
+
+    Raises:
+        BadArgument: ``value`` is a string, a scalar, nested, or holds a value
+            that is not a non-negative int (bools included).
+    """
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        value = tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise BadArgument(f"{op}: {what} must be a sequence of ints, got {type(value).__name__}")
+    out = tuple(value)
+    if set(map(type, out)) - {int}:  # one pass in C; the slow path names the culprit
+        for i, item in enumerate(out):
+            if type(item) is not int:
+                raise BadArgument(f"{op}: {what}[{i}] is {item!r}, not an int")
+    if out and min(out) < 0:
+        i = next(i for i, item in enumerate(out) if item < 0)
+        raise BadArgument(f"{op}: {what}[{i}] is {out[i]}; ids and slots are non-negative")
+    return out
+
+
+def count(value: object, op: str, what: str = "num_tokens") -> int:
+    """Return ``value`` if it is a non-negative int (not a bool).
+
+    Raises:
+        BadArgument: It is not an int, is a bool, or is negative.
+    """
+    if type(value) is not int:
+        index = getattr(value, "__index__", None)
+        if isinstance(value, bool) or index is None or isinstance(value, float):
+            raise BadArgument(f"{op}: {what} must be an int, got {value!r}")
+        value = index()
+    if not isinstance(value, int) or value < 0:
+        raise BadArgument(f"{op}: {what} must be >= 0, got {value!r}")
+    return value
+
+
+def namespace(value: object, op: str) -> Hashable:
+    """Return ``value`` if it can key a namespace (hashable).
+
+    Raises:
+        BadArgument: It is unhashable.
+    """
+    try:
+        hash(value)
+    except TypeError:
+        raise BadArgument(f"{op}: namespace must be hashable, got {type(value).__name__}") from None
+    return value
+
+
+def node(tree: RadixTree, value: object, op: str) -> TreeNode:
+    """Return ``value`` if it is a node of ``tree`` now (a namespace root counts).
+
+    Raises:
+        BadArgument: ``value`` is not a tree node.
+        StaleNode: It was deleted, or belongs to another tree (a reset, another cache).
+    """
+    if not isinstance(value, TreeNode):
+        raise BadArgument(f"{op}: expected a tree node, got {type(value).__name__}")
+    if value.parent is None:
+        if any(root is value for root in tree.roots.values()):
+            return value
+    elif tree.nodes.get(value.id) is value:
+        return value
+    raise StaleNode(
+        f"node {value.id}: {op} refused: the node is not in this cache"
+        " (deleted by eviction, or from before a reset)"
+    )
