@@ -53,7 +53,7 @@ def test_summary_claims_only_the_invariants_one_cache_checks(output: list[str]) 
     rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in output if "│" in line]
     assert [
         "invariant checks passed",
-        "3 (design invariants 1-9, every 10 requests; "
+        "3 (invariants 1-9, 11-12, every 10 requests; "
         "10 is agreement across ranks, not checked on one cache)",
     ] in rows
     assert ["refused transitions", "0"] in rows

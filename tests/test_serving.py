@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fsm_cache.bench.serving import serve
 from fsm_cache.bench.workload import Request
 from fsm_cache.cache.hicache import HiCache
@@ -21,7 +23,10 @@ def request_pages(cache: HiCache) -> list[int]:
     return [p for p in range(alloc.num_pages) if alloc.owner_of(p) == REQUEST]
 
 
-def test_a_prefix_still_loading_does_not_keep_the_requests_slots() -> None:
+def loading_cache(
+    copier: Callable[[KVPool, KVPool], FaultyCopyEngine] = slow_acks,
+) -> tuple[HiCache, tuple[int, ...]]:
+    """A cache (copies acknowledged three polls late) holding 8 tokens on the host only."""
     cache = HiCache(
         CacheConfig(
             device_pages=8,
@@ -32,7 +37,7 @@ def test_a_prefix_still_loading_does_not_keep_the_requests_slots() -> None:
             head_dim=4,
             device="cpu",
             load_back_threshold=4,
-            copier=slow_acks,
+            copier=copier,
             debug=True,
         )
     )
@@ -43,11 +48,42 @@ def test_a_prefix_still_loading_does_not_keep_the_requests_slots() -> None:
     cache.evict(32)
     (node,) = list(cache.tree)
     assert (node.host, node.device) == ("backed", "absent")
+    return cache, prefix
+
+
+def test_a_loaded_prefix_is_used_while_its_copy_is_in_flight() -> None:
+    """The request computes only past the loaded prefix; no slot stays the request's."""
+    cache, prefix = loading_cache()
+    (node,) = list(cache.tree)
     report = serve(cache, [Request(0, 0, (*prefix, *range(100, 108)))])
     assert report.load_backs == 1
-    assert node.device == "loading"  # its acknowledgement is three polls away
-    assert request_pages(cache) == []  # the slots computed for the loading part went back
+    assert node.residency() == "backed/resident (pins=0, locks=0)"  # the insert applied it
+    assert request_pages(cache) == []
+    assert cache.stats().transitions["write"] == 2  # the prefix once, the new tail once
     while cache.issued():
         cache.poll()
     cache.check_invariants()
-    assert node.residency() == "backed/resident (pins=0, locks=0)"
+    match = cache.match_prefix((*prefix, *range(100, 108)))
+    assert match.device_len == 16
+
+
+def test_wait_loaded_refuses_a_load_that_must_run_again() -> None:
+    """A locked load that failed, and whose new copy was refused, has nothing to wait on."""
+
+    def build(device: KVPool, host: KVPool) -> FaultyCopyEngine:
+        return FaultyCopyEngine(CopyEngine(device, host), fail={2}, refuse={3})
+
+    cache, prefix = loading_cache(build)
+    chain = cache.load_back(cache.match_prefix(prefix).last_host_node)
+    assert chain
+    assert cache.wait_loaded(chain)  # copy 2 is in flight
+    lock = cache.lock(chain[-1])
+    cache.poll()  # copy 2 failed; the node is locked, so copy 3 starts, and is refused
+    assert chain[-1].device == "loading"
+    assert not cache.wait_loaded(chain)
+    cache.poll()  # copy 4 runs
+    assert cache.wait_loaded(chain)
+    assert cache.wait_loaded([])  # nothing loading: nothing to wait for
+    cache.unlock(lock)
+    cache.poll()
+    assert chain[-1].device == "resident"

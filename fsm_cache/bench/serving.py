@@ -1,9 +1,11 @@
 """A request loop over HiCache, as a serving engine drives it.
 
 :func:`serve` is what the demo and the cache benchmark run: per request,
-match the prefix, load back what only the host holds, lock the matched path,
-make room, "compute" the rest of the KV into fresh device slots, insert, and
-unlock; copies are polled once per request. A simulated storage backup pins
+match the prefix, load back what only the host holds (the compute waits for
+that copy on its stream, not the host: :meth:`HiCache.wait_loaded`), lock the
+matched path, make room, "compute" the rest of the KV into fresh device slots,
+insert, free the slots the cache did not take, and unlock; copies are polled
+once per request. Only load-backs whose pages the request used are counted. A simulated storage backup pins
 backed nodes for a few requests, as SGLang's L3 backup does.
 """
 
@@ -17,7 +19,7 @@ from fsm_cache.bench.workload import Request
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.tree import TreeNode
 from fsm_cache.engine.lease import Lease
-from fsm_cache.memory.pages import REQUEST, pages_of, slots_of
+from fsm_cache.memory.pages import pages_of, slots_of
 from fsm_cache.residency import HOST_VALID
 
 
@@ -76,27 +78,48 @@ def _serve_one(cache: HiCache, tokens: tuple[int, ...], report: ServeReport) -> 
     page = cache.config.page_size
     key = tokens[: len(tokens) - len(tokens) % page]
     match = cache.match_prefix(key)
-    if match.host_len and cache.load_back(match.last_host_node):
-        cache.poll()
-        report.load_backs += 1
-        match = cache.match_prefix(key)
-    lock = cache.lock(match.last_device_node) if match.last_device_node.parent else None
-    need = len(key) - match.device_len
+    prefix, cached, lock = match.device_pages, match.device_len, None
+    if match.host_len:
+        loaded = _load(cache, key, match.last_host_node)
+        if loaded is not None:
+            prefix, cached, lock = loaded
+            report.load_backs += 1
+    if lock is None and match.last_device_node.parent is not None:
+        lock = cache.lock(match.last_device_node)
+    need = len(key) - cached
     free = cache.tiers.device.allocator.free_slots
     if need > free:
         report.evicted_tokens += cache.evict(need - free)
     fresh = cache.alloc_slots(need)
-    cache.tiers.write_tokens(pages_of(fresh, page), key[match.device_len :])
-    cache.insert(key, slots_of(match.device_pages, page) + fresh)
-    # insert adopts slots only for what the device lacked; a node still loading was not
-    # matched on the device, so its part of ``fresh`` stays the request's to give back
-    allocator = cache.tiers.device.allocator
-    kept = [p for p in pages_of(fresh, page) if allocator.owner_of(p) == REQUEST]
-    if kept:
-        cache.free_slots(slots_of(kept, page))
+    cache.tiers.write_tokens(pages_of(fresh, page), key[cached:])
+    given = slots_of(prefix, page) + fresh
+    returned = cache.insert(key, given)
+    if returned > cached:  # tokens the device had meanwhile: their fresh slots are ours to free
+        cache.free_slots(given[cached:returned])
     if lock is not None:
         cache.unlock(lock)
     report.requests += 1
     report.tokens += len(key)
     walk = cache.tree.walk(key)
     return walk.path[-1] if walk.path else None
+
+
+def _load(
+    cache: HiCache, key: tuple[int, ...], last: TreeNode
+) -> tuple[tuple[int, ...], int, Lease] | None:
+    """Load back the host-only part of ``key``'s prefix and use it without waiting on the host.
+
+    Returns the device pages and length of the prefix the request can use (the
+    resident part and the chain now loading), and the lock that keeps them, or
+    None when nothing was loaded (too short, no room, or the copy must run again).
+    """
+    chain = cache.load_back(last)
+    if not chain:
+        return None
+    lock = cache.lock(chain[-1])
+    above = cache.match_prefix(key)  # the resident part above the chain
+    if chain[0].parent is not above.last_device_node or not cache.wait_loaded(chain):
+        cache.unlock(lock)
+        return None
+    pages = above.device_pages + tuple(p for n in chain for p in n.device_pages)
+    return pages, above.device_len + sum(len(n.key) for n in chain), lock

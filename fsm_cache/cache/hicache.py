@@ -40,6 +40,7 @@ from fsm_cache.errors import (
     CacheClosed,
     ConcurrentUse,
     ConfigError,
+    CopyFailed,
     FsmCacheError,
     LeaseError,
     PoolExhausted,
@@ -224,6 +225,8 @@ class HiCache:
         Raises:
             BadArgument: ``tokens`` or ``device_slots`` is not a sequence of
                 non-negative ints, or ``namespace`` is unhashable; nothing changed.
+            CopyFailed: A node on the path is still loading after its copy failed
+                and was started again (a locked node); nothing was inserted.
             ForeignSlot: ``device_slots`` are too few, not whole pages, repeat a
                 page, or name a page the request does not hold. Nothing was
                 inserted (a node may have been split at a page boundary).
@@ -241,7 +244,13 @@ class HiCache:
             key = tree.aligned(given)
             slots.check_count(args, len(key))
             walk = tree.walk(key, namespace)
-            if self._transfers.finish_loads(walk.path, "insert"):
+            if any(n.device == "loading" for n in walk.path):
+                stuck = self._transfers.finish_loads(walk.path, "insert")
+                if stuck:
+                    raise CopyFailed(
+                        f"insert: node {stuck[0].id} is still loading: its copy failed and"
+                        " runs again; insert after a poll"
+                    )
                 walk = tree.walk(key, namespace)  # what the copies applied may have changed it
             cached = 0
             for node in walk.path:
@@ -442,9 +451,11 @@ class HiCache:
         node = arguments.node(self._core.tree, node, "load_back")
         with self._operation("load_back", node.id):
             above = _chain(node)[1]
-            waited = above is not None and self._transfers.finish_loads([above], "load_back")
-            if waited and self._core.tree.nodes.get(node.id) is not node:
-                return None  # host eviction took it while the copies were applied
+            if above is not None and above.device == "loading":
+                if self._transfers.finish_loads([above], "load_back"):
+                    return None  # its copy failed and runs again: nothing may load under it yet
+                if self._core.tree.nodes.get(node.id) is not node:
+                    return None  # host eviction took it while the copies were applied
             return self._load_chain(node)
 
     def _load_chain(self, node: TreeNode) -> list[TreeNode] | None:
@@ -469,6 +480,38 @@ class HiCache:
         for n in chain:
             self._core.fire(n, "load")
         return chain
+
+    def wait_loaded(self, nodes: Sequence[TreeNode], stream: object | None = None) -> bool:
+        """Make ``stream`` wait for the loads of ``nodes``, without blocking the host.
+
+        What SGLang's scheduler does with a load-back: the forward pass reads
+        the pages of a chain still loading, and only its stream waits for the
+        copy. Call it after :meth:`load_back` with the chain it returned (lock
+        it first, so the load can only finish or be copied again), then queue
+        the compute. The chain stays ``loading`` until :meth:`poll` (or an
+        insert through it) applies the acknowledgement.
+
+        Args:
+            nodes: Nodes whose device pages the compute will read; nodes
+                already resident need nothing.
+            stream: The stream to hold back; None: the device's current stream.
+                Ignored on CPU, where copies are synchronous.
+
+        Returns:
+            False when a node's copy failed and is queued to run again: its
+            pages do not hold its KV yet (poll, and try again).
+
+        Raises:
+            BadArgument, StaleNode: A node is not a node of this cache.
+        """
+        given = [arguments.node(self._core.tree, n, "wait_loaded") for n in nodes]
+        with self._operation("wait_loaded", tuple(n.id for n in given)):
+            tickets = self._transfers.tickets_of(given)
+            if tickets is None:
+                return False
+            if tickets:
+                self.tiers.copier.wait(tickets, stream)
+            return True
 
     # -- copies --------------------------------------------------------------
 

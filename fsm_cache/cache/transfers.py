@@ -33,6 +33,9 @@ from fsm_cache.residency import Event
 
 trail.internal(__file__)
 
+_LOAD_ROUNDS = 3
+"""Waits for a load that failed and was copied again before an operation gives up on it."""
+
 AckListener = Callable[[Sequence[TreeNode], Event], None]
 """Called as ``listener(nodes, event)`` once one copy's acknowledgement events were fired."""
 
@@ -150,6 +153,21 @@ class Transfers:
         out.update(n.id for nodes in self._batch.values() for n in nodes)
         out.update(n.id for n in self._retry)
         return frozenset(out)
+
+    def tickets_of(self, nodes: Sequence[TreeNode]) -> list[int] | None:
+        """Return the tickets of the copies in flight that serve ``nodes``' loads.
+
+        None when a node of ``nodes`` is loading with no copy in flight (its
+        copy failed and waits to run again): nothing can be waited on for it yet.
+        """
+        wanted = {n.id for n in nodes if n.device == "loading"}
+        out = []
+        for ident, batch in self._tickets.items():
+            served = wanted.intersection(n.id for n in batch.nodes)
+            if served:
+                out.append(ident)
+                wanted -= served
+        return None if wanted else out
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -298,22 +316,26 @@ class Transfers:
         self.flush()
         return self.apply(self.collect(wait=True), "wait")
 
-    def finish_loads(self, nodes: Sequence[TreeNode], origin: str) -> bool:
-        """Make sure no node of ``nodes`` is still loading; return whether any was.
+    def finish_loads(self, nodes: Sequence[TreeNode], origin: str) -> list[TreeNode]:
+        """Apply the loads of ``nodes`` now; return those still loading afterwards.
 
         Nothing may be put on the device under a node whose load is in flight:
         a failed load must be able to free its pages, and a lookup must never
         hand out a child's KV ahead of its parent's. So an operation about to do
         that first applies the copies that finished (non-blocking) and, if a
         load is still in flight, waits for every copy and applies them (the
-        load-back was started earlier and is normally done by now).
+        load-back was started earlier and is normally done by now). A node
+        still loading after a few rounds is a locked node whose copy keeps
+        failing and is queued to run again.
         """
         if not any(n.device == "loading" for n in nodes):
-            return False
+            return []
         self.apply(self.collect(wait=False), origin)
-        if any(n.device == "loading" for n in nodes):
+        for _ in range(_LOAD_ROUNDS):
+            if not any(n.device == "loading" for n in nodes):
+                break
             self.settle()
-        return True
+        return [n for n in nodes if n.device == "loading"]
 
     def _apply_one(self, completion: Completion) -> None:
         """Fire the acknowledgement events of one finished copy, and their follow-ups."""

@@ -158,7 +158,7 @@ def _summary(cache: HiCache, report: ServeReport, checked: int, seconds: float) 
 def _checked() -> str:
     """Say which design invariants each check covers, and which it cannot."""
     return (
-        f"design invariants {_spans(CHECKED)}, every {CHECK_EVERY} requests; "
+        f"invariants {_spans(CHECKED)}, every {CHECK_EVERY} requests; "
         "10 is agreement across ranks, not checked on one cache"
     )
 
