@@ -171,6 +171,16 @@ class Transfers:
 
     # -- lifecycle -----------------------------------------------------------
 
+    def take_acks_from(self, source: AckSource) -> None:
+        """Read finished copies from ``source`` from now on.
+
+        For a tensor-parallel group: every rank must apply the same
+        acknowledgements at the same points, so the group's agreement replaces
+        the copy engine's own reports (see
+        :class:`fsm_cache.distributed.agreement.DistributedCache`).
+        """
+        self._source = source
+
     def on_ack(self, listener: AckListener) -> None:
         """Call ``listener(nodes, event)`` after each copy's acknowledgement events."""
         self._listeners.append(listener)
