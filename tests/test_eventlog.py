@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+import sys
+import tracemalloc
 from dataclasses import replace
 
 import pytest
 
+from fsm_cache.cache.eventlog import DEFAULT_LIMIT, EventLog
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.replay import replay
-from fsm_cache.errors import PoolExhausted, ReplayMismatch
+from fsm_cache.errors import BadArgument, PoolExhausted, ReplayMismatch
 from fsm_cache.memory.copies import CopyEngine
 from fsm_cache.memory.kv import KVPool
 from fsm_cache.memory.tiers import CacheConfig
@@ -175,3 +179,128 @@ def test_replay_names_a_refusal_it_does_not_reproduce() -> None:
         "insert was refused in the recording, not on replay: "
         "PoolExhausted: device pool exhausted: requested 8 slots, 0 free"
     )
+
+
+# -- a bounded log ---------------------------------------------------------------
+
+
+def test_a_log_keeps_its_newest_entries_and_counts_the_rest() -> None:
+    """Defect 10: past its limit a log drops its oldest entries, so its size is bounded."""
+    log = EventLog(limit=1000)
+    for i in range(2500):
+        log.op("match_prefix", (i,), None)
+    assert (len(log.entries), log.dropped, log.recorded, log.complete) == (1000, 1500, 2500, False)
+    assert (log.entries[0], log.entries[-1]) == (
+        ("op", "match_prefix", ((1500,), None)),
+        ("op", "match_prefix", ((2499,), None)),
+    )
+    assert log.operations()[0] == ("match_prefix", ((1500,), None))
+    whole = EventLog(limit=None)
+    for i in range(2500):
+        whole.transition(i, "write")
+    assert (len(whole.entries), whole.dropped, whole.complete, whole.limit) == (2500, 0, True, None)
+    assert EventLog().limit == DEFAULT_LIMIT == 100_000
+    assert EventLog(limit=10**30).limit == sys.maxsize  # as good as None
+
+
+def test_a_full_log_holds_no_more_memory() -> None:
+    """What a log holds alive stops growing at its limit: lookups' token tuples are freed."""
+    log = EventLog(limit=200)
+
+    def lookups(count: int) -> int:
+        tracemalloc.start()
+        try:
+            for _ in range(count):
+                log.op("match_prefix", tuple(range(1000, 1512)), None)
+            return tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+
+    full = lookups(200)
+    assert full > 200 * 512 * 8  # the token tuples are really held
+    assert lookups(2000) < 1.1 * full
+    assert (len(log.entries), log.dropped) == (200, 2000)
+
+
+@pytest.mark.parametrize("limit", [0, -1, True, 2.5, "10"])
+def test_a_limit_is_none_or_a_positive_int(limit: object) -> None:
+    with pytest.raises(BadArgument) as caught:
+        EventLog(limit=limit)  # type: ignore[arg-type]
+    assert str(caught.value) == f"EventLog: limit must be None or an int >= 1, got {limit!r}"
+
+
+def test_entries_read_like_the_list_they_were() -> None:
+    log = EventLog(limit=10)
+    for i in range(25):
+        log.transition(i, "write")
+    entries, kept = log.entries, [("transition", i, "write") for i in range(15, 25)]
+    assert entries == kept
+    assert entries != kept[1:]
+    assert entries != tuple(kept)
+    assert list(reversed(entries)) == kept[::-1]
+    for start, stop, step in itertools.product([None, 0, 3, -4, -20, 12], repeat=2 + 1):
+        if step != 0:
+            window = slice(start, stop, step)
+            assert entries[window] == kept[window], window
+    assert (entries.index(kept[3]), entries.count(kept[3])) == (3, 1)
+    assert kept[0] in entries
+    assert ("transition", 14, "write") not in entries
+    with pytest.raises(ValueError, match="not in deque"):
+        entries.index(("transition", 14, "write"))
+    with pytest.raises(IndexError):
+        entries[10]
+    entries[-1] = ("transition", 99, "write")
+    assert log.transitions()[-1] == (99, "write")
+    assert repr(EventLog(limit=3)) == "EventLog(limit=3, recorded=0, dropped=0)"
+    assert repr(EventLog().entries) == "Entries([])"
+
+
+def test_since_counts_positions_from_the_first_entry_ever_recorded() -> None:
+    log = EventLog(limit=4)
+    for i in range(6):
+        log.transition(i, "write")
+    assert [e[1] for e in log.since(0)] == [2, 3, 4, 5]  # 0 and 1 were dropped
+    assert [e[1] for e in log.since(3)] == [3, 4, 5]
+    assert [e[1] for e in log.since(3, 5)] == [3, 4]
+    assert [e[1] for e in log.since(0, 2)] == []
+    assert log.since(6) == log.since(9) == []
+    log.transition(6, "write")
+    assert [e[1] for e in log.since(6)] == [6]
+
+
+def _recorded() -> HiCache:
+    """A cache that inserted, looked up, polled, evicted and was refused something."""
+    cache = HiCache(replace(BASE, device_pages=4))
+    cache.insert(list(range(8)))
+    cache.match_prefix(list(range(8)))
+    cache.poll()
+    cache.evict(8)
+    cache.insert(list(range(100, 116)))
+    with pytest.raises(PoolExhausted):
+        cache.alloc_slots(64)
+    return cache
+
+
+def test_a_complete_bounded_log_replays_as_before() -> None:
+    cache = _recorded()
+    log = EventLog(limit=len(cache.log.entries))
+    for entry in cache.log.entries:
+        log.append(entry)
+    assert log.complete
+    same(cache, replay(log, replace(BASE, device_pages=4)))
+
+
+def test_a_log_that_dropped_entries_does_not_replay() -> None:
+    cache = _recorded()
+    log = EventLog(limit=5)
+    for entry in cache.log.entries:
+        log.append(entry)
+    before = list(log.entries)
+    with pytest.raises(ReplayMismatch) as caught:
+        replay(log, replace(BASE, device_pages=4))
+    dropped = len(cache.log.entries) - 5
+    assert str(caught.value) == (
+        f"replay: the log dropped its first {dropped} entries (limit 5);"
+        " record with log_limit=None to replay from the start"
+    )
+    assert (list(log.entries), log.dropped) == (before, dropped)

@@ -6,60 +6,236 @@ every batch of applied copy acknowledgements as the copy numbers it applied,
 in order, each with whether it succeeded. An operation that raised is
 followed by its refusal. :func:`fsm_cache.cache.replay.replay` runs the log
 again on a fresh cache.
+
+A log keeps at most ``limit`` entries (:data:`DEFAULT_LIMIT` unless told),
+dropping the oldest first, so a server that runs for days holds a bounded
+log: 20,000 lookups of 512 tokens used to add 81 MiB that nothing ever freed.
+What it dropped is counted (:attr:`EventLog.dropped`); a log that dropped
+nothing is :attr:`~EventLog.complete`, and only a complete log replays.
+Entries keep their arguments as the operation passed them (a lookup's token
+tuple is the caller's, not a copy), so an entry costs about a hundred bytes
+plus whatever its arguments hold alive.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
-from typing import Any
+import itertools
+import sys
+from collections import deque
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from typing import Any, overload
+
+from fsm_cache.errors import BadArgument
 
 
 Acks = tuple[tuple[int, bool], ...]
 """Applied acknowledgements in order: ``(copy number, ok)``; copies count from 1."""
 
+Entry = tuple[str, Any, Any]
+"""One entry of the log: ``(kind, first, second)``; see :class:`EventLog`."""
 
-@dataclass
+DEFAULT_LIMIT = 100_000
+"""The entries a log keeps unless told otherwise (``CacheConfig.log_limit``'s default)."""
+
+
+class Entries(Sequence[Entry]):
+    """The entries a log keeps, oldest first: a read-mostly view of the log's deque.
+
+    It reads like the list the log used to be (``len``, iteration, ``[-1]``,
+    slices, ``index``, ``in``, and ``==`` with a list), without copying the
+    entries. Positions count from the oldest entry kept, not from the first
+    ever recorded; :meth:`EventLog.since` takes positions that do. Item
+    assignment is allowed so that tests can tamper with a recording.
+
+    Args:
+        items: The log's deque of entries (the view shares it, and sees appends).
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: deque[Entry]) -> None:
+        self._items = items
+
+    def __len__(self) -> int:
+        """Return how many entries are kept."""
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Entry]:
+        """Iterate the kept entries, oldest first."""
+        return iter(self._items)
+
+    def __reversed__(self) -> Iterator[Entry]:
+        """Iterate the kept entries, newest first."""
+        return reversed(self._items)
+
+    def __contains__(self, entry: object) -> bool:
+        """Return whether ``entry`` is one of the kept entries."""
+        return entry in self._items
+
+    @overload
+    def __getitem__(self, index: int) -> Entry: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Entry]: ...
+
+    def __getitem__(self, index: int | slice) -> Entry | list[Entry]:
+        """Return one entry, or a list of the entries a slice selects.
+
+        A slice walks the deque from its nearer end, so ``[-4:]`` of a full
+        log costs four steps, not a hundred thousand.
+        """
+        if isinstance(index, int):
+            return self._items[index]
+        size = len(self._items)
+        start, stop, step = index.indices(size)
+        if step < 0:
+            return list(self._items)[index]
+        if stop <= start:
+            return []
+        if start >= size - stop:  # nearer the newest end
+            window = list(itertools.islice(reversed(self._items), size - stop, size - start))
+            window.reverse()
+        else:
+            window = list(itertools.islice(self._items, start, stop))
+        return window[::step]
+
+    def __setitem__(self, index: int, entry: Entry) -> None:
+        """Replace one kept entry (tests tamper with recordings to see replay refuse them)."""
+        self._items[index] = entry
+
+    def index(self, value: Any, start: int = 0, stop: int = sys.maxsize) -> int:
+        """Return the position of the first kept entry equal to ``value``.
+
+        Raises:
+            ValueError: No kept entry between ``start`` and ``stop`` equals it.
+        """
+        return self._items.index(value, start, stop)
+
+    def count(self, value: Any) -> int:
+        """Return how many kept entries equal ``value``."""
+        return self._items.count(value)
+
+    def __eq__(self, other: object) -> bool:
+        """Compare entry by entry with another view or a list, as the old list compared."""
+        if not isinstance(other, (Entries, list)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the list it replaces
+
+    def __repr__(self) -> str:
+        """Return ``Entries([...])`` with every kept entry (for assertion messages)."""
+        return f"Entries({list(self._items)!r})"
+
+
 class EventLog:
     """Operations, transitions and acknowledgements in the order they happened.
+
+    Args:
+        limit: The most entries kept; past it each new entry drops the oldest.
+            None keeps every entry, for a run that must replay from its start.
 
     Attributes:
         entries: ``("op", name, args)``, ``("transition", node_id, event)``,
             ``("acks", origin, ((copy, ok), ...))`` (origin: ``poll``,
             ``apply_completions``, or ``wait`` for an allocation that waited for
-            write-backs) and ``("refused", name, "ErrorClass: message")`` tuples.
+            write-backs) and ``("refused", name, "ErrorClass: message")`` tuples;
+            the kept ones, oldest first, as an :class:`Entries` view.
+
+    Raises:
+        BadArgument: ``limit`` is neither None nor an int >= 1 (one past
+            ``sys.maxsize`` keeps every entry, as None does).
     """
 
-    entries: list[tuple[str, Any, Any]] = field(default_factory=list)
+    __slots__ = ("_items", "_recorded", "entries")
+
+    def __init__(self, limit: int | None = DEFAULT_LIMIT) -> None:
+        if limit is not None and (
+            not isinstance(limit, int) or isinstance(limit, bool) or limit < 1
+        ):
+            raise BadArgument(f"EventLog: limit must be None or an int >= 1, got {limit!r}")
+        self._items: deque[Entry] = deque(maxlen=None if limit is None else min(limit, sys.maxsize))
+        self._recorded = 0
+        self.entries = Entries(self._items)
+
+    @property
+    def limit(self) -> int | None:
+        """The most entries kept, or None when the log keeps every one."""
+        return self._items.maxlen
+
+    @property
+    def recorded(self) -> int:
+        """Entries recorded since the log was created, kept or dropped.
+
+        It is also the position the next entry will have: positions count
+        every entry ever recorded, from 0, as :meth:`since` takes them.
+        """
+        return self._recorded
+
+    @property
+    def dropped(self) -> int:
+        """Entries dropped, oldest first, to stay within :attr:`limit`."""
+        return self._recorded - len(self._items)
+
+    @property
+    def complete(self) -> bool:
+        """Whether the log still holds every entry since it was created (it dropped none)."""
+        return self._recorded == len(self._items)
+
+    def since(self, start: int, stop: int | None = None) -> list[Entry]:
+        """Return the kept entries recorded at positions ``start`` up to ``stop`` (exclusive).
+
+        Positions count every entry ever recorded (see :attr:`recorded`), so a
+        reader that remembers where it stopped, as the tensor-parallel digest
+        does, resumes at the right entry however many were dropped meanwhile.
+        Entries dropped before the reader came back are not returned: a reader
+        that must see every entry checks ``dropped <= start``.
+        """
+        stop = self._recorded if stop is None else min(stop, self._recorded)
+        first = self.dropped
+        return self.entries[max(start, first) - first : max(stop, first) - first]
+
+    def append(self, entry: Entry) -> None:
+        """Record ``entry`` as another log holds it (to copy a log, or rebuild one)."""
+        self._recorded += 1
+        self._items.append(entry)
 
     def op(self, name: str, *args: Hashable) -> None:
         """Record a public operation and its arguments."""
-        self.entries.append(("op", name, args))
+        self._recorded += 1
+        self._items.append(("op", name, args))
 
     def transition(self, node_id: int, event: str) -> None:
         """Record an applied transition."""
-        self.entries.append(("transition", node_id, event))
+        self._recorded += 1
+        self._items.append(("transition", node_id, event))
 
     def acks(self, origin: str, applied: Iterable[tuple[int, bool]]) -> None:
         """Record one batch of applied acknowledgements: copy numbers in order, and success."""
-        self.entries.append(("acks", origin, tuple(applied)))
+        self._recorded += 1
+        self._items.append(("acks", origin, tuple(applied)))
 
     def refusal(self, name: str, error: BaseException) -> None:
         """Record that operation ``name`` raised ``error``."""
-        self.entries.append(("refused", name, f"{type(error).__name__}: {error}"))
+        self._recorded += 1
+        self._items.append(("refused", name, f"{type(error).__name__}: {error}"))
 
     def transitions(self) -> list[tuple[int, str]]:
-        """Return the recorded transitions in order."""
-        return [(e[1], e[2]) for e in self.entries if e[0] == "transition"]
+        """Return the kept transitions in order."""
+        return [(e[1], e[2]) for e in self._items if e[0] == "transition"]
 
     def operations(self) -> list[tuple[str, tuple[Any, ...]]]:
-        """Return the recorded operations in order."""
-        return [(e[1], e[2]) for e in self.entries if e[0] == "op"]
+        """Return the kept operations in order."""
+        return [(e[1], e[2]) for e in self._items if e[0] == "op"]
 
     def acknowledgements(self) -> list[tuple[str, Acks]]:
-        """Return the recorded acknowledgement batches in order, each with its origin."""
-        return [(e[1], e[2]) for e in self.entries if e[0] == "acks"]
+        """Return the kept acknowledgement batches in order, each with its origin."""
+        return [(e[1], e[2]) for e in self._items if e[0] == "acks"]
 
     def refusals(self) -> list[tuple[str, str]]:
-        """Return the recorded refusals (operation, ``ErrorClass: message``) in order."""
-        return [(e[1], e[2]) for e in self.entries if e[0] == "refused"]
+        """Return the kept refusals (operation, ``ErrorClass: message``) in order."""
+        return [(e[1], e[2]) for e in self._items if e[0] == "refused"]
+
+    def __repr__(self) -> str:
+        """Return ``EventLog(limit=..., recorded=..., dropped=...)``; the entries are many."""
+        return f"EventLog(limit={self.limit}, recorded={self._recorded}, dropped={self.dropped})"

@@ -29,10 +29,20 @@ def replay(log: EventLog, config: CacheConfig) -> HiCache:
     same error and message, and only then; locks and pins still held at the
     end of the log stay held in the returned cache.
 
+    The log must be :attr:`~fsm_cache.cache.eventlog.EventLog.complete`: a
+    replay starts from an empty cache, so it needs the log from its first
+    entry.
+
     Raises:
-        ReplayMismatch: The replayed transitions, acknowledgements or refusals
-            differ from the recorded ones; names the first difference.
+        ReplayMismatch: The log dropped its oldest entries (nothing is
+            replayed), or the replayed transitions, acknowledgements or
+            refusals differ from the recorded ones; names the first difference.
     """
+    if not log.complete:
+        raise ReplayMismatch(
+            f"replay: the log dropped its first {log.dropped} entries (limit {log.limit});"
+            " record with log_limit=None to replay from the start"
+        )
     script = log.acknowledgements()
     cache = HiCache(config, acks=lambda copier, copies: ScriptedAcks(script, copier, copies))
     held: dict[tuple[str, int], list[Lease]] = {}  # receipts by (lock|pin, node id)
