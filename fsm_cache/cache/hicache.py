@@ -549,7 +549,11 @@ class HiCache:
         if self._gate.closed:
             return
         with self._operation("close"):
-            self._transfers.settle()
+            # an acknowledgement may start more copies (a child's backup): until none is left
+            for _ in range(len(self._core.tree.nodes) + 2):
+                if not self._transfers.in_flight() and not self._transfers.queued():
+                    break
+                self._transfers.settle()
         self._gate.closed = True
         closer = getattr(self.tiers, "close", None)
         if closer is not None:
