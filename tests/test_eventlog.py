@@ -109,7 +109,8 @@ def test_an_allocation_that_waited_replays() -> None:
     cache.insert(list(range(8)))
     cache.insert(list(range(100, 108)))
     cache.insert(list(range(200, 216)))
-    assert cache.log.acknowledgements() == [("wait", ((1, True),))]
+    # Eviction first applies what is ready (nothing: copies are 3 polls late), then waits.
+    assert cache.log.acknowledgements() == [("evict", ()), ("wait", ((1, True),))]
     same(cache, replay(cache.log, replace(BASE, device_pages=4, write_policy="write_back")))
 
 
@@ -156,13 +157,13 @@ def test_replay_names_a_refusal_the_recording_lacks() -> None:
     """An operation that raises only on replay is a mismatch naming it."""
     config = replace(BASE, device_pages=4)
     cache = HiCache(config)
-    cache.insert(list(range(16)))  # its backup is in flight: it cannot be evicted yet
-    cache.log.op("insert", tuple(range(100, 108)), None, None)  # as if there had been room
+    cache.insert(list(range(16)))  # every device slot is taken
+    cache.log.op("alloc_slots", 24)  # as if there had been room
     with pytest.raises(ReplayMismatch) as caught:
         replay(cache.log, config)
     assert str(caught.value) == (
-        "insert raised on replay, not in the recording: "
-        "PoolExhausted: device pool exhausted: requested 8 slots, 0 free"
+        "alloc_slots raised on replay, not in the recording: "
+        "PoolExhausted: device pool exhausted: requested 24 slots, 0 free"
     )
 
 
@@ -170,14 +171,13 @@ def test_replay_names_a_refusal_it_does_not_reproduce() -> None:
     """An operation refused in the recording but not on replay is a mismatch naming it."""
     config = replace(BASE, device_pages=4)
     cache = HiCache(config)
-    cache.insert(list(range(16)))  # its backup is in flight: it cannot be evicted yet
     with pytest.raises(PoolExhausted):
-        cache.insert(list(range(100, 108)))
+        cache.alloc_slots(24)  # 16 slots in 4 pages
     with pytest.raises(ReplayMismatch) as caught:
         replay(cache.log, replace(config, device_pages=8))
     assert str(caught.value) == (
-        "insert was refused in the recording, not on replay: "
-        "PoolExhausted: device pool exhausted: requested 8 slots, 0 free"
+        "alloc_slots was refused in the recording, not on replay: "
+        "PoolExhausted: device pool exhausted: requested 24 slots, 16 free"
     )
 
 
