@@ -18,6 +18,7 @@ Every error the library raises on bad input or an illegal step derives from
     │   ├── ForeignSlot           a slot outside the pool or not owned
     │   └── PageBusy              a page still read or written by a copy
     ├── CopyFailed                a copy between tiers failed
+    ├── PinnedMemoryError         cudaHostRegister or cudaHostUnregister failed
     ├── BadArgument               an argument of the wrong type or value (also a
     │                             TypeError and a ValueError); nothing changed
     ├── StaleNode                 a node that is not (or no longer) in this cache
@@ -246,6 +247,14 @@ class ConcurrentUse(FsmCacheError):
 
 class CacheClosed(FsmCacheError):
     """An operation on a cache after :meth:`~fsm_cache.cache.hicache.HiCache.close`."""
+
+
+class PinnedMemoryError(FsmCacheError, RuntimeError):
+    """Page-locking host memory (``cudaHostRegister``) or releasing it failed.
+
+    The message names the call, the bytes, the device and the ``cudaError``. It
+    is also a RuntimeError, which is what the registration raised before.
+    """
 
 
 class InvariantViolation(FsmCacheError):

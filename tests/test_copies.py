@@ -18,12 +18,14 @@ with warnings.catch_warnings():
     from fsm_cache.errors import CopyFailed, ForeignSlot
     from fsm_cache.memory.copies import Completion, CopyEngine, Direction, host_runs
     from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
+    from fsm_cache.testing.fakecuda import FakeStreams
     from fsm_cache.testing.faults import POISON, FaultyCopyEngine
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 DEVICES = [
     pytest.param("cpu", id="cpu"),
+    pytest.param("fake", id="fake-cuda"),  # CPU pools, the CUDA path on fake streams
     pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, needs_cuda]),
 ]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -45,11 +47,13 @@ def make(
         if mla
         else KVLayout(layers=3, heads=2, head_dim=4, dtype=dtype, page_size=4)
     )
-    dev = device_pool(layout, dev_pages, torch.device(device))
+    fake = device == "fake"
+    dev = device_pool(layout, dev_pages, torch.device("cpu" if fake else device))
     host = host_pool(layout, host_pages)
     dev.tensor.view(torch.uint8).random_(0, 256)
     host.tensor.view(torch.uint8).zero_()
-    return CopyEngine(dev, host, staging_bytes=staging_pages * layout.page_bytes)
+    streams = FakeStreams(seed=dev_pages, max_polls=3) if fake else None
+    return CopyEngine(dev, host, staging_bytes=staging_pages * layout.page_bytes, streams=streams)
 
 
 def raw(pool: KVPool, pages: list[int]) -> torch.Tensor:
@@ -344,3 +348,32 @@ def test_cuda_poll_never_blocks_and_reports_once() -> None:
     assert [c.ticket for c in reported] == [ticket]
     assert engine.poll() == []
     assert engine.host.tensor.is_pinned()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_close_drains_refuses_new_copies_and_is_idempotent(device: str) -> None:
+    engine = make(device)
+    before = raw(engine.device, [1, 2])
+    engine.start_write([1, 2], [3, 4])
+    engine.close()
+    assert engine.closed
+    assert engine.in_flight() == []
+    assert engine.busy_host_pages() == frozenset()
+    assert torch.equal(raw(engine.host, [3, 4]), before)
+    with pytest.raises(CopyFailed) as caught:
+        engine.start_load([3], [0])
+    assert str(caught.value) == "copy engine closed: h2d copy refused"
+    assert engine.in_flight() == []
+    engine.close()
+    assert engine.poll() == []
+    assert engine.drain() == []
+
+
+def test_a_closed_faulty_engine_drops_held_acknowledgements() -> None:
+    engine = FaultyCopyEngine(make(), delay=5)
+    engine.start_write([1], [1])
+    assert engine.poll() == []
+    assert engine.in_flight() != []
+    engine.close()
+    assert engine.in_flight() == []
+    assert not engine.host_busy([1])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 import warnings
 
@@ -13,18 +14,23 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
     import torch
 
+    from fsm_cache.errors import ForeignSlot, PinnedMemoryError, PoolError
+    from fsm_cache.memory import kv
     from fsm_cache.memory.kv import (
         KVLayout,
+        KVPool,
         alloc_exact_host,
         default_device,
         device_pool,
         host_pool,
     )
+    from fsm_cache.memory.tiers import synthetic_kv
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
 LAYOUT = KVLayout(layers=3, heads=2, head_dim=4, dtype=torch.float16, page_size=4)
+KV_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn]
 
 
 def test_layout_sizes() -> None:
@@ -143,3 +149,236 @@ def test_device_pool_defaults_to_cuda() -> None:
     kv = torch.randn(3, 2, 4, 2, 4).to(torch.float16)
     pool.write([1], kv)
     assert torch.equal(pool.read([1]), kv)
+
+
+# -- empty and mismatched reads and writes ---------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["device", "host"])
+def test_no_pages_read_empty_and_write_nothing(name: str) -> None:
+    pool = device_pool(LAYOUT, 4, torch.device("cpu")) if name == "device" else host_pool(LAYOUT, 4)
+    pool.tensor.view(torch.uint8).fill_(7)
+    empty = pool.read([])
+    assert empty.shape == (3, 2, 0, 2, 4)
+    assert empty.dtype == torch.float16
+    pool.write([], empty)
+    pool.write((), torch.empty(3, 2, 0, 2, 4, dtype=torch.float16))
+    assert bool((pool.tensor.view(torch.uint8) == 7).all())
+
+
+@pytest.mark.parametrize(
+    ("pages", "kv", "message"),
+    [
+        (
+            [1, 2],
+            torch.zeros(3, 2, 4, 2, 4, dtype=torch.float16),
+            "device pool: kv of shape (3, 2, 4, 2, 4) and dtype torch.float16 does not fit "
+            "2 pages, which need shape (3, 2, 8, 2, 4) and dtype torch.float16",
+        ),
+        (
+            [],
+            torch.zeros(3, 2, 4, 2, 4, dtype=torch.float16),
+            "device pool: kv of shape (3, 2, 4, 2, 4) and dtype torch.float16 does not fit "
+            "0 pages, which need shape (3, 2, 0, 2, 4) and dtype torch.float16",
+        ),
+        (
+            [1],
+            torch.zeros(3, 2, 4, 2, 4, dtype=torch.float32),
+            "device pool: kv of shape (3, 2, 4, 2, 4) and dtype torch.float32 does not fit "
+            "1 pages, which need shape (3, 2, 4, 2, 4) and dtype torch.float16",
+        ),
+        (
+            [1],
+            torch.zeros(3, 2, 4, 4, 2, dtype=torch.float16),
+            "device pool: kv of shape (3, 2, 4, 4, 2) and dtype torch.float16 does not fit "
+            "1 pages, which need shape (3, 2, 4, 2, 4) and dtype torch.float16",
+        ),
+        (
+            [2, 2],
+            torch.zeros(3, 2, 8, 2, 4, dtype=torch.float16),
+            "device pool: page 2 is listed twice",
+        ),
+    ],
+)
+def test_a_write_that_does_not_fit_is_refused_and_changes_nothing(
+    pages: list[int], kv: torch.Tensor, message: str
+) -> None:
+    pool = device_pool(LAYOUT, 4, torch.device("cpu"))
+    pool.tensor.view(torch.uint8).fill_(7)
+    with pytest.raises(PoolError) as caught:
+        pool.write(pages, kv)
+    assert str(caught.value) == message
+    assert bool((pool.tensor.view(torch.uint8) == 7).all())
+
+
+@pytest.mark.parametrize(("page", "shown"), [(4, "4"), (-1, "-1"), (1.0, "1.0"), (True, "True")])
+def test_a_page_outside_the_pool_is_refused_by_read_and_write(page: object, shown: str) -> None:
+    pool = host_pool(LAYOUT, 4)
+    pool.tensor.view(torch.uint8).fill_(7)
+    message = f"host pool: page {shown} outside 0..3"
+    with pytest.raises(ForeignSlot) as caught:
+        pool.read([0, page])  # type: ignore[list-item]
+    assert str(caught.value) == message
+    with pytest.raises(ForeignSlot) as caught:
+        pool.write([0, page], torch.zeros(3, 2, 8, 2, 4, dtype=torch.float16))  # type: ignore[list-item]
+    assert str(caught.value) == message
+    assert bool((pool.tensor.view(torch.uint8) == 7).all())
+
+
+# -- page-locking: return codes are checked, close is idempotent ----------------------------
+
+
+class FakeCudart:
+    """Stands in for torch's cudart bindings: records calls, returns chosen error codes."""
+
+    def __init__(self, register: int = 0, unregister: int = 0) -> None:
+        self.codes = {"cudaHostRegister": register, "cudaHostUnregister": unregister}
+        self.calls: list[tuple[str, int]] = []
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
+        self.calls.append(("register", nbytes))
+        return self.codes["cudaHostRegister"]
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802 (CUDA's name)
+        self.calls.append(("unregister", ptr))
+        return self.codes["cudaHostUnregister"]
+
+    def cudaGetErrorString(self, err: int) -> str:  # noqa: N802 (CUDA's name)
+        return {1: "invalid argument", 2: "out of memory"}[err]
+
+
+@pytest.fixture
+def cudart(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
+    fake = FakeCudart()
+    monkeypatch.setattr(kv, "_cudart", lambda: fake)
+    return fake
+
+
+def pinned_pool(pages: int = 2) -> KVPool:
+    """A host pool registered through the fake bindings, with no device made current."""
+    shape = (pages, LAYOUT.layers, LAYOUT.planes, LAYOUT.page_size, LAYOUT.heads, LAYOUT.head_dim)
+    tensor = alloc_exact_host(shape, LAYOUT.dtype, pin=True)
+    return KVPool("host", LAYOUT, pages, tensor, pinned=True)
+
+
+def test_registration_failure_is_a_typed_error(cudart: FakeCudart) -> None:
+    cudart.codes["cudaHostRegister"] = 2
+    with pytest.raises(PinnedMemoryError) as caught:
+        pinned_pool()
+    assert str(caught.value) == (
+        f"cudaHostRegister of {2 * LAYOUT.page_bytes} bytes on the current CUDA device "
+        "failed with cudaError 2 (out of memory)"
+    )
+    assert isinstance(caught.value, RuntimeError)
+
+
+def test_close_unregisters_once(cudart: FakeCudart) -> None:
+    pool = pinned_pool()
+    assert pool.pinned
+    pool.close()
+    pool.close()
+    assert [c[0] for c in cudart.calls] == ["register", "unregister"]
+    assert not pool.pinned
+    del pool
+    gc.collect()
+    assert [c[0] for c in cudart.calls] == ["register", "unregister"]
+
+
+def test_unregister_failure_at_close_raises_once(cudart: FakeCudart) -> None:
+    pool = pinned_pool()
+    cudart.codes["cudaHostUnregister"] = 1
+    with pytest.raises(PinnedMemoryError) as caught:
+        pool.close()
+    assert str(caught.value) == (
+        f"cudaHostUnregister of {2 * LAYOUT.page_bytes} bytes on the current CUDA device "
+        "failed with cudaError 1 (invalid argument)"
+    )
+    pool.close()
+    assert [c[0] for c in cudart.calls] == ["register", "unregister"]
+
+
+def test_unregister_failure_at_garbage_collection_warns(cudart: FakeCudart) -> None:
+    pool = pinned_pool()
+    cudart.codes["cudaHostUnregister"] = 1
+    with pytest.warns(RuntimeWarning, match=r"^cudaHostUnregister of \d+ bytes .* cudaError 1"):
+        del pool  # the last reference: the finalizer runs here
+
+
+def test_an_unpinned_pool_never_calls_cuda(cudart: FakeCudart) -> None:
+    pool = host_pool(LAYOUT, 2, pin=False)
+    pool.close()
+    assert cudart.calls == []
+
+
+# -- synthetic KV: every (token, position) has its own bytes, in every dtype ------------------
+
+
+def distinct_rows(rows: torch.Tensor) -> bool:
+    """Whether the rows of a uint8 matrix (a multiple of 8 bytes wide) are pairwise different.
+
+    Sorts the rows lexicographically as int64 words (stable sorts, last word first)
+    and compares neighbours: exact, and fast enough for millions of rows.
+    """
+    words = rows.contiguous().view(torch.int64)
+    order = torch.arange(words.shape[0])
+    for col in reversed(range(words.shape[1])):
+        order = order[torch.sort(words[order, col], stable=True).indices]
+    ordered = words[order]
+    return bool((ordered[1:] != ordered[:-1]).any(dim=1).all())
+
+
+def slot_bytes(kv_tensor: torch.Tensor) -> torch.Tensor:
+    """``[layers, P, n, H, D]`` KV as one row of bytes per slot ``[n, bytes]``."""
+    n = kv_tensor.shape[2]
+    return kv_tensor.permute(2, 0, 1, 3, 4).contiguous().view(torch.uint8).reshape(n, -1)
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
+def test_synthetic_kv_is_injective_for_every_token_and_position(dtype: torch.dtype) -> None:
+    # the smallest layout the tests use: 8 elements a token, 4 bits each
+    layout = KVLayout(layers=1, heads=1, head_dim=4, dtype=dtype, page_size=8)
+    tokens = torch.arange(100_001).repeat_interleave(8).tolist()  # every token at every position
+    rows = slot_bytes(synthetic_kv(layout, tokens))
+    assert rows.shape == (len(tokens), 8 * layout.itemsize)
+    assert distinct_rows(rows)
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
+def test_synthetic_kv_values_are_exact_small_integers(dtype: torch.dtype) -> None:
+    layout = KVLayout(layers=2, heads=2, head_dim=16, dtype=dtype, page_size=16)
+    tokens = [0, 1, 996, 997, 1993, 2**31 - 1, 151_935, *range(9)]
+    kv_tensor = synthetic_kv(layout, tokens)
+    assert kv_tensor.dtype == dtype
+    values = kv_tensor.to(torch.float32)
+    assert bool((values == values.round()).all())
+    assert bool(((values >= -8) & (values <= 7)).all())
+    assert distinct_rows(slot_bytes(kv_tensor)[:7])  # tokens 997 apart differ
+    # every element's value differs across layers and planes for the same token
+    per_layer = values[:, :, 0].reshape(4, -1)
+    assert all(not torch.equal(per_layer[i], per_layer[j]) for i in range(4) for j in range(i))
+
+
+def test_synthetic_kv_is_injective_for_large_token_ids_in_the_default_layout() -> None:
+    layout = KVLayout(layers=2, heads=2, head_dim=16, dtype=torch.float8_e4m3fn, page_size=16)
+    ids = torch.randint(0, 2**40, (3_000,), generator=torch.Generator().manual_seed(0))
+    tokens = torch.unique(ids).repeat_interleave(16).tolist()
+    assert distinct_rows(slot_bytes(synthetic_kv(layout, tokens)))
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
+def test_a_page_copied_to_the_wrong_place_is_detected(dtype: torch.dtype) -> None:
+    layout = KVLayout(layers=1, heads=1, head_dim=4, dtype=dtype, page_size=4)
+    pool = host_pool(layout, 4, pin=False)
+    first, second = [5, 6, 7, 8], [5 + 997, 6 + 997, 7 + 997, 8 + 997]  # alike before the fix
+    pool.write([0, 1], synthetic_kv(layout, first + second))
+    pool.pages[1].copy_(pool.pages[0])  # page 0 copied over page 1
+    got = pool.read([0, 1]).view(torch.uint8)
+    assert torch.equal(got[:, :, :4], synthetic_kv(layout, first).view(torch.uint8))
+    assert not torch.equal(got[:, :, 4:], synthetic_kv(layout, second).view(torch.uint8))
+    # slots swapped within a page show up too
+    repeated = [7, 7, 7, 7]
+    pool.write([2], synthetic_kv(layout, repeated))
+    pool.pages[2].copy_(pool.pages[2].flip(2))
+    assert not torch.equal(
+        pool.read([2]).view(torch.uint8), synthetic_kv(layout, repeated).view(torch.uint8)
+    )

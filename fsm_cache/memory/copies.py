@@ -11,14 +11,24 @@ synchronously and the ticket is reported done at the next poll.
 
 Pages named by an in-flight ticket are *busy* until :meth:`CopyEngine.poll`
 has reported that ticket; the cache must not free busy pages.
+
+Compute that reads a load's pages need not wait for its acknowledgement:
+:meth:`CopyEngine.wait` makes a stream wait on the load's event without
+blocking the host. :meth:`CopyEngine.close` drains every copy and lets the
+device go idle before the pools' memory can be released.
+
+Streams and events come from a :class:`Streams` (:class:`CudaStreams` on a
+GPU); ``fsm_cache.testing.fakecuda`` supplies a CPU fake that defers each
+copy until its event completes, so this CUDA path is tested on every machine.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -42,17 +52,115 @@ __all__ = [
     "Copier",
     "CopyEngine",
     "CopyStats",
+    "CudaStreams",
     "Direction",
+    "Event",
+    "Stream",
+    "Streams",
     "Ticket",
     "host_runs",
     "refuse_busy_destination",
 ]
 
 
+class Event(Protocol):
+    """What the engine needs of an event: ``torch.cuda.Event`` or a fake."""
+
+    def record(self, stream: Any) -> Any:
+        """Mark the point after the work queued so far on ``stream`` (a :class:`Stream`)."""
+        ...
+
+    def query(self) -> bool:
+        """Whether the work before the mark has finished; never blocks."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the host until the work before the mark has finished."""
+        ...
+
+
+class Stream(Protocol):
+    """What the engine needs of a stream: ``torch.cuda.Stream`` or a fake."""
+
+    def wait_stream(self, stream: Any) -> None:
+        """Make later work here wait for the work queued so far on ``stream`` (a :class:`Stream`)."""
+        ...
+
+    def wait_event(self, event: Any) -> None:
+        """Make later work here wait for ``event`` (an :class:`Event`) without blocking the host."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the host until the work queued here has finished."""
+        ...
+
+
+class Streams(Protocol):
+    """Where the engine gets its streams and events, and how it queues work on them.
+
+    :class:`CudaStreams` is the real one; ``fsm_cache.testing.fakecuda``
+    provides a CPU fake that defers each copy until its event completes, so
+    the ordering logic runs on machines without a GPU.
+    """
+
+    def new_stream(self, device: torch.device) -> Stream:
+        """Return a new side stream on ``device``."""
+        ...
+
+    def current_stream(self, device: torch.device) -> Stream:
+        """Return the stream compute runs on (``torch.cuda.current_stream``)."""
+        ...
+
+    def new_event(self) -> Event:
+        """Return a new, unrecorded event."""
+        ...
+
+    def run_on(self, stream: Stream, work: Callable[[], None]) -> None:
+        """Queue ``work``'s device operations on ``stream``."""
+        ...
+
+    def synchronize(self, device: torch.device) -> None:
+        """Block the host until every stream of ``device`` is idle."""
+        ...
+
+
+class CudaStreams:
+    """The real :class:`Streams`: ``torch.cuda`` streams and events."""
+
+    def new_stream(self, device: torch.device) -> Stream:
+        """Return ``torch.cuda.Stream(device)``."""
+        stream: Stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        return stream
+
+    def current_stream(self, device: torch.device) -> Stream:
+        """Return ``torch.cuda.current_stream(device)``."""
+        stream: Stream = torch.cuda.current_stream(device)
+        return stream
+
+    def new_event(self) -> Event:
+        """Return ``torch.cuda.Event()`` (timing off: the cheapest kind)."""
+        event: Event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        return event
+
+    def run_on(self, stream: Stream, work: Callable[[], None]) -> None:
+        """Run ``work`` now with ``stream`` and its device current: its kernels queue there.
+
+        The device is made current too, so nothing ``work`` does (pinning an
+        index tensor, say) touches another GPU's context.
+        """
+        cuda_stream = cast("torch.cuda.Stream", stream)
+        with torch.cuda.device(cuda_stream.device), torch.cuda.stream(cuda_stream):
+            work()
+
+    def synchronize(self, device: torch.device) -> None:
+        """``torch.cuda.synchronize(device)``."""
+        torch.cuda.synchronize(device)
+
+
 @dataclass
 class _Pending:
     ticket: Ticket
-    event: torch.cuda.Event | None
+    event: Event | None
     error: CopyFailed | None
 
 
@@ -64,18 +172,33 @@ class CopyEngine:
         host: The host pool (pinned when the device pool is on CUDA).
         staging_bytes: Largest staging buffer per chunk; bigger batches are
             copied chunk by chunk on the same stream under the same event.
+        streams: Where streams and events come from. None: :class:`CudaStreams`
+            for a CUDA device pool; none at all for a CPU one, whose copies
+            run synchronously. A fake (``fsm_cache.testing.fakecuda``) runs the
+            CUDA ordering logic on CPU pools.
     """
 
-    def __init__(self, device: KVPool, host: KVPool, staging_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self,
+        device: KVPool,
+        host: KVPool,
+        staging_bytes: int = 256 << 20,
+        *,
+        streams: Streams | None = None,
+    ) -> None:
         self.device = device
         self.host = host
         self.stats = CopyStats()
         self.cuda = device.device.type == "cuda"
+        self.closed = False
         self._chunk = max(1, staging_bytes // device.layout.page_bytes)
         self._ids = itertools.count(1)
+        self._started = 0
         self._pending: dict[int, _Pending] = {}
         self._busy = BusyPages()
-        self._streams = {d: _stream(device.device) for d in Direction} if self.cuda else {}
+        self._api = streams if streams is not None else CudaStreams() if self.cuda else None
+        api = self._api
+        self._streams = {d: api.new_stream(device.device) for d in Direction} if api else {}
 
     def start_write(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Ticket:
         """Start copying ``device_pages`` into ``host_pages``; see :class:`Copier`.
@@ -84,6 +207,7 @@ class CopyEngine:
             ValueError: the page lists differ in length, a destination repeats,
                 or a destination is busy with an unreported copy.
             ForeignSlot: a page is outside its pool.
+            CopyFailed: the engine is closed.
         """
         return self._start(Direction.D2H, device_pages, host_pages)
 
@@ -94,19 +218,23 @@ class CopyEngine:
             ValueError: the page lists differ in length, a destination repeats,
                 or a destination is busy with an unreported copy.
             ForeignSlot: a page is outside its pool.
+            CopyFailed: the engine is closed.
         """
         return self._start(Direction.H2D, host_pages, device_pages)
 
     def _start(self, direction: Direction, src: Sequence[int], dst: Sequence[int]) -> Ticket:
+        if self.closed:
+            raise CopyFailed(f"copy engine closed: {direction.value} copy refused")
         self._validate(direction, src, dst)
         ticket = Ticket(next(self._ids), direction, tuple(src), tuple(dst))
+        self._started = ticket.id
         error: CopyFailed | None = None
-        with self._on_stream(direction):
-            try:
-                self._launch(ticket)
-            except RuntimeError as exc:  # a launch that fails is reported like any failure
-                error = CopyFailed(f"copy {ticket.id} ({direction.value}) failed: {exc}")
-            event = self._record(direction)
+        stream = self._on_stream(direction)
+        try:
+            self._submit(stream, lambda: self._launch(ticket))
+        except RuntimeError as exc:  # a launch that fails is reported like any failure
+            error = CopyFailed(f"copy {ticket.id} ({direction.value}) failed: {exc}")
+        event = self._record(stream)
         self._pending[ticket.id] = _Pending(ticket, event, error)
         self._busy.add(ticket)
         return ticket
@@ -126,19 +254,26 @@ class CopyEngine:
                 )
         refuse_busy_destination(direction, dst, self._busy.host if to_host else self._busy.device)
 
-    def _on_stream(self, direction: Direction) -> contextlib.AbstractContextManager[object]:
-        if not self.cuda:
-            return contextlib.nullcontext()
+    def _on_stream(self, direction: Direction) -> Stream | None:
+        """The direction's side stream, made to wait for compute; None on a CPU engine."""
+        if self._api is None:
+            return None
         stream = self._streams[direction]
         # D2H: read only what compute has written. H2D: overwrite only what compute has read.
-        stream.wait_stream(torch.cuda.current_stream(self.device.device))
-        return torch.cuda.stream(stream)
+        stream.wait_stream(self._api.current_stream(self.device.device))
+        return stream
 
-    def _record(self, direction: Direction) -> torch.cuda.Event | None:
-        if not self.cuda:
+    def _submit(self, stream: Stream | None, work: Callable[[], None]) -> None:
+        if stream is None or self._api is None:
+            work()
+        else:
+            self._api.run_on(stream, work)
+
+    def _record(self, stream: Stream | None) -> Event | None:
+        if stream is None or self._api is None:
             return None
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(self._streams[direction])
+        event = self._api.new_event()
+        event.record(stream)
         return event
 
     def _launch(self, ticket: Ticket) -> None:
@@ -182,6 +317,49 @@ class CopyEngine:
                     p.event.synchronize()
         return self.poll()
 
+    def wait(self, ticket_ids: Iterable[int], stream: object | None = None) -> None:
+        """Make ``stream`` wait for these tickets' copies, without blocking the host.
+
+        Compute that reads the pages a load writes must not start before the
+        copy has landed: call this after ``start_load`` and before queueing
+        that compute, instead of waiting for the acknowledgement. On CUDA the
+        stream waits on each unreported ticket's event; tickets already
+        reported are done and need nothing. On a CPU engine copies are
+        synchronous, so this only checks the ids.
+
+        Args:
+            ticket_ids: Ids of tickets this engine started.
+            stream: The stream to hold back; None: the device's current stream.
+
+        Raises:
+            ValueError: an id names no ticket this engine started.
+        """
+        ids = list(ticket_ids)
+        unknown = next((i for i in ids if not 1 <= i <= self._started), None)
+        if unknown is not None:
+            raise ValueError(f"copy: cannot wait for ticket {unknown}: no copy started with it")
+        if self._api is None:
+            return
+        here = self.device.device
+        target = self._api.current_stream(here) if stream is None else cast("Stream", stream)
+        for i in ids:
+            pending = self._pending.get(i)
+            if pending is not None and pending.event is not None:
+                target.wait_event(pending.event)
+
+    def close(self) -> None:
+        """Drain every copy, let the device go idle, and refuse copies from now on.
+
+        The completions are dropped (drain and apply them first where they
+        matter). Idempotent: a closed engine has nothing in flight.
+        """
+        if self.closed:
+            return
+        self.drain()
+        if self._api is not None:  # the side streams and whatever compute still reads
+            self._api.synchronize(self.device.device)
+        self.closed = True
+
     def _complete(self, pending: _Pending) -> Completion:
         ticket = pending.ticket
         del self._pending[ticket.id]
@@ -220,11 +398,7 @@ def _finished(pending: _Pending) -> bool:
     if pending.event is None:
         return True
     try:
-        return bool(pending.event.query())  # type: ignore[no-untyped-call]
+        return bool(pending.event.query())
     except RuntimeError as exc:
         pending.error = CopyFailed(f"copy {pending.ticket.id} failed on the device: {exc}")
         return True
-
-
-def _stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]

@@ -11,11 +11,16 @@ Layouts (``P`` = planes: 2 for K and V, 1 for an MLA latent):
 The copy engine moves raw bytes (:attr:`KVPool.page_bytes`), so every dtype,
 float8 included, round-trips bit for bit. The host pool is page-locked with
 ``cudaHostRegister`` on a plain tensor of exactly the requested size when CUDA
-is present; see ``docs/memory.md`` for why not ``pin_memory=True``.
+is present; see ``docs/memory.md`` for why not ``pin_memory=True``. The
+registration is made with the device pool's GPU current (``torch.cuda.device``),
+so a rank on ``cuda:3`` that never called ``torch.cuda.set_device`` neither
+creates a context on GPU 0 nor pins the memory for the wrong context.
 """
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +28,7 @@ from typing import Any
 
 import torch
 
+from fsm_cache.errors import ForeignSlot, PinnedMemoryError, PoolError
 from fsm_cache.memory.pages import PageAllocator
 
 
@@ -87,7 +93,14 @@ class KVPool:
     """
 
     def __init__(
-        self, name: str, layout: KVLayout, num_pages: int, tensor: torch.Tensor, pinned: bool
+        self,
+        name: str,
+        layout: KVLayout,
+        num_pages: int,
+        tensor: torch.Tensor,
+        pinned: bool,
+        *,
+        pin_device: torch.device | None = None,
     ) -> None:
         self.name = name
         self.layout = layout
@@ -96,9 +109,10 @@ class KVPool:
         self.pinned = pinned
         self.allocator = PageAllocator(name, num_pages, layout.page_size)
         self.pages = _page_view(tensor, layout, num_pages, page_first=name == "host")
+        self._pin_device = pin_device
         self._finalizer: weakref.finalize[..., KVPool] | None = None
         if pinned:
-            self._finalizer = weakref.finalize(self, _unregister, tensor)
+            self._finalizer = weakref.finalize(self, _unregister_at_exit, tensor, pin_device)
 
     @property
     def device(self) -> torch.device:
@@ -114,21 +128,55 @@ class KVPool:
         """Return a copy of ``pages`` in the device layout ``[layers, P, n*page_size, H, D]``.
 
         For tests and debugging: it synchronises, so keep it off the hot path.
+        No pages give an empty tensor of that shape.
+
+        Raises:
+            ForeignSlot: a page is outside the pool.
         """
+        self._check_pages(pages)
+        lay = self.layout
+        shape = (lay.layers, lay.planes, len(pages) * lay.page_size, lay.heads, lay.head_dim)
+        if not pages:
+            return torch.empty(shape, dtype=lay.dtype)
         idx = torch.tensor(list(pages), dtype=torch.long, device=self.device)
         data = self.pages.index_select(0, idx).permute(1, 2, 0, 3, 4, 5)
-        lay = self.layout
-        shape = (lay.layers, lay.planes, len(pages) * lay.page_size, lay.heads, -1)
-        return data.reshape(shape).view(lay.dtype).to("cpu")
+        return data.reshape(*shape[:-1], -1).view(lay.dtype).to("cpu")
 
     def write(self, pages: Sequence[int], kv: torch.Tensor) -> None:
-        """Store ``kv`` (device layout, ``len(pages) * page_size`` tokens) into ``pages``."""
+        """Store ``kv`` (device layout, ``len(pages) * page_size`` tokens) into ``pages``.
+
+        No pages and an empty ``kv`` write nothing. The whole request is
+        checked first, so a refused write changes no page.
+
+        Raises:
+            ForeignSlot: a page is outside the pool.
+            PoolError: a page is listed twice, or ``kv`` has another shape or
+                dtype than ``pages`` need.
+        """
+        self._check_pages(pages)
         lay = self.layout
+        shape = (lay.layers, lay.planes, len(pages) * lay.page_size, lay.heads, lay.head_dim)
+        if tuple(kv.shape) != shape or kv.dtype != lay.dtype:
+            raise PoolError(
+                f"{self.name} pool: kv of shape {tuple(kv.shape)} and dtype {kv.dtype} "
+                f"does not fit {len(pages)} pages, which need shape {shape} and dtype {lay.dtype}"
+            )
+        seen: set[int] = set()
+        for p in pages:
+            if p in seen:
+                raise PoolError(f"{self.name} pool: page {p} is listed twice")
+            seen.add(p)
+        if not pages:
+            return
         raw = kv.to(self.device).contiguous().view(torch.uint8)
-        shape = (lay.layers, lay.planes, len(pages), lay.page_size, lay.heads, -1)
-        staged = raw.reshape(shape).permute(2, 0, 1, 3, 4, 5)
+        staged = raw.reshape(*shape[:2], len(pages), lay.page_size, lay.heads, -1)
         idx = torch.tensor(list(pages), dtype=torch.long, device=self.device)
-        self.pages.index_copy_(0, idx, staged.contiguous())
+        self.pages.index_copy_(0, idx, staged.permute(2, 0, 1, 3, 4, 5).contiguous())
+
+    def _check_pages(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.num_pages:
+                raise ForeignSlot(f"{self.name} pool: page {p!r} outside 0..{self.num_pages - 1}")
 
     def fill(self, pages: Sequence[int], byte: int) -> None:
         """Set every byte of ``pages`` to ``byte`` (poisons the pages a failed copy wrote)."""
@@ -136,9 +184,21 @@ class KVPool:
             self.pages[p].fill_(byte)
 
     def close(self) -> None:
-        """Unregister pinned memory now instead of at garbage collection."""
-        if self._finalizer is not None:
-            self._finalizer()
+        """Unregister pinned memory now instead of at garbage collection; idempotent.
+
+        The pool stays usable as pageable memory (copies from it become
+        synchronous); :attr:`pinned` turns False. Wait for every copy that
+        reads or writes the pool first (:meth:`Tiers.close` does).
+
+        Raises:
+            PinnedMemoryError: ``cudaHostUnregister`` failed. The pool counts
+                as closed anyway: a second close does nothing.
+        """
+        finalizer, self._finalizer = self._finalizer, None
+        if finalizer is None or finalizer.detach() is None:
+            return
+        self.pinned = False
+        unregister_host(self.tensor, self._pin_device)
 
 
 def _page_view(
@@ -175,6 +235,7 @@ def host_pool(
     ratio: float | None = None,
     device_pages: int | None = None,
     pin: bool | None = None,
+    device: torch.device | None = None,
 ) -> KVPool:
     """Allocate the host pool, sized by exactly one of pages, bytes, or a ratio.
 
@@ -185,15 +246,20 @@ def host_pool(
         ratio: Host pages per device page (SGLang's ``hicache_ratio``).
         device_pages: The device pool's pages, required with ``ratio``.
         pin: Page-lock the memory; defaults to whether CUDA is available.
+        device: The CUDA device whose copies use the pool: the memory is
+            registered (and later unregistered) with it current. None: the
+            current CUDA device.
 
     Raises:
         ValueError: not exactly one size was given, or ``ratio`` lacks ``device_pages``.
+        PinnedMemoryError: ``cudaHostRegister`` failed.
     """
     pages = _host_pages(layout, num_pages, byte_budget, ratio, device_pages)
     pinned = torch.cuda.is_available() if pin is None else pin
     shape = (pages, layout.layers, layout.planes, layout.page_size, layout.heads)
-    tensor = alloc_exact_host((*shape, layout.head_dim), layout.dtype, pinned)
-    return KVPool("host", layout, pages, tensor, pinned=pinned)
+    where = _pin_device(device) if pinned else None
+    tensor = alloc_exact_host((*shape, layout.head_dim), layout.dtype, pinned, device=where)
+    return KVPool("host", layout, pages, tensor, pinned=pinned, pin_device=where)
 
 
 def _host_pages(
@@ -215,29 +281,91 @@ def _host_pages(
     return int(device_pages * (ratio or 0.0))
 
 
-def alloc_exact_host(shape: Sequence[int], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+def _pin_device(device: torch.device | None) -> torch.device:
+    """The CUDA device to register under: ``device`` with its index, else the current one."""
+    if device is not None and device.type == "cuda" and device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def alloc_exact_host(
+    shape: Sequence[int], dtype: torch.dtype, pin: bool, *, device: torch.device | None = None
+) -> torch.Tensor:
     """Allocate a CPU tensor of exactly ``shape``, page-locked in place when ``pin``.
 
     ``torch.empty(pin_memory=True)`` goes through the caching host allocator,
     which rounds every block up to a power of two: a 65 GiB pool would take
     128 GiB of locked memory. Registering a plain allocation pins exactly its
-    bytes. Unregister it with :func:`_unregister` before it is freed.
+    bytes. Unregister it with :func:`unregister_host` (same ``device``) before
+    it is freed.
+
+    Args:
+        shape: The tensor's shape.
+        dtype: Its element type.
+        pin: Page-lock it.
+        device: The CUDA device current during the registration (None: the
+            current one); pinned memory belongs to that device's context.
 
     Raises:
-        RuntimeError: ``cudaHostRegister`` failed.
+        PinnedMemoryError: ``cudaHostRegister`` failed.
     """
     tensor = torch.empty(tuple(shape), dtype=dtype)
     if pin and tensor.numel():
-        nbytes = tensor.numel() * tensor.element_size()
-        err = int(_cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0))
-        if err:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {err}")
+        register_host(tensor, device)
     return tensor
 
 
-def _unregister(tensor: torch.Tensor) -> None:
-    if tensor.numel():
-        _cudart().cudaHostUnregister(tensor.data_ptr())
+def register_host(tensor: torch.Tensor, device: torch.device | None) -> None:
+    """Page-lock ``tensor``'s memory with ``device`` current (None: the current device).
+
+    Raises:
+        PinnedMemoryError: ``cudaHostRegister`` returned an error.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    with _current(device):
+        err = _cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+    _raise_on("cudaHostRegister", err, nbytes, device)
+
+
+def unregister_host(tensor: torch.Tensor, device: torch.device | None) -> None:
+    """Undo :func:`register_host` (same ``device``); an empty tensor was never registered.
+
+    Raises:
+        PinnedMemoryError: ``cudaHostUnregister`` returned an error.
+    """
+    if not tensor.numel():
+        return
+    with _current(device):
+        err = _cudart().cudaHostUnregister(tensor.data_ptr())
+    _raise_on("cudaHostUnregister", err, tensor.numel() * tensor.element_size(), device)
+
+
+def _unregister_at_exit(tensor: torch.Tensor, device: torch.device | None) -> None:
+    """The pool's finalizer: unregister, and warn (a finalizer cannot raise) on failure."""
+    try:
+        unregister_host(tensor, device)
+    except PinnedMemoryError as exc:
+        warnings.warn(str(exc), RuntimeWarning, stacklevel=1)
+
+
+def _current(device: torch.device | None) -> contextlib.AbstractContextManager[object]:
+    if device is None:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def _raise_on(call: str, err: Any, nbytes: int, device: torch.device | None) -> None:
+    code = int(err)
+    if not code:
+        return
+    where = "the current CUDA device" if device is None else str(device)
+    try:
+        name = str(_cudart().cudaGetErrorString(err))
+    except (AttributeError, TypeError, RuntimeError):  # bindings without it, or no enum
+        name = "unknown error"
+    raise PinnedMemoryError(
+        f"{call} of {nbytes} bytes on {where} failed with cudaError {code} ({name})"
+    )
 
 
 def _cudart() -> Any:

@@ -87,6 +87,23 @@ class Copier(Protocol):
         """Block until every ticket finishes and report them (shutdown, tests)."""
         ...
 
+    def wait(self, ticket_ids: Iterable[int], stream: object | None = None) -> None:
+        """Make ``stream`` (None: the device's current stream) wait for these copies.
+
+        Never blocks the host: on CUDA the stream waits on each unreported
+        ticket's event, so compute queued after it reads the loaded pages.
+        Reported tickets need nothing; a CPU engine's copies are synchronous.
+        An id no copy was started with raises ValueError.
+        """
+        ...
+
+    def close(self) -> None:
+        """Drain every copy (dropping the completions) and refuse copies from now on.
+
+        Idempotent. Called by ``Tiers.close`` before the pools' memory goes.
+        """
+        ...
+
     def in_flight(self) -> list[Ticket]:
         """Tickets started and not yet reported."""
         ...

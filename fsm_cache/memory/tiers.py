@@ -7,6 +7,8 @@ machines stay torch-free.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
@@ -15,18 +17,17 @@ import torch
 from fsm_cache.engine.trail import choose
 from fsm_cache.errors import ConfigError, PageBusy
 from fsm_cache.memory.copies import CopyEngine
-from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
+from fsm_cache.memory.kv import KVLayout, KVPool, default_device, device_pool, host_pool
 from fsm_cache.memory.pages import PageAllocator
 from fsm_cache.memory.tickets import Copier
 
 
 CopierFactory = Callable[[KVPool, KVPool], Copier]
-_DTYPES = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float8_e4m3fn": getattr(torch, "float8_e4m3fn", torch.float16),
-}
+DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")
+"""The element types a cache's KV may have, by the name of their ``torch`` attribute."""
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+TENSOR_BYTES = 2**63 - 1
+"""The most bytes one tensor can hold (torch sizes are signed 64-bit)."""
 
 
 @dataclass(frozen=True, init=False)
@@ -42,7 +43,7 @@ class CacheConfig:
         heads: KV heads per layer.
         head_dim: Elements per head.
         dtype: Element type name (``float16``, ``bfloat16``, ``float32``, ``float8_e4m3fn``).
-        device: ``cuda``, ``cpu``, or None for CUDA when available.
+        device: ``cuda``, ``cuda:N``, ``cpu``, or None for CUDA when available.
         write_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
         selective_threshold: Hits before a selective write-through backs a node up.
         load_back_threshold: Fewest tokens worth loading back rather than recomputing.
@@ -50,6 +51,13 @@ class CacheConfig:
         trail: Trail mode: keep call sites of recent events per node, so refusals
             name them (``None``: ``FSM_CACHE_TRAIL``).
         copier: Builds the copy engine from the two pools (tests inject faults here).
+        log_limit: Most entries the cache's event log keeps (the oldest go
+            first), so a long-running server's log stays bounded; None keeps
+            every entry (replays and audits of whole runs). Keyword-only.
+
+    :meth:`check` (which :class:`~fsm_cache.cache.hicache.HiCache` and
+    :class:`Tiers` call first) raises :class:`ConfigError` naming the first bad
+    value, so no wrong type or size reaches torch as an unrelated error.
 
     ``audit=`` is the deprecated spelling of ``trail=`` (it warns; passing both
     with different values raises :class:`ConfigError`), and :attr:`audit` reads
@@ -73,6 +81,7 @@ class CacheConfig:
     debug: bool
     trail: bool | None
     copier: CopierFactory | None = field(compare=False)
+    log_limit: int | None
 
     def __init__(  # noqa: PLR0917 (the positional order the generated initialiser had)
         self,
@@ -92,6 +101,7 @@ class CacheConfig:
         trail: bool | None = None,
         copier: CopierFactory | None = None,
         *,
+        log_limit: int | None = 100_000,
         audit: bool | None = None,
     ) -> None:
         trail = choose(trail, audit, "CacheConfig", stacklevel=2)
@@ -105,49 +115,223 @@ class CacheConfig:
         return self.trail
 
     def check(self) -> None:
-        """Raise :class:`ConfigError` naming the first value out of range."""
-        positive = ("device_pages", "page_size", "layers", "heads", "head_dim")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"config: {name} must be >= 1, got {getattr(self, name)}")
-        if self.host_pages is not None and self.host_pages < 0:
-            raise ConfigError(f"config: host_pages must be >= 0, got {self.host_pages}")
-        if self.dtype not in _DTYPES:
+        """Raise :class:`ConfigError` naming the first value of the wrong type or out of range.
+
+        Fields are checked in their order, then the sizes: each pool must fit
+        in the memory it lives in (the GPU's, or the machine's for the host
+        pool and a CPU device pool), so an absurd size is refused here rather
+        than by the allocator. Messages read
+        ``config: device_pages must be an int >= 1, got 2.5``.
+        """
+        _need_int(self, "device_pages", 1)
+        if self.host_pages is not None:
+            _need_int(self, "host_pages", 0, none=True)
+        ratio = self.host_ratio
+        if not _is_real(ratio) or not math.isfinite(ratio) or ratio < 0:
+            raise ConfigError(f"config: host_ratio must be a finite real >= 0, got {ratio!r}")
+        for name in ("page_size", "layers", "heads", "head_dim"):
+            _need_int(self, name, 1)
+        _dtype_of(self.dtype)
+        _device_of(self.device)
+        if not isinstance(self.write_policy, str) or self.write_policy not in WRITE_POLICIES:
             raise ConfigError(
-                f"config: dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}"
+                f"config: write_policy must be one of {', '.join(WRITE_POLICIES)}, "
+                f"got {self.write_policy!r}"
             )
-        policies = ("write_through", "write_through_selective", "write_back")
-        if self.write_policy not in policies:
-            msg = f"config: write_policy must be one of {', '.join(policies)}, got {self.write_policy!r}"
-            raise ConfigError(msg)
-        if self.selective_threshold < 1 or self.load_back_threshold < 0:
+        _need_int(self, "selective_threshold", 1)
+        _need_int(self, "load_back_threshold", 0)
+        if not isinstance(self.debug, bool):
+            raise ConfigError(f"config: debug must be a bool, got {self.debug!r}")
+        if self.trail is not None and not isinstance(self.trail, bool):
+            raise ConfigError(f"config: trail must be a bool or None, got {self.trail!r}")
+        if self.copier is not None and not callable(self.copier):
             raise ConfigError(
-                "config: selective_threshold must be >= 1 and load_back_threshold >= 0"
+                "config: copier must be None or a callable (device_pool, host_pool) -> Copier, "
+                f"got {self.copier!r}"
             )
+        if self.log_limit is not None:
+            _need_int(self, "log_limit", 1, none=True)
+        _check_sizes(self)
 
     def layout(self) -> KVLayout:
-        """Return the KV layout the pools are built with."""
-        return KVLayout(self.layers, self.heads, self.head_dim, _DTYPES[self.dtype], self.page_size)
+        """Return the KV layout the pools are built with.
+
+        Raises:
+            ConfigError: ``dtype`` is unknown or missing from this torch.
+        """
+        dtype = _dtype_of(self.dtype)
+        return KVLayout(self.layers, self.heads, self.head_dim, dtype, self.page_size)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _need_int(config: CacheConfig, name: str, least: int, *, none: bool = False) -> None:
+    value = getattr(config, name)
+    if not _is_int(value) or value < least:
+        what = f"None or an int >= {least}" if none else f"an int >= {least}"
+        raise ConfigError(f"config: {name} must be {what}, got {value!r}")
+
+
+def _dtype_of(name: object) -> torch.dtype:
+    """Return the torch dtype called ``name``, refusing names outside :data:`DTYPES`.
+
+    A known name this torch lacks (``float8_e4m3fn`` before torch 2.1) is
+    refused too, rather than silently replaced by another type.
+    """
+    if not isinstance(name, str) or name not in DTYPES:
+        raise ConfigError(f"config: dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"config: dtype {name} is not available in torch {torch.__version__}")
+    return dtype
+
+
+def _device_of(name: object) -> torch.device:
+    """Return the device ``name`` asks for (None: CUDA when available), refusing what is absent."""
+    if name is None:
+        return default_device()
+    usage = "config: device must be None, 'cpu', 'cuda' or 'cuda:N'"
+    if not isinstance(name, str):
+        raise ConfigError(f"{usage}, got {name!r}")
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # torch's "Expected one of cpu, cuda, ... device type"
+        raise ConfigError(f"{usage}, got {name!r}") from None
+    if device.type not in {"cpu", "cuda"}:
+        raise ConfigError(f"{usage}, got {name!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (device.index or 0) >= count:
+            plural = "device" if count == 1 else "devices"
+            raise ConfigError(
+                f"config: device {name!r} is not available: torch sees {count} CUDA {plural}"
+            )
+    return device
+
+
+def memory_capacity(device: torch.device) -> int | None:
+    """Return the bytes of memory on ``device``, or None where that is unknown.
+
+    A CUDA device's total memory, or the machine's physical memory for the
+    CPU. :meth:`CacheConfig.check` refuses pools larger than this.
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf, or no such name here
+        return None
+
+
+def _host_pages_of(config: CacheConfig) -> int | None:
+    """The host pool's pages: ``host_pages``, else ``host_ratio * device_pages`` (None: infinite)."""
+    if config.host_pages is not None:
+        return config.host_pages
+    pages = config.device_pages * config.host_ratio
+    return int(pages) if math.isfinite(pages) else None
+
+
+def _limit(device: torch.device) -> tuple[int, str]:
+    """The most bytes a pool on ``device`` may take, and how a message names that limit."""
+    capacity = memory_capacity(device)
+    if capacity is None:
+        return TENSOR_BYTES, f"the {TENSOR_BYTES} bytes a tensor can hold"
+    return capacity, f"the {capacity} bytes of memory of {device}"
+
+
+def _check_sizes(config: CacheConfig) -> None:
+    """Refuse pools that cannot fit where they live, alone or, both on the CPU, together."""
+    page = config.layout().page_bytes
+    where, cpu = _device_of(config.device), torch.device("cpu")
+    limit, named = _limit(where)
+    device_bytes = config.device_pages * page
+    if device_bytes > limit:
+        raise ConfigError(
+            f"config: device_pages={config.device_pages} needs {device_bytes} bytes, "
+            f"more than {named}"
+        )
+    limit, named = _limit(cpu)
+    host = _host_pages_of(config)
+    if host is None:
+        raise ConfigError(
+            f"config: host_ratio={config.host_ratio!r} times device_pages={config.device_pages} "
+            f"is infinitely many host pages, more than {named}"
+        )
+    host_bytes = host * page
+    if host_bytes > limit:
+        if config.host_pages is not None:
+            why = f"host_pages={host} needs"
+        else:
+            why = f"host_ratio={config.host_ratio!r} gives {host} host pages, which need"
+        raise ConfigError(f"config: {why} {host_bytes} bytes, more than {named}")
+    if where.type == "cpu" and device_bytes + host_bytes > limit:
+        raise ConfigError(
+            f"config: device_pages={config.device_pages} and {host} host pages need "
+            f"{device_bytes + host_bytes} bytes together, more than {named}"
+        )
 
 
 class Tiers:
     """The device pool, the host pool and the copies between them.
 
     Args:
-        config: The cache's configuration (already checked).
+        config: The cache's configuration; checked again here.
+
+    Raises:
+        ConfigError: A value is bad (see :meth:`CacheConfig.check`), or a pool
+            could not be allocated or page-locked; the message names the pool,
+            its pages and bytes, the device, and the allocator's reason.
     """
 
     def __init__(self, config: CacheConfig) -> None:
+        config.check()
         layout = config.layout()
-        where = torch.device(config.device) if config.device else None
-        self.device = device_pool(layout, config.device_pages, where)
-        host = config.host_pages
-        if host is None:
-            host = int(config.device_pages * config.host_ratio)
-        self.host = host_pool(layout, host, pin=self.device.device.type == "cuda")
+        where = _device_of(config.device)
+        self.device = _allocate(
+            "device", config.device_pages, layout, where, lambda n: device_pool(layout, n, where)
+        )
+        gpu = self.device.device if self.device.device.type == "cuda" else None  # with its index
+        host = _host_pages_of(config) or 0  # finite: check() refused more than memory holds
+        self.host = _allocate(
+            "host",
+            host,
+            layout,
+            torch.device("cpu"),
+            lambda n: host_pool(layout, n, pin=gpu is not None, device=gpu),
+        )
         make = config.copier or CopyEngine
         self.copier: Copier = make(self.device, self.host)
         self.page_size = config.page_size
+        self.closed = False
+
+    def close(self) -> None:
+        """Wait for every copy, then release the pinned host memory; idempotent.
+
+        Drains and closes the copy engine (every copy in flight finishes; the
+        completions are dropped, so apply them first if they matter, as
+        ``HiCache.close`` does), synchronises the device (no queued kernel or
+        side-stream copy may still touch the pools when their memory goes
+        back to the allocator), and unregisters the host pool. After it the
+        engine refuses new copies; the pools may be dropped.
+
+        Raises:
+            PinnedMemoryError: ``cudaHostUnregister`` failed; the tiers count
+                as closed all the same.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        self.copier.close()
+        if self.device.device.type == "cuda":
+            torch.cuda.synchronize(self.device.device)
+        self.host.close()
+        self.device.close()
 
     def reset(self) -> None:
         """Free every page of both pools, keeping their tensors (and pinned memory) as they are.
@@ -191,15 +375,57 @@ class Tiers:
         return self.device.read(pages)
 
 
+def _allocate(
+    name: str,
+    pages: int,
+    layout: KVLayout,
+    where: torch.device,
+    allocate: Callable[[int], KVPool],
+) -> KVPool:
+    """Allocate a pool, turning the allocator's failure into a :class:`ConfigError` naming it."""
+    try:
+        return allocate(pages)
+    except (RuntimeError, MemoryError, OverflowError) as exc:  # torch.OutOfMemoryError included
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(
+            f"config: cannot allocate the {name} pool of {pages} pages "
+            f"({pages * layout.page_bytes} bytes) on {where}: {reason}"
+        ) from exc
+
+
+DIGIT_BITS = 4
+"""Bits of a token's code each element of :func:`synthetic_kv` holds."""
+
+
 def synthetic_kv(layout: KVLayout, tokens: Sequence[int]) -> torch.Tensor:
-    """Return a KV tensor whose every token's vector depends on its token id, reproducibly.
+    """Return KV whose every slot's bytes name its token and its position in the page.
 
     Shape ``[layers, planes, len(tokens), heads, head_dim]``: what a forward
-    pass over ``tokens`` would write, close enough for bit-exact round trips
-    (a page copied to the wrong place shows up as a different token's values).
-    Values are multiples of 1/8 below 128, exact in every supported dtype.
+    pass over ``tokens`` (starting at a page boundary, as every caller passes
+    whole pages) would write. Round trips compare it byte for byte, so a page
+    copied to the wrong place, or slots permuted within a page, show up.
+
+    Each slot's code is ``token * page_size + position``, written in base 16,
+    one digit per element (element ``e`` holds digit ``e % 16``) as an integer
+    in ``-8..7``, exact in every supported dtype, float8 included (e4m3
+    holds every integer up to 16). Each element adds its own offset to its
+    digit (mod 16), so the same digit differs across layers, planes and heads
+    and a layer copied to the wrong place shows up too. The encoding is
+    injective for codes below ``16 ** E`` where ``E`` is the elements per
+    token (``layers * planes * heads * head_dim``): every 64-bit code once
+    ``E >= 16``; token ids below ``2**32 / page_size`` for the smallest
+    layouts the tests use (``E = 8``).
     """
-    ids = torch.tensor(list(tokens), dtype=torch.float32)
-    values = torch.remainder(ids, 997.0) * 0.125 - 62.0
-    shape = (layout.layers, layout.planes, len(tokens), layout.heads, layout.head_dim)
-    return values.view(1, 1, -1, 1, 1).expand(shape).to(layout.dtype)
+    ids = torch.tensor(list(tokens), dtype=torch.int64)
+    position = torch.arange(len(ids), dtype=torch.int64) % layout.page_size
+    code = ids * layout.page_size + position
+    per_token = layout.layers * layout.planes * layout.heads * layout.head_dim
+    element = torch.arange(per_token, dtype=torch.int64)
+    digits = 64 // DIGIT_BITS
+    shift = (element % digits) * DIGIT_BITS
+    digit = torch.bitwise_and(code[:, None] >> shift[None, :], (1 << DIGIT_BITS) - 1)
+    base = 1 << DIGIT_BITS
+    values = torch.remainder(digit + element + element // digits, base) - base // 2
+    shape = (len(ids), layout.layers, layout.planes, layout.heads, layout.head_dim)
+    kv = values.reshape(shape).permute(1, 2, 0, 3, 4).contiguous()
+    return kv.to(torch.float32).to(layout.dtype)

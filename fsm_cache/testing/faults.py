@@ -107,6 +107,15 @@ class FaultyCopyEngine:
         """Finish every copy and deliver every acknowledgement, held ones included."""
         return self._deliver(self.inner.drain(), flush=True)
 
+    def wait(self, ticket_ids: Iterable[int], stream: object | None = None) -> None:
+        """Make ``stream`` wait for these copies (the inner engine's; held ones are done)."""
+        self.inner.wait(ticket_ids, stream)
+
+    def close(self) -> None:
+        """Close the inner engine and drop held acknowledgements; idempotent."""
+        self.inner.close()
+        self._held = []
+
     def _deliver(self, finished: list[Completion], flush: bool) -> list[Completion]:
         for c in finished:
             self._held.append(_Held(self._inject(c), self.delay))

@@ -1,0 +1,324 @@
+"""The copy engine's CUDA ordering logic, run on the CPU through fake streams and events.
+
+With :class:`FakeStreams` a copy's effect lands only when its event completes,
+after a seeded random number of queries, so these tests see what a GPU would
+let happen: early reads of a destination, sources reused too early, compute
+queued before or after a copy.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fsm_cache.cache.hicache import HiCache
+from fsm_cache.errors import CopyFailed
+from fsm_cache.memory.copies import CopyEngine, Direction
+from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
+from fsm_cache.memory.tiers import CacheConfig, Tiers, synthetic_kv
+from fsm_cache.testing import FakeStreams as LazyFakeStreams
+from fsm_cache.testing import deferred_copier as lazy_deferred_copier
+from fsm_cache.testing.fakecuda import FakeEvent, FakeStream, FakeStreams, deferred_copier
+from fsm_cache.testing.faults import FaultyCopyEngine
+
+
+CPU = torch.device("cpu")
+LAYOUT = KVLayout(layers=2, heads=2, head_dim=4, dtype=torch.bfloat16, page_size=4)
+STALE = 0xAB
+
+
+def make(seed: int = 0, max_polls: int = 3, pages: int = 16) -> tuple[CopyEngine, FakeStreams]:
+    """An engine on fake streams; device page p holds tokens 100p..100p+3, the host is stale."""
+    dev = device_pool(LAYOUT, pages, CPU)
+    host = host_pool(LAYOUT, pages, pin=False)
+    dev.write(list(range(pages)), synthetic_kv(LAYOUT, tokens_of(range(pages))))
+    host.tensor.view(torch.uint8).fill_(STALE)
+    fake = FakeStreams(seed, max_polls)
+    return CopyEngine(dev, host, staging_bytes=2 * LAYOUT.page_bytes, streams=fake), fake
+
+
+def tokens_of(pages: range | list[int]) -> list[int]:
+    return [100 * p + i for p in pages for i in range(LAYOUT.page_size)]
+
+
+def raw(pool: KVPool, pages: list[int] | tuple[int, ...]) -> torch.Tensor:
+    return pool.read(list(pages)).view(torch.uint8)
+
+
+def expected(pages: list[int] | tuple[int, ...]) -> torch.Tensor:
+    return synthetic_kv(LAYOUT, tokens_of(list(pages))).view(torch.uint8)
+
+
+def stale(pool: KVPool, pages: list[int] | tuple[int, ...]) -> bool:
+    return bool((raw(pool, pages) == STALE).all())
+
+
+def test_the_lazy_exports_are_the_module_names() -> None:
+    assert LazyFakeStreams is FakeStreams
+    assert lazy_deferred_copier is deferred_copier
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_copy_is_acknowledged_only_after_its_event_and_its_data_lands_only_then(
+    seed: int,
+) -> None:
+    engine, fake = make(seed, max_polls=4)
+    tickets = [engine.start_write([p, p + 8], [p + 8, p]) for p in range(4)]
+    events = dict(zip((t.id for t in tickets), fake.events, strict=True))
+    acked: set[int] = set()
+    for _ in range(50):
+        for done in engine.poll():
+            ticket = done.ticket
+            assert done.ok
+            assert events[ticket.id].done  # never before its event completed
+            assert torch.equal(raw(engine.host, ticket.dst_pages), expected(ticket.src_pages))
+            acked.add(ticket.id)
+        for ticket in engine.in_flight():
+            if not events[ticket.id].done:  # nothing has forced it yet: still stale
+                assert stale(engine.host, ticket.dst_pages)
+        if len(acked) == len(tickets):
+            break
+    assert acked == {t.id for t in tickets}
+    assert engine.busy_host_pages() == frozenset()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_each_event_stays_incomplete_for_its_seeded_number_of_polls(seed: int) -> None:
+    engine, fake = make(seed, max_polls=5)
+    ticket = engine.start_load([3], [9])
+    draw = random.Random(seed).randint(0, 5)
+    for _ in range(draw):
+        assert engine.poll() == []  # returns at once: never waits for the copy
+        assert stale_device(engine, 9)
+        assert [s.pending for s in fake.streams] == [0, 2]  # d2h idle; h2d: the wait, the copy
+    assert [c.ticket for c in engine.poll()] == [ticket]
+    assert fake.events[0].queries == draw + 1
+    assert [s.pending for s in fake.streams] == [0, 0]
+
+
+def stale_device(engine: CopyEngine, page: int) -> bool:
+    return not torch.equal(raw(engine.device, [page]), raw(engine.host, [3]))
+
+
+def test_poll_never_runs_a_copy_whose_event_is_not_due() -> None:
+    engine, fake = make(max_polls=1000)
+    engine.start_write([1], [1])
+    for _ in range(10):
+        assert engine.poll() == []
+    assert fake.streams[0].pending > 0
+    assert stale(engine.host, [1])
+    assert fake.events[0].queries == 10
+
+
+def test_drain_completes_everything() -> None:
+    engine, fake = make(seed=3, max_polls=1000)
+    writes = [engine.start_write([p], [p]) for p in range(0, 8, 2)]
+    loads = [engine.start_load([p + 8], [p + 1]) for p in range(0, 8, 2)]
+    done = engine.drain()
+    assert sorted(c.ticket.id for c in done) == [t.id for t in writes + loads]
+    assert all(c.ok for c in done)
+    assert engine.in_flight() == []
+    assert [s.pending for s in fake.streams] == [0, 0]
+    for ticket in writes:
+        assert torch.equal(raw(engine.host, ticket.dst_pages), expected(ticket.src_pages))
+    for ticket in loads:  # the host pages were stale: so is what they loaded
+        assert stale(engine.device, ticket.dst_pages)
+    assert engine.poll() == []
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+def test_the_destination_holds_the_data_after_the_acknowledgement_and_not_before(
+    direction: Direction,
+) -> None:
+    engine, _ = make(seed=2, max_polls=0)  # every event completes at its first query
+    if direction is Direction.D2H:
+        ticket = engine.start_write([5, 6], [0, 1])
+        dst, want = engine.host, expected([5, 6])
+    else:
+        engine.host.write([2, 3], synthetic_kv(LAYOUT, tokens_of([40, 41])))
+        ticket = engine.start_load([2, 3], [5, 6])
+        dst, want = engine.device, expected([40, 41])
+    assert not torch.equal(raw(dst, ticket.dst_pages), want)
+    assert [c.ticket for c in engine.poll()] == [ticket]
+    assert torch.equal(raw(dst, ticket.dst_pages), want)
+
+
+def test_a_source_page_reused_before_the_acknowledgement_corrupts_the_copy() -> None:
+    engine, _ = make(max_polls=1000)
+    engine.start_write([1], [0])
+    engine.device.write([1], synthetic_kv(LAYOUT, tokens_of([77])))  # freed and reused too early
+    engine.drain()
+    assert torch.equal(raw(engine.host, [0]), expected([77]))  # not page 1's tokens: visible
+    assert not torch.equal(raw(engine.host, [0]), expected([1]))
+
+
+def test_a_copy_waits_for_compute_queued_before_it() -> None:
+    engine, fake = make(max_polls=1000)
+    compute = fake.current_stream(CPU)
+    # D2H: compute writes page 2's KV, then the backup starts: it must copy what compute wrote
+    compute.enqueue(lambda: engine.device.write([2], synthetic_kv(LAYOUT, tokens_of([55]))))
+    write = engine.start_write([2], [2])
+    # H2D: compute still reads (here: overwrites) page 9; the load must land after it
+    engine.host.write([4], synthetic_kv(LAYOUT, tokens_of([66])))
+    compute.enqueue(lambda: engine.device.write([9], synthetic_kv(LAYOUT, tokens_of([88]))))
+    load = engine.start_load([4], [9])
+    assert compute.pending > 0  # nothing ran yet
+    assert {c.ticket for c in engine.drain()} == {write, load}
+    assert torch.equal(raw(engine.host, [2]), expected([55]))
+    assert torch.equal(raw(engine.device, [9]), expected([66]))
+
+
+def test_wait_holds_the_compute_stream_until_the_load_lands() -> None:
+    engine, fake = make(max_polls=1000)
+    engine.host.write([4], synthetic_kv(LAYOUT, tokens_of([66])))
+    load = engine.start_load([4], [9])
+    compute = fake.current_stream(CPU)
+    seen: list[torch.Tensor] = []
+    compute.enqueue(lambda: seen.append(raw(engine.device, [9])))  # queued before the wait
+    engine.wait([load.id])  # the device's current stream, by default
+    compute.enqueue(lambda: seen.append(raw(engine.device, [9])))
+    assert seen == []  # wait never runs anything itself
+    assert engine.in_flight() == [load]
+    compute.synchronize()
+    assert torch.equal(seen[0], expected([9]))  # before the wait: the old page
+    assert torch.equal(seen[1], expected([66]))  # after it: the loaded one
+    assert fake.events[0].done
+    assert [c.ticket for c in engine.poll()] == [load]  # done: acknowledged at the next poll
+
+
+def test_wait_on_a_given_stream_and_on_reported_tickets() -> None:
+    engine, _ = make(max_polls=1000)
+    first = engine.start_load([0], [8])
+    engine.drain()
+    second = engine.start_load([1], [9])
+    side = FakeStream(CPU, "attention")
+    engine.wait([first.id, second.id], stream=side)  # the reported one needs nothing
+    assert side.pending == 1
+    side.synchronize()
+    assert engine.in_flight() == [second]
+    assert [c.ticket for c in engine.poll()] == [second]
+
+
+def test_wait_refuses_ids_no_copy_was_started_with() -> None:
+    engine, _ = make()
+    engine.start_write([0], [0])
+    for bad in (0, 2, -1):
+        with pytest.raises(ValueError, match=r"^copy: cannot wait for ticket ") as caught:
+            engine.wait([1, bad])
+        assert str(caught.value) == f"copy: cannot wait for ticket {bad}: no copy started with it"
+
+
+def test_wait_on_a_synchronous_cpu_engine_only_checks_the_ids() -> None:
+    dev, host = device_pool(LAYOUT, 4, CPU), host_pool(LAYOUT, 4, pin=False)
+    engine = CopyEngine(dev, host)
+    ticket = engine.start_write([0], [0])
+    engine.wait([ticket.id])
+    engine.wait([ticket.id], stream=object())
+    with pytest.raises(
+        ValueError, match=r"^copy: cannot wait for ticket 5: no copy started with it$"
+    ):
+        engine.wait([5])
+
+
+def test_work_that_raises_fails_its_copy_at_the_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, _ = make(max_polls=0)
+
+    def broken(src: object, dst: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "_h2d", broken)
+    ticket = engine.start_load([0], [1])  # queued, not run: the launch cannot fail yet
+    (done,) = engine.poll()
+    assert done.ticket == ticket
+    assert str(done.error) == "copy 1 failed on the device: fake CUDA error in queued work: boom"
+    assert engine.stats.failures[Direction.H2D] == 1
+    follow = engine.start_write([0], [0])  # the error went with its event
+    assert [c.ok for c in engine.drain()] == [True]
+    assert torch.equal(raw(engine.host, follow.dst_pages), expected([0]))
+
+
+def test_events_outside_the_engine() -> None:
+    never = FakeEvent()
+    assert never.query()  # never recorded: complete, as on CUDA
+    idle = FakeStream(CPU)
+    at_once = FakeEvent(polls=3)
+    at_once.record(idle)
+    assert at_once.done  # an idle stream reaches the mark at once
+    busy = FakeStream(CPU)
+    ran: list[int] = []
+    busy.enqueue(lambda: ran.append(1))
+    later = FakeEvent(polls=2)
+    later.record(busy)
+    assert [later.query(), later.query(), ran] == [False, False, []]
+    assert later.query()
+    assert ran == [1]
+    later.record(busy)  # recorded again on an idle stream
+    assert later.done
+
+
+def test_fake_streams_queue_only_on_fake_streams() -> None:
+    fake = FakeStreams()
+    with pytest.raises(TypeError, match=r"^fake streams queue work on a FakeStream, got 3$"):
+        fake.run_on(3, lambda: None)  # type: ignore[arg-type]
+
+
+def test_tiers_close_lands_every_copy_and_refuses_new_ones() -> None:
+    fake = FakeStreams(seed=4, max_polls=1000)
+    config = CacheConfig(
+        device_pages=8, host_pages=8, page_size=4, layers=2, heads=2, head_dim=4,
+        dtype="bfloat16", device="cpu", copier=deferred_copier(streams=fake),
+    )  # fmt: skip
+    tiers = Tiers(config)
+    tiers.write_tokens([0, 1], tokens_of([0, 1]))
+    tiers.copier.start_write([0, 1], [3, 4])
+    assert fake.streams[0].pending > 0
+    tiers.close()
+    assert [s.pending for s in fake.streams] == [0, 0]
+    assert torch.equal(raw(tiers.host, [3, 4]), expected([0, 1]))
+    assert tiers.copier.in_flight() == []
+    with pytest.raises(CopyFailed, match=r"^copy engine closed: d2h copy refused$"):
+        tiers.copier.start_write([2], [2])
+    with pytest.raises(CopyFailed, match=r"^copy engine closed: h2d copy refused$"):
+        tiers.copier.start_load([2], [2])
+    tiers.close()
+
+
+def test_a_faulty_engine_over_fake_streams_closes_and_waits_through_its_inner() -> None:
+    inner, fake = make(max_polls=1000)
+    engine = FaultyCopyEngine(inner, delay=3)
+    ticket = engine.start_load([0], [8])
+    side = FakeStream(CPU)
+    engine.wait([ticket.id], stream=side)
+    assert side.pending == 1
+    engine.close()
+    engine.close()
+    assert engine.in_flight() == []
+    assert [s.pending for s in fake.streams] == [0, 0]
+    with pytest.raises(CopyFailed, match=r"^copy engine closed: d2h copy refused$"):
+        engine.start_write([0], [0])
+
+
+def test_a_cache_runs_on_deferred_copies() -> None:
+    fake = FakeStreams(seed=5, max_polls=3)
+    cache = HiCache(
+        CacheConfig(
+            device_pages=16, host_pages=32, page_size=4, layers=1, heads=1, head_dim=4,
+            device="cpu", debug=True, copier=deferred_copier(streams=fake),
+        )
+    )  # fmt: skip
+    for start in range(0, 96, 8):
+        prompt = list(range(start, start + 8))
+        cache.insert(prompt)
+        cache.match_prefix(prompt)
+        cache.insert(prompt)
+        cache.poll()
+    while cache.tiers.copier.in_flight():
+        cache.poll()
+    assert len(fake.events) > 0
+    assert cache.stats().transitions["write_done"] == len(fake.events)
+    for node in cache.tree:
+        if node.host_pages:
+            want = synthetic_kv(cache.tiers.host.layout, node.key).view(torch.uint8)
+            assert torch.equal(cache.tiers.host.read(node.host_pages).view(torch.uint8), want)

@@ -1,0 +1,161 @@
+"""The copy engine on a real GPU: ordering against compute, polls that never block, bytes.
+
+Every test here needs CUDA (the ``gpu`` marker skips them elsewhere;
+``scripts/gpu_check.sh`` runs them). The CPU-side twins of these checks, on
+fake streams, are in ``test_fake_cuda.py``. None depends on timing: where a
+copy must still be pending, an event on the compute stream proves it was.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+
+with warnings.catch_warnings():
+    # A torch without numpy warns at import, which filterwarnings=error would turn into an error.
+    warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+    import torch
+
+    from fsm_cache.errors import CopyFailed
+    from fsm_cache.memory.copies import CopyEngine, Ticket
+    from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
+    from fsm_cache.memory.tiers import CacheConfig, Tiers, synthetic_kv
+
+pytestmark = pytest.mark.gpu
+
+SPIN = 4_000_000_000  # GPU cycles of the compute kernel that holds copies back (~2 s)
+BIG = KVLayout(layers=32, heads=8, head_dim=128, dtype=torch.float16, page_size=16)  # 2 MiB pages
+
+
+def engine(pages: int, layout: KVLayout = BIG) -> CopyEngine:
+    """A CUDA engine whose device pages hold random bytes and whose pinned host pool is zero."""
+    dev = device_pool(layout, pages, torch.device("cuda"))
+    host = host_pool(layout, pages, pin=True, device=dev.device)
+    dev.tensor.view(torch.uint8).random_(0, 256)
+    host.tensor.view(torch.uint8).zero_()
+    torch.cuda.synchronize()
+    return CopyEngine(dev, host)
+
+
+def raw(pool: KVPool, pages: list[int] | tuple[int, ...]) -> torch.Tensor:
+    return pool.read(list(pages)).view(torch.uint8)
+
+
+def spin() -> torch.cuda.Event:
+    """Keep the current (compute) stream busy; return an event recorded after the spin."""
+    torch.cuda._sleep(SPIN)  # type: ignore[no-untyped-call]  # noqa: SLF001 (only a spin kernel will do)
+    after = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    after.record()
+    return after
+
+
+def test_a_slow_copy_is_never_acknowledged_early() -> None:
+    pages = 256  # 512 MiB in one batch
+    eng = engine(pages)
+    src = list(range(pages))
+    dst = [(7 * p) % pages for p in src]  # scattered, many runs
+    want = raw(eng.device, src)
+    ticket = eng.start_write(src, dst)
+    acked: list[Ticket] = []
+    while not acked:
+        for done in eng.poll():  # right after the start too: only what has finished
+            assert done.ok
+            assert torch.equal(raw(eng.host, done.ticket.dst_pages), want)
+            acked.append(done.ticket)
+    assert acked == [ticket]
+    eng.close()
+
+
+def test_poll_never_blocks_while_a_copy_waits_for_compute() -> None:
+    eng = engine(8)
+    compute_done = spin()
+    ticket = eng.start_load([0, 1], [2, 3])  # waits for the compute stream
+    got = eng.poll()
+    still_computing = not compute_done.query()  # type: ignore[no-untyped-call]
+    assert still_computing  # so the copy could not have finished when poll looked
+    assert got == []
+    assert eng.in_flight() == [ticket]
+    assert [c.ticket for c in eng.drain()] == [ticket]
+
+
+def test_a_load_lands_after_the_compute_queued_before_it() -> None:
+    eng = engine(8)
+    want = raw(eng.host, [4, 5])
+    spin()
+    eng.device.pages[2:4].fill_(0x5A)  # compute writes the destination pages, late
+    eng.start_load([4, 5], [2, 3])
+    assert all(c.ok for c in eng.drain())
+    assert torch.equal(raw(eng.device, [2, 3]), want)  # the load, not the compute's bytes
+
+
+def test_a_backup_reads_what_compute_wrote_before_it() -> None:
+    eng = engine(8)
+    spin()
+    eng.device.pages[6].fill_(0x3C)  # compute writes the source page, late
+    eng.start_write([6], [1])
+    assert all(c.ok for c in eng.drain())
+    assert bool((raw(eng.host, [1]) == 0x3C).all())
+
+
+def test_wait_holds_the_compute_stream_until_the_load_lands() -> None:
+    pages = 128
+    eng = engine(pages)
+    eng.host.tensor.view(torch.uint8).random_(0, 256)
+    want = raw(eng.host, list(range(pages)))
+    ticket = eng.start_load(list(range(pages)), list(range(pages)))
+    eng.wait([ticket.id])  # the current stream; returns at once
+    seen = eng.device.pages.clone()  # queued on the current stream after the wait
+    torch.cuda.synchronize()
+    got = seen.permute(1, 2, 0, 3, 4, 5).reshape(want.shape)
+    assert torch.equal(got.cpu(), want)
+    assert [c.ticket for c in eng.drain()] == [ticket]
+    eng.wait([ticket.id])  # reported: nothing to wait for
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float16", "float32"])
+def test_round_trips_are_byte_exact(dtype: str) -> None:
+    config = CacheConfig(
+        device_pages=16, host_pages=16, page_size=16, layers=2, heads=2, head_dim=16,
+        dtype=dtype, device="cuda",
+    )  # fmt: skip
+    tiers = Tiers(config)
+    layout = tiers.device.layout
+    tokens = list(range(1000, 1000 + 3 * 16))
+    want = synthetic_kv(layout, tokens).view(torch.uint8)
+    tiers.write_tokens([4, 9, 2], tokens)
+    tiers.copier.start_write([4, 9, 2], [7, 8, 1])
+    assert all(c.ok for c in tiers.copier.drain())
+    assert torch.equal(raw(tiers.host, [7, 8, 1]), want)
+    tiers.copier.start_load([7, 8, 1], [11, 12, 13])
+    assert all(c.ok for c in tiers.copier.drain())
+    assert torch.equal(raw(tiers.device, [11, 12, 13]), want)
+    tiers.close()
+
+
+def test_tiers_close_waits_for_copies_and_unpins() -> None:
+    config = CacheConfig(
+        device_pages=64, host_pages=64, layers=8, heads=8, head_dim=128, device="cuda"
+    )
+    tiers = Tiers(config)
+    want = raw(tiers.device, list(range(64)))
+    spin()
+    tiers.copier.start_write(list(range(64)), list(range(64)))
+    assert tiers.host.tensor.is_pinned()
+    tiers.close()
+    assert tiers.copier.in_flight() == []
+    assert not tiers.host.tensor.is_pinned()
+    assert torch.equal(raw(tiers.host, list(range(64))), want)
+    with pytest.raises(CopyFailed, match=r"^copy engine closed: d2h copy refused$"):
+        tiers.copier.start_write([0], [0])
+    tiers.close()
+
+
+def test_the_host_pool_is_registered_with_the_cache_gpu() -> None:
+    last = torch.device("cuda", torch.cuda.device_count() - 1)
+    pool = host_pool(BIG, 2, pin=True, device=last)
+    assert pool.tensor.is_pinned()
+    pool.close()
+    assert not pool.tensor.is_pinned()
+    pool.close()
