@@ -50,6 +50,7 @@ with warnings.catch_warnings():
     from fsm_cache.cache.hicache import HiCache
     from fsm_cache.cli import bench
     from fsm_cache.distributed.agreement import DistributedCache
+    from fsm_cache.distributed.collectives import Collectives, group_device
     from fsm_cache.distributed.digest import (
         TransitionDigest,
         copy_nodes,
@@ -582,6 +583,91 @@ def test_drain_applies_everything_and_verify_returns_the_digest() -> None:
     assert cache.issued() == []
     assert shared.verify_agreement() == shared.digest
     assert shared.transitions == len(cache.log.transitions())
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_gloo_group_keeps_its_tensors_on_the_cpu() -> None:
+    assert group_device(None) == torch.device("cpu")
+    assert group_device(None, torch.device("cuda", 3)) == torch.device("cpu")
+    shared = DistributedCache(HiCache(bench_config()))
+    assert shared.device == torch.device("cpu")
+
+
+@pytest.fixture
+def nccl_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A world of one that reports NCCL, on a current CUDA device 0, without a GPU."""
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+@pytest.mark.usefixtures("world_of_one", "nccl_backend")
+def test_an_nccl_group_uses_the_cache_device_not_the_current_one() -> None:
+    assert group_device(None, torch.device("cuda", 3)) == torch.device("cuda", 3)
+    assert group_device(None, torch.device("cuda")) == torch.device("cuda", 0)  # the current one
+    assert group_device(None) == torch.device("cuda", 0)  # no cache device: the old default
+    assert group_device(None, torch.device("cpu")) == torch.device("cuda", 0)
+    comm = Collectives.of(None, None, TIMEOUT, cache_device=torch.device("cuda", 5))
+    assert comm.device == torch.device("cuda", 5)
+    explicit = Collectives.of(None, torch.device("cuda", 2), TIMEOUT, cache_device=comm.device)
+    assert explicit.device == torch.device("cuda", 2)
+
+
+@pytest.mark.usefixtures("world_of_one", "nccl_backend")
+def test_an_nccl_group_refuses_a_cpu_device() -> None:
+    with pytest.raises(ConfigError) as caught:
+        Collectives.of(None, torch.device("cpu"), TIMEOUT)
+    assert str(caught.value) == "distributed: an NCCL group needs a CUDA device, got cpu"
+    with pytest.raises(ConfigError) as caught:
+        DistributedCache(HiCache(bench_config()), device=torch.device("cpu"))
+    assert str(caught.value) == "distributed: an NCCL group needs a CUDA device, got cpu"
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_collectives_run_with_their_cuda_device_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    entered: list[torch.device] = []
+
+    class Current:
+        def __init__(self, device: torch.device) -> None:
+            self.device = device
+
+        def __enter__(self) -> None:
+            entered.append(self.device)
+
+        def __exit__(self, *exc: object) -> None:
+            del exc
+
+    monkeypatch.setattr(torch.cuda, "device", Current)
+    comm = Collectives(None, 0, 1, torch.device("cuda", 3), TIMEOUT)
+    assert comm.all_gather_object({"rank": 0}) == [{"rank": 0}]  # gloo: the object goes by CPU
+    assert entered == [torch.device("cuda", 3)]
+    Collectives(None, 0, 1, torch.device("cpu"), TIMEOUT).all_gather_object(1)
+    assert entered == [torch.device("cuda", 3)]
+
+
+@pytest.mark.gpu
+def test_nccl_ranks_need_not_set_their_device(tmp_path: Path) -> None:
+    """A cache on the last GPU while cuda:0 stays current: everything lands on the cache's GPU."""
+    last = torch.cuda.device_count() - 1
+    gpu = torch.device("cuda", last)
+    dist.init_process_group(
+        "nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        torch.cuda.set_device(0)
+        cache = HiCache(bench_config(device=f"cuda:{last}", debug=True))
+        assert cache.tiers.device.device == gpu
+        assert cache.tiers.host.tensor.is_pinned()
+        shared = DistributedCache(cache, timeout=TIMEOUT, verify_every=4)
+        assert shared.device == gpu
+        serve_chat_trace(cache, chat_trace(20), shared.poll)
+        shared.drain()
+        assert cache.issued() == []
+        assert shared.verify_agreement() == shared.digest
+        assert torch.cuda.current_device() == 0
+        cache.tiers.close()
+        assert not cache.tiers.host.tensor.is_pinned()
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.gpu

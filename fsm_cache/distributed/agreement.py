@@ -21,7 +21,9 @@ or stopped taking part for longer than ``timeout``) raises
 :class:`RankFailure` instead of hanging.
 
 Every method here is a collective: all ranks of the group call it, in the same
-order. Works with gloo (CPU) and NCCL (tensors go to the current CUDA device).
+order. Works with gloo (CPU) and NCCL (tensors go to the cache's CUDA device,
+which is made current for each collective, so ranks need not call
+``torch.cuda.set_device``).
 """
 
 from __future__ import annotations
@@ -64,13 +66,14 @@ class DistributedCache:
             group's own timeout and watchdog); also how long the oldest copy
             may stay finished on some ranks only before :class:`RankDivergence`.
         verify_every: Run :meth:`verify_agreement` every this many polls; 0 never.
-        device: Where the agreement tensors live; None: the current CUDA device
-            for NCCL, the CPU otherwise.
+        device: Where the agreement tensors live; None: the cache's device for
+            NCCL (its GPU, made current for each collective), the CPU otherwise.
 
     Raises:
         NoProcessGroup: ``torch.distributed`` is not initialised.
         ConfigError: ``timeout`` is not positive, ``verify_every`` is negative, or
-            the cache's write policy is ``write_back``.
+            the cache's write policy is ``write_back``, or an NCCL group was
+            given a device that is not CUDA.
     """
 
     def __init__(
@@ -97,7 +100,7 @@ class DistributedCache:
                 "ranks cannot agree on them yet; use write_through or write_through_selective"
             )
         self.cache = cache
-        self.comm = Collectives.of(group, device, timeout)
+        self.comm = Collectives.of(group, device, timeout, cache_device=cache.tiers.device.device)
         self.group, self.timeout, self.verify_every = group, timeout, verify_every
         self.rank, self.world_size, self.device = (
             self.comm.rank,

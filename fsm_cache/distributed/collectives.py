@@ -5,10 +5,18 @@ calls. Each waits at most the group's timeout (gloo honours it per call; NCCL
 uses the group's own timeout and watchdog) and turns a backend error into a
 :class:`~fsm_cache.errors.RankFailure` that names the rank, the collective and
 how long it waited, so a dead or hung rank ends the run instead of hanging it.
+
+On NCCL the collectives run with their device current (``torch.cuda.device``):
+a rank whose cache lives on ``cuda:3`` but never called
+``torch.cuda.set_device`` would otherwise have ``torch.distributed`` put the
+object collectives' buffers on ``cuda:0``, the same GPU as every other rank's,
+and NCCL would fail or hang. Pass the cache's device (:func:`group_device`
+does, from :class:`~fsm_cache.distributed.agreement.DistributedCache`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +26,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from fsm_cache.errors import RankFailure
+from fsm_cache.errors import ConfigError, RankFailure
 
 
 T = TypeVar("T")
@@ -44,11 +52,30 @@ class Collectives:
 
     @classmethod
     def of(
-        cls, group: dist.ProcessGroup | None, device: torch.device | None, timeout: float
+        cls,
+        group: dist.ProcessGroup | None,
+        device: torch.device | None,
+        timeout: float,
+        *,
+        cache_device: torch.device | None = None,
     ) -> Collectives:
-        """Return the collectives of ``group`` (device None: CUDA for NCCL, else the CPU)."""
+        """Return the collectives of ``group``.
+
+        Args:
+            group: The process group; None for the default group.
+            device: Where the collectives' tensors live; None: chosen by
+                :func:`group_device` from ``cache_device``.
+            timeout: Seconds a collective may wait for the other ranks.
+            cache_device: The device of this rank's cache (its device pool).
+
+        Raises:
+            ConfigError: An NCCL group was given a device that is not CUDA.
+        """
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        return cls(group, rank, size, device or group_device(group), timeout)
+        where = device if device is not None else group_device(group, cache_device)
+        if dist.get_backend(group) == "nccl" and where.type != "cuda":
+            raise ConfigError(f"distributed: an NCCL group needs a CUDA device, got {where}")
+        return cls(group, rank, size, where, timeout)
 
     def all_reduce_min(self, values: list[int]) -> list[int]:
         """Return the element-wise minimum of ``values`` over the ranks."""
@@ -88,8 +115,10 @@ class Collectives:
 
     def _collective(self, what: str, call: Callable[[], None]) -> None:
         started = time.perf_counter()
+        current = torch.cuda.device(self.device) if self.device.type == "cuda" else None
         try:
-            call()
+            with current or contextlib.nullcontext():
+                call()
         except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
             elapsed = time.perf_counter() - started
             detail = (str(exc).splitlines() or [type(exc).__name__])[0]
@@ -99,12 +128,23 @@ class Collectives:
             ) from exc
 
 
-def group_device(group: dist.ProcessGroup | None) -> torch.device:
+def group_device(
+    group: dist.ProcessGroup | None, device: torch.device | None = None
+) -> torch.device:
     """Return where the collectives of ``group`` put their tensors.
 
-    The current CUDA device for an NCCL group (its tensors must live there),
-    else the CPU.
+    NCCL needs them on CUDA, on this rank's GPU: ``device`` when it is a CUDA
+    device (pass the cache's device; a bare ``cuda`` means the current one),
+    else the current CUDA device, which is ``cuda:0`` on every rank that
+    never called ``torch.cuda.set_device``, so pass ``device``. Every other
+    backend (gloo) uses the CPU.
+
+    Args:
+        group: The process group; None for the default group.
+        device: The device of this rank's cache.
     """
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    if device is not None and device.type == "cuda" and device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
