@@ -415,3 +415,18 @@ def test_21_close_waits_for_every_copy_and_refuses_later_calls() -> None:
         cache.match_prefix([1, 2])
     assert str(caught.value) == "match_prefix: the cache was closed"
     cache.close()  # idempotent
+
+
+# -- 10: the event log ---------------------------------------------------------
+
+
+def test_10_the_event_log_is_bounded_by_the_config() -> None:
+    cache = make(log_limit=50)
+    for i in range(200):
+        cache.match_prefix([i, i + 1])
+    assert len(cache.log.entries) == 50
+    assert cache.log.dropped == cache.log.recorded - 50 > 0
+    assert not cache.log.complete
+    cache.reset()
+    assert cache.log.limit == 50
+    assert CacheConfig().log_limit == 100_000

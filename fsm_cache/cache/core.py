@@ -36,16 +36,20 @@ class CacheCore:
         page_size: Tokens per page of the tree's keys.
         tiers: The memory tiers; a split re-homes page ownership in them.
         trail: Keep call sites of recent events per node (None: the environment's default).
+        log_limit: Most entries the event log keeps (None: all of them).
     """
 
-    def __init__(self, page_size: int, tiers: Tiers, trail: bool | None) -> None:
+    def __init__(
+        self, page_size: int, tiers: Tiers, trail: bool | None, log_limit: int | None
+    ) -> None:
         self._tiers = tiers
         self._trail = trail
+        self._log_limit = log_limit
         self._split_listeners: list[SplitListener] = []
         self.machine: Residency  # compiled by bind(), once the parts its effects use exist
         self.tree = RadixTree(page_size, on_split=self._split)
         self.counters = Counters()
-        self.log = EventLog()
+        self.log = EventLog(self._log_limit)
         self.clock = 0
         self._staged: dict[int, Pages] = {}
 
@@ -70,7 +74,7 @@ class CacheCore:
         self.machine.engine.leases.void(trail.caller_site())
         self.tree = RadixTree(self.tree.page_size, on_split=self._split)
         self.counters = Counters()
-        self.log = EventLog()
+        self.log = EventLog(self._log_limit)
         self.clock = 0
         self._staged = {}
 

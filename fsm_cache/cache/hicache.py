@@ -120,7 +120,9 @@ class HiCache:
                 "config: write_back needs host pages: with none, no device page could be evicted"
             )
         self._gate = _Gate()
-        self._core = CacheCore(self.config.page_size, self.tiers, self.config.trail)
+        self._core = CacheCore(
+            self.config.page_size, self.tiers, self.config.trail, self.config.log_limit
+        )
         self._transfers = Transfers(
             self._core, self.tiers, self.policy, self.config.selective_threshold, acks
         )

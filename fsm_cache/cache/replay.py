@@ -11,6 +11,7 @@ acknowledgements and refusals match.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 from fsm_cache.cache.eventlog import Acks, EventLog
@@ -31,7 +32,8 @@ def replay(log: EventLog, config: CacheConfig) -> HiCache:
 
     The log must be :attr:`~fsm_cache.cache.eventlog.EventLog.complete`: a
     replay starts from an empty cache, so it needs the log from its first
-    entry.
+    entry. The replaying cache keeps its own log whole (``log_limit=None``),
+    however long the recording, so the comparison sees every transition.
 
     Raises:
         ReplayMismatch: The log dropped its oldest entries (nothing is
@@ -44,7 +46,10 @@ def replay(log: EventLog, config: CacheConfig) -> HiCache:
             " record with log_limit=None to replay from the start"
         )
     script = log.acknowledgements()
-    cache = HiCache(config, acks=lambda copier, copies: ScriptedAcks(script, copier, copies))
+    cache = HiCache(
+        replace(config, log_limit=None),
+        acks=lambda copier, copies: ScriptedAcks(script, copier, copies),
+    )
     held: dict[tuple[str, int], list[Lease]] = {}  # receipts by (lock|pin, node id)
     for name, args, refused in _outcomes(log):
         try:
