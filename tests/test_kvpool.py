@@ -382,3 +382,45 @@ def test_a_page_copied_to_the_wrong_place_is_detected(dtype: torch.dtype) -> Non
     assert not torch.equal(
         pool.read([2]).view(torch.uint8), synthetic_kv(layout, repeated).view(torch.uint8)
     )
+
+
+def reference_kv(layout: KVLayout, tokens: list[int]) -> torch.Tensor:
+    """synthetic_kv's definition, element by element (slow; for small cases)."""
+    inner = layout.heads * layout.head_dim
+    step = 17 if inner >= 16 else inner + 16
+    out = torch.empty(layout.layers, layout.planes, len(tokens), layout.heads, layout.head_dim)
+    for t, token in enumerate(tokens):
+        code = token * layout.page_size + t % layout.page_size
+        for block in range(layout.layers * layout.planes):
+            for i in range(inner):
+                k = (block * step + i) % 256
+                value = ((code >> 4 * (k % 16)) & 15) + k + k // 16
+                layer, plane = divmod(block, layout.planes)
+                out[layer, plane, t, i // layout.head_dim, i % layout.head_dim] = value % 16 - 8
+    return out.to(layout.dtype)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        KVLayout(layers=1, heads=1, head_dim=4, dtype=torch.float16, page_size=4),
+        KVLayout(layers=3, heads=1, head_dim=8, dtype=torch.bfloat16, page_size=2),
+        KVLayout(layers=2, heads=2, head_dim=16, dtype=torch.float32, page_size=4),
+        KVLayout(layers=5, heads=3, head_dim=40, dtype=torch.float8_e4m3fn, page_size=4),
+        KVLayout.mla(layers=3, latent_dim=300, dtype=torch.bfloat16, page_size=2),
+    ],
+    ids=["tiny", "small", "default", "wide", "mla"],
+)
+def test_synthetic_kv_matches_its_definition(layout: KVLayout) -> None:
+    tokens = [0, 1, 5, 997, 2**33 + 7, 151_935, 12, 13]
+    got = synthetic_kv(layout, tokens)
+    assert got.shape == (layout.layers, layout.planes, 8, layout.heads, layout.head_dim)
+    assert got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8), reference_kv(layout, tokens).view(torch.uint8))
+
+
+def test_the_first_256_layer_and_plane_blocks_all_differ() -> None:
+    layout = KVLayout(layers=130, heads=1, head_dim=16, dtype=torch.float8_e4m3fn, page_size=4)
+    for token in (0, 7, 2**40 + 3):
+        blocks = synthetic_kv(layout, [token]).view(torch.uint8).reshape(260, 16)
+        assert distinct_rows(blocks[:256])  # 16 bytes a block

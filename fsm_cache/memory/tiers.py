@@ -394,7 +394,9 @@ def _allocate(
 
 
 DIGIT_BITS = 4
-"""Bits of a token's code each element of :func:`synthetic_kv` holds."""
+"""Bits of a slot's code each element of :func:`synthetic_kv` holds."""
+_DIGITS = 1 << DIGIT_BITS  # 16 digits of a 64-bit code, each 0..15
+_PERIOD = _DIGITS * _DIGITS  # the pattern's length: digit k % 16 plus offset k + k // 16
 
 
 def synthetic_kv(layout: KVLayout, tokens: Sequence[int]) -> torch.Tensor:
@@ -405,27 +407,45 @@ def synthetic_kv(layout: KVLayout, tokens: Sequence[int]) -> torch.Tensor:
     whole pages) would write. Round trips compare it byte for byte, so a page
     copied to the wrong place, or slots permuted within a page, show up.
 
-    Each slot's code is ``token * page_size + position``, written in base 16,
-    one digit per element (element ``e`` holds digit ``e % 16``) as an integer
-    in ``-8..7``, exact in every supported dtype, float8 included (e4m3
-    holds every integer up to 16). Each element adds its own offset to its
-    digit (mod 16), so the same digit differs across layers, planes and heads
-    and a layer copied to the wrong place shows up too. The encoding is
-    injective for codes below ``16 ** E`` where ``E`` is the elements per
-    token (``layers * planes * heads * head_dim``): every 64-bit code once
-    ``E >= 16``; token ids below ``2**32 / page_size`` for the smallest
-    layouts the tests use (``E = 8``).
+    A slot's code is ``token * page_size + position``. Its pattern is a ring
+    of 256 entries: entry ``k`` is the code's base-16 digit ``k % 16`` plus
+    ``k + k // 16``, mod 16, less 8: an integer in ``-8..7``, exact in every
+    supported dtype (float8 e4m3 holds every integer up to 16). Each
+    ``(layer, plane)`` block of ``heads * head_dim`` elements reads the ring
+    from its own starting point. Any 16 consecutive entries hold all 16
+    digits, each under its own offset, and no two stretches of 16 or more
+    entries from different starting points are equal, whatever the code. So:
+
+    * the bytes are unique per ``(token, position)`` for every 64-bit code
+      once a token has 16 elements (``layers * planes * heads * head_dim``),
+      and for codes below ``16 ** E`` with ``E < 16`` elements (blocks smaller
+      than 16 continue each other's digits);
+    * with blocks of 16 elements or more, the first 256 blocks start at
+      different points, so KV copied to another layer or plane shows up too.
     """
+    lay = layout
     ids = torch.tensor(list(tokens), dtype=torch.int64)
-    position = torch.arange(len(ids), dtype=torch.int64) % layout.page_size
-    code = ids * layout.page_size + position
-    per_token = layout.layers * layout.planes * layout.heads * layout.head_dim
-    element = torch.arange(per_token, dtype=torch.int64)
-    digits = 64 // DIGIT_BITS
-    shift = (element % digits) * DIGIT_BITS
-    digit = torch.bitwise_and(code[:, None] >> shift[None, :], (1 << DIGIT_BITS) - 1)
-    base = 1 << DIGIT_BITS
-    values = torch.remainder(digit + element + element // digits, base) - base // 2
-    shape = (len(ids), layout.layers, layout.planes, layout.heads, layout.head_dim)
-    kv = values.reshape(shape).permute(1, 2, 0, 3, 4).contiguous()
-    return kv.to(torch.float32).to(layout.dtype)
+    n = len(ids)
+    code = ids * lay.page_size + torch.arange(n, dtype=torch.int64) % lay.page_size
+    inner, blocks = lay.heads * lay.head_dim, lay.layers * lay.planes
+    # where each (layer, plane) block starts reading the circular pattern
+    step = _DIGITS + 1 if inner >= _DIGITS else inner + _DIGITS  # see the docstring
+    starts = [block * step % _PERIOD for block in range(blocks)]
+    if blocks * inner <= _PERIOD:  # a small layout: the pattern where the blocks read it
+        used = torch.cat([(s + torch.arange(inner)) % _PERIOD for s in starts])
+        exact = _pattern(code, used, lay.dtype).view(n, blocks, inner)
+        kv = exact.permute(1, 0, 2).contiguous()
+    else:  # the whole pattern, repeated so each block's window of it is a slice
+        laps = (inner + 2 * _PERIOD - 1) // _PERIOD
+        ring = _pattern(code, torch.arange(_PERIOD), lay.dtype).repeat(1, laps)
+        kv = torch.empty((blocks, n, inner), dtype=lay.dtype)
+        for block, start in enumerate(starts):
+            kv[block].copy_(ring[:, start : start + inner])
+    return kv.view(lay.layers, lay.planes, n, lay.heads, lay.head_dim)
+
+
+def _pattern(code: torch.Tensor, entries: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Entry ``k`` of each code's pattern: digit ``k % 16`` plus ``k + k // 16``, mod 16, less 8."""
+    digit = torch.bitwise_and(code[:, None] >> (entries % _DIGITS) * DIGIT_BITS, _DIGITS - 1)
+    pattern = torch.remainder(digit + entries + entries // _DIGITS, _DIGITS) - _DIGITS // 2
+    return pattern.to(torch.float32).to(dtype)  # integers in -8..7: exact in every dtype
