@@ -144,6 +144,8 @@ def agree_on_workload(rank: int) -> dict[str, Any]:
         "events": dict(shared.cache.stats().transitions),
         "ahead": ahead,
         "in_flight": len(shared.cache.issued()),
+        # acknowledgements applied inside an operation (an allocation or insert that waited)
+        "waits": sum(o == "wait" and len(a) > 0 for o, a in shared.cache.log.acknowledgements()),
     }
 
 
@@ -330,6 +332,9 @@ def assert_agreed(results: Results) -> None:
         assert run["tree"] == first["tree"]
     # the fast rank really ran ahead of the slow ones: completions waited for agreement
     assert runs[0]["ahead"] > 0
+    # allocations under pressure waited for copies inside the operation, identically
+    assert first["waits"] > 0
+    assert all(run["waits"] == first["waits"] for run in runs)
 
 
 def test_two_ranks_with_skewed_acks_end_identical(two_ranks: Results) -> None:
@@ -751,3 +756,24 @@ def test_chat_trace_is_reproducible_and_page_aligned() -> None:
     # conversations grow: some request extends an earlier one
     pairs = itertools.combinations(trace, 2)
     assert any(len(b) > len(a) and b[: len(a)] == a for a, b in pairs)
+
+
+def test_the_caches_own_poll_applies_nothing_once_a_group_owns_its_acks(
+    tmp_path: Path,
+) -> None:
+    """A single-rank group: copies in flight stay for the agreed poll, not cache.poll()."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        shared = DistributedCache(HiCache(skewed(0)), timeout=TIMEOUT)
+        shared.cache.insert(list(range(32)))
+        assert shared.cache.issued()
+        assert shared.cache.poll() == 0
+        assert shared.cache.issued()
+        assert shared.drain() > 0
+        assert shared.cache.issued() == []
+    finally:
+        dist.destroy_process_group()

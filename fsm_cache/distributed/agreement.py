@@ -54,9 +54,11 @@ from fsm_cache.memory.tickets import Completion
 class DistributedCache:
     """A :class:`HiCache` whose copy acknowledgements are agreed across a process group.
 
-    Call :meth:`poll` instead of ``cache.poll()``: the cache's own poll would
-    apply this rank's completions without agreement. Every other cache
-    operation is called on ``cache`` directly, identically on every rank.
+    Call :meth:`poll` instead of ``cache.poll()``: the cache's acknowledgements
+    come from this object from now on, so its own poll applies nothing, and an
+    allocation or insert that must wait for copies applies all of them in issue
+    order on every rank (:meth:`collect`). Every other cache operation is
+    called on ``cache`` directly, identically on every rank.
 
     Args:
         cache: This rank's cache; same configuration and operations on every rank.
@@ -111,8 +113,35 @@ class DistributedCache:
         self._finished: dict[int, Completion] = {}
         self._stalled_since: float | None = None
         self._digest = TransitionDigest(cache.log)
+        cache.transfers.take_acks_from(self)
 
     # -- agreement on acknowledgements -----------------------------------------
+
+    def collect(self, wait: bool) -> list[Completion]:
+        """The acknowledgements the cache applies inside its own operations (its ack source).
+
+        Without ``wait`` (the cache's own ``poll()``, an allocation that first
+        applies what finished): none, since only :meth:`poll` applies what the
+        group agreed on. With ``wait`` (an allocation or an insert that must
+        wait for copies in flight): every rank reaches this point in the same
+        operation, drains its copy engine and applies every copy in flight, in
+        issue order, so the ranks stay identical without a collective.
+
+        Raises:
+            RankDivergence: This rank's copy engine drained without reporting a
+                copy it started (a lost completion); every rank raises.
+            RankFailure: The collective that makes every rank raise together failed.
+        """
+        if not wait:
+            return []
+        for completion in self.cache.tiers.copier.drain():
+            self._finished[completion.ticket.id] = completion
+        issued = self.cache.issued()
+        ready = self.local_ready()
+        (lost,) = self.comm.all_reduce_min([-(ready < len(issued))])
+        if lost:
+            raise RankDivergence(self._locate("lost"))
+        return [self._finished.pop(ticket) for ticket in issued]
 
     @property
     def buffered(self) -> int:
@@ -145,7 +174,9 @@ class DistributedCache:
         """
         for completion in self.cache.tiers.copier.poll():
             self._finished[completion.ticket.id] = completion
-        return self._agree(drained=False)
+        applied = self._agree(drained=False)
+        self._digest.update()  # read the log while it still holds what this poll applied
+        return applied
 
     def drain(self) -> int:
         """Wait for every copy on this rank, then poll until no copy is in flight anywhere.

@@ -14,10 +14,10 @@ Pure Python and torch-free: :mod:`fsm_cache.distributed.agreement` moves the byt
 from __future__ import annotations
 
 import hashlib
-import itertools
 from collections.abc import Iterable, Mapping, Sequence
 
 from fsm_cache.cache.eventlog import EventLog
+from fsm_cache.errors import ConfigError
 
 
 AppliedTransition = tuple[int, str]
@@ -49,12 +49,16 @@ class TransitionDigest:
 
     def update(self) -> bytes:
         """Fold in the transitions logged since the last update; return the digest."""
-        entries = self._log.entries
-        for kind, node, event in itertools.islice(entries, self._scanned, None):
+        if self._log.dropped > self._scanned:
+            raise ConfigError(
+                f"distributed: the event log dropped {self._log.dropped - self._scanned} entries"
+                " the transition digest had not read; raise CacheConfig.log_limit"
+            )
+        for kind, node, event in self._log.since(self._scanned):
             if kind == "transition":
                 self._hash.update(f"{node}:{event};".encode())
                 self.count += 1
-        self._scanned = len(entries)
+        self._scanned = self._log.recorded
         return self._hash.digest()
 
     def agree(self) -> None:
@@ -64,7 +68,7 @@ class TransitionDigest:
 
     def tail(self) -> list[AppliedTransition]:
         """Return the transitions folded in since the last agreed point, in order."""
-        entries = itertools.islice(self._log.entries, self._agreed_entry, self._scanned)
+        entries = self._log.since(self._agreed_entry, self._scanned)
         return [(node, event) for kind, node, event in entries if kind == "transition"]
 
 
