@@ -96,7 +96,8 @@ def bench_copies(
     where = device or default_device()
     n = pages or (4096 if where.type == "cuda" else 1024)
     layout = KVLayout(layers, heads, head_dim, dtype, page_size)
-    dev, host = device_pool(layout, n, where), host_pool(layout, n, pin=where.type == "cuda")
+    dev = device_pool(layout, n, where)
+    host = host_pool(layout, n, pin=where.type == "cuda", device=where)
     try:
         return _measure(dev, host, reps, seed)
     finally:
