@@ -557,9 +557,7 @@ class HiCache:
                     break
                 self._transfers.settle()
         self._gate.closed = True
-        closer = getattr(self.tiers, "close", None)
-        if closer is not None:
-            closer()
+        self.tiers.close()
 
     def __enter__(self) -> HiCache:
         return self
