@@ -430,3 +430,12 @@ def test_10_the_event_log_is_bounded_by_the_config() -> None:
     cache.reset()
     assert cache.log.limit == 50
     assert CacheConfig().log_limit == 100_000
+
+
+def test_15_a_cache_of_something_that_is_no_config_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as caught:
+        HiCache({"device_pages": 4})  # type: ignore[arg-type]
+    assert str(caught.value) == "config: expected a CacheConfig, got dict"
+    with pytest.raises(ConfigError) as caught:
+        HiCache(CacheConfig(device="cpu"), acks=3)  # type: ignore[arg-type]
+    assert str(caught.value) == "config: acks must build an acknowledgement source, got 3"

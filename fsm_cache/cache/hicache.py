@@ -111,6 +111,10 @@ class HiCache:
     def __init__(
         self, config: CacheConfig | None = None, *, acks: AckSourceFactory | None = None
     ) -> None:
+        if config is not None and not isinstance(config, CacheConfig):
+            raise ConfigError(f"config: expected a CacheConfig, got {type(config).__name__}")
+        if acks is not None and not callable(acks):
+            raise ConfigError(f"config: acks must build an acknowledgement source, got {acks!r}")
         self.config = config or CacheConfig()
         self.config.check()
         self.policy = WritePolicy(self.config.write_policy)
