@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from array import array
 from functools import partial
 from pathlib import Path
 
@@ -12,9 +13,9 @@ import pytest
 
 from fsm_cache.cache.tree import RadixTree
 from fsm_cache.errors import SpecError
-from fsm_cache.modelcheck import check, invariants, progress, treeops
+from fsm_cache.modelcheck import check, invariants, liveness, lookup, progress, treeops
 from fsm_cache.modelcheck.explore import Bounds, Explorer
-from fsm_cache.modelcheck.state import Layout, canonical
+from fsm_cache.modelcheck.state import Layout, NodeEntry, canonical
 from fsm_cache.policy import WritePolicy
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import as_system
@@ -22,6 +23,12 @@ from fsm_cache.spec.shipped import load_shipped, residency_system, shipped_spec_
 
 
 BUGS = spec_dir() / "bugs_detected"
+RESIDENCY = Layout.of(residency_system())
+
+
+def rec(parent: int, *fields: int | str) -> NodeEntry:
+    """Return a residency node entry (states, counters, holds) with the memory its states claim."""
+    return RESIDENCY.entry(parent, *fields)
 
 
 def _cli(argv: list[str]) -> int:
@@ -56,9 +63,9 @@ def test_layout_reads_counter_roles_from_the_spec(layout: Layout) -> None:
 
 def test_canonical_form_ignores_numbering(layout: Layout) -> None:
     a = (layout.fresh(-1), layout.fresh(0), layout.fresh(0))
-    pinned = ("pinned", "resident", 1, 0, 1, 0, 0)
-    b = (layout.fresh(-1), (0, *pinned), layout.fresh(0))
-    c = (layout.fresh(-1), layout.fresh(0), (0, *pinned))
+    pinned = rec(0, "pinned", "resident", 1, 0, 1, 0, 0)
+    b = (layout.fresh(-1), pinned, layout.fresh(0))
+    c = (layout.fresh(-1), layout.fresh(0), pinned)
     assert canonical(b)[0] == canonical(c)[0]
     assert canonical(a)[0] != canonical(b)[0]
     assert canonical(c)[1] == (0, 2, 1)  # the pinned child sorts first
@@ -67,27 +74,27 @@ def test_canonical_form_ignores_numbering(layout: Layout) -> None:
 def test_split_gives_the_prefix_locks_but_leaves_client_pins_on_the_suffix(
     layout: Layout,
 ) -> None:
-    pinned_locked = (-1, "pinned", "resident", 1, 1, 1, 0, 1)
+    pinned_locked = rec(-1, "pinned", "resident", 1, 1, 1, 0, 1)
     after = treeops.split(layout, (pinned_locked, None), 0, 1)
     assert after == (
-        (1, "pinned", "resident", 1, 1, 1, 0, 1),
-        (-1, "backed", "resident", 0, 1, 0, 0, 0),
+        rec(1, "pinned", "resident", 1, 1, 1, 0, 1),
+        rec(-1, "backed", "resident", 0, 1, 0, 0, 0),
     )
     assert invariants.violation(layout, after) is None
 
 
 def test_split_of_a_loading_node_gives_the_prefix_the_loads_pin(layout: Layout) -> None:
-    loading = (-1, "pinned", "loading", 2, 0, 1, 1, 0)  # a client's pin and the load's
+    loading = rec(-1, "pinned", "loading", 2, 0, 1, 1, 0)  # a client's pin and the load's
     after = treeops.split(layout, (loading, None), 0, 1)
     assert after == (
-        (1, "pinned", "loading", 2, 0, 1, 1, 0),
-        (-1, "pinned", "loading", 1, 0, 0, 1, 0),
+        rec(1, "pinned", "loading", 2, 0, 1, 1, 0),
+        rec(-1, "pinned", "loading", 1, 0, 0, 1, 0),
     )
     assert invariants.violation(layout, after) is None
     replay = Explorer(layout, Bounds({})).replay
     acked = replay.apply(after, ("event", 1, "load_done"))  # the prefix's share of the copy
     assert acked is not None
-    assert acked[1] == (-1, "backed", "resident", 0, 0, 0, 0, 0)
+    assert acked[1] == rec(-1, "backed", "resident", 0, 0, 0, 0, 0)
     assert replay.apply(acked, ("event", 1, "load_done")) is None  # given back once
 
 
@@ -99,7 +106,7 @@ def test_the_model_splits_as_the_cache_does(layout: Layout, host: str, device: s
     node = tree.add_leaf(tree.root(), (1, 2), (10, 11))
     node.host, node.device, node.pins, node.locks = host, device, 2, 1  # type: ignore[assignment]
     prefix = tree.split(node, 1)
-    entry = (-1, host, device, 2, 1, 1, 1, 1)
+    entry = rec(-1, host, device, 2, 1, 1, 1, 1)
     model = treeops.split(layout, (entry, None), 0, 1)
     assert model is not None
     assert model[1] is not None
@@ -114,11 +121,11 @@ def test_split_copies_everything_in_specs_without_residency_regions() -> None:
 
 
 def test_invariants_name_the_node(layout: Layout) -> None:
-    writing_absent = (-1, "writing", "absent", 0, 0, 0, 0, 0)
+    writing_absent = rec(-1, "writing", "absent", 0, 0, 0, 0, 0)
     assert invariants.violation(layout, (writing_absent,)) == (
         "invariant 5: node 0: a device-to-host copy reads a device copy that is absent"
     )
-    unaccounted = (-1, "pinned", "resident", 1, 0, 0, 0, 0)
+    unaccounted = rec(-1, "pinned", "resident", 1, 0, 0, 0, 0)
     assert invariants.violation(layout, (unaccounted,)) == (
         "invariant 6: node 0: pins is 1 but its holders account for 0"
     )
@@ -195,7 +202,7 @@ def test_tabled_answers_agree_with_engine_fire(layout: Layout, policy: WritePoli
     while frontier and len(seen) < 3000:
         forest = frontier.pop()
         flat = trees.decode(forest, explorer.slots)
-        found = {s: nxt for s, nxt in explorer.successors(forest) if s[0] == "event"}
+        found = {s: nxt for s, nxt, _ in explorer.successors(forest) if s[0] == "event"}
         for k in range(sum(e is not None for e in flat)):
             for event in layout.system.event_names:
                 fired = explorer.replay.apply(flat, ("event", k, event))
@@ -211,14 +218,14 @@ WRITE_THROUGH = WritePolicy.WRITE_THROUGH
 
 
 def test_invariant_3_backups_are_prefix_closed_under_write_through(layout: Layout) -> None:
-    parent = (-1, "unbacked", "resident", 0, 0, 0, 0, 0)
-    backed = (0, "backed", "resident", 0, 0, 0, 0, 0)
+    parent = rec(-1, "unbacked", "resident", 0, 0, 0, 0, 0)
+    backed = rec(0, "backed", "resident", 0, 0, 0, 0, 0)
     assert invariants.violation(layout, (parent, backed)) is None  # no policy: no invariant 3
     assert invariants.violation(layout, (parent, backed), WRITE_THROUGH) == (
         "invariant 3: node 1 is backed on the host but its parent node 0 is unbacked"
     )
-    writing = (-1, "writing", "resident", 0, 0, 0, 0, 0)
-    below = (0, "writing", "resident", 0, 0, 0, 0, 0)  # one copy, split in two
+    writing = rec(-1, "writing", "resident", 0, 0, 0, 0, 0)
+    below = rec(0, "writing", "resident", 0, 0, 0, 0, 0)  # one copy, split in two
     assert invariants.violation(layout, (writing, below), WRITE_THROUGH) is None
     assert invariants.violation(layout, (writing, backed), WRITE_THROUGH) == (
         "invariant 3: node 1 is backed on the host but its parent node 0 is writing"
@@ -241,7 +248,7 @@ def test_write_through_starts_a_backup_only_under_a_backed_parent(layout: Layout
 def test_write_through_acknowledges_a_split_copy_at_once(layout: Layout) -> None:
     """A split of a node being written puts the prefix in the copy: one ack settles both."""
     replay = Explorer(layout, Bounds({}), policy=WRITE_THROUGH).replay
-    writing = (-1, "writing", "resident", 0, 0, 0, 0, 0)
+    writing = rec(-1, "writing", "resident", 0, 0, 0, 0, 0)
     split = treeops.split(layout, (writing, None), 0, 1)
     assert split is not None
     assert replay.apply(split, ("event", 1, "write_failed")) is None  # the prefix waits
@@ -326,10 +333,10 @@ TAKES_LOAD_PIN = BUGS / "release_takes_load_pin.toml"
 
 
 def test_a_release_taking_the_loads_pin_is_refused_by_the_shipped_spec(layout: Layout) -> None:
-    loading = (-1, "pinned", "loading", 1, 0, 0, 1, 0)  # the load's pin; no client pin
+    loading = rec(-1, "pinned", "loading", 1, 0, 0, 1, 0)  # the load's pin; no client pin
     assert layout.unheld(loading) == [("release", ("pins", ("host",)))]
-    assert layout.unheld((-1, "pinned", "loading", 2, 0, 1, 1, 0)) == []  # a client pin too
-    assert layout.unheld((-1, "pinned", "resident", 1, 0, 1, 0, 0)) == [
+    assert layout.unheld(rec(-1, "pinned", "loading", 2, 0, 1, 1, 0)) == []  # a client pin too
+    assert layout.unheld(rec(-1, "pinned", "resident", 1, 0, 1, 0, 0)) == [
         ("load_done", ("pins", ("host", "device"))),
         ("load_failed", ("pins", ("host", "device"))),
     ]
@@ -341,7 +348,7 @@ def test_a_release_taking_the_loads_pin_is_refused_by_the_shipped_spec(layout: L
 
 def test_a_release_taking_the_loads_pin_is_a_violation_without_load_pin_held() -> None:
     layout = Layout.of(as_system(load_spec(TAKES_LOAD_PIN)))
-    loading = (-1, "pinned", "loading", 1, 0, 0, 1, 0)
+    loading = rec(-1, "pinned", "loading", 1, 0, 0, 1, 0)
     accepts = partial(Explorer(layout, Bounds({})).replay.accepts, (loading,))
     assert invariants.unheld_give_back(layout, (loading,), accepts) == (
         "invariant 6: node 0: release would take pins held by load (pins=1, none held by pin)"
@@ -359,26 +366,40 @@ def test_a_release_taking_the_loads_pin_is_a_violation_without_load_pin_held() -
     ]
 
 
-@pytest.mark.parametrize("spec", ["residency.toml", "bugs_detected/release_takes_load_pin.toml"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "residency.toml",
+        "bugs_detected/release_takes_load_pin.toml",
+        "bugs_detected/load_pin_guard_dropped.toml",
+    ],
+)
 def test_tabled_give_back_answers_agree_with_engine_allowed(spec: str) -> None:
-    """The explorer's per-context dry runs say what Engine.allowed says on the whole tree."""
-    layout = Layout.of(as_system(load_spec(spec_dir() / spec)))
-    explorer = Explorer(layout, Bounds({"pins": 2, "locks": 2}))
+    """The explorer's per-context dry runs and lookups say what the whole tree says."""
+    path, ops = spec_dir() / spec, treeops
+    if path.suffix == ".py":
+        path, ops = check.load_ops(path)
+    layout = Layout.of(as_system(load_spec(path)))
+    explorer = Explorer(layout, Bounds({"pins": 2, "locks": 2}), ops)
     explorer.slots = 3
     trees, replay = explorer.trees, explorer.replay
     frontier = [trees.encode(nodes) for nodes in check.shapes(layout, 3).values()]
-    seen, taking = set(frontier), 0
+    seen, wrong = set(frontier), 0
     while frontier and len(seen) < 3000:
         forest = frontier.pop()
         flat = trees.decode(forest, explorer.slots)
-        found = invariants.unheld_give_back(layout, flat, partial(replay.accepts, flat))
+        found = (
+            invariants.unheld_give_back(layout, flat, partial(replay.accepts, flat))
+            or invariants.refused_give_back(layout, flat, partial(replay.refusal, flat))
+            or lookup.first_violation(layout, flat, explorer.match)
+        )
         assert explorer.passes(forest) is (found is None), flat
-        taking += found is not None
-        fresh = [nxt for _, nxt in explorer.successors(forest) if nxt not in seen]
+        wrong += found is not None
+        fresh = [nxt for _, nxt, _ in explorer.successors(forest) if nxt not in seen]
         seen.update(fresh)
         frontier += fresh
     assert len(seen) >= 3000
-    assert bool(taking) is (spec != "residency.toml")
+    assert bool(wrong) is (spec != "residency.toml")
 
 
 STEPS_BY_TWO = """\
@@ -521,3 +542,281 @@ def test_an_unpaired_release_in_a_composition_names_the_regions(tmp_path: Path) 
     assert (result.states, result.trace) == (0, [])
     single = check.check_spec(tmp_path / "counted.toml", 2, Bounds({}))
     assert single.violation is None  # alone, take and give pair
+
+
+# -- memory: pages and copies in flight ------------------------------------------
+
+EVICT_HOST_LEAVES_WRITING = BUGS / "evict_host_leaves_writing.toml"
+WRITE_FAILED_LANDS_BACKED = BUGS / "write_failed_lands_backed.toml"
+
+
+def test_copies_and_their_acknowledgements_are_read_from_the_effects(layout: Layout) -> None:
+    memory = layout.memory
+    assert memory.tiers == ("host", "device")
+    assert memory.copying == {"host": {"writing"}, "device": {"loading"}}
+    assert {event: (ack.copy.name, ack.ok) for event, ack in memory.acks.items()} == {
+        "write_done": ("device-to-host", True),
+        "write_failed": ("device-to-host", False),
+        "load_done": ("host-to-device", True),
+        "load_failed": ("host-to-device", False),
+    }
+    assert [memory.claims("host", s) for s in ("unbacked", "writing", "backed", "evicted")] == [
+        "free",
+        "filling",
+        "valid",
+        "free",
+    ]
+    assert layout.pages(layout.fresh(-1)) == ("free", "valid", "")  # inserted with its KV
+    planted = Layout.of(as_system(load_spec(EVICT_HOST_LEAVES_WRITING))).memory
+    assert "evict_host" not in planted.acks  # it may leave backed too: not an acknowledgement
+    assert Layout.of(as_system(load_shipped("host_residency"))).memory.width == 0
+
+
+def test_memory_follows_copies_in_flight(layout: Layout) -> None:
+    replay = Explorer(layout, Bounds({})).replay
+    node = (layout.fresh(-1),)
+    written = replay.apply(node, ("event", 0, "write"))
+    assert written is not None
+    assert written == (layout.entry(-1, "writing", "resident", 0, 0, 0, 0, 0),)
+    assert [layout.pages(e) for e in written if e is not None] == [("filling", "valid", "")]
+    failed = replay.apply(written, ("event", 0, "write_failed"))
+    assert failed == node  # failed, then its pages freed
+    assert invariants.violation(layout, written) is None
+
+
+def test_freeing_pages_a_copy_writes_is_a_violation() -> None:
+    """evict_host may leave writing: every state invariant holds, the ghost pages do not."""
+    layout = Layout.of(as_system(load_spec(EVICT_HOST_LEAVES_WRITING)))
+    replay = Explorer(layout, Bounds({})).replay
+    written = replay.apply((layout.fresh(-1),), ("event", 0, "write"))
+    assert written is not None
+    evicted = replay.apply(written, ("event", 0, "evict_host"))
+    assert evicted is not None
+    assert [layout.state(e, "host") for e in evicted if e is not None] == ["evicted"]
+    message = "invariant 5: node 0: evict_host frees host pages that a device-to-host copy in flight still writes"
+    assert invariants.violation(layout, evicted) == message
+    result = check.check_spec(EVICT_HOST_LEAVES_WRITING, 3, Bounds({}))
+    assert result.violation == message
+    assert result.trace == ["start: chain", "node 0: write", "node 0: evict_host"]
+
+
+def test_a_failed_copy_marked_valid_is_a_violation() -> None:
+    result = check.check_spec(WRITE_FAILED_LANDS_BACKED, 3, Bounds({}))
+    assert result.violation == (
+        "valid data: node 0: write_failed marks a failed device-to-host copy valid (host backed)"
+    )
+    assert result.trace == ["start: chain", "node 0: write", "node 0: write_failed"]
+
+
+@pytest.mark.parametrize(
+    ("states", "pages", "message"),
+    [
+        (
+            ("backed", "resident"),
+            ("failed", "valid"),
+            "valid data: node 0: host backed claims valid host pages, "
+            "but the device-to-host copy that filled them failed",
+        ),
+        (
+            ("pinned", "resident"),
+            ("filling", "valid"),
+            "valid data: node 0: host pinned claims valid host pages, "
+            "but the device-to-host copy filling them has not completed",
+        ),
+        (
+            ("backed", "resident"),
+            ("free", "valid"),
+            "valid data: node 0: host backed claims valid host pages, but the node holds no host pages",
+        ),
+        (
+            ("unbacked", "loading"),
+            ("free", "valid"),
+            "valid data: node 0: device loading claims a host-to-device copy in flight, "
+            "but none is (the device pages are valid)",
+        ),
+        (
+            ("evicted", "resident"),
+            ("valid", "valid"),
+            "invariant 7: node 0: host evicted claims no host pages, but the node still holds valid ones",
+        ),
+    ],
+)
+def test_what_a_state_claims_is_what_its_pages_hold(
+    layout: Layout, states: tuple[str, str], pages: tuple[str, str], message: str
+) -> None:
+    pins = 1 if states[0] == "pinned" else 0
+    entry = (-1, *states, pins, 0, pins, 0, 0, *pages, "")
+    assert invariants.memory_claims(layout, (entry,), 0, entry) == message
+    assert (
+        invariants.memory_claims(
+            layout,
+            (rec(-1, *states, pins, 0, pins, 0, 0),),
+            0,
+            rec(-1, *states, pins, 0, pins, 0, 0),
+        )
+        is None
+    )
+
+
+# -- lookups -----------------------------------------------------------------------
+
+MATCH_SKIPS_LOADING = BUGS / "match_skips_loading.py"
+
+
+def test_a_lookup_stops_at_the_first_node_not_resident(layout: Layout) -> None:
+    path = [
+        rec(-1, "backed", "resident", 0, 0, 0, 0, 0),
+        rec(0, "pinned", "loading", 1, 0, 0, 1, 0),
+        rec(1, "backed", "resident", 0, 0, 0, 0, 0),  # loaded first, or adopted
+    ]
+    assert lookup.match_prefix(layout, path) == lookup.Match((0,), (1, 2))
+    assert lookup.violation(layout, path, [0, 1, 2], lookup.match_prefix(layout, path)) is None
+    _, ops = check.load_ops(MATCH_SKIPS_LOADING)
+    skipping = ops.match_prefix(layout, path)
+    assert skipping == lookup.Match((0, 2), (1,))
+    assert lookup.violation(layout, path, [0, 1, 2], skipping) == (
+        "lookup: node 2: match_prefix reports it on the device past node 1, which is loading"
+    )
+    assert lookup.first_violation(layout, tuple(path)) is None
+
+
+def test_a_lookup_handing_out_pages_being_filled_is_a_violation(layout: Layout) -> None:
+    path = [rec(-1, "pinned", "loading", 1, 0, 0, 1, 0)]
+    held = lookup.Match((0,), ())  # a lookup that counts a loading node as matched
+    assert lookup.violation(layout, path, [0], held) == (
+        "lookup: node 0: match_prefix hands out its device pages, which hold no valid KV (filling)"
+    )
+    assert lookup.violation(layout, path, [0], lookup.Match((), ())) == (
+        "lookup: node 0: match_prefix reports nodes [] on the device and [] as a host hit, not the path [0]"
+    )
+
+
+def test_the_explorer_tables_lookups_as_the_whole_tree_answers(layout: Layout) -> None:
+    chain = (
+        rec(-1, "backed", "resident", 0, 0, 0, 0, 0),
+        rec(0, "pinned", "loading", 1, 0, 0, 1, 0),
+        rec(1, "backed", "resident", 0, 0, 0, 0, 0),
+    )
+    _, ops = check.load_ops(MATCH_SKIPS_LOADING)
+    for module, passes in ((treeops, True), (ops, False)):
+        explorer = Explorer(layout, Bounds({}), module)
+        explorer.slots = 3
+        assert explorer.passes(explorer.trees.encode(chain)) is passes
+        assert (lookup.first_violation(layout, chain, explorer.match) is None) is passes
+
+
+def test_a_lookup_past_a_loading_node_is_found_with_its_trace() -> None:
+    path, ops = check.load_ops(MATCH_SKIPS_LOADING)
+    result = check.check_spec(path, 3, Bounds({}), ops)
+    assert result.violation == (
+        "lookup: node 2: match_prefix reports it on the device past node 1, which is loading"
+    )
+    assert result.trace[-4:] == [
+        "node 1: evict_device",
+        "node 1: load",
+        "node 2: load",
+        "node 2: load_done",
+    ]
+
+
+# -- give-backs: the other half ------------------------------------------------------
+
+GUARD_DROPPED = BUGS / "load_pin_guard_dropped.toml"
+
+
+def test_a_give_back_its_holder_holds_is_owed(layout: Layout) -> None:
+    loading = rec(-1, "pinned", "loading", 2, 1, 1, 1, 1)  # a client pin, the load's, a lock
+    assert layout.owed(loading) == [
+        ("release", ("pins", ("host",))),
+        ("load_done", ("pins", ("host", "device"))),
+        ("unlock", ("locks", ("device",))),
+    ]  # load_failed may be refused: the cache copies again
+    replay = Explorer(layout, Bounds({})).replay
+    assert (
+        invariants.refused_give_back(layout, (loading,), partial(replay.refusal, (loading,)))
+        is None
+    )
+
+
+def test_a_refused_give_back_its_holder_holds_is_a_violation() -> None:
+    layout = Layout.of(as_system(load_spec(GUARD_DROPPED)))
+    loading = rec(-1, "pinned", "loading", 2, 0, 1, 1, 0)
+    replay = Explorer(layout, Bounds({})).replay
+    assert invariants.refused_give_back(
+        layout, (loading,), partial(replay.refusal, (loading,))
+    ) == (
+        "invariant 6: node 0: release is refused (LoadPinHeld) though pin holds pins there (pins=2)"
+    )
+    result = check.check_spec(GUARD_DROPPED, 3, Bounds({}))
+    assert result.violation == (
+        "invariant 6: node 2: release is refused (LoadPinHeld) though pin holds pins there (pins=2)"
+    )
+    assert result.trace == [
+        "start: chain",
+        "node 2: write",
+        "node 2: write_done",
+        "node 2: pin",
+        "node 2: evict_device",
+        "node 2: load",
+    ]
+
+
+LOAD_DONE_WAITS = """
+[[forbid]]
+event = "load_done"
+when = "any child device in [resident, loading]"
+error = "NotADeviceLeaf"
+reason = "a child is on the device under this node"
+"""
+
+
+def test_a_load_done_refused_while_the_load_holds_is_a_refused_give_back(tmp_path: Path) -> None:
+    """A finished load must be acknowledged at once: no need to wait for liveness to see it."""
+    shipped = (spec_dir() / "residency.toml").read_text()
+    for region in ("host", "device"):
+        here = f'{region} = "{region}_residency.toml"'
+        shipped = shipped.replace(here, f'{region} = "{spec_dir() / region}_residency.toml"')
+    path = tmp_path / "load_done_waits.toml"
+    path.write_text(shipped + LOAD_DONE_WAITS)
+    result = check.check_spec(path, 3, Bounds({}))
+    assert result.violation == (
+        "invariant 6: node 1: load_done is refused (NotADeviceLeaf) though load holds pins there (pins=1)"
+    )
+    assert result.trace[-2:] == ["node 1: load", "node 2: load"]  # a chain load
+
+
+# -- liveness ----------------------------------------------------------------------
+
+WRITE_ACK_WAITS = BUGS / "write_ack_waits_for_children.toml"
+
+
+def test_settling_is_decided_in_order_of_weight_or_backwards() -> None:
+    """0 settled; 1 settles into 0; 2 loops on itself; 3 settles only into 2."""
+    weight = array("l", [0, 1, 1, 2])
+    first = array("l", [0, 0, 1, 2, 3])
+    dst = array("l", [0, 2, 2])
+    assert liveness.settles(weight, first, dst) == bytearray([1, 1, 0, 0])
+    assert liveness.backward(weight, first, dst) == bytearray([1, 1, 0, 0])
+    climbing = array("l", [0, 1, 2])  # 1 settles only through 2, which is heavier
+    first, dst = array("l", [0, 0, 1, 2]), array("l", [2, 0])
+    assert liveness.settles(climbing, first, dst) == bytearray([1, 1, 1])
+
+
+def test_a_copy_that_can_never_finish_is_a_liveness_violation() -> None:
+    result = check.check_spec(WRITE_ACK_WAITS, 3, Bounds({}))
+    assert result.violation == (
+        "liveness: node 0: its device-to-host copy can never finish "
+        "(write_done: NotADeviceLeaf; write_failed: NotADeviceLeaf)"
+    )
+    assert result.trace == ["start: chain", "node 0: write"]
+    assert result.states > 1000  # found once everything was explored
+
+
+@pytest.mark.parametrize("policy", [None, WRITE_THROUGH])
+def test_every_state_of_the_shipped_spec_settles(
+    layout: Layout, policy: WritePolicy | None
+) -> None:
+    """A failed load under a child still on the device is copied again, and may complete."""
+    explorer = Explorer(layout, Bounds({"pins": 2, "locks": 2}), policy=policy)
+    assert explorer.run(check.shapes(layout, 3)).violation is None
+    assert {"write_done", "load_done", "release", "unlock"} <= explorer.settling

@@ -14,7 +14,8 @@ changes the ancestors the same copy serves.
 Clients give back only what they hold, so the tables also answer, per node
 chain, whether the engine would accept a give-back the node's clients hold
 none of (:meth:`Answers.takes_unheld`): a dry run, asked only at nodes where
-another kind of holder holds the counter.
+another kind of holder holds the counter; and whether it would refuse one
+they do hold (:meth:`Answers.refuses_owed`), asked at nodes with holds.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Answers:
         self._table: dict[tuple[str, int, bool], Answer] = {}
         self._enabled: dict[int, list[tuple[str, int, bool]]] = {}
         self._unheld: dict[int, list[str]] = {}
+        self._owed: dict[int, list[str]] = {}
         self._free: dict[tuple[str, int], bool | None] = {}
 
     def context(self, sid: int, up: int) -> int:
@@ -110,6 +112,19 @@ class Answers:
             entry: NodeEntry = (0, *self.trees.locals[lid])
             events = self._unheld[lid] = [event for event, _ in self.layout.unheld(entry)]
         return any(self.accepts(event, chain) for event in events)
+
+    def refuses_owed(self, chain: tuple[int, ...]) -> bool:
+        """Whether the node refuses a give-back its holders hold (:meth:`~fsm_cache.modelcheck.state.Layout.owed`).
+
+        Args:
+            chain: The contexts of the node and of its ancestors, nearest first.
+        """
+        lid = self.contexts[chain[0]][0]
+        events = self._owed.get(lid)
+        if events is None:
+            entry: NodeEntry = (0, *self.trees.locals[lid])
+            events = self._owed[lid] = [event for event, _ in self.layout.owed(entry)]
+        return not all(self.accepts(event, chain) for event in events)
 
     def accepts(self, event: str, chain: tuple[int, ...]) -> bool:
         """Whether the engine accepts ``event`` fired at the node of ``chain``, whoever holds what.
@@ -166,12 +181,13 @@ class Answers:
         if fired and not self._chosen(event, entry, up, kids):
             return None  # the cache does not fire it here
         try:
-            assigns, _, propagates = self.engine.plan(self._record(entry, up, kids), event)
+            assigns, effects, propagates = self.engine.plan(self._record(entry, up, kids), event)
         except IllegalTransition:
             return None
         values: dict[str, Any] = dict(zip(self.fields, entry[1:], strict=False))
         values.update(assigns)
         after: NodeEntry = (0, *(values[f] for f in self.fields), *entry[layout.base :])
+        after = layout.stepped(after, event, effects)
         if fired:
             after = layout.with_holds(after, layout.deltas(event))
         if layout.over(after, self.bounds):

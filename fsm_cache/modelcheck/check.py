@@ -5,7 +5,10 @@ binary tree), each node running the spec's machines, with locks, pins, copies
 in flight and acknowledgements arriving in any order, plus the cache's tree
 operations (insert a leaf, split a node, delete a node whose data is gone).
 Every reachable state is explored breadth-first and checked against the
-design's invariants (:mod:`fsm_cache.modelcheck.invariants`); on a violation the
+design's invariants (:mod:`fsm_cache.modelcheck.invariants`), the model's account
+of pages and copies in flight (:mod:`fsm_cache.modelcheck.copies`) and what
+lookups tell callers (:mod:`fsm_cache.modelcheck.lookup`); then every state must
+be able to settle (:mod:`fsm_cache.modelcheck.liveness`). On a violation the
 shortest event sequence reaching it is printed and the exit status is 1.
 ``--policy write_through`` checks HiCache's own choices too: backups start
 only where its write policy starts them, and their prefix-closure
@@ -82,7 +85,9 @@ def load_ops(path: Path) -> tuple[Path, ModuleType]:
     """Load a control module: its ``SPEC`` path and the tree operations it overrides.
 
     The module may also replace ``wants_backup`` (where the write policy
-    starts backups) and name the ``POLICY`` to check under (default none).
+    starts backups) or ``match_prefix`` (the lookup,
+    :func:`fsm_cache.modelcheck.lookup.match_prefix`), and name the ``POLICY``
+    to check under (default none).
 
     Raises:
         SpecError: The module cannot be imported, names no ``SPEC`` or an unknown ``POLICY``.
@@ -249,7 +254,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--ops",
         metavar="FILE.py",
-        help="a module replacing tree operations (insert, split, prune) or wants_backup",
+        help="a module replacing tree operations (insert, split, prune), wants_backup "
+        "or match_prefix",
     )
     parser.add_argument(
         "--progress",

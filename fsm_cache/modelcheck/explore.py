@@ -9,35 +9,48 @@ spec's real semantics, refusals and propagation included. Under a write
 policy, the cache's own choices (:class:`~fsm_cache.modelcheck.state.Choices`) narrow
 the events to those HiCache fires. The events of a root subtree depend on
 that subtree alone, so they are tabled per root subtree, with whether a node
-in it accepts a give-back its clients hold none of (invariant 6 where
-clients never go, :func:`~fsm_cache.modelcheck.invariants.unheld_give_back`). Parent
-pointers give the shortest step sequence to any state.
+in it accepts a give-back its clients hold none of, or refuses one they hold
+(both halves of invariant 6, :func:`~fsm_cache.modelcheck.invariants.unheld_give_back`
+and :func:`~fsm_cache.modelcheck.invariants.refused_give_back`), and whether its
+lookups answer as callers rely on (:mod:`fsm_cache.modelcheck.lookup`). Parent
+pointers give the shortest step sequence to any state. Once every state is
+explored, the settling steps recorded on the way show whether every state
+can still settle (:mod:`fsm_cache.modelcheck.liveness`).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterator
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from fsm_cache.modelcheck import treeops
+from fsm_cache.modelcheck import liveness, lookup, treeops
 from fsm_cache.modelcheck.answers import Answers
 from fsm_cache.modelcheck.forest import Forest, Trees
-from fsm_cache.modelcheck.invariants import unheld_give_back, violation, violation_at
+from fsm_cache.modelcheck.invariants import (
+    refused_give_back,
+    unheld_give_back,
+    violation,
+    violation_at,
+)
 from fsm_cache.modelcheck.state import Choices, Layout, NodeEntry, Nodes
-from fsm_cache.modelcheck.traces import Replay, Seen, TraceStep
+from fsm_cache.modelcheck.traces import Replay, TraceStep
 from fsm_cache.policy import WritePolicy, wants_backup
 
 
 Move = tuple[str, tuple[int, ...], bool]
 """An enabled event at a node: its name, the new locals of the node and the ancestors
 it changed (nearest first), and whether one of them holds its data nowhere."""
-Successor = tuple[TraceStep, int, bool]
-"""An event step in a root subtree: the step, the new subtree (before pruning), whether to prune."""
+Successor = tuple[TraceStep, int, bool, bool]
+"""An event step in a root subtree: the step, the new subtree (before pruning), whether to
+prune, and whether it settles (:func:`~fsm_cache.modelcheck.liveness.settling`)."""
 Root = tuple[list[Successor], bool]
-"""A root subtree's event steps, and whether a node in it accepts a give-back its clients do not hold."""
+"""A root subtree's event steps, and whether a node in it answers wrongly: accepts a
+give-back its clients do not hold, refuses one they hold, or is looked up wrongly."""
+Edge = tuple[TraceStep, Forest, bool]
+"""A step from a state: the step, the state it leads to, and whether it settles."""
 
 
 @dataclass
@@ -87,6 +100,9 @@ class Explorer:
         ceilings = [bounds.counters.get(c, bounds.default) for c in layout.counters]
         self.ops = ops
         self.policy = policy
+        self.match: lookup.Lookup = getattr(ops, "match_prefix", lookup.match_prefix)
+        self.settling = liveness.settling(layout)
+        self.looks = lookup.applies(layout)
         self.trees = Trees(layout)
         choices = Choices.of(layout, policy, getattr(ops, "wants_backup", wants_backup))
         self.answers = Answers(layout, self.trees, ceilings, choices)
@@ -98,57 +114,80 @@ class Explorer:
         self.node_holds: dict[tuple[int, int, tuple[int, ...]], bool] = {}
         self.pruned: dict[int, int | None] = {}
         self.dataless: dict[int, bool] = {}
+        self.looked: dict[tuple[int, ...], bool] = {}
+        self.weights: dict[int, int] = {}
 
     def run(self, initial: dict[str, Nodes], tick: Callable[[int], None] | None = None) -> Result:
         """Explore from the named initial states; stop at the first violation.
 
         A spec whose give-backs do not pair with its acquires is a finding
         before anything is explored (:attr:`fsm_cache.modelcheck.holders.Holders.unpaired`).
+        Once every state is explored and every invariant holds in each, the
+        first state (in breadth-first order, so with a shortest trace) that
+        cannot settle is the finding (:mod:`fsm_cache.modelcheck.liveness`).
         """
         if self.layout.holders.unpaired:
             return Result(0, self.layout.holders.unpaired[0])
-        seen: Seen = {}
-        starts: dict[Forest, Nodes] = {}
-        queue: deque[Forest] = deque()
+        index: dict[Forest, int] = {}
+        forests: list[Forest] = []
+        parents = array("l")
+        steps: list[TraceStep] = []
+        starts: dict[int, Nodes] = {}
         for name, nodes in initial.items():
             self.slots = len(nodes)
             start = self.trees.encode(nodes)
-            if start in seen:
+            if start in index:
                 continue  # the same tree as an earlier shape (small trees)
-            seen[start] = (None, ("start", name))
-            starts[start] = nodes
+            index[start] = len(forests)
+            starts[len(forests)] = nodes
+            forests.append(start)
+            parents.append(-1)
+            steps.append(("start", name))
             if not self.passes(start):
-                return self._found(seen, starts, start)
-            queue.append(start)
-        while queue:
-            current = queue.popleft()
-            for step, nxt in self.successors(current):
-                if nxt in seen:
+                return self._found(parents, steps, starts, len(forests) - 1, forests)
+        # The settling steps of state s lead to dst[first[s]:first[s + 1]].
+        first, dst = array("l"), array("l")
+        settle, passes = dst.append, self.passes
+        at = 0
+        while at < len(forests):
+            first.append(len(dst))
+            for step, nxt, settles in self.successors(forests[at]):
+                if nxt in index:
+                    if settles:
+                        settle(index[nxt])
                     continue
-                seen[nxt] = (current, step)
-                if not self.passes(nxt):
-                    return self._found(seen, starts, nxt)
-                queue.append(nxt)
-            if tick is not None and len(seen) % 4096 < 64:
-                tick(len(seen))
-        return Result(len(seen))
+                found = index[nxt] = len(forests)
+                forests.append(nxt)
+                parents.append(at)
+                steps.append(step)
+                if not passes(nxt):
+                    return self._found(parents, steps, starts, found, forests)
+                if settles:
+                    settle(found)
+            at += 1
+            if tick is not None and len(forests) % 4096 < 64:
+                tick(len(forests))
+        first.append(len(dst))
+        return self._live(forests, (first, dst), parents, steps, starts)
 
-    def successors(self, forest: Forest) -> Iterator[tuple[TraceStep, Forest]]:
+    def successors(self, forest: Forest) -> Iterator[Edge]:
         """Yield every step from ``forest`` with its result: events on each node, then tree operations.
 
+        Each comes with whether it settles (an acknowledgement, or a give-back).
         Nodes are numbered in preorder, as :func:`~fsm_cache.modelcheck.state.canonical` numbers them.
         """
         trees = self.trees
         at = 0
         for root in forest:
-            for step, new, gone in self._root(root)[0]:
+            for step, new, gone, settles in self._root(root)[0]:
                 nxt = (new,) if len(forest) == 1 else trees.swap_root(forest, root, new)
                 if gone:
                     nxt = self._prune(nxt)
-                yield (step if not at else ("event", at + step[1], step[2])), nxt
+                yield (step if not at else ("event", at + step[1], step[2])), nxt, settles
             at += trees.size[root]
         if at < self.slots:
-            yield from self._tree_steps(forest, at)
+            for step, nxt in self._tree_steps(forest, at):
+                yield step, nxt, False
 
     def _tree_steps(self, forest: Forest, count: int) -> Iterator[tuple[TraceStep, Forest]]:
         """Yield the tree operations from ``forest`` (of ``count`` nodes): splits, then inserts."""
@@ -172,24 +211,30 @@ class Explorer:
     def _root_steps(self, root: int) -> Root:
         """Return the events enabled in root subtree ``root``, numbered in its preorder.
 
-        With them, whether a node in it accepts a give-back its clients hold none of.
+        With them, whether a node in it answers wrongly: accepts a give-back
+        its clients hold none of, refuses one they hold, or is looked up
+        otherwise than callers rely on (:meth:`_path_ok`).
         """
         trees = self.trees
         order = trees.preorder((root,))
         chains: list[tuple[int, ...]] = []
+        paths: list[tuple[int, ...]] = []
         out: list[Successor] = []
-        takes = False
+        wrong = False
         for k, (sid, parent) in enumerate(order):
             up = trees.stid[trees.local[order[parent][0]]] if parent >= 0 else -1
             chain = (self.answers.context(sid, up), *(chains[parent] if parent >= 0 else ()))
             chains.append(chain)
+            paths.append((*(paths[parent] if parent >= 0 else ()), trees.local[sid]))
             found = self.moves.get(chain)
             if found is None:
-                found = self.moves[chain] = (self._moves(chain), self.answers.takes_unheld(chain))
-            takes = takes or found[1]
+                gives = self.answers.takes_unheld(chain) or self.answers.refuses_owed(chain)
+                found = self.moves[chain] = (self._moves(chain), gives)
+            wrong = wrong or found[1] or not self._path_ok(paths[k])
             for event, lids, gone in found[0]:
-                out.append((("event", k, event), self._lift(order, k, lids), gone))
-        return out, takes
+                settles = event in self.settling
+                out.append((("event", k, event), self._lift(order, k, lids), gone, settles))
+        return out, wrong
 
     def _moves(self, chain: tuple[int, ...]) -> list[Move]:
         """Return the enabled events at the node of context ``chain`` (then its ancestors')."""
@@ -225,8 +270,20 @@ class Explorer:
         return self.trees.encode(flat)
 
     def passes(self, forest: Forest) -> bool:
-        """Whether every invariant holds in ``forest``, where clients go and where they never do."""
+        """Whether every invariant holds in ``forest``: in its nodes, its give-backs and its lookups."""
         return all(self._sub_holds(sid, -1) and not self._root(sid)[1] for sid in forest)
+
+    def _path_ok(self, path: tuple[int, ...]) -> bool:
+        """Whether the lookup of the path of locals ``path`` answers as callers rely on (tabled)."""
+        found = self.looked.get(path)
+        if found is None and not self.looks:
+            found = self.looked[path] = True
+        if found is None:
+            entries = [(-1, *self.trees.locals[lid]) for lid in path]
+            ids = range(len(path))
+            answer = self.match(self.layout, entries)
+            found = self.looked[path] = lookup.violation(self.layout, entries, ids, answer) is None
+        return found
 
     def _sub_holds(self, sid: int, up: int) -> bool:
         found = self.holds.get((sid, up))
@@ -250,10 +307,81 @@ class Explorer:
         entries += [(me, *locals_[c]) for c in kids]
         return violation_at(self.layout, tuple(entries), me, self.policy) is None
 
-    def _found(self, seen: Seen, starts: dict[Forest, Nodes], last: Forest) -> Result:
-        """Return the violation at ``last``, described in the replayed tree's node numbers."""
-        lines, nodes = self.replay.trace(seen, last, starts)
-        found = violation(self.layout, nodes, self.policy) or unheld_give_back(
-            self.layout, nodes, lambda i, event: self.replay.accepts(nodes, i, event)
+    def _trace(
+        self, parents: Sequence[int], steps: list[TraceStep], starts: dict[int, Nodes], last: int
+    ) -> tuple[list[str], Nodes]:
+        """Replay the steps reaching state ``last`` on its starting tree: labels and the end."""
+        path: list[TraceStep] = []
+        at = last
+        while True:
+            path.append(steps[at])
+            if parents[at] < 0:
+                break
+            at = parents[at]
+        return self.replay.trace(path[::-1], starts[at])
+
+    def _found(
+        self,
+        parents: Sequence[int],
+        steps: list[TraceStep],
+        starts: dict[int, Nodes],
+        last: int,
+        forests: list[Forest],
+    ) -> Result:
+        """Return the violation at state ``last``, described in the replayed tree's node numbers."""
+        lines, nodes = self._trace(parents, steps, starts, last)
+        replay = self.replay
+        found = (
+            violation(self.layout, nodes, self.policy)
+            or unheld_give_back(
+                self.layout, nodes, lambda i, event: replay.accepts(nodes, i, event)
+            )
+            or refused_give_back(
+                self.layout, nodes, lambda i, event: replay.refusal(nodes, i, event)
+            )
+            or lookup.first_violation(self.layout, nodes, self.match)
         )
-        return Result(len(seen), found, lines)
+        return Result(len(forests), found, lines)
+
+    def _live(
+        self,
+        forests: list[Forest],
+        edges: tuple[array[int], array[int]],
+        parents: Sequence[int],
+        steps: list[TraceStep],
+        starts: dict[int, Nodes],
+    ) -> Result:
+        """Return the first state that cannot settle, with its trace, or a clean result.
+
+        Args:
+            forests: The explored states, in breadth-first order.
+            edges: The settling steps: per state the offset of its first one,
+                and where each leads.
+            parents: Each state's predecessor (-1: a start).
+            steps: The step from its predecessor.
+            starts: The starting trees, by state.
+        """
+        weight = self._weight
+        unsettled = array("l", (sum(weight(sid) for sid in f) for f in forests))
+        good = liveness.settles(unsettled, *edges)
+        first = good.find(0)
+        if first < 0:
+            return Result(len(forests))
+        lines, nodes = self._trace(parents, steps, starts, first)
+        replay = self.replay
+        found = liveness.stuck(
+            self.layout,
+            nodes,
+            lambda at, i, event: replay.apply(at, ("event", i, event)),
+            replay.refusal,
+        )
+        return Result(len(forests), found, lines)
+
+    def _weight(self, sid: int) -> int:
+        """Return the copies in flight and holds of subtree ``sid`` (tabled; 0: settled)."""
+        found = self.weights.get(sid)
+        if found is None:
+            trees = self.trees
+            here = self.layout.unsettled((-1, *trees.locals[trees.local[sid]]))
+            found = self.weights[sid] = here + sum(self._weight(k) for k in trees.kids[sid])
+        return found

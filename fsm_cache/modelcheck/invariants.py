@@ -15,13 +15,21 @@ description of the violation, or None.
 Clients give back only what they hold, so invariant 6 can also break where
 no client goes: a give-back of one holder kind that the spec accepts while
 only another kind holds the counter. :func:`unheld_give_back` asks the
-engine (a dry run) about each.
+engine (a dry run) about each. Its other half is :func:`refused_give_back`:
+a give-back its holder does hold must be accepted.
+
+Memory is checked against the ghost account of pages and copies in flight
+(:mod:`fsm_cache.modelcheck.copies`): a step that freed pages a copy still
+reads or writes, took pages twice or marked a failed copy valid left a fault
+(:func:`memory_faults`), and every state's claim about its tier must match
+the pages (:func:`memory_claims`, "valid data").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from fsm_cache.modelcheck.copies import FAILED, FILLING, FREE, VALID
 from fsm_cache.modelcheck.holders import Hold
 from fsm_cache.modelcheck.state import Layout, NodeEntry, Nodes, children
 from fsm_cache.modelcheck.treeops import dataless
@@ -97,6 +105,50 @@ def copies_safe(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> str 
     return None
 
 
+def memory_faults(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
+    """Invariants 5 and 7, and valid data, at the step that broke them.
+
+    A step freed pages that a copy in flight still reads or writes (5), took
+    pages the node already held or freed pages it did not hold (7), started a
+    copy from pages holding no valid KV (5), acknowledged a copy not in flight
+    or marked a failed copy valid (valid data).
+    """
+    fault = layout.pages(entry)[-1:]
+    if not fault or not fault[0]:
+        return None
+    name, _, text = str(fault[0]).partition("|")
+    return f"{name}: node {i}: {text}"
+
+
+def memory_claims(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
+    """Valid data (and invariant 7): what each state claims about its tier is what the pages hold.
+
+    A state claiming a valid copy (``backed``, ``pinned``, ``resident``)
+    has pages whose last copy completed; a copying state (``writing``,
+    ``loading``) has a copy in flight filling them; any other holds no pages
+    (else they leaked: invariant 7).
+    """
+    memory = layout.memory
+    for tier, have in zip(memory.tiers, layout.pages(entry), strict=False):
+        state = layout.state(entry, tier)
+        claim = memory.claims(tier, state)
+        if have == claim:
+            continue
+        copy = memory.copies[tier].name
+        said = f"{tier} {state}"
+        if claim == VALID:
+            why = {
+                FILLING: f"the {copy} copy filling them has not completed",
+                FAILED: f"the {copy} copy that filled them failed",
+                FREE: f"the node holds no {tier} pages",
+            }[str(have)]
+            return f"valid data: node {i}: {said} claims valid {tier} pages, but {why}"
+        if claim == FILLING:
+            return f"valid data: node {i}: {said} claims a {copy} copy in flight, but none is (the {tier} pages are {have})"
+        return f"invariant 7: node {i}: {said} claims no {tier} pages, but the node still holds {have} ones"
+    return None
+
+
 def backup_prefix_closed(layout: Layout, nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
     """Invariant 3 (write-through policies): host backup is prefix-closed.
 
@@ -126,6 +178,8 @@ CHECKS: tuple[Check, ...] = (
     prefix_closed,
     held_somewhere,
     copies_safe,
+    memory_faults,
+    memory_claims,
 )
 """The invariants every policy keeps."""
 
@@ -175,6 +229,31 @@ def unheld_give_back(layout: Layout, nodes: Nodes, accepts: Accepts) -> str | No
         for event, key in layout.unheld(entry):
             if accepts(i, event):
                 return _taken(layout, i, entry, event, key)
+    return None
+
+
+Refusal = Callable[[int, str], "str | None"]
+"""The error class the engine refuses an event at a node with (a dry run): node, event; None if accepted."""
+
+
+def refused_give_back(layout: Layout, nodes: Nodes, refusal: Refusal) -> str | None:
+    """Invariant 6, the other half: a give-back its holder does hold is accepted.
+
+    For each node and each give-back its holders may fire now
+    (:meth:`~fsm_cache.modelcheck.state.Layout.owed`), the spec must accept it:
+    refused, a client cannot give back its pin or its lock, or a finished
+    copy cannot be acknowledged. Returns the first refused.
+    """
+    for i, entry in enumerate(nodes):
+        if entry is None:
+            continue
+        for event, key in layout.owed(entry):
+            error = refusal(i, event)
+            if error is not None:
+                counter = key[0]
+                by = layout.holders.acquirers(key)
+                value = layout.counter(entry, counter)
+                return f"invariant 6: node {i}: {event} is refused ({error}) though {by} holds {counter} there ({counter}={value})"
     return None
 
 

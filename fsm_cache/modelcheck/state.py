@@ -1,14 +1,18 @@
 """The model checker's state: a small tree of nodes, each a record of the spec, as tuples.
 
 A model state is a tuple with one entry per node slot: ``None`` for a free
-slot, else ``(parent, *region states, *counters, *holds)``. ``parent`` is a
-slot index or ``-1`` under the (unmodelled, always resident) radix root.
-``holds`` are ghost counters: how many acquisitions of a counter clients made
-directly at this node and have not given back (``pin`` minus ``release``,
-``lock`` minus ``unlock``, ``load`` minus its acknowledgement). They are what
-the counters must account for, so a tree operation or transition that loses
-a count is caught. Which events acquire and give back which counter, and so
-the kinds of holds, is read from the spec (:mod:`fsm_cache.modelcheck.holders`).
+slot, else ``(parent, *region states, *counters, *holds, *memory)``.
+``parent`` is a slot index or ``-1`` under the (unmodelled, always resident)
+radix root. ``holds`` are ghost counters: how many acquisitions of a counter
+clients made directly at this node and have not given back (``pin`` minus
+``release``, ``lock`` minus ``unlock``, ``load`` minus its acknowledgement).
+They are what the counters must account for, so a tree operation or
+transition that loses a count is caught. Which events acquire and give back
+which counter, and so the kinds of holds, is read from the spec
+(:mod:`fsm_cache.modelcheck.holders`). ``memory`` is the ghost account of the
+node's pages and copies in flight, moved by the spec's effects
+(:mod:`fsm_cache.modelcheck.copies`; no fields for specs without ``host`` and
+``device`` regions), which the states' claims are checked against.
 
 What the cache itself chooses among the steps the spec allows (its write
 policy, how it acknowledges a copy) is :class:`Choices`.
@@ -16,11 +20,12 @@ policy, how it acknowledges a copy) is :class:`Choices`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
 from fsm_cache.errors import SpecError
+from fsm_cache.modelcheck.copies import Fields, Memory
 from fsm_cache.modelcheck.holders import Hold, Holders
 from fsm_cache.policy import PolicyNode, WritePolicy, wants_backup
 from fsm_cache.residency import DeviceState, HostState
@@ -40,18 +45,21 @@ class Layout:
         regions: Region names, in order.
         counters: Counter names, in order.
         holders: The holder kinds, and the events that acquire and give back each.
+        memory: The ghost memory of a node: tiers, copies and their acknowledgements.
     """
 
     system: System
     regions: tuple[str, ...]
     counters: tuple[str, ...]
     holders: Holders
+    memory: Memory
 
     @classmethod
     def of(cls, system: System) -> Layout:
         """Return the layout of ``system``'s node entries."""
         regions = tuple(r for r, _ in system.regions)
-        return cls(system, regions, tuple(c for c, _ in system.counters), Holders.of(system))
+        counters = tuple(c for c, _ in system.counters)
+        return cls(system, regions, counters, Holders.of(system), Memory.of(system))
 
     def state(self, entry: NodeEntry, region: str) -> str:
         """Return the state of ``region`` in a node entry."""
@@ -66,6 +74,15 @@ class Layout:
         """Index of the first hold in an entry."""
         return 1 + len(self.regions) + len(self.counters)
 
+    @property
+    def mbase(self) -> int:
+        """Index of the first ghost memory field in an entry."""
+        return self.base + len(self.holders.kinds)
+
+    def pages(self, entry: NodeEntry) -> Fields:
+        """Return the ghost memory of a node entry (:mod:`fsm_cache.modelcheck.copies`)."""
+        return entry[self.mbase :]
+
     def hold(self, entry: NodeEntry, key: Hold) -> int:
         """Return the ghost holds of ``key``."""
         return int(entry[self.base + self.holders.kinds.index(key)])
@@ -78,7 +95,45 @@ class Layout:
         """Return a new node under ``parent`` in the initial states with initial counters."""
         states = tuple(m.initial for _, m in self.system.regions)
         counters = tuple(v for _, v in self.system.counters)
-        return (parent, *states, *counters, *(0 for _ in self.holders.kinds))
+        return self.entry(parent, *states, *counters, *(0 for _ in self.holders.kinds))
+
+    def entry(self, parent: int, *fields: int | str) -> NodeEntry:
+        """Return the entry of a node with ``fields`` (states, counters, holds) and the memory they claim.
+
+        The memory of a new node is what its states say it holds: a node is
+        inserted with the KV a request computed on the device.
+        """
+        states = dict(zip(self.regions, (str(f) for f in fields), strict=False))
+        return (parent, *fields, *self.memory.fresh(states))
+
+    def stepped(self, entry: NodeEntry, event: str, effects: Sequence[str]) -> NodeEntry:
+        """Return ``entry`` (already in its new states) with its memory moved by ``event``'s ``effects``."""
+        if not self.memory.tiers:
+            return entry
+        states = {r: self.state(entry, r) for r in self.regions}
+        memory = self.memory.step(self.pages(entry), event, effects, states)
+        return (*entry[: self.mbase], *memory)
+
+    def owed(self, entry: NodeEntry) -> list[tuple[str, Hold]]:
+        """Return the give-backs ``(event, hold)`` the node's holders may fire now.
+
+        Each must be accepted (the other half of invariant 6): a client that
+        holds a pin must be able to release it. A copy's failure
+        acknowledgement (``load_failed``) is exempt: where the spec refuses
+        it, the cache copies again (the node stays as it is), and the
+        success acknowledgement gives the hold back.
+        """
+        return [
+            (event, key)
+            for event, keys in self.holders.releases.items()
+            for key in keys
+            if self.hold(entry, key) > 0 and not self.memory.failure(event)
+        ]
+
+    def unsettled(self, entry: NodeEntry) -> int:
+        """Return what at the node waits to finish: its holds and its copies in flight (0: settled)."""
+        holds = sum(int(h) for h in entry[self.base : self.mbase])
+        return holds + len(self.memory.in_flight(self.pages(entry)))
 
     def with_holds(self, entry: NodeEntry, deltas: dict[Hold, int]) -> NodeEntry:
         """Return ``entry`` with its ghost holds moved by ``deltas``."""

@@ -18,7 +18,6 @@ from typing import Any
 from fsm_cache.engine.core import Engine
 from fsm_cache.errors import IllegalTransition
 from fsm_cache.modelcheck import treeops
-from fsm_cache.modelcheck.forest import Forest
 from fsm_cache.modelcheck.state import (
     Choices,
     Layout,
@@ -32,8 +31,6 @@ from fsm_cache.modelcheck.state import (
 
 TraceStep = tuple[Any, ...]
 """``("event", node, name)``, ``("insert", parent)``, ``("split", node)`` or ``("start", shape)``."""
-Seen = dict[Forest, tuple[Forest | None, TraceStep]]
-"""Each explored state's predecessor and the step from it (None and the start for a start)."""
 
 
 class Replay:
@@ -83,15 +80,17 @@ class Replay:
         try:
             propagates = self.engine.plan(recs[index], event)[2]
             joined = [] if propagates else self._joined(nodes, index, event)
+            chain = [index, *ancestors(nodes, index)] if propagates else [index, *joined]
+            effects = {n: self.engine.plan(recs[n], event)[1] for n in chain}
             for n in [*reversed(joined), index]:  # a copy's nodes are acknowledged top down
                 self.engine.fire(recs[n], event)
-            chain = [index, *ancestors(nodes, index)] if propagates else [index, *joined]
         except IllegalTransition:
             return None
         out = list(nodes)
         for n in chain:
             old = _at(nodes, n)
-            out[n] = (old[0], *(getattr(recs[n], f) for f in self.fields), *old[layout.base :])
+            new = (old[0], *(getattr(recs[n], f) for f in self.fields), *old[layout.base :])
+            out[n] = layout.stepped(new, event, effects[n])
         out[index] = layout.with_holds(_at(out, index), layout.deltas(event))
         if any(layout.over(_at(out, n), self.bounds) for n in chain):
             return None
@@ -102,6 +101,17 @@ class Replay:
     def accepts(self, nodes: Nodes, index: int, event: str) -> bool:
         """Whether the engine accepts ``event`` at node ``index``, whoever holds what (a dry run)."""
         return self.engine.allowed(self._records(nodes)[index], event)
+
+    def refusal(self, nodes: Nodes, index: int, event: str) -> str | None:
+        """Return the error class the engine refuses ``event`` at node ``index`` with (None: accepted).
+
+        A dry run on records rebuilt for the purpose, whoever holds what.
+        """
+        try:
+            self.engine.fire(self._records(nodes)[index], event)
+        except IllegalTransition as exc:
+            return type(exc).__name__
+        return None
 
     def _chosen(self, nodes: Nodes, index: int, event: str) -> bool:
         """Whether the cache fires ``event`` at node ``index`` itself (its policy, its copies)."""
@@ -125,21 +135,17 @@ class Replay:
             out.append(n)
         return out
 
-    def trace(
-        self, seen: Seen, last: Forest, starts: dict[Forest, Nodes]
-    ) -> tuple[list[str], Nodes]:
-        """Replay the steps reaching ``last`` on its starting tree; return their labels and the end."""
-        steps: list[TraceStep] = []
-        current: Forest | None = last
-        while current is not None:
-            previous, step = seen[current]
-            steps.append(step)
-            first = current
-            current = previous
-        nodes = starts[first]
-        lines = [f"start: {steps[-1][1]}"]
+    def trace(self, steps: list[TraceStep], start: Nodes) -> tuple[list[str], Nodes]:
+        """Replay ``steps`` on the starting tree ``start``; return their labels and the end.
+
+        ``steps[0]`` is ``("start", shape)``; the others were taken in canonical
+        states, numbered as :func:`~fsm_cache.modelcheck.state.canonical` numbers
+        them, and are fired here at the nodes those numbers stand for.
+        """
+        nodes = start
+        lines = [f"start: {steps[0][1]}"]
         perm = canonical(nodes)[1]
-        for step in steps[-2::-1]:
+        for step in steps[1:]:
             where = int(step[1])
             concrete: TraceStep = (step[0], perm[where] if where >= 0 else -1, *step[2:])
             lines.append(label(nodes, concrete))

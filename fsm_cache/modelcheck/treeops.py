@@ -37,12 +37,19 @@ def split(layout: Layout, nodes: Nodes, index: int, slot: int) -> Nodes | None:
 
     The prefix takes the node's place under its parent, with the fields of
     :func:`prefix_fields` and the holds of :func:`prefix_holds`; the suffix
-    keeps everything it had.
+    keeps everything it had. Both halves keep the node's memory: the prefix
+    takes the first pages of each tier, in the same condition, and a copy in
+    flight for the node now serves both (``transfers.on_split``).
     """
     entry = nodes[index]
     if entry is None or nodes[slot] is not None:
         return None
-    prefix: NodeEntry = (int(entry[0]), *prefix_fields(layout, entry), *prefix_holds(layout, entry))
+    prefix: NodeEntry = (
+        int(entry[0]),
+        *prefix_fields(layout, entry),
+        *prefix_holds(layout, entry),
+        *layout.pages(entry),
+    )
     moved = _put(nodes, slot, prefix)
     return _put(moved, index, (slot, *entry[1:]))
 
@@ -95,11 +102,18 @@ def _holds_prefix(layout: Layout, key: Hold) -> bool:
 
 
 def dataless(layout: Layout, entry: NodeEntry) -> bool:
-    """Whether a node holds its data nowhere (device absent and no valid host copy)."""
+    """Whether a node holds its data nowhere (device absent and no valid host copy).
+
+    A node whose ghost memory still holds pages, or a copy in flight, is
+    kept: deleting it would hide a leak, or a copy into a deleted node, that
+    the invariants then report (:func:`~fsm_cache.modelcheck.invariants.memory_claims`).
+    """
     if not (layout.has("device") and layout.has("host")):
         return False
     return (
-        layout.state(entry, "device") == "absent" and layout.state(entry, "host") not in HOST_HELD
+        layout.state(entry, "device") == "absent"
+        and layout.state(entry, "host") not in HOST_HELD
+        and not layout.memory.holds(layout.pages(entry))
     )
 
 
