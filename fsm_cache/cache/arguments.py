@@ -12,6 +12,7 @@ of Python ints once, so equal prefixes match whatever they were passed as.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, Protocol, TypeAlias
 
@@ -39,7 +40,7 @@ def ints(value: object, op: str, what: str) -> tuple[int, ...]:
 
     Raises:
         BadArgument: ``value`` is a string, a scalar, nested, or holds a value
-            that is not a non-negative int (bools included).
+            that is not an int in ``0 <= id < 2**64`` (bools pass as 0 and 1).
     """
     tolist = getattr(value, "tolist", None)
     if callable(tolist):
@@ -47,14 +48,20 @@ def ints(value: object, op: str, what: str) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise BadArgument(f"{op}: {what} must be a sequence of ints, got {type(value).__name__}")
     out = tuple(value)
-    if set(map(type, out)) - {int}:  # one pass in C; the slow path names the culprit
-        for i, item in enumerate(out):
-            if type(item) is not int:
-                raise BadArgument(f"{op}: {what}[{i}] is {item!r}, not an int")
-    if out and min(out) < 0:
-        i = next(i for i, item in enumerate(out) if item < 0)
-        raise BadArgument(f"{op}: {what}[{i}] is {out[i]}; ids and slots are non-negative")
+    try:
+        array.array("Q", out)  # one pass in C: non-negative ints that fit 64 bits, or it raises
+    except (TypeError, OverflowError):
+        _name_culprit(out, op, what)
     return out
+
+
+def _name_culprit(out: tuple[object, ...], op: str, what: str) -> None:
+    """Raise BadArgument naming the first item of ``out`` that is not a token id or slot."""
+    for i, item in enumerate(out):
+        if type(item) is not int:
+            raise BadArgument(f"{op}: {what}[{i}] is {item!r}, not an int")
+        if not 0 <= item < 1 << 64:
+            raise BadArgument(f"{op}: {what}[{i}] is {item}; ids and slots are 0 <= id < 2**64")
 
 
 def count(value: object, op: str, what: str = "num_tokens") -> int:
