@@ -222,6 +222,10 @@ def test_5_a_caller_that_never_polls_is_never_refused_room(policy: str, delay: i
         (lambda c: c.evict(None), "evict: num_tokens must be an int, got None"),
         (lambda c: c.evict(-1), "evict: num_tokens must be >= 0, got -1"),
         (lambda c: c.evict(True), "evict: num_tokens must be an int, got True"),
+        (
+            lambda c: c.evict(torch.tensor([1.0])),
+            "evict: num_tokens must be an int, got tensor([1.])",
+        ),
         (lambda c: c.evict_host(1.5), "evict_host: num_tokens must be an int, got 1.5"),
         (lambda c: c.alloc_slots(2.5), "alloc_slots: num_tokens must be an int, got 2.5"),
         (lambda c: c.free_slots([1.5]), "free_slots: slots[0] is 1.5, not an int"),
@@ -279,6 +283,13 @@ def test_16_lock_of_a_node_deleted_by_eviction_is_refused() -> None:
 
 
 # -- 8: tensors ----------------------------------------------------------------
+
+
+def test_18_an_integer_tensor_or_numpy_int_counts_as_an_int() -> None:
+    cache = make()
+    cache.insert([1, 2, 3, 4])
+    cache.poll()
+    assert cache.evict(torch.tensor(2)) == 4  # type: ignore[arg-type]
 
 
 def test_8_tokens_as_a_tensor_match_as_a_list_would() -> None:

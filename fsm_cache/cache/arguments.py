@@ -13,6 +13,7 @@ of Python ints once, so equal prefixes match whatever they were passed as.
 from __future__ import annotations
 
 import array
+import operator
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, Protocol, TypeAlias
 
@@ -70,13 +71,16 @@ def count(value: object, op: str, what: str = "num_tokens") -> int:
     Raises:
         BadArgument: It is not an int, is a bool, or is negative.
     """
+    given = value
     if type(value) is not int:
-        index = getattr(value, "__index__", None)
-        if isinstance(value, bool) or index is None or isinstance(value, float):
-            raise BadArgument(f"{op}: {what} must be an int, got {value!r}")
-        value = index()
-    if not isinstance(value, int) or value < 0:
-        raise BadArgument(f"{op}: {what} must be >= 0, got {value!r}")
+        try:  # numpy ints and one-element integer tensors index; floats and the rest do not
+            value = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError, RuntimeError):
+            value = None
+        if value is None:
+            raise BadArgument(f"{op}: {what} must be an int, got {given!r}")
+    if value < 0:
+        raise BadArgument(f"{op}: {what} must be >= 0, got {given!r}")
     return value
 
 
