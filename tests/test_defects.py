@@ -233,6 +233,11 @@ def test_5_a_caller_that_never_polls_is_never_refused_room(policy: str, delay: i
         (lambda c: c.backup(None), "backup: expected a sequence of nodes, got NoneType"),
         (lambda c: c.backup([None]), "backup: expected a tree node, got NoneType"),
         (lambda c: c.fire("nope", c.tree.nodes[1]), "fire: 'nope' is not a residency event"),
+        (
+            lambda c: c.apply_completions(3),
+            "apply_completions: expected a sequence of completions, got int",
+        ),
+        (lambda c: c.apply_completions([3]), "apply_completions: expected a Completion, got 3"),
     ],
 )
 def test_6_18_bad_input_is_a_typed_error_and_changes_nothing(

@@ -533,7 +533,14 @@ class HiCache:
         group applies an agreed prefix of :meth:`issued` instead
         (:mod:`fsm_cache.distributed.agreement`). Either way the log records which copies
         were applied, in order, and whether each succeeded.
+
+        Raises:
+            BadArgument: ``completions`` is not a sequence of completions.
+            DuplicateAck: One names a copy not in flight; nothing was applied.
         """
+        if isinstance(completions, (str, bytes)) or not isinstance(completions, Sequence):
+            name = type(completions).__name__
+            raise BadArgument(f"apply_completions: expected a sequence of completions, got {name}")
         with self._operation("apply_completions"):
             return self._transfers.apply(completions, "apply_completions")
 
