@@ -235,7 +235,7 @@ class Evictor:
         while keep is not None and keep.device not in DEVICE_HELD:
             keep = keep.parent
         held = keep if keep is not None and keep.parent is not None else None
-        self._refuse_impossible(pages, held)
+        self.refuse_impossible(pages, held)
         if held is not None:
             self._core.fire(held, "lock")
         self._spared = frozenset(n.id for n in spare)
@@ -247,13 +247,18 @@ class Evictor:
                 self._core.fire(held, "unlock")
         return self._tiers.alloc_device(pages, 0)
 
-    def _refuse_impossible(self, pages: int, keep: TreeNode | None) -> None:
-        """Raise PoolExhausted, evicting nothing, if eviction could never free ``pages``.
+    def refuse_impossible(self, pages: int, keep: TreeNode | None) -> None:
+        """Raise PoolExhausted, changing nothing, if eviction could never free ``pages``.
+
+        Operations that would first wait for copies (an insert through a node
+        still loading) ask before they wait, so such a refusal changes nothing.
 
         The bound counts every free page and every page of an unlocked device
         node off ``keep``'s path: no eviction frees more than that.
         """
         allocator = self._tiers.device.allocator
+        if pages <= allocator.free_pages:
+            return
         kept = set()
         while keep is not None:
             kept.add(keep.id)

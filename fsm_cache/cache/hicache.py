@@ -251,6 +251,9 @@ class HiCache:
             slots.check_count(args, len(key))
             walk = tree.walk(key, namespace)
             if any(n.device == "loading" for n in walk.path):
+                if args is None:  # refuse what can never fit before waiting for anything
+                    needed = sum(n for _, _, n in slots.wanted(walk.path, key))
+                    self._evictor.refuse_impossible(needed // self.config.page_size, walk.path[-1])
                 stuck = self._transfers.finish_loads(walk.path, "insert")
                 if stuck:
                     raise CopyFailed(
@@ -456,8 +459,14 @@ class HiCache:
         """
         node = arguments.node(self._core.tree, node, "load_back")
         with self._operation("load_back", node.id):
-            above = _chain(node)[1]
+            chain, above = _chain(node)
             if above is not None and above.device == "loading":
+                tokens = sum(len(n.key) for n in chain)
+                if tokens and worth_loading(tokens, self.config.load_back_threshold):
+                    try:  # no room could ever be made: say so before waiting for anything
+                        self._evictor.refuse_impossible(tokens // self.config.page_size, above)
+                    except PoolExhausted:
+                        return None
                 if self._transfers.finish_loads([above], "load_back"):
                     return None  # its copy failed and runs again: nothing may load under it yet
                 if self._core.tree.nodes.get(node.id) is not node:
