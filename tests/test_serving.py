@@ -86,4 +86,4 @@ def test_wait_loaded_refuses_a_load_that_must_run_again() -> None:
     assert cache.wait_loaded([])  # nothing loading: nothing to wait for
     cache.unlock(lock)
     cache.poll()
-    assert chain[-1].device == "resident"
+    assert chain[-1].residency() == "backed/resident (pins=0, locks=0)"
