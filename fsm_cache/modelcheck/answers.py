@@ -20,11 +20,13 @@ they do hold (:meth:`Answers.refuses_owed`), asked at nodes with holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fsm_cache.engine.core import Engine
 from fsm_cache.errors import IllegalTransition
 from fsm_cache.modelcheck.forest import Trees
+from fsm_cache.modelcheck.holders import Hold
 from fsm_cache.modelcheck.state import Choices, Layout, NodeEntry
 
 
@@ -106,11 +108,7 @@ class Answers:
         Args:
             chain: The contexts of the node and of its ancestors, nearest first.
         """
-        lid = self.contexts[chain[0]][0]
-        events = self._unheld.get(lid)
-        if events is None:
-            entry: NodeEntry = (0, *self.trees.locals[lid])
-            events = self._unheld[lid] = [event for event, _ in self.layout.unheld(entry)]
+        events = self._give_backs(self._unheld, self.layout.unheld, chain)
         return any(self.accepts(event, chain) for event in events)
 
     def refuses_owed(self, chain: tuple[int, ...]) -> bool:
@@ -119,12 +117,22 @@ class Answers:
         Args:
             chain: The contexts of the node and of its ancestors, nearest first.
         """
+        events = self._give_backs(self._owed, self.layout.owed, chain)
+        return not all(self.accepts(event, chain) for event in events)
+
+    def _give_backs(
+        self,
+        memo: dict[int, list[str]],
+        find: Callable[[NodeEntry], list[tuple[str, Hold]]],
+        chain: tuple[int, ...],
+    ) -> list[str]:
+        """The events ``find`` names at the node of ``chain``, memoised by its local state."""
         lid = self.contexts[chain[0]][0]
-        events = self._owed.get(lid)
+        events = memo.get(lid)
         if events is None:
             entry: NodeEntry = (0, *self.trees.locals[lid])
-            events = self._owed[lid] = [event for event, _ in self.layout.owed(entry)]
-        return not all(self.accepts(event, chain) for event in events)
+            events = memo[lid] = [event for event, _ in find(entry)]
+        return events
 
     def accepts(self, event: str, chain: tuple[int, ...]) -> bool:
         """Whether the engine accepts ``event`` fired at the node of ``chain``, whoever holds what.
