@@ -14,7 +14,8 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # `make test` installs `dev`, which holds every extra (pyproject.toml).
 EXTRAS  := cli,reference,distributed
 
-.PHONY: run test lint typecheck pytest verify check audit diagrams docs bench clean system-deps
+.PHONY: run test lint typecheck pytest verify check audit diagrams docs bench clean system-deps \
+	test-sglang
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -68,5 +69,31 @@ bench: $(STAMP)
 test: system-deps $(DEVSTAMP)
 	$(MAKE) lint typecheck pytest verify check audit diagrams docs
 
+# SGLang's real radix caches (tests/sglang_real): one side venv per version under .cache/sglang
+# (ignored by git), holding only the wheel (--no-deps); torch, pytest and fsm_cache come from
+# .venv through a .pth file, and what else the cache modules import is stood in by the tests
+# (tests/sglang_real/standins.py). The wheels are downloaded once and kept.
+SGLANG_VERSIONS ?= 0.5.6 0.5.23
+SGCACHE := .cache/sglang
+
+$(SGCACHE)/venv-%/.installed: $(DEVSTAMP)
+	rm -rf $(SGCACHE)/venv-$*
+	mkdir -p $(SGCACHE)/wheels
+	ls $(SGCACHE)/wheels/sglang-$*-*.whl >/dev/null 2>&1 \
+		|| $(BIN)/pip download -q --no-deps -d $(SGCACHE)/wheels "sglang==$*"
+	$(BIN)/python -m venv --without-pip $(SGCACHE)/venv-$*
+	main=$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+	&& side=$$($(SGCACHE)/venv-$*/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+	&& echo "import site; site.addsitedir('$$main')" > "$$side/_fsm_cache_main_venv.pth"
+	$(BIN)/python -m pip --python $(SGCACHE)/venv-$*/bin/python install -q --no-deps --no-compile \
+		$(SGCACHE)/wheels/sglang-$*-*.whl
+	touch $@
+
+test-sglang: $(foreach v,$(SGLANG_VERSIONS),$(SGCACHE)/venv-$(v)/.installed)
+	@set -e; for v in $(SGLANG_VERSIONS); do \
+		echo "== sglang $$v"; \
+		$(SGCACHE)/venv-$$v/bin/python -m pytest -q -p no:cacheprovider tests/sglang_real; \
+	done
+
 clean:
-	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
+	rm -rf $(VENV) site .pytest_cache .cache/sglang/venv-* .mypy_cache .ruff_cache .import_linter_cache

@@ -1,0 +1,190 @@
+"""Fixtures that build SGLang's real radix caches on the CPU (``make test-sglang``).
+
+These tests run only in a side environment that has an SGLang wheel installed
+(``.cache/sglang/venv-<version>``, built by ``make test-sglang``). Anywhere else,
+the normal ``pytest`` run included, nothing here is collected.
+
+``mode`` is how the tree's nodes are built:
+
+* ``stock``: SGLang's own ``TreeNode``;
+* ``mixin``: ``class CheckedTreeNode(ResidencyMixin, TreeNode)`` as docs/sglang.md
+  shows it, rebound in SGLang's modules so the caches build it;
+* ``mixin+root``: the same with a three-line root fix written here (the root
+  starts ``backed`` with one lock, which is what SGLang's ``reset`` assigns), to
+  see what fails past the root (issue 14).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from . import standins
+from .fakes import CpuController, FakeAllocator, FakeHostPool, server_args
+
+
+if standins.sglang_present():
+    standins.install()
+else:
+    collect_ignore_glob = ["test_*.py"]
+
+MODES = ("stock", "mixin", "mixin+root")
+
+
+def sglang_version() -> str:
+    """The installed SGLang wheel's version."""
+    return importlib.metadata.version("sglang")
+
+
+class Api:
+    """SGLang's radix-cache calls, spelled for the installed version.
+
+    0.5.6 takes a ``RadixKey`` over a list and plain arguments; 0.5.23 takes
+    ``*Params`` dataclasses, a ``RadixKey`` over ``array('q')`` and returns
+    ``*Result`` objects.
+    """
+
+    def __init__(self) -> None:
+        self.version = sglang_version()
+        self.rc: Any = importlib.import_module("sglang.srt.mem_cache.radix_cache")
+        self.base: Any = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
+        self.params: Any = importlib.import_module("sglang.srt.mem_cache.cache_init_params")
+        self.new = hasattr(self.base, "InsertParams")
+
+    def key(self, ids: Sequence[int]) -> Any:
+        """A ``RadixKey`` over ``ids``."""
+        return self.rc.RadixKey(array("q", ids) if self.new else list(ids))
+
+    def insert(self, cache: Any, ids: Sequence[int], value: Any) -> int:
+        """Insert ``ids`` with device slots ``value``; the prefix already cached."""
+        if self.new:
+            return int(
+                cache.insert(self.base.InsertParams(key=self.key(ids), value=value)).prefix_len
+            )
+        return int(cache.insert(self.key(ids), value))
+
+    def match(self, cache: Any, ids: Sequence[int]) -> tuple[int, Any]:
+        """Match ``ids``: the device-resident prefix length and the last device node."""
+        if self.new:
+            found = cache.match_prefix(self.base.MatchPrefixParams(key=self.key(ids)))
+            return int(found.device_prefix_len), found.last_device_node
+        found = cache.match_prefix(self.key(ids))
+        return len(found.device_indices), found.last_device_node
+
+    def evict(self, cache: Any, tokens: int) -> None:
+        """Ask the cache to free ``tokens`` device slots."""
+        if self.new:
+            cache.evict(self.base.EvictParams(num_tokens=tokens))
+        else:
+            cache.evict(tokens)
+
+    def cache_params(self, allocator: FakeAllocator, page_size: int = 1) -> Any:
+        """``CacheInitParams`` with the fake allocator and no request pool."""
+        return self.params.CacheInitParams(
+            disable=False,
+            req_to_token_pool=None,
+            token_to_kv_pool_allocator=allocator,
+            page_size=page_size,
+        )
+
+
+@pytest.fixture(scope="session")
+def sg() -> Api:
+    """The installed SGLang's radix-cache API."""
+    return Api()
+
+
+@pytest.fixture
+def allocator() -> FakeAllocator:
+    """64 device slots on the CPU."""
+    return FakeAllocator(64)
+
+
+def checked_node_class(base: type, root_fix: bool) -> type:
+    """SGLang's ``TreeNode`` with the drop-in mixed in, as docs/sglang.md shows it."""
+    from fsm_cache.compat.sglang import ResidencyMixin
+    from fsm_cache.residency import Residency
+
+    class CheckedTreeNode(ResidencyMixin, base):  # type: ignore[misc]
+        residency = Residency()
+
+    if not root_fix:
+        return CheckedTreeNode
+
+    class RootFixedTreeNode(CheckedTreeNode):
+        def __init__(self, id: int | None = None, priority: int = 0) -> None:
+            super().__init__(id, priority)
+            if priority == -sys.maxsize:  # RadixCache.reset's root
+                self.host, self.locks = "backed", 1
+
+    return RootFixedTreeNode
+
+
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest, sg: Api, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Build the trees with SGLang's node (``stock``) or the checked one."""
+    chosen = str(request.param)
+    if chosen != "stock":
+        node = checked_node_class(sg.rc.TreeNode, root_fix=chosen == "mixin+root")
+        monkeypatch.setattr(sg.rc, "TreeNode", node)
+        if importlib.util.find_spec("sglang.srt.mem_cache.hiradix_cache") is not None:
+            monkeypatch.setattr(hiradix_module(), "TreeNode", node)
+    return chosen
+
+
+class Clock:
+    """``time`` for SGLang's cache modules: a monotonic clock that ticks per call.
+
+    LRU order then follows the order of the calls, not the timer's resolution.
+    """
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        """One tick later than the last call."""
+        self.now += 1.0
+        return self.now
+
+    def perf_counter(self) -> float:
+        """Same clock (eviction metrics read it)."""
+        return self.monotonic()
+
+
+@pytest.fixture(autouse=True)
+def clock(sg: Api, monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """Replace ``time`` in SGLang's cache modules with a deterministic :class:`Clock`."""
+    ticking = Clock()
+    monkeypatch.setattr(sg.rc, "time", ticking)
+    if importlib.util.find_spec("sglang.srt.mem_cache.hiradix_cache") is not None:
+        monkeypatch.setattr(hiradix_module(), "time", ticking)
+    return ticking
+
+
+def hiradix_module() -> Any:
+    """0.5.6's ``hiradix_cache`` module; skip on versions that have none."""
+    try:
+        return importlib.import_module("sglang.srt.mem_cache.hiradix_cache")
+    except ModuleNotFoundError:
+        pytest.skip(f"sglang {sglang_version()} has no hiradix_cache.py")
+
+
+def build_hiradix(
+    sg: Api, allocator: FakeAllocator, monkeypatch: pytest.MonkeyPatch, write_policy: str
+) -> Any:
+    """SGLang's real ``HiRadixCache`` over the CPU fakes (host pool, controller, one rank)."""
+    import torch
+
+    hi = hiradix_module()
+    allocator.kvcache = hi.MHATokenToKVPool.__new__(hi.MHATokenToKVPool)
+    monkeypatch.setattr(hi, "MHATokenToKVPoolHost", FakeHostPool)
+    monkeypatch.setattr(hi, "HiCacheController", CpuController.build)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    return hi.HiRadixCache(sg.cache_params(allocator), server_args(write_policy))

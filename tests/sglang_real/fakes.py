@@ -1,0 +1,240 @@
+"""CPU fakes for what SGLang's radix caches are built with, written for these tests.
+
+``RadixCache`` needs a ``token_to_kv_pool_allocator`` (``device``, ``free``, and
+in 0.5.23 ``free_segment``); ``HiRadixCache`` (0.5.6) also asks it for its KV
+cache (``get_kvcache``), builds a host pool from it (``MHATokenToKVPoolHost``)
+and a ``HiCacheController`` that copies between the two on CUDA streams. The
+fakes keep only the slot bookkeeping: a free list per tier, a log of every
+slot freed, and a controller whose copies "finish" when the test says so.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+
+class SlotPool:
+    """A free list of slot indices with a log of frees (device or host tier)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.free_slots: list[int] = list(range(size))
+        self.freed: list[list[int]] = []
+
+    def alloc(self, need: int) -> torch.Tensor | None:
+        """Take ``need`` slots, lowest first; None when too few are free."""
+        if need > len(self.free_slots):
+            return None
+        taken, self.free_slots = self.free_slots[:need], self.free_slots[need:]
+        return torch.tensor(taken, dtype=torch.int64)
+
+    def take(self, need: int) -> torch.Tensor:
+        """Take ``need`` slots that the test knows are free."""
+        taken = self.alloc(need)
+        assert taken is not None, f"only {len(self.free_slots)} slots free, {need} needed"
+        return taken
+
+    def free(self, indices: Any) -> None:
+        """Give slots back (SGLang passes tensors, or ``[]`` for the root)."""
+        slots = [int(i) for i in indices]
+        if not slots:
+            return
+        held = set(range(self.size)) - set(self.free_slots)
+        assert set(slots) <= held, f"double free of {sorted(set(slots) - held)}"
+        self.freed.append(slots)
+        self.free_slots = sorted(self.free_slots + slots)
+
+    def available_size(self) -> int:
+        """Free slots left."""
+        return len(self.free_slots)
+
+    def clear(self) -> None:
+        """Free everything (``HiRadixCache.reset`` clears the host pool)."""
+        self.free_slots = list(range(self.size))
+
+
+class FakeAllocator(SlotPool):
+    """``token_to_kv_pool_allocator``: device slots, on the CPU."""
+
+    def __init__(self, size: int, kvcache: object | None = None) -> None:
+        super().__init__(size)
+        self.device = "cpu"
+        self.kvcache = kvcache
+
+    def free_segment(self, indices: Any, start_pos: int = 0) -> None:
+        """0.5.23's page-exact free (``RadixCache.evict``)."""
+        del start_pos
+        self.free(indices)
+
+    def get_kvcache(self) -> object | None:
+        """The KV cache ``HiRadixCache`` sizes its host pool from."""
+        return self.kvcache
+
+
+class FakeHostPool(SlotPool):
+    """Stands in for ``MHATokenToKVPoolHost``: host slots, same constructor."""
+
+    def __init__(
+        self, device_pool: object, ratio: float, size: int, page_size: int, layout: str
+    ) -> None:
+        del device_pool, size, page_size, layout
+        super().__init__(int(HOST_SLOTS * ratio))
+
+
+HOST_SLOTS = 64
+"""Host slots per 1.0 of ``hicache_ratio``."""
+
+
+@dataclass
+class Event:
+    """A CUDA event stand-in: done when the test completes the copy."""
+
+    done: bool = False
+
+    def query(self) -> bool:
+        """Whether the copy finished (``writing_check``/``loading_check`` poll this)."""
+        return self.done
+
+    def synchronize(self) -> None:
+        """Wait for the copy: on the CPU it finishes at once."""
+        self.done = True
+
+    def record(self) -> None:
+        """Nothing to record on the CPU."""
+
+
+class Ack(NamedTuple):
+    """SGLang's ``HiCacheAck``: ``(start_event, finish_event, node_ids)``."""
+
+    start_event: Event
+    finish_event: Event
+    node_ids: list[int]
+
+
+@dataclass
+class Copy:
+    """One copy the controller started: which slots, for which node."""
+
+    host: list[int]
+    device: list[int]
+    node_id: int
+
+
+@dataclass
+class CpuController:
+    """The parts of ``HiCacheController`` that ``HiRadixCache`` calls, on the CPU.
+
+    ``write`` allocates host slots and queues its ack at once (SGLang's
+    ``start_writing`` runs inside ``write``); ``load`` allocates device slots
+    and ``start_loading`` queues the ack. Acks finish only when the test calls
+    :meth:`finish_writes` / :meth:`finish_loads`, so a test can act while a
+    copy is in flight.
+    """
+
+    mem_pool_device_allocator: FakeAllocator
+    mem_pool_host: FakeHostPool
+    page_size: int
+    write_policy: str
+    ack_write_queue: list[Ack] = field(default_factory=list)
+    ack_load_queue: list[Ack] = field(default_factory=list)
+    load_queue: list[Copy] = field(default_factory=list)
+    writes: list[Copy] = field(default_factory=list)
+    loads: list[Copy] = field(default_factory=list)
+    tp_rank: int = 0
+    dp_rank: int = 0
+    storage_backend: object | None = None
+
+    @classmethod
+    def build(
+        cls,
+        allocator: FakeAllocator,
+        host_pool: FakeHostPool,
+        page_size: int,
+        tp_group: object,
+        **kwargs: Any,
+    ) -> CpuController:
+        """Take ``HiCacheController``'s constructor arguments."""
+        del tp_group
+        return cls(
+            allocator, host_pool, page_size, str(kwargs.get("write_policy", "write_through"))
+        )
+
+    def reset(self) -> None:
+        """Drop every queued operation (``HiRadixCache.reset``)."""
+        self.ack_write_queue.clear()
+        self.ack_load_queue.clear()
+        self.load_queue.clear()
+
+    def write(
+        self, device_indices: torch.Tensor, priority: int | None = None, node_id: int = -1
+    ) -> torch.Tensor | None:
+        """Allocate host slots and start the device-to-host copy; None when the host is full."""
+        del priority
+        host = self.mem_pool_host.alloc(len(device_indices))
+        if host is None:
+            return None
+        copy = Copy(host.tolist(), [int(i) for i in device_indices], node_id)
+        self.writes.append(copy)
+        self.ack_write_queue.append(Ack(Event(True), Event(), [node_id]))
+        return host
+
+    def load(
+        self, host_indices: torch.Tensor, priority: int | None = None, node_id: int = -1
+    ) -> torch.Tensor | None:
+        """Allocate device slots for a host-to-device copy; None when the device is full."""
+        del priority
+        device = self.mem_pool_device_allocator.alloc(len(host_indices))
+        if device is None:
+            return None
+        self.load_queue.append(Copy(host_indices.tolist(), device.tolist(), node_id))
+        return device
+
+    def start_loading(self) -> int:
+        """Start the queued loads as one copy; -1 when none are queued."""
+        if not self.load_queue:
+            return -1
+        ids = [c.node_id for c in self.load_queue]
+        self.loads.extend(self.load_queue)
+        self.load_queue.clear()
+        self.ack_load_queue.append(Ack(Event(True), Event(), ids))
+        return len(self.loads)
+
+    def evict_device(self, device_indices: torch.Tensor) -> int:
+        """Free device slots whose data has a host copy."""
+        self.mem_pool_device_allocator.free(device_indices)
+        return len(device_indices)
+
+    def evict_host(self, host_indices: torch.Tensor, backup_only: bool = True) -> int:
+        """Free host slots."""
+        assert backup_only
+        self.mem_pool_host.free(host_indices)
+        return len(host_indices)
+
+    def finish_writes(self) -> None:
+        """Every device-to-host copy started so far lands."""
+        for ack in self.ack_write_queue:
+            ack.finish_event.done = True
+
+    def finish_loads(self) -> None:
+        """Every host-to-device copy started so far lands."""
+        for ack in self.ack_load_queue:
+            ack.finish_event.done = True
+
+
+def server_args(write_policy: str = "write_through") -> types.SimpleNamespace:
+    """The ``ServerArgs`` fields ``HiRadixCache.__init__`` reads, without storage (L3)."""
+    return types.SimpleNamespace(
+        hicache_io_backend="kernel",
+        hicache_mem_layout="layer_first",
+        hicache_ratio=1.0,
+        hicache_size=0,
+        hicache_storage_backend=None,
+        hicache_storage_backend_extra_config=None,
+        hicache_storage_prefetch_policy="best_effort",
+        hicache_write_policy=write_policy,
+        served_model_name="fake",
+    )
