@@ -67,7 +67,7 @@ bench: $(STAMP)
 	$(BIN)/fsm-cache bench
 
 test: system-deps $(DEVSTAMP)
-	$(MAKE) lint typecheck pytest verify check audit diagrams docs
+	$(MAKE) lint typecheck pytest verify check audit diagrams docs test-sglang
 
 # SGLang's real radix caches (tests/sglang_real): one side venv per version under .cache/sglang
 # (ignored by git), holding only the wheel (--no-deps); torch, pytest and fsm_cache come from
