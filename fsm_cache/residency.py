@@ -55,6 +55,11 @@ HOST_HELD: frozenset[str] = frozenset({"writing", "backed", "pinned"})
 """Host states in which host slots are allocated."""
 DEVICE_HELD: frozenset[str] = frozenset({"resident", "loading"})
 """Device states in which device slots are allocated."""
+DEVICE_READABLE: frozenset[str] = frozenset({"resident"})
+"""Device states in which the device slots hold the node's KV: what a lookup may hand out.
+
+The model checker derives the same set from the spec (held, and no copy in
+flight); ``tests/test_check.py`` holds the two together."""
 
 
 def split_prefix(

@@ -14,12 +14,20 @@ import pytest
 from fsm_cache.cache.tree import RadixTree
 from fsm_cache.errors import SpecError
 from fsm_cache.modelcheck import check, invariants, liveness, lookup, progress, treeops
+from fsm_cache.modelcheck.copies import VALID
 from fsm_cache.modelcheck.explore import Bounds, Explorer
 from fsm_cache.modelcheck.state import Layout, NodeEntry, canonical
 from fsm_cache.policy import WritePolicy
+from fsm_cache.residency import DEVICE_READABLE
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import as_system
-from fsm_cache.spec.shipped import load_shipped, residency_system, shipped_spec_paths, spec_dir
+from fsm_cache.spec.shipped import (
+    device_machine,
+    load_shipped,
+    residency_system,
+    shipped_spec_paths,
+    spec_dir,
+)
 
 
 BUGS = spec_dir() / "bugs_detected"
@@ -820,3 +828,10 @@ def test_every_state_of_the_shipped_spec_settles(
     explorer = Explorer(layout, Bounds({"pins": 2, "locks": 2}), policy=policy)
     assert explorer.run(check.shapes(layout, 3)).violation is None
     assert {"write_done", "load_done", "release", "unlock"} <= explorer.settling
+
+
+def test_the_caches_lookup_hands_out_what_the_model_derives_as_readable() -> None:
+    """HiCache's lookup rule (DEVICE_READABLE) is the model's, derived from the spec's effects."""
+    device = device_machine()
+    derived = {s.name for s in device.states if RESIDENCY.memory.claims("device", s.name) == VALID}
+    assert derived == DEVICE_READABLE

@@ -49,7 +49,7 @@ from fsm_cache.memory.pages import REQUEST, pages_of, slots_of
 from fsm_cache.memory.tickets import Completion
 from fsm_cache.memory.tiers import CacheConfig, Tiers
 from fsm_cache.policy import WritePolicy, worth_loading
-from fsm_cache.residency import HOST_VALID, Event, Residency
+from fsm_cache.residency import DEVICE_READABLE, HOST_VALID, Event, Residency
 
 
 trail.internal(__file__)
@@ -190,7 +190,7 @@ class HiCache:
             root = tree.root(namespace)
             on_device = []
             for n in walk.path:
-                if n.device != "resident":
+                if n.device not in DEVICE_READABLE:
                     break
                 on_device.append(n)
             device_len = sum(len(n.key) for n in on_device)
