@@ -289,12 +289,12 @@ class Evictor:
         """
         allocator = self._tiers.device.allocator
         self.evict_device(slots - allocator.free_slots)
-        if allocator.free_slots >= slots or not self._copies_pending():
+        if allocator.free_slots >= slots or self._transfers.idle():
             return
         self._transfers.apply(self._transfers.collect(wait=False), "evict")
         self.evict_device(slots - allocator.free_slots)
         rounds = len(self._core.tree.nodes) + 1  # each useful round backs up one more level
-        while allocator.free_slots < slots and self._copies_pending():
+        while allocator.free_slots < slots and not self._transfers.idle():
             before = (allocator.free_slots, self._core.counters.transitions.total())
             self._transfers.settle()
             rounds -= 1
@@ -303,6 +303,3 @@ class Evictor:
             self.evict_device(slots - allocator.free_slots)
             if before == (allocator.free_slots, self._core.counters.transitions.total()):
                 return
-
-    def _copies_pending(self) -> bool:
-        return bool(self._transfers.in_flight()) or self._transfers.queued() > 0

@@ -471,11 +471,11 @@ class HiCache:
                     return None  # its copy failed and runs again: nothing may load under it yet
                 if self._core.tree.nodes.get(node.id) is not node:
                     return None  # host eviction took it while the copies were applied
-            return self._load_chain(node)
+                chain = _chain(node)[0]  # the applied copies may have changed it
+            return self._load_chain(chain)
 
-    def _load_chain(self, node: TreeNode) -> list[TreeNode] | None:
-        """Start loading every device-absent node from the first one above ``node`` down to it."""
-        chain = _chain(node)[0]
+    def _load_chain(self, chain: list[TreeNode]) -> list[TreeNode] | None:
+        """Start loading ``chain``, the device-absent nodes ending at the one asked for."""
         tokens = sum(len(n.key) for n in chain)
         if not chain or not worth_loading(tokens, self.config.load_back_threshold):
             return None
@@ -571,11 +571,7 @@ class HiCache:
         if self._gate.closed:
             return
         with self._operation("close"):
-            # an acknowledgement may start more copies (a child's backup): until none is left
-            for _ in range(len(self._core.tree.nodes) + 2):
-                if not self._transfers.in_flight() and not self._transfers.queued():
-                    break
-                self._transfers.settle()
+            self._transfers.settle_all(len(self._core.tree.nodes) + 2)
         self._gate.closed = True
         self.tiers.close()
 

@@ -147,6 +147,10 @@ class Transfers:
         """Return how many nodes wait in a batch for their copy to start (retries included)."""
         return sum(len(nodes) for nodes in self._batch.values()) + len(self._retry)
 
+    def idle(self) -> bool:
+        """Return whether no copy is in flight, queued, or waiting to be copied again."""
+        return not self._tickets and self.queued() == 0
+
     def pending(self) -> frozenset[int]:
         """Return the ids of nodes with a copy in flight, queued, or waiting to be copied again."""
         out = {n.id for batch in self._tickets.values() for n in batch.nodes}
@@ -325,6 +329,18 @@ class Transfers:
         """
         self.flush()
         return self.apply(self.collect(wait=True), "wait")
+
+    def settle_all(self, rounds: int) -> None:
+        """Settle until no copy is in flight or queued, for at most ``rounds`` waits.
+
+        Applying an acknowledgement may start more copies (a child's backup
+        after its parent's), hence the rounds; a load that keeps failing under
+        a lock would otherwise keep it going for ever.
+        """
+        for _ in range(rounds):
+            if self.idle():
+                return
+            self.settle()
 
     def finish_loads(self, nodes: Sequence[TreeNode], origin: str) -> list[TreeNode]:
         """Apply the loads of ``nodes`` now; return those still loading afterwards.
