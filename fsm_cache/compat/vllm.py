@@ -1,0 +1,936 @@
+"""A checked vLLM offloading manager: vLLM's CPU block lifecycle run by the host machine.
+
+vLLM's CPU offloading manager (``vllm/v1/kv_offload/cpu/manager.py``) keeps the
+lifecycle of each offloaded block in one integer: ``-1`` while a store is in
+flight, ``0`` once it is ready, ``N`` while N loads read it. Misuse is caught
+by ``assert`` far from its cause (a second ``complete_load`` fails on the
+count, a load of a pending block fails in ``prepare_load``), or not at all.
+That integer is the host residency machine of ``specs/host_residency.toml``:
+
+=======================  ================================
+vLLM ``ref_cnt``         host state (``pins``)
+=======================  ================================
+no entry                 no record (``unbacked``)
+``-1`` (store pending)   ``writing``
+``0`` (ready)            ``backed``
+``N`` (N loads)          ``pinned`` (pins = N)
+=======================  ================================
+
+:class:`CheckedOffloadingManager` keeps one flat :class:`OffloadRecord` per
+offload key (no tree: vLLM's manager is flat and prefix order comes from the
+scheduler's calls) and fires the machine's events on it: ``write`` in
+``prepare_store``, ``write_done`` / ``write_failed`` in ``complete_store``,
+``load`` / ``load_done`` in ``prepare_load`` / ``complete_load``, ``evict_host``
+when LRU eviction or ``reset_cache`` frees a ready block. Every call checks all
+its keys before it changes anything, so a refused call changes nothing, and the
+refusal is the spec's typed error (``NotLoading``, ``NoHostCopy``,
+``DuplicateAck``, ``HostCopyPinned``, ``CopyInFlight``) naming the block, its
+state and, in trail mode, the call sites of its recent events.
+
+Everything else follows vLLM's manager exactly, so the two answer alike on
+every legal call sequence (``tests/vllm_real`` holds them to it): lookups, the
+keys chosen to store, the chunk ids handed out, the LRU victims (vLLM's order:
+request-scoped ranks from 0.33 on, one global counter before) and the event
+stream. Two of vLLM's tolerated cases are choices, both kept as vLLM has them
+by default and refused in ``strict`` mode: a ``complete_store`` of a block
+that is not being stored (the scheduler sends one for every block of a
+preempted request) and a ``reset_cache`` while copies are in flight (vLLM
+relies on the scheduler never delivering their completions).
+
+This module imports neither vLLM nor torch. The vLLM-facing classes,
+``FsmOffloadingManager`` (vLLM's ``OffloadingManager`` over this one) and
+``FsmCpuOffloadingSpec`` (vLLM's ``CPUOffloadingSpec`` with only
+``get_manager`` replaced, so vLLM's GPU<->CPU worker stays), are built from
+the installed vLLM on first access, which is what vLLM's
+``kv_connector_extra_config`` ``{"spec_name": "FsmCpuOffloadingSpec",
+"spec_module_path": "fsm_cache.compat.vllm"}`` does.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import importlib
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from fsm_cache.engine import trail
+from fsm_cache.engine.core import Engine, Verb
+from fsm_cache.errors import BadArgument
+from fsm_cache.spec.machine import System
+from fsm_cache.spec.shipped import host_machine
+
+
+trail.internal(__file__)
+
+__all__ = [
+    "CheckedOffloadingManager",
+    "Lookup",
+    "OffloadEvent",
+    "OffloadRecord",
+    "Recency",
+    "RequestContext",
+    "StoreOutput",
+    "block_label",
+    "offload_system",
+]
+
+_T = TypeVar("_T")
+_Key = bytes
+_Rank = tuple[int, int]
+
+
+def offload_system() -> System:
+    """Return the shipped host machine as a one-region system whose instances are ``block``s.
+
+    The region is ``host`` (records read ``rec.host`` as tree nodes do) and the
+    label is ``block``, so refusals read ``block <hash>/<group>: load_done
+    refused in backed (pins=0): ...``.
+    """
+    machine = host_machine()
+    return System(
+        "vllm_offload",
+        (("host", machine),),
+        doc="vLLM's CPU offloading block lifecycle: the host residency machine, one record per key.",
+        label="block",
+        source=machine.source,
+    )
+
+
+def block_label(key: bytes) -> str:
+    """Name an offload key in messages: ``<block hash hex>/<KV group>``.
+
+    vLLM's ``OffloadKey`` is the block hash followed by the 4-byte big-endian
+    KV-group index; a key of 4 bytes or fewer is shown as plain hex.
+    """
+    if len(key) <= 4:
+        return key.hex()
+    return f"{key[:-4].hex()}/{int.from_bytes(key[-4:], 'big')}"
+
+
+class OffloadRecord:
+    """The lifecycle of one offloaded block: a host state, its pins, its chunk.
+
+    Attributes:
+        key: The offload key.
+        host: Host residency state (``writing``, ``backed``, ``pinned``; ``unbacked``
+            before the first store and for keys the manager does not hold).
+        pins: Loads in flight (vLLM's ``ref_cnt`` when ready).
+        chunk: The CPU chunk id holding the block's KV.
+        trail: Recent events with call sites in trail mode, else None.
+    """
+
+    __slots__ = ("chunk", "host", "key", "pins", "trail")
+
+    def __init__(self, key: bytes, chunk: int = -1) -> None:
+        self.key = key
+        self.host = "unbacked"
+        self.pins = 0
+        self.chunk = chunk
+        self.trail: trail.Trail | None = None
+
+    @property
+    def id(self) -> str:
+        """The block's name in refusals (:func:`block_label`), made only when one is raised."""
+        return block_label(self.key)
+
+    def __repr__(self) -> str:
+        return f"OffloadRecord({block_label(self.key)}, {self.host}, pins={self.pins}, chunk={self.chunk})"
+
+
+class Lookup(enum.Enum):
+    """What :meth:`CheckedOffloadingManager.lookup` answers (vLLM's ``LookupResult``)."""
+
+    MISS = "miss"
+    HIT = "hit"
+    HIT_PENDING = "hit_pending"
+
+
+@dataclass(frozen=True)
+class StoreOutput:
+    """What a successful ``prepare_store`` returns (vLLM's ``PrepareStoreOutput``).
+
+    Attributes:
+        keys_to_store: The offered keys the manager did not hold, in offer order.
+        chunk_ids: The chunk each of them is stored into.
+        evicted_keys: Ready blocks evicted to make room, in eviction order.
+    """
+
+    keys_to_store: list[bytes]
+    chunk_ids: list[int]
+    evicted_keys: list[bytes]
+
+
+@dataclass(frozen=True)
+class OffloadEvent:
+    """A batch of blocks stored or removed (vLLM's ``OffloadingEvent``, medium CPU).
+
+    Attributes:
+        keys: The blocks.
+        removed: True for evictions and failed stores, False for completed stores.
+        metadata_only: A failed store's cleanup, not a public eviction (vLLM 0.33+).
+    """
+
+    keys: list[bytes]
+    removed: bool
+    metadata_only: bool = False
+
+
+class ReqContextLike(Protocol):
+    """What the manager reads of a request context (vLLM's ``ReqContext`` has all three)."""
+
+    def get_state(self, cls: type[_T]) -> _T | None:
+        """Return the request's scratch value of type ``cls``, if any."""
+
+    def set_state(self, val: Any) -> None:
+        """Keep ``val`` as the request's scratch value of its type."""
+
+    def get_offload_key_position(self, key: bytes) -> int | None:
+        """Return the end-token position of ``key`` in the request, if known."""
+
+
+class RequestContext:
+    """A minimal request context for use without vLLM (tests, the benchmark).
+
+    Args:
+        req_id: The request id.
+        positions: End-token position per key, as vLLM's scheduler records them.
+    """
+
+    def __init__(self, req_id: str, positions: dict[bytes, int] | None = None) -> None:
+        self.req_id = req_id
+        self.positions = dict(positions or {})
+        self.scratch: dict[type, Any] = {}
+
+    def get_state(self, cls: type[_T]) -> _T | None:
+        """Return the scratch value of type ``cls``, if any."""
+        found: _T | None = self.scratch.get(cls)
+        return found
+
+    def set_state(self, val: Any) -> None:
+        """Keep ``val`` as the scratch value of its type."""
+        self.scratch[type(val)] = val
+
+    def get_offload_key_position(self, key: bytes) -> int | None:
+        """Return the end-token position of ``key``, if known."""
+        return self.positions.get(key)
+
+
+@dataclass(slots=True)
+class _Request:
+    """What the manager remembers of one request, kept in its context (vLLM's scratch)."""
+
+    owner: object
+    generation: int
+    groups: dict[int, list[bytes]] = field(default_factory=dict)
+    seen: set[bytes] = field(default_factory=set)
+    rank: int | None = None
+    finished: bool = False
+
+
+class Recency:
+    """vLLM's LRU order: the evictable block of the smallest ``(rank, key)`` goes first.
+
+    A rank is ``(counter, 0)`` from one counter that every insertion and every
+    touch advances; with ``request_ranks`` (vLLM 0.33+) a request's keys with a
+    known token position share the request's rank ``(counter, -position)``, so
+    tails go before heads. Ranks live for every held block; only ``backed``
+    blocks are evictable. Victims come off a lazily invalidated heap.
+
+    Args:
+        request_ranks: Rank keys by request and position, as vLLM 0.33's LRU does.
+    """
+
+    def __init__(self, *, request_ranks: bool = True) -> None:
+        self.request_ranks = request_ranks
+        self.ranks: dict[bytes, _Rank] = {}
+        self.evictable: set[bytes] = set()
+        self.heap: list[tuple[_Rank, bytes]] = []
+        self.counter = 0
+
+    def next_rank(self) -> int:
+        """Advance the counter and return it."""
+        self.counter += 1
+        return self.counter
+
+    def insert(self, key: bytes, position: int | None, request: _Request) -> None:
+        """Rank a newly stored block (not evictable until its store completes)."""
+        if position is None or not self.request_ranks:
+            self.ranks[key] = (self.next_rank(), 0)
+        else:
+            self.ranks[key] = (self.request_rank(request), -position)
+
+    def request_rank(self, request: _Request) -> int:
+        """Return the request's shared rank, taking the next one on first use."""
+        if request.rank is None:
+            request.rank = self.next_rank()
+        return request.rank
+
+    def remove(self, key: bytes) -> None:
+        """Forget a block."""
+        self.ranks.pop(key, None)
+        self.evictable.discard(key)
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Make held blocks the most recent, the first of ``keys`` most of all."""
+        for key in reversed(list(keys)):
+            if key in self.ranks:
+                self.ranks[key] = rank = (self.next_rank(), 0)
+                if key in self.evictable:
+                    heapq.heappush(self.heap, (rank, key))
+        self.compact()
+
+    def access(
+        self, keys: Iterable[bytes], positions: Sequence[int | None], request: _Request
+    ) -> None:
+        """A request saw ``keys`` first (vLLM 0.33+): raise them to its rank by position."""
+        if not self.request_ranks:
+            return
+        base = self.request_rank(request)
+        for key, position in zip(keys, positions, strict=True):
+            if position is None or key not in self.ranks:
+                continue
+            rank = (base, -position)
+            if self.ranks[key] >= rank:
+                continue
+            self.ranks[key] = rank
+            if key in self.evictable:
+                heapq.heappush(self.heap, (rank, key))
+        self.compact()
+
+    def mark_evictable(self, key: bytes) -> None:
+        """The block became ``backed``: it may be chosen."""
+        self.evictable.add(key)
+        heapq.heappush(self.heap, (self.ranks[key], key))
+        self.compact()
+
+    def mark_held(self, key: bytes) -> None:
+        """The block left ``backed`` (a load pinned it)."""
+        self.evictable.discard(key)
+
+    def select(self, n: int, protected: Collection[bytes]) -> list[bytes] | None:
+        """Take the ``n`` least recent evictable blocks outside ``protected``; None if too few.
+
+        Taking nothing when there are too few leaves the order as it was.
+        """
+        if n == 0:
+            return []
+        chosen: list[tuple[_Rank, bytes]] = []
+        seen: set[bytes] = set()
+        deferred: list[tuple[_Rank, bytes]] = []
+        while self.heap and len(chosen) < n:
+            entry = heapq.heappop(self.heap)
+            rank, key = entry
+            if key not in self.evictable or self.ranks.get(key) != rank or key in seen:
+                continue
+            if key in protected:
+                deferred.append(entry)
+                continue
+            chosen.append(entry)
+            seen.add(key)
+        for entry in deferred:
+            heapq.heappush(self.heap, entry)
+        if len(chosen) < n:
+            for entry in chosen:
+                heapq.heappush(self.heap, entry)
+            return None
+        for _, key in chosen:
+            self.evictable.discard(key)
+            del self.ranks[key]
+        self.compact()
+        return [key for _, key in chosen]
+
+    def compact(self) -> None:
+        """Rebuild the heap once stale entries outnumber the live ones."""
+        if len(self.heap) >= max(64, 2 * len(self.evictable)):
+            self.heap = [(self.ranks[key], key) for key in self.evictable]
+            heapq.heapify(self.heap)
+
+    def clear(self) -> None:
+        """Forget every block and restart the counter (``reset_cache``)."""
+        self.ranks.clear()
+        self.evictable.clear()
+        self.heap.clear()
+        self.counter = 0
+
+
+def _accepting(engine: Engine, event: str) -> frozenset[str]:
+    """Return the host states in which the spec accepts ``event`` (pinned probed with one pin).
+
+    The manager checks a whole call's keys against these sets before it fires
+    anything, so a refused call changes nothing; the refusal itself is always
+    the engine's, fired on the offending record.
+    """
+    accepted = set()
+    for state in engine.system.machines["host"].state_names:
+        probe = OffloadRecord(b"")
+        probe.host, probe.pins = state, 1 if state == "pinned" else 0
+        if engine.allowed(probe, event):
+            accepted.add(state)
+    return frozenset(accepted)
+
+
+class CheckedOffloadingManager:
+    """vLLM's CPU offloading manager with each block's lifecycle run by the host machine.
+
+    Args:
+        num_chunks: CPU chunks available to offloaded blocks.
+        events: Collect store and removal events for :meth:`take_events`.
+        strict: Refuse what vLLM tolerates: a ``complete_store`` of a block that
+            is not being stored (``DuplicateAck``) and a ``reset_cache`` while a
+            store or a load is in flight (``CopyInFlight`` / ``HostCopyPinned``).
+        trail: Trail mode: refusals name the call sites of the block's recent
+            events and of the refused call; defaults to ``FSM_CACHE_TRAIL``.
+        store_threshold: Store a block only once it has been offered this many
+            times (vLLM's ``store_threshold``; below 2 every offer is stored).
+        max_tracker_size: Offer counts kept for ``store_threshold``.
+        request_ranks: vLLM 0.33's LRU (request-scoped ranks by token position);
+            False for vLLM 0.32's single counter.
+        failure_events: Announce a failed store's cleanup as a ``metadata_only``
+            removal, as vLLM 0.33 does; 0.32 announces nothing.
+
+    Attributes:
+        engine: The compiled host machine (:func:`offload_system`).
+        duplicate_acks: ``complete_store`` keys ignored because no store of them
+            was in flight (vLLM's tolerated duplicates; refused in strict mode).
+    """
+
+    def __init__(
+        self,
+        num_chunks: int,
+        *,
+        events: bool = False,
+        strict: bool = False,
+        trail: bool | None = None,
+        store_threshold: int = 0,
+        max_tracker_size: int = 64_000,
+        request_ranks: bool = True,
+        failure_events: bool = True,
+    ) -> None:
+        self.num_chunks = num_chunks
+        self.strict = strict
+        self.store_threshold = store_threshold
+        self.max_tracker_size = max_tracker_size
+        self.failure_events = failure_events
+        self.engine = Engine(offload_system(), trail=trail)
+        self.records: dict[bytes, OffloadRecord] = {}
+        self.recency = Recency(request_ranks=request_ranks)
+        self.events: list[OffloadEvent] | None = [] if events else None
+        self.counts: OrderedDict[bytes, int] | None = (
+            OrderedDict() if store_threshold >= 2 else None
+        )
+        self.allocated = 0
+        self.free: list[int] = []
+        self.generation = 0
+        self.duplicate_acks = 0
+        self.writing = 0
+        self.stores_skipped = 0
+        self.allocation_sizes: list[int] = []
+        verb = self.engine.verb
+        self._write, self._write_done, self._write_failed = (
+            verb("write"),
+            verb("write_done"),
+            verb("write_failed"),
+        )
+        self._load, self._load_done, self._evict = (
+            verb("load"),
+            verb("load_done"),
+            verb("evict_host"),
+        )
+        self._readable = _accepting(self.engine, "load")
+        self._loading = _accepting(self.engine, "load_done")
+        self._storing = _accepting(self.engine, "write_done")
+        self._failing = _accepting(self.engine, "write_failed")
+        self._evictable = _accepting(self.engine, "evict_host")
+
+    # -- answers in vLLM's types (the vLLM subclass overrides these) ----------
+
+    def _answer(self, found: Lookup) -> Any:
+        return found
+
+    def _load_spec(self, chunks: list[int]) -> Any:
+        return chunks
+
+    def _store_output(self, keys: list[bytes], chunks: list[int], evicted: list[bytes]) -> Any:
+        return StoreOutput(keys, chunks, evicted)
+
+    def _event(self, keys: list[bytes], removed: bool, metadata_only: bool) -> Any:
+        return OffloadEvent(keys, removed, metadata_only)
+
+    def _request_offloading_context(self) -> Any:
+        return None
+
+    # -- the OffloadingManager calls -------------------------------------------
+
+    def on_new_request(self, req_context: ReqContextLike) -> Any:
+        """Start remembering a request's accesses; return vLLM's default offloading context."""
+        self._request(req_context)
+        return self._request_offloading_context()
+
+    def lookup(self, key: bytes, req_context: ReqContextLike) -> Any:
+        """``MISS`` without a record, ``HIT_PENDING`` while ``writing``, else ``HIT``."""
+        del req_context
+        rec = self.records.get(key)
+        if rec is None:
+            return self._answer(Lookup.MISS)
+        if rec.host in self._readable:
+            return self._answer(Lookup.HIT)
+        return self._answer(Lookup.HIT_PENDING)
+
+    def prepare_load(self, keys: Collection[bytes], req_context: ReqContextLike) -> Any:
+        """Fire ``load`` on every key (pins += 1) and return their chunks.
+
+        Raises:
+            NoHostCopy: A key has no record or its store is still in flight
+                (vLLM asserts "not found" / "not ready"); nothing changed.
+            BadArgument: The request was already finished; nothing changed.
+        """
+        records = self.records
+        for key in keys:
+            rec = records.get(key)
+            if rec is None or rec.host not in self._readable:
+                self._load(rec or OffloadRecord(key))
+        request = self._check_open(keys, req_context)
+        chunks = []
+        for key in keys:
+            rec = records[key]
+            if rec.pins == 0:
+                self.recency.mark_held(key)
+            self._load(rec)
+            chunks.append(rec.chunk)
+        self._record(keys, req_context, request)
+        return self._load_spec(chunks)
+
+    def touch(self, keys: Collection[bytes], req_context: ReqContextLike) -> None:
+        """Make the held ``keys`` the most recently used (no state changes)."""
+        del req_context
+        self.recency.touch(keys)
+
+    def complete_load(self, keys: Collection[bytes], req_context: ReqContextLike) -> None:
+        """Fire ``load_done`` on every key; a block whose last load ends becomes evictable.
+
+        Raises:
+            NotLoading: A key has no load in flight (a second ``complete_load``,
+                or one for a block never loaded; vLLM asserts "ref_cnt is
+                already 0" or "not found"); nothing changed.
+        """
+        del req_context
+        records = self.records
+        if len(set(keys)) != len(keys):
+            self._check_repeated(keys, self._load_done)
+        for key in keys:
+            rec = records.get(key)
+            if rec is None or rec.host not in self._loading:
+                self._load_done(rec or OffloadRecord(key))
+        for key in keys:
+            rec = records[key]
+            self._load_done(rec)
+            if rec.pins == 0:
+                self.recency.mark_evictable(key)
+
+    def prepare_store(self, keys: Collection[bytes], req_context: ReqContextLike) -> Any:
+        """Choose the offered keys to store, evict LRU ready blocks to fit, fire ``write``.
+
+        Returns None when too few ready blocks can be evicted (nothing changes
+        then but the access bookkeeping, as in vLLM).
+
+        Raises:
+            BadArgument: The request was already finished; nothing changed.
+        """
+        keys = list(keys)
+        request = self._check_open(keys, req_context)
+        if len(set(keys)) != len(keys):
+            msg = f"prepare_store offered a key twice: {[block_label(k) for k in keys]}"
+            raise BadArgument(msg)
+        if self.counts is not None:
+            self._count_offers(keys)
+        records, to_store, ready = self.records, [], []
+        for key in keys:
+            rec = records.get(key)
+            if rec is None:
+                to_store.append(key)
+            elif rec.host in self._readable:
+                ready.append(key)
+        if self.counts is not None:
+            offered = len(to_store)
+            counts = self.counts
+            to_store = [k for k in to_store if counts.get(k, 0) >= self.store_threshold]
+            self.stores_skipped += offered - len(to_store)
+        recorded = set(to_store)
+        recorded.update(ready)
+        self._record([k for k in keys if k in recorded], req_context, request)
+        if not to_store:
+            return self._store_output([], [], [])
+        self.allocation_sizes.append(len(to_store))
+        evicted = self._make_room(len(to_store) - self._num_free(), keys)
+        if evicted is None:
+            return None
+        chunks = self._allocate(len(to_store))
+        self.writing += len(to_store)
+        for key, chunk in zip(to_store, chunks, strict=True):
+            rec = records[key] = OffloadRecord(key, chunk)
+            self._write(rec)
+            self.recency.insert(key, req_context.get_offload_key_position(key), request)
+        return self._store_output(to_store, chunks, evicted)
+
+    def complete_store(
+        self, keys: Collection[bytes], req_context: ReqContextLike, success: bool = True
+    ) -> None:
+        """Fire ``write_done`` (``success``) or ``write_failed`` on the keys being stored.
+
+        A key with no store in flight is ignored, as vLLM ignores it (a
+        preempted request's blocks are completed once by the scheduler and
+        again when their job reports); ``duplicate_acks`` counts them. In
+        strict mode it is refused instead.
+
+        Raises:
+            DuplicateAck: Strict mode, and a key has no store in flight; nothing changed.
+        """
+        del req_context
+        accepted = self._storing if success else self._failing
+        records = self.records
+        if self.strict:
+            if len(set(keys)) != len(keys):
+                self._check_repeated(keys, self._write_done if success else self._write_failed)
+            for key in keys:
+                rec = records.get(key)
+                if rec is None or rec.host not in accepted:
+                    (self._write_done if success else self._write_failed)(rec or OffloadRecord(key))
+        done: list[bytes] = []
+        for key in keys:
+            rec = records.get(key)
+            if rec is None or rec.host not in accepted:
+                self.duplicate_acks += 1
+                continue
+            if success:
+                self._write_done(rec)
+                self.recency.mark_evictable(key)
+            else:
+                self._write_failed(rec)
+                del records[key]
+                self.recency.remove(key)
+                self.free.append(rec.chunk)
+            done.append(key)
+        self.writing -= len(done)
+        if not done or self.events is None:
+            return
+        if success:
+            self.events.append(self._event(done, False, False))
+        elif self.failure_events:
+            self.events.append(self._event(done, True, True))
+
+    def on_request_finished(self, req_context: ReqContextLike) -> None:
+        """Commit the request's accesses to the LRU order, head of the prefix most recent."""
+        request = req_context.get_state(_Request)
+        if (
+            request is None
+            or request.owner is not self
+            or request.generation != self.generation
+            or request.finished
+        ):
+            return
+        request.finished = True
+        ordered: list[bytes] = []
+        for group in sorted(request.groups):
+            ordered.extend(_by_position(request.groups[group], req_context))
+        self.recency.touch(_by_position(ordered, req_context))
+
+    def take_events(self) -> Iterator[Any]:
+        """Yield the events collected since the last call.
+
+        A failed store's cleanup (``metadata_only``) is announced only for keys
+        that no retry has stored again meanwhile, as vLLM 0.33 does.
+        """
+        if self.events is None:
+            return
+        events, self.events = self.events, []
+        for event in events:
+            if getattr(event, "metadata_only", False):
+                keys = [k for k in event.keys if k not in self.records]
+                if keys:
+                    yield self._event(keys, True, True)
+                continue
+            yield event
+
+    def reset_cache(self) -> None:
+        """Drop every block and restart chunk numbering, as vLLM's ``reset_cache`` does.
+
+        Ready blocks are evicted through the machine. Blocks with a copy in
+        flight are dropped with them by default: vLLM's scheduler never
+        delivers the completions of jobs started before a reset, so their
+        chunks are free for reuse. A completion that arrives anyway is refused
+        (``NotLoading``, or ignored as a duplicate store acknowledgement).
+
+        Raises:
+            CopyInFlight: Strict mode, and a store is in flight; nothing changed.
+            HostCopyPinned: Strict mode, and a load is in flight; nothing changed.
+        """
+        if self.strict:
+            for rec in self.records.values():
+                if rec.host not in self._evictable:
+                    self._evict(rec)
+        for rec in self.records.values():
+            if rec.host in self._evictable:
+                self._evict(rec)
+        self.records.clear()
+        self.recency.clear()
+        self.generation += 1
+        self.free.clear()
+        self.allocated = 0
+        self.writing = 0
+
+    def on_reset_flushed(self) -> None:
+        """Accept vLLM 0.33's signal that pre-reset jobs are done: nothing here waits on it."""
+
+    # -- bookkeeping ---------------------------------------------------------------
+
+    def usage(self) -> tuple[float, float]:
+        """Return the fraction of chunks held by blocks that may not be evicted, and by stores."""
+        if self.num_chunks <= 0:
+            return 0.0, 0.0
+        used = self.allocated - len(self.free) - len(self.recency.evictable)
+        return used / self.num_chunks, self.writing / self.num_chunks
+
+    def _num_free(self) -> int:
+        return len(self.free) + self.num_chunks - self.allocated
+
+    def _allocate(self, n: int) -> list[int]:
+        fresh = min(n, self.num_chunks - self.allocated)
+        chunks = list(range(self.allocated, self.allocated + fresh))
+        self.allocated += fresh
+        chunks.extend(self.free.pop() for _ in range(n - fresh))
+        return chunks
+
+    def _make_room(self, needed: int, protected: Collection[bytes]) -> list[bytes] | None:
+        """Evict ``needed`` LRU ready blocks outside ``protected``; None if too few, nothing changed."""
+        if needed <= 0:
+            return []
+        if needed > len(self.recency.evictable):
+            return None
+        victims = self.recency.select(needed, set(protected))
+        if victims is None:
+            return None
+        records = self.records
+        for key in victims:
+            rec = records.pop(key)
+            self._evict(rec)
+            self.free.append(rec.chunk)
+        if self.events is not None:
+            self.events.append(self._event(victims, True, False))
+        return victims
+
+    def _check_repeated(self, keys: Collection[bytes], verb: Verb) -> None:
+        """Fire ``verb`` once per occurrence on scratch copies; raise its refusal, change nothing."""
+        copies: dict[bytes, OffloadRecord] = {}
+        for key in keys:
+            rec = copies.get(key)
+            if rec is None:
+                held = self.records.get(key)
+                rec = copies[key] = OffloadRecord(key)
+                if held is not None:
+                    rec.host, rec.pins, rec.trail = held.host, held.pins, held.trail
+            verb(rec)
+
+    def _count_offers(self, keys: list[bytes]) -> None:
+        """Count offers toward ``store_threshold``, dropping the oldest unprotected counts."""
+        counts = self.counts
+        assert counts is not None
+        protected = set()
+        for key in keys:
+            if key in counts:
+                counts.move_to_end(key)
+                counts[key] += 1
+                protected.add(key)
+        unprotected = len(counts) - len(protected)
+        for key in keys:
+            if key in counts:
+                continue
+            if len(counts) >= self.max_tracker_size:
+                if unprotected == 0:
+                    continue
+                counts.popitem(last=False)
+                unprotected -= 1
+            counts[key] = 1
+
+    def _request(self, req_context: ReqContextLike) -> _Request:
+        request = req_context.get_state(_Request)
+        if request is None or request.owner is not self or request.generation != self.generation:
+            request = _Request(self, self.generation)
+            req_context.set_state(request)
+        return request
+
+    def _check_open(self, keys: Iterable[bytes], req_context: ReqContextLike) -> _Request:
+        """Return the request's record; refuse new keys for a finished request (vLLM asserts)."""
+        request = self._request(req_context)
+        if request.finished and any(key not in request.seen for key in keys):
+            msg = "request finished: new cache keys observed after on_request_finished"
+            raise BadArgument(msg)
+        return request
+
+    def _record(
+        self, keys: Iterable[bytes], req_context: ReqContextLike, request: _Request
+    ) -> None:
+        """Note the keys a request sees first, by KV group, and rank them (vLLM 0.33+)."""
+        new = []
+        for key in keys:
+            if key in request.seen:
+                continue
+            request.groups.setdefault(int.from_bytes(key[-4:], "big"), []).append(key)
+            request.seen.add(key)
+            new.append(key)
+        if new and self.recency.request_ranks:
+            positions = [req_context.get_offload_key_position(key) for key in new]
+            self.recency.access(new, positions, request)
+
+
+def _by_position(keys: list[bytes], req_context: ReqContextLike) -> list[bytes]:
+    """Sort ``keys`` by token position when every key has one; else keep their order."""
+    positions = {}
+    for key in keys:
+        position = req_context.get_offload_key_position(key)
+        if position is None:
+            return keys
+        positions[key] = position
+    return sorted(keys, key=positions.__getitem__)
+
+
+# -- the vLLM-facing classes, built from the installed vLLM on first access -----------
+
+_BOUND: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> type:
+    """Build ``FsmOffloadingManager`` and ``FsmCpuOffloadingSpec`` from vLLM on first access.
+
+    Raises:
+        AttributeError: Any other name.
+        ModuleNotFoundError: vLLM is not installed.
+    """
+    if name not in ("FsmOffloadingManager", "FsmCpuOffloadingSpec"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not _BOUND:
+        _BOUND.update(_bind())
+    return _BOUND[name]
+
+
+def _bind() -> dict[str, type]:
+    """Subclass vLLM's ``OffloadingManager`` and ``CPUOffloadingSpec`` (vLLM imported here)."""
+    base: Any = importlib.import_module("vllm.v1.kv_offload.base")
+    cpu_common: Any = importlib.import_module("vllm.v1.kv_offload.cpu.common")
+    cpu_spec: Any = importlib.import_module("vllm.v1.kv_offload.cpu.spec")
+    lru: Any = importlib.import_module("vllm.v1.kv_offload.cpu.policies.lru")
+    request_ranks = hasattr(lru.LRUCachePolicy, "on_request_access")
+    failure_events = "metadata_only" in base.OffloadingEvent.__dataclass_fields__
+    answers = {
+        Lookup.MISS: base.LookupResult.MISS,
+        Lookup.HIT: base.LookupResult.HIT,
+        Lookup.HIT_PENDING: base.LookupResult.HIT_PENDING,
+    }
+    manager = _manager_class(base, cpu_common, answers, failure_events, request_ranks)
+    spec = _spec_class(cpu_spec, manager)
+    for cls in (manager, spec):
+        cls.__qualname__, cls.__module__ = cls.__name__, __name__
+    return {"FsmOffloadingManager": manager, "FsmCpuOffloadingSpec": spec}
+
+
+def _manager_class(
+    base: Any,
+    cpu_common: Any,
+    answers: dict[Lookup, Any],
+    failure_events: bool,
+    request_ranks: bool,
+) -> type:
+    """Build ``FsmOffloadingManager``: the checked manager answering in vLLM's types."""
+    medium, event_class = base.Medium.CPU, base.OffloadingEvent
+
+    def make_event(keys: list[bytes], removed: bool, metadata_only: bool) -> Any:
+        if failure_events:
+            return event_class(
+                keys=keys, medium=medium, removed=removed, metadata_only=metadata_only
+            )
+        return event_class(keys=keys, medium=medium, removed=removed)
+
+    class FsmOffloadingManager(CheckedOffloadingManager, base.OffloadingManager):  # type: ignore[misc]
+        """vLLM's ``OffloadingManager`` whose blocks run the host residency machine.
+
+        Takes :class:`CheckedOffloadingManager`'s arguments; ``request_ranks``
+        and ``failure_events`` default to the installed vLLM's behaviour.
+        """
+
+        medium = base.Medium.CPU
+
+        def __init__(self, num_chunks: int, **options: Any) -> None:
+            options.setdefault("request_ranks", request_ranks)
+            options.setdefault("failure_events", failure_events)
+            self.info: Any = options.pop("info", None)
+            super().__init__(num_chunks, **options)
+
+        def _answer(self, found: Lookup) -> Any:
+            return answers[found]
+
+        def _load_spec(self, chunks: list[int]) -> Any:
+            return cpu_common.CPULoadStoreSpec(chunks)
+
+        def _store_output(self, keys: list[bytes], chunks: list[int], evicted: list[bytes]) -> Any:
+            return base.PrepareStoreOutput(
+                keys_to_store=keys,
+                store_spec=cpu_common.CPULoadStoreSpec(chunks),
+                evicted_keys=evicted,
+            )
+
+        def _event(self, keys: list[bytes], removed: bool, metadata_only: bool) -> Any:
+            return make_event(keys, removed, metadata_only)
+
+        def _request_offloading_context(self) -> Any:
+            return base.RequestOffloadingContext()
+
+        def get_load_source(self, key: bytes, req_context: Any) -> Any:
+            """Where a hit comes from: the host (vLLM's ``CacheHitSource.HOST``)."""
+            del key, req_context
+            sources: Any = importlib.import_module("vllm.v1.metrics.cache_hit_source")
+            return sources.CacheHitSource.HOST
+
+        def config_info(self) -> Sequence[Any]:
+            """The CPU tier's facts for vLLM's info metric (vLLM 0.33+)."""
+            return [self.info.as_config_info() if self.info is not None else {}]
+
+    return FsmOffloadingManager
+
+
+def _spec_class(cpu_spec: Any, manager: type) -> type:
+    """Build ``FsmCpuOffloadingSpec``: vLLM's CPU spec with the checked manager."""
+
+    class FsmCpuOffloadingSpec(cpu_spec.CPUOffloadingSpec):  # type: ignore[misc]
+        """vLLM's ``CPUOffloadingSpec`` whose scheduler-side manager is checked.
+
+        Only ``get_manager`` differs: vLLM's GPU<->CPU worker, sizing and
+        metrics definitions are the parent's. ``kv_connector_extra_config``
+        keys read here: ``fsm_strict`` (refuse what vLLM tolerates) and
+        ``fsm_trail`` (name call sites in refusals), besides vLLM's own.
+        """
+
+        def get_manager(self) -> Any:
+            """Return the checked manager, built once, sized as vLLM's would be."""
+            if getattr(self, "_manager", None) is None:
+                extra = self.extra_config
+                options: dict[str, Any] = {
+                    "events": self.kv_events_config.enable_kv_cache_events,
+                    "store_threshold": int(extra.get("store_threshold", 0)),
+                    "max_tracker_size": int(extra.get("max_tracker_size", 64_000)),
+                    "strict": bool(extra.get("fsm_strict", False)),
+                    "trail": extra.get("fsm_trail"),
+                }
+                if getattr(self, "cpu_info", None) is not None:
+                    options["info"] = self.cpu_info
+                policy = self.extra_config.get("eviction_policy", "lru")
+                if policy != "lru":
+                    msg = (
+                        f"FsmCpuOffloadingSpec supports eviction_policy 'lru' only, not {policy!r}"
+                    )
+                    raise BadArgument(msg)
+                self._manager = manager(self.num_chunks, **options)
+            return self._manager
+
+    return FsmCpuOffloadingSpec
