@@ -892,6 +892,25 @@ def _manager_class(
             sources: Any = importlib.import_module("vllm.v1.metrics.cache_hit_source")
             return sources.CacheHitSource.HOST
 
+        def get_stats(self) -> Any:
+            """The CPU tier's gauges and counters since the last call, as vLLM's manager reports them."""
+            metrics: Any = importlib.import_module(
+                "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics"
+            )
+            names = cpu_common.CPUOffloadingMetrics
+            stats = metrics.OffloadingConnectorStats()
+            usage, writing = self.usage()
+            stats.set_gauge(names.CPU_CACHE_USAGE_PERC, usage)
+            for size in self.allocation_sizes:
+                stats.observe_histogram(names.CPU_ALLOCATION_SIZE, size)
+            self.allocation_sizes.clear()
+            stats.set_gauge(names.CPU_CACHE_WRITE_USAGE_PERC, writing)
+            stats.set_gauge(names.CPU_CACHE_READ_USAGE_PERC, max(usage - writing, 0.0))
+            if self.store_threshold >= 2:
+                stats.increase_counter(names.STORES_SKIPPED, self.stores_skipped)
+                self.stores_skipped = 0
+            return stats
+
         def config_info(self) -> Sequence[Any]:
             """The CPU tier's facts for vLLM's info metric (vLLM 0.33+)."""
             return [self.info.as_config_info() if self.info is not None else {}]

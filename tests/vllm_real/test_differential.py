@@ -39,6 +39,10 @@ def _events(events: Any) -> list[tuple[Any, ...]]:
     return [(list(e.keys), e.medium, e.removed, getattr(e, "metadata_only", False)) for e in events]
 
 
+def _stats(stats: Any) -> dict[str, Any]:
+    return dict(stats.data)
+
+
 @dataclass
 class Driver:
     """Feeds one random, contract-respecting call sequence to both managers."""
@@ -137,6 +141,8 @@ class Driver:
         del request
         a, b = self.both("take_events")
         assert _events(a) == _events(b)
+        a, b = self.both("get_stats")
+        assert _stats(a) == _stats(b)
 
     def reset(self, request: Any) -> None:
         self.drain(request.ctx)

@@ -1,0 +1,249 @@
+"""Misuse that vLLM's manager catches with ``assert`` (or not at all), refused by ours.
+
+Each sequence runs on vLLM's own ``CPUOffloadingManager`` and on ours. vLLM
+raises a bare ``AssertionError`` (or accepts the call); ours raises the
+spec's typed refusal, its message naming the block, its state and, in trail
+mode, the call sites of its recent events, and changes nothing: every
+record, the LRU order, the free chunks and the events are as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fsm_cache.errors import CopyInFlight, DuplicateAck, HostCopyPinned, NoHostCopy, NotLoading
+
+from .conftest import Vllm
+
+
+def _snapshot(manager: Any) -> tuple[Any, ...]:
+    """Everything a refused call must leave as it was."""
+    records = {k: (r.host, r.pins, r.chunk) for k, r in manager.records.items()}
+    recency = (dict(manager.recency.ranks), set(manager.recency.evictable))
+    return records, recency, list(manager.free), manager.allocated, list(manager.events)
+
+
+def _stored(manager: Any, keys: list[bytes], ctx: Any) -> None:
+    """Store ``keys`` and acknowledge the store."""
+    out = manager.prepare_store(keys, ctx)
+    assert list(out.keys_to_store) == keys
+    manager.complete_store(keys, ctx)
+
+
+def test_double_complete_load(vl: Vllm) -> None:
+    ctx, key = vl.context("r"), vl.key(7)
+    theirs = vl.theirs(4)
+    _stored(theirs, [key], ctx)
+    theirs.prepare_load([key], ctx)
+    theirs.complete_load([key], ctx)
+    with pytest.raises(AssertionError, match="ref_cnt is already 0"):
+        theirs.complete_load([key], ctx)
+
+    ours = vl.ours(4)
+    _stored(ours, [key], ctx)
+    ours.prepare_load([key], ctx)
+    ours.complete_load([key], ctx)
+    before = _snapshot(ours)
+    with pytest.raises(NotLoading) as refused:
+        ours.complete_load([key], ctx)
+    assert str(refused.value) == (
+        "block 0000000000000007/0: load_done refused in backed (pins=0): "
+        "no host-to-device copy in flight"
+    )
+    assert _snapshot(ours) == before
+
+
+def test_double_complete_load_in_one_call_changes_nothing(vl: Vllm) -> None:
+    """vLLM decrements the first and asserts on the second: half a call applied."""
+    ctx, key, other = vl.context("r"), vl.key(7), vl.key(8)
+    theirs = vl.theirs(4)
+    _stored(theirs, [key, other], ctx)
+    theirs.prepare_load([key, other], ctx)
+    with pytest.raises(AssertionError):
+        theirs.complete_load([other, key, key], ctx)
+    assert theirs.lookup(other, ctx) == vl.base.LookupResult.HIT
+
+    ours = vl.ours(4)
+    _stored(ours, [key, other], ctx)
+    ours.prepare_load([key, other], ctx)
+    before = _snapshot(ours)
+    with pytest.raises(NotLoading, match="load_done refused in backed"):
+        ours.complete_load([other, key, key], ctx)
+    assert _snapshot(ours) == before
+    assert ours.records[other].pins == 1
+
+
+def test_load_of_a_pending_key(vl: Vllm) -> None:
+    ctx, key = vl.context("r"), vl.key(3)
+    theirs = vl.theirs(4)
+    theirs.prepare_store([key], ctx)
+    assert theirs.lookup(key, ctx) == vl.base.LookupResult.HIT_PENDING
+    with pytest.raises(AssertionError, match="is not ready for reading"):
+        theirs.prepare_load([key], ctx)
+
+    ours = vl.ours(4, trail=True)
+    ours.prepare_store([key], ctx)
+    assert ours.lookup(key, ctx) == vl.base.LookupResult.HIT_PENDING
+    before = _snapshot(ours)
+    with pytest.raises(NoHostCopy) as refused:
+        ours.prepare_load([key], ctx)
+    message = str(refused.value)
+    assert message.startswith(
+        "block 0000000000000003/0: load refused in writing (pins=0): "
+        "no valid host copy to load from; written at test_misuse.py:"
+    )
+    assert "; refused at test_misuse.py:" in message
+    assert _snapshot(ours) == before
+
+
+def test_load_of_an_unknown_key_after_a_good_one_changes_nothing(vl: Vllm) -> None:
+    ctx, good, missing = vl.context("r"), vl.key(1), vl.key(2)
+    theirs = vl.theirs(4)
+    _stored(theirs, [good], ctx)
+    with pytest.raises(AssertionError, match="not found in cache"):
+        theirs.prepare_load([good, missing], ctx)
+
+    ours = vl.ours(4)
+    _stored(ours, [good], ctx)
+    before = _snapshot(ours)
+    with pytest.raises(NoHostCopy) as refused:
+        ours.prepare_load([good, missing], ctx)
+    assert str(refused.value) == (
+        "block 0000000000000002/0: load refused in unbacked (pins=0): "
+        "no valid host copy to load from"
+    )
+    assert _snapshot(ours) == before
+    assert ours.records[good].pins == 0
+
+
+def test_eviction_during_a_load(vl: Vllm) -> None:
+    """A reset evicts a block a load still reads; vLLM hands its chunk to the next store.
+
+    vLLM's scheduler is meant to fence the load's completion; when it arrives
+    anyway vLLM asserts. Ours by default matches vLLM's reuse (the fence is the
+    scheduler's) and refuses the late completion with ``NotLoading``; strict
+    mode refuses the reset itself while the load is in flight.
+    """
+    ctx, key, fresh = vl.context("r"), vl.key(5), vl.key(6)
+    theirs = vl.theirs(1)
+    _stored(theirs, [key], ctx)
+    theirs.prepare_load([key], ctx)
+    theirs.reset_cache()
+    out = theirs.prepare_store([fresh], ctx)
+    assert [int(c) for c in out.store_spec.block_ids] == [0]  # the chunk the load reads
+    with pytest.raises(AssertionError, match="not found"):
+        theirs.complete_load([key], ctx)
+
+    ours = vl.ours(1)
+    _stored(ours, [key], ctx)
+    ours.prepare_load([key], ctx)
+    ours.reset_cache()
+    ours.prepare_store([fresh], ctx)
+    with pytest.raises(
+        NotLoading, match=r"^block 0000000000000005/0: load_done refused in unbacked"
+    ):
+        ours.complete_load([key], ctx)
+
+    strict = vl.ours(1, strict=True)
+    _stored(strict, [key], ctx)
+    strict.prepare_load([key], ctx)
+    before = _snapshot(strict)
+    with pytest.raises(HostCopyPinned) as refused:
+        strict.reset_cache()
+    assert str(refused.value) == (
+        "block 0000000000000005/0: evict_host refused in pinned (pins=1): "
+        "the host copy is pinned by a holder"
+    )
+    assert _snapshot(strict) == before
+    strict.complete_load([key], ctx)
+    strict.reset_cache()
+    assert strict.lookup(key, ctx) == vl.base.LookupResult.MISS
+
+
+def test_strict_reset_refuses_a_store_in_flight(vl: Vllm) -> None:
+    ctx, key = vl.context("r"), vl.key(9)
+    strict = vl.ours(2, strict=True)
+    strict.prepare_store([key], ctx)
+    with pytest.raises(CopyInFlight, match="evict_host refused in writing"):
+        strict.reset_cache()
+    assert strict.lookup(key, ctx) == vl.base.LookupResult.HIT_PENDING
+
+
+def test_duplicate_complete_store_tolerated_by_default_refused_in_strict_mode(
+    vl: Vllm,
+) -> None:
+    """vLLM accepts a second ``complete_store``; the preemption path relies on it."""
+    ctx, key = vl.context("r"), vl.key(4)
+    theirs = vl.theirs(2)
+    _stored(theirs, [key], ctx)
+    theirs.complete_store([key], ctx)  # silently accepted
+    theirs.complete_store([key], ctx, success=False)  # and so is a late failure
+
+    ours = vl.ours(2)
+    _stored(ours, [key], ctx)
+    ours.complete_store([key], ctx)
+    ours.complete_store([key], ctx, success=False)
+    assert ours.duplicate_acks == 2
+    assert ours.lookup(key, ctx) == vl.base.LookupResult.HIT
+
+    strict = vl.ours(2, strict=True)
+    _stored(strict, [key], ctx)
+    before = _snapshot(strict)
+    with pytest.raises(DuplicateAck) as refused:
+        strict.complete_store([key], ctx)
+    assert str(refused.value) == (
+        "block 0000000000000004/0: write_done refused in backed (pins=0): "
+        "no device-to-host copy in flight: a duplicate or stray acknowledgement"
+    )
+    with pytest.raises(DuplicateAck, match="write_failed refused in backed"):
+        strict.complete_store([key], ctx, success=False)
+    assert _snapshot(strict) == before
+
+
+def test_the_spec_selects_the_checked_manager(vl: Vllm) -> None:
+    """``spec_name``/``spec_module_path`` resolve to our spec, a vLLM ``CPUOffloadingSpec``."""
+    factory: Any = __import__("vllm.v1.kv_offload.factory", fromlist=["OffloadingSpecFactory"])
+    cpu_spec: Any = __import__("vllm.v1.kv_offload.cpu.spec", fromlist=["CPUOffloadingSpec"])
+    found = factory.OffloadingSpecFactory.get_spec_cls(
+        {"spec_name": "FsmCpuOffloadingSpec", "spec_module_path": "fsm_cache.compat.vllm"}
+    )
+    assert found is vl.fsm.FsmCpuOffloadingSpec
+    assert issubclass(found, cpu_spec.CPUOffloadingSpec)
+    assert found.get_manager is not cpu_spec.CPUOffloadingSpec.get_manager
+    assert found.get_worker is cpu_spec.CPUOffloadingSpec.get_worker
+    manager = vl.ours(2)
+    assert isinstance(manager, vl.base.OffloadingManager)
+
+
+def _offloading_config(vl: Vllm, extra: dict[str, Any]) -> Any:
+    """vLLM's normalized ``OffloadingConfig`` for one full-attention group, 16-token blocks."""
+    config: Any = __import__("vllm.v1.kv_offload.config", fromlist=["OffloadingConfig"])
+    return config.OffloadingConfig(
+        groups=(config.OffloadingGroupConfig(16, ("layer.0",), 0),),
+        worker_kv_bytes_per_block=4096,
+        enable_kv_cache_events=True,
+        extra_config=extra,
+        engine_id="engine-0",
+        model=config.OffloadingModelConfig("tiny", "float16"),
+        cache=config.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=config.OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
+    )
+
+
+def test_the_spec_sizes_the_checked_manager_as_vllm_sizes_its_own(vl: Vllm) -> None:
+    cpu_spec: Any = __import__("vllm.v1.kv_offload.cpu.spec", fromlist=["CPUOffloadingSpec"])
+    extra = {"cpu_bytes_to_use": 64 * 4096, "fsm_strict": True, "fsm_trail": True}
+    vllms = cpu_spec.CPUOffloadingSpec(_offloading_config(vl, extra))
+    spec = vl.fsm.FsmCpuOffloadingSpec(_offloading_config(vl, extra))
+    ours = spec.get_manager()
+    assert ours is spec.get_manager()
+    assert isinstance(ours, vl.fsm.FsmOffloadingManager)
+    assert ours.num_chunks == spec.num_chunks == vllms.num_chunks == 64
+    assert ours.strict
+    assert ours.engine.trail
+    assert ours.events is not None
+    theirs = vllms.get_manager()
+    if hasattr(theirs, "config_info"):  # vLLM 0.33+
+        assert list(ours.config_info()) == list(theirs.config_info())
