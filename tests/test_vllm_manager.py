@@ -1,0 +1,354 @@
+"""The checked vLLM offloading manager on its own, without vLLM (``fsm_cache.compat.vllm``).
+
+``tests/vllm_real`` holds it to vLLM's own manager; these tests pin its
+contract down where vLLM is not installed: the mapping of vLLM's block
+integer onto the host machine, LRU eviction of ready blocks only, refusals
+that name the block and change nothing, strict mode, and that importing the
+module loads neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from fsm_cache.compat.vllm import (
+    CheckedOffloadingManager,
+    Lookup,
+    OffloadEvent,
+    RequestContext,
+    StoreOutput,
+    block_label,
+)
+from fsm_cache.errors import (
+    BadArgument,
+    CopyInFlight,
+    DuplicateAck,
+    HostCopyPinned,
+    NoHostCopy,
+    NotLoading,
+)
+
+
+def key(block: int, group: int = 0) -> bytes:
+    """vLLM's offload key layout: an 8-byte block hash, then the 4-byte KV group."""
+    return block.to_bytes(8, "big") + group.to_bytes(4, "big")
+
+
+K = [key(i) for i in range(10)]
+
+
+def snapshot(m: CheckedOffloadingManager) -> tuple[Any, ...]:
+    """What a refused call must leave as it was."""
+    records = {k: (r.host, r.pins, r.chunk) for k, r in m.records.items()}
+    events = list(m.events) if m.events is not None else None
+    ranks = (dict(m.recency.ranks), set(m.recency.evictable))
+    return records, ranks, list(m.free), m.allocated, events, m.duplicate_acks
+
+
+def stored(m: CheckedOffloadingManager, keys: list[bytes], ctx: RequestContext) -> None:
+    """Store ``keys`` and acknowledge them."""
+    out = m.prepare_store(keys, ctx)
+    assert out.keys_to_store == keys
+    m.complete_store(keys, ctx)
+
+
+@pytest.fixture
+def ctx() -> RequestContext:
+    return RequestContext("req-0")
+
+
+def test_block_label_names_hash_and_group() -> None:
+    assert block_label(key(7, 2)) == "0000000000000007/2"
+    assert block_label(b"\x01\x02") == "0102"
+
+
+def test_the_lifecycle_is_the_host_machine(ctx: RequestContext) -> None:
+    """vLLM's -1 / 0 / N is writing / backed / pinned(N)."""
+    m = CheckedOffloadingManager(4)
+    assert m.lookup(K[0], ctx) is Lookup.MISS
+    out = m.prepare_store([K[0], K[1]], ctx)
+    assert out == StoreOutput([K[0], K[1]], [0, 1], [])
+    assert (m.records[K[0]].host, m.records[K[0]].pins) == ("writing", 0)
+    assert m.lookup(K[0], ctx) is Lookup.HIT_PENDING
+    m.complete_store([K[0], K[1]], ctx)
+    assert m.records[K[0]].host == "backed"
+    assert m.lookup(K[0], ctx) is Lookup.HIT
+    assert m.prepare_load([K[0], K[0]], ctx) == [0, 0]
+    assert (m.records[K[0]].host, m.records[K[0]].pins) == ("pinned", 2)
+    m.complete_load([K[0]], ctx)
+    assert (m.records[K[0]].host, m.records[K[0]].pins) == ("pinned", 1)
+    m.complete_load([K[0]], ctx)
+    assert (m.records[K[0]].host, m.records[K[0]].pins) == ("backed", 0)
+
+
+def test_prepare_store_skips_held_keys_and_evicts_lru_ready_blocks(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(3, events=True)
+    stored(m, K[0:3], ctx)
+    m.touch([K[0]], ctx)  # K[1] is now the least recent, then K[2]
+    out = m.prepare_store([K[0], K[3], K[4]], ctx)
+    assert out == StoreOutput([K[3], K[4]], [2, 1], [K[1], K[2]])
+    assert K[1] not in m.records
+    assert list(m.take_events()) == [
+        OffloadEvent(K[0:3], removed=False),
+        OffloadEvent([K[1], K[2]], removed=True),
+    ]
+    assert list(m.take_events()) == []
+
+
+def test_blocks_being_stored_or_loaded_are_never_evicted(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(2)
+    stored(m, [K[0]], ctx)
+    m.prepare_load([K[0]], ctx)  # pinned
+    m.prepare_store([K[1]], ctx)  # writing
+    before = snapshot(m)
+    assert m.prepare_store([K[2]], ctx) is None
+    assert snapshot(m) == before
+    m.complete_load([K[0]], ctx)
+    assert m.prepare_store([K[2]], ctx) == StoreOutput([K[2]], [0], [K[0]])
+
+
+def test_offered_keys_are_not_evicted_to_make_room_for_each_other(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(1)
+    stored(m, [K[0]], ctx)
+    assert m.prepare_store([K[0], K[1]], ctx) is None
+    assert m.lookup(K[0], ctx) is Lookup.HIT
+
+
+def test_failed_store_frees_the_chunk_and_is_announced_as_cleanup(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(2, events=True)
+    m.prepare_store([K[0], K[1]], ctx)
+    m.complete_store([K[0]], ctx, success=False)
+    assert K[0] not in m.records
+    assert m.free == [0]
+    m.complete_store([K[1]], ctx)
+    assert list(m.take_events()) == [
+        OffloadEvent([K[0]], removed=True, metadata_only=True),
+        OffloadEvent([K[1]], removed=False),
+    ]
+
+
+def test_cleanup_is_not_announced_for_a_key_stored_again(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(2, events=True)
+    m.prepare_store([K[0]], ctx)
+    m.complete_store([K[0]], ctx, success=False)
+    m.prepare_store([K[0]], ctx)
+    assert list(m.take_events()) == []
+
+
+def test_without_failure_events_a_failed_store_is_silent(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(2, events=True, failure_events=False)
+    m.prepare_store([K[0]], ctx)
+    m.complete_store([K[0]], ctx, success=False)
+    assert list(m.take_events()) == []
+
+
+def test_double_complete_load_is_refused_and_changes_nothing(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(4)
+    stored(m, [K[1], K[2]], ctx)
+    m.prepare_load([K[1], K[2]], ctx)
+    before = snapshot(m)
+    with pytest.raises(NotLoading) as refused:
+        m.complete_load([K[2], K[1], K[1]], ctx)
+    assert str(refused.value) == (
+        "block 0000000000000001/0: load_done refused in backed (pins=0): "
+        "no host-to-device copy in flight"
+    )
+    assert snapshot(m) == before
+
+
+def test_complete_load_of_a_block_never_loaded(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(4)
+    stored(m, [K[1]], ctx)
+    with pytest.raises(NotLoading, match=r"^block 0000000000000001/0: load_done refused in backed"):
+        m.complete_load([K[1]], ctx)
+    with pytest.raises(
+        NotLoading, match=r"^block 0000000000000009/0: load_done refused in unbacked"
+    ):
+        m.complete_load([K[9]], ctx)
+
+
+def test_load_of_a_pending_or_unknown_key_is_refused_and_changes_nothing(
+    ctx: RequestContext,
+) -> None:
+    m = CheckedOffloadingManager(4)
+    stored(m, [K[0]], ctx)
+    m.prepare_store([K[1]], ctx)
+    before = snapshot(m)
+    with pytest.raises(NoHostCopy) as refused:
+        m.prepare_load([K[0], K[1]], ctx)
+    assert str(refused.value) == (
+        "block 0000000000000001/0: load refused in writing (pins=0): "
+        "no valid host copy to load from"
+    )
+    with pytest.raises(NoHostCopy, match=r"^block 0000000000000005/0: load refused in unbacked"):
+        m.prepare_load([K[0], K[5]], ctx)
+    assert snapshot(m) == before
+
+
+def test_trail_mode_names_the_call_sites(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(4, trail=True)
+    stored(m, [K[3]], ctx)
+    m.prepare_load([K[3]], ctx)
+    m.complete_load([K[3]], ctx)
+    with pytest.raises(NotLoading) as refused:
+        m.complete_load([K[3]], ctx)
+    message = str(refused.value)
+    assert message.startswith(
+        "block 0000000000000003/0: load_done refused in backed (pins=0): "
+        "no host-to-device copy in flight; written at test_vllm_manager.py:"
+    )
+    for past in ("acknowledged at", "loaded at", "load acknowledged at", "refused at"):
+        assert f"; {past} test_vllm_manager.py:" in message
+    assert refused.value.site is not None
+    assert refused.value.site.function == "test_trail_mode_names_the_call_sites"
+
+
+def test_duplicate_complete_store_is_tolerated_and_counted(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(4, events=True)
+    stored(m, [K[0]], ctx)
+    list(m.take_events())
+    m.complete_store([K[0], K[7]], ctx)
+    m.complete_store([K[0]], ctx, success=False)
+    assert m.duplicate_acks == 3
+    assert m.records[K[0]].host == "backed"
+    assert list(m.take_events()) == []
+
+
+def test_strict_mode_refuses_duplicate_complete_store(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(4, strict=True)
+    stored(m, [K[0]], ctx)
+    m.prepare_store([K[1]], ctx)
+    before = snapshot(m)
+    with pytest.raises(DuplicateAck) as refused:
+        m.complete_store([K[1], K[0]], ctx)
+    assert str(refused.value) == (
+        "block 0000000000000000/0: write_done refused in backed (pins=0): "
+        "no device-to-host copy in flight: a duplicate or stray acknowledgement"
+    )
+    with pytest.raises(
+        DuplicateAck, match=r"^block 0000000000000001/0: write_done refused in backed"
+    ):
+        m.complete_store([K[1], K[1]], ctx)
+    with pytest.raises(
+        DuplicateAck, match=r"^block 0000000000000008/0: write_failed refused in unbacked"
+    ):
+        m.complete_store([K[8]], ctx, success=False)
+    assert snapshot(m) == before
+    m.complete_store([K[1]], ctx)
+    assert m.records[K[1]].host == "backed"
+
+
+def test_reset_drops_everything_and_restarts_chunks(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(2)
+    stored(m, [K[0]], ctx)
+    m.prepare_store([K[1]], ctx)
+    m.reset_cache()
+    assert m.records == {}
+    assert m.lookup(K[0], ctx) is Lookup.MISS
+    assert m.prepare_store([K[2]], ctx) == StoreOutput([K[2]], [0], [])
+    m.complete_store([K[1]], ctx)  # a stale completion: nothing to acknowledge
+    assert m.duplicate_acks == 1
+
+
+def test_strict_reset_refuses_copies_in_flight(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(3, strict=True)
+    stored(m, [K[0], K[1]], ctx)
+    m.prepare_load([K[0]], ctx)
+    before = snapshot(m)
+    with pytest.raises(
+        HostCopyPinned, match=r"^block 0000000000000000/0: evict_host refused in pinned \(pins=1\)"
+    ):
+        m.reset_cache()
+    assert snapshot(m) == before
+    m.complete_load([K[0]], ctx)
+    m.prepare_store([K[2]], ctx)
+    with pytest.raises(
+        CopyInFlight, match=r"^block 0000000000000002/0: evict_host refused in writing"
+    ):
+        m.reset_cache()
+    m.complete_store([K[2]], ctx)
+    m.reset_cache()
+    assert m.records == {}
+
+
+def test_store_threshold_stores_a_block_on_its_second_offer(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(4, store_threshold=2)
+    assert m.prepare_store([K[0]], ctx) == StoreOutput([], [], [])
+    assert m.stores_skipped == 1
+    assert m.prepare_store([K[0]], ctx) == StoreOutput([K[0]], [0], [])
+
+
+def test_a_key_offered_twice_in_one_store_is_refused(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(4)
+    with pytest.raises(BadArgument, match="offered a key twice"):
+        m.prepare_store([K[0], K[0]], ctx)
+    assert m.records == {}
+
+
+def test_a_finished_request_may_not_bring_new_keys(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(4)
+    m.on_new_request(ctx)
+    stored(m, [K[0]], ctx)
+    m.on_request_finished(ctx)
+    with pytest.raises(BadArgument, match="after on_request_finished"):
+        m.prepare_store([K[1]], ctx)
+    assert K[1] not in m.records
+
+
+def test_request_ranks_put_a_requests_tail_before_its_head() -> None:
+    """vLLM 0.33's LRU: a request's positioned keys share its rank, later positions first."""
+    positions = {K[i]: 16 * (i + 1) for i in range(4)}
+    m = CheckedOffloadingManager(4)
+    ctx = RequestContext("r", positions)
+    stored(m, K[0:4], ctx)
+    out = m.prepare_store([K[5]], RequestContext("other"))
+    assert out.evicted_keys == [K[3]]
+    flat = CheckedOffloadingManager(4, request_ranks=False)
+    ctx = RequestContext("r", positions)
+    stored(flat, K[0:4], ctx)
+    assert flat.prepare_store([K[5]], RequestContext("other")).evicted_keys == [K[0]]
+
+
+def test_finishing_a_request_makes_its_head_most_recent() -> None:
+    m = CheckedOffloadingManager(3, request_ranks=False)
+    first, second = RequestContext("a"), RequestContext("b")
+    stored(m, [K[0], K[1]], first)
+    stored(m, [K[2]], second)
+    m.on_request_finished(first)  # K[0], K[1] now more recent than K[2]
+    assert m.prepare_store([K[3]], second).evicted_keys == [K[2]]
+
+
+def test_usage_counts_unevictable_chunks_and_stores(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(4)
+    stored(m, [K[0]], ctx)
+    m.prepare_store([K[1]], ctx)
+    m.prepare_load([K[0]], ctx)
+    assert m.usage() == (0.5, 0.25)
+
+
+def test_importing_the_module_loads_neither_vllm_nor_torch() -> None:
+    code = (
+        "import sys, fsm_cache.compat.vllm as v\n"
+        "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, sorted(sys.modules)\n"
+        "try:\n"
+        "    v.FsmOffloadingManager\n"
+        "except ModuleNotFoundError as exc:\n"
+        "    print('missing', exc.name)\n"
+        "else:\n"
+        "    print('vllm present')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() in ("missing vllm", "vllm present")
+
+
+def test_other_names_are_not_made_up() -> None:
+    import fsm_cache.compat.vllm as module
+
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        _ = module.Nope
