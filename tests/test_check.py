@@ -459,7 +459,7 @@ def test_a_release_no_acquire_pairs_with_is_a_finding(
     assert _cli(["check", "--nodes", "2", str(path)]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"{path}: 2 nodes (chain, fan-out, binary), pins <= 2, locks <= 2"
-    assert out[1:3] == ["  states explored: 0", "  states/s: 0"]
+    assert out[1:3] == ["  states explored: 0 (symmetry reduced)", "  states/s: 0"]
     assert out[4:] == [
         "  violation: holders: give gives back one, but no event takes one (take adds 2): "
         "its acquires and releases do not pair"

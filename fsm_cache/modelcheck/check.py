@@ -12,7 +12,10 @@ be able to settle (:mod:`fsm_cache.modelcheck.liveness`). On a violation the
 shortest event sequence reaching it is printed and the exit status is 1.
 ``--policy write_through`` checks HiCache's own choices too: backups start
 only where its write policy starts them, and their prefix-closure
-(invariant 3) is checked. Without arguments it checks the shipped specs, the
+(invariant 3) is checked. States that differ only in how their nodes are
+numbered are explored once (symmetry reduction,
+:class:`~fsm_cache.modelcheck.forest.Trees`); ``--no-symmetry`` explores every
+numbering, for the count before the reduction. Without arguments it checks the shipped specs, the
 residency spec under the write-through policy, and the negative controls of
 ``specs/bugs_detected`` (each of which must still yield its finding).
 """
@@ -70,15 +73,20 @@ def check_spec(
     *,
     tick: Callable[[int], None] | None = None,
     policy: WritePolicy | None = None,
+    symmetry: bool = True,
 ) -> Result:
     """Model-check the spec at ``path``, under the cache's write ``policy`` if one is given.
+
+    With ``symmetry`` (the default) a tree is one state whatever its node
+    numbering; without, every numbering is explored (same verdict, more states).
 
     Raises:
         SpecError: The spec does not load, or a policy is given for a spec
             without host and device regions.
     """
     layout = Layout.of(as_system(load_spec(path)))
-    return Explorer(layout, bounds, ops, policy).run(shapes(layout, nodes), tick)
+    explorer = Explorer(layout, bounds, ops, policy, symmetry=symmetry)
+    return explorer.run(shapes(layout, nodes), tick)
 
 
 def load_ops(path: Path) -> tuple[Path, ModuleType]:
@@ -113,7 +121,11 @@ CONTROL_NODES = 3
 
 
 def check_control(
-    control: Control, nodes: int = CONTROL_NODES, bounds: Bounds | None = None
+    control: Control,
+    nodes: int = CONTROL_NODES,
+    bounds: Bounds | None = None,
+    *,
+    symmetry: bool = True,
 ) -> str:
     """Return the first finding of ``validate`` or ``check`` on a control (``""`` if none)."""
     bounds = bounds or Bounds({})
@@ -124,7 +136,7 @@ def check_control(
     if spec is None:
         return f"validate: {problem}"
     policy = POLICIES[getattr(ops, "POLICY", "none")]
-    result = check_spec(path, nodes, bounds, ops, policy=policy)
+    result = check_spec(path, nodes, bounds, ops, policy=policy, symmetry=symmetry)
     return f"check: violation: {result.violation}" if result.violation else ""
 
 
@@ -157,17 +169,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ops = treeops
     if args.ops:
         _, ops = load_ops(Path(args.ops))
+    symmetry = not args.no_symmetry
     specs = []
     for path, policy, nodes in targets(args):
         started = time.perf_counter()
         with progress(args.progress, _title(path.name, policy)) as tick:
-            result = check_spec(path, nodes, bounds, ops, tick=tick, policy=POLICIES[policy])
+            result = check_spec(
+                path, nodes, bounds, ops, tick=tick, policy=POLICIES[policy], symmetry=symmetry
+            )
         seconds = time.perf_counter() - started
         specs.append(
             {
                 "spec": str(path),
                 "policy": policy,
                 "nodes": nodes,
+                "symmetry": symmetry,
                 "seconds": seconds,
                 **vars(result),
             }
@@ -176,7 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for control in (
         controls(tools=("validate", "check")) if not args.specs and not args.no_controls else []
     ):
-        found = check_control(control)
+        found = check_control(control, symmetry=symmetry)
         checked.append(
             {
                 "control": control.name,
@@ -196,7 +212,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         lines.append(
             f"{_title(s['spec'], s['policy'])}: {s['nodes']} nodes ({', '.join(SHAPES)}), pins <= {args.max_pins}, locks <= {args.max_locks}"
         )
-        lines.append(f"  states explored: {s['states']}")
+        lines.append(f"  states explored: {s['states']} ({_symmetry(s['symmetry'])})")
         lines.append(f"  states/s: {rate:.0f}")
         lines.append(f"  time: {s['seconds']:.2f} s")
         if s["violation"]:
@@ -208,6 +224,11 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
             lines.append("  no invariant violated")
     lines += render_controls(result["controls"])
     return "\n".join(lines)
+
+
+def _symmetry(on: bool) -> str:
+    """Return how the report names the symmetry reduction of a run."""
+    return "symmetry reduced" if on else "no symmetry reduction"
 
 
 def _title(spec: str, policy: str) -> str:
@@ -263,6 +284,12 @@ def register(subparsers: Any) -> None:
         default=None,
         help="show progress on stderr: a bar on a terminal, else a line every "
         f"{PLAIN_EVERY:.0f} s (default: when stderr is a terminal)",
+    )
+    parser.add_argument(
+        "--no-symmetry",
+        action="store_true",
+        help="explore every numbering of each tree as its own state (default: one state per "
+        "tree up to interchangeable sibling subtrees; same verdicts, fewer states)",
     )
     parser.add_argument("--no-controls", action="store_true", help="skip the negative controls")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")

@@ -87,6 +87,9 @@ class Explorer:
             ``wants_backup`` (default :func:`fsm_cache.policy.wants_backup`).
         policy: The write policy the cache follows: it decides where backups
             start, and adds its invariants (None: any event the spec allows).
+        symmetry: Explore one state per tree whatever its node numbering
+            (:class:`~fsm_cache.modelcheck.forest.Trees`); False explores every
+            numbering, the unreduced space (same verdicts, more states).
     """
 
     def __init__(
@@ -95,6 +98,8 @@ class Explorer:
         bounds: Bounds,
         ops: ModuleType | Any = treeops,
         policy: WritePolicy | None = None,
+        *,
+        symmetry: bool = True,
     ) -> None:
         self.layout = layout
         ceilings = [bounds.counters.get(c, bounds.default) for c in layout.counters]
@@ -103,10 +108,10 @@ class Explorer:
         self.match: lookup.Lookup = getattr(ops, "match_prefix", lookup.match_prefix)
         self.settling = liveness.settling(layout)
         self.looks = lookup.applies(layout)
-        self.trees = Trees(layout)
+        self.trees = Trees(layout, symmetry=symmetry)
         choices = Choices.of(layout, policy, getattr(ops, "wants_backup", wants_backup))
         self.answers = Answers(layout, self.trees, ceilings, choices)
-        self.replay = Replay(layout, ceilings, ops, choices)
+        self.replay = Replay(layout, ceilings, ops, choices, symmetry=symmetry)
         self.slots = 0
         self.moves: dict[tuple[int, ...], tuple[list[Move], bool]] = {}
         self.roots: dict[int, Root] = {}
@@ -192,12 +197,14 @@ class Explorer:
     def _tree_steps(self, forest: Forest, count: int) -> Iterator[tuple[TraceStep, Forest]]:
         """Yield the tree operations from ``forest`` (of ``count`` nodes): splits, then inserts."""
         flat = self.trees.decode(forest, self.slots)
+        where = self.trees.where(forest)
         present = range(count)
         for step in (
             *(("split", i) for i in present),
             *(("insert", p) for p in (-1, *present)),
         ):
-            nxt = self.replay.apply(flat, step)
+            at = where[step[1]] if step[1] >= 0 else -1
+            nxt = self.replay.apply(flat, (step[0], at))
             if nxt is not None:
                 yield step, self.trees.encode(nxt)
 
@@ -253,7 +260,7 @@ class Explorer:
         """Return the subtree of ``order`` with node ``k`` and its nearest ancestors given new locals."""
         trees = self.trees
         old, parent = order[k]
-        new = trees.sid(lids[0], trees.kids[old])
+        new = trees.sid(lids[0], trees.kids[old], trees.slot[old])
         at = 1
         while parent >= 0:
             sid, parent = order[parent]

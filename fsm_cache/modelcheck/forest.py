@@ -4,9 +4,18 @@ A model state (:mod:`fsm_cache.modelcheck.state`) numbers its nodes by slot; two
 that differ only in how slots are numbered, or in the order of siblings, are
 the same tree. :class:`Trees` interns each subtree as a small int, so the
 explorer stores and compares whole states as short tuples of ints.
+
+That is the checker's symmetry reduction: sibling subtrees are
+interchangeable (nothing in the spec, the invariants or liveness reads a
+node's number), so a state stands for every numbering of its tree. With
+``symmetry=False`` each subtree keeps the slot of its root and siblings stay
+in slot order, so every numbering is a state of its own: the unreduced
+space, explored to show the reduction finds what it would.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from fsm_cache.modelcheck.state import Layout, NodeEntry, Nodes
 
@@ -27,10 +36,13 @@ class Trees:
 
     Args:
         layout: The node layout of the spec.
+        symmetry: Merge states that differ only in node numbering (False:
+            a subtree is also its root's slot, and siblings sort by slot).
     """
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, *, symmetry: bool = True) -> None:
         self.regions = len(layout.regions)
+        self.symmetry = symmetry
         self.locals: list[NodeEntry] = []
         self.stid: list[int] = []
         """Local id to the id of its region states."""
@@ -40,14 +52,16 @@ class Trees:
         """Subtree id to its root's local id."""
         self.kids: list[Forest] = []
         self.key: list[tuple[object, ...]] = []
-        """Subtree id to the sort key of :func:`~fsm_cache.modelcheck.state.canonical`."""
+        """Subtree id to its sort key: :func:`~fsm_cache.modelcheck.state.canonical`'s, or its slot without symmetry."""
         self.kid_states: list[tuple[int, ...]] = []
         """Subtree id to its root's children's region-state ids, sorted."""
         self.size: list[int] = []
         """Subtree id to its number of nodes."""
+        self.slot: list[int] = []
+        """Subtree id to its root's slot (-1 under symmetry: numbering is not kept)."""
         self._lids: dict[NodeEntry, int] = {}
         self._stids: dict[NodeEntry, int] = {}
-        self._sids: dict[tuple[int, Forest], int] = {}
+        self._sids: dict[tuple[int, Forest, int], int] = {}
         self._swaps: dict[tuple[int, int, int, int], int] = {}
 
     def lid(self, local: NodeEntry) -> int:
@@ -63,14 +77,20 @@ class Trees:
             self.stid.append(self._stids[states])
         return found
 
-    def sid(self, lid: int, kids: Forest) -> int:
-        """Return the id of the subtree of root ``lid`` over ``kids`` (in canonical order)."""
-        found = self._sids.get((lid, kids))
+    def sid(self, lid: int, kids: Forest, slot: int = -1) -> int:
+        """Return the id of the subtree of root ``lid`` in ``slot`` over ``kids`` (in canonical order).
+
+        Under symmetry the slot is dropped, so every numbering of a tree is one subtree.
+        """
+        slot = -1 if self.symmetry else slot
+        found = self._sids.get((lid, kids, slot))
         if found is None:
-            found = self._sids[(lid, kids)] = len(self.local)
+            found = self._sids[(lid, kids, slot)] = len(self.local)
             self.local.append(lid)
             self.kids.append(kids)
-            self.key.append((self.locals[lid], tuple(self.key[k] for k in kids)))
+            self.slot.append(slot)
+            below = tuple(self.key[k] for k in kids)
+            self.key.append((self.locals[lid], below) if slot < 0 else (slot,))
             self.kid_states.append(tuple(sorted(self.stid[self.local[k]] for k in kids)))
             self.size.append(1 + sum(self.size[k] for k in kids))
         return found
@@ -89,7 +109,8 @@ class Trees:
         def sub(i: int) -> int:
             entry = nodes[i]
             assert entry is not None
-            return self.sid(self.lid(entry[1:]), self.order([sub(c) for c in below.get(i, ())]))
+            kids = self.order([sub(c) for c in below.get(i, ())])
+            return self.sid(self.lid(entry[1:]), kids, i)
 
         return self.order([sub(r) for r in below.get(-1, ())])
 
@@ -107,10 +128,27 @@ class Trees:
         return out
 
     def decode(self, forest: Forest, slots: int) -> Nodes:
-        """Return the model state of ``forest`` in ``slots`` slots, numbered canonically."""
+        """Return the model state of ``forest`` in ``slots`` slots, each node where :meth:`where` puts it."""
         order = self.preorder(forest)
-        out: list[NodeEntry | None] = [(p, *self.locals[self.local[s]]) for s, p in order]
-        return (*out, *([None] * (slots - len(out))))
+        if self.symmetry:  # numbered in preorder
+            out: list[NodeEntry | None] = [(p, *self.locals[self.local[s]]) for s, p in order]
+            return (*out, *([None] * (slots - len(out))))
+        where = [self.slot[s] for s, _ in order]
+        out = [None] * slots
+        for (s, p), at in zip(order, where, strict=True):
+            out[at] = (where[p] if p >= 0 else -1, *self.locals[self.local[s]])
+        return tuple(out)
+
+    def where(self, forest: Forest) -> Sequence[int]:
+        """Return the slot of each node of ``forest``, in preorder.
+
+        Under symmetry a node's slot is its place in the preorder (the
+        numbering of :func:`~fsm_cache.modelcheck.state.canonical`); without,
+        the slot it was kept in.
+        """
+        if self.symmetry:
+            return range(sum(self.size[s] for s in forest))
+        return [self.slot[s] for s, _ in self.preorder(forest)]
 
     def swap(self, sid: int, old: int, new: int, lid: int) -> int:
         """Return subtree ``sid`` with child ``old`` replaced by ``new`` and root local ``lid``."""
@@ -118,7 +156,8 @@ class Trees:
         if found is None:
             kids = list(self.kids[sid])
             kids[kids.index(old)] = new
-            found = self._swaps[(sid, old, new, lid)] = self.sid(lid, self.order(kids))
+            found = self.sid(lid, self.order(kids), self.slot[sid])
+            self._swaps[(sid, old, new, lid)] = found
         return found
 
     def swap_root(self, forest: Forest, old: int, new: int) -> Forest:

@@ -41,6 +41,10 @@ class Replay:
         bounds: Counter ceilings in counter order (an event past one is not fired).
         ops: The module providing ``insert``, ``split`` and ``prune``.
         choices: What the cache chooses among the steps the spec allows.
+        symmetry: Whether the explorer numbered the steps of a trace in
+            canonical order (:func:`~fsm_cache.modelcheck.state.canonical`) or,
+            without symmetry reduction, in slot order
+            (:func:`slot_order`).
     """
 
     def __init__(
@@ -49,8 +53,11 @@ class Replay:
         bounds: list[int],
         ops: ModuleType | Any,
         choices: Choices | None = None,
+        *,
+        symmetry: bool = True,
     ) -> None:
         self.layout = layout
+        self.symmetry = symmetry
         self.bounds = bounds
         self.ops = ops
         self.choices = choices or Choices()
@@ -140,11 +147,14 @@ class Replay:
 
         ``steps[0]`` is ``("start", shape)``; the others were taken in canonical
         states, numbered as :func:`~fsm_cache.modelcheck.state.canonical` numbers
-        them, and are fired here at the nodes those numbers stand for.
+        them (:func:`slot_order` without symmetry
+        reduction), and are fired here at the nodes those numbers stand for:
+        the labels name the slots of the replayed tree, the same node by the
+        same number from the first step to the last.
         """
         nodes = start
         lines = [f"start: {steps[0][1]}"]
-        perm = canonical(nodes)[1]
+        perm = self.numbering(nodes)
         for step in steps[1:]:
             where = int(step[1])
             concrete: TraceStep = (step[0], perm[where] if where >= 0 else -1, *step[2:])
@@ -152,8 +162,12 @@ class Replay:
             after = self.apply(nodes, concrete)
             assert after is not None, f"replay refused {concrete}"
             nodes = after
-            perm = canonical(nodes)[1]
+            perm = self.numbering(nodes)
         return lines, nodes
+
+    def numbering(self, nodes: Nodes) -> tuple[int, ...]:
+        """Return the slot of each node as the explorer numbers them: ``out[k]`` is node ``k``'s."""
+        return canonical(nodes)[1] if self.symmetry else slot_order(nodes)
 
     def _records(self, nodes: Nodes) -> dict[int, Any]:
         """Return a record per node, linked to its parent's and children's."""
@@ -168,6 +182,24 @@ class Replay:
             rec.parent = recs.get(int(_at(nodes, i)[0]))
             rec.children = [recs[c] for c in children(nodes, i)]
         return recs
+
+
+def slot_order(nodes: Nodes) -> tuple[int, ...]:
+    """Return the slots of ``nodes`` in preorder, siblings in slot order: ``out[k]`` is node ``k``'s.
+
+    Without symmetry reduction the explorer numbers a state's nodes so
+    (:meth:`~fsm_cache.modelcheck.forest.Trees.where`), as with it it numbers
+    them in :func:`~fsm_cache.modelcheck.state.canonical`'s order.
+    """
+    out: list[int] = []
+
+    def visit(parent: int) -> None:
+        for i in children(nodes, parent):
+            out.append(i)
+            visit(i)
+
+    visit(-1)
+    return tuple(out)
 
 
 def label(nodes: Nodes, step: TraceStep) -> str:

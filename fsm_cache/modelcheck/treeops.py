@@ -149,7 +149,7 @@ def prune_forest(
         kids = [k for k in (sub(c) for c in trees.kids[sid]) if k is not None]
         lid = trees.local[sid]
         gone = not kids and dataless(layout, (0, *trees.locals[lid]))
-        memo[sid] = None if gone else trees.sid(lid, trees.order(kids))
+        memo[sid] = None if gone else trees.sid(lid, trees.order(kids), trees.slot[sid])
         return memo[sid]
 
     return trees.order([k for k in (sub(s) for s in forest) if k is not None])

@@ -1,0 +1,209 @@
+"""Symmetry reduction in ``fsm-cache check``: fewer states, the same verdicts, traces on real nodes.
+
+The explorer keeps one state per tree whatever its node numbering (sibling
+subtrees are interchangeable); ``--no-symmetry`` keeps every numbering. These
+tests hold the reduced run to the unreduced one, and the unreduced one to a
+plain search over numbered states that fires every step through the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from fsm_cache.modelcheck import check, invariants, treeops
+from fsm_cache.modelcheck.explore import Bounds, Explorer, Result
+from fsm_cache.modelcheck.forest import Trees
+from fsm_cache.modelcheck.state import Layout, Nodes, canonical
+from fsm_cache.modelcheck.traces import Replay, TraceStep, slot_order
+from fsm_cache.policy import WritePolicy
+from fsm_cache.spec.controls import Control, controls
+from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.machine import as_system
+from fsm_cache.spec.shipped import residency_system, spec_dir
+
+
+BOUNDS = Bounds({"pins": 2, "locks": 2})
+CHECKED = controls(tools=("check",))
+
+
+@pytest.fixture(scope="module")
+def layout() -> Layout:
+    return Layout.of(residency_system())
+
+
+def _steps(nodes: Nodes, events: tuple[str, ...]) -> list[TraceStep]:
+    """Every step the explorer tries in ``nodes``, on slots: events, splits, inserts."""
+    present = [i for i, entry in enumerate(nodes) if entry is not None]
+    return [
+        *(("event", i, event) for i in present for event in events),
+        *(("split", i) for i in present),
+        *(("insert", p) for p in (-1, *present)),
+    ]
+
+
+def _numbered_states(layout: Layout, replay: Replay, nodes: int) -> set[Nodes]:
+    """Every numbered state reachable from the starting shapes, each step fired on slots."""
+    seen = set(check.shapes(layout, nodes).values())
+    frontier = list(seen)
+    while frontier:
+        state = frontier.pop()
+        for step in _steps(state, layout.system.event_names):
+            after = replay.apply(state, step)
+            if after is not None and after not in seen:
+                seen.add(after)
+                frontier.append(after)
+    return seen
+
+
+def test_without_symmetry_every_numbered_state_is_explored_and_with_it_one_per_tree(
+    layout: Layout,
+) -> None:
+    """The unreduced count is a plain search's; the reduced count is its number of trees."""
+    explorer = Explorer(layout, BOUNDS)
+    numbered = _numbered_states(layout, explorer.replay, 2)
+    shapes = check.shapes(layout, 2)
+    unreduced = Explorer(layout, BOUNDS, symmetry=False).run(shapes)
+    reduced = explorer.run(shapes)
+    assert unreduced.states == len(numbered)
+    assert reduced.states == len({canonical(state)[0] for state in numbered})
+    assert reduced.states < unreduced.states
+    assert reduced.violation is unreduced.violation is None
+
+
+def test_the_shipped_spec_holds_with_fewer_states_under_symmetry_and_write_through(
+    layout: Layout,
+) -> None:
+    policy = WritePolicy.WRITE_THROUGH
+    shapes = check.shapes(layout, 2)
+    reduced = Explorer(layout, BOUNDS, policy=policy).run(shapes)
+    unreduced = Explorer(layout, BOUNDS, policy=policy, symmetry=False).run(shapes)
+    assert reduced.violation is unreduced.violation is None
+    assert 0 < reduced.states < unreduced.states
+
+
+def test_two_numberings_of_one_tree_are_one_state_only_under_symmetry(layout: Layout) -> None:
+    pinned = layout.entry(0, "pinned", "resident", 1, 0, 1, 0, 0)
+    fresh = layout.fresh(0)
+    one = (layout.fresh(-1), pinned, fresh)
+    other = (layout.fresh(-1), fresh, pinned)
+    assert Trees(layout).encode(one) == Trees(layout).encode(other)
+    labelled = Trees(layout, symmetry=False)
+    assert labelled.encode(one) != labelled.encode(other)
+    gap = (None, layout.fresh(-1), layout.entry(1, "pinned", "resident", 1, 0, 1, 0, 0))
+    for state in (one, other, gap, (layout.fresh(-1), None, fresh)):
+        assert labelled.decode(labelled.encode(state), 3) == state
+
+
+def test_slot_order_numbers_siblings_by_slot(layout: Layout) -> None:
+    root = layout.fresh(-1)
+    assert slot_order((layout.fresh(2), root, root)) == (1, 2, 0)
+    assert slot_order((layout.fresh(1), root, layout.fresh(1))) == (1, 0, 2)
+
+
+def _control(control: Control) -> tuple[Path, ModuleType | Any, WritePolicy | None]:
+    """Return a control's spec, the tree operations it runs with and its policy."""
+    path, ops = control.path, treeops
+    if path.suffix == ".py":
+        path, ops = check.load_ops(path)
+    return path, ops, check.POLICIES[getattr(ops, "POLICY", "none")]
+
+
+LIVENESS = {"write_ack_waits_for_children.toml": 2}
+"""Controls found only once every state is explored, on a tree small enough to keep the test short."""
+
+
+def _check(control: Control, *, symmetry: bool) -> Result:
+    path, ops, policy = _control(control)
+    nodes = LIVENESS.get(control.name, check.CONTROL_NODES)
+    return check.check_spec(path, nodes, Bounds({}), ops, policy=policy, symmetry=symmetry)
+
+
+@pytest.mark.parametrize("control", CHECKED, ids=lambda c: c.name)
+def test_every_control_yields_its_finding_at_the_same_depth_without_symmetry(
+    control: Control,
+) -> None:
+    """Same finding, same node, shortest trace of the same length: the reduction loses nothing."""
+    reduced, unreduced = _check(control, symmetry=True), _check(control, symmetry=False)
+    assert f"violation: {unreduced.violation}" == control.finding
+    assert unreduced.violation == reduced.violation
+    assert len(unreduced.trace) == len(reduced.trace)
+    assert reduced.states <= unreduced.states
+
+
+def test_check_control_passes_the_choice_on() -> None:
+    control = next(c for c in CHECKED if c.name == "evict_host_while_pinned.toml")
+    assert check.check_control(control, symmetry=False) == control.expected
+
+
+LABEL = re.compile(
+    r"node (?P<node>\d+): (?P<event>\w+)"
+    r"|split node (?P<split>\d+): prefix node (?P<prefix>\d+)"
+    r"|insert node (?P<slot>\d+) under (?:the root|node (?P<parent>\d+))"
+)
+
+
+def _replay_labels(replay: Replay, start: Nodes, labels: list[str]) -> Nodes:
+    """Fire a printed trace on ``start`` by the node numbers it prints; check each new node's."""
+    nodes = start
+    for line in labels:
+        found = LABEL.fullmatch(line)
+        assert found is not None, line
+        free = next(i for i, entry in enumerate(nodes) if entry is None) if None in nodes else -1
+        step: TraceStep
+        if found["event"]:
+            step = ("event", int(found["node"]), found["event"])
+        elif found["split"]:
+            assert int(found["prefix"]) == free
+            step = ("split", int(found["split"]))
+        else:
+            assert int(found["slot"]) == free
+            step = ("insert", -1 if found["parent"] is None else int(found["parent"]))
+        after = replay.apply(nodes, step)
+        assert after is not None, line
+        nodes = after
+    return nodes
+
+
+TRACED = ["split_drops_pins.py", "load_under_absent_parent.toml", "evict_host_while_pinned.toml"]
+
+
+@pytest.mark.parametrize("symmetry", [True, False])
+@pytest.mark.parametrize("name", TRACED)
+def test_a_printed_trace_replays_by_its_node_numbers(name: str, symmetry: bool) -> None:
+    """Each line names a real slot of the starting tree; fired as printed, it ends in the finding."""
+    control = next(c for c in CHECKED if c.name == name)
+    path, ops, policy = _control(control)
+    result = _check(control, symmetry=symmetry)
+    layout = Layout.of(as_system(load_spec(path)))
+    shape = result.trace[0].removeprefix("start: ")
+    start = check.shapes(layout, check.CONTROL_NODES)[shape]
+    replay = Explorer(layout, Bounds({}), ops, policy, symmetry=symmetry).replay
+    end = _replay_labels(replay, start, result.trace[1:])
+    assert invariants.violation(layout, end, policy) == result.violation
+
+
+def test_the_cli_turns_the_reduction_off_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = str(spec_dir() / "residency.toml")
+    runs = {}
+    for flags in ([], ["--no-symmetry"]):
+        parser = argparse.ArgumentParser()
+        check.register(parser.add_subparsers())
+        args = parser.parse_args(["check", "--json", "--nodes", "2", spec, *flags])
+        assert args.handler(args) == 0
+        runs[bool(flags)] = json.loads(capsys.readouterr().out)["specs"][0]
+    assert runs[False]["symmetry"] is True
+    assert runs[True]["symmetry"] is False
+    assert runs[False]["states"] < runs[True]["states"]
+    parser = argparse.ArgumentParser()
+    check.register(parser.add_subparsers())
+    args = parser.parse_args(["check", "--nodes", "2", spec, "--no-symmetry"])
+    args.handler(args)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == f"  states explored: {runs[True]['states']} (no symmetry reduction)"
