@@ -15,7 +15,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 EXTRAS  := cli,reference,distributed
 
 .PHONY: run test lint typecheck pytest verify check audit diagrams docs bench clean system-deps \
-	test-sglang test-vllm
+	test-sglang test-vllm bench-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -116,6 +116,11 @@ $(VLCACHE)/venv-%/.installed: $(DEVSTAMP)
 	$(BIN)/python -m pip --python $(VLCACHE)/venv-$*/bin/python install -q --no-deps --no-compile \
 		$(VLCACHE)/wheels/$*-*.whl
 	touch $@
+
+# `fsm-cache bench vllm` needs vLLM's manager importable: here, the side venv with the stand-ins.
+bench-vllm: $(VLCACHE)/venv-$(lastword $(VLLM_WHEELS))/.installed
+	$(VLCACHE)/venv-$(lastword $(VLLM_WHEELS))/bin/python -c "from tests.vllm_real import standins; \
+		standins.install(); from fsm_cache.cli.main import main; raise SystemExit(main(['bench', 'vllm']))"
 
 test-vllm: $(foreach w,$(VLLM_WHEELS),$(VLCACHE)/venv-$(w)/.installed)
 	@set -e; for w in $(VLLM_WHEELS); do \

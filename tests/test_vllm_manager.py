@@ -352,3 +352,14 @@ def test_other_names_are_not_made_up() -> None:
 
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         _ = module.Nope
+
+
+def test_bench_vllm_without_vllm_says_how_to_run_it(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    from fsm_cache.cli.main import main
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here; tests/vllm_real runs the benchmark")
+    assert main(["bench", "vllm", "--quick"]) == 2
+    assert "make bench-vllm" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""``fsm-cache bench [engine|copies|cache|tp]``: speed figures, measured side by side in one run.
+"""``fsm-cache bench [engine|copies|cache|tp|vllm]``: speed figures, measured side by side in one run.
 
 Speed targets live here, never in timed tests: these machines are shared and
 noisy, so every figure is a ratio of two things measured in the same run.
@@ -7,6 +7,7 @@ noisy, so every figure is a ratio of two things measured in the same run.
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -16,10 +17,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "what",
         nargs="?",
         default="engine",
-        choices=("engine", "copies", "cache", "tp"),
+        choices=("engine", "copies", "cache", "tp", "vllm"),
         help="engine (default): checked pin+release vs a bare counter and transitions; "
         "copies: machine-driven write-through vs raw gather-and-copy; "
-        "cache: HiCache vs an unchecked radix tree; tp: poll agreement across gloo ranks",
+        "cache: HiCache vs an unchecked radix tree; tp: poll agreement across gloo ranks; "
+        "vllm: the checked offloading manager vs vLLM's own (needs vLLM; make bench-vllm)",
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
     parser.set_defaults(handler=run)
@@ -47,6 +49,15 @@ def run(args: argparse.Namespace) -> int:
                 num_requests=200 if args.quick else 2000, rounds=1 if args.quick else 3
             ).format()
         )
+    elif args.what == "vllm":
+        from fsm_cache.bench.vllm import run_vllm_bench
+
+        quick = {"requests": 300, "repeat": 2} if args.quick else {}
+        try:
+            print(run_vllm_bench(**quick).format())
+        except ModuleNotFoundError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     else:
         from fsm_cache.bench.tp import QUICK, run_tp_bench
 
