@@ -6,15 +6,8 @@ flight, ``0`` once it is ready, ``N`` while N loads read it. Misuse is caught
 by ``assert`` far from its cause (a second ``complete_load`` fails on the
 count, a load of a pending block fails in ``prepare_load``), or not at all.
 That integer is the host residency machine of ``specs/host_residency.toml``:
-
-=======================  ================================
-vLLM ``ref_cnt``         host state (``pins``)
-=======================  ================================
-no entry                 no record (``unbacked``)
-``-1`` (store pending)   ``writing``
-``0`` (ready)            ``backed``
-``N`` (N loads)          ``pinned`` (pins = N)
-=======================  ================================
+no entry is no record (``unbacked``), ``-1`` (store pending) is ``writing``,
+``0`` (ready) is ``backed``, ``N`` (N loads) is ``pinned`` with ``pins = N``.
 
 :class:`CheckedOffloadingManager` keeps one flat :class:`OffloadRecord` per
 offload key (no tree: vLLM's manager is flat and prefix order comes from the
