@@ -50,6 +50,14 @@ ALWAYS = (
     "vllm._custom_ops",
     "vllm.distributed.parallel_state",
     "vllm.v1.kv_offload.cpu.gpu_worker",
+    "vllm.compilation",
+    "vllm.model_executor",
+    "vllm.v1.metrics.perf",
+    "vllm.outputs",
+    "vllm.parser",
+    "vllm.entrypoints",
+    "vllm.renderers",
+    "vllm.multimodal",
 )
 """vLLM modules outside the scheduler-side offloading code, replaced although the wheel has
 them: configs, platform probes, the logger (it asks the distributed runtime for ranks), the
@@ -70,6 +78,17 @@ IF_MISSING = (
     "openai",
     "fastapi",
     "triton",
+    "PIL",
+    "pybase64",
+    "aiohttp",
+    "huggingface_hub",
+    "safetensors",
+    "cloudpickle",
+    "uvloop",
+    "cpuinfo",
+    "xgrammar",
+    "openai_harmony",
+    "llguidance",
 )
 """Third-party modules vLLM's import chain names, replaced only when absent."""
 
