@@ -49,6 +49,26 @@ class TestCopyFaults:
         assert cache.tiers.host.allocator.free_pages == 16
         assert cache.stats().transitions["write_failed"] == 1
 
+    def test_failed_backup_a_holder_pinned_is_copied_again(self) -> None:
+        """A pin taken while the copy is in flight waits for it: a failure copies again (issue 14)."""
+        cache = HiCache(config(fail=(1,)))
+        cache.insert(list(range(8)))
+        (node,) = list(cache.tree)
+        lease = cache.pin(node)
+        assert (node.host, node.pins) == ("writing", 1)
+        cache.poll()  # copy 1 fails: still writing, still pinned, queued again
+        assert (node.host, node.pins, cache.stats().transitions.get("write_failed", 0)) == (
+            "writing",
+            1,
+            0,
+        )
+        cache.poll()  # copy 2 lands: the pin now holds a valid copy
+        assert (node.host, node.pins) == ("pinned", 1)
+        expected = synthetic_kv(cache.tiers.device.layout, node.key)
+        assert torch.equal(cache.tiers.host.read(node.host_pages), expected)
+        lease.release()
+        assert (node.host, node.pins) == ("backed", 0)
+
     def test_failed_load_leaves_the_host_copy(self) -> None:
         """A failed host-to-device copy fires load_failed: absent again, host copy intact."""
         cache = HiCache(config(fail=(2,)))

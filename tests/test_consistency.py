@@ -224,7 +224,7 @@ def test_invariant_8_pinned_iff_pins() -> None:
     node.pins = 1
     assert violation(built) == (
         f"invariant 8 broken at node {node.id} (backed/resident (pins=1, locks=0)): "
-        "pinned <=> pins >= 1 does not hold"
+        "host backed requires pins == 0"
     )
 
 

@@ -43,6 +43,9 @@ REASONS = {
     "ReleaseAtZero": "release without a matching pin",
     "LoadPinHeld": "the last pin belongs to the load in flight",
     "HostCopyPinned": "the host copy is pinned by a holder",
+    "HostCopyPinned/write_failed": (
+        "holders pinned the copy being written; copy it again instead of failing it"
+    ),
     "CopyInFlight/evict_host/host": "a device-to-host copy is still writing the host slots",
     "CopyInFlight/evict_host/device": "a host-to-device copy still reads the host slots",
     "NoHostCopy/evict_host": "no host copy to evict",
@@ -82,17 +85,24 @@ def oracle(event: str, h: str, d: str, pins: int, locks: int) -> Row | Refusal: 
     if event in ("write_done", "write_failed"):
         if h != "writing":
             return ("DuplicateAck", "host", f"DuplicateAck/{event}")
-        return ("backed" if event == "write_done" else "unbacked", d, pins, locks)
+        if event == "write_done":  # pins taken while the copy ran now hold it (issue 14)
+            return (_host_pins(pins)[0], d, pins, locks)
+        if pins:  # a holder waits for this copy: it is copied again, not failed
+            return ("HostCopyPinned", "host", "HostCopyPinned/write_failed")
+        return ("unbacked", d, pins, locks)
     if event == "pin":
+        if h == "writing":  # a holder may pin a copy in flight (SGLang's prefetch anchor)
+            return ("writing", d, pins + 1, locks)
         if h not in ("backed", "pinned"):
             return ("NoHostCopy", "host", "NoHostCopy/pin")
         return ("pinned", d, pins + 1, locks)
     if event == "release":
-        if h != "pinned":
+        if h not in ("pinned", "writing") or not pins:
             return ("ReleaseAtZero", "host", "ReleaseAtZero")
         if d == "loading" and pins == 1:  # the load holds a pin until load_done
             return ("LoadPinHeld", "host", "LoadPinHeld")
-        return (_host_pins(pins - 1)[0], d, pins - 1, locks)
+        held = "writing" if h == "writing" else _host_pins(pins - 1)[0]
+        return (held, d, pins - 1, locks)
     if event == "evict_host":
         if h == "pinned":
             return ("HostCopyPinned", "host", "HostCopyPinned")
@@ -146,7 +156,8 @@ def oracle(event: str, h: str, d: str, pins: int, locks: int) -> Row | Refusal: 
 
 
 def _valid(h: str, d: str, pins: int, locks: int) -> bool:
-    return (pins >= 1) == (h == "pinned") and not (d == "absent" and locks)
+    pins_ok = h == "writing" or (pins >= 1) == (h == "pinned")
+    return pins_ok and not (d == "absent" and locks)
 
 
 MATRIX = [
@@ -187,8 +198,8 @@ def test_matrix(event: str, h: str, d: str, pins: int, locks: int) -> None:
 
 def test_matrix_is_complete() -> None:
     """Every event is exercised in every valid combination of states and counts."""
-    # host x pins: 4 states at 0 pins + pinned at 1 and 2; device x locks: 3 + 3 + absent at 0
-    assert len(MATRIX) == len(EVENTS) * 6 * 7
+    # host x pins: 4 states at 0 pins + pinned and writing at 1 and 2; device x locks: 3 + 3 + 1
+    assert len(MATRIX) == len(EVENTS) * 8 * 7
 
 
 def test_release_at_zero_is_a_runtime_error() -> None:

@@ -134,13 +134,23 @@ def test_release_of_a_never_written_node_is_refused() -> None:
     )
 
 
-def test_pin_of_a_copy_still_being_written_is_refused() -> None:
-    """A host copy that is not yet readable cannot be pinned."""
+def test_pin_of_a_copy_still_being_written_holds_it_once_it_lands() -> None:
+    """A holder may pin a copy in flight (issue 14): the ack lands in pinned, a failure is refused."""
     node = Node(6)
     node.write()
-    with pytest.raises(IllegalTransition, match="no valid host copy to pin"):
-        node.pin()
-    assert (node.host, node.pins) == ("writing", 0)
+    lease = node.pin()
+    assert (node.host, node.pins) == ("writing", 1)
+    with pytest.raises(IllegalTransition) as caught:
+        node.write_failed()
+    assert str(caught.value) == (
+        "node 6: write_failed refused in writing (pins=1): "
+        "holders pinned the copy being written; copy it again instead of failing it"
+    )
+    assert (node.host, node.pins) == ("writing", 1)
+    node.write_done()
+    assert (node.host, node.pins) == ("pinned", 1)
+    lease.release()
+    assert (node.host, node.pins) == ("backed", 0)
 
 
 def _loading_node() -> Node:

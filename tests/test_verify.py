@@ -82,7 +82,7 @@ def test_generated_module_holds_the_engines_code_and_the_contracts(tmp_path: Pat
     assert "def _fire_pin(rec):" in module.source
     assert "def _step_lock(rec):" in module.source
     assert "'release changes pins by exactly -1'" in module.source
-    assert "'pins moves by at most one (pinned(N) counts holders)'" in module.source
+    assert "'pins moves by at most one (writing(N), pinned(N) count holders)'" in module.source
     assert (
         "def load(host: HostState, device: DeviceState, pins: int, locks: int, parent_device: Optional[DeviceState]) -> Result:"
         in module.source

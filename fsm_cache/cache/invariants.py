@@ -26,7 +26,7 @@ from fsm_cache.memory.pages import FREE, REQUEST
 from fsm_cache.memory.tiers import Tiers
 from fsm_cache.policy import WritePolicy
 from fsm_cache.residency import DEVICE_HELD, HOST_HELD, HOST_VALID
-from fsm_cache.spec.shipped import host_machine
+from fsm_cache.spec.shipped import host_machine, residency_system
 
 
 Violation = tuple[int, str, str]
@@ -177,11 +177,19 @@ def _locks_propagate(node: TreeNode, _: bool) -> tuple[int, str] | None:
     return None
 
 
+_REGIONS = residency_system().regions
+"""The residency regions and their machines: each state's invariant is read from the spec."""
+
+
 def _counts(node: TreeNode, _: bool) -> tuple[int, str] | None:
+    """Invariant 8: no count is negative, and each state's invariant from the spec holds."""
     if node.pins < 0 or node.locks < 0:
         return 8, "a count is negative"
-    if (node.host == "pinned") != (node.pins >= 1):
-        return 8, "pinned <=> pins >= 1 does not hold"
+    values = {"pins": node.pins, "locks": node.locks}
+    for region, machine in _REGIONS:
+        state = machine.state(getattr(node, region))
+        if not state.invariant.holds(values):
+            return 8, f"{region} {state.name} requires {state.invariant}"
     return None
 
 

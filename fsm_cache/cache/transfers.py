@@ -124,7 +124,8 @@ class Transfers:
         self._listeners: list[AckListener] = []
         self._batch: dict[Direction, list[TreeNode]] = {Direction.D2H: [], Direction.H2D: []}
         self._tickets: dict[int, CopyBatch] = {}
-        self._retry: list[TreeNode] = []  # loading nodes whose copy failed and must run again
+        # nodes whose copy failed but may not be failed (locked loads, pinned writes): copied again
+        self._retry: dict[Direction, list[TreeNode]] = {Direction.D2H: [], Direction.H2D: []}
         self._started = 0  # copies started since construction or reset: their log numbers
         self._source = (acks or CopierAcks)(tiers.copier, self)
         core.on_split(self._rehome)
@@ -145,7 +146,8 @@ class Transfers:
 
     def queued(self) -> int:
         """Return how many nodes wait in a batch for their copy to start (retries included)."""
-        return sum(len(nodes) for nodes in self._batch.values()) + len(self._retry)
+        waiting = [*self._batch.values(), *self._retry.values()]
+        return sum(len(nodes) for nodes in waiting)
 
     def idle(self) -> bool:
         """Return whether no copy is in flight, queued, or waiting to be copied again."""
@@ -155,7 +157,7 @@ class Transfers:
         """Return the ids of nodes with a copy in flight, queued, or waiting to be copied again."""
         out = {n.id for batch in self._tickets.values() for n in batch.nodes}
         out.update(n.id for nodes in self._batch.values() for n in nodes)
-        out.update(n.id for n in self._retry)
+        out.update(n.id for nodes in self._retry.values() for n in nodes)
         return frozenset(out)
 
     def tickets_of(self, nodes: Sequence[TreeNode]) -> list[int] | None:
@@ -193,7 +195,7 @@ class Transfers:
         """Forget every batch and ticket (the copy engine was drained) and renumber from 1."""
         self._batch = {Direction.D2H: [], Direction.H2D: []}
         self._tickets = {}
-        self._retry = []
+        self._retry = {Direction.D2H: [], Direction.H2D: []}
         self._started = 0
 
     # -- writes the policy starts --------------------------------------------
@@ -245,11 +247,12 @@ class Transfers:
     def flush(self) -> None:
         """Start one batched copy per direction for the nodes whose events asked for one.
 
-        Loads to copy again (see :meth:`_fail_loads`) join this flush's load copy.
+        Copies to run again (see :meth:`_fail`) join this flush's copy in their direction.
         """
-        if self._retry:
-            self._batch[Direction.H2D].extend(self._retry)
-            self._retry = []
+        for direction, nodes in self._retry.items():
+            if nodes:
+                self._batch[direction].extend(nodes)
+                self._retry[direction] = []
         for direction, nodes in self._batch.items():
             if nodes:
                 self._batch[direction] = []
@@ -266,12 +269,7 @@ class Transfers:
             else:
                 ticket = copier.start_load(host, dev)
         except CopyFailed:
-            if direction is Direction.H2D:
-                self._fail_loads(nodes)
-                return
-            for n in nodes:
-                self._core.fire(n, "write_failed")
-            self._acknowledged(nodes, "write_failed")
+            self._fail(direction, nodes)
             return
         self._started += 1
         self._tickets[ticket.id] = CopyBatch(list(nodes), time.perf_counter(), self._started)
@@ -370,34 +368,34 @@ class Transfers:
         seconds = time.perf_counter() - batch.started
         nbytes = len(completion.ticket.src_pages) * self._tiers.device.layout.page_bytes
         self._core.counters.copied("d2h" if write else "h2d", seconds, nbytes, completion.ok)
-        if not write and not completion.ok:
-            self._fail_loads(batch.nodes)
+        if not completion.ok:
+            self._fail(completion.ticket.direction, batch.nodes)
             return
-        if write:
-            event: Event = "write_done" if completion.ok else "write_failed"
-        else:
-            event = "load_done"
+        event: Event = "write_done" if write else "load_done"
         for node in batch.nodes:
             self._core.fire(node, event)
         self._acknowledged(batch.nodes, event)
 
-    def _fail_loads(self, nodes: Sequence[TreeNode]) -> None:
-        """Fail the loads of ``nodes``, deepest first; queue the rest to be copied again.
+    def _fail(self, direction: Direction, nodes: Sequence[TreeNode]) -> None:
+        """Fail the copies of ``nodes``, deepest first; queue the rest to be copied again.
 
         A node gives up its load (``load_failed``) once nothing below it is on
-        the device, so children go first. A node the spec still refuses (a
-        request locked it while it loaded) keeps its pages and host pin and is
-        copied again with the next flush: the host copy is still valid.
+        the device, so children go first. A node the spec still refuses keeps
+        its pages and is copied again with the next flush, its source being
+        still valid: a load a request locked while it ran (the host copy stays
+        pinned by the load), or a backup a holder pinned while it was written
+        (the device copy cannot be evicted while it is read).
         """
+        event: Event = "write_failed" if direction is Direction.D2H else "load_failed"
         failed: list[TreeNode] = []
         for node in sorted(nodes, key=_depth, reverse=True):
-            if self._core.allowed(node, "load_failed"):
-                self._core.fire(node, "load_failed")
+            if self._core.allowed(node, event):
+                self._core.fire(node, event)
                 failed.append(node)
             else:
-                self._retry.append(node)
+                self._retry[direction].append(node)
         if failed:
-            self._acknowledged(failed, "load_failed")
+            self._acknowledged(failed, event)
 
     def _acknowledged(self, nodes: Sequence[TreeNode], event: Event) -> None:
         """Tell the listeners, then start the backups a finished write allows (children next)."""
@@ -411,7 +409,7 @@ class Transfers:
     def _rehome(self, prefix: TreeNode, suffix: TreeNode) -> None:
         """A copy in flight, queued or to retry for ``suffix`` now serves the split-off ``prefix`` too."""
         lists = [batch.nodes for batch in self._tickets.values()]
-        lists.extend([*self._batch.values(), self._retry])
+        lists.extend([*self._batch.values(), *self._retry.values()])
         for nodes in lists:
             if suffix in nodes:
                 nodes.insert(nodes.index(suffix), prefix)

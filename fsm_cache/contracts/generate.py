@@ -235,17 +235,19 @@ def _ensures(system: System, event: str, parent: list[str], child: list[str]) ->
         whose = "every state's" if region == "state" else f"every {region} state's"
         out.append(_ensure(text, f"{whose} invariant holds"))
     for _, machine in system.regions:
+        carried: dict[str, list[str]] = {}
         for state in machine.states:
             if state.counter is not None and event in machine.event_names:
-                name = state.counter
-                out.append(
-                    _ensure(
-                        f"result.error != '' or abs(result.{name} - {name}) <= 1",
-                        f"{name} moves by at most one ({state.name}(N) counts holders)",
-                        (name,),
-                    )
+                carried.setdefault(state.counter, []).append(f"{state.name}(N)")
+        for name, carriers in carried.items():
+            count = "counts" if len(carriers) == 1 else "count"
+            out.append(
+                _ensure(
+                    f"result.error != '' or abs(result.{name} - {name}) <= 1",
+                    f"{name} moves by at most one ({', '.join(carriers)} {count} holders)",
+                    (name,),
                 )
-                break
+            )
     for name, delta in _uniform_deltas(system, event).items():
         sign = f"+ {delta}" if delta >= 0 else f"- {-delta}"
         out.append(

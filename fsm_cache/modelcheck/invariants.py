@@ -239,21 +239,32 @@ Refusal = Callable[[int, str], "str | None"]
 def refused_give_back(layout: Layout, nodes: Nodes, refusal: Refusal) -> str | None:
     """Invariant 6, the other half: a give-back its holder does hold is accepted.
 
-    For each node and each give-back its holders may fire now
-    (:meth:`~fsm_cache.modelcheck.state.Layout.owed`), the spec must accept it:
-    refused, a client cannot give back its pin or its lock, or a finished
-    copy cannot be acknowledged. Returns the first refused.
+    For each node and each kind of hold its holders hold, one of the
+    give-backs of that kind (:meth:`~fsm_cache.modelcheck.state.Layout.owed`)
+    must be accepted: refused, a client cannot give back its pin or its lock,
+    or a finished copy cannot be acknowledged. One suffices: where one
+    machine alone cannot tell two holders apart (a pin and a load both hold
+    ``pins`` in the host machine), each gives back its own way. Returns the
+    first refusal of a kind none of whose give-backs is accepted.
     """
     for i, entry in enumerate(nodes):
         if entry is None:
             continue
+        refused: dict[Hold, tuple[str, str]] = {}
+        accepted: set[Hold] = set()
         for event, key in layout.owed(entry):
             error = refusal(i, event)
-            if error is not None:
-                counter = key[0]
-                by = layout.holders.acquirers(key)
-                value = layout.counter(entry, counter)
-                return f"invariant 6: node {i}: {event} is refused ({error}) though {by} holds {counter} there ({counter}={value})"
+            if error is None:
+                accepted.add(key)
+            else:
+                refused.setdefault(key, (event, error))
+        for key, (event, error) in refused.items():
+            if key in accepted:
+                continue
+            counter = key[0]
+            by = layout.holders.acquirers(key)
+            value = layout.counter(entry, counter)
+            return f"invariant 6: node {i}: {event} is refused ({error}) though {by} holds {counter} there ({counter}={value})"
     return None
 
 

@@ -228,7 +228,8 @@ class Choices:
     Attributes:
         policy: The write policy, or None.
         copying: The host state of a backup in flight (where ``write`` leads).
-        acks: The events acknowledging a backup (transitions out of ``copying``).
+        acks: The events acknowledging a backup (transitions leaving ``copying``;
+            a pin taken while it is copied stays in it).
     """
 
     policy: WritePolicy | None = None
@@ -253,7 +254,11 @@ class Choices:
             raise SpecError([f"{name}: the {policy.value} policy needs host and device regions"])
         host = layout.system.machines["host"].transitions
         copying = next(t.dest for t in host if t.event == BACKUP)
-        acks = frozenset(t.event for t in host if copying in t.sources and t.event != BACKUP)
+        acks = frozenset(
+            t.event
+            for t in host
+            if copying in t.sources and t.dest != copying and t.event != BACKUP
+        )
         return cls(policy, copying, acks, wants)
 
     def fires(self, layout: Layout, event: str, node: NodeEntry, parent: NodeEntry | None) -> bool:
