@@ -936,10 +936,12 @@ def _spec_class(cpu_spec: Any, manager: type) -> type:
                 }
                 if getattr(self, "cpu_info", None) is not None:
                     options["info"] = self.cpu_info
-                policy = self.extra_config.get("eviction_policy", "lru")
-                if policy != "lru":
+                policy = extra.get("eviction_policy", "lru")
+                if policy != "lru" or extra.get("cache_policy_module_path"):
                     msg = (
-                        f"FsmCpuOffloadingSpec supports eviction_policy 'lru' only, not {policy!r}"
+                        "FsmCpuOffloadingSpec supports eviction_policy 'lru' only, "
+                        f"not {policy!r} (cache_policy_module_path "
+                        f"{extra.get('cache_policy_module_path')!r})"
                     )
                     raise BadArgument(msg)
                 self._manager = manager(self.num_chunks, **options)

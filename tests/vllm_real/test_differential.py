@@ -208,13 +208,19 @@ class Request:
 
 @pytest.mark.parametrize(
     "case",
-    [(1, 16, 48, 1, 0), (2, 8, 40, 2, 0), (3, 32, 64, 1, 0), (4, 12, 40, 1, 2)],
-    ids=lambda c: "seed{}-chunks{}-blocks{}-groups{}-threshold{}".format(*c),
+    [
+        (1, 16, 48, 1, 0, False),
+        (2, 8, 40, 2, 0, False),
+        (3, 32, 64, 1, 0, False),
+        (4, 12, 40, 1, 2, False),
+        (5, 12, 48, 2, 0, True),
+    ],
+    ids=lambda c: "seed{}-chunks{}-blocks{}-groups{}-threshold{}-trail{}".format(*c),
 )
-def test_same_answers_as_vllm(vl: Vllm, case: tuple[int, int, int, int, int]) -> None:
-    seed, num_chunks, num_blocks, groups, threshold = case
+def test_same_answers_as_vllm(vl: Vllm, case: tuple[int, int, int, int, int, bool]) -> None:
+    seed, num_chunks, num_blocks, groups, threshold, trail = case
     theirs = vl.theirs(num_chunks, store_threshold=threshold)
-    ours = vl.ours(num_chunks, store_threshold=threshold)
+    ours = vl.ours(num_chunks, store_threshold=threshold, trail=trail)
     driver = Driver(vl, theirs, ours, random.Random(seed), num_blocks, groups)
     while driver.calls < CALLS:
         driver.step()

@@ -247,3 +247,11 @@ def test_the_spec_sizes_the_checked_manager_as_vllm_sizes_its_own(vl: Vllm) -> N
     theirs = vllms.get_manager()
     if hasattr(theirs, "config_info"):  # vLLM 0.33+
         assert list(ours.config_info()) == list(theirs.config_info())
+
+
+def test_the_spec_refuses_eviction_policies_other_than_lru(vl: Vllm) -> None:
+    from fsm_cache.errors import BadArgument
+
+    extra = {"cpu_bytes_to_use": 64 * 4096, "eviction_policy": "arc"}
+    with pytest.raises(BadArgument, match="supports eviction_policy 'lru' only, not 'arc'"):
+        vl.fsm.FsmCpuOffloadingSpec(_offloading_config(vl, extra)).get_manager()
