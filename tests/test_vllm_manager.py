@@ -363,3 +363,55 @@ def test_bench_vllm_without_vllm_says_how_to_run_it(capsys: pytest.CaptureFixtur
         pytest.skip("vLLM is installed here; tests/vllm_real runs the benchmark")
     assert main(["bench", "vllm", "--quick"]) == 2
     assert "make bench-vllm" in capsys.readouterr().err
+
+
+def check_invariants(m: CheckedOffloadingManager, loads: list[list[bytes]]) -> None:
+    """What must hold between any two calls, whatever the sequence."""
+    chunks = [r.chunk for r in m.records.values()]
+    assert len(set(chunks)) == len(chunks)  # no chunk held twice
+    assert not set(chunks) & set(m.free)  # no held chunk free
+    assert len(chunks) + len(m.free) == m.allocated <= m.num_chunks  # conservation
+    backed = {k for k, r in m.records.items() if r.host == "backed"}
+    assert m.recency.evictable == backed  # only ready, unloaded blocks are evictable
+    assert set(m.recency.ranks) == set(m.records)
+    assert m.writing == sum(r.host == "writing" for r in m.records.values())
+    outstanding: dict[bytes, int] = {}
+    for job in loads:
+        for k in job:
+            outstanding[k] = outstanding.get(k, 0) + 1
+    for k, r in m.records.items():
+        assert r.pins == outstanding.get(k, 0)
+        assert (r.host == "pinned") == (r.pins > 0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_contract_sequences_keep_the_invariants(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    m = CheckedOffloadingManager(6, events=True, request_ranks=seed % 2 == 0)
+    stores: list[list[bytes]] = []
+    loads: list[list[bytes]] = []
+    ctx = RequestContext("r", {key(i): 16 * (i + 1) for i in range(20)})
+    for _ in range(3000):
+        roll = rng.random()
+        start = rng.randrange(18)
+        keys = [key(i) for i in range(start, start + rng.randint(1, 3))]
+        if roll < 0.35:
+            out = m.prepare_store(keys, ctx)
+            if out is not None and out.keys_to_store:
+                stores.append(out.keys_to_store)
+        elif roll < 0.55 and stores:
+            m.complete_store(stores.pop(rng.randrange(len(stores))), ctx, rng.random() < 0.9)
+        elif roll < 0.75:
+            hits = [k for k in keys if m.lookup(k, ctx) is Lookup.HIT]
+            if hits:
+                m.prepare_load(hits, ctx)
+                loads.append(hits)
+        elif roll < 0.9 and loads:
+            m.complete_load(loads.pop(rng.randrange(len(loads))), ctx)
+        elif roll < 0.97:
+            m.touch(keys, ctx)
+        else:
+            list(m.take_events())
+        check_invariants(m, loads)
