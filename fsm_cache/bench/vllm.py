@@ -6,11 +6,13 @@ their jobs and finish), then replays it, interleaved and best of ``repeat``,
 on fresh instances of
 
 * vLLM's ``CPUOffloadingManager`` with the LRU policy, and
-* :class:`fsm_cache.compat.vllm` ``FsmOffloadingManager`` (default mode and
-  strict mode; the answers are the same, ``tests/vllm_real`` checks that).
+* :class:`fsm_cache.compat.vllm` ``FsmOffloadingManager`` in default mode, in
+  strict mode and in trail mode (the answers are the same, ``tests/vllm_real``
+  checks that).
 
 It reports nanoseconds per call over the whole trace and per call kind, and
-their ratios. Target: ours within 1.3x of vLLM's per call.
+their ratios. Target: ours (default mode) within 1.3x of vLLM's per call;
+trail mode, which keeps every block's recent call sites, is for audit runs.
 
 It needs vLLM's manager importable: in a full vLLM installation
 ``fsm-cache bench vllm`` runs as is; in this repository ``make bench-vllm``
@@ -271,6 +273,7 @@ def run_vllm_bench(requests: int = 3000, num_chunks: int = 512, repeat: int = 5)
         "vllm": theirs,
         "ours": lambda: ours(num_chunks, events=True),
         "strict": lambda: ours(num_chunks, events=True, strict=True),
+        "trail": lambda: ours(num_chunks, events=True, trail=True),
     }
     trace = record_trace(base, theirs(), requests, num_chunks)
     total = dict.fromkeys(factories, float("inf"))
