@@ -47,11 +47,11 @@ import importlib
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from fsm_cache.engine import trail
 from fsm_cache.engine.core import Engine, Verb
-from fsm_cache.errors import BadArgument
+from fsm_cache.errors import BadArgument, InvariantViolation
 from fsm_cache.spec.machine import System
 from fsm_cache.spec.shipped import host_machine
 
@@ -484,7 +484,7 @@ class CheckedOffloadingManager:
         for key in keys:
             rec = records.get(key)
             if rec is None or rec.host not in self._readable:
-                self._load(rec or OffloadRecord(key))
+                self._refuse("load", key, rec)
         request = self._check_open(keys, req_context)
         chunks = []
         for key in keys:
@@ -516,7 +516,7 @@ class CheckedOffloadingManager:
         for key in keys:
             rec = records.get(key)
             if rec is None or rec.host not in self._loading:
-                self._load_done(rec or OffloadRecord(key))
+                self._refuse("load_done", key, rec)
         for key in keys:
             rec = records[key]
             self._load_done(rec)
@@ -590,7 +590,7 @@ class CheckedOffloadingManager:
             for key in keys:
                 rec = records.get(key)
                 if rec is None or rec.host not in accepted:
-                    (self._write_done if success else self._write_failed)(rec or OffloadRecord(key))
+                    self._refuse("write_done" if success else "write_failed", key, rec)
         done: list[bytes] = []
         for key in keys:
             rec = records.get(key)
@@ -663,7 +663,7 @@ class CheckedOffloadingManager:
         if self.strict:
             for rec in self.records.values():
                 if rec.host not in self._evictable:
-                    self._evict(rec)
+                    self._refuse("evict_host", rec.key, rec)
         for rec in self.records.values():
             if rec.host in self._evictable:
                 self._evict(rec)
@@ -713,6 +713,22 @@ class CheckedOffloadingManager:
         if self.events is not None:
             self.events.append(self._event(victims, True, False))
         return victims
+
+    def _refuse(self, event: str, key: bytes, rec: OffloadRecord | None) -> NoReturn:
+        """Raise the spec's refusal of ``event`` on ``key``'s record, changing nothing.
+
+        The engine's ``plan`` checks the event without applying it, so the
+        refusal (its class, message and, in trail mode, call sites) is the
+        spec's own. A key without a record is refused as ``unbacked``.
+
+        Raises:
+            IllegalTransition: The spec's refusal (always).
+            InvariantViolation: The spec accepts what the manager's check refused.
+        """
+        target = rec if rec is not None else OffloadRecord(key)
+        self.engine.plan(target, event)
+        msg = f"block {block_label(key)}: {event} in {target.host} passed the spec but not the manager's check"
+        raise InvariantViolation(msg)
 
     def _check_repeated(self, keys: Collection[bytes], verb: Verb) -> None:
         """Fire ``verb`` once per occurrence on scratch copies; raise its refusal, change nothing."""
