@@ -707,8 +707,9 @@ class CheckedOffloadingManager:
             return None
         records = self.records
         for key in victims:
-            rec = records.pop(key)
+            rec = records[key]
             self._evict(rec)
+            del records[key]
             self.free.append(rec.chunk)
         if self.events is not None:
             self.events.append(self._event(victims, True, False))
