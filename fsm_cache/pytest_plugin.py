@@ -5,6 +5,9 @@ Installed with fsm_cache (a ``pytest11`` entry point), it adds:
 * ``--fsm-trail``: trail mode for the whole run (``FSM_CACHE_TRAIL=1``), so
   every refusal names the call sites of the record's recent events
   (``--fsm-audit`` is its deprecated spelling and warns);
+* ``--fsm-sglang``: the installed SGLang's radix caches run checked for the
+  whole run (:func:`fsm_cache.compat.sglang.patch`, undone at the end), so an
+  SGLang test suite finds residency misuse where it happens;
 * the ini option ``fsm_specs`` (spec paths, relative to the rootdir): each
   spec becomes two test items, ``fsm-verify[PATH]`` (the CrossHair
   contracts of ``fsm-cache verify``) and ``fsm-check[PATH]`` (the model
@@ -45,12 +48,14 @@ _RECORDING = pytest.StashKey[bool]()
 """Whether dropped leases were recorded before this run turned recording on."""
 _DURING = pytest.StashKey[dict[int, str]]()
 """The test each dropped lease was collected during, by ``id()`` of its :class:`Dropped`."""
+_SGLANG = pytest.StashKey[Any]()
+"""The patch ``--fsm-sglang`` applied to the installed SGLang."""
 _REPORT = pytest.StashKey[list[str]]()
 """The lines of the leak report, printed in the terminal summary."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """Register ``--fsm-trail`` (and its deprecated spelling ``--fsm-audit``) and the ini options."""
+    """Register ``--fsm-trail`` (and ``--fsm-audit``), ``--fsm-sglang`` and the ini options."""
     group = parser.getgroup("fsm_cache")
     group.addoption(
         "--fsm-trail",
@@ -63,6 +68,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         default=False,
         help="deprecated spelling of --fsm-trail",
+    )
+    group.addoption(
+        "--fsm-sglang",
+        action="store_true",
+        default=False,
+        help="check the residency of the installed SGLang's radix caches (fsm_cache.compat.sglang)",
     )
     parser.addini("fsm_specs", "spec files to verify and model-check as tests", type="linelist")
     parser.addini("fsm_check_nodes", "tree size of the model checker (default 3)", default="3")
@@ -98,12 +109,21 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getini("fsm_leases"):
         config.stash[_RECORDING] = record_dropped(True)
         config.stash[_DURING] = {}
+    if config.getoption("--fsm-sglang"):
+        from fsm_cache.compat.sglang import patch
+
+        try:
+            config.stash[_SGLANG] = patch()
+        except FsmCacheError as exc:
+            raise pytest.UsageError(f"--fsm-sglang: {exc}") from None
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Put recording of dropped leases back as it was."""
+    """Put recording of dropped leases back as it was, and SGLang as it was installed."""
     if _RECORDING in config.stash:
         record_dropped(config.stash[_RECORDING])
+    if _SGLANG in config.stash:
+        config.stash[_SGLANG].undo()
 
 
 def pytest_collection_modifyitems(

@@ -149,7 +149,12 @@ class Residency:
             verb("unlock"),
             verb("evict_device"),
         )
-        self.load, self.load_done = verb("load"), verb("load_done")
+        self.load, self.load_done, self.load_failed = (
+            verb("load"),
+            verb("load_done"),
+            verb("load_failed"),
+        )
+        self.adopt = verb("adopt")
 
     def verb(self, event: Event) -> Verb:
         """Return the checked function for ``event``."""

@@ -232,8 +232,9 @@ def test_held_records_finds_locks_and_sglang_nodes_and_skips_garbage() -> None:
 
         def __init__(self, ident: int) -> None:
             super().__init__()
-            self.id, self.parent = ident, None
-            self.children: dict[str, TreeNode] = {}
+            self.id = ident
+            self.parent: Any = None
+            self.children = {}
 
     TreeNode.residency = residency
 
@@ -242,6 +243,7 @@ def test_held_records_finds_locks_and_sglang_nodes_and_skips_garbage() -> None:
         residency.write(each)
         residency.write_done(each)
         each.protect_host()
+    locked.parent = TreeNode(4)  # the root's own count is not SGLang's lock_ref
     locked.inc_lock_ref()
     garbage.children = {"self": garbage}  # only a reference cycle keeps it alive
     del garbage, each

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+from typing import Any
 
 import pytest
 
@@ -207,8 +208,10 @@ class OldTreeNode:
     counter = 0
 
     def __init__(self) -> None:
-        self.children: dict[int, OldTreeNode] = {}
+        self.children: Any = {}
         self.parent: OldTreeNode | None = None
+        self.value: list[int] | None = None
+        self.host_value: list[int] | None = None
         self.lock_ref = 0
         self.host_ref_counter = 0
         self.id = OldTreeNode.counter
@@ -248,23 +251,28 @@ class TestSGLangDropIn:
         )
 
     def test_properties_mirror_the_machines(self) -> None:
-        """host_ref_counter, lock_ref, backuped and evicted read the machine state."""
-        parent = TreeNode()
-        node = TreeNode()
-        node.parent = parent
-        parent.children[1] = node
-        assert (node.backuped, node.evicted, node.lock_ref) == (False, False, 0)
-        AUDITED.write(node)
+        """host_ref_counter, lock_ref, backuped and evicted read the fields and the machines."""
+        root, node = TreeNode(), TreeNode()
+        root.value = []
+        node.parent, node.value = root, [1, 2]
+        root.children[1] = node  # attaching seals the node: its fields are events from now on
+        assert ((node.host, node.device, node.pins, node.locks), node.backuped, node.evicted) == (
+            ("unbacked", "resident", 0, 0),
+            False,
+            False,
+        )
+        AUDITED.write(node)  # write_backup: fired before the controller allocates
+        node.host_value = [7, 8]
         assert node.backuped
         AUDITED.write_done(node)
         node.protect_host()
         assert node.host_ref_counter == 1
         node.inc_lock_ref()
-        assert (node.lock_ref, parent.lock_ref) == (1, 1)
+        assert (node.lock_ref, root.lock_ref) == (1, 0)  # the root is not counted
         node.dec_lock_ref()
         node.release_host()
-        AUDITED.evict_device(node)
-        assert node.evicted
+        node.value = None  # _evict_backuped: the assignment is evict_device
+        assert (node.evicted, node.device) == (True, "absent")
 
     def test_counters_cannot_be_assigned(self) -> None:
         """Direct writes to the counters are refused with the verbs to use instead."""

@@ -4,14 +4,12 @@ These tests run only in a side environment that has an SGLang wheel installed
 (``.cache/sglang/venv-<version>``, built by ``make test-sglang``). Anywhere else,
 the normal ``pytest`` run included, nothing here is collected.
 
-``mode`` is how the tree's nodes are built:
+``mode`` is how the caches run:
 
-* ``stock``: SGLang's own ``TreeNode``;
-* ``mixin``: ``class CheckedTreeNode(ResidencyMixin, TreeNode)`` as docs/sglang.md
-  shows it, rebound in SGLang's modules so the caches build it;
-* ``mixin+root``: the same with a three-line root fix written here (the root
-  starts ``backed`` with one lock, which is what SGLang's ``reset`` assigns), to
-  see what fails past the root (issue 14).
+* ``stock``: SGLang's own code, as installed;
+* ``patched``: the same after ``fsm_cache.compat.sglang.patch()`` (trail mode on),
+  undone after the test. Both modes must give SGLang's results; only the
+  patched one refuses the planted misuses.
 """
 
 from __future__ import annotations
@@ -19,9 +17,8 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -35,7 +32,7 @@ if standins.sglang_present():
 else:
     collect_ignore_glob = ["test_*.py"]
 
-MODES = ("stock", "mixin", "mixin+root")
+MODES = ("stock", "patched")
 
 
 def sglang_version() -> str:
@@ -107,36 +104,17 @@ def allocator() -> FakeAllocator:
     return FakeAllocator(64)
 
 
-def checked_node_class(base: type, root_fix: bool) -> type:
-    """SGLang's ``TreeNode`` with the drop-in mixed in, as docs/sglang.md shows it."""
-    from fsm_cache.compat.sglang import ResidencyMixin
-    from fsm_cache.residency import Residency
-
-    class CheckedTreeNode(ResidencyMixin, base):  # type: ignore[misc]
-        residency = Residency()
-
-    if not root_fix:
-        return CheckedTreeNode
-
-    class RootFixedTreeNode(CheckedTreeNode):
-        def __init__(self, id: int | None = None, priority: int = 0) -> None:
-            super().__init__(id, priority)
-            if priority == -sys.maxsize:  # RadixCache.reset's root
-                self.host, self.locks = "backed", 1
-
-    return RootFixedTreeNode
-
-
 @pytest.fixture(params=MODES)
-def mode(request: pytest.FixtureRequest, sg: Api, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Build the trees with SGLang's node (``stock``) or the checked one."""
+def mode(request: pytest.FixtureRequest, sg: Api) -> Iterator[str]:
+    """Run SGLang's caches as installed (``stock``) or checked (``patched``)."""
     chosen = str(request.param)
-    if chosen != "stock":
-        node = checked_node_class(sg.rc.TreeNode, root_fix=chosen == "mixin+root")
-        monkeypatch.setattr(sg.rc, "TreeNode", node)
-        if importlib.util.find_spec("sglang.srt.mem_cache.hiradix_cache") is not None:
-            monkeypatch.setattr(hiradix_module(), "TreeNode", node)
-    return chosen
+    if chosen == "stock":
+        yield chosen
+        return
+    from fsm_cache.compat.sglang import patch
+
+    with patch(trail=True):
+        yield chosen
 
 
 class Clock:

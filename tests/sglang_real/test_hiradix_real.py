@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from .conftest import Api, build_hiradix
-from .expected import expect_failure
 from .fakes import FakeAllocator
 
 
@@ -30,7 +29,6 @@ def hiradix(sg: Api, allocator: FakeAllocator, mode: str, monkeypatch: pytest.Mo
 def test_write_evict_match_load(
     sg: Api, allocator: FakeAllocator, mode: str, request: pytest.FixtureRequest
 ) -> None:
-    expect_failure(request, "hi_lifecycle", mode, sg.version)
     cache = request.getfixturevalue("hiradix")
     ctl = cache.cache_controller
     device = allocator.take(len(TOKENS))
@@ -79,7 +77,6 @@ def test_write_evict_match_load(
 def test_split_while_writing(
     sg: Api, allocator: FakeAllocator, mode: str, request: pytest.FixtureRequest
 ) -> None:
-    expect_failure(request, "hi_split_writing", mode, sg.version)
     cache = request.getfixturevalue("hiradix")
     device = allocator.take(len(TOKENS))
     sg.insert(cache, TOKENS, device)
@@ -100,7 +97,6 @@ def test_split_while_writing(
 def test_recompute_of_an_evicted_node(
     sg: Api, allocator: FakeAllocator, mode: str, request: pytest.FixtureRequest
 ) -> None:
-    expect_failure(request, "hi_recompute", mode, sg.version)
     cache = request.getfixturevalue("hiradix")
     sg.insert(cache, TOKENS, allocator.take(len(TOKENS)))
     (node,) = cache.root_node.children.values()

@@ -1,10 +1,8 @@
 """SGLang's real ``RadixCache`` (0.5.6 and 0.5.23) on the CPU: stock, then with the drop-in.
 
-Each scenario runs in the three modes of ``conftest.mode``. The stock runs
+Each scenario runs in both modes of ``conftest.mode``. The stock runs
 record SGLang's own results (match lengths, slots freed by eviction); the
-drop-in runs must give the same results, and where the current
-``fsm_cache.compat.sglang`` cannot, the failure is recorded as a strict xfail
-naming issue 14.
+patched runs must give the same results.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from typing import Any
 import pytest
 
 from .conftest import Api
-from .expected import expect_failure
 from .fakes import FakeAllocator
 
 
@@ -28,7 +25,6 @@ def build(sg: Api, allocator: FakeAllocator) -> Any:
 
 
 def test_root(sg: Api, allocator: FakeAllocator, mode: str, request: pytest.FixtureRequest) -> None:
-    expect_failure(request, "root", mode, sg.version)
     cache = build(sg, allocator)
     root = cache.root_node
     assert (root.lock_ref, len(root.value), cache.evictable_size(), cache.total_size()) == (
@@ -42,7 +38,6 @@ def test_root(sg: Api, allocator: FakeAllocator, mode: str, request: pytest.Fixt
 def test_insert_and_match(
     sg: Api, allocator: FakeAllocator, mode: str, request: pytest.FixtureRequest
 ) -> None:
-    expect_failure(request, "insert_and_match", mode, sg.version)
     cache = build(sg, allocator)
     seqs = [[1, 2, 3], [1, 2, 3], [1, 2, 4, 5], [1, 2, 4, 5, 6, 7], [8, 9, 10, 11, 12]]
     prefixes = [sg.insert(cache, s, slots(allocator, s)) for s in seqs]
@@ -58,7 +53,6 @@ def test_insert_and_match(
 def test_match_inside_a_node_splits_it(
     sg: Api, allocator: FakeAllocator, mode: str, request: pytest.FixtureRequest
 ) -> None:
-    expect_failure(request, "split", mode, sg.version)
     cache = build(sg, allocator)
     value = slots(allocator, [1] * 6)
     assert sg.insert(cache, [1, 2, 3, 4, 5, 6], value) == 0
@@ -73,7 +67,6 @@ def test_match_inside_a_node_splits_it(
 def test_lock_protects_from_eviction(
     sg: Api, allocator: FakeAllocator, mode: str, request: pytest.FixtureRequest
 ) -> None:
-    expect_failure(request, "lock", mode, sg.version)
     cache = build(sg, allocator)
     a, b = [1, 2, 3, 4], [10, 11, 12, 13]
     a_slots, b_slots = slots(allocator, a), slots(allocator, b)
@@ -96,15 +89,11 @@ def test_lock_protects_from_eviction(
 def test_split_of_a_locked_node(
     sg: Api, allocator: FakeAllocator, mode: str, request: pytest.FixtureRequest
 ) -> None:
-    expect_failure(request, "split_locked", mode, sg.version)
     cache = build(sg, allocator)
     value = slots(allocator, [1] * 6)
     sg.insert(cache, [1, 2, 3, 4, 5, 6], value)
     leaf = sg.match(cache, [1, 2, 3, 4, 5, 6])[1]
-    if mode == "stock":
-        cache.inc_lock_ref(leaf)
-    else:  # the guide's spelling of cache.inc_lock_ref(node), to reach the split
-        leaf.inc_lock_ref()
+    cache.inc_lock_ref(leaf)
     prefix = sg.match(cache, [1, 2, 3])[1]
     assert (prefix.lock_ref, leaf.lock_ref, leaf.parent is prefix) == (1, 1, True)
     cache.dec_lock_ref(leaf)
@@ -116,7 +105,6 @@ def test_split_of_a_locked_node(
 def test_lru_eviction_order(
     sg: Api, allocator: FakeAllocator, mode: str, request: pytest.FixtureRequest
 ) -> None:
-    expect_failure(request, "lru", mode, sg.version)
     cache = build(sg, allocator)
     seqs = [[1, 2], [3, 4], [5, 6]]
     held = [slots(allocator, s).tolist() for s in seqs]

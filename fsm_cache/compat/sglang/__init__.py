@@ -1,0 +1,60 @@
+"""A drop-in for SGLang's radix caches: the same code, its residency checked.
+
+Two doors, one implementation:
+
+* :func:`patch` makes an installed SGLang's ``RadixCache`` and
+  ``HiRadixCache`` run with checked nodes and checked memory moves, in one
+  call (``pytest --fsm-sglang`` does it for a test run);
+* a fork mixes :class:`ResidencyMixin` into its node class and adds the lines
+  of :mod:`~fsm_cache.compat.sglang.scope` to its cache methods by hand
+  (docs/sglang.md lists them, per SGLang function).
+"""
+
+from __future__ import annotations
+
+from fsm_cache.compat.sglang.node import (
+    SGLANG_ZERO,
+    Children,
+    HostRefCounterZero,
+    ReadOnlyCounter,
+    RemovedInUse,
+    ResidencyMixin,
+    SlotsOutOfStep,
+)
+from fsm_cache.compat.sglang.patch import MODULES, SUPPORTED, Patch, PatchError, patch
+from fsm_cache.compat.sglang.scope import (
+    AckBook,
+    absent_chain,
+    back_out,
+    check,
+    host_eviction,
+    host_evictions,
+    loading,
+    ride,
+    walk,
+)
+
+
+__all__ = [
+    "MODULES",
+    "SGLANG_ZERO",
+    "SUPPORTED",
+    "AckBook",
+    "Children",
+    "HostRefCounterZero",
+    "Patch",
+    "PatchError",
+    "ReadOnlyCounter",
+    "RemovedInUse",
+    "ResidencyMixin",
+    "SlotsOutOfStep",
+    "absent_chain",
+    "back_out",
+    "check",
+    "host_eviction",
+    "host_evictions",
+    "loading",
+    "patch",
+    "ride",
+    "walk",
+]

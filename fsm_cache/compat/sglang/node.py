@@ -1,0 +1,364 @@
+"""The checked node: SGLang's ``TreeNode`` fields, each change routed through the machines.
+
+SGLang's ``TreeNode`` keeps residency in ``value``/``host_value`` nullity,
+``lock_ref`` and ``host_ref_counter``, changed from many code paths, with one
+check: ``release_host()`` at zero raises ``RuntimeError("Host reference
+counter is already zero.")`` long after the wrong release. Mixing
+:class:`ResidencyMixin` into the node class keeps its fields and methods but
+makes each change an event of the residency machines, checked where it is made:
+
+* An assignment to ``value`` or ``host_value`` that is exactly one event's
+  effect fires that event, checked (``value = None`` on a resident node is
+  ``evict_device``; slots on an absent node are ``adopt``, KV recomputed;
+  host slots on an unbacked node are ``write``), refused before the field
+  changes. An assignment that agrees with the state is no event: a load is
+  fired before its copy allocates (:func:`~fsm_cache.compat.sglang.scope.loading`),
+  a backup before its controller call, and slicing slots (a radix split) is none.
+* ``lock_ref`` moves by one only inside a
+  :func:`~fsm_cache.compat.sglang.scope.walk` that checked the whole path
+  first (SGLang's ``inc_lock_ref``/``dec_lock_ref`` loops); ``host_ref_counter``
+  moves only through ``protect_host()``/``release_host()``. Any other
+  assignment raises :class:`ReadOnlyCounter`.
+* A node is *fresh* from construction until it is put into a parent's
+  ``children`` (or the first event fires at it): its fields describe it as they
+  are assigned, as SGLang builds nodes field by field. A fresh node that
+  already has a child when it is attached is the prefix of a radix split and
+  takes :func:`fsm_cache.residency.split_prefix` of that child; its copy in
+  flight, if any, is acknowledged with the child's.
+* ``evicted`` and ``backuped`` read the fields, as SGLang defines them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, NoReturn
+
+from fsm_cache.compat.sglang import scope
+from fsm_cache.engine import trail
+from fsm_cache.errors import FsmCacheError, ReleaseAtZero
+from fsm_cache.residency import (
+    DEVICE_HELD,
+    HOST_HELD,
+    Event,
+    Residency,
+    default_residency,
+    split_prefix,
+)
+
+
+trail.internal(__file__)
+
+SGLANG_ZERO = "Host reference counter is already zero."
+
+
+class HostRefCounterZero(ReleaseAtZero):
+    """SGLang's release-at-zero, with the node, its state and the call sites involved."""
+
+    def render(self) -> str:
+        """Return SGLang's message followed by fsm_cache's account of the refusal."""
+        return f"{SGLANG_ZERO} {super().render()}"
+
+
+class ReadOnlyCounter(FsmCacheError, AttributeError):
+    """A counter the residency machines own was assigned outside the walk that drives it."""
+
+
+class SlotsOutOfStep(FsmCacheError, AttributeError):
+    """A slot field was assigned in a way no single event of the node's state allows."""
+
+
+class RemovedInUse(FsmCacheError, RuntimeError):
+    """A node left the tree while locked, pinned, or with a copy in flight."""
+
+
+def _slot_event(field: str, state: str, present: bool) -> Event | None:
+    """Return the event whose effect this assignment is, or None when it is no event."""
+    if field == "host_value":
+        held = state in HOST_HELD
+        if present and not held:
+            return "write"
+        if not present and held:
+            return "write_failed" if state == "writing" else "evict_host"
+        return None
+    held = state in DEVICE_HELD
+    if present and not held:
+        return "adopt"  # a load is fired before its copy allocates (scope.loading)
+    if not present and held:
+        return "evict_device"
+    return None
+
+
+_STEPS: dict[int, Event] = {1: "lock", -1: "unlock"}
+"""A one-step change of ``lock_ref`` and the event it is."""
+
+
+class Children(defaultdict[Any, Any]):
+    """A node's ``children`` mapping: attaching a node seals it, removing one checks it is idle.
+
+    A ``defaultdict`` like SGLang's (``defaultdict(TreeNode)``); a plain dict
+    assigned to ``children`` (as ``_split_node`` does) is wrapped into one
+    without a default.
+    """
+
+    owner: ResidencyMixin | None = None
+    """The node whose children these are (sealed with its first child, as a root is)."""
+
+    def __setitem__(self, key: Any, child: Any) -> None:
+        if isinstance(child, ResidencyMixin):
+            child.seal()
+        if self.owner is not None:
+            self.owner.seal()
+        super().__setitem__(key, child)
+
+    def __delitem__(self, key: Any) -> None:
+        _check_removal(self.get(key))
+        super().__delitem__(key)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        """Remove and return the child under ``key`` (checked as :meth:`__delitem__`)."""
+        _check_removal(self.get(key))
+        return super().pop(key, *default)
+
+
+def _check_removal(child: Any) -> None:
+    """Refuse to take a node out of the tree while something still holds it."""
+    if not isinstance(child, ResidencyMixin) or not child.sealed:
+        return
+    busy = child.locks or child.pins or child.host == "writing" or child.device == "loading"
+    if busy:
+        msg = (
+            f"node {getattr(child, 'id', '?')}: removed from the tree in "
+            f"{child.host}/{child.device} (pins={child.pins}, locks={child.locks}); "
+            "release its holders and wait for its copies first"
+        )
+        raise RemovedInUse(msg)
+
+
+class ResidencyMixin:
+    """Mix into an SGLang-style ``TreeNode`` to make its residency checked.
+
+    Put it first among the bases: ``class TreeNode(ResidencyMixin, OldTreeNode)``
+    (:func:`fsm_cache.compat.sglang.patch` does this for an installed SGLang).
+    The node class must have ``parent`` and ``children``, as SGLang's has.
+
+    Set ``residency`` on the class to a :class:`Residency` of your own (for
+    example one built with ``trail=True``); by default the process-wide one is used.
+
+    Attributes:
+        host: Host residency state.
+        device: Device residency state.
+        pins: Holders of the host copy (SGLang's ``host_ref_counter``, plus a load's pin).
+        locks: Locks on the device copy (SGLang's ``lock_ref``).
+        trail: Recent events with call sites in trail mode.
+        sealed: False while the node is fresh (being built field by field).
+        cache_locks: A root's ``lock_ref`` from its construction: the cache's
+            own lock, part of ``lock_ref`` but not of ``locks``.
+        ack_with: The node whose copy's acknowledgement also acknowledges this
+            node's copy in flight (a split prefix, a node loaded in the same
+            chain); None when its own does.
+    """
+
+    residency: ClassVar[Residency | None] = None
+    parent: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.host = "unbacked"
+        self.device = "resident"
+        self.pins = 0
+        self.locks = 0
+        self.trail = None
+        self.sealed = False
+        self.cache_locks = 0
+        self.ack_with: ResidencyMixin | None = None
+        self._value: Any = None
+        self._host_value: Any = None
+        self._children = Children()
+        self._children.owner = self
+        super().__init__(*args, **kwargs)
+
+    @classmethod
+    def machine(cls) -> Residency:
+        """Return the residency engine this node class fires through."""
+        return cls.residency or default_residency()
+
+    # -- sealing ---------------------------------------------------------------
+
+    def seal(self) -> None:
+        """End the node's construction: from now on every change is an event.
+
+        A node with a child is the prefix of a radix split: it takes the
+        residency :func:`~fsm_cache.residency.split_prefix` gives, and its
+        fields must agree with it.
+
+        Raises:
+            SlotsOutOfStep: A split prefix's slots disagree with the child's residency.
+            ReadOnlyCounter: A split prefix's ``lock_ref`` is not the child's.
+        """
+        if self.sealed:
+            return
+        child = next((c for c in self._children.values() if isinstance(c, ResidencyMixin)), None)
+        if child is not None and getattr(self, "parent", None) is not None:
+            child.seal()
+            self._take_split(child)
+        if getattr(self, "parent", None) is None:  # a root: its lock is the cache's own
+            self.cache_locks, self.locks = self.locks, 0
+        self.sealed = True
+
+    def _take_split(self, child: ResidencyMixin) -> None:
+        host, device, pins, locks = split_prefix(child.host, child.device, child.locks)  # type: ignore[arg-type]
+        ident = getattr(self, "id", "?")
+        if self.locks != locks:
+            msg = f"node {ident}: split prefix has lock_ref {self.locks}, its child {locks}"
+            raise ReadOnlyCounter(msg)
+        for field, state, held in (
+            ("value", device, DEVICE_HELD),
+            ("host_value", host, HOST_HELD),
+        ):
+            if (getattr(self, field) is not None) != (state in held):
+                msg = f"node {ident}: split prefix {field} disagrees with its child's {state}"
+                raise SlotsOutOfStep(msg)
+        self.host, self.device, self.pins = host, device, pins
+        if child.host == "writing" or child.device == "loading":
+            self.ack_with = child.ack_with or child
+
+    # -- counters --------------------------------------------------------------
+
+    def protect_host(self) -> None:
+        """Pin the host copy (SGLang: ``host_ref_counter += 1``), refused without one."""
+        self.seal()
+        self.machine().pin(self)
+
+    def release_host(self) -> None:
+        """Release one pin; at zero raise :class:`HostRefCounterZero` and change nothing."""
+        self.seal()
+        try:
+            self.machine().release(self)
+        except ReleaseAtZero as exc:
+            raise HostRefCounterZero(
+                label=exc.label,
+                instance=exc.instance,
+                state=exc.state,
+                counters=exc.counters,
+                event=exc.event,
+                reason=exc.reason,
+                history=exc.history,
+                site=exc.site,
+                sites=exc.sites,
+            ) from None
+
+    def inc_lock_ref(self) -> None:
+        """Lock this node and every ancestor below the root, all or none.
+
+        What SGLang's ``cache.inc_lock_ref(node)`` does to the counts (without
+        its ``evictable_size_`` bookkeeping: call the cache's where it has one).
+        """
+        with scope.walk(self, "lock") as path:
+            for node in path:
+                node.lock_ref = node.locks + 1
+
+    def dec_lock_ref(self) -> None:
+        """Unlock this node and every ancestor below the root; refused at zero (``UnlockAtZero``)."""
+        with scope.walk(self, "unlock") as path:
+            for node in path:
+                node.lock_ref = node.locks - 1
+
+    @property
+    def host_ref_counter(self) -> int:
+        """Pins on the host copy (read-only: use protect_host/release_host)."""
+        return self.pins
+
+    @host_ref_counter.setter
+    def host_ref_counter(self, value: int) -> None:
+        if value != self.pins:
+            self._refuse("host_ref_counter", "protect_host()/release_host()")
+
+    @property
+    def lock_ref(self) -> int:
+        """Locks on the device copy; moved by one only inside the cache's lock walks.
+
+        A root reads the lock the cache keeps on it (``reset`` gives SGLang's
+        root ``lock_ref = 1``, so eviction never reaches it), which is no
+        request's: its ``locks`` stay 0 and no walk counts it.
+        """
+        return self.locks + self.cache_locks
+
+    @lock_ref.setter
+    def lock_ref(self, value: int) -> None:
+        if not self.sealed:
+            self.locks = value
+            return
+        value -= self.cache_locks
+        if value == self.locks:
+            return
+        event = _STEPS.get(value - self.locks)
+        if event is None or not scope.walking(self, event):
+            self._refuse("lock_ref", "cache.inc_lock_ref(node)/cache.dec_lock_ref(node)")
+        self.machine().engine.step(self, event)
+
+    def _refuse(self, name: str, use: str) -> NoReturn:
+        msg = f"node {getattr(self, 'id', '?')}: {name} is driven by the residency machines; use {use}"
+        raise ReadOnlyCounter(msg)
+
+    # -- slot fields -----------------------------------------------------------
+
+    @property
+    def evicted(self) -> bool:
+        """Whether the node holds no device slots (SGLang: ``value is None``)."""
+        return self._value is None
+
+    @property
+    def backuped(self) -> bool:
+        """Whether host slots are held (SGLang: ``host_value is not None``)."""
+        return self._host_value is not None
+
+    @property
+    def value(self) -> Any:
+        """Device slot indices (``None`` once evicted from the device)."""
+        return self._value
+
+    @value.setter
+    def value(self, slots: Any) -> None:
+        if not self.sealed:
+            self.device = "absent" if slots is None else "resident"
+        else:
+            self._fire_for("value", self.device, slots)
+        self._value = slots
+
+    @property
+    def host_value(self) -> Any:
+        """Host slot indices (``None`` without a host copy)."""
+        return self._host_value
+
+    @host_value.setter
+    def host_value(self, slots: Any) -> None:
+        if not self.sealed:
+            self.host = "unbacked" if slots is None else "backed"
+        else:
+            self._fire_for("host_value", self.host, slots)
+        self._host_value = slots
+
+    def _fire_for(self, field: str, state: str, slots: Any) -> None:
+        event = _slot_event(field, state, slots is not None)
+        if event is not None:
+            self.machine().verb(event)(self)
+
+    @property
+    def children(self) -> Children:
+        """The child nodes; attaching one seals it, removing one checks it is idle."""
+        return self._children
+
+    @children.setter
+    def children(self, mapping: Any) -> None:
+        if not isinstance(mapping, Children):
+            factory: Callable[[], Any] | None = getattr(mapping, "default_factory", None)
+            mapping = Children(factory, mapping)
+        mapping.owner = self
+        self._children = mapping
+
+    def path_to_root(self) -> Iterator[ResidencyMixin]:
+        """Yield this node and its ancestors, the root (the node without a parent) excluded."""
+        node: Any = self
+        while node is not None and getattr(node, "parent", None) is not None:
+            yield node
+            node = node.parent

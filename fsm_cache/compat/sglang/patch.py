@@ -1,0 +1,332 @@
+"""One call that makes an installed SGLang's radix caches run with checked residency.
+
+:func:`patch` rebinds ``TreeNode`` in SGLang's cache modules to a subclass
+with :class:`~fsm_cache.compat.sglang.node.ResidencyMixin` first, and wraps
+the cache methods that move memory so that each is checked before it does:
+
+============================  ==============================================================
+SGLang method                 what the wrapper adds
+============================  ==============================================================
+``inc_lock_ref(node)``        checks ``lock`` on the path to the root first (root excluded)
+``dec_lock_ref(node)``        checks ``unlock`` on the path first
+``write_backup(node)``        fires ``write`` before the controller allocates host slots
+                              (and the path's ``lock`` is checked); ``write_failed`` if
+                              SGLang then gives up (host memory short)
+``write_backup_storage``      checks ``pin`` before the storage write starts
+``_evict_backuped(node)``     fires ``evict_device`` before the device slots are freed
+``load_back(node)``           fires ``load`` on the chain before device slots are allocated;
+                              ``load_failed`` if SGLang then gives up
+``evict_host(n)``             fires ``evict_host`` at the controller call freeing a victim
+``__init__``                  turns ``ongoing_write_through``/``ongoing_load_back`` into
+                              :class:`~fsm_cache.compat.sglang.scope.AckBook`
+============================  ==============================================================
+
+Everything else needs no wrapper: field assignments are events of the
+checked node (``node.value = value`` on an evicted node is ``adopt``), a
+split prefix takes its residency when attached, and counters move only
+inside the walks above. Refusals are raised at SGLang's call, with SGLang's
+call sites in trail mode, and leave the tree and memory as they were.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from fsm_cache.compat.sglang import scope
+from fsm_cache.compat.sglang.node import ResidencyMixin
+from fsm_cache.engine import trail
+from fsm_cache.errors import FsmCacheError
+from fsm_cache.residency import Residency
+
+
+trail.internal(__file__)
+
+MODULES = ("sglang.srt.mem_cache.radix_cache", "sglang.srt.mem_cache.hiradix_cache")
+"""SGLang's cache modules :func:`patch` takes when given none (those installed)."""
+
+SUPPORTED = ("0.5.6", "0.5.23")
+"""SGLang releases whose real cache code ``make test-sglang`` runs with the patch."""
+
+CACHES = ("RadixCache", "HiRadixCache")
+"""The cache classes a module may define."""
+
+
+class PatchError(FsmCacheError, TypeError):
+    """A module cannot be patched: it has no ``TreeNode`` or no cache class."""
+
+
+Method = Callable[..., Any]
+
+
+def _walked(event: str) -> Callable[[Method], Method]:
+    def wrap(original: Method) -> Method:
+        @functools.wraps(original)
+        def method(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(self, "disable", False):
+                return original(self, node, *args, **kwargs)
+            with scope.walk(node, event):  # type: ignore[arg-type]
+                return original(self, node, *args, **kwargs)
+
+        return method
+
+    return wrap
+
+
+def _write_backup(original: Method) -> Method:
+    @functools.wraps(original)
+    def write_backup(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        write_back = bool(kwargs.get("write_back", args[0] if args else False))
+        if not write_back:
+            scope.check(list(node.path_to_root()), "lock")
+        node.seal()
+        node.machine().write(node)
+        try:
+            result = original(self, node, *args, **kwargs)
+        finally:
+            if node.host == "writing" and node.host_value is None:  # SGLang gave up
+                node.machine().write_failed(node)
+        return result
+
+    return write_backup
+
+
+def _write_backup_storage(original: Method) -> Method:
+    @functools.wraps(original)
+    def write_backup_storage(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        scope.check([node], "pin")
+        return original(self, node, *args, **kwargs)
+
+    return write_backup_storage
+
+
+def _evict_backuped(original: Method) -> Method:
+    @functools.wraps(original)
+    def evict_backuped(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        node.seal()
+        node.machine().evict_device(node)
+        return original(self, node, *args, **kwargs)
+
+    return evict_backuped
+
+
+def _load_back(original: Method) -> Method:
+    @functools.wraps(original)
+    def load_back(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        chain = scope.absent_chain(node)
+        scope.loading(chain)
+        try:
+            result = original(self, node, *args, **kwargs)
+        except BaseException:
+            scope.back_out(chain)
+            raise
+        if result is None:
+            scope.back_out(chain)
+        else:
+            scope.ride(chain, node)
+        return result
+
+    return load_back
+
+
+def _evict_host(original: Method) -> Method:
+    @functools.wraps(original)
+    def evict_host(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with scope.host_evictions(self.root_node):
+            return original(self, *args, **kwargs)
+
+    return evict_host
+
+
+def _init(original: Method) -> Method:
+    @functools.wraps(original)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        for name, event in (
+            ("ongoing_write_through", "write_done"),
+            ("ongoing_load_back", "load_done"),
+        ):
+            book = getattr(self, name, None)
+            if isinstance(book, dict) and not isinstance(book, scope.AckBook):
+                setattr(self, name, scope.AckBook(event, book))  # type: ignore[arg-type]
+        controller = getattr(self, "cache_controller", None)
+        if controller is not None and not getattr(controller.evict_host, "fsm_checked", False):
+            controller.evict_host = _checked_host_free(controller.evict_host)
+
+    return init
+
+
+def _checked_host_free(free: Method) -> Method:
+    @functools.wraps(free)
+    def evict_host(host_indices: Any, *args: Any, **kwargs: Any) -> Any:
+        scope.host_eviction(host_indices)
+        return free(host_indices, *args, **kwargs)
+
+    evict_host.fsm_checked = True  # type: ignore[attr-defined]
+    return evict_host
+
+
+WRAPPERS: dict[str, Callable[[Method], Method]] = {
+    "__init__": _init,
+    "inc_lock_ref": _walked("lock"),
+    "dec_lock_ref": _walked("unlock"),
+    "write_backup": _write_backup,
+    "write_backup_storage": _write_backup_storage,
+    "_evict_backuped": _evict_backuped,
+    "load_back": _load_back,
+    "evict_host": _evict_host,
+}
+"""SGLang cache method name to the wrapper that checks it first."""
+
+
+@dataclass
+class Patch:
+    """The changes :func:`patch` made, to undo them (also a context manager).
+
+    Attributes:
+        modules: The patched modules' names.
+        node_class: The checked ``TreeNode`` the modules now build.
+        wrapped: ``Class.method`` for each wrapped cache method.
+    """
+
+    modules: tuple[str, ...]
+    node_class: type[ResidencyMixin]
+    wrapped: tuple[str, ...]
+    _saved: list[tuple[Any, str, Any]] = field(default_factory=list, repr=False)
+
+    def record(self, owner: Any, name: str, value: Any) -> None:
+        """Set ``owner.name`` to ``value``, keeping the old value for :meth:`undo`."""
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def undo(self) -> None:
+        """Restore every patched module and class as it was."""
+        for owner, name, old in reversed(self._saved):
+            setattr(owner, name, old)
+        self._saved.clear()
+        for name in self.modules:
+            _ACTIVE.pop(name, None)
+
+    def __enter__(self) -> Patch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.undo()
+
+
+_ACTIVE: dict[str, Patch] = {}
+
+
+def patch(
+    *modules: ModuleType | str, residency: Residency | None = None, trail: bool | None = None
+) -> Patch:
+    """Make SGLang's radix caches in ``modules`` run with checked residency.
+
+    Args:
+        modules: SGLang cache modules (objects or dotted names); none: every
+            one of :data:`MODULES` that is installed.
+        residency: The engine the nodes fire through; default a new one.
+        trail: Trail mode for the default engine (refusals name call sites);
+            None reads ``FSM_CACHE_TRAIL``.
+
+    Returns:
+        The :class:`Patch`; ``undo()`` (or leaving its ``with`` block) restores SGLang.
+
+    Raises:
+        PatchError: A module has no ``TreeNode`` or no cache class, or is
+            patched already by another call.
+    """
+    found = [_module(m) for m in modules] if modules else _installed()
+    already = [m.__name__ for m in found if m.__name__ in _ACTIVE]
+    if already:
+        raise PatchError(f"{', '.join(already)}: patched already; undo that patch first")
+    _warn_unsupported()
+    engine = residency or Residency(trail=trail)
+    result = Patch(tuple(m.__name__ for m in found), ResidencyMixin, ())
+    checked: dict[type, type[ResidencyMixin]] = {}
+    wrapped: list[str] = []
+    for module in found:
+        original = _tree_node(module)
+        node_class = checked.get(original) or _checked_class(original, engine)
+        checked[original] = node_class
+        result.node_class = node_class
+        result.record(module, "TreeNode", node_class)
+        wrapped += _wrap_caches(result, module)
+    result.wrapped = tuple(wrapped)
+    for name in result.modules:
+        _ACTIVE[name] = result
+    return result
+
+
+def _module(given: ModuleType | str) -> ModuleType:
+    return importlib.import_module(given) if isinstance(given, str) else given
+
+
+def _installed() -> list[ModuleType]:
+    out = []
+    for name in MODULES:
+        try:
+            out.append(importlib.import_module(name))
+        except ModuleNotFoundError:
+            continue
+    if not out:
+        raise PatchError(f"none of {', '.join(MODULES)} is installed")
+    return out
+
+
+def _warn_unsupported() -> None:
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if version not in SUPPORTED:
+        warnings.warn(
+            f"sglang {version} is not among the releases fsm_cache tests the patch on "
+            f"({', '.join(SUPPORTED)}); run its tests with --fsm-sglang first",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _tree_node(module: ModuleType) -> type:
+    node = getattr(module, "TreeNode", None)
+    if not isinstance(node, type):
+        raise PatchError(f"{module.__name__}: no TreeNode class to check")
+    if issubclass(node, ResidencyMixin):
+        raise PatchError(f"{module.__name__}: TreeNode is checked already")
+    return node
+
+
+def _checked_class(original: type, engine: Residency) -> type[ResidencyMixin]:
+    doc = f"SGLang's {original.__qualname__}, its residency checked by fsm_cache."
+    made = type(
+        original.__name__,
+        (ResidencyMixin, original),
+        {"residency": engine, "__module__": original.__module__, "__doc__": doc},
+    )
+    made.__qualname__ = original.__qualname__
+    return made
+
+
+def _wrap_caches(result: Patch, module: ModuleType) -> list[str]:
+    classes = [
+        cls
+        for name in CACHES
+        if isinstance(cls := getattr(module, name, None), type)
+        and cls.__module__ == module.__name__
+    ]
+    if not classes:
+        raise PatchError(f"{module.__name__}: none of {', '.join(CACHES)} is defined there")
+    out = []
+    for cls in classes:
+        for name, wrapper in WRAPPERS.items():
+            if name in vars(cls):
+                result.record(cls, name, wrapper(vars(cls)[name]))
+                out.append(f"{cls.__name__}.{name}")
+    return out

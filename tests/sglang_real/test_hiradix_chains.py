@@ -1,0 +1,136 @@
+"""SGLang 0.5.6's real ``HiRadixCache``: chains of loads, splits in flight, memory running short.
+
+Each scenario runs stock and patched (``conftest.mode``): SGLang's results must
+be the same, and the patched run's residency must say what SGLang's fields
+imply at every step. Skipped on versions without ``hiradix_cache.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from .conftest import Api, build_hiradix
+from .fakes import FakeAllocator
+
+
+A = list(range(1, 7))
+AB = list(range(1, 13))
+
+
+@pytest.fixture
+def hiradix(sg: Api, allocator: FakeAllocator, mode: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A write-through ``HiRadixCache`` over 64 device and 64 host slots."""
+    del mode
+    return build_hiradix(sg, allocator, monkeypatch, "write_through")
+
+
+def residency(node: Any, mode: str) -> tuple[str, str, int, int] | None:
+    """``(host, device, pins, locks)`` of a patched node; None when stock."""
+    return (node.host, node.device, node.pins, node.locks) if mode == "patched" else None
+
+
+def evicted_chain(sg: Api, cache: Any, allocator: FakeAllocator) -> tuple[Any, Any]:
+    """Two nodes A -> B, backed up and evicted from the device."""
+    sg.insert(cache, A, allocator.take(len(A)))
+    sg.insert(cache, AB, allocator.take(len(AB)))  # its first 6 slots the caller frees
+    cache.cache_controller.finish_writes()
+    cache.writing_check()
+    cache.evict(len(AB))
+    (a,) = cache.root_node.children.values()
+    (b,) = a.children.values()
+    assert (a.evicted, b.evicted, a.backuped, b.backuped) == (True, True, True, True)
+    return a, b
+
+
+def test_a_chain_loads_and_is_acknowledged_as_one(
+    sg: Api, allocator: FakeAllocator, hiradix: Any, mode: str
+) -> None:
+    cache = hiradix
+    a, b = evicted_chain(sg, cache, allocator)
+    found = cache.match_prefix(sg.key(AB))
+    assert (len(found.device_indices), found.host_hit_length, found.last_host_node is b) == (
+        0,
+        12,
+        True,
+    )
+    loaded, last = cache.init_load_back(found.last_host_node, found.host_hit_length)
+    assert (len(loaded), last is b, a.lock_ref, b.lock_ref) == (12, True, 1, 1)
+    assert residency(a, mode) in (None, ("pinned", "loading", 1, 1))
+    assert residency(b, mode) in (None, ("pinned", "loading", 1, 1))
+    cache.ready_to_load_host_cache()
+    cache.cache_controller.finish_loads()
+    cache.loading_check()  # one ack, for B's id: A is loaded by the same copy
+    assert (a.lock_ref, b.lock_ref, cache.ongoing_load_back) == (0, 0, {})
+    assert residency(a, mode) in (None, ("backed", "resident", 0, 0))
+    assert residency(b, mode) in (None, ("backed", "resident", 0, 0))
+    assert len(cache.match_prefix(sg.key(AB)).device_indices) == 12
+
+
+def test_a_node_split_while_loading_is_acknowledged_with_it(
+    sg: Api, allocator: FakeAllocator, hiradix: Any, mode: str
+) -> None:
+    cache = hiradix
+    a, b = evicted_chain(sg, cache, allocator)
+    found = cache.match_prefix(sg.key(AB))
+    cache.init_load_back(found.last_host_node, found.host_hit_length)
+    cache.ready_to_load_host_cache()
+    # a match ending inside B splits it while its load is in flight
+    middle = cache.match_prefix(sg.key(AB[:9])).last_device_node
+    assert (middle.parent is a, b.parent is middle, len(middle.key), middle.lock_ref) == (
+        True,
+        True,
+        3,
+        1,
+    )
+    assert residency(middle, mode) in (None, ("pinned", "loading", 1, 1))
+    cache.cache_controller.finish_loads()
+    cache.loading_check()
+    for node in (a, middle, b):
+        assert node.lock_ref == 0
+        assert residency(node, mode) in (None, ("backed", "resident", 0, 0))
+
+
+def test_a_backup_without_host_memory_is_given_up(
+    sg: Api, allocator: FakeAllocator, hiradix: Any, mode: str
+) -> None:
+    cache = hiradix
+    cache.cache_controller.mem_pool_host.take(60)  # the host pool is nearly full
+    assert sg.insert(cache, AB, allocator.take(len(AB))) == 0
+    (node,) = cache.root_node.children.values()
+    assert (node.backuped, node.lock_ref, cache.ongoing_write_through) == (False, 0, {})
+    assert residency(node, mode) in (None, ("unbacked", "resident", 0, 0))
+
+
+def test_a_load_without_device_memory_is_given_up(
+    sg: Api, allocator: FakeAllocator, hiradix: Any, mode: str
+) -> None:
+    cache = hiradix
+    a, b = evicted_chain(sg, cache, allocator)
+    allocator.take(allocator.available_size() - 4)  # the device pool is nearly full
+    found = cache.match_prefix(sg.key(AB))
+    loaded, last = cache.init_load_back(found.last_host_node, found.host_hit_length)
+    assert (len(loaded), last is cache.root_node, a.evicted, b.evicted) == (0, True, True, True)
+    for node in (a, b):
+        assert residency(node, mode) in (None, ("backed", "absent", 0, 0))
+
+
+def test_a_prefetch_anchor_may_pin_a_node_still_being_written(
+    sg: Api, allocator: FakeAllocator, hiradix: Any, mode: str
+) -> None:
+    cache = hiradix
+    sg.insert(cache, AB, allocator.take(len(AB)))
+    (node,) = cache.root_node.children.values()
+    node.protect_host()  # prefetch_from_storage: the last host-matched node is the anchor
+    assert node.host_ref_counter == 1
+    assert residency(node, mode) in (None, ("writing", "resident", 1, 1))
+    cache.cache_controller.finish_writes()
+    cache.writing_check()
+    assert residency(node, mode) in (None, ("pinned", "resident", 1, 0))
+    cache.evict(len(AB))
+    cache.evict_host(len(AB))  # the anchor's host copy stays while the prefetch runs
+    assert (node.evicted, node.backuped, cache.root_node.children != {}) == (True, True, True)
+    node.release_host()
+    cache.evict_host(len(AB))
+    assert cache.root_node.children == {}

@@ -1,0 +1,173 @@
+"""Misuse planted in SGLang's real caches: the patch refuses each at the call, changing nothing.
+
+Stock SGLang either raises much later (``Host reference counter is already
+zero.``), corrupts its counts, or frees memory a copy still uses; each test
+shows the patched cache refusing the step where it is taken, with memory
+and counts as they were.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from fsm_cache.compat.sglang import HostRefCounterZero, ReadOnlyCounter, patch
+from fsm_cache.errors import CopyInFlight, DuplicateAck, HostCopyPinned, error_class
+
+from .conftest import Api, build_hiradix
+from .fakes import FakeAllocator
+
+
+AB = list(range(1, 13))
+
+
+@pytest.fixture
+def patched(sg: Api) -> Iterator[Any]:
+    """SGLang's caches, patched in trail mode for the test."""
+    del sg
+    with patch(trail=True) as applied:
+        yield applied
+
+
+@pytest.fixture
+def hiradix(
+    sg: Api, allocator: FakeAllocator, patched: Any, monkeypatch: pytest.MonkeyPatch
+) -> Any:
+    """A patched write-through ``HiRadixCache`` with one node, its backup acknowledged."""
+    del patched
+    cache = build_hiradix(sg, allocator, monkeypatch, "write_through")
+    sg.insert(cache, AB, allocator.take(len(AB)))
+    cache.cache_controller.finish_writes()
+    cache.writing_check()
+    return cache
+
+
+def only_child(cache: Any) -> Any:
+    (node,) = cache.root_node.children.values()
+    return node
+
+
+def test_the_patch_checks_the_nodes_and_wraps_the_memory_moves(sg: Api, patched: Any) -> None:
+    cache = sg.rc.RadixCache(sg.cache_params(FakeAllocator(8)))
+    assert isinstance(cache.root_node, patched.node_class)
+    assert "RadixCache.inc_lock_ref" in patched.wrapped
+    assert (cache.root_node.lock_ref, cache.root_node.device) == (1, "resident")
+
+
+def line_of(function: Any, text: str) -> str:
+    """``file.py:N in name`` of the first line of ``function`` containing ``text``."""
+    function = inspect.unwrap(function)
+    lines, start = inspect.getsourcelines(function)
+    offset = next(i for i, line in enumerate(lines) if text in line)
+    name = function.__code__.co_filename.rsplit("/", 1)[-1]
+    return f"{name}:{start + offset} in {function.__name__}"
+
+
+def test_a_double_release_is_refused_with_sglangs_call_sites(sg: Api, hiradix: Any) -> None:
+    node = only_child(hiradix)
+    here = inspect.currentframe()
+    assert here is not None
+    node.protect_host()
+    node.release_host()
+    refused_at = here.f_lineno + 2
+    with pytest.raises(HostRefCounterZero) as caught:
+        node.release_host()  # a second cleanup path: the bug
+    hi, rc = type(hiradix), sg.rc.RadixCache
+    test = "test_a_double_release_is_refused_with_sglangs_call_sites"
+    assert str(caught.value) == (
+        f"Host reference counter is already zero. node {node.id}: release refused in "
+        "backed (pins=0): release without a matching pin; "
+        f"written at {line_of(vars(hi)['_inc_hit_count'], 'self.write_backup(node)')}; "
+        f"locked at {line_of(rc.inc_lock_ref, 'node.lock_ref += 1')}; "
+        f"acknowledged at {line_of(hi.writing_check, 'self.ongoing_write_through.pop')}; "
+        f"unlocked at {line_of(rc.dec_lock_ref, 'node.lock_ref -= 1')}; "
+        f"pinned at test_misuse.py:{refused_at - 4} in {test}; "
+        f"released at test_misuse.py:{refused_at - 3} in {test}; "
+        f"refused at test_misuse.py:{refused_at} in {test}"
+    )
+    assert (node.host_ref_counter, node.host) == (0, "backed")
+
+
+def test_a_release_with_no_pin_is_refused(hiradix: Any) -> None:
+    node = only_child(hiradix)
+    with pytest.raises(HostRefCounterZero):
+        node.release_host()
+    assert node.host_ref_counter == 0
+
+
+def test_an_unlock_at_zero_changes_no_count(sg: Api, patched: Any) -> None:
+    del patched
+    allocator = FakeAllocator(16)
+    cache = sg.rc.RadixCache(sg.cache_params(allocator))
+    sg.insert(cache, [1, 2, 3, 4], allocator.take(4))
+    node = sg.match(cache, [1, 2, 3, 4])[1]
+    before = (cache.evictable_size(), cache.protected_size(), node.lock_ref)
+    with pytest.raises(error_class("UnlockAtZero")) as caught:
+        cache.dec_lock_ref(node)
+    assert str(caught.value).startswith(
+        f"node {node.id}: unlock refused in resident (locks=0): unlock without a matching lock"
+    )
+    assert (cache.evictable_size(), cache.protected_size(), node.lock_ref) == before
+
+
+def test_a_lock_count_written_directly_is_refused(sg: Api, patched: Any) -> None:
+    del patched
+    allocator = FakeAllocator(16)
+    cache = sg.rc.RadixCache(sg.cache_params(allocator))
+    sg.insert(cache, [1, 2, 3, 4], allocator.take(4))
+    node = sg.match(cache, [1, 2, 3, 4])[1]
+    with pytest.raises(ReadOnlyCounter):
+        node.lock_ref += 1  # a code path bypassing inc_lock_ref and its ancestors
+    assert (node.lock_ref, cache.evictable_size()) == (0, 4)
+
+
+def test_evicting_a_pinned_host_copy_is_refused_before_it_is_freed(
+    hiradix: Any, monkeypatch: pytest.MonkeyPatch, patched: Any
+) -> None:
+    node = only_child(hiradix)
+    node.protect_host()  # a backup to storage holds it
+    hiradix.evict(len(AB))
+    host = hiradix.cache_controller.mem_pool_host
+    before = list(host.freed)
+    # a fork that lost evict_host's host_ref_counter check
+    monkeypatch.setattr(patched.node_class, "host_ref_counter", property(lambda _: 0))
+    with pytest.raises(HostCopyPinned) as caught:
+        hiradix.evict_host(len(AB))
+    assert str(caught.value).startswith(
+        f"node {node.id}: evict_host refused in pinned (pins=1): the host copy is pinned by a holder"
+    )
+    assert (host.freed, node.backuped, only_child(hiradix) is node) == (before, True, True)
+
+
+def test_a_lost_load_acknowledgement_keeps_its_pages_from_being_freed(
+    sg: Api, allocator: FakeAllocator, hiradix: Any
+) -> None:
+    node = only_child(hiradix)
+    hiradix.evict(len(AB))
+    found = hiradix.match_prefix(sg.key(AB))
+    hiradix.init_load_back(found.last_host_node, found.host_hit_length)
+    hiradix.ready_to_load_host_cache()
+    hiradix.cache_controller.ack_load_queue.clear()  # the acknowledgement is lost
+    hiradix.dec_lock_ref(node)  # the request ends as if its load had landed
+    freed = [list(f) for f in allocator.freed]
+    with pytest.raises(CopyInFlight) as caught:
+        hiradix.evict(len(AB))  # stock SGLang frees the slots the copy still writes
+    assert str(caught.value).startswith(
+        f"node {node.id}: evict_device refused in loading (locks=0): "
+        "a host-to-device copy is still writing the device slots"
+    )
+    assert (allocator.freed, node.evicted) == (freed, False)
+
+
+def test_a_stray_write_acknowledgement_is_refused(hiradix: Any) -> None:
+    node = only_child(hiradix)
+    ctl = hiradix.cache_controller
+    hiradix.ongoing_write_through[node.id] = node  # bookkeeping that lost track of the ack
+    ctl.write(node.value, node_id=node.id)  # a second copy's ack names the node again
+    ctl.finish_writes()
+    with pytest.raises(DuplicateAck):
+        hiradix.writing_check()
+    assert (node.host, node.id in hiradix.ongoing_write_through) == ("backed", True)
