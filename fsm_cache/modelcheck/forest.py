@@ -89,8 +89,10 @@ class Trees:
             self.local.append(lid)
             self.kids.append(kids)
             self.slot.append(slot)
-            below = tuple(self.key[k] for k in kids)
-            self.key.append((self.locals[lid], below) if slot < 0 else (slot,))
+            if slot < 0:
+                self.key.append((self.locals[lid], tuple(self.key[k] for k in kids)))
+            else:
+                self.key.append((slot,))
             self.kid_states.append(tuple(sorted(self.stid[self.local[k]] for k in kids)))
             self.size.append(1 + sum(self.size[k] for k in kids))
         return found
