@@ -26,9 +26,10 @@ keys chosen to store, the chunk ids handed out, the LRU victims (vLLM's order:
 request-scoped ranks from 0.33 on, one global counter before) and the event
 stream. Two of vLLM's tolerated cases are choices, both kept as vLLM has them
 by default and refused in ``strict`` mode: a ``complete_store`` of a block
-that is not being stored (the scheduler sends one for every block of a
-preempted request) and a ``reset_cache`` while copies are in flight (vLLM
-relies on the scheduler never delivering their completions).
+that is not being stored (earlier vLLM schedulers completed a preempted
+request's stores at once and again when the job reported) and a
+``reset_cache`` while copies are in flight (vLLM relies on the scheduler
+never delivering their completions).
 
 This module imports neither vLLM nor torch. The vLLM-facing classes,
 ``FsmOffloadingManager`` (vLLM's ``OffloadingManager`` over this one) and
@@ -573,10 +574,10 @@ class CheckedOffloadingManager:
     ) -> None:
         """Fire ``write_done`` (``success``) or ``write_failed`` on the keys being stored.
 
-        A key with no store in flight is ignored, as vLLM ignores it (a
-        preempted request's blocks are completed once by the scheduler and
-        again when their job reports); ``duplicate_acks`` counts them. In
-        strict mode it is refused instead.
+        A key with no store in flight is ignored, as vLLM ignores it (earlier
+        vLLM schedulers completed a preempted request's stores at once and again
+        when the job reported); ``duplicate_acks`` counts them. In strict mode
+        it is refused instead.
 
         Raises:
             DuplicateAck: Strict mode, and a key has no store in flight; nothing changed.
