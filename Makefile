@@ -15,7 +15,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 EXTRAS  := cli,reference,distributed
 
 .PHONY: run test lint typecheck pytest verify check audit diagrams docs bench clean system-deps \
-	test-sglang test-vllm bench-vllm
+	test-sglang test-vllm bench-vllm bench-sglang
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -93,6 +93,13 @@ test-sglang: $(foreach v,$(SGLANG_VERSIONS),$(SGCACHE)/venv-$(v)/.installed)
 	@set -e; for v in $(SGLANG_VERSIONS); do \
 		echo "== sglang $$v"; \
 		$(SGCACHE)/venv-$$v/bin/python -m pytest -q -p no:cacheprovider tests/sglang_real; \
+	done
+
+# What fsm_cache.compat.sglang.patch() costs SGLang's RadixCache, per version (docs/benchmarks.md).
+bench-sglang: $(foreach v,$(SGLANG_VERSIONS),$(SGCACHE)/venv-$(v)/.installed)
+	@set -e; for v in $(SGLANG_VERSIONS); do \
+		$(SGCACHE)/venv-$$v/bin/python -c "from fsm_cache.cli.main import main; \
+			raise SystemExit(main(['bench', 'sglang']))"; \
 	done
 
 # vLLM's real CPU offloading manager and scheduler (tests/vllm_real), the same way: one side

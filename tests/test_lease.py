@@ -243,7 +243,9 @@ def test_held_records_finds_locks_and_sglang_nodes_and_skips_garbage() -> None:
         residency.write(each)
         residency.write_done(each)
         each.protect_host()
-    locked.parent = TreeNode(4)  # the root's own count is not SGLang's lock_ref
+    root = TreeNode(4)
+    root.lock_ref = 1  # SGLang's reset: the cache's own lock on its root, never reported
+    node.parent = locked.parent = root
     locked.inc_lock_ref()
     garbage.children = {"self": garbage}  # only a reference cycle keeps it alive
     del garbage, each

@@ -197,6 +197,7 @@ def test_bare_pin():
 
 def test_sglang_protect_host():
     node = TreeNode(9)
+    node.parent = TreeNode(0)  # a root's counts are its children's: not reported
     NODES.append(node)
     TreeNode.machine().write(node)
     TreeNode.machine().write_done(node)

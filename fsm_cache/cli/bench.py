@@ -1,4 +1,4 @@
-"""``fsm-cache bench [engine|copies|cache|tp|vllm]``: speed figures, measured side by side in one run.
+"""``fsm-cache bench [engine|copies|cache|tp|vllm|sglang]``: speed figures, measured side by side in one run.
 
 Speed targets live here, never in timed tests: these machines are shared and
 noisy, so every figure is a ratio of two things measured in the same run.
@@ -17,11 +17,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "what",
         nargs="?",
         default="engine",
-        choices=("engine", "copies", "cache", "tp", "vllm"),
+        choices=("engine", "copies", "cache", "tp", "vllm", "sglang"),
         help="engine (default): checked pin+release vs a bare counter and transitions; "
         "copies: machine-driven write-through vs raw gather-and-copy; "
         "cache: HiCache vs an unchecked radix tree; tp: poll agreement across gloo ranks; "
-        "vllm: the checked offloading manager vs vLLM's own (needs vLLM; make bench-vllm)",
+        "vllm: the checked offloading manager vs vLLM's own (needs vLLM; make bench-vllm); "
+        "sglang: SGLang's RadixCache patched vs stock (needs SGLang; make bench-sglang)",
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
     parser.set_defaults(handler=run)
@@ -55,6 +56,15 @@ def run(args: argparse.Namespace) -> int:
         quick = {"requests": 300, "repeat": 2} if args.quick else {}
         try:
             print(run_vllm_bench(**quick).format())
+        except ModuleNotFoundError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    elif args.what == "sglang":
+        from fsm_cache.bench.sglang import run_sglang_bench
+
+        sized = {"requests": 200, "repeat": 1, "nodes": 500} if args.quick else {}
+        try:
+            print(run_sglang_bench(**sized).format())
         except ModuleNotFoundError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -175,6 +175,17 @@ class Engine:
             raise SpecError([f"{self.system.source}: unknown event {event!r}"])
         return step(rec)
 
+    def planner(self, event: str) -> Step:
+        """Return :meth:`plan` for one event as a plain function of the record (for hot loops).
+
+        Raises:
+            SpecError: Unknown event name.
+        """
+        step = self._compiled.steps.get(event)
+        if step is None:
+            raise SpecError([f"{self.system.source}: unknown event {event!r}"])
+        return step
+
     def step(self, rec: Any, event: str) -> None:
         """Fire ``event`` at ``rec`` alone, even where the spec propagates it to ancestors.
 

@@ -52,8 +52,9 @@ def held_records(engines: Iterable[Engine] | None = None) -> list[Held]:
     object whose ``id``, region states and counters are plain fields (slots
     or instance attributes, no properties) with states its machine declares:
     ``engine.new()`` records, :class:`~fsm_cache.residency.ResidencyRecord`
-    subclasses and SGLang-compat nodes alike. Runs a full collection first,
-    so records only garbage keeps alive are not reported.
+    subclasses and SGLang-compat nodes alike; a tree's root is not one (its
+    counts are its children's). Runs a full collection first, so records only
+    garbage keeps alive are not reported.
     """
     gc.collect()
     objects = gc.get_objects()
@@ -100,9 +101,21 @@ class _Shape:
             return None
         if all(values[counter] == initial for counter, initial in self.carried):
             return None
+        if _tree_root(obj):
+            return None
         log = values.get("trail")
         history = trail.account(trail.sites(log), self.past) if isinstance(log, deque) else ""
         return Held(self.engine.system.label, values["id"], self.engine.describe(obj), history)
+
+
+def _tree_root(obj: object) -> bool:
+    """Whether ``obj`` is the root of a tree: it has ``children`` and its ``parent`` is None.
+
+    A root's counts hold nothing of their own: its locks are its children's,
+    propagated, plus, in SGLang, the one lock the cache keeps on it for ever
+    (``reset`` sets ``lock_ref = 1``). A leaked lock shows on the nodes below.
+    """
+    return hasattr(obj, "children") and getattr(obj, "parent", False) is None
 
 
 def _fields(kind: type, names: tuple[str, ...]) -> list[_Field]:

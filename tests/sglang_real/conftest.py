@@ -23,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from . import standins
+from fsm_cache.testing import sglang as standins
+
 from .fakes import CpuController, FakeAllocator, FakeHostPool, server_args
 
 

@@ -1,4 +1,4 @@
-"""``pytest --fsm-sglang``: an SGLang test suite runs with the installed caches checked."""
+"""``pytest --fsm-sglang`` and ``fsm-cache bench sglang`` on the installed SGLang."""
 
 from __future__ import annotations
 
@@ -7,13 +7,9 @@ import sys
 from pathlib import Path
 
 
-ROOT = Path(__file__).resolve().parents[2]
-
-CONFTEST = f"""
-import sys
-sys.path.insert(0, {str(ROOT)!r})
-from tests.sglang_real import standins
-standins.install()
+CONFTEST = """
+from fsm_cache.testing import sglang
+sglang.install()
 """
 
 SUITE = """
@@ -50,3 +46,13 @@ def test_the_option_patches_the_run_and_undoes_it(tmp_path: Path) -> None:
         check=False,
     )
     assert without.returncode == 1, without.stdout  # stock SGLang: no checked node
+
+
+def test_the_overhead_bench_runs_on_the_installed_sglang() -> None:
+    from fsm_cache.bench.sglang import run_sglang_bench
+
+    bench = run_sglang_bench(requests=60, repeat=1, nodes=200)
+    assert bench.operations == 240
+    assert set(bench.ns_per_op) == set(bench.node_bytes) == {"stock", "patched"}
+    assert all(v > 0 for v in (*bench.ns_per_op.values(), *bench.node_bytes.values()))
+    assert "target: time <= 1.15x" in bench.format()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from operator import attrgetter
 from typing import Any, ClassVar, NoReturn
 
 from fsm_cache.compat.sglang import scope
@@ -89,10 +90,6 @@ def _slot_event(field: str, state: str, present: bool) -> Event | None:
     return None
 
 
-_STEPS: dict[int, Event] = {1: "lock", -1: "unlock"}
-"""A one-step change of ``lock_ref`` and the event it is."""
-
-
 class Children(defaultdict[Any, Any]):
     """A node's ``children`` mapping: attaching a node seals it, removing one checks it is idle.
 
@@ -101,14 +98,14 @@ class Children(defaultdict[Any, Any]):
     without a default.
     """
 
-    owner: ResidencyMixin | None = None
-    """The node whose children these are (sealed with its first child, as a root is)."""
+    __slots__ = ("owner",)  # the node whose children these are, set by its ``children`` setter
 
     def __setitem__(self, key: Any, child: Any) -> None:
-        if isinstance(child, ResidencyMixin):
+        if isinstance(child, ResidencyMixin) and not child.sealed:
             child.seal()
-        if self.owner is not None:
-            self.owner.seal()
+        owner: ResidencyMixin | None = getattr(self, "owner", None)
+        if owner is not None and not owner.sealed:  # a root, sealed with its first child
+            owner.seal()
         super().__setitem__(key, child)
 
     def __delitem__(self, key: Any) -> None:
@@ -152,12 +149,25 @@ class ResidencyMixin:
         locks: Locks on the device copy (SGLang's ``lock_ref``).
         trail: Recent events with call sites in trail mode.
         sealed: False while the node is fresh (being built field by field).
-        cache_locks: A root's ``lock_ref`` from its construction: the cache's
-            own lock, part of ``lock_ref`` but not of ``locks``.
+        pending: The step a checked walk armed this node with, until taken.
         ack_with: The node whose copy's acknowledgement also acknowledges this
             node's copy in flight (a split prefix, a node loaded in the same
             chain); None when its own does.
     """
+
+    __slots__ = (
+        "_children",
+        "_host_value",
+        "_value",
+        "ack_with",
+        "device",
+        "host",
+        "locks",
+        "pending",
+        "pins",
+        "sealed",
+        "trail",
+    )
 
     residency: ClassVar[Residency | None] = None
     parent: Any
@@ -169,12 +179,10 @@ class ResidencyMixin:
         self.locks = 0
         self.trail = None
         self.sealed = False
-        self.cache_locks = 0
+        self.pending: tuple[int, scope.Step, scope.Walk] | None = None
         self.ack_with: ResidencyMixin | None = None
         self._value: Any = None
         self._host_value: Any = None
-        self._children = Children()
-        self._children.owner = self
         super().__init__(*args, **kwargs)
 
     @classmethod
@@ -201,8 +209,6 @@ class ResidencyMixin:
         if child is not None and getattr(self, "parent", None) is not None:
             child.seal()
             self._take_split(child)
-        if getattr(self, "parent", None) is None:  # a root: its lock is the cache's own
-            self.cache_locks, self.locks = self.locks, 0
         self.sealed = True
 
     def _take_split(self, child: ResidencyMixin) -> None:
@@ -273,32 +279,36 @@ class ResidencyMixin:
         if value != self.pins:
             self._refuse("host_ref_counter", "protect_host()/release_host()")
 
-    @property
-    def lock_ref(self) -> int:
-        """Locks on the device copy; moved by one only inside the cache's lock walks.
-
-        A root reads the lock the cache keeps on it (``reset`` gives SGLang's
-        root ``lock_ref = 1``, so eviction never reaches it), which is no
-        request's: its ``locks`` stay 0 and no walk counts it.
-        """
-        return self.locks + self.cache_locks
-
-    @lock_ref.setter
-    def lock_ref(self, value: int) -> None:
+    def _set_lock_ref(self, value: int) -> None:
         if not self.sealed:
             self.locks = value
             return
-        value -= self.cache_locks
-        if value == self.locks:
+        delta = value - self.locks
+        if not delta:
             return
-        event = _STEPS.get(value - self.locks)
-        if event is None or not scope.walking(self, event):
+        armed = self.pending
+        if armed is None or armed[0] != delta:
             self._refuse("lock_ref", "cache.inc_lock_ref(node)/cache.dec_lock_ref(node)")
-        self.machine().engine.step(self, event)
+        self.pending = None
+        for attr, new in armed[1]:  # the step checked before the walk began
+            setattr(self, attr, new)
+        walk = armed[2]
+        if walk.trail:
+            history = self.machine().engine.history
+            self.trail = trail.note(self.trail, walk.event, history)  # type: ignore[assignment]
 
     def _refuse(self, name: str, use: str) -> NoReturn:
         msg = f"node {getattr(self, 'id', '?')}: {name} is driven by the residency machines; use {use}"
         raise ReadOnlyCounter(msg)
+
+    lock_ref = property(
+        attrgetter("locks"),
+        _set_lock_ref,
+        doc=(
+            "Locks on the device copy (SGLang's root keeps the 1 its ``reset`` gives it, "
+            "the cache's own); moved by one only inside the cache's lock walks."
+        ),
+    )
 
     # -- slot fields -----------------------------------------------------------
 
@@ -312,49 +322,50 @@ class ResidencyMixin:
         """Whether host slots are held (SGLang: ``host_value is not None``)."""
         return self._host_value is not None
 
-    @property
-    def value(self) -> Any:
-        """Device slot indices (``None`` once evicted from the device)."""
-        return self._value
-
-    @value.setter
-    def value(self, slots: Any) -> None:
+    def _set_value(self, slots: Any) -> None:
         if not self.sealed:
             self.device = "absent" if slots is None else "resident"
         else:
             self._fire_for("value", self.device, slots)
         self._value = slots
 
-    @property
-    def host_value(self) -> Any:
-        """Host slot indices (``None`` without a host copy)."""
-        return self._host_value
+    # The getters are C functions: SGLang reads these fields in every loop.
+    value = property(
+        attrgetter("_value"),
+        _set_value,
+        doc="Device slot indices (``None`` once evicted from the device).",
+    )
 
-    @host_value.setter
-    def host_value(self, slots: Any) -> None:
+    def _set_host_value(self, slots: Any) -> None:
         if not self.sealed:
             self.host = "unbacked" if slots is None else "backed"
         else:
             self._fire_for("host_value", self.host, slots)
         self._host_value = slots
 
+    host_value = property(
+        attrgetter("_host_value"),
+        _set_host_value,
+        doc="Host slot indices (``None`` without a host copy).",
+    )
+
     def _fire_for(self, field: str, state: str, slots: Any) -> None:
         event = _slot_event(field, state, slots is not None)
         if event is not None:
             self.machine().verb(event)(self)
 
-    @property
-    def children(self) -> Children:
-        """The child nodes; attaching one seals it, removing one checks it is idle."""
-        return self._children
-
-    @children.setter
-    def children(self, mapping: Any) -> None:
+    def _set_children(self, mapping: Any) -> None:
         if not isinstance(mapping, Children):
             factory: Callable[[], Any] | None = getattr(mapping, "default_factory", None)
-            mapping = Children(factory, mapping)
+            mapping = Children(factory, mapping) if mapping else Children(factory)
         mapping.owner = self
         self._children = mapping
+
+    children = property(
+        attrgetter("_children"),
+        _set_children,
+        doc="The child nodes; attaching one seals it, removing one checks it is idle.",
+    )
 
     def path_to_root(self) -> Iterator[ResidencyMixin]:
         """Yield this node and its ancestors, the root (the node without a parent) excluded."""

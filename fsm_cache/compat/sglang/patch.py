@@ -71,8 +71,11 @@ def _walked(event: str) -> Callable[[Method], Method]:
         def method(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
             if getattr(self, "disable", False):
                 return original(self, node, *args, **kwargs)
-            with scope.walk(node, event):  # type: ignore[arg-type]
+            walk = scope.Walk(node, event).open()  # type: ignore[arg-type]
+            try:
                 return original(self, node, *args, **kwargs)
+            finally:
+                walk.close()
 
         return method
 

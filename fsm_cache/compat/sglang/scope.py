@@ -36,44 +36,68 @@ if TYPE_CHECKING:
 trail.internal(__file__)
 
 
-class _Walks(threading.local):
-    """The walks in progress on this thread: per walk, its event and the nodes not yet stepped."""
-
-    def __init__(self) -> None:
-        self.open: list[tuple[Event, dict[int, Any]]] = []
+Step = tuple[tuple[str, Any], ...]
+"""The attribute assignments of one node's step, as :meth:`Engine.plan` returns them."""
 
 
-_WALKS = _Walks()
+class Walk:
+    """A checked walk of ``event`` up a path: each node's step, checked before the first is taken.
 
-
-@contextmanager
-def walk(node: ResidencyMixin, event: Event) -> Iterator[list[ResidencyMixin]]:
-    """Check ``event`` (``lock``/``unlock``) on ``node`` and its ancestors, then let a loop step each.
-
-    Yields the path, the root excluded. Inside the block, each node of the path
-    may move its ``lock_ref`` by one in the event's direction, once.
+    Use it as a context manager (``with Walk(node, "lock") as path:``) or
+    :meth:`open` / :meth:`close` it around SGLang's loop. While open, each
+    node of the path may move ``lock_ref`` by one in the event's direction,
+    once; the step applied is the one checked. The armed step is kept on the
+    node itself (``node.pending``), so the hot ``lock_ref`` setter reads one
+    field.
 
     Raises:
         IllegalTransition: ``event`` is refused at a node of the path; nothing changed.
     """
-    path = list(node.path_to_root())
-    for n in path:
-        n.seal()
-        n.machine().engine.plan(n, event)
-    frame = (event, {id(n): n for n in path})
-    _WALKS.open.append(frame)
-    try:
-        yield path
-    finally:
-        _WALKS.open.remove(frame)
+
+    __slots__ = ("event", "path", "steps", "trail")
+
+    def __init__(self, node: ResidencyMixin, event: Event) -> None:
+        self.event = event
+        self.path: list[ResidencyMixin] = []
+        self.steps: list[Step] = []
+        engine = node.machine().engine
+        self.trail = engine.trail
+        plan = engine.planner(event)
+        at: Any = node
+        while at.parent is not None:  # SGLang's loops stop at the root
+            if not at.sealed:
+                at.seal()
+            self.path.append(at)
+            self.steps.append(plan(at)[0])
+            at = at.parent
+
+    def open(self) -> Walk:
+        """Arm each node of the path with its checked step (until :meth:`close`)."""
+        delta = 1 if self.event == "lock" else -1
+        for node, step in zip(self.path, self.steps, strict=True):
+            node.pending = (delta, step, self)
+        return self
+
+    def close(self) -> None:
+        """Disarm the steps not taken: no node of the walk may step any more."""
+        for node in self.path:
+            node.pending = None
+
+    def __enter__(self) -> list[ResidencyMixin]:
+        self.open()
+        return self.path
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-def walking(node: ResidencyMixin, event: Event) -> bool:
-    """Whether a walk for ``event`` lets ``node`` step now (and count that step as taken)."""
-    for opened, pending in reversed(_WALKS.open):
-        if opened == event and pending.pop(id(node), None) is not None:
-            return True
-    return False
+def walk(node: ResidencyMixin, event: Event) -> Walk:
+    """Check ``event`` (``lock``/``unlock``) on ``node`` and its ancestors; a :class:`Walk`.
+
+    Raises:
+        IllegalTransition: ``event`` is refused at a node of the path; nothing changed.
+    """
+    return Walk(node, event)
 
 
 def absent_chain(node: ResidencyMixin) -> list[ResidencyMixin]:

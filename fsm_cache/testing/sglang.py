@@ -1,5 +1,9 @@
 """Import stand-ins that let SGLang's real cache modules import on a CPU-only machine.
 
+Used by ``make test-sglang`` (tests/sglang_real) and ``fsm-cache bench sglang``,
+and by anyone who wants SGLang's radix caches in a CPU test: call
+:func:`install` before importing ``sglang.srt.mem_cache``.
+
 SGLang's ``radix_cache.py`` and ``hiradix_cache.py`` need only ``torch`` at run
 time, but importing them pulls in half of SGLang: ``memory_pool.py`` imports
 the attention layers (GPU kernels), the model configs (``transformers``) and
@@ -91,6 +95,7 @@ class StandIn(metaclass=_StandInType):
         del args, kwargs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Pass a decorated function through; answer any other call with a new stand-in."""
         if _passes_through(args, kwargs):
             return args[0]
         return StandIn()
@@ -130,11 +135,14 @@ class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         path: Sequence[str] | None,
         target: types.ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
+        """Claim ``fullname`` if it is (under) a stood-in module."""
+        del path, target
         if any(fullname == n or fullname.startswith(n + ".") for n in self.names):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        """Build the stand-in module for ``spec``."""
         module = StandInModule(spec.name)
         module.__path__ = []
         self.served.add(spec.name)
