@@ -685,7 +685,8 @@ class ModelMachine(RuleBasedStateMachine):
     def _pin(self, node: TreeNode, namespace: Hashable) -> None:
         if node.parent is None:
             return
-        if _in_tree(self.cache, node) and node.host in HOST_VALID:
+        # a copy still being written may be pinned too: the pin holds it once it lands (issue 14)
+        if _in_tree(self.cache, node) and (node.host in HOST_VALID or node.host == "writing"):
             lease = self.cache.pin(node)
             self.model.held.append(Held(lease, node, _prefix(node), namespace))
         else:
@@ -899,7 +900,9 @@ class ModelMachine(RuleBasedStateMachine):
             assert _in_tree(self.cache, node), f"{held.kind}ed {node!r} left the tree"
             assert _prefix(node) == held.prefix, (node, held.prefix)
             if held.kind == "pin":
-                assert node.host in HOST_VALID, f"pinned {node!r} lost its host copy"
+                # a pin may wait on a copy being written (issue 14): held, not yet valid
+                held_host = node.host in HOST_VALID or node.host == "writing"
+                assert held_host, f"pinned {node!r} lost its host copy"
                 pins[id(node)] += 1
             else:
                 assert node.device in DEVICE_HELD, f"locked {node!r} left the device"

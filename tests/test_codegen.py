@@ -79,9 +79,9 @@ def test_a_refusal_on_the_plan_path_shows_the_generated_step_line() -> None:
     assert isinstance(exc, NoHostCopy)
     text = "".join(traceback.format_exception(exc))
     assert (
-        f'  File "{engine.filename}", line 121, in _step_evict_host\n    _refuse(rec, 26)\n' in text
+        f'  File "{engine.filename}", line 138, in _step_evict_host\n    _refuse(rec, 29)\n' in text
     )
-    assert engine.source.splitlines()[120] == "        _refuse(rec, 26)"
+    assert engine.source.splitlines()[137] == "        _refuse(rec, 29)"
 
 
 def test_two_engines_of_one_system_have_their_own_filenames() -> None:
