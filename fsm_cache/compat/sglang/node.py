@@ -179,7 +179,7 @@ class ResidencyMixin:
         self.locks = 0
         self.trail = None
         self.sealed = False
-        self.pending: tuple[int, scope.Step, scope.Walk] | None = None
+        self.pending: scope.Armed | None = None
         self.ack_with: ResidencyMixin | None = None
         self._value: Any = None
         self._host_value: Any = None
@@ -280,17 +280,25 @@ class ResidencyMixin:
             self._refuse("host_ref_counter", "protect_host()/release_host()")
 
     def _set_lock_ref(self, value: int) -> None:
+        armed = self.pending
+        if armed is not None and value == armed[0] and armed[1] is None:
+            self.locks = value  # the step the walk checked, and nothing else changes
+            self.pending = None
+            return
+        self._step_lock_ref(value)
+
+    def _step_lock_ref(self, value: int) -> None:
         if not self.sealed:
             self.locks = value
             return
-        delta = value - self.locks
-        if not delta:
+        if value == self.locks:
             return
         armed = self.pending
-        if armed is None or armed[0] != delta:
+        if armed is None or value != armed[0]:
             self._refuse("lock_ref", "cache.inc_lock_ref(node)/cache.dec_lock_ref(node)")
         self.pending = None
-        for attr, new in armed[1]:  # the step checked before the walk began
+        self.locks = value
+        for attr, new in armed[1] or ():  # the rest of the step checked before the walk began
             setattr(self, attr, new)
         walk = armed[2]
         if walk.trail:

@@ -38,6 +38,8 @@ trail.internal(__file__)
 
 Step = tuple[tuple[str, Any], ...]
 """The attribute assignments of one node's step, as :meth:`Engine.plan` returns them."""
+Armed = tuple[int, "Step | None", "Walk"]
+"""What a walk arms a node with: its ``locks`` after the step, the step's other changes, the walk."""
 
 
 class Walk:
@@ -59,7 +61,7 @@ class Walk:
     def __init__(self, node: ResidencyMixin, event: Event) -> None:
         self.event = event
         self.path: list[ResidencyMixin] = []
-        self.steps: list[Step] = []
+        self.steps: list[Armed] = []
         engine = node.machine().engine
         self.trail = engine.trail
         plan = engine.planner(event)
@@ -68,14 +70,28 @@ class Walk:
             if not at.sealed:
                 at.seal()
             self.path.append(at)
-            self.steps.append(plan(at)[0])
+            self.steps.append(self._armed(at, plan(at)[0]))
             at = at.parent
 
+    def _armed(self, node: ResidencyMixin, step: Step) -> Armed:
+        """``(locks after the step, its other changes, this walk)``; None: no others, no trail."""
+        locks = node.locks
+        others: list[tuple[str, Any]] = []
+        for attr, value in step:
+            if attr == "locks":
+                locks = value
+            elif getattr(node, attr) != value:
+                others.append((attr, value))
+        return (locks, tuple(others) if others or self.trail else None, self)
+
     def open(self) -> Walk:
-        """Arm each node of the path with its checked step (until :meth:`close`)."""
-        delta = 1 if self.event == "lock" else -1
-        for node, step in zip(self.path, self.steps, strict=True):
-            node.pending = (delta, step, self)
+        """Arm each node of the path with its checked step (until :meth:`close`).
+
+        The node's ``lock_ref`` setter takes the fast path when the step
+        changes nothing but ``locks`` and no trail is kept.
+        """
+        for node, armed in zip(self.path, self.steps, strict=True):
+            node.pending = armed
         return self
 
     def close(self) -> None:
