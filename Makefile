@@ -95,12 +95,15 @@ test-sglang: $(foreach v,$(SGLANG_VERSIONS),$(SGCACHE)/venv-$(v)/.installed)
 		$(SGCACHE)/venv-$$v/bin/python -m pytest -q -p no:cacheprovider tests/sglang_real; \
 	done
 
-# What fsm_cache.compat.sglang.patch() costs SGLang's RadixCache, per version (docs/benchmarks.md).
+# What fsm_cache.compat.sglang.patch() costs SGLang's RadixCache, per version, and HiCache
+# against the newest SGLang's own RadixCache (docs/benchmarks.md).
 bench-sglang: $(foreach v,$(SGLANG_VERSIONS),$(SGCACHE)/venv-$(v)/.installed)
 	@set -e; for v in $(SGLANG_VERSIONS); do \
 		$(SGCACHE)/venv-$$v/bin/python -c "from fsm_cache.cli.main import main; \
 			raise SystemExit(main(['bench', 'sglang']))"; \
 	done
+	$(SGCACHE)/venv-$(lastword $(SGLANG_VERSIONS))/bin/python -c "from fsm_cache.cli.main \
+		import main; raise SystemExit(main(['bench', 'cache', '--against', 'sglang']))"
 
 # vLLM's real CPU offloading manager and scheduler (tests/vllm_real), the same way: one side
 # venv per wheel under .cache/vllm, the wheel installed --no-deps, torch, numpy and pytest from

@@ -129,16 +129,33 @@ class Driver:
         self.new = hasattr(self.base, "InsertParams")
         self.version = importlib.metadata.version("sglang")
 
-    def build(self, slots: int) -> tuple[Any, Allocator]:
-        """A ``RadixCache`` of page size 1 over an allocator of ``slots`` slots."""
+    def build(self, slots: int, page_size: int = 1) -> tuple[Any, Allocator]:
+        """A ``RadixCache`` of ``page_size`` over an allocator of ``slots`` slots."""
         allocator = Allocator(slots)
         params = self.params.CacheInitParams(
             disable=False,
             req_to_token_pool=None,
             token_to_kv_pool_allocator=allocator,
-            page_size=1,
+            page_size=page_size,
         )
         return self.rc.RadixCache(params), allocator
+
+    def match_insert(self, cache: Any, allocator: Allocator, seqs: list[tuple[Any, Any]]) -> None:
+        """Serve each request as a scheduler's prefill does: match, evict if short, insert."""
+        new, base = self.new, self.base
+        for key, value in seqs:
+            if new:
+                hit = cache.match_prefix(base.MatchPrefixParams(key=key)).device_prefix_len
+            else:
+                hit = len(cache.match_prefix(key).device_indices)
+            need = len(value) - hit - allocator.free_count
+            if need > 0:
+                cache.evict(base.EvictParams(num_tokens=need) if new else need)
+            allocator.free_count -= len(value) - hit
+            if new:
+                cache.insert(base.InsertParams(key=key, value=value))
+            else:
+                cache.insert(key, value)
 
     def key(self, ids: list[int]) -> Any:
         """A ``RadixKey`` over ``ids``."""

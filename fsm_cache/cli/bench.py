@@ -24,6 +24,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "vllm: the checked offloading manager vs vLLM's own (needs vLLM; make bench-vllm); "
         "sglang: SGLang's RadixCache patched vs stock (needs SGLang; make bench-sglang)",
     )
+    parser.add_argument(
+        "--against",
+        choices=("baseline", "sglang"),
+        default="baseline",
+        help="cache only: the in-house unchecked tree (default) or the installed SGLang's "
+        "RadixCache (needs SGLang; make bench-sglang)",
+    )
     parser.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
     parser.set_defaults(handler=run)
 
@@ -42,6 +49,15 @@ def run(args: argparse.Namespace) -> int:
         from fsm_cache.bench.copies import run_copy_bench
 
         print(run_copy_bench(quick=args.quick).format())
+    elif args.what == "cache" and args.against == "sglang":
+        from fsm_cache.bench.against import run_against_sglang
+
+        sized = {"num_requests": 200, "rounds": 1} if args.quick else {}
+        try:
+            print(run_against_sglang(**sized).format())
+        except ModuleNotFoundError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     elif args.what == "cache":
         from fsm_cache.bench.cache import run_cache_bench
 

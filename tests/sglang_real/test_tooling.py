@@ -1,4 +1,4 @@
-"""``pytest --fsm-sglang`` and ``fsm-cache bench sglang`` on the installed SGLang."""
+"""``pytest --fsm-sglang`` and the SGLang benchmarks, on the installed SGLang."""
 
 from __future__ import annotations
 
@@ -56,3 +56,14 @@ def test_the_overhead_bench_runs_on_the_installed_sglang() -> None:
     assert set(bench.ns_per_op) == set(bench.node_bytes) == {"stock", "patched"}
     assert all(v > 0 for v in (*bench.ns_per_op.values(), *bench.node_bytes.values()))
     assert "target: time <= 1.15x" in bench.format()
+
+
+def test_the_cache_bench_runs_against_the_installed_sglang() -> None:
+    from fsm_cache.bench.against import MODES, run_against_sglang
+
+    bench = run_against_sglang(num_requests=40, rounds=1)
+    assert set(bench.rps) == {"page 1", "page 16", "page 1 + evictions"}
+    for figures in bench.rps.values():
+        assert set(figures) == {"sglang", *MODES}
+        assert all(v > 0 for v in figures.values())
+    assert "targets: held >= 1.8x" in bench.format()
