@@ -28,8 +28,14 @@ Every error the library raises on bad input or an illegal step derives from
     ├── ConfigError               a cache configuration value is out of range
     ├── ReplayMismatch            an event log replays into different transitions
     ├── RankDivergence            tensor-parallel ranks applied different steps
-    └── RankFailure               a rank died or stopped answering a collective
-        └── NoProcessGroup        no process group to agree over
+    ├── RankFailure               a rank died or stopped answering a collective
+    │   └── NoProcessGroup        no process group to agree over
+    └── StorageError              a storage backend (local files, Redis) refused or failed
+        ├── StoreFailed           the store failed mid-operation (server gone, disk error)
+        ├── CorruptPage           a stored page's header does not match (torn or foreign)
+        ├── PageInUse             a page a read holds may not be dropped
+        ├── StorageFull           a capacity reservation larger than what is free
+        └── ReservationError      a reservation committed or aborted twice
 
 Tools add their own under the root: ``DiagramError`` (diagram), ``AuditError``
 (audit), ``ReadOnlyCounter`` (compat.sglang).
@@ -279,3 +285,88 @@ class RankFailure(FsmCacheError):
 
 class NoProcessGroup(RankFailure):
     """``torch.distributed`` has no process group to agree over."""
+
+
+class StorageError(FsmCacheError):
+    """A storage backend (:mod:`fsm_cache.storage`) refused or failed an operation."""
+
+
+class StoreFailed(StorageError):
+    """The store failed part-way through an operation: its server went away, or a disk error.
+
+    The pages of a put are acknowledged in order, so what survives is a prefix:
+    pages ``[0, acknowledged)`` were stored (or already present) before the
+    failure; nothing after them was, and no partial page is left readable.
+
+    Attributes:
+        where: The store (``redis 127.0.0.1:6379``, ``local /var/kv``).
+        operation: ``put``, ``get``, ``exists`` or ``drop``.
+        acknowledged: Leading pages the store acknowledged before it failed.
+        total: Pages the operation was given (0 for a question about the
+            whole store, which the message then leaves out).
+        cause: What the backend reported.
+    """
+
+    def __init__(
+        self, where: str, operation: str, *, acknowledged: int, total: int, cause: str
+    ) -> None:
+        self.where = where
+        self.operation = operation
+        self.acknowledged = acknowledged
+        self.total = total
+        self.cause = cause
+        done = f" after {acknowledged} of {total} pages" if total else ""
+        super().__init__(f"{where}: {operation} failed{done}: {cause}")
+
+
+class CorruptPage(StorageError):
+    """A stored page does not read back as the page its key names; nothing was returned.
+
+    Raised for a torn file (shorter than its header says), a file or value that
+    is not a page at all, or a page whose header names another key.
+
+    Attributes:
+        where: The file path or Redis key read.
+        key: The page key asked for.
+        problem: What did not match.
+    """
+
+    def __init__(self, where: str, key: str, problem: str) -> None:
+        self.where = where
+        self.key = key
+        self.problem = problem
+        super().__init__(f"{where}: not a valid page {key[:12]}: {problem}")
+
+
+class PageInUse(StorageError):
+    """A page cannot be dropped: a read holds it; nothing was dropped.
+
+    Attributes:
+        key: The held page's key.
+        readers: Reads holding it.
+    """
+
+    def __init__(self, key: str, readers: int) -> None:
+        self.key = key
+        self.readers = readers
+        super().__init__(f"page {key[:12]}: drop refused: held by {readers} read(s)")
+
+
+class StorageFull(StorageError):
+    """A capacity reservation asked for more bytes than are free; nothing was reserved.
+
+    Attributes:
+        where: The store.
+        requested: Bytes asked for.
+        free: Bytes free (the limit less committed and reserved bytes).
+    """
+
+    def __init__(self, where: str, requested: int, free: int) -> None:
+        self.where = where
+        self.requested = requested
+        self.free = free
+        super().__init__(f"{where}: cannot reserve {requested} bytes, {free} free")
+
+
+class ReservationError(StorageError):
+    """A capacity reservation was committed or aborted after it was already settled."""
