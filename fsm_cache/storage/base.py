@@ -1,0 +1,127 @@
+"""What every storage backend offers: the :class:`Store` Protocol and its result types.
+
+A store maps page keys (:mod:`fsm_cache.storage.keys`) to immutable pages. Keys
+are content-addressed, so a page written twice is the same page and a second
+writer is a no-op. Everything is a prefix, as in SGLang's HiCache storage:
+:meth:`Store.exists_prefix` counts leading keys, :meth:`Store.get` stops at the
+first page missing, :meth:`Store.put` writes no batch after the first page it
+could not store (a stored page whose parent is missing can never be fetched). A store may lose a page at any time (the local store's own
+eviction, another process, a Redis server's ``maxmemory`` policy): the caller
+sees a shorter prefix, never a page without its bytes. Torch-free: pages are
+typed as tensors for checkers only.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+
+if TYPE_CHECKING:
+    import torch
+
+
+class PutResult(enum.Enum):
+    """What a put did with one page.
+
+    Attributes:
+        STORED: Written by this put.
+        PRESENT: Already stored (by anyone); nothing written.
+        FULL: Not stored: no room for it, even after evicting what nobody reads.
+        SKIPPED: Not attempted: a page before it was not stored, and a page
+            whose parent is missing can never be fetched.
+    """
+
+    STORED = "stored"
+    PRESENT = "present"
+    FULL = "full"
+    SKIPPED = "skipped"
+
+    @property
+    def held(self) -> bool:
+        """Whether the store holds the page after the put."""
+        return self in (PutResult.STORED, PutResult.PRESENT)
+
+
+def stored_prefix(results: Sequence[PutResult]) -> int:
+    """Return how many leading pages of a put the store holds (the prefix to acknowledge)."""
+    for index, result in enumerate(results):
+        if not result.held:
+            return index
+    return len(results)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """How much a store holds and may hold.
+
+    Attributes:
+        used_bytes: Bytes of stored pages (headers included).
+        reserved_bytes: Bytes reserved by writes in progress.
+        limit_bytes: The most the store holds, or None when unbounded.
+        pages: Pages stored, or None where the store cannot count them cheaply.
+    """
+
+    used_bytes: int
+    reserved_bytes: int
+    limit_bytes: int | None
+    pages: int | None
+
+    @property
+    def free_bytes(self) -> int | None:
+        """Bytes neither used nor reserved, or None when unbounded."""
+        if self.limit_bytes is None:
+            return None
+        return max(0, self.limit_bytes - self.used_bytes - self.reserved_bytes)
+
+
+class Store(Protocol):
+    """A page store: the local-file default or a shared server.
+
+    Every method validates all of its arguments before touching the store, and
+    raises :class:`~fsm_cache.errors.BadArgument` for a key that is not a page
+    key, so a refused call changes nothing.
+    """
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        """Return how many leading ``keys`` the store holds (a hint: pages may vanish)."""
+        ...
+
+    def get(self, keys: Sequence[str]) -> list[torch.Tensor]:
+        """Return the leading pages of ``keys`` the store holds, in order, each verified.
+
+        The list is shorter than ``keys`` when a page is missing; pages after the
+        first missing one are not read.
+
+        Raises:
+            CorruptPage: A page read back is not the page its key names.
+            StoreFailed: The store went away.
+        """
+        ...
+
+    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[PutResult]:
+        """Store ``pages`` under ``keys``, in order; return what happened to each page.
+
+        Raises:
+            StoreFailed: The store went away part-way; its ``acknowledged``
+                leading pages are held, the rest are not.
+        """
+        ...
+
+    def drop(self, keys: Sequence[str]) -> int:
+        """Delete ``keys``' pages; return how many were stored.
+
+        Raises:
+            PageInUse: A read holds one of them (local store); nothing was dropped.
+        """
+        ...
+
+    def capacity(self) -> Capacity:
+        """Return what the store holds and may hold."""
+        ...
+
+    def close(self) -> None:
+        """Release the store's connections and files; the pages stay stored."""
+        ...

@@ -1,0 +1,133 @@
+"""Prefix-chained page keys: one SHA-256 digest per page, namespaced by model, layout and rank.
+
+A page's key digests its parent page's key and its own tokens, so a key names
+the page *and every page before it*: two requests share a key exactly when they
+share the whole prefix up to that page. That is what lets a store answer a
+prefix question by counting how many leading keys it holds, and why a stored
+page is useless when its parent is gone.
+
+The first page chains from the namespace's root digest, which digests the model,
+the KV layout (shape and dtype per token), the page size and the tensor-parallel
+rank: KV computed by another model, with another layout, or for another rank's
+heads never shares a key. Tokens are encoded as 4-byte little-endian unsigned
+integers, as SGLang's HiCache chain does. Torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fsm_cache.errors import BadArgument
+
+
+if TYPE_CHECKING:
+    from fsm_cache.memory.kv import KVLayout
+
+_HEX_KEY = re.compile(r"[0-9a-f]{64}")
+_FORMAT = b"fsm_cache.storage/keys/v1"
+_UINT32_MAX = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that must match for two servers' KV pages to be interchangeable.
+
+    Attributes:
+        model: The model's id (a name and revision), as the operator spells it.
+        layout: The KV layout of one token, e.g. from :meth:`for_layout`.
+        page_size: Tokens per page.
+        rank: This rank's index in its tensor-parallel group.
+        ranks: The group's size (1 without tensor parallelism).
+    """
+
+    model: str
+    layout: str
+    page_size: int
+    rank: int = 0
+    ranks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise BadArgument(f"page_size must be at least 1, not {self.page_size}")
+        if not 0 <= self.rank < self.ranks:
+            raise BadArgument(f"rank {self.rank} is outside a group of {self.ranks}")
+
+    @classmethod
+    def for_layout(
+        cls, model: str, layout: KVLayout, *, rank: int = 0, ranks: int = 1
+    ) -> Namespace:
+        """Return the namespace of a cache with KV ``layout`` (its page size included).
+
+        An MLA cache holds the same latent on every rank, so its ranks may share
+        one namespace (``rank=0, ranks=1``) and only one of them write.
+        """
+        dtype = str(layout.dtype).removeprefix("torch.")
+        shape = f"layers={layout.layers},planes={layout.planes},heads={layout.heads}"
+        described = f"{shape},head_dim={layout.head_dim},dtype={dtype}"
+        return cls(model, described, layout.page_size, rank=rank, ranks=ranks)
+
+    def root(self) -> str:
+        """Return the digest the first page of every sequence chains from (hex)."""
+        fields = [self.model, self.layout, self.page_size, self.rank, self.ranks]
+        encoded = json.dumps(fields, separators=(",", ":")).encode()
+        return hashlib.sha256(_FORMAT + b"\0" + encoded).hexdigest()
+
+
+def page_keys(namespace: Namespace, tokens: Sequence[int], parent: str | None = None) -> list[str]:
+    """Return the key of each page of ``tokens``, chained from ``parent``.
+
+    Args:
+        namespace: The model, layout, page size and rank the KV belongs to.
+        tokens: Token ids, a whole number of pages.
+        parent: The key of the page just before ``tokens`` (a node's parent's
+            last page), or None when ``tokens`` starts the sequence.
+
+    Returns:
+        One 64-character hex key per page, in order.
+
+    Raises:
+        BadArgument: ``tokens`` is not a whole number of pages, a token does
+            not fit 32 unsigned bits, or ``parent`` is not a page key.
+    """
+    size = namespace.page_size
+    if len(tokens) % size:
+        raise BadArgument(f"{len(tokens)} tokens is not a whole number of pages of {size}")
+    if parent is not None:
+        check_keys([parent])
+    encoded = _encode(tokens)
+    prior = bytes.fromhex(parent if parent is not None else namespace.root())
+    keys = []
+    for start in range(0, len(encoded), 4 * size):
+        prior = hashlib.sha256(prior + encoded[start : start + 4 * size]).digest()
+        keys.append(prior.hex())
+    return keys
+
+
+def check_keys(keys: Sequence[str]) -> None:
+    """Refuse anything that is not a page key, before a store turns it into a path or a name.
+
+    Raises:
+        BadArgument: Naming the first bad key and its position.
+    """
+    for index, key in enumerate(keys):
+        if not isinstance(key, str) or not _HEX_KEY.fullmatch(key):
+            raise BadArgument(f"key {index} is not a page key (64 lowercase hex digits): {key!r}")
+
+
+def _encode(tokens: Sequence[int]) -> bytes:
+    """Return ``tokens`` as 4-byte little-endian unsigned integers."""
+    try:
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error:
+        for index, token in enumerate(tokens):
+            if not isinstance(token, int) or not 0 <= token <= _UINT32_MAX:
+                raise BadArgument(
+                    f"token {token!r} at {index} does not fit an unsigned 32-bit integer"
+                ) from None
+        raise  # pragma: no cover - struct refused tokens that each fit

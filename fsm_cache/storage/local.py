@@ -1,0 +1,293 @@
+"""The embedded default store: one immutable file per page under a directory.
+
+Pages are content-addressed: the file of a page is named by its key
+(``<root>/<key[:2]>/<key>.page``), so a second writer of the same page finds it
+present and writes nothing. A page is written to a temporary file under
+``<root>/.tmp`` and renamed into place with :func:`os.replace`, so a reader
+never sees part of a page under its name; a crash leaves only a temporary file.
+Every read checks the page's header (:mod:`fsm_cache.storage.codec`).
+
+With a byte limit, a write reserves its bytes first (:mod:`fsm_cache.storage.budget`)
+and makes room by deleting the least recently used pages that no read holds.
+A read holds its pages from the moment it finds them until it has read them
+(:meth:`LocalFileStore.reading` holds them across a longer fetch), so they can be
+neither evicted nor dropped under it: SGLang's ``HiCacheFile`` lets its evictor
+unlink a file between ``batch_exists`` and ``get``. Recency is refreshed from a
+prefix's last page back to its first, so eviction takes a prefix's tail before
+its head, and a chain is not cut at its root while its tail is kept uselessly.
+
+Other processes may share the directory: pages they write are found by
+:meth:`LocalFileStore.exists_prefix`, and pages they delete read as missing.
+Thread-safe: the index, the holds and the budget sit behind one lock; file
+I/O runs outside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from fsm_cache.errors import BadArgument, PageInUse, StoreFailed
+from fsm_cache.storage import codec
+from fsm_cache.storage.base import Capacity, PutResult
+from fsm_cache.storage.budget import Budget, Reservation
+from fsm_cache.storage.keys import check_keys
+
+
+SUFFIX = ".page"
+
+
+class LocalFileStore:
+    """Pages as files under ``root``, with an optional byte limit.
+
+    Args:
+        root: The directory (created if missing). Pages already there are
+            indexed, oldest first, and count against the limit.
+        limit_bytes: The most the pages may take on disk (headers included),
+            or None for no limit.
+        durable: ``fsync`` each page before renaming it into place, so a page
+            survives a power loss once acknowledged (slower).
+    """
+
+    def __init__(
+        self, root: str | os.PathLike[str], *, limit_bytes: int | None = None, durable: bool = False
+    ) -> None:
+        self.root = Path(root)
+        self.where = f"local {self.root}"
+        self.durable = durable
+        self._budget = Budget(self.where, limit_bytes)
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recent first
+        self._readers: dict[str, int] = {}
+        self._tmp = self.root / ".tmp"
+        self._tmp.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    def path(self, key: str) -> Path:
+        """Return the file that holds (or would hold) the page ``key``."""
+        return self.root / key[:2] / f"{key}{SUFFIX}"
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        """Return how many leading ``keys`` have a page file (found files are indexed)."""
+        check_keys(keys)
+        with self._lock:
+            return self._leading(keys)
+
+    def get(self, keys: Sequence[str]) -> list[torch.Tensor]:
+        """Return the leading pages of ``keys`` on disk, each verified; see :class:`Store`."""
+        with self.reading(keys) as held:
+            pages = []
+            for key in keys[:held]:
+                try:
+                    pages.append(codec.read(str(self.path(key)), key))
+                except FileNotFoundError:  # deleted by another process under our hold
+                    with self._lock:
+                        self._forget(key)
+                    break
+        self._touch(keys[: len(pages)])
+        return pages
+
+    @contextlib.contextmanager
+    def reading(self, keys: Sequence[str]) -> Iterator[int]:
+        """Hold the leading pages of ``keys`` that are on disk, for a fetch; yield their count.
+
+        While held, a page is neither evicted to make room nor dropped
+        (:class:`~fsm_cache.errors.PageInUse`).
+        """
+        check_keys(keys)
+        with self._lock:
+            held = list(keys[: self._leading(keys)])
+            self._hold(held)
+        try:
+            yield len(held)
+        finally:
+            with self._lock:
+                self._unhold(held)
+
+    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[PutResult]:
+        """Write ``pages`` under ``keys`` in order; see :class:`Store`.
+
+        A page that does not fit even after evicting every page nobody reads is
+        ``FULL`` and the pages after it are ``SKIPPED``. The put holds the pages
+        it has stored until it returns, so it never evicts its own prefix.
+
+        Raises:
+            StoreFailed: A file could not be written (the disk failed or
+                filled); that page's reservation and temporary file are gone, and
+                the ``acknowledged`` pages before it stay stored.
+        """
+        codec.check_pages(keys, pages)
+        results: list[PutResult] = []
+        held: list[str] = []
+        try:
+            for index, (key, page) in enumerate(zip(keys, pages, strict=True)):
+                if results and not results[-1].held:
+                    results.append(PutResult.SKIPPED)
+                    continue
+                results.append(self._put_one(key, page, index, len(keys)))
+                if results[-1].held:
+                    with self._lock:
+                        self._hold([key])
+                    held.append(key)
+        finally:
+            with self._lock:
+                self._unhold(held)
+        self._touch(held)
+        return results
+
+    def drop(self, keys: Sequence[str]) -> int:
+        """Delete the pages of ``keys``; return how many were on disk.
+
+        Raises:
+            PageInUse: A read holds one of them; nothing was deleted.
+        """
+        check_keys(keys)
+        with self._lock:
+            for key in keys:
+                if self._readers.get(key, 0):
+                    raise PageInUse(key, self._readers[key])
+            return sum(self._delete(key) for key in dict.fromkeys(keys))
+
+    def capacity(self) -> Capacity:
+        """Return the bytes on disk, reserved by writes, and the limit."""
+        with self._lock:
+            budget = self._budget
+            return Capacity(
+                budget.used_bytes, budget.reserved_bytes, budget.limit_bytes, len(self._index)
+            )
+
+    def close(self) -> None:
+        """Nothing to release: files are opened per page; the pages stay on disk."""
+
+    def _put_one(self, key: str, page: torch.Tensor, index: int, total: int) -> PutResult:
+        flat = page.detach().contiguous()
+        nbytes = len(codec.header(key, flat)) + flat.numel() * flat.element_size()
+        with self._lock:
+            if self._leading([key]):
+                return PutResult.PRESENT
+            if not self._make_room(nbytes):
+                return PutResult.FULL
+            reservation = self._budget.reserve(nbytes)
+        try:
+            self._write(key, flat)
+        except OSError as exc:
+            with self._lock:
+                self._budget.abort(reservation)
+            cause = f"{type(exc).__name__}: {exc}"
+            raise StoreFailed(
+                self.where, "put", acknowledged=index, total=total, cause=cause
+            ) from exc
+        with self._lock:
+            self._settle(key, reservation)
+        return PutResult.STORED
+
+    def _write(self, key: str, page: torch.Tensor) -> None:
+        """Write ``page`` to a temporary file and rename it into place; clean up on failure."""
+        target = self.path(key)
+        temporary = self._tmp / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(temporary, "wb") as stream:
+                codec.write(stream, key, page)
+                if self.durable:
+                    stream.flush()
+                    os.fsync(stream.fileno())
+            target.parent.mkdir(exist_ok=True)
+            os.replace(temporary, target)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+
+    def _settle(self, key: str, reservation: Reservation) -> None:
+        """Count a written page once, even if another writer indexed it meanwhile."""
+        if key in self._index:
+            self._budget.abort(reservation)
+            return
+        self._budget.commit(reservation)
+        self._index[key] = reservation.nbytes
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict least recently used unheld pages until ``nbytes`` fit; False (evicting none) if they cannot."""
+        limit = self._budget.limit_bytes
+        if limit is None or self._budget.fits(nbytes):
+            return True
+        free = self._budget.free() or 0
+        victims = []
+        for key, size in self._index.items():
+            if free >= nbytes:
+                break
+            if not self._readers.get(key, 0):
+                victims.append(key)
+                free += size
+        if free < nbytes:
+            return False
+        for key in victims:
+            self._delete(key)
+        return self._budget.fits(nbytes)
+
+    def _leading(self, keys: Sequence[str]) -> int:
+        """Count leading keys with a page file, indexing found files and forgetting lost ones."""
+        for count, key in enumerate(keys):
+            try:
+                size = self.path(key).stat().st_size
+            except FileNotFoundError:
+                self._forget(key)
+                return count
+            if key not in self._index:
+                self._index[key] = size
+                self._budget.add(size)
+        return len(keys)
+
+    def _delete(self, key: str) -> bool:
+        """Delete a page's file and forget it; return whether it was there."""
+        try:
+            self.path(key).unlink()
+            existed = True
+        except FileNotFoundError:
+            existed = False
+        self._forget(key)
+        return existed
+
+    def _forget(self, key: str) -> None:
+        size = self._index.pop(key, None)
+        if size is not None:
+            self._budget.remove(size)
+
+    def _hold(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self._readers[key] = self._readers.get(key, 0) + 1
+
+    def _unhold(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            left = self._readers[key] - 1
+            if left:
+                self._readers[key] = left
+            else:
+                del self._readers[key]
+
+    def _touch(self, keys: Sequence[str]) -> None:
+        """Mark ``keys`` used, the last first, so a prefix's head is the most recent."""
+        with self._lock:
+            for key in reversed(keys):
+                if key in self._index:
+                    self._index.move_to_end(key)
+
+    def _scan(self) -> None:
+        """Index the pages already under ``root``, least recently modified first."""
+        found = []
+        for file in self.root.glob(f"??/*{SUFFIX}"):
+            key = file.name.removesuffix(SUFFIX)
+            try:
+                check_keys([key])
+                stat = file.stat()
+            except (BadArgument, FileNotFoundError):
+                continue
+            found.append((stat.st_mtime_ns, key, stat.st_size))
+        for _, key, size in sorted(found):
+            self._index[key] = size
+            self._budget.add(size)

@@ -1,0 +1,208 @@
+"""A store shared by many servers: pages as values on a Redis or Valkey server.
+
+One key per page (``<prefix><page key>``) holds the page's header and bytes
+together (:mod:`fsm_cache.storage.codec`), so a page the server evicts is gone
+whole: it reads as a shorter prefix, never as a header whose bytes are missing
+(LMCache's connector stored them under two keys and hit exactly that). Pages
+are written with ``SET NX``: keys are content-addressed, so when two servers
+store the same prefix the second write is a no-op. Prefix queries pipeline one
+``EXISTS`` per key; reads ``MGET`` a batch and stop at the first page missing.
+
+The server owns eviction (``maxmemory`` with an ``allkeys-lru`` policy): pages
+vanish whenever it needs room, so :meth:`RedisStore.exists_prefix` is a hint and
+:meth:`RedisStore.get` may return fewer pages than it said. A server that goes
+away fails the operation with :class:`~fsm_cache.errors.StoreFailed`, which says
+how many leading pages of a put were acknowledged. Needs the ``redis`` client
+package (the ``storage`` extra).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from typing import Any, TypeVar, cast
+
+import torch
+
+
+try:
+    import redis
+except ModuleNotFoundError as exc:  # pragma: no cover - tested in a fresh interpreter
+    raise ModuleNotFoundError(
+        "fsm_cache.storage.RedisStore talks to the server with the redis package, which comes "
+        "with the storage extra: pip install 'fsm-cache[storage]'",
+        name="redis",
+    ) from exc
+
+from fsm_cache.errors import BadArgument, StoreFailed
+from fsm_cache.storage import codec
+from fsm_cache.storage.base import Capacity, PutResult, stored_prefix
+from fsm_cache.storage.keys import check_keys
+
+
+T = TypeVar("T")
+
+PREFIX = "fsm:page:"
+_FAILURES = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+class RedisStore:
+    """Pages on a Redis (or Valkey) server, shared by every client that connects to it.
+
+    Args:
+        client: A connected client (``redis.Redis``, or ``fakeredis.FakeRedis``
+            in tests); values must come back as bytes (the default).
+        prefix: What every page's Redis key starts with.
+        batch_pages: The most pages one pipelined round trip carries.
+        batch_bytes: The most page bytes one round trip carries, so a batch of
+            large pages is not all encoded in memory at once.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        prefix: str = PREFIX,
+        batch_pages: int = 128,
+        batch_bytes: int = 64 << 20,
+    ) -> None:
+        if batch_pages < 1 or batch_bytes < 1:
+            raise BadArgument(
+                f"batches need room for a page: {batch_pages} pages, {batch_bytes} bytes"
+            )
+        self._client = client
+        self.prefix = prefix
+        self.batch_pages = batch_pages
+        self.batch_bytes = batch_bytes
+        options = client.connection_pool.connection_kwargs
+        self.where = f"redis {options.get('host', 'localhost')}:{options.get('port', 6379)}"
+
+    @classmethod
+    def connect(cls, url: str, **options: Any) -> RedisStore:
+        """Return a store on the server at ``url`` (``redis://127.0.0.1:6379/0``)."""
+        return cls(redis.Redis.from_url(url), **options)
+
+    def name(self, key: str) -> str:
+        """Return the Redis key of page ``key``."""
+        return f"{self.prefix}{key}"
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        """Return how many leading ``keys`` the server holds now (one pipelined round trip a batch)."""
+        check_keys(keys)
+        count = 0
+        for batch in self.batches([0] * len(keys)):
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys[batch.start : batch.stop]:
+                pipe.exists(self.name(key))
+            answers = self._call("exists", count, len(keys), pipe.execute)
+            for answer in answers:
+                if not answer:
+                    return count
+                count += 1
+        return count
+
+    def get(self, keys: Sequence[str]) -> list[torch.Tensor]:
+        """Return the leading pages of ``keys`` the server holds, each verified; see :class:`Store`."""
+        check_keys(keys)
+        pages: list[torch.Tensor] = []
+        for batch in self.batches([0] * len(keys)):
+            names = [self.name(key) for key in keys[batch.start : batch.stop]]
+            values = self._call("get", len(pages), len(keys), partial(self._client.mget, names))
+            for name, value in zip(names, cast("list[bytes | None]", values), strict=True):
+                if value is None:
+                    return pages
+                key = keys[len(pages)]
+                pages.append(codec.decode(f"{self.where} {name}", key, value))
+        return pages
+
+    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[PutResult]:
+        """Store ``pages`` with ``SET NX``, a pipelined batch at a time; see :class:`Store`.
+
+        A page the server refuses for want of memory (a ``noeviction`` policy)
+        is ``FULL``, and the batches after it are not sent (``SKIPPED``); pages
+        of the same batch after it were already sent and are reported as the
+        server answered them.
+
+        Raises:
+            StoreFailed: The server went away; ``acknowledged`` leading pages
+                were stored before it did.
+        """
+        codec.check_pages(keys, pages)
+        sizes = [page.numel() * page.element_size() for page in pages]
+        results: list[PutResult] = []
+        for batch in self.batches(sizes):
+            if results and not results[-1].held:
+                results.extend([PutResult.SKIPPED] * (batch.stop - batch.start))
+                continue
+            pipe = self._client.pipeline(transaction=False)
+            for key, page in zip(
+                keys[batch.start : batch.stop], pages[batch.start : batch.stop], strict=True
+            ):
+                pipe.set(self.name(key), codec.encode(key, page), nx=True)
+            done = stored_prefix(results)
+            answers = self._call("put", done, len(keys), partial(pipe.execute, False))
+            results.extend(self._result(answer, done, len(keys)) for answer in answers)
+        return results
+
+    def drop(self, keys: Sequence[str]) -> int:
+        """Delete the pages of ``keys``; return how many the server held."""
+        check_keys(keys)
+        dropped = 0
+        for batch in self.batches([0] * len(keys)):
+            names = [self.name(key) for key in keys[batch.start : batch.stop]]
+            dropped += self._call("drop", 0, len(keys), partial(self._client.delete, *names))
+        return dropped
+
+    def capacity(self) -> Capacity:
+        """Return the server's memory in use and its ``maxmemory`` (None when unset).
+
+        Raises:
+            StoreFailed: The server is gone or does not answer ``INFO``.
+        """
+        try:
+            info = self._call("capacity", 0, 0, partial(self._client.info, "memory"))
+        except redis.exceptions.ResponseError as exc:  # INFO disabled, or an in-process fake
+            raise StoreFailed(
+                self.where, "capacity", acknowledged=0, total=0, cause=str(exc)
+            ) from exc
+        limit = int(info.get("maxmemory", 0))
+        return Capacity(int(info["used_memory"]), 0, limit or None, None)
+
+    def close(self) -> None:
+        """Close the client's connections; the pages stay on the server."""
+        self._client.close()
+
+    def _result(self, answer: object, done: int, total: int) -> PutResult:
+        """Return what the server's answer to one ``SET NX`` means."""
+        if isinstance(answer, redis.exceptions.ResponseError):
+            if isinstance(answer, redis.exceptions.OutOfMemoryError) or str(answer).startswith(
+                "OOM"
+            ):
+                return PutResult.FULL
+            raise StoreFailed(self.where, "put", acknowledged=done, total=total, cause=str(answer))
+        return PutResult.STORED if answer else PutResult.PRESENT
+
+    def _call(self, operation: str, done: int, total: int, call: Callable[[], T]) -> T:
+        """Run one round trip; a server that went away is a :class:`StoreFailed`."""
+        try:
+            return call()
+        except _FAILURES as exc:
+            raise StoreFailed(
+                self.where, operation, acknowledged=done, total=total, cause=str(exc)
+            ) from exc
+
+    def batches(self, sizes: Sequence[int]) -> Iterator[range]:
+        """Split pages of ``sizes`` bytes into the runs one round trip each carries.
+
+        A run holds at most :attr:`batch_pages` pages and, unless it is a single
+        page, at most :attr:`batch_bytes` bytes.
+        """
+        start, nbytes = 0, 0
+        for index, size in enumerate(sizes):
+            full = index - start >= self.batch_pages or nbytes + size > self.batch_bytes
+            if index > start and full:
+                yield range(start, index)
+                start, nbytes = index, 0
+            nbytes += size
+        if start < len(sizes):
+            yield range(start, len(sizes))

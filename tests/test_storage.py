@@ -1,0 +1,558 @@
+"""The storage backends: chained keys, the page format, the byte budget, local files, Redis.
+
+Redis here is fakeredis, in process; tests/test_storage_redis_server.py runs
+the shared store against a real ``redis-server``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import fakeredis
+import pytest
+import torch
+
+from fsm_cache.errors import (
+    BadArgument,
+    CorruptPage,
+    PageInUse,
+    ReservationError,
+    StorageError,
+    StorageFull,
+    StoreFailed,
+)
+from fsm_cache.memory.kv import KVLayout
+from fsm_cache.storage import (
+    Budget,
+    Capacity,
+    LocalFileStore,
+    Namespace,
+    PutResult,
+    RedisStore,
+    Store,
+    codec,
+    page_keys,
+    stored_prefix,
+)
+
+
+NS = Namespace("llama-3-8b@main", "layers=2,planes=2,heads=2,head_dim=4,dtype=bfloat16", 4)
+S, P, F = PutResult.STORED, PutResult.PRESENT, PutResult.FULL
+K = PutResult.SKIPPED
+
+
+def pages_of(count: int, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """Return ``count`` distinct host pages ``[layers, planes, page_size, heads, head_dim]``."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 2, 4, 2, 4, generator=gen).to(dtype) for _ in range(count)]
+
+
+def same(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    """Whether the pages are bit for bit the same, shape and dtype included."""
+    return len(got) == len(want) and all(
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(got, want, strict=True)
+    )
+
+
+def page_bytes(key: str, page: torch.Tensor) -> int:
+    """Return what one stored page takes (header and bytes)."""
+    return len(codec.encode(key, page))
+
+
+# ---------------------------------------------------------------- keys
+
+
+def test_keys_chain_sglangs_digest_from_the_namespace_root() -> None:
+    """Each key is sha256(parent key || tokens as uint32 LE), the first chained from the root."""
+    tokens = list(range(8))
+    first, second = page_keys(NS, tokens)
+    root = bytes.fromhex(NS.root())
+    assert first == hashlib.sha256(root + struct.pack("<4I", 0, 1, 2, 3)).hexdigest()
+    assert (
+        second == hashlib.sha256(bytes.fromhex(first) + struct.pack("<4I", 4, 5, 6, 7)).hexdigest()
+    )
+    assert page_keys(NS, tokens[4:], parent=first) == [second]
+
+
+def test_a_key_names_its_whole_prefix() -> None:
+    """The same page after different prefixes has different keys; shared prefixes share keys."""
+    a = page_keys(NS, [1, 2, 3, 4, 9, 9, 9, 9])
+    b = page_keys(NS, [1, 2, 3, 5, 9, 9, 9, 9])
+    c = page_keys(NS, [1, 2, 3, 4, 9, 9, 9, 8])
+    assert (a[0] == b[0], a[1] == b[1]) == (False, False)
+    assert (a[0] == c[0], a[1] == c[1]) == (True, False)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        Namespace("llama-3-8b@v2", NS.layout, 4),
+        Namespace(NS.model, "layers=2,planes=1,heads=1,head_dim=4,dtype=bfloat16", 4),
+        Namespace(NS.model, NS.layout, 4, rank=1, ranks=2),
+        Namespace(NS.model, NS.layout, 4, rank=0, ranks=2),
+    ],
+)
+def test_namespaces_never_share_keys(other: Namespace) -> None:
+    """Another model, layout or rank starts another chain."""
+    assert page_keys(other, [1, 2, 3, 4]) != page_keys(NS, [1, 2, 3, 4])
+
+
+def test_page_size_is_part_of_the_namespace() -> None:
+    """The same tokens paged by 2 or by 4 never share a key."""
+    two = Namespace(NS.model, NS.layout, 2)
+    assert set(page_keys(two, [1, 2, 3, 4])).isdisjoint(page_keys(NS, [1, 2, 3, 4]))
+
+
+def test_namespace_for_layout() -> None:
+    """A KV layout names its shape and dtype, and brings its page size."""
+    layout = KVLayout(layers=32, heads=8, head_dim=128, dtype=torch.float16, page_size=16)
+    ns = Namespace.for_layout("m", layout, rank=3, ranks=4)
+    assert ns == Namespace("m", "layers=32,planes=2,heads=8,head_dim=128,dtype=float16", 16, 3, 4)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: page_keys(NS, [1, 2, 3]), "3 tokens is not a whole number of pages of 4"),
+        (
+            lambda: page_keys(NS, [1, 2, 3, -1]),
+            "token -1 at 3 does not fit an unsigned 32-bit integer",
+        ),
+        (
+            lambda: page_keys(NS, [1, 2, 3, 2**32]),
+            "token 4294967296 at 3 does not fit an unsigned 32-bit integer",
+        ),
+        (
+            lambda: page_keys(NS, [1, 2, 3, 4], parent="ab"),
+            "key 0 is not a page key (64 lowercase hex digits): 'ab'",
+        ),
+        (lambda: Namespace("m", "l", 0), "page_size must be at least 1, not 0"),
+        (lambda: Namespace("m", "l", 4, rank=2, ranks=2), "rank 2 is outside a group of 2"),
+    ],
+)
+def test_bad_key_arguments_are_refused(call: object, message: str) -> None:
+    """Keys refuse what they cannot key, with a typed error that says why."""
+    with pytest.raises(BadArgument) as caught:
+        call()  # type: ignore[operator]
+    assert str(caught.value) == message
+
+
+def test_no_tokens_no_keys() -> None:
+    """An empty sequence has no pages."""
+    assert page_keys(NS, []) == []
+
+
+# ---------------------------------------------------------------- page format
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8]
+)
+def test_codec_round_trips_every_dtype_bit_for_bit(dtype: torch.dtype) -> None:
+    """A page's bytes, shape and dtype come back exactly."""
+    page = pages_of(1, dtype=dtype)[0]
+    key = page_keys(NS, [1, 2, 3, 4])[0]
+    assert same([codec.decode("here", key, codec.encode(key, page))], [page])
+
+
+def test_codec_copies_a_strided_page() -> None:
+    """A non-contiguous page is stored as its logical content."""
+    page = pages_of(1)[0].transpose(0, 4)
+    key = page_keys(NS, [1, 2, 3, 4])[0]
+    assert same([codec.decode("here", key, codec.encode(key, page))], [page.contiguous()])
+
+
+def test_codec_refuses_foreign_torn_and_misnamed_values() -> None:
+    """Each way a value can fail to be the page its key names is a CorruptPage saying which."""
+    one, two = page_keys(NS, list(range(8)))
+    value = codec.encode(one, pages_of(1)[0])
+    cases = {
+        b"hello": "no page header",
+        value[:-1]: "255 bytes after a header of 256",
+        value + b"x": "257 bytes after a header of 256",
+        value[:12] + b"!" + value[13:]: "unreadable page header",
+    }
+    for bad, problem in cases.items():
+        with pytest.raises(CorruptPage) as caught:
+            codec.decode("there", one, bad)
+        assert str(caught.value) == f"there: not a valid page {one[:12]}: {problem}"
+    with pytest.raises(CorruptPage) as caught:
+        codec.decode("there", two, value)
+    assert str(caught.value) == f"there: not a valid page {two[:12]}: header names page {one[:12]}"
+    lying = value.replace(b'"shape":[2,2,4,2,4]', b'"shape":[2,2,4,2,5]')
+    with pytest.raises(CorruptPage) as caught:
+        codec.decode("there", one, lying)
+    assert caught.value.problem == "header's bfloat16 [2, 2, 4, 2, 5] does not make 256 bytes"
+
+
+def test_put_arguments_are_checked_before_anything_is_written(tmp_path: Path) -> None:
+    """Bad pages are refused with BadArgument and the store is untouched."""
+    store = LocalFileStore(tmp_path)
+    keys = page_keys(NS, list(range(8)))
+    cases = [
+        (keys, pages_of(1), "2 keys for 1 pages"),
+        (keys, [pages_of(1)[0], "page"], "page 1 is a str, not a torch.Tensor"),
+        (keys, [pages_of(1)[0], torch.empty(0)], "page 1 must be a non-empty CPU tensor, not cpu"),
+        (
+            [keys[0], "../x"],
+            pages_of(2),
+            "key 1 is not a page key (64 lowercase hex digits): '../x'",
+        ),
+    ]
+    for bad_keys, bad_pages, message in cases:
+        with pytest.raises(BadArgument) as caught:
+            store.put(bad_keys, bad_pages)  # type: ignore[arg-type]
+        assert str(caught.value) == message
+    assert store.exists_prefix(keys) == 0
+    assert store.capacity() == Capacity(0, 0, None, 0)
+
+
+# ---------------------------------------------------------------- budget
+
+
+def test_budget_reserve_commit_abort() -> None:
+    """Reservations count until settled; a commit counts as used, an abort gives back."""
+    budget = Budget("disk", 100)
+    first, second = budget.reserve(60), budget.reserve(40)
+    assert (budget.reserved_bytes, budget.free()) == (100, 0)
+    budget.commit(first)
+    budget.abort(second)
+    assert (budget.used_bytes, budget.reserved_bytes, budget.free()) == (60, 0, 40)
+
+
+def test_budget_refuses_what_does_not_fit_and_changes_nothing() -> None:
+    """A reservation over the free bytes is StorageFull, with nothing reserved."""
+    budget = Budget("disk", 100)
+    budget.reserve(70)
+    with pytest.raises(StorageFull) as caught:
+        budget.reserve(31)
+    assert str(caught.value) == "disk: cannot reserve 31 bytes, 30 free"
+    assert (budget.reserved_bytes, caught.value.requested, caught.value.free) == (70, 31, 30)
+
+
+@pytest.mark.parametrize(
+    ("first", "second"), [("commit", "abort"), ("abort", "commit"), ("commit", "commit")]
+)
+def test_a_reservation_settles_once(first: str, second: str) -> None:
+    """Settling twice is a ReservationError and counts nothing twice."""
+    budget = Budget("disk", None)
+    reservation = budget.reserve(10)
+    getattr(budget, first)(reservation)
+    used = budget.used_bytes
+    with pytest.raises(ReservationError) as caught:
+        getattr(budget, second)(reservation)
+    done = "committed" if first == "commit" else "aborted"
+    want = "committed" if second == "commit" else "aborted"
+    assert str(caught.value) == f"disk: reservation 1 (10 bytes) cannot be {want}: already {done}"
+    assert (budget.used_bytes, budget.reserved_bytes) == (used, 0)
+
+
+# ---------------------------------------------------------------- both backends, one contract
+
+
+@pytest.fixture(params=["local", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    """Each backend, empty."""
+    if request.param == "local":
+        return LocalFileStore(tmp_path / "pages")
+    return RedisStore(fakeredis.FakeRedis(), batch_pages=3)
+
+
+def test_a_stored_prefix_reads_back_bit_exact(store: Store) -> None:
+    """Put, count, get: the pages come back exactly, in order."""
+    keys, pages = page_keys(NS, list(range(28))), pages_of(7)
+    assert store.put(keys, pages) == [S] * 7
+    assert store.exists_prefix(keys) == 7
+    assert same(store.get(keys), pages)
+    assert same(store.get(keys[2:5]), pages[2:5])
+
+
+def test_a_second_writer_finds_the_pages_present(store: Store) -> None:
+    """Content addressing: writing the same prefix again writes nothing."""
+    keys, pages = page_keys(NS, list(range(16))), pages_of(4)
+    store.put(keys[:2], pages[:2])
+    assert store.put(keys, pages) == [P, P, S, S]
+    assert stored_prefix([P, P, S, S]) == 4
+
+
+def test_a_missing_page_ends_the_prefix(store: Store) -> None:
+    """Drop a middle page: the count and the read stop before it; later pages are not read."""
+    keys, pages = page_keys(NS, list(range(24))), pages_of(6)
+    store.put(keys, pages)
+    assert store.drop([keys[3]]) == 1
+    assert store.exists_prefix(keys) == 3
+    assert same(store.get(keys), pages[:3])
+    assert store.exists_prefix(keys[4:]) == 2
+    assert store.drop(keys) == 5
+    assert store.drop(keys) == 0
+    assert (store.exists_prefix(keys), store.get(keys)) == (0, [])
+
+
+def test_every_call_checks_its_keys_first(store: Store) -> None:
+    """A bad key anywhere refuses the whole call before the store is asked anything."""
+    keys = page_keys(NS, list(range(8)))
+    store.put(keys, pages_of(2))
+    bad = [keys[0], keys[1].upper()]
+    for call in (store.exists_prefix, store.get, store.drop):
+        with pytest.raises(BadArgument, match=r"^key 1 is not a page key"):
+            call(bad)
+    assert store.exists_prefix(keys) == 2
+
+
+# ---------------------------------------------------------------- local files
+
+
+def test_local_pages_are_files_named_by_key(tmp_path: Path) -> None:
+    """One file per page, no temporary file left, and a new store over the directory finds them."""
+    keys, pages = page_keys(NS, list(range(12))), pages_of(3)
+    LocalFileStore(tmp_path).put(keys, pages)
+    files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert files == sorted(f"{k[:2]}/{k}.page" for k in keys)
+    again = LocalFileStore(tmp_path)
+    size = page_bytes(keys[0], pages[0])
+    assert again.capacity() == Capacity(3 * size, 0, None, 3)
+    assert same(again.get(keys), pages)
+
+
+def test_local_pages_written_by_another_process_are_found(tmp_path: Path) -> None:
+    """Two stores over one directory: one writes, the other discovers, reads, and counts it."""
+    keys, pages = page_keys(NS, list(range(8))), pages_of(2)
+    reader, writer = LocalFileStore(tmp_path), LocalFileStore(tmp_path)
+    writer.put(keys, pages)
+    assert reader.capacity().pages == 0
+    assert reader.exists_prefix(keys) == 2
+    assert reader.capacity().pages == 2
+    assert same(reader.get(keys), pages)
+    writer.drop(keys[1:])
+    assert (reader.exists_prefix(keys), reader.capacity().pages) == (1, 1)
+
+
+def test_local_torn_and_foreign_files_are_clear_errors(tmp_path: Path) -> None:
+    """A file cut short or holding another page is a CorruptPage naming the file."""
+    store = LocalFileStore(tmp_path)
+    keys, pages = page_keys(NS, list(range(8))), pages_of(2)
+    store.put(keys, pages)
+    path = store.path(keys[1])
+    data = path.read_bytes()
+    header = len(codec.header(keys[1], pages[1]))
+    for cut, problem in [
+        (header + 100, "100 bytes after a header of 256"),
+        (40, f"header cut short: 28 of {header - 12} bytes"),
+    ]:
+        path.write_bytes(data[:cut])
+        with pytest.raises(CorruptPage) as caught:
+            store.get(keys)
+        assert str(caught.value) == f"{path}: not a valid page {keys[1][:12]}: {problem}"
+    path.write_bytes(store.path(keys[0]).read_bytes())
+    with pytest.raises(CorruptPage, match=f"header names page {keys[0][:12]}$"):
+        store.get(keys)
+    assert same(store.get(keys[:1]), pages[:1])
+
+
+def test_local_capacity_evicts_least_recent_unread_pages(tmp_path: Path) -> None:
+    """Past the limit, the least recently used pages go, a prefix's tail before its head."""
+    a_keys, a_pages = page_keys(NS, list(range(16))), pages_of(4, seed=1)
+    b_keys, b_pages = page_keys(NS, list(range(100, 116))), pages_of(4, seed=2)
+    size = page_bytes(a_keys[0], a_pages[0])
+    store = LocalFileStore(tmp_path, limit_bytes=6 * size)
+    store.put(a_keys, a_pages)
+    assert store.put(b_keys, b_pages) == [S] * 4
+    assert store.exists_prefix(a_keys) == 2
+    assert store.exists_prefix(b_keys) == 4
+    assert store.capacity() == Capacity(6 * size, 0, 6 * size, 6)
+
+
+def test_local_eviction_refuses_pages_a_read_holds(tmp_path: Path) -> None:
+    """Held pages are neither evicted nor dropped: the put finds no room, the drop is refused."""
+    keys, pages = page_keys(NS, list(range(24))), pages_of(6)
+    size = page_bytes(keys[0], pages[0])
+    store = LocalFileStore(tmp_path, limit_bytes=4 * size)
+    store.put(keys[:4], pages[:4])
+    with store.reading(keys) as held:
+        assert held == 4
+        assert store.put(keys[4:], pages[4:]) == [F, K]
+        with pytest.raises(PageInUse) as caught:
+            store.drop([keys[5], keys[2]])
+        assert str(caught.value) == f"page {keys[2][:12]}: drop refused: held by 1 read(s)"
+        assert store.exists_prefix(keys) == 4
+    assert store.capacity() == Capacity(4 * size, 0, 4 * size, 4)
+    assert store.put(keys[4:], pages[4:]) == [S, S]
+    # the prefix's head was the most recently used, so the eviction took its tail
+    assert (store.exists_prefix(keys), store.exists_prefix(keys[4:])) == (2, 2)
+
+
+def test_local_a_put_never_evicts_its_own_prefix(tmp_path: Path) -> None:
+    """Room for 3 pages, a put of 4: the fourth is FULL, the first three stay."""
+    keys, pages = page_keys(NS, list(range(16))), pages_of(4)
+    size = page_bytes(keys[0], pages[0])
+    store = LocalFileStore(tmp_path, limit_bytes=3 * size)
+    assert store.put(keys, pages) == [S, S, S, F]
+    assert store.exists_prefix(keys) == 3
+
+
+def test_local_a_page_larger_than_the_limit_evicts_nothing(tmp_path: Path) -> None:
+    """What can never fit is FULL at once; no page is evicted for it."""
+    keys, pages = page_keys(NS, list(range(8))), pages_of(2)
+    size = page_bytes(keys[0], pages[0])
+    store = LocalFileStore(tmp_path, limit_bytes=size + 10)
+    store.put(keys[:1], pages[:1])
+    big = torch.zeros(1024, dtype=torch.uint8)
+    assert store.put(keys[1:], [big]) == [F]
+    assert store.exists_prefix(keys) == 1
+
+
+def test_local_a_failed_write_leaves_no_file_and_no_reservation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk error mid-put is StoreFailed; the pages before it stay, nothing else is left."""
+    keys, pages = page_keys(NS, list(range(12))), pages_of(3)
+    store = LocalFileStore(tmp_path, limit_bytes=1 << 20)
+    real = os.replace
+    calls = []
+
+    def failing(src: str, dst: str) -> None:
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(StoreFailed) as caught:
+        store.put(keys, pages)
+    assert str(caught.value) == (
+        f"local {tmp_path}: put failed after 1 of 3 pages: OSError: [Errno 28] No space left on device"
+    )
+    assert caught.value.acknowledged == 1
+    assert list((tmp_path / ".tmp").iterdir()) == []
+    size = page_bytes(keys[0], pages[0])
+    assert store.capacity() == Capacity(size, 0, 1 << 20, 1)
+    monkeypatch.setattr(os, "replace", real)
+    assert store.put(keys, pages) == [P, S, S]
+
+
+def test_local_durable_writes_sync_before_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """durable=True fsyncs each page file before it is renamed into place."""
+    synced: list[int] = []
+    monkeypatch.setattr(os, "fsync", synced.append)
+    keys = page_keys(NS, list(range(8)))
+    LocalFileStore(tmp_path, durable=True).put(keys, pages_of(2))
+    assert len(synced) == 2
+
+
+def test_local_ignores_what_is_not_a_page_file(tmp_path: Path) -> None:
+    """Stray files in the directory are neither indexed nor counted."""
+    (tmp_path / "ab").mkdir()
+    (tmp_path / "ab" / "notes.page").write_text("x")
+    (tmp_path / "README").write_text("x")
+    assert LocalFileStore(tmp_path).capacity() == Capacity(0, 0, None, 0)
+
+
+# ---------------------------------------------------------------- Redis (fakeredis)
+
+
+def fake(**options: object) -> tuple[fakeredis.FakeServer, RedisStore]:
+    """Return a fake server and a store on it that reports itself as 127.0.0.1:6399."""
+    server = fakeredis.FakeServer()
+    client = fakeredis.FakeRedis(server=server, host="127.0.0.1", port=6399)
+    return server, RedisStore(client, **options)  # type: ignore[arg-type]
+
+
+def test_redis_one_value_per_page_under_the_prefix() -> None:
+    """Each page is one key holding header and bytes; nothing else is written."""
+    server, store = fake()
+    keys, pages = page_keys(NS, list(range(8))), pages_of(2)
+    store.put(keys, pages)
+    raw = fakeredis.FakeRedis(server=server)
+    assert sorted(raw.keys()) == sorted(f"fsm:page:{k}".encode() for k in keys)
+    assert raw.get(f"fsm:page:{keys[0]}") == codec.encode(keys[0], pages[0])
+
+
+def test_redis_set_nx_keeps_the_first_writer() -> None:
+    """Two clients store the same prefix: the second writes nothing."""
+    server, first = fake()
+    second = RedisStore(fakeredis.FakeRedis(server=server))
+    keys, pages = page_keys(NS, list(range(12))), pages_of(3)
+    assert first.put(keys[:2], pages[:2]) == [S, S]
+    assert second.put(keys, pages) == [P, P, S]
+    assert same(first.get(keys), pages)
+
+
+def test_redis_batches_split_by_pages_and_bytes() -> None:
+    """Round trips carry at most batch_pages pages and about batch_bytes bytes."""
+    _, store = fake(batch_pages=2, batch_bytes=600)
+    assert [list(r) for r in store.batches([256] * 5)] == [[0, 1], [2, 3], [4]]
+    _, store = fake(batch_pages=8, batch_bytes=600)
+    assert [list(r) for r in store.batches([256] * 5)] == [[0, 1], [2, 3], [4]]
+    assert [list(r) for r in store.batches([1000, 1])] == [[0], [1]]
+    with pytest.raises(BadArgument) as caught:
+        fake(batch_pages=0)
+    assert str(caught.value) == "batches need room for a page: 0 pages, 67108864 bytes"
+
+
+def test_redis_a_corrupt_value_is_a_clear_error() -> None:
+    """A value that is not the page its key names is a CorruptPage naming the Redis key."""
+    server, store = fake()
+    keys = page_keys(NS, list(range(8)))
+    store.put(keys, pages_of(2))
+    fakeredis.FakeRedis(server=server).set(f"fsm:page:{keys[1]}", b"FSMPAGE1\x05\0\0\0{oops")
+    with pytest.raises(CorruptPage) as caught:
+        store.get(keys)
+    where = f"redis 127.0.0.1:6399 fsm:page:{keys[1]}"
+    assert str(caught.value) == f"{where}: not a valid page {keys[1][:12]}: unreadable page header"
+
+
+def test_redis_a_server_gone_is_store_failed() -> None:
+    """Every operation on a server that went away fails with StoreFailed, changing nothing."""
+    server, store = fake()
+    keys, pages = page_keys(NS, list(range(8))), pages_of(2)
+    store.put(keys[:1], pages[:1])
+    server.connected = False
+    cause = "FakeRedis is emulating a connection error."
+    calls: dict[str, tuple[Callable[[], object], str]] = {
+        "put": (lambda: store.put(keys, pages), " after 0 of 2 pages"),
+        "exists": (lambda: store.exists_prefix(keys), " after 0 of 2 pages"),
+        "get": (lambda: store.get(keys), " after 0 of 2 pages"),
+        "drop": (lambda: store.drop(keys), " after 0 of 2 pages"),
+        "capacity": (store.capacity, ""),
+    }
+    for operation, (call, done) in calls.items():
+        with pytest.raises(StoreFailed) as caught:
+            call()
+        assert str(caught.value) == f"redis 127.0.0.1:6399: {operation} failed{done}: {cause}"
+        assert isinstance(caught.value, StorageError)
+    server.connected = True
+    assert store.exists_prefix(keys) == 1
+
+
+def test_redis_capacity_needs_info() -> None:
+    """A server that does not answer INFO (fakeredis) says so as StoreFailed."""
+    _, store = fake()
+    with pytest.raises(
+        StoreFailed, match=r"^redis 127\.0\.0\.1:6399: capacity failed: unknown command 'info'"
+    ):
+        store.capacity()
+
+
+def test_redis_store_without_the_client_names_the_extra() -> None:
+    """Without the redis package, RedisStore says which extra brings it; the package still imports."""
+    code = (
+        "import sys; sys.modules['redis'] = None\n"
+        "import fsm_cache.storage as s\n"
+        "try:\n    s.RedisStore\nexcept ModuleNotFoundError as e:\n    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout == (
+        "fsm_cache.storage.RedisStore talks to the server with the redis package, which comes "
+        "with the storage extra: pip install 'fsm-cache[storage]'\n"
+    )
