@@ -1,0 +1,138 @@
+"""A throwaway ``redis-server`` on 127.0.0.1, for tests and ``fsm-cache bench storage``.
+
+It listens on a free loopback port, keeps its files in a directory of its own,
+and is killed when the ``with`` block ends. ``make test`` installs
+``redis-server`` (``.ci/system-deps``); elsewhere :func:`redis_server_path` is None
+and the tests that need one skip. Options reproduce what the shared-store tests
+need: a ``maxmemory`` cap with an eviction policy, and an append-only file
+synced on every write so a restarted server holds everything it acknowledged.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+
+STARTUP_SECONDS = 10.0
+
+
+def redis_server_path() -> str | None:
+    """Return the ``redis-server`` executable on PATH, or None."""
+    return shutil.which("redis-server")
+
+
+class RedisServer:
+    """One ``redis-server`` process on 127.0.0.1.
+
+    Args:
+        directory: Where the server keeps its files (the append-only file).
+        maxmemory: The server's memory cap in bytes, or None for none.
+        policy: What the server evicts at the cap (``allkeys-lru``,
+            ``noeviction``, ...).
+        durable: Keep an append-only file, synced on every write, so a server
+            killed and started again holds every page it acknowledged.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        maxmemory: int | None = None,
+        policy: str = "allkeys-lru",
+        durable: bool = False,
+    ) -> None:
+        executable = redis_server_path()
+        if executable is None:
+            raise FileNotFoundError("redis-server is not installed (make test installs it)")
+        self.executable = executable
+        self.directory = directory
+        self.maxmemory = maxmemory
+        self.policy = policy
+        self.durable = durable
+        self.port = _free_port()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._clients: list[redis.Redis] = []
+
+    @property
+    def url(self) -> str:
+        """The server's address for :meth:`RedisStore.connect`."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        """Return a new client of this server (its own connections, closed when the ``with`` ends).
+
+        It retries a failed connection once, without waiting: a test that kills
+        the server wants the failure, not redis-py's default backoff.
+        """
+        client = redis.Redis(host="127.0.0.1", port=self.port, retry=Retry(NoBackoff(), 1))
+        self._clients.append(client)
+        return client
+
+    def start(self) -> None:
+        """Start the server (again, on the same port and files) and wait until it answers."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        log = (self.directory / "redis.log").open("ab")
+        self._process = subprocess.Popen(self._command(), stdout=log, stderr=log)
+        log.close()
+        probe = redis.Redis(host="127.0.0.1", port=self.port)
+        deadline = time.monotonic() + STARTUP_SECONDS
+        try:
+            while True:
+                try:
+                    probe.ping()
+                    return
+                except redis.exceptions.ConnectionError:
+                    if self._process.poll() is not None or time.monotonic() > deadline:
+                        self.kill()
+                        tail = (self.directory / "redis.log").read_text(errors="replace")[-2000:]
+                        raise RuntimeError(f"redis-server did not start:\n{tail}") from None
+                    time.sleep(0.02)
+        finally:
+            probe.close()
+
+    def kill(self) -> None:
+        """Kill the server at once (SIGKILL) and reap it; its pages in memory are lost."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.kill()
+        for client in self._clients:
+            client.close()
+
+    def _command(self) -> list[str]:
+        command = [self.executable, "--bind", "127.0.0.1", "--port", str(self.port)]
+        command += ["--dir", str(self.directory), "--save", "", "--daemonize", "no"]
+        command += ["--loglevel", "warning", "--maxmemory-policy", self.policy]
+        if self.maxmemory is not None:
+            command += ["--maxmemory", str(self.maxmemory)]
+        if self.durable:
+            command += ["--appendonly", "yes", "--appendfsync", "always"]
+        return command
+
+
+def _free_port() -> int:
+    """Return a loopback port nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
