@@ -556,3 +556,14 @@ def test_redis_store_without_the_client_names_the_extra() -> None:
         "fsm_cache.storage.RedisStore talks to the server with the redis package, which comes "
         "with the storage extra: pip install 'fsm-cache[storage]'\n"
     )
+
+
+def test_bench_storage_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """``fsm-cache bench storage --quick`` prints each backend's ratio against raw I/O."""
+    from fsm_cache.cli.main import main
+
+    assert main(["bench", "storage", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "local file put" in out
+    assert "local file get" in out
+    assert "store / raw" in out

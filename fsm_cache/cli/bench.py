@@ -1,4 +1,4 @@
-"""``fsm-cache bench [engine|copies|cache|tp|vllm|sglang]``: speed figures, measured side by side in one run.
+"""``fsm-cache bench [engine|copies|cache|tp|vllm|sglang|storage]``: speed figures, measured side by side in one run.
 
 Speed targets live here, never in timed tests: these machines are shared and
 noisy, so every figure is a ratio of two things measured in the same run.
@@ -17,12 +17,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "what",
         nargs="?",
         default="engine",
-        choices=("engine", "copies", "cache", "tp", "vllm", "sglang"),
+        choices=("engine", "copies", "cache", "tp", "vllm", "sglang", "storage"),
         help="engine (default): checked pin+release vs a bare counter and transitions; "
         "copies: machine-driven write-through vs raw gather-and-copy; "
         "cache: HiCache vs an unchecked radix tree; tp: poll agreement across gloo ranks; "
         "vllm: the checked offloading manager vs vLLM's own (needs vLLM; make bench-vllm); "
-        "sglang: SGLang's RadixCache patched vs stock (needs SGLang; make bench-sglang)",
+        "sglang: SGLang's RadixCache patched vs stock (needs SGLang; make bench-sglang); "
+        "storage: pages through the local-file and Redis stores vs raw file and Redis I/O",
     )
     parser.add_argument(
         "--against",
@@ -45,10 +46,12 @@ def run(args: argparse.Namespace) -> int:
         from fsm_cache.bench.engine import run_engine_bench
 
         print(run_engine_bench(n=20_000 if args.quick else 200_000).format())
-    elif args.what == "copies":
+    elif args.what in ("copies", "storage"):
         from fsm_cache.bench.copies import run_copy_bench
+        from fsm_cache.bench.storage import run_storage_bench
 
-        print(run_copy_bench(quick=args.quick).format())
+        bench = run_copy_bench if args.what == "copies" else run_storage_bench
+        print(bench(quick=args.quick).format())
     elif args.what == "cache" and args.against == "sglang":
         from fsm_cache.bench.against import run_against_sglang
 
