@@ -8,7 +8,7 @@ against raw pipelined ``SET``/``MGET`` of the same bytes in the same batches,
 on a ``redis-server`` the bench starts on 127.0.0.1 (skipped without one).
 What the store adds is its header, the temporary file and rename, the byte
 accounting and holds, ``SET NX`` and the header check on read. Median of
-several repetitions, interleaved; the figures are ratios of the same run.
+several repetitions, interleaved (which goes first alternates); the figures are ratios of the same run.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class StorageBenchResult:
 
 def run_storage_bench(quick: bool = False, reps: int | None = None) -> StorageBenchResult:
     """Measure both stores against raw I/O of the same pages."""
-    reps = reps or (2 if quick else 5)
+    reps = reps or (2 if quick else 6)
     layers, heads = (4, 2) if quick else (32, 8)
     count = 8 if quick else 64
     gen = torch.Generator().manual_seed(0)
@@ -104,14 +104,19 @@ def _local(
     raw_dir.mkdir()
     store = LocalFileStore(scratch / "store")
     times: dict[str, list[float]] = {"put": [], "get": [], "raw put": [], "raw get": []}
-    for _ in range(reps):
+
+    def through_store() -> None:
         times["put"].append(_time(lambda: store.put(keys, pages)))
         times["get"].append(_time(lambda: store.get(keys)))
         store.drop(keys)
+
+    def raw() -> None:
         times["raw put"].append(_time(lambda: _raw_write(raw_dir, keys, pages)))
         times["raw get"].append(_time(lambda: _raw_read(raw_dir, keys, pages)))
         for key in keys:
             (raw_dir / key).unlink()
+
+    _alternate(reps, through_store, raw)
     return _rows("local file", times, pages)
 
 
@@ -127,13 +132,18 @@ def _redis(
         client = server.client()
         store = RedisStore(client)
         batches = list(store.batches([page.numel() * page.element_size() for page in pages]))
-        for _ in range(reps):
+
+        def through_store() -> None:
             times["put"].append(_time(lambda: store.put(keys, pages)))
             times["get"].append(_time(lambda: store.get(keys)))
             client.flushdb()
+
+        def raw() -> None:
             times["raw put"].append(_time(lambda: _raw_set(client, batches, keys, pages)))
             times["raw get"].append(_time(lambda: _raw_mget(client, batches, keys, pages)))
             client.flushdb()
+
+        _alternate(reps, through_store, raw)
     return _rows("redis", times, pages)
 
 
@@ -184,6 +194,13 @@ def _rows(
         StorageRow(backend, "put", rate["put"], rate["raw put"]),
         StorageRow(backend, "get", rate["get"], rate["raw get"]),
     ]
+
+
+def _alternate(reps: int, first: Callable[[], None], second: Callable[[], None]) -> None:
+    """Run both ``reps`` times, interleaved, swapping which goes first each time."""
+    for rep in range(reps):
+        for run in (first, second) if rep % 2 == 0 else (second, first):
+            run()
 
 
 def _time(call: Callable[[], object]) -> float:
