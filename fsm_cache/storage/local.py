@@ -192,11 +192,13 @@ class LocalFileStore:
         target = self.path(key)
         temporary = self._tmp / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            with open(temporary, "wb") as stream:
-                codec.write(stream, key, page)
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                codec.write(fd, key, page)
                 if self.durable:
-                    stream.flush()
-                    os.fsync(stream.fileno())
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             target.parent.mkdir(exist_ok=True)
             os.replace(temporary, target)
         except BaseException:
