@@ -172,15 +172,17 @@ class Driver:
             else:
                 node = cache.match_prefix(key).last_device_node
             cache.inc_lock_ref(node)
-            need = len(value) - allocator.free_count
-            if need > 0:
-                cache.evict(base.EvictParams(num_tokens=need) if new else need)
-            allocator.free_count -= len(value)
-            if new:
-                cache.insert(base.InsertParams(key=key, value=value))
-            else:
-                cache.insert(key, value)
-            cache.dec_lock_ref(node)
+            try:
+                need = len(value) - allocator.free_count
+                if need > 0:
+                    cache.evict(base.EvictParams(num_tokens=need) if new else need)
+                allocator.free_count -= len(value)
+                if new:
+                    cache.insert(base.InsertParams(key=key, value=value))
+                else:
+                    cache.insert(key, value)
+            finally:
+                cache.dec_lock_ref(node)
             calls += 4
         return calls
 
