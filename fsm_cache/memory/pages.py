@@ -32,7 +32,7 @@ def slots_of(pages: Iterable[int], page_size: int) -> list[int]:
     Postcondition: the result has ``len(pages) * page_size`` entries and page
     ``p`` contributes ``p*page_size .. p*page_size + page_size - 1``.
     """
-    return [p * page_size + i for p in pages for i in range(page_size)]
+    return [s for p in pages for s in range(p * page_size, (p + 1) * page_size)]
 
 
 def pages_of(slots: Sequence[int], page_size: int) -> list[int]:
@@ -43,6 +43,8 @@ def pages_of(slots: Sequence[int], page_size: int) -> list[int]:
     """
     if len(slots) % page_size:
         raise ForeignSlot(f"{len(slots)} slots is not a multiple of page_size {page_size}")
+    if page_size == 1:  # every slot is a whole page
+        return list(slots)
     pages = [s // page_size for s in slots[::page_size]]
     if slots_of(pages, page_size) != list(slots):
         raise ForeignSlot(f"slots are not whole pages of size {page_size}")
