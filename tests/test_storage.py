@@ -567,3 +567,71 @@ def test_bench_storage_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert "local file put" in out
     assert "local file get" in out
     assert "store / raw" in out
+
+
+def test_local_concurrent_writers_of_one_prefix_count_each_page_once(tmp_path: Path) -> None:
+    """Four threads put the same prefix at once: every page is stored once and counted once."""
+    import threading
+
+    keys, pages = page_keys(NS, list(range(64))), pages_of(16)
+    store = LocalFileStore(tmp_path, limit_bytes=1 << 20)
+    results: list[list[PutResult]] = []
+    start = threading.Barrier(4)
+
+    def writer() -> None:
+        start.wait()
+        results.append(store.put(keys, pages))
+
+    threads = [threading.Thread(target=writer) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(set(result) <= {S, P} for result in results)
+    size = page_bytes(keys[0], pages[0])
+    assert store.capacity() == Capacity(16 * size, 0, 1 << 20, 16)
+    assert same(store.get(keys), pages)
+    assert list((tmp_path / ".tmp").iterdir()) == []
+
+
+class RefusingPipeline:
+    """A pipeline whose server answers every SET with ``answer``."""
+
+    def __init__(self, answer: Exception) -> None:
+        self.answer = answer
+        self.sets = 0
+
+    def set(self, *args: object, **options: object) -> None:
+        self.sets += 1
+
+    def execute(self, raise_on_error: bool = True) -> list[object]:
+        return [self.answer] * self.sets
+
+
+class RefusingClient:
+    """A client of a server that refuses writes (a read-only replica, a full server)."""
+
+    def __init__(self, answer: Exception) -> None:
+        self.answer = answer
+        self.connection_pool = fakeredis.FakeRedis(host="127.0.0.1", port=6399).connection_pool
+
+    def pipeline(self, transaction: bool) -> RefusingPipeline:
+        return RefusingPipeline(self.answer)
+
+
+def test_redis_a_full_server_is_full_and_a_refusing_one_is_store_failed() -> None:
+    """An OOM answer is FULL and stops the put; any other refusal of a SET is StoreFailed."""
+    import redis
+
+    keys, pages = page_keys(NS, list(range(24))), pages_of(6)
+    oom = redis.exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
+    full = RedisStore(RefusingClient(oom), batch_pages=2)  # type: ignore[arg-type]
+    assert full.put(keys, pages) == [F, F, K, K, K, K]
+    readonly = redis.exceptions.ReadOnlyError("You can't write against a read only replica.")
+    refusing = RedisStore(RefusingClient(readonly), batch_pages=2)  # type: ignore[arg-type]
+    with pytest.raises(StoreFailed) as caught:
+        refusing.put(keys, pages)
+    assert str(caught.value) == (
+        "redis 127.0.0.1:6399: put failed after 0 of 6 pages: "
+        "You can't write against a read only replica."
+    )
