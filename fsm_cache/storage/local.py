@@ -130,11 +130,7 @@ class LocalFileStore:
                 if results and not results[-1].held:
                     results.append(PutResult.SKIPPED)
                     continue
-                results.append(self._put_one(key, page, index, len(keys)))
-                if results[-1].held:
-                    with self._lock:
-                        self._hold([key])
-                    held.append(key)
+                results.append(self._put_one(key, page, index, len(keys), held))
         finally:
             with self._lock:
                 self._unhold(held)
@@ -165,11 +161,16 @@ class LocalFileStore:
     def close(self) -> None:
         """Nothing to release: files are opened per page; the pages stay on disk."""
 
-    def _put_one(self, key: str, page: torch.Tensor, index: int, total: int) -> PutResult:
+    def _put_one(
+        self, key: str, page: torch.Tensor, index: int, total: int, held: list[str]
+    ) -> PutResult:
+        """Store one page of a put; a page it holds after is held (and added to ``held``) at once."""
         flat = page.detach().contiguous()
         nbytes = len(codec.header(key, flat)) + flat.numel() * flat.element_size()
         with self._lock:
             if self._leading([key]):
+                self._hold([key])
+                held.append(key)
                 return PutResult.PRESENT
             if not self._make_room(nbytes):
                 return PutResult.FULL
@@ -185,6 +186,8 @@ class LocalFileStore:
             ) from exc
         with self._lock:
             self._settle(key, reservation)
+            self._hold([key])
+            held.append(key)
         return PutResult.STORED
 
     def _write(self, key: str, page: torch.Tensor) -> None:
