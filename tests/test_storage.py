@@ -17,6 +17,8 @@ from pathlib import Path
 import fakeredis
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fsm_cache.errors import (
     BadArgument,
@@ -635,3 +637,63 @@ def test_redis_a_full_server_is_full_and_a_refusing_one_is_store_failed() -> Non
         "redis 127.0.0.1:6399: put failed after 0 of 6 pages: "
         "You can't write against a read only replica."
     )
+
+
+# ---------------------------------------------------------------- properties
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=40), st.integers(0, 10))
+@settings(max_examples=60, deadline=None)
+def test_keys_of_a_split_sequence_chain_through_the_split(tokens: list[int], cut: int) -> None:
+    """Keying a sequence whole or as a parent and a child (chained) gives the same keys."""
+    pages = len(tokens) // 4
+    tokens = tokens[: pages * 4]
+    cut = min(cut, pages)
+    whole = page_keys(NS, tokens)
+    head = page_keys(NS, tokens[: cut * 4])
+    tail = page_keys(NS, tokens[cut * 4 :], parent=head[-1] if head else None)
+    assert head + tail == whole
+    assert len(set(whole)) == len(whole)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["put", "drop", "get"]), st.integers(0, 5), st.integers(1, 6)),
+        max_size=25,
+    )
+)
+@settings(max_examples=40, deadline=None)
+def test_local_store_accounting_matches_the_disk(ops: list[tuple[str, int, int]]) -> None:
+    """After any sequence of puts, drops and gets under a limit, the books match the files.
+
+    The used bytes are the bytes of the page files, never over the limit, with
+    nothing reserved between calls; a prefix counts to its first missing page,
+    and what a get returns is bit for bit what was put under those keys.
+    """
+    import tempfile
+
+    sequences = [page_keys(NS, list(range(s * 100, s * 100 + 24))) for s in range(6)]
+    contents = {
+        key: page
+        for seed, keys in enumerate(sequences)
+        for key, page in zip(keys, pages_of(6, seed=seed), strict=True)
+    }
+    size = page_bytes(sequences[0][0], contents[sequences[0][0]])
+    with tempfile.TemporaryDirectory() as root:
+        store = LocalFileStore(root, limit_bytes=10 * size)
+        for op, which, count in ops:
+            keys = sequences[which][:count]
+            if op == "put":
+                results = store.put(keys, [contents[k] for k in keys])
+                assert stored_prefix(results) == (results.index(F) if F in results else count)
+            elif op == "drop":
+                store.drop(keys)
+            else:
+                got = store.get(keys)
+                assert same(got, [contents[k] for k in keys[: len(got)]])
+            files = list(Path(root).glob("??/*.page"))
+            capacity = store.capacity()
+            assert capacity.used_bytes == sum(p.stat().st_size for p in files) <= 10 * size
+            assert (capacity.reserved_bytes, capacity.pages) == (0, len(files))
+            present = [store.path(k).exists() for k in keys]
+            assert store.exists_prefix(keys) == [*present, False].index(False)
