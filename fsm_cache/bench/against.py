@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fsm_cache.bench.cache import trace, trace_config
+from fsm_cache.bench.cache import serve_trace, trace, trace_config
 from fsm_cache.bench.sglang import Driver
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.memory.tiers import CacheConfig
@@ -135,18 +135,7 @@ def _hicache(keys: Sequence[list[int]], spec: Trace, mode: str) -> float:
     cache = HiCache(_config(spec, host=mode == "write-through"))
     poll = cache.poll if mode == "write-through" else None
     started = time.perf_counter()
-    for key in keys:
-        found = cache.match_prefix(key)
-        need = len(key) - found.device_len
-        free = cache.tiers.device.allocator.free_slots
-        if need > free:
-            cache.evict(need - free)
-        if mode == "writes":
-            cache.insert(key)
-        else:  # the prefix's slots are the tree's own: placeholders, as SGLang's caller frees
-            cache.insert(key, [0] * found.device_len + cache.alloc_slots(need))
-        if poll is not None:
-            poll()
+    serve_trace(cache, keys, poll, cache_writes=mode == "writes")
     seconds = time.perf_counter() - started
     cache.close()
     return len(keys) / seconds

@@ -208,17 +208,27 @@ def trace_config(device_pages: int, host_pages: int) -> CacheConfig:
 
 
 def serve_trace(
-    cache: HiCache, keys: Sequence[Sequence[int]], poll: Callable[[], object] | None
+    cache: HiCache,
+    keys: Sequence[Sequence[int]],
+    poll: Callable[[], object] | None,
+    *,
+    cache_writes: bool = False,
 ) -> None:
-    """Serve ``keys`` as a scheduler would: match, evict if short, insert, then ``poll``."""
+    """Serve ``keys`` as a scheduler would: match, evict if short, insert, then ``poll``.
+
+    The request holds its slots (``alloc_slots``, then ``insert(tokens, slots)``),
+    or with ``cache_writes`` the cache allocates them and writes the KV itself.
+    """
     for key in keys:
         match = cache.match_prefix(key)
         need = len(key) - match.device_len
         free = cache.tiers.device.allocator.free_slots
         if need > free:
             cache.evict(need - free)
-        # the prefix's slots are the tree's own: placeholders, as the baseline passes zeros
-        cache.insert(key, [0] * match.device_len + cache.alloc_slots(need))
+        if cache_writes:
+            cache.insert(key)
+        else:  # the prefix's slots are the tree's own: placeholders, as the baseline passes zeros
+            cache.insert(key, [0] * match.device_len + cache.alloc_slots(need))
         if poll is not None:
             poll()
 

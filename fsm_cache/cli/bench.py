@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -56,11 +57,7 @@ def run(args: argparse.Namespace) -> int:
         from fsm_cache.bench.against import run_against_sglang
 
         sized = {"num_requests": 200, "rounds": 1} if args.quick else {}
-        try:
-            print(run_against_sglang(**sized).format())
-        except ModuleNotFoundError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        return _server_bench(lambda: run_against_sglang(**sized).format())
     elif args.what == "cache":
         from fsm_cache.bench.cache import run_cache_bench
 
@@ -73,24 +70,26 @@ def run(args: argparse.Namespace) -> int:
         from fsm_cache.bench.vllm import run_vllm_bench
 
         quick = {"requests": 300, "repeat": 2} if args.quick else {}
-        try:
-            print(run_vllm_bench(**quick).format())
-        except ModuleNotFoundError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        return _server_bench(lambda: run_vllm_bench(**quick).format())
     elif args.what == "sglang":
         from fsm_cache.bench.sglang import run_sglang_bench
 
-        sized = {"requests": 200, "repeat": 1, "nodes": 500} if args.quick else {}
-        try:
-            print(run_sglang_bench(**sized).format())
-        except ModuleNotFoundError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        small = {"requests": 200, "repeat": 1, "nodes": 500} if args.quick else {}
+        return _server_bench(lambda: run_sglang_bench(**small).format())
     else:
         from fsm_cache.bench.tp import QUICK, run_tp_bench
 
         sizes = QUICK if args.quick else {}
         for ranks in (2, 4):
             print(run_tp_bench(ranks, **sizes).format())
+    return 0
+
+
+def _server_bench(table: Callable[[], str]) -> int:
+    """Print a benchmark that needs a server's code installed; exit 2 saying so when it is not."""
+    try:
+        print(table())
+    except ModuleNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0

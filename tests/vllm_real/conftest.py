@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from . import standins
+from fsm_cache.testing import vllm as standins
 
 
 if standins.vllm_present():

@@ -1,19 +1,13 @@
-"""Import stand-ins that let vLLM's scheduler-side offloading code import on a CPU machine.
+"""Import stand-ins: let a server's cache code import on a CPU machine without its runtime.
 
-vLLM's CPU offloading manager (``vllm/v1/kv_offload/cpu/manager.py``) and its
-scheduler-side connector need only torch and numpy at run time, but importing
-them runs vLLM's package ``__init__`` files, which pull in the distributed
-runtime, the model configs (``pydantic``, ``transformers``), the platform
-probes and a web stack. None of that runs in these tests. So:
-
-* **Hollow packages** (:data:`HOLLOW`): vLLM's own packages whose ``__init__``
-  is not run. Their real submodules still import from the wheel; any other
-  name asked of them is a stand-in. The offloading code itself, the manager,
-  its policies, ``base.py`` and the connector, is vLLM's own, from the wheel.
-* **Stand-in modules** (:data:`ALWAYS`, :data:`IF_MISSING`): answered by a
-  permissive empty module whose every attribute is a stand-in class. ``ALWAYS``
-  are vLLM's modules outside the offloading code (configs, logger, platforms);
-  ``IF_MISSING`` are third-party modules, stood in only when not installed.
+SGLang's and vLLM's cache modules need little beyond torch at run time, but
+importing them runs their packages' ``__init__`` files, which pull in GPU
+kernels, model configs and web stacks. :func:`install` puts a finder in front
+of the import system that answers chosen modules with permissive empty ones,
+and registers chosen packages *hollow* (their ``__init__`` not run; their real
+submodules still import from the wheel). The cache code itself stays the
+server's own. :mod:`fsm_cache.testing.sglang` and :mod:`fsm_cache.testing.vllm`
+name what each server needs.
 
 A stand-in class is subclassable, callable, indexable (``X[int]``), usable as
 a pass-through decorator, and answers every attribute with another stand-in.
@@ -25,72 +19,10 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import logging
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
-
-
-HOLLOW = (
-    "vllm",
-    "vllm.distributed",
-    "vllm.distributed.kv_transfer",
-    "vllm.distributed.kv_transfer.kv_connector",
-    "vllm.distributed.kv_transfer.kv_connector.v1",
-    "vllm.v1",
-    "vllm.v1.core",
-)
-"""vLLM packages imported without running their ``__init__``."""
-
-ALWAYS = (
-    "vllm.config",
-    "vllm.platforms",
-    "vllm.logger",
-    "vllm._custom_ops",
-    "vllm.distributed.parallel_state",
-    "vllm.v1.kv_offload.cpu.gpu_worker",
-    "vllm.compilation",
-    "vllm.model_executor",
-    "vllm.v1.metrics.perf",
-    "vllm.outputs",
-    "vllm.parser",
-    "vllm.entrypoints",
-    "vllm.renderers",
-    "vllm.multimodal",
-)
-"""vLLM modules outside the scheduler-side offloading code, replaced although the wheel has
-them: configs, platform probes, the logger (it asks the distributed runtime for ranks), the
-custom ops and the GPU<->CPU worker (GPU kernels)."""
-
-IF_MISSING = (
-    "regex",
-    "pydantic",
-    "pydantic_core",
-    "transformers",
-    "psutil",
-    "zmq",
-    "msgspec",
-    "cbor2",
-    "prometheus_client",
-    "cachetools",
-    "blake3",
-    "openai",
-    "fastapi",
-    "triton",
-    "PIL",
-    "pybase64",
-    "aiohttp",
-    "huggingface_hub",
-    "safetensors",
-    "cloudpickle",
-    "uvloop",
-    "cpuinfo",
-    "xgrammar",
-    "openai_harmony",
-    "llguidance",
-)
-"""Third-party modules vLLM's import chain names, replaced only when absent."""
 
 
 def _passes_through(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -133,6 +65,7 @@ class StandIn(metaclass=_StandInType):
         del args, kwargs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Pass a decorated function or class through; answer any other call with a stand-in."""
         if _passes_through(args, kwargs):
             return args[0]
         return StandIn()
@@ -148,25 +81,15 @@ def _stand_in(qualname: str) -> type:
     return _StandInType(name, (StandIn,), {"__qualname__": qualname, "__module__": "standin"})
 
 
-def _logger(name: str = "vllm", *args: Any, **kwargs: Any) -> logging.Logger:
-    """``vllm.logger.init_logger``: a plain logger with vLLM's ``*_once`` methods."""
-    del args, kwargs
-    log = logging.getLogger(name)
-    for level in ("debug", "info", "warning", "error"):
-        if not hasattr(log, f"{level}_once"):
-            setattr(log, f"{level}_once", getattr(log, level))
-    return log
-
-
 class StandInModule(types.ModuleType):
-    """A module whose every attribute is a stand-in class."""
+    """A module whose every attribute is a stand-in class (or one of its finder's presets)."""
+
+    presets: Mapping[str, Any] = {}
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        if name == "init_logger":
-            return _logger
-        made = _stand_in(f"{self.__name__}.{name}")
+        made = self.presets.get(name) or _stand_in(f"{self.__name__}.{name}")
         setattr(self, name, made)
         return made
 
@@ -188,10 +111,17 @@ class HollowPackage(StandInModule):
 
 
 class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Answers the named modules (and their submodules) with :class:`StandInModule`."""
+    """Answers the named modules (and their submodules) with :class:`StandInModule`.
 
-    def __init__(self, names: Sequence[str]) -> None:
+    Args:
+        names: The modules to stand in, with everything under them.
+        presets: Attributes every stand-in module answers with a real object
+            instead of a stand-in (vLLM's ``init_logger``).
+    """
+
+    def __init__(self, names: Sequence[str], presets: Mapping[str, Any] | None = None) -> None:
         self.names = tuple(names)
+        self.presets = dict(presets or {})
         self.served: set[str] = set()
 
     def find_spec(
@@ -200,12 +130,16 @@ class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         path: Sequence[str] | None,
         target: types.ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
+        """Claim ``fullname`` if it is (under) a stood-in module."""
+        del path, target
         if any(fullname == n or fullname.startswith(n + ".") for n in self.names):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        """Build the stand-in module for ``spec``."""
         module = StandInModule(spec.name)
+        module.presets = self.presets
         module.__path__ = []
         self.served.add(spec.name)
         return module
@@ -214,12 +148,7 @@ class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         """Nothing to run: the module answers every attribute."""
 
 
-def vllm_present() -> bool:
-    """Whether a vLLM wheel is installed in this interpreter (the side environment)."""
-    return importlib.util.find_spec("vllm") is not None
-
-
-def _hollow(name: str) -> None:
+def hollow(name: str) -> None:
     """Register the real package ``name`` without running its ``__init__``."""
     if name in sys.modules:
         return
@@ -237,14 +166,26 @@ def _hollow(name: str) -> None:
         setattr(sys.modules[parent], child, package)
 
 
-def install() -> StandInFinder:
-    """Put the stand-ins in front of the import system, once; return the finder."""
+def install(
+    always: Sequence[str],
+    if_missing: Sequence[str],
+    hollows: Sequence[str] = (),
+    presets: Mapping[str, Any] | None = None,
+) -> StandInFinder:
+    """Put stand-ins in front of the import system, once per set of names; return the finder.
+
+    Args:
+        always: Modules stood in even when installed.
+        if_missing: Modules stood in only when not installed.
+        hollows: Installed packages registered without running their ``__init__``.
+        presets: See :class:`StandInFinder`.
+    """
+    names = (*always, *(n for n in if_missing if importlib.util.find_spec(n) is None))
     for finder in sys.meta_path:
-        if isinstance(finder, StandInFinder):
+        if isinstance(finder, StandInFinder) and set(names) <= set(finder.names):
             return finder
-    missing = [n for n in IF_MISSING if importlib.util.find_spec(n) is None]
-    finder = StandInFinder([*ALWAYS, *missing])
+    finder = StandInFinder(names, presets)
     sys.meta_path.insert(0, finder)
-    for name in HOLLOW:
-        _hollow(name)
+    for name in hollows:
+        hollow(name)
     return finder
