@@ -170,10 +170,7 @@ class Engine:
             IllegalTransition: ``rec`` refuses ``event`` (nothing changed).
             SpecError: Unknown event name.
         """
-        step = self._compiled.steps.get(event)
-        if step is None:
-            raise SpecError([f"{self.system.source}: unknown event {event!r}"])
-        return step(rec)
+        return self.planner(event)(rec)
 
     def planner(self, event: str) -> Step:
         """Return :meth:`plan` for one event as a plain function of the record (for hot loops).
@@ -185,27 +182,6 @@ class Engine:
         if step is None:
             raise SpecError([f"{self.system.source}: unknown event {event!r}"])
         return step
-
-    def step(self, rec: Any, event: str) -> None:
-        """Fire ``event`` at ``rec`` alone, even where the spec propagates it to ancestors.
-
-        For callers that walk the tree themselves, one node at a time (SGLang's
-        ``inc_lock_ref`` loop): each node is checked and changed by the spec's
-        rule for it, and the caller is responsible for reaching every ancestor
-        (check the whole walk first with :meth:`plan`).
-
-        Raises:
-            IllegalTransition: The spec refuses the event at ``rec``; nothing changed.
-            EffectFailed: A bound effect raised; ``rec`` is unchanged.
-            SpecError: Unknown event name.
-        """
-        assigns, names, _ = self.plan(rec, event)
-        for name in names:
-            run_effect(self._effects[name], name, event, rec, self.system.label)
-        for attr, value in assigns:
-            setattr(rec, attr, value)
-        if self.trail:
-            rec.trail = trails.note(rec.trail, event, self.history)
 
     def lease(self, rec: Any, acquire: str = "pin", release: str = "release") -> Lease:
         """Fire ``acquire`` and return a lease whose ``release()`` fires ``release`` once."""

@@ -154,7 +154,7 @@ def back_out(chain: Sequence[ResidencyMixin]) -> None:
     """Fail the loads of ``chain`` that never got device slots, deepest first."""
     for n in reversed(chain):
         if n.device == "loading" and n.value is None:
-            n.machine().verb("load_failed")(n)
+            n.machine().load_failed(n)
 
 
 def ride(chain: Sequence[ResidencyMixin], end: ResidencyMixin) -> None:
