@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from itertools import chain
 from types import TracebackType
 from typing import get_args
 
@@ -200,7 +201,7 @@ class HiCache:
                 host_len=walk.matched - device_len,
                 last_device_node=on_device[-1] if on_device else root,
                 last_host_node=walk.path[-1] if walk.path else root,
-                device_pages=tuple(p for n in on_device for p in n.device_pages),
+                device_pages=tuple(chain.from_iterable(n.device_pages for n in on_device)),
             )
 
     def insert(
