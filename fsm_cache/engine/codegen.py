@@ -272,10 +272,14 @@ def _assigned(system: System, event: str) -> list[str]:
 def _region_block(em: Emitter, region: str, machine: MachineSpec, event: str) -> None:
     em.emit(1, f"s_{region} = rec.{region}")
     first = True
-    # States where the event can succeed are tested first: the branches exclude each other,
-    # so the order changes no outcome, and the hot (legal) case takes the fewest comparisons.
-    legal = {s for t in machine.transitions if t.event == event for s in t.sources}
-    for state in sorted(machine.states, key=lambda st: st.name not in legal):
+    # States where the event can succeed are tested first, in the order the spec declares
+    # their transitions (its authors put the common case first): the branches exclude each
+    # other, so the order changes no outcome, and the hot case takes the fewest comparisons.
+    legal = list(
+        dict.fromkeys(s for t in machine.transitions if t.event == event for s in t.sources)
+    )
+    order = {name: i for i, name in enumerate(legal)}
+    for state in sorted(machine.states, key=lambda st: order.get(st.name, len(order))):
         transitions = list(machine.transitions_for(state.name, event))
         forbids = list(machine.forbids_for(state.name, event))
         if not transitions and not forbids:
