@@ -31,7 +31,6 @@ import torch
 from fsm_cache.bench.cache import serve_trace, trace, trace_config
 from fsm_cache.bench.sglang import Driver
 from fsm_cache.cache.hicache import HiCache
-from fsm_cache.memory.tiers import CacheConfig
 
 
 MODES = ("held", "writes", "write-through")
@@ -119,20 +118,10 @@ def _sglang(driver: Driver, keys: Sequence[list[int]], spec: Trace) -> float:
     return len(seqs) / (time.perf_counter() - started)
 
 
-def _config(spec: Trace, host: bool) -> CacheConfig:
-    base = trace_config(spec.pool // spec.page, 4 * spec.pool // spec.page if host else 0)
-    return CacheConfig(
-        device_pages=base.device_pages,
-        host_pages=base.host_pages,
-        page_size=spec.page,
-        layers=base.layers,
-        heads=base.heads,
-        head_dim=base.head_dim,
-    )
-
-
 def _hicache(keys: Sequence[list[int]], spec: Trace, mode: str) -> float:
-    cache = HiCache(_config(spec, host=mode == "write-through"))
+    pages = spec.pool // spec.page
+    host = 4 * pages if mode == "write-through" else 0
+    cache = HiCache(trace_config(pages, host, spec.page))
     poll = cache.poll if mode == "write-through" else None
     started = time.perf_counter()
     serve_trace(cache, keys, poll, cache_writes=mode == "writes")

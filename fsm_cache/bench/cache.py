@@ -195,12 +195,12 @@ def _run_baseline(trace: list[list[int]], slots: int) -> float:
     return len(trace) / (time.perf_counter() - started)
 
 
-def trace_config(device_pages: int, host_pages: int) -> CacheConfig:
+def trace_config(device_pages: int, host_pages: int, page_size: int = PAGE) -> CacheConfig:
     """The cache ``bench cache`` measures: page 16, a tiny KV (the tree is what is timed)."""
     return CacheConfig(
         device_pages=device_pages,
         host_pages=host_pages,
-        page_size=PAGE,
+        page_size=page_size,
         layers=1,
         heads=1,
         head_dim=8,

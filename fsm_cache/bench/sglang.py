@@ -140,22 +140,31 @@ class Driver:
         )
         return self.rc.RadixCache(params), allocator
 
+    def match(self, cache: Any, key: Any) -> tuple[int, Any]:
+        """``match_prefix``: the device hit's length and its last node."""
+        if self.new:
+            found = cache.match_prefix(self.base.MatchPrefixParams(key=key))
+            return int(found.device_prefix_len), found.last_device_node
+        found = cache.match_prefix(key)
+        return len(found.device_indices), found.last_device_node
+
+    def evict_insert(
+        self, cache: Any, allocator: Allocator, key: Any, value: Any, hit: int
+    ) -> None:
+        """Evict what the new part of ``value`` needs, take it from the allocator, insert."""
+        need = len(value) - hit - allocator.free_count
+        if need > 0:
+            cache.evict(self.base.EvictParams(num_tokens=need) if self.new else need)
+        allocator.free_count -= len(value) - hit
+        if self.new:
+            cache.insert(self.base.InsertParams(key=key, value=value))
+        else:
+            cache.insert(key, value)
+
     def match_insert(self, cache: Any, allocator: Allocator, seqs: list[tuple[Any, Any]]) -> None:
         """Serve each request as a scheduler's prefill does: match, evict if short, insert."""
-        new, base = self.new, self.base
         for key, value in seqs:
-            if new:
-                hit = cache.match_prefix(base.MatchPrefixParams(key=key)).device_prefix_len
-            else:
-                hit = len(cache.match_prefix(key).device_indices)
-            need = len(value) - hit - allocator.free_count
-            if need > 0:
-                cache.evict(base.EvictParams(num_tokens=need) if new else need)
-            allocator.free_count -= len(value) - hit
-            if new:
-                cache.insert(base.InsertParams(key=key, value=value))
-            else:
-                cache.insert(key, value)
+            self.evict_insert(cache, allocator, key, value, self.match(cache, key)[0])
 
     def key(self, ids: list[int]) -> Any:
         """A ``RadixKey`` over ``ids``."""
@@ -163,24 +172,12 @@ class Driver:
 
     def serve(self, cache: Any, allocator: Allocator, seqs: list[tuple[Any, Any]]) -> int:
         """Run every request: match, lock, evict if short, insert, unlock. Return the calls made."""
-        new, base = self.new, self.base
         calls = 0
         for key, value in seqs:
-            if new:
-                found = cache.match_prefix(base.MatchPrefixParams(key=key))
-                node = found.last_device_node
-            else:
-                node = cache.match_prefix(key).last_device_node
+            node = self.match(cache, key)[1]
             cache.inc_lock_ref(node)
-            try:
-                need = len(value) - allocator.free_count
-                if need > 0:
-                    cache.evict(base.EvictParams(num_tokens=need) if new else need)
-                allocator.free_count -= len(value)
-                if new:
-                    cache.insert(base.InsertParams(key=key, value=value))
-                else:
-                    cache.insert(key, value)
+            try:  # the request holds its whole sequence's slots: nothing counts as a hit
+                self.evict_insert(cache, allocator, key, value, 0)
             finally:
                 cache.dec_lock_ref(node)
             calls += 4
