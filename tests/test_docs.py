@@ -238,6 +238,6 @@ def test_residency_diagrams_render_in_a_browser(served: str, tmp_path: Path) -> 
     containers = dom.count('<div class="fsm-diagram"')
     drawn = re.findall(r'<svg id="mermaid-[^"]*"[^>]*aria-roledescription="([^"]*)"', dom)
     assert "Syntax error" not in dom
-    assert fences == 3
+    assert fences == 5  # host, device, the composition; storage and host with storage
     assert containers == fences
     assert drawn == ["stateDiagram"] * fences

@@ -12,7 +12,7 @@ from fsm_cache.bench.engine import record_bytes, run_engine_bench
 from fsm_cache.engine.core import Engine
 from fsm_cache.errors import EffectFailed, IllegalTransition, SpecError, error_class
 from fsm_cache.spec.loader import machine_from_dict, spec_from_dict
-from fsm_cache.spec.shipped import host_machine, residency_system
+from fsm_cache.spec.shipped import host_machine, load_shipped, residency_system
 
 
 @pytest.fixture
@@ -210,3 +210,20 @@ def test_the_first_declared_forbid_that_holds_decides() -> None:
     with pytest.raises(IllegalTransition) as go:
         engine.fire(rec, "go")
     assert str(go.value) == "instance 1: go refused in b (n=1): declared first"
+
+
+def test_a_record_may_be_born_as_its_composition_declares() -> None:
+    engine = Engine(load_shipped("residency_storage"))
+    rec = engine.new(7, birth="discovered")
+    assert (rec.host, rec.device, rec.storage, rec.pins, rec.locks) == (
+        "evicted",
+        "absent",
+        "stored",
+        0,
+        0,
+    )
+    assert (engine.new(8).host, engine.new(8).storage) == ("unbacked", "unstored")
+    with pytest.raises(SpecError) as info:
+        engine.init(rec, 9, birth="computed")
+    assert info.value.problems[0].endswith("unknown birth 'computed' (declared: discovered)")
+    assert (rec.id, rec.host, rec.storage) == (7, "evicted", "stored")

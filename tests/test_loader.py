@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from fsm_cache.errors import SpecError
 from fsm_cache.spec.guards import parse_condition, parse_guard, parse_update
 from fsm_cache.spec.loader import MAX_DEPTH, load_spec, machine_from_dict, shown, spec_from_dict
 from fsm_cache.spec.machine import EventSpec, Forbid, MachineSpec, StateSpec, System, Transition
+from fsm_cache.spec.shipped import load_shipped
 
 
 if sys.version_info >= (3, 11):
@@ -144,7 +146,7 @@ def test_unknown_keys(tmp_path: Path) -> None:
     path = write(tmp_path, text)
     assert problems(path) == [
         f"{path}: transitions: unknown key (allowed: counters, events, forbid, machine, states, transition)",
-        f"{path}: machine.lable: unknown key (allowed: doc, initial, label, name)",
+        f"{path}: machine.lable: unknown key (allowed: doc, extends, initial, label, name)",
         f"{path}: states.off.colour: unknown key (allowed: counter, doc, final, invariant)",
         f"{path}: transition[1].guards: unknown key (allowed: dest, doc, effect, event, guard, propagate, source, update)",
         f"{path}: forbid[0].errors: unknown key (allowed: error, event, guard, reason, source, when)",
@@ -266,7 +268,7 @@ def test_composition_faults(tmp_path: Path) -> None:
     no_regions = write(tmp_path, "[composition]\nnames = 'c'\n[[forbids]]\n", "a.toml")
     assert problems(no_regions) == [
         f"{no_regions}: forbids: unknown key (allowed: composition, forbid)",
-        f"{no_regions}: composition.names: unknown key (allowed: doc, label, name, regions)",
+        f"{no_regions}: composition.names: unknown key (allowed: births, doc, extends, label, name, regions)",
         f"{no_regions}: composition.regions: missing: a table of REGION = 'machine.toml'",
     ]
     nested = write(tmp_path, "[composition]\n[composition.regions]\nx = 'inner.toml'\n", "b.toml")
@@ -470,3 +472,144 @@ def test_no_value_anywhere_makes_anything_but_a_spec_error(
         return
     assert problems
     assert all(line.startswith(("<python>: ", f"{folder}")) for line in problems)
+
+
+# -- extends and births ---------------------------------------------------------
+DIMMER = """
+[machine]
+extends = "lamp.toml"
+name = "dimmer"
+
+[states]
+dim = { doc = "half", invariant = "n == 0" }
+
+[events]
+turn = { doc = "turn the knob" }
+
+[[transition]]
+event = "turn"
+source = "off"
+dest = "dim"
+
+[[transition]]
+event = "turn"
+source = "dim"
+dest = "off"
+
+[[forbid]]
+event = "turn"
+source = "on"
+error = "TooBright"
+reason = "already on"
+
+[[forbid]]
+event = "press"
+source = "dim"
+error = "Dimmed"
+reason = "dimmed"
+
+[[forbid]]
+event = "unpress"
+source = "dim"
+error = "UnpressAtZero"
+reason = "nothing pressed"
+"""
+
+
+def test_an_extending_machine_follows_its_base(tmp_path: Path) -> None:
+    write(tmp_path, LAMP, "lamp.toml")
+    spec = load_spec(write(tmp_path, DIMMER, "dimmer.toml"))
+    base = load_spec(tmp_path / "lamp.toml")
+    assert isinstance(spec, MachineSpec)
+    assert isinstance(base, MachineSpec)
+    assert (spec.name, spec.initial, spec.label, spec.doc) == ("dimmer", "off", "lamp", base.doc)
+    assert spec.state_names == ("off", "on", "dim")
+    assert spec.transitions[: len(base.transitions)] == base.transitions
+    assert spec.forbids[: len(base.forbids)] == base.forbids
+    assert spec.event_names == ("press", "unpress", "turn")
+
+
+def test_an_extension_must_keep_its_base_total(tmp_path: Path) -> None:
+    write(tmp_path, LAMP, "lamp.toml")
+    partial = DIMMER.replace('event = "press"\nsource = "dim"', 'event = "turn"\nsource = "dim"')
+    assert any(
+        "states.dim: event 'press' is neither a transition nor a forbid" in line
+        for line in problems(write(tmp_path, partial, "dimmer.toml"))
+    )
+
+
+def test_extends_faults_name_the_key(tmp_path: Path) -> None:
+    missing = write(tmp_path, DIMMER, "dimmer.toml")
+    assert problems(missing)[0].startswith(f"{missing}: machine.extends: cannot read ")
+    write(tmp_path, "[machine]\nextends = 'loop.toml'\n", "loop.toml")
+    looped = write(tmp_path, "[machine]\nextends = 'loop.toml'\n", "start.toml")
+    assert any("more than 8 specs extend one another" in p for p in problems(looped))
+    write(tmp_path, "[composition]\nname = 'c'\n[composition.regions]\nx = 'lamp.toml'\n", "c.toml")
+    write(tmp_path, LAMP, "lamp.toml")
+    wrong = write(tmp_path, "[machine]\nextends = 'c.toml'\n", "wrong.toml")
+    assert f"{wrong}: machine.extends: c.toml is not a [machine] file" in problems(wrong)
+
+
+def test_an_extending_composition_replaces_and_adds_regions(tmp_path: Path) -> None:
+    write(tmp_path, LAMP, "lamp.toml")
+    write(tmp_path, DIMMER, "dimmer.toml")
+    switch = re.sub(r"\bn\b", "m", LAMP).replace('"lamp"', '"switch"')
+    write(tmp_path, switch, "switch.toml")
+    write(
+        tmp_path,
+        "[composition]\nname = 'one'\n[composition.regions]\na = 'lamp.toml'\n",
+        "one.toml",
+    )
+    two = write(
+        tmp_path,
+        "[composition]\nextends = 'one.toml'\nname = 'two'\n"
+        "[composition.regions]\na = 'dimmer.toml'\nb = 'switch.toml'\n"
+        "[composition.births.dark]\ndoc = 'born dimmed'\nstates = { a = 'dim' }\n",
+        "two.toml",
+    )
+    spec = load_spec(two)
+    assert isinstance(spec, System)
+    assert [(r, m.name) for r, m in spec.regions] == [("a", "dimmer"), ("b", "switch")]
+    assert spec.born() == {"a": "off", "b": "off"}
+    assert spec.born("dark") == {"a": "dim", "b": "off"}
+    with pytest.raises(KeyError):
+        spec.born("bright")
+
+
+def test_birth_faults(tmp_path: Path) -> None:
+    write(tmp_path, LAMP, "lamp.toml")
+    bad = write(
+        tmp_path,
+        "[composition]\nname = 'c'\n[composition.regions]\na = 'lamp.toml'\n"
+        "[composition.births.lit]\nstates = { a = 'on' }\n"
+        "[composition.births.odd]\nstates = { z = 'on', a = 'nowhere' }\n"
+        "[composition.births.empty]\nstates = {}\n",
+        "bad.toml",
+    )
+    assert problems(bad) == [
+        f"{bad}: composition.births.empty.states: must be a table of REGION = 'state', got {{}}",
+    ]
+    bad.write_text(bad.read_text().replace("[composition.births.empty]\nstates = {}\n", ""))
+    assert problems(bad) == [
+        f"{bad}: composition.births.lit.states.a: the initial counters break the invariant of on (n >= 1)",
+        f"{bad}: composition.births.odd.states.z: unknown region",
+        f"{bad}: composition.births.odd.states.a: unknown state 'nowhere' of a",
+    ]
+
+
+def test_the_shipped_storage_composition_builds_on_residency() -> None:
+    base, storage = load_shipped("residency"), load_shipped("residency_storage")
+    assert isinstance(base, System)
+    assert isinstance(storage, System)
+    assert [r for r, _ in storage.regions] == ["host", "device", "storage"]
+    assert storage.forbids[: len(base.forbids)] == base.forbids
+    host = storage.machines["host"]
+    assert (
+        host.transitions[: len(base.machines["host"].transitions)]
+        == base.machines["host"].transitions
+    )
+    assert storage.born("discovered") == {
+        "host": "evicted",
+        "device": "absent",
+        "storage": "stored",
+    }

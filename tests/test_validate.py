@@ -231,7 +231,10 @@ def test_every_shipped_spec_validates() -> None:
     assert [p.name for p in paths] == [
         "device_residency.toml",
         "host_residency.toml",
+        "host_storage_residency.toml",
         "residency.toml",
+        "residency_storage.toml",
+        "storage_residency.toml",
     ]
     for path in paths:
         assert problems(load_spec(path)) == []

@@ -120,13 +120,31 @@ class Engine:
         """Every event name the engine accepts."""
         return tuple(self._verbs)
 
-    def new(self, ident: object = 0) -> Any:
-        """Return a fresh record in the initial state with initial counters."""
-        return self.Record(ident)
+    def new(self, ident: object = 0, birth: str | None = None) -> Any:
+        """Return a fresh record with initial counters, in the initial states or those of ``birth``.
 
-    def init(self, rec: Any, ident: object) -> None:
-        """Put any object with the record's attributes into the initial state."""
-        _initialise(self.system, rec, ident)
+        Raises:
+            SpecError: The spec declares no birth of that name.
+        """
+        rec = self.Record(ident)
+        if birth is not None:
+            self.init(rec, ident, birth)
+        return rec
+
+    def init(self, rec: Any, ident: object, birth: str | None = None) -> None:
+        """Put any object with the record's attributes into the initial states (or ``birth``'s).
+
+        Raises:
+            SpecError: The spec declares no birth of that name; ``rec`` is unchanged.
+        """
+        try:
+            states = self.system.born(birth)
+        except KeyError:
+            known = ", ".join(b.name for b in self.system.births) or "none"
+            raise SpecError(
+                [f"{self.system.source}: unknown birth {birth!r} (declared: {known})"]
+            ) from None
+        _initialise(self.system, rec, ident, states)
 
     def verb(self, event: str) -> Verb:
         """Return the checked function for ``event``, to call as ``verb(record)``.
@@ -270,11 +288,13 @@ class Engine:
         return refuse
 
 
-def _initialise(system: System, rec: Any, ident: object) -> None:
-    """Set ``rec``'s id, every region's initial state, initial counters and no trail."""
+def _initialise(
+    system: System, rec: Any, ident: object, states: dict[str, str] | None = None
+) -> None:
+    """Set ``rec``'s id, every region's state (initial unless ``states`` says), initial counters, no trail."""
     rec.id = ident
     for region, machine in system.regions:
-        setattr(rec, region, machine.initial)
+        setattr(rec, region, states[region] if states else machine.initial)
     for name, value in system.counters:
         setattr(rec, name, value)
     rec.trail = None

@@ -2,8 +2,13 @@
 
 A file holds either one ``[machine]`` or one ``[composition]`` whose
 ``[composition.regions]`` table maps region names to machine files (paths
-relative to the composition file). Loading validates the result
-(:mod:`fsm_cache.spec.validate`): a spec that loads is one the engine can run.
+relative to the composition file). Either may name, with ``extends``, a file
+of its own kind that it adds to: the states, events, transitions and refusals
+of an extending machine follow its base's, and an extending composition
+replaces or adds regions and follows its base's refusals and births. A rule
+therefore lives once, in the base, however many specs build on it. Loading
+validates the result (:mod:`fsm_cache.spec.validate`): a spec that loads is
+one the engine can run.
 
 Whatever the input, a fault is a :class:`SpecError`, never another exception:
 files are read up to :data:`MAX_BYTES`, data is refused past :data:`MAX_DEPTH`
@@ -29,6 +34,7 @@ from fsm_cache.spec.guards import (
     parse_update,
 )
 from fsm_cache.spec.machine import (
+    Birth,
     EventSpec,
     Forbid,
     MachineSpec,
@@ -49,6 +55,9 @@ _Table = Mapping[str, Any]
 
 MAX_BYTES = 16 * 2**20
 """The largest spec file read; a real one is a few kilobytes, and ``/dev/zero`` is not one."""
+
+MAX_EXTENDS = 8
+"""The longest chain of ``extends`` followed; a longer one is refused as a likely cycle."""
 
 MAX_DEPTH = 64
 """The deepest nesting of tables and arrays accepted; a real spec nests four levels.
@@ -182,17 +191,27 @@ def spec_from_dict(data: _Table, source: str = "<python>", base: Path | None = N
     if "composition" in data:
         spec: Spec = _composition(data, source, base or Path())
     else:
-        spec = machine_from_dict(data, source)
+        spec = machine_from_dict(data, source, base)
     validate(spec)
     return spec
 
 
-def machine_from_dict(data: _Table, source: str = "<python>") -> MachineSpec:
+def machine_from_dict(
+    data: _Table, source: str = "<python>", base: Path | None = None, depth: int = 0
+) -> MachineSpec:
     """Build a :class:`MachineSpec` from TOML-shaped data, without validating it.
 
+    Args:
+        data: The TOML-shaped table.
+        source: Where the data came from, for error locations.
+        base: The folder ``machine.extends`` is relative to (default: the
+            working directory).
+        depth: How many ``extends`` led here (:data:`MAX_EXTENDS`).
+
     Raises:
-        SpecError: A table or key is missing, mistyped or does not parse, or
-            the data is not a table or nests too deeply (:data:`MAX_DEPTH`).
+        SpecError: A table or key is missing, mistyped or does not parse, the
+            data is not a table or nests too deeply (:data:`MAX_DEPTH`), or the
+            machine it extends cannot be read.
     """
     _check_shape(data, source)
     problems = _Problems(source)
@@ -200,46 +219,83 @@ def machine_from_dict(data: _Table, source: str = "<python>") -> MachineSpec:
         data, {"machine", "counters", "states", "transition", "forbid", "events"}, "", problems
     )
     head = _table(data, "machine", problems)
-    _known_keys(head, {"name", "initial", "doc", "label"}, "machine", problems)
+    _known_keys(head, {"name", "initial", "doc", "label", "extends"}, "machine", problems)
+    parent = _extended("machine", head, base or Path(), depth, problems)
+    if parent is not None and not isinstance(parent, MachineSpec):
+        problems.add("machine.extends", f"{head['extends']} is not a [machine] file")
+    basis = parent if isinstance(parent, MachineSpec) else None
     counters = _counters(data.get("counters", {}), problems)
-    states = _states(data.get("states", {}), problems)
+    states = _states(data.get("states", {}), problems, required=basis is None)
     transitions = _transitions(data.get("transition", []), problems)
     forbids = _forbids(data.get("forbid", []), "forbid", problems)
     events = _events(data.get("events", {}), problems)
     for key in ("name", "initial"):
-        if not isinstance(head.get(key), str):
+        if not isinstance(head.get(key, getattr(basis, key, None)), str):
             problems.add(f"machine.{key}", "missing or not a string")
     doc, label = _text(head, "doc", "machine", problems), _text(head, "label", "machine", problems)
     problems.check()
     return MachineSpec(
-        name=head["name"],
-        initial=head["initial"],
-        counters=counters,
-        states=states,
-        transitions=transitions,
-        forbids=forbids,
-        events=events,
-        doc=doc,
-        label=label or "instance",
+        name=head.get("name", getattr(basis, "name", "")),
+        initial=head.get("initial", getattr(basis, "initial", "")),
+        counters=(*(basis.counters if basis else ()), *counters),
+        states=(*(basis.states if basis else ()), *states),
+        transitions=(*(basis.transitions if basis else ()), *transitions),
+        forbids=(*(basis.forbids if basis else ()), *forbids),
+        events=(*(basis.events if basis else ()), *events),
+        doc=doc or (basis.doc if basis else ""),
+        label=label or (basis.label if basis else "instance"),
         source=source,
     )
 
 
-def _composition(data: _Table, source: str, base: Path) -> System:
+def _extended(kind: str, head: _Table, base: Path, depth: int, problems: _Problems) -> Spec | None:
+    """Return the unvalidated spec ``head.extends`` names (relative to ``base``), if any."""
+    rel = head.get("extends")
+    if rel is None:
+        return None
+    where = f"{kind}.extends"
+    if not isinstance(rel, str) or not rel or "\0" in rel:
+        problems.add(where, f"must be the file name of a spec, got {shown(rel)}")
+        return None
+    if depth >= MAX_EXTENDS:
+        problems.add(where, f"more than {MAX_EXTENDS} specs extend one another (a cycle?)")
+        return None
+    path = base / rel
+    try:
+        data = _read(path)
+        _check_shape(data, str(path))
+        if "composition" in data:
+            return _composition(data, str(path), path.parent, depth + 1)
+        return machine_from_dict(data, str(path), path.parent, depth + 1)
+    except (OSError, ValueError) as exc:
+        problems.add(where, f"cannot read {path}: {_why(exc)}")
+    except SpecError as exc:
+        problems.lines += exc.problems
+    return None
+
+
+def _composition(data: _Table, source: str, base: Path, depth: int = 0) -> System:
     problems = _Problems(source)
     _known_keys(data, {"composition", "forbid"}, "", problems)
     head = _table(data, "composition", problems)
-    _known_keys(head, {"name", "regions", "doc", "label"}, "composition", problems)
-    regions_table = head.get("regions")
-    if not isinstance(regions_table, Mapping) or not regions_table:
+    _known_keys(
+        head, {"name", "regions", "doc", "label", "extends", "births"}, "composition", problems
+    )
+    parent = _extended("composition", head, base, depth, problems)
+    if parent is not None and not isinstance(parent, System):
+        problems.add("composition.extends", f"{head['extends']} is not a [composition] file")
+    basis = parent if isinstance(parent, System) else None
+    regions = dict(basis.regions) if basis else {}
+    regions_table = head.get("regions", {} if basis else None)
+    if not isinstance(regions_table, Mapping) or not (regions_table or regions):
         problems.add("composition.regions", "missing: a table of REGION = 'machine.toml'")
         problems.check()
-    regions = []
     for region, rel in cast("_Table", regions_table).items():
         machine = _region(f"composition.regions.{region}", rel, base, problems)
         if machine is not None:
-            regions.append((region, machine))
+            regions[region] = machine
     forbids = _forbids(data.get("forbid", []), "forbid", problems)
+    births = _births(head.get("births", {}), problems)
     if not isinstance(head.get("name"), str):
         problems.add("composition.name", "missing or not a string")
     doc = _text(head, "doc", "composition", problems)
@@ -247,12 +303,42 @@ def _composition(data: _Table, source: str, base: Path) -> System:
     problems.check()
     return System(
         name=head["name"],
-        regions=tuple(regions),
-        forbids=forbids,
-        doc=doc,
-        label=label or "instance",
+        regions=tuple(regions.items()),
+        forbids=(*(basis.forbids if basis else ()), *forbids),
+        doc=doc or (basis.doc if basis else ""),
+        label=label or (basis.label if basis else "instance"),
         source=source,
+        births=(*(basis.births if basis else ()), *births),
     )
+
+
+def _births(table: object, problems: _Problems) -> tuple[Birth, ...]:
+    """Parse ``[composition.births]``: ``NAME = { doc = ..., states = { REGION = STATE } }``."""
+    if not isinstance(table, Mapping):
+        problems.add("composition.births", "must be a table of NAME = { doc, states }")
+        return ()
+    result = []
+    for name, body in table.items():
+        where = f"composition.births.{name}"
+        if not _IDENT.match(name):
+            problems.add(where, "not an identifier")
+        if not isinstance(body, Mapping):
+            problems.add(where, "must be a table")
+            continue
+        _known_keys(body, {"doc", "states"}, where, problems)
+        states = body.get("states")
+        if (
+            not isinstance(states, Mapping)
+            or not states
+            or not all(isinstance(v, str) for v in states.values())
+        ):
+            problems.add(
+                f"{where}.states", f"must be a table of REGION = 'state', got {shown(states)}"
+            )
+            continue
+        doc = _text(body, "doc", where, problems)
+        result.append(Birth(name, tuple((str(r), str(st)) for r, st in states.items()), doc))
+    return tuple(result)
 
 
 def _region(where: str, rel: object, base: Path, problems: _Problems) -> MachineSpec | None:
@@ -270,7 +356,7 @@ def _region(where: str, rel: object, base: Path, problems: _Problems) -> Machine
         if "composition" in data:
             problems.add(where, f"{rel} is not a [machine] file")
             return None
-        return machine_from_dict(data, source=str(path))
+        return machine_from_dict(data, source=str(path), base=path.parent)
     except (OSError, ValueError) as exc:
         problems.add(where, f"cannot read {path}: {_why(exc)}")
     except SpecError as exc:
@@ -305,8 +391,8 @@ def _counters(table: object, problems: _Problems) -> tuple[tuple[str, int], ...]
     return tuple(result)
 
 
-def _states(table: object, problems: _Problems) -> tuple[StateSpec, ...]:
-    if not isinstance(table, Mapping) or not table:
+def _states(table: object, problems: _Problems, required: bool = True) -> tuple[StateSpec, ...]:
+    if not isinstance(table, Mapping) or (required and not table):
         problems.add("states", "missing: a table of NAME = { doc = ... }")
         return ()
     result = []

@@ -174,6 +174,26 @@ class MachineSpec:
 
 
 @dataclass(frozen=True)
+class Birth:
+    """A way a record comes into being other than in every region's initial state.
+
+    A tree node is normally born with the KV a request computed on the device
+    (each region's ``initial``). A composition may declare other births: a
+    node created for a prefix a storage tier already holds is born with no
+    device or host copy and a stored one.
+
+    Attributes:
+        name: The birth's name (``discovered``).
+        states: ``(region, state)`` for the regions not born in their initial state.
+        doc: When records are born this way.
+    """
+
+    name: str
+    states: tuple[tuple[str, str], ...]
+    doc: str = ""
+
+
+@dataclass(frozen=True)
 class System:
     """Machines composed over one record, each in its own named region.
 
@@ -190,6 +210,7 @@ class System:
         doc: What the composition models.
         label: How instances are called in messages.
         source: The file the composition came from.
+        births: Ways records are born besides every region's initial state.
     """
 
     name: str
@@ -198,6 +219,7 @@ class System:
     doc: str = ""
     label: str = "instance"
     source: str = "<python>"
+    births: tuple[Birth, ...] = ()
     _event_regions: dict[str, tuple[str, ...]] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -254,6 +276,20 @@ class System:
     def forbids_for(self, event: str) -> tuple[Forbid, ...]:
         """Return the cross-region refusals of ``event``, in declaration order."""
         return tuple(f for f in self.forbids if f.event == event)
+
+    def born(self, birth: str | None = None) -> dict[str, str]:
+        """Return every region's state at ``birth`` (``None``: the initial states).
+
+        Raises:
+            KeyError: The composition declares no such birth.
+        """
+        states = {region: machine.initial for region, machine in self.regions}
+        if birth is not None:
+            found = [b for b in self.births if b.name == birth]
+            if not found:
+                raise KeyError(birth)
+            states.update(found[0].states)
+        return states
 
 
 Spec = MachineSpec | System

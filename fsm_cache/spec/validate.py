@@ -313,7 +313,25 @@ def _system_problems(system: System) -> list[str]:
             seen[counter] = region
     for i, fb in enumerate(system.forbids):
         out += _system_forbid_problems(system, f"forbid[{i}]", fb)
+    out += _birth_problems(system)
     return inner + [f"{system.source}: {line}" for line in out]
+
+
+def _birth_problems(system: System) -> Iterator[str]:
+    """Each birth names known regions and states whose invariants hold at the initial counters."""
+    machines, names = system.machines, [b.name for b in system.births]
+    for birth in system.births:
+        where = f"composition.births.{birth.name}"
+        if names.count(birth.name) > 1:
+            yield f"{where}: declared twice"
+        for region, state in birth.states:
+            machine = machines.get(region)
+            if machine is None:
+                yield f"{where}.states.{region}: unknown region"
+            elif state not in machine.state_names:
+                yield f"{where}.states.{region}: unknown state {state!r} of {region}"
+            elif not machine.state(state).invariant.holds(dict(machine.counters)):
+                yield f"{where}.states.{region}: the initial counters break the invariant of {state} ({machine.state(state).invariant})"
 
 
 def _system_forbid_problems(system: System, where: str, fb: Forbid) -> list[str]:
