@@ -38,12 +38,12 @@ FIRE_OPEN = """\
 def _fire_open(rec):
     s_state = rec.state
     if s_state == 'shut':
-        n_state = 'open'
+        rec.state = 'open'
+        return
     elif s_state == 'open':
         _refuse(rec, 4)
     else:
         _refuse(rec, 5)
-    rec.state = n_state
 """
 
 
@@ -70,7 +70,7 @@ def test_a_refusal_traceback_shows_the_generated_line() -> None:
     rec = engine.new(1)
     engine.fire(rec, "open")
     text = "".join(traceback.format_exception(refused(engine, rec, "open")))
-    assert f'  File "{engine.filename}", line 30, in _fire_open\n    _refuse(rec, 4)\n' in text
+    assert f'  File "{engine.filename}", line 31, in _fire_open\n    _refuse(rec, 4)\n' in text
 
 
 def test_a_refusal_on_the_plan_path_shows_the_generated_step_line() -> None:
@@ -91,7 +91,7 @@ def test_two_engines_of_one_system_have_their_own_filenames() -> None:
     rec = second.new(2)
     second.fire(rec, "open")
     text = "".join(traceback.format_exception(refused(second, rec, "open")))
-    assert f'  File "{second.filename}", line 30, in _fire_open\n' in text
+    assert f'  File "{second.filename}", line 31, in _fire_open\n' in text
     assert first.filename not in text
 
 
@@ -99,7 +99,7 @@ def test_the_source_survives_checkcache() -> None:
     engine = gate()
     linecache.checkcache()
     linecache.checkcache(engine.filename)
-    assert linecache.getline(engine.filename, 30) == "        _refuse(rec, 4)\n"
+    assert linecache.getline(engine.filename, 31) == "        _refuse(rec, 4)\n"
     lines = engine.source.splitlines(keepends=True)  # no mtime: checkcache has no file to stat
     assert linecache.cache[engine.filename] == (len(engine.source), None, lines, engine.filename)
 

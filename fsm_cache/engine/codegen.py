@@ -61,6 +61,10 @@ class Emitter:
         self.refusals: list[Refusal] = []
         self.lines: list[str] = []
         self.event = ""
+        self.inline = False
+        """Commit inside each transition's branch and return (see :func:`compile_fast`)."""
+        self.state = ""
+        """The source state whose branch is being emitted."""
 
     def refusal(self, region: str, error: str, reason: str) -> int:
         """Register a refusal of the event being compiled and return its index."""
@@ -229,7 +233,10 @@ def compile_event(em: Emitter, event: str) -> str:
 def compile_fast(em: Emitter, event: str) -> str:
     """Emit ``_fire_<event>(rec)`` that checks and commits inline; return its name.
 
-    Only for events with no effects and no propagation: the common, hot case.
+    Only for events with no effects and no propagation: the common, hot case. When
+    nothing is checked after a state's branch (one region, no composition forbid, no
+    trail), each transition commits in its branch and returns, writing only what
+    changes: a pin on a pinned node writes one counter, as a bare counter does.
     """
     name = f"_fire_{event}"
     em.event = event
@@ -238,8 +245,15 @@ def compile_fast(em: Emitter, event: str) -> str:
     counters = [c for r in regions for c in em.system.machines[r].counter_names]
     for counter in counters:
         em.emit(1, f"c_{counter} = rec.{counter}")
-    for region in regions:
-        _region_block(em, region, em.system.machines[region], event)
+    em.inline = _inlinable(em, event)
+    try:
+        for region in regions:
+            _region_block(em, region, em.system.machines[region], event)
+    finally:
+        em.inline = False
+    if _inlinable(em, event):
+        em.emit(0, "")
+        return name
     _system_forbids(em, event)
     for region in regions:
         em.emit(1, f"rec.{region} = n_{region}")
@@ -257,6 +271,19 @@ def compile_fast(em: Emitter, event: str) -> str:
         em.emit(1, f"t.append(({event!r}, c, f.f_lasti))")
     em.emit(0, "")
     return name
+
+
+def _inlinable(em: Emitter, event: str) -> bool:
+    """Whether ``event`` may commit inside its branches: nothing is checked after them.
+
+    That holds with one region, no composition forbid and no trail to append, and
+    where no update assigns one counter twice (each write reads the value on entry).
+    """
+    regions = em.system.regions_of(event)
+    if len(regions) != 1 or em.system.forbids_for(event) or em.trail:
+        return False
+    updates = (t.update for t in em.system.machines[regions[0]].transitions if t.event == event)
+    return all(len({a.counter for a in u.assigns}) == len(u.assigns) for u in updates)
 
 
 def _assigned(system: System, event: str) -> list[str]:
@@ -286,6 +313,7 @@ def _region_block(em: Emitter, region: str, machine: MachineSpec, event: str) ->
             continue
         em.emit(1, f"{'if' if first else 'elif'} s_{region} == {state.name!r}:")
         first = False
+        em.state = state.name
         _state_body(em, region, transitions, forbids)
     fallback = em.refusal(region, "IllegalTransition", f"{event} is not defined in this state")
     if first:
@@ -324,18 +352,27 @@ def _state_body(
 
 
 def _transition_body(em: Emitter, region: str, tr: Transition, depth: int) -> None:
+    if em.inline:  # commit here: every check of this path has passed
+        if tr.dest != em.state:
+            em.emit(depth, f"rec.{region} = {tr.dest!r}")
+        for assign in tr.update.assigns:
+            em.emit(depth, f"rec.{assign.counter} = {_value(assign)}")
+        em.emit(depth, "return")
+        return
     em.emit(depth, f"n_{region} = {tr.dest!r}")
     for assign in tr.update.assigns:
-        value = (
-            f"c_{assign.counter} {assign.op[0]} {assign.amount}"
-            if assign.op != "="
-            else str(assign.amount)
-        )
-        em.emit(depth, f"c_{assign.counter} = {value}")
+        em.emit(depth, f"c_{assign.counter} = {_value(assign)}")
     if tr.effect is not None:
         em.emit(depth, f"effects.append({tr.effect!r})")
     if tr.propagate is not None:
         em.emit(depth, "propagate = True")
+
+
+def _value(assign: Any) -> str:
+    """Return the expression of one counter assignment over the read values ``c_<counter>``."""
+    if assign.op == "=":
+        return str(assign.amount)
+    return f"c_{assign.counter} {assign.op[0]} {assign.amount}"
 
 
 def _system_forbids(em: Emitter, event: str) -> None:
