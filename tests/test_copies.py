@@ -16,6 +16,7 @@ with warnings.catch_warnings():
     from fsm_cache.bench.copies import run_copy_bench
     from fsm_cache.bench.memory import bench_copies, ceiling_copy
     from fsm_cache.errors import CopyFailed, ForeignSlot
+    from fsm_cache.memory import staging
     from fsm_cache.memory.copies import Completion, CopyEngine, Direction, host_runs
     from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
     from fsm_cache.testing.fakecuda import FakeStreams
@@ -155,10 +156,10 @@ def test_a_launch_that_raises_is_reported_as_a_failed_ticket(
 ) -> None:
     engine = make()
 
-    def broken(src: object, dst: object) -> None:
+    def broken(dst: object, src: object, non_blocking: bool) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(engine, "_h2d", broken)
+    monkeypatch.setattr(staging, "_copy", broken)  # the one copy_ of page 0 into page 1
     ticket = engine.start_load([0], [1])
     assert engine.host_busy([0])
     (done,) = engine.poll()

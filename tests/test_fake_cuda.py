@@ -15,6 +15,7 @@ import torch
 
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.errors import CopyFailed
+from fsm_cache.memory import staging
 from fsm_cache.memory.copies import CopyEngine, Direction
 from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
 from fsm_cache.memory.tiers import CacheConfig, Tiers, synthetic_kv
@@ -225,10 +226,15 @@ def test_wait_on_a_synchronous_cpu_engine_only_checks_the_ids() -> None:
 def test_work_that_raises_fails_its_copy_at_the_event(monkeypatch: pytest.MonkeyPatch) -> None:
     engine, _ = make(max_polls=0)
 
-    def broken(src: object, dst: object) -> None:
-        raise RuntimeError("boom")
+    copy, calls = staging._copy, []  # noqa: SLF001 (the one copy_ a one-page load runs)
 
-    monkeypatch.setattr(engine, "_h2d", broken)
+    def broken(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        copy(dst, src, non_blocking)
+
+    monkeypatch.setattr(staging, "_copy", broken)  # the first copy fails, later ones run
     ticket = engine.start_load([0], [1])  # queued, not run: the launch cannot fail yet
     (done,) = engine.poll()
     assert done.ticket == ticket
@@ -273,6 +279,7 @@ def test_tiers_close_lands_every_copy_and_refuses_new_ones() -> None:
     tiers = Tiers(config)
     tiers.write_tokens([0, 1], tokens_of([0, 1]))
     tiers.copier.start_write([0, 1], [3, 4])
+    assert tiers.copier.poll() == []  # submitted: queued on its stream, not landed
     assert fake.streams[0].pending > 0
     tiers.close()
     assert [s.pending for s in fake.streams] == [0, 0]

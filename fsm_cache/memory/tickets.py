@@ -25,6 +25,10 @@ class Direction(enum.Enum):
     D2H = "d2h"
     H2D = "h2d"
 
+    # Members are singletons compared by identity, so the identity hash agrees with equality;
+    # it runs in C, where Enum's own hashes the name in Python (copies look directions up often).
+    __hash__ = object.__hash__
+
 
 @dataclass(frozen=True)
 class Ticket:
@@ -125,34 +129,95 @@ class Copier(Protocol):
         ...
 
 
-class BusyPages:
-    """A multiset of the pages in-flight tickets touch, per tier."""
+class PageSet:
+    """A multiset of page numbers, kept as a set plus the rare extra holders.
+
+    Each in-flight ticket holds its pages; a page two tickets read stays busy
+    until both are reported. Almost every page has one holder, so the pages
+    live in a plain set (adding and removing a ticket's pages runs in C) and
+    only the extra holders of a page are counted.
+    """
+
+    __slots__ = ("_extra", "_pages")
 
     def __init__(self) -> None:
-        self.device: Counter[int] = Counter()
-        self.host: Counter[int] = Counter()
+        self._pages: set[int] = set()
+        self._extra: Counter[int] = Counter()
+
+    def __contains__(self, page: object) -> bool:
+        return page in self._pages
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._pages)
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def isdisjoint(self, pages: Iterable[int]) -> bool:
+        """Return whether none of ``pages`` is held."""
+        return self._pages.isdisjoint(pages)
+
+    def add(self, pages: Sequence[int]) -> None:
+        """Hold each of ``pages`` once more (a page listed twice is held twice)."""
+        held = self._pages
+        if held.isdisjoint(pages):
+            before = len(held)
+            held.update(pages)
+            if len(held) - before == len(pages):
+                return  # the common case: new pages, each listed once
+            repeats = Counter(pages)
+        else:
+            repeats = Counter(pages)
+            for page in repeats.keys() & held:
+                repeats[page] += 1  # held already: one more holder than listed
+            held.update(pages)
+        for page, count in repeats.items():
+            if count > 1:
+                self._extra[page] += count - 1
+
+    def remove(self, pages: Sequence[int]) -> None:
+        """Drop one hold of each of ``pages`` (once per earlier :meth:`add` of them)."""
+        extra = self._extra
+        if not extra or extra.keys().isdisjoint(pages):
+            self._pages.difference_update(pages)
+            return
+        for page in pages:
+            if extra.get(page, 0) > 0:
+                extra[page] -= 1
+                if not extra[page]:
+                    del extra[page]
+            else:
+                self._pages.discard(page)
+
+    def frozen(self) -> frozenset[int]:
+        """Return the pages held, as a frozenset."""
+        return frozenset(self._pages)
+
+
+class BusyPages:
+    """The pages in-flight tickets touch, per tier (see :class:`PageSet`)."""
+
+    def __init__(self) -> None:
+        self.device = PageSet()
+        self.host = PageSet()
 
     def add(self, ticket: Ticket) -> None:
         """Mark the ticket's pages busy."""
-        self.device.update(ticket.device_pages)
-        self.host.update(ticket.host_pages)
+        self.device.add(ticket.device_pages)
+        self.host.add(ticket.host_pages)
 
     def remove(self, ticket: Ticket) -> None:
         """Unmark the ticket's pages (once per earlier :meth:`add`)."""
-        self.device.subtract(ticket.device_pages)
-        self.host.subtract(ticket.host_pages)
-        _drop_zeros(self.device, ticket.device_pages)
-        _drop_zeros(self.host, ticket.host_pages)
-
-
-def _drop_zeros(counts: Counter[int], pages: Iterable[int]) -> None:
-    for p in pages:
-        if counts.get(p) == 0:
-            del counts[p]
+        self.device.remove(ticket.device_pages)
+        self.host.remove(ticket.host_pages)
 
 
 def host_runs(pages: Sequence[int]) -> Iterator[tuple[int, int, int]]:
     """Yield ``(first_page, offset, length)`` for each run of consecutive ascending pages."""
+    first = run_start(pages)
+    if first is not None:  # one run: found in C
+        yield first, 0, len(pages)
+        return
     off = 0
     while off < len(pages):
         end = off + 1
@@ -162,12 +227,31 @@ def host_runs(pages: Sequence[int]) -> Iterator[tuple[int, int, int]]:
         off = end
 
 
+def run_start(pages: Sequence[int]) -> int | None:
+    """Return the first page if ``pages`` is one run of consecutive ascending pages, else None.
+
+    The test runs in C (one comparison with a ``range``), so the common case of
+    pages handed out together costs no Python loop.
+    """
+    if not pages:
+        return None
+    first = pages[0]
+    if pages[-1] - first != len(pages) - 1:
+        return None
+    if len(pages) > 2 and list(pages) != list(range(first, first + len(pages))):
+        return None
+    return first
+
+
 def refuse_busy_destination(direction: Direction, dst: Iterable[int], busy: Container[int]) -> None:
     """Refuse to write pages an unreported copy still reads or writes (WAR and WAW hazards).
 
     Raises:
         ValueError: naming the first busy destination page.
     """
+    disjoint = getattr(busy, "isdisjoint", None)
+    if disjoint is not None and disjoint(dst):
+        return  # nothing busy: checked in C
     hit = next((p for p in dst if p in busy), None)
     if hit is not None:
         tier = "host" if direction is Direction.D2H else "device"

@@ -1,0 +1,305 @@
+"""Moving pages between the pools: streams, reused staging buffers, chunked gather and scatter.
+
+:class:`Mover` moves one batch of pages in one direction, as the copy engine
+(:mod:`fsm_cache.memory.copies`) submits it. Pages are moved as words
+(:attr:`~fsm_cache.memory.kv.KVPool.words`: one contiguous row per page, layer
+and plane, read as 64-bit integers where the page size allows), bit for bit
+whatever the KV dtype.
+
+* **device to host**: the device pages are gathered (``index_select``) into a
+  staging buffer in page-first order, then copied to the host pages, one
+  ``copy_`` per run of consecutive host pages.
+* **host to device**: the host pages are copied into a staging buffer, one
+  ``copy_`` per run, then scattered (``index_copy_``) into the device pages.
+
+A batch larger than one buffer runs in chunks through two staging buffers that
+are kept and reused: on CUDA each direction has two streams, the first stage of
+a chunk (the gather, or the load into staging) runs on one while the second
+stage of the previous chunk (the copy out, or the scatter) runs on the other,
+so the kernel and the transfer overlap; each buffer is filled again only after
+the stage that read it has finished. The copy engine records the batch's event
+on the second stream, after the last chunk.
+
+On a CPU device pool the same code runs synchronously with no streams, and two
+shortcuts apply: a chunk whose host pages form one run is gathered straight
+into them (no staging), and one whose device pages form a run too is one
+``copy_``. ``fsm_cache.testing.fakecuda`` runs the stream logic on CPU pools.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Protocol, cast
+
+import torch
+
+from fsm_cache.memory.kv import KVPool
+from fsm_cache.memory.tickets import Direction, host_runs, run_start
+
+
+__all__ = ["CudaStreams", "Event", "Mover", "Stream", "Streams", "page_index"]
+
+
+class Event(Protocol):
+    """What the engine needs of an event: ``torch.cuda.Event`` or a fake."""
+
+    def record(self, stream: Any) -> Any:
+        """Mark the point after the work queued so far on ``stream`` (a :class:`Stream`)."""
+        ...
+
+    def query(self) -> bool:
+        """Whether the work before the mark has finished; never blocks."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the host until the work before the mark has finished."""
+        ...
+
+
+class Stream(Protocol):
+    """What the engine needs of a stream: ``torch.cuda.Stream`` or a fake."""
+
+    def wait_stream(self, stream: Any) -> None:
+        """Make later work here wait for the work queued so far on ``stream`` (a :class:`Stream`)."""
+        ...
+
+    def wait_event(self, event: Any) -> None:
+        """Make later work here wait for ``event`` (an :class:`Event`) without blocking the host."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the host until the work queued here has finished."""
+        ...
+
+
+class Streams(Protocol):
+    """Where the engine gets its streams and events, and how it queues work on them.
+
+    :class:`CudaStreams` is the real one; ``fsm_cache.testing.fakecuda``
+    provides a CPU fake that defers each copy until its event completes, so
+    the ordering logic runs on machines without a GPU.
+    """
+
+    def new_stream(self, device: torch.device) -> Stream:
+        """Return a new side stream on ``device``."""
+        ...
+
+    def current_stream(self, device: torch.device) -> Stream:
+        """Return the stream compute runs on (``torch.cuda.current_stream``)."""
+        ...
+
+    def new_event(self) -> Event:
+        """Return a new, unrecorded event."""
+        ...
+
+    def run_on(self, stream: Stream, work: Callable[[], None]) -> None:
+        """Queue ``work``'s device operations on ``stream``."""
+        ...
+
+    def synchronize(self, device: torch.device) -> None:
+        """Block the host until every stream of ``device`` is idle."""
+        ...
+
+
+class CudaStreams:  # CUDA only: tested by the gpu-marked tests, faked on CPU by fakecuda
+    """The real :class:`Streams`: ``torch.cuda`` streams and events."""
+
+    def new_stream(self, device: torch.device) -> Stream:
+        """Return ``torch.cuda.Stream(device)``."""
+        stream: Stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        return stream
+
+    def current_stream(self, device: torch.device) -> Stream:
+        """Return ``torch.cuda.current_stream(device)``."""
+        stream: Stream = torch.cuda.current_stream(device)
+        return stream
+
+    def new_event(self) -> Event:
+        """Return ``torch.cuda.Event()`` (timing off: the cheapest kind)."""
+        event: Event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        return event
+
+    def run_on(self, stream: Stream, work: Callable[[], None]) -> None:
+        """Run ``work`` now with ``stream`` and its device current: its kernels queue there.
+
+        The device is made current too, so nothing ``work`` does (pinning an
+        index tensor, say) touches another GPU's context.
+        """
+        cuda_stream = cast("torch.cuda.Stream", stream)
+        with torch.cuda.device(cuda_stream.device), torch.cuda.stream(cuda_stream):
+            work()
+
+    def synchronize(self, device: torch.device) -> None:
+        """``torch.cuda.synchronize(device)``."""
+        torch.cuda.synchronize(device)
+
+
+def page_index(pages: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Return ``pages`` as an int64 index tensor on ``device``.
+
+    Built from an ``array`` (several times cheaper than ``torch.tensor`` of a
+    list). On CUDA it is pinned first and uploaded without blocking, on the
+    current stream: a pageable source would make the upload block the host.
+    """
+    index = torch.frombuffer(array.array("q", pages), dtype=torch.int64)
+    if device.type == "cuda":  # CUDA only
+        return index.pin_memory().to(device, non_blocking=True)
+    return index
+
+
+class Mover:
+    """Moves batches of pages between a device pool and a host pool through reused staging.
+
+    Args:
+        device: The device pool.
+        host: The host pool.
+        chunk_pages: Pages one staging buffer holds: the most one chunk moves.
+        streams: Where streams come from; None: run synchronously (a CPU engine).
+
+    Attributes:
+        streams: Per direction, the stream each batch ends on (where the copy
+            engine waits for compute first and records the batch's event);
+            empty without ``streams``.
+    """
+
+    def __init__(
+        self, device: KVPool, host: KVPool, chunk_pages: int, streams: Streams | None
+    ) -> None:
+        self._dev = device.words
+        self._host = host.words
+        self._where = device.device
+        self._cuda = self._where.type == "cuda"
+        self._chunk = max(1, chunk_pages)
+        self._api = streams
+        self.streams: dict[Direction, Stream] = (
+            {d: streams.new_stream(self._where) for d in Direction} if streams else {}
+        )
+        self._first: dict[Direction, Stream] = {}  # made on the first batch of several chunks
+        self._buffers: dict[Direction, list[torch.Tensor | None]] = {
+            d: [None, None] for d in Direction
+        }
+        self._retired: list[torch.Tensor] = []  # outgrown buffers queued work may still read
+
+    def move(self, direction: Direction, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Queue (or, without streams, run) the copy of ``src[i]`` to ``dst[i]`` for every ``i``.
+
+        The direction's stream must already wait for what it must follow
+        (compute); the batch's last work is queued on it.
+
+        Raises:
+            RuntimeError: torch refused to queue a step (out of memory, say);
+                some of the batch may be queued already.
+        """
+        n, step = len(src), self._chunk
+        if n == 0:
+            return
+        chunks = [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+        last = self.streams.get(direction)
+        first = self._first_stream(direction) if len(chunks) > 1 else last
+        if first is not None and first is not last:
+            first.wait_stream(last)  # compute, and the previous batch's use of the buffers
+        for i, (lo, hi) in enumerate(chunks):
+            buffer = partial(self._buffer, direction, i % 2, hi - lo)
+            if direction is Direction.D2H:
+                one, two = self._d2h(src[lo:hi], dst[lo:hi], buffer)
+            else:
+                one, two = self._h2d(src[lo:hi], dst[lo:hi], buffer)
+            self._run(first, one)
+            if first is not None and last is not None and first is not last:
+                if i:
+                    first.wait_stream(last)  # the previous chunk's second stage frees its buffer
+                last.wait_stream(first)
+            self._run(last, two)
+
+    def release(self) -> None:
+        """Drop outgrown staging buffers; call only when no queued copy can still use them."""
+        self._retired.clear()
+
+    def _first_stream(self, direction: Direction) -> Stream | None:
+        if self._api is None:
+            return None
+        if direction not in self._first:
+            self._first[direction] = self._api.new_stream(self._where)
+        return self._first[direction]
+
+    def _run(self, stream: Stream | None, work: Callable[[], None] | None) -> None:
+        if work is None:
+            return
+        if stream is None or self._api is None:
+            work()
+        else:
+            self._api.run_on(stream, work)
+
+    def _buffer(self, direction: Direction, slot: int, pages: int) -> torch.Tensor:
+        """Staging buffer ``slot`` of ``direction``, at least ``pages`` pages; kept for reuse."""
+        buffers = self._buffers[direction]
+        have = buffers[slot]
+        if have is not None and have.shape[0] >= pages:
+            return have[:pages]
+        if have is not None:
+            self._retired.append(have)  # queued work may still read it
+        size = min(self._chunk, 1 << max(pages - 1, 0).bit_length())
+        shape = (size, *self._dev.shape[1:])
+        fresh = torch.empty(shape, dtype=self._dev.dtype, device=self._where)
+        buffers[slot] = fresh
+        return fresh[:pages]
+
+    def _d2h(
+        self, src: Sequence[int], dst: Sequence[int], staging: Callable[[], torch.Tensor]
+    ) -> tuple[Callable[[], None], Callable[[], None] | None]:
+        """The chunk's gather and copy out (None: the gather wrote the host pages itself)."""
+        dev, host, where = self._dev, self._host, self._where
+        at = None if self._cuda else run_start(dst)
+        if at is not None:  # CPU, host pages in one run: straight into them
+            out = host[at : at + len(dst)]
+            begin = run_start(src)
+            if begin is not None:  # device pages in one run too: one strided copy
+                return (lambda: _copy(out, dev[begin : begin + len(src)], False)), None
+            return (lambda: _gather(dev, page_index(src, where), out)), None
+        buffer = staging()
+
+        def copy_out() -> None:
+            if self._cuda:  # CUDA: one transfer per run of host pages
+                for first, off, n in host_runs(dst):
+                    _copy(host[first : first + n], buffer[off : off + n], True)
+            else:
+                _scatter(host, page_index(dst, where), buffer)
+
+        return (lambda: _gather(dev, page_index(src, where), buffer)), copy_out
+
+    def _h2d(
+        self, src: Sequence[int], dst: Sequence[int], staging: Callable[[], torch.Tensor]
+    ) -> tuple[Callable[[], None], Callable[[], None] | None]:
+        """The chunk's load into staging and scatter (None: one step reads the host pages)."""
+        dev, host, where = self._dev, self._host, self._where
+        at = None if self._cuda else run_start(src)
+        if at is not None:  # CPU, host pages in one run: read straight from them
+            data = host[at : at + len(src)]
+            begin = run_start(dst)
+            if begin is not None:  # device pages in one run too: one strided copy
+                return (lambda: _copy(dev[begin : begin + len(dst)], data, False)), None
+            return (lambda: _scatter(dev, page_index(dst, where), data)), None
+        buffer = staging()
+
+        def load() -> None:
+            if self._cuda:  # CUDA: one transfer per run of host pages
+                for first, off, n in host_runs(src):
+                    _copy(buffer[off : off + n], host[first : first + n], True)
+            else:
+                _gather(host, page_index(src, where), buffer)
+
+        return load, lambda: _scatter(dev, page_index(dst, where), buffer)
+
+
+def _gather(source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    torch.index_select(source, 0, index, out=out)
+
+
+def _scatter(target: torch.Tensor, index: torch.Tensor, data: torch.Tensor) -> None:
+    target.index_copy_(0, index, data)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+    dst.copy_(src, non_blocking=non_blocking)
