@@ -5,6 +5,10 @@ start method, a FileStore in a temporary folder, 127.0.0.1 only). Each rank
 runs scenarios one after another over one process group and writes what it
 saw as JSON; the tests compare the ranks' files. A rank that raises fails its
 test with the rank's traceback; a group that outlives its deadline is killed.
+
+The scenarios serve their requests in scheduler steps, as a serving engine
+does: a few requests on each rank's cache, then one agreed
+``DistributedCache.step()``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -37,8 +41,8 @@ with warnings.catch_warnings():
     from fsm_cache.bench import cache as cachebench
     from fsm_cache.bench import tp as tpbench
     from fsm_cache.bench.tp import (
+        StepTimes,
         TPBench,
-        TraceRates,
         bench_config,
         cache_trace_config,
         chat_trace,
@@ -50,7 +54,7 @@ with warnings.catch_warnings():
     from fsm_cache.cache.hicache import HiCache
     from fsm_cache.cli import bench
     from fsm_cache.distributed.agreement import DistributedCache
-    from fsm_cache.distributed.collectives import Collectives, group_device
+    from fsm_cache.distributed.collectives import CPU, Collectives, cpu_group
     from fsm_cache.distributed.digest import (
         TransitionDigest,
         copy_nodes,
@@ -124,17 +128,28 @@ def fingerprint(cache: HiCache) -> list[list[Any]]:
 # -- what each rank runs ---------------------------------------------------------
 
 
+def every(requests: int, step: Callable[[], object]) -> Callable[[], None]:
+    """A per-request callback that ends a scheduler step every ``requests`` requests."""
+    served = itertools.count(1)
+
+    def after_request() -> None:
+        if next(served) % requests == 0:
+            step()
+
+    return after_request
+
+
 def agree_on_workload(rank: int) -> dict[str, Any]:
     """Run the chat trace with skewed acknowledgements; report digests, tree and skew seen."""
-    shared = DistributedCache(HiCache(skewed(rank)), timeout=TIMEOUT, verify_every=5)
+    shared = DistributedCache(HiCache(skewed(rank)), timeout=TIMEOUT)
     ahead = 0
 
-    def poll() -> None:
+    def step() -> None:
         nonlocal ahead
         ahead = max(ahead, shared.buffered)
-        shared.poll()
+        shared.step()
 
-    serve_chat_trace(shared.cache, chat_trace(60), poll)
+    serve_chat_trace(shared.cache, chat_trace(60), every(4, step))
     shared.drain()
     digest = shared.verify_agreement()
     return {
@@ -155,14 +170,14 @@ def divergence(rank: int, world: int, inject: Callable[[DistributedCache], None]
     shared = DistributedCache(HiCache(skewed(0)), timeout=TIMEOUT)
     for tokens in chat_trace(6, seed=1):
         serve_request(shared.cache, tokens)
-        shared.poll()
+        shared.step()
     shared.verify_agreement()
     serve_request(shared.cache, chat_trace(7, seed=1)[-1])  # leaves copies in flight
     if faulty:
         inject(shared)
     try:
         for _ in range(2):
-            shared.poll()
+            shared.step()
         shared.verify_agreement()
     except RankDivergence as exc:
         return str(exc)
@@ -190,6 +205,10 @@ def two_rank_worker(rank: int, world: int, store: str, out: str) -> None:
     report["failed_copy"] = failed_copy(rank, world)
     report["lost_in_drain"] = lost_completion(rank, world, stall=False)
     report["lost_in_poll"] = lost_completion(rank, world, stall=True)
+    report["lost_in_wait"] = lost_in_a_wait(rank, world)
+    report["per_step"] = one_collective_per_step(rank)
+    report["side_group"] = agree_on_a_side_group(rank)
+    report["given_group"] = agree_on_a_given_group(rank)
     report["hang"] = survive_a_hang(rank)  # last: the group is broken after it
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
@@ -200,7 +219,7 @@ def failed_copy(rank: int, world: int) -> str:
     fail = {3} if rank == world - 1 else set()
     shared = DistributedCache(HiCache(skewed(0, fail=fail)), timeout=TIMEOUT)
     try:
-        serve_chat_trace(shared.cache, chat_trace(6, seed=1), shared.poll)
+        serve_chat_trace(shared.cache, chat_trace(6, seed=1), shared.step)
         shared.verify_agreement()
     except RankDivergence as exc:
         return str(exc)
@@ -215,6 +234,10 @@ class _Lossy(FaultyCopyEngine):
     def __init__(self, inner: CopyEngine) -> None:
         super().__init__(inner)
         self._lost: set[int] = set()
+
+    def forget(self, tickets: Iterable[int]) -> None:
+        """Lose the completions of these copies, already started."""
+        self._lost.update(tickets)
 
     def start_write(self, device_pages: Any, host_pages: Any) -> Ticket:
         return self._mark(super().start_write(device_pages, host_pages))
@@ -253,7 +276,7 @@ def lost_completion(rank: int, world: int, *, stall: bool) -> tuple[str, int]:
     trace = chat_trace(7, seed=1)
     for tokens in trace[:-1]:
         serve_request(shared.cache, tokens)
-        shared.poll()
+        shared.step()
     if rank == world - 1:
         copier.lose = frozenset({copier.started + 1})
     serve_request(shared.cache, trace[-1])
@@ -261,8 +284,8 @@ def lost_completion(rank: int, world: int, *, stall: bool) -> tuple[str, int]:
     try:
         if not stall:
             shared.drain()
-        for _ in range(40):  # 2 s of polls: longer than the timeout, and bounded
-            shared.poll()
+        for _ in range(40):  # 2 s of steps: longer than the timeout, and bounded
+            shared.step()
             polls += 1
             time.sleep(0.05)
     except RankDivergence as exc:
@@ -270,14 +293,142 @@ def lost_completion(rank: int, world: int, *, stall: bool) -> tuple[str, int]:
     return "no divergence", polls
 
 
+def lost_in_a_wait(rank: int, world: int) -> list[str]:
+    """The last rank loses the completion of a copy an insert then waits for.
+
+    Steps come every four requests; the 21st request's insert must wait for
+    the copies in flight (device memory is short), and applies them all on
+    every rank without a collective. The last rank, which lost one, raises
+    there; every rank raises at the next step. Returns both messages.
+    """
+    shared = DistributedCache(HiCache(bench_config(debug=True, copier=_lossy)), timeout=TIMEOUT)
+    copier = shared.cache.tiers.copier
+    assert isinstance(copier, _Lossy)
+    trace = chat_trace(21, seed=1)
+    serve_chat_trace(shared.cache, trace[:-1], every(4, shared.step), evict_every=len(trace))
+    in_flight = shared.cache.issued()
+    assert in_flight
+    if rank == world - 1:
+        copier.forget(in_flight[:1])
+    waited = len(shared.cache.log.acknowledgements())
+    messages = []
+    try:
+        serve_request(shared.cache, trace[-1])
+        assert any(origin == "wait" for origin, _ in shared.cache.log.acknowledgements()[waited:])
+        messages.append("served")
+    except RankDivergence as exc:
+        messages.append(str(exc))
+    try:
+        shared.step()
+        messages.append("no divergence")
+    except RankDivergence as exc:
+        messages.append(str(exc))
+    return messages
+
+
+def count_collectives(calls: list[tuple[str, Any, list[str]]]) -> Callable[[], None]:
+    """Record ``(name, group, tensor devices)`` of each collective started here; return the undo."""
+    names = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier")
+    saved = {name: getattr(dist, name) for name in names}
+
+    def recording(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            calls.append((name, kwargs.get("group"), [str(t.device) for t in tensors]))
+            return saved[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(dist, name, recording(name))
+
+    def undo() -> None:
+        for name, original in saved.items():
+            setattr(dist, name, original)
+
+    return undo
+
+
+def one_collective_per_step(rank: int) -> dict[str, Any]:
+    """Serve 96 requests in three steps of 32 under memory pressure; count the collectives."""
+    shared = DistributedCache(HiCache(skewed(rank)), timeout=TIMEOUT)
+    calls: list[tuple[str, Any, list[str]]] = []
+    per_step = []
+    undo = count_collectives(calls)
+    try:
+        trace = chat_trace(96)
+        for start in (0, 32, 64):
+            before = len(calls)
+            serve_chat_trace(shared.cache, trace[start : start + 32], lambda: None)
+            served = len(calls)
+            shared.step()
+            per_step.append([served - before, len(calls) - served])
+    finally:
+        undo()
+    acks = shared.cache.log.acknowledgements()
+    return {
+        "per_step": per_step,  # [collectives while serving, collectives in step()]
+        "names": sorted({name for name, *_ in calls}),
+        "waits": sum(origin == "wait" and len(applied) > 0 for origin, applied in acks),
+        "steps": shared.steps,
+    }
+
+
+def agree_on_a_side_group(rank: int) -> dict[str, Any]:
+    """A default group that is not gloo (NCCL, as far as the cache can tell): a gloo side group.
+
+    Only the default group's backend is disguised; the side group is a real gloo group.
+    """
+    real = dist.get_backend
+
+    def nccl_default(group: Any = None) -> str:
+        return "nccl" if group is None or group is dist.group.WORLD else real(group)
+
+    dist.get_backend = nccl_default  # type: ignore[assignment]
+    try:
+        shared = DistributedCache(HiCache(skewed(rank)), timeout=TIMEOUT)
+    finally:
+        dist.get_backend = real
+    return observe_agreement(shared)
+
+
+def agree_on_a_given_group(rank: int) -> dict[str, Any]:
+    """A gloo group built by the caller (SGLang's ``tp_cpu_group``) is used as it is."""
+    tp_cpu_group = dist.new_group(backend="gloo")
+    shared = DistributedCache(HiCache(skewed(rank)), tp_cpu_group, timeout=TIMEOUT)
+    report = observe_agreement(shared)
+    report["given"] = shared.group is tp_cpu_group
+    return report
+
+
+def observe_agreement(shared: DistributedCache) -> dict[str, Any]:
+    """Serve a few steps, drain, verify; report the group and every collective's group and tensors."""
+    calls: list[tuple[str, Any, list[str]]] = []
+    undo = count_collectives(calls)
+    try:
+        serve_chat_trace(shared.cache, chat_trace(24, seed=4), every(8, shared.step))
+        shared.drain()
+        shared.verify_agreement()
+    finally:
+        undo()
+    return {
+        "backend": str(dist.get_backend(shared.group)),
+        "default": shared.group is None or shared.group is dist.group.WORLD,
+        "on_the_group": all(group is shared.group for _, group, _ in calls),
+        "devices": sorted({d for *_, devices in calls for d in devices}),
+        "collectives": len(calls),
+        "device": str(shared.device),
+    }
+
+
 def survive_a_hang(rank: int) -> str:
     """Rank 1 stops taking part for longer than the timeout; rank 0 must give up, not wait."""
     shared = DistributedCache(HiCache(bench_config()), timeout=1.0)
-    shared.poll()
+    shared.step()
     if rank == 1:
         time.sleep(3.0)
     try:
-        shared.poll()
+        shared.step()
     except RankFailure as exc:
         return str(exc)
     return "finished"
@@ -300,7 +451,7 @@ def survive_a_death(rank: int, world: int) -> str:
             if i == 3 and rank == world - 1:
                 os._exit(0)  # dies without a word, as a crashed rank does
             serve_request(shared.cache, tokens)
-            shared.poll()
+            shared.step()
     except RankFailure as exc:
         return str(exc)
     return "finished"
@@ -355,12 +506,10 @@ def test_a_dropped_acknowledgement_is_named(two_ranks: Results) -> None:
     assert [r["dropped_ack"] for r in two_ranks] == [want, want]
 
 
-def test_an_eviction_on_one_rank_is_named(two_ranks: Results) -> None:
+def test_an_eviction_on_one_rank_is_named_at_the_next_step(two_ranks: Results) -> None:
     want = (
-        "rank divergence at transition 24: rank 0 applied node 8 write_done, "
+        "rank divergence at transition 24: rank 0 applied nothing (only 24 transitions), "
         "rank 1 applied node 4 evict_device; "
-        "node 8 now: rank 0 backed/resident (pins=0, locks=0), "
-        "rank 1 backed/resident (pins=0, locks=0); "
         "node 4 now: rank 0 backed/resident (pins=0, locks=0), "
         "rank 1 backed/absent (pins=0, locks=0)"
     )
@@ -372,7 +521,7 @@ def test_a_copy_failed_on_one_rank_is_named(two_ranks: Results) -> None:
         "rank divergence at transition 7: rank 0 applied node 3 write_done, "
         "rank 1 applied node 3 write_failed; "
         "node 3 now: rank 0 backed/resident (pins=0, locks=0), "
-        "rank 1 backed/resident (pins=0, locks=0)"
+        "rank 1 writing/resident (pins=0, locks=0)"  # written again since
     )
     assert [r["failed_copy"] for r in two_ranks] == [want, want]
 
@@ -387,7 +536,7 @@ def test_a_lost_completion_is_named_when_draining(two_ranks: Results) -> None:
     assert [r["lost_in_drain"] for r in two_ranks] == [[want, 0], [want, 0]]
 
 
-def test_a_completion_missing_past_the_timeout_is_named_when_polling(two_ranks: Results) -> None:
+def test_a_completion_missing_past_the_timeout_is_named_when_stepping(two_ranks: Results) -> None:
     want = (
         "rank divergence after transition 24: copy 1 of 1 in flight (nodes [8]) finished "
         "on rank 0 and not on rank 1 for longer than the timeout (1 s); "
@@ -395,17 +544,61 @@ def test_a_completion_missing_past_the_timeout_is_named_when_polling(two_ranks: 
         "rank 1 writing/resident (pins=0, locks=0)"
     )
     assert [r["lost_in_poll"][0] for r in two_ranks] == [want, want]
-    # both ranks gave up at the same poll, and not at the first one: that one starts the clock
+    # both ranks gave up at the same step, and not at the first one: that one starts the clock
     polls = {r["lost_in_poll"][1] for r in two_ranks}
     assert len(polls) == 1
     assert 1 <= polls.pop() < 40
+
+
+def test_a_completion_lost_in_a_wait_is_named_at_the_next_step(two_ranks: Results) -> None:
+    here = (
+        "rank 1 of 2: a completion was lost: this rank drained its copy engine without the "
+        "completion of copy 1 of 2 in flight (nodes [21]); every rank raises at the next step"
+    )
+    want = (
+        "rank divergence after transition 96: a completion was lost: rank 1 drained its "
+        "copy engine without the completion of copy 1 of 2 in flight (nodes [21]); "
+        "node 21 now: rank 0 backed/resident (pins=0, locks=0), "
+        "rank 1 writing/resident (pins=0, locks=0)"
+    )
+    assert [r["lost_in_wait"] for r in two_ranks] == [["served", want], [here, want]]
+
+
+def test_a_step_of_32_requests_takes_one_collective(two_ranks: Results) -> None:
+    for result in two_ranks:
+        run = result["per_step"]
+        # serving, waits for copies under memory pressure included, takes no collective
+        assert run["per_step"] == [[0, 1], [0, 1], [0, 1]]
+        assert run["names"] == ["all_reduce"]
+        assert run["waits"] > 0
+        assert run["steps"] == 3
+    assert two_ranks[0]["per_step"]["waits"] == two_ranks[1]["per_step"]["waits"]
+
+
+def test_a_default_group_that_is_not_gloo_gets_a_gloo_side_group(two_ranks: Results) -> None:
+    for result in two_ranks:
+        side = result["side_group"]
+        assert side["backend"] == "gloo"
+        assert not side["default"]
+        assert side["on_the_group"]
+        assert side["collectives"] > 0
+        assert side["devices"] == ["cpu"]
+        assert side["device"] == "cpu"
+
+
+def test_a_given_gloo_group_is_used_as_it_is(two_ranks: Results) -> None:
+    for result in two_ranks:
+        given = result["given_group"]
+        assert given["given"]
+        assert (given["backend"], given["default"], given["on_the_group"]) == ("gloo", False, True)
+        assert given["devices"] == ["cpu"]
 
 
 def test_a_dead_rank_makes_the_others_fail_not_hang(four_ranks: Results) -> None:
     assert "death" not in four_ranks[3]  # it died before reporting
     for rank, result in enumerate(four_ranks[:3]):
         pattern = (
-            rf"rank {rank} of 4: poll agreement \(all_reduce MIN\) failed after \d+\.\d\d s "
+            rf"rank {rank} of 4: step agreement \(all_reduce MIN\) failed after \d+\.\d\d s "
             r"\(timeout 20 s\): another rank died or stopped taking part: .+"
         )
         assert re.fullmatch(pattern, result["death"]), result["death"]
@@ -413,19 +606,22 @@ def test_a_dead_rank_makes_the_others_fail_not_hang(four_ranks: Results) -> None
 
 def test_a_hung_rank_makes_the_other_fail_after_the_timeout(two_ranks: Results) -> None:
     pattern = (
-        r"rank 0 of 2: poll agreement \(all_reduce MIN\) failed after \d+\.\d\d s "
+        r"rank 0 of 2: step agreement \(all_reduce MIN\) failed after \d+\.\d\d s "
         r"\(timeout 1 s\): another rank died or stopped taking part: Operation timed out!"
     )
     assert re.fullmatch(pattern, two_ranks[0]["hang"]), two_ranks[0]["hang"]
 
 
 def test_tp_bench_runs_on_two_ranks() -> None:
-    bench = run_tp_bench(2, polls=20, requests=16, small_requests=8, rounds=1, timeout=TIMEOUT)
-    assert (bench.ranks, bench.polls, bench.rounds) == (2, 20, 1)
-    assert (bench.cache_trace.requests, bench.small_trace.requests) == (16, 8)
-    assert min(bench.agreed_poll_us, bench.local_poll_us) > 0
-    for replayed in (bench.cache_trace, bench.small_trace):
-        assert min(replayed.local_rps, replayed.agreed_rps) > 0
+    bench = run_tp_bench(
+        2, per_step=8, polls=20, requests=20, small_requests=16, rounds=2, timeout=TIMEOUT
+    )
+    assert (bench.ranks, bench.per_step, bench.polls, bench.rounds) == (2, 8, 20, 2)
+    assert (bench.cache_trace.requests, bench.small_trace.requests) == (20, 16)
+    assert (bench.cache_trace.steps, bench.small_trace.steps) == (3, 2)  # a last, short step
+    assert min(bench.agreed_step_us, bench.local_poll_us) > 0
+    for served in (bench.cache_trace, bench.small_trace):
+        assert min(served.local_ms, served.agreed_ms) > 0
 
 
 # -- one process: digests, messages, a world of one --------------------------------
@@ -530,6 +726,21 @@ def world_of_one(tmp_path: Path) -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("world_of_one")
+def test_the_old_spellings_still_work_and_say_what_replaces_them() -> None:
+    cache = HiCache(bench_config(debug=True))
+    with pytest.warns(DeprecationWarning, match=r"verify_every=\.\.\.\) is deprecated and ignored"):
+        DistributedCache(cache, verify_every=5)
+    with pytest.warns(DeprecationWarning, match=r"device=\.\.\.\) is deprecated and ignored"):
+        shared = DistributedCache(cache, device=torch.device("cuda", 1))
+    assert shared.device == CPU
+    cache.insert(list(range(16)))
+    assert cache.issued()
+    with pytest.warns(DeprecationWarning, match=r"call step\(\) once per scheduler step"):
+        assert shared.poll() == 1
+    assert (cache.issued(), shared.steps) == ([], 1)
+
+
+@pytest.mark.usefixtures("world_of_one")
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ConfigError) as caught:
         DistributedCache(HiCache(bench_config()), timeout=0)
@@ -558,19 +769,19 @@ class _HoldFirst(FaultyCopyEngine):
 
 
 @pytest.mark.usefixtures("world_of_one")
-def test_poll_applies_only_the_finished_head_of_the_issue_order() -> None:
+def test_a_step_applies_only_the_finished_head_of_the_issue_order() -> None:
     cache = HiCache(bench_config(debug=True, copier=lambda d, h: _HoldFirst(CopyEngine(d, h))))
     copier = cache.tiers.copier
     assert isinstance(copier, _HoldFirst)
-    shared = DistributedCache(cache, verify_every=1)
+    shared = DistributedCache(cache)
     for first in (100, 200, 300):
         cache.insert(range(first, first + 8))  # three unrelated prompts: three copies
     issued = cache.issued()
     assert issued == [1, 2, 3]
-    assert shared.poll() == 0  # the oldest copy has not finished: nothing may be applied
+    assert shared.step() == 0  # the oldest copy has not finished: nothing may be applied
     assert (shared.buffered, shared.local_ready()) == (len(issued) - 1, 0)
     copier.let_go = True
-    assert shared.poll() == len(issued)
+    assert shared.step() == len(issued)
     assert shared.buffered == 0
     assert not set(issued) & set(cache.issued())
     assert [e for e in cache.log.entries if e[1] == "agreed_poll"] == [
@@ -583,7 +794,7 @@ def test_poll_applies_only_the_finished_head_of_the_issue_order() -> None:
 def test_drain_applies_everything_and_verify_returns_the_digest() -> None:
     cache = HiCache(bench_config(debug=True, copier=_Skew(delay=2, seed=1)))
     shared = DistributedCache(cache)
-    serve_chat_trace(cache, chat_trace(20), shared.poll)
+    serve_chat_trace(cache, chat_trace(20), every(4, shared.step))
     shared.drain()
     assert cache.issued() == []
     assert shared.verify_agreement() == shared.digest
@@ -591,67 +802,95 @@ def test_drain_applies_everything_and_verify_returns_the_digest() -> None:
 
 
 @pytest.mark.usefixtures("world_of_one")
-def test_a_gloo_group_keeps_its_tensors_on_the_cpu() -> None:
-    assert group_device(None) == torch.device("cpu")
-    assert group_device(None, torch.device("cuda", 3)) == torch.device("cpu")
+def test_a_gloo_group_is_its_own_cpu_group() -> None:
+    assert cpu_group(None, TIMEOUT) is None
+    given = dist.new_group(backend="gloo")
+    assert cpu_group(given, TIMEOUT) is given
     shared = DistributedCache(HiCache(bench_config()))
-    assert shared.device == torch.device("cpu")
+    assert (shared.group, shared.device, shared.comm.device) == (None, CPU, CPU)
 
 
 @pytest.fixture
 def nccl_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A world of one that reports NCCL, on a current CUDA device 0, without a GPU."""
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    """A world of one whose default group says it is NCCL, without a GPU."""
+    real = dist.get_backend
+
+    def nccl_default(group: Any = None) -> str:
+        return "nccl" if group is None or group is dist.group.WORLD else real(group)
+
+    monkeypatch.setattr(dist, "get_backend", nccl_default)
 
 
 @pytest.mark.usefixtures("world_of_one", "nccl_backend")
-def test_an_nccl_group_uses_the_cache_device_not_the_current_one() -> None:
-    assert group_device(None, torch.device("cuda", 3)) == torch.device("cuda", 3)
-    assert group_device(None, torch.device("cuda")) == torch.device("cuda", 0)  # the current one
-    assert group_device(None) == torch.device("cuda", 0)  # no cache device: the old default
-    assert group_device(None, torch.device("cpu")) == torch.device("cuda", 0)
-    comm = Collectives.of(None, None, TIMEOUT, cache_device=torch.device("cuda", 5))
-    assert comm.device == torch.device("cuda", 5)
-    explicit = Collectives.of(None, torch.device("cuda", 2), TIMEOUT, cache_device=comm.device)
-    assert explicit.device == torch.device("cuda", 2)
+def test_an_nccl_default_group_gets_a_gloo_side_group_and_cpu_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    built: list[dict[str, Any]] = []
+    new_group = dist.new_group
 
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        built.append(kwargs)
+        return new_group(*args, **kwargs)
 
-@pytest.mark.usefixtures("world_of_one", "nccl_backend")
-def test_an_nccl_group_refuses_a_cpu_device() -> None:
-    with pytest.raises(ConfigError) as caught:
-        Collectives.of(None, torch.device("cpu"), TIMEOUT)
-    assert str(caught.value) == "distributed: an NCCL group needs a CUDA device, got cpu"
-    with pytest.raises(ConfigError) as caught:
-        DistributedCache(HiCache(bench_config()), device=torch.device("cpu"))
-    assert str(caught.value) == "distributed: an NCCL group needs a CUDA device, got cpu"
+    monkeypatch.setattr(dist, "new_group", recording)
+    shared = DistributedCache(HiCache(bench_config(debug=True)), timeout=7.0)
+    assert built == [{"backend": "gloo", "timeout": timedelta(seconds=7)}]
+    assert shared.group is not None
+    assert dist.get_backend(shared.group) == "gloo"
+    reduced: list[torch.Tensor] = []
+    all_reduce = dist.all_reduce
+
+    def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        assert kwargs["group"] is shared.group
+        reduced.append(tensor)
+        return all_reduce(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", spy)
+    shared.cache.insert(list(range(16)))
+    assert shared.step() == 1
+    assert [t.device for t in reduced] == [CPU]
 
 
 @pytest.mark.usefixtures("world_of_one")
-def test_collectives_run_with_their_cuda_device_current(monkeypatch: pytest.MonkeyPatch) -> None:
-    entered: list[torch.device] = []
+def test_an_nccl_group_smaller_than_the_world_must_bring_its_gloo_twin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    part = dist.new_group(backend="gloo")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2 if group is None else 1)
+    with pytest.raises(ConfigError) as caught:
+        cpu_group(part, TIMEOUT)
+    assert str(caught.value) == (
+        "distributed: the agreement needs a gloo group, and a nccl group of 1 of 2 ranks "
+        "cannot get one here (every rank of the world would have to build it); build it on "
+        'every rank with torch.distributed.new_group(ranks, backend="gloo") and pass that'
+    )
 
-    class Current:
-        def __init__(self, device: torch.device) -> None:
-            self.device = device
 
-        def __enter__(self) -> None:
-            entered.append(self.device)
+@pytest.mark.usefixtures("world_of_one")
+def test_a_step_serves_its_requests_without_a_collective(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait of an allocation under memory pressure, too, needs no collective."""
+    reduces: list[int] = []
 
-        def __exit__(self, *exc: object) -> None:
-            del exc
+    def agree_alone(self: Collectives, values: list[int]) -> list[int]:
+        reduces.append(len(values))
+        return values  # the minimum over a world of one
 
-    monkeypatch.setattr(torch.cuda, "device", Current)
-    comm = Collectives(None, 0, 1, torch.device("cuda", 3), TIMEOUT)
-    assert comm.all_gather_object({"rank": 0}) == [{"rank": 0}]  # gloo: the object goes by CPU
-    assert entered == [torch.device("cuda", 3)]
-    Collectives(None, 0, 1, torch.device("cpu"), TIMEOUT).all_gather_object(1)
-    assert entered == [torch.device("cuda", 3)]
+    monkeypatch.setattr(Collectives, "all_reduce_min", agree_alone)
+    shared = DistributedCache(HiCache(skewed(1)))
+    trace = chat_trace(96, seed=3)
+    for start in range(0, len(trace), 32):
+        serve_chat_trace(shared.cache, trace[start : start + 32], lambda: None)
+        assert len(reduces) == start // 32
+        shared.step()
+    waits = [a for o, a in shared.cache.log.acknowledgements() if o == "wait" and a]
+    assert waits
+    assert reduces == [16, 16, 16]  # ready, its negation, two flags, six shared values and theirs
 
 
 @pytest.mark.gpu
-def test_nccl_ranks_need_not_set_their_device(tmp_path: Path) -> None:
-    """A cache on the last GPU while cuda:0 stays current: everything lands on the cache's GPU."""
+def test_nccl_ranks_agree_on_a_gloo_side_group_on_the_cpu(tmp_path: Path) -> None:
+    """A cache on the last GPU while cuda:0 stays current; the agreement never touches a GPU."""
     last = torch.cuda.device_count() - 1
     gpu = torch.device("cuda", last)
     dist.init_process_group(
@@ -662,11 +901,14 @@ def test_nccl_ranks_need_not_set_their_device(tmp_path: Path) -> None:
         cache = HiCache(bench_config(device=f"cuda:{last}", debug=True))
         assert cache.tiers.device.device == gpu
         assert cache.tiers.host.tensor.is_pinned()
-        shared = DistributedCache(cache, timeout=TIMEOUT, verify_every=4)
-        assert shared.device == gpu
-        serve_chat_trace(cache, chat_trace(20), shared.poll)
+        shared = DistributedCache(cache, timeout=TIMEOUT)
+        assert shared.group is not None
+        assert dist.get_backend(shared.group) == "gloo"
+        assert shared.device == CPU
+        serve_chat_trace(cache, chat_trace(20), every(4, shared.step))
         shared.drain()
         assert cache.issued() == []
+        assert cache.stats().transitions["write_done"] > 0
         assert shared.verify_agreement() == shared.digest
         assert torch.cuda.current_device() == 0
         cache.tiers.close()
@@ -676,39 +918,59 @@ def test_nccl_ranks_need_not_set_their_device(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-def test_nccl_world_of_one_agrees_on_cuda_copies(tmp_path: Path) -> None:
+def test_a_step_does_not_wait_for_the_compute_stream(tmp_path: Path) -> None:
+    """With compute queued on the GPU, a step and a verification return before it ends.
+
+    An NCCL all-reduce would be queued behind that compute, and reading its
+    result back would wait for it; the gloo side group never touches the GPU.
+    """
     torch.cuda.set_device(0)
     dist.init_process_group(
         "nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
     )
     try:
         cache = HiCache(bench_config(device="cuda", debug=True))
-        shared = DistributedCache(cache, timeout=TIMEOUT, verify_every=4)
-        assert shared.device == torch.device("cuda", 0)
-        serve_chat_trace(cache, chat_trace(20), shared.poll)
+        shared = DistributedCache(cache, timeout=TIMEOUT)
+        serve_chat_trace(cache, chat_trace(8), every(4, shared.step))
         shared.drain()
-        assert cache.issued() == []
-        assert cache.stats().transitions["write_done"] > 0
+        torch.cuda.synchronize()
+        compute = torch.cuda.current_stream()
+        busy = torch.ones(8192, 8192, device="cuda")
+        for _ in range(40):  # about half a second of matrix products queued on it
+            busy = busy @ busy
+        assert shared.step() == 0
         assert shared.verify_agreement() == shared.digest
+        assert not compute.query()  # the compute is still running: nothing waited for it
+        torch.cuda.synchronize()
     finally:
         dist.destroy_process_group()
 
 
 def test_tp_bench_format() -> None:
     bench = TPBench(
-        2, 100, 120.04, 3.5, 2, TraceRates(2000, 2000.0, 1000.0), TraceRates(400, 800.0, 1600.0)
+        2,
+        32,
+        100,
+        120.04,
+        3.5,
+        3,
+        StepTimes(2000, 32, 63, 630.0, 661.5),
+        StepTimes(640, 32, 20, 400.0, 360.0),
     )
+    assert bench.cache_trace.ratio == pytest.approx(1.05)
     assert bench.format() == "\n".join(
         [
-            "tensor-parallel agreement: 2 gloo ranks on CPU",
-            "  agreed poll, nothing to apply      120.0 us (median of 100)",
+            "tensor-parallel agreement: 2 gloo ranks on CPU, 32 requests per step",
+            "  agreed step, nothing to apply      120.0 us (median of 100)",
             "  local HiCache.poll()                 3.5 us",
-            "  bench cache trace: 2000 chat requests, write-through to host, page 16; best of 2",
-            "    local poll        2,000 requests/s",
-            "    agreed poll       1,000 requests/s  (0.50x local; +500 us per request)",
-            "  small trace: 400 requests, load-backs and host evictions, page 4; best of 2",
-            "    local poll          800 requests/s",
-            "    agreed poll       1,600 requests/s  (2.00x local; -625 us per request)",
+            "  bench cache trace: 2000 chat requests, write-through to host, page 16; "
+            "63 steps, best of 3",
+            "    local polls      10,000 us per step",
+            "    agreed step      10,500 us per step  (1.05x local; +500 us per step)",
+            "  small trace: 640 requests, load-backs and host evictions, page 4; "
+            "20 steps, best of 3",
+            "    local polls      20,000 us per step",
+            "    agreed step      18,000 us per step  (0.90x local; -2,000 us per step)",
         ]
     )
 
@@ -718,7 +980,9 @@ def test_bench_tp_runs_both_group_sizes_and_honours_quick(
     quick: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     calls: list[tuple[int, dict[str, int]]] = []
-    figures = TPBench(2, 1, 1.0, 1.0, 1, TraceRates(1, 1.0, 1.0), TraceRates(1, 1.0, 1.0))
+    figures = TPBench(
+        2, 32, 1, 1.0, 1.0, 1, StepTimes(1, 32, 1, 1.0, 1.0), StepTimes(1, 32, 1, 1.0, 1.0)
+    )
 
     def fake(ranks: int, **sizes: int) -> TPBench:
         calls.append((ranks, sizes))

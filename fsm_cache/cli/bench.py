@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         choices=("engine", "copies", "cache", "tp", "vllm", "sglang", "storage"),
         help="engine (default): checked pin+release vs a bare counter and transitions; "
         "copies: machine-driven write-through vs raw gather-and-copy; "
-        "cache: HiCache vs an unchecked radix tree; tp: poll agreement across gloo ranks; "
+        "cache: HiCache vs an unchecked radix tree; tp: the agreed step vs local polls on gloo ranks; "
         "vllm: the checked offloading manager vs vLLM's own (needs vLLM; make bench-vllm); "
         "sglang: SGLang's RadixCache patched vs stock (needs SGLang; make bench-sglang); "
         "storage: pages through the local-file and Redis stores vs raw file and Redis I/O",

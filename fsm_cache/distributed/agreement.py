@@ -4,38 +4,46 @@ In tensor-parallel serving each rank keeps its own radix tree and its own copy
 engine, and copies finish at different times on different ranks. If each rank
 applied its own acknowledgements as they came, the trees would drift apart
 silently. :class:`DistributedCache` wraps a :class:`~fsm_cache.cache.hicache.HiCache`
-and, on every :meth:`~DistributedCache.poll`, agrees with the other ranks of a
-``torch.distributed`` process group (a MIN all-reduce, as SGLang does) on how
-many finished copies, in issue order, every rank applies. Host allocation and
-eviction then stay deterministic: they read only the agreed tree.
+and, once per scheduler step (:meth:`~DistributedCache.step`), agrees with the
+other ranks in one MIN all-reduce (as SGLang does) on how many finished copies,
+in issue order, every rank applies, and checks in the same collective that
+every rank applied the same transitions so far. Host allocation and eviction
+then stay deterministic: they read only the agreed tree. Within a step the
+requests are served with local bookkeeping only: no collective per request.
 
-Each rank also keeps a running digest of the transitions it applied;
-:meth:`~DistributedCache.verify_agreement` all-gathers the digests and raises
+The all-reduce runs on CPU tensors over a gloo group, even when the model runs
+on NCCL (a side group, like SGLang's ``tp_cpu_group``; see
+:func:`~fsm_cache.distributed.collectives.cpu_group`), so a step never waits
+for the kernels queued on the compute stream.
+
+Each rank keeps a running digest of the transitions it applied; a step whose
+digests differ, like :meth:`~DistributedCache.verify_agreement`, raises
 :class:`~fsm_cache.errors.RankDivergence` naming the first differing
 transition, its node and that node's state on each rank. A lost completion
 raises it too, instead of leaving every rank waiting for a copy that will
-never be acknowledged: at once in :meth:`~DistributedCache.drain`, and in
-:meth:`~DistributedCache.poll` once the oldest copy has been finished on some
-ranks only for longer than ``timeout``. A collective that fails (a rank died,
-or stopped taking part for longer than ``timeout``) raises
-:class:`RankFailure` instead of hanging.
+never be acknowledged: where an operation waited for it (on the rank that lost
+it, then on every rank at the next step), at once in
+:meth:`~DistributedCache.drain`, and in a step once the oldest copy has been
+finished on some ranks only for longer than ``timeout``. A collective
+that fails (a rank died, or stopped taking part for longer than ``timeout``)
+raises :class:`RankFailure` instead of hanging.
 
 Every method here is a collective: all ranks of the group call it, in the same
-order. Works with gloo (CPU) and NCCL (tensors go to the cache's CUDA device,
-which is made current for each collective, so ranks need not call
-``torch.cuda.set_device``).
+order.
 """
 
 from __future__ import annotations
 
+import struct
 import time
+import warnings
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from fsm_cache.cache.hicache import HiCache
-from fsm_cache.distributed.collectives import Collectives
+from fsm_cache.distributed.collectives import CPU, Collectives
 from fsm_cache.distributed.digest import (
     AppliedTransition,
     TransitionDigest,
@@ -51,31 +59,42 @@ from fsm_cache.errors import ConfigError, NoProcessGroup, RankDivergence
 from fsm_cache.memory.tickets import Completion
 
 
+Loss = tuple[int, list[list[int]], int]
+"""What a rank saw when an operation waited for every copy and one never reported:
+``(transitions applied, per copy in flight in issue order its nodes, copies finished
+at the head of the issue order)``."""
+
+
 class DistributedCache:
     """A :class:`HiCache` whose copy acknowledgements are agreed across a process group.
 
-    Call :meth:`poll` instead of ``cache.poll()``: the cache's acknowledgements
-    come from this object from now on, so its own poll applies nothing, and an
-    allocation or insert that must wait for copies applies all of them in issue
-    order on every rank (:meth:`collect`). Every other cache operation is
-    called on ``cache`` directly, identically on every rank.
+    Serve a scheduler step's requests on ``cache`` directly (``match_prefix``,
+    ``insert``, ``lock``, ``evict``, ...: identical calls on every rank, no
+    collective), then call :meth:`step` once: one all-reduce agrees on
+    everything the ranks must agree on, and the agreed copies are applied. The
+    cache's acknowledgements come from this object from now on, so its own
+    ``poll()`` applies nothing, and an allocation or insert that must wait for
+    copies applies all of them in issue order on every rank (:meth:`collect`),
+    without a collective.
 
     Args:
         cache: This rank's cache; same configuration and operations on every rank.
-        group: The process group; None for the default group.
+        group: The ranks that agree; None for the default group. A gloo group
+            (SGLang's ``tp_cpu_group``) is used as it is; for an NCCL group a
+            gloo side group over the same ranks is built (see
+            :func:`~fsm_cache.distributed.collectives.cpu_group`).
         timeout: Seconds a collective may wait for the other ranks before
-            :class:`RankFailure` (gloo honours it per call; NCCL uses the
-            group's own timeout and watchdog); also how long the oldest copy
-            may stay finished on some ranks only before :class:`RankDivergence`.
-        verify_every: Run :meth:`verify_agreement` every this many polls; 0 never.
-        device: Where the agreement tensors live; None: the cache's device for
-            NCCL (its GPU, made current for each collective), the CPU otherwise.
+            :class:`RankFailure`; also how long the oldest copy may stay
+            finished on some ranks only before :class:`RankDivergence`.
+        verify_every: Deprecated and ignored: every :meth:`step` compares the
+            ranks' digests in its one collective.
+        device: Deprecated and ignored: the agreement tensors are always CPU tensors.
 
     Raises:
         NoProcessGroup: ``torch.distributed`` is not initialised.
-        ConfigError: ``timeout`` is not positive, ``verify_every`` is negative, or
-            the cache's write policy is ``write_back``, or an NCCL group was
-            given a device that is not CUDA.
+        ConfigError: ``timeout`` is not positive, ``verify_every`` is negative,
+            the cache's write policy is ``write_back``, or ``group`` is an
+            NCCL group smaller than the world (pass its gloo twin).
     """
 
     def __init__(
@@ -101,17 +120,16 @@ class DistributedCache:
                 "distributed: write_back waits for its copies inside an allocation, where the "
                 "ranks cannot agree on them yet; use write_through or write_through_selective"
             )
+        _deprecated(verify_every=verify_every != 0, device=device is not None)
+        self.comm = Collectives.of(group, timeout)
         self.cache = cache
-        self.comm = Collectives.of(group, device, timeout, cache_device=cache.tiers.device.device)
-        self.group, self.timeout, self.verify_every = group, timeout, verify_every
-        self.rank, self.world_size, self.device = (
-            self.comm.rank,
-            self.comm.world_size,
-            self.comm.device,
-        )
-        self.polls = 0
+        self.group, self.timeout = self.comm.group, timeout
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.device = CPU
+        self.steps = 0
         self._finished: dict[int, Completion] = {}
         self._stalled_since: float | None = None
+        self._loss: Loss | None = None
         self._digest = TransitionDigest(cache.log)
         cache.transfers.take_acks_from(self)
 
@@ -121,7 +139,7 @@ class DistributedCache:
         """The acknowledgements the cache applies inside its own operations (its ack source).
 
         Without ``wait`` (the cache's own ``poll()``, an allocation that first
-        applies what finished): none, since only :meth:`poll` applies what the
+        applies what finished): none, since only :meth:`step` applies what the
         group agreed on. With ``wait`` (an allocation or an insert that must
         wait for copies in flight): every rank reaches this point in the same
         operation, drains its copy engine and applies every copy in flight, in
@@ -129,8 +147,9 @@ class DistributedCache:
 
         Raises:
             RankDivergence: This rank's copy engine drained without reporting a
-                copy it started (a lost completion); every rank raises.
-            RankFailure: The collective that makes every rank raise together failed.
+                copy it started (a lost completion): this rank raises at once,
+                and the next :meth:`step` makes every rank raise together,
+                naming the copy.
         """
         if not wait:
             return []
@@ -138,9 +157,16 @@ class DistributedCache:
             self._finished[completion.ticket.id] = completion
         issued = self.cache.issued()
         ready = self.local_ready()
-        (lost,) = self.comm.all_reduce_min([-(ready < len(issued))])
-        if lost:
-            raise RankDivergence(self._locate("lost"))
+        if ready < len(issued):
+            batches = self.cache.transfers.in_flight()
+            copies = [[n.id for n in batches[ticket].nodes] for ticket in issued]
+            self._loss = self._loss or (self.transitions, copies, ready)
+            raise RankDivergence(
+                f"rank {self.rank} of {self.world_size}: a completion was lost: this rank "
+                f"drained its copy engine without the completion of copy {ready + 1} of "
+                f"{len(issued)} in flight (nodes {copies[ready]}); every rank raises at the "
+                "next step"
+            )
         return [self._finished.pop(ticket) for ticket in issued]
 
     @property
@@ -157,35 +183,47 @@ class DistributedCache:
             ready += 1
         return ready
 
-    def poll(self) -> int:
-        """Apply the finished copies every rank has, in issue order; return how many.
+    def step(self) -> int:
+        """End a scheduler step: agree with the other ranks in one collective, apply; return how many.
 
-        Collects this rank's completions (never blocks on copies), agrees on
-        the smallest count of finished copies at the head of the issue order
-        across the group, and applies exactly that many: every rank fires the
-        same ``write_done`` / ``load_done`` events in the same order.
+        Call it once per step, after the step's requests, on every rank.
+        Collects this rank's completions (never blocks on copies), then one
+        all-reduce agrees on the smallest count of finished copies at the
+        head of the issue order and checks that every rank applied the same
+        transitions and has the same copies in flight; exactly the agreed
+        copies are applied: every rank fires the same ``write_done`` /
+        ``load_done`` events in the same order. The all-reduce runs on CPU
+        tensors over a gloo group, so it never waits for the GPU.
 
         Raises:
             RankFailure: The agreement collective failed or timed out.
-            RankDivergence: The ranks have different numbers of copies in flight
-                (one lost or invented a copy); the oldest copy finished on some
-                ranks and not on others for longer than ``timeout``; or a
-                periodic verification found them apart.
+            RankDivergence: The ranks applied different transitions, or have
+                different numbers of copies in flight (one lost or invented a
+                copy); an operation waited for a copy whose completion a rank
+                lost; or the oldest copy finished on some ranks and not on
+                others for longer than ``timeout``.
         """
         for completion in self.cache.tiers.copier.poll():
             self._finished[completion.ticket.id] = completion
-        applied = self._agree(drained=False)
-        self._digest.update()  # read the log while it still holds what this poll applied
-        return applied
+        return self._agree(drained=False)
+
+    def poll(self) -> int:
+        """Deprecated: :meth:`step`, which is meant once per scheduler step, not per request."""
+        warnings.warn(
+            "DistributedCache.poll() is deprecated: call step() once per scheduler step",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.step()
 
     def drain(self) -> int:
-        """Wait for every copy on this rank, then poll until no copy is in flight anywhere.
+        """Wait for every copy on this rank, then agree until no copy is in flight anywhere.
 
         Applying an acknowledgement may start new copies (a deferred backup of
         a child), hence the loop. Returns how many copies were applied.
 
         Raises:
-            RankDivergence: As :meth:`poll`; also when a rank's copy engine
+            RankDivergence: As :meth:`step`; also when a rank's copy engine
                 drained without reporting a copy that rank started (a lost
                 completion), which would otherwise leave every rank waiting.
             RankFailure: A collective failed or timed out.
@@ -199,33 +237,40 @@ class DistributedCache:
                 return applied
 
     def _agree(self, *, drained: bool) -> int:
-        """Agree on the finished head of the issue order and apply it; see :meth:`poll`.
+        """Agree on the finished head of the issue order and apply it; see :meth:`step`.
 
         Args:
             drained: This rank's copy engine was just drained, so every copy it
                 started has finished and must be in the buffer.
         """
+        digest = self._digest.update()
         ready, issued = self.local_ready(), len(self.cache.issued())
-        short = drained and ready < issued  # every copy finished, yet one never reported
+        # a wait lost a completion, or every copy finished and one never reported
+        short = self._loss is not None or (drained and ready < issued)
         now, since = time.monotonic(), self._stalled_since
         overdue = since is not None and now - since > self.timeout
-        # one collective: the MIN of each value and of its negation (the MAX), so
-        # any rank's flag reaches all, and all raise or go on at the same poll
-        agreed, most_ready, fewest, most, lost, late = self.comm.all_reduce_min(
-            [ready, -ready, issued, -issued, -short, -overdue]
+        # one collective: the MIN of each value and of its negation (the MAX), so any rank's
+        # flag reaches all, all ranks raise or go on at the same step, and the values every
+        # rank must share (copies in flight, transitions, digest words) are equal iff MIN == MAX
+        same = [issued, self._digest.count, *struct.unpack("<4I", digest)]
+        reduced = self.comm.all_reduce_min(
+            [ready, -ready, -short, -overdue, *same, *(-v for v in same)]
         )
-        if fewest != -most:
+        agreed, most_ready, lost, late = reduced[:4]
+        lows, highs = reduced[4 : 4 + len(same)], reduced[4 + len(same) :]
+        if lost:  # first: a wait that lost a completion also parts the transitions
+            raise RankDivergence(self._locate("lost"))
+        if lows != [-high for high in highs]:
             raise RankDivergence(self._locate())
         stalled = agreed == 0 and most_ready < 0  # the oldest copy finished on some ranks only
-        if lost or (stalled and late):
-            raise RankDivergence(self._locate("lost" if lost else "stalled"))
+        if stalled and late:
+            raise RankDivergence(self._locate("stalled"))
+        self._digest.agree()
         self._stalled_since = None if not stalled else now if since is None else since
         self.cache.log.op("agreed_poll", agreed)
         chosen = [self._finished.pop(ticket) for ticket in self.cache.issued()[:agreed]]
         self.cache.apply_completions(chosen)
-        self.polls += 1
-        if self.verify_every and self.polls % self.verify_every == 0:
-            self.verify_agreement()
+        self.steps += 1
         return agreed
 
     # -- divergence detection --------------------------------------------------
@@ -265,9 +310,15 @@ class DistributedCache:
             why: ``split``: find where the transitions or the copies in flight
                 part. ``lost``: a rank drained its copy engine and still lacks
                 a completion. ``stalled``: the oldest copy finished on some
-                ranks only, for longer than ``timeout``. A difference in the
-                transitions is reported first in every case.
+                ranks only, for longer than ``timeout``. A completion lost in
+                an operation that waited for it is reported first (the
+                transitions part because of it); then a difference in the
+                transitions, in every case.
         """
+        if why == "lost":
+            losses: list[Loss | None] = self.comm.all_gather_object(self._loss)
+            if any(loss is not None for loss in losses):
+                return self._lost_in_wait(losses)
         self._digest.update()
         start = self._digest.agreed
         tails: list[list[AppliedTransition]] = self.comm.all_gather_object(self._digest.tail())
@@ -287,8 +338,19 @@ class DistributedCache:
             "applied the same transitions since; the ranks last agreed at different points"
         )
 
+    def _lost_in_wait(self, losses: list[Loss | None]) -> str:
+        """Describe the completions lost in an operation that waited, as the short ranks saw it.
+
+        Args:
+            losses: Per rank, what it saw when its wait came up short; None where nothing was lost.
+        """
+        applied, copies, _ = next(loss for loss in losses if loss is not None)
+        ready = [len(copies) if loss is None else loss[2] for loss in losses]
+        named = [n for k in ready if k < len(copies) for n in copies[k]]
+        return lost_message(applied, copies, ready, self._gather_states(named))
+
     def _missing(self, applied: int, *, lost: bool) -> str:
-        """Describe a completion that some ranks lack: lost in a drain, or overdue in a poll."""
+        """Describe a completion that some ranks lack: lost in a drain, or overdue in a step."""
         found = self.comm.all_gather_object((self.local_ready(), self._waiting()))
         ready = [r for r, _ in found]
         copies = copy_nodes([w for _, w in found])
@@ -315,3 +377,18 @@ class DistributedCache:
         tree = self.cache.tree.nodes
         here = {n: tree[n].residency() for n in dict.fromkeys(nodes) if n in tree}
         return self.comm.all_gather_object(here)
+
+
+def _deprecated(**given: bool) -> None:
+    """Warn about each deprecated argument of :class:`DistributedCache` that was given."""
+    why = {
+        "verify_every": "every step() compares the ranks' digests in its one collective",
+        "device": "the agreement always runs on CPU tensors over a gloo group",
+    }
+    for name, was_given in given.items():
+        if was_given:
+            warnings.warn(
+                f"DistributedCache({name}=...) is deprecated and ignored: {why[name]}",
+                DeprecationWarning,
+                stacklevel=3,
+            )

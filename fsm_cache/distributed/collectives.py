@@ -1,22 +1,22 @@
-"""The collectives of a tensor-parallel group, with failures turned into RankFailure.
+"""The collectives of a tensor-parallel group, on the CPU, with failures turned into RankFailure.
 
 :class:`~fsm_cache.distributed.agreement.DistributedCache` agrees through these three
-calls. Each waits at most the group's timeout (gloo honours it per call; NCCL
-uses the group's own timeout and watchdog) and turns a backend error into a
-:class:`~fsm_cache.errors.RankFailure` that names the rank, the collective and
-how long it waited, so a dead or hung rank ends the run instead of hanging it.
+calls. They always run on CPU tensors over a gloo group, even when the model's
+group is NCCL: an NCCL all-reduce is queued on the GPU behind the forward pass,
+and reading its result back (``.tolist()``) waits for every kernel queued
+before it, so each agreement would stall the scheduler until the compute
+stream drained. SGLang keeps a CPU side group (``tp_cpu_group``) for the same
+reason; :func:`cpu_group` uses a gloo group as it is and builds a gloo side
+group over the ranks of any other.
 
-On NCCL the collectives run with their device current (``torch.cuda.device``):
-a rank whose cache lives on ``cuda:3`` but never called
-``torch.cuda.set_device`` would otherwise have ``torch.distributed`` put the
-object collectives' buffers on ``cuda:0``, the same GPU as every other rank's,
-and NCCL would fail or hang. Pass the cache's device (:func:`group_device`
-does, from :class:`~fsm_cache.distributed.agreement.DistributedCache`).
+Each call waits at most the group's timeout (``Work.wait(timeout)``) and turns
+a backend error into a :class:`~fsm_cache.errors.RankFailure` that names the
+rank, the collective and how long it waited, so a dead or hung rank ends the
+run instead of hanging it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,65 +32,86 @@ from fsm_cache.errors import ConfigError, RankFailure
 T = TypeVar("T")
 
 
+CPU = torch.device("cpu")
+"""Where every agreement tensor lives."""
+
+
+def cpu_group(group: dist.ProcessGroup | None, timeout: float) -> dist.ProcessGroup | None:
+    """Return a gloo group over the ranks of ``group``: ``group`` itself if it is one.
+
+    A group whose backend is not gloo (NCCL) gets a new gloo side group over
+    the same ranks, in the same order (``new_group(backend="gloo")``), which
+    every rank of the world must build at the same point: so only for the
+    default group, or a group that spans the whole world. For a smaller NCCL
+    group, build its gloo twin once on every rank of the world
+    (``torch.distributed.new_group(ranks, backend="gloo")``, as SGLang builds
+    ``tp_cpu_group``) and pass that.
+
+    Args:
+        group: The ranks that agree; None for the default group.
+        timeout: Seconds a collective of a new side group may wait.
+
+    Raises:
+        ConfigError: ``group`` is an NCCL (or other non-gloo) group smaller than the world.
+    """
+    if "gloo" in str(dist.get_backend(group)):  # "gloo", or "cpu:gloo,cuda:nccl"
+        return group
+    if group is not None and dist.get_world_size(group) != dist.get_world_size():
+        raise ConfigError(
+            f"distributed: the agreement needs a gloo group, and a {dist.get_backend(group)} "
+            f"group of {dist.get_world_size(group)} of {dist.get_world_size()} ranks cannot "
+            "get one here (every rank of the world would have to build it); build it on every "
+            'rank with torch.distributed.new_group(ranks, backend="gloo") and pass that'
+        )
+    side: dist.ProcessGroup = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    return side
+
+
 @dataclass(frozen=True)
 class Collectives:
-    """One rank's view of its group.
+    """One rank's view of its CPU (gloo) agreement group.
 
     Attributes:
-        group: The process group; None for the default group.
+        group: The gloo group the collectives run on; None for the default group.
         rank: This rank.
         world_size: Ranks in the group.
-        device: Where the tensors of the collectives live.
         timeout: Seconds a collective may wait for the other ranks.
     """
 
     group: dist.ProcessGroup | None
     rank: int
     world_size: int
-    device: torch.device
     timeout: float
 
     @classmethod
-    def of(
-        cls,
-        group: dist.ProcessGroup | None,
-        device: torch.device | None,
-        timeout: float,
-        *,
-        cache_device: torch.device | None = None,
-    ) -> Collectives:
-        """Return the collectives of ``group``.
-
-        Args:
-            group: The process group; None for the default group.
-            device: Where the collectives' tensors live; None: chosen by
-                :func:`group_device` from ``cache_device``.
-            timeout: Seconds a collective may wait for the other ranks.
-            cache_device: The device of this rank's cache (its device pool).
+    def of(cls, group: dist.ProcessGroup | None, timeout: float) -> Collectives:
+        """Return the collectives of ``group``'s ranks, over a gloo group (see :func:`cpu_group`).
 
         Raises:
-            ConfigError: An NCCL group was given a device that is not CUDA.
+            ConfigError: ``group`` is a non-gloo group smaller than the world.
         """
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        where = device if device is not None else group_device(group, cache_device)
-        if dist.get_backend(group) == "nccl" and where.type != "cuda":
-            raise ConfigError(f"distributed: an NCCL group needs a CUDA device, got {where}")
-        return cls(group, rank, size, where, timeout)
+        cpu = cpu_group(group, timeout)
+        return cls(cpu, dist.get_rank(cpu), dist.get_world_size(cpu), timeout)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the collectives' tensors live: always the CPU."""
+        return CPU
 
     def all_reduce_min(self, values: list[int]) -> list[int]:
         """Return the element-wise minimum of ``values`` over the ranks."""
-        tensor = torch.tensor(values, dtype=torch.int64, device=self.device)
+        tensor = torch.tensor(values, dtype=torch.int64)
 
         def call() -> None:
             work = dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
             self._wait(work)
 
-        self._collective("poll agreement (all_reduce MIN)", call)
+        self._collective("step agreement (all_reduce MIN)", call)
         return [int(v) for v in tensor.tolist()]
 
     def all_gather_digest(self, payload: list[int]) -> list[list[int]]:
         """Return every rank's ``payload`` (equal lengths), in rank order."""
-        mine = torch.tensor(payload, dtype=torch.int64, device=self.device)
+        mine = torch.tensor(payload, dtype=torch.int64)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
 
         def call() -> None:
@@ -115,10 +136,8 @@ class Collectives:
 
     def _collective(self, what: str, call: Callable[[], None]) -> None:
         started = time.perf_counter()
-        current = torch.cuda.device(self.device) if self.device.type == "cuda" else None
         try:
-            with current or contextlib.nullcontext():
-                call()
+            call()
         except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
             elapsed = time.perf_counter() - started
             detail = (str(exc).splitlines() or [type(exc).__name__])[0]
@@ -126,25 +145,3 @@ class Collectives:
                 f"rank {self.rank} of {self.world_size}: {what} failed after {elapsed:.2f} s "
                 f"(timeout {self.timeout:g} s): another rank died or stopped taking part: {detail}"
             ) from exc
-
-
-def group_device(
-    group: dist.ProcessGroup | None, device: torch.device | None = None
-) -> torch.device:
-    """Return where the collectives of ``group`` put their tensors.
-
-    NCCL needs them on CUDA, on this rank's GPU: ``device`` when it is a CUDA
-    device (pass the cache's device; a bare ``cuda`` means the current one),
-    else the current CUDA device, which is ``cuda:0`` on every rank that
-    never called ``torch.cuda.set_device``, so pass ``device``. Every other
-    backend (gloo) uses the CPU.
-
-    Args:
-        group: The process group; None for the default group.
-        device: The device of this rank's cache.
-    """
-    if dist.get_backend(group) != "nccl":
-        return torch.device("cpu")
-    if device is not None and device.type == "cuda" and device.index is not None:
-        return device
-    return torch.device("cuda", torch.cuda.current_device())
