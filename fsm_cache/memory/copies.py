@@ -94,6 +94,13 @@ class CopyEngine:
             for a CUDA device pool; none at all for a CPU one, whose copies
             run synchronously. A fake (``fsm_cache.testing.fakecuda``) runs the
             CUDA ordering logic on CPU pools.
+        batch_polls: The poll that submits an open batch of backups: 1, the
+            next one; ``k``, the ``k``-th since the batch opened, so the
+            backups of ``k`` scheduler steps move together (fewer, larger
+            copies; each backup is acknowledged up to ``k - 1`` polls later).
+
+    Raises:
+        ValueError: ``batch_polls`` is below 1.
     """
 
     def __init__(
@@ -103,7 +110,10 @@ class CopyEngine:
         staging_bytes: int = 64 << 20,
         *,
         streams: Streams | None = None,
+        batch_polls: int = 1,
     ) -> None:
+        if isinstance(batch_polls, bool) or not isinstance(batch_polls, int) or batch_polls < 1:
+            raise ValueError(f"copy engine: batch_polls must be an int >= 1, got {batch_polls!r}")
         self.device = device
         self.host = host
         self.stats = CopyStats()
@@ -115,6 +125,8 @@ class CopyEngine:
         self._pending: dict[int, _Pending] = {}
         self._open: list[Ticket] = []  # started, not yet submitted, in start order
         self._open_pages = 0
+        self._batch_polls = batch_polls
+        self._open_polls = 0  # polls the open batch has waited
         self._busy = BusyPages()
         self._api = streams if streams is not None else CudaStreams() if self.cuda else None
         self._mover = Mover(device, host, self._chunk, self._api)
@@ -185,7 +197,7 @@ class CopyEngine:
         """
         if not self._open:
             return
-        tickets, self._open, self._open_pages = self._open, [], 0
+        tickets, self._open, self._open_pages, self._open_polls = self._open, [], 0, 0
         lo = 0
         for hi in range(1, len(tickets) + 1):  # consecutive tickets of one direction together
             if hi == len(tickets) or tickets[hi].direction is not tickets[lo].direction:
@@ -222,11 +234,16 @@ class CopyEngine:
         return event
 
     def poll(self) -> list[Completion]:
-        """Submit the open batch, then report every ticket whose copy has finished, without blocking.
+        """Submit the open batch if due, then report every finished ticket, without blocking.
 
-        On a CPU engine that is every ticket started before the poll.
+        The open batch is due at the ``batch_polls``-th poll since it opened
+        (the next one by default). On a CPU engine every submitted ticket has
+        finished.
         """
-        self.submit()
+        if self._open:
+            self._open_polls += 1
+            if self._open_polls >= self._batch_polls:
+                self.submit()
         done = [p for p in self._pending.values() if _finished(p)]
         return [self._complete(p) for p in done]
 
