@@ -27,7 +27,7 @@ from fsm_cache.engine import trail
 from fsm_cache.errors import BadArgument, CopyFailed, DuplicateAck, EffectFailed, PoolExhausted
 from fsm_cache.memory.tickets import Completion, Copier, Direction
 from fsm_cache.memory.tiers import Tiers
-from fsm_cache.policy import WritePolicy, parent_allows_backup, wants_backup
+from fsm_cache.policy import WritePolicy, backup_threshold, parent_allows_backup, wants_backup
 from fsm_cache.residency import Event
 
 
@@ -35,6 +35,9 @@ trail.internal(__file__)
 
 _LOAD_ROUNDS = 3
 """Waits for a load that failed and was copied again before an operation gives up on it."""
+
+_NOT_BACKED = frozenset({"unbacked", "evicted"})
+"""Host states a backup can start from (what :func:`wants_backup` asks, tested first here)."""
 
 AckListener = Callable[[Sequence[TreeNode], Event], None]
 """Called as ``listener(nodes, event)`` once one copy's acknowledgement events were fired."""
@@ -127,6 +130,12 @@ class Transfers:
         # nodes whose copy failed but may not be failed (locked loads, pinned writes): copied again
         self._retry: dict[Direction, list[TreeNode]] = {Direction.D2H: [], Direction.H2D: []}
         self._started = 0  # copies started since construction or reset: their log numbers
+        self._dirty = False  # a node was queued or put back for a retry since the last flush
+        # hits that start a backup; None: the policy never does, or there is no host tier
+        self._threshold = (
+            backup_threshold(policy, selective_threshold) if tiers.host.num_pages else None
+        )
+        self._page_bytes = tiers.device.layout.page_bytes
         self._source = (acks or CopierAcks)(tiers.copier, self)
         core.on_split(self._rehome)
 
@@ -197,13 +206,15 @@ class Transfers:
         self._tickets = {}
         self._retry = {Direction.D2H: [], Direction.H2D: []}
         self._started = 0
+        self._dirty = False
 
     # -- writes the policy starts --------------------------------------------
 
     def maybe_backup(self, node: TreeNode) -> None:
         """Start a write of ``node`` if the write policy wants one and the host has room."""
-        if self._tiers.host.num_pages == 0:
-            return  # a device-only cache: nothing to back up to
+        threshold = self._threshold
+        if threshold is None or node.hit_count < threshold or node.host not in _NOT_BACKED:
+            return  # no host tier, too few hits, or backed already: the common answers, first
         if wants_backup(self._policy, node, self._selective):
             self.try_write(node)
 
@@ -243,12 +254,16 @@ class Transfers:
     def queue(self, direction: Direction, node: TreeNode) -> None:
         """Queue ``node`` for the next copy in ``direction`` (called by the memory effects)."""
         self._batch[direction].append(node)
+        self._dirty = True
 
     def flush(self) -> None:
         """Start one batched copy per direction for the nodes whose events asked for one.
 
         Copies to run again (see :meth:`_fail`) join this flush's copy in their direction.
         """
+        if not self._dirty:
+            return  # most operations queue nothing
+        self._dirty = False
         for direction, nodes in self._retry.items():
             if nodes:
                 self._batch[direction].extend(nodes)
@@ -366,7 +381,7 @@ class Transfers:
         batch = self._tickets.pop(completion.ticket.id)
         write = completion.ticket.direction is Direction.D2H
         seconds = time.perf_counter() - batch.started
-        nbytes = len(completion.ticket.src_pages) * self._tiers.device.layout.page_bytes
+        nbytes = len(completion.ticket.src_pages) * self._page_bytes
         self._core.counters.copied("d2h" if write else "h2d", seconds, nbytes, completion.ok)
         if not completion.ok:
             self._fail(completion.ticket.direction, batch.nodes)
@@ -394,6 +409,7 @@ class Transfers:
                 failed.append(node)
             else:
                 self._retry[direction].append(node)
+                self._dirty = True
         if failed:
             self._acknowledged(failed, event)
 
