@@ -17,6 +17,11 @@ Host states: ``unbacked`` (device only), ``writing`` (device-to-host copy in
 flight), ``backed`` (valid, unpinned), ``pinned`` (valid, held by ``pins``
 holders), ``evicted`` (host copy freed). Device states: ``resident``,
 ``loading`` (host-to-device copy in flight), ``absent``.
+
+With a storage tier (``specs/residency_storage.toml``, ``Residency(storage=True)``)
+the host gains ``fetching`` (slots being filled from storage) and a third
+region, :data:`StorageState`, says whether a store holds the node's pages;
+its events are :data:`StorageEvent`.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any, ClassVar, Literal
 from fsm_cache.engine import trail as trails
 from fsm_cache.engine.core import Effect, Engine, Verb
 from fsm_cache.engine.lease import Lease
-from fsm_cache.spec.shipped import residency_system
+from fsm_cache.spec.shipped import load_shipped, residency_system
 
 
 trails.internal(__file__)
@@ -49,10 +54,30 @@ Event = Literal[
     "load_failed",
     "adopt",
 ]
+StorageState = Literal["unstored", "storing", "stored", "reading"]
+"""States of the storage region of ``residency_storage.toml`` (a cache with a storage tier)."""
+StorageEvent = Literal[
+    "store",
+    "store_done",
+    "store_failed",
+    "discover",
+    "vanish",
+    "evict_storage",
+    "fetch",
+    "fetch_done",
+    "fetch_failed",
+]
+"""The events ``residency_storage.toml`` adds to :data:`Event`."""
+AnyEvent = Event | StorageEvent
+"""An event of either composition: what a cache with a storage tier may fire."""
+FETCHING = "fetching"
+"""The host state ``host_storage_residency.toml`` adds: host slots filled from storage."""
 HOST_VALID: frozenset[str] = frozenset({"backed", "pinned"})
 """Host states in which the host copy is readable."""
-HOST_HELD: frozenset[str] = frozenset({"writing", "backed", "pinned"})
-"""Host states in which host slots are allocated."""
+HOST_HELD: frozenset[str] = frozenset({"writing", "backed", "pinned", FETCHING})
+"""Host states in which host slots are allocated (``fetching`` exists with a storage tier only)."""
+STORAGE_HELD: frozenset[str] = frozenset({"storing", "stored", "reading"})
+"""Storage states in which the store holds (or is being given) the node's pages."""
 DEVICE_HELD: frozenset[str] = frozenset({"resident", "loading"})
 """Device states in which device slots are allocated."""
 DEVICE_READABLE: frozenset[str] = frozenset({"resident"})
@@ -63,7 +88,7 @@ flight); ``tests/test_check.py`` holds the two together."""
 
 
 def split_prefix(
-    host: HostState, device: DeviceState, locks: int
+    host: HostState, device: DeviceState, locks: int, storage: StorageState = "unstored"
 ) -> tuple[HostState, DeviceState, int, int]:
     """Return the residency a radix split gives the new prefix: ``(host, device, pins, locks)``.
 
@@ -77,11 +102,20 @@ def split_prefix(
     same ``load_done`` or ``load_failed`` gives back. The node's own pin count
     plays no part, hence no ``pins`` argument.
 
+    With a storage tier (``residency_storage.toml``) the prefix keeps the
+    node's ``storage`` state: its pages are the first pages of the same store
+    or read. A store in flight (``storing``) holds a host pin until its
+    acknowledgement, and the prefix is acknowledged separately (a partial
+    acknowledgement splits the node at its first failed page), so the prefix
+    holds a store pin of its own; a host copy being fetched stays
+    ``fetching`` on both sides (no pins).
+
     This is the one rule both the cache (:meth:`fsm_cache.cache.tree.RadixTree.split`)
     and the model checker (:func:`fsm_cache.modelcheck.treeops.split`) apply.
     """
-    if device == "loading":
-        return "pinned", device, 1, locks
+    pins = (device == "loading") + (storage == "storing")
+    if pins:
+        return "pinned", device, pins, locks
     return ("backed" if host == "pinned" else host), device, 0, locks
 
 
@@ -123,6 +157,10 @@ class Residency:
         trail: Trail mode: refusals name the call sites of the node's recent
             events; defaults to ``FSM_CACHE_TRAIL``.
         audit: Deprecated spelling of ``trail`` (warns); to be removed.
+        storage: Compile ``residency_storage.toml`` instead: the same rules
+            plus a storage region (records need a ``storage`` attribute), whose
+            effects ``start_store``, ``start_fetch`` and ``delete_storage`` must
+            be bound too when ``effects`` is given.
 
     Raises:
         ConfigError: ``trail`` and ``audit`` both given and different.
@@ -134,9 +172,11 @@ class Residency:
         trail: bool | None = None,
         *,
         audit: bool | None = None,
+        storage: bool = False,
     ) -> None:
         chosen = trails.choose(trail, audit, "Residency", stacklevel=2)
-        self.engine = Engine(residency_system(), effects=effects, trail=chosen)
+        spec = load_shipped("residency_storage") if storage else residency_system()
+        self.engine = Engine(spec, effects=effects, trail=chosen)
         verb = self.engine.verb
         self.write, self.write_done, self.write_failed = (
             verb("write"),
@@ -156,11 +196,11 @@ class Residency:
         )
         self.adopt = verb("adopt")
 
-    def verb(self, event: Event) -> Verb:
+    def verb(self, event: AnyEvent) -> Verb:
         """Return the checked function for ``event``."""
         return self.engine.verb(event)
 
-    def allowed(self, rec: ResidencyRecord, event: Event) -> bool:
+    def allowed(self, rec: ResidencyRecord, event: AnyEvent) -> bool:
         """Return whether ``event`` would be accepted now, changing nothing."""
         return self.engine.allowed(rec, event)
 

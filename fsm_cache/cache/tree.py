@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from fsm_cache.errors import InvariantViolation
-from fsm_cache.residency import ResidencyRecord, split_prefix
+from fsm_cache.residency import ResidencyRecord, StorageState, split_prefix
 
 
 Key = tuple[int, ...]
@@ -41,6 +41,9 @@ class TreeNode(ResidencyRecord):
         host_pages: Host pages while the host holds (or is writing) the KV.
         last_access: Logical time of the last match, for LRU eviction.
         hit_count: Matches and inserts through this node, for selective write-through.
+        storage: Storage residency (``unstored`` unless the cache has a storage tier).
+        store_keys: The page keys of the node's pages in a storage tier, chained
+            from its parent's last key; None until a storage tier computes them.
     """
 
     __slots__ = (
@@ -51,6 +54,8 @@ class TreeNode(ResidencyRecord):
         "key",
         "last_access",
         "parent",
+        "storage",
+        "store_keys",
     )
 
     def __init__(
@@ -64,6 +69,8 @@ class TreeNode(ResidencyRecord):
         self.host_pages: Pages = ()
         self.last_access = 0
         self.hit_count = 0
+        self.storage: StorageState = "unstored"
+        self.store_keys: tuple[str, ...] | None = None
 
     @property
     def is_root(self) -> bool:
@@ -156,7 +163,10 @@ class RadixTree:
         the rule ``fsm-cache check`` model-checks: both states and the lock
         count (it is now an ancestor of every lock holder below ``node``);
         pins stay with their holders on ``node``, except the pin of a load in
-        flight, which the prefix needs too because the same copy fills it.
+        flight, which the prefix needs too because the same copy fills it,
+        and (with a storage tier) the pin of a store in flight, which is
+        acknowledged for the prefix on its own. The storage state and the page
+        keys are sliced like the pages.
         """
         page = self.page_size
         if at <= 0 or at >= len(node.key) or at % page or node.parent is None:
@@ -166,8 +176,11 @@ class RadixTree:
         prefix = TreeNode(next(self._ids), node.key[:at], node.parent, node.device_pages[:cut])
         prefix.host_pages = node.host_pages[:cut]
         prefix.host, prefix.device, prefix.pins, prefix.locks = split_prefix(
-            node.host, node.device, node.locks
+            node.host, node.device, node.locks, node.storage
         )
+        prefix.storage = node.storage
+        if node.store_keys is not None:
+            prefix.store_keys, node.store_keys = node.store_keys[:cut], node.store_keys[cut:]
         prefix.last_access, prefix.hit_count = node.last_access, node.hit_count
         _children(node.parent)[node.key[:page]] = prefix
         node.key, node.parent = node.key[at:], prefix
