@@ -20,7 +20,7 @@ from fsm_cache.engine import trail
 from fsm_cache.engine.core import Effect
 from fsm_cache.errors import EffectFailed, IllegalTransition
 from fsm_cache.memory.tiers import Tiers
-from fsm_cache.residency import Event, Residency
+from fsm_cache.residency import AnyEvent, Residency
 
 
 trail.internal(__file__)
@@ -53,13 +53,15 @@ class CacheCore:
         self.clock = 0
         self._staged: dict[int, Pages] = {}
 
-    def bind(self, effects: Mapping[str, Effect]) -> None:
+    def bind(self, effects: Mapping[str, Effect], *, storage: bool = False) -> None:
         """Compile the residency machine with the cache's memory effects (once, at construction).
 
         The effects close over the parts that are built around this core, so
-        the core exists first and takes its effects afterwards.
+        the core exists first and takes its effects afterwards. With
+        ``storage`` the machine is ``residency_storage.toml``'s (a storage tier
+        below the host), whose effects must be among ``effects`` too.
         """
-        self.machine = Residency(effects=effects, trail=self._trail)
+        self.machine = Residency(effects=effects, trail=self._trail, storage=storage)
 
     def on_split(self, listener: SplitListener) -> None:
         """Call ``listener`` after every split (a part re-homes what it holds for the suffix)."""
@@ -86,7 +88,7 @@ class CacheCore:
         """Return and forget the pages staged for node ``node_id`` (the effect's side)."""
         return self._staged.pop(node_id)
 
-    def fire(self, node: TreeNode, event: Event) -> None:
+    def fire(self, node: TreeNode, event: AnyEvent) -> None:
         """Fire ``event`` at ``node``: counted and logged if applied, counted if refused.
 
         Raises:
@@ -101,9 +103,18 @@ class CacheCore:
         self.counters.transitions[event] += 1
         self.log.transition(node.id, event)
 
-    def allowed(self, node: TreeNode, event: Event) -> bool:
+    def allowed(self, node: TreeNode, event: AnyEvent) -> bool:
         """Return whether ``event`` would be accepted at ``node`` now, changing nothing."""
         return self.machine.allowed(node, event)
+
+    def born(self, node: TreeNode, birth: str) -> None:
+        """Put a new leaf into the states of the spec's ``birth`` (e.g. ``discovered``), logged.
+
+        Raises:
+            SpecError: The spec declares no such birth; ``node`` is unchanged.
+        """
+        self.machine.engine.init(node, node.id, birth)
+        self.log.transition(node.id, f"born:{birth}")
 
     def touch(self, nodes: Iterable[TreeNode]) -> None:
         """Mark ``nodes`` used now (one tick of the clock) and count a hit on each."""

@@ -31,6 +31,16 @@ from fsm_cache.errors import BadArgument
 Acks = tuple[tuple[int, bool], ...]
 """Applied acknowledgements in order: ``(copy number, ok)``; copies count from 1."""
 
+StorageAck = tuple[int, str, int, str]
+"""One applied storage copy: ``(copy number, store|fetch, pages acknowledged, outcome)``.
+
+Storage copies count from 1 apart from device-host copies; the outcome is
+``ok``, ``full`` (the store had no room for a page), ``missing`` (the store no
+longer held a page), ``corrupt`` (a page read back torn or foreign, and was
+dropped), ``failed`` (the store raised) or ``timeout`` (no answer in time).
+The pages acknowledged are the leading pages that landed whatever the outcome.
+"""
+
 Entry = tuple[str, Any, Any]
 """One entry of the log: ``(kind, first, second)``; see :class:`EventLog`."""
 
@@ -139,7 +149,9 @@ class EventLog:
         entries: ``("op", name, args)``, ``("transition", node_id, event)``,
             ``("acks", origin, ((copy, ok), ...))`` (origin: ``poll``,
             ``apply_completions``, or ``wait`` for an allocation that waited for
-            write-backs) and ``("refused", name, "ErrorClass: message")`` tuples;
+            write-backs), ``("storage", origin, ((copy, kind, pages, outcome), ...))``
+            for applied copies to and from a storage tier (:data:`StorageAck`)
+            and ``("refused", name, "ErrorClass: message")`` tuples;
             the kept ones, oldest first, as an :class:`Entries` view.
 
     Raises:
@@ -215,6 +227,11 @@ class EventLog:
         self._recorded += 1
         self._items.append(("acks", origin, tuple(applied)))
 
+    def storage(self, origin: str, applied: Iterable[StorageAck]) -> None:
+        """Record one batch of applied storage copies (see :data:`StorageAck`)."""
+        self._recorded += 1
+        self._items.append(("storage", origin, tuple(applied)))
+
     def refusal(self, name: str, error: BaseException) -> None:
         """Record that operation ``name`` raised ``error``."""
         self._recorded += 1
@@ -231,6 +248,10 @@ class EventLog:
     def acknowledgements(self) -> list[tuple[str, Acks]]:
         """Return the kept acknowledgement batches in order, each with its origin."""
         return [(e[1], e[2]) for e in self._items if e[0] == "acks"]
+
+    def storage_acks(self) -> list[tuple[str, tuple[StorageAck, ...]]]:
+        """Return the kept storage acknowledgement batches in order, each with its origin."""
+        return [(e[1], e[2]) for e in self._items if e[0] == "storage"]
 
     def refusals(self) -> list[tuple[str, str]]:
         """Return the kept refusals (operation, ``ErrorClass: message``) in order."""

@@ -18,7 +18,7 @@ from fsm_cache.cache.tree import TreeNode
 from fsm_cache.errors import InvariantViolation, PoolExhausted
 from fsm_cache.memory.tiers import Tiers
 from fsm_cache.policy import WritePolicy, deletes_unbacked
-from fsm_cache.residency import DEVICE_HELD, HOST_HELD, HOST_VALID, Event
+from fsm_cache.residency import DEVICE_HELD, FETCHING, HOST_HELD, HOST_VALID, Event
 
 
 def _device_leaf(node: TreeNode) -> bool:
@@ -145,9 +145,12 @@ class Evictor:
     def _evict_one(self, node: TreeNode) -> int | None:
         """Evict one device leaf per the write policy; return the device tokens freed now.
 
-        None: a write-back leaf whose backup finds no host room even after host eviction.
+        None: a write-back leaf whose backup finds no host room even after host
+        eviction, or a leaf whose host copy is still being fetched from storage.
         """
         tokens = len(node.key)
+        if node.host == FETCHING:
+            return None  # its host copy is on its way from storage: evict it once that lands
         if node.host in HOST_VALID:
             self._core.fire(node, "evict_device")
             return tokens
@@ -192,8 +195,19 @@ class Evictor:
             and not any(c.host in HOST_HELD for c in node.children.values())
         )
 
-    def evict_host(self, num_tokens: int) -> int:
-        """Evict least recently used unpinned host-only leaves, deleting each; return tokens freed."""
+    def evict_host(self, num_tokens: int, spare: Sequence[TreeNode] = ()) -> int:
+        """Evict least recently used unpinned host-only leaves, deleting each; return tokens freed.
+
+        The ``spare`` nodes are kept (a prefetch's anchor while its host slots
+        are allocated, before the fetching child protects it).
+        """
+        if spare:
+            kept = self._spared
+            self._spared = kept | {n.id for n in spare}
+            try:
+                return self.evict_host(num_tokens)
+            finally:
+                self._spared = kept
         heap = [(n.last_access, n.id, n) for n in self._core.tree if self._host_leaf(n)]
         heapq.heapify(heap)
         freed = 0

@@ -6,7 +6,11 @@ policies, LRU device eviction, host eviction of unpinned host leaves, and
 load-back of evicted chains. Unlike it, nothing is implicit: every residency
 change is an event of ``specs/residency.toml`` fired through the compiled
 engine, whose effects move real memory (:mod:`fsm_cache.memory.tiers`), so an
-illegal step is refused at the call and changes nothing.
+illegal step is refused at the call and changes nothing. With a storage tier
+(a :class:`~fsm_cache.cache.storage_tier.StorageConfig`) the machine is
+``specs/residency_storage.toml``'s and the cache also backs nodes up to a store
+and prefetches stored prefixes on a match
+(:class:`~fsm_cache.cache.storage_tier.StorageTier`).
 
 :class:`HiCache` is the facade and owns no state of its own: the core (tree,
 machine, counters, log), :class:`~fsm_cache.cache.transfers.Transfers`
@@ -23,7 +27,6 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import chain
 from types import TracebackType
-from typing import get_args
 
 from fsm_cache.cache import arguments, invariants, slots
 from fsm_cache.cache.arguments import Tokens
@@ -32,6 +35,7 @@ from fsm_cache.cache.effects import MemoryEffects
 from fsm_cache.cache.eventlog import EventLog
 from fsm_cache.cache.eviction import Evictor
 from fsm_cache.cache.metrics import Counters, Stats, snapshot
+from fsm_cache.cache.storage_tier import StorageConfig, StorageTier, local_prefix
 from fsm_cache.cache.transfers import AckSourceFactory, Transfers
 from fsm_cache.cache.tree import Pages, RadixTree, TreeNode
 from fsm_cache.engine import trail
@@ -50,12 +54,10 @@ from fsm_cache.memory.pages import REQUEST, pages_of, slots_of
 from fsm_cache.memory.tickets import Completion
 from fsm_cache.memory.tiers import CacheConfig, Tiers
 from fsm_cache.policy import WritePolicy, worth_loading
-from fsm_cache.residency import DEVICE_READABLE, HOST_VALID, Event, Residency
+from fsm_cache.residency import DEVICE_READABLE, HOST_VALID, AnyEvent, Residency
 
 
 trail.internal(__file__)
-
-_EVENTS = frozenset(get_args(Event))
 
 Lock = Lease
 """The receipt :meth:`HiCache.lock` returns; releasing it (``unlock``, ``release()``,
@@ -72,6 +74,8 @@ class MatchResult:
         last_device_node: Deepest matched node on the device (a root if none).
         last_host_node: Deepest matched node at all (a root if none).
         device_pages: The device pages of the device-matched prefix, in order.
+        storage_len: Tokens after those whose pages are being fetched from a
+            storage tier (a prefetch in flight; usable once a poll applies it).
     """
 
     device_len: int
@@ -79,6 +83,7 @@ class MatchResult:
     last_device_node: TreeNode
     last_host_node: TreeNode
     device_pages: Pages
+    storage_len: int = 0
 
 
 class HiCache:
@@ -102,27 +107,43 @@ class HiCache:
         acks: Builds the source of copy acknowledgements from the copy engine
             and the copies in flight; the copy engine's own reports by default
             (:func:`~fsm_cache.cache.replay.replay` passes a scripted one).
+        storage: A storage tier below the host, and how to use it; None for
+            none (the two-tier cache, ``specs/residency.toml``, unchanged).
 
     Raises:
         ConfigError: A configuration value is out of range, or the write
             policy cannot work with these tiers (write-back with no host pages
-            could never evict a device page).
+            could never evict a device page; a storage tier with no host pages
+            could copy nothing).
     """
 
     def __init__(
-        self, config: CacheConfig | None = None, *, acks: AckSourceFactory | None = None
+        self,
+        config: CacheConfig | None = None,
+        *,
+        acks: AckSourceFactory | None = None,
+        storage: StorageConfig | None = None,
     ) -> None:
         if config is not None and not isinstance(config, CacheConfig):
             raise ConfigError(f"config: expected a CacheConfig, got {type(config).__name__}")
         if acks is not None and not callable(acks):
             raise ConfigError(f"config: acks must build an acknowledgement source, got {acks!r}")
+        if storage is not None and not isinstance(storage, StorageConfig):
+            raise ConfigError(f"storage: expected a StorageConfig, got {type(storage).__name__}")
         self.config = config or CacheConfig()
         self.config.check()
+        if storage is not None:
+            storage.check()
         self.policy = WritePolicy(self.config.write_policy)
         self.tiers = Tiers(self.config)
         if self.policy is WritePolicy.WRITE_BACK and self.tiers.host.num_pages == 0:
             raise ConfigError(
                 "config: write_back needs host pages: with none, no device page could be evicted"
+            )
+        if storage is not None and self.tiers.host.num_pages == 0:
+            raise ConfigError(
+                "storage: a storage tier needs host pages: copies to and from it pass"
+                " through the host"
             )
         self._gate = _Gate()
         self._core = CacheCore(
@@ -132,8 +153,20 @@ class HiCache:
             self._core, self.tiers, self.policy, self.config.selective_threshold, acks
         )
         self._evictor = Evictor(self._core, self.tiers, self._transfers, self.policy)
-        effects = MemoryEffects(self._core, self.tiers, self._transfers, self._evictor)
-        self._core.bind(effects.bound())
+        effects = MemoryEffects(self._core, self.tiers, self._transfers, self._evictor).bound()
+        self._storage: StorageTier | None = None
+        if storage is not None:
+            self._storage = StorageTier(
+                storage,
+                self._core,
+                self.tiers,
+                transfers=self._transfers,
+                evictor=self._evictor,
+                write_policy=self.policy,
+            )
+            effects.update(self._storage.effects())
+        self._core.bind(effects, storage=storage is not None)
+        self._events = frozenset(self._core.machine.engine.events)
 
     # -- the parts, read-only ------------------------------------------------
 
@@ -167,6 +200,11 @@ class HiCache:
         """Eviction candidates and write-back evictions waiting for their backups."""
         return self._evictor
 
+    @property
+    def storage(self) -> StorageTier | None:
+        """The storage tier (its copies in flight, keys and namespace), or None without one."""
+        return self._storage
+
     # -- lookups and inserts -------------------------------------------------
 
     def match_prefix(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult:
@@ -176,6 +214,16 @@ class HiCache:
         device now: it stops at the first node that is not (a node still
         loading, or host-only), so ``device_pages`` hold exactly the KV of
         ``tokens[:device_len]``. The host part counts every matched token after it.
+
+        With a storage tier, the host part stops at the first node cached on
+        neither tier (still being fetched), and a long enough unmatched tail
+        is prefetched from the store (see
+        :meth:`~fsm_cache.cache.storage_tier.StorageTier.prefetch`): under the
+        ``wait`` policy, or the ``timeout`` one within its deadline, the
+        fetched pages are host-valid when this returns and counted in
+        ``host_len``; otherwise they are counted in ``storage_len`` until a
+        :meth:`poll` applies them. Load them to the device with
+        :meth:`load_back` as any host-only prefix.
 
         Raises:
             BadArgument: ``tokens`` is not a sequence of non-negative ints (a 1-d
@@ -187,6 +235,8 @@ class HiCache:
             tree = self._core.tree
             key = tree.aligned(key)
             walk = tree.walk(key, namespace)
+            if self._storage is not None:
+                walk = self._storage.prefetch(walk, key, namespace)
             self._core.touch(walk.path)
             root = tree.root(namespace)
             on_device = []
@@ -195,13 +245,20 @@ class HiCache:
                     break
                 on_device.append(n)
             device_len = sum(len(n.key) for n in on_device)
-            self._core.counters.looked_up(len(key), device_len, walk.matched - device_len)
+            cached: Sequence[TreeNode] = walk.path
+            matched, storage_len = walk.matched, 0
+            if self._storage is not None:
+                cached = local_prefix(walk.path)
+                matched = sum(len(n.key) for n in cached)
+                storage_len = walk.matched - matched
+            self._core.counters.looked_up(len(key), device_len, matched - device_len)
             return MatchResult(
                 device_len=device_len,
-                host_len=walk.matched - device_len,
+                host_len=matched - device_len,
                 last_device_node=on_device[-1] if on_device else root,
-                last_host_node=walk.path[-1] if walk.path else root,
+                last_host_node=cached[-1] if cached else root,
                 device_pages=tuple(chain.from_iterable(n.device_pages for n in on_device)),
+                storage_len=storage_len,
             )
 
     def insert(
@@ -396,26 +453,34 @@ class HiCache:
             )
         lock.release()
 
-    def _take(self, node: TreeNode, event: Event, give_back: Event) -> Lease:
+    def _take(self, node: TreeNode, event: AnyEvent, give_back: AnyEvent) -> Lease:
         """Fire ``event`` as one operation; the receipt fires ``give_back`` as another."""
         self.fire(event, node)
         return self._core.machine.engine.leases.open(
             node, partial(self.fire, give_back), event, "node"
         )
 
-    def fire(self, event: Event, node: TreeNode) -> None:
+    def fire(self, event: AnyEvent, node: TreeNode) -> None:
         """Fire one residency event at ``node`` as a public operation: logged, flushed, checked.
 
         For callers that drive the machines by hand (the release a lock receipt
         runs, a test of a refusal); the named operations above are the usual way.
 
+        With a storage tier the storage events (``store``, ``discover``,
+        ``vanish``, ``evict_storage``, ...) may be fired too; their effects
+        queue copies that start when the call returns, as the cache's own do.
+
         Raises:
-            BadArgument: ``event`` is not a residency event, or ``node`` not a node.
+            BadArgument: ``event`` is not an event of this cache's residency
+                machine, or ``node`` not a node.
             StaleNode: ``node`` is not in this cache (deleted, or from before a reset).
             IllegalTransition: The spec refuses the event; nothing changed.
+            EffectFailed: An effect failed (no host room for a fetch, a page a
+                read holds for ``evict_storage``); nothing changed.
         """
-        if event not in _EVENTS:
-            raise BadArgument(f"fire: {event!r} is not a residency event")
+        if event not in self._events:
+            where = "" if self._storage is not None else " (this cache has no storage tier)"
+            raise BadArgument(f"fire: {event!r} is not a residency event{where}")
         node = arguments.node(self._core.tree, node, event)
         with self._operation(event, node.id):
             self._core.fire(node, event)
@@ -441,6 +506,24 @@ class HiCache:
         num_tokens = arguments.count(num_tokens, "evict_host")
         with self._operation("evict_host", num_tokens):
             return self._evictor.evict_host(num_tokens)
+
+    def evict_storage(self, num_tokens: int) -> int:
+        """Delete at least ``num_tokens`` tokens' pages from an owned store; return tokens deleted.
+
+        Least recently used stored leaves go first (no child with pages in
+        storage, no copy reading or writing them, no read holding a page of a
+        local store); the nodes keep their device and host copies.
+
+        Raises:
+            BadArgument: ``num_tokens`` is not an int >= 0.
+            ConfigError: The cache has no storage tier, or its store is shared
+                (``StorageConfig.owned`` is False: the store's server evicts).
+        """
+        num_tokens = arguments.count(num_tokens, "evict_storage")
+        with self._operation("evict_storage", num_tokens):
+            if self._storage is None:
+                raise ConfigError("evict_storage: this cache has no storage tier")
+            return self._storage.evict(num_tokens)
 
     def load_back(self, node: TreeNode) -> list[TreeNode] | None:
         """Start loading the evicted chain ending at ``node``; the whole chain or nothing.
@@ -532,9 +615,16 @@ class HiCache:
     # -- copies --------------------------------------------------------------
 
     def poll(self) -> int:
-        """Apply every finished copy (in any order); return how many copies were applied."""
+        """Apply every finished copy (in any order); return how many copies were applied.
+
+        With a storage tier, also the finished copies to and from the store,
+        and those that passed ``io_timeout`` unanswered, as failures.
+        """
         with self._operation("poll"):
-            return self._transfers.apply(self._transfers.collect(wait=False), "poll")
+            applied = self._transfers.apply(self._transfers.collect(wait=False), "poll")
+            if self._storage is not None:
+                applied += self._storage.apply(self._storage.collect(), "poll")
+            return applied
 
     def apply_completions(self, completions: Sequence[Completion]) -> int:
         """Apply finished copies in the given order, then start any copies they asked for.
@@ -573,7 +663,11 @@ class HiCache:
             return
         with self._operation("close"):
             self._transfers.settle_all(len(self._core.tree.nodes) + 2)
+            if self._storage is not None:
+                self._storage.settle(len(self._core.tree.nodes) + 2)
         self._gate.closed = True
+        if self._storage is not None:
+            self._storage.close()
         self.tiers.close()
 
     def __enter__(self) -> HiCache:
@@ -588,7 +682,8 @@ class HiCache:
 
     def stats(self) -> Stats:
         """Return tier occupancy, hit rates, copies, pins, locks and transition counts."""
-        return snapshot(self)
+        in_flight = len(self._storage.in_flight()) if self._storage is not None else 0
+        return snapshot(self, in_flight)
 
     def check_invariants(self, after: str = "") -> None:
         """Raise InvariantViolation naming the first broken design invariant and node.
@@ -596,7 +691,7 @@ class HiCache:
         Args:
             after: The operation just run, named in the message (debug mode passes it).
         """
-        invariants.check(self, after=after)
+        invariants.check(self, after=after, storage=self._storage)
 
     def reset(self) -> None:
         """Drop everything and start empty, keeping the pools and the copy engine.
@@ -614,6 +709,8 @@ class HiCache:
             self._core.reset()
             self._transfers.reset()
             self._evictor.reset()
+            if self._storage is not None:
+                self._storage.reset()
         finally:
             self._gate.leave()
 
@@ -621,7 +718,13 @@ class HiCache:
 
     def _operation(self, name: str, *args: Hashable) -> _Operation:
         check = self.check_invariants if self.config.debug else None
-        return _Operation(self._gate, self._core.log, self._transfers, check, name=name, args=args)
+        return _Operation(self._gate, self._core.log, self._flush, check, name=name, args=args)
+
+    def _flush(self) -> None:
+        """Start every copy the operation queued: device-host copies, then storage copies."""
+        self._transfers.flush()
+        if self._storage is not None:
+            self._storage.flush()
 
 
 def _chain(node: TreeNode) -> tuple[list[TreeNode], TreeNode | None]:
@@ -664,19 +767,19 @@ class _Gate:
 class _Operation:
     """One public operation: gated, logged first, its copies started however it ends, checked after."""
 
-    __slots__ = ("args", "check", "gate", "log", "name", "transfers")
+    __slots__ = ("args", "check", "flush", "gate", "log", "name")
 
     def __init__(
         self,
         gate: _Gate,
         log: EventLog,
-        transfers: Transfers,
+        flush: Callable[[], None],
         check: Callable[[str], None] | None,
         *,
         name: str,
         args: tuple[Hashable, ...],
     ) -> None:
-        self.gate, self.log, self.transfers, self.check = gate, log, transfers, check
+        self.gate, self.log, self.flush, self.check = gate, log, flush, check
         self.name, self.args = name, args
 
     def __enter__(self) -> None:
@@ -689,7 +792,7 @@ class _Operation:
         try:
             if isinstance(exc, FsmCacheError):
                 self.log.refusal(self.name, exc)
-            self.transfers.flush()  # nothing stays queued without its copy, even on a refusal
+            self.flush()  # nothing stays queued without its copy, even on a refusal
             if exc is None and self.check is not None:
                 self.check(self.name)
         finally:

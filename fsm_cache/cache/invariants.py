@@ -9,7 +9,12 @@ rely on beyond the design's list: 11, a node on the device never hangs under
 a node still loading (so a lookup's device prefix is contiguous and its pages
 hold exactly its tokens' KV), and 12, no node is ``writing`` or ``loading``
 without a copy in flight, queued, or about to be copied again (nothing is
-stuck). Invariant 10 (every rank
+stuck). With a storage tier (:data:`CHECKED_WITH_STORAGE`) invariant 2
+counts a host copy being fetched as held (the read fills it, or fails and
+removes the node), 12 also covers stores and fetches in flight, and 13 says a
+lookup cannot reach KV that is not there yet: no node hangs under a node
+whose only copy is still being read from storage, and a host copy is being
+fetched exactly when its storage pages are being read. Invariant 10 (every rank
 of a tensor-parallel group applies the same transitions in the same order)
 needs the other ranks' histories, which one cache cannot see:
 :meth:`fsm_cache.distributed.agreement.DistributedCache.verify_agreement` checks it.
@@ -25,8 +30,9 @@ from fsm_cache.errors import InvariantViolation
 from fsm_cache.memory.pages import FREE, REQUEST
 from fsm_cache.memory.tiers import Tiers
 from fsm_cache.policy import WritePolicy
-from fsm_cache.residency import DEVICE_HELD, HOST_HELD, HOST_VALID
-from fsm_cache.spec.shipped import host_machine, residency_system
+from fsm_cache.residency import DEVICE_HELD, FETCHING, HOST_HELD, HOST_VALID
+from fsm_cache.spec.machine import as_system
+from fsm_cache.spec.shipped import host_machine, load_shipped
 
 
 Violation = tuple[int, str, str]
@@ -34,6 +40,8 @@ Violation = tuple[int, str, str]
 
 CHECKED: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12)
 """The invariants :func:`check` checks on one cache (10 is across ranks)."""
+CHECKED_WITH_STORAGE: tuple[int, ...] = (*CHECKED, 13)
+"""The invariants :func:`check` checks on one cache with a storage tier."""
 
 COPYING: frozenset[str] = frozenset({"writing", "loading"})
 """States in which a node waits for a copy's acknowledgement."""
@@ -76,7 +84,7 @@ class Checked(Protocol):
         ...
 
 
-def check(cache: Checked, after: str = "") -> None:
+def check(cache: Checked, after: str = "", storage: Copies | None = None) -> None:
     """Raise on the first broken invariant of ``cache``; return if all hold.
 
     Checks invariants 1 to 9, node by node (parents first), then the pools.
@@ -91,20 +99,25 @@ def check(cache: Checked, after: str = "") -> None:
     Args:
         cache: The cache to check.
         after: The operation just run, named in the message.
+        storage: The cache's storage copies in flight, if it has a storage tier.
 
     Raises:
         InvariantViolation: ``invariant N broken at <where>[ after <operation>]:
             <what is wrong>``; <where> is ``node I (<residency>)``, a page or a pool.
     """
-    for number, where, detail in findings(cache):
+    for number, where, detail in findings(cache, storage):
         suffix = f" after {after}" if after else ""
         raise InvariantViolation(f"invariant {number} broken at {where}{suffix}: {detail}")
 
 
-def findings(cache: Checked) -> Iterator[Violation]:
-    """Yield every broken invariant of ``cache``, node by node, then the pools."""
+def findings(cache: Checked, storage: Copies | None = None) -> Iterator[Violation]:
+    """Yield every broken invariant of ``cache``, node by node, then the pools.
+
+    With ``storage`` (the storage tier's copies) the storage rules are checked too.
+    """
     write_through = cache.policy.value != "write_back"
     pending = cache.transfers.pending()
+    stored = storage.pending() if storage is not None else frozenset()
     for node in cache.tree:
         where = f"node {node.id} ({node.residency()})"
         for rule in _NODE_RULES:
@@ -114,8 +127,34 @@ def findings(cache: Checked) -> Iterator[Violation]:
         copying = node.host if node.host in COPYING else node.device
         if copying in COPYING and node.id not in pending:
             yield 12, where, f"{copying} with no copy in flight or queued: it can never finish"
+        if storage is not None:
+            yield from _storage_rules(node, stored)
         yield from _pages(node, cache.tree.page_size)
     yield from _pools(cache)
+
+
+STORAGE_COPYING: frozenset[str] = frozenset({"storing", "reading"})
+"""Storage states in which a node waits for a storage copy's acknowledgement."""
+
+
+def _storage_rules(node: TreeNode, pending: frozenset[int]) -> Iterator[Violation]:
+    """Invariants 12 and 13 of a node of a cache with a storage tier."""
+    where = f"node {node.id} ({node.residency()}, storage {node.storage})"
+    if (node.storage in STORAGE_COPYING or node.host == FETCHING) and node.id not in pending:
+        state = node.storage if node.storage in STORAGE_COPYING else node.host
+        yield 12, where, f"{state} with no storage copy in flight or queued: it can never finish"
+    if (node.host == FETCHING) != (node.storage == "reading"):
+        yield 13, where, "a host copy is fetched exactly while its storage pages are read"
+    if node.host == FETCHING and node.device == "absent" and node.children:
+        child = next(iter(node.children.values()))
+        yield (
+            13,
+            where,
+            (
+                f"child node {child.id} hangs under a node whose KV is still being read from"
+                " storage: a lookup would reach it first"
+            ),
+        )
 
 
 def _inner_parent(node: TreeNode) -> TreeNode | None:
@@ -139,7 +178,8 @@ def _usable_prefix(node: TreeNode, _: bool) -> tuple[int, str] | None:
 
 
 def _held_somewhere(node: TreeNode, _: bool) -> tuple[int, str] | None:
-    if node.device == "absent" and node.host not in HOST_VALID:
+    # a host copy being fetched is filled by its read, or the failed read removes the node
+    if node.device == "absent" and node.host not in HOST_VALID and node.host != FETCHING:
         return 2, "neither tier holds its KV"
     return None
 
@@ -177,8 +217,11 @@ def _locks_propagate(node: TreeNode, _: bool) -> tuple[int, str] | None:
     return None
 
 
-_REGIONS = residency_system().regions
-"""The residency regions and their machines: each state's invariant is read from the spec."""
+_REGIONS = as_system(load_shipped("residency_storage")).regions
+"""The residency regions and their machines: each state's invariant is read from the spec.
+
+The storage composition's: its host machine extends the plain one by ``fetching``
+and its storage region reads ``unstored`` on a cache without a storage tier."""
 
 
 def _counts(node: TreeNode, _: bool) -> tuple[int, str] | None:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from fsm_cache.cache.tree import RadixTree
 from fsm_cache.memory.tiers import Tiers
-from fsm_cache.residency import DEVICE_HELD, HOST_HELD
+from fsm_cache.residency import DEVICE_HELD, HOST_HELD, STORAGE_HELD
 
 
 @dataclass
@@ -31,6 +31,11 @@ class Counters:
     copy_seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     copy_failures: Counter[str] = field(default_factory=Counter)
     deleted_nodes: int = 0
+    storage_pages: Counter[str] = field(default_factory=Counter)
+    storage_bytes: Counter[str] = field(default_factory=Counter)
+    storage_seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    storage_failures: Counter[str] = field(default_factory=Counter)
+    prefetch: Counter[str] = field(default_factory=Counter)
 
     def looked_up(self, tokens: int, device: int, host: int) -> None:
         """Count one lookup of ``tokens``, ``device`` of them on the device and ``host`` host-only."""
@@ -45,6 +50,21 @@ class Counters:
             self.copy_bytes[direction] += nbytes
         else:
             self.copy_failures[direction] += 1
+
+    def storage_copied(
+        self, kind: str, seconds: float, pages: int, nbytes: int, outcome: str
+    ) -> None:
+        """Count one applied storage copy (``store`` or ``fetch``) and what it acknowledged.
+
+        ``pages`` leading pages landed (``nbytes`` bytes); any outcome but
+        ``ok`` also counts a failure of ``kind`` under that outcome
+        (``store:timeout``, ``fetch:missing``, ...).
+        """
+        self.storage_seconds[kind] += seconds
+        self.storage_pages["stored" if kind == "store" else "fetched"] += pages
+        self.storage_bytes[kind] += nbytes
+        if outcome != "ok":
+            self.storage_failures[f"{kind}:{outcome}"] += 1
 
 
 class Observed(Protocol):
@@ -84,6 +104,14 @@ class Stats:
         transitions: Applied transitions by event.
         refused: Refused transitions by event.
         states: Nodes per ``host/device`` state pair.
+        storage_tokens: Tokens whose pages a storage tier holds or is being given.
+        storage_in_flight: Copies to or from a storage tier started, not yet applied.
+        storage_pages: Pages ``stored``, ``fetched``, ``discovered``, ``vanished``,
+            ``evicted`` (from a store the cache owns).
+        storage_bytes: Bytes of pages acknowledged per storage copy kind (``store``, ``fetch``).
+        storage_failures: Storage copies that failed, by ``kind:outcome``.
+        prefetch: What each lookup's prefetch decided (``started``, ``waited``,
+            ``below_threshold``, ``rate_limited``, ``none_stored``, ...).
     """
 
     nodes: int
@@ -99,10 +127,16 @@ class Stats:
     transitions: dict[str, int]
     refused: dict[str, int]
     states: dict[str, int]
+    storage_tokens: int = 0
+    storage_in_flight: int = 0
+    storage_pages: dict[str, int] = field(default_factory=dict)
+    storage_bytes: dict[str, int] = field(default_factory=dict)
+    storage_failures: dict[str, int] = field(default_factory=dict)
+    prefetch: dict[str, int] = field(default_factory=dict)
 
 
-def snapshot(cache: Observed) -> Stats:
-    """Return the :class:`Stats` of ``cache`` now."""
+def snapshot(cache: Observed, storage_in_flight: int = 0) -> Stats:
+    """Return the :class:`Stats` of ``cache`` now (``storage_in_flight`` from its storage tier)."""
     nodes = list(cache.tree)
     c = cache.counters
     looked = max(c.lookup_tokens, 1)
@@ -121,6 +155,12 @@ def snapshot(cache: Observed) -> Stats:
         transitions=dict(c.transitions),
         refused=dict(c.refused),
         states=dict(Counter(f"{n.host}/{n.device}" for n in nodes)),
+        storage_tokens=sum(len(n.key) for n in nodes if n.storage in STORAGE_HELD),
+        storage_in_flight=storage_in_flight,
+        storage_pages=dict(c.storage_pages),
+        storage_bytes=dict(c.storage_bytes),
+        storage_failures=dict(c.storage_failures),
+        prefetch=dict(c.prefetch),
     )
 
 
@@ -138,6 +178,7 @@ class _Collector:
         tokens = GaugeMetricFamily(f"{p}_tokens", "Tokens held per tier", labels=["tier"])
         tokens.add_metric(["device"], stats.device_tokens)
         tokens.add_metric(["host"], stats.host_tokens)
+        tokens.add_metric(["storage"], stats.storage_tokens)
         yield tokens
         hits = GaugeMetricFamily(
             f"{p}_hit_rate", "Matched tokens over looked-up tokens", labels=["tier"]
@@ -149,6 +190,11 @@ class _Collector:
             ("pins", stats.pins, "Host pins outstanding"),
             ("locks", stats.locks, "Device locks outstanding"),
             ("copies_in_flight", stats.copies_in_flight, "Copies started, not yet applied"),
+            (
+                "storage_copies_in_flight",
+                stats.storage_in_flight,
+                "Copies to or from the storage tier started, not yet applied",
+            ),
         ):
             yield GaugeMetricFamily(f"{p}_{name}", text, value=value)
         yield _labelled(
@@ -171,11 +217,29 @@ class _Collector:
             GaugeMetricFamily(f"{p}_nodes", "Nodes per residency state", labels=["state"]),
             stats.states.items(),
         )
+        yield _labelled(
+            CounterMetricFamily(f"{p}_storage_pages", "Storage tier pages", labels=["event"]),
+            stats.storage_pages.items(),
+        )
+        yield _labelled(
+            CounterMetricFamily(f"{p}_storage_bytes", "Storage tier bytes", labels=["kind"]),
+            stats.storage_bytes.items(),
+        )
+        yield _labelled(
+            CounterMetricFamily(
+                f"{p}_storage_failures", "Failed storage copies", labels=["kind", "outcome"]
+            ),
+            ((tuple(k.split(":", 1)), v) for k, v in stats.storage_failures.items()),
+        )
+        yield _labelled(
+            CounterMetricFamily(f"{p}_prefetch", "Prefetch decisions", labels=["outcome"]),
+            stats.prefetch.items(),
+        )
 
 
-def _labelled(family: Any, items: Iterable[tuple[str, float]]) -> Any:
+def _labelled(family: Any, items: Iterable[tuple[str | tuple[str, ...], float]]) -> Any:
     for label, value in sorted(items):
-        family.add_metric([label], value)
+        family.add_metric([label] if isinstance(label, str) else list(label), value)
     return family
 
 

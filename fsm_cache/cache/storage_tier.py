@@ -1,0 +1,827 @@
+"""The storage tier of a cache: copies between host memory and a store, and prefetch on a match.
+
+With a :class:`StorageConfig`, a :class:`~fsm_cache.cache.hicache.HiCache`
+runs ``specs/residency_storage.toml`` (host, device and storage regions) and a
+:class:`StorageTier` owns everything the storage region needs beyond the
+machine:
+
+* **Keys.** Each node's page keys chain from its parent's last key
+  (:func:`~fsm_cache.storage.keys.page_keys`), in a namespace of the model, the
+  KV layout, the page size and the tensor-parallel rank (and the tree's
+  namespace, when it is not None); computed once per node, sliced by a split.
+* **Copies and their tickets.** The spec's effects only queue a copy
+  (``start_store``, ``start_fetch``); :meth:`StorageTier.flush` starts them
+  when the operation ends, on worker threads (or inline with ``threads=0``).
+  A store copies a snapshot of the host pages taken when it starts, and a
+  fetch reads into tensors of its own that the cache thread copies into the
+  host slots when it applies the acknowledgement, so a worker never touches
+  the pools and a copy failed by its timeout can leave nothing behind in them.
+  Every copy is numbered and stays in :meth:`StorageTier.in_flight` until it
+  is applied; :meth:`StorageTier.collect` fails copies older than
+  ``io_timeout`` (a backend thread that hangs or dies must not keep its host
+  pin for ever: SGLang #38427).
+* **Acknowledgements per page.** A store or a read lands a prefix of its
+  pages; the node is split at the first page that did not land, the prefix
+  acknowledged (``store_done``, ``fetch_done``) and the rest failed
+  (``store_failed``; ``fetch_failed`` then ``vanish`` when the store no longer
+  held the page). A node left with no local copy is removed from the tree: its
+  pages, if the store still holds them, are found again by key.
+* **Backup after a host backup** (``policy="write_through"``): a node is stored
+  once its host copy is acknowledged and its parent's pages are stored, so
+  what this cache stores is prefix-closed.
+* **Prefetch on a match** (:meth:`StorageTier.prefetch`): past a threshold and
+  under a rate limit, the stored pages after the locally cached prefix become
+  a ``discovered`` node that is fetched, and the termination policy decides
+  whether the lookup waits for it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import queue
+import threading
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+
+import torch
+
+from fsm_cache.cache.core import CacheCore
+from fsm_cache.cache.eviction import Evictor
+from fsm_cache.cache.transfers import Transfers
+from fsm_cache.cache.tree import Key, TreeNode, Walk
+from fsm_cache.engine import trail
+from fsm_cache.engine.core import Effect
+from fsm_cache.errors import (
+    BadArgument,
+    ConfigError,
+    CorruptPage,
+    EffectFailed,
+    IllegalTransition,
+    PoolExhausted,
+    StorageError,
+    StoreFailed,
+)
+from fsm_cache.memory.tiers import Tiers
+from fsm_cache.policy import WritePolicy
+from fsm_cache.residency import FETCHING, HOST_HELD, HOST_VALID, STORAGE_HELD, Event
+from fsm_cache.storage.base import Store, stored_prefix
+from fsm_cache.storage.keys import Namespace, page_keys
+
+
+trail.internal(__file__)
+
+STORAGE_POLICIES = ("write_through", "off")
+"""When a node is backed up to storage: after its host backup, or only when told (``fire``)."""
+PREFETCH_POLICIES = ("best_effort", "wait", "timeout")
+"""When a lookup that started a prefetch returns: at once, once it is read, or by a deadline."""
+_STORE_METHODS = ("exists_prefix", "get", "put", "drop", "capacity", "close")
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """A storage tier below a cache's host memory, and how the cache uses it.
+
+    Attributes:
+        store: The backend (:class:`~fsm_cache.storage.local.LocalFileStore`,
+            :class:`~fsm_cache.storage.redisstore.RedisStore`, or any
+            :class:`~fsm_cache.storage.base.Store`). The cache never closes it.
+        model: The model's id (name and revision): caches share pages only
+            under the same model, KV layout, page size and rank.
+        rank: This cache's rank in its tensor-parallel group.
+        ranks: The group's size.
+        policy: ``write_through`` stores every node once its host backup is
+            acknowledged (parents first); ``off`` stores only what is fired by
+            hand (``cache.fire("store", node)``).
+        prefetch_threshold: Fewest tokens past the locally cached prefix worth
+            a key query, and fewest stored tokens worth a fetch (SGLang: 256).
+        prefetch_policy: ``best_effort`` (the lookup returns at once; a later
+            :meth:`~fsm_cache.cache.hicache.HiCache.poll` applies the read),
+            ``wait`` (the lookup waits for the read, up to ``io_timeout``) or
+            ``timeout`` (it waits up to ``prefetch_timeout`` seconds, then
+            continues best-effort).
+        prefetch_timeout: The ``timeout`` policy's wait, in seconds.
+        prefetch_capacity: Most tokens being fetched at once; a lookup while
+            that many are in flight does not prefetch. None: half the host pool.
+        io_timeout: Seconds after which a copy to or from the store that has
+            not finished is failed (its pin given back, its slots freed).
+        threads: Worker threads doing the store's I/O; 0 runs each copy inline
+            when it starts (deterministic, for tests and tools).
+        owned: The cache owns the store's contents and may delete pages
+            (:meth:`~fsm_cache.cache.hicache.HiCache.evict_storage`). Leave it
+            False for a store other servers share: its server evicts.
+    """
+
+    store: Store
+    model: str = "fsm_cache"
+    rank: int = 0
+    ranks: int = 1
+    policy: str = "write_through"
+    prefetch_threshold: int = 256
+    prefetch_policy: str = "best_effort"
+    prefetch_timeout: float = 2.0
+    prefetch_capacity: int | None = None
+    io_timeout: float = 30.0
+    threads: int = 1
+    owned: bool = False
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming the first value of the wrong type or out of range."""
+        missing = [m for m in _STORE_METHODS if not callable(getattr(self.store, m, None))]
+        if missing:
+            raise ConfigError(
+                f"storage: store must be a Store ({', '.join(_STORE_METHODS)}), "
+                f"got {type(self.store).__name__} without {', '.join(missing)}"
+            )
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"storage: model must be a non-empty str, got {self.model!r}")
+        for name, allowed in (("policy", STORAGE_POLICIES), ("prefetch_policy", PREFETCH_POLICIES)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in allowed:
+                raise ConfigError(
+                    f"storage: {name} must be one of {', '.join(allowed)}, got {value!r}"
+                )
+        for name, least in (("prefetch_threshold", 0), ("threads", 0), ("ranks", 1)):
+            _need_int(self, name, least)
+        if not _is_int(self.rank) or not 0 <= self.rank < self.ranks:
+            raise ConfigError(
+                f"storage: rank must be an int in 0..{self.ranks - 1}, got {self.rank!r}"
+            )
+        if self.prefetch_capacity is not None:
+            _need_int(self, "prefetch_capacity", 0)
+        for name in ("prefetch_timeout", "io_timeout"):
+            value = getattr(self, name)
+            if not _is_real(value) or not value > 0 or value == float("inf"):
+                raise ConfigError(f"storage: {name} must be seconds > 0, got {value!r}")
+        if not isinstance(self.owned, bool):
+            raise ConfigError(f"storage: owned must be a bool, got {self.owned!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _need_int(config: StorageConfig, name: str, least: int) -> None:
+    value = getattr(config, name)
+    if not _is_int(value) or value < least:
+        raise ConfigError(f"storage: {name} must be an int >= {least}, got {value!r}")
+
+
+@dataclass
+class StoreResult:
+    """What a worker reports of one copy: the leading pages that landed, and why it stopped.
+
+    Attributes:
+        held: Leading pages stored (a store) or read (a fetch).
+        pages: The pages a fetch read, in order (``held`` of them).
+        outcome: ``ok``, ``full`` (the store had no room), ``missing`` (the store
+            no longer held a page), ``corrupt`` (a page read back torn or
+            foreign; the worker dropped it), ``failed`` (the store raised) or
+            ``timeout`` (no answer within ``io_timeout``).
+        error: What the store raised, if it did.
+    """
+
+    held: int
+    pages: list[torch.Tensor]
+    outcome: str
+    error: str | None = None
+
+
+class StorageCopy:
+    """One copy to or from the store: its ticket, the nodes it serves, and its result.
+
+    Attributes:
+        number: The copy's number in the log (from 1 since construction or reset).
+        kind: ``store`` or ``fetch``.
+        nodes: The nodes it serves, in key order (a split inserts the prefix).
+        keys: The page keys of those nodes, in order.
+        started: When it was started (``time.monotonic``); None while queued.
+        done: Set by the worker once :attr:`result` is there.
+        result: The worker's report, or None.
+    """
+
+    __slots__ = ("done", "keys", "kind", "nodes", "number", "result", "started")
+
+    def __init__(self, number: int, kind: str, node: TreeNode, keys: Sequence[str]) -> None:
+        self.number = number
+        self.kind = kind
+        self.nodes = [node]
+        self.keys = tuple(keys)
+        self.started: float | None = None
+        self.done = threading.Event()
+        self.result: StoreResult | None = None
+
+    def tokens(self) -> int:
+        """Return the tokens this copy moves."""
+        return sum(len(n.key) for n in self.nodes)
+
+
+class _Workers:
+    """Threads that run the store's I/O, or none (``threads=0``: each job runs when submitted).
+
+    Jobs never raise (each catches what its store raises), so a thread lives as
+    long as the cache; a job that hangs holds its thread, and the copies behind
+    it are failed by their timeout.
+    """
+
+    def __init__(self, threads: int) -> None:
+        self._count = threads
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if not self._count:
+            job()
+            return
+        if not self._threads:
+            for i in range(self._count):
+                thread = threading.Thread(target=self._loop, name=f"fsm-storage-{i}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        self._jobs.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+
+    def close(self) -> None:
+        """Let each thread end once the jobs before it ran (daemon threads: a hung one stays)."""
+        for _ in self._threads:
+            self._jobs.put(None)
+        self._threads = []
+
+
+def _run(store: Store, copy: StorageCopy, pages: list[torch.Tensor]) -> None:
+    """Run one copy on a worker: record its result, whatever the store does."""
+    try:
+        result = _put(store, copy.keys, pages) if copy.kind == "store" else _get(store, copy.keys)
+    except Exception as exc:  # the copy fails; the thread must live on (SGLang #38427)
+        result = StoreResult(0, [], "failed", f"{type(exc).__name__}: {exc}")
+    copy.result = result
+    copy.done.set()
+
+
+def _put(store: Store, keys: Sequence[str], pages: list[torch.Tensor]) -> StoreResult:
+    try:
+        held = stored_prefix(store.put(keys, pages))
+    except StoreFailed as exc:
+        return StoreResult(exc.acknowledged, [], "failed", str(exc))
+    return StoreResult(held, [], "ok" if held == len(keys) else "full")
+
+
+def _get(store: Store, keys: Sequence[str]) -> StoreResult:
+    try:
+        pages = store.get(keys)
+    except CorruptPage as exc:  # wrong KV is never used: drop the page, keep what came before
+        at = keys.index(exc.key) if exc.key in keys else 0
+        store.drop([exc.key])
+        pages = store.get(keys[:at]) if at else []
+        return StoreResult(len(pages), pages, "corrupt", str(exc))
+    return StoreResult(len(pages), pages, "ok" if len(pages) == len(keys) else "missing")
+
+
+class StorageTier:
+    """The copies to and from one cache's store, their tickets, and prefetch.
+
+    Args:
+        config: The store and the policies; checked by the caller.
+        core: Fires the storage events and owns the tree.
+        tiers: The host pool the copies read and fill.
+        transfers: Tells of host backups acknowledged (a store may start), and
+            backs up what a fetch acknowledged lets it (a child recomputed under
+            a node that was still being fetched).
+        evictor: Frees host room for a fetch.
+        write_policy: The host write policy (a write-through host copy below a
+            node without one would break design invariant 3).
+    """
+
+    def __init__(
+        self,
+        config: StorageConfig,
+        core: CacheCore,
+        tiers: Tiers,
+        *,
+        transfers: Transfers,
+        evictor: Evictor,
+        write_policy: WritePolicy,
+    ) -> None:
+        self.config = config
+        self._store = config.store
+        self._core = core
+        self._tiers = tiers
+        self._transfers = transfers
+        self._evictor = evictor
+        self._write_through = write_policy is not WritePolicy.WRITE_BACK
+        self._base = Namespace.for_layout(
+            config.model, tiers.host.layout, rank=config.rank, ranks=config.ranks
+        )
+        pool_tokens = tiers.host.num_pages * tiers.page_size
+        self.capacity = (
+            pool_tokens // 2 if config.prefetch_capacity is None else config.prefetch_capacity
+        )
+        self._copies: dict[int, StorageCopy] = {}  # queued or started, not applied, by number
+        self._queued: list[StorageCopy] = []
+        self._numbers = 0
+        self._workers = _Workers(config.threads)
+        transfers.on_ack(self._host_acknowledged)
+        core.on_split(self._rehome)
+
+    # -- views ---------------------------------------------------------------
+
+    def in_flight(self) -> Mapping[int, StorageCopy]:
+        """The copies queued or started and not yet applied, by number (read-only view)."""
+        return self._copies
+
+    def pending(self) -> frozenset[int]:
+        """Return the ids of nodes a storage copy in flight or queued serves."""
+        return frozenset(n.id for c in self._copies.values() for n in c.nodes)
+
+    def fetching_tokens(self) -> int:
+        """Return the tokens being fetched now: what the prefetch rate limit counts."""
+        return sum(c.tokens() for c in self._copies.values() if c.kind == "fetch")
+
+    def namespace(self, tree_namespace: Hashable = None) -> Namespace:
+        """Return the key namespace of the tree's ``tree_namespace`` (None: the model's own).
+
+        A tree namespace other than None (a LoRA adapter, say) keys its pages
+        apart by its ``repr``, which must therefore be the same on every server
+        (a str or an int).
+        """
+        if tree_namespace is None:
+            return self._base
+        return replace(self._base, model=f"{self._base.model}#{tree_namespace!r}")
+
+    def keys_of(self, node: TreeNode) -> tuple[str, ...]:
+        """Return ``node``'s page keys, computing them (and its ancestors') once.
+
+        Raises:
+            BadArgument: A token does not fit the keys' 32 bits; nothing is kept.
+        """
+        chain: list[TreeNode] = []
+        walk = node
+        while walk.parent is not None and walk.store_keys is None:
+            chain.append(walk)
+            walk = walk.parent
+        if not chain:
+            return node.store_keys or ()
+        prior = walk.store_keys[-1] if walk.parent is not None and walk.store_keys else None
+        root = walk
+        while root.parent is not None:
+            root = root.parent
+        namespace = self.namespace(self._tree_namespace(root))
+        computed = []
+        for n in reversed(chain):
+            keys = tuple(page_keys(namespace, n.key, parent=prior))
+            computed.append((n, keys))
+            prior = keys[-1] if keys else prior
+        for n, keys in computed:
+            n.store_keys = keys
+        return node.store_keys or ()
+
+    def _tree_namespace(self, root: TreeNode) -> Hashable:
+        for name, found in self._core.tree.roots.items():
+            if found is root:
+                return name
+        return None
+
+    # -- the spec's effects ----------------------------------------------------
+
+    def effects(self) -> dict[str, Effect]:
+        """Return the storage region's effects by the names the spec gives them."""
+        return {
+            "start_store": self.start_store,
+            "start_fetch": self.start_fetch,
+            "delete_storage": self.delete_storage,
+        }
+
+    def start_store(self, node: TreeNode) -> None:
+        """Queue the host-to-storage copy of ``node`` (the host side took its pin)."""
+        self._queue("store", node, self.keys_of(node))
+
+    def start_fetch(self, node: TreeNode) -> None:
+        """Take host slots for ``node`` (evicting host leaves, never its parent) and queue the read."""
+        keys = self.keys_of(node)
+        size = len(node.key) // self._tiers.page_size
+        try:
+            pages = self._tiers.alloc_host(size, node.id)
+        except PoolExhausted:
+            spare = (node.parent,) if node.parent is not None else ()
+            self._evictor.evict_host(len(node.key), spare=spare)
+            pages = self._tiers.alloc_host(size, node.id)
+        node.host_pages = pages
+        self._queue("fetch", node, keys)
+
+    def delete_storage(self, node: TreeNode) -> None:
+        """Delete ``node``'s pages from a store this cache owns.
+
+        Raises:
+            ConfigError: The store is shared (``owned=False``).
+            PageInUse: A read holds a page (local store); nothing was deleted.
+        """
+        if not self.config.owned:
+            raise ConfigError(
+                "storage: the store is shared (owned=False): its own eviction deletes pages"
+            )
+        keys = self.keys_of(node)
+        self._store.drop(list(keys))
+        self._core.counters.storage_pages["evicted"] += len(keys)
+
+    def _queue(self, kind: str, node: TreeNode, keys: Sequence[str]) -> None:
+        self._numbers += 1
+        copy = StorageCopy(self._numbers, kind, node, keys)
+        self._queued.append(copy)
+        self._copies[copy.number] = copy
+
+    # -- starting copies -------------------------------------------------------
+
+    def flush(self) -> None:
+        """Start every queued copy (a store first snapshots the host pages it reads)."""
+        queued, self._queued = self._queued, []
+        for copy in queued:
+            pages: list[torch.Tensor] = []
+            if copy.kind == "store":
+                host = [p for n in copy.nodes for p in n.host_pages]
+                index = torch.tensor(host, dtype=torch.long)
+                pages = list(self._tiers.host.pages.index_select(0, index).unbind(0))
+            copy.started = time.monotonic()
+            self._workers.submit(partial(_run, self._store, copy, pages))
+
+    def idle(self) -> bool:
+        """Return whether no storage copy is queued or in flight."""
+        return not self._copies
+
+    # -- acknowledgements ------------------------------------------------------
+
+    def collect(self, wait_until: float | None = None) -> list[StorageCopy]:
+        """Return the started copies that finished or timed out, in number order.
+
+        Args:
+            wait_until: Wait for every started copy until this ``time.monotonic``
+                instant (each at most until its own timeout); None waits for none.
+        """
+        timeout = self.config.io_timeout
+        out = []
+        for copy in list(self._copies.values()):
+            if copy.started is None:
+                continue
+            deadline = copy.started + timeout
+            if wait_until is not None:
+                copy.done.wait(max(0.0, min(wait_until, deadline) - time.monotonic()))
+            if copy.done.is_set() or time.monotonic() >= deadline:
+                out.append(copy)
+        return out
+
+    def apply(self, copies: Sequence[StorageCopy], origin: str) -> int:
+        """Apply finished (or timed-out) copies in order: log them, then fire their events.
+
+        A copy the worker has not answered by now is failed as ``timeout``; an
+        answer that comes later is ignored. Returns how many were applied.
+        """
+        if not copies:
+            return 0
+        outcomes = [(copy, self._outcome(copy)) for copy in copies]
+        self._core.log.storage(origin, [(c.number, c.kind, r.held, r.outcome) for c, r in outcomes])
+        for copy, result in outcomes:
+            del self._copies[copy.number]
+            seconds = time.monotonic() - (copy.started or time.monotonic())
+            nbytes = result.held * self._tiers.host.layout.page_bytes
+            self._core.counters.storage_copied(
+                copy.kind, seconds, result.held, nbytes, result.outcome
+            )
+            if copy.kind == "store":
+                self._apply_store(copy, result)
+            else:
+                self._apply_fetch(copy, result)
+        return len(outcomes)
+
+    def _outcome(self, copy: StorageCopy) -> StoreResult:
+        result = copy.result if copy.done.is_set() else None
+        if result is None:
+            return StoreResult(0, [], "timeout", f"no answer in {self.config.io_timeout} s")
+        if copy.kind == "fetch":
+            shape = tuple(self._tiers.host.pages.shape[1:])
+            for i, page in enumerate(result.pages[: result.held]):
+                if tuple(page.shape) != shape or page.dtype != torch.uint8:
+                    problem = f"page {i} is {page.dtype} {tuple(page.shape)}, not uint8 {shape}"
+                    return StoreResult(i, result.pages[:i], "corrupt", problem)
+        return result
+
+    def _split_at(self, copy: StorageCopy, held: int) -> tuple[list[TreeNode], list[TreeNode]]:
+        """Split the copy's nodes at page ``held``: the nodes it landed, and the rest."""
+        page = self._tiers.page_size
+        done, failed, offset = [], [], 0
+        for node in list(copy.nodes):
+            count = len(node.key) // page
+            if offset + count <= held:
+                done.append(node)
+            elif offset < held:
+                done.append(self._core.tree.split(node, (held - offset) * page))
+                failed.append(node)
+            else:
+                failed.append(node)
+            offset += count
+        return done, failed
+
+    def _apply_store(self, copy: StorageCopy, result: StoreResult) -> None:
+        done, failed = self._split_at(copy, result.held)
+        for node in done:
+            self._core.fire(node, "store_done")
+        for node in failed:
+            self._core.fire(node, "store_failed")
+        for node in done:  # their children's stores may start; a store that failed is not retried
+            for child in list(node.children.values()):
+                if child not in failed:
+                    self.maybe_store(child)
+
+    def _apply_fetch(self, copy: StorageCopy, result: StoreResult) -> None:
+        done, failed = self._split_at(copy, result.held)
+        at = 0
+        for node in done:
+            count = len(node.host_pages)
+            self._write_host(node.host_pages, result.pages[at : at + count])
+            at += count
+            self._core.fire(node, "fetch_done")
+            for child in list(node.children.values()):  # recomputed under it meanwhile
+                self._transfers.maybe_backup(child)
+        gone = result.outcome in ("missing", "corrupt")
+        for node in reversed(failed):  # deepest first, so each is a leaf when it is removed
+            self._core.fire(node, "fetch_failed")
+            if gone:
+                self._core.fire(node, "vanish")
+                self._core.counters.storage_pages["vanished"] += (
+                    len(node.key) // self._tiers.page_size
+                )
+            if node.device == "absent" and node.host not in HOST_HELD and not node.children:
+                self._core.delete(node)
+
+    def _write_host(self, pages: Sequence[int], data: Sequence[torch.Tensor]) -> None:
+        if pages:
+            index = torch.tensor(list(pages), dtype=torch.long)
+            self._tiers.host.pages.index_copy_(0, index, torch.stack(list(data)))
+
+    def settle(self, rounds: int) -> None:
+        """Start, wait for and apply every storage copy, for at most ``rounds`` rounds.
+
+        A store acknowledged may start its children's; each copy is waited for
+        at most until its timeout.
+        """
+        for _ in range(rounds):
+            if self.idle():
+                return
+            self.flush()
+            self.apply(self.collect(wait_until=float("inf")), "wait")
+
+    def reset(self) -> None:
+        """Forget every copy (a copy still running answers no one) and renumber from 1."""
+        self._copies = {}
+        self._queued = []
+        self._numbers = 0
+
+    def close(self) -> None:
+        """Let the worker threads end; the store stays open (it is the caller's)."""
+        self._workers.close()
+
+    # -- backup to storage -----------------------------------------------------
+
+    def _host_acknowledged(self, nodes: Sequence[TreeNode], event: Event) -> None:
+        if event == "write_done":
+            for node in nodes:
+                self.maybe_store(node)
+
+    def maybe_store(self, node: TreeNode) -> bool:
+        """Fire ``store`` on ``node`` if the policy wants it and its parent's pages are stored.
+
+        Returns whether a store was started.
+        """
+        if self.config.policy != "write_through" or node.storage != "unstored":
+            return False
+        parent = node.parent
+        if parent is not None and parent.parent is not None and parent.storage not in _READABLE:
+            return False  # parent first: what this cache stores stays prefix-closed
+        if node.host not in HOST_VALID or not self._core.allowed(node, "store"):
+            return False
+        try:
+            self.keys_of(node)
+        except BadArgument:
+            self._core.counters.storage_failures["store:unkeyable"] += 1
+            return False
+        self._core.fire(node, "store")
+        return True
+
+    def _rehome(self, prefix: TreeNode, suffix: TreeNode) -> None:
+        """A copy of ``suffix`` now serves its split-off ``prefix`` too (the same pages, first)."""
+        for copy in self._copies.values():
+            if suffix in copy.nodes:
+                copy.nodes.insert(copy.nodes.index(suffix), prefix)
+
+    # -- prefetch --------------------------------------------------------------
+
+    def prefetch(self, walk: Walk, key: Key, tree_namespace: Hashable) -> Walk:
+        """Prefetch the stored pages of ``key`` past its locally cached prefix; return the walk anew.
+
+        Past ``prefetch_threshold`` tokens and under the rate limit, ask the
+        store how many pages after the cached prefix it holds, hang them as a
+        ``discovered`` node under the last cached node and fetch it; a lookup
+        that finds a fetch in flight there waits for it as the policy says.
+        A fetch the machines or the host pool refuse changes nothing. What
+        each lookup decided is counted (``Stats.prefetch``).
+        """
+        usable = local_prefix(walk.path)
+        tail = key[sum(len(n.key) for n in usable) :]
+        counted = self._core.counters.prefetch
+        if len(walk.path) > len(usable):  # a fetch of this prefix is in flight already
+            copy = self._copy_serving(walk.path[len(usable)])
+            if copy is None:
+                return walk
+            counted["in_flight"] += 1
+            return self._finish(copy, key, tree_namespace)
+        anchor = usable[-1] if usable else self._core.tree.root(tree_namespace)
+        copy, skipped = None, self._skip(tail, anchor)
+        if skipped is None:
+            copy, skipped = self._start(usable, tail, anchor, tree_namespace)
+        if copy is None:
+            if skipped:
+                counted[skipped] += 1
+            return walk
+        counted["started"] += 1
+        return self._finish(copy, key, tree_namespace)
+
+    def _skip(self, tail: Key, anchor: TreeNode) -> str | None:
+        """Return why a lookup with unmatched ``tail`` under ``anchor`` asks the store nothing."""
+        if not tail:
+            return ""
+        if len(tail) < self.config.prefetch_threshold:
+            return "below_threshold"
+        if self.fetching_tokens() >= self.capacity:
+            return "rate_limited"
+        if self._write_through and anchor.parent is not None and anchor.host not in HOST_VALID:
+            return "anchor_not_backed"  # a host copy under it would break invariant 3
+        return None
+
+    def _start(
+        self, usable: Sequence[TreeNode], tail: Key, anchor: TreeNode, tree_namespace: Hashable
+    ) -> tuple[StorageCopy | None, str | None]:
+        """Ask the store about ``tail`` and fetch what it holds; the copy, or why there is none."""
+        try:
+            stored, keys = self._query(usable, tail, anchor, tree_namespace)
+        except BadArgument:
+            return None, "unkeyable"
+        except (StorageError, OSError):
+            return None, "query_failed"
+        tokens = stored * self._core.tree.page_size
+        if tokens == 0:
+            return None, "none_stored"
+        if tokens < self.config.prefetch_threshold:
+            return None, "below_threshold"
+        return self._fetch_new(anchor, tail[:tokens], keys[:stored])
+
+    def _query(
+        self, usable: Sequence[TreeNode], tail: Key, anchor: TreeNode, tree_namespace: Hashable
+    ) -> tuple[int, list[str]]:
+        """Count the stored pages of ``tail``; discover the unstored end of the cached path.
+
+        The trailing run of cached nodes this cache has not stored (whose parent
+        is stored) is asked about in the same query: those the store holds
+        (another server stored them) are ``discover``-ed.
+        """
+        prior = self.keys_of(anchor)[-1] if anchor.parent is not None else None
+        keys = page_keys(self.namespace(tree_namespace), tail, parent=prior)
+        run = _unstored_run(usable)
+        if not run:
+            return self._store.exists_prefix(keys), keys
+        run_keys = [k for n in run for k in self.keys_of(n)]
+        found = self._store.exists_prefix(run_keys + keys)
+        offset = 0
+        for node in run:
+            count = len(node.store_keys or ())
+            if offset + count > found:
+                break
+            offset += count
+            if self._core.allowed(node, "discover"):
+                self._core.fire(node, "discover")
+                self._core.counters.storage_pages["discovered"] += count
+        if found >= len(run_keys):
+            return found - len(run_keys), keys
+        return self._store.exists_prefix(keys), keys  # a gap in the run: ask for the tail alone
+
+    def _fetch_new(
+        self, anchor: TreeNode, tokens: Key, keys: Sequence[str]
+    ) -> tuple[StorageCopy | None, str | None]:
+        """Hang a ``discovered`` node for ``tokens`` under ``anchor`` and fetch it.
+
+        A refused fetch (the machines, or no host room even after host eviction)
+        removes the node again: the tree is as it was.
+        """
+        tree = self._core.tree
+        node = tree.add_leaf(anchor, tokens, ())
+        self._core.born(node, "discovered")
+        node.store_keys = tuple(keys)
+        try:
+            self._core.fire(node, "fetch")
+        except (IllegalTransition, EffectFailed) as exc:
+            self._core.delete(node)
+            pool = isinstance(exc, EffectFailed) and isinstance(exc.__cause__, PoolExhausted)
+            return None, "pool_exhausted" if pool else "refused"
+        return self._copy_serving(node), None
+
+    def _copy_serving(self, node: TreeNode) -> StorageCopy | None:
+        for copy in self._copies.values():
+            if node in copy.nodes:
+                return copy
+        return None
+
+    def _finish(self, copy: StorageCopy, key: Key, tree_namespace: Hashable) -> Walk:
+        """Start the read and wait for it as the termination policy says; return the walk anew."""
+        self.flush()
+        policy = self.config.prefetch_policy
+        if policy != "best_effort":
+            limit = float("inf") if policy == "wait" else self.config.prefetch_timeout
+            started = copy.started or time.monotonic()
+            until = min(started + self.config.io_timeout, time.monotonic() + limit)
+            copy.done.wait(max(0.0, until - time.monotonic()))
+            self._core.counters.prefetch["read" if copy.done.is_set() else "still_reading"] += 1
+            self.apply(self.collect(), "prefetch")
+        return self._core.tree.walk(key, tree_namespace)
+
+    # -- storage eviction ------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        """Delete least recently used stored leaves from an owned store; return tokens evicted.
+
+        Only nodes whose pages are ``stored`` (no copy reads or writes them) and
+        none of whose children has pages in storage; a page a read holds
+        (local store) keeps its node.
+
+        Raises:
+            ConfigError: The store is shared (``owned=False``).
+        """
+        if not self.config.owned:
+            raise ConfigError(
+                "evict_storage: the store is shared (owned=False): its own eviction deletes pages"
+            )
+        heap = [(n.last_access, n.id, n) for n in self._core.tree if _storage_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            if not _storage_leaf(node) or not self._core.allowed(node, "evict_storage"):
+                continue
+            try:
+                self._core.fire(node, "evict_storage")
+            except EffectFailed:
+                continue  # a read holds a page: it stays
+            freed += len(node.key)
+            parent = node.parent
+            if parent is not None and parent.parent is not None and _storage_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return freed
+
+
+_READABLE = frozenset({"stored", "reading"})
+"""Storage states in which the store holds the node's pages (as far as the cache knows)."""
+
+
+def local_prefix(path: Sequence[TreeNode]) -> list[TreeNode]:
+    """Return the leading nodes of ``path`` cached locally: on the device, or valid on the host.
+
+    A lookup never goes past them: a node still being fetched holds no KV yet.
+    """
+    out = []
+    for node in path:
+        if node.device == "absent" and node.host not in HOST_VALID:
+            break
+        out.append(node)
+    return out
+
+
+def _unstored_run(usable: Sequence[TreeNode]) -> list[TreeNode]:
+    """Return the trailing unstored nodes of ``usable`` whose first one's parent is stored."""
+    start = len(usable)
+    while start > 0 and usable[start - 1].storage == "unstored":
+        start -= 1
+    run = list(usable[start:])
+    if not run:
+        return run
+    parent = run[0].parent
+    if parent is not None and parent.parent is not None and parent.storage not in _READABLE:
+        return []
+    return run
+
+
+def _storage_leaf(node: TreeNode) -> bool:
+    return node.storage == "stored" and not any(
+        c.storage in STORAGE_HELD for c in node.children.values()
+    )
+
+
+def fetching(node: TreeNode) -> bool:
+    """Return whether ``node``'s host copy is still being filled from storage."""
+    return node.host == FETCHING

@@ -1,0 +1,792 @@
+"""HiCache with a storage tier: backup after a host backup, prefetch on a match, and their faults.
+
+The stores are a local-file store in a temp dir and a Redis store on
+fakeredis (in process); tests/test_storage_redis_caches.py shares a real
+``redis-server`` between two caches. Copies run inline (``threads=0``) unless a
+test needs a copy in flight across calls (timeouts), so each step is
+deterministic: a poll applies what the previous operation started.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import fakeredis
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+
+from fsm_cache.cache.hicache import HiCache
+from fsm_cache.cache.metrics import register
+from fsm_cache.cache.storage_tier import StorageConfig
+from fsm_cache.cache.tree import TreeNode
+from fsm_cache.errors import (
+    BadArgument,
+    ConfigError,
+    EffectFailed,
+    InvariantViolation,
+    StoreFailed,
+    error_class,
+)
+from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
+from fsm_cache.residency import Residency, split_prefix
+from fsm_cache.storage import LocalFileStore, PutResult, RedisStore, Store, page_keys
+
+
+PAGE = 4
+
+
+def config(**overrides: Any) -> CacheConfig:
+    """A small CPU cache of 4-token pages, checked after every operation."""
+    settings: dict[str, Any] = {
+        "device_pages": 16,
+        "host_pages": 32,
+        "page_size": PAGE,
+        "layers": 1,
+        "heads": 1,
+        "head_dim": 4,
+        "device": "cpu",
+        "debug": True,
+        "load_back_threshold": 0,
+    }
+    settings.update(overrides)
+    return CacheConfig(**settings)
+
+
+def tier(store: Store, **overrides: Any) -> StorageConfig:
+    """Inline copies, prefetch from one page on."""
+    settings: dict[str, Any] = {"threads": 0, "prefetch_threshold": PAGE}
+    settings.update(overrides)
+    return StorageConfig(store, **settings)
+
+
+def tokens(pages: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + pages * PAGE))
+
+
+def states(cache: HiCache) -> list[tuple[int, int, str, str, str, int]]:
+    """Every node: id, tokens, host, device, storage, pins."""
+    return [(n.id, len(n.key), n.host, n.device, n.storage, n.pins) for n in cache.tree]
+
+
+def stored_cache(store: Store, toks: Sequence[int], **overrides: Any) -> HiCache:
+    """A cache that inserted ``toks`` and stored them (two polls: host, then storage)."""
+    cache = HiCache(config(), storage=tier(store, **overrides))
+    cache.insert(toks)
+    cache.poll()  # write_done: the store starts
+    cache.poll()  # store_done
+    return cache
+
+
+def device_kv_matches(cache: HiCache, toks: Sequence[int]) -> bool:
+    """Load ``toks``' cached prefix to the device and compare its KV with what was written."""
+    found = cache.match_prefix(toks)
+    if found.host_len:
+        assert cache.load_back(found.last_host_node) is not None
+        cache.poll()
+        found = cache.match_prefix(toks)
+    kv = cache.tiers.read_device(list(found.device_pages))
+    return found.device_len == len(toks) and torch.equal(
+        kv, synthetic_kv(cache.tiers.device.layout, toks[: found.device_len])
+    )
+
+
+@pytest.fixture(params=["local", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """Each backend, empty: files in a temp dir, or fakeredis."""
+    if request.param == "local":
+        yield LocalFileStore(tmp_path / "pages")
+    else:
+        yield RedisStore(fakeredis.FakeRedis(), batch_pages=3)
+
+
+class FaultyStore:
+    """A store that passes through to ``inner`` except where a test plants a fault.
+
+    Attributes:
+        put_fails_after: Raise StoreFailed after storing this many pages of a put.
+        raises: Method names that raise RuntimeError instead.
+        gate: Puts and gets wait for this event first (a hung backend).
+        after_exists: Called after each ``exists_prefix`` (drop a page behind its back).
+        calls: Method names called, in order.
+    """
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.put_fails_after: int | None = None
+        self.raises: set[str] = set()
+        self.gate: threading.Event | None = None
+        self.after_exists: Callable[[], None] | None = None
+        self.calls: list[str] = []
+
+    def _enter(self, name: str) -> None:
+        self.calls.append(name)
+        if name in ("put", "get") and self.gate is not None:
+            self.gate.wait()
+        if name in self.raises:
+            raise RuntimeError(f"planted fault in {name}")
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        self._enter("exists_prefix")
+        found = self.inner.exists_prefix(keys)
+        if self.after_exists is not None:
+            self.after_exists()
+        return found
+
+    def get(self, keys: Sequence[str]) -> list[torch.Tensor]:
+        self._enter("get")
+        return self.inner.get(keys)
+
+    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[PutResult]:
+        self._enter("put")
+        cut = self.put_fails_after
+        if cut is not None and cut < len(keys):
+            self.inner.put(keys[:cut], pages[:cut])
+            raise StoreFailed("faulty", "put", acknowledged=cut, total=len(keys), cause="planted")
+        return self.inner.put(keys, pages)
+
+    def drop(self, keys: Sequence[str]) -> int:
+        self._enter("drop")
+        return self.inner.drop(keys)
+
+    def capacity(self) -> Any:
+        return self.inner.capacity()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+# -- configuration ------------------------------------------------------------
+
+
+def test_without_a_store_nothing_changes(tmp_path: Path) -> None:
+    """No storage tier: the two-tier spec, no storage events, no storage field set."""
+    plain = HiCache(config())
+    assert plain.machine.engine.system.name == "residency"
+    assert plain.storage is None
+    with pytest.raises(BadArgument) as info:
+        plain.fire("store", plain.tree.root())
+    assert (
+        str(info.value) == "fire: 'store' is not a residency event (this cache has no storage tier)"
+    )
+    with pytest.raises(ConfigError, match=r"^evict_storage: this cache has no storage tier$"):
+        plain.evict_storage(4)
+    tiered = HiCache(config(), storage=tier(LocalFileStore(tmp_path)))
+    assert tiered.machine.engine.system.name == "residency_storage"
+    assert tiered.storage is not None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"policy": "always"}, "storage: policy must be one of write_through, off, got 'always'"),
+        (
+            {"prefetch_policy": "wait_complete"},
+            "storage: prefetch_policy must be one of best_effort, wait, timeout, got 'wait_complete'",
+        ),
+        ({"threads": -1}, "storage: threads must be an int >= 0, got -1"),
+        ({"io_timeout": 0}, "storage: io_timeout must be seconds > 0, got 0"),
+        ({"rank": 2, "ranks": 2}, "storage: rank must be an int in 0..1, got 2"),
+        ({"model": ""}, "storage: model must be a non-empty str, got ''"),
+    ],
+)
+def test_a_bad_storage_config_is_refused_by_name(
+    tmp_path: Path, overrides: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        HiCache(config(), storage=tier(LocalFileStore(tmp_path), **overrides))
+    assert str(info.value) == message
+
+
+def test_a_store_needs_the_store_methods_and_host_pages(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        HiCache(config(), storage=StorageConfig(object()))  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "storage: store must be a Store (exists_prefix, get, put, drop, capacity, close), "
+        "got object without exists_prefix, get, put, drop, capacity, close"
+    )
+    with pytest.raises(ConfigError, match=r"^storage: a storage tier needs host pages"):
+        HiCache(config(host_pages=0), storage=tier(LocalFileStore(tmp_path)))
+
+
+# -- backup to storage ----------------------------------------------------------
+
+
+def test_a_host_backup_is_stored_holding_a_host_pin_until_acknowledged(store: Store) -> None:
+    cache = HiCache(config(), storage=tier(store))
+    toks = tokens(3)
+    cache.insert(toks)
+    (node,) = cache.tree
+    assert (node.host, node.storage) == ("writing", "unstored")
+    cache.poll()  # write_done: the store starts, with its pin
+    assert (node.host, node.storage, node.pins) == ("pinned", "storing", 1)
+    with pytest.raises(error_class("StorePinHeld")) as held:
+        cache.fire("release", node)
+    assert str(held.value) == (
+        f"node {node.id}: release refused in pinned (pins=1): "
+        "the last pin belongs to the store in flight"
+    )
+    cache.poll()
+    assert (node.host, node.storage, node.pins) == ("backed", "stored", 0)
+    assert cache.storage is not None
+    keys = page_keys(cache.storage.namespace(), toks)
+    assert node.store_keys == tuple(keys)
+    assert store.exists_prefix(keys) == 3
+    assert cache.log.storage_acks() == [("poll", ((1, "store", 3, "ok"),))]
+    assert cache.stats().storage_pages == {"stored": 3}
+
+
+def test_children_are_stored_after_their_parent_and_chain_from_its_keys(store: Store) -> None:
+    cache = HiCache(config(), storage=tier(store))
+    head, more = tokens(2), tokens(2, start=5000)
+    cache.insert(head)
+    cache.insert(head + more)
+    parent, child = cache.tree.walk(tuple(head + more)).path
+    cache.poll()  # both host copies land; only the parent's store may start
+    assert (parent.storage, child.storage) == ("storing", "unstored")
+    cache.poll()  # the parent is stored: the child's store starts
+    assert (parent.storage, child.storage) == ("stored", "storing")
+    cache.poll()
+    assert (parent.storage, child.storage) == ("stored", "stored")
+    assert cache.storage is not None
+    assert child.store_keys == tuple(page_keys(cache.storage.namespace(), head + more)[2:])
+
+
+def test_policy_off_stores_only_what_is_fired(store: Store) -> None:
+    cache = HiCache(config(), storage=tier(store, policy="off"))
+    cache.insert(tokens(2))
+    cache.poll()
+    (node,) = cache.tree
+    assert (node.host, node.storage) == ("backed", "unstored")
+    cache.fire("store", node)
+    cache.poll()
+    assert node.storage == "stored"
+
+
+def test_a_split_while_storing_acknowledges_both_halves(store: Store) -> None:
+    """A lookup that ends inside a node being stored splits it; one acknowledgement serves both."""
+    faulty = FaultyStore(store)
+    cache = HiCache(config(), storage=tier(faulty, threads=1))
+    toks = tokens(4)
+    cache.insert(toks)
+    gate = faulty.gate = threading.Event()  # the put waits until the split is done
+    cache.poll()
+    (node,) = cache.tree
+    assert node.storage == "storing"
+    cache.match_prefix(toks[: 2 * PAGE])  # splits the node being stored
+    prefix, suffix = cache.tree.walk(tuple(toks)).path
+    assert [(n.storage, n.pins) for n in (prefix, suffix)] == [("storing", 1), ("storing", 1)]
+    gate.set()
+    cache.close()
+    assert [(n.storage, n.pins) for n in (prefix, suffix)] == [("stored", 0), ("stored", 0)]
+
+
+def test_a_partial_acknowledgement_splits_the_node_at_the_first_failed_page(
+    store: Store,
+) -> None:
+    faulty = FaultyStore(store)
+    faulty.put_fails_after = 2
+    cache = HiCache(config(), storage=tier(faulty))
+    toks = tokens(5)
+    cache.insert(toks)
+    cache.poll()
+    cache.poll()
+    prefix, rest = cache.tree.walk(tuple(toks)).path
+    assert [(len(n.key), n.host, n.storage, n.pins) for n in (prefix, rest)] == [
+        (2 * PAGE, "backed", "stored", 0),
+        (3 * PAGE, "backed", "unstored", 0),
+    ]
+    assert cache.log.storage_acks()[-1] == ("poll", ((1, "store", 2, "failed"),))
+    assert cache.stats().storage_failures == {"store:failed": 1}
+    assert store.exists_prefix(page_keys(cache.storage.namespace(), toks)) == 2  # type: ignore[union-attr]
+
+
+def test_a_store_that_raises_fails_the_store_and_the_worker_lives_on(store: Store) -> None:
+    faulty = FaultyStore(store)
+    faulty.raises = {"put"}
+    cache = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=5.0))
+    cache.insert(tokens(2))
+    cache.poll()
+    (node,) = cache.tree
+    assert node.storage == "storing"
+    cache.storage.in_flight()[1].done.wait(5)  # type: ignore[union-attr]
+    cache.poll()
+    assert (node.host, node.storage, node.pins) == ("backed", "unstored", 0)
+    faulty.raises = set()
+    cache.fire("store", node)  # the same worker thread takes the next copy
+    cache.storage.in_flight()[2].done.wait(5)  # type: ignore[union-attr]
+    cache.poll()
+    assert (node.storage, node.pins) == ("stored", 0)
+    cache.close()
+
+
+def test_a_store_that_never_answers_is_failed_at_its_timeout(store: Store) -> None:
+    """SGLang #38427: a hung backup thread must not keep its host pin."""
+    faulty = FaultyStore(store)
+    faulty.gate = threading.Event()
+    cache = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=0.5))
+    cache.insert(tokens(2))
+    cache.poll()
+    (node,) = cache.tree
+    assert (node.storage, node.pins) == ("storing", 1)
+    assert cache.poll() == 0  # not yet past its timeout
+    time.sleep(0.55)
+    assert cache.poll() == 1
+    assert (node.host, node.storage, node.pins) == ("backed", "unstored", 0)
+    assert cache.log.storage_acks()[-1] == ("poll", ((1, "store", 0, "timeout"),))
+    cache.evict(8)
+    cache.evict_host(8)  # the pin is gone: host eviction may take it
+    assert list(cache.tree) == []
+    faulty.gate.set()  # the late answer comes to no one
+    time.sleep(0.05)
+    assert cache.poll() == 0
+    cache.close()
+
+
+# -- prefetch -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait", "timeout"])
+def test_a_second_cache_prefetches_a_stored_prefix_bit_exact(store: Store, policy: str) -> None:
+    toks = tokens(5)
+    stored_cache(store, toks)
+    reader = HiCache(config(), storage=tier(store, prefetch_policy=policy))
+    found = reader.match_prefix([*toks, 7, 7])
+    if policy == "best_effort":
+        assert (found.host_len, found.storage_len) == (0, 5 * PAGE)
+        (node,) = reader.tree
+        assert (node.host, node.device, node.storage) == ("fetching", "absent", "reading")
+        assert found.last_host_node is reader.tree.root()  # a fetching node is never handed out
+        reader.poll()
+        found = reader.match_prefix(toks)
+    assert (found.device_len, found.host_len, found.storage_len) == (0, 5 * PAGE, 0)
+    (node,) = reader.tree
+    assert (node.host, node.device, node.storage) == ("backed", "absent", "stored")
+    assert device_kv_matches(reader, toks)
+    assert reader.stats().prefetch["started"] == 1
+
+
+def test_a_lookup_past_the_cached_prefix_fetches_only_the_tail(store: Store) -> None:
+    toks = tokens(6)
+    stored_cache(store, toks)
+    reader = HiCache(config(), storage=tier(store, prefetch_policy="wait"))
+    reader.insert(toks[: 2 * PAGE])
+    reader.poll()
+    found = reader.match_prefix(toks)
+    assert (found.device_len, found.host_len) == (2 * PAGE, 4 * PAGE)
+    head, tail = reader.tree.walk(tuple(toks)).path
+    assert tail.parent is head
+    assert (tail.host, tail.storage) == ("backed", "stored")
+    assert device_kv_matches(reader, toks)
+
+
+def test_a_fetch_in_flight_is_waited_for_not_started_twice(store: Store) -> None:
+    toks = tokens(4)
+    stored_cache(store, toks)
+    reader = HiCache(config(), storage=tier(store))
+    reader.match_prefix(toks)
+    found = reader.match_prefix(toks)  # best effort: the same read, still unapplied
+    assert (found.host_len, found.storage_len) == (0, 4 * PAGE)
+    assert len(reader.storage.in_flight()) == 1  # type: ignore[union-attr]
+    assert reader.stats().prefetch == {"started": 1, "in_flight": 1}
+
+
+def test_thresholds_and_the_rate_limit_skip_prefetches(store: Store) -> None:
+    first, second = tokens(4), tokens(4, start=7000)
+    stored_cache(store, first + [1] * PAGE)
+    stored_cache(store, second)
+    reader = HiCache(config(), storage=tier(store, prefetch_threshold=8, prefetch_capacity=16))
+    reader.match_prefix(first[:PAGE])  # one page: below the threshold
+    reader.match_prefix(first)  # started: 16 tokens in flight
+    reader.match_prefix(second)  # the capacity is taken
+    assert reader.stats().prefetch == {"below_threshold": 1, "started": 1, "rate_limited": 1}
+    reader.poll()  # the fetch lands: room again
+    reader.match_prefix(second)
+    assert reader.stats().prefetch["started"] == 2
+    reader.poll()
+    reader.match_prefix(tokens(4, start=90_000))
+    assert reader.stats().prefetch["none_stored"] == 1
+
+
+def test_a_fetch_past_the_host_pool_is_refused_and_changes_nothing(store: Store) -> None:
+    toks = tokens(12)
+    big = HiCache(config(device_pages=16, host_pages=32), storage=tier(store))
+    big.insert(toks)
+    big.poll()
+    big.poll()
+    small = HiCache(config(host_pages=8), storage=tier(store))
+    before = small.log.recorded
+    found = small.match_prefix(toks)
+    assert (found.host_len, found.storage_len) == (0, 0)
+    assert list(small.tree) == []
+    assert small.tiers.host.allocator.free_pages == 8
+    assert small.stats().prefetch == {"pool_exhausted": 1}
+    assert [e[2] for e in small.log.since(before) if e[0] == "transition"] == [
+        "born:discovered",
+        "delete",
+    ]
+
+
+def test_a_page_that_vanishes_mid_prefix_leaves_the_prefix_before_it(store: Store) -> None:
+    """Exists said six pages; by the read page 3 is gone: three are fetched, the rest vanish."""
+    toks = tokens(6)
+    writer = stored_cache(store, toks)
+    keys = page_keys(writer.storage.namespace(), toks)  # type: ignore[union-attr]
+    faulty = FaultyStore(store)
+
+    def drop_page_3() -> None:
+        store.drop([keys[3]])
+
+    faulty.after_exists = drop_page_3
+    reader = HiCache(config(), storage=tier(faulty, prefetch_policy="wait"))
+    found = reader.match_prefix(toks)
+    assert (found.host_len, found.storage_len) == (3 * PAGE, 0)
+    (node,) = reader.tree
+    assert (len(node.key), node.host, node.storage) == (3 * PAGE, "backed", "stored")
+    assert reader.tiers.host.allocator.free_pages == 32 - 3  # the suffix's slots came back
+    events = [e for _, e in reader.log.transitions()]
+    assert events[-4:] == ["fetch_done", "fetch_failed", "vanish", "delete"]
+    assert reader.log.storage_acks() == [("prefetch", ((1, "fetch", 3, "missing"),))]
+    assert reader.stats().storage_pages == {"fetched": 3, "vanished": 3}
+    assert device_kv_matches(reader, toks[: 3 * PAGE])
+
+
+def test_a_read_that_raises_fails_the_fetch_and_removes_the_node(store: Store) -> None:
+    toks = tokens(3)
+    stored_cache(store, toks)
+    faulty = FaultyStore(store)
+    faulty.raises = {"get"}
+    reader = HiCache(config(), storage=tier(faulty, prefetch_policy="wait"))
+    found = reader.match_prefix(toks)
+    assert (found.host_len, found.storage_len) == (0, 0)
+    assert list(reader.tree) == []
+    assert reader.tiers.host.allocator.free_pages == 32
+    assert [e for _, e in reader.log.transitions()][-2:] == ["fetch_failed", "delete"]
+    assert reader.stats().storage_failures == {"fetch:failed": 1}
+
+
+def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store) -> None:
+    toks = tokens(3)
+    stored_cache(store, toks)
+    faulty = FaultyStore(store)
+    faulty.gate = threading.Event()
+    reader = HiCache(
+        config(),
+        storage=tier(
+            faulty, threads=1, prefetch_policy="timeout", prefetch_timeout=0.05, io_timeout=1.0
+        ),
+    )
+    started = time.monotonic()
+    found = reader.match_prefix(toks)
+    assert time.monotonic() - started < 1.0  # the lookup waited its deadline, not the read's
+    assert (found.host_len, found.storage_len) == (0, 3 * PAGE)
+    assert reader.stats().prefetch == {"started": 1, "still_reading": 1}
+    time.sleep(1.0)
+    reader.poll()
+    assert list(reader.tree) == []
+    assert reader.tiers.host.allocator.free_pages == 32
+    assert reader.log.storage_acks()[-1] == ("poll", ((1, "fetch", 0, "timeout"),))
+    faulty.gate.set()
+    reader.close()
+
+
+def test_the_timeout_policy_returns_the_pages_read_within_its_deadline(store: Store) -> None:
+    toks = tokens(3)
+    stored_cache(store, toks)
+    reader = HiCache(
+        config(), storage=tier(store, threads=1, prefetch_policy="timeout", prefetch_timeout=5.0)
+    )
+    found = reader.match_prefix(toks)
+    assert (found.host_len, found.storage_len) == (3 * PAGE, 0)
+    assert reader.stats().prefetch == {"started": 1, "read": 1}
+    reader.close()
+
+
+def test_an_unstored_cached_prefix_another_server_stored_is_discovered(store: Store) -> None:
+    toks = tokens(6)
+    stored_cache(store, toks)
+    reader = HiCache(config(), storage=tier(store, policy="off", prefetch_policy="wait"))
+    reader.insert(toks[: 2 * PAGE])
+    reader.poll()
+    found = reader.match_prefix(toks)
+    head, tail = reader.tree.walk(tuple(toks)).path
+    assert (head.storage, tail.storage) == ("stored", "stored")
+    assert [e for _, e in reader.log.transitions()][-4:] == [
+        "discover",
+        "born:discovered",
+        "fetch",
+        "fetch_done",
+    ]
+    assert found.host_len == 4 * PAGE
+    assert reader.stats().storage_pages == {"discovered": 2, "fetched": 4}
+
+
+def test_a_namespace_keys_its_pages_apart(store: Store) -> None:
+    toks = tokens(3)
+    writer = HiCache(config(), storage=tier(store))
+    writer.insert(toks, namespace="lora-7")
+    writer.poll()
+    writer.poll()
+    reader = HiCache(config(), storage=tier(store, prefetch_policy="wait"))
+    assert reader.match_prefix(toks).host_len == 0
+    assert reader.match_prefix(toks, namespace="lora-7").host_len == 3 * PAGE
+
+
+def test_a_write_through_host_copy_never_lands_under_a_node_without_one(store: Store) -> None:
+    """Invariant 3: under write-through the anchor of a prefetch holds a valid host copy."""
+    toks = tokens(4)
+    stored_cache(store, toks)
+    reader = HiCache(config(), storage=tier(store, prefetch_policy="wait"))
+    reader.insert(toks[:PAGE])  # its host copy is still being written
+    assert reader.match_prefix(toks).host_len == 0
+    assert reader.stats().prefetch == {"anchor_not_backed": 1}
+
+
+# -- misuse -----------------------------------------------------------------------
+
+
+def unchanged(
+    cache: HiCache, call: Callable[[], object], error: type[Exception], text: str
+) -> None:
+    """``call`` raises ``error`` with exactly ``text`` and changes no node."""
+    before = states(cache)
+    with pytest.raises(error) as info:
+        call()
+    assert str(info.value) == text
+    assert states(cache) == before
+
+
+def test_misuse_of_the_storage_events_is_refused_by_name_and_changes_nothing(
+    store: Store,
+) -> None:
+    cache = HiCache(config(), storage=tier(store))
+    cache.insert(tokens(2))
+    (node,) = cache.tree
+    i = node.id
+    unchanged(
+        cache,
+        lambda: cache.fire("store", node),
+        error_class("CopyInFlight"),
+        f"node {i}: store refused in writing (pins=0): the host copy is still being written from the device",
+    )
+    unchanged(
+        cache,
+        lambda: cache.fire("fetch", node),
+        error_class("CopyInFlight"),
+        f"node {i}: fetch refused in writing (pins=0): a copy is already filling the host slots",
+    )
+    cache.poll()
+    unchanged(
+        cache,
+        lambda: cache.fire("store_done", cache.tree.root()),
+        error_class("DuplicateAck"),
+        "node 0: store_done refused in backed (pins=0): no host-to-storage copy in flight",
+    )
+    unchanged(
+        cache,
+        lambda: cache.fire("vanish", node),
+        error_class("CopyInFlight"),
+        f"node {i}: vanish refused in storing: our own copy to the store is in flight; its acknowledgement says what landed",
+    )
+    unchanged(
+        cache,
+        lambda: cache.fire("fetch_done", node),
+        error_class("NotFetching"),
+        f"node {i}: fetch_done refused in pinned (pins=1): no storage-to-host copy in flight",
+    )
+    cache.poll()
+    unchanged(
+        cache,
+        lambda: cache.fire("store", node),
+        error_class("AlreadyStored"),
+        f"node {i}: store refused in stored: the store already holds this node's pages",
+    )
+    cache.fire("evict_host", node)  # by hand: the device copy stays
+    unchanged(
+        cache,
+        lambda: cache.fire("fetch", node),
+        error_class("AlreadyResident"),
+        f"node {i}: fetch refused in evicted (pins=0): the device holds this node's KV; there is nothing to fetch",
+    )
+    unchanged(
+        cache,
+        lambda: cache.evict_storage(8),
+        ConfigError,
+        "evict_storage: the store is shared (owned=False): its own eviction deletes pages",
+    )
+    unchanged(
+        cache,
+        lambda: cache.fire("evict_storage", node),
+        EffectFailed,
+        f"node {i}: effect delete_storage of evict_storage failed: "
+        "storage: the store is shared (owned=False): its own eviction deletes pages",
+    )
+
+
+def test_the_anchor_of_a_fetch_is_never_evicted(store: Store) -> None:
+    """SGLang #9601: host eviction of the parent of a node being fetched is refused."""
+    toks = tokens(4)
+    stored_cache(store, toks)
+    reader = HiCache(config(), storage=tier(store, policy="off"))
+    reader.insert(toks[:PAGE])
+    reader.poll()
+    reader.evict(PAGE)  # the anchor is host-only now
+    reader.match_prefix(toks)  # best effort: the tail is being fetched
+    anchor, child = reader.tree.walk(tuple(toks)).path
+    assert (anchor.host, anchor.device, child.host) == ("backed", "absent", "fetching")
+    assert reader.evict_host(100) == 0
+    unchanged(
+        reader,
+        lambda: reader.fire("evict_host", anchor),
+        error_class("NotAHostLeaf"),
+        f"node {anchor.id}: evict_host refused in backed (pins=0): a child is being fetched from storage under this node",
+    )
+    unchanged(
+        reader,
+        lambda: reader.load_back(child),
+        error_class("NoHostCopy"),
+        f"node {child.id}: load refused in fetching (pins=0): the host copy is still being fetched from storage",
+    )
+    reader.poll()
+    assert device_kv_matches(reader, toks)
+
+
+def test_a_fetch_needs_its_parent_cached() -> None:
+    """ParentNotCached: pages under a parent no tier holds could never be reached."""
+    machine = Residency(storage=True)
+    parent = TreeNode(1, (1, 2), None)
+    child = TreeNode(2, (3, 4), parent)
+    for node in (parent, child):
+        machine.engine.init(node, node.id, "discovered")
+    with pytest.raises(error_class("ParentNotCached")) as info:
+        machine.verb("fetch")(child)
+    assert str(info.value) == (
+        "node 2: fetch refused in evicted (pins=0): "
+        "the parent is neither on the device nor on the host, nor being fetched"
+    )
+    assert (child.host, child.device, child.storage) == ("evicted", "absent", "stored")
+
+
+def test_invariant_13_a_node_under_a_read_in_flight(store: Store) -> None:
+    toks = tokens(4)
+    stored_cache(store, toks)
+    reader = HiCache(config(debug=False), storage=tier(store))
+    reader.match_prefix(toks)
+    (node,) = reader.tree
+    reader.tree.add_leaf(node, (1, 2, 3, 4), ())
+    with pytest.raises(InvariantViolation) as info:
+        reader.check_invariants()
+    assert str(info.value).startswith(
+        f"invariant 13 broken at node {node.id} (fetching/absent (pins=0, locks=0), storage reading)"
+    )
+
+
+# -- storage eviction, metrics, lifecycle ------------------------------------------------
+
+
+def test_an_owned_store_evicts_stored_leaves_children_first(tmp_path: Path) -> None:
+    store = LocalFileStore(tmp_path)
+    cache = HiCache(config(), storage=tier(store, owned=True))
+    head, more = tokens(2), tokens(2, start=5000)
+    cache.insert(head)
+    cache.insert(head + more)
+    for _ in range(3):
+        cache.poll()
+    parent, child = cache.tree.walk(tuple(head + more)).path
+    assert (parent.storage, child.storage) == ("stored", "stored")
+    keys = list(parent.store_keys or ())
+    with store.reading(keys):  # a read holds the parent's pages: it stays
+        assert cache.evict_storage(100) == 2 * PAGE
+    assert (parent.storage, child.storage) == ("stored", "unstored")
+    assert cache.evict_storage(100) == 2 * PAGE
+    assert (parent.storage, child.storage) == ("unstored", "unstored")
+    assert store.capacity().pages == 0
+    assert (parent.host, child.host) == ("backed", "backed")  # the local copies stay
+    assert cache.stats().storage_pages["evicted"] == 4
+
+
+def test_metrics_report_the_storage_tier(store: Store) -> None:
+    toks = tokens(3)
+    stored_cache(store, toks)
+    reader = HiCache(config(), storage=tier(store, prefetch_policy="wait"))
+    reader.match_prefix(toks)
+    registry = CollectorRegistry()
+    register(reader, registry)
+    text = generate_latest(registry).decode()
+    assert 'fsm_cache_tokens{tier="storage"} 12.0' in text
+    assert 'fsm_cache_storage_pages_total{event="fetched"} 3.0' in text
+    assert 'fsm_cache_prefetch_total{outcome="started"} 1.0' in text
+    assert 'fsm_cache_transitions_total{event="fetch_done"} 1.0' in text
+    assert "fsm_cache_storage_copies_in_flight 0.0" in text
+
+
+def test_close_settles_the_storage_copies_and_reset_forgets_them(store: Store) -> None:
+    cache = HiCache(config(), storage=tier(store, threads=1))
+    cache.insert(tokens(2))
+    cache.poll()
+    (node,) = cache.tree
+    assert node.storage == "storing"
+    cache.reset()
+    assert cache.storage is not None
+    assert cache.storage.idle()
+    assert list(cache.tree) == []
+    cache.insert(tokens(2))
+    cache.poll()
+    cache.close()
+    (node,) = cache.tree
+    assert (node.storage, node.pins) == ("stored", 0)
+
+
+def test_an_insert_through_a_node_being_fetched_adopts_it(store: Store) -> None:
+    """A request that recomputed the prefix puts it on the device; the read still lands on the host."""
+    toks, more = tokens(3), tokens(2, start=7000)
+    stored_cache(store, toks)
+    reader = HiCache(config(), storage=tier(store))
+    reader.match_prefix(toks)  # best effort: the read is in flight
+    assert reader.insert(toks + more) == 0
+    head, tail = reader.tree.walk(tuple(toks + more)).path
+    assert [(n.host, n.device, n.storage) for n in (head, tail)] == [
+        ("fetching", "resident", "reading"),
+        ("unbacked", "resident", "unstored"),
+    ]
+    reader.poll()  # the read lands; the child's backup may start now
+    assert [(n.host, n.storage) for n in (head, tail)] == [
+        ("backed", "stored"),
+        ("writing", "unstored"),
+    ]
+    reader.poll()
+    reader.poll()
+    assert [(n.host, n.storage) for n in (head, tail)] == [
+        ("backed", "stored"),
+        ("backed", "stored"),
+    ]
+    assert device_kv_matches(reader, toks + more)
+
+
+def test_a_split_keeps_the_storage_state_and_the_store_pin() -> None:
+    """residency.split_prefix: the prefix of a node being stored holds a store pin of its own."""
+    assert split_prefix("pinned", "resident", 0, "storing") == ("pinned", "resident", 1, 0)
+    assert split_prefix("pinned", "loading", 2, "storing") == ("pinned", "loading", 2, 2)
+    assert split_prefix("pinned", "resident", 1, "stored") == ("backed", "resident", 0, 1)
+    assert split_prefix("fetching", "absent", 0, "reading") == ("fetching", "absent", 0, 0)  # type: ignore[arg-type]
+    assert split_prefix("pinned", "loading", 0) == ("pinned", "loading", 1, 0)
+
+
+def test_a_torn_page_is_dropped_and_only_the_pages_before_it_are_used(tmp_path: Path) -> None:
+    """A page that reads back torn is never used: it is dropped and the prefix ends before it."""
+    store = LocalFileStore(tmp_path)
+    toks = tokens(4)
+    writer = stored_cache(store, toks)
+    keys = page_keys(writer.storage.namespace(), toks)  # type: ignore[union-attr]
+    torn = store.path(keys[2])
+    torn.write_bytes(torn.read_bytes()[:-8])
+    reader = HiCache(config(), storage=tier(store, prefetch_policy="wait"))
+    assert reader.match_prefix(toks).host_len == 2 * PAGE
+    assert not torn.exists()
+    assert reader.log.storage_acks() == [("prefetch", ((1, "fetch", 2, "corrupt"),))]
+    assert [e for _, e in reader.log.transitions()][-3:] == ["fetch_failed", "vanish", "delete"]
+    assert device_kv_matches(reader, toks[: 2 * PAGE])
