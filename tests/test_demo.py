@@ -57,3 +57,19 @@ def test_summary_claims_only_the_invariants_one_cache_checks(output: list[str]) 
         "10 is agreement across ranks, not checked on one cache)",
     ] in rows
     assert ["refused transitions", "0"] in rows
+
+
+def test_the_third_tier_is_stored_by_one_cache_and_prefetched_by_another(
+    output: list[str],
+) -> None:
+    """Cache A stores after its host backups; cache B, empty, fetches every prompt bit-exact."""
+    start = output.index(next(line for line in output if line.startswith("three tiers: ")))
+    stored, fetched = output[start : start + 2]
+    assert stored.startswith(
+        "three tiers: cache A backed 3 prompts up to the host, then stored them in a local "
+        "file store (15 pages, "
+    )
+    assert fetched == (
+        "cache B, empty, prefetched them on lookup (15 pages) and loaded them to its device: "
+        "3 of 3 prompts bit-exact"
+    )
