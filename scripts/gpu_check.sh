@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
-# One prepared check for a CUDA machine: install, run the gpu tests, print copy bandwidth.
+# One prepared check for a CUDA machine: install, run the gpu tests, measure the copies.
 #
 # Usage (from the repository root): bash scripts/gpu_check.sh
 # The machine has no network: the package is installed without dependencies and
 # without build isolation (torch, pytest and hatchling must already be there);
 # if that install fails, the checkout is put on PYTHONPATH instead.
+# With $OUT set (a folder), the whole report is also written to $OUT/gpu_check.txt.
 # Budget: about 5 minutes in all; each step has its own timeout.
+#
+# The figure to read is the last section: backups (device to host) and load-backs
+# (host to device) driven through the residency machines, each as a share of one
+# large pinned copy_ of the same bytes in the same direction, in the same run
+# (target >= 85% both ways).
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+    exec > >(tee "$OUT/gpu_check.txt") 2>&1
+fi
 PY="${PYTHON:-$(command -v python || command -v python3)}"
 status=0
 
@@ -28,13 +37,13 @@ echo "== pytest -m gpu"
 timeout 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors \
     -W ignore::pytest.PytestConfigWarning || status=1
 
-echo "== copy bandwidth: 4096 pages of 16 tokens, 32 layers x 8 heads x 128, fp16 (8 GiB)"
+echo "== the copy engine alone: 4096 pages of 16 tokens, 32 layers x 8 heads x 128, fp16 (8 GiB)"
 timeout 90 "$PY" -m fsm_cache.bench.memory --reps 5 || status=1
 
-echo "== machine-driven write-through vs raw gather-and-copy vs one pinned copy_ (fsm-cache bench copies)"
-timeout 120 "$PY" -m fsm_cache.cli.main bench copies || status=1
-
-echo "== copy bandwidth: small batch, 64 pages (128 MiB)"
+echo "== the copy engine alone: small batch, 64 pages (128 MiB)"
 timeout 30 "$PY" -m fsm_cache.bench.memory --pages 64 --reps 9 || status=1
+
+echo "== through the machines, both directions, against one large pinned copy_ (fsm-cache bench copies)"
+timeout 150 "$PY" -m fsm_cache.cli.main bench copies || status=1
 
 exit "$status"

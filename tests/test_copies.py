@@ -13,7 +13,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
     import torch
 
-    from fsm_cache.bench.copies import run_copy_bench
+    from fsm_cache.bench.copies import CopyBenchResult, run_copy_bench
     from fsm_cache.bench.memory import bench_copies, ceiling_copy
     from fsm_cache.errors import CopyFailed, ForeignSlot
     from fsm_cache.memory import staging
@@ -300,6 +300,30 @@ def test_bench_copies_reports_each_path() -> None:
     assert "engine / raw" in result.render()
 
 
+def test_bench_copies_drives_both_directions_through_the_machines() -> None:
+    result = run_copy_bench(quick=True, reps=1)
+    assert (result.nodes, result.nbytes) == (32, 32 * 2 * 2**20)  # 2 MiB pages
+    assert result.machine_gbps > 0
+    assert result.load_gbps > 0
+    assert result.raw_gbps > 0
+    if not CUDA:
+        assert result.shares() == {}
+        assert "ceiling" not in result.format()
+    assert "load-backs (load -> copy -> poll -> load_done)" in result.format()
+
+
+def test_bench_copies_reports_each_direction_against_its_ceiling() -> None:
+    result = CopyBenchResult("cuda:0", 8, 2**30, 40.0, 10.0, 45.0, 50.0, 50.0)
+    assert result.shares() == {"d2h": 0.8, "h2d": 0.9}
+    text = result.format()
+    assert (
+        "d2h: one large pinned copy_ (ceiling)    50.00 GB/s; machine = 80% (target >= 85%)" in text
+    )
+    assert (
+        "h2d: one large pinned copy_ (ceiling)    50.00 GB/s; machine = 90% (target >= 85%)" in text
+    )
+
+
 def test_ceiling_copy_moves_flat_bytes_between_pools_of_other_layouts() -> None:
     layout = KVLayout(layers=2, heads=2, head_dim=8, page_size=4, dtype=torch.float16)
     dev = device_pool(layout, 4, torch.device("cpu"))
@@ -323,6 +347,9 @@ def test_copy_benchmarks_measure_the_ceiling_on_cuda() -> None:
     result = run_copy_bench(quick=True, reps=2)
     assert result.ceiling_gbps is not None
     assert result.ceiling_gbps > 0
+    assert result.ceiling_load_gbps is not None
+    assert result.ceiling_load_gbps > 0
+    assert set(result.shares()) == {"d2h", "h2d"}
 
 
 @pytest.mark.gpu

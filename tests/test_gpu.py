@@ -152,6 +152,51 @@ def test_tiers_close_waits_for_copies_and_unpins() -> None:
     tiers.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_a_batch_of_many_chunks_through_two_buffers_is_byte_exact(dtype: torch.dtype) -> None:
+    """Chunks alternate two staging buffers on two streams; every page lands where it should."""
+    layout = KVLayout(layers=4, heads=2, head_dim=16, dtype=dtype, page_size=8)
+    dev = device_pool(layout, 64, torch.device("cuda"))
+    host = host_pool(layout, 64, pin=True, device=dev.device)
+    dev.tensor.view(torch.uint8).random_(0, 256)
+    host.tensor.view(torch.uint8).zero_()
+    eng = CopyEngine(dev, host, staging_bytes=3 * layout.page_bytes)  # 3 pages per chunk
+    src = list(range(0, 40, 2))  # 20 pages: seven chunks
+    dst = [(11 * p) % 64 for p in range(20)]  # scattered host pages
+    want = raw(dev, src)
+    spin()  # the gathers must wait for compute; the copies then race the next chunk's gather
+    first, second = eng.start_write(src[:7], dst[:7]), eng.start_write(src[7:], dst[7:])
+    assert [c.ticket for c in eng.drain()] == [first, second]
+    assert torch.equal(raw(host, dst), want)
+    back = list(range(1, 41, 2))
+    eng.start_load(dst, back)
+    assert all(c.ok for c in eng.drain())
+    assert torch.equal(raw(dev, back), want)
+    eng.close()
+    host.close()
+
+
+def test_backups_of_several_polls_move_in_one_submission_on_cuda() -> None:
+    eng = CopyEngine(*_pools(16), batch_polls=3)
+    want = raw(eng.device, [1, 2, 3])
+    tickets = [eng.start_write([p], [p + 8]) for p in (1, 2, 3)]
+    assert eng.poll() == []  # one poll: the batch waits for a third
+    assert eng.poll() == []
+    reported = eng.poll() + eng.drain()
+    assert sorted(c.ticket.id for c in reported) == [t.id for t in tickets]
+    assert torch.equal(raw(eng.host, [9, 10, 11]), want)
+    eng.close()
+
+
+def _pools(pages: int) -> tuple[KVPool, KVPool]:
+    layout = KVLayout(layers=2, heads=2, head_dim=8, dtype=torch.float16, page_size=4)
+    dev = device_pool(layout, pages, torch.device("cuda"))
+    host = host_pool(layout, pages, pin=True, device=dev.device)
+    dev.tensor.view(torch.uint8).random_(0, 256)
+    host.tensor.view(torch.uint8).zero_()
+    return dev, host
+
+
 def test_the_host_pool_is_registered_with_the_cache_gpu() -> None:
     last = torch.device("cuda", torch.cuda.device_count() - 1)
     pool = host_pool(BIG, 2, pin=True, device=last)
