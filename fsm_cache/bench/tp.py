@@ -14,8 +14,9 @@ backend (127.0.0.1 only) and measures, on each:
   requests twice side by side, step by step: on one cache with a local
   ``HiCache.poll()`` after each step, and on another with the agreed step.
   The ranks start each timed half together (an untimed barrier), and each
-  half counts as long as its slowest rank took, since a tensor-parallel group
-  moves at its slowest rank's pace whatever the cache does; the ratio of the
+  half lasts from the first rank's start to the last rank's end, since a
+  tensor-parallel group moves at its slowest rank's pace whatever the cache
+  does; each step counts its best of ``rounds`` rounds, and the ratio of the
   two sums is what agreement costs a step (the target is 1.10x on 2 ranks);
 * the same for the small trace the distributed tests replay (:func:`chat_trace`
   through :func:`serve_chat_trace`: a cache the trace overflows, so load-backs
@@ -142,8 +143,9 @@ class StepTimes:
         requests: Requests in the trace.
         per_step: Requests per step.
         steps: Steps in the trace.
-        local_ms: Summed over the steps, the slowest rank's time to serve the
-            step's requests and call ``HiCache.poll()`` (each step's best round).
+        local_ms: Summed over the steps, the group's time to serve the step's
+            requests and call ``HiCache.poll()``: from the first rank's start to
+            the last rank's end, in the step's best round.
         agreed_ms: The same with one :meth:`DistributedCache.step` per step.
     """
 
@@ -170,7 +172,7 @@ class StepTimes:
 
 @dataclass(frozen=True)
 class TPBench:
-    """Figures of one run (the slowest rank's per step; rank 0's per call).
+    """Figures of one run (the group's per step; rank 0's per call).
 
     Attributes:
         ranks: Processes in the gloo group.
@@ -310,14 +312,14 @@ def _compare(
 ) -> StepTimes:
     """Serve ``trace`` in steps with the local and the agreed poll, alternating step by step.
 
-    Each half of a step counts as long as the slowest rank took (the group moves
-    at its pace), and each step as its best round, as the other benchmarks take
-    the best of their rounds: a rank that lost its core for a while in one round
-    does not count, in either half.
+    A half of a step lasts from the first rank's start to the last rank's end
+    (the group moves at its slowest rank's pace), and each step counts its best
+    round, as the other benchmarks take the best of their rounds: a rank that
+    lost its core for a while in one round does not count, in either half.
     """
     starts = range(0, len(trace), settings.per_step)
-    local: list[list[float]] = []  # per round, per step
-    agreed: list[list[float]] = []
+    local: list[list[Span]] = []  # per round, per step
+    agreed: list[list[Span]] = []
     for round_ in range(settings.rounds):
         cache = HiCache(config())
         shared = DistributedCache(HiCache(config()), timeout=settings.timeout)
@@ -326,36 +328,45 @@ def _compare(
         sides = [(local[-1], cache, cache.poll), (agreed[-1], shared.cache, shared.step)]
         for i, start in enumerate(starts):
             chunk = trace[start : start + settings.per_step]
-            for times, served, poll in sides[:: 1 if (i + round_) % 2 else -1]:
+            for spans, served, poll in sides[:: 1 if (i + round_) % 2 else -1]:
                 dist.barrier()  # the ranks start each half together
-                times.append(_step_seconds(run, served, chunk, poll))
+                spans.append(_step_span(run, served, chunk, poll))
         shared.drain()
         shared.verify_agreement()  # the ranks really applied the same transitions (not timed)
     every = shared.comm.all_gather_object((local, agreed))
-    local_ms, agreed_ms = (_best_of_slowest([mine[k] for mine in every]) for k in (0, 1))
+    local_ms, agreed_ms = (_best_group_ms([mine[k] for mine in every]) for k in (0, 1))
     return StepTimes(len(trace), settings.per_step, len(starts), local_ms, agreed_ms)
 
 
-def _best_of_slowest(times: list[list[list[float]]]) -> float:
-    """Milliseconds summed over the steps of each step's best round of its slowest rank.
+Span = tuple[float, float]
+"""When a rank started and ended a half of a step, on the machine's monotonic clock."""
+
+
+def _best_group_ms(spans: list[list[list[Span]]]) -> float:
+    """Milliseconds summed over the steps of each step's best round, first start to last end.
+
+    The ranks run on one machine, where ``time.perf_counter()`` reads the same
+    monotonic clock in every process.
 
     Args:
-        times: Per rank, per round, per step: seconds.
+        spans: Per rank, per round, per step: when the rank started and ended it.
     """
-    rounds, steps = len(times[0]), len(times[0][0])
-    return 1e3 * sum(
-        min(max(rank[r][k] for rank in times) for r in range(rounds)) for k in range(steps)
-    )
+    rounds, steps = len(spans[0]), len(spans[0][0])
+
+    def group(r: int, k: int) -> float:
+        return max(rank[r][k][1] for rank in spans) - min(rank[r][k][0] for rank in spans)
+
+    return 1e3 * sum(min(group(r, k) for r in range(rounds)) for k in range(steps))
 
 
-def _step_seconds(
+def _step_span(
     run: Replayer[K], cache: HiCache, chunk: Sequence[K], poll: Callable[[], object]
-) -> float:
-    """Seconds to serve one step's requests on ``cache`` and ``poll`` once."""
+) -> Span:
+    """Serve one step's requests on ``cache``, ``poll`` once; return when it started and ended."""
     started = time.perf_counter()
     run(cache, chunk, _nothing)
     poll()
-    return time.perf_counter() - started
+    return started, time.perf_counter()
 
 
 def _nothing() -> None:
