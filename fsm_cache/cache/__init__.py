@@ -16,9 +16,19 @@ if TYPE_CHECKING:
     from fsm_cache.cache.hicache import HiCache, Lock, MatchResult
     from fsm_cache.cache.metrics import Stats
     from fsm_cache.cache.replay import replay
+    from fsm_cache.cache.storage_tier import StorageConfig
     from fsm_cache.memory.tiers import CacheConfig
 
-__all__ = ["CacheConfig", "EventLog", "HiCache", "Lock", "MatchResult", "Stats", "replay"]
+__all__ = [
+    "CacheConfig",
+    "EventLog",
+    "HiCache",
+    "Lock",
+    "MatchResult",
+    "Stats",
+    "StorageConfig",
+    "replay",
+]
 __getattr__ = resolver(
     __name__,
     {
@@ -28,6 +38,7 @@ __getattr__ = resolver(
         "Lock": "fsm_cache.cache.hicache",
         "MatchResult": "fsm_cache.cache.hicache",
         "Stats": "fsm_cache.cache.metrics",
+        "StorageConfig": "fsm_cache.cache.storage_tier",
         "replay": "fsm_cache.cache.replay",
     },
 )
