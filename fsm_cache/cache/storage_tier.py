@@ -563,9 +563,10 @@ class StorageTier:
                 self._core.delete(node)
 
     def _write_host(self, pages: Sequence[int], data: Sequence[torch.Tensor]) -> None:
-        if pages:
-            index = torch.tensor(list(pages), dtype=torch.long)
-            self._tiers.host.pages.index_copy_(0, index, torch.stack(list(data)))
+        """Copy pages read from the store into host slots, one pass each (no staging copy)."""
+        host = self._tiers.host.pages
+        for page, page_data in zip(pages, data, strict=True):
+            host[page].copy_(page_data)
 
     def settle(self, rounds: int) -> None:
         """Start, wait for and apply every storage copy, for at most ``rounds`` rounds.
