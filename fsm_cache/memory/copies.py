@@ -38,6 +38,7 @@ import contextlib
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import cast
 
 from fsm_cache.errors import CopyFailed, ForeignSlot
@@ -72,12 +73,17 @@ __all__ = [
 ]
 
 
-@dataclass
-class _Pending:
-    ticket: Ticket
-    submitted: bool = False
-    event: Event | None = None
-    error: CopyFailed | None = None
+@dataclass(eq=False)  # compared by identity
+class _Submission:
+    """Tickets of one direction moved together, and the event recorded after them.
+
+    ``failure`` completes the message of each ticket's ``CopyFailed`` (``copy
+    <id> <failure>``) when the launch or the device failed; None when it worked.
+    """
+
+    tickets: Sequence[Ticket]
+    event: Event | None
+    failure: str | None = None
 
 
 class CopyEngine:
@@ -122,7 +128,8 @@ class CopyEngine:
         self._chunk = max(1, staging_bytes // device.layout.page_bytes)
         self._ids = itertools.count(1)
         self._started = 0
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Ticket] = {}  # started and not reported, in start order
+        self._submitted: list[_Submission] = []  # launched and not reported, in launch order
         self._open: list[Ticket] = []  # started, not yet submitted, in start order
         self._open_pages = 0
         self._batch_polls = batch_polls
@@ -169,24 +176,29 @@ class CopyEngine:
         self._validate(direction, src, dst)
         ticket = Ticket(next(self._ids), direction, tuple(src), tuple(dst))
         self._started = ticket.id
-        self._pending[ticket.id] = _Pending(ticket)
+        self._pending[ticket.id] = ticket
         self._busy.add(ticket)
         self._open.append(ticket)
         self._open_pages += len(src)
         return ticket
 
     def _validate(self, direction: Direction, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Refuse a copy that cannot run, in C where nothing is wrong (the common case)."""
         if len(src) != len(dst):
             raise ValueError(f"copy: {len(src)} source pages but {len(dst)} destination pages")
-        if len(set(dst)) != len(dst):
+        targets = set(dst)
+        if len(targets) != len(dst):
             raise ValueError("copy: a destination page is listed twice")
-        to_host = direction is Direction.D2H
-        pools = (self.device, self.host) if to_host else (self.host, self.device)
-        for pool, pages in zip(pools, (src, dst), strict=True):
+        if direction is Direction.D2H:
+            pools, busy = (self.device, self.host), self._busy.host
+        else:
+            pools, busy = (self.host, self.device), self._busy.device
+        for pool, pages in ((pools[0], src), (pools[1], dst)):
             if pages and (min(pages) < 0 or max(pages) >= pool.num_pages):
                 bad = next(p for p in pages if not 0 <= p < pool.num_pages)
                 raise ForeignSlot(f"{pool.name} pool: page {bad} outside 0..{pool.num_pages - 1}")
-        refuse_busy_destination(direction, dst, self._busy.host if to_host else self._busy.device)
+        if not busy.isdisjoint(targets):
+            refuse_busy_destination(direction, dst, busy)
 
     def submit(self) -> None:
         """Move the open batch now: one submission per direction, in start order.
@@ -206,8 +218,12 @@ class CopyEngine:
 
     def _launch(self, tickets: Sequence[Ticket]) -> None:
         direction = tickets[0].direction
-        src = [p for t in tickets for p in t.src_pages]
-        dst = [p for t in tickets for p in t.dst_pages]
+        if len(tickets) == 1:
+            src: Sequence[int] = tickets[0].src_pages
+            dst: Sequence[int] = tickets[0].dst_pages
+        else:
+            src = list(chain.from_iterable(t.src_pages for t in tickets))
+            dst = list(chain.from_iterable(t.dst_pages for t in tickets))
         stream = self._mover.streams.get(direction)
         if stream is not None and self._api is not None:
             # D2H: read only what compute has written. H2D: overwrite only what compute has read.
@@ -218,13 +234,8 @@ class CopyEngine:
         except RuntimeError as exc:  # a launch that fails is reported like any failure
             failure = exc
         event = self._record(stream)
-        for ticket in tickets:
-            pending = self._pending[ticket.id]
-            pending.submitted, pending.event = True, event
-            if failure is not None:
-                pending.error = CopyFailed(
-                    f"copy {ticket.id} ({direction.value}) failed: {failure}"
-                )
+        why = None if failure is None else f"({direction.value}) failed: {failure}"
+        self._submitted.append(_Submission(tickets, event, why))
 
     def _record(self, stream: Stream | None) -> Event | None:
         if stream is None or self._api is None:
@@ -238,22 +249,27 @@ class CopyEngine:
 
         The open batch is due at the ``batch_polls``-th poll since it opened
         (the next one by default). On a CPU engine every submitted ticket has
-        finished.
+        finished. Tickets are reported in the order they were started.
         """
         if self._open:
             self._open_polls += 1
             if self._open_polls >= self._batch_polls:
                 self.submit()
-        done = [p for p in self._pending.values() if _finished(p)]
-        return [self._complete(p) for p in done]
+        if not self._submitted:
+            return []
+        done = [s for s in self._submitted if _finished(s)]
+        if not done:
+            return []
+        self._submitted = [s for s in self._submitted if s not in done]
+        return [c for s in done for c in self._complete(s)]
 
     def drain(self) -> list[Completion]:
         """Submit the open batch, wait for every in-flight ticket and report them all."""
         self.submit()
-        for p in self._pending.values():
-            if p.event is not None:
+        for s in self._submitted:
+            if s.event is not None:
                 with contextlib.suppress(RuntimeError):  # reported by _finished
-                    p.event.synchronize()
+                    s.event.synchronize()
         self._mover.release()  # nothing queued can read an outgrown staging buffer now
         return self.poll()
 
@@ -283,10 +299,10 @@ class CopyEngine:
             return
         here = self.device.device
         target = self._api.current_stream(here) if stream is None else cast("Stream", stream)
-        for i in ids:
-            pending = self._pending.get(i)
-            if pending is not None and pending.event is not None:
-                target.wait_event(pending.event)
+        wanted = set(ids)
+        for submission in self._submitted:
+            if submission.event is not None and any(t.id in wanted for t in submission.tickets):
+                target.wait_event(submission.event)
 
     def close(self) -> None:
         """Drain every copy, let the device go idle, and refuse copies from now on.
@@ -301,21 +317,24 @@ class CopyEngine:
             self._api.synchronize(self.device.device)
         self.closed = True
 
-    def _complete(self, pending: _Pending) -> Completion:
-        ticket = pending.ticket
-        del self._pending[ticket.id]
-        self._busy.remove(ticket)
-        self.stats.copies[ticket.direction] += 1
-        if pending.error is not None:
-            self.stats.failures[ticket.direction] += 1
-        else:
-            page_bytes = self.device.layout.page_bytes
-            self.stats.bytes[ticket.direction] += len(ticket.src_pages) * page_bytes
-        return Completion(ticket, pending.error)
+    def _complete(self, submission: _Submission) -> list[Completion]:
+        """Report a finished submission's tickets: no longer busy, counted, each completed once."""
+        tickets, failure = submission.tickets, submission.failure
+        direction = tickets[0].direction
+        for ticket in tickets:
+            del self._pending[ticket.id]
+            self._busy.remove(ticket)
+        self.stats.copies[direction] += len(tickets)
+        if failure is not None:
+            self.stats.failures[direction] += len(tickets)
+            return [Completion(t, CopyFailed(f"copy {t.id} {failure}")) for t in tickets]
+        pages = sum(len(t.src_pages) for t in tickets)
+        self.stats.bytes[direction] += pages * self.device.layout.page_bytes
+        return [Completion(t) for t in tickets]
 
     def in_flight(self) -> list[Ticket]:
         """Tickets started and not yet reported, oldest first."""
-        return [p.ticket for p in self._pending.values()]
+        return list(self._pending.values())
 
     def device_busy(self, pages: Iterable[int]) -> bool:
         """Whether an unreported copy reads or writes any of these device pages."""
@@ -334,14 +353,12 @@ class CopyEngine:
         return self._busy.host.frozen()
 
 
-def _finished(pending: _Pending) -> bool:
-    """Query the event; an asynchronous CUDA error turns into a failed completion."""
-    if not pending.submitted:
-        return False
-    if pending.event is None:
+def _finished(submission: _Submission) -> bool:
+    """Query the event; an asynchronous CUDA error fails every ticket of the submission."""
+    if submission.event is None:
         return True
     try:
-        return bool(pending.event.query())
+        return bool(submission.event.query())
     except RuntimeError as exc:
-        pending.error = CopyFailed(f"copy {pending.ticket.id} failed on the device: {exc}")
+        submission.failure = f"failed on the device: {exc}"
         return True
