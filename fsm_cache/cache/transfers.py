@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Protocol
 
 from fsm_cache.cache.core import CacheCore
@@ -274,10 +275,13 @@ class Transfers:
                 self._start(direction, nodes)
 
     def _start(self, direction: Direction, nodes: list[TreeNode]) -> None:
-        """Start one copy for ``nodes``; if the engine refuses it, fail their events at once."""
+        """Start one copy for ``nodes`` (the batch just taken, now the copy's); fail them if refused."""
         copier = self._tiers.copier
-        dev = [p for n in nodes for p in n.device_pages]
-        host = [p for n in nodes for p in n.host_pages]
+        if len(nodes) == 1:  # the common case: one operation backed up one node
+            dev, host = nodes[0].device_pages, nodes[0].host_pages
+        else:
+            dev = tuple(chain.from_iterable(n.device_pages for n in nodes))
+            host = tuple(chain.from_iterable(n.host_pages for n in nodes))
         try:
             if direction is Direction.D2H:
                 ticket = copier.start_write(dev, host)
@@ -287,7 +291,7 @@ class Transfers:
             self._fail(direction, nodes)
             return
         self._started += 1
-        self._tickets[ticket.id] = CopyBatch(list(nodes), time.perf_counter(), self._started)
+        self._tickets[ticket.id] = CopyBatch(nodes, time.perf_counter(), self._started)
 
     # -- acknowledgements ----------------------------------------------------
 
