@@ -1,0 +1,27 @@
+"""The report of ``fsm-cache bench cache --against sglang`` (measured where SGLang is installed)."""
+
+from __future__ import annotations
+
+from fsm_cache.bench.against import AgainstBench
+
+
+def figures(write_through: float) -> dict[str, float]:
+    return {
+        "sglang": 10_000.0,
+        "held": 20_000.0,
+        "writes": 13_000.0,
+        "write-through": write_through,
+    }
+
+
+def test_the_report_gives_each_ratio_the_write_through_cost_and_the_targets() -> None:
+    bench = AgainstBench("0.5.23", 2000, {"page 1": figures(9_000.0), "page 16": figures(4_000.0)})
+    assert bench.ratio("page 1", "write-through") == 0.9
+    text = bench.format().splitlines()
+    assert text[3].split() == ["page", "1", "10,000", "2.00x", "1.30x", "0.90x"]
+    assert text[4].split() == ["page", "16", "10,000", "2.00x", "1.30x", "0.40x"]
+    # 1/9,000 - 1/20,000 s and 1/4,000 - 1/20,000 s per request
+    assert text[5] == "write-through over held, microseconds per request: page 1 61, page 16 200"
+    assert text[6] == (
+        "targets: held >= 1.8x met, writes >= 1.3x met, write-through >= 0.9x NOT met"
+    )
