@@ -560,17 +560,6 @@ def test_redis_store_without_the_client_names_the_extra() -> None:
     )
 
 
-def test_bench_storage_smoke(capsys: pytest.CaptureFixture[str]) -> None:
-    """``fsm-cache bench storage --quick`` prints each backend's ratio against raw I/O."""
-    from fsm_cache.cli.main import main
-
-    assert main(["bench", "storage", "--quick"]) == 0
-    out = capsys.readouterr().out
-    assert "local file put" in out
-    assert "local file get" in out
-    assert "store / raw" in out
-
-
 def test_local_concurrent_writers_of_one_prefix_count_each_page_once(tmp_path: Path) -> None:
     """Four threads put the same prefix at once: every page is stored once and counted once."""
     import threading

@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "cache: HiCache vs an unchecked radix tree; tp: the agreed step vs local polls on gloo ranks; "
         "vllm: the checked offloading manager vs vLLM's own (needs vLLM; make bench-vllm); "
         "sglang: SGLang's RadixCache patched vs stock (needs SGLang; make bench-sglang); "
-        "storage: pages through the local-file and Redis stores vs raw file and Redis I/O",
+        "storage: backup and prefetch through HiCache vs store.put/get and raw file and Redis I/O",
     )
     parser.add_argument(
         "--against",
@@ -34,6 +34,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "RadixCache (needs SGLang; make bench-sglang)",
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
+    parser.add_argument(
+        "--pages",
+        type=_positive,
+        help="storage only: pages per backup and prefetch (default 64 pages of 2 MiB)",
+    )
+    parser.add_argument(
+        "--reps", type=_positive, help="storage only: repetitions, the best kept (default 5)"
+    )
     parser.set_defaults(handler=run)
 
 
@@ -47,12 +55,14 @@ def run(args: argparse.Namespace) -> int:
         from fsm_cache.bench.engine import run_engine_bench
 
         print(run_engine_bench(n=20_000 if args.quick else 200_000).format())
-    elif args.what in ("copies", "storage"):
+    elif args.what == "copies":
         from fsm_cache.bench.copies import run_copy_bench
+
+        print(run_copy_bench(quick=args.quick).format())
+    elif args.what == "storage":
         from fsm_cache.bench.storage import run_storage_bench
 
-        bench = run_copy_bench if args.what == "copies" else run_storage_bench
-        print(bench(quick=args.quick).format())
+        print(run_storage_bench(quick=args.quick, reps=args.reps, pages=args.pages).format())
     elif args.what == "cache" and args.against == "sglang":
         from fsm_cache.bench.against import run_against_sglang
 
@@ -83,6 +93,17 @@ def run(args: argparse.Namespace) -> int:
         for ranks in (2, 4):
             print(run_tp_bench(ranks, **sizes).format())
     return 0
+
+
+def _positive(text: str) -> int:
+    """Parse a count of at least 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
 
 
 def _server_bench(table: Callable[[], str]) -> int:
