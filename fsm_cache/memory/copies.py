@@ -125,7 +125,8 @@ class CopyEngine:
         self.stats = CopyStats()
         self.cuda = device.device.type == "cuda"
         self.closed = False
-        self._chunk = max(1, staging_bytes // device.layout.page_bytes)
+        self._page_bytes = device.layout.page_bytes
+        self._chunk = max(1, staging_bytes // self._page_bytes)
         self._ids = itertools.count(1)
         self._started = 0
         self._pending: dict[int, Ticket] = {}  # started and not reported, in start order
@@ -255,12 +256,16 @@ class CopyEngine:
             self._open_polls += 1
             if self._open_polls >= self._batch_polls:
                 self.submit()
-        if not self._submitted:
+        submitted = self._submitted
+        if not submitted:
             return []
-        done = [s for s in self._submitted if _finished(s)]
-        if not done:
-            return []
-        self._submitted = [s for s in self._submitted if s not in done]
+        done = [s for s in submitted if _finished(s)]
+        if len(done) == len(submitted):  # all of them: always so on a CPU engine
+            self._submitted = []
+        else:
+            self._submitted = [s for s in submitted if s not in done]
+        if len(done) == 1:
+            return self._complete(done[0])
         return [c for s in done for c in self._complete(s)]
 
     def drain(self) -> list[Completion]:
@@ -328,8 +333,12 @@ class CopyEngine:
         if failure is not None:
             self.stats.failures[direction] += len(tickets)
             return [Completion(t, CopyFailed(f"copy {t.id} {failure}")) for t in tickets]
-        pages = sum(len(t.src_pages) for t in tickets)
-        self.stats.bytes[direction] += pages * self.device.layout.page_bytes
+        pages = (
+            len(tickets[0].src_pages)
+            if len(tickets) == 1
+            else sum(len(t.src_pages) for t in tickets)
+        )
+        self.stats.bytes[direction] += pages * self._page_bytes
         return [Completion(t) for t in tickets]
 
     def in_flight(self) -> list[Ticket]:

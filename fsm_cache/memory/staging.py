@@ -195,23 +195,32 @@ class Mover:
         n, step = len(src), self._chunk
         if n == 0:
             return
-        chunks = [(lo, min(lo + step, n)) for lo in range(0, n, step)]
         last = self.streams.get(direction)
-        first = self._first_stream(direction) if len(chunks) > 1 else last
-        if first is not None and first is not last:
+        if n <= step:  # one chunk: both stages on the direction's stream, one after the other
+            one, two = self._stages(direction, src, dst, 0)
+            self._run(last, one)
+            self._run(last, two)
+            return
+        first = self._first_stream(direction)
+        if first is not None and last is not None:
             first.wait_stream(last)  # compute, and the previous batch's use of the buffers
-        for i, (lo, hi) in enumerate(chunks):
-            buffer = partial(self._buffer, direction, i % 2, hi - lo)
-            if direction is Direction.D2H:
-                one, two = self._d2h(src[lo:hi], dst[lo:hi], buffer)
-            else:
-                one, two = self._h2d(src[lo:hi], dst[lo:hi], buffer)
+        for i, lo in enumerate(range(0, n, step)):
+            one, two = self._stages(direction, src[lo : lo + step], dst[lo : lo + step], i % 2)
             self._run(first, one)
-            if first is not None and last is not None and first is not last:
+            if first is not None and last is not None:
                 if i:
                     first.wait_stream(last)  # the previous chunk's second stage frees its buffer
                 last.wait_stream(first)
             self._run(last, two)
+
+    def _stages(
+        self, direction: Direction, src: Sequence[int], dst: Sequence[int], slot: int
+    ) -> tuple[Callable[[], None], Callable[[], None] | None]:
+        """The two stages of one chunk, staged (when they need to be) through buffer ``slot``."""
+        buffer = partial(self._buffer, direction, slot, len(src))
+        if direction is Direction.D2H:
+            return self._d2h(src, dst, buffer)
+        return self._h2d(src, dst, buffer)
 
     def release(self) -> None:
         """Drop outgrown staging buffers; call only when no queued copy can still use them."""

@@ -203,13 +203,22 @@ class BusyPages:
 
     def add(self, ticket: Ticket) -> None:
         """Mark the ticket's pages busy."""
-        self.device.add(ticket.device_pages)
-        self.host.add(ticket.host_pages)
+        device, host = _sides(ticket)
+        self.device.add(device)
+        self.host.add(host)
 
     def remove(self, ticket: Ticket) -> None:
         """Unmark the ticket's pages (once per earlier :meth:`add`)."""
-        self.device.remove(ticket.device_pages)
-        self.host.remove(ticket.host_pages)
+        device, host = _sides(ticket)
+        self.device.remove(device)
+        self.host.remove(host)
+
+
+def _sides(ticket: Ticket) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ticket's ``(device_pages, host_pages)``, without two property calls."""
+    if ticket.direction is Direction.D2H:
+        return ticket.src_pages, ticket.dst_pages
+    return ticket.dst_pages, ticket.src_pages
 
 
 def host_runs(pages: Sequence[int]) -> Iterator[tuple[int, int, int]]:
