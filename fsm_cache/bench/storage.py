@@ -344,7 +344,7 @@ def run_storage_bench(
 
     Args:
         quick: Small pages and few of them (smoke tests).
-        reps: Repetitions (default 5, 2 with ``quick``); the best is kept.
+        reps: Repetitions (default 8, 2 with ``quick``); the best is kept.
         pages: Pages per backup and prefetch (default 64, 8 with ``quick``).
         layers: Layers of a page (default 32, 4 with ``quick``).
         heads: KV heads of a page (default 8, 2 with ``quick``); with 16
@@ -359,7 +359,7 @@ def run_storage_bench(
     """
     if redis not in REDIS_MODES:
         raise ValueError(f"redis must be one of {', '.join(REDIS_MODES)}, got {redis!r}")
-    reps = reps or (2 if quick else 5)
+    reps = reps or (2 if quick else 8)
     work = Workload.make(
         pages or (8 if quick else 64), layers or (4 if quick else 32), heads or (2 if quick else 8)
     )

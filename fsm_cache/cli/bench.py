@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="storage only: pages per backup and prefetch (default 64 pages of 2 MiB)",
     )
     parser.add_argument(
-        "--reps", type=_positive, help="storage only: repetitions, the best kept (default 5)"
+        "--reps", type=_positive, help="storage only: repetitions, the best kept (default 8)"
     )
     parser.set_defaults(handler=run)
 
