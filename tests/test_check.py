@@ -13,10 +13,12 @@ import pytest
 
 from fsm_cache.cache.tree import RadixTree
 from fsm_cache.errors import SpecError
-from fsm_cache.modelcheck import check, invariants, liveness, lookup, progress, treeops
+from fsm_cache.modelcheck import check, copies, invariants, liveness, lookup, progress, treeops
 from fsm_cache.modelcheck.copies import VALID
 from fsm_cache.modelcheck.explore import Bounds, Explorer
+from fsm_cache.modelcheck.forest import Trees
 from fsm_cache.modelcheck.state import Layout, NodeEntry, canonical
+from fsm_cache.modelcheck.traces import label
 from fsm_cache.policy import WritePolicy
 from fsm_cache.residency import DEVICE_READABLE
 from fsm_cache.spec.loader import load_spec
@@ -296,19 +298,26 @@ def test_cli_names_the_policy(capsys: pytest.CaptureFixture[str]) -> None:
     assert out[-1] == "  no invariant violated"
 
 
-def test_the_default_run_adds_write_through_on_three_nodes() -> None:
+def test_the_default_run_adds_write_through_on_three_nodes_and_sizes_storage_specs() -> None:
     parser = argparse.ArgumentParser()
     check.register(parser.add_subparsers())
     shipped = shipped_spec_paths()
     residency = spec_dir() / "residency.toml"
+    storage = spec_dir() / "residency_storage.toml"
+    own = {storage: (3, 1)}  # a spec with a storage region: its own tree size and lock bound
     assert check.targets(parser.parse_args(["check"])) == [
-        *((p, "none", 4) for p in shipped),
-        (residency, "write_through", 3),
+        *((p, "none", *own.get(p, (4, 2))) for p in shipped),
+        (residency, "write_through", 3, 2),
+        (storage, "write_through", 3, 1),
     ]
     assert check.targets(parser.parse_args(["check", "--policy", "write_through"])) == [
-        (residency, "write_through", 4)
+        (residency, "write_through", 4, 2),
+        (storage, "write_through", 3, 1),
     ]
-    assert check.targets(parser.parse_args(["check", "x.toml"])) == [(Path("x.toml"), "none", 4)]
+    named = parser.parse_args(["check", str(residency), str(storage)])
+    assert check.targets(named) == [(residency, "none", 4, 2), (storage, "none", 3, 1)]
+    given = parser.parse_args(["check", "--nodes", "2", "--max-locks", "2", str(storage)])
+    assert check.targets(given) == [(storage, "none", 2, 2)]
 
 
 def test_ops_module_policy_must_be_known(tmp_path: Path) -> None:
@@ -561,7 +570,7 @@ WRITE_FAILED_LANDS_BACKED = BUGS / "write_failed_lands_backed.toml"
 def test_copies_and_their_acknowledgements_are_read_from_the_effects(layout: Layout) -> None:
     memory = layout.memory
     assert memory.tiers == ("host", "device")
-    assert memory.copying == {"host": {"writing"}, "device": {"loading"}}
+    assert memory.copying == {"host": {"writing": copies.D2H}, "device": {"loading": copies.H2D}}
     assert {event: (ack.copy.name, ack.ok) for event, ack in memory.acks.items()} == {
         "write_done": ("device-to-host", True),
         "write_failed": ("device-to-host", False),
@@ -570,10 +579,11 @@ def test_copies_and_their_acknowledgements_are_read_from_the_effects(layout: Lay
     }
     assert [memory.claims("host", s) for s in ("unbacked", "writing", "backed", "evicted")] == [
         "free",
-        "filling",
+        "filling from device",
         "valid",
         "free",
     ]
+    assert memory.reports == {}  # no store: nothing reports pages on its own
     assert layout.pages(layout.fresh(-1)) == ("free", "valid", "")  # inserted with its KV
     planted = Layout.of(as_system(load_spec(EVICT_HOST_LEAVES_WRITING))).memory
     assert "evict_host" not in planted.acks  # it may leave backed too: not an acknowledgement
@@ -586,7 +596,9 @@ def test_memory_follows_copies_in_flight(layout: Layout) -> None:
     written = replay.apply(node, ("event", 0, "write"))
     assert written is not None
     assert written == (layout.entry(-1, "writing", "resident", 0, 0, 0, 0, 0),)
-    assert [layout.pages(e) for e in written if e is not None] == [("filling", "valid", "")]
+    assert [layout.pages(e) for e in written if e is not None] == [
+        ("filling from device", "valid", "")
+    ]
     failed = replay.apply(written, ("event", 0, "write_failed"))
     assert failed == node  # failed, then its pages freed
     assert invariants.violation(layout, written) is None
@@ -621,13 +633,13 @@ def test_a_failed_copy_marked_valid_is_a_violation() -> None:
     [
         (
             ("backed", "resident"),
-            ("failed", "valid"),
+            ("failed from device", "valid"),
             "valid data: node 0: host backed claims valid host pages, "
             "but the device-to-host copy that filled them failed",
         ),
         (
             ("pinned", "resident"),
-            ("filling", "valid"),
+            ("filling from device", "valid"),
             "valid data: node 0: host pinned claims valid host pages, "
             "but the device-to-host copy filling them has not completed",
         ),
@@ -835,3 +847,305 @@ def test_the_caches_lookup_hands_out_what_the_model_derives_as_readable() -> Non
     device = device_machine()
     derived = {s.name for s in device.states if RESIDENCY.memory.claims("device", s.name) == VALID}
     assert derived == DEVICE_READABLE
+
+
+# -- a storage tier ------------------------------------------------------------------
+
+STORAGE = spec_dir() / "residency_storage.toml"
+DEEPEST_FIRST = """
+[[forbid]]
+event = "fetch_failed"
+when = "any child host in [fetching, backed, pinned]"
+error = "NotAHostLeaf"
+reason = "a child holds or is fetching a host copy under this node; fail it first"
+"""
+"""The rule the checker found missing from residency_storage.toml (a prefix's fetch failed
+under a suffix still being fetched, then the store dropped the prefix: invariant 2)."""
+
+
+def _storage_spec(tmp_path: Path) -> Path:
+    """Return the shipped three-tier composition, with fetches failing deepest first.
+
+    A copy of the shipped specs in ``tmp_path``; :data:`DEEPEST_FIRST` is added
+    unless the shipped composition refuses some ``fetch_failed`` already.
+    """
+    for path in spec_dir().glob("*.toml"):
+        (tmp_path / path.name).write_text(path.read_text())
+    system = as_system(load_spec(STORAGE))
+    if not any(f.event == "fetch_failed" for f in system.forbids):
+        with (tmp_path / STORAGE.name).open("a") as file:
+            file.write(DEEPEST_FIRST)
+    return tmp_path / STORAGE.name
+
+
+@pytest.fixture(scope="module")
+def storage() -> Layout:
+    return Layout.of(as_system(load_spec(STORAGE)))
+
+
+def srec(storage: Layout, parent: int, *fields: int | str) -> NodeEntry:
+    """Return a three-tier node entry: host, device, storage, pins, locks, then the holds of
+    pin, load, store and lock; with the memory its states claim."""
+    return storage.entry(parent, *fields)
+
+
+def test_the_storage_tier_is_a_third_tier_of_memory_read_from_the_effects(
+    storage: Layout,
+) -> None:
+    memory = storage.memory
+    assert memory.tiers == ("host", "device", "storage")
+    assert memory.copying == {
+        "host": {"writing": copies.D2H, "fetching": copies.S2H},
+        "device": {"loading": copies.H2D},
+        "storage": {"storing": copies.H2S},
+    }
+    assert {event: (ack.copy.name, ack.ok) for event, ack in memory.acks.items()} == {
+        "write_done": ("device-to-host", True),
+        "write_failed": ("device-to-host", False),
+        "fetch_done": ("storage-to-host", True),
+        "fetch_failed": ("storage-to-host", False),
+        "load_done": ("host-to-device", True),
+        "load_failed": ("host-to-device", False),
+        "store_done": ("host-to-storage", True),
+        "store_failed": ("host-to-storage", False),  # no pages to free: it leads to unstored
+    }
+    assert memory.reports == {"storage": frozenset({"discover", "vanish"})}
+    assert storage.holders.acquires["store"] == (("pins", ("host", "storage")),)
+    assert storage.copy_holds == {
+        ("pins", ("host", "device")): copies.H2D,
+        ("pins", ("host", "storage")): copies.H2S,
+    }
+    assert [memory.claims("storage", s) for s in ("unstored", "storing", "stored", "reading")] == [
+        "free",
+        "filling from host",
+        "valid",
+        "valid",
+    ]
+
+
+def test_a_node_found_in_storage_is_born_discovered(storage: Layout) -> None:
+    parent = srec(storage, -1, "backed", "resident", "unstored", 0, 0, 0, 0, 0, 0)
+    born = treeops.born(storage, (parent, None), 0, 1, "discovered")
+    assert born == (parent, srec(storage, 0, "evicted", "absent", "stored", 0, 0, 0, 0, 0, 0))
+    assert born is not None
+    assert born[1] is not None
+    assert storage.pages(born[1]) == ("free", "free", "valid", "")
+    assert treeops.born(storage, born, 0, 1, "discovered") is None  # the slot is taken
+    assert label((parent, None), ("born", 0, "discovered")) == (
+        "insert node 1 under node 0, born discovered"
+    )
+
+
+def test_a_store_pins_and_reads_the_host_copy_until_it_is_acknowledged(storage: Layout) -> None:
+    replay = Explorer(storage, Bounds({})).replay
+    backed = (srec(storage, -1, "backed", "resident", "unstored", 0, 0, 0, 0, 0, 0),)
+    storing = replay.apply(backed, ("event", 0, "store"))
+    assert storing == (srec(storage, -1, "pinned", "resident", "storing", 1, 0, 0, 0, 1, 0),)
+    assert storage.pages(storing[0]) == ("valid", "valid", "filling from host", "")
+    assert replay.refusal(storing, 0, "release") == "StorePinHeld"
+    assert replay.apply(storing, ("event", 0, "release")) is None  # no client holds a pin
+    assert replay.refusal(storing, 0, "evict_host") == "HostCopyPinned"
+    done = replay.apply(storing, ("event", 0, "store_done"))
+    assert done == (srec(storage, -1, "backed", "resident", "stored", 0, 0, 0, 0, 0, 0),)
+    assert replay.apply(storing, ("event", 0, "store_failed")) == backed  # the store's pages
+    assert invariants.violation(storage, storing) is None
+
+
+def test_a_fetch_fills_new_host_pages_from_the_store(storage: Layout) -> None:
+    replay = Explorer(storage, Bounds({})).replay
+    parent = srec(storage, -1, "backed", "resident", "unstored", 0, 0, 0, 0, 0, 0)
+    found = (parent, storage.born(0, "discovered"))
+    fetching = replay.apply(found, ("event", 1, "fetch"))
+    assert fetching is not None
+    assert fetching[1] is not None
+    assert fetching[1][1:4] == ("fetching", "absent", "reading")
+    assert storage.pages(fetching[1]) == ("filling from storage", "free", "valid", "")
+    assert replay.refusal(fetching, 1, "vanish") == "ReadInFlight"
+    assert replay.refusal(fetching, 0, "evict_host") == "NotAHostLeaf"  # SGLang #9601
+    done = replay.apply(fetching, ("event", 1, "fetch_done"))
+    assert done is not None
+    assert done[1] is not None
+    assert (done[1][1:4], storage.pages(done[1])) == (
+        ("backed", "absent", "stored"),
+        ("valid", "free", "valid", ""),
+    )
+    assert replay.apply(fetching, ("event", 1, "fetch_failed")) == found  # host pages freed
+    assert invariants.violation(storage, fetching) is None
+
+
+def test_what_the_store_reports_moves_its_pages(storage: Layout) -> None:
+    replay = Explorer(storage, Bounds({})).replay
+    stored = (srec(storage, -1, "backed", "resident", "stored", 0, 0, 0, 0, 0, 0),)
+    gone = replay.apply(stored, ("event", 0, "vanish"))
+    assert gone == (srec(storage, -1, "backed", "resident", "unstored", 0, 0, 0, 0, 0, 0),)
+    assert replay.apply(gone, ("event", 0, "discover")) == stored
+    step = storage.memory.step
+    states = {"host": "backed", "device": "resident", "storage": "unstored"}
+    reading = ("filling from storage", "free", "valid", "")
+    assert step(reading, "vanish", (), states)[-1] == (
+        "invariant 5|vanish frees storage pages that a storage-to-host copy in flight still reads"
+    )
+
+
+def test_the_prefix_of_a_node_being_stored_holds_the_stores_pin(storage: Layout) -> None:
+    storing = srec(storage, -1, "pinned", "resident", "storing", 2, 0, 1, 0, 1, 0)  # and a client
+    after = treeops.split(storage, (storing, None), 0, 1)
+    assert after == (
+        srec(storage, 1, "pinned", "resident", "storing", 2, 0, 1, 0, 1, 0),
+        srec(storage, -1, "pinned", "resident", "storing", 1, 0, 0, 0, 1, 0),
+    )
+    assert invariants.violation(storage, after) is None
+    reading = srec(storage, -1, "fetching", "absent", "reading", 0, 0, 0, 0, 0, 0)
+    halves = treeops.split(storage, (reading, None), 0, 1)
+    assert halves is not None
+    assert [e[1:4] for e in halves if e is not None] == [("fetching", "absent", "reading")] * 2
+
+
+def test_a_node_held_only_in_storage_stays_and_goes_with_a_parent_holding_nothing(
+    storage: Layout,
+) -> None:
+    nothing = srec(storage, -1, "evicted", "absent", "unstored", 0, 0, 0, 0, 0, 0)
+    stored = storage.born(0, "discovered")
+    alone = ((-1, *stored[1:]),)
+    assert treeops.prune(storage, alone) == alone  # its data is in the store
+    assert treeops.prune(storage, (nothing, stored)) == (None, None)  # unreachable below
+    fetching = srec(storage, 0, "fetching", "absent", "reading", 0, 0, 0, 0, 0, 0)
+    kept = treeops.prune(storage, (nothing, fetching))
+    assert kept == (nothing, fetching)  # a copy in flight below: the node cannot go
+    assert invariants.violation(storage, kept) == (
+        "invariant 2: node 0 holds its data nowhere but cannot be deleted (it has children)"
+    )
+    trees = Trees(storage)
+    prune = partial(treeops.prune_forest, storage, trees, memo={})
+    assert prune(trees.encode((nothing, stored))) == ()  # as the explorer prunes
+    assert trees.decode(prune(trees.encode(kept)), 2) == kept
+
+
+def test_a_lookup_stops_at_a_node_being_fetched_or_held_only_in_storage(
+    storage: Layout,
+) -> None:
+    path = [
+        srec(storage, -1, "backed", "resident", "stored", 0, 0, 0, 0, 0, 0),
+        srec(storage, 0, "backed", "absent", "unstored", 0, 0, 0, 0, 0, 0),
+        srec(storage, 1, "fetching", "absent", "reading", 0, 0, 0, 0, 0, 0),
+        srec(storage, 2, "evicted", "absent", "stored", 0, 0, 0, 0, 0, 0),
+    ]
+    found = lookup.match_prefix(storage, path)
+    assert found == lookup.Match((0,), (1,))
+    assert lookup.violation(storage, path, [0, 1, 2, 3], found) is None
+    assert lookup.violation(storage, path, [0, 1, 2, 3], lookup.Match((0,), (1, 2, 3))) == (
+        "lookup: node 2: match_prefix reports it as a host hit, but it holds no valid KV "
+        "on the host or the device (host fetching, filling)"
+    )
+    assert lookup.violation(storage, path, [0, 1, 2, 3], lookup.Match((0,), ())) == (
+        "lookup: node 3: match_prefix reports nodes [0] on the device and [] as a host hit, "
+        "not the path [0, 1]"
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            ("backed", "resident", "storing", 0, 0, 0, 0, 0, 0),
+            "invariant 5: node 0: a host-to-storage copy reads a host copy that is backed",
+        ),
+        (
+            ("fetching", "absent", "stored", 0, 0, 0, 0, 0, 0),
+            "invariant 5: node 0: a storage-to-host copy reads a storage copy that is stored",
+        ),
+        (
+            ("evicted", "absent", "reading", 0, 0, 0, 0, 0, 0),
+            "invariant 5: node 0: storage reading, but no storage-to-host copy fills the host "
+            "(host evicted)",
+        ),
+        (
+            ("pinned", "resident", "storing", 1, 0, 1, 0, 0, 0),
+            "invariant 6: node 0: a host-to-storage copy is in flight but store holds no pins there",
+        ),
+        (
+            ("pinned", "resident", "stored", 1, 0, 0, 0, 1, 0),
+            "invariant 6: node 0: store holds pins but no host-to-storage copy is in flight",
+        ),
+    ],
+)
+def test_storage_copies_are_checked_on_both_sides(
+    storage: Layout, fields: tuple[int | str, ...], message: str
+) -> None:
+    entry = srec(storage, -1, *fields)
+    assert invariants.violation(storage, (entry,)) == message
+
+
+def test_the_storage_composition_holds_and_settles_on_two_nodes(tmp_path: Path) -> None:
+    path = _storage_spec(tmp_path)
+    layout = Layout.of(as_system(load_spec(path)))
+    explorer = Explorer(layout, Bounds({"pins": 2, "locks": 1}))
+    result = explorer.run(check.shapes(layout, 2))
+    assert result.violation is None
+    assert result.states > 3000
+    assert {"store_done", "store_failed", "fetch_done", "fetch_failed"} <= explorer.settling
+    assert {"discover", "vanish"}.isdisjoint(explorer.settling)  # the store's, not a copy's
+    through = check.check_spec(path, 2, Bounds({"locks": 1}), policy=WritePolicy.WRITE_THROUGH)
+    assert through.violation is None
+    assert 0 < through.states < result.states
+
+
+def test_a_fetch_failing_above_one_still_in_flight_is_found_without_the_deepest_first_rule(
+    tmp_path: Path,
+) -> None:
+    """Why DEEPEST_FIRST: a failed prefix whose pages the store then drops holds nothing."""
+    path = _storage_spec(tmp_path)
+    text = path.read_text().replace(DEEPEST_FIRST, "")
+    path.write_text(text)
+    result = check.check_spec(path, 2, Bounds({"locks": 1}))
+    assert result.violation is not None
+    assert result.violation.startswith("invariant 2: ")
+    assert result.trace[-3:] == [
+        "split node 0: prefix node 1",
+        "node 1: fetch_failed",
+        "node 1: vanish",
+    ]
+
+
+STORE_WAITS = "".join(
+    f"""
+[[forbid]]
+event = "{event}"
+when = "any child storage in [stored]"
+error = "NotAStorageLeaf"
+reason = "planted: a store's acknowledgement waits for its children"
+"""
+    for event in ("store_done", "store_failed")
+)
+
+
+def test_a_store_whose_acknowledgements_are_refused_is_found(tmp_path: Path) -> None:
+    """A store the cache must fail after a timeout, or acknowledge, but the spec refuses both."""
+    path = _storage_spec(tmp_path)
+    with path.open("a") as file:
+        file.write(STORE_WAITS)
+    result = check.check_spec(path, 2, Bounds({"locks": 1}))
+    assert result.violation == (
+        "invariant 6: node 0: store_done is refused (NotAStorageLeaf) though store holds pins "
+        "there (pins=1)"
+    )
+    assert result.trace[-2:] == ["node 0: store", "node 1: discover"]
+
+
+def test_the_two_storage_machines_alone_are_checked_cheaply() -> None:
+    for name in ("storage_residency.toml", "host_storage_residency.toml"):
+        result = check.check_spec(spec_dir() / name, 4, Bounds({"pins": 2}))
+        assert result.violation is None
+        assert result.states > 500
+
+
+def test_a_single_machine_is_explored_past_a_pin_it_cannot_release_by_every_event() -> None:
+    """A pin in host_residency alone is given back by release or load_done: one suffices."""
+    layout = Layout.of(as_system(load_shipped("host_residency")))
+    result = check.check_spec(spec_dir() / "host_residency.toml", 1, Bounds({"pins": 2}))
+    assert (result.violation, result.states) == (None, 8)  # unbacked ... pinned(2), evicted
+    assert layout.owed((-1, "writing", 1, 1)) == [
+        ("release", ("pins", ("state",))),
+        ("load_done", ("pins", ("state",))),
+        ("load_failed", ("pins", ("state",))),
+    ]

@@ -62,8 +62,13 @@ class Answers:
         self._table: dict[tuple[str, int, bool], Answer] = {}
         self._enabled: dict[int, list[tuple[str, int, bool]]] = {}
         self._unheld: dict[int, list[str]] = {}
-        self._owed: dict[int, list[str]] = {}
+        self._owed: dict[int, list[list[str]]] = {}
         self._free: dict[tuple[str, int], bool | None] = {}
+        self._records: dict[int, Any] = {}
+        self._by_states: dict[int, tuple[str, ...]] = {}
+        self._views: dict[int, Any] = {}
+        self.events = layout.system.event_names
+        self._sources = _sources(layout)
 
     def context(self, sid: int, up: int) -> int:
         """Return the id of the context of subtree ``sid``'s root under region states ``up``."""
@@ -112,13 +117,23 @@ class Answers:
         return any(self.accepts(event, chain) for event in events)
 
     def refuses_owed(self, chain: tuple[int, ...]) -> bool:
-        """Whether the node refuses a give-back its holders hold (:meth:`~fsm_cache.modelcheck.state.Layout.owed`).
+        """Whether the node refuses every give-back of a kind its holders hold.
+
+        As :func:`~fsm_cache.modelcheck.invariants.refused_give_back` decides
+        it: one accepted give-back per held kind suffices (where one machine
+        alone cannot tell a pin from a load, each gives back its own way).
 
         Args:
             chain: The contexts of the node and of its ancestors, nearest first.
         """
-        events = self._give_backs(self._owed, self.layout.owed, chain)
-        return not all(self.accepts(event, chain) for event in events)
+        lid = self.contexts[chain[0]][0]
+        owed = self._owed.get(lid)
+        if owed is None:
+            by_kind: dict[Hold, list[str]] = {}
+            for event, key in self.layout.owed((0, *self.trees.locals[lid])):
+                by_kind.setdefault(key, []).append(event)
+            owed = self._owed[lid] = list(by_kind.values())
+        return not all(any(self.accepts(event, chain) for event in events) for events in owed)
 
     def _give_backs(
         self,
@@ -142,10 +157,8 @@ class Answers:
         """
         key = (event, chain[0])
         if key not in self._free:
-            lid, up, kids = self.contexts[chain[0]]
             try:
-                entry: NodeEntry = (0, *self.trees.locals[lid])
-                self._free[key] = self.engine.plan(self._record(entry, up, kids), event)[2]
+                self._free[key] = self.engine.plan(self._context_record(chain[0]), event)[2]
             except IllegalTransition:
                 self._free[key] = None
         propagates = self._free[key]
@@ -157,7 +170,7 @@ class Answers:
 
     def _joins(self, event: str, ctx: int) -> bool:
         """Whether ``event``, acknowledging a copy below, applies to the node of ``ctx`` too."""
-        if event not in self.choices.acks:
+        if event not in self.choices.joined:
             return False
         lid = self.contexts[ctx][0]
         return self.choices.joins(self.layout, event, (0, *self.trees.locals[lid]))
@@ -166,9 +179,10 @@ class Answers:
         """Return the events the node of context ``ctx`` accepts: name, new local, propagates."""
         found = self._enabled.get(ctx)
         if found is None:
+            stid = self.trees.stid[self.contexts[ctx][0]]
             found = self._enabled[ctx] = [
                 (event, *answer)
-                for event in self.layout.system.event_names
+                for event in self._candidates(stid)
                 if (answer := self.answer(event, ctx, True)) is not None
             ]
         return found
@@ -177,19 +191,21 @@ class Answers:
         """Return the answer of the node of context ``ctx``: fired at it, or propagated to it."""
         key = (event, ctx, fired)
         if key not in self._table:
-            self._table[key] = self._ask(event, self.contexts[ctx], fired)
+            self._table[key] = self._ask(event, ctx, fired)
         return self._table[key]
 
-    def _ask(self, event: str, ctx: Context, fired: bool) -> Answer:
+    def _ask(self, event: str, at: int, fired: bool) -> Answer:
         layout = self.layout
-        lid, up, kids = ctx
+        lid, up, kids = self.contexts[at]
         entry: NodeEntry = (0, *self.trees.locals[lid])
+        if not self._sourced(event, self.trees.stid[lid]):
+            return None  # a region's machine has no transition of it from the node's state
         if fired and layout.gives_back_unheld(entry, event):
             return None  # clients only give back what they hold
         if fired and not self._chosen(event, entry, up, kids):
             return None  # the cache does not fire it here
         try:
-            assigns, effects, propagates = self.engine.plan(self._record(entry, up, kids), event)
+            assigns, effects, propagates = self.engine.plan(self._context_record(at), event)
         except IllegalTransition:
             return None
         values: dict[str, Any] = dict(zip(self.fields, entry[1:], strict=False))
@@ -214,12 +230,44 @@ class Answers:
             event, [self.layout.state((0, *states[s]), "host") for s in kids]
         )
 
+    def _candidates(self, stid: int) -> tuple[str, ...]:
+        """Return the events that may be accepted in the region states ``stid`` (:meth:`_sourced`)."""
+        found = self._by_states.get(stid)
+        if found is None:
+            found = self._by_states[stid] = tuple(e for e in self.events if self._sourced(e, stid))
+        return found
+
+    def _sourced(self, event: str, stid: int) -> bool:
+        """Whether every region declaring ``event`` has a transition of it from the node's state.
+
+        Where one has none, the spec refuses the event whatever the guards and
+        the tree say (every state of a machine handles every event, by a
+        transition or a refusal: validation checks it), so the engine is not asked.
+        """
+        states = self.trees.states[stid]
+        return all(states[i] in sources for i, sources in self._sources[event])
+
+    def _context_record(self, at: int) -> Any:
+        """Return the record of the node of context ``at`` (built once: plans only read it)."""
+        rec = self._records.get(at)
+        if rec is None:
+            lid, up, kids = self.contexts[at]
+            rec = self._records[at] = self._record((0, *self.trees.locals[lid]), up, kids)
+        return rec
+
     def _record(self, entry: NodeEntry, up: int, kids: tuple[int, ...]) -> Any:
         """Return a record of the node, with views of its parent's and children's region states."""
         rec = self._view(entry[1:])
-        rec.parent = self._view(self.trees.states[up]) if up >= 0 else None
-        rec.children = [self._view(self.trees.states[s]) for s in kids]
+        rec.parent = self._states_view(up) if up >= 0 else None
+        rec.children = [self._states_view(s) for s in kids]
         return rec
+
+    def _states_view(self, stid: int) -> Any:
+        """Return the view of a neighbour's region states ``stid`` (shared: nothing writes it)."""
+        view = self._views.get(stid)
+        if view is None:
+            view = self._views[stid] = self._view(self.trees.states[stid])
+        return view
 
     def _view(self, values: NodeEntry) -> Any:
         rec = self.Rec()
@@ -227,3 +275,23 @@ class Answers:
         for name, value in zip(self.fields, values, strict=False):
             setattr(rec, name, value)
         return rec
+
+
+def _sources(layout: Layout) -> dict[str, tuple[tuple[int, frozenset[str]], ...]]:
+    """Per event, each region declaring it (by index) with the states its transitions leave."""
+    system = layout.system
+    return {
+        event: tuple(
+            (
+                layout.regions.index(region),
+                frozenset(
+                    s
+                    for t in system.machines[region].transitions
+                    if t.event == event
+                    for s in t.sources
+                ),
+            )
+            for region in system.regions_of(event)
+        )
+        for event in system.event_names
+    }

@@ -3,7 +3,9 @@
 A small tree of ``--nodes`` nodes, in several shapes (a chain, a fan-out, a
 binary tree), each node running the spec's machines, with locks, pins, copies
 in flight and acknowledgements arriving in any order, plus the cache's tree
-operations (insert a leaf, split a node, delete a node whose data is gone).
+operations (insert a leaf, hang a node found in storage, split a node, delete
+a node whose data is gone) and, with a storage tier, what the store reports
+on its own (``discover``, ``vanish``) at any node at any time.
 Every reachable state is explored breadth-first and checked against the
 design's invariants (:mod:`fsm_cache.modelcheck.invariants`), the model's account
 of pages and copies in flight (:mod:`fsm_cache.modelcheck.copies`) and what
@@ -15,8 +17,9 @@ only where its write policy starts them, and their prefix-closure
 (invariant 3) is checked. States that differ only in how their nodes are
 numbered are explored once (symmetry reduction,
 :class:`~fsm_cache.modelcheck.forest.Trees`); ``--no-symmetry`` explores every
-numbering, for the count before the reduction. Without arguments it checks the shipped specs, the
-residency spec under the write-through policy, and the negative controls of
+numbering, for the count before the reduction. Without arguments it checks the shipped specs
+(a spec with a storage region on :data:`STORAGE_NODES` nodes), the residency
+specs under the write-through policy, and the negative controls of
 ``specs/bugs_detected`` (each of which must still yield its finding).
 """
 
@@ -29,7 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 from fsm_cache.errors import SpecError
 from fsm_cache.modelcheck import treeops
@@ -63,6 +66,50 @@ POLICIES: dict[str, WritePolicy | None] = {"none": None, "write_through": WriteP
 
 POLICY_NODES = 3
 """Tree size of the write-through pass of the no-argument run (it keeps ``make test`` short)."""
+
+NODES = 4
+"""Tree size of a spec when ``--nodes`` is not given, unless it has a storage region."""
+
+STORAGE_NODES = 3
+"""Tree size of a spec with a ``storage`` region when ``--nodes`` is not given.
+
+A third region multiplies the states of each node about tenfold: four nodes
+are out of reach of ``make test``, three take about half a minute.
+"""
+
+STORAGE_LOCKS = 1
+"""Lock bound of a spec with a ``storage`` region when ``--max-locks`` is not given.
+
+Locks live in the device region alone; the two-region residency spec checks
+them up to 2 on four nodes. One lock per node keeps locked and unlocked
+nodes under every storage step at a third of the states of two.
+"""
+
+
+class Target(NamedTuple):
+    """One run of the checker: a spec, the policy it runs under, its tree size and lock bound."""
+
+    spec: Path
+    policy: str
+    nodes: int
+    locks: int
+
+
+def sized(path: Path, nodes: int | None, locks: int | None) -> tuple[int, int]:
+    """Return the tree size and lock bound of ``path``: those given, else the spec's defaults.
+
+    A spec with a ``storage`` region defaults to :data:`STORAGE_NODES` nodes
+    and :data:`STORAGE_LOCKS` locks, any other to :data:`NODES` and 2.
+
+    Raises:
+        SpecError: The spec does not load.
+    """
+    storage = "storage" in dict(as_system(load_spec(path)).regions)
+    default = (STORAGE_NODES, STORAGE_LOCKS) if storage else (NODES, 2)
+    return (
+        nodes if nodes is not None else default[0],
+        locks if locks is not None else default[1],
+    )
 
 
 def check_spec(
@@ -110,7 +157,7 @@ def load_ops(path: Path) -> tuple[Path, ModuleType]:
         raise SpecError([f"{path}: names no SPEC = 'path/to/spec.toml'"])
     if getattr(module, "POLICY", "none") not in POLICIES:
         raise SpecError([f"{path}: POLICY must be one of {', '.join(POLICIES)}"])
-    for name in ("insert", "split", "prune"):
+    for name in ("insert", "born", "split", "prune"):
         if not hasattr(module, name):
             setattr(module, name, getattr(treeops, name))
     return (path.parent / target).resolve(), module
@@ -127,51 +174,59 @@ def check_control(
     *,
     symmetry: bool = True,
 ) -> str:
-    """Return the first finding of ``validate`` or ``check`` on a control (``""`` if none)."""
-    bounds = bounds or Bounds({})
+    """Return the first finding of ``validate`` or ``check`` on a control (``""`` if none).
+
+    Without ``bounds``, counters are bounded by 2, locks as :func:`sized` says.
+    """
     path, ops = (control.path, treeops)
     if path.suffix == ".py":
         path, ops = load_ops(path)
     spec, problem = load_finding(path)
     if spec is None:
         return f"validate: {problem}"
+    if bounds is None:
+        bounds = Bounds({"locks": sized(path, nodes, None)[1]})
     policy = POLICIES[getattr(ops, "POLICY", "none")]
     result = check_spec(path, nodes, bounds, ops, policy=policy, symmetry=symmetry)
     return f"check: violation: {result.violation}" if result.violation else ""
 
 
-def targets(args: argparse.Namespace) -> list[tuple[Path, str, int]]:
-    """Return what to check: ``(spec, policy, nodes)`` in order.
+def targets(args: argparse.Namespace) -> list[Target]:
+    """Return what to check, in order.
 
     Named specs run under ``--policy`` (default none). Without specs, the
     shipped specs run with no policy, then those of the residency layout under
     the write-through policy on at most :data:`POLICY_NODES` nodes; an explicit
-    ``--policy`` runs the shipped specs it applies to under it instead.
+    ``--policy`` runs the shipped specs it applies to under it instead. Each
+    spec runs on ``--nodes`` and ``--max-locks``, or its own defaults
+    (:func:`sized`: a spec with a storage region on fewer).
     """
+
+    def target(path: Path, policy: str, most: int | None = None) -> Target:
+        nodes, locks = sized(path, args.nodes, args.max_locks)
+        return Target(path, policy, nodes if most is None else min(nodes, most), locks)
+
     if args.specs:
-        return [(Path(p), args.policy or "none", args.nodes) for p in args.specs]
+        return [target(Path(p), args.policy or "none") for p in args.specs]
     shipped = shipped_spec_paths()
     residency = [p for p in shipped if Layout.of(as_system(load_spec(p))).residency]
     if args.policy is not None:
-        return [
-            (p, args.policy, args.nodes) for p in (residency if POLICIES[args.policy] else shipped)
-        ]
-    through = min(args.nodes, POLICY_NODES)
+        return [target(p, args.policy) for p in (residency if POLICIES[args.policy] else shipped)]
     return [
-        *((p, "none", args.nodes) for p in shipped),
-        *((p, "write_through", through) for p in residency),
+        *(target(p, "none") for p in shipped),
+        *(target(p, "write_through", POLICY_NODES) for p in residency),
     ]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Check the targets (the shipped specs when none) and, without targets, the controls."""
-    bounds = Bounds({"pins": args.max_pins, "locks": args.max_locks}, args.max_count)
     ops = treeops
     if args.ops:
         _, ops = load_ops(Path(args.ops))
     symmetry = not args.no_symmetry
     specs = []
-    for path, policy, nodes in targets(args):
+    for path, policy, nodes, locks in targets(args):
+        bounds = Bounds({"pins": args.max_pins, "locks": locks}, args.max_count)
         started = time.perf_counter()
         with progress(args.progress, _title(path.name, policy)) as tick:
             result = check_spec(
@@ -183,6 +238,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "spec": str(path),
                 "policy": policy,
                 "nodes": nodes,
+                "bounds": {"pins": args.max_pins, "locks": locks},
                 "symmetry": symmetry,
                 "seconds": seconds,
                 **vars(result),
@@ -204,13 +260,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"specs": specs, "controls": checked}
 
 
-def report(result: dict[str, Any], args: argparse.Namespace) -> str:
+def report(result: dict[str, Any]) -> str:
     """Return the human summary of a :func:`run` result."""
     lines = []
     for s in result["specs"]:
         rate = s["states"] / s["seconds"] if s["seconds"] else 0.0
         lines.append(
-            f"{_title(s['spec'], s['policy'])}: {s['nodes']} nodes ({', '.join(SHAPES)}), pins <= {args.max_pins}, locks <= {args.max_locks}"
+            f"{_title(s['spec'], s['policy'])}: {s['nodes']} nodes ({', '.join(SHAPES)}), pins <= {s['bounds']['pins']}, locks <= {s['bounds']['locks']}"
         )
         lines.append(f"  states explored: {s['states']} ({_symmetry(s['symmetry'])})")
         lines.append(f"  states/s: {rate:.0f}")
@@ -238,10 +294,11 @@ def _title(spec: str, policy: str) -> str:
 
 def handle(args: argparse.Namespace) -> int:
     """Run ``fsm-cache check`` and return its exit status."""
-    if args.nodes < 1 or min(args.max_pins, args.max_locks, args.max_count) < 0:
+    nodes, locks = (1 if args.nodes is None else args.nodes), (args.max_locks or 0)
+    if nodes < 1 or min(args.max_pins, locks, args.max_count) < 0:
         raise SpecError(["check: --nodes must be >= 1 and counter bounds >= 0"])
     result = run(args)
-    print(json.dumps(result, indent=2) if args.json else report(result, args))
+    print(json.dumps(result, indent=2) if args.json else report(result))
     bad = any(s["violation"] for s in result["specs"])
     return 1 if bad or not all(c["ok"] for c in result["controls"]) else 0
 
@@ -257,10 +314,16 @@ def register(subparsers: Any) -> None:
         metavar="SPEC",
         help="spec .toml files; default: the shipped specs and the negative controls",
     )
-    parser.add_argument("--nodes", type=int, default=4, help="nodes in the tree (default 4)")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        help=f"nodes in the tree (default {NODES}; {STORAGE_NODES} for a spec with a storage region)",
+    )
     parser.add_argument("--max-pins", type=int, default=2, help="pins per node at most (default 2)")
     parser.add_argument(
-        "--max-locks", type=int, default=2, help="locks per node at most (default 2)"
+        "--max-locks",
+        type=int,
+        help=f"locks per node at most (default 2; {STORAGE_LOCKS} for a spec with a storage region)",
     )
     parser.add_argument(
         "--max-count", type=int, default=2, help="bound of any other counter (default 2)"
@@ -270,12 +333,12 @@ def register(subparsers: Any) -> None:
         choices=tuple(POLICIES),
         help="the cache's write policy: none (every step the spec allows) or write_through "
         "(backups start where HiCache starts them; invariant 3 checked); default: none, and "
-        f"without SPEC also the residency spec under write_through on {POLICY_NODES} nodes",
+        f"without SPEC also the residency specs under write_through on {POLICY_NODES} nodes",
     )
     parser.add_argument(
         "--ops",
         metavar="FILE.py",
-        help="a module replacing tree operations (insert, split, prune), wants_backup "
+        help="a module replacing tree operations (insert, born, split, prune), wants_backup "
         "or match_prefix",
     )
     parser.add_argument(

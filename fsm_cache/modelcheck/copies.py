@@ -1,29 +1,42 @@
 """Pages and copies in flight: what the spec's effects do to memory, kept as ghost fields.
 
 The spec moves a node's states; its *effects* (``start_write``,
-``start_load``, ``adopt_device``, ``free_host``, ``free_device``) move
+``start_load``, ``adopt_device``, ``free_host``, ``free_device``, and with a
+storage tier ``start_store``, ``start_fetch``, ``delete_storage``) move
 memory, and the cache binds them to real pages
 (:class:`fsm_cache.cache.effects.MemoryEffects`). The model keeps its own
-account of that memory, per node and per tier (the ``host`` and ``device``
-regions), apart from the states, as it keeps ghost holds apart from the
-counters: each tier's pages are :data:`FREE`, being filled by a copy in
-flight (:data:`FILLING`), :data:`VALID`, or hold the result of a copy that
-failed (:data:`FAILED`). A ``fault`` field records a step that broke memory
-(freed pages a copy still reads, a failed copy marked valid); the invariants
-report it with the node (:mod:`fsm_cache.modelcheck.invariants`).
+account of that memory, per node and per tier (the ``host``, ``device`` and,
+where the spec has one, ``storage`` regions), apart from the states, as it
+keeps ghost holds apart from the counters: each tier's pages are
+:data:`FREE`, being filled by a copy in flight (``filling from`` the tier it
+reads, :func:`filling`), :data:`VALID`, or hold the result of a copy that
+failed (``failed from`` that tier). A ``fault`` field records a step that
+broke memory (freed pages a copy still reads, a failed copy marked valid);
+the invariants report it with the node (:mod:`fsm_cache.modelcheck.invariants`).
 
 What each effect does is :data:`EFFECTS`, the model of ``MemoryEffects``.
 Everything else is read from the spec: a copy's *copying state* is where the
-transition running its start effect leads (``writing``, ``loading``); its
-*acknowledgements* are the events every transition of which, in that
-region, leaves the copying state (``write_done``, ``write_failed``,
-``load_done``, ``load_failed``; an ``evict_host`` that may also leave
-``backed`` is not one); an acknowledgement that frees the pages the copy
-fills reports its failure, any other its success. What a state *claims*
-about its tier follows from the design's state sets
-(:data:`~fsm_cache.residency.HOST_HELD`, :data:`~fsm_cache.residency.DEVICE_HELD`)
+transition running its start effect leads (``writing``, ``loading``,
+``storing``, ``fetching``); its *acknowledgements* are the events every
+transition of which, in that region, leaves that copying state
+(``write_done``, ``write_failed``, ``load_done``, ``load_failed``,
+``store_done``, ``store_failed``, ``fetch_done``, ``fetch_failed``; an
+``evict_host`` that may also leave ``backed`` is not one); an
+acknowledgement reports its copy's failure when it frees the pages the copy
+fills or leads only to states that claim none (``store_failed``: the store's
+pages are not the cache's to free), and its success otherwise. What a state
+*claims* about its tier follows from the design's state sets (:data:`HELD`)
 and the copying states: a copying state claims a copy filling the tier,
 another held state claims valid data, the rest claim no pages.
+
+The storage tier is the store's, not the cache's (:data:`REMOTE`): the store
+may drop pages at any time and may hold pages this cache never wrote. An
+event of its region that runs no effect and acknowledges no copy reports
+what the store did, and the pages follow what its new state claims
+(``discover``: the store holds them; ``vanish``: it dropped them), checked
+as any take or free is: no pages appear where the node holds some, none
+vanish while a copy reads or writes them. A failed store leaves no pages
+the cache holds.
 """
 
 from __future__ import annotations
@@ -31,21 +44,31 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from fsm_cache.residency import DEVICE_HELD, HOST_HELD
+from fsm_cache.residency import DEVICE_HELD, HOST_HELD, STORAGE_HELD
 from fsm_cache.spec.machine import System, Transition
 
 
 FREE = "free"
 """The node holds no pages in the tier."""
 FILLING = "filling"
-"""The node's pages in the tier are being filled by a copy in flight."""
+"""The node's pages in the tier are being filled by a copy in flight (see :func:`filling`)."""
 VALID = "valid"
 """The node's pages in the tier hold its KV."""
 FAILED = "failed"
-"""The node's pages in the tier hold what a failed copy left: no valid KV."""
+"""The node's pages in the tier hold what a failed copy left: no valid KV (see :func:`failed`)."""
 
-HELD: Mapping[str, frozenset[str]] = {"host": HOST_HELD, "device": DEVICE_HELD}
-"""Per tier, the states of its region in which the node holds pages there."""
+HELD: Mapping[str, frozenset[str]] = {
+    "host": HOST_HELD,
+    "device": DEVICE_HELD,
+    "storage": STORAGE_HELD,
+}
+"""Per tier, the states of its region in which the node holds pages there (tiers in order)."""
+
+LOCAL = ("host", "device")
+"""The tiers whose pages the cache allocates and frees: a spec without both keeps no memory."""
+
+REMOTE = frozenset({"storage"})
+"""Tiers whose pages a store holds: it may drop them or hold pages the cache never wrote."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +84,26 @@ class Copy:
     reads: str
     fills: str
     name: str
+
+    @property
+    def filling(self) -> str:
+        """The status of the pages it fills while it is in flight."""
+        return filling(self)
+
+
+def filling(copy: Copy) -> str:
+    """Return the status of pages ``copy`` is filling: ``filling from`` the tier it reads."""
+    return f"{FILLING} from {copy.reads}"
+
+
+def failed(copy: Copy) -> str:
+    """Return the status of pages ``copy`` left when it failed: ``failed from`` the tier it read."""
+    return f"{FAILED} from {copy.reads}"
+
+
+def kind(status: object) -> str:
+    """Return what a status is, without the copy: ``free``, ``filling``, ``valid`` or ``failed``."""
+    return str(status).split(" ", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -80,6 +123,8 @@ class Effect:
 
 D2H = Copy("device", "host", "device-to-host")
 H2D = Copy("host", "device", "host-to-device")
+H2S = Copy("host", "storage", "host-to-storage")
+S2H = Copy("storage", "host", "storage-to-host")
 
 EFFECTS: Mapping[str, Effect] = {
     "start_write": Effect(starts=D2H),
@@ -87,11 +132,14 @@ EFFECTS: Mapping[str, Effect] = {
     "adopt_device": Effect(fills="device"),
     "free_host": Effect(frees="host"),
     "free_device": Effect(frees="device"),
+    "start_store": Effect(starts=H2S),
+    "start_fetch": Effect(starts=S2H),
+    "delete_storage": Effect(frees="storage"),
 }
 """The spec's effects as :class:`fsm_cache.cache.effects.MemoryEffects` binds them to pages."""
 
-COPIES: Mapping[str, Copy] = {e.starts.fills: e.starts for e in EFFECTS.values() if e.starts}
-"""Per tier, the copy that fills it."""
+COPIES: tuple[Copy, ...] = tuple(e.starts for e in EFFECTS.values() if e.starts)
+"""Every copy between the tiers."""
 
 
 @dataclass(frozen=True)
@@ -121,41 +169,50 @@ class Memory:
 
     Attributes:
         tiers: The tiers (regions) whose memory is kept, in order.
-        copying: Per tier, the states of its region that claim a copy filling it.
-        copies: Per tier, the copy that fills it.
+        copying: Per tier, its region's copying states, each with the copy that fills the tier there.
         acks: The acknowledgement events, each with its copy and outcome.
+        reports: Per remote tier, the events of its region by which the store reports what it did.
     """
 
     tiers: tuple[str, ...]
-    copying: Mapping[str, frozenset[str]]
-    copies: Mapping[str, Copy]
+    copying: Mapping[str, Mapping[str, Copy]]
     acks: Mapping[str, Ack]
+    reports: Mapping[str, frozenset[str]]
 
     @classmethod
     def of(cls, system: System) -> Memory:
         """Return the memory model of ``system``'s nodes, read from its effects."""
         regions = dict(system.regions)
-        if not set(HELD) <= set(regions):
+        if not set(LOCAL) <= set(regions):
             return cls((), {}, {}, {})
-        copying: dict[str, frozenset[str]] = {}
+        tiers = tuple(t for t in HELD if t in regions)
+        copying: dict[str, dict[str, Copy]] = {}
+        for region, machine in system.regions:
+            for t in machine.transitions:
+                copy = _effect(t).starts
+                if copy is not None and copy.fills == region:
+                    copying.setdefault(region, {})[t.dest] = copy
         acks: dict[str, Ack] = {}
         for region, machine in system.regions:
-            starts = [
-                (t, copy)
-                for t in machine.transitions
-                if (copy := _effect(t).starts) is not None and copy.fills == region
-            ]
-            if not starts:
-                continue
-            copy = starts[0][1]
-            states = frozenset(t.dest for t, _ in starts)
-            copying[region] = states
+            states = copying.get(region, {})
             for event in machine.event_names:
                 trs = [t for t in machine.transitions if t.event == event]
-                if trs and all(set(t.sources) <= states and _effect(t).starts is None for t in trs):
-                    ok = not any(_effect(t).frees == copy.fills for t in trs)
-                    acks[event] = Ack(copy, region, ok)
-        return cls(tuple(HELD), copying, COPIES, acks)
+                sources = {s for t in trs for s in t.sources}
+                if not trs or not sources <= set(states) or any(_effect(t).starts for t in trs):
+                    continue
+                served = {states[s] for s in sources}
+                if len(served) == 1:
+                    copy = served.pop()
+                    frees = any(_effect(t).frees == copy.fills for t in trs)
+                    empty = all(t.dest not in HELD[region] for t in trs)
+                    acks[event] = Ack(copy, region, not (frees or empty))
+        moves = {t.event for _, m in system.regions for t in m.transitions if t.effect in EFFECTS}
+        reports = {
+            tier: frozenset(e for e in regions[tier].event_names if e not in {*acks, *moves})
+            for tier in tiers
+            if tier in REMOTE
+        }
+        return cls(tiers, copying, acks, reports)
 
     @property
     def width(self) -> int:
@@ -164,8 +221,9 @@ class Memory:
 
     def claims(self, tier: str, state: str) -> str:
         """Return what the state ``state`` of ``tier``'s region says about the tier's pages."""
-        if state in self.copying.get(tier, ()):
-            return FILLING
+        copy = self.copying.get(tier, {}).get(state)
+        if copy is not None:
+            return copy.filling
         return VALID if state in HELD[tier] else FREE
 
     def fresh(self, states: Mapping[str, str]) -> Fields:
@@ -181,11 +239,23 @@ class Memory:
 
     def in_flight(self, fields: Fields) -> list[Copy]:
         """Return the copies in flight at a node (those filling one of its tiers)."""
-        return [self.copies[t] for t, s in zip(self.tiers, fields, strict=False) if s == FILLING]
+        return [
+            c
+            for t, s in zip(self.tiers, fields, strict=False)
+            for c in COPIES
+            if c.fills == t and s == c.filling
+        ]
 
     def holds(self, fields: Fields) -> bool:
         """Whether a node still holds pages in some tier (or a copy is filling them)."""
         return any(s != FREE for s in fields[: len(self.tiers)])
+
+    def local(self, fields: Fields) -> bool:
+        """Whether a node holds pages in a tier of its own (not a store's) or a copy is in flight."""
+        return any(
+            s != FREE and (t not in REMOTE or kind(s) != VALID)
+            for t, s in zip(self.tiers, fields, strict=False)
+        )
 
     def step(
         self, fields: Fields, event: str, effects: Sequence[str], states: Mapping[str, str]
@@ -193,8 +263,9 @@ class Memory:
         """Return a node's memory after ``event``, which ran ``effects`` and left it in ``states``.
 
         An acknowledgement first completes its copy (the copy finished before
-        the cache fired it), then the effects run in order. The first step
-        that breaks memory is kept as the fault.
+        the cache fired it), then the effects run in order, then what the
+        store reports moves its pages. The first step that breaks memory is
+        kept as the fault.
         """
         if not self.tiers or fields[-1]:
             return fields
@@ -206,7 +277,10 @@ class Memory:
         for name in effects:
             effect = EFFECTS.get(name)
             if effect is not None and not fault:
-                fault = _run(self.copies, status, event, effect)
+                fault = _run(status, event, effect)
+        for tier, events in self.reports.items():
+            if event in events and not fault:
+                fault = _report(status, event, tier, self.claims(tier, states[tier]))
         return (*(status[t] for t in self.tiers), fault)
 
 
@@ -217,9 +291,11 @@ def _effect(t: Transition) -> Effect:
 def _acknowledge(memory: Memory, status: dict[str, str], event: str, ack: Ack, state: str) -> str:
     """Complete ``ack``'s copy in ``status``; return a fault, or ``""``."""
     tier = ack.copy.fills
-    if status[tier] != FILLING:
+    if status[tier] != ack.copy.filling:
         return f"valid data|{event} acknowledges a {ack.copy.name} copy that is not in flight"
-    status[tier] = VALID if ack.ok else FAILED
+    status[tier] = VALID if ack.ok else failed(ack.copy)
+    if not ack.ok and tier in REMOTE:
+        status[tier] = FREE  # what a failed store left is the store's, not the node's
     if not ack.ok and memory.claims(tier, state) == VALID:
         return (
             f"valid data|{event} marks a failed {ack.copy.name} copy valid ({ack.region} {state})"
@@ -227,8 +303,8 @@ def _acknowledge(memory: Memory, status: dict[str, str], event: str, ack: Ack, s
     return ""
 
 
-def _run(copies: Mapping[str, Copy], status: dict[str, str], event: str, effect: Effect) -> str:
-    """Apply ``effect`` to ``status`` (``copies``: the copy filling each tier); return a fault."""
+def _run(status: dict[str, str], event: str, effect: Effect) -> str:
+    """Apply ``effect`` to ``status``; return a fault, or ``""``."""
     if effect.starts is not None:
         return _take(status, event, effect.starts.fills) or _start(status, event, effect.starts)
     if effect.fills is not None:
@@ -237,7 +313,18 @@ def _run(copies: Mapping[str, Copy], status: dict[str, str], event: str, effect:
             status[effect.fills] = VALID
         return fault
     if effect.frees is not None:
-        return _free(copies, status, event, effect.frees)
+        return _free(status, event, effect.frees)
+    return ""
+
+
+def _report(status: dict[str, str], event: str, tier: str, claim: str) -> str:
+    """Move the store's pages of ``tier`` as ``event`` reports it (to ``claim``); return a fault."""
+    if claim == VALID and status[tier] == FREE:
+        status[tier] = VALID
+    elif claim == VALID and kind(status[tier]) != VALID:
+        return _take(status, event, tier)
+    elif claim == FREE and status[tier] != FREE:
+        return _free(status, event, tier)
     return ""
 
 
@@ -251,20 +338,28 @@ def _take(status: dict[str, str], event: str, tier: str) -> str:
 def _start(status: dict[str, str], event: str, copy: Copy) -> str:
     """Start ``copy``: it must read valid KV; the pages it fills are in flight."""
     if status[copy.reads] != VALID:
-        source = status[copy.reads]
+        source = kind(status[copy.reads])
         return f"invariant 5|{event} starts a {copy.name} copy from {copy.reads} pages that hold no valid KV ({source})"
-    status[copy.fills] = FILLING
+    status[copy.fills] = copy.filling
     return ""
 
 
-def _free(copies: Mapping[str, Copy], status: dict[str, str], event: str, tier: str) -> str:
+def _free(status: dict[str, str], event: str, tier: str) -> str:
     """Free the pages of ``tier``: held, and no copy in flight reads or writes them."""
     if status[tier] == FREE:
         return f"invariant 7|{event} frees {tier} pages the node does not hold"
-    if status[tier] == FILLING:
-        return f"invariant 5|{event} frees {tier} pages that a {copies[tier].name} copy in flight still writes"
-    for filled, copy in copies.items():
-        if copy.reads == tier and status[filled] == FILLING:
+    for copy in COPIES:
+        if copy.fills == tier and status[tier] == copy.filling:
+            return f"invariant 5|{event} frees {tier} pages that a {copy.name} copy in flight still writes"
+    for copy in COPIES:
+        if copy.reads == tier and status.get(copy.fills) == copy.filling:
             return f"invariant 5|{event} frees {tier} pages that a {copy.name} copy in flight still reads"
     status[tier] = FREE
     return ""
+
+
+def copy_into(tier: str, status: object) -> Copy | None:
+    """Return the copy a ``filling``/``failed`` status of ``tier``'s pages names (None: another status)."""
+    return next(
+        (c for c in COPIES if c.fills == tier and str(status) in (c.filling, failed(c))), None
+    )

@@ -30,6 +30,8 @@ from fsm_cache.modelcheck import liveness, lookup, treeops
 from fsm_cache.modelcheck.answers import Answers
 from fsm_cache.modelcheck.forest import Forest, Trees
 from fsm_cache.modelcheck.invariants import (
+    NODE_ONLY,
+    Check,
     refused_give_back,
     unheld_give_back,
     violation,
@@ -82,7 +84,7 @@ class Explorer:
     Args:
         layout: The node layout of the spec.
         bounds: Counter ceilings.
-        ops: The module providing ``insert``, ``split`` and ``prune``
+        ops: The module providing ``insert``, ``born``, ``split`` and ``prune``
             (:mod:`fsm_cache.modelcheck.treeops`, or a broken variant), and optionally
             ``wants_backup`` (default :func:`fsm_cache.policy.wants_backup`).
         policy: The write policy the cache follows: it decides where backups
@@ -117,6 +119,7 @@ class Explorer:
         self.roots: dict[int, Root] = {}
         self.holds: dict[tuple[int, int], bool] = {}
         self.node_holds: dict[tuple[int, int, tuple[int, ...]], bool] = {}
+        self.alone: dict[int, bool] = {}
         self.pruned: dict[int, int | None] = {}
         self.dataless: dict[int, bool] = {}
         self.looked: dict[tuple[int, ...], bool] = {}
@@ -195,16 +198,19 @@ class Explorer:
                 yield step, nxt, False
 
     def _tree_steps(self, forest: Forest, count: int) -> Iterator[tuple[TraceStep, Forest]]:
-        """Yield the tree operations from ``forest`` (of ``count`` nodes): splits, then inserts."""
+        """Yield the tree operations from ``forest`` (of ``count`` nodes): splits, inserts, births."""
         flat = self.trees.decode(forest, self.slots)
         where = self.trees.where(forest)
         present = range(count)
-        for step in (
-            *(("split", i) for i in present),
-            *(("insert", p) for p in (-1, *present)),
-        ):
-            at = where[step[1]] if step[1] >= 0 else -1
-            nxt = self.replay.apply(flat, (step[0], at))
+        steps: list[tuple[str, int, tuple[str, ...]]] = [
+            *(("split", i, ()) for i in present),
+            *(("insert", p, ()) for p in (-1, *present)),
+            *(("born", p, (b,)) for b in self.layout.births for p in (-1, *present)),
+        ]
+        for kind, node, rest in steps:
+            step: TraceStep = (kind, node, *rest)
+            at = where[node] if node >= 0 else -1
+            nxt = self.replay.apply(flat, (kind, at, *rest))
             if nxt is not None:
                 yield step, self.trees.encode(nxt)
 
@@ -306,13 +312,26 @@ class Explorer:
         return found
 
     def _node_holds(self, lid: int, up: int, kids: tuple[int, ...]) -> bool:
-        """Check a node of local ``lid`` under local ``up`` over ``kids`` on its neighbourhood."""
+        """Check a node of local ``lid`` under local ``up`` over ``kids`` on its neighbourhood.
+
+        The checks that read the node alone (:data:`~fsm_cache.modelcheck.invariants.NODE_ONLY`)
+        run once per local, the others once per neighbourhood.
+        """
+        alone = self.alone.get(lid)
+        if alone is None:
+            entry = (-1, *self.trees.locals[lid])
+            alone = self.alone[lid] = (
+                violation_at(self.layout, (entry,), 0, self.policy, only=NODE_ONLY.__contains__)
+                is None
+            )
+        if not alone:
+            return False
         locals_ = self.trees.locals
         entries: list[NodeEntry | None] = [(-1, *locals_[up])] if up >= 0 else []
         me = len(entries)
         entries.append((me - 1, *locals_[lid]))
         entries += [(me, *locals_[c]) for c in kids]
-        return violation_at(self.layout, tuple(entries), me, self.policy) is None
+        return violation_at(self.layout, tuple(entries), me, self.policy, only=_around) is None
 
     def _trace(
         self, parents: Sequence[int], steps: list[TraceStep], starts: dict[int, Nodes], last: int
@@ -347,6 +366,7 @@ class Explorer:
                 self.layout, nodes, lambda i, event: replay.refusal(nodes, i, event)
             )
             or lookup.first_violation(self.layout, nodes, self.match)
+            or "checker: the tabled answers found a violation that the replayed state does not show"
         )
         return Result(len(forests), found, lines)
 
@@ -392,3 +412,8 @@ class Explorer:
             here = self.layout.unsettled((-1, *trees.locals[trees.local[sid]]))
             found = self.weights[sid] = here + sum(self._weight(k) for k in trees.kids[sid])
         return found
+
+
+def _around(check: Check) -> bool:
+    """Whether ``check`` reads the node's parent or children (it is not one of ``NODE_ONLY``)."""
+    return check not in NODE_ONLY

@@ -29,13 +29,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fsm_cache.modelcheck.copies import FAILED, FILLING, FREE, VALID
+from fsm_cache.modelcheck.copies import FAILED, FILLING, FREE, VALID, Copy, copy_into, kind
 from fsm_cache.modelcheck.holders import Hold
 from fsm_cache.modelcheck.state import Layout, NodeEntry, Nodes, children
 from fsm_cache.modelcheck.treeops import dataless
 from fsm_cache.policy import WritePolicy
-from fsm_cache.residency import DEVICE_HELD, HOST_HELD, HOST_VALID
+from fsm_cache.residency import DEVICE_HELD, FETCHING, HOST_HELD, HOST_VALID
 
+
+READING = "reading"
+"""The storage state of the same copy, on the side it reads (``storage_residency.toml``)."""
 
 Check = Callable[[Layout, Nodes, int, NodeEntry], "str | None"]
 Accepts = Callable[[int, str], bool]
@@ -80,7 +83,13 @@ def prefix_closed(layout: Layout, nodes: Nodes, i: int, entry: NodeEntry) -> str
 
 
 def held_somewhere(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
-    """Invariant 2: every node that is not deleted holds its data on the device or the host."""
+    """Invariant 2: every node that is not deleted holds its data on the device, the host or in storage.
+
+    A node whose data is nowhere is deleted (with the nodes below it that
+    hold nothing but pages in the store, :func:`~fsm_cache.modelcheck.treeops.prune`);
+    one that cannot be, because a node below it holds a copy of its own, is
+    a violation.
+    """
     if dataless(layout, entry):
         return (
             f"invariant 2: node {i} holds its data nowhere but cannot be deleted (it has children)"
@@ -105,6 +114,52 @@ def copies_safe(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> str 
     return None
 
 
+def storage_copies_safe(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
+    """Invariant 5 with a storage tier: a copy to or from the store keeps what it reads.
+
+    A host-to-storage copy (storage ``storing``) reads the host copy, which
+    must stay valid and pinned; a storage-to-host copy is one read on each
+    side: the host is ``fetching`` exactly when the storage is ``reading``.
+    """
+    if not (layout.has("storage") and layout.has("host")):
+        return None
+    host, storage = layout.state(entry, "host"), layout.state(entry, "storage")
+    if storage == "storing" and host != "pinned":
+        return f"invariant 5: node {i}: a host-to-storage copy reads a host copy that is {host}"
+    if host == FETCHING and storage != READING:
+        return (
+            f"invariant 5: node {i}: a storage-to-host copy reads a storage copy that is {storage}"
+        )
+    if storage == READING and host != FETCHING:
+        return f"invariant 5: node {i}: storage {READING}, but no storage-to-host copy fills the host (host {host})"
+    return None
+
+
+def copies_held(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
+    """Invariant 6, for copies: a copy that holds a count (a load's pin, a store's) holds it while in flight.
+
+    A holder kind whose acquiring event starts a copy (``load``: a
+    host-to-device copy; ``store``: a host-to-storage copy) is held at a
+    node exactly while that copy is in flight there, by the ghost account of
+    copies: a copy in flight without its hold could lose its pages to an
+    eviction, and a hold without its copy could never be given back.
+    """
+    memory = layout.memory
+    if not memory.tiers:
+        return None
+    flying = memory.in_flight(layout.pages(entry))
+    for key, copy in layout.copy_holds.items():
+        held = layout.hold(entry, key)
+        by = layout.holders.acquirers(key)
+        if copy in flying and held == 0:
+            return f"invariant 6: node {i}: a {copy.name} copy is in flight but {by} holds no {key[0]} there"
+        if held and copy not in flying:
+            return (
+                f"invariant 6: node {i}: {by} holds {key[0]} but no {copy.name} copy is in flight"
+            )
+    return None
+
+
 def memory_faults(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
     """Invariants 5 and 7, and valid data, at the step that broke them.
 
@@ -123,10 +178,11 @@ def memory_faults(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> st
 def memory_claims(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
     """Valid data (and invariant 7): what each state claims about its tier is what the pages hold.
 
-    A state claiming a valid copy (``backed``, ``pinned``, ``resident``)
-    has pages whose last copy completed; a copying state (``writing``,
-    ``loading``) has a copy in flight filling them; any other holds no pages
-    (else they leaked: invariant 7).
+    A state claiming a valid copy (``backed``, ``pinned``, ``resident``,
+    ``stored``, ``reading``) has pages whose last copy completed; a copying
+    state (``writing``, ``loading``, ``storing``, ``fetching``) has its copy
+    in flight filling them; any other holds no pages (else they leaked:
+    invariant 7).
     """
     memory = layout.memory
     for tier, have in zip(memory.tiers, layout.pages(entry), strict=False):
@@ -134,19 +190,24 @@ def memory_claims(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> st
         claim = memory.claims(tier, state)
         if have == claim:
             continue
-        copy = memory.copies[tier].name
-        said = f"{tier} {state}"
+        said, status = f"{tier} {state}", kind(have)
+        copy = copy_into(tier, have)
         if claim == VALID:
             why = {
-                FILLING: f"the {copy} copy filling them has not completed",
-                FAILED: f"the {copy} copy that filled them failed",
+                FILLING: f"the {_name(copy)} copy filling them has not completed",
+                FAILED: f"the {_name(copy)} copy that filled them failed",
                 FREE: f"the node holds no {tier} pages",
-            }[str(have)]
+            }[status]
             return f"valid data: node {i}: {said} claims valid {tier} pages, but {why}"
-        if claim == FILLING:
-            return f"valid data: node {i}: {said} claims a {copy} copy in flight, but none is (the {tier} pages are {have})"
-        return f"invariant 7: node {i}: {said} claims no {tier} pages, but the node still holds {have} ones"
+        if kind(claim) == FILLING:
+            wanted = copy_into(tier, claim)
+            return f"valid data: node {i}: {said} claims a {_name(wanted)} copy in flight, but none is (the {tier} pages are {status})"
+        return f"invariant 7: node {i}: {said} claims no {tier} pages, but the node still holds {status} ones"
     return None
+
+
+def _name(copy: Copy | None) -> str:
+    return copy.name if copy is not None else "unknown"
 
 
 def backup_prefix_closed(layout: Layout, nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
@@ -178,8 +239,10 @@ CHECKS: tuple[Check, ...] = (
     prefix_closed,
     held_somewhere,
     copies_safe,
+    storage_copies_safe,
     memory_faults,
     memory_claims,
+    copies_held,
 )
 """The invariants every policy keeps."""
 
@@ -203,12 +266,37 @@ def violation(layout: Layout, nodes: Nodes, policy: WritePolicy | None = None) -
     return None
 
 
+NODE_ONLY: frozenset[Check] = frozenset(
+    {
+        counts,
+        held_somewhere,
+        copies_safe,
+        storage_copies_safe,
+        memory_faults,
+        memory_claims,
+        copies_held,
+    }
+)
+"""The checks that read the node's own entry alone (not its parent's or children's)."""
+
+
 def violation_at(
-    layout: Layout, nodes: Nodes, i: int, policy: WritePolicy | None = None
+    layout: Layout,
+    nodes: Nodes,
+    i: int,
+    policy: WritePolicy | None = None,
+    *,
+    only: Callable[[Check], bool] | None = None,
 ) -> str | None:
-    """Return the first invariant violated at node ``i`` (it reads only its parent and children)."""
+    """Return the first invariant violated at node ``i`` (it reads only its parent and children).
+
+    ``only`` picks the checks to run (default: all), so a caller may run the
+    :data:`NODE_ONLY` checks once per node entry and the others once per neighbourhood.
+    """
     entry = _at(nodes, i)
     for check in checks(policy):
+        if only is not None and not only(check):
+            continue
         found = check(layout, nodes, i, entry)
         if found is not None:
             return found

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from fsm_cache.modelcheck.copies import VALID
+from fsm_cache.modelcheck.copies import LOCAL, VALID, kind
 from fsm_cache.modelcheck.state import Layout, NodeEntry, Nodes, ancestors
 
 
@@ -46,11 +46,20 @@ Lookup = Callable[[Layout, Sequence[NodeEntry]], Match]
 
 
 def match_prefix(layout: Layout, path: Sequence[NodeEntry]) -> Match:
-    """Return the model's lookup of ``path``: device-matched while the device state claims valid KV."""
+    """Return the model's lookup of ``path``.
+
+    Device-matched while the device state claims valid KV; then a host hit
+    while the node's state claims valid KV on either tier (a node past the
+    device part may be ``resident`` under a parent still ``loading``); the
+    rest (a node being fetched, or one held only in storage) is no hit.
+    """
     k = 0
-    while k < len(path) and _readable(layout, path[k]):
+    while k < len(path) and _readable(layout, path[k], "device"):
         k += 1
-    return Match(tuple(range(k)), tuple(range(k, len(path))))
+    h = k
+    while h < len(path) and any(_readable(layout, path[h], t) for t in LOCAL):
+        h += 1
+    return Match(tuple(range(k)), tuple(range(k, h)))
 
 
 def applies(layout: Layout) -> bool:
@@ -76,12 +85,18 @@ def violation(
             state = layout.state(path[gap], "device")
             return f"lookup: node {ids[pos]}: match_prefix reports it on the device past node {ids[gap]}, which is {state}"
     for pos in device[: len(path)]:
-        have = layout.pages(path[pos])[layout.memory.tiers.index("device")]
+        have = _pages(layout, path[pos], "device")
         if have != VALID:
-            return f"lookup: node {ids[pos]}: match_prefix hands out its device pages, which hold no valid KV ({have})"
-    if (*device, *found.host) != tuple(range(len(path))):
+            return f"lookup: node {ids[pos]}: match_prefix hands out its device pages, which hold no valid KV ({kind(have)})"
+    for pos in found.host:
+        if 0 <= pos < len(path) and not _local(layout, path[pos]):
+            have = kind(_pages(layout, path[pos], "host"))
+            state = layout.state(path[pos], "host")
+            return f"lookup: node {ids[pos]}: match_prefix reports it as a host hit, but it holds no valid KV on the host or the device (host {state}, {have})"
+    local = _local_prefix(layout, path)
+    if (*device, *found.host) != tuple(range(local)):
         on, hit = _named(ids, device), _named(ids, found.host)
-        return f"lookup: node {ids[-1]}: match_prefix reports nodes {on} on the device and {hit} as a host hit, not the path {list(ids)}"
+        return f"lookup: node {ids[-1]}: match_prefix reports nodes {on} on the device and {hit} as a host hit, not the path {list(ids[:local])}"
     return None
 
 
@@ -104,5 +119,22 @@ def _named(ids: Sequence[int], positions: Sequence[int]) -> list[int]:
     return [ids[p] if 0 <= p < len(ids) else p for p in positions]
 
 
-def _readable(layout: Layout, entry: NodeEntry) -> bool:
-    return layout.memory.claims("device", layout.state(entry, "device")) == VALID
+def _readable(layout: Layout, entry: NodeEntry, tier: str) -> bool:
+    return layout.memory.claims(tier, layout.state(entry, tier)) == VALID
+
+
+def _pages(layout: Layout, entry: NodeEntry, tier: str) -> str:
+    return str(layout.pages(entry)[layout.memory.tiers.index(tier)])
+
+
+def _local_prefix(layout: Layout, path: Sequence[NodeEntry]) -> int:
+    """Return how many nodes from the root hold valid KV on the device or the host, by their pages."""
+    k = 0
+    while k < len(path) and _local(layout, path[k]):
+        k += 1
+    return k
+
+
+def _local(layout: Layout, entry: NodeEntry) -> bool:
+    """Whether a node's pages hold valid KV on the host or the device (its own ghost account)."""
+    return any(_pages(layout, entry, t) == VALID for t in LOCAL)

@@ -20,14 +20,14 @@ policy, how it acknowledges a copy) is :class:`Choices`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import cast
 
 from fsm_cache.errors import SpecError
-from fsm_cache.modelcheck.copies import Fields, Memory
+from fsm_cache.modelcheck.copies import EFFECTS, Copy, Fields, Memory
 from fsm_cache.modelcheck.holders import Hold, Holders
-from fsm_cache.policy import PolicyNode, WritePolicy, wants_backup
+from fsm_cache.policy import PolicyNode, WritePolicy, parent_allows_backup, wants_backup
 from fsm_cache.residency import DeviceState, HostState
 from fsm_cache.spec.machine import System
 
@@ -46,6 +46,8 @@ class Layout:
         counters: Counter names, in order.
         holders: The holder kinds, and the events that acquire and give back each.
         memory: The ghost memory of a node: tiers, copies and their acknowledgements.
+        copy_holds: The holder kinds that are copies in flight (``load``, ``store``), each
+            with its copy: the acquiring event starts it.
     """
 
     system: System
@@ -53,13 +55,18 @@ class Layout:
     counters: tuple[str, ...]
     holders: Holders
     memory: Memory
+    copy_holds: Mapping[Hold, Copy]
+    _steps: dict[tuple[object, ...], Fields] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def of(cls, system: System) -> Layout:
         """Return the layout of ``system``'s node entries."""
         regions = tuple(r for r, _ in system.regions)
         counters = tuple(c for c, _ in system.counters)
-        return cls(system, regions, counters, Holders.of(system), Memory.of(system))
+        holders, memory = Holders.of(system), Memory.of(system)
+        return cls(system, regions, counters, holders, memory, _copy_holds(system, holders, memory))
 
     def state(self, entry: NodeEntry, region: str) -> str:
         """Return the state of ``region`` in a node entry."""
@@ -97,6 +104,25 @@ class Layout:
         counters = tuple(v for _, v in self.system.counters)
         return self.entry(parent, *states, *counters, *(0 for _ in self.holders.kinds))
 
+    def born(self, parent: int, birth: str) -> NodeEntry:
+        """Return a new node under ``parent`` born as the spec's ``birth`` says, with initial counters.
+
+        Its memory is what its states claim: a node born ``discovered`` has
+        valid pages in the store and none of its own.
+
+        Raises:
+            KeyError: The spec declares no such birth.
+        """
+        born = self.system.born(birth)
+        states = tuple(born[r] for r in self.regions)
+        counters = tuple(v for _, v in self.system.counters)
+        return self.entry(parent, *states, *counters, *(0 for _ in self.holders.kinds))
+
+    @property
+    def births(self) -> tuple[str, ...]:
+        """The names of the spec's births besides every region's initial state."""
+        return tuple(b.name for b in self.system.births)
+
     def entry(self, parent: int, *fields: int | str) -> NodeEntry:
         """Return the entry of a node with ``fields`` (states, counters, holds) and the memory they claim.
 
@@ -110,8 +136,12 @@ class Layout:
         """Return ``entry`` (already in its new states) with its memory moved by ``event``'s ``effects``."""
         if not self.memory.tiers:
             return entry
-        states = {r: self.state(entry, r) for r in self.regions}
-        memory = self.memory.step(self.pages(entry), event, effects, states)
+        states = entry[1 : 1 + len(self.regions)]
+        key = (self.pages(entry), event, tuple(effects), states)
+        memory = self._steps.get(key)
+        if memory is None:
+            named = dict(zip(self.regions, (str(s) for s in states), strict=True))
+            memory = self._steps[key] = self.memory.step(key[0], event, effects, named)
         return (*entry[: self.mbase], *memory)
 
     def owed(self, entry: NodeEntry) -> list[tuple[str, Hold]]:
@@ -187,11 +217,32 @@ class Layout:
         return any(int(v) > b for v, b in zip(values, bounds, strict=True))
 
 
+def _copy_holds(system: System, holders: Holders, memory: Memory) -> dict[Hold, Copy]:
+    """Return the holder kinds whose acquiring event starts a copy, with the copy it starts."""
+    if not memory.tiers:
+        return {}
+    out: dict[Hold, Copy] = {}
+    for event, keys in holders.acquires.items():
+        starts = {
+            effect.starts
+            for _, machine in system.regions
+            for t in machine.transitions
+            if t.event == event and (effect := EFFECTS.get(t.effect or "")) and effect.starts
+        }
+        if len(starts) == 1:
+            copy = starts.pop()
+            out.update(dict.fromkeys(keys, copy))
+    return out
+
+
 Wants = Callable[[WritePolicy, PolicyNode, int], bool]
 """A policy's decision to start a backup, as :func:`fsm_cache.policy.wants_backup`."""
 
 BACKUP = "write"
 """The event a write policy decides on: the cache fires it when the policy wants a backup."""
+
+PREFETCH = "fetch"
+"""The event that fills a host copy from storage: under a write policy, only where a backup could start."""
 
 
 @dataclass(frozen=True)
@@ -223,18 +274,27 @@ class Choices:
       (``transfers.on_split``), and the policy starts a child's backup only
       under a backed parent, so a chain of nodes being written is one copy.
       Its acknowledgement is fired at the chain's lowest node and applied to
-      the chain up to its top.
+      the chain up to its top;
+    * a fetch from storage lands its pages in order, so its success
+      (``fetch_done``) is fired likewise at the lowest node of a chain being
+      fetched and applied up to its top, and its failures node by node;
+    * a fetch from storage (:data:`PREFETCH`) fills a host copy as a backup
+      does, so it starts only under a parent the policy would back a node up
+      under (:func:`fsm_cache.policy.parent_allows_backup`: under
+      write-through, a parent with a valid host copy, or the root), as
+      HiCache's prefetch anchors only there.
 
     Attributes:
         policy: The write policy, or None.
-        copying: The host state of a backup in flight (where ``write`` leads).
-        acks: The events acknowledging a backup (transitions leaving ``copying``;
-            a pin taken while it is copied stays in it).
+        joined: The events acknowledging a copy as one, each with the host state
+            of that copy in flight (``write_done``, ``write_failed``: ``writing``,
+            where ``write`` leads; ``fetch_done``: ``fetching``, where ``fetch``
+            leads, since pages land in order: a fetch fails node by node, deepest
+            first). A pin taken while a copy is in flight stays in that state.
     """
 
     policy: WritePolicy | None = None
-    copying: str = ""
-    acks: frozenset[str] = frozenset()
+    joined: Mapping[str, str] = field(default_factory=dict)
     wants: Wants = wants_backup
 
     @classmethod
@@ -253,29 +313,36 @@ class Choices:
             name = layout.system.name
             raise SpecError([f"{name}: the {policy.value} policy needs host and device regions"])
         host = layout.system.machines["host"].transitions
-        copying = next(t.dest for t in host if t.event == BACKUP)
-        acks = frozenset(
-            t.event
-            for t in host
-            if copying in t.sources and t.dest != copying and t.event != BACKUP
-        )
-        return cls(policy, copying, acks, wants)
+        joined: dict[str, str] = {}
+        for start, landed_only in ((BACKUP, False), (PREFETCH, True)):
+            copying = next((t.dest for t in host if t.event == start), None)
+            for t in host:
+                if copying not in t.sources or t.dest == copying or t.event == start:
+                    continue
+                if not (landed_only and layout.memory.failure(t.event)):
+                    joined[t.event] = str(copying)
+        return cls(policy, joined, wants)
 
     def fires(self, layout: Layout, event: str, node: NodeEntry, parent: NodeEntry | None) -> bool:
         """Whether the cache fires ``event`` at ``node`` under ``parent`` (None: the root)."""
-        if self.policy is None or event != BACKUP:
+        if self.policy is None or event not in (BACKUP, PREFETCH):
             return True
         # Above a modelled parent is the root or another node; the policy asks only which.
         up = ROOT if parent is None else PolicyView(*_residency(layout, parent), 0, ROOT)
-        return self.wants(self.policy, PolicyView(*_residency(layout, node), 1, up), 1)
+        view = PolicyView(*_residency(layout, node), 1, up)
+        if event == PREFETCH:
+            return parent_allows_backup(self.policy, view)
+        return self.wants(self.policy, view, 1)
 
     def waits(self, event: str, children: list[str]) -> bool:
         """Whether ``event`` waits for a child's: the node shares its copy with a child (host states)."""
-        return event in self.acks and self.copying in children
+        copying = self.joined.get(event)
+        return copying is not None and copying in children
 
     def joins(self, layout: Layout, event: str, ancestor: NodeEntry) -> bool:
         """Whether ``event``, acknowledging the copy of a child, applies to ``ancestor`` too."""
-        return event in self.acks and layout.state(ancestor, "host") == self.copying
+        copying = self.joined.get(event)
+        return copying is not None and layout.state(ancestor, "host") == copying
 
 
 def _residency(layout: Layout, entry: NodeEntry) -> tuple[HostState, DeviceState]:

@@ -30,7 +30,8 @@ from fsm_cache.modelcheck.state import (
 
 
 TraceStep = tuple[Any, ...]
-"""``("event", node, name)``, ``("insert", parent)``, ``("split", node)`` or ``("start", shape)``."""
+"""``("event", node, name)``, ``("insert", parent)``, ``("born", parent, birth)``,
+``("split", node)`` or ``("start", shape)``."""
 
 
 class Replay:
@@ -39,7 +40,7 @@ class Replay:
     Args:
         layout: The node layout of the spec.
         bounds: Counter ceilings in counter order (an event past one is not fired).
-        ops: The module providing ``insert``, ``split`` and ``prune``.
+        ops: The module providing ``insert``, ``born``, ``split`` and ``prune``.
         choices: What the cache chooses among the steps the spec allows.
         symmetry: Whether the explorer numbered the steps of a trace in
             canonical order (:func:`~fsm_cache.modelcheck.state.canonical`) or,
@@ -74,6 +75,8 @@ class Replay:
             return None
         if step[0] == "insert":
             return self.ops.insert(self.layout, nodes, int(step[1]), slot)  # type: ignore[no-any-return]
+        if step[0] == "born":
+            return self.ops.born(self.layout, nodes, int(step[1]), slot, str(step[2]))  # type: ignore[no-any-return]
         return self.ops.split(self.layout, nodes, int(step[1]), slot)  # type: ignore[no-any-return]
 
     def event(self, nodes: Nodes, index: int, event: str) -> Nodes | None:
@@ -210,7 +213,8 @@ def label(nodes: Nodes, step: TraceStep) -> str:
     if step[0] == "split":
         return f"split node {step[1]}: prefix node {slot}"
     where = "the root" if int(step[1]) < 0 else f"node {step[1]}"
-    return f"insert node {slot} under {where}"
+    born = f", born {step[2]}" if step[0] == "born" else ""
+    return f"insert node {slot} under {where}{born}"
 
 
 def _at(nodes: Nodes | list[NodeEntry | None], index: int) -> NodeEntry:

@@ -1,9 +1,10 @@
 """Tree operations of the radix cache, as the model checker applies them.
 
 Spec events change one node (and its ancestors when they propagate); these
-change the tree: :func:`insert` adds a new leaf, :func:`split` cuts a node
-into a prefix and a suffix, :func:`prune` deletes nodes that hold their data
-nowhere. Each returns the new model state, or None when the operation does
+change the tree: :func:`insert` adds a new leaf, :func:`born` a leaf born as
+one of the spec's births (a node found in storage), :func:`split` cuts a
+node into a prefix and a suffix, :func:`prune` deletes nodes that hold their
+data nowhere. Each returns the new model state, or None when the operation does
 not apply. A control module in ``specs/bugs_detected`` may replace any of
 them with a broken variant to show the checker catches it.
 """
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 from typing import cast
 
+from fsm_cache.modelcheck.copies import FREE, REMOTE
 from fsm_cache.modelcheck.forest import Forest, Trees
 from fsm_cache.modelcheck.holders import Hold
 from fsm_cache.modelcheck.state import Layout, NodeEntry, Nodes, children
-from fsm_cache.residency import HOST_HELD, DeviceState, HostState, split_prefix
+from fsm_cache.residency import DeviceState, HostState, split_prefix
 
 
 def insert(layout: Layout, nodes: Nodes, parent: int, slot: int) -> Nodes | None:
@@ -30,6 +32,19 @@ def insert(layout: Layout, nodes: Nodes, parent: int, slot: int) -> Nodes | None
     if entry is not None and layout.has("device") and layout.state(entry, "device") != "resident":
         return None
     return _put(nodes, slot, layout.fresh(parent))
+
+
+def born(layout: Layout, nodes: Nodes, parent: int, slot: int, birth: str) -> Nodes | None:
+    """Add a leaf in ``slot`` under ``parent`` (``-1``: the root), born as the spec's ``birth``.
+
+    A key query finds pages of a prefix in the store past what the cache
+    holds, under any node (the last one matched, locally or in the store),
+    and the cache hangs a node for them there: born ``discovered``, with no
+    device or host copy.
+    """
+    if nodes[slot] is not None or (parent >= 0 and nodes[parent] is None):
+        return None
+    return _put(nodes, slot, layout.born(parent, birth))
 
 
 def split(layout: Layout, nodes: Nodes, index: int, slot: int) -> Nodes | None:
@@ -65,10 +80,12 @@ def prefix_fields(layout: Layout, entry: NodeEntry) -> NodeEntry:
     fields = entry[1 : layout.base]
     if not layout.residency:
         return fields
+    storage = (layout.state(entry, "storage"),) if layout.has("storage") else ()
     host, device, pins, locks = split_prefix(
         cast("HostState", layout.state(entry, "host")),
         cast("DeviceState", layout.state(entry, "device")),
         layout.counter(entry, "locks"),
+        *storage,
     )
     given = {"host": host, "device": device, "pins": pins, "locks": locks}
     names = (*layout.regions, *layout.counters)
@@ -102,36 +119,75 @@ def _holds_prefix(layout: Layout, key: Hold) -> bool:
 
 
 def dataless(layout: Layout, entry: NodeEntry) -> bool:
-    """Whether a node holds its data nowhere (device absent and no valid host copy).
+    """Whether a node holds its data nowhere: no tier's state claims pages, none are held.
 
-    A node whose ghost memory still holds pages, or a copy in flight, is
-    kept: deleting it would hide a leak, or a copy into a deleted node, that
-    the invariants then report (:func:`~fsm_cache.modelcheck.invariants.memory_claims`).
+    A node whose only copy is in storage (``stored``, ``reading``) holds its
+    data there. A node whose ghost memory still holds pages, or a copy in
+    flight, is kept: deleting it would hide a leak, or a copy into a deleted
+    node, that the invariants then report
+    (:func:`~fsm_cache.modelcheck.invariants.memory_claims`).
     """
-    if not (layout.has("device") and layout.has("host")):
+    memory = layout.memory
+    if not memory.tiers:
         return False
-    return (
-        layout.state(entry, "device") == "absent"
-        and layout.state(entry, "host") not in HOST_HELD
-        and not layout.memory.holds(layout.pages(entry))
-    )
+    return all(
+        memory.claims(t, layout.state(entry, t)) == FREE for t in memory.tiers
+    ) and not memory.holds(layout.pages(entry))
+
+
+def forgettable(layout: Layout, entry: NodeEntry) -> bool:
+    """Whether the cache may drop a node's record: it holds nothing of its own, no copy in flight.
+
+    Its pages, if any, are the store's (``stored``): the store keeps them,
+    and a key query finds them again. Below a node whose data is gone, such
+    nodes are unreachable (their keys chain through it), and are dropped
+    with it.
+    """
+    memory = layout.memory
+    return not any(
+        memory.claims(t, layout.state(entry, t)) != FREE and t not in REMOTE for t in memory.tiers
+    ) and not memory.local(layout.pages(entry))
 
 
 def prune(layout: Layout, nodes: Nodes) -> Nodes:
-    """Delete every dataless leaf, as the cache does when a node's last copy goes."""
+    """Delete every node that holds its data nowhere, with the store-only nodes below it.
+
+    A dataless leaf goes, as the cache deletes a node when its last copy
+    goes; so does a dataless node all of whose descendants hold nothing but
+    pages in the store (:func:`forgettable`: the store dropped a prefix and
+    kept the rest, which no key chain reaches now). A dataless node above a
+    node that holds a copy of its own stays, and invariant 2 reports it.
+    """
     out = nodes
     while True:
         gone = next(
             (
                 i
                 for i, entry in enumerate(out)
-                if entry is not None and dataless(layout, entry) and not children(out, i)
+                if entry is not None
+                and dataless(layout, entry)
+                and all(forgettable(layout, _at(out, d)) for d in descendants(out, i))
             ),
             None,
         )
         if gone is None:
             return out
-        out = _put(out, gone, None)
+        for d in (gone, *descendants(out, gone)):
+            out = _put(out, d, None)
+
+
+def descendants(nodes: Nodes, index: int) -> list[int]:
+    """Return the slots below ``index``, nearest first."""
+    out = children(nodes, index)
+    for i in out:
+        out += [c for c in children(nodes, i) if c not in out]
+    return out
+
+
+def _at(nodes: Nodes, index: int) -> NodeEntry:
+    entry = nodes[index]
+    assert entry is not None
+    return entry
 
 
 def _put(nodes: Nodes, index: int, entry: NodeEntry | None) -> Nodes:
@@ -141,15 +197,24 @@ def _put(nodes: Nodes, index: int, entry: NodeEntry | None) -> Nodes:
 def prune_forest(
     layout: Layout, trees: Trees, forest: Forest, memo: dict[int, int | None]
 ) -> Forest:
-    """:func:`prune` on a canonical state: drop every subtree whose nodes all hold no data."""
+    """:func:`prune` on a canonical state: drop every dataless subtree root with nothing of its own below."""
 
     def sub(sid: int) -> int | None:
         if sid in memo:
             return memo[sid]
-        kids = [k for k in (sub(c) for c in trees.kids[sid]) if k is not None]
         lid = trees.local[sid]
-        gone = not kids and dataless(layout, (0, *trees.locals[lid]))
-        memo[sid] = None if gone else trees.sid(lid, trees.order(kids), trees.slot[sid])
+        if dataless(layout, (0, *trees.locals[lid])) and all(
+            _forgettable(c) for c in trees.kids[sid]
+        ):
+            memo[sid] = None
+            return None
+        kids = [k for k in (sub(c) for c in trees.kids[sid]) if k is not None]
+        memo[sid] = trees.sid(lid, trees.order(kids), trees.slot[sid])
         return memo[sid]
+
+    def _forgettable(sid: int) -> bool:
+        return forgettable(layout, (0, *trees.locals[trees.local[sid]])) and all(
+            _forgettable(c) for c in trees.kids[sid]
+        )
 
     return trees.order([k for k in (sub(s) for s in forest) if k is not None])
