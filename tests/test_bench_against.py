@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fsm_cache.bench.against import AgainstBench
+from fsm_cache.bench.against import AgainstBench, cached_tokens
+from fsm_cache.bench.cache import serve_trace, trace, trace_config
+from fsm_cache.cache.hicache import HiCache
 
 
 def figures(write_through: float) -> dict[str, float]:
@@ -25,3 +27,25 @@ def test_the_report_gives_each_ratio_the_write_through_cost_and_the_targets() ->
     assert text[6] == (
         "targets: held >= 1.8x met, writes >= 1.3x met, write-through >= 0.9x NOT met"
     )
+
+
+def test_cached_tokens_counts_shared_prefixes_once() -> None:
+    assert cached_tokens([[1, 2, 3], [1, 2, 4], [1, 2], [5]]) == 5  # 1, 12, 123, 124, 5
+    assert cached_tokens([[7, 8], [7, 8]]) == 2
+    assert cached_tokens([]) == 0
+
+
+def test_the_eviction_trace_evicts() -> None:
+    keys = trace(200)
+    pool = cached_tokens(keys) // 4
+    cache = HiCache(trace_config(pool, 0, 1))
+    evicted = []
+    evict = cache.evict
+
+    def counting(tokens: int) -> int:
+        evicted.append(evict(tokens))
+        return evicted[-1]
+
+    cache.evict = counting  # type: ignore[assignment,method-assign]
+    serve_trace(cache, keys, None)
+    assert sum(evicted) >= pool  # at least a pool's worth went, as the trace's name says
