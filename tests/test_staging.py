@@ -211,6 +211,30 @@ def test_a_single_chunk_runs_on_the_direction_stream_alone() -> None:
     assert torch.equal(raw(eng.host, [5, 9]), raw(eng.device, [1, 2]))
 
 
+def test_on_streams_a_batch_is_sorted_by_host_page_so_runs_coalesce(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    staged: list[int] = []
+    take = staging.Mover._buffer  # noqa: SLF001 (spied on, to see whether anything is staged)
+
+    def spy(mover: staging.Mover, direction: Direction, slot: int, pages: int) -> torch.Tensor:
+        staged.append(pages)
+        return take(mover, direction, slot, pages)
+
+    monkeypatch.setattr(staging.Mover, "_buffer", spy)
+    eng = engine(FakeStreams(seed=2, max_polls=1), pages=16)
+    want = raw(eng.device, [7, 2, 9, 4])
+    eng.start_write([7, 2], [12, 13])
+    eng.start_write([9, 4], [10, 11])  # together with the first: host pages 10..13, one run
+    assert all(c.ok for c in eng.drain())
+    assert torch.equal(raw(eng.host, [12, 13, 10, 11]), want)
+    assert staged == []  # gathered straight into the one run: nothing went through staging
+    eng.start_write([1, 3], [5, 0])  # two runs, even sorted: staged
+    assert all(c.ok for c in eng.drain())
+    assert staged == [2]
+    assert torch.equal(raw(eng.host, [5, 0]), raw(eng.device, [1, 3]))
+
+
 def test_staging_buffers_are_kept_and_reused(monkeypatch: pytest.MonkeyPatch) -> None:
     eng = engine(pages=32, chunk=4)
     used: set[tuple[int, int]] = set()

@@ -8,7 +8,8 @@ whatever the KV dtype.
 
 * **device to host**: the device pages are gathered (``index_select``) into a
   staging buffer in page-first order, then copied to the host pages, one
-  ``copy_`` per run of consecutive host pages.
+  ``copy_`` per run of consecutive host pages (the batch is first sorted by
+  host page, so the runs of all its tickets coalesce).
 * **host to device**: the host pages are copied into a staging buffer, one
   ``copy_`` per run, then scattered (``index_copy_``) into the device pages.
 
@@ -195,6 +196,8 @@ class Mover:
         n, step = len(src), self._chunk
         if n == 0:
             return
+        if self._api is not None:  # streams: one transfer per run of host pages, so make few
+            src, dst = _in_host_order(direction, src, dst)
         last = self.streams.get(direction)
         if n <= step:  # one chunk: both stages on the direction's stream, one after the other
             one, two = self._stages(direction, src, dst, 0)
@@ -300,6 +303,22 @@ class Mover:
                 _gather(host, page_index(src, where), buffer)
 
         return load, lambda: _scatter(dev, page_index(dst, where), buffer)
+
+
+def _in_host_order(
+    direction: Direction, src: Sequence[int], dst: Sequence[int]
+) -> tuple[Sequence[int], Sequence[int]]:
+    """The pairs ``src[i] -> dst[i]`` sorted by host page, so runs of host pages coalesce.
+
+    Tickets of one batch often hold consecutive host pages in another order;
+    sorted, they become one run, and one transfer. Pairs already in one run
+    are returned as they are.
+    """
+    host = dst if direction is Direction.D2H else src
+    if run_start(host) is not None:
+        return src, dst
+    order = sorted(range(len(host)), key=host.__getitem__)
+    return [src[i] for i in order], [dst[i] for i in order]
 
 
 def _gather(source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
