@@ -929,7 +929,7 @@ def test_a_step_does_not_wait_for_the_compute_stream(tmp_path: Path) -> None:
         "nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
     )
     try:
-        cache = HiCache(bench_config(device="cuda", debug=True))
+        cache = HiCache(bench_config(device="cuda"))
         shared = DistributedCache(cache, timeout=TIMEOUT)
         serve_chat_trace(cache, chat_trace(8), every(4, shared.step))
         shared.drain()
