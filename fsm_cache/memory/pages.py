@@ -134,8 +134,7 @@ class PageAllocator:
             return []
         pages = self._free[-n:][::-1]
         del self._free[-n:]
-        for p in pages:
-            self._owner[p] = owner
+        _set_owner(self._owner, pages, owner)
         return pages
 
     def free(self, pages: Sequence[int], owner: int = REQUEST) -> None:
@@ -149,8 +148,7 @@ class PageAllocator:
             DoubleFree: a page is already free or listed twice.
         """
         self._check_owned(pages, owner)
-        for p in pages:
-            self._owner[p] = FREE
+        _set_owner(self._owner, pages, FREE)
         self._free.extend(reversed(pages))
 
     def reassign(self, pages: Sequence[int], owner: int, new_owner: int) -> None:
@@ -164,8 +162,7 @@ class PageAllocator:
         if new_owner < 0:
             raise PoolError(f"{self.name} pool: owner must be >= 0, got {new_owner}")
         self._check_owned(pages, owner)
-        for p in pages:
-            self._owner[p] = new_owner
+        _set_owner(self._owner, pages, new_owner)
 
     def owner_of(self, page: int) -> int:
         """Return the owner of ``page``, or ``FREE``.
@@ -213,6 +210,22 @@ class PageAllocator:
             InvariantViolation: naming the first broken invariant.
         """
         check_pages(self.name, self.num_pages, self._free, self._owner)
+
+
+def _set_owner(owners: list[int], pages: Sequence[int], owner: int) -> None:
+    """Record ``owner`` for each of ``pages``, which are distinct (every caller checked that).
+
+    Distinct pages spanning exactly ``len(pages)`` numbers are a whole range,
+    in some order: one slice assignment, in C, instead of a loop.
+    """
+    if not pages:
+        return
+    low, high = min(pages), max(pages)
+    if high - low == len(pages) - 1:
+        owners[low : high + 1] = [owner] * len(pages)
+    else:
+        for p in pages:
+            owners[p] = owner
 
 
 def check_pages(name: str, num_pages: int, free: Sequence[int], owners: Sequence[int]) -> None:
