@@ -55,6 +55,7 @@ from fsm_cache.memory.tickets import Completion
 from fsm_cache.memory.tiers import CacheConfig, Tiers
 from fsm_cache.policy import WritePolicy, worth_loading
 from fsm_cache.residency import DEVICE_READABLE, HOST_VALID, AnyEvent, Residency
+from fsm_cache.spec.shipped import load_shipped
 
 
 trail.internal(__file__)
@@ -479,7 +480,10 @@ class HiCache:
                 read holds for ``evict_storage``); nothing changed.
         """
         if event not in self._events:
-            where = "" if self._storage is not None else " (this cache has no storage tier)"
+            storage = (
+                self._storage is None and event in load_shipped("residency_storage").event_names
+            )
+            where = " (this cache has no storage tier)" if storage else ""
             raise BadArgument(f"fire: {event!r} is not a residency event{where}")
         node = arguments.node(self._core.tree, node, event)
         with self._operation(event, node.id):
