@@ -53,7 +53,7 @@ with warnings.catch_warnings():
     from fsm_cache.cache.eventlog import EventLog
     from fsm_cache.cache.hicache import HiCache
     from fsm_cache.cli import bench
-    from fsm_cache.distributed.agreement import DistributedCache
+    from fsm_cache.distributed.agreement import STORAGE_SLOTS, DistributedCache
     from fsm_cache.distributed.collectives import CPU, Collectives, cpu_group
     from fsm_cache.distributed.digest import (
         TransitionDigest,
@@ -872,7 +872,7 @@ def test_a_step_serves_its_requests_without_a_collective(monkeypatch: pytest.Mon
     """The wait of an allocation under memory pressure, too, needs no collective."""
     reduces: list[int] = []
 
-    def agree_alone(self: Collectives, values: list[int]) -> list[int]:
+    def agree_alone(self: Collectives, values: list[int], what: str = "") -> list[int]:
         reduces.append(len(values))
         return values  # the minimum over a world of one
 
@@ -885,7 +885,9 @@ def test_a_step_serves_its_requests_without_a_collective(monkeypatch: pytest.Mon
         shared.step()
     waits = [a for o, a in shared.cache.log.acknowledgements() if o == "wait" and a]
     assert waits
-    assert reduces == [16, 16, 16]  # ready, its negation, two flags, six shared values and theirs
+    # the kind and its negation, ready and its negation, two flags, eight shared values and
+    # theirs, one slot per storage copy considered (none here: every slot says -1)
+    assert reduces == [2 + 4 + 2 * 8 + STORAGE_SLOTS] * 3
 
 
 @pytest.mark.gpu

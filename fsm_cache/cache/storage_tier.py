@@ -33,6 +33,12 @@ machine:
   under a rate limit, the stored pages after the locally cached prefix become
   a ``discovered`` node that is fetched, and the termination policy decides
   whether the lookup waits for it.
+* **Tensor-parallel agreement** (:meth:`StorageTier.agree_by`): under a
+  :class:`~fsm_cache.distributed.agreement.DistributedCache` each rank's store
+  holds its own shard, so the ranks' stores may answer differently; the hit
+  count of a query is the MIN over the ranks before any rank fetches, and a
+  copy is applied only as every rank finished it (:meth:`StorageTier.report`,
+  :meth:`StorageTier.accept`), so every rank fires the same storage events.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from fsm_cache.errors import (
     CorruptPage,
     EffectFailed,
     IllegalTransition,
+    InvariantViolation,
     PoolExhausted,
     StorageError,
     StoreFailed,
@@ -77,6 +84,22 @@ STORAGE_POLICIES = ("write_through", "off")
 PREFETCH_POLICIES = ("best_effort", "wait", "timeout")
 """When a lookup that started a prefetch returns: at once, once it is read, or by a deadline."""
 _STORE_METHODS = ("exists_prefix", "get", "put", "drop", "capacity", "close")
+_GONE = frozenset({"missing", "corrupt", "peer_missing"})
+"""Outcomes of a read whose first failed page the store no longer holds: the rest vanish."""
+
+HitAgreement = Callable[[Sequence[int], Sequence[int]], list[int]]
+"""Agrees on a prefetch query's hit counts: ``(found, asked)`` -> the agreed ``found``.
+
+``found`` are the stored pages this rank's store reported (of the cached run
+being discovered, then of the tail); ``asked`` how many pages were asked about,
+which every rank must share. A tensor-parallel group returns the MIN over its
+ranks (:class:`~fsm_cache.distributed.agreement.DistributedCache`); a cache on
+its own keeps what its store said."""
+
+
+def _alone(found: Sequence[int], asked: Sequence[int]) -> list[int]:  # noqa: ARG001
+    """A cache on its own: its store's answer is the answer (nothing to share)."""
+    return list(found)
 
 
 @dataclass(frozen=True)
@@ -182,7 +205,10 @@ class StoreResult:
         outcome: ``ok``, ``full`` (the store had no room), ``missing`` (the store
             no longer held a page), ``corrupt`` (a page read back torn or
             foreign; the worker dropped it), ``failed`` (the store raised) or
-            ``timeout`` (no answer within ``io_timeout``).
+            ``timeout`` (no answer within ``io_timeout``); under tensor-parallel
+            agreement also ``peer_failed`` or ``peer_missing``: this rank
+            landed more pages, another rank's copy stopped first (``missing``:
+            its store no longer held the page).
         error: What the store raised, if it did.
     """
 
@@ -330,6 +356,10 @@ class StorageTier:
         self._copies: dict[int, StorageCopy] = {}  # queued or started, not applied, by number
         self._queued: list[StorageCopy] = []
         self._numbers = 0
+        self._agree_hits: HitAgreement = _alone
+        self._agreed_only = False  # a group agrees on what collect() returns
+        self._reported: dict[int, StoreResult | None] = {}  # the window of the last report
+        self._agreed: dict[int, StoreResult] = {}  # accepted, not yet applied, by number
         self._workers = _Workers(config.threads)
         transfers.on_ack(self._host_acknowledged)
         core.on_split(self._rehome)
@@ -463,10 +493,18 @@ class StorageTier:
     def collect(self, wait_until: float | None = None) -> list[StorageCopy]:
         """Return the started copies that finished or timed out, in number order.
 
+        Under tensor-parallel agreement (:meth:`agree_by`), only the copies the
+        group accepted (:meth:`accept`) and not yet applied, whatever finished
+        here: a copy that finished on this rank alone must wait for the others.
+
         Args:
             wait_until: Wait for every started copy until this ``time.monotonic``
                 instant (each at most until its own timeout); None waits for none.
+                Given, it returns what finished here even under agreement
+                (:meth:`settle`, when the cache closes).
         """
+        if self._agreed_only and wait_until is None:
+            return [self._copies[number] for number in self._agreed]
         timeout = self.config.io_timeout
         out = []
         for copy in list(self._copies.values()):
@@ -487,7 +525,7 @@ class StorageTier:
         """
         if not copies:
             return 0
-        outcomes = [(copy, self._outcome(copy)) for copy in copies]
+        outcomes = [(copy, self._result(copy)) for copy in copies]
         self._core.log.storage(origin, [(c.number, c.kind, r.held, r.outcome) for c, r in outcomes])
         for copy, result in outcomes:
             del self._copies[copy.number]
@@ -501,6 +539,11 @@ class StorageTier:
             else:
                 self._apply_fetch(copy, result)
         return len(outcomes)
+
+    def _result(self, copy: StorageCopy) -> StoreResult:
+        """The result to apply: the group's, when it accepted the copy; else this rank's."""
+        agreed = self._agreed.pop(copy.number, None)
+        return self._outcome(copy) if agreed is None else agreed
 
     def _outcome(self, copy: StorageCopy) -> StoreResult:
         result = copy.result if copy.done.is_set() else None
@@ -551,7 +594,7 @@ class StorageTier:
             self._core.fire(node, "fetch_done")
             for child in list(node.children.values()):  # recomputed under it meanwhile
                 self._transfers.maybe_backup(child)
-        gone = result.outcome in ("missing", "corrupt")
+        gone = result.outcome in _GONE
         for node in reversed(failed):  # deepest first, so each is a leaf when it is removed
             self._core.fire(node, "fetch_failed")
             if gone:
@@ -585,10 +628,101 @@ class StorageTier:
         self._copies = {}
         self._queued = []
         self._numbers = 0
+        self._reported = {}
+        self._agreed = {}
 
     def close(self) -> None:
         """Let the worker threads end; the store stays open (it is the caller's)."""
         self._workers.close()
+
+    # -- tensor-parallel agreement ---------------------------------------------
+
+    def agree_by(self, hits: HitAgreement) -> None:
+        """Let a tensor-parallel group decide what this tier applies, from now on.
+
+        Each rank's store holds its own shard (the key namespace names the
+        rank), so the ranks' stores can answer differently: a page one rank's
+        store lost, a put that failed on one rank only. Two things are agreed
+        so that every rank fires the same storage events (SGLang reduces both
+        with MIN over its ranks):
+
+        * the hit counts of a prefetch query are what ``hits`` returns, before
+          any rank discovers a node or creates and fetches one;
+        * a copy is applied only once the group accepted it (:meth:`report`
+          on every rank, a MIN over the ranks, :meth:`accept`), with the
+          fewest pages any rank landed; :meth:`collect` returns nothing else,
+          so :meth:`~fsm_cache.cache.hicache.HiCache.poll` applies only that.
+
+        Args:
+            hits: Returns the agreed hit counts (see :data:`HitAgreement`); it
+                runs inside the lookup, so it is a collective every rank
+                reaches at the same query.
+        """
+        self._agree_hits = hits
+        self._agreed_only = True
+
+    def report(self, slots: int, *, wait: bool = False) -> list[int]:
+        """Say how each of the first ``slots`` copies in flight ended here, for a MIN over ranks.
+
+        Slot ``i`` is the ``i``-th copy in flight in number order (the same copy
+        on every rank in step): -1 while it runs here (or is not there), else
+        ``2 * pages + flag``, with ``pages`` the leading pages that landed
+        (0 for a copy past ``io_timeout``) and ``flag`` 0 when the store no
+        longer held the first page that did not (``missing``, ``corrupt``),
+        else 1. The MIN over the ranks is then -1 if any rank still runs the
+        copy, else the fewest pages any rank landed and, where a rank that
+        landed that few found the page gone, 0. Pass the MIN to :meth:`accept`.
+
+        Args:
+            slots: How many copies the group considers at once (the same on every rank).
+            wait: First wait for each started copy of those until its timeout
+                (the group drains).
+        """
+        window = list(self._copies.values())[:slots]
+        self._reported = {}
+        out = []
+        for copy in window:
+            if wait and copy.started is not None:
+                deadline = copy.started + self.config.io_timeout
+                copy.done.wait(max(0.0, deadline - time.monotonic()))
+            result = None if copy.started is None else self._ended(copy)
+            self._reported[copy.number] = result
+            flag = result is not None and result.outcome not in _GONE
+            out.append(-1 if result is None else 2 * result.held + flag)
+        return out + [-1] * (slots - len(window))
+
+    def _ended(self, copy: StorageCopy) -> StoreResult | None:
+        """Return how a started copy ended here (a timeout too), or None while it runs."""
+        if copy.done.is_set() or time.monotonic() >= (copy.started or 0) + self.config.io_timeout:
+            return self._outcome(copy)
+        return None
+
+    def accept(self, agreed: Sequence[int]) -> int:
+        """Take the group's MIN of :meth:`report`; :meth:`collect` returns those copies.
+
+        Each copy every rank finished gets the fewest pages any rank landed:
+        a read one rank completed and another found a page missing in is
+        split (and its tail vanishes) identically on every rank. Returns how
+        many copies were accepted.
+
+        Raises:
+            InvariantViolation: ``agreed`` accepts a copy this rank did not
+                report finished, or more pages than it landed (not a MIN of
+                this rank's report); nothing was accepted.
+        """
+        taken: dict[int, StoreResult] = {}
+        for (number, local), value in zip(self._reported.items(), agreed, strict=False):
+            if value < 0:
+                continue
+            if local is None or value // 2 > local.held:
+                raise InvariantViolation(
+                    f"storage: copy {number}: the group agreed on {value // 2} pages, this rank "
+                    f"reported {'none' if local is None else local.held}; not a MIN of its report"
+                )
+            taken[number] = _agreed_result(self._copies[number], local, value)
+        self._agreed.update(taken)
+        self._reported = {}
+        return len(taken)
 
     # -- backup to storage -----------------------------------------------------
 
@@ -633,7 +767,11 @@ class StorageTier:
         ``discovered`` node under the last cached node and fetch it; a lookup
         that finds a fetch in flight there waits for it as the policy says.
         A fetch the machines or the host pool refuse changes nothing. What
-        each lookup decided is counted (``Stats.prefetch``).
+        each lookup decided is counted (``Stats.prefetch``). Under
+        tensor-parallel agreement (:meth:`agree_by`) the hit counts are the
+        group's, and the read is applied only at a step, as every rank
+        finished it: the termination policy then only bounds how long the
+        lookup waits for the read to finish here.
         """
         usable = local_prefix(walk.path)
         tail = key[sum(len(n.key) for n in usable) :]
@@ -672,10 +810,10 @@ class StorageTier:
     ) -> tuple[StorageCopy | None, str | None]:
         """Ask the store about ``tail`` and fetch what it holds; the copy, or why there is none."""
         try:
-            stored, keys = self._query(usable, tail, anchor, tree_namespace)
+            stored, keys, failed = self._query(usable, tail, anchor, tree_namespace)
         except BadArgument:
             return None, "unkeyable"
-        except (StorageError, OSError):
+        if failed:
             return None, "query_failed"
         tokens = stored * self._core.tree.page_size
         if tokens == 0:
@@ -686,32 +824,52 @@ class StorageTier:
 
     def _query(
         self, usable: Sequence[TreeNode], tail: Key, anchor: TreeNode, tree_namespace: Hashable
-    ) -> tuple[int, list[str]]:
+    ) -> tuple[int, list[str], bool]:
         """Count the stored pages of ``tail``; discover the unstored end of the cached path.
 
         The trailing run of cached nodes this cache has not stored (whose parent
         is stored) is asked about in the same query: those the store holds
-        (another server stored them) are ``discover``-ed.
+        (another server stored them) are ``discover``-ed. Both counts are
+        agreed first (:meth:`agree_by`; a store that raised counts 0, so a
+        group still agrees). Returns the agreed stored pages of ``tail``, its
+        keys, and whether this rank's store raised.
+
+        Raises:
+            BadArgument: A token does not fit the keys (the same on every rank:
+                nothing was asked).
         """
         prior = self.keys_of(anchor)[-1] if anchor.parent is not None else None
         keys = page_keys(self.namespace(tree_namespace), tail, parent=prior)
         run = _unstored_run(usable)
-        if not run:
-            return self._store.exists_prefix(keys), keys
         run_keys = [k for n in run for k in self.keys_of(n)]
-        found = self._store.exists_prefix(run_keys + keys)
+        try:
+            found, failed = self._ask(run_keys, keys), False
+        except (StorageError, OSError):
+            found, failed = [0, 0], True
+        in_run, stored = self._agree_hits(found, [len(run_keys), len(keys)])
         offset = 0
         for node in run:
             count = len(node.store_keys or ())
-            if offset + count > found:
+            if offset + count > in_run:
                 break
             offset += count
             if self._core.allowed(node, "discover"):
                 self._core.fire(node, "discover")
                 self._core.counters.storage_pages["discovered"] += count
+        return stored, keys, failed
+
+    def _ask(self, run_keys: list[str], keys: list[str]) -> list[int]:
+        """Return the leading pages the store holds of the run and of the tail (one or two queries).
+
+        The tail's keys chain from the run's, so one query answers both; a gap
+        in the run needs a second query for the tail alone.
+        """
+        if not run_keys:
+            return [0, self._store.exists_prefix(keys)]
+        found = self._store.exists_prefix(run_keys + keys)
         if found >= len(run_keys):
-            return found - len(run_keys), keys
-        return self._store.exists_prefix(keys), keys  # a gap in the run: ask for the tail alone
+            return [len(run_keys), found - len(run_keys)]
+        return [found, self._store.exists_prefix(keys)]
 
     def _fetch_new(
         self, anchor: TreeNode, tokens: Key, keys: Sequence[str]
@@ -784,6 +942,19 @@ class StorageTier:
             if parent is not None and parent.parent is not None and _storage_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
+
+
+def _agreed_result(copy: StorageCopy, local: StoreResult, value: int) -> StoreResult:
+    """This rank's result cut to what the group agreed (``2 * pages + flag``, see ``report``)."""
+    held, gone = value // 2, value % 2 == 0
+    pages = local.pages[:held]
+    if held >= len(copy.keys):
+        return StoreResult(held, pages, "ok")
+    if local.held == held and (local.outcome in _GONE) == gone:
+        return StoreResult(held, pages, local.outcome, local.error)
+    why = "peer_missing" if gone else "peer_failed"
+    error = f"another rank landed {held} of {len(copy.keys)} pages, this one {local.held}"
+    return StoreResult(held, pages, why, error)
 
 
 _READABLE = frozenset({"stored", "reading"})

@@ -28,8 +28,17 @@ finished on some ranks only for longer than ``timeout``. A collective
 that fails (a rank died, or stopped taking part for longer than ``timeout``)
 raises :class:`RankFailure` instead of hanging.
 
+With a storage tier (``HiCache(config, storage=...)``), each rank's store holds
+its own shard and can answer differently from the others' (a page one rank's
+store lost, a put that failed on one rank only). The storage tier acts on the
+prefix every rank holds, as SGLang's does: the hit count of a prefetch query
+is the MIN over the ranks before any rank creates and fetches the
+``discovered`` node (one small all-reduce in the lookup, only for a lookup
+that asks the store), and each storage copy is applied at a step with the
+fewest pages any rank landed, carried by the step's one all-reduce.
+
 Every method here is a collective: all ranks of the group call it, in the same
-order.
+order; so is a lookup that asks a storage tier about its tail.
 """
 
 from __future__ import annotations
@@ -37,12 +46,14 @@ from __future__ import annotations
 import struct
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from fsm_cache.cache.hicache import HiCache
+from fsm_cache.cache.storage_tier import StorageConfig
 from fsm_cache.distributed.collectives import CPU, Collectives
 from fsm_cache.distributed.digest import (
     AppliedTransition,
@@ -53,10 +64,27 @@ from fsm_cache.distributed.digest import (
     involved_nodes,
     lost_message,
     stalled_message,
+    storage_waiting_message,
     waiting_message,
 )
 from fsm_cache.errors import ConfigError, NoProcessGroup, RankDivergence
 from fsm_cache.memory.tickets import Completion
+
+
+STORAGE_SLOTS = 32
+"""Storage copies a step considers: the first this many in flight, in number order.
+
+Each has one slot in the step's all-reduce, so the collective has the same
+length on every rank whatever is in flight; copies behind them wait a step."""
+
+_SHARED = 8
+"""Values every rank must share in a step: copies in flight, transitions, four
+digest words, storage copies in flight and the number of the first of them."""
+_WIDTH = 2 + 4 + 2 * _SHARED + STORAGE_SLOTS
+"""Length of every agreement all-reduce (a step's and a hit count's), so ranks that
+reach different ones get the same shapes, and say so, instead of failing in gloo."""
+_STEP, _HITS = 1, 2
+_KINDS = {_STEP: "a step", _HITS: "a prefetch's hit count"}
 
 
 Loss = tuple[int, list[list[int]], int]
@@ -93,8 +121,10 @@ class DistributedCache:
     Raises:
         NoProcessGroup: ``torch.distributed`` is not initialised.
         ConfigError: ``timeout`` is not positive, ``verify_every`` is negative,
-            the cache's write policy is ``write_back``, or ``group`` is an
-            NCCL group smaller than the world (pass its gloo twin).
+            the cache's write policy is ``write_back``, ``group`` is an
+            NCCL group smaller than the world (pass its gloo twin), or the
+            cache's storage tier names another rank or group size, or its
+            ``io_timeout`` is not below ``timeout``.
     """
 
     def __init__(
@@ -120,6 +150,8 @@ class DistributedCache:
                 "distributed: write_back waits for its copies inside an allocation, where the "
                 "ranks cannot agree on them yet; use write_through or write_through_selective"
             )
+        if cache.storage is not None:  # the side group below keeps the group's ranks and order
+            _check_storage(cache.storage.config, group, timeout)
         _deprecated(verify_every=verify_every != 0, device=device is not None)
         self.comm = Collectives.of(group, timeout)
         self.cache = cache
@@ -132,6 +164,8 @@ class DistributedCache:
         self._loss: Loss | None = None
         self._digest = TransitionDigest(cache.log)
         cache.transfers.take_acks_from(self)
+        if cache.storage is not None:
+            cache.storage.agree_by(self._agree_hits)
 
     # -- agreement on acknowledgements -----------------------------------------
 
@@ -192,8 +226,14 @@ class DistributedCache:
         head of the issue order and checks that every rank applied the same
         transitions and has the same copies in flight; exactly the agreed
         copies are applied: every rank fires the same ``write_done`` /
-        ``load_done`` events in the same order. The all-reduce runs on CPU
-        tensors over a gloo group, so it never waits for the GPU.
+        ``load_done`` events in the same order. With a storage tier the same
+        all-reduce agrees on the storage copies every rank finished (of the
+        first :data:`STORAGE_SLOTS` in flight), each with the fewest pages any
+        rank landed; they are applied after the host copies
+        (:meth:`~fsm_cache.cache.hicache.HiCache.poll`), so a page one rank
+        read and another did not fails, or splits its node, on every rank.
+        The all-reduce runs on CPU tensors over a gloo group, so it never
+        waits for the GPU. Returns how many copies (host and storage) were applied.
 
         Raises:
             RankFailure: The agreement collective failed or timed out.
@@ -220,7 +260,9 @@ class DistributedCache:
         """Wait for every copy on this rank, then agree until no copy is in flight anywhere.
 
         Applying an acknowledgement may start new copies (a deferred backup of
-        a child), hence the loop. Returns how many copies were applied.
+        a child, the store of a node backed up), hence the loop. Each storage
+        copy is waited for at most until its ``io_timeout``. Returns how many
+        copies were applied.
 
         Raises:
             RankDivergence: As :meth:`step`; also when a rank's copy engine
@@ -233,7 +275,8 @@ class DistributedCache:
             for completion in self.cache.tiers.copier.drain():
                 self._finished[completion.ticket.id] = completion
             applied += self._agree(drained=True)
-            if not self.cache.issued():
+            tier = self.cache.storage
+            if not self.cache.issued() and (tier is None or tier.idle()):
                 return applied
 
     def _agree(self, *, drained: bool) -> int:
@@ -249,15 +292,23 @@ class DistributedCache:
         short = self._loss is not None or (drained and ready < issued)
         now, since = time.monotonic(), self._stalled_since
         overdue = since is not None and now - since > self.timeout
+        tier = self.cache.storage
+        slots = [-1] * STORAGE_SLOTS if tier is None else tier.report(STORAGE_SLOTS, wait=drained)
+        stores = {} if tier is None else tier.in_flight()
         # one collective: the MIN of each value and of its negation (the MAX), so any rank's
         # flag reaches all, all ranks raise or go on at the same step, and the values every
-        # rank must share (copies in flight, transitions, digest words) are equal iff MIN == MAX
+        # rank must share (copies in flight, transitions, digest words) are equal iff MIN == MAX;
+        # then per storage copy the fewest pages any rank landed (see StorageTier.report)
         same = [issued, self._digest.count, *struct.unpack("<4I", digest)]
-        reduced = self.comm.all_reduce_min(
-            [ready, -ready, -short, -overdue, *same, *(-v for v in same)]
+        same += [len(stores), next(iter(stores), 0)]
+        reduced = self._reduce(
+            _STEP,
+            [ready, -ready, -short, -overdue, *same, *(-v for v in same), *slots],
+            "step agreement (all_reduce MIN)",
         )
         agreed, most_ready, lost, late = reduced[:4]
-        lows, highs = reduced[4 : 4 + len(same)], reduced[4 + len(same) :]
+        lows, highs = reduced[4 : 4 + _SHARED], reduced[4 + _SHARED : 4 + 2 * _SHARED]
+        finished = reduced[4 + 2 * _SHARED : 4 + 2 * _SHARED + STORAGE_SLOTS]
         if lost:  # first: a wait that lost a completion also parts the transitions
             raise RankDivergence(self._locate("lost"))
         if lows != [-high for high in highs]:
@@ -268,9 +319,60 @@ class DistributedCache:
         self._digest.agree()
         self._stalled_since = None if not stalled else now if since is None else since
         self.cache.log.op("agreed_poll", agreed)
+        accepted = 0 if tier is None else tier.accept(finished)
         chosen = [self._finished.pop(ticket) for ticket in self.cache.issued()[:agreed]]
         self.cache.apply_completions(chosen)
+        if accepted:
+            self.cache.poll()  # the tier's collect() returns exactly the accepted copies
         self.steps += 1
+        return agreed + accepted
+
+    def _reduce(self, kind: int, values: list[int], what: str) -> list[int]:
+        """All-reduce ``values`` (MIN) as a collective of ``kind``; return the reduced values.
+
+        Every agreement collective has the same length and starts with its
+        kind and its negation, so ranks that reach different collectives (one
+        in a step, another in a lookup's hit count) all raise
+        :class:`RankDivergence` instead of gloo failing on mismatched shapes
+        (SGLang #39267).
+        """
+        padded = [kind, -kind, *values, *[0] * (_WIDTH - 2 - len(values))]
+        reduced = self.comm.all_reduce_min(padded, what)
+        low, high = reduced[0], -reduced[1]
+        if low != high:
+            raise RankDivergence(
+                f"rank divergence after transition {self._digest.agreed}: the ranks reached "
+                f"different collectives: some {_KINDS[low]}, the others {_KINDS[high]} (a lookup "
+                "asked the storage tier on some ranks only)"
+            )
+        return reduced[2:]
+
+    def _agree_hits(self, found: Sequence[int], asked: Sequence[int]) -> list[int]:
+        """Agree on a prefetch query's hit counts: the MIN over the ranks (the tier's hook).
+
+        Every rank's lookup asks its own store about the same pages (``asked``,
+        checked equal); each takes the fewest stored pages any rank found, so
+        every rank discovers and fetches the same prefix, or none below the
+        threshold (SGLang's storage hit count, all-reduced with MIN).
+
+        Raises:
+            RankDivergence: The ranks asked about different numbers of pages.
+            RankFailure: The collective failed or timed out.
+        """
+        n, m = len(found), len(asked)
+        reduced = self._reduce(
+            _HITS,
+            [*found, *asked, *(-a for a in asked)],
+            "prefetch hit count (all_reduce MIN)",
+        )
+        lows, highs = reduced[n : n + m], [-h for h in reduced[n + m : n + 2 * m]]
+        if lows != highs:
+            raise RankDivergence(
+                f"rank divergence after transition {self._digest.agreed}: the ranks asked the "
+                f"storage tier about different prefixes: from {lows} to {highs} pages"
+            )
+        agreed = reduced[:n]
+        self.cache.log.op("agreed_hits", tuple(found), tuple(agreed))
         return agreed
 
     # -- divergence detection --------------------------------------------------
@@ -333,6 +435,15 @@ class DistributedCache:
         if any(w != waits[0] for w in waits):
             nodes = [n for copies in waits for copy in copies for n in copy]
             return waiting_message(applied, waits, self._gather_states(nodes))
+        tier = self.cache.storage
+        mine = (
+            []
+            if tier is None
+            else [(c.kind, [n.id for n in c.nodes]) for c in tier.in_flight().values()]
+        )
+        stores = self.comm.all_gather_object(mine)
+        if any(w != stores[0] for w in stores):
+            return storage_waiting_message(applied, stores)
         return (
             f"rank divergence after transition {start}: the digests differ, yet every rank "
             "applied the same transitions since; the ranks last agreed at different points"
@@ -377,6 +488,30 @@ class DistributedCache:
         tree = self.cache.tree.nodes
         here = {n: tree[n].residency() for n in dict.fromkeys(nodes) if n in tree}
         return self.comm.all_gather_object(here)
+
+
+def _check_storage(config: StorageConfig, group: dist.ProcessGroup | None, timeout: float) -> None:
+    """Refuse a storage tier that does not fit the group (before anything is changed).
+
+    Raises:
+        ConfigError: Its rank or group size is not the group's (the ranks would
+            share one key namespace and read one another's shards), or its
+            ``io_timeout`` is not below ``timeout`` (a rank waiting for a copy
+            would miss the others' next collective).
+    """
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    if (config.rank, config.ranks) != (rank, ranks):
+        raise ConfigError(
+            f"distributed: the storage tier is rank {config.rank} of {config.ranks}, the group's "
+            f"rank is {rank} of {ranks}: pass StorageConfig(rank=, ranks=) of the group, so "
+            "each rank keys its own shard"
+        )
+    if not config.io_timeout < timeout:
+        raise ConfigError(
+            f"distributed: the storage tier's io_timeout ({config.io_timeout:g} s) must be below "
+            f"the agreement timeout ({timeout:g} s): a rank waiting for a storage copy must "
+            "reach the next collective in time"
+        )
 
 
 def _deprecated(**given: bool) -> None:

@@ -98,15 +98,22 @@ class Collectives:
         """Where the collectives' tensors live: always the CPU."""
         return CPU
 
-    def all_reduce_min(self, values: list[int]) -> list[int]:
-        """Return the element-wise minimum of ``values`` over the ranks."""
+    def all_reduce_min(
+        self, values: list[int], what: str = "step agreement (all_reduce MIN)"
+    ) -> list[int]:
+        """Return the element-wise minimum of ``values`` over the ranks.
+
+        Args:
+            values: This rank's values; the same length on every rank.
+            what: The collective's name in a :class:`RankFailure`.
+        """
         tensor = torch.tensor(values, dtype=torch.int64)
 
         def call() -> None:
             work = dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
             self._wait(work)
 
-        self._collective("step agreement (all_reduce MIN)", call)
+        self._collective(what, call)
         return [int(v) for v in tensor.tolist()]
 
     def all_gather_digest(self, payload: list[int]) -> list[list[int]]:

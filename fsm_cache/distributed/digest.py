@@ -145,6 +145,30 @@ def waiting_message(
     )
 
 
+def storage_waiting_message(
+    start: int, waits: Sequence[Sequence[tuple[str, Sequence[int]]]]
+) -> str:
+    """Describe ranks that applied the same transitions but wait on different storage copies.
+
+    Args:
+        start: Transitions every rank applied.
+        waits: Per rank, per storage copy in flight (number order), its kind and nodes.
+
+    Returns:
+        ``rank divergence after transition 30: the ranks wait on different storage
+        copies: rank 0 on store of nodes [4] then fetch of nodes [9], rank 1 on
+        store of nodes [4]``.
+    """
+    waiting = []
+    for rank, copies in enumerate(waits):
+        named = " then ".join(f"{kind} of nodes {list(nodes)}" for kind, nodes in copies)
+        waiting.append(f"rank {rank} on {named or 'none'}")
+    return (
+        f"rank divergence after transition {start}: the ranks wait on different storage copies: "
+        + ", ".join(waiting)
+    )
+
+
 def copy_nodes(waits: Sequence[Sequence[Sequence[int]]]) -> list[list[int]]:
     """Per copy in flight, its nodes as seen by the first rank that still holds its ticket.
 

@@ -1,0 +1,534 @@
+"""Tensor-parallel agreement of a storage tier: every rank acts on the prefix every rank holds.
+
+Each rank keeps its own shard in its own store (a ``LocalFileStore`` in its own
+folder, keyed in its rank's namespace), so the ranks' stores can answer
+differently. The spawned tests run 2 gloo ranks on CPU (as tests/test_distributed.py
+does), plant a fault in rank 1's store only, and compare what the ranks did:
+the same transitions (equal digests), the same tree, the shorter prefix. The
+unit tests drive one tier's hooks by hand, with the other rank's answer made up.
+Copies run inline (``threads=0``) except where a copy must hang.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+with warnings.catch_warnings():
+    # A torch without numpy warns at import, which filterwarnings=error would turn into an error.
+    warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+    import torch
+    import torch.distributed as dist
+    from torch.multiprocessing.spawn import start_processes
+
+    from fsm_cache.cache.hicache import HiCache
+    from fsm_cache.cache.storage_tier import StorageConfig
+    from fsm_cache.distributed.agreement import DistributedCache
+    from fsm_cache.errors import ConfigError, InvariantViolation, RankDivergence, StoreFailed
+    from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
+    from fsm_cache.storage import LocalFileStore, PutResult, Store, page_keys
+
+PAGE = 4
+TIMEOUT = 20.0  # seconds a collective waits for the other ranks
+DEADLINE = 120.0  # seconds the spawned group may run before the test kills it
+Results = list[dict[str, Any]]
+
+
+def config() -> CacheConfig:
+    """A small CPU cache of 4-token pages, checked after every operation."""
+    return CacheConfig(
+        device_pages=16,
+        host_pages=32,
+        page_size=PAGE,
+        layers=1,
+        heads=1,
+        head_dim=4,
+        device="cpu",
+        debug=True,
+        load_back_threshold=0,
+    )
+
+
+def tier(store: Store, rank: int = 0, ranks: int = 2, **overrides: Any) -> StorageConfig:
+    """Inline copies, prefetch from one page on, this rank's namespace."""
+    settings: dict[str, Any] = {"threads": 0, "prefetch_threshold": PAGE, "io_timeout": 5.0}
+    settings.update(overrides)
+    return StorageConfig(store, rank=rank, ranks=ranks, **settings)
+
+
+def tokens(pages: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + pages * PAGE))
+
+
+def rows(cache: HiCache) -> list[list[Any]]:
+    """Every node, parents first: id, parent id, tokens, host, device, storage, pins."""
+    return [
+        [n.id, n.parent.id if n.parent else None, len(n.key), n.host, n.device, n.storage, n.pins]
+        for n in cache.tree
+    ]
+
+
+def events(cache: HiCache) -> list[str]:
+    return [event for _, event in cache.log.transitions()]
+
+
+class Faulty:
+    """A store that passes through to ``inner`` except where a test plants a fault.
+
+    Attributes:
+        put_fails_after: Raise StoreFailed after storing this many pages of a put.
+        after_exists: Called after each ``exists_prefix`` (drop a page behind its back).
+        gate: Puts wait for this event first (a hung backend).
+    """
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.put_fails_after: int | None = None
+        self.after_exists: Callable[[], None] | None = None
+        self.gate: threading.Event | None = None
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        found = self.inner.exists_prefix(keys)
+        if self.after_exists is not None:
+            self.after_exists()
+        return found
+
+    def get(self, keys: Sequence[str]) -> list[torch.Tensor]:
+        return self.inner.get(keys)
+
+    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[PutResult]:
+        if self.gate is not None:
+            self.gate.wait()
+        cut = self.put_fails_after
+        if cut is not None and cut < len(keys):
+            self.inner.put(keys[:cut], pages[:cut])
+            raise StoreFailed("faulty", "put", acknowledged=cut, total=len(keys), cause="planted")
+        return self.inner.put(keys, pages)
+
+    def drop(self, keys: Sequence[str]) -> int:
+        return self.inner.drop(keys)
+
+    def capacity(self) -> Any:
+        return self.inner.capacity()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+# -- what each rank runs ---------------------------------------------------------
+
+
+def wrapped(store: Store, rank: int, **overrides: Any) -> DistributedCache:
+    return DistributedCache(
+        HiCache(config(), storage=tier(store, rank, **overrides)), timeout=TIMEOUT
+    )
+
+
+def written(rank: int, folder: Path, toks: list[int]) -> tuple[LocalFileStore, list[str]]:
+    """This rank's store holding ``toks``' pages, stored by an agreed cache; their keys."""
+    store = LocalFileStore(folder / f"rank{rank}")
+    shared = wrapped(store, rank)
+    shared.cache.insert(toks)
+    shared.drain()
+    keys = page_keys(shared.cache.storage.namespace(), toks)  # type: ignore[union-attr]
+    shared.cache.close()
+    assert store.exists_prefix(keys) == len(keys)
+    return store, keys
+
+
+def report(shared: DistributedCache, **more: Any) -> dict[str, Any]:
+    """What the ranks must agree on, and what each saw on its own."""
+    cache = shared.cache
+    return {
+        "digest": shared.verify_agreement().hex(),
+        "transitions": shared.transitions,
+        "tree": rows(cache),
+        "events": events(cache),
+        "acks": cache.log.storage_acks(),
+        "hits": [args for name, args in cache.log.operations() if name == "agreed_hits"],
+        "prefetch": dict(cache.stats().prefetch),
+        "failures": dict(cache.stats().storage_failures),
+        "free_host": cache.tiers.host.allocator.free_pages,
+        **more,
+    }
+
+
+def store_fails_on_one_rank(rank: int, folder: Path) -> dict[str, Any]:
+    """Rank 1's store takes 2 of 5 pages of a put, then fails; rank 0's takes all 5."""
+    inner = LocalFileStore(folder / f"rank{rank}")
+    store = Faulty(inner)
+    store.put_fails_after = 2 if rank == 1 else None
+    shared = wrapped(store, rank)
+    toks = tokens(5)
+    shared.cache.insert(toks)
+    shared.drain()
+    keys = page_keys(shared.cache.storage.namespace(), toks)  # type: ignore[union-attr]
+    return report(shared, held=inner.exists_prefix(keys))
+
+
+def store_times_out_on_one_rank(rank: int, folder: Path) -> dict[str, Any]:
+    """Rank 1's put never answers: past io_timeout it fails there, and so on rank 0."""
+    inner = LocalFileStore(folder / f"rank{rank}")
+    store = Faulty(inner)
+    if rank == 1:
+        store.gate = threading.Event()
+    shared = wrapped(store, rank, threads=1, io_timeout=1.0)
+    toks = tokens(2)
+    shared.cache.insert(toks)
+    shared.drain()  # waits for the put until its timeout on rank 1
+    out = report(shared)
+    if store.gate is not None:
+        store.gate.set()  # the late answer comes to no one
+    keys = page_keys(shared.cache.storage.namespace(), toks)  # type: ignore[union-attr]
+    shared.cache.close()
+    return {**out, "held": inner.exists_prefix(keys) if rank == 0 else None}
+
+
+def hits_differ(rank: int, folder: Path) -> dict[str, Any]:
+    """Rank 1's store lost page 4 of 6: both ranks fetch 4 pages."""
+    toks = tokens(6)
+    store, keys = written(rank, folder, toks)
+    if rank == 1:
+        store.drop([keys[4]])
+    shared = wrapped(store, rank)
+    found = shared.cache.match_prefix(toks)
+    during = [found.host_len, found.storage_len]
+    shared.drain()
+    found = shared.cache.match_prefix(toks[: 4 * PAGE])  # nothing past it: no query
+    return report(shared, during=during, after=[found.host_len, found.storage_len])
+
+
+def hits_below_threshold(rank: int, folder: Path) -> dict[str, Any]:
+    """Rank 1's store holds 1 page, rank 0's 6; two pages are the threshold: nobody fetches."""
+    toks = tokens(6)
+    store, keys = written(rank, folder, toks)
+    if rank == 1:
+        store.drop([keys[1]])
+    shared = wrapped(store, rank, prefetch_threshold=2 * PAGE)
+    found = shared.cache.match_prefix(toks)
+    shared.drain()
+    return report(shared, during=[found.host_len, found.storage_len])
+
+
+def discover_differs(rank: int, folder: Path) -> dict[str, Any]:
+    """Both cache 2 pages unstored; rank 1's store lost page 0: no rank discovers them."""
+    toks = tokens(6)
+    store, keys = written(rank, folder, toks)
+    if rank == 1:
+        store.drop([keys[0]])
+    shared = wrapped(store, rank, policy="off")
+    shared.cache.insert(toks[: 2 * PAGE])
+    shared.drain()
+    found = shared.cache.match_prefix(toks)
+    during = [found.device_len, found.host_len, found.storage_len]
+    shared.drain()
+    return report(shared, during=during)
+
+
+def read_loses_a_page(rank: int, folder: Path) -> dict[str, Any]:
+    """Both stores said 6 pages; by the read rank 1's has lost page 3: both keep 3 pages."""
+    toks = tokens(6)
+    store, keys = written(rank, folder, toks)
+    faulty = Faulty(store)
+
+    def lose_page_3() -> None:
+        store.drop([keys[3]])
+
+    if rank == 1:
+        faulty.after_exists = lose_page_3
+    shared = wrapped(faulty, rank)
+    found = shared.cache.match_prefix(toks)
+    during = [found.host_len, found.storage_len]
+    shared.drain()
+    out = report(shared, during=during)
+    out["bit_exact"] = loaded_bit_exact(shared, toks[: 3 * PAGE])
+    return out
+
+
+def loaded_bit_exact(shared: DistributedCache, toks: list[int]) -> bool:
+    """Load ``toks``' host prefix to the device (agreed) and compare its KV with what was stored."""
+    cache = shared.cache
+    found = cache.match_prefix(toks)
+    assert cache.load_back(found.last_host_node) is not None
+    shared.drain()
+    found = cache.match_prefix(toks)
+    kv = cache.tiers.read_device(list(found.device_pages))
+    expected = synthetic_kv(cache.tiers.device.layout, toks)
+    return found.device_len == len(toks) and torch.equal(kv, expected)
+
+
+def different_collectives(rank: int, folder: Path) -> str:
+    """Rank 0's lookup asks the store while rank 1 ends a step: both say so."""
+    toks = tokens(2)
+    store, _ = written(rank, folder, toks)
+    shared = wrapped(store, rank)
+    try:
+        if rank == 0:
+            shared.cache.match_prefix(toks)
+        else:
+            shared.step()
+    except RankDivergence as exc:
+        return str(exc)
+    return "no divergence"
+
+
+SCENARIOS: dict[str, Callable[[int, Path], Any]] = {
+    "store_fails": store_fails_on_one_rank,
+    "store_times_out": store_times_out_on_one_rank,
+    "hits_differ": hits_differ,
+    "below_threshold": hits_below_threshold,
+    "discover": discover_differs,
+    "read_loses": read_loses_a_page,
+    "collectives": different_collectives,
+}
+
+
+def worker(rank: int, world: int, store: str, out: str) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=TIMEOUT),
+    )
+    results = {name: run(rank, Path(out, name)) for name, run in SCENARIOS.items()}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> Results:
+    """Run every scenario on 2 gloo ranks; each rank's JSON."""
+    folder = tmp_path_factory.mktemp("tp2storage")
+    args = (2, str(folder / "group"), str(folder))
+    ctx = start_processes(worker, args=args, nprocs=2, join=False)  # type: ignore[no-untyped-call]
+    ends = time.monotonic() + DEADLINE
+    while not ctx.join(timeout=1.0):  # raises ProcessRaisedException with a rank's traceback
+        if time.monotonic() > ends:
+            for process in ctx.processes:
+                process.kill()
+            pytest.fail(f"2 ranks still running after {DEADLINE:g} s")
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def agreed(ranks: Results, name: str) -> dict[str, Any]:
+    """The scenario's report on rank 0, once every value the ranks must share is equal."""
+    first, second = (r[name] for r in ranks)
+    for shared in ("digest", "transitions", "tree", "events", "free_host"):
+        assert first[shared] == second[shared], shared
+    return dict(first)
+
+
+# -- the spawned tests ------------------------------------------------------------
+
+
+def test_a_store_failed_on_one_rank_splits_the_node_on_both(ranks: Results) -> None:
+    run = agreed(ranks, "store_fails")
+    assert [row[2:] for row in run["tree"]] == [
+        [2 * PAGE, "backed", "resident", "stored", 0],
+        [3 * PAGE, "backed", "resident", "unstored", 0],
+    ]
+    head, tail = run["tree"]
+    assert tail[1] == head[0]  # the failed pages hang under the stored prefix
+    assert [r["store_fails"]["acks"] for r in ranks] == [
+        [["poll", [[1, "store", 2, "peer_failed"]]]],
+        [["poll", [[1, "store", 2, "failed"]]]],
+    ]
+    assert [r["store_fails"]["failures"] for r in ranks] == [
+        {"store:peer_failed": 1},
+        {"store:failed": 1},
+    ]
+    # rank 0's store holds all five pages; its tree, like rank 1's, says two
+    assert [r["store_fails"]["held"] for r in ranks] == [5, 2]
+
+
+def test_a_store_timed_out_on_one_rank_fails_on_both(ranks: Results) -> None:
+    run = agreed(ranks, "store_times_out")
+    assert [row[2:] for row in run["tree"]] == [[2 * PAGE, "backed", "resident", "unstored", 0]]
+    assert run["events"][-1] == "store_failed"
+    assert [r["store_times_out"]["acks"] for r in ranks] == [
+        [["poll", [[1, "store", 0, "peer_failed"]]]],
+        [["poll", [[1, "store", 0, "timeout"]]]],
+    ]
+    assert ranks[0]["store_times_out"]["held"] == 2
+
+
+def test_hit_counts_that_differ_are_agreed_to_the_min(ranks: Results) -> None:
+    run = agreed(ranks, "hits_differ")
+    assert run["during"] == [0, 4 * PAGE]  # both fetch four pages
+    assert [row[2:] for row in run["tree"]] == [[4 * PAGE, "backed", "absent", "stored", 0]]
+    # (pages of the cached run, pages of the tail) found, then agreed
+    assert [r["hits_differ"]["hits"] for r in ranks] == [
+        [[[0, 6], [0, 4]]],
+        [[[0, 4], [0, 4]]],
+    ]
+    assert run["after"] == [4 * PAGE, 0]
+    assert [r["hits_differ"]["acks"] for r in ranks] == [[["poll", [[1, "fetch", 4, "ok"]]]]] * 2
+    assert run["free_host"] == 32 - 4
+
+
+def test_below_the_threshold_after_agreement_no_rank_prefetches(ranks: Results) -> None:
+    run = agreed(ranks, "below_threshold")
+    assert run["during"] == [0, 0]
+    assert run["tree"] == []
+    assert "fetch" not in run["events"]
+    assert [r["below_threshold"]["hits"] for r in ranks] == [
+        [[[0, 6], [0, 1]]],
+        [[[0, 1], [0, 1]]],
+    ]
+    assert [r["below_threshold"]["prefetch"] for r in ranks] == [{"below_threshold": 1}] * 2
+
+
+def test_a_cached_run_is_discovered_only_where_every_rank_holds_it(ranks: Results) -> None:
+    run = agreed(ranks, "discover")
+    assert "discover" not in run["events"]
+    assert [row[2:] for row in run["tree"]] == [
+        [2 * PAGE, "backed", "resident", "unstored", 0],
+        [4 * PAGE, "backed", "absent", "stored", 0],
+    ]
+    assert run["during"] == [2 * PAGE, 0, 4 * PAGE]
+    assert [r["discover"]["hits"] for r in ranks] == [
+        [[[2, 4], [0, 4]]],
+        [[[0, 4], [0, 4]]],
+    ]
+
+
+def test_a_page_lost_mid_prefix_on_one_rank_shortens_the_prefix_on_both(ranks: Results) -> None:
+    run = agreed(ranks, "read_loses")
+    assert run["during"] == [0, 6 * PAGE]  # both stores said six pages
+    assert [r["read_loses"]["hits"] for r in ranks] == [[[[0, 6], [0, 6]]]] * 2
+    assert [row[2:] for row in run["tree"]] == [[3 * PAGE, "backed", "absent", "stored", 0]]
+    fetched = run["events"].index("fetch_done")
+    assert run["events"][fetched : fetched + 4] == [
+        "fetch_done",
+        "fetch_failed",
+        "vanish",
+        "delete",
+    ]
+    assert [r["read_loses"]["acks"][0] for r in ranks] == [
+        ["poll", [[1, "fetch", 3, "peer_missing"]]],
+        ["poll", [[1, "fetch", 3, "missing"]]],
+    ]
+    assert [r["read_loses"]["bit_exact"] for r in ranks] == [True, True]
+
+
+def test_ranks_that_reach_different_collectives_say_so(ranks: Results) -> None:
+    messages = [r["collectives"] for r in ranks]
+    assert messages[0] == messages[1]
+    assert messages[0].endswith(
+        "the ranks reached different collectives: some a step, the others a prefetch's hit "
+        "count (a lookup asked the storage tier on some ranks only)"
+    )
+
+
+# -- one tier, the other rank made up ---------------------------------------------
+
+
+def test_a_tier_under_agreement_applies_only_what_the_group_accepted(tmp_path: Path) -> None:
+    cache = HiCache(config(), storage=tier(LocalFileStore(tmp_path), ranks=1))
+    storage = cache.storage
+    assert storage is not None
+    storage.agree_by(lambda found, asked: list(found))
+    cache.insert(tokens(3))
+    cache.poll()  # write_done: the store runs inline
+    assert cache.poll() == 0  # finished here, not accepted: nothing applied
+    (node,) = cache.tree
+    assert node.storage == "storing"
+    assert storage.report(4) == [2 * 3 + 1, -1, -1, -1]
+    with pytest.raises(InvariantViolation):
+        storage.accept([2 * 4 + 1, -1, -1, -1])  # more pages than this rank landed
+    assert cache.poll() == 0  # refused: nothing accepted
+    storage.report(4)
+    assert storage.accept([2 * 1 + 1, -1, -1, -1]) == 1  # another rank landed one page
+    assert cache.poll() == 1
+    assert [(len(n.key), n.storage, n.pins) for n in cache.tree] == [
+        (PAGE, "stored", 0),
+        (2 * PAGE, "unstored", 0),
+    ]
+    assert cache.log.storage_acks() == [("poll", ((1, "store", 1, "peer_failed"),))]
+
+
+def test_a_read_agreed_shorter_vanishes_past_the_agreed_page(tmp_path: Path) -> None:
+    toks = tokens(4)
+    writer = HiCache(config(), storage=tier(LocalFileStore(tmp_path), ranks=1))
+    writer.insert(toks)
+    writer.poll()
+    writer.poll()
+    reader = HiCache(config(), storage=tier(LocalFileStore(tmp_path), ranks=1))
+    storage = reader.storage
+    assert storage is not None
+    asked: list[tuple[list[int], list[int]]] = []
+
+    def other_rank_holds_three(found: Sequence[int], pages: Sequence[int]) -> list[int]:
+        asked.append((list(found), list(pages)))
+        return [found[0], min(found[1], 3)]
+
+    storage.agree_by(other_rank_holds_three)
+    assert reader.match_prefix(toks).storage_len == 3 * PAGE
+    assert asked == [([0, 4], [0, 4])]
+    assert storage.report(2) == [2 * 3 + 1, -1]
+    storage.accept([2 * 2 + 0, -1])  # the other rank's store lost page 2 at the read
+    reader.poll()
+    assert [(len(n.key), n.host, n.storage) for n in reader.tree] == [
+        (2 * PAGE, "backed", "stored")
+    ]
+    assert events(reader)[-4:] == ["fetch_done", "fetch_failed", "vanish", "delete"]
+    assert reader.log.storage_acks() == [("poll", ((1, "fetch", 2, "peer_missing"),))]
+    assert reader.tiers.host.allocator.free_pages == 32 - 2
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_storage_tier_that_does_not_fit_the_group_is_refused(tmp_path: Path) -> None:
+    store = LocalFileStore(tmp_path / "pages")
+    with pytest.raises(ConfigError) as caught:
+        DistributedCache(HiCache(config(), storage=tier(store, rank=0, ranks=2)))
+    assert str(caught.value) == (
+        "distributed: the storage tier is rank 0 of 2, the group's rank is 0 of 1: pass "
+        "StorageConfig(rank=, ranks=) of the group, so each rank keys its own shard"
+    )
+    slow = HiCache(config(), storage=tier(store, ranks=1, io_timeout=30.0))
+    with pytest.raises(ConfigError) as caught:
+        DistributedCache(slow, timeout=30.0)
+    assert str(caught.value) == (
+        "distributed: the storage tier's io_timeout (30 s) must be below the agreement "
+        "timeout (30 s): a rank waiting for a storage copy must reach the next collective in time"
+    )
+    assert slow.storage is not None
+    assert slow.storage.collect() == []  # refused whole: the tier was not handed to a group
+    slow.insert(tokens(2))
+    slow.poll()
+    slow.poll()
+    assert [n.storage for n in slow.tree] == ["stored"]
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_world_of_one_stores_and_prefetches_as_a_cache_alone(tmp_path: Path) -> None:
+    toks = tokens(3)
+    store = LocalFileStore(tmp_path / "pages")
+    shared = DistributedCache(HiCache(config(), storage=tier(store, ranks=1)))
+    shared.cache.insert(toks)
+    assert shared.drain() == 2  # the host copy, then the store
+    assert [n.storage for n in shared.cache.tree] == ["stored"]
+    reader = DistributedCache(HiCache(config(), storage=tier(store, ranks=1)))
+    assert reader.cache.match_prefix(toks).storage_len == 3 * PAGE
+    assert reader.step() == 1
+    assert reader.cache.match_prefix(toks).host_len == 3 * PAGE
+    assert [name for name, _ in reader.cache.log.operations()].count("agreed_hits") == 1
