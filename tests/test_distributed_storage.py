@@ -499,10 +499,11 @@ def world_of_one(tmp_path: Path) -> Iterator[None]:
 def test_a_storage_tier_that_does_not_fit_the_group_is_refused(tmp_path: Path) -> None:
     store = LocalFileStore(tmp_path / "pages")
     with pytest.raises(ConfigError) as caught:
-        DistributedCache(HiCache(config(), storage=tier(store, rank=0, ranks=2)))
+        DistributedCache(HiCache(config(), storage=tier(store, rank=1, ranks=2)))
     assert str(caught.value) == (
-        "distributed: the storage tier is rank 0 of 2, the group's rank is 0 of 1: pass "
-        "StorageConfig(rank=, ranks=) of the group, so each rank keys its own shard"
+        "distributed: the storage tier is rank 1 of 2, the group's rank is 0 of 1: pass "
+        "StorageConfig(rank=, ranks=) of the group, so each rank keys its own shard (or "
+        "ranks=1 where every rank holds the same KV)"
     )
     slow = HiCache(config(), storage=tier(store, ranks=1, io_timeout=30.0))
     with pytest.raises(ConfigError) as caught:

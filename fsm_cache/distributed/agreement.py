@@ -123,8 +123,9 @@ class DistributedCache:
         ConfigError: ``timeout`` is not positive, ``verify_every`` is negative,
             the cache's write policy is ``write_back``, ``group`` is an
             NCCL group smaller than the world (pass its gloo twin), or the
-            cache's storage tier names another rank or group size, or its
-            ``io_timeout`` is not below ``timeout``.
+            cache's storage tier names another rank or group size (other than
+            one namespace for all, ``ranks=1``), or its ``io_timeout`` is not
+            below ``timeout``.
     """
 
     def __init__(
@@ -494,17 +495,19 @@ def _check_storage(config: StorageConfig, group: dist.ProcessGroup | None, timeo
     """Refuse a storage tier that does not fit the group (before anything is changed).
 
     Raises:
-        ConfigError: Its rank or group size is not the group's (the ranks would
-            share one key namespace and read one another's shards), or its
+        ConfigError: It names a rank or group size other than the group's
+            (ranks with shards of their own would read one another's; one
+            namespace for the whole group, ``rank=0, ranks=1``, is fine where
+            every rank holds the same KV, as an MLA latent), or its
             ``io_timeout`` is not below ``timeout`` (a rank waiting for a copy
             would miss the others' next collective).
     """
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
-    if (config.rank, config.ranks) != (rank, ranks):
+    if config.ranks != 1 and (config.rank, config.ranks) != (rank, ranks):
         raise ConfigError(
             f"distributed: the storage tier is rank {config.rank} of {config.ranks}, the group's "
             f"rank is {rank} of {ranks}: pass StorageConfig(rank=, ranks=) of the group, so "
-            "each rank keys its own shard"
+            "each rank keys its own shard (or ranks=1 where every rank holds the same KV)"
         )
     if not config.io_timeout < timeout:
         raise ConfigError(
