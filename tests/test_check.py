@@ -859,24 +859,17 @@ DEEPEST_FIRST = """
 event = "fetch_failed"
 when = "any child host in [fetching, backed, pinned]"
 error = "NotAHostLeaf"
-reason = "a child holds or is fetching a host copy under this node; fail it first"
+reason = "a child holds or is filling a host copy under this node; fail the chain deepest node first"
 """
 """The rule the checker found missing from residency_storage.toml (a prefix's fetch failed
 under a suffix still being fetched, then the store dropped the prefix: invariant 2)."""
 
 
 def _storage_spec(tmp_path: Path) -> Path:
-    """Return the shipped three-tier composition, with fetches failing deepest first.
-
-    A copy of the shipped specs in ``tmp_path``; :data:`DEEPEST_FIRST` is added
-    unless the shipped composition refuses some ``fetch_failed`` already.
-    """
+    """Return a copy of the shipped specs' three-tier composition in ``tmp_path``."""
     for path in spec_dir().glob("*.toml"):
         (tmp_path / path.name).write_text(path.read_text())
-    system = as_system(load_spec(STORAGE))
-    if not any(f.event == "fetch_failed" for f in system.forbids):
-        with (tmp_path / STORAGE.name).open("a") as file:
-            file.write(DEEPEST_FIRST)
+    assert DEEPEST_FIRST in (tmp_path / STORAGE.name).read_text()
     return tmp_path / STORAGE.name
 
 
