@@ -50,7 +50,8 @@ def held_records(engines: Iterable[Engine] | None = None) -> list[Held]:
     (``pinned(N)`` carries ``pins``; ``resident`` carries ``locks``) is off its
     initial value, whether a lease or a bare event raised it. A record is any
     object whose ``id``, region states and counters are plain fields (slots
-    or instance attributes, no properties) with states its machine declares:
+    or instance attributes, which a plain class attribute may default; no
+    properties) with states its machine declares:
     ``engine.new()`` records, :class:`~fsm_cache.residency.ResidencyRecord`
     subclasses and SGLang-compat nodes alike; a tree's root is not one (its
     counts are its children's). Runs a full collection first, so records only
@@ -125,13 +126,26 @@ def _fields(kind: type, names: tuple[str, ...]) -> list[_Field]:
     fields: list[_Field] = []
     for name in (*names, "trail"):
         owner = next((k.__dict__ for k in kind.__mro__ if name in k.__dict__), None)
-        if owner is None and kind.__dictoffset__ != 0:
-            fields.append((name, None))
+        if kind.__dictoffset__ != 0 and (owner is None or not _descriptor(owner[name])):
+            fields.append((name, None))  # an instance attribute, perhaps defaulted by the class
         elif owner is not None and isinstance(owner[name], types.MemberDescriptorType):
             fields.append((name, owner[name]))
         elif name != "trail":
-            return []  # a property, a class attribute or no place for it: not a record field
+            return []  # a property, or no place for it: not a record field
     return fields
+
+
+def _descriptor(value: object) -> bool:
+    """Whether a class attribute computes what it reads (a property, a slot, a method)."""
+    return hasattr(type(value), "__get__")
+
+
+def _default(kind: type, name: str) -> Any:
+    """The plain class attribute ``name`` of ``kind`` stands for an unset instance attribute."""
+    owner = next((k.__dict__ for k in kind.__mro__ if name in k.__dict__), None)
+    if owner is None or _descriptor(owner[name]):
+        raise KeyError(name)
+    return owner[name]
 
 
 def _read(obj: object, fields: list[_Field]) -> dict[str, Any] | None:
@@ -147,7 +161,10 @@ def _read(obj: object, fields: list[_Field]) -> dict[str, Any] | None:
         return None
     for name, slot in fields:
         try:
-            values[name] = attrs[name] if slot is None else slot.__get__(obj, type(obj))
+            if slot is not None:
+                values[name] = slot.__get__(obj, type(obj))
+            else:
+                values[name] = attrs[name] if name in attrs else _default(type(obj), name)
         except (AttributeError, KeyError):
             if name != "trail":
                 return None
