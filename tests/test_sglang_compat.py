@@ -7,23 +7,31 @@ move only in checked walks, splits and chains are acknowledged together.
 
 from __future__ import annotations
 
+import itertools
+import sys
+import types
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from fsm_cache.compat.sglang import (
     AckBook,
+    Children,
     ReadOnlyCounter,
     RemovedInUse,
     ResidencyMixin,
     absent_chain,
     back_out,
     loading,
+    patch,
     ride,
     walk,
+    walked,
 )
-from fsm_cache.errors import HostCopyPinned, NoHostCopy, error_class
+from fsm_cache.compat.sglang.scope import CounterStep, counter_step
+from fsm_cache.errors import HostCopyPinned, IllegalTransition, NoHostCopy, error_class
 from fsm_cache.residency import Residency
 
 
@@ -71,6 +79,7 @@ def backed(node: Checked, slots: Any) -> None:
 def test_a_fresh_node_follows_its_fields_until_attached() -> None:
     root, node = tree([1, 2])
     assert (root.sealed, node.sealed) == (True, True)  # attaching a child seals both
+    assert (type(root.children), type(node.children)) == (Children, Children)
     assert state(root) == ("backed", "resident", 0, 1)  # the cache's own lock on its root
     assert state(node) == ("unbacked", "resident", 0, 0)
     fresh = Checked(9)
@@ -205,3 +214,180 @@ def test_a_load_failed_while_locked_is_refused() -> None:
     with pytest.raises(error_class("DeviceLocked")):
         node.machine().load_failed(node)
     assert state(node) == ("pinned", "loading", 1, 1)
+
+
+# -- the lock walk's fast check --------------------------------------------------
+
+
+def test_the_lock_walks_fast_check_is_read_off_the_spec() -> None:
+    engine = Checked.machine().engine
+    assert counter_step(engine, "lock") == CounterStep(
+        "device", "locks", 1, {"resident": 0, "loading": 0}
+    )
+    assert counter_step(engine, "unlock") == CounterStep(
+        "device", "locks", -1, {"resident": 1, "loading": 1}
+    )
+    assert counter_step(engine, "release") is None  # a rule reads the device region too
+    assert counter_step(engine, "evict_device") is None  # moves a state, not a count
+
+
+@pytest.mark.parametrize("event", ["lock", "unlock", "pin"])
+def test_the_fast_check_agrees_with_the_full_one_at_every_count(event: str) -> None:
+    engine = Checked.machine().engine
+    fast = counter_step(engine, event)  # type: ignore[arg-type]
+    assert fast is not None
+    plan = engine.planner(event)
+    regions = engine.system.machines
+    for host, device, pins, locks in itertools.product(
+        regions["host"].state_names, regions["device"].state_names, range(6), range(6)
+    ):
+        rec = engine.new()
+        rec.host, rec.device, rec.pins, rec.locks = host, device, pins, locks
+        count = getattr(rec, fast.counter)
+        try:
+            assigns, effects, _ = plan(rec)
+        except IllegalTransition:
+            pure = False
+        else:
+            changed = {a: v for a, v in assigns if getattr(rec, a) != v}
+            pure = not effects and changed == {fast.counter: count + fast.delta}
+        floor = fast.least.get(getattr(rec, fast.region))
+        assert pure == (floor is not None and count >= floor), (host, device, pins, locks)
+
+
+class LockCache:
+    """A cache with SGLang's lock loop: bookkeeping, then one step per node, up to the root."""
+
+    def __init__(self, root: Checked, twice: bool = False) -> None:
+        self.root_node = root
+        self.disable = False
+        self.twice = twice
+        self.counted = 0
+
+    def loop(self, node: Any, step: int) -> None:
+        if self.disable:
+            return
+        while node is not self.root_node:
+            self.counted += step  # SGLang's evictable_size_ moves here, before the step
+            node.lock_ref += step
+            if self.twice:
+                node.lock_ref += step
+            node = node.parent
+
+
+def decorated(event: str, step: int) -> Callable[[LockCache, Any], None]:
+    def method(self: LockCache, node: Any) -> None:
+        self.loop(node, step)
+
+    return walked(event, Checked.machine())(method)  # type: ignore[arg-type]
+
+
+inc_lock_ref, dec_lock_ref = decorated("lock", 1), decorated("unlock", -1)
+
+
+def armed(*nodes: Checked) -> list[Any]:
+    return [n.pending for n in nodes]
+
+
+def test_a_walked_lock_steps_each_node_once_and_leaves_none_armed() -> None:
+    root, a, b = tree([1], [2])
+    cache = LockCache(root)
+    inc_lock_ref(cache, b)
+    assert (a.locks, b.locks, root.locks, cache.counted, armed(a, b)) == (1, 1, 1, 2, [None, None])
+    dec_lock_ref(cache, b)
+    assert (a.locks, b.locks, cache.counted, armed(a, b)) == (0, 0, 0, [None, None])
+
+
+def test_a_walked_lock_refused_anywhere_runs_nothing() -> None:
+    root, a, b = tree([1], [2])
+    cache = LockCache(root)
+    with pytest.raises(error_class("UnlockAtZero")):
+        dec_lock_ref(cache, b)
+    assert (cache.counted, a.locks, b.locks, armed(a, b)) == (0, 0, 0, [None, None])
+    backed(a, [7])
+    backed(b, [8])
+    b.value = None
+    a.value = None
+    with pytest.raises(error_class("NotResident")):
+        inc_lock_ref(cache, b)
+    assert (cache.counted, a.locks, b.locks, armed(a, b)) == (0, 0, 0, [None, None])
+    cache.disable = True
+    inc_lock_ref(cache, b)  # a disabled cache's walk returns at once, unchecked
+    assert (cache.counted, b.locks) == (0, 0)
+
+
+def test_a_walked_lock_that_steps_a_node_twice_is_refused() -> None:
+    root, a, b = tree([1], [2])
+    cache = LockCache(root, twice=True)
+    with pytest.raises(ReadOnlyCounter):
+        inc_lock_ref(cache, b)
+    assert (b.locks, armed(a, b)) == (1, [None, None])  # the checked step, and no more
+
+
+# -- the patch, on a module shaped like SGLang's -----------------------------------
+
+SGLANG_SHAPED = """
+from collections import defaultdict
+
+
+class TreeNode:
+    counter = 0
+
+    def __init__(self):
+        self.children = defaultdict(TreeNode)
+        self.parent = None
+        self.value = None
+        self.lock_ref = 0
+        self.id = TreeNode.counter
+        TreeNode.counter += 1
+
+
+class RadixCache:
+    def __init__(self):
+        self.disable = False
+        self.reset()
+
+    def reset(self):
+        self.root_node = TreeNode()
+        self.root_node.value = []
+        self.root_node.lock_ref = 1
+
+    def insert(self, key, value):
+        node = TreeNode()
+        node.parent, node.value = self.root_node, value
+        self.root_node.children[key] = node
+        return node
+
+    def inc_lock_ref(self, node):
+        while node is not self.root_node:
+            node.lock_ref += 1
+            node = node.parent
+"""
+
+
+@pytest.fixture
+def shaped(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    module = types.ModuleType("sglang_shaped_radix_cache")
+    exec(compile(SGLANG_SHAPED, module.__name__, "exec"), module.__dict__)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module
+
+
+def test_the_patch_builds_a_flat_checked_node_with_checked_children(
+    shaped: types.ModuleType,
+) -> None:
+    stock = shaped.TreeNode
+    with patch(shaped) as applied:
+        cache = shaped.RadixCache()
+        node = cache.insert(1, [5, 6])
+        assert type(node) is applied.node_class
+        assert type(node).__mro__[1:] == stock.__mro__  # SGLang's class, one level down
+        assert isinstance(node, ResidencyMixin)
+        assert issubclass(shaped.TreeNode, ResidencyMixin)
+        assert (cache.root_node.sealed, node.sealed, type(node.children)) == (True, True, Children)
+        assert "children" not in vars(shaped.TreeNode)  # built as Children: no property
+        cache.inc_lock_ref(node)
+        assert (node.lock_ref, cache.root_node.lock_ref, node.pending) == (1, 1, None)
+        with pytest.raises(ReadOnlyCounter):
+            node.lock_ref += 1
+    assert (shaped.TreeNode, shaped.defaultdict) == (stock, defaultdict)

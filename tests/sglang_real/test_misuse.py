@@ -9,12 +9,19 @@ and counts as they were.
 from __future__ import annotations
 
 import inspect
+from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from fsm_cache.compat.sglang import HostRefCounterZero, ReadOnlyCounter, patch
+from fsm_cache.compat.sglang import (
+    Children,
+    HostRefCounterZero,
+    ReadOnlyCounter,
+    ResidencyMixin,
+    patch,
+)
 from fsm_cache.errors import CopyInFlight, DuplicateAck, HostCopyPinned, error_class
 
 from .conftest import Api, build_hiradix
@@ -55,6 +62,26 @@ def test_the_patch_checks_the_nodes_and_wraps_the_memory_moves(sg: Api, patched:
     assert isinstance(cache.root_node, patched.node_class)
     assert "RadixCache.inc_lock_ref" in patched.wrapped
     assert (cache.root_node.lock_ref, cache.root_node.device) == (1, "resident")
+
+
+def test_the_checked_node_is_one_class_over_sglangs_and_born_with_checked_children(
+    sg: Api,
+) -> None:
+    stock = sg.rc.TreeNode
+    with patch():
+        node = sg.rc.TreeNode()
+        assert type(node).__mro__[1:] == stock.__mro__  # one class deeper, no more
+        assert (isinstance(node, ResidencyMixin), isinstance(node, stock)) == (True, True)
+        assert (type(node.children), node.sealed) == (Children, False)
+        assert "children" not in vars(type(node))  # SGLang's plain attribute, no property
+        allocator = FakeAllocator(8)
+        cache = sg.rc.RadixCache(sg.cache_params(allocator))
+        sg.insert(cache, [1, 2], allocator.take(2))
+        (leaf,) = cache.root_node.children.values()
+        assert (cache.root_node.sealed, leaf.sealed, type(leaf.children)) == (True, True, Children)
+        assert sg.rc.defaultdict is Children
+    assert (sg.rc.TreeNode, sg.rc.defaultdict) == (stock, defaultdict)
+    assert type(stock().children) is defaultdict
 
 
 def line_of(function: Any, text: str) -> str:

@@ -7,7 +7,8 @@ Two doors, one implementation:
   call (``pytest --fsm-sglang`` does it for a test run);
 * a fork mixes :class:`ResidencyMixin` into its node class and adds the lines
   of :mod:`~fsm_cache.compat.sglang.scope` to its cache methods by hand
-  (docs/sglang.md lists them, per SGLang function).
+  (docs/sglang.md lists them, per SGLang function), or decorates its lock
+  walks with :func:`walked`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from fsm_cache.compat.sglang.scope import (
     loading,
     ride,
     walk,
+    walked,
 )
 
 
@@ -57,4 +59,5 @@ __all__ = [
     "patch",
     "ride",
     "walk",
+    "walked",
 ]

@@ -19,19 +19,23 @@ makes each change an event of the residency machines, checked where it is made:
   first (SGLang's ``inc_lock_ref``/``dec_lock_ref`` loops); ``host_ref_counter``
   moves only through ``protect_host()``/``release_host()``. Any other
   assignment raises :class:`ReadOnlyCounter`.
-* A node is *fresh* from construction until it is put into a parent's
-  ``children`` (or the first event fires at it): its fields describe it as they
-  are assigned, as SGLang builds nodes field by field. A fresh node that
-  already has a child when it is attached is the prefix of a radix split and
-  takes :func:`fsm_cache.residency.split_prefix` of that child; its copy in
-  flight, if any, is acknowledged with the child's.
+* A node is *fresh* from construction until it is put into a sealed
+  parent's ``children`` (or the first event fires at it; a root, which
+  nothing attaches, is sealed by the cache's ``reset``): its fields describe
+  it as they are assigned, as SGLang builds nodes field by field. A fresh
+  node that already has a child when it is attached is the prefix of a radix
+  split and takes :func:`fsm_cache.residency.split_prefix` of that child; its
+  copy in flight, if any, is acknowledged with the child's. Sealing makes the
+  node's ``children`` a :class:`Children`, which checks what is attached to
+  and removed from it.
 * ``evicted`` and ``backuped`` read the fields, as SGLang defines them.
 """
 
 from __future__ import annotations
 
+from abc import ABCMeta
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from operator import attrgetter
 from typing import Any, ClassVar, NoReturn
 
@@ -41,7 +45,8 @@ from fsm_cache.errors import FsmCacheError, ReleaseAtZero
 from fsm_cache.residency import (
     DEVICE_HELD,
     HOST_HELD,
-    Event,
+    DeviceState,
+    HostState,
     Residency,
     default_residency,
     split_prefix,
@@ -73,71 +78,100 @@ class RemovedInUse(FsmCacheError, RuntimeError):
     """A node left the tree while locked, pinned, or with a copy in flight."""
 
 
-def _slot_event(field: str, state: str, present: bool) -> Event | None:
-    """Return the event whose effect this assignment is, or None when it is no event."""
-    if field == "host_value":
-        held = state in HOST_HELD
-        if present and not held:
-            return "write"
-        if not present and held:
-            return "write_failed" if state == "writing" else "evict_host"
-        return None
-    held = state in DEVICE_HELD
-    if present and not held:
-        return "adopt"  # a load is fired before its copy allocates (scope.loading)
-    if not present and held:
-        return "evict_device"
-    return None
+_NO_DEFAULT: Any = object()
+"""``Children.pop`` called without a default."""
 
 
 class Children(defaultdict[Any, Any]):
     """A node's ``children`` mapping: attaching a node seals it, removing one checks it is idle.
 
-    A ``defaultdict`` like SGLang's (``defaultdict(TreeNode)``); a plain dict
-    assigned to ``children`` (as ``_split_node`` does) is wrapped into one
-    without a default.
+    A ``defaultdict`` like SGLang's (``defaultdict(TreeNode)``): the patch has
+    SGLang's ``TreeNode.__init__`` build one in its place, and sealing a node
+    wraps any other mapping (the plain dict ``_split_node`` assigns) into one.
+    Reads are the C ``dict``'s; only attaching and removing run Python.
     """
 
-    __slots__ = ("owner",)  # the node whose children these are, set by its ``children`` setter
+    __slots__ = ()
+
+    # The checks below read ``sealed`` rather than ask ``isinstance``: a checked
+    # node class is a virtual subclass of ResidencyMixin (the patch's is), and
+    # ABCMeta's check is a Python call on the hot path; any other child raises
+    # AttributeError here and is stored unchecked.
 
     def __setitem__(self, key: Any, child: Any) -> None:
-        if isinstance(child, ResidencyMixin) and not child.sealed:
-            child.seal()
-        owner: ResidencyMixin | None = getattr(self, "owner", None)
-        if owner is not None and not owner.sealed:  # a root, sealed with its first child
-            owner.seal()
-        super().__setitem__(key, child)
+        try:
+            fresh = not child.sealed
+        except AttributeError:  # not a checked node
+            fresh = False
+        if fresh:
+            children = child.children
+            if not children and type(children) is Children:  # a new leaf: seal() inlined
+                child.sealed = True
+            else:
+                child.seal()
+            try:
+                if not child.parent.sealed:
+                    child.parent.seal()  # a root, sealed with its first child
+            except AttributeError:  # no parent yet, or not a checked node
+                pass
+        dict.__setitem__(self, key, child)
 
     def __delitem__(self, key: Any) -> None:
         _check_removal(self.get(key))
-        super().__delitem__(key)
+        dict.__delitem__(self, key)
 
-    def pop(self, key: Any, *default: Any) -> Any:
+    def pop(self, key: Any, default: Any = _NO_DEFAULT) -> Any:
         """Remove and return the child under ``key`` (checked as :meth:`__delitem__`)."""
-        _check_removal(self.get(key))
-        return super().pop(key, *default)
+        child: Any = self.get(key)
+        try:
+            held = child.sealed and (
+                child.locks or child.pins or child.host == "writing" or child.device == "loading"
+            )
+        except AttributeError:  # not a checked node (or no child under ``key``)
+            held = False
+        if held:
+            _refuse_removal(child)
+        if default is _NO_DEFAULT:
+            return dict.pop(self, key)
+        return dict.pop(self, key, default)
+
+
+def _checked(mapping: Any) -> Children:
+    """``mapping`` as a :class:`Children`, with its default factory if it has one."""
+    factory = getattr(mapping, "default_factory", None)
+    return Children(factory, mapping) if mapping else Children(factory)
 
 
 def _check_removal(child: Any) -> None:
-    """Refuse to take a node out of the tree while something still holds it."""
-    if not isinstance(child, ResidencyMixin) or not child.sealed:
-        return
-    busy = child.locks or child.pins or child.host == "writing" or child.device == "loading"
-    if busy:
-        msg = (
-            f"node {getattr(child, 'id', '?')}: removed from the tree in "
-            f"{child.host}/{child.device} (pins={child.pins}, locks={child.locks}); "
-            "release its holders and wait for its copies first"
+    """Refuse to take ``child`` out of the tree while something still holds it."""
+    try:
+        held = child.sealed and (
+            child.locks or child.pins or child.host == "writing" or child.device == "loading"
         )
-        raise RemovedInUse(msg)
+    except AttributeError:  # not a checked node
+        return
+    if held:
+        _refuse_removal(child)
 
 
-class ResidencyMixin:
+def _refuse_removal(child: ResidencyMixin) -> NoReturn:
+    """Refuse to take a node out of the tree while something still holds it."""
+    msg = (
+        f"node {getattr(child, 'id', '?')}: removed from the tree in "
+        f"{child.host}/{child.device} (pins={child.pins}, locks={child.locks}); "
+        "release its holders and wait for its copies first"
+    )
+    raise RemovedInUse(msg)
+
+
+class ResidencyMixin(metaclass=ABCMeta):
     """Mix into an SGLang-style ``TreeNode`` to make its residency checked.
 
     Put it first among the bases: ``class TreeNode(ResidencyMixin, OldTreeNode)``
-    (:func:`fsm_cache.compat.sglang.patch` does this for an installed SGLang).
-    The node class must have ``parent`` and ``children``, as SGLang's has.
+    (:func:`fsm_cache.compat.sglang.patch` builds the same class one level
+    flatter for an installed SGLang, and registers it as a subclass). The node
+    class must have ``parent``, ``children`` and an instance ``__dict__``, as
+    SGLang's has; the cache's ``reset`` seals the root it builds.
 
     Set ``residency`` on the class to a :class:`Residency` of your own (for
     example one built with ``trail=True``); by default the process-wide one is used.
@@ -149,41 +183,31 @@ class ResidencyMixin:
         locks: Locks on the device copy (SGLang's ``lock_ref``).
         trail: Recent events with call sites in trail mode.
         sealed: False while the node is fresh (being built field by field).
-        pending: The step a checked walk armed this node with, until taken.
+        pending: The step a checked walk armed this node with, until taken:
+            its ``locks`` after the step when nothing else changes (the fast
+            path), else a :data:`~fsm_cache.compat.sglang.scope.Armed`.
         ack_with: The node whose copy's acknowledgement also acknowledges this
             node's copy in flight (a split prefix, a node loaded in the same
             chain); None when its own does.
     """
 
-    __slots__ = (
-        "_children",
-        "_host_value",
-        "_value",
-        "ack_with",
-        "device",
-        "host",
-        "locks",
-        "pending",
-        "pins",
-        "sealed",
-        "trail",
-    )
+    # The residency fields live in the node's ``__dict__`` with these class-level
+    # defaults: building a node runs SGLang's own ``__init__`` and no other, and a
+    # field takes room once it is written.
+    host: HostState = "unbacked"
+    device: DeviceState = "resident"
+    pins = 0
+    locks = 0
+    trail: trail.Trail | None = None
+    sealed = False
+    pending: int | scope.Armed | None = None
+    ack_with: ResidencyMixin | None = None
+    _value: Any = None
+    _host_value: Any = None
 
     residency: ClassVar[Residency | None] = None
     parent: Any
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.host = "unbacked"
-        self.device = "resident"
-        self.pins = 0
-        self.locks = 0
-        self.trail = None
-        self.sealed = False
-        self.pending: scope.Armed | None = None
-        self.ack_with: ResidencyMixin | None = None
-        self._value: Any = None
-        self._host_value: Any = None
-        super().__init__(*args, **kwargs)
+    _children: Children
 
     @classmethod
     def machine(cls) -> Residency:
@@ -205,28 +229,32 @@ class ResidencyMixin:
         """
         if self.sealed:
             return
-        child = next((c for c in self._children.values() if isinstance(c, ResidencyMixin)), None)
-        if child is not None and getattr(self, "parent", None) is not None:
-            child.seal()
-            self._take_split(child)
+        children = self.children
+        if children and getattr(self, "parent", None) is not None:
+            child = next(iter(children.values()))
+            if hasattr(child, "sealed"):  # a checked node (see Children)
+                child.seal()
+                self._take_split(child)
+        if type(children) is not Children:  # attaching and removing are checked from now on
+            self.children = _checked(children)
         self.sealed = True
 
     def _take_split(self, child: ResidencyMixin) -> None:
-        host, device, pins, locks = split_prefix(child.host, child.device, child.locks)  # type: ignore[arg-type]
-        ident = getattr(self, "id", "?")
+        host, device, pins, locks = split_prefix(child.host, child.device, child.locks)
         if self.locks != locks:
-            msg = f"node {ident}: split prefix has lock_ref {self.locks}, its child {locks}"
+            msg = f"node {getattr(self, 'id', '?')}: split prefix has lock_ref {self.locks}, its child {locks}"
             raise ReadOnlyCounter(msg)
-        for field, state, held in (
-            ("value", device, DEVICE_HELD),
-            ("host_value", host, HOST_HELD),
-        ):
-            if (getattr(self, field) is not None) != (state in held):
-                msg = f"node {ident}: split prefix {field} disagrees with its child's {state}"
-                raise SlotsOutOfStep(msg)
+        if (self._value is not None) != (device in DEVICE_HELD):
+            self._disagrees("value", device)
+        if (self._host_value is not None) != (host in HOST_HELD):
+            self._disagrees("host_value", host)
         self.host, self.device, self.pins = host, device, pins
         if child.host == "writing" or child.device == "loading":
             self.ack_with = child.ack_with or child
+
+    def _disagrees(self, field: str, state: str) -> NoReturn:
+        msg = f"node {getattr(self, 'id', '?')}: split prefix {field} disagrees with its child's {state}"
+        raise SlotsOutOfStep(msg)
 
     # -- counters --------------------------------------------------------------
 
@@ -280,30 +308,25 @@ class ResidencyMixin:
             self._refuse("host_ref_counter", "protect_host()/release_host()")
 
     def _set_lock_ref(self, value: int) -> None:
-        armed = self.pending
-        if armed is not None and value == armed[0] and armed[1] is None:
-            self.locks = value  # the step the walk checked, and nothing else changes
+        if value == self.pending:  # the step a walk checked, and nothing else changes
+            self.locks = value
             self.pending = None
-            return
-        self._step_lock_ref(value)
+        elif not self.sealed:  # a fresh node: the field describes it
+            self.locks = value
+        elif value != self.locks:
+            self._step_lock_ref(value)
 
     def _step_lock_ref(self, value: int) -> None:
-        if not self.sealed:
-            self.locks = value
-            return
-        if value == self.locks:
-            return
         armed = self.pending
-        if armed is None or value != armed[0]:
+        if type(armed) is not tuple or value != armed[0]:
             self._refuse("lock_ref", "cache.inc_lock_ref(node)/cache.dec_lock_ref(node)")
         self.pending = None
         self.locks = value
-        for attr, new in armed[1] or ():  # the rest of the step checked before the walk began
+        for attr, new in armed[1]:  # the rest of the step, checked before the walk began
             setattr(self, attr, new)
-        walk = armed[2]
-        if walk.trail:
+        if armed[3]:
             history = self.machine().engine.history
-            self.trail = trail.note(self.trail, walk.event, history)  # type: ignore[assignment]
+            self.trail = trail.note(self.trail, armed[2], history)
 
     def _refuse(self, name: str, use: str) -> NoReturn:
         msg = f"node {getattr(self, 'id', '?')}: {name} is driven by the residency machines; use {use}"
@@ -333,8 +356,11 @@ class ResidencyMixin:
     def _set_value(self, slots: Any) -> None:
         if not self.sealed:
             self.device = "absent" if slots is None else "resident"
-        else:
-            self._fire_for("value", self.device, slots)
+        elif self.device in DEVICE_HELD:
+            if slots is None:
+                self.machine().evict_device(self)
+        elif slots is not None:
+            self.machine().adopt(self)  # a load is fired before its copy allocates (scope.loading)
         self._value = slots
 
     # The getters are C functions: SGLang reads these fields in every loop.
@@ -347,8 +373,12 @@ class ResidencyMixin:
     def _set_host_value(self, slots: Any) -> None:
         if not self.sealed:
             self.host = "unbacked" if slots is None else "backed"
-        else:
-            self._fire_for("host_value", self.host, slots)
+        elif self.host in HOST_HELD:
+            if slots is None:
+                machine = self.machine()
+                (machine.write_failed if self.host == "writing" else machine.evict_host)(self)
+        elif slots is not None:
+            self.machine().write(self)
         self._host_value = slots
 
     host_value = property(
@@ -357,22 +387,17 @@ class ResidencyMixin:
         doc="Host slot indices (``None`` without a host copy).",
     )
 
-    def _fire_for(self, field: str, state: str, slots: Any) -> None:
-        event = _slot_event(field, state, slots is not None)
-        if event is not None:
-            self.machine().verb(event)(self)
-
     def _set_children(self, mapping: Any) -> None:
-        if not isinstance(mapping, Children):
-            factory: Callable[[], Any] | None = getattr(mapping, "default_factory", None)
-            mapping = Children(factory, mapping) if mapping else Children(factory)
-        mapping.owner = self
-        self._children = mapping
+        self._children = mapping if type(mapping) is Children else _checked(mapping)
 
     children = property(
         attrgetter("_children"),
         _set_children,
-        doc="The child nodes; attaching one seals it, removing one checks it is idle.",
+        doc=(
+            "The child nodes (a :class:`Children`): attaching one seals it, removing one "
+            "checks it is idle. The patched SGLang's ``TreeNode`` has no such property: "
+            "its ``__init__`` builds a ``Children`` itself."
+        ),
     )
 
     def path_to_root(self) -> Iterator[ResidencyMixin]:

@@ -1,8 +1,10 @@
 """One call that makes an installed SGLang's radix caches run with checked residency.
 
-:func:`patch` rebinds ``TreeNode`` in SGLang's cache modules to a subclass
-with :class:`~fsm_cache.compat.sglang.node.ResidencyMixin` first, and wraps
-the cache methods that move memory so that each is checked before it does:
+:func:`patch` rebinds ``TreeNode`` in SGLang's cache modules to a checked
+subclass (SGLang's class with :class:`~fsm_cache.compat.sglang.node.ResidencyMixin`'s
+members in its own namespace, one class deep), points the ``defaultdict`` its
+``__init__`` builds ``children`` with at :class:`~fsm_cache.compat.sglang.node.Children`,
+and wraps the cache methods that move memory so that each is checked before it does:
 
 ============================  ==============================================================
 SGLang method                 what the wrapper adds
@@ -34,16 +36,17 @@ import functools
 import importlib
 import importlib.metadata
 import warnings
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 from fsm_cache.compat.sglang import scope
-from fsm_cache.compat.sglang.node import ResidencyMixin
+from fsm_cache.compat.sglang.node import Children, ResidencyMixin
 from fsm_cache.engine import trail
 from fsm_cache.errors import FsmCacheError
-from fsm_cache.residency import Residency
+from fsm_cache.residency import Event, Residency
 
 
 trail.internal(__file__)
@@ -63,23 +66,6 @@ class PatchError(FsmCacheError, TypeError):
 
 
 Method = Callable[..., Any]
-
-
-def _walked(event: str) -> Callable[[Method], Method]:
-    def wrap(original: Method) -> Method:
-        @functools.wraps(original)
-        def method(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
-            if getattr(self, "disable", False):
-                return original(self, node, *args, **kwargs)
-            walk = scope.Walk(node, event).open()  # type: ignore[arg-type]
-            try:
-                return original(self, node, *args, **kwargs)
-            finally:
-                walk.close()
-
-        return method
-
-    return wrap
 
 
 def _write_backup(original: Method) -> Method:
@@ -175,10 +161,11 @@ def _checked_host_free(free: Method) -> Method:
     return evict_host
 
 
+WALKS: dict[str, Event] = {"inc_lock_ref": "lock", "dec_lock_ref": "unlock"}
+"""SGLang's lock walks and the event each checks on the path first (:func:`scope.walked`)."""
+
 WRAPPERS: dict[str, Callable[[Method], Method]] = {
     "__init__": _init,
-    "inc_lock_ref": _walked("lock"),
-    "dec_lock_ref": _walked("unlock"),
     "write_backup": _write_backup,
     "write_backup_storage": _write_backup_storage,
     "_evict_backuped": _evict_backuped,
@@ -256,11 +243,12 @@ def patch(
     wrapped: list[str] = []
     for module in found:
         original = _tree_node(module)
-        node_class = checked.get(original) or _checked_class(original, engine)
-        checked[original] = node_class
-        result.node_class = node_class
-        result.record(module, "TreeNode", node_class)
-        wrapped += _wrap_caches(result, module)
+        if original not in checked:
+            born = _children_built_checked(result, original)
+            checked[original] = _checked_class(original, engine, children_property=not born)
+        result.node_class = checked[original]
+        result.record(module, "TreeNode", result.node_class)
+        wrapped += _wrap_caches(result, module, engine)
     result.wrapped = tuple(wrapped)
     for name in result.modules:
         _ACTIVE[name] = result
@@ -306,18 +294,58 @@ def _tree_node(module: ModuleType) -> type:
     return node
 
 
-def _checked_class(original: type, engine: Residency) -> type[ResidencyMixin]:
+def _children_built_checked(result: Patch, original: type) -> bool:
+    """Let SGLang's ``TreeNode.__init__`` build its ``children`` as :class:`Children`.
+
+    It calls ``defaultdict(TreeNode)`` through its module's global name; pointed
+    at :class:`Children` (a ``defaultdict`` whose attach and removal are
+    checked), a node has its checked mapping from birth, and ``children`` can
+    stay SGLang's plain attribute instead of the mixin's property (SGLang reads
+    it at every level of every walk). Nothing else in SGLang's cache modules
+    uses the name, and a ``Children`` holding anything but nodes behaves as a
+    ``defaultdict``.
+
+    Returns:
+        Whether the name was there to point (else the node keeps the property).
+    """
+    init = getattr(vars(original).get("__init__"), "__globals__", {})
+    if init.get("defaultdict") is not defaultdict:
+        return False
+    result.record(importlib.import_module(original.__module__), "defaultdict", Children)
+    return True
+
+
+def _checked_class(
+    original: type, engine: Residency, children_property: bool = True
+) -> type[ResidencyMixin]:
+    """SGLang's node class with :class:`ResidencyMixin`'s members in its own namespace.
+
+    Not ``class TreeNode(ResidencyMixin, original)``: SGLang's ``TreeNode()``
+    bumps the class's ``counter``, which resets Python's attribute caches for
+    the class each time, and every later attribute lookup on a node then walks
+    the whole MRO; one class less in it is one dictionary less per lookup.
+    The class is registered as a virtual subclass, so ``isinstance`` and
+    ``issubclass`` with :class:`ResidencyMixin` hold. Without
+    ``children_property``, ``children`` stays a plain attribute (SGLang's
+    ``__init__`` builds a :class:`Children` itself).
+    """
     doc = f"SGLang's {original.__qualname__}, its residency checked by fsm_cache."
-    made = type(
-        original.__name__,
-        (ResidencyMixin, original),
-        {"residency": engine, "__module__": original.__module__, "__doc__": doc},
-    )
+    skip = _NOT_COPIED if children_property else _NOT_COPIED | {"children", "_set_children"}
+    members = {k: v for k, v in vars(ResidencyMixin).items() if k not in skip}
+    members.update(residency=engine, __module__=original.__module__, __doc__=doc)
+    made = type(original.__name__, (original,), members)
     made.__qualname__ = original.__qualname__
-    return made
+    ResidencyMixin.register(made)
+    return cast("type[ResidencyMixin]", made)
 
 
-def _wrap_caches(result: Patch, module: ModuleType) -> list[str]:
+_NOT_COPIED = frozenset(
+    {"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__", "__abstractmethods__"}
+    | {name for name in vars(ResidencyMixin) if name.startswith("_abc_")}
+)
+
+
+def _wrap_caches(result: Patch, module: ModuleType, machine: Residency) -> list[str]:
     classes = [
         cls
         for name in CACHES
@@ -328,8 +356,13 @@ def _wrap_caches(result: Patch, module: ModuleType) -> list[str]:
         raise PatchError(f"{module.__name__}: none of {', '.join(CACHES)} is defined there")
     out = []
     for cls in classes:
-        for name, wrapper in WRAPPERS.items():
-            if name in vars(cls):
-                result.record(cls, name, wrapper(vars(cls)[name]))
-                out.append(f"{cls.__name__}.{name}")
+        for name, method in list(vars(cls).items()):
+            if name in WALKS:
+                checked = scope.walked(WALKS[name], machine)(method)
+            elif name in WRAPPERS:
+                checked = WRAPPERS[name](method)
+            else:
+                continue
+            result.record(cls, name, checked)
+            out.append(f"{cls.__name__}.{name}")
     return out

@@ -4,9 +4,10 @@ SGLang's cache methods change many nodes in a loop, or move memory first and
 record it in a field afterwards. Each helper here checks the whole change
 before the first step, so a refusal changes nothing:
 
-* :func:`walk` checks a lock or unlock on every node of the path to the root
-  (the root excluded, as SGLang's loops stop there), then lets the loop move
-  each node's ``lock_ref`` by one, once.
+* :func:`walked` (a decorator for ``inc_lock_ref``/``dec_lock_ref``) and
+  :func:`walk` (a context manager around the loop) check a lock or unlock on
+  every node of the path to the root (the root excluded, as SGLang's loops
+  stop there), then let the loop move each node's ``lock_ref`` by one, once.
 * :func:`loading` fires ``load`` on the chain an ``load_back`` is about to
   copy, before the controller allocates device slots; :func:`back_out` fails
   those loads again when SGLang gives up (device memory short).
@@ -21,13 +22,20 @@ SGLang's methods with them, and a fork adds them by hand (docs/sglang.md).
 
 from __future__ import annotations
 
+import functools
+import itertools
+import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fsm_cache.engine import trail
-from fsm_cache.residency import Event
+from fsm_cache.engine.core import Engine, Plan
+from fsm_cache.errors import IllegalTransition
+from fsm_cache.residency import Event, Residency
+from fsm_cache.spec.validate import representatives
 
 
 if TYPE_CHECKING:
@@ -38,8 +46,198 @@ trail.internal(__file__)
 
 Step = tuple[tuple[str, Any], ...]
 """The attribute assignments of one node's step, as :meth:`Engine.plan` returns them."""
-Armed = tuple[int, "Step | None", "Walk"]
-"""What a walk arms a node with: its ``locks`` after the step, the step's other changes, the walk."""
+Armed = tuple[int, Step, Event, bool]
+"""What a walk arms a node with when its step changes more than ``locks`` or
+trail mode notes it: its ``locks`` after the step, the step's other changes,
+the event, and whether to note it in the node's trail. Any other step is armed
+with the bare ``locks`` after it."""
+Planner = Callable[[Any], Plan]
+"""An engine's :meth:`~fsm_cache.engine.core.Engine.planner` for one event."""
+Method = Callable[..., Any]
+"""A cache method, as :func:`walked` decorates it."""
+
+
+@dataclass(frozen=True)
+class CounterStep:
+    """Where an event's step moves one counter by a fixed amount and changes nothing else.
+
+    What a lock walk checks at each node, read off the compiled spec once
+    (:func:`counter_step`), so the walk checks a node with one lookup and one
+    comparison instead of planning the whole step.
+
+    Attributes:
+        region: The one region that declares the event.
+        counter: The counter the step moves.
+        delta: By how much.
+        least: Per state of ``region`` in which that is the whole step: the least
+            counter value from which it is (every value from it up is accepted,
+            every value below refused or a different step).
+    """
+
+    region: str
+    counter: str
+    delta: int
+    least: dict[str, int]
+
+
+def counter_step(engine: Engine, event: Event) -> CounterStep | None:
+    """Read off ``engine``'s compiled spec where ``event`` only moves a counter, or None.
+
+    Fires nothing: plans ``event`` on a probe record in every combination of
+    region states and every counter's
+    :func:`~fsm_cache.spec.validate.representatives`, which meet every class
+    of values no guard tells apart, so what holds at them holds for all values.
+    None when the event is declared by more than one region, has rules that
+    read other regions or the tree (the probe could not see those), its region
+    has more than one counter, or it is nowhere a pure counter step.
+    """
+    system = engine.system
+    regions = system.regions_of(event)
+    if len(regions) != 1 or system.forbids_for(event):
+        return None
+    region, plan = regions[0], engine.planner(event)
+    counters = system.machines[region].counter_names
+    if len(counters) != 1:
+        return None
+    axes: list[tuple[str, tuple[Any, ...]]] = [(n, m.state_names) for n, m in system.regions]
+    for _, machine in system.regions:
+        axes += list(representatives(machine).items())
+    outcomes: dict[tuple[str, int], set[tuple[str, int] | None]] = {}
+    for values in itertools.product(*(axis for _, axis in axes)):
+        probe = engine.new()
+        for (name, _), value in zip(axes, values, strict=True):
+            setattr(probe, name, value)
+        key = (getattr(probe, region), getattr(probe, counters[0]))
+        outcomes.setdefault(key, set()).add(_moved(probe, plan))
+    return _least(region, outcomes)
+
+
+def _moved(probe: Any, plan: Planner) -> tuple[str, int] | None:
+    """``(counter, delta)`` when ``plan`` accepts and moves one counter only; else None."""
+    try:
+        assigns, effects, _ = plan(probe)
+    except IllegalTransition:
+        return None
+    changed = [(attr, value) for attr, value in assigns if getattr(probe, attr) != value]
+    if effects or len(changed) != 1 or not isinstance(changed[0][1], int):
+        return None
+    attr, value = changed[0]
+    return attr, value - getattr(probe, attr)
+
+
+def _least(
+    region: str, outcomes: dict[tuple[str, int], set[tuple[str, int] | None]]
+) -> CounterStep | None:
+    """Keep the states where the outcome is one counter step from some value up, for all values."""
+    moves = {o for found in outcomes.values() for o in found if o is not None}
+    if len(moves) != 1 or any(len(found) != 1 for found in outcomes.values()):
+        return None  # two different steps, or one that depends on another region
+    ((counter, delta),) = moves
+    least: dict[str, int] = {}
+    for state in {state for state, _ in outcomes}:
+        values = sorted(v for s, v in outcomes if s == state)
+        pure = [v for v in values if outcomes[state, v] == {(counter, delta)}]
+        if pure and pure == [v for v in values if v >= pure[0]]:
+            least[state] = pure[0]
+    return CounterStep(region, counter, delta, least) if least else None
+
+
+def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
+    """Decorate a cache's lock walk (``inc_lock_ref``/``dec_lock_ref``) to check it first.
+
+    Before the method runs, ``event`` is checked at its node and every
+    ancestor below the root and each node is armed with its step; the
+    method's own loop then takes each step (``node.lock_ref += 1``), once;
+    afterwards every node is disarmed. One check per node, per call, and no
+    object built for the walk: where the step only moves ``locks`` (the spec
+    says where, :func:`counter_step`), the check is one lookup and one
+    comparison and the node is armed with its count after the step.
+
+    Args:
+        event: ``lock`` or ``unlock``.
+        machine: The engine the nodes fire through (their class's).
+
+    Returns:
+        A decorator for ``method(self, node, ...)``; a cache whose ``disable``
+        is true runs the method unchecked, as SGLang's returns at once.
+
+    Raises:
+        IllegalTransition: (from the decorated method) ``event`` is refused at
+            a node of the path, before the method runs; nothing changed.
+    """
+    engine = machine.engine
+    plan, trail_on = engine.planner(event), engine.trail
+    fast = None if trail_on else counter_step(engine, event)
+    # Per device state, the least ``locks`` from which the step only moves it
+    # (a floor no count reaches where it never does): one subscript per node.
+    least: dict[str, int] = {}
+    delta = 0
+    if fast is not None and (fast.region, fast.counter) == ("device", "locks"):
+        least = dict.fromkeys(engine.system.machines["device"].state_names, _NEVER)
+        least.update(fast.least)
+        delta = fast.delta
+
+    def decorate(original: Method) -> Method:
+        @functools.wraps(original)
+        def method(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(self, "disable", False):
+                return original(self, node, *args, **kwargs)
+            at = node
+            try:
+                while (up := at.parent) is not None:  # SGLang's loops stop at the root
+                    if not at.sealed:
+                        at.seal()
+                    locks = at.locks
+                    try:
+                        floor = least[at.device]
+                    except KeyError:  # no fast check (trail mode, another spec)
+                        floor = _NEVER
+                    if locks >= floor:
+                        at.pending = locks + delta
+                    else:  # the full check: refuses, or arms a step that changes more
+                        at.pending = _armed(at, plan, event, trail_on)
+                    at = up
+            except BaseException:
+                _disarm(node, at)
+                raise
+            try:
+                if args or kwargs:
+                    return original(self, node, *args, **kwargs)
+                return original(self, node)
+            finally:
+                while node.parent is not None:  # disarm what the method left armed
+                    node.pending = None
+                    node = node.parent
+
+        return method
+
+    return decorate
+
+
+_NEVER = sys.maxsize
+"""A floor no lock count reaches: the state takes the full check."""
+
+
+def _disarm(node: Any, stop: Any) -> None:
+    """Disarm ``node`` and its ancestors below ``stop``: no step not taken may be taken later."""
+    at = node
+    while at is not stop and at.parent is not None:
+        at.pending = None
+        at = at.parent
+
+
+def _armed(node: ResidencyMixin, plan: Planner, event: Event, trail_on: bool) -> int | Armed:
+    """``node``'s checked step as it is armed: the ``locks`` after it, or an :data:`Armed`."""
+    locks = node.locks
+    others: Step = ()
+    for attr, value in plan(node)[0]:
+        if attr == "locks":
+            locks = value  # type: ignore[assignment]
+        elif getattr(node, attr) != value:
+            others = (*others, (attr, value))
+    if others or trail_on:
+        return (locks, others, event, trail_on)
+    return locks
 
 
 class Walk:
@@ -56,40 +254,24 @@ class Walk:
         IllegalTransition: ``event`` is refused at a node of the path; nothing changed.
     """
 
-    __slots__ = ("event", "path", "steps", "trail")
+    __slots__ = ("event", "path", "steps")
 
     def __init__(self, node: ResidencyMixin, event: Event) -> None:
         self.event = event
         self.path: list[ResidencyMixin] = []
-        self.steps: list[Armed] = []
+        self.steps: list[int | Armed] = []
         engine = node.machine().engine
-        self.trail = engine.trail
-        plan = engine.planner(event)
+        plan, trail_on = engine.planner(event), engine.trail
         at: Any = node
         while at.parent is not None:  # SGLang's loops stop at the root
             if not at.sealed:
                 at.seal()
             self.path.append(at)
-            self.steps.append(self._armed(at, plan(at)[0]))
+            self.steps.append(_armed(at, plan, event, trail_on))
             at = at.parent
 
-    def _armed(self, node: ResidencyMixin, step: Step) -> Armed:
-        """``(locks after the step, its other changes, this walk)``; None: no others, no trail."""
-        locks = node.locks
-        others: list[tuple[str, Any]] = []
-        for attr, value in step:
-            if attr == "locks":
-                locks = value
-            elif getattr(node, attr) != value:
-                others.append((attr, value))
-        return (locks, tuple(others) if others or self.trail else None, self)
-
     def open(self) -> Walk:
-        """Arm each node of the path with its checked step (until :meth:`close`).
-
-        The node's ``lock_ref`` setter takes the fast path when the step
-        changes nothing but ``locks`` and no trail is kept.
-        """
+        """Arm each node of the path with its checked step (until :meth:`close`)."""
         for node, armed in zip(self.path, self.steps, strict=True):
             node.pending = armed
         return self
