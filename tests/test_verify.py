@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from fsm_cache.contracts import exhaustive, verify
 from fsm_cache.contracts import runner as crosshair_run
-from fsm_cache.contracts import verify
 from fsm_cache.contracts.generate import generate
 from fsm_cache.contracts.runner import Contract, Options, Row
 from fsm_cache.engine.core import Engine
 from fsm_cache.errors import FsmCacheError, IllegalTransition, SpecError
+from fsm_cache.spec.machine import System
 from fsm_cache.spec.meaning import step
-from fsm_cache.spec.shipped import residency_system, spec_dir
+from fsm_cache.spec.shipped import load_shipped, residency_system, spec_dir
 from fsm_cache.spec.validate import valuations
 
 
@@ -213,3 +214,46 @@ def test_the_allocator_contracts_set_a_budget_that_exhausts_them() -> None:
 
     options = crosshair_run.with_directives(Options(), Path(pool_contracts.__file__))
     assert options.per_condition_timeout == 30.0
+
+
+# -- three regions: every representative input ------------------------------------
+def test_a_three_region_composition_is_checked_on_every_representative_input(
+    tmp_path: Path,
+) -> None:
+    storage = load_shipped("residency_storage")
+    assert isinstance(storage, System)
+    rows = verify.verify_spec(spec_dir() / "residency_storage.toml", Options(), tmp_path)
+    assert {r.status for r in rows} == {exhaustive.CONFIRMED_EVERY_INPUT}
+    assert {r.function for r in rows} == set(storage.event_names)
+    fetch = [r for r in rows if r.function == "fetch" and r.contract == "the step follows the spec"]
+    # host 6 x device 3 x storage 4 x pins 5 x locks 4 x parent device 4 x parent host 7
+    assert [r.detail for r in fetch] == [f"{6 * 3 * 4 * 5 * 4 * 4 * 7} inputs"]
+    assert exhaustive.counter_domains(storage) == {"pins": (0, 1, 2, 3, 4), "locks": (0, 1, 2, 3)}
+
+
+def test_every_input_finds_a_planted_bug_in_the_engines_code(tmp_path: Path) -> None:
+    storage = load_shipped("residency_storage")
+    assert isinstance(storage, System)
+    module = generate(storage, spec_dir() / "residency_storage.toml")
+    planted = module.source.replace(
+        "if rec.storage in ('storing',) and rec.pins == 1:", "if False:"
+    )
+    assert planted != module.source
+    path = tmp_path / "contracts_planted.py"
+    path.write_text(planted)
+    rows = exhaustive.check_module("planted", path, exhaustive.counter_domains(storage))
+    bad = [r for r in rows if r.status == crosshair_run.COUNTEREXAMPLE]
+    assert {(r.function, r.contract) for r in bad} == {("release", "the step follows the spec")}
+    assert bad[0].detail == (
+        "release(host=HostState.writing, device=DeviceState.resident, "
+        "storage=StorageState.storing, pins=1, locks=0)"
+    )
+
+
+def test_a_domain_too_large_is_not_analysed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(exhaustive, "MAX_INPUTS", 100)
+    rows = verify.verify_spec(spec_dir() / "residency_storage.toml", Options(), tmp_path)
+    assert all(r.failed for r in rows)
+    assert rows[0].verdict() == f"{crosshair_run.NOT_ANALYSED}: 1440 inputs, more than 100"

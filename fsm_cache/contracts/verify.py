@@ -5,6 +5,10 @@ own step code under icontract contracts derived from the spec; CrossHair
 (options pinned in ``[tool.fsm_cache.verify]`` of pyproject.toml) searches
 every path for a counterexample. One row per contract: ``confirmed over all
 paths``, ``no counterexample within budget`` or ``counterexample: <call>``.
+A composition of :data:`EXHAUSTIVE_REGIONS` regions or more has more paths
+than CrossHair explores in its budget; its contracts are checked instead on
+every representative input (:mod:`fsm_cache.contracts.exhaustive`), a complete
+check of the same contracts over a finite domain.
 Without arguments it verifies the shipped specs, the allocator contracts and
 the negative controls of ``specs/bugs_detected`` (which must keep failing).
 Exit status: 0 clean, 1 a counterexample, an unanalysed contract or a control
@@ -23,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fsm_cache.contracts import exhaustive
 from fsm_cache.contracts import runner as crosshair_run
 from fsm_cache.contracts.generate import generate
 from fsm_cache.contracts.runner import Options, Row
@@ -39,6 +44,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 POOL_CONTRACTS = "fsm_cache.contracts.pages"
+
+EXHAUSTIVE_REGIONS = 3
+"""Compositions with this many regions are checked on every representative input."""
 
 
 def load_options(start: Path | None = None) -> Options:
@@ -81,6 +89,8 @@ def verify_spec(path: Path, options: Options, workdir: Path) -> list[Row]:
     system = as_system(load_spec(path))
     folder = Path(tempfile.mkdtemp(dir=workdir))
     module = generate(system, path).write(folder)
+    if len(system.regions) >= EXHAUSTIVE_REGIONS:
+        return exhaustive.check_module(system.name, module, exhaustive.counter_domains(system))
     return crosshair_run.prove(system.name, module, options)
 
 
@@ -161,6 +171,7 @@ def report(result: dict[str, Any]) -> str:
         s: sum(r.status == s for r in rows)
         for s in (
             crosshair_run.CONFIRMED,
+            exhaustive.CONFIRMED_EVERY_INPUT,
             crosshair_run.WITHIN_BUDGET,
             crosshair_run.COUNTEREXAMPLE,
             crosshair_run.NOT_ANALYSED,

@@ -1,0 +1,155 @@
+"""Check a generated contracts module on every representative input, without CrossHair.
+
+A composition of three regions or more (``residency_storage``: host, device and
+storage, with rules that read the parent and the children) has more paths than
+CrossHair explores within its pinned budget: it leaves those contracts at "no
+counterexample within budget". Their inputs, though, are finite: every
+parameter of a generated function is a state (an enum, or ``None`` for an
+absent parent or child) or a counter, and each counter's exact representatives
+(:func:`fsm_cache.spec.validate.representatives`: the critical values of every
+guard, invariant and forbid that reads it, which say why they stand for every
+value) cover every class of values a check tells apart. Calling each function
+on the product of those domains, with its preconditions as filters, and
+evaluating each postcondition on the result is therefore a complete check of
+the same contracts CrossHair would prove. One row per postcondition: confirmed
+on every representative input, or the first counterexample found.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import inspect
+import itertools
+import sys
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fsm_cache.contracts.runner import COUNTEREXAMPLE, NOT_ANALYSED, Row, contracts
+from fsm_cache.errors import FsmCacheError
+from fsm_cache.spec.machine import System
+from fsm_cache.spec.validate import representatives
+
+
+CONFIRMED_EVERY_INPUT = "confirmed on every representative input"
+
+MAX_INPUTS = 1_000_000
+"""The most inputs one function is called with; a larger domain is not analysed."""
+
+
+def counter_domains(system: System) -> dict[str, tuple[int, ...]]:
+    """Return each counter's representative values, composition forbids' guards included."""
+    extra = [f.guard for f in system.forbids]
+    domains: dict[str, tuple[int, ...]] = {}
+    for _, machine in system.regions:
+        domains.update(representatives(machine, *extra))
+    return domains
+
+
+def check_module(target: str, path: Path, counters: Mapping[str, Sequence[int]]) -> list[Row]:
+    """Call every contracted function of the module at ``path`` on every representative input.
+
+    Args:
+        target: The name rows are reported under (the spec's).
+        path: A module written by :mod:`fsm_cache.contracts.generate`.
+        counters: Per counter parameter, the values standing for all of them.
+
+    Raises:
+        FsmCacheError: The module cannot be imported.
+    """
+    module = _load(path)
+    rows: list[Row] = []
+    for name in dict.fromkeys(c.function for c in contracts(path)):
+        rows += _check_function(target, getattr(module, name), counters)
+    return rows
+
+
+def _load(path: Path) -> Any:
+    name = f"_fsm_cache_exhaustive_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise FsmCacheError(f"verify: cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses in the module look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
+
+
+def _check_function(
+    target: str, func: Callable[..., Any], counters: Mapping[str, Sequence[int]]
+) -> list[Row]:
+    from icontract._checkers import find_checker
+
+    checker = find_checker(func)
+    pre = [c for group in getattr(checker, "__preconditions__", []) for c in group]
+    post = list(getattr(checker, "__postconditions__", []))
+    raw = inspect.unwrap(func)
+    names, domains = _domains(func, counters)
+    size = 1
+    for domain in domains:
+        size *= len(domain)
+    if size > MAX_INPUTS:
+        why = f"{size} inputs, more than {MAX_INPUTS}"
+        return [Row(target, func.__name__, _text(c), NOT_ANALYSED, why) for c in post]
+    found: dict[int, str] = {}
+    for values in itertools.product(*domains):
+        args = dict(zip(names, values, strict=True))
+        if not all(_holds(c, args) for c in pre):
+            continue
+        result = raw(**args)
+        for i, c in enumerate(post):
+            if i not in found and not _holds(c, {**args, "result": result}):
+                found[i] = _call(func.__name__, args)
+    return [
+        Row(target, func.__name__, _text(c), COUNTEREXAMPLE, found[i])
+        if i in found
+        else Row(target, func.__name__, _text(c), CONFIRMED_EVERY_INPUT, f"{size} inputs")
+        for i, c in enumerate(post)
+    ]
+
+
+def _domains(
+    func: Callable[..., Any], counters: Mapping[str, Sequence[int]]
+) -> tuple[list[str], list[Sequence[Any]]]:
+    """Return the parameter names and the values each one ranges over."""
+    hints = typing.get_type_hints(inspect.unwrap(func))
+    names = list(inspect.signature(func).parameters)
+    return names, [_domain(name, hints[name], counters) for name in names]
+
+
+def _domain(name: str, hint: Any, counters: Mapping[str, Sequence[int]]) -> Sequence[Any]:
+    if hint is int:
+        return tuple(counters[name])
+    members = [a for a in typing.get_args(hint) if a is not type(None)]
+    if members and _is_enum(members[0]):
+        return (None, *members[0])
+    if _is_enum(hint):
+        return tuple(hint)
+    raise FsmCacheError(f"verify: parameter {name!r} of type {hint!r} has no finite domain")
+
+
+def _is_enum(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, enum.Enum)
+
+
+def _holds(contract: Any, values: Mapping[str, Any]) -> bool:
+    return bool(contract.condition(**{a: values[a] for a in contract.condition_args}))
+
+
+def _text(contract: Any) -> str:
+    return str(contract.description or "")
+
+
+def _call(name: str, args: Mapping[str, Any]) -> str:
+    shown = ", ".join(f"{k}={_shown(v)}" for k, v in args.items())
+    return f"{name}({shown})"
+
+
+def _shown(value: Any) -> str:
+    return f"{type(value).__name__}.{value.name}" if isinstance(value, enum.Enum) else repr(value)
+
