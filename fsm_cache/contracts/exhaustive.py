@@ -152,4 +152,3 @@ def _call(name: str, args: Mapping[str, Any]) -> str:
 
 def _shown(value: Any) -> str:
     return f"{type(value).__name__}.{value.name}" if isinstance(value, enum.Enum) else repr(value)
-
