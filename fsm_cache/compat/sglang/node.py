@@ -116,8 +116,19 @@ class Children(defaultdict[Any, Any]):
                 pass
         dict.__setitem__(self, key, child)
 
+    # Removal: SGLang 0.5.6's ``_delete_leaf`` deletes, 0.5.23's pops. The check
+    # is written out in both (a call would cost what the check does).
+
     def __delitem__(self, key: Any) -> None:
-        _check_removal(self.get(key))
+        child: Any = self.get(key)
+        try:
+            held = child.sealed and (
+                child.locks or child.pins or child.host == "writing" or child.device == "loading"
+            )
+        except AttributeError:  # not a checked node (or no child under ``key``)
+            held = False
+        if held:
+            _refuse_removal(child)
         dict.__delitem__(self, key)
 
     def pop(self, key: Any, default: Any = _NO_DEFAULT) -> Any:
@@ -140,18 +151,6 @@ def _checked(mapping: Any) -> Children:
     """``mapping`` as a :class:`Children`, with its default factory if it has one."""
     factory = getattr(mapping, "default_factory", None)
     return Children(factory, mapping) if mapping else Children(factory)
-
-
-def _check_removal(child: Any) -> None:
-    """Refuse to take ``child`` out of the tree while something still holds it."""
-    try:
-        held = child.sealed and (
-            child.locks or child.pins or child.host == "writing" or child.device == "loading"
-        )
-    except AttributeError:  # not a checked node
-        return
-    if held:
-        _refuse_removal(child)
 
 
 def _refuse_removal(child: ResidencyMixin) -> NoReturn:
@@ -372,6 +371,8 @@ class ResidencyMixin(metaclass=ABCMeta):
 
     def _set_host_value(self, slots: Any) -> None:
         if not self.sealed:
+            if slots is None and self._host_value is None:
+                return  # SGLang's __init__: the class defaults say it already
             self.host = "unbacked" if slots is None else "backed"
         elif self.host in HOST_HELD:
             if slots is None:
