@@ -245,13 +245,13 @@ def compile_fast(em: Emitter, event: str) -> str:
     counters = [c for r in regions for c in em.system.machines[r].counter_names]
     for counter in counters:
         em.emit(1, f"c_{counter} = rec.{counter}")
-    em.inline = _inlinable(em, event)
+    inline = em.inline = _inlinable(em, event)
     try:
         for region in regions:
             _region_block(em, region, em.system.machines[region], event)
     finally:
         em.inline = False
-    if _inlinable(em, event):
+    if inline:  # every branch committed and returned
         em.emit(0, "")
         return name
     _system_forbids(em, event)
