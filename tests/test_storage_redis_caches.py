@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 import torch
 
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.storage_tier import StorageConfig
 from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
 from fsm_cache.storage import RedisStore, page_keys
-from fsm_cache.testing.redis_server import RedisServer, redis_server_path
+from fsm_cache.testing.redis_server import KillsServer, RedisServer, redis_server_path
 
 
 pytestmark = [
@@ -143,25 +142,6 @@ def filler_pages(count: int, seed: int) -> list[torch.Tensor]:
     return [
         torch.randint(0, 255, (128 << 10,), dtype=torch.uint8, generator=gen) for _ in range(count)
     ]
-
-
-class KillsServer:
-    """A client that kills the server just before its ``kill_at``-th pipeline (1-based)."""
-
-    def __init__(self, client: redis.Redis, server: RedisServer) -> None:
-        self.client = client
-        self.server = server
-        self.kill_at = 0
-        self.pipelines = 0
-
-    def pipeline(self, transaction: bool) -> Any:
-        self.pipelines += 1
-        if self.pipelines == self.kill_at:
-            self.server.kill()
-        return self.client.pipeline(transaction=transaction)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
 
 
 def test_a_server_killed_mid_store_fails_the_store_and_loses_nothing_else(

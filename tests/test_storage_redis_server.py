@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -16,7 +15,7 @@ import torch
 
 from fsm_cache.errors import StoreFailed
 from fsm_cache.storage import Namespace, PutResult, RedisStore, page_keys
-from fsm_cache.testing.redis_server import RedisServer, redis_server_path
+from fsm_cache.testing.redis_server import KillsServer, RedisServer, redis_server_path
 
 
 pytestmark = [
@@ -110,25 +109,6 @@ def test_a_full_server_refuses_pages_and_the_put_stops(tmp_path: Path) -> None:
         assert set(results[sent:]) == {PutResult.SKIPPED}
         assert store.exists_prefix(keys) == stored
         assert same(store.get(keys), pages[:stored])
-
-
-class KillsServer:
-    """A client that kills the server just before its ``kill_at``-th pipeline (1-based)."""
-
-    def __init__(self, client: redis.Redis, server: RedisServer, kill_at: int) -> None:
-        self.client = client
-        self.server = server
-        self.kill_at = kill_at
-        self.pipelines = 0
-
-    def pipeline(self, transaction: bool) -> Any:
-        self.pipelines += 1
-        if self.pipelines == self.kill_at:
-            self.server.kill()
-        return self.client.pipeline(transaction=transaction)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
 
 
 def test_server_killed_mid_store_fails_it_and_loses_nothing_else(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -129,6 +130,30 @@ class RedisServer:
         if self.durable:
             command += ["--appendonly", "yes", "--appendfsync", "always"]
         return command
+
+
+class KillsServer:
+    """A client that kills ``server`` just before its ``kill_at``-th pipeline (1-based).
+
+    Everything else is the wrapped client's; ``kill_at`` 0 never kills, and a
+    test may set it later (``pipelines`` counts the pipelines opened so far).
+    """
+
+    def __init__(self, client: redis.Redis, server: RedisServer, kill_at: int = 0) -> None:
+        self.client = client
+        self.server = server
+        self.kill_at = kill_at
+        self.pipelines = 0
+
+    def pipeline(self, transaction: bool) -> Any:
+        """Open a pipeline, first killing the server if this is the ``kill_at``-th."""
+        self.pipelines += 1
+        if self.pipelines == self.kill_at:
+            self.server.kill()
+        return self.client.pipeline(transaction=transaction)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
 
 
 def _free_port() -> int:
