@@ -43,11 +43,13 @@ def ints(value: object, op: str, what: str) -> tuple[int, ...]:
         BadArgument: ``value`` is a string, a scalar, nested, or holds a value
             that is not an int in ``0 <= id < 2**64`` (bools pass as 0 and 1).
     """
-    tolist = getattr(value, "tolist", None)
-    if callable(tolist):
-        value = tolist()
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise BadArgument(f"{op}: {what} must be a sequence of ints, got {type(value).__name__}")
+    if not isinstance(value, (list, tuple)):  # the common kinds skip the checks of the rest
+        tolist = getattr(value, "tolist", None)
+        if callable(tolist):
+            value = tolist()
+        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+            name = type(value).__name__
+            raise BadArgument(f"{op}: {what} must be a sequence of ints, got {name}")
     out = tuple(value)
     try:
         array.array("Q", out)  # one pass in C: non-negative ints that fit 64 bits, or it raises

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, field
+from functools import cached_property, partial
 from itertools import chain
 from types import TracebackType
 
@@ -77,14 +77,23 @@ class MatchResult:
         device_pages: The device pages of the device-matched prefix, in order.
         storage_len: Tokens after those whose pages are being fetched from a
             storage tier (a prefetch in flight; usable once a poll applies it).
+        page_runs: The matched device nodes' pages, one tuple per node, as
+            they were at the lookup (node page tuples are immutable), so
+            ``device_pages`` is flattened only for the callers that read it.
     """
 
     device_len: int
     host_len: int
     last_device_node: TreeNode
     last_host_node: TreeNode
-    device_pages: Pages
+    page_runs: tuple[Pages, ...] = field(repr=False)
     storage_len: int = 0
+
+    @cached_property
+    def device_pages(self) -> Pages:
+        """The device pages of the device-matched prefix, in order."""
+        runs = self.page_runs
+        return runs[0] if len(runs) == 1 else tuple(chain.from_iterable(runs))
 
 
 class HiCache:
@@ -240,12 +249,12 @@ class HiCache:
                 walk = self._storage.prefetch(walk, key, namespace)
             self._core.touch(walk.path)
             root = tree.root(namespace)
-            on_device = []
-            for n in walk.path:
+            on_device, device_len = walk.path, walk.matched
+            for i, n in enumerate(walk.path):
                 if n.device not in DEVICE_READABLE:
+                    on_device = walk.path[:i]
+                    device_len = sum(len(n.key) for n in on_device)
                     break
-                on_device.append(n)
-            device_len = sum(len(n.key) for n in on_device)
             cached: Sequence[TreeNode] = walk.path
             matched, storage_len = walk.matched, 0
             if self._storage is not None:
@@ -258,7 +267,7 @@ class HiCache:
                 host_len=matched - device_len,
                 last_device_node=on_device[-1] if on_device else root,
                 last_host_node=cached[-1] if cached else root,
-                device_pages=tuple(chain.from_iterable(n.device_pages for n in on_device)),
+                page_runs=tuple([n.device_pages for n in on_device]),
                 storage_len=storage_len,
             )
 
@@ -333,7 +342,7 @@ class HiCache:
             return cached
 
     def _fresh_pages(
-        self, path: Sequence[TreeNode], key: tuple[int, ...], given: Sequence[int] | None
+        self, path: Sequence[TreeNode], key: tuple[int, ...], given: Pages | None
     ) -> dict[int, Pages]:
         """Device pages for host-only path nodes (by id) and the new tail (:data:`slots.NEW_TAIL`).
 
@@ -344,8 +353,12 @@ class HiCache:
         """
         page, parts = self.config.page_size, slots.wanted(path, key)
         if given is not None:
-            out = {ident: tuple(pages_of(given[o : o + n], page)) for ident, o, n in parts}
-            slots.check_held(self.tiers.device.allocator, [p for ps in out.values() for p in ps])
+            if page == 1:  # slots are pages
+                out = {ident: given[o : o + n] for ident, o, n in parts}
+            else:
+                out = {ident: tuple(pages_of(given[o : o + n], page)) for ident, o, n in parts}
+            taken = next(iter(out.values())) if len(out) == 1 else tuple(chain(*out.values()))
+            slots.check_held(self.tiers.device.allocator, taken)
             return out
         total = sum(n for _, _, n in parts) // page
         run = self._evictor.alloc_device(total, path[-1] if path else None, path)
@@ -397,7 +410,8 @@ class HiCache:
         num_tokens = arguments.count(num_tokens, "alloc_slots")
         with self._operation("alloc_slots", num_tokens):
             page = self.config.page_size
-            return slots_of(self._evictor.alloc_device(-(-num_tokens // page), None), page)
+            pages = self._evictor.alloc_device(-(-num_tokens // page), None)
+            return list(pages) if page == 1 else slots_of(pages, page)  # slots are pages at 1
 
     def free_slots(self, device_slots: Sequence[int]) -> None:
         """Give back request-held device slots (e.g. the duplicates of a cached prefix).
@@ -722,7 +736,8 @@ class HiCache:
 
     def _operation(self, name: str, *args: Hashable) -> _Operation:
         check = self.check_invariants if self.config.debug else None
-        return _Operation(self._gate, self._core.log, self._flush, check, name=name, args=args)
+        flush = self._transfers.flush if self._storage is None else self._flush
+        return _Operation(self._gate, self._core.log, flush, check, name=name, args=args)
 
     def _flush(self) -> None:
         """Start every copy the operation queued: device-host copies, then storage copies."""
@@ -757,7 +772,8 @@ class _Gate:
 
     def enter(self, name: str) -> None:
         """Let the calling thread in, or raise ConcurrentUse at once (never blocks)."""
-        self.check_open(name)
+        if self.closed:
+            self.check_open(name)
         if not self.lock.acquire(blocking=False):
             raise ConcurrentUse(
                 f"{name}: another thread is inside this cache; a cache is single-threaded"

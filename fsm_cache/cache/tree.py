@@ -107,6 +107,8 @@ class RadixTree:
         self.nodes: dict[int, TreeNode] = {}
         self._ids = itertools.count(1)
         self._on_split = on_split
+        self._shape = 0  # bumped by every change of shape; the last walk is valid while it holds
+        self._last: tuple[int, Hashable, Key, Walk] | None = None
 
     def root(self, namespace: Hashable = None) -> TreeNode:
         """Return the root of ``namespace``, creating it on first use."""
@@ -122,25 +124,36 @@ class RadixTree:
         return tokens[: len(tokens) - len(tokens) % self.page_size]
 
     def walk(self, key: Key, namespace: Hashable = None) -> Walk:
-        """Follow ``key`` down the tree, splitting a node where a match ends inside it."""
+        """Follow ``key`` down the tree, splitting a node where a match ends inside it.
+
+        The last walk is kept until the tree changes shape: an insert walks the
+        key its request's ``match_prefix`` just walked.
+        """
+        last = self._last
+        if last is not None and last[0] == self._shape and last[2] == key and last[1] == namespace:
+            return last[3]
         node, pos, path = self.root(namespace), 0, []
         page = self.page_size
         while pos < len(key):
             child = node.children.get(key[pos : pos + page])
             if child is None:
                 break
-            common = _common_pages(child.key, key[pos:], page)
-            if common < len(child.key):
+            common = len(child.key)
+            if key[pos : pos + common] != child.key:  # the match ends inside the child
+                common = _common_pages(child.key, key[pos : pos + common], page)
                 child = self.split(child, common)
             path.append(child)
             pos += common
             node = child
-        return Walk(tuple(path), pos)
+        found = Walk(tuple(path), pos)
+        self._last = (self._shape, namespace, key, found)
+        return found
 
     def add_leaf(self, parent: TreeNode, key: Key, device_pages: Pages) -> TreeNode:
         """Create a device-resident, unbacked leaf under ``parent``."""
         node = TreeNode(next(self._ids), key, parent, device_pages)
         _children(parent)[key[: self.page_size]] = node
+        self._shape += 1
         self.nodes[node.id] = node
         return node
 
@@ -155,6 +168,7 @@ class RadixTree:
             raise InvariantViolation(msg)
         del _children(node.parent)[node.key[: self.page_size]]
         del self.nodes[node.id]
+        self._shape += 1
 
     def split(self, node: TreeNode, at: int) -> TreeNode:
         """Split ``node`` after ``at`` tokens; return the new prefix node (the old one's parent).
@@ -187,6 +201,7 @@ class RadixTree:
         node.device_pages, node.host_pages = node.device_pages[cut:], node.host_pages[cut:]
         prefix.children = {node.key[:page]: node}
         self.nodes[prefix.id] = prefix
+        self._shape += 1
         if self._on_split is not None:
             self._on_split(prefix, node)
         return prefix
@@ -209,12 +224,15 @@ def _children(node: TreeNode) -> dict[Key, TreeNode]:
 
 
 def _common_pages(a: Key, b: Key, page: int) -> int:
-    """Return the length of the common prefix of ``a`` and ``b`` in whole pages."""
+    """Return the length of the common prefix of ``a`` and ``b`` in whole pages.
+
+    Both start with the same page (that is how the child was found).
+    """
     n = min(len(a), len(b))
     n -= n % page
     if a[:n] == b[:n]:
         return n
-    i = page  # the first page matched: that is how the child was found
+    i = page
     while a[i : i + page] == b[i : i + page]:
         i += page
     return i

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 from fsm_cache.errors import DoubleFree, ForeignSlot, InvariantViolation, PoolError, PoolExhausted
 
@@ -32,7 +33,9 @@ def slots_of(pages: Iterable[int], page_size: int) -> list[int]:
     Postcondition: the result has ``len(pages) * page_size`` entries and page
     ``p`` contributes ``p*page_size .. p*page_size + page_size - 1``.
     """
-    return [s for p in pages for s in range(p * page_size, (p + 1) * page_size)]
+    if page_size == 1:  # every page is one slot
+        return list(pages)
+    return list(chain.from_iterable(range(p * page_size, (p + 1) * page_size) for p in pages))
 
 
 def pages_of(slots: Sequence[int], page_size: int) -> list[int]:
@@ -69,6 +72,7 @@ class PageAllocator:
     num_pages: int
     page_size: int
     _free: list[int] = field(init=False, repr=False)
+    _index: list[int] = field(init=False, repr=False)
     _owner: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -78,7 +82,10 @@ class PageAllocator:
                 f"got {self.num_pages} and {self.page_size}"
             )
         # A stack popped from the end: fresh pools hand out ascending runs.
-        self._free = list(range(self.num_pages - 1, -1, -1))
+        # Page numbers as int objects shared by the free list and every run handed out, so
+        # that _is_run compares a run with its slice of _index by identity, in C.
+        self._index = list(range(self.num_pages))
+        self._free = self._index[::-1]
         self._owner = [FREE] * self.num_pages
 
     @property
@@ -134,7 +141,7 @@ class PageAllocator:
             return []
         pages = self._free[-n:][::-1]
         del self._free[-n:]
-        _set_owner(self._owner, pages, owner)
+        self._set_owner(pages, owner)
         return pages
 
     def free(self, pages: Sequence[int], owner: int = REQUEST) -> None:
@@ -148,7 +155,7 @@ class PageAllocator:
             DoubleFree: a page is already free or listed twice.
         """
         self._check_owned(pages, owner)
-        _set_owner(self._owner, pages, FREE)
+        self._set_owner(pages, FREE)
         self._free.extend(reversed(pages))
 
     def reassign(self, pages: Sequence[int], owner: int, new_owner: int) -> None:
@@ -162,7 +169,7 @@ class PageAllocator:
         if new_owner < 0:
             raise PoolError(f"{self.name} pool: owner must be >= 0, got {new_owner}")
         self._check_owned(pages, owner)
-        _set_owner(self._owner, pages, new_owner)
+        self._set_owner(pages, new_owner)
 
     def owner_of(self, page: int) -> int:
         """Return the owner of ``page``, or ``FREE``.
@@ -181,10 +188,44 @@ class PageAllocator:
         """
         if not pages:
             return True
+        if self._is_run(pages):  # distinct and in range
+            first = pages[0]
+            return self._owner[first : first + len(pages)].count(owner) == len(pages)
         if min(pages) < 0 or max(pages) >= self.num_pages or len(set(pages)) != len(pages):
             return False
         owners = self._owner
         return [owners[p] for p in pages].count(owner) == len(pages)
+
+    def _is_run(self, pages: Sequence[int]) -> bool:
+        """Return whether ``pages`` is ``p, p + 1, ...`` inside the pool (as fresh pools hand out).
+
+        Compared in C with the run's slice of ``_index``; other sequences than
+        lists and tuples take the general paths.
+        """
+        first, n = pages[0], len(pages)
+        if type(first) is not int or not 0 <= first <= self.num_pages - n:
+            return False
+        if pages[-1] != first + n - 1:
+            return False
+        run = self._index[first : first + n]
+        if isinstance(pages, list):
+            return pages == run
+        return isinstance(pages, tuple) and pages == tuple(run)
+
+    def _set_owner(self, pages: Sequence[int], owner: int) -> None:
+        """Record ``owner`` for each of ``pages``, which are distinct (every caller checked that).
+
+        A run of pages is one slice assignment, in C, instead of a loop.
+        """
+        if not pages:
+            return
+        if self._is_run(pages):
+            first = pages[0]
+            self._owner[first : first + len(pages)] = [owner] * len(pages)
+        else:
+            owners = self._owner
+            for p in pages:
+                owners[p] = owner
 
     def _check_range(self, page: int) -> None:
         if not 0 <= page < self.num_pages:
@@ -210,22 +251,6 @@ class PageAllocator:
             InvariantViolation: naming the first broken invariant.
         """
         check_pages(self.name, self.num_pages, self._free, self._owner)
-
-
-def _set_owner(owners: list[int], pages: Sequence[int], owner: int) -> None:
-    """Record ``owner`` for each of ``pages``, which are distinct (every caller checked that).
-
-    Distinct pages spanning exactly ``len(pages)`` numbers are a whole range,
-    in some order: one slice assignment, in C, instead of a loop.
-    """
-    if not pages:
-        return
-    low, high = min(pages), max(pages)
-    if high - low == len(pages) - 1:
-        owners[low : high + 1] = [owner] * len(pages)
-    else:
-        for p in pages:
-            owners[p] = owner
 
 
 def check_pages(name: str, num_pages: int, free: Sequence[int], owners: Sequence[int]) -> None:
