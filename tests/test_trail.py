@@ -161,6 +161,46 @@ class _Tree:
         self.parent = parent
 
 
+def test_a_transition_that_writes_nothing_is_noted() -> None:
+    spec = spec_from_dict(
+        {
+            "machine": {"name": "m", "initial": "a"},
+            "states": {"a": {}, "b": {}},
+            "transition": [
+                {"event": "poke", "source": "a", "dest": "a"},
+                {"event": "stop", "source": "a", "dest": "b"},
+                {"event": "go_on", "source": "b", "dest": "a"},
+            ],
+            "forbid": [
+                {"event": "stop", "source": "b", "error": "E", "reason": "stopped"},
+                {"event": "poke", "source": "b", "error": "E", "reason": "stopped"},
+                {"event": "go_on", "source": "a", "error": "E", "reason": "going"},
+            ],
+        }
+    )
+    engine = Engine(spec, trail=True)
+    rec = engine.new(1)
+    line = here() + 1
+    engine.verb("poke")(rec)
+    engine.verb("stop")(rec)
+    exc = refusal(engine, rec, "stop")
+    where = "test_a_transition_that_writes_nothing_is_noted"
+    assert exc.history == (
+        f"poked at {HERE}:{line} in {where}; stopped at {HERE}:{line + 1} in {where}; {REFUSED}"
+    )
+
+
+def test_a_refused_event_leaves_the_record_and_its_trail_as_they_were() -> None:
+    engine = Engine(host_machine(), trail=True)
+    node = backed(engine)
+    a = backup_to_storage(engine, node)
+    before = (node.state, node.pins, list(node.trail))
+    with pytest.raises(IllegalTransition):
+        engine.verb("evict_host")(node)
+    assert (node.state, node.pins, list(node.trail)) == before
+    assert [(event, site.line) for event, site in trail.sites(node.trail)] == [("pin", a)]
+
+
 def test_the_trail_keeps_only_the_last_events() -> None:
     engine = Engine(host_machine(), trail=True, history=2)
     node = backed(engine)

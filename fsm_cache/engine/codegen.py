@@ -234,9 +234,11 @@ def compile_fast(em: Emitter, event: str) -> str:
     """Emit ``_fire_<event>(rec)`` that checks and commits inline; return its name.
 
     Only for events with no effects and no propagation: the common, hot case. When
-    nothing is checked after a state's branch (one region, no composition forbid, no
-    trail), each transition commits in its branch and returns, writing only what
-    changes: a pin on a pinned node writes one counter, as a bare counter does.
+    nothing is checked after a state's branch (one region, no composition forbid),
+    each transition commits in its branch, writing only what changes: a pin on a
+    pinned node writes one counter, as a bare counter does. Without a trail the
+    branch returns there; with one, every branch that did not refuse falls through
+    to the note of the call site.
     """
     name = f"_fire_{event}"
     em.event = event
@@ -251,36 +253,43 @@ def compile_fast(em: Emitter, event: str) -> str:
             _region_block(em, region, em.system.machines[region], event)
     finally:
         em.inline = False
-    if inline:  # every branch committed and returned
-        em.emit(0, "")
-        return name
-    _system_forbids(em, event)
-    for region in regions:
-        em.emit(1, f"rec.{region} = n_{region}")
-    for counter in _assigned(em.system, event):
-        em.emit(1, f"rec.{counter} = c_{counter}")
+    if not inline:
+        _system_forbids(em, event)
+        for region in regions:
+            em.emit(1, f"rec.{region} = n_{region}")
+        for counter in _assigned(em.system, event):
+            em.emit(1, f"rec.{counter} = c_{counter}")
     if em.trail:
-        em.emit(1, "f = _getframe(1)")
-        em.emit(1, "c = f.f_code")
-        em.emit(1, "while c.co_filename in _INTERNAL:")
-        em.emit(2, "f = f.f_back")
-        em.emit(2, "c = f.f_code")
-        em.emit(1, "t = rec.trail")
-        em.emit(1, "if t is None:")
-        em.emit(2, "t = rec.trail = _deque(maxlen=_history)")
-        em.emit(1, f"t.append(({event!r}, c, f.f_lasti))")
+        _note_site(em, event)
     em.emit(0, "")
     return name
+
+
+def _note_site(em: Emitter, event: str) -> None:
+    """Emit the note of ``event``'s call site on ``rec.trail``: the caller's code and offset.
+
+    The site is the first frame outside fsm_cache's dispatch files; its line is
+    looked up only when a refusal names it (see :func:`trail.site_of`).
+    """
+    em.emit(1, "f = _getframe(1)")
+    em.emit(1, "c = f.f_code")
+    em.emit(1, "while c.co_filename in _INTERNAL:")
+    em.emit(2, "f = f.f_back")
+    em.emit(2, "c = f.f_code")
+    em.emit(1, "t = rec.trail")
+    em.emit(1, "if t is None:")
+    em.emit(2, "t = rec.trail = _deque(maxlen=_history)")
+    em.emit(1, f"t.append(({event!r}, c, f.f_lasti))")
 
 
 def _inlinable(em: Emitter, event: str) -> bool:
     """Whether ``event`` may commit inside its branches: nothing is checked after them.
 
-    That holds with one region, no composition forbid and no trail to append, and
-    where no update assigns one counter twice (each write reads the value on entry).
+    That holds with one region and no composition forbid, and where no update
+    assigns one counter twice (each write reads the value on entry).
     """
     regions = em.system.regions_of(event)
-    if len(regions) != 1 or em.system.forbids_for(event) or em.trail:
+    if len(regions) != 1 or em.system.forbids_for(event):
         return False
     updates = (t.update for t in em.system.machines[regions[0]].transitions if t.event == event)
     return all(len({a.counter for a in u.assigns}) == len(u.assigns) for u in updates)
@@ -357,7 +366,11 @@ def _transition_body(em: Emitter, region: str, tr: Transition, depth: int) -> No
             em.emit(depth, f"rec.{region} = {tr.dest!r}")
         for assign in tr.update.assigns:
             em.emit(depth, f"rec.{assign.counter} = {_value(assign)}")
-        em.emit(depth, "return")
+        # A trail note follows the branches; a transition that writes nothing needs a body.
+        if not em.trail:
+            em.emit(depth, "return")
+        elif tr.dest == em.state and not tr.update.assigns:
+            em.emit(depth, "pass")
         return
     em.emit(depth, f"n_{region} = {tr.dest!r}")
     for assign in tr.update.assigns:
