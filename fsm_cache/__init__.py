@@ -27,6 +27,7 @@ from fsm_cache.spec.machine import MachineSpec, System
 
 
 if TYPE_CHECKING:
+    from fsm_cache.cache.arguments import TokenKey
     from fsm_cache.cache.hicache import HiCache, MatchResult
     from fsm_cache.memory.tiers import CacheConfig
 
@@ -48,6 +49,7 @@ __all__ = [
     "ResidencyRecord",
     "SpecError",
     "System",
+    "TokenKey",
     "UnlockAtZero",
     "__version__",
     "load_spec",
@@ -56,6 +58,7 @@ _LAZY = {
     "HiCache": "fsm_cache.cache.hicache",
     "MatchResult": "fsm_cache.cache.hicache",
     "CacheConfig": "fsm_cache.memory.tiers",
+    "TokenKey": "fsm_cache.cache.arguments",
 }
 
 

@@ -12,6 +12,7 @@ from fsm_cache.lazy import resolver
 
 
 if TYPE_CHECKING:
+    from fsm_cache.cache.arguments import TokenKey
     from fsm_cache.cache.eventlog import EventLog
     from fsm_cache.cache.hicache import HiCache, Lock, MatchResult
     from fsm_cache.cache.metrics import Stats
@@ -27,6 +28,7 @@ __all__ = [
     "MatchResult",
     "Stats",
     "StorageConfig",
+    "TokenKey",
     "replay",
 ]
 __getattr__ = resolver(
@@ -39,6 +41,7 @@ __getattr__ = resolver(
         "MatchResult": "fsm_cache.cache.hicache",
         "Stats": "fsm_cache.cache.metrics",
         "StorageConfig": "fsm_cache.cache.storage_tier",
+        "TokenKey": "fsm_cache.cache.arguments",
         "replay": "fsm_cache.cache.replay",
     },
 )

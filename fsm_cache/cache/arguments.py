@@ -33,16 +33,40 @@ Tokens: TypeAlias = Sequence[int] | TokenArray
 """Token ids (or slots) as callers pass them: a sequence of ints, or a 1-d tensor or array."""
 
 
+class TokenKey(tuple[int, ...]):
+    """Token ids checked once, for a request's ``match_prefix`` and ``insert`` to share.
+
+    A tuple of non-negative Python ints, checked when it is built, as SGLang's
+    scheduler builds a request's ``RadixKey`` once: the cache takes it as it
+    is, where a list or tensor is converted and checked at every call.
+
+    Args:
+        tokens: The token ids: a sequence of ints, or a 1-d tensor or array.
+
+    Raises:
+        BadArgument: ``tokens`` is not a sequence of ints in ``0 <= id < 2**64``.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, tokens: Tokens = ()) -> TokenKey:
+        """Check ``tokens`` and hold them."""
+        return super().__new__(cls, ints(tokens, "TokenKey", "tokens"))
+
+
 def ints(value: object, op: str, what: str) -> tuple[int, ...]:
     """Return ``value`` as a tuple of non-negative Python ints.
 
     Accepts a sequence or iterable of ints, or anything with ``tolist()`` that
-    gives one (a 1-d tensor or array).
+    gives one (a 1-d tensor or array). A :class:`TokenKey` was checked when it
+    was built and is returned as it is.
 
     Raises:
         BadArgument: ``value`` is a string, a scalar, nested, or holds a value
             that is not an int in ``0 <= id < 2**64`` (bools pass as 0 and 1).
     """
+    if type(value) is TokenKey:
+        return value
     if not isinstance(value, (list, tuple)):  # the common kinds skip the checks of the rest
         tolist = getattr(value, "tolist", None)
         if callable(tolist):

@@ -33,8 +33,11 @@ def slots_of(pages: Iterable[int], page_size: int) -> list[int]:
     Postcondition: the result has ``len(pages) * page_size`` entries and page
     ``p`` contributes ``p*page_size .. p*page_size + page_size - 1``.
     """
+    pages = list(pages)
     if page_size == 1:  # every page is one slot
-        return list(pages)
+        return pages
+    if pages and _ascending_run(pages):  # pages handed out together: one range of slots
+        return list(range(pages[0] * page_size, (pages[-1] + 1) * page_size))
     return list(chain.from_iterable(range(p * page_size, (p + 1) * page_size) for p in pages))
 
 
@@ -48,10 +51,21 @@ def pages_of(slots: Sequence[int], page_size: int) -> list[int]:
         raise ForeignSlot(f"{len(slots)} slots is not a multiple of page_size {page_size}")
     if page_size == 1:  # every slot is a whole page
         return list(slots)
+    if slots and slots[0] % page_size == 0 and _ascending_run(slots):
+        return list(range(slots[0] // page_size, (slots[-1] + 1) // page_size))
     pages = [s // page_size for s in slots[::page_size]]
     if slots_of(pages, page_size) != list(slots):
         raise ForeignSlot(f"slots are not whole pages of size {page_size}")
     return pages
+
+
+def _ascending_run(values: Sequence[int]) -> bool:
+    """Return whether non-empty ``values`` is ``v, v + 1, ...`` (compared in C with a range)."""
+    first, n = values[0], len(values)
+    if values[-1] != first + n - 1 or type(first) is not int:
+        return False
+    run = range(first, first + n)
+    return list(values) == list(run) if not isinstance(values, tuple) else values == tuple(run)
 
 
 @dataclass

@@ -1,0 +1,158 @@
+"""The held-slots fast paths of issue 15 give the answers of the general paths.
+
+Each shortcut (a checked :class:`TokenKey`, the tree's last walk, match
+results that flatten their pages on first read, page runs recognised in C)
+is compared with what the cache answers without it, on workloads that make
+the shortcut's reason to be stale happen: splits, evictions, deletions, and
+pages freed and handed out again in another order.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fsm_cache import TokenKey
+from fsm_cache.cache.hicache import HiCache
+from fsm_cache.errors import BadArgument, DoubleFree, ForeignSlot
+from fsm_cache.memory.pages import PageAllocator, pages_of, slots_of
+from fsm_cache.memory.tiers import CacheConfig
+
+
+def make(page: int = 2, pages: int = 64, host: int = 0) -> HiCache:
+    """A small debug-mode cache: every operation checks every invariant after it."""
+    return HiCache(
+        CacheConfig(
+            device_pages=pages,
+            host_pages=host,
+            page_size=page,
+            layers=1,
+            heads=1,
+            head_dim=4,
+            debug=True,
+        )
+    )
+
+
+def serve(cache: HiCache, tokens: list[int] | TokenKey) -> tuple[int, tuple[int, ...]]:
+    """Match, evict if short, insert with held slots, free the cached part; the answers."""
+    match = cache.match_prefix(tokens)
+    page = cache.config.page_size
+    need = len(tokens) - len(tokens) % page - match.device_len
+    free = cache.tiers.device.allocator.free_slots
+    if need > free:
+        cache.evict(need - free)
+    held = cache.alloc_slots(need)
+    cached = cache.insert(tokens, slots_of(match.device_pages, page) + held)
+    return cached, match.device_pages
+
+
+class TestTokenKey:
+    def test_is_checked_when_built_with_the_cache_message(self) -> None:
+        with pytest.raises(BadArgument) as caught:
+            TokenKey([3, -1])
+        assert str(caught.value) == "TokenKey: tokens[1] is -1; ids and slots are 0 <= id < 2**64"
+        with pytest.raises(BadArgument) as caught:
+            TokenKey("abc")  # type: ignore[arg-type]
+        assert str(caught.value) == "TokenKey: tokens must be a sequence of ints, got str"
+
+    def test_holds_python_ints_from_a_tensor(self) -> None:
+        key = TokenKey(torch.tensor([5, 6, 7]))
+        assert key == (5, 6, 7)
+        assert all(type(t) is int for t in key)
+
+    def test_a_cache_answers_a_key_as_it_answers_the_list(self) -> None:
+        rng = random.Random(3)
+        prompts = [[rng.randrange(1000) for _ in range(12)] for _ in range(3)]
+        requests = [
+            rng.choice(prompts) + [rng.randrange(1000) for _ in range(rng.randrange(9))]
+            for _ in range(40)
+        ]
+        plain, keyed = make(pages=24), make(pages=24)
+        for tokens in requests:
+            assert serve(plain, tokens) == serve(keyed, TokenKey(tokens))
+        assert [n.key for n in plain.tree] == [n.key for n in keyed.tree]
+
+    def test_a_subclass_is_checked_again(self) -> None:
+        class Sneaky(TokenKey):
+            pass
+
+        sneaky = tuple.__new__(Sneaky, (1, -2))  # built past the check
+        with pytest.raises(BadArgument, match=r"tokens\[1\] is -2"):
+            make().match_prefix(sneaky)
+
+
+class TestLastWalk:
+    def test_a_split_between_match_and_insert_is_seen(self) -> None:
+        cache = make()
+        serve(cache, [1, 2, 3, 4, 5, 6])
+        assert cache.match_prefix([1, 2, 3, 4, 5, 6]).device_len == 6
+        cache.insert([1, 2, 9, 9], [0, 0, *cache.alloc_slots(2)])  # splits the walked node
+        assert sorted(len(n.key) for n in cache.tree) == [2, 2, 4]
+        assert cache.insert([1, 2, 3, 4, 5, 6], [0] * 6) == 6
+        assert sorted(len(n.key) for n in cache.tree) == [2, 2, 4]
+        assert cache.match_prefix([1, 2, 3, 4, 5, 6]).device_len == 6
+
+    def test_an_eviction_between_match_and_insert_is_seen(self) -> None:
+        cache = make(pages=4)
+        serve(cache, [1, 2, 3, 4])
+        match = cache.match_prefix([1, 2, 3, 4])
+        assert match.device_len == 4
+        cache.evict(8)  # deletes the node the match walked
+        assert cache.match_prefix([1, 2, 3, 4]).device_len == 0
+        assert cache.insert([1, 2, 3, 4], cache.alloc_slots(4)) == 0
+        assert cache.match_prefix([1, 2, 3, 4]).device_len == 4
+
+
+class TestMatchPages:
+    def test_pages_are_those_of_the_lookup_after_a_split(self) -> None:
+        cache = make()
+        serve(cache, [1, 2, 3, 4, 5, 6])
+        match = cache.match_prefix([1, 2, 3, 4, 5, 6])
+        before = tuple(match.page_runs)
+        serve(cache, [1, 2, 3, 4, 7, 8])  # splits the matched node
+        assert match.device_pages == tuple(p for run in before for p in run)
+        assert len(match.device_pages) * 2 == match.device_len
+
+
+@given(
+    st.integers(1, 4),
+    st.lists(st.tuples(st.booleans(), st.integers(0, 6)), min_size=1, max_size=60),
+    st.randoms(use_true_random=False),
+)
+@settings(max_examples=60, deadline=None)
+def test_pool_runs_behave_as_any_pages(
+    page: int, steps: list[tuple[bool, int]], rng: random.Random
+) -> None:
+    """Allocate, free in shuffled order and reassign: owners as a plain model says."""
+    pool = PageAllocator("device", 16, page)
+    owners: dict[int, int] = {}
+    held: list[list[int]] = []
+    for alloc, n in steps:
+        if alloc and n <= 16 - len(owners):
+            got = pool.alloc(n * page, owner=0)
+            assert not set(got) & owners.keys()
+            owners.update(dict.fromkeys(got, 0))
+            held.append(got)
+            assert pages_of(slots_of(got, page), page) == got
+        elif held:
+            pages = held.pop(rng.randrange(len(held)))
+            rng.shuffle(pages)
+            if pages and rng.random() < 0.5:
+                pool.reassign(tuple(pages), 0, 7)
+                with pytest.raises(ForeignSlot):
+                    pool.reassign(pages, 0, 8)
+                pool.free(pages, 7)
+            else:
+                pool.free(pages, 0)
+            if pages:
+                with pytest.raises(DoubleFree):
+                    pool.free(pages, 0)
+            for p in pages:
+                del owners[p]
+        assert pool.owners == tuple(owners.get(p, -1) for p in range(16))
+        pool.check()
