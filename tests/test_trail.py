@@ -201,6 +201,19 @@ def test_a_refused_event_leaves_the_record_and_its_trail_as_they_were() -> None:
     assert [(event, site.line) for event, site in trail.sites(node.trail)] == [("pin", a)]
 
 
+def test_a_lease_notes_the_callers_of_lease_and_release() -> None:
+    engine = Engine(host_machine(), trail=True)
+    node = backed(engine)
+    line = here() + 1
+    lease = engine.lease(node)
+    lease.release()
+    exc = refusal(engine, node, "release")
+    where = "test_a_lease_notes_the_callers_of_lease_and_release"
+    assert exc.history == (
+        f"pinned at {HERE}:{line} in {where}; released at {HERE}:{line + 1} in {where}; {REFUSED}"
+    )
+
+
 def test_the_trail_keeps_only_the_last_events() -> None:
     engine = Engine(host_machine(), trail=True, history=2)
     node = backed(engine)

@@ -87,8 +87,11 @@ class Compiled:
         steps: Every event's checking function, ``step(rec) -> plan``, which
             writes nothing.
         verbs: The events with a fast path (no effects, no propagation): checked
-            functions that commit inline, ``verb(rec)``.
+            functions that commit inline, ``verb(rec)``. In trail mode they note
+            the first caller outside fsm_cache's dispatch files, walking past them.
         refusals: What each ``_refuse(rec, index)`` of the source raises, by index.
+        direct: In trail mode, the same fast paths noting their immediate caller
+            without the walk, for code outside fsm_cache to call; empty otherwise.
     """
 
     source: str
@@ -96,6 +99,7 @@ class Compiled:
     steps: Mapping[str, Step]
     verbs: Mapping[str, Verb]
     refusals: tuple[Refusal, ...]
+    direct: Mapping[str, Verb]
 
 
 _numbers = itertools.count(1)
@@ -120,11 +124,9 @@ def compile_system(
     """
     em = Emitter(system, trail=trail)
     steps = {event: compile_event(em, event) for event in system.event_names}
-    fast = {
-        event: compile_fast(em, event)
-        for event in system.event_names
-        if not needs_general(system, event)
-    }
+    hot = [event for event in system.event_names if not needs_general(system, event)]
+    fast = {event: compile_fast(em, event) for event in hot}
+    direct = {event: compile_fast(em, event, walk=False) for event in hot} if trail else {}
     source = "\n".join(em.lines)
     refusals = tuple(em.refusals)
     filename = f"<fsm_cache {system.name} engine {next(_numbers)}>"
@@ -137,6 +139,7 @@ def compile_system(
         steps=MappingProxyType({event: namespace[name] for event, name in steps.items()}),
         verbs=MappingProxyType({event: namespace[name] for event, name in fast.items()}),
         refusals=refusals,
+        direct=MappingProxyType({event: namespace[name] for event, name in direct.items()}),
     )
 
 
@@ -230,7 +233,7 @@ def compile_event(em: Emitter, event: str) -> str:
     return name
 
 
-def compile_fast(em: Emitter, event: str) -> str:
+def compile_fast(em: Emitter, event: str, *, walk: bool = True) -> str:
     """Emit ``_fire_<event>(rec)`` that checks and commits inline; return its name.
 
     Only for events with no effects and no propagation: the common, hot case. When
@@ -238,9 +241,10 @@ def compile_fast(em: Emitter, event: str) -> str:
     each transition commits in its branch, writing only what changes: a pin on a
     pinned node writes one counter, as a bare counter does. Without a trail the
     branch returns there; with one, every branch that did not refuse falls through
-    to the note of the call site.
+    to the note of the call site: the first frame outside fsm_cache's dispatch files,
+    or with ``walk`` false the immediate caller (``_fire_<event>_at_caller``).
     """
-    name = f"_fire_{event}"
+    name = f"_fire_{event}" if walk else f"_fire_{event}_at_caller"
     em.event = event
     em.emit(0, f"def {name}(rec):")
     regions = em.system.regions_of(event)
@@ -260,26 +264,33 @@ def compile_fast(em: Emitter, event: str) -> str:
         for counter in _assigned(em.system, event):
             em.emit(1, f"rec.{counter} = c_{counter}")
     if em.trail:
-        _note_site(em, event)
+        _note_site(em, event, walk)
     em.emit(0, "")
     return name
 
 
-def _note_site(em: Emitter, event: str) -> None:
+def _note_site(em: Emitter, event: str, walk: bool) -> None:
     """Emit the note of ``event``'s call site on ``rec.trail``: the caller's code and offset.
 
-    The site is the first frame outside fsm_cache's dispatch files; its line is
-    looked up only when a refusal names it (see :func:`trail.site_of`).
+    The site is the first frame outside fsm_cache's dispatch files, or with
+    ``walk`` false the immediate caller, which saves the file test on every
+    event. Its line is looked up only when a refusal names it
+    (:func:`trail.site_of`). A record's first note finds its trail None and
+    makes it (``try`` costs nothing until it catches).
     """
     em.emit(1, "f = _getframe(1)")
-    em.emit(1, "c = f.f_code")
-    em.emit(1, "while c.co_filename in _INTERNAL:")
-    em.emit(2, "f = f.f_back")
-    em.emit(2, "c = f.f_code")
-    em.emit(1, "t = rec.trail")
-    em.emit(1, "if t is None:")
-    em.emit(2, "t = rec.trail = _deque(maxlen=_history)")
-    em.emit(1, f"t.append(({event!r}, c, f.f_lasti))")
+    code = "f.f_code"
+    if walk:
+        code = "c"
+        em.emit(1, "c = f.f_code")
+        em.emit(1, "while c.co_filename in _INTERNAL:")
+        em.emit(2, "f = f.f_back")
+        em.emit(2, "c = f.f_code")
+    entry = f"({event!r}, {code}, f.f_lasti)"
+    em.emit(1, "try:")
+    em.emit(2, f"rec.trail.append({entry})")
+    em.emit(1, "except AttributeError:  # None: the record's first note")
+    em.emit(2, f"rec.trail = _deque(({entry},), maxlen=_history)")
 
 
 def _inlinable(em: Emitter, event: str) -> bool:

@@ -7,7 +7,10 @@ refused at c.py:31 in abort``: both cleanup paths of a double release, which is
 the information SGLang's ``Host reference counter is already zero.`` never had.
 
 Sites are the first frame outside fsm_cache's own dispatch modules, so they
-point at the user's code, not at the engine.
+point at the user's code, not at the engine. A verb that code outside fsm_cache
+asked for (:meth:`~fsm_cache.engine.core.Engine.verb`) is called by that code,
+so it notes its immediate caller and skips the walk; verbs fsm_cache's own
+dispatch code asked for walk past it.
 
 Trail mode was called audit mode up to fsm_cache 0.1; the ``audit=`` keyword
 and the ``FSM_CACHE_AUDIT`` variable still work for one release, with a
