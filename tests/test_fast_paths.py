@@ -20,6 +20,7 @@ from fsm_cache import TokenKey
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.errors import BadArgument, DoubleFree, ForeignSlot
 from fsm_cache.memory.pages import PageAllocator, pages_of, slots_of
+from fsm_cache.memory.tickets import run_start
 from fsm_cache.memory.tiers import CacheConfig
 
 
@@ -156,3 +157,27 @@ def test_pool_runs_behave_as_any_pages(
                 del owners[p]
         assert pool.owners == tuple(owners.get(p, -1) for p in range(16))
         pool.check()
+
+
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [((3, 4, 5), (10, 11, 12)), ((5, 3), (0, 1)), ((7,), (9,)), ((1, 2), (4, 2)), ((), ())],
+)
+def test_a_ticket_carries_the_runs_its_copy_moves_by(
+    src: tuple[int, ...], dst: tuple[int, ...]
+) -> None:
+    """The runs checked at start are the ones the mover would find, and the bytes land."""
+    cache = make(page=1, pages=16, host=16)
+    copier = cache.tiers.copier
+    device, host = cache.tiers.device, cache.tiers.host
+    if len(set(dst)) != len(dst):
+        with pytest.raises(ValueError, match="listed twice"):
+            copier.start_write(src, dst)
+        return
+    kv = torch.arange(16 * device.words[0].numel(), dtype=device.words.dtype).view_as(device.words)
+    device.words.copy_(kv)
+    ticket = copier.start_write(src, dst)
+    assert ticket.runs == (run_start(src), run_start(dst))
+    copier.drain()
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(host.words[d], kv[s])

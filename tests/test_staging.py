@@ -97,9 +97,15 @@ def test_backups_of_many_operations_move_in_one_submission(monkeypatch: pytest.M
     moves: list[tuple[Direction, list[int], list[int]]] = []
     move = staging.Mover.move
 
-    def spy(mover: staging.Mover, direction: Direction, src: list[int], dst: list[int]) -> None:
+    def spy(
+        mover: staging.Mover,
+        direction: Direction,
+        src: list[int],
+        dst: list[int],
+        runs: tuple[int | None, int | None] | None = None,
+    ) -> None:
         moves.append((direction, list(src), list(dst)))
-        move(mover, direction, src, dst)
+        move(mover, direction, src, dst, runs)
 
     monkeypatch.setattr(staging.Mover, "move", spy)
     want = raw(eng.device, [5, 1, 7, 2])

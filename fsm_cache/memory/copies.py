@@ -53,6 +53,7 @@ from fsm_cache.memory.tickets import (
     Ticket,
     host_runs,
     refuse_busy_destination,
+    run_start,
 )
 
 
@@ -174,8 +175,8 @@ class CopyEngine:
     def _start(self, direction: Direction, src: Sequence[int], dst: Sequence[int]) -> Ticket:
         if self.closed:
             raise CopyFailed(f"copy engine closed: {direction.value} copy refused")
-        self._validate(direction, src, dst)
-        ticket = Ticket(next(self._ids), direction, tuple(src), tuple(dst))
+        runs = self._validate(direction, src, dst)
+        ticket = Ticket(next(self._ids), direction, tuple(src), tuple(dst), runs)
         self._started = ticket.id
         self._pending[ticket.id] = ticket
         self._busy.add(ticket)
@@ -183,23 +184,31 @@ class CopyEngine:
         self._open_pages += len(src)
         return ticket
 
-    def _validate(self, direction: Direction, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Refuse a copy that cannot run, in C where nothing is wrong (the common case)."""
+    def _validate(
+        self, direction: Direction, src: Sequence[int], dst: Sequence[int]
+    ) -> tuple[int | None, int | None]:
+        """Refuse a copy that cannot run, in C where nothing is wrong (the common case).
+
+        Returns :func:`run_start` of ``src`` and of ``dst``, for the copy's ticket.
+        """
         if len(src) != len(dst):
             raise ValueError(f"copy: {len(src)} source pages but {len(dst)} destination pages")
-        targets = set(dst)
-        if len(targets) != len(dst):
+        dst_run = run_start(dst)  # a run of pages (the common case) is distinct: no set needed
+        if dst_run is None and len(set(dst)) != len(dst):
             raise ValueError("copy: a destination page is listed twice")
         if direction is Direction.D2H:
             pools, busy = (self.device, self.host), self._busy.host
         else:
             pools, busy = (self.host, self.device), self._busy.device
-        for pool, pages in ((pools[0], src), (pools[1], dst)):
-            if pages and (min(pages) < 0 or max(pages) >= pool.num_pages):
+        src_run = run_start(src)
+        for pool, pages, run in ((pools[0], src, src_run), (pools[1], dst, dst_run)):
+            low, high = (run, pages[-1]) if run is not None else _bounds(pages)
+            if low < 0 or high >= pool.num_pages:
                 bad = next(p for p in pages if not 0 <= p < pool.num_pages)
                 raise ForeignSlot(f"{pool.name} pool: page {bad} outside 0..{pool.num_pages - 1}")
-        if not busy.isdisjoint(targets):
+        if not busy.isdisjoint(dst):
             refuse_busy_destination(direction, dst, busy)
+        return src_run, dst_run
 
     def submit(self) -> None:
         """Move the open batch now: one submission per direction, in start order.
@@ -218,20 +227,21 @@ class CopyEngine:
                 lo = hi
 
     def _launch(self, tickets: Sequence[Ticket]) -> None:
-        direction = tickets[0].direction
+        direction, runs = tickets[0].direction, tickets[0].runs
         if len(tickets) == 1:
             src: Sequence[int] = tickets[0].src_pages
             dst: Sequence[int] = tickets[0].dst_pages
         else:
             src = list(chain.from_iterable(t.src_pages for t in tickets))
             dst = list(chain.from_iterable(t.dst_pages for t in tickets))
+            runs = None
         stream = self._mover.streams.get(direction)
         if stream is not None and self._api is not None:
             # D2H: read only what compute has written. H2D: overwrite only what compute has read.
             stream.wait_stream(self._api.current_stream(self.device.device))
         failure: RuntimeError | None = None
         try:
-            self._mover.move(direction, src, dst)
+            self._mover.move(direction, src, dst, runs)
         except RuntimeError as exc:  # a launch that fails is reported like any failure
             failure = exc
         event = self._record(stream)
@@ -360,6 +370,11 @@ class CopyEngine:
     def busy_host_pages(self) -> frozenset[int]:
         """Every host page an unreported copy touches."""
         return self._busy.host.frozen()
+
+
+def _bounds(pages: Sequence[int]) -> tuple[int, int]:
+    """The lowest and highest of ``pages``; ``(0, -1)`` for none (inside every pool)."""
+    return (min(pages), max(pages)) if pages else (0, -1)
 
 
 def _finished(submission: _Submission) -> bool:

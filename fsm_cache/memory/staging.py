@@ -183,11 +183,19 @@ class Mover:
         }
         self._retired: list[torch.Tensor] = []  # outgrown buffers queued work may still read
 
-    def move(self, direction: Direction, src: Sequence[int], dst: Sequence[int]) -> None:
+    def move(
+        self,
+        direction: Direction,
+        src: Sequence[int],
+        dst: Sequence[int],
+        runs: tuple[int | None, int | None] | None = None,
+    ) -> None:
         """Queue (or, without streams, run) the copy of ``src[i]`` to ``dst[i]`` for every ``i``.
 
         The direction's stream must already wait for what it must follow
-        (compute); the batch's last work is queued on it.
+        (compute); the batch's last work is queued on it. ``runs`` are
+        :func:`~fsm_cache.memory.tickets.run_start` of ``src`` and ``dst``
+        where the caller knows them already.
 
         Raises:
             RuntimeError: torch refused to queue a step (out of memory, say);
@@ -197,10 +205,12 @@ class Mover:
         if n == 0:
             return
         if self._api is not None:  # streams: one transfer per run of host pages, so make few
-            src, dst = _in_host_order(direction, src, dst)
+            ordered = _in_host_order(direction, src, dst)
+            if ordered[0] is not src:
+                src, dst, runs = *ordered, None
         last = self.streams.get(direction)
         if n <= step:  # one chunk: both stages on the direction's stream, one after the other
-            one, two = self._stages(direction, src, dst, 0)
+            one, two = self._stages(direction, src, dst, 0, runs)
             self._run(last, one)
             self._run(last, two)
             return
@@ -217,13 +227,20 @@ class Mover:
             self._run(last, two)
 
     def _stages(
-        self, direction: Direction, src: Sequence[int], dst: Sequence[int], slot: int
+        self,
+        direction: Direction,
+        src: Sequence[int],
+        dst: Sequence[int],
+        slot: int,
+        runs: tuple[int | None, int | None] | None = None,
     ) -> tuple[Callable[[], None], Callable[[], None] | None]:
         """The two stages of one chunk, staged (when they need to be) through buffer ``slot``."""
         buffer = partial(self._buffer, direction, slot, len(src))
+        if runs is None:
+            runs = (run_start(src), run_start(dst))
         if direction is Direction.D2H:
-            return self._d2h(src, dst, buffer)
-        return self._h2d(src, dst, buffer)
+            return self._d2h(src, dst, buffer, runs)
+        return self._h2d(src, dst, buffer, runs)
 
     def release(self) -> None:
         """Drop outgrown staging buffers; call only when no queued copy can still use them."""
@@ -259,14 +276,18 @@ class Mover:
         return fresh[:pages]
 
     def _d2h(
-        self, src: Sequence[int], dst: Sequence[int], staging: Callable[[], torch.Tensor]
+        self,
+        src: Sequence[int],
+        dst: Sequence[int],
+        staging: Callable[[], torch.Tensor],
+        runs: tuple[int | None, int | None],
     ) -> tuple[Callable[[], None], Callable[[], None] | None]:
         """The chunk's gather and copy out (None: the gather wrote the host pages itself)."""
         dev, host, where = self._dev, self._host, self._where
-        at = None if self._cuda else run_start(dst)
+        at = None if self._cuda else runs[1]
         if at is not None:  # CPU, host pages in one run: straight into them
             out = host[at : at + len(dst)]
-            begin = run_start(src)
+            begin = runs[0]
             if begin is not None:  # device pages in one run too: one strided copy
                 return (lambda: _copy(out, dev[begin : begin + len(src)], False)), None
             return (lambda: _gather(dev, page_index(src, where), out)), None
@@ -282,14 +303,18 @@ class Mover:
         return (lambda: _gather(dev, page_index(src, where), buffer)), copy_out
 
     def _h2d(
-        self, src: Sequence[int], dst: Sequence[int], staging: Callable[[], torch.Tensor]
+        self,
+        src: Sequence[int],
+        dst: Sequence[int],
+        staging: Callable[[], torch.Tensor],
+        runs: tuple[int | None, int | None],
     ) -> tuple[Callable[[], None], Callable[[], None] | None]:
         """The chunk's load into staging and scatter (None: one step reads the host pages)."""
         dev, host, where = self._dev, self._host, self._where
-        at = None if self._cuda else run_start(src)
+        at = None if self._cuda else runs[0]
         if at is not None:  # CPU, host pages in one run: read straight from them
             data = host[at : at + len(src)]
-            begin = run_start(dst)
+            begin = runs[1]
             if begin is not None:  # device pages in one run too: one strided copy
                 return (lambda: _copy(dev[begin : begin + len(dst)], data, False)), None
             return (lambda: _scatter(dev, page_index(dst, where), data)), None

@@ -38,6 +38,9 @@ class Ticket:
     direction: Direction
     src_pages: tuple[int, ...]
     dst_pages: tuple[int, ...]
+    runs: tuple[int | None, int | None] | None = field(default=None, compare=False, repr=False)
+    """:func:`run_start` of ``src_pages`` and of ``dst_pages``, as the engine found them
+    when it checked the copy (None: not known), so that moving it need not look again."""
 
     @property
     def device_pages(self) -> tuple[int, ...]:
@@ -247,8 +250,10 @@ def run_start(pages: Sequence[int]) -> int | None:
     first = pages[0]
     if pages[-1] - first != len(pages) - 1:
         return None
-    if len(pages) > 2 and list(pages) != list(range(first, first + len(pages))):
-        return None
+    if len(pages) > 2:
+        run = range(first, first + len(pages))
+        if (pages != tuple(run)) if isinstance(pages, tuple) else (list(pages) != list(run)):
+            return None
     return first
 
 
