@@ -158,7 +158,7 @@ def test_the_bench_reports_every_figure() -> None:
     bench = run_engine_bench(n=200, repeat=1)
     assert min(bench.bare_ns, bench.engine_ns, bench.trail_ns, bench.transitions_ns) > 0
     text = bench.format()
-    assert text.splitlines()[0] == "pin+release pairs: n=200, best of 1"
+    assert text.splitlines()[0] == "pin+release pairs: n=200, best of 1 in CPU time"
     assert "bytes per residency record: " in text
     assert set(bench.targets()) == {
         "engine <= 2.0x bare",
