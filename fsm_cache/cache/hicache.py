@@ -318,7 +318,12 @@ class HiCache:
             key = tree.aligned(given)
             slots.check_count(args, len(key))
             walk = tree.walk(key, namespace)
-            if any(n.device == "loading" for n in walk.path):
+            cached, loading = 0, False
+            for node in walk.path:
+                if node.device == "loading":
+                    loading = True
+                    break
+            if loading:
                 if args is None:  # refuse what can never fit before waiting for anything
                     needed = sum(n for _, _, n in slots.wanted(walk.path, key))
                     self._evictor.refuse_impossible(needed // self.config.page_size, walk.path[-1])
@@ -329,16 +334,15 @@ class HiCache:
                         " runs again; insert after a poll"
                     )
                 walk = tree.walk(key, namespace)  # what the copies applied may have changed it
-            cached = 0
             for node in walk.path:
                 if node.device == "absent":
                     break
                 cached += len(node.key)
             fresh = self._fresh_pages(walk.path, key, args)
             added = self._take_over(walk.path, walk.matched, key, fresh, namespace)
-            self._core.touch((*walk.path, *added))
-            for node in (*walk.path, *added):
-                self._transfers.maybe_backup(node)
+            touched = (*walk.path, *added)
+            self._core.touch(touched)
+            self._transfers.maybe_backup_each(touched)
             return cached
 
     def _fresh_pages(

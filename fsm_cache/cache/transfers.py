@@ -211,6 +211,12 @@ class Transfers:
 
     # -- writes the policy starts --------------------------------------------
 
+    def maybe_backup_each(self, nodes: Iterable[TreeNode]) -> None:
+        """:meth:`maybe_backup` each of ``nodes`` (none at all without a host tier)."""
+        if self._threshold is not None:
+            for node in nodes:
+                self.maybe_backup(node)
+
     def maybe_backup(self, node: TreeNode) -> None:
         """Start a write of ``node`` if the write policy wants one and the host has room."""
         threshold = self._threshold

@@ -120,8 +120,9 @@ class RadixTree:
         return found
 
     def aligned(self, tokens: Key) -> Key:
-        """Return ``tokens`` cut down to a whole number of pages."""
-        return tokens[: len(tokens) - len(tokens) % self.page_size]
+        """Return ``tokens`` cut down to a whole number of pages (``tokens`` if they are)."""
+        extra = len(tokens) % self.page_size
+        return tokens[: len(tokens) - extra] if extra else tokens
 
     def walk(self, key: Key, namespace: Hashable = None) -> Walk:
         """Follow ``key`` down the tree, splitting a node where a match ends inside it.

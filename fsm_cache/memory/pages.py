@@ -87,6 +87,7 @@ class PageAllocator:
     page_size: int
     _free: list[int] = field(init=False, repr=False)
     _index: list[int] = field(init=False, repr=False)
+    _last_run: tuple[int, ...] = field(init=False, repr=False)
     _owner: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +101,7 @@ class PageAllocator:
         # that _is_run compares a run with its slice of _index by identity, in C.
         self._index = list(range(self.num_pages))
         self._free = self._index[::-1]
+        self._last_run: tuple[int, ...] = ()
         self._owner = [FREE] * self.num_pages
 
     @property
@@ -216,6 +218,8 @@ class PageAllocator:
         Compared in C with the run's slice of ``_index``; other sequences than
         lists and tuples take the general paths.
         """
+        if pages is self._last_run:
+            return True
         first, n = pages[0], len(pages)
         if type(first) is not int or not 0 <= first <= self.num_pages - n:
             return False
@@ -224,7 +228,10 @@ class PageAllocator:
         run = self._index[first : first + n]
         if isinstance(pages, list):
             return pages == run
-        return isinstance(pages, tuple) and pages == tuple(run)
+        if type(pages) is tuple and pages == tuple(run):
+            self._last_run = pages  # immutable: a check and the update after it test it once
+            return True
+        return False
 
     def _set_owner(self, pages: Sequence[int], owner: int) -> None:
         """Record ``owner`` for each of ``pages``, which are distinct (every caller checked that).
