@@ -107,8 +107,7 @@ class RadixTree:
         self.nodes: dict[int, TreeNode] = {}
         self._ids = itertools.count(1)
         self._on_split = on_split
-        self._shape = 0  # bumped by every change of shape; the last walk is valid while it holds
-        self._last: tuple[int, Hashable, Key, Walk] | None = None
+        self._last: tuple[Hashable, Key, Walk] | None = None  # dropped when it may be stale
 
     def root(self, namespace: Hashable = None) -> TreeNode:
         """Return the root of ``namespace``, creating it on first use."""
@@ -127,12 +126,13 @@ class RadixTree:
     def walk(self, key: Key, namespace: Hashable = None) -> Walk:
         """Follow ``key`` down the tree, splitting a node where a match ends inside it.
 
-        The last walk is kept until the tree changes shape: an insert walks the
-        key its request's ``match_prefix`` just walked.
+        The last walk is kept until the tree changes where it went (a new leaf,
+        a split, the removal of a node on its path): an insert walks the key
+        its request's ``match_prefix`` just walked.
         """
         last = self._last
-        if last is not None and last[0] == self._shape and last[2] == key and last[1] == namespace:
-            return last[3]
+        if last is not None and last[1] == key and last[0] == namespace:
+            return last[2]
         node, pos, path = self.root(namespace), 0, []
         page = self.page_size
         while pos < len(key):
@@ -147,14 +147,14 @@ class RadixTree:
             pos += common
             node = child
         found = Walk(tuple(path), pos)
-        self._last = (self._shape, namespace, key, found)
+        self._last = (namespace, key, found)
         return found
 
     def add_leaf(self, parent: TreeNode, key: Key, device_pages: Pages) -> TreeNode:
         """Create a device-resident, unbacked leaf under ``parent``."""
         node = TreeNode(next(self._ids), key, parent, device_pages)
         _children(parent)[key[: self.page_size]] = node
-        self._shape += 1
+        self._last = None
         self.nodes[node.id] = node
         return node
 
@@ -169,7 +169,9 @@ class RadixTree:
             raise InvariantViolation(msg)
         del _children(node.parent)[node.key[: self.page_size]]
         del self.nodes[node.id]
-        self._shape += 1
+        last = self._last
+        if last is not None and node in last[2].path:  # a walk elsewhere went the same way
+            self._last = None
 
     def split(self, node: TreeNode, at: int) -> TreeNode:
         """Split ``node`` after ``at`` tokens; return the new prefix node (the old one's parent).
@@ -202,7 +204,7 @@ class RadixTree:
         node.device_pages, node.host_pages = node.device_pages[cut:], node.host_pages[cut:]
         prefix.children = {node.key[:page]: node}
         self.nodes[prefix.id] = prefix
-        self._shape += 1
+        self._last = None
         if self._on_split is not None:
             self._on_split(prefix, node)
         return prefix
