@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,10 @@ import torch
 
 from fsm_cache.errors import ForeignSlot, PinnedMemoryError, PoolError
 from fsm_cache.memory.pages import PageAllocator
+
+
+_INT = frozenset((int,))
+"""The one page type :meth:`KVPool._index` accepts without a look at each page."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,13 @@ class KVPool:
         self.allocator = PageAllocator(name, num_pages, layout.page_size)
         self.pages = _page_view(tensor, layout, num_pages, page_first=name == "host")
         self.words = _word_view(tensor, layout, num_pages, page_first=name == "host")
+        # what writes address: runs of pages as slices of the pool split into pages,
+        # other pages by index in a contiguous view of the words (the host's own, or
+        # the device's layer-first ``[layers * planes, pages, words]``)
+        self._page_first = name == "host"
+        self._paged = tensor if self._page_first else tensor.view(*_paged_shape(layout, num_pages))
+        self._dest = self.words if self._page_first else self.words.permute(1, 0, 2)
+        self._on_cpu = tensor.device.type == "cpu"
         self._pin_device = pin_device
         self._finalizer: weakref.finalize[..., KVPool] | None = None
         if pinned:
@@ -139,12 +151,11 @@ class KVPool:
         Raises:
             ForeignSlot: a page is outside the pool.
         """
-        self._check_pages(pages)
+        idx = self._index(pages)
         lay = self.layout
         shape = (lay.layers, lay.planes, len(pages) * lay.page_size, lay.heads, lay.head_dim)
-        if not pages:
+        if idx is None:
             return torch.empty(shape, dtype=lay.dtype)
-        idx = torch.tensor(list(pages), dtype=torch.long, device=self.device)
         data = self.pages.index_select(0, idx).permute(1, 2, 0, 3, 4, 5)
         return data.reshape(*shape[:-1], -1).view(lay.dtype).to("cpu")
 
@@ -152,38 +163,126 @@ class KVPool:
         """Store ``kv`` (device layout, ``len(pages) * page_size`` tokens) into ``pages``.
 
         No pages and an empty ``kv`` write nothing. The whole request is
-        checked first, so a refused write changes no page.
+        checked first, so a refused write changes no page. The checks run in
+        C over the whole list (the pages' types as a set, an ascending run as
+        one comparison with a range, else the bounds and a set of the pages);
+        only a refused request is walked page by page, to name the first
+        culprit. A run of pages is stored as one slice, other pages with one
+        ``index_copy_`` of the pool's words.
 
         Raises:
             ForeignSlot: a page is outside the pool.
             PoolError: a page is listed twice, or ``kv`` has another shape or
                 dtype than ``pages`` need.
         """
-        self._check_pages(pages)
-        lay = self.layout
-        shape = (lay.layers, lay.planes, len(pages) * lay.page_size, lay.heads, lay.head_dim)
-        if tuple(kv.shape) != shape or kv.dtype != lay.dtype:
+        where = self._where(pages)
+        lay, n = self.layout, len(pages)
+        shape = (lay.layers, lay.planes, n * lay.page_size, lay.heads, lay.head_dim)
+        if kv.shape != shape or kv.dtype != lay.dtype:
             raise PoolError(
                 f"{self.name} pool: kv of shape {tuple(kv.shape)} and dtype {kv.dtype} "
-                f"does not fit {len(pages)} pages, which need shape {shape} and dtype {lay.dtype}"
+                f"does not fit {n} pages, which need shape {shape} and dtype {lay.dtype}"
             )
-        seen: set[int] = set()
-        for p in pages:
-            if p in seen:
-                raise PoolError(f"{self.name} pool: page {p} is listed twice")
-            seen.add(p)
-        if not pages:
+        if where is not None:
+            self._store(pages, where, kv.reshape(_paged_shape(lay, n)))
+
+    def write_values(self, pages: Sequence[int], values: torch.Tensor) -> None:
+        """Store ``values`` into ``pages``, cast to the pool's dtype as ``Tensor.copy_`` casts.
+
+        ``values`` is ``[layers, planes, len(pages), page_size, heads,
+        head_dim]``: the device layout with its slots split into pages, in
+        any dtype on any device. For KV computed in another type, such as
+        :meth:`Tiers.write_tokens`'s small integers (exact in every KV
+        dtype): the cast happens on the way into the pool instead of in a
+        tensor of its own. Checked as :meth:`write`; a refused write
+        changes no page.
+
+        Raises:
+            ForeignSlot: a page is outside the pool.
+            PoolError: a page is listed twice, or ``values`` has another
+                shape than ``pages`` need.
+        """
+        where = self._where(pages)
+        shape = _paged_shape(self.layout, len(pages))
+        if values.shape != shape:
+            raise PoolError(
+                f"{self.name} pool: values of shape {tuple(values.shape)} do not fit "
+                f"{len(pages)} pages, which need shape {shape}"
+            )
+        if where is not None:
+            self._store(pages, where, values)
+
+    def _store(self, pages: Sequence[int], where: int | torch.Tensor, paged: torch.Tensor) -> None:
+        """Write ``paged`` (``[layers, planes, pages, page_size, heads, head_dim]``) to ``pages``.
+
+        ``where`` is what :meth:`_where` returned for them: the first page of
+        a run, stored as one slice (``copy_`` takes any device, dtype and
+        strides), or an index, whose pages must be distinct.
+        """
+        n = len(pages)
+        if isinstance(where, int):  # a run: each page listed once
+            if self._page_first:
+                self._paged.narrow(0, where, n).copy_(paged.permute(2, 0, 1, 3, 4, 5))
+            else:
+                self._paged.narrow(2, where, n).copy_(paged)
             return
-        rows, word = self.words.shape[1], self.words.dtype
-        raw = kv.to(self.device).contiguous().view(torch.uint8)
-        staged = raw.view(rows, len(pages), -1).view(word).permute(1, 0, 2)
-        idx = torch.tensor(list(pages), dtype=torch.long, device=self.device)
-        self.words.index_copy_(0, idx, staged.contiguous())
+        if len(set(pages)) != n:
+            self._refuse_repeats(pages)
+        exact = paged.to(self.device, self.layout.dtype).contiguous()
+        rows = exact.view(self.words.shape[1], n, -1).view(self.words.dtype)
+        if self._page_first:
+            self._dest.index_copy_(0, where, rows.transpose(0, 1))
+        else:
+            self._dest.index_copy_(1, where, rows)
+
+    def _where(self, pages: Sequence[int]) -> int | torch.Tensor | None:
+        """Check ``pages``; return the first page of an ascending run, else an index (None: none).
+
+        Raises:
+            ForeignSlot: a page is not an int (bools neither) in ``0..num_pages - 1``.
+        """
+        if not pages:
+            return None
+        if not _INT.issuperset(map(type, pages)):
+            self._check_pages(pages)  # names the culprit (an int subclass passes)
+        first, n = pages[0], len(pages)
+        if pages[-1] == first + n - 1 and first >= 0 and first + n <= self.num_pages:
+            run = range(first, first + n)  # compared in C, as a tuple or a list
+            if (pages == tuple(run)) if isinstance(pages, tuple) else (list(pages) == list(run)):
+                return first
+        return self._pages_index(pages)
+
+    def _index(self, pages: Sequence[int]) -> torch.Tensor | None:
+        """Check ``pages`` and return them as an index on the pool's device (None: no pages).
+
+        Raises:
+            ForeignSlot: a page is not an int (bools neither) in ``0..num_pages - 1``.
+        """
+        if not pages:
+            return None
+        if not _INT.issuperset(map(type, pages)):
+            self._check_pages(pages)
+        return self._pages_index(pages)
+
+    def _pages_index(self, pages: Sequence[int]) -> torch.Tensor:
+        """``pages`` (ints, not empty) as an index on the pool's device, after their bounds."""
+        if not (min(pages) >= 0 and max(pages) < self.num_pages):
+            self._check_pages(pages)
+        idx = torch.frombuffer(array("q", pages), dtype=torch.int64)
+        return idx if self._on_cpu else idx.to(self.device)
 
     def _check_pages(self, pages: Sequence[int]) -> None:
         for p in pages:
             if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.num_pages:
                 raise ForeignSlot(f"{self.name} pool: page {p!r} outside 0..{self.num_pages - 1}")
+
+    def _refuse_repeats(self, pages: Sequence[int]) -> None:
+        """Raise :class:`PoolError` naming the first page ``pages`` lists twice."""
+        seen: set[int] = set()
+        for p in pages:
+            if p in seen:
+                raise PoolError(f"{self.name} pool: page {p} is listed twice")
+            seen.add(p)
 
     def fill(self, pages: Sequence[int], byte: int) -> None:
         """Set every byte of ``pages`` to ``byte`` (poisons the pages a failed copy wrote)."""
@@ -206,6 +305,12 @@ class KVPool:
             return
         self.pinned = False
         unregister_host(self.tensor, self._pin_device)
+
+
+def _paged_shape(layout: KVLayout, pages: int) -> tuple[int, ...]:
+    """The device layout of ``pages`` pages with its slots split into pages."""
+    lay = layout
+    return (lay.layers, lay.planes, pages, lay.page_size, lay.heads, lay.head_dim)
 
 
 def _page_view(
