@@ -7,8 +7,10 @@ machines stay torch-free.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
@@ -367,8 +369,26 @@ class Tiers:
         self.host.allocator.reassign(host, owner, new)
 
     def write_tokens(self, pages: Sequence[int], tokens: Sequence[int]) -> None:
-        """Fill ``pages`` with KV derived from ``tokens``, as a model's forward pass would."""
-        self.device.write(pages, synthetic_kv(self.device.layout, tokens))
+        """Fill ``pages`` with KV derived from ``tokens``, as a model's forward pass would.
+
+        The bytes are :func:`synthetic_kv`'s, made on the device pool's own
+        device from constants computed once per layout, in a few tensor
+        operations a call.
+
+        Raises:
+            ForeignSlot: a page is outside the device pool.
+            PoolError: a page is listed twice, or ``tokens`` do not fill ``pages``.
+        """
+        n = len(tokens)
+        if n and n == len(pages) * self.page_size:
+            self.device.write_values(pages, self._synthetic.values(tokens))
+        else:  # nothing to write, or refused by the pool with its message
+            self.device.write(pages, self._synthetic.kv(tokens))
+
+    @functools.cached_property
+    def _synthetic(self) -> _Pattern:
+        """The synthetic KV's constants for the device pool (made at the first write)."""
+        return _pattern(self.device.layout, self.device.device)
 
     def read_device(self, pages: Sequence[int]) -> torch.Tensor:
         """Return the KV held in device ``pages`` (tests, examples)."""
@@ -397,6 +417,8 @@ DIGIT_BITS = 4
 """Bits of a slot's code each element of :func:`synthetic_kv` holds."""
 _DIGITS = 1 << DIGIT_BITS  # 16 digits of a 64-bit code, each 0..15
 _PERIOD = _DIGITS * _DIGITS  # the pattern's length: digit k % 16 plus offset k + k // 16
+_TOP = 64 - DIGIT_BITS  # an entry is computed in the top 4 bits of a 64-bit word
+_CPU = torch.device("cpu")
 
 
 def synthetic_kv(layout: KVLayout, tokens: Sequence[int]) -> torch.Tensor:
@@ -422,30 +444,130 @@ def synthetic_kv(layout: KVLayout, tokens: Sequence[int]) -> torch.Tensor:
       than 16 continue each other's digits);
     * with blocks of 16 elements or more, the first 256 blocks start at
       different points, so KV copied to another layer or plane shows up too.
+
+    How it is computed (a few tensor operations a call on constants made
+    once per layout, plus a copy per layer and plane past 256 elements a
+    token) is :class:`_Pattern`'s business; :meth:`Tiers.write_tokens`
+    computes the same bytes on the device pool's device.
     """
-    lay = layout
-    ids = torch.tensor(list(tokens), dtype=torch.int64)
-    n = len(ids)
-    code = ids * lay.page_size + torch.arange(n, dtype=torch.int64) % lay.page_size
-    inner, blocks = lay.heads * lay.head_dim, lay.layers * lay.planes
-    # where each (layer, plane) block starts reading the circular pattern
-    step = _DIGITS + 1 if inner >= _DIGITS else inner + _DIGITS  # see the docstring
-    starts = [block * step % _PERIOD for block in range(blocks)]
-    if blocks * inner <= _PERIOD:  # a small layout: the pattern where the blocks read it
-        used = torch.cat([(s + torch.arange(inner)) % _PERIOD for s in starts])
-        exact = _pattern(code, used, lay.dtype).view(n, blocks, inner)
-        kv = exact.permute(1, 0, 2).contiguous()
-    else:  # the whole pattern, repeated so each block's window of it is a slice
-        laps = (inner + 2 * _PERIOD - 1) // _PERIOD
-        ring = _pattern(code, torch.arange(_PERIOD), lay.dtype).repeat(1, laps)
-        kv = torch.empty((blocks, n, inner), dtype=lay.dtype)
-        for block, start in enumerate(starts):
-            kv[block].copy_(ring[:, start : start + inner])
-    return kv.view(lay.layers, lay.planes, n, lay.heads, lay.head_dim)
+    return _pattern(layout, _CPU).kv(tokens).contiguous()
 
 
-def _pattern(code: torch.Tensor, entries: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Entry ``k`` of each code's pattern: digit ``k % 16`` plus ``k + k // 16``, mod 16, less 8."""
-    digit = torch.bitwise_and(code[:, None] >> (entries % _DIGITS) * DIGIT_BITS, _DIGITS - 1)
-    pattern = torch.remainder(digit + entries + entries // _DIGITS, _DIGITS) - _DIGITS // 2
-    return pattern.to(torch.float32).to(dtype)  # integers in -8..7: exact in every dtype
+def _wrap(value: int) -> int:
+    """``value`` modulo ``2**64`` as a signed 64-bit integer, as int64 arithmetic wraps."""
+    return (value + 2**63) % 2**64 - 2**63
+
+
+@functools.lru_cache(maxsize=64)
+def _pattern(layout: KVLayout, device: torch.device) -> _Pattern:
+    """The constants of ``layout``'s pattern on ``device``, made once per pair."""
+    return _Pattern(layout, device)
+
+
+class _Pattern:
+    """:func:`synthetic_kv` for one layout on one device, with its constants made once.
+
+    Entry ``k`` of a code's pattern is computed in the top 4 bits of one
+    64-bit word, ``lift_k + code * mult_k`` modulo ``2**64`` (int64
+    arithmetic wraps): ``mult_k = 2 ** (60 - 4 * (k % 16))`` moves the
+    code's digit ``k % 16`` into the top 4 bits (lower digits fall below
+    them, higher ones out of the word), and ``lift_k = (off_k + 8) << 60``
+    adds the entry's offset ``off_k = k + k // 16`` there. An arithmetic
+    shift right by 60 reads the 4 bits as a signed integer, and
+    ``(digit + off + 8) % 16`` read as ``-8..7`` is ``(digit + off) % 16 - 8``,
+    the entry; cast to the KV's dtype, it stays exact.
+
+    With ``code = token * page_size + position`` the word is
+    ``(lift_k + position * mult_k) + token * (page_size * mult_k)``: the
+    first term is a constant per entry and position in the page
+    (:attr:`base`), the factor of the second one per entry (:attr:`scale`),
+    so one ``addcmul`` over the tokens of whole pages, one shift and one
+    cast make the KV. A small layout (at most 256 elements a token)
+    computes each element as its own entry, in the KV's shape. A larger
+    one computes the ring a token, long enough that each ``(layer, plane)``
+    block's window of it is a slice, and copies the windows.
+
+    Attributes:
+        layout: The KV layout.
+        device: Where the constants live and the KV is made.
+        base: The constant term: ``[layers, planes, 1, page_size, heads,
+            head_dim]`` for a small layout, ``[page_size, ring]`` for a large one.
+        scale: The tokens' factor: ``[layers, planes, 1, 1, heads,
+            head_dim]``, or ``[ring]``.
+        starts: Where each block's window starts in the ring (empty for a
+            small layout).
+    """
+
+    def __init__(self, layout: KVLayout, device: torch.device) -> None:
+        self.layout, self.device = layout, device
+        lay, ps = layout, layout.page_size
+        self._dims = (lay.layers, lay.planes, lay.heads, lay.head_dim)
+        self._on_cpu = device.type == "cpu"
+        inner, blocks = lay.heads * lay.head_dim, lay.layers * lay.planes
+        # where each (layer, plane) block starts reading the circular pattern
+        step = _DIGITS + 1 if inner >= _DIGITS else inner + _DIGITS  # see synthetic_kv
+        if blocks * inner <= _PERIOD:  # a small layout: each element is its own entry
+            self.starts: list[int] = []
+            entries = [(b * step + i) % _PERIOD for b in range(blocks) for i in range(inner)]
+        else:  # the ring, repeated so each block's window of it is a slice
+            self.starts = [block * step % _PERIOD for block in range(blocks)]
+            laps = (inner + 2 * _PERIOD - 1) // _PERIOD
+            entries = [k % _PERIOD for k in range(laps * _PERIOD)]
+        mult = [1 << (_TOP - DIGIT_BITS * (k % _DIGITS)) for k in entries]
+        lift = [(k + k // _DIGITS + _DIGITS // 2) % _DIGITS << _TOP for k in entries]
+        base = [[_wrap(c + j * m) for c, m in zip(lift, mult, strict=True)] for j in range(ps)]
+        self.base = torch.tensor(base, dtype=torch.int64, device=device)
+        self.scale = torch.tensor([_wrap(ps * m) for m in mult], dtype=torch.int64, device=device)
+        if not self.starts:  # to the KV's order, a page's tokens between planes and heads
+            per_position = self.base.view(ps, lay.layers, lay.planes, lay.heads, lay.head_dim)
+            self.base = per_position.permute(1, 2, 0, 3, 4).unsqueeze(2).contiguous()
+            self.scale = self.scale.view(lay.layers, lay.planes, 1, 1, lay.heads, lay.head_dim)
+
+    def kv(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Return :func:`synthetic_kv` of ``tokens`` on :attr:`device`, maybe not contiguous."""
+        n = len(tokens)
+        if n % self.layout.page_size or not n:
+            return self._part(tokens)
+        layers, planes, heads, dim = self._dims
+        values = self.values(tokens).to(self.layout.dtype)  # maybe strided: see values
+        return values.reshape(layers, planes, n, heads, dim)
+
+    def values(self, tokens: Sequence[int]) -> torch.Tensor:
+        """The KV of ``tokens``, whole pages and at least one, split into pages.
+
+        ``[layers, planes, pages, page_size, heads, head_dim]`` of the KV's
+        integers: int64 for a small layout, to be cast where they are stored
+        (:meth:`KVPool.write_values`), already in the KV's dtype for a large one.
+        A small layout's values may be laid out in another order than the
+        shape's (the broadcast of ``addcmul`` orders dimensions by its
+        inputs' strides, and ignores those of dimensions of size 1): copies
+        take any strides, and views of them must be reshapes.
+        """
+        n, ps = len(tokens), self.layout.page_size
+        ids = torch.frombuffer(array("q", tokens), dtype=torch.int64)
+        if not self._on_cpu:
+            ids = ids.to(self.device)
+        if not self.starts:
+            words = torch.addcmul(self.base, ids.view(n // ps, ps, 1, 1), self.scale)
+            return words.bitwise_right_shift_(_TOP)
+        layers, planes, heads, dim = self._dims
+        dtype = self.layout.dtype
+        words = torch.addcmul(self.base, ids.view(n // ps, ps, 1), self.scale)
+        ring = words.bitwise_right_shift_(_TOP).to(dtype).reshape(n, -1)
+        kv = torch.empty((len(self.starts), n, heads * dim), dtype=dtype, device=self.device)
+        for block, start in enumerate(self.starts):  # slices of whole rows: plain copies
+            kv[block].copy_(ring[:, start : start + heads * dim])
+        return kv.view(layers, planes, n // ps, ps, heads, dim)
+
+    def _part(self, tokens: Sequence[int]) -> torch.Tensor:
+        """The KV of no tokens, or of a part of a page: made for whole pages, then cut.
+
+        A slot's code does not depend on the slots after it, so padding the
+        last page changes none of the slots kept.
+        """
+        n, ps = len(tokens), self.layout.page_size
+        if not n:  # frombuffer refuses an empty buffer
+            layers, planes, heads, dim = self._dims
+            shape = (layers, planes, 0, heads, dim)
+            return torch.empty(shape, dtype=self.layout.dtype, device=self.device)
+        return self.kv((*tokens, *(0,) * (ps - n % ps)))[:, :, :n]
