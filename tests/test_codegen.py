@@ -152,6 +152,37 @@ def test_the_compiler_returns_its_pieces() -> None:
         compiled.verbs["open"](rec)
 
 
+def test_trail_mode_compiles_a_copy_of_each_fast_event_that_notes_its_caller() -> None:
+    system = as_system(spec_from_dict(GATE))
+
+    def refuser(refusals: Any) -> Any:
+        def refuse(rec: Any, index: int) -> None:
+            raise LookupError(refusals[index].reason)
+
+        return refuse
+
+    assert dict(compile_system(system, refuser).direct) == {}
+    compiled = compile_system(system, refuser, trail=True)
+    assert list(compiled.direct) == list(compiled.verbs) == ["open", "close"]
+    assert compiled.direct["open"].__name__ == "_fire_open_at_caller"
+    # Called from dispatch code, the copy names it; the walking verb names its caller.
+    helper: dict[str, Any] = {}
+    exec(compile("def dispatch(verb, rec):\n    verb(rec)\n", "<dispatch>", "exec"), helper)
+    rec = Engine(system, trail=False).new(1)
+    trail.internal("<dispatch>")
+    try:
+        helper["dispatch"](compiled.direct["open"], rec)
+        line = inspect.stack()[0].lineno + 1
+        helper["dispatch"](compiled.verbs["close"], rec)
+    finally:
+        trail.forget("<dispatch>")
+    assert rec.state == "shut"
+    assert trail.sites(rec.trail) == (
+        ("open", trail.Site("<dispatch>", 2, "dispatch")),
+        ("close", trail.Site(__file__, line, inspect.stack()[0].function)),
+    )
+
+
 def test_the_contract_harness_imports_the_engines_helpers(tmp_path: Path) -> None:
     module = generate(residency_system(), tmp_path / "residency.toml")
     assert (

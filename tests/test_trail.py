@@ -214,6 +214,28 @@ def test_a_lease_notes_the_callers_of_lease_and_release() -> None:
     )
 
 
+def test_a_verb_asked_for_here_notes_its_immediate_caller() -> None:
+    engine = Engine(host_machine(), trail=True)
+    node = backed(engine)
+    pin, release = engine.verb("pin"), engine.verb("release")  # asked for outside fsm_cache
+    helper: dict[str, Any] = {}
+    exec(compile("def dispatch(verb, rec):\n    verb(rec)\n", "<dispatch>", "exec"), helper)
+    trail.internal("<dispatch>")
+    try:
+        helper["dispatch"](pin, node)  # handed to dispatch code: names its line
+        line = here() + 1
+        release(node)
+    finally:
+        trail.forget("<dispatch>")
+    assert trail.sites(node.trail) == (
+        ("pin", trail.Site("<dispatch>", 2, "dispatch")),
+        (
+            "release",
+            trail.Site(__file__, line, "test_a_verb_asked_for_here_notes_its_immediate_caller"),
+        ),
+    )
+
+
 def test_the_trail_keeps_only_the_last_events() -> None:
     engine = Engine(host_machine(), trail=True, history=2)
     node = backed(engine)
