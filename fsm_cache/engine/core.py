@@ -256,9 +256,12 @@ class Engine:
             )
         return dict(effects)
 
-    def _plans(self, rec: Any, step: Step) -> list[tuple[Any, Plan]]:
-        """Check ``event`` on ``rec`` (and its ancestors if it propagates); change nothing."""
-        plans = [(rec, step(rec))]
+    def _plans(self, rec: Any, step: Step, first: Plan | None = None) -> list[tuple[Any, Plan]]:
+        """Check ``event`` on ``rec`` (and its ancestors if it propagates); change nothing.
+
+        ``first`` is ``step(rec)`` where the caller has it already.
+        """
+        plans = [(rec, step(rec) if first is None else first)]
         if plans[0][1][2]:
             node = getattr(rec, "parent", None)
             while node is not None:
@@ -271,7 +274,17 @@ class Engine:
         step = self._compiled.steps[event]
 
         def fire(rec: Any) -> None:
-            plans = self._plans(rec, step)
+            plan = step(rec)
+            if not plan[2]:  # the common case: this record alone, no list of plans to build
+                assigns, names, _ = plan
+                for name in names:
+                    run_effect(effects[name], name, event, rec, label)
+                for attr, value in assigns:
+                    setattr(rec, attr, value)
+                if on:
+                    rec.trail = trails.note(rec.trail, event, history)
+                return
+            plans = self._plans(rec, step, plan)
             for target, (_, names, _) in plans:
                 for name in names:
                     run_effect(effects[name], name, event, target, label)
