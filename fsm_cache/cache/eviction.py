@@ -27,7 +27,7 @@ def _device_leaf(node: TreeNode) -> bool:
         and node.device == "resident"
         and node.locks == 0
         and node.host != "writing"
-        and not any(c.device in DEVICE_HELD for c in node.children.values())
+        and not (node.children and any(c.device in DEVICE_HELD for c in node.children.values()))
     )
 
 
@@ -72,7 +72,7 @@ def _structural_leaf(nodes: dict[int, TreeNode], node: TreeNode) -> bool:
     return (
         nodes.get(node.id) is node
         and node.device in DEVICE_HELD
-        and not any(c.device in DEVICE_HELD for c in node.children.values())
+        and not (node.children and any(c.device in DEVICE_HELD for c in node.children.values()))
     )
 
 
