@@ -246,3 +246,56 @@ def test_the_cli_turns_the_reduction_off_and_says_so(capsys: pytest.CaptureFixtu
     args.handler(args)
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == f"  states explored: {runs[True]['states']} (no symmetry reduction)"
+
+
+def _tree_steps_agree(explorer: Explorer, layout: Layout, nodes: int) -> set[str]:
+    """Walk every state; in each with a free slot, the tabled tree operations must be the fired ones.
+
+    Returns the kinds of the tree operations compared.
+    """
+    trees = explorer.trees
+    explorer.slots = nodes
+    frontier = [trees.encode(state) for state in check.shapes(layout, nodes).values()]
+    seen, compared = set(frontier), set[str]()
+    while frontier:
+        forest = frontier.pop()
+        assert explorer.local_ops
+        tabled = list(explorer.successors(forest))
+        if sum(trees.size[s] for s in forest) < nodes:
+            explorer.local_ops = False
+            assert tabled == list(explorer.successors(forest)), trees.decode(forest, nodes)
+            explorer.local_ops = True
+            compared.update(step[0] for step, _, _ in tabled)
+        fresh = [nxt for _, nxt, _ in tabled if nxt not in seen]
+        seen.update(fresh)
+        frontier += fresh
+    return compared
+
+
+def test_tabled_tree_operations_are_the_ones_fired_on_slots(layout: Layout) -> None:
+    """Splits, inserts and births read off each root subtree's table: same steps, same states, same order."""
+    assert _tree_steps_agree(Explorer(layout, BOUNDS), layout, 3) == {"event", "split", "insert"}
+    storage = Layout.of(as_system(load_spec(spec_dir() / "residency_storage.toml")))
+    explorer = Explorer(storage, Bounds({"pins": 1, "locks": 1}))
+    assert _tree_steps_agree(explorer, storage, 2) == {"event", "split", "insert", "born"}
+
+
+def test_a_control_with_its_own_tree_operations_fires_them_on_slots() -> None:
+    """A control's ``split`` or ``insert`` may touch anything: its steps are never tabled."""
+    path, ops = check.load_ops(spec_dir() / "bugs_detected" / "split_drops_pins.py")
+    layout = Layout.of(as_system(load_spec(path)))
+    assert not Explorer(layout, BOUNDS, ops).local_ops
+    assert not Explorer(layout, BOUNDS, symmetry=False).local_ops
+    assert Explorer(layout, BOUNDS).local_ops
+
+
+def test_replacing_one_of_two_root_subtrees_keeps_canonical_order(layout: Layout) -> None:
+    trees = Trees(layout)
+    pinned = trees.encode((layout.entry(-1, "pinned", "resident", 1, 0, 1, 0, 0),))[0]
+    fresh = trees.encode((layout.fresh(-1),))[0]
+    chain = trees.encode((layout.fresh(-1), layout.fresh(0)))[0]
+    for a, b, new in [(pinned, fresh, chain), (fresh, pinned, chain), (chain, fresh, pinned)]:
+        forest = trees.order([a, b])
+        for old in forest:
+            rest = [s for s in forest if s != old] or [old]
+            assert trees.swap_root(forest, old, new) == trees.order([*rest[:1], new])

@@ -42,9 +42,10 @@ from fsm_cache.modelcheck.traces import Replay, TraceStep
 from fsm_cache.policy import WritePolicy, wants_backup
 
 
-Move = tuple[str, tuple[int, ...], bool]
+Move = tuple[str, tuple[int, ...], bool, bool]
 """An enabled event at a node: its name, the new locals of the node and the ancestors
-it changed (nearest first), and whether one of them holds its data nowhere."""
+it changed (nearest first), whether one of them holds its data nowhere, and whether it
+settles (:func:`~fsm_cache.modelcheck.liveness.settling`)."""
 Successor = tuple[TraceStep, int, bool, bool]
 """An event step in a root subtree: the step, the new subtree (before pruning), whether to
 prune, and whether it settles (:func:`~fsm_cache.modelcheck.liveness.settling`)."""
@@ -124,6 +125,20 @@ class Explorer:
         self.dataless: dict[int, bool] = {}
         self.looked: dict[tuple[int, ...], bool] = {}
         self.weights: dict[int, int] = {}
+        self.sound: dict[int, bool] = {}
+        """Root subtree to whether every invariant holds in it (:meth:`passes`)."""
+        self.event_steps: dict[tuple[int, str], TraceStep] = {}
+        self.grown: dict[int, dict[tuple[str, ...], list[tuple[int, int]]]] = {}
+        self.leaves: dict[tuple[str, ...], int | None] = {}
+        self.kinds: list[tuple[str, tuple[str, ...]]] = [
+            ("split", ()),
+            ("insert", ()),
+            *(("born", (b,)) for b in layout.births),
+        ]
+        """The tree operations, in the order the explorer tries them (a birth names its kind)."""
+        self.local_ops = symmetry and all(
+            getattr(ops, name) is getattr(treeops, name) for name in ("insert", "born", "split")
+        )
 
     def run(self, initial: dict[str, Nodes], tick: Callable[[int], None] | None = None) -> Result:
         """Explore from the named initial states; stop at the first violation.
@@ -160,9 +175,10 @@ class Explorer:
         while at < len(forests):
             first.append(len(dst))
             for step, nxt, settles in self.successors(forests[at]):
-                if nxt in index:
+                found = index.get(nxt)
+                if found is not None:
                     if settles:
-                        settle(index[nxt])
+                        settle(found)
                     continue
                 found = index[nxt] = len(forests)
                 forests.append(nxt)
@@ -183,22 +199,46 @@ class Explorer:
 
         Each comes with whether it settles (an acknowledgement, or a give-back).
         Nodes are numbered in preorder, as :func:`~fsm_cache.modelcheck.state.canonical` numbers them.
+        A state of one root subtree (a third of them) takes a shorter path (:meth:`_alone`).
         """
+        if len(forest) == 1:
+            return self._alone(forest[0])
+        return self._many(forest)
+
+    def _many(self, forest: Forest) -> Iterator[Edge]:
+        """Yield every step from ``forest`` of several root subtrees, as :meth:`successors` does."""
         trees = self.trees
         at = 0
         for root in forest:
             for step, new, gone, settles in self._root(root)[0]:
-                nxt = (new,) if len(forest) == 1 else trees.swap_root(forest, root, new)
+                nxt = trees.swap_root(forest, root, new)
                 if gone:
                     nxt = self._prune(nxt)
-                yield (step if not at else ("event", at + step[1], step[2])), nxt, settles
+                yield (step if not at else self._step(at + step[1], step[2])), nxt, settles
             at += trees.size[root]
         if at < self.slots:
             for step, nxt in self._tree_steps(forest, at):
                 yield step, nxt, False
 
+    def _alone(self, root: int) -> Iterator[Edge]:
+        """Yield every step from the state of root subtree ``root`` alone, as :meth:`successors` does."""
+        for step, new, gone, settles in self._root(root)[0]:
+            yield step, self._prune((new,)) if gone else (new,), settles
+        size = self.trees.size[root]
+        if size < self.slots:
+            for step, nxt in self._tree_steps((root,), size):
+                yield step, nxt, False
+
     def _tree_steps(self, forest: Forest, count: int) -> Iterator[tuple[TraceStep, Forest]]:
-        """Yield the tree operations from ``forest`` (of ``count`` nodes): splits, inserts, births."""
+        """Yield the tree operations from ``forest`` (of ``count`` nodes): splits, inserts, births.
+
+        With the checker's own tree operations under symmetry reduction, each
+        root subtree's are tabled (:meth:`_grown`): an operation at a node
+        changes only its root subtree, one under the root adds a leaf there.
+        """
+        if self.local_ops:
+            yield from self._tree_steps_tabled(forest)
+            return
         flat = self.trees.decode(forest, self.slots)
         where = self.trees.where(forest)
         present = range(count)
@@ -213,6 +253,46 @@ class Explorer:
             nxt = self.replay.apply(flat, (kind, at, *rest))
             if nxt is not None:
                 yield step, self.trees.encode(nxt)
+
+    def _tree_steps_tabled(self, forest: Forest) -> Iterator[tuple[TraceStep, Forest]]:
+        """:meth:`_tree_steps` from the tables of each root subtree, in the same order."""
+        trees = self.trees
+        grown = [self._grown(root) for root in forest]
+        for kind, rest in self.kinds:
+            if kind != "split":
+                leaf = self._leaf(kind, rest)
+                if leaf is not None:
+                    yield (kind, -1, *rest), trees.order([*forest, leaf])
+            at = 0
+            for root, ops in zip(forest, grown, strict=True):
+                for i, new in ops.get((kind, *rest), ()):
+                    nxt = (new,) if len(forest) == 1 else trees.swap_root(forest, root, new)
+                    yield (kind, at + i, *rest), nxt
+                at += trees.size[root]
+
+    def _grown(self, root: int) -> dict[tuple[str, ...], list[tuple[int, int]]]:
+        """Return the tree operations at the nodes of root subtree ``root``: per kind, node and result (tabled)."""
+        found = self.grown.get(root)
+        if found is None:
+            size = self.trees.size[root]
+            flat = self.trees.decode((root,), size + 1)
+            found = {}
+            for kind, rest in self.kinds:
+                for i in range(size):
+                    nxt = self.replay.apply(flat, (kind, i, *rest))
+                    if nxt is not None:
+                        (new,) = self.trees.encode(nxt)
+                        found.setdefault((kind, *rest), []).append((i, new))
+            self.grown[root] = found
+        return found
+
+    def _leaf(self, kind: str, rest: tuple[str, ...]) -> int | None:
+        """Return the subtree an insert or a birth under the root adds (tabled; None: refused)."""
+        key = (kind, *rest)
+        if key not in self.leaves:
+            nxt = self.replay.apply((None,), (kind, -1, *rest))
+            self.leaves[key] = None if nxt is None else self.trees.encode(nxt)[0]
+        return self.leaves[key]
 
     def _root(self, root: int) -> Root:
         """Return the tabled steps of root subtree ``root`` (see :meth:`_root_steps`)."""
@@ -244,17 +324,23 @@ class Explorer:
                 gives = self.answers.takes_unheld(chain) or self.answers.refuses_owed(chain)
                 found = self.moves[chain] = (self._moves(chain), gives)
             wrong = wrong or found[1] or not self._path_ok(paths[k])
-            for event, lids, gone in found[0]:
-                settles = event in self.settling
-                out.append((("event", k, event), self._lift(order, k, lids), gone, settles))
+            for event, lids, gone, settles in found[0]:
+                out.append((self._step(k, event), self._lift(order, k, lids), gone, settles))
         return out, wrong
 
     def _moves(self, chain: tuple[int, ...]) -> list[Move]:
         """Return the enabled events at the node of context ``chain`` (then its ancestors')."""
         return [
-            (event, lids, any(self._dataless(i) for i in lids))
+            (event, lids, any(self._dataless(i) for i in lids), event in self.settling)
             for event, lids in self.answers.moves(chain)
         ]
+
+    def _step(self, node: int, event: str) -> TraceStep:
+        """Return the step firing ``event`` at ``node``, one shared tuple per pair (states keep millions)."""
+        found = self.event_steps.get((node, event))
+        if found is None:
+            found = self.event_steps[(node, event)] = ("event", node, event)
+        return found
 
     def _dataless(self, lid: int) -> bool:
         found = self.dataless.get(lid)
@@ -284,7 +370,14 @@ class Explorer:
 
     def passes(self, forest: Forest) -> bool:
         """Whether every invariant holds in ``forest``: in its nodes, its give-backs and its lookups."""
-        return all(self._sub_holds(sid, -1) and not self._root(sid)[1] for sid in forest)
+        sound = self.sound
+        for sid in forest:
+            found = sound.get(sid)
+            if found is None:
+                found = sound[sid] = self._sub_holds(sid, -1) and not self._root(sid)[1]
+            if not found:
+                return False
+        return True
 
     def _path_ok(self, path: tuple[int, ...]) -> bool:
         """Whether the lookup of the path of locals ``path`` answers as callers rely on (tabled)."""

@@ -99,6 +99,8 @@ class Trees:
 
     def order(self, sids: list[int]) -> Forest:
         """Return subtrees in canonical order."""
+        if len(sids) < 2:  # most of them: a leaf's children, a chain's child
+            return tuple(sids)
         return tuple(sorted(sids, key=self.key.__getitem__))
 
     def encode(self, nodes: Nodes) -> Forest:
@@ -164,6 +166,10 @@ class Trees:
 
     def swap_root(self, forest: Forest, old: int, new: int) -> Forest:
         """Return ``forest`` with root subtree ``old`` replaced by ``new``."""
+        if len(forest) == 2:  # the common case, without a sort
+            other = forest[1] if forest[0] == old else forest[0]
+            key = self.key
+            return (other, new) if key[new] > key[other] else (new, other)
         roots = list(forest)
         roots[roots.index(old)] = new
         return self.order(roots)
