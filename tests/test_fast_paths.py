@@ -181,3 +181,21 @@ def test_a_ticket_carries_the_runs_its_copy_moves_by(
     copier.drain()
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(host.words[d], kv[s])
+
+
+def test_an_ownership_check_is_not_remembered_past_a_change() -> None:
+    """A tuple found owned stays found only until some page changes hands."""
+    pool = PageAllocator("device", 16, 1)
+    scattered = tuple(pool.alloc(6, owner=0)[::-2])  # not a run: the general path
+    run = tuple(pool.alloc(3, owner=0))
+    for pages in (scattered, run):
+        assert pool.all_owned_by(pages, 0)
+        assert not pool.all_owned_by(pages, 4)
+        pool.reassign(pages, 0, 4)
+        assert not pool.all_owned_by(pages, 0)
+        assert pool.all_owned_by(pages, 4)
+        pool.free(pages[:1], 4)
+        assert not pool.all_owned_by(pages, 4)
+        with pytest.raises(DoubleFree):
+            pool.free(pages, 4)
+    pool.check()

@@ -13,9 +13,10 @@ Every refusal raises a :class:`~fsm_cache.errors.PoolError` and changes nothing.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, repeat
 
 from fsm_cache.errors import DoubleFree, ForeignSlot, InvariantViolation, PoolError, PoolExhausted
 
@@ -88,6 +89,8 @@ class PageAllocator:
     _free: list[int] = field(init=False, repr=False)
     _index: list[int] = field(init=False, repr=False)
     _last_run: tuple[int, ...] = field(init=False, repr=False)
+    _verified: tuple[int, ...] = field(init=False, repr=False)
+    _verified_owner: int = field(init=False, repr=False)
     _owner: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +105,8 @@ class PageAllocator:
         self._index = list(range(self.num_pages))
         self._free = self._index[::-1]
         self._last_run: tuple[int, ...] = ()
+        self._verified: tuple[int, ...] = ()  # pages all_owned_by last found owned ...
+        self._verified_owner = FREE  # ... by this owner, until an owner changes
         self._owner = [FREE] * self.num_pages
 
     @property
@@ -204,13 +209,18 @@ class PageAllocator:
         """
         if not pages:
             return True
+        if pages is self._verified and owner == self._verified_owner:
+            return True  # this very tuple passed for this owner, and no owner changed since
         if self._is_run(pages):  # distinct and in range
             first = pages[0]
-            return self._owner[first : first + len(pages)].count(owner) == len(pages)
-        if min(pages) < 0 or max(pages) >= self.num_pages or len(set(pages)) != len(pages):
+            found = self._owner[first : first + len(pages)].count(owner) == len(pages)
+        elif min(pages) < 0 or max(pages) >= self.num_pages or len(set(pages)) != len(pages):
             return False
-        owners = self._owner
-        return [owners[p] for p in pages].count(owner) == len(pages)
+        else:
+            found = list(map(self._owner.__getitem__, pages)).count(owner) == len(pages)
+        if found and type(pages) is tuple:
+            self._verified, self._verified_owner = pages, owner
+        return found
 
     def _is_run(self, pages: Sequence[int]) -> bool:
         """Return whether ``pages`` is ``p, p + 1, ...`` inside the pool (as fresh pools hand out).
@@ -240,13 +250,12 @@ class PageAllocator:
         """
         if not pages:
             return
+        self._verified = ()  # every earlier ownership check is void now
         if self._is_run(pages):
             first = pages[0]
             self._owner[first : first + len(pages)] = [owner] * len(pages)
         else:
-            owners = self._owner
-            for p in pages:
-                owners[p] = owner
+            deque(map(self._owner.__setitem__, pages, repeat(owner)), maxlen=0)  # a loop in C
 
     def _check_range(self, page: int) -> None:
         if not 0 <= page < self.num_pages:
