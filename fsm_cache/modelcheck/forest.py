@@ -156,11 +156,14 @@ class Trees:
 
     def swap(self, sid: int, old: int, new: int, lid: int) -> int:
         """Return subtree ``sid`` with child ``old`` replaced by ``new`` and root local ``lid``."""
+        kids = self.kids[sid]
+        if len(kids) == 1:  # a chain: nothing to sort, and the subtree's own table is the memo
+            return self.sid(lid, (new,), self.slot[sid])
         found = self._swaps.get((sid, old, new, lid))
         if found is None:
-            kids = list(self.kids[sid])
-            kids[kids.index(old)] = new
-            found = self.sid(lid, self.order(kids), self.slot[sid])
+            moved = list(kids)
+            moved[moved.index(old)] = new
+            found = self.sid(lid, self.order(moved), self.slot[sid])
             self._swaps[(sid, old, new, lid)] = found
         return found
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import cast
 
 from fsm_cache.errors import SpecError
@@ -76,12 +77,12 @@ class Layout:
         """Return counter ``name`` of a node entry."""
         return int(entry[1 + len(self.regions) + self.counters.index(name)])
 
-    @property
+    @cached_property
     def base(self) -> int:
         """Index of the first hold in an entry."""
         return 1 + len(self.regions) + len(self.counters)
 
-    @property
+    @cached_property
     def mbase(self) -> int:
         """Index of the first ghost memory field in an entry."""
         return self.base + len(self.holders.kinds)
