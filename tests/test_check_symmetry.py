@@ -299,3 +299,28 @@ def test_replacing_one_of_two_root_subtrees_keeps_canonical_order(layout: Layout
         for old in forest:
             rest = [s for s in forest if s != old] or [old]
             assert trees.swap_root(forest, old, new) == trees.order([*rest[:1], new])
+
+
+def test_sibling_subtrees_are_interchangeable_at_any_depth(layout: Layout) -> None:
+    """Siblings that differ only below them, in any slot order, are one tree; a real difference is not."""
+    pinned = ("pinned", "resident", 1, 0, 1, 0, 0)
+    trees = Trees(layout)
+    # node 0 over siblings 1 and 2; one sibling has a pinned child, the other a fresh one
+    one = (
+        layout.fresh(-1),
+        layout.fresh(0),
+        layout.fresh(0),
+        layout.entry(1, *pinned),
+        layout.fresh(2),
+    )
+    other = (  # the same tree, the sibling with the fresh child in the lower slot
+        layout.fresh(-1),
+        layout.fresh(3),
+        layout.entry(4, *pinned),
+        layout.fresh(0),
+        layout.fresh(0),
+    )
+    assert trees.encode(one) == trees.encode(other)
+    assert canonical(one)[0] == canonical(other)[0]
+    moved = (*one[:3], layout.entry(1, *pinned), layout.fresh(1))  # both children under node 1
+    assert trees.encode(moved) != trees.encode(one)
