@@ -139,6 +139,8 @@ class Explorer:
         self.local_ops = symmetry and all(
             getattr(ops, name) is getattr(treeops, name) for name in ("insert", "born", "split")
         )
+        """Whether tree operations are tabled per root subtree (:meth:`_grown`): only the
+        checker's own, which change one root subtree, and only where numbering is not kept."""
 
     def run(self, initial: dict[str, Nodes], tick: Callable[[int], None] | None = None) -> Result:
         """Explore from the named initial states; stop at the first violation.
@@ -199,10 +201,10 @@ class Explorer:
 
         Each comes with whether it settles (an acknowledgement, or a give-back).
         Nodes are numbered in preorder, as :func:`~fsm_cache.modelcheck.state.canonical` numbers them.
-        A state of one root subtree (a third of them) takes a shorter path (:meth:`_alone`).
+        A state of one root subtree (a third of them) takes a shorter path (:meth:`_one_root`).
         """
         if len(forest) == 1:
-            return self._alone(forest[0])
+            return self._one_root(forest[0])
         return self._many(forest)
 
     def _many(self, forest: Forest) -> Iterator[Edge]:
@@ -220,7 +222,7 @@ class Explorer:
             for step, nxt in self._tree_steps(forest, at):
                 yield step, nxt, False
 
-    def _alone(self, root: int) -> Iterator[Edge]:
+    def _one_root(self, root: int) -> Iterator[Edge]:
         """Yield every step from the state of root subtree ``root`` alone, as :meth:`successors` does."""
         for step, new, gone, settles in self._root(root)[0]:
             yield step, self._prune((new,)) if gone else (new,), settles
