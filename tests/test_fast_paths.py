@@ -19,8 +19,7 @@ from hypothesis import strategies as st
 from fsm_cache import TokenKey
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.errors import BadArgument, DoubleFree, ForeignSlot
-from fsm_cache.memory.pages import PageAllocator, pages_of, slots_of
-from fsm_cache.memory.tickets import run_start
+from fsm_cache.memory.pages import PageAllocator, pages_of, run_start, slots_of
 from fsm_cache.memory.tiers import CacheConfig
 
 

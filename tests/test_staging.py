@@ -18,7 +18,8 @@ from fsm_cache.errors import CopyFailed
 from fsm_cache.memory import staging
 from fsm_cache.memory.copies import CopyEngine, Direction
 from fsm_cache.memory.kv import WORDS, KVLayout, KVPool, device_pool, host_pool, word_type
-from fsm_cache.memory.tickets import BusyPages, PageSet, Ticket, host_runs, run_start
+from fsm_cache.memory.pages import run_start
+from fsm_cache.memory.tickets import BusyPages, PageSet, Ticket, host_runs
 from fsm_cache.testing.fakecuda import FakeStreams
 from fsm_cache.testing.faults import POISON, FaultyCopyEngine
 

@@ -43,6 +43,7 @@ from typing import cast
 
 from fsm_cache.errors import CopyFailed, ForeignSlot
 from fsm_cache.memory.kv import KVPool
+from fsm_cache.memory.pages import run_start
 from fsm_cache.memory.staging import CudaStreams, Event, Mover, Stream, Streams
 from fsm_cache.memory.tickets import (
     BusyPages,
@@ -53,7 +54,6 @@ from fsm_cache.memory.tickets import (
     Ticket,
     host_runs,
     refuse_busy_destination,
-    run_start,
 )
 
 

@@ -37,7 +37,7 @@ def slots_of(pages: Iterable[int], page_size: int) -> list[int]:
     pages = list(pages)
     if page_size == 1:  # every page is one slot
         return pages
-    if pages and _ascending_run(pages):  # pages handed out together: one range of slots
+    if run_start(pages) is not None:  # pages handed out together: one range of slots
         return list(range(pages[0] * page_size, (pages[-1] + 1) * page_size))
     return list(chain.from_iterable(range(p * page_size, (p + 1) * page_size) for p in pages))
 
@@ -52,7 +52,7 @@ def pages_of(slots: Sequence[int], page_size: int) -> list[int]:
         raise ForeignSlot(f"{len(slots)} slots is not a multiple of page_size {page_size}")
     if page_size == 1:  # every slot is a whole page
         return list(slots)
-    if slots and slots[0] % page_size == 0 and _ascending_run(slots):
+    if slots and slots[0] % page_size == 0 and run_start(slots) is not None:
         return list(range(slots[0] // page_size, (slots[-1] + 1) // page_size))
     pages = [s // page_size for s in slots[::page_size]]
     if slots_of(pages, page_size) != list(slots):
@@ -60,13 +60,22 @@ def pages_of(slots: Sequence[int], page_size: int) -> list[int]:
     return pages
 
 
-def _ascending_run(values: Sequence[int]) -> bool:
-    """Return whether non-empty ``values`` is ``v, v + 1, ...`` (compared in C with a range)."""
-    first, n = values[0], len(values)
-    if values[-1] != first + n - 1 or type(first) is not int:
-        return False
-    run = range(first, first + n)
-    return list(values) == list(run) if not isinstance(values, tuple) else values == tuple(run)
+def run_start(pages: Sequence[int]) -> int | None:
+    """Return the first page if ``pages`` is one run of consecutive ascending pages, else None.
+
+    The test runs in C (one comparison with a ``range``), so the common case of
+    pages handed out together costs no Python loop.
+    """
+    if not pages:
+        return None
+    first = pages[0]
+    if pages[-1] - first != len(pages) - 1:
+        return None
+    if len(pages) > 2:
+        run = range(first, first + len(pages))
+        if (pages != tuple(run)) if isinstance(pages, tuple) else (list(pages) != list(run)):
+            return None
+    return first
 
 
 @dataclass

@@ -37,7 +37,8 @@ from typing import Any, Protocol, cast
 import torch
 
 from fsm_cache.memory.kv import KVPool
-from fsm_cache.memory.tickets import Direction, host_runs, run_start
+from fsm_cache.memory.pages import run_start
+from fsm_cache.memory.tickets import Direction, host_runs
 
 
 __all__ = ["CudaStreams", "Event", "Mover", "Stream", "Streams", "page_index"]

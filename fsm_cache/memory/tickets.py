@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from fsm_cache.errors import CopyFailed
+from fsm_cache.memory.pages import run_start
 
 
 class Direction(enum.Enum):
@@ -237,24 +238,6 @@ def host_runs(pages: Sequence[int]) -> Iterator[tuple[int, int, int]]:
             end += 1
         yield pages[off], off, end - off
         off = end
-
-
-def run_start(pages: Sequence[int]) -> int | None:
-    """Return the first page if ``pages`` is one run of consecutive ascending pages, else None.
-
-    The test runs in C (one comparison with a ``range``), so the common case of
-    pages handed out together costs no Python loop.
-    """
-    if not pages:
-        return None
-    first = pages[0]
-    if pages[-1] - first != len(pages) - 1:
-        return None
-    if len(pages) > 2:
-        run = range(first, first + len(pages))
-        if (pages != tuple(run)) if isinstance(pages, tuple) else (list(pages) != list(run)):
-            return None
-    return first
 
 
 def refuse_busy_destination(direction: Direction, dst: Iterable[int], busy: Container[int]) -> None:
