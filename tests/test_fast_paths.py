@@ -198,3 +198,36 @@ def test_an_ownership_check_is_not_remembered_past_a_change() -> None:
         with pytest.raises(DoubleFree):
             pool.free(pages, 4)
     pool.check()
+
+
+@given(st.lists(st.integers(-2, 20), max_size=8), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_a_pool_finds_the_runs_run_start_finds_inside_it(pages: list[int], as_tuple: bool) -> None:
+    """``run_of`` is :func:`run_start` for pages inside the pool, and None past its ends."""
+    pool = PageAllocator("host", 16, 1)
+    given_pages = tuple(pages) if as_tuple else pages
+    inside = all(0 <= p < 16 for p in pages)
+    assert pool.run_of(given_pages) == (run_start(pages) if inside else None)
+    assert pool.run_of(range(3, 6)) is None  # not a list or tuple: callers check it the long way
+
+
+@pytest.mark.parametrize("load", [False, True])
+def test_a_run_to_run_copy_lands_each_page_where_it_was_sent(load: bool) -> None:
+    """The CPU engine's one-copy path moves page ``src + i`` to ``dst + i``, either way."""
+    cache = make(page=1, pages=16, host=16)
+    copier = cache.tiers.copier
+    device, host = cache.tiers.device, cache.tiers.host
+    source = host if load else device
+    kv = torch.arange(16 * source.words[0].numel(), dtype=source.words.dtype)
+    source.words.copy_(kv.view_as(source.words))
+    target = device if load else host
+    target.words.fill_(-1)
+    src, dst = (2, 3, 4, 5), (9, 10, 11, 12)
+    ticket = copier.start_load(src, dst) if load else copier.start_write(src, dst)
+    assert ticket.runs == (2, 9)
+    (done,) = copier.drain()
+    assert done.ok
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(target.words[d], source.words[s])
+    untouched = [p for p in range(16) if p not in dst]
+    assert bool((target.words[untouched] == -1).all())

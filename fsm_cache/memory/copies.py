@@ -43,7 +43,6 @@ from typing import cast
 
 from fsm_cache.errors import CopyFailed, ForeignSlot
 from fsm_cache.memory.kv import KVPool
-from fsm_cache.memory.pages import run_start
 from fsm_cache.memory.staging import CudaStreams, Event, Mover, Stream, Streams
 from fsm_cache.memory.tickets import (
     BusyPages,
@@ -189,23 +188,27 @@ class CopyEngine:
     ) -> tuple[int | None, int | None]:
         """Refuse a copy that cannot run, in C where nothing is wrong (the common case).
 
-        Returns :func:`run_start` of ``src`` and of ``dst``, for the copy's ticket.
+        Returns the first page of ``src`` and of ``dst`` where each is one run of its
+        pool's pages (:meth:`~fsm_cache.memory.pages.PageAllocator.run_of`), for the ticket.
         """
         if len(src) != len(dst):
             raise ValueError(f"copy: {len(src)} source pages but {len(dst)} destination pages")
-        dst_run = run_start(dst)  # a run of pages (the common case) is distinct: no set needed
-        if dst_run is None and len(set(dst)) != len(dst):
-            raise ValueError("copy: a destination page is listed twice")
         if direction is Direction.D2H:
             pools, busy = (self.device, self.host), self._busy.host
         else:
             pools, busy = (self.host, self.device), self._busy.device
-        src_run = run_start(src)
+        # a run of a pool's pages (the common case) is distinct and inside it: nothing more to check
+        src_run, dst_run = pools[0].allocator.run_of(src), pools[1].allocator.run_of(dst)
+        if dst_run is None and len(set(dst)) != len(dst):
+            raise ValueError("copy: a destination page is listed twice")
         for pool, pages, run in ((pools[0], src, src_run), (pools[1], dst, dst_run)):
-            low, high = (run, pages[-1]) if run is not None else _bounds(pages)
-            if low < 0 or high >= pool.num_pages:
-                bad = next(p for p in pages if not 0 <= p < pool.num_pages)
-                raise ForeignSlot(f"{pool.name} pool: page {bad} outside 0..{pool.num_pages - 1}")
+            if run is None:
+                low, high = _bounds(pages)
+                if low < 0 or high >= pool.num_pages:
+                    bad = next(p for p in pages if not 0 <= p < pool.num_pages)
+                    raise ForeignSlot(
+                        f"{pool.name} pool: page {bad} outside 0..{pool.num_pages - 1}"
+                    )
         if not busy.isdisjoint(dst):
             refuse_busy_destination(direction, dst, busy)
         return src_run, dst_run

@@ -231,6 +231,19 @@ class PageAllocator:
             self._verified, self._verified_owner = pages, owner
         return found
 
+    def run_of(self, pages: Sequence[int]) -> int | None:
+        """Return the first page if ``pages`` is one ascending run inside this pool, else None.
+
+        :func:`run_start` for pages of this pool, several times cheaper on the
+        pages it handed out: they are compared with the pool's own page
+        numbers by identity, in C. A run is distinct and in range, so a caller
+        that gets a page back need not check either.
+        """
+        if pages and (type(pages) is tuple or type(pages) is list) and self._is_run(pages):
+            first: int = pages[0]
+            return first
+        return None
+
     def _is_run(self, pages: Sequence[int]) -> bool:
         """Return whether ``pages`` is ``p, p + 1, ...`` inside the pool (as fresh pools hand out).
 

@@ -205,6 +205,12 @@ class Mover:
         n, step = len(src), self._chunk
         if n == 0:
             return
+        if self._api is None and not self._cuda:
+            if runs is None:
+                runs = (run_start(src), run_start(dst))
+            if runs[0] is not None and runs[1] is not None:  # one run each side: one copy, here
+                self._run_to_run(direction, runs[0], runs[1], n)
+                return
         if self._api is not None:  # streams: one transfer per run of host pages, so make few
             ordered = _in_host_order(direction, src, dst)
             if ordered[0] is not src:
@@ -242,6 +248,17 @@ class Mover:
         if direction is Direction.D2H:
             return self._d2h(src, dst, buffer, runs)
         return self._h2d(src, dst, buffer, runs)
+
+    def _run_to_run(self, direction: Direction, src: int, dst: int, n: int) -> None:
+        """Copy ``n`` pages from page ``src`` on to page ``dst`` on, on a CPU pool: one ``copy_``.
+
+        The common CPU batch (pages handed out together) needs no staging and
+        no closures; a copy this small costs about what the dispatch does.
+        """
+        if direction is Direction.D2H:
+            _copy(self._host[dst : dst + n], self._dev[src : src + n], False)
+        else:
+            _copy(self._dev[dst : dst + n], self._host[src : src + n], False)
 
     def release(self) -> None:
         """Drop outgrown staging buffers; call only when no queued copy can still use them."""
