@@ -177,6 +177,8 @@ class HiCache:
             effects.update(self._storage.effects())
         self._core.bind(effects, storage=storage is not None)
         self._events = frozenset(self._core.machine.engine.events)
+        # what every operation's exit starts: device-host copies, then storage copies
+        self._flush_all = self._transfers.flush if self._storage is None else self._flush
 
     # -- the parts, read-only ------------------------------------------------
 
@@ -740,8 +742,7 @@ class HiCache:
 
     def _operation(self, name: str, *args: Hashable) -> _Operation:
         check = self.check_invariants if self.config.debug else None
-        flush = self._transfers.flush if self._storage is None else self._flush
-        return _Operation(self._gate, self._core.log, flush, check, name=name, args=args)
+        return _Operation(self._gate, self._core.log, self._flush_all, check, name, args)
 
     def _flush(self) -> None:
         """Start every copy the operation queued: device-host copies, then storage copies."""
@@ -778,7 +779,7 @@ class _Gate:
         """Let the calling thread in, or raise ConcurrentUse at once (never blocks)."""
         if self.closed:
             self.check_open(name)
-        if not self.lock.acquire(blocking=False):
+        if not self.lock.acquire(False):  # not blocking (positional: the keyword costs)
             raise ConcurrentUse(
                 f"{name}: another thread is inside this cache; a cache is single-threaded"
                 " (serialise calls with a lock of your own)"
@@ -793,13 +794,12 @@ class _Operation:
 
     __slots__ = ("args", "check", "flush", "gate", "log", "name")
 
-    def __init__(
+    def __init__(  # noqa: PLR0917 (built on every public call: keywords cost)
         self,
         gate: _Gate,
         log: EventLog,
         flush: Callable[[], None],
         check: Callable[[str], None] | None,
-        *,
         name: str,
         args: tuple[Hashable, ...],
     ) -> None:
