@@ -30,7 +30,7 @@ from typing import Any
 
 from fsm_cache.engine import runtime
 from fsm_cache.engine import trail as trails
-from fsm_cache.spec.guards import Condition, Guard
+from fsm_cache.spec.guards import Assign, Condition, Guard
 from fsm_cache.spec.machine import Forbid, MachineSpec, System, Transition
 
 
@@ -65,6 +65,8 @@ class Emitter:
         """Commit inside each transition's branch and return (see :func:`compile_fast`)."""
         self.state = ""
         """The source state whose branch is being emitted."""
+        self.read: set[str] = set()
+        """Inline: the counters the branch being emitted has read into ``c_<counter>`` locals."""
 
     def refusal(self, region: str, error: str, reason: str) -> int:
         """Register a refusal of the event being compiled and return its index."""
@@ -239,7 +241,9 @@ def compile_fast(em: Emitter, event: str, *, walk: bool = True) -> str:
     Only for events with no effects and no propagation: the common, hot case. When
     nothing is checked after a state's branch (one region, no composition forbid),
     each transition commits in its branch, writing only what changes: a pin on a
-    pinned node writes one counter, as a bare counter does. Without a trail the
+    pinned node writes one counter, as a bare counter does; and each branch reads
+    only the counters its guards test, so a pin on a backed node reads its state
+    and its pins once each, as the bare counter reads its count. Without a trail the
     branch returns there; with one, every branch that did not refuse falls through
     to the note of the call site: the first frame outside fsm_cache's dispatch files,
     or with ``walk`` false the immediate caller (``_fire_<event>_at_caller``).
@@ -248,10 +252,10 @@ def compile_fast(em: Emitter, event: str, *, walk: bool = True) -> str:
     em.event = event
     em.emit(0, f"def {name}(rec):")
     regions = em.system.regions_of(event)
-    counters = [c for r in regions for c in em.system.machines[r].counter_names]
-    for counter in counters:
-        em.emit(1, f"c_{counter} = rec.{counter}")
     inline = em.inline = _inlinable(em, event)
+    if not inline:  # inline branches read only the counters they test (see _state_body)
+        for counter in (c for r in regions for c in em.system.machines[r].counter_names):
+            em.emit(1, f"c_{counter} = rec.{counter}")
     try:
         for region in regions:
             _region_block(em, region, em.system.machines[region], event)
@@ -346,6 +350,8 @@ def _region_block(em: Emitter, region: str, machine: MachineSpec, event: str) ->
 def _state_body(
     em: Emitter, region: str, transitions: list[Transition], forbids: list[Forbid]
 ) -> None:
+    if em.inline:
+        _read_tested(em, region, transitions, forbids)
     # Forbids first, in declaration order: the first that holds is the refusal. A plain
     # (unguarded) forbid refuses outright, so nothing declared after it can apply.
     for forbid in forbids:
@@ -371,12 +377,37 @@ def _state_body(
         em.emit(3, f"_refuse(rec, {index})")
 
 
+def _read_tested(
+    em: Emitter, region: str, transitions: list[Transition], forbids: list[Forbid]
+) -> None:
+    """Emit, inline, a read into ``c_<counter>`` of each counter a guard of this branch tests.
+
+    Only the guards the branch emits count: none after a plain forbid, and none of
+    a lone unguarded transition. A counter the branch only assigns is read where it
+    is written (``rec.pins = rec.pins + 1``): each counter is assigned once in a
+    branch (:func:`_inlinable`), so that read is still the value on entry.
+    """
+    tested: set[str] = set()
+    for forbid in forbids:
+        if not forbid.conditional:
+            break
+        tested |= forbid.guard.counters()
+    else:
+        if len(transitions) != 1 or transitions[0].guard:
+            for tr in transitions:
+                tested |= tr.guard.counters()
+    em.read = {c for c in em.system.machines[region].counter_names if c in tested}
+    for counter in em.system.machines[region].counter_names:
+        if counter in em.read:
+            em.emit(2, f"c_{counter} = rec.{counter}")
+
+
 def _transition_body(em: Emitter, region: str, tr: Transition, depth: int) -> None:
     if em.inline:  # commit here: every check of this path has passed
         if tr.dest != em.state:
             em.emit(depth, f"rec.{region} = {tr.dest!r}")
         for assign in tr.update.assigns:
-            em.emit(depth, f"rec.{assign.counter} = {_value(assign)}")
+            em.emit(depth, f"rec.{assign.counter} = {_inline_value(em, tr, assign)}")
         # A trail note follows the branches; a transition that writes nothing needs a body.
         if not em.trail:
             em.emit(depth, "return")
@@ -392,11 +423,28 @@ def _transition_body(em: Emitter, region: str, tr: Transition, depth: int) -> No
         em.emit(depth, "propagate = True")
 
 
-def _value(assign: Any) -> str:
-    """Return the expression of one counter assignment over the read values ``c_<counter>``."""
+def _inline_value(em: Emitter, tr: Transition, assign: Assign) -> str:
+    """Return the value an inline branch writes to ``assign``'s counter.
+
+    Where the transition's guard pins the counter (``pins == 1``), the value is a
+    constant (``rec.pins = 0``); otherwise it is computed from the local the
+    branch read or, if it read none, from the record.
+    """
+    known = [t.value for t in tr.guard.terms if t.counter == assign.counter and t.op == "=="]
+    if known and assign.op != "=":
+        return str(known[0] + assign.delta())
+    read = f"c_{assign.counter}" if assign.counter in em.read else f"rec.{assign.counter}"
+    return _value(assign, read)
+
+
+def _value(assign: Assign, read: str = "") -> str:
+    """Return the expression of one counter assignment over its value on entry.
+
+    ``read`` is that value's expression: the local ``c_<counter>`` unless given.
+    """
     if assign.op == "=":
         return str(assign.amount)
-    return f"c_{assign.counter} {assign.op[0]} {assign.amount}"
+    return f"{read or f'c_{assign.counter}'} {assign.op[0]} {assign.amount}"
 
 
 def _system_forbids(em: Emitter, event: str) -> None:
