@@ -2,7 +2,8 @@
 
 The one-region fast paths commit inside their branches, read a counter only
 where a guard tests it or an update writes it, and write a constant where a guard
-pins the counter (``release`` with ``pins == 1`` writes 0). Each shipped machine and
+pins the counter (``release`` with ``pins == 1`` writes 0), and in trail mode
+look the caller's frame up before the checks. Each shipped machine and
 composition is run here on every state and representative valuation (invariant
 or not) against :func:`fsm_cache.spec.meaning.step`, through the verb a caller
 asks for and through :meth:`Engine.fire`: an accepted event notes exactly one
