@@ -10,6 +10,7 @@ pages freed and handed out again in another order.
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from fsm_cache import TokenKey
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.errors import BadArgument, DoubleFree, ForeignSlot
 from fsm_cache.memory.pages import PageAllocator, pages_of, run_start, slots_of
+from fsm_cache.memory.tickets import PageSet
 from fsm_cache.memory.tiers import CacheConfig
 
 
@@ -231,3 +233,62 @@ def test_a_run_to_run_copy_lands_each_page_where_it_was_sent(load: bool) -> None
         assert torch.equal(target.words[d], source.words[s])
     untouched = [p for p in range(16) if p not in dst]
     assert bool((target.words[untouched] == -1).all())
+
+
+_HOLDS = st.lists(
+    st.tuples(st.booleans(), st.integers(0, 12), st.integers(1, 5), st.booleans()),
+    max_size=12,
+)
+
+
+@given(_HOLDS, st.lists(st.integers(0, 20), max_size=6), st.randoms(use_true_random=False))
+@settings(max_examples=300, deadline=None)
+def test_a_page_set_of_runs_and_pages_is_the_multiset_it_was_given(
+    holds: list[tuple[bool, int, int, bool]], probe: list[int], rng: random.Random
+) -> None:
+    """Runs held as ranges and pages held in the set answer as one plain multiset would."""
+    held = PageSet()
+    model: Counter[int] = Counter()
+    added: list[tuple[list[int], int | None]] = []
+    for as_run, first, n, duplicate in holds:
+        pages = list(range(first, first + n))
+        if not as_run and duplicate:
+            pages.append(first)  # a page listed twice is held twice
+        how = first if as_run else None
+        held.add(pages, how)
+        model.update(pages)
+        added.append((pages, how))
+    rng.shuffle(added)
+    for pages, how in added[: len(added) // 2]:
+        held.remove(pages, how)
+        model.subtract(pages)
+    live = {p for p, c in model.items() if c > 0}
+    assert set(held) == live
+    assert len(held) == len(live)
+    assert bool(held) == bool(live)
+    assert held.frozen() == frozenset(live)
+    assert all((p in held) == (p in live) for p in range(25))
+    assert held.isdisjoint(probe) == live.isdisjoint(probe)
+    if probe:
+        run = list(range(probe[0], probe[0] + len(probe)))
+        assert held.isdisjoint(run, probe[0]) == live.isdisjoint(run)
+
+
+def test_a_busy_run_refuses_what_overlaps_it_and_frees_once_reported() -> None:
+    """A run a copy reads keeps its pages from being freed or overwritten until the poll."""
+    cache = make(page=1, pages=16, host=16)
+    copier = cache.tiers.copier
+    copier.start_write((2, 3, 4, 5), (8, 9, 10, 11))
+    assert copier.device_busy((5, 6))
+    assert copier.device_busy([0, 4])
+    assert not copier.device_busy((6, 7))
+    assert not copier.device_busy([0, 1, 7])
+    assert copier.host_busy((11, 12))
+    assert not copier.host_busy((12, 13))
+    with pytest.raises(ValueError, match=r"^copy: host page 10 is still in use by an unreported"):
+        copier.start_write((12, 13), (10, 12))
+    assert copier.busy_device_pages() == frozenset({2, 3, 4, 5})
+    copier.poll()
+    assert not copier.device_busy((2, 3, 4, 5))
+    assert not copier.host_busy([8])
+    assert copier.busy_host_pages() == frozenset()

@@ -50,6 +50,7 @@ from fsm_cache.memory.tickets import (
     Copier,
     CopyStats,
     Direction,
+    PageSet,
     Ticket,
     host_runs,
     refuse_busy_destination,
@@ -209,7 +210,7 @@ class CopyEngine:
                     raise ForeignSlot(
                         f"{pool.name} pool: page {bad} outside 0..{pool.num_pages - 1}"
                     )
-        if not busy.isdisjoint(dst):
+        if not busy.isdisjoint(dst, dst_run):
             refuse_busy_destination(direction, dst, busy)
         return src_run, dst_run
 
@@ -360,11 +361,11 @@ class CopyEngine:
 
     def device_busy(self, pages: Iterable[int]) -> bool:
         """Whether an unreported copy reads or writes any of these device pages."""
-        return not self._busy.device.isdisjoint(pages)
+        return _busy(self._busy.device, self.device, pages)
 
     def host_busy(self, pages: Iterable[int]) -> bool:
         """Whether an unreported copy reads or writes any of these host pages."""
-        return not self._busy.host.isdisjoint(pages)
+        return _busy(self._busy.host, self.host, pages)
 
     def busy_device_pages(self) -> frozenset[int]:
         """Every device page an unreported copy touches."""
@@ -373,6 +374,14 @@ class CopyEngine:
     def busy_host_pages(self) -> frozenset[int]:
         """Every host page an unreported copy touches."""
         return self._busy.host.frozen()
+
+
+def _busy(busy: PageSet, pool: KVPool, pages: Iterable[int]) -> bool:
+    """Whether ``busy`` holds any of ``pages``; a run of the pool's pages is tested as one."""
+    if not busy:
+        return False
+    first = pool.allocator.run_of(pages) if isinstance(pages, (list, tuple)) else None
+    return not busy.isdisjoint(pages, first)
 
 
 def _bounds(pages: Sequence[int]) -> tuple[int, int]:

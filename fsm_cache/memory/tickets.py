@@ -14,7 +14,7 @@ import enum
 from collections import Counter
 from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 from fsm_cache.errors import CopyFailed
 from fsm_cache.memory.pages import run_start
@@ -134,37 +134,71 @@ class Copier(Protocol):
 
 
 class PageSet:
-    """A multiset of page numbers, kept as a set plus the rare extra holders.
+    """A multiset of page numbers: runs as ranges, other pages as a set plus the rare extras.
 
     Each in-flight ticket holds its pages; a page two tickets read stays busy
-    until both are reported. Almost every page has one holder, so the pages
-    live in a plain set (adding and removing a ticket's pages runs in C) and
-    only the extra holders of a page are counted.
+    until both are reported. A ticket's pages are most often one run (pages
+    handed out together), held as one ``range``: adding, removing and testing
+    it against another run cost the same for one page or a thousand. Other
+    pages live in a plain set (adding and removing them runs in C), and only
+    the extra holders of a page are counted. Pages are removed the way they
+    were added (the same run, or the same pages), as a ticket is.
     """
 
-    __slots__ = ("_extra", "_pages")
+    __slots__ = ("_extra", "_pages", "_runs")
 
     def __init__(self) -> None:
         self._pages: set[int] = set()
         self._extra: Counter[int] = Counter()
+        self._runs: list[range] = []
 
     def __contains__(self, page: object) -> bool:
-        return page in self._pages
+        return page in self._pages or any(page in run for run in self._runs)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._pages)
+        return iter(self._distinct())
 
     def __len__(self) -> int:
-        return len(self._pages)
+        return len(self._distinct())
 
-    def isdisjoint(self, pages: Iterable[int]) -> bool:
-        """Return whether none of ``pages`` is held."""
-        return self._pages.isdisjoint(pages)
+    def __bool__(self) -> bool:
+        return bool(self._pages or self._runs)
 
-    def add(self, pages: Sequence[int]) -> None:
-        """Hold each of ``pages`` once more (a page listed twice is held twice)."""
+    def _distinct(self) -> set[int]:
+        return self._pages.union(*self._runs) if self._runs else self._pages
+
+    def isdisjoint(self, pages: Iterable[int], first: int | None = None) -> bool:
+        """Return whether none of ``pages`` is held.
+
+        Args:
+            pages: The pages to test.
+            first: ``pages[0]`` where ``pages`` is known to be one ascending run
+                (``first, first + 1, ...``): tested against each held run at once.
+        """
+        # an empty set still looks up every page of a list or tuple: skipped when empty
+        if self._pages and not self._pages.isdisjoint(pages):
+            return False
+        if not self._runs:
+            return True
+        if first is not None:
+            end = first + len(cast("Sequence[int]", pages))
+            return all(run.stop <= first or end <= run.start for run in self._runs)
+        wanted = pages if isinstance(pages, (list, tuple, set, frozenset)) else list(pages)
+        return not any(map(self._in_runs, wanted))
+
+    def _in_runs(self, page: int) -> bool:
+        return any(page in run for run in self._runs)
+
+    def add(self, pages: Sequence[int], first: int | None = None) -> None:
+        """Hold each of ``pages`` once more (a page listed twice is held twice).
+
+        ``first``: ``pages[0]`` where ``pages`` is one ascending run, held as one range.
+        """
+        if first is not None:
+            self._runs.append(range(first, first + len(pages)))
+            return
         held = self._pages
-        if held.isdisjoint(pages):
+        if not held or held.isdisjoint(pages):
             before = len(held)
             held.update(pages)
             if len(held) - before == len(pages):
@@ -179,8 +213,11 @@ class PageSet:
             if count > 1:
                 self._extra[page] += count - 1
 
-    def remove(self, pages: Sequence[int]) -> None:
-        """Drop one hold of each of ``pages`` (once per earlier :meth:`add` of them)."""
+    def remove(self, pages: Sequence[int], first: int | None = None) -> None:
+        """Drop one hold of each of ``pages``, added as they are removed (the same ``first``)."""
+        if first is not None:
+            self._runs.remove(range(first, first + len(pages)))
+            return
         extra = self._extra
         if not extra or extra.keys().isdisjoint(pages):
             self._pages.difference_update(pages)
@@ -195,7 +232,7 @@ class PageSet:
 
     def frozen(self) -> frozenset[int]:
         """Return the pages held, as a frozenset."""
-        return frozenset(self._pages)
+        return frozenset(self._distinct())
 
 
 class BusyPages:
@@ -207,22 +244,25 @@ class BusyPages:
 
     def add(self, ticket: Ticket) -> None:
         """Mark the ticket's pages busy."""
-        device, host = _sides(ticket)
-        self.device.add(device)
-        self.host.add(host)
+        device, host, device_run, host_run = _sides(ticket)
+        self.device.add(device, device_run)
+        self.host.add(host, host_run)
 
     def remove(self, ticket: Ticket) -> None:
         """Unmark the ticket's pages (once per earlier :meth:`add`)."""
-        device, host = _sides(ticket)
-        self.device.remove(device)
-        self.host.remove(host)
+        device, host, device_run, host_run = _sides(ticket)
+        self.device.remove(device, device_run)
+        self.host.remove(host, host_run)
 
 
-def _sides(ticket: Ticket) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The ticket's ``(device_pages, host_pages)``, without two property calls."""
+def _sides(
+    ticket: Ticket,
+) -> tuple[tuple[int, ...], tuple[int, ...], int | None, int | None]:
+    """The ticket's device pages, host pages, and the first page of each that is one run."""
+    src_run, dst_run = ticket.runs if ticket.runs is not None else (None, None)
     if ticket.direction is Direction.D2H:
-        return ticket.src_pages, ticket.dst_pages
-    return ticket.dst_pages, ticket.src_pages
+        return ticket.src_pages, ticket.dst_pages, src_run, dst_run
+    return ticket.dst_pages, ticket.src_pages, dst_run, src_run
 
 
 def host_runs(pages: Sequence[int]) -> Iterator[tuple[int, int, int]]:
