@@ -10,6 +10,7 @@ pages freed and handed out again in another order.
 from __future__ import annotations
 
 import random
+from array import array
 from collections import Counter
 
 import pytest
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 from fsm_cache import TokenKey
 from fsm_cache.cache.hicache import HiCache
+from fsm_cache.cache.replay import replay
 from fsm_cache.errors import BadArgument, DoubleFree, ForeignSlot
 from fsm_cache.memory.pages import PageAllocator, pages_of, run_start, slots_of
 from fsm_cache.memory.tickets import PageSet
@@ -292,3 +294,36 @@ def test_a_busy_run_refuses_what_overlaps_it_and_frees_once_reported() -> None:
     assert not copier.device_busy((2, 3, 4, 5))
     assert not copier.host_busy([8])
     assert copier.busy_host_pages() == frozenset()
+
+
+@pytest.mark.parametrize("as_key", [False, True])
+def test_the_log_keeps_slots_packed_and_a_replay_runs_them(as_key: bool) -> None:
+    """Slot lists are logged as ``array('Q')`` of the same ids; replaying them gives the same run."""
+    cache = make(page=2, pages=32, host=32)
+    key = TokenKey(range(8))
+    slots = cache.alloc_slots(8)
+    cache.insert(key, TokenKey(slots) if as_key else slots)
+    spare = cache.alloc_slots(4)
+    cache.free_slots(spare)
+    cache.poll()
+    logged = dict(cache.log.operations())
+    assert isinstance(logged["insert"][2], array)
+    assert logged["insert"][2].typecode == "Q"
+    assert logged["insert"][2].tolist() == slots
+    assert logged["free_slots"][0].tolist() == spare
+    again = replay(cache.log, cache.config)
+    assert again.log.transitions() == cache.log.transitions()
+    assert [n.device_pages for n in again.tree.nodes.values()] == [
+        n.device_pages for n in cache.tree.nodes.values()
+    ]
+
+
+def test_bad_slots_are_refused_before_anything_is_logged() -> None:
+    """A slot list that is not non-negative ints is refused by name, and nothing is recorded."""
+    cache = make(page=1, pages=8)
+    before = cache.log.recorded
+    with pytest.raises(BadArgument, match=r"^insert: slots\[1\] is -3; ids and slots are"):
+        cache.insert([1, 2], [0, -3])
+    with pytest.raises(BadArgument, match=r"^free_slots: slots\[0\] is 1.5, not an int$"):
+        cache.free_slots([1.5])  # type: ignore[list-item]
+    assert cache.log.recorded == before

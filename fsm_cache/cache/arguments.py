@@ -67,6 +67,20 @@ def ints(value: object, op: str, what: str) -> tuple[int, ...]:
     """
     if type(value) is TokenKey:
         return value
+    return packed(value, op, what)[0]
+
+
+def packed(value: object, op: str, what: str) -> tuple[tuple[int, ...], array.array[int]]:
+    """Return :func:`ints` of ``value``, and the same ids packed in an ``array('Q')``.
+
+    The array is the one the check builds anyway. The event log keeps it in
+    place of the tuple for long slot lists: eight bytes an id, and no int
+    objects in it for the garbage collector to trace, however many entries
+    the log keeps.
+
+    Raises:
+        BadArgument: as :func:`ints`.
+    """
     if not isinstance(value, (list, tuple)):  # the common kinds skip the checks of the rest
         tolist = getattr(value, "tolist", None)
         if callable(tolist):
@@ -76,10 +90,11 @@ def ints(value: object, op: str, what: str) -> tuple[int, ...]:
             raise BadArgument(f"{op}: {what} must be a sequence of ints, got {name}")
     out = tuple(value)
     try:
-        array.array("Q", out)  # one pass in C: non-negative ints that fit 64 bits, or it raises
+        words = array.array("Q", out)  # one pass in C: non-negative ints below 2**64, or it raises
     except (TypeError, OverflowError):
         _name_culprit(out, op, what)
-    return out
+        raise  # not reached: _name_culprit raises
+    return out, words
 
 
 def _name_culprit(out: tuple[object, ...], op: str, what: str) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections import deque
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, overload
 
 from fsm_cache.errors import BadArgument
@@ -146,7 +146,8 @@ class EventLog:
             None keeps every entry, for a run that must replay from its start.
 
     Attributes:
-        entries: ``("op", name, args)``, ``("transition", node_id, event)``,
+        entries: ``("op", name, args)`` (slot lists in ``args`` as an
+            ``array('Q')``), ``("transition", node_id, event)``,
             ``("acks", origin, ((copy, ok), ...))`` (origin: ``poll``,
             ``apply_completions``, or ``wait`` for an allocation that waited for
             write-backs), ``("storage", origin, ((copy, kind, pages, outcome), ...))``
@@ -212,8 +213,11 @@ class EventLog:
         self._recorded += 1
         self._items.append(entry)
 
-    def op(self, name: str, *args: Hashable) -> None:
-        """Record a public operation and its arguments."""
+    def op(self, name: str, *args: object) -> None:
+        """Record a public operation and its arguments.
+
+        Slot lists come as an ``array('Q')`` (:func:`~fsm_cache.cache.arguments.packed`).
+        """
         self._recorded += 1
         self._items.append(("op", name, args))
 

@@ -22,6 +22,7 @@ machine, counters, log), :class:`~fsm_cache.cache.transfers.Transfers`
 from __future__ import annotations
 
 import threading
+from array import array
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, partial
@@ -29,7 +30,7 @@ from itertools import chain
 from types import TracebackType
 
 from fsm_cache.cache import arguments, invariants, slots
-from fsm_cache.cache.arguments import Tokens
+from fsm_cache.cache.arguments import TokenKey, Tokens
 from fsm_cache.cache.core import CacheCore
 from fsm_cache.cache.effects import MemoryEffects
 from fsm_cache.cache.eventlog import EventLog
@@ -313,9 +314,9 @@ class HiCache:
                 started were waited for and applied.
         """
         given = arguments.ints(tokens, "insert", "tokens")
-        args = None if device_slots is None else arguments.ints(device_slots, "insert", "slots")
+        args, logged = (None, None) if device_slots is None else _slots(device_slots, "insert")
         namespace = arguments.namespace(namespace, "insert")
-        with self._operation("insert", given, namespace, args):
+        with self._operation("insert", given, namespace, logged):
             tree = self._core.tree
             key = tree.aligned(given)
             slots.check_count(args, len(key))
@@ -427,8 +428,8 @@ class HiCache:
             ForeignSlot: A slot is outside the pool, not page-aligned, or not a
                 request's; nothing was freed.
         """
-        given = arguments.ints(device_slots, "free_slots", "slots")
-        with self._operation("free_slots", given):
+        given, logged = _slots(device_slots, "free_slots")
+        with self._operation("free_slots", logged):
             self.tiers.free_device(pages_of(given, self.config.page_size), REQUEST)
 
     def backup(self, nodes: Sequence[TreeNode]) -> int:
@@ -740,7 +741,7 @@ class HiCache:
 
     # -- internals -----------------------------------------------------------
 
-    def _operation(self, name: str, *args: Hashable) -> _Operation:
+    def _operation(self, name: str, *args: object) -> _Operation:
         check = self.check_invariants if self.config.debug else None
         return _Operation(self._gate, self._core.log, self._flush_all, check, name, args)
 
@@ -749,6 +750,13 @@ class HiCache:
         self._transfers.flush()
         if self._storage is not None:
             self._storage.flush()
+
+
+def _slots(value: object, op: str) -> tuple[tuple[int, ...], array[int]]:
+    """The caller's slots checked, and packed for the log (:func:`arguments.packed`)."""
+    if type(value) is TokenKey:  # checked already: packed here
+        return value, array("Q", value)
+    return arguments.packed(value, op, "slots")
 
 
 def _chain(node: TreeNode) -> tuple[list[TreeNode], TreeNode | None]:
@@ -801,7 +809,7 @@ class _Operation:
         flush: Callable[[], None],
         check: Callable[[str], None] | None,
         name: str,
-        args: tuple[Hashable, ...],
+        args: tuple[object, ...],
     ) -> None:
         self.gate, self.log, self.flush, self.check = gate, log, flush, check
         self.name, self.args = name, args
