@@ -169,7 +169,7 @@ class PageAllocator:
             raise PoolExhausted(self.name, num_slots, self.free_slots)
         if n == 0:
             return []
-        pages = self._free[-n:][::-1]
+        pages = self._free[: -n - 1 : -1]  # the top n, last pushed first: one copy
         del self._free[-n:]
         self._set_owner(pages, owner)
         return pages
