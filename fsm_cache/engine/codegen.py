@@ -67,6 +67,11 @@ class Emitter:
         """The source state whose branch is being emitted."""
         self.read: set[str] = set()
         """Inline: the counters the branch being emitted has read into ``c_<counter>`` locals."""
+        self.live: frozenset[str] | None = None
+        """In a fast path with effects, the effect names bound to a hook that does something
+        (a pure engine's ``no_effect`` stand-ins are left out); None while a step is emitted."""
+        self.flagged: frozenset[str] = frozenset()
+        """Not inline: the regions whose branches say in ``x_<region>`` which effect to run."""
 
     def refusal(self, region: str, error: str, reason: str) -> int:
         """Register a refusal of the event being compiled and return its index."""
@@ -88,12 +93,16 @@ class Compiled:
             as in :mod:`linecache` (``<fsm_cache residency engine 3>``).
         steps: Every event's checking function, ``step(rec) -> plan``, which
             writes nothing.
-        verbs: The events with a fast path (no effects, no propagation): checked
-            functions that commit inline, ``verb(rec)``. In trail mode they note
-            the first caller outside fsm_cache's dispatch files, walking past them.
+        verbs: The events with a fast path: checked functions that commit inline,
+            ``verb(rec)``. Every event without propagation has one where effects
+            were given (effects run after the checks, before the commit), else
+            every event with neither effects nor propagation. In trail mode they
+            note the first caller outside fsm_cache's dispatch files, walking past them.
         refusals: What each ``_refuse(rec, index)`` of the source raises, by index.
-        direct: In trail mode, the same fast paths noting their immediate caller
-            without the walk, for code outside fsm_cache to call; empty otherwise.
+        direct: In trail mode, the fast paths of events without effects, noting
+            their immediate caller without the walk, for code outside fsm_cache
+            to call; empty otherwise. Events with effects note the first caller
+            outside the dispatch files always, as the plan path did.
     """
 
     source: str
@@ -114,6 +123,7 @@ def compile_system(
     *,
     trail: bool = False,
     history: int = 8,
+    effects: Mapping[str, runtime.Effect] | None = None,
 ) -> Compiled:
     """Generate, register and compile ``system``'s functions; return them with their source.
 
@@ -123,16 +133,25 @@ def compile_system(
             ``_refuse(rec, index)`` the generated code calls to raise one.
         trail: Emit fast paths that note each event's call site on the record.
         history: How many events a record's trail keeps.
+        effects: The hooks bound to every effect the spec names. Given, events
+            with effects and no propagation get fast paths too, which call
+            them; without, those events have steps only.
     """
     em = Emitter(system, trail=trail)
     steps = {event: compile_event(em, event) for event in system.event_names}
     hot = [event for event in system.event_names if not needs_general(system, event)]
     fast = {event: compile_fast(em, event) for event in hot}
     direct = {event: compile_fast(em, event, walk=False) for event in hot} if trail else {}
+    live: dict[str, runtime.Effect] = {}
+    if effects is not None:  # emitted last: the lines of the functions above do not move
+        live = {n: f for n, f in effects.items() if f is not runtime.no_effect}
+        for event in system.event_names:
+            if needs_general(system, event) and not propagates(system, event):
+                fast[event] = compile_fast(em, event, live=frozenset(live))
     source = "\n".join(em.lines)
     refusals = tuple(em.refusals)
     filename = f"<fsm_cache {system.name} engine {next(_numbers)}>"
-    namespace = _namespace(refuser(refusals), history)
+    namespace = _namespace(refuser(refusals), history, system.label, live)
     _register(source, filename, namespace["_registration"])
     exec(compile(source, filename, "exec"), namespace)
     return Compiled(
@@ -151,9 +170,18 @@ class _Registration:
     __slots__ = ("__weakref__",)
 
 
-def _namespace(refuse: Refuser, history: int) -> dict[str, Any]:
-    """Return the globals generated code runs with: the names it calls, and nothing else."""
+def _namespace(
+    refuse: Refuser, history: int, label: str, effects: Mapping[str, runtime.Effect]
+) -> dict[str, Any]:
+    """Return the globals generated code runs with: the names it calls, and nothing else.
+
+    Each effect hook is a global of its own, ``_fx_<name>`` (spec effect names
+    are identifiers), so a fast path calls it with one global lookup.
+    """
     return {
+        **{f"_fx_{name}": hook for name, hook in effects.items()},
+        "_label": label,
+        "_effect_failed": runtime.effect_failed,
         "_refuse": refuse,
         "_parent_in": runtime.parent_in,
         "_child_in": runtime.child_in,
@@ -211,6 +239,16 @@ def needs_general(system: System, event: str) -> bool:
     )
 
 
+def propagates(system: System, event: str) -> bool:
+    """Whether some transition of ``event`` propagates to other records (ancestors)."""
+    return any(
+        t.propagate is not None
+        for region in system.regions_of(event)
+        for t in system.machines[region].transitions
+        if t.event == event
+    )
+
+
 def compile_event(em: Emitter, event: str) -> str:
     """Emit ``_step_<event>(rec)`` and return its name.
 
@@ -235,11 +273,13 @@ def compile_event(em: Emitter, event: str) -> str:
     return name
 
 
-def compile_fast(em: Emitter, event: str, *, walk: bool = True) -> str:
+def compile_fast(
+    em: Emitter, event: str, *, walk: bool = True, live: frozenset[str] | None = None
+) -> str:
     """Emit ``_fire_<event>(rec)`` that checks and commits inline; return its name.
 
-    Only for events with no effects and no propagation: the common, hot case. When
-    nothing is checked after a state's branch (one region, no composition forbid),
+    For events without propagation: the common, hot case. When nothing is checked
+    after a state's branch (one region, no composition forbid),
     each transition commits in its branch, writing only what changes: a pin on a
     pinned node writes one counter, as a bare counter does; and each branch reads
     only the counters its guards test, so a pin on a backed node reads its state
@@ -247,6 +287,12 @@ def compile_fast(em: Emitter, event: str, *, walk: bool = True) -> str:
     branch returns there; with one, every branch that did not refuse falls through
     to the note of the call site: the first frame outside fsm_cache's dispatch files,
     or with ``walk`` false the immediate caller (``_fire_<event>_at_caller``).
+
+    An event with effects needs ``live``, the effect names bound to a hook that
+    does something: once every check has passed, those run in region order (the
+    plan path's order), each failure raised as
+    :class:`~fsm_cache.errors.EffectFailed` before anything is written; then the
+    commit. A pure engine's ``no_effect`` stand-ins are not called at all.
     """
     name = f"_fire_{event}" if walk else f"_fire_{event}_at_caller"
     em.event = event
@@ -255,24 +301,83 @@ def compile_fast(em: Emitter, event: str, *, walk: bool = True) -> str:
     if em.trail:
         _find_site(em, walk)
     inline = em.inline = _inlinable(em, event)
+    calls = _effect_calls(em.system, event, live or frozenset())
     if not inline:  # inline branches read only the counters they test (see _state_body)
-        for counter in (c for r in regions for c in em.system.machines[r].counter_names):
-            em.emit(1, f"c_{counter} = rec.{counter}")
+        _read_counters(em, event, live is not None)
+        em.flagged = frozenset(r for r, _, always in calls if not always)
+        for region in sorted(em.flagged, key=regions.index):
+            em.emit(1, f"x_{region} = None")
+    em.live = live
     try:
         for region in regions:
             _region_block(em, region, em.system.machines[region], event)
     finally:
-        em.inline = False
+        em.inline, em.live, em.flagged = False, None, frozenset()
     if not inline:
         _system_forbids(em, event)
-        for region in regions:
-            em.emit(1, f"rec.{region} = n_{region}")
-        for counter in _assigned(em.system, event):
-            em.emit(1, f"rec.{counter} = c_{counter}")
+        _run_then_commit(em, event, calls)
     if em.trail:
         _note_site(em, event, walk)
     em.emit(0, "")
     return name
+
+
+def _read_counters(em: Emitter, event: str, used_only: bool) -> None:
+    """Emit, not inline, the reads into ``c_<counter>`` locals of the event's regions' counters.
+
+    With ``used_only`` (fast paths with effects) only those its branches read or write.
+    """
+    used = _used(em.system, event) if used_only else None
+    for region in em.system.regions_of(event):
+        for counter in em.system.machines[region].counter_names:
+            if used is None or counter in used:
+                em.emit(1, f"c_{counter} = rec.{counter}")
+
+
+def _run_then_commit(em: Emitter, event: str, calls: list[tuple[str, list[str], bool]]) -> None:
+    """Emit, not inline and after every check, the effect calls in region order, then the commit."""
+    for region, names, always in calls:
+        if always:
+            _call_effect(em, 1, names[0])
+            continue
+        for i, effect in enumerate(names):
+            em.emit(1, f"{'if' if i == 0 else 'elif'} x_{region} == {effect!r}:")
+            _call_effect(em, 2, effect)
+    for region in em.system.regions_of(event):
+        em.emit(1, f"rec.{region} = n_{region}")
+    for counter in _assigned(em.system, event):
+        em.emit(1, f"rec.{counter} = c_{counter}")
+
+
+def _effect_calls(
+    system: System, event: str, live: frozenset[str]
+) -> list[tuple[str, list[str], bool]]:
+    """Return, per region in order, the live effects ``event`` may run there.
+
+    Each entry is ``(region, effect names, always)``: ``always`` when every
+    transition of the event in that region runs the one effect, so every branch
+    that does not refuse runs it and no flag needs to say so. Regions whose
+    transitions run no live effect are left out.
+    """
+    calls = []
+    for region in system.regions_of(event):
+        effects = [t.effect for t in system.machines[region].transitions if t.event == event]
+        names = list(dict.fromkeys(e for e in effects if e is not None and e in live))
+        if names:
+            calls.append((region, names, len(names) == 1 and all(e == names[0] for e in effects)))
+    return calls
+
+
+def _call_effect(em: Emitter, depth: int, effect: str) -> None:
+    """Emit the call of ``effect``'s hook on ``rec``, a failure raised as EffectFailed.
+
+    The message and the chained cause are :func:`runtime.run_effect`'s (the plan
+    path's); ``try`` costs nothing until it catches.
+    """
+    em.emit(depth, "try:")
+    em.emit(depth + 1, f"_fx_{effect}(rec)")
+    em.emit(depth, "except Exception as exc:")
+    em.emit(depth + 1, f"raise _effect_failed(exc, {effect!r}, {em.event!r}, rec, _label) from exc")
 
 
 def _find_site(em: Emitter, walk: bool) -> None:
@@ -320,6 +425,23 @@ def _inlinable(em: Emitter, event: str) -> bool:
         return False
     updates = (t.update for t in em.system.machines[regions[0]].transitions if t.event == event)
     return all(len({a.counter for a in u.assigns}) == len(u.assigns) for u in updates)
+
+
+def _used(system: System, event: str) -> set[str]:
+    """Return the counters ``event``'s region branches read: guards they test, counters they write.
+
+    Composition forbids read the record itself (:func:`_system_forbids`), not these locals.
+    """
+    used = set(_assigned(system, event))
+    for region in system.regions_of(event):
+        machine = system.machines[region]
+        for tr in machine.transitions:
+            if tr.event == event:
+                used |= tr.guard.counters()
+        for forbid in machine.forbids:
+            if forbid.event == event:
+                used |= forbid.guard.counters()
+    return used
 
 
 def _assigned(system: System, event: str) -> list[str]:
@@ -415,24 +537,46 @@ def _read_tested(
 
 
 def _transition_body(em: Emitter, region: str, tr: Transition, depth: int) -> None:
+    effect = tr.effect if em.live is not None and tr.effect in em.live else None
     if em.inline:  # commit here: every check of this path has passed
-        if tr.dest != em.state:
-            em.emit(depth, f"rec.{region} = {tr.dest!r}")
-        for assign in tr.update.assigns:
-            em.emit(depth, f"rec.{assign.counter} = {_inline_value(em, tr, assign)}")
-        # A trail note follows the branches; a transition that writes nothing needs a body.
-        if not em.trail:
-            em.emit(depth, "return")
-        elif tr.dest == em.state and not tr.update.assigns:
-            em.emit(depth, "pass")
+        _inline_commit(em, region, tr, depth, effect)
         return
     em.emit(depth, f"n_{region} = {tr.dest!r}")
     for assign in tr.update.assigns:
         em.emit(depth, f"c_{assign.counter} = {_value(assign)}")
-    if tr.effect is not None:
-        em.emit(depth, f"effects.append({tr.effect!r})")
-    if tr.propagate is not None:
-        em.emit(depth, "propagate = True")
+    if em.live is None:
+        if tr.effect is not None:
+            em.emit(depth, f"effects.append({tr.effect!r})")
+        if tr.propagate is not None:
+            em.emit(depth, "propagate = True")
+    elif effect is not None and region in em.flagged:
+        em.emit(depth, f"x_{region} = {effect!r}")
+
+
+def _inline_commit(
+    em: Emitter, region: str, tr: Transition, depth: int, effect: str | None
+) -> None:
+    """Emit, inline, the transition's effect (if live) and then its writes.
+
+    Values are computed before the effect runs, from the values on entry, as
+    the plan computes them before its effects: a constant needs no local.
+    """
+    values = [(a.counter, _inline_value(em, tr, a)) for a in tr.update.assigns]
+    if effect is not None:
+        for counter, value in values:
+            if not value.isdigit():
+                em.emit(depth, f"v_{counter} = {value}")
+        values = [(c, v if v.isdigit() else f"v_{c}") for c, v in values]
+        _call_effect(em, depth, effect)
+    if tr.dest != em.state:
+        em.emit(depth, f"rec.{region} = {tr.dest!r}")
+    for counter, value in values:
+        em.emit(depth, f"rec.{counter} = {value}")
+    # A trail note follows the branches; a transition that writes nothing needs a body.
+    if not em.trail:
+        em.emit(depth, "return")
+    elif tr.dest == em.state and not values and effect is None:
+        em.emit(depth, "pass")
 
 
 def _inline_value(em: Emitter, tr: Transition, assign: Assign) -> str:

@@ -80,7 +80,7 @@ class Engine:
         self._effects = self._bind(effects)
         self._past = {e.name: e.past for _, m in self.system.regions for e in m.events if e.past}
         self._compiled: Compiled = compile_system(
-            self.system, self._refuser, trail=self.trail, history=history
+            self.system, self._refuser, trail=self.trail, history=history, effects=self._effects
         )
         self._verbs = {
             event: self._compiled.verbs.get(event) or self._general(event)

@@ -20,7 +20,15 @@ from typing import Any
 from fsm_cache.errors import EffectFailed
 
 
-__all__ = ["Effect", "caller_frame", "child_in", "no_effect", "parent_in", "run_effect"]
+__all__ = [
+    "Effect",
+    "caller_frame",
+    "child_in",
+    "effect_failed",
+    "no_effect",
+    "parent_in",
+    "run_effect",
+]
 
 Effect = Callable[[Any], None]
 """A hook bound to an effect name, called with the record before the commit."""
@@ -58,8 +66,16 @@ def run_effect(effect: Effect, name: str, event: str, rec: Any, label: str) -> N
     try:
         effect(rec)
     except Exception as exc:
-        msg = f"{label} {rec.id}: effect {name} of {event} failed: {exc}"
-        raise EffectFailed(msg) from exc
+        raise effect_failed(exc, name, event, rec, label) from exc
+
+
+def effect_failed(exc: Exception, name: str, event: str, rec: Any, label: str) -> EffectFailed:
+    """Return the :class:`EffectFailed` that reports ``exc``, raised by effect ``name`` of ``event``.
+
+    One message for both callers: :func:`run_effect` (the plan path) and the
+    fast paths generated code runs, which raise it ``from exc`` themselves.
+    """
+    return EffectFailed(f"{label} {rec.id}: effect {name} of {event} failed: {exc}")
 
 
 def no_effect(rec: Any) -> None:
