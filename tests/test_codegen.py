@@ -75,13 +75,24 @@ def test_a_refusal_traceback_shows_the_generated_line() -> None:
 
 def test_a_refusal_on_the_plan_path_shows_the_generated_step_line() -> None:
     engine = Engine(residency_system(), trail=False)
-    exc = refused(engine, engine.new(17), "evict_host")  # has an effect: checked by its step
-    assert isinstance(exc, NoHostCopy)
-    text = "".join(traceback.format_exception(exc))
+    with pytest.raises(NoHostCopy) as info:  # the plan path: what model checkers ask
+        engine.plan(engine.new(17), "evict_host")
+    text = "".join(traceback.format_exception(info.value))
     assert (
         f'  File "{engine.filename}", line 138, in _step_evict_host\n    _refuse(rec, 29)\n' in text
     )
     assert engine.source.splitlines()[137] == "        _refuse(rec, 29)"
+
+
+def test_an_effectful_refusal_shows_its_generated_fire_line() -> None:
+    engine = Engine(residency_system(), trail=False)
+    exc = refused(engine, engine.new(17), "evict_host")  # has an effect: its own fast path
+    assert isinstance(exc, NoHostCopy)
+    frames = traceback.extract_tb(exc.__traceback__)
+    last = frames[-2]  # the generated line that called _refuse
+    assert last.filename == engine.filename
+    assert last.name == "_fire_evict_host"
+    assert engine.source.splitlines()[last.lineno - 1].strip().startswith("_refuse(rec, ")
 
 
 def test_two_engines_of_one_system_have_their_own_filenames() -> None:
