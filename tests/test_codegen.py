@@ -92,6 +92,7 @@ def test_an_effectful_refusal_shows_its_generated_fire_line() -> None:
     last = frames[-2]  # the generated line that called _refuse
     assert last.filename == engine.filename
     assert last.name == "_fire_evict_host"
+    assert last.lineno is not None
     assert engine.source.splitlines()[last.lineno - 1].strip().startswith("_refuse(rec, ")
 
 
@@ -197,10 +198,11 @@ def test_trail_mode_compiles_a_copy_of_each_fast_event_that_notes_its_caller() -
 def test_the_contract_harness_imports_the_engines_helpers(tmp_path: Path) -> None:
     module = generate(residency_system(), tmp_path / "residency.toml")
     assert (
-        "from fsm_cache.engine.runtime import child_in as _child_in, parent_in as _parent_in\n"
-        in module.source
-    )
+        "from fsm_cache.engine.runtime import child_in as _child_in, effect_failed as _effect_failed\n"
+        "from fsm_cache.engine.runtime import parent_in as _parent_in\n"
+    ) in module.source
     assert "def _parent_in" not in module.source
+    assert "def _effect_failed" not in module.source
     assert "def _child_in" not in module.source
     assert "    if _parent_in(rec, 'device', ('absent',)):\n" in module.source
 

@@ -81,7 +81,9 @@ def test_generated_module_holds_the_engines_code_and_the_contracts(tmp_path: Pat
     path = spec_dir() / "residency.toml"
     module = generate(residency_system(), path)
     assert "def _fire_pin(rec):" in module.source
-    assert "def _step_lock(rec):" in module.source
+    assert "def _fire_write(rec):" in module.source  # effects: the fast path a cache runs
+    assert "        _fx_start_write(rec)\n" in module.source
+    assert "def _step_lock(rec):" in module.source  # propagates: the plan path
     assert "'release changes pins by exactly -1'" in module.source
     assert "'pins moves by at most one (writing(N), pinned(N) count holders)'" in module.source
     assert (
@@ -257,3 +259,21 @@ def test_a_domain_too_large_is_not_analysed(
     rows = verify.verify_spec(spec_dir() / "residency_storage.toml", Options(), tmp_path)
     assert all(r.failed for r in rows)
     assert rows[0].verdict() == f"{crosshair_run.NOT_ANALYSED}: 1440 inputs, more than 100"
+
+
+def test_every_input_finds_a_planted_bug_in_an_effectful_fast_path(tmp_path: Path) -> None:
+    storage = load_shipped("residency_storage")
+    assert isinstance(storage, System)
+    module = generate(storage, spec_dir() / "residency_storage.toml")
+    start = module.source.index("def _fire_write(rec):")
+    body = module.source[start : module.source.index("\ndef ", start + 1)]
+    planted = module.source.replace(
+        body, body.replace("        n_host = 'writing'", "        n_host = 'backed'", 1)
+    )
+    assert planted != module.source
+    path = tmp_path / "contracts_planted.py"
+    path.write_text(planted)
+    rows = exhaustive.check_module("planted", path, exhaustive.counter_domains(storage))
+    bad = {(r.function, r.contract) for r in rows if r.status == crosshair_run.COUNTEREXAMPLE}
+    assert ("write", "the step follows the spec") in bad
+    assert {function for function, _ in bad} == {"write"}

@@ -3,7 +3,9 @@
 For a spec, :func:`generate` writes a self-contained Python module holding:
 
 * the engine's own generated code for every event (``_fire_<event>`` where the
-  engine has a fast path, ``_step_<event>`` otherwise), emitted by
+  engine has a fast path, with a hook that does nothing bound to each effect, so
+  the effect calls are on the paths searched; ``_step_<event>`` for events that
+  propagate), emitted by
   :mod:`fsm_cache.engine.codegen` exactly as :class:`~fsm_cache.engine.core.Engine`
   compiles it;
 * the same tree tests the engine's code calls (``_parent_in``, ``_child_in``),
@@ -29,7 +31,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsm_cache.engine.codegen import Emitter, compile_event, compile_fast, needs_general
+from fsm_cache.engine.codegen import (
+    Emitter,
+    compile_event,
+    compile_fast,
+    needs_general,
+    propagates,
+)
 from fsm_cache.spec.guards import Guard
 from fsm_cache.spec.machine import MachineSpec, System
 
@@ -41,13 +49,15 @@ from typing import NamedTuple, Optional
 
 import icontract
 
-from fsm_cache.engine.runtime import child_in as _child_in, parent_in as _parent_in
+from fsm_cache.engine.runtime import child_in as _child_in, effect_failed as _effect_failed
+from fsm_cache.engine.runtime import parent_in as _parent_in
 from fsm_cache.errors import IllegalTransition, error_class
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.meaning import step as _meaning
 from fsm_cache.spec.machine import as_system
 
 SYSTEM = as_system(load_spec({source!r}))
+_label = {label!r}
 '''
 
 _HARNESS = """
@@ -129,23 +139,38 @@ def generate(system: System, source: str | Path) -> Generated:
     """Return the contracts module of ``system``, which was loaded from ``source``."""
     em = Emitter(system)
     code: dict[str, str] = {}
+    hooks = _effect_names(system)
     for event in system.event_names:
-        code[event] = (
-            compile_event(em, event) if needs_general(system, event) else compile_fast(em, event)
-        )
+        if propagates(system, event):
+            code[event] = compile_event(em, event)
+        elif needs_general(system, event):  # the fast path a cache's engine runs, hooks bound
+            code[event] = compile_fast(em, event, live=hooks)
+        else:
+            code[event] = compile_fast(em, event)
     engine_code = "\n".join(em.lines)
     parts = [
-        _HEADER.format(name=system.name, source=str(Path(source).resolve())),
+        _HEADER.format(name=system.name, source=str(Path(source).resolve()), label=system.label),
         *(_enum(region, machine) for region, machine in system.regions),
         _result(system),
         f"LABEL = {system.label!r}",
         f"_REFUSALS = {tuple((r.error, r.event, r.reason) for r in em.refusals)!r}",
         _harness(system),
+        *(f"\n\ndef _fx_{name}(rec):\n    return None" for name in sorted(hooks)),
         "\n# -- the engine's generated code, as fsm_cache.engine.codegen emits it --\n",
         engine_code,
     ]
     parts += [_checked(system, event, code[event]) for event in system.event_names]
     return Generated(system.name, "\n".join(parts) + "\n", system.event_names)
+
+
+def _effect_names(system: System) -> frozenset[str]:
+    """Every effect the spec names: the module binds each to a hook that does nothing."""
+    return frozenset(
+        t.effect
+        for _, machine in system.regions
+        for t in machine.transitions
+        if t.effect is not None
+    )
 
 
 def _enum_name(region: str) -> str:
