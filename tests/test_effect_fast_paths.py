@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from fsm_cache.engine import runtime, trail
+from fsm_cache.engine.codegen import propagates
 from fsm_cache.engine.core import Engine
 from fsm_cache.errors import EffectFailed, FsmCacheError
 from fsm_cache.spec.loader import load_spec
@@ -84,15 +85,6 @@ def call(fn: Callable[..., None], *args: Any) -> None:
 def effect_names(system: System) -> list[str]:
     named = {t.effect for _, m in system.regions for t in m.transitions if t.effect}
     return sorted(named)
-
-
-def propagates(system: System, event: str) -> bool:
-    return any(
-        t.propagate is not None
-        for region in system.regions_of(event)
-        for t in system.machines[region].transitions
-        if t.event == event
-    )
 
 
 def effectful(system: System, event: str) -> list[str]:
