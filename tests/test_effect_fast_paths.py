@@ -82,11 +82,6 @@ def call(fn: Callable[..., None], *args: Any) -> None:
     fn(*args)
 
 
-def effect_names(system: System) -> list[str]:
-    named = {t.effect for _, m in system.regions for t in m.transitions if t.effect}
-    return sorted(named)
-
-
 def effectful(system: System, event: str) -> list[str]:
     """The effects ``event``'s transitions name, in region order."""
     found = [
@@ -116,7 +111,7 @@ class Harness:
     def __init__(self, spec: Spec, *, on: bool, pure: bool = False) -> None:
         self.spec, self.system = spec, as_system(spec)
         self.world: World | None = None
-        names = effect_names(self.system)
+        names = sorted(self.system.effect_names)
         hooks = {name: self._hook(name) for name in names}
         self.effects = dict.fromkeys(names, runtime.no_effect) if pure else hooks
         self.engine = Engine(spec, effects=None if pure else hooks, trail=on)

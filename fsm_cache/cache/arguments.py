@@ -81,6 +81,8 @@ def packed(value: object, op: str, what: str) -> tuple[tuple[int, ...], array.ar
     Raises:
         BadArgument: as :func:`ints`.
     """
+    if type(value) is TokenKey:  # checked when built: only packed here
+        return value, array.array("Q", value)
     if not isinstance(value, (list, tuple)):  # the common kinds skip the checks of the rest
         tolist = getattr(value, "tolist", None)
         if callable(tolist):

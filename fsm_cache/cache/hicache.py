@@ -22,7 +22,6 @@ machine, counters, log), :class:`~fsm_cache.cache.transfers.Transfers`
 from __future__ import annotations
 
 import threading
-from array import array
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, partial
@@ -30,7 +29,7 @@ from itertools import chain
 from types import TracebackType
 
 from fsm_cache.cache import arguments, invariants, slots
-from fsm_cache.cache.arguments import TokenKey, Tokens
+from fsm_cache.cache.arguments import Tokens
 from fsm_cache.cache.core import CacheCore
 from fsm_cache.cache.effects import MemoryEffects
 from fsm_cache.cache.eventlog import EventLog
@@ -314,7 +313,11 @@ class HiCache:
                 started were waited for and applied.
         """
         given = arguments.ints(tokens, "insert", "tokens")
-        args, logged = (None, None) if device_slots is None else _slots(device_slots, "insert")
+        args, logged = (
+            (None, None)
+            if device_slots is None
+            else arguments.packed(device_slots, "insert", "slots")
+        )
         namespace = arguments.namespace(namespace, "insert")
         with self._operation("insert", given, namespace, logged):
             tree = self._core.tree
@@ -428,7 +431,7 @@ class HiCache:
             ForeignSlot: A slot is outside the pool, not page-aligned, or not a
                 request's; nothing was freed.
         """
-        given, logged = _slots(device_slots, "free_slots")
+        given, logged = arguments.packed(device_slots, "free_slots", "slots")
         with self._operation("free_slots", logged):
             self.tiers.free_device(pages_of(given, self.config.page_size), REQUEST)
 
@@ -750,13 +753,6 @@ class HiCache:
         self._transfers.flush()
         if self._storage is not None:
             self._storage.flush()
-
-
-def _slots(value: object, op: str) -> tuple[tuple[int, ...], array[int]]:
-    """The caller's slots checked, and packed for the log (:func:`arguments.packed`)."""
-    if type(value) is TokenKey:  # checked already: packed here
-        return value, array("Q", value)
-    return arguments.packed(value, op, "slots")
 
 
 def _chain(node: TreeNode) -> tuple[list[TreeNode], TreeNode | None]:

@@ -139,7 +139,7 @@ def generate(system: System, source: str | Path) -> Generated:
     """Return the contracts module of ``system``, which was loaded from ``source``."""
     em = Emitter(system)
     code: dict[str, str] = {}
-    hooks = _effect_names(system)
+    hooks = system.effect_names  # each bound to a hook that does nothing
     for event in system.event_names:
         if propagates(system, event):
             code[event] = compile_event(em, event)
@@ -161,16 +161,6 @@ def generate(system: System, source: str | Path) -> Generated:
     ]
     parts += [_checked(system, event, code[event]) for event in system.event_names]
     return Generated(system.name, "\n".join(parts) + "\n", system.event_names)
-
-
-def _effect_names(system: System) -> frozenset[str]:
-    """Every effect the spec names: the module binds each to a hook that does nothing."""
-    return frozenset(
-        t.effect
-        for _, machine in system.regions
-        for t in machine.transitions
-        if t.effect is not None
-    )
 
 
 def _enum_name(region: str) -> str:

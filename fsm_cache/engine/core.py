@@ -244,9 +244,7 @@ class Engine:
     # -- compilation ---------------------------------------------------------
 
     def _bind(self, effects: Mapping[str, Effect] | None) -> dict[str, Effect]:
-        named = {
-            t.effect for _, m in self.system.regions for t in m.transitions if t.effect is not None
-        }
+        named = self.system.effect_names
         if effects is None:
             return dict.fromkeys(named, no_effect)
         missing = sorted(named - set(effects))

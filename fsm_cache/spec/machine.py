@@ -254,6 +254,13 @@ class System:
                 seen.setdefault(event, None)
         return tuple(seen)
 
+    @property
+    def effect_names(self) -> frozenset[str]:
+        """Every effect a transition of some region names (what an engine must bind)."""
+        return frozenset(
+            t.effect for _, m in self.regions for t in m.transitions if t.effect is not None
+        )
+
     def regions_of(self, event: str) -> tuple[str, ...]:
         """Return the regions whose machine declares ``event``, in region order."""
         cached = self._event_regions.get(event)
