@@ -23,7 +23,7 @@ import itertools
 import linecache
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -231,22 +231,18 @@ def condition_expr(cond: Condition) -> str:
 
 def needs_general(system: System, event: str) -> bool:
     """Whether ``event`` has effects or propagation and so needs the plan/commit path."""
-    return any(
-        t.effect is not None or t.propagate is not None
-        for region in system.regions_of(event)
-        for t in system.machines[region].transitions
-        if t.event == event
-    )
+    return any(t.effect is not None or t.propagate is not None for t in _of(system, event))
 
 
 def propagates(system: System, event: str) -> bool:
     """Whether some transition of ``event`` propagates to other records (ancestors)."""
-    return any(
-        t.propagate is not None
-        for region in system.regions_of(event)
-        for t in system.machines[region].transitions
-        if t.event == event
-    )
+    return any(t.propagate is not None for t in _of(system, event))
+
+
+def _of(system: System, event: str) -> Iterator[Transition]:
+    """Every transition of ``event``, region by region."""
+    for region in system.regions_of(event):
+        yield from (t for t in system.machines[region].transitions if t.event == event)
 
 
 def compile_event(em: Emitter, event: str) -> str:
