@@ -253,9 +253,13 @@ def _check(path: Path, nodes: int) -> str:
         result = check_spec(path, nodes, Bounds({}))
     except FsmCacheError as exc:  # the spec does not load: its message names the file
         return str(exc)
-    if result.violation is None:
-        return ""
-    return "\n".join([f"{path}: violation: {result.violation}", *result.trace])
+    if result.violation is not None:
+        return "\n".join([f"{path}: violation: {result.violation}", *result.trace])
+    if result.stopped is not None:
+        return (
+            f"{path}: check stopped after {result.states} states, not exhaustive: {result.stopped}"
+        )
+    return ""
 
 
 def _verify(path: Path) -> str:

@@ -317,6 +317,32 @@ def test_ini_specs_become_check_and_verify_items(pytester: pytest.Pytester) -> N
     )
 
 
+def test_the_pytest_plugin_fails_a_spec_whose_check_stopped(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(
+        """
+        from fsm_cache.modelcheck.budget import Budget
+
+        init = Budget.__init__
+
+        def low(self, *args, **kwargs):
+            kwargs["available"] = lambda: 1 << 29
+            init(self, *args, **kwargs)
+
+        Budget.__init__ = low
+        """
+    )
+    residency = spec_dir() / "residency.toml"
+    pytester.makeini(f"[pytest]\nfsm_specs =\n    {residency}\nfsm_check_nodes = 2\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "fsm-check")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            f"*{residency}: check stopped after * states, not exhaustive: "
+            "0.50 GiB of memory left, under the 1.00 GiB a check keeps free"
+        ]
+    )
+
+
 def test_marker_model_checks_before_the_test(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         f"""

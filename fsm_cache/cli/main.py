@@ -52,7 +52,7 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI and return its exit status (0 ok, 1 findings, 2 bad input)."""
+    """Run the CLI and return its exit status (0 ok, 1 findings, 2 bad input, 3 a check stopped short)."""
     args = build_parser().parse_args(argv)
     try:
         status: int = args.handler(args)

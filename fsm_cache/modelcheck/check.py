@@ -11,7 +11,11 @@ design's invariants (:mod:`fsm_cache.modelcheck.invariants`), the model's accoun
 of pages and copies in flight (:mod:`fsm_cache.modelcheck.copies`) and what
 lookups tell callers (:mod:`fsm_cache.modelcheck.lookup`); then every state must
 be able to settle (:mod:`fsm_cache.modelcheck.liveness`). On a violation the
-shortest event sequence reaching it is printed and the exit status is 1.
+shortest event sequence reaching it is printed and the exit status is 1. A
+search that would outgrow the machine stops while 1 GiB of memory is still
+free, or after ``--max-states`` states, and says so, with exit status 3:
+what it explored held, but it is not exhaustive
+(:mod:`fsm_cache.modelcheck.budget`).
 ``--policy write_through`` checks HiCache's own choices too: backups start
 only where its write policy starts them, and their prefix-closure
 (invariant 3) is checked. States that differ only in how their nodes are
@@ -36,6 +40,7 @@ from typing import Any, NamedTuple
 
 from fsm_cache.errors import SpecError
 from fsm_cache.modelcheck import treeops
+from fsm_cache.modelcheck.budget import Budget
 from fsm_cache.modelcheck.explore import Bounds, Explorer, Result
 from fsm_cache.modelcheck.progress import PLAIN_EVERY, progress
 from fsm_cache.modelcheck.state import Layout, Nodes
@@ -121,11 +126,14 @@ def check_spec(
     tick: Callable[[int], None] | None = None,
     policy: WritePolicy | None = None,
     symmetry: bool = True,
+    budget: Budget | None = None,
 ) -> Result:
     """Model-check the spec at ``path``, under the cache's write ``policy`` if one is given.
 
     With ``symmetry`` (the default) a tree is one state whatever its node
     numbering; without, every numbering is explored (same verdict, more states).
+    ``budget`` says when to stop short (default: while 1 GiB of memory is
+    free); :attr:`Result.stopped` then says why.
 
     Raises:
         SpecError: The spec does not load, or a policy is given for a spec
@@ -133,7 +141,7 @@ def check_spec(
     """
     layout = Layout.of(as_system(load_spec(path)))
     explorer = Explorer(layout, bounds, ops, policy, symmetry=symmetry)
-    return explorer.run(shapes(layout, nodes), tick)
+    return explorer.run(shapes(layout, nodes), tick, budget)
 
 
 def load_ops(path: Path) -> tuple[Path, ModuleType]:
@@ -163,6 +171,9 @@ def load_ops(path: Path) -> tuple[Path, ModuleType]:
     return (path.parent / target).resolve(), module
 
 
+STOPPED = 3
+"""Exit status of a check that stopped short of exhaustive with no finding (1: a finding)."""
+
 CONTROL_NODES = 3
 """Controls run on a fixed tree size, so their expected findings do not move with --nodes."""
 
@@ -188,7 +199,9 @@ def check_control(
         bounds = Bounds({"locks": sized(path, nodes, None)[1]})
     policy = POLICIES[getattr(ops, "POLICY", "none")]
     result = check_spec(path, nodes, bounds, ops, policy=policy, symmetry=symmetry)
-    return f"check: violation: {result.violation}" if result.violation else ""
+    if result.violation:
+        return f"check: violation: {result.violation}"
+    return f"check: stopped: {result.stopped}" if result.stopped else ""
 
 
 def targets(args: argparse.Namespace) -> list[Target]:
@@ -224,13 +237,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.ops:
         _, ops = load_ops(Path(args.ops))
     symmetry = not args.no_symmetry
+    budget = Budget(max_states=args.max_states)
     specs = []
     for path, policy, nodes, locks in targets(args):
         bounds = Bounds({"pins": args.max_pins, "locks": locks}, args.max_count)
         started = time.perf_counter()
         with progress(args.progress, _title(path.name, policy)) as tick:
             result = check_spec(
-                path, nodes, bounds, ops, tick=tick, policy=POLICIES[policy], symmetry=symmetry
+                path,
+                nodes,
+                bounds,
+                ops,
+                tick=tick,
+                policy=POLICIES[policy],
+                symmetry=symmetry,
+                budget=budget,
             )
         seconds = time.perf_counter() - started
         specs.append(
@@ -276,6 +297,9 @@ def report(result: dict[str, Any]) -> str:
             if s["trace"]:  # none for a finding about the spec, made before exploring
                 lines.append(f"  shortest trace ({len(s['trace']) - 1} steps):")
                 lines += [f"    {step}" for step in s["trace"]]
+        elif s["stopped"]:
+            lines.append(f"  stopped: {s['stopped']}")
+            lines.append("  no invariant violated in the states explored; NOT exhaustive")
         else:
             lines.append("  no invariant violated")
     lines += render_controls(result["controls"])
@@ -297,10 +321,14 @@ def handle(args: argparse.Namespace) -> int:
     nodes, locks = (1 if args.nodes is None else args.nodes), (args.max_locks or 0)
     if nodes < 1 or min(args.max_pins, locks, args.max_count) < 0:
         raise SpecError(["check: --nodes must be >= 1 and counter bounds >= 0"])
+    if args.max_states is not None and args.max_states < 1:
+        raise SpecError([f"check: --max-states must be >= 1, got {args.max_states}"])
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else report(result))
     bad = any(s["violation"] for s in result["specs"])
-    return 1 if bad or not all(c["ok"] for c in result["controls"]) else 0
+    if bad or not all(c["ok"] for c in result["controls"]):
+        return 1
+    return STOPPED if any(s["stopped"] for s in result["specs"]) else 0
 
 
 def register(subparsers: Any) -> None:
@@ -327,6 +355,13 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--max-count", type=int, default=2, help="bound of any other counter (default 2)"
+    )
+    parser.add_argument(
+        "--max-states",
+        type=int,
+        metavar="N",
+        help="stop after N states, not exhaustive (exit status 3); a check always stops "
+        "while 1 GiB of memory is still free",
     )
     parser.add_argument(
         "--policy",

@@ -28,6 +28,7 @@ from typing import Any
 
 from fsm_cache.modelcheck import liveness, lookup, treeops
 from fsm_cache.modelcheck.answers import Answers
+from fsm_cache.modelcheck.budget import Budget
 from fsm_cache.modelcheck.forest import Forest, Trees
 from fsm_cache.modelcheck.invariants import (
     NODE_ONLY,
@@ -72,11 +73,16 @@ class Result:
         states: Distinct model states explored.
         violation: The first violated invariant, or None.
         trace: The shortest sequence of steps reaching it (first: the initial shape).
+        stopped: Why the search stopped before it was exhaustive (its
+            :class:`~fsm_cache.modelcheck.budget.Budget` ran out), or None when
+            it was: every invariant held in the states explored, and liveness
+            was not decided.
     """
 
     states: int
     violation: str | None = None
     trace: list[str] = field(default_factory=list)
+    stopped: str | None = None
 
 
 class Explorer:
@@ -142,7 +148,12 @@ class Explorer:
         """Whether tree operations are tabled per root subtree (:meth:`_grown`): only the
         checker's own, which change one root subtree, and only where numbering is not kept."""
 
-    def run(self, initial: dict[str, Nodes], tick: Callable[[int], None] | None = None) -> Result:
+    def run(
+        self,
+        initial: dict[str, Nodes],
+        tick: Callable[[int], None] | None = None,
+        budget: Budget | None = None,
+    ) -> Result:
         """Explore from the named initial states; stop at the first violation.
 
         A spec whose give-backs do not pair with its acquires is a finding
@@ -150,26 +161,17 @@ class Explorer:
         Once every state is explored and every invariant holds in each, the
         first state (in breadth-first order, so with a shortest trace) that
         cannot settle is the finding (:mod:`fsm_cache.modelcheck.liveness`).
+        A search that exhausts ``budget`` (default: a :class:`Budget` that keeps
+        1 GiB of memory free) stops with its reason in :attr:`Result.stopped`.
         """
+        budget = budget if budget is not None else Budget()
+        cap = budget.cap()
         if self.layout.holders.unpaired:
             return Result(0, self.layout.holders.unpaired[0])
-        index: dict[Forest, int] = {}
-        forests: list[Forest] = []
-        parents = array("l")
-        steps: list[TraceStep] = []
-        starts: dict[int, Nodes] = {}
-        for name, nodes in initial.items():
-            self.slots = len(nodes)
-            start = self.trees.encode(nodes)
-            if start in index:
-                continue  # the same tree as an earlier shape (small trees)
-            index[start] = len(forests)
-            starts[len(forests)] = nodes
-            forests.append(start)
-            parents.append(-1)
-            steps.append(("start", name))
-            if not self.passes(start):
-                return self._found(parents, steps, starts, len(forests) - 1, forests)
+        index, forests, parents, steps, starts = self._starts(initial)
+        bad = next((i for i, start in enumerate(forests) if not self.passes(start)), None)
+        if bad is not None:
+            return self._found(parents, steps, starts, bad, forests)
         # The settling steps of state s lead to dst[first[s]:first[s + 1]].
         first, dst = array("l"), array("l")
         settle, passes = dst.append, self.passes
@@ -183,6 +185,8 @@ class Explorer:
                         settle(found)
                     continue
                 found = index[nxt] = len(forests)
+                if found >= cap:
+                    return Result(found, stopped=budget.capped())
                 forests.append(nxt)
                 parents.append(at)
                 steps.append(step)
@@ -191,10 +195,37 @@ class Explorer:
                 if settles:
                     settle(found)
             at += 1
-            if tick is not None and len(forests) % 4096 < 64:
-                tick(len(forests))
+            if len(forests) % 4096 < 64:
+                short = budget.short_of_memory()
+                if short is not None:
+                    return Result(len(forests), stopped=short)
+                if tick is not None:
+                    tick(len(forests))
         first.append(len(dst))
         return self._live(forests, (first, dst), parents, steps, starts)
+
+    def _starts(
+        self, initial: dict[str, Nodes]
+    ) -> tuple[dict[Forest, int], list[Forest], array[int], list[TraceStep], dict[int, Nodes]]:
+        """Return the search's first states: the index, states, parents, steps and starting trees.
+
+        A shape that is the same tree as an earlier one (small trees) is left out.
+        """
+        index: dict[Forest, int] = {}
+        forests: list[Forest] = []
+        parents = array("l")
+        steps: list[TraceStep] = []
+        starts: dict[int, Nodes] = {}
+        for name, nodes in initial.items():
+            self.slots = len(nodes)
+            start = self.trees.encode(nodes)
+            if start not in index:
+                index[start] = len(forests)
+                starts[len(forests)] = nodes
+                forests.append(start)
+                parents.append(-1)
+                steps.append(("start", name))
+        return index, forests, parents, steps, starts
 
     def successors(self, forest: Forest) -> Iterator[Edge]:
         """Yield every step from ``forest`` with its result: events on each node, then tree operations.

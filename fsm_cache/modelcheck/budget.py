@@ -1,0 +1,96 @@
+"""How far a check may go: a cap on the states explored, and the machine's memory.
+
+The explorer keeps every state it has seen (about 4 KB each on five nodes of
+the residency spec), so a tree a little too large for the machine does not
+run slowly: it runs the machine out of memory, and the kernel ends the
+process without a word, or it swaps for hours. A :class:`Budget` stops the
+search first, once ``max_states`` states are explored or once the memory the
+machine (or the process's cgroup) has available drops under ``floor`` bytes.
+The result then says where and why it stopped: the states explored held
+every invariant, but the run is not exhaustive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+MEMORY_FLOOR = 1 << 30
+"""Bytes of available memory under which a check stops (1 GiB)."""
+
+MEMINFO = Path("/proc/meminfo")
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def available_memory(meminfo: Path = MEMINFO, cgroup: Path = CGROUP) -> int | None:
+    """Return the bytes this process may still allocate, or None where the system does not say.
+
+    The machine's ``MemAvailable`` (Linux), lowered to what the process's
+    cgroup (v2: ``memory.max`` less ``memory.current``) still allows, since a
+    container's limit is where its out-of-memory killer acts.
+
+    Args:
+        meminfo: The kernel's memory report.
+        cgroup: The cgroup v2 directory of the process's limit.
+    """
+    found = [x for x in (_meminfo_available(meminfo), _cgroup_available(cgroup)) if x is not None]
+    return min(found) if found else None
+
+
+def _meminfo_available(meminfo: Path) -> int | None:
+    try:
+        for line in meminfo.read_text(encoding="ascii").splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _cgroup_available(cgroup: Path) -> int | None:
+    try:
+        limit = (cgroup / "memory.max").read_text(encoding="ascii").strip()
+        if limit == "max":
+            return None
+        used = (cgroup / "memory.current").read_text(encoding="ascii").strip()
+        return max(0, int(limit) - int(used))
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class Budget:
+    """When an exploration stops before it is exhaustive.
+
+    Attributes:
+        max_states: Stop once this many states are explored; None: no cap.
+        floor: Stop once fewer bytes than this are available; None: never for memory.
+        available: Where the available bytes are read (None from it: unknown,
+            never a reason to stop).
+    """
+
+    max_states: int | None = None
+    floor: int | None = MEMORY_FLOOR
+    available: Callable[[], int | None] = field(default=available_memory, compare=False)
+
+    def cap(self) -> int:
+        """Return the most states to explore (a number no search reaches when there is no cap)."""
+        return self.max_states if self.max_states is not None else 1 << 62
+
+    def capped(self) -> str:
+        """Return why a search stopped at :meth:`cap`."""
+        return f"the cap of {self.max_states} states (--max-states) was reached"
+
+    def short_of_memory(self) -> str | None:
+        """Return why the search must stop for memory now, or None while there is enough."""
+        if self.floor is None:
+            return None
+        left = self.available()
+        if left is None or left >= self.floor:
+            return None
+        return (
+            f"{left / (1 << 30):.2f} GiB of memory left, under the "
+            f"{self.floor / (1 << 30):.2f} GiB a check keeps free"
+        )

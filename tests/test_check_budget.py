@@ -1,0 +1,137 @@
+"""A check that cannot finish stops and says so: a state cap, and memory kept free."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from fsm_cache.cli.main import main
+from fsm_cache.modelcheck import check
+from fsm_cache.modelcheck.budget import Budget, available_memory
+from fsm_cache.modelcheck.explore import Bounds
+from fsm_cache.spec.controls import controls
+from fsm_cache.spec.shipped import spec_dir
+
+
+RESIDENCY = spec_dir() / "residency.toml"
+BUGS = spec_dir() / "bugs_detected"
+GIB = 1 << 30
+
+
+def test_a_state_cap_stops_the_search_there_and_says_it_is_not_exhaustive() -> None:
+    result = check.check_spec(RESIDENCY, 3, Bounds({}), budget=Budget(max_states=500))
+    assert result.states == 500
+    assert result.violation is None
+    assert result.stopped == "the cap of 500 states (--max-states) was reached"
+
+
+def test_a_cap_above_the_space_changes_nothing() -> None:
+    whole = check.check_spec(RESIDENCY, 2, Bounds({}), budget=Budget(floor=None))
+    capped = check.check_spec(RESIDENCY, 2, Bounds({}), budget=Budget(max_states=whole.states + 1))
+    assert (capped.states, capped.stopped, capped.violation) == (whole.states, None, None)
+    exact = check.check_spec(RESIDENCY, 2, Bounds({}), budget=Budget(max_states=whole.states))
+    assert (exact.states, exact.stopped) == (whole.states, None)  # no state past the cap was met
+
+
+def test_a_violation_before_the_cap_is_still_the_finding() -> None:
+    result = check.check_spec(
+        BUGS / "unlock_skips_ancestor.toml", 2, Bounds({}), budget=Budget(max_states=10_000)
+    )
+    assert result.stopped is None
+    assert result.violation == "invariant 6: node 0: locks is 1 but its holders account for 0"
+
+
+def test_low_memory_stops_the_search_with_what_is_left() -> None:
+    low = Budget(available=lambda: GIB // 4)
+    result = check.check_spec(RESIDENCY, 3, Bounds({}), budget=low)
+    assert result.violation is None
+    assert 0 < result.states < 27_597  # stopped well before the 3-node space is explored
+    assert result.stopped == "0.25 GiB of memory left, under the 1.00 GiB a check keeps free"
+
+
+def test_unknown_or_ample_memory_never_stops_a_search() -> None:
+    whole = check.check_spec(RESIDENCY, 2, Bounds({}), budget=Budget(floor=None))
+    for available in (lambda: None, lambda: 64 * GIB):
+        result = check.check_spec(RESIDENCY, 2, Bounds({}), budget=Budget(available=available))
+        assert (result.states, result.stopped) == (whole.states, None)
+
+
+def test_available_memory_reads_meminfo_and_the_cgroup_limit(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24683664 kB\nMemAvailable:    2097152 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert available_memory(meminfo, cgroup) == 2 * GIB  # no cgroup files: meminfo alone
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("123\n")
+    assert available_memory(meminfo, cgroup) == 2 * GIB  # no limit
+    (cgroup / "memory.max").write_text(f"{GIB}\n")
+    (cgroup / "memory.current").write_text(f"{GIB // 4}\n")
+    assert available_memory(meminfo, cgroup) == GIB * 3 // 4  # the container's limit is lower
+    (cgroup / "memory.current").write_text(f"{2 * GIB}\n")
+    assert available_memory(meminfo, cgroup) == 0  # over its limit
+    assert available_memory(tmp_path / "none", tmp_path / "none") is None
+    meminfo.write_text("MemTotal: 1 kB\n")
+    assert available_memory(meminfo, tmp_path / "none") is None
+    meminfo.write_text("MemAvailable: lots kB\n")
+    assert available_memory(meminfo, tmp_path / "none") is None
+
+
+def test_the_cli_reports_a_stopped_check_and_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["check", str(RESIDENCY), "--nodes", "3", "--max-states", "700"])
+    out = capsys.readouterr().out.splitlines()
+    assert status == check.STOPPED == 3
+    assert out[0] == f"{RESIDENCY}: 3 nodes (chain, fan-out, binary), pins <= 2, locks <= 2"
+    assert out[1] == "  states explored: 700 (symmetry reduced)"
+    assert out[4:] == [
+        "  stopped: the cap of 700 states (--max-states) was reached",
+        "  no invariant violated in the states explored; NOT exhaustive",
+    ]
+
+
+def test_the_cli_json_names_why_it_stopped(capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["check", "--json", str(RESIDENCY), "--nodes", "2", "--max-states", "9"])
+    spec = json.loads(capsys.readouterr().out)["specs"][0]
+    assert status == 3
+    assert (spec["states"], spec["stopped"]) == (
+        9,
+        "the cap of 9 states (--max-states) was reached",
+    )
+
+
+def test_a_finding_outranks_a_stop_in_the_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    bug = str(BUGS / "unlock_skips_ancestor.toml")
+    status = main(["check", bug, str(RESIDENCY), "--nodes", "2", "--max-states", "50"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "  violation: invariant 6: node 0: locks is 1 but its holders account for 0" in out
+    assert "  stopped: the cap of 50 states (--max-states) was reached" in out
+
+
+@pytest.mark.parametrize("bad", ["0", "-5"])
+def test_a_cap_below_one_is_refused(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(RESIDENCY), "--max-states", bad]) == 2
+    err = capsys.readouterr()
+    assert err.out == ""
+    assert err.err == f"error: check: --max-states must be >= 1, got {bad}\n"
+
+
+def test_a_control_that_stops_short_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Budget, "__init__", _low_memory_init(Budget.__init__))
+    control = next(c for c in controls() if c.name == "unlock_skips_ancestor.toml")
+    found = check.check_control(control)
+    assert found == "check: stopped: 0.50 GiB of memory left, under the 1.00 GiB a check keeps free"
+    assert not control.matches(found)
+
+
+def _low_memory_init(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap ``Budget.__init__`` so that every budget made reads half a GiB available."""
+
+    def wrapped(self: Budget, *args: object, **kwargs: object) -> None:
+        kwargs["available"] = lambda: GIB // 2
+        init(self, *args, **kwargs)
+
+    return wrapped
