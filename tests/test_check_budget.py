@@ -10,7 +10,7 @@ import pytest
 
 from fsm_cache.cli.main import main
 from fsm_cache.modelcheck import check
-from fsm_cache.modelcheck.budget import Budget, available_memory
+from fsm_cache.modelcheck.budget import Budget, available_memory, default_floor
 from fsm_cache.modelcheck.explore import Bounds
 from fsm_cache.spec.controls import controls
 from fsm_cache.spec.shipped import spec_dir
@@ -45,7 +45,7 @@ def test_a_violation_before_the_cap_is_still_the_finding() -> None:
 
 
 def test_low_memory_stops_the_search_with_what_is_left() -> None:
-    low = Budget(available=lambda: GIB // 4)
+    low = Budget(floor=GIB, available=lambda: GIB // 4)
     result = check.check_spec(RESIDENCY, 3, Bounds({}), budget=low)
     assert result.violation is None
     assert 0 < result.states < 27_597  # stopped well before the 3-node space is explored
@@ -78,6 +78,21 @@ def test_available_memory_reads_meminfo_and_the_cgroup_limit(tmp_path: Path) -> 
     assert available_memory(meminfo, tmp_path / "none") is None
     meminfo.write_text("MemAvailable: lots kB\n")
     assert available_memory(meminfo, tmp_path / "none") is None
+
+
+def test_the_default_floor_is_a_sixteenth_of_the_memory_and_at_least_1_gib(
+    tmp_path: Path,
+) -> None:
+    meminfo, cgroup = tmp_path / "meminfo", tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert default_floor(meminfo, cgroup) == GIB  # nothing known
+    meminfo.write_text("MemTotal:       67108864 kB\nMemAvailable:   1 kB\n")
+    assert default_floor(meminfo, cgroup) == 4 * GIB  # 64 GiB machine
+    (cgroup / "memory.max").write_text(f"{32 * GIB}\n")
+    assert default_floor(meminfo, cgroup) == 2 * GIB  # a 32 GiB container on it
+    (cgroup / "memory.max").write_text(f"{4 * GIB}\n")
+    assert default_floor(meminfo, cgroup) == GIB  # small: the 1 GiB least
+    assert Budget().floor == default_floor()
 
 
 def test_the_cli_reports_a_stopped_check_and_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
@@ -131,7 +146,7 @@ def _low_memory_init(init: Callable[..., None]) -> Callable[..., None]:
     """Wrap ``Budget.__init__`` so that every budget made reads half a GiB available."""
 
     def wrapped(self: Budget, *args: object, **kwargs: object) -> None:
-        kwargs["available"] = lambda: GIB // 2
+        kwargs.update(floor=GIB, available=lambda: GIB // 2)
         init(self, *args, **kwargs)
 
     return wrapped

@@ -325,7 +325,7 @@ def test_the_pytest_plugin_fails_a_spec_whose_check_stopped(pytester: pytest.Pyt
         init = Budget.__init__
 
         def low(self, *args, **kwargs):
-            kwargs["available"] = lambda: 1 << 29
+            kwargs.update(floor=1 << 30, available=lambda: 1 << 29)
             init(self, *args, **kwargs)
 
         Budget.__init__ = low

@@ -5,7 +5,9 @@ the residency spec), so a tree a little too large for the machine does not
 run slowly: it runs the machine out of memory, and the kernel ends the
 process without a word, or it swaps for hours. A :class:`Budget` stops the
 search first, once ``max_states`` states are explored or once the memory the
-machine (or the process's cgroup) has available drops under ``floor`` bytes.
+machine (or the process's cgroup) has available drops under ``floor`` bytes:
+by default a sixteenth of its memory, and at least 1 GiB, since the tables
+of the states held grow in steps (a dict doubles) between two readings.
 The result then says where and why it stopped: the states explored held
 every invariant, but the run is not exhaustive.
 """
@@ -18,7 +20,10 @@ from pathlib import Path
 
 
 MEMORY_FLOOR = 1 << 30
-"""Bytes of available memory under which a check stops (1 GiB)."""
+"""The least available memory a check keeps free, in bytes (1 GiB); see :func:`default_floor`."""
+
+FLOOR_SHARE = 16
+"""A check keeps at least this fraction of the memory it may use free (1/16)."""
 
 MEMINFO = Path("/proc/meminfo")
 CGROUP = Path("/sys/fs/cgroup")
@@ -39,23 +44,45 @@ def available_memory(meminfo: Path = MEMINFO, cgroup: Path = CGROUP) -> int | No
     return min(found) if found else None
 
 
+def default_floor(meminfo: Path = MEMINFO, cgroup: Path = CGROUP) -> int:
+    """Return the bytes a check keeps free: 1/16 of the memory it may use, at least 1 GiB.
+
+    The memory it may use is the machine's ``MemTotal``, or the cgroup's
+    ``memory.max`` where that is lower; unknown, the floor is 1 GiB.
+    """
+    found = [x for x in (_meminfo(meminfo, "MemTotal:"), _cgroup_limit(cgroup)) if x is not None]
+    return max(MEMORY_FLOOR, min(found) // FLOOR_SHARE) if found else MEMORY_FLOOR
+
+
 def _meminfo_available(meminfo: Path) -> int | None:
+    return _meminfo(meminfo, "MemAvailable:")
+
+
+def _meminfo(meminfo: Path, key: str) -> int | None:
     try:
         for line in meminfo.read_text(encoding="ascii").splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(key):
                 return int(line.split()[1]) * 1024  # reported in kB
     except (OSError, ValueError, IndexError):
         return None
     return None
 
 
-def _cgroup_available(cgroup: Path) -> int | None:
+def _cgroup_limit(cgroup: Path) -> int | None:
     try:
         limit = (cgroup / "memory.max").read_text(encoding="ascii").strip()
-        if limit == "max":
-            return None
+        return None if limit == "max" else int(limit)
+    except (OSError, ValueError):
+        return None
+
+
+def _cgroup_available(cgroup: Path) -> int | None:
+    limit = _cgroup_limit(cgroup)
+    if limit is None:
+        return None
+    try:
         used = (cgroup / "memory.current").read_text(encoding="ascii").strip()
-        return max(0, int(limit) - int(used))
+        return max(0, limit - int(used))
     except (OSError, ValueError):
         return None
 
@@ -66,13 +93,14 @@ class Budget:
 
     Attributes:
         max_states: Stop once this many states are explored; None: no cap.
-        floor: Stop once fewer bytes than this are available; None: never for memory.
+        floor: Stop once fewer bytes than this are available (default:
+            :func:`default_floor`); None: never for memory.
         available: Where the available bytes are read (None from it: unknown,
             never a reason to stop).
     """
 
     max_states: int | None = None
-    floor: int | None = MEMORY_FLOOR
+    floor: int | None = field(default_factory=default_floor)
     available: Callable[[], int | None] = field(default=available_memory, compare=False)
 
     def cap(self) -> int:

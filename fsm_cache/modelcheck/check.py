@@ -12,8 +12,8 @@ of pages and copies in flight (:mod:`fsm_cache.modelcheck.copies`) and what
 lookups tell callers (:mod:`fsm_cache.modelcheck.lookup`); then every state must
 be able to settle (:mod:`fsm_cache.modelcheck.liveness`). On a violation the
 shortest event sequence reaching it is printed and the exit status is 1. A
-search that would outgrow the machine stops while 1 GiB of memory is still
-free, or after ``--max-states`` states, and says so, with exit status 3:
+search that would outgrow the machine stops while a sixteenth of its memory
+(at least 1 GiB) is still free, or after ``--max-states`` states, and says so, with exit status 3:
 what it explored held, but it is not exhaustive
 (:mod:`fsm_cache.modelcheck.budget`).
 ``--policy write_through`` checks HiCache's own choices too: backups start
@@ -132,8 +132,8 @@ def check_spec(
 
     With ``symmetry`` (the default) a tree is one state whatever its node
     numbering; without, every numbering is explored (same verdict, more states).
-    ``budget`` says when to stop short (default: while 1 GiB of memory is
-    free); :attr:`Result.stopped` then says why.
+    ``budget`` says when to stop short (default: while a sixteenth of the
+    memory, at least 1 GiB, is free); :attr:`Result.stopped` then says why.
 
     Raises:
         SpecError: The spec does not load, or a policy is given for a spec
@@ -361,7 +361,7 @@ def register(subparsers: Any) -> None:
         type=int,
         metavar="N",
         help="stop after N states, not exhaustive (exit status 3); a check always stops "
-        "while 1 GiB of memory is still free",
+        "while 1/16 of the memory (at least 1 GiB) is still free",
     )
     parser.add_argument(
         "--policy",

@@ -162,7 +162,7 @@ class Explorer:
         first state (in breadth-first order, so with a shortest trace) that
         cannot settle is the finding (:mod:`fsm_cache.modelcheck.liveness`).
         A search that exhausts ``budget`` (default: a :class:`Budget` that keeps
-        1 GiB of memory free) stops with its reason in :attr:`Result.stopped`.
+        a sixteenth of the memory, at least 1 GiB, free) stops with its reason in :attr:`Result.stopped`.
         """
         budget = budget if budget is not None else Budget()
         cap = budget.cap()
