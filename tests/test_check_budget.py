@@ -59,6 +59,28 @@ def test_unknown_or_ample_memory_never_stops_a_search() -> None:
         assert (result.states, result.stopped) == (whole.states, None)
 
 
+def test_a_time_limit_stops_the_search_at_the_first_reading_past_it() -> None:
+    readings: list[float] = []
+
+    def clock() -> float:
+        readings.append(100.0 + 4.0 * len(readings))  # 100 at the start, then 104, 108, ...
+        return readings[-1]
+
+    timed = Budget(max_seconds=10, floor=None, clock=clock)
+    result = check.check_spec(RESIDENCY, 3, Bounds({}), budget=timed)
+    assert readings == [100.0, 104.0, 108.0, 112.0]  # stopped at the first reading past 110
+    assert result.violation is None
+    assert 0 < result.states < 27_597
+    assert result.stopped == "the limit of 10 s (--max-seconds) was reached"
+    assert Budget(max_seconds=0.5, floor=None, clock=clock).exhausted(None) is None  # no deadline
+
+
+def test_time_is_checked_before_memory() -> None:
+    both = Budget(max_seconds=1, floor=GIB, available=lambda: 0, clock=lambda: 5.0)
+    assert both.exhausted(2.0) == "the limit of 1 s (--max-seconds) was reached"
+    assert both.exhausted(9.0) == "0.00 GiB of memory left, under the 1.00 GiB a check keeps free"
+
+
 def test_available_memory_reads_meminfo_and_the_cgroup_limit(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24683664 kB\nMemAvailable:    2097152 kB\n")
@@ -124,6 +146,16 @@ def test_a_finding_outranks_a_stop_in_the_exit_status(capsys: pytest.CaptureFixt
     assert status == 1
     assert "  violation: invariant 6: node 0: locks is 1 but its holders account for 0" in out
     assert "  stopped: the cap of 50 states (--max-states) was reached" in out
+
+
+@pytest.mark.parametrize("bad", ["0", "-1.5", "nan"])
+def test_a_time_limit_not_above_zero_is_refused(
+    bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["check", str(RESIDENCY), "--max-seconds", bad]) == 2
+    err = capsys.readouterr()
+    assert err.out == ""
+    assert err.err == f"error: check: --max-seconds must be > 0, got {float(bad):g}\n"
 
 
 @pytest.mark.parametrize("bad", ["0", "-5"])

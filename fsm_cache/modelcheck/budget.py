@@ -4,7 +4,8 @@ The explorer keeps every state it has seen (about 4 KB each on five nodes of
 the residency spec), so a tree a little too large for the machine does not
 run slowly: it runs the machine out of memory, and the kernel ends the
 process without a word, or it swaps for hours. A :class:`Budget` stops the
-search first, once ``max_states`` states are explored or once the memory the
+search first, once ``max_states`` states are explored, once ``max_seconds``
+have passed (a CI job's time limit ends it as silently), or once the memory the
 machine (or the process's cgroup) has available drops under ``floor`` bytes:
 by default a sixteenth of its memory, and at least 1 GiB, since the tables
 of the states held grow in steps (a dict doubles) between two readings.
@@ -14,6 +15,7 @@ every invariant, but the run is not exhaustive.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,15 +95,20 @@ class Budget:
 
     Attributes:
         max_states: Stop once this many states are explored; None: no cap.
+        max_seconds: Stop once this many seconds have passed since the search
+            began; None: no limit.
         floor: Stop once fewer bytes than this are available (default:
             :func:`default_floor`); None: never for memory.
         available: Where the available bytes are read (None from it: unknown,
             never a reason to stop).
+        clock: Where the time is read, in seconds.
     """
 
     max_states: int | None = None
+    max_seconds: float | None = None
     floor: int | None = field(default_factory=default_floor)
     available: Callable[[], int | None] = field(default=available_memory, compare=False)
+    clock: Callable[[], float] = field(default=time.monotonic, compare=False)
 
     def cap(self) -> int:
         """Return the most states to explore (a number no search reaches when there is no cap)."""
@@ -110,6 +117,20 @@ class Budget:
     def capped(self) -> str:
         """Return why a search stopped at :meth:`cap`."""
         return f"the cap of {self.max_states} states (--max-states) was reached"
+
+    def deadline(self) -> float | None:
+        """Return when a search that begins now must stop (:attr:`clock` time), None for never."""
+        return None if self.max_seconds is None else self.clock() + self.max_seconds
+
+    def exhausted(self, deadline: float | None) -> str | None:
+        """Return why the search must stop now (time, then memory), or None while it may go on.
+
+        Args:
+            deadline: What :meth:`deadline` returned when the search began.
+        """
+        if deadline is not None and self.clock() >= deadline:
+            return f"the limit of {self.max_seconds:g} s (--max-seconds) was reached"
+        return self.short_of_memory()
 
     def short_of_memory(self) -> str | None:
         """Return why the search must stop for memory now, or None while there is enough."""

@@ -13,7 +13,8 @@ lookups tell callers (:mod:`fsm_cache.modelcheck.lookup`); then every state must
 be able to settle (:mod:`fsm_cache.modelcheck.liveness`). On a violation the
 shortest event sequence reaching it is printed and the exit status is 1. A
 search that would outgrow the machine stops while a sixteenth of its memory
-(at least 1 GiB) is still free, or after ``--max-states`` states, and says so, with exit status 3:
+(at least 1 GiB) is still free, or after ``--max-states`` states or
+``--max-seconds`` seconds, and says so, with exit status 3:
 what it explored held, but it is not exhaustive
 (:mod:`fsm_cache.modelcheck.budget`).
 ``--policy write_through`` checks HiCache's own choices too: backups start
@@ -237,7 +238,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.ops:
         _, ops = load_ops(Path(args.ops))
     symmetry = not args.no_symmetry
-    budget = Budget(max_states=args.max_states)
+    budget = Budget(max_states=args.max_states, max_seconds=args.max_seconds)
     specs = []
     for path, policy, nodes, locks in targets(args):
         bounds = Bounds({"pins": args.max_pins, "locks": locks}, args.max_count)
@@ -323,6 +324,8 @@ def handle(args: argparse.Namespace) -> int:
         raise SpecError(["check: --nodes must be >= 1 and counter bounds >= 0"])
     if args.max_states is not None and args.max_states < 1:
         raise SpecError([f"check: --max-states must be >= 1, got {args.max_states}"])
+    if args.max_seconds is not None and not args.max_seconds > 0:  # NaN too
+        raise SpecError([f"check: --max-seconds must be > 0, got {args.max_seconds:g}"])
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else report(result))
     bad = any(s["violation"] for s in result["specs"])
@@ -362,6 +365,12 @@ def register(subparsers: Any) -> None:
         metavar="N",
         help="stop after N states, not exhaustive (exit status 3); a check always stops "
         "while 1/16 of the memory (at least 1 GiB) is still free",
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        metavar="S",
+        help="stop each spec's search after S seconds, not exhaustive (exit status 3)",
     )
     parser.add_argument(
         "--policy",

@@ -165,7 +165,7 @@ class Explorer:
         a sixteenth of the memory, at least 1 GiB, free) stops with its reason in :attr:`Result.stopped`.
         """
         budget = budget if budget is not None else Budget()
-        cap = budget.cap()
+        cap, deadline = budget.cap(), budget.deadline()
         if self.layout.holders.unpaired:
             return Result(0, self.layout.holders.unpaired[0])
         index, forests, parents, steps, starts = self._starts(initial)
@@ -196,7 +196,7 @@ class Explorer:
                     settle(found)
             at += 1
             if len(forests) % 4096 < 64:
-                short = budget.short_of_memory()
+                short = budget.exhausted(deadline)
                 if short is not None:
                     return Result(len(forests), stopped=short)
                 if tick is not None:
