@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from fsm_cache.cli.main import main
+from fsm_cache.errors import ConfigError
 from fsm_cache.modelcheck import check
 from fsm_cache.modelcheck.budget import Budget, available_memory, default_floor
 from fsm_cache.modelcheck.explore import Bounds
@@ -73,6 +74,20 @@ def test_a_time_limit_stops_the_search_at_the_first_reading_past_it() -> None:
     assert 0 < result.states < 27_597
     assert result.stopped == "the limit of 10 s (--max-seconds) was reached"
     assert Budget(max_seconds=0.5, floor=None, clock=clock).exhausted(None) is None  # no deadline
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"max_states": 0}, "check: --max-states must be >= 1, got 0"),
+        ({"max_seconds": 0.0}, "check: --max-seconds must be > 0, got 0"),
+        ({"max_seconds": float("nan")}, "check: --max-seconds must be > 0, got nan"),
+    ],
+)
+def test_a_budget_that_allows_nothing_is_refused(given: dict[str, float], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Budget(**given)  # type: ignore[arg-type]
+    assert str(info.value) == message
 
 
 def test_time_is_checked_before_memory() -> None:

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fsm_cache.errors import ConfigError
+
 
 MEMORY_FLOOR = 1 << 30
 """The least available memory a check keeps free, in bytes (1 GiB); see :func:`default_floor`."""
@@ -102,6 +104,9 @@ class Budget:
         available: Where the available bytes are read (None from it: unknown,
             never a reason to stop).
         clock: Where the time is read, in seconds.
+
+    Raises:
+        ConfigError: ``max_states`` is below 1, or ``max_seconds`` is not above 0.
     """
 
     max_states: int | None = None
@@ -109,6 +114,12 @@ class Budget:
     floor: int | None = field(default_factory=default_floor)
     available: Callable[[], int | None] = field(default=available_memory, compare=False)
     clock: Callable[[], float] = field(default=time.monotonic, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.max_states is not None and self.max_states < 1:
+            raise ConfigError(f"check: --max-states must be >= 1, got {self.max_states}")
+        if self.max_seconds is not None and not self.max_seconds > 0:  # NaN too
+            raise ConfigError(f"check: --max-seconds must be > 0, got {self.max_seconds:g}")
 
     def cap(self) -> int:
         """Return the most states to explore (a number no search reaches when there is no cap)."""
