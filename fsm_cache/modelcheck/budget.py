@@ -1,6 +1,6 @@
 """How far a check may go: a cap on the states explored, and the machine's memory.
 
-The explorer keeps every state it has seen (about 4 KB each on five nodes of
+The explorer keeps every state it has seen (about 3 KB each on five nodes of
 the residency spec), so a tree a little too large for the machine does not
 run slowly: it runs the machine out of memory, and the kernel ends the
 process without a word, or it swaps for hours. A :class:`Budget` stops the

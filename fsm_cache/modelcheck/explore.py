@@ -161,8 +161,9 @@ class Explorer:
         Once every state is explored and every invariant holds in each, the
         first state (in breadth-first order, so with a shortest trace) that
         cannot settle is the finding (:mod:`fsm_cache.modelcheck.liveness`).
-        A search that exhausts ``budget`` (default: a :class:`Budget` that keeps
-        a sixteenth of the memory, at least 1 GiB, free) stops with its reason in :attr:`Result.stopped`.
+        A search that exhausts ``budget`` (default: a :class:`Budget` that
+        keeps a sixteenth of the memory, at least 1 GiB, free) stops with its
+        reason in :attr:`Result.stopped`.
         """
         budget = budget if budget is not None else Budget()
         cap, deadline = budget.cap(), budget.deadline()
