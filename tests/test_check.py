@@ -164,9 +164,10 @@ def test_cli_prints_figures_and_exits_1_on_a_violation(capsys: pytest.CaptureFix
         "unlock_skips_ancestor.toml: 2 nodes (chain, fan-out, binary), pins <= 2, locks <= 2"
     )
     assert out[1].startswith("  states explored: ")
-    assert out[2].startswith("  states/s: ")
-    assert out[3].startswith("  time: ")
-    assert out[4:] == [
+    assert out[2].startswith("  before reduction: ")
+    assert out[3].startswith("  states/s: ")
+    assert out[4].startswith("  time: ")
+    assert out[5:] == [
         "  violation: invariant 6: node 0: locks is 1 but its holders account for 0",
         "  shortest trace (2 steps):",
         "    start: chain",
@@ -470,8 +471,12 @@ def test_a_release_no_acquire_pairs_with_is_a_finding(
     assert _cli(["check", "--nodes", "2", str(path)]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"{path}: 2 nodes (chain, fan-out, binary), pins <= 2, locks <= 2"
-    assert out[1:3] == ["  states explored: 0 (symmetry reduced)", "  states/s: 0"]
-    assert out[4:] == [
+    assert out[1:4] == [
+        "  states explored: 0 (symmetry reduced)",
+        "  before reduction: 0 numbered states (each tree in every numbering of its 2 slots)",
+        "  states/s: 0",
+    ]
+    assert out[5:] == [
         "  violation: holders: give gives back one, but no event takes one (take adds 2): "
         "its acquires and releases do not pair"
     ]

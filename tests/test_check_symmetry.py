@@ -9,6 +9,7 @@ plain search over numbered states that fires every step through the engine.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 from fsm_cache.modelcheck import check, invariants, treeops
 from fsm_cache.modelcheck.explore import Bounds, Explorer, Result
 from fsm_cache.modelcheck.forest import Trees
-from fsm_cache.modelcheck.state import Layout, Nodes, canonical
+from fsm_cache.modelcheck.state import Layout, NodeEntry, Nodes, canonical
 from fsm_cache.modelcheck.traces import Replay, TraceStep, slot_order
 from fsm_cache.policy import WritePolicy
 from fsm_cache.spec.controls import Control, controls
@@ -76,6 +77,7 @@ def test_without_symmetry_every_numbered_state_is_explored_and_with_it_one_per_t
     assert reduced.states == len({canonical(state)[0] for state in numbered})
     assert reduced.states < unreduced.states
     assert reduced.violation is unreduced.violation is None
+    assert reduced.numbered == unreduced.numbered == unreduced.states
 
 
 def test_the_storage_composition_explores_every_numbering_and_birth(tmp_path: Path) -> None:
@@ -94,6 +96,7 @@ def test_the_storage_composition_explores_every_numbering_and_birth(tmp_path: Pa
     assert reduced.violation is unreduced.violation is None
     assert unreduced.states == len(numbered)
     assert reduced.states == len({canonical(state)[0] for state in numbered})
+    assert reduced.numbered == unreduced.numbered == unreduced.states
     assert any(layout.state(e, "storage") == "reading" for n in numbered for e in n if e)
 
 
@@ -119,6 +122,44 @@ def test_two_numberings_of_one_tree_are_one_state_only_under_symmetry(layout: La
     gap = (None, layout.fresh(-1), layout.entry(1, "pinned", "resident", 1, 0, 1, 0, 0))
     for state in (one, other, gap, (layout.fresh(-1), None, fresh)):
         assert labelled.decode(labelled.encode(state), 3) == state
+
+
+def _renumbered(state: Nodes, to: tuple[int, ...]) -> Nodes:
+    """Return ``state`` with the node in slot ``i`` moved to slot ``to[i]``."""
+    out: list[NodeEntry | None] = [None] * len(state)
+    for i, entry in enumerate(state):
+        if entry is not None:
+            parent = int(entry[0])
+            out[to[i]] = (to[parent] if parent >= 0 else -1, *entry[1:])
+    return tuple(out)
+
+
+def test_a_tree_stands_for_as_many_numbered_states_as_its_distinct_renumberings(
+    layout: Layout,
+) -> None:
+    """Counted against brute force: every permutation of the slots, the distinct results.
+
+    Equal sibling subtrees at two depths, different siblings, free slots, and
+    two equal roots.
+    """
+    fresh, pinned = layout.fresh, layout.entry(0, "pinned", "resident", 1, 0, 1, 0, 0)
+    deep = (fresh(-1), fresh(0), fresh(0), fresh(1), fresh(1), fresh(2), fresh(2))
+    cases: list[tuple[Nodes, int]] = [
+        ((None, None, None), 1),
+        ((fresh(-1), None, None), 3),
+        ((fresh(-1), fresh(0), fresh(0)), 3),
+        ((fresh(-1), fresh(0), pinned), 6),
+        ((fresh(-1), fresh(0), fresh(1), None), 24),
+        ((fresh(-1), fresh(-1), None), 3),
+        ((fresh(-1), fresh(0), fresh(0), fresh(1), fresh(2)), 60),
+        (deep, 630),
+    ]
+    trees = Trees(layout)
+    for state, expected in cases:
+        slots = len(state)
+        distinct = {_renumbered(state, to) for to in itertools.permutations(range(slots))}
+        assert trees.numberings(trees.encode(state), slots) == len(distinct) == expected
+    assert Trees(layout, symmetry=False).numberings(trees.encode(deep), 7) == 1
 
 
 def test_slot_order_numbers_siblings_by_slot(layout: Layout) -> None:
@@ -240,12 +281,22 @@ def test_the_cli_turns_the_reduction_off_and_says_so(capsys: pytest.CaptureFixtu
     assert runs[False]["symmetry"] is True
     assert runs[True]["symmetry"] is False
     assert runs[False]["states"] < runs[True]["states"]
+    assert runs[False]["numbered"] == runs[True]["numbered"] == runs[True]["states"]
     parser = argparse.ArgumentParser()
     check.register(parser.add_subparsers())
     args = parser.parse_args(["check", "--nodes", "2", spec, "--no-symmetry"])
     args.handler(args)
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == f"  states explored: {runs[True]['states']} (no symmetry reduction)"
+    assert lines[2].startswith("  states/s: ")  # no "before reduction": these are numbered
+    args = parser.parse_args(["check", "--nodes", "2", spec])
+    args.handler(args)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:3] == [
+        f"  states explored: {runs[False]['states']} (symmetry reduced)",
+        f"  before reduction: {runs[True]['states']} numbered states (each tree in every "
+        "numbering of its 2 slots)",
+    ]
 
 
 def _tree_steps_agree(explorer: Explorer, layout: Layout, nodes: int) -> set[str]:

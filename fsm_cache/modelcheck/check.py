@@ -291,6 +291,11 @@ def report(result: dict[str, Any]) -> str:
             f"{_title(s['spec'], s['policy'])}: {s['nodes']} nodes ({', '.join(SHAPES)}), pins <= {s['bounds']['pins']}, locks <= {s['bounds']['locks']}"
         )
         lines.append(f"  states explored: {s['states']} ({_symmetry(s['symmetry'])})")
+        if s["symmetry"]:
+            lines.append(
+                f"  before reduction: {s['numbered']} numbered states (each tree in every "
+                f"numbering of its {s['nodes']} slots)"
+            )
         lines.append(f"  states/s: {rate:.0f}")
         lines.append(f"  time: {s['seconds']:.2f} s")
         if s["violation"]:

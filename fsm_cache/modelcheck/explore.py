@@ -77,12 +77,17 @@ class Result:
             :class:`~fsm_cache.modelcheck.budget.Budget` ran out), or None when
             it was: every invariant held in the states explored, and liveness
             was not decided.
+        numbered: The numbered states the states explored stand for, before
+            the symmetry reduction: each tree in every numbering of its slots
+            (:meth:`~fsm_cache.modelcheck.forest.Trees.numberings`); ``states``
+            without the reduction.
     """
 
     states: int
     violation: str | None = None
     trace: list[str] = field(default_factory=list)
     stopped: str | None = None
+    numbered: int = 0
 
 
 class Explorer:
@@ -163,13 +168,27 @@ class Explorer:
         cannot settle is the finding (:mod:`fsm_cache.modelcheck.liveness`).
         A search that exhausts ``budget`` (default: a :class:`Budget` that
         keeps a sixteenth of the memory, at least 1 GiB, free) stops with its
-        reason in :attr:`Result.stopped`.
+        reason in :attr:`Result.stopped`. :attr:`Result.numbered` counts the
+        numbered states the states explored stand for.
         """
-        budget = budget if budget is not None else Budget()
+        forests: list[Forest] = []
+        result = self._search(initial, forests, tick, budget if budget is not None else Budget())
+        numberings, slots = self.trees.numberings, self.slots
+        result.numbered = sum(numberings(forest, slots) for forest in forests)
+        return result
+
+    def _search(
+        self,
+        initial: dict[str, Nodes],
+        forests: list[Forest],
+        tick: Callable[[int], None] | None,
+        budget: Budget,
+    ) -> Result:
+        """:meth:`run`'s search, keeping the states it explores in ``forests``."""
         cap, deadline = budget.cap(), budget.deadline()
         if self.layout.holders.unpaired:
             return Result(0, self.layout.holders.unpaired[0])
-        index, forests, parents, steps, starts = self._starts(initial)
+        index, parents, steps, starts = self._starts(initial, forests)
         bad = next((i for i, start in enumerate(forests) if not self.passes(start)), None)
         if bad is not None:
             return self._found(parents, steps, starts, bad, forests)
@@ -206,14 +225,13 @@ class Explorer:
         return self._live(forests, (first, dst), parents, steps, starts)
 
     def _starts(
-        self, initial: dict[str, Nodes]
-    ) -> tuple[dict[Forest, int], list[Forest], array[int], list[TraceStep], dict[int, Nodes]]:
-        """Return the search's first states: the index, states, parents, steps and starting trees.
+        self, initial: dict[str, Nodes], forests: list[Forest]
+    ) -> tuple[dict[Forest, int], array[int], list[TraceStep], dict[int, Nodes]]:
+        """Put the search's first states in ``forests``; return their index, parents, steps and starting trees.
 
         A shape that is the same tree as an earlier one (small trees) is left out.
         """
         index: dict[Forest, int] = {}
-        forests: list[Forest] = []
         parents = array("l")
         steps: list[TraceStep] = []
         starts: dict[int, Nodes] = {}
@@ -226,7 +244,7 @@ class Explorer:
                 forests.append(start)
                 parents.append(-1)
                 steps.append(("start", name))
-        return index, forests, parents, steps, starts
+        return index, parents, steps, starts
 
     def successors(self, forest: Forest) -> Iterator[Edge]:
         """Yield every step from ``forest`` with its result: events on each node, then tree operations.

@@ -15,7 +15,9 @@ space, explored to show the reduction finds what it would.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from itertools import groupby
 
 from fsm_cache.modelcheck.state import Layout, NodeEntry, Nodes
 
@@ -63,6 +65,7 @@ class Trees:
         self._stids: dict[NodeEntry, int] = {}
         self._sids: dict[tuple[int, Forest, int], int] = {}
         self._swaps: dict[tuple[int, int, int, int], int] = {}
+        self._automorphisms: dict[int, int] = {}
 
     def lid(self, local: NodeEntry) -> int:
         """Return the id of a node's local (its entry without the parent)."""
@@ -153,6 +156,37 @@ class Trees:
         if self.symmetry:
             return range(sum(self.size[s] for s in forest))
         return [self.slot[s] for s, _ in self.preorder(forest)]
+
+    def numberings(self, forest: Forest, slots: int) -> int:
+        """Return how many numbered states ``forest`` stands for: its tree in every numbering of ``slots`` slots.
+
+        A numbered state places each node in a slot of its own (siblings in
+        slot order), so a tree of ``n`` nodes has ``slots! / (slots - n)!``
+        placements; placements that differ by swapping equal sibling subtrees,
+        at any depth, are one numbered state. Without symmetry a state is
+        numbered already: 1.
+        """
+        if not self.symmetry:
+            return 1
+        nodes = sum(self.size[s] for s in forest)
+        if len(forest) == 1:  # a third of the states: the root subtree's own count, tabled
+            return math.perm(slots, nodes) // self._symmetries_of(forest[0])
+        return math.perm(slots, nodes) // self._symmetries(forest)
+
+    def _symmetries(self, sids: Forest) -> int:
+        """Return the automorphisms of the subtrees ``sids`` (siblings in canonical order, so equal ones adjacent)."""
+        count = 1
+        for sid, equal in groupby(sids):
+            same = sum(1 for _ in equal)
+            count *= math.factorial(same) * self._symmetries_of(sid) ** same
+        return count
+
+    def _symmetries_of(self, sid: int) -> int:
+        """Return the automorphisms of subtree ``sid`` (tabled)."""
+        found = self._automorphisms.get(sid)
+        if found is None:
+            found = self._automorphisms[sid] = self._symmetries(self.kids[sid])
+        return found
 
     def swap(self, sid: int, old: int, new: int, lid: int) -> int:
         """Return subtree ``sid`` with child ``old`` replaced by ``new`` and root local ``lid``."""
