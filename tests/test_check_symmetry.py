@@ -50,9 +50,17 @@ def _steps(nodes: Nodes, events: tuple[str, ...], births: tuple[str, ...] = ()) 
     ]
 
 
-def _numbered_states(layout: Layout, replay: Replay, nodes: int) -> set[Nodes]:
-    """Every numbered state reachable from the starting shapes, each step fired on slots."""
+def _numbered_states(
+    layout: Layout, replay: Replay, nodes: int, *, renumbered: bool = False
+) -> set[Nodes]:
+    """Every numbered state reachable from the starting shapes, each step fired on slots.
+
+    With ``renumbered``, from every numbering of each shape, not only its own.
+    """
     seen = set(check.shapes(layout, nodes).values())
+    if renumbered:
+        orders = list(itertools.permutations(range(nodes)))
+        seen = {_renumbered(shape, to) for shape in seen for to in orders}
     frontier = list(seen)
     while frontier:
         state = frontier.pop()
@@ -160,6 +168,22 @@ def test_a_tree_stands_for_as_many_numbered_states_as_its_distinct_renumberings(
         distinct = {_renumbered(state, to) for to in itertools.permutations(range(slots))}
         assert trees.numberings(trees.encode(state), slots) == len(distinct) == expected
     assert Trees(layout, symmetry=False).numberings(trees.encode(deep), 7) == 1
+
+
+def test_the_numbered_count_is_a_search_from_every_numbering_of_the_shapes() -> None:
+    """On a spec whose trees keep their shape, ``--no-symmetry`` starts from one numbering each.
+
+    The count stands for a search started from all of them, the space the
+    reduction is a quotient of; from its own numbering only, fewer.
+    """
+    layout = Layout.of(as_system(load_spec(spec_dir() / "host_residency.toml")))
+    explorer = Explorer(layout, BOUNDS)
+    reduced = explorer.run(check.shapes(layout, 3))
+    every = _numbered_states(layout, explorer.replay, 3, renumbered=True)
+    unreduced = Explorer(layout, BOUNDS, symmetry=False).run(check.shapes(layout, 3))
+    assert reduced.numbered == len(every) == 4608
+    assert reduced.states < unreduced.states == len(_numbered_states(layout, explorer.replay, 3))
+    assert unreduced.states < len(every)
 
 
 def test_slot_order_numbers_siblings_by_slot(layout: Layout) -> None:

@@ -163,8 +163,10 @@ class Trees:
         A numbered state places each node in a slot of its own (siblings in
         slot order), so a tree of ``n`` nodes has ``slots! / (slots - n)!``
         placements; placements that differ by swapping equal sibling subtrees,
-        at any depth, are one numbered state. Without symmetry a state is
-        numbered already: 1.
+        at any depth, are one numbered state. Summed over the states explored,
+        that is what a search of numbered states started from every numbering
+        of the starting shapes explores. Without symmetry a state is numbered
+        already: 1.
         """
         if not self.symmetry:
             return 1
