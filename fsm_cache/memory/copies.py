@@ -195,21 +195,17 @@ class CopyEngine:
         if len(src) != len(dst):
             raise ValueError(f"copy: {len(src)} source pages but {len(dst)} destination pages")
         if direction is Direction.D2H:
-            pools, busy = (self.device, self.host), self._busy.host
+            source, target, busy = self.device, self.host, self._busy.host
         else:
-            pools, busy = (self.host, self.device), self._busy.device
+            source, target, busy = self.host, self.device, self._busy.device
         # a run of a pool's pages (the common case) is distinct and inside it: nothing more to check
-        src_run, dst_run = pools[0].allocator.run_of(src), pools[1].allocator.run_of(dst)
+        src_run, dst_run = source.allocator.run_of(src), target.allocator.run_of(dst)
         if dst_run is None and len(set(dst)) != len(dst):
             raise ValueError("copy: a destination page is listed twice")
-        for pool, pages, run in ((pools[0], src, src_run), (pools[1], dst, dst_run)):
-            if run is None:
-                low, high = _bounds(pages)
-                if low < 0 or high >= pool.num_pages:
-                    bad = next(p for p in pages if not 0 <= p < pool.num_pages)
-                    raise ForeignSlot(
-                        f"{pool.name} pool: page {bad} outside 0..{pool.num_pages - 1}"
-                    )
+        if src_run is None:
+            _check_inside(source, src)
+        if dst_run is None:
+            _check_inside(target, dst)
         if not busy.isdisjoint(dst, dst_run):
             refuse_busy_destination(direction, dst, busy)
         return src_run, dst_run
@@ -384,9 +380,15 @@ def _busy(busy: PageSet, pool: KVPool, pages: Iterable[int]) -> bool:
     return not busy.isdisjoint(pages, first)
 
 
-def _bounds(pages: Sequence[int]) -> tuple[int, int]:
-    """The lowest and highest of ``pages``; ``(0, -1)`` for none (inside every pool)."""
-    return (min(pages), max(pages)) if pages else (0, -1)
+def _check_inside(pool: KVPool, pages: Sequence[int]) -> None:
+    """Refuse ``pages`` unless every one is a page of ``pool``.
+
+    Raises:
+        ForeignSlot: a page is outside ``0 .. pool.num_pages - 1``, named.
+    """
+    if pages and (min(pages) < 0 or max(pages) >= pool.num_pages):
+        bad = next(p for p in pages if not 0 <= p < pool.num_pages)
+        raise ForeignSlot(f"{pool.name} pool: page {bad} outside 0..{pool.num_pages - 1}")
 
 
 def _finished(submission: _Submission) -> bool:
