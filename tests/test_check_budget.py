@@ -121,16 +121,59 @@ def test_available_memory_reads_meminfo_and_the_cgroup_limit(tmp_path: Path) -> 
 def test_the_default_floor_is_a_sixteenth_of_the_memory_and_at_least_1_gib(
     tmp_path: Path,
 ) -> None:
-    meminfo, cgroup = tmp_path / "meminfo", tmp_path / "cgroup"
+    meminfo, cgroup, member = tmp_path / "meminfo", tmp_path / "cgroup", tmp_path / "member"
     cgroup.mkdir()
-    assert default_floor(meminfo, cgroup) == GIB  # nothing known
+    member.write_text("0::/\n")
+    assert default_floor(meminfo, cgroup, member) == GIB  # nothing known
     meminfo.write_text("MemTotal:       67108864 kB\nMemAvailable:   1 kB\n")
-    assert default_floor(meminfo, cgroup) == 4 * GIB  # 64 GiB machine
+    assert default_floor(meminfo, cgroup, member) == 4 * GIB  # 64 GiB machine
     (cgroup / "memory.max").write_text(f"{32 * GIB}\n")
-    assert default_floor(meminfo, cgroup) == 2 * GIB  # a 32 GiB container on it
+    assert default_floor(meminfo, cgroup, member) == 2 * GIB  # a 32 GiB container on it
     (cgroup / "memory.max").write_text(f"{4 * GIB}\n")
-    assert default_floor(meminfo, cgroup) == GIB  # small: the 1 GiB least
+    assert default_floor(meminfo, cgroup, member) == GIB  # small: the 1 GiB least
+    (cgroup / "memory.max").write_text(f"{2 * GIB}\n")
+    assert default_floor(meminfo, cgroup, member) == GIB // 2  # under 4 GiB: a quarter
+    (cgroup / "memory.max").write_text(f"{GIB}\n")
+    assert default_floor(meminfo, cgroup, member) == GIB // 4
     assert Budget().floor == default_floor()
+
+
+def test_a_check_in_a_1_gib_container_runs_to_the_end(tmp_path: Path) -> None:
+    """With 0.8 GiB left of a 1 GiB limit, a check needing kilobytes is not stopped for memory."""
+    meminfo, cgroup, member = tmp_path / "meminfo", tmp_path / "cgroup", tmp_path / "member"
+    meminfo.write_text("MemTotal:       24683664 kB\nMemAvailable:   20000000 kB\n")
+    cgroup.mkdir()
+    member.write_text("0::/\n")
+    (cgroup / "memory.max").write_text(f"{GIB}\n")
+    (cgroup / "memory.current").write_text(f"{200 << 20}\n")
+    budget = Budget(
+        floor=default_floor(meminfo, cgroup, member),
+        available=lambda: available_memory(meminfo, cgroup, member),
+    )
+    assert budget.short_of_memory() is None
+    result = check.check_spec(RESIDENCY, 2, Bounds({}), budget=budget)
+    assert (result.states, result.stopped, result.violation) == (1294, None, None)
+
+
+def test_the_limits_of_the_process_cgroup_and_those_above_it_count(tmp_path: Path) -> None:
+    """The process's cgroup is read from its ``0::`` line; the tightest limit on the way up wins."""
+    meminfo, root, member = tmp_path / "meminfo", tmp_path / "cgroup", tmp_path / "member"
+    meminfo.write_text("MemTotal:       67108864 kB\nMemAvailable:   33554432 kB\n")
+    service = root / "system.slice" / "ci.service"
+    service.mkdir(parents=True)
+    (service / "memory.max").write_text(f"{8 * GIB}\n")
+    (service / "memory.current").write_text(f"{GIB}\n")
+    (root / "system.slice" / "memory.max").write_text(f"{3 * GIB}\n")
+    (root / "system.slice" / "memory.current").write_text(f"{2 * GIB}\n")
+    member.write_text("12:memory:/elsewhere\n0::/system.slice/ci.service\n")
+    assert available_memory(meminfo, root, member) == GIB  # the slice: 3 GiB less 2 in use
+    assert default_floor(meminfo, root, member) == 3 * GIB // 4  # 3 GiB limit: a quarter
+    member.write_text("0::/system.slice/gone.scope\n")  # a cgroup since removed: those above
+    assert available_memory(meminfo, root, member) == GIB
+    for odd in ("1:memory:/x\n", "0::/../..\n", ""):  # cgroup v1 only, or nonsense: the root
+        member.write_text(odd)
+        assert available_memory(meminfo, root, member) == 32 * GIB
+    assert available_memory(meminfo, root, tmp_path / "none") == 32 * GIB
 
 
 def test_the_cli_reports_a_stopped_check_and_exits_3(capsys: pytest.CaptureFixture[str]) -> None:

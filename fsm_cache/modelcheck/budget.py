@@ -7,8 +7,9 @@ process without a word, or it swaps for hours. A :class:`Budget` stops the
 search first, once ``max_states`` states are explored, once ``max_seconds``
 have passed (a CI job's time limit ends it as silently), or once the memory the
 machine (or the process's cgroup) has available drops under ``floor`` bytes:
-by default a sixteenth of its memory, and at least 1 GiB, since the tables
-of the states held grow in steps (a dict doubles) between two readings.
+by default a sixteenth of its memory, and at least 1 GiB (a quarter of it on
+a machine or container of under 4 GiB), since the tables of the states held
+grow in steps (a dict doubles) between two readings.
 The result then says where and why it stopped: the states explored held
 every invariant, but the run is not exhaustive.
 """
@@ -29,37 +30,69 @@ MEMORY_FLOOR = 1 << 30
 FLOOR_SHARE = 16
 """A check keeps at least this fraction of the memory it may use free (1/16)."""
 
+SMALL_SHARE = 4
+"""On a machine or container of under 4 GiB, the floor is this fraction of it instead of 1 GiB."""
+
 MEMINFO = Path("/proc/meminfo")
 CGROUP = Path("/sys/fs/cgroup")
+MEMBERSHIP = Path("/proc/self/cgroup")
 
 
-def available_memory(meminfo: Path = MEMINFO, cgroup: Path = CGROUP) -> int | None:
+def available_memory(
+    meminfo: Path = MEMINFO, cgroup: Path = CGROUP, membership: Path = MEMBERSHIP
+) -> int | None:
     """Return the bytes this process may still allocate, or None where the system does not say.
 
     The machine's ``MemAvailable`` (Linux), lowered to what the process's
-    cgroup (v2: ``memory.max`` less ``memory.current``) still allows, since a
-    container's limit is where its out-of-memory killer acts.
+    cgroup and each cgroup above it (v2: ``memory.max`` less ``memory.current``)
+    still allow, since a container's or a service's limit is where its
+    out-of-memory killer acts.
 
     Args:
         meminfo: The kernel's memory report.
-        cgroup: The cgroup v2 directory of the process's limit.
+        cgroup: Where the cgroup v2 hierarchy is mounted.
+        membership: The process's cgroups (its ``0::`` line names its v2 cgroup).
     """
-    found = [x for x in (_meminfo_available(meminfo), _cgroup_available(cgroup)) if x is not None]
-    return min(found) if found else None
+    dirs = _cgroups(cgroup, membership)
+    found = [_meminfo(meminfo, "MemAvailable:"), *(_cgroup_available(d) for d in dirs)]
+    known = [x for x in found if x is not None]
+    return min(known) if known else None
 
 
-def default_floor(meminfo: Path = MEMINFO, cgroup: Path = CGROUP) -> int:
+def default_floor(
+    meminfo: Path = MEMINFO, cgroup: Path = CGROUP, membership: Path = MEMBERSHIP
+) -> int:
     """Return the bytes a check keeps free: 1/16 of the memory it may use, at least 1 GiB.
 
-    The memory it may use is the machine's ``MemTotal``, or the cgroup's
-    ``memory.max`` where that is lower; unknown, the floor is 1 GiB.
+    The memory it may use is the machine's ``MemTotal``, or the lowest
+    ``memory.max`` of the process's cgroups where that is lower. Under 4 GiB
+    the least is a quarter of it instead of 1 GiB, so that a check in a small
+    container can run at all; unknown, the floor is 1 GiB.
     """
-    found = [x for x in (_meminfo(meminfo, "MemTotal:"), _cgroup_limit(cgroup)) if x is not None]
-    return max(MEMORY_FLOOR, min(found) // FLOOR_SHARE) if found else MEMORY_FLOOR
+    dirs = _cgroups(cgroup, membership)
+    found = [_meminfo(meminfo, "MemTotal:"), *(_cgroup_limit(d) for d in dirs)]
+    known = [x for x in found if x is not None]
+    if not known:
+        return MEMORY_FLOOR
+    total = min(known)
+    return max(min(MEMORY_FLOOR, total // SMALL_SHARE), total // FLOOR_SHARE)
 
 
-def _meminfo_available(meminfo: Path) -> int | None:
-    return _meminfo(meminfo, "MemAvailable:")
+def _cgroups(root: Path, membership: Path) -> list[Path]:
+    """Return the process's cgroup v2 directory and those above it, up to ``root``, that exist.
+
+    Without a ``0::`` line in ``membership`` (no cgroup v2, or not Linux), ``root`` alone.
+    """
+    relative = ""
+    try:
+        for line in membership.read_text(encoding="ascii").splitlines():
+            if line.startswith("0::"):
+                relative = line[3:].strip().strip("/")
+    except (OSError, UnicodeDecodeError):
+        relative = ""
+    parts = [p for p in relative.split("/") if p and p not in (".", "..")]
+    dirs = [root.joinpath(*parts[:n]) for n in range(len(parts), 0, -1)]
+    return [d for d in dirs if d.is_dir()] + [root]
 
 
 def _meminfo(meminfo: Path, key: str) -> int | None:

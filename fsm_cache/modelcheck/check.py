@@ -13,7 +13,7 @@ lookups tell callers (:mod:`fsm_cache.modelcheck.lookup`); then every state must
 be able to settle (:mod:`fsm_cache.modelcheck.liveness`). On a violation the
 shortest event sequence reaching it is printed and the exit status is 1. A
 search that would outgrow the machine stops while a sixteenth of its memory
-(at least 1 GiB) is still free, or after ``--max-states`` states or
+(at least 1 GiB, or a quarter under 4 GiB) is still free, or after ``--max-states`` states or
 ``--max-seconds`` seconds, and says so, with exit status 3:
 what it explored held, but it is not exhaustive
 (:mod:`fsm_cache.modelcheck.budget`).
@@ -134,7 +134,7 @@ def check_spec(
     With ``symmetry`` (the default) a tree is one state whatever its node
     numbering; without, every numbering is explored (same verdict, more states).
     ``budget`` says when to stop short (default: while a sixteenth of the
-    memory, at least 1 GiB, is free); :attr:`Result.stopped` then says why.
+    memory, at least 1 GiB or a quarter under 4 GiB, is free); :attr:`Result.stopped` then says why.
 
     Raises:
         SpecError: The spec does not load, or a policy is given for a spec
@@ -365,7 +365,7 @@ def register(subparsers: Any) -> None:
         type=int,
         metavar="N",
         help="stop after N states, not exhaustive (exit status 3); a check always stops "
-        "while 1/16 of the memory (at least 1 GiB) is still free",
+        "while 1/16 of the memory (at least 1 GiB, or 1/4 under 4 GiB) is still free",
     )
     parser.add_argument(
         "--max-seconds",
