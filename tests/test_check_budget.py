@@ -192,6 +192,20 @@ def test_the_cli_reports_a_stopped_check_and_exits_3(capsys: pytest.CaptureFixtu
     ]
 
 
+def test_a_cap_below_the_starting_shapes_keeps_the_first_of_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Three starting trees on 3 nodes: a cap of 1 or 2 explores that many, and says so."""
+    for cap in (1, 2):
+        result = check.check_spec(
+            RESIDENCY, 3, Bounds({}), budget=Budget(max_states=cap, floor=None)
+        )
+        assert (result.states, result.violation) == (cap, None)
+        assert result.stopped == f"the cap of {cap} states (--max-states) was reached"
+    assert main(["check", str(RESIDENCY), "--nodes", "3", "--max-states", "1"]) == check.STOPPED
+    assert capsys.readouterr().out.splitlines()[1] == "  states explored: 1 (symmetry reduced)"
+
+
 def test_the_cli_json_names_why_it_stopped(capsys: pytest.CaptureFixture[str]) -> None:
     status = main(["check", "--json", str(RESIDENCY), "--nodes", "2", "--max-states", "9"])
     spec = json.loads(capsys.readouterr().out)["specs"][0]

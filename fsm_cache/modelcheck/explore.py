@@ -167,9 +167,10 @@ class Explorer:
         first state (in breadth-first order, so with a shortest trace) that
         cannot settle is the finding (:mod:`fsm_cache.modelcheck.liveness`).
         A search that exhausts ``budget`` (default: a :class:`Budget` that
-        keeps a sixteenth of the memory, at least 1 GiB, free) stops with its
-        reason in :attr:`Result.stopped`. :attr:`Result.numbered` counts the
-        numbered states the states explored stand for.
+        keeps a sixteenth of the memory, at least 1 GiB or a quarter under 4
+        GiB, free) stops with its reason in :attr:`Result.stopped`.
+        :attr:`Result.numbered` counts the numbered states the states
+        explored stand for.
         """
         forests: list[Forest] = []
         result = self._search(initial, forests, tick, budget if budget is not None else Budget())
@@ -189,9 +190,9 @@ class Explorer:
         if self.layout.holders.unpaired:
             return Result(0, self.layout.holders.unpaired[0])
         index, parents, steps, starts = self._starts(initial, forests)
-        bad = next((i for i, start in enumerate(forests) if not self.passes(start)), None)
-        if bad is not None:
-            return self._found(parents, steps, starts, bad, forests)
+        early = self._at_start(forests, parents, steps, starts, budget)
+        if early is not None:
+            return early
         # The settling steps of state s lead to dst[first[s]:first[s + 1]].
         first, dst = array("l"), array("l")
         settle, passes = dst.append, self.passes
@@ -245,6 +246,28 @@ class Explorer:
                 parents.append(-1)
                 steps.append(("start", name))
         return index, parents, steps, starts
+
+    def _at_start(
+        self,
+        forests: list[Forest],
+        parents: Sequence[int],
+        steps: list[TraceStep],
+        starts: dict[int, Nodes],
+        budget: Budget,
+    ) -> Result | None:
+        """Return the search's end among its starting states, or None to search on.
+
+        A cap below their number keeps the first of them and stops there (with
+        the starting trees of a shape each, three on three nodes and more).
+        A starting state that breaks an invariant is the finding either way.
+        """
+        over = len(forests) > budget.cap()
+        if over:
+            del forests[budget.cap() :]
+        bad = next((i for i, start in enumerate(forests) if not self.passes(start)), None)
+        if bad is not None:
+            return self._found(parents, steps, starts, bad, forests)
+        return Result(len(forests), stopped=budget.capped()) if over else None
 
     def successors(self, forest: Forest) -> Iterator[Edge]:
         """Yield every step from ``forest`` with its result: events on each node, then tree operations.
