@@ -206,6 +206,21 @@ def test_a_cap_below_the_starting_shapes_keeps_the_first_of_them(
     assert capsys.readouterr().out.splitlines()[1] == "  states explored: 1 (symmetry reduced)"
 
 
+def test_a_violation_in_a_starting_tree_counts_the_starts_up_to_it(tmp_path: Path) -> None:
+    """Every node starts with a lock no one holds: the first tree is the finding, alone."""
+    for name in ("residency.toml", "host_residency.toml", "device_residency.toml"):
+        text = (spec_dir() / name).read_text()
+        if name == "device_residency.toml":
+            text = text.replace("\nlocks = 0 ", "\nlocks = 1 ", 1)
+            assert "\nlocks = 1 " in text
+        (tmp_path / name).write_text(text)
+    result = check.check_spec(tmp_path / "residency.toml", 3, Bounds({}))
+    assert (result.states, result.numbered) == (1, 6)  # the chain, in its 3! numberings
+    assert result.trace == ["start: chain"]
+    assert result.violation is not None
+    assert result.violation.startswith("invariant 6: node ")
+
+
 def test_the_cli_json_names_why_it_stopped(capsys: pytest.CaptureFixture[str]) -> None:
     status = main(["check", "--json", str(RESIDENCY), "--nodes", "2", "--max-states", "9"])
     spec = json.loads(capsys.readouterr().out)["specs"][0]

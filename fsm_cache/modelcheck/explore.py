@@ -259,13 +259,15 @@ class Explorer:
 
         A cap below their number keeps the first of them and stops there (with
         the starting trees of a shape each, three on three nodes and more).
-        A starting state that breaks an invariant is the finding either way.
+        A starting state that breaks an invariant is the finding either way,
+        and the states explored are those up to it.
         """
         over = len(forests) > budget.cap()
         if over:
             del forests[budget.cap() :]
         bad = next((i for i, start in enumerate(forests) if not self.passes(start)), None)
         if bad is not None:
+            del forests[bad + 1 :]  # the starts after it were never checked
             return self._found(parents, steps, starts, bad, forests)
         return Result(len(forests), stopped=budget.capped()) if over else None
 
