@@ -323,6 +323,17 @@ def test_a_page_set_counts_every_holder() -> None:
     assert held.frozen() == frozenset()
 
 
+def test_a_page_set_tests_an_iterator_against_its_runs_too() -> None:
+    """An iterator is read once: its pages must still meet the held runs, not only the set."""
+    held = PageSet()
+    held.add([3, 1])  # not a run: the set
+    held.add([5, 6], 5)  # a run: a range
+    assert not held.isdisjoint(iter([5]))
+    assert not held.isdisjoint(p for p in [9, 6])
+    assert not held.isdisjoint(iter([1]))
+    assert held.isdisjoint(iter([2, 7]))
+
+
 def test_busy_pages_follow_tickets_of_both_directions() -> None:
     busy = BusyPages()
     write = Ticket(1, Direction.D2H, (5, 6), (0, 1))

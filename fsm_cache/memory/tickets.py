@@ -175,6 +175,8 @@ class PageSet:
             first: ``pages[0]`` where ``pages`` is known to be one ascending run
                 (``first, first + 1, ...``): tested against each held run at once.
         """
+        if not isinstance(pages, (list, tuple, set, frozenset, range)):
+            pages = list(pages)  # an iterator is read once, and tested twice below
         # an empty set still looks up every page of a list or tuple: skipped when empty
         if self._pages and not self._pages.isdisjoint(pages):
             return False
@@ -183,8 +185,7 @@ class PageSet:
         if first is not None:
             end = first + len(cast("Sequence[int]", pages))
             return all(run.stop <= first or end <= run.start for run in self._runs)
-        wanted = pages if isinstance(pages, (list, tuple, set, frozenset)) else list(pages)
-        return not any(map(self._in_runs, wanted))
+        return not any(map(self._in_runs, pages))
 
     def _in_runs(self, page: int) -> bool:
         return any(page in run for run in self._runs)
