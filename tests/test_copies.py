@@ -121,6 +121,10 @@ def test_overlapping_tickets_keep_pages_busy_until_both_are_reported() -> None:
         ([1, 2], [0, 0], ValueError, "copy: a destination page is listed twice"),
         ([8], [0], ForeignSlot, "device pool: page 8 outside 0..7"),
         ([0], [-1], ForeignSlot, "host pool: page -1 outside 0..7"),
+        ([1.5], [2], ForeignSlot, "device pool: page 1.5 outside 0..7"),
+        ([True], [2], ForeignSlot, "device pool: page True outside 0..7"),
+        ([0, 1], [2, False], ForeignSlot, "host pool: page False outside 0..7"),
+        ([0], [[1]], ForeignSlot, "host pool: page [1] outside 0..7"),
     ],
 )
 def test_bad_copies_are_refused_before_anything_starts(
@@ -132,6 +136,7 @@ def test_bad_copies_are_refused_before_anything_starts(
     assert str(info.value) == message
     assert engine.in_flight() == []
     assert engine.poll() == []
+    assert engine.busy_device_pages() == engine.busy_host_pages() == frozenset()
 
 
 @pytest.mark.parametrize("delay", [0, 2])
@@ -149,6 +154,27 @@ def test_a_busy_destination_is_refused_until_its_copy_is_reported(delay: int) ->
     engine.start_write([3], [2])
     engine.start_load([0], [1])
     assert len(engine.drain()) == 2
+
+
+def test_a_launch_that_raises_anything_fails_its_tickets_and_leaves_nothing_busy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not only a RuntimeError: a ValueError at launch must not strand the pages busy."""
+    engine = make()
+
+    def broken(dst: object, src: object, non_blocking: bool) -> None:
+        raise ValueError("boom")
+
+    monkeypatch.setattr(staging, "_copy", broken)
+    ticket = engine.start_write([0, 1], [0, 1])
+    (done,) = engine.poll()
+    assert (done.ticket, done.ok) == (ticket, False)
+    assert str(done.error) == "copy 1 (d2h) failed: ValueError: boom"
+    assert engine.in_flight() == []
+    assert engine.busy_device_pages() == engine.busy_host_pages() == frozenset()
+    monkeypatch.undo()
+    engine.start_write([2, 3], [0, 1])  # the host pages are free again
+    assert [c.ok for c in engine.drain()] == [True]
 
 
 def test_a_launch_that_raises_is_reported_as_a_failed_ticket(

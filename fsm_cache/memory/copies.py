@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import cast
 
-from fsm_cache.errors import CopyFailed, ForeignSlot
+from fsm_cache.errors import CopyFailed
 from fsm_cache.memory.kv import KVPool
 from fsm_cache.memory.staging import CudaStreams, Event, Mover, Stream, Streams
 from fsm_cache.memory.tickets import (
@@ -200,12 +200,12 @@ class CopyEngine:
             source, target, busy = self.host, self.device, self._busy.device
         # a run of a pool's pages (the common case) is distinct and inside it: nothing more to check
         src_run, dst_run = source.allocator.run_of(src), target.allocator.run_of(dst)
-        if dst_run is None and len(set(dst)) != len(dst):
-            raise ValueError("copy: a destination page is listed twice")
         if src_run is None:
             _check_inside(source, src)
         if dst_run is None:
             _check_inside(target, dst)
+            if len(set(dst)) != len(dst):
+                raise ValueError("copy: a destination page is listed twice")
         if not busy.isdisjoint(dst, dst_run):
             refuse_busy_destination(direction, dst, busy)
         return src_run, dst_run
@@ -239,13 +239,13 @@ class CopyEngine:
         if stream is not None and self._api is not None:
             # D2H: read only what compute has written. H2D: overwrite only what compute has read.
             stream.wait_stream(self._api.current_stream(self.device.device))
-        failure: RuntimeError | None = None
+        why = None
         try:
             self._mover.move(direction, src, dst, runs)
-        except RuntimeError as exc:  # a launch that fails is reported like any failure
-            failure = exc
+        except Exception as exc:  # any failure to launch fails the tickets; none is left busy
+            kind = "" if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: "
+            why = f"({direction.value}) failed: {kind}{exc}"
         event = self._record(stream)
-        why = None if failure is None else f"({direction.value}) failed: {failure}"
         self._submitted.append(_Submission(tickets, event, why))
 
     def _record(self, stream: Stream | None) -> Event | None:
@@ -381,14 +381,15 @@ def _busy(busy: PageSet, pool: KVPool, pages: Iterable[int]) -> bool:
 
 
 def _check_inside(pool: KVPool, pages: Sequence[int]) -> None:
-    """Refuse ``pages`` unless every one is a page of ``pool``.
+    """Refuse ``pages`` unless every one is a page of ``pool``: an int, not a bool, in range.
 
     Raises:
-        ForeignSlot: a page is outside ``0 .. pool.num_pages - 1``, named.
+        ForeignSlot: naming the first page that is not (:meth:`KVPool.check_pages`).
     """
-    if pages and (min(pages) < 0 or max(pages) >= pool.num_pages):
-        bad = next(p for p in pages if not 0 <= p < pool.num_pages)
-        raise ForeignSlot(f"{pool.name} pool: page {bad} outside 0..{pool.num_pages - 1}")
+    if pages and not (
+        set(map(type, pages)) == {int} and min(pages) >= 0 and max(pages) < pool.num_pages
+    ):
+        pool.check_pages(pages)
 
 
 def _finished(submission: _Submission) -> bool:

@@ -244,7 +244,7 @@ class KVPool:
         if not pages:
             return None
         if not _INT.issuperset(map(type, pages)):
-            self._check_pages(pages)  # names the culprit (an int subclass passes)
+            self.check_pages(pages)  # names the culprit (an int subclass passes)
         first, n = pages[0], len(pages)
         if pages[-1] == first + n - 1 and first >= 0 and first + n <= self.num_pages:
             run = range(first, first + n)  # compared in C, as a tuple or a list
@@ -261,17 +261,22 @@ class KVPool:
         if not pages:
             return None
         if not _INT.issuperset(map(type, pages)):
-            self._check_pages(pages)
+            self.check_pages(pages)
         return self._pages_index(pages)
 
     def _pages_index(self, pages: Sequence[int]) -> torch.Tensor:
         """``pages`` (ints, not empty) as an index on the pool's device, after their bounds."""
         if not (min(pages) >= 0 and max(pages) < self.num_pages):
-            self._check_pages(pages)
+            self.check_pages(pages)
         idx = torch.frombuffer(array("q", pages), dtype=torch.int64)
         return idx if self._on_cpu else idx.to(self.device)
 
-    def _check_pages(self, pages: Sequence[int]) -> None:
+    def check_pages(self, pages: Sequence[int]) -> None:
+        """Refuse ``pages`` unless each is an int (a bool is not) in ``0..num_pages - 1``.
+
+        Raises:
+            ForeignSlot: naming the first page that is not.
+        """
         for p in pages:
             if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.num_pages:
                 raise ForeignSlot(f"{self.name} pool: page {p!r} outside 0..{self.num_pages - 1}")
