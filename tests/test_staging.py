@@ -191,6 +191,35 @@ def test_a_batch_of_many_chunks_lands_bit_for_bit(fake: bool, seed: int) -> None
     assert torch.equal(raw(eng.device, back), want)
 
 
+@pytest.mark.parametrize("fake", [False, True], ids=["cpu", "fake-cuda"])
+@pytest.mark.parametrize("chunk", [1, 64], ids=["chunks", "one-chunk"])
+@pytest.mark.parametrize("seed", range(8))
+def test_a_copy_reads_what_a_copy_of_the_other_direction_still_writes_after_it(
+    fake: bool, chunk: int, seed: int
+) -> None:
+    """Read after write across the two directions, each on its own streams, in start order.
+
+    A load from host pages a backup still writes gets the backed-up bytes; a
+    backup of device pages a load still writes gets the loaded bytes.
+    """
+    eng = engine(FakeStreams(seed=seed, max_polls=3) if fake else None, pages=16, chunk=chunk)
+    device = raw(eng.device, [0, 1])
+    eng.start_write([0, 1], [3, 4])  # backup into host 3-4 (a run)
+    eng.start_load([4, 3], [6, 5])  # load from them, still being written
+    done = []
+    while eng.in_flight():
+        done += eng.poll()
+    assert [c.ok for c in done] == [True, True]
+    assert torch.equal(raw(eng.device, [5, 6]), device)
+    eng.host.tensor.view(torch.uint8)[0].random_(0, 256)  # host page 0 differs from device 8
+    host = raw(eng.host, [0])
+    eng.start_load([0], [8])
+    eng.start_write([8], [9])  # back up the device page the load still writes
+    while eng.in_flight():
+        assert all(c.ok for c in eng.poll())
+    assert torch.equal(raw(eng.host, [9]), host)
+
+
 def test_several_chunks_alternate_two_buffers_on_two_streams() -> None:
     fake = FakeStreams(seed=1, max_polls=1000)
     eng = engine(fake, pages=16, chunk=2)

@@ -8,7 +8,8 @@ buffer, so the backups of many operations move together: one gather and one
 copy per submission per direction, with the runs of host pages of all its
 tickets coalesced. A host-to-device copy (a load, which compute is about to
 read) is submitted at once, after the open backups, so copies run in the
-order they were started. :class:`~fsm_cache.memory.staging.Mover` moves the
+order they were started (on CUDA a copy that reads pages a copy of the other
+direction still writes waits for that direction's stream). :class:`~fsm_cache.memory.staging.Mover` moves the
 bytes (as 64-bit words where the page size allows, through reused staging
 buffers, chunk by chunk).
 
@@ -136,8 +137,8 @@ class CopyEngine:
         self._open_pages = 0
         self._batch_polls = batch_polls
         self._open_polls = 0  # polls the open batch has waited
-        self._busy = BusyPages()
         self._api = streams if streams is not None else CudaStreams() if self.cuda else None
+        self._busy = BusyPages(writes=self._api is not None)
         self._mover = Mover(device, host, self._chunk, self._api)
 
     def start_write(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Ticket:
@@ -239,6 +240,7 @@ class CopyEngine:
         if stream is not None and self._api is not None:
             # D2H: read only what compute has written. H2D: overwrite only what compute has read.
             stream.wait_stream(self._api.current_stream(self.device.device))
+            self._after_writes(direction, stream, src)
         why = None
         try:
             self._mover.move(direction, src, dst, runs)
@@ -247,6 +249,21 @@ class CopyEngine:
             why = f"({direction.value}) failed: {kind}{exc}"
         event = self._record(stream)
         self._submitted.append(_Submission(tickets, event, why))
+
+    def _after_writes(self, direction: Direction, stream: Stream, src: Sequence[int]) -> None:
+        """Make ``stream`` wait for the other direction where it reads a page that one writes.
+
+        A load from host pages a backup still writes, or a backup of device
+        pages a load still writes, reads them only after that copy (read
+        after write): copies run in the order they were started. The other
+        direction's stream holds the second stage of each of its batches,
+        where its destination pages are written.
+        """
+        other = Direction.H2D if direction is Direction.D2H else Direction.D2H
+        written = self._busy.written
+        source = self.device if direction is Direction.D2H else self.host
+        if written is not None and not written[other].isdisjoint(src, source.allocator.run_of(src)):
+            stream.wait_stream(self._mover.streams[other])
 
     def _record(self, stream: Stream | None) -> Event | None:
         if stream is None or self._api is None:

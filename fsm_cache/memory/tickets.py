@@ -237,23 +237,38 @@ class PageSet:
 
 
 class BusyPages:
-    """The pages in-flight tickets touch, per tier (see :class:`PageSet`)."""
+    """The pages in-flight tickets touch, per tier (see :class:`PageSet`).
 
-    def __init__(self) -> None:
+    Args:
+        writes: Also keep the pages they write (:attr:`written`), for an
+            engine whose two directions run on streams of their own.
+    """
+
+    def __init__(self, *, writes: bool = False) -> None:
         self.device = PageSet()
         self.host = PageSet()
+        self.written: dict[Direction, PageSet] | None = (
+            {Direction.D2H: PageSet(), Direction.H2D: PageSet()} if writes else None
+        )
+        """Per direction, the destination pages its in-flight tickets write (None: not kept)."""
 
     def add(self, ticket: Ticket) -> None:
         """Mark the ticket's pages busy."""
         device, host, device_run, host_run = _sides(ticket)
         self.device.add(device, device_run)
         self.host.add(host, host_run)
+        if self.written is not None:
+            runs = ticket.runs
+            self.written[ticket.direction].add(ticket.dst_pages, runs[1] if runs else None)
 
     def remove(self, ticket: Ticket) -> None:
         """Unmark the ticket's pages (once per earlier :meth:`add`)."""
         device, host, device_run, host_run = _sides(ticket)
         self.device.remove(device, device_run)
         self.host.remove(host, host_run)
+        if self.written is not None:
+            runs = ticket.runs
+            self.written[ticket.direction].remove(ticket.dst_pages, runs[1] if runs else None)
 
 
 def _sides(
