@@ -220,6 +220,34 @@ def test_a_copy_reads_what_a_copy_of_the_other_direction_still_writes_after_it(
     assert torch.equal(raw(eng.host, [9]), host)
 
 
+@pytest.mark.parametrize(
+    ("stage", "src", "dst"),
+    [
+        ("_gather", [5, 3, 1, 0, 2, 4], [9, 7, 8, 6, 11, 10]),  # scattered device pages
+        ("_copy", [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]),  # runs on both sides
+    ],
+)
+def test_a_failure_in_a_first_stage_fails_the_batch_on_streams(
+    monkeypatch: pytest.MonkeyPatch, stage: str, src: list[int], dst: list[int]
+) -> None:
+    """The first stages run on a stream no event is recorded on: their error must still tell.
+
+    Six pages through a two-page buffer: three chunks, each first stage on
+    the gather stream, the batch's event on the direction's stream.
+    """
+    eng = engine(FakeStreams(seed=0, max_polls=0), pages=16, chunk=2)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(staging, stage, broken)
+    ticket = eng.start_write(src, dst)
+    (done,) = eng.drain()
+    assert (done.ticket, done.ok) == (ticket, False)
+    assert str(done.error) == "copy 1 failed on the device: fake CUDA error in queued work: boom"
+    assert eng.busy_device_pages() == eng.busy_host_pages() == frozenset()
+
+
 def test_several_chunks_alternate_two_buffers_on_two_streams() -> None:
     fake = FakeStreams(seed=1, max_polls=1000)
     eng = engine(fake, pages=16, chunk=2)

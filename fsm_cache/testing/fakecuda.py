@@ -21,7 +21,9 @@ a seeded random ``0..max_polls`` queries, or at once on ``synchronize``. So:
 
 Work that raises makes the next event recorded on its stream raise
 ``RuntimeError`` when queried or synchronised, as an asynchronous CUDA error
-does; the engine turns that into a failed completion.
+does, and so does the next event of every stream made to wait for that work
+(on CUDA such an error poisons everything after it); the engine turns that
+into a failed completion.
 
 For a whole cache::
 
@@ -34,7 +36,6 @@ For a whole cache::
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import random
 from collections import deque
@@ -108,7 +109,7 @@ class FakeEvent:
         if not self.done and self._stream is not None:
             self._stream.run_through(self)
         if self._error is not None:
-            raise RuntimeError(f"fake CUDA error in queued work: {self._error}")
+            raise RuntimeError(f"fake CUDA error in queued work: {self._error}") from self._error
 
 
 @dataclass
@@ -181,9 +182,10 @@ class FakeStream:
     def _step(self) -> None:
         op = self._ops.popleft()
         if op.wait is not None:
-            # the awaited stream's error is its own event's to report
-            with contextlib.suppress(RuntimeError):
+            try:
                 op.wait.synchronize()
+            except RuntimeError as exc:  # work after failed work fails too, as on CUDA
+                self._error = self._error or exc.__cause__ or exc
         elif op.mark is not None:
             op.mark.reached(op.generation, self._take_error())
         elif op.work is not None:
