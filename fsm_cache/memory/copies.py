@@ -277,7 +277,10 @@ class CopyEngine:
 
         The open batch is due at the ``batch_polls``-th poll since it opened
         (the next one by default). On a CPU engine every submitted ticket has
-        finished. Tickets are reported in the order they were started.
+        finished. The tickets one poll reports are in the order they were
+        started; on streams, a ticket may be reported at an earlier poll than
+        one of the other direction started before it that has not finished
+        (the directions overlap, so a load need not wait for the backups).
         """
         if self._open:
             self._open_polls += 1
