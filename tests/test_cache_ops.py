@@ -69,6 +69,34 @@ class TestCopyFaults:
         lease.release()
         assert (node.host, node.pins) == ("backed", 0)
 
+    def test_a_split_of_a_pinned_backup_that_fails_copies_both_halves_again(self) -> None:
+        """The holder's pin stays on the suffix; the prefix must not give up its backup.
+
+        Otherwise the suffix's second copy lands backed under an unbacked prefix
+        (invariant 3), and the prefix can never be evicted (its delete is refused).
+        """
+        cache = HiCache(config(fail=(1,), page_size=2, write_policy="write_through"))
+        tokens = list(range(1, 9))
+        cache.insert(tokens)
+        lease = cache.pin(cache.match_prefix(tokens).last_device_node)
+        cache.match_prefix(tokens[:4])  # splits the node: the same copy serves both halves
+        cache.poll()  # copy 1 fails: both halves are copied again
+        cache.poll()  # copy 2 lands
+        (prefix,) = [n for n in cache.tree if n.parent is not None and n.parent.parent is None]
+        (suffix,) = [n for n in cache.tree if n.parent is prefix]
+        assert (prefix.key, prefix.host) == ((1, 2, 3, 4), "backed")
+        assert (suffix.key, suffix.host, suffix.pins) == ((5, 6, 7, 8), "pinned", 1)
+        cache.check_invariants()
+        layout = cache.tiers.device.layout
+        for node in (prefix, suffix):
+            assert torch.equal(
+                cache.tiers.host.read(node.host_pages), synthetic_kv(layout, node.key)
+            )
+        lease.release()
+        assert cache.evict(8) == 8
+        cache.check_invariants()
+        assert cache.tiers.device.allocator.free_pages == 8
+
     def test_failed_load_leaves_the_host_copy(self) -> None:
         """A failed host-to-device copy fires load_failed: absent again, host copy intact."""
         cache = HiCache(config(fail=(2,)))

@@ -409,17 +409,29 @@ class Transfers:
         its pages and is copied again with the next flush, its source being
         still valid: a load a request locked while it ran (the host copy stays
         pinned by the load), or a backup a holder pinned while it was written
-        (the device copy cannot be evicted while it is read).
+        (the device copy cannot be evicted while it is read). The ancestors of
+        a node copied again are copied again too, whatever the spec allows
+        them: a prefix that gave up its backup would leave its suffix's
+        backup landing under a node with none (a node split while its pinned
+        backup was in flight).
         """
         event: Event = "write_failed" if direction is Direction.D2H else "load_failed"
         failed: list[TreeNode] = []
+        again: list[TreeNode] = []
+        above: set[int] = set()  # the ancestors of the nodes copied again
         for node in sorted(nodes, key=_depth, reverse=True):
-            if self._core.allowed(node, event):
+            if node.id not in above and self._core.allowed(node, event):
                 self._core.fire(node, event)
                 failed.append(node)
             else:
-                self._retry[direction].append(node)
-                self._dirty = True
+                again.append(node)
+                walk = node.parent
+                while walk is not None and walk.id not in above:
+                    above.add(walk.id)
+                    walk = walk.parent
+        if again:
+            self._retry[direction].extend(reversed(again))  # prefixes first, as copies list them
+            self._dirty = True
         if failed:
             self._acknowledged(failed, event)
 
