@@ -97,6 +97,29 @@ class TestCopyFaults:
         cache.check_invariants()
         assert cache.tiers.device.allocator.free_pages == 8
 
+    def test_a_load_back_whose_copy_is_refused_returns_none(self) -> None:
+        """The copy starts as the operation ends; refused, the chain is host-only again.
+
+        Returning it as loading would send a caller to lock and wait on nodes
+        with nothing on the device (docs/hicache.md, "Loads in flight").
+        """
+
+        def refusing(device: KVPool, host: KVPool) -> FaultyCopyEngine:
+            return FaultyCopyEngine(CopyEngine(device, host), refuse=[2])
+
+        cache = HiCache(config(copier=refusing))
+        cache.insert(list(range(8)))
+        cache.poll()
+        assert cache.evict(8) == 8
+        (node,) = list(cache.tree)
+        assert cache.load_back(node) is None
+        assert (node.host, node.device) == ("backed", "absent")
+        assert cache.stats().transitions["load_failed"] == 1
+        assert cache.tiers.device.allocator.free_pages == 8
+        assert cache.load_back(node) == [node]  # copy 3 starts
+        cache.poll()
+        assert node.device == "resident"
+
     def test_failed_load_leaves_the_host_copy(self) -> None:
         """A failed host-to-device copy fires load_failed: absent again, host copy intact."""
         cache = HiCache(config(fail=(2,)))

@@ -562,7 +562,9 @@ class HiCache:
         Returns:
             The nodes now loading (apply completions with :meth:`poll`), or None
             when the chain is shorter than the load-back threshold, device
-            memory cannot be freed for it, or the node left the tree meanwhile.
+            memory cannot be freed for it, the node left the tree meanwhile,
+            or the copy engine refused to start the copy (the chain is then
+            host-only again, its ``load_failed`` fired).
 
         Raises:
             BadArgument: ``node`` is not a tree node.
@@ -571,20 +573,27 @@ class HiCache:
         """
         node = arguments.node(self._core.tree, node, "load_back")
         with self._operation("load_back", node.id):
-            chain, above = _chain(node)
-            if above is not None and above.device == "loading":
-                tokens = sum(len(n.key) for n in chain)
-                if tokens and worth_loading(tokens, self.config.load_back_threshold):
-                    try:  # no room could ever be made: say so before waiting for anything
-                        self._evictor.refuse_impossible(tokens // self.config.page_size, above)
-                    except PoolExhausted:
-                        return None
-                if self._transfers.finish_loads([above], "load_back"):
-                    return None  # its copy failed and runs again: nothing may load under it yet
-                if self._core.tree.nodes.get(node.id) is not node:
-                    return None  # host eviction took it while the copies were applied
-                chain = _chain(node)[0]  # the applied copies may have changed it
-            return self._load_chain(chain)
+            chain = self._load_back(node)
+        # the copy starts as the operation ends: a refused start has failed the chain already
+        loading = [n for n in chain if n.device == "loading"] if chain is not None else []
+        return loading or None
+
+    def _load_back(self, node: TreeNode) -> list[TreeNode] | None:
+        """:meth:`load_back` inside its operation: the chain staged for loading, or None."""
+        chain, above = _chain(node)
+        if above is not None and above.device == "loading":
+            tokens = sum(len(n.key) for n in chain)
+            if tokens and worth_loading(tokens, self.config.load_back_threshold):
+                try:  # no room could ever be made: say so before waiting for anything
+                    self._evictor.refuse_impossible(tokens // self.config.page_size, above)
+                except PoolExhausted:
+                    return None
+            if self._transfers.finish_loads([above], "load_back"):
+                return None  # its copy failed and runs again: nothing may load under it yet
+            if self._core.tree.nodes.get(node.id) is not node:
+                return None  # host eviction took it while the copies were applied
+            chain = _chain(node)[0]  # the applied copies may have changed it
+        return self._load_chain(chain)
 
     def _load_chain(self, chain: list[TreeNode]) -> list[TreeNode] | None:
         """Start loading ``chain``, the device-absent nodes ending at the one asked for."""
