@@ -10,10 +10,11 @@ from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.metrics import register
 from fsm_cache.cache.replay import replay
 from fsm_cache.cli.main import main
-from fsm_cache.errors import ReplayMismatch
+from fsm_cache.errors import ForeignSlot, ReplayMismatch
 from fsm_cache.memory.copies import CopyEngine
 from fsm_cache.memory.kv import KVPool
 from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
+from fsm_cache.testing.fakecuda import deferred_copier
 from fsm_cache.testing.faults import FaultyCopyEngine
 
 
@@ -119,6 +120,30 @@ class TestCopyFaults:
         assert cache.load_back(node) == [node]  # copy 3 starts
         cache.poll()
         assert node.device == "resident"
+
+    def test_an_insert_with_bad_slots_through_a_loading_node_changes_nothing(self) -> None:
+        """Its slots are checked before it waits for the load, which would apply copies."""
+        cache = HiCache(config(copier=deferred_copier(seed=0, max_polls=0), page_size=2))
+        tokens = [1, 2, 3, 4]
+        cache.insert(tokens)
+        cache.poll()
+        assert cache.evict(4) == 4
+        cache.load_back(cache.match_prefix(tokens).last_host_node)  # in flight, not applied
+        (node,) = list(cache.tree)
+
+        def seen() -> tuple[object, ...]:
+            stats = cache.stats()
+            free = cache.tiers.device.allocator.free_pages
+            return node.residency(), dict(stats.transitions), free, len(cache.issued())
+
+        before = seen()
+        with pytest.raises(ForeignSlot) as refused:
+            cache.insert([*tokens, 5, 6], device_slots=[0, 1, 2, 3, 4, 5])  # 2 is no slot of it
+        assert str(refused.value) == (
+            "insert: device page 2 is free; a request's slots come from alloc_slots"
+        )
+        assert seen() == before
+        assert node.device == "loading"
 
     def test_failed_load_leaves_the_host_copy(self) -> None:
         """A failed host-to-device copy fires load_failed: absent again, host copy intact."""

@@ -329,10 +329,12 @@ class HiCache:
                 if node.device == "loading":
                     loading = True
                     break
-            if loading:
-                if args is None:  # refuse what can never fit before waiting for anything
+            if loading:  # refuse before waiting for anything, which applies copies
+                if args is None:  # what can never fit
                     needed = sum(n for _, _, n in slots.wanted(walk.path, key))
                     self._evictor.refuse_impossible(needed // self.config.page_size, walk.path[-1])
+                else:  # slots of the parts wanted now, which stay wanted whatever the loads do
+                    self._caller_pages(walk.path, key, args)
                 stuck = self._transfers.finish_loads(walk.path, "insert")
                 if stuck:
                     raise CopyFailed(
@@ -361,15 +363,9 @@ class HiCache:
         caller's business. Without caller slots, pages are allocated (evicting
         if needed) and filled with KV derived from the tokens.
         """
-        page, parts = self.config.page_size, slots.wanted(path, key)
         if given is not None:
-            if page == 1:  # slots are pages
-                out = {ident: given[o : o + n] for ident, o, n in parts}
-            else:
-                out = {ident: tuple(pages_of(given[o : o + n], page)) for ident, o, n in parts}
-            taken = next(iter(out.values())) if len(out) == 1 else tuple(chain(*out.values()))
-            slots.check_held(self.tiers.device.allocator, taken)
-            return out
+            return self._caller_pages(path, key, given)
+        page, parts = self.config.page_size, slots.wanted(path, key)
         total = sum(n for _, _, n in parts) // page
         run = self._evictor.alloc_device(total, path[-1] if path else None, path)
         out, at = {}, 0
@@ -377,6 +373,23 @@ class HiCache:
             out[ident] = run[at : at + n // page]
             self.tiers.write_tokens(out[ident], key[o : o + n])
             at += n // page
+        return out
+
+    def _caller_pages(
+        self, path: Sequence[TreeNode], key: tuple[int, ...], given: Pages
+    ) -> dict[int, Pages]:
+        """The caller's pages for the parts of ``key`` that need device memory, checked held.
+
+        Raises:
+            ForeignSlot: a slot is not whole pages, or a page is not the request's, or repeats.
+        """
+        page, parts = self.config.page_size, slots.wanted(path, key)
+        if page == 1:  # slots are pages
+            out = {ident: given[o : o + n] for ident, o, n in parts}
+        else:
+            out = {ident: tuple(pages_of(given[o : o + n], page)) for ident, o, n in parts}
+        taken = next(iter(out.values())) if len(out) == 1 else tuple(chain(*out.values()))
+        slots.check_held(self.tiers.device.allocator, taken)
         return out
 
     def _take_over(
