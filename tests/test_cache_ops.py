@@ -10,7 +10,7 @@ from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.metrics import register
 from fsm_cache.cache.replay import replay
 from fsm_cache.cli.main import main
-from fsm_cache.errors import ForeignSlot, ReplayMismatch
+from fsm_cache.errors import CacheClosed, ForeignSlot, ReplayMismatch
 from fsm_cache.memory.copies import CopyEngine
 from fsm_cache.memory.kv import KVPool
 from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
@@ -144,6 +144,33 @@ class TestCopyFaults:
         )
         assert seen() == before
         assert node.device == "loading"
+
+    # the lock is held across close on purpose: its lease reports it when collected
+    @pytest.mark.filterwarnings("ignore::ResourceWarning")
+    @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+    def test_close_starts_no_copy_it_would_not_apply(self) -> None:
+        """A locked load whose copies keep failing: every copy close started is applied."""
+        engines: list[FaultyCopyEngine] = []
+
+        def failing(device: KVPool, host: KVPool) -> FaultyCopyEngine:
+            engines.append(FaultyCopyEngine(CopyEngine(device, host), fail=range(2, 40)))
+            return engines[-1]
+
+        cache = HiCache(config(copier=failing))
+        cache.insert(list(range(8)))
+        cache.poll()
+        assert cache.evict(8) == 8
+        (node,) = list(cache.tree)
+        chain = cache.load_back(node)
+        assert chain == [node]
+        lock = cache.lock(node)  # the load can now only finish or be copied again
+        cache.close()
+        applied = sum(len(acks) for _, acks in cache.log.acknowledgements())
+        assert applied == engines[0].started > 2
+        assert node.device == "loading"  # still failing when close gave up, never dropped
+        with pytest.raises(CacheClosed):
+            lock.release()
+        del lock
 
     def test_failed_load_leaves_the_host_copy(self) -> None:
         """A failed host-to-device copy fires load_failed: absent again, host copy intact."""

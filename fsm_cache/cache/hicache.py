@@ -706,8 +706,11 @@ class HiCache:
         """Wait for every copy in flight, apply it, and give the tiers' memory back.
 
         Pinned host memory is unregistered and device memory returned only once
-        no copy can still read or write it. Idempotent; any later operation
-        raises :class:`~fsm_cache.errors.CacheClosed`.
+        no copy can still read or write it. A copy that fails and must run again
+        (a load a request locked) is retried for a bounded number of rounds;
+        one still failing then stays queued, unstarted, and its node loading,
+        so that no copy is started whose completion would be dropped.
+        Idempotent; any later operation raises :class:`~fsm_cache.errors.CacheClosed`.
         """
         if self._gate.closed:
             return
@@ -715,6 +718,9 @@ class HiCache:
             self._transfers.settle_all(len(self._core.tree.nodes) + 2)
             if self._storage is not None:
                 self._storage.settle(len(self._core.tree.nodes) + 2)
+            # a load that keeps failing under a lock is queued again after the last round:
+            # started now, its completion would be dropped with the engine
+            self._transfers.stop()
         self._gate.closed = True
         if self._storage is not None:
             self._storage.close()

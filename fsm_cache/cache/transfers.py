@@ -263,6 +263,15 @@ class Transfers:
         self._batch[direction].append(node)
         self._dirty = True
 
+    def stop(self) -> None:
+        """Start nothing at the end of this operation: what is queued stays queued, unstarted.
+
+        For :meth:`~fsm_cache.cache.hicache.HiCache.close` after its last
+        settle: a copy started then would be drained by the tiers' close and
+        its completion dropped.
+        """
+        self._dirty = False
+
     def flush(self) -> None:
         """Start one batched copy per direction for the nodes whose events asked for one.
 
