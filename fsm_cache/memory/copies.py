@@ -202,9 +202,9 @@ class CopyEngine:
         # a run of a pool's pages (the common case) is distinct and inside it: nothing more to check
         src_run, dst_run = source.allocator.run_of(src), target.allocator.run_of(dst)
         if src_run is None:
-            _check_inside(source, src)
+            source.check_pages(src)
         if dst_run is None:
-            _check_inside(target, dst)
+            target.check_pages(dst)
             if len(set(dst)) != len(dst):
                 raise ValueError("copy: a destination page is listed twice")
         if not busy.isdisjoint(dst, dst_run):
@@ -240,7 +240,7 @@ class CopyEngine:
         if stream is not None and self._api is not None:
             # D2H: read only what compute has written. H2D: overwrite only what compute has read.
             stream.wait_stream(self._api.current_stream(self.device.device))
-            self._after_writes(direction, stream, src)
+            self._after_writes(direction, stream, src, runs[0] if runs is not None else None)
         why = None
         try:
             self._mover.move(direction, src, dst, runs)
@@ -250,19 +250,21 @@ class CopyEngine:
         event = self._record(stream)
         self._submitted.append(_Submission(tickets, event, why))
 
-    def _after_writes(self, direction: Direction, stream: Stream, src: Sequence[int]) -> None:
+    def _after_writes(
+        self, direction: Direction, stream: Stream, src: Sequence[int], first: int | None
+    ) -> None:
         """Make ``stream`` wait for the other direction where it reads a page that one writes.
 
         A load from host pages a backup still writes, or a backup of device
         pages a load still writes, reads them only after that copy (read
         after write): copies run in the order they were started. The other
         direction's stream holds the second stage of each of its batches,
-        where its destination pages are written.
+        where its destination pages are written. ``first``: ``src[0]`` where
+        ``src`` is one run of its pool (as the ticket found it), else None.
         """
         other = Direction.H2D if direction is Direction.D2H else Direction.D2H
         written = self._busy.written
-        source = self.device if direction is Direction.D2H else self.host
-        if written is not None and not written[other].isdisjoint(src, source.allocator.run_of(src)):
+        if written is not None and not written[other].isdisjoint(src, first):
             stream.wait_stream(self._mover.streams[other])
 
     def _record(self, stream: Stream | None) -> Event | None:
@@ -398,18 +400,6 @@ def _busy(busy: PageSet, pool: KVPool, pages: Iterable[int]) -> bool:
         return False
     first = pool.allocator.run_of(pages) if isinstance(pages, (list, tuple)) else None
     return not busy.isdisjoint(pages, first)
-
-
-def _check_inside(pool: KVPool, pages: Sequence[int]) -> None:
-    """Refuse ``pages`` unless every one is a page of ``pool``: an int, not a bool, in range.
-
-    Raises:
-        ForeignSlot: naming the first page that is not (:meth:`KVPool.check_pages`).
-    """
-    if pages and not (
-        set(map(type, pages)) == {int} and min(pages) >= 0 and max(pages) < pool.num_pages
-    ):
-        pool.check_pages(pages)
 
 
 def _finished(submission: _Submission) -> bool:
