@@ -455,6 +455,26 @@ def test_a_page_that_vanishes_mid_prefix_leaves_the_prefix_before_it(store: Stor
     assert device_kv_matches(reader, toks[: 3 * PAGE])
 
 
+def test_a_query_that_raises_anything_asks_nothing_and_changes_nothing(store: Store) -> None:
+    """Any exception of a store's ``exists_prefix`` counts as nothing found (not only StorageError).
+
+    Under tensor-parallel agreement every rank must reach the hit count's
+    all-reduce, so the lookup may not leave early on one rank.
+    """
+    toks = tokens(3)
+    stored_cache(store, toks)
+    faulty = FaultyStore(store)
+    faulty.raises = {"exists_prefix"}  # a RuntimeError, as a raw client error would be
+    reader = HiCache(config(), storage=tier(faulty, prefetch_policy="wait"))
+    found = reader.match_prefix(toks)
+    assert (found.device_len, found.host_len, found.storage_len) == (0, 0, 0)
+    assert list(reader.tree) == []
+    assert reader.stats().prefetch == {"query_failed": 1}
+    faulty.raises = set()
+    assert reader.match_prefix(toks).host_len == 3 * PAGE
+    reader.close()
+
+
 def test_a_read_that_raises_fails_the_fetch_and_removes_the_node(store: Store) -> None:
     toks = tokens(3)
     stored_cache(store, toks)

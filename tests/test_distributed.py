@@ -64,7 +64,14 @@ with warnings.catch_warnings():
         lost_message,
         stalled_message,
     )
-    from fsm_cache.errors import ConfigError, NoProcessGroup, RankDivergence, RankFailure
+    from fsm_cache.errors import (
+        BadArgument,
+        ConfigError,
+        CopyFailed,
+        NoProcessGroup,
+        RankDivergence,
+        RankFailure,
+    )
     from fsm_cache.memory.copies import Completion, CopyEngine, Ticket
     from fsm_cache.memory.tiers import CacheConfig
     from fsm_cache.testing.faults import FaultyCopyEngine
@@ -203,27 +210,157 @@ def two_rank_worker(rank: int, world: int, store: str, out: str) -> None:
     report["dropped_ack"] = divergence(rank, world, drop_ack)
     report["extra_eviction"] = divergence(rank, world, extra_eviction)
     report["failed_copy"] = failed_copy(rank, world)
+    report["fail_then_drain"] = fail_then_drain(rank, world)
+    report["failing_locked_load"] = failing_locked_load(rank)
+    report["after_reset"] = after_a_reset(rank, world)
     report["lost_in_drain"] = lost_completion(rank, world, stall=False)
     report["lost_in_poll"] = lost_completion(rank, world, stall=True)
     report["lost_in_wait"] = lost_in_a_wait(rank, world)
+    report["failed_in_wait"] = failed_in_a_wait(rank, world)
     report["per_step"] = one_collective_per_step(rank)
     report["side_group"] = agree_on_a_side_group(rank)
     report["given_group"] = agree_on_a_given_group(rank)
+    report["slow_report"] = a_slow_report(rank)
+    dist.barrier()  # the default group is whole: the slow rank catches up here
     report["hang"] = survive_a_hang(rank)  # last: the group is broken after it
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
 
-def failed_copy(rank: int, world: int) -> str:
-    """The last rank's third copy fails; the others' succeeds."""
+def failed_copy(rank: int, world: int) -> dict[str, Any]:
+    """The last rank's third copy fails; the others' succeeds: every rank must fail it."""
     fail = {3} if rank == world - 1 else set()
     shared = DistributedCache(HiCache(skewed(0, fail=fail)), timeout=TIMEOUT)
+    outcome = "no divergence"
     try:
         serve_chat_trace(shared.cache, chat_trace(6, seed=1), shared.step)
+        shared.drain()
+        shared.verify_agreement()
+    except RankDivergence as exc:
+        outcome = str(exc)
+    return {"outcome": outcome, "failed": failures(shared.cache), "tree": fingerprint(shared.cache)}
+
+
+def failures(cache: HiCache) -> list[list[Any]]:
+    """The failure transitions a cache applied, ``[node, event]`` in order."""
+    return [
+        [node, event]
+        for kind, node, event in cache.log.since(0)
+        if kind == "transition" and str(event).endswith("_failed")
+    ]
+
+
+class _Fail:
+    """A picklable copier factory whose copies at the positions in ``fail`` (from 1) fail."""
+
+    def __init__(self, fail: set[int], loads: bool = False) -> None:
+        self.fail, self.loads = fail, loads
+
+    def __call__(self, device: Any, host: Any) -> FaultyCopyEngine:
+        engine = _FailingLoads if self.loads else FaultyCopyEngine
+        return engine(CopyEngine(device, host), fail=self.fail)
+
+
+class _FailingLoads(FaultyCopyEngine):
+    """Every load fails, however often it runs again."""
+
+    def start_load(self, host_pages: Any, device_pages: Any) -> Ticket:
+        self.fail = self.fail | {self.started + 1}  # this copy's position
+        return super().start_load(host_pages, device_pages)
+
+
+def fail_then_drain(rank: int, world: int) -> dict[str, Any]:
+    """A parent's backup fails on the last rank only, its child's waits for it; then drain.
+
+    Where the backup succeeded the child's backup would start, so ranks that left
+    ``drain`` on what they saw would part: one in another round, one in ``verify``.
+    """
+    fail = {1} if rank == world - 1 else set()
+    config = bench_config(debug=True, copier=_Fail(fail))
+    shared = DistributedCache(HiCache(config), timeout=TIMEOUT)
+    cache = shared.cache
+    cache.insert(list(range(16)))  # the parent: its backup starts
+    cache.insert(list(range(32)))  # the child: its backup waits for the parent's
+    applied = shared.drain()
+    shared.verify_agreement()
+    return {
+        "applied": applied,
+        "issued": len(cache.issued()),
+        "failed": failures(cache),
+        "tree": fingerprint(cache),
+    }
+
+
+def failing_locked_load(rank: int) -> dict[str, Any]:
+    """Every load fails, under a request's lock: drain must still return, on every rank."""
+    config = bench_config(debug=True, copier=_Fail(set(), loads=True), load_back_threshold=1)
+    shared = DistributedCache(HiCache(config), timeout=TIMEOUT)
+    cache = shared.cache
+    cache.insert(list(range(16)))
+    shared.drain()
+    cache.evict(16)
+    node = cache.match_prefix(list(range(16))).last_host_node
+    assert cache.load_back(node)
+    lock = cache.lock(node)
+    steps = shared.steps
+    shared.drain()
+    report = {
+        "rounds": shared.steps - steps,
+        "node": node.residency(),
+        "nodes": len(cache.tree.nodes),
+    }
+    lock.release()
+    return report
+
+
+def after_a_reset(rank: int, world: int) -> str:
+    """Every rank resets its cache and serves again; then the last rank alone evicts."""
+    shared = DistributedCache(HiCache(bench_config(debug=True)), timeout=TIMEOUT)
+    for seed in (1, 2):
+        for tokens in chat_trace(4, seed=seed):
+            serve_request(shared.cache, tokens)
+            shared.step()
+        shared.drain()
+        shared.verify_agreement()
+        if seed == 1:
+            shared.cache.reset()
+    if rank == world - 1:
+        shared.cache.evict(1000)
+    try:
+        shared.step()
         shared.verify_agreement()
     except RankDivergence as exc:
         return str(exc)
     return "no divergence"
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlowReports(Collectives):
+    """Takes part in every agreement, and is 3 s late to every report's gather."""
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        time.sleep(3.0)
+        return super().all_gather_object(obj)
+
+
+def a_slow_report(rank: int) -> str:
+    """The last rank diverges, then is slow to join the report's gather: the other gives up.
+
+    On a gloo group of its own, which the timeout leaves broken.
+    """
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+    shared = DistributedCache(HiCache(bench_config()), side, timeout=1.0)
+    serve_request(shared.cache, chat_trace(1, seed=1)[0])
+    shared.drain()
+    if rank == 1:
+        shared.cache.evict(1000)
+        comm = shared.comm
+        shared.comm = _SlowReports(comm.group, comm.rank, comm.world_size, comm.timeout)
+    try:
+        shared.step()
+    except (RankDivergence, RankFailure) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
 class _Lossy(FaultyCopyEngine):
@@ -324,6 +461,50 @@ def lost_in_a_wait(rank: int, world: int) -> list[str]:
     except RankDivergence as exc:
         messages.append(str(exc))
     return messages
+
+
+class _Spoiling(FaultyCopyEngine):
+    """Reports the copies it is told to spoil, already started, as failed."""
+
+    def __init__(self, inner: CopyEngine) -> None:
+        super().__init__(inner)
+        self._spoilt: set[int] = set()
+
+    def spoil(self, tickets: Iterable[int]) -> None:
+        self._spoilt.update(tickets)
+
+    def poll(self) -> list[Completion]:
+        return [self._outcome(c) for c in super().poll()]
+
+    def drain(self) -> list[Completion]:
+        return [self._outcome(c) for c in super().drain()]
+
+    def _outcome(self, completion: Completion) -> Completion:
+        if completion.ticket.id not in self._spoilt:
+            return completion
+        return Completion(completion.ticket, CopyFailed("injected failure"))
+
+
+def failed_in_a_wait(rank: int, world: int) -> list[str]:
+    """As :func:`lost_in_a_wait`, but the last rank's copy fails instead of going unreported.
+
+    A wait applies each rank's own outcome, so the ranks part there, and the next
+    step names it on every rank.
+    """
+    config = bench_config(debug=True, copier=lambda d, h: _Spoiling(CopyEngine(d, h)))
+    shared = DistributedCache(HiCache(config), timeout=TIMEOUT)
+    copier = shared.cache.tiers.copier
+    assert isinstance(copier, _Spoiling)
+    trace = chat_trace(21, seed=1)
+    serve_chat_trace(shared.cache, trace[:-1], every(4, shared.step), evict_every=len(trace))
+    if rank == world - 1:
+        copier.spoil(shared.cache.issued()[:1])
+    serve_request(shared.cache, trace[-1])
+    try:
+        shared.step()
+    except RankDivergence as exc:
+        return [str(exc)]
+    return ["no divergence"]
 
 
 def count_collectives(calls: list[tuple[str, Any, list[str]]]) -> Callable[[], None]:
@@ -516,14 +697,55 @@ def test_an_eviction_on_one_rank_is_named_at_the_next_step(two_ranks: Results) -
     assert [r["extra_eviction"] for r in two_ranks] == [want, want]
 
 
-def test_a_copy_failed_on_one_rank_is_named(two_ranks: Results) -> None:
+def test_a_copy_failed_on_one_rank_in_a_wait_is_named_at_the_next_step(
+    two_ranks: Results,
+) -> None:
     want = (
-        "rank divergence at transition 7: rank 0 applied node 3 write_done, "
-        "rank 1 applied node 3 write_failed; "
-        "node 3 now: rank 0 backed/resident (pins=0, locks=0), "
-        "rank 1 writing/resident (pins=0, locks=0)"  # written again since
+        "rank divergence at transition 96: rank 0 applied node 21 write_done, "
+        "rank 1 applied node 21 write_failed; node 21 now: rank 0 backed/resident "
+        "(pins=0, locks=0), rank 1 unbacked/resident (pins=0, locks=0)"
     )
-    assert [r["failed_copy"] for r in two_ranks] == [want, want]
+    assert [r["failed_in_wait"] for r in two_ranks] == [[want], [want]]
+
+
+def test_a_copy_failed_on_one_rank_fails_on_every_rank(two_ranks: Results) -> None:
+    first, last = (r["failed_copy"] for r in two_ranks)
+    assert first["outcome"] == last["outcome"] == "no divergence"
+    assert first["failed"] == last["failed"] == [[3, "write_failed"]]
+    assert first["tree"] == last["tree"]
+
+
+def test_ranks_leave_drain_together_after_a_copy_failed_on_one(two_ranks: Results) -> None:
+    first, last = (r["fail_then_drain"] for r in two_ranks)
+    assert first == last
+    assert first["failed"] == [[1, "write_failed"]]
+    assert first["issued"] == 0
+
+
+def test_drain_returns_while_a_locked_load_keeps_failing(two_ranks: Results) -> None:
+    for rank in two_ranks:
+        report = rank["failing_locked_load"]
+        assert report["node"] == "pinned/loading (pins=1, locks=1)"
+        assert report["rounds"] == report["nodes"] + 2
+
+
+def test_a_divergence_after_a_reset_is_named(two_ranks: Results) -> None:
+    want = (
+        "rank divergence at transition 13: rank 0 applied nothing (only 13 transitions), "
+        "rank 1 applied node 1 evict_device; node 1 now: rank 0 backed/resident "
+        "(pins=0, locks=0), rank 1 backed/absent (pins=0, locks=0)"
+    )
+    assert [r["after_reset"] for r in two_ranks] == [want, want]
+
+
+def test_a_slow_rank_in_a_divergence_report_fails_the_other_after_the_timeout(
+    two_ranks: Results,
+) -> None:
+    pattern = (
+        r"RankFailure: rank 0 of 2: divergence report \(all_gather sizes\) failed after "
+        r"1\.\d\d s \(timeout 1 s\): another rank died or stopped taking part: .+"
+    )
+    assert re.fullmatch(pattern, two_ranks[0]["slow_report"]), two_ranks[0]["slow_report"]
 
 
 def test_a_lost_completion_is_named_when_draining(two_ranks: Results) -> None:
@@ -742,11 +964,29 @@ def test_the_old_spellings_still_work_and_say_what_replaces_them() -> None:
 
 @pytest.mark.usefixtures("world_of_one")
 def test_bad_settings_are_refused() -> None:
-    with pytest.raises(ConfigError) as caught:
-        DistributedCache(HiCache(bench_config()), timeout=0)
-    assert str(caught.value) == (
-        "distributed: timeout must be > 0 and verify_every >= 0, got timeout=0 and verify_every=0"
+    cache = HiCache(bench_config())
+    for timeout in (0, -1.5, float("nan"), float("inf"), "5", None, True):
+        with pytest.raises(ConfigError) as caught:
+            DistributedCache(cache, timeout=timeout)  # type: ignore[arg-type]
+        assert str(caught.value) == (
+            f"distributed: timeout must be a finite number of seconds > 0, got {timeout!r}"
+        )
+    for every in (-1, 1.5, "2"):
+        with pytest.raises(ConfigError) as caught:
+            DistributedCache(cache, verify_every=every)  # type: ignore[arg-type]
+        assert str(caught.value) == f"distributed: verify_every must be an int >= 0, got {every!r}"
+    with pytest.raises(BadArgument) as refused:
+        DistributedCache("cache")  # type: ignore[arg-type]
+    assert str(refused.value) == "distributed: cache must be a HiCache, got str"
+    with pytest.raises(BadArgument) as refused:
+        DistributedCache(cache, group="tp")  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        "distributed: group must be a torch.distributed ProcessGroup or None, got str"
     )
+    assert cache.poll() == 0  # nothing took the cache's acknowledgements over
+    cache.insert(list(range(16)))
+    cache.close()
+    assert cache.stats().transitions["write_done"] == 1
     write_back = dataclasses.replace(bench_config(), write_policy="write_back")
     with pytest.raises(ConfigError) as caught:
         DistributedCache(HiCache(write_back))
@@ -885,9 +1125,9 @@ def test_a_step_serves_its_requests_without_a_collective(monkeypatch: pytest.Mon
         shared.step()
     waits = [a for o, a in shared.cache.log.acknowledgements() if o == "wait" and a]
     assert waits
-    # the kind and its negation, ready and its negation, two flags, eight shared values and
-    # theirs, one slot per storage copy considered (none here: every slot says -1)
-    assert reduces == [2 + 4 + 2 * 8 + STORAGE_SLOTS] * 3
+    # the kind and its negation, ready and its negation, two flags, the first failed copy,
+    # nine shared values and theirs, one slot per storage copy considered (none here: -1 each)
+    assert reduces == [2 + 5 + 2 * 9 + STORAGE_SLOTS] * 3
 
 
 @pytest.mark.gpu

@@ -43,6 +43,7 @@ order; so is a lookup that asks a storage tier about its tail.
 
 from __future__ import annotations
 
+import math
 import struct
 import time
 import warnings
@@ -67,7 +68,13 @@ from fsm_cache.distributed.digest import (
     storage_waiting_message,
     waiting_message,
 )
-from fsm_cache.errors import ConfigError, NoProcessGroup, RankDivergence
+from fsm_cache.errors import (
+    BadArgument,
+    ConfigError,
+    CopyFailed,
+    NoProcessGroup,
+    RankDivergence,
+)
 from fsm_cache.memory.tickets import Completion
 
 
@@ -77,10 +84,14 @@ STORAGE_SLOTS = 32
 Each has one slot in the step's all-reduce, so the collective has the same
 length on every rank whatever is in flight; copies behind them wait a step."""
 
-_SHARED = 8
+_SHARED = 9
 """Values every rank must share in a step: copies in flight, transitions, four
-digest words, storage copies in flight and the number of the first of them."""
-_WIDTH = 2 + 4 + 2 * _SHARED + STORAGE_SLOTS
+digest words, storage copies in flight and the number of the first of them, and
+whether anything is in flight or queued at all."""
+_OWN = 5
+"""Values each rank brings to a step's MIN: finished copies, its negation, a lost
+completion, an overdue copy, and the first finished copy that failed."""
+_WIDTH = 2 + _OWN + 2 * _SHARED + STORAGE_SLOTS
 """Length of every agreement all-reduce (a step's and a hit count's), so ranks that
 reach different ones get the same shapes, and say so, instead of failing in gloo."""
 _STEP, _HITS = 1, 2
@@ -120,7 +131,10 @@ class DistributedCache:
 
     Raises:
         NoProcessGroup: ``torch.distributed`` is not initialised.
-        ConfigError: ``timeout`` is not positive, ``verify_every`` is negative,
+        BadArgument: ``cache`` is not a :class:`HiCache`, or ``group`` is not a
+            process group.
+        ConfigError: ``timeout`` is not a finite number of seconds above 0,
+            ``verify_every`` is not an int >= 0,
             the cache's write policy is ``write_back``, ``group`` is an
             NCCL group smaller than the world (pass its gloo twin), or the
             cache's storage tier names another rank or group size (other than
@@ -141,11 +155,7 @@ class DistributedCache:
             raise NoProcessGroup(
                 "distributed: no process group; call torch.distributed.init_process_group first"
             )
-        if timeout <= 0 or verify_every < 0:
-            raise ConfigError(
-                "distributed: timeout must be > 0 and verify_every >= 0, "
-                f"got timeout={timeout} and verify_every={verify_every}"
-            )
+        _check_arguments(cache, group, timeout, verify_every)
         if cache.config.write_policy == "write_back":
             raise ConfigError(
                 "distributed: write_back waits for its copies inside an allocation, where the "
@@ -163,6 +173,7 @@ class DistributedCache:
         self._finished: dict[int, Completion] = {}
         self._stalled_since: float | None = None
         self._loss: Loss | None = None
+        self._log = cache.log
         self._digest = TransitionDigest(cache.log)
         cache.transfers.take_acks_from(self)
         if cache.storage is not None:
@@ -188,6 +199,7 @@ class DistributedCache:
         """
         if not wait:
             return []
+        self._follow_reset()
         for completion in self.cache.tiers.copier.drain():
             self._finished[completion.ticket.id] = completion
         issued = self.cache.issued()
@@ -204,9 +216,25 @@ class DistributedCache:
             )
         return [self._finished.pop(ticket) for ticket in issued]
 
+    def _follow_reset(self) -> None:
+        """Start over after the cache's ``reset()``: a new event log, no copy in flight.
+
+        Every rank resets its cache in the same place, so every rank starts
+        over alike; a rank that reset alone shows as a divergence at the next
+        collective (its transitions are counted from the reset).
+        """
+        if self.cache.log is self._log:
+            return
+        self._log = self.cache.log
+        self._digest = TransitionDigest(self._log)
+        self._finished.clear()
+        self._stalled_since = None
+        self._loss = None
+
     @property
     def buffered(self) -> int:
         """Copies finished on this rank and not yet applied (waiting for the slower ranks)."""
+        self._follow_reset()
         return len(self._finished)
 
     def local_ready(self) -> int:
@@ -244,9 +272,10 @@ class DistributedCache:
                 lost; or the oldest copy finished on some ranks and not on
                 others for longer than ``timeout``.
         """
+        self._follow_reset()
         for completion in self.cache.tiers.copier.poll():
             self._finished[completion.ticket.id] = completion
-        return self._agree(drained=False)
+        return self._agree(drained=False)[0]
 
     def poll(self) -> int:
         """Deprecated: :meth:`step`, which is meant once per scheduler step, not per request."""
@@ -261,9 +290,15 @@ class DistributedCache:
         """Wait for every copy on this rank, then agree until no copy is in flight anywhere.
 
         Applying an acknowledgement may start new copies (a deferred backup of
-        a child, the store of a node backed up), hence the loop. Each storage
-        copy is waited for at most until its ``io_timeout``. Returns how many
-        copies were applied.
+        a child, the store of a node backed up), hence the loop. The ranks
+        leave it together: after a round that found nothing in flight or
+        queued on any rank (agreed in the round's collective), or after as
+        many rounds as the tree has nodes, plus two (a load under a lock whose
+        copy fails every time is copied again every round; it stays
+        ``loading``, its copy in flight or queued, as after
+        :meth:`~fsm_cache.cache.hicache.HiCache.close`). Each storage copy is
+        waited for at most until its ``io_timeout``. Returns how many copies
+        were applied.
 
         Raises:
             RankDivergence: As :meth:`step`; also when a rank's copy engine
@@ -271,45 +306,61 @@ class DistributedCache:
                 completion), which would otherwise leave every rank waiting.
             RankFailure: A collective failed or timed out.
         """
-        applied = 0
+        applied, rounds, limit = 0, 0, None
         while True:  # agree at least once, so that every rank takes the same turns
+            self._follow_reset()
             for completion in self.cache.tiers.copier.drain():
                 self._finished[completion.ticket.id] = completion
-            applied += self._agree(drained=True)
-            tier = self.cache.storage
-            if not self.cache.issued() and (tier is None or tier.idle()):
+            count, quiet = self._agree(drained=True)
+            applied, rounds = applied + count, rounds + 1
+            if limit is None:  # the first round checked that the trees agree, so this does
+                limit = len(self.cache.tree.nodes) + 2
+            if quiet or rounds >= limit:
                 return applied
 
-    def _agree(self, *, drained: bool) -> int:
+    def _agree(self, *, drained: bool) -> tuple[int, bool]:
         """Agree on the finished head of the issue order and apply it; see :meth:`step`.
+
+        A copy that failed on any rank is applied as failed on every rank: the
+        head applied in one step ends at the first such copy.
 
         Args:
             drained: This rank's copy engine was just drained, so every copy it
                 started has finished and must be in the buffer.
+
+        Returns:
+            How many copies were applied, and whether no rank had anything in
+            flight or queued before they were (so every rank still has none).
         """
         digest = self._digest.update()
-        ready, issued = self.local_ready(), len(self.cache.issued())
+        issued = self.cache.issued()
+        ready = self.local_ready()
+        failed = next(
+            (i for i, ticket in enumerate(issued[:ready]) if not self._finished[ticket].ok), ready
+        )
         # a wait lost a completion, or every copy finished and one never reported
-        short = self._loss is not None or (drained and ready < issued)
+        short = self._loss is not None or (drained and ready < len(issued))
         now, since = time.monotonic(), self._stalled_since
         overdue = since is not None and now - since > self.timeout
         tier = self.cache.storage
         slots = [-1] * STORAGE_SLOTS if tier is None else tier.report(STORAGE_SLOTS, wait=drained)
         stores = {} if tier is None else tier.in_flight()
+        busy = not self.cache.transfers.idle() or (tier is not None and not tier.idle())
         # one collective: the MIN of each value and of its negation (the MAX), so any rank's
         # flag reaches all, all ranks raise or go on at the same step, and the values every
         # rank must share (copies in flight, transitions, digest words) are equal iff MIN == MAX;
         # then per storage copy the fewest pages any rank landed (see StorageTier.report)
-        same = [issued, self._digest.count, *struct.unpack("<4I", digest)]
-        same += [len(stores), next(iter(stores), 0)]
+        same = [len(issued), self._digest.count, *struct.unpack("<4I", digest)]
+        same += [len(stores), next(iter(stores), 0), busy]
         reduced = self._reduce(
             _STEP,
-            [ready, -ready, -short, -overdue, *same, *(-v for v in same), *slots],
+            [ready, -ready, -short, -overdue, failed, *same, *(-v for v in same), *slots],
             "step agreement (all_reduce MIN)",
         )
-        agreed, most_ready, lost, late = reduced[:4]
-        lows, highs = reduced[4 : 4 + _SHARED], reduced[4 + _SHARED : 4 + 2 * _SHARED]
-        finished = reduced[4 + 2 * _SHARED : 4 + 2 * _SHARED + STORAGE_SLOTS]
+        agreed, most_ready, lost, late, first_failed = reduced[:_OWN]
+        lows = reduced[_OWN : _OWN + _SHARED]
+        highs = reduced[_OWN + _SHARED : _OWN + 2 * _SHARED]
+        finished = reduced[_OWN + 2 * _SHARED : _OWN + 2 * _SHARED + STORAGE_SLOTS]
         if lost:  # first: a wait that lost a completion also parts the transitions
             raise RankDivergence(self._locate("lost"))
         if lows != [-high for high in highs]:
@@ -319,14 +370,22 @@ class DistributedCache:
             raise RankDivergence(self._locate("stalled"))
         self._digest.agree()
         self._stalled_since = None if not stalled else now if since is None else since
+        agreed = min(agreed, first_failed + 1)
         self.cache.log.op("agreed_poll", agreed)
         accepted = 0 if tier is None else tier.accept(finished)
-        chosen = [self._finished.pop(ticket) for ticket in self.cache.issued()[:agreed]]
+        chosen = [self._finished.pop(ticket) for ticket in issued[:agreed]]
+        if first_failed < agreed and chosen[first_failed].ok:
+            chosen[first_failed] = Completion(
+                chosen[first_failed].ticket,
+                CopyFailed(
+                    f"rank {self.rank} of {self.world_size}: the copy failed on another rank"
+                ),
+            )
         self.cache.apply_completions(chosen)
         if accepted:
             self.cache.poll()  # the tier's collect() returns exactly the accepted copies
         self.steps += 1
-        return agreed + accepted
+        return agreed + accepted, not lows[-1]
 
     def _reduce(self, kind: int, values: list[int], what: str) -> list[int]:
         """All-reduce ``values`` (MIN) as a collective of ``kind``; return the reduced values.
@@ -380,12 +439,14 @@ class DistributedCache:
 
     @property
     def digest(self) -> bytes:
-        """The running digest of every transition this rank's cache applied."""
+        """The running digest of every transition this rank's cache applied (since its reset)."""
+        self._follow_reset()
         return self._digest.update()
 
     @property
     def transitions(self) -> int:
         """How many transitions the digest covers."""
+        self._follow_reset()
         self._digest.update()
         return self._digest.count
 
@@ -398,6 +459,7 @@ class DistributedCache:
                 (every rank raises the same message).
             RankFailure: A collective failed or timed out.
         """
+        self._follow_reset()
         mine = self._digest.update()
         issued = len(self.cache.issued())
         gathered = self.comm.all_gather_digest([self._digest.count, issued, *mine])
@@ -489,6 +551,33 @@ class DistributedCache:
         tree = self.cache.tree.nodes
         here = {n: tree[n].residency() for n in dict.fromkeys(nodes) if n in tree}
         return self.comm.all_gather_object(here)
+
+
+def _check_arguments(cache: object, group: object, timeout: object, verify_every: object) -> None:
+    """Refuse arguments :class:`DistributedCache` cannot work with (before anything is changed).
+
+    Raises:
+        BadArgument: ``cache`` is not a :class:`HiCache`, or ``group`` not a process group.
+        ConfigError: ``timeout`` is not a finite number of seconds above 0, or
+            ``verify_every`` not an int >= 0.
+    """
+    if not isinstance(cache, HiCache):
+        raise BadArgument(f"distributed: cache must be a HiCache, got {type(cache).__name__}")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise BadArgument(
+            f"distributed: group must be a torch.distributed ProcessGroup or None, "
+            f"got {type(group).__name__}"
+        )
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not (math.isfinite(timeout) and timeout > 0)
+    ):
+        raise ConfigError(
+            f"distributed: timeout must be a finite number of seconds > 0, got {timeout!r}"
+        )
+    if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
+        raise ConfigError(f"distributed: verify_every must be an int >= 0, got {verify_every!r}")
 
 
 def _check_storage(config: StorageConfig, group: dist.ProcessGroup | None, timeout: float) -> None:

@@ -17,6 +17,7 @@ run instead of hanging it.
 
 from __future__ import annotations
 
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,26 +117,45 @@ class Collectives:
         self._collective(what, call)
         return [int(v) for v in tensor.tolist()]
 
-    def all_gather_digest(self, payload: list[int]) -> list[list[int]]:
-        """Return every rank's ``payload`` (equal lengths), in rank order."""
+    def all_gather_digest(
+        self, payload: list[int], what: str = "digest verification (all_gather)"
+    ) -> list[list[int]]:
+        """Return every rank's ``payload`` (equal lengths), in rank order.
+
+        Args:
+            payload: This rank's values; the same length on every rank.
+            what: The collective's name in a :class:`RankFailure`.
+        """
         mine = torch.tensor(payload, dtype=torch.int64)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
 
         def call() -> None:
             self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
 
-        self._collective("digest verification (all_gather)", call)
+        self._collective(what, call)
         return [[int(v) for v in t.tolist()] for t in out]
 
     def all_gather_object(self, obj: T) -> list[T]:
-        """Return every rank's ``obj`` (picklable), in rank order."""
-        out: list[T] = [obj] * self.world_size
+        """Return every rank's ``obj`` (picklable), in rank order.
+
+        Pickled and gathered as bytes in two timed collectives (the sizes, then
+        the padded bytes), so that it waits at most ``timeout`` like the others:
+        ``dist.all_gather_object`` would wait for the group's own timeout.
+        """
+        data = pickle.dumps(obj)
+        sizes = self.all_gather_digest([len(data)], "divergence report (all_gather sizes)")
+        longest = max(size for (size,) in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
 
         def call() -> None:
-            dist.all_gather_object(out, obj, group=self.group)
+            self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
 
         self._collective("divergence report (all_gather_object)", call)
-        return out
+        return [
+            pickle.loads(bytes(t[:size].tolist())) for t, (size,) in zip(out, sizes, strict=True)
+        ]
 
     def _wait(self, work: dist.Work | None) -> None:
         if work is not None:
