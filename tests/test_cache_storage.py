@@ -810,3 +810,103 @@ def test_a_torn_page_is_dropped_and_only_the_pages_before_it_are_used(tmp_path: 
     assert reader.log.storage_acks() == [("prefetch", ((1, "fetch", 2, "corrupt"),))]
     assert [e for _, e in reader.log.transitions()][-3:] == ["fetch_failed", "vanish", "delete"]
     assert device_kv_matches(reader, toks[: 2 * PAGE])
+
+
+# -- found by a review: fetches in flight under splits, host room, write-back --------------
+
+
+def test_a_lookup_that_parts_inside_a_node_being_fetched_splits_it_soundly(store: Store) -> None:
+    """Both parts wait for the same read (invariant 13 holds), and both land with it."""
+    toks = tokens(8)
+    stored_cache(store, toks)
+    reader = HiCache(config(), storage=tier(store))
+    assert reader.match_prefix(toks).storage_len == 8 * PAGE  # the read is queued
+    other = toks[: 2 * PAGE] + [7] * (2 * PAGE)
+    found = reader.match_prefix(other)  # debug: invariants checked after it
+    assert (found.device_len, found.host_len) == (0, 0)
+    assert [(n, h, s) for _, n, h, _, s, _ in states(reader)] == [
+        (2 * PAGE, "fetching", "reading"),
+        (6 * PAGE, "fetching", "reading"),
+    ]
+    reader.poll()
+    assert [(n, h, s) for _, n, h, _, s, _ in states(reader)] == [
+        (2 * PAGE, "backed", "stored"),
+        (6 * PAGE, "backed", "stored"),
+    ]
+    assert device_kv_matches(reader, toks)
+
+
+def test_write_back_under_a_node_being_fetched_waits_so_a_failed_read_is_applied(
+    store: Store,
+) -> None:
+    """An insert adopts the prefix of a node being fetched and hangs a leaf below it.
+
+    The leaf's backup is refused (ParentFetching) until the read lands, so the
+    read's failure can free the prefix's host slots instead of being refused
+    for good (it was: the prefix stayed ``fetching`` with no copy in flight).
+    """
+    toks = tokens(8)
+    stored_cache(store, toks)
+    failing = FaultyStore(store)
+    failing.gate, failing.raises = threading.Event(), {"get"}  # the read fails once let go
+    reader = HiCache(config(write_policy="write_back"), storage=tier(failing, threads=1))
+    reader.match_prefix(toks)
+    other = toks[: 2 * PAGE] + [7] * (2 * PAGE)
+    reader.insert(other)
+    (leaf,) = (n for n in reader.tree if n.key[:1] == (7,))
+    assert (leaf.parent.host, leaf.parent.device) == ("fetching", "resident")  # type: ignore[union-attr]
+    with pytest.raises(error_class("ParentFetching")) as refused:
+        reader.fire("write", leaf)
+    assert str(refused.value) == (
+        f"node {leaf.id}: write refused in unbacked (pins=0): the parent's host copy is still "
+        "being read from storage; a failed read must be able to free it"
+    )
+    assert reader.backup([leaf]) == 0
+    assert reader.evict(4 * PAGE) == 0  # nothing to evict without its backup
+    failing.gate.set()
+    for copy in list(reader.storage.in_flight().values()):  # type: ignore[union-attr]
+        copy.done.wait(5)
+    reader.poll()
+    assert [(n, h, d, s) for _, n, h, d, s, _ in states(reader)] == [
+        (2 * PAGE, "evicted", "resident", "stored"),
+        (2 * PAGE, "unbacked", "resident", "unstored"),
+    ]
+    assert reader.storage.idle()  # type: ignore[union-attr]
+    assert reader.backup([leaf]) == 1  # once the read has landed, the leaf may be backed up
+    reader.close()
+
+
+def _host_only(cache: HiCache, starts: Sequence[int], pages: int) -> None:
+    """Insert one prefix of ``pages`` per start, back each up, and evict the device copies."""
+    for start in starts:
+        cache.insert(tokens(pages, start))
+        cache.poll()
+    cache.evict(10_000)
+
+
+def test_a_fetch_the_host_cannot_hold_is_refused_before_evicting_anything(store: Store) -> None:
+    toks = tokens(12)
+    stored_cache(store, toks)
+    small = HiCache(config(host_pages=8), storage=tier(store, policy="off"))
+    _host_only(small, [5000], 4)
+    before = states(small)
+    found = small.match_prefix(toks)  # 12 pages can never fit 8
+    assert (found.host_len, found.storage_len) == (0, 0)
+    assert small.stats().prefetch == {"pool_exhausted": 1}
+    assert states(small) == before
+    assert small.match_prefix(tokens(4, 5000)).host_len == 4 * PAGE
+
+
+def test_a_fetch_short_of_host_room_evicts_only_what_it_lacks(store: Store) -> None:
+    toks = tokens(6)
+    stored_cache(store, toks)
+    small = HiCache(config(host_pages=12), storage=tier(store, policy="off", prefetch_capacity=48))
+    _host_only(small, [5000, 6000, 7000], 2)
+    _host_only(small, [8000], 1)
+    assert small.tiers.host.allocator.free_pages == 5
+    small.match_prefix(toks)  # 6 pages: one short
+    kept = [n for n in small.tree if n.host == "backed" and n.device == "absent"]
+    assert len(kept) == 3  # the oldest 2-page prefix went, nothing else
+    assert small.tiers.host.allocator.free_pages == 1
+    small.poll()
+    assert device_kv_matches(small, toks)

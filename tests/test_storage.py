@@ -7,12 +7,14 @@ the shared store against a real ``redis-server``.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import struct
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import fakeredis
 import pytest
@@ -626,6 +628,118 @@ def test_redis_a_full_server_is_full_and_a_refusing_one_is_store_failed() -> Non
         "redis 127.0.0.1:6399: put failed after 0 of 6 pages: "
         "You can't write against a read only replica."
     )
+
+
+class OneRefusedClient(fakeredis.FakeRedis):
+    """A server that answers OOM to the SET of one page (``refuse``) and stores the rest."""
+
+    refuse = ""
+
+    def pipeline(self, transaction: bool = True, shard_hint: object = None) -> Any:
+        pipe = super().pipeline(transaction=transaction, shard_hint=shard_hint)
+        names: list[str] = []
+        setter, executor = pipe.set, pipe.execute
+
+        def set_(name: str, value: bytes, **options: Any) -> Any:
+            names.append(name)
+            return setter(name, value, **options)
+
+        def execute(raise_on_error: bool = True) -> list[object]:
+            import redis
+
+            answers: list[object] = executor(raise_on_error)
+            for index, name in enumerate(names):
+                if name == self.refuse:
+                    self.delete(name)
+                    answers[index] = redis.exceptions.OutOfMemoryError("OOM over 'maxmemory'")
+            return answers
+
+        setattr(pipe, "set", set_)  # noqa: B010 (a method of the instance, for this test)
+        setattr(pipe, "execute", execute)  # noqa: B010
+        return pipe
+
+
+def test_redis_sends_no_batch_after_a_page_was_refused_inside_one() -> None:
+    """The refused page is mid-batch: its batch's later pages went with it, later batches do not."""
+    client = OneRefusedClient()
+    store = RedisStore(client, batch_pages=3)
+    keys, pages = page_keys(NS, list(range(24))), pages_of(6)
+    client.refuse = store.name(keys[1])
+    assert store.put(keys, pages) == [S, F, S, K, K, K]
+    assert [client.exists(store.name(key)) for key in keys] == [1, 0, 1, 0, 0, 0]
+
+
+def test_redis_an_error_reply_is_store_failed() -> None:
+    """NOPERM, BUSY, MISCONF ... are StoreFailed like a lost connection, never a raw redis error."""
+    import redis
+
+    class Refusing(fakeredis.FakeRedis):
+        def pipeline(self, transaction: bool = True, shard_hint: object = None) -> Any:
+            pipe = super().pipeline(transaction=transaction, shard_hint=shard_hint)
+
+            def execute(raise_on_error: bool = True) -> list[object]:
+                raise redis.exceptions.NoPermissionError("NOPERM no permissions to run 'exists'")
+
+            setattr(pipe, "execute", execute)  # noqa: B010 (a method of the instance)
+            return pipe
+
+        def delete(self, *names: Any) -> int:
+            raise redis.exceptions.BusyLoadingError("LOADING Redis is loading the dataset")
+
+    store = RedisStore(Refusing(host="127.0.0.1", port=6399))
+    keys = page_keys(NS, list(range(8)))
+    with pytest.raises(StoreFailed) as caught:
+        store.exists_prefix(keys)
+    assert str(caught.value) == (
+        "redis 127.0.0.1:6399: exists failed after 0 of 2 pages: "
+        "NOPERM no permissions to run 'exists'"
+    )
+    with pytest.raises(StoreFailed) as caught:
+        store.drop(keys)
+    assert str(caught.value).endswith("LOADING Redis is loading the dataset")
+
+
+def test_a_local_write_that_fails_with_anything_gives_its_bytes_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalFileStore(
+        tmp_path, limit_bytes=3 * page_bytes(page_keys(NS, [0] * 4)[0], pages_of(1)[0])
+    )
+    keys, pages = page_keys(NS, list(range(12))), pages_of(3)
+
+    def interrupted(*args: object) -> None:
+        raise MemoryError("planted")
+
+    monkeypatch.setattr(codec, "write", interrupted)
+    with pytest.raises(MemoryError):
+        store.put(keys[:1], pages[:1])
+    assert store.capacity().reserved_bytes == 0
+    monkeypatch.undo()
+    assert store.put(keys, pages) == [S, S, S]
+    assert store.capacity().reserved_bytes == 0
+
+
+def test_a_tree_namespace_is_a_field_of_its_own() -> None:
+    """No model id spells another model's adapter; the model's own keys are as they were."""
+    adapter = Namespace("llama", NS.layout, 4, tree="'adapter-7'")
+    spelled = Namespace("llama#'adapter-7'", NS.layout, 4)
+    assert page_keys(adapter, [1, 2, 3, 4]) != page_keys(spelled, [1, 2, 3, 4])
+    fields = ["llama", NS.layout, 4, 0, 1]
+    encoded = json.dumps(fields, separators=(",", ":")).encode()
+    assert (
+        Namespace("llama", NS.layout, 4).root()
+        == hashlib.sha256(b"fsm_cache.storage/keys/v1\0" + encoded).hexdigest()
+    )
+
+
+def test_codec_refuses_a_shape_of_booleans() -> None:
+    one = page_keys(NS, list(range(4)))[0]
+    value = codec.encode(one, torch.zeros(4, 1, 1, 1, dtype=torch.uint8))
+    lying = value.replace(b'"shape":[4,1,1,1]', b'"shape":[true, 4]')  # as long, 4 "elements"
+    assert len(lying) == len(value)
+    with pytest.raises(CorruptPage) as caught:
+        codec.decode("there", one, lying)
+    assert caught.value.problem == "header's uint8 [True, 4] does not make 4 bytes"
 
 
 # ---------------------------------------------------------------- properties

@@ -146,7 +146,9 @@ class Evictor:
         """Evict one device leaf per the write policy; return the device tokens freed now.
 
         None: a write-back leaf whose backup finds no host room even after host
-        eviction, or a leaf whose host copy is still being fetched from storage.
+        eviction or that the machines refuse to back up yet (its parent's host
+        copy is still being fetched), or a leaf whose host copy is still being
+        fetched from storage.
         """
         tokens = len(node.key)
         if node.host == FETCHING:
@@ -157,8 +159,8 @@ class Evictor:
         if deletes_unbacked(self._policy):
             self._delete(node)
             return tokens
-        if not self._transfers.try_write(node):  # write-back: back up, evict once acked
-            return None
+        if not self._core.allowed(node, "write") or not self._transfers.try_write(node):
+            return None  # write-back: back up, evict once acked (later if refused or no room)
         self._waiting.add(node.id)
         return 0
 
@@ -194,6 +196,27 @@ class Evictor:
             and node.device == "absent"
             and not any(c.host in HOST_HELD for c in node.children.values())
         )
+
+    def host_evictable(self, spare: Sequence[TreeNode] = ()) -> int:
+        """Return the host pages :meth:`evict_host` would free if asked for everything.
+
+        Exactly: a node goes once every child holding a host copy has gone, so
+        a node counts when it is a host-only copy, not spared, and every such
+        child counts. Lets a caller refuse before evicting anything.
+        """
+        spared = self._spared | {n.id for n in spare}
+        order = [c for root in self._core.tree.roots.values() for c in root.children.values()]
+        for node in order:  # preorder, extended as it goes; walked back below: children first
+            order.extend(node.children.values())
+        goes: set[int] = set()
+        total = 0
+        for node in reversed(order):
+            if node.id in spared or node.host != "backed" or node.device != "absent":
+                continue
+            if all(c.id in goes for c in node.children.values() if c.host in HOST_HELD):
+                goes.add(node.id)
+                total += len(node.host_pages)
+        return total
 
     def evict_host(self, num_tokens: int, spare: Sequence[TreeNode] = ()) -> int:
         """Evict least recently used unpinned host-only leaves, deleting each; return tokens freed.

@@ -386,7 +386,7 @@ class StorageTier:
         """
         if tree_namespace is None:
             return self._base
-        return replace(self._base, model=f"{self._base.model}#{tree_namespace!r}")
+        return replace(self._base, tree=repr(tree_namespace))
 
     def keys_of(self, node: TreeNode) -> tuple[str, ...]:
         """Return ``node``'s page keys, computing them (and its ancestors') once.
@@ -436,14 +436,21 @@ class StorageTier:
         self._queue("store", node, self.keys_of(node))
 
     def start_fetch(self, node: TreeNode) -> None:
-        """Take host slots for ``node`` (evicting host leaves, never its parent) and queue the read."""
+        """Take host slots for ``node`` (evicting host leaves, never its parent) and queue the read.
+
+        Only the shortfall is evicted, and nothing at all when eviction could
+        not make room (the fetch is then refused with PoolExhausted).
+        """
         keys = self.keys_of(node)
         size = len(node.key) // self._tiers.page_size
         try:
             pages = self._tiers.alloc_host(size, node.id)
         except PoolExhausted:
             spare = (node.parent,) if node.parent is not None else ()
-            self._evictor.evict_host(len(node.key), spare=spare)
+            short = size - self._tiers.host.allocator.free_pages
+            if self._evictor.host_evictable(spare) < short:
+                raise  # no eviction could make room: refused before anything is evicted
+            self._evictor.evict_host(short * self._tiers.page_size, spare=spare)
             pages = self._tiers.alloc_host(size, node.id)
         node.host_pages = pages
         self._queue("fetch", node, keys)
@@ -800,6 +807,8 @@ class StorageTier:
             return "below_threshold"
         if self.fetching_tokens() >= self.capacity:
             return "rate_limited"
+        if anchor.host == FETCHING:  # a device copy adopted it: its read may still fail, and
+            return "anchor_fetching"  # a host copy under it would keep that failure out
         if self._write_through and anchor.parent is not None and anchor.host not in HOST_VALID:
             return "anchor_not_backed"  # a host copy under it would break invariant 3
         return None

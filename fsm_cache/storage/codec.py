@@ -173,7 +173,12 @@ def _parse(where: str, key: str, head: bytes) -> tuple[tuple[torch.dtype, list[i
 
 def _sized(shape: object, nbytes: object, dtype: torch.dtype) -> bool:
     """Whether ``shape`` of ``dtype`` takes exactly ``nbytes`` bytes."""
-    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+    if not isinstance(shape, list) or not all(_count(n) for n in shape):
         return False
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return isinstance(nbytes, int) and math.prod(shape) * itemsize == nbytes
+    return _count(nbytes) and math.prod(shape) * itemsize == nbytes
+
+
+def _count(value: object) -> bool:
+    """Whether ``value`` is an int >= 0 (JSON's ``true`` is not one)."""
+    return type(value) is int and value >= 0

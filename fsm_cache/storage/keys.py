@@ -44,6 +44,9 @@ class Namespace:
         page_size: Tokens per page.
         rank: This rank's index in its tensor-parallel group.
         ranks: The group's size (1 without tensor parallelism).
+        tree: A namespace of the cache's tree within the model (a LoRA
+            adapter), as its ``repr``; None for the model's own pages. A field
+            of its own, so no model id can spell another model's adapter.
     """
 
     model: str
@@ -51,6 +54,7 @@ class Namespace:
     page_size: int
     rank: int = 0
     ranks: int = 1
+    tree: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -74,7 +78,9 @@ class Namespace:
 
     def root(self) -> str:
         """Return the digest the first page of every sequence chains from (hex)."""
-        fields = [self.model, self.layout, self.page_size, self.rank, self.ranks]
+        fields: list[object] = [self.model, self.layout, self.page_size, self.rank, self.ranks]
+        if self.tree is not None:  # the model's own pages keep the keys they always had
+            fields.append(self.tree)
         encoded = json.dumps(fields, separators=(",", ":")).encode()
         return hashlib.sha256(_FORMAT + b"\0" + encoded).hexdigest()
 

@@ -177,9 +177,11 @@ class LocalFileStore:
             reservation = self._budget.reserve(nbytes)
         try:
             self._write(key, flat)
-        except OSError as exc:
+        except BaseException as exc:
             with self._lock:
                 self._budget.abort(reservation)
+            if not isinstance(exc, OSError):
+                raise  # a bug or an interrupt: not a store failure, but the bytes are back
             cause = f"{type(exc).__name__}: {exc}"
             raise StoreFailed(
                 self.where, "put", acknowledged=index, total=total, cause=cause

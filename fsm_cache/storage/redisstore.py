@@ -43,7 +43,9 @@ from fsm_cache.storage.keys import check_keys
 T = TypeVar("T")
 
 PREFIX = "fsm:page:"
-_FAILURES = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+_FAILURES = (redis.exceptions.RedisError,)
+"""What a round trip may raise: the server went away, timed out, or answered an error
+(NOPERM, BUSY, MISCONF, ...); each is a :class:`StoreFailed`."""
 
 
 class RedisStore:
@@ -140,7 +142,7 @@ class RedisStore:
         sizes = [page.numel() * page.element_size() for page in pages]
         results: list[PutResult] = []
         for batch in self.batches(sizes):
-            if results and not results[-1].held:
+            if not all(result.held for result in results):  # a page was refused
                 results.extend([PutResult.SKIPPED] * (batch.stop - batch.start))
                 continue
             pipe = self._client.pipeline(transaction=False)
@@ -168,12 +170,7 @@ class RedisStore:
         Raises:
             StoreFailed: The server is gone or does not answer ``INFO``.
         """
-        try:
-            info = self._call("capacity", 0, 0, partial(self._client.info, "memory"))
-        except redis.exceptions.ResponseError as exc:  # INFO disabled, or an in-process fake
-            raise StoreFailed(
-                self.where, "capacity", acknowledged=0, total=0, cause=str(exc)
-            ) from exc
+        info = self._call("capacity", 0, 0, partial(self._client.info, "memory"))
         limit = int(info.get("maxmemory", 0))
         return Capacity(int(info["used_memory"]), 0, limit or None, None)
 
@@ -192,7 +189,7 @@ class RedisStore:
         return PutResult.STORED if answer else PutResult.PRESENT
 
     def _call(self, operation: str, done: int, total: int, call: Callable[[], T]) -> T:
-        """Run one round trip; a server that went away is a :class:`StoreFailed`."""
+        """Run one round trip; a server that went away or answered an error is a :class:`StoreFailed`."""
         try:
             return call()
         except _FAILURES as exc:
