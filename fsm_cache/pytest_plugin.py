@@ -91,8 +91,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def check_nodes(config: pytest.Config) -> int:
+    """Return the ``fsm_check_nodes`` ini option: the model checker's tree size.
+
+    Raises:
+        pytest.UsageError: It is not a whole number >= 1 (0 nodes would check nothing).
+    """
+    value = str(config.getini("fsm_check_nodes")).strip()
+    if not value.isdecimal() or int(value) < 1:
+        raise pytest.UsageError(f"fsm_check_nodes must be a whole number >= 1, got {value!r}")
+    return int(value)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the markers, turn on trail mode if asked and start recording dropped leases."""
+    """Register the markers, turn on trail mode if asked and start recording dropped leases.
+
+    Raises:
+        pytest.UsageError: ``fsm_check_nodes`` is not a whole number >= 1.
+    """
+    check_nodes(config)
     config.addinivalue_line(
         "markers",
         "fsm_spec(path, verify=True, check=True): verify and model-check this spec before the test",
@@ -149,7 +166,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         path = (item.config.rootpath / str(marker.args[0])).resolve()
         found = []
         if marker.kwargs.get("check", True):
-            found.append(_check(path, int(item.config.getini("fsm_check_nodes"))))
+            found.append(_check(path, check_nodes(item.config)))
         if marker.kwargs.get("verify", True):
             found.append(_verify(path))
         if any(found):  # a spec that does not load fails both the same way: say it once
@@ -228,7 +245,7 @@ class SpecItem(pytest.Item):
             raise SpecFinding(problem)
 
     def _check(self, path: Path) -> str:
-        return _check(path, int(self.config.getini("fsm_check_nodes")))
+        return _check(path, check_nodes(self.config))
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
         """Show the finding, not a traceback."""

@@ -447,3 +447,17 @@ def test_marker_verifies_and_model_checks_a_user_spec(pytester: pytest.Pytester)
     )
     missing = pytester.path / "missing.toml"
     assert errors["test_missing"] == [f"{missing}: cannot read: No such file or directory"]
+
+
+@pytest.mark.parametrize("nodes", ["0", "-1", "three"])
+def test_a_tree_size_that_checks_nothing_is_a_usage_error(
+    pytester: pytest.Pytester, nodes: str
+) -> None:
+    """0 nodes explored one empty state and passed any spec, a known-bad control included."""
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    pytester.makeini(f"[pytest]\nfsm_check_nodes = {nodes}\n")
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [f"ERROR: fsm_check_nodes must be a whole number >= 1, got '{nodes}'"]
+    )

@@ -126,12 +126,20 @@ def test_machine_forbids_need_sources_and_no_conditions(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("name", ["id", "trail", "parent", "children", "state", "class", "if"])
-def test_counters_may_not_shadow_record_attributes_or_keywords(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize(
+    "name", ["id", "trail", "parent", "children", "state", "rec", "result", "error"]
+)
+def test_counters_may_not_shadow_record_attributes(tmp_path: Path, name: str) -> None:
     text = GATE.replace("n = 0", f"n = 0\n{name} = 0")
     assert found(tmp_path, text) == [
-        f"counters.{name}: {name!r} is reserved (a Python keyword or a record attribute)"
+        f"counters.{name}: {name!r} is reserved (a record attribute or a name of the generated code)"
     ]
+
+
+@pytest.mark.parametrize("name", ["class", "if", "None"])
+def test_counters_may_not_be_keywords(tmp_path: Path, name: str) -> None:
+    text = GATE.replace("n = 0", f"n = 0\n{name} = 0")
+    assert found(tmp_path, text) == [f"counters.{name}: {name!r} is a Python keyword"]
 
 
 def test_overlapping_guards_are_non_deterministic(tmp_path: Path) -> None:
@@ -370,7 +378,7 @@ def test_initial_counters_must_satisfy_the_initial_invariant(tmp_path: Path) -> 
         ),
         ("ValueError", "'ValueError' is a Python builtin, not a refusal; choose another name"),
         ("Exception", "'Exception' is a Python builtin, not a refusal; choose another name"),
-        ("True", "'True' is a Python builtin, not a refusal; choose another name"),
+        ("True", "'True' is a Python keyword"),
     ],
 )
 def test_error_names_may_not_clash_with_other_classes(

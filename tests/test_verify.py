@@ -87,7 +87,7 @@ def test_generated_module_holds_the_engines_code_and_the_contracts(tmp_path: Pat
     assert "'release changes pins by exactly -1'" in module.source
     assert "'pins moves by at most one (writing(N), pinned(N) count holders)'" in module.source
     assert (
-        "def load(host: HostState, device: DeviceState, pins: int, locks: int, parent_device: Optional[DeviceState]) -> Result:"
+        "def load(host: _HostState, device: _DeviceState, pins: int, locks: int, parent_device: _Optional[_DeviceState]) -> _Result:"
         in module.source
     )
     assert module.functions == residency_system().event_names
@@ -258,7 +258,7 @@ def test_a_domain_too_large_is_not_analysed(
     monkeypatch.setattr(exhaustive, "MAX_INPUTS", 100)
     rows = verify.verify_spec(spec_dir() / "residency_storage.toml", Options(), tmp_path)
     assert all(r.failed for r in rows)
-    assert rows[0].verdict() == f"{crosshair_run.NOT_ANALYSED}: 1440 inputs, more than 100"
+    assert rows[0].verdict() == f"{crosshair_run.NOT_ANALYSED}: 10080 inputs, more than 100"
 
 
 def test_every_input_finds_a_planted_bug_in_an_effectful_fast_path(tmp_path: Path) -> None:

@@ -123,13 +123,21 @@ def expected(specs: list[Path], folder: Path) -> dict[Path, str]:
     return wanted
 
 
+def _current(path: Path) -> str | None:
+    """Return the text of ``path``; None when it is missing or not UTF-8 (so it is rewritten)."""
+    try:
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+    except UnicodeDecodeError:
+        return None
+
+
 def _check(wanted: dict[Path, str]) -> int:
     stale = 0
     for path, text in wanted.items():
         if not path.is_file():
             print(f"{path}: missing")
             stale += 1
-        elif path.read_text(encoding="utf-8") != text:
+        elif _current(path) != text:
             print(f"{path}: differs from a fresh rendering")
             stale += 1
     if stale:
@@ -141,7 +149,7 @@ def _check(wanted: dict[Path, str]) -> int:
 
 def _write(wanted: dict[Path, str]) -> int:
     for path, text in wanted.items():
-        if path.is_file() and path.read_text(encoding="utf-8") == text:
+        if _current(path) == text:
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8", newline="\n")

@@ -39,7 +39,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.check:
         path = Path(args.check)
-        current = path.read_text(encoding="utf-8") if path.is_file() else None
+        try:
+            current = path.read_text(encoding="utf-8") if path.is_file() else None
+        except UnicodeDecodeError:
+            current = ""  # not UTF-8: not the stub either
         if current != text:
             what = "is missing" if current is None else "differs from"
             print(f"{args.check} {what} the types of {args.spec}: run fsm-cache types --write")

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from fsm_cache.errors import FsmCacheError
+from fsm_cache.errors import FsmCacheError, SpecError
 
 
 CONFIRMED = "confirmed over all paths"
@@ -98,9 +98,33 @@ class Row:
         return asdict(self)
 
 
+def read_module(path: Path) -> str:
+    """Return the text of the module at ``path``.
+
+    Raises:
+        SpecError: It cannot be read, or is not UTF-8.
+    """
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError([f"{path}: cannot read the module: {exc}"]) from None
+
+
+def parse_module(path: Path) -> ast.Module:
+    """Return the syntax tree of the module at ``path``.
+
+    Raises:
+        SpecError: It cannot be read, or is not valid Python.
+    """
+    try:
+        return ast.parse(read_module(path), filename=str(path))
+    except SyntaxError as exc:
+        raise SpecError([f"{path}:{exc.lineno}: not valid Python: {exc.msg}"]) from None
+
+
 def contracts(path: Path) -> list[Contract]:
     """Return the postconditions declared in the module at ``path``, in line order."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    tree = parse_module(path)
     found = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -158,7 +182,7 @@ def with_directives(options: Options, path: Path) -> Options:
     """
     from crosshair.codeconfig import InvalidDirective, get_directives, parse_directives
 
-    top = [d for d in get_directives(path.read_text(encoding="utf-8")) if d[1] == 0]
+    top = [d for d in get_directives(read_module(path)) if d[1] == 0]
     try:
         found = parse_directives(top)
     except InvalidDirective as exc:
@@ -226,7 +250,7 @@ def _owner(known: dict[tuple[str, int], Contract], file: str, line: int) -> tupl
 
 def _def_line(path: Path, name: str) -> int:
     """Return the line of the module-level function ``name``, or 0 if it is built elsewhere."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    tree = parse_module(path)
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name == name:
             return node.lineno

@@ -53,15 +53,28 @@ def load_options(start: Path | None = None) -> Options:
     """Read ``[tool.fsm_cache.verify]`` from the nearest pyproject.toml; defaults without one.
 
     Raises:
-        SpecError: The table holds an unknown key or a value of the wrong type.
+        SpecError: The file is not readable TOML, or the table is not a table, holds
+            an unknown key, a value of the wrong type or one out of range.
     """
     folder = (start or Path.cwd()).resolve()
     for candidate in (folder, *folder.parents):
         path = candidate / "pyproject.toml"
         if path.is_file():
-            table = tomllib.loads(path.read_text(encoding="utf-8"))
-            return _options(table.get("tool", {}).get("fsm_cache", {}).get("verify", {}), path)
+            try:
+                table: Any = tomllib.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+                raise SpecError([f"{path}: not readable TOML: {exc}"]) from None
+            for depth, key in enumerate(("tool", "fsm_cache", "verify"), 1):
+                table = table.get(key, {})
+                if not isinstance(table, dict):
+                    where = ".".join(("tool", "fsm_cache", "verify")[:depth])
+                    raise SpecError([f"{path}: {where}: expected a table"])
+            return _options(table, path)
     return Options()
+
+
+_LOWEST = {"jobs": 1, "per_condition_timeout": 0.001, "per_path_timeout": 0.001}
+"""The least each numeric option may be (CrossHair needs a worker and some time)."""
 
 
 def _options(table: dict[str, Any], path: Path) -> Options:
@@ -76,6 +89,9 @@ def _options(table: dict[str, Any], path: Path) -> Options:
             given = float(value)
         if not isinstance(given, expected) or isinstance(given, bool):
             raise SpecError([f"{path}: tool.fsm_cache.verify.{key}: expected {expected.__name__}"])
+        lowest = _LOWEST.get(key)
+        if lowest is not None and not (isinstance(given, (int, float)) and given >= lowest):
+            raise SpecError([f"{path}: tool.fsm_cache.verify.{key}: must be > 0, got {given}"])
         values[key] = given
     return Options(**values)
 

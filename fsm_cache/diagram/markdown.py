@@ -65,8 +65,13 @@ def _md_edges(region: Region, here: set[str]) -> str:
 
 def _md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["| " + " | ".join(_cell(text) for text in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    """Return ``text`` fit for one table cell: a ``|`` escaped, line breaks as ``<br>``."""
+    return text.replace("|", "\\|").replace("\r\n", "<br>").replace("\n", "<br>")
 
 
 def _state(name: str, here: set[str], label: str = "") -> str:

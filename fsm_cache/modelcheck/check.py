@@ -39,7 +39,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from fsm_cache.errors import SpecError
+from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.modelcheck import treeops
 from fsm_cache.modelcheck.budget import Budget
 from fsm_cache.modelcheck.explore import Bounds, Explorer, Result
@@ -137,9 +137,12 @@ def check_spec(
     memory, at least 1 GiB or a quarter under 4 GiB, is free); :attr:`Result.stopped` then says why.
 
     Raises:
+        BadArgument: ``nodes`` is not an int >= 1 (no tree, nothing checked).
         SpecError: The spec does not load, or a policy is given for a spec
             without host and device regions.
     """
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise BadArgument(f"check: nodes must be an int >= 1, got {nodes!r}")
     layout = Layout.of(as_system(load_spec(path)))
     explorer = Explorer(layout, bounds, ops, policy, symmetry=symmetry)
     return explorer.run(shapes(layout, nodes), tick, budget)
@@ -160,11 +163,15 @@ def load_ops(path: Path) -> tuple[Path, ModuleType]:
     if spec is None or spec.loader is None:
         raise SpecError([f"{path}: cannot import"])
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the user's module: a syntax error, an import, its own raise
+        raise SpecError([f"{path}: cannot import: {type(exc).__name__}: {exc}"]) from None
     target = getattr(module, "SPEC", None)
     if not isinstance(target, str):
         raise SpecError([f"{path}: names no SPEC = 'path/to/spec.toml'"])
-    if getattr(module, "POLICY", "none") not in POLICIES:
+    policy = getattr(module, "POLICY", "none")
+    if not isinstance(policy, str) or policy not in POLICIES:
         raise SpecError([f"{path}: POLICY must be one of {', '.join(POLICIES)}"])
     for name in ("insert", "born", "split", "prune"):
         if not hasattr(module, name):

@@ -18,7 +18,6 @@ messages are shortened (:func:`shown`).
 
 from __future__ import annotations
 
-import re
 import reprlib
 import sys
 from collections.abc import Mapping
@@ -34,6 +33,7 @@ from fsm_cache.spec.guards import (
     parse_update,
 )
 from fsm_cache.spec.machine import (
+    NOT_A_NAME,
     Birth,
     EventSpec,
     Forbid,
@@ -42,6 +42,7 @@ from fsm_cache.spec.machine import (
     StateSpec,
     System,
     Transition,
+    bad_name,
 )
 
 
@@ -50,7 +51,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _Table = Mapping[str, Any]
 
 MAX_BYTES = 16 * 2**20
@@ -320,8 +320,8 @@ def _births(table: object, problems: _Problems) -> tuple[Birth, ...]:
     result = []
     for name, body in table.items():
         where = f"composition.births.{name}"
-        if not _IDENT.match(name):
-            problems.add(where, "not an identifier")
+        if (bad := bad_name(name)) is not None:
+            problems.add(where, bad)
         if not isinstance(body, Mapping):
             problems.add(where, "must be a table")
             continue
@@ -378,8 +378,8 @@ def _counters(table: object, problems: _Problems) -> tuple[tuple[str, int], ...]
         return ()
     result = []
     for name, value in table.items():
-        if not _IDENT.match(name):
-            problems.add(f"counters.{name}", "not an identifier")
+        if (bad := bad_name(name)) is not None:
+            problems.add(f"counters.{name}", bad)
         elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
             problems.add(
                 f"counters.{name}", f"initial value must be an integer >= 0, got {shown(value)}"
@@ -398,8 +398,8 @@ def _states(table: object, problems: _Problems, required: bool = True) -> tuple[
     result = []
     for name, body in table.items():
         where = f"states.{name}"
-        if not _IDENT.match(name):
-            problems.add(where, "not an identifier")
+        if (bad := bad_name(name)) is not None:
+            problems.add(where, bad)
         if not isinstance(body, Mapping):
             problems.add(where, "must be a table")
             continue
@@ -430,8 +430,8 @@ def _transitions(items: object, problems: _Problems) -> tuple[Transition, ...]:
         event, dest = _name(body, "event", where, problems), _name(body, "dest", where, problems)
         sources = _names(body.get("source"), f"{where}.source", problems)
         effect, propagate = body.get("effect"), body.get("propagate")
-        if effect is not None and not _IDENT.match(str(effect)):
-            problems.add(f"{where}.effect", f"not an identifier: {shown(effect)}")
+        if effect is not None and (bad := bad_name(effect)) is not None:
+            problems.add(f"{where}.effect", f"{bad}: {shown(effect)}")
         if propagate not in (None, "ancestors"):
             problems.add(f"{where}.propagate", f"must be 'ancestors', got {shown(propagate)}")
         doc = _text(body, "doc", where, problems)
@@ -498,10 +498,12 @@ def _known_keys(body: _Table, allowed: set[str], where: str, problems: _Problems
 
 def _name(body: _Table, key: str, where: str, problems: _Problems) -> str:
     value = body.get(key)
-    if not isinstance(value, str) or not _IDENT.match(value):
-        problems.add(f"{where}.{key}", f"missing or not an identifier: {shown(value)}")
+    bad = bad_name(value)
+    if bad is not None:
+        shown_bad = f"missing or {bad}: {shown(value)}" if bad == NOT_A_NAME else bad
+        problems.add(f"{where}.{key}", shown_bad)
         return ""
-    return value
+    return str(value)
 
 
 def _text(body: _Table, key: str, where: str, problems: _Problems) -> str:

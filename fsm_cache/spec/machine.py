@@ -13,10 +13,29 @@ Python with :func:`machine_from_dict`, which takes the same shape as the TOML.
 
 from __future__ import annotations
 
+import keyword
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from fsm_cache.spec.guards import NO_UPDATE, TRUE, Condition, Guard, Update
+
+
+NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+"""A name in a spec (a state, event, counter, effect, region or birth): an ASCII letter,
+then letters, digits or underscores, and no Python keyword. Names become Python
+identifiers in generated code, so a leading underscore (Python's own), other scripts
+(which Python rewrites) and a trailing newline are out."""
+NOT_A_NAME = "not an identifier"
+
+
+def bad_name(value: object) -> str | None:
+    """Return why ``value`` cannot be a name in a spec (see :data:`NAME`), or None if it can."""
+    if not isinstance(value, str) or NAME.fullmatch(value) is None:
+        return NOT_A_NAME
+    if keyword.iskeyword(value):
+        return f"{value!r} is a Python keyword"
+    return None
 
 
 @dataclass(frozen=True)

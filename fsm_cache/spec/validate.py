@@ -18,12 +18,14 @@ from collections.abc import Iterator
 from fsm_cache import errors
 from fsm_cache.errors import FsmCacheError, IllegalTransition, SpecError, error_class
 from fsm_cache.spec.guards import Guard, critical_values
-from fsm_cache.spec.machine import Forbid, MachineSpec, Spec, System, Transition
+from fsm_cache.spec.machine import Forbid, MachineSpec, Spec, System, Transition, bad_name
 
 
 # Attributes every record has besides regions and counters (see Engine.slots and the
 # tree protocol), and the region name of a single machine: counters may not shadow them.
-RESERVED = frozenset({"id", "trail", "parent", "children", "state"})
+RESERVED = frozenset({"id", "trail", "parent", "children", "state", "rec", "result", "error"})
+"""Names no counter or region may take: a record's own attributes, and the names the
+generated contracts module gives a record, a step's result and its refusal."""
 
 
 def validate(spec: Spec) -> None:
@@ -119,7 +121,12 @@ def _name_problems(spec: MachineSpec) -> list[str]:
     if len(states) != len(spec.states):
         out.append("states: a state name is declared twice")
     out += [
-        f"counters.{c}: {c!r} is reserved (a Python keyword or a record attribute)"
+        f"counters.{c}: declared twice (a spec that extends another may not redeclare its counters)"
+        for c in dict.fromkeys(spec.counter_names)
+        if spec.counter_names.count(c) > 1
+    ]
+    out += [
+        f"counters.{c}: {c!r} is reserved (a record attribute or a name of the generated code)"
         for c in spec.counter_names
         if _reserved(c)
     ]
@@ -178,7 +185,7 @@ def _reserved(name: str) -> bool:
 def _region_name_ok(region: str, system: System) -> bool:
     # "state" is the region name of a single machine (System.single), so it stays allowed.
     clash = region in RESERVED - {"state"} or region in machine_counters(system)
-    return region.isidentifier() and not keyword.iskeyword(region) and not clash
+    return bad_name(region) is None and not clash
 
 
 def _error_name(where: str, name: str) -> list[str]:

@@ -1,0 +1,276 @@
+"""Spec names and files that once passed the checks and then broke a command (a review's findings).
+
+Each input gets one clear line and exit status 2 (or a clean stale-file report),
+never a traceback, and no generated code runs anything a name smuggles in.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from fsm_cache.cli.main import main
+from fsm_cache.errors import BadArgument
+from fsm_cache.modelcheck.check import check_spec
+from fsm_cache.modelcheck.explore import Bounds
+from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.stubs import stub
+
+
+BASE = """
+[machine]
+name = "m"
+initial = "idle"
+
+[counters]
+pins = 0
+
+[states]
+idle = { invariant = "pins == 0" }
+held = { invariant = "pins >= 1" }
+
+[[transition]]
+event = "pin"
+source = ["idle", "held"]
+dest = "held"
+update = "pins += 1"
+
+[[transition]]
+event = "release"
+source = "held"
+dest = "held"
+guard = "pins >= 2"
+update = "pins -= 1"
+
+[[transition]]
+event = "release"
+source = "held"
+dest = "idle"
+guard = "pins == 1"
+update = "pins -= 1"
+
+[[forbid]]
+event = "release"
+source = "idle"
+error = "ReleaseAtZero"
+reason = "no pin"
+"""
+
+
+def write(folder: Path, text: str, name: str = "m.toml") -> Path:
+    path = folder / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    status = main(list(args))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return status, (out + err).strip()
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "problem"),
+    [
+        (
+            'event = "pin"',
+            'event = "pin\\n"',
+            "transition[0].event: missing or not an identifier: 'pin\\n'",
+        ),
+        ('event = "pin"', 'event = "class"', "transition[0].event: 'class' is a Python keyword"),
+        (
+            'event = "pin"',
+            'event = "_take"',
+            "transition[0].event: missing or not an identifier: '_take'",
+        ),
+        ("pins = 0\n", "pins = 0\n__init__ = 0\n", "counters.__init__: not an identifier"),
+        ("pins = 0\n", "pins = 0\nrec = 0\n", "counters.rec: 'rec' is reserved"),
+        (
+            'update = "pins += 1"',
+            'update = "pins += 1"\neffect = nan',
+            "transition[0].effect: not an identifier: nan",
+        ),
+        (
+            'update = "pins += 1"',
+            'update = "pins += 1"\neffect = true',
+            "transition[0].effect: not an identifier: True",
+        ),
+        (
+            'update = "pins += 1"',
+            'update = "pins += 1"\neffect = "go\\n"',
+            "transition[0].effect: not an identifier: 'go\\n'",
+        ),
+    ],
+)
+def test_a_name_that_is_no_plain_identifier_is_refused_up_front(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, old: str, new: str, problem: str
+) -> None:
+    path = write(tmp_path, BASE.replace(old, new, 1))
+    for command in ("validate", "check", "verify"):
+        status, text = run(capsys, command, str(path))
+        assert status == 2
+        assert f"{path}: {problem}" in text
+
+
+def test_a_region_name_python_would_rewrite_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    write(tmp_path, BASE, "base.toml")
+    for region in ("ﬁ", "__class__"):
+        comp = write(
+            tmp_path,
+            f'[composition]\nname = "c"\n[composition.regions]\n"{region}" = "base.toml"\n',
+            "c.toml",
+        )
+        status, text = run(capsys, "validate", str(comp))
+        assert (status, text) == (
+            2,
+            f"error: {comp}: composition.regions.{region}: not a usable region name "
+            "(an identifier that is no keyword, record attribute or counter)",
+        )
+
+
+def test_a_counter_redeclared_by_an_extending_spec_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    write(tmp_path, BASE, "base.toml")
+    child = write(
+        tmp_path, '[machine]\nextends = "base.toml"\nname = "x"\n[counters]\npins = 0\n', "x.toml"
+    )
+    status, text = run(capsys, "validate", str(child))
+    assert status == 2
+    assert text.endswith(
+        f"{child}: counters.pins: declared twice (a spec that extends another may not "
+        "redeclare its counters)"
+    )
+
+
+def test_verify_takes_names_that_were_its_own(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """An event named Result, a spec name with a space or a slash: all contracts confirmed."""
+    for old, new in (('event = "pin"', 'event = "Result"'), ('name = "m"', 'name = "m v2.1/x"')):
+        path = write(tmp_path, BASE.replace(old, new).replace('"pin"', '"Result"'))
+        status, text = run(capsys, "verify", str(path))
+        assert status == 0, text
+        assert text.splitlines()[-1].startswith("8 contracts: 8 confirmed over all paths")
+
+
+def test_a_spec_name_never_becomes_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    payload = 'x"""; import os; os.environ["FSM_PWNED"] = "1"; """'
+    path = write(tmp_path, BASE.replace('name = "m"', f"name = '{payload}'"))
+    module = tmp_path / "stub_m.py"
+    module.write_text(stub(load_spec(path)), encoding="utf-8")
+    monkeypatch.delenv("FSM_PWNED", raising=False)
+    loaded = _import(module)
+    assert "FSM_PWNED" not in __import__("os").environ
+    assert payload in (loaded.__doc__ or "")
+
+
+def test_a_spec_without_events_gets_a_stub_that_imports(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, '[machine]\nname = "still"\ninitial = "a"\n[states]\na = { final = true }\n'
+    )
+    module = tmp_path / "stub_still.py"
+    module.write_text(stub(load_spec(path)), encoding="utf-8")
+    assert _import(module).Event.__name__ == "NoReturn"
+
+
+def _import(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.pop(path.stem, None)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("[tool\n", "not readable TOML"),
+        ("[tool]\nfsm_cache = 5\n", "tool.fsm_cache: expected a table"),
+        ("[tool.fsm_cache]\nverify = 'fast'\n", "tool.fsm_cache.verify: expected a table"),
+        ("[tool.fsm_cache.verify]\njobs = 0\n", "tool.fsm_cache.verify.jobs: must be > 0, got 0"),
+        (
+            "[tool.fsm_cache.verify]\nper_condition_timeout = -1\n",
+            "tool.fsm_cache.verify.per_condition_timeout: must be > 0, got -1.0",
+        ),
+    ],
+)
+def test_verify_refuses_a_bad_pyproject(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    text: str,
+    problem: str,
+) -> None:
+    path = write(tmp_path, BASE)
+    (tmp_path / "pyproject.toml").write_text(text, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    status, out = run(capsys, "verify", str(path))
+    assert status == 2
+    assert out.startswith(f"error: {tmp_path / 'pyproject.toml'}: {problem}")
+
+
+def test_verify_and_check_refuse_a_module_that_is_no_python(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    spec = write(tmp_path, BASE)
+    broken = tmp_path / "broken.py"
+    broken.write_text("def (:\n", encoding="utf-8")
+    raising = tmp_path / "raising.py"
+    raising.write_text("raise RuntimeError('boom')\n", encoding="utf-8")
+    binary = tmp_path / "binary.py"
+    binary.write_bytes(b"\xff\xfe\x00")
+    assert run(capsys, "verify", str(broken)) == (
+        2,
+        f"error: {broken}:1: not valid Python: invalid syntax",
+    )
+    status, text = run(capsys, "verify", str(binary))
+    assert (status, text.split(": cannot read the module:")[0]) == (2, f"error: {binary}")
+    status, text = run(capsys, "check", "--nodes", "2", "--ops", str(raising), str(spec))
+    assert (status, text) == (2, f"error: {raising}: cannot import: RuntimeError: boom")
+
+
+def test_a_stale_file_that_is_not_utf8_is_reported_stale(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    spec = write(tmp_path, BASE)
+    target = tmp_path / "m.pyi"
+    target.write_bytes(b"\xff\xfe")
+    assert run(capsys, "types", str(spec), "--check", str(target)) == (
+        1,
+        f"{target} differs from the types of {spec}: run fsm-cache types --write",
+    )
+    diagram = tmp_path / "m.mmd"
+    diagram.write_bytes(b"\xff\xfe")
+    status, text = run(capsys, "diagram", str(spec), "-o", str(diagram), "--check")
+    assert (status, text.splitlines()[0]) == (1, f"{diagram}: differs from a fresh rendering")
+
+
+def test_check_spec_refuses_a_tree_of_no_nodes(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE)
+    for nodes in (0, -1):
+        with pytest.raises(BadArgument) as refused:
+            check_spec(path, nodes, Bounds({}))
+        assert str(refused.value) == f"check: nodes must be an int >= 1, got {nodes}"
+
+
+def test_a_markdown_cell_keeps_its_pipe_and_its_lines(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    text = BASE.replace(
+        'held = { invariant = "pins >= 1" }',
+        'held = { invariant = "pins >= 1", doc = "held by a | b" }',
+    )
+    path = write(tmp_path, text)
+    status, out = run(capsys, "diagram", "--format", "md", str(path))
+    assert status == 0
+    assert "held by a \\| b |" in out
