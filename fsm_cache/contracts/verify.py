@@ -49,6 +49,10 @@ EXHAUSTIVE_REGIONS = 3
 """Compositions with this many regions are checked on every representative input."""
 
 
+_TABLE = ("tool", "fsm_cache", "verify")
+"""Where in pyproject.toml the options live."""
+
+
 def load_options(start: Path | None = None) -> Options:
     """Read ``[tool.fsm_cache.verify]`` from the nearest pyproject.toml; defaults without one.
 
@@ -64,11 +68,10 @@ def load_options(start: Path | None = None) -> Options:
                 table: Any = tomllib.loads(path.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
                 raise SpecError([f"{path}: not readable TOML: {exc}"]) from None
-            for depth, key in enumerate(("tool", "fsm_cache", "verify"), 1):
+            for depth, key in enumerate(_TABLE, 1):
                 table = table.get(key, {})
                 if not isinstance(table, dict):
-                    where = ".".join(("tool", "fsm_cache", "verify")[:depth])
-                    raise SpecError([f"{path}: {where}: expected a table"])
+                    raise SpecError([f"{path}: {'.'.join(_TABLE[:depth])}: expected a table"])
             return _options(table, path)
     return Options()
 

@@ -203,7 +203,7 @@ class DistributedCache:
         for completion in self.cache.tiers.copier.drain():
             self._finished[completion.ticket.id] = completion
         issued = self.cache.issued()
-        ready = self.local_ready()
+        ready = self._ready(issued)
         if ready < len(issued):
             batches = self.cache.transfers.in_flight()
             copies = [[n.id for n in batches[ticket].nodes] for ticket in issued]
@@ -239,8 +239,12 @@ class DistributedCache:
 
     def local_ready(self) -> int:
         """Return how many copies, in issue order, have finished on this rank."""
+        return self._ready(self.cache.issued())
+
+    def _ready(self, issued: Sequence[int]) -> int:
+        """Return how many of ``issued`` (in issue order) have finished on this rank."""
         ready = 0
-        for ticket in self.cache.issued():
+        for ticket in issued:
             if ticket not in self._finished:
                 break
             ready += 1
@@ -306,9 +310,9 @@ class DistributedCache:
                 completion), which would otherwise leave every rank waiting.
             RankFailure: A collective failed or timed out.
         """
+        self._follow_reset()
         applied, rounds, limit = 0, 0, None
         while True:  # agree at least once, so that every rank takes the same turns
-            self._follow_reset()
             for completion in self.cache.tiers.copier.drain():
                 self._finished[completion.ticket.id] = completion
             count, quiet = self._agree(drained=True)
@@ -334,7 +338,7 @@ class DistributedCache:
         """
         digest = self._digest.update()
         issued = self.cache.issued()
-        ready = self.local_ready()
+        ready = self._ready(issued)
         failed = next(
             (i for i, ticket in enumerate(issued[:ready]) if not self._finished[ticket].ok), ready
         )
