@@ -134,3 +134,49 @@ def test_a_prefetch_anchor_may_pin_a_node_still_being_written(
     node.release_host()
     cache.evict_host(len(AB))
     assert cache.root_node.children == {}
+
+
+def test_a_node_recomputed_under_a_parent_still_loading_takes_its_slots(
+    sg: Api, allocator: FakeAllocator, hiradix: Any, mode: str
+) -> None:
+    cache = hiradix
+    a, b = evicted_chain(sg, cache, allocator)
+    cache.load_back_threshold = 1  # load A's 6 tokens back (SGLang's default asks for 10)
+    found = cache.match_prefix(sg.key([*A, 99]))  # one request hits A on the host
+    cache.init_load_back(found.last_host_node, found.host_hit_length)
+    assert (a.lock_ref, a.evicted) == (1, False)
+    assert residency(a, mode) in (None, ("pinned", "loading", 1, 1))
+    value = allocator.take(len(AB))  # another request computed A and B itself
+    assert sg.insert(cache, AB, value) == len(A)
+    assert (b.value.tolist(), b.lock_ref, a.lock_ref) == (value[len(A) :].tolist(), 0, 1)
+    # the spec refuses adopt under a loading parent; B's KV lands as a load done at once
+    assert residency(b, mode) in (None, ("backed", "resident", 0, 0))
+    if mode == "patched":
+        assert [entry[0] for entry in b.trail][-2:] == ["load", "load_done"]
+    cache.ready_to_load_host_cache()
+    cache.cache_controller.finish_loads()
+    cache.loading_check()
+    assert (a.lock_ref, cache.ongoing_load_back) == (0, {})
+    assert residency(a, mode) in (None, ("backed", "resident", 0, 0))
+    assert len(cache.match_prefix(sg.key(AB)).device_indices) == len(AB)
+
+
+def test_a_write_back_eviction_frees_a_parent_after_the_child_it_writes_back(
+    sg: Api, allocator: FakeAllocator, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = build_hiradix(sg, allocator, monkeypatch, "write_back")
+    sg.insert(cache, A, allocator.take(len(A)))
+    cache.evict(len(A))  # written back to the host, then evicted
+    (a,) = cache.root_node.children.values()
+    # a request recomputed A and went on: A takes the new slots (its host copy is there)
+    assert sg.insert(cache, AB, allocator.take(len(AB))) == 0  # no prefix was on the device
+    (b,) = a.children.values()
+    assert residency(a, mode) in (None, ("backed", "resident", 0, 0))
+    # SGLang starts B's write-back, frees A in the same loop, and B after it
+    cache.evict(len(AB))
+    assert (a.evicted, b.evicted, a.backuped, b.backuped) == (True, True, True, True)
+    assert (allocator.available_size(), cache.ongoing_write_through) == (64, {})
+    cache.check_hicache_events()
+    for node in (a, b):
+        assert (node.lock_ref, getattr(node, "evicting", False)) == (0, False)
+        assert residency(node, mode) in (None, ("backed", "absent", 0, 0))

@@ -18,6 +18,7 @@ import pytest
 from fsm_cache.compat.sglang import (
     Children,
     HostRefCounterZero,
+    PatchUndone,
     ReadOnlyCounter,
     ResidencyMixin,
     patch,
@@ -198,3 +199,44 @@ def test_a_stray_write_acknowledgement_is_refused(hiradix: Any) -> None:
     with pytest.raises(DuplicateAck):
         hiradix.writing_check()
     assert (node.host, node.id in hiradix.ongoing_write_through) == ("backed", True)
+
+
+def test_a_stray_release_on_a_loading_node_is_sglangs_release_at_zero(
+    sg: Api, hiradix: Any
+) -> None:
+    node = only_child(hiradix)
+    hiradix.evict(len(AB))
+    found = hiradix.match_prefix(sg.key(AB))
+    hiradix.init_load_back(found.last_host_node, found.host_hit_length)
+    # the load holds a pin of its own, which is not SGLang's to count or release
+    assert (node.host_ref_counter, node.pins, node.device) == (0, 1, "loading")
+    with pytest.raises(HostRefCounterZero) as caught:
+        node.release_host()  # nobody called protect_host()
+    assert isinstance(caught.value, RuntimeError)  # what SGLang's callers catch
+    assert str(caught.value).startswith(
+        f"Host reference counter is already zero. node {node.id}: release refused in "
+        "pinned (pins=1): the last pin belongs to the load in flight; "
+    )
+    assert (node.host_ref_counter, node.pins, node.host) == (0, 1, "pinned")
+    hiradix.ready_to_load_host_cache()
+    hiradix.cache_controller.finish_loads()
+    hiradix.loading_check()
+    assert (node.host_ref_counter, node.lock_ref, node.device) == (0, 0, "resident")
+
+
+def test_a_cache_driven_after_its_patch_is_undone_is_refused_clearly(sg: Api) -> None:
+    allocator = FakeAllocator(16)
+    applied = patch()
+    cache = sg.rc.RadixCache(sg.cache_params(allocator))
+    sg.insert(cache, [1, 2, 3], allocator.take(3))
+    node = sg.match(cache, [1, 2, 3])[1]
+    applied.undo()
+    with pytest.raises(PatchUndone) as caught:
+        cache.inc_lock_ref(node)  # SGLang's own walk again, over a checked node
+    assert str(caught.value) == (
+        f"node {node.id}: lock_ref changed after the patch that built the node was undone; "
+        "build the cache again, or undo the patch only when its caches are gone"
+    )
+    assert (node.lock_ref, node.locks) == (0, 0)
+    fresh = sg.rc.RadixCache(sg.cache_params(FakeAllocator(16)))  # built after: stock
+    assert not isinstance(fresh.root_node, ResidencyMixin)

@@ -41,7 +41,7 @@ from typing import Any, ClassVar, NoReturn
 
 from fsm_cache.compat.sglang import scope
 from fsm_cache.engine import trail
-from fsm_cache.errors import FsmCacheError, ReleaseAtZero
+from fsm_cache.errors import FsmCacheError, ReleaseAtZero, error_class
 from fsm_cache.residency import (
     DEVICE_HELD,
     HOST_HELD,
@@ -77,6 +77,16 @@ class SlotsOutOfStep(FsmCacheError, AttributeError):
 class RemovedInUse(FsmCacheError, RuntimeError):
     """A node left the tree while locked, pinned, or with a copy in flight."""
 
+
+class PatchUndone(ReadOnlyCounter):
+    """A node built under a :func:`~fsm_cache.compat.sglang.patch` was driven after its ``undo()``.
+
+    Its counters are still the machines' (it is a checked node), but the cache
+    methods that drove them are SGLang's own again.
+    """
+
+
+_LOAD_PIN_HELD = error_class("LoadPinHeld")
 
 _NO_DEFAULT: Any = object()
 """``Children.pop`` called without a default."""
@@ -188,6 +198,11 @@ class ResidencyMixin(metaclass=ABCMeta):
         ack_with: The node whose copy's acknowledgement also acknowledges this
             node's copy in flight (a split prefix, a node loaded in the same
             chain); None when its own does.
+        evicting: True while the node's device eviction waits for the end of
+            the cache's ``evict`` in progress (a child still on the device,
+            :func:`~fsm_cache.compat.sglang.scope.device_evictions`); it reads
+            as ``evicted`` meanwhile, as in SGLang's loop.
+        undone: Set on the class when the patch that built it is undone.
     """
 
     # The residency fields live in the node's ``__dict__`` with these class-level
@@ -201,6 +216,8 @@ class ResidencyMixin(metaclass=ABCMeta):
     sealed = False
     pending: int | scope.Armed | None = None
     ack_with: ResidencyMixin | None = None
+    evicting = False
+    undone: ClassVar[bool] = False
     _value: Any = None
     _host_value: Any = None
 
@@ -263,11 +280,16 @@ class ResidencyMixin(metaclass=ABCMeta):
         self.machine().pin(self)
 
     def release_host(self) -> None:
-        """Release one pin; at zero raise :class:`HostRefCounterZero` and change nothing."""
+        """Release one pin; at zero raise :class:`HostRefCounterZero` and change nothing.
+
+        A load's own pin is not SGLang's to release (its ``host_ref_counter``
+        leaves it out): releasing it is release-at-zero too, as stock SGLang
+        reports it.
+        """
         self.seal()
         try:
             self.machine().release(self)
-        except ReleaseAtZero as exc:
+        except (ReleaseAtZero, _LOAD_PIN_HELD) as exc:
             raise HostRefCounterZero(
                 label=exc.label,
                 instance=exc.instance,
@@ -298,12 +320,12 @@ class ResidencyMixin(metaclass=ABCMeta):
 
     @property
     def host_ref_counter(self) -> int:
-        """Pins on the host copy (read-only: use protect_host/release_host)."""
-        return self.pins
+        """Pins on the host copy, a load's own left out (read-only: use protect_host/release_host)."""
+        return self.pins - 1 if self.device == "loading" else self.pins
 
     @host_ref_counter.setter
     def host_ref_counter(self, value: int) -> None:
-        if value != self.pins:
+        if value != self.host_ref_counter:
             self._refuse("host_ref_counter", "protect_host()/release_host()")
 
     def _set_lock_ref(self, value: int) -> None:
@@ -328,7 +350,14 @@ class ResidencyMixin(metaclass=ABCMeta):
             self.trail = trail.note(self.trail, armed[2], history)
 
     def _refuse(self, name: str, use: str) -> NoReturn:
-        msg = f"node {getattr(self, 'id', '?')}: {name} is driven by the residency machines; use {use}"
+        node = f"node {getattr(self, 'id', '?')}"
+        if self.undone:
+            msg = (
+                f"{node}: {name} changed after the patch that built the node was undone; "
+                "build the cache again, or undo the patch only when its caches are gone"
+            )
+            raise PatchUndone(msg)
+        msg = f"{node}: {name} is driven by the residency machines; use {use}"
         raise ReadOnlyCounter(msg)
 
     lock_ref = property(
@@ -344,8 +373,12 @@ class ResidencyMixin(metaclass=ABCMeta):
 
     @property
     def evicted(self) -> bool:
-        """Whether the node holds no device slots (SGLang: ``value is None``)."""
-        return self._value is None
+        """Whether the node holds no device slots (SGLang: ``value is None``), or soon will.
+
+        A node whose device eviction waits for the end of the ``evict`` in
+        progress (``evicting``) reads as evicted, as SGLang's loop expects.
+        """
+        return self._value is None or self.evicting
 
     @property
     def backuped(self) -> bool:
@@ -359,8 +392,27 @@ class ResidencyMixin(metaclass=ABCMeta):
             if slots is None:
                 self.machine().evict_device(self)
         elif slots is not None:
-            self.machine().adopt(self)  # a load is fired before its copy allocates (scope.loading)
+            self._recomputed()
         self._value = slots
+
+    def _recomputed(self) -> None:
+        """Take recomputed KV on an absent node (SGLang's insert over an evicted node).
+
+        ``adopt``, unless the parent is still loading: the spec keeps a
+        recomputed node from hanging under a load that may fail (device
+        residency is prefix-closed), but SGLang's insert gives it its slots
+        there. A load under a loading parent is allowed, so the node takes
+        them as a load of its host copy that is done at once (SGLang's loads
+        never fail once their slots are allocated). A load is fired before its
+        copy allocates (:func:`~fsm_cache.compat.sglang.scope.loading`), so it
+        never reaches here.
+        """
+        machine = self.machine()
+        if getattr(self.parent, "device", None) == "loading" and self.host in HOST_HELD:
+            machine.load(self)
+            machine.load_done(self)
+        else:
+            machine.adopt(self)
 
     # The getters are C functions: SGLang reads these fields in every loop.
     value = property(

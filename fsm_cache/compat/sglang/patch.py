@@ -15,7 +15,11 @@ SGLang method                 what the wrapper adds
                               (and the path's ``lock`` is checked); ``write_failed`` if
                               SGLang then gives up (host memory short)
 ``write_backup_storage``      checks ``pin`` before the storage write starts
-``_evict_backuped(node)``     fires ``evict_device`` before the device slots are freed
+``_evict_backuped(node)``     fires ``evict_device`` before the device slots are freed;
+                              inside ``evict``, with a child still on the device (being
+                              written back), waits for the end of ``evict``
+``evict(n)``                  (HiRadixCache) frees the parents that waited, checked,
+                              after SGLang's loop, deepest first
 ``load_back(node)``           fires ``load`` on the chain before device slots are allocated;
                               ``load_failed`` if SGLang then gives up
 ``evict_host(n)``             fires ``evict_host`` at the controller call freeing a victim
@@ -99,10 +103,24 @@ def _evict_backuped(original: Method) -> Method:
     @functools.wraps(original)
     def evict_backuped(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
         node.seal()
+        if scope.defer_eviction(node):
+            return len(node.value)  # what SGLang's controller reports freeing, later
         node.machine().evict_device(node)
         return original(self, node, *args, **kwargs)
 
     return evict_backuped
+
+
+def _evict(original: Method) -> Method:
+    @functools.wraps(original)
+    def evict(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with scope.device_evictions() as deferred:
+            result = original(self, *args, **kwargs)
+        for node in deferred:
+            self._evict_backuped(node)
+        return result
+
+    return evict
 
 
 def _load_back(original: Method) -> Method:
@@ -169,6 +187,7 @@ WRAPPERS: dict[str, Callable[[Method], Method]] = {
     "write_backup": _write_backup,
     "write_backup_storage": _write_backup_storage,
     "_evict_backuped": _evict_backuped,
+    "evict": _evict,
     "load_back": _load_back,
     "evict_host": _evict_host,
 }
@@ -198,6 +217,8 @@ class Patch:
     def undo(self) -> None:
         """Restore every patched module and class as it was."""
         for owner, name, old in reversed(self._saved):
+            if name == "TreeNode":  # its nodes' counters now have no walk to drive them
+                getattr(owner, name).undone = True
             setattr(owner, name, old)
         self._saved.clear()
         for name in self.modules:
@@ -359,6 +380,8 @@ def _wrap_caches(result: Patch, module: ModuleType, machine: Residency) -> list[
         for name, method in list(vars(cls).items()):
             if name in WALKS:
                 checked = scope.walked(WALKS[name], machine)(method)
+            elif name == "evict" and not hasattr(cls, "_evict_backuped"):
+                continue  # nothing to defer: RadixCache frees leaves only
             elif name in WRAPPERS:
                 checked = WRAPPERS[name](method)
             else:

@@ -11,6 +11,9 @@ before the first step, so a refusal changes nothing:
 * :func:`loading` fires ``load`` on the chain an ``load_back`` is about to
   copy, before the controller allocates device slots; :func:`back_out` fails
   those loads again when SGLang gives up (device memory short).
+* :func:`device_evictions` lets a write-back ``evict`` free a parent after
+  the child it is writing back, as the spec requires, with SGLang's loop
+  seeing the order it expects.
 * :class:`AckBook` is SGLang's ``ongoing_write_through`` / ``ongoing_load_back``
   dict: taking a node out of it is the copy's acknowledgement, which fires
   ``write_done`` / ``load_done`` on the node and on every node whose copy rode
@@ -391,6 +394,63 @@ class AckBook(dict[Any, Any]):
         for n in chain:
             n.machine().verb(self.event)(n)
             n.ack_with = None
+
+
+class _DeviceEvictions(threading.local):
+    """Per thread: for each ``evict`` in progress, the nodes whose device eviction waits for its end."""
+
+    def __init__(self) -> None:
+        self.open: list[list[Any]] = []
+
+
+_DEVICE = _DeviceEvictions()
+
+
+@contextmanager
+def device_evictions() -> Iterator[list[Any]]:
+    """Let a node's device eviction inside the block wait while a child is still on the device.
+
+    SGLang 0.5.6's write-back ``evict`` starts a leaf's write-back, goes on
+    up to its parent and frees the parent's device slots in the same loop,
+    and frees the leaf's only after the loop, once the write-backs are
+    acknowledged. The spec refuses the parent's ``evict_device`` while the
+    child is on the device (device residency is prefix-closed). Inside the
+    block such a parent is put on the yielded list (:func:`defer_eviction`)
+    and reads as evicted, so SGLang's loop goes on as it does stock; the
+    caller evicts the listed nodes, checked, after the block, deepest first
+    (the list's order: a parent is reached after its child). Leaving the
+    block clears the marks whether or not it raised.
+
+    Yields:
+        The nodes whose eviction was deferred, in the order they came.
+    """
+    deferred: list[Any] = []
+    _DEVICE.open.append(deferred)
+    try:
+        yield deferred
+    finally:
+        _DEVICE.open.remove(deferred)
+        for node in deferred:
+            node.evicting = False
+
+
+def defer_eviction(node: ResidencyMixin) -> bool:
+    """Defer ``node``'s device eviction to the end of the ``evict`` in progress, if it must wait.
+
+    It must wait when a :func:`device_evictions` block is open, the node is
+    resident with its host copy complete, and a child is still on the device.
+    Anything else is left to ``evict_device``'s own check.
+
+    Returns:
+        Whether it was deferred (the caller then frees nothing now).
+    """
+    if not _DEVICE.open or node.evicting or node.device != "resident" or node.host == "writing":
+        return False
+    if not any(getattr(c, "device", "absent") != "absent" for c in node.children.values()):
+        return False
+    node.evicting = True
+    _DEVICE.open[-1].append(node)
+    return True
 
 
 class _HostEvictions(threading.local):
