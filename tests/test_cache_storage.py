@@ -61,7 +61,7 @@ def tier(store: Store, **overrides: Any) -> StorageConfig:
     """Inline copies, prefetch from one page on."""
     settings: dict[str, Any] = {"threads": 0, "prefetch_threshold": PAGE}
     settings.update(overrides)
-    return StorageConfig(store, **settings)
+    return StorageConfig(store, **{"model": "test", **settings})
 
 
 def tokens(pages: int, start: int = 1000) -> list[int]:
@@ -204,7 +204,7 @@ def test_a_bad_storage_config_is_refused_by_name(
 
 def test_a_store_needs_the_store_methods_and_host_pages(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
-        HiCache(config(), storage=StorageConfig(object()))  # type: ignore[arg-type]
+        HiCache(config(), storage=StorageConfig(object(), model="test"))  # type: ignore[arg-type]
     assert str(info.value) == (
         "storage: store must be a Store (exists_prefix, get, put, drop, capacity, close), "
         "got object without exists_prefix, get, put, drop, capacity, close"

@@ -62,7 +62,7 @@ def tier(store: Store, rank: int = 0, ranks: int = 2, **overrides: Any) -> Stora
     """Inline copies, prefetch from one page on, this rank's namespace."""
     settings: dict[str, Any] = {"threads": 0, "prefetch_threshold": PAGE, "io_timeout": 5.0}
     settings.update(overrides)
-    return StorageConfig(store, rank=rank, ranks=ranks, **settings)
+    return StorageConfig(store, model="test", rank=rank, ranks=ranks, **settings)
 
 
 def tokens(pages: int, start: int = 1000) -> list[int]:

@@ -14,7 +14,7 @@ from fsm_cache.errors import SpecError
 from fsm_cache.spec import validate as validate_module
 from fsm_cache.spec.guards import Assign, Comparison, Guard, Update, parse_guard, parse_update
 from fsm_cache.spec.loader import load_spec
-from fsm_cache.spec.machine import Forbid, MachineSpec, StateSpec, System, Transition
+from fsm_cache.spec.machine import Birth, Forbid, MachineSpec, StateSpec, System, Transition
 from fsm_cache.spec.shipped import load_shipped, shipped_spec_paths
 from fsm_cache.spec.validate import bound, problems, representatives, validate, valuations
 
@@ -305,6 +305,23 @@ def test_composition_region_names_must_be_usable_attributes() -> None:
         assert problems(system) == [
             f"s.toml: composition.regions.{region}: not a usable region name (an identifier that is no keyword, record attribute or counter)"
         ]
+
+
+def test_names_of_a_spec_built_in_code_are_spelled_as_in_a_file() -> None:
+    states = (StateSpec("a"), StateSpec("done", final=True))
+    moves = (
+        Transition("pin\n", ("a",), "done"),
+        Transition("finish", ("a",), "done", effect="__init__"),
+    )
+    spec = MachineSpec("m", "a", (("class", 0),), states, moves, source="<python>")
+    assert problems(spec) == [
+        "<python>: counters[0]: 'class': 'class' is a Python keyword",
+        "<python>: transition[0].event: 'pin\\n': not an identifier",
+        "<python>: transition[1].effect: '__init__': not an identifier",
+    ]
+    gate = MachineSpec("g", "a", (), (StateSpec("a", final=True),), (), source="g.toml")
+    born = System("s", (("g", gate),), births=(Birth("new born", (("g", "a"),)),), source="s.toml")
+    assert problems(born) == ["s.toml: composition.births[0]: 'new born': not an identifier"]
 
 
 def test_region_problems_keep_their_own_file() -> None:

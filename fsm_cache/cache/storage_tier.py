@@ -110,7 +110,9 @@ class StorageConfig:
             :class:`~fsm_cache.storage.redisstore.RedisStore`, or any
             :class:`~fsm_cache.storage.base.Store`). The cache never closes it.
         model: The model's id (name and revision): caches share pages only
-            under the same model, KV layout, page size and rank.
+            under the same model, KV layout, page size and rank. Required:
+            two models with one KV layout (fine-tunes of one base) would read
+            each other's pages under a shared default.
         rank: This cache's rank in its tensor-parallel group.
         ranks: The group's size.
         policy: ``write_through`` stores every node once its host backup is
@@ -136,7 +138,7 @@ class StorageConfig:
     """
 
     store: Store
-    model: str = "fsm_cache"
+    model: str
     rank: int = 0
     ranks: int = 1
     policy: str = "write_through"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import builtins
 import itertools
-import keyword
 from collections.abc import Iterator
 
 from fsm_cache import errors
@@ -115,7 +114,33 @@ def _when(counters: dict[str, int]) -> str:
     return f" when {shown}" if shown else ""
 
 
+def _spelling(spec: MachineSpec) -> Iterator[str]:
+    """Each name of ``spec`` that :func:`~fsm_cache.spec.machine.bad_name` refuses, located.
+
+    The loader refuses them in files; this pass refuses them in specs built
+    in code, which never pass through it.
+    """
+    named = [
+        *((f"states[{i}]", st.name) for i, st in enumerate(spec.states)),
+        *((f"counters[{i}]", name) for i, name in enumerate(spec.counter_names)),
+        *((f"events[{i}]", ev.name) for i, ev in enumerate(spec.events)),
+        *((f"transition[{i}].event", tr.event) for i, tr in enumerate(spec.transitions)),
+        *(
+            (f"transition[{i}].effect", tr.effect)
+            for i, tr in enumerate(spec.transitions)
+            if tr.effect is not None
+        ),
+        *((f"forbid[{i}].event", fb.event) for i, fb in enumerate(spec.forbids)),
+    ]
+    for where, name in named:
+        if (bad := bad_name(name)) is not None:
+            yield f"{where}: {name!r}: {bad}"
+
+
 def _name_problems(spec: MachineSpec) -> list[str]:
+    spelling = list(_spelling(spec))
+    if spelling:  # the checks below put names into messages and generated code
+        return spelling
     states, counters = set(spec.state_names), set(spec.counter_names)
     out = [] if spec.initial in states else [f"machine.initial: unknown state {spec.initial!r}"]
     if len(states) != len(spec.states):
@@ -179,7 +204,7 @@ def _undeclared(spec: MachineSpec, where: str, event: str) -> list[str]:
 
 
 def _reserved(name: str) -> bool:
-    return keyword.iskeyword(name) or name in RESERVED
+    return name in RESERVED  # keywords are refused by the spelling pass first
 
 
 def _region_name_ok(region: str, system: System) -> bool:
@@ -327,7 +352,10 @@ def _system_problems(system: System) -> list[str]:
 def _birth_problems(system: System) -> Iterator[str]:
     """Each birth names known regions and states whose invariants hold at the initial counters."""
     machines, names = system.machines, [b.name for b in system.births]
-    for birth in system.births:
+    for i, birth in enumerate(system.births):
+        if (bad := bad_name(birth.name)) is not None:
+            yield f"composition.births[{i}]: {birth.name!r}: {bad}"
+            continue
         where = f"composition.births.{birth.name}"
         if names.count(birth.name) > 1:
             yield f"{where}: declared twice"
