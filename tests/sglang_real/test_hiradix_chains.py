@@ -180,3 +180,37 @@ def test_a_write_back_eviction_frees_a_parent_after_the_child_it_writes_back(
     for node in (a, b):
         assert (node.lock_ref, getattr(node, "evicting", False)) == (0, False)
         assert residency(node, mode) in (None, ("backed", "absent", 0, 0))
+
+
+def test_a_write_back_eviction_frees_every_waiting_node_deepest_first(
+    sg: Api, allocator: FakeAllocator, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = build_hiradix(sg, allocator, monkeypatch, "write_back")
+    x, xy, xyz, xyzw = [1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7, 8]
+
+    def recompute(ids: list[int]) -> None:
+        value = allocator.take(len(ids))
+        allocator.free(value[: sg.insert(cache, ids, value)])  # the caller frees what was cached
+
+    recompute(x)
+    cache.evict(len(x))  # X written back and evicted
+    recompute(xy)  # X takes new slots (backed), Y is new (unbacked)
+    recompute(xyz)
+    y = cache.match_prefix(sg.key(xy)).last_device_node
+    cache.inc_lock_ref(y)
+    cache.evict(2)  # only Z is free to go: written back and evicted
+    recompute(xyz)  # Z takes new slots (backed)
+    cache.dec_lock_ref(y)
+    recompute(xyzw)  # W is new (unbacked)
+    chain, node = [], cache.root_node
+    while node.children:
+        (node,) = node.children.values()
+        chain.append(node)
+    assert [n.backuped for n in chain] == [True, False, True, False]
+    # W's write-back lets Z wait, Y's write-back lets X wait, and after the loop Y waits
+    # for Z: freed in the order the loop put them on hold, X would come before Y
+    cache.evict(len(xyzw))
+    assert [(n.evicted, n.backuped) for n in chain] == [(True, True)] * 4
+    assert (allocator.available_size(), cache.ongoing_write_through) == (64, {})
+    for node in chain:
+        assert residency(node, mode) in (None, ("backed", "absent", 0, 0))

@@ -116,7 +116,7 @@ def _evict(original: Method) -> Method:
     def evict(self: Any, *args: Any, **kwargs: Any) -> Any:
         with scope.device_evictions() as deferred:
             result = original(self, *args, **kwargs)
-        for node in deferred:
+        for node in scope.deepest_first(deferred):
             self._evict_backuped(node)
         return result
 

@@ -417,9 +417,10 @@ def device_evictions() -> Iterator[list[Any]]:
     child is on the device (device residency is prefix-closed). Inside the
     block such a parent is put on the yielded list (:func:`defer_eviction`)
     and reads as evicted, so SGLang's loop goes on as it does stock; the
-    caller evicts the listed nodes, checked, after the block, deepest first
-    (the list's order: a parent is reached after its child). Leaving the
-    block clears the marks whether or not it raised.
+    caller evicts the listed nodes, checked, after the block, in the order
+    of :func:`deepest_first` (not the list's: a write-back child freed after
+    the loop may itself wait for a grandchild). Leaving the block clears the
+    marks whether or not it raised.
 
     Yields:
         The nodes whose eviction was deferred, in the order they came.
@@ -451,6 +452,11 @@ def defer_eviction(node: ResidencyMixin) -> bool:
     node.evicting = True
     _DEVICE.open[-1].append(node)
     return True
+
+
+def deepest_first(nodes: Sequence[ResidencyMixin]) -> list[ResidencyMixin]:
+    """Return ``nodes`` ordered so that each comes before its ancestors (deepest first)."""
+    return sorted(nodes, key=lambda n: sum(1 for _ in n.path_to_root()), reverse=True)
 
 
 class _HostEvictions(threading.local):
