@@ -188,8 +188,9 @@ def error_class(name: str) -> type[IllegalTransition]:
     """
     found = _PREDEFINED.get(name) or _CREATED.get(name)
     if found is None:
-        found = type(name, (IllegalTransition,), {"__module__": __name__})
-        _CREATED[name] = found
+        # setdefault is atomic: of two threads creating the class, both return the first stored.
+        made = type(name, (IllegalTransition,), {"__module__": __name__})
+        found = _CREATED.setdefault(name, made)
     return found
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import dataclasses
 import gc
 import inspect
@@ -193,6 +194,34 @@ def test_trail_mode_compiles_a_copy_of_each_fast_event_that_notes_its_caller() -
         ("open", trail.Site("<dispatch>", 2, "dispatch")),
         ("close", trail.Site(__file__, line, inspect.stack()[0].function)),
     )
+
+
+def test_a_walking_verb_with_only_dispatch_frames_below_names_the_outermost() -> None:
+    """A thread started on dispatch code: the walk stops at the thread's first frame."""
+    engine = Engine(spec_from_dict(GATE), trail=True)
+    rec = engine.new(1)
+    helper: dict[str, Any] = {}
+    source = (
+        "def dispatch(engine, rec, done, box):\n"
+        "    try:\n"
+        "        engine.fire(rec, 'open')\n"
+        "    except BaseException as exc:\n"
+        "        box.append(exc)\n"
+        "    finally:\n"
+        "        done.release()\n"
+    )
+    exec(compile(source, "<dispatch>", "exec"), helper)
+    done, box = _thread.allocate_lock(), []
+    done.acquire()
+    trail.internal("<dispatch>")
+    try:
+        _thread.start_new_thread(helper["dispatch"], (engine, rec, done, box))
+        assert done.acquire(timeout=30)
+    finally:
+        trail.forget("<dispatch>")
+    assert box == []
+    assert rec.state == "open"
+    assert trail.sites(rec.trail) == (("open", trail.Site("<dispatch>", 3, "dispatch")),)
 
 
 def test_the_contract_harness_imports_the_engines_helpers(tmp_path: Path) -> None:

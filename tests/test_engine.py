@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ from records import Node, snapshot
 from fsm_cache import errors
 from fsm_cache.bench.engine import record_bytes, run_engine_bench
 from fsm_cache.engine.core import Engine
-from fsm_cache.errors import EffectFailed, IllegalTransition, SpecError, error_class
+from fsm_cache.errors import BadArgument, EffectFailed, IllegalTransition, SpecError, error_class
 from fsm_cache.spec.loader import machine_from_dict, spec_from_dict
 from fsm_cache.spec.shipped import host_machine, load_shipped, residency_system
 
@@ -129,6 +130,43 @@ def test_a_user_spec_names_its_own_error_classes() -> None:
     assert (
         str(final.value) == "gate north: close refused in gone: close is not defined in this state"
     )
+
+
+def test_a_class_another_thread_created_first_is_the_one_returned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    theirs: list[type[IllegalTransition]] = []
+
+    class Racing(dict[str, type[IllegalTransition]]):
+        """Another thread stores the class between this thread's look-up and its store."""
+
+        def get(self, key: str, default: Any = None) -> Any:
+            found = super().get(key, default)
+            if found is None:
+                theirs.append(type(key, (IllegalTransition,), {}))
+                self[key] = theirs[0]
+            return found
+
+    monkeypatch.setattr(errors, "_CREATED", Racing())
+    assert error_class("DoorRace") is theirs[0]
+    assert error_class("DoorRace") is theirs[0]
+
+
+@pytest.mark.parametrize("history", [-1, True, 2.5, "8", None])
+def test_a_bad_history_is_refused_before_anything_is_built(history: Any) -> None:
+    with pytest.raises(BadArgument) as info:
+        Engine(host_machine(), trail=True, history=history)
+    assert str(info.value) == f"Engine: history must be an int >= 0, got {history!r}"
+
+
+@pytest.mark.parametrize(("history", "kept"), [(0, 0), (2, 2), (2**70, sys.maxsize)])
+def test_any_history_from_zero_up_is_kept(history: int, kept: int) -> None:
+    engine = Engine(host_machine(), trail=True, history=history)
+    rec = engine.new(4)
+    for event in ("write", "write_done", "pin"):
+        engine.fire(rec, event)
+    assert (engine.history, rec.trail.maxlen, len(rec.trail)) == (kept, kept, min(kept, 3))
+    assert rec.pins == 1
 
 
 def test_records_are_slotted_and_start_initial(engine: Engine) -> None:

@@ -18,8 +18,8 @@ from fsm_cache.compat.sglang import ResidencyMixin
 from fsm_cache.engine import lease as leases
 from fsm_cache.engine.core import Engine
 from fsm_cache.engine.holds import Held, held_records
-from fsm_cache.errors import LeaseError, ReleaseAtZero
-from fsm_cache.residency import Residency
+from fsm_cache.errors import BadArgument, LeaseError, ReleaseAtZero, SpecError
+from fsm_cache.residency import Node, Residency
 from fsm_cache.spec.shipped import host_machine, residency_system
 
 
@@ -95,6 +95,27 @@ def test_a_refused_acquire_gives_no_lease(engine: Engine) -> None:
     with pytest.raises(Exception, match="pin refused in unbacked"):
         engine.lease(rec)
     assert engine.leases.outstanding() == []
+
+
+def test_a_lease_with_an_unknown_release_event_pins_nothing(engine: Engine) -> None:
+    rec = backed(engine)
+    with pytest.raises(SpecError) as info:
+        engine.lease(rec, "pin", "unpin")
+    assert str(info.value) == f"{engine.system.source}: unknown event 'unpin'"
+    assert (rec.state, rec.pins) == ("backed", 0)
+    assert engine.leases.outstanding() == []
+
+
+def test_voiding_leases_without_a_site_is_refused(engine: Engine) -> None:
+    rec = backed(engine)
+    lease = engine.lease(rec)
+    with pytest.raises(BadArgument) as info:
+        engine.leases.void(None)  # type: ignore[arg-type]
+    assert str(info.value) == "LeaseBook.void: site must be a Site, got None"
+    assert lease.held
+    assert engine.leases.outstanding() == [lease]
+    lease.release()
+    assert (rec.state, rec.pins) == ("backed", 0)
 
 
 def test_a_release_refused_by_the_machine_keeps_the_lease_held(engine: Engine) -> None:
@@ -255,6 +276,26 @@ def test_held_records_finds_locks_and_sglang_nodes_and_skips_garbage() -> None:
     ]
     node.release_host()
     locked.dec_lock_ref()
+    assert held_records([residency.engine]) == []
+
+
+def test_held_records_finds_pins_on_standalone_nodes_and_roots() -> None:
+    residency = Residency(trail=False)
+    alone, root = Node(11, host="backed"), Node(12, host="backed")
+    child = Node(13, parent=root)
+    root.children = {"a": child}
+    residency.pin(alone)  # bare pins: only the counters say so
+    residency.pin(root)
+    residency.lock(child)  # propagated: the root's lock is its child's, reported once
+    assert (root.locks, child.locks) == (1, 1)
+    assert [str(h) for h in held_records([residency.engine])] == [
+        "node 11: pinned/resident (pins=1, locks=0)",
+        "node 12: pinned/resident (pins=1, locks=1)",
+        "node 13: unbacked/resident (pins=0, locks=1)",
+    ]
+    residency.release(alone)
+    residency.release(root)
+    residency.unlock(child)
     assert held_records([residency.engine]) == []
 
 

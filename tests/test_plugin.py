@@ -256,6 +256,46 @@ def test_allow_leaks_excuses_a_lease_dropped_on_purpose(pytester: pytest.Pyteste
     ]
 
 
+def test_leases_dropped_in_reference_cycles_are_collected_during_their_test(
+    pytester: pytest.Pytester,
+) -> None:
+    module = pytester.makepyfile(
+        """
+        import gc
+        import pytest
+        from fsm_cache.engine.core import Engine
+        from fsm_cache.spec.shipped import host_machine
+
+        gc.disable()  # no collection but the plugin's: a cycle outlives its test unless it collects
+
+        def drop_in_a_cycle(ident):
+            engine = Engine(host_machine())
+            rec = engine.new(ident)
+            rec.state = "backed"
+            cycle = [engine.lease(rec)]
+            cycle.append(cycle)
+
+        @pytest.mark.fsm_allow_leaks
+        def test_on_purpose():
+            drop_in_a_cycle(3)
+
+        def test_by_mistake():
+            drop_in_a_cycle(4)
+
+        def test_after():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-W", "ignore::ResourceWarning")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(passed=3)
+    assert leaks(result) == [
+        "fsm_cache: 1 lease(s) dropped while held:",
+        f"  node 4: pin taken at {module.name}:{line_of(module, 'cycle = [')} in drop_in_a_cycle"
+        f" (collected during {module.name}::test_by_mistake)",
+    ]
+
+
 def test_released_leases_pass(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         RECORD

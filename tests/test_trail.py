@@ -263,6 +263,17 @@ def test_without_trail_mode_there_is_no_history() -> None:
     assert (exc.history, exc.site, exc.sites) == ("", None, ())
 
 
+def test_a_refusal_outside_trail_mode_names_no_trail_left_from_trail_mode() -> None:
+    traced, plain = Engine(host_machine(), trail=True), Engine(host_machine(), trail=False)
+    node = backed(traced)
+    backup_to_storage(traced, node)
+    drain_backup(traced, node)
+    assert node.trail is not None  # left by the trail-mode engine, stale for the other
+    exc = refusal(plain, node, "release")
+    assert str(exc) == "node 17: release refused in backed (pins=0): release without a matching pin"
+    assert (exc.history, exc.site, exc.sites) == ("", None, ())
+
+
 @pytest.fixture
 def environ(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     """Neither trail variable set, whatever the shell running the tests exports."""

@@ -379,17 +379,18 @@ def _call_effect(em: Emitter, depth: int, effect: str) -> None:
 def _find_site(em: Emitter, walk: bool) -> None:
     """Emit, first in a trail-mode fast path, the lookup of the call site's frame ``f``.
 
-    The site is the first frame outside fsm_cache's dispatch files, or with
-    ``walk`` false the immediate caller, which saves the file test on every
-    event. The frame is looked up before the checks rather than after them:
-    the same work measured about 15 ns a pin+release faster there in
-    ``fsm-cache bench engine`` (CPython 3.11: the same instructions in
+    The site is the first frame outside fsm_cache's dispatch files (the
+    outermost frame when every frame is in them, as :func:`trail.caller_site`
+    has it), or with ``walk`` false the immediate caller, which saves the file
+    test on every event. The frame is looked up before the checks rather than
+    after them: the same work measured about 15 ns a pin+release faster there
+    in ``fsm-cache bench engine`` (CPython 3.11: the same instructions in
     another order). A refusal drops it with the function's other locals.
     """
     em.emit(1, "f = _getframe(1)")
     if walk:
         em.emit(1, "c = f.f_code")
-        em.emit(1, "while c.co_filename in _INTERNAL:")
+        em.emit(1, "while c.co_filename in _INTERNAL and f.f_back is not None:")
         em.emit(2, "f = f.f_back")
         em.emit(2, "c = f.f_code")
 

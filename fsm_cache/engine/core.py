@@ -18,6 +18,7 @@ refusal's traceback shows the generated line that refused.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ from fsm_cache.engine import trail as trails
 from fsm_cache.engine.codegen import Compiled, Plan, Refusal, Refuser, Step, Verb, compile_system
 from fsm_cache.engine.lease import Lease, LeaseBook
 from fsm_cache.engine.runtime import Effect, caller_frame, no_effect, run_effect
-from fsm_cache.errors import IllegalTransition, SpecError, error_class
+from fsm_cache.errors import BadArgument, IllegalTransition, SpecError, error_class
 from fsm_cache.spec.machine import Spec, System, as_system
 
 
@@ -58,6 +59,7 @@ class Engine:
         Record: The slotted record class; :meth:`new` builds one.
 
     Raises:
+        BadArgument: ``history`` is not an int >= 0.
         SpecError: An effect the spec names is not bound.
         ConfigError: ``trail`` and ``audit`` both given and different, or
             ``FSM_CACHE_TRAIL`` and ``FSM_CACHE_AUDIT`` disagree.
@@ -72,15 +74,21 @@ class Engine:
         history: int = 8,
         audit: bool | None = None,
     ) -> None:
+        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+            raise BadArgument(f"Engine: history must be an int >= 0, got {history!r}")
         self.system: System = as_system(spec)
         chosen = trails.choose(trail, audit, "Engine", stacklevel=2)
         self.trail = trails.from_environment(stacklevel=2) if chosen is None else chosen
-        self.history = history
+        self.history = min(history, sys.maxsize)  # a deque's longest; more would overflow it
         self.leases = LeaseBook()
         self._effects = self._bind(effects)
         self._past = {e.name: e.past for _, m in self.system.regions for e in m.events if e.past}
         self._compiled: Compiled = compile_system(
-            self.system, self._refuser, trail=self.trail, history=history, effects=self._effects
+            self.system,
+            self._refuser,
+            trail=self.trail,
+            history=self.history,
+            effects=self._effects,
         )
         self._verbs = {
             event: self._compiled.verbs.get(event) or self._general(event)
@@ -222,9 +230,16 @@ class Engine:
         return step
 
     def lease(self, rec: Any, acquire: str = "pin", release: str = "release") -> Lease:
-        """Fire ``acquire`` and return a lease whose ``release()`` fires ``release`` once."""
+        """Fire ``acquire`` and return a lease whose ``release()`` fires ``release`` once.
+
+        Raises:
+            SpecError: Unknown ``acquire`` or ``release`` event; nothing was fired.
+            IllegalTransition: The spec refuses ``acquire``; ``rec`` is unchanged.
+            EffectFailed: A bound effect of ``acquire`` raised; ``rec`` is unchanged.
+        """
+        undo = self.verb(release)
         self.fire(rec, acquire)
-        return self.leases.open(rec, self.verb(release), acquire, self.system.label)
+        return self.leases.open(rec, undo, acquire, self.system.label)
 
     def counters(self, rec: Any, region: str | None = None) -> dict[str, int]:
         """Return the record's counters, of one region or of all of them."""
@@ -301,8 +316,9 @@ class Engine:
         def refuse(rec: Any, index: int) -> None:
             refusal = refusals[index]
             machine = system.machines[refusal.region]
-            recent = trails.sites(getattr(rec, "trail", None))
-            # Only trail mode pays for the frame walk to the refused call's own site.
+            # Only trail mode pays for the frame walk to the refused call's own site; outside
+            # it a trail left from an earlier trail-mode engine is stale, and is not reported.
+            recent = trails.sites(getattr(rec, "trail", None)) if on else ()
             site = trails.caller_site() if on else None
             raise error_class(refusal.error)(
                 label=system.label,

@@ -53,9 +53,11 @@ def held_records(engines: Iterable[Engine] | None = None) -> list[Held]:
     or instance attributes, which a plain class attribute may default; no
     properties) with states its machine declares:
     ``engine.new()`` records, :class:`~fsm_cache.residency.ResidencyRecord`
-    subclasses and SGLang-compat nodes alike; a tree's root is not one (its
-    counts are its children's). Runs a full collection first, so records only
-    garbage keeps alive are not reported.
+    subclasses and SGLang-compat nodes alike. A record with ``children`` and
+    no ``parent`` (a tree's root, or a standalone node) holds only by counters
+    no event propagates to ancestors (pins): its locks are its children's, or
+    SGLang's own lock on its root. Runs a full collection first, so records
+    only garbage keeps alive are not reported.
     """
     gc.collect()
     objects = gc.get_objects()
@@ -90,6 +92,15 @@ class _Shape:
         self.regions = {r: frozenset(m.state_names) for r, m in system.regions}
         carried = {s.counter for _, m in system.regions for s in m.states if s.counter}
         self.carried = [(c, v) for c, v in system.counters if c in carried]
+        spread = {
+            c
+            for _, m in system.regions
+            for t in m.transitions
+            if t.propagate
+            for c in t.update.counters()
+        }
+        self.own = [(c, v) for c, v in self.carried if c not in spread]
+        """The carried counters no event propagates to ancestors: a root's are its own."""
         self.names = ("id", *self.regions, *(c for c, _ in system.counters))
         self.past = {e.name: e.past for _, m in system.regions for e in m.events if e.past}
 
@@ -102,7 +113,7 @@ class _Shape:
             return None
         if all(values[counter] == initial for counter, initial in self.carried):
             return None
-        if _tree_root(obj):
+        if _tree_root(obj) and all(values[counter] == initial for counter, initial in self.own):
             return None
         log = values.get("trail")
         history = trail.account(trail.sites(log), self.past) if isinstance(log, deque) else ""
@@ -110,11 +121,14 @@ class _Shape:
 
 
 def _tree_root(obj: object) -> bool:
-    """Whether ``obj`` is the root of a tree: it has ``children`` and its ``parent`` is None.
+    """Whether ``obj`` may be the root of a tree: it has ``children`` and its ``parent`` is None.
 
-    A root's counts hold nothing of their own: its locks are its children's,
-    propagated, plus, in SGLang, the one lock the cache keeps on it for ever
-    (``reset`` sets ``lock_ref = 1``). A leaked lock shows on the nodes below.
+    A root's propagated counts hold nothing of their own: its locks are its
+    children's, plus, in SGLang, the one lock the cache keeps on it for ever
+    (``reset`` sets ``lock_ref = 1``, children or none); a leaked lock shows on
+    the nodes below. Its other counts (pins) are its own. A standalone node (a
+    :class:`~fsm_cache.residency.Node` in no tree) looks the same: its pins are
+    reported, its locks no more than an empty SGLang tree's root's.
     """
     return hasattr(obj, "children") and getattr(obj, "parent", False) is None
 

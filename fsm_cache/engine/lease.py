@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fsm_cache.engine import trail
-from fsm_cache.errors import LeaseError
+from fsm_cache.errors import BadArgument, LeaseError
 
 
 if TYPE_CHECKING:
@@ -151,11 +151,17 @@ class LeaseBook:
         """Return the leases still held, oldest site first."""
         return sorted(self._open, key=lambda x: x.serial)
 
-    def void(self, site: trail.Site | None) -> None:
+    def void(self, site: trail.Site) -> None:
         """Close every held lease as released at ``site`` (a reset that drops what they hold).
 
         A later release of a voided lease raises LeaseError naming ``site``.
+
+        Raises:
+            BadArgument: ``site`` is not a :class:`~fsm_cache.engine.trail.Site`
+                (None would mark the leases held again); no lease changed.
         """
+        if not isinstance(site, trail.Site):
+            raise BadArgument(f"LeaseBook.void: site must be a Site, got {site!r}")
         for lease in self.outstanding():
             lease.released_at = site
             self._open.discard(lease)
