@@ -156,7 +156,11 @@ def hiradix_module() -> Any:
 
 
 def build_hiradix(
-    sg: Api, allocator: FakeAllocator, monkeypatch: pytest.MonkeyPatch, write_policy: str
+    sg: Api,
+    allocator: FakeAllocator,
+    monkeypatch: pytest.MonkeyPatch,
+    write_policy: str,
+    page_size: int = 1,
 ) -> Any:
     """SGLang's real ``HiRadixCache`` over the CPU fakes (host pool, controller, one rank)."""
     import torch
@@ -166,4 +170,4 @@ def build_hiradix(
     monkeypatch.setattr(hi, "MHATokenToKVPoolHost", FakeHostPool)
     monkeypatch.setattr(hi, "HiCacheController", CpuController.build)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
-    return hi.HiRadixCache(sg.cache_params(allocator), server_args(write_policy))
+    return hi.HiRadixCache(sg.cache_params(allocator, page_size), server_args(write_policy))
