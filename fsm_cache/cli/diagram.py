@@ -18,6 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from fsm_cache.cli.files import current_text
 from fsm_cache.diagram import FORMATS, DiagramError, render
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.shipped import shipped_spec_paths
@@ -123,21 +124,13 @@ def expected(specs: list[Path], folder: Path) -> dict[Path, str]:
     return wanted
 
 
-def _current(path: Path) -> str | None:
-    """Return the text of ``path``; None when it is missing or not UTF-8 (so it is rewritten)."""
-    try:
-        return path.read_text(encoding="utf-8") if path.is_file() else None
-    except UnicodeDecodeError:
-        return None
-
-
 def _check(wanted: dict[Path, str]) -> int:
     stale = 0
     for path, text in wanted.items():
         if not path.is_file():
             print(f"{path}: missing")
             stale += 1
-        elif _current(path) != text:
+        elif current_text(path) != text:
             print(f"{path}: differs from a fresh rendering")
             stale += 1
     if stale:
@@ -149,7 +142,7 @@ def _check(wanted: dict[Path, str]) -> int:
 
 def _write(wanted: dict[Path, str]) -> int:
     for path, text in wanted.items():
-        if _current(path) == text:
+        if current_text(path) == text:
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8", newline="\n")

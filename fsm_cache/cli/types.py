@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fsm_cache.cli.files import current_text
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.stubs import stub
 
@@ -38,11 +39,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.write}")
         return 0
     if args.check:
-        path = Path(args.check)
-        try:
-            current = path.read_text(encoding="utf-8") if path.is_file() else None
-        except UnicodeDecodeError:
-            current = ""  # not UTF-8: not the stub either
+        current = current_text(Path(args.check))
         if current != text:
             what = "is missing" if current is None else "differs from"
             print(f"{args.check} {what} the types of {args.spec}: run fsm-cache types --write")
