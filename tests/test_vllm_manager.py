@@ -43,7 +43,7 @@ K = [key(i) for i in range(10)]
 
 def snapshot(m: CheckedOffloadingManager) -> tuple[Any, ...]:
     """What a refused call must leave as it was."""
-    records = {k: (r.host, r.pins, r.chunk) for k, r in m.records.items()}
+    records = {k: (r.host, r.pins, r.chunk, tuple(r.trail or ())) for k, r in m.records.items()}
     events = list(m.events) if m.events is not None else None
     ranks = (dict(m.recency.ranks), set(m.recency.evictable))
     return records, ranks, list(m.free), m.allocated, events, m.duplicate_acks
@@ -158,6 +158,22 @@ def test_double_complete_load_is_refused_and_changes_nothing(ctx: RequestContext
         "no host-to-device copy in flight"
     )
     assert snapshot(m) == before
+
+
+def test_a_refused_repeated_completion_leaves_the_trails_as_they_were(
+    ctx: RequestContext,
+) -> None:
+    m = CheckedOffloadingManager(4, trail=True)
+    stored(m, [K[1], K[2]], ctx)
+    m.prepare_load([K[1], K[2]], ctx)
+    before = snapshot(m)
+    with pytest.raises(NotLoading):
+        m.complete_load([K[1], K[2], K[2]], ctx)  # checked on scratch copies first
+    assert snapshot(m) == before
+    m.prepare_load([K[1], K[1]], ctx)
+    notes = len(m.records[K[1]].trail or ())
+    m.complete_load([K[1], K[1]], ctx)
+    assert len(m.records[K[1]].trail or ()) == notes + 2  # one note per load_done
 
 
 def test_complete_load_of_a_block_never_loaded(ctx: RequestContext) -> None:
@@ -296,6 +312,37 @@ def test_a_finished_request_may_not_bring_new_keys(ctx: RequestContext) -> None:
     m.on_request_finished(ctx)
     with pytest.raises(BadArgument, match="after on_request_finished"):
         m.prepare_store([K[1]], ctx)
+    assert K[1] not in m.records
+
+
+def test_a_finished_request_may_offer_a_key_another_request_is_storing(
+    ctx: RequestContext,
+) -> None:
+    """vLLM asserts only on keys it would record, and it records no key being stored."""
+    m, writer = CheckedOffloadingManager(4), RequestContext("writer")
+    m.on_new_request(writer)
+    m.on_new_request(ctx)
+    m.prepare_store([K[1]], writer)
+    m.prepare_store([K[0]], ctx)
+    m.on_request_finished(ctx)
+    before = snapshot(m)
+    assert m.prepare_store([K[1]], ctx) == StoreOutput([], [], [])
+    assert snapshot(m) == before
+    with pytest.raises(BadArgument, match="after on_request_finished"):
+        m.prepare_store([K[1], K[2]], ctx)  # K[2] is new: vLLM would record it
+    assert snapshot(m) == before
+
+
+def test_a_finished_request_may_offer_a_key_below_the_store_threshold(
+    ctx: RequestContext,
+) -> None:
+    m = CheckedOffloadingManager(4, store_threshold=2)
+    m.on_new_request(ctx)
+    m.prepare_store([K[0]], ctx)
+    m.on_request_finished(ctx)
+    assert m.prepare_store([K[1]], ctx) == StoreOutput([], [], [])  # its first offer: skipped
+    with pytest.raises(BadArgument, match="after on_request_finished"):
+        m.prepare_store([K[1]], ctx)  # its second: vLLM would store and record it
     assert K[1] not in m.records
 
 

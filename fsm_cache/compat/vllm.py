@@ -45,8 +45,8 @@ from __future__ import annotations
 import enum
 import heapq
 import importlib
-from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol, TypeVar
 
@@ -531,13 +531,15 @@ class CheckedOffloadingManager:
         then but the access bookkeeping, as in vLLM).
 
         Raises:
-            BadArgument: The request was already finished; nothing changed.
+            BadArgument: A key offered twice, or the request was already
+                finished and a key it never saw would be recorded (vLLM
+                asserts); nothing changed.
         """
         keys = list(keys)
-        request = self._check_open(keys, req_context)
         if len(set(keys)) != len(keys):
             msg = f"prepare_store offered a key twice: {[block_label(k) for k in keys]}"
             raise BadArgument(msg)
+        request = self._check_open(self._would_record(keys), req_context)
         if self.counts is not None:
             self._count_offers(keys)
         records, to_store, ready = self.records, [], []
@@ -654,8 +656,11 @@ class CheckedOffloadingManager:
         Ready blocks are evicted through the machine. Blocks with a copy in
         flight are dropped with them by default: vLLM's scheduler never
         delivers the completions of jobs started before a reset, so their
-        chunks are free for reuse. A completion that arrives anyway is refused
-        (``NotLoading``, or ignored as a duplicate store acknowledgement).
+        chunks are free for reuse. A completion that arrives anyway for a key
+        not held again is refused (``NotLoading``) or ignored as a duplicate
+        store acknowledgement; for a key stored or loaded again since, it is
+        taken as the new job's, as vLLM takes it (a completion names no job).
+        Strict mode, which refuses the reset itself, is the protection.
 
         Raises:
             CopyInFlight: Strict mode, and a store is in flight; nothing changed.
@@ -741,8 +746,29 @@ class CheckedOffloadingManager:
                 held = self.records.get(key)
                 rec = copies[key] = OffloadRecord(key)
                 if held is not None:
-                    rec.host, rec.pins, rec.trail = held.host, held.pins, held.trail
+                    rec.host, rec.pins = held.host, held.pins
+                    if held.trail is not None:  # a copy: the scratch notes stay off the record
+                        rec.trail = deque(held.trail, maxlen=held.trail.maxlen)
             verb(rec)
+
+    def _would_record(self, keys: list[bytes]) -> list[bytes]:
+        """Return the offered keys ``prepare_store`` records: new ones it stores, and ready ones.
+
+        What vLLM's finished-request assert covers: a key being stored or
+        loaded, or one the threshold skips, is not recorded. A new key passes
+        the threshold when this offer brings its count there (a count is kept
+        only from a threshold of 2, so a key offered first never does).
+        """
+        records, counts, least = self.records, self.counts, self.store_threshold
+        out = []
+        for key in keys:
+            rec = records.get(key)
+            if rec is None:
+                if counts is None or counts.get(key, 0) + 1 >= least:
+                    out.append(key)
+            elif rec.host in self._readable:
+                out.append(key)
+        return out
 
     def _count_offers(self, keys: list[bytes]) -> None:
         """Count offers toward ``store_threshold``, dropping the oldest unprotected counts."""
@@ -929,6 +955,29 @@ def _manager_class(
     return FsmOffloadingManager
 
 
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def _flag(extra: Mapping[str, Any], name: str) -> bool | None:
+    """Read an on/off key of ``kv_connector_extra_config`` (JSON or CLI strings alike).
+
+    Returns:
+        The flag; None when the key is absent (a default applies).
+
+    Raises:
+        BadArgument: A value that is neither a bool nor an on/off word.
+    """
+    value = extra.get(name)
+    if value is None or isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    msg = f"kv_connector_extra_config[{name!r}] must be true or false, got {value!r}"
+    raise BadArgument(msg)
+
+
 def _spec_class(cpu_spec: Any, manager: type) -> type:
     """Build ``FsmCpuOffloadingSpec``: vLLM's CPU spec with the checked manager."""
 
@@ -949,8 +998,8 @@ def _spec_class(cpu_spec: Any, manager: type) -> type:
                     "events": self.kv_events_config.enable_kv_cache_events,
                     "store_threshold": int(extra.get("store_threshold", 0)),
                     "max_tracker_size": int(extra.get("max_tracker_size", 64_000)),
-                    "strict": bool(extra.get("fsm_strict", False)),
-                    "trail": extra.get("fsm_trail"),
+                    "strict": _flag(extra, "fsm_strict") is True,
+                    "trail": _flag(extra, "fsm_trail"),
                 }
                 if getattr(self, "cpu_info", None) is not None:
                     options["info"] = self.cpu_info

@@ -255,3 +255,28 @@ def test_the_spec_refuses_eviction_policies_other_than_lru(vl: Vllm) -> None:
     extra = {"cpu_bytes_to_use": 64 * 4096, "eviction_policy": "arc"}
     with pytest.raises(BadArgument, match="supports eviction_policy 'lru' only, not 'arc'"):
         vl.fsm.FsmCpuOffloadingSpec(_offloading_config(vl, extra)).get_manager()
+
+
+@pytest.mark.parametrize(
+    ("strict", "trail", "expected"),
+    [("false", "0", (False, False)), ("True", "on", (True, True)), (None, False, (False, False))],
+)
+def test_the_spec_reads_on_off_words_as_flags(
+    vl: Vllm, strict: object, trail: object, expected: tuple[bool, bool]
+) -> None:
+    extra: dict[str, object] = {"cpu_bytes_to_use": 64 * 4096, "fsm_trail": trail}
+    if strict is not None:
+        extra["fsm_strict"] = strict
+    ours = vl.fsm.FsmCpuOffloadingSpec(_offloading_config(vl, extra)).get_manager()
+    assert (ours.strict, ours.engine.trail) == expected  # "false" is not a true string
+
+
+def test_the_spec_refuses_a_flag_that_is_no_on_off_word(vl: Vllm) -> None:
+    from fsm_cache.errors import BadArgument
+
+    extra = {"cpu_bytes_to_use": 64 * 4096, "fsm_strict": "maybe"}
+    with pytest.raises(BadArgument) as refused:
+        vl.fsm.FsmCpuOffloadingSpec(_offloading_config(vl, extra)).get_manager()
+    assert str(refused.value) == (
+        "kv_connector_extra_config['fsm_strict'] must be true or false, got 'maybe'"
+    )
