@@ -2,10 +2,11 @@
 
 The one-region fast paths commit inside their branches, read a counter only
 where a guard tests it or an update writes it, and write a constant where a guard
-pins the counter (``release`` with ``pins == 1`` writes 0), and in trail mode
-look the caller's frame up before the checks. Each shipped machine and
-composition is run here on every state and representative valuation (invariant
-or not) against :func:`fsm_cache.spec.meaning.step`, through the verb a caller
+or the source state's invariant pins the counter (``release`` with ``pins == 1``
+writes 0, ``pin`` from ``backed`` writes 1), and in trail mode look the caller's
+frame up before the checks. Each shipped machine and composition is run here on
+every state and representative valuation its invariants allow (the engine keeps
+them) against :func:`fsm_cache.spec.meaning.step`, through the verb a caller
 asks for and through :meth:`Engine.fire`: an accepted event notes exactly one
 entry naming this file's calling line, a refused one changes nothing, trail
 included.
@@ -24,7 +25,6 @@ import pytest
 from fsm_cache.engine import trail
 from fsm_cache.engine.core import Engine
 from fsm_cache.errors import IllegalTransition
-from fsm_cache.spec.guards import Guard
 from fsm_cache.spec.machine import MachineSpec, System, as_system
 from fsm_cache.spec.meaning import step
 from fsm_cache.spec.shipped import load_shipped, shipped_spec_paths
@@ -45,10 +45,15 @@ def specs() -> Iterator[tuple[str, MachineSpec | System]]:
 
 
 def records(system: System) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
-    """Yield every combination of region states and representative counter valuations."""
+    """Yield every combination of region states and representative counter valuations.
+
+    Each region's valuations satisfy its state's invariant: the engine keeps
+    every invariant (validation proves each step does), and a fast path may
+    rely on it (``pin`` from ``backed``, where ``pins == 0``, writes 1).
+    """
     machines = [m for _, m in system.regions]
     for states in itertools.product(*(m.states for m in machines)):
-        per_machine = [valuations(m, Guard()) for m in machines]
+        per_machine = [valuations(m, s.invariant) for m, s in zip(machines, states, strict=True)]
         for values in itertools.product(*per_machine):
             counters: dict[str, int] = {}
             for found in values:

@@ -558,7 +558,7 @@ def _inline_commit(
     Values are computed before the effect runs, from the values on entry, as
     the plan computes them before its effects: a constant needs no local.
     """
-    values = [(a.counter, _inline_value(em, tr, a)) for a in tr.update.assigns]
+    values = [(a.counter, _inline_value(em, region, tr, a)) for a in tr.update.assigns]
     if effect is not None:
         for counter, value in values:
             if not value.isdigit():
@@ -576,14 +576,19 @@ def _inline_commit(
         em.emit(depth, "pass")
 
 
-def _inline_value(em: Emitter, tr: Transition, assign: Assign) -> str:
+def _inline_value(em: Emitter, region: str, tr: Transition, assign: Assign) -> str:
     """Return the value an inline branch writes to ``assign``'s counter.
 
-    Where the transition's guard pins the counter (``pins == 1``), the value is a
-    constant (``rec.pins = 0``); otherwise it is computed from the local the
-    branch read or, if it read none, from the record.
+    Where the transition's guard or the branch's source state's invariant pins
+    the counter (``pins == 1``; ``backed`` holds ``pins == 0``), the value is a
+    constant (``rec.pins = 0``, ``rec.pins = 1``); otherwise it is computed
+    from the local the branch read or, if it read none, from the record. The
+    engine keeps every invariant (validation proves each step does), so the
+    invariant is as good as a test.
     """
-    known = [t.value for t in tr.guard.terms if t.counter == assign.counter and t.op == "=="]
+    invariant = em.system.machines[region].state(em.state).invariant
+    terms = [*tr.guard.terms, *invariant.terms]
+    known = [t.value for t in terms if t.counter == assign.counter and t.op == "=="]
     if known and assign.op != "=":
         return str(known[0] + assign.delta())
     read = f"c_{assign.counter}" if assign.counter in em.read else f"rec.{assign.counter}"
