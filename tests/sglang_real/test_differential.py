@@ -29,6 +29,8 @@ from .fakes import FakeAllocator
 
 Trace = list[list[Any]]
 Step = Callable[[], Any]
+Running = tuple[list[int], Any, Any]
+"""A request in flight: its tokens, the slots of its matched prefix, its last matched node."""
 
 
 def ints(tensor: Any) -> list[int] | None:
@@ -81,6 +83,33 @@ class Stream:
         return tokens
 
 
+def finish_request(sg: Api, cache: Any, allocator: FakeAllocator, request: Running) -> Any:
+    """End a request as SGLang's scheduler does: slots for its tail, insert, free, unlock.
+
+    The tail's slots are allocated (evicting first if the pool is short), the
+    page-aligned sequence inserted, the slots the tree already held freed, and
+    the request's lock on its matched prefix dropped.
+    """
+    tokens, prefix, last = request
+    page = cache.page_size
+    whole = len(tokens) // page * page
+    need = max(whole - len(prefix), 0)
+    new = allocator.alloc(need)
+    if new is None:
+        sg.evict(cache, need)
+        new = allocator.alloc(need)
+    inserted = None
+    if new is not None and whole > len(prefix):
+        value = torch.cat([prefix, new])[:whole]
+        inserted = sg.insert(cache, tokens[:whole], value)
+        if inserted > len(prefix):  # the caller frees what the tree already held
+            allocator.free(value[len(prefix) : inserted])
+    elif new is not None:
+        allocator.free(new)
+    cache.dec_lock_ref(last)
+    return ints(new), inserted
+
+
 def attempt(rec: list[Any], step: Step) -> None:
     """Run ``step``, recording its result or the exception it raised (a refusal parts the runs)."""
     try:
@@ -99,7 +128,7 @@ def hiradix_run(
     cache = build_hiradix(sg, allocator, monkeypatch, policy, page)
     cache.load_back_threshold = rnd.choice([1, 2, 10])
     ctl = cache.cache_controller
-    running: list[tuple[list[int], Any, Any]] = []
+    running: list[Running] = []
 
     def request() -> Any:
         tokens = stream.key()
@@ -113,23 +142,7 @@ def hiradix_run(
         return tokens, ints(found.device_indices), found.host_hit_length, ints(loaded)
 
     def finish() -> Any:
-        tokens, prefix, last = running.pop(rnd.randrange(len(running)))
-        whole = len(tokens) // page * page
-        need = max(whole - len(prefix), 0)
-        new = allocator.alloc(need)
-        if new is None:
-            cache.evict(need)
-            new = allocator.alloc(need)
-        inserted = None
-        if new is not None and whole > len(prefix):
-            value = torch.cat([prefix, new])[:whole]
-            inserted = sg.insert(cache, tokens[:whole], value)
-            if inserted > len(prefix):  # the caller frees what the tree already held
-                allocator.free(value[len(prefix) : inserted])
-        elif new is not None:
-            allocator.free(new)
-        cache.dec_lock_ref(last)
-        return ints(new), inserted
+        return finish_request(sg, cache, allocator, running.pop(rnd.randrange(len(running))))
 
     def settle() -> None:
         if rnd.random() < 0.7:
@@ -174,7 +187,7 @@ def radix_run(sg: Api, clock: Clock, seed: int, page: int) -> Trace:
     stream, rnd = Stream(seed, 1), random.Random(seed + 1)
     allocator = FakeAllocator(48)
     cache = sg.rc.RadixCache(sg.cache_params(allocator, page_size=page))
-    running: list[tuple[list[int], Any, Any]] = []
+    running: list[Running] = []
 
     def request() -> Any:
         tokens = stream.key()
@@ -192,23 +205,7 @@ def radix_run(sg: Api, clock: Clock, seed: int, page: int) -> Trace:
         return [slot for part in reversed(parts) for slot in part]
 
     def finish() -> Any:
-        tokens, prefix, last = running.pop(rnd.randrange(len(running)))
-        whole = len(tokens) // page * page
-        need = max(whole - len(prefix), 0)
-        new = allocator.alloc(need)
-        if new is None:
-            sg.evict(cache, need)
-            new = allocator.alloc(need)
-        inserted = None
-        if new is not None and whole > len(prefix):
-            value = torch.cat([prefix, new])
-            inserted = sg.insert(cache, tokens[:whole], value)
-            if inserted > len(prefix):
-                allocator.free(value[len(prefix) : inserted])
-        elif new is not None:
-            allocator.free(new)
-        cache.dec_lock_ref(last)
-        return ints(new), inserted
+        return finish_request(sg, cache, allocator, running.pop(rnd.randrange(len(running))))
 
     def second_holder() -> None:
         _, _, last = rnd.choice(running)
