@@ -211,7 +211,7 @@ def test_a_walking_verb_with_only_dispatch_frames_below_names_the_outermost() ->
         "        done.release()\n"
     )
     exec(compile(source, "<dispatch>", "exec"), helper)
-    done, box = _thread.allocate_lock(), []
+    done, box = _thread.allocate_lock(), list[BaseException]()
     done.acquire()
     trail.internal("<dispatch>")
     try:
