@@ -58,14 +58,24 @@ def values(system: System, rec: Any) -> tuple[object, ...]:
 
 
 def configurations(system: System, top: int | None = None) -> Iterator[dict[str, object]]:
-    """Yield every combination of region states and counter values 0..bound."""
+    """Yield every combination of region states and counter values 0..bound the invariants allow.
+
+    Each region's counters satisfy its state's invariant: the engine keeps
+    every invariant (validation proves each step does), and its fast paths
+    rely on it (``pin`` from ``backed``, where ``pins == 0``, writes 1).
+    """
     axes: list[list[tuple[str, object]]] = []
     for region, machine in system.regions:
         axes.append([(region, s) for s in machine.state_names])
         limit = bound(machine) if top is None else top
         axes += [[(c, v) for v in range(limit + 1)] for c in machine.counter_names]
     for combo in itertools.product(*axes):
-        yield dict(combo)
+        config = dict(combo)
+        if all(
+            machine.state(str(config[region])).invariant.holds(config)  # type: ignore[arg-type]
+            for region, machine in system.regions
+        ):
+            yield config
 
 
 def tree_pair(engine: Engine, shape: list[int | None]) -> tuple[list[Record], list[Record]]:

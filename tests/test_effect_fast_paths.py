@@ -143,9 +143,14 @@ class World:
         rng = random.Random(seed)
         for rec in self.records:
             for region, machine in self.system.regions:
-                setattr(rec, region, rng.choice(machine.state_names))
-            for counter, _ in self.system.counters:
-                setattr(rec, counter, rng.choice((0, 0, 1, 2)))
+                state = machine.state(rng.choice(machine.state_names))
+                while True:  # counters its invariant allows: the engine keeps them so
+                    drawn = {c: rng.choice((0, 0, 1, 2)) for c in machine.counter_names}
+                    if state.invariant.holds(drawn):
+                        break
+                setattr(rec, region, state.name)
+                for counter, value in drawn.items():
+                    setattr(rec, counter, value)
         harness.world = self
 
     def snapshot(self) -> list[tuple[Any, ...]]:

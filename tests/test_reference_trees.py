@@ -40,7 +40,7 @@ def test_residency_tree_rules_agree_exhaustively() -> None:
             assert got == outcome(ref.fire, theirs[target], event), (me, other, role, event)
             assert tree_values(system, ours) == tree_values(system, theirs)
             checked += 1
-    assert checked > 20_000
+    assert checked > 5_000
 
 
 def test_propagation_agrees_on_every_chain() -> None:
