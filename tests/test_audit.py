@@ -205,3 +205,72 @@ def test_python_dash_m_sarif_is_valid_json() -> None:
     assert result.returncode == 1
     log = json.loads(result.stdout)
     assert [r["ruleId"] for r in log["runs"][0]["results"]] == ["FSM101", "FSM104"]
+
+
+def test_a_source_too_deeply_nested_to_parse_is_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    deep = tmp_path / "deep.py"
+    deep.write_text("x = " + " + ".join(["a"] * 3000) + "\n")
+    status, out, err = run_main([str(deep)], capsys)
+    assert (status, out, err) == (2, "", f"error: {deep}: too deeply nested to parse\n")
+
+
+def test_a_function_too_deeply_nested_exits_two_without_a_traceback(tmp_path: Path) -> None:
+    deep = tmp_path / "deep.py"
+    deep.write_text("def f(node):\n    x = " + " + ".join(["a"] * 1500) + "\n")
+    result = run_module(str(deep))
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"error: {deep}:1: f is too deeply nested to analyze\n"
+
+
+def test_a_null_byte_is_reported_without_a_bogus_place(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nul = tmp_path / "nul.py"
+    nul.write_bytes(b"x = 1\0\n")
+    status, _, err = run_main([str(nul)], capsys)
+    assert (status, err) == (
+        2,
+        f"error: {nul}: syntax error: source code string cannot contain null bytes\n",
+    )
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
+def test_a_named_pipe_is_not_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fifo = tmp_path / "fifo.py"
+    os.mkfifo(fifo)
+    status, _, err = run_main([str(fifo)], capsys)
+    assert (status, err) == (2, f"error: {fifo}: not a regular file\n")
+
+
+def test_a_folder_that_cannot_be_listed_is_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    locked = tmp_path / "pkg" / "locked"
+    locked.mkdir(parents=True)
+    (locked / "leak.py").write_text("def f(node):\n    node.protect_host()\n")
+    scandir = os.scandir
+
+    def refuse(path: str) -> object:
+        if Path(path) == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refuse)
+    status, out, err = run_main([str(tmp_path / "pkg")], capsys)
+    assert (status, out, err) == (2, "", f"error: {locked}: cannot list: Permission denied\n")
+
+
+def test_a_file_named_twice_is_audited_once(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(CORPUS)
+    status, out, _ = run_cli(["load_back.py", "./load_back.py", "load_back.py", "."], capsys)
+    others = "".join(
+        m.with_suffix(".expected").read_text() for m in MODULES if m.stem != "load_back"
+    )
+    assert status == 1
+    assert sorted(out.splitlines()) == sorted(
+        ((CORPUS / "load_back.expected").read_text() + others).splitlines()
+    )

@@ -85,6 +85,16 @@ def test_a_pyproject_without_the_table_gives_defaults(tmp_path: Path) -> None:
             "pairs = []",
             "[tool.fsm_cache.audit].pairs: no pairs to check: give at least one ACQUIRE:RELEASE",
         ),
+        (
+            "takes_ownership = ['']",
+            "[tool.fsm_cache.audit].takes_ownership: bad name '':"
+            " expected a function name or Class.method",
+        ),
+        (
+            "hands_off = ['Cache.']",
+            "[tool.fsm_cache.audit].hands_off: bad name 'Cache.':"
+            " expected a function name or Class.method",
+        ),
     ],
 )
 def test_bad_tables_are_refused_with_the_place(tmp_path: Path, table: str, message: str) -> None:
@@ -116,6 +126,7 @@ def test_the_nearest_pyproject_is_found(tmp_path: Path) -> None:
         ("pin:", "bad pair 'pin:': expected ACQUIRE:RELEASE, two call names"),
         ("a.b:c", "bad pair 'a.b:c': expected ACQUIRE:RELEASE, two call names"),
         ("pin:pin", "bad pair 'pin:pin': the acquire and release names must differ"),
+        ("class:unpin", "bad pair 'class:unpin': expected ACQUIRE:RELEASE, two call names"),
     ],
 )
 def test_bad_pairs_are_refused(text: str, message: str) -> None:
@@ -180,6 +191,44 @@ def test_unreadable_markers_are_findings(comment: str, message: str) -> None:
     assert [(f.line, f.col, f.code, f.message, f.function) for f in found] == [
         (1, 8, "FSM100", message, "")
     ]
+
+
+@pytest.mark.parametrize(
+    "comment",
+    [
+        "# fsm_cache: hands-off",
+        "# FSM-CACHE: hands-off",
+        "# fsm-cache hands-off",
+        "# Fsm-Cache: ignore[FSM101]",
+    ],
+)
+def test_misspelt_markers_are_findings(comment: str) -> None:
+    found = check_source(f"x = 1  {comment}\n", "m.py", AuditConfig())
+    message = f"misspelt fsm-cache marker {comment!r} (expected '# fsm-cache: DIRECTIVE')"
+    assert [(f.line, f.col, f.code, f.message) for f in found] == [(1, 8, "FSM100", message)]
+
+
+def test_prose_about_fsm_cache_is_not_a_marker() -> None:
+    source = "x = 1  # fsm_cache.engine leases; fsm-cache audit is run in CI\n"
+    assert check_source(source, "m.py", AuditConfig()) == []
+
+
+def test_a_marker_may_follow_another_comment() -> None:
+    markers = read_markers(
+        textwrap.dedent("""
+            y = 1  # noqa  # fsm-cache: hands-off
+            z = 2  # type: ignore[attr-defined]  # fsm-cache: ignore[FSM104] -- why
+            w = 3  # fsm-cache: takes-ownership  # noqa: E501
+        """)
+    )
+    assert markers.flags == {2: {"hands-off"}, 4: {"takes-ownership"}}
+    assert markers.ignores == {3: {"FSM104"}}
+    assert markers.problems == []
+
+
+def test_a_bad_marker_after_another_comment_is_placed_at_the_marker() -> None:
+    found = check_source("x = 1  # noqa  # fsm-cache: hand-off\n", "m.py", AuditConfig())
+    assert [(f.line, f.col, f.code) for f in found] == [(1, 16, "FSM100")]
 
 
 def test_signature_markers_cover_the_whole_function() -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import textwrap
 
-from fsm_cache.audit import AuditConfig, check_source
+import pytest
+
+from fsm_cache.audit import AuditConfig, AuditError, check_source, flow
 
 
 def audit(source: str, config: AuditConfig | None = None) -> list[str]:
@@ -484,3 +486,155 @@ def test_module_level_code_is_not_audited() -> None:
     assert not audit("""
         node.protect_host()
     """)
+
+
+# Bounds of the analysis: deep nesting, many paths, long loops (D1-D3).
+
+
+def test_a_long_elif_chain_is_followed_without_recursion() -> None:
+    branches = "".join(f"    elif c{i}:\n        pass\n" for i in range(1, 400))
+    source = (
+        "def f(node):\n    node.protect_host()\n    if c0:\n        pass\n"
+        f"{branches}    else:\n        return None\n    node.release_host()\n"
+    )
+    assert audit(source) == [
+        "2:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function returns at line 804 [f]"
+    ]
+
+
+def test_a_function_too_deeply_nested_to_analyze_is_bad_input() -> None:
+    source = "def f(node):\n    node.protect_host()\n    x = " + " + ".join(["a"] * 1500) + "\n"
+    with pytest.raises(AuditError) as caught:
+        audit(source)
+    assert str(caught.value) == "m.py:1: f is too deeply nested to analyze"
+
+
+def test_calls_before_an_acquire_do_not_fill_the_states() -> None:
+    steps = "".join(f"    self.step{i}()\n" for i in range(300))
+    source = f"def f(self, node):\n{steps}    node.protect_host()\n    self.risky()\n"
+    source += "    node.release_host()\n"
+    assert audit(source) == [
+        f"302:5: FSM104 protect_host() on 'node' leaks if line 303 raises; {LEAK_HINT} [f]"
+    ]
+
+
+def test_a_full_set_of_states_is_loosened_not_cut() -> None:
+    tests = "".join(f"    if c{i}:\n        a{i}()\n" for i in range(9)) * 2
+    source = (
+        f"def f(node):\n{tests}    node.protect_host()\n    if x:\n        node.release_host()\n"
+    )
+    assert audit(source) == [
+        "38:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function ends at line 40 [f]"
+    ]
+
+
+def test_too_many_distinct_states_is_bad_input() -> None:
+    pins = "".join(f"    if c{i}:\n        n{i}.protect_host()\n" for i in range(10))
+    with pytest.raises(AuditError) as caught:
+        audit(f"def f():\n{pins}")
+    assert str(caught.value) == (
+        "m.py:1: f is too complex to analyze (more than 512 distinct path states)"
+    )
+
+
+def nested(depth: int, block: list[str]) -> str:
+    """Return ``f`` pinning a node around ``depth`` blocks, each nested in the last line of the one before."""
+    lines = ["def f(node):", "    node.protect_host()"]
+    for level in range(depth):
+        indent = "    " * (level + 1)
+        lines.extend(indent + line.format(level=level) for line in block)
+    lines.append("    " * (depth + 1) + "work()")
+    lines.append("    node.release_host()")
+    return "\n".join(lines) + "\n"
+
+
+def test_nested_loops_that_only_call_run_once_per_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(flow, "MAX_STEPS", 2_000)
+    assert audit(nested(24, ["for x{level} in xs{level}:"])) == [
+        f"2:5: FSM104 protect_host() on 'node' leaks if line 27 raises; {LEAK_HINT} [f]"
+    ]
+
+
+def test_a_function_over_its_step_budget_is_bad_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(flow, "MAX_STEPS", 10_000)
+    with pytest.raises(AuditError) as caught:
+        audit(nested(18, ["try:", "    work()", "finally:"]))
+    assert str(caught.value) == (
+        "m.py:1: f is too complex to analyze (more than 10000 statement steps)"
+    )
+
+
+def test_an_element_picked_per_loop_pass_is_not_released_twice() -> None:
+    assert audit("""
+        class C:
+            def writing_check(self):  # fsm-cache: takes-ownership
+                for ack_id in self.cache_controller.ack_write_queue:
+                    self.dec_lock_ref(self.ongoing_write_through.pop(ack_id))
+
+            def drain(self):  # fsm-cache: takes-ownership
+                for i in range(self.n):
+                    self.dec_lock_ref(self.nodes[i])
+
+            def drain_queue(self):  # fsm-cache: takes-ownership
+                while self.q:
+                    self.q.popleft().release_host()
+
+            def pin_each(self, ids):
+                for k in ids:
+                    self.inc_lock_ref(self.table[k])
+                for k in ids:
+                    self.dec_lock_ref(self.table[k].node)
+                    self.dec_lock_ref(self.table[k])
+    """) == [
+        "19:13: FSM103 dec_lock_ref() on 'self.table[k].node' has no inc_lock_ref() in reach"
+        " and no documented hand-off [C.pin_each]"
+    ]
+
+
+def test_the_same_resource_released_in_each_loop_pass_still_doubles() -> None:
+    assert audit("""
+        def f(self, node, ids):
+            for k in ids:
+                self.dec_lock_ref(self.table[0])
+    """) == [
+        "4:9: FSM102 dec_lock_ref() on 'self.table[0]' can run twice:"
+        " it runs again on a later loop iteration [f]",
+    ]
+
+
+def test_a_guarded_wildcard_case_can_fall_through() -> None:
+    assert audit("""
+        def f(node, cmd):
+            node.protect_host()
+            match cmd:
+                case 1:
+                    node.release_host()
+                case _ if cmd > 5:
+                    node.release_host()
+    """) == [
+        "3:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function ends at line 8 [f]"
+    ]
+
+
+def test_a_release_before_the_only_acquire_has_none_in_reach() -> None:
+    assert audit("""
+        def f(self, node):
+            self.dec_lock_ref(node)
+            self.locks[node.id] = self.inc_lock_ref(node)
+    """) == [
+        "3:5: FSM103 dec_lock_ref() on 'node' has no inc_lock_ref() in reach"
+        " and no documented hand-off [f]"
+    ]
+
+
+def test_columns_count_characters_not_bytes() -> None:
+    assert audit("""
+        def f(node):
+            s = "ééé"; node.protect_host()
+    """) == [
+        "3:16: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function ends at line 3 [f]"
+    ]

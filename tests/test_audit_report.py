@@ -139,3 +139,36 @@ def test_the_flake8_entry_point_is_declared() -> None:
         '[project.entry-points."flake8.extension"]\nFSM = "fsm_cache.audit.flake8:AuditPlugin"'
         in text
     )
+
+
+def test_sarif_paths_outside_the_working_directory_have_no_base(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "src").mkdir()
+    monkeypatch.chdir(tmp_path / "src")
+    findings = [
+        Finding("a.py", 1, 1, "FSM103", "m", "f"),
+        Finding("../b.py", 1, 1, "FSM103", "m", "f"),
+        Finding("/elsewhere/x.py", 1, 1, "FSM103", "m", "f"),
+    ]
+    results = json.loads(to_sarif(findings))["runs"][0]["results"]
+    assert [r["locations"][0]["physicalLocation"]["artifactLocation"] for r in results] == [
+        {"uri": "a.py", "uriBaseId": "%SRCROOT%"},
+        {"uri": (tmp_path / "b.py").as_uri()},
+        {"uri": "file:///elsewhere/x.py"},
+    ]
+
+
+def test_flake8_plugin_reports_a_function_too_deep_to_analyze_as_a_result() -> None:
+    source = "def f(node):\n    x = " + " + ".join(["a"] * 1500) + "\n"
+    lines = source.splitlines(keepends=True)
+    assert list(AuditPlugin(ast.parse(source), "deep.py", lines).run()) == [
+        (1, 0, "FSM100 deep.py:1: f is too deeply nested to analyze", AuditPlugin)
+    ]
+
+
+def test_flake8_plugin_columns_count_characters() -> None:
+    source = 'def f(node):\n    s = "ééé"; node.protect_host()\n'
+    lines = source.splitlines(keepends=True)
+    ((line, col, _, _),) = AuditPlugin(ast.parse(source), "cache.py", lines).run()
+    assert (line, col) == (2, 15)

@@ -7,6 +7,7 @@ or a ``def``, and the ``takes_ownership``/``hands_off`` lists of the config.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,16 +18,29 @@ from fsm_cache.audit.flow import analyze
 from fsm_cache.audit.markers import HANDS_OFF, TAKES_OWNERSHIP, Markers, read_markers
 from fsm_cache.audit.model import AuditConfig, AuditError, Finding
 from fsm_cache.audit.scope import FunctionNode, build_scope
-from fsm_cache.audit.state import Flow, FlowOutcome
+from fsm_cache.audit.state import Flow, FlowOutcome, TooComplex
+
+
+# The line breaks of the parser: not the form feeds and others str.splitlines() knows.
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
 
 
 @dataclass(frozen=True)
 class Module:
-    """What applies to every function of one module: its path, the config, its markers."""
+    """What applies to every function of one module.
+
+    Attributes:
+        path: The source path as given.
+        config: The config that applies to it.
+        markers: Its ``# fsm-cache:`` markers.
+        lines: Its source lines, to turn the parser's byte columns into
+            character columns; empty when the source is not at hand.
+    """
 
     path: str
     config: AuditConfig
     markers: Markers
+    lines: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -49,26 +63,41 @@ class Function:
 
 
 def parse(source: str, path: str) -> ast.Module:
-    """Parse ``source``; a syntax error becomes an :class:`AuditError` naming the place."""
+    """Parse ``source``; a syntax error becomes an :class:`AuditError` naming the place.
+
+    Raises:
+        AuditError: The source has a syntax error, a null byte, or nests too deeply.
+    """
     try:
         return ast.parse(source, filename=path)
     except SyntaxError as exc:
-        where = f"{path}:{exc.lineno or 0}:{exc.offset or 0}"
+        where = f"{path}:{exc.lineno}:{exc.offset or 0}" if exc.lineno else path
         raise AuditError(f"{where}: syntax error: {exc.msg}") from None
+    except RecursionError:
+        raise AuditError(f"{path}: too deeply nested to parse") from None
     except ValueError as exc:  # null bytes in the source
         raise AuditError(f"{path}: cannot parse: {exc}") from None
 
 
 def check_source(source: str, path: str, config: AuditConfig) -> list[Finding]:
     """Return the findings of one module's source text, sorted by place."""
-    return check_tree(parse(source, path), path, config, read_markers(source))
+    return check_tree(parse(source, path), path, config, read_markers(source), source)
 
 
 def check_tree(
-    tree: ast.Module, path: str, config: AuditConfig, markers: Markers | None = None
+    tree: ast.Module,
+    path: str,
+    config: AuditConfig,
+    markers: Markers | None = None,
+    source: str | None = None,
 ) -> list[Finding]:
-    """Return the findings of a parsed module; ``markers`` come from its comments."""
-    module = Module(path, config, markers or Markers())
+    """Return the findings of a parsed module; ``markers`` come from its comments.
+
+    Columns count characters when ``source`` is given, else UTF-8 bytes as
+    the parser does.
+    """
+    lines = tuple(_LINE_BREAK.split(source)) if source is not None else ()
+    module = Module(path, config, markers or Markers(), lines)
     functions = list(_functions(tree, "", False, module))
     takers = config.takes_ownership | {fn.node.name for fn in functions if fn.takes_ownership}
     classifier = Classifier(config, frozenset(takers))
@@ -76,15 +105,36 @@ def check_tree(
         Finding(path, line, col, "FSM100", text, "") for line, col, text in module.markers.problems
     ]
     for function in functions:
-        outcome, sink = analyze(function.node, classifier)
-        found.extend(_findings(module, function, outcome, sink))
+        found.extend(_analyzed(module, function, classifier))
     ignored = module.markers.ignored
     return sorted({f for f in found if f.code not in config.ignore and not ignored(f.line, f.code)})
 
 
+def _analyzed(module: Module, function: Function, classifier: Classifier) -> list[Finding]:
+    """Return the findings of one function; one beyond the analysis' bounds is bad input.
+
+    Raises:
+        AuditError: The function is too deeply nested, or has too many paths, to analyze.
+    """
+    where = f"{module.path}:{function.node.lineno}: {function.qualname}"
+    try:
+        outcome, sink = analyze(function.node, classifier)
+        return list(_findings(module, function, outcome, sink))
+    except RecursionError:
+        raise AuditError(f"{where} is too deeply nested to analyze") from None
+    except TooComplex as exc:
+        raise AuditError(f"{where} is too complex to analyze ({exc})") from None
+
+
 def _functions(node: ast.AST, prefix: str, nested: bool, module: Module) -> Iterator[Function]:
-    """Yield every function under ``node`` with its qualified name, outermost first."""
+    """Yield every function under ``node`` with its qualified name, outermost first.
+
+    Only statements are searched (a ``def`` is one), so a deeply nested
+    expression is left to the analysis of its function.
+    """
     for child in ast.iter_child_nodes(node):
+        if not isinstance(child, ast.stmt | ast.excepthandler | ast.match_case):
+            continue
         if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
             qualname = prefix + child.name
             yield _declared(child, qualname, nested, module)
@@ -130,7 +180,16 @@ def _findings(module: Module, fn: Function, outcome: FlowOutcome, sink: Sink) ->
                 sink.leak(site, line, how)
     for item in messages.render_events(sink, module.config.pairs):
         if not _declared_away(fn, item, module.markers):
-            yield Finding(module.path, item.line, item.col, item.code, item.message, fn.qualname)
+            col = _char_col(module.lines, item.line, item.col)
+            yield Finding(module.path, item.line, col, item.code, item.message, fn.qualname)
+
+
+def _char_col(lines: tuple[str, ...], line: int, col: int) -> int:
+    """Return the 1-based character column of the 1-based UTF-8 byte column ``col``."""
+    if not 0 < line <= len(lines):
+        return col
+    prefix = lines[line - 1].encode("utf-8")[: col - 1]
+    return len(prefix.decode("utf-8", errors="ignore")) + 1
 
 
 def _declared_away(fn: Function, item: messages.Rendered, markers: Markers) -> bool:

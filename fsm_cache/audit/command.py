@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import sys
 import tokenize
 from collections.abc import Iterator, Sequence
@@ -101,22 +102,48 @@ def _config_of(config: AuditConfig | ConfigFinder, path: str) -> AuditConfig:
 
 
 def _python_files(paths: Sequence[str]) -> Iterator[str]:
-    """Yield the files named, and the ``.py`` files under the folders named, in order."""
+    """Yield the files named, and the ``.py`` files under the folders named, in order.
+
+    A file reached twice (named twice, or named and under a folder named) is
+    yielded once, as first reached.
+
+    Raises:
+        AuditError: A path is missing or not a regular file, or a folder cannot be listed.
+    """
+    seen: set[str] = set()
     for name in paths:
         path = Path(name)
         if path.is_dir():
-            yield from (str(found) for found in sorted(path.rglob("*.py")) if _wanted(found, path))
+            found = [str(file) for file in _walk(path)]
+        elif path.is_file():
+            found = [name]
         elif path.exists():
-            yield name
+            raise AuditError(f"{name}: not a regular file")
         else:
             raise AuditError(f"{name}: no such file or directory")
+        for file in found:
+            real = os.path.realpath(file)
+            if real not in seen:
+                seen.add(real)
+                yield file
 
 
-def _wanted(found: Path, root: Path) -> bool:
-    parts = found.relative_to(root).parts[:-1]
-    return found.is_file() and not any(
-        part.startswith(".") or part in _SKIPPED_DIRS for part in parts
-    )
+def _walk(root: Path) -> list[Path]:
+    """Return the regular ``.py`` files under ``root``, sorted, skipping hidden and vendored folders.
+
+    Raises:
+        AuditError: A folder under ``root`` cannot be listed.
+    """
+
+    def refuse(exc: OSError) -> None:
+        raise AuditError(f"{exc.filename}: cannot list: {exc.strerror or exc}")
+
+    files: list[Path] = []
+    for folder, dirs, names in os.walk(root, onerror=refuse):
+        dirs[:] = [d for d in dirs if not (d.startswith(".") or d in _SKIPPED_DIRS)]
+        here = Path(folder)
+        files.extend(here / n for n in names if n.endswith(".py") and (here / n).is_file())
+    return sorted(files)
 
 
 def _read(path: str) -> str:

@@ -60,6 +60,11 @@ def run_loop(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
     A ``for`` loop's variable stands for every element, so pinning and releasing
     it pair up across loops over the same collection, and its operations are
     not repeated in the second pass. Anything else repeats and can double.
+
+    The second pass is skipped when it cannot differ from the first: the first
+    acquired and released nothing and left no state it did not start from.
+    Nested loops that only call other code thus cost one pass per level, not
+    two to the power of the depth.
     """
     assert isinstance(stmt, ast.For | ast.AsyncFor | ast.While)
     outcome: FlowOutcome = {}
@@ -71,6 +76,7 @@ def run_loop(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
         exits.update(current)
     bindings = loop_bindings(stmt, walker.scope)
     for iteration in range(2):
+        entry, pair_ops = current, walker.pair_ops
         body = _iterate(walker, stmt, current, bindings, iteration)
         add(outcome, Flow.NORMAL, body.pop(Flow.BREAK, {}))
         current = {**body.pop(Flow.NORMAL, {}), **body.pop(Flow.CONTINUE, {})}
@@ -79,6 +85,8 @@ def run_loop(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
         merge(outcome, body)
         if not endless:
             exits.update(current)
+        if walker.pair_ops == pair_ops and current.keys() <= entry.keys():
+            break
     merge(outcome, walker.block(stmt.orelse, exits))
     return outcome
 
@@ -91,16 +99,18 @@ def _iterate(
     iteration: int,
 ) -> FlowOutcome:
     """Run one pass of a loop body with its loop variables bound."""
-    saved_env, saved_frozen = walker.scope.env, walker.frozen
+    saved_env, saved_frozen, saved_repeating = walker.scope.env, walker.frozen, walker.repeating
     walker.scope.env = {**saved_env, **bindings}
     if iteration:
         walker.frozen = saved_frozen | frozenset(bindings.values())
+        walker.repeating = True
     try:
         targets = [] if isinstance(stmt, ast.While) else [stmt.target]
         entry = walker.forget(targets, states)
         return walker.block(stmt.body, entry)
     finally:
         walker.scope.env, walker.frozen = saved_env, saved_frozen
+        walker.repeating = saved_repeating
 
 
 def _always_true(test: ast.expr) -> bool:
@@ -126,7 +136,8 @@ def run_match(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
     for case in stmt.cases:
         merge(outcome, walker.block(case.body, states))
     last = stmt.cases[-1].pattern if stmt.cases else None
-    if not (isinstance(last, ast.MatchAs) and last.pattern is None):
+    irrefutable = isinstance(last, ast.MatchAs) and last.pattern is None
+    if not (irrefutable and stmt.cases[-1].guard is None):
         add(outcome, Flow.NORMAL, states)
     return outcome
 

@@ -15,6 +15,7 @@ by the CLI and the flake8 plugin. Example::
 
 from __future__ import annotations
 
+import keyword
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -39,13 +40,18 @@ _KEYS = ("pairs", "takes_ownership", "hands_off", "non_raising", "ignore")
 
 
 def parse_pair(text: str) -> Pair:
-    """Parse ``ACQUIRE:RELEASE`` into a :class:`Pair`."""
+    """Parse ``ACQUIRE:RELEASE`` into a :class:`Pair`; both must be call names, not keywords."""
     acquire, sep, release = text.partition(":")
-    if not sep or not acquire.isidentifier() or not release.isidentifier():
+    if not sep or not _is_name(acquire) or not _is_name(release):
         raise AuditError(f"bad pair {text!r}: expected ACQUIRE:RELEASE, two call names")
     if acquire == release:
         raise AuditError(f"bad pair {text!r}: the acquire and release names must differ")
     return Pair(acquire, release)
+
+
+def _is_name(text: str) -> bool:
+    """Return whether ``text`` can be called by name: an identifier, not a keyword."""
+    return text.isidentifier() and not keyword.iskeyword(text)
 
 
 def parse_pairs(texts: Sequence[str]) -> tuple[Pair, ...]:
@@ -143,6 +149,8 @@ def config_from_table(table: Mapping[str, object], origin: str) -> AuditConfig:
     if unknown:
         raise AuditError(f"{origin}: unknown key {unknown[0]!r} (known: {', '.join(_KEYS)})")
     lists = {key: _strings(table.get(key, []), f"{origin}.{key}") for key in _KEYS}
+    for key in ("takes_ownership", "hands_off", "non_raising"):
+        _check_names(lists[key], f"{origin}.{key}")
     codes = sorted(set(lists["ignore"]) - RULES_BY_CODE.keys())
     if codes:
         raise AuditError(f"{origin}.ignore: unknown code {codes[0]!r}")
@@ -162,6 +170,15 @@ def _pairs_at(texts: list[str], origin: str) -> tuple[Pair, ...]:
         return parse_pairs(texts)
     except AuditError as exc:
         raise AuditError(f"{origin}: {exc}") from None
+
+
+def _check_names(names: list[str], origin: str) -> None:
+    """Refuse a function name that is not ``name`` or dotted names (``Class.method``)."""
+    for name in names:
+        if not all(_is_name(part) for part in name.split(".")):
+            raise AuditError(
+                f"{origin}: bad name {name!r}: expected a function name or Class.method"
+            )
 
 
 def _strings(value: object, origin: str) -> list[str]:

@@ -26,6 +26,7 @@ class Sink:
         raises: Acquire site -> the line whose raise leaks it.
         doubles: Release site -> the line of the earlier release on the same path.
         unmatched: Release sites reached on a path that holds and released nothing.
+        matched: Release sites that released a held acquisition on some path.
         aliases: Local container element text (``staged[*]``) -> the texts put into it.
     """
 
@@ -34,6 +35,7 @@ class Sink:
     raises: dict[SiteKey, int] = field(default_factory=dict)
     doubles: dict[SiteKey, int] = field(default_factory=dict)
     unmatched: set[SiteKey] = field(default_factory=set)
+    matched: set[SiteKey] = field(default_factory=set)
     aliases: dict[str, set[str]] = field(default_factory=dict)
 
     def acquired(self, key: ResourceKey, line: int, col: int) -> None:
@@ -60,6 +62,10 @@ class Sink:
     def unmatch(self, site: SiteKey) -> None:
         """Record a release on a path that holds nothing for it."""
         self.unmatched.add(site)
+
+    def match(self, site: SiteKey) -> None:
+        """Record a release on a path that held what it releases."""
+        self.matched.add(site)
 
     def aliased(self, alias: str, texts: frozenset[str]) -> None:
         """Record that the local container elements ``alias`` stand for ``texts``."""

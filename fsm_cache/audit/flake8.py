@@ -34,23 +34,31 @@ class AuditPlugin:
         self.lines = lines
 
     def run(self) -> Iterator[tuple[int, int, str, type[AuditPlugin]]]:
-        """Yield one flake8 result per finding; columns are 0-based, as flake8 expects."""
+        """Yield one flake8 result per finding; columns are 0-based, as flake8 expects.
+
+        What the CLI reports as bad input (an unusable config, a function too
+        deeply nested or too complex to analyze) becomes one FSM100 result at line 1.
+        """
         if not isinstance(self.tree, ast.Module):
             return
+        source = self._source()
+        markers = read_markers(source) if source is not None else Markers()
         try:
             config = _CONFIGS.for_file(self.filename)
+            findings = check_tree(self.tree, self.filename, config, markers, source)
         except AuditError as exc:
             yield 1, 0, f"FSM100 {exc}", type(self)
             return
-        for finding in check_tree(self.tree, self.filename, config, self._markers()):
+        for finding in findings:
             where = f" [{finding.function}]" if finding.function else ""
             message = f"{finding.code} {finding.message}{where}"
             yield finding.line, finding.col - 1, message, type(self)
 
-    def _markers(self) -> Markers:
+    def _source(self) -> str | None:
+        """Return the source text from ``lines`` or the file; None when unreadable."""
         if self.lines is not None:
-            return read_markers("".join(self.lines))
+            return "".join(self.lines)
         try:
-            return read_markers(Path(self.filename).read_text(encoding="utf-8"))
+            return Path(self.filename).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
-            return Markers()
+            return None

@@ -6,6 +6,10 @@ into the ``raise`` flow, so ``try``/``except``/``finally`` see exactly the
 acquisitions outstanding at each possible raise. Loops run their body once and
 twice, which exposes a release that repeats. Compound statements live in
 :mod:`fsm_cache.audit.compound`.
+
+The work is bounded: a function whose analysis would run more than
+:data:`MAX_STEPS` statement steps (one statement from one path state) raises
+:class:`~fsm_cache.audit.state.TooComplex` instead of running for minutes.
 """
 
 from __future__ import annotations
@@ -18,17 +22,22 @@ from fsm_cache.audit import compound
 from fsm_cache.audit.calls import Classifier, Op, OpKind, call_arguments, effects
 from fsm_cache.audit.compound import Handler
 from fsm_cache.audit.events import Sink
-from fsm_cache.audit.scope import Scope, build_scope, test_fact
+from fsm_cache.audit.scope import Scope, build_scope, test_fact, walk_same_scope
 from fsm_cache.audit.state import (
     Flow,
     FlowOutcome,
     ResourceKey,
     State,
     States,
+    TooComplex,
     add,
     merge,
     states_of,
 )
+
+
+# Statement steps (one statement run from one path state) allowed per function.
+MAX_STEPS = 250_000
 
 
 @dataclass
@@ -41,12 +50,19 @@ class Walker:
         sink: Receives the events seen along the way.
         frozen: Resource texts whose operations repeat harmlessly in a later loop
             iteration (the loop variable of that loop stands for every element).
+        repeating: Whether a later pass of some loop is being run.
+        steps: Statement steps run so far, against :data:`MAX_STEPS`.
+        pair_ops: Acquires and releases run so far (a loop pass without any
+            cannot depend on ``frozen``).
     """
 
     scope: Scope
     classifier: Classifier
     sink: Sink = field(default_factory=Sink)
     frozen: frozenset[str] = frozenset()
+    repeating: bool = False
+    steps: int = 0
+    pair_ops: int = 0
 
     def block(self, body: list[ast.stmt], states: States) -> FlowOutcome:
         """Run ``body`` from ``states``; return the states per way of leaving it."""
@@ -62,9 +78,24 @@ class Walker:
         return outcome
 
     def stmt(self, stmt: ast.stmt, states: States) -> FlowOutcome:
-        """Run one statement."""
+        """Run one statement.
+
+        Raises:
+            TooComplex: The function has used up its :data:`MAX_STEPS`.
+        """
+        self.count(states)
         handler = _HANDLERS.get(type(stmt), _simple)
         return handler(self, stmt, states)
+
+    def count(self, states: States) -> None:
+        """Charge one statement step per state against :data:`MAX_STEPS`.
+
+        Raises:
+            TooComplex: The function has used up its steps.
+        """
+        self.steps += len(states)
+        if self.steps > MAX_STEPS:
+            raise TooComplex(f"more than {MAX_STEPS} statement steps")
 
     def evaluate(self, node: ast.AST, states: States, outcome: FlowOutcome) -> States:
         """Apply the calls inside ``node`` in order; raising paths go to ``outcome``."""
@@ -105,8 +136,9 @@ class Walker:
         elif op.kind is OpKind.COLLECT and op.resource is not None:
             states = self.collect(op.resource, call_arguments(op.call), states)
         elif op.resource is not None and op.kind is not OpKind.SAFE:
+            self.pair_ops += 1
             key = (op.pair, self.scope.canon(op.resource))
-            if not self._repeats(key[1]):
+            if not self._repeats(key[1]) and not self._varies(op.resource):
                 states = self._pair(op, key, states)
         return states
 
@@ -117,6 +149,22 @@ class Walker:
         if texts:
             self.sink.aliased(alias, texts)
         return states_of(*(state.alias(alias, texts) for state in states)) if texts else states
+
+    def _varies(self, resource: ast.expr) -> bool:
+        """Return whether ``resource`` names another resource in each later loop pass.
+
+        In a later pass, an expression that reads a name rebound per iteration
+        (``self.nodes[i]``, ``self.table[k].node``) or calls something
+        (``self.q.popleft()``, ``self.ongoing.pop(ack_id)``) stands for a
+        different element than in the first pass, so it neither pairs nor doubles.
+        """
+        if not self.repeating:
+            return False
+        rebound = {name for name, text in self.scope.env.items() if text in self.frozen}
+        return any(
+            isinstance(sub, ast.Call) or (isinstance(sub, ast.Name) and sub.id in rebound)
+            for sub in walk_same_scope(resource)
+        )
 
     def _repeats(self, text: str) -> bool:
         """Return whether ``text`` is a per-iteration resource seen again in a later pass."""
@@ -134,7 +182,9 @@ class Walker:
                 earlier = state.last_release(_last_element(key))
             if earlier is not None:
                 self.sink.double((line, col, key), earlier)
-            elif not matched:
+            elif matched:
+                self.sink.match((line, col, key))
+            else:
                 self.sink.unmatch((line, col, key))
             after.append(released)
         return states_of(*after)
@@ -166,7 +216,12 @@ def _last_element(key: ResourceKey) -> ResourceKey:
 
 
 def _at(states: States, line: int) -> States:
-    return states_of(*(state.at(line) for state in states))
+    """Mark ``states`` as leaving at ``line``; the line matters only to what is still held.
+
+    States that hold nothing all leave at line 0, so a long run of calls that
+    may raise does not multiply them.
+    """
+    return states_of(*(state.at(line if state.held else 0) for state in states))
 
 
 def _stored(target: ast.expr) -> list[ast.expr]:
@@ -246,22 +301,40 @@ def _jump(flow: Flow) -> Handler:
 
 
 def _if(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
-    """Run both branches; a repeated test takes the branch it took before on that path."""
+    """Run both branches; a repeated test takes the branch it took before on that path.
+
+    An ``elif`` chain is walked in a loop, not by recursion, so a long chain
+    does not exhaust the stack.
+    """
     assert isinstance(stmt, ast.If)
     outcome: FlowOutcome = {}
-    states = walker.evaluate(stmt.test, states, outcome)
-    test, polarity = test_fact(stmt.test)
-    tracked = test in walker.scope.correlated
+    branch: ast.If | None = stmt
+    while branch is not None and states:
+        states = walker.evaluate(branch.test, states, outcome)
+        taken, skipped = _split(walker, branch.test, states)
+        merge(outcome, walker.block(branch.body, taken))
+        orelse = branch.orelse
+        if len(orelse) == 1 and isinstance(orelse[0], ast.If):
+            branch, states = orelse[0], skipped
+            walker.count(states)
+        else:
+            merge(outcome, walker.block(orelse, skipped))
+            branch = None
+    return outcome
+
+
+def _split(walker: Walker, test: ast.expr, states: States) -> tuple[States, States]:
+    """Return the states that take a branch on ``test`` and those that skip it."""
+    fact, polarity = test_fact(test)
+    tracked = fact in walker.scope.correlated
     branches: dict[bool, list[State]] = {True: [], False: []}
     for state in states:
-        known = state.fact(test) if tracked else None
+        known = state.fact(fact) if tracked else None
         for taken in (True, False):
             value = polarity == taken
             if known is None or known == value:
-                branches[taken].append(state.assume(test, value) if tracked else state)
-    merge(outcome, walker.block(stmt.body, states_of(*branches[True])))
-    merge(outcome, walker.block(stmt.orelse, states_of(*branches[False])))
-    return outcome
+                branches[taken].append(state.assume(fact, value) if tracked else state)
+    return states_of(*branches[True]), states_of(*branches[False])
 
 
 _HANDLERS: dict[type[ast.stmt], Handler] = {

@@ -8,7 +8,10 @@ reason after ``--``::
     # fsm-cache: ignore[FSM104]
 
 On a call line a directive covers that call; on a ``def`` line (any line of
-the signature) it covers the whole function.
+the signature) it covers the whole function. A marker may follow another
+comment on the line (``# noqa  # fsm-cache: hands-off``) and ends at the next
+``#``. A near miss of the prefix (``# fsm_cache:``, ``# FSM-CACHE:``,
+``# fsm-cache hands-off``) is a problem, not a comment: it would document nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +28,12 @@ HANDS_OFF = "hands-off"
 TAKES_OWNERSHIP = "takes-ownership"
 IGNORE = "ignore"
 
-_PREFIX = re.compile(r"#\s*fsm-cache\s*:(?P<body>.*)$")
+_PREFIX = re.compile(r"#\s*fsm-cache\s*:(?P<body>[^#]*)")
+# Another case, ``_`` or a space for the hyphen, or no colon before a directive.
+_NEAR_MISS = re.compile(
+    r"#\s*fsm[-_ ]?cache\b(?:\s*:|\s+(?:hands-off|takes-ownership|ignore)\b)[^#]*",
+    re.IGNORECASE,
+)
 _DIRECTIVE = re.compile(r"\s*(?P<name>[a-z][a-z-]*)\s*(?:\[(?P<codes>[^\]]*)\])?\s*(?:,|$)")
 
 
@@ -67,10 +75,16 @@ def read_markers(source: str) -> Markers:
 
 
 def _read_comment(markers: Markers, comment: str, start: tuple[int, int]) -> None:
-    match = _PREFIX.match(comment)
-    if match is None:
-        return
     line, col = start
+    match = _PREFIX.search(comment)
+    if match is None:
+        near = _NEAR_MISS.search(comment)
+        if near is not None:
+            text = near.group(0).strip()
+            problem = f"misspelt fsm-cache marker {text!r} (expected '# fsm-cache: DIRECTIVE')"
+            markers.problems.append((line, col + near.start() + 1, problem))
+        return
+    col += match.start()
     body = match.group("body").split("--", 1)[0].strip()
     pos = 0
     while pos < len(body):

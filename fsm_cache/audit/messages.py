@@ -70,15 +70,16 @@ def render_events(sink: Sink, pairs: tuple[Pair, ...]) -> Iterator[Rendered]:
 
 
 def _unmatched(line: int, col: int, key: ResourceKey, sink: Sink, pair: Pair) -> Rendered | None:
-    """Render a release that found nothing held: FSM103, or FSM105 when an acquire exists.
+    """Render a release that found nothing held on some path.
 
-    A release of each element of a local container filled alongside the acquires
+    It is FSM105 when it released an acquisition on another path, else FSM103:
+    an acquire that only comes after the release is not in reach. A release of each element of a local container filled alongside the acquires
     is not reported when the container is empty: releasing nothing is harmless.
     """
     acquired = sink.first_acquire(key)
     if acquired is not None and key[1] in sink.aliases:
         return None
-    if acquired is None:
+    if acquired is None or (line, col, key) not in sink.matched:
         text = f"{pair.release}() on '{key[1]}' has no {pair.acquire}() in reach"
         return Rendered(line, col, "FSM103", f"{text} and no documented hand-off", key)
     text = f"{pair.release}() on '{key[1]}' also runs on a path that skipped {pair.acquire}()"

@@ -8,6 +8,7 @@ right files of the checkout.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path, PurePath
 from typing import Any
@@ -86,9 +87,11 @@ def _driver() -> dict[str, Any]:
 
 
 def _result(finding: Finding, rule_index: int) -> dict[str, Any]:
+    uri = _uri(finding.path)
+    artifact = {"uri": uri} if uri.startswith("file:") else {"uri": uri, "uriBaseId": "%SRCROOT%"}
     location: dict[str, Any] = {
         "physicalLocation": {
-            "artifactLocation": {"uri": _uri(finding.path), "uriBaseId": "%SRCROOT%"},
+            "artifactLocation": artifact,
             "region": {"startLine": finding.line, "startColumn": finding.col},
         }
     }
@@ -106,11 +109,12 @@ def _result(finding: Finding, rule_index: int) -> dict[str, Any]:
 
 
 def _uri(path: str) -> str:
-    """Return ``path`` as a relative POSIX URI under the working directory when it is one."""
-    pure = Path(path)
-    if pure.is_absolute():
-        try:
-            pure = pure.relative_to(Path.cwd())
-        except ValueError:
-            return pure.as_uri()
-    return quote(PurePath(pure).as_posix())
+    """Return ``path`` as a URI relative to the working directory, else an absolute ``file:`` URI.
+
+    Only a relative URI is resolved against ``%SRCROOT%``.
+    """
+    absolute = Path(os.path.abspath(path))
+    try:
+        return quote(PurePath(absolute.relative_to(Path.cwd())).as_posix())
+    except ValueError:
+        return absolute.as_uri()

@@ -3,19 +3,31 @@
 A state is a small immutable value, so the analysis can keep an ordered set of
 them per program point and drop duplicates; the number of distinct states is
 bounded by the acquire sites and the correlated branch tests of the function.
+
+A set of states never silently loses one: when a set reaches
+:data:`MAX_STATES`, a new state joins it loosened (without its branch facts and
+stores, which can only add findings, never hide one), or is covered by a state
+that differs from it only in its exit line; past twice that many states the
+analysis gives up with :class:`TooComplex`.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, replace
 
 
 # A resource: the index of its pair and the canonical text of the expression.
 ResourceKey = tuple[int, str]
 
-# States kept per program point; a guard against pathological functions.
+# States kept per program point before new ones are loosened; a guard against
+# pathological functions.
 MAX_STATES = 256
+
+
+class TooComplex(Exception):
+    """The analysis of one function would exceed its bounds; the message says which."""
 
 
 class Flow(enum.Enum):
@@ -155,12 +167,49 @@ def states_of(*states: State) -> States:
 
 
 def add(outcome: FlowOutcome, flow: Flow, states: States) -> None:
-    """Merge ``states`` into ``outcome[flow]``, keeping first arrivals and the cap."""
+    """Merge ``states`` into ``outcome[flow]``, loosening new ones once it holds :data:`MAX_STATES`.
+
+    Raises:
+        TooComplex: A state fits neither as it is nor loosened.
+    """
     bucket = outcome.setdefault(flow, {})
     for state in states:
-        if len(bucket) >= MAX_STATES:
-            return
-        bucket.setdefault(state, None)
+        if state in bucket:
+            continue
+        if len(bucket) < MAX_STATES:
+            bucket[state] = None
+        else:
+            _add_loosened(bucket, state)
+
+
+def _add_loosened(bucket: States, state: State) -> None:
+    """Add ``state`` to a full ``bucket`` loosened, unless a state there covers it.
+
+    The loosened state forgets its branch facts, so it takes both sides of
+    every repeated test; what it stored before any acquire, so a later acquire
+    of it is not taken as handed on; and the aliases of what it does not hold,
+    so a later release through them matches nothing. It stands for more paths
+    than ``state``: loosening can add a finding, never hide one. A state
+    differing from it only in its exit line leaks the same acquisitions, so it
+    covers it.
+
+    Raises:
+        TooComplex: The bucket holds twice :data:`MAX_STATES` and ``state`` is new.
+    """
+    held = {entry.key[1] for entry in state.held}
+    aliases = frozenset(pair for pair in state.aliases if pair[1] in held)
+    loose = replace(state, facts=(), stored=frozenset(), aliases=aliases)
+    if loose in bucket or any(_sans_site(other) == _sans_site(loose) for other in bucket):
+        return
+    if len(bucket) >= 2 * MAX_STATES:
+        raise TooComplex(f"more than {2 * MAX_STATES} distinct path states")
+    bucket[loose] = None
+
+
+@functools.lru_cache(maxsize=4096)
+def _sans_site(state: State) -> State:
+    """Return ``state`` with its exit line cleared."""
+    return replace(state, site=0)
 
 
 def merge(into: FlowOutcome, other: FlowOutcome) -> None:
