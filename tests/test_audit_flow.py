@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from fsm_cache.audit import AuditConfig, AuditError, check_source, flow
+from fsm_cache.audit import AuditConfig, AuditError, Pair, check_source, flow
 
 
 def audit(source: str, config: AuditConfig | None = None) -> list[str]:
@@ -637,4 +637,236 @@ def test_columns_count_characters_not_bytes() -> None:
     """) == [
         "3:16: FSM101 protect_host() on 'node' is not released or handed on"
         " when the function ends at line 3 [f]"
+    ]
+
+
+def test_pinning_an_attribute_of_a_stored_owner_is_a_hand_off() -> None:
+    assert not audit("""
+        def store_owner_first(self, req):
+            self.running.append(req)
+            self.inc_lock_ref(req.last_node)
+
+        def store_owner_after(self, req):
+            self.inc_lock_ref(req.last_node)
+            self.new_chunked_req = req
+
+        def each_owner(self, reqs):
+            for req in reqs:
+                self.can_run_list.append(req)
+                self.inc_lock_ref(req.nodes[0])
+    """)
+
+
+def test_a_stored_attribute_of_an_object_does_not_hand_the_object_on() -> None:
+    assert audit("""
+        def f(self, req, request):
+            req.prefix = req.prefix_indices
+            self.running.append(request)
+            self.inc_lock_ref(req.last_node)
+            self.inc_lock_ref(requests.node)
+    """) == [
+        "5:5: FSM101 inc_lock_ref() on 'req.last_node' is not released or handed on"
+        " when the function ends at line 6 [f]",
+        "6:5: FSM101 inc_lock_ref() on 'requests.node' is not released or handed on"
+        " when the function ends at line 6 [f]",
+    ]
+
+
+def test_a_conditional_expression_acquires_under_its_test() -> None:
+    assert not audit("""
+        def ternary(node, c):
+            node.protect_host() if c else None
+            if c:
+                node.release_host()
+
+        def conjunction(node, c):
+            c and node.protect_host()
+            if c:
+                node.release_host()
+
+        def disjunction(node, c):
+            c or node.protect_host()
+            if not c:
+                node.release_host()
+    """)
+
+
+def test_a_conditional_expression_releases_only_under_its_test() -> None:
+    assert audit("""
+        def ternary(node, c):
+            node.protect_host()
+            node.release_host() if c else None
+
+        def conjunction(node, c):
+            node.protect_host()
+            c and node.release_host()
+
+        def disjunction(node, c):
+            node.protect_host()
+            c or node.release_host()
+    """) == [
+        "3:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function ends at line 4 [ternary]",
+        "7:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function ends at line 8 [conjunction]",
+        "11:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function ends at line 12 [disjunction]",
+    ]
+
+
+def test_enumerate_and_zip_targets_stand_for_the_elements() -> None:
+    assert not audit("""
+        def enumerated(self, nodes):
+            for node in nodes:
+                self.inc_lock_ref(node)
+            try:
+                work()
+            finally:
+                for i, node in enumerate(reversed(nodes)):
+                    self.dec_lock_ref(node)
+
+        def zipped(self, nodes, ops):
+            for node, op in zip(nodes, ops):
+                node.protect_host()
+            try:
+                work()
+            finally:
+                for op, node in zip(ops, nodes):
+                    node.release_host()
+    """)
+
+
+def test_comprehension_variables_stand_for_the_elements() -> None:
+    assert not audit("""
+        def f(nodes):
+            for n in nodes:
+                n.protect_host()
+            try:
+                work()
+            finally:
+                [n.release_host() for n in nodes]
+    """)
+
+
+def test_a_comprehension_releases_twice_like_a_loop() -> None:
+    assert audit("""
+        def after_a_loop(nodes):
+            for n in nodes:
+                n.protect_host()
+            for n in nodes:
+                n.release_host()
+            [n.release_host() for n in nodes]
+
+        def per_element(node, xs):
+            node.protect_host()
+            [node.release_host() for _ in xs]
+
+        def filtered(nodes):
+            for n in nodes:
+                n.protect_host()
+            [n.release_host() for n in nodes if n.ready]
+    """) == [
+        "7:6: FSM102 release_host() on 'nodes[*]' can run twice: already released at line 6"
+        " [after_a_loop]",
+        "11:6: FSM102 release_host() on 'node' can run twice:"
+        " it runs again on a later loop iteration [per_element]",
+        "15:9: FSM101 protect_host() on 'nodes[*]' is not released or handed on"
+        " when the function ends at line 16 [filtered]",
+    ]
+
+
+LOCK_PAIR = AuditConfig(pairs=(Pair("lock", "unlock"),))
+
+
+def test_an_acquire_receipt_releases_and_hands_on_the_resource() -> None:
+    assert not audit(
+        """
+        def released(self, last_node):
+            lock = self.tree_cache.lock(last_node)
+            try:
+                yield None
+            finally:
+                self.tree_cache.unlock(lock)
+
+        def returned(self, node_id):
+            receipt = self.tree.lock(node_id)
+            return receipt
+
+        def stored(self, node_id):
+            receipt = self.tree.lock(node_id)
+            self.locks[node_id] = receipt
+        """,
+        LOCK_PAIR,
+    )
+
+
+def test_what_is_read_from_a_receipt_is_a_receipt() -> None:
+    assert audit("""
+        def f(self, node_id, ack_id):
+            lock_params = self.inc_lock_ref(node_id).to_dec_params()
+            self.ongoing_write_through[ack_id] = lock_params
+
+        async def g(self, node_id):
+            handle = await self.tree.inc_lock_ref(node_id)
+            return handle.params
+    """) == [f"3:19: FSM104 inc_lock_ref() on 'node_id' leaks if line 3 raises; {LEAK_HINT} [f]"]
+
+
+def test_an_acquire_receipt_that_is_dropped_leaks() -> None:
+    assert audit(
+        """
+        def f(self, node):
+            lock = self.tree_cache.lock(node)
+            if node.evicted:
+                return None
+            self.tree_cache.unlock(lock)
+        """,
+        LOCK_PAIR,
+    ) == [
+        "3:12: FSM101 lock() on 'node' is not released or handed on"
+        " when the function returns at line 5 [f]"
+    ]
+
+
+def test_a_store_into_a_global_or_nonlocal_name_is_a_hand_off() -> None:
+    assert not audit("""
+        def global_name(node):
+            global HELD
+            node.protect_host()
+            HELD = node
+
+        def global_list(node):
+            global HELD
+            HELD = []
+            node.protect_host()
+            HELD.append(node)
+
+        def outer():
+            held = None
+
+            def inner(node):
+                nonlocal held
+                node.protect_host()
+                held = node
+
+            return inner
+    """)
+
+
+def test_a_function_named_after_its_pair_is_its_implementation() -> None:
+    assert audit("""
+        class Cache:
+            def inc_lock_ref(self, node_id):
+                result = self._binding.inc_lock_ref(node_id)
+                return _result_from_binding(result)
+
+            def dec_lock_ref(self, node_id):
+                self._binding.dec_lock_ref(node_id)
+
+            def release_host(self, node):
+                node.protect_host()
+                self.inc_lock_ref(node)
+    """) == [
+        "12:9: FSM101 inc_lock_ref() on 'node' is not released or handed on"
+        " when the function ends at line 12 [Cache.release_host]",
     ]

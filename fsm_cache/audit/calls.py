@@ -10,9 +10,10 @@ import ast
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from fsm_cache.audit.model import AuditConfig
-from fsm_cache.audit.scope import Scope, root_name
+from fsm_cache.audit.scope import Scope, conditional_effects, root_name, walk_same_scope
 
 
 # Methods that put their arguments into the receiver: a store into a
@@ -119,8 +120,21 @@ def call_arguments(call: ast.Call) -> list[ast.expr]:
     return [*call.args, *(keyword.value for keyword in call.keywords)]
 
 
-def effects(node: ast.AST) -> Iterator[ast.Call | ast.Yield | ast.YieldFrom | ast.Lambda]:
-    """Yield the calls, yields and lambdas of ``node`` in evaluation order (post-order)."""
+Comprehension = ast.ListComp | ast.SetComp | ast.GeneratorExp | ast.DictComp
+Effect = ast.Call | ast.Yield | ast.YieldFrom | ast.Lambda | ast.IfExp | ast.BoolOp | Comprehension
+
+
+def effects(node: ast.AST) -> Iterator[Effect]:
+    """Yield the calls, yields and lambdas of ``node`` in evaluation order (post-order).
+
+    A conditional expression or boolean operation whose guarded operands call
+    something, and a comprehension that calls something, are yielded whole
+    instead of their parts: the walker runs their parts under their tests
+    and with their loop variables bound.
+    """
+    if _whole(node):
+        yield node
+        return
     for child in ast.iter_child_nodes(node):
         if isinstance(child, ast.Lambda):
             yield child
@@ -128,3 +142,17 @@ def effects(node: ast.AST) -> Iterator[ast.Call | ast.Yield | ast.YieldFrom | as
             yield from effects(child)
     if isinstance(node, ast.Call | ast.Yield | ast.YieldFrom):
         yield node
+
+
+def _whole(node: ast.AST) -> TypeGuard[ast.IfExp | ast.BoolOp | Comprehension]:
+    """Return whether the walker runs ``node`` as one effect, its parts in their own order."""
+    if isinstance(node, ast.IfExp | ast.BoolOp):
+        return conditional_effects(node)
+    return isinstance(node, Comprehension) and _calls(node)
+
+
+def _calls(node: ast.AST) -> bool:
+    """Return whether ``node`` calls or yields anything outside nested functions."""
+    return any(
+        isinstance(sub, ast.Call | ast.Yield | ast.YieldFrom) for sub in walk_same_scope(node)
+    )

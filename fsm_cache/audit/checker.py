@@ -178,10 +178,24 @@ def _findings(module: Module, fn: Function, outcome: FlowOutcome, sink: Sink) ->
                 sink.raised(site, line)
             else:
                 sink.leak(site, line, how)
+    own = _implemented_pairs(fn.node, module.config)
     for item in messages.render_events(sink, module.config.pairs):
-        if not _declared_away(fn, item, module.markers):
+        if item.key[0] not in own and not _declared_away(fn, item, module.markers):
             col = _char_col(module.lines, item.line, item.col)
             yield Finding(module.path, item.line, col, item.code, item.message, fn.qualname)
+
+
+def _implemented_pairs(node: FunctionNode, config: AuditConfig) -> frozenset[int]:
+    """Return the pairs ``node`` implements: its name is their acquire or release.
+
+    A method named ``inc_lock_ref`` that forwards to ``self.tree.inc_lock_ref(node)``
+    is the pair's own implementation, not a caller that leaks it.
+    """
+    return frozenset(
+        index
+        for index, pair in enumerate(config.pairs)
+        if node.name in (pair.acquire, pair.release)
+    )
 
 
 def _char_col(lines: tuple[str, ...], line: int, col: int) -> int:

@@ -28,6 +28,7 @@ class Sink:
         unmatched: Release sites reached on a path that holds and released nothing.
         matched: Release sites that released a held acquisition on some path.
         aliases: Local container element text (``staged[*]``) -> the texts put into it.
+        receipts: Name bound to an acquire's return value -> the texts it acquired.
     """
 
     acquires: dict[ResourceKey, tuple[int, int]] = field(default_factory=dict)
@@ -37,6 +38,7 @@ class Sink:
     unmatched: set[SiteKey] = field(default_factory=set)
     matched: set[SiteKey] = field(default_factory=set)
     aliases: dict[str, set[str]] = field(default_factory=dict)
+    receipts: dict[str, set[str]] = field(default_factory=dict)
 
     def acquired(self, key: ResourceKey, line: int, col: int) -> None:
         """Record an acquire site."""
@@ -71,9 +73,13 @@ class Sink:
         """Record that the local container elements ``alias`` stand for ``texts``."""
         self.aliases.setdefault(alias, set()).update(texts)
 
+    def receipt(self, name: str, text: str) -> None:
+        """Record that ``name`` holds the receipt of an acquire of ``text``."""
+        self.receipts.setdefault(name, set()).add(text)
+
     def first_acquire(self, key: ResourceKey) -> tuple[int, int] | None:
-        """Return the earliest acquire of ``key`` or of what its alias stands for."""
-        texts = {key[1], *self.aliases.get(key[1], ())}
+        """Return the earliest acquire of ``key`` or of what its alias or receipt stands for."""
+        texts = {key[1], *self.aliases.get(key[1], ()), *self.receipts.get(key[1], ())}
         sites = [
             site for (pair, text), site in self.acquires.items() if pair == key[0] and text in texts
         ]

@@ -19,10 +19,23 @@ import re
 from dataclasses import dataclass, field
 
 from fsm_cache.audit import compound
-from fsm_cache.audit.calls import Classifier, Op, OpKind, call_arguments, effects
+from fsm_cache.audit.calls import (
+    Classifier,
+    Comprehension,
+    Op,
+    OpKind,
+    call_arguments,
+    effects,
+)
 from fsm_cache.audit.compound import Handler
 from fsm_cache.audit.events import Sink
-from fsm_cache.audit.scope import Scope, build_scope, test_fact, walk_same_scope
+from fsm_cache.audit.scope import (
+    Scope,
+    build_scope,
+    element_bindings,
+    test_fact,
+    walk_same_scope,
+)
 from fsm_cache.audit.state import (
     Flow,
     FlowOutcome,
@@ -104,11 +117,13 @@ class Walker:
         return states
 
     def hand_on(self, value: ast.AST | None, states: States) -> States:
-        """Mark the resources named in ``value`` as handed on."""
-        texts = self.scope.texts(value) if value is not None else frozenset()
-        if not texts:
+        """Mark the resources named in ``value``, or reachable from it, as handed on."""
+        if value is None:
             return states
-        return states_of(*(state.hand_on(texts) for state in states))
+        texts, owners = self.scope.texts(value), self.scope.owners(value)
+        if not texts and not owners:
+            return states
+        return states_of(*(state.hand_on(texts, owners) for state in states))
 
     def forget(self, targets: list[ast.expr], states: States) -> States:
         """Drop the branch facts that read any of the assigned ``targets``."""
@@ -118,12 +133,82 @@ class Walker:
     def _effect(self, effect: ast.AST, states: States, outcome: FlowOutcome) -> States:
         if isinstance(effect, ast.Lambda):
             return self.closure(effect, states)
+        if isinstance(effect, ast.IfExp):
+            states = self.evaluate(effect.test, states, outcome)
+            taken, skipped = _split(self, effect.test, states)
+            taken = self.evaluate(effect.body, taken, outcome)
+            return {**taken, **self.evaluate(effect.orelse, skipped, outcome)}
+        if isinstance(effect, ast.BoolOp):
+            return self._bool_op(effect, states, outcome)
+        if isinstance(effect, Comprehension):
+            return self._comprehension(effect, states, outcome)
         if isinstance(effect, ast.Yield | ast.YieldFrom):
             states = self.hand_on(effect.value, states)
             add(outcome, Flow.RAISE, _at(states, effect.lineno))
             return states
         assert isinstance(effect, ast.Call)
         return self._call(self.classifier.classify(effect, self.scope), states, outcome)
+
+    def _bool_op(self, op: ast.BoolOp, states: States, outcome: FlowOutcome) -> States:
+        """Run ``a and b and c``: each operand runs only when the ones before did not decide."""
+        done: States = {}
+        for value in op.values[:-1]:
+            states = self.evaluate(value, states, outcome)
+            taken, skipped = _split(self, value, states)
+            decided, states = (skipped, taken) if isinstance(op.op, ast.And) else (taken, skipped)
+            done.update(decided)
+        return {**done, **self.evaluate(op.values[-1], states, outcome)}
+
+    def _comprehension(self, comp: Comprehension, states: States, outcome: FlowOutcome) -> States:
+        """Run a comprehension once and again, its loop variables bound as a ``for`` loop's.
+
+        Like a ``for`` loop, it is assumed to run at least once; a resource
+        that is a loop variable's element is not acted on twice by the second pass.
+        """
+        saved_env, saved_frozen, saved_repeating = self.scope.env, self.frozen, self.repeating
+        first = comp.generators[0]
+        states = self.evaluate(first.iter, states, outcome)
+        exits: States = {}
+        varying: set[str] = set()
+        try:
+            for iteration in range(2):
+                if iteration:
+                    self.frozen, self.repeating = saved_frozen | frozenset(varying), True
+                entry, pair_ops = states, self.pair_ops
+                self.scope.env = saved_env
+                states = self._generate(comp, states, outcome, varying, exits)
+                exits.update(states)
+                if self.pair_ops == pair_ops and states.keys() <= entry.keys():
+                    break
+        finally:
+            self.scope.env, self.frozen = saved_env, saved_frozen
+            self.repeating = saved_repeating
+        return exits
+
+    def _generate(
+        self,
+        comp: Comprehension,
+        states: States,
+        outcome: FlowOutcome,
+        varying: set[str],
+        exits: States,
+    ) -> States:
+        """Run one element of ``comp``; states its ``if`` clauses filter out go to ``exits``."""
+        self.scope.env = dict(self.scope.env)
+        for index, generator in enumerate(comp.generators):
+            if index:
+                states = self.evaluate(generator.iter, states, outcome)
+            bindings = element_bindings(generator.target, generator.iter, self.scope)
+            varying.update(bindings.values())
+            self.scope.env.update(bindings)
+            for test in generator.ifs:
+                states = self.evaluate(test, states, outcome)
+                states, skipped = _split(self, test, states)
+                exits.update(skipped)
+        parts = [comp.key, comp.value] if isinstance(comp, ast.DictComp) else [comp.elt]
+        for part in parts:
+            states = self.evaluate(part, states, outcome)
+        return states
 
     def _call(self, op: Op, states: States, outcome: FlowOutcome) -> States:
         if op.kind is OpKind.CALL:
@@ -149,6 +234,25 @@ class Walker:
         if texts:
             self.sink.aliased(alias, texts)
         return states_of(*(state.alias(alias, texts) for state in states)) if texts else states
+
+    def receipt(self, target: ast.expr, value: ast.expr, states: States) -> States:
+        """Make ``target`` of ``target = <acquire call>`` stand for the resource acquired.
+
+        The value an acquire returns is its receipt (``lock = cache.lock(node)``):
+        releasing it (``cache.unlock(lock)``) releases the resource, and storing
+        or returning it hands the resource on. So is what is read from the
+        receipt in the same expression (``cache.inc_lock_ref(node).to_dec_params()``).
+        """
+        if not isinstance(target, ast.Name):
+            return states
+        op = _receipt_of(value, self.classifier, self.scope)
+        if op is None or op.resource is None:
+            return states
+        alias, text = self.scope.canon(target), self.scope.canon(op.resource)
+        if alias == text:
+            return states
+        self.sink.receipt(alias, text)
+        return states_of(*(state.alias(alias, frozenset({text})) for state in states))
 
     def _varies(self, resource: ast.expr) -> bool:
         """Return whether ``resource`` names another resource in each later loop pass.
@@ -203,6 +307,25 @@ class Walker:
         return states_of(*(state.hand_on(texts) for state in states)) if texts else states
 
 
+def _receipt_of(value: ast.expr, classifier: Classifier, scope: Scope) -> Op | None:
+    """Return the acquire whose receipt ``value`` is, if any.
+
+    ``value`` is the acquire call itself, or reads an attribute or calls a
+    method of its result (``cache.inc_lock_ref(node).to_dec_params()``),
+    awaited or not.
+    """
+    expr: ast.expr = value
+    while isinstance(expr, ast.Await | ast.Attribute | ast.Call):
+        if isinstance(expr, ast.Call):
+            op = classifier.classify(expr, scope)
+            if op.kind is OpKind.ACQUIRE:
+                return op
+            expr = expr.func
+        else:
+            expr = expr.value
+    return None
+
+
 def _last_element(key: ResourceKey) -> ResourceKey:
     """Return the key a loop gave ``key`` while its variable was rebound each pass.
 
@@ -243,6 +366,8 @@ def _simple(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
         states = walker.evaluate(stmt, states, outcome)
     targets = _targets(stmt)
     value = getattr(stmt, "value", None)
+    if len(targets) == 1 and isinstance(value, ast.expr):
+        states = walker.receipt(targets[0], value, states)
     if any(_escapes(walker.scope, target) for target in targets):
         states = walker.hand_on(value, states)
     elif isinstance(value, ast.expr):
@@ -262,11 +387,17 @@ def _targets(stmt: ast.stmt) -> list[ast.expr]:
 
 
 def _escapes(scope: Scope, target: ast.expr) -> bool:
-    """Return whether storing into ``target`` hands the value on (an attribute, a shared container)."""
+    """Return whether storing into ``target`` hands the value on.
+
+    It does for an attribute, a container that outlives the function, and a
+    name declared ``global`` or ``nonlocal``.
+    """
     if isinstance(target, ast.Tuple | ast.List):
         return any(_escapes(scope, element) for element in target.elts)
     if isinstance(target, ast.Attribute):
         return True
+    if isinstance(target, ast.Name):
+        return target.id in scope.shared
     return isinstance(target, ast.Subscript) and not scope.is_local(target.value)
 
 

@@ -29,6 +29,8 @@ class Scope:
         correlated: Normalized branch tests that occur more than once.
         mentions: Test -> the texts of the names and attributes it reads.
         env: Loop variable -> the text it stands for (``nodes[*]``).
+        shared: Names declared ``global`` or ``nonlocal``: storing into them
+            hands the value on.
     """
 
     params: frozenset[str]
@@ -36,6 +38,7 @@ class Scope:
     correlated: frozenset[str]
     mentions: dict[str, frozenset[str]]
     env: dict[str, str] = field(default_factory=dict)
+    shared: frozenset[str] = frozenset()
 
     def canon(self, expr: ast.expr) -> str:
         """Return the text of ``expr`` with a loop variable replaced by what it stands for."""
@@ -53,6 +56,26 @@ class Scope:
             if isinstance(sub, ast.Name | ast.Attribute | ast.Subscript)
         )
 
+    def owners(self, node: ast.AST) -> frozenset[str]:
+        """Return the canonical texts of the whole values ``node`` hands on.
+
+        ``req`` in ``req``, ``(req, 1)``, ``[req]``, ``{k: req}`` or
+        ``Entry(req)``: what is reachable from them goes with them. A value
+        read from an attribute (``req.prefix_indices``) does not hand on ``req``.
+        """
+        if isinstance(node, ast.Name | ast.Attribute | ast.Subscript):
+            return frozenset({self.canon(node)})
+        if isinstance(node, ast.Starred):
+            return self.owners(node.value)
+        parts: list[ast.AST] = []
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            parts = list(node.elts)
+        elif isinstance(node, ast.Dict):
+            parts = list(node.values)
+        elif isinstance(node, ast.Call):
+            parts = [*node.args, *(keyword.value for keyword in node.keywords)]
+        return frozenset(text for part in parts for text in self.owners(part))
+
     def is_local(self, expr: ast.expr) -> bool:
         """Return whether ``expr`` is rooted in a local variable of this function."""
         root = root_name(expr)
@@ -66,11 +89,45 @@ def build_scope(func: FunctionNode | ast.Lambda) -> Scope:
     params = frozenset(arg.arg for arg in every if arg is not None)
     body: list[ast.AST] = [func.body] if isinstance(func.body, ast.expr) else list(func.body)
     bound = {name for node in body for name in bound_names(node)}
-    tests = [sub.test for node in body for sub in walk_same_scope(node) if isinstance(sub, ast.If)]
+    shared = {
+        name
+        for node in body
+        for sub in walk_same_scope(node)
+        if isinstance(sub, ast.Global | ast.Nonlocal)
+        for name in sub.names
+    }
+    tests = [test for node in body for sub in walk_same_scope(node) for test in branch_tests(sub)]
     counts = Counter(test_fact(test)[0] for test in tests)
     mentions = {test_fact(test)[0]: texts_of(test) for test in tests}
     correlated = frozenset(test for test, count in counts.items() if count > 1)
-    return Scope(params, frozenset(bound - params), correlated, mentions)
+    locals_ = frozenset(bound - params - shared)
+    return Scope(params, locals_, correlated, mentions, shared=frozenset(shared))
+
+
+def branch_tests(node: ast.AST) -> list[ast.expr]:
+    """Return the tests that decide which code of ``node`` runs, if it is a branch.
+
+    The test of an ``if``; the test of a conditional expression, and the
+    leading operands of a boolean operation, when the code they guard calls
+    something (``x.protect_host() if c else None``, ``c and x.protect_host()``).
+    """
+    if isinstance(node, ast.If):
+        return [node.test]
+    if isinstance(node, ast.IfExp) and conditional_effects(node):
+        return [node.test]
+    if isinstance(node, ast.BoolOp) and conditional_effects(node):
+        return list(node.values[:-1])
+    return []
+
+
+def conditional_effects(node: ast.IfExp | ast.BoolOp) -> bool:
+    """Return whether the code that ``node`` runs only on some outcomes calls or yields."""
+    guarded = [node.body, node.orelse] if isinstance(node, ast.IfExp) else node.values[1:]
+    return any(
+        isinstance(sub, ast.Call | ast.Yield | ast.YieldFrom)
+        for part in guarded
+        for sub in walk_same_scope(part)
+    )
 
 
 def test_fact(test: ast.expr) -> tuple[str, bool]:
@@ -112,11 +169,48 @@ def loop_bindings(loop: ast.For | ast.AsyncFor | ast.While, scope: Scope) -> dic
     bindings = {name: f"{name}[*]" for name in varying}
     if isinstance(loop, ast.While):
         return bindings
-    if isinstance(loop.target, ast.Name):
-        bindings[loop.target.id] = f"{scope.canon(unwrap(loop.iter))}[*]"
-    else:
-        bindings.update({name: f"{name}[*]" for name in target_names(loop.target)})
+    bindings.update(element_bindings(loop.target, loop.iter, scope))
     return bindings
+
+
+def element_bindings(target: ast.expr, iterable: ast.expr, scope: Scope) -> dict[str, str]:
+    """Return what the names of a ``for`` target stand for, one element of ``iterable`` each.
+
+    ``node`` of ``for node in nodes`` stands for ``nodes[*]``; so does ``node``
+    of ``for i, node in enumerate(nodes)`` and of ``for node, op in zip(nodes,
+    ops)`` (where ``op`` stands for ``ops[*]``). Other names stand for ``name[*]``.
+    """
+    iterable = unwrap(iterable)
+    if isinstance(target, ast.Name):
+        return {target.id: f"{scope.canon(iterable)}[*]"}
+    sources = _zipped(target, iterable)
+    if not isinstance(target, ast.Tuple | ast.List) or sources is None:
+        return {name: f"{name}[*]" for name in target_names(target)}
+    bindings: dict[str, str] = {}
+    for element, source in zip(target.elts, sources, strict=True):
+        if source is None:
+            bindings.update({name: f"{name}[*]" for name in target_names(element)})
+        else:
+            bindings.update(element_bindings(element, source, scope))
+    return bindings
+
+
+def _zipped(target: ast.expr, iterable: ast.expr) -> list[ast.expr | None] | None:
+    """Return the iterable each element of a tuple target comes from, if known.
+
+    ``i, node`` over ``enumerate(nodes)`` is ``[None, nodes]`` (the index comes
+    from no collection); ``a, b`` over ``zip(xs, ys)`` is ``[xs, ys]``.
+    """
+    if not isinstance(target, ast.Tuple | ast.List) or not isinstance(iterable, ast.Call):
+        return None
+    func, args = iterable.func, iterable.args
+    if not isinstance(func, ast.Name) or any(isinstance(a, ast.Starred) for a in args):
+        return None
+    if func.id == "enumerate" and len(target.elts) == 2 and len(args) >= 1:
+        return [None, args[0]]
+    if func.id == "zip" and len(target.elts) == len(args) and not iterable.keywords:
+        return list(args)
+    return None
 
 
 def unwrap(expr: ast.expr) -> ast.expr:

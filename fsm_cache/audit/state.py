@@ -65,6 +65,9 @@ class State:
         held: Outstanding acquisitions, sorted (a multiset).
         released: (key, line) of the latest release of each key on this path.
         stored: Canonical texts handed on before any acquire (store-then-pin).
+        owners: Canonical texts of whole values handed on (``req`` of
+            ``self.running.append(req)``): what is reachable from them
+            (``req.last_node``, ``req.nodes[0]``) is handed on with them.
         aliases: (alias, original) texts: ``staged[*]`` stands for ``x`` once
             ``x`` was put into the local list ``staged``.
         facts: (branch test, outcome) pairs assumed on this path.
@@ -74,13 +77,15 @@ class State:
     held: tuple[Acquisition, ...] = ()
     released: tuple[tuple[ResourceKey, int], ...] = ()
     stored: frozenset[str] = frozenset()
+    owners: frozenset[str] = frozenset()
     aliases: frozenset[tuple[str, str]] = frozenset()
     facts: tuple[tuple[str, bool], ...] = ()
     site: int = 0
 
     def acquire(self, key: ResourceKey, line: int, col: int) -> State:
         """Return the state after acquiring ``key`` at ``line``."""
-        entry = Acquisition(key, line, col, handed=key[1] in self.stored)
+        handed = key[1] in self.stored or _reachable(key[1], self.owners)
+        entry = Acquisition(key, line, col, handed=handed)
         return replace(self, held=tuple(sorted((*self.held, entry))))
 
     def release(self, key: ResourceKey, line: int) -> tuple[State, int | None, bool]:
@@ -103,13 +108,27 @@ class State:
         """Return the line of this path's latest release of ``key``, if any."""
         return dict(self.released).get(key)
 
-    def hand_on(self, texts: frozenset[str]) -> State:
-        """Return the state after the resources named by ``texts`` were handed on."""
+    def hand_on(self, texts: frozenset[str], owners: frozenset[str] = frozenset()) -> State:
+        """Return the state after the resources named by ``texts`` were handed on.
+
+        Args:
+            texts: Every text read by the values handed on.
+            owners: The texts of the whole values handed on; a resource
+                reachable from one of them (an attribute or element) is
+                handed on too.
+        """
         held = tuple(
-            replace(entry, handed=True) if self._named(entry.key, texts) else entry
+            replace(entry, handed=True)
+            if self._named(entry.key, texts) or _reachable(entry.key[1], owners)
+            else entry
             for entry in self.held
         )
-        return replace(self, held=tuple(sorted(held)), stored=self.stored | texts)
+        return replace(
+            self,
+            held=tuple(sorted(held)),
+            stored=self.stored | texts,
+            owners=self.owners | owners,
+        )
 
     def alias(self, alias: str, texts: frozenset[str]) -> State:
         """Return the state where ``alias`` (a local container's elements) stands for ``texts``."""
@@ -150,6 +169,15 @@ def _pick(
     own = [entry for entry in matching if not entry.handed]
     chosen = own or matching
     return chosen[-1] if chosen else None
+
+
+def _reachable(text: str, owners: frozenset[str]) -> bool:
+    """Return whether ``text`` is an attribute or element of one of ``owners``.
+
+    ``req.last_node`` and ``req[0]`` are reachable from ``req``; ``request``
+    is not.
+    """
+    return any(text.startswith((owner + ".", owner + "[")) for owner in owners)
 
 
 def _names(text: str, texts: frozenset[str]) -> bool:
@@ -198,7 +226,7 @@ def _add_loosened(bucket: States, state: State) -> None:
     """
     held = {entry.key[1] for entry in state.held}
     aliases = frozenset(pair for pair in state.aliases if pair[1] in held)
-    loose = replace(state, facts=(), stored=frozenset(), aliases=aliases)
+    loose = replace(state, facts=(), stored=frozenset(), owners=frozenset(), aliases=aliases)
     if loose in bucket or any(_sans_site(other) == _sans_site(loose) for other in bucket):
         return
     if len(bucket) >= 2 * MAX_STATES:
