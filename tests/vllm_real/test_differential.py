@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from fsm_cache.errors import FsmCacheError
+
 from .conftest import Vllm
 
 
@@ -41,6 +43,15 @@ def _events(events: Any) -> list[tuple[Any, ...]]:
 
 def _stats(stats: Any) -> dict[str, Any]:
     return dict(stats.data)
+
+
+def _snapshot(ours: Any) -> tuple[Any, ...]:
+    """Everything of ours a refused call must leave as it was, trails included."""
+    records = {k: (r.host, r.pins, r.chunk, tuple(r.trail or ())) for k, r in ours.records.items()}
+    recency = (dict(ours.recency.ranks), set(ours.recency.evictable))
+    events = list(ours.events) if ours.events is not None else None
+    counts = dict(ours.counts) if ours.counts is not None else None
+    return records, recency, list(ours.free), ours.allocated, events, counts, ours.writing
 
 
 @dataclass
@@ -163,6 +174,31 @@ class Driver:
             assert _spec_ids(a) == _spec_ids(b)
             self.loads.append(hits)
 
+    def misuse(self, request: Any) -> None:
+        """A call vLLM would assert on, to ours only: refused, typed, and nothing changed.
+
+        A ``complete_load`` of a block with no load in flight, the same block
+        twice in one ``complete_load`` when it has one load in flight, or a
+        ``prepare_load`` of a block never stored. Trails are part of what must
+        not change: a refusal checked on scratch copies leaves no note.
+        """
+        ours, rng = self.ours, self.rng
+        key = self.keys(request, 1)[0]
+        rec = ours.records.get(key)
+        if rec is not None and rec.host == "pinned" and rec.pins == 1 and rng.random() < 0.5:
+            name, args = "complete_load", ([key, key], request.ctx)
+        elif rec is None:
+            name, args = "prepare_load", ([key], request.ctx)
+        elif rec.host != "pinned":
+            name, args = "complete_load", ([key], request.ctx)
+        else:
+            return
+        before = _snapshot(ours)
+        with pytest.raises(FsmCacheError):
+            getattr(ours, name)(*args)
+        assert _snapshot(ours) == before, (name, key)
+        self.seen["misuse"] = self.seen.get("misuse", 0) + 1
+
     def drain(self, ctx: Any) -> None:
         """Complete every job in flight (before a reset: the scheduler fences them)."""
         while self.stores:
@@ -190,7 +226,8 @@ STEPS = (
     (0.74, Driver.complete_store),
     (0.76, Driver.duplicate_store),
     (0.86, Driver.load),
-    (0.94, Driver.complete_load),
+    (0.92, Driver.complete_load),
+    (0.95, Driver.misuse),
     (0.97, Driver.finish_request),
     (0.995, Driver.take_events),
     (1.0, Driver.reset),
@@ -237,6 +274,7 @@ def test_same_answers_as_vllm(vl: Vllm, case: tuple[int, int, int, int, int, boo
         "on_request_finished",
         "take_events",
         "reset_cache",
+        "misuse",
     ):
         assert driver.seen.get(name, 0) > 0, name
     assert ours.duplicate_acks > 0
