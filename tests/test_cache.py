@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.replay import replay
 from fsm_cache.cache.tree import TreeNode
-from fsm_cache.errors import ConfigError, ForeignSlot, IllegalTransition, LeaseError, PoolExhausted
+from fsm_cache.errors import (
+    BadArgument,
+    ConfigError,
+    CopyFailed,
+    ForeignSlot,
+    IllegalTransition,
+    LeaseError,
+    PoolExhausted,
+)
 from fsm_cache.memory.copies import CopyEngine
 from fsm_cache.memory.kv import KVPool
 from fsm_cache.memory.pages import slots_of
+from fsm_cache.memory.tickets import Ticket
 from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
 from fsm_cache.testing.faults import FaultyCopyEngine
 
@@ -559,3 +570,102 @@ def test_an_explicit_backup_keeps_write_through_prefix_closed() -> None:
         (parent.id, "backed/resident (pins=0, locks=0)"),
         (child.id, "backed/resident (pins=0, locks=0)"),
     ]
+
+
+class TestMisuseFoundByReview:
+    """Copy engines that raise, public events that need bookkeeping, inputs with no order."""
+
+    @staticmethod
+    def raising_at_start(direction: str, error: Exception) -> object:
+        """A copy engine whose next start in ``direction`` raises ``error`` (then works)."""
+
+        class Raising(FaultyCopyEngine):
+            armed = True
+
+            def start_write(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Ticket:
+                if direction == "d2h" and Raising.armed:
+                    Raising.armed = False
+                    raise error
+                return super().start_write(device_pages, host_pages)
+
+            def start_load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> Ticket:
+                if direction == "h2d" and Raising.armed:
+                    Raising.armed = False
+                    raise error
+                return super().start_load(host_pages, device_pages)
+
+        return lambda device, host: Raising(CopyEngine(device, host))
+
+    def test_an_engine_raising_at_a_write_start_fails_the_write_and_says_so(self) -> None:
+        cache = make(copier=self.raising_at_start("d2h", RuntimeError("out of memory")))
+        with pytest.raises(CopyFailed) as raised:
+            cache.insert(tokens(0, 4))  # write-through: the backup starts as the insert returns
+        assert str(raised.value) == "d2h copy could not start: RuntimeError: out of memory"
+        (node,) = (n for n in cache.tree if n.key)
+        assert node.residency() == "unbacked/resident (pins=0, locks=0)"  # failed, not stuck
+        assert nothing_queued(cache)
+        cache.check_invariants()
+        cache.insert(tokens(0, 8))  # the engine works again: the next insert backs both up
+        cache.poll()  # the parent's backup lands; the child's starts (prefix-closed)
+        cache.poll()
+        assert all(n.host == "backed" for n in cache.tree if n.key)
+
+    def test_an_engine_raising_at_a_load_start_fails_the_load_and_says_so(self) -> None:
+        error = ValueError("copy: device page 3 is still in use by an unreported copy")
+        cache = make(copier=self.raising_at_start("h2d", error), load_back_threshold=0)
+        cache.insert(tokens(0, 8))
+        cache.poll()
+        cache.evict(8)
+        node = cache.match_prefix(tokens(0, 8)).last_host_node
+        free = cache.tiers.device.allocator.free_pages
+        with pytest.raises(CopyFailed, match="h2d copy could not start: ValueError: copy: device"):
+            cache.load_back(node)
+        assert (node.device, node.pins, cache.tiers.device.allocator.free_pages) == (
+            "absent",
+            0,
+            free,
+        )
+        assert nothing_queued(cache)
+        cache.check_invariants()
+
+    def test_a_fired_host_eviction_removes_the_node_no_tier_holds(self) -> None:
+        cache = make()
+        cache.insert(tokens(0, 4))
+        cache.poll()
+        cache.evict(4)
+        leaf = cache.match_prefix(tokens(0, 4)).last_host_node
+        free = cache.tiers.host.allocator.free_pages
+        cache.fire("evict_host", leaf)  # debug mode: the invariants are checked after it
+        assert leaf.id not in cache.tree.nodes
+        assert cache.tiers.host.allocator.free_pages == free + 1
+        assert cache.match_prefix(tokens(0, 4)).host_len == 0
+
+    @pytest.mark.parametrize(
+        ("call", "message"),
+        [
+            (lambda c: c.fire(["pin"], None), "fire: event must be a str, got list"),
+            (
+                lambda c: c.wait_loaded(None),
+                "wait_loaded: expected a sequence of tree nodes, got NoneType",
+            ),
+            (
+                lambda c: c.insert({1, 2, 3, 4}),
+                "insert: tokens must be a sequence of ints, got set",
+            ),
+            (
+                lambda c: c.match_prefix({1: 0}),
+                "match_prefix: tokens must be a sequence of ints, got dict",
+            ),
+            (
+                lambda c: c.insert(tokens(0, 4), namespace=float("nan")),
+                "insert: namespace must equal itself, got nan",
+            ),
+        ],
+    )
+    def test_inputs_without_a_meaning_are_refused(self, call: object, message: str) -> None:
+        cache = make()
+        before = states(cache)
+        with pytest.raises(BadArgument) as refused:
+            call(cache)  # type: ignore[operator]
+        assert str(refused.value) == message
+        assert states(cache) == before

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import array
 import operator
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, Protocol, TypeAlias
 
 from fsm_cache.cache.tree import RadixTree, TreeNode
@@ -57,13 +57,15 @@ class TokenKey(tuple[int, ...]):
 def ints(value: object, op: str, what: str) -> tuple[int, ...]:
     """Return ``value`` as a tuple of non-negative Python ints.
 
-    Accepts a sequence or iterable of ints, or anything with ``tolist()`` that
-    gives one (a 1-d tensor or array). A :class:`TokenKey` was checked when it
-    was built and is returned as it is.
+    Accepts a sequence of ints (a list, tuple, range, array), or anything with
+    ``tolist()`` that gives one (a 1-d tensor or array). Not a set, a dict or
+    another unordered iterable: their order is not the tokens' order. A
+    :class:`TokenKey` was checked when it was built and is returned as it is.
 
     Raises:
-        BadArgument: ``value`` is a string, a scalar, nested, or holds a value
-            that is not an int in ``0 <= id < 2**64`` (bools pass as 0 and 1).
+        BadArgument: ``value`` is a string, a scalar, not a sequence, nested, or
+            holds a value that is not an int in ``0 <= id < 2**64`` (bools pass
+            as 0 and 1).
     """
     if type(value) is TokenKey:
         return value
@@ -87,7 +89,8 @@ def packed(value: object, op: str, what: str) -> tuple[tuple[int, ...], array.ar
         tolist = getattr(value, "tolist", None)
         if callable(tolist):
             value = tolist()
-        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        # an ordered sequence: a set's or a dict's order is not the tokens' order
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
             name = type(value).__name__
             raise BadArgument(f"{op}: {what} must be a sequence of ints, got {name}")
     out = tuple(value)
@@ -128,15 +131,18 @@ def count(value: object, op: str, what: str = "num_tokens") -> int:
 
 
 def namespace(value: object, op: str) -> Hashable:
-    """Return ``value`` if it can key a namespace (hashable).
+    """Return ``value`` if it can key a namespace (hashable, and equal to itself).
 
     Raises:
-        BadArgument: It is unhashable.
+        BadArgument: It is unhashable, or unequal to itself (a NaN would open
+            a new namespace at every call).
     """
     try:
         hash(value)
     except TypeError:
         raise BadArgument(f"{op}: namespace must be hashable, got {type(value).__name__}") from None
+    if value != value:  # noqa: PLR0124 (NaN is the case)
+        raise BadArgument(f"{op}: namespace must equal itself, got {value!r}")
     return value
 
 

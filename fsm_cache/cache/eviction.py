@@ -239,13 +239,24 @@ class Evictor:
             if not self._host_leaf(node):
                 continue
             parent = node.parent
-            self._core.fire(node, "evict_host")
+            self.evict_host_node(node)
             freed += len(node.key)
-            if not node.children:
-                self._core.delete(node)
             if parent is not None and self._host_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
+
+    def evict_host_node(self, node: TreeNode) -> None:
+        """Fire ``evict_host`` on ``node``; delete it when no tier holds it any more.
+
+        A node off the device and without children holds nothing once its host
+        copy goes: it leaves the tree, as every host eviction's victim does.
+
+        Raises:
+            IllegalTransition: The spec refuses the eviction; nothing changed.
+        """
+        self._core.fire(node, "evict_host")
+        if node.device == "absent" and not node.children:
+            self._core.delete(node)
 
     # -- allocation under pressure -------------------------------------------
 

@@ -508,6 +508,9 @@ class HiCache:
         ``vanish``, ``evict_storage``, ...) may be fired too; their effects
         queue copies that start when the call returns, as the cache's own do.
 
+        An ``evict_host`` that leaves the node held by no tier (off the device,
+        no children) removes it from the tree, as :meth:`evict_host` does.
+
         Raises:
             BadArgument: ``event`` is not an event of this cache's residency
                 machine, or ``node`` not a node.
@@ -516,6 +519,8 @@ class HiCache:
             EffectFailed: An effect failed (no host room for a fetch, a page a
                 read holds for ``evict_storage``); nothing changed.
         """
+        if not isinstance(event, str):
+            raise BadArgument(f"fire: event must be a str, got {type(event).__name__}")
         if event not in self._events:
             storage = (
                 self._storage is None and event in load_shipped("residency_storage").event_names
@@ -524,7 +529,10 @@ class HiCache:
             raise BadArgument(f"fire: {event!r} is not a residency event{where}")
         node = arguments.node(self._core.tree, node, event)
         with self._operation(event, node.id):
-            self._core.fire(node, event)
+            if event == "evict_host":  # a node no tier holds afterwards leaves the tree
+                self._evictor.evict_host_node(node)
+            else:
+                self._core.fire(node, event)
 
     # -- memory pressure -----------------------------------------------------
 
@@ -651,8 +659,12 @@ class HiCache:
             pages do not hold its KV yet (poll, and try again).
 
         Raises:
-            BadArgument, StaleNode: A node is not a node of this cache.
+            BadArgument: ``nodes`` is not a sequence of nodes.
+            StaleNode: A node is not a node of this cache.
         """
+        if isinstance(nodes, TreeNode) or not isinstance(nodes, Sequence):
+            name = type(nodes).__name__
+            raise BadArgument(f"wait_loaded: expected a sequence of tree nodes, got {name}")
         given = [arguments.node(self._core.tree, n, "wait_loaded") for n in nodes]
         with self._operation("wait_loaded", tuple(n.id for n in given)):
             tickets = self._transfers.tickets_of(given)

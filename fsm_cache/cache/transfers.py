@@ -284,13 +284,30 @@ class Transfers:
             if nodes:
                 self._batch[direction].extend(nodes)
                 self._retry[direction] = []
+        broken: CopyFailed | None = None
         for direction, nodes in self._batch.items():
             if nodes:
                 self._batch[direction] = []
-                self._start(direction, nodes)
+                try:
+                    self._start(direction, nodes)
+                except CopyFailed as exc:  # the other direction still starts
+                    broken = broken or exc
+        if broken is not None:
+            raise broken
 
     def _start(self, direction: Direction, nodes: list[TreeNode]) -> None:
-        """Start one copy for ``nodes`` (the batch just taken, now the copy's); fail them if refused."""
+        """Start one copy for ``nodes`` (the batch just taken, now the copy's); fail them if refused.
+
+        A copy engine that refuses with :class:`CopyFailed` fails the copy, as a
+        copy that fails later does. Anything else it raises is a broken engine
+        or a page it should not have been given: the copy is failed all the
+        same, so no node is left waiting for it, and the error is raised as a
+        :class:`CopyFailed` naming it.
+
+        Raises:
+            CopyFailed: The engine raised something else than CopyFailed; the
+                nodes' copies were failed (or queued to run again).
+        """
         copier = self._tiers.copier
         if len(nodes) == 1:  # the common case: one operation backed up one node
             dev, host = nodes[0].device_pages, nodes[0].host_pages
@@ -305,6 +322,10 @@ class Transfers:
         except CopyFailed:
             self._fail(direction, nodes)
             return
+        except Exception as exc:
+            self._fail(direction, nodes)
+            kind = type(exc).__name__
+            raise CopyFailed(f"{direction.value} copy could not start: {kind}: {exc}") from exc
         self._started += 1
         self._tickets[ticket.id] = CopyBatch(nodes, time.perf_counter(), self._started)
 
