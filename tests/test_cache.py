@@ -669,3 +669,17 @@ class TestMisuseFoundByReview:
             call(cache)  # type: ignore[operator]
         assert str(refused.value) == message
         assert states(cache) == before
+
+    def test_a_lock_receipt_is_taken_back_only_by_its_own_cache(self) -> None:
+        ours, theirs = make(), make()
+        theirs.insert(tokens(0, 4))
+        node = theirs.match_prefix(tokens(0, 4)).last_device_node
+        receipt = theirs.lock(node)
+        with pytest.raises(LeaseError) as refused:
+            ours.unlock(receipt)
+        assert str(refused.value) == (
+            f"node {node.id}: unlock refused: the receipt is another cache's"
+        )
+        assert (node.locks, receipt.held) == (1, True)
+        theirs.unlock(receipt)
+        assert node.locks == 0

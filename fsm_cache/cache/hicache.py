@@ -480,7 +480,8 @@ class HiCache:
         """Unlock what ``lock`` locked.
 
         Raises:
-            LeaseError: ``lock`` was released already, or is not a lock receipt.
+            LeaseError: ``lock`` was released already, is not a lock receipt, or
+                is another cache's; nothing changed.
             BadArgument: ``lock`` is not a receipt at all.
         """
         if not isinstance(lock, Lease):
@@ -488,6 +489,10 @@ class HiCache:
         if lock.event != "lock":
             raise LeaseError(
                 f"node {lock.record.id}: unlock takes a lock receipt, not a {lock.event}"
+            )
+        if not lock.issued_by(self._core.machine.engine.leases):
+            raise LeaseError(
+                f"node {lock.record.id}: unlock refused: the receipt is another cache's"
             )
         lock.release()
 

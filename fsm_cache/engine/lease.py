@@ -71,6 +71,10 @@ class Lease:
         """Whether the lease has not been released yet."""
         return self.released_at is None
 
+    def issued_by(self, book: LeaseBook) -> bool:
+        """Whether ``book`` handed out this lease (a cache takes back only its own)."""
+        return self._book is book
+
     def release(self) -> None:
         """Fire the releasing event once.
 
