@@ -14,6 +14,7 @@ from fsm_cache.errors import (
     BadArgument,
     ConfigError,
     CopyFailed,
+    EffectFailed,
     ForeignSlot,
     IllegalTransition,
     LeaseError,
@@ -683,3 +684,20 @@ class TestMisuseFoundByReview:
         assert (node.locks, receipt.held) == (1, True)
         theirs.unlock(receipt)
         assert node.locks == 0
+
+    @pytest.mark.parametrize("event", ["load", "adopt"])
+    def test_a_load_fired_by_hand_says_its_pages_are_missing(self, event: str) -> None:
+        cache = make()
+        cache.insert(tokens(0, 4))
+        cache.poll()
+        cache.evict(4)
+        node = cache.match_prefix(tokens(0, 4)).last_host_node
+        before = states(cache)
+        with pytest.raises(EffectFailed) as failed:
+            cache.fire(event, node)  # load_back or insert stage the device pages first
+        effect = "start_load" if event == "load" else "adopt_device"
+        assert str(failed.value) == (
+            f"node {node.id}: effect {effect} of {event} failed: no device pages are staged "
+            "for it (load_back or insert allocate them; the event alone cannot)"
+        )
+        assert states(cache) == before

@@ -18,7 +18,7 @@ from fsm_cache.cache.metrics import Counters
 from fsm_cache.cache.tree import Pages, RadixTree, TreeNode
 from fsm_cache.engine import trail
 from fsm_cache.engine.core import Effect
-from fsm_cache.errors import EffectFailed, IllegalTransition
+from fsm_cache.errors import BadArgument, EffectFailed, IllegalTransition
 from fsm_cache.memory.tiers import Tiers
 from fsm_cache.residency import AnyEvent, Residency
 
@@ -85,8 +85,19 @@ class CacheCore:
         self._staged[node.id] = pages
 
     def take_staged(self, node_id: int) -> Pages:
-        """Return and forget the pages staged for node ``node_id`` (the effect's side)."""
-        return self._staged.pop(node_id)
+        """Return and forget the pages staged for node ``node_id`` (the effect's side).
+
+        Raises:
+            BadArgument: Nothing is staged: ``load`` or ``adopt`` was fired by
+                hand, without the operation that allocates its pages.
+        """
+        try:
+            return self._staged.pop(node_id)
+        except KeyError:
+            raise BadArgument(
+                "no device pages are staged for it (load_back or insert allocate them;"
+                " the event alone cannot)"
+            ) from None
 
     def fire(self, node: TreeNode, event: AnyEvent) -> None:
         """Fire ``event`` at ``node``: counted and logged if applied, counted if refused.
