@@ -25,6 +25,7 @@ from fsm_cache.memory.kv import KVPool
 from fsm_cache.memory.pages import slots_of
 from fsm_cache.memory.tickets import Ticket
 from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
+from fsm_cache.residency import Event
 from fsm_cache.testing.faults import FaultyCopyEngine
 
 
@@ -686,7 +687,7 @@ class TestMisuseFoundByReview:
         assert node.locks == 0
 
     @pytest.mark.parametrize("event", ["load", "adopt"])
-    def test_a_load_fired_by_hand_says_its_pages_are_missing(self, event: str) -> None:
+    def test_a_load_fired_by_hand_says_its_pages_are_missing(self, event: Event) -> None:
         cache = make()
         cache.insert(tokens(0, 4))
         cache.poll()
