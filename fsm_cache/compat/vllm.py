@@ -48,6 +48,7 @@ import importlib
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, NoReturn, Protocol, TypeVar
 
 from fsm_cache.engine import trail
@@ -539,9 +540,6 @@ class CheckedOffloadingManager:
         if len(set(keys)) != len(keys):
             msg = f"prepare_store offered a key twice: {[block_label(k) for k in keys]}"
             raise BadArgument(msg)
-        request = self._check_open(self._would_record(keys), req_context)
-        if self.counts is not None:
-            self._count_offers(keys)
         records, to_store, ready = self.records, [], []
         for key in keys:
             rec = records.get(key)
@@ -549,10 +547,16 @@ class CheckedOffloadingManager:
                 to_store.append(key)
             elif rec.host in self._readable:
                 ready.append(key)
-        if self.counts is not None:
+        counts, least = self.counts, self.store_threshold
+        # What vLLM records, and its finished-request assert covers: the ready keys and the
+        # new ones this offer brings to the threshold (read lazily: only a finished request
+        # needs them; a count is kept only from a threshold of 2, so a first offer never does).
+        passing = (k for k in to_store if counts is None or counts.get(k, 0) + 1 >= least)
+        request = self._check_open(chain(ready, passing), req_context)
+        if counts is not None:
+            self._count_offers(keys)
             offered = len(to_store)
-            counts = self.counts
-            to_store = [k for k in to_store if counts.get(k, 0) >= self.store_threshold]
+            to_store = [k for k in to_store if counts.get(k, 0) >= least]
             self.stores_skipped += offered - len(to_store)
         recorded = set(to_store)
         recorded.update(ready)
@@ -750,25 +754,6 @@ class CheckedOffloadingManager:
                     if held.trail is not None:  # a copy: the scratch notes stay off the record
                         rec.trail = deque(held.trail, maxlen=held.trail.maxlen)
             verb(rec)
-
-    def _would_record(self, keys: list[bytes]) -> list[bytes]:
-        """Return the offered keys ``prepare_store`` records: new ones it stores, and ready ones.
-
-        What vLLM's finished-request assert covers: a key being stored or
-        loaded, or one the threshold skips, is not recorded. A new key passes
-        the threshold when this offer brings its count there (a count is kept
-        only from a threshold of 2, so a key offered first never does).
-        """
-        records, counts, least = self.records, self.counts, self.store_threshold
-        out = []
-        for key in keys:
-            rec = records.get(key)
-            if rec is None:
-                if counts is None or counts.get(key, 0) + 1 >= least:
-                    out.append(key)
-            elif rec.host in self._readable:
-                out.append(key)
-        return out
 
     def _count_offers(self, keys: list[bytes]) -> None:
         """Count offers toward ``store_threshold``, dropping the oldest unprotected counts."""
