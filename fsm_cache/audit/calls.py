@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TypeGuard
 
 from fsm_cache.audit.model import AuditConfig
-from fsm_cache.audit.scope import Scope, conditional_effects, root_name, walk_same_scope
+from fsm_cache.audit.scope import Scope, calls_anything, conditional_effects, root_name
 
 
 # Methods that put their arguments into the receiver: a store into a
@@ -148,11 +148,4 @@ def _whole(node: ast.AST) -> TypeGuard[ast.IfExp | ast.BoolOp | Comprehension]:
     """Return whether the walker runs ``node`` as one effect, its parts in their own order."""
     if isinstance(node, ast.IfExp | ast.BoolOp):
         return conditional_effects(node)
-    return isinstance(node, Comprehension) and _calls(node)
-
-
-def _calls(node: ast.AST) -> bool:
-    """Return whether ``node`` calls or yields anything outside nested functions."""
-    return any(
-        isinstance(sub, ast.Call | ast.Yield | ast.YieldFrom) for sub in walk_same_scope(node)
-    )
+    return isinstance(node, Comprehension) and calls_anything(node)
