@@ -221,12 +221,19 @@ def test_a_source_too_deeply_nested_to_parse_is_bad_input(
     assert (status, out, err) == (2, "", f"error: {deep}: too deeply nested to parse\n")
 
 
-def test_a_function_too_deeply_nested_exits_two_without_a_traceback(tmp_path: Path) -> None:
+def test_a_function_too_deeply_nested_is_a_finding_and_the_rest_is_audited(tmp_path: Path) -> None:
     deep = tmp_path / "deep.py"
-    deep.write_text("def f(node):\n    x = " + " + ".join(["a"] * 1500) + "\n")
+    deep.write_text(
+        "def f(node):\n    x = " + " + ".join(["a"] * 1500) + "\n\n"
+        "def g(node):\n    node.protect_host()\n"
+    )
     result = run_module(str(deep))
-    assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr == f"error: {deep}:1: f is too deeply nested to analyze\n"
+    assert (result.returncode, result.stderr) == (1, "")
+    assert result.stdout.splitlines()[:2] == [
+        f"{deep}:1:1: FSM106 f is too deeply nested to analyze; nothing in it is checked [f]",
+        f"{deep}:5:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function ends at line 5 [g]",
+    ]
 
 
 def test_a_null_byte_is_reported_without_a_bogus_place(

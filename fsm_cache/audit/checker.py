@@ -111,19 +111,24 @@ def check_tree(
 
 
 def _analyzed(module: Module, function: Function, classifier: Classifier) -> list[Finding]:
-    """Return the findings of one function; one beyond the analysis' bounds is bad input.
+    """Return the findings of one function.
 
-    Raises:
-        AuditError: The function is too deeply nested, or has too many paths, to analyze.
+    A function past the analysis' bounds (nested too deeply for the recursion
+    limit, or with too many paths) is one FSM106 finding at its ``def``, so the
+    rest of a file or folder is still audited and the report says what was not.
     """
-    where = f"{module.path}:{function.node.lineno}: {function.qualname}"
     try:
         outcome, sink = analyze(function.node, classifier)
         return list(_findings(module, function, outcome, sink))
     except RecursionError:
-        raise AuditError(f"{where} is too deeply nested to analyze") from None
+        why = "is too deeply nested to analyze"
     except TooComplex as exc:
-        raise AuditError(f"{where} is too complex to analyze ({exc})") from None
+        why = f"is too complex to analyze ({exc})"
+    node = function.node
+    text = f"{function.qualname} {why}; nothing in it is checked"
+    return [
+        Finding(module.path, node.lineno, node.col_offset + 1, "FSM106", text, function.qualname)
+    ]
 
 
 def _functions(node: ast.AST, prefix: str, nested: bool, module: Module) -> Iterator[Function]:

@@ -67,6 +67,12 @@ RULES: tuple[Rule, ...] = (
         "A release also runs on a path that skipped the acquire.",
         "error",
     ),
+    Rule(
+        "FSM106",
+        "not-analyzed",
+        "A function past the analysis' bounds; what it acquires and releases is unchecked.",
+        "error",
+    ),
 )
 RULES_BY_CODE: dict[str, Rule] = {rule.code: rule for rule in RULES}
 
