@@ -6,7 +6,8 @@
 # without build isolation (torch, pytest and hatchling must already be there);
 # if that install fails, the checkout is put on PYTHONPATH instead.
 # With $OUT set (a folder), the whole report is also written to $OUT/gpu_check.txt.
-# Budget: about 5 minutes in all; each step has its own timeout.
+# Budget: each step has its own timeout,
+# and at most 540 s in all (120 install + 150 tests + 90 + 30 + 150 benchmarks).
 #
 # The figure to read is the last section: backups (device to host) and load-backs
 # (host to device) driven through the residency machines, each as a share of one

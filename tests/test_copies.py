@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Callable
 
 import pytest
 
@@ -19,7 +20,8 @@ with warnings.catch_warnings():
     from fsm_cache.memory import staging
     from fsm_cache.memory.copies import Completion, CopyEngine, Direction, host_runs
     from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
-    from fsm_cache.testing.fakecuda import FakeStreams
+    from fsm_cache.memory.staging import Stream
+    from fsm_cache.testing.fakecuda import FakeEvent, FakeStream, FakeStreams
     from fsm_cache.testing.faults import POISON, FaultyCopyEngine
 
 CUDA = torch.cuda.is_available()
@@ -193,6 +195,90 @@ def test_a_launch_that_raises_is_reported_as_a_failed_ticket(
     assert not done.ok
     assert str(done.error) == "copy 1 (h2d) failed: boom"
     assert engine.stats.failures[Direction.H2D] == 1
+
+
+class _FlakyStreams(FakeStreams):
+    """Fake streams whose next event, or next stream wait, fails as a CUDA launch error does."""
+
+    fail: str | None = None
+
+    def new_event(self) -> FakeEvent:
+        if self.fail == "event":
+            self.fail = None
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().new_event()
+
+    def current_stream(self, device: torch.device) -> FakeStream:
+        stream = super().current_stream(device)
+        if self.fail == "wait":
+            self.fail = None
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return stream
+
+
+@pytest.mark.parametrize("where", ["event", "wait"])
+def test_a_launch_error_outside_the_copy_fails_the_batch_and_leaves_nothing_busy(
+    where: str,
+) -> None:
+    """Recording the batch's event, or making its stream wait, can raise too."""
+    layout = KVLayout(layers=1, heads=1, head_dim=8, dtype=torch.float16, page_size=2)
+    streams = _FlakyStreams(max_polls=0)
+    engine = CopyEngine(
+        device_pool(layout, 8, torch.device("cpu")), host_pool(layout, 8), streams=streams
+    )
+    backup = engine.start_write([0, 1], [0, 1])
+    streams.fail = where
+    load = engine.start_load([5], [5])  # submits the backup first: its launch fails
+    done = engine.drain()
+    assert [(c.ticket, c.ok) for c in done] == [(backup, False), (load, True)]
+    assert str(done[0].error) == (
+        "copy 1 (d2h) failed: CUDA error: an illegal memory access was encountered"
+    )
+    assert engine.in_flight() == []
+    assert engine.busy_device_pages() == engine.busy_host_pages() == frozenset()
+    engine.start_write([2], [0])  # the failed backup's host page is free again
+    assert [c.ok for c in engine.drain()] == [True]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_one_directions_tickets_are_reported_in_start_order(seed: int) -> None:
+    """An event queried after an earlier one of its stream may find later work done."""
+    engine = make("fake", dev_pages=8)
+    engine = CopyEngine(engine.device, engine.host, streams=FakeStreams(seed=seed, max_polls=3))
+    started = [engine.start_load([p], [p]).id for p in range(4)]
+    reported: list[int] = []
+    while engine.in_flight():
+        reported.extend(c.ticket.id for c in engine.poll())
+    assert reported == started
+
+
+def test_a_chunked_launch_that_fails_midway_is_covered_by_its_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the first stream queued before the failure must run before the pages are free."""
+    engine = make("fake", staging_pages=1)
+    runs: list[object] = []
+    real_run, real_wait = staging.Mover._run, FakeStream.wait_stream  # noqa: SLF001
+
+    def run(self: staging.Mover, stream: Stream | None, work: Callable[[], None] | None) -> None:
+        runs.append(stream)
+        real_run(self, stream, work)
+
+    def wait(self: FakeStream, other: FakeStream) -> None:
+        if len(runs) == 3:  # chunk 1's gather is queued; its stream's wait fails
+            runs.append(None)
+            raise RuntimeError("CUDA error: launch failure")
+        real_wait(self, other)
+
+    monkeypatch.setattr(staging.Mover, "_run", run)
+    monkeypatch.setattr(FakeStream, "wait_stream", wait)
+    ticket = engine.start_write([0, 1], [0, 1])
+    (done,) = engine.drain()
+    assert (done.ticket, done.ok) == (ticket, False)
+    assert str(done.error) == "copy 1 (d2h) failed: CUDA error: launch failure"
+    streams = {id(s): s for s in runs if isinstance(s, FakeStream)}
+    assert len(streams) == 2
+    assert [s.pending for s in streams.values()] == [0, 0]
 
 
 class Driver:

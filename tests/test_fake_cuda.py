@@ -93,7 +93,8 @@ def test_each_event_stays_incomplete_for_its_seeded_number_of_polls(seed: int) -
     for _ in range(draw):
         assert engine.poll() == []  # returns at once: never waits for the copy
         assert stale_device(engine, 9)
-        assert [s.pending for s in fake.streams] == [0, 2]  # d2h idle; h2d: the wait, the copy
+        # d2h idle; h2d: the wait, the host run into staging, the scatter (the CUDA path)
+        assert [s.pending for s in fake.streams] == [0, 3]
     assert [c.ticket for c in engine.poll()] == [ticket]
     assert fake.events[0].queries == draw + 1
     assert [s.pending for s in fake.streams] == [0, 0]
@@ -290,6 +291,29 @@ def test_tiers_close_lands_every_copy_and_refuses_new_ones() -> None:
     with pytest.raises(CopyFailed, match=r"^copy engine closed: h2d copy refused$"):
         tiers.copier.start_load([2], [2])
     tiers.close()
+
+
+def test_tiers_that_cannot_wait_for_their_copies_stay_open_to_close_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = CacheConfig(
+        device_pages=8, host_pages=8, page_size=4, layers=2, heads=2, head_dim=4,
+        dtype="bfloat16", device="cpu", copier=deferred_copier(seed=4, max_polls=1000),
+    )  # fmt: skip
+    tiers = Tiers(config)
+    closing, released = type(tiers.copier).close, []
+    monkeypatch.setattr(type(tiers.host), "close", lambda pool: released.append(pool.name))
+
+    def broken(self: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(type(tiers.copier), "close", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        tiers.close()
+    assert (tiers.closed, released) == (False, [])
+    monkeypatch.setattr(type(tiers.copier), "close", closing)
+    tiers.close()
+    assert (tiers.closed, released) == (True, ["host", "device"])
 
 
 def test_a_faulty_engine_over_fake_streams_closes_and_waits_through_its_inner() -> None:

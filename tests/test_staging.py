@@ -278,24 +278,24 @@ def test_a_single_chunk_runs_on_the_direction_stream_alone() -> None:
 def test_on_streams_a_batch_is_sorted_by_host_page_so_runs_coalesce(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    staged: list[int] = []
-    take = staging.Mover._buffer  # noqa: SLF001 (spied on, to see whether anything is staged)
+    transfers: list[int] = []
+    copy = staging._copy  # noqa: SLF001 (spied on: one call per transfer of a run of host pages)
 
-    def spy(mover: staging.Mover, direction: Direction, slot: int, pages: int) -> torch.Tensor:
-        staged.append(pages)
-        return take(mover, direction, slot, pages)
+    def spy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+        transfers.append(len(dst))
+        copy(dst, src, non_blocking)
 
-    monkeypatch.setattr(staging.Mover, "_buffer", spy)
+    monkeypatch.setattr(staging, "_copy", spy)
     eng = engine(FakeStreams(seed=2, max_polls=1), pages=16)
     want = raw(eng.device, [7, 2, 9, 4])
     eng.start_write([7, 2], [12, 13])
     eng.start_write([9, 4], [10, 11])  # together with the first: host pages 10..13, one run
     assert all(c.ok for c in eng.drain())
     assert torch.equal(raw(eng.host, [12, 13, 10, 11]), want)
-    assert staged == []  # gathered straight into the one run: nothing went through staging
-    eng.start_write([1, 3], [5, 0])  # two runs, even sorted: staged
+    assert transfers == [4]  # one transfer of the one run, as on CUDA
+    eng.start_write([1, 3], [5, 0])  # two runs, even sorted: two transfers
     assert all(c.ok for c in eng.drain())
-    assert staged == [2]
+    assert transfers == [4, 1, 1]
     assert torch.equal(raw(eng.host, [5, 0]), raw(eng.device, [1, 3]))
 
 

@@ -237,17 +237,23 @@ class CopyEngine:
             dst = list(chain.from_iterable(t.dst_pages for t in tickets))
             runs = None
         stream = self._mover.streams.get(direction)
-        if stream is not None and self._api is not None:
-            # D2H: read only what compute has written. H2D: overwrite only what compute has read.
-            stream.wait_stream(self._api.current_stream(self.device.device))
-            self._after_writes(direction, stream, src, runs[0] if runs is not None else None)
         why = None
         try:
+            if stream is not None and self._api is not None:
+                # D2H: read only what compute has written. H2D: overwrite only what compute has read.
+                stream.wait_stream(self._api.current_stream(self.device.device))
+                self._after_writes(direction, stream, src, runs[0] if runs is not None else None)
             self._mover.move(direction, src, dst, runs)
         except Exception as exc:  # any failure to launch fails the tickets; none is left busy
-            kind = "" if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: "
-            why = f"({direction.value}) failed: {kind}{exc}"
-        event = self._record(stream)
+            why = _launch_failure(direction, exc)
+        try:
+            event = self._record(stream)
+        except Exception as exc:  # what was queued cannot be tracked: wait for it here
+            why = why or _launch_failure(direction, exc)
+            event = None
+            if stream is not None:
+                with contextlib.suppress(RuntimeError):  # a broken device runs nothing more
+                    stream.synchronize()
         self._submitted.append(_Submission(tickets, event, why))
 
     def _after_writes(
@@ -280,9 +286,12 @@ class CopyEngine:
         The open batch is due at the ``batch_polls``-th poll since it opened
         (the next one by default). On a CPU engine every submitted ticket has
         finished. The tickets one poll reports are in the order they were
-        started; on streams, a ticket may be reported at an earlier poll than
-        one of the other direction started before it that has not finished
-        (the directions overlap, so a load need not wait for the backups).
+        started, and a ticket is never reported before one of its own direction
+        started before it (an event queried after an earlier one of the same
+        stream may see later work done). On streams, a ticket may be reported at
+        an earlier poll than one of the other direction started before it that
+        has not finished (the directions overlap, so a load need not wait for
+        the backups).
         """
         if self._open:
             self._open_polls += 1
@@ -291,7 +300,13 @@ class CopyEngine:
         submitted = self._submitted
         if not submitted:
             return []
-        done = [s for s in submitted if _finished(s)]
+        done, behind = [], set()
+        for s in submitted:  # one direction's events finish in order: report them in order
+            direction = s.tickets[0].direction
+            if direction not in behind and _finished(s):
+                done.append(s)
+            else:
+                behind.add(direction)
         if len(done) == len(submitted):  # all of them: always so on a CPU engine
             self._submitted = []
         else:
@@ -400,6 +415,12 @@ def _busy(busy: PageSet, pool: KVPool, pages: Iterable[int]) -> bool:
         return False
     first = pool.allocator.run_of(pages) if isinstance(pages, (list, tuple)) else None
     return not busy.isdisjoint(pages, first)
+
+
+def _launch_failure(direction: Direction, exc: Exception) -> str:
+    """Return why a submission failed to launch, as its tickets' :class:`CopyFailed` says it."""
+    kind = "" if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: "
+    return f"({direction.value}) failed: {kind}{exc}"
 
 
 def _finished(submission: _Submission) -> bool:

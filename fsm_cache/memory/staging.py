@@ -172,7 +172,9 @@ class Mover:
         self._dev = device.words
         self._host = host.words
         self._where = device.device
-        self._cuda = self._where.type == "cuda"
+        # The CUDA data path (one transfer per run of host pages, no CPU shortcuts); fake
+        # streams take it too, so the path a GPU runs is the one the CPU tests run.
+        self._cuda = self._where.type == "cuda" or streams is not None
         self._chunk = max(1, chunk_pages)
         self._api = streams
         self.streams: dict[Direction, Stream] = (
@@ -222,16 +224,24 @@ class Mover:
             self._run(last, two)
             return
         first = self._first_stream(direction)
-        if first is not None and last is not None:
-            first.wait_stream(last)  # compute, and the previous batch's use of the buffers
-        for i, lo in enumerate(range(0, n, step)):
-            one, two = self._stages(direction, src[lo : lo + step], dst[lo : lo + step], i % 2)
-            self._run(first, one)
-            if first is not None and last is not None:
+        if first is None or last is None:
+            for i, lo in enumerate(range(0, n, step)):
+                one, two = self._stages(direction, src[lo : lo + step], dst[lo : lo + step], i % 2)
+                self._run(first, one)
+                self._run(last, two)
+            return
+        first.wait_stream(last)  # compute, and the previous batch's use of the buffers
+        try:
+            for i, lo in enumerate(range(0, n, step)):
+                one, two = self._stages(direction, src[lo : lo + step], dst[lo : lo + step], i % 2)
+                self._run(first, one)
                 if i:
                     first.wait_stream(last)  # the previous chunk's second stage frees its buffer
                 last.wait_stream(first)
-            self._run(last, two)
+                self._run(last, two)
+        except BaseException:  # the batch's event, recorded on ``last``, covers ``first`` too
+            last.wait_stream(first)
+            raise
 
     def _stages(
         self,

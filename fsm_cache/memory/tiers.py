@@ -325,13 +325,16 @@ class Tiers:
         Raises:
             PinnedMemoryError: ``cudaHostUnregister`` failed; the tiers count
                 as closed all the same.
+            RuntimeError: The copies could not be waited for (a CUDA error);
+                nothing is released and the tiers stay open, so ``close`` may
+                be called again: no copy may still run into memory given back.
         """
         if self.closed:
             return
-        self.closed = True
         self.copier.close()
         if self.device.device.type == "cuda":
             torch.cuda.synchronize(self.device.device)
+        self.closed = True
         self.host.close()
         self.device.close()
 
