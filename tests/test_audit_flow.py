@@ -565,9 +565,32 @@ def test_a_function_over_its_step_budget_is_reported_not_checked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(flow, "MAX_STEPS", 10_000)
-    assert audit(nested(18, ["try:", "    work()", "finally:"])) == [
+    pins = "".join(f"    if c{i}:\n        n{i}.protect_host()\n" for i in range(8))
+    assert audit(f"def f():\n{pins}" + "    work()\n" * 60) == [
         "1:1: FSM106 f is too complex to analyze (more than 10000 statement steps);"
         " nothing in it is checked [f]"
+    ]
+
+
+def test_nested_try_finally_cost_one_pass_per_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(flow, "MAX_STEPS", 2_000)  # one pass per exit per level: 2**18 passes
+    assert audit(nested(18, ["try:", "    work()", "finally:"])) == [
+        f"2:5: FSM104 protect_host() on 'node' leaks if line 4 raises; {LEAK_HINT} [f]"
+    ]
+
+
+def test_a_finally_that_acquires_as_the_function_returns_leaks_at_its_end() -> None:
+    """The return held nothing, so it kept no line; the leak is named at the finally's end."""
+    assert audit("""
+        def f(node):
+            try:
+                return 1
+            finally:
+                node.protect_host()
+                log()
+    """) == [
+        "6:9: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function returns at line 7 [f]"
     ]
 
 

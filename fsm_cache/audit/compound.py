@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fsm_cache.audit.scope import loop_bindings
-from fsm_cache.audit.state import Flow, FlowOutcome, States, add, merge, states_of
+from fsm_cache.audit.state import Flow, FlowOutcome, State, States, add, merge, states_of
 
 
 if TYPE_CHECKING:
@@ -41,10 +41,38 @@ def run_try(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
         add(pending, Flow.RAISE, raised)
     if not stmt.finalbody:
         return pending
-    outcome: FlowOutcome = {}
+    return _run_finally(walker, stmt.finalbody, pending)
+
+
+def _run_finally(walker: Walker, body: list[ast.stmt], pending: FlowOutcome) -> FlowOutcome:
+    """Run a ``finally`` body over every way of leaving its ``try``.
+
+    A state that ends the body normally goes on as it left the ``try``
+    (returning, raising, ...), at the line it left from; the body's own
+    exits replace that. No step reads the line a state left from, so the
+    body runs once per state with the line cleared, for every exit that
+    state left by: a path's normal end and its raise from the same state
+    share one pass. Nested ``try``/``finally`` statements thus cost one pass
+    per level, not one per exit per level (exponential in their depth). A
+    path that left holding nothing kept no line; if the body acquires on it,
+    it leaves at the body's last line.
+    """
+    exits: dict[State, list[tuple[Flow, int]]] = {}
     for flow, leaving in pending.items():
-        final = walker.block(stmt.finalbody, leaving)
-        add(outcome, flow, final.pop(Flow.NORMAL, {}))
+        for state in leaving:
+            exits.setdefault(state.at(0), []).append((flow, state.site))
+    groups: dict[tuple[tuple[Flow, int], ...], States] = {}
+    for state, left in exits.items():
+        groups.setdefault(tuple(left), {})[state] = None
+    end = body[-1].end_lineno or body[-1].lineno
+    outcome: FlowOutcome = {}
+    for ways, starts in groups.items():
+        final = walker.block(body, starts)
+        ended = final.pop(Flow.NORMAL, {})
+        for flow, site in ways:
+            # a path that left holding nothing kept no line: what the body took leaks at its end
+            line = site or (0 if flow is Flow.NORMAL else end)
+            add(outcome, flow, states_of(*(s.at(line if s.held else 0) for s in ended)))
         merge(outcome, final)
     return outcome
 
