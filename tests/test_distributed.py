@@ -14,6 +14,7 @@ does: a few requests on each rank's cache, then one agreed
 from __future__ import annotations
 
 import argparse
+import array
 import dataclasses
 import hashlib
 import inspect
@@ -62,6 +63,9 @@ with warnings.catch_warnings():
         first_difference,
         involved_nodes,
         lost_message,
+        operation_message,
+        operation_text,
+        reset_message,
         stalled_message,
     )
     from fsm_cache.errors import (
@@ -220,6 +224,9 @@ def two_rank_worker(rank: int, world: int, store: str, out: str) -> None:
     report["per_step"] = one_collective_per_step(rank)
     report["side_group"] = agree_on_a_side_group(rank)
     report["given_group"] = agree_on_a_given_group(rank)
+    report["parted_keys"] = parted_keys(rank)
+    report["reset_alone"] = reset_alone(rank, world)
+    report["step_vs_verify"] = step_versus_verify(rank)
     report["slow_report"] = a_slow_report(rank)
     dist.barrier()  # the default group is whole: the slow rank catches up here
     report["hang"] = survive_a_hang(rank)  # last: the group is broken after it
@@ -332,6 +339,73 @@ def after_a_reset(rank: int, world: int) -> str:
     except RankDivergence as exc:
         return str(exc)
     return "no divergence"
+
+
+def outcomes(shared: DistributedCache) -> list[str]:
+    """What ``step``, ``drain`` and ``verify_agreement`` say, in turn."""
+    said = []
+    for call in (shared.step, shared.drain, shared.verify_agreement):
+        try:
+            call()
+            said.append("ok")
+        except RankDivergence as exc:
+            said.append(str(exc))
+    return said
+
+
+def parted_keys(rank: int) -> dict[str, list[str]]:
+    """The ranks cache different keys, where the transitions alone look the same on every rank.
+
+    The same two prompts in another order; a prompt four times longer on one
+    rank (same node, same events); one more prompt on one rank under
+    ``write_through_selective``, whose insert fires no transition at all.
+    """
+    swapped = DistributedCache(HiCache(bench_config(debug=True)), timeout=TIMEOUT)
+    a, b = list(range(16)), list(range(100, 116))
+    for prompt in (a, b) if rank == 0 else (b, a):
+        swapped.cache.insert(prompt)
+    longer = DistributedCache(HiCache(bench_config(debug=True)), timeout=TIMEOUT)
+    longer.cache.insert(list(range(16 if rank == 0 else 64)))
+    selective = bench_config(debug=True, write_policy="write_through_selective")
+    extra = DistributedCache(HiCache(selective), timeout=TIMEOUT)
+    for tokens in chat_trace(4, seed=1):
+        serve_request(extra.cache, tokens)
+        extra.step()
+    if rank == 1:
+        extra.cache.insert(list(range(5000, 5032)))
+    return {"swapped": outcomes(swapped), "longer": outcomes(longer), "extra": outcomes(extra)}
+
+
+def reset_alone(rank: int, world: int) -> list[str]:
+    """The last rank resets its cache alone, then every rank serves one more request."""
+    shared = DistributedCache(HiCache(bench_config(debug=True)), timeout=TIMEOUT)
+    for tokens in chat_trace(4, seed=1):
+        serve_request(shared.cache, tokens)
+        shared.step()
+    shared.drain()
+    shared.verify_agreement()
+    if rank == world - 1:
+        shared.cache.reset()
+    serve_request(shared.cache, chat_trace(5, seed=1)[-1])
+    return outcomes(shared)[::2]  # step and verify_agreement (drain says what step says)
+
+
+def step_versus_verify(rank: int) -> list[Any]:
+    """Rank 0 steps where rank 1 verifies: both raise at once, well inside the timeout.
+
+    On a gloo group of its own with a short timeout, which a timed-out collective
+    would leave broken.
+    """
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+    shared = DistributedCache(HiCache(bench_config(debug=True)), side, timeout=2.0)
+    serve_request(shared.cache, chat_trace(1, seed=1)[0])
+    started = time.monotonic()
+    try:
+        shared.step() if rank == 0 else shared.verify_agreement()
+        said = "no error"
+    except (RankDivergence, RankFailure) as exc:
+        said = f"{type(exc).__name__}: {exc}"
+    return [said, time.monotonic() - started < 1.0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -738,6 +812,47 @@ def test_a_divergence_after_a_reset_is_named(two_ranks: Results) -> None:
     assert [r["after_reset"] for r in two_ranks] == [want, want]
 
 
+def test_ranks_that_cached_different_keys_are_named(two_ranks: Results) -> None:
+    """Keys, their order and inserts without a transition are in the digest (they were not)."""
+    a, b = hash(tuple(range(16))), hash(tuple(range(100, 116)))
+    longer, extra = hash(tuple(range(64))), hash(tuple(range(5000, 5032)))
+    mask = (1 << 64) - 1
+    head = "rank divergence after transition {}: the ranks served different operations: "
+    swapped = head.format(0) + (
+        f"rank 0 called insert(<16 ids {a & mask:016x}>, None, None), "
+        f"rank 1 called insert(<16 ids {b & mask:016x}>, None, None)"
+    )
+    lengths = head.format(0) + (
+        f"rank 0 called insert(<16 ids {a & mask:016x}>, None, None), "
+        f"rank 1 called insert(<64 ids {longer & mask:016x}>, None, None)"
+    )
+    more = head.format(8) + (
+        f"rank 0 did nothing more, rank 1 called insert(<32 ids {extra & mask:016x}>, None, None)"
+    )
+    for result in two_ranks:
+        parted = result["parted_keys"]
+        assert parted["swapped"] == [swapped] * 3
+        assert parted["longer"] == [lengths] * 3
+        assert parted["extra"] == [more] * 3
+
+
+def test_a_reset_on_one_rank_is_named_alike_on_every_rank(two_ranks: Results) -> None:
+    want = (
+        "rank divergence: the cache was reset on rank 1 and not on rank 0 (resets: rank 0 0, "
+        "rank 1 1); every rank must reset its cache at the same point"
+    )
+    assert [r["reset_alone"] for r in two_ranks] == [[want, want], [want, want]]
+
+
+def test_ranks_in_a_step_and_a_verification_raise_at_once(two_ranks: Results) -> None:
+    want = (
+        "RankDivergence: rank divergence after transition 0: the ranks reached different "
+        "collectives: some a step, the others a digest verification (the ranks called "
+        "different DistributedCache methods)"
+    )
+    assert [r["step_vs_verify"] for r in two_ranks] == [[want, True], [want, True]]
+
+
 def test_a_slow_rank_in_a_divergence_report_fails_the_other_after_the_timeout(
     two_ranks: Results,
 ) -> None:
@@ -849,16 +964,85 @@ def test_tp_bench_runs_on_two_ranks() -> None:
 # -- one process: digests, messages, a world of one --------------------------------
 
 
-def test_digest_folds_in_only_new_transitions() -> None:
+def test_digest_folds_in_only_new_entries() -> None:
     log = EventLog()
     digest = TransitionDigest(log)
-    log.op("insert", (1, 2))
+    log.op("insert", (1, 2), None, None)
     log.transition(7, "write")
     first = digest.update()
+    log.op("poll")  # left out: it applies only what the group agreed on
     log.transition(7, "write_done")
-    assert digest.update() == hashlib.blake2b(b"7:write;7:write_done;", digest_size=16).digest()
-    assert first == hashlib.blake2b(b"7:write;", digest_size=16).digest()
+    log.refusal("evict", BadArgument("evict: num_tokens must be >= 0, got -1"))
+    folded = b"insert((1, 2), None, None);7:write;"
+    assert first == hashlib.blake2b(folded, digest_size=16).digest()
+    folded += b"7:write_done;!evict:BadArgument;"
+    assert digest.update() == hashlib.blake2b(folded, digest_size=16).digest()
     assert digest.count == 2
+
+
+def digest_of(config: CacheConfig, *requests: list[int], poll: bool = False) -> bytes:
+    """The digest of a cache that inserted ``requests`` (and polled after each, if asked)."""
+    cache = HiCache(config)
+    digest = TransitionDigest(cache.log)
+    for tokens in requests:
+        cache.insert(tokens)
+        if poll:
+            cache.poll()
+    return digest.update()
+
+
+def test_the_digest_covers_keys_their_order_and_inserts_that_fire_nothing() -> None:
+    config = bench_config(debug=True)
+    a, b = list(range(16)), list(range(100, 116))
+    assert digest_of(config, a, b) == digest_of(config, a, b)
+    assert digest_of(config, a, b) != digest_of(config, b, a)
+    assert digest_of(config, a) != digest_of(config, list(range(64)))
+    selective = bench_config(debug=True, write_policy="write_through_selective")
+    assert digest_of(selective, a) != digest_of(selective, a, b)
+    # a rank-local poll(), which applies nothing under agreement, is left out
+    without = bench_config(debug=True, host_pages=0)
+    assert digest_of(without, a, b) == digest_of(without, a, b, poll=True)
+
+
+def test_operation_text_keeps_what_every_rank_shares() -> None:
+    key = tuple(range(9))
+    assert operation_text("insert", (key, None, None)) == (
+        f"insert(<9 ids {hash(key) & ((1 << 64) - 1):016x}>, None, None)"
+    )
+    slots = array.array("Q", range(12))
+    digest = hashlib.blake2b(slots, digest_size=8).hexdigest()
+    assert operation_text("insert", ((1, 2), "lora-7", slots)) == (
+        f"insert((1, 2), 'lora-7', <12 ids {digest}>)"
+    )
+    assert operation_text("match_prefix", ((4,), object())) == "match_prefix((4,), <object>)"
+    assert operation_text("free_slots", (array.array("Q", [8, 9]),)) == "free_slots([8, 9])"
+    assert operation_text("evict", (16,)) == "evict(16)"
+    # each rank's own store found its own pages; only the agreed counts are shared
+    assert operation_text("agreed_hits", ((3, 5), (3, 2))) == "agreed_hits((3, 2))"
+    assert operation_text("poll", ()) is None
+    assert operation_text("apply_completions", ()) is None
+
+
+def test_operation_message_names_each_ranks_operation() -> None:
+    served = [
+        [(3, "called insert((1, 2), None, None)"), (4, "called match_prefix((1,), None)")],
+        [(3, "called insert((1, 2), None, None)"), (4, "had insert refused (PoolExhausted)")],
+        [(3, "called insert((1, 2), None, None)")],
+    ]
+    assert first_difference(served) == 1
+    assert operation_message(1, served) == (
+        "rank divergence after transition 4: the ranks served different operations: "
+        "rank 0 called match_prefix((1,), None), rank 1 had insert refused (PoolExhausted), "
+        "rank 2 did nothing more"
+    )
+
+
+def test_reset_message_names_the_ranks_that_reset() -> None:
+    assert reset_message([1, 2, 2, 1]) == (
+        "rank divergence: the cache was reset on ranks 1, 2 and not on ranks 0, 3 "
+        "(resets: rank 0 1, rank 1 2, rank 2 2, rank 3 1); every rank must reset its cache "
+        "at the same point"
+    )
 
 
 def test_digest_tail_starts_at_the_agreed_point() -> None:
@@ -1031,6 +1215,54 @@ def test_a_step_applies_only_the_finished_head_of_the_issue_order() -> None:
 
 
 @pytest.mark.usefixtures("world_of_one")
+def test_a_copy_applied_by_a_wait_stops_the_stall_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head copy stalls past the timeout, then a wait applies it: the next one starts afresh.
+
+    A second rank that has finished no copy is played by the reduction: its
+    ready count, and so the first failed copy, is 0 while ``behind``.
+    """
+    behind = True
+    reduce_min = Collectives.all_reduce_min
+
+    def with_a_slow_peer(self: Collectives, values: list[int], what: str = "") -> list[int]:
+        if behind:
+            values = [*values[:2], 0, values[3], *values[4:6], 0, *values[7:]]
+        return reduce_min(self, values, what)
+
+    monkeypatch.setattr(Collectives, "all_reduce_min", with_a_slow_peer)
+    shared = DistributedCache(HiCache(bench_config(debug=True)), timeout=0.2)
+    cache = shared.cache
+    cache.insert(list(range(176)))  # 44 of 48 device pages; its backup starts
+    assert (shared.step(), shared.buffered) == (0, 1)  # finished here only: the clock starts
+    time.sleep(0.3)  # longer than the timeout
+    waited = len(cache.log.acknowledgements())
+    cache.insert(list(range(1000, 1032)))  # needs 8 pages: waits for that backup to evict
+    assert [o for o, a in cache.log.acknowledgements()[waited:] if a] == ["wait"]
+    assert len(cache.issued()) == 1  # the new prompt's backup, just started
+    assert shared.step() == 0  # finished here only, and not for longer than the timeout
+    behind = False
+    assert shared.step() == 1
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_the_tp_bench_times_a_local_poll_that_reaches_the_copy_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    step, poll = tpbench.idle_calls(TIMEOUT)
+    polled: list[int] = []
+    real = CopyEngine.poll
+
+    def counting(self: CopyEngine) -> list[Completion]:
+        polled.append(1)
+        return real(self)
+
+    monkeypatch.setattr(CopyEngine, "poll", counting)
+    assert poll() == 0
+    assert polled == [1]  # a wrapped cache's own poll() would not ask its copy engine
+    assert step() == 0
+
+
+@pytest.mark.usefixtures("world_of_one")
 def test_drain_applies_everything_and_verify_returns_the_digest() -> None:
     cache = HiCache(bench_config(debug=True, copier=_Skew(delay=2, seed=1)))
     shared = DistributedCache(cache)
@@ -1126,8 +1358,8 @@ def test_a_step_serves_its_requests_without_a_collective(monkeypatch: pytest.Mon
     waits = [a for o, a in shared.cache.log.acknowledgements() if o == "wait" and a]
     assert waits
     # the kind and its negation, ready and its negation, two flags, the first failed copy,
-    # nine shared values and theirs, one slot per storage copy considered (none here: -1 each)
-    assert reduces == [2 + 5 + 2 * 9 + STORAGE_SLOTS] * 3
+    # ten shared values and theirs, one slot per storage copy considered (none here: -1 each)
+    assert reduces == [2 + 5 + 2 * 10 + STORAGE_SLOTS] * 3
 
 
 @pytest.mark.gpu

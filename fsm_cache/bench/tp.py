@@ -281,11 +281,27 @@ def _bench_rank(rank: int, world: int, store: str, out: str, settings: _Settings
         dist.destroy_process_group()
 
 
+def idle_calls(timeout: float) -> tuple[Callable[[], int], Callable[[], int]]:
+    """Return the agreed step and the local poll that the per-call figures time, both idle.
+
+    Each on a cache of its own, with the same (no) traffic. The local poll
+    must not be the wrapped cache's: a cache that a :class:`DistributedCache`
+    wraps takes its acknowledgements from the wrapper, so its own ``poll()``
+    never reaches the copy engine and would time less than a local poll does.
+    A collective: every rank of the default group calls it.
+
+    Args:
+        timeout: Seconds the agreed step's collective may wait.
+    """
+    agreed = DistributedCache(HiCache(bench_config()), timeout=timeout)
+    return agreed.step, HiCache(bench_config()).poll
+
+
 def _measure(world: int, settings: _Settings) -> TPBench:
-    idle = HiCache(bench_config())
-    agreed = DistributedCache(idle, timeout=settings.timeout)
-    agreed_us = _median_us(agreed.step, settings.polls)
-    local_us = _median_us(idle.poll, settings.polls)
+    """Measure on this rank: an idle agreed step beside an idle local poll, then both traces."""
+    step, poll = idle_calls(settings.timeout)
+    agreed_us = _median_us(step, settings.polls)
+    local_us = _median_us(poll, settings.polls)
     return TPBench(
         world,
         settings.per_step,

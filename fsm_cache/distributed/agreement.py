@@ -16,10 +16,12 @@ on NCCL (a side group, like SGLang's ``tp_cpu_group``; see
 :func:`~fsm_cache.distributed.collectives.cpu_group`), so a step never waits
 for the kernels queued on the compute stream.
 
-Each rank keeps a running digest of the transitions it applied; a step whose
-digests differ, like :meth:`~DistributedCache.verify_agreement`, raises
+Each rank keeps a running digest of the transitions it applied and the
+operations it served (their keys included); a step whose digests differ, like
+:meth:`~DistributedCache.verify_agreement`, raises
 :class:`~fsm_cache.errors.RankDivergence` naming the first differing
-transition, its node and that node's state on each rank. A lost completion
+transition, its node and that node's state on each rank (or, where the
+transitions agree, the first operation served differently). A lost completion
 raises it too, instead of leaving every rank waiting for a copy that will
 never be acknowledged: where an operation waited for it (on the rank that lost
 it, then on every rank at the next step), at once in
@@ -57,6 +59,7 @@ from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.storage_tier import StorageConfig
 from fsm_cache.distributed.collectives import CPU, Collectives
 from fsm_cache.distributed.digest import (
+    AppliedOperation,
     AppliedTransition,
     TransitionDigest,
     copy_nodes,
@@ -64,6 +67,8 @@ from fsm_cache.distributed.digest import (
     first_difference,
     involved_nodes,
     lost_message,
+    operation_message,
+    reset_message,
     stalled_message,
     storage_waiting_message,
     waiting_message,
@@ -84,18 +89,18 @@ STORAGE_SLOTS = 32
 Each has one slot in the step's all-reduce, so the collective has the same
 length on every rank whatever is in flight; copies behind them wait a step."""
 
-_SHARED = 9
-"""Values every rank must share in a step: copies in flight, transitions, four
-digest words, storage copies in flight and the number of the first of them, and
-whether anything is in flight or queued at all."""
+_SHARED = 10
+"""Values every rank must share in a step: the resets followed, copies in flight,
+transitions, four digest words, storage copies in flight and the number of the
+first of them, and whether anything is in flight or queued at all."""
 _OWN = 5
 """Values each rank brings to a step's MIN: finished copies, its negation, a lost
 completion, an overdue copy, and the first finished copy that failed."""
 _WIDTH = 2 + _OWN + 2 * _SHARED + STORAGE_SLOTS
-"""Length of every agreement all-reduce (a step's and a hit count's), so ranks that
+"""Length of every agreement all-reduce (a step's, a hit count's, a verification's), so ranks that
 reach different ones get the same shapes, and say so, instead of failing in gloo."""
-_STEP, _HITS = 1, 2
-_KINDS = {_STEP: "a step", _HITS: "a prefetch's hit count"}
+_STEP, _HITS, _VERIFY = 1, 2, 3
+_KINDS = {_STEP: "a step", _HITS: "a prefetch's hit count", _VERIFY: "a digest verification"}
 
 
 Loss = tuple[int, list[list[int]], int]
@@ -172,7 +177,9 @@ class DistributedCache:
         self.steps = 0
         self._finished: dict[int, Completion] = {}
         self._stalled_since: float | None = None
+        self._stalled_head: int | None = None
         self._loss: Loss | None = None
+        self._resets = 0
         self._log = cache.log
         self._digest = TransitionDigest(cache.log)
         cache.transfers.take_acks_from(self)
@@ -189,7 +196,9 @@ class DistributedCache:
         group agreed on. With ``wait`` (an allocation or an insert that must
         wait for copies in flight): every rank reaches this point in the same
         operation, drains its copy engine and applies every copy in flight, in
-        issue order, so the ranks stay identical without a collective.
+        issue order, so the ranks stay identical without a collective. That
+        applies the copy a stalled step waits on, so the stall clock stops (on
+        every rank: each reaches this point).
 
         Raises:
             RankDivergence: This rank's copy engine drained without reporting a
@@ -214,21 +223,26 @@ class DistributedCache:
                 f"{len(issued)} in flight (nodes {copies[ready]}); every rank raises at the "
                 "next step"
             )
+        self._stalled_since = self._stalled_head = None
         return [self._finished.pop(ticket) for ticket in issued]
 
     def _follow_reset(self) -> None:
         """Start over after the cache's ``reset()``: a new event log, no copy in flight.
 
         Every rank resets its cache in the same place, so every rank starts
-        over alike; a rank that reset alone shows as a divergence at the next
-        collective (its transitions are counted from the reset).
+        over alike. Each reset followed is counted, and the count is one of
+        the values every rank must share: a rank that reset alone makes every
+        rank raise the same :class:`RankDivergence` at the next step or
+        verification, naming it (its transitions, counted from the reset,
+        would only say that the ranks last agreed at different points).
         """
         if self.cache.log is self._log:
             return
         self._log = self.cache.log
         self._digest = TransitionDigest(self._log)
+        self._resets += 1
         self._finished.clear()
-        self._stalled_since = None
+        self._stalled_since = self._stalled_head = None
         self._loss = None
 
     @property
@@ -270,11 +284,13 @@ class DistributedCache:
 
         Raises:
             RankFailure: The agreement collective failed or timed out.
-            RankDivergence: The ranks applied different transitions, or have
-                different numbers of copies in flight (one lost or invented a
-                copy); an operation waited for a copy whose completion a rank
-                lost; or the oldest copy finished on some ranks and not on
-                others for longer than ``timeout``.
+            RankDivergence: The ranks applied different transitions or served
+                different operations, or have different numbers of copies in
+                flight (one lost or invented a copy); a rank's cache was reset
+                alone; an operation waited for a copy whose completion a rank
+                lost; the oldest copy finished on some ranks and not on
+                others for longer than ``timeout``; or some ranks called
+                another method (:meth:`verify_agreement`, say) instead.
         """
         self._follow_reset()
         for completion in self.cache.tiers.copier.poll():
@@ -344,7 +360,11 @@ class DistributedCache:
         )
         # a wait lost a completion, or every copy finished and one never reported
         short = self._loss is not None or (drained and ready < len(issued))
-        now, since = time.monotonic(), self._stalled_since
+        # the stall clock runs for one head copy: a new head (the old one applied by a
+        # wait) starts it over, at the same step on every rank
+        head = issued[0] if issued else None
+        now = time.monotonic()
+        since = self._stalled_since if head == self._stalled_head else None
         overdue = since is not None and now - since > self.timeout
         tier = self.cache.storage
         slots = [-1] * STORAGE_SLOTS if tier is None else tier.report(STORAGE_SLOTS, wait=drained)
@@ -354,7 +374,7 @@ class DistributedCache:
         # flag reaches all, all ranks raise or go on at the same step, and the values every
         # rank must share (copies in flight, transitions, digest words) are equal iff MIN == MAX;
         # then per storage copy the fewest pages any rank landed (see StorageTier.report)
-        same = [len(issued), self._digest.count, *struct.unpack("<4I", digest)]
+        same = [self._resets, len(issued), self._digest.count, *struct.unpack("<4I", digest)]
         same += [len(stores), next(iter(stores), 0), busy]
         reduced = self._reduce(
             _STEP,
@@ -365,7 +385,9 @@ class DistributedCache:
         lows = reduced[_OWN : _OWN + _SHARED]
         highs = reduced[_OWN + _SHARED : _OWN + 2 * _SHARED]
         finished = reduced[_OWN + 2 * _SHARED : _OWN + 2 * _SHARED + STORAGE_SLOTS]
-        if lost:  # first: a wait that lost a completion also parts the transitions
+        if lows[0] != -highs[0]:  # first: a rank that reset alone differs in everything else
+            raise RankDivergence(self._reset_message())
+        if lost:  # then: a wait that lost a completion also parts the transitions
             raise RankDivergence(self._locate("lost"))
         if lows != [-high for high in highs]:
             raise RankDivergence(self._locate())
@@ -374,6 +396,7 @@ class DistributedCache:
             raise RankDivergence(self._locate("stalled"))
         self._digest.agree()
         self._stalled_since = None if not stalled else now if since is None else since
+        self._stalled_head = head if stalled else None
         agreed = min(agreed, first_failed + 1)
         self.cache.log.op("agreed_poll", agreed)
         accepted = 0 if tier is None else tier.accept(finished)
@@ -404,10 +427,14 @@ class DistributedCache:
         reduced = self.comm.all_reduce_min(padded, what)
         low, high = reduced[0], -reduced[1]
         if low != high:
+            why = (
+                "a lookup asked the storage tier on some ranks only"
+                if _HITS in (low, high)
+                else "the ranks called different DistributedCache methods"
+            )
             raise RankDivergence(
                 f"rank divergence after transition {self._digest.agreed}: the ranks reached "
-                f"different collectives: some {_KINDS[low]}, the others {_KINDS[high]} (a lookup "
-                "asked the storage tier on some ranks only)"
+                f"different collectives: some {_KINDS[low]}, the others {_KINDS[high]} ({why})"
             )
         return reduced[2:]
 
@@ -457,27 +484,44 @@ class DistributedCache:
     def verify_agreement(self) -> bytes:
         """Check that every rank applied the same transitions; return the agreed digest.
 
+        One all-reduce of the same shape as a step's, with a kind of its own,
+        compares the resets followed, the transitions, the copies in flight
+        and the digest (which covers the operations served, with their keys).
+
         Raises:
             RankDivergence: The digests differ; names the first differing
-                transition, its node and that node's state on each rank
-                (every rank raises the same message).
+                transition, its node and that node's state on each rank, or
+                else the first operation the ranks served differently, or the
+                ranks whose cache was reset alone (every rank raises the same
+                message). Or some ranks called :meth:`step` (or :meth:`drain`)
+                where the others called this: every rank raises at once.
             RankFailure: A collective failed or timed out.
         """
         self._follow_reset()
         mine = self._digest.update()
-        issued = len(self.cache.issued())
-        gathered = self.comm.all_gather_digest([self._digest.count, issued, *mine])
-        if all(g == gathered[0] for g in gathered):
-            self._digest.agree()
-            return mine
-        raise RankDivergence(self._locate())
+        same = [self._resets, self._digest.count, len(self.cache.issued())]
+        same += struct.unpack("<4I", mine)
+        reduced = self._reduce(
+            _VERIFY, [*same, *(-v for v in same)], "digest verification (all_reduce MIN)"
+        )
+        lows, highs = reduced[: len(same)], reduced[len(same) : 2 * len(same)]
+        if lows[0] != -highs[0]:
+            raise RankDivergence(self._reset_message())
+        if lows != [-high for high in highs]:
+            raise RankDivergence(self._locate())
+        self._digest.agree()
+        return mine
+
+    def _reset_message(self) -> str:
+        """Gather the resets each rank followed and name the ranks that reset alone."""
+        return reset_message(self.comm.all_gather_object(self._resets))
 
     def _locate(self, why: Literal["split", "lost", "stalled"] = "split") -> str:
         """Gather what each rank did since the agreed point and describe the first split.
 
         Args:
-            why: ``split``: find where the transitions or the copies in flight
-                part. ``lost``: a rank drained its copy engine and still lacks
+            why: ``split``: find where the transitions, the operations
+                served or the copies in flight part. ``lost``: a rank drained its copy engine and still lacks
                 a completion. ``stalled``: the oldest copy finished on some
                 ranks only, for longer than ``timeout``. A completion lost in
                 an operation that waited for it is reported first (the
@@ -498,6 +542,21 @@ class DistributedCache:
         applied = start + len(tails[0])
         if why != "split":
             return self._missing(applied, lost=why == "lost")
+        served: list[list[AppliedOperation]] = self.comm.all_gather_object(
+            self._digest.operations()
+        )
+        index = first_difference(served)
+        if index is not None:
+            return operation_message(index, served)
+        return self._copies_apart(start, applied)
+
+    def _copies_apart(self, start: int, applied: int) -> str:
+        """Describe ranks that did the same since the agreed point but wait on different copies.
+
+        Args:
+            start: Transitions every rank had agreed on.
+            applied: Transitions every rank has applied now.
+        """
         waits: list[list[list[int]]] = self.comm.all_gather_object(self._waiting())
         if any(w != waits[0] for w in waits):
             nodes = [n for copies in waits for copy in copies for n in copy]

@@ -1,18 +1,26 @@
 """Running digests of the transitions a cache applied, and where two ranks' streams part.
 
 Ranks of a tensor-parallel group must apply the same transitions in the same
-order (design invariant 10). Comparing whole trees across ranks is costly; a
-running hash of the transitions each rank applied is 16 bytes, so ranks can
-compare it often. When hashes differ, :func:`first_difference` and
-:func:`divergence_message` turn the transitions each rank applied since the
-last agreed point into a message naming the transition, the node and the
-node's state on every rank.
+order (design invariant 10), and serve the same operations with the same
+arguments. Comparing whole trees across ranks is costly; a running hash of
+what each rank did is 16 bytes, so ranks can compare it often. The hash
+covers the transitions (node births, splits and deletions included) and the
+operations that shape the tree, each with a hash of its keys and slots: an
+insert that adds a node logs no transition of its own (none at all under
+``write_through_selective``), so two ranks that cached different keys, or the
+same keys in another order, would otherwise hash alike. When hashes differ,
+:func:`first_difference` and :func:`divergence_message` turn the transitions
+each rank applied since the last agreed point into a message naming the
+transition, the node and the node's state on every rank, and
+:func:`operation_message` names the first operation that differs where the
+transitions do not.
 
 Pure Python and torch-free: :mod:`fsm_cache.distributed.agreement` moves the bytes.
 """
 
 from __future__ import annotations
 
+import array
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -25,17 +33,88 @@ AppliedTransition = tuple[int, str]
 :class:`~fsm_cache.cache.eventlog.EventLog` records it (not a spec's
 :class:`~fsm_cache.spec.machine.Transition`)."""
 
+AppliedOperation = tuple[int, str]
+"""``(transitions applied before it, what the rank did)`` for an operation a cache
+served (``called insert(...)``, after :func:`operation_text`) or refused
+(``had insert refused (PoolExhausted)``)."""
+
 DIGEST_BYTES = 16
+
+_LOCAL_OPERATIONS = frozenset({"poll", "apply_completions"})
+"""Operations the digest leaves out: under agreement they apply only what the group
+agreed (logged as transitions), and ``poll()`` may be called on one rank alone."""
+_NAMESPACED = frozenset({"match_prefix", "insert"})
+"""Operations whose second argument is a namespace, not ids."""
+_SHOWN = 8
+"""Id sequences up to this long are shown in full; longer ones by length and hash."""
+_MASK = (1 << 64) - 1
+
+
+def operation_text(name: str, args: tuple[object, ...]) -> str | None:
+    """Describe a logged operation by what every rank must share; None to leave it out.
+
+    Keys, slots and node ids longer than a few are shown by length and a
+    64-bit hash (``hash()`` of a tuple of ints is the same in every process,
+    unlike a string's), so folding in a request's operations costs a few
+    microseconds. Rank-local values are left out: the pages each rank's own
+    store found for a prefetch query (``agreed_hits`` keeps only the agreed
+    counts), and the operations that apply only agreed copies (``poll``,
+    ``apply_completions``).
+
+    Args:
+        name: The operation, as :meth:`~fsm_cache.cache.eventlog.EventLog.op` logged it.
+        args: Its arguments, as logged.
+    """
+    if name in _LOCAL_OPERATIONS:
+        return None
+    if name in _NAMESPACED:  # (tokens, namespace, slots or none): most of what is logged
+        shown = [_ids(args[0]), _namespace(args[1]), *map(_ids, args[2:])]
+    else:
+        shown = list(map(_ids, args[1:] if name == "agreed_hits" else args))
+    return f"{name}({', '.join(shown)})"
+
+
+def _ids(value: object) -> str:
+    """A count, or ids (a tuple, or an ``array('Q')`` of slots), as every rank renders them."""
+    if value is None or type(value) is int:
+        return str(value)
+    if isinstance(value, tuple):
+        if len(value) <= _SHOWN:
+            return repr(tuple(value))
+        return f"<{len(value)} ids {hash(value) & _MASK:016x}>"
+    if isinstance(value, array.array):
+        if len(value) <= _SHOWN:
+            return repr(value.tolist())
+        return f"<{len(value)} ids {hashlib.blake2b(value, digest_size=8).hexdigest()}>"
+    return _namespace(value)
+
+
+def _namespace(value: object) -> str:
+    """A namespace as every rank renders it: plain values in full, other objects by type.
+
+    An object's own ``repr`` may hold its address, which differs between ranks.
+    """
+    if value is None or isinstance(value, (str, bytes, int, float)):
+        return repr(value)
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_namespace(v) for v in value) + ")"
+    return f"<{type(value).__qualname__}>"
 
 
 class TransitionDigest:
-    """A blake2b hash over the transitions of one event log, folded in as they are logged.
+    """A blake2b hash over the transitions and operations of one event log, folded in as logged.
+
+    Each transition is folded in as ``node:event;``, each operation as its
+    :func:`operation_text` and ``;``, and each refusal as ``!name:ErrorClass;``
+    (a call refused on one rank only changed nothing there); acknowledgement
+    batches are not (the transitions they fire are, and a storage batch holds
+    each rank's own outcome).
 
     Args:
         log: The cache's event log; only appended to, never rewritten.
 
     Attributes:
-        count: Transitions folded in so far.
+        count: Transitions folded in so far (operations are not counted).
         agreed: Transitions folded in when the group last agreed (see :meth:`agree`).
     """
 
@@ -48,16 +127,23 @@ class TransitionDigest:
         self.agreed = 0
 
     def update(self) -> bytes:
-        """Fold in the transitions logged since the last update; return the digest."""
+        """Fold in the transitions and operations logged since the last update; return the digest."""
         if self._log.dropped > self._scanned:
             raise ConfigError(
                 f"distributed: the event log dropped {self._log.dropped - self._scanned} entries"
                 " the transition digest had not read; raise CacheConfig.log_limit"
             )
-        for kind, node, event in self._log.since(self._scanned):
+        fold = self._hash.update
+        for kind, first, second in self._log.since(self._scanned):
             if kind == "transition":
-                self._hash.update(f"{node}:{event};".encode())
+                fold(f"{first}:{second};".encode())
                 self.count += 1
+            elif kind == "op":
+                text = operation_text(first, second)
+                if text is not None:
+                    fold(f"{text};".encode())
+            elif kind == "refused":
+                fold(f"!{first}:{second.partition(':')[0]};".encode())
         self._scanned = self._log.recorded
         return self._hash.digest()
 
@@ -70,6 +156,24 @@ class TransitionDigest:
         """Return the transitions folded in since the last agreed point, in order."""
         entries = self._log.since(self._agreed_entry, self._scanned)
         return [(node, event) for kind, node, event in entries if kind == "transition"]
+
+    def operations(self) -> list[AppliedOperation]:
+        """Return the operations and refusals folded in since the last agreed point, in order.
+
+        Each comes with the number of transitions applied before it, so a
+        report can place it among the transitions.
+        """
+        applied, found = self.agreed, []
+        for kind, first, second in self._log.since(self._agreed_entry, self._scanned):
+            if kind == "transition":
+                applied += 1
+            elif kind == "op":
+                text = operation_text(first, second)
+                if text is not None:
+                    found.append((applied, f"called {text}"))
+            elif kind == "refused":
+                found.append((applied, f"had {first} refused ({second.partition(':')[0]})"))
+        return found
 
 
 def first_difference(tails: Sequence[Sequence[AppliedTransition]]) -> int | None:
@@ -114,6 +218,53 @@ def divergence_message(
     now = _now(involved_nodes(tails, index), states)
     return f"rank divergence at transition {start + index}: " + "; ".join(
         [", ".join(applied), *now]
+    )
+
+
+def operation_message(index: int, operations: Sequence[Sequence[AppliedOperation]]) -> str:
+    """Describe the first operation the ranks served differently, where the transitions agree.
+
+    Args:
+        index: Where the ranks' operations first differ (from :func:`first_difference`).
+        operations: Per rank, the operations since the agreed point (see
+            :meth:`TransitionDigest.operations`).
+
+    Returns:
+        ``rank divergence after transition 12: the ranks served different
+        operations: rank 0 called insert(<16 ids 53b8a4e4c4a1c2f0>, None, None),
+        rank 1 called insert(<64 ids 0e9bd5b1a3d6e2c7>, None, None)``.
+    """
+    called = []
+    for rank, ops in enumerate(operations):
+        if index < len(ops):
+            called.append(f"rank {rank} {ops[index][1]}")
+        else:
+            called.append(f"rank {rank} did nothing more")
+    applied = min(ops[index][0] for ops in operations if index < len(ops))
+    return (
+        f"rank divergence after transition {applied}: the ranks served different operations: "
+        + ", ".join(called)
+    )
+
+
+def reset_message(resets: Sequence[int]) -> str:
+    """Describe ranks whose caches were reset a different number of times.
+
+    Args:
+        resets: Per rank, the resets of its cache its wrapper followed.
+
+    Returns:
+        ``rank divergence: the cache was reset on rank 1 and not on rank 0
+        (resets: rank 0 0, rank 1 1); every rank must reset its cache at the
+        same point``.
+    """
+    fewest = min(resets)
+    behind = [rank for rank, n in enumerate(resets) if n == fewest]
+    ahead = [rank for rank, n in enumerate(resets) if n != fewest]
+    counts = ", ".join(f"rank {rank} {n}" for rank, n in enumerate(resets))
+    return (
+        f"rank divergence: the cache was reset on {_ranks(ahead)} and not on {_ranks(behind)} "
+        f"(resets: {counts}); every rank must reset its cache at the same point"
     )
 
 
