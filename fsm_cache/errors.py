@@ -323,8 +323,10 @@ class StoreFailed(StorageError):
 class CorruptPage(StorageError):
     """A stored page does not read back as the page its key names; nothing was returned.
 
-    Raised for a torn file (shorter than its header says), a file or value that
-    is not a page at all, or a page whose header names another key.
+    Raised for a torn page (shorter than its header says, or whose bytes fail
+    the header's checksum), a file or value that is not a page at all (a
+    directory or pipe at a page path, or a page of the first format, which has
+    no checksum), or a page whose header names another key.
 
     Attributes:
         where: The file path or Redis key read.

@@ -9,9 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import stat
 import struct
 import subprocess
 import sys
+import warnings
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -443,15 +447,28 @@ def test_local_a_failed_write_leaves_no_file_and_no_reservation(
     assert store.put(keys, pages) == [P, S, S]
 
 
-def test_local_durable_writes_sync_before_rename(
+def test_local_durable_writes_sync_the_page_then_its_directories(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """durable=True fsyncs each page file before it is renamed into place."""
-    synced: list[int] = []
-    monkeypatch.setattr(os, "fsync", synced.append)
-    keys = page_keys(NS, list(range(8)))
-    LocalFileStore(tmp_path, durable=True).put(keys, pages_of(2))
-    assert len(synced) == 2
+    """durable=True fsyncs each page file, then its shard (the rename) and, once, the root."""
+    synced: list[object] = []
+
+    def spy(fd: int) -> None:
+        info = os.fstat(fd)
+        synced.append(info.st_ino if stat.S_ISDIR(info.st_mode) else "file")
+
+    store = LocalFileStore(tmp_path, durable=True)
+    keys = page_keys(NS, list(range(12)))
+    monkeypatch.setattr(os, "fsync", spy)
+    store.put(keys[:2], pages_of(2))
+    root, first, second = (
+        os.stat(p).st_ino for p in [tmp_path, *(store.path(k).parent for k in keys[:2])]
+    )
+    assert synced == ["file", root, first, "file", root, second]
+    synced.clear()
+    store.drop(keys[:1])
+    store.put(keys, pages_of(3))  # the first shard's entry in the root is synced already
+    assert synced == ["file", first, "file", root, os.stat(store.path(keys[2]).parent).st_ino]
 
 
 def test_local_ignores_what_is_not_a_page_file(tmp_path: Path) -> None:
@@ -509,7 +526,7 @@ def test_redis_a_corrupt_value_is_a_clear_error() -> None:
     server, store = fake()
     keys = page_keys(NS, list(range(8)))
     store.put(keys, pages_of(2))
-    fakeredis.FakeRedis(server=server).set(f"fsm:page:{keys[1]}", b"FSMPAGE1\x05\0\0\0{oops")
+    fakeredis.FakeRedis(server=server).set(f"fsm:page:{keys[1]}", codec.MAGIC + b"\x05\0\0\0{oops")
     with pytest.raises(CorruptPage) as caught:
         store.get(keys)
     where = f"redis 127.0.0.1:6399 fsm:page:{keys[1]}"
@@ -800,3 +817,196 @@ def test_local_store_accounting_matches_the_disk(ops: list[tuple[str, int, int]]
             assert (capacity.reserved_bytes, capacity.pages) == (0, len(files))
             present = [store.path(k).exists() for k in keys]
             assert store.exists_prefix(keys) == [*present, False].index(False)
+
+
+# ---------------------------------------------------------------- found by a review
+
+
+def fill(root: Path, count: int) -> tuple[list[str], list[torch.Tensor], int]:
+    """Store a chain of ``count`` pages under ``root`` (no limit); return its keys, pages, page size."""
+    keys, pages = page_keys(NS, list(range(4 * count))), pages_of(count)
+    LocalFileStore(root).put(keys, pages)
+    return keys, pages, page_bytes(keys[0], pages[0])
+
+
+def test_local_a_put_over_a_limit_already_exceeded_frees_the_whole_excess(tmp_path: Path) -> None:
+    """Pages found at start may exceed the limit: a put evicts all the excess, or nothing at all."""
+    keys, pages, size = fill(tmp_path, 10)
+    other = page_keys(NS, list(range(100, 108)))
+    store = LocalFileStore(tmp_path, limit_bytes=4 * size)
+    with store.reading(keys[:8]):  # 2 unheld pages cannot make room for 7
+        assert store.put(other[:1], pages[:1]) == [F]
+        assert store.capacity() == Capacity(10 * size, 0, 4 * size, 10)
+    assert store.put(other[:1], pages[:1]) == [S]
+    assert store.capacity() == Capacity(4 * size, 0, 4 * size, 4)
+    assert store.exists_prefix(keys) == 3  # the chain's tail went first
+
+
+@pytest.mark.parametrize("how", ["restart", "found", "found past a known head"])
+def test_local_pages_it_did_not_use_are_evicted_tail_first(tmp_path: Path, how: str) -> None:
+    """Pages indexed at start or found from another process lose their tail first, not their head."""
+    keys, pages = page_keys(NS, list(range(32))), pages_of(8)
+    other = page_keys(NS, list(range(100, 104)))
+    size = page_bytes(keys[0], pages[0])
+    writer = LocalFileStore(tmp_path)
+    if how == "restart":
+        writer.put(keys, pages)
+        store = LocalFileStore(tmp_path, limit_bytes=8 * size)
+    else:
+        store = LocalFileStore(tmp_path, limit_bytes=8 * size)
+        if how == "found past a known head":
+            writer.put(keys[:1], pages[:1])
+            assert store.exists_prefix(keys) == 1
+        writer.put(keys, pages)
+        assert store.exists_prefix(keys) == 8
+    assert store.put(other, pages[:1]) == [S]
+    assert store.exists_prefix(keys) == 7
+    assert not store.path(keys[-1]).exists()
+
+
+def test_codec_a_torn_page_of_intact_length_is_corrupt(tmp_path: Path) -> None:
+    """Bytes lost under an intact length (a power loss) fail the checksum: CorruptPage, never KV."""
+    store = LocalFileStore(tmp_path)
+    keys, pages = page_keys(NS, list(range(8))), pages_of(2)
+    store.put(keys, pages)
+    value = codec.encode(keys[1], pages[1])
+    torn = value[:-16] + bytes(16)
+    body = torn[len(codec.header(keys[1], pages[1])) :]
+    problem = (
+        f"crc32 of the bytes is {zlib.crc32(body):08x}, "
+        f"the header says {zlib.crc32(value[-256:]):08x}"
+    )
+    with pytest.raises(CorruptPage) as caught:
+        codec.decode("there", keys[1], torn)
+    assert caught.value.problem == problem
+    store.path(keys[1]).write_bytes(torn)
+    with pytest.raises(CorruptPage) as caught:
+        store.get(keys)
+    assert str(caught.value) == f"{store.path(keys[1])}: not a valid page {keys[1][:12]}: {problem}"
+
+
+def test_codec_refuses_pages_of_the_first_format(tmp_path: Path) -> None:
+    """A page written before pages had a checksum (FSMPAGE1) is corrupt: it cannot be verified."""
+    key, page = page_keys(NS, list(range(4)))[0], pages_of(1)[0]
+    fields = {"key": key, "dtype": "bfloat16", "shape": list(page.shape), "nbytes": 256}
+    head = json.dumps(fields, separators=(",", ":")).encode()
+    old = struct.pack("<8sI", b"FSMPAGE1", len(head)) + head + codec.encode(key, page)[-256:]
+    problem = "a page of the first format (FSMPAGE1), with no checksum"
+    with pytest.raises(CorruptPage) as caught:
+        codec.decode("there", key, old)
+    assert caught.value.problem == problem
+    store = LocalFileStore(tmp_path)
+    store.path(key).parent.mkdir()
+    store.path(key).write_bytes(old)
+    with pytest.raises(CorruptPage, match=rf"{key[:12]}: {re.escape(problem)}$"):
+        store.get([key])
+
+
+def test_codec_a_deeply_nested_header_is_corrupt() -> None:
+    """JSON nested past the parser's recursion limit is an unreadable header, not a RecursionError."""
+    key = page_keys(NS, list(range(4)))[0]
+    for nested in (b"[" * 60000, b"[" * 30000 + b"]" * 30000):
+        with pytest.raises(CorruptPage) as caught:
+            codec.decode("there", key, struct.pack("<8sI", codec.MAGIC, len(nested)) + nested)
+        assert caught.value.problem == "unreadable page header"
+
+
+def test_conjugate_and_negative_views_are_stored_as_their_values(store: Store) -> None:
+    """A conj or neg view's memory holds the values before the view: they are resolved first."""
+    base = torch.randn(4, 2, dtype=torch.complex64, generator=torch.Generator().manual_seed(3))
+    views = [base.conj(), base[:1, 0].conj().imag, base.conj().t()]  # imag: a neg view
+    keys = page_keys(NS, list(range(12)))
+    store.put(keys, views)
+    want = [
+        v.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format) for v in views
+    ]
+    assert same(store.get(keys), want)
+    decoded = [
+        codec.decode("here", k, codec.encode(k, v)) for k, v in zip(keys, views, strict=True)
+    ]
+    assert same(decoded, want)
+
+
+def odd_tensors() -> dict[str, torch.Tensor]:
+    """Tensors whose memory is not their content as one block of a plain dtype."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized: deprecated; nested: a prototype
+        return {
+            "sparse_coo": torch.eye(4).to_sparse(),
+            "sparse_csr": torch.eye(4).to_sparse_csr(),
+            "quantized": torch.quantize_per_tensor(torch.randn(8), 0.1, 0, torch.qint8),
+            "nested": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        }
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("sparse_coo", "page 1 is a sparse_coo tensor, not a dense (strided) one"),
+        ("sparse_csr", "page 1 is a sparse_csr tensor, not a dense (strided) one"),
+        ("quantized", "page 1 is quantized (qint8), not of a plain dtype"),
+        ("nested", "page 1 is a nested tensor, not a dense one"),
+    ],
+)
+def test_put_refuses_tensors_that_are_not_dense_memory(
+    store: Store, kind: str, message: str
+) -> None:
+    """Sparse, quantized and nested pages are BadArgument before the first page is written."""
+    keys = page_keys(NS, list(range(8)))
+    with pytest.raises(BadArgument) as caught:
+        store.put(keys, [pages_of(1)[0], odd_tensors()[kind]])
+    assert str(caught.value) == message
+    assert store.exists_prefix(keys) == 0
+
+
+def test_local_disk_errors_are_store_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that fails on the disk is StoreFailed, saying how many pages were read before it."""
+    store = LocalFileStore(tmp_path)
+    keys, pages = page_keys(NS, list(range(8))), pages_of(2)
+    store.put(keys, pages)
+
+    def eio(fd: int, buffers: object) -> int:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "readv", eio)
+    with pytest.raises(StoreFailed) as caught:
+        store.get(keys)
+    assert str(caught.value) == (
+        f"local {tmp_path}: get failed after 0 of 2 pages: OSError: [Errno 5] Input/output error"
+    )
+    assert store.capacity().pages == 2
+
+
+@pytest.mark.parametrize("make", [Path.mkdir, os.mkfifo])
+def test_local_a_non_file_at_a_page_path_is_corrupt(tmp_path: Path, make: Any) -> None:
+    """A directory or a FIFO where a page should be reads as CorruptPage (without blocking)."""
+    store = LocalFileStore(tmp_path)
+    keys, pages = page_keys(NS, list(range(8))), pages_of(2)
+    store.put(keys[:1], pages[:1])
+    path = store.path(keys[1])
+    path.parent.mkdir(exist_ok=True)
+    make(path)
+    with pytest.raises(CorruptPage) as caught:
+        store.get(keys)
+    assert str(caught.value) == f"{path}: not a valid page {keys[1][:12]}: not a regular file"
+    assert same(store.get(keys[:1]), pages[:1])
+
+
+def test_local_a_page_that_cannot_be_deleted_is_store_failed(tmp_path: Path) -> None:
+    """A drop that cannot delete a page's file is StoreFailed; the pages before it are dropped."""
+    store = LocalFileStore(tmp_path)
+    keys, pages = page_keys(NS, list(range(12))), pages_of(3)
+    store.put(keys[:1], pages[:1])
+    path = store.path(keys[1])
+    path.parent.mkdir(exist_ok=True)
+    path.mkdir()
+    assert store.exists_prefix(keys) == 2
+    with pytest.raises(StoreFailed) as caught:
+        store.drop(keys)
+    assert str(caught.value) == (
+        f"local {tmp_path}: drop failed after 1 of 3 pages: "
+        f"IsADirectoryError: [Errno 21] Is a directory: '{path}'"
+    )
+    assert (store.exists_prefix(keys[:1]), store.capacity().used_bytes) == (0, 0)

@@ -286,10 +286,18 @@ class _Workers:
         self._threads = []
 
 
-def _run(store: Store, copy: StorageCopy, pages: list[torch.Tensor]) -> None:
-    """Run one copy on a worker: record its result, whatever the store does."""
+def _run(
+    store: Store, copy: StorageCopy, pages: list[torch.Tensor], shape: tuple[int, ...]
+) -> None:
+    """Run one copy on a worker: record its result, whatever the store does.
+
+    A fetch's pages must be uint8 pages of ``shape`` (a host page's).
+    """
     try:
-        result = _put(store, copy.keys, pages) if copy.kind == "store" else _get(store, copy.keys)
+        if copy.kind == "store":
+            result = _put(store, copy.keys, pages)
+        else:
+            result = _get(store, copy.keys, shape)
     except Exception as exc:  # the copy fails; the thread must live on (SGLang #38427)
         result = StoreResult(0, [], "failed", f"{type(exc).__name__}: {exc}")
     copy.result = result
@@ -304,14 +312,25 @@ def _put(store: Store, keys: Sequence[str], pages: list[torch.Tensor]) -> StoreR
     return StoreResult(held, [], "ok" if held == len(keys) else "full")
 
 
-def _get(store: Store, keys: Sequence[str]) -> StoreResult:
+def _get(store: Store, keys: Sequence[str], shape: tuple[int, ...]) -> StoreResult:
+    """Read ``keys``' pages; a page that is not a host page's KV is dropped and ends the prefix.
+
+    Wrong KV is never used, and a page left in the store would be found, read
+    and refused again at every lookup: a torn or foreign page and one of
+    another shape or dtype are dropped alike, keeping the pages before it.
+    """
     try:
         pages = store.get(keys)
-    except CorruptPage as exc:  # wrong KV is never used: drop the page, keep what came before
+    except CorruptPage as exc:
         at = keys.index(exc.key) if exc.key in keys else 0
         store.drop([exc.key])
         pages = store.get(keys[:at]) if at else []
         return StoreResult(len(pages), pages, "corrupt", str(exc))
+    for i, page in enumerate(pages):
+        if tuple(page.shape) != shape or page.dtype != torch.uint8:
+            store.drop([keys[i]])
+            problem = f"page {i} is {page.dtype} {tuple(page.shape)}, not uint8 {shape}"
+            return StoreResult(i, pages[:i], "corrupt", problem)
     return StoreResult(len(pages), pages, "ok" if len(pages) == len(keys) else "missing")
 
 
@@ -483,6 +502,7 @@ class StorageTier:
     def flush(self) -> None:
         """Start every queued copy (a store first snapshots the host pages it reads)."""
         queued, self._queued = self._queued, []
+        shape = tuple(self._tiers.host.pages.shape[1:])
         for copy in queued:
             pages: list[torch.Tensor] = []
             if copy.kind == "store":
@@ -490,7 +510,7 @@ class StorageTier:
                 index = torch.tensor(host, dtype=torch.long)
                 pages = list(self._tiers.host.pages.index_select(0, index).unbind(0))
             copy.started = time.monotonic()
-            self._workers.submit(partial(_run, self._store, copy, pages))
+            self._workers.submit(partial(_run, self._store, copy, pages, shape))
 
     def idle(self) -> bool:
         """Return whether no storage copy is queued or in flight."""
@@ -554,15 +574,10 @@ class StorageTier:
         return self._outcome(copy) if agreed is None else agreed
 
     def _outcome(self, copy: StorageCopy) -> StoreResult:
+        """The worker's result (which checked a fetch's pages), or a timeout."""
         result = copy.result if copy.done.is_set() else None
         if result is None:
             return StoreResult(0, [], "timeout", f"no answer in {self.config.io_timeout} s")
-        if copy.kind == "fetch":
-            shape = tuple(self._tiers.host.pages.shape[1:])
-            for i, page in enumerate(result.pages[: result.held]):
-                if tuple(page.shape) != shape or page.dtype != torch.uint8:
-                    problem = f"page {i} is {page.dtype} {tuple(page.shape)}, not uint8 {shape}"
-                    return StoreResult(i, result.pages[:i], "corrupt", problem)
         return result
 
     def _split_at(self, copy: StorageCopy, held: int) -> tuple[list[TreeNode], list[TreeNode]]:

@@ -59,6 +59,16 @@ class Budget:
         free = self.free()
         return free is None or nbytes <= free
 
+    def shortfall(self, nbytes: int) -> int:
+        """Return the bytes to free before ``nbytes`` more fit (0 when they fit, or unbounded).
+
+        Unlike :meth:`free`, not floored at 0: pages found on disk may already
+        hold more than the limit, and making room must free that excess too.
+        """
+        if self.limit_bytes is None:
+            return 0
+        return max(0, self.used_bytes + self.reserved_bytes + nbytes - self.limit_bytes)
+
     def reserve(self, nbytes: int) -> Reservation:
         """Set ``nbytes`` aside for a write.
 

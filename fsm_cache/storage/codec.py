@@ -1,16 +1,21 @@
-"""One page as bytes: a header naming its key, dtype, shape and length, then the raw bytes.
+"""One page as bytes: a header naming its key, dtype, shape, length and checksum, then the bytes.
 
 Both backends store a page this way, the header and the bytes together in one
 file or one Redis value, so a page is either whole or absent: LMCache's Redis
 connector kept them under two keys, and a server that evicted the bytes left a
-header that promised a page it could not give. The header is verified on every
-read, so a torn file, a foreign file or a page under the wrong key is a
+header that promised a page it could not give. The header and a checksum of
+the bytes are verified on every read, so a torn file (even one of intact length
+whose last blocks were lost), a foreign file or a page under the wrong key is a
 :class:`~fsm_cache.errors.CorruptPage`, never wrong KV.
 
-Layout: ``FSMPAGE1``, a 4-byte little-endian header length, the header as
-compact JSON (``key``, ``dtype``, ``shape``, ``nbytes``), then ``nbytes`` bytes.
-The bytes are the tensor's memory as is, so every dtype (float8 included)
-round-trips bit for bit; torch alone moves them (no numpy).
+Layout: ``FSMPAGE2``, a 4-byte little-endian header length, the header as
+compact JSON (``key``, ``dtype``, ``shape``, ``nbytes``, and ``crc32``: the
+CRC-32 of the bytes as 8 lowercase hex digits, fixed width so a page's size is
+known before its bytes are hashed), then ``nbytes`` bytes. The bytes are the
+tensor's memory as is, so every dtype (float8 included) round-trips bit for
+bit; torch alone moves them (no numpy). Pages of the first format
+(``FSMPAGE1``, no checksum) are refused as corrupt: their bytes cannot be
+verified.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ import ctypes
 import json
 import math
 import os
+import stat
 import struct
+import zlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,9 +36,30 @@ from fsm_cache.errors import BadArgument, CorruptPage
 from fsm_cache.storage.keys import check_keys
 
 
-MAGIC = b"FSMPAGE1"
+MAGIC = b"FSMPAGE2"
+OLD_MAGIC = b"FSMPAGE1"
+"""The first format's magic: pages without a checksum, read as corrupt."""
 _PREFIX = struct.Struct("<8sI")
 _MAX_HEADER = 1 << 16
+
+
+class Header(NamedTuple):
+    """What a page's header declares.
+
+    Attributes:
+        dtype: The page's dtype.
+        shape: The page's shape.
+        nbytes: The length of the bytes after the header.
+        crc32: The CRC-32 of those bytes, as 8 lowercase hex digits (as read:
+            compared, never trusted to be well formed).
+        start: Where the bytes start in the stored value.
+    """
+
+    dtype: torch.dtype
+    shape: list[int]
+    nbytes: int
+    crc32: object
+    start: int
 
 
 def check_pages(keys: Sequence[str], pages: Sequence[torch.Tensor]) -> None:
@@ -39,23 +67,65 @@ def check_pages(keys: Sequence[str], pages: Sequence[torch.Tensor]) -> None:
 
     Raises:
         BadArgument: A key is not a page key, the counts differ, or a page is
-            not a non-empty CPU tensor.
+            not a non-empty, dense, CPU tensor of a plain dtype.
     """
     check_keys(keys)
     if len(keys) != len(pages):
         raise BadArgument(f"{len(keys)} keys for {len(pages)} pages")
     for index, page in enumerate(pages):
-        if not isinstance(page, torch.Tensor):
-            raise BadArgument(f"page {index} is a {type(page).__name__}, not a torch.Tensor")
-        if page.device.type != "cpu" or page.numel() == 0:
-            raise BadArgument(f"page {index} must be a non-empty CPU tensor, not {page.device}")
+        problem = _refusal(page)
+        if problem:
+            raise BadArgument(f"page {index} {problem}")
+
+
+def _refusal(page: object) -> str:
+    """Return why ``page`` cannot be stored as its memory's bytes, or ``""`` when it can.
+
+    Sparse, nested and quantized tensors have no single block of memory that
+    is their content (or their dtype's bytes mean nothing without a scale), so
+    they are refused here rather than failing part-way through a batch.
+    """
+    if not isinstance(page, torch.Tensor):
+        return f"is a {type(page).__name__}, not a torch.Tensor"
+    if page.is_nested:
+        return "is a nested tensor, not a dense one"
+    if page.layout != torch.strided:
+        return f"is a {str(page.layout).removeprefix('torch.')} tensor, not a dense (strided) one"
+    if page.is_quantized:
+        return f"is quantized ({str(page.dtype).removeprefix('torch.')}), not of a plain dtype"
+    if page.device.type != "cpu" or page.numel() == 0:
+        return f"must be a non-empty CPU tensor, not {page.device}"
+    return ""
+
+
+def dense(page: torch.Tensor) -> torch.Tensor:
+    """Return ``page``'s logical content as a contiguous tensor (``page`` itself when it is one).
+
+    Conjugate and negative views are resolved first: their memory holds the
+    values before the view, so storing it as is would store other KV.
+    """
+    return page.detach().resolve_conj().resolve_neg().contiguous()
 
 
 def header(key: str, page: torch.Tensor) -> bytes:
-    """Return the bytes that precede ``page``'s bytes under ``key``."""
-    dtype = str(page.dtype).removeprefix("torch.")
-    nbytes = page.numel() * page.element_size()
-    fields = {"key": key, "dtype": dtype, "shape": list(page.shape), "nbytes": nbytes}
+    """Return the bytes that precede a contiguous ``page``'s bytes under ``key``."""
+    return _header(key, page, zlib.crc32(raw_bytes(page)))
+
+
+def stored_bytes(key: str, page: torch.Tensor) -> int:
+    """Return what ``page`` takes stored under ``key``, header included, without hashing it."""
+    return len(_header(key, page, 0)) + page.numel() * page.element_size()
+
+
+def _header(key: str, page: torch.Tensor, crc: int) -> bytes:
+    """Return the header of ``page`` under ``key`` with checksum ``crc`` (its length is crc's alone)."""
+    fields = {
+        "key": key,
+        "dtype": str(page.dtype).removeprefix("torch."),
+        "shape": list(page.shape),
+        "nbytes": page.numel() * page.element_size(),
+        "crc32": f"{crc:08x}",
+    }
     encoded = json.dumps(fields, separators=(",", ":")).encode()
     return _PREFIX.pack(MAGIC, len(encoded)) + encoded
 
@@ -74,7 +144,7 @@ def raw_bytes(page: torch.Tensor) -> memoryview:
 
 def encode(key: str, page: torch.Tensor) -> bytes:
     """Return ``page`` as one value: its header, then its bytes (one copy)."""
-    flat = page.detach().contiguous()
+    flat = dense(page)
     return b"".join((header(key, flat), raw_bytes(flat)))
 
 
@@ -87,7 +157,7 @@ def write(fd: int, key: str, page: torch.Tensor) -> int:
     Raises:
         OSError: The write failed (the disk is full, or made no progress).
     """
-    flat = page.detach().contiguous()
+    flat = dense(page)
     views = [memoryview(header(key, flat)), raw_bytes(flat)]
     total = sum(view.nbytes for view in views)
     while views:
@@ -103,53 +173,77 @@ def write(fd: int, key: str, page: torch.Tensor) -> int:
 
 
 def decode(where: str, key: str, value: bytes) -> torch.Tensor:
-    """Return the page stored as ``value`` under ``key``, after checking its header.
+    """Return the page stored as ``value`` under ``key``, after checking its header and checksum.
 
     Raises:
         CorruptPage: ``value`` is not a page, is torn, or names another key.
     """
-    fields, start = _parse(where, key, value[: _PREFIX.size + _MAX_HEADER])
-    dtype, shape, nbytes = fields
-    if len(value) != start + nbytes:
-        raise CorruptPage(where, key, f"{len(value) - start} bytes after a header of {nbytes}")
-    page = torch.empty(nbytes, dtype=torch.uint8)
-    raw_bytes(page)[:] = memoryview(value)[start:]
-    return page.view(dtype).reshape(shape)
+    head = _parse(where, key, value[: _PREFIX.size + _MAX_HEADER])
+    if len(value) != head.start + head.nbytes:
+        raise CorruptPage(
+            where, key, f"{len(value) - head.start} bytes after a header of {head.nbytes}"
+        )
+    page = torch.empty(head.nbytes, dtype=torch.uint8)
+    raw_bytes(page)[:] = memoryview(value)[head.start :]
+    return _verified(where, key, head, page)
 
 
 def read(path: str, key: str) -> torch.Tensor:
-    """Return the page in the file at ``path``, after checking its header and length.
+    """Return the page in the file at ``path``, after checking its header, length and checksum.
 
     Reads the header, then the bytes straight into the new tensor (no buffer
-    between, no read past the header).
+    between, no read past the header). Opened non-blocking, so a FIFO planted
+    at ``path`` is refused instead of waited on.
 
     Raises:
         FileNotFoundError: There is no such file (the page was evicted or dropped).
-        CorruptPage: The file is not a page, is torn, or names another key.
+        CorruptPage: The file is not a regular file or not a page, is torn, or
+            names another key.
+        OSError: The file could not be read (a disk error, no permission).
     """
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptPage(path, key, "not a regular file")
         head = os.read(fd, _PREFIX.size)
         if len(head) == _PREFIX.size and head.startswith(MAGIC):
             head += os.read(fd, min(_PREFIX.unpack(head)[1], _MAX_HEADER))
-        (dtype, shape, nbytes), start = _parse(path, key, head)
-        if size != start + nbytes:
-            raise CorruptPage(path, key, f"{size - start} bytes after a header of {nbytes}")
-        page = torch.empty(nbytes, dtype=torch.uint8)
-        into, got = raw_bytes(page), 0
-        while got < nbytes:
-            chunk = os.readv(fd, [into[got:]])
-            if chunk == 0:  # pragma: no cover - the file shrank while we read it
-                raise CorruptPage(path, key, f"read {got} of {nbytes} bytes")
-            got += chunk
+        parsed = _parse(path, key, head)
+        if info.st_size != parsed.start + parsed.nbytes:
+            got = info.st_size - parsed.start
+            raise CorruptPage(path, key, f"{got} bytes after a header of {parsed.nbytes}")
+        page = _read_into(fd, path, key, parsed.nbytes)
     finally:
         os.close(fd)
-    return page.view(dtype).reshape(shape)
+    return _verified(path, key, parsed, page)
 
 
-def _parse(where: str, key: str, head: bytes) -> tuple[tuple[torch.dtype, list[int], int], int]:
-    """Return the dtype, shape and length a header declares, and where the bytes start."""
+def _read_into(fd: int, path: str, key: str, nbytes: int) -> torch.Tensor:
+    """Read ``nbytes`` from ``fd`` into a new uint8 tensor."""
+    page = torch.empty(nbytes, dtype=torch.uint8)
+    into, got = raw_bytes(page), 0
+    while got < nbytes:
+        chunk = os.readv(fd, [into[got:]])
+        if chunk == 0:  # pragma: no cover - the file shrank while we read it
+            raise CorruptPage(path, key, f"read {got} of {nbytes} bytes")
+        got += chunk
+    return page
+
+
+def _verified(where: str, key: str, head: Header, page: torch.Tensor) -> torch.Tensor:
+    """Return the bytes ``page`` as the header's dtype and shape, once their checksum matches."""
+    crc = f"{zlib.crc32(raw_bytes(page)):08x}"
+    if crc != head.crc32:
+        problem = f"crc32 of the bytes is {crc}, the header says {str(head.crc32)[:8]}"
+        raise CorruptPage(where, key, problem)
+    return page.view(head.dtype).reshape(head.shape)
+
+
+def _parse(where: str, key: str, head: bytes) -> Header:
+    """Return what a header declares, and where the bytes start."""
+    if head[: len(OLD_MAGIC)] == OLD_MAGIC:
+        raise CorruptPage(where, key, "a page of the first format (FSMPAGE1), with no checksum")
     if len(head) < _PREFIX.size or head[: len(MAGIC)] != MAGIC:
         raise CorruptPage(where, key, "no page header")
     _, length = _PREFIX.unpack_from(head)
@@ -160,15 +254,17 @@ def _parse(where: str, key: str, head: bytes) -> tuple[tuple[torch.dtype, list[i
         )
     try:
         fields: Any = json.loads(head[_PREFIX.size : start])
-        found, name, shape, nbytes = (fields[k] for k in ("key", "dtype", "shape", "nbytes"))
-    except (ValueError, KeyError, TypeError):
+        found, name, shape, nbytes, crc = (
+            fields[k] for k in ("key", "dtype", "shape", "nbytes", "crc32")
+        )
+    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested too deep
         raise CorruptPage(where, key, "unreadable page header") from None
     if found != key:
         raise CorruptPage(where, key, f"header names page {str(found)[:12]}")
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype) or not _sized(shape, nbytes, dtype):
         raise CorruptPage(where, key, f"header's {name} {shape} does not make {nbytes} bytes")
-    return (dtype, shape, nbytes), start
+    return Header(dtype, shape, nbytes, crc, start)
 
 
 def _sized(shape: object, nbytes: object, dtype: torch.dtype) -> bool:

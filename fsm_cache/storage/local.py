@@ -15,11 +15,16 @@ neither evicted nor dropped under it: SGLang's ``HiCacheFile`` lets its evictor
 unlink a file between ``batch_exists`` and ``get``. Recency is refreshed from a
 prefix's last page back to its first, so eviction takes a prefix's tail before
 its head, and a chain is not cut at its root while its tail is kept uselessly.
+The same order holds where the store learns of pages it did not use: the files'
+modification times record it (set tail first on every use) for the next start,
+and a prefix a lookup finds with pages it had not indexed is ranked tail first.
 
 Other processes may share the directory: pages they write are found by
 :meth:`LocalFileStore.exists_prefix`, and pages they delete read as missing.
-Thread-safe: the index, the holds and the budget sit behind one lock; file
-I/O runs outside it.
+Any other disk error is a :class:`~fsm_cache.errors.StoreFailed`, and a
+directory or other non-file at a page's path a
+:class:`~fsm_cache.errors.CorruptPage`. Thread-safe: the index, the holds and
+the budget sit behind one lock; file I/O runs outside it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -51,8 +57,9 @@ class LocalFileStore:
             indexed, oldest first, and count against the limit.
         limit_bytes: The most the pages may take on disk (headers included),
             or None for no limit.
-        durable: ``fsync`` each page before renaming it into place, so a page
-            survives a power loss once acknowledged (slower).
+        durable: ``fsync`` each page before renaming it into place, and the
+            directories that name it after, so a page survives a power loss
+            once acknowledged (slower).
     """
 
     def __init__(
@@ -65,6 +72,7 @@ class LocalFileStore:
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recent first
         self._readers: dict[str, int] = {}
+        self._rooted: set[str] = set()  # shards whose entry in root this process synced
         self._tmp = self.root / ".tmp"
         self._tmp.mkdir(parents=True, exist_ok=True)
         self._scan()
@@ -77,19 +85,23 @@ class LocalFileStore:
         """Return how many leading ``keys`` have a page file (found files are indexed)."""
         check_keys(keys)
         with self._lock:
-            return self._leading(keys)
+            return self._leading(keys, "exists")
 
     def get(self, keys: Sequence[str]) -> list[torch.Tensor]:
-        """Return the leading pages of ``keys`` on disk, each verified; see :class:`Store`."""
+        """Return the leading pages of ``keys`` on disk, each verified; see :class:`Store`.
+
+        Raises:
+            CorruptPage: A page file is torn, foreign, or not a regular file.
+            StoreFailed: A page file could not be read (a disk error, no
+                permission); ``acknowledged`` pages were read before it.
+        """
         with self.reading(keys) as held:
-            pages = []
+            pages: list[torch.Tensor] = []
             for key in keys[:held]:
-                try:
-                    pages.append(codec.read(str(self.path(key)), key))
-                except FileNotFoundError:  # deleted by another process under our hold
-                    with self._lock:
-                        self._forget(key)
+                page = self._read(key, len(pages), len(keys))
+                if page is None:
                     break
+                pages.append(page)
         self._touch(keys[: len(pages)])
         return pages
 
@@ -102,7 +114,7 @@ class LocalFileStore:
         """
         check_keys(keys)
         with self._lock:
-            held = list(keys[: self._leading(keys)])
+            held = list(keys[: self._leading(keys, "get")])
             self._hold(held)
         try:
             yield len(held)
@@ -114,13 +126,14 @@ class LocalFileStore:
         """Write ``pages`` under ``keys`` in order; see :class:`Store`.
 
         A page that does not fit even after evicting every page nobody reads is
-        ``FULL`` and the pages after it are ``SKIPPED``. The put holds the pages
-        it has stored until it returns, so it never evicts its own prefix.
+        ``FULL``, with nothing evicted for it, and the pages after it are
+        ``SKIPPED``. The put holds the pages it has stored until it returns, so
+        it never evicts its own prefix.
 
         Raises:
-            StoreFailed: A file could not be written (the disk failed or
-                filled); that page's reservation and temporary file are gone, and
-                the ``acknowledged`` pages before it stay stored.
+            StoreFailed: A file could not be written, looked at or evicted (the
+                disk failed or filled); that page's reservation and temporary
+                file are gone, and the ``acknowledged`` pages before it stay stored.
         """
         codec.check_pages(keys, pages)
         results: list[PutResult] = []
@@ -142,13 +155,22 @@ class LocalFileStore:
 
         Raises:
             PageInUse: A read holds one of them; nothing was deleted.
+            StoreFailed: A page's file could not be deleted (a directory is in
+                its place, no permission); the ``acknowledged`` leading keys
+                were dropped, and the failed page is no longer counted.
         """
         check_keys(keys)
         with self._lock:
             for key in keys:
                 if self._readers.get(key, 0):
                     raise PageInUse(key, self._readers[key])
-            return sum(self._delete(key) for key in dict.fromkeys(keys))
+            dropped = 0
+            for key in dict.fromkeys(keys):
+                try:
+                    dropped += self._delete(key)
+                except OSError as exc:
+                    raise self._failed("drop", keys.index(key), len(keys), exc) from exc
+            return dropped
 
     def capacity(self) -> Capacity:
         """Return the bytes on disk, reserved by writes, and the limit."""
@@ -165,15 +187,15 @@ class LocalFileStore:
         self, key: str, page: torch.Tensor, index: int, total: int, held: list[str]
     ) -> PutResult:
         """Store one page of a put; a page it holds after is held (and added to ``held``) at once."""
-        flat = page.detach().contiguous()
-        nbytes = len(codec.header(key, flat)) + flat.numel() * flat.element_size()
+        flat = codec.dense(page)
+        nbytes = codec.stored_bytes(key, flat)
         with self._lock:
-            if self._leading([key]):
-                self._hold([key])
-                held.append(key)
-                return PutResult.PRESENT
-            if not self._make_room(nbytes):
-                return PutResult.FULL
+            try:
+                early = self._present_or_full(key, nbytes, held)
+            except OSError as exc:
+                raise self._failed("put", index, total, exc) from exc
+            if early is not None:
+                return early
             reservation = self._budget.reserve(nbytes)
         try:
             self._write(key, flat)
@@ -182,15 +204,42 @@ class LocalFileStore:
                 self._budget.abort(reservation)
             if not isinstance(exc, OSError):
                 raise  # a bug or an interrupt: not a store failure, but the bytes are back
-            cause = f"{type(exc).__name__}: {exc}"
-            raise StoreFailed(
-                self.where, "put", acknowledged=index, total=total, cause=cause
-            ) from exc
+            raise self._failed("put", index, total, exc) from exc
         with self._lock:
             self._settle(key, reservation)
             self._hold([key])
             held.append(key)
         return PutResult.STORED
+
+    def _present_or_full(self, key: str, nbytes: int, held: list[str]) -> PutResult | None:
+        """Under the lock: ``PRESENT`` (now held), ``FULL``, or None once room is made for a write.
+
+        Raises:
+            OSError: The page's file could not be looked at, or a victim deleted.
+        """
+        if self._present(key):
+            self._hold([key])
+            held.append(key)
+            return PutResult.PRESENT
+        if not self._make_room(nbytes):
+            return PutResult.FULL
+        return None
+
+    def _read(self, key: str, done: int, total: int) -> torch.Tensor | None:
+        """Read one held page of a get; None when another process deleted it under the hold."""
+        try:
+            return codec.read(str(self.path(key)), key)
+        except FileNotFoundError:
+            with self._lock:
+                self._forget(key)
+            return None
+        except OSError as exc:
+            raise self._failed("get", done, total, exc) from exc
+
+    def _failed(self, operation: str, done: int, total: int, exc: OSError) -> StoreFailed:
+        """Return the error for a disk error in ``operation`` after ``done`` of ``total`` pages."""
+        cause = f"{type(exc).__name__}: {exc}"
+        return StoreFailed(self.where, operation, acknowledged=done, total=total, cause=cause)
 
     def _write(self, key: str, page: torch.Tensor) -> None:
         """Write ``page`` to a temporary file and rename it into place; clean up on failure."""
@@ -204,11 +253,27 @@ class LocalFileStore:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            target.parent.mkdir(exist_ok=True)
-            os.replace(temporary, target)
+            self._place(temporary, target)
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise
+
+    def _place(self, temporary: Path, target: Path) -> None:
+        """Rename a written page into place; when durable, sync the directories that name it.
+
+        The rename is durable once the shard directory is synced, and the shard
+        itself once the root is: synced once per shard and process, so a shard
+        another process made is covered too.
+        """
+        target.parent.mkdir(exist_ok=True)
+        os.replace(temporary, target)
+        if not self.durable:
+            return
+        shard = target.parent.name
+        if shard not in self._rooted:
+            _sync_directory(self.root)
+            self._rooted.add(shard)
+        _sync_directory(target.parent)
 
     def _settle(self, key: str, reservation: Reservation) -> None:
         """Count a written page once, even if another writer indexed it meanwhile."""
@@ -219,46 +284,85 @@ class LocalFileStore:
         self._index[key] = reservation.nbytes
 
     def _make_room(self, nbytes: int) -> bool:
-        """Evict least recently used unheld pages until ``nbytes`` fit; False (evicting none) if they cannot."""
-        limit = self._budget.limit_bytes
-        if limit is None or self._budget.fits(nbytes):
+        """Evict least recently used unheld pages until ``nbytes`` fit; False (evicting none) if they cannot.
+
+        The shortfall counts everything over the limit, not just ``nbytes``:
+        pages found on disk (a restart, another process) may already exceed it.
+
+        Raises:
+            OSError: A victim's file could not be deleted (it is forgotten).
+        """
+        short = self._budget.shortfall(nbytes)
+        if not short:
             return True
-        free = self._budget.free() or 0
-        victims = []
+        victims, freed = [], 0
         for key, size in self._index.items():
-            if free >= nbytes:
+            if freed >= short:
                 break
             if not self._readers.get(key, 0):
                 victims.append(key)
-                free += size
-        if free < nbytes:
+                freed += size
+        if freed < short:
             return False
         for key in victims:
             self._delete(key)
         return self._budget.fits(nbytes)
 
-    def _leading(self, keys: Sequence[str]) -> int:
-        """Count leading keys with a page file, indexing found files and forgetting lost ones."""
-        for count, key in enumerate(keys):
+    def _leading(self, keys: Sequence[str], operation: str) -> int:
+        """Count leading keys with a page file, indexing found files and forgetting lost ones.
+
+        When the count includes pages the index lacked (written by another
+        process), the counted prefix is ranked as just used, tail first, so
+        eviction does not take its head before its tail.
+
+        Raises:
+            StoreFailed: A file could not be looked at (``operation`` failed).
+        """
+        count, found = 0, False
+        for key in keys:
+            known = key in self._index
             try:
-                size = self.path(key).stat().st_size
-            except FileNotFoundError:
-                self._forget(key)
-                return count
-            if key not in self._index:
-                self._index[key] = size
-                self._budget.add(size)
-        return len(keys)
+                if not self._present(key):
+                    break
+            except OSError as exc:
+                raise self._failed(operation, count, len(keys), exc) from exc
+            count, found = count + 1, found or not known
+        if found:
+            self._rank(keys[:count])
+        return count
+
+    def _present(self, key: str) -> bool:
+        """Whether ``key`` has a page file; a found file is indexed, a lost one forgotten.
+
+        Raises:
+            OSError: The file could not be looked at (other than missing).
+        """
+        try:
+            size = self.path(key).stat().st_size
+        except FileNotFoundError:
+            self._forget(key)
+            return False
+        if key not in self._index:
+            self._index[key] = size
+            self._budget.add(size)
+        return True
 
     def _delete(self, key: str) -> bool:
-        """Delete a page's file and forget it; return whether it was there."""
+        """Delete a page's file and forget it; return whether it was there.
+
+        A file that cannot be deleted is forgotten all the same, so eviction
+        does not pick it again and again.
+
+        Raises:
+            OSError: The file could not be deleted (other than missing).
+        """
         try:
             self.path(key).unlink()
-            existed = True
         except FileNotFoundError:
-            existed = False
-        self._forget(key)
-        return existed
+            return False
+        finally:
+            self._forget(key)
+        return True
 
     def _forget(self, key: str) -> None:
         size = self._index.pop(key, None)
@@ -278,14 +382,27 @@ class LocalFileStore:
                 del self._readers[key]
 
     def _touch(self, keys: Sequence[str]) -> None:
-        """Mark ``keys`` used, the last first, so a prefix's head is the most recent."""
+        """Mark ``keys`` used, the last first, so a prefix's head is the most recent.
+
+        The files' modification times record the same order for the next start
+        (:meth:`_scan`): one nanosecond apart, the last key's the oldest. A file
+        gone, or another user's, keeps its time: the order on disk is a hint.
+        """
         with self._lock:
-            for key in reversed(keys):
-                if key in self._index:
-                    self._index.move_to_end(key)
+            self._rank(keys)
+        now = time.time_ns()
+        for offset, key in enumerate(reversed(keys)):
+            with contextlib.suppress(OSError):
+                os.utime(self.path(key), ns=(now + offset, now + offset))
+
+    def _rank(self, keys: Sequence[str]) -> None:
+        """Under the lock: make ``keys`` the most recently used, the last first."""
+        for key in reversed(keys):
+            if key in self._index:
+                self._index.move_to_end(key)
 
     def _scan(self) -> None:
-        """Index the pages already under ``root``, least recently modified first."""
+        """Index the pages already under ``root``, least recently used (modified) first."""
         found = []
         for file in self.root.glob(f"??/*{SUFFIX}"):
             key = file.name.removesuffix(SUFFIX)
@@ -298,3 +415,12 @@ class LocalFileStore:
         for _, key, size in sorted(found):
             self._index[key] = size
             self._budget.add(size)
+
+
+def _sync_directory(path: Path) -> None:
+    """``fsync`` a directory, so the entries created or renamed in it survive a power loss."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,56 @@
+"""HiCache's storage tier against pages that are stored but are not this cache's KV.
+
+tests/test_cache_storage.py covers the tier at large; these are the faults a
+review found in how the tier treats what a store gives back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fsm_cache.cache.hicache import HiCache
+from fsm_cache.cache.storage_tier import StorageConfig
+from fsm_cache.memory.tiers import CacheConfig
+from fsm_cache.storage import LocalFileStore, Store
+
+
+PAGE = 4
+
+
+def cache(store: Store, prefetch_policy: str = "best_effort") -> HiCache:
+    """A small checked CPU cache of 4-token pages over ``store``, copies run inline."""
+    config = CacheConfig(
+        device_pages=16,
+        host_pages=32,
+        page_size=PAGE,
+        layers=1,
+        heads=1,
+        head_dim=4,
+        device="cpu",
+        debug=True,
+        load_back_threshold=0,
+    )
+    tier = StorageConfig(
+        store, model="test", threads=0, prefetch_threshold=PAGE, prefetch_policy=prefetch_policy
+    )
+    return HiCache(config, storage=tier)
+
+
+def test_a_page_of_another_shape_is_dropped_like_a_torn_one(tmp_path: Path) -> None:
+    """A page under the right key but of the wrong shape is dropped, not fetched at every lookup."""
+    store = LocalFileStore(tmp_path)
+    toks = list(range(1000, 1000 + 3 * PAGE))
+    writer = cache(store)
+    writer.insert(toks)
+    writer.poll()  # the host backup lands: the store starts
+    writer.poll()  # the store lands
+    keys = list(writer.storage.keys_of(next(iter(writer.tree))))  # type: ignore[union-attr]
+    flat = [page.reshape(-1) for page in store.get(keys)]  # the same bytes, another shape
+    store.drop(keys)
+    store.put(keys, flat)
+    reader = cache(store, prefetch_policy="wait")
+    assert reader.match_prefix(toks).host_len == 0
+    assert reader.log.storage_acks() == [("prefetch", ((1, "fetch", 0, "corrupt"),))]
+    assert store.exists_prefix(keys) == 0
+    reader.match_prefix(toks)  # nothing stored: nothing fetched, nothing failed again
+    assert dict(reader.stats().storage_failures) == {"fetch:corrupt": 1}
