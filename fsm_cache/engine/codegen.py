@@ -72,6 +72,8 @@ class Emitter:
         (a pure engine's ``no_effect`` stand-ins are left out); None while a step is emitted."""
         self.flagged: frozenset[str] = frozenset()
         """Not inline: the regions whose branches say in ``x_<region>`` which effect to run."""
+        self.indent = 0
+        """Levels added to every line emitted (a step's body inside a chain's loop)."""
 
     def refusal(self, region: str, error: str, reason: str) -> int:
         """Register a refusal of the event being compiled and return its index."""
@@ -79,8 +81,8 @@ class Emitter:
         return len(self.refusals) - 1
 
     def emit(self, depth: int, line: str) -> None:
-        """Append one line at indentation ``depth``."""
-        self.lines.append("    " * depth + line)
+        """Append one line at indentation ``depth`` (plus :attr:`indent`)."""
+        self.lines.append("    " * (depth + self.indent) + line)
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,10 @@ def compile_system(
     hot = [event for event in system.event_names if not needs_general(system, event)]
     fast = {event: compile_fast(em, event) for event in hot}
     direct = {event: compile_fast(em, event, walk=False) for event in hot} if trail else {}
+    if not trail:  # emitted after the others: the lines of the functions above do not move
+        for event in system.event_names:
+            if propagates(system, event) and not _has_effects(system, event):
+                fast[event] = compile_chain(em, event)
     live: dict[str, runtime.Effect] = {}
     if effects is not None:  # emitted last: the lines of the functions above do not move
         live = {n: f for n, f in effects.items() if f is not runtime.no_effect}
@@ -265,6 +271,55 @@ def compile_event(em: Emitter, event: str) -> str:
     assigns = [f"({r!r}, n_{r})" for r in em.system.regions_of(event)]
     assigns += [f"({c!r}, c_{c})" for c in counters]
     em.emit(1, f"return ({', '.join(assigns)},), effects, propagate")
+    em.emit(0, "")
+    return name
+
+
+def _has_effects(system: System, event: str) -> bool:
+    """Whether some transition of ``event`` names an effect."""
+    return any(t.effect is not None for t in _of(system, event))
+
+
+def compile_chain(em: Emitter, event: str) -> str:
+    """Emit ``_fire_<event>(rec)`` for an event that propagates and has no effects.
+
+    The plan path's semantics without its plans: ``rec``'s step is checked,
+    then, if it propagates, every ancestor's up to the root, each on the
+    values before the event (nothing is written until every node passed); a
+    refusal raises at the first node that refuses, nearest first. Then each
+    node is written, ``rec`` first. The step's body runs in a loop over the
+    chain, so no plan, list of assignments or ``setattr`` is built per node:
+    a lock or unlock of a path costs a few attribute reads and writes a node.
+    """
+    name = f"_fire_{event}"
+    em.event = event
+    regions = em.system.regions_of(event)
+    counters = [c for r in regions for c in em.system.machines[r].counter_names]
+    values = ", ".join([*(f"n_{r}" for r in regions), *(f"c_{c}" for c in counters)])
+    em.emit(0, f"def {name}(rec):")
+    em.emit(1, "chain = []")
+    em.emit(1, "while True:")
+    em.indent = 1
+    try:
+        for counter in counters:
+            em.emit(1, f"c_{counter} = rec.{counter}")
+        em.emit(1, "propagate = False")
+        for region in regions:
+            _region_block(em, region, em.system.machines[region], event)
+        _system_forbids(em, event)
+    finally:
+        em.indent = 0
+    em.emit(2, f"chain.append((rec, {values}))")
+    em.emit(2, "if not propagate and len(chain) == 1:  # propagating: to the root")
+    em.emit(3, "break")
+    em.emit(2, "rec = getattr(rec, 'parent', None)")
+    em.emit(2, "if rec is None:")
+    em.emit(3, "break")
+    em.emit(1, f"for rec, {values} in chain:")
+    for region in regions:
+        em.emit(2, f"rec.{region} = n_{region}")
+    for counter in counters:
+        em.emit(2, f"rec.{counter} = c_{counter}")
     em.emit(0, "")
     return name
 
