@@ -46,12 +46,12 @@ class Lease:
         "__weakref__",
         "_book",
         "_release",
+        "_released",
+        "_taken",
         "event",
         "label",
         "record",
-        "released_at",
         "serial",
-        "taken_at",
     )
 
     def __init__(
@@ -61,15 +61,33 @@ class Lease:
         self._release = release
         self.event = event
         self.label = label
-        self.taken_at = trail.caller_site()
-        self.released_at: trail.Site | None = None
+        # the sites are kept as code and offset, and rendered only when asked for
+        self._taken = trail.caller_spot()
+        self._released: trail.Spot | trail.Site | None = None
         self._book = book
         self.serial = 0
 
     @property
+    def taken_at(self) -> trail.Site:
+        """Where the lease was taken."""
+        return trail.spot_site(self._taken)
+
+    @property
+    def released_at(self) -> trail.Site | None:
+        """Where the lease was released, or None while it is held."""
+        released = self._released
+        if released is None or isinstance(released, trail.Site):
+            return released
+        return trail.spot_site(released)
+
+    @released_at.setter
+    def released_at(self, site: trail.Site) -> None:
+        self._released = site
+
+    @property
     def held(self) -> bool:
         """Whether the lease has not been released yet."""
-        return self.released_at is None
+        return self._released is None
 
     def issued_by(self, book: LeaseBook) -> bool:
         """Whether ``book`` handed out this lease (a cache takes back only its own)."""
@@ -82,14 +100,14 @@ class Lease:
             LeaseError: The lease was already released; names the first release.
             IllegalTransition: The machine refused the release (nothing changed).
         """
-        if self.released_at is not None:
+        if self._released is not None:
             msg = (
                 f"{self.label} {self.record.id}: lease ({self.event} taken at {self.taken_at}) "
                 f"already released at {self.released_at}"
             )
             raise LeaseError(msg)
         self._release(self.record)
-        self.released_at = trail.caller_site()
+        self._released = trail.caller_spot()
         self._book.closed(self)
 
     def __enter__(self) -> Lease:
@@ -101,14 +119,14 @@ class Lease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self.released_at is None:
+        if self._released is None:
             self.release()
 
     def __del__(self) -> None:
         # A finalizer runs wherever the collector happens to run: keep it to
         # plain attribute reads, one allocation and a list append (atomic, no
         # lock to deadlock on), and record before warning, which may raise.
-        if getattr(self, "released_at", True) is not None:
+        if getattr(self, "_released", True) is not None:
             return
         dropped = Dropped(self.label, self.record.id, self.event, self.taken_at)
         if _DROPS.recording:

@@ -161,9 +161,30 @@ def note(trail: Trail | None, event: str, length: int) -> Trail:
     return trail
 
 
+Spot = tuple[CodeType, int]
+"""A call site as it is kept: the code object and instruction offset (see :func:`spot_site`)."""
+
+
+def caller_spot() -> Spot:
+    """Return the code and offset of the first frame outside fsm_cache's dispatch modules.
+
+    :func:`caller_site` without its cost: the line and the :class:`Site` are
+    made only when :func:`spot_site` renders it.
+    """
+    frame = caller_frame(1)
+    while frame.f_back is not None and frame.f_code.co_filename in _INTERNAL:
+        frame = frame.f_back
+    return frame.f_code, frame.f_lasti
+
+
 def site_of(entry: Entry) -> Site:
     """Return the :class:`Site` of a trail entry, mapping its instruction offset to a line."""
-    _, code, lasti = entry
+    return spot_site(entry[1:])
+
+
+def spot_site(spot: Spot) -> Site:
+    """Return the :class:`Site` of a kept call site, mapping its instruction offset to a line."""
+    code, lasti = spot
     line = next(
         (ln for start, end, ln in code.co_lines() if start <= lasti < end and ln is not None),
         code.co_firstlineno,
