@@ -179,8 +179,10 @@ def _transition_names(spec: MachineSpec, where: str, tr: Transition) -> list[str
     out = _undeclared(spec, f"{where}.event", tr.event)
     out += [f"{where}.source: unknown state {s!r}" for s in tr.sources if s not in states]
     out += [f"{where}.dest: unknown state {tr.dest!r}"] if tr.dest not in states else []
-    used = tr.guard.counters() | tr.update.counters()
-    return out + [f"{where}: unknown counter {c!r}" for c in sorted(used - set(spec.counter_names))]
+    known = set(spec.counter_names)
+    for key, used in (("guard", tr.guard.counters()), ("update", tr.update.counters())):
+        out += [f"{where}.{key}: unknown counter {c!r}" for c in sorted(used - known)]
+    return out
 
 
 def _forbid_names(spec: MachineSpec, where: str, fb: Forbid) -> list[str]:
