@@ -15,7 +15,8 @@ from fsm_cache.contracts.generate import generate
 from fsm_cache.contracts.runner import Contract, Options, Row
 from fsm_cache.engine.core import Engine
 from fsm_cache.errors import FsmCacheError, IllegalTransition, SpecError
-from fsm_cache.spec.machine import System
+from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.machine import System, as_system
 from fsm_cache.spec.meaning import step
 from fsm_cache.spec.shipped import load_shipped, residency_system, spec_dir
 from fsm_cache.spec.validate import valuations
@@ -87,7 +88,7 @@ def test_generated_module_holds_the_engines_code_and_the_contracts(tmp_path: Pat
     assert "'release changes pins by exactly -1'" in module.source
     assert "'pins moves by at most one (writing(N), pinned(N) count holders)'" in module.source
     assert (
-        "def load(host: _HostState, device: _DeviceState, pins: int, locks: int, parent_device: _Optional[_DeviceState]) -> _Result:"
+        "def _event_load(host: _HostState, device: _DeviceState, pins: int, locks: int, parent_device: _Optional[_DeviceState]) -> _Result:"
         in module.source
     )
     assert module.functions == residency_system().event_names
@@ -244,7 +245,7 @@ def test_every_input_finds_a_planted_bug_in_the_engines_code(tmp_path: Path) -> 
     path = tmp_path / "contracts_planted.py"
     path.write_text(planted)
     rows = exhaustive.check_module("planted", path, exhaustive.counter_domains(storage))
-    bad = [r for r in rows if r.status == crosshair_run.COUNTEREXAMPLE]
+    bad = [module.reported(r) for r in rows if r.status == crosshair_run.COUNTEREXAMPLE]
     assert {(r.function, r.contract) for r in bad} == {("release", "the step follows the spec")}
     assert bad[0].detail == (
         "release(host=HostState.writing, device=DeviceState.resident, "
@@ -274,6 +275,101 @@ def test_every_input_finds_a_planted_bug_in_an_effectful_fast_path(tmp_path: Pat
     path = tmp_path / "contracts_planted.py"
     path.write_text(planted)
     rows = exhaustive.check_module("planted", path, exhaustive.counter_domains(storage))
-    bad = {(r.function, r.contract) for r in rows if r.status == crosshair_run.COUNTEREXAMPLE}
+    bad = {
+        (module.reported(r).function, r.contract)
+        for r in rows
+        if r.status == crosshair_run.COUNTEREXAMPLE
+    }
     assert ("write", "the step follows the spec") in bad
     assert {function for function, _ in bad} == {"write"}
+
+
+_BUILTIN_EVENTS = """
+[machine]
+name = "door"
+initial = "closed"
+
+[counters]
+locks = 0
+
+[states]
+closed = { doc = "closed", invariant = "locks == 0" }
+int = { doc = "a state named like a builtin", invariant = "locks == 0" }
+locked = { doc = "locked", invariant = "locks >= 1", counter = "locks" }
+
+[[transition]]
+event = "int"
+source = "closed"
+dest = "int"
+
+[[transition]]
+event = "bool"
+source = "int"
+dest = "closed"
+
+[[transition]]
+event = "type"
+source = ["closed", "locked"]
+dest = "locked"
+update = "locks += 1"
+
+[[transition]]
+event = "abs"
+source = "locked"
+dest = "closed"
+guard = "locks == 1"
+update = "locks -= 1"
+
+[[transition]]
+event = "abs"
+source = "locked"
+dest = "locked"
+guard = "locks >= 2"
+update = "locks -= 1"
+
+[[forbid]]
+event = "int"
+source = ["int", "locked"]
+error = "NotClosed"
+reason = "not closed"
+
+[[forbid]]
+event = "bool"
+source = ["closed", "locked"]
+error = "NotInt"
+reason = "not int"
+
+[[forbid]]
+event = "type"
+source = "int"
+error = "NotThere"
+reason = "not there"
+
+[[forbid]]
+event = "abs"
+source = ["closed", "int"]
+error = "UnlockAtZero"
+reason = "not locked"
+"""
+
+
+def test_events_named_like_builtins_are_checked(tmp_path: Path) -> None:
+    path = tmp_path / "builtins.toml"
+    path.write_text(_BUILTIN_EVENTS)
+    system = as_system(load_spec(path))
+    module = generate(system, path)
+    assert module.functions == ("int", "bool", "type", "abs")
+    assert "def _event_int(state: _State, locks: int) -> _Result:" in module.source
+    written = module.write(tmp_path)
+    rows = exhaustive.check_module("door", written, exhaustive.counter_domains(system))
+    reported = [module.reported(r) for r in rows]
+    assert {r.status for r in reported} == {exhaustive.CONFIRMED_EVERY_INPUT}
+    assert {r.function for r in reported} == {"int", "bool", "type", "abs"}
+
+
+def test_rows_name_the_event_not_the_checked_function() -> None:
+    module = generate(residency_system(), spec_dir() / "residency.toml")
+    row = Row("residency", "_event_pin", "c", crosshair_run.COUNTEREXAMPLE, "_event_pin(x=1)")
+    assert module.reported(row) == Row("residency", "pin", "c", row.status, "pin(x=1)")
+    other = Row("residency", "_event_nope", "c", crosshair_run.CONFIRMED)
+    assert module.reported(other) == other

@@ -107,10 +107,13 @@ def verify_spec(path: Path, options: Options, workdir: Path) -> list[Row]:
     """
     system = as_system(load_spec(path))
     folder = Path(tempfile.mkdtemp(dir=workdir))
-    module = generate(system, path).write(folder)
+    generated = generate(system, path)
+    module = generated.write(folder)
     if len(system.regions) >= EXHAUSTIVE_REGIONS:
-        return exhaustive.check_module(system.name, module, exhaustive.counter_domains(system))
-    return crosshair_run.prove(system.name, module, options)
+        rows = exhaustive.check_module(system.name, module, exhaustive.counter_domains(system))
+    else:
+        rows = crosshair_run.prove(system.name, module, options)
+    return [generated.reported(row) for row in rows]
 
 
 def verify_module(name: str, options: Options) -> list[Row]:
