@@ -336,6 +336,14 @@ def test_names_of_a_spec_built_in_code_are_spelled_as_in_a_file() -> None:
     assert problems(born) == ["s.toml: composition.births[0]: 'new born': not an identifier"]
 
 
+def test_a_state_declared_twice_is_named() -> None:
+    states = (StateSpec("a", final=True), StateSpec("b", final=True), StateSpec("a"))
+    spec = MachineSpec("m", "a", (), states, (), source="m.toml")
+    assert problems(spec)[0] == (
+        "m.toml: states.a: declared twice (a spec that extends another may not redeclare its states)"
+    )
+
+
 def test_region_problems_keep_their_own_file() -> None:
     broken = MachineSpec("g", "nowhere", (), (StateSpec("a", final=True),), (), source="g.toml")
     with pytest.raises(SpecError) as info:

@@ -57,7 +57,10 @@ MAX_BYTES = 16 * 2**20
 """The largest spec file read; a real one is a few kilobytes, and ``/dev/zero`` is not one."""
 
 MAX_EXTENDS = 8
-"""The longest chain of ``extends`` followed; a longer one is refused as a likely cycle."""
+"""The longest chain of ``extends`` followed; a longer one is refused.
+
+A chain that comes back to a file already in it is refused as a cycle, once,
+at the file that closes it."""
 
 MAX_DEPTH = 64
 """The deepest nesting of tables and arrays accepted; a real spec nests four levels.
@@ -197,9 +200,17 @@ def spec_from_dict(data: _Table, source: str = "<python>", base: Path | None = N
 
 
 def machine_from_dict(
-    data: _Table, source: str = "<python>", base: Path | None = None, depth: int = 0
+    data: _Table,
+    source: str = "<python>",
+    base: Path | None = None,
+    depth: int = 0,
+    chain: tuple[str, ...] = (),
 ) -> MachineSpec:
     """Build a :class:`MachineSpec` from TOML-shaped data, without validating it.
+
+    A machine that ``extends`` another takes what it does not set from its
+    base, so nothing is reported missing from it: a base that cannot be read
+    or built is reported once, not followed by what its absence leaves unset.
 
     Args:
         data: The TOML-shaped table.
@@ -207,6 +218,7 @@ def machine_from_dict(
         base: The folder ``machine.extends`` is relative to (default: the
             working directory).
         depth: How many ``extends`` led here (:data:`MAX_EXTENDS`).
+        chain: The files whose ``extends`` led here, outermost first, to refuse a cycle.
 
     Raises:
         SpecError: A table or key is missing, mistyped or does not parse, the
@@ -220,17 +232,27 @@ def machine_from_dict(
     )
     head = _table(data, "machine", problems)
     _known_keys(head, {"name", "initial", "doc", "label", "extends"}, "machine", problems)
-    parent = _extended("machine", head, base or Path(), depth, problems)
+    extending = "extends" in head
+    parent = _extended("machine", head, base or Path(), depth, (*chain, source), problems)
     if parent is not None and not isinstance(parent, MachineSpec):
         problems.add("machine.extends", f"{head['extends']} is not a [machine] file")
     basis = parent if isinstance(parent, MachineSpec) else None
     counters = _counters(data.get("counters", {}), problems)
-    states = _states(data.get("states", {}), problems, required=basis is None)
+    states = _states(data.get("states", {}), problems, required=not extending)
+    if basis is not None:
+        for state in states:
+            if state.name in basis.state_names:
+                problems.add(
+                    f"states.{state.name}",
+                    f"already a state of the base {basis.source} "
+                    "(a spec that extends another may not redeclare its states)",
+                )
     transitions = _transitions(data.get("transition", []), problems)
     forbids = _forbids(data.get("forbid", []), "forbid", problems)
     events = _events(data.get("events", {}), problems)
     for key in ("name", "initial"):
-        if not isinstance(head.get(key, getattr(basis, key, None)), str):
+        value = head.get(key, getattr(basis, key, None))
+        if not isinstance(value, str) and (key in head or not extending):
             problems.add(f"machine.{key}", "missing or not a string")
     doc, label = _text(head, "doc", "machine", problems), _text(head, "label", "machine", problems)
     problems.check()
@@ -248,8 +270,14 @@ def machine_from_dict(
     )
 
 
-def _extended(kind: str, head: _Table, base: Path, depth: int, problems: _Problems) -> Spec | None:
-    """Return the unvalidated spec ``head.extends`` names (relative to ``base``), if any."""
+def _extended(
+    kind: str, head: _Table, base: Path, depth: int, chain: tuple[str, ...], problems: _Problems
+) -> Spec | None:
+    """Return the unvalidated spec ``head.extends`` names (relative to ``base``), if any.
+
+    ``chain`` holds the files whose ``extends`` led here, this one last; a
+    base among them closes a cycle, reported here and nowhere else.
+    """
     rel = head.get("extends")
     if rel is None:
         return None
@@ -257,16 +285,20 @@ def _extended(kind: str, head: _Table, base: Path, depth: int, problems: _Proble
     if not isinstance(rel, str) or not rel or "\0" in rel:
         problems.add(where, f"must be the file name of a spec, got {shown(rel)}")
         return None
-    if depth >= MAX_EXTENDS:
-        problems.add(where, f"more than {MAX_EXTENDS} specs extend one another (a cycle?)")
-        return None
     path = base / rel
+    cycle = _cycle(path, chain)
+    if cycle:
+        problems.add(where, f"a cycle: {' extends '.join((*cycle, str(path)))}")
+        return None
+    if depth >= MAX_EXTENDS:
+        problems.add(where, f"more than {MAX_EXTENDS} specs extend one another")
+        return None
     try:
         data = _read(path)
         _check_shape(data, str(path))
         if "composition" in data:
-            return _composition(data, str(path), path.parent, depth + 1)
-        return machine_from_dict(data, str(path), path.parent, depth + 1)
+            return _composition(data, str(path), path.parent, depth + 1, chain)
+        return machine_from_dict(data, str(path), path.parent, depth + 1, chain)
     except (OSError, ValueError) as exc:
         problems.add(where, f"cannot read {path}: {_why(exc)}")
     except SpecError as exc:
@@ -274,20 +306,37 @@ def _extended(kind: str, head: _Table, base: Path, depth: int, problems: _Proble
     return None
 
 
-def _composition(data: _Table, source: str, base: Path, depth: int = 0) -> System:
+def _cycle(path: Path, chain: tuple[str, ...]) -> tuple[str, ...]:
+    """Return the files of ``chain`` from the first that is ``path`` on: the cycle it closes.
+
+    Files are compared resolved, so ``./a.toml`` is ``a.toml``; empty when ``path``
+    is not in ``chain``.
+    """
+    try:
+        target = path.resolve()
+        first = next((i for i, p in enumerate(chain) if Path(p).resolve() == target), None)
+    except (OSError, RuntimeError):  # a symlink loop; reading the file reports it
+        return ()
+    return () if first is None else chain[first:]
+
+
+def _composition(
+    data: _Table, source: str, base: Path, depth: int = 0, chain: tuple[str, ...] = ()
+) -> System:
     problems = _Problems(source)
     _known_keys(data, {"composition", "forbid"}, "", problems)
     head = _table(data, "composition", problems)
     _known_keys(
         head, {"name", "regions", "doc", "label", "extends", "births"}, "composition", problems
     )
-    parent = _extended("composition", head, base, depth, problems)
+    extending = "extends" in head
+    parent = _extended("composition", head, base, depth, (*chain, source), problems)
     if parent is not None and not isinstance(parent, System):
         problems.add("composition.extends", f"{head['extends']} is not a [composition] file")
     basis = parent if isinstance(parent, System) else None
     regions = dict(basis.regions) if basis else {}
-    regions_table = head.get("regions", {} if basis else None)
-    if not isinstance(regions_table, Mapping) or not (regions_table or regions):
+    regions_table = head.get("regions", {} if extending else None)
+    if not isinstance(regions_table, Mapping) or not (regions_table or regions or extending):
         problems.add("composition.regions", "missing: a table of REGION = 'machine.toml'")
         problems.check()
     for region, rel in cast("_Table", regions_table).items():

@@ -143,8 +143,11 @@ def _name_problems(spec: MachineSpec) -> list[str]:
         return spelling
     states, counters = set(spec.state_names), set(spec.counter_names)
     out = [] if spec.initial in states else [f"machine.initial: unknown state {spec.initial!r}"]
-    if len(states) != len(spec.states):
-        out.append("states: a state name is declared twice")
+    out += [
+        f"states.{s}: declared twice (a spec that extends another may not redeclare its states)"
+        for s in dict.fromkeys(spec.state_names)
+        if spec.state_names.count(s) > 1
+    ]
     out += [
         f"counters.{c}: declared twice (a spec that extends another may not redeclare its counters)"
         for c in dict.fromkeys(spec.counter_names)
