@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from fsm_cache.cli.files import current_text
-from fsm_cache.diagram import FORMATS, DiagramError, render
+from fsm_cache.diagram import FORMATS, DiagramError, one_line, render
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.shipped import shipped_spec_paths
 
@@ -110,7 +110,7 @@ def document(specs: list[Path], fmt: str, highlight: tuple[str, ...] = ()) -> st
     sections = []
     for path in specs:
         spec = load_spec(path)
-        sections.append(f"## {spec.name}\n\n{render(spec, fmt)}")
+        sections.append(f"## {one_line(spec.name)}\n\n{render(spec, fmt)}")
     return "\n".join(sections)
 
 

@@ -23,6 +23,7 @@ from fsm_cache.diagram.ir import (
     DiagramState,
     Region,
     highlight,
+    one_line,
 )
 
 
@@ -41,6 +42,7 @@ __all__ = [
     "Region",
     "build",
     "highlight",
+    "one_line",
     "render",
 ]
 

@@ -14,6 +14,7 @@ from fsm_cache.diagram.ir import (
     Diagram,
     DiagramError,
     Region,
+    one_line,
     parallel,
     refusal_line,
     state_id,
@@ -67,8 +68,8 @@ def _dot_region(diagram: Diagram, region: Region) -> list[str]:
 
 
 def _q(*lines: str) -> str:
-    """Quote text for DOT, one line per argument."""
-    escaped = (line.replace("\\", "\\\\").replace('"', '\\"') for line in lines)
+    """Quote text for DOT, one line per argument; unprintable characters are escaped."""
+    escaped = (one_line(line).replace("\\", "\\\\").replace('"', '\\"') for line in lines)
     return '"' + "\\n".join(escaped) + '"'
 
 

@@ -193,3 +193,15 @@ def condition_text(refusal: DiagramRefusal) -> str:
 def refusal_line(refusal: DiagramRefusal) -> str:
     """Return ``event when condition: error``, one line per cross-region refusal."""
     return f"{refusal.event} when {condition_text(refusal)}: {refusal.error}"
+
+
+def one_line(text: str) -> str:
+    """Return ``text`` with each unprintable character escaped (``\\n``, ``\\x1b``): one line.
+
+    Loading refuses a spec name with a line break (:func:`fsm_cache.spec.machine.bad_title`);
+    renderers still pass names through this, so a diagram built some other way cannot
+    inject lines into a Mermaid file or a Markdown document either.
+    """
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
+    )

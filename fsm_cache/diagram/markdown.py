@@ -7,9 +7,17 @@ are rendered from the same :class:`~fsm_cache.diagram.ir.Diagram` as the picture
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
-from fsm_cache.diagram.ir import Diagram, DiagramEdge, DiagramState, Region, condition_text
+from fsm_cache.diagram.ir import (
+    Diagram,
+    DiagramEdge,
+    DiagramState,
+    Region,
+    condition_text,
+    one_line,
+)
 
 
 def markdown_tables(diagram: Diagram) -> str:
@@ -20,9 +28,9 @@ def markdown_tables(diagram: Diagram) -> str:
     """
     parts: list[str] = []
     for region in diagram.regions:
-        title = f"Region `{region.name}`: " if diagram.composed else ""
+        title = f"Region {_c(region.name)}: " if diagram.composed else ""
         here = {state for name, state in diagram.highlight if name == region.name}
-        parts.append(f"**{title}`{region.machine}`**: {region.doc}")
+        parts.append(f"**{title}{_c(region.machine)}**: {region.doc}")
         parts.append(_md_states(region, here))
         parts.append(_md_edges(region, here))
         if region.refusals:
@@ -31,7 +39,7 @@ def markdown_tables(diagram: Diagram) -> str:
                 [(_state(r.state, here), _c(r.event), _c(r.guard), _c(r.error), r.reason) for r in region.refusals],
             ))  # fmt: skip
     if diagram.refusals:
-        parts.append(f"**Refused across regions and along the tree** (`{diagram.name}`)")
+        parts.append(f"**Refused across regions and along the tree** ({_c(diagram.name)})")
         parts.append(_md_table(
             ("event", "when", "refused with", "reason"),
             [(_c(r.event), _c(condition_text(r)), _c(r.error), r.reason) for r in diagram.refusals],
@@ -81,4 +89,10 @@ def _state(name: str, here: set[str], label: str = "") -> str:
 
 
 def _c(text: str) -> str:
-    return f"`{text}`" if text else ""
+    """Return ``text`` as one code span, whatever backticks or line breaks it holds."""
+    if not text:
+        return ""
+    text = one_line(text)
+    fence = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"

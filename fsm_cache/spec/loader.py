@@ -43,6 +43,7 @@ from fsm_cache.spec.machine import (
     System,
     Transition,
     bad_name,
+    bad_title,
 )
 
 
@@ -254,6 +255,8 @@ def machine_from_dict(
         value = head.get(key, getattr(basis, key, None))
         if not isinstance(value, str) and (key in head or not extending):
             problems.add(f"machine.{key}", "missing or not a string")
+    if isinstance(head.get("name"), str) and (bad := bad_title(head["name"])) is not None:
+        problems.add("machine.name", f"{bad}: {shown(head['name'])}")
     doc, label = _text(head, "doc", "machine", problems), _text(head, "label", "machine", problems)
     problems.check()
     return MachineSpec(
@@ -347,6 +350,8 @@ def _composition(
     births = _births(head.get("births", {}), problems)
     if not isinstance(head.get("name"), str):
         problems.add("composition.name", "missing or not a string")
+    elif (bad := bad_title(head["name"])) is not None:
+        problems.add("composition.name", f"{bad}: {shown(head['name'])}")
     doc = _text(head, "doc", "composition", problems)
     label = _text(head, "label", "composition", problems)
     problems.check()

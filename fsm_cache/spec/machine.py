@@ -29,6 +29,25 @@ identifiers in generated code, so a leading underscore (Python's own), other scr
 NOT_A_NAME = "not an identifier"
 
 
+NOT_A_TITLE = "not one line of printable text (no line break, tab or other control character)"
+"""Why a machine's or composition's ``name`` is refused: it is shown in diagrams, stubs,
+messages and Markdown headings, where a line break would start a line of its own."""
+
+
+def bad_title(value: object) -> str | None:
+    """Return why ``value`` cannot be a machine's or composition's ``name``, or None if it can.
+
+    A spec's name is free text (``residency v2``, ``host/device``), but one
+    non-empty line of printable characters (:meth:`str.isprintable`): a line
+    break in it would inject lines into a Mermaid diagram or a Markdown document.
+    """
+    if not isinstance(value, str) or not value:
+        return "missing or not a string"
+    if not value.isprintable():
+        return NOT_A_TITLE
+    return None
+
+
 def bad_name(value: object) -> str | None:
     """Return why ``value`` cannot be a name in a spec (see :data:`NAME`), or None if it can."""
     if not isinstance(value, str) or NAME.fullmatch(value) is None:

@@ -17,7 +17,15 @@ from collections.abc import Iterator
 from fsm_cache import errors
 from fsm_cache.errors import FsmCacheError, IllegalTransition, SpecError, error_class
 from fsm_cache.spec.guards import Guard, critical_values
-from fsm_cache.spec.machine import Forbid, MachineSpec, Spec, System, Transition, bad_name
+from fsm_cache.spec.machine import (
+    Forbid,
+    MachineSpec,
+    Spec,
+    System,
+    Transition,
+    bad_name,
+    bad_title,
+)
 
 
 # Attributes every record has besides regions and counters (see Engine.slots and the
@@ -132,6 +140,8 @@ def _spelling(spec: MachineSpec) -> Iterator[str]:
         ),
         *((f"forbid[{i}].event", fb.event) for i, fb in enumerate(spec.forbids)),
     ]
+    if (bad := bad_title(spec.name)) is not None:
+        yield f"machine.name: {spec.name!r}: {bad}"
     for where, name in named:
         if (bad := bad_name(name)) is not None:
             yield f"{where}: {name!r}: {bad}"
@@ -348,6 +358,8 @@ def _system_problems(system: System) -> list[str]:
                     f"composition.regions.{region}: counter {counter!r} also in region {seen[counter]!r}"
                 )
             seen[counter] = region
+    if (bad := bad_title(system.name)) is not None:
+        out.append(f"composition.name: {system.name!r}: {bad}")
     for i, fb in enumerate(system.forbids):
         out += _system_forbid_problems(system, f"forbid[{i}]", fb)
     out += _birth_problems(system)
