@@ -136,3 +136,27 @@ def test_every_shipped_spec_has_a_stub_that_compiles(path: Path) -> None:
     text = stub(load_spec(path))
     compile(text, str(path), "exec")
     assert "class Record(Protocol):" in text
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "alias"),
+    [("door", "Door", "DoorState"), ("my_door", "my__door", "MyDoorState")],
+)
+def test_regions_whose_aliases_collide_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], first: str, second: str, alias: str
+) -> None:
+    (tmp_path / "door.toml").write_text(SPEC, encoding="utf-8")
+    (tmp_path / "gate.toml").write_text(SPEC.replace("opens", "passes"), encoding="utf-8")
+    comp = tmp_path / "house.toml"
+    comp.write_text(
+        f'[composition]\nname = "house"\n[composition.regions]\n'
+        f'{first} = "door.toml"\n{second} = "gate.toml"\n',
+        encoding="utf-8",
+    )
+    out = tmp_path / "house_types.py"
+    assert main(["types", str(comp), "--write", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {comp}: composition.regions.{second}: region {first!r} has the same type "
+        f"alias {alias} (fsm-cache types camel-cases region names); rename one\n"
+    )
+    assert not out.exists()

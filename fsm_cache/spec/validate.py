@@ -26,6 +26,7 @@ from fsm_cache.spec.machine import (
     bad_name,
     bad_title,
 )
+from fsm_cache.spec.stubs import state_alias
 
 
 # Attributes every record has besides regions and counters (see Engine.slots and the
@@ -360,10 +361,29 @@ def _system_problems(system: System) -> list[str]:
             seen[counter] = region
     if (bad := bad_title(system.name)) is not None:
         out.append(f"composition.name: {system.name!r}: {bad}")
+    out += _alias_problems(system)
     for i, fb in enumerate(system.forbids):
         out += _system_forbid_problems(system, f"forbid[{i}]", fb)
     out += _birth_problems(system)
     return inner + [f"{system.source}: {line}" for line in out]
+
+
+def _alias_problems(system: System) -> Iterator[str]:
+    """Each region whose ``fsm-cache types`` alias (``DoorState``) an earlier region has too.
+
+    The alias camel-cases the region name, so ``door`` and ``Door``, or ``my_door``
+    and ``my__door``, would declare one alias twice; the second region is refused.
+    """
+    owners: dict[str, str] = {}
+    for region, _ in system.regions:
+        alias = state_alias(system, region)
+        if alias in owners:
+            yield (
+                f"composition.regions.{region}: region {owners[alias]!r} has the same type "
+                f"alias {alias} (fsm-cache types camel-cases region names); rename one"
+            )
+        else:
+            owners[alias] = region
 
 
 def _birth_problems(system: System) -> Iterator[str]:
