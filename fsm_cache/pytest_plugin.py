@@ -8,7 +8,8 @@ Installed with fsm_cache (a ``pytest11`` entry point), it adds:
 * ``--fsm-sglang``: the installed SGLang's radix caches run checked for the
   whole run (:func:`fsm_cache.compat.sglang.patch`, undone at the end), so an
   SGLang test suite finds residency misuse where it happens;
-* the ini option ``fsm_specs`` (spec paths, relative to the rootdir): each
+* the ini option ``fsm_specs`` (spec paths, relative to the rootdir, separated
+  by spaces or line breaks and quoted like shell words, as ``testpaths``): each
   spec becomes two test items, ``fsm-verify[PATH]`` (the CrossHair
   contracts of ``fsm-cache verify``) and ``fsm-check[PATH]`` (the model
   checker of ``fsm-cache check``); ``fsm_check_nodes`` sets the tree size;
@@ -75,7 +76,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="check the residency of the installed SGLang's radix caches (fsm_cache.compat.sglang)",
     )
-    parser.addini("fsm_specs", "spec files to verify and model-check as tests", type="linelist")
+    parser.addini(
+        "fsm_specs",
+        "spec files to verify and model-check as tests (separated by spaces or lines)",
+        type="args",
+    )
     parser.addini("fsm_check_nodes", "tree size of the model checker (default 3)", default="3")
     parser.addini(
         "fsm_leases",

@@ -501,3 +501,19 @@ def test_a_tree_size_that_checks_nothing_is_a_usage_error(
     result.stderr.fnmatch_lines(
         [f"ERROR: fsm_check_nodes must be a whole number >= 1, got '{nodes}'"]
     )
+
+
+@pytest.mark.parametrize("separator", [" ", "\n    ", "  \n    "])
+def test_ini_specs_are_separated_by_spaces_or_lines(
+    pytester: pytest.Pytester, separator: str
+) -> None:
+    pytester.makeini(
+        f"[pytest]\nfsm_specs = a.toml{separator}'b c.toml'\n    d.toml\n",
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--collect-only", "-q")
+    names = [line.removeprefix("::") for line in result.stdout.lines if "fsm-" in line]
+    assert names == [
+        f"fsm-{kind}[{name}]"
+        for name in ("a.toml", "b c.toml", "d.toml")
+        for kind in ("verify", "check")
+    ]
