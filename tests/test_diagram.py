@@ -553,3 +553,48 @@ def test_rendering_is_deterministic(specs: Path) -> None:
     spec = doorway(specs)
     for fmt in ("mermaid", "dot", "md"):
         assert render(spec, fmt) == render(doorway(specs), fmt)
+
+
+def test_write_checks_every_target_before_writing_any(
+    specs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = specs / "diagrams"
+    (folder / "door.md").mkdir(parents=True)
+    assert main(["diagram", str(specs / "door.toml"), "--write", "--dir", str(folder)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {folder / 'door.md'}: not a regular file; no diagram file was changed\n"
+    )
+    assert [p.name for p in folder.iterdir()] == ["door.md"]
+
+
+def test_write_under_a_file_changes_nothing(
+    specs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = specs / "diagrams"
+    blocker.write_text("not a folder", encoding="utf-8")
+    folder = blocker / "sub"
+    assert main(["diagram", str(specs / "door.toml"), "--write", "--dir", str(folder)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {folder / 'door.mmd'}: {blocker} is not a folder; no diagram file was changed\n"
+    )
+    assert blocker.read_text(encoding="utf-8") == "not a folder"
+
+
+def test_a_failed_write_removes_its_temporaries(
+    specs: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = specs / "diagrams"
+    real = Path.write_text
+
+    def failing(self: Path, text: str, *args: object, **kwargs: object) -> int:
+        if self.name.startswith(".door.md"):
+            raise PermissionError(13, "Permission denied")
+        return real(self, text, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "write_text", failing)
+    assert main(["diagram", str(specs / "door.toml"), "--write", "--dir", str(folder)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {folder / 'door.md'}: cannot write: Permission denied; "
+        "no diagram file was changed\n"
+    )
+    assert list(folder.iterdir()) == []

@@ -141,10 +141,51 @@ def _check(wanted: dict[Path, str]) -> int:
 
 
 def _write(wanted: dict[Path, str]) -> int:
-    for path, text in wanted.items():
-        if current_text(path) == text:
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8", newline="\n")
+    """Write each file whose text changed, all or none.
+
+    Every target is checked before anything is written, each new text is then
+    written to a temporary file beside its target, and only when all of them
+    are written are they renamed into place; a failure before that removes the
+    temporaries, so a target that cannot be written leaves every file as it was.
+
+    Raises:
+        DiagramError: A target is not a regular file, or sits under a path
+            that is not a folder, or cannot be written; nothing was changed.
+    """
+    changed = {path: text for path, text in wanted.items() if current_text(path) != text}
+    for path in changed:
+        _writable(path)
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for path, text in changed.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_name(f".{path.name}.fsm-cache-tmp")
+            staged.append((temporary, path))
+            temporary.write_text(text, encoding="utf-8", newline="\n")
+    except OSError as exc:
+        for temporary, _ in staged:
+            temporary.unlink(missing_ok=True)
+        target = staged[-1][1] if staged else next(iter(changed))
+        msg = f"{target}: cannot write: {exc.strerror or exc}; no diagram file was changed"
+        raise DiagramError(msg) from exc
+    for temporary, path in staged:
+        temporary.replace(path)
         print(f"wrote {path}")
     return 0
+
+
+def _writable(path: Path) -> None:
+    """Refuse a target that is not a regular file, or whose first existing parent is no folder.
+
+    Raises:
+        DiagramError: Naming the target and why; no diagram file was changed.
+    """
+    if path.exists() and not path.is_file():
+        msg = f"{path}: not a regular file; no diagram file was changed"
+        raise DiagramError(msg)
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        msg = f"{path}: {parent} is not a folder; no diagram file was changed"
+        raise DiagramError(msg)
