@@ -576,6 +576,16 @@ def test_a_cycle_of_two_machines_is_reported_once(tmp_path: Path) -> None:
     ]
 
 
+def test_a_chain_too_long_is_reported_once(tmp_path: Path) -> None:
+    write(tmp_path, LAMP, "s10.toml")
+    for i in range(10):
+        write(tmp_path, f"[machine]\nextends = 's{i + 1}.toml'\nname = 's{i}'\n", f"s{i}.toml")
+    assert problems(tmp_path / "s0.toml") == [
+        f"{tmp_path / 's8.toml'}: machine.extends: more than 8 specs extend one another"
+    ]
+    assert isinstance(load_spec(tmp_path / "s2.toml"), MachineSpec)
+
+
 def test_a_redeclared_base_state_is_named_with_its_base(tmp_path: Path) -> None:
     lamp = write(tmp_path, LAMP, "lamp.toml")
     text = DIMMER.replace('dim = { doc = "half", invariant = "n == 0" }', 'off = { doc = "again" }')

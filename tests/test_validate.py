@@ -107,7 +107,9 @@ def test_unknown_and_missing_names(tmp_path: Path) -> None:
 def test_an_unknown_counter_is_located_in_the_guard_or_the_update(tmp_path: Path) -> None:
     text = GATE.replace('update = "n += 1"', 'update = "m += 1"')
     text = text.replace('guard = "n >= 2"', 'guard = "n >= 2 and z < 1"')
-    text = text.replace('guard = "n == 1"\nupdate = "n -= 1"', 'guard = "y == 1"\nupdate = "y -= 1"')
+    text = text.replace(
+        'guard = "n == 1"\nupdate = "n -= 1"', 'guard = "y == 1"\nupdate = "y -= 1"'
+    )
     assert found(tmp_path, text) == [
         "transition[0].update: unknown counter 'm'",
         "transition[1].guard: unknown counter 'y'",

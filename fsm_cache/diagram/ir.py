@@ -196,7 +196,7 @@ def refusal_line(refusal: DiagramRefusal) -> str:
 
 
 def one_line(text: str) -> str:
-    """Return ``text`` with each unprintable character escaped (``\\n``, ``\\x1b``): one line.
+    r"""Return ``text`` with each unprintable character escaped (``\n``, ``\x1b``): one line.
 
     Loading refuses a spec name with a line break (:func:`fsm_cache.spec.machine.bad_title`);
     renderers still pass names through this, so a diagram built some other way cannot

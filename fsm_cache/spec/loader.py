@@ -204,7 +204,6 @@ def machine_from_dict(
     data: _Table,
     source: str = "<python>",
     base: Path | None = None,
-    depth: int = 0,
     chain: tuple[str, ...] = (),
 ) -> MachineSpec:
     """Build a :class:`MachineSpec` from TOML-shaped data, without validating it.
@@ -218,8 +217,8 @@ def machine_from_dict(
         source: Where the data came from, for error locations.
         base: The folder ``machine.extends`` is relative to (default: the
             working directory).
-        depth: How many ``extends`` led here (:data:`MAX_EXTENDS`).
-        chain: The files whose ``extends`` led here, outermost first, to refuse a cycle.
+        chain: The files whose ``extends`` led here, outermost first: a cycle
+            through them, or more than :data:`MAX_EXTENDS`, is refused.
 
     Raises:
         SpecError: A table or key is missing, mistyped or does not parse, the
@@ -234,7 +233,7 @@ def machine_from_dict(
     head = _table(data, "machine", problems)
     _known_keys(head, {"name", "initial", "doc", "label", "extends"}, "machine", problems)
     extending = "extends" in head
-    parent = _extended("machine", head, base or Path(), depth, (*chain, source), problems)
+    parent = _extended("machine", head, base or Path(), (*chain, source), problems)
     if parent is not None and not isinstance(parent, MachineSpec):
         problems.add("machine.extends", f"{head['extends']} is not a [machine] file")
     basis = parent if isinstance(parent, MachineSpec) else None
@@ -274,7 +273,7 @@ def machine_from_dict(
 
 
 def _extended(
-    kind: str, head: _Table, base: Path, depth: int, chain: tuple[str, ...], problems: _Problems
+    kind: str, head: _Table, base: Path, chain: tuple[str, ...], problems: _Problems
 ) -> Spec | None:
     """Return the unvalidated spec ``head.extends`` names (relative to ``base``), if any.
 
@@ -290,18 +289,18 @@ def _extended(
         return None
     path = base / rel
     cycle = _cycle(path, chain)
-    if cycle:
-        problems.add(where, f"a cycle: {' extends '.join((*cycle, str(path)))}")
-        return None
-    if depth >= MAX_EXTENDS:
-        problems.add(where, f"more than {MAX_EXTENDS} specs extend one another")
+    if cycle or len(chain) > MAX_EXTENDS:  # the chain holds this file and what extends it
+        too_long = f"more than {MAX_EXTENDS} specs extend one another"
+        problems.add(
+            where, f"a cycle: {' extends '.join((*cycle, str(path)))}" if cycle else too_long
+        )
         return None
     try:
         data = _read(path)
         _check_shape(data, str(path))
         if "composition" in data:
-            return _composition(data, str(path), path.parent, depth + 1, chain)
-        return machine_from_dict(data, str(path), path.parent, depth + 1, chain)
+            return _composition(data, str(path), path.parent, chain)
+        return machine_from_dict(data, str(path), path.parent, chain)
     except (OSError, ValueError) as exc:
         problems.add(where, f"cannot read {path}: {_why(exc)}")
     except SpecError as exc:
@@ -323,9 +322,7 @@ def _cycle(path: Path, chain: tuple[str, ...]) -> tuple[str, ...]:
     return () if first is None else chain[first:]
 
 
-def _composition(
-    data: _Table, source: str, base: Path, depth: int = 0, chain: tuple[str, ...] = ()
-) -> System:
+def _composition(data: _Table, source: str, base: Path, chain: tuple[str, ...] = ()) -> System:
     problems = _Problems(source)
     _known_keys(data, {"composition", "forbid"}, "", problems)
     head = _table(data, "composition", problems)
@@ -333,7 +330,7 @@ def _composition(
         head, {"name", "regions", "doc", "label", "extends", "births"}, "composition", problems
     )
     extending = "extends" in head
-    parent = _extended("composition", head, base, depth, (*chain, source), problems)
+    parent = _extended("composition", head, base, (*chain, source), problems)
     if parent is not None and not isinstance(parent, System):
         problems.add("composition.extends", f"{head['extends']} is not a [composition] file")
     basis = parent if isinstance(parent, System) else None
