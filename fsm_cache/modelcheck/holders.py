@@ -1,8 +1,15 @@
 """Holder kinds: which events acquire and which give back each counter, read from the spec.
 
 The model checker keeps ghost counts of what clients hold at each node
-(:mod:`fsm_cache.modelcheck.state`). An event whose every transition adds one to a
-counter acquires it; one whose every transition subtracts one gives it back.
+(:mod:`fsm_cache.modelcheck.state`). Only some counters count holders
+(:attr:`Holders.counts`): one some event gives back (every transition of
+the event subtracts one), or one a state carries (``counter = "pins"``,
+drawn ``pinned(N)``: one state per holder count, as
+:mod:`fsm_cache.engine.holds` reads it). A counter only ever raised or set
+(tokens emitted, retries, a generation) counts events, not holders: nothing
+gives it back, so it is neither accounted to holders (invariant 6) nor
+owed back (liveness). On a holder count, an event whose every transition
+adds one acquires it; one whose every transition subtracts one gives it back.
 Holders are told apart by the regions their events are declared in: a
 ``load`` (host and device) is given back by ``load_done`` (host and device),
 never by ``release`` (host only), so a client gives back only what it holds.
@@ -29,13 +36,16 @@ class Holders:
     """The spec's holder kinds and the events that acquire and give back each.
 
     Attributes:
-        acquires: Event to the holds it acquires (adds one to).
+        counts: The counters that count holders, in declaration order: those
+            some event gives back or a state carries.
+        acquires: Event to the holds it acquires (adds one to), of :attr:`counts` only.
         releases: Event to the holds it gives back (subtracts one from), each acquired by some event.
         kinds: The hold kinds, in order of their first acquiring event.
         propagating: Counters whose transitions propagate to ancestors.
         unpaired: One finding per give-back whose kind no event acquires.
     """
 
+    counts: tuple[str, ...]
     acquires: dict[str, tuple[Hold, ...]]
     releases: dict[str, tuple[Hold, ...]]
     kinds: tuple[Hold, ...]
@@ -45,8 +55,14 @@ class Holders:
     @classmethod
     def of(cls, system: System) -> Holders:
         """Return the holder kinds of ``system``."""
-        acquires = {event: _moved(system, event, 1) for event in system.event_names}
         releases = {event: _moved(system, event, -1) for event in system.event_names}
+        given = {key[0] for keys in releases.values() for key in keys}
+        carried = {s.counter for _, m in system.regions for s in m.states if s.counter}
+        counts = tuple(c for c, _ in system.counters if c in given | carried)
+        acquires = {
+            event: tuple(k for k in _moved(system, event, 1) if k[0] in counts)
+            for event in system.event_names
+        }
         kinds = tuple(dict.fromkeys(h for hs in acquires.values() for h in hs))
         unpaired = tuple(
             _unpaired(system, event, key)
@@ -62,7 +78,7 @@ class Holders:
             for a in t.update.assigns
         )
         paired = {event: tuple(k for k in keys if k in kinds) for event, keys in releases.items()}
-        return cls(acquires, paired, kinds, propagating, unpaired)
+        return cls(counts, acquires, paired, kinds, propagating, unpaired)
 
     def acquirers(self, key: Hold) -> str:
         """Return the events that acquire hold ``key``, as messages name its holders (``pin``)."""

@@ -59,8 +59,12 @@ def counts(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> str | Non
 
 
 def accounted(layout: Layout, nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
-    """Invariant 6: each count equals its holders (plus its children's, if it propagates)."""
-    for name in layout.counters:
+    """Invariant 6: each holder count equals its holders (plus its children's, if it propagates).
+
+    Only counters that count holders (:attr:`~fsm_cache.modelcheck.holders.Holders.counts`)
+    are accounted: a count of tokens or retries has no holders.
+    """
+    for name in layout.holders.counts:
         want = layout.held(entry, name)
         if name in layout.holders.propagating:
             want += sum(layout.counter(_at(nodes, c), name) for c in children(nodes, i))

@@ -8,6 +8,10 @@ in any order: the environment's moves) and give-backs by the holders that
 hold (``release``, ``unlock``, ``load_done``). A state is *settled* when no
 node has a copy in flight or a hold. Every reachable state must reach a
 settled one by settling steps alone; one that cannot is stuck.
+Holds are kept only on counters that count holders
+(:attr:`~fsm_cache.modelcheck.holders.Holders.counts`: one some event gives
+back or a state carries), so a counter that is only ever raised (tokens
+emitted, retries) is never owed back.
 
 A failed load the spec refuses to fail (a child is on the device below, a
 request locked it) is copied again by the cache, deepest nodes failed first
