@@ -6,12 +6,13 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from fsm_cache.cli.main import main
 from fsm_cache.errors import ConfigError
-from fsm_cache.modelcheck import check
+from fsm_cache.modelcheck import check, explore
 from fsm_cache.modelcheck.budget import Budget, available_memory, default_floor
 from fsm_cache.modelcheck.explore import Bounds
 from fsm_cache.spec.controls import controls
@@ -274,3 +275,37 @@ def _low_memory_init(init: Callable[..., None]) -> Callable[..., None]:
         init(self, *args, **kwargs)
 
     return wrapped
+
+
+WIDE = 32
+"""Nodes of a tree on which one expansion adds more states than a reading window held."""
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "most"),
+    [
+        ({"max_seconds": 1.0, "floor": None}, explore.TIME_STATES),
+        ({"floor": GIB, "available": lambda: 0}, explore.TIME_STATES),
+    ],
+    ids=["time", "memory"],
+)
+def test_a_wide_tree_reads_its_budget_by_the_states_it_adds(
+    kwargs: dict[str, Any], most: int
+) -> None:
+    """Each expansion of a 32-node tree adds dozens of states; the budget is read anyway.
+
+    The clock is past the deadline at its first reading after the start, or
+    the memory is short, so the search stops at its first reading: within
+    :data:`~fsm_cache.modelcheck.explore.TIME_STATES` states of its start.
+    """
+    readings: list[float] = []
+
+    def clock() -> float:
+        readings.append(0.0 if not readings else 10.0)
+        return readings[-1]
+
+    budget = Budget(clock=clock, **kwargs)
+    spec = spec_dir() / "device_residency.toml"
+    result = check.check_spec(spec, WIDE, Bounds({}), budget=budget)
+    assert result.stopped is not None
+    assert result.states <= len(check.SHAPES) + most

@@ -172,9 +172,20 @@ class Budget:
         Args:
             deadline: What :meth:`deadline` returned when the search began.
         """
+        return self.late(deadline) or self.short_of_memory()
+
+    def late(self, deadline: float | None) -> str | None:
+        """Return why the search must stop for time now, or None while it may go on.
+
+        Reads :attr:`clock` only when there is a ``deadline``, so it is cheap
+        enough to ask often.
+
+        Args:
+            deadline: What :meth:`deadline` returned when the search began.
+        """
         if deadline is not None and self.clock() >= deadline:
             return f"the limit of {self.max_seconds:g} s (--max-seconds) was reached"
-        return self.short_of_memory()
+        return None
 
     def short_of_memory(self) -> str | None:
         """Return why the search must stop for memory now, or None while there is enough."""

@@ -57,6 +57,70 @@ Edge = tuple[TraceStep, Forest, bool]
 """A step from a state: the step, the state it leads to, and whether it settles."""
 
 
+TIME_STATES = 16
+"""A search reads its clock (``--max-seconds``) once per this many states added...
+
+Adding a state is what costs most on a large tree (checking a new tree of a
+hundred nodes takes milliseconds), so a search stops within this many states
+of its deadline, however many states one expansion adds."""
+
+TIME_EXPANSIONS = 64
+"""... and once per this many states expanded, so a search adding no states stops as soon."""
+
+MEMORY_READS = 16
+"""A search reads the available memory at every this many readings of its clock (a reading of
+the memory costs tens of microseconds, one of the clock a fraction of one)."""
+
+
+class Pace:
+    """When a search reads its budget (time, memory, its state cap) and reports progress.
+
+    The search reads it once :attr:`due` states are held (every
+    :data:`TIME_STATES` added, and at the cap) and once :attr:`timed` states
+    are expanded (every :data:`TIME_EXPANSIONS`). Each reading reads the
+    clock; the first and every :data:`MEMORY_READS`-th after it read the
+    memory too; one that stops nothing reports progress.
+
+    Args:
+        budget: What the search may spend.
+        tick: Where progress goes (the states so far), or None.
+
+    Attributes:
+        due: The count of states held at which :meth:`added` must be asked.
+        timed: The count of states expanded at which :meth:`expanded` must be asked.
+    """
+
+    def __init__(self, budget: Budget, tick: Callable[[int], None] | None) -> None:
+        self.budget = budget
+        self.tick = tick
+        self.cap = budget.cap()
+        self.deadline = budget.deadline()
+        self.readings = 0
+        self.due = min(self.cap, TIME_STATES)
+        self.timed = TIME_EXPANSIONS
+
+    def added(self, states: int) -> str | None:
+        """Return why a search holding ``states`` states (at least :attr:`due`) stops, or None."""
+        if states >= self.cap:
+            return self.budget.capped()
+        self.due = min(self.cap, states + TIME_STATES)
+        return self._read(states)
+
+    def expanded(self, count: int, states: int) -> str | None:
+        """Return why a search that expanded ``count`` states (at least :attr:`timed`) stops, or None."""
+        self.timed = count + TIME_EXPANSIONS
+        return self._read(states)
+
+    def _read(self, states: int) -> str | None:
+        self.readings += 1
+        short = self.budget.late(self.deadline)
+        if short is None and self.readings % MEMORY_READS == 1:
+            short = self.budget.short_of_memory()
+        if short is None and self.tick is not None:
+            self.tick(states)
+        return short
+
+
 @dataclass
 class Bounds:
     """How far the exploration goes: counter ceilings (events past them are not fired)."""
@@ -186,7 +250,7 @@ class Explorer:
         budget: Budget,
     ) -> Result:
         """:meth:`run`'s search, keeping the states it explores in ``forests``."""
-        cap, deadline = budget.cap(), budget.deadline()
+        pace = Pace(budget, tick)  # the clock starts before the starting states are checked
         if self.layout.holders.unpaired:
             return Result(0, self.layout.holders.unpaired[0])
         index, parents, steps, starts = self._starts(initial, forests)
@@ -206,8 +270,10 @@ class Explorer:
                         settle(found)
                     continue
                 found = index[nxt] = len(forests)
-                if found >= cap:
-                    return Result(found, stopped=budget.capped())
+                if found >= pace.due:
+                    short = pace.added(found)
+                    if short is not None:
+                        return Result(found, stopped=short)
                 forests.append(nxt)
                 parents.append(at)
                 steps.append(step)
@@ -216,12 +282,10 @@ class Explorer:
                 if settles:
                     settle(found)
             at += 1
-            if len(forests) % 4096 < 64:
-                short = budget.exhausted(deadline)
+            if at >= pace.timed:
+                short = pace.expanded(at, len(forests))
                 if short is not None:
                     return Result(len(forests), stopped=short)
-                if tick is not None:
-                    tick(len(forests))
         first.append(len(dst))
         return self._live(forests, (first, dst), parents, steps, starts)
 
