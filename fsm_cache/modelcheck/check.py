@@ -39,10 +39,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from fsm_cache.errors import BadArgument, SpecError
+from fsm_cache.errors import BadArgument, ConfigError, SpecError
 from fsm_cache.modelcheck import treeops
 from fsm_cache.modelcheck.budget import Budget
 from fsm_cache.modelcheck.explore import Bounds, Explorer, Result
+from fsm_cache.modelcheck.hooks import hooks
 from fsm_cache.modelcheck.progress import PLAIN_EVERY, progress
 from fsm_cache.modelcheck.state import Layout, Nodes
 from fsm_cache.policy import WritePolicy
@@ -154,29 +155,33 @@ def load_ops(path: Path) -> tuple[Path, ModuleType]:
     The module may also replace ``wants_backup`` (where the write policy
     starts backups) or ``match_prefix`` (the lookup,
     :func:`fsm_cache.modelcheck.lookup.match_prefix`), and name the ``POLICY``
-    to check under (default none).
+    to check under (default none). What is returned is the checker's view of
+    it (:func:`fsm_cache.modelcheck.hooks.hooks`): each hook it defines
+    raises only a ConfigError naming the module and the hook.
 
     Raises:
-        SpecError: The module cannot be imported, names no ``SPEC`` or an unknown ``POLICY``.
+        ConfigError: The module cannot be imported (a syntax error, an
+            exception or a ``sys.exit`` at import), or a hook is not callable.
+        SpecError: The module names no ``SPEC`` or an unknown ``POLICY``.
     """
     spec = importlib.util.spec_from_file_location(f"fsm_cache_ops_{path.stem}", path)
     if spec is None or spec.loader is None:
-        raise SpecError([f"{path}: cannot import"])
+        raise ConfigError(f"{path}: cannot import")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:  # the user's module: a syntax error, an import, its own raise
-        raise SpecError([f"{path}: cannot import: {type(exc).__name__}: {exc}"]) from None
+    except (
+        Exception,
+        SystemExit,
+    ) as exc:  # the user's module: a syntax error, its own raise or exit
+        raise ConfigError(f"{path}: cannot import: {type(exc).__name__}: {exc}") from None
     target = getattr(module, "SPEC", None)
     if not isinstance(target, str):
         raise SpecError([f"{path}: names no SPEC = 'path/to/spec.toml'"])
     policy = getattr(module, "POLICY", "none")
     if not isinstance(policy, str) or policy not in POLICIES:
         raise SpecError([f"{path}: POLICY must be one of {', '.join(POLICIES)}"])
-    for name in ("insert", "born", "split", "prune"):
-        if not hasattr(module, name):
-            setattr(module, name, getattr(treeops, name))
-    return (path.parent / target).resolve(), module
+    return (path.parent / target).resolve(), hooks(path, module)
 
 
 STOPPED = 3
