@@ -470,7 +470,7 @@ def test_a_release_no_acquire_pairs_with_is_a_finding(
     path.write_text(STEPS_BY_TWO)
     assert _cli(["check", "--nodes", "2", str(path)]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == f"{path}: 2 nodes (chain, fan-out, binary), pins <= 2, locks <= 2"
+    assert out[0] == f"{path}: 2 nodes (chain, fan-out, binary), holders <= 2"
     assert out[1:4] == [
         "  states explored: 0 (symmetry reduced)",
         "  before reduction: 0 numbered states (each tree in every numbering of its 2 slots)",

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from fsm_cache.cli.main import main
 from fsm_cache.modelcheck import check
 from fsm_cache.modelcheck.explore import Bounds
 from fsm_cache.modelcheck.state import Layout
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import as_system
-from fsm_cache.spec.shipped import residency_system
+from fsm_cache.spec.shipped import residency_system, spec_dir
 
 
 STREAM = """
@@ -174,3 +176,63 @@ def test_a_carried_count_nothing_gives_back_is_still_accounted(tmp_path: Path) -
     result = check.check_spec(_spec(tmp_path, KEPT), 1, Bounds({}))
     assert result.violation == "invariant 6: node 0: pins is 0 but its holders account for 1"
     assert result.trace == ["start: chain", "node 0: pin", "node 0: drop"]
+
+
+PLAIN = """
+[machine]
+name = "plain"
+initial = "off"
+
+[states]
+off = { doc = "off" }
+on = { doc = "on" }
+
+[[transition]]
+event = "flip"
+source = "off"
+dest = "on"
+
+[[transition]]
+event = "flip"
+source = "on"
+dest = "off"
+"""
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[str]]:
+    status = main(["check", "--nodes", "2", *argv])
+    return status, capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("text", "argv", "expected"),
+    [
+        (JOB, ("--max-count", "0"), ("tokens <= 0, retries <= 0", {"tokens": 0, "retries": 0})),
+        (STREAM, (), ("tokens <= 2", {"tokens": 2})),
+        (KEPT, ("--max-pins", "1", "--max-count", "5"), ("pins <= 1", {"pins": 1})),
+        (PLAIN, ("--max-count", "0"), ("no counters", {})),
+    ],
+    ids=["other-counters", "default-count", "pins", "none"],
+)
+def test_the_report_names_the_bound_of_each_counter_the_spec_has(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    text: str,
+    argv: tuple[str, ...],
+    expected: tuple[str, dict[str, int]],
+) -> None:
+    shown, bounds = expected
+    path = _spec(tmp_path, text)
+    _, out = _cli(capsys, *argv, str(path))
+    assert out[0] == f"{path}: 2 nodes (chain, fan-out, binary), {shown}"
+    _, out = _cli(capsys, "--json", *argv, str(path))
+    assert json.loads("\n".join(out))["specs"][0]["bounds"] == bounds
+
+
+def test_the_report_of_a_one_region_shipped_spec_names_its_own_counter(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = spec_dir() / "device_residency.toml"
+    assert _cli(capsys, "--max-locks", "1", str(path))[1][0] == (
+        f"{path}: 2 nodes (chain, fan-out, binary), locks <= 1"
+    )

@@ -119,6 +119,20 @@ def sized(path: Path, nodes: int | None, locks: int | None) -> tuple[int, int]:
     )
 
 
+def ceilings(path: Path, pins: int, locks: int, count: int) -> dict[str, int]:
+    """Return the ceiling of each counter of the spec at ``path``, in the spec's order.
+
+    ``pins`` bounds a counter named ``pins`` (``--max-pins``), ``locks`` one
+    named ``locks`` (``--max-locks``), ``count`` any other (``--max-count``);
+    a spec without counters has none.
+
+    Raises:
+        SpecError: The spec does not load.
+    """
+    given = {"pins": pins, "locks": locks}
+    return {name: given.get(name, count) for name, _ in as_system(load_spec(path)).counters}
+
+
 def check_spec(
     path: Path,
     nodes: int,
@@ -253,7 +267,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     budget = Budget(max_states=args.max_states, max_seconds=args.max_seconds)
     specs = []
     for path, policy, nodes, locks in targets(args):
-        bounds = Bounds({"pins": args.max_pins, "locks": locks}, args.max_count)
+        bounded = ceilings(path, args.max_pins, locks, args.max_count)
+        bounds = Bounds(bounded, args.max_count)
         started = time.perf_counter()
         with progress(args.progress, _title(path.name, policy)) as tick:
             result = check_spec(
@@ -272,7 +287,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "spec": str(path),
                 "policy": policy,
                 "nodes": nodes,
-                "bounds": {"pins": args.max_pins, "locks": locks},
+                "bounds": bounded,
                 "symmetry": symmetry,
                 "seconds": seconds,
                 **vars(result),
@@ -300,7 +315,7 @@ def report(result: dict[str, Any]) -> str:
     for s in result["specs"]:
         rate = s["states"] / s["seconds"] if s["seconds"] else 0.0
         lines.append(
-            f"{_title(s['spec'], s['policy'])}: {s['nodes']} nodes ({', '.join(SHAPES)}), pins <= {s['bounds']['pins']}, locks <= {s['bounds']['locks']}"
+            f"{_title(s['spec'], s['policy'])}: {s['nodes']} nodes ({', '.join(SHAPES)}), {_bounds(s['bounds'])}"
         )
         lines.append(f"  states explored: {s['states']} ({_symmetry(s['symmetry'])})")
         if s["symmetry"]:
@@ -322,6 +337,11 @@ def report(result: dict[str, Any]) -> str:
             lines.append("  no invariant violated")
     lines += render_controls(result["controls"])
     return "\n".join(lines)
+
+
+def _bounds(bounds: dict[str, int]) -> str:
+    """Return how the report names a run's counter ceilings: ``pins <= 2, locks <= 2``."""
+    return ", ".join(f"{name} <= {most}" for name, most in bounds.items()) or "no counters"
 
 
 def _symmetry(on: bool) -> str:
