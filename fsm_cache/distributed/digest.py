@@ -67,6 +67,8 @@ def operation_text(name: str, args: tuple[object, ...]) -> str | None:
     """
     if name in _LOCAL_OPERATIONS:
         return None
+    if len(args) == 1 and type(args[0]) is int:  # lock, unlock, alloc_slots, ...: the common case
+        return f"{name}({args[0]})"
     if name in _NAMESPACED:  # (tokens, namespace, slots or none): most of what is logged
         shown = [_ids(args[0]), _namespace(args[1]), *map(_ids, args[2:])]
     else:
@@ -133,17 +135,22 @@ class TransitionDigest:
                 f"distributed: the event log dropped {self._log.dropped - self._scanned} entries"
                 " the transition digest had not read; raise CacheConfig.log_limit"
             )
-        fold = self._hash.update
+        # one update of the joined text: a streaming hash of the whole is the hash of its parts
+        parts: list[str] = []
+        add, count = parts.append, 0
         for kind, first, second in self._log.since(self._scanned):
             if kind == "transition":
-                fold(f"{first}:{second};".encode())
-                self.count += 1
+                add(f"{first}:{second};")
+                count += 1
             elif kind == "op":
                 text = operation_text(first, second)
                 if text is not None:
-                    fold(f"{text};".encode())
+                    add(f"{text};")
             elif kind == "refused":
-                fold(f"!{first}:{second.partition(':')[0]};".encode())
+                add(f"!{first}:{second.partition(':')[0]};")
+        if parts:
+            self._hash.update("".join(parts).encode())
+        self.count += count
         self._scanned = self._log.recorded
         return self._hash.digest()
 
