@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import torch
+
 from fsm_cache.bench.against import AgainstBench, cached_tokens
-from fsm_cache.bench.cache import serve_trace, trace, trace_config
+from fsm_cache.bench.cache import BaselineRadix, serve_trace, trace, trace_config
 from fsm_cache.cache.hicache import HiCache
+from fsm_cache.cache.tree import TreeNode
+from fsm_cache.engine.lease import Lease, open_leases
 
 
 def figures(write_through: float) -> dict[str, float]:
@@ -49,3 +53,41 @@ def test_the_eviction_trace_evicts() -> None:
     cache.evict = counting  # type: ignore[assignment,method-assign]
     serve_trace(cache, keys, None)
     assert sum(evicted) >= pool  # at least a pool's worth went, as the trace's name says
+
+
+def test_each_request_locks_its_matched_prefix_while_it_runs() -> None:
+    """As SGLang's scheduler does (inc_lock_ref at admission, dec_lock_ref once cached)."""
+    keys = trace(60)
+    cache = HiCache(trace_config(cached_tokens(keys) // 4, 0, 1))
+    held: list[int] = []
+    lock, evict = cache.lock, cache.evict
+
+    def locking(node: TreeNode) -> Lease:
+        held.append(node.id)
+        return lock(node)
+
+    def evicting(tokens: int) -> int:
+        assert held  # an eviction runs while the request holds its prefix
+        return evict(tokens)
+
+    cache.lock = locking  # type: ignore[method-assign]
+    cache.evict = evicting  # type: ignore[assignment,method-assign]
+    serve_trace(cache, keys, None)
+    assert len(held) == len(keys)
+    assert open_leases() == []  # every lock was given back
+
+
+def test_the_baseline_tree_locks_and_unlocks_the_matched_path() -> None:
+    tree = BaselineRadix(64)
+    key = list(range(32))
+    tree.insert(key, torch.arange(32))
+    assert tree.match_prefix(key) == 32
+    node = tree.last_node
+    tree.inc_lock_ref(node)
+    assert node.lock_ref == 1
+    tree.evict(64)  # nothing is evictable while the path is locked
+    assert tree.match_prefix(key) == 32
+    tree.dec_lock_ref(node)
+    assert node.lock_ref == 0
+    tree.evict(64)
+    assert tree.match_prefix(key) == 0

@@ -59,10 +59,14 @@ class BaselineRadix:
     def __init__(self, slots: int) -> None:
         self.root = _BaseNode()
         self.root.lock_ref = 1
+        self.last_node = self.root
         self.free = list(range(slots - 1, -1, -1))
 
     def match_prefix(self, key: list[int]) -> int:
-        """Return the matched length, splitting where a match ends inside a node."""
+        """Return the matched length, splitting where a match ends inside a node.
+
+        The deepest matched node is left in :attr:`last_node`, for the request to lock.
+        """
         node, pos = self.root, 0
         node.last_access_time = time.monotonic()
         while pos < len(key) and tuple(key[pos : pos + PAGE]) in node.children:
@@ -73,7 +77,22 @@ class BaselineRadix:
             child.last_access_time = time.monotonic()
             pos += n
             node = child
+        self.last_node = node
         return pos
+
+    def inc_lock_ref(self, node: _BaseNode) -> None:
+        """Lock ``node`` and its ancestors against eviction, as SGLang's ``inc_lock_ref``."""
+        walk: _BaseNode | None = node
+        while walk is not None and walk is not self.root:
+            walk.lock_ref += 1
+            walk = walk.parent
+
+    def dec_lock_ref(self, node: _BaseNode) -> None:
+        """Undo :meth:`inc_lock_ref`."""
+        walk: _BaseNode | None = node
+        while walk is not None and walk is not self.root:
+            walk.lock_ref -= 1
+            walk = walk.parent
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Insert ``key`` with slot tensor ``value``; return the length already cached."""
@@ -187,11 +206,14 @@ def _run_baseline(trace: list[list[int]], slots: int) -> float:
     started = time.perf_counter()
     for key in trace:
         hit = tree.match_prefix(key)
+        node = tree.last_node
+        tree.inc_lock_ref(node)  # the request holds its prefix while it runs
         need = len(key) - hit
         if need > len(tree.free):
             tree.evict(need - len(tree.free))
         fresh = tree.alloc(need)
         tree.insert(key, torch.cat([torch.zeros(hit, dtype=torch.int64), fresh]))
+        tree.dec_lock_ref(node)
     return len(trace) / (time.perf_counter() - started)
 
 
@@ -214,13 +236,16 @@ def serve_trace(
     *,
     cache_writes: bool = False,
 ) -> None:
-    """Serve ``keys`` as a scheduler would: match, evict if short, insert, then ``poll``.
+    """Serve ``keys`` as a scheduler would: match, lock, evict if short, insert, unlock, ``poll``.
 
-    The request holds its slots (``alloc_slots``, then ``insert(tokens, slots)``),
-    or with ``cache_writes`` the cache allocates them and writes the KV itself.
+    The request locks its matched prefix while it runs, as SGLang's scheduler
+    does (``inc_lock_ref`` at admission, ``dec_lock_ref`` when it is cached).
+    It holds its slots (``alloc_slots``, then ``insert(tokens, slots)``), or
+    with ``cache_writes`` the cache allocates them and writes the KV itself.
     """
     for key in keys:
         match = cache.match_prefix(key)
+        lock = cache.lock(match.last_device_node)
         need = len(key) - match.device_len
         free = cache.tiers.device.allocator.free_slots
         if need > free:
@@ -229,6 +254,7 @@ def serve_trace(
             cache.insert(key)
         else:  # the prefix's slots are the tree's own: placeholders, as the baseline passes zeros
             cache.insert(key, [0] * match.device_len + cache.alloc_slots(need))
+        cache.unlock(lock)
         if poll is not None:
             poll()
 

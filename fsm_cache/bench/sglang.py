@@ -164,9 +164,17 @@ class Driver:
             cache.insert(key, value)
 
     def match_insert(self, cache: Any, allocator: Allocator, seqs: list[tuple[Any, Any]]) -> None:
-        """Serve each request as a scheduler's prefill does: match, evict if short, insert."""
+        """Serve each request as a scheduler does: match, lock, evict if short, insert, unlock.
+
+        The matched prefix is locked while the request runs (``inc_lock_ref`` at
+        admission, ``dec_lock_ref`` once its sequence is cached), so an eviction
+        it causes cannot take its own prefix.
+        """
         for key, value in seqs:
-            self.evict_insert(cache, allocator, key, value, self.match(cache, key)[0])
+            hit, node = self.match(cache, key)
+            cache.inc_lock_ref(node)
+            self.evict_insert(cache, allocator, key, value, hit)
+            cache.dec_lock_ref(node)
 
     def key(self, ids: list[int]) -> Any:
         """A ``RadixKey`` over ``ids``."""
@@ -176,10 +184,10 @@ class Driver:
         """Run every request: match, lock, evict if short, insert, unlock. Return the calls made."""
         calls = 0
         for key, value in seqs:
-            node = self.match(cache, key)[1]
+            hit, node = self.match(cache, key)
             cache.inc_lock_ref(node)
-            try:  # the request holds its whole sequence's slots: nothing counts as a hit
-                self.evict_insert(cache, allocator, key, value, 0)
+            try:  # the matched part is the tree's own: the scheduler frees its duplicate
+                self.evict_insert(cache, allocator, key, value, hit)
             finally:
                 cache.dec_lock_ref(node)
             calls += 4

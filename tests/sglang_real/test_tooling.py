@@ -58,6 +58,20 @@ def test_the_overhead_bench_runs_on_the_installed_sglang() -> None:
     assert "target: time <= 1.15x" in bench.format()
 
 
+def test_the_overhead_bench_charges_only_what_a_request_adds() -> None:
+    """The scheduler frees the duplicate of a matched prefix: only new tokens stay taken."""
+    import torch
+
+    from fsm_cache.bench.sglang import Driver, chat_trace
+
+    driver = Driver()
+    trace = chat_trace(80)
+    slots = sum(len(t) for t in trace)  # room for everything: nothing is evicted
+    cache, allocator = driver.build(slots)
+    driver.serve(cache, allocator, [(driver.key(t), torch.arange(len(t))) for t in trace])
+    assert allocator.free_count == slots - cache.total_size()
+
+
 def test_the_cache_bench_runs_against_the_installed_sglang() -> None:
     from fsm_cache.bench.against import MODES, run_against_sglang
 
