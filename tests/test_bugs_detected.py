@@ -46,6 +46,12 @@ STORAGE_CLASSES = {
 }
 """The storage tier's bug classes (issue 16), each caught by the model checker."""
 
+UNFAILING_CLASSES = {
+    "write_failed_keeps_pages.toml": "copy write",  # a failed backup taken as a valid host copy
+    "load_failed_keeps_pages.toml": "copy load",  # a failed load taken as a valid device copy
+}
+"""Copies whose acknowledgements all report success: pages and states agree on every path."""
+
 
 def test_every_class_the_issue_lists_has_a_control() -> None:
     assert {c.name for c in ALL} >= ISSUE_CLASSES
@@ -66,6 +72,15 @@ def test_every_storage_bug_class_has_a_control_found_by_its_check(name: str) -> 
     assert control.finding.startswith(f"violation: {STORAGE_CLASSES[name]}: ")
     spec = check.load_ops(control.path)[0] if control.path.suffix == ".py" else control.path
     assert Layout.of(as_system(load_spec(spec))).memory.tiers == ("host", "device", "storage")
+
+
+@pytest.mark.parametrize("name", sorted(UNFAILING_CLASSES))
+def test_every_copy_that_cannot_fail_has_a_control_found_before_exploring(name: str) -> None:
+    control = next(c for c in ALL if c.name == name)
+    assert control.tool == "check"
+    assert control.finding.startswith(f"violation: {UNFAILING_CLASSES[name]}: ")
+    result = check.check_spec(control.path, 3, Bounds({}))
+    assert (result.violation, result.states) == (control.finding.removeprefix("violation: "), 0)
 
 
 def test_every_control_file_has_an_expected_finding() -> None:

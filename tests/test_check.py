@@ -635,6 +635,63 @@ def test_a_failed_copy_marked_valid_is_a_violation() -> None:
     assert result.trace == ["start: chain", "node 0: write", "node 0: write_failed"]
 
 
+WRITE_FAILED_KEEPS_PAGES = BUGS / "write_failed_keeps_pages.toml"
+LOAD_FAILED_KEEPS_PAGES = BUGS / "load_failed_keeps_pages.toml"
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        (
+            WRITE_FAILED_KEEPS_PAGES,
+            "copy write: no acknowledgement reports a failure (write_done, write_failed both "
+            "leave the host pages valid): a failed copy would be taken as KV",
+        ),
+        (
+            LOAD_FAILED_KEEPS_PAGES,
+            "copy load: no acknowledgement reports a failure (load_done, load_failed both "
+            "leave the device pages valid): a failed copy would be taken as KV",
+        ),
+    ],
+)
+def test_a_copy_no_acknowledgement_of_which_reports_a_failure_is_a_finding(
+    path: Path, message: str
+) -> None:
+    """Pages and states agree on every path: only the acknowledgements' outcomes tell."""
+    assert Layout.of(as_system(load_spec(path))).memory.unfailing == (message,)
+    result = check.check_spec(path, 3, Bounds({}))
+    assert (result.violation, result.states, result.trace) == (message, 0, [])
+
+
+def test_a_copy_with_a_single_acknowledgement_that_cannot_fail_is_a_finding(
+    tmp_path: Path,
+) -> None:
+    """write_failed is gone: write_done alone acknowledges every backup, failed or not."""
+    host = (spec_dir() / "host_residency.toml").read_text()
+    host = re.sub(r"\[\[(transition|forbid)\]\]\nevent = \"write_failed\"\n(.+\n)+?\n", "", host)
+    host = host.replace(
+        'write_failed = { doc = "The device-to-host copy failed; its host slots are freed.", past = "failed" }\n',
+        "",
+    )
+    assert "write_failed" not in host
+    (tmp_path / "host.toml").write_text(host)
+    composed = (spec_dir() / "residency.toml").read_text()
+    composed = composed.replace('"host_residency.toml"', '"host.toml"')
+    composed = composed.replace(
+        '"device_residency.toml"', f'"{spec_dir() / "device_residency.toml"}"'
+    )
+    (tmp_path / "residency.toml").write_text(composed)
+    result = check.check_spec(tmp_path / "residency.toml", 2, Bounds({}))
+    assert result.violation == (
+        "copy write: no acknowledgement reports a failure (write_done leaves the host pages "
+        "valid): a failed copy would be taken as KV"
+    )
+
+
+def test_the_shipped_copies_can_each_fail(layout: Layout) -> None:
+    assert layout.memory.unfailing == ()
+
+
 @pytest.mark.parametrize(
     ("states", "pages", "message"),
     [

@@ -24,7 +24,11 @@ transition of which, in that region, leaves that copying state
 ``evict_host`` that may also leave ``backed`` is not one); an
 acknowledgement reports its copy's failure when it frees the pages the copy
 fills or leads only to states that claim none (``store_failed``: the store's
-pages are not the cache's to free), and its success otherwise. What a state
+pages are not the cache's to free), and its success otherwise. A real copy
+can fail, so a copy that no event ends in a failure (freeing the pages it
+fills, or in a state that claims none) is a finding about the spec
+(:attr:`Memory.unfailing`): a failed copy would be taken as valid KV (a
+``write_failed`` that lands in ``backed`` and frees nothing). What a state
 *claims* about its tier follows from the design's state sets (:data:`HELD`)
 and the copying states: a copying state claims a copy filling the tier,
 another held state claims valid data, the rest claim no pages.
@@ -172,12 +176,15 @@ class Memory:
         copying: Per tier, its region's copying states, each with the copy that fills the tier there.
         acks: The acknowledgement events, each with its copy and outcome.
         reports: Per remote tier, the events of its region by which the store reports what it did.
+        unfailing: One finding per copy that events end, but none in a
+            failure (:func:`_unfailing`).
     """
 
     tiers: tuple[str, ...]
     copying: Mapping[str, Mapping[str, Copy]]
     acks: Mapping[str, Ack]
     reports: Mapping[str, frozenset[str]]
+    unfailing: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, system: System) -> Memory:
@@ -212,7 +219,7 @@ class Memory:
             for tier in tiers
             if tier in REMOTE
         }
-        return cls(tiers, copying, acks, reports)
+        return cls(tiers, copying, acks, reports, _unfailing(system, copying))
 
     @property
     def width(self) -> int:
@@ -286,6 +293,40 @@ class Memory:
 
 def _effect(t: Transition) -> Effect:
     return EFFECTS.get(t.effect or "", Effect())
+
+
+def _unfailing(system: System, copying: Mapping[str, Mapping[str, Copy]]) -> tuple[str, ...]:
+    """Return a finding for each copy that no event can end in a failure.
+
+    A copy between the tiers can fail (a transfer error, a timeout), and the
+    cache then fires an event that takes the node out of the copying state.
+    Each event that does so is one of the copy's acknowledgements here,
+    whether or not it may fire elsewhere too; one reports a failure when a
+    transition of it out of the copying state frees the pages the copy fills
+    or leads to a state that claims none. If none does, a failed copy is
+    taken as the KV. A copy that nothing ends is left to liveness (it can
+    never finish).
+    """
+    out = []
+    for region, machine in system.regions:
+        for state, copy in copying.get(region, {}).items():
+            starts: list[str] = []
+            ends: dict[str, bool] = {}
+            for t in machine.transitions:
+                if _effect(t).starts == copy and t.dest == state:
+                    starts += [] if t.event in starts else [t.event]
+                elif state in t.sources and t.dest != state and not _effect(t).starts:
+                    fails = _effect(t).frees == copy.fills or t.dest not in HELD[region]
+                    ends[t.event] = ends.get(t.event, False) or fails
+            if not ends or any(ends.values()):
+                continue
+            verb = "leaves" if len(ends) == 1 else "both leave" if len(ends) == 2 else "all leave"
+            out.append(
+                f"copy {', '.join(starts)}: no acknowledgement reports a failure "
+                f"({', '.join(ends)} {verb} the {copy.fills} pages valid): "
+                "a failed copy would be taken as KV"
+            )
+    return tuple(out)
 
 
 def _acknowledge(memory: Memory, status: dict[str, str], event: str, ack: Ack, state: str) -> str:

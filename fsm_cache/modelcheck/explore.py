@@ -226,7 +226,9 @@ class Explorer:
         """Explore from the named initial states; stop at the first violation.
 
         A spec whose give-backs do not pair with its acquires is a finding
-        before anything is explored (:attr:`fsm_cache.modelcheck.holders.Holders.unpaired`).
+        before anything is explored (:attr:`fsm_cache.modelcheck.holders.Holders.unpaired`),
+        and so is a copy none of whose acknowledgements reports a failure
+        (:attr:`fsm_cache.modelcheck.copies.Memory.unfailing`).
         Once every state is explored and every invariant holds in each, the
         first state (in breadth-first order, so with a shortest trace) that
         cannot settle is the finding (:mod:`fsm_cache.modelcheck.liveness`).
@@ -251,8 +253,9 @@ class Explorer:
     ) -> Result:
         """:meth:`run`'s search, keeping the states it explores in ``forests``."""
         pace = Pace(budget, tick)  # the clock starts before the starting states are checked
-        if self.layout.holders.unpaired:
-            return Result(0, self.layout.holders.unpaired[0])
+        findings = (*self.layout.holders.unpaired, *self.layout.memory.unfailing)
+        if findings:
+            return Result(0, findings[0])
         index, parents, steps, starts = self._starts(initial, forests)
         early = self._at_start(forests, parents, steps, starts, budget)
         if early is not None:
