@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from fsm_cache.cache.tree import RadixTree
-from fsm_cache.errors import SpecError
+from fsm_cache.cli.main import main as cli_main
+from fsm_cache.errors import ConfigError, SpecError
 from fsm_cache.modelcheck import check, copies, invariants, liveness, lookup, progress, treeops
 from fsm_cache.modelcheck.copies import VALID
 from fsm_cache.modelcheck.explore import Bounds, Explorer
@@ -284,8 +285,80 @@ def test_a_policy_needs_residency_regions() -> None:
     with pytest.raises(SpecError) as info:
         _cli(["check", "--policy", "write_through", str(spec_dir() / "host_residency.toml")])
     assert info.value.problems == [
-        "host_residency: the write_through policy needs host and device regions"
+        "host_residency: the write_through policy needs host and device regions with pins "
+        "and locks counters (no host region, no device region, no locks counter)"
     ]
+
+
+def test_a_policy_names_the_counter_a_residency_spec_lacks(tmp_path: Path) -> None:
+    """``pins`` renamed consistently: the regions are there, the counter the split reads is not."""
+    host = (spec_dir() / "host_residency.toml").read_text()
+    (tmp_path / "host.toml").write_text(re.sub(r"\bpins\b", "holds", host))
+    composed = (spec_dir() / "residency.toml").read_text().replace("pins == 1", "holds == 1")
+    composed = composed.replace('"host_residency.toml"', '"host.toml"')
+    device = spec_dir() / "device_residency.toml"
+    (tmp_path / "residency.toml").write_text(
+        composed.replace('"device_residency.toml"', f'"{device}"')
+    )
+    with pytest.raises(SpecError) as info:
+        _cli(["check", "--policy", "write_through", str(tmp_path / "residency.toml")])
+    assert info.value.problems == [
+        "residency: the write_through policy needs host and device regions with pins "
+        "and locks counters (no pins counter)"
+    ]
+
+
+def _renamed(tmp_path: Path, region: str, old: str, new: str) -> Path:
+    """Return the shipped residency spec with ``region``'s state ``old`` renamed ``new`` throughout."""
+    for name in ("host", "device"):
+        text = (spec_dir() / f"{name}_residency.toml").read_text()
+        if name == region:
+            text = re.sub(rf"\b{old}\b", new, text)
+        (tmp_path / f"{name}_residency.toml").write_text(text)
+    composed = (spec_dir() / "residency.toml").read_text()
+    (tmp_path / "residency.toml").write_text(re.sub(rf"\b{old}\b", new, composed))
+    return tmp_path / "residency.toml"
+
+
+@pytest.mark.parametrize(
+    ("region", "old", "new", "wanted"),
+    [
+        ("host", "backed", "valid", "writing, backed, pinned"),
+        ("host", "pinned", "held", "writing, backed, pinned"),
+        ("host", "writing", "copying", "writing, backed, pinned"),
+        ("device", "resident", "onchip", "resident, loading"),
+        ("device", "loading", "inflight", "resident, loading"),
+    ],
+)
+def test_a_residency_region_without_the_reference_states_is_refused(
+    tmp_path: Path, region: str, old: str, new: str, wanted: str
+) -> None:
+    """The residency checks read the design's state names: a renamed one would give false alarms."""
+    path = _renamed(tmp_path, region, old, new)
+    assert load_spec(path)  # a valid spec, renamed consistently
+    with pytest.raises(ConfigError) as info:
+        check.check_spec(path, 2, Bounds({}))
+    assert str(info.value) == (
+        f"check: residency: the {region} region has no state {old}: the residency checks read "
+        f"the {region} states by the names of shared/design/residency.md ({wanted}); name them "
+        "so, or give the region another name to check the spec as plain machines"
+    )
+
+
+def test_the_cli_refuses_a_renamed_reference_state_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _renamed(tmp_path, "host", "backed", "valid")
+    assert cli_main(["check", "--nodes", "2", str(path)]) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: check: residency: the host region has no state backed: "
+    )
+
+
+def test_states_the_checker_does_not_read_may_be_renamed(tmp_path: Path) -> None:
+    result = check.check_spec(_renamed(tmp_path, "host", "evicted", "freed"), 2, Bounds({}))
+    assert result.violation is None
+    assert result.states > 0
 
 
 def test_cli_names_the_policy(capsys: pytest.CaptureFixture[str]) -> None:

@@ -45,7 +45,7 @@ from fsm_cache.modelcheck.budget import Budget
 from fsm_cache.modelcheck.explore import Bounds, Explorer, Result
 from fsm_cache.modelcheck.hooks import hooks
 from fsm_cache.modelcheck.progress import PLAIN_EVERY, progress
-from fsm_cache.modelcheck.state import Layout, Nodes
+from fsm_cache.modelcheck.state import Layout, Nodes, reference_states
 from fsm_cache.policy import WritePolicy
 from fsm_cache.spec.controls import Control, controls, load_finding, render_controls
 from fsm_cache.spec.loader import load_spec
@@ -155,10 +155,15 @@ def check_spec(
         BadArgument: ``nodes`` is not an int >= 1 (no tree, nothing checked).
         SpecError: The spec does not load, or a policy is given for a spec
             without host and device regions.
+        ConfigError: A ``host``, ``device`` or ``storage`` region lacks a state
+            the residency checks read by name
+            (:func:`~fsm_cache.modelcheck.state.reference_states`).
     """
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise BadArgument(f"check: nodes must be an int >= 1, got {nodes!r}")
-    layout = Layout.of(as_system(load_spec(path)))
+    system = as_system(load_spec(path))
+    reference_states(system)
+    layout = Layout.of(system)
     explorer = Explorer(layout, bounds, ops, policy, symmetry=symmetry)
     return explorer.run(shapes(layout, nodes), tick, budget)
 

@@ -25,16 +25,67 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import cast
 
-from fsm_cache.errors import SpecError
+from fsm_cache.errors import ConfigError, SpecError
 from fsm_cache.modelcheck.copies import EFFECTS, Copy, Fields, Memory
 from fsm_cache.modelcheck.holders import Hold, Holders
 from fsm_cache.policy import PolicyNode, WritePolicy, parent_allows_backup, wants_backup
-from fsm_cache.residency import DeviceState, HostState
+from fsm_cache.residency import FETCHING, DeviceState, HostState
 from fsm_cache.spec.machine import System
 
 
 NodeEntry = tuple[int | str, ...]
 Nodes = tuple[NodeEntry | None, ...]
+
+RESIDENCY_REGIONS = ("host", "device")
+"""The regions of a residency record (:attr:`Layout.residency`)."""
+
+RESIDENCY_COUNTERS = ("pins", "locks")
+"""The counters of a residency record: host pins and device locks, read by the split."""
+
+REFERENCE_STATES: Mapping[str, tuple[str, ...]] = {
+    "host": ("writing", "backed", "pinned"),
+    "device": ("resident", "loading"),
+    "storage": ("storing", "stored", "reading"),
+}
+"""Per residency region, the states the checker reads by name.
+
+They are the design's (``shared/design/residency.md``): the state sets of
+:mod:`fsm_cache.residency` that say where a tier holds pages and where it is
+valid, the invariants that read a copy on both sides (invariants 1, 3, 5),
+the split (:func:`fsm_cache.residency.split_prefix`) and the radix root a
+write policy reads. A host region beside a storage region reads
+:data:`~fsm_cache.residency.FETCHING` too.
+"""
+
+
+def reference_states(system: System) -> None:
+    """Refuse a spec whose residency regions lack the state names the checker reads.
+
+    A region named ``host``, ``device`` or ``storage`` is checked against the
+    design's invariants, which read :data:`REFERENCE_STATES` by name: with a
+    state renamed, the checks would read the renamed state as another and
+    report false violations, or skip what they no longer find. A spec whose
+    regions carry other names is checked as plain machines.
+
+    Raises:
+        ConfigError: A residency region lacks one of those states; the message
+            names the spec, the region and the states.
+    """
+    regions = dict(system.regions)
+    for region, names in REFERENCE_STATES.items():
+        if region not in regions:
+            continue
+        wanted = (*names, FETCHING) if region == "host" and "storage" in regions else names
+        have = {state.name for state in regions[region].states}
+        missing = [name for name in wanted if name not in have]
+        if missing:
+            states = ", ".join(missing)
+            raise ConfigError(
+                f"check: {system.name}: the {region} region has no state {states}: the residency "
+                f"checks read the {region} states by the names of shared/design/residency.md "
+                f"({', '.join(wanted)}); name them so, or give the region another name to "
+                "check the spec as plain machines"
+            )
 
 
 @dataclass(frozen=True)
@@ -181,7 +232,9 @@ class Layout:
     @property
     def residency(self) -> bool:
         """Whether nodes are residency records: ``host`` and ``device`` regions, ``pins`` and ``locks``."""
-        return {"host", "device"} <= set(self.regions) and {"pins", "locks"} <= set(self.counters)
+        return set(RESIDENCY_REGIONS) <= set(self.regions) and set(RESIDENCY_COUNTERS) <= set(
+            self.counters
+        )
 
     def deltas(self, event: str) -> dict[Hold, int]:
         """Return how ``event`` moves the ghost holds of the node it is fired at."""
@@ -311,8 +364,16 @@ class Choices:
         if policy is None:
             return cls()
         if not layout.residency:
-            name = layout.system.name
-            raise SpecError([f"{name}: the {policy.value} policy needs host and device regions"])
+            missing = [
+                *(f"no {r} region" for r in RESIDENCY_REGIONS if not layout.has(r)),
+                *(f"no {c} counter" for c in RESIDENCY_COUNTERS if c not in layout.counters),
+            ]
+            raise SpecError(
+                [
+                    f"{layout.system.name}: the {policy.value} policy needs host and device "
+                    f"regions with pins and locks counters ({', '.join(missing)})"
+                ]
+            )
         host = layout.system.machines["host"].transitions
         joined: dict[str, str] = {}
         for start, landed_only in ((BACKUP, False), (PREFETCH, True)):
