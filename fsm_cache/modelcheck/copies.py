@@ -15,7 +15,7 @@ broke memory (freed pages a copy still reads, a failed copy marked valid);
 the invariants report it with the node (:mod:`fsm_cache.modelcheck.invariants`).
 
 What each effect does is :data:`EFFECTS`, the model of ``MemoryEffects``.
-Everything else is read from the spec: a copy's *copying state* is where the
+Copies are read from the spec: a copy's *copying state* is where the
 transition running its start effect leads (``writing``, ``loading``,
 ``storing``, ``fetching``); its *acknowledgements* are the events every
 transition of which, in that region, leaves that copying state
