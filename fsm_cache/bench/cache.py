@@ -208,12 +208,14 @@ def _run_baseline(trace: list[list[int]], slots: int) -> float:
         hit = tree.match_prefix(key)
         node = tree.last_node
         tree.inc_lock_ref(node)  # the request holds its prefix while it runs
-        need = len(key) - hit
-        if need > len(tree.free):
-            tree.evict(need - len(tree.free))
-        fresh = tree.alloc(need)
-        tree.insert(key, torch.cat([torch.zeros(hit, dtype=torch.int64), fresh]))
-        tree.dec_lock_ref(node)
+        try:
+            need = len(key) - hit
+            if need > len(tree.free):
+                tree.evict(need - len(tree.free))
+            fresh = tree.alloc(need)
+            tree.insert(key, torch.cat([torch.zeros(hit, dtype=torch.int64), fresh]))
+        finally:
+            tree.dec_lock_ref(node)
     return len(trace) / (time.perf_counter() - started)
 
 
@@ -245,16 +247,15 @@ def serve_trace(
     """
     for key in keys:
         match = cache.match_prefix(key)
-        lock = cache.lock(match.last_device_node)
-        need = len(key) - match.device_len
-        free = cache.tiers.device.allocator.free_slots
-        if need > free:
-            cache.evict(need - free)
-        if cache_writes:
-            cache.insert(key)
-        else:  # the prefix's slots are the tree's own: placeholders, as the baseline passes zeros
-            cache.insert(key, [0] * match.device_len + cache.alloc_slots(need))
-        cache.unlock(lock)
+        with cache.lock(match.last_device_node):  # unlocked however the request ends
+            need = len(key) - match.device_len
+            free = cache.tiers.device.allocator.free_slots
+            if need > free:
+                cache.evict(need - free)
+            if cache_writes:
+                cache.insert(key)
+            else:  # the prefix's slots are the tree's own: placeholders, as the baseline's zeros
+                cache.insert(key, [0] * match.device_len + cache.alloc_slots(need))
         if poll is not None:
             poll()
 

@@ -173,8 +173,10 @@ class Driver:
         for key, value in seqs:
             hit, node = self.match(cache, key)
             cache.inc_lock_ref(node)
-            self.evict_insert(cache, allocator, key, value, hit)
-            cache.dec_lock_ref(node)
+            try:
+                self.evict_insert(cache, allocator, key, value, hit)
+            finally:
+                cache.dec_lock_ref(node)
 
     def key(self, ids: list[int]) -> Any:
         """A ``RadixKey`` over ``ids``."""
