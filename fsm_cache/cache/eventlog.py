@@ -152,8 +152,11 @@ class EventLog:
             ``apply_completions``, or ``wait`` for an allocation that waited for
             write-backs), ``("storage", origin, ((copy, kind, pages, outcome), ...))``
             for applied copies to and from a storage tier (:data:`StorageAck`)
-            and ``("refused", name, "ErrorClass: message")`` tuples;
-            the kept ones, oldest first, as an :class:`Entries` view.
+            and ``("refused", name, "ErrorClass: message")`` tuples (the
+            message without the call-site account a trail-mode refusal ends
+            with, see :func:`refusal_text`); the kept ones, oldest first, as an
+            :class:`Entries` view. :meth:`~fsm_cache.cache.hicache.HiCache.fire`
+            is recorded as ``("op", "fire", (event, node_id))``.
 
     Raises:
         BadArgument: ``limit`` is neither None nor an int >= 1 (one past
@@ -209,9 +212,21 @@ class EventLog:
         return self.entries[max(start, first) - first : max(stop, first) - first]
 
     def append(self, entry: Entry) -> None:
-        """Record ``entry`` as another log holds it (to copy a log, or rebuild one)."""
+        """Record ``entry`` as another log holds it (to rebuild a log entry by entry).
+
+        A log rebuilt this way counts only the entries appended: copying one
+        that dropped entries gives a log that claims to be complete. Copy a
+        log with :meth:`copy`, which keeps what it dropped.
+        """
         self._recorded += 1
         self._items.append(entry)
+
+    def copy(self) -> EventLog:
+        """Return a copy with the same limit, entries and count of entries dropped."""
+        out = EventLog(self.limit)
+        out._items.extend(self._items)
+        out._recorded = self._recorded
+        return out
 
     def op(self, name: str, *args: object) -> None:
         """Record a public operation and its arguments.
@@ -239,7 +254,7 @@ class EventLog:
     def refusal(self, name: str, error: BaseException) -> None:
         """Record that operation ``name`` raised ``error``."""
         self._recorded += 1
-        self._items.append(("refused", name, f"{type(error).__name__}: {error}"))
+        self._items.append(("refused", name, refusal_text(error)))
 
     def transitions(self) -> list[tuple[int, str]]:
         """Return the kept transitions in order."""
@@ -264,3 +279,18 @@ class EventLog:
     def __repr__(self) -> str:
         """Return ``EventLog(limit=..., recorded=..., dropped=...)``; the entries are many."""
         return f"EventLog(limit={self.limit}, recorded={self._recorded}, dropped={self.dropped})"
+
+
+def refusal_text(error: BaseException) -> str:
+    """Return ``"ErrorClass: message"`` as the log records a refusal.
+
+    A refusal raised in trail mode ends its message with an account of call
+    sites (``...; pinned at a.py:10 in f; refused at b.py:3 in g``); the log
+    keeps the message without it, since the sites belong to the caller and
+    not to the run: a replay makes its calls from elsewhere.
+    """
+    text = str(error)
+    history = getattr(error, "history", "")
+    if isinstance(history, str) and history and text.endswith(f"; {history}"):
+        text = text[: -len(history) - 2]
+    return f"{type(error).__name__}: {text}"
