@@ -497,17 +497,22 @@ class HiCache:
         lock.release()
 
     def _take(self, node: TreeNode, event: AnyEvent, give_back: AnyEvent) -> Lease:
-        """Fire ``event`` as one operation; the receipt fires ``give_back`` as another."""
-        self.fire(event, node)
+        """Fire ``event`` as one operation; the receipt fires ``give_back`` as another.
+
+        Both are logged under the event's name (``lock``, ``unlock``, ``pin``,
+        ``release``), which a replay pairs up by node.
+        """
+        self._fire_as(event, event, node)
         return self._core.machine.engine.leases.open(
-            node, partial(self.fire, give_back), event, "node"
+            node, partial(self._fire_as, give_back, give_back), event, "node"
         )
 
     def fire(self, event: AnyEvent, node: TreeNode) -> None:
         """Fire one residency event at ``node`` as a public operation: logged, flushed, checked.
 
-        For callers that drive the machines by hand (the release a lock receipt
-        runs, a test of a refusal); the named operations above are the usual way.
+        For callers that drive the machines by hand (a test of a refusal, a
+        tool); the named operations above are the usual way. The log records
+        it as ``("op", "fire", (event, node_id))``, which a replay fires again.
 
         With a storage tier the storage events (``store``, ``discover``,
         ``vanish``, ``evict_storage``, ...) may be fired too; their effects
@@ -524,6 +529,14 @@ class HiCache:
             EffectFailed: An effect failed (no host room for a fetch, a page a
                 read holds for ``evict_storage``); nothing changed.
         """
+        self._fire_as("fire", event, node)
+
+    def _fire_as(self, name: str, event: AnyEvent, node: TreeNode) -> None:
+        """Fire ``event`` at ``node`` as :meth:`fire` does, logged as operation ``name``.
+
+        :meth:`fire` logs ``("fire", (event, node id))``; locks, pins and their
+        receipts log the event itself with the node id.
+        """
         if not isinstance(event, str):
             raise BadArgument(f"fire: event must be a str, got {type(event).__name__}")
         if event not in self._events:
@@ -533,7 +546,8 @@ class HiCache:
             where = " (this cache has no storage tier)" if storage else ""
             raise BadArgument(f"fire: {event!r} is not a residency event{where}")
         node = arguments.node(self._core.tree, node, event)
-        with self._operation(event, node.id):
+        args = (event, node.id) if name == "fire" else (node.id,)
+        with self._operation(name, *args):
             if event == "evict_host":  # a node no tier holds afterwards leaves the tree
                 self._evictor.evict_host_node(node)
             else:
@@ -865,7 +879,11 @@ class _Operation:
         try:
             if isinstance(exc, FsmCacheError):
                 self.log.refusal(self.name, exc)
-            self.flush()  # nothing stays queued without its copy, even on a refusal
+            try:
+                self.flush()  # nothing stays queued without its copy, even on a refusal
+            except FsmCacheError as failed:  # what the caller gets instead: logged, to replay
+                self.log.refusal(self.name, failed)
+                raise
             if exc is None and self.check is not None:
                 self.check(self.name)
         finally:
