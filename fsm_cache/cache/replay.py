@@ -5,22 +5,61 @@ against a fresh cache of the same configuration whose acknowledgement source
 is the log itself (:class:`ScriptedAcks`): exactly the recorded
 acknowledgements at the recorded points, so copies that finish late, out of
 order or not at all replay as they happened. It checks that the transitions,
-acknowledgements and refusals match.
+acknowledgements and refusals match. Once the log is used up the returned
+cache takes its acknowledgements from its copy engine again, and works as any
+other cache.
+
+A log is checked whole before anything runs: an entry of an unknown kind, an
+unknown operation, or an operation with the wrong number of arguments raises
+:class:`~fsm_cache.errors.BadArgument` naming its position and content, and so
+does the log of a cache with a storage tier, which a replay cannot rebuild.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import replace
-from typing import Any
+from functools import cache as memoized
 
-from fsm_cache.cache.eventlog import Acks, EventLog
+from fsm_cache.cache.eventlog import Acks, Entry, EventLog, refusal_text
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.transfers import IssuedCopies
+from fsm_cache.cache.tree import TreeNode
 from fsm_cache.engine.lease import Lease
-from fsm_cache.errors import CopyFailed, FsmCacheError, ReplayMismatch
+from fsm_cache.errors import BadArgument, CopyFailed, FsmCacheError, ReplayMismatch
 from fsm_cache.memory.tickets import Completion, Copier
 from fsm_cache.memory.tiers import CacheConfig
+from fsm_cache.spec.shipped import load_shipped
+
+
+_ARITY = {
+    "insert": 3,
+    "match_prefix": 2,
+    "lock": 1,
+    "pin": 1,
+    "unlock": 1,
+    "release": 1,
+    "fire": 2,
+    "backup": 1,
+    "load_back": 1,
+    "wait_loaded": 1,
+    "evict": 1,
+    "evict_host": 1,
+    "alloc_slots": 1,
+    "free_slots": 1,
+    "poll": 0,
+    "apply_completions": 0,
+    "close": 0,
+    "agreed_poll": 1,
+    "agreed_hits": 2,
+}
+"""The operations a replay knows, and how many arguments each is logged with."""
+
+_KINDS = frozenset({"op", "transition", "acks", "refused"})
+"""The entry kinds of a two-tier cache's log (``storage`` entries are a storage tier's)."""
+
+Step = tuple[int, Entry, str | None]
+"""One operation to replay: its position in the log, its entry, and its recorded refusal."""
 
 
 def replay(log: EventLog, config: CacheConfig) -> HiCache:
@@ -28,7 +67,9 @@ def replay(log: EventLog, config: CacheConfig) -> HiCache:
 
     An operation refused in the recording must be refused on replay with the
     same error and message, and only then; locks and pins still held at the
-    end of the log stay held in the returned cache.
+    end of the log stay held in the returned cache, which takes its
+    acknowledgements from its own copy engine from then on (completions the
+    replay drained and the log did not apply included).
 
     The log must be :attr:`~fsm_cache.cache.eventlog.EventLog.complete`: a
     replay starts from an empty cache, so it needs the log from its first
@@ -36,44 +77,115 @@ def replay(log: EventLog, config: CacheConfig) -> HiCache:
     however long the recording, so the comparison sees every transition.
 
     Raises:
+        BadArgument: An entry is of an unknown kind, names an unknown
+            operation or has the wrong number of arguments, or the log is a
+            storage-tier cache's; nothing is replayed.
         ReplayMismatch: The log dropped its oldest entries (nothing is
-            replayed), or the replayed transitions, acknowledgements or
-            refusals differ from the recorded ones; names the first difference.
+            replayed), an entry names a node, lock or pin the replay does not
+            have, or the replayed transitions, acknowledgements or refusals
+            differ from the recorded ones; names the first difference.
     """
     if not log.complete:
         raise ReplayMismatch(
             f"replay: the log dropped its first {log.dropped} entries (limit {log.limit});"
             " record with log_limit=None to replay from the start"
         )
+    steps = _steps(log)
     script = log.acknowledgements()
-    cache = HiCache(
-        replace(config, log_limit=None),
-        acks=lambda copier, copies: ScriptedAcks(script, copier, copies),
-    )
+    sources: list[ScriptedAcks] = []
+
+    def scripted(copier: Copier, copies: IssuedCopies) -> ScriptedAcks:
+        sources.append(ScriptedAcks(script, copier, copies))
+        return sources[-1]
+
+    cache = HiCache(replace(config, log_limit=None), acks=scripted)
     held: dict[tuple[str, int], list[Lease]] = {}  # receipts by (lock|pin, node id)
-    for name, args, refused in _outcomes(log):
-        try:
-            _apply(cache, name, args, held)
-        except ReplayMismatch:
-            raise
-        except FsmCacheError as exc:
-            _same_refusal(name, f"{type(exc).__name__}: {exc}", refused, exc)
-            continue
-        if refused is not None:
-            raise ReplayMismatch(f"{name} was refused in the recording, not on replay: {refused}")
+    for at, entry, refused in steps:
+        _step(cache, at, entry, refused, held)
     _compare(log, cache.log)
+    sources[0].hand_back()
     return cache
 
 
-def _outcomes(log: EventLog) -> list[tuple[str, tuple[Any, ...], str | None]]:
-    """Return each operation with its arguments and its recorded refusal, if it raised."""
-    out: list[tuple[str, tuple[Any, ...], str | None]] = []
-    for kind, first, second in log.entries:
-        if kind == "op":
-            out.append((first, second, None))
-        elif kind == "refused" and out:
-            out[-1] = (*out[-1][:2], second)
+def _step(
+    cache: HiCache,
+    at: int,
+    entry: Entry,
+    refused: str | None,
+    held: dict[tuple[str, int], list[Lease]],
+) -> None:
+    """Replay the operation logged at position ``at`` and check its outcome."""
+    name = entry[1]
+    try:
+        _apply(cache, at, entry, held)
+    except ReplayMismatch:
+        raise
+    except FsmCacheError as exc:
+        _same_refusal(name, refusal_text(exc), refused, exc)
+        return
+    except (LookupError, TypeError, ValueError) as exc:
+        msg = f"replay: entry {at} {entry!r} cannot be applied: {type(exc).__name__}: {exc}"
+        raise ReplayMismatch(msg) from exc
+    if refused is not None:
+        raise ReplayMismatch(f"{name} was refused in the recording, not on replay: {refused}")
+
+
+def _steps(log: EventLog) -> list[Step]:
+    """Return each operation with its position and its recorded refusal; check every entry.
+
+    Raises:
+        BadArgument: See :func:`replay`.
+    """
+    out: list[Step] = []
+    for at, entry in enumerate(log.entries):
+        _check_entry(at, entry)
+        if entry[0] == "op":
+            out.append((at, entry, None))
+        elif entry[0] == "refused":
+            if not out or not isinstance(entry[2], str):
+                raise BadArgument(f"replay: entry {at} {entry!r}: a refusal of no operation")
+            out[-1] = (*out[-1][:2], entry[2])
     return out
+
+
+def _check_entry(at: int, entry: object) -> None:
+    """Raise BadArgument unless ``entry`` is one a two-tier cache's log holds."""
+    if not isinstance(entry, tuple) or len(entry) != 3:
+        raise BadArgument(f"replay: entry {at} {entry!r}: not a (kind, first, second) tuple")
+    kind, first, second = entry
+    if _storage_entry(kind, first, second):
+        raise BadArgument(
+            "replay: logs of a cache with a storage tier are not replayable:"
+            f" entry {at} {entry!r} needs the store, which a replay does not rebuild"
+        )
+    if kind not in _KINDS:
+        raise BadArgument(f"replay: entry {at} {entry!r}: unknown entry kind {kind!r}")
+    if kind != "op":
+        return
+    if first not in _ARITY:
+        raise BadArgument(f"replay: entry {at} {entry!r}: unknown operation {first!r}")
+    if not isinstance(second, tuple) or len(second) != _ARITY[first]:
+        raise BadArgument(
+            f"replay: entry {at} {entry!r}: {first} is logged with {_ARITY[first]} arguments"
+        )
+
+
+def _storage_entry(kind: object, first: object, second: object) -> bool:
+    """Return whether an entry is a storage tier's: its copies, operations or events."""
+    if kind == "storage" or (kind == "op" and first == "evict_storage"):
+        return True
+    if kind == "op" and first == "fire" and isinstance(second, tuple) and second:
+        return second[0] in _storage_events()
+    if kind == "transition" and isinstance(second, str):
+        return second.startswith("born:") or second in _storage_events()
+    return False
+
+
+@memoized
+def _storage_events() -> frozenset[str]:
+    """The events only a cache with a storage tier has."""
+    both = set(load_shipped("residency_storage").event_names)
+    return frozenset(both - set(load_shipped("residency").event_names))
 
 
 def _same_refusal(name: str, text: str, refused: str | None, exc: FsmCacheError) -> None:
@@ -114,14 +226,28 @@ class ScriptedAcks:
         self._finished: dict[int, Completion] = {}
         self._copier = copier
         self._copies = copies
+        self._scripted = True
+
+    def hand_back(self) -> None:
+        """From now on report what the copy engine reports, as the default source does.
+
+        Completions drained while the script ran and not yet applied come first.
+        """
+        self._scripted = False
 
     def collect(self, wait: bool) -> list[Completion]:
         """Return the next recorded batch, as completions of the replay's own copies.
+
+        After :meth:`hand_back`: what the copy engine reports finished (with
+        ``wait``, every copy in flight, in issue order), completions drained
+        earlier first.
 
         Raises:
             ReplayMismatch: No batch is left, the batch was recorded from the
                 other kind of collection, or it names a copy not in flight.
         """
+        if not self._scripted:
+            return self._engine_reports(wait)
         if not self._pending:
             raise ReplayMismatch(
                 "the replay applies more acknowledgement batches than were recorded"
@@ -145,27 +271,67 @@ class ScriptedAcks:
             out.append(completion)
         return out
 
+    def _engine_reports(self, wait: bool) -> list[Completion]:
+        """Return the held completions, then what the engine reports, as the default source."""
+        out = [*self._finished.values(), *(self._copier.drain() if wait else self._copier.poll())]
+        self._finished.clear()
+        if wait:
+            order = {ident: i for i, ident in enumerate(self._copies.issued())}
+            out.sort(key=lambda c: order.get(c.ticket.id, len(order)))
+        return out
 
-def _apply(
-    cache: HiCache, name: str, args: tuple[Any, ...], held: dict[tuple[str, int], list[Lease]]
-) -> None:
+
+def _apply(cache: HiCache, at: int, entry: Entry, held: dict[tuple[str, int], list[Lease]]) -> None:
+    name, args = entry[1], entry[2]
     if name == "insert":
         cache.insert(args[0], args[2], namespace=args[1])
     elif name == "match_prefix":
         cache.match_prefix(args[0], namespace=args[1])
-    elif name in ("lock", "pin"):
-        take = cache.lock if name == "lock" else cache.pin
-        held.setdefault((name, args[0]), []).append(take(cache.tree.nodes[args[0]]))
-    elif name in ("unlock", "release"):
-        held[("lock" if name == "unlock" else "pin", args[0])].pop(0).release()
+    elif name in ("lock", "pin", "unlock", "release"):
+        _lease(cache, at, entry, held)
+    elif name == "fire":
+        cache.fire(args[0], _node(cache, at, entry, args[1]))
     elif name == "backup":
-        cache.backup([cache.tree.nodes[i] for i in args[0]])
+        cache.backup([_node(cache, at, entry, i) for i in args[0]])
     elif name == "load_back":
-        cache.load_back(cache.tree.nodes[args[0]])
+        cache.load_back(_node(cache, at, entry, args[0]))
     elif name in ("evict", "evict_host", "alloc_slots", "free_slots"):
         getattr(cache, name)(args[0])
     elif name == "poll":
         cache.poll()
     elif name == "apply_completions":
         cache.apply_completions(cache.transfers.collect(wait=False))
-    # "agreed_poll" (fsm_cache.distributed.agreement) only precedes the apply_completions it chose
+    elif name == "close":
+        cache.close()
+    # "wait_loaded" changes nothing; "agreed_poll" and "agreed_hits"
+    # (fsm_cache.distributed.agreement) only precede the operations they chose
+
+
+def _lease(cache: HiCache, at: int, entry: Entry, held: dict[tuple[str, int], list[Lease]]) -> None:
+    """Take a lock or pin again, or release the oldest one held on the node."""
+    name, ident = entry[1], entry[2][0]
+    if name in ("lock", "pin"):
+        take = cache.lock if name == "lock" else cache.pin
+        held.setdefault((name, ident), []).append(take(_node(cache, at, entry, ident)))
+        return
+    kind = "lock" if name == "unlock" else "pin"
+    receipts = held.get((kind, ident))
+    if not receipts:
+        raise ReplayMismatch(
+            f"replay: entry {at} {entry!r}: no {kind} of node {ident} is held on replay"
+        )
+    receipts.pop(0).release()
+
+
+def _node(cache: HiCache, at: int, entry: Entry, ident: object) -> TreeNode:
+    """Return the replayed node ``ident`` an entry names.
+
+    Raises:
+        ReplayMismatch: The replayed tree has no such node.
+    """
+    node = cache.tree.nodes.get(ident) if isinstance(ident, int) else None
+    if node is None:
+        raise ReplayMismatch(
+            f"replay: entry {at} {entry!r}: node {ident!r} is not in the replayed tree"
+        )
+    return node

@@ -1,0 +1,209 @@
+"""Replay of logs the first replay could not take: trail refusals, closes, fires, bad entries."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fsm_cache.cache.eventlog import EventLog
+from fsm_cache.cache.hicache import HiCache
+from fsm_cache.cache.replay import replay
+from fsm_cache.cache.storage_tier import StorageConfig
+from fsm_cache.errors import BadArgument, CopyFailed, NoHostCopy, ReplayMismatch
+from fsm_cache.memory.copies import CopyEngine
+from fsm_cache.memory.kv import KVPool
+from fsm_cache.memory.tickets import Ticket
+from fsm_cache.memory.tiers import CacheConfig
+from fsm_cache.storage import LocalFileStore
+from fsm_cache.testing.faults import FaultyCopyEngine
+
+
+BASE = CacheConfig(
+    device_pages=16, host_pages=32, page_size=4, layers=1, heads=1, head_dim=4, device="cpu"
+)
+
+
+def late(delay: int) -> CacheConfig:
+    """BASE with a copy engine whose acknowledgements come ``delay`` polls late."""
+
+    def build(device: KVPool, host: KVPool) -> FaultyCopyEngine:
+        return FaultyCopyEngine(CopyEngine(device, host), delay=delay)
+
+    return replace(BASE, copier=build)
+
+
+def states(cache: HiCache) -> list[tuple[int, str]]:
+    return sorted((n.id, n.residency()) for n in cache.tree)
+
+
+def rebuilt(log: EventLog, entries: list[tuple[str, object, object]]) -> EventLog:
+    """A complete copy of ``log`` with ``entries`` appended."""
+    out = log.copy()
+    for entry in entries:
+        out.append(entry)
+    return out
+
+
+def test_a_trail_mode_refusal_replays() -> None:
+    """The log keeps a refusal without its call sites, so a replay from elsewhere matches it."""
+    config = replace(BASE, write_policy="write_back", trail=True)
+    cache = HiCache(config)
+    cache.insert(list(range(8)))
+    with pytest.raises(NoHostCopy) as caught:
+        cache.pin(cache.tree.nodes[1])
+    assert "; refused at test_replay_log.py:" in str(caught.value)
+    text = "NoHostCopy: node 1: pin refused in unbacked (pins=0): no valid host copy to pin"
+    assert cache.log.refusals() == [("pin", text)]
+    assert replay(cache.log, config).log.refusals() == [("pin", text)]
+
+
+class _Broken(CopyEngine):
+    """A copy engine whose first write start raises something else than CopyFailed."""
+
+    def __init__(self, device: KVPool, host: KVPool) -> None:
+        super().__init__(device, host)
+        self.starts = 0
+
+    def start_write(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Ticket:
+        self.starts += 1
+        if self.starts == 1:
+            raise RuntimeError("driver hiccup")
+        return super().start_write(device_pages, host_pages)
+
+
+def test_a_copy_engine_failing_at_flush_logs_the_refusal() -> None:
+    """The CopyFailed a broken engine causes at the end of an operation is logged and replays."""
+    config = replace(BASE, copier=_Broken)
+    cache = HiCache(config)
+    with pytest.raises(CopyFailed):
+        cache.insert(list(range(8)))
+    cache.insert(list(range(100, 108)))
+    cache.poll()
+    text = "CopyFailed: d2h copy could not start: RuntimeError: driver hiccup"
+    assert cache.log.refusals() == [("insert", text)]
+    assert states(replay(cache.log, config)) == states(cache)
+
+
+def test_the_replayed_cache_takes_its_acknowledgements_from_its_engine() -> None:
+    """After the log, the replayed cache polls, inserts and closes as any cache does."""
+    cache = HiCache(late(3))
+    cache.insert(list(range(8)))
+    cache.poll()
+    again = replay(cache.log, BASE)
+    assert states(again) == [(1, "writing/resident (pins=0, locks=0)")]
+    assert again.poll() == 1  # the completion the replay drained and the log never applied
+    assert states(again) == [(1, "backed/resident (pins=0, locks=0)")]
+    again.insert(list(range(100, 108)))
+    again.close()
+    assert again.log.acknowledgements()[-1] == ("wait", ((2, True),))
+    cache.close()
+
+
+def test_the_log_of_a_closed_cache_replays() -> None:
+    """A close waits for the copies in flight; its acknowledgements replay as recorded."""
+    with HiCache(late(1)) as cache:
+        cache.insert(list(range(8)))
+        cache.insert(list(range(100, 108)))
+    again = replay(cache.log, BASE)
+    assert states(again) == states(cache)
+    with pytest.raises(Exception, match="the cache was closed"):
+        again.poll()
+
+
+def test_fire_is_logged_as_fire_and_replays() -> None:
+    """``fire("evict_host", node)`` is not ``evict_host(num_tokens)``: logged and replayed as a fire."""
+    cache = HiCache(BASE)
+    cache.insert(list(range(8)))
+    cache.insert(list(range(100, 116)))
+    cache.poll()
+    cache.evict(100)
+    cache.fire("evict_host", cache.tree.nodes[2])
+    assert cache.log.operations()[-1] == ("fire", ("evict_host", 2))
+    again = replay(cache.log, BASE)
+    assert states(again) == states(cache) == [(1, "backed/absent (pins=0, locks=0)")]
+
+
+def test_a_storage_tier_log_is_refused(tmp_path: Path) -> None:
+    """A log with storage copies or storage events raises BadArgument saying why."""
+    tier = StorageConfig(LocalFileStore(str(tmp_path)), model="m", threads=0)
+    with HiCache(BASE, storage=tier) as cache:
+        cache.insert(list(range(16)))
+        cache.poll()
+        cache.poll()
+        with pytest.raises(BadArgument) as caught:
+            replay(cache.log, BASE)
+    assert str(caught.value) == (
+        "replay: logs of a cache with a storage tier are not replayable:"
+        " entry 5 ('transition', 1, 'store') needs the store, which a replay does not rebuild"
+    )
+
+
+def short_log() -> EventLog:
+    """Five entries: an insert, its write, a poll, its acknowledgement and write_done."""
+    cache = HiCache(BASE)
+    cache.insert(list(range(8)))
+    cache.poll()
+    return cache.log
+
+
+@pytest.mark.parametrize(
+    ("extra", "error", "message"),
+    [
+        (
+            ("op", "lock", (999,)),
+            ReplayMismatch,
+            "replay: entry 5 ('op', 'lock', (999,)): node 999 is not in the replayed tree",
+        ),
+        (
+            ("op", "release", (1,)),
+            ReplayMismatch,
+            "replay: entry 5 ('op', 'release', (1,)): no pin of node 1 is held on replay",
+        ),
+        (
+            ("op", "frobnicate", (8,)),
+            BadArgument,
+            "replay: entry 5 ('op', 'frobnicate', (8,)): unknown operation 'frobnicate'",
+        ),
+        (
+            ("bogus", 1, 2),
+            BadArgument,
+            "replay: entry 5 ('bogus', 1, 2): unknown entry kind 'bogus'",
+        ),
+        (
+            ("op", "insert", ((1, 2, 3, 4),)),
+            BadArgument,
+            "replay: entry 5 ('op', 'insert', ((1, 2, 3, 4),)): insert is logged with 3 arguments",
+        ),
+        (
+            ("op", "backup", (5,)),
+            ReplayMismatch,
+            "replay: entry 5 ('op', 'backup', (5,)) cannot be applied:"
+            " TypeError: 'int' object is not iterable",
+        ),
+    ],
+)
+def test_a_bad_entry_raises_a_typed_error_naming_it(
+    extra: tuple[str, object, object], error: type[Exception], message: str
+) -> None:
+    """Unknown nodes, unmatched releases, unknown names and wrong arguments are typed errors."""
+    with pytest.raises(error) as caught:
+        replay(rebuilt(short_log(), [extra]), BASE)
+    assert type(caught.value) is error
+    assert str(caught.value) == message
+
+
+def test_a_copy_keeps_the_count_of_entries_dropped() -> None:
+    """``EventLog.copy`` of a log that dropped entries is not complete, and refuses to replay."""
+    cache = HiCache(replace(BASE, log_limit=6))
+    cache.insert(list(range(8)))
+    cache.poll()
+    cache.insert(list(range(100, 108)))
+    cache.poll()
+    copy = cache.log.copy()
+    assert (copy.complete, copy.dropped, copy.limit) == (False, cache.log.dropped, 6)
+    assert copy.entries == cache.log.entries
+    with pytest.raises(ReplayMismatch, match="the log dropped its first"):
+        replay(copy, BASE)
