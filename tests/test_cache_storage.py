@@ -735,13 +735,13 @@ def test_metrics_report_the_storage_tier(store: Store) -> None:
     reader = HiCache(config(), storage=tier(store, prefetch_policy="wait"))
     reader.match_prefix(toks)
     registry = CollectorRegistry()
-    register(reader, registry)
+    register(reader, registry, name="reader")
     text = generate_latest(registry).decode()
-    assert 'fsm_cache_tokens{tier="storage"} 12.0' in text
-    assert 'fsm_cache_storage_pages_total{event="fetched"} 3.0' in text
-    assert 'fsm_cache_prefetch_total{outcome="started"} 1.0' in text
-    assert 'fsm_cache_transitions_total{event="fetch_done"} 1.0' in text
-    assert "fsm_cache_storage_copies_in_flight 0.0" in text
+    assert 'fsm_cache_tokens{cache="reader",tier="storage"} 12.0' in text
+    assert 'fsm_cache_storage_pages_total{cache="reader",event="fetched"} 3.0' in text
+    assert 'fsm_cache_prefetch_total{cache="reader",outcome="started"} 1.0' in text
+    assert 'fsm_cache_transitions_total{cache="reader",event="fetch_done"} 1.0' in text
+    assert 'fsm_cache_storage_copies_in_flight{cache="reader"} 0.0' in text
 
 
 def test_close_settles_the_storage_copies_and_reset_forgets_them(store: Store) -> None:

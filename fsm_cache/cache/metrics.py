@@ -3,17 +3,22 @@
 :class:`Counters` is updated by the cache as it works; :func:`snapshot`
 combines it with a walk of the tree into a :class:`Stats`. :func:`register`
 exposes the same figures to Prometheus through a custom collector, read at
-scrape time so the hot path pays nothing for it.
+scrape time so the hot path pays nothing for it. Every series carries a
+``cache`` label naming its cache, so that several caches can share a registry.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
+import weakref
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fsm_cache.cache.tree import RadixTree
+from fsm_cache.errors import BadArgument
 from fsm_cache.memory.tiers import Tiers
 from fsm_cache.residency import DEVICE_HELD, HOST_HELD, STORAGE_HELD
 
@@ -85,6 +90,18 @@ class Observed(Protocol):
         """The running totals."""
         ...
 
+    def issued(self) -> list[int]:
+        """Return the ids of copies started and not yet applied."""
+        ...
+
+
+class Reported(Protocol):
+    """What a Prometheus collector reads of a cache: its :class:`Stats`."""
+
+    def stats(self) -> Stats:
+        """Return the cache's stats now (its storage tier's copies included)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Stats:
@@ -98,7 +115,9 @@ class Stats:
         host_hit_rate: Host-only matched tokens over looked-up tokens.
         pins: Pins outstanding, summed over nodes.
         locks: Locks outstanding on leaves of lock paths (a lock counts once).
-        copies_in_flight: Copies started and not yet applied.
+        copies_in_flight: Copies between the device and the host started and
+            not yet applied (:meth:`~fsm_cache.cache.hicache.HiCache.issued`),
+            whatever the copy engine reports of them.
         bytes: Bytes copied per direction (``d2h``, ``h2d``).
         seconds: Seconds from start to applied acknowledgement, per direction.
         transitions: Applied transitions by event.
@@ -149,7 +168,7 @@ def snapshot(cache: Observed, storage_in_flight: int = 0) -> Stats:
         host_hit_rate=c.host_hit_tokens / looked,
         pins=sum(n.pins for n in nodes),
         locks=locks,
-        copies_in_flight=len(cache.tiers.copier.in_flight()),
+        copies_in_flight=len(cache.issued()),
         bytes=dict(c.copy_bytes),
         seconds=dict(c.copy_seconds),
         transitions=dict(c.transitions),
@@ -164,98 +183,185 @@ def snapshot(cache: Observed, storage_in_flight: int = 0) -> Stats:
     )
 
 
-class _Collector:
-    """A Prometheus collector that reads a cache's stats at scrape time."""
+_FAMILIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    ("tokens", "gauge", "Tokens held per tier", ("tier",)),
+    ("hit_rate", "gauge", "Matched tokens over looked-up tokens", ("tier",)),
+    ("pins", "gauge", "Host pins outstanding", ()),
+    ("locks", "gauge", "Device locks outstanding", ()),
+    ("copies_in_flight", "gauge", "Copies started, not yet applied", ()),
+    (
+        "storage_copies_in_flight",
+        "gauge",
+        "Copies to or from the storage tier started, not yet applied",
+        (),
+    ),
+    ("copy_bytes", "counter", "Bytes copied", ("direction",)),
+    ("copy_seconds", "counter", "Copy seconds", ("direction",)),
+    ("transitions", "counter", "Applied transitions", ("event",)),
+    ("refused", "counter", "Refused transitions", ("event",)),
+    ("nodes", "gauge", "Nodes per residency state", ("state",)),
+    ("storage_pages", "counter", "Storage tier pages", ("event",)),
+    ("storage_bytes", "counter", "Storage tier bytes", ("kind",)),
+    ("storage_failures", "counter", "Failed storage copies", ("kind", "outcome")),
+    ("prefetch", "counter", "Prefetch decisions", ("outcome",)),
+)
+"""Each metric: name after the prefix, type, help text, and labels after ``cache``."""
 
-    def __init__(self, cache: Observed, prefix: str) -> None:
-        self.cache = cache
+Samples = dict[str, list[tuple[tuple[str, ...], float]]]
+
+
+def _samples(stats: Stats) -> Samples:
+    """Return each metric's label values and value for one cache's ``stats``."""
+
+    def by(items: Iterable[tuple[str, float]]) -> list[tuple[tuple[str, ...], float]]:
+        return [((label,), value) for label, value in sorted(items)]
+
+    return {
+        "tokens": [
+            (("device",), stats.device_tokens),
+            (("host",), stats.host_tokens),
+            (("storage",), stats.storage_tokens),
+        ],
+        "hit_rate": [(("device",), stats.device_hit_rate), (("host",), stats.host_hit_rate)],
+        "pins": [((), stats.pins)],
+        "locks": [((), stats.locks)],
+        "copies_in_flight": [((), stats.copies_in_flight)],
+        "storage_copies_in_flight": [((), stats.storage_in_flight)],
+        "copy_bytes": by(stats.bytes.items()),
+        "copy_seconds": by(stats.seconds.items()),
+        "transitions": by(stats.transitions.items()),
+        "refused": by(stats.refused.items()),
+        "nodes": by(stats.states.items()),
+        "storage_pages": by(stats.storage_pages.items()),
+        "storage_bytes": by(stats.storage_bytes.items()),
+        "storage_failures": sorted(
+            ((k.split(":", 1)[0], k.split(":", 1)[1]), v) for k, v in stats.storage_failures.items()
+        ),
+        "prefetch": by(stats.prefetch.items()),
+    }
+
+
+class Collector:
+    """A Prometheus collector that reads the stats of named caches at scrape time.
+
+    One collector serves every cache registered with one registry under one
+    prefix, so the registry sees each metric name once; each series carries
+    a ``cache`` label with its cache's name.
+
+    Args:
+        prefix: Metric name prefix.
+    """
+
+    def __init__(self, prefix: str) -> None:
         self.prefix = prefix
+        self._caches: dict[str, Reported] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names of the caches reported, in registration order."""
+        with self._lock:
+            return tuple(self._caches)
+
+    def add(self, cache: Reported, name: str | None = None) -> str:
+        """Report ``cache`` under ``name`` (a fresh ``cache<N>`` if None); return the name.
+
+        Raises:
+            BadArgument: ``name`` is not a non-empty str, or names a cache reported already.
+        """
+        _check_name(name)
+        with self._lock:
+            if name is None:
+                name = f"cache{next(_NUMBERS)}"
+                while name in self._caches:  # a name a caller gave
+                    name = f"cache{next(_NUMBERS)}"
+            elif name in self._caches:
+                raise BadArgument(f"register: a cache named {name!r} is registered already")
+            self._caches[name] = cache
+        return name
+
+    def remove(self, name: str) -> None:
+        """Stop reporting the cache called ``name``.
+
+        Raises:
+            BadArgument: No cache of that name is reported.
+        """
+        with self._lock:
+            if self._caches.pop(name, None) is None:
+                raise BadArgument(f"register: no cache named {name!r} is registered")
+
+    def describe(self) -> Iterator[Any]:
+        """Yield every metric family, without samples (what the registry checks names against)."""
+        yield from self._families().values()
 
     def collect(self) -> Iterator[Any]:
+        """Yield every metric family with a sample set per cache reported."""
+        families = self._families()
+        with self._lock:
+            caches = list(self._caches.items())
+        for name, cache in caches:
+            for metric, rows in _samples(cache.stats()).items():
+                for labels, value in rows:
+                    families[metric].add_metric([name, *labels], value)
+        yield from families.values()
+
+    def _families(self) -> dict[str, Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        stats, p = snapshot(self.cache), self.prefix
-        tokens = GaugeMetricFamily(f"{p}_tokens", "Tokens held per tier", labels=["tier"])
-        tokens.add_metric(["device"], stats.device_tokens)
-        tokens.add_metric(["host"], stats.host_tokens)
-        tokens.add_metric(["storage"], stats.storage_tokens)
-        yield tokens
-        hits = GaugeMetricFamily(
-            f"{p}_hit_rate", "Matched tokens over looked-up tokens", labels=["tier"]
-        )
-        hits.add_metric(["device"], stats.device_hit_rate)
-        hits.add_metric(["host"], stats.host_hit_rate)
-        yield hits
-        for name, value, text in (
-            ("pins", stats.pins, "Host pins outstanding"),
-            ("locks", stats.locks, "Device locks outstanding"),
-            ("copies_in_flight", stats.copies_in_flight, "Copies started, not yet applied"),
-            (
-                "storage_copies_in_flight",
-                stats.storage_in_flight,
-                "Copies to or from the storage tier started, not yet applied",
-            ),
-        ):
-            yield GaugeMetricFamily(f"{p}_{name}", text, value=value)
-        yield _labelled(
-            CounterMetricFamily(f"{p}_copy_bytes", "Bytes copied", labels=["direction"]),
-            stats.bytes.items(),
-        )
-        yield _labelled(
-            CounterMetricFamily(f"{p}_copy_seconds", "Copy seconds", labels=["direction"]),
-            stats.seconds.items(),
-        )
-        yield _labelled(
-            CounterMetricFamily(f"{p}_transitions", "Applied transitions", labels=["event"]),
-            stats.transitions.items(),
-        )
-        yield _labelled(
-            CounterMetricFamily(f"{p}_refused", "Refused transitions", labels=["event"]),
-            stats.refused.items(),
-        )
-        yield _labelled(
-            GaugeMetricFamily(f"{p}_nodes", "Nodes per residency state", labels=["state"]),
-            stats.states.items(),
-        )
-        yield _labelled(
-            CounterMetricFamily(f"{p}_storage_pages", "Storage tier pages", labels=["event"]),
-            stats.storage_pages.items(),
-        )
-        yield _labelled(
-            CounterMetricFamily(f"{p}_storage_bytes", "Storage tier bytes", labels=["kind"]),
-            stats.storage_bytes.items(),
-        )
-        yield _labelled(
-            CounterMetricFamily(
-                f"{p}_storage_failures", "Failed storage copies", labels=["kind", "outcome"]
-            ),
-            ((tuple(k.split(":", 1)), v) for k, v in stats.storage_failures.items()),
-        )
-        yield _labelled(
-            CounterMetricFamily(f"{p}_prefetch", "Prefetch decisions", labels=["outcome"]),
-            stats.prefetch.items(),
-        )
+        out: dict[str, Any] = {}
+        for metric, kind, text, labels in _FAMILIES:
+            family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            out[metric] = family(f"{self.prefix}_{metric}", text, labels=["cache", *labels])
+        return out
 
 
-def _labelled(family: Any, items: Iterable[tuple[str | tuple[str, ...], float]]) -> Any:
-    for label, value in sorted(items):
-        family.add_metric([label] if isinstance(label, str) else list(label), value)
-    return family
+def _check_name(name: object) -> None:
+    if name is not None and (not isinstance(name, str) or not name):
+        raise BadArgument(f"register: name must be a non-empty str, got {name!r}")
 
 
-def register(cache: Observed, registry: Any = None, prefix: str = "fsm_cache") -> Any:
-    """Expose ``cache``'s stats to Prometheus; returns the collector.
+_NUMBERS = itertools.count(1)
+"""Numbers of the generated cache names (``cache1``, ``cache2``, ...), unique in the process."""
+
+_SHARED: weakref.WeakKeyDictionary[Any, dict[str, Collector]] = weakref.WeakKeyDictionary()
+"""The collector of each registry, by prefix."""
+
+_SHARED_LOCK = threading.Lock()
+
+
+def register(
+    cache: Reported, registry: Any = None, prefix: str = "fsm_cache", name: str | None = None
+) -> Collector:
+    """Expose ``cache``'s stats to Prometheus; returns the collector that reports it.
+
+    Every cache registered with one registry under one prefix is reported by
+    one collector, each series labelled ``cache="<name>"``, so two caches in
+    one process never clash. Counters are exposed with the ``_total`` suffix
+    (``fsm_cache_transitions_total``).
 
     Args:
         cache: The cache to report.
         registry: A ``prometheus_client.CollectorRegistry``; the default registry if None.
         prefix: Metric name prefix.
+        name: The value of the ``cache`` label; None for a fresh ``cache<N>``.
+
+    Raises:
+        BadArgument: ``name`` is not a non-empty str, or another cache of the
+            registry has it already; nothing was registered.
     """
     try:
         from prometheus_client import REGISTRY
     except ModuleNotFoundError as exc:  # prometheus-client comes with the metrics extra
         raise ModuleNotFoundError(f"{exc}: pip install 'fsm-cache[metrics]'") from exc
 
-    collector = _Collector(cache, prefix)
-    (registry or REGISTRY).register(collector)
+    _check_name(name)
+    target = REGISTRY if registry is None else registry
+    with _SHARED_LOCK:
+        by_prefix = _SHARED.setdefault(target, {})
+        collector = by_prefix.get(prefix)
+        if collector is None:
+            collector = Collector(prefix)
+            target.register(collector)
+            by_prefix[prefix] = collector
+    collector.add(cache, name)
     return collector

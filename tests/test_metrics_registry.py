@@ -1,0 +1,102 @@
+"""Prometheus metrics: several caches per registry, and the same figures as ``stats()``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fsm_cache.cache.hicache import HiCache
+from fsm_cache.cache.metrics import register
+from fsm_cache.cache.replay import replay
+from fsm_cache.cache.storage_tier import StorageConfig
+from fsm_cache.errors import BadArgument
+from fsm_cache.memory.copies import CopyEngine
+from fsm_cache.memory.kv import KVPool
+from fsm_cache.memory.tiers import CacheConfig
+from fsm_cache.storage import LocalFileStore
+from fsm_cache.testing.faults import FaultyCopyEngine
+
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+BASE = CacheConfig(
+    device_pages=16, host_pages=32, page_size=4, layers=1, heads=1, head_dim=4, device="cpu"
+)
+
+
+def series(registry: object, metric: str) -> dict[tuple[tuple[str, str], ...], float]:
+    out = {}
+    for family in registry.collect():  # type: ignore[attr-defined]
+        for sample in family.samples:
+            if sample.name == metric:
+                out[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def test_two_caches_share_a_registry_each_labelled() -> None:
+    """Two caches in one registry: one series each, told apart by their ``cache`` label."""
+    registry = prometheus_client.CollectorRegistry()
+    a, b = HiCache(BASE), HiCache(BASE)
+    a.insert(list(range(8)))
+    b.insert(list(range(16)))
+    first = register(a, registry, name="a")
+    assert register(b, registry, name="b") is first
+    assert series(registry, "fsm_cache_tokens") == {
+        (("cache", "a"), ("tier", "device")): 8.0,
+        (("cache", "a"), ("tier", "host")): 8.0,
+        (("cache", "a"), ("tier", "storage")): 0.0,
+        (("cache", "b"), ("tier", "device")): 16.0,
+        (("cache", "b"), ("tier", "host")): 16.0,
+        (("cache", "b"), ("tier", "storage")): 0.0,
+    }
+    text = prometheus_client.generate_latest(registry).decode()
+    assert 'fsm_cache_transitions_total{cache="a",event="write"} 1.0' in text
+    with pytest.raises(BadArgument) as caught:
+        register(HiCache(BASE), registry, name="a")
+    assert str(caught.value) == "register: a cache named 'a' is registered already"
+    first.remove("b")
+    assert first.names == ("a",)
+
+
+def test_unnamed_caches_get_unique_names_in_the_default_registry() -> None:
+    """The default registry takes two caches; each gets a generated name of its own."""
+    a, b = HiCache(BASE), HiCache(BASE)
+    collector = register(a)
+    try:
+        assert register(b) is collector
+        assert len(set(collector.names)) == len(collector.names)
+        described = [family.name for family in collector.describe()]
+        assert "fsm_cache_tokens" in described
+        assert all(not family.samples for family in collector.describe())
+    finally:
+        for name in collector.names:
+            collector.remove(name)
+
+
+def test_storage_copies_in_flight_are_the_stats_figure(tmp_path: Path) -> None:
+    """``fsm_cache_storage_copies_in_flight`` reports what ``stats()`` reports."""
+    tier = StorageConfig(LocalFileStore(str(tmp_path)), model="m", threads=0)
+    with HiCache(BASE, storage=tier) as cache:
+        registry = prometheus_client.CollectorRegistry()
+        register(cache, registry, name="c")
+        cache.insert(list(range(16)))
+        cache.poll()
+        assert cache.stats().storage_in_flight == 1
+        assert series(registry, "fsm_cache_storage_copies_in_flight") == {(("cache", "c"),): 1.0}
+
+
+def test_copies_in_flight_are_the_copies_issued_and_not_applied() -> None:
+    """A replayed cache's copies are in flight until applied, whatever its engine reports."""
+
+    def slow(device: KVPool, host: KVPool) -> FaultyCopyEngine:
+        return FaultyCopyEngine(CopyEngine(device, host), delay=3)
+
+    cache = HiCache(replace(BASE, copier=slow))
+    cache.insert(list(range(8)))
+    cache.poll()
+    again = replay(cache.log, BASE)
+    assert len(again.issued()) == 1
+    assert again.stats().copies_in_flight == 1
+    cache.close()
