@@ -87,3 +87,48 @@ def test_wait_loaded_refuses_a_load_that_must_run_again() -> None:
     cache.unlock(lock)
     cache.poll()
     assert chain[-1].residency() == "backed/resident (pins=0, locks=0)"
+
+
+def test_evicted_tokens_count_evictions_inside_allocations() -> None:
+    """Evictions an allocation makes (no explicit evict) are counted, per tier, where they happen."""
+    cache = HiCache(
+        CacheConfig(
+            device_pages=4, host_pages=32, page_size=4, layers=1, heads=1, head_dim=4, device="cpu"
+        )
+    )
+    cache.insert(list(range(8)))
+    cache.insert(list(range(100, 108)))
+    cache.poll()
+    cache.insert(list(range(200, 208)))  # no room: the insert's allocation evicts 8 tokens
+    assert cache.counters.evicted_tokens["device"] == 8
+    assert cache.counters.transitions["evict_device"] == 1
+    cache.evict_host(100)
+    assert cache.counters.evicted_tokens["host"] == 8
+
+
+def test_the_report_counts_every_device_eviction_of_the_run() -> None:
+    """``ServeReport.evicted_tokens`` is the cache's count over the run, whatever evicted."""
+    cache = HiCache(
+        CacheConfig(
+            device_pages=8, host_pages=32, page_size=4, layers=1, heads=1, head_dim=4, device="cpu"
+        )
+    )
+    trace = [
+        Request(conversation=i, turn=0, tokens=tuple(range(100 * i, 100 * i + 12)))
+        for i in range(6)
+    ]
+    report = serve(cache, trace)
+    assert report.evicted_tokens == cache.counters.evicted_tokens["device"] > 0
+
+
+def test_write_through_deletions_count_as_device_evictions() -> None:
+    """An unbacked leaf write-through drops from the device is evicted tokens too."""
+    cache = HiCache(
+        CacheConfig(
+            device_pages=4, host_pages=0, page_size=4, layers=1, heads=1, head_dim=4, device="cpu"
+        )
+    )
+    cache.insert(list(range(8)))
+    assert cache.evict(8) == 8
+    assert cache.counters.evicted_tokens["device"] == 8
+    assert cache.counters.deleted_nodes == 1

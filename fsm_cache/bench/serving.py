@@ -31,6 +31,8 @@ class ServeReport:
     tokens: int = 0
     load_backs: int = 0
     evicted_tokens: int = 0
+    """Tokens evicted from the device during the run, by every path (explicit evictions,
+    allocations, load-backs, inserts, write-backs applied at an acknowledgement)."""
     invariant_checks: int = 0
     backups_pinned: int = 0
 
@@ -55,6 +57,7 @@ def serve(
         on_request: Called after each request (progress bars).
     """
     report = ServeReport()
+    evicted = cache.counters.evicted_tokens["device"]
     backups: deque[tuple[int, Lease]] = deque()
     for i, request in enumerate(trace, 1):
         node = _serve_one(cache, request.tokens, report)
@@ -71,6 +74,7 @@ def serve(
             on_request()
     for _, lease in backups:
         lease.release()
+    report.evicted_tokens = cache.counters.evicted_tokens["device"] - evicted
     return report
 
 
@@ -89,7 +93,7 @@ def _serve_one(cache: HiCache, tokens: tuple[int, ...], report: ServeReport) -> 
     need = len(key) - cached
     free = cache.tiers.device.allocator.free_slots
     if need > free:
-        report.evicted_tokens += cache.evict(need - free)
+        cache.evict(need - free)
     fresh = cache.alloc_slots(need)
     cache.tiers.write_tokens(pages_of(fresh, page), key[cached:])
     given = slots_of(prefix, page) + fresh

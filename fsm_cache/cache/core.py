@@ -25,6 +25,9 @@ from fsm_cache.residency import AnyEvent, Residency
 
 trail.internal(__file__)
 
+_EVICTED = {"evict_device": "device", "evict_host": "host"}
+"""The tier each eviction event frees, for :attr:`Counters.evicted_tokens`."""
+
 SplitListener = Callable[[TreeNode, TreeNode], None]
 """Called as ``listener(prefix, suffix)`` after a node was split, pages re-homed."""
 
@@ -112,6 +115,9 @@ class CacheCore:
             self.counters.refused[event] += 1
             raise
         self.counters.transitions[event] += 1
+        tier = _EVICTED.get(event)
+        if tier is not None:  # counted where it happens: eviction has many callers
+            self.counters.evicted_tokens[tier] += len(node.key)
         self.log.transition(node.id, event)
 
     def allowed(self, node: TreeNode, event: AnyEvent) -> bool:
@@ -139,6 +145,8 @@ class CacheCore:
         """Remove a leaf that holds no data any more from the tree, counted and logged."""
         self.tree.remove_leaf(node)
         self.counters.deleted_nodes += 1
+        if node.device != "absent":  # an unbacked leaf write-through drops from the device
+            self.counters.evicted_tokens["device"] += len(node.key)
         self.log.transition(node.id, "delete")
 
     def _split(self, prefix: TreeNode, suffix: TreeNode) -> None:

@@ -36,6 +36,9 @@ class Counters:
     copy_seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     copy_failures: Counter[str] = field(default_factory=Counter)
     deleted_nodes: int = 0
+    evicted_tokens: Counter[str] = field(default_factory=Counter)
+    """Tokens evicted per tier (``device``, ``host``), by whatever path evicted them;
+    an unbacked leaf that write-through deletes from the device counts as device."""
     storage_pages: Counter[str] = field(default_factory=Counter)
     storage_bytes: Counter[str] = field(default_factory=Counter)
     storage_seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))

@@ -147,7 +147,7 @@ def _summary(cache: HiCache, report: ServeReport, checked: int, seconds: float) 
         ("bytes copied device->host", f"{stats.bytes.get('d2h', 0):,}"),
         ("bytes copied host->device", f"{stats.bytes.get('h2d', 0):,}"),
         ("load-backs", str(report.load_backs)),
-        ("tokens evicted from device", f"{report.evicted_tokens:,}"),
+        ("tokens evicted from device", f"{cache.counters.evicted_tokens['device']:,}"),
         ("storage-backup pins taken and released", str(report.backups_pinned)),
         ("transitions", ", ".join(f"{k} {v}" for k, v in sorted(stats.transitions.items()))),
         ("invariant checks passed", f"{report.invariant_checks} ({_checked()})"),
