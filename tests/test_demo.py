@@ -73,3 +73,9 @@ def test_the_third_tier_is_stored_by_one_cache_and_prefetched_by_another(
         "cache B, empty, prefetched them on lookup (15 pages) and loaded them to its device: "
         "3 of 3 prompts bit-exact"
     )
+
+
+def test_a_negative_request_count_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--requests -3`` is bad input: exit 2 with the reason, nothing served."""
+    assert main(["demo", "--requests", "-3"]) == 2
+    assert capsys.readouterr().err == "error: demo: --requests must be >= 0, got -3\n"

@@ -24,7 +24,7 @@ from fsm_cache.bench.serving import ServeReport, serve
 from fsm_cache.bench.workload import ChatWorkload, requests
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.invariants import CHECKED
-from fsm_cache.errors import FsmCacheError, ReleaseAtZero
+from fsm_cache.errors import BadArgument, FsmCacheError, ReleaseAtZero
 from fsm_cache.memory.tiers import CacheConfig
 from fsm_cache.residency import HOST_VALID, Node, Residency
 
@@ -48,7 +48,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve the workload, print the summary, show the planted refusal; 0 when all is well."""
+    """Serve the workload, print the summary, show the planted refusal; 0 when all is well.
+
+    Raises:
+        BadArgument: ``--requests`` is negative (the CLI prints it and exits 2).
+    """
+    if args.requests < 0:
+        raise BadArgument(f"demo: --requests must be >= 0, got {args.requests}")
     try:
         from rich.console import Console
     except ModuleNotFoundError as exc:
