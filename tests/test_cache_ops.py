@@ -229,10 +229,10 @@ def test_prometheus_exposes_the_stats() -> None:
     cache.insert(list(range(8)))
     cache.poll()
     registry = CollectorRegistry()
-    register(cache, registry)
+    register(cache, registry, name="main")
     text = generate_latest(registry).decode()
-    assert 'fsm_cache_tokens{tier="device"} 8.0' in text
-    assert 'fsm_cache_transitions_total{event="write_done"} 1.0' in text
+    assert 'fsm_cache_tokens{cache="main",tier="device"} 8.0' in text
+    assert 'fsm_cache_transitions_total{cache="main",event="write_done"} 1.0' in text
 
 
 def test_event_log_replays_into_the_same_tree() -> None:
