@@ -729,6 +729,18 @@ def test_an_owned_store_evicts_stored_leaves_children_first(tmp_path: Path) -> N
     assert cache.stats().storage_pages["evicted"] == 4
 
 
+def test_evicted_storage_pages_count_only_what_the_store_still_held(tmp_path: Path) -> None:
+    store = LocalFileStore(tmp_path)
+    cache = HiCache(config(), storage=tier(store, owned=True))
+    cache.insert(tokens(2))
+    for _ in range(3):
+        cache.poll()
+    (node,) = cache.tree.walk(tuple(tokens(2))).path
+    store.drop(list(node.store_keys or ())[1:])  # the store lost one page meanwhile
+    assert cache.evict_storage(100) == 2 * PAGE
+    assert cache.stats().storage_pages["evicted"] == 1
+
+
 def test_metrics_report_the_storage_tier(store: Store) -> None:
     toks = tokens(3)
     stored_cache(store, toks)

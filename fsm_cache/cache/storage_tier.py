@@ -487,9 +487,8 @@ class StorageTier:
             raise ConfigError(
                 "storage: the store is shared (owned=False): its own eviction deletes pages"
             )
-        keys = self.keys_of(node)
-        self._store.drop(list(keys))
-        self._core.counters.storage_pages["evicted"] += len(keys)
+        dropped = self._store.drop(list(self.keys_of(node)))
+        self._core.counters.storage_pages["evicted"] += dropped  # what was still stored
 
     def _queue(self, kind: str, node: TreeNode, keys: Sequence[str]) -> None:
         self._numbers += 1
