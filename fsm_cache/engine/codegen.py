@@ -260,19 +260,30 @@ def compile_event(em: Emitter, event: str) -> str:
     name = f"_step_{event}"
     em.event = event
     em.emit(0, f"def {name}(rec):")
-    counters = [c for r in em.system.regions_of(event) for c in em.system.machines[r].counter_names]
-    for counter in counters:
-        em.emit(1, f"c_{counter} = rec.{counter}")
-    em.emit(1, "effects = []")
-    em.emit(1, "propagate = False")
-    for region in em.system.regions_of(event):
-        _region_block(em, region, em.system.machines[region], event)
-    _system_forbids(em, event)
+    counters = _step_body(em, event, effects=True)
     assigns = [f"({r!r}, n_{r})" for r in em.system.regions_of(event)]
     assigns += [f"({c!r}, c_{c})" for c in counters]
     em.emit(1, f"return ({', '.join(assigns)},), effects, propagate")
     em.emit(0, "")
     return name
+
+
+def _step_body(em: Emitter, event: str, *, effects: bool) -> list[str]:
+    """Emit a step's checks of ``rec``: ``c_``/``n_`` locals, ``propagate``; return the counters.
+
+    With ``effects``, the effect names to run are collected in an ``effects`` list.
+    """
+    regions = em.system.regions_of(event)
+    counters = [c for r in regions for c in em.system.machines[r].counter_names]
+    for counter in counters:
+        em.emit(1, f"c_{counter} = rec.{counter}")
+    if effects:
+        em.emit(1, "effects = []")
+    em.emit(1, "propagate = False")
+    for region in regions:
+        _region_block(em, region, em.system.machines[region], event)
+    _system_forbids(em, event)
+    return counters
 
 
 def _has_effects(system: System, event: str) -> bool:
@@ -294,21 +305,15 @@ def compile_chain(em: Emitter, event: str) -> str:
     name = f"_fire_{event}"
     em.event = event
     regions = em.system.regions_of(event)
-    counters = [c for r in regions for c in em.system.machines[r].counter_names]
-    values = ", ".join([*(f"n_{r}" for r in regions), *(f"c_{c}" for c in counters)])
     em.emit(0, f"def {name}(rec):")
     em.emit(1, "chain = []")
     em.emit(1, "while True:")
     em.indent = 1
     try:
-        for counter in counters:
-            em.emit(1, f"c_{counter} = rec.{counter}")
-        em.emit(1, "propagate = False")
-        for region in regions:
-            _region_block(em, region, em.system.machines[region], event)
-        _system_forbids(em, event)
+        counters = _step_body(em, event, effects=False)
     finally:
         em.indent = 0
+    values = ", ".join([*(f"n_{r}" for r in regions), *(f"c_{c}" for c in counters)])
     em.emit(2, f"chain.append((rec, {values}))")
     em.emit(2, "if not propagate and len(chain) == 1:  # propagating: to the root")
     em.emit(3, "break")
