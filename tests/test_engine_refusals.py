@@ -8,6 +8,8 @@ from records import Node, snapshot
 from fsm_cache import errors
 from fsm_cache.engine.core import Engine
 from fsm_cache.errors import IllegalTransition, error_class
+from fsm_cache.spec.guards import parse_guard, parse_update
+from fsm_cache.spec.machine import MachineSpec, StateSpec, System, Transition
 from fsm_cache.spec.shipped import residency_system
 
 
@@ -149,13 +151,6 @@ REFUSALS = [
         "AlreadyBacked",
         "write refused in backed (pins=0): the host already holds a valid copy",
     ),
-    # counters outside a state's invariant: no guard holds, the generic refusal
-    (
-        ("pinned", "resident", 0, 0),
-        "release",
-        "IllegalTransition",
-        "release refused in pinned (pins=0): no transition's guard holds",
-    ),
 ]
 
 
@@ -295,3 +290,54 @@ def test_propagation_is_all_or_nothing(engine: Engine) -> None:
         == "node 1: unlock refused in resident (locks=0): unlock without a matching lock"
     )
     assert snapshot(engine, root, mid, leaf) == before
+
+
+def test_a_guard_the_invariant_and_the_earlier_guards_imply_is_not_tested() -> None:
+    """`pinned` holds pins >= 1, so a release that is not the last (pins == 1) is pins >= 2."""
+    source = Engine(residency_system(), trail=False).source
+    release = source[source.index("def _fire_release(rec):") :]
+    release = release[: release.index("\ndef ")]
+    assert "c_pins == 1" in release
+    assert ">= 2" not in release
+    assert "c_pins >= 1" not in release  # writing: the forbid at pins == 0 came first
+
+
+def _two_guards(last: str) -> Engine:
+    """A machine whose release in `held` takes pins == 1 first and then ``last``; unvalidated."""
+    held = StateSpec("held", invariant=parse_guard("pins >= 1"), counter="pins")
+    moves = (
+        Transition(
+            "release", ("held",), "free", parse_guard("pins == 1"), parse_update("pins -= 1")
+        ),
+        Transition("release", ("held",), "held", parse_guard(last), parse_update("pins -= 1")),
+    )
+    machine = MachineSpec("m", "held", (("pins", 1),), (held, StateSpec("free")), moves)
+    return Engine(System.single(machine), trail=False)
+
+
+def test_a_guard_not_implied_is_tested_and_its_gap_refused() -> None:
+    """Built without validation, pins == 2 leaves pins >= 3 uncovered: that gap is refused."""
+    engine = _two_guards("pins == 2")
+    rec = engine.new(17)
+    rec.pins = 3
+    with pytest.raises(IllegalTransition) as info:
+        engine.fire(rec, "release")
+    assert (
+        str(info.value)
+        == "instance 17: release refused in held (pins=3): no transition's guard holds"
+    )
+    assert (rec.state, rec.pins) == ("held", 3)
+    rec.pins = 2  # back in the guards' range, so the test leaves nothing held
+    engine.fire(rec, "release")
+    engine.fire(rec, "release")
+    engine.fire(rec := engine.new(18), "release")
+    assert (rec.state, rec.pins) == ("free", 0)
+    covered = _two_guards("pins >= 2")
+    rec = covered.new(19)
+    rec.pins = 3
+    covered.fire(rec, "release")
+    assert (rec.state, rec.pins) == ("held", 2)
+    covered.fire(rec, "release")
+    covered.fire(rec, "release")
+    assert (rec.state, rec.pins) == ("free", 0)
+    assert "pins >= 2" not in covered.source

@@ -32,6 +32,7 @@ from fsm_cache.engine import runtime
 from fsm_cache.engine import trail as trails
 from fsm_cache.spec.guards import Assign, Condition, Guard
 from fsm_cache.spec.machine import Forbid, MachineSpec, System, Transition
+from fsm_cache.spec.validate import valuations
 
 
 Plan = tuple[tuple[tuple[str, object], ...], list[str], bool]
@@ -541,8 +542,9 @@ def _region_block(em: Emitter, region: str, machine: MachineSpec, event: str) ->
 def _state_body(
     em: Emitter, region: str, transitions: list[Transition], forbids: list[Forbid]
 ) -> None:
+    implied = _last_guard_implied(em.system.machines[region], em.state, transitions, forbids)
     if em.inline:
-        _read_tested(em, region, transitions, forbids)
+        _read_tested(em, region, transitions, forbids, implied)
     # Forbids first, in declaration order: the first that holds is the refusal. A plain
     # (unguarded) forbid refuses outright, so nothing declared after it can apply.
     for forbid in forbids:
@@ -552,11 +554,15 @@ def _state_body(
             return
         em.emit(2, f"if {guard_expr(forbid.guard)}:")
         em.emit(3, f"_refuse(rec, {index})")
-    if len(transitions) == 1 and not transitions[0].guard:
+    if len(transitions) == 1 and (implied or not transitions[0].guard):
         _transition_body(em, region, transitions[0], 2)
         return
     keyword = "if"
-    for tr in transitions:
+    for i, tr in enumerate(transitions):
+        if implied and i == len(transitions) - 1:
+            em.emit(2, "else:")
+            _transition_body(em, region, tr, 3)
+            return
         em.emit(2, f"{keyword} {guard_expr(tr.guard)}:")
         keyword = "elif"
         _transition_body(em, region, tr, 3)
@@ -568,13 +574,43 @@ def _state_body(
         em.emit(3, f"_refuse(rec, {index})")
 
 
+def _last_guard_implied(
+    machine: MachineSpec, state: str, transitions: list[Transition], forbids: list[Forbid]
+) -> bool:
+    """Whether, in ``state``, the last transition's guard holds wherever nothing before it did.
+
+    That is: every counter value the state's invariant allows, that no guarded
+    forbid refuses and no earlier transition's guard takes, satisfies the last
+    guard. The branch then need not test it (``else:``), and the generic refusal
+    "no transition's guard holds" is unreachable there; validation's totality
+    check says so of every loaded spec, and this asks it again of the system at
+    hand, which may have been built without loading. The engine keeps every
+    invariant (see :func:`_inline_value`), so the invariant is as good as a test.
+    The valuations are validation's, exact for guards that compare with constants.
+    """
+    if not transitions or any(not f.conditional for f in forbids):
+        return False
+    before = [f.guard for f in forbids] + [t.guard for t in transitions[:-1]]
+    last = transitions[-1].guard
+    return all(
+        last.holds(at)
+        for at in valuations(machine, machine.state(state).invariant)
+        if not any(g.holds(at) for g in before)
+    )
+
+
 def _read_tested(
-    em: Emitter, region: str, transitions: list[Transition], forbids: list[Forbid]
+    em: Emitter,
+    region: str,
+    transitions: list[Transition],
+    forbids: list[Forbid],
+    implied: bool,
 ) -> None:
     """Emit, inline, a read into ``c_<counter>`` of each counter a guard of this branch tests.
 
-    Only the guards the branch emits count: none after a plain forbid, and none of
-    a lone unguarded transition. A counter the branch only assigns is read where it
+    Only the guards the branch emits count: none after a plain forbid, none of
+    a lone unguarded transition, and not the last when the ones before imply it
+    (``implied``). A counter the branch only assigns is read where it
     is written (``rec.pins = rec.pins + 1``): each counter is assigned once in a
     branch (:func:`_inlinable`), so that read is still the value on entry.
     """
@@ -584,9 +620,8 @@ def _read_tested(
             break
         tested |= forbid.guard.counters()
     else:
-        if len(transitions) != 1 or transitions[0].guard:
-            for tr in transitions:
-                tested |= tr.guard.counters()
+        for tr in transitions[:-1] if implied else transitions:
+            tested |= tr.guard.counters()
     em.read = {c for c in em.system.machines[region].counter_names if c in tested}
     for counter in em.system.machines[region].counter_names:
         if counter in em.read:
