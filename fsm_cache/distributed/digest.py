@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import array
 import hashlib
+import sys
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 
 from fsm_cache.cache.eventlog import EventLog
@@ -48,18 +50,17 @@ _NAMESPACED = frozenset({"match_prefix", "insert"})
 _SHOWN = 8
 """Id sequences up to this long are shown in full; longer ones by length and hash."""
 _MASK = (1 << 64) - 1
+_HUGE = -(1 << 63)
+"""The least signed 64-bit integer: the marker of a word out of range (:func:`_pack`)."""
 
 
-def operation_text(name: str, args: tuple[object, ...]) -> str | None:
-    """Describe a logged operation by what every rank must share; None to leave it out.
+def shared_arguments(name: str, args: tuple[object, ...]) -> tuple[object, ...] | None:
+    """Return the arguments of a logged operation that every rank must share; None to leave it out.
 
-    Keys, slots and node ids longer than a few are shown by length and a
-    64-bit hash (``hash()`` of a tuple of ints is the same in every process,
-    unlike a string's), so folding in a request's operations costs a few
-    microseconds. Rank-local values are left out: the pages each rank's own
-    store found for a prefetch query (``agreed_hits`` keeps only the agreed
-    counts), and the operations that apply only agreed copies (``poll``,
-    ``apply_completions``).
+    Rank-local values are left out: the pages each rank's own store found for
+    a prefetch query (``agreed_hits`` keeps only the agreed counts), and the
+    operations that apply only agreed copies (``poll``, ``apply_completions``).
+    The digest folds what this returns, and :func:`operation_text` shows it.
 
     Args:
         name: The operation, as :meth:`~fsm_cache.cache.eventlog.EventLog.op` logged it.
@@ -67,12 +68,27 @@ def operation_text(name: str, args: tuple[object, ...]) -> str | None:
     """
     if name in _LOCAL_OPERATIONS:
         return None
-    if len(args) == 1 and type(args[0]) is int:  # lock, unlock, alloc_slots, ...: the common case
-        return f"{name}({args[0]})"
+    return args[1:] if name == "agreed_hits" else args
+
+
+def operation_text(name: str, args: tuple[object, ...]) -> str | None:
+    """Describe a logged operation by what every rank must share; None to leave it out.
+
+    Keys, slots and node ids longer than a few are shown by length and a
+    64-bit hash (``hash()`` of a tuple of ints is the same in every process,
+    unlike a string's). What is left out is :func:`shared_arguments`'.
+
+    Args:
+        name: The operation, as :meth:`~fsm_cache.cache.eventlog.EventLog.op` logged it.
+        args: Its arguments, as logged.
+    """
+    shared = shared_arguments(name, args)
+    if shared is None:
+        return None
     if name in _NAMESPACED:  # (tokens, namespace, slots or none): most of what is logged
-        shown = [_ids(args[0]), _namespace(args[1]), *map(_ids, args[2:])]
+        shown = [_ids(shared[0]), _namespace(shared[1]), *map(_ids, shared[2:])]
     else:
-        shown = list(map(_ids, args[1:] if name == "agreed_hits" else args))
+        shown = list(map(_ids, shared))
     return f"{name}({', '.join(shown)})"
 
 
@@ -103,14 +119,81 @@ def _namespace(value: object) -> str:
     return f"<{type(value).__qualname__}>"
 
 
+_TRANSITION, _OPERATION, _REFUSED = -1, -2, -3
+"""The first word of each entry's words: what kind of entry follows."""
+_INT, _NONE, _LONG_IDS, _ARRAY, _TEXT = 0, 1, 2, 3, 4
+"""The first word of each argument's words: how the words after it encode it."""
+
+
+class _Codes(dict[str, int]):
+    """A name's stable word: the CRC-32 of its UTF-8 bytes, computed once per name.
+
+    ``hash()`` of a string differs between processes; this does not.
+    """
+
+    def __missing__(self, name: str) -> int:
+        code = self[name] = zlib.crc32(name.encode())
+        return code
+
+
+def _argument_words(value: object, namespace: bool) -> tuple[int, ...]:
+    """Return the words an operation's argument folds in as: what :func:`_ids` shows, as ints.
+
+    A count as itself, None as a tag, a long tuple of ids by its length and
+    ``hash()``, slots (``array('Q')``) by length and two checksums, and
+    anything else (short tuples, namespaces) by the CRC-32 of its text.
+    """
+    if type(value) is int:
+        return (_INT, value)
+    if value is None:
+        return (_NONE,)
+    if namespace:
+        return (_TEXT, zlib.crc32(_namespace(value).encode()))
+    if type(value) is tuple and len(value) > _SHOWN:
+        return (_LONG_IDS, len(value), hash(value))
+    if isinstance(value, array.array):
+        return (_ARRAY, len(value), zlib.crc32(value), zlib.adler32(value))
+    return (_TEXT, zlib.crc32(_ids(value).encode()))
+
+
+def _pack(words: list[int]) -> bytes:
+    """Return ``words`` as little-endian 64-bit integers; a word out of range as several.
+
+    A word out of the signed 64-bit range is written as a marker word (the
+    least 64-bit integer, which a count never is), its byte count and its
+    bytes. Each word's bytes depend on that word alone, whichever form the
+    update took, so how the entries are split between updates does not
+    change the digest.
+    """
+    try:
+        packed = array.array("q", words)
+    except OverflowError:
+        return b"".join(map(_word_bytes, words))
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _word_bytes(word: int) -> bytes:
+    """One word's bytes, as :func:`_pack` writes them."""
+    if _HUGE <= word < -_HUGE:
+        return word.to_bytes(8, "little", signed=True)
+    raw = word.to_bytes((word.bit_length() + 8) // 8, "little", signed=True)
+    return _HUGE.to_bytes(8, "little", signed=True) + len(raw).to_bytes(8, "little") + raw
+
+
 class TransitionDigest:
     """A blake2b hash over the transitions and operations of one event log, folded in as logged.
 
-    Each transition is folded in as ``node:event;``, each operation as its
-    :func:`operation_text` and ``;``, and each refusal as ``!name:ErrorClass;``
-    (a call refused on one rank only changed nothing there); acknowledgement
-    batches are not (the transitions they fire are, and a storage batch holds
-    each rank's own outcome).
+    Each entry is folded in as 64-bit words (:func:`_pack`): a transition as
+    its node and its event's code, an operation as its name's code and the
+    words of its :func:`shared_arguments` (:func:`_argument_words`), and a
+    refusal as the operation's and the error class's codes (a call refused on
+    one rank only changed nothing there); acknowledgement batches are not (the
+    transitions they fire are, and a storage batch holds each rank's own
+    outcome). Names are coded by CRC-32 (:class:`_Codes`), never by ``hash()``
+    of a string, which differs between processes. Words rather than text: a
+    32-request step's log folds in about a quarter of the time its text took.
 
     Args:
         log: The cache's event log; only appended to, never rewritten.
@@ -123,6 +206,7 @@ class TransitionDigest:
     def __init__(self, log: EventLog) -> None:
         self._log = log
         self._hash = hashlib.blake2b(digest_size=DIGEST_BYTES)
+        self._codes = _Codes()
         self._scanned = 0
         self._agreed_entry = 0
         self.count = 0
@@ -135,21 +219,28 @@ class TransitionDigest:
                 f"distributed: the event log dropped {self._log.dropped - self._scanned} entries"
                 " the transition digest had not read; raise CacheConfig.log_limit"
             )
-        # one update of the joined text: a streaming hash of the whole is the hash of its parts
-        parts: list[str] = []
-        add, count = parts.append, 0
+        # one update of the packed words: a streaming hash of the whole is the hash of its parts
+        words: list[int] = []
+        extend, codes, count = words.extend, self._codes, 0
         for kind, first, second in self._log.since(self._scanned):
             if kind == "transition":
-                add(f"{first}:{second};")
+                extend((_TRANSITION, first, codes[second]))
                 count += 1
             elif kind == "op":
-                text = operation_text(first, second)
-                if text is not None:
-                    add(f"{text};")
+                if len(second) == 1 and type(second[0]) is int:  # lock, unlock, evict, ...
+                    if first not in _LOCAL_OPERATIONS:  # the words the loop below would give
+                        extend((_OPERATION, codes[first], 1, _INT, second[0]))
+                    continue
+                shared = shared_arguments(first, second)
+                if shared is not None:
+                    extend((_OPERATION, codes[first], len(shared)))
+                    namespaced = first in _NAMESPACED
+                    for i, value in enumerate(shared):
+                        extend(_argument_words(value, namespaced and i == 1))
             elif kind == "refused":
-                add(f"!{first}:{second.partition(':')[0]};")
-        if parts:
-            self._hash.update("".join(parts).encode())
+                extend((_REFUSED, codes[first], codes[second.partition(":")[0]]))
+        if words:
+            self._hash.update(_pack(words))
         self.count += count
         self._scanned = self._log.recorded
         return self._hash.digest()
