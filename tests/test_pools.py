@@ -99,6 +99,24 @@ def test_foreign_and_out_of_range_frees_change_nothing() -> None:
     assert snapshot(a) == before
 
 
+@pytest.mark.parametrize("bad", [1.0, "a", None, 1.5])
+def test_a_page_that_is_not_an_int_is_refused_by_name_and_changes_nothing(bad: object) -> None:
+    a = PageAllocator("device", 4, 1)
+    mine = a.alloc(3, owner=1)
+    before = snapshot(a)
+    message = f"device pool: page {bad!r} is not an int"
+    for call in (
+        lambda: a.free([mine[0], bad], owner=1),  # type: ignore[list-item]
+        lambda: a.reassign((bad,), owner=1, new_owner=2),  # type: ignore[arg-type]
+        lambda: a.owner_of(bad),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ForeignSlot) as info:
+            call()
+        assert str(info.value) == message
+    assert not a.all_owned_by((bad,), 1)  # type: ignore[arg-type]
+    assert snapshot(a) == before
+
+
 def test_reassign_moves_ownership_for_a_split() -> None:
     a = PageAllocator("device", 4, 2)
     pages = a.alloc(8, owner=1)

@@ -78,6 +78,10 @@ def run_start(pages: Sequence[int]) -> int | None:
     return first
 
 
+_PAGE_TYPES = frozenset({int, bool})
+"""The types a page number may have; a bool is page 0 or 1, as the cache's arguments take it."""
+
+
 @dataclass
 class PageAllocator:
     """Free-list allocator of whole pages, with an owner per used page.
@@ -185,6 +189,8 @@ class PageAllocator:
             DoubleFree: a page is already free or listed twice.
         """
         self._check_owned(pages, owner)
+        if not _PAGE_TYPES.issuperset(map(type, pages)):  # a run compares 1.0 equal to 1
+            self._check_types(pages)
         self._set_owner(pages, FREE)
         self._free.extend(reversed(pages))
 
@@ -223,10 +229,13 @@ class PageAllocator:
         if self._is_run(pages):  # distinct and in range
             first = pages[0]
             found = self._owner[first : first + len(pages)].count(owner) == len(pages)
-        elif min(pages) < 0 or max(pages) >= self.num_pages or len(set(pages)) != len(pages):
-            return False
         else:
-            found = list(map(self._owner.__getitem__, pages)).count(owner) == len(pages)
+            try:
+                if min(pages) < 0 or max(pages) >= self.num_pages or len(set(pages)) != len(pages):
+                    return False
+                found = list(map(self._owner.__getitem__, pages)).count(owner) == len(pages)
+            except TypeError:  # a page that is not an int: the caller's check names it
+                return False
         if found and type(pages) is tuple:
             self._verified, self._verified_owner = pages, owner
         return found
@@ -279,7 +288,14 @@ class PageAllocator:
         else:
             deque(map(self._owner.__setitem__, pages, repeat(owner)), maxlen=0)  # a loop in C
 
+    def _check_types(self, pages: Sequence[int]) -> None:
+        """Raise ForeignSlot naming the first page that is not an int, before it is stored."""
+        for p in pages:
+            self._check_range(p)
+
     def _check_range(self, page: int) -> None:
+        if not isinstance(page, int):
+            raise ForeignSlot(f"{self.name} pool: page {page!r} is not an int")
         if not 0 <= page < self.num_pages:
             raise ForeignSlot(f"{self.name} pool: page {page} outside 0..{self.num_pages - 1}")
 
