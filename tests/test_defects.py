@@ -348,6 +348,16 @@ def test_11_a_second_thread_inside_the_cache_is_refused() -> None:
     engines[0].go.set()
     worker.join(10)
     cache.insert([1, 2])  # free again once the first thread left
+    # each thread's operation kept its own name and arguments: the refused one logged nothing
+    assert [name for name, _ in cache.log.operations()] == ["poll", "insert"]
+
+
+def test_11_operations_after_a_reset_are_logged_in_the_new_log() -> None:
+    cache = make()
+    cache.insert([1, 2])
+    cache.reset()
+    cache.match_prefix([1, 2])
+    assert cache.log.operations() == [("match_prefix", ((1, 2), None))]
 
 
 # -- 12: write-back with no host -----------------------------------------------
