@@ -468,3 +468,24 @@ def test_15_a_cache_of_something_that_is_no_config_is_a_config_error() -> None:
     with pytest.raises(ConfigError) as caught:
         HiCache(CacheConfig(device="cpu"), acks=3)  # type: ignore[arg-type]
     assert str(caught.value) == "config: acks must build an acknowledgement source, got 3"
+
+
+# -- page numbers the argument check takes as ints ------------------------------
+
+
+def test_slots_given_back_as_bools_can_be_allocated_again() -> None:
+    cache = HiCache(CacheConfig(page_size=1, device_pages=8, host_pages=0))
+    cache.alloc_slots(2)  # slots 0 and 1
+    cache.free_slots([False, True])  # the argument check takes bools as 0 and 1
+    cache.insert(list(range(10, 18)))  # needs all 8 pages, 0 and 1 included
+    assert cache.tiers.device.allocator.free_pages == 0
+
+
+def test_a_node_inserted_with_numpy_slots_can_be_evicted() -> None:
+    np = pytest.importorskip("numpy")
+    cache = HiCache(CacheConfig(page_size=1, device_pages=8, host_pages=0))
+    slots = cache.alloc_slots(2)
+    cache.insert([5, 6], [np.int64(s) for s in slots])  # accepted by the argument check
+    assert cache.evict(2) == 2
+    cache.insert(list(range(10, 18)))
+    assert cache.tiers.device.allocator.free_pages == 0

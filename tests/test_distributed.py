@@ -51,6 +51,7 @@ with warnings.catch_warnings():
         serve_chat_trace,
         serve_request,
     )
+    from fsm_cache.cache.arguments import TokenKey
     from fsm_cache.cache.eventlog import EventLog
     from fsm_cache.cache.hicache import HiCache
     from fsm_cache.cli import bench
@@ -1584,3 +1585,15 @@ def test_a_word_out_of_range_folds_in_alike_however_the_entries_are_split() -> N
         split.op("evict", n)
         two.update()
     assert one.update() == two.update()
+
+
+def test_a_long_token_key_folds_in_as_the_equal_tuple() -> None:
+    """A TokenKey (SGLang's pattern) and a list of the same tokens are the same request."""
+    tokens = list(range(64))
+    one, two = HiCache(bench_config(debug=True)), HiCache(bench_config(debug=True))
+    one.match_prefix(TokenKey(tokens))
+    one.insert(TokenKey(tokens))
+    two.match_prefix(tokens)
+    two.insert(tokens)
+    assert one.log.transitions() == two.log.transitions()
+    assert TransitionDigest(one.log).update() == TransitionDigest(two.log).update()

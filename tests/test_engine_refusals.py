@@ -8,7 +8,7 @@ from records import Node, snapshot
 from fsm_cache import errors
 from fsm_cache.engine.core import Engine
 from fsm_cache.errors import IllegalTransition, error_class
-from fsm_cache.spec.guards import parse_guard, parse_update
+from fsm_cache.spec.guards import TRUE, parse_guard, parse_update
 from fsm_cache.spec.machine import MachineSpec, StateSpec, System, Transition
 from fsm_cache.spec.shipped import residency_system
 
@@ -341,3 +341,26 @@ def test_a_guard_not_implied_is_tested_and_its_gap_refused() -> None:
     covered.fire(rec, "release")
     assert (rec.state, rec.pins) == ("free", 0)
     assert "pins >= 2" not in covered.source
+
+
+@pytest.mark.parametrize("trail", [False, True])
+def test_a_gap_below_zero_is_still_refused(trail: bool) -> None:
+    """Unvalidated, `take` drives x negative: x == 0 then x >= 1 leaves x < 0 uncovered."""
+    moves = (
+        Transition("take", ("s",), "s", TRUE, parse_update("x -= 1")),
+        Transition("release", ("s",), "s", parse_guard("x == 0"), parse_update("x += 1")),
+        Transition("release", ("s",), "s", parse_guard("x >= 1"), parse_update("x -= 1")),
+    )
+    engine = Engine(
+        System.single(MachineSpec("m", "s", (("x", 0),), (StateSpec("s"),), moves)), trail=trail
+    )
+    rec = engine.new(1)
+    engine.fire(rec, "take")  # the engine's own step
+    message = "instance 1: release refused in s (x=-1): no transition's guard holds"
+    with pytest.raises(IllegalTransition) as info:
+        engine.fire(rec, "release")
+    assert str(info.value).startswith(message)
+    with pytest.raises(IllegalTransition) as info:
+        engine.plan(rec, "release")
+    assert str(info.value).startswith(message)
+    assert rec.x == -1

@@ -149,7 +149,7 @@ def _argument_words(value: object, namespace: bool) -> tuple[int, ...]:
         return (_NONE,)
     if namespace:
         return (_TEXT, zlib.crc32(_namespace(value).encode()))
-    if type(value) is tuple and len(value) > _SHOWN:
+    if isinstance(value, tuple) and len(value) > _SHOWN:  # a TokenKey too, as _ids has it
         return (_LONG_IDS, len(value), hash(value))
     if isinstance(value, array.array):
         return (_ARRAY, len(value), zlib.crc32(value), zlib.adler32(value))

@@ -32,7 +32,6 @@ from fsm_cache.engine import runtime
 from fsm_cache.engine import trail as trails
 from fsm_cache.spec.guards import Assign, Condition, Guard
 from fsm_cache.spec.machine import Forbid, MachineSpec, System, Transition
-from fsm_cache.spec.validate import valuations
 
 
 Plan = tuple[tuple[tuple[str, object], ...], list[str], bool]
@@ -75,6 +74,8 @@ class Emitter:
         """Not inline: the regions whose branches say in ``x_<region>`` which effect to run."""
         self.indent = 0
         """Levels added to every line emitted (a step's body inside a chain's loop)."""
+        self.implied: dict[tuple[str, str, str], bool] = {}
+        """Per (region, state, event): whether the last guard is implied (:func:`_last_guard_implied`)."""
 
     def refusal(self, region: str, error: str, reason: str) -> int:
         """Register a refusal of the event being compiled and return its index."""
@@ -542,7 +543,11 @@ def _region_block(em: Emitter, region: str, machine: MachineSpec, event: str) ->
 def _state_body(
     em: Emitter, region: str, transitions: list[Transition], forbids: list[Forbid]
 ) -> None:
-    implied = _last_guard_implied(em.system.machines[region], em.state, transitions, forbids)
+    known = (region, em.state, em.event)
+    implied = em.implied.get(known)
+    if implied is None:  # the same for every kind of function emitted for the event
+        machine = em.system.machines[region]
+        implied = em.implied[known] = _last_guard_implied(machine, em.state, transitions, forbids)
     if em.inline:
         _read_tested(em, region, transitions, forbids, implied)
     # Forbids first, in declaration order: the first that holds is the refusal. A plain
@@ -584,19 +589,31 @@ def _last_guard_implied(
     guard. The branch then need not test it (``else:``), and the generic refusal
     "no transition's guard holds" is unreachable there; validation's totality
     check says so of every loaded spec, and this asks it again of the system at
-    hand, which may have been built without loading. The engine keeps every
-    invariant (see :func:`_inline_value`), so the invariant is as good as a test.
-    The valuations are validation's, exact for guards that compare with constants.
+    hand, which may have been built without loading, and whose steps may then
+    drive a counter negative. The engine keeps every invariant (see
+    :func:`_inline_value`), so the invariant is as good as a test.
+
+    Every guard compares one counter with a constant, so the values ``c - 1``,
+    ``c`` and ``c + 1`` of each constant ``c`` meet every class of values the
+    guards tell apart, negative ones included: checking those decides it exactly.
     """
     if not transitions or any(not f.conditional for f in forbids):
         return False
+    invariant, last = machine.state(state).invariant, transitions[-1].guard
     before = [f.guard for f in forbids] + [t.guard for t in transitions[:-1]]
-    last = transitions[-1].guard
-    return all(
-        last.holds(at)
-        for at in valuations(machine, machine.state(state).invariant)
-        if not any(g.holds(at) for g in before)
-    )
+    guards = [invariant, last, *before]
+    names = sorted({t.counter for g in guards for t in g.terms})
+    axes = [
+        sorted(
+            {t.value + d for g in guards for t in g.terms if t.counter == name for d in (-1, 0, 1)}
+        )
+        for name in names
+    ]
+    for point in itertools.product(*axes):
+        at = dict(zip(names, point, strict=True))
+        if invariant.holds(at) and not any(g.holds(at) for g in before) and not last.holds(at):
+            return False
+    return True
 
 
 def _read_tested(

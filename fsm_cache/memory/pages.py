@@ -78,10 +78,6 @@ def run_start(pages: Sequence[int]) -> int | None:
     return first
 
 
-_PAGE_TYPES = frozenset({int, bool})
-"""The types a page number may have; a bool is page 0 or 1, as the cache's arguments take it."""
-
-
 @dataclass
 class PageAllocator:
     """Free-list allocator of whole pages, with an owner per used page.
@@ -189,10 +185,14 @@ class PageAllocator:
             DoubleFree: a page is already free or listed twice.
         """
         self._check_owned(pages, owner)
-        if not _PAGE_TYPES.issuperset(map(type, pages)):  # a run compares 1.0 equal to 1
-            self._check_types(pages)
         self._set_owner(pages, FREE)
-        self._free.extend(reversed(pages))
+        # The pool's own page objects, never the caller's: a bool, a numpy integer or a
+        # float that passed as the page it equals must not be handed out later.
+        if pages and self._is_run(pages):
+            first = pages[0]
+            self._free.extend(reversed(self._index[first : first + len(pages)]))
+        else:
+            self._free.extend(map(self._index.__getitem__, reversed(pages)))
 
     def reassign(self, pages: Sequence[int], owner: int, new_owner: int) -> None:
         """Hand ``pages`` from ``owner`` to ``new_owner`` (a radix split); all or none.
@@ -287,11 +287,6 @@ class PageAllocator:
             self._owner[first : first + len(pages)] = [owner] * len(pages)
         else:
             deque(map(self._owner.__setitem__, pages, repeat(owner)), maxlen=0)  # a loop in C
-
-    def _check_types(self, pages: Sequence[int]) -> None:
-        """Raise ForeignSlot naming the first page that is not an int, before it is stored."""
-        for p in pages:
-            self._check_range(p)
 
     def _check_range(self, page: int) -> None:
         if not isinstance(page, int):
