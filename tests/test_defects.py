@@ -10,13 +10,16 @@ lock as it was.
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from collections.abc import Callable
 
 import pytest
 import torch
 
 from fsm_cache.cache.hicache import HiCache, MatchResult
+from fsm_cache.distributed.digest import TransitionDigest
 from fsm_cache.errors import (
     BadArgument,
     CacheClosed,
@@ -489,3 +492,64 @@ def test_a_node_inserted_with_numpy_slots_can_be_evicted() -> None:
     assert cache.evict(2) == 2
     cache.insert(list(range(10, 18)))
     assert cache.tiers.device.allocator.free_pages == 0
+
+
+def _accepted(kind: str, slots: list[int]) -> list[object]:
+    """``slots`` as objects the argument check takes for ints: numpy integers or bools."""
+    if kind == "numpy":
+        np = pytest.importorskip("numpy")
+        return [np.int64(s) for s in slots]
+    return [bool(s) for s in slots]  # slots 0 and 1: False, True
+
+
+@pytest.mark.parametrize("kind", ["numpy", "bool"])
+def test_an_insert_with_accepted_slots_backs_up_and_stores_ints(kind: str) -> None:
+    cache = HiCache(CacheConfig(page_size=1, device_pages=8, host_pages=8))  # write-through
+    slots = cache.alloc_slots(2)  # slots 0 and 1
+    assert cache.insert([5, 6], _accepted(kind, slots)) == 0  # type: ignore[arg-type]
+    match = cache.match_prefix([5, 6])
+    assert {type(p) for p in match.device_pages} == {int}
+    cache.poll()
+    assert cache.log.refusals() == []
+    cache.check_invariants()
+
+
+def test_the_same_short_request_as_numpy_scalars_folds_in_alike() -> None:
+    np = pytest.importorskip("numpy")
+    one = HiCache(CacheConfig(page_size=1, device_pages=8, host_pages=8))
+    two = HiCache(CacheConfig(page_size=1, device_pages=8, host_pages=8))
+    one.match_prefix([1, 2, 3])
+    two.match_prefix([np.int64(1), np.int64(2), np.int64(3)])  # accepted by the check
+    assert TransitionDigest(one.log).update() == TransitionDigest(two.log).update()
+
+
+# -- what a public operation's spare guard keeps alive ---------------------------
+
+
+class _Watched:
+    """A namespace the test can watch (hashable by identity)."""
+
+
+def test_reset_releases_the_old_log_and_what_it_recorded() -> None:
+    cache = HiCache(CacheConfig(page_size=1, device_pages=8, host_pages=8))
+    namespace = _Watched()
+    cache.insert([1, 2], namespace=namespace)  # the log records the namespace
+    cache.reset()
+    watched = weakref.ref(namespace)
+    del namespace
+    gc.collect()
+    assert watched() is None
+
+
+def test_a_dropped_debug_cache_is_freed_without_the_cyclic_collector() -> None:
+    gc.collect()
+    gc.disable()
+    try:
+        cache = HiCache(CacheConfig(page_size=1, device_pages=8, host_pages=8, debug=True))
+        cache.insert([1, 2])
+        watched = weakref.ref(cache)
+        del cache
+        assert watched() is None
+    finally:
+        gc.enable()
+        gc.collect()

@@ -139,9 +139,10 @@ class _Codes(dict[str, int]):
 def _argument_words(value: object, namespace: bool) -> tuple[int, ...]:
     """Return the words an operation's argument folds in as: what :func:`_ids` shows, as ints.
 
-    A count as itself, None as a tag, a long tuple of ids by its length and
-    ``hash()``, slots (``array('Q')``) by length and two checksums, and
-    anything else (short tuples, namespaces) by the CRC-32 of its text.
+    A count as itself, None as a tag, a tuple of ids by its length and
+    ``hash()`` (the same in every process for ints), slots (``array('Q')``) by
+    length and two checksums, and anything else (namespaces) by the CRC-32 of
+    its text.
     """
     if type(value) is int:
         return (_INT, value)
@@ -149,7 +150,7 @@ def _argument_words(value: object, namespace: bool) -> tuple[int, ...]:
         return (_NONE,)
     if namespace:
         return (_TEXT, zlib.crc32(_namespace(value).encode()))
-    if isinstance(value, tuple) and len(value) > _SHOWN:  # a TokenKey too, as _ids has it
+    if isinstance(value, tuple):  # a TokenKey too; numpy integers hash as the ints they are
         return (_LONG_IDS, len(value), hash(value))
     if isinstance(value, array.array):
         return (_ARRAY, len(value), zlib.crc32(value), zlib.adler32(value))
