@@ -494,26 +494,6 @@ def test_a_node_inserted_with_numpy_slots_can_be_evicted() -> None:
     assert cache.tiers.device.allocator.free_pages == 0
 
 
-def _accepted(kind: str, slots: list[int]) -> list[object]:
-    """``slots`` as objects the argument check takes for ints: numpy integers or bools."""
-    if kind == "numpy":
-        np = pytest.importorskip("numpy")
-        return [np.int64(s) for s in slots]
-    return [bool(s) for s in slots]  # slots 0 and 1: False, True
-
-
-@pytest.mark.parametrize("kind", ["numpy", "bool"])
-def test_an_insert_with_accepted_slots_backs_up_and_stores_ints(kind: str) -> None:
-    cache = HiCache(CacheConfig(page_size=1, device_pages=8, host_pages=8))  # write-through
-    slots = cache.alloc_slots(2)  # slots 0 and 1
-    assert cache.insert([5, 6], _accepted(kind, slots)) == 0  # type: ignore[arg-type]
-    match = cache.match_prefix([5, 6])
-    assert {type(p) for p in match.device_pages} == {int}
-    cache.poll()
-    assert cache.log.refusals() == []
-    cache.check_invariants()
-
-
 def test_the_same_short_request_as_numpy_scalars_folds_in_alike() -> None:
     np = pytest.importorskip("numpy")
     one = HiCache(CacheConfig(page_size=1, device_pages=8, host_pages=8))

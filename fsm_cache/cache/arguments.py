@@ -69,18 +69,13 @@ def ints(value: object, op: str, what: str) -> tuple[int, ...]:
     """
     if type(value) is TokenKey:
         return value
-    return packed(value, op, what, slots=False)[0]
+    return packed(value, op, what)[0]
 
 
-def packed(
-    value: object, op: str, what: str, *, slots: bool = True
-) -> tuple[tuple[int, ...], array.array[int]]:
+def packed(value: object, op: str, what: str) -> tuple[tuple[int, ...], array.array[int]]:
     """Return :func:`ints` of ``value``, and the same ids packed in an ``array('Q')``.
 
-    With ``slots`` (slot and page lists), the tuple holds plain ints whatever
-    the caller's list held (bools, numpy integers): they become pages. Token
-    ids are kept as given; they compare and hash as the ints they stand for.
-    A ``tolist()`` gives plain ints already. The array is the one the check builds anyway. The event log keeps it in
+    The array is the one the check builds anyway. The event log keeps it in
     place of the tuple for long slot lists: eight bytes an id, and no int
     objects in it for the garbage collector to trace, however many entries
     the log keeps.
@@ -90,9 +85,7 @@ def packed(
     """
     if type(value) is TokenKey:  # checked when built: only packed here
         return value, array.array("Q", value)
-    given = True  # the caller's own list or tuple, not one a tolist() made
     if not isinstance(value, (list, tuple)):  # the common kinds skip the checks of the rest
-        given = False
         tolist = getattr(value, "tolist", None)
         if callable(tolist):
             value = tolist()
@@ -106,10 +99,6 @@ def packed(
     except (TypeError, OverflowError):
         _name_culprit(out, op, what)
         raise  # not reached: _name_culprit raises
-    if given and slots:
-        # The ints the array holds, not the caller's objects: a bool or a numpy integer
-        # kept as a page would be refused by the pools, or index a tensor as a mask.
-        out = tuple(words)
     return out, words
 
 
