@@ -121,7 +121,7 @@ def _namespace(value: object) -> str:
 
 _TRANSITION, _OPERATION, _REFUSED = -1, -2, -3
 """The first word of each entry's words: what kind of entry follows."""
-_INT, _NONE, _LONG_IDS, _ARRAY, _TEXT = 0, 1, 2, 3, 4
+_INT, _NONE, _IDS, _ARRAY, _TEXT = 0, 1, 2, 3, 4
 """The first word of each argument's words: how the words after it encode it."""
 
 
@@ -151,7 +151,7 @@ def _argument_words(value: object, namespace: bool) -> tuple[int, ...]:
     if namespace:
         return (_TEXT, zlib.crc32(_namespace(value).encode()))
     if isinstance(value, tuple):  # a TokenKey too; numpy integers hash as the ints they are
-        return (_LONG_IDS, len(value), hash(value))
+        return (_IDS, len(value), hash(value))
     if isinstance(value, array.array):
         return (_ARRAY, len(value), zlib.crc32(value), zlib.adler32(value))
     return (_TEXT, zlib.crc32(_ids(value).encode()))
