@@ -494,6 +494,28 @@ def test_a_node_inserted_with_numpy_slots_can_be_evicted() -> None:
     assert cache.tiers.device.allocator.free_pages == 0
 
 
+@pytest.mark.parametrize("kind", ["bools", "numpy", "numpy, page 2"])
+def test_slots_that_equal_pages_become_the_pages_themselves(kind: str) -> None:
+    """A node keeps the pool's own page ints, so its write-through copy and its match work."""
+    page = 2 if kind.endswith("page 2") else 1
+    cache = HiCache(CacheConfig(page_size=page, device_pages=8, host_pages=8))
+    held = cache.alloc_slots(2 * page)  # pages 0 and 1
+    if kind == "bools":
+        given: list[object] = [False, True]
+    else:
+        np = pytest.importorskip("numpy")
+        given = [np.int64(s) for s in held]
+    tokens = list(range(5, 5 + 2 * page))
+    cache.insert(tokens, given)  # type: ignore[arg-type]
+    cache.poll()
+    match = cache.match_prefix(tokens)
+    node = match.last_device_node
+    assert node.host == "backed"  # the write-through copy read the pages
+    assert [type(p) for p in node.device_pages] == [int, int]
+    assert list(match.device_pages) == [0, 1]
+    cache.check_invariants()
+
+
 def test_the_same_short_request_as_numpy_scalars_folds_in_alike() -> None:
     np = pytest.importorskip("numpy")
     one = HiCache(CacheConfig(page_size=1, device_pages=8, host_pages=8))

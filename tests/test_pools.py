@@ -136,6 +136,41 @@ def test_pages_go_back_to_the_free_list_as_the_pools_own_ints(pages: str) -> Non
     a.check()
 
 
+@pytest.mark.parametrize(
+    ("given", "owned"),
+    [
+        ([0, 1], (0, 1)),
+        ((3, 0), (3, 0)),
+        ([False, True], (0, 1)),
+        ([True, 3], (1, 3)),
+        ([0, 1.0], (0, 1)),  # a run: compared with the pool's pages, in C
+        ([3, 1.0], None),  # not a run: a float never indexes the pool
+        ([1, 1], None),
+        ([True, 1], None),
+        ([-1, 0], None),
+        ([3, 4], None),  # page 4 is outside the pool
+        ([0, 2, 3], None),  # page 2 is the other owner's
+        ([], ()),
+    ],
+)
+def test_owned_pages_come_back_as_the_pools_own_ints(
+    given: list[object], owned: tuple[int, ...] | None
+) -> None:
+    """``owned`` is ``all_owned_by`` that also hands back the pool's page objects."""
+    a = PageAllocator("device", 4, 1)
+    a.alloc(2, owner=1)  # pages 0 and 1
+    a.alloc(1, owner=2)  # page 2
+    a.alloc(1, owner=1)  # page 3
+    before = snapshot(a)
+    got = a.owned(given, 1)  # type: ignore[arg-type]
+    assert got == owned
+    assert a.all_owned_by(given, 1) is (owned is not None)  # type: ignore[arg-type]
+    if got:
+        assert [type(p) for p in got] == [int] * len(got)
+        assert all(p is a.owned((p,), 1)[0] for p in got)  # type: ignore[index]
+    assert snapshot(a) == before
+
+
 def test_reassign_moves_ownership_for_a_split() -> None:
     a = PageAllocator("device", 4, 2)
     pages = a.alloc(8, owner=1)

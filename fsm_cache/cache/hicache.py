@@ -388,8 +388,13 @@ class HiCache:
             out = {ident: given[o : o + n] for ident, o, n in parts}
         else:
             out = {ident: tuple(pages_of(given[o : o + n], page)) for ident, o, n in parts}
-        taken = next(iter(out.values())) if len(out) == 1 else tuple(chain(*out.values()))
-        slots.check_held(self.tiers.device.allocator, taken)
+        allocator = self.tiers.device.allocator
+        if len(out) == 1:
+            ident = next(iter(out))
+            return {ident: slots.held(allocator, out[ident])}
+        own, at = slots.held(allocator, tuple(chain(*out.values()))), 0
+        for ident, pages in out.items():
+            out[ident], at = own[at : at + len(pages)], at + len(pages)
         return out
 
     def _take_over(

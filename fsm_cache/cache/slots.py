@@ -43,14 +43,18 @@ def wanted(path: Sequence[TreeNode], key: Key) -> list[tuple[int, int, int]]:
     return out
 
 
-def check_held(allocator: PageAllocator, pages: Sequence[int]) -> None:
-    """Refuse unless every page is held by a request and listed once.
+def held(allocator: PageAllocator, pages: Sequence[int]) -> tuple[int, ...]:
+    """Return ``pages`` as the pool's own ints if every one is held by a request, once.
+
+    The cache keeps the result as a node's pages, never the caller's objects
+    (:meth:`PageAllocator.owned`).
 
     Raises:
         ForeignSlot: A page is outside the pool, free, owned by a node, or repeated.
     """
-    if allocator.all_owned_by(pages, REQUEST):
-        return  # the common case, checked in C; otherwise name the first fault
+    own = allocator.owned(pages, REQUEST)
+    if own is not None:
+        return own  # the common case, checked in C; otherwise name the first fault
     seen: set[int] = set()
     for p in pages:
         owner = allocator.owner_of(p)  # ForeignSlot when outside the pool
@@ -63,3 +67,4 @@ def check_held(allocator: PageAllocator, pages: Sequence[int]) -> None:
         if p in seen:
             raise ForeignSlot(f"insert: device page {p} is given twice")
         seen.add(p)
+    raise ForeignSlot(f"insert: device slots {list(pages)!r} are not pages of the device pool")

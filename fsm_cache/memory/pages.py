@@ -240,6 +240,36 @@ class PageAllocator:
             self._verified, self._verified_owner = pages, owner
         return found
 
+    def owned(self, pages: Sequence[int], owner: int) -> tuple[int, ...] | None:
+        """Return ``pages`` as the pool's own page ints if :meth:`all_owned_by` holds, else None.
+
+        For a caller that keeps pages it was given: a bool or a numpy integer
+        that equals a page (both pass an ``array('Q')`` check) becomes the
+        page itself, and the pages kept take the identity shortcuts of the
+        pool's later checks. The result is remembered as checked, like a
+        tuple :meth:`all_owned_by` found owned.
+        """
+        if not pages:
+            return ()
+        n = len(pages)
+        if self._is_run(pages):  # distinct and in range
+            first = pages[0]
+            if self._owner[first : first + n].count(owner) != n:
+                return None
+            own = tuple(self._index[first : first + n])
+            self._last_run = own
+        else:
+            try:
+                if min(pages) < 0 or max(pages) >= self.num_pages or len(set(pages)) != n:
+                    return None
+                own = tuple(map(self._index.__getitem__, pages))  # a float raises here
+            except TypeError:  # a page that is not an int: the caller's check names it
+                return None
+            if list(map(self._owner.__getitem__, own)).count(owner) != n:
+                return None
+        self._verified, self._verified_owner = own, owner
+        return own
+
     def run_of(self, pages: Sequence[int]) -> int | None:
         """Return the first page if ``pages`` is one ascending run inside this pool, else None.
 
