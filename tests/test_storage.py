@@ -331,6 +331,42 @@ def test_local_pages_are_files_named_by_key(tmp_path: Path) -> None:
     assert same(again.get(keys), pages)
 
 
+def test_local_temporary_files_of_a_crashed_writer_are_deleted_at_open(tmp_path: Path) -> None:
+    """A writer killed mid-page leaves its temporary file; the next store over the directory
+    deletes it, and leaves alone those of live writers, of other hosts and of unknown form."""
+    crash = (
+        "import os, sys, torch\n"
+        "from fsm_cache.storage import codec\n"
+        "from fsm_cache.storage.keys import Namespace, page_keys\n"
+        "from fsm_cache.storage.local import LocalFileStore\n"
+        "store = LocalFileStore(sys.argv[1])\n"
+        "def dies(fd, key, page):\n"
+        "    os.write(fd, b'part of a page')\n"
+        "    os._exit(9)\n"
+        "codec.write = dies\n"
+        "key = page_keys(Namespace('m', 'l', 4), list(range(4)))\n"
+        "store.put(key, [torch.zeros(2)])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", crash, str(tmp_path)], check=False)
+    assert done.returncode == 9
+    (left,) = (tmp_path / ".tmp").iterdir()
+    host, pid = left.name.split(".")[1:3]
+    assert int(pid) != os.getpid()
+    key = left.name.split(".")[0]
+    kept = [
+        f"{key}.{host}.{os.getpid()}.1.tmp",  # a live writer: this process
+        f"{key}.elsewhere.{pid}.1.tmp",  # another host's process of the same number
+        f"{key}.{pid}.1.tmp",  # a name without a host
+    ]
+    for name in kept:
+        (tmp_path / ".tmp" / name).write_bytes(b"x")
+    store = LocalFileStore(tmp_path)
+    assert store.reaped == 1
+    assert sorted(p.name for p in (tmp_path / ".tmp").iterdir()) == sorted(kept)
+    assert store.capacity().pages == 0
+    assert LocalFileStore(tmp_path).reaped == 0
+
+
 def test_local_pages_written_by_another_process_are_found(tmp_path: Path) -> None:
     """Two stores over one directory: one writes, the other discovers, reads, and counts it."""
     keys, pages = page_keys(NS, list(range(8))), pages_of(2)

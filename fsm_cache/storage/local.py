@@ -5,6 +5,8 @@ Pages are content-addressed: the file of a page is named by its key
 present and writes nothing. A page is written to a temporary file under
 ``<root>/.tmp`` and renamed into place with :func:`os.replace`, so a reader
 never sees part of a page under its name; a crash leaves only a temporary file.
+A temporary file is named by its writer's host and process: a store opened
+on the directory deletes those of this host's processes that are gone.
 Every read checks the page's header (:mod:`fsm_cache.storage.codec`).
 
 With a byte limit, a write reserves its bytes first (:mod:`fsm_cache.storage.budget`)
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -54,12 +57,16 @@ class LocalFileStore:
 
     Args:
         root: The directory (created if missing). Pages already there are
-            indexed, oldest first, and count against the limit.
+            indexed, oldest first, and count against the limit; temporary
+            files of crashed writers on this host are deleted.
         limit_bytes: The most the pages may take on disk (headers included),
             or None for no limit.
         durable: ``fsync`` each page before renaming it into place, and the
             directories that name it after, so a page survives a power loss
             once acknowledged (slower).
+
+    Attributes:
+        reaped: Temporary files of gone writers on this host that opening deleted.
     """
 
     def __init__(
@@ -75,6 +82,7 @@ class LocalFileStore:
         self._rooted: set[str] = set()  # shards whose entry in root this process synced
         self._tmp = self.root / ".tmp"
         self._tmp.mkdir(parents=True, exist_ok=True)
+        self.reaped = _reap(self._tmp)
         self._scan()
 
     def path(self, key: str) -> Path:
@@ -244,7 +252,7 @@ class LocalFileStore:
     def _write(self, key: str, page: torch.Tensor) -> None:
         """Write ``page`` to a temporary file and rename it into place; clean up on failure."""
         target = self.path(key)
-        temporary = self._tmp / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+        temporary = self._tmp / f"{key}.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
@@ -415,6 +423,47 @@ class LocalFileStore:
         for _, key, size in sorted(found):
             self._index[key] = size
             self._budget.add(size)
+
+
+_HOST = socket.gethostname().replace(".", "_").replace("/", "_") or "host"
+"""This host in temporary files' names: a process id means something only on its host."""
+
+
+def _reap(tmp: Path) -> int:
+    """Delete the temporary files of this host's writers that are gone; return how many.
+
+    A name reads ``<key>.<host>.<pid>.<thread>.tmp``. Files of other hosts (a
+    shared directory) and of live processes are left alone, as are names in
+    another form: their writer cannot be told apart from a live one.
+    """
+    reaped = 0
+    if os.name != "posix":  # os.kill(pid, 0) tests a process only on POSIX
+        return reaped
+    for file in tmp.glob("*.tmp"):
+        parts = file.name.split(".")
+        if len(parts) != 5 or parts[1] != _HOST or not parts[2].isdigit():
+            continue
+        if _alive(int(parts[2])):
+            continue
+        try:
+            file.unlink()
+        except OSError:  # another store reaped it first, or it is not ours to delete
+            continue
+        reaped += 1
+    return reaped
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (signal 0 tests without sending)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process; or not a pid at all
+        return True
+    return True
 
 
 def _sync_directory(path: Path) -> None:
