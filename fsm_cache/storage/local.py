@@ -425,8 +425,21 @@ class LocalFileStore:
             self._budget.add(size)
 
 
-_HOST = socket.gethostname().replace(".", "_").replace("/", "_") or "host"
-"""This host in temporary files' names: a process id means something only on its host."""
+def _host() -> str:
+    """This host and process-id namespace, as a name part: a pid means something only there.
+
+    Containers may share a hostname and a directory, each with its own
+    process ids; on Linux the pid namespace's inode tells them apart.
+    """
+    name = socket.gethostname().replace(".", "_").replace("/", "_") or "host"
+    try:
+        return f"{name}-{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:  # not Linux, or no /proc
+        return name
+
+
+_HOST = _host()
+"""This host in temporary files' names (:func:`_host`)."""
 
 
 def _reap(tmp: Path) -> int:
