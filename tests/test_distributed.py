@@ -228,6 +228,7 @@ def two_rank_worker(rank: int, world: int, store: str, out: str) -> None:
     report["parted_keys"] = parted_keys(rank)
     report["reset_alone"] = reset_alone(rank, world)
     report["step_vs_verify"] = step_versus_verify(rank)
+    report["raised_before"] = raised_before_the_collective(rank)
     report["slow_report"] = a_slow_report(rank)
     dist.barrier()  # the default group is whole: the slow rank catches up here
     report["hang"] = survive_a_hang(rank)  # last: the group is broken after it
@@ -407,6 +408,28 @@ def step_versus_verify(rank: int) -> list[Any]:
     except (RankDivergence, RankFailure) as exc:
         said = f"{type(exc).__name__}: {exc}"
     return [said, time.monotonic() - started < 1.0]
+
+
+def raised_before_the_collective(rank: int) -> list[Any]:
+    """Rank 1's own work before the step's collective raises: both raise at once.
+
+    Rank 1 keeps a shorter event log than its digest needs (a configuration that
+    differs between the ranks), so its step raises ConfigError before the
+    all-reduce. On a gloo group of its own with a timeout the test would notice.
+    """
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+    limit = {"log_limit": 1} if rank == 1 else {}
+    shared = DistributedCache(HiCache(bench_config(debug=True, **limit)), side, timeout=5.0)
+    serve_request(shared.cache, chat_trace(1, seed=1)[0])
+    before = len(shared.cache.log.transitions())
+    started = time.monotonic()
+    try:
+        shared.step()
+        said = "no error"
+    except (ConfigError, RankFailure) as exc:
+        said = f"{type(exc).__name__}: {exc}"
+    quick = time.monotonic() - started < 1.0
+    return [said, quick, shared.steps, len(shared.cache.log.transitions()) - before]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -852,6 +875,25 @@ def test_ranks_in_a_step_and_a_verification_raise_at_once(two_ranks: Results) ->
         "different DistributedCache methods)"
     )
     assert [r["step_vs_verify"] for r in two_ranks] == [[want, True], [want, True]]
+
+
+def test_a_rank_that_raises_before_the_collective_takes_the_others_along(
+    two_ranks: Results,
+) -> None:
+    """The others raise at once, naming the rank and its error, and apply nothing."""
+    raised = (
+        "ConfigError: distributed: the event log dropped {} entries the transition digest "
+        "had not read; raise CacheConfig.log_limit"
+    )
+    mine, other = two_ranks[1]["raised_before"], two_ranks[0]["raised_before"]
+    dropped = re.fullmatch(raised.replace("{}", r"(\d+)"), mine[0])
+    assert dropped, mine
+    told = raised.format(dropped[1]).replace("ConfigError: ", "ConfigError in step: ", 1)
+    assert other[0] == (
+        "RankFailure: rank 0 of 2: the agreement stopped before its collective, and no "
+        f"rank applied anything in it: rank 1 raised {told}"
+    )
+    assert [mine[1:], other[1:]] == [[True, 0, 0], [True, 0, 0]]
 
 
 def test_a_slow_rank_in_a_divergence_report_fails_the_other_after_the_timeout(

@@ -45,11 +45,12 @@ order; so is a lookup that asks a storage tier about its tail.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import struct
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -77,8 +78,10 @@ from fsm_cache.errors import (
     BadArgument,
     ConfigError,
     CopyFailed,
+    FsmCacheError,
     NoProcessGroup,
     RankDivergence,
+    RankFailure,
 )
 from fsm_cache.memory.tickets import Completion
 
@@ -99,8 +102,15 @@ completion, an overdue copy, and the first finished copy that failed."""
 _WIDTH = 2 + _OWN + 2 * _SHARED + STORAGE_SLOTS
 """Length of every agreement all-reduce (a step's, a hit count's, a verification's), so ranks that
 reach different ones get the same shapes, and say so, instead of failing in gloo."""
-_STEP, _HITS, _VERIFY = 1, 2, 3
-_KINDS = {_STEP: "a step", _HITS: "a prefetch's hit count", _VERIFY: "a digest verification"}
+_STEP, _HITS, _VERIFY, _RAISED = 1, 2, 3, 4
+_KINDS = {
+    _STEP: "a step",
+    _HITS: "a prefetch's hit count",
+    _VERIFY: "a digest verification",
+    _RAISED: "the notice that a rank raised",
+}
+"""Each agreement collective's kind; ``_RAISED``, the highest, is the collective a rank
+joins in place of a step's or a verification's when its own work before it raised."""
 
 
 Loss = tuple[int, list[list[int]], int]
@@ -292,9 +302,10 @@ class DistributedCache:
                 others for longer than ``timeout``; or some ranks called
                 another method (:meth:`verify_agreement`, say) instead.
         """
-        self._follow_reset()
-        for completion in self.cache.tiers.copier.poll():
-            self._finished[completion.ticket.id] = completion
+        with self._announcing("step"):
+            self._follow_reset()
+            for completion in self.cache.tiers.copier.poll():
+                self._finished[completion.ticket.id] = completion
         return self._agree(drained=False)[0]
 
     def poll(self) -> int:
@@ -326,11 +337,13 @@ class DistributedCache:
                 completion), which would otherwise leave every rank waiting.
             RankFailure: A collective failed or timed out.
         """
-        self._follow_reset()
+        with self._announcing("drain"):
+            self._follow_reset()
         applied, rounds, limit = 0, 0, None
         while True:  # agree at least once, so that every rank takes the same turns
-            for completion in self.cache.tiers.copier.drain():
-                self._finished[completion.ticket.id] = completion
+            with self._announcing("drain"):
+                for completion in self.cache.tiers.copier.drain():
+                    self._finished[completion.ticket.id] = completion
             count, quiet = self._agree(drained=True)
             applied, rounds = applied + count, rounds + 1
             if limit is None:  # the first round checked that the trees agree, so this does
@@ -352,24 +365,28 @@ class DistributedCache:
             How many copies were applied, and whether no rank had anything in
             flight or queued before they were (so every rank still has none).
         """
-        digest = self._digest.update()
-        issued = self.cache.issued()
-        ready = self._ready(issued)
-        failed = next(
-            (i for i, ticket in enumerate(issued[:ready]) if not self._finished[ticket].ok), ready
-        )
-        # a wait lost a completion, or every copy finished and one never reported
-        short = self._loss is not None or (drained and ready < len(issued))
-        # the stall clock runs for one head copy: a new head (the old one applied by a
-        # wait) starts it over, at the same step on every rank
-        head = issued[0] if issued else None
-        now = time.monotonic()
-        since = self._stalled_since if head == self._stalled_head else None
-        overdue = since is not None and now - since > self.timeout
-        tier = self.cache.storage
-        slots = [-1] * STORAGE_SLOTS if tier is None else tier.report(STORAGE_SLOTS, wait=drained)
-        stores = {} if tier is None else tier.in_flight()
-        busy = not self.cache.transfers.idle() or (tier is not None and not tier.idle())
+        with self._announcing("drain" if drained else "step"):
+            digest = self._digest.update()
+            issued = self.cache.issued()
+            ready = self._ready(issued)
+            failed = next(
+                (i for i, ticket in enumerate(issued[:ready]) if not self._finished[ticket].ok),
+                ready,
+            )
+            # a wait lost a completion, or every copy finished and one never reported
+            short = self._loss is not None or (drained and ready < len(issued))
+            # the stall clock runs for one head copy: a new head (the old one applied by a
+            # wait) starts it over, at the same step on every rank
+            head = issued[0] if issued else None
+            now = time.monotonic()
+            since = self._stalled_since if head == self._stalled_head else None
+            overdue = since is not None and now - since > self.timeout
+            tier = self.cache.storage
+            slots = (
+                [-1] * STORAGE_SLOTS if tier is None else tier.report(STORAGE_SLOTS, wait=drained)
+            )
+            stores = {} if tier is None else tier.in_flight()
+            busy = not self.cache.transfers.idle() or (tier is not None and not tier.idle())
         # one collective: the MIN of each value and of its negation (the MAX), so any rank's
         # flag reaches all, all ranks raise or go on at the same step, and the values every
         # rank must share (copies in flight, transitions, digest words) are equal iff MIN == MAX;
@@ -414,18 +431,24 @@ class DistributedCache:
         self.steps += 1
         return agreed + accepted, not lows[-1]
 
-    def _reduce(self, kind: int, values: list[int], what: str) -> list[int]:
+    def _reduce(
+        self, kind: int, values: list[int], what: str, raised: str | None = None
+    ) -> list[int]:
         """All-reduce ``values`` (MIN) as a collective of ``kind``; return the reduced values.
 
         Every agreement collective has the same length and starts with its
         kind and its negation, so ranks that reach different collectives (one
         in a step, another in a lookup's hit count) all raise
         :class:`RankDivergence` instead of gloo failing on mismatched shapes
-        (SGLang #39267).
+        (SGLang #39267). Where some ranks sent the :data:`_RAISED` notice
+        (``raised`` says what this rank raised), every rank gathers what each
+        raised, and raises :class:`RankFailure` naming them.
         """
         padded = [kind, -kind, *values, *[0] * (_WIDTH - 2 - len(values))]
         reduced = self.comm.all_reduce_min(padded, what)
         low, high = reduced[0], -reduced[1]
+        if high == _RAISED and low != high:
+            raise RankFailure(self._raised_message(raised))
         if low != high:
             why = (
                 "a lookup asked the storage tier on some ranks only"
@@ -437,6 +460,34 @@ class DistributedCache:
                 f"different collectives: some {_KINDS[low]}, the others {_KINDS[high]} ({why})"
             )
         return reduced[2:]
+
+    @contextlib.contextmanager
+    def _announcing(self, where: str) -> Iterator[None]:
+        """Run this rank's work before a collective; if it raises, tell the others first.
+
+        The others are waiting in the collective by then. This rank joins it
+        as a :data:`_RAISED` notice, then its part of a gather of what each
+        rank raised, and raises its own error; the others raise
+        :class:`RankFailure` naming it at once, instead of after ``timeout``.
+        Whatever the notice itself raises (the others gone too) gives way to
+        the error that caused it.
+        """
+        try:
+            yield
+        except Exception as exc:
+            text = f"{type(exc).__name__} in {where}: {exc}"
+            with contextlib.suppress(FsmCacheError):
+                self._reduce(_RAISED, [], f"notice that {where} raised (all_reduce MIN)", text)
+            raise
+
+    def _raised_message(self, mine: str | None) -> str:
+        """Gather what each rank raised before the collective (None: nothing) and name them."""
+        raised = self.comm.all_gather_object(mine)
+        named = "; ".join(f"rank {r} raised {text}" for r, text in enumerate(raised) if text)
+        return (
+            f"rank {self.rank} of {self.world_size}: the agreement stopped before its "
+            f"collective, and no rank applied anything in it: {named}"
+        )
 
     def _agree_hits(self, found: Sequence[int], asked: Sequence[int]) -> list[int]:
         """Agree on a prefetch query's hit counts: the MIN over the ranks (the tier's hook).
@@ -497,8 +548,9 @@ class DistributedCache:
                 where the others called this: every rank raises at once.
             RankFailure: A collective failed or timed out.
         """
-        self._follow_reset()
-        mine = self._digest.update()
+        with self._announcing("verify_agreement"):
+            self._follow_reset()
+            mine = self._digest.update()
         same = [self._resets, self._digest.count, len(self.cache.issued())]
         same += struct.unpack("<4I", mine)
         reduced = self._reduce(
