@@ -26,6 +26,7 @@ from fsm_cache.errors import (
     ConcurrentUse,
     ConfigError,
     DuplicateAck,
+    ForeignSlot,
     StaleNode,
 )
 from fsm_cache.memory.copies import CopyEngine
@@ -514,6 +515,18 @@ def test_slots_that_equal_pages_become_the_pages_themselves(kind: str) -> None:
     assert [type(p) for p in node.device_pages] == [int, int]
     assert list(match.device_pages) == [0, 1]
     cache.check_invariants()
+
+
+def test_a_fault_among_numpy_slots_is_named_as_among_ints() -> None:
+    np = pytest.importorskip("numpy")
+    cache = HiCache(CacheConfig(page_size=1, device_pages=16, host_pages=0))
+    held = cache.alloc_slots(6)
+    given = [np.int64(s) for s in [*held[:-1], 8]]  # page 8 is free
+    with pytest.raises(ForeignSlot) as caught:
+        cache.insert(list(range(6)), given)
+    assert str(caught.value) == (
+        "insert: device page 8 is free; a request's slots come from alloc_slots"
+    )
 
 
 def test_the_same_short_request_as_numpy_scalars_folds_in_alike() -> None:

@@ -171,6 +171,26 @@ def test_owned_pages_come_back_as_the_pools_own_ints(
     assert snapshot(a) == before
 
 
+def test_numpy_pages_are_checked_as_the_pages_they_stand_for() -> None:
+    """An array of pages is no truth value, and a numpy page fault names the page itself."""
+    np = pytest.importorskip("numpy")
+    a = PageAllocator("device", 8, 1)
+    a.alloc(2, owner=1)  # pages 0 and 1
+    assert a.owned(np.array([0]), 1) == (0,)
+    assert a.owned(np.array([1, 0]), 1) == (1, 0)
+    assert a.owned(np.array([], dtype=np.int64), 1) == ()
+    assert a.owned(np.array([0, 5]), 1) is None
+    assert a.all_owned_by(np.array([0]), 2) is False
+    assert a.owner_of(np.int64(1)) == 1
+    with pytest.raises(DoubleFree) as freed:
+        a.free([np.int64(0), np.int64(5)], owner=1)
+    assert str(freed.value) == "device pool: page 5 is already free"
+    with pytest.raises(ForeignSlot) as caught:
+        a.owner_of(np.int64(9))
+    assert str(caught.value) == "device pool: page 9 outside 0..7"
+    assert sorted(a.free_list) == [2, 3, 4, 5, 6, 7]
+
+
 def test_reassign_moves_ownership_for_a_split() -> None:
     a = PageAllocator("device", 4, 2)
     pages = a.alloc(8, owner=1)

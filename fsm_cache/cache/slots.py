@@ -67,4 +67,5 @@ def held(allocator: PageAllocator, pages: Sequence[int]) -> tuple[int, ...]:
         if p in seen:
             raise ForeignSlot(f"insert: device page {p} is given twice")
         seen.add(p)
-    raise ForeignSlot(f"insert: device slots {list(pages)!r} are not pages of the device pool")
+    # only an int subclass that compares unlike the page it equals gets here
+    raise ForeignSlot(f"insert: device slots {list(pages)!r} could not be checked as the request's")

@@ -13,6 +13,7 @@ Every refusal raises a :class:`~fsm_cache.errors.PoolError` and changes nothing.
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -222,7 +223,7 @@ class PageAllocator:
         A fast test (its loops run in C) for the checks that then name the
         first page at fault when it is False.
         """
-        if not pages:
+        if len(pages) == 0:  # not ``not pages``: a numpy array has no truth value
             return True
         if pages is self._verified and owner == self._verified_owner:
             return True  # this very tuple passed for this owner, and no owner changed since
@@ -249,14 +250,14 @@ class PageAllocator:
         pool's later checks. The result is remembered as checked, like a
         tuple :meth:`all_owned_by` found owned.
         """
-        if not pages:
+        n = len(pages)  # not ``not pages``: a numpy array has no truth value
+        if n == 0:
             return ()
-        n = len(pages)
-        if self._is_run(pages):  # distinct and in range
-            first = pages[0]
+        own = self._own_run(pages)
+        if own is not None:  # distinct and in range
+            first = own[0]
             if self._owner[first : first + n].count(owner) != n:
                 return None
-            own = tuple(self._index[first : first + n])
             self._last_run = own
         else:
             try:
@@ -269,6 +270,21 @@ class PageAllocator:
                 return None
         self._verified, self._verified_owner = own, owner
         return own
+
+    def _own_run(self, pages: Sequence[int]) -> tuple[int, ...] | None:
+        """The pool's own pages of the run ``pages`` is (a list or tuple), else None.
+
+        :meth:`_is_run`, returning the slice of ``_index`` it compares with.
+        """
+        first = pages[0]
+        if type(first) is not int or type(pages) not in (list, tuple):
+            return None
+        n = len(pages)
+        if not 0 <= first <= self.num_pages - n or pages[-1] != first + n - 1:
+            return None
+        run = self._index[first : first + n]
+        own = tuple(run)
+        return own if (pages == run if type(pages) is list else pages == own) else None
 
     def run_of(self, pages: Sequence[int]) -> int | None:
         """Return the first page if ``pages`` is one ascending run inside this pool, else None.
@@ -320,7 +336,10 @@ class PageAllocator:
 
     def _check_range(self, page: int) -> None:
         if not isinstance(page, int):
-            raise ForeignSlot(f"{self.name} pool: page {page!r} is not an int")
+            try:  # a numpy integer is the page it stands for, as the argument checks take it
+                page = operator.index(page)
+            except TypeError:
+                raise ForeignSlot(f"{self.name} pool: page {page!r} is not an int") from None
         if not 0 <= page < self.num_pages:
             raise ForeignSlot(f"{self.name} pool: page {page} outside 0..{self.num_pages - 1}")
 
