@@ -529,6 +529,34 @@ def test_a_fault_among_numpy_slots_is_named_as_among_ints() -> None:
     )
 
 
+def test_token_ids_of_the_top_bit_get_their_kv() -> None:
+    """Ids up to 2**64 - 1 pass the argument check; the cache writes their KV too."""
+    cache = make()
+    tokens = [2**64 - 1, 2**63, 2**63 - 1, 5]
+    cache.insert(tokens)
+    match = cache.match_prefix(tokens)
+    assert match.device_len == 4
+    assert_kv(cache, tokens, match)
+    want = synthetic_kv(cache.tiers.device.layout, [2**64 - 1, 2**63])
+    assert not torch.equal(want, synthetic_kv(cache.tiers.device.layout, [2**63 - 1, 5]))
+    cache.check_invariants()
+
+
+def test_a_kv_write_that_fails_gives_its_pages_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = make()
+    cache.insert([1, 2])
+    before = snapshot(cache)
+
+    def refuse(pages: object, tokens: object) -> None:
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(cache.tiers, "write_tokens", refuse)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        cache.insert([1, 2, 3, 4, 5, 6])
+    assert snapshot(cache) == before
+    cache.check_invariants()
+
+
 def test_the_same_short_request_as_numpy_scalars_folds_in_alike() -> None:
     np = pytest.importorskip("numpy")
     one = HiCache(CacheConfig(page_size=1, device_pages=8, host_pages=8))

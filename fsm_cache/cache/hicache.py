@@ -369,10 +369,14 @@ class HiCache:
         total = sum(n for _, _, n in parts) // page
         run = self._evictor.alloc_device(total, path[-1] if path else None, path)
         out, at = {}, 0
-        for ident, o, n in parts:
-            out[ident] = run[at : at + n // page]
-            self.tiers.write_tokens(out[ident], key[o : o + n])
-            at += n // page
+        try:
+            for ident, o, n in parts:
+                out[ident] = run[at : at + n // page]
+                self.tiers.write_tokens(out[ident], key[o : o + n])
+                at += n // page
+        except BaseException:  # torch refused the write (out of memory): the pages go back
+            self.tiers.free_device(run, REQUEST)
+            raise
         return out
 
     def _caller_pages(

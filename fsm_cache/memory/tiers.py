@@ -547,7 +547,8 @@ class _Pattern:
         take any strides, and views of them must be reshapes.
         """
         n, ps = len(tokens), self.layout.page_size
-        ids = torch.frombuffer(array("q", tokens), dtype=torch.int64)
+        # ids up to 2**64 - 1, read as int64: the code's arithmetic is modulo 2**64 either way
+        ids = torch.frombuffer(array("Q", tokens), dtype=torch.int64)
         if not self._on_cpu:
             ids = ids.to(self.device)
         if not self.starts:
