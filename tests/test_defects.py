@@ -31,7 +31,7 @@ from fsm_cache.errors import (
 )
 from fsm_cache.memory.copies import CopyEngine
 from fsm_cache.memory.kv import KVPool
-from fsm_cache.memory.tickets import Completion
+from fsm_cache.memory.tickets import Completion, Direction, Ticket
 from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
 from fsm_cache.testing.faults import FaultyCopyEngine
 
@@ -432,6 +432,31 @@ def test_14_a_completion_listed_twice_applies_neither() -> None:
         cache.apply_completions([done[0], done[0]])
     assert cache.issued() == [done[0].ticket.id]
     cache.apply_completions(done)
+    assert settled(cache) == [(1, "backed/resident (pins=0, locks=0)")]
+
+
+@pytest.mark.parametrize("kind", ["another cache's", "built by hand"])
+def test_a_completion_of_another_copy_under_the_same_id_applies_nothing(kind: str) -> None:
+    """Every copy engine numbers its tickets from 1: an id alone does not name this copy."""
+    cache, other = make(faulty(delay=3)), make()
+    cache.insert([1, 2])
+    other.insert([7, 8])
+    (mine,) = cache.issued()
+    if kind == "built by hand":
+        wrong = [Completion(Ticket(mine, Direction.H2D, (0,), (0,)))]
+    else:
+        wrong = other.transfers.collect(wait=True)
+    assert wrong[0].ticket.id == mine
+    before = snapshot(cache)
+    with pytest.raises(DuplicateAck) as caught:
+        cache.apply_completions(wrong)
+    assert str(caught.value) == (
+        f"ticket {mine}: ack refused in flight: the completion's ticket is not the copy this"
+        " cache started under that id (another cache's, or one built by hand); nothing was"
+        " applied"
+    )
+    assert snapshot(cache) == before
+    cache.apply_completions(cache.transfers.collect(wait=True))
     assert settled(cache) == [(1, "backed/resident (pins=0, locks=0)")]
 
 

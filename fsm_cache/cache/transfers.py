@@ -26,7 +26,7 @@ from fsm_cache.cache.core import CacheCore
 from fsm_cache.cache.tree import TreeNode
 from fsm_cache.engine import trail
 from fsm_cache.errors import BadArgument, CopyFailed, DuplicateAck, EffectFailed, PoolExhausted
-from fsm_cache.memory.tickets import Completion, Copier, Direction
+from fsm_cache.memory.tickets import Completion, Copier, Direction, Ticket
 from fsm_cache.memory.tiers import Tiers
 from fsm_cache.policy import WritePolicy, backup_threshold, parent_allows_backup, wants_backup
 from fsm_cache.residency import Event
@@ -100,6 +100,7 @@ class CopyBatch:
     nodes: list[TreeNode]
     started: float
     number: int
+    ticket: Ticket
 
 
 class Transfers:
@@ -327,7 +328,7 @@ class Transfers:
             kind = type(exc).__name__
             raise CopyFailed(f"{direction.value} copy could not start: {kind}: {exc}") from exc
         self._started += 1
-        self._tickets[ticket.id] = CopyBatch(nodes, time.perf_counter(), self._started)
+        self._tickets[ticket.id] = CopyBatch(nodes, time.perf_counter(), self._started, ticket)
 
     # -- acknowledgements ----------------------------------------------------
 
@@ -371,6 +372,16 @@ class Transfers:
                     counters={},
                     event="ack",
                     reason="a duplicate or stray acknowledgement; nothing was applied",
+                )
+            if c.ticket is not self._tickets[ident].ticket:  # engines number from 1 alike
+                raise DuplicateAck(
+                    label="ticket",
+                    instance=ident,
+                    state="flight",
+                    counters={},
+                    event="ack",
+                    reason="the completion's ticket is not the copy this cache started under"
+                    " that id (another cache's, or one built by hand); nothing was applied",
                 )
             seen.add(ident)
 
