@@ -603,8 +603,8 @@ def test_misuse_of_the_storage_events_is_refused_by_name_and_changes_nothing(
     unchanged(
         cache,
         lambda: cache.fire("store_done", cache.tree.root()),
-        error_class("DuplicateAck"),
-        "node 0: store_done refused in backed (pins=0): no host-to-storage copy in flight",
+        BadArgument,
+        "fire: node 0 is a namespace root, resident for good; store_done is for the nodes under it",
     )
     unchanged(
         cache,

@@ -460,6 +460,42 @@ def test_a_completion_of_another_copy_under_the_same_id_applies_nothing(kind: st
     assert settled(cache) == [(1, "backed/resident (pins=0, locks=0)")]
 
 
+@pytest.mark.parametrize("event", ["evict_device", "evict_host", "write", "lock", "load_done"])
+def test_fire_refuses_a_namespace_root(event: str) -> None:
+    """A root stands for the empty prefix: evicted, every node under it would be unlockable."""
+    cache = make()
+    cache.insert([1, 2])
+    root = cache.match_prefix([9, 9]).last_device_node
+    before = snapshot(cache)
+    with pytest.raises(BadArgument) as caught:
+        cache.fire(event, root)  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        f"fire: node 0 is a namespace root, resident for good; {event} is for the nodes under it"
+    )
+    assert snapshot(cache) == before
+    with cache.lock(cache.match_prefix([1, 2]).last_device_node):
+        pass
+
+
+@pytest.mark.parametrize("event", ["write_done", "write_failed"])
+def test_fire_refuses_the_acknowledgement_of_a_copy_in_flight(event: str) -> None:
+    cache = make(faulty(delay=3))
+    cache.insert([1, 2])
+    node = cache.match_prefix([1, 2]).last_device_node
+    before = snapshot(cache)
+    with pytest.raises(BadArgument) as caught:
+        cache.fire(event, node)  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        f"fire: {event} acknowledges node {node.id}'s copy, which is in flight: the copy's own"
+        " acknowledgement fires it (poll or apply_completions)"
+    )
+    assert snapshot(cache) == before
+    cache.apply_completions(cache.transfers.collect(wait=True))
+    assert settled(cache) == [(1, "backed/resident (pins=0, locks=0)")]
+    with pytest.raises(DuplicateAck):  # no copy in flight: the spec's own refusal
+        cache.fire("write_done", node)
+
+
 # -- 21: close -----------------------------------------------------------------
 
 

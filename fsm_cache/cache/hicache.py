@@ -35,8 +35,13 @@ from fsm_cache.cache.effects import MemoryEffects
 from fsm_cache.cache.eventlog import EventLog
 from fsm_cache.cache.eviction import Evictor
 from fsm_cache.cache.metrics import Counters, Stats, snapshot
-from fsm_cache.cache.storage_tier import StorageConfig, StorageTier, local_prefix
-from fsm_cache.cache.transfers import AckSourceFactory, Transfers
+from fsm_cache.cache.storage_tier import (
+    STORAGE_ACKNOWLEDGEMENTS,
+    StorageConfig,
+    StorageTier,
+    local_prefix,
+)
+from fsm_cache.cache.transfers import ACKNOWLEDGEMENTS, AckSourceFactory, Transfers
 from fsm_cache.cache.tree import Pages, RadixTree, TreeNode
 from fsm_cache.engine import trail
 from fsm_cache.engine.lease import Lease
@@ -555,12 +560,35 @@ class HiCache:
             where = " (this cache has no storage tier)" if storage else ""
             raise BadArgument(f"fire: {event!r} is not a residency event{where}")
         node = arguments.node(self._core.tree, node, event)
+        if name == "fire":
+            self._check_by_hand(event, node)
         args = (event, node.id) if name == "fire" else (node.id,)
         with self._operation(name, *args):
             if event == "evict_host":  # a node no tier holds afterwards leaves the tree
                 self._evictor.evict_host_node(node)
             else:
                 self._core.fire(node, event)
+
+    def _check_by_hand(self, event: AnyEvent, node: TreeNode) -> None:
+        """Refuse what :meth:`fire` may not do that the spec allows: roots, and copies' acks.
+
+        A namespace root stands for the empty prefix and is resident for good:
+        an event there would leave every node under it unlockable. An
+        acknowledgement the spec would take means the node's copy is in flight
+        (the spec allows it only then), and firing it by hand would part the
+        node from that copy.
+        """
+        if node.parent is None:
+            raise BadArgument(
+                f"fire: node {node.id} is a namespace root, resident for good; {event}"
+                " is for the nodes under it"
+            )
+        acknowledgement = event in ACKNOWLEDGEMENTS or event in STORAGE_ACKNOWLEDGEMENTS
+        if acknowledgement and self._core.allowed(node, event):
+            raise BadArgument(
+                f"fire: {event} acknowledges node {node.id}'s copy, which is in flight:"
+                " the copy's own acknowledgement fires it (poll or apply_completions)"
+            )
 
     # -- memory pressure -----------------------------------------------------
 

@@ -82,6 +82,8 @@ STORAGE_POLICIES = ("write_through", "off")
 """When a node is backed up to storage: after its host backup, or only when told (``fire``)."""
 PREFETCH_POLICIES = ("best_effort", "wait", "timeout")
 """When a lookup that started a prefetch returns: at once, once it is read, or by a deadline."""
+STORAGE_ACKNOWLEDGEMENTS = frozenset({"store_done", "store_failed", "fetch_done", "fetch_failed"})
+"""The events a storage copy's outcome fires (:meth:`StorageTier.apply`), and nothing else may."""
 _STORE_METHODS = ("exists_prefix", "get", "put", "drop", "capacity", "close")
 _GONE = frozenset({"missing", "corrupt", "peer_missing"})
 """Outcomes of a read whose first failed page the store no longer holds: the rest vanish."""

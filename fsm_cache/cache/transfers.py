@@ -34,6 +34,9 @@ from fsm_cache.residency import Event
 
 trail.internal(__file__)
 
+ACKNOWLEDGEMENTS = frozenset({"write_done", "write_failed", "load_done", "load_failed"})
+"""The events a device-host copy's acknowledgement fires (:meth:`Transfers.apply`), and
+nothing else may: fired while the copy runs, they would part the node from its copy."""
 _LOAD_ROUNDS = 3
 """Waits for a load that failed and was copied again before an operation gives up on it."""
 
