@@ -330,6 +330,50 @@ class Blocking:
         return self.inner.poll()
 
 
+class CallingBack:
+    """A copy engine whose poll calls back into its cache (``call(cache)``), and keeps the error."""
+
+    def __init__(self, inner: CopyEngine, call: Callable[[HiCache], object]) -> None:
+        self.inner, self.call = inner, call
+        self.cache: HiCache | None = None
+        self.raised: list[BaseException] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def poll(self) -> list[Completion]:
+        if self.cache is not None:
+            try:
+                self.call(self.cache)
+            except ConcurrentUse as exc:
+                self.raised.append(exc)
+        return self.inner.poll()
+
+
+@pytest.mark.parametrize("call", ["reset", "close", "insert"])
+def test_11_a_call_back_into_the_cache_from_inside_an_operation_is_refused(call: str) -> None:
+    engines: list[CallingBack] = []
+    calls: dict[str, Callable[[HiCache], object]] = {
+        "reset": HiCache.reset,
+        "close": HiCache.close,
+        "insert": lambda cache: cache.insert([7, 8]),
+    }
+
+    def build(device: KVPool, host: KVPool) -> CallingBack:
+        engines.append(CallingBack(CopyEngine(device, host), calls[call]))
+        return engines[-1]
+
+    cache = make(build)
+    cache.insert([1, 2])
+    engines[0].cache = cache
+    assert cache.poll() == 1
+    (refused,) = engines[0].raised
+    assert str(refused).startswith(f"{call}: another operation of this cache is running")
+    engines[0].cache = None
+    assert settled(cache) == [(1, "backed/resident (pins=0, locks=0)")]
+    cache.close()
+
+
 def test_11_a_second_thread_inside_the_cache_is_refused() -> None:
     engines: list[Blocking] = []
 
@@ -345,8 +389,9 @@ def test_11_a_second_thread_inside_the_cache_is_refused() -> None:
     with pytest.raises(ConcurrentUse) as caught:
         cache.insert([1, 2])
     assert str(caught.value) == (
-        "insert: another thread is inside this cache; a cache is single-threaded"
-        " (serialise calls with a lock of your own)"
+        "insert: another operation of this cache is running (on another thread, or one that"
+        " called back into the cache); a cache is single-threaded and its operations do not"
+        " nest (serialise calls with a lock of your own)"
     )
     assert snapshot(cache) == before
     engines[0].go.set()

@@ -112,8 +112,10 @@ class HiCache:
 
     A cache is single-threaded, like the scheduler loop that drives it: a
     thread that calls an operation while another thread is inside one gets
-    :class:`~fsm_cache.errors.ConcurrentUse` and changes nothing. Share one
-    cache across threads only behind a lock of your own. :meth:`close` (or the
+    :class:`~fsm_cache.errors.ConcurrentUse` and changes nothing, and so does
+    a call back into the cache from inside an operation (a copy engine that
+    calls ``reset()`` from its poll). Share one cache across threads only
+    behind a lock of your own. :meth:`close` (or the
     end of a ``with`` block) waits for every copy in flight before the memory
     goes back.
 
@@ -863,12 +865,12 @@ def _chain(node: TreeNode) -> tuple[list[TreeNode], TreeNode | None]:
 
 
 class _Gate:
-    """Who is inside a cache: one thread at a time (re-entrant), and none once closed."""
+    """Who is inside a cache: one operation at a time, never nested, and none once closed."""
 
     __slots__ = ("closed", "lock")
 
     def __init__(self) -> None:
-        self.lock = threading.RLock()
+        self.lock = threading.Lock()
         self.closed = False
 
     def check_open(self, name: str) -> None:
@@ -876,13 +878,18 @@ class _Gate:
             raise CacheClosed(f"{name}: the cache was closed")
 
     def enter(self, name: str) -> None:
-        """Let the calling thread in, or raise ConcurrentUse at once (never blocks)."""
+        """Let the calling thread in, or raise ConcurrentUse at once (never blocks).
+
+        Not re-entrant: an operation called from inside another (a copy engine
+        calling back) would run on the outer one's half-done state.
+        """
         if self.closed:
             self.check_open(name)
         if not self.lock.acquire(False):  # not blocking (positional: the keyword costs)
             raise ConcurrentUse(
-                f"{name}: another thread is inside this cache; a cache is single-threaded"
-                " (serialise calls with a lock of your own)"
+                f"{name}: another operation of this cache is running (on another thread, or"
+                " one that called back into the cache); a cache is single-threaded and its"
+                " operations do not nest (serialise calls with a lock of your own)"
             )
 
     def leave(self) -> None:
