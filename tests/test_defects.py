@@ -205,6 +205,13 @@ def test_5_a_caller_that_never_polls_is_never_refused_room(policy: str, delay: i
 # -- 6, 18: bad input ----------------------------------------------------------
 
 
+class _BadHash:
+    """A namespace whose ``__hash__`` raises something else than TypeError."""
+
+    def __hash__(self) -> int:
+        raise ValueError("no hash today")
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -234,8 +241,34 @@ def test_5_a_caller_that_never_polls_is_never_refused_room(policy: str, delay: i
         (lambda c: c.alloc_slots(2.5), "alloc_slots: num_tokens must be an int, got 2.5"),
         (lambda c: c.free_slots([1.5]), "free_slots: slots[0] is 1.5, not an int"),
         (lambda c: c.load_back(7), "load_back: expected a tree node, got int"),
-        (lambda c: c.backup(None), "backup: expected a sequence of nodes, got NoneType"),
+        (lambda c: c.backup(None), "backup: expected a sequence of tree nodes, got NoneType"),
         (lambda c: c.backup([None]), "backup: expected a tree node, got NoneType"),
+        (lambda c: c.backup(""), "backup: expected a sequence of tree nodes, got str"),
+        (lambda c: c.wait_loaded(""), "wait_loaded: expected a sequence of tree nodes, got str"),
+        (
+            lambda c: c.evict(torch.tensor(True)),
+            "evict: num_tokens must be an int, got tensor(True)",
+        ),
+        (
+            lambda c: c.insert(bytearray(b"ab")),
+            "insert: tokens must be a sequence of ints, got bytearray",
+        ),
+        (
+            lambda c: c.match_prefix(memoryview(b"ab")),
+            "match_prefix: tokens must be a sequence of ints, got memoryview",
+        ),
+        (
+            lambda c: c.insert([1, 2], namespace=(float("nan"),)),
+            "insert: namespace must equal itself, got (nan,)",
+        ),
+        (
+            lambda c: c.insert([1, 2], namespace=torch.tensor([1, 2])),
+            "insert: namespace must compare as one bool, got Tensor (RuntimeError)",
+        ),
+        (
+            lambda c: c.match_prefix([1, 2], namespace=_BadHash()),
+            "match_prefix: namespace's hash raised ValueError: no hash today",
+        ),
         (lambda c: c.fire("nope", c.tree.nodes[1]), "fire: 'nope' is not a residency event"),
         (
             lambda c: c.apply_completions(3),

@@ -86,12 +86,14 @@ def packed(value: object, op: str, what: str) -> tuple[tuple[int, ...], array.ar
     if type(value) is TokenKey:  # checked when built: only packed here
         return value, array.array("Q", value)
     if not isinstance(value, (list, tuple)):  # the common kinds skip the checks of the rest
+        name = type(value).__name__
+        if _text_like(value):  # before tolist(): a byte view's is its bytes
+            raise BadArgument(f"{op}: {what} must be a sequence of ints, got {name}")
         tolist = getattr(value, "tolist", None)
         if callable(tolist):
             value = tolist()
         # an ordered sequence: a set's or a dict's order is not the tokens' order
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            name = type(value).__name__
             raise BadArgument(f"{op}: {what} must be a sequence of ints, got {name}")
     out = tuple(value)
     try:
@@ -100,6 +102,13 @@ def packed(value: object, op: str, what: str) -> tuple[tuple[int, ...], array.ar
         _name_culprit(out, op, what)
         raise  # not reached: _name_culprit raises
     return out, words
+
+
+def _text_like(value: object) -> bool:
+    """Whether ``value`` is text or bytes (a ``bytearray``, a view of bytes), not ids."""
+    if isinstance(value, (str, bytes, bytearray)):
+        return True
+    return isinstance(value, memoryview) and value.format in ("B", "b", "c")
 
 
 def _name_culprit(out: tuple[object, ...], op: str, what: str) -> None:
@@ -120,7 +129,8 @@ def count(value: object, op: str, what: str = "num_tokens") -> int:
     given = value
     if type(value) is not int:
         try:  # numpy ints and one-element integer tensors index; floats and the rest do not
-            value = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
+            boolean = isinstance(value, bool) or str(getattr(value, "dtype", "")) == "torch.bool"
+            value = None if boolean else operator.index(value)  # type: ignore[arg-type]
         except (TypeError, ValueError, RuntimeError):
             value = None
         if value is None:
@@ -134,16 +144,54 @@ def namespace(value: object, op: str) -> Hashable:
     """Return ``value`` if it can key a namespace (hashable, and equal to itself).
 
     Raises:
-        BadArgument: It is unhashable, or unequal to itself (a NaN would open
-            a new namespace at every call).
+        BadArgument: It is unhashable (or its hash raises), or it or an item
+            of a tuple of it is unequal to itself or does not compare as a bool
+            (a NaN would open a new namespace at every call; so would a tuple
+            holding a new NaN).
     """
+    if value is None:
+        return value
+    name = type(value).__name__
     try:
         hash(value)
     except TypeError:
-        raise BadArgument(f"{op}: namespace must be hashable, got {type(value).__name__}") from None
-    if value != value:  # noqa: PLR0124 (NaN is the case)
+        raise BadArgument(f"{op}: namespace must be hashable, got {name}") from None
+    except Exception as exc:  # a __hash__ of the caller's that raises
+        raise BadArgument(f"{op}: namespace's hash raised {type(exc).__name__}: {exc}") from None
+    try:
+        itself = _equals_itself(value)
+    except Exception as exc:  # a tensor's ==, say: no single bool
+        raise BadArgument(
+            f"{op}: namespace must compare as one bool, got {name} ({type(exc).__name__})"
+        ) from None
+    if not itself:
         raise BadArgument(f"{op}: namespace must equal itself, got {value!r}")
     return value
+
+
+def _equals_itself(value: object) -> bool:
+    """Whether ``value`` equals itself, and so does each item of a tuple, at any depth.
+
+    A tuple's ``==`` takes its items as equal to themselves by identity, so a
+    NaN inside one would pass ``value == value`` and still differ from the
+    NaN of the next call's tuple.
+    """
+    if isinstance(value, tuple):
+        return all(_equals_itself(item) for item in value)
+    return bool(value == value)  # noqa: PLR0124 (NaN is the case)
+
+
+def nodes(tree: RadixTree, value: object, op: str) -> list[TreeNode]:
+    """Return ``value``, a sequence of nodes of ``tree`` now, as a list.
+
+    Raises:
+        BadArgument: ``value`` is not a sequence (a string and a lone node are
+            not), or an item is not a tree node.
+        StaleNode: An item was deleted, or belongs to another tree.
+    """
+    if isinstance(value, (TreeNode, str, bytes)) or not isinstance(value, Sequence):
+        raise BadArgument(f"{op}: expected a sequence of tree nodes, got {type(value).__name__}")
+    return [node(tree, item, op) for item in value]
 
 
 def node(tree: RadixTree, value: object, op: str) -> TreeNode:

@@ -471,9 +471,7 @@ class HiCache:
         machines refuse to write (already backed, writing, off the device) are
         skipped; a full host pool stops the batch where it is.
         """
-        if isinstance(nodes, TreeNode) or not isinstance(nodes, Sequence):
-            raise BadArgument(f"backup: expected a sequence of nodes, got {type(nodes).__name__}")
-        given = [arguments.node(self._core.tree, n, "backup") for n in nodes]
+        given = arguments.nodes(self._core.tree, nodes, "backup")
         with self._operation("backup", tuple(n.id for n in given)):
             return self._transfers.start_writes(given)
 
@@ -720,10 +718,7 @@ class HiCache:
             BadArgument: ``nodes`` is not a sequence of nodes.
             StaleNode: A node is not a node of this cache.
         """
-        if isinstance(nodes, TreeNode) or not isinstance(nodes, Sequence):
-            name = type(nodes).__name__
-            raise BadArgument(f"wait_loaded: expected a sequence of tree nodes, got {name}")
-        given = [arguments.node(self._core.tree, n, "wait_loaded") for n in nodes]
+        given = arguments.nodes(self._core.tree, nodes, "wait_loaded")
         with self._operation("wait_loaded", tuple(n.id for n in given)):
             tickets = self._transfers.tickets_of(given)
             if tickets is None:
