@@ -414,6 +414,31 @@ def test_svg_without_graphviz_says_how_to_get_it(
     )
 
 
+@pytest.mark.parametrize(
+    ("script", "message"),
+    [
+        (
+            "printf '\\377\\376'",
+            "dot -Tsvg ({dot}) wrote bytes that are not UTF-8 (at byte 0)",
+        ),
+        ("echo broken >&2; exit 3", "dot -Tsvg failed with exit status 3: broken"),
+        ("sleep 5", "dot -Tsvg ({dot}) ran past 0.5 s; stopped"),
+    ],
+)
+def test_a_dot_that_misbehaves_is_a_diagram_error(
+    specs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str, message: str
+) -> None:
+    fake = tmp_path / "bin" / "dot"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\ncat > /dev/null\n{script}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:/usr/bin:/bin")
+    monkeypatch.setattr("fsm_cache.diagram.dot.DOT_SECONDS", 0.5)
+    with pytest.raises(DiagramError) as caught:
+        render(door(specs), "svg")
+    assert str(caught.value) == message.format(dot=fake)
+
+
 # -- command line -------------------------------------------------------------
 
 

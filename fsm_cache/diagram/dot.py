@@ -73,20 +73,39 @@ def _q(*lines: str) -> str:
     return '"' + "\\n".join(escaped) + '"'
 
 
+DOT_SECONDS = 60.0
+"""How long ``dot`` may draw one diagram: a spec's pictures take well under a second."""
+
+
 def svg(diagram: Diagram) -> str:
     """Return the diagram as SVG, drawn by Graphviz's ``dot``.
 
     Raises:
-        DiagramError: ``dot`` is not on PATH, or it failed.
+        DiagramError: ``dot`` is not on PATH, or it failed, took longer than
+            :data:`DOT_SECONDS`, or wrote something that is not UTF-8.
     """
     program = shutil.which("dot")
     if program is None:
         msg = "svg output needs Graphviz's 'dot' on PATH (Debian: apt-get install graphviz); --format dot writes the source without it"
         raise DiagramError(msg)
-    done = subprocess.run(
-        [program, "-Tsvg"], input=dot(diagram), capture_output=True, text=True, check=False
-    )
+    try:
+        done = subprocess.run(
+            [program, "-Tsvg"],
+            input=dot(diagram).encode(),
+            capture_output=True,
+            check=False,
+            timeout=DOT_SECONDS,
+        )
+    except subprocess.TimeoutExpired:
+        raise DiagramError(f"dot -Tsvg ({program}) ran past {DOT_SECONDS:g} s; stopped") from None
+    except OSError as exc:  # not executable, say
+        raise DiagramError(f"dot -Tsvg ({program}) could not run: {exc.strerror}") from None
     if done.returncode != 0:
-        msg = f"dot -Tsvg failed with exit status {done.returncode}: {done.stderr.strip()}"
-        raise DiagramError(msg)
-    return done.stdout
+        reason = done.stderr.decode(errors="replace").strip()
+        raise DiagramError(f"dot -Tsvg failed with exit status {done.returncode}: {reason}")
+    try:
+        return str(done.stdout.decode())
+    except UnicodeDecodeError as exc:
+        raise DiagramError(
+            f"dot -Tsvg ({program}) wrote bytes that are not UTF-8 (at byte {exc.start})"
+        ) from None
