@@ -173,3 +173,15 @@ def test_the_command_refuses_a_count_below_one(capsys: pytest.CaptureFixture[str
         main(["bench", "storage", "--pages", "0"])
     assert info.value.code == 2
     assert "argument --pages: expected an int >= 1, got '0'" in capsys.readouterr().err
+
+
+def test_the_command_refuses_pages_that_cannot_fit_before_allocating(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    free = {"SC_AVPHYS_PAGES": 1024, "SC_PAGE_SIZE": 4096}  # 4 MiB free
+    monkeypatch.setattr("fsm_cache.bench.storage.os.sysconf", free.__getitem__)
+    assert main(["bench", "storage", "--pages", "1000000000", "--reps", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "error: bench storage: 1000000000 pages of 2.00 MiB need about 15625000.0 GiB of "
+        "memory (8 copies); 0.0 GiB is free: pass fewer --pages\n"
+    )

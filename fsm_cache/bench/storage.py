@@ -29,6 +29,7 @@ run mean anything.
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -331,6 +332,30 @@ class RedisBackend:
         self.client.delete(*work.keys, *(self.redis.name(key) for key in work.keys))
 
 
+COPIES_HELD = 8
+"""About how many copies of the pages a storage bench holds at once: the workload and
+its device layout, each cache's device and host pools, and the pages read back."""
+
+
+def _check_fits(pages: int, page_bytes: int) -> None:
+    """Refuse a bench whose pages cannot fit in the memory free now, before allocating any.
+
+    Raises:
+        ConfigError: :data:`COPIES_HELD` copies of the pages exceed the free memory.
+    """
+    need = pages * page_bytes * COPIES_HELD
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not POSIX: let the allocator say
+        return
+    if need > free:
+        raise ConfigError(
+            f"bench storage: {pages} pages of {page_bytes / 2**20:.2f} MiB need about "
+            f"{need / 2**30:.1f} GiB of memory ({COPIES_HELD} copies); {free / 2**30:.1f} GiB "
+            "is free: pass fewer --pages"
+        )
+
+
 def run_storage_bench(
     quick: bool = False,
     reps: int | None = None,
@@ -353,6 +378,7 @@ def run_storage_bench(
             ``server``, ``fake`` or ``off``.
 
     Raises:
+        ConfigError: The pages would not fit in the memory free now.
         CorruptPage: A page read back (by any path) is not the page written.
         StoreFailed: A backup or prefetch did not move every page.
         ValueError: ``redis`` is not one of :data:`REDIS_MODES`.
@@ -360,9 +386,10 @@ def run_storage_bench(
     if redis not in REDIS_MODES:
         raise ValueError(f"redis must be one of {', '.join(REDIS_MODES)}, got {redis!r}")
     reps = reps or (2 if quick else 8)
-    work = Workload.make(
-        pages or (8 if quick else 64), layers or (4 if quick else 32), heads or (2 if quick else 8)
-    )
+    pages = pages or (8 if quick else 64)
+    layers, heads = layers or (4 if quick else 32), heads or (2 if quick else 8)
+    _check_fits(pages, layers * 2 * PAGE_SIZE * heads * HEAD_DIM * 2)  # bfloat16 K and V
+    work = Workload.make(pages, layers, heads)
     with (
         tempfile.TemporaryDirectory(prefix="fsm-bench-storage-") as scratch,
         contextlib.ExitStack() as stack,
