@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from fsm_cache.cli.main import main
 from fsm_cache.contracts import exhaustive, verify
 from fsm_cache.contracts import runner as crosshair_run
 from fsm_cache.contracts.generate import generate
@@ -373,3 +374,34 @@ def test_rows_name_the_event_not_the_checked_function() -> None:
     assert module.reported(row) == Row("residency", "pin", "c", row.status, "pin(x=1)")
     other = Row("residency", "_event_nope", "c", crosshair_run.CONFIRMED)
     assert module.reported(other) == other
+
+
+TOO_MANY_DIGITS = (
+    "Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits;"
+    " use sys.set_int_max_str_digits() to increase the limit"
+)
+
+
+@pytest.mark.usefixtures("default_recursion_limit")
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("x = " + "9" * 5000 + "\n", TOO_MANY_DIGITS),
+        ("x = " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+    ],
+)
+def test_a_pyproject_too_big_for_tomllib_is_bad_input_not_a_traceback(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    content: str,
+    message: str,
+) -> None:
+    path = tmp_path / "pyproject.toml"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(SpecError) as info:
+        verify.load_options(tmp_path)
+    assert info.value.problems == [f"{path}: invalid TOML: {message}"]
+    monkeypatch.chdir(tmp_path)
+    assert main(["verify", "nonexistent.py"]) == 2
+    assert capsys.readouterr() == ("", f"error: {path}: invalid TOML: {message}\n")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -33,15 +32,11 @@ from fsm_cache.contracts.generate import generate
 from fsm_cache.contracts.runner import Options, Row
 from fsm_cache.errors import SpecError
 from fsm_cache.spec.controls import Control, controls, load_finding, relative, render_controls
+from fsm_cache.spec.loader import _read as read_toml  # bounded: size, depth, integer length
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import as_system
 from fsm_cache.spec.shipped import shipped_spec_paths
 
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 POOL_CONTRACTS = "fsm_cache.contracts.pages"
 
@@ -56,18 +51,22 @@ _TABLE = ("tool", "fsm_cache", "verify")
 def load_options(start: Path | None = None) -> Options:
     """Read ``[tool.fsm_cache.verify]`` from the nearest pyproject.toml; defaults without one.
 
+    The file is read as specs are (the loader's reader), so whatever it holds
+    (an integer of 5000 digits, arrays nested 5000 deep) is a finding naming
+    the file, never a ``ValueError`` or ``RecursionError`` traceback.
+
     Raises:
-        SpecError: The file is not readable TOML, or the table is not a table, holds
-            an unknown key, a value of the wrong type or one out of range.
+        SpecError: The file cannot be read or is not TOML, or the table is not a
+            table, holds an unknown key, a value of the wrong type or one out of range.
     """
     folder = (start or Path.cwd()).resolve()
     for candidate in (folder, *folder.parents):
         path = candidate / "pyproject.toml"
         if path.is_file():
             try:
-                table: Any = tomllib.loads(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-                raise SpecError([f"{path}: not readable TOML: {exc}"]) from None
+                table: Any = read_toml(path)
+            except OSError as exc:
+                raise SpecError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
             for depth, key in enumerate(_TABLE, 1):
                 table = table.get(key, {})
                 if not isinstance(table, dict):
