@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -405,3 +406,47 @@ def test_a_pyproject_too_big_for_tomllib_is_bad_input_not_a_traceback(
     monkeypatch.chdir(tmp_path)
     assert main(["verify", "nonexistent.py"]) == 2
     assert capsys.readouterr() == ("", f"error: {path}: invalid TOML: {message}\n")
+
+
+@pytest.mark.parametrize(
+    ("init", "why"),
+    [
+        ("raise RuntimeError('package init failed')\n", "RuntimeError: package init failed"),
+        ("import sys\nsys.exit(4)\n", "SystemExit: 4"),
+    ],
+)
+def test_a_package_that_cannot_be_imported_is_named_not_a_traceback_or_an_exit(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    init: str,
+    why: str,
+) -> None:
+    package = tmp_path / "fsm_verify_broken_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(init, encoding="utf-8")
+    (package / "contracts.py").write_text("", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["verify", "fsm_verify_broken_pkg.contracts"]) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"error: fsm_verify_broken_pkg.contracts: cannot import: {why}\n",
+    )
+
+
+def test_what_an_imported_package_prints_stays_off_stdout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    package = tmp_path / "fsm_verify_noisy_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("print('hello from the package')\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert main(["verify", "fsm_verify_noisy_pkg.missing", "--json"]) == 2
+    finally:
+        sys.modules.pop("fsm_verify_noisy_pkg", None)
+    assert capsys.readouterr() == (
+        "",
+        "hello from the package\nerror: fsm_verify_noisy_pkg.missing: "
+        "not a spec file, a .py file or an importable module\n",
+    )

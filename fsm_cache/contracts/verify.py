@@ -18,11 +18,14 @@ that no longer finds its bug.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any
 
@@ -119,20 +122,40 @@ def verify_module(name: str, options: Options) -> list[Row]:
     """Check a contracts module given as a ``.py`` path or a dotted module name.
 
     Raises:
-        SpecError: No such file or module.
+        SpecError: No such file or module, or importing its package raised or exited.
     """
     path = Path(name)
     if path.suffix != ".py":
-        try:
-            spec = importlib.util.find_spec(name) if _dotted(name) else None
-        except ModuleNotFoundError:
-            spec = None
+        spec = _find_module(name) if _dotted(name) else None
         if spec is None or spec.origin is None:
             raise SpecError([f"{name}: not a spec file, a .py file or an importable module"])
         path = Path(spec.origin)
     if not path.is_file():
         raise SpecError([f"{name}: no such file"])
     return crosshair_run.prove(path.stem, path, options)
+
+
+def _find_module(name: str) -> ModuleSpec | None:
+    """Return where the module ``name`` is, or None if it is not there.
+
+    Finding ``a.b.c`` imports the packages ``a`` and ``a.b``: the user's code,
+    which may print, raise or call ``sys.exit``. Whatever it prints goes to
+    stderr, so ``--json`` output stays JSON; whatever it raises, SystemExit
+    included, is a finding naming the module, not a traceback or a silent exit.
+
+    Raises:
+        SpecError: Importing a package of ``name`` raised or exited.
+    """
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            return importlib.util.find_spec(name)
+    except ModuleNotFoundError as exc:
+        parts = name.split(".")
+        if exc.name in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:
+            return None  # a package of the name itself is missing: not importable
+        raise SpecError([f"{name}: cannot import: {type(exc).__name__}: {exc}"]) from None
+    except (Exception, SystemExit) as exc:  # the user's package: its own raise or exit
+        raise SpecError([f"{name}: cannot import: {type(exc).__name__}: {exc}"]) from None
 
 
 def verify_target(target: str, options: Options, workdir: Path) -> list[Row]:
