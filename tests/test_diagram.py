@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import ast
+import errno
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+from full_disk import run_cli_on_a_full_disk
 
 from fsm_cache.cli import diagram as command
 from fsm_cache.cli.main import main
@@ -580,21 +583,50 @@ def test_write_under_a_file_changes_nothing(
     assert blocker.read_text(encoding="utf-8") == "not a folder"
 
 
-def test_a_failed_write_removes_its_temporaries(
-    specs: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("folder_there", [True, False])
+def test_a_failed_write_removes_its_temporaries_and_the_folders_it_made(
+    specs: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    folder_there: bool,
 ) -> None:
-    folder = specs / "diagrams"
-    real = Path.write_text
+    folder = specs / "diagrams" / "door"
+    if folder_there:
+        folder.mkdir(parents=True)
+    real, calls = os.fsync, []
 
-    def failing(self: Path, text: str, *args: object, **kwargs: object) -> int:
-        if self.name.startswith(".door.md"):
-            raise PermissionError(13, "Permission denied")
-        return real(self, text, *args, **kwargs)  # type: ignore[arg-type]
+    def failing(descriptor: int) -> None:  # the third file staged, door.md, fails
+        calls.append(descriptor)
+        if len(calls) == 3:
+            raise OSError(errno.EIO, "Input/output error")
+        real(descriptor)
 
-    monkeypatch.setattr(Path, "write_text", failing)
+    monkeypatch.setattr(os, "fsync", failing)
     assert main(["diagram", str(specs / "door.toml"), "--write", "--dir", str(folder)]) == 2
     assert capsys.readouterr().err == (
-        f"error: {folder / 'door.md'}: cannot write: Permission denied; "
+        f"error: {folder / 'door.md'}: cannot write: Input/output error; "
         "no diagram file was changed\n"
     )
-    assert list(folder.iterdir()) == []
+    assert list(folder.iterdir()) == [] if folder_there else not (specs / "diagrams").exists()
+
+
+def test_a_write_on_a_full_disk_leaves_no_folder_behind(specs: Path) -> None:
+    status, out, err = run_cli_on_a_full_disk(
+        ["diagram", "door.toml", "--write", "--dir", "new/diagrams"], specs
+    )
+    assert (status, out, err) == (
+        2,
+        "",
+        "error: new/diagrams/door.mmd: cannot write: File too large; no diagram file was changed\n",
+    )
+    assert not (specs / "new").exists()
+
+
+def test_an_output_of_a_long_legal_name_is_written(
+    specs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = specs / ("d" * 240 + ".md")  # 243 characters: 255 is the most a name may have
+    assert main(["diagram", str(specs / "door.toml"), "--format", "md", "-o", str(out)]) == 0
+    assert capsys.readouterr() == (f"wrote {out}\n", "")
+    assert out.read_text(encoding="utf-8") == DOOR_MD
+    assert sorted(p.name for p in specs.iterdir() if p.name.startswith(".")) == []

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import get_args
 
 import pytest
+from full_disk import run_cli_on_a_full_disk
 from mypy import api as mypy_api
 
 from fsm_cache import residency
@@ -160,3 +161,72 @@ def test_regions_whose_aliases_collide_are_refused(
         f"alias {alias} (fsm-cache types camel-cases region names); rename one\n"
     )
     assert not out.exists()
+
+
+# -- writing and checking FILE ------------------------------------------------------
+
+
+def test_write_on_a_full_disk_leaves_the_old_file_whole(tmp_path: Path) -> None:
+    (tmp_path / "door.toml").write_text(SPEC, encoding="utf-8")
+    (tmp_path / "door_types.py").write_text("# the old stub\n", encoding="utf-8")
+    status, out, err = run_cli_on_a_full_disk(
+        ["types", "door.toml", "--write", "door_types.py"], tmp_path
+    )
+    assert (status, out, err) == (
+        2,
+        "",
+        "error: door_types.py: cannot write: File too large; no types file was changed\n",
+    )
+    assert (tmp_path / "door_types.py").read_text(encoding="utf-8") == "# the old stub\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["door.toml", "door_types.py"]
+
+
+def test_write_makes_missing_folders_and_removes_them_when_it_fails(tmp_path: Path) -> None:
+    (tmp_path / "door.toml").write_text(SPEC, encoding="utf-8")
+    target = Path("types", "gen", "door_types.py")
+    status, _, err = run_cli_on_a_full_disk(
+        ["types", "door.toml", "--write", str(target)], tmp_path
+    )
+    assert (status, err) == (
+        2,
+        f"error: {target}: cannot write: File too large; no types file was changed\n",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["door.toml"]
+    assert main(["types", str(tmp_path / "door.toml"), "--write", str(tmp_path / target)]) == 0
+    assert (tmp_path / target).read_text(encoding="utf-8") == DOOR_STUB
+
+
+def test_write_names_the_file_it_cannot_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = tmp_path / "door.toml"
+    spec.write_text(SPEC, encoding="utf-8")
+    too_long = tmp_path / ("t" * 256)
+    assert main(["types", str(spec), "--write", str(too_long)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {too_long}: cannot write: File name too long; no types file was changed\n"
+    )
+    folder = tmp_path / "folder.py"
+    folder.mkdir()
+    assert main(["types", str(spec), "--write", str(folder)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {folder}: not a regular file; no types file was changed\n"
+    )
+
+
+def test_write_keeps_the_mode_and_the_link_and_skips_an_unchanged_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = tmp_path / "door.toml"
+    spec.write_text(SPEC, encoding="utf-8")
+    real, link = tmp_path / "real.py", tmp_path / "link.py"
+    real.write_text("old\n", encoding="utf-8")
+    real.chmod(0o640)
+    link.symlink_to(real)
+    assert main(["types", str(spec), "--write", str(link)]) == 0
+    assert main(["types", str(spec), "--write", str(link)]) == 0
+    assert capsys.readouterr().out == f"wrote {link}\n{link} matches {spec}\n"
+    assert link.is_symlink()
+    assert real.read_text(encoding="utf-8") == DOOR_STUB
+    assert real.stat().st_mode & 0o777 == 0o640
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

@@ -10,6 +10,8 @@ Usage::
 ``--write`` and ``--check`` without ``-o`` work on a set of files per spec,
 ``<dir>/<name>.mmd``, ``.dot`` and ``.md`` (every shipped spec when no SPEC is
 given). SVG is left out of the set: its bytes depend on the Graphviz version.
+
+Every write goes through :func:`fsm_cache.cli.files.write_files`: all files or none.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsm_cache.cli.files import current_text
+from fsm_cache.cli.files import current_text, write_files
 from fsm_cache.diagram import FORMATS, DiagramError, one_line, render
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.shipped import shipped_spec_paths
@@ -73,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         DiagramError: The arguments do not name what to render, or ask for one
             document of several specs in a format that draws one.
+        OutputError: A file to write is no regular file, or cannot be
+            written; nothing was changed.
     """
     if args.output is None and (args.check or args.write):
         if args.highlight:
@@ -84,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     if args.output is None:
         sys.stdout.write(text)
         return 0
-    return _check({args.output: text}) if args.check else _write({args.output: text})
+    wanted = {args.output: text}
+    return _check(wanted) if args.check else _write(wanted)
 
 
 def document(specs: list[Path], fmt: str, highlight: tuple[str, ...] = ()) -> str:
@@ -141,51 +146,12 @@ def _check(wanted: dict[Path, str]) -> int:
 
 
 def _write(wanted: dict[Path, str]) -> int:
-    """Write each file whose text changed, all or none.
-
-    Every target is checked before anything is written, each new text is then
-    written to a temporary file beside its target, and only when all of them
-    are written are they renamed into place; a failure before that removes the
-    temporaries, so a target that cannot be written leaves every file as it was.
+    """Write each file whose text changed, all or none (:func:`~fsm_cache.cli.files.write_files`).
 
     Raises:
-        DiagramError: A target is not a regular file, or sits under a path
-            that is not a folder, or cannot be written; nothing was changed.
+        OutputError: A target is not a regular file, sits under a path that is
+            not a folder, or cannot be written; nothing was changed.
     """
-    changed = {path: text for path, text in wanted.items() if current_text(path) != text}
-    for path in changed:
-        _writable(path)
-    staged: list[tuple[Path, Path]] = []
-    try:
-        for path, text in changed.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = path.with_name(f".{path.name}.fsm-cache-tmp")
-            staged.append((temporary, path))
-            temporary.write_text(text, encoding="utf-8", newline="\n")
-    except OSError as exc:
-        for temporary, _ in staged:
-            temporary.unlink(missing_ok=True)
-        target = staged[-1][1] if staged else next(iter(changed))
-        msg = f"{target}: cannot write: {exc.strerror or exc}; no diagram file was changed"
-        raise DiagramError(msg) from exc
-    for temporary, path in staged:
-        temporary.replace(path)
+    for path in write_files(wanted, "diagram"):
         print(f"wrote {path}")
     return 0
-
-
-def _writable(path: Path) -> None:
-    """Refuse a target that is not a regular file, or whose first existing parent is no folder.
-
-    Raises:
-        DiagramError: Naming the target and why; no diagram file was changed.
-    """
-    if path.exists() and not path.is_file():
-        msg = f"{path}: not a regular file; no diagram file was changed"
-        raise DiagramError(msg)
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        msg = f"{path}: {parent} is not a folder; no diagram file was changed"
-        raise DiagramError(msg)

@@ -1,8 +1,32 @@
-"""Reading the generated files that ``--check`` compares and ``--write`` refreshes."""
+"""The files the CLI generates: reading them for ``--check``, writing them for ``--write``.
+
+``fsm-cache types`` and ``fsm-cache diagram`` write through :func:`write_files`
+alone, so both keep the same promise: a command that fails changes nothing.
+Each new text goes to a staging file beside its target and is renamed over the
+target only when every staging file is written; a failure before that removes
+the staging files and any folder the command made, and the message names the
+target (never a staging file) and says that nothing was changed.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import secrets
+import stat
+from collections.abc import Mapping
 from pathlib import Path
+
+from fsm_cache.errors import FsmCacheError
+
+
+_STAGING_TRIES = 16
+"""How many random staging names to try before giving up (one is almost always enough)."""
+
+
+class OutputError(FsmCacheError):
+    """A generated file cannot be checked or written; on a write, nothing was changed."""
 
 
 def current_text(path: Path) -> str | None:
@@ -18,3 +42,166 @@ def current_text(path: Path) -> str | None:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         return ""
+
+
+def write_files(texts: Mapping[Path, str], kind: str) -> list[Path]:
+    """Write each file whose text changed, all or none; return the files written.
+
+    Every target is checked first: it must be a regular file or not there
+    yet, under a path whose first existing folder is a folder. Each new text
+    is then written to a staging file beside its target (a short random name,
+    so a target name of any legal length has one), flushed to disk, and only
+    when all are written are they renamed over their targets. Missing folders
+    are made on the way; on a failure the staging files and those folders are
+    removed. A target that is a symbolic link is written through: the file it
+    points at is replaced, the link stays.
+
+    Args:
+        texts: The new text of each target.
+        kind: What the files are (``diagram``, ``types``), for messages:
+            ``...; no diagram file was changed``.
+
+    Raises:
+        OutputError: A target is not a regular file, under a file, or cannot
+            be written; the message names the target and says that nothing
+            was changed. Only a rename that fails after others succeeded
+            (which a folder just written to all but rules out) leaves some
+            files new, and the message says how many.
+    """
+    unchanged = f"no {kind} file was changed"
+    for path in texts:
+        _check_target(path, unchanged)
+    changed = [
+        (path, Path(os.path.realpath(path)), text)
+        for path, text in texts.items()
+        if _differs(path, text)
+    ]
+    made: list[Path] = []
+    staged: list[tuple[Path, Path]] = []
+    failed_at = None
+    try:
+        for path, real, text in changed:
+            failed_at = path
+            made += _make_folders(real.parent)
+            staged.append((_stage(real, text), real))
+    except BaseException as exc:
+        _discard([temporary for temporary, _ in staged], made)
+        if isinstance(exc, OSError):
+            msg = f"{failed_at}: cannot write: {_why(exc)}; {unchanged}"
+            raise OutputError(msg) from None
+        raise
+    for done, ((temporary, real), (path, _, _)) in enumerate(zip(staged, changed, strict=True)):
+        try:
+            temporary.replace(real)
+        except BaseException as exc:  # a rename in a folder just written to: next to never
+            _discard([t for t, _ in staged[done:]], made)
+            if not isinstance(exc, OSError):
+                raise
+            after = f"{done} of {len(staged)} {kind} files were written" if done else unchanged
+            raise OutputError(f"{path}: cannot write: {_why(exc)}; {after}") from None
+    return [path for path, _, _ in changed]
+
+
+def _check_target(path: Path, unchanged: str) -> None:
+    """Refuse a target that is not a regular file, or under something no folder.
+
+    Raises:
+        OutputError: Naming the target and why; nothing was changed.
+    """
+    try:
+        status = path.stat()
+    except (FileNotFoundError, NotADirectoryError):  # not there, or under a file: see below
+        status = None
+    except OSError as exc:  # too long a name, a symlink loop, no permission to look
+        raise OutputError(f"{path}: cannot write: {_why(exc)}; {unchanged}") from None
+    if status is not None:
+        if not stat.S_ISREG(status.st_mode):
+            raise OutputError(f"{path}: not a regular file; {unchanged}")
+        return
+    parent = path.parent
+    try:
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        folder = parent.is_dir()
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write: {_why(exc)}; {unchanged}") from None
+    if not folder:
+        raise OutputError(f"{path}: {parent} is not a folder; {unchanged}")
+
+
+def _differs(path: Path, text: str) -> bool:
+    """Whether ``path`` (checked: a regular file or missing) holds other bytes than ``text``.
+
+    A file that cannot be read (no read permission) counts as different: the
+    write replaces it, or reports why it cannot.
+    """
+    try:
+        return path.read_bytes() != text.encode("utf-8")
+    except OSError:
+        return True
+
+
+def _make_folders(folder: Path) -> list[Path]:
+    """Make ``folder`` and its missing parents; return those made, outermost first."""
+    missing: list[Path] = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    made = []
+    for each in reversed(missing):
+        try:
+            each.mkdir()
+        except FileExistsError:  # made meanwhile by someone else: not ours to remove
+            continue
+        made.append(each)
+    return made
+
+
+def _stage(target: Path, text: str) -> Path:
+    """Write ``text`` to a new staging file beside ``target``, flushed to disk; return it.
+
+    The staging file gets the target's permissions when the target exists
+    (the rename must not change them), else the default ones (``0o666`` less
+    the umask), as a new file written in place would.
+
+    Raises:
+        OSError: The staging file cannot be made or written; it is removed.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(_STAGING_TRIES):
+        temporary = target.with_name(f".fsm-cache-{secrets.token_hex(6)}.tmp")
+        try:
+            descriptor = os.open(temporary, flags, 0o666)
+        except FileExistsError:
+            continue
+        break
+    else:
+        raise FileExistsError(errno.EEXIST, "no free staging file name", str(target.parent))
+    try:
+        with os.fdopen(descriptor, "wb") as stream:
+            stream.write(text.encode("utf-8"))
+            stream.flush()
+            os.fsync(stream.fileno())
+        if target.exists():
+            os.chmod(temporary, stat.S_IMODE(target.stat().st_mode))
+    except BaseException:
+        _discard([temporary], [])
+        raise
+    return temporary
+
+
+def _discard(temporaries: list[Path], folders: list[Path]) -> None:
+    """Remove staging files, then the folders a failed write made (innermost first)."""
+    # A file that cannot be removed, or a folder not empty (someone else wrote
+    # into it meanwhile), is left: the error being reported matters more.
+    for temporary in temporaries:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+    for folder in reversed(folders):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+def _why(exc: OSError) -> str:
+    """Return the OS's words for ``exc`` (``No space left on device``), without the file name."""
+    return exc.strerror or str(exc)
