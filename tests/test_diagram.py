@@ -630,3 +630,32 @@ def test_an_output_of_a_long_legal_name_is_written(
     assert capsys.readouterr() == (f"wrote {out}\n", "")
     assert out.read_text(encoding="utf-8") == DOOR_MD
     assert sorted(p.name for p in specs.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.parametrize("write", [[], ["--write"]])
+def test_output_over_a_spec_the_command_reads_is_refused(
+    specs: Path, capsys: pytest.CaptureFixture[str], write: list[str]
+) -> None:
+    before = {p.name: p.read_bytes() for p in specs.iterdir()}
+    for spec, target in [("door.toml", "door.toml"), ("doorway.toml", "lock.toml")]:
+        argv = ["diagram", str(specs / spec), "-o", str(specs / target), *write]
+        assert main(argv) == 2
+        assert capsys.readouterr() == (
+            "",
+            f"error: {specs / target}: is a spec file this command reads; "
+            "no diagram file was changed\n",
+        )
+    assert {p.name: p.read_bytes() for p in specs.iterdir()} == before
+
+
+def test_a_set_written_over_a_spec_is_refused(
+    specs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    drawn = specs / "door.mmd"  # a spec whose name is that of a diagram file
+    drawn.write_text(DOOR, encoding="utf-8")
+    assert main(["diagram", str(drawn), "--write", "--dir", str(specs)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {drawn}: is a spec file this command reads; no diagram file was changed\n"
+    )
+    assert drawn.read_text(encoding="utf-8") == DOOR
+    assert not (specs / "door.dot").exists()

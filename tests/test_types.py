@@ -166,6 +166,49 @@ def test_regions_whose_aliases_collide_are_refused(
 # -- writing and checking FILE ------------------------------------------------------
 
 
+def house(folder: Path) -> Path:
+    """Write house.toml composing door.toml and gate.toml, which extends base.toml; return house."""
+    (folder / "door.toml").write_text(SPEC, encoding="utf-8")
+    (folder / "base.toml").write_text(SPEC.replace("opens", "passes"), encoding="utf-8")
+    (folder / "gate.toml").write_text(
+        '[machine]\nname = "gate"\nextends = "base.toml"\n', encoding="utf-8"
+    )
+    comp = folder / "house.toml"
+    comp.write_text(
+        '[composition]\nname = "house"\n[composition.regions]\n'
+        'front = "door.toml"\nback = "gate.toml"\n',
+        encoding="utf-8",
+    )
+    return comp
+
+
+def test_write_refuses_every_file_the_spec_is_read_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    comp = house(tmp_path)
+    (tmp_path / "link.py").symlink_to(comp)
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("*.toml")}
+    for target, which in [
+        (comp, "a spec file"),
+        (tmp_path / "door.toml", "a spec file"),  # a region's file
+        (tmp_path / "gate.toml", "a spec file"),
+        (tmp_path / "base.toml", "a spec file"),  # the file a region's file extends
+        (tmp_path / "link.py", f"{comp}, a spec file"),  # the spec under another name
+    ]:
+        assert main(["types", str(comp), "--write", str(target)]) == 2
+        assert capsys.readouterr() == (
+            "",
+            f"error: {target}: is {which} this command reads; no types file was changed\n",
+        )
+    gate = tmp_path / "gate.toml"
+    assert main(["types", str(gate), "--write", str(tmp_path / "base.toml")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'base.toml'}: is a spec file this command reads; "
+        "no types file was changed\n"
+    )
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("*.toml")} == before
+
+
 def test_write_on_a_full_disk_leaves_the_old_file_whole(tmp_path: Path) -> None:
     (tmp_path / "door.toml").write_text(SPEC, encoding="utf-8")
     (tmp_path / "door_types.py").write_text("# the old stub\n", encoding="utf-8")

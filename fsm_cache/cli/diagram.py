@@ -11,7 +11,8 @@ Usage::
 ``<dir>/<name>.mmd``, ``.dot`` and ``.md`` (every shipped spec when no SPEC is
 given). SVG is left out of the set: its bytes depend on the Graphviz version.
 
-Every write goes through :func:`fsm_cache.cli.files.write_files`: all files or none.
+Every write goes through :func:`fsm_cache.cli.files.write_files`: all files or
+none, and never over a spec file the command reads.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsm_cache.cli.files import current_text, write_files
+from fsm_cache.cli.files import current_text, spec_files, write_files
 from fsm_cache.diagram import FORMATS, DiagramError, one_line, render
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.shipped import shipped_spec_paths
@@ -75,21 +76,22 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         DiagramError: The arguments do not name what to render, or ask for one
             document of several specs in a format that draws one.
-        OutputError: A file to write is no regular file, or cannot be
-            written; nothing was changed.
+        OutputError: A file to write is a spec the command reads, is no
+            regular file, or cannot be written; nothing was changed.
     """
     if args.output is None and (args.check or args.write):
         if args.highlight:
             msg = "--highlight marks one rendering; use it with -o or stdout, not --check/--write"
             raise DiagramError(msg)
-        wanted = expected(args.specs or shipped_spec_paths(), args.dir)
-        return _check(wanted) if args.check else _write(wanted)
+        specs = args.specs or shipped_spec_paths()
+        wanted = expected(specs, args.dir)
+        return _check(wanted) if args.check else _write(wanted, specs)
     text = document(args.specs, args.format, tuple(args.highlight))
     if args.output is None:
         sys.stdout.write(text)
         return 0
     wanted = {args.output: text}
-    return _check(wanted) if args.check else _write(wanted)
+    return _check(wanted) if args.check else _write(wanted, args.specs)
 
 
 def document(specs: list[Path], fmt: str, highlight: tuple[str, ...] = ()) -> str:
@@ -145,13 +147,15 @@ def _check(wanted: dict[Path, str]) -> int:
     return 0
 
 
-def _write(wanted: dict[Path, str]) -> int:
+def _write(wanted: dict[Path, str], specs: list[Path]) -> int:
     """Write each file whose text changed, all or none (:func:`~fsm_cache.cli.files.write_files`).
 
     Raises:
-        OutputError: A target is not a regular file, sits under a path that is
-            not a folder, or cannot be written; nothing was changed.
+        OutputError: A target is a file one of ``specs`` is read from, is not a
+            regular file, sits under a path that is not a folder, or cannot be
+            written; nothing was changed.
     """
-    for path in write_files(wanted, "diagram"):
+    protected = [file for spec in specs for file in spec_files(spec)]
+    for path in write_files(wanted, "diagram", protected):
         print(f"wrote {path}")
     return 0

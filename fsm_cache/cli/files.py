@@ -5,7 +5,10 @@ alone, so both keep the same promise: a command that fails changes nothing.
 Each new text goes to a staging file beside its target and is renamed over the
 target only when every staging file is written; a failure before that removes
 the staging files and any folder the command made, and the message names the
-target (never a staging file) and says that nothing was changed.
+target (never a staging file) and says that nothing was changed. A target that
+is one of the spec files the command reads is refused before anything is
+written: ``fsm-cache types d.toml --write d.toml`` would otherwise replace the
+spec with its own stub.
 """
 
 from __future__ import annotations
@@ -15,11 +18,17 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from fsm_cache.errors import FsmCacheError
+from fsm_cache.errors import FsmCacheError, SpecError
 
+# The loader's reader: the one way fsm_cache reads TOML, bounded in size and depth.
+from fsm_cache.spec.loader import _read as read_toml
+
+
+MAX_SPEC_FILES = 1024
+"""The most files :func:`spec_files` follows; a real spec reads a handful."""
 
 _STAGING_TRIES = 16
 """How many random staging names to try before giving up (one is almost always enough)."""
@@ -44,10 +53,48 @@ def current_text(path: Path) -> str | None:
         return ""
 
 
-def write_files(texts: Mapping[Path, str], kind: str) -> list[Path]:
+def spec_files(path: Path) -> list[Path]:
+    """Return the files a spec is read from: ``path``, what it extends, its regions' files.
+
+    These are the files a command must never write over. The spec has loaded
+    already (so the files are there and form no cycle); the walk still stops
+    at a file it has seen (compared resolved) and after :data:`MAX_SPEC_FILES`
+    files, and skips a file it cannot read, whatever the files hold now.
+    """
+    found: dict[str, Path] = {}
+    todo = [path]
+    while todo and len(found) < MAX_SPEC_FILES:
+        current = todo.pop()
+        key = os.path.realpath(current)
+        if key in found:
+            continue
+        found[key] = current
+        try:
+            data = read_toml(current)
+        except (OSError, ValueError, SpecError):
+            continue
+        todo += [current.parent / name for name in _named_files(data)]
+    return list(found.values())
+
+
+def _named_files(data: Mapping[str, object]) -> list[str]:
+    """Return the file names a spec table points at: ``extends`` and composition regions."""
+    names: list[object] = []
+    for kind in ("machine", "composition"):
+        head = data.get(kind)
+        if isinstance(head, Mapping):
+            names.append(head.get("extends"))
+            regions = head.get("regions") if kind == "composition" else None
+            if isinstance(regions, Mapping):
+                names += regions.values()
+    return [n for n in names if isinstance(n, str) and n and "\0" not in n]
+
+
+def write_files(texts: Mapping[Path, str], kind: str, protected: Iterable[Path] = ()) -> list[Path]:
     """Write each file whose text changed, all or none; return the files written.
 
-    Every target is checked first: it must be a regular file or not there
+    Every target is checked first: it must not be one of ``protected`` (the
+    spec files the command read), and it must be a regular file or not there
     yet, under a path whose first existing folder is a folder. Each new text
     is then written to a staging file beside its target (a short random name,
     so a target name of any legal length has one), flushed to disk, and only
@@ -60,17 +107,19 @@ def write_files(texts: Mapping[Path, str], kind: str) -> list[Path]:
         texts: The new text of each target.
         kind: What the files are (``diagram``, ``types``), for messages:
             ``...; no diagram file was changed``.
+        protected: Files that must not be written (the specs read).
 
     Raises:
-        OutputError: A target is not a regular file, under a file, or cannot
-            be written; the message names the target and says that nothing
-            was changed. Only a rename that fails after others succeeded
-            (which a folder just written to all but rules out) leaves some
-            files new, and the message says how many.
+        OutputError: A target is a protected file, not a regular file, under a
+            file, or cannot be written; the message names the target and says
+            that nothing was changed. Only a rename that fails after others
+            succeeded (which a folder just written to all but rules out)
+            leaves some files new, and the message says how many.
     """
     unchanged = f"no {kind} file was changed"
+    guarded = _identities(protected)
     for path in texts:
-        _check_target(path, unchanged)
+        _check_target(path, guarded, unchanged)
     changed = [
         (path, Path(os.path.realpath(path)), text)
         for path, text in texts.items()
@@ -102,8 +151,20 @@ def write_files(texts: Mapping[Path, str], kind: str) -> list[Path]:
     return [path for path, _, _ in changed]
 
 
-def _check_target(path: Path, unchanged: str) -> None:
-    """Refuse a target that is not a regular file, or under something no folder.
+def _identities(paths: Iterable[Path]) -> dict[tuple[int, int], Path]:
+    """Return each existing file of ``paths`` by its (device, inode): links and spellings agree."""
+    found: dict[tuple[int, int], Path] = {}
+    for path in paths:
+        try:
+            status = path.stat()
+        except (OSError, ValueError):
+            continue
+        found.setdefault((status.st_dev, status.st_ino), path)
+    return found
+
+
+def _check_target(path: Path, protected: dict[tuple[int, int], Path], unchanged: str) -> None:
+    """Refuse a target that is protected, not a regular file, or under something no folder.
 
     Raises:
         OutputError: Naming the target and why; nothing was changed.
@@ -115,6 +176,12 @@ def _check_target(path: Path, unchanged: str) -> None:
     except OSError as exc:  # too long a name, a symlink loop, no permission to look
         raise OutputError(f"{path}: cannot write: {_why(exc)}; {unchanged}") from None
     if status is not None:
+        spec = protected.get((status.st_dev, status.st_ino))
+        if spec is not None:
+            same = os.path.abspath(spec) == os.path.abspath(path)
+            which = "a spec file" if same else f"{spec}, a spec file"
+            msg = f"{path}: is {which} this command reads; {unchanged}"
+            raise OutputError(msg)
         if not stat.S_ISREG(status.st_mode):
             raise OutputError(f"{path}: not a regular file; {unchanged}")
         return

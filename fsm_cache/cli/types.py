@@ -6,7 +6,8 @@ without its types), naming the file, so CI keeps the two in step.
 
 ``--write`` goes through :func:`fsm_cache.cli.files.write_files`, as the
 diagrams do: the stub is written beside FILE and renamed over it, so a full
-disk leaves FILE as it was, and an error names FILE.
+disk leaves FILE as it was, and FILE may not be the spec or one of the files
+it reads (its regions, the specs it extends).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fsm_cache.cli.files import current_text, write_files
+from fsm_cache.cli.files import current_text, spec_files, write_files
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.stubs import stub
 
@@ -42,13 +43,13 @@ def run(args: argparse.Namespace) -> int:
 
     Raises:
         SpecError: The spec does not load.
-        OutputError: FILE is not a regular file, or cannot be written;
-            nothing was changed.
+        OutputError: FILE is not a regular file, is a file the spec is read
+            from, or cannot be written; nothing was changed.
     """
     spec: Path = args.spec
     text = stub(load_spec(spec))
     if args.write is not None:
-        written = write_files({args.write: text}, "types")
+        written = write_files({args.write: text}, "types", protected=spec_files(spec))
         print(f"wrote {args.write}" if written else f"{args.write} matches {spec}")
         return 0
     if args.check is not None:
