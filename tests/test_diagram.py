@@ -659,3 +659,32 @@ def test_a_set_written_over_a_spec_is_refused(
     )
     assert drawn.read_text(encoding="utf-8") == DOOR
     assert not (specs / "door.dot").exists()
+
+
+@pytest.mark.parametrize("mode", ["--write", "--check"])
+def test_specs_whose_diagram_files_collide_are_refused(
+    specs: Path, capsys: pytest.CaptureFixture[str], mode: str
+) -> None:
+    first, second = specs / "a" / "door.toml", specs / "b" / "door.toml"
+    for path, text in ((first, DOOR), (second, DOOR.replace('"door"', '"other"'))):
+        path.parent.mkdir()
+        path.write_text(text, encoding="utf-8")
+    out = specs / "out"
+    assert main(["diagram", str(first), str(second), mode, "--dir", str(out)]) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"error: {first} and {second} would both be drawn to {out / 'door'}{{.mmd,.dot,.md}}: "
+        "give them different file names, or draw each into its own --dir\n",
+    )
+    assert not out.exists()
+
+
+def test_a_spec_named_twice_is_drawn_once(specs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = specs / "out"
+    spec = specs / "door.toml"
+    assert (
+        main(["diagram", str(spec), str(specs / "." / "door.toml"), "--write", "--dir", str(out)])
+        == 0
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["door.dot", "door.md", "door.mmd"]
+    capsys.readouterr()

@@ -10,6 +10,8 @@ Usage::
 ``--write`` and ``--check`` without ``-o`` work on a set of files per spec,
 ``<dir>/<name>.mmd``, ``.dot`` and ``.md`` (every shipped spec when no SPEC is
 given). SVG is left out of the set: its bytes depend on the Graphviz version.
+Two specs whose sets would be the same files (``a/d.toml`` and ``b/d.toml``
+both draw ``<dir>/d.*``) are refused, naming both.
 
 Every write goes through :func:`fsm_cache.cli.files.write_files`: all files or
 none, and never over a spec file the command reads.
@@ -74,8 +76,9 @@ def run(args: argparse.Namespace) -> int:
     """Render, write or check diagrams as the arguments ask; return the exit status.
 
     Raises:
-        DiagramError: The arguments do not name what to render, or ask for one
-            document of several specs in a format that draws one.
+        DiagramError: The arguments do not name what to render, ask for one
+            document of several specs in a format that draws one, or name
+            specs whose diagram files would be the same.
         OutputError: A file to write is a spec the command reads, is no
             regular file, or cannot be written; nothing was changed.
     """
@@ -122,13 +125,40 @@ def document(specs: list[Path], fmt: str, highlight: tuple[str, ...] = ()) -> st
 
 
 def expected(specs: list[Path], folder: Path) -> dict[Path, str]:
-    """Return the fresh rendering of each spec's diagram files in ``folder``, by path."""
+    """Return the fresh rendering of each spec's diagram files in ``folder``, by path.
+
+    A spec named twice (in any spelling) is drawn once.
+
+    Raises:
+        DiagramError: Two different specs have the same file name, so their
+            files in ``folder`` would be the same: one would silently replace
+            the other's.
+    """
     wanted: dict[Path, str] = {}
+    drawn: dict[str, Path] = {}
     for path in specs:
         spec = load_spec(path)
+        first = drawn.setdefault(path.stem, path)
+        if first is not path:
+            if _same_file(first, path):
+                continue
+            msg = (
+                f"{first} and {path} would both be drawn to {folder / path.stem}"
+                f"{{{','.join(SET_SUFFIXES.values())}}}: give them different file names, "
+                "or draw each into its own --dir"
+            )
+            raise DiagramError(msg)
         for fmt, suffix in SET_SUFFIXES.items():
             wanted[folder / f"{path.stem}{suffix}"] = render(spec, fmt)
     return wanted
+
+
+def _same_file(first: Path, second: Path) -> bool:
+    """Whether two paths name one file (through links and other spellings)."""
+    try:
+        return first.samefile(second)
+    except OSError:
+        return False
 
 
 def _check(wanted: dict[Path, str]) -> int:
