@@ -459,6 +459,15 @@ def test_a_pyproject_too_big_for_tomllib_is_bad_input_not_a_traceback(
         assert (status, out, err) == (2, "", f"error: {shown}: invalid TOML: {message}\n")
 
 
+def test_a_config_option_that_is_no_regular_file_is_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    project(tmp_path / "a", "")
+    status = main([str(tmp_path / "a"), "--config", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert (status, out, err) == (2, "", f"error: {tmp_path}: not a regular file\n")
+
+
 def test_a_missing_config_option_is_bad_input(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -688,3 +688,34 @@ def test_a_spec_named_twice_is_drawn_once(specs: Path, capsys: pytest.CaptureFix
     )
     assert sorted(p.name for p in out.iterdir()) == ["door.dot", "door.md", "door.mmd"]
     capsys.readouterr()
+
+
+def test_check_of_a_path_that_is_no_regular_file_is_an_error(
+    specs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fifo = specs / "door.md"
+    os.mkfifo(fifo)
+    for target in (specs, fifo):
+        argv = ["diagram", str(specs / "door.toml"), "--format", "md", "-o", str(target)]
+        assert main([*argv, "--check"]) == 2
+        assert capsys.readouterr() == ("", f"error: {target}: not a regular file\n")
+    assert main(["diagram", str(specs / "door.toml"), "--check", "--dir", str(specs)]) == 2
+    assert capsys.readouterr() == ("", f"error: {fifo}: not a regular file\n")
+
+
+@pytest.mark.parametrize(
+    ("argv", "argument"),
+    [(["-o", ""], "-o/--output"), (["--write", "--dir", ""], "--dir"), ([""], "SPEC")],
+)
+def test_an_empty_path_is_refused(
+    specs: Path, capsys: pytest.CaptureFixture[str], argv: list[str], argument: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["diagram", str(specs / "door.toml"), *argv])
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    assert (out, err.splitlines()[-1]) == (
+        "",
+        f"fsm-cache diagram: error: argument {argument}: an empty path names no file",
+    )
+    assert sorted(p.name for p in specs.iterdir()) == ["door.toml", "doorway.toml", "lock.toml"]

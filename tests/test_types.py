@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import get_args
 
@@ -273,3 +274,39 @@ def test_write_keeps_the_mode_and_the_link_and_skips_an_unchanged_file(
     assert real.read_text(encoding="utf-8") == DOOR_STUB
     assert real.stat().st_mode & 0o777 == 0o640
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_check_of_a_path_that_is_no_regular_file_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = tmp_path / "door.toml"
+    spec.write_text(SPEC, encoding="utf-8")
+    fifo = tmp_path / "fifo.py"
+    os.mkfifo(fifo)
+    for target in (tmp_path, fifo, Path("/dev/zero")):
+        assert main(["types", str(spec), "--check", str(target)]) == 2
+        assert capsys.readouterr() == ("", f"error: {target}: not a regular file\n")
+
+
+@pytest.mark.parametrize(
+    ("argv", "argument"),
+    [
+        (["SPEC", "--write", ""], "--write"),
+        (["SPEC", "--check", ""], "--check"),
+        ([""], "SPEC"),
+    ],
+)
+def test_an_empty_path_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], argument: str
+) -> None:
+    spec = tmp_path / "door.toml"
+    spec.write_text(SPEC, encoding="utf-8")
+    with pytest.raises(SystemExit) as info:
+        main(["types", *(str(spec) if a == "SPEC" else a for a in argv)])
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    assert (out, err.splitlines()[-1]) == (
+        "",
+        f"fsm-cache types: error: argument {argument}: an empty path names no file",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["door.toml"]

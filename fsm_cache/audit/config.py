@@ -16,6 +16,7 @@ by the CLI and the flake8 plugin. Example::
 from __future__ import annotations
 
 import keyword
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -92,8 +93,7 @@ class ConfigFinder:
         self._by_folder: dict[Path, AuditConfig] = {}
         self._explicit: AuditConfig | None = None
         if explicit is not None:
-            if not explicit.is_file():
-                raise AuditError(f"{explicit}: no such config file")
+            _check_config_file(explicit)
             self._explicit = self._load(explicit)
 
     def for_file(self, filename: str | Path) -> AuditConfig:
@@ -117,6 +117,22 @@ class ConfigFinder:
                 config = replace(config, pairs=self._pairs)
             self._by_pyproject[path] = config
         return self._by_pyproject[path]
+
+
+def _check_config_file(path: Path) -> None:
+    """Refuse a ``--config`` that is missing, or there but no regular file (a folder, a FIFO).
+
+    Raises:
+        AuditError: Saying which, so ``--config /tmp`` is not called missing.
+    """
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise AuditError(f"{path}: no such config file") from None
+    except OSError as exc:
+        raise AuditError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        raise AuditError(f"{path}: not a regular file")
 
 
 def load_config(path: Path | None) -> AuditConfig:

@@ -23,7 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsm_cache.cli.files import current_text, spec_files, write_files
+from fsm_cache.cli.files import current_text, path_argument, spec_files, write_files
 from fsm_cache.diagram import FORMATS, DiagramError, one_line, render
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.shipped import shipped_spec_paths
@@ -53,9 +53,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("specs", nargs="*", type=Path, metavar="SPEC", help="spec TOML files")
+    parser.add_argument(
+        "specs", nargs="*", type=path_argument, metavar="SPEC", help="spec TOML files"
+    )
     parser.add_argument("--format", choices=FORMATS, default="mermaid", help="default: mermaid")
-    parser.add_argument("-o", "--output", type=Path, metavar="PATH", help="write here, not stdout")
+    parser.add_argument(
+        "-o", "--output", type=path_argument, metavar="PATH", help="write here, not stdout"
+    )
     parser.add_argument(
         "--highlight",
         action="append",
@@ -67,7 +71,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     mode.add_argument("--check", action="store_true", help="exit 1 if a file differs")
     mode.add_argument("--write", action="store_true", help="regenerate the diagram files")
     parser.add_argument(
-        "--dir", type=Path, default=DEFAULT_DIR, help=f"diagram folder (default: {DEFAULT_DIR})"
+        "--dir",
+        type=path_argument,
+        default=DEFAULT_DIR,
+        help=f"diagram folder (default: {DEFAULT_DIR})",
     )
     parser.set_defaults(handler=run)
 
@@ -80,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
             document of several specs in a format that draws one, or name
             specs whose diagram files would be the same.
         OutputError: A file to write is a spec the command reads, is no
-            regular file, or cannot be written; nothing was changed.
+            regular file, or cannot be written (nothing was changed), or a
+            file to check is no regular file.
     """
     if args.output is None and (args.check or args.write):
         if args.highlight:
@@ -162,12 +170,19 @@ def _same_file(first: Path, second: Path) -> bool:
 
 
 def _check(wanted: dict[Path, str]) -> int:
+    """Print each file that is missing or stale; return 1 if any is.
+
+    Raises:
+        OutputError: A file to check is there but is no regular file, or cannot be read.
+    """
     stale = 0
+    currents = {path: current_text(path) for path in wanted}  # any error before any line
     for path, text in wanted.items():
-        if not path.is_file():
+        current = currents[path]
+        if current is None:
             print(f"{path}: missing")
             stale += 1
-        elif current_text(path) != text:
+        elif current != text:
             print(f"{path}: differs from a fresh rendering")
             stale += 1
     if stale:

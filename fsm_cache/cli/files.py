@@ -13,6 +13,7 @@ spec with its own stub.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import os
@@ -27,6 +28,9 @@ from fsm_cache.errors import FsmCacheError, SpecError
 from fsm_cache.spec.loader import _read as read_toml
 
 
+EMPTY_PATH = "an empty path names no file"
+"""Why an empty path argument is refused: ``Path("")`` would be the working directory."""
+
 MAX_SPEC_FILES = 1024
 """The most files :func:`spec_files` follows; a real spec reads a handful."""
 
@@ -38,19 +42,56 @@ class OutputError(FsmCacheError):
     """A generated file cannot be checked or written; on a write, nothing was changed."""
 
 
+def path_text(text: str) -> str:
+    """Return ``text``, an argparse ``type`` for path arguments that refuses an empty one.
+
+    An empty argument (``--write ''``, an unset shell variable) would otherwise
+    name the working directory or mean "no file given", and the command would
+    print or write somewhere the user did not ask for.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is empty; argparse reports it and exits 2.
+    """
+    if not text:
+        raise argparse.ArgumentTypeError(EMPTY_PATH)
+    return text
+
+
+def path_argument(text: str) -> Path:
+    """Return ``text`` as a :class:`Path`, refusing an empty one as :func:`path_text` does.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is empty.
+    """
+    return Path(path_text(text))
+
+
 def current_text(path: Path) -> str | None:
     """Return the text of a generated file: None when missing, ``""`` when not UTF-8.
 
     A file that is not UTF-8 is not what fsm_cache generated either: it reads
     as an empty text, so ``--check`` calls it stale and ``--write`` rewrites it
-    instead of failing on the decode.
+    instead of failing on the decode. A path that is there but no regular file
+    (a folder, a FIFO, ``/dev/zero``) is an error rather than "missing": the
+    user named the wrong thing, and reading a FIFO would block.
+
+    Raises:
+        OutputError: The path is not a regular file, or cannot be read.
     """
-    if not path.is_file():
+    try:
+        status = path.stat()
+    except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot read: {_why(exc)}") from None
+    if not stat.S_ISREG(status.st_mode):
+        raise OutputError(f"{path}: not a regular file")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         return ""
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot read: {_why(exc)}") from None
 
 
 def spec_files(path: Path) -> list[Path]:

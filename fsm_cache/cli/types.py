@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fsm_cache.cli.files import current_text, spec_files, write_files
+from fsm_cache.cli.files import current_text, path_argument, spec_files, write_files
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.stubs import stub
 
@@ -29,11 +29,11 @@ def register(subparsers: Any) -> None:
         help="generate Literal types of a spec's states and events for mypy",
         description="Print the typed stub of SPEC (states and events as Literal types).",
     )
-    parser.add_argument("spec", type=Path, metavar="SPEC", help="a .toml spec file")
+    parser.add_argument("spec", type=path_argument, metavar="SPEC", help="a .toml spec file")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--write", type=Path, metavar="FILE", help="write the stub to FILE")
+    where.add_argument("--write", type=path_argument, metavar="FILE", help="write the stub to FILE")
     where.add_argument(
-        "--check", type=Path, metavar="FILE", help="exit 1 if FILE is not the current stub"
+        "--check", type=path_argument, metavar="FILE", help="exit 1 if FILE is not the current stub"
     )
     parser.set_defaults(handler=run)
 
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         SpecError: The spec does not load.
         OutputError: FILE is not a regular file, is a file the spec is read
-            from, or cannot be written; nothing was changed.
+            from, or cannot be read or written; nothing was changed.
     """
     spec: Path = args.spec
     text = stub(load_spec(spec))
