@@ -38,7 +38,8 @@ Every error the library raises on bad input or an illegal step derives from
         └── ReservationError      a reservation committed or aborted twice
 
 Tools add their own under the root: ``DiagramError`` (diagram), ``AuditError``
-(audit), ``ReadOnlyCounter`` (compat.sglang).
+(audit), ``ReadOnlyCounter`` (compat.sglang), ``OutputError`` (cli: a generated
+file that cannot be checked or written; nothing was changed).
 
 Refusals carry the instance, its state and counters, the event and the reason,
 so messages read ``node 17: release refused in backed (pins=0): <reason>``; in

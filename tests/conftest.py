@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -23,3 +25,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def default_recursion_limit() -> Iterator[None]:
+    """Hold Python's default recursion limit (1000) for the test, then restore the one before.
+
+    tomllib parses nested arrays recursively: under the default limit arrays
+    5000 deep overflow it, but an earlier test or a tool (CrossHair, Hypothesis)
+    may have raised the limit, and then they parse. A test of the overflow holds
+    the default, so it checks what a user's run meets.
+    """
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)

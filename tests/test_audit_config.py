@@ -432,6 +432,42 @@ def test_a_bad_config_in_one_tree_is_bad_input_naming_file_and_key(
     )
 
 
+TOO_MANY_DIGITS = (
+    "Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits;"
+    " use sys.set_int_max_str_digits() to increase the limit"
+)
+
+
+@pytest.mark.usefixtures("default_recursion_limit")
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("x = " + "9" * 5000 + "\n", TOO_MANY_DIGITS),
+        ("x = " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+    ],
+)
+def test_a_pyproject_too_big_for_tomllib_is_bad_input_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, message: str
+) -> None:
+    root = project(tmp_path / "a", "")
+    (root / "pyproject.toml").write_text(content, encoding="utf-8")
+    config = root / "pyproject.toml"
+    for argv in ([str(root)], [str(tmp_path / "a" / "src"), "--config", str(config)]):
+        status = main(argv)
+        out, err = capsys.readouterr()
+        shown = config.resolve() if "--config" not in argv else config
+        assert (status, out, err) == (2, "", f"error: {shown}: invalid TOML: {message}\n")
+
+
+def test_a_config_option_that_is_no_regular_file_is_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    project(tmp_path / "a", "")
+    status = main([str(tmp_path / "a"), "--config", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert (status, out, err) == (2, "", f"error: {tmp_path}: not a regular file\n")
+
+
 def test_a_missing_config_option_is_bad_input(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -441,13 +477,19 @@ def test_a_missing_config_option_is_bad_input(
     assert (status, out, err) == (2, "", f"error: {tmp_path / 'nope.toml'}: no such config file\n")
 
 
+@pytest.mark.usefixtures("default_recursion_limit")
 @pytest.mark.parametrize(
     ("content", "message"),
     [
         (b"tool = 1\n", "[tool]: expected a table"),
         (b"[tool]\nfsm_cache = 3\n", "[tool.fsm_cache]: expected a table"),
         (b"[tool.fsm_cache]\naudit = [1]\n", "[tool.fsm_cache.audit]: expected a table"),
-        (b"\xff\n", "invalid TOML: not UTF-8: invalid start byte"),
+        (
+            b"\xff\n",
+            "invalid TOML: 'utf-8' codec can't decode byte 0xff in position 0: invalid start byte",
+        ),
+        (b"x = " + b"9" * 5000 + b"\n", f"invalid TOML: {TOO_MANY_DIGITS}"),
+        (b"x = " + b"[" * 5000 + b"]" * 5000 + b"\n", "invalid TOML: nested too deeply"),
     ],
 )
 def test_misshapen_pyprojects_are_refused_with_the_place(

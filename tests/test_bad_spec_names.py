@@ -197,7 +197,7 @@ def _import(path: Path) -> ModuleType:
 @pytest.mark.parametrize(
     ("text", "problem"),
     [
-        ("[tool\n", "not readable TOML"),
+        ("[tool\n", "invalid TOML: Expected ']' at the end of a table declaration"),
         ("[tool]\nfsm_cache = 5\n", "tool.fsm_cache: expected a table"),
         ("[tool.fsm_cache]\nverify = 'fast'\n", "tool.fsm_cache.verify: expected a table"),
         ("[tool.fsm_cache.verify]\njobs = 0\n", "tool.fsm_cache.verify.jobs: must be > 0, got 0"),

@@ -204,6 +204,18 @@ def test_no_file_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     )
 
 
+def test_an_empty_path_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """``''`` would be read as the working directory (``.: cannot read: Is a directory``)."""
+    with pytest.raises(SystemExit) as info:
+        main(["validate", str(spec_dir() / "residency.toml"), ""])
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    assert (out, err.splitlines()[-1]) == (
+        "",
+        "fsm-cache validate: error: argument SPEC: an empty path names no file",
+    )
+
+
 def test_version_is_the_installed_one(capsys: pytest.CaptureFixture[str]) -> None:
     """``fsm-cache --version`` prints the distribution's version and exits 0."""
     from importlib.metadata import version

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import ast
+import errno
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+from full_disk import run_cli_on_a_full_disk
 
 from fsm_cache.cli import diagram as command
 from fsm_cache.cli.main import main
@@ -605,21 +608,139 @@ def test_write_under_a_file_changes_nothing(
     assert blocker.read_text(encoding="utf-8") == "not a folder"
 
 
-def test_a_failed_write_removes_its_temporaries(
-    specs: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("folder_there", [True, False])
+def test_a_failed_write_removes_its_temporaries_and_the_folders_it_made(
+    specs: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    folder_there: bool,
 ) -> None:
-    folder = specs / "diagrams"
-    real = Path.write_text
+    folder = specs / "diagrams" / "door"
+    if folder_there:
+        folder.mkdir(parents=True)
+    real, calls = os.fsync, []
 
-    def failing(self: Path, text: str, *args: object, **kwargs: object) -> int:
-        if self.name.startswith(".door.md"):
-            raise PermissionError(13, "Permission denied")
-        return real(self, text, *args, **kwargs)  # type: ignore[arg-type]
+    def failing(descriptor: int) -> None:  # the third file staged, door.md, fails
+        calls.append(descriptor)
+        if len(calls) == 3:
+            raise OSError(errno.EIO, "Input/output error")
+        real(descriptor)
 
-    monkeypatch.setattr(Path, "write_text", failing)
+    monkeypatch.setattr(os, "fsync", failing)
     assert main(["diagram", str(specs / "door.toml"), "--write", "--dir", str(folder)]) == 2
     assert capsys.readouterr().err == (
-        f"error: {folder / 'door.md'}: cannot write: Permission denied; "
+        f"error: {folder / 'door.md'}: cannot write: Input/output error; "
         "no diagram file was changed\n"
     )
-    assert list(folder.iterdir()) == []
+    assert list(folder.iterdir()) == [] if folder_there else not (specs / "diagrams").exists()
+
+
+def test_a_write_on_a_full_disk_leaves_no_folder_behind(specs: Path) -> None:
+    status, out, err = run_cli_on_a_full_disk(
+        ["diagram", "door.toml", "--write", "--dir", "new/diagrams"], specs
+    )
+    assert (status, out, err) == (
+        2,
+        "",
+        "error: new/diagrams/door.mmd: cannot write: File too large; no diagram file was changed\n",
+    )
+    assert not (specs / "new").exists()
+
+
+def test_an_output_of_a_long_legal_name_is_written(
+    specs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = specs / ("d" * 240 + ".md")  # 243 characters: 255 is the most a name may have
+    assert main(["diagram", str(specs / "door.toml"), "--format", "md", "-o", str(out)]) == 0
+    assert capsys.readouterr() == (f"wrote {out}\n", "")
+    assert out.read_text(encoding="utf-8") == DOOR_MD
+    assert sorted(p.name for p in specs.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.parametrize("write", [[], ["--write"]])
+def test_output_over_a_spec_the_command_reads_is_refused(
+    specs: Path, capsys: pytest.CaptureFixture[str], write: list[str]
+) -> None:
+    before = {p.name: p.read_bytes() for p in specs.iterdir()}
+    for spec, target in [("door.toml", "door.toml"), ("doorway.toml", "lock.toml")]:
+        argv = ["diagram", str(specs / spec), "-o", str(specs / target), *write]
+        assert main(argv) == 2
+        assert capsys.readouterr() == (
+            "",
+            f"error: {specs / target}: is a spec file this command reads; "
+            "no diagram file was changed\n",
+        )
+    assert {p.name: p.read_bytes() for p in specs.iterdir()} == before
+
+
+def test_a_set_written_over_a_spec_is_refused(
+    specs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    drawn = specs / "door.mmd"  # a spec whose name is that of a diagram file
+    drawn.write_text(DOOR, encoding="utf-8")
+    assert main(["diagram", str(drawn), "--write", "--dir", str(specs)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {drawn}: is a spec file this command reads; no diagram file was changed\n"
+    )
+    assert drawn.read_text(encoding="utf-8") == DOOR
+    assert not (specs / "door.dot").exists()
+
+
+@pytest.mark.parametrize("mode", ["--write", "--check"])
+def test_specs_whose_diagram_files_collide_are_refused(
+    specs: Path, capsys: pytest.CaptureFixture[str], mode: str
+) -> None:
+    first, second = specs / "a" / "door.toml", specs / "b" / "door.toml"
+    for path, text in ((first, DOOR), (second, DOOR.replace('"door"', '"other"'))):
+        path.parent.mkdir()
+        path.write_text(text, encoding="utf-8")
+    out = specs / "out"
+    assert main(["diagram", str(first), str(second), mode, "--dir", str(out)]) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"error: {first} and {second} would both be drawn to {out / 'door'}{{.mmd,.dot,.md}}: "
+        "give them different file names, or draw each into its own --dir\n",
+    )
+    assert not out.exists()
+
+
+def test_a_spec_named_twice_is_drawn_once(specs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = specs / "out"
+    spec = specs / "door.toml"
+    assert (
+        main(["diagram", str(spec), str(specs / "." / "door.toml"), "--write", "--dir", str(out)])
+        == 0
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["door.dot", "door.md", "door.mmd"]
+    capsys.readouterr()
+
+
+def test_check_of_a_path_that_is_no_regular_file_is_an_error(
+    specs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fifo = specs / "door.md"
+    os.mkfifo(fifo)
+    for target in (specs, fifo):
+        argv = ["diagram", str(specs / "door.toml"), "--format", "md", "-o", str(target)]
+        assert main([*argv, "--check"]) == 2
+        assert capsys.readouterr() == ("", f"error: {target}: not a regular file\n")
+    assert main(["diagram", str(specs / "door.toml"), "--check", "--dir", str(specs)]) == 2
+    assert capsys.readouterr() == ("", f"error: {fifo}: not a regular file\n")
+
+
+@pytest.mark.parametrize(
+    ("argv", "argument"),
+    [(["-o", ""], "-o/--output"), (["--write", "--dir", ""], "--dir"), ([""], "SPEC")],
+)
+def test_an_empty_path_is_refused(
+    specs: Path, capsys: pytest.CaptureFixture[str], argv: list[str], argument: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["diagram", str(specs / "door.toml"), *argv])
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    assert (out, err.splitlines()[-1]) == (
+        "",
+        f"fsm-cache diagram: error: argument {argument}: an empty path names no file",
+    )
+    assert sorted(p.name for p in specs.iterdir()) == ["door.toml", "doorway.toml", "lock.toml"]

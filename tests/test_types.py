@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import get_args
 
 import pytest
+from full_disk import run_cli_on_a_full_disk
 from mypy import api as mypy_api
 
 from fsm_cache import residency
@@ -160,3 +162,151 @@ def test_regions_whose_aliases_collide_are_refused(
         f"alias {alias} (fsm-cache types camel-cases region names); rename one\n"
     )
     assert not out.exists()
+
+
+# -- writing and checking FILE ------------------------------------------------------
+
+
+def house(folder: Path) -> Path:
+    """Write house.toml composing door.toml and gate.toml, which extends base.toml; return house."""
+    (folder / "door.toml").write_text(SPEC, encoding="utf-8")
+    (folder / "base.toml").write_text(SPEC.replace("opens", "passes"), encoding="utf-8")
+    (folder / "gate.toml").write_text(
+        '[machine]\nname = "gate"\nextends = "base.toml"\n', encoding="utf-8"
+    )
+    comp = folder / "house.toml"
+    comp.write_text(
+        '[composition]\nname = "house"\n[composition.regions]\n'
+        'front = "door.toml"\nback = "gate.toml"\n',
+        encoding="utf-8",
+    )
+    return comp
+
+
+def test_write_refuses_every_file_the_spec_is_read_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    comp = house(tmp_path)
+    (tmp_path / "link.py").symlink_to(comp)
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("*.toml")}
+    for target, which in [
+        (comp, "a spec file"),
+        (tmp_path / "door.toml", "a spec file"),  # a region's file
+        (tmp_path / "gate.toml", "a spec file"),
+        (tmp_path / "base.toml", "a spec file"),  # the file a region's file extends
+        (tmp_path / "link.py", f"{comp}, a spec file"),  # the spec under another name
+    ]:
+        assert main(["types", str(comp), "--write", str(target)]) == 2
+        assert capsys.readouterr() == (
+            "",
+            f"error: {target}: is {which} this command reads; no types file was changed\n",
+        )
+    gate = tmp_path / "gate.toml"
+    assert main(["types", str(gate), "--write", str(tmp_path / "base.toml")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'base.toml'}: is a spec file this command reads; "
+        "no types file was changed\n"
+    )
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("*.toml")} == before
+
+
+def test_write_on_a_full_disk_leaves_the_old_file_whole(tmp_path: Path) -> None:
+    (tmp_path / "door.toml").write_text(SPEC, encoding="utf-8")
+    (tmp_path / "door_types.py").write_text("# the old stub\n", encoding="utf-8")
+    status, out, err = run_cli_on_a_full_disk(
+        ["types", "door.toml", "--write", "door_types.py"], tmp_path
+    )
+    assert (status, out, err) == (
+        2,
+        "",
+        "error: door_types.py: cannot write: File too large; no types file was changed\n",
+    )
+    assert (tmp_path / "door_types.py").read_text(encoding="utf-8") == "# the old stub\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["door.toml", "door_types.py"]
+
+
+def test_write_makes_missing_folders_and_removes_them_when_it_fails(tmp_path: Path) -> None:
+    (tmp_path / "door.toml").write_text(SPEC, encoding="utf-8")
+    target = Path("types", "gen", "door_types.py")
+    status, _, err = run_cli_on_a_full_disk(
+        ["types", "door.toml", "--write", str(target)], tmp_path
+    )
+    assert (status, err) == (
+        2,
+        f"error: {target}: cannot write: File too large; no types file was changed\n",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["door.toml"]
+    assert main(["types", str(tmp_path / "door.toml"), "--write", str(tmp_path / target)]) == 0
+    assert (tmp_path / target).read_text(encoding="utf-8") == DOOR_STUB
+
+
+def test_write_names_the_file_it_cannot_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = tmp_path / "door.toml"
+    spec.write_text(SPEC, encoding="utf-8")
+    too_long = tmp_path / ("t" * 256)
+    assert main(["types", str(spec), "--write", str(too_long)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {too_long}: cannot write: File name too long; no types file was changed\n"
+    )
+    folder = tmp_path / "folder.py"
+    folder.mkdir()
+    assert main(["types", str(spec), "--write", str(folder)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {folder}: not a regular file; no types file was changed\n"
+    )
+
+
+def test_write_keeps_the_mode_and_the_link_and_skips_an_unchanged_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = tmp_path / "door.toml"
+    spec.write_text(SPEC, encoding="utf-8")
+    real, link = tmp_path / "real.py", tmp_path / "link.py"
+    real.write_text("old\n", encoding="utf-8")
+    real.chmod(0o640)
+    link.symlink_to(real)
+    assert main(["types", str(spec), "--write", str(link)]) == 0
+    assert main(["types", str(spec), "--write", str(link)]) == 0
+    assert capsys.readouterr().out == f"wrote {link}\n{link} matches {spec}\n"
+    assert link.is_symlink()
+    assert real.read_text(encoding="utf-8") == DOOR_STUB
+    assert real.stat().st_mode & 0o777 == 0o640
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_check_of_a_path_that_is_no_regular_file_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = tmp_path / "door.toml"
+    spec.write_text(SPEC, encoding="utf-8")
+    fifo = tmp_path / "fifo.py"
+    os.mkfifo(fifo)
+    for target in (tmp_path, fifo, Path("/dev/zero")):
+        assert main(["types", str(spec), "--check", str(target)]) == 2
+        assert capsys.readouterr() == ("", f"error: {target}: not a regular file\n")
+
+
+@pytest.mark.parametrize(
+    ("argv", "argument"),
+    [
+        (["SPEC", "--write", ""], "--write"),
+        (["SPEC", "--check", ""], "--check"),
+        ([""], "SPEC"),
+    ],
+)
+def test_an_empty_path_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], argument: str
+) -> None:
+    spec = tmp_path / "door.toml"
+    spec.write_text(SPEC, encoding="utf-8")
+    with pytest.raises(SystemExit) as info:
+        main(["types", *(str(spec) if a == "SPEC" else a for a in argv)])
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    assert (out, err.splitlines()[-1]) == (
+        "",
+        f"fsm-cache types: error: argument {argument}: an empty path names no file",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["door.toml"]

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
+from fsm_cache.cli.main import main
 from fsm_cache.contracts import exhaustive, verify
 from fsm_cache.contracts import runner as crosshair_run
 from fsm_cache.contracts.generate import generate
@@ -373,3 +375,78 @@ def test_rows_name_the_event_not_the_checked_function() -> None:
     assert module.reported(row) == Row("residency", "pin", "c", row.status, "pin(x=1)")
     other = Row("residency", "_event_nope", "c", crosshair_run.CONFIRMED)
     assert module.reported(other) == other
+
+
+TOO_MANY_DIGITS = (
+    "Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits;"
+    " use sys.set_int_max_str_digits() to increase the limit"
+)
+
+
+@pytest.mark.usefixtures("default_recursion_limit")
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("x = " + "9" * 5000 + "\n", TOO_MANY_DIGITS),
+        ("x = " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+    ],
+)
+def test_a_pyproject_too_big_for_tomllib_is_bad_input_not_a_traceback(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    content: str,
+    message: str,
+) -> None:
+    path = tmp_path / "pyproject.toml"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(SpecError) as info:
+        verify.load_options(tmp_path)
+    assert info.value.problems == [f"{path}: invalid TOML: {message}"]
+    monkeypatch.chdir(tmp_path)
+    assert main(["verify", "nonexistent.py"]) == 2
+    assert capsys.readouterr() == ("", f"error: {path}: invalid TOML: {message}\n")
+
+
+@pytest.mark.parametrize(
+    ("init", "why"),
+    [
+        ("raise RuntimeError('package init failed')\n", "RuntimeError: package init failed"),
+        ("import sys\nsys.exit(4)\n", "SystemExit: 4"),
+    ],
+)
+def test_a_package_that_cannot_be_imported_is_named_not_a_traceback_or_an_exit(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    init: str,
+    why: str,
+) -> None:
+    package = tmp_path / "fsm_verify_broken_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(init, encoding="utf-8")
+    (package / "contracts.py").write_text("", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["verify", "fsm_verify_broken_pkg.contracts"]) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"error: fsm_verify_broken_pkg.contracts: cannot import: {why}\n",
+    )
+
+
+def test_what_an_imported_package_prints_stays_off_stdout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    package = tmp_path / "fsm_verify_noisy_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("print('hello from the package')\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert main(["verify", "fsm_verify_noisy_pkg.missing", "--json"]) == 2
+    finally:
+        sys.modules.pop("fsm_verify_noisy_pkg", None)
+    assert capsys.readouterr() == (
+        "",
+        "hello from the package\nerror: fsm_verify_noisy_pkg.missing: "
+        "not a spec file, a .py file or an importable module\n",
+    )

@@ -16,7 +16,7 @@ by the CLI and the flake8 plugin. Example::
 from __future__ import annotations
 
 import keyword
-import sys
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -28,12 +28,12 @@ from fsm_cache.audit.model import (
     AuditError,
     Pair,
 )
+from fsm_cache.errors import SpecError
 
+# The spec loader's reader, shared so every TOML fsm_cache reads is bounded alike:
+# at most 16 MiB, and nesting or integers too large for tomllib are errors, not crashes.
+from fsm_cache.spec.loader import _read as read_toml
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 _TABLE = ("tool", "fsm_cache", "audit")
 _KEYS = ("pairs", "takes_ownership", "hands_off", "non_raising", "ignore")
@@ -93,8 +93,7 @@ class ConfigFinder:
         self._by_folder: dict[Path, AuditConfig] = {}
         self._explicit: AuditConfig | None = None
         if explicit is not None:
-            if not explicit.is_file():
-                raise AuditError(f"{explicit}: no such config file")
+            _check_config_file(explicit)
             self._explicit = self._load(explicit)
 
     def for_file(self, filename: str | Path) -> AuditConfig:
@@ -120,20 +119,41 @@ class ConfigFinder:
         return self._by_pyproject[path]
 
 
+def _check_config_file(path: Path) -> None:
+    """Refuse a ``--config`` that is missing, or there but no regular file (a folder, a FIFO).
+
+    Raises:
+        AuditError: Saying which, so ``--config /tmp`` is not called missing.
+    """
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise AuditError(f"{path}: no such config file") from None
+    except OSError as exc:
+        raise AuditError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        raise AuditError(f"{path}: not a regular file")
+
+
 def load_config(path: Path | None) -> AuditConfig:
-    """Read the audit table of the pyproject.toml at ``path``; defaults when absent."""
+    """Read the audit table of the pyproject.toml at ``path``; defaults when absent.
+
+    The file is read as the spec loader reads specs, so whatever it holds (an
+    integer of 5000 digits, arrays nested 5000 deep) is an :class:`AuditError`
+    naming the file, never a ``ValueError`` or ``RecursionError`` traceback.
+
+    Raises:
+        AuditError: The file cannot be read, is not TOML, or its table is not usable.
+    """
     if path is None:
         return AuditConfig()
     try:
-        with path.open("rb") as stream:
-            document = tomllib.load(stream)
-    except OSError as exc:
-        raise AuditError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise AuditError(f"{path}: invalid TOML: not UTF-8: {exc.reason}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise AuditError(f"{path}: invalid TOML: {exc}") from None
-    table: Mapping[str, object] = document
+        table: Mapping[str, object] = read_toml(path)
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else None
+        raise AuditError(f"{path}: cannot read: {why or exc}") from None
+    except SpecError as exc:  # not UTF-8, not TOML, too large, too deep, too long an integer
+        raise AuditError(exc.problems[0]) from None
     for depth, key in enumerate(_TABLE):
         value = table.get(key, {})
         if not isinstance(value, dict):

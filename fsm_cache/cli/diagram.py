@@ -10,6 +10,11 @@ Usage::
 ``--write`` and ``--check`` without ``-o`` work on a set of files per spec,
 ``<dir>/<name>.mmd``, ``.dot`` and ``.md`` (every shipped spec when no SPEC is
 given). SVG is left out of the set: its bytes depend on the Graphviz version.
+Two specs whose sets would be the same files (``a/d.toml`` and ``b/d.toml``
+both draw ``<dir>/d.*``) are refused, naming both.
+
+Every write goes through :func:`fsm_cache.cli.files.write_files`: all files or
+none, and never over a spec file the command reads.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsm_cache.cli.files import current_text
+from fsm_cache.cli.files import current_text, path_argument, spec_files, write_files
 from fsm_cache.diagram import FORMATS, DiagramError, one_line, render
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.shipped import shipped_spec_paths
@@ -48,9 +53,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("specs", nargs="*", type=Path, metavar="SPEC", help="spec TOML files")
+    parser.add_argument(
+        "specs", nargs="*", type=path_argument, metavar="SPEC", help="spec TOML files"
+    )
     parser.add_argument("--format", choices=FORMATS, default="mermaid", help="default: mermaid")
-    parser.add_argument("-o", "--output", type=Path, metavar="PATH", help="write here, not stdout")
+    parser.add_argument(
+        "-o", "--output", type=path_argument, metavar="PATH", help="write here, not stdout"
+    )
     parser.add_argument(
         "--highlight",
         action="append",
@@ -62,7 +71,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     mode.add_argument("--check", action="store_true", help="exit 1 if a file differs")
     mode.add_argument("--write", action="store_true", help="regenerate the diagram files")
     parser.add_argument(
-        "--dir", type=Path, default=DEFAULT_DIR, help=f"diagram folder (default: {DEFAULT_DIR})"
+        "--dir",
+        type=path_argument,
+        default=DEFAULT_DIR,
+        help=f"diagram folder (default: {DEFAULT_DIR})",
     )
     parser.set_defaults(handler=run)
 
@@ -71,20 +83,26 @@ def run(args: argparse.Namespace) -> int:
     """Render, write or check diagrams as the arguments ask; return the exit status.
 
     Raises:
-        DiagramError: The arguments do not name what to render, or ask for one
-            document of several specs in a format that draws one.
+        DiagramError: The arguments do not name what to render, ask for one
+            document of several specs in a format that draws one, or name
+            specs whose diagram files would be the same.
+        OutputError: A file to write is a spec the command reads, is no
+            regular file, or cannot be written (nothing was changed), or a
+            file to check is no regular file.
     """
     if args.output is None and (args.check or args.write):
         if args.highlight:
             msg = "--highlight marks one rendering; use it with -o or stdout, not --check/--write"
             raise DiagramError(msg)
-        wanted = expected(args.specs or shipped_spec_paths(), args.dir)
-        return _check(wanted) if args.check else _write(wanted)
+        specs = args.specs or shipped_spec_paths()
+        wanted = expected(specs, args.dir)
+        return _check(wanted) if args.check else _write(wanted, specs)
     text = document(args.specs, args.format, tuple(args.highlight))
     if args.output is None:
         sys.stdout.write(text)
         return 0
-    return _check({args.output: text}) if args.check else _write({args.output: text})
+    wanted = {args.output: text}
+    return _check(wanted) if args.check else _write(wanted, args.specs)
 
 
 def document(specs: list[Path], fmt: str, highlight: tuple[str, ...] = ()) -> str:
@@ -115,22 +133,56 @@ def document(specs: list[Path], fmt: str, highlight: tuple[str, ...] = ()) -> st
 
 
 def expected(specs: list[Path], folder: Path) -> dict[Path, str]:
-    """Return the fresh rendering of each spec's diagram files in ``folder``, by path."""
+    """Return the fresh rendering of each spec's diagram files in ``folder``, by path.
+
+    A spec named twice (in any spelling) is drawn once.
+
+    Raises:
+        DiagramError: Two different specs have the same file name, so their
+            files in ``folder`` would be the same: one would silently replace
+            the other's.
+    """
     wanted: dict[Path, str] = {}
+    drawn: dict[str, Path] = {}
     for path in specs:
         spec = load_spec(path)
+        first = drawn.setdefault(path.stem, path)
+        if first is not path:
+            if _same_file(first, path):
+                continue
+            msg = (
+                f"{first} and {path} would both be drawn to {folder / path.stem}"
+                f"{{{','.join(SET_SUFFIXES.values())}}}: give them different file names, "
+                "or draw each into its own --dir"
+            )
+            raise DiagramError(msg)
         for fmt, suffix in SET_SUFFIXES.items():
             wanted[folder / f"{path.stem}{suffix}"] = render(spec, fmt)
     return wanted
 
 
+def _same_file(first: Path, second: Path) -> bool:
+    """Whether two paths name one file (through links and other spellings)."""
+    try:
+        return first.samefile(second)
+    except OSError:
+        return False
+
+
 def _check(wanted: dict[Path, str]) -> int:
+    """Print each file that is missing or stale; return 1 if any is.
+
+    Raises:
+        OutputError: A file to check is there but is no regular file, or cannot be read.
+    """
     stale = 0
+    currents = {path: current_text(path) for path in wanted}  # any error before any line
     for path, text in wanted.items():
-        if not path.is_file():
+        current = currents[path]
+        if current is None:
             print(f"{path}: missing")
             stale += 1
-        elif current_text(path) != text:
+        elif current != text:
             print(f"{path}: differs from a fresh rendering")
             stale += 1
     if stale:
@@ -140,52 +192,15 @@ def _check(wanted: dict[Path, str]) -> int:
     return 0
 
 
-def _write(wanted: dict[Path, str]) -> int:
-    """Write each file whose text changed, all or none.
-
-    Every target is checked before anything is written, each new text is then
-    written to a temporary file beside its target, and only when all of them
-    are written are they renamed into place; a failure before that removes the
-    temporaries, so a target that cannot be written leaves every file as it was.
+def _write(wanted: dict[Path, str], specs: list[Path]) -> int:
+    """Write each file whose text changed, all or none (:func:`~fsm_cache.cli.files.write_files`).
 
     Raises:
-        DiagramError: A target is not a regular file, or sits under a path
-            that is not a folder, or cannot be written; nothing was changed.
+        OutputError: A target is a file one of ``specs`` is read from, is not a
+            regular file, sits under a path that is not a folder, or cannot be
+            written; nothing was changed.
     """
-    changed = {path: text for path, text in wanted.items() if current_text(path) != text}
-    for path in changed:
-        _writable(path)
-    staged: list[tuple[Path, Path]] = []
-    try:
-        for path, text in changed.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = path.with_name(f".{path.name}.fsm-cache-tmp")
-            staged.append((temporary, path))
-            temporary.write_text(text, encoding="utf-8", newline="\n")
-    except OSError as exc:
-        for temporary, _ in staged:
-            temporary.unlink(missing_ok=True)
-        target = staged[-1][1] if staged else next(iter(changed))
-        msg = f"{target}: cannot write: {exc.strerror or exc}; no diagram file was changed"
-        raise DiagramError(msg) from exc
-    for temporary, path in staged:
-        temporary.replace(path)
+    protected = [file for spec in specs for file in spec_files(spec)]
+    for path in write_files(wanted, "diagram", protected):
         print(f"wrote {path}")
     return 0
-
-
-def _writable(path: Path) -> None:
-    """Refuse a target that is not a regular file, or whose first existing parent is no folder.
-
-    Raises:
-        DiagramError: Naming the target and why; no diagram file was changed.
-    """
-    if path.exists() and not path.is_file():
-        msg = f"{path}: not a regular file; no diagram file was changed"
-        raise DiagramError(msg)
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        msg = f"{path}: {parent} is not a folder; no diagram file was changed"
-        raise DiagramError(msg)

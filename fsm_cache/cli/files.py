@@ -1,8 +1,69 @@
-"""Reading the generated files that ``--check`` compares and ``--write`` refreshes."""
+"""The files the CLI generates: reading them for ``--check``, writing them for ``--write``.
+
+``fsm-cache types`` and ``fsm-cache diagram`` write through :func:`write_files`
+alone, so both keep the same promise: a command that fails changes nothing.
+Each new text goes to a staging file beside its target and is renamed over the
+target only when every staging file is written; a failure before that removes
+the staging files and any folder the command made, and the message names the
+target (never a staging file) and says that nothing was changed. A target that
+is one of the spec files the command reads is refused before anything is
+written: ``fsm-cache types d.toml --write d.toml`` would otherwise replace the
+spec with its own stub.
+"""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import errno
+import os
+import secrets
+import stat
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+
+from fsm_cache.errors import FsmCacheError, SpecError
+
+# The loader's reader: the one way fsm_cache reads TOML, bounded in size and depth.
+from fsm_cache.spec.loader import _read as read_toml
+
+
+EMPTY_PATH = "an empty path names no file"
+"""Why an empty path argument is refused: ``Path("")`` would be the working directory."""
+
+MAX_SPEC_FILES = 1024
+"""The most files :func:`spec_files` follows; a real spec reads a handful."""
+
+_STAGING_TRIES = 16
+"""How many random staging names to try before giving up (one is almost always enough)."""
+
+
+class OutputError(FsmCacheError):
+    """A generated file cannot be checked or written; on a write, nothing was changed."""
+
+
+def path_text(text: str) -> str:
+    """Return ``text``, an argparse ``type`` for path arguments that refuses an empty one.
+
+    An empty argument (``--write ''``, an unset shell variable) would otherwise
+    name the working directory or mean "no file given", and the command would
+    print or write somewhere the user did not ask for.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is empty; argparse reports it and exits 2.
+    """
+    if not text:
+        raise argparse.ArgumentTypeError(EMPTY_PATH)
+    return text
+
+
+def path_argument(text: str) -> Path:
+    """Return ``text`` as a :class:`Path`, refusing an empty one as :func:`path_text` does.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is empty.
+    """
+    return Path(path_text(text))
 
 
 def current_text(path: Path) -> str | None:
@@ -10,11 +71,245 @@ def current_text(path: Path) -> str | None:
 
     A file that is not UTF-8 is not what fsm_cache generated either: it reads
     as an empty text, so ``--check`` calls it stale and ``--write`` rewrites it
-    instead of failing on the decode.
+    instead of failing on the decode. A path that is there but no regular file
+    (a folder, a FIFO, ``/dev/zero``) is an error rather than "missing": the
+    user named the wrong thing, and reading a FIFO would block.
+
+    Raises:
+        OutputError: The path is not a regular file, or cannot be read.
     """
-    if not path.is_file():
+    try:
+        status = path.stat()
+    except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot read: {_why(exc)}") from None
+    if not stat.S_ISREG(status.st_mode):
+        raise OutputError(f"{path}: not a regular file")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         return ""
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot read: {_why(exc)}") from None
+
+
+def spec_files(path: Path) -> list[Path]:
+    """Return the files a spec is read from: ``path``, what it extends, its regions' files.
+
+    These are the files a command must never write over. The spec has loaded
+    already (so the files are there and form no cycle); the walk still stops
+    at a file it has seen (compared resolved) and after :data:`MAX_SPEC_FILES`
+    files, and skips a file it cannot read, whatever the files hold now.
+    """
+    found: dict[str, Path] = {}
+    todo = [path]
+    while todo and len(found) < MAX_SPEC_FILES:
+        current = todo.pop()
+        key = os.path.realpath(current)
+        if key in found:
+            continue
+        found[key] = current
+        try:
+            data = read_toml(current)
+        except (OSError, ValueError, SpecError):
+            continue
+        todo += [current.parent / name for name in _named_files(data)]
+    return list(found.values())
+
+
+def _named_files(data: Mapping[str, object]) -> list[str]:
+    """Return the file names a spec table points at: ``extends`` and composition regions."""
+    names: list[object] = []
+    for kind in ("machine", "composition"):
+        head = data.get(kind)
+        if isinstance(head, Mapping):
+            names.append(head.get("extends"))
+            regions = head.get("regions") if kind == "composition" else None
+            if isinstance(regions, Mapping):
+                names += regions.values()
+    return [n for n in names if isinstance(n, str) and n and "\0" not in n]
+
+
+def write_files(texts: Mapping[Path, str], kind: str, protected: Iterable[Path] = ()) -> list[Path]:
+    """Write each file whose text changed, all or none; return the files written.
+
+    Every target is checked first: it must not be one of ``protected`` (the
+    spec files the command read), and it must be a regular file or not there
+    yet, under a path whose first existing folder is a folder. Each new text
+    is then written to a staging file beside its target (a short random name,
+    so a target name of any legal length has one), flushed to disk, and only
+    when all are written are they renamed over their targets. Missing folders
+    are made on the way; on a failure the staging files and those folders are
+    removed. A target that is a symbolic link is written through: the file it
+    points at is replaced, the link stays.
+
+    Args:
+        texts: The new text of each target.
+        kind: What the files are (``diagram``, ``types``), for messages:
+            ``...; no diagram file was changed``.
+        protected: Files that must not be written (the specs read).
+
+    Raises:
+        OutputError: A target is a protected file, not a regular file, under a
+            file, or cannot be written; the message names the target and says
+            that nothing was changed. Only a rename that fails after others
+            succeeded (which a folder just written to all but rules out)
+            leaves some files new, and the message says how many.
+    """
+    unchanged = f"no {kind} file was changed"
+    guarded = _identities(protected)
+    for path in texts:
+        _check_target(path, guarded, unchanged)
+    changed = [
+        (path, Path(os.path.realpath(path)), text)
+        for path, text in texts.items()
+        if _differs(path, text)
+    ]
+    made: list[Path] = []
+    staged: list[tuple[Path, Path]] = []
+    failed_at = None
+    try:
+        for path, real, text in changed:
+            failed_at = path
+            made += _make_folders(real.parent)
+            staged.append((_stage(real, text), real))
+    except BaseException as exc:
+        _discard([temporary for temporary, _ in staged], made)
+        if isinstance(exc, OSError):
+            msg = f"{failed_at}: cannot write: {_why(exc)}; {unchanged}"
+            raise OutputError(msg) from None
+        raise
+    for done, ((temporary, real), (path, _, _)) in enumerate(zip(staged, changed, strict=True)):
+        try:
+            temporary.replace(real)
+        except BaseException as exc:  # a rename in a folder just written to: next to never
+            _discard([t for t, _ in staged[done:]], made)
+            if not isinstance(exc, OSError):
+                raise
+            after = f"{done} of {len(staged)} {kind} files were written" if done else unchanged
+            raise OutputError(f"{path}: cannot write: {_why(exc)}; {after}") from None
+    return [path for path, _, _ in changed]
+
+
+def _identities(paths: Iterable[Path]) -> dict[tuple[int, int], Path]:
+    """Return each existing file of ``paths`` by its (device, inode): links and spellings agree."""
+    found: dict[tuple[int, int], Path] = {}
+    for path in paths:
+        try:
+            status = path.stat()
+        except (OSError, ValueError):
+            continue
+        found.setdefault((status.st_dev, status.st_ino), path)
+    return found
+
+
+def _check_target(path: Path, protected: dict[tuple[int, int], Path], unchanged: str) -> None:
+    """Refuse a target that is protected, not a regular file, or under something no folder.
+
+    Raises:
+        OutputError: Naming the target and why; nothing was changed.
+    """
+    try:
+        status = path.stat()
+    except (FileNotFoundError, NotADirectoryError):  # not there, or under a file: see below
+        status = None
+    except OSError as exc:  # too long a name, a symlink loop, no permission to look
+        raise OutputError(f"{path}: cannot write: {_why(exc)}; {unchanged}") from None
+    if status is not None:
+        spec = protected.get((status.st_dev, status.st_ino))
+        if spec is not None:
+            same = os.path.abspath(spec) == os.path.abspath(path)
+            which = "a spec file" if same else f"{spec}, a spec file"
+            msg = f"{path}: is {which} this command reads; {unchanged}"
+            raise OutputError(msg)
+        if not stat.S_ISREG(status.st_mode):
+            raise OutputError(f"{path}: not a regular file; {unchanged}")
+        return
+    parent = path.parent
+    try:
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        folder = parent.is_dir()
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write: {_why(exc)}; {unchanged}") from None
+    if not folder:
+        raise OutputError(f"{path}: {parent} is not a folder; {unchanged}")
+
+
+def _differs(path: Path, text: str) -> bool:
+    """Whether ``path`` (checked: a regular file or missing) holds other bytes than ``text``.
+
+    A file that cannot be read (no read permission) counts as different: the
+    write replaces it, or reports why it cannot.
+    """
+    try:
+        return path.read_bytes() != text.encode("utf-8")
+    except OSError:
+        return True
+
+
+def _make_folders(folder: Path) -> list[Path]:
+    """Make ``folder`` and its missing parents; return those made, outermost first."""
+    missing: list[Path] = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    made = []
+    for each in reversed(missing):
+        try:
+            each.mkdir()
+        except FileExistsError:  # made meanwhile by someone else: not ours to remove
+            continue
+        made.append(each)
+    return made
+
+
+def _stage(target: Path, text: str) -> Path:
+    """Write ``text`` to a new staging file beside ``target``, flushed to disk; return it.
+
+    The staging file gets the target's permissions when the target exists
+    (the rename must not change them), else the default ones (``0o666`` less
+    the umask), as a new file written in place would.
+
+    Raises:
+        OSError: The staging file cannot be made or written; it is removed.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(_STAGING_TRIES):
+        temporary = target.with_name(f".fsm-cache-{secrets.token_hex(6)}.tmp")
+        try:
+            descriptor = os.open(temporary, flags, 0o666)
+        except FileExistsError:
+            continue
+        break
+    else:
+        raise FileExistsError(errno.EEXIST, "no free staging file name", str(target.parent))
+    try:
+        with os.fdopen(descriptor, "wb") as stream:
+            stream.write(text.encode("utf-8"))
+            stream.flush()
+            os.fsync(stream.fileno())
+        if target.exists():
+            os.chmod(temporary, stat.S_IMODE(target.stat().st_mode))
+    except BaseException:
+        _discard([temporary], [])
+        raise
+    return temporary
+
+
+def _discard(temporaries: list[Path], folders: list[Path]) -> None:
+    """Remove staging files, then the folders a failed write made (innermost first)."""
+    # A file that cannot be removed, or a folder not empty (someone else wrote
+    # into it meanwhile), is left: the error being reported matters more.
+    for temporary in temporaries:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+    for folder in reversed(folders):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+def _why(exc: OSError) -> str:
+    """Return the OS's words for ``exc`` (``No space left on device``), without the file name."""
+    return exc.strerror or str(exc)

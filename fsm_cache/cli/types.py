@@ -3,6 +3,11 @@
 See :mod:`fsm_cache.spec.stubs`. ``--write FILE`` writes the stub; ``--check FILE``
 exits 1 when FILE differs from what the spec generates now (a spec changed
 without its types), naming the file, so CI keeps the two in step.
+
+``--write`` goes through :func:`fsm_cache.cli.files.write_files`, as the
+diagrams do: the stub is written beside FILE and renamed over it, so a full
+disk leaves FILE as it was, and FILE may not be the spec or one of the files
+it reads (its regions, the specs it extends).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fsm_cache.cli.files import current_text
+from fsm_cache.cli.files import current_text, path_argument, spec_files, write_files
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.stubs import stub
 
@@ -24,27 +29,36 @@ def register(subparsers: Any) -> None:
         help="generate Literal types of a spec's states and events for mypy",
         description="Print the typed stub of SPEC (states and events as Literal types).",
     )
-    parser.add_argument("spec", metavar="SPEC", help="a .toml spec file")
+    parser.add_argument("spec", type=path_argument, metavar="SPEC", help="a .toml spec file")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--write", metavar="FILE", help="write the stub to FILE")
-    where.add_argument("--check", metavar="FILE", help="exit 1 if FILE is not the current stub")
+    where.add_argument("--write", type=path_argument, metavar="FILE", help="write the stub to FILE")
+    where.add_argument(
+        "--check", type=path_argument, metavar="FILE", help="exit 1 if FILE is not the current stub"
+    )
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print, write or check the stub; return 1 when ``--check`` finds a stale file."""
-    text = stub(load_spec(args.spec))
-    if args.write:
-        Path(args.write).write_text(text, encoding="utf-8")
-        print(f"wrote {args.write}")
+    """Print, write or check the stub; return 1 when ``--check`` finds a stale file.
+
+    Raises:
+        SpecError: The spec does not load.
+        OutputError: FILE is not a regular file, is a file the spec is read
+            from, or cannot be read or written; nothing was changed.
+    """
+    spec: Path = args.spec
+    text = stub(load_spec(spec))
+    if args.write is not None:
+        written = write_files({args.write: text}, "types", protected=spec_files(spec))
+        print(f"wrote {args.write}" if written else f"{args.write} matches {spec}")
         return 0
-    if args.check:
-        current = current_text(Path(args.check))
+    if args.check is not None:
+        current = current_text(args.check)
         if current != text:
             what = "is missing" if current is None else "differs from"
-            print(f"{args.check} {what} the types of {args.spec}: run fsm-cache types --write")
+            print(f"{args.check} {what} the types of {spec}: run fsm-cache types --write")
             return 1
-        print(f"{args.check} matches {args.spec}")
+        print(f"{args.check} matches {spec}")
         return 0
     sys.stdout.write(text)
     return 0

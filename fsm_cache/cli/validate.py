@@ -15,6 +15,7 @@ import argparse
 import sys
 from typing import Any
 
+from fsm_cache.cli.files import path_text
 from fsm_cache.errors import SpecError
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import MachineSpec, Spec
@@ -27,7 +28,9 @@ def register(subparsers: Any) -> None:
         help="check spec files: names, determinism, totality, safety, reachability",
         description="Load and validate each SPEC file; exit 2 if any has a problem.",
     )
-    parser.add_argument("specs", nargs="+", metavar="SPEC", help="a .toml spec file")
+    parser.add_argument(
+        "specs", nargs="+", type=path_text, metavar="SPEC", help="a .toml spec file"
+    )
     parser.set_defaults(handler=run)
 
 

@@ -18,12 +18,14 @@ that no longer finds its bug.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +35,11 @@ from fsm_cache.contracts.generate import generate
 from fsm_cache.contracts.runner import Options, Row
 from fsm_cache.errors import SpecError
 from fsm_cache.spec.controls import Control, controls, load_finding, relative, render_controls
+from fsm_cache.spec.loader import _read as read_toml  # bounded: size, depth, integer length
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import as_system
 from fsm_cache.spec.shipped import shipped_spec_paths
 
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 POOL_CONTRACTS = "fsm_cache.contracts.pages"
 
@@ -56,18 +54,22 @@ _TABLE = ("tool", "fsm_cache", "verify")
 def load_options(start: Path | None = None) -> Options:
     """Read ``[tool.fsm_cache.verify]`` from the nearest pyproject.toml; defaults without one.
 
+    The file is read as specs are (the loader's reader), so whatever it holds
+    (an integer of 5000 digits, arrays nested 5000 deep) is a finding naming
+    the file, never a ``ValueError`` or ``RecursionError`` traceback.
+
     Raises:
-        SpecError: The file is not readable TOML, or the table is not a table, holds
-            an unknown key, a value of the wrong type or one out of range.
+        SpecError: The file cannot be read or is not TOML, or the table is not a
+            table, holds an unknown key, a value of the wrong type or one out of range.
     """
     folder = (start or Path.cwd()).resolve()
     for candidate in (folder, *folder.parents):
         path = candidate / "pyproject.toml"
         if path.is_file():
             try:
-                table: Any = tomllib.loads(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-                raise SpecError([f"{path}: not readable TOML: {exc}"]) from None
+                table: Any = read_toml(path)
+            except OSError as exc:
+                raise SpecError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
             for depth, key in enumerate(_TABLE, 1):
                 table = table.get(key, {})
                 if not isinstance(table, dict):
@@ -120,20 +122,40 @@ def verify_module(name: str, options: Options) -> list[Row]:
     """Check a contracts module given as a ``.py`` path or a dotted module name.
 
     Raises:
-        SpecError: No such file or module.
+        SpecError: No such file or module, or importing its package raised or exited.
     """
     path = Path(name)
     if path.suffix != ".py":
-        try:
-            spec = importlib.util.find_spec(name) if _dotted(name) else None
-        except ModuleNotFoundError:
-            spec = None
+        spec = _find_module(name) if _dotted(name) else None
         if spec is None or spec.origin is None:
             raise SpecError([f"{name}: not a spec file, a .py file or an importable module"])
         path = Path(spec.origin)
     if not path.is_file():
         raise SpecError([f"{name}: no such file"])
     return crosshair_run.prove(path.stem, path, options)
+
+
+def _find_module(name: str) -> ModuleSpec | None:
+    """Return where the module ``name`` is, or None if it is not there.
+
+    Finding ``a.b.c`` imports the packages ``a`` and ``a.b``: the user's code,
+    which may print, raise or call ``sys.exit``. Whatever it prints goes to
+    stderr, so ``--json`` output stays JSON; whatever it raises, SystemExit
+    included, is a finding naming the module, not a traceback or a silent exit.
+
+    Raises:
+        SpecError: Importing a package of ``name`` raised or exited.
+    """
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            return importlib.util.find_spec(name)
+    except ModuleNotFoundError as exc:
+        parts = name.split(".")
+        if exc.name in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:
+            return None  # a package of the name itself is missing: not importable
+        raise SpecError([f"{name}: cannot import: {type(exc).__name__}: {exc}"]) from None
+    except (Exception, SystemExit) as exc:  # the user's package: its own raise or exit
+        raise SpecError([f"{name}: cannot import: {type(exc).__name__}: {exc}"]) from None
 
 
 def verify_target(target: str, options: Options, workdir: Path) -> list[Row]:
