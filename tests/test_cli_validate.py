@@ -411,3 +411,29 @@ def test_no_file_content_makes_a_traceback(
     path = folder / "spec.toml"
     path.write_bytes(content)
     assert _validate_quietly(path) in (0, 2)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["validate"], ["diagram"], ["check", "--max-states", "100"]],
+    ids=["validate", "diagram", "check"],
+)
+def test_a_cycle_through_a_region_is_an_error_line_in_every_command(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, command: list[str]
+) -> None:
+    """A region whose machine extends the composition: one error line, exit 2, no RecursionError."""
+    machine = tmp_path / "a.toml"
+    machine.write_text("[machine]\nname = 'a'\nextends = 'c.toml'\n", encoding="utf-8")
+    composition = tmp_path / "c.toml"
+    composition.write_text(
+        "[composition]\nname = 'c'\n[composition.regions]\nr = 'a.toml'\n", encoding="utf-8"
+    )
+    assert main([*command, str(composition)]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err.splitlines()) == (
+        "",
+        [
+            f"error: {machine}: machine.extends: a cycle: {composition}, whose region r is "
+            f"{machine} extends {composition}"
+        ],
+    )

@@ -292,7 +292,9 @@ def test_composition_faults(tmp_path: Path) -> None:
     itself = write(
         tmp_path, "[composition]\nname='e'\n[composition.regions]\nx = 'e.toml'\n", "e.toml"
     )
-    assert problems(itself) == [f"{itself}: composition.regions.x: e.toml is not a [machine] file"]
+    assert problems(itself) == [
+        f"{itself}: composition.regions.x: a cycle: {itself}, whose region x is {itself}"
+    ]
 
 
 def test_a_composition_reports_its_regions_faults_with_its_own(tmp_path: Path) -> None:
@@ -557,8 +559,9 @@ def test_a_base_that_does_not_load_is_reported_once(tmp_path: Path) -> None:
         f"{missing}: machine.extends: cannot read {tmp_path / 'nope.toml'}: No such file or directory"
     ]
     composition = write(tmp_path, "[composition]\nextends = 'a.toml'\nname = 'c'\n", "c.toml")
+    # A base of the wrong kind is not built: its faults are not c's.
     assert problems(composition) == [
-        f"{missing}: machine.extends: cannot read {tmp_path / 'nope.toml'}: No such file or directory",
+        f"{composition}: composition.extends: a.toml is not a [composition] file",
     ]
     write(tmp_path, "[composition]\nextends = 'e.toml'\nname = 'd'\n", "d.toml")
     e = write(tmp_path, "[composition]\nextends = 'd.toml'\nname = 'e'\n", "e.toml")
@@ -584,6 +587,59 @@ def test_a_chain_too_long_is_reported_once(tmp_path: Path) -> None:
         f"{tmp_path / 's8.toml'}: machine.extends: more than 8 specs extend one another"
     ]
     assert isinstance(load_spec(tmp_path / "s2.toml"), MachineSpec)
+
+
+def test_a_cycle_through_a_region_and_an_extends_is_refused(tmp_path: Path) -> None:
+    """A region's machine that extends the composition holding it is a cycle, not a RecursionError."""
+    machine = write(tmp_path, "[machine]\nname = 'a'\nextends = 'c.toml'\n", "a.toml")
+    composition = write(
+        tmp_path, "[composition]\nname = 'c'\n[composition.regions]\nr = 'a.toml'\n", "c.toml"
+    )
+    assert problems(composition) == [
+        f"{machine}: machine.extends: a cycle: {composition}, whose region r is {machine} "
+        f"extends {composition}"
+    ]
+    # From the machine's side the composition is a base of the wrong kind, refused unbuilt.
+    assert problems(machine) == [f"{machine}: machine.extends: c.toml is not a [machine] file"]
+
+
+def test_a_cycle_through_a_base_compositions_region_is_refused(tmp_path: Path) -> None:
+    write(tmp_path, LAMP, "lamp.toml")
+    write(
+        tmp_path,
+        "[composition]\nname = 'base'\n[composition.regions]\nr = 'm.toml'\n",
+        "base.toml",
+    )
+    m = write(tmp_path, "[machine]\nname = 'm'\nextends = 'top.toml'\n", "m.toml")
+    top = write(
+        tmp_path,
+        "[composition]\nname = 'top'\nextends = 'base.toml'\n[composition.regions]\nx = 'lamp.toml'\n",
+        "top.toml",
+    )
+    base = tmp_path / "base.toml"
+    assert problems(top) == [
+        f"{m}: machine.extends: a cycle: {top} extends {base}, whose region r is {m} extends {top}"
+    ]
+
+
+def test_chains_of_extends_count_apart_on_either_side_of_a_region(tmp_path: Path) -> None:
+    """A composition's chain and its region's chain are bounded each by MAX_EXTENDS, not together."""
+    write(tmp_path, LAMP, "m9.toml")
+    for i in range(9):
+        write(tmp_path, f"[machine]\nextends = 'm{i + 1}.toml'\nname = 'm{i}'\n", f"m{i}.toml")
+    write(tmp_path, "[composition]\nname = 'c9'\n[composition.regions]\nr = 'm1.toml'\n", "c9.toml")
+    for i in range(9):
+        write(tmp_path, f"[composition]\nextends = 'c{i + 1}.toml'\nname = 'c{i}'\n", f"c{i}.toml")
+    assert isinstance(load_spec(tmp_path / "c1.toml"), System)  # 9 compositions, then 9 machines
+    assert problems(tmp_path / "c0.toml") == [
+        f"{tmp_path / 'c8.toml'}: composition.extends: more than 8 specs extend one another"
+    ]
+    (tmp_path / "c9.toml").write_text(
+        "[composition]\nname = 'c9'\n[composition.regions]\nr = 'm0.toml'\n", encoding="utf-8"
+    )
+    assert problems(tmp_path / "c9.toml") == [
+        f"{tmp_path / 'm8.toml'}: machine.extends: more than 8 specs extend one another"
+    ]
 
 
 def test_a_redeclared_base_state_is_named_with_its_base(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import reprlib
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -61,7 +62,11 @@ MAX_EXTENDS = 8
 """The longest chain of ``extends`` followed; a longer one is refused.
 
 A chain that comes back to a file already in it is refused as a cycle, once,
-at the file that closes it."""
+at the file that closes it, and so is one that comes back through a
+composition's region (``c.toml, whose region r is m.toml extends c.toml``).
+A base or a region of the wrong kind (a machine that extends a composition)
+is refused before it is built, so a load nests at most two such chains: a
+composition's and, through one of its regions, a machine's."""
 
 MAX_DEPTH = 64
 """The deepest nesting of tables and arrays accepted; a real spec nests four levels.
@@ -101,6 +106,38 @@ class _Problems:
     def check(self) -> None:
         if self.lines:
             raise SpecError(self.lines)
+
+
+@dataclass(frozen=True)
+class _Link:
+    """One step of the path that led a load to the file it is reading.
+
+    Attributes:
+        source: The file that leads on, as named (for messages).
+        resolved: ``source`` resolved, to compare files however named (None:
+            it cannot be resolved, a symlink loop that reading reports).
+        how: How it leads to the next file: ``" extends "``, or
+            ``", whose region R is "`` for a composition's region ``R``.
+    """
+
+    source: str
+    resolved: Path | None
+    how: str
+
+
+_EXTENDS = " extends "
+
+
+def _link(source: str, how: str) -> _Link:
+    return _Link(source, _resolved(Path(source)), how)
+
+
+def _resolved(path: Path) -> Path | None:
+    """Return ``path`` resolved, or None if it cannot be (a symlink loop: reading it reports that)."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):
+        return None
 
 
 def load_spec(path: str | Path) -> Spec:
@@ -193,9 +230,9 @@ def spec_from_dict(data: _Table, source: str = "<python>", base: Path | None = N
 
     _check_shape(data, source)
     if "composition" in data:
-        spec: Spec = _composition(data, source, base or Path())
+        spec: Spec = _composition(data, source, base or Path(), ())
     else:
-        spec = machine_from_dict(data, source, base)
+        spec = _machine(data, source, base, ())
     validate(spec)
     return spec
 
@@ -225,6 +262,11 @@ def machine_from_dict(
             data is not a table or nests too deeply (:data:`MAX_DEPTH`), or the
             machine it extends cannot be read.
     """
+    return _machine(data, source, base, tuple(_link(s, _EXTENDS) for s in chain))
+
+
+def _machine(data: _Table, source: str, base: Path | None, links: tuple[_Link, ...]) -> MachineSpec:
+    """:func:`machine_from_dict`, reached through ``links`` (the files that led here, outermost first)."""
     _check_shape(data, source)
     problems = _Problems(source)
     _known_keys(
@@ -233,9 +275,7 @@ def machine_from_dict(
     head = _table(data, "machine", problems)
     _known_keys(head, {"name", "initial", "doc", "label", "extends"}, "machine", problems)
     extending = "extends" in head
-    parent = _extended("machine", head, base or Path(), (*chain, source), problems)
-    if parent is not None and not isinstance(parent, MachineSpec):
-        problems.add("machine.extends", f"{head['extends']} is not a [machine] file")
+    parent = _extended("machine", head, base or Path(), (*links, _link(source, _EXTENDS)), problems)
     basis = parent if isinstance(parent, MachineSpec) else None
     counters = _counters(data.get("counters", {}), problems)
     states = _states(data.get("states", {}), problems, required=not extending)
@@ -273,12 +313,13 @@ def machine_from_dict(
 
 
 def _extended(
-    kind: str, head: _Table, base: Path, chain: tuple[str, ...], problems: _Problems
+    kind: str, head: _Table, base: Path, links: tuple[_Link, ...], problems: _Problems
 ) -> Spec | None:
     """Return the unvalidated spec ``head.extends`` names (relative to ``base``), if any.
 
-    ``chain`` holds the files whose ``extends`` led here, this one last; a
-    base among them closes a cycle, reported here and nowhere else.
+    ``links`` holds the files that led here, this one last; a base among them
+    closes a cycle, reported here and nowhere else. A base of another kind
+    than ``kind`` is reported here too, and not built.
     """
     rel = head.get("extends")
     if rel is None:
@@ -287,20 +328,40 @@ def _extended(
     if not isinstance(rel, str) or not rel or "\0" in rel:
         problems.add(where, f"must be the file name of a spec, got {shown(rel)}")
         return None
+    return _follow(where, rel, kind, base, links=links, problems=problems)
+
+
+def _follow(
+    where: str, rel: str, kind: str, base: Path, *, links: tuple[_Link, ...], problems: _Problems
+) -> Spec | None:
+    """Return the unvalidated ``kind`` spec the file ``rel`` (relative to ``base``) holds, or None.
+
+    ``where`` is the key that names it; ``links`` the files that led here,
+    the one holding ``where`` last. Each fault of the reference itself (a
+    cycle, a chain of more than :data:`MAX_EXTENDS`, a file that cannot be
+    read, or one of another kind) is reported at ``where``; the file's own
+    faults name that file.
+    """
     path = base / rel
-    cycle = _cycle(path, chain)
-    if cycle or len(chain) > MAX_EXTENDS:  # the chain holds this file and what extends it
-        too_long = f"more than {MAX_EXTENDS} specs extend one another"
-        problems.add(
-            where, f"a cycle: {' extends '.join((*cycle, str(path)))}" if cycle else too_long
-        )
+    cycle = _cycle(path, links)
+    extending = len(links) - next(
+        (i + 1 for i in reversed(range(len(links))) if links[i].how != _EXTENDS), 0
+    )  # this file and those that extend it, up to the composition whose region it is
+    if cycle:
+        problems.add(where, f"a cycle: {''.join(f'{c.source}{c.how}' for c in cycle)}{path}")
+        return None
+    if extending > MAX_EXTENDS:
+        problems.add(where, f"more than {MAX_EXTENDS} specs extend one another")
         return None
     try:
         data = _read(path)
         _check_shape(data, str(path))
-        if "composition" in data:
-            return _composition(data, str(path), path.parent, chain)
-        return machine_from_dict(data, str(path), path.parent, chain)
+        if ("composition" if "composition" in data else "machine") != kind:
+            problems.add(where, f"{rel} is not a [{kind}] file")
+            return None
+        if kind == "composition":
+            return _composition(data, str(path), path.parent, links)
+        return _machine(data, str(path), path.parent, links)
     except (OSError, ValueError) as exc:
         problems.add(where, f"cannot read {path}: {_why(exc)}")
     except SpecError as exc:
@@ -308,21 +369,21 @@ def _extended(
     return None
 
 
-def _cycle(path: Path, chain: tuple[str, ...]) -> tuple[str, ...]:
-    """Return the files of ``chain`` from the first that is ``path`` on: the cycle it closes.
+def _cycle(path: Path, links: tuple[_Link, ...]) -> tuple[_Link, ...]:
+    """Return the links from the first file that is ``path`` on: the cycle it closes.
 
     Files are compared resolved, so ``./a.toml`` is ``a.toml``; empty when ``path``
-    is not in ``chain``.
+    is not among them.
     """
-    try:
-        target = path.resolve()
-        first = next((i for i, p in enumerate(chain) if Path(p).resolve() == target), None)
-    except (OSError, RuntimeError):  # a symlink loop; reading the file reports it
+    target = _resolved(path)
+    if target is None:  # a symlink loop; reading the file reports it
         return ()
-    return () if first is None else chain[first:]
+    first = next((i for i, link in enumerate(links) if link.resolved == target), None)
+    return () if first is None else links[first:]
 
 
-def _composition(data: _Table, source: str, base: Path, chain: tuple[str, ...] = ()) -> System:
+def _composition(data: _Table, source: str, base: Path, links: tuple[_Link, ...]) -> System:
+    """Build a :class:`System` from TOML-shaped data, reached through ``links``, without validating it."""
     problems = _Problems(source)
     _known_keys(data, {"composition", "forbid"}, "", problems)
     head = _table(data, "composition", problems)
@@ -330,9 +391,7 @@ def _composition(data: _Table, source: str, base: Path, chain: tuple[str, ...] =
         head, {"name", "regions", "doc", "label", "extends", "births"}, "composition", problems
     )
     extending = "extends" in head
-    parent = _extended("composition", head, base, (*chain, source), problems)
-    if parent is not None and not isinstance(parent, System):
-        problems.add("composition.extends", f"{head['extends']} is not a [composition] file")
+    parent = _extended("composition", head, base, (*links, _link(source, _EXTENDS)), problems)
     basis = parent if isinstance(parent, System) else None
     regions = dict(basis.regions) if basis else {}
     regions_table = head.get("regions", {} if extending else None)
@@ -340,7 +399,8 @@ def _composition(data: _Table, source: str, base: Path, chain: tuple[str, ...] =
         problems.add("composition.regions", "missing: a table of REGION = 'machine.toml'")
         problems.check()
     for region, rel in cast("_Table", regions_table).items():
-        machine = _region(f"composition.regions.{region}", rel, base, problems)
+        on = (*links, _link(source, f", whose region {region} is "))
+        machine = _region(f"composition.regions.{region}", rel, base, on, problems)
         if machine is not None:
             regions[region] = machine
     forbids = _forbids(data.get("forbid", []), "forbid", problems)
@@ -392,27 +452,20 @@ def _births(table: object, problems: _Problems) -> tuple[Birth, ...]:
     return tuple(result)
 
 
-def _region(where: str, rel: object, base: Path, problems: _Problems) -> MachineSpec | None:
+def _region(
+    where: str, rel: object, base: Path, links: tuple[_Link, ...], problems: _Problems
+) -> MachineSpec | None:
     """Read one region's machine file (relative to the composition), not yet validated.
 
     Faults of the region's own content name the region's file; a file that is
-    missing or unreadable names the composition's key that points at it.
+    missing or unreadable, or one that leads back to a file in ``links`` (the
+    composition's own, last), names the composition's key that points at it.
     """
     if not isinstance(rel, str) or not rel or "\0" in rel:  # no file name holds a NUL
         problems.add(where, f"must be the file name of a machine, got {shown(rel)}")
         return None
-    path = base / rel
-    try:
-        data = _read(path)
-        if "composition" in data:
-            problems.add(where, f"{rel} is not a [machine] file")
-            return None
-        return machine_from_dict(data, source=str(path), base=path.parent)
-    except (OSError, ValueError) as exc:
-        problems.add(where, f"cannot read {path}: {_why(exc)}")
-    except SpecError as exc:
-        problems.lines += exc.problems
-    return None
+    machine = _follow(where, rel, "machine", base, links=links, problems=problems)
+    return machine if isinstance(machine, MachineSpec) else None
 
 
 def _table(data: _Table, key: str, problems: _Problems) -> _Table:
