@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsm_cache.errors import SpecError
+from fsm_cache.spec import loader
 from fsm_cache.spec.guards import parse_condition, parse_guard, parse_update
 from fsm_cache.spec.loader import MAX_DEPTH, load_spec, machine_from_dict, shown, spec_from_dict
 from fsm_cache.spec.machine import EventSpec, Forbid, MachineSpec, StateSpec, System, Transition
@@ -639,6 +640,56 @@ def test_chains_of_extends_count_apart_on_either_side_of_a_region(tmp_path: Path
     )
     assert problems(tmp_path / "c9.toml") == [
         f"{tmp_path / 'm8.toml'}: machine.extends: more than 8 specs extend one another"
+    ]
+
+
+def test_regions_that_fan_out_through_extends_are_read_once(tmp_path: Path) -> None:
+    """Ten regions per composition, each a machine extending the next composition: one line, not 10**3."""
+    for i in range(3):
+        regions = "".join(f"{r} = 'm{i + 1}.toml'\n" for r in "abcdefghij")
+        write(
+            tmp_path,
+            f"[composition]\nname = 'c{i}'\n[composition.regions]\n{regions}",
+            f"c{i}.toml",
+        )
+        write(
+            tmp_path, f"[machine]\nname = 'm{i + 1}'\nextends = 'c{i + 1}.toml'\n", f"m{i + 1}.toml"
+        )
+    write(tmp_path, LAMP, "c3.toml")
+    assert problems(tmp_path / "c0.toml") == [
+        f"{tmp_path / 'm1.toml'}: machine.extends: c1.toml is not a [machine] file"
+    ]
+
+
+def test_a_file_reached_twice_in_one_load_is_read_and_reported_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lamp.toml is one's region and dimmer's base: read once, and its fault named once."""
+    reads: list[Path] = []
+
+    def counted(path: Path) -> Any:
+        reads.append(path)
+        return read(path)
+
+    read = loader._read  # noqa: SLF001 (spied on: one read per file a load reaches)
+    monkeypatch.setattr(loader, "_read", counted)
+    write(tmp_path, LAMP, "lamp.toml")
+    write(tmp_path, DIMMER, "dimmer.toml")
+    write(
+        tmp_path,
+        "[composition]\nname = 'one'\n[composition.regions]\na = 'lamp.toml'\n",
+        "one.toml",
+    )
+    two = write(
+        tmp_path,
+        "[composition]\nname = 'two'\nextends = 'one.toml'\n[composition.regions]\na = './dimmer.toml'\n",
+        "two.toml",
+    )
+    assert isinstance(load_spec(two), System)
+    assert sorted(p.name for p in reads) == ["dimmer.toml", "lamp.toml", "one.toml", "two.toml"]
+    broken = write(tmp_path, LAMP.replace('guard = "n == 1"', 'guard = "n = 1"'), "lamp.toml")
+    assert problems(two) == [
+        f"{broken}: transition[1].guard: expected COUNTER OP INT (OP one of == != < <= > >=), got 'n = 1'"
     ]
 
 

@@ -99,13 +99,21 @@ class _Problems:
     def __init__(self, source: str) -> None:
         self.source = source
         self.lines: list[str] = []
+        self.failed = False
+        """Whether a file this one needs failed, its faults reported where it was first reached."""
 
     def add(self, where: str, message: str) -> None:
         self.lines.append(f"{self.source}: {where}: {message}")
 
+    def include(self, error: SpecError) -> None:
+        """Take the faults of a file this one needs, which therefore fails too."""
+        self.lines += error.problems
+        self.failed = True
+
     def check(self) -> None:
-        if self.lines:
-            raise SpecError(self.lines)
+        """Raise the faults collected, each once, if there are any or a file needed failed."""
+        if self.lines or self.failed:
+            raise SpecError(list(dict.fromkeys(self.lines)))
 
 
 @dataclass(frozen=True)
@@ -128,8 +136,93 @@ class _Link:
 _EXTENDS = " extends "
 
 
-def _link(source: str, how: str) -> _Link:
-    return _Link(source, _resolved(Path(source)), how)
+class _Files:
+    """What one top-level load has read and built, shared by every file it reaches.
+
+    A file reached more than once (ten regions naming one machine, a base two
+    specs extend) is read and built once, and its own faults are reported
+    once, where it is first reached. Without it, regions whose machines lead
+    to files with regions of their own read files a number of times
+    exponential in the depth, and repeat each of their faults as often.
+    """
+
+    def __init__(self) -> None:
+        self.tables: dict[Path, _Table | None] = {}
+        """A file's table by its resolved path; None when the file itself is at fault."""
+        self.specs: dict[tuple[Path, int], Spec | None] = {}
+        """A file's spec by its resolved path and the files extending it above it
+        (:data:`MAX_EXTENDS` counts them); None when it did not build."""
+
+    def table(self, path: Path, target: Path | None) -> _Table | None:
+        """Return the table of the file ``path`` (``target`` resolved), read once.
+
+        Returns:
+            Its table, or None when an earlier read found it is no spec file.
+
+        Raises:
+            OSError: It cannot be read (each reference reports that at its key).
+            ValueError: Its name cannot name a file.
+            SpecError: It is no spec file (too large, not TOML, nested too
+                deeply): its own fault, reported where it is first read.
+        """
+        if target is not None and target in self.tables:
+            return self.tables[target]
+        try:
+            data = _read(path)
+            _check_shape(data, str(path))
+        except SpecError:
+            if target is not None:
+                self.tables[target] = None
+            raise
+        if target is not None:
+            self.tables[target] = data
+        return data
+
+    def spec(self, data: _Table, path: Path, route: _Route, key: tuple[Path, int] | None) -> Spec:
+        """Return the unvalidated spec of ``data``, the file ``path`` reached by ``route``, built once per ``key``.
+
+        Raises:
+            SpecError: It does not build; with no faults when it did not
+                before, as they were reported then.
+        """
+        if key is not None and key in self.specs:
+            found = self.specs[key]
+            if found is None:
+                raise SpecError([])
+            return found
+        try:
+            built: Spec
+            if "composition" in data:
+                built = _composition(data, str(path), path.parent, route)
+            else:
+                built = _machine(data, str(path), path.parent, route)
+        except SpecError:
+            if key is not None:
+                self.specs[key] = None
+            raise
+        if key is not None:
+            self.specs[key] = built
+        return built
+
+
+@dataclass(frozen=True)
+class _Route:
+    """How a load reached the file it is reading: the files that led there, and what it has read."""
+
+    links: tuple[_Link, ...]
+    files: _Files
+
+    def then(self, source: str, how: str) -> _Route:
+        """Return this route on from ``source``, which leads to the next file as ``how`` says."""
+        return _Route((*self.links, _Link(source, _resolved(Path(source)), how)), self.files)
+
+    @classmethod
+    def start(cls, chain: tuple[str, ...] = ()) -> _Route:
+        """Return the route of a new top-level load, the files of ``chain`` extending one another."""
+        route = cls((), _Files())
+        for source in chain:
+            route = route.then(source, _EXTENDS)
+        return route
 
 
 def _resolved(path: Path) -> Path | None:
@@ -230,9 +323,9 @@ def spec_from_dict(data: _Table, source: str = "<python>", base: Path | None = N
 
     _check_shape(data, source)
     if "composition" in data:
-        spec: Spec = _composition(data, source, base or Path(), ())
+        spec: Spec = _composition(data, source, base or Path(), _Route.start())
     else:
-        spec = _machine(data, source, base, ())
+        spec = _machine(data, source, base, _Route.start())
     validate(spec)
     return spec
 
@@ -262,11 +355,11 @@ def machine_from_dict(
             data is not a table or nests too deeply (:data:`MAX_DEPTH`), or the
             machine it extends cannot be read.
     """
-    return _machine(data, source, base, tuple(_link(s, _EXTENDS) for s in chain))
+    return _machine(data, source, base, _Route.start(chain))
 
 
-def _machine(data: _Table, source: str, base: Path | None, links: tuple[_Link, ...]) -> MachineSpec:
-    """:func:`machine_from_dict`, reached through ``links`` (the files that led here, outermost first)."""
+def _machine(data: _Table, source: str, base: Path | None, route: _Route) -> MachineSpec:
+    """:func:`machine_from_dict`, reached by ``route``."""
     _check_shape(data, source)
     problems = _Problems(source)
     _known_keys(
@@ -275,7 +368,7 @@ def _machine(data: _Table, source: str, base: Path | None, links: tuple[_Link, .
     head = _table(data, "machine", problems)
     _known_keys(head, {"name", "initial", "doc", "label", "extends"}, "machine", problems)
     extending = "extends" in head
-    parent = _extended("machine", head, base or Path(), (*links, _link(source, _EXTENDS)), problems)
+    parent = _extended("machine", head, base or Path(), route.then(source, _EXTENDS), problems)
     basis = parent if isinstance(parent, MachineSpec) else None
     counters = _counters(data.get("counters", {}), problems)
     states = _states(data.get("states", {}), problems, required=not extending)
@@ -313,11 +406,11 @@ def _machine(data: _Table, source: str, base: Path | None, links: tuple[_Link, .
 
 
 def _extended(
-    kind: str, head: _Table, base: Path, links: tuple[_Link, ...], problems: _Problems
+    kind: str, head: _Table, base: Path, route: _Route, problems: _Problems
 ) -> Spec | None:
     """Return the unvalidated spec ``head.extends`` names (relative to ``base``), if any.
 
-    ``links`` holds the files that led here, this one last; a base among them
+    ``route`` holds the files that led here, this one last; a base among them
     closes a cycle, reported here and nowhere else. A base of another kind
     than ``kind`` is reported here too, and not built.
     """
@@ -328,21 +421,22 @@ def _extended(
     if not isinstance(rel, str) or not rel or "\0" in rel:
         problems.add(where, f"must be the file name of a spec, got {shown(rel)}")
         return None
-    return _follow(where, rel, kind, base, links=links, problems=problems)
+    return _follow(where, rel, kind, base, route, problems)
 
 
-def _follow(
-    where: str, rel: str, kind: str, base: Path, *, links: tuple[_Link, ...], problems: _Problems
+def _follow(  # noqa: PLR0917 (one reference: its key, its file, its kind, from where, how)
+    where: str, rel: str, kind: str, base: Path, route: _Route, problems: _Problems
 ) -> Spec | None:
     """Return the unvalidated ``kind`` spec the file ``rel`` (relative to ``base``) holds, or None.
 
-    ``where`` is the key that names it; ``links`` the files that led here,
+    ``where`` is the key that names it; ``route`` the files that led here,
     the one holding ``where`` last. Each fault of the reference itself (a
     cycle, a chain of more than :data:`MAX_EXTENDS`, a file that cannot be
     read, or one of another kind) is reported at ``where``; the file's own
-    faults name that file.
+    faults name that file, once in a load however often it is reached
+    (:class:`_Files`).
     """
-    path = base / rel
+    path, links = base / rel, route.links
     cycle = _cycle(path, links)
     extending = len(links) - next(
         (i + 1 for i in reversed(range(len(links))) if links[i].how != _EXTENDS), 0
@@ -353,19 +447,20 @@ def _follow(
     if extending > MAX_EXTENDS:
         problems.add(where, f"more than {MAX_EXTENDS} specs extend one another")
         return None
+    target = _resolved(path)
     try:
-        data = _read(path)
-        _check_shape(data, str(path))
-        if ("composition" if "composition" in data else "machine") != kind:
+        data = route.files.table(path, target)
+        if data is None:  # no spec file, reported where it was first read
+            problems.failed = True
+        elif ("composition" if "composition" in data else "machine") != kind:
             problems.add(where, f"{rel} is not a [{kind}] file")
-            return None
-        if kind == "composition":
-            return _composition(data, str(path), path.parent, links)
-        return _machine(data, str(path), path.parent, links)
+        else:
+            key = None if target is None else (target, extending)
+            return route.files.spec(data, path, route, key)
     except (OSError, ValueError) as exc:
         problems.add(where, f"cannot read {path}: {_why(exc)}")
     except SpecError as exc:
-        problems.lines += exc.problems
+        problems.include(exc)
     return None
 
 
@@ -382,8 +477,8 @@ def _cycle(path: Path, links: tuple[_Link, ...]) -> tuple[_Link, ...]:
     return () if first is None else links[first:]
 
 
-def _composition(data: _Table, source: str, base: Path, links: tuple[_Link, ...]) -> System:
-    """Build a :class:`System` from TOML-shaped data, reached through ``links``, without validating it."""
+def _composition(data: _Table, source: str, base: Path, route: _Route) -> System:
+    """Build a :class:`System` from TOML-shaped data, reached by ``route``, without validating it."""
     problems = _Problems(source)
     _known_keys(data, {"composition", "forbid"}, "", problems)
     head = _table(data, "composition", problems)
@@ -391,7 +486,7 @@ def _composition(data: _Table, source: str, base: Path, links: tuple[_Link, ...]
         head, {"name", "regions", "doc", "label", "extends", "births"}, "composition", problems
     )
     extending = "extends" in head
-    parent = _extended("composition", head, base, (*links, _link(source, _EXTENDS)), problems)
+    parent = _extended("composition", head, base, route.then(source, _EXTENDS), problems)
     basis = parent if isinstance(parent, System) else None
     regions = dict(basis.regions) if basis else {}
     regions_table = head.get("regions", {} if extending else None)
@@ -399,7 +494,7 @@ def _composition(data: _Table, source: str, base: Path, links: tuple[_Link, ...]
         problems.add("composition.regions", "missing: a table of REGION = 'machine.toml'")
         problems.check()
     for region, rel in cast("_Table", regions_table).items():
-        on = (*links, _link(source, f", whose region {region} is "))
+        on = route.then(source, f", whose region {region} is ")
         machine = _region(f"composition.regions.{region}", rel, base, on, problems)
         if machine is not None:
             regions[region] = machine
@@ -453,18 +548,18 @@ def _births(table: object, problems: _Problems) -> tuple[Birth, ...]:
 
 
 def _region(
-    where: str, rel: object, base: Path, links: tuple[_Link, ...], problems: _Problems
+    where: str, rel: object, base: Path, route: _Route, problems: _Problems
 ) -> MachineSpec | None:
     """Read one region's machine file (relative to the composition), not yet validated.
 
     Faults of the region's own content name the region's file; a file that is
-    missing or unreadable, or one that leads back to a file in ``links`` (the
+    missing or unreadable, or one that leads back to a file of ``route`` (the
     composition's own, last), names the composition's key that points at it.
     """
     if not isinstance(rel, str) or not rel or "\0" in rel:  # no file name holds a NUL
         problems.add(where, f"must be the file name of a machine, got {shown(rel)}")
         return None
-    machine = _follow(where, rel, "machine", base, links=links, problems=problems)
+    machine = _follow(where, rel, "machine", base, route, problems)
     return machine if isinstance(machine, MachineSpec) else None
 
 
