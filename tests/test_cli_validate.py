@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import sys
 from pathlib import Path
 
@@ -435,5 +436,24 @@ def test_a_cycle_through_a_region_is_an_error_line_in_every_command(
         [
             f"error: {machine}: machine.extends: a cycle: {composition}, whose region r is "
             f"{machine} extends {composition}"
+        ],
+    )
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
+@pytest.mark.timeout(20)  # before the fix, validate waited for a writer forever
+def test_a_named_pipe_is_an_error_line_not_a_wait(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    comp = tmp_path / "comp.toml"
+    comp.write_text("[composition]\nname = 'c'\n[composition.regions]\na = 'fifo.toml'\n")
+    assert run(capsys, str(fifo), str(comp)) == (
+        2,
+        [],
+        [
+            f"error: {fifo}: cannot read: not a regular file (a named pipe)",
+            f"error: {comp}: composition.regions.a: cannot read {fifo}: not a regular file (a named pipe)",
         ],
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -112,6 +113,28 @@ def test_unreadable_file(tmp_path: Path) -> None:
     missing = tmp_path / "missing.toml"
     assert problems(missing) == [f"{missing}: cannot read: No such file or directory"]
     assert problems(tmp_path) == [f"{tmp_path}: cannot read: Is a directory"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
+@pytest.mark.timeout(20)  # before the fix, reading a named pipe waited for a writer forever
+def test_a_file_that_is_not_a_regular_file_is_not_opened(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.toml"
+    os.mkfifo(fifo)
+    assert problems(fifo) == [f"{fifo}: cannot read: not a regular file (a named pipe)"]
+    assert problems(Path("/dev/null")) == [
+        "/dev/null: cannot read: not a regular file (a character device)"
+    ]
+    write(tmp_path, LAMP, "lamp.toml")
+    comp = write(
+        tmp_path,
+        "[composition]\nname = 'c'\nextends = 'pipe.toml'\n[composition.regions]\n"
+        "a = 'pipe.toml'\nb = 'lamp.toml'\n",
+        "c.toml",
+    )
+    assert problems(comp) == [
+        f"{comp}: composition.extends: cannot read {fifo}: not a regular file (a named pipe)",
+        f"{comp}: composition.regions.a: cannot read {fifo}: not a regular file (a named pipe)",
+    ]
 
 
 def test_invalid_toml(tmp_path: Path) -> None:

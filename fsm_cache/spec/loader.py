@@ -11,6 +11,7 @@ validates the result (:mod:`fsm_cache.spec.validate`): a spec that loads is
 one the engine can run.
 
 Whatever the input, a fault is a :class:`SpecError`, never another exception:
+only regular files are opened (a named pipe would wait for a writer forever),
 files are read up to :data:`MAX_BYTES`, data is refused past :data:`MAX_DEPTH`
 levels of nesting before anything walks it recursively, and values quoted in
 messages are shortened (:func:`shown`).
@@ -18,7 +19,10 @@ messages are shortened (:func:`shown`).
 
 from __future__ import annotations
 
+import errno
+import os
 import reprlib
+import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -56,7 +60,7 @@ else:  # pragma: no cover
 _Table = Mapping[str, Any]
 
 MAX_BYTES = 16 * 2**20
-"""The largest spec file read; a real one is a few kilobytes, and ``/dev/zero`` is not one."""
+"""The largest spec file read; a real one is a few kilobytes."""
 
 MAX_EXTENDS = 8
 """The longest chain of ``extends`` followed; a longer one is refused.
@@ -261,14 +265,21 @@ def _read(path: Path) -> _Table:
     composition's key for a region file.
 
     Raises:
-        OSError: The file cannot be opened or read (missing, a directory, ...).
+        OSError: The file cannot be opened or read (missing, a directory, ...),
+            or is not a regular file (:func:`_regular`).
         ValueError: The path cannot name a file (it holds a NUL character).
         SpecError: Larger than :data:`MAX_BYTES`, not UTF-8, or not TOML
             (including integers too long to convert and nesting too deep for
             the parser).
     """
-    with path.open("rb") as file:
-        raw = file.read(MAX_BYTES + 1)
+    _regular(os.stat(path).st_mode)  # before opening: a FIFO's open waits for a writer
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # nor waits for one put there since
+    try:
+        _regular(os.fstat(fd).st_mode)
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            raw = file.read(MAX_BYTES + 1)
+    finally:
+        os.close(fd)
     if len(raw) > MAX_BYTES:
         raise SpecError([f"{path}: larger than {MAX_BYTES // 2**20} MiB; not a spec file"])
     try:
@@ -277,6 +288,33 @@ def _read(path: Path) -> _Table:
         raise SpecError([f"{path}: invalid TOML: {exc}"]) from exc
     except RecursionError as exc:  # tomllib parses nested arrays and tables recursively
         raise SpecError([f"{path}: invalid TOML: nested too deeply"]) from exc
+
+
+_SPECIAL = (
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _regular(mode: int) -> None:
+    """Return if ``mode`` is a regular file's, else raise the OSError that names what it is.
+
+    Reading a named pipe waits for a writer forever, and a device may never
+    end (``/dev/zero``) or act on being opened: a spec is a regular file.
+
+    Raises:
+        IsADirectoryError: A directory, in the OS's words (``Is a directory``).
+        OSError: Anything else that is not a regular file
+            (``not a regular file (a named pipe)``).
+    """
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+    what = next((name for test, name in _SPECIAL if test(mode)), "of an unknown type")
+    raise OSError(errno.EINVAL, f"not a regular file ({what})")
 
 
 def _why(exc: OSError | ValueError) -> str:
