@@ -43,7 +43,7 @@ from fsm_cache.errors import BadArgument, ConfigError, SpecError
 from fsm_cache.modelcheck import treeops
 from fsm_cache.modelcheck.budget import Budget
 from fsm_cache.modelcheck.explore import Bounds, Explorer, Result
-from fsm_cache.modelcheck.hooks import hooks
+from fsm_cache.modelcheck.hooks import hooks, raised
 from fsm_cache.modelcheck.progress import PLAIN_EVERY, progress
 from fsm_cache.modelcheck.state import Layout, Nodes, reference_states
 from fsm_cache.policy import WritePolicy
@@ -202,7 +202,8 @@ def load_ops(path: Path) -> tuple[Path, ModuleType]:
 
     Raises:
         ConfigError: The module cannot be imported (a syntax error, an
-            exception or a ``sys.exit`` at import), or a hook is not callable.
+            exception, any BaseException but a KeyboardInterrupt, or a
+            ``sys.exit`` at import), or a hook is not callable.
         SpecError: The module names no ``SPEC`` or an unknown ``POLICY``.
     """
     spec = importlib.util.spec_from_file_location(f"fsm_cache_ops_{path.stem}", path)
@@ -211,11 +212,10 @@ def load_ops(path: Path) -> tuple[Path, ModuleType]:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except (
-        Exception,
-        SystemExit,
-    ) as exc:  # the user's module: a syntax error, its own raise or exit
-        raise ConfigError(f"{path}: cannot import: {type(exc).__name__}: {exc}") from None
+    except KeyboardInterrupt:  # the user's interrupt, not the module's fault
+        raise
+    except BaseException as exc:  # the user's module: a syntax error, its own raise or exit
+        raise ConfigError(f"{path}: cannot import: {raised(exc)}") from None
     target = getattr(module, "SPEC", None)
     if not isinstance(target, str):
         raise SpecError([f"{path}: names no SPEC = 'path/to/spec.toml'"])
