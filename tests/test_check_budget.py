@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from fsm_cache.cli.main import main
-from fsm_cache.errors import ConfigError
+from fsm_cache.errors import BadArgument, ConfigError
 from fsm_cache.modelcheck import check, explore
 from fsm_cache.modelcheck.budget import Budget, available_memory, default_floor
 from fsm_cache.modelcheck.explore import Bounds
@@ -309,3 +309,41 @@ def test_a_wide_tree_reads_its_budget_by_the_states_it_adds(
     result = check.check_spec(spec, WIDE, Bounds({}), budget=budget)
     assert result.stopped is not None
     assert result.states <= len(check.SHAPES) + most
+
+
+def test_a_tree_past_max_nodes_is_refused_before_anything_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--nodes 2000 was a RecursionError, 3 million ran 33 s and 1.8 GB past --max-seconds 5."""
+    why = "every state of the tree is explored: 4 nodes are already about 2 million states"
+    status = main(["check", str(RESIDENCY), "--nodes", "129", "--max-states", "1"])
+    assert (status, *capsys.readouterr()) == (
+        2,
+        "",
+        f"error: check: --nodes must be at most 128, got 129 ({why})\n",
+    )
+    assert check.MAX_NODES == 128
+    with pytest.raises(BadArgument) as refused:
+        check.check_spec(RESIDENCY, 129, Bounds({}), budget=Budget(max_states=1))
+    assert str(refused.value) == f"check: nodes must be at most 128, got 129 ({why})"
+
+
+def test_the_largest_tree_is_set_up_checked_and_traced(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """On MAX_NODES nodes the starting trees are built, checked and replayed in a trace at once."""
+    for name in ("residency.toml", "host_residency.toml", "device_residency.toml"):
+        text = (spec_dir() / name).read_text()
+        if name == "device_residency.toml":  # every node starts with a lock no one holds
+            text = text.replace("\nlocks = 0 ", "\nlocks = 1 ", 1)
+        (tmp_path / name).write_text(text)
+    result = check.check_spec(tmp_path / "residency.toml", check.MAX_NODES, Bounds({}))
+    assert (result.states, result.trace) == (1, ["start: chain"])
+    assert result.violation is not None
+    assert result.violation.startswith("invariant 6: node ")
+    status = main(["check", str(RESIDENCY), "--nodes", "128", "--max-seconds", "0.5"])
+    assert status == check.STOPPED
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "  stopped: the limit of 0.5 s (--max-seconds) was reached",
+        "  no invariant violated in the states explored; NOT exhaustive",
+    ]

@@ -111,3 +111,136 @@ def test_hooks_call_each_other_unguarded_and_defaults_keep_their_identity(
     with pytest.raises(ConfigError) as info:
         view.split(None, (None,), 0, 0)
     assert str(info.value) == f"{ops}: split raised KeyError('inner')"
+
+
+_TREEOPS = "from fsm_cache.modelcheck import treeops\n"
+_MATCH = "from fsm_cache.modelcheck.lookup import Match\n"
+_START = "((-1, 'unbacked', 'resident', 0, 0, 0, ...), "
+_STATUSES = (
+    "failed from device, failed from host, failed from storage, "
+    "filling from device, filling from host, filling from storage, free, valid"
+)
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (
+            "def split(layout, nodes, index, slot):\n"
+            "    return tuple(('junk',) if n is not None else None for n in nodes)\n",
+            "split returned (('junk',), None), not a tree of 2 slots or None: "
+            "node 0 has 1 field, not 11",
+        ),
+        (
+            "def split(layout, nodes, index, slot):\n"
+            "    return tuple(() if n is not None else None for n in nodes)\n",
+            "split returned ((), None), not a tree of 2 slots or None: node 0 has 0 fields, not 11",
+        ),
+        (
+            "def split(layout, nodes, index, slot):\n"
+            "    return tuple(list(n) if n is not None else None for n in nodes)\n",
+            "split returned ([-1, 'unbacked', 'resident', 0, 0, 0, ...], None), not a tree of 2 "
+            "slots or None: slot 0 holds [-1, 'unbacked', 'resident', 0, 0, 0, ...], "
+            "not a node entry (a tuple) or None",
+        ),
+        (
+            _TREEOPS + "def insert(layout, nodes, parent, slot):\n"
+            "    out = treeops.insert(layout, nodes, parent, slot)\n"
+            "    return out and (*out[:slot], (out[slot][0], 'nowhere', *out[slot][2:]))\n",
+            f"insert returned {_START}(-1, 'nowhere', 'resident', 0, 0, 0, ...)), not a tree of "
+            "2 slots or None: node 1's host state is 'nowhere', "
+            "not one of backed, evicted, pinned, unbacked, writing",
+        ),
+        (
+            _TREEOPS + "def insert(layout, nodes, parent, slot):\n"
+            "    out = treeops.insert(layout, nodes, parent, slot)\n"
+            "    return out and (*out[:slot], (*out[slot][:3], True, *out[slot][4:]))\n",
+            f"insert returned {_START}(-1, 'unbacked', 'resident', True, 0, 0, ...)), not a tree "
+            "of 2 slots or None: node 1's counter pins is True, not an int",
+        ),
+        (
+            _TREEOPS + "def split(layout, nodes, index, slot):\n"
+            "    out = treeops.split(layout, nodes, index, slot)\n"
+            "    return out and tuple(e and (1 - i, *e[1:]) for i, e in enumerate(out))\n",
+            "split returned ((1, 'unbacked', 'resident', 0, 0, 0, ...), "
+            "(0, 'unbacked', 'resident', 0, 0, 0, ...)), not a tree of 2 slots or None: "
+            "node 0 is not under the root: its parents go round in a cycle",
+        ),
+        (
+            "def prune(layout, nodes):\n"
+            "    return (None, (0, *nodes[1][1:])) if all(nodes) else nodes\n",
+            "prune returned (None, (0, 'evicted', 'absent', 0, 0, 0, ...)), not a tree of 2 "
+            "slots: node 1's parent is slot 0, which holds no node",
+        ),
+        (
+            "def prune(layout, nodes):\n"
+            "    return tuple(e and (*e[:-3], 'full', *e[-2:]) for e in nodes)\n",
+            f"prune returned {_START}(0, 'evicted', 'absent', 0, 0, 0, ...)), not a tree of "
+            f"2 slots: node 0's host memory is 'full', not one of {_STATUSES}",
+        ),
+        (
+            "class Weird:\n    def __repr__(self):\n        sys.exit(0)\n"
+            "def split(layout, nodes, index, slot):\n    return Weird()\n",
+            "split returned a Weird that cannot be shown, not a tree of 2 slots or None",
+        ),
+        (
+            _MATCH + "def match_prefix(layout, path):\n    return Match.__new__(Match)\n",
+            "match_prefix returned a Match that cannot be shown, "
+            "not a Match whose device is a tuple of positions on the path (ints)",
+        ),
+        (
+            _MATCH + "def match_prefix(layout, path):\n    return Match((), [0])\n",
+            "match_prefix returned Match(device=(), host=[0]), "
+            "not a Match whose host is a tuple of positions on the path (ints)",
+        ),
+        (
+            "class Stop(BaseException):\n    pass\ndef insert(*a):\n    raise Stop('x')\n",
+            "insert raised Stop('x')",
+        ),
+        (
+            "class Stop(BaseException):\n    pass\nraise Stop('x')\n",
+            "cannot import: Stop: x",
+        ),
+    ],
+    ids=[
+        "split-junk-entries",
+        "split-empty-entries",
+        "split-list-entries",
+        "insert-unknown-state",
+        "insert-bool-counter",
+        "split-parent-cycle",
+        "prune-orphan",
+        "prune-unknown-pages",
+        "split-unshowable",
+        "match-without-fields",
+        "match-host-list",
+        "hook-raises-base-exception",
+        "import-raises-base-exception",
+    ],
+)
+def test_a_malformed_answer_is_a_config_error_saying_what_is_wrong(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, body: str, error: str
+) -> None:
+    """A well-sized answer the checker cannot read was a traceback and exit 1 (a "finding")."""
+    ops = _ops(tmp_path, body)
+    assert _check(capsys, ops) == (2, f"error: {ops}: {error}")
+
+
+def test_a_lookup_off_the_path_is_a_finding_not_an_index_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    ops = _ops(tmp_path, _MATCH + "def match_prefix(layout, path):\n    return Match((5,), ())\n")
+    status = main(["check", "--nodes", "2", "--ops", str(ops), str(RESIDENCY)])
+    out, err = capsys.readouterr()
+    assert (status, err) == (1, "")
+    assert (
+        "  violation: lookup: node 0: match_prefix reports nodes [5] on the device and [] "
+        "as a host hit, not the path [0]"
+    ) in out.splitlines()
+
+
+def test_a_keyboard_interrupt_in_a_hook_goes_through(tmp_path: Path) -> None:
+    ops = _ops(tmp_path, "def split(layout, nodes, index, slot):\n    raise KeyboardInterrupt\n")
+    _, view = check.load_ops(ops)
+    with pytest.raises(KeyboardInterrupt):
+        view.split(None, (None,), 0, 0)

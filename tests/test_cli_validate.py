@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import sys
 from pathlib import Path
 
@@ -423,3 +424,48 @@ def test_no_file_content_makes_a_traceback(
     path = folder / "spec.toml"
     path.write_bytes(content)
     assert _validate_quietly(path) in (0, 2)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["validate"], ["diagram"], ["check", "--max-states", "100"]],
+    ids=["validate", "diagram", "check"],
+)
+def test_a_cycle_through_a_region_is_an_error_line_in_every_command(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, command: list[str]
+) -> None:
+    """A region whose machine extends the composition: one error line, exit 2, no RecursionError."""
+    machine = tmp_path / "a.toml"
+    machine.write_text("[machine]\nname = 'a'\nextends = 'c.toml'\n", encoding="utf-8")
+    composition = tmp_path / "c.toml"
+    composition.write_text(
+        "[composition]\nname = 'c'\n[composition.regions]\nr = 'a.toml'\n", encoding="utf-8"
+    )
+    assert main([*command, str(composition)]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err.splitlines()) == (
+        "",
+        [
+            f"error: {machine}: machine.extends: a cycle: {composition}, whose region r is "
+            f"{machine} extends {composition}"
+        ],
+    )
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
+@pytest.mark.timeout(20)  # before the fix, validate waited for a writer forever
+def test_a_named_pipe_is_an_error_line_not_a_wait(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    comp = tmp_path / "comp.toml"
+    comp.write_text("[composition]\nname = 'c'\n[composition.regions]\na = 'fifo.toml'\n")
+    assert run(capsys, str(fifo), str(comp)) == (
+        2,
+        [],
+        [
+            f"error: {fifo}: cannot read: not a regular file (a named pipe)",
+            f"error: {comp}: composition.regions.a: cannot read {fifo}: not a regular file (a named pipe)",
+        ],
+    )

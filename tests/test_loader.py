@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsm_cache.errors import SpecError
+from fsm_cache.spec import loader
 from fsm_cache.spec.guards import parse_condition, parse_guard, parse_update
 from fsm_cache.spec.loader import MAX_DEPTH, load_spec, machine_from_dict, shown, spec_from_dict
 from fsm_cache.spec.machine import EventSpec, Forbid, MachineSpec, StateSpec, System, Transition
@@ -111,6 +113,28 @@ def test_unreadable_file(tmp_path: Path) -> None:
     missing = tmp_path / "missing.toml"
     assert problems(missing) == [f"{missing}: cannot read: No such file or directory"]
     assert problems(tmp_path) == [f"{tmp_path}: cannot read: Is a directory"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
+@pytest.mark.timeout(20)  # before the fix, reading a named pipe waited for a writer forever
+def test_a_file_that_is_not_a_regular_file_is_not_opened(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.toml"
+    os.mkfifo(fifo)
+    assert problems(fifo) == [f"{fifo}: cannot read: not a regular file (a named pipe)"]
+    assert problems(Path("/dev/null")) == [
+        "/dev/null: cannot read: not a regular file (a character device)"
+    ]
+    write(tmp_path, LAMP, "lamp.toml")
+    comp = write(
+        tmp_path,
+        "[composition]\nname = 'c'\nextends = 'pipe.toml'\n[composition.regions]\n"
+        "a = 'pipe.toml'\nb = 'lamp.toml'\n",
+        "c.toml",
+    )
+    assert problems(comp) == [
+        f"{comp}: composition.extends: cannot read {fifo}: not a regular file (a named pipe)",
+        f"{comp}: composition.regions.a: cannot read {fifo}: not a regular file (a named pipe)",
+    ]
 
 
 def test_invalid_toml(tmp_path: Path) -> None:
@@ -292,7 +316,9 @@ def test_composition_faults(tmp_path: Path) -> None:
     itself = write(
         tmp_path, "[composition]\nname='e'\n[composition.regions]\nx = 'e.toml'\n", "e.toml"
     )
-    assert problems(itself) == [f"{itself}: composition.regions.x: e.toml is not a [machine] file"]
+    assert problems(itself) == [
+        f"{itself}: composition.regions.x: a cycle: {itself}, whose region x is {itself}"
+    ]
 
 
 def test_a_composition_reports_its_regions_faults_with_its_own(tmp_path: Path) -> None:
@@ -557,8 +583,9 @@ def test_a_base_that_does_not_load_is_reported_once(tmp_path: Path) -> None:
         f"{missing}: machine.extends: cannot read {tmp_path / 'nope.toml'}: No such file or directory"
     ]
     composition = write(tmp_path, "[composition]\nextends = 'a.toml'\nname = 'c'\n", "c.toml")
+    # A base of the wrong kind is not built: its faults are not c's.
     assert problems(composition) == [
-        f"{missing}: machine.extends: cannot read {tmp_path / 'nope.toml'}: No such file or directory",
+        f"{composition}: composition.extends: a.toml is not a [composition] file",
     ]
     write(tmp_path, "[composition]\nextends = 'e.toml'\nname = 'd'\n", "d.toml")
     e = write(tmp_path, "[composition]\nextends = 'd.toml'\nname = 'e'\n", "e.toml")
@@ -584,6 +611,109 @@ def test_a_chain_too_long_is_reported_once(tmp_path: Path) -> None:
         f"{tmp_path / 's8.toml'}: machine.extends: more than 8 specs extend one another"
     ]
     assert isinstance(load_spec(tmp_path / "s2.toml"), MachineSpec)
+
+
+def test_a_cycle_through_a_region_and_an_extends_is_refused(tmp_path: Path) -> None:
+    """A region's machine that extends the composition holding it is a cycle, not a RecursionError."""
+    machine = write(tmp_path, "[machine]\nname = 'a'\nextends = 'c.toml'\n", "a.toml")
+    composition = write(
+        tmp_path, "[composition]\nname = 'c'\n[composition.regions]\nr = 'a.toml'\n", "c.toml"
+    )
+    assert problems(composition) == [
+        f"{machine}: machine.extends: a cycle: {composition}, whose region r is {machine} "
+        f"extends {composition}"
+    ]
+    # From the machine's side the composition is a base of the wrong kind, refused unbuilt.
+    assert problems(machine) == [f"{machine}: machine.extends: c.toml is not a [machine] file"]
+
+
+def test_a_cycle_through_a_base_compositions_region_is_refused(tmp_path: Path) -> None:
+    write(tmp_path, LAMP, "lamp.toml")
+    write(
+        tmp_path,
+        "[composition]\nname = 'base'\n[composition.regions]\nr = 'm.toml'\n",
+        "base.toml",
+    )
+    m = write(tmp_path, "[machine]\nname = 'm'\nextends = 'top.toml'\n", "m.toml")
+    top = write(
+        tmp_path,
+        "[composition]\nname = 'top'\nextends = 'base.toml'\n[composition.regions]\nx = 'lamp.toml'\n",
+        "top.toml",
+    )
+    base = tmp_path / "base.toml"
+    assert problems(top) == [
+        f"{m}: machine.extends: a cycle: {top} extends {base}, whose region r is {m} extends {top}"
+    ]
+
+
+def test_chains_of_extends_count_apart_on_either_side_of_a_region(tmp_path: Path) -> None:
+    """A composition's chain and its region's chain are bounded each by MAX_EXTENDS, not together."""
+    write(tmp_path, LAMP, "m9.toml")
+    for i in range(9):
+        write(tmp_path, f"[machine]\nextends = 'm{i + 1}.toml'\nname = 'm{i}'\n", f"m{i}.toml")
+    write(tmp_path, "[composition]\nname = 'c9'\n[composition.regions]\nr = 'm1.toml'\n", "c9.toml")
+    for i in range(9):
+        write(tmp_path, f"[composition]\nextends = 'c{i + 1}.toml'\nname = 'c{i}'\n", f"c{i}.toml")
+    assert isinstance(load_spec(tmp_path / "c1.toml"), System)  # 9 compositions, then 9 machines
+    assert problems(tmp_path / "c0.toml") == [
+        f"{tmp_path / 'c8.toml'}: composition.extends: more than 8 specs extend one another"
+    ]
+    (tmp_path / "c9.toml").write_text(
+        "[composition]\nname = 'c9'\n[composition.regions]\nr = 'm0.toml'\n", encoding="utf-8"
+    )
+    assert problems(tmp_path / "c9.toml") == [
+        f"{tmp_path / 'm8.toml'}: machine.extends: more than 8 specs extend one another"
+    ]
+
+
+def test_regions_that_fan_out_through_extends_are_read_once(tmp_path: Path) -> None:
+    """Ten regions per composition, each a machine extending the next composition: one line, not 10**3."""
+    for i in range(3):
+        regions = "".join(f"{r} = 'm{i + 1}.toml'\n" for r in "abcdefghij")
+        write(
+            tmp_path,
+            f"[composition]\nname = 'c{i}'\n[composition.regions]\n{regions}",
+            f"c{i}.toml",
+        )
+        write(
+            tmp_path, f"[machine]\nname = 'm{i + 1}'\nextends = 'c{i + 1}.toml'\n", f"m{i + 1}.toml"
+        )
+    write(tmp_path, LAMP, "c3.toml")
+    assert problems(tmp_path / "c0.toml") == [
+        f"{tmp_path / 'm1.toml'}: machine.extends: c1.toml is not a [machine] file"
+    ]
+
+
+def test_a_file_reached_twice_in_one_load_is_read_and_reported_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lamp.toml is one's region and dimmer's base: read once, and its fault named once."""
+    reads: list[Path] = []
+
+    def counted(path: Path) -> Any:
+        reads.append(path)
+        return read(path)
+
+    read = loader._read  # noqa: SLF001 (spied on: one read per file a load reaches)
+    monkeypatch.setattr(loader, "_read", counted)
+    write(tmp_path, LAMP, "lamp.toml")
+    write(tmp_path, DIMMER, "dimmer.toml")
+    write(
+        tmp_path,
+        "[composition]\nname = 'one'\n[composition.regions]\na = 'lamp.toml'\n",
+        "one.toml",
+    )
+    two = write(
+        tmp_path,
+        "[composition]\nname = 'two'\nextends = 'one.toml'\n[composition.regions]\na = './dimmer.toml'\n",
+        "two.toml",
+    )
+    assert isinstance(load_spec(two), System)
+    assert sorted(p.name for p in reads) == ["dimmer.toml", "lamp.toml", "one.toml", "two.toml"]
+    broken = write(tmp_path, LAMP.replace('guard = "n == 1"', 'guard = "n = 1"'), "lamp.toml")
+    assert problems(two) == [
+        f"{broken}: transition[1].guard: expected COUNTER OP INT (OP one of == != < <= > >=), got 'n = 1'"
+    ]
 
 
 def test_a_redeclared_base_state_is_named_with_its_base(tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ from fsm_cache.errors import BadArgument, ConfigError, SpecError
 from fsm_cache.modelcheck import treeops
 from fsm_cache.modelcheck.budget import Budget
 from fsm_cache.modelcheck.explore import Bounds, Explorer, Result
-from fsm_cache.modelcheck.hooks import hooks
+from fsm_cache.modelcheck.hooks import hooks, raised
 from fsm_cache.modelcheck.progress import PLAIN_EVERY, progress
 from fsm_cache.modelcheck.state import Layout, Nodes, reference_states
 from fsm_cache.policy import WritePolicy
@@ -76,6 +76,23 @@ POLICY_NODES = 3
 
 NODES = 4
 """Tree size of a spec when ``--nodes`` is not given, unless it has a storage region."""
+
+MAX_NODES = 128
+"""The largest tree ``check`` takes (``--nodes``); a larger one is refused before anything runs.
+
+The search is exhaustive, so far smaller trees are out of its reach already:
+4 nodes of ``residency.toml`` are about 2 million states, 5 nodes about 76
+million (``docs/check.md``, *Five nodes*). A larger tree is only ever a partial
+search under ``--max-states`` or ``--max-seconds``: on 100 nodes of a
+one-machine spec, the budget's own measurements. Past this bound nothing is
+gained, and much is lost: the starting trees are built and interned before
+the budget is first read, recursively along the chain (``RecursionError``
+from a few hundred nodes), and with millions of nodes for minutes and
+gigabytes.
+"""
+
+TOO_MANY_NODES = "every state of the tree is explored: 4 nodes are already about 2 million states"
+"""Why :data:`MAX_NODES` bounds the tree, as a refusal of a larger one says."""
 
 STORAGE_NODES = 3
 """Tree size of a spec with a ``storage`` region when ``--nodes`` is not given.
@@ -152,7 +169,8 @@ def check_spec(
     memory, at least 1 GiB or a quarter under 4 GiB, is free); :attr:`Result.stopped` then says why.
 
     Raises:
-        BadArgument: ``nodes`` is not an int >= 1 (no tree, nothing checked).
+        BadArgument: ``nodes`` is not an int >= 1 (no tree, nothing checked),
+            or is more than :data:`MAX_NODES`.
         SpecError: The spec does not load, or a policy is given for a spec
             without host and device regions.
         ConfigError: A ``host``, ``device`` or ``storage`` region lacks a state
@@ -161,6 +179,10 @@ def check_spec(
     """
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise BadArgument(f"check: nodes must be an int >= 1, got {nodes!r}")
+    if nodes > MAX_NODES:
+        raise BadArgument(
+            f"check: nodes must be at most {MAX_NODES}, got {nodes} ({TOO_MANY_NODES})"
+        )
     system = as_system(load_spec(path))
     reference_states(system)
     layout = Layout.of(system)
@@ -180,7 +202,8 @@ def load_ops(path: Path) -> tuple[Path, ModuleType]:
 
     Raises:
         ConfigError: The module cannot be imported (a syntax error, an
-            exception or a ``sys.exit`` at import), or a hook is not callable.
+            exception, any BaseException but a KeyboardInterrupt, or a
+            ``sys.exit`` at import), or a hook is not callable.
         SpecError: The module names no ``SPEC`` or an unknown ``POLICY``.
     """
     spec = importlib.util.spec_from_file_location(f"fsm_cache_ops_{path.stem}", path)
@@ -189,11 +212,10 @@ def load_ops(path: Path) -> tuple[Path, ModuleType]:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except (
-        Exception,
-        SystemExit,
-    ) as exc:  # the user's module: a syntax error, its own raise or exit
-        raise ConfigError(f"{path}: cannot import: {type(exc).__name__}: {exc}") from None
+    except KeyboardInterrupt:  # the user's interrupt, not the module's fault
+        raise
+    except BaseException as exc:  # the user's module: a syntax error, its own raise or exit
+        raise ConfigError(f"{path}: cannot import: {raised(exc)}") from None
     target = getattr(module, "SPEC", None)
     if not isinstance(target, str):
         raise SpecError([f"{path}: names no SPEC = 'path/to/spec.toml'"])
@@ -360,10 +382,19 @@ def _title(spec: str, policy: str) -> str:
 
 
 def handle(args: argparse.Namespace) -> int:
-    """Run ``fsm-cache check`` and return its exit status."""
+    """Run ``fsm-cache check`` and return its exit status.
+
+    Raises:
+        SpecError: ``--nodes`` is below 1 or above :data:`MAX_NODES`, or a
+            counter bound is negative; nothing is loaded or checked.
+    """
     nodes, locks = (1 if args.nodes is None else args.nodes), (args.max_locks or 0)
     if nodes < 1 or min(args.max_pins, locks, args.max_count) < 0:
         raise SpecError(["check: --nodes must be >= 1 and counter bounds >= 0"])
+    if nodes > MAX_NODES:
+        raise SpecError(
+            [f"check: --nodes must be at most {MAX_NODES}, got {nodes} ({TOO_MANY_NODES})"]
+        )
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else report(result))
     bad = any(s["violation"] for s in result["specs"])
@@ -386,7 +417,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--nodes",
         type=int,
-        help=f"nodes in the tree (default {NODES}; {STORAGE_NODES} for a spec with a storage region)",
+        help=f"nodes in the tree (default {NODES}; {STORAGE_NODES} for a spec with a storage "
+        f"region; at most {MAX_NODES})",
     )
     parser.add_argument("--max-pins", type=int, default=2, help="pins per node at most (default 2)")
     parser.add_argument(

@@ -72,6 +72,10 @@ def violation(
 ) -> str | None:
     """Return the first invariant the lookup's answer ``found`` on ``path`` breaks, or None.
 
+    ``found`` may name any positions (a control module's lookup answers it):
+    one off the path is such a finding too, named by the last check (the
+    answer is not the path), never an IndexError.
+
     Args:
         layout: The node layout of the spec.
         path: The entries from the node under the root down to the node looked up.
@@ -80,16 +84,18 @@ def violation(
     """
     device = found.device
     for at, pos in enumerate(device):
-        if pos != at:
+        if pos != at and _on(path, pos) and _on(path, at):
             gap = at
             state = layout.state(path[gap], "device")
             return f"lookup: node {ids[pos]}: match_prefix reports it on the device past node {ids[gap]}, which is {state}"
     for pos in device[: len(path)]:
+        if not _on(path, pos):  # a position off the path: the last check names it
+            continue
         have = _pages(layout, path[pos], "device")
         if have != VALID:
             return f"lookup: node {ids[pos]}: match_prefix hands out its device pages, which hold no valid KV ({kind(have)})"
     for pos in found.host:
-        if 0 <= pos < len(path) and not _local(layout, path[pos]):
+        if _on(path, pos) and not _local(layout, path[pos]):
             have = kind(_pages(layout, path[pos], "host"))
             state = layout.state(path[pos], "host")
             return f"lookup: node {ids[pos]}: match_prefix reports it as a host hit, but it holds no valid KV on the host or the device (host {state}, {have})"
@@ -113,6 +119,11 @@ def first_violation(layout: Layout, nodes: Nodes, match: Lookup = match_prefix) 
         if found is not None:
             return found
     return None
+
+
+def _on(path: Sequence[NodeEntry], pos: int) -> bool:
+    """Whether ``pos`` is a position on ``path``: an answer may name any int, checked for it."""
+    return 0 <= pos < len(path)
 
 
 def _named(ids: Sequence[int], positions: Sequence[int]) -> list[int]:

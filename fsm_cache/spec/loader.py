@@ -11,6 +11,7 @@ validates the result (:mod:`fsm_cache.spec.validate`): a spec that loads is
 one the engine can run.
 
 Whatever the input, a fault is a :class:`SpecError`, never another exception:
+only regular files are opened (a named pipe would wait for a writer forever),
 files are read up to :data:`MAX_BYTES`, data is refused past :data:`MAX_DEPTH`
 levels of nesting before anything walks it recursively, and values quoted in
 messages are shortened (:func:`shown`).
@@ -18,9 +19,13 @@ messages are shortened (:func:`shown`).
 
 from __future__ import annotations
 
+import errno
+import os
 import reprlib
+import stat
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -55,13 +60,17 @@ else:  # pragma: no cover
 _Table = Mapping[str, Any]
 
 MAX_BYTES = 16 * 2**20
-"""The largest spec file read; a real one is a few kilobytes, and ``/dev/zero`` is not one."""
+"""The largest spec file read; a real one is a few kilobytes."""
 
 MAX_EXTENDS = 8
 """The longest chain of ``extends`` followed; a longer one is refused.
 
 A chain that comes back to a file already in it is refused as a cycle, once,
-at the file that closes it."""
+at the file that closes it, and so is one that comes back through a
+composition's region (``c.toml, whose region r is m.toml extends c.toml``).
+A base or a region of the wrong kind (a machine that extends a composition)
+is refused before it is built, so a load nests at most two such chains: a
+composition's and, through one of its regions, a machine's."""
 
 MAX_DEPTH = 64
 """The deepest nesting of tables and arrays accepted; a real spec nests four levels.
@@ -94,13 +103,138 @@ class _Problems:
     def __init__(self, source: str) -> None:
         self.source = source
         self.lines: list[str] = []
+        self.failed = False
+        """Whether a file this one needs failed, its faults reported where it was first reached."""
 
     def add(self, where: str, message: str) -> None:
         self.lines.append(f"{self.source}: {where}: {message}")
 
+    def include(self, error: SpecError) -> None:
+        """Take the faults of a file this one needs, which therefore fails too."""
+        self.lines += error.problems
+        self.failed = True
+
     def check(self) -> None:
-        if self.lines:
-            raise SpecError(self.lines)
+        """Raise the faults collected, each once, if there are any or a file needed failed."""
+        if self.lines or self.failed:
+            raise SpecError(list(dict.fromkeys(self.lines)))
+
+
+@dataclass(frozen=True)
+class _Link:
+    """One step of the path that led a load to the file it is reading.
+
+    Attributes:
+        source: The file that leads on, as named (for messages).
+        resolved: ``source`` resolved, to compare files however named (None:
+            it cannot be resolved, a symlink loop that reading reports).
+        how: How it leads to the next file: ``" extends "``, or
+            ``", whose region R is "`` for a composition's region ``R``.
+    """
+
+    source: str
+    resolved: Path | None
+    how: str
+
+
+_EXTENDS = " extends "
+
+
+class _Files:
+    """What one top-level load has read and built, shared by every file it reaches.
+
+    A file reached more than once (ten regions naming one machine, a base two
+    specs extend) is read and built once, and its own faults are reported
+    once, where it is first reached. Without it, regions whose machines lead
+    to files with regions of their own read files a number of times
+    exponential in the depth, and repeat each of their faults as often.
+    """
+
+    def __init__(self) -> None:
+        self.tables: dict[Path, _Table | None] = {}
+        """A file's table by its resolved path; None when the file itself is at fault."""
+        self.specs: dict[tuple[Path, int], Spec | None] = {}
+        """A file's spec by its resolved path and the files extending it above it
+        (:data:`MAX_EXTENDS` counts them); None when it did not build."""
+
+    def table(self, path: Path, target: Path | None) -> _Table | None:
+        """Return the table of the file ``path`` (``target`` resolved), read once.
+
+        Returns:
+            Its table, or None when an earlier read found it is no spec file.
+
+        Raises:
+            OSError: It cannot be read (each reference reports that at its key).
+            ValueError: Its name cannot name a file.
+            SpecError: It is no spec file (too large, not TOML, nested too
+                deeply): its own fault, reported where it is first read.
+        """
+        if target is not None and target in self.tables:
+            return self.tables[target]
+        try:
+            data = _read(path)
+            _check_shape(data, str(path))
+        except SpecError:
+            if target is not None:
+                self.tables[target] = None
+            raise
+        if target is not None:
+            self.tables[target] = data
+        return data
+
+    def spec(self, data: _Table, path: Path, route: _Route, key: tuple[Path, int] | None) -> Spec:
+        """Return the unvalidated spec of ``data``, the file ``path`` reached by ``route``, built once per ``key``.
+
+        Raises:
+            SpecError: It does not build; with no faults when it did not
+                before, as they were reported then.
+        """
+        if key is not None and key in self.specs:
+            found = self.specs[key]
+            if found is None:
+                raise SpecError([])
+            return found
+        try:
+            built: Spec
+            if "composition" in data:
+                built = _composition(data, str(path), path.parent, route)
+            else:
+                built = _machine(data, str(path), path.parent, route)
+        except SpecError:
+            if key is not None:
+                self.specs[key] = None
+            raise
+        if key is not None:
+            self.specs[key] = built
+        return built
+
+
+@dataclass(frozen=True)
+class _Route:
+    """How a load reached the file it is reading: the files that led there, and what it has read."""
+
+    links: tuple[_Link, ...]
+    files: _Files
+
+    def then(self, source: str, how: str) -> _Route:
+        """Return this route on from ``source``, which leads to the next file as ``how`` says."""
+        return _Route((*self.links, _Link(source, _resolved(Path(source)), how)), self.files)
+
+    @classmethod
+    def start(cls, chain: tuple[str, ...] = ()) -> _Route:
+        """Return the route of a new top-level load, the files of ``chain`` extending one another."""
+        route = cls((), _Files())
+        for source in chain:
+            route = route.then(source, _EXTENDS)
+        return route
+
+
+def _resolved(path: Path) -> Path | None:
+    """Return ``path`` resolved, or None if it cannot be (a symlink loop: reading it reports that)."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):
+        return None
 
 
 def load_spec(path: str | Path) -> Spec:
@@ -131,14 +265,21 @@ def _read(path: Path) -> _Table:
     composition's key for a region file.
 
     Raises:
-        OSError: The file cannot be opened or read (missing, a directory, ...).
+        OSError: The file cannot be opened or read (missing, a directory, ...),
+            or is not a regular file (:func:`_regular`).
         ValueError: The path cannot name a file (it holds a NUL character).
         SpecError: Larger than :data:`MAX_BYTES`, not UTF-8, or not TOML
             (including integers too long to convert and nesting too deep for
             the parser).
     """
-    with path.open("rb") as file:
-        raw = file.read(MAX_BYTES + 1)
+    _regular(os.stat(path).st_mode)  # before opening: a FIFO's open waits for a writer
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # nor waits for one put there since
+    try:
+        _regular(os.fstat(fd).st_mode)
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            raw = file.read(MAX_BYTES + 1)
+    finally:
+        os.close(fd)
     if len(raw) > MAX_BYTES:
         raise SpecError([f"{path}: larger than {MAX_BYTES // 2**20} MiB; not a spec file"])
     try:
@@ -147,6 +288,33 @@ def _read(path: Path) -> _Table:
         raise SpecError([f"{path}: invalid TOML: {exc}"]) from exc
     except RecursionError as exc:  # tomllib parses nested arrays and tables recursively
         raise SpecError([f"{path}: invalid TOML: nested too deeply"]) from exc
+
+
+_SPECIAL = (
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _regular(mode: int) -> None:
+    """Return if ``mode`` is a regular file's, else raise the OSError that names what it is.
+
+    Reading a named pipe waits for a writer forever, and a device may never
+    end (``/dev/zero``) or act on being opened: a spec is a regular file.
+
+    Raises:
+        IsADirectoryError: A directory, in the OS's words (``Is a directory``).
+        OSError: Anything else that is not a regular file
+            (``not a regular file (a named pipe)``).
+    """
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+    what = next((name for test, name in _SPECIAL if test(mode)), "of an unknown type")
+    raise OSError(errno.EINVAL, f"not a regular file ({what})")
 
 
 def _why(exc: OSError | ValueError) -> str:
@@ -193,9 +361,9 @@ def spec_from_dict(data: _Table, source: str = "<python>", base: Path | None = N
 
     _check_shape(data, source)
     if "composition" in data:
-        spec: Spec = _composition(data, source, base or Path())
+        spec: Spec = _composition(data, source, base or Path(), _Route.start())
     else:
-        spec = machine_from_dict(data, source, base)
+        spec = _machine(data, source, base, _Route.start())
     validate(spec)
     return spec
 
@@ -225,6 +393,11 @@ def machine_from_dict(
             data is not a table or nests too deeply (:data:`MAX_DEPTH`), or the
             machine it extends cannot be read.
     """
+    return _machine(data, source, base, _Route.start(chain))
+
+
+def _machine(data: _Table, source: str, base: Path | None, route: _Route) -> MachineSpec:
+    """:func:`machine_from_dict`, reached by ``route``."""
     _check_shape(data, source)
     problems = _Problems(source)
     _known_keys(
@@ -233,9 +406,7 @@ def machine_from_dict(
     head = _table(data, "machine", problems)
     _known_keys(head, {"name", "initial", "doc", "label", "extends"}, "machine", problems)
     extending = "extends" in head
-    parent = _extended("machine", head, base or Path(), (*chain, source), problems)
-    if parent is not None and not isinstance(parent, MachineSpec):
-        problems.add("machine.extends", f"{head['extends']} is not a [machine] file")
+    parent = _extended("machine", head, base or Path(), route.then(source, _EXTENDS), problems)
     basis = parent if isinstance(parent, MachineSpec) else None
     counters = _counters(data.get("counters", {}), problems)
     states = _states(data.get("states", {}), problems, required=not extending)
@@ -273,12 +444,13 @@ def machine_from_dict(
 
 
 def _extended(
-    kind: str, head: _Table, base: Path, chain: tuple[str, ...], problems: _Problems
+    kind: str, head: _Table, base: Path, route: _Route, problems: _Problems
 ) -> Spec | None:
     """Return the unvalidated spec ``head.extends`` names (relative to ``base``), if any.
 
-    ``chain`` holds the files whose ``extends`` led here, this one last; a
-    base among them closes a cycle, reported here and nowhere else.
+    ``route`` holds the files that led here, this one last; a base among them
+    closes a cycle, reported here and nowhere else. A base of another kind
+    than ``kind`` is reported here too, and not built.
     """
     rel = head.get("extends")
     if rel is None:
@@ -287,42 +459,64 @@ def _extended(
     if not isinstance(rel, str) or not rel or "\0" in rel:
         problems.add(where, f"must be the file name of a spec, got {shown(rel)}")
         return None
-    path = base / rel
-    cycle = _cycle(path, chain)
-    if cycle or len(chain) > MAX_EXTENDS:  # the chain holds this file and what extends it
-        too_long = f"more than {MAX_EXTENDS} specs extend one another"
-        problems.add(
-            where, f"a cycle: {' extends '.join((*cycle, str(path)))}" if cycle else too_long
-        )
+    return _follow(where, rel, kind, base, route, problems)
+
+
+def _follow(  # noqa: PLR0917 (one reference: its key, its file, its kind, from where, how)
+    where: str, rel: str, kind: str, base: Path, route: _Route, problems: _Problems
+) -> Spec | None:
+    """Return the unvalidated ``kind`` spec the file ``rel`` (relative to ``base``) holds, or None.
+
+    ``where`` is the key that names it; ``route`` the files that led here,
+    the one holding ``where`` last. Each fault of the reference itself (a
+    cycle, a chain of more than :data:`MAX_EXTENDS`, a file that cannot be
+    read, or one of another kind) is reported at ``where``; the file's own
+    faults name that file, once in a load however often it is reached
+    (:class:`_Files`).
+    """
+    path, links = base / rel, route.links
+    cycle = _cycle(path, links)
+    extending = len(links) - next(
+        (i + 1 for i in reversed(range(len(links))) if links[i].how != _EXTENDS), 0
+    )  # this file and those that extend it, up to the composition whose region it is
+    if cycle:
+        problems.add(where, f"a cycle: {''.join(f'{c.source}{c.how}' for c in cycle)}{path}")
         return None
+    if extending > MAX_EXTENDS:
+        problems.add(where, f"more than {MAX_EXTENDS} specs extend one another")
+        return None
+    target = _resolved(path)
     try:
-        data = _read(path)
-        _check_shape(data, str(path))
-        if "composition" in data:
-            return _composition(data, str(path), path.parent, chain)
-        return machine_from_dict(data, str(path), path.parent, chain)
+        data = route.files.table(path, target)
+        if data is None:  # no spec file, reported where it was first read
+            problems.failed = True
+        elif ("composition" if "composition" in data else "machine") != kind:
+            problems.add(where, f"{rel} is not a [{kind}] file")
+        else:
+            key = None if target is None else (target, extending)
+            return route.files.spec(data, path, route, key)
     except (OSError, ValueError) as exc:
         problems.add(where, f"cannot read {path}: {_why(exc)}")
     except SpecError as exc:
-        problems.lines += exc.problems
+        problems.include(exc)
     return None
 
 
-def _cycle(path: Path, chain: tuple[str, ...]) -> tuple[str, ...]:
-    """Return the files of ``chain`` from the first that is ``path`` on: the cycle it closes.
+def _cycle(path: Path, links: tuple[_Link, ...]) -> tuple[_Link, ...]:
+    """Return the links from the first file that is ``path`` on: the cycle it closes.
 
     Files are compared resolved, so ``./a.toml`` is ``a.toml``; empty when ``path``
-    is not in ``chain``.
+    is not among them.
     """
-    try:
-        target = path.resolve()
-        first = next((i for i, p in enumerate(chain) if Path(p).resolve() == target), None)
-    except (OSError, RuntimeError):  # a symlink loop; reading the file reports it
+    target = _resolved(path)
+    if target is None:  # a symlink loop; reading the file reports it
         return ()
-    return () if first is None else chain[first:]
+    first = next((i for i, link in enumerate(links) if link.resolved == target), None)
+    return () if first is None else links[first:]
 
 
-def _composition(data: _Table, source: str, base: Path, chain: tuple[str, ...] = ()) -> System:
+def _composition(data: _Table, source: str, base: Path, route: _Route) -> System:
+    """Build a :class:`System` from TOML-shaped data, reached by ``route``, without validating it."""
     problems = _Problems(source)
     _known_keys(data, {"composition", "forbid"}, "", problems)
     head = _table(data, "composition", problems)
@@ -330,9 +524,7 @@ def _composition(data: _Table, source: str, base: Path, chain: tuple[str, ...] =
         head, {"name", "regions", "doc", "label", "extends", "births"}, "composition", problems
     )
     extending = "extends" in head
-    parent = _extended("composition", head, base, (*chain, source), problems)
-    if parent is not None and not isinstance(parent, System):
-        problems.add("composition.extends", f"{head['extends']} is not a [composition] file")
+    parent = _extended("composition", head, base, route.then(source, _EXTENDS), problems)
     basis = parent if isinstance(parent, System) else None
     regions = dict(basis.regions) if basis else {}
     regions_table = head.get("regions", {} if extending else None)
@@ -340,7 +532,8 @@ def _composition(data: _Table, source: str, base: Path, chain: tuple[str, ...] =
         problems.add("composition.regions", "missing: a table of REGION = 'machine.toml'")
         problems.check()
     for region, rel in cast("_Table", regions_table).items():
-        machine = _region(f"composition.regions.{region}", rel, base, problems)
+        on = route.then(source, f", whose region {region} is ")
+        machine = _region(f"composition.regions.{region}", rel, base, on, problems)
         if machine is not None:
             regions[region] = machine
     forbids = _forbids(data.get("forbid", []), "forbid", problems)
@@ -392,27 +585,20 @@ def _births(table: object, problems: _Problems) -> tuple[Birth, ...]:
     return tuple(result)
 
 
-def _region(where: str, rel: object, base: Path, problems: _Problems) -> MachineSpec | None:
+def _region(
+    where: str, rel: object, base: Path, route: _Route, problems: _Problems
+) -> MachineSpec | None:
     """Read one region's machine file (relative to the composition), not yet validated.
 
     Faults of the region's own content name the region's file; a file that is
-    missing or unreadable names the composition's key that points at it.
+    missing or unreadable, or one that leads back to a file of ``route`` (the
+    composition's own, last), names the composition's key that points at it.
     """
     if not isinstance(rel, str) or not rel or "\0" in rel:  # no file name holds a NUL
         problems.add(where, f"must be the file name of a machine, got {shown(rel)}")
         return None
-    path = base / rel
-    try:
-        data = _read(path)
-        if "composition" in data:
-            problems.add(where, f"{rel} is not a [machine] file")
-            return None
-        return machine_from_dict(data, source=str(path), base=path.parent)
-    except (OSError, ValueError) as exc:
-        problems.add(where, f"cannot read {path}: {_why(exc)}")
-    except SpecError as exc:
-        problems.lines += exc.problems
-    return None
+    machine = _follow(where, rel, "machine", base, route, problems)
+    return machine if isinstance(machine, MachineSpec) else None
 
 
 def _table(data: _Table, key: str, problems: _Problems) -> _Table:
