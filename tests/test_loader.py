@@ -694,8 +694,8 @@ def test_a_file_reached_twice_in_one_load_is_read_and_reported_once(
         reads.append(path)
         return read(path)
 
-    read = loader._read  # noqa: SLF001 (spied on: one read per file a load reaches)
-    monkeypatch.setattr(loader, "_read", counted)
+    read = loader.read_toml  # spied on: one read per file a load reaches
+    monkeypatch.setattr(loader, "read_toml", counted)
     write(tmp_path, LAMP, "lamp.toml")
     write(tmp_path, DIMMER, "dimmer.toml")
     write(

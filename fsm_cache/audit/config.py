@@ -32,7 +32,7 @@ from fsm_cache.errors import SpecError
 
 # The spec loader's reader, shared so every TOML fsm_cache reads is bounded alike:
 # at most 16 MiB, and nesting or integers too large for tomllib are errors, not crashes.
-from fsm_cache.spec.loader import _read as read_toml
+from fsm_cache.spec.loader import read_toml
 
 
 _TABLE = ("tool", "fsm_cache", "audit")

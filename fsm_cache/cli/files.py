@@ -22,17 +22,11 @@ import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from fsm_cache.errors import FsmCacheError, SpecError
-
-# The loader's reader: the one way fsm_cache reads TOML, bounded in size and depth.
-from fsm_cache.spec.loader import _read as read_toml
+from fsm_cache.errors import FsmCacheError
 
 
 EMPTY_PATH = "an empty path names no file"
 """Why an empty path argument is refused: ``Path("")`` would be the working directory."""
-
-MAX_SPEC_FILES = 1024
-"""The most files :func:`spec_files` follows; a real spec reads a handful."""
 
 _STAGING_TRIES = 16
 """How many random staging names to try before giving up (one is almost always enough)."""
@@ -92,43 +86,6 @@ def current_text(path: Path) -> str | None:
         return ""
     except OSError as exc:
         raise OutputError(f"{path}: cannot read: {_why(exc)}") from None
-
-
-def spec_files(path: Path) -> list[Path]:
-    """Return the files a spec is read from: ``path``, what it extends, its regions' files.
-
-    These are the files a command must never write over. The spec has loaded
-    already (so the files are there and form no cycle); the walk still stops
-    at a file it has seen (compared resolved) and after :data:`MAX_SPEC_FILES`
-    files, and skips a file it cannot read, whatever the files hold now.
-    """
-    found: dict[str, Path] = {}
-    todo = [path]
-    while todo and len(found) < MAX_SPEC_FILES:
-        current = todo.pop()
-        key = os.path.realpath(current)
-        if key in found:
-            continue
-        found[key] = current
-        try:
-            data = read_toml(current)
-        except (OSError, ValueError, SpecError):
-            continue
-        todo += [current.parent / name for name in _named_files(data)]
-    return list(found.values())
-
-
-def _named_files(data: Mapping[str, object]) -> list[str]:
-    """Return the file names a spec table points at: ``extends`` and composition regions."""
-    names: list[object] = []
-    for kind in ("machine", "composition"):
-        head = data.get(kind)
-        if isinstance(head, Mapping):
-            names.append(head.get("extends"))
-            regions = head.get("regions") if kind == "composition" else None
-            if isinstance(regions, Mapping):
-                names += regions.values()
-    return [n for n in names if isinstance(n, str) and n and "\0" not in n]
 
 
 def write_files(texts: Mapping[Path, str], kind: str, protected: Iterable[Path] = ()) -> list[Path]:

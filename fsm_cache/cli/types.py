@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fsm_cache.cli.files import current_text, path_argument, spec_files, write_files
-from fsm_cache.spec.loader import load_spec
+from fsm_cache.cli.files import current_text, path_argument, write_files
+from fsm_cache.spec.loader import load_spec, spec_files
 from fsm_cache.spec.stubs import stub
 
 

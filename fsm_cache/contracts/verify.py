@@ -35,8 +35,7 @@ from fsm_cache.contracts.generate import generate
 from fsm_cache.contracts.runner import Options, Row
 from fsm_cache.errors import SpecError
 from fsm_cache.spec.controls import Control, controls, load_finding, relative, render_controls
-from fsm_cache.spec.loader import _read as read_toml  # bounded: size, depth, integer length
-from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.loader import load_spec, read_toml
 from fsm_cache.spec.machine import as_system
 from fsm_cache.spec.shipped import shipped_spec_paths
 

@@ -172,7 +172,7 @@ class _Files:
         if target is not None and target in self.tables:
             return self.tables[target]
         try:
-            data = _read(path)
+            data = read_toml(path)
             _check_shape(data, str(path))
         except SpecError:
             if target is not None:
@@ -252,14 +252,17 @@ def load_spec(path: str | Path) -> Spec:
     """
     path = Path(path)
     try:
-        data = _read(path)
+        data = read_toml(path)
     except (OSError, ValueError) as exc:
         raise SpecError([f"{path}: cannot read: {_why(exc)}"]) from exc
     return spec_from_dict(data, source=str(path), base=path.parent)
 
 
-def _read(path: Path) -> _Table:
+def read_toml(path: Path) -> _Table:
     """Return the TOML table of ``path``; a failure to open or read it is left to the caller.
+
+    The one way fsm_cache reads TOML (specs, and the ``pyproject.toml`` settings of
+    ``verify`` and ``audit``): bounded in size, depth and integer length.
 
     The caller names the fault: the file itself for :func:`load_spec`, the
     composition's key for a region file.
@@ -769,3 +772,44 @@ def _parse(parser: Any, text: object, where: str, problems: _Problems) -> Any:
     except GrammarError as exc:
         problems.add(where, str(exc))
         return None
+
+
+MAX_SPEC_FILES = 1024
+"""The most files :func:`spec_files` follows; a real spec reads a handful."""
+
+
+def spec_files(path: Path) -> list[Path]:
+    """Return the files a spec is read from: ``path``, what it extends, its regions' files.
+
+    What a command must never write over. Meant for a spec that loaded (so
+    the files are there and form no cycle); the walk still stops at a file it
+    has seen (compared resolved) and after :data:`MAX_SPEC_FILES` files, and
+    skips a file it cannot read, whatever the files hold now.
+    """
+    found: dict[str, Path] = {}
+    todo = [path]
+    while todo and len(found) < MAX_SPEC_FILES:
+        current = todo.pop()
+        key = os.path.realpath(current)
+        if key in found:
+            continue
+        found[key] = current
+        try:
+            data = read_toml(current)
+        except (OSError, ValueError, SpecError):
+            continue
+        todo += [current.parent / name for name in _named_files(data)]
+    return list(found.values())
+
+
+def _named_files(data: Mapping[str, object]) -> list[str]:
+    """Return the file names a spec table points at: ``extends`` and composition regions."""
+    names: list[object] = []
+    for kind in ("machine", "composition"):
+        head = data.get(kind)
+        if isinstance(head, Mapping):
+            names.append(head.get("extends"))
+            regions = head.get("regions") if kind == "composition" else None
+            if isinstance(regions, Mapping):
+                names += regions.values()
+    return [n for n in names if isinstance(n, str) and n and "\0" not in n]
