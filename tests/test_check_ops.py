@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -244,3 +245,23 @@ def test_a_keyboard_interrupt_in_a_hook_goes_through(tmp_path: Path) -> None:
     _, view = check.load_ops(ops)
     with pytest.raises(KeyboardInterrupt):
         view.split(None, (None,), 0, 0)
+
+
+def test_what_an_ops_module_prints_leaves_the_json_whole(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Under ``--json`` stdout is the JSON alone: a module's prints go to stderr."""
+    body = (
+        "from fsm_cache.modelcheck import treeops\n"
+        "print('loading my ops')\n"
+        "def insert(*a):\n"
+        "    print('inserting')\n"
+        "    return treeops.insert(*a)\n"
+    )
+    ops = _ops(tmp_path, body)
+    status = main(["check", "--nodes", "2", "--json", "--ops", str(ops), str(RESIDENCY)])
+    captured = capsys.readouterr()
+    assert status == 0
+    assert json.loads(captured.out)["specs"][0]["violation"] is None
+    assert "loading my ops" in captured.err
+    assert "inserting" in captured.err

@@ -31,8 +31,10 @@ specs under the write-through policy, and the negative controls of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -395,7 +397,11 @@ def handle(args: argparse.Namespace) -> int:
         raise SpecError(
             [f"check: --nodes must be at most {MAX_NODES}, got {nodes} ({TOO_MANY_NODES})"]
         )
-    result = run(args)
+    if args.json:  # what an --ops module prints goes to stderr: stdout is the JSON alone
+        with contextlib.redirect_stdout(sys.stderr):
+            result = run(args)
+    else:
+        result = run(args)
     print(json.dumps(result, indent=2) if args.json else report(result))
     bad = any(s["violation"] for s in result["specs"])
     if bad or not all(c["ok"] for c in result["controls"]):
