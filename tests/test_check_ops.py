@@ -265,3 +265,11 @@ def test_what_an_ops_module_prints_leaves_the_json_whole(
     assert json.loads(captured.out)["specs"][0]["violation"] is None
     assert "loading my ops" in captured.err
     assert "inserting" in captured.err
+
+
+def test_an_ops_module_whose_getattr_raises_is_read_for_what_it_defines(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    body = "def __getattr__(name):\n    raise RuntimeError(f'no {name} here')\n"
+    status, err = _check(capsys, _ops(tmp_path, body))
+    assert (status, err) == (0, "")

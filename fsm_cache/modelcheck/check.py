@@ -218,10 +218,11 @@ def load_ops(path: Path) -> tuple[Path, ModuleType]:
         raise
     except BaseException as exc:  # the user's module: a syntax error, its own raise or exit
         raise ConfigError(f"{path}: cannot import: {raised(exc)}") from None
-    target = getattr(module, "SPEC", None)
+    names = vars(module)  # what it defines: never its own __getattr__, which may raise
+    target = names.get("SPEC")
     if not isinstance(target, str):
         raise SpecError([f"{path}: names no SPEC = 'path/to/spec.toml'"])
-    policy = getattr(module, "POLICY", "none")
+    policy = names.get("POLICY", "none")
     if not isinstance(policy, str) or policy not in POLICIES:
         raise SpecError([f"{path}: POLICY must be one of {', '.join(POLICIES)}"])
     return (path.parent / target).resolve(), hooks(path, module)

@@ -272,11 +272,12 @@ def hooks(path: Path, module: ModuleType) -> ModuleType:
         ConfigError: A hook it defines is not callable.
     """
     view = ModuleType(module.__name__, module.__doc__)
+    names = vars(module)  # what it defines: never its own __getattr__, which may raise
     for name in ("SPEC", "POLICY"):
-        if hasattr(module, name):
-            setattr(view, name, getattr(module, name))
+        if name in names:
+            setattr(view, name, names[name])
     for name in (*TREE_OPS, *OPTIONAL):
-        hook = getattr(module, name, None)
+        hook = names.get(name)
         if hook is None or hook is DEFAULTS[name]:
             if name in TREE_OPS:
                 setattr(view, name, DEFAULTS[name])
