@@ -189,6 +189,34 @@ def test_bad_option_is_named(tmp_path: Path) -> None:
     assert info.value.problems == [f"{path}: tool.fsm_cache.verify.jobs: expected int"]
 
 
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("jobs = 100000000000", "jobs: must be at most 256, got 100000000000"),
+        ("per_path_timeout = inf", "per_path_timeout: must be at most 3600, got inf"),
+        ("per_condition_timeout = nan", "per_condition_timeout: must be > 0, got nan"),
+        (
+            "analysis_kind = 'bogus --evil'",
+            "analysis_kind: must be one or more of PEP316, asserts, deal, hypothesis, "
+            "icontract, comma-separated, got 'bogus --evil'",
+        ),
+    ],
+)
+def test_an_option_out_of_range_is_named(tmp_path: Path, line: str, problem: str) -> None:
+    path = tmp_path / "pyproject.toml"
+    path.write_text(f"[tool.fsm_cache.verify]\n{line}\n")
+    with pytest.raises(SpecError) as info:
+        verify.load_options(tmp_path)
+    assert info.value.problems == [f"{path}: tool.fsm_cache.verify.{problem}"]
+
+
+def test_analysis_kinds_may_be_combined(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text(
+        "[tool.fsm_cache.verify]\nanalysis_kind = 'icontract,asserts'\n"
+    )
+    assert verify.load_options(tmp_path) == Options(analysis_kind="icontract,asserts")
+
+
 def test_a_modules_crosshair_directive_sets_its_budget(tmp_path: Path) -> None:
     path = tmp_path / "contracts.py"
     path.write_text(

@@ -79,6 +79,10 @@ def load_options(start: Path | None = None) -> Options:
 
 _LOWEST = {"jobs": 1, "per_condition_timeout": 0.001, "per_path_timeout": 0.001}
 """The least each numeric option may be (CrossHair needs a worker and some time)."""
+_HIGHEST = {"jobs": 256, "per_condition_timeout": 3600.0, "per_path_timeout": 3600.0}
+"""The most each numeric option may be: a worker per core of a large machine, an hour."""
+_ANALYSIS_KINDS = ("PEP316", "asserts", "deal", "hypothesis", "icontract")
+"""CrossHair's ``--analysis_kind`` values; the option takes a comma-separated list of them."""
 
 
 def _options(table: dict[str, Any], path: Path) -> Options:
@@ -96,6 +100,19 @@ def _options(table: dict[str, Any], path: Path) -> Options:
         lowest = _LOWEST.get(key)
         if lowest is not None and not (isinstance(given, (int, float)) and given >= lowest):
             raise SpecError([f"{path}: tool.fsm_cache.verify.{key}: must be > 0, got {given}"])
+        highest = _HIGHEST.get(key)
+        if highest is not None and not given <= highest:  # NaN and infinity fail this too
+            raise SpecError(
+                [f"{path}: tool.fsm_cache.verify.{key}: must be at most {highest:g}, got {given}"]
+            )
+        if key == "analysis_kind" and not set(given.split(",")) <= set(_ANALYSIS_KINDS):
+            kinds = ", ".join(_ANALYSIS_KINDS)
+            raise SpecError(
+                [
+                    f"{path}: tool.fsm_cache.verify.analysis_kind: must be one or more of "
+                    f"{kinds}, comma-separated, got {given!r}"
+                ]
+            )
         values[key] = given
     return Options(**values)
 
