@@ -92,7 +92,7 @@ def _options(table: dict[str, Any], path: Path) -> Options:
         expected = type(getattr(default, key, None))
         if not hasattr(default, key):
             raise SpecError([f"{path}: tool.fsm_cache.verify.{key}: unknown option"])
-        given = value
+        given: Any = value
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             given = float(value)
         if not isinstance(given, expected) or isinstance(given, bool):
