@@ -89,7 +89,7 @@ def _options(table: dict[str, Any], path: Path) -> Options:
     default = Options()
     values: dict[str, Any] = {}
     for key, value in table.items():
-        expected = type(getattr(default, key, None))
+        expected: type[Any] = type(getattr(default, key, None))
         if not hasattr(default, key):
             raise SpecError([f"{path}: tool.fsm_cache.verify.{key}: unknown option"])
         given: Any = value
