@@ -110,9 +110,10 @@ def write_files(texts: Mapping[Path, str], kind: str, protected: Iterable[Path] 
     Raises:
         OutputError: A target is a protected file, not a regular file, under a
             file, or cannot be written; the message names the target and says
-            that nothing was changed. Only a rename that fails after others
-            succeeded (which a folder just written to all but rules out)
-            leaves some files new, and the message says how many.
+            that nothing was changed. A rename that fails after others
+            succeeded undoes them (each old file is hard-linked to a spare
+            name first); only where that cannot be done (no hard links) are
+            some files left new, and the message says how many.
     """
     unchanged = f"no {kind} file was changed"
     guarded = _identities(protected)
@@ -129,7 +130,7 @@ def write_files(texts: Mapping[Path, str], kind: str, protected: Iterable[Path] 
     try:
         for path, real, text in changed:
             failed_at = path
-            made += _make_folders(real.parent)
+            _make_folders(real.parent, made)
             staged.append((_stage(real, text), real))
     except BaseException as exc:
         _discard([temporary for temporary, _ in staged], made)
@@ -137,16 +138,57 @@ def write_files(texts: Mapping[Path, str], kind: str, protected: Iterable[Path] 
             msg = f"{failed_at}: cannot write: {_why(exc)}; {unchanged}"
             raise OutputError(msg) from None
         raise
+    kept = _keep_old([real for _, real in staged])
     for done, ((temporary, real), (path, _, _)) in enumerate(zip(staged, changed, strict=True)):
         try:
             temporary.replace(real)
         except BaseException as exc:  # a rename in a folder just written to: next to never
-            _discard([t for t, _ in staged[done:]], made)
+            undone = _undo([r for _, r in staged[:done]], kept)
+            _discard([t for t, _ in staged[done:]] + [k for k in kept.values() if k], made)
             if not isinstance(exc, OSError):
                 raise
-            after = f"{done} of {len(staged)} {kind} files were written" if done else unchanged
+            after = unchanged if undone else f"{done} of {len(staged)} {kind} files were written"
             raise OutputError(f"{path}: cannot write: {_why(exc)}; {after}") from None
+    _discard([k for k in kept.values() if k], [])
     return [path for path, _, _ in changed]
+
+
+def _keep_old(targets: list[Path]) -> dict[Path, Path | None]:
+    """Hard-link each existing target to a spare name, so a failed set of renames can undo.
+
+    Returns the spare name of each target that exists (None where the link
+    could not be made: a filesystem without hard links); new targets are absent.
+    """
+    kept: dict[Path, Path | None] = {}
+    for target in targets:
+        if not target.exists():
+            continue
+        spare = target.with_name(f".fsm-cache-{secrets.token_hex(6)}.old")
+        try:
+            os.link(target, spare)
+        except OSError:
+            kept[target] = None
+        else:
+            kept[target] = spare
+    return kept
+
+
+def _undo(replaced: list[Path], kept: dict[Path, Path | None]) -> bool:
+    """Put back what the renames before a failed one replaced; return whether all of it was."""
+    whole = True
+    for target in replaced:
+        try:
+            if target not in kept:
+                target.unlink()  # it was new
+                continue
+            spare = kept.pop(target)
+            if spare is None:
+                whole = False  # no copy of the old file to put back
+                continue
+            os.replace(spare, target)
+        except OSError:
+            whole = False
+    return whole
 
 
 def _identities(paths: Iterable[Path]) -> dict[tuple[int, int], Path]:
@@ -206,20 +248,22 @@ def _differs(path: Path, text: str) -> bool:
         return True
 
 
-def _make_folders(folder: Path) -> list[Path]:
-    """Make ``folder`` and its missing parents; return those made, outermost first."""
+def _make_folders(folder: Path, made: list[Path]) -> None:
+    """Make ``folder`` and its missing parents, outermost first, adding each to ``made``.
+
+    Each is added as soon as it is made, so a failure further in leaves the
+    caller the list of what to remove.
+    """
     missing: list[Path] = []
     while not folder.exists() and folder != folder.parent:
         missing.append(folder)
         folder = folder.parent
-    made = []
     for each in reversed(missing):
         try:
             each.mkdir()
         except FileExistsError:  # made meanwhile by someone else: not ours to remove
             continue
         made.append(each)
-    return made
 
 
 def _stage(target: Path, text: str) -> Path:

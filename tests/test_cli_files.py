@@ -1,0 +1,56 @@
+"""The one writer of generated files: all of them or none, and nothing left behind."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+
+from fsm_cache.cli.files import OutputError, write_files
+
+
+def test_a_failed_rename_puts_back_the_files_renamed_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = {tmp_path / "a.md": "old a", tmp_path / "b.md": "old b"}
+    for path, text in old.items():
+        path.write_text(text)
+    new = {**{path: f"new {path.stem}" for path in old}, tmp_path / "c.md": "new c"}
+    renamed: list[Path] = []
+    replace = Path.replace
+
+    def refuse_the_third(self: Path, target: Path) -> Path:
+        if len(renamed) == 2:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        renamed.append(Path(target))
+        return replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", refuse_the_third)
+    with pytest.raises(OutputError) as caught:
+        write_files(new, "diagram")
+    assert str(caught.value) == (
+        f"{tmp_path / 'c.md'}: cannot write: Operation not permitted; no diagram file was changed"
+    )
+    assert renamed == [tmp_path / "a.md", tmp_path / "b.md"]
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"a.md": "old a", "b.md": "old b"}
+
+
+def test_folders_made_before_a_deeper_one_failed_are_removed(tmp_path: Path) -> None:
+    target = tmp_path / "new" / "sub" / ("a" * 300) / "t.py"
+    with pytest.raises(OutputError) as caught:
+        write_files({target: "x"}, "types")
+    assert str(caught.value) == (
+        f"{target}: cannot write: File name too long; no types file was changed"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_written_set_leaves_no_spare_files(tmp_path: Path) -> None:
+    (tmp_path / "a.md").write_text("old")
+    assert write_files({tmp_path / "a.md": "new", tmp_path / "b.md": "b"}, "diagram") == [
+        tmp_path / "a.md",
+        tmp_path / "b.md",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.md", "b.md"]
+    assert (tmp_path / "a.md").read_text() == "new"
