@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import too_big_toml
 
 from fsm_cache.audit import (
     AuditConfig,
@@ -432,20 +433,8 @@ def test_a_bad_config_in_one_tree_is_bad_input_naming_file_and_key(
     )
 
 
-TOO_MANY_DIGITS = (
-    "Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits;"
-    " use sys.set_int_max_str_digits() to increase the limit"
-)
-
-
 @pytest.mark.usefixtures("default_recursion_limit")
-@pytest.mark.parametrize(
-    ("content", "message"),
-    [
-        ("x = " + "9" * 5000 + "\n", TOO_MANY_DIGITS),
-        ("x = " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
-    ],
-)
+@too_big_toml.CASES
 def test_a_pyproject_too_big_for_tomllib_is_bad_input_not_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, message: str
 ) -> None:
@@ -488,7 +477,7 @@ def test_a_missing_config_option_is_bad_input(
             b"\xff\n",
             "invalid TOML: 'utf-8' codec can't decode byte 0xff in position 0: invalid start byte",
         ),
-        (b"x = " + b"9" * 5000 + b"\n", f"invalid TOML: {TOO_MANY_DIGITS}"),
+        (b"x = " + b"9" * 5000 + b"\n", f"invalid TOML: {too_big_toml.TOO_MANY_DIGITS}"),
         (b"x = " + b"[" * 5000 + b"]" * 5000 + b"\n", "invalid TOML: nested too deeply"),
     ],
 )

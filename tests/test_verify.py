@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import too_big_toml
 
 from fsm_cache.cli.main import main
 from fsm_cache.contracts import exhaustive, verify
@@ -405,20 +406,8 @@ def test_rows_name_the_event_not_the_checked_function() -> None:
     assert module.reported(other) == other
 
 
-TOO_MANY_DIGITS = (
-    "Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits;"
-    " use sys.set_int_max_str_digits() to increase the limit"
-)
-
-
 @pytest.mark.usefixtures("default_recursion_limit")
-@pytest.mark.parametrize(
-    ("content", "message"),
-    [
-        ("x = " + "9" * 5000 + "\n", TOO_MANY_DIGITS),
-        ("x = " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
-    ],
-)
+@too_big_toml.CASES
 def test_a_pyproject_too_big_for_tomllib_is_bad_input_not_a_traceback(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
