@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from fsm_cache.bench.against import AgainstBench, cached_tokens
@@ -39,6 +42,19 @@ def test_cached_tokens_counts_shared_prefixes_once() -> None:
     assert cached_tokens([]) == 0
 
 
+class _Spy:
+    """The cache as ``serve_trace`` sees it, with some of its methods replaced.
+
+    A compiled cache's methods cannot be replaced on the instance.
+    """
+
+    def __init__(self, cache: HiCache, **replaced: Callable[..., Any]) -> None:
+        self._cache, self._replaced = cache, replaced
+
+    def __getattr__(self, name: str) -> Any:
+        return self._replaced.get(name) or getattr(self._cache, name)
+
+
 def test_the_eviction_trace_evicts() -> None:
     keys = trace(200)
     pool = cached_tokens(keys) // 4
@@ -50,8 +66,7 @@ def test_the_eviction_trace_evicts() -> None:
         evicted.append(evict(tokens))
         return evicted[-1]
 
-    cache.evict = counting  # type: ignore[assignment,method-assign]
-    serve_trace(cache, keys, None)
+    serve_trace(_Spy(cache, evict=counting), keys, None)  # type: ignore[arg-type]
     assert sum(evicted) >= pool  # at least a pool's worth went, as the trace's name says
 
 
@@ -70,9 +85,7 @@ def test_each_request_locks_its_matched_prefix_while_it_runs() -> None:
         assert held  # an eviction runs while the request holds its prefix
         return evict(tokens)
 
-    cache.lock = locking  # type: ignore[method-assign]
-    cache.evict = evicting  # type: ignore[assignment,method-assign]
-    serve_trace(cache, keys, None)
+    serve_trace(_Spy(cache, lock=locking, evict=evicting), keys, None)  # type: ignore[arg-type]
     assert len(held) == len(keys)
     assert open_leases() == []  # every lock was given back
 

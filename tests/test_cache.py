@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from fsm_cache import native
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.replay import replay
 from fsm_cache.cache.tree import TreeNode
@@ -645,7 +646,6 @@ class TestMisuseFoundByReview:
     @pytest.mark.parametrize(
         ("call", "message"),
         [
-            (lambda c: c.fire(["pin"], None), "fire: event must be a str, got list"),
             (
                 lambda c: c.wait_loaded(None),
                 "wait_loaded: expected a sequence of tree nodes, got NoneType",
@@ -670,6 +670,19 @@ class TestMisuseFoundByReview:
         with pytest.raises(BadArgument) as refused:
             call(cache)  # type: ignore[operator]
         assert str(refused.value) == message
+        assert states(cache) == before
+
+    def test_an_event_that_is_not_a_str_is_refused_before_anything_changes(self) -> None:
+        """Compiled, the call's own type check refuses it (docs/architecture.md, compiled modules)."""
+        cache = make()
+        before = states(cache)
+        compiled = "fsm_cache.cache.hicache" in native.compiled()
+        with pytest.raises(TypeError) as refused:
+            cache.fire(["pin"], None)  # type: ignore[arg-type]
+        assert str(refused.value) == (
+            "str object expected; got list" if compiled else "fire: event must be a str, got list"
+        )
+        assert isinstance(refused.value, BadArgument) is not compiled
         assert states(cache) == before
 
     def test_a_lock_receipt_is_taken_back_only_by_its_own_cache(self) -> None:

@@ -20,10 +20,11 @@ plus whatever its arguments hold alive.
 from __future__ import annotations
 
 import itertools
+import operator
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, overload
+from typing import Any, SupportsIndex, overload
 
 from fsm_cache.errors import BadArgument
 
@@ -127,15 +128,34 @@ class Entries(Sequence[Entry]):
 
     def __eq__(self, other: object) -> bool:
         """Compare entry by entry with another view or a list, as the old list compared."""
-        if not isinstance(other, (Entries, list)):
-            return NotImplemented
-        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        # Two tests, not isinstance(other, (Entries, list)): mypyc narrows that to a
+        # union it then checks every other type against (a tuple raised TypeError).
+        if isinstance(other, Entries) or isinstance(other, list):  # noqa: SIM101
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]  # mutable, like the list it replaces
 
     def __repr__(self) -> str:
         """Return ``Entries([...])`` with every kept entry (for assertion messages)."""
         return f"Entries({list(self._items)!r})"
+
+
+def _limit(limit: object) -> int | None:
+    """``limit`` as an int (a numpy integer is the int it stands for), or None.
+
+    Raises:
+        BadArgument: It is neither None nor an int >= 1; a bool is not an int here.
+    """
+    if limit is None:
+        return None
+    try:
+        kept = None if isinstance(limit, bool) else operator.index(limit)  # type: ignore[arg-type]
+    except TypeError:
+        kept = None
+    if kept is None or kept < 1:
+        raise BadArgument(f"EventLog: limit must be None or an int >= 1, got {limit!r}")
+    return kept
 
 
 class EventLog:
@@ -165,12 +185,9 @@ class EventLog:
 
     __slots__ = ("_items", "_recorded", "entries")
 
-    def __init__(self, limit: int | None = DEFAULT_LIMIT) -> None:
-        if limit is not None and (
-            not isinstance(limit, int) or isinstance(limit, bool) or limit < 1
-        ):
-            raise BadArgument(f"EventLog: limit must be None or an int >= 1, got {limit!r}")
-        self._items: deque[Entry] = deque(maxlen=None if limit is None else min(limit, sys.maxsize))
+    def __init__(self, limit: SupportsIndex | None = DEFAULT_LIMIT) -> None:
+        kept = _limit(limit)
+        self._items: deque[Entry] = deque(maxlen=None if kept is None else min(kept, sys.maxsize))
         self._recorded = 0
         self.entries = Entries(self._items)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, partial
 from itertools import chain
 from types import TracebackType
+from typing import SupportsIndex
 
 from fsm_cache.cache import arguments, invariants, slots
 from fsm_cache.cache.arguments import Tokens
@@ -435,7 +436,7 @@ class HiCache:
                 self._core.fire(node, "adopt")
         return added
 
-    def alloc_slots(self, num_tokens: int) -> list[int]:
+    def alloc_slots(self, num_tokens: SupportsIndex) -> list[int]:
         """Allocate device slots for a request to compute KV into (evicting if needed).
 
         The slots belong to the request until :meth:`insert` adopts them or
@@ -446,10 +447,10 @@ class HiCache:
             PoolExhausted: Not enough device memory even after eviction; as
                 for :meth:`insert`, what the eviction did stays done.
         """
-        num_tokens = arguments.count(num_tokens, "alloc_slots")
-        with self._operation("alloc_slots", num_tokens):
+        tokens = arguments.count(num_tokens, "alloc_slots")
+        with self._operation("alloc_slots", tokens):
             page = self.config.page_size
-            pages = self._evictor.alloc_device(-(-num_tokens // page), None)
+            pages = self._evictor.alloc_device(-(-tokens // page), None)
             return list(pages) if page == 1 else slots_of(pages, page)  # slots are pages at 1
 
     def free_slots(self, device_slots: Sequence[int]) -> None:
@@ -592,7 +593,7 @@ class HiCache:
 
     # -- memory pressure -----------------------------------------------------
 
-    def evict(self, num_tokens: int) -> int:
+    def evict(self, num_tokens: SupportsIndex) -> int:
         """Free at least ``num_tokens`` device tokens if possible; return tokens freed.
 
         Least recently used unlocked device leaves go first. Backed leaves
@@ -602,17 +603,17 @@ class HiCache:
         (:meth:`insert`, :meth:`alloc_slots`, :meth:`load_back`) waits for those
         acknowledgements instead.
         """
-        num_tokens = arguments.count(num_tokens, "evict")
-        with self._operation("evict", num_tokens):
-            return self._evictor.evict_device(num_tokens)
+        tokens = arguments.count(num_tokens, "evict")
+        with self._operation("evict", tokens):
+            return self._evictor.evict_device(tokens)
 
-    def evict_host(self, num_tokens: int) -> int:
+    def evict_host(self, num_tokens: SupportsIndex) -> int:
         """Free at least ``num_tokens`` host tokens from unpinned host-only leaves; return tokens freed."""
-        num_tokens = arguments.count(num_tokens, "evict_host")
-        with self._operation("evict_host", num_tokens):
-            return self._evictor.evict_host(num_tokens)
+        tokens = arguments.count(num_tokens, "evict_host")
+        with self._operation("evict_host", tokens):
+            return self._evictor.evict_host(tokens)
 
-    def evict_storage(self, num_tokens: int) -> int:
+    def evict_storage(self, num_tokens: SupportsIndex) -> int:
         """Delete at least ``num_tokens`` tokens' pages from an owned store; return tokens deleted.
 
         Least recently used stored leaves go first (no child with pages in
@@ -624,11 +625,11 @@ class HiCache:
             ConfigError: The cache has no storage tier, or its store is shared
                 (``StorageConfig.owned`` is False: the store's server evicts).
         """
-        num_tokens = arguments.count(num_tokens, "evict_storage")
-        with self._operation("evict_storage", num_tokens):
+        tokens = arguments.count(num_tokens, "evict_storage")
+        with self._operation("evict_storage", tokens):
             if self._storage is None:
                 raise ConfigError("evict_storage: this cache has no storage tier")
-            return self._storage.evict(num_tokens)
+            return self._storage.evict(tokens)
 
     def load_back(self, node: TreeNode) -> list[TreeNode] | None:
         """Start loading the evicted chain ending at ``node``; the whole chain or nothing.
