@@ -14,7 +14,8 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # `make test` installs `dev`, which holds every extra (pyproject.toml).
 EXTRAS  := cli,reference,distributed
 
-.PHONY: run test lint typecheck pytest verify check audit diagrams docs bench clean system-deps \
+.PHONY: run test lint typecheck compile pytest pytest-pure verify check audit diagrams docs bench \
+	clean system-deps \
 	test-sglang test-vllm bench-vllm bench-sglang
 
 $(BIN)/python:
@@ -34,8 +35,19 @@ $(DEVSTAMP): pyproject.toml $(STAMP)
 run: $(STAMP)
 	$(BIN)/fsm-cache demo
 
+# The cache's hot modules compiled with mypyc, in place (scripts/compile.py; the list is
+# pyproject.toml's [tool.fsm-cache.mypyc]); rebuilt only when a source changed. The `compile`
+# extra brings mypyc (with mypy) and setuptools; a C compiler comes from system-deps.
+COMPSTAMP := $(VENV)/.installed-compile
+$(COMPSTAMP): pyproject.toml $(STAMP)
+	$(BIN)/pip install -q -e ".[$(EXTRAS),compile]"
+	touch $@
+
+compile: $(COMPSTAMP)
+	$(BIN)/python scripts/compile.py
+
 system-deps:
-	@bash .ci/system-deps
+	@PY=$(PY) bash .ci/system-deps
 
 lint: $(DEVSTAMP)
 	$(BIN)/ruff check fsm_cache tests specs docs/hooks
@@ -45,8 +57,15 @@ lint: $(DEVSTAMP)
 typecheck: $(DEVSTAMP)
 	$(BIN)/mypy
 
-pytest: $(DEVSTAMP)
+pytest: $(DEVSTAMP) compile
 	$(BIN)/pytest -q
+
+# The tests that build a HiCache again on the compiled modules' sources, as a plain
+# `pip install` runs them (about a minute).
+OPEN    := (
+PURE_TESTS ?= $(shell grep -lF 'HiCache$(OPEN)' tests/test_*.py) tests/test_native.py
+pytest-pure: $(DEVSTAMP)
+	FSM_CACHE_PURE=1 $(BIN)/pytest -q -p no:cacheprovider $(PURE_TESTS)
 
 verify: $(DEVSTAMP)
 	$(BIN)/fsm-cache verify
@@ -63,11 +82,11 @@ diagrams: $(DEVSTAMP)
 docs: $(DEVSTAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-bench: $(STAMP)
+bench: $(STAMP) compile
 	$(BIN)/fsm-cache bench
 
 test: system-deps $(DEVSTAMP)
-	$(MAKE) lint typecheck pytest verify check audit diagrams docs test-sglang test-vllm
+	$(MAKE) lint typecheck pytest pytest-pure verify check audit diagrams docs test-sglang test-vllm
 
 # SGLang's real radix caches (tests/sglang_real): one side venv per version under .cache/sglang
 # (ignored by git), holding only the wheel (--no-deps); torch, pytest and fsm_cache come from

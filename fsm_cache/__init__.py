@@ -10,6 +10,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from fsm_cache import native
+
+
+if native.wanted_pure():  # before any module that may be compiled is imported
+    native.prefer_sources()
+
 from fsm_cache.engine.core import Engine
 from fsm_cache.engine.lease import Lease
 from fsm_cache.errors import (

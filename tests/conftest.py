@@ -17,6 +17,19 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse to run on a compiled module older than its source: Python would import it instead."""
+    del config
+    from fsm_cache import native
+
+    if not native.wanted_pure() and (stale := native.stale()):
+        names = ", ".join(str(path.name) for path in stale)
+        raise pytest.UsageError(
+            f"compiled modules older than their sources: {names}; run `make compile`, "
+            f"or `python scripts/compile.py --clean`, or set {native.ENVIRONMENT}=1"
+        )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip tests marked ``gpu`` when no CUDA device is present."""
     del config

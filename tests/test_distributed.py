@@ -39,6 +39,7 @@ with warnings.catch_warnings():
     import torch.distributed as dist
     from torch.multiprocessing.spawn import start_processes
 
+    from fsm_cache import native
     from fsm_cache.bench import cache as cachebench
     from fsm_cache.bench import tp as tpbench
     from fsm_cache.bench.tp import (
@@ -1570,7 +1571,12 @@ def test_bench_tp_runs_both_group_sizes_and_honours_quick(
     assert args.handler(args) == 0
     sizes = tpbench.QUICK if quick else {}
     assert calls == [(2, sizes), (4, sizes)]
-    assert capsys.readouterr().out == f"{figures.format()}\n" * 2
+    tables, last = capsys.readouterr().out.removesuffix("\n").rsplit("\n", 1)
+    assert f"{tables}\n" == f"{figures.format()}\n" * 2
+    compiled = ", ".join(name.removeprefix("fsm_cache.") for name in native.compiled())
+    assert last == "fsm_cache modules compiled with mypyc: " + (
+        compiled or "none (the sources ran; make compile)"
+    )
     assert all(size < defaults[name].default for name, size in tpbench.QUICK.items())
 
 
