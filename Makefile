@@ -116,7 +116,7 @@ test-sglang: $(foreach v,$(SGLANG_VERSIONS),$(SGCACHE)/venv-$(v)/.installed)
 
 # What fsm_cache.compat.sglang.patch() costs SGLang's RadixCache, per version, and HiCache
 # against the newest SGLang's own RadixCache (docs/benchmarks.md).
-bench-sglang: $(foreach v,$(SGLANG_VERSIONS),$(SGCACHE)/venv-$(v)/.installed)
+bench-sglang: $(foreach v,$(SGLANG_VERSIONS),$(SGCACHE)/venv-$(v)/.installed) compile
 	@set -e; for v in $(SGLANG_VERSIONS); do \
 		$(SGCACHE)/venv-$$v/bin/python -c "from fsm_cache.cli.main import main; \
 			raise SystemExit(main(['bench', 'sglang']))"; \
