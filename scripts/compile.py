@@ -18,10 +18,17 @@ than its compiled one or without one, or a compiled module no longer listed.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.machinery
 import os
 import sys
 from pathlib import Path
+
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the project's dependency on 3.10
+    import tomli as tomllib
 
 import tomllib
 
@@ -55,10 +62,17 @@ def up_to_date(sources: list[Path]) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    """Build, or clean with ``--clean``; return the exit status."""
+    """Build, or clean with ``--clean``, one run at a time; return the exit status."""
     if argv not in ([], ["--force"], ["--clean"]):
         print(f"usage: {sys.argv[0]} [--force | --clean]", file=sys.stderr)
         return 2
+    (ROOT / "build").mkdir(exist_ok=True)
+    with (ROOT / "build" / "mypyc.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second run waits, then finds the modules built
+        return _build(argv)
+
+
+def _build(argv: list[str]) -> int:
     sources = modules()
     if not argv and up_to_date(sources):
         print("compiled modules up to date")
