@@ -247,6 +247,21 @@ def test_a_keyboard_interrupt_in_a_hook_goes_through(tmp_path: Path) -> None:
         view.split(None, (None,), 0, 0)
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        "raise KeyboardInterrupt\n",
+        "def split(layout, nodes, index, slot):\n    raise KeyboardInterrupt\n",
+    ],
+    ids=["at import", "in a hook"],
+)
+def test_a_keyboard_interrupt_ends_the_command_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, body: str
+) -> None:
+    """Ctrl-C reaches the command line, which says so and exits 130, as a shell reports SIGINT."""
+    assert _check(capsys, _ops(tmp_path, body)) == (130, "interrupted")
+
+
 def test_what_an_ops_module_prints_leaves_the_json_whole(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

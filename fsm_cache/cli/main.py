@@ -52,10 +52,17 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI and return its exit status (0 ok, 1 findings, 2 bad input, 3 a check stopped short)."""
+    """Run the CLI and return its exit status.
+
+    0 ok, 1 findings, 2 bad input, 3 a check stopped short, 130 interrupted
+    (Ctrl-C: one line, as a shell reports SIGINT, never a traceback).
+    """
     args = build_parser().parse_args(argv)
     try:
         status: int = args.handler(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     except SpecError as exc:
         for problem in exc.problems:
             print(f"error: {problem}", file=sys.stderr)
