@@ -704,6 +704,25 @@ def test_specs_whose_diagram_files_collide_are_refused(
     assert not out.exists()
 
 
+def test_specs_whose_names_differ_only_in_case_are_refused(
+    specs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Door.mmd and door.mmd are one file on macOS and Windows, and in a checkout there."""
+    first, second = specs / "a" / "Door.toml", specs / "b" / "door.toml"
+    for path, text in ((first, DOOR), (second, DOOR.replace('"door"', '"other"'))):
+        path.parent.mkdir()
+        path.write_text(text, encoding="utf-8")
+    out = specs / "out"
+    assert main(["diagram", str(first), str(second), "--write", "--dir", str(out)]) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"error: {first} and {second} would both be drawn to {out / 'door'}{{.mmd,.dot,.md}} "
+        f"(and {out / 'Door'}, the same on a case-insensitive filesystem): "
+        "give them different file names, or draw each into its own --dir\n",
+    )
+    assert not out.exists()
+
+
 def test_a_spec_named_twice_is_drawn_once(specs: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = specs / "out"
     spec = specs / "door.toml"

@@ -138,22 +138,26 @@ def expected(specs: list[Path], folder: Path) -> dict[Path, str]:
     A spec named twice (in any spelling) is drawn once.
 
     Raises:
-        DiagramError: Two different specs have the same file name, so their
-            files in ``folder`` would be the same: one would silently replace
-            the other's.
+        DiagramError: Two different specs have the same file name, ignoring
+            case, so their files in ``folder`` would be the same (on a
+            case-insensitive filesystem): one would silently replace the other's.
     """
     wanted: dict[Path, str] = {}
     drawn: dict[str, Path] = {}
     for path in specs:
         spec = load_spec(path)
-        first = drawn.setdefault(path.stem, path)
+        # by the name folded to one case: Door.toml and door.toml would be one file on
+        # macOS's and Windows' filesystems, and in every checkout of a repository there
+        first = drawn.setdefault(path.stem.casefold(), path)
         if first is not path:
             if _same_file(first, path):
                 continue
+            where = f"{folder / path.stem}{{{','.join(SET_SUFFIXES.values())}}}"
+            if first.stem != path.stem:
+                where += f" (and {folder / first.stem}, the same on a case-insensitive filesystem)"
             msg = (
-                f"{first} and {path} would both be drawn to {folder / path.stem}"
-                f"{{{','.join(SET_SUFFIXES.values())}}}: give them different file names, "
-                "or draw each into its own --dir"
+                f"{first} and {path} would both be drawn to {where}: give them different "
+                "file names, or draw each into its own --dir"
             )
             raise DiagramError(msg)
         for fmt, suffix in SET_SUFFIXES.items():
