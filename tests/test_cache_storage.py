@@ -118,6 +118,7 @@ class FaultyStore:
     def __init__(self, inner: Store) -> None:
         self.inner = inner
         self.put_fails_after: int | None = None
+        self.reports: Callable[[int], object] = int  # the acknowledged count a failure reports
         self.raises: set[str] = set()
         self.gate: threading.Event | None = None
         self.after_exists: Callable[[], None] | None = None
@@ -146,7 +147,8 @@ class FaultyStore:
         cut = self.put_fails_after
         if cut is not None and cut < len(keys):
             self.inner.put(keys[:cut], pages[:cut])
-            raise StoreFailed("faulty", "put", acknowledged=cut, total=len(keys), cause="planted")
+            said = self.reports(cut)
+            raise StoreFailed("faulty", "put", acknowledged=said, total=len(keys), cause="planted")  # type: ignore[arg-type]
         return self.inner.put(keys, pages)
 
     def drop(self, keys: Sequence[str]) -> int:
@@ -303,6 +305,41 @@ def test_a_partial_acknowledgement_splits_the_node_at_the_first_failed_page(
     assert cache.log.storage_acks()[-1] == ("poll", ((1, "store", 2, "failed"),))
     assert cache.stats().storage_failures == {"store:failed": 1}
     assert store.exists_prefix(page_keys(cache.storage.namespace(), toks)) == 2  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("said", "taken"),
+    [
+        (lambda cut: pytest.importorskip("numpy").int64(cut), 2),  # the int it stands for
+        (lambda cut: True, 0),
+        (lambda cut: -1, 0),
+        (lambda cut: 99, 0),  # more pages than were put
+        (lambda cut: "two", 0),
+    ],
+    ids=["numpy", "bool", "negative", "too many", "text"],
+)
+def test_a_failed_put_counts_only_what_it_acknowledged_as_a_count_of_its_pages(
+    store: Store, said: Callable[[int], object], taken: int
+) -> None:
+    """The count comes from the store's code: checked where it enters, never trusted as it is.
+
+    Compiled, a numpy count reached the counters and raised there, half applied.
+    """
+    faulty = FaultyStore(store)
+    faulty.put_fails_after, faulty.reports = 2, said
+    cache = HiCache(config(debug=True), storage=tier(faulty))
+    toks = tokens(5)
+    cache.insert(toks)
+    cache.poll()
+    cache.poll()
+    cache.check_invariants()
+    assert cache.log.storage_acks()[-1] == ("poll", ((1, "store", taken, "failed"),))
+    path = cache.tree.walk(tuple(toks)).path
+    assert [(len(n.key), n.storage, n.pins) for n in path] == (
+        [(2 * PAGE, "stored", 0), (3 * PAGE, "unstored", 0)]
+        if taken
+        else [(5 * PAGE, "unstored", 0)]
+    )
 
 
 def test_a_store_that_raises_fails_the_store_and_the_worker_lives_on(store: Store) -> None:

@@ -44,6 +44,7 @@ machine:
 from __future__ import annotations
 
 import heapq
+import operator
 import queue
 import threading
 import time
@@ -310,8 +311,25 @@ def _put(store: Store, keys: Sequence[str], pages: list[torch.Tensor]) -> StoreR
     try:
         held = stored_prefix(store.put(keys, pages))
     except StoreFailed as exc:
-        return StoreResult(exc.acknowledged, [], "failed", str(exc))
+        return StoreResult(_acknowledged(exc.acknowledged, len(keys)), [], "failed", str(exc))
     return StoreResult(held, [], "ok" if held == len(keys) else "full")
+
+
+def _acknowledged(value: object, total: int) -> int:
+    """The leading pages a failed put says it stored, as an int in ``0..total``.
+
+    A store's count may be a numpy integer, which is the int it stands for.
+    One that is not a count of those pages (a bool, a negative number, more
+    pages than were put, not an integer) counts as none: the pages are not
+    taken as stored, and a later lookup may still find them.
+    """
+    if isinstance(value, bool):
+        return 0
+    try:
+        held = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return 0
+    return held if 0 <= held <= total else 0
 
 
 def _get(store: Store, keys: Sequence[str], shape: tuple[int, ...]) -> StoreResult:
