@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
+import pickle
 import sys
 import tracemalloc
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -305,3 +309,24 @@ def test_a_log_that_dropped_entries_does_not_replay() -> None:
         " record with log_limit=None to replay from the start"
     )
     assert (list(log.entries), log.dropped) == (before, dropped)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [copy.copy, copy.deepcopy, lambda log: pickle.loads(pickle.dumps(log))],
+    ids=["copy", "deepcopy", "pickle"],
+)
+def test_a_log_copies_and_pickles_with_its_positions(how: Callable[[EventLog], EventLog]) -> None:
+    """Compiled or not: a saved log replays and reads from the same positions."""
+    log = EventLog(limit=3)
+    for i in range(5):
+        log.op("evict", i)
+    again = how(log)
+    assert again is not log
+    assert (again.limit, again.recorded, again.dropped) == (3, 5, 2)
+    assert again.since(3) == log.since(3) == [("op", "evict", (3,)), ("op", "evict", (4,))]
+    assert again.entries == log.entries
+    again.op("evict", 5)  # the copy has its own entries
+    assert (len(log.entries), log.recorded, again.recorded) == (3, 5, 6)
+    view: Any = how(log.entries)  # type: ignore[arg-type]
+    assert list(view) == list(log.entries)

@@ -67,6 +67,10 @@ class Entries(Sequence[Entry]):
     def __init__(self, items: deque[Entry]) -> None:
         self._items = items
 
+    def __reduce__(self) -> tuple[type[Entries], tuple[deque[Entry]]]:
+        """Copy and pickle as the view of its deque (a compiled class has no other way)."""
+        return Entries, (self._items,)
+
     def __len__(self) -> int:
         """Return how many entries are kept."""
         return len(self._items)
@@ -190,6 +194,22 @@ class EventLog:
         self._items: deque[Entry] = deque(maxlen=None if kept is None else min(kept, sys.maxsize))
         self._recorded = 0
         self.entries = Entries(self._items)
+
+    def __reduce__(self) -> tuple[Any, tuple[int | None, tuple[Entry, ...], int]]:
+        """Copy and pickle as its limit, its kept entries and its count of entries recorded.
+
+        A compiled class has no other way; a copy keeps counting from where
+        the original was, so positions (:meth:`since`) mean the same in both.
+        """
+        return EventLog._restored, (self.limit, tuple(self._items), self._recorded)
+
+    @classmethod
+    def _restored(cls, limit: int | None, items: tuple[Entry, ...], recorded: int) -> EventLog:
+        """The log :meth:`__reduce__` describes."""
+        log = cls(limit)
+        log._items.extend(items)
+        log._recorded = recorded
+        return log
 
     @property
     def limit(self) -> int | None:
