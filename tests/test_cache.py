@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import pytest
@@ -86,6 +87,13 @@ class TestInsertAndMatch:
         cache = make()
         cache.insert(tokens(0, 10))
         assert [len(n.key) for n in cache.tree] == [8]
+
+    def test_a_match_copies_as_itself(self) -> None:
+        """Immutable, compiled or not; its nodes are the tree's own, so never deep-copied."""
+        cache = make()
+        cache.insert(tokens(0, 4))
+        match = cache.match_prefix(tokens(0, 4))
+        assert copy.copy(match) is match
 
     def test_match_inside_a_node_splits_it_at_a_page_boundary(self) -> None:
         """Matching 8 of 12 tokens splits the node into 8 + 4, pages and states carried."""

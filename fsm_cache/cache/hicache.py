@@ -95,6 +95,10 @@ class MatchResult:
     page_runs: tuple[Pages, ...] = field(repr=False)
     storage_len: int = 0
 
+    def __copy__(self) -> MatchResult:
+        """Return the result itself: it is immutable (and, compiled, has no other way to copy)."""
+        return self
+
     @cached_property
     def device_pages(self) -> Pages:
         """The device pages of the device-matched prefix, in order."""
