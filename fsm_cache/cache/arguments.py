@@ -126,18 +126,26 @@ def count(value: object, op: str, what: str = "num_tokens") -> int:
     Raises:
         BadArgument: It is not an int, is a bool, or is negative.
     """
-    given = value
-    if type(value) is not int:
-        try:  # numpy ints and one-element integer tensors index; floats and the rest do not
-            boolean = isinstance(value, bool) or str(getattr(value, "dtype", "")) == "torch.bool"
-            value = None if boolean else operator.index(value)  # type: ignore[arg-type]
-        except (TypeError, ValueError, RuntimeError):
-            value = None
-        if value is None:
-            raise BadArgument(f"{op}: {what} must be an int, got {given!r}")
-    if value < 0:
-        raise BadArgument(f"{op}: {what} must be >= 0, got {given!r}")
-    return value
+    number = value if type(value) is int else as_index(value)
+    if number is None:
+        raise BadArgument(f"{op}: {what} must be an int, got {value!r}")
+    if number < 0:
+        raise BadArgument(f"{op}: {what} must be >= 0, got {value!r}")
+    return number
+
+
+def as_index(value: object) -> int | None:
+    """Return the int ``value`` stands for, or None if it is not an integer (or is a bool).
+
+    Numpy integers and one-element integer tensors stand for their int;
+    floats, bools (and bool tensors) and the rest do not.
+    """
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "torch.bool":
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 def namespace(value: object, op: str) -> Hashable:

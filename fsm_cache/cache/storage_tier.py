@@ -44,7 +44,6 @@ machine:
 from __future__ import annotations
 
 import heapq
-import operator
 import queue
 import threading
 import time
@@ -54,6 +53,7 @@ from functools import partial
 
 import torch
 
+from fsm_cache.cache import arguments
 from fsm_cache.cache.core import CacheCore
 from fsm_cache.cache.eviction import Evictor
 from fsm_cache.cache.transfers import Transfers
@@ -323,13 +323,8 @@ def _acknowledged(value: object, total: int) -> int:
     pages than were put, not an integer) counts as none: the pages are not
     taken as stored, and a later lookup may still find them.
     """
-    if isinstance(value, bool):
-        return 0
-    try:
-        held = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return 0
-    return held if 0 <= held <= total else 0
+    held = arguments.as_index(value)
+    return held if held is not None and 0 <= held <= total else 0
 
 
 def _get(store: Store, keys: Sequence[str], shape: tuple[int, ...]) -> StoreResult:
