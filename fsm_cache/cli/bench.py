@@ -51,11 +51,9 @@ def run(args: argparse.Namespace) -> int:
     if status == 0 and args.what != "engine":  # the engine's code is generated, never compiled
         from fsm_cache import native
 
-        names = [name.removeprefix("fsm_cache.") for name in native.compiled()]
+        names = ", ".join(name.removeprefix("fsm_cache.") for name in native.compiled())
         print(
-            f"fsm_cache modules compiled with mypyc: {', '.join(names)}"
-            if names
-            else "fsm_cache modules compiled with mypyc: none (the sources ran; make compile)"
+            f"fsm_cache modules compiled with mypyc: {names or 'none (the sources ran; make compile)'}"
         )
     return status
 
