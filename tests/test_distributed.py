@@ -1030,6 +1030,25 @@ def test_digest_folds_in_only_new_entries() -> None:
     assert TransitionDigest(whole).update() == second
 
 
+def test_the_digest_of_every_entry_form_does_not_depend_on_the_updates() -> None:
+    transitions = [(7, "write"), (1 << 31, "write_done"), (1 << 64, "load"), (-3, "load_done")]
+    ops: list[tuple[str, tuple[object, ...]]] = [
+        ("lock", (5,)),
+        ("evict", (1 << 70,)),
+        ("insert", (tuple(range(20)), None, array.array("Q", range(20)))),
+        ("match_prefix", ((1, 2), "lora")),
+    ]
+    whole, split = EventLog(), EventLog()
+    by_one = TransitionDigest(split)
+    for (node, event), (name, args) in zip(transitions, ops, strict=True):
+        for log in (whole, split):
+            log.transition(node, event)
+            log.op(name, *args)
+        by_one.update()
+    assert by_one.update() == TransitionDigest(whole).update()
+    assert by_one.count == len(transitions)
+
+
 @pytest.mark.parametrize(
     ("a", "b"),
     [
@@ -1049,6 +1068,12 @@ def test_digest_folds_in_only_new_entries() -> None:
         ((("op", "fire", ("pin", 3)),), (("op", "fire", ("release", 3)),)),
         ((("transition", 7, "write"),), (("transition", 8, "write"),)),
         ((("transition", 7, "write"),), (("transition", 7, "load"),)),
+        # node ids past the one-word form fold in as three words, event included
+        ((("transition", 1 << 31, "write"),), (("transition", 1 << 31, "load"),)),
+        ((("transition", 1 << 31, "write"),), (("transition", (1 << 31) + 1, "write"),)),
+        ((("transition", (1 << 31) - 1, "write"),), (("transition", 1 << 31, "write"),)),
+        ((("transition", -1, "write"),), (("transition", -2, "write"),)),
+        ((("transition", 0, "write"),), (("op", "lock", (0,)),)),
         (
             (("op", "lock", (3,)), ("op", "lock", (4,))),
             (("op", "lock", (4,)), ("op", "lock", (3,))),
