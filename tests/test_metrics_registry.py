@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from fsm_cache.cache.hicache import HiCache
-from fsm_cache.cache.metrics import register
+from fsm_cache.cache.metrics import Collector, register
 from fsm_cache.cache.replay import replay
 from fsm_cache.cache.storage_tier import StorageConfig
 from fsm_cache.errors import BadArgument
@@ -100,3 +101,49 @@ def test_copies_in_flight_are_the_copies_issued_and_not_applied() -> None:
     assert len(again.issued()) == 1
     assert again.stats().copies_in_flight == 1
     cache.close()
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda reg, _: register(5, reg, name="b"),  # type: ignore[arg-type]
+            "register: cache must have a stats() method (a HiCache), got int",
+        ),
+        (
+            lambda reg, _: register(HiCache(BASE), 7, name="b"),
+            "register: registry must be a prometheus_client CollectorRegistry or None, got int",
+        ),
+        (
+            lambda reg, _: register(HiCache(BASE), reg, prefix="fsm cache"),
+            "register: prefix must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), "
+            "got 'fsm cache'",
+        ),
+        (
+            lambda reg, _: register(HiCache(BASE), reg, prefix=""),
+            "register: prefix must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), got ''",
+        ),
+        (
+            lambda reg, _: register(HiCache(BASE), reg, prefix=3),  # type: ignore[arg-type]
+            "register: prefix must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), got 3",
+        ),
+        (
+            lambda _, collector: collector.add(object(), "c"),
+            "register: cache must have a stats() method (a HiCache), got object",
+        ),
+    ],
+)
+def test_what_a_scrape_could_not_read_is_refused_at_register(
+    call: Callable[[object, Collector], object], message: str
+) -> None:
+    """A refused registration leaves the registry scraping the caches it had, and only those."""
+    registry = prometheus_client.CollectorRegistry()
+    cache = HiCache(BASE)
+    cache.insert(list(range(8)))
+    collector = register(cache, registry, name="a")
+    before = prometheus_client.generate_latest(registry)
+    with pytest.raises(BadArgument) as caught:
+        call(registry, collector)
+    assert str(caught.value) == message
+    assert prometheus_client.generate_latest(registry) == before
+    assert collector.names == ("a",)

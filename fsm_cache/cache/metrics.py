@@ -10,6 +10,7 @@ scrape time so the hot path pays nothing for it. Every series carries a
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import weakref
 from collections import Counter, defaultdict
@@ -270,8 +271,10 @@ class Collector:
         """Report ``cache`` under ``name`` (a fresh ``cache<N>`` if None); return the name.
 
         Raises:
-            BadArgument: ``name`` is not a non-empty str, or names a cache reported already.
+            BadArgument: ``cache`` has no ``stats()``, or ``name`` is not a
+                non-empty str or names a cache reported already.
         """
+        _check_cache(cache)
         _check_name(name)
         with self._lock:
             if name is None:
@@ -323,6 +326,32 @@ def _check_name(name: object) -> None:
         raise BadArgument(f"register: name must be a non-empty str, got {name!r}")
 
 
+def _check_cache(cache: object) -> None:
+    """Refuse what a scrape could not read: every later scrape of the registry would fail."""
+    if not callable(getattr(cache, "stats", None)):
+        raise BadArgument(
+            f"register: cache must have a stats() method (a HiCache), got {type(cache).__name__}"
+        )
+
+
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+"""What Prometheus takes as a metric name, so as the prefix of one."""
+
+
+def _check_target(registry: object, prefix: object) -> None:
+    """Refuse a registry that cannot register and a prefix that makes no metric name."""
+    if registry is not None and not callable(getattr(registry, "register", None)):
+        raise BadArgument(
+            "register: registry must be a prometheus_client CollectorRegistry or None, "
+            f"got {type(registry).__name__}"
+        )
+    if not isinstance(prefix, str) or _METRIC_NAME.fullmatch(prefix) is None:
+        raise BadArgument(
+            f"register: prefix must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), "
+            f"got {prefix!r}"
+        )
+
+
 _NUMBERS = itertools.count(1)
 """Numbers of the generated cache names (``cache1``, ``cache2``, ...), unique in the process."""
 
@@ -349,14 +378,18 @@ def register(
         name: The value of the ``cache`` label; None for a fresh ``cache<N>``.
 
     Raises:
-        BadArgument: ``name`` is not a non-empty str, or another cache of the
-            registry has it already; nothing was registered.
+        BadArgument: ``cache`` has no ``stats()``, ``registry`` cannot register
+            collectors, ``prefix`` makes no Prometheus metric name, ``name`` is
+            not a non-empty str, or another cache of the registry has it
+            already; nothing was registered.
     """
     try:
         from prometheus_client import REGISTRY
     except ModuleNotFoundError as exc:  # prometheus-client comes with the metrics extra
         raise ModuleNotFoundError(f"{exc}: pip install 'fsm-cache[metrics]'") from exc
 
+    _check_cache(cache)
+    _check_target(registry, prefix)
     _check_name(name)
     target = REGISTRY if registry is None else registry
     with _SHARED_LOCK:
