@@ -693,6 +693,19 @@ class TestMisuseFoundByReview:
         assert isinstance(refused.value, BadArgument) is not compiled
         assert states(cache) == before
 
+    @pytest.mark.timeout(30)  # before the fix, it waited 10**12 times for nothing
+    def test_settling_stops_once_a_wait_brings_nothing_back(self) -> None:
+        """Copies collected and never applied never come back: waiting again cannot help."""
+        cache = make()
+        cache.insert(tokens(0, 8))  # write-through: the backup starts as the insert returns
+        (node,) = (n for n in cache.tree if n.key)
+        dropped = cache.transfers.collect(wait=True)  # taken away, never applied
+        assert [c.ticket.id for c in dropped] == cache.issued()
+        logged = len(cache.log.entries)
+        cache.transfers.settle_all(10**12)
+        assert cache.log.entries[logged:] == [("acks", "wait", ())]  # one wait, not 10**12
+        assert (node.host, cache.transfers.idle()) == ("writing", False)
+
     def test_a_lock_receipt_is_taken_back_only_by_its_own_cache(self) -> None:
         ours, theirs = make(), make()
         theirs.insert(tokens(0, 4))

@@ -288,3 +288,65 @@ def test_an_ops_module_whose_getattr_raises_is_read_for_what_it_defines(
     body = "def __getattr__(name):\n    raise RuntimeError(f'no {name} here')\n"
     status, err = _check(capsys, _ops(tmp_path, body))
     assert (status, err) == (0, "")
+
+
+BUGS = spec_dir() / "bugs_detected"
+
+
+def test_an_ops_module_alone_is_checked_on_its_spec_under_its_policy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The module's SPEC and POLICY were ignored: every shipped spec ran, with no policy."""
+    ops = BUGS / "backup_ignores_parent.py"
+    status = main(["check", "--nodes", "2", "--json", "--ops", str(ops)])
+    out = json.loads(capsys.readouterr().out)
+    assert status == 1
+    assert [(s["spec"], s["policy"]) for s in out["specs"]] == [
+        (str(RESIDENCY.resolve()), "write_through")
+    ]
+    assert out["specs"][0]["violation"] == (
+        "invariant 3: node 1 is writing on the host but its parent node 0 is unbacked"
+    )
+    assert out["controls"] == []
+
+
+def test_the_spec_and_policy_an_ops_module_names_may_be_named_again(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    ops = BUGS / "backup_ignores_parent.py"
+    again = str(spec_dir() / ".." / spec_dir().name / "residency.toml")
+    status = main(
+        ["check", "--nodes", "2", "--json", "--ops", str(ops), "--policy", "write_through", again]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert status == 1
+    assert [(s["spec"], s["policy"]) for s in out["specs"]] == [(again, "write_through")]
+
+
+def test_another_spec_or_policy_than_the_ops_module_names_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A SPEC argument or --policy was checked in place of the module's, which went unsaid."""
+    ops = BUGS / "backup_ignores_parent.py"
+    host = spec_dir() / "host_residency.toml"
+    status = main(["check", "--nodes", "2", "--ops", str(ops), "--policy", "none", str(host)])
+    captured = capsys.readouterr()
+    assert (status, captured.out) == (2, "")
+    assert captured.err.splitlines() == [
+        f"error: check: {ops}: its SPEC is {RESIDENCY.resolve()}, not {host}; "
+        "give that spec or none",
+        f"error: check: {ops}: its POLICY is write_through, not --policy none; "
+        "give that policy or none",
+    ]
+
+
+def test_an_ops_module_without_a_policy_runs_under_the_one_given(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    ops = _ops(tmp_path, "")
+    status = main(
+        ["check", "--nodes", "2", "--json", "--ops", str(ops), "--policy", "write_through"]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert status == 0
+    assert [(s["spec"], s["policy"]) for s in out["specs"]] == [(str(RESIDENCY), "write_through")]

@@ -452,6 +452,31 @@ def test_a_cycle_through_a_region_is_an_error_line_in_every_command(
     )
 
 
+@pytest.mark.parametrize(
+    "command",
+    [["validate"], ["diagram"], ["types"], ["verify"], ["check", "--max-states", "100"]],
+    ids=["validate", "diagram", "types", "verify", "check"],
+)
+def test_a_fault_of_a_machine_two_regions_share_is_one_error_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, command: list[str]
+) -> None:
+    """A machine file two regions name was validated, and its faults printed, once per region."""
+    machine = tmp_path / "flip.toml"
+    machine.write_text(FLIP.replace('dest = "b"', 'dest = "bb"'), encoding="utf-8")
+    composition = tmp_path / "twins.toml"
+    composition.write_text(
+        "[composition]\nname = 'twins'\n[composition.regions]\n"
+        "left = 'flip.toml'\nright = './flip.toml'\n",
+        encoding="utf-8",
+    )
+    assert main([*command, str(composition)]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err.splitlines()) == (
+        "",
+        [f"error: {machine}: transition[0].dest: unknown state 'bb'"],
+    )
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
 @pytest.mark.timeout(20)  # before the fix, validate waited for a writer forever
 def test_a_named_pipe_is_an_error_line_not_a_wait(

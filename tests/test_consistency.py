@@ -12,7 +12,7 @@ import pytest
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.invariants import CHECKED, findings
 from fsm_cache.cache.tree import RadixTree, TreeNode
-from fsm_cache.errors import InvariantViolation
+from fsm_cache.errors import BadArgument, InvariantViolation
 from fsm_cache.memory.tiers import CacheConfig
 from fsm_cache.residency import HostState
 
@@ -75,6 +75,31 @@ def violation(broken: HiCache) -> str:
 def test_a_consistent_cache_passes() -> None:
     built, _, _ = chain()
     built.check_invariants()
+
+
+@pytest.mark.parametrize(("after", "said"), [(None, ""), ("", ""), ("insert", " after insert")])
+def test_after_names_the_operation_just_run_or_none(after: str | None, said: str) -> None:
+    """``after=None`` names none, as ``""`` does; compiled, it was the call's own TypeError."""
+    built, parent, child = chain()
+    drop_device(parent)
+    with pytest.raises(InvariantViolation) as caught:
+        built.check_invariants(after=after)
+    assert str(caught.value) == (
+        f"invariant 1 broken at node {child.id} (backed/resident (pins=0, locks=0)){said}: "
+        f"on the device under node {parent.id}, which is absent"
+    )
+
+
+@pytest.mark.parametrize("after", [42, b"insert", ["insert"]], ids=["int", "bytes", "list"])
+def test_an_after_that_is_no_str_is_refused_alike_compiled_or_not(after: object) -> None:
+    """The sources named an int in the message; compiled, it was the call's own TypeError."""
+    built, parent, _ = chain()
+    drop_device(parent)  # broken: the refusal comes before anything is checked
+    with pytest.raises(BadArgument) as refused:
+        built.check_invariants(after=after)
+    assert str(refused.value) == (
+        f"check_invariants: after must be a str or None, got {type(after).__name__}"
+    )
 
 
 def test_invariant_1_device_residency_is_prefix_closed() -> None:

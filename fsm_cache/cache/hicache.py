@@ -811,13 +811,25 @@ class HiCache:
         in_flight = len(self._storage.in_flight()) if self._storage is not None else 0
         return snapshot(self, in_flight)
 
-    def check_invariants(self, after: str = "") -> None:
+    def check_invariants(self, after: object = None) -> None:
         """Raise InvariantViolation naming the first broken design invariant and node.
 
         Args:
-            after: The operation just run, named in the message (debug mode passes it).
+            after: The operation just run, named in the message (debug mode
+                passes it): a str, or None (or ``""``) for none. Annotated
+                ``object``, as ``str | None`` would be checked by the compiled
+                call first, with its own TypeError, where the sources name the
+                argument: both refuse another type with the same BadArgument.
+
+        Raises:
+            BadArgument: ``after`` is neither a str nor None; nothing is checked.
+            InvariantViolation: An invariant is broken.
         """
-        invariants.check(self, after=after, storage=self._storage)
+        if after is not None and not isinstance(after, str):
+            raise BadArgument(
+                f"check_invariants: after must be a str or None, got {type(after).__name__}"
+            )
+        invariants.check(self, after=after or "", storage=self._storage)
 
     def reset(self) -> None:
         """Drop everything and start empty, keeping the pools and the copy engine.

@@ -402,12 +402,16 @@ class Transfers:
 
         Applying an acknowledgement may start more copies (a child's backup
         after its parent's), hence the rounds; a load that keeps failing under
-        a lock would otherwise keep it going for ever.
+        a lock would otherwise keep it going for ever. It stops early once a
+        wait applied nothing and nothing waits to start: every copy in flight
+        was waited for and none came back (a caller collected them and never
+        applied them), so no later round could apply or start anything.
         """
         for _ in range(rounds):
             if self.idle():
                 return
-            self.settle()
+            if self.settle() == 0 and not self._dirty:
+                return
 
     def finish_loads(self, nodes: Sequence[TreeNode], origin: str) -> list[TreeNode]:
         """Apply the loads of ``nodes`` now; return those still loading afterwards.

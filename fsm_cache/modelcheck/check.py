@@ -25,7 +25,9 @@ numbered are explored once (symmetry reduction,
 numbering, for the count before the reduction. Without arguments it checks the shipped specs
 (a spec with a storage region on :data:`STORAGE_NODES` nodes), the residency
 specs under the write-through policy, and the negative controls of
-``specs/bugs_detected`` (each of which must still yield its finding).
+``specs/bugs_detected`` (each of which must still yield its finding). With
+``--ops FILE.py`` it checks the spec the module's ``SPEC`` names, under its
+``POLICY`` (:func:`with_ops`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -261,6 +264,45 @@ def check_control(
     return f"check: stopped: {result.stopped}" if result.stopped else ""
 
 
+def with_ops(args: argparse.Namespace, spec: Path, policy: str | None) -> argparse.Namespace:
+    """Return ``args`` aimed at what the ``--ops`` module names: its ``SPEC``, under its ``POLICY``.
+
+    A module's hooks build and read the node entries of one spec, the one its
+    ``SPEC`` names, so that is the spec it is checked on: SPEC arguments may
+    name it again (however spelled) and ``--policy`` may repeat its
+    ``POLICY``, but another spec or policy is refused rather than one side
+    silently dropped. A module without ``POLICY`` runs under ``--policy``
+    (default none). With the module's spec as the target, the negative
+    controls (which the run without SPEC arguments adds) are not run.
+
+    Args:
+        args: The parsed command line.
+        spec: The module's ``SPEC``, resolved (:func:`load_ops`).
+        policy: The module's ``POLICY``, or None if it names none.
+
+    Raises:
+        SpecError: A SPEC argument is another file than the module's
+            ``SPEC``, or ``--policy`` is another policy than its ``POLICY``;
+            one line each, and nothing is checked.
+    """
+    problems = [
+        f"check: {args.ops}: its SPEC is {spec}, not {given}; give that spec or none"
+        for given in args.specs
+        if os.path.realpath(given) != os.path.realpath(spec)
+    ]
+    if policy is not None and args.policy not in (None, policy):
+        problems.append(
+            f"check: {args.ops}: its POLICY is {policy}, not --policy {args.policy}; "
+            "give that policy or none"
+        )
+    if problems:
+        raise SpecError(problems)
+    chosen = args.policy if args.policy is not None else policy
+    return argparse.Namespace(
+        **{**vars(args), "specs": args.specs or [str(spec)], "policy": chosen}
+    )
+
+
 def targets(args: argparse.Namespace) -> list[Target]:
     """Return what to check, in order.
 
@@ -289,10 +331,19 @@ def targets(args: argparse.Namespace) -> list[Target]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Check the targets (the shipped specs when none) and, without targets, the controls."""
-    ops = treeops
+    """Check the targets (the shipped specs when none) and, without targets, the controls.
+
+    With ``--ops`` the target is the module's ``SPEC`` (:func:`with_ops`).
+
+    Raises:
+        SpecError: The ``--ops`` module names no ``SPEC``, an unknown
+            ``POLICY``, or another spec or policy than the command line.
+        ConfigError: The ``--ops`` module cannot be imported, or a hook fails.
+    """
+    ops: ModuleType = treeops
     if args.ops:
-        _, ops = load_ops(Path(args.ops))
+        spec, ops = load_ops(Path(args.ops))
+        args = with_ops(args, spec, getattr(ops, "POLICY", None))
     symmetry = not args.no_symmetry
     budget = Budget(max_states=args.max_states, max_seconds=args.max_seconds)
     specs = []
@@ -389,7 +440,9 @@ def handle(args: argparse.Namespace) -> int:
 
     Raises:
         SpecError: ``--nodes`` is below 1 or above :data:`MAX_NODES`, or a
-            counter bound is negative; nothing is loaded or checked.
+            counter bound is negative; nothing is loaded or checked. Or the
+            ``--ops`` module names another spec or policy than the command
+            line (:func:`with_ops`); nothing is checked.
     """
     nodes, locks = (1 if args.nodes is None else args.nodes), (args.max_locks or 0)
     if nodes < 1 or min(args.max_pins, locks, args.max_count) < 0:
@@ -460,7 +513,8 @@ def register(subparsers: Any) -> None:
         "--ops",
         metavar="FILE.py",
         help="a module replacing tree operations (insert, born, split, prune), wants_backup "
-        "or match_prefix",
+        "or match_prefix, checked on the spec its SPEC names under its POLICY (default: "
+        "--policy); a SPEC argument or --policy naming another is an error",
     )
     parser.add_argument(
         "--progress",

@@ -344,11 +344,21 @@ def _enabled(spec: MachineSpec, state: str, guard: Guard) -> bool:
 
 
 def _system_problems(system: System) -> list[str]:
+    """Return the problems of each region's machine, then the composition's own.
+
+    A machine that several regions share (one file two regions name) is
+    validated once: its problems are its file's, the same lines whichever
+    region reaches it, so they are reported once, as the loader reports a
+    file's own faults once however often a load reaches it.
+    """
     out: list[str] = []
-    inner: list[str] = []
+    inner: dict[str, None] = {}  # ordered, each line once
+    validated: set[int] = set()  # the machines already validated, by identity
     seen: dict[str, str] = {}
     for region, machine in system.regions:
-        inner += problems(machine)
+        if id(machine) not in validated:
+            validated.add(id(machine))
+            inner.update(dict.fromkeys(problems(machine)))
         if not _region_name_ok(region, system):
             out.append(
                 f"composition.regions.{region}: not a usable region name (an identifier that is no keyword, record attribute or counter)"
@@ -365,7 +375,7 @@ def _system_problems(system: System) -> list[str]:
     for i, fb in enumerate(system.forbids):
         out += _system_forbid_problems(system, f"forbid[{i}]", fb)
     out += _birth_problems(system)
-    return inner + [f"{system.source}: {line}" for line in out]
+    return [*inner, *(f"{system.source}: {line}" for line in out)]
 
 
 def _alias_problems(system: System) -> Iterator[str]:
