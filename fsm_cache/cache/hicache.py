@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, partial
 from itertools import chain
 from types import TracebackType
-from typing import SupportsIndex
+from typing import SupportsIndex, cast, overload
 
 from fsm_cache.cache import arguments, invariants, slots
 from fsm_cache.cache.arguments import Tokens
@@ -60,7 +60,14 @@ from fsm_cache.memory.pages import REQUEST, pages_of, slots_of
 from fsm_cache.memory.tickets import Completion
 from fsm_cache.memory.tiers import CacheConfig, Tiers
 from fsm_cache.policy import WritePolicy, worth_loading
-from fsm_cache.residency import DEVICE_READABLE, HOST_VALID, AnyEvent, Residency
+from fsm_cache.residency import (
+    DEVICE_READABLE,
+    HOST_VALID,
+    AnyEvent,
+    Event,
+    Residency,
+    StorageEvent,
+)
 from fsm_cache.spec.shipped import load_shipped
 
 
@@ -526,7 +533,13 @@ class HiCache:
             node, partial(self._fire_as, give_back, give_back), event, "node"
         )
 
-    def fire(self, event: AnyEvent, node: TreeNode) -> None:
+    @overload
+    def fire(self, event: Event, node: TreeNode) -> None: ...
+
+    @overload
+    def fire(self, event: StorageEvent, node: TreeNode) -> None: ...
+
+    def fire(self, event: object, node: TreeNode) -> None:
         """Fire one residency event at ``node`` as a public operation: logged, flushed, checked.
 
         For callers that drive the machines by hand (a test of a refusal, a
@@ -540,6 +553,9 @@ class HiCache:
         An ``evict_host`` that leaves the node held by no tier (off the device,
         no children) removes it from the tree, as :meth:`evict_host` does.
 
+        Type checkers see the events (the overloads); the implementation takes
+        any object, so that compiled or not a non-str is the same BadArgument.
+
         Raises:
             BadArgument: ``event`` is not an event of this cache's residency
                 machine, or ``node`` not a node.
@@ -550,7 +566,7 @@ class HiCache:
         """
         self._fire_as("fire", event, node)
 
-    def _fire_as(self, name: str, event: AnyEvent, node: TreeNode) -> None:
+    def _fire_as(self, name: str, event: object, node: TreeNode) -> None:
         """Fire ``event`` at ``node`` as :meth:`fire` does, logged as operation ``name``.
 
         :meth:`fire` logs ``("fire", (event, node id))``; locks, pins and their
@@ -564,15 +580,16 @@ class HiCache:
             )
             where = " (this cache has no storage tier)" if storage else ""
             raise BadArgument(f"fire: {event!r} is not a residency event{where}")
-        node = arguments.node(self._core.tree, node, event)
+        known = cast("AnyEvent", event)  # one of this cache's events, as just checked
+        node = arguments.node(self._core.tree, node, known)
         if name == "fire":
-            self._check_by_hand(event, node)
-        args = (event, node.id) if name == "fire" else (node.id,)
+            self._check_by_hand(known, node)
+        args = (known, node.id) if name == "fire" else (node.id,)
         with self._operation(name, *args):
-            if event == "evict_host":  # a node no tier holds afterwards leaves the tree
+            if known == "evict_host":  # a node no tier holds afterwards leaves the tree
                 self._evictor.evict_host_node(node)
             else:
-                self._core.fire(node, event)
+                self._core.fire(node, known)
 
     def _check_by_hand(self, event: AnyEvent, node: TreeNode) -> None:
         """Refuse what :meth:`fire` may not do that the spec allows: roots, and copies' acks.
@@ -811,14 +828,21 @@ class HiCache:
         in_flight = len(self._storage.in_flight()) if self._storage is not None else 0
         return snapshot(self, in_flight)
 
+    @overload
+    def check_invariants(self) -> None: ...
+
+    @overload
+    def check_invariants(self, after: str | None) -> None: ...
+
     def check_invariants(self, after: object = None) -> None:
         """Raise InvariantViolation naming the first broken design invariant and node.
 
         Args:
             after: The operation just run, named in the message (debug mode
-                passes it): a str, or None (or ``""``) for none. Annotated
-                ``object``, as ``str | None`` would be checked by the compiled
-                call first, with its own TypeError, where the sources name the
+                passes it): a str, or None (or ``""``) for none. Type checkers
+                see ``str | None`` (the overloads); the implementation takes
+                ``object``, as the compiled call would otherwise check the type
+                first, with its own TypeError, where the sources name the
                 argument: both refuse another type with the same BadArgument.
 
         Raises:
