@@ -1,0 +1,83 @@
+"""Bad arguments to the storage layer: a typed error naming what is wrong, and nothing changed.
+
+Every constructor and method of :mod:`fsm_cache.storage` checks its arguments
+before it creates a file, reserves a byte or asks a server anything, and says
+which argument is wrong and what it was.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fsm_cache.errors import BadArgument, StorageFull
+from fsm_cache.storage import (
+    Budget,
+    Capacity,
+    Namespace,
+    page_keys,
+)
+
+
+NS = Namespace("m", "l", 4)
+KEYS = page_keys(NS, list(range(8)))
+
+
+def pages_of(count: int) -> list[torch.Tensor]:
+    """Return ``count`` small pages."""
+    return [torch.full((2, 4), float(i)) for i in range(count)]
+
+
+def refused(call: Callable[[], object]) -> str:
+    """Return the message of the BadArgument ``call`` raises."""
+    with pytest.raises(BadArgument) as caught:
+        call()
+    return str(caught.value)
+
+
+def tree(root: Path) -> list[str]:
+    """Return every path under ``root``, relative to it."""
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+
+
+# ---------------------------------------------------------------- Budget and Capacity
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: Budget("disk", True), "limit_bytes must be an int, not True"),
+        (lambda: Budget("disk", math.nan), "limit_bytes must be an int, not nan"),  # type: ignore[arg-type]
+        (lambda: Capacity(0, 0, True, 0), "limit_bytes must be an int, not True"),
+        (lambda: Capacity(-1, 0, None, 0), "used_bytes must be at least 0, not -1"),
+        (lambda: Capacity(0, 0.5, None, 0), "reserved_bytes must be an int, not 0.5"),  # type: ignore[arg-type]
+        (lambda: Capacity(0, 0, None, 1.0), "pages must be an int, not 1.0"),  # type: ignore[arg-type]
+    ],
+)
+def test_byte_counts_must_be_ints(call: Callable[[], object], message: str) -> None:
+    """``True`` is not a limit of one byte, nor NaN one that nothing fits under."""
+    assert refused(call) == message
+
+
+def test_budget_reserves_only_a_count_of_bytes() -> None:
+    """A NaN or bool reservation is refused, with nothing reserved."""
+    budget = Budget("disk", 100)
+    bad: list[tuple[Any, str]] = [
+        (math.nan, "nbytes must be an int, not nan"),
+        (True, "nbytes must be an int, not True"),
+        (-1, "nbytes must be at least 0, not -1"),
+    ]
+    for nbytes, message in bad:
+        assert refused(partial(budget.reserve, nbytes)) == message
+    assert refused(lambda: budget.add(2.5)) == "nbytes must be an int, not 2.5"  # type: ignore[arg-type]
+    assert refused(lambda: budget.remove(None)) == "nbytes must be an int, not None"  # type: ignore[arg-type]
+    assert refused(lambda: budget.commit("r")) == "reservation must be a Reservation, not str"  # type: ignore[arg-type]
+    assert (budget.used_bytes, budget.reserved_bytes) == (0, 0)
+    with pytest.raises(StorageFull):
+        budget.reserve(101)
