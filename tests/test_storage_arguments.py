@@ -46,6 +46,47 @@ def tree(root: Path) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
 
 
+# ---------------------------------------------------------------- Namespace and page_keys
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Namespace("m", "l", 4.0), "page_size must be an int, not 4.0"),  # type: ignore[arg-type]
+        (lambda: Namespace("m", "l", True), "page_size must be an int, not True"),
+        (lambda: Namespace("m", "l", "4"), "page_size must be an int, not '4'"),  # type: ignore[arg-type]
+        (lambda: Namespace("m", "l", 4, rank=True, ranks=2), "rank must be an int, not True"),
+        (lambda: Namespace("m", "l", 4, rank=-1, ranks=2), "rank must be at least 0, not -1"),
+        (lambda: Namespace("m", "l", 4, ranks=2.0), "ranks must be an int, not 2.0"),  # type: ignore[arg-type]
+        (lambda: Namespace("m", "l", 4, ranks=0), "ranks must be at least 1, not 0"),
+        (lambda: Namespace(5, "l", 4), "model must be a non-empty str, not 5"),  # type: ignore[arg-type]
+        (lambda: Namespace("", "l", 4), "model must be a non-empty str, not ''"),
+        (lambda: Namespace("m", None, 4), "layout must be a non-empty str, not None"),  # type: ignore[arg-type]
+        (lambda: Namespace("m", "l", 4, tree=5), "tree must be a str or None, not 5"),  # type: ignore[arg-type]
+        (lambda: Namespace.for_layout("m", "l"), "layout must be a KVLayout, not str"),  # type: ignore[arg-type]
+    ],
+)
+def test_namespace_fields_of_the_wrong_type_are_refused(
+    make: Callable[[], object], message: str
+) -> None:
+    """``page_size=4.0`` or ``rank=True`` would digest as another namespace than 4 or 1."""
+    assert refused(make) == message
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: page_keys(NS, None), "tokens must be a sequence of ints, not NoneType"),  # type: ignore[arg-type]
+        (lambda: page_keys(NS, "abcd"), "tokens must be a sequence of ints, not str"),  # type: ignore[arg-type]
+        (lambda: page_keys(NS, {1, 2, 3, 4}), "tokens must be a sequence of ints, not set"),  # type: ignore[arg-type]
+        (lambda: page_keys(None, [1, 2, 3, 4]), "namespace must be a Namespace, not NoneType"),  # type: ignore[arg-type]
+    ],
+)
+def test_page_keys_refuses_what_is_not_tokens(call: Callable[[], object], message: str) -> None:
+    """No TypeError from len() or struct, and no set hashed in whatever order it iterates."""
+    assert refused(call) == message
+
+
 # ---------------------------------------------------------------- Budget and Capacity
 
 
