@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import fakeredis
 import pytest
 import torch
 
@@ -20,7 +21,10 @@ from fsm_cache.errors import BadArgument, StorageFull
 from fsm_cache.storage import (
     Budget,
     Capacity,
+    LocalFileStore,
     Namespace,
+    RedisStore,
+    Store,
     page_keys,
 )
 
@@ -44,6 +48,50 @@ def refused(call: Callable[[], object]) -> str:
 def tree(root: Path) -> list[str]:
     """Return every path under ``root``, relative to it."""
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+
+
+# ---------------------------------------------------------------- both stores
+
+
+@pytest.fixture(params=["local", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    """Each backend, empty."""
+    if request.param == "local":
+        return LocalFileStore(tmp_path / "pages")
+    return RedisStore(fakeredis.FakeRedis(), batch_pages=3)
+
+
+def test_every_call_refuses_keys_and_pages_that_are_not_sequences(store: Store) -> None:
+    """None, a lone key or a lone tensor: a BadArgument naming the argument, the store untouched."""
+    store.put(KEYS[:1], pages_of(1))
+    nothing: Any = None
+    for call in (store.exists_prefix, store.get, store.drop):
+        assert (
+            refused(partial(call, nothing)) == "keys must be a sequence of page keys, not NoneType"
+        )
+        assert refused(partial(call, KEYS[0])) == "keys must be a sequence of page keys, not str"
+    cases: list[tuple[Any, Any, str]] = [
+        (None, pages_of(1), "keys must be a sequence of page keys, not NoneType"),
+        (KEYS, None, "pages must be a sequence of tensors, not NoneType"),
+        (KEYS, torch.stack(pages_of(2)), "pages must be a sequence of tensors, not Tensor"),
+        (iter(KEYS), pages_of(2), "keys must be a sequence of page keys, not list_iterator"),
+    ]
+    for keys, pages, message in cases:
+        assert refused(partial(store.put, keys, pages)) == message
+    assert store.exists_prefix(KEYS) == 1
+    if isinstance(store, LocalFileStore):  # fakeredis answers no INFO
+        assert store.capacity() == Capacity(store.capacity().used_bytes, 0, None, 1)
+
+
+def test_put_says_which_page_is_empty_and_which_is_elsewhere(store: Store) -> None:
+    """An empty CPU page is empty; a page on another device is there (not 'not cpu')."""
+    assert refused(lambda: store.put(KEYS, [pages_of(1)[0], torch.empty(0, 3)])) == (
+        "page 1 is empty (shape [0, 3])"
+    )
+    assert refused(lambda: store.put(KEYS, [torch.empty(2, device="meta"), torch.empty(0)])) == (
+        "page 0 is on meta, not the CPU"
+    )
+    assert store.exists_prefix(KEYS) == 0
 
 
 # ---------------------------------------------------------------- Namespace and page_keys
