@@ -17,7 +17,7 @@ import fakeredis
 import pytest
 import torch
 
-from fsm_cache.errors import BadArgument, StorageFull
+from fsm_cache.errors import BadArgument, StorageFull, StoreFailed
 from fsm_cache.storage import (
     Budget,
     Capacity,
@@ -48,6 +48,99 @@ def refused(call: Callable[[], object]) -> str:
 def tree(root: Path) -> list[str]:
     """Return every path under ``root``, relative to it."""
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+
+
+# ---------------------------------------------------------------- LocalFileStore
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"limit_bytes": math.nan}, "limit_bytes must be an int, not nan"),
+        ({"limit_bytes": 1.5}, "limit_bytes must be an int, not 1.5"),
+        ({"limit_bytes": True}, "limit_bytes must be an int, not True"),
+        ({"limit_bytes": "100"}, "limit_bytes must be an int, not '100'"),
+        ({"limit_bytes": -1}, "limit_bytes must be at least 0, not -1"),
+        ({"durable": "yes"}, "durable must be a bool, not 'yes'"),
+        ({"durable": 1}, "durable must be a bool, not 1"),
+    ],
+)
+def test_local_bad_options_are_refused_before_the_directory_is_made(
+    tmp_path: Path, options: dict[str, Any], message: str
+) -> None:
+    """A NaN limit used to be taken, and every put then raised StorageFull."""
+    assert refused(lambda: LocalFileStore(tmp_path / "store", **options)) == message
+    assert tree(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("root", "message"),
+    [
+        (5, "root must be a str or os.PathLike path, not int"),
+        (None, "root must be a str or os.PathLike path, not NoneType"),
+        (b"/tmp/store", "root must be a str or os.PathLike path, not bytes"),
+        ("", "root must name a directory, not ''"),
+        ("store\0x", "root 'store\\x00x' is not a valid path: embedded null byte"),
+    ],
+)
+def test_local_a_root_that_is_not_a_path_is_bad_argument(root: object, message: str) -> None:
+    """Not a TypeError or ValueError from pathlib: a BadArgument naming root."""
+    assert refused(lambda: LocalFileStore(root)) == message  # type: ignore[arg-type]
+
+
+def test_local_a_root_that_is_not_a_directory_is_bad_argument(tmp_path: Path) -> None:
+    """A file at the root, above it, or where its temporary directory goes: nothing is made."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / ".tmp").write_text("x")
+    before = tree(tmp_path)
+    cases = {
+        tmp_path / "file": f"root {tmp_path}/file is not a directory",
+        tmp_path / "file" / "sub": f"root {tmp_path}/file/sub: {tmp_path}/file is not a directory",
+        tmp_path / "dir": f"root {tmp_path}/dir: {tmp_path}/dir/.tmp is not a directory",
+    }
+    for root, message in cases.items():
+        assert refused(partial(LocalFileStore, root)) == message
+    assert tree(tmp_path) == before
+
+
+def test_local_a_directory_that_cannot_be_made_is_store_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk error creating the directory is StoreFailed (open), not a raw OSError."""
+
+    def fails(self: Path, *args: object, **options: object) -> None:
+        raise OSError(5, "Input/output error", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", fails)
+    with pytest.raises(StoreFailed) as caught:
+        LocalFileStore(tmp_path / "store")
+    assert str(caught.value) == (
+        f"local {tmp_path}/store: open failed: "
+        f"OSError: [Errno 5] Input/output error: '{tmp_path}/store/.tmp'"
+    )
+    assert (caught.value.operation, caught.value.acknowledged) == ("open", 0)
+
+
+def test_local_path_refuses_what_is_not_a_page_key(tmp_path: Path) -> None:
+    """``path`` names a file under the root only for a page key, never ``../`` anything."""
+    store = LocalFileStore(tmp_path)
+    assert (
+        refused(lambda: store.path("../../etc/passwd"))
+        == "key 0 is not a page key (64 lowercase hex digits): '../../etc/passwd'"
+    )
+    assert store.path(KEYS[0]) == tmp_path / KEYS[0][:2] / f"{KEYS[0]}.page"
+
+
+def test_local_reading_checks_its_keys(tmp_path: Path) -> None:
+    """``reading`` refuses None before it holds anything."""
+    store = LocalFileStore(tmp_path)
+
+    def hold() -> None:
+        with store.reading(None):  # type: ignore[arg-type]
+            pass
+
+    assert refused(hold) == "keys must be a sequence of page keys, not NoneType"
 
 
 # ---------------------------------------------------------------- both stores
