@@ -554,7 +554,7 @@ def test_redis_batches_split_by_pages_and_bytes() -> None:
     assert [list(r) for r in store.batches([1000, 1])] == [[0], [1]]
     with pytest.raises(BadArgument) as caught:
         fake(batch_pages=0)
-    assert str(caught.value) == "batches need room for a page: 0 pages, 4194304 bytes"
+    assert str(caught.value) == "batch_pages must be at least 1, not 0"
 
 
 def test_redis_a_corrupt_value_is_a_clear_error() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import fakeredis
 import pytest
+import redis
 import torch
 
 from fsm_cache.errors import BadArgument, StorageFull, StoreFailed
@@ -23,6 +24,7 @@ from fsm_cache.storage import (
     Capacity,
     LocalFileStore,
     Namespace,
+    PutResult,
     RedisStore,
     Store,
     page_keys,
@@ -263,3 +265,63 @@ def test_budget_reserves_only_a_count_of_bytes() -> None:
     assert (budget.used_bytes, budget.reserved_bytes) == (0, 0)
     with pytest.raises(StorageFull):
         budget.reserve(101)
+
+
+# ---------------------------------------------------------------- RedisStore
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"batch_pages": True}, "batch_pages must be an int, not True"),
+        ({"batch_pages": math.nan}, "batch_pages must be an int, not nan"),
+        ({"batch_pages": 0}, "batch_pages must be at least 1, not 0"),
+        ({"batch_bytes": 1.5}, "batch_bytes must be an int, not 1.5"),
+        ({"batch_bytes": 0}, "batch_bytes must be at least 1, not 0"),
+        ({"prefix": 5}, "prefix must be a str, not 5"),
+        ({"prefix": b"fsm:"}, "prefix must be a str, not b'fsm:'"),
+    ],
+)
+def test_redis_bad_options_are_refused(options: dict[str, Any], message: str) -> None:
+    """``batch_bytes=1.5`` used to be taken, and a get then failed slicing by a float."""
+    assert refused(lambda: RedisStore(fakeredis.FakeRedis(), **options)) == message
+
+
+def test_redis_a_client_that_is_not_one_is_refused() -> None:
+    """Not an AttributeError from deep inside: a BadArgument naming the client's type."""
+    assert refused(lambda: RedisStore(5)) == (  # type: ignore[arg-type]
+        "client must be a redis.Redis client (with a connection_pool), not int"
+    )
+
+
+def test_redis_name_refuses_what_is_not_a_page_key() -> None:
+    """``name(None)`` used to give ``fsm:page:None``."""
+    store = RedisStore(fakeredis.FakeRedis())
+    assert refused(lambda: store.name(None)) == (  # type: ignore[arg-type]
+        "key 0 is not a page key (64 lowercase hex digits): None"
+    )
+    assert store.name(KEYS[0]) == f"fsm:page:{KEYS[0]}"
+
+
+def test_redis_connect_refuses_a_bad_url_or_option_and_closes_what_it_opened(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The url is not echoed (it may hold a password); a client made for a refused store is closed."""
+    assert refused(lambda: RedisStore.connect(5)) == "url must be a str, not int"  # type: ignore[arg-type]
+    assert refused(lambda: RedisStore.connect("http://:secret@host")) == (
+        "url is not a Redis URL: Redis URL must specify one of the following schemes "
+        "(redis://, rediss://, unix://)"
+    )
+    closed: list[bool] = []
+
+    class Client(fakeredis.FakeRedis):
+        def close(self) -> None:
+            closed.append(True)
+            super().close()
+
+    monkeypatch.setattr(redis.Redis, "from_url", lambda url: Client())
+    assert refused(lambda: RedisStore.connect("redis://h", batch_pages=0)) == (
+        "batch_pages must be at least 1, not 0"
+    )
+    assert closed == [True]
+    assert RedisStore.connect("redis://h").put(KEYS[:1], pages_of(1)) == [PutResult.STORED]
