@@ -9,6 +9,10 @@ could not store (a stored page whose parent is missing can never be fetched). A 
 eviction, another process, a Redis server's ``maxmemory`` policy): the caller
 sees a shorter prefix, never a page without its bytes. Torch-free: pages are
 typed as tensors for checkers only.
+
+The two argument rules every part of the package shares live here, so each is
+written once: what counts as a count (:func:`check_count`) and what counts as
+a sequence of keys, pages or tokens (:func:`check_sequence`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+
+from fsm_cache.errors import BadArgument
 
 
 if TYPE_CHECKING:
@@ -53,6 +59,37 @@ def stored_prefix(results: Sequence[PutResult]) -> int:
     return len(results)
 
 
+def check_count(name: str, value: object, least: int = 0) -> int:
+    """Return ``value`` if it is an int of at least ``least``: a count of bytes, pages or ranks.
+
+    A bool is not a count (``True`` would be one byte), nor is a float, even a
+    whole one: ``4.0`` digests to another namespace than 4 and cannot slice,
+    and NaN passes every comparison with a bound by failing it.
+
+    Raises:
+        BadArgument: Naming ``name`` and the value.
+    """
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadArgument(f"{name} must be an int, not {value!r}")
+    if value < least:
+        raise BadArgument(f"{name} must be at least {least}, not {value}")
+    return value
+
+
+def check_sequence(name: str, value: object, of: str) -> None:
+    """Refuse ``value`` unless it is an ordered sequence (a list, a tuple), and not text.
+
+    Keys, pages and tokens are read by position and sliced: None has no
+    length, a set or an iterator no positions, a str is one key's characters,
+    and a tensor of pages is one tensor.
+
+    Raises:
+        BadArgument: ``{name} must be a sequence of {of}``, naming the type given.
+    """
+    if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
+        raise BadArgument(f"{name} must be a sequence of {of}, not {type(value).__name__}")
+
+
 @dataclass(frozen=True)
 class Capacity:
     """How much a store holds and may hold.
@@ -69,6 +106,14 @@ class Capacity:
     limit_bytes: int | None
     pages: int | None
 
+    def __post_init__(self) -> None:
+        check_count("used_bytes", self.used_bytes)
+        check_count("reserved_bytes", self.reserved_bytes)
+        if self.limit_bytes is not None:
+            check_count("limit_bytes", self.limit_bytes)
+        if self.pages is not None:
+            check_count("pages", self.pages)
+
     @property
     def free_bytes(self) -> int | None:
         """Bytes neither used nor reserved, or None when unbounded."""
@@ -81,8 +126,9 @@ class Store(Protocol):
     """A page store: the local-file default or a shared server.
 
     Every method validates all of its arguments before touching the store, and
-    raises :class:`~fsm_cache.errors.BadArgument` for a key that is not a page
-    key, so a refused call changes nothing.
+    raises :class:`~fsm_cache.errors.BadArgument` for keys or pages that are not
+    a sequence (:func:`check_sequence`) and for a key that is not a page key, so
+    a refused call changes nothing.
     """
 
     def exists_prefix(self, keys: Sequence[str]) -> int:

@@ -14,6 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from fsm_cache.errors import BadArgument, ReservationError, StorageFull
+from fsm_cache.storage.base import check_count
 
 
 @dataclass
@@ -34,14 +35,20 @@ class Reservation:
 class Budget:
     """Committed and reserved bytes of one store, under an optional limit.
 
+    Every count of bytes it is given is an int >= 0 (:func:`check_count`): a
+    NaN limit would refuse every reservation, a bool count one byte.
+
     Args:
         where: The store, for messages.
         limit_bytes: The most the store may hold, or None when unbounded.
+
+    Raises:
+        BadArgument: ``limit_bytes`` is neither None nor an int >= 0.
     """
 
     def __init__(self, where: str, limit_bytes: int | None) -> None:
-        if limit_bytes is not None and limit_bytes < 0:
-            raise BadArgument(f"limit_bytes must be at least 0, not {limit_bytes}")
+        if limit_bytes is not None:
+            check_count("limit_bytes", limit_bytes)
         self.where = where
         self.limit_bytes = limit_bytes
         self.used_bytes = 0
@@ -73,10 +80,10 @@ class Budget:
         """Set ``nbytes`` aside for a write.
 
         Raises:
+            BadArgument: ``nbytes`` is not an int >= 0; nothing was reserved.
             StorageFull: Fewer bytes are free; nothing was reserved.
         """
-        if nbytes < 0:
-            raise BadArgument(f"cannot reserve {nbytes} bytes")
+        check_count("nbytes", nbytes)
         free = self.free()
         if free is not None and nbytes > free:
             raise StorageFull(self.where, nbytes, free)
@@ -87,6 +94,7 @@ class Budget:
         """Count a finished write's bytes as used.
 
         Raises:
+            BadArgument: ``reservation`` is not a :class:`Reservation`; nothing changed.
             ReservationError: The reservation was already settled; nothing changed.
         """
         self._settle(reservation, "committed")
@@ -96,19 +104,24 @@ class Budget:
         """Give back a failed write's bytes.
 
         Raises:
+            BadArgument: ``reservation`` is not a :class:`Reservation`; nothing changed.
             ReservationError: The reservation was already settled; nothing changed.
         """
         self._settle(reservation, "aborted")
 
     def add(self, nbytes: int) -> None:
         """Count bytes stored without a reservation (found on disk, written by another process)."""
-        self.used_bytes += nbytes
+        self.used_bytes += check_count("nbytes", nbytes)
 
     def remove(self, nbytes: int) -> None:
         """Stop counting a deleted page's bytes."""
-        self.used_bytes = max(0, self.used_bytes - nbytes)
+        self.used_bytes = max(0, self.used_bytes - check_count("nbytes", nbytes))
 
     def _settle(self, reservation: Reservation, how: str) -> None:
+        if not isinstance(reservation, Reservation):
+            raise BadArgument(
+                f"reservation must be a Reservation, not {type(reservation).__name__}"
+            )
         if reservation.settled:
             raise ReservationError(
                 f"{self.where}: reservation {reservation.ident} ({reservation.nbytes} bytes) "

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fsm_cache.errors import BadArgument, CorruptPage
+from fsm_cache.storage.base import check_sequence
 from fsm_cache.storage.keys import check_keys
 
 
@@ -66,10 +67,12 @@ def check_pages(keys: Sequence[str], pages: Sequence[torch.Tensor]) -> None:
     """Refuse a put's arguments before anything is written.
 
     Raises:
-        BadArgument: A key is not a page key, the counts differ, or a page is
-            not a non-empty, dense, CPU tensor of a plain dtype.
+        BadArgument: ``keys`` or ``pages`` is not a sequence, a key is not a
+            page key, the counts differ, or a page is not a non-empty, dense,
+            CPU tensor of a plain dtype.
     """
     check_keys(keys)
+    check_sequence("pages", pages, "tensors")
     if len(keys) != len(pages):
         raise BadArgument(f"{len(keys)} keys for {len(pages)} pages")
     for index, page in enumerate(pages):
@@ -93,8 +96,15 @@ def _refusal(page: object) -> str:
         return f"is a {str(page.layout).removeprefix('torch.')} tensor, not a dense (strided) one"
     if page.is_quantized:
         return f"is quantized ({str(page.dtype).removeprefix('torch.')}), not of a plain dtype"
-    if page.device.type != "cpu" or page.numel() == 0:
-        return f"must be a non-empty CPU tensor, not {page.device}"
+    return _misplaced(page)
+
+
+def _misplaced(page: torch.Tensor) -> str:
+    """Return why a dense ``page`` is not one to store: elsewhere than the CPU, or empty; else ``""``."""
+    if page.device.type != "cpu":
+        return f"is on {page.device}, not the CPU"
+    if page.numel() == 0:
+        return f"is empty (shape {list(page.shape)})"
     return ""
 
 

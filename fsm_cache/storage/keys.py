@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fsm_cache.errors import BadArgument
+from fsm_cache.storage.base import check_count, check_sequence
 
 
 if TYPE_CHECKING:
@@ -47,6 +48,11 @@ class Namespace:
         tree: A namespace of the cache's tree within the model (a LoRA
             adapter), as its ``repr``; None for the model's own pages. A field
             of its own, so no model id can spell another model's adapter.
+
+    Raises:
+        BadArgument: A field of the wrong type or out of range. The fields are
+            digested as JSON, so ``page_size=4.0`` or ``rank=True`` would key
+            pages apart from ``4`` and ``1`` without a word.
     """
 
     model: str
@@ -57,10 +63,16 @@ class Namespace:
     tree: str | None = None
 
     def __post_init__(self) -> None:
-        if self.page_size < 1:
-            raise BadArgument(f"page_size must be at least 1, not {self.page_size}")
-        if not 0 <= self.rank < self.ranks:
+        for name in ("model", "layout"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise BadArgument(f"{name} must be a non-empty str, not {value!r}")
+        check_count("page_size", self.page_size, 1)
+        check_count("ranks", self.ranks, 1)
+        if check_count("rank", self.rank) >= self.ranks:
             raise BadArgument(f"rank {self.rank} is outside a group of {self.ranks}")
+        if self.tree is not None and not isinstance(self.tree, str):
+            raise BadArgument(f"tree must be a str or None, not {self.tree!r}")
 
     @classmethod
     def for_layout(
@@ -70,11 +82,18 @@ class Namespace:
 
         An MLA cache holds the same latent on every rank, so its ranks may share
         one namespace (``rank=0, ranks=1``) and only one of them write.
+
+        Raises:
+            BadArgument: ``layout`` is not a KV layout, or a field is bad (as the class).
         """
-        dtype = str(layout.dtype).removeprefix("torch.")
-        shape = f"layers={layout.layers},planes={layout.planes},heads={layout.heads}"
-        described = f"{shape},head_dim={layout.head_dim},dtype={dtype}"
-        return cls(model, described, layout.page_size, rank=rank, ranks=ranks)
+        try:
+            dtype = str(layout.dtype).removeprefix("torch.")
+            shape = f"layers={layout.layers},planes={layout.planes},heads={layout.heads}"
+            described = f"{shape},head_dim={layout.head_dim},dtype={dtype}"
+            page_size = layout.page_size
+        except AttributeError:
+            raise BadArgument(f"layout must be a KVLayout, not {type(layout).__name__}") from None
+        return cls(model, described, page_size, rank=rank, ranks=ranks)
 
     def root(self) -> str:
         """Return the digest the first page of every sequence chains from (hex)."""
@@ -98,9 +117,13 @@ def page_keys(namespace: Namespace, tokens: Sequence[int], parent: str | None = 
         One 64-character hex key per page, in order.
 
     Raises:
-        BadArgument: ``tokens`` is not a whole number of pages, a token does
-            not fit 32 unsigned bits, or ``parent`` is not a page key.
+        BadArgument: ``namespace`` is not a :class:`Namespace`, ``tokens`` is
+            not a sequence or not a whole number of pages, a token does not fit
+            32 unsigned bits, or ``parent`` is not a page key.
     """
+    if not isinstance(namespace, Namespace):
+        raise BadArgument(f"namespace must be a Namespace, not {type(namespace).__name__}")
+    check_sequence("tokens", tokens, "ints")
     size = namespace.page_size
     if len(tokens) % size:
         raise BadArgument(f"{len(tokens)} tokens is not a whole number of pages of {size}")
@@ -119,8 +142,10 @@ def check_keys(keys: Sequence[str]) -> None:
     """Refuse anything that is not a page key, before a store turns it into a path or a name.
 
     Raises:
-        BadArgument: Naming the first bad key and its position.
+        BadArgument: ``keys`` is not a sequence (:func:`check_sequence`), or
+            naming the first bad key and its position.
     """
+    check_sequence("keys", keys, "page keys")
     for index, key in enumerate(keys):
         if not isinstance(key, str) or not _HEX_KEY.fullmatch(key):
             raise BadArgument(f"key {index} is not a page key (64 lowercase hex digits): {key!r}")

@@ -67,13 +67,23 @@ class LocalFileStore:
 
     Attributes:
         reaped: Temporary files of gone writers on this host that opening deleted.
+
+    Raises:
+        BadArgument: ``root`` is not a path, or it (or a directory above it,
+            or its ``.tmp``) is not a directory; ``limit_bytes`` is neither None
+            nor an int >= 0; ``durable`` is not a bool. Checked before anything
+            is created.
+        StoreFailed: The directory could not be created or looked at (no
+            permission, a disk error); ``operation`` is ``open``.
     """
 
     def __init__(
         self, root: str | os.PathLike[str], *, limit_bytes: int | None = None, durable: bool = False
     ) -> None:
-        self.root = Path(root)
+        self.root = _root(root)
         self.where = f"local {self.root}"
+        if not isinstance(durable, bool):  # "no" is truthy: it would fsync every page
+            raise BadArgument(f"durable must be a bool, not {durable!r}")
         self.durable = durable
         self._budget = Budget(self.where, limit_bytes)
         self._lock = threading.Lock()
@@ -81,13 +91,19 @@ class LocalFileStore:
         self._readers: dict[str, int] = {}
         self._rooted: set[str] = set()  # shards whose entry in root this process synced
         self._tmp = self.root / ".tmp"
-        self._tmp.mkdir(parents=True, exist_ok=True)
+        self._make_directory()
         self.reaped = _reap(self._tmp)
         self._scan()
 
     def path(self, key: str) -> Path:
-        """Return the file that holds (or would hold) the page ``key``."""
-        return self.root / key[:2] / f"{key}{SUFFIX}"
+        """Return the file that holds (or would hold) the page ``key``.
+
+        Raises:
+            BadArgument: ``key`` is not a page key (``../x`` would name a file
+                outside the root).
+        """
+        check_keys([key])
+        return self._path(key)
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
         """Return how many leading ``keys`` have a page file (found files are indexed)."""
@@ -191,6 +207,29 @@ class LocalFileStore:
     def close(self) -> None:
         """Nothing to release: files are opened per page; the pages stay on disk."""
 
+    def _path(self, key: str) -> Path:
+        """Return :meth:`path` of a key already checked."""
+        return self.root / key[:2] / f"{key}{SUFFIX}"
+
+    def _make_directory(self) -> None:
+        """Create the root and its ``.tmp``, unless something that is not a directory is in the way.
+
+        Raises:
+            BadArgument: The root, a directory above it, or its ``.tmp`` is a
+                file (or a link to nothing); nothing was created.
+            StoreFailed: The directories could not be looked at or created.
+        """
+        try:
+            blocked = _not_a_directory(self._tmp)
+            if blocked is None:
+                self._tmp.mkdir(parents=True, exist_ok=True)
+                return
+        except OSError as exc:
+            raise self._failed("open", 0, 0, exc) from exc
+        if blocked == self.root:
+            raise BadArgument(f"root {self.root} is not a directory")
+        raise BadArgument(f"root {self.root}: {blocked} is not a directory")
+
     def _put_one(
         self, key: str, page: torch.Tensor, index: int, total: int, held: list[str]
     ) -> PutResult:
@@ -236,7 +275,7 @@ class LocalFileStore:
     def _read(self, key: str, done: int, total: int) -> torch.Tensor | None:
         """Read one held page of a get; None when another process deleted it under the hold."""
         try:
-            return codec.read(str(self.path(key)), key)
+            return codec.read(str(self._path(key)), key)
         except FileNotFoundError:
             with self._lock:
                 self._forget(key)
@@ -251,7 +290,7 @@ class LocalFileStore:
 
     def _write(self, key: str, page: torch.Tensor) -> None:
         """Write ``page`` to a temporary file and rename it into place; clean up on failure."""
-        target = self.path(key)
+        target = self._path(key)
         temporary = self._tmp / f"{key}.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -346,7 +385,7 @@ class LocalFileStore:
             OSError: The file could not be looked at (other than missing).
         """
         try:
-            size = self.path(key).stat().st_size
+            size = self._path(key).stat().st_size
         except FileNotFoundError:
             self._forget(key)
             return False
@@ -365,7 +404,7 @@ class LocalFileStore:
             OSError: The file could not be deleted (other than missing).
         """
         try:
-            self.path(key).unlink()
+            self._path(key).unlink()
         except FileNotFoundError:
             return False
         finally:
@@ -401,7 +440,7 @@ class LocalFileStore:
         now = time.time_ns()
         for offset, key in enumerate(reversed(keys)):
             with contextlib.suppress(OSError):
-                os.utime(self.path(key), ns=(now + offset, now + offset))
+                os.utime(self._path(key), ns=(now + offset, now + offset))
 
     def _rank(self, keys: Sequence[str]) -> None:
         """Under the lock: make ``keys`` the most recently used, the last first."""
@@ -423,6 +462,41 @@ class LocalFileStore:
         for _, key, size in sorted(found):
             self._index[key] = size
             self._budget.add(size)
+
+
+def _root(root: object) -> Path:
+    """Return ``root`` as a Path, if it is one that can name a directory.
+
+    Raises:
+        BadArgument: ``root`` is not a str or a str-valued ``os.PathLike``, is
+            empty (which ``Path`` would take as the working directory), or
+            holds a NUL byte.
+    """
+    text = os.fspath(root) if isinstance(root, (str, os.PathLike)) else None
+    if not isinstance(text, str):
+        raise BadArgument(f"root must be a str or os.PathLike path, not {type(root).__name__}")
+    if not text:
+        raise BadArgument(f"root must name a directory, not {text!r}")
+    if "\0" in text:
+        raise BadArgument(f"root {text!r} is not a valid path: embedded null byte")
+    return Path(text)
+
+
+def _not_a_directory(path: Path) -> Path | None:
+    """Return the nearest of ``path`` and the directories above it that exists and is no directory.
+
+    None when the nearest that exists is a directory, so creating ``path``
+    (and whatever is missing above it) can succeed.
+
+    Raises:
+        OSError: A path could not be looked at (no permission).
+    """
+    for candidate in (path, *path.parents):
+        if candidate.is_dir():
+            return None
+        if candidate.is_symlink() or candidate.exists():
+            return candidate
+    return None
 
 
 def _host() -> str:

@@ -18,7 +18,7 @@ package (the ``storage`` extra).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar, cast
 
@@ -36,7 +36,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - tested in a fresh inter
 
 from fsm_cache.errors import BadArgument, StoreFailed
 from fsm_cache.storage import codec
-from fsm_cache.storage.base import Capacity, PutResult, stored_prefix
+from fsm_cache.storage.base import Capacity, PutResult, check_count, stored_prefix
 from fsm_cache.storage.keys import check_keys
 
 
@@ -58,6 +58,10 @@ class RedisStore:
         batch_pages: The most pages one pipelined round trip carries.
         batch_bytes: The most page bytes one round trip carries, so a batch of
             large pages is not all encoded in memory at once.
+
+    Raises:
+        BadArgument: ``client`` has no ``connection_pool`` to name the server
+            by, ``prefix`` is not a str, or a batch limit is not an int >= 1.
     """
 
     def __init__(
@@ -68,25 +72,49 @@ class RedisStore:
         batch_pages: int = 128,
         batch_bytes: int = 4 << 20,
     ) -> None:
-        if batch_pages < 1 or batch_bytes < 1:
+        options = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+        if not isinstance(options, Mapping):
             raise BadArgument(
-                f"batches need room for a page: {batch_pages} pages, {batch_bytes} bytes"
+                "client must be a redis.Redis client (with a connection_pool), "
+                f"not {type(client).__name__}"
             )
+        if not isinstance(prefix, str):  # bytes would be spelled b'...' into every name
+            raise BadArgument(f"prefix must be a str, not {prefix!r}")
         self._client = client
         self.prefix = prefix
-        self.batch_pages = batch_pages
-        self.batch_bytes = batch_bytes
-        options = client.connection_pool.connection_kwargs
+        self.batch_pages = check_count("batch_pages", batch_pages, 1)
+        self.batch_bytes = check_count("batch_bytes", batch_bytes, 1)
         self.where = f"redis {options.get('host', 'localhost')}:{options.get('port', 6379)}"
 
     @classmethod
     def connect(cls, url: str, **options: Any) -> RedisStore:
-        """Return a store on the server at ``url`` (``redis://127.0.0.1:6379/0``)."""
-        return cls(redis.Redis.from_url(url), **options)
+        """Return a store on the server at ``url`` (``redis://127.0.0.1:6379/0``).
+
+        Raises:
+            BadArgument: ``url`` is not a Redis URL (the message leaves the URL
+                out: it may hold a password), or an option is bad (as the class);
+                the client made for it is closed.
+        """
+        if not isinstance(url, str):
+            raise BadArgument(f"url must be a str, not {type(url).__name__}")
+        try:
+            client = redis.Redis.from_url(url)
+        except ValueError as exc:
+            raise BadArgument(f"url is not a Redis URL: {exc}") from None
+        try:
+            return cls(client, **options)
+        except BaseException:
+            client.close()
+            raise
 
     def name(self, key: str) -> str:
-        """Return the Redis key of page ``key``."""
-        return f"{self.prefix}{key}"
+        """Return the Redis key of page ``key``.
+
+        Raises:
+            BadArgument: ``key`` is not a page key.
+        """
+        check_keys([key])
+        return self._name(key)
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
         """Return how many leading ``keys`` the server holds now (one pipelined round trip a batch)."""
@@ -95,7 +123,7 @@ class RedisStore:
         for batch in self.batches([0] * len(keys)):
             pipe = self._client.pipeline(transaction=False)
             for key in keys[batch.start : batch.stop]:
-                pipe.exists(self.name(key))
+                pipe.exists(self._name(key))
             answers = self._call("exists", count, len(keys), pipe.execute)
             for answer in answers:
                 if not answer:
@@ -115,7 +143,7 @@ class RedisStore:
         step = 1
         while len(pages) < len(keys):
             start = len(pages)
-            names = [self.name(key) for key in keys[start : start + step]]
+            names = [self._name(key) for key in keys[start : start + step]]
             values = self._call("get", start, len(keys), partial(self._client.mget, names))
             for index, value in enumerate(cast("list[bytes | None]", values), start):
                 if value is None:
@@ -149,7 +177,7 @@ class RedisStore:
             for key, page in zip(
                 keys[batch.start : batch.stop], pages[batch.start : batch.stop], strict=True
             ):
-                pipe.set(self.name(key), codec.encode(key, page), nx=True)
+                pipe.set(self._name(key), codec.encode(key, page), nx=True)
             done = stored_prefix(results)
             answers = self._call("put", done, len(keys), partial(pipe.execute, False))
             results.extend(self._result(answer, done, len(keys)) for answer in answers)
@@ -160,7 +188,7 @@ class RedisStore:
         check_keys(keys)
         dropped = 0
         for batch in self.batches([0] * len(keys)):
-            names = [self.name(key) for key in keys[batch.start : batch.stop]]
+            names = [self._name(key) for key in keys[batch.start : batch.stop]]
             dropped += self._call("drop", 0, len(keys), partial(self._client.delete, *names))
         return dropped
 
@@ -177,6 +205,10 @@ class RedisStore:
     def close(self) -> None:
         """Close the client's connections; the pages stay on the server."""
         self._client.close()
+
+    def _name(self, key: str) -> str:
+        """Return :meth:`name` of a key already checked."""
+        return f"{self.prefix}{key}"
 
     def _result(self, answer: object, done: int, total: int) -> PutResult:
         """Return what the server's answer to one ``SET NX`` means."""
