@@ -54,3 +54,24 @@ def test_a_written_set_leaves_no_spare_files(tmp_path: Path) -> None:
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.md", "b.md"]
     assert (tmp_path / "a.md").read_text() == "new"
+
+
+def test_a_link_to_a_toml_file_and_a_file_ours_does_not_know_are_refused(tmp_path: Path) -> None:
+    spec, link = tmp_path / "spec.toml", tmp_path / "drawn.md"
+    spec.write_text("[machine]\n")
+    link.symlink_to(spec)
+    with pytest.raises(OutputError) as caught:
+        write_files({link: "x"}, "diagram")
+    assert str(caught.value) == (
+        f"{link}: is a .toml file (a spec or settings), never one fsm-cache generates; "
+        "no diagram file was changed"
+    )
+    binary = tmp_path / "t.py"
+    binary.write_bytes(b"\xff\xfe mark\n")
+    with pytest.raises(OutputError) as caught:
+        write_files({binary: "mark\n"}, "types", ours=lambda text: text.startswith("mark"))
+    assert (
+        str(caught.value)
+        == f"{binary}: is not a types file fsm-cache wrote; no types file was changed"
+    )
+    assert (spec.read_text(), binary.read_bytes()) == ("[machine]\n", b"\xff\xfe mark\n")

@@ -673,6 +673,20 @@ def test_output_over_a_spec_the_command_reads_is_refused(
     assert {p.name: p.read_bytes() for p in specs.iterdir()} == before
 
 
+def test_output_to_a_toml_file_is_refused_though_no_spec_read_is_there(
+    specs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = {p.name: p.read_bytes() for p in specs.iterdir()}
+    for target in (specs / "lock.toml", specs / "new.toml"):  # a spec door does not read; none
+        assert main(["diagram", str(specs / "door.toml"), "-o", str(target)]) == 2
+        assert capsys.readouterr() == (
+            "",
+            f"error: {target}: is a .toml file (a spec or settings), never one fsm-cache "
+            "generates; no diagram file was changed\n",
+        )
+    assert {p.name: p.read_bytes() for p in specs.iterdir()} == before
+
+
 def test_a_set_written_over_a_spec_is_refused(
     specs: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -64,6 +64,9 @@ class Record(Protocol):
     opens: int
 '''
 
+OLD_STUB = DOOR_STUB.replace('State = Literal["shut", "open"]', 'State = Literal["shut"]')
+"""The stub of an older door spec: what ``--write`` replaces."""
+
 
 def test_the_residency_literals_are_the_specs_states_and_events() -> None:
     system = residency_system()
@@ -210,9 +213,49 @@ def test_write_refuses_every_file_the_spec_is_read_from(
     assert {p.name: p.read_bytes() for p in tmp_path.glob("*.toml")} == before
 
 
+def test_write_refuses_a_spec_it_does_not_read_and_a_file_that_is_no_stub(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = tmp_path / "door.toml"
+    spec.write_text(SPEC, encoding="utf-8")
+    shipped = tmp_path / "host_residency.toml"  # a spec this command does not read
+    shipped.write_bytes((spec_dir() / "host_residency.toml").read_bytes())
+    settings = tmp_path / "pyproject.TOML"
+    settings.write_text("[project]\nname = 'x'\n", encoding="utf-8")
+    code = tmp_path / "door_types.py"
+    code.write_text("def keep_me() -> None: ...\n", encoding="utf-8")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    toml = "is a .toml file (a spec or settings), never one fsm-cache generates"
+    for target, why in [
+        (shipped, toml),
+        (settings, toml),
+        (tmp_path / "new.toml", toml),
+        (code, "is not a types file fsm-cache wrote"),
+    ]:
+        assert main(["types", str(spec), "--write", str(target)]) == 2
+        assert capsys.readouterr() == ("", f"error: {target}: {why}; no types file was changed\n")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_write_replaces_a_stub_it_wrote_and_an_empty_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = tmp_path / "door.toml"
+    spec.write_text(SPEC, encoding="utf-8")
+    gate = tmp_path / "gate.toml"
+    gate.write_text(SPEC.replace('"door"', '"gate"'), encoding="utf-8")
+    stub_of_gate, empty = tmp_path / "gate_types.py", tmp_path / "empty.py"
+    assert main(["types", str(gate), "--write", str(stub_of_gate)]) == 0
+    empty.touch()
+    for target in (stub_of_gate, empty):
+        assert main(["types", str(spec), "--write", str(target)]) == 0
+        assert target.read_text(encoding="utf-8") == DOOR_STUB
+    assert capsys.readouterr().err == ""
+
+
 def test_write_on_a_full_disk_leaves_the_old_file_whole(tmp_path: Path) -> None:
     (tmp_path / "door.toml").write_text(SPEC, encoding="utf-8")
-    (tmp_path / "door_types.py").write_text("# the old stub\n", encoding="utf-8")
+    (tmp_path / "door_types.py").write_text(OLD_STUB, encoding="utf-8")
     status, out, err = run_cli_on_a_full_disk(
         ["types", "door.toml", "--write", "door_types.py"], tmp_path
     )
@@ -221,7 +264,7 @@ def test_write_on_a_full_disk_leaves_the_old_file_whole(tmp_path: Path) -> None:
         "",
         "error: door_types.py: cannot write: File too large; no types file was changed\n",
     )
-    assert (tmp_path / "door_types.py").read_text(encoding="utf-8") == "# the old stub\n"
+    assert (tmp_path / "door_types.py").read_text(encoding="utf-8") == OLD_STUB
     assert sorted(p.name for p in tmp_path.iterdir()) == ["door.toml", "door_types.py"]
 
 
@@ -264,7 +307,7 @@ def test_write_keeps_the_mode_and_the_link_and_skips_an_unchanged_file(
     spec = tmp_path / "door.toml"
     spec.write_text(SPEC, encoding="utf-8")
     real, link = tmp_path / "real.py", tmp_path / "link.py"
-    real.write_text("old\n", encoding="utf-8")
+    real.write_text(OLD_STUB, encoding="utf-8")
     real.chmod(0o640)
     link.symlink_to(real)
     assert main(["types", str(spec), "--write", str(link)]) == 0

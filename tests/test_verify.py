@@ -467,3 +467,22 @@ def test_what_an_imported_package_prints_stays_off_stdout(
         "hello from the package\nerror: fsm_verify_noisy_pkg.missing: "
         "not a spec file, a .py file or an importable module\n",
     )
+
+
+@pytest.mark.parametrize(
+    ("jobs", "problem"),
+    [
+        ("0", "must be > 0, got 0"),
+        ("-1", "must be > 0, got -1"),
+        ("99999999999999", "must be at most 256, got 99999999999999"),
+    ],
+)
+def test_jobs_out_of_range_on_the_command_line_is_refused_as_in_pyproject(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], jobs: str, problem: str
+) -> None:
+    def run(*_: object, **__: object) -> None:
+        raise AssertionError("verify ran with --jobs out of range")
+
+    monkeypatch.setattr(verify, "run", run)
+    assert main(["verify", "--jobs", jobs, str(spec_dir() / "host_residency.toml")]) == 2
+    assert capsys.readouterr() == ("", f"error: --jobs: {problem}\n")

@@ -2,6 +2,8 @@
 
 Speed targets live here, never in timed tests: these machines are shared and
 noisy, so every figure is a ratio of two things measured in the same run.
+Each benchmark takes ``--quick`` and the flags :data:`TAKES` gives it; a flag
+of another benchmark is refused before anything runs, never silently ignored.
 """
 
 from __future__ import annotations
@@ -9,6 +11,20 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+
+from fsm_cache.errors import BadArgument
+
+
+TAKES: dict[str, tuple[str, ...]] = {
+    "engine": (),
+    "copies": (),
+    "cache": ("--against",),
+    "tp": (),
+    "vllm": (),
+    "sglang": (),
+    "storage": ("--pages", "--reps"),
+}
+"""The flags each benchmark takes besides ``--quick`` (which all take); any other is refused."""
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -18,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "what",
         nargs="?",
         default="engine",
-        choices=("engine", "copies", "cache", "tp", "vllm", "sglang", "storage"),
+        choices=tuple(TAKES),
         help="engine (default): checked pin+release vs a bare counter and transitions; "
         "copies: machine-driven write-through vs raw gather-and-copy; "
         "cache: HiCache vs an unchecked radix tree; tp: the agreed step vs local polls on gloo ranks; "
@@ -26,27 +42,53 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "sglang: SGLang's RadixCache patched vs stock (needs SGLang; make bench-sglang); "
         "storage: backup and prefetch through HiCache vs store.put/get and raw file and Redis I/O",
     )
+    # The defaults of the flags in TAKES are None, so a flag given is told from one left out.
     parser.add_argument(
         "--against",
         choices=("baseline", "sglang"),
-        default="baseline",
-        help="cache only: the in-house unchecked tree (default) or the installed SGLang's "
-        "RadixCache (needs SGLang; make bench-sglang)",
+        help=f"{_only('--against')}: the in-house unchecked tree (default) or the installed "
+        "SGLang's RadixCache (needs SGLang; make bench-sglang)",
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
     parser.add_argument(
         "--pages",
         type=_positive,
-        help="storage only: pages per backup and prefetch (default 64 pages of 2 MiB)",
+        help=f"{_only('--pages')}: pages per backup and prefetch (default 64 pages of 2 MiB)",
     )
     parser.add_argument(
-        "--reps", type=_positive, help="storage only: repetitions, the best kept (default 8)"
+        "--reps",
+        type=_positive,
+        help=f"{_only('--reps')}: repetitions, the best kept (default 8)",
     )
     parser.set_defaults(handler=run)
 
 
+def _only(flag: str) -> str:
+    """Return which benchmarks take ``flag``, as its help and refusal say it: ``storage only``."""
+    return ", ".join(what for what, flags in TAKES.items() if flag in flags) + " only"
+
+
+def _refuse_foreign_flags(args: argparse.Namespace) -> None:
+    """Refuse the flags given that ``args.what`` does not take (see :data:`TAKES`).
+
+    Raises:
+        BadArgument: Naming the benchmark and each such flag, with the
+            benchmarks that take it; nothing has run.
+    """
+    flags = sorted({flag for takes in TAKES.values() for flag in takes} - set(TAKES[args.what]))
+    foreign = [flag for flag in flags if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if foreign:
+        named = ", ".join(f"{flag} ({_only(flag)})" for flag in foreign)
+        raise BadArgument(f"bench {args.what} does not take {named}")
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the chosen benchmark and print its table, then which of its modules ran compiled."""
+    """Run the chosen benchmark and print its table, then which of its modules ran compiled.
+
+    Raises:
+        BadArgument: A flag is given that the benchmark does not take.
+    """
+    _refuse_foreign_flags(args)
     status = _run(args)
     if status == 0 and args.what != "engine":  # the engine's code is generated, never compiled
         from fsm_cache import native

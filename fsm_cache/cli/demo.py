@@ -20,18 +20,20 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from fsm_cache.bench.serving import ServeReport, serve
-from fsm_cache.bench.workload import ChatWorkload, requests
-from fsm_cache.cache.hicache import HiCache
-from fsm_cache.cache.invariants import CHECKED
 from fsm_cache.errors import BadArgument, FsmCacheError, ReleaseAtZero
-from fsm_cache.memory.tiers import CacheConfig
 from fsm_cache.residency import HOST_VALID, Node, Residency
 
 
+# NOTE: the cache's modules are imported where they are used, never when the CLI
+# builds its parser: importing them loads the shipped specs, and a corrupt one must
+# fail the demo alone (with one error line), not every other command.
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
+
+    from fsm_cache.bench.serving import ServeReport
+    from fsm_cache.bench.workload import ChatWorkload
+    from fsm_cache.cache.hicache import HiCache
 
 
 CHECK_EVERY = 10
@@ -63,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
             "pip install 'fsm-cache[cli]'"
         ) from exc
     _quiet_threads()
+    from fsm_cache.bench.workload import ChatWorkload
+    from fsm_cache.cache.hicache import HiCache
+    from fsm_cache.memory.tiers import CacheConfig
+
     console = Console()
     config = CacheConfig(
         device_pages=256,
@@ -102,6 +108,9 @@ def _quiet_threads() -> None:
 def _serve(cache: HiCache, trace: ChatWorkload, console: Console) -> ServeReport:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from fsm_cache.bench.serving import serve
+    from fsm_cache.bench.workload import requests
+
     columns = (TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("serve", total=trace.requests)
@@ -118,6 +127,7 @@ def _check_prefixes(cache: HiCache, trace: ChatWorkload) -> int:
     """Compare the KV of every request's cached prefix with what was written; return the count."""
     import torch
 
+    from fsm_cache.bench.workload import requests
     from fsm_cache.memory.tiers import synthetic_kv
 
     checked = 0
@@ -167,6 +177,8 @@ def _summary(cache: HiCache, report: ServeReport, checked: int, seconds: float) 
 
 def _checked() -> str:
     """Say which design invariants each check covers, and which it cannot."""
+    from fsm_cache.cache.invariants import CHECKED
+
     return (
         f"invariants {_spans(CHECKED)}, every {CHECK_EVERY} requests; "
         "10 is agreement across ranks, not checked on one cache"
@@ -193,8 +205,9 @@ def _three_tiers(console: Console) -> bool:
 
     import torch
 
+    from fsm_cache.cache.hicache import HiCache
     from fsm_cache.cache.storage_tier import StorageConfig
-    from fsm_cache.memory.tiers import synthetic_kv
+    from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
     from fsm_cache.storage import LocalFileStore
 
     config = CacheConfig(

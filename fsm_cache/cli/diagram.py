@@ -14,7 +14,7 @@ Two specs whose sets would be the same files (``a/d.toml`` and ``b/d.toml``
 both draw ``<dir>/d.*``) are refused, naming both.
 
 Every write goes through :func:`fsm_cache.cli.files.write_files`: all files or
-none, and never over a spec file the command reads.
+none, never over a spec file the command reads, and never to a ``.toml`` file.
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ def run(args: argparse.Namespace) -> int:
         DiagramError: The arguments do not name what to render, ask for one
             document of several specs in a format that draws one, or name
             specs whose diagram files would be the same.
-        OutputError: A file to write is a spec the command reads, is no
-            regular file, or cannot be written (nothing was changed), or a
+        OutputError: A file to write is a spec the command reads or a
+            ``.toml`` file, is no regular file, or cannot be written (nothing
+            was changed), or a
             file to check is no regular file.
     """
     if args.output is None and (args.check or args.write):
@@ -200,9 +201,9 @@ def _write(wanted: dict[Path, str], specs: list[Path]) -> int:
     """Write each file whose text changed, all or none (:func:`~fsm_cache.cli.files.write_files`).
 
     Raises:
-        OutputError: A target is a file one of ``specs`` is read from, is not a
-            regular file, sits under a path that is not a folder, or cannot be
-            written; nothing was changed.
+        OutputError: A target is a file one of ``specs`` is read from or a
+            ``.toml`` file, is not a regular file, sits under a path that is
+            not a folder, or cannot be written; nothing was changed.
     """
     protected = [file for spec in specs for file in spec_files(spec)]
     for path in write_files(wanted, "diagram", protected):

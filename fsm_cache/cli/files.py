@@ -8,7 +8,10 @@ the staging files and any folder the command made, and the message names the
 target (never a staging file) and says that nothing was changed. A target that
 is one of the spec files the command reads is refused before anything is
 written: ``fsm-cache types d.toml --write d.toml`` would otherwise replace the
-spec with its own stub.
+spec with its own stub. So is any ``.toml`` target, read or not (another spec,
+a ``pyproject.toml``): fsm_cache generates no TOML. A command whose files carry
+a mark (``types``: the stub's first line) also refuses an existing target
+without it, so a module of the user's code named by mistake is left whole.
 """
 
 from __future__ import annotations
@@ -19,17 +22,23 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from fsm_cache.errors import FsmCacheError
 
+
+_SPEC_SUFFIX = ".toml"
+"""The suffix of specs and settings: input, never a file a command generates."""
 
 EMPTY_PATH = "an empty path names no file"
 """Why an empty path argument is refused: ``Path("")`` would be the working directory."""
 
 _STAGING_TRIES = 16
 """How many random staging names to try before giving up (one is almost always enough)."""
+
+_HEAD_BYTES = 64 * 1024
+"""How much of an existing target a command's ``ours`` test is shown: a mark is at the top."""
 
 
 class OutputError(FsmCacheError):
@@ -88,12 +97,19 @@ def current_text(path: Path) -> str | None:
         raise OutputError(f"{path}: cannot read: {_why(exc)}") from None
 
 
-def write_files(texts: Mapping[Path, str], kind: str, protected: Iterable[Path] = ()) -> list[Path]:
+def write_files(
+    texts: Mapping[Path, str],
+    kind: str,
+    protected: Iterable[Path] = (),
+    ours: Callable[[str], bool] | None = None,
+) -> list[Path]:
     """Write each file whose text changed, all or none; return the files written.
 
     Every target is checked first: it must not be one of ``protected`` (the
-    spec files the command read), and it must be a regular file or not there
-    yet, under a path whose first existing folder is a folder. Each new text
+    spec files the command read) nor be named ``*.toml`` (through a link
+    too), and it must be a regular file or not there yet, under a path whose
+    first existing folder is a folder; with ``ours``, an existing target
+    must be empty or pass it (a file the command wrote). Each new text
     is then written to a staging file beside its target (a short random name,
     so a target name of any legal length has one), flushed to disk, and only
     when all are written are they renamed over their targets. Missing folders
@@ -106,10 +122,13 @@ def write_files(texts: Mapping[Path, str], kind: str, protected: Iterable[Path] 
         kind: What the files are (``diagram``, ``types``), for messages:
             ``...; no diagram file was changed``.
         protected: Files that must not be written (the specs read).
+        ours: Whether the beginning of an existing target's text is a file
+            of ``kind`` the command wrote; None takes any regular file.
 
     Raises:
-        OutputError: A target is a protected file, not a regular file, under a
-            file, or cannot be written; the message names the target and says
+        OutputError: A target is a protected file, a ``.toml`` file, not a
+            regular file, not one ``ours`` recognises, under a file, or
+            cannot be read or written; the message names the target and says
             that nothing was changed. A rename that fails after others
             succeeded undoes them (each old file is hard-linked to a spare
             name first); only where that cannot be done (no hard links) are
@@ -119,6 +138,7 @@ def write_files(texts: Mapping[Path, str], kind: str, protected: Iterable[Path] 
     guarded = _identities(protected)
     for path in texts:
         _check_target(path, guarded, unchanged)
+        _check_generated(path, kind, ours, unchanged)
     changed = [
         (path, Path(os.path.realpath(path)), text)
         for path, text in texts.items()
@@ -234,6 +254,33 @@ def _check_target(path: Path, protected: dict[tuple[int, int], Path], unchanged:
         raise OutputError(f"{path}: cannot write: {_why(exc)}; {unchanged}") from None
     if not folder:
         raise OutputError(f"{path}: {parent} is not a folder; {unchanged}")
+
+
+def _check_generated(
+    path: Path, kind: str, ours: Callable[[str], bool] | None, unchanged: str
+) -> None:
+    """Refuse a target (checked: a regular file or missing) that no command of ours generates.
+
+    That is a ``.toml`` file, by its name or the name a link points to, and,
+    with ``ours``, an existing file that is neither empty nor recognised.
+
+    Raises:
+        OutputError: Naming the target and why; nothing was changed.
+    """
+    if _SPEC_SUFFIX in (path.suffix.lower(), Path(os.path.realpath(path)).suffix.lower()):
+        msg = f"{path}: is a .toml file (a spec or settings), never one fsm-cache generates"
+        raise OutputError(f"{msg}; {unchanged}")
+    if ours is None:
+        return
+    try:
+        with path.open("rb") as stream:
+            head = stream.read(_HEAD_BYTES)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot read: {_why(exc)}; {unchanged}") from None
+    if head and not ours(head.decode("utf-8", errors="replace")):
+        raise OutputError(f"{path}: is not a {kind} file fsm-cache wrote; {unchanged}")
 
 
 def _differs(path: Path, text: str) -> bool:

@@ -57,8 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     0 ok, 1 findings, 2 bad input, 3 a check stopped short, 130 interrupted
     (Ctrl-C: one line, as a shell reports SIGINT, never a traceback).
     """
-    args = build_parser().parse_args(argv)
-    try:
+    try:  # the parser too: a tool module that fails at import is one error, no traceback
+        args = build_parser().parse_args(argv)
         status: int = args.handler(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

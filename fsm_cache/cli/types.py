@@ -7,7 +7,10 @@ without its types), naming the file, so CI keeps the two in step.
 ``--write`` goes through :func:`fsm_cache.cli.files.write_files`, as the
 diagrams do: the stub is written beside FILE and renamed over it, so a full
 disk leaves FILE as it was, and FILE may not be the spec or one of the files
-it reads (its regions, the specs it extends).
+it reads (its regions, the specs it extends), nor any ``.toml`` file. An
+existing FILE is replaced only when it is empty or a stub this command wrote
+(:func:`~fsm_cache.spec.stubs.is_stub`), of this spec or another: a module of
+the user's code named by mistake is refused, not overwritten.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 from fsm_cache.cli.files import current_text, path_argument, write_files
 from fsm_cache.spec.loader import load_spec, spec_files
-from fsm_cache.spec.stubs import stub
+from fsm_cache.spec.stubs import is_stub, stub
 
 
 def register(subparsers: Any) -> None:
@@ -44,12 +47,13 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         SpecError: The spec does not load.
         OutputError: FILE is not a regular file, is a file the spec is read
-            from, or cannot be read or written; nothing was changed.
+            from or a ``.toml`` file, is not a stub this command wrote, or
+            cannot be read or written; nothing was changed.
     """
     spec: Path = args.spec
     text = stub(load_spec(spec))
     if args.write is not None:
-        written = write_files({args.write: text}, "types", protected=spec_files(spec))
+        written = write_files({args.write: text}, "types", spec_files(spec), ours=is_stub)
         print(f"wrote {args.write}" if written else f"{args.write} matches {spec}")
         return 0
     if args.check is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -33,7 +34,7 @@ from fsm_cache.contracts import exhaustive
 from fsm_cache.contracts import runner as crosshair_run
 from fsm_cache.contracts.generate import generate
 from fsm_cache.contracts.runner import Options, Row
-from fsm_cache.errors import SpecError
+from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.spec.controls import Control, controls, load_finding, relative, render_controls
 from fsm_cache.spec.loader import load_spec, read_toml
 from fsm_cache.spec.machine import as_system
@@ -97,14 +98,9 @@ def _options(table: dict[str, Any], path: Path) -> Options:
             given = float(value)
         if not isinstance(given, expected) or isinstance(given, bool):
             raise SpecError([f"{path}: tool.fsm_cache.verify.{key}: expected {expected.__name__}"])
-        lowest = _LOWEST.get(key)
-        if lowest is not None and not (isinstance(given, (int, float)) and given >= lowest):
-            raise SpecError([f"{path}: tool.fsm_cache.verify.{key}: must be > 0, got {given}"])
-        highest = _HIGHEST.get(key)
-        if highest is not None and not given <= highest:  # NaN and infinity fail this too
-            raise SpecError(
-                [f"{path}: tool.fsm_cache.verify.{key}: must be at most {highest:g}, got {given}"]
-            )
+        problem = out_of_range(key, given)
+        if problem:
+            raise SpecError([f"{path}: tool.fsm_cache.verify.{key}: {problem}"])
         if key == "analysis_kind" and not set(given.split(",")) <= set(_ANALYSIS_KINDS):
             kinds = ", ".join(_ANALYSIS_KINDS)
             raise SpecError(
@@ -115,6 +111,20 @@ def _options(table: dict[str, Any], path: Path) -> Options:
             )
         values[key] = given
     return Options(**values)
+
+
+def out_of_range(key: str, value: float) -> str:
+    """Return why ``value`` is out of range for the numeric option ``key``; ``""`` if it is not.
+
+    The one rule for pyproject's settings and ``--jobs``, so both refuse the
+    same values with the same words.
+    """
+    lowest, highest = _LOWEST.get(key), _HIGHEST.get(key)
+    if lowest is not None and not value >= lowest:  # NaN fails this too
+        return f"must be > 0, got {value}"
+    if highest is not None and not value <= highest:
+        return f"must be at most {highest:g}, got {value}"
+    return ""
 
 
 def verify_spec(path: Path, options: Options, workdir: Path) -> list[Row]:
@@ -249,15 +259,19 @@ def failed(result: dict[str, Any]) -> bool:
 
 
 def handle(args: argparse.Namespace) -> int:
-    """Run ``fsm-cache verify`` and return its exit status."""
+    """Run ``fsm-cache verify`` and return its exit status.
+
+    Raises:
+        BadArgument: ``--jobs`` is out of the range pyproject's ``jobs`` may
+            take (1 to 256); nothing is read or run.
+        SpecError: pyproject's settings are bad, or a target does not load.
+    """
+    problem = "" if args.jobs is None else out_of_range("jobs", args.jobs)
+    if problem:
+        raise BadArgument(f"--jobs: {problem}")
     options = load_options()
     if args.jobs is not None:
-        options = Options(
-            options.analysis_kind,
-            options.per_condition_timeout,
-            options.per_path_timeout,
-            max(1, args.jobs),
-        )
+        options = dataclasses.replace(options, jobs=args.jobs)
     result = run(args.targets, options, with_controls=not args.targets and not args.no_controls)
     if args.json:
         print(json.dumps({**result, "rows": [r.as_dict() for r in result["rows"]]}, indent=2))
@@ -284,7 +298,7 @@ def register(subparsers: Any) -> None:
         "--jobs",
         type=int,
         default=None,
-        help="CrossHair processes in parallel (default: pyproject's jobs, else 2)",
+        help="CrossHair processes in parallel, 1 to 256 (default: pyproject's jobs, else 2)",
     )
     parser.add_argument("--no-controls", action="store_true", help="skip the negative controls")
     parser.set_defaults(handler=handle)

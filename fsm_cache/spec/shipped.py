@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
+from fsm_cache.errors import SpecError
 from fsm_cache.spec.machine import MachineSpec, Spec, System
 
 
@@ -28,10 +29,19 @@ def shipped_spec_paths() -> list[Path]:
 
 @cache
 def load_shipped(name: str) -> Spec:
-    """Load and validate the shipped spec ``name`` (``residency``, ``host_residency``, ...)."""
+    """Load and validate the shipped spec ``name`` (``residency``, ``host_residency``, ...).
+
+    Raises:
+        SpecError: The shipped spec is corrupt; each problem begins
+            ``shipped spec NAME:``, since the user named no such file (the
+            library loaded it for them).
+    """
     from fsm_cache.spec.loader import load_spec
 
-    return load_spec(spec_dir() / f"{name}.toml")
+    try:
+        return load_spec(spec_dir() / f"{name}.toml")
+    except SpecError as exc:
+        raise SpecError([f"shipped spec {name}: {problem}" for problem in exc.problems]) from exc
 
 
 def residency_system() -> System:

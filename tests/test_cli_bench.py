@@ -1,0 +1,72 @@
+"""``fsm-cache bench``: a flag that the chosen benchmark does not take is refused, not ignored."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from fsm_cache.cli import bench
+from fsm_cache.cli.main import main
+
+
+@pytest.fixture
+def ran(monkeypatch: pytest.MonkeyPatch) -> list[argparse.Namespace]:
+    """Stand in for the benchmarks: record the arguments each run got, measure nothing."""
+    runs: list[argparse.Namespace] = []
+
+    def record(args: argparse.Namespace) -> int:
+        runs.append(args)
+        return 0
+
+    monkeypatch.setattr(bench, "_run", record)
+    return runs
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["engine", "--pages", "5"], "bench engine does not take --pages (storage only)"),
+        (["--reps", "2"], "bench engine does not take --reps (storage only)"),
+        (
+            ["copies", "--pages", "5", "--reps", "2"],
+            "bench copies does not take --pages (storage only), --reps (storage only)",
+        ),
+        (["cache", "--pages", "1"], "bench cache does not take --pages (storage only)"),
+        (["storage", "--against", "sglang"], "bench storage does not take --against (cache only)"),
+        (["tp", "--against", "baseline"], "bench tp does not take --against (cache only)"),
+    ],
+)
+def test_a_flag_of_another_benchmark_is_refused_before_anything_runs(
+    ran: list[argparse.Namespace],
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    message: str,
+) -> None:
+    assert main(["bench", *argv]) == 2
+    assert capsys.readouterr() == ("", f"error: {message}\n")
+    assert ran == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["engine", "--quick"],
+        ["cache", "--against", "sglang", "--quick"],
+        ["storage", "--pages", "2", "--reps", "1"],
+    ],
+)
+def test_the_flags_a_benchmark_takes_reach_it(
+    ran: list[argparse.Namespace], argv: list[str]
+) -> None:
+    assert main(["bench", *argv]) == 0
+    assert [args.what for args in ran] == [argv[0]]
+
+
+def test_help_says_which_benchmarks_take_each_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--against {baseline,sglang} cache only:" in text
+    assert "--pages PAGES storage only:" in text
+    assert "--reps REPS storage only:" in text
