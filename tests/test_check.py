@@ -190,9 +190,19 @@ def test_cli_json_and_ops_module(capsys: pytest.CaptureFixture[str]) -> None:
     assert any(step.startswith("split node") for step in out["specs"][0]["trace"])
 
 
-def test_bad_bounds_are_refused() -> None:
-    with pytest.raises(SpecError, match=r"^check: --nodes must be >= 1 and counter bounds >= 0$"):
-        _cli(["check", "--nodes", "0"])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--nodes", "0"], "check: --nodes must be >= 1, got 0"),
+        (["--max-pins", "-1"], "check: --max-pins must be >= 0, got -1"),
+        (["--max-locks", "-2"], "check: --max-locks must be >= 0, got -2"),
+        (["--max-count", "-1"], "check: --max-count must be >= 0, got -1"),
+    ],
+)
+def test_bad_bounds_are_refused_naming_the_flag(flags: list[str], message: str) -> None:
+    with pytest.raises(SpecError) as refused:
+        _cli(["check", *flags])
+    assert str(refused.value) == message
 
 
 def test_ops_module_must_name_its_spec(tmp_path: Path) -> None:

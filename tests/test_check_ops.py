@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,24 @@ def test_an_exit_at_import_is_a_config_error(
     assert _check(capsys, ops) == (2, f"error: {ops}: cannot import: SystemExit: 0")
     with pytest.raises(ConfigError, match=r": cannot import: SystemExit: 0$"):
         check.load_ops(ops)
+
+
+def test_an_ops_path_that_is_no_regular_file_is_refused_without_waiting(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A named pipe would make the import wait for a writer for ever."""
+    fifo = tmp_path / "ops.py"
+    os.mkfifo(fifo)
+    assert _check(capsys, fifo) == (
+        2,
+        f"error: {fifo}: cannot import: not a regular file (a named pipe)",
+    )
+    assert _check(capsys, tmp_path) == (2, f"error: {tmp_path}: cannot import: Is a directory")
+    missing = tmp_path / "missing.py"
+    assert _check(capsys, missing) == (
+        2,
+        f"error: {missing}: cannot import: No such file or directory",
+    )
 
 
 def test_hooks_call_each_other_unguarded_and_defaults_keep_their_identity(

@@ -53,7 +53,7 @@ from fsm_cache.modelcheck.progress import PLAIN_EVERY, progress
 from fsm_cache.modelcheck.state import Layout, Nodes, reference_states
 from fsm_cache.policy import WritePolicy
 from fsm_cache.spec.controls import Control, controls, load_finding, render_controls
-from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.loader import load_spec, unreadable
 from fsm_cache.spec.machine import as_system
 from fsm_cache.spec.shipped import shipped_spec_paths
 
@@ -206,14 +206,18 @@ def load_ops(path: Path) -> tuple[Path, ModuleType]:
     raises only a ConfigError naming the module and the hook.
 
     Raises:
-        ConfigError: The module cannot be imported (a syntax error, an
-            exception, any BaseException but a KeyboardInterrupt, or a
-            ``sys.exit`` at import), or a hook is not callable.
+        ConfigError: The module cannot be imported (not a regular file, a
+            syntax error, an exception, any BaseException but a
+            KeyboardInterrupt, or a ``sys.exit`` at import), or a hook is not
+            callable.
         SpecError: The module names no ``SPEC`` or an unknown ``POLICY``.
     """
+    problem = unreadable(path)  # a named pipe would make the import wait for a writer
+    if problem is not None:
+        raise ConfigError(f"{path}: cannot import: {problem}")
     spec = importlib.util.spec_from_file_location(f"fsm_cache_ops_{path.stem}", path)
     if spec is None or spec.loader is None:
-        raise ConfigError(f"{path}: cannot import")
+        raise ConfigError(f"{path}: cannot import: not a Python module")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
@@ -445,8 +449,11 @@ def handle(args: argparse.Namespace) -> int:
             line (:func:`with_ops`); nothing is checked.
     """
     nodes, locks = (1 if args.nodes is None else args.nodes), (args.max_locks or 0)
-    if nodes < 1 or min(args.max_pins, locks, args.max_count) < 0:
-        raise SpecError(["check: --nodes must be >= 1 and counter bounds >= 0"])
+    least: list[tuple[str, int, int]] = [("--nodes", nodes, 1), ("--max-pins", args.max_pins, 0)]
+    least += [("--max-locks", locks, 0), ("--max-count", args.max_count, 0)]
+    for flag, value, bound in least:
+        if value < bound:
+            raise SpecError([f"check: {flag} must be >= {bound}, got {value}"])
     if nodes > MAX_NODES:
         raise SpecError(
             [f"check: --nodes must be at most {MAX_NODES}, got {nodes} ({TOO_MANY_NODES})"]

@@ -320,6 +320,20 @@ def _regular(mode: int) -> None:
     raise OSError(errno.EINVAL, f"not a regular file ({what})")
 
 
+def unreadable(path: Path) -> str | None:
+    """Return why ``path`` is not a regular file one can read, in the OS's words; None if it is.
+
+    For a file read by other means than :func:`read_toml` (an ``--ops``
+    module imported by Python): a named pipe would make the import wait for a
+    writer forever.
+    """
+    try:
+        _regular(os.stat(path).st_mode)
+    except (OSError, ValueError) as exc:
+        return _why(exc)
+    return None
+
+
 def _why(exc: OSError | ValueError) -> str:
     """Return why a file could not be read: the OS's words (``No such file or directory``)."""
     return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
