@@ -557,6 +557,24 @@ def test_fire_refuses_a_namespace_root(event: str) -> None:
         pass
 
 
+def test_pin_refuses_a_namespace_root_and_lock_takes_it() -> None:
+    """A pin of a root held no host page and counted in no figure; a lock is a zero-length hit's."""
+    cache = make()
+    cache.insert([1, 2])
+    root = cache.match_prefix([9, 9]).last_device_node
+    before = snapshot(cache)
+    with pytest.raises(BadArgument) as caught:
+        cache.pin(root)
+    assert str(caught.value) == (
+        "pin: node 0 is a namespace root, resident for good; pin is for the nodes under it"
+    )
+    assert snapshot(cache) == before
+    assert cache.stats().pins == 0
+    with cache.lock(root):
+        assert cache.stats().locks == 0  # SGLang locks the root on a zero-length hit
+    assert snapshot(cache) == before
+
+
 @pytest.mark.parametrize("event", ["write_done", "write_failed"])
 def test_fire_refuses_the_acknowledgement_of_a_copy_in_flight(event: str) -> None:
     cache = make(faulty(delay=3))

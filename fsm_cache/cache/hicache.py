@@ -490,7 +490,11 @@ class HiCache:
     # -- locks ---------------------------------------------------------------
 
     def pin(self, node: TreeNode) -> Lease:
-        """Pin ``node``'s host copy (a storage backup, a prefetch anchor); the lease releases once."""
+        """Pin ``node``'s host copy (a storage backup, a prefetch anchor); the lease releases once.
+
+        Raises:
+            BadArgument: ``node`` is a namespace root, which holds no host copy.
+        """
         return self._take(node, "pin", "release")
 
     def lock(self, node: TreeNode) -> Lock:
@@ -582,8 +586,8 @@ class HiCache:
             raise BadArgument(f"fire: {event!r} is not a residency event{where}")
         known = cast("AnyEvent", event)  # one of this cache's events, as just checked
         node = arguments.node(self._core.tree, node, known)
-        if name == "fire":
-            self._check_by_hand(known, node)
+        if name == "fire" or known == "pin":  # a lock of a root is a zero-length hit's (SGLang)
+            self._check_by_hand(name, known, node)
         args = (known, node.id) if name == "fire" else (node.id,)
         with self._operation(name, *args):
             if known == "evict_host":  # a node no tier holds afterwards leaves the tree
@@ -591,18 +595,18 @@ class HiCache:
             else:
                 self._core.fire(node, known)
 
-    def _check_by_hand(self, event: AnyEvent, node: TreeNode) -> None:
-        """Refuse what :meth:`fire` may not do that the spec allows: roots, and copies' acks.
+    def _check_by_hand(self, name: str, event: AnyEvent, node: TreeNode) -> None:
+        """Refuse what :meth:`fire` and :meth:`pin` may not do that the spec allows.
 
         A namespace root stands for the empty prefix and is resident for good:
-        an event there would leave every node under it unlockable. An
-        acknowledgement the spec would take means the node's copy is in flight
-        (the spec allows it only then), and firing it by hand would part the
-        node from that copy.
+        an event there would leave every node under it unlockable, and a pin
+        would hold no host page (and count in no figure). An acknowledgement
+        the spec would take means the node's copy is in flight (the spec allows
+        it only then), and firing it by hand would part the node from that copy.
         """
         if node.parent is None:
             raise BadArgument(
-                f"fire: node {node.id} is a namespace root, resident for good; {event}"
+                f"{name}: node {node.id} is a namespace root, resident for good; {event}"
                 " is for the nodes under it"
             )
         acknowledgement = event in ACKNOWLEDGEMENTS or event in STORAGE_ACKNOWLEDGEMENTS
