@@ -66,7 +66,9 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "keys_to_store"):
         return (list(value.keys_to_store), _plain(value.store_spec), list(value.evicted_keys))
     if hasattr(value, "removed") and hasattr(value, "keys"):
-        return (list(value.keys), value.removed)
+        # vLLM 0.34's stored events name their request, for its KV events' payloads.
+        origin = _plain(getattr(value, "req_context", None))
+        return (list(value.keys), value.removed, getattr(value, "removal_expected", False), origin)
     if hasattr(value, "req_id") and not isinstance(value, str):
         return "ctx"
     return value
