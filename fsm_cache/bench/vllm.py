@@ -136,13 +136,15 @@ def record_trace(base: Any, manager: Any, requests: int, num_chunks: int, seed: 
     """Drive ``manager`` as a scheduler would and record every call.
 
     Requests share prefixes (a few popular documents), so lookups hit, loads
-    happen and the cache, smaller than the working set, evicts.
+    happen and the cache, smaller than the working set, evicts. Each request
+    touches its keys where the manager has ``touch`` (vLLM 0.32 and 0.33).
     """
     rng = random.Random(seed)
     calls: list[Call] = []
     positions: list[dict[bytes, int]] = []
     contexts: list[Any] = []
     docs = [rng.randrange(1 << 40) for _ in range(24)]
+    touch = hasattr(manager, "touch")  # vLLM 0.34's manager has none
     stores: list[tuple[int, list[bytes]]] = []
     loads: list[tuple[int, list[bytes]]] = []
 
@@ -166,7 +168,8 @@ def record_trace(base: Any, manager: Any, requests: int, num_chunks: int, seed: 
             if call("lookup", r, k) != base.LookupResult.HIT:
                 break
             hits.append(k)
-        call("touch", r, keys)
+        if touch:
+            call("touch", r, keys)
         if hits:
             call("prepare_load", r, hits)
             loads.append((r, hits))

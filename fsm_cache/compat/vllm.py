@@ -23,13 +23,14 @@ state and, in trail mode, the call sites of its recent events.
 Everything else follows vLLM's manager exactly, so the two answer alike on
 every legal call sequence (``tests/vllm_real`` holds them to it): lookups, the
 keys chosen to store, the chunk ids handed out, the LRU victims (vLLM's order:
-request-scoped ranks from 0.33 on, one global counter before) and the event
-stream. Two of vLLM's tolerated cases are choices, both kept as vLLM has them
-by default and refused in ``strict`` mode: a ``complete_store`` of a block
-that is not being stored (earlier vLLM schedulers completed a preempted
-request's stores at once and again when the job reported) and a
-``reset_cache`` while copies are in flight (vLLM relies on the scheduler
-never delivering their completions).
+request-scoped ranks from 0.33 on, one global counter before), the offers
+counted toward ``store_threshold`` (once per request from 0.34 on) and the
+event stream (0.34's stored events name their request). Two of vLLM's
+tolerated cases are choices, both kept as vLLM has them by default and
+refused in ``strict`` mode: a ``complete_store`` of a block that is not being
+stored (earlier vLLM schedulers completed a preempted request's stores at
+once and again when the job reported) and a ``reset_cache`` while copies are
+in flight (vLLM relies on the scheduler never delivering their completions).
 
 This module imports neither vLLM nor torch. The vLLM-facing classes,
 ``FsmOffloadingManager`` (vLLM's ``OffloadingManager`` over this one) and
@@ -37,7 +38,8 @@ This module imports neither vLLM nor torch. The vLLM-facing classes,
 ``get_manager`` replaced, so vLLM's GPU<->CPU worker stays), are built from
 the installed vLLM on first access, which is what vLLM's
 ``kv_connector_extra_config`` ``{"spec_name": "FsmCpuOffloadingSpec",
-"spec_module_path": "fsm_cache.compat.vllm"}`` does.
+"spec_module_path": "fsm_cache.compat.vllm"}`` does. They have the installed
+vLLM's calls: ``touch`` up to 0.33, none from 0.34 on.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import enum
 import heapq
 import importlib
 from collections import OrderedDict, deque
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, NoReturn, Protocol, TypeVar
@@ -221,6 +223,7 @@ class _Request:
     generation: int
     groups: dict[int, list[bytes]] = field(default_factory=dict)
     seen: set[bytes] = field(default_factory=set)
+    counted: set[bytes] = field(default_factory=set)
     rank: int | None = None
     finished: bool = False
 
@@ -385,6 +388,9 @@ class CheckedOffloadingManager:
             False for vLLM 0.32's single counter.
         failure_events: Announce a failed store's cleanup as a ``metadata_only``
             removal, as vLLM 0.33 does; 0.32 announces nothing.
+        count_offers_once: vLLM 0.34's ``store_threshold``: a request's offers of
+            a key count once (a retry, or a re-offer after preemption, is not
+            another use); False for 0.32 and 0.33, where every offer counts.
 
     Attributes:
         engine: The compiled host machine (:func:`offload_system`).
@@ -403,12 +409,14 @@ class CheckedOffloadingManager:
         max_tracker_size: int = 64_000,
         request_ranks: bool = True,
         failure_events: bool = True,
+        count_offers_once: bool = True,
     ) -> None:
         self.num_chunks = num_chunks
         self.strict = strict
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
         self.failure_events = failure_events
+        self.count_offers_once = count_offers_once
         self.engine = Engine(offload_system(), trail=trail)
         self.records: dict[bytes, OffloadRecord] = {}
         self.recency = Recency(request_ranks=request_ranks)
@@ -451,7 +459,10 @@ class CheckedOffloadingManager:
     def _store_output(self, keys: list[bytes], chunks: list[int], evicted: list[bytes]) -> Any:
         return StoreOutput(keys, chunks, evicted)
 
-    def _event(self, keys: list[bytes], removed: bool, metadata_only: bool) -> Any:
+    def _event(
+        self, keys: list[bytes], removed: bool, metadata_only: bool, req_context: Any = None
+    ) -> Any:
+        del req_context  # vLLM 0.34's stored events carry it; ours need not
         return OffloadEvent(keys, removed, metadata_only)
 
     def _request_offloading_context(self) -> Any:
@@ -487,7 +498,8 @@ class CheckedOffloadingManager:
             rec = records.get(key)
             if rec is None or rec.host not in self._readable:
                 self._refuse("load", key, rec)
-        request = self._check_open(keys, req_context)
+        request = self._request(req_context)
+        self._check_open(keys, request)
         chunks = []
         for key in keys:
             rec = records[key]
@@ -499,7 +511,11 @@ class CheckedOffloadingManager:
         return self._load_spec(chunks)
 
     def touch(self, keys: Collection[bytes], req_context: ReqContextLike) -> None:
-        """Make the held ``keys`` the most recently used (no state changes)."""
+        """Make the held ``keys`` the most recently used (no state changes).
+
+        vLLM 0.32 and 0.33's call; 0.34 removed it (``FsmOffloadingManager``
+        bound to 0.34 has none).
+        """
         del req_context
         self.recency.touch(keys)
 
@@ -547,17 +563,14 @@ class CheckedOffloadingManager:
                 to_store.append(key)
             elif rec.host in self._readable:
                 ready.append(key)
-        counts, least = self.counts, self.store_threshold
+        request = self._request(req_context)
         # What vLLM records, and its finished-request assert covers: the ready keys and the
         # new ones this offer brings to the threshold (read lazily: only a finished request
-        # needs them; a count is kept only from a threshold of 2, so a first offer never does).
-        passing = (k for k in to_store if counts is None or counts.get(k, 0) + 1 >= least)
-        request = self._check_open(chain(ready, passing), req_context)
-        if counts is not None:
-            self._count_offers(keys)
-            offered = len(to_store)
-            to_store = [k for k in to_store if counts.get(k, 0) >= least]
-            self.stores_skipped += offered - len(to_store)
+        # needs them).
+        passing = (k for k in to_store if self._passes(k, request))
+        self._check_open(chain(ready, passing), request)
+        if self.counts is not None:
+            to_store = self._admit(keys, to_store, request)
         recorded = set(to_store)
         recorded.update(ready)
         self._record([k for k in keys if k in recorded], req_context, request)
@@ -588,7 +601,6 @@ class CheckedOffloadingManager:
         Raises:
             DuplicateAck: Strict mode, and a key has no store in flight; nothing changed.
         """
-        del req_context
         accepted = self._storing if success else self._failing
         records = self.records
         if self.strict:
@@ -617,7 +629,7 @@ class CheckedOffloadingManager:
         if not done or self.events is None:
             return
         if success:
-            self.events.append(self._event(done, False, False))
+            self.events.append(self._event(done, False, False, req_context))
         elif self.failure_events:
             self.events.append(self._event(done, True, True))
 
@@ -755,15 +767,50 @@ class CheckedOffloadingManager:
                         rec.trail = deque(held.trail, maxlen=held.trail.maxlen)
             verb(rec)
 
-    def _count_offers(self, keys: list[bytes]) -> None:
-        """Count offers toward ``store_threshold``, dropping the oldest unprotected counts."""
+    def _passes(self, key: bytes, request: _Request) -> bool:
+        """Whether this offer of a new ``key`` would bring it to ``store_threshold``.
+
+        Read before the offer is counted. A count is kept only from a threshold
+        of 2, so a key without one (its first offer) never passes.
+        """
+        counts = self.counts
+        if counts is None:
+            return True
+        step = 0 if key in request.counted else 1
+        return key in counts and counts[key] + step >= self.store_threshold
+
+    def _admit(self, keys: list[bytes], candidates: list[bytes], request: _Request) -> list[bytes]:
+        """Count an offer toward ``store_threshold``; return the new keys it admits.
+
+        A key the request already counted counts neither again nor as another
+        skipped store (vLLM 0.34; ``request.counted`` stays empty before).
+        """
+        counts = self.counts
+        assert counts is not None
+        self._count_offers(keys, request.counted)
+        admitted = []
+        for key in candidates:
+            if counts.get(key, 0) >= self.store_threshold:
+                admitted.append(key)
+            elif key not in request.counted:
+                self.stores_skipped += 1
+        if self.count_offers_once:
+            request.counted.update(keys)
+        return admitted
+
+    def _count_offers(self, keys: list[bytes], counted: Collection[bytes]) -> None:
+        """Count offers toward ``store_threshold``, dropping the oldest unprotected counts.
+
+        Keys in ``counted`` stay tracked (and protected) but do not count again.
+        """
         counts = self.counts
         assert counts is not None
         protected = set()
         for key in keys:
             if key in counts:
                 counts.move_to_end(key)
-                counts[key] += 1
+                if key not in counted:
+                    counts[key] += 1
                 protected.add(key)
         unprotected = len(counts) - len(protected)
         for key in keys:
@@ -783,13 +830,11 @@ class CheckedOffloadingManager:
             req_context.set_state(request)
         return request
 
-    def _check_open(self, keys: Iterable[bytes], req_context: ReqContextLike) -> _Request:
-        """Return the request's record; refuse new keys for a finished request (vLLM asserts)."""
-        request = self._request(req_context)
+    def _check_open(self, keys: Iterable[bytes], request: _Request) -> None:
+        """Refuse new keys for a finished request (vLLM asserts)."""
         if request.finished and any(key not in request.seen for key in keys):
             msg = "request finished: new cache keys observed after on_request_finished"
             raise BadArgument(msg)
-        return request
 
     def _record(
         self, keys: Iterable[bytes], req_context: ReqContextLike, request: _Request
@@ -837,55 +882,140 @@ def __getattr__(name: str) -> type:
     return _BOUND[name]
 
 
+@dataclass(frozen=True)
+class _Behaviour:
+    """What differs between the vLLM versions the bound manager follows.
+
+    Attributes:
+        request_ranks: The LRU ranks keys by request and position (0.33+).
+        failure_events: A failed store's cleanup is a ``metadata_only`` removal (0.33+).
+        count_offers_once: A request's offers of a key count once toward
+            ``store_threshold`` (0.34+).
+        stored_context: Stored events carry their request's context and
+            ``removal_expected`` (0.34+).
+        touch: ``OffloadingManager`` has ``touch`` (up to 0.33).
+    """
+
+    request_ranks: bool
+    failure_events: bool
+    count_offers_once: bool
+    stored_context: bool
+    touch: bool
+
+
+def _behaviour(base: Any, cpu_manager: Any, lru: Any) -> _Behaviour:
+    """Read the installed vLLM's behaviour from its classes (and its manager, for the counts)."""
+    event_fields = base.OffloadingEvent.__dataclass_fields__
+    return _Behaviour(
+        request_ranks=hasattr(lru.LRUCachePolicy, "on_request_access"),
+        failure_events="metadata_only" in event_fields,
+        count_offers_once=_counts_offers_once(base, cpu_manager),
+        stored_context="req_context" in event_fields,
+        touch=hasattr(base.OffloadingManager, "touch"),
+    )
+
+
+def _counts_offers_once(base: Any, cpu_manager: Any) -> bool:
+    """Ask vLLM's own manager whether a request's second offer of a key counts again.
+
+    Nothing public says so (0.34 keeps the counted keys in the manager's
+    per-request scratch), so one request offers one key twice under a
+    threshold of 2: stored means every offer counts.
+    """
+    probe = cpu_manager.CPUOffloadingManager(1, store_threshold=2)
+    ctx, key = base.ReqContext("fsm-cache-probe"), bytes(12)
+    probe.prepare_store([key], ctx)
+    return not probe.prepare_store([key], ctx).keys_to_store
+
+
 def _bind() -> dict[str, type]:
     """Subclass vLLM's ``OffloadingManager`` and ``CPUOffloadingSpec`` (vLLM imported here)."""
     base: Any = importlib.import_module("vllm.v1.kv_offload.base")
     cpu_common: Any = importlib.import_module("vllm.v1.kv_offload.cpu.common")
+    cpu_manager: Any = importlib.import_module("vllm.v1.kv_offload.cpu.manager")
     cpu_spec: Any = importlib.import_module("vllm.v1.kv_offload.cpu.spec")
     lru: Any = importlib.import_module("vllm.v1.kv_offload.cpu.policies.lru")
-    request_ranks = hasattr(lru.LRUCachePolicy, "on_request_access")
-    failure_events = "metadata_only" in base.OffloadingEvent.__dataclass_fields__
     answers = {
         Lookup.MISS: base.LookupResult.MISS,
         Lookup.HIT: base.LookupResult.HIT,
         Lookup.HIT_PENDING: base.LookupResult.HIT_PENDING,
     }
-    manager = _manager_class(base, cpu_common, answers, failure_events, request_ranks)
+    behaviour = _behaviour(base, cpu_manager, lru)
+    manager = _manager_class(base, cpu_common, answers, behaviour)
     spec = _spec_class(cpu_spec, manager)
     for cls in (manager, spec):
         cls.__qualname__, cls.__module__ = cls.__name__, __name__
     return {"FsmOffloadingManager": manager, "FsmCpuOffloadingSpec": spec}
 
 
-def _manager_class(
-    base: Any,
-    cpu_common: Any,
-    answers: dict[Lookup, Any],
-    failure_events: bool,
-    request_ranks: bool,
-) -> type:
-    """Build ``FsmOffloadingManager``: the checked manager answering in vLLM's types."""
+def _event_maker(base: Any, behaviour: _Behaviour) -> Callable[[list[bytes], bool, bool, Any], Any]:
+    """Return a maker of vLLM's ``OffloadingEvent`` with the fields the installed vLLM sets."""
     medium, event_class = base.Medium.CPU, base.OffloadingEvent
 
-    def make_event(keys: list[bytes], removed: bool, metadata_only: bool) -> Any:
-        if failure_events:
-            return event_class(
-                keys=keys, medium=medium, removed=removed, metadata_only=metadata_only
-            )
-        return event_class(keys=keys, medium=medium, removed=removed)
+    def make_event(keys: list[bytes], removed: bool, metadata_only: bool, req_context: Any) -> Any:
+        fields: dict[str, Any] = {"keys": keys, "medium": medium, "removed": removed}
+        if behaviour.failure_events:
+            fields["metadata_only"] = metadata_only
+        if behaviour.stored_context and not removed:
+            # vLLM 0.34's events tracker builds the KV event's payload from the request
+            # when the scheduler left none for the block, and holds it until the removal.
+            fields.update(removal_expected=True, req_context=req_context)
+        return event_class(**fields)
+
+    return make_event
+
+
+class _Withdrawn:
+    """A call vLLM removed from ``OffloadingManager``: looking it up raises ``AttributeError``.
+
+    ``hasattr`` then answers as for vLLM's own manager, and a caller written
+    for an older vLLM reads what replaced the call.
+
+    Args:
+        why: What replaced the call, appended to the error.
+    """
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: object, owner: type | None = None) -> NoReturn:
+        cls = owner if owner is not None else type(obj)
+        msg = f"{cls.__name__!r} object has no attribute {self.name!r}: {self.why}"
+        raise AttributeError(msg, name=self.name, obj=obj)
+
+
+_NO_TOUCH = (
+    "vLLM 0.34 removed OffloadingManager.touch; a request's loads and stores are its "
+    "accesses, committed to the LRU order by on_request_finished"
+)
+
+
+def _manager_class(
+    base: Any, cpu_common: Any, answers: dict[Lookup, Any], behaviour: _Behaviour
+) -> type:
+    """Build ``FsmOffloadingManager``: the checked manager answering in vLLM's types."""
+    make_event = _event_maker(base, behaviour)
 
     class FsmOffloadingManager(CheckedOffloadingManager, base.OffloadingManager):  # type: ignore[misc]
         """vLLM's ``OffloadingManager`` whose blocks run the host residency machine.
 
-        Takes :class:`CheckedOffloadingManager`'s arguments; ``request_ranks``
-        and ``failure_events`` default to the installed vLLM's behaviour.
+        Takes :class:`CheckedOffloadingManager`'s arguments; ``request_ranks``,
+        ``failure_events`` and ``count_offers_once`` default to the installed
+        vLLM's behaviour, and ``touch`` exists only where vLLM's has it.
         """
 
         medium = base.Medium.CPU
+        if not behaviour.touch:
+            touch = _Withdrawn(_NO_TOUCH)
 
         def __init__(self, num_chunks: int, **options: Any) -> None:
-            options.setdefault("request_ranks", request_ranks)
-            options.setdefault("failure_events", failure_events)
+            options.setdefault("request_ranks", behaviour.request_ranks)
+            options.setdefault("failure_events", behaviour.failure_events)
+            options.setdefault("count_offers_once", behaviour.count_offers_once)
             self.info: Any = options.pop("info", None)
             super().__init__(num_chunks, **options)
 
@@ -902,8 +1032,10 @@ def _manager_class(
                 evicted_keys=evicted,
             )
 
-        def _event(self, keys: list[bytes], removed: bool, metadata_only: bool) -> Any:
-            return make_event(keys, removed, metadata_only)
+        def _event(
+            self, keys: list[bytes], removed: bool, metadata_only: bool, req_context: Any = None
+        ) -> Any:
+            return make_event(keys, removed, metadata_only, req_context)
 
         def _request_offloading_context(self) -> Any:
             return base.RequestOffloadingContext()

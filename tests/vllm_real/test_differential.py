@@ -7,12 +7,16 @@ only of keys that look up as ``HIT``; one ``complete_load`` per load job;
 ``reset_cache`` only with no job in flight; new keys only for requests not yet
 finished. Every call goes to both managers and every answer must be equal:
 lookup results, ``None`` or the keys to store with their chunk ids and the
-evicted keys, loaded chunk ids, and the event stream.
+evicted keys, loaded chunk ids, and the event stream (with the request a
+store event names, from vLLM 0.34). The calls are the installed vLLM's:
+``touch`` up to 0.33; from 0.34, which has none, a request's re-offers of
+keys it offered before instead.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +42,18 @@ def _store(out: Any) -> Any:
 
 
 def _events(events: Any) -> list[tuple[Any, ...]]:
-    return [(list(e.keys), e.medium, e.removed, getattr(e, "metadata_only", False)) for e in events]
+    """Each event's fields, its request's id for the request context of vLLM 0.34's stores."""
+    return [
+        (
+            list(e.keys),
+            e.medium,
+            e.removed,
+            getattr(e, "metadata_only", False),
+            getattr(e, "removal_expected", False),
+            getattr(getattr(e, "req_context", None), "req_id", None),
+        )
+        for e in events
+    ]
 
 
 def _stats(stats: Any) -> dict[str, Any]:
@@ -71,6 +86,10 @@ class Driver:
     loads: list[list[bytes]] = field(default_factory=list)
     counter: int = 0
     seen: dict[str, int] = field(default_factory=dict)
+    steps: tuple[tuple[float, Callable[[Driver, Request], None]], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.steps = steps(self.vl)
 
     def both(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Call ``name`` on both managers; return both answers."""
@@ -105,7 +124,7 @@ class Driver:
             return
         request = self.rng.choice(self.requests)
         roll = self.rng.random()
-        for bound, action in STEPS:
+        for bound, action in self.steps:
             if roll < bound:
                 action(self, request)
                 return
@@ -120,6 +139,16 @@ class Driver:
 
     def prepare_store(self, request: Any) -> None:
         keys = self.keys(request, self.rng.randint(1, 8))
+        request.offers.append(keys)
+        self.offer(request, keys)
+
+    def reoffer(self, request: Any) -> None:
+        """The request offers again what it offered before: a retry, or after a preemption."""
+        if request.offers:
+            self.seen["reoffer"] = self.seen.get("reoffer", 0) + 1
+            self.offer(request, self.rng.choice(request.offers))
+
+    def offer(self, request: Any, keys: list[bytes]) -> None:
         a, b = self.both("prepare_store", keys, request.ctx)
         assert _store(a) == _store(b), keys
         if a is not None and a.keys_to_store:
@@ -219,28 +248,37 @@ class Driver:
                 assert a == b, key
 
 
-STEPS = (
-    (0.30, Driver.lookups),
-    (0.45, Driver.touch),
-    (0.62, Driver.prepare_store),
-    (0.74, Driver.complete_store),
-    (0.76, Driver.duplicate_store),
-    (0.86, Driver.load),
-    (0.92, Driver.complete_load),
-    (0.95, Driver.misuse),
-    (0.97, Driver.finish_request),
-    (0.995, Driver.take_events),
-    (1.0, Driver.reset),
-)
-"""Cumulative probability bounds of each step."""
+def steps(vl: Vllm) -> tuple[tuple[float, Callable[[Driver, Request], None]], ...]:
+    """Each step's cumulative probability bound, for the installed vLLM.
+
+    Up to 0.33 the manager has ``touch``; 0.34's has none (a request's loads and
+    stores are its accesses, committed to the LRU order when it finishes), and
+    the share goes to re-offers, which 0.34 no longer counts again toward
+    ``store_threshold``.
+    """
+    recency = Driver.touch if hasattr(vl.base.OffloadingManager, "touch") else Driver.reoffer
+    return (
+        (0.30, Driver.lookups),
+        (0.45, recency),
+        (0.62, Driver.prepare_store),
+        (0.74, Driver.complete_store),
+        (0.76, Driver.duplicate_store),
+        (0.86, Driver.load),
+        (0.92, Driver.complete_load),
+        (0.95, Driver.misuse),
+        (0.97, Driver.finish_request),
+        (0.995, Driver.take_events),
+        (1.0, Driver.reset),
+    )
 
 
 @dataclass
 class Request:
-    """A request's context and whether the scheduler recorded token positions for it."""
+    """A request's context, whether the scheduler recorded token positions, its offers."""
 
     ctx: Any
     positioned: bool
+    offers: list[list[bytes]] = field(default_factory=list)
 
 
 @pytest.mark.parametrize(
@@ -264,9 +302,10 @@ def test_same_answers_as_vllm(vl: Vllm, case: tuple[int, int, int, int, int, boo
     driver.finish()
     assert driver.calls >= 10_000
     # The sequence exercised every call, evictions and refusals to store included.
+    recency = "touch" if hasattr(theirs, "touch") else "reoffer"
     for name in (
         "lookup",
-        "touch",
+        recency,
         "prepare_store",
         "complete_store",
         "prepare_load",
@@ -300,3 +339,23 @@ def test_the_differential_driver_sees_evictions_and_full_caches(vl: Vllm) -> Non
         driver.step()
     assert evicted > 10
     assert refused > 10
+
+
+def test_ours_has_the_calls_vllms_manager_has(vl: Vllm) -> None:
+    """A drop-in answers to the same names: vLLM 0.34's manager has no ``touch``, nor has ours."""
+    theirs, ours = vl.theirs(4), vl.ours(4)
+    names = {n for n in dir(vl.base.OffloadingManager) if not n.startswith("_")} | {"touch"}
+    assert {n for n in names if hasattr(ours, n)} == {n for n in names if hasattr(theirs, n)}
+
+
+def test_touch_is_gone_from_vllm_0_34_and_says_what_replaced_it(vl: Vllm) -> None:
+    ours, ctx = vl.ours(4), vl.context("r")
+    if hasattr(vl.base.OffloadingManager, "touch"):
+        pytest.skip(f"vLLM {vl.version}'s OffloadingManager still has touch")
+    with pytest.raises(AttributeError) as missing:
+        ours.touch([vl.key(1)], ctx)
+    assert str(missing.value) == (
+        "'FsmOffloadingManager' object has no attribute 'touch': vLLM 0.34 removed "
+        "OffloadingManager.touch; a request's loads and stores are its accesses, "
+        "committed to the LRU order by on_request_finished"
+    )

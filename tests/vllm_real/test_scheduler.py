@@ -10,8 +10,8 @@ built from a ``CPUOffloadingSpec`` (vLLM's manager) or an
 would report are fed by hand.
 
 The scenario is vLLM issue #46014's: a request is preempted while its blocks
-are being stored, and re-admitted before the store job reports. vLLM 0.32 and
-0.33 flush the job and defer the re-admission until it reports; the store is
+are being stored, and re-admitted before the store job reports. vLLM 0.32 to
+0.34 flush the job and defer the re-admission until it reports; the store is
 then acknowledged exactly once, and the request's second admission loads its
 blocks back. Our manager in strict mode would refuse a second acknowledgement;
 it sees none, and answers every call as vLLM's manager does.
@@ -47,8 +47,8 @@ class Recorder:
         return self._recording(name, found)
 
     def _recording(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any) -> Any:
-            answer = method(*args)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            answer = method(*args, **kwargs)
             if name == "take_events":
                 answer = list(answer)
             self.calls.append((name, _plain(args[:1]), _plain(answer)))
@@ -66,7 +66,9 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "keys_to_store"):
         return (list(value.keys_to_store), _plain(value.store_spec), list(value.evicted_keys))
     if hasattr(value, "removed") and hasattr(value, "keys"):
-        return (list(value.keys), value.removed)
+        # vLLM 0.34's stored events name their request, for its KV events' payloads.
+        origin = _plain(getattr(value, "req_context", None))
+        return (list(value.keys), value.removed, getattr(value, "removal_expected", False), origin)
     if hasattr(value, "req_id") and not isinstance(value, str):
         return "ctx"
     return value
@@ -108,6 +110,9 @@ class Connector:
                 prefix_cache_retention_interval=None, enable_prefix_caching=True
             ),
             speculative_config=None,
+            # vLLM 0.34: tokens after each block its hash covers; 0 (legacy hashes) is what
+            # vLLM resolves without speculative decoding.
+            num_hash_lookahead_tokens=0,
             parallel_config=SimpleNamespace(world_size=1, decode_context_parallel_size=1),
         )
         extra = {"cpu_bytes_to_use": 64 * 4096, "fsm_strict": strict, "fsm_trail": True}
@@ -134,6 +139,33 @@ class Connector:
     def blocks(self, ids: list[int]) -> Any:
         """``KVCacheBlocks`` of one group holding GPU blocks ``ids``."""
         return self.blocks_mod.KVCacheBlocks(([self.utils.KVCacheBlock(block_id=i) for i in ids],))
+
+    def new_request_data(self, req: Any, block_ids: list[int]) -> Any:
+        """The ``NewRequestData`` of a request first scheduled into GPU blocks ``block_ids``.
+
+        vLLM's scheduler passes the prompt's token ids (0.34 requires them).
+        """
+        tokens = list(req.all_token_ids)
+        return self.out.NewRequestData.from_request(req, (block_ids,), tokens)
+
+    def resumed(self, req: Any, block_ids: list[int], num_computed: int) -> dict[str, Any]:
+        """The ``SchedulerOutput`` fields that schedule a preempted request again.
+
+        vLLM 0.32 and 0.33 send it as a cached request marked resumed, with its
+        new block table; 0.34 sends it again in full, as a new request.
+        """
+        if "resumed_req_ids" not in self.out.CachedRequestData.__dataclass_fields__:
+            return {"scheduled_new_reqs": [self.new_request_data(req, block_ids)]}
+        cached = self.out.CachedRequestData(
+            req_ids=[req.request_id],
+            resumed_req_ids={req.request_id},
+            new_token_ids=[[]],
+            all_token_ids={},
+            new_block_ids=[(block_ids,)],
+            num_computed_tokens=[num_computed],
+            num_output_tokens=[0],
+        )
+        return {"scheduled_cached_reqs": cached}
 
     def step(self, **fields: Any) -> Any:
         """Build one step's connector metadata from a ``SchedulerOutput`` with ``fields``."""
@@ -178,7 +210,7 @@ def start_storing(c: Connector) -> Any:
     c.sched.on_new_request(req)
     c.sched.get_num_new_matched_tokens(req, 0)
     c.sched.update_state_after_alloc(req, c.blocks([1, 2, 3, 4]), 0)
-    new = c.out.NewRequestData.from_request(req, ([1, 2, 3, 4],))
+    new = c.new_request_data(req, [1, 2, 3, 4])
     meta = c.step(
         scheduled_new_reqs=[new],
         num_scheduled_tokens={"r0": 4 * BLOCK},
@@ -197,7 +229,7 @@ def preempt_while_storing(c: Connector) -> list[Any]:
     c.sched.on_new_request(req)
     seen.append(c.sched.get_num_new_matched_tokens(req, 0))
     c.sched.update_state_after_alloc(req, c.blocks([1, 2, 3, 4]), 0)
-    new = c.out.NewRequestData.from_request(req, ([1, 2, 3, 4],))
+    new = c.new_request_data(req, [1, 2, 3, 4])
     meta = c.step(
         scheduled_new_reqs=[new],
         num_scheduled_tokens={"r0": 4 * BLOCK},
@@ -216,17 +248,10 @@ def preempt_while_storing(c: Connector) -> list[Any]:
     hit = c.sched.get_num_new_matched_tokens(req, 0)
     seen.append(hit)
     c.sched.update_state_after_alloc(req, c.blocks([5, 6, 7, 8]), hit[0])
-    resumed = c.out.CachedRequestData(
-        req_ids=["r0"],
-        resumed_req_ids={"r0"},
-        new_token_ids=[[]],
-        all_token_ids={},
-        new_block_ids=[([5, 6, 7, 8],)],
-        num_computed_tokens=[hit[0]],
-        num_output_tokens=[0],
-    )
     req.status = statuses.RUNNING
-    meta = c.step(scheduled_cached_reqs=resumed, num_scheduled_tokens={"r0": 4 * BLOCK - hit[0]})
+    meta = c.step(
+        **c.resumed(req, [5, 6, 7, 8], hit[0]), num_scheduled_tokens={"r0": 4 * BLOCK - hit[0]}
+    )
     seen.append(("loads", _jobs(meta.load_jobs)))
     req.num_computed_tokens = 4 * BLOCK
     c.report(*meta.load_jobs)
@@ -297,6 +322,6 @@ def test_strict_mode_refuses_a_reset_with_a_store_in_flight(vl: Vllm) -> None:
     )
     assert " written at scheduler.py:" in message
     assert " in _build_store_jobs; refused at scheduler.py:" in message
-    # vLLM 0.33 resets in _reset_cache, 0.32 in reset_cache itself.
+    # vLLM 0.33 and 0.34 reset in _reset_cache, 0.32 in reset_cache itself.
     assert message.endswith((" in _reset_cache", " in reset_cache"))
     assert {k: (r.host, r.pins, r.chunk) for k, r in c.manager.records.items()} == before
