@@ -84,6 +84,35 @@ def _is_compiled(module: ModuleType) -> bool:
     return spec is not None and _is_extension(spec)
 
 
+def built(package: Path | None = None) -> tuple[str, ...]:
+    """The modules under ``package`` (fsm_cache's folder) with a compiled build beside the source.
+
+    Whether or not Python imports them: :func:`compiled` says which did.
+    """
+    root = Path(__file__).parent if package is None else package
+    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    names = []
+    for extension in root.rglob("*.so"):
+        source = _source_of(extension)
+        if extension.name.endswith(suffixes) and source.is_file():
+            parts = source.relative_to(root).with_suffix("").parts
+            names.append(".".join((root.name, *parts)))
+    return tuple(sorted(names))
+
+
+def summary() -> str:
+    """Say which imported modules run compiled, or why none does (a benchmark's last line)."""
+    ran = compiled()
+    if ran:
+        return ", ".join(name.removeprefix(_PACKAGE) for name in ran)
+    available = built()
+    if not available:
+        return "none (the sources ran; make compile)"
+    if any(name in sys.modules for name in available):
+        return f"none (the sources ran, as asked: {ENVIRONMENT} or prefer_sources())"
+    return "none (this benchmark imports none of the compiled modules)"
+
+
 def stale(package: Path | None = None) -> tuple[Path, ...]:
     """The compiled modules under ``package`` (fsm_cache's folder) older than their sources.
 

@@ -61,3 +61,54 @@ def test_prefer_sources_installs_one_finder() -> None:
         assert len(added) == (0 if native.wanted_pure() else 1)
     finally:
         sys.meta_path[:] = before
+
+
+def test_built_names_each_module_with_a_build_beside_its_source(tmp_path: Path) -> None:
+    package = tmp_path / "fsm_cache"
+    (package / "cache").mkdir(parents=True)
+    for path in ("cache/hicache.py", f"cache/hicache{SUFFIX}", "native.py", f"native{SUFFIX}"):
+        (package / path).write_bytes(b"")
+    (package / "cache" / "tree.py").write_text("")  # a source without a build
+    (package / f"orphan{SUFFIX}").write_bytes(b"")  # a build without a source
+    assert native.built(package) == ("fsm_cache.cache.hicache", "fsm_cache.native")
+
+
+@pytest.mark.parametrize(
+    ("ran", "available", "imported", "line"),
+    [
+        (
+            ("fsm_cache.cache.core", "fsm_cache.cache.hicache"),
+            (),
+            False,
+            "cache.core, cache.hicache",
+        ),
+        ((), (), False, "none (the sources ran; make compile)"),
+        (
+            (),
+            ("fsm_cache.cache.hicache",),
+            True,
+            "none (the sources ran, as asked: FSM_CACHE_PURE or prefer_sources())",
+        ),
+        (
+            (),
+            ("fsm_cache.cache.hicache",),
+            False,
+            "none (this benchmark imports none of the compiled modules)",
+        ),
+    ],
+)
+def test_the_summary_says_what_ran_compiled_or_why_nothing_did(
+    monkeypatch: pytest.MonkeyPatch,
+    ran: tuple[str, ...],
+    available: tuple[str, ...],
+    imported: bool,
+    line: str,
+) -> None:
+    monkeypatch.setattr(native, "compiled", lambda: ran)
+    monkeypatch.setattr(native, "built", lambda: available)
+    for name in available:
+        if imported:
+            monkeypatch.setitem(sys.modules, name, sys.modules[__name__])
+        else:
+            monkeypatch.delitem(sys.modules, name, raising=False)
+    assert native.summary() == line

@@ -93,10 +93,7 @@ def run(args: argparse.Namespace) -> int:
     if status == 0 and args.what != "engine":  # the engine's code is generated, never compiled
         from fsm_cache import native
 
-        names = ", ".join(name.removeprefix("fsm_cache.") for name in native.compiled())
-        print(
-            f"fsm_cache modules compiled with mypyc: {names or 'none (the sources ran; make compile)'}"
-        )
+        print(f"fsm_cache modules compiled with mypyc: {native.summary()}")
     return status
 
 
