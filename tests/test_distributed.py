@@ -1598,10 +1598,7 @@ def test_bench_tp_runs_both_group_sizes_and_honours_quick(
     assert calls == [(2, sizes), (4, sizes)]
     tables, last = capsys.readouterr().out.removesuffix("\n").rsplit("\n", 1)
     assert f"{tables}\n" == f"{figures.format()}\n" * 2
-    compiled = ", ".join(name.removeprefix("fsm_cache.") for name in native.compiled())
-    assert last == "fsm_cache modules compiled with mypyc: " + (
-        compiled or "none (the sources ran; make compile)"
-    )
+    assert last == f"fsm_cache modules compiled with mypyc: {native.summary()}"
     assert all(size < defaults[name].default for name, size in tpbench.QUICK.items())
 
 
