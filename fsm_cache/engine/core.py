@@ -21,11 +21,13 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from typing import Any
 
 from fsm_cache.engine import trail as trails
 from fsm_cache.engine.codegen import Compiled, Plan, Refusal, Refuser, Step, Verb, compile_system
 from fsm_cache.engine.lease import Lease, LeaseBook
+from fsm_cache.engine.legal import Legal, unknown_state
 from fsm_cache.engine.runtime import Effect, caller_frame, no_effect, run_effect
 from fsm_cache.errors import BadArgument, IllegalTransition, SpecError, error_class
 from fsm_cache.spec.machine import Spec, System, as_system
@@ -156,6 +158,30 @@ class Engine:
                 [f"{self.system.source}: unknown birth {birth!r} (declared: {known})"]
             ) from None
         _initialise(self.system, rec, ident, states)
+
+    def bad_record(
+        self, states: Mapping[str, object], counters: Mapping[str, object]
+    ) -> str | None:
+        """Return why no record could be in ``states`` with ``counters``, or None if one can.
+
+        A record is legal when each region is in one of its machine's states,
+        each counter is an int >= 0 its state's invariant allows (``pinned``
+        needs ``pins >= 1``), and some run of the spec reaches the whole: the
+        composition's refusals keep a host ``writing`` from a device
+        ``absent``. All of it comes from the spec (:mod:`fsm_cache.engine.legal`);
+        the runs are searched once per engine, on first use. The engine itself
+        trusts its records (its fast paths rely on the invariants), so code
+        that builds a record from a caller's states asks this first.
+
+        Args:
+            states: State by region; a region left out is in its initial state.
+            counters: Value by counter; a counter left out has its initial value.
+        """
+        return self._legal.problem(states, counters)
+
+    @cached_property
+    def _legal(self) -> Legal:
+        return Legal.of(self.system)
 
     def verb(self, event: str) -> Verb:
         """Return the checked function for ``event``, to call as ``verb(record)``.
@@ -316,6 +342,9 @@ class Engine:
         def refuse(rec: Any, index: int) -> None:
             refusal = refusals[index]
             machine = system.machines[refusal.region]
+            unknown = unknown_state(refusal.region, machine, getattr(rec, refusal.region))
+            if unknown is not None:  # not a refusal of the spec's: a record no run makes
+                raise BadArgument(f"{system.label} {rec.id}: {unknown}")
             # Only trail mode pays for the frame walk to the refused call's own site; outside
             # it a trail left from an earlier trail-mode engine is stale, and is not reported.
             recent = trails.sites(getattr(rec, "trail", None)) if on else ()
