@@ -204,6 +204,8 @@ class Residency:
 
     Raises:
         ConfigError: ``trail`` and ``audit`` both given and different.
+        BadArgument: ``trail`` or ``audit`` is neither a bool nor None,
+            ``storage`` no bool, or ``effects`` as :class:`Engine` refuses it.
     """
 
     def __init__(
@@ -214,6 +216,9 @@ class Residency:
         audit: bool | None = None,
         storage: bool = False,
     ) -> None:
+        trails.check_flags("Residency", trail, audit)
+        if not isinstance(storage, bool):
+            raise BadArgument(f"Residency: storage must be a bool, got {storage!r}")
         chosen = trails.choose(trail, audit, "Residency", stacklevel=2)
         spec = load_shipped("residency_storage") if storage else residency_system()
         self.engine = Engine(spec, effects=effects, trail=chosen)
@@ -269,7 +274,10 @@ def configure(*, trail: bool | None = None, audit: bool | None = None) -> Reside
 
     Raises:
         ConfigError: ``trail`` and ``audit`` both given and different.
+        BadArgument: ``trail`` or ``audit`` is neither a bool nor None; the
+            default engine is kept.
     """
+    trails.check_flags("configure", trail, audit)
     _default[:] = [Residency(trail=trails.choose(trail, audit, "configure", stacklevel=2))]
     return _default[0]
 
