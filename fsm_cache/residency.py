@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Literal
 from fsm_cache.engine import trail as trails
 from fsm_cache.engine.core import Effect, Engine, Verb
 from fsm_cache.engine.lease import Lease
+from fsm_cache.errors import BadArgument
 from fsm_cache.spec.shipped import load_shipped, residency_system
 
 
@@ -122,6 +123,24 @@ def split_prefix(
 class ResidencyRecord:
     """The residency of one node: two machine states and two counters.
 
+    A record starts in any residency some run of ``specs/residency.toml``
+    reaches: ``ResidencyRecord(1, host="pinned", pins=2)`` is one, but a
+    ``pinned`` host without pins, an unknown state, or a host ``writing``
+    beside a device ``absent`` is not
+    (:meth:`~fsm_cache.engine.core.Engine.bad_record` says why).
+
+    Args:
+        ident: The node's id.
+        host: Host residency state.
+        device: Device residency state.
+        pins: Holders of the host copy (what a ``pinned`` host needs one or more of).
+        locks: Running requests holding the device copy.
+
+    Raises:
+        BadArgument: The spec allows no record with these states and counts;
+            the message names what is wrong (``Node(17): host pinned requires
+            pins >= 1, got pins=0``).
+
     Attributes:
         id: The node's id, used in messages (``node 17: ...``).
         host: Host residency state.
@@ -134,14 +153,35 @@ class ResidencyRecord:
     __slots__ = ("device", "host", "id", "locks", "pins", "trail")
 
     def __init__(
-        self, ident: int = 0, *, host: HostState = "unbacked", device: DeviceState = "resident"
+        self,
+        ident: int = 0,
+        *,
+        host: HostState = "unbacked",
+        device: DeviceState = "resident",
+        pins: int = 0,
+        locks: int = 0,
     ) -> None:
+        # The tree builds every node fresh: that case skips the spec (which costs microseconds).
+        fresh = host == "unbacked" and device == "resident" and pins == 0 == locks
+        if not fresh or type(pins) is not int or type(locks) is not int:
+            self._check(ident, {"host": host, "device": device}, {"pins": pins, "locks": locks})
         self.id = ident
         self.host: HostState = host
         self.device: DeviceState = device
-        self.pins = 0
-        self.locks = 0
+        self.pins = pins
+        self.locks = locks
         self.trail: trails.Trail | None = None
+
+    @classmethod
+    def rules(cls) -> Engine:
+        """Return the engine whose spec says which records of this class are legal."""
+        return default_residency().engine
+
+    def _check(self, ident: int, states: dict[str, object], counters: dict[str, object]) -> None:
+        """Raise BadArgument, before anything is set, unless the spec allows the record."""
+        problem = type(self).rules().bad_record(states, counters)
+        if problem is not None:
+            raise BadArgument(f"{type(self).__name__}({ident!r}): {problem}")
 
     def residency(self) -> str:
         """Return ``backed/resident (pins=0, locks=0)``."""
@@ -164,6 +204,8 @@ class Residency:
 
     Raises:
         ConfigError: ``trail`` and ``audit`` both given and different.
+        BadArgument: ``trail`` or ``audit`` is neither a bool nor None,
+            ``storage`` no bool, or ``effects`` as :class:`Engine` refuses it.
     """
 
     def __init__(
@@ -174,6 +216,9 @@ class Residency:
         audit: bool | None = None,
         storage: bool = False,
     ) -> None:
+        trails.check_flags("Residency", trail, audit)
+        if not isinstance(storage, bool):
+            raise BadArgument(f"Residency: storage must be a bool, got {storage!r}")
         chosen = trails.choose(trail, audit, "Residency", stacklevel=2)
         spec = load_shipped("residency_storage") if storage else residency_system()
         self.engine = Engine(spec, effects=effects, trail=chosen)
@@ -229,7 +274,10 @@ def configure(*, trail: bool | None = None, audit: bool | None = None) -> Reside
 
     Raises:
         ConfigError: ``trail`` and ``audit`` both given and different.
+        BadArgument: ``trail`` or ``audit`` is neither a bool nor None; the
+            default engine is kept.
     """
+    trails.check_flags("configure", trail, audit)
     _default[:] = [Residency(trail=trails.choose(trail, audit, "configure", stacklevel=2))]
     return _default[0]
 
@@ -248,6 +296,8 @@ class Node(ResidencyRecord):
 
     ``parent`` and ``children`` take part in the tree rules (a load needs a
     device-resident parent; host eviction needs no child holding a host copy).
+    The other arguments are :class:`ResidencyRecord`'s, checked against the
+    spec of :attr:`machine`.
     """
 
     __slots__ = ("__weakref__", "children", "parent")
@@ -260,11 +310,18 @@ class Node(ResidencyRecord):
         *,
         host: HostState = "unbacked",
         device: DeviceState = "resident",
+        pins: int = 0,
+        locks: int = 0,
         parent: Node | None = None,
     ) -> None:
-        super().__init__(ident, host=host, device=device)
+        super().__init__(ident, host=host, device=device, pins=pins, locks=locks)
         self.parent = parent
         self.children: dict[Any, Node] = {}
+
+    @classmethod
+    def rules(cls) -> Engine:
+        """Return the engine of :attr:`machine`, whose spec says which nodes are legal."""
+        return cls.machine().engine
 
     write = _verb("write")
     write_done = _verb("write_done")

@@ -265,3 +265,46 @@ def test_a_record_may_be_born_as_its_composition_declares() -> None:
         engine.init(rec, 9, birth="computed")
     assert info.value.problems[0].endswith("unknown birth 'computed' (declared: discovered)")
     assert (rec.id, rec.host, rec.storage) == (7, "evicted", "stored")
+
+
+STORAGE_RECORDS = [
+    ({}, {}, None),
+    ({"host": "pinned", "device": "loading", "storage": "storing"}, {"pins": 2}, None),
+    (
+        {"host": "pinned", "device": "loading", "storage": "storing"},
+        {"pins": 1},
+        "no run of residency_storage reaches host pinned, device loading, storage storing"
+        " with pins=1, locks=0",
+    ),
+    (
+        {"host": "fetching", "storage": "stored"},
+        {},
+        "no run of residency_storage reaches host fetching, device resident, storage stored",
+    ),
+    ({"host": "fetching", "storage": "reading", "device": "absent"}, {}, None),
+    (
+        {"storage": "lost"},
+        {},
+        "storage 'lost' is not a state of storage_residency (unstored, storing, stored, reading)",
+    ),
+    ({"hots": "backed"}, {}, "'hots' is no region or counter of residency_storage"),
+    ({}, {"pinz": 1}, "'pinz' is no region or counter of residency_storage"),
+    ({}, {"locks": 2.0}, "locks must be an int >= 0, got 2.0"),
+]
+
+
+@pytest.mark.parametrize(("states", "counters", "problem"), STORAGE_RECORDS)
+def test_bad_record_says_what_no_run_of_the_spec_reaches(
+    states: dict[str, object], counters: dict[str, object], problem: str | None
+) -> None:
+    """A store in flight holds a pin of its own, so a load beside it makes two; a fetch reads."""
+    engine = Engine(load_shipped("residency_storage"), trail=False)
+    assert engine.bad_record(states, counters) == problem
+
+
+def test_bad_record_of_a_single_machine_reads_its_state_region() -> None:
+    engine = Engine(host_machine(), trail=False)
+    assert engine.bad_record({"state": "pinned"}, {"pins": 3}) is None
+    assert (
+        engine.bad_record({"state": "pinned"}, {}) == "state pinned requires pins >= 1, got pins=0"
+    )

@@ -207,3 +207,30 @@ def test_a_copy_keeps_the_count_of_entries_dropped() -> None:
     assert copy.entries == cache.log.entries
     with pytest.raises(ReplayMismatch, match="the log dropped its first"):
         replay(copy, BASE)
+
+
+@pytest.mark.parametrize(
+    ("log", "config", "message"),
+    [
+        (None, BASE, "replay: log must be an EventLog, got None"),
+        (
+            [("op", "poll", ())],
+            BASE,
+            "replay: log must be an EventLog, got [('op', 'poll', ())]",
+        ),
+        ("log", BASE, "replay: log must be an EventLog, got 'log'"),
+        (EventLog(None), None, "replay: config must be a CacheConfig, got None"),
+        (
+            EventLog(None),
+            {"device_pages": 16},
+            "replay: config must be a CacheConfig, got {'device_pages': 16}",
+        ),
+    ],
+)
+def test_a_log_or_config_of_the_wrong_type_is_named(
+    log: object, config: object, message: str
+) -> None:
+    """Replay checks both arguments before it builds a cache."""
+    with pytest.raises(BadArgument) as caught:
+        replay(log, config)  # type: ignore[arg-type]
+    assert str(caught.value) == message

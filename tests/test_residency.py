@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from fsm_cache.errors import IllegalTransition, ReleaseAtZero
+from fsm_cache.errors import BadArgument, IllegalTransition, ReleaseAtZero
 from fsm_cache.residency import Node, Residency, ResidencyRecord
 
 
@@ -169,8 +169,10 @@ RES = Residency(trail=False)
 
 
 def _record(h: str, d: str, pins: int, locks: int) -> ResidencyRecord:
-    rec = ResidencyRecord(7, host=h, device=d)  # type: ignore[arg-type]
-    rec.pins, rec.locks = pins, locks
+    # Set field by field: the matrix also covers pairs no run reaches (host writing beside
+    # device absent), which the constructor refuses, to pin down what the engine does there.
+    rec = ResidencyRecord(7)
+    rec.host, rec.device, rec.pins, rec.locks = h, d, pins, locks  # type: ignore[assignment]
     return rec
 
 
@@ -267,3 +269,104 @@ class TestTreeRules:
             == "node 0: unlock refused in resident (locks=0): unlock without a matching lock"
         )
         assert (root.locks, mid.locks) == (0, 1)
+
+
+HOST_STATES = "unbacked, writing, backed, pinned, evicted"
+REACHED = {
+    ("unbacked", "resident"),
+    ("writing", "resident"),
+    ("backed", "resident"),
+    ("backed", "absent"),
+    ("pinned", "resident"),
+    ("pinned", "loading"),
+    ("pinned", "absent"),
+    ("evicted", "resident"),
+    ("evicted", "absent"),
+}
+"""What the design's event table reaches: a copy in flight keeps what it reads (a backup
+the device copy, a load a pinned host copy), and the device copy is dropped only for a
+host copy."""
+
+
+class TestConstruction:
+    """A record is built only in states and counts the spec can reach; bad ones change nothing."""
+
+    @pytest.mark.parametrize(
+        ("kwargs", "message"),
+        [
+            ({"host": "pinned"}, "host pinned requires pins >= 1, got pins=0"),
+            ({"host": "backed", "pins": 1}, "host backed requires pins == 0, got pins=1"),
+            ({"device": "absent", "locks": 2}, "device absent requires locks == 0, got locks=2"),
+            ({"host": "nope"}, f"host 'nope' is not a state of host_residency ({HOST_STATES})"),
+            (
+                {"device": None},
+                "device None is not a state of device_residency (resident, loading, absent)",
+            ),
+            ({"host": "writing", "pins": -1}, "pins must be an int >= 0, got -1"),
+            ({"host": "pinned", "pins": True}, "pins must be an int >= 0, got True"),
+            ({"locks": "1"}, "locks must be an int >= 0, got '1'"),
+            (
+                {"host": "writing", "device": "absent"},
+                "no run of residency reaches host writing, device absent",
+            ),
+            (
+                {"host": "backed", "device": "loading"},
+                "no run of residency reaches host backed, device loading",
+            ),
+            (
+                {"device": "absent"},
+                "no run of residency reaches host unbacked, device absent",
+            ),
+        ],
+    )
+    @pytest.mark.parametrize("cls", [Node, ResidencyRecord])
+    def test_a_state_the_spec_does_not_allow_is_refused(
+        self, cls: type[ResidencyRecord], kwargs: dict[str, object], message: str
+    ) -> None:
+        """Unknown states, counts a state's invariant forbids and unreachable pairs all raise."""
+        with pytest.raises(BadArgument) as caught:
+            cls(17, **kwargs)  # type: ignore[arg-type]
+        assert str(caught.value) == f"{cls.__name__}(17): {message}"
+
+    @pytest.mark.parametrize(("host", "device"), sorted(REACHED))
+    def test_every_reachable_pair_is_built(self, host: str, device: str) -> None:
+        """Each pair some run reaches is accepted, with counts its states allow."""
+        pins = 2 if host == "pinned" else 0
+        node = Node(5, host=host, device=device, pins=pins, locks=0 if device == "absent" else 3)  # type: ignore[arg-type]
+        assert node.residency() == (
+            f"{host}/{device} (pins={pins}, locks={0 if device == 'absent' else 3})"
+        )
+
+    def test_the_reachable_pairs_are_the_designs(self) -> None:
+        """The engine's reachable pairs are exactly the design's, derived from the spec."""
+        engine = Residency(trail=False).engine
+        legal = {
+            (host, device)
+            for host, device in itertools.product(HOST, DEVICE)
+            if engine.bad_record({"host": host, "device": device}, {"pins": int(host == "pinned")})
+            is None
+        }
+        assert legal == REACHED
+
+    def test_a_pinned_node_releases_its_pins_and_no_more(self) -> None:
+        """The reviewer's double release: pins stop at zero, the third release is refused."""
+        node = Node(17, host="pinned", pins=2)
+        node.release()
+        node.release()
+        assert node.residency() == "backed/resident (pins=0, locks=0)"
+        with pytest.raises(ReleaseAtZero) as caught:
+            node.release()
+        assert str(caught.value) == (
+            "node 17: release refused in backed (pins=0): release without a matching pin"
+        )
+
+    def test_a_state_set_by_hand_is_named_when_an_event_reads_it(self) -> None:
+        """A record whose state was overwritten with a non-state raises BadArgument, not a refusal."""
+        node = Node(3)
+        node.host = "nope"  # type: ignore[assignment]
+        with pytest.raises(BadArgument) as caught:
+            node.pin()
+        assert str(caught.value) == (
+            f"node 3: host 'nope' is not a state of host_residency ({HOST_STATES})"
+        )
+        assert node.residency() == "nope/resident (pins=0, locks=0)"

@@ -12,7 +12,9 @@ other cache.
 A log is checked whole before anything runs: an entry of an unknown kind, an
 unknown operation, or an operation with the wrong number of arguments raises
 :class:`~fsm_cache.errors.BadArgument` naming its position and content, and so
-does the log of a cache with a storage tier, which a replay cannot rebuild.
+does the log of a cache with a storage tier, which a replay cannot rebuild,
+and so does a log that is no event log or a configuration that is no
+:class:`~fsm_cache.memory.tiers.CacheConfig`.
 """
 
 from __future__ import annotations
@@ -77,14 +79,20 @@ def replay(log: EventLog, config: CacheConfig) -> HiCache:
     however long the recording, so the comparison sees every transition.
 
     Raises:
-        BadArgument: An entry is of an unknown kind, names an unknown
-            operation or has the wrong number of arguments, or the log is a
-            storage-tier cache's; nothing is replayed.
+        BadArgument: ``log`` is no :class:`~fsm_cache.cache.eventlog.EventLog`
+            or ``config`` no :class:`~fsm_cache.memory.tiers.CacheConfig`; an
+            entry is of an unknown kind, names an unknown operation or has the
+            wrong number of arguments, or the log is a storage-tier cache's;
+            nothing is replayed.
         ReplayMismatch: The log dropped its oldest entries (nothing is
             replayed), an entry names a node, lock or pin the replay does not
             have, or the replayed transitions, acknowledgements or refusals
             differ from the recorded ones; names the first difference.
     """
+    if not isinstance(log, EventLog):
+        raise BadArgument(f"replay: log must be an EventLog, got {log!r}")
+    if not isinstance(config, CacheConfig):
+        raise BadArgument(f"replay: config must be a CacheConfig, got {config!r}")
     if not log.complete:
         raise ReplayMismatch(
             f"replay: the log dropped its first {log.dropped} entries (limit {log.limit});"

@@ -21,14 +21,16 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from typing import Any
 
 from fsm_cache.engine import trail as trails
 from fsm_cache.engine.codegen import Compiled, Plan, Refusal, Refuser, Step, Verb, compile_system
 from fsm_cache.engine.lease import Lease, LeaseBook
+from fsm_cache.engine.legal import Legal, unknown_state
 from fsm_cache.engine.runtime import Effect, caller_frame, no_effect, run_effect
-from fsm_cache.errors import BadArgument, IllegalTransition, SpecError, error_class
-from fsm_cache.spec.machine import Spec, System, as_system
+from fsm_cache.errors import BadArgument, FsmCacheError, IllegalTransition, SpecError, error_class
+from fsm_cache.spec.machine import MachineSpec, Spec, System, as_system
 
 
 __all__ = ["Effect", "Engine", "Plan", "Verb"]
@@ -59,7 +61,9 @@ class Engine:
         Record: The slotted record class; :meth:`new` builds one.
 
     Raises:
-        BadArgument: ``history`` is not an int >= 0.
+        BadArgument: ``spec`` is no machine or composition, ``effects`` no
+            mapping (or a hook it binds is not callable), ``trail`` or
+            ``audit`` neither a bool nor None, or ``history`` not an int >= 0.
         SpecError: An effect the spec names is not bound.
         ConfigError: ``trail`` and ``audit`` both given and different, or
             ``FSM_CACHE_TRAIL`` and ``FSM_CACHE_AUDIT`` disagree.
@@ -74,8 +78,7 @@ class Engine:
         history: int = 8,
         audit: bool | None = None,
     ) -> None:
-        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
-            raise BadArgument(f"Engine: history must be an int >= 0, got {history!r}")
+        _check_arguments(spec, effects, trail, audit, history)
         self.system: System = as_system(spec)
         chosen = trails.choose(trail, audit, "Engine", stacklevel=2)
         self.trail = trails.from_environment(stacklevel=2) if chosen is None else chosen
@@ -157,6 +160,30 @@ class Engine:
             ) from None
         _initialise(self.system, rec, ident, states)
 
+    def bad_record(
+        self, states: Mapping[str, object], counters: Mapping[str, object]
+    ) -> str | None:
+        """Return why no record could be in ``states`` with ``counters``, or None if one can.
+
+        A record is legal when each region is in one of its machine's states,
+        each counter is an int >= 0 its state's invariant allows (``pinned``
+        needs ``pins >= 1``), and some run of the spec reaches the whole: the
+        composition's refusals keep a host ``writing`` from a device
+        ``absent``. All of it comes from the spec (:mod:`fsm_cache.engine.legal`);
+        the runs are searched once per engine, on first use. The engine itself
+        trusts its records (its fast paths rely on the invariants), so code
+        that builds a record from a caller's states asks this first.
+
+        Args:
+            states: State by region; a region left out is in its initial state.
+            counters: Value by counter; a counter left out has its initial value.
+        """
+        return self._legal.problem(states, counters)
+
+    @cached_property
+    def _legal(self) -> Legal:
+        return Legal.of(self.system)
+
     def verb(self, event: str) -> Verb:
         """Return the checked function for ``event``, to call as ``verb(record)``.
 
@@ -171,15 +198,21 @@ class Engine:
         trail mode): code that fires often looks its verbs up once, or calls
         :meth:`fire`, which does not look.
 
+        The function checks the record against the spec and nothing else: it
+        reads the record's attributes unchecked, since a check would cost every
+        event, so an object that is no record raises AttributeError there.
+        :meth:`fire` names it instead, on the path that already failed.
+
         Raises:
             SpecError: No region declares ``event``.
+            BadArgument: ``event`` is not a str.
         """
         try:
             if self.trail and caller_frame(1).f_code.co_filename not in _DISPATCH:
                 return self._direct[event]
             return self._verbs[event]
-        except KeyError:
-            raise SpecError([f"{self.system.source}: unknown event {event!r}"]) from None
+        except (KeyError, TypeError):
+            raise self._unknown_event(event, "verb") from None
 
     def fire(self, rec: Any, event: str) -> None:
         """Fire ``event`` at ``rec``: check everything, run effects, then commit.
@@ -188,21 +221,35 @@ class Engine:
             IllegalTransition: The spec refuses the event; ``rec`` is unchanged.
             EffectFailed: A bound effect raised; ``rec`` is unchanged.
             SpecError: Unknown event name.
+            BadArgument: ``event`` is not a str, or ``rec`` (or an ancestor
+                the event reads) is no record: it lacks an attribute the
+                engine reads; nothing changed.
         """
         try:
             verb = self._verbs[event]
-        except KeyError:
-            raise SpecError([f"{self.system.source}: unknown event {event!r}"]) from None
-        verb(rec)
+        except (KeyError, TypeError):
+            raise self._unknown_event(event, "fire") from None
+        try:
+            verb(rec)
+        except AttributeError:
+            self._name_non_record(rec, "fire")
+            raise
 
     def allowed(self, rec: Any, event: str) -> bool:
-        """Return whether ``event`` would be accepted now, without changing anything."""
+        """Return whether ``event`` would be accepted now, without changing anything.
+
+        Raises:
+            SpecError: Unknown event name.
+            BadArgument: As for :meth:`fire`.
+        """
+        step = self._step(event, "allowed")
         try:
-            self._plans(rec, self._compiled.steps[event])
+            self._plans(rec, step)
         except IllegalTransition:
             return False
-        except KeyError:
-            raise SpecError([f"{self.system.source}: unknown event {event!r}"]) from None
+        except AttributeError:
+            self._name_non_record(rec, "allowed")
+            raise
         return True
 
     def plan(self, rec: Any, event: str) -> Plan:
@@ -215,19 +262,25 @@ class Engine:
         Raises:
             IllegalTransition: ``rec`` refuses ``event`` (nothing changed).
             SpecError: Unknown event name.
+            BadArgument: ``event`` is not a str, or ``rec`` is no record.
         """
-        return self.planner(event)(rec)
+        step = self._step(event, "plan")
+        try:
+            return step(rec)
+        except AttributeError:
+            self._name_non_record(rec, "plan")
+            raise
 
     def planner(self, event: str) -> Step:
         """Return :meth:`plan` for one event as a plain function of the record (for hot loops).
 
+        The function reads its record unchecked, as :meth:`verb`'s do.
+
         Raises:
             SpecError: Unknown event name.
+            BadArgument: ``event`` is not a str.
         """
-        step = self._compiled.steps.get(event)
-        if step is None:
-            raise SpecError([f"{self.system.source}: unknown event {event!r}"])
-        return step
+        return self._step(event, "planner")
 
     def lease(self, rec: Any, acquire: str = "pin", release: str = "release") -> Lease:
         """Fire ``acquire`` and return a lease whose ``release()`` fires ``release`` once.
@@ -236,25 +289,97 @@ class Engine:
             SpecError: Unknown ``acquire`` or ``release`` event; nothing was fired.
             IllegalTransition: The spec refuses ``acquire``; ``rec`` is unchanged.
             EffectFailed: A bound effect of ``acquire`` raised; ``rec`` is unchanged.
+            BadArgument: An event is not a str, or ``rec`` is no record; nothing was fired.
         """
-        undo = self.verb(release)
-        self.fire(rec, acquire)
+        undo, take = self._verb(release, "lease"), self._verb(acquire, "lease")
+        try:
+            take(rec)
+        except AttributeError:
+            self._name_non_record(rec, "lease")
+            raise
         return self.leases.open(rec, undo, acquire, self.system.label)
 
     def counters(self, rec: Any, region: str | None = None) -> dict[str, int]:
-        """Return the record's counters, of one region or of all of them."""
-        machines = [self.system.machines[region]] if region else self.machines()
-        return {c: getattr(rec, c) for m in machines for c in m.counter_names}
+        """Return the record's counters, of one region or of all of them.
+
+        Raises:
+            SpecError: No region is called ``region``.
+            BadArgument: ``rec`` is no record.
+        """
+        machines = [self._machine(region)] if region else self.machines()
+        try:
+            return {c: getattr(rec, c) for m in machines for c in m.counter_names}
+        except AttributeError:
+            self._name_non_record(rec, "counters")
+            raise
 
     def machines(self) -> list[Any]:
         """Return the region machines in order."""
         return [m for _, m in self.system.regions]
 
     def describe(self, rec: Any) -> str:
-        """Return ``backed/resident (pins=0, locks=0)`` for ``rec``."""
-        states = "/".join(getattr(rec, r) for r, _ in self.system.regions)
+        """Return ``backed/resident (pins=0, locks=0)`` for ``rec``.
+
+        Raises:
+            BadArgument: ``rec`` is no record.
+        """
+        try:
+            states = "/".join(str(getattr(rec, r)) for r, _ in self.system.regions)
+        except AttributeError:
+            self._name_non_record(rec, "describe")
+            raise
         shown = ", ".join(f"{k}={v}" for k, v in self.counters(rec).items())
         return f"{states} ({shown})" if shown else states
+
+    # -- arguments -----------------------------------------------------------
+
+    def _verb(self, event: str, where: str) -> Verb:
+        """Return ``event``'s function as :meth:`fire` runs it; ``where`` names the caller."""
+        try:
+            return self._verbs[event]
+        except (KeyError, TypeError):
+            raise self._unknown_event(event, where) from None
+
+    def _step(self, event: str, where: str) -> Step:
+        """Return ``event``'s checking function; ``where`` names the caller in errors."""
+        try:
+            return self._compiled.steps[event]
+        except (KeyError, TypeError):
+            raise self._unknown_event(event, where) from None
+
+    def _unknown_event(self, event: object, where: str) -> FsmCacheError:
+        """Return the error for an event name the spec does not declare, or no name at all."""
+        if not isinstance(event, str):
+            return BadArgument(f"Engine.{where}: event must be a str, got {event!r}")
+        return SpecError([f"{self.system.source}: unknown event {event!r}"])
+
+    def _machine(self, region: str) -> Any:
+        """Return ``region``'s machine, or raise SpecError naming the regions there are."""
+        machine = self.system.machines.get(region) if isinstance(region, str) else None
+        if machine is None:
+            known = ", ".join(r for r, _ in self.system.regions)
+            raise SpecError([f"{self.system.source}: unknown region {region!r} (regions: {known})"])
+        return machine
+
+    def _name_non_record(self, rec: Any, where: str) -> None:
+        """Raise BadArgument if ``rec``, or an ancestor, lacks an attribute the engine reads.
+
+        Called once something already raised AttributeError, so the per-event
+        functions check nothing; if every record has them, the caller re-raises.
+        """
+        needed = _slots(self.system)[:-1]  # a trail is read only in trail mode, and may be absent
+        node, seen, who = rec, set(), "rec"
+        while id(node) not in seen:
+            missing = [name for name in needed if not hasattr(node, name)]
+            if missing:
+                raise BadArgument(
+                    f"Engine.{where}: {who} {node!r} is not a record of {self.system.name}:"
+                    f" it has no {', '.join(missing)}"
+                )
+            seen.add(id(node))
+            node, who = getattr(node, "parent", None), "rec's ancestor"
+            if node is None:
+                return
 
     # -- compilation ---------------------------------------------------------
 
@@ -267,6 +392,11 @@ class Engine:
             raise SpecError(
                 [f"{self.system.source}: effect {name!r} is not bound" for name in missing]
             )
+        for name in sorted(named):
+            if not callable(effects[name]):
+                raise BadArgument(
+                    f"Engine: effect {name!r} must be callable, got {effects[name]!r}"
+                )
         return dict(effects)
 
     def _plans(self, rec: Any, step: Step, first: Plan | None = None) -> list[tuple[Any, Plan]]:
@@ -316,6 +446,9 @@ class Engine:
         def refuse(rec: Any, index: int) -> None:
             refusal = refusals[index]
             machine = system.machines[refusal.region]
+            unknown = unknown_state(refusal.region, machine, getattr(rec, refusal.region))
+            if unknown is not None:  # not a refusal of the spec's: a record no run makes
+                raise BadArgument(f"{system.label} {rec.id}: {unknown}")
             # Only trail mode pays for the frame walk to the refused call's own site; outside
             # it a trail left from an earlier trail-mode engine is stale, and is not reported.
             recent = trails.sites(getattr(rec, "trail", None)) if on else ()
@@ -333,6 +466,21 @@ class Engine:
             )
 
         return refuse
+
+
+def _check_arguments(
+    spec: object, effects: object, trail: object, audit: object, history: object
+) -> None:
+    """Raise BadArgument naming the first of :class:`Engine`'s arguments that is no such thing."""
+    if not isinstance(spec, MachineSpec | System):
+        raise BadArgument(f"Engine: spec must be a MachineSpec or System, got {spec!r}")
+    if effects is not None and not isinstance(effects, Mapping):
+        raise BadArgument(
+            f"Engine: effects must be a mapping of effect names to callables, or None; got {effects!r}"
+        )
+    trails.check_flags("Engine", trail, audit)
+    if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+        raise BadArgument(f"Engine: history must be an int >= 0, got {history!r}")
 
 
 def _initialise(

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from types import CodeType
 
 from fsm_cache.engine.runtime import caller_frame
-from fsm_cache.errors import ConfigError
+from fsm_cache.errors import BadArgument, ConfigError
 
 
 _INTERNAL: set[str] = set()
@@ -85,6 +85,22 @@ def from_environment(stacklevel: int = 1) -> bool:
         stacklevel=stacklevel + 1,
     )
     return _on(old)
+
+
+def check_flags(where: str, trail: object, audit: object) -> None:
+    """Raise BadArgument unless ``trail`` and ``audit`` are each a bool or None.
+
+    :func:`choose` passes any value through; a caller whose arguments they are
+    checks them first (the cache's configuration raises its own ConfigError).
+
+    Args:
+        where: The callable the arguments were passed to (``Engine``), for messages.
+        trail: The ``trail=`` argument.
+        audit: The ``audit=`` argument.
+    """
+    for name, value in (("trail", trail), ("audit", audit)):
+        if value is not None and not isinstance(value, bool):
+            raise BadArgument(f"{where}: {name} must be a bool or None, got {value!r}")
 
 
 def choose(trail: bool | None, audit: bool | None, where: str, stacklevel: int = 1) -> bool | None:

@@ -1,0 +1,143 @@
+"""The engine's own arguments: a wrong type or value is named in a typed error, nothing built.
+
+Specs, effects and trail flags are checked where an engine is built; a record
+that is not one is named by :meth:`Engine.fire` and the other methods that take
+one, on the path that already failed, so the per-event functions pay nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from records import Node
+
+from fsm_cache.engine.core import Engine
+from fsm_cache.errors import BadArgument, SpecError
+from fsm_cache.residency import Residency, configure
+from fsm_cache.spec.shipped import host_machine, residency_system
+
+
+NOT_A_RECORD = "is not a record of residency: it has no id, host, device, pins, locks"
+
+
+@pytest.fixture
+def engine() -> Engine:
+    return Engine(residency_system(), trail=False)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: Engine(5), "Engine: spec must be a MachineSpec or System, got 5"),  # type: ignore[arg-type]
+        (
+            lambda: Engine(host_machine(), effects=5),  # type: ignore[arg-type]
+            "Engine: effects must be a mapping of effect names to callables, or None; got 5",
+        ),
+        (
+            lambda: Engine(host_machine(), effects={"start_write": print, "free_host": "x"}),  # type: ignore[dict-item]
+            "Engine: effect 'free_host' must be callable, got 'x'",
+        ),
+        (
+            lambda: Engine(host_machine(), trail="x"),  # type: ignore[arg-type]
+            "Engine: trail must be a bool or None, got 'x'",
+        ),
+        (
+            lambda: Engine(host_machine(), audit=1),  # type: ignore[arg-type]
+            "Engine: audit must be a bool or None, got 1",
+        ),
+        (
+            lambda: Residency(trail="yes"),  # type: ignore[arg-type]
+            "Residency: trail must be a bool or None, got 'yes'",
+        ),
+        (
+            lambda: Residency(storage="yes"),  # type: ignore[arg-type]
+            "Residency: storage must be a bool, got 'yes'",
+        ),
+        (
+            lambda: configure(trail=0),  # type: ignore[arg-type]
+            "configure: trail must be a bool or None, got 0",
+        ),
+    ],
+)
+def test_a_bad_constructor_argument_is_named(build: Callable[[], object], message: str) -> None:
+    with pytest.raises(BadArgument) as info:
+        build()
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    ("call", "where"),
+    [
+        (lambda e, rec: e.fire(rec, "write"), "fire"),
+        (lambda e, rec: e.allowed(rec, "write"), "allowed"),
+        (lambda e, rec: e.plan(rec, "write"), "plan"),
+        (lambda e, rec: e.lease(rec), "lease"),
+        (lambda e, rec: e.describe(rec), "describe"),
+        (lambda e, rec: e.counters(rec), "counters"),
+    ],
+)
+@pytest.mark.parametrize("rec", [None, 5, "node"])
+def test_a_record_that_is_not_one_is_named(
+    engine: Engine, call: Callable[[Engine, Any], object], where: str, rec: object
+) -> None:
+    with pytest.raises(BadArgument) as info:
+        call(engine, rec)
+    assert str(info.value) == f"Engine.{where}: rec {rec!r} {NOT_A_RECORD}"
+    assert not engine.leases.outstanding()
+
+
+def test_an_ancestor_that_is_not_a_record_is_named_and_nothing_changes(engine: Engine) -> None:
+    node = Node(engine, 2)
+    node.parent = 5  # type: ignore[assignment]
+    with pytest.raises(BadArgument) as info:
+        engine.fire(node, "lock")
+    assert str(info.value) == f"Engine.fire: rec's ancestor 5 {NOT_A_RECORD}"
+    assert node.locks == 0
+
+
+def test_a_record_missing_some_attributes_is_told_which(engine: Engine) -> None:
+    class Half:
+        id, host, device = 1, "backed", "resident"
+
+    with pytest.raises(BadArgument) as info:
+        engine.fire(Half(), "release")
+    assert str(info.value).startswith("Engine.fire: rec <")
+    assert str(info.value).endswith("> is not a record of residency: it has no pins, locks")
+
+
+@pytest.mark.parametrize(
+    ("call", "where"),
+    [
+        (lambda e, rec: e.fire(rec, ["write"]), "fire"),
+        (lambda e, rec: e.allowed(rec, ["write"]), "allowed"),
+        (lambda e, rec: e.plan(rec, ["write"]), "plan"),
+        (lambda e, rec: e.lease(rec, ["pin"]), "lease"),
+        (lambda e, _: e.verb(["write"]), "verb"),
+        (lambda e, _: e.planner(["write"]), "planner"),
+    ],
+)
+def test_an_event_that_is_no_string_is_named(
+    engine: Engine, call: Callable[[Engine, Any], object], where: str
+) -> None:
+    node = engine.new(1)
+    with pytest.raises(BadArgument) as info:
+        call(engine, node)
+    event = "['pin']" if where == "lease" else "['write']"
+    assert str(info.value) == f"Engine.{where}: event must be a str, got {event}"
+    assert engine.describe(node) == "unbacked/resident (pins=0, locks=0)"
+
+
+def test_an_unknown_region_is_a_spec_error(engine: Engine) -> None:
+    with pytest.raises(SpecError) as info:
+        engine.counters(engine.new(1), "nope")
+    source = residency_system().source
+    assert str(info.value) == f"{source}: unknown region 'nope' (regions: host, device)"
+    assert engine.counters(engine.new(1), "device") == {"locks": 0}
+
+
+def test_a_verb_reads_its_record_unchecked(engine: Engine) -> None:
+    """The per-event functions check nothing but the spec: a non-record fails as Python does."""
+    with pytest.raises(AttributeError):
+        engine.verb("pin")(None)
