@@ -548,7 +548,7 @@ def test_fire_refuses_a_namespace_root(event: str) -> None:
     root = cache.match_prefix([9, 9]).last_device_node
     before = snapshot(cache)
     with pytest.raises(BadArgument) as caught:
-        cache.fire(event, root)  # type: ignore[arg-type]
+        cache.fire(event, root)  # type: ignore[call-overload]
     assert str(caught.value) == (
         f"fire: node 0 is a namespace root, resident for good; {event} is for the nodes under it"
     )
@@ -582,7 +582,7 @@ def test_fire_refuses_the_acknowledgement_of_a_copy_in_flight(event: str) -> Non
     node = cache.match_prefix([1, 2]).last_device_node
     before = snapshot(cache)
     with pytest.raises(BadArgument) as caught:
-        cache.fire(event, node)  # type: ignore[arg-type]
+        cache.fire(event, node)  # type: ignore[call-overload]
     assert str(caught.value) == (
         f"fire: {event} acknowledges node {node.id}'s copy, which is in flight: the copy's own"
         " acknowledgement fires it (poll or apply_completions)"
