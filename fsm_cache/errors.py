@@ -42,7 +42,9 @@ Tools add their own under the root: ``DiagramError`` (diagram), ``AuditError``
 file that cannot be checked or written; nothing was changed).
 
 Refusals carry the instance, its state and counters, the event and the reason,
-so messages read ``node 17: release refused in backed (pins=0): <reason>``; in
+so messages read ``node 17: release refused in backed (pins=0): <reason>``. A
+composition's cross-region refusal also names the state of each other region
+its rule reads (``door 1: open_door refused in closed (bolt locked): <reason>``). In
 trail mode they also carry the call sites of the record's recent events and of
 the refused call, and the message ends with that account
 (``...; pinned at a.py:10 in f; released at b.py:20 in g; refused at c.py:31 in h``).
@@ -91,6 +93,9 @@ class IllegalTransition(FsmCacheError):
             fsm_cache's dispatch code), or None outside trail mode.
         sites: ``(event, site)`` of the record's recent accepted events, oldest
             first; empty outside trail mode.
+        others: For a composition's cross-region refusal, the state of each
+            other region its rule reads (``{"bolt": "locked"}``), shown after
+            the counters; empty for any other refusal.
     """
 
     def __init__(
@@ -105,6 +110,7 @@ class IllegalTransition(FsmCacheError):
         history: str = "",
         site: Site | None = None,
         sites: Sites = (),
+        others: Mapping[str, str] | None = None,
     ) -> None:
         self.label = label
         self.instance = instance
@@ -115,11 +121,13 @@ class IllegalTransition(FsmCacheError):
         self.history = history
         self.site = site
         self.sites = sites
+        self.others = dict(others or {})
         super().__init__(self.render())
 
     def render(self) -> str:
         """Return the one-line message: who, what, where, why, and what came before."""
-        shown = ", ".join(f"{k}={v}" for k, v in self.counters.items())
+        counts = (f"{k}={v}" for k, v in self.counters.items())
+        shown = ", ".join([*counts, *(f"{r} {s}" for r, s in self.others.items())])
         where = f"{self.state} ({shown})" if shown else self.state
         text = f"{self.label} {self.instance}: {self.event} refused in {where}: {self.reason}"
         return f"{text}; {self.history}" if self.history else text

@@ -229,7 +229,7 @@ def test_a_host_backup_is_stored_holding_a_host_pin_until_acknowledged(store: St
     with pytest.raises(error_class("StorePinHeld")) as held:
         cache.fire("release", node)
     assert str(held.value) == (
-        f"node {node.id}: release refused in pinned (pins=1): "
+        f"node {node.id}: release refused in pinned (pins=1, storage storing): "
         "the last pin belongs to the store in flight"
     )
     cache.poll()
@@ -667,7 +667,7 @@ def test_misuse_of_the_storage_events_is_refused_by_name_and_changes_nothing(
         cache,
         lambda: cache.fire("fetch", node),
         error_class("AlreadyResident"),
-        f"node {i}: fetch refused in evicted (pins=0): the device holds this node's KV; there is nothing to fetch",
+        f"node {i}: fetch refused in evicted (pins=0, device resident): the device holds this node's KV; there is nothing to fetch",
     )
     unchanged(
         cache,

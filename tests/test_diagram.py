@@ -227,6 +227,11 @@ stateDiagram-v2
         lock_open --> lock_shut : bolt
         lock_shut --> lock_open : unbolt
     }
+    note right of lock
+        refused across regions:
+        hold when lock in [shut]: DoorLocked
+        remove when door in [closed] and lock in [shut] and parent door in [open]: DoorLocked
+    end note
     classDef here fill:#ffd54f,stroke:#e65100,stroke-width:3px
     class door_open,lock_shut here
 """
@@ -284,6 +289,23 @@ def test_markdown_of_a_machine(specs: Path) -> None:
 def test_mermaid_of_a_composition_draws_regions_as_composite_states(specs: Path) -> None:
     text = render(doorway(specs), "mermaid", mark=("door=open", "shut"))
     assert text == DOORWAY_MERMAID
+
+
+def test_mermaid_of_a_composition_notes_its_cross_region_refusals(specs: Path) -> None:
+    text = render(doorway(specs), "mermaid")
+    assert text.endswith(
+        "    }\n"
+        "    note right of lock\n"
+        "        refused across regions:\n"
+        "        hold when lock in [shut]: DoorLocked\n"
+        "        remove when door in [closed] and lock in [shut]"
+        " and parent door in [open]: DoorLocked\n"
+        "    end note\n"
+    )
+
+
+def test_mermaid_of_a_machine_has_no_refusal_note(specs: Path) -> None:
+    assert "note" not in render(door(specs), "mermaid")
 
 
 def test_markdown_of_a_composition_lists_each_region_then_the_cross_refusals(specs: Path) -> None:

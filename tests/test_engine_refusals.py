@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from records import Node, snapshot
 
@@ -9,6 +11,7 @@ from fsm_cache import errors
 from fsm_cache.engine.core import Engine
 from fsm_cache.errors import IllegalTransition, error_class
 from fsm_cache.spec.guards import TRUE, parse_guard, parse_update
+from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import MachineSpec, StateSpec, System, Transition
 from fsm_cache.spec.shipped import residency_system
 
@@ -119,30 +122,31 @@ REFUSALS = [
         "NotLoading",
         "load_done refused in backed (pins=0): no host-to-device copy in flight",
     ),
-    # cross-region forbids (reported in the first region that declares the event)
+    # cross-region forbids: reported in the first region that declares the event,
+    # naming the state of each other region the rule reads
     (
         ("unbacked", "absent", 0, 0),
         "write",
         "DeviceAbsent",
-        "write refused in unbacked (pins=0): a backup copies from the device and the device holds no valid copy",
+        "write refused in unbacked (pins=0, device absent): a backup copies from the device and the device holds no valid copy",
     ),
     (
         ("writing", "resident", 0, 0),
         "evict_device",
         "CopyInFlight",
-        "evict_device refused in resident (locks=0): a device-to-host copy still reads the device slots",
+        "evict_device refused in resident (locks=0, host writing): a device-to-host copy still reads the device slots",
     ),
     (
         ("evicted", "resident", 0, 0),
         "evict_device",
         "NoHostCopy",
-        "evict_device refused in resident (locks=0): the device copy is the only copy; back it up or delete the node",
+        "evict_device refused in resident (locks=0, host evicted): the device copy is the only copy; back it up or delete the node",
     ),
     (
         ("backed", "loading", 0, 0),
         "evict_host",
         "CopyInFlight",
-        "evict_host refused in backed (pins=0): a host-to-device copy still reads the host slots",
+        "evict_host refused in backed (pins=0, device loading): a host-to-device copy still reads the host slots",
     ),
     # region rules before cross-region rules
     (
@@ -179,6 +183,121 @@ def test_refusal_carries_its_fields(engine: Engine) -> None:
     assert isinstance(exc, RuntimeError)
     assert (exc.label, exc.instance, exc.state, exc.counters) == ("node", 3, "backed", {"pins": 0})
     assert (exc.event, exc.reason) == ("release", "release without a matching pin")
+
+
+DOOR = """
+[machine]
+name = "door"
+initial = "closed"
+[states]
+open = { doc = "open" }
+closed = { doc = "closed" }
+[[transition]]
+event = "open_door"
+source = "closed"
+dest = "open"
+[[forbid]]
+event = "open_door"
+source = "open"
+error = "AlreadyOpen"
+reason = "already open"
+[[transition]]
+event = "close_door"
+source = "open"
+dest = "closed"
+[[forbid]]
+event = "close_door"
+source = "closed"
+error = "AlreadyClosed"
+reason = "already closed"
+"""
+
+BOLT = """
+[machine]
+name = "bolt"
+initial = "unlocked"
+[states]
+unlocked = { doc = "unlocked" }
+locked = { doc = "locked" }
+[[transition]]
+event = "lock"
+source = "unlocked"
+dest = "locked"
+[[forbid]]
+event = "lock"
+source = "locked"
+error = "AlreadyLocked"
+reason = "already locked"
+[[transition]]
+event = "unlock"
+source = "locked"
+dest = "unlocked"
+[[forbid]]
+event = "unlock"
+source = "unlocked"
+error = "NotLocked"
+reason = "not locked"
+"""
+
+HOUSE = """
+[composition]
+name = "house"
+label = "door"
+[composition.regions]
+door = "door.toml"
+bolt = "bolt.toml"
+[[forbid]]
+event = "lock"
+when = ["door in [open]", "bolt in [unlocked]"]
+error = "DoorOpen"
+reason = "cannot bolt an open door"
+[[forbid]]
+event = "open_door"
+when = "bolt in [locked]"
+error = "Bolted"
+reason = "the door is bolted"
+"""
+
+
+@pytest.fixture
+def house(tmp_path: Path) -> Engine:
+    """A door and its bolt: each refuses the other's event across regions."""
+    for name, text in (("door", DOOR), ("bolt", BOLT), ("house", HOUSE)):
+        (tmp_path / f"{name}.toml").write_text(text, encoding="utf-8")
+    return Engine(load_spec(tmp_path / "house.toml"), trail=False)
+
+
+@pytest.mark.parametrize("verb", [False, True])
+def test_a_cross_region_refusal_names_the_other_regions_state(house: Engine, verb: bool) -> None:
+    rec = house.new(1)
+    house.fire(rec, "lock")
+    with pytest.raises(IllegalTransition) as info:
+        house.verb("open_door")(rec) if verb else house.fire(rec, "open_door")
+    assert (
+        str(info.value) == "door 1: open_door refused in closed (bolt locked): the door is bolted"
+    )
+    assert (info.value.state, info.value.others) == ("closed", {"bolt": "locked"})
+    assert (rec.door, rec.bolt) == ("closed", "locked")
+
+
+def test_a_rule_reading_its_own_region_names_only_the_others(house: Engine) -> None:
+    rec = house.new(2)
+    house.fire(rec, "open_door")
+    with pytest.raises(IllegalTransition) as info:
+        house.fire(rec, "lock")
+    assert (
+        str(info.value) == "door 2: lock refused in unlocked (door open): cannot bolt an open door"
+    )
+    assert info.value.others == {"door": "open"}
+
+
+def test_a_regions_own_refusal_names_no_other_region(house: Engine) -> None:
+    rec = house.new(3)
+    house.fire(rec, "open_door")
+    with pytest.raises(IllegalTransition) as info:
+        house.fire(rec, "open_door")
+    assert str(info.value) == "door 3: open_door refused in open: already open"
+    assert info.value.others == {}
 
 
 TREE_REFUSALS = [

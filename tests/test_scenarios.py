@@ -171,7 +171,7 @@ def test_release_cannot_take_the_pin_a_load_holds() -> None:
         node.release()
     assert type(caught.value).__name__ == "LoadPinHeld"
     assert str(caught.value) == (
-        "node 2: release refused in pinned (pins=1): the last pin belongs to the load in flight"
+        "node 2: release refused in pinned (pins=1, device loading): the last pin belongs to the load in flight"
     )
     assert node.residency() == "pinned/loading (pins=1, locks=0)"
     node.load_done()

@@ -111,7 +111,7 @@ def test_device_slots_are_evictions_and_recomputations() -> None:
     with pytest.raises(NoHostCopy) as caught:
         node.value = None
     assert str(caught.value) == (
-        "node 1: evict_device refused in resident (locks=0): "
+        "node 1: evict_device refused in resident (locks=0, host unbacked): "
         "the device copy is the only copy; back it up or delete the node"
     )
     assert node.value == [1, 2]

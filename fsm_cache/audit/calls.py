@@ -8,12 +8,19 @@ from __future__ import annotations
 
 import ast
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeGuard
 
 from fsm_cache.audit.model import AuditConfig
-from fsm_cache.audit.scope import Scope, calls_anything, conditional_effects, root_name
+from fsm_cache.audit.scope import (
+    Scope,
+    calls_anything,
+    conditional_effects,
+    root_name,
+    string_constant,
+    verb_event,
+)
 
 
 # Methods that put their arguments into the receiver: a store into a
@@ -62,10 +69,11 @@ class Classifier:
         self.non_raising = config.non_raising
 
     def classify(self, call: ast.Call, scope: Scope) -> Op:
-        """Return what ``call`` does, judged by the name it calls."""
+        """Return what ``call`` does, judged by the name it calls or the event it fires."""
+        paired = self._pair_call(call, scope)
+        if paired is not None:
+            return self._pair_op(call, *paired)
         name = callee_name(call)
-        if name in self.acquires or name in self.releases:
-            return self._pair_op(call, name)
         if name in self.takers:
             return Op(OpKind.TAKE, call)
         if name in STORE_METHODS and isinstance(call.func, ast.Attribute):
@@ -75,8 +83,21 @@ class Classifier:
             )
         return Op(OpKind.SAFE if name in self.non_raising else OpKind.CALL, call)
 
-    def _pair_op(self, call: ast.Call, name: str) -> Op:
-        resource = subject(call)
+    def _pair_call(self, call: ast.Call, scope: Scope) -> tuple[str, ast.expr | None] | None:
+        """Return the pair name ``call`` invokes and its resource, if it is a pair call.
+
+        An event fired through a generic entry point (:func:`fired`) counts as
+        a call of the event's name, before the name the call is made through.
+        """
+        event, resource = fired(call, scope.verbs)
+        if event is not None and (event in self.acquires or event in self.releases):
+            return event, resource
+        name = callee_name(call)
+        if name in self.acquires or name in self.releases:
+            return name, subject(call)
+        return None
+
+    def _pair_op(self, call: ast.Call, name: str, resource: ast.expr | None) -> Op:
         if resource is None:
             return Op(OpKind.SAFE, call)
         if name in self.acquires:
@@ -86,11 +107,11 @@ class Classifier:
     def release_texts(self, node: ast.AST, scope: Scope) -> Iterator[tuple[str, str]]:
         """Yield (root name, canonical text) of every release anywhere inside ``node``."""
         for sub in ast.walk(node):
-            if isinstance(sub, ast.Call) and callee_name(sub) in self.releases:
-                resource = subject(sub)
-                root = None if resource is None else root_name(resource)
-                if resource is not None and root is not None:
-                    yield root, scope.canon(resource)
+            paired = self._pair_call(sub, scope) if isinstance(sub, ast.Call) else None
+            if paired is not None and paired[0] in self.releases and paired[1] is not None:
+                root = root_name(paired[1])
+                if root is not None:
+                    yield root, scope.canon(paired[1])
 
 
 def callee_name(call: ast.Call) -> str:
@@ -100,6 +121,39 @@ def callee_name(call: ast.Call) -> str:
     if isinstance(call.func, ast.Name):
         return call.func.id
     return ""
+
+
+def fired(call: ast.Call, verbs: Mapping[str, str]) -> tuple[str | None, ast.expr | None]:
+    """Return the literal event ``call`` fires through a generic entry point, and at what.
+
+    ``engine.fire(rec, "pin")`` and HiCache's ``cache.fire("pin", node)`` fire
+    ``pin`` at ``rec`` or ``node``; so do ``engine.verb("pin")(rec)`` and
+    ``take(rec)`` after ``take = engine.verb("pin")`` (``verbs``). Anything
+    else, an event held in a variable included, is ``(None, None)``.
+    """
+    func = call.func
+    verb = verb_event(func) if isinstance(func, ast.Call) else None
+    if verb is not None:
+        return verb, subject(call)
+    if isinstance(func, ast.Name) and func.id in verbs:
+        return verbs[func.id], subject(call)
+    if callee_name(call) == "fire":
+        return _fire_arguments(call)
+    return None, None
+
+
+def _fire_arguments(call: ast.Call) -> tuple[str | None, ast.expr | None]:
+    """Return the literal event and the record of a ``fire`` call, either argument order."""
+    if any(isinstance(argument, ast.Starred) for argument in call.args):
+        return None, None
+    keywords = {keyword.arg: keyword.value for keyword in call.keywords}
+    first, second = (*call.args, None, None)[:2]
+    if string_constant(first) is not None:  # HiCache: fire(event, node)
+        return string_constant(first), second or keywords.get("node")
+    if string_constant(second) is not None:  # Engine: fire(rec, event)
+        return string_constant(second), first
+    target = first or keywords.get("rec") or keywords.get("node")
+    return string_constant(keywords.get("event")), target
 
 
 def subject(call: ast.Call) -> ast.expr | None:

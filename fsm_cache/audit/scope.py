@@ -31,6 +31,7 @@ class Scope:
         env: Loop variable -> the text it stands for (``nodes[*]``).
         shared: Names declared ``global`` or ``nonlocal``: storing into them
             hands the value on.
+        verbs: Name bound only to ``engine.verb("pin")`` -> the event it fires.
     """
 
     params: frozenset[str]
@@ -39,6 +40,7 @@ class Scope:
     mentions: dict[str, frozenset[str]]
     env: dict[str, str] = field(default_factory=dict)
     shared: frozenset[str] = frozenset()
+    verbs: dict[str, str] = field(default_factory=dict)
 
     def canon(self, expr: ast.expr) -> str:
         """Return the text of ``expr`` with a loop variable replaced by what it stands for."""
@@ -101,7 +103,50 @@ def build_scope(func: FunctionNode | ast.Lambda) -> Scope:
     mentions = {test_fact(test)[0]: texts_of(test) for test in tests}
     correlated = frozenset(test for test, count in counts.items() if count > 1)
     locals_ = frozenset(bound - params - shared)
-    return Scope(params, locals_, correlated, mentions, shared=frozenset(shared))
+    verbs = {name: event for name, event in verb_names(body).items() if name in locals_}
+    return Scope(params, locals_, correlated, mentions, shared=frozenset(shared), verbs=verbs)
+
+
+def verb_names(body: list[ast.AST]) -> dict[str, str]:
+    """Return the names bound to ``X.verb("event")`` and to nothing else, with their event.
+
+    ``take = engine.verb("pin")`` makes ``take(rec)`` a call of ``pin``. A name
+    also bound to anything else, or to two events, could be either, so it is none.
+    """
+    events: dict[str, set[str]] = {}
+    verb_binds: Counter[str] = Counter()
+    for node in body:
+        for sub in walk_same_scope(node):
+            if isinstance(sub, ast.Assign) and len(sub.targets) == 1:
+                target, event = sub.targets[0], verb_event(sub.value)
+                if isinstance(target, ast.Name) and event is not None:
+                    events.setdefault(target.id, set()).add(event)
+                    verb_binds[target.id] += 1
+    binds = Counter(name for node in body for name in bound_names(node))
+    return {
+        name: next(iter(named))
+        for name, named in events.items()
+        if len(named) == 1 and binds[name] == verb_binds[name]
+    }
+
+
+def verb_event(expr: ast.expr) -> str | None:
+    """Return the event of ``engine.verb("pin")`` (any receiver), or None for anything else."""
+    if not (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute)):
+        return None
+    if expr.func.attr != "verb" or len(expr.args) + len(expr.keywords) != 1:
+        return None
+    if expr.args:
+        return string_constant(expr.args[0])
+    keyword = expr.keywords[0]
+    return string_constant(keyword.value) if keyword.arg == "event" else None
+
+
+def string_constant(expr: ast.expr | None) -> str | None:
+    """Return the value of a string literal, or None for any other expression."""
+    if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
+        return expr.value
+    return None
 
 
 def branch_tests(node: ast.AST) -> list[ast.expr]:

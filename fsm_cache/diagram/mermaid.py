@@ -1,7 +1,8 @@
 """Mermaid ``stateDiagram-v2`` rendering of a :class:`~fsm_cache.diagram.ir.Diagram`.
 
-Composed machines are drawn as composite states side by side; parallel edges
-between two states are merged into one multi-line label.
+Composed machines are drawn as composite states side by side, their
+cross-region and tree refusals in a note beside the last region; parallel
+edges between two states are merged into one multi-line label.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from fsm_cache.diagram.ir import (
     Region,
     one_line,
     parallel,
+    refusal_line,
     state_id,
 )
 
@@ -29,6 +31,7 @@ def mermaid(diagram: Diagram) -> str:
         lines += [indent + line for line in _mermaid_region(diagram, region)]
         if diagram.composed:
             lines.append("    }")
+    lines += _refusal_note(diagram)
     marked = [state_id(diagram, region, state) for region, state in sorted(diagram.highlight)]
     if marked:
         style = f"fill:{HIGHLIGHT_FILL},stroke:{HIGHLIGHT_STROKE},stroke-width:3px"
@@ -52,6 +55,18 @@ def _mermaid_region(diagram: Diagram, region: Region) -> list[str]:
     return lines
 
 
+def _refusal_note(diagram: Diagram) -> list[str]:
+    """Return a note listing the composition's own refusals, as DOT's note and md's table do.
+
+    Mermaid draws no floating note in a state diagram, so it hangs off the last region.
+    """
+    if not diagram.refusals or not diagram.regions:
+        return []
+    texts = ["refused across regions:", *(refusal_line(r) for r in diagram.refusals)]
+    body = [f"        {_note_text(text)}" for text in texts]
+    return [f"    note right of {one_line(diagram.regions[-1].name)}", *body, "    end note"]
+
+
 _MERMAID_UNSAFE = str.maketrans({":": "\uff1a", ";": "\uff1b", "#": "\uff03"})
 
 
@@ -59,3 +74,12 @@ def _mermaid_text(text: str) -> str:
     # NOTE: Mermaid ends a label at ':' or ';' and reads '#' as an entity start; the spec
     # grammar produces none of them, but a future operator must not break every diagram.
     return text.translate(_MERMAID_UNSAFE)
+
+
+def _note_text(text: str) -> str:
+    # A multi-line note ends only at its 'end note' line, so ':' may stay (a refusal
+    # line always holds ' when ', never that alone); '#' and ';' still read as an entity.
+    return one_line(text).translate(_NOTE_UNSAFE)
+
+
+_NOTE_UNSAFE = str.maketrans({";": "\uff1b", "#": "\uff03"})

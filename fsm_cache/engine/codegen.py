@@ -44,12 +44,17 @@ Refuser = Callable[[Any, int], None]
 
 @dataclass(frozen=True)
 class Refusal:
-    """What a generated function needs to raise: region, error class name and reason."""
+    """What a generated function needs to raise: region, error class name and reason.
+
+    ``others`` are the other regions a composition's rule reads: the message
+    names their states, read only when the refusal is raised.
+    """
 
     region: str
     event: str
     error: str
     reason: str
+    others: tuple[str, ...] = ()
 
 
 class Emitter:
@@ -77,9 +82,9 @@ class Emitter:
         self.implied: dict[tuple[str, str, str], bool] = {}
         """Per (region, state, event): whether the last guard is implied (:func:`_last_guard_implied`)."""
 
-    def refusal(self, region: str, error: str, reason: str) -> int:
+    def refusal(self, region: str, error: str, reason: str, others: tuple[str, ...] = ()) -> int:
         """Register a refusal of the event being compiled and return its index."""
-        self.refusals.append(Refusal(region, self.event, error, reason))
+        self.refusals.append(Refusal(region, self.event, error, reason, others))
         return len(self.refusals) - 1
 
     def emit(self, depth: int, line: str) -> None:
@@ -726,6 +731,16 @@ def _system_forbids(em: Emitter, event: str) -> None:
             tests.append(f"s_{owner} in {tuple(forbid.sources)!r}")
         if forbid.guard:
             tests.append(guard_expr(forbid.guard, local=False))
-        index = em.refusal(owner, forbid.error, forbid.reason)
+        index = em.refusal(owner, forbid.error, forbid.reason, other_regions(forbid, owner))
         em.emit(1, f"if {' and '.join(tests) or 'True'}:")
         em.emit(2, f"_refuse(rec, {index})")
+
+
+def other_regions(forbid: Forbid, owner: str) -> tuple[str, ...]:
+    """Return the regions besides ``owner`` whose state on this record ``forbid`` reads.
+
+    A refusal names the state of each, so ``open_door refused in closed`` says
+    why: ``(bolt locked)``. Tree conditions read other records and are left out.
+    """
+    regions = (c.region for c in forbid.when if c.scope == "self" and c.region != owner)
+    return tuple(dict.fromkeys(regions))

@@ -463,6 +463,7 @@ class Engine:
                 history=trails.account(recent, past, site),
                 site=site,
                 sites=recent,
+                others={other: getattr(rec, other) for other in refusal.others},
             )
 
         return refuse

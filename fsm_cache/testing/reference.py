@@ -140,7 +140,9 @@ class Reference:
         owner = self.system.regions_of(event)[0]
         for forbid in self.system.forbids_for(event):
             if _system_forbid_holds(forbid, rec, owner):
-                raise self._refusal(rec, owner, event, forbid.error, forbid.reason)
+                read = [c.region for c in forbid.when if c.scope == "self"]
+                others = {r: getattr(rec, r) for r in read if r != owner}
+                raise self._refusal(rec, owner, event, forbid.error, forbid.reason, others=others)
         return scratch
 
     def _region_step(self, rec: Any, scratch: _Scratch, region: str, event: str) -> None:
@@ -163,8 +165,16 @@ class Reference:
             raise self._refusal(rec, region, event, "IllegalTransition", reason)
 
     def _refusal(
-        self, rec: Any, region: str, event: str, error: str, reason: str
+        self,
+        rec: Any,
+        region: str,
+        event: str,
+        error: str,
+        reason: str,
+        *,
+        others: Mapping[str, str] | None = None,
     ) -> IllegalTransition:
+        """Return the refusal the engine raises: ``others`` are the other regions a rule read."""
         machine = self.system.machines[region]
         return error_class(error)(
             label=self.system.label,
@@ -173,6 +183,7 @@ class Reference:
             counters={c: getattr(rec, c) for c in machine.counter_names},
             event=event,
             reason=reason,
+            others=others,
         )
 
     def _run_effect(self, name: str, event: str, rec: Any) -> None:

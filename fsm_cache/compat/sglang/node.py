@@ -300,6 +300,7 @@ class ResidencyMixin(metaclass=ABCMeta):
                 history=exc.history,
                 site=exc.site,
                 sites=exc.sites,
+                others=exc.others,
             ) from None
 
     def inc_lock_ref(self) -> None:
