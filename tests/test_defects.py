@@ -28,7 +28,9 @@ from fsm_cache.errors import (
     ConcurrentUse,
     ConfigError,
     DuplicateAck,
+    EffectFailed,
     ForeignSlot,
+    PoolExhausted,
     StaleNode,
 )
 from fsm_cache.memory.copies import CopyEngine
@@ -763,3 +765,56 @@ def test_a_dropped_debug_cache_is_freed_without_the_cyclic_collector() -> None:
     finally:
         gc.enable()
         gc.collect()
+
+
+def test_fire_refuses_a_write_below_a_parent_with_no_host_copy() -> None:
+    """backup() skips such a node (invariant 3); fire wrote it, and a later poll broke."""
+    cache = make(write_policy="write_through_selective", selective_threshold=5)
+    cache.insert([1, 2, 3, 4, 5, 6])
+    cache.insert([1, 2, 3, 4, 7, 8])  # the split leaves the parent [1..4] unbacked
+    child = cache.match_prefix([1, 2, 3, 4, 5, 6]).last_device_node
+    parent = child.parent
+    assert parent is not None
+    assert (parent.host, child.host, cache.backup([child])) == ("unbacked", "unbacked", 0)
+    before = snapshot(cache)
+    with pytest.raises(BadArgument) as caught:
+        cache.fire("write", child)
+    assert str(caught.value) == (
+        f"fire: write would back node {child.id} up before its parent, node {parent.id}, which"
+        " holds no host copy (unbacked): under write_through_selective a parent is backed up"
+        " first, and backup() leaves the node until then"
+    )
+    assert snapshot(cache) == before
+    cache.poll()
+    cache.check_invariants()
+
+
+def test_a_write_no_eviction_can_make_room_for_evicts_nothing() -> None:
+    """The write failed after the host copy of another prefix was evicted and its node deleted."""
+    cache = make(host_pages=2, write_policy="write_through_selective", selective_threshold=5)
+    cache.insert([1, 2])
+    kept = cache.match_prefix([1, 2]).last_device_node
+    cache.backup([kept])
+    drain(cache)
+    cache.evict(2)
+    assert kept.residency() == "backed/absent (pins=0, locks=0)"
+    big = [11, 12, 13, 14, 15, 16]  # three pages: never fits the two-page host pool
+    cache.insert(big)
+    node = cache.match_prefix(big).last_device_node
+    before = snapshot(cache)
+    with pytest.raises(EffectFailed) as caught:
+        cache.fire("write", node)
+    assert isinstance(caught.value.__cause__, PoolExhausted)
+    assert snapshot(cache) == before
+    assert cache.match_prefix([1, 2]).host_len == 2  # the host-only prefix is still cached
+
+
+def test_write_through_of_a_request_larger_than_the_host_pool_keeps_the_host_tier() -> None:
+    cache = make(host_pages=2, write_policy="write_through")
+    cache.insert([1, 2])
+    drain(cache)
+    cache.evict(2)
+    cache.insert([11, 12, 13, 14, 15, 16])  # its backup cannot fit: none starts, none evicted
+    drain(cache)
+    assert cache.match_prefix([1, 2]).host_len == 2
+    cache.check_invariants()

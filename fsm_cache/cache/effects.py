@@ -50,11 +50,17 @@ class MemoryEffects:
         }
 
     def start_write(self, node: TreeNode) -> None:
-        """Take host pages (evicting host leaves if the pool is full) and queue the copy."""
+        """Take host pages (evicting host leaves if the pool is full) and queue the copy.
+
+        A write no eviction could make room for is refused with PoolExhausted
+        before anything is evicted.
+        """
         size = len(node.device_pages)
         try:
             pages = self._tiers.alloc_host(size, node.id)
         except PoolExhausted:
+            if not self._evictor.could_free_host(size):
+                raise  # no eviction could make room: refused before anything is evicted
             self._evictor.evict_host(len(node.key))
             pages = self._tiers.alloc_host(size, node.id)
         node.host_pages = pages

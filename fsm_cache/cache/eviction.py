@@ -218,6 +218,14 @@ class Evictor:
                 total += len(node.host_pages)
         return total
 
+    def could_free_host(self, pages: int, spare: Sequence[TreeNode] = ()) -> bool:
+        """Whether ``pages`` host pages could be free after :meth:`evict_host`, counting the free.
+
+        An allocation asks before it evicts: one that no eviction can satisfy
+        is refused with nothing evicted (check, then act).
+        """
+        return self._tiers.host.allocator.free_pages + self.host_evictable(spare) >= pages
+
     def evict_host(self, num_tokens: int, spare: Sequence[TreeNode] = ()) -> int:
         """Evict least recently used unpinned host-only leaves, deleting each; return tokens freed.
 

@@ -59,7 +59,7 @@ from fsm_cache.errors import (
 from fsm_cache.memory.pages import REQUEST, pages_of, slots_of
 from fsm_cache.memory.tickets import Completion
 from fsm_cache.memory.tiers import CacheConfig, Tiers
-from fsm_cache.policy import WritePolicy, worth_loading
+from fsm_cache.policy import WritePolicy, parent_allows_backup, worth_loading
 from fsm_cache.residency import (
     DEVICE_READABLE,
     HOST_VALID,
@@ -608,6 +608,14 @@ class HiCache:
             raise BadArgument(
                 f"{name}: node {node.id} is a namespace root, resident for good; {event}"
                 " is for the nodes under it"
+            )
+        if event == "write" and not parent_allows_backup(self.policy, node):
+            parent = node.parent
+            assert parent is not None  # a root was refused above
+            raise BadArgument(
+                f"fire: write would back node {node.id} up before its parent, node {parent.id},"
+                f" which holds no host copy ({parent.host}): under {self.policy.value} a parent"
+                " is backed up first, and backup() leaves the node until then"
             )
         acknowledgement = event in ACKNOWLEDGEMENTS or event in STORAGE_ACKNOWLEDGEMENTS
         if acknowledgement and self._core.allowed(node, event):

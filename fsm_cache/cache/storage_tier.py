@@ -483,9 +483,9 @@ class StorageTier:
             pages = self._tiers.alloc_host(size, node.id)
         except PoolExhausted:
             spare = (node.parent,) if node.parent is not None else ()
-            short = size - self._tiers.host.allocator.free_pages
-            if self._evictor.host_evictable(spare) < short:
+            if not self._evictor.could_free_host(size, spare):
                 raise  # no eviction could make room: refused before anything is evicted
+            short = size - self._tiers.host.allocator.free_pages
             self._evictor.evict_host(short * self._tiers.page_size, spare=spare)
             pages = self._tiers.alloc_host(size, node.id)
         node.host_pages = pages
