@@ -243,8 +243,76 @@ def test_a_transition_whose_guard_never_holds_reaches_nothing(tmp_path: Path) ->
     )
     text += '\n[[forbid]]\nevent = "enter"\nsource = ["closed", "open"]\nguard = "n <= 8"\nerror = "E"\nreason = "r"\n'
     assert found(tmp_path, text) == [
+        "states.closed: not final and has no way out: no transition out has a guard that can hold there (invariant n == 0)",
         "states.open: unreachable from closed",
         "states.open: not final and has no transition out",
+        "transition[0].guard: never holds in closed (invariant n == 0): the transition can never fire from there",
+    ]
+
+
+# A state entered from closed whose one way out needs n >= 1 where its invariant says n == 0.
+JAM = """
+[[transition]]
+event = "jam"
+source = "closed"
+dest = "jammed"
+
+[[forbid]]
+event = "jam"
+source = ["open", "jammed"]
+error = "E"
+reason = "r"
+
+[[transition]]
+event = "unjam"
+source = "jammed"
+dest = "closed"
+guard = "n >= 1"
+update = "n = 0"
+
+[[forbid]]
+event = "unjam"
+source = "jammed"
+guard = "n == 0"
+error = "Stuck"
+reason = "r"
+
+[[forbid]]
+event = "unjam"
+source = ["closed", "open"]
+error = "E"
+reason = "r"
+
+[[forbid]]
+event = "enter"
+source = "jammed"
+error = "E"
+reason = "r"
+
+[[forbid]]
+event = "leave"
+source = "jammed"
+error = "E"
+reason = "r"
+"""
+
+
+def test_a_state_whose_only_exit_never_fires_has_no_way_out(tmp_path: Path) -> None:
+    text = HEAD + 'jammed = { invariant = "n == 0" }\n' + OPEN + LEAVE + REFUSE + JAM
+    assert found(tmp_path, text) == [
+        "states.jammed: not final and has no way out: no transition out has a guard that can hold there (invariant n == 0)",
+        "transition[4].guard: never holds in jammed (invariant n == 0): the transition can never fire from there",
+    ]
+
+
+def test_a_transition_that_never_fires_from_a_source_is_a_fault(tmp_path: Path) -> None:
+    shut = (
+        '\n[[transition]]\nevent = "shut"\nsource = "open"\ndest = "closed"\nguard = "n == 0"\n'
+        '\n[[forbid]]\nevent = "shut"\nsource = "open"\nguard = "n >= 1"\nerror = "E"\nreason = "r"\n'
+        '\n[[forbid]]\nevent = "shut"\nsource = "closed"\nerror = "E"\nreason = "r"\n'
+    )
+    assert found(tmp_path, GATE + shut) == [
+        "transition[3].guard: never holds in open (invariant n >= 1): the transition can never fire from there"
     ]
 
 

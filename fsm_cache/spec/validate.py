@@ -21,6 +21,7 @@ from fsm_cache.spec.machine import (
     Forbid,
     MachineSpec,
     Spec,
+    StateSpec,
     System,
     Transition,
     bad_name,
@@ -334,9 +335,25 @@ def _liveness(spec: MachineSpec) -> Iterator[str]:
     for st in spec.states:
         if st.name not in reached:
             yield f"states.{st.name}: unreachable from {spec.initial}"
-        exits = [t for t in spec.transitions if st.name in t.sources and t.dest != st.name]
-        if not st.final and not exits:
-            yield f"states.{st.name}: not final and has no transition out"
+        if not st.final:
+            yield from _way_out(spec, st)
+    for i, tr in enumerate(spec.transitions):
+        for source in (s for s in tr.sources if not _enabled(spec, s, tr.guard)):
+            yield f"transition[{i}].guard: never holds in {source}{_under(spec.state(source))}: the transition can never fire from there"
+
+
+def _way_out(spec: MachineSpec, st: StateSpec) -> Iterator[str]:
+    """A non-final state needs a transition out whose guard can hold under its invariant."""
+    exits = [t for t in spec.transitions if st.name in t.sources and t.dest != st.name]
+    if not exits:
+        yield f"states.{st.name}: not final and has no transition out"
+    elif not any(_enabled(spec, st.name, t.guard) for t in exits):
+        yield f"states.{st.name}: not final and has no way out: no transition out has a guard that can hold there{_under(st)}"
+
+
+def _under(st: StateSpec) -> str:
+    """Return `` (invariant pins >= 1)``, or nothing for a state without one."""
+    return f" (invariant {st.invariant})" if st.invariant else ""
 
 
 def _enabled(spec: MachineSpec, state: str, guard: Guard) -> bool:
