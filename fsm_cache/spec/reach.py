@@ -29,6 +29,8 @@ States = tuple[str, ...]
 Point = tuple[States, tuple[int, ...]]
 """A record as reachability sees it: its states, then its counters in declaration order,
 each capped at its :func:`ceilings` value."""
+Record = tuple[dict[str, str], dict[str, int]]
+"""A record as a run leaves it: its state by region, and its counters by name, uncapped."""
 Way = tuple["Point | None", str]
 """How a point was first reached: the point before and the event fired there, or
 ``None`` and the birth's name (``""`` for the initial states) for a point a birth makes."""
@@ -115,12 +117,11 @@ def search(system: System, limit: int | None = None) -> Runs:
         values = dict(zip(names, point[1], strict=True))
         moved = False
         for event in system.event_names:
-            outcome = step(system, event, here, values)
-            if outcome[0] != "":
+            taken = fire(system, event, (here, values))
+            if taken is None:
                 continue
             moved = True
-            after = tuple(str(s) for s in outcome[1 : len(regions) + 1])
-            counts = [int(str(v)) for v in outcome[len(regions) + 1 :]]
+            after, counts = tuple(taken[0].values()), list(taken[1].values())
             for new in _spread(after, point[1], counts, [top[n] for n in names]):
                 if new not in ways:
                     ways[new] = (point, event)
@@ -130,6 +131,35 @@ def search(system: System, limit: int | None = None) -> Runs:
         if limit is not None and len(ways) > limit:
             return Runs(system, ways, frozenset(stuck), complete=False)
     return Runs(system, ways, frozenset(stuck))
+
+
+def fire(system: System, event: str, record: Record) -> Record | None:
+    """Return ``record`` after ``event``, or None if the system refuses it there.
+
+    A record alone: no parent and no children (see the module's docstring).
+    """
+    outcome = step(system, event, *record)
+    if outcome[0] != "":
+        return None
+    regions = [region for region, _ in system.regions]
+    states = [str(s) for s in outcome[1 : len(regions) + 1]]
+    counts = [int(str(v)) for v in outcome[len(regions) + 1 :]]
+    names = [name for name, _ in system.counters]
+    return dict(zip(regions, states, strict=True)), dict(zip(names, counts, strict=True))
+
+
+def replay(system: System, birth: str, events: list[str]) -> Record | None:
+    """Return the record ``events`` leave, fired in order on one born ``birth``; None if one is refused.
+
+    The exact counters, where :func:`search` caps them: a run it found
+    through a capped counter may not be one an exact record can take.
+    """
+    record: Record | None = (system.born(birth or None), dict(system.counters))
+    for event in events:
+        if record is None:
+            return None
+        record = fire(system, event, record)
+    return record
 
 
 def reachable(system: System) -> frozenset[Point]:
