@@ -246,7 +246,6 @@ def test_a_transition_whose_guard_never_holds_reaches_nothing(tmp_path: Path) ->
         "states.closed: not final and has no way out: no transition out has a guard that can hold there (invariant n == 0)",
         "states.open: unreachable from closed",
         "states.open: not final and has no transition out",
-        "transition[0].guard: never holds in closed (invariant n == 0): the transition can never fire from there",
     ]
 
 
@@ -301,18 +300,34 @@ def test_a_state_whose_only_exit_never_fires_has_no_way_out(tmp_path: Path) -> N
     text = HEAD + 'jammed = { invariant = "n == 0" }\n' + OPEN + LEAVE + REFUSE + JAM
     assert found(tmp_path, text) == [
         "states.jammed: not final and has no way out: no transition out has a guard that can hold there (invariant n == 0)",
-        "transition[4].guard: never holds in jammed (invariant n == 0): the transition can never fire from there",
+        "transition[4].guard: never holds in jammed (invariant n == 0): the transition can never fire",
     ]
 
 
-def test_a_transition_that_never_fires_from_a_source_is_a_fault(tmp_path: Path) -> None:
+def test_a_transition_that_never_fires_is_a_fault(tmp_path: Path) -> None:
     shut = (
         '\n[[transition]]\nevent = "shut"\nsource = "open"\ndest = "closed"\nguard = "n == 0"\n'
         '\n[[forbid]]\nevent = "shut"\nsource = "open"\nguard = "n >= 1"\nerror = "E"\nreason = "r"\n'
         '\n[[forbid]]\nevent = "shut"\nsource = "closed"\nerror = "E"\nreason = "r"\n'
     )
     assert found(tmp_path, GATE + shut) == [
-        "transition[3].guard: never holds in open (invariant n >= 1): the transition can never fire from there"
+        "transition[3].guard: never holds in open (invariant n >= 1): the transition can never fire"
+    ]
+
+
+def test_a_guard_may_choose_among_a_transitions_sources(tmp_path: Path) -> None:
+    # reset's guard holds in closed only; open, where it never holds, refuses it.
+    reset = (
+        '\n[[transition]]\nevent = "reset"\nsource = ["closed", "open"]\ndest = "closed"\nguard = "n == 0"\n'
+        '\n[[forbid]]\nevent = "reset"\nsource = "open"\nerror = "E"\nreason = "r"\n'
+    )
+    (tmp_path / "gate.toml").write_text(GATE + reset, encoding="utf-8")
+    assert problems(load_spec(tmp_path / "gate.toml")) == []
+    dead = reset.replace("n == 0", "n < 0").replace(
+        'source = "open"', 'source = ["closed", "open"]'
+    )
+    assert found(tmp_path, GATE + dead) == [
+        "transition[3].guard: never holds in closed (invariant n == 0) nor in open (invariant n >= 1): the transition can never fire"
     ]
 
 
