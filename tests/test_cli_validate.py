@@ -81,7 +81,7 @@ name = "pair"
 one = "flip.toml"
 [[forbid]]
 event = "flip"
-when = "one in [a]"
+when = "one in [b]"
 error = "Stuck"
 reason = "stuck"
 """
@@ -494,3 +494,30 @@ def test_a_named_pipe_is_an_error_line_not_a_wait(
             f"error: {comp}: composition.regions.a: cannot read {fifo}: not a regular file (a named pipe)",
         ],
     )
+
+
+def test_a_composed_deadlock_is_one_error_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    for name, there, back in (("door", "open_door", "close_door"), ("bolt", "lock", "unlock")):
+        (tmp_path / f"{name}.toml").write_text(
+            f'[machine]\nname = "{name}"\ninitial = "a"\n[states]\na = {{}}\nb = {{}}\n'
+            f'[[transition]]\nevent = "{there}"\nsource = "a"\ndest = "b"\n'
+            f'[[forbid]]\nevent = "{there}"\nsource = "b"\nerror = "E"\nreason = "r"\n'
+            f'[[transition]]\nevent = "{back}"\nsource = "b"\ndest = "a"\n'
+            f'[[forbid]]\nevent = "{back}"\nsource = "a"\nerror = "E"\nreason = "r"\n',
+            encoding="utf-8",
+        )
+    house = tmp_path / "house.toml"
+    house.write_text(
+        '[composition]\nname = "house"\n[composition.regions]\ndoor = "door.toml"\nbolt = "bolt.toml"\n'
+        '[[forbid]]\nevent = "lock"\nwhen = "door in [b]"\nerror = "DoorOpen"\nreason = "r"\n'
+        '[[forbid]]\nevent = "open_door"\nwhen = "bolt in [b]"\nerror = "Bolted"\nreason = "r"\n'
+        '[[forbid]]\nevent = "unlock"\nwhen = "door in [a]"\nerror = "NoKeyhole"\nreason = "r"\n',
+        encoding="utf-8",
+    )
+    status, out, err = run(capsys, str(house))
+    assert (status, out) == (2, [])
+    assert err == [
+        f"error: {house}: composition: deadlock at door a, bolt b: every event is refused there (open_door: Bolted, close_door: E, lock: E, unlock: NoKeyhole) and no region is final; reached from the initial states by lock"
+    ]

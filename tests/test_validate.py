@@ -243,8 +243,119 @@ def test_a_transition_whose_guard_never_holds_reaches_nothing(tmp_path: Path) ->
     )
     text += '\n[[forbid]]\nevent = "enter"\nsource = ["closed", "open"]\nguard = "n <= 8"\nerror = "E"\nreason = "r"\n'
     assert found(tmp_path, text) == [
+        "states.closed: not final and has no way out: no transition out has a guard that can hold there (invariant n == 0)",
         "states.open: unreachable from closed",
         "states.open: not final and has no transition out",
+    ]
+
+
+# A state entered from closed whose one way out needs n >= 1 where its invariant says n == 0.
+JAM = """
+[[transition]]
+event = "jam"
+source = "closed"
+dest = "jammed"
+
+[[forbid]]
+event = "jam"
+source = ["open", "jammed"]
+error = "E"
+reason = "r"
+
+[[transition]]
+event = "unjam"
+source = "jammed"
+dest = "closed"
+guard = "n >= 1"
+update = "n = 0"
+
+[[forbid]]
+event = "unjam"
+source = "jammed"
+guard = "n == 0"
+error = "Stuck"
+reason = "r"
+
+[[forbid]]
+event = "unjam"
+source = ["closed", "open"]
+error = "E"
+reason = "r"
+
+[[forbid]]
+event = "enter"
+source = "jammed"
+error = "E"
+reason = "r"
+
+[[forbid]]
+event = "leave"
+source = "jammed"
+error = "E"
+reason = "r"
+"""
+
+
+def test_a_state_whose_only_exit_never_fires_has_no_way_out(tmp_path: Path) -> None:
+    text = HEAD + 'jammed = { invariant = "n == 0" }\n' + OPEN + LEAVE + REFUSE + JAM
+    assert found(tmp_path, text) == [
+        "states.jammed: not final and has no way out: no transition out has a guard that can hold there (invariant n == 0)",
+        "transition[4].guard: never holds in jammed (invariant n == 0): the transition can never fire",
+    ]
+
+
+def test_a_transition_that_never_fires_is_a_fault(tmp_path: Path) -> None:
+    shut = (
+        '\n[[transition]]\nevent = "shut"\nsource = "open"\ndest = "closed"\nguard = "n == 0"\n'
+        '\n[[forbid]]\nevent = "shut"\nsource = "open"\nguard = "n >= 1"\nerror = "E"\nreason = "r"\n'
+        '\n[[forbid]]\nevent = "shut"\nsource = "closed"\nerror = "E"\nreason = "r"\n'
+    )
+    assert found(tmp_path, GATE + shut) == [
+        "transition[3].guard: never holds in open (invariant n >= 1): the transition can never fire"
+    ]
+
+
+def test_a_guard_may_choose_among_a_transitions_sources(tmp_path: Path) -> None:
+    # reset's guard holds in closed only; open, where it never holds, refuses it.
+    reset = (
+        '\n[[transition]]\nevent = "reset"\nsource = ["closed", "open"]\ndest = "closed"\nguard = "n == 0"\n'
+        '\n[[forbid]]\nevent = "reset"\nsource = "open"\nerror = "E"\nreason = "r"\n'
+    )
+    (tmp_path / "gate.toml").write_text(GATE + reset, encoding="utf-8")
+    assert problems(load_spec(tmp_path / "gate.toml")) == []
+    dead = reset.replace("n == 0", "n < 0").replace(
+        'source = "open"', 'source = ["closed", "open"]'
+    )
+    assert found(tmp_path, GATE + dead) == [
+        "transition[3].guard: never holds in closed (invariant n == 0) nor in open (invariant n >= 1): the transition can never fire"
+    ]
+
+
+def test_a_state_reached_only_where_its_exit_is_shut_is_a_deadlock(tmp_path: Path) -> None:
+    # jammed has no invariant, so unjam's guard can hold there; but jam enters it with n == 0.
+    text = HEAD + "jammed = {}\n" + OPEN + LEAVE + REFUSE + JAM
+    assert found(tmp_path, text) == [
+        "states.jammed: deadlock when n=0: every event is refused there (enter: E, leave: E, jam: E, unjam: Stuck) and it is not final; reached from closed by jam"
+    ]
+    (tmp_path / "gate.toml").write_text(text.replace("jammed = {}", "jammed = { final = true }"))
+    assert problems(load_spec(tmp_path / "gate.toml")) == []
+
+
+def test_a_state_no_run_reaches_with_the_counters_its_way_in_needs(tmp_path: Path) -> None:
+    # jam needs n >= 5 and closed allows it (no invariant), but no run leaves n above 0 there.
+    text = HEAD.replace('closed = { invariant = "n == 0" }', "closed = {}") + "jammed = {}\n"
+    text += (
+        OPEN
+        + LEAVE
+        + JAM.replace(
+            'source = "closed"\ndest = "jammed"',
+            'source = "closed"\ndest = "jammed"\nguard = "n >= 5"',
+        )
+    )
+    text += '\n[[forbid]]\nevent = "leave"\nsource = "closed"\nerror = "E"\nreason = "r"\n'
+    text += '\n[[forbid]]\nevent = "jam"\nsource = "closed"\nguard = "n <= 4"\nerror = "E"\nreason = "r"\n'
+    assert found(tmp_path, text) == [
+        "states.jammed: unreachable from closed (every way in needs counters no run from closed has)"
     ]
 
 
@@ -518,3 +629,183 @@ def test_the_examples_above_are_faults() -> None:
         "<python>: states.p: event 'x' is neither a transition nor a forbid when a=0, b=0 (not total)",
         "<python>: transition[0].update: breaks the invariant of q (a != 5) from p when a=7, b=0",
     ]
+
+
+def _two_states(name: str, a: str, b: str, there: str, back: str) -> str:
+    """A machine of two states without counters: ``there`` goes a to b, ``back`` b to a."""
+    return f"""
+[machine]
+name = "{name}"
+initial = "{a}"
+[states]
+{a} = {{}}
+{b} = {{}}
+[[transition]]
+event = "{there}"
+source = "{a}"
+dest = "{b}"
+[[forbid]]
+event = "{there}"
+source = "{b}"
+error = "Already{b.capitalize()}"
+reason = "r"
+[[transition]]
+event = "{back}"
+source = "{b}"
+dest = "{a}"
+[[forbid]]
+event = "{back}"
+source = "{a}"
+error = "Already{a.capitalize()}"
+reason = "r"
+"""
+
+
+HOUSE = """
+[composition]
+name = "house"
+[composition.regions]
+door = "door.toml"
+bolt = "bolt.toml"
+[[forbid]]
+event = "lock"
+when = "door in [open]"
+error = "DoorOpen"
+reason = "r"
+[[forbid]]
+event = "open_door"
+when = "bolt in [locked]"
+error = "Bolted"
+reason = "r"
+"""
+
+
+def _house(tmp_path: Path, rules: str) -> Path:
+    (tmp_path / "door.toml").write_text(
+        _two_states("door", "closed", "open", "open_door", "close_door"), encoding="utf-8"
+    )
+    (tmp_path / "bolt.toml").write_text(
+        _two_states("bolt", "unlocked", "locked", "lock", "unlock"), encoding="utf-8"
+    )
+    path = tmp_path / "house.toml"
+    path.write_text(HOUSE + rules, encoding="utf-8")
+    return path
+
+
+def test_a_composed_record_that_refuses_every_event_is_a_deadlock(tmp_path: Path) -> None:
+    assert problems(load_spec(_house(tmp_path, ""))) == []
+    rule = '[[forbid]]\nevent = "unlock"\nwhen = "door in [closed]"\nerror = "NoKeyhole"\nreason = "r"\n'
+    path = _house(tmp_path, rule)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert info.value.problems == [
+        f"{path}: composition: deadlock at door closed, bolt locked: every event is refused there (open_door: Bolted, close_door: AlreadyClosed, lock: AlreadyLocked, unlock: NoKeyhole) and no region is final; reached from the initial states by lock"
+    ]
+
+
+def test_a_region_state_the_composition_never_reaches(tmp_path: Path) -> None:
+    rules = '[[forbid]]\nevent = "open_door"\nwhen = "bolt in [unlocked]"\nerror = "Jammed"\nreason = "r"\n'
+    path = _house(tmp_path, rules)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert info.value.problems == [
+        f"{path}: composition.regions.door: state open: unreachable in the composition (no run from a birth reaches it)"
+    ]
+
+
+def test_a_birth_is_where_a_run_may_start(tmp_path: Path) -> None:
+    # Born open, the door is no longer unreachable; born locked and closed, the record is stuck.
+    rules = '[[forbid]]\nevent = "open_door"\nwhen = "bolt in [unlocked]"\nerror = "Jammed"\nreason = "r"\n'
+    ajar = '[composition.births.ajar]\nstates = { door = "open" }\n'
+    assert problems(load_spec(_house(tmp_path, ajar + rules))) == []
+    shut = '[composition.births.shut]\nstates = { bolt = "locked" }\n'
+    rule = '[[forbid]]\nevent = "unlock"\nwhen = "door in [closed]"\nerror = "NoKeyhole"\nreason = "r"\n'
+    path = _house(tmp_path, shut + rule)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert info.value.problems[0].endswith(
+        "and no region is final; a record is born there (birth shut)"
+    )
+
+
+def test_tree_rules_are_read_for_a_record_without_neighbours(tmp_path: Path) -> None:
+    # A parent waiting on its child and a child on its parent is a tree's deadlock, not a
+    # record's: alone, neither rule refuses, and fsm-cache check is what explores trees.
+    rules = (
+        '[[forbid]]\nevent = "unlock"\nwhen = "any child door in [closed]"\nerror = "E"\nreason = "r"\n'
+        '[[forbid]]\nevent = "unlock"\nwhen = "parent door in [closed]"\nerror = "E"\nreason = "r"\n'
+    )
+    assert problems(load_spec(_house(tmp_path, rules))) == []
+
+
+def test_a_final_region_ends_the_record(tmp_path: Path) -> None:
+    rule = '[[forbid]]\nevent = "unlock"\nwhen = "door in [closed]"\nerror = "NoKeyhole"\nreason = "r"\n'
+    path = _house(tmp_path, rule)
+    bolt = (tmp_path / "bolt.toml").read_text(encoding="utf-8")
+    (tmp_path / "bolt.toml").write_text(
+        bolt.replace("locked = {}", "locked = { final = true }")
+        .replace(
+            'event = "unlock"\nsource = "locked"\ndest = "unlocked"',
+            'event = "unlock"\nsource = "unlocked"\ndest = "unlocked"',
+        )
+        .replace(
+            '[[forbid]]\nevent = "unlock"\nsource = "unlocked"\nerror = "AlreadyUnlocked"\nreason = "r"\n',
+            "",
+        ),
+        encoding="utf-8",
+    )
+    assert problems(load_spec(path)) == []
+
+
+def test_a_search_past_the_record_limit_claims_no_unreachable_state(tmp_path: Path) -> None:
+    # far is reached after a million climbs: past the limit, so it is not called unreachable.
+    text = """
+[machine]
+name = "climb"
+initial = "near"
+[counters]
+n = 0
+[states]
+near = {}
+far = {}
+[[transition]]
+event = "climb"
+source = "near"
+dest = "near"
+update = "n += 1"
+[[transition]]
+event = "arrive"
+source = "near"
+dest = "far"
+guard = "n >= 1000000"
+[[forbid]]
+event = "arrive"
+source = "near"
+guard = "n < 1000000"
+error = "E"
+reason = "r"
+[[transition]]
+event = "back"
+source = "far"
+dest = "near"
+update = "n = 0"
+[[forbid]]
+event = "back"
+source = "near"
+error = "E"
+reason = "r"
+[[forbid]]
+event = "climb"
+source = "far"
+error = "E"
+reason = "r"
+[[forbid]]
+event = "arrive"
+source = "far"
+error = "E"
+reason = "r"
+"""
+    path = tmp_path / "climb.toml"
+    path.write_text(text, encoding="utf-8")
+    assert problems(load_spec(path)) == []
+    assert validate_module.RECORD_LIMIT == 10_000

@@ -13,25 +13,18 @@ rule), and the combinations of region states that some run of the spec
 reaches from a birth. The last is what the composition's cross-region
 refusals decide: ``write`` is refused without a device copy and
 ``evict_device`` while a backup reads it, so no run has a host ``writing``
-beside a device ``absent``.
+beside a device ``absent``. The search of those runs is the spec layer's
+(:mod:`fsm_cache.spec.reach`), which validation reads too.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import cast
 
 from fsm_cache.spec.machine import MachineSpec, System
-from fsm_cache.spec.meaning import step
-
-
-States = tuple[str, ...]
-"""One state per region, in region order."""
-Point = tuple[States, tuple[int, ...]]
-"""A record as reachability sees it: its states, then its counters in declaration order,
-each capped at its :func:`ceilings` value."""
+from fsm_cache.spec.reach import Point, ceilings, reachable
 
 
 def unknown_state(region: str, machine: MachineSpec, state: object) -> str | None:
@@ -42,83 +35,15 @@ def unknown_state(region: str, machine: MachineSpec, state: object) -> str | Non
     return f"{region} {state!r} is not a state of {machine.name} ({known})"
 
 
-def ceilings(system: System) -> dict[str, int]:
-    """Return, per counter, a value from which up every comparison the spec makes answers alike.
-
-    One more than the largest constant the counter is compared with (or starts
-    at): every guard, invariant and refusal then holds of all values from the
-    ceiling up or of none, so the ceiling stands for all of them.
-    """
-    guards = [forbid.guard for forbid in system.forbids]
-    for _, machine in system.regions:
-        guards += [state.invariant for state in machine.states]
-        guards += [t.guard for t in machine.transitions] + [f.guard for f in machine.forbids]
-    top = {name: max(value, 0) + 1 for name, value in system.counters}
-    for term in (term for guard in guards for term in guard.terms):
-        if term.counter in top:
-            top[term.counter] = max(top[term.counter], term.value + 1)
-    return top
-
-
-def reachable(system: System) -> frozenset[Point]:
-    """Return every record some run of ``system`` reaches: its states and capped counters.
-
-    A run starts at a birth (every region's initial state, or a declared
-    birth, with the initial counters) and fires events as the spec's reference
-    semantics (:func:`~fsm_cache.spec.meaning.step`) takes them. Counters are
-    capped at their :func:`ceilings`, where the cap stands for every value from
-    it up: a step down from the cap may land anywhere between its result and
-    the cap. Tree rules are read for a record with no parent and no children,
-    where none of them refuses. Both keep the search finite and only add
-    records, so one left out is reached by no run in any tree.
-    """
-    regions = [region for region, _ in system.regions]
-    names, top = [name for name, _ in system.counters], ceilings(system)
-    births = [system.born(None), *(system.born(b.name) for b in system.births)]
-    initial = tuple(min(value, top[name]) for name, value in system.counters)
-    seen = {(tuple(born[r] for r in regions), initial) for born in births}
-    frontier = list(seen)
-    while frontier:
-        states, counts = frontier.pop()
-        here = dict(zip(regions, states, strict=True))
-        values = dict(zip(names, counts, strict=True))
-        for event in system.event_names:
-            outcome = step(system, event, here, values)
-            if outcome[0] != "":
-                continue
-            after = tuple(str(s) for s in outcome[1 : len(regions) + 1])
-            moved = [int(str(v)) for v in outcome[len(regions) + 1 :]]
-            for point in _spread(after, counts, moved, [top[n] for n in names]):
-                if point not in seen:
-                    seen.add(point)
-                    frontier.append(point)
-    return frozenset(seen)
-
-
-def _spread(
-    states: States, before: tuple[int, ...], after: list[int], top: list[int]
-) -> Iterator[Point]:
-    """Yield the capped records a step to ``states`` and ``after`` stands for.
-
-    A counter at its cap stands for every value from it up, so a step that
-    lowers it lands anywhere from its result up to the cap.
-    """
-    choices = [
-        range(value, cap + 1) if was == cap and value < cap else (min(value, cap),)
-        for was, value, cap in zip(before, after, top, strict=True)
-    ]
-    for counts in itertools.product(*choices):
-        yield states, counts
-
-
 @dataclass(frozen=True)
 class Legal:
     """The records a system allows: known states, counts their invariants allow, reachable.
 
     Attributes:
         system: The system the records run on.
-        reached: Every record some run reaches, counters capped (:func:`reachable`).
-        top: Each counter's cap (:func:`ceilings`).
+        reached: Every record some run reaches, counters capped
+            (:func:`~fsm_cache.spec.reach.reachable`).
+        top: Each counter's cap (:func:`~fsm_cache.spec.reach.ceilings`).
     """
 
     system: System

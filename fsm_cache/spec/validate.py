@@ -21,11 +21,15 @@ from fsm_cache.spec.machine import (
     Forbid,
     MachineSpec,
     Spec,
+    StateSpec,
     System,
     Transition,
+    as_system,
     bad_name,
     bad_title,
 )
+from fsm_cache.spec.meaning import step
+from fsm_cache.spec.reach import Record, Runs, replay, search
 from fsm_cache.spec.stubs import state_alias
 
 
@@ -34,6 +38,11 @@ from fsm_cache.spec.stubs import state_alias
 RESERVED = frozenset({"id", "trail", "parent", "children", "state", "rec", "result", "error"})
 """Names no counter or region may take: a record's own attributes, and the names the
 generated contracts module gives a record, a step's result and its refusal."""
+
+RECORD_LIMIT = 10_000
+"""The most records (states and capped counters) validation searches for deadlocks and
+unreached states: past it, a spec whose counters are compared with large constants is
+searched no further, its deadlocks found so far reported and no state called unreachable."""
 
 
 def validate(spec: Spec) -> None:
@@ -57,6 +66,8 @@ def problems(spec: Spec) -> list[str]:
         *_safety(spec),
         *_liveness(spec),
     ]
+    if not lines:  # the search runs the spec's steps, so they must be well defined
+        lines = list(_records(spec))
     return [f"{spec.source}: {line}" for line in lines]
 
 
@@ -334,9 +345,28 @@ def _liveness(spec: MachineSpec) -> Iterator[str]:
     for st in spec.states:
         if st.name not in reached:
             yield f"states.{st.name}: unreachable from {spec.initial}"
-        exits = [t for t in spec.transitions if st.name in t.sources and t.dest != st.name]
-        if not st.final and not exits:
-            yield f"states.{st.name}: not final and has no transition out"
+        if not st.final:
+            yield from _way_out(spec, st)
+    for i, tr in enumerate(spec.transitions):
+        # A source list shares one transition among states, its guard choosing among
+        # them; only a guard that holds in none of them says a move never made.
+        if tr.sources and not any(_enabled(spec, s, tr.guard) for s in tr.sources):
+            where = " nor in ".join(f"{s}{_under(spec.state(s))}" for s in tr.sources)
+            yield f"transition[{i}].guard: never holds in {where}: the transition can never fire"
+
+
+def _way_out(spec: MachineSpec, st: StateSpec) -> Iterator[str]:
+    """A non-final state needs a transition out whose guard can hold under its invariant."""
+    exits = [t for t in spec.transitions if st.name in t.sources and t.dest != st.name]
+    if not exits:
+        yield f"states.{st.name}: not final and has no transition out"
+    elif not any(_enabled(spec, st.name, t.guard) for t in exits):
+        yield f"states.{st.name}: not final and has no way out: no transition out has a guard that can hold there{_under(st)}"
+
+
+def _under(st: StateSpec) -> str:
+    """Return `` (invariant pins >= 1)``, or nothing for a state without one."""
+    return f" (invariant {st.invariant})" if st.invariant else ""
 
 
 def _enabled(spec: MachineSpec, state: str, guard: Guard) -> bool:
@@ -375,7 +405,85 @@ def _system_problems(system: System) -> list[str]:
     for i, fb in enumerate(system.forbids):
         out += _system_forbid_problems(system, f"forbid[{i}]", fb)
     out += _birth_problems(system)
+    if not inner and not out:  # the search runs the spec's steps, so they must be well defined
+        out = list(_records(system))
     return [*inner, *(f"{system.source}: {line}" for line in out)]
+
+
+def _records(spec: Spec) -> Iterator[str]:
+    """Each deadlock a run reaches, then each state no run reaches, searching whole records.
+
+    The checks above look at one state of one machine; these follow runs of
+    the whole record (every region, its counters, the composition's rules)
+    from its births, with :func:`fsm_cache.spec.reach.search`. Tree rules are
+    read for a record with no parent and no children, where none refuses:
+    neighbours only add refusals, so a deadlock found is one in any tree, and
+    a state missed is missed in every tree.
+    """
+    runs = search(as_system(spec), RECORD_LIMIT)
+    yield from _deadlocks(spec, runs)
+    if runs.complete:
+        yield from _unreached(spec, runs)
+
+
+def _deadlocks(spec: Spec, runs: Runs) -> Iterator[str]:
+    """Each combination of states where a reached record refuses every event, none final.
+
+    The first (shortest) run to each is replayed with exact counters, so the
+    record named is one a run really reaches, whatever the search's caps.
+    """
+    system, shown = runs.system, set()
+    for point in (p for p in runs.ways if p in runs.stuck and p[0] not in shown):
+        here = dict(zip(system.machines, point[0], strict=True))
+        if any(system.machines[r].state(s).final for r, s in here.items()):
+            continue
+        birth, events = runs.run_to(point)
+        record = replay(system, birth, events)
+        if record is None or record[0] != here:
+            continue
+        refused = [(e, step(system, e, *record)[0]) for e in system.event_names]
+        if any(error == "" for _, error in refused):
+            continue
+        shown.add(point[0])
+        yield _deadlock(spec, record, refused, _run(spec, birth, events))
+
+
+def _deadlock(
+    spec: Spec,
+    record: Record,
+    refused: list[tuple[str, object]],
+    run: str,
+) -> str:
+    """Return the line naming a deadlocked ``record``, each event's refusal, and ``run``."""
+    reasons = ", ".join(f"{event}: {error}" for event, error in refused)
+    every = f"every event is refused there ({reasons})"
+    if isinstance(spec, System):
+        where = ", ".join(f"{region} {state}" for region, state in record[0].items())
+        return f"composition: deadlock at {where}{_when(record[1])}: {every} and no region is final; {run}"
+    return f"states.{record[0]['state']}: deadlock{_when(record[1])}: {every} and it is not final; {run}"
+
+
+def _run(spec: Spec, birth: str, events: list[str]) -> str:
+    """Return how a run reaches a record: ``reached from closed by jam, unjam``."""
+    if isinstance(spec, System):
+        origin = f"birth {birth}" if birth else "the initial states"
+    else:
+        origin = spec.initial
+    if not events:
+        return f"a record is born there ({origin})"
+    return f"reached from {origin} by {', '.join(events)}"
+
+
+def _unreached(spec: Spec, runs: Runs) -> Iterator[str]:
+    """Each region state no reached record has."""
+    regions = list(runs.system.machines)
+    seen = {pair for point in runs.ways for pair in zip(regions, point[0], strict=True)}
+    for region, machine in runs.system.regions:
+        for state in (s for s in machine.state_names if (region, s) not in seen):
+            if isinstance(spec, System):
+                yield f"composition.regions.{region}: state {state}: unreachable in the composition (no run from a birth reaches it)"
+            else:
+                yield f"states.{state}: unreachable from {spec.initial} (every way in needs counters no run from {spec.initial} has)"
 
 
 def _alias_problems(system: System) -> Iterator[str]:

@@ -1,0 +1,183 @@
+"""The records one spec's runs reach from its births, each with a shortest run to it.
+
+One search serves two readers: the engine, which asks whether a caller's
+record is one some run reaches (:mod:`fsm_cache.engine.legal`), and
+validation, which asks whether a reached record is stuck or a region state is
+never reached (:mod:`fsm_cache.spec.validate`). Both read the spec's own
+reference semantics (:func:`~fsm_cache.spec.meaning.step`), so the rule of
+what a step does lives in one place.
+
+Counters are capped one above the largest constant they are compared with
+(:func:`ceilings`) and tree rules are read for a record with no parent and no
+children, where none of them refuses. Both keep the search finite and only
+add records, so a record left out is reached by no run in any tree.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from fsm_cache.spec.machine import System
+from fsm_cache.spec.meaning import step
+
+
+States = tuple[str, ...]
+"""One state per region, in region order."""
+Point = tuple[States, tuple[int, ...]]
+"""A record as reachability sees it: its states, then its counters in declaration order,
+each capped at its :func:`ceilings` value."""
+Record = tuple[dict[str, str], dict[str, int]]
+"""A record as a run leaves it: its state by region, and its counters by name, uncapped."""
+Way = tuple["Point | None", str]
+"""How a point was first reached: the point before and the event fired there, or
+``None`` and the birth's name (``""`` for the initial states) for a point a birth makes."""
+
+
+def ceilings(system: System) -> dict[str, int]:
+    """Return, per counter, a value from which up every comparison the spec makes answers alike.
+
+    One more than the largest constant the counter is compared with (or starts
+    at): every guard, invariant and refusal then holds of all values from the
+    ceiling up or of none, so the ceiling stands for all of them.
+    """
+    guards = [forbid.guard for forbid in system.forbids]
+    for _, machine in system.regions:
+        guards += [state.invariant for state in machine.states]
+        guards += [t.guard for t in machine.transitions] + [f.guard for f in machine.forbids]
+    top = {name: max(value, 0) + 1 for name, value in system.counters}
+    for term in (term for guard in guards for term in guard.terms):
+        if term.counter in top:
+            top[term.counter] = max(top[term.counter], term.value + 1)
+    return top
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Every record some run of a system reaches, and how each was first reached.
+
+    Attributes:
+        system: The system searched.
+        ways: Each reached point and how a shortest run first reached it
+            (breadth first, events in the system's order).
+        stuck: The reached points where the system refuses every event.
+        complete: False when the search stopped at its limit: ``ways`` then
+            holds only some of the records runs reach.
+    """
+
+    system: System
+    ways: Mapping[Point, Way]
+    stuck: frozenset[Point]
+    complete: bool = True
+
+    @property
+    def points(self) -> frozenset[Point]:
+        """Every reached point."""
+        return frozenset(self.ways)
+
+    def run_to(self, point: Point) -> tuple[str, list[str]]:
+        """Return the birth (``""``: the initial states) and the events of a shortest run to ``point``."""
+        events: list[str] = []
+        before, label = self.ways[point]
+        while before is not None:
+            events.append(label)
+            before, label = self.ways[before]
+        return label, events[::-1]
+
+
+def search(system: System, limit: int | None = None) -> Runs:
+    """Return every record some run of ``system`` reaches, breadth first from its births.
+
+    A run starts at a birth (every region's initial state, or a declared
+    birth, with the initial counters) and fires events as
+    :func:`~fsm_cache.spec.meaning.step` takes them. A counter at its cap
+    stands for every value from it up: a step down from the cap may land
+    anywhere between its result and the cap.
+
+    Args:
+        system: The system to search.
+        limit: Stop, the result marked incomplete, once more records than
+            this are reached (None: search them all). Validation sets one, so
+            that a spec whose counters are compared with large constants
+            loads in bounded time.
+    """
+    regions = [region for region, _ in system.regions]
+    names, top = [name for name, _ in system.counters], ceilings(system)
+    initial = tuple(min(value, top[name]) for name, value in system.counters)
+    ways: dict[Point, Way] = {}
+    for birth in ["", *(b.name for b in system.births)]:
+        born = system.born(birth or None)
+        ways.setdefault((tuple(born[r] for r in regions), initial), (None, birth))
+    frontier, stuck = deque(ways), set()
+    while frontier:
+        point = frontier.popleft()
+        here = dict(zip(regions, point[0], strict=True))
+        values = dict(zip(names, point[1], strict=True))
+        moved = False
+        for event in system.event_names:
+            taken = fire(system, event, (here, values))
+            if taken is None:
+                continue
+            moved = True
+            after, counts = tuple(taken[0].values()), list(taken[1].values())
+            for new in _spread(after, point[1], counts, [top[n] for n in names]):
+                if new not in ways:
+                    ways[new] = (point, event)
+                    frontier.append(new)
+        if not moved:
+            stuck.add(point)
+        if limit is not None and len(ways) > limit:
+            return Runs(system, ways, frozenset(stuck), complete=False)
+    return Runs(system, ways, frozenset(stuck))
+
+
+def fire(system: System, event: str, record: Record) -> Record | None:
+    """Return ``record`` after ``event``, or None if the system refuses it there.
+
+    A record alone: no parent and no children (see the module's docstring).
+    """
+    outcome = step(system, event, *record)
+    if outcome[0] != "":
+        return None
+    regions = [region for region, _ in system.regions]
+    states = [str(s) for s in outcome[1 : len(regions) + 1]]
+    counts = [int(str(v)) for v in outcome[len(regions) + 1 :]]
+    names = [name for name, _ in system.counters]
+    return dict(zip(regions, states, strict=True)), dict(zip(names, counts, strict=True))
+
+
+def replay(system: System, birth: str, events: list[str]) -> Record | None:
+    """Return the record ``events`` leave, fired in order on one born ``birth``; None if one is refused.
+
+    The exact counters, where :func:`search` caps them: a run it found
+    through a capped counter may not be one an exact record can take.
+    """
+    record: Record | None = (system.born(birth or None), dict(system.counters))
+    for event in events:
+        if record is None:
+            return None
+        record = fire(system, event, record)
+    return record
+
+
+def reachable(system: System) -> frozenset[Point]:
+    """Return every record some run of ``system`` reaches: its states and capped counters."""
+    return search(system).points
+
+
+def _spread(
+    states: States, before: tuple[int, ...], after: list[int], top: list[int]
+) -> Iterator[Point]:
+    """Yield the capped records a step to ``states`` and ``after`` stands for.
+
+    A counter at its cap stands for every value from it up, so a step that
+    lowers it lands anywhere from its result up to the cap.
+    """
+    choices = [
+        range(value, cap + 1) if was == cap and value < cap else (min(value, cap),)
+        for was, value, cap in zip(before, after, top, strict=True)
+    ]
+    for counts in itertools.product(*choices):
+        yield states, counts
