@@ -435,11 +435,13 @@ TAKES_LOAD_PIN = BUGS / "release_takes_load_pin.toml"
 
 def test_a_release_taking_the_loads_pin_is_refused_by_the_shipped_spec(layout: Layout) -> None:
     loading = rec(-1, "pinned", "loading", 1, 0, 0, 1, 0)  # the load's pin; no client pin
-    assert layout.unheld(loading) == [("release", ("pins", ("host",)))]
-    assert layout.unheld(rec(-1, "pinned", "loading", 2, 0, 1, 1, 0)) == []  # a client pin too
+    unlock = ("unlock", ("locks", ("device",)))  # no lock held at all: asked too
+    assert layout.unheld(loading) == [("release", ("pins", ("host",))), unlock]
+    assert layout.unheld(rec(-1, "pinned", "loading", 2, 0, 1, 1, 0)) == [unlock]  # a client pin
     assert layout.unheld(rec(-1, "pinned", "resident", 1, 0, 1, 0, 0)) == [
         ("load_done", ("pins", ("host", "device"))),
         ("load_failed", ("pins", ("host", "device"))),
+        unlock,
     ]
     replay = Explorer(layout, Bounds({})).replay
     assert not replay.accepts((loading,), 0, "release")  # LoadPinHeld

@@ -1,4 +1,4 @@
-"""``check`` judges acquires and give-backs by what their steps do."""
+"""``check`` judges acquires and give-backs by what their steps do, and refuses give-backs of nothing."""
 
 from __future__ import annotations
 
@@ -118,4 +118,25 @@ def test_an_assignment_nothing_pins_adds_no_one_amount(tmp_path: Path) -> None:
     assert {(2, -1), (3, -2)} <= found  # values a representative stands for alone
     assert max(found) == (4, None)  # and 4 stands for every value from 4 up
     assert _layout(path).holders.releases["release"] == ()
+
+
+def test_a_give_back_accepted_with_nothing_held_is_named(tmp_path: Path) -> None:
+    """``release`` from ``idle`` to ``idle`` gives back what nobody took: found at the start."""
+    path = _pool(tmp_path, at_zero=ACCEPTED)
+    layout = _layout(path)
+    assert layout.holders.releases["release"] == (HOLD,)
+    assert layout.unheld(layout.fresh(-1)) == [("release", HOLD)]
+    result = check.check_spec(path, 3, Bounds({}))
+    assert result.violation == (
+        "invariant 6: node 0: release is accepted though nothing holds holders there "
+        "(holders=0, no acquire to give back)"
+    )
+    assert result.trace == ["start: chain"]
+
+
+def test_a_give_back_refused_at_zero_is_no_finding(tmp_path: Path) -> None:
+    layout = _layout(_pool(tmp_path))
+    assert layout.unheld(layout.fresh(-1)) == [("release", HOLD)]  # asked, and refused
+    result = check.check_spec(_pool(tmp_path), 3, Bounds({}))
+    assert (result.violation, result.stopped, result.states) == (None, None, 45)
 

@@ -247,20 +247,27 @@ class Layout:
         return any(self.hold(entry, key) == 0 for key in self.holders.releases[event])
 
     def unheld(self, entry: NodeEntry) -> list[tuple[str, Hold]]:
-        """Return the give-backs ``(event, hold)`` that would take another holder's count.
+        """Return the give-backs ``(event, hold)`` the spec must refuse at the node.
 
         ``event`` gives back ``hold``, which no client holds at the node, while
         holders of another kind hold the same counter there (a ``release`` where
-        the only pin is the one a ``load`` holds). Clients never fire these; the
-        spec must refuse them, or a client's give-back takes what it never held.
+        the only pin is the one a ``load`` holds), or while nothing holds it (the
+        count is 0: a ``release`` with nothing pinned). Clients never fire these;
+        the spec must refuse them, or a client's give-back takes what it never
+        held, or gives back what nobody took.
         """
         return [
             (event, key)
             for event, keys in self.holders.releases.items()
             for key in keys
             if self.hold(entry, key) == 0
-            and any(
-                self.hold(entry, k) > 0 for k in self.holders.kinds if k[0] == key[0] and k != key
+            and (
+                self.counter(entry, key[0]) == 0
+                or any(
+                    self.hold(entry, k) > 0
+                    for k in self.holders.kinds
+                    if k[0] == key[0] and k != key
+                )
             )
         ]
 
