@@ -1282,12 +1282,13 @@ def test_the_two_storage_machines_alone_are_checked_cheaply() -> None:
 
 
 def test_a_single_machine_is_explored_past_a_pin_it_cannot_release_by_every_event() -> None:
-    """A pin in host_residency alone is given back by release or load_done: one suffices."""
+    """A pin in host_residency alone is given back by release or load_done: one suffices.
+
+    The machine alone holds no pages, so no give-back is owed at once (a
+    refusal may be a wait): liveness decides whether each pin can be given back.
+    """
     layout = Layout.of(as_system(load_shipped("host_residency")))
     result = check.check_spec(spec_dir() / "host_residency.toml", 1, Bounds({"pins": 2}))
     assert (result.violation, result.states) == (None, 8)  # unbacked ... pinned(2), evicted
-    assert layout.owed((-1, "writing", 1, 1)) == [
-        ("release", ("pins", ("state",))),
-        ("load_done", ("pins", ("state",))),
-        ("load_failed", ("pins", ("state",))),
-    ]
+    assert not layout.at_once
+    assert layout.owed((-1, "writing", 1, 1)) == []

@@ -140,3 +140,130 @@ def test_a_give_back_refused_at_zero_is_no_finding(tmp_path: Path) -> None:
     result = check.check_spec(_pool(tmp_path), 3, Bounds({}))
     assert (result.violation, result.stopped, result.states) == (None, None, 45)
 
+
+BUSY = """
+[machine]
+name = "conn_busy"
+initial = "idle"
+
+[counters]
+holders = 0
+
+[states]
+idle = { invariant = "holders == 0" }
+leased = { invariant = "holders >= 1", counter = "holders" }
+busy = { invariant = "holders >= 1", counter = "holders" }
+
+[[transition]]
+event = "acquire"
+source = ["idle", "leased"]
+dest = "leased"
+update = "holders += 1"
+
+[[forbid]]
+event = "acquire"
+source = "busy"
+error = "QueryInFlight"
+reason = "a query is in flight"
+
+[[transition]]
+event = "release"
+source = "leased"
+dest = "leased"
+guard = "holders >= 2"
+update = "holders -= 1"
+
+[[transition]]
+event = "release"
+source = "leased"
+dest = "idle"
+guard = "holders == 1"
+update = "holders -= 1"
+
+[[forbid]]
+event = "release"
+source = "idle"
+error = "ReleaseAtZero"
+reason = "release without a matching acquire"
+
+[[forbid]]
+event = "release"
+source = "busy"
+error = "QueryInFlight"
+reason = "wait for the query to finish"
+
+[[transition]]
+event = "query"
+source = "leased"
+dest = "busy"
+
+[[forbid]]
+event = "query"
+source = ["idle", "busy"]
+error = "NotLeased"
+reason = "lease the connection, and one query at a time"
+
+[[transition]]
+event = "query_done"
+source = "busy"
+dest = "leased"
+
+[[forbid]]
+event = "query_done"
+source = ["idle", "leased"]
+error = "StrayAck"
+reason = "no query in flight"
+"""
+
+
+def test_a_give_back_refused_until_an_acknowledgement_is_a_wait(tmp_path: Path) -> None:
+    """``release`` refused while a query is in flight is accepted after ``query_done``."""
+    path = tmp_path / "busy.toml"
+    path.write_text(BUSY)
+    result = check.check_spec(path, 3, Bounds({}))
+    assert (result.violation, result.stopped) == (None, None)
+    assert result.states > 9  # past the state where release is first refused
+
+
+TREE = """
+[composition]
+name = "tree_leases"
+label = "node"
+
+[composition.regions]
+conn = "pool.toml"
+
+[[forbid]]
+event = "release"
+when = "any child conn in [leased]"
+error = "ChildStillLeased"
+reason = "children release first"
+"""
+
+PARENTS_FIRST = """
+[[forbid]]
+event = "release"
+when = "parent conn in [leased]"
+error = "ParentStillLeased"
+reason = "parents release first"
+"""
+
+
+def test_a_give_back_refused_until_a_child_gives_back_is_a_wait(tmp_path: Path) -> None:
+    _pool(tmp_path)
+    path = tmp_path / "tree.toml"
+    path.write_text(TREE)
+    result = check.check_spec(path, 3, Bounds({}))
+    assert (result.violation, result.stopped) == (None, None)
+
+
+def test_a_give_back_nothing_re_enables_is_a_deadlock(tmp_path: Path) -> None:
+    """Children release first and parents release first: a leased parent and child never do."""
+    _pool(tmp_path)
+    path = tmp_path / "tree.toml"
+    path.write_text(TREE + PARENTS_FIRST)
+    result = check.check_spec(path, 3, Bounds({}))
+    assert result.violation == (
+        "liveness: node 0: acquire can never give back its holders (release: ChildStillLeased)"
+    )
+    assert result.trace == ["start: chain", "node 0: acquire", "node 1: acquire"]
