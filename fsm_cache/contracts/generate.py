@@ -20,8 +20,8 @@ For a spec, :func:`generate` writes a self-contained Python module holding:
   source state's invariant holds and counters are non-negative before; after,
   the result equals :func:`fsm_cache.spec.meaning.step` (the spec interpreted),
   counters are non-negative, every state's invariant holds, counters carried
-  by a state (``pinned(N)``) move by at most one, and counters an event always
-  changes by the same amount change by exactly that amount.
+  by a state (``pinned(N)``) move by at most one, and counters every step of
+  an event changes by the same amount change by exactly that amount.
 
 CrossHair then searches every path for an input that breaks a postcondition.
 The module imports only icontract and torch-free parts of fsm_cache.
@@ -45,6 +45,8 @@ from fsm_cache.engine.codegen import (
 )
 from fsm_cache.spec.guards import Guard
 from fsm_cache.spec.machine import MachineSpec, System
+from fsm_cache.spec.meaning import region_step
+from fsm_cache.spec.validate import representatives, valuations
 
 
 # Every global of the module starts with "_" and no name of a spec can
@@ -351,18 +353,49 @@ def _guard(guard: Guard, name: Callable[[str], str]) -> str:
 
 
 def _uniform_deltas(system: System, event: str) -> dict[str, int]:
-    """Return counters every transition of ``event`` (in their region) moves by the same amount."""
+    """Return the counters every step of ``event`` (in their region) moves by one amount, with it.
+
+    Steps are judged by what they do (:func:`_changes`), not by how their
+    updates are spelled: ``holders = 1`` from a state whose invariant pins
+    ``holders == 0`` adds one. A step that leaves a count of 0 as it is,
+    beside steps that all subtract the same amount, keeps the contract: that
+    step is a give-back accepted with nothing to give back, and it refutes
+    the contract, where leaving the contract out would hide it.
+    """
     out: dict[str, int] = {}
     for region in system.regions_of(event):
-        machine = system.machines[region]
-        trs = [t for t in machine.transitions if t.event == event]
-        for name in machine.counter_names:
-            deltas = {
-                next(
-                    (a.delta() for a in t.update.assigns if a.counter == name and a.op != "="), None
-                )
-                for t in trs
-            }
-            if len(deltas) == 1 and None not in deltas and 0 not in deltas:
-                out[name] = deltas.pop() or 0
+        for name, found in _changes(system.machines[region], event).items():
+            moving = {change for before, change in found if not (before == change == 0)}
+            if len(moving) != 1:
+                continue
+            delta = moving.pop()
+            at_zero = any(before == change == 0 for before, change in found)
+            if delta is not None and delta != 0 and (delta < 0 or not at_zero):
+                out[name] = delta
+    return out
+
+
+def _changes(machine: MachineSpec, event: str) -> dict[str, set[tuple[int, int | None]]]:
+    """Return, per counter, ``(value before, change)`` for every step of ``event`` the machine accepts.
+
+    Each state's representative valuations (those its invariant allows) are
+    stepped by the spec's own meaning (:func:`~fsm_cache.spec.meaning.region_step`).
+    A representative stands for a class of values no guard tells apart: an
+    increment moves them alike, an assignment by one amount only where the
+    class is one value (the invariant or the guard pins it), else None. The
+    model checker reads the same from the spec
+    (:func:`fsm_cache.modelcheck.holders.changes`); the layers keep the two apart.
+    """
+    out: dict[str, set[tuple[int, int | None]]] = {name: set() for name in machine.counter_names}
+    for state in machine.states:
+        reps = representatives(machine, state.invariant)
+        for values in valuations(machine, state.invariant):
+            taken = region_step(machine, event, state.name, values)
+            if isinstance(taken, str):
+                continue
+            after = taken.update.apply(values)
+            for name, before in values.items():
+                assigned = any(a.counter == name and a.op == "=" for a in taken.update.assigns)
+                pinned = before + 1 in reps[name]  # a class of one value: the next one is another
+                out[name].add((before, None if assigned and not pinned else after[name] - before))
     return out

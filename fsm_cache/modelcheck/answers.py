@@ -14,7 +14,7 @@ changes the ancestors the same copy serves.
 Clients give back only what they hold, so the tables also answer, per node
 chain, whether the engine would accept a give-back the node's clients hold
 none of (:meth:`Answers.takes_unheld`): a dry run, asked only at nodes where
-another kind of holder holds the counter; and whether it would refuse one
+another kind of holder holds the counter, or nothing does; and whether it would refuse one
 they do hold (:meth:`Answers.refuses_owed`), asked at nodes with holds.
 """
 

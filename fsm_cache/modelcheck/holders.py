@@ -2,14 +2,23 @@
 
 The model checker keeps ghost counts of what clients hold at each node
 (:mod:`fsm_cache.modelcheck.state`). Only some counters count holders
-(:attr:`Holders.counts`): one some event gives back (every transition of
-the event subtracts one), or one a state carries (``counter = "pins"``,
-drawn ``pinned(N)``: one state per holder count, as
+(:attr:`Holders.counts`): one some event gives back, or one a state carries
+(``counter = "pins"``, drawn ``pinned(N)``: one state per holder count, as
 :mod:`fsm_cache.engine.holds` reads it). A counter only ever raised or set
 (tokens emitted, retries, a generation) counts events, not holders: nothing
 gives it back, so it is neither accounted to holders (invariant 6) nor
-owed back (liveness). On a holder count, an event whose every transition
-adds one acquires it; one whose every transition subtracts one gives it back.
+owed back (liveness).
+
+An event is judged by what its steps do to the counter, as the spec's own
+meaning computes them (:func:`changes`), not by how its updates are
+spelled: ``holders = 1`` from a state whose invariant pins ``holders == 0``
+adds one, and ``holders = 0`` guarded by ``holders == 1`` subtracts one. On
+a holder count, an event every step of which adds one acquires it; one
+every step of which subtracts one gives it back. A give-back may also be
+accepted where the count is 0, changing nothing: it gives back what nobody
+holds, and the checker reports it where it is accepted
+(:meth:`~fsm_cache.modelcheck.state.Layout.unheld`) rather than taking the
+event for no give-back at all.
 Holders are told apart by the regions their events are declared in: a
 ``load`` (host and device) is given back by ``load_done`` (host and device),
 never by ``release`` (host only), so a client gives back only what it holds.
@@ -24,11 +33,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsm_cache.spec.machine import System
+from fsm_cache.spec.machine import MachineSpec, System
+from fsm_cache.spec.meaning import region_step
+from fsm_cache.spec.validate import representatives, valuations
 
 
 Hold = tuple[str, tuple[str, ...]]
 """A kind of holder: the counter it holds and the regions its events are declared in."""
+
+Change = tuple[int, int | None]
+"""A step's effect on a counter: its value before, and what the step adds (None: not one amount)."""
 
 
 @dataclass(frozen=True)
@@ -55,13 +69,14 @@ class Holders:
     @classmethod
     def of(cls, system: System) -> Holders:
         """Return the holder kinds of ``system``."""
-        releases = {event: _moved(system, event, -1) for event in system.event_names}
+        moves = {event: _event_changes(system, event) for event in system.event_names}
+        releases = {event: _moved(system, event, moves[event], -1) for event in moves}
         given = {key[0] for keys in releases.values() for key in keys}
         carried = {s.counter for _, m in system.regions for s in m.states if s.counter}
         counts = tuple(c for c, _ in system.counters if c in given | carried)
         acquires = {
-            event: tuple(k for k in _moved(system, event, 1) if k[0] in counts)
-            for event in system.event_names
+            event: tuple(k for k in _moved(system, event, moves[event], 1) if k[0] in counts)
+            for event in moves
         }
         kinds = tuple(dict.fromkeys(h for hs in acquires.values() for h in hs))
         unpaired = tuple(
@@ -85,22 +100,59 @@ class Holders:
         return "/".join(event for event, keys in self.acquires.items() if key in keys)
 
 
-def _moved(system: System, event: str, step: int) -> tuple[Hold, ...]:
-    """Return the holds of the counters every transition of ``event`` moves by ``step``."""
-    found: list[Hold] = []
-    for region in system.regions_of(event):
-        machine = system.machines[region]
-        trs = [t for t in machine.transitions if t.event == event]
-        for name in machine.counter_names:
-            if trs and all(
-                any(
-                    a.counter == name and a.op != "=" and a.delta() == step
-                    for a in t.update.assigns
-                )
-                for t in trs
-            ):
-                found.append((name, system.regions_of(event)))
-    return tuple(found)
+def changes(machine: MachineSpec, event: str) -> dict[str, set[Change]]:
+    """Return how the steps of ``event`` that ``machine`` accepts move each of its counters.
+
+    Each state's representative valuations (:func:`~fsm_cache.spec.validate.valuations`,
+    those its invariant allows) are stepped by the spec's own meaning
+    (:func:`~fsm_cache.spec.meaning.region_step`); a refusal is no step. A
+    representative stands for a class of values no guard tells apart, so an
+    increment moves the whole class alike, but an assignment (``holders = 1``)
+    adds one amount only where the class is that one value (the invariant or
+    the guard pins it): elsewhere its change is None.
+    """
+    out: dict[str, set[Change]] = {name: set() for name in machine.counter_names}
+    for state in machine.states:
+        reps = representatives(machine, state.invariant)
+        for values in valuations(machine, state.invariant):
+            taken = region_step(machine, event, state.name, values)
+            if isinstance(taken, str):
+                continue
+            after = taken.update.apply(values)
+            for name, before in values.items():
+                # A class of one value is followed by the next representative.
+                pinned = before + 1 in reps[name]
+                assigned = any(a.counter == name and a.op == "=" for a in taken.update.assigns)
+                change = None if assigned and not pinned else after[name] - before
+                out[name].add((before, change))
+    return out
+
+
+def _event_changes(system: System, event: str) -> dict[str, dict[str, set[Change]]]:
+    """Return :func:`changes` of ``event`` in each region that declares it."""
+    return {region: changes(system.machines[region], event) for region in system.regions_of(event)}
+
+
+def _moved(
+    system: System, event: str, moves: dict[str, dict[str, set[Change]]], step: int
+) -> tuple[Hold, ...]:
+    """Return the holds of the counters every step of ``event`` moves by ``step`` (see :func:`_steps_by`)."""
+    return tuple(
+        (name, system.regions_of(event))
+        for region, by_counter in moves.items()
+        for name, found in by_counter.items()
+        if _steps_by(found, step)
+    )
+
+
+def _steps_by(found: set[Change], step: int) -> bool:
+    """Whether the steps ``found`` move a counter by ``step``, and at least one does.
+
+    A give-back (``step`` -1) may also leave a count of 0 as it is: accepted
+    with nothing held, which the checker reports where it can happen.
+    """
+    moving = [change for before, change in found if not (step < 0 and before == change == 0)]
+    return bool(moving) and all(change == step for change in moving)
 
 
 def _unpaired(system: System, event: str, key: Hold) -> str:

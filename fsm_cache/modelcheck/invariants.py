@@ -311,9 +311,11 @@ def unheld_give_back(layout: Layout, nodes: Nodes, accepts: Accepts) -> str | No
     """Invariant 6 where clients never go: a give-back taking another holder's count.
 
     For each node and each give-back its clients hold none of while holders
-    of another kind hold the counter (:meth:`~fsm_cache.modelcheck.state.Layout.unheld`),
-    the spec must refuse it: accepted, it would take, say, the pin a load
-    holds, and the load could not give it back. Returns the first accepted.
+    of another kind hold the counter, or nothing does
+    (:meth:`~fsm_cache.modelcheck.state.Layout.unheld`), the spec must refuse
+    it: accepted, it would take, say, the pin a load holds, and the load could
+    not give it back; or it gives back what nobody took (a ``release`` at
+    zero, a client's double release). Returns the first accepted.
     """
     for i, entry in enumerate(nodes):
         if entry is None:
@@ -361,16 +363,18 @@ def refused_give_back(layout: Layout, nodes: Nodes, refusal: Refusal) -> str | N
 
 
 def _taken(layout: Layout, i: int, entry: NodeEntry, event: str, key: Hold) -> str:
-    """Describe ``event`` at node ``i`` taking a count of ``key``'s counter that others hold."""
+    """Describe ``event`` at node ``i`` giving back ``key``, which its clients do not hold."""
     counter = key[0]
     others = [
         k
         for k in layout.holders.kinds
         if k[0] == counter and k != key and layout.hold(entry, k) > 0
     ]
-    by = " and ".join(layout.holders.acquirers(k) for k in others)
     mine = layout.holders.acquirers(key)
     value = layout.counter(entry, counter)
+    if not others:
+        return f"invariant 6: node {i}: {event} is accepted though nothing holds {counter} there ({counter}={value}, no {mine} to give back)"
+    by = " and ".join(layout.holders.acquirers(k) for k in others)
     return f"invariant 6: node {i}: {event} would take {counter} held by {by} ({counter}={value}, none held by {mine})"
 
 

@@ -106,7 +106,17 @@ def backward(weight: array[int], first: array[int], dst: array[int]) -> bytearra
 
 
 def settling(layout: Layout) -> frozenset[str]:
-    """Return the settling events: acknowledgements of copies, and give-backs of holds."""
+    """Return the settling events: acknowledgements of copies, and give-backs of holds.
+
+    On a spec without copies (no ``host``, ``device`` or ``storage`` region)
+    the checker cannot tell an acknowledgement from other events (a
+    ``query_done`` that ends a query in flight, after which a refused
+    ``release`` is accepted), so every event that acquires no hold settles:
+    a holder whose give-back is refused may wait for any of them, but not for
+    another acquire (:attr:`~fsm_cache.modelcheck.state.Layout.at_once`).
+    """
+    if not layout.at_once:
+        return frozenset(e for e, keys in layout.holders.acquires.items() if not keys)
     gives = {event for event, keys in layout.holders.releases.items() if keys}
     return frozenset({*layout.memory.acks, *gives})
 

@@ -197,20 +197,38 @@ class Layout:
         return (*entry[: self.mbase], *memory)
 
     def owed(self, entry: NodeEntry) -> list[tuple[str, Hold]]:
-        """Return the give-backs ``(event, hold)`` the node's holders may fire now.
+        """Return the give-backs ``(event, hold)`` the node's holders may fire now, and must.
 
-        Each must be accepted (the other half of invariant 6): a client that
+        Each must be accepted at once (the other half of invariant 6) where
+        holders give back without waiting (:attr:`at_once`): a client that
         holds a pin must be able to release it. A copy's failure
         acknowledgement (``load_failed``) is exempt: where the spec refuses
         it, the cache copies again (the node stays as it is), and the
-        success acknowledgement gives the hold back.
+        success acknowledgement gives the hold back. Elsewhere none is owed at
+        once: liveness decides whether each can be given back in the end.
         """
+        if not self.at_once:
+            return []
         return [
             (event, key)
             for event, keys in self.holders.releases.items()
             for key in keys
             if self.hold(entry, key) > 0 and not self.memory.failure(event)
         ]
+
+    @property
+    def at_once(self) -> bool:
+        """Whether a give-back its holder holds must be accepted at once: on the cache's records.
+
+        The cache never waits to give back: a finishing request releases its
+        pins and moves on, a copy is acknowledged when it ends. So on records
+        that hold pages (``host``, ``device`` or ``storage`` regions) a refused
+        give-back is a violation where it is refused. On other specs a refusal
+        may be a wait that ends (``release`` refused while a query is in
+        flight, accepted after ``query_done``); liveness tells a wait from a
+        deadlock there (:func:`~fsm_cache.modelcheck.liveness.settling`).
+        """
+        return bool(self.memory.tiers)
 
     def unsettled(self, entry: NodeEntry) -> int:
         """Return what at the node waits to finish: its holds and its copies in flight (0: settled)."""
@@ -247,20 +265,27 @@ class Layout:
         return any(self.hold(entry, key) == 0 for key in self.holders.releases[event])
 
     def unheld(self, entry: NodeEntry) -> list[tuple[str, Hold]]:
-        """Return the give-backs ``(event, hold)`` that would take another holder's count.
+        """Return the give-backs ``(event, hold)`` the spec must refuse at the node.
 
         ``event`` gives back ``hold``, which no client holds at the node, while
         holders of another kind hold the same counter there (a ``release`` where
-        the only pin is the one a ``load`` holds). Clients never fire these; the
-        spec must refuse them, or a client's give-back takes what it never held.
+        the only pin is the one a ``load`` holds), or while nothing holds it (the
+        count is 0: a ``release`` with nothing pinned). Clients never fire these;
+        the spec must refuse them, or a client's give-back takes what it never
+        held, or gives back what nobody took.
         """
         return [
             (event, key)
             for event, keys in self.holders.releases.items()
             for key in keys
             if self.hold(entry, key) == 0
-            and any(
-                self.hold(entry, k) > 0 for k in self.holders.kinds if k[0] == key[0] and k != key
+            and (
+                self.counter(entry, key[0]) == 0
+                or any(
+                    self.hold(entry, k) > 0
+                    for k in self.holders.kinds
+                    if k[0] == key[0] and k != key
+                )
             )
         ]
 

@@ -1,0 +1,269 @@
+"""``check`` judges acquires and give-backs by what their steps do, and refuses give-backs of nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fsm_cache.modelcheck import check
+from fsm_cache.modelcheck.explore import Bounds
+from fsm_cache.modelcheck.holders import changes
+from fsm_cache.modelcheck.state import Layout
+from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.machine import as_system
+
+
+POOL = """
+[machine]
+name = "conn_pool"
+initial = "idle"
+
+[counters]
+holders = 0
+
+[states]
+idle = { invariant = "holders == 0" }
+leased = { invariant = "holders >= 1", counter = "holders" }
+
+[[transition]]
+event = "acquire"
+source = "idle"
+dest = "leased"
+update = "ACQUIRE"
+
+[[transition]]
+event = "acquire"
+source = "leased"
+dest = "leased"
+update = "holders += 1"
+
+[[transition]]
+event = "release"
+source = "leased"
+dest = "leased"
+guard = "holders >= 2"
+update = "holders -= 1"
+
+[[transition]]
+event = "release"
+source = "leased"
+dest = "idle"
+guard = "holders == 1"
+update = "LAST"
+AT_ZERO
+"""
+
+REFUSED = """
+[[forbid]]
+event = "release"
+source = "idle"
+error = "ReleaseAtZero"
+reason = "release without a matching acquire"
+"""
+
+ACCEPTED = """
+[[transition]]
+event = "release"
+source = "idle"
+dest = "idle"
+"""
+
+
+def _pool(
+    tmp_path: Path,
+    acquire: str = "holders += 1",
+    last: str = "holders -= 1",
+    at_zero: str = REFUSED,
+) -> Path:
+    path = tmp_path / "pool.toml"
+    text = POOL.replace("ACQUIRE", acquire).replace("LAST", last).replace("AT_ZERO", at_zero)
+    path.write_text(text)
+    return path
+
+
+def _layout(path: Path) -> Layout:
+    return Layout.of(as_system(load_spec(path)))
+
+
+HOLD = ("holders", ("state",))
+
+
+def test_an_assignment_the_source_state_pins_is_an_acquire(tmp_path: Path) -> None:
+    """``holders = 1`` from ``idle`` (``holders == 0``) adds one: the pool pairs and checks clean."""
+    path = _pool(tmp_path, acquire="holders = 1")
+    holders = _layout(path).holders
+    assert holders.acquires["acquire"] == (HOLD,)
+    assert holders.releases["release"] == (HOLD,)
+    assert holders.unpaired == ()
+    result = check.check_spec(path, 3, Bounds({}))
+    assert (result.violation, result.stopped) == (None, None)
+    assert result.states == 45
+
+
+def test_an_assignment_the_guard_pins_is_a_give_back(tmp_path: Path) -> None:
+    """``holders = 0`` guarded ``holders == 1`` subtracts one: the last release gives back."""
+    path = _pool(tmp_path, last="holders = 0")
+    assert _layout(path).holders.releases["release"] == (HOLD,)
+    result = check.check_spec(path, 3, Bounds({}))
+    assert (result.violation, result.stopped) == (None, None)
+    assert result.states == 45
+
+
+def test_an_assignment_nothing_pins_adds_no_one_amount(tmp_path: Path) -> None:
+    """``holders = 1`` guarded ``holders >= 2`` subtracts one at 2, two at 3, and so on."""
+    path = _pool(tmp_path)
+    old = 'guard = "holders >= 2"\nupdate = "holders -= 1"'
+    path.write_text(path.read_text().replace(old, 'guard = "holders >= 2"\nupdate = "holders = 1"'))
+    machine = as_system(load_spec(path)).machines["state"]
+    found = changes(machine, "release")["holders"]
+    assert {(2, -1), (3, -2)} <= found  # values a representative stands for alone
+    assert max(found) == (4, None)  # and 4 stands for every value from 4 up
+    assert _layout(path).holders.releases["release"] == ()
+
+
+def test_a_give_back_accepted_with_nothing_held_is_named(tmp_path: Path) -> None:
+    """``release`` from ``idle`` to ``idle`` gives back what nobody took: found at the start."""
+    path = _pool(tmp_path, at_zero=ACCEPTED)
+    layout = _layout(path)
+    assert layout.holders.releases["release"] == (HOLD,)
+    assert layout.unheld(layout.fresh(-1)) == [("release", HOLD)]
+    result = check.check_spec(path, 3, Bounds({}))
+    assert result.violation == (
+        "invariant 6: node 0: release is accepted though nothing holds holders there "
+        "(holders=0, no acquire to give back)"
+    )
+    assert result.trace == ["start: chain"]
+
+
+def test_a_give_back_refused_at_zero_is_no_finding(tmp_path: Path) -> None:
+    layout = _layout(_pool(tmp_path))
+    assert layout.unheld(layout.fresh(-1)) == [("release", HOLD)]  # asked, and refused
+    result = check.check_spec(_pool(tmp_path), 3, Bounds({}))
+    assert (result.violation, result.stopped, result.states) == (None, None, 45)
+
+
+BUSY = """
+[machine]
+name = "conn_busy"
+initial = "idle"
+
+[counters]
+holders = 0
+
+[states]
+idle = { invariant = "holders == 0" }
+leased = { invariant = "holders >= 1", counter = "holders" }
+busy = { invariant = "holders >= 1", counter = "holders" }
+
+[[transition]]
+event = "acquire"
+source = ["idle", "leased"]
+dest = "leased"
+update = "holders += 1"
+
+[[forbid]]
+event = "acquire"
+source = "busy"
+error = "QueryInFlight"
+reason = "a query is in flight"
+
+[[transition]]
+event = "release"
+source = "leased"
+dest = "leased"
+guard = "holders >= 2"
+update = "holders -= 1"
+
+[[transition]]
+event = "release"
+source = "leased"
+dest = "idle"
+guard = "holders == 1"
+update = "holders -= 1"
+
+[[forbid]]
+event = "release"
+source = "idle"
+error = "ReleaseAtZero"
+reason = "release without a matching acquire"
+
+[[forbid]]
+event = "release"
+source = "busy"
+error = "QueryInFlight"
+reason = "wait for the query to finish"
+
+[[transition]]
+event = "query"
+source = "leased"
+dest = "busy"
+
+[[forbid]]
+event = "query"
+source = ["idle", "busy"]
+error = "NotLeased"
+reason = "lease the connection, and one query at a time"
+
+[[transition]]
+event = "query_done"
+source = "busy"
+dest = "leased"
+
+[[forbid]]
+event = "query_done"
+source = ["idle", "leased"]
+error = "StrayAck"
+reason = "no query in flight"
+"""
+
+
+def test_a_give_back_refused_until_an_acknowledgement_is_a_wait(tmp_path: Path) -> None:
+    """``release`` refused while a query is in flight is accepted after ``query_done``."""
+    path = tmp_path / "busy.toml"
+    path.write_text(BUSY)
+    result = check.check_spec(path, 3, Bounds({}))
+    assert (result.violation, result.stopped) == (None, None)
+    assert result.states > 9  # past the state where release is first refused
+
+
+TREE = """
+[composition]
+name = "tree_leases"
+label = "node"
+
+[composition.regions]
+conn = "pool.toml"
+
+[[forbid]]
+event = "release"
+when = "any child conn in [leased]"
+error = "ChildStillLeased"
+reason = "children release first"
+"""
+
+PARENTS_FIRST = """
+[[forbid]]
+event = "release"
+when = "parent conn in [leased]"
+error = "ParentStillLeased"
+reason = "parents release first"
+"""
+
+
+def test_a_give_back_refused_until_a_child_gives_back_is_a_wait(tmp_path: Path) -> None:
+    _pool(tmp_path)
+    path = tmp_path / "tree.toml"
+    path.write_text(TREE)
+    result = check.check_spec(path, 3, Bounds({}))
+    assert (result.violation, result.stopped) == (None, None)
+
+
+def test_a_give_back_nothing_re_enables_is_a_deadlock(tmp_path: Path) -> None:
+    """Children release first and parents release first: a leased parent and child never do."""
+    _pool(tmp_path)
+    path = tmp_path / "tree.toml"
+    path.write_text(TREE + PARENTS_FIRST)
+    result = check.check_spec(path, 3, Bounds({}))
+    assert result.violation == (
+        "liveness: node 0: acquire can never give back its holders (release: ChildStillLeased)"
+    )
+    assert result.trace == ["start: chain", "node 0: acquire", "node 1: acquire"]
