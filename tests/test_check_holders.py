@@ -6,8 +6,8 @@ from pathlib import Path
 
 from fsm_cache.modelcheck import check
 from fsm_cache.modelcheck.explore import Bounds
-from fsm_cache.modelcheck.holders import changes
 from fsm_cache.modelcheck.state import Layout
+from fsm_cache.spec.changes import changes
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import as_system
 

@@ -43,10 +43,9 @@ from fsm_cache.engine.codegen import (
     needs_general,
     propagates,
 )
+from fsm_cache.spec.changes import changes
 from fsm_cache.spec.guards import Guard
 from fsm_cache.spec.machine import MachineSpec, System
-from fsm_cache.spec.meaning import region_step
-from fsm_cache.spec.validate import representatives, valuations
 
 
 # Every global of the module starts with "_" and no name of a spec can
@@ -364,7 +363,7 @@ def _uniform_deltas(system: System, event: str) -> dict[str, int]:
     """
     out: dict[str, int] = {}
     for region in system.regions_of(event):
-        for name, found in _changes(system.machines[region], event).items():
+        for name, found in changes(system.machines[region], event).items():
             moving = {change for before, change in found if not (before == change == 0)}
             if len(moving) != 1:
                 continue
@@ -372,30 +371,4 @@ def _uniform_deltas(system: System, event: str) -> dict[str, int]:
             at_zero = any(before == change == 0 for before, change in found)
             if delta is not None and delta != 0 and (delta < 0 or not at_zero):
                 out[name] = delta
-    return out
-
-
-def _changes(machine: MachineSpec, event: str) -> dict[str, set[tuple[int, int | None]]]:
-    """Return, per counter, ``(value before, change)`` for every step of ``event`` the machine accepts.
-
-    Each state's representative valuations (those its invariant allows) are
-    stepped by the spec's own meaning (:func:`~fsm_cache.spec.meaning.region_step`).
-    A representative stands for a class of values no guard tells apart: an
-    increment moves them alike, an assignment by one amount only where the
-    class is one value (the invariant or the guard pins it), else None. The
-    model checker reads the same from the spec
-    (:func:`fsm_cache.modelcheck.holders.changes`); the layers keep the two apart.
-    """
-    out: dict[str, set[tuple[int, int | None]]] = {name: set() for name in machine.counter_names}
-    for state in machine.states:
-        reps = representatives(machine, state.invariant)
-        for values in valuations(machine, state.invariant):
-            taken = region_step(machine, event, state.name, values)
-            if isinstance(taken, str):
-                continue
-            after = taken.update.apply(values)
-            for name, before in values.items():
-                assigned = any(a.counter == name and a.op == "=" for a in taken.update.assigns)
-                pinned = before + 1 in reps[name]  # a class of one value: the next one is another
-                out[name].add((before, None if assigned and not pinned else after[name] - before))
     return out

@@ -33,16 +33,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsm_cache.spec.machine import MachineSpec, System
-from fsm_cache.spec.meaning import region_step
-from fsm_cache.spec.validate import representatives, valuations
+from fsm_cache.spec.changes import Change, changes
+from fsm_cache.spec.machine import System
 
 
 Hold = tuple[str, tuple[str, ...]]
 """A kind of holder: the counter it holds and the regions its events are declared in."""
-
-Change = tuple[int, int | None]
-"""A step's effect on a counter: its value before, and what the step adds (None: not one amount)."""
 
 
 @dataclass(frozen=True)
@@ -98,34 +94,6 @@ class Holders:
     def acquirers(self, key: Hold) -> str:
         """Return the events that acquire hold ``key``, as messages name its holders (``pin``)."""
         return "/".join(event for event, keys in self.acquires.items() if key in keys)
-
-
-def changes(machine: MachineSpec, event: str) -> dict[str, set[Change]]:
-    """Return how the steps of ``event`` that ``machine`` accepts move each of its counters.
-
-    Each state's representative valuations (:func:`~fsm_cache.spec.validate.valuations`,
-    those its invariant allows) are stepped by the spec's own meaning
-    (:func:`~fsm_cache.spec.meaning.region_step`); a refusal is no step. A
-    representative stands for a class of values no guard tells apart, so an
-    increment moves the whole class alike, but an assignment (``holders = 1``)
-    adds one amount only where the class is that one value (the invariant or
-    the guard pins it): elsewhere its change is None.
-    """
-    out: dict[str, set[Change]] = {name: set() for name in machine.counter_names}
-    for state in machine.states:
-        reps = representatives(machine, state.invariant)
-        for values in valuations(machine, state.invariant):
-            taken = region_step(machine, event, state.name, values)
-            if isinstance(taken, str):
-                continue
-            after = taken.update.apply(values)
-            for name, before in values.items():
-                # A class of one value is followed by the next representative.
-                pinned = before + 1 in reps[name]
-                assigned = any(a.counter == name and a.op == "=" for a in taken.update.assigns)
-                change = None if assigned and not pinned else after[name] - before
-                out[name].add((before, change))
-    return out
 
 
 def _event_changes(system: System, event: str) -> dict[str, dict[str, set[Change]]]:
