@@ -215,7 +215,7 @@ def test_a_stray_release_on_a_loading_node_is_sglangs_release_at_zero(
     assert isinstance(caught.value, RuntimeError)  # what SGLang's callers catch
     assert str(caught.value).startswith(
         f"Host reference counter is already zero. node {node.id}: release refused in "
-        "pinned (pins=1): the last pin belongs to the load in flight; "
+        "pinned (pins=1, device loading): the last pin belongs to the load in flight; "
     )
     assert (node.host_ref_counter, node.pins, node.host) == (0, 1, "pinned")
     hiradix.ready_to_load_host_cache()
