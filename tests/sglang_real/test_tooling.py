@@ -81,3 +81,27 @@ def test_the_cache_bench_runs_against_the_installed_sglang() -> None:
         assert set(figures) == {"sglang", *MODES}
         assert all(v > 0 for v in figures.values())
     assert "targets: held >= 1.8x" in bench.format()
+
+
+BROKEN = """
+import sys
+from fsm_cache.testing import sglang
+sglang.install()
+sys.modules["torch"] = None  # a broken install: a module SGLang's cache code imports is missing
+from fsm_cache.compat.sglang import PatchError, patch
+try:
+    patch()
+except PatchError as exc:
+    print(exc)
+"""
+
+
+def test_a_broken_sglang_install_is_reported_with_its_import_error() -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", BROKEN], capture_output=True, text=True, check=False
+    )
+    assert (run.returncode, run.stderr) == (0, "")
+    assert run.stdout == (
+        "sglang.srt.mem_cache.radix_cache is installed but cannot be imported: "
+        "import of torch halted; None in sys.modules\n"
+    )

@@ -66,7 +66,7 @@ CACHES = ("RadixCache", "HiRadixCache")
 
 
 class PatchError(FsmCacheError, TypeError):
-    """A module cannot be patched: it has no ``TreeNode`` or no cache class."""
+    """A module cannot be patched: it has no ``TreeNode`` or no cache class, or fails to import."""
 
 
 Method = Callable[..., Any]
@@ -250,8 +250,9 @@ def patch(
         The :class:`Patch`; ``undo()`` (or leaving its ``with`` block) restores SGLang.
 
     Raises:
-        PatchError: A module has no ``TreeNode`` or no cache class, or is
-            patched already by another call.
+        PatchError: A module has no ``TreeNode`` or no cache class, is
+            patched already by another call, or (none given) an installed
+            one fails to import for want of another module.
     """
     found = [_module(m) for m in modules] if modules else _installed()
     already = [m.__name__ for m in found if m.__name__ in _ACTIVE]
@@ -285,11 +286,23 @@ def _installed() -> list[ModuleType]:
     for name in MODULES:
         try:
             out.append(importlib.import_module(name))
-        except ModuleNotFoundError:
-            continue
+        except ModuleNotFoundError as exc:
+            if not _is_absent(name, exc):
+                raise PatchError(f"{name} is installed but cannot be imported: {exc}") from exc
     if not out:
         raise PatchError(f"none of {', '.join(MODULES)} is installed")
     return out
+
+
+def _is_absent(name: str, exc: ModuleNotFoundError) -> bool:
+    """Whether ``exc`` says ``name`` itself (or a package above it) is not there.
+
+    Any other missing module is one the installed SGLang imports, missing
+    from a broken install: the patch must say so rather than take SGLang
+    for absent.
+    """
+    parts = name.split(".")
+    return exc.name in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
 
 
 def _warn_unsupported() -> None:
