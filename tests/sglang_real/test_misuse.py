@@ -23,7 +23,7 @@ from fsm_cache.compat.sglang import (
     ResidencyMixin,
     patch,
 )
-from fsm_cache.errors import CopyInFlight, DuplicateAck, HostCopyPinned, error_class
+from fsm_cache.errors import CopyInFlight, DuplicateAck, HostCopyPinned, StaleNode, error_class
 
 from .conftest import Api, build_hiradix
 from .fakes import FakeAllocator
@@ -240,3 +240,48 @@ def test_a_cache_driven_after_its_patch_is_undone_is_refused_clearly(sg: Api) ->
     assert (node.lock_ref, node.locks) == (0, 0)
     fresh = sg.rc.RadixCache(sg.cache_params(FakeAllocator(16)))  # built after: stock
     assert not isinstance(fresh.root_node, ResidencyMixin)
+
+
+def locked_leaf(sg: Api, allocator: FakeAllocator) -> tuple[Any, Any]:
+    """A patched ``RadixCache`` holding ``AB`` in one leaf, which a running request locks."""
+    cache = sg.rc.RadixCache(sg.cache_params(allocator))
+    sg.insert(cache, AB, allocator.take(len(AB)))
+    node = sg.match(cache, AB)[1]
+    cache.inc_lock_ref(node)
+    return cache, node
+
+
+def test_an_unlock_after_a_reset_is_refused_before_a_count_moves(
+    sg: Api, allocator: FakeAllocator, patched: Any
+) -> None:
+    cache, node = locked_leaf(sg, allocator)
+    old_root = cache.root_node
+    cache.reset()  # flush_cache while a request holds its lock
+    before = (cache.evictable_size(), cache.protected_size(), node.lock_ref, old_root.lock_ref)
+    here = inspect.currentframe()
+    assert here is not None
+    refused_at = here.f_lineno + 2
+    with pytest.raises(StaleNode) as caught:
+        cache.dec_lock_ref(node)  # the request finishes: stock SGLang moves every count first
+    test = "test_an_unlock_after_a_reset_is_refused_before_a_count_moves"
+    assert str(caught.value) == (
+        f"node {node.id}: dec_lock_ref walks up to node {old_root.id}, which is not this "
+        "cache's root: the node is from before a reset() or from another cache; nothing "
+        f"changed; locked at {line_of(sg.rc.RadixCache.inc_lock_ref, 'node.lock_ref += 1')}; "
+        f"refused at test_misuse.py:{refused_at} in {test}"
+    )
+    after = (cache.evictable_size(), cache.protected_size(), node.lock_ref, old_root.lock_ref)
+    assert after == before == (0, 0, 1, 1)
+
+
+def test_a_lock_of_another_caches_node_is_refused_before_a_count_moves(
+    sg: Api, allocator: FakeAllocator, patched: Any
+) -> None:
+    other = sg.rc.RadixCache(sg.cache_params(allocator))
+    sg.insert(other, AB, allocator.take(len(AB)))
+    node = sg.match(other, AB)[1]
+    cache = sg.rc.RadixCache(sg.cache_params(FakeAllocator(16)))
+    with pytest.raises(StaleNode, match=f"^node {node.id}: inc_lock_ref walks up to node "):
+        cache.inc_lock_ref(node)
+    assert (node.lock_ref, other.root_node.lock_ref, other.evictable_size()) == (0, 1, 12)
+    assert (cache.evictable_size(), cache.protected_size()) == (0, 0)

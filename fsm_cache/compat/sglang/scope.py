@@ -32,11 +32,11 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from fsm_cache.engine import trail
 from fsm_cache.engine.core import Engine, Plan
-from fsm_cache.errors import IllegalTransition
+from fsm_cache.errors import IllegalTransition, StaleNode
 from fsm_cache.residency import Event, Residency
 from fsm_cache.spec.validate import representatives
 
@@ -167,6 +167,9 @@ def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
     Raises:
         IllegalTransition: (from the decorated method) ``event`` is refused at
             a node of the path, before the method runs; nothing changed.
+        StaleNode: (from the decorated method) the path ends at a root that
+            is not the cache's ``root_node`` (a node from before its
+            ``reset()``, or another cache's), before the method runs.
     """
     engine = machine.engine
     plan, trail_on = engine.planner(event), engine.trail
@@ -203,6 +206,9 @@ def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
             except BaseException:
                 _disarm(node, at)
                 raise
+            if at is not getattr(self, "root_node", at):
+                _disarm(node, at)
+                _refuse_foreign(node, at, original.__name__)
             try:
                 if args or kwargs:
                     return original(self, node, *args, **kwargs)
@@ -219,6 +225,34 @@ def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
 
 _NEVER = sys.maxsize
 """A floor no lock count reaches: the state takes the full check."""
+
+
+def _refuse_foreign(node: Any, top: Any, walk: str) -> NoReturn:
+    """Refuse a lock walk whose path ends at a root that is not its cache's.
+
+    SGLang's loop would run on up to its cache's root and never meet it: it
+    moves the counts of every node on the way (and the cache's
+    ``evictable_size_``) before failing past the stale root, as after a
+    ``reset()`` (``flush_cache``) or with another cache's node.
+
+    Raises:
+        StaleNode: Always; nothing was changed.
+    """
+    msg = (
+        f"node {getattr(node, 'id', '?')}: {walk} walks up to node {getattr(top, 'id', '?')}, "
+        "which is not this cache's root: the node is from before a reset() or from another "
+        "cache; nothing changed"
+    )
+    raise StaleNode(_with_sites(msg, node))
+
+
+def _with_sites(msg: str, node: Any) -> str:
+    """``msg``, followed in trail mode by ``node``'s recent call sites and the refused call's."""
+    engine = node.machine().engine
+    if not engine.trail:
+        return msg
+    past = {e.name: e.past for _, m in engine.system.regions for e in m.events if e.past}
+    return f"{msg}; {trail.account(trail.sites(node.trail), past, trail.caller_site())}"
 
 
 def _disarm(node: Any, stop: Any) -> None:
