@@ -19,7 +19,10 @@ SGLang method                 what the wrapper adds
                               inside ``evict``, with a child still on the device (being
                               written back), waits for the end of ``evict``
 ``evict(n)``                  (HiRadixCache) frees the parents that waited, checked,
-                              after SGLang's loop, deepest first
+                              after SGLang's loop, deepest first; (RadixCache) each
+                              victim is checked as the loop pops it, before its slots
+                              are freed (:func:`~fsm_cache.compat.sglang.scope.deleting`)
+``_evict_regular(node)``      the same check, before the device slots are freed
 ``load_back(node)``           fires ``load`` on the chain before device slots are allocated;
                               ``load_failed`` if SGLang then gives up
 ``evict_host(n)``             fires ``evict_host`` at the controller call freeing a victim
@@ -37,8 +40,10 @@ call sites in trail mode, and leave the tree and memory as they were.
 from __future__ import annotations
 
 import functools
+import heapq
 import importlib
 import importlib.metadata
+import types
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
@@ -123,6 +128,46 @@ def _evict(original: Method) -> Method:
     return evict
 
 
+def _evict_regular(original: Method) -> Method:
+    @functools.wraps(original)
+    def evict_regular(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        scope.deleting(node)
+        return original(self, node, *args, **kwargs)
+
+    return evict_regular
+
+
+def _checked_heappop(pop: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    """``heapq.heappop`` for ``RadixCache.evict``'s loop: the victim is checked before it is taken.
+
+    SGLang's loop frees every entry it pops (``free(x.value)``, then
+    ``_delete_leaf(x)``) with no check in between: the pop is the last
+    point before the free, and a refusal there leaves the tree, the
+    allocator and the cache's counts as they were.
+    """
+
+    def heappop(heap: list[Any]) -> Any:
+        if heap and type(heap[0]) is tuple and len(heap[0]) == 2:  # (priority, node)
+            scope.deleting(heap[0][1])
+        return pop(heap)
+
+    return heappop
+
+
+def _check_victims(result: Patch, module: ModuleType) -> None:
+    """Have ``module``'s ``evict`` loop pop its victims through :func:`_checked_heappop`.
+
+    SGLang's cache modules call ``heapq.heappop`` through their global name,
+    and only in ``evict`` loops: the name is pointed at a copy of ``heapq``
+    whose ``heappop`` checks.
+    """
+    if getattr(module, "heapq", None) is not heapq:
+        return
+    names = {k: v for k, v in vars(heapq).items() if not k.startswith("_")}
+    checked = types.SimpleNamespace(**{**names, "heappop": _checked_heappop(heapq.heappop)})
+    result.record(module, "heapq", checked)
+
+
 def _load_back(original: Method) -> Method:
     @functools.wraps(original)
     def load_back(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
@@ -188,6 +233,7 @@ WRAPPERS: dict[str, Callable[[Method], Method]] = {
     "write_backup_storage": _write_backup_storage,
     "_evict_backuped": _evict_backuped,
     "evict": _evict,
+    "_evict_regular": _evict_regular,
     "load_back": _load_back,
     "evict_host": _evict_host,
 }
@@ -394,7 +440,8 @@ def _wrap_caches(result: Patch, module: ModuleType, machine: Residency) -> list[
             if name in WALKS:
                 checked = scope.walked(WALKS[name], machine)(method)
             elif name == "evict" and not hasattr(cls, "_evict_backuped"):
-                continue  # nothing to defer: RadixCache frees leaves only
+                _check_victims(result, module)  # nothing to defer: RadixCache frees leaves only
+                continue
             elif name in WRAPPERS:
                 checked = WRAPPERS[name](method)
             else:
