@@ -35,6 +35,9 @@ checked node (``node.value = value`` on an evicted node is ``adopt``), a
 split prefix takes its residency when attached, and counters move only
 inside the walks above. Refusals are raised at SGLang's call, with SGLang's
 call sites in trail mode, and leave the tree and memory as they were.
+
+SGLang 0.5.23's server builds a ``UnifiedRadixCache`` by default, which this
+does not check; :func:`patch` warns where it is installed (:data:`UNCHECKED`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import functools
 import heapq
 import importlib
 import importlib.metadata
+import importlib.util
 import types
 import warnings
 from collections import defaultdict
@@ -68,6 +72,15 @@ SUPPORTED = ("0.5.6", "0.5.23")
 
 CACHES = ("RadixCache", "HiRadixCache")
 """The cache classes a module may define."""
+
+UNCHECKED = {"sglang.srt.mem_cache.unified_radix_cache": "UnifiedRadixCache"}
+"""Cache classes an SGLang release's scheduler builds by default that the patch does not check.
+
+SGLang 0.5.23's ``registry.default_radix_cache_factory`` builds a
+``UnifiedRadixCache`` (its own ``UnifiedTreeNode``, its counters kept in a
+tree core by node id) for every model but pure-SWA ones and FlexKV;
+:func:`patch` warns where the module is installed.
+"""
 
 
 class PatchError(FsmCacheError, TypeError):
@@ -305,6 +318,7 @@ def patch(
     if already:
         raise PatchError(f"{', '.join(already)}: patched already; undo that patch first")
     _warn_unsupported()
+    _warn_unchecked()
     engine = residency or Residency(trail=trail)
     result = Patch(tuple(m.__name__ for m in found), ResidencyMixin, ())
     checked: dict[type, type[ResidencyMixin]] = {}
@@ -363,6 +377,23 @@ def _warn_unsupported() -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def _warn_unchecked() -> None:
+    """Warn where SGLang's server would build a cache :func:`patch` leaves unchecked."""
+    for name, cls in UNCHECKED.items():
+        try:
+            present = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # no SGLang package at all
+            present = False
+        if present:
+            warnings.warn(
+                f"{cls} ({name}) is not checked: SGLang's scheduler builds it by default "
+                "(registry.default_radix_cache_factory), and patch() checks RadixCache and "
+                "HiRadixCache only; see docs/sglang.md",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def _tree_node(module: ModuleType) -> type:
