@@ -24,6 +24,7 @@ from fsm_cache.compat.sglang import (
     ResidencyMixin,
     absent_chain,
     back_out,
+    deleting,
     loading,
     patch,
     ride,
@@ -31,7 +32,13 @@ from fsm_cache.compat.sglang import (
     walked,
 )
 from fsm_cache.compat.sglang.scope import CounterStep, counter_step
-from fsm_cache.errors import HostCopyPinned, IllegalTransition, NoHostCopy, error_class
+from fsm_cache.errors import (
+    HostCopyPinned,
+    IllegalTransition,
+    NoHostCopy,
+    StaleNode,
+    error_class,
+)
 from fsm_cache.residency import Residency
 
 
@@ -322,6 +329,41 @@ def test_a_walked_lock_that_steps_a_node_twice_is_refused() -> None:
     with pytest.raises(ReadOnlyCounter):
         inc_lock_ref(cache, b)
     assert (b.locks, armed(a, b)) == (1, [None, None])  # the checked step, and no more
+
+
+def test_a_walk_that_ends_at_another_root_is_refused_before_the_loop() -> None:
+    old_root, a, b = tree([1], [2])
+    cache = LockCache(old_root)
+    inc_lock_ref(cache, b)
+    cache.root_node = tree()[0]  # reset(): a new root; the lock's path still ends at the old one
+    with pytest.raises(StaleNode) as caught:
+        dec_lock_ref(cache, b)
+    assert str(caught.value) == (
+        "node 2: method walks up to node 0, which is not this cache's root: the node is from "
+        "before a reset() or from another cache; nothing changed"
+    )
+    assert (cache.counted, a.locks, b.locks, armed(a, b)) == (2, 1, 1, [None, None])
+
+
+def test_a_victim_is_checked_before_its_slots_are_freed_and_then_cannot_be_locked() -> None:
+    root, a, b = tree([1], [2])
+    cache = LockCache(root)
+    inc_lock_ref(cache, b)
+    with pytest.raises(error_class("DeviceLocked")):
+        deleting(b)  # a fork's eviction offers a locked leaf
+    assert (state(b), b.deleted) == (("unbacked", "resident", 0, 1), False)
+    dec_lock_ref(cache, b)
+    deleting(b)  # SGLang frees the only copy and deletes the node: no event, a mark
+    assert (state(b), b.deleted) == (("unbacked", "resident", 0, 0), True)
+    with pytest.raises(StaleNode, match=r"^node 2: lock of a node SGLang's eviction deleted"):
+        walk(b, "lock")
+    with pytest.raises(StaleNode, match=r"^node 2: method of a node SGLang's eviction deleted"):
+        inc_lock_ref(cache, b)
+    assert (cache.counted, a.locks, b.locks) == (0, 0, 0)
+    del a.children[2]  # SGLang's _delete_leaf
+    backed(a, [7])
+    deleting(a)  # with a host copy, the device eviction fires
+    assert (state(a), a.deleted) == (("backed", "absent", 0, 0), False)
 
 
 # -- the patch, on a module shaped like SGLang's -----------------------------------

@@ -23,7 +23,7 @@ from fsm_cache.compat.sglang import (
     ResidencyMixin,
     patch,
 )
-from fsm_cache.errors import CopyInFlight, DuplicateAck, HostCopyPinned, error_class
+from fsm_cache.errors import CopyInFlight, DuplicateAck, HostCopyPinned, StaleNode, error_class
 
 from .conftest import Api, build_hiradix
 from .fakes import FakeAllocator
@@ -215,7 +215,7 @@ def test_a_stray_release_on_a_loading_node_is_sglangs_release_at_zero(
     assert isinstance(caught.value, RuntimeError)  # what SGLang's callers catch
     assert str(caught.value).startswith(
         f"Host reference counter is already zero. node {node.id}: release refused in "
-        "pinned (pins=1): the last pin belongs to the load in flight; "
+        "pinned (pins=1, device loading): the last pin belongs to the load in flight; "
     )
     assert (node.host_ref_counter, node.pins, node.host) == (0, 1, "pinned")
     hiradix.ready_to_load_host_cache()
@@ -240,3 +240,131 @@ def test_a_cache_driven_after_its_patch_is_undone_is_refused_clearly(sg: Api) ->
     assert (node.lock_ref, node.locks) == (0, 0)
     fresh = sg.rc.RadixCache(sg.cache_params(FakeAllocator(16)))  # built after: stock
     assert not isinstance(fresh.root_node, ResidencyMixin)
+
+
+def locked_leaf(sg: Api, allocator: FakeAllocator) -> tuple[Any, Any]:
+    """A patched ``RadixCache`` holding ``AB`` in one leaf, which a running request locks."""
+    cache = sg.rc.RadixCache(sg.cache_params(allocator))
+    sg.insert(cache, AB, allocator.take(len(AB)))
+    node = sg.match(cache, AB)[1]
+    cache.inc_lock_ref(node)
+    return cache, node
+
+
+def counts(cache: Any, allocator: FakeAllocator, node: Any) -> tuple[Any, ...]:
+    """What a refusal must leave as it was: SGLang's sizes, the free slots, the node's place."""
+    in_tree = node in cache.root_node.children.values()
+    return (
+        cache.evictable_size(),
+        cache.protected_size(),
+        allocator.available_size(),
+        node.lock_ref,
+        in_tree,
+        node.value.tolist(),
+    )
+
+
+def test_an_unlock_after_a_reset_is_refused_before_a_count_moves(
+    sg: Api, allocator: FakeAllocator, patched: Any
+) -> None:
+    cache, node = locked_leaf(sg, allocator)
+    old_root = cache.root_node
+    cache.reset()  # flush_cache while a request holds its lock
+    before = (cache.evictable_size(), cache.protected_size(), node.lock_ref, old_root.lock_ref)
+    here = inspect.currentframe()
+    assert here is not None
+    refused_at = here.f_lineno + 2
+    with pytest.raises(StaleNode) as caught:
+        cache.dec_lock_ref(node)  # the request finishes: stock SGLang moves every count first
+    test = "test_an_unlock_after_a_reset_is_refused_before_a_count_moves"
+    assert str(caught.value) == (
+        f"node {node.id}: dec_lock_ref walks up to node {old_root.id}, which is not this "
+        "cache's root: the node is from before a reset() or from another cache; nothing "
+        f"changed; locked at {line_of(sg.rc.RadixCache.inc_lock_ref, 'node.lock_ref += 1')}; "
+        f"refused at test_misuse.py:{refused_at} in {test}"
+    )
+    after = (cache.evictable_size(), cache.protected_size(), node.lock_ref, old_root.lock_ref)
+    assert after == before == (0, 0, 1, 1)
+
+
+def test_a_lock_of_another_caches_node_is_refused_before_a_count_moves(
+    sg: Api, allocator: FakeAllocator, patched: Any
+) -> None:
+    other = sg.rc.RadixCache(sg.cache_params(allocator))
+    sg.insert(other, AB, allocator.take(len(AB)))
+    node = sg.match(other, AB)[1]
+    cache = sg.rc.RadixCache(sg.cache_params(FakeAllocator(16)))
+    with pytest.raises(StaleNode, match=f"^node {node.id}: inc_lock_ref walks up to node "):
+        cache.inc_lock_ref(node)
+    assert (node.lock_ref, other.root_node.lock_ref, other.evictable_size()) == (0, 1, 12)
+    assert (cache.evictable_size(), cache.protected_size()) == (0, 0)
+
+
+def test_evicting_a_locked_leaf_is_refused_before_its_slots_are_freed(
+    sg: Api, allocator: FakeAllocator, patched: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache, node = locked_leaf(sg, allocator)
+    # a fork whose eviction lost the lock check offers the locked leaf as a victim
+    if hasattr(cache, "evictable_leaves"):
+        cache.evictable_leaves.add(node)
+    else:
+        monkeypatch.setattr(cache, "_collect_leaves", lambda: [node])
+    before = counts(cache, allocator, node)
+    with pytest.raises(error_class("DeviceLocked")) as caught:
+        sg.evict(cache, len(AB))
+    rc = sg.rc.RadixCache
+    assert str(caught.value) == (
+        f"node {node.id}: evict_device refused in resident (locks=1): a running request "
+        f"holds the device copy; locked at {line_of(rc.inc_lock_ref, 'node.lock_ref += 1')}; "
+        f"refused at {line_of(rc.evict, 'heapq.heappop(eviction_heap)')}"
+    )
+    assert counts(cache, allocator, node) == before
+    assert before[2:] == (len(allocator.free_slots), 1, True, list(range(12)))
+
+
+def test_a_regular_eviction_of_a_locked_node_is_refused_before_its_slots_are_freed(
+    sg: Api, allocator: FakeAllocator, monkeypatch: pytest.MonkeyPatch, patched: Any
+) -> None:
+    cache = build_hiradix(sg, allocator, monkeypatch, "write_through_selective")
+    sg.insert(cache, AB, allocator.take(len(AB)))
+    node = only_child(cache)
+    cache.inc_lock_ref(node)
+    before = counts(cache, allocator, node)
+    here = inspect.currentframe()
+    assert here is not None
+    refused_at = here.f_lineno + 3
+    with pytest.raises(error_class("DeviceLocked")) as caught:
+        # SGLang's eviction step, called as a fork's loop that lost the lock check calls it
+        cache._evict_regular(node)  # noqa: SLF001
+    test = "test_a_regular_eviction_of_a_locked_node_is_refused_before_its_slots_are_freed"
+    assert str(caught.value) == (
+        f"node {node.id}: evict_device refused in resident (locks=1): a running request "
+        "holds the device copy; locked at "
+        f"{line_of(sg.rc.RadixCache.inc_lock_ref, 'node.lock_ref += 1')}; "
+        f"refused at test_misuse.py:{refused_at} in {test}"
+    )
+    assert counts(cache, allocator, node) == before
+
+
+def test_a_lock_of_a_node_evict_deleted_is_refused(
+    sg: Api, allocator: FakeAllocator, patched: Any
+) -> None:
+    cache = sg.rc.RadixCache(sg.cache_params(allocator))
+    sg.insert(cache, AB, allocator.take(len(AB)))
+    node = sg.match(cache, AB)[1]  # a request matched it...
+    sg.evict(cache, len(AB))  # ...and the eviction freed it before the request locked it
+    assert (node in cache.root_node.children.values(), node.deleted) == (False, True)
+    before = (cache.evictable_size(), cache.protected_size(), node.lock_ref)
+    here = inspect.currentframe()
+    assert here is not None
+    refused_at = here.f_lineno + 2
+    with pytest.raises(StaleNode) as caught:
+        cache.inc_lock_ref(node)  # stock SGLang counts the freed slots as protected
+    test = "test_a_lock_of_a_node_evict_deleted_is_refused"
+    evict = line_of(sg.rc.RadixCache.evict, "heapq.heappop(eviction_heap)")
+    assert str(caught.value) == (
+        f"node {node.id}: inc_lock_ref of a node SGLang's eviction deleted from the tree "
+        "(its device slots were freed); match the prefix again; nothing changed; "
+        f"deleted at {evict}; refused at test_misuse.py:{refused_at} in {test}"
+    )
+    assert (cache.evictable_size(), cache.protected_size(), node.lock_ref) == before == (0, 0, 0)

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+
+import pytest
+
+from fsm_cache.compat.sglang import ResidencyMixin, patch
 
 
 CONFTEST = """
@@ -81,3 +88,52 @@ def test_the_cache_bench_runs_against_the_installed_sglang() -> None:
         assert set(figures) == {"sglang", *MODES}
         assert all(v > 0 for v in figures.values())
     assert "targets: held >= 1.8x" in bench.format()
+
+
+UNIFIED = "sglang.srt.mem_cache.unified_radix_cache"
+
+
+def test_patch_warns_that_the_default_cache_of_sglang_is_not_checked() -> None:
+    if importlib.util.find_spec(UNIFIED) is None:
+        pytest.skip("this SGLang has no UnifiedRadixCache")
+    with pytest.warns(UserWarning, match="UnifiedRadixCache") as caught, patch():
+        pass
+    assert [str(w.message) for w in caught] == [
+        f"UnifiedRadixCache ({UNIFIED}) is not checked: SGLang's scheduler builds it by "
+        "default (registry.default_radix_cache_factory), and patch() checks RadixCache and "
+        "HiRadixCache only; see docs/sglang.md"
+    ]
+    core = importlib.import_module("sglang.srt.mem_cache.unified_cache.unified_tree_core")
+    assert not issubclass(core.UnifiedTreeNode, ResidencyMixin)  # what the warning is about
+
+
+def test_patch_is_silent_where_sglang_builds_only_what_it_checks() -> None:
+    if importlib.util.find_spec(UNIFIED) is not None:
+        pytest.skip("this SGLang builds UnifiedRadixCache by default")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch().undo()
+
+
+BROKEN = """
+import sys
+from fsm_cache.testing import sglang
+sglang.install()
+sys.modules["torch"] = None  # a broken install: a module SGLang's cache code imports is missing
+from fsm_cache.compat.sglang import PatchError, patch
+try:
+    patch()
+except PatchError as exc:
+    print(exc)
+"""
+
+
+def test_a_broken_sglang_install_is_reported_with_its_import_error() -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", BROKEN], capture_output=True, text=True, check=False
+    )
+    assert (run.returncode, run.stderr) == (0, "")
+    assert run.stdout == (
+        "sglang.srt.mem_cache.radix_cache is installed but cannot be imported: "
+        "import of torch halted; None in sys.modules\n"
+    )

@@ -202,6 +202,10 @@ class ResidencyMixin(metaclass=ABCMeta):
             the cache's ``evict`` in progress (a child still on the device,
             :func:`~fsm_cache.compat.sglang.scope.device_evictions`); it reads
             as ``evicted`` meanwhile, as in SGLang's loop.
+        deleted: True once SGLang's eviction freed the node's device slots
+            and took it out of the tree with its only copy
+            (:func:`~fsm_cache.compat.sglang.scope.deleting`): its lock walks
+            are refused.
         undone: Set on the class when the patch that built it is undone.
     """
 
@@ -217,6 +221,7 @@ class ResidencyMixin(metaclass=ABCMeta):
     pending: int | scope.Armed | None = None
     ack_with: ResidencyMixin | None = None
     evicting = False
+    deleted = False
     undone: ClassVar[bool] = False
     _value: Any = None
     _host_value: Any = None

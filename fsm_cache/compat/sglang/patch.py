@@ -19,7 +19,10 @@ SGLang method                 what the wrapper adds
                               inside ``evict``, with a child still on the device (being
                               written back), waits for the end of ``evict``
 ``evict(n)``                  (HiRadixCache) frees the parents that waited, checked,
-                              after SGLang's loop, deepest first
+                              after SGLang's loop, deepest first; (RadixCache) each
+                              victim is checked as the loop pops it, before its slots
+                              are freed (:func:`~fsm_cache.compat.sglang.scope.deleting`)
+``_evict_regular(node)``      the same check, before the device slots are freed
 ``load_back(node)``           fires ``load`` on the chain before device slots are allocated;
                               ``load_failed`` if SGLang then gives up
 ``evict_host(n)``             fires ``evict_host`` at the controller call freeing a victim
@@ -32,13 +35,19 @@ checked node (``node.value = value`` on an evicted node is ``adopt``), a
 split prefix takes its residency when attached, and counters move only
 inside the walks above. Refusals are raised at SGLang's call, with SGLang's
 call sites in trail mode, and leave the tree and memory as they were.
+
+SGLang 0.5.23's server builds a ``UnifiedRadixCache`` by default, which this
+does not check; :func:`patch` warns where it is installed (:data:`UNCHECKED`).
 """
 
 from __future__ import annotations
 
 import functools
+import heapq
 import importlib
 import importlib.metadata
+import importlib.util
+import types
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
@@ -64,9 +73,18 @@ SUPPORTED = ("0.5.6", "0.5.23")
 CACHES = ("RadixCache", "HiRadixCache")
 """The cache classes a module may define."""
 
+UNCHECKED = {"sglang.srt.mem_cache.unified_radix_cache": "UnifiedRadixCache"}
+"""Cache classes an SGLang release's scheduler builds by default that the patch does not check.
+
+SGLang 0.5.23's ``registry.default_radix_cache_factory`` builds a
+``UnifiedRadixCache`` (its own ``UnifiedTreeNode``, its counters kept in a
+tree core by node id) for every model but pure-SWA ones and FlexKV;
+:func:`patch` warns where the module is installed.
+"""
+
 
 class PatchError(FsmCacheError, TypeError):
-    """A module cannot be patched: it has no ``TreeNode`` or no cache class."""
+    """A module cannot be patched: it has no ``TreeNode`` or no cache class, or fails to import."""
 
 
 Method = Callable[..., Any]
@@ -121,6 +139,46 @@ def _evict(original: Method) -> Method:
         return result
 
     return evict
+
+
+def _evict_regular(original: Method) -> Method:
+    @functools.wraps(original)
+    def evict_regular(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        scope.deleting(node)
+        return original(self, node, *args, **kwargs)
+
+    return evict_regular
+
+
+def _checked_heappop(pop: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    """``heapq.heappop`` for ``RadixCache.evict``'s loop: the victim is checked before it is taken.
+
+    SGLang's loop frees every entry it pops (``free(x.value)``, then
+    ``_delete_leaf(x)``) with no check in between: the pop is the last
+    point before the free, and a refusal there leaves the tree, the
+    allocator and the cache's counts as they were.
+    """
+
+    def heappop(heap: list[Any]) -> Any:
+        if heap and type(heap[0]) is tuple and len(heap[0]) == 2:  # (priority, node)
+            scope.deleting(heap[0][1])
+        return pop(heap)
+
+    return heappop
+
+
+def _check_victims(result: Patch, module: ModuleType) -> None:
+    """Have ``module``'s ``evict`` loop pop its victims through :func:`_checked_heappop`.
+
+    SGLang's cache modules call ``heapq.heappop`` through their global name,
+    and only in ``evict`` loops: the name is pointed at a copy of ``heapq``
+    whose ``heappop`` checks.
+    """
+    if getattr(module, "heapq", None) is not heapq:
+        return
+    names = {k: v for k, v in vars(heapq).items() if not k.startswith("_")}
+    checked = types.SimpleNamespace(**{**names, "heappop": _checked_heappop(heapq.heappop)})
+    result.record(module, "heapq", checked)
 
 
 def _load_back(original: Method) -> Method:
@@ -188,6 +246,7 @@ WRAPPERS: dict[str, Callable[[Method], Method]] = {
     "write_backup_storage": _write_backup_storage,
     "_evict_backuped": _evict_backuped,
     "evict": _evict,
+    "_evict_regular": _evict_regular,
     "load_back": _load_back,
     "evict_host": _evict_host,
 }
@@ -250,14 +309,16 @@ def patch(
         The :class:`Patch`; ``undo()`` (or leaving its ``with`` block) restores SGLang.
 
     Raises:
-        PatchError: A module has no ``TreeNode`` or no cache class, or is
-            patched already by another call.
+        PatchError: A module has no ``TreeNode`` or no cache class, is
+            patched already by another call, or (none given) an installed
+            one fails to import for want of another module.
     """
     found = [_module(m) for m in modules] if modules else _installed()
     already = [m.__name__ for m in found if m.__name__ in _ACTIVE]
     if already:
         raise PatchError(f"{', '.join(already)}: patched already; undo that patch first")
     _warn_unsupported()
+    _warn_unchecked()
     engine = residency or Residency(trail=trail)
     result = Patch(tuple(m.__name__ for m in found), ResidencyMixin, ())
     checked: dict[type, type[ResidencyMixin]] = {}
@@ -285,11 +346,23 @@ def _installed() -> list[ModuleType]:
     for name in MODULES:
         try:
             out.append(importlib.import_module(name))
-        except ModuleNotFoundError:
-            continue
+        except ModuleNotFoundError as exc:
+            if not _is_absent(name, exc):
+                raise PatchError(f"{name} is installed but cannot be imported: {exc}") from exc
     if not out:
         raise PatchError(f"none of {', '.join(MODULES)} is installed")
     return out
+
+
+def _is_absent(name: str, exc: ModuleNotFoundError) -> bool:
+    """Whether ``exc`` says ``name`` itself (or a package above it) is not there.
+
+    Any other missing module is one the installed SGLang imports, missing
+    from a broken install: the patch must say so rather than take SGLang
+    for absent.
+    """
+    parts = name.split(".")
+    return exc.name in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
 
 
 def _warn_unsupported() -> None:
@@ -304,6 +377,23 @@ def _warn_unsupported() -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def _warn_unchecked() -> None:
+    """Warn where SGLang's server would build a cache :func:`patch` leaves unchecked."""
+    for name, cls in UNCHECKED.items():
+        try:
+            present = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # no SGLang package at all
+            present = False
+        if present:
+            warnings.warn(
+                f"{cls} ({name}) is not checked: SGLang's scheduler builds it by default "
+                "(registry.default_radix_cache_factory), and patch() checks RadixCache and "
+                "HiRadixCache only; see docs/sglang.md",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def _tree_node(module: ModuleType) -> type:
@@ -381,7 +471,8 @@ def _wrap_caches(result: Patch, module: ModuleType, machine: Residency) -> list[
             if name in WALKS:
                 checked = scope.walked(WALKS[name], machine)(method)
             elif name == "evict" and not hasattr(cls, "_evict_backuped"):
-                continue  # nothing to defer: RadixCache frees leaves only
+                _check_victims(result, module)  # nothing to defer: RadixCache frees leaves only
+                continue
             elif name in WRAPPERS:
                 checked = WRAPPERS[name](method)
             else:

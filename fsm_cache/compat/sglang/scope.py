@@ -11,6 +11,8 @@ before the first step, so a refusal changes nothing:
 * :func:`loading` fires ``load`` on the chain an ``load_back`` is about to
   copy, before the controller allocates device slots; :func:`back_out` fails
   those loads again when SGLang gives up (device memory short).
+* :func:`deleting` checks a victim ``evict`` is about to free and delete
+  (a locked one is refused) and marks it deleted, so it cannot be locked again.
 * :func:`device_evictions` lets a write-back ``evict`` free a parent after
   the child it is writing back, as the spec requires, with SGLang's loop
   seeing the order it expects.
@@ -32,12 +34,12 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from fsm_cache.engine import trail
 from fsm_cache.engine.core import Engine, Plan
-from fsm_cache.errors import IllegalTransition
-from fsm_cache.residency import Event, Residency
+from fsm_cache.errors import IllegalTransition, StaleNode
+from fsm_cache.residency import HOST_HELD, Event, Residency
 from fsm_cache.spec.validate import representatives
 
 
@@ -167,6 +169,10 @@ def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
     Raises:
         IllegalTransition: (from the decorated method) ``event`` is refused at
             a node of the path, before the method runs; nothing changed.
+        StaleNode: (from the decorated method) the path ends at a root that
+            is not the cache's ``root_node`` (a node from before its
+            ``reset()``, or another cache's), or the node is one SGLang's
+            eviction deleted; before the method runs.
     """
     engine = machine.engine
     plan, trail_on = engine.planner(event), engine.trail
@@ -185,6 +191,8 @@ def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
         def method(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
             if getattr(self, "disable", False):
                 return original(self, node, *args, **kwargs)
+            if node.deleted:
+                _refuse_deleted(node, original.__name__)
             at = node
             try:
                 while (up := at.parent) is not None:  # SGLang's loops stop at the root
@@ -203,6 +211,9 @@ def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
             except BaseException:
                 _disarm(node, at)
                 raise
+            if at is not getattr(self, "root_node", at):
+                _disarm(node, at)
+                _refuse_foreign(node, at, original.__name__)
             try:
                 if args or kwargs:
                     return original(self, node, *args, **kwargs)
@@ -219,6 +230,34 @@ def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
 
 _NEVER = sys.maxsize
 """A floor no lock count reaches: the state takes the full check."""
+
+
+def _refuse_foreign(node: Any, top: Any, walk: str) -> NoReturn:
+    """Refuse a lock walk whose path ends at a root that is not its cache's.
+
+    SGLang's loop would run on up to its cache's root and never meet it: it
+    moves the counts of every node on the way (and the cache's
+    ``evictable_size_``) before failing past the stale root, as after a
+    ``reset()`` (``flush_cache``) or with another cache's node.
+
+    Raises:
+        StaleNode: Always; nothing was changed.
+    """
+    msg = (
+        f"node {getattr(node, 'id', '?')}: {walk} walks up to node {getattr(top, 'id', '?')}, "
+        "which is not this cache's root: the node is from before a reset() or from another "
+        "cache; nothing changed"
+    )
+    raise StaleNode(_with_sites(msg, node))
+
+
+def _with_sites(msg: str, node: Any) -> str:
+    """``msg``, followed in trail mode by ``node``'s recent call sites and the refused call's."""
+    engine = node.machine().engine
+    if not engine.trail:
+        return msg
+    past = {e.name: e.past for _, m in engine.system.regions for e in m.events if e.past}
+    return f"{msg}; {trail.account(trail.sites(node.trail), past, trail.caller_site())}"
 
 
 def _disarm(node: Any, stop: Any) -> None:
@@ -265,6 +304,8 @@ class Walk:
         self.steps: list[int | Armed] = []
         engine = node.machine().engine
         plan, trail_on = engine.planner(event), engine.trail
+        if node.deleted:
+            _refuse_deleted(node, event)
         at: Any = node
         while at.parent is not None:  # SGLang's loops stop at the root
             if not at.sealed:
@@ -504,6 +545,45 @@ def host_eviction(slots: Any) -> None:
             node.seal()
             node.machine().evict_host(node)
             return
+
+
+def deleting(node: Any) -> None:
+    """Check that SGLang may free a resident victim's device slots and delete it; mark it deleted.
+
+    SGLang's ``RadixCache.evict`` (and 0.5.6's ``_evict_regular``) frees a
+    victim's device slots and takes it out of the tree without clearing its
+    ``value``: stock, nothing says the node is gone, and a handle to it can
+    still be locked. Called before the slots are freed, this refuses a victim
+    a request still locks (the spec's refusal of its ``evict_device``) while
+    nothing has changed. A victim with a host copy fires ``evict_device``;
+    one without (the only copy, which no event drops: SGLang deletes the
+    node with it) is marked ``deleted``, and the lock walks refuse it.
+
+    Raises:
+        IllegalTransition: The victim is locked, or has a copy in flight;
+            nothing was freed.
+    """
+    if getattr(node, "device", "absent") == "absent" or getattr(node, "parent", None) is None:
+        return  # not a checked node, off the device already, or a root
+    node.seal()
+    machine = node.machine()
+    if node.host in HOST_HELD:
+        machine.evict_device(node)
+        return
+    if node.locks:
+        machine.engine.plan(node, "evict_device")  # raises the spec's refusal of a locked copy
+    node.deleted = True
+    if machine.engine.trail:
+        node.trail = trail.note(node.trail, "delete", machine.engine.history)
+
+
+def _refuse_deleted(node: Any, walk: str) -> NoReturn:
+    """Refuse a lock walk from a node SGLang's eviction deleted (its slots are free)."""
+    msg = (
+        f"node {getattr(node, 'id', '?')}: {walk} of a node SGLang's eviction deleted from "
+        "the tree (its device slots were freed); match the prefix again; nothing changed"
+    )
+    raise StaleNode(_with_sites(msg, node))
 
 
 def check(path: Sequence[ResidencyMixin], event: Event) -> None:
