@@ -23,7 +23,14 @@ from fsm_cache.compat.sglang.node import (
     ResidencyMixin,
     SlotsOutOfStep,
 )
-from fsm_cache.compat.sglang.patch import MODULES, SUPPORTED, Patch, PatchError, patch
+from fsm_cache.compat.sglang.patch import (
+    MODULES,
+    SUPPORTED,
+    Patch,
+    PatchError,
+    UncheckedCacheWarning,
+    patch,
+)
 from fsm_cache.compat.sglang.scope import (
     AckBook,
     absent_chain,
@@ -56,6 +63,7 @@ __all__ = [
     "RemovedInUse",
     "ResidencyMixin",
     "SlotsOutOfStep",
+    "UncheckedCacheWarning",
     "absent_chain",
     "back_out",
     "check",

@@ -83,6 +83,14 @@ tree core by node id) for every model but pure-SWA ones and FlexKV;
 """
 
 
+class UncheckedCacheWarning(UserWarning):
+    """SGLang's server would build a cache class :func:`patch` does not check (:data:`UNCHECKED`).
+
+    A category of its own, so that code that knowingly drives a checked class
+    (a benchmark of ``RadixCache``) can silence it and nothing else.
+    """
+
+
 class PatchError(FsmCacheError, TypeError):
     """A module cannot be patched: it has no ``TreeNode`` or no cache class, or fails to import."""
 
@@ -391,7 +399,7 @@ def _warn_unchecked() -> None:
                 f"{cls} ({name}) is not checked: SGLang's scheduler builds it by default "
                 "(registry.default_radix_cache_factory), and patch() checks RadixCache and "
                 "HiRadixCache only; see docs/sglang.md",
-                UserWarning,
+                UncheckedCacheWarning,
                 stacklevel=3,
             )
 
