@@ -245,7 +245,7 @@ class Walker:
         """
         if not isinstance(target, ast.Name):
             return states
-        op = _receipt_of(value, self.classifier, self.scope)
+        op = self.classifier.receipt_of(value, self.scope)
         if op is None or op.resource is None:
             return states
         alias, text = self.scope.canon(target), self.scope.canon(op.resource)
@@ -305,25 +305,6 @@ class Walker:
             if root not in own
         )
         return states_of(*(state.hand_on(texts) for state in states)) if texts else states
-
-
-def _receipt_of(value: ast.expr, classifier: Classifier, scope: Scope) -> Op | None:
-    """Return the acquire whose receipt ``value`` is, if any.
-
-    ``value`` is the acquire call itself, or reads an attribute or calls a
-    method of its result (``cache.inc_lock_ref(node).to_dec_params()``),
-    awaited or not.
-    """
-    expr: ast.expr = value
-    while isinstance(expr, ast.Await | ast.Attribute | ast.Call):
-        if isinstance(expr, ast.Call):
-            op = classifier.classify(expr, scope)
-            if op.kind is OpKind.ACQUIRE:
-                return op
-            expr = expr.func
-        else:
-            expr = expr.value
-    return None
 
 
 def _last_element(key: ResourceKey) -> ResourceKey:
@@ -483,6 +464,8 @@ def analyze(
     func: ast.FunctionDef | ast.AsyncFunctionDef, classifier: Classifier
 ) -> tuple[FlowOutcome, Sink]:
     """Run every path of ``func``; return how they leave it and the events seen."""
-    walker = Walker(build_scope(func), classifier)
+    scope = build_scope(func)
+    scope.receipts = classifier.receipt_names(func.body, scope)
+    walker = Walker(scope, classifier)
     outcome = walker.block(func.body, states_of(State()))
     return outcome, walker.sink
