@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import enum
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeGuard
@@ -15,11 +16,13 @@ from typing import TypeGuard
 from fsm_cache.audit.model import AuditConfig
 from fsm_cache.audit.scope import (
     Scope,
+    bound_names,
     calls_anything,
     conditional_effects,
     root_name,
     string_constant,
     verb_event,
+    walk_same_scope,
 )
 
 
@@ -69,7 +72,16 @@ class Classifier:
         self.non_raising = config.non_raising
 
     def classify(self, call: ast.Call, scope: Scope) -> Op:
-        """Return what ``call`` does, judged by the name it calls or the event it fires."""
+        """Return what ``call`` does, judged by the name it calls or the event it fires.
+
+        ``lease.release()`` on a name bound only to receipts of one pair
+        (:meth:`receipt_names`) releases that pair, whatever its release is
+        named; on a name bound only to ``engine.lease(...)`` it is an ordinary
+        call (the lease releases itself, which the audit does not pair).
+        """
+        released = _receipt_release(call, scope)
+        if released is not None:
+            return released
         paired = self._pair_call(call, scope)
         if paired is not None:
             return self._pair_op(call, *paired)
@@ -107,11 +119,85 @@ class Classifier:
     def release_texts(self, node: ast.AST, scope: Scope) -> Iterator[tuple[str, str]]:
         """Yield (root name, canonical text) of every release anywhere inside ``node``."""
         for sub in ast.walk(node):
-            paired = self._pair_call(sub, scope) if isinstance(sub, ast.Call) else None
-            if paired is not None and paired[0] in self.releases and paired[1] is not None:
-                root = root_name(paired[1])
+            op = self.classify(sub, scope) if isinstance(sub, ast.Call) else None
+            if op is not None and op.kind is OpKind.RELEASE and op.resource is not None:
+                root = root_name(op.resource)
                 if root is not None:
-                    yield root, scope.canon(paired[1])
+                    yield root, scope.canon(op.resource)
+
+    def receipt_of(self, value: ast.expr, scope: Scope) -> Op | None:
+        """Return the acquire whose receipt ``value`` is, if any.
+
+        ``value`` is the acquire call itself, or reads an attribute or calls a
+        method of its result (``cache.inc_lock_ref(node).to_dec_params()``),
+        awaited or not.
+        """
+        expr: ast.expr = value
+        while isinstance(expr, ast.Await | ast.Attribute | ast.Call):
+            if isinstance(expr, ast.Call):
+                op = self.classify(expr, scope)
+                if op.kind is OpKind.ACQUIRE:
+                    return op
+                expr = expr.func
+            else:
+                expr = expr.value
+        return None
+
+    def receipt_names(self, body: list[ast.stmt], scope: Scope) -> dict[str, int]:
+        """Return the names bound only to receipts of one pair, with that pair's index.
+
+        A receipt is bound by ``lock = cache.lock(node)`` or ``with
+        cache.lock(node) as lock``. A name bound only to ``X.lease(...)`` (the
+        engine's lease, which is no acquire to the audit) maps to -1. A name
+        also bound to anything else, or to two pairs' receipts, is none.
+        """
+        pairs: dict[str, set[int]] = {}
+        receipt_binds: Counter[str] = Counter()
+        for target, value in _name_bindings(body):
+            pair = self._lease_pair(value, scope)
+            if pair is not None:
+                pairs.setdefault(target, set()).add(pair)
+                receipt_binds[target] += 1
+        binds = Counter(name for stmt in body for name in bound_names(stmt))
+        return {
+            name: next(iter(found))
+            for name, found in pairs.items()
+            if len(found) == 1 and binds[name] == receipt_binds[name]
+        }
+
+    def _lease_pair(self, value: ast.expr, scope: Scope) -> int | None:
+        """Return the pair whose receipt ``value`` is, -1 for ``X.lease(...)``, else None."""
+        op = self.receipt_of(value, scope)
+        if op is not None:
+            return op.pair
+        unwrapped = value.value if isinstance(value, ast.Await) else value
+        if isinstance(unwrapped, ast.Call) and isinstance(unwrapped.func, ast.Attribute):
+            return -1 if unwrapped.func.attr == "lease" else None
+        return None
+
+
+def _receipt_release(call: ast.Call, scope: Scope) -> Op | None:
+    """Return what ``NAME.release()`` does when NAME holds a receipt or a lease, else None."""
+    func = call.func
+    if call.args or call.keywords or not isinstance(func, ast.Attribute):
+        return None
+    if func.attr != "release" or not isinstance(func.value, ast.Name):
+        return None
+    pair = scope.receipts.get(func.value.id)
+    if pair is None:
+        return None
+    return Op(OpKind.CALL, call) if pair < 0 else Op(OpKind.RELEASE, call, pair, func.value)
+
+
+def _name_bindings(body: list[ast.stmt]) -> Iterator[tuple[str, ast.expr]]:
+    """Yield (name, value) of each ``name = value`` and ``with value as name`` in ``body``."""
+    for stmt in body:
+        for sub in walk_same_scope(stmt):
+            if isinstance(sub, ast.Assign) and len(sub.targets) == 1:
+                if isinstance(sub.targets[0], ast.Name):
+                    yield sub.targets[0].id, sub.value
+            elif isinstance(sub, ast.withitem) and isinstance(sub.optional_vars, ast.Name):
+                yield sub.optional_vars.id, sub.context_expr
 
 
 def callee_name(call: ast.Call) -> str:

@@ -13,7 +13,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fsm_cache.audit.scope import loop_bindings
-from fsm_cache.audit.state import Flow, FlowOutcome, State, States, add, merge, states_of
+from fsm_cache.audit.state import (
+    Flow,
+    FlowOutcome,
+    ResourceKey,
+    State,
+    States,
+    add,
+    merge,
+    states_of,
+)
 
 
 if TYPE_CHECKING:
@@ -146,13 +155,27 @@ def _always_true(test: ast.expr) -> bool:
 
 
 def run_with(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
-    """Run ``with``: entering may raise; the body's exits pass through unchanged."""
+    """Run ``with``: entering may raise; an acquire entered as an item is released on the way out.
+
+    ``with cache.lock(node):`` holds the lock as a lease, whose end releases
+    it however the body leaves (and an item entered after it that raises
+    releases it too); ``as lease`` binds its receipt. The body's other
+    acquisitions pass through unchanged.
+    """
     assert isinstance(stmt, ast.With | ast.AsyncWith)
     outcome: FlowOutcome = {}
+    entered: list[ResourceKey] = []
     for item in stmt.items:
-        states = walker.evaluate(item.context_expr, states, outcome)
+        entering: FlowOutcome = {}
+        states = walker.evaluate(item.context_expr, states, entering)
+        merge(outcome, walker.exit_with(entered, entering, stmt.lineno))
+        key = walker.entered(item.context_expr)
+        entered += [key] if key is not None else []
+        if item.optional_vars is not None:
+            states = walker.receipt(item.optional_vars, item.context_expr, states)
     targets = [item.optional_vars for item in stmt.items if item.optional_vars is not None]
-    merge(outcome, walker.block(stmt.body, walker.forget(targets, states)))
+    body = walker.block(stmt.body, walker.forget(targets, states))
+    merge(outcome, walker.exit_with(entered, body, stmt.lineno))
     return outcome
 
 

@@ -245,7 +245,7 @@ class Walker:
         """
         if not isinstance(target, ast.Name):
             return states
-        op = _receipt_of(value, self.classifier, self.scope)
+        op = self.classifier.receipt_of(value, self.scope)
         if op is None or op.resource is None:
             return states
         alias, text = self.scope.canon(target), self.scope.canon(op.resource)
@@ -253,6 +253,34 @@ class Walker:
             return states
         self.sink.receipt(alias, text)
         return states_of(*(state.alias(alias, frozenset({text})) for state in states))
+
+    def entered(self, expr: ast.expr) -> ResourceKey | None:
+        """Return what a ``with`` item holds: an acquire's (``with cache.lock(node):``) or a receipt's.
+
+        A receipt (``with lock:`` after ``lock = cache.lock(node)``) is keyed by
+        its name, which stands for what it acquired.
+        """
+        if isinstance(expr, ast.Name) and self.scope.receipts.get(expr.id, -1) >= 0:
+            return self.scope.receipts[expr.id], self.scope.canon(expr)
+        if not isinstance(expr, ast.Call):
+            return None
+        op = self.classifier.classify(expr, self.scope)
+        if op.kind is not OpKind.ACQUIRE or op.resource is None:
+            return None
+        return op.pair, self.scope.canon(op.resource)
+
+    def exit_with(self, keys: list[ResourceKey], outcome: FlowOutcome, line: int) -> FlowOutcome:
+        """Release ``keys``, last entered first, on every way out of the ``with`` at ``line``.
+
+        The lease an acquire returns releases on ``__exit__`` unless it was
+        released already, so a key no longer held is left alone, not doubled.
+        """
+        if not keys:
+            return outcome
+        return {
+            flow: states_of(*(_give_back(state, keys, line) for state in states))
+            for flow, states in outcome.items()
+        }
 
     def _varies(self, resource: ast.expr) -> bool:
         """Return whether ``resource`` names another resource in each later loop pass.
@@ -307,23 +335,12 @@ class Walker:
         return states_of(*(state.hand_on(texts) for state in states)) if texts else states
 
 
-def _receipt_of(value: ast.expr, classifier: Classifier, scope: Scope) -> Op | None:
-    """Return the acquire whose receipt ``value`` is, if any.
-
-    ``value`` is the acquire call itself, or reads an attribute or calls a
-    method of its result (``cache.inc_lock_ref(node).to_dec_params()``),
-    awaited or not.
-    """
-    expr: ast.expr = value
-    while isinstance(expr, ast.Await | ast.Attribute | ast.Call):
-        if isinstance(expr, ast.Call):
-            op = classifier.classify(expr, scope)
-            if op.kind is OpKind.ACQUIRE:
-                return op
-            expr = expr.func
-        else:
-            expr = expr.value
-    return None
+def _give_back(state: State, keys: list[ResourceKey], line: int) -> State:
+    """Return ``state`` after a ``with`` released those of ``keys`` it still holds."""
+    for key in reversed(keys):
+        released, _, matched = state.release(key, line)
+        state = released if matched else state
+    return state
 
 
 def _last_element(key: ResourceKey) -> ResourceKey:
@@ -483,6 +500,8 @@ def analyze(
     func: ast.FunctionDef | ast.AsyncFunctionDef, classifier: Classifier
 ) -> tuple[FlowOutcome, Sink]:
     """Run every path of ``func``; return how they leave it and the events seen."""
-    walker = Walker(build_scope(func), classifier)
+    scope = build_scope(func)
+    scope.receipts = classifier.receipt_names(func.body, scope)
+    walker = Walker(scope, classifier)
     outcome = walker.block(func.body, states_of(State()))
     return outcome, walker.sink

@@ -32,6 +32,9 @@ class Scope:
         shared: Names declared ``global`` or ``nonlocal``: storing into them
             hands the value on.
         verbs: Name bound only to ``engine.verb("pin")`` -> the event it fires.
+        receipts: Name bound only to receipts of one pair (``lock =
+            cache.lock(node)``) -> that pair's index; -1 for ``engine.lease(...)``.
+            Set by the analysis, which knows the pairs.
     """
 
     params: frozenset[str]
@@ -41,6 +44,7 @@ class Scope:
     env: dict[str, str] = field(default_factory=dict)
     shared: frozenset[str] = frozenset()
     verbs: dict[str, str] = field(default_factory=dict)
+    receipts: dict[str, int] = field(default_factory=dict)
 
     def canon(self, expr: ast.expr) -> str:
         """Return the text of ``expr`` with a loop variable replaced by what it stands for."""

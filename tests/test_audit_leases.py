@@ -1,0 +1,222 @@
+"""A lease taken as a receipt gives its acquire back: by ``with``, or by its own ``release()``.
+
+``HiCache.lock``/``HiCache.pin`` return a :class:`~fsm_cache.engine.lease.Lease`;
+``engine.lease(rec)`` does too. The audit's FSM104 advice is to hold an
+acquire with one, so holding it so must not be a finding itself.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from fsm_cache.audit import AuditConfig, Pair, check_source
+
+
+LOCK = AuditConfig(pairs=(Pair("lock", "unlock"),))
+PIN = AuditConfig(pairs=(Pair("pin", "release"),))
+BOTH = AuditConfig(pairs=(Pair("lock", "unlock"), Pair("pin", "release")))
+
+
+def audit(source: str, config: AuditConfig) -> list[str]:
+    """Return ``line:col: CODE message [function]`` for each finding in ``source``."""
+    found = check_source(textwrap.dedent(source), "m.py", config)
+    return [f"{f.line}:{f.col}: {f.code} {f.message} [{f.function}]" for f in found]
+
+
+WITH_LOCK = """
+    def plain(cache, node):
+        with cache.lock(node):
+            work(node)
+
+    def named(cache, node):
+        with cache.lock(node) as lease:
+            if node.evicted:
+                return None
+            work(lease)
+
+    def in_a_loop(cache, nodes):
+        for node in nodes:
+            with cache.lock(node):
+                if node.evicted:
+                    continue
+                work(node)
+
+    async def awaited(cache, node):
+        async with cache.lock(node):
+            await work(node)
+"""
+
+
+def test_an_acquire_used_as_a_with_item_is_released_on_every_way_out() -> None:
+    assert not audit(WITH_LOCK, LOCK)
+    assert not audit(WITH_LOCK.replace("lock(", "pin("), PIN)
+
+
+def test_a_with_item_entered_after_an_acquired_one_may_raise_without_a_leak() -> None:
+    assert not audit(
+        """
+        def f(cache, a, b, path):
+            with cache.lock(a), open(path) as log, cache.lock(b):
+                work(a, b, log)
+        """,
+        LOCK,
+    )
+
+
+def test_a_release_inside_the_with_body_is_not_doubled_by_its_end() -> None:
+    assert not audit(
+        """
+        def f(cache, node):
+            with cache.lock(node) as lease:
+                cache.unlock(lease)
+                work(node)
+        """,
+        LOCK,
+    )
+
+
+def test_a_release_after_the_with_is_a_double_release() -> None:
+    assert audit(
+        """
+        def f(cache, node):
+            with cache.lock(node):
+                work(node)
+            cache.unlock(node)
+        """,
+        LOCK,
+    ) == ["5:5: FSM102 unlock() on 'node' can run twice: already released at line 3 [f]"]
+
+
+def test_an_acquire_inside_the_with_body_still_leaks() -> None:
+    assert audit(
+        """
+        def f(cache, node, other):
+            with cache.lock(node):
+                cache.lock(other)
+        """,
+        LOCK,
+    ) == [
+        "4:9: FSM101 lock() on 'other' is not released or handed on"
+        " when the function ends at line 4 [f]"
+    ]
+
+
+def test_a_receipts_own_release_gives_back_its_acquire() -> None:
+    assert not audit(
+        """
+        def locked(cache, node):
+            lock = cache.lock(node)
+            try:
+                work(node)
+            finally:
+                lock.release()
+
+        def pinned(cache, node):
+            lease = cache.pin(node)
+            try:
+                work(node)
+            finally:
+                lease.release()
+        """,
+        BOTH,
+    )
+
+
+def test_a_receipts_own_release_can_run_twice_and_is_named_as_the_pairs() -> None:
+    assert audit(
+        """
+        def f(cache, node):
+            lock = cache.lock(node)
+            lock.release()
+            lock.release()
+        """,
+        LOCK,
+    ) == ["5:5: FSM102 unlock() on 'lock' can run twice: already released at line 4 [f]"]
+
+
+def test_a_receipt_released_on_one_path_only_leaks_on_the_other() -> None:
+    assert audit(
+        """
+        def f(cache, node):
+            lock = cache.lock(node)
+            if node.evicted:
+                return None
+            lock.release()
+        """,
+        LOCK,
+    ) == [
+        "3:12: FSM101 lock() on 'node' is not released or handed on"
+        " when the function returns at line 5 [f]"
+    ]
+
+
+def test_an_engine_leases_release_is_its_own_not_a_pairs() -> None:
+    assert not audit(
+        """
+        def f(engine, rec):
+            lease = engine.lease(rec)
+            try:
+                work(rec)
+            finally:
+                lease.release()
+
+        def g(engine, rec):
+            with engine.lease(rec) as lease:
+                work(rec)
+                lease.release()
+        """,
+        PIN,
+    )
+
+
+def test_a_release_on_a_name_bound_to_anything_else_is_still_unmatched() -> None:
+    assert audit(
+        """
+        def f(cache, node, other):
+            lease = cache.pin(node) if node.cold else other
+            lease.release()
+        """,
+        PIN,
+    ) == [
+        "3:13: FSM101 pin() on 'node' is not released or handed on"
+        " when the function ends at line 4 [f]",
+        "4:5: FSM103 release() on 'lease' has no pin() in reach and no documented hand-off [f]",
+    ]
+
+
+def test_a_receipt_used_as_a_with_item_is_released_by_it() -> None:
+    assert not audit(
+        """
+        def f(cache, node):
+            lock = cache.lock(node)
+            with lock:
+                work(node)
+        """,
+        LOCK,
+    )
+
+
+def test_a_receipt_released_in_a_callback_is_handed_on() -> None:
+    assert not audit(
+        """
+        def f(cache, node):
+            lock = cache.lock(node)
+            register(lambda: lock.release())
+        """,
+        LOCK,
+    )
+
+
+def test_receipts_taken_per_loop_pass_are_released_per_pass() -> None:
+    assert not audit(
+        """
+        def f(cache, nodes):
+            for node in nodes:
+                lease = cache.lock(node)
+                try:
+                    work(node)
+                finally:
+                    lease.release()
+        """,
+        LOCK,
+    )
