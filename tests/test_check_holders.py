@@ -4,68 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pools import ACCEPTED, REFUSED, pool
+
 from fsm_cache.modelcheck import check
 from fsm_cache.modelcheck.explore import Bounds
 from fsm_cache.modelcheck.state import Layout
 from fsm_cache.spec.changes import changes
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import as_system
-
-
-POOL = """
-[machine]
-name = "conn_pool"
-initial = "idle"
-
-[counters]
-holders = 0
-
-[states]
-idle = { invariant = "holders == 0" }
-leased = { invariant = "holders >= 1", counter = "holders" }
-
-[[transition]]
-event = "acquire"
-source = "idle"
-dest = "leased"
-update = "ACQUIRE"
-
-[[transition]]
-event = "acquire"
-source = "leased"
-dest = "leased"
-update = "holders += 1"
-
-[[transition]]
-event = "release"
-source = "leased"
-dest = "leased"
-guard = "holders >= 2"
-update = "holders -= 1"
-
-[[transition]]
-event = "release"
-source = "leased"
-dest = "idle"
-guard = "holders == 1"
-update = "LAST"
-AT_ZERO
-"""
-
-REFUSED = """
-[[forbid]]
-event = "release"
-source = "idle"
-error = "ReleaseAtZero"
-reason = "release without a matching acquire"
-"""
-
-ACCEPTED = """
-[[transition]]
-event = "release"
-source = "idle"
-dest = "idle"
-"""
 
 
 def _pool(
@@ -75,8 +21,7 @@ def _pool(
     at_zero: str = REFUSED,
 ) -> Path:
     path = tmp_path / "pool.toml"
-    text = POOL.replace("ACQUIRE", acquire).replace("LAST", last).replace("AT_ZERO", at_zero)
-    path.write_text(text)
+    path.write_text(pool(acquire, last, at_zero))
     return path
 
 

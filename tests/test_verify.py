@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import too_big_toml
+from pools import ACCEPTED, REFUSED, pool
 
 from fsm_cache.cli.main import main
 from fsm_cache.contracts import exhaustive, verify
@@ -488,61 +489,6 @@ def test_jobs_out_of_range_on_the_command_line_is_refused_as_in_pyproject(
     assert capsys.readouterr() == ("", f"error: --jobs: {problem}\n")
 
 
-POOL = """
-[machine]
-name = "conn_pool"
-initial = "idle"
-
-[counters]
-holders = 0
-
-[states]
-idle = { invariant = "holders == 0" }
-leased = { invariant = "holders >= 1", counter = "holders" }
-
-[[transition]]
-event = "acquire"
-source = "idle"
-dest = "leased"
-update = "holders = 1"
-
-[[transition]]
-event = "acquire"
-source = "leased"
-dest = "leased"
-update = "holders += 1"
-
-[[transition]]
-event = "release"
-source = "leased"
-dest = "leased"
-guard = "holders >= 2"
-update = "holders -= 1"
-
-[[transition]]
-event = "release"
-source = "leased"
-dest = "idle"
-guard = "holders == 1"
-update = "holders = 0"
-"""
-
-RELEASE_AT_ZERO = """
-[[transition]]
-event = "release"
-source = "idle"
-dest = "idle"
-"""
-
-REFUSED_AT_ZERO = """
-[[forbid]]
-event = "release"
-source = "idle"
-error = "ReleaseAtZero"
-reason = "nothing held"
-"""
-
-
 def _pool_rows(tmp_path: Path, text: str) -> list[Row]:
     path = tmp_path / "pool.toml"
     path.write_text(text)
@@ -555,7 +501,7 @@ def _pool_rows(tmp_path: Path, text: str) -> list[Row]:
 
 def test_an_assignment_the_source_pins_gets_its_exact_change_contract(tmp_path: Path) -> None:
     """``holders = 1`` from ``idle`` and ``holders = 0`` guarded ``holders == 1`` move by one."""
-    rows = _pool_rows(tmp_path, POOL + REFUSED_AT_ZERO)
+    rows = _pool_rows(tmp_path, pool("holders = 1", "holders = 0", REFUSED))
     exact = {(r.function, r.contract, r.status) for r in rows if "by exactly" in r.contract}
     assert exact == {
         ("acquire", "acquire changes holders by exactly +1", exhaustive.CONFIRMED_EVERY_INPUT),
@@ -565,7 +511,7 @@ def test_an_assignment_the_source_pins_gets_its_exact_change_contract(tmp_path: 
 
 def test_a_release_accepted_at_zero_refutes_its_exact_change_contract(tmp_path: Path) -> None:
     """``release`` from ``idle`` to ``idle`` gives back nothing: its -1 contract names the input."""
-    rows = _pool_rows(tmp_path, POOL + RELEASE_AT_ZERO)
+    rows = _pool_rows(tmp_path, pool("holders = 1", "holders = 0", ACCEPTED))
     bad = [r for r in rows if r.status == crosshair_run.COUNTEREXAMPLE]
     assert [(r.function, r.contract, r.detail) for r in bad] == [
         ("release", "release changes holders by exactly -1", "release(state=State.idle, holders=0)")
