@@ -1259,9 +1259,9 @@ def world_of_one(tmp_path: Path) -> Iterator[None]:
 
 @pytest.mark.usefixtures("world_of_one")
 def test_the_old_spellings_still_work_and_say_what_replaces_them() -> None:
-    cache = HiCache(bench_config(debug=True))
     with pytest.warns(DeprecationWarning, match=r"verify_every=\.\.\.\) is deprecated and ignored"):
-        DistributedCache(cache, verify_every=5)
+        DistributedCache(HiCache(bench_config(debug=True)), verify_every=5)
+    cache = HiCache(bench_config(debug=True))
     with pytest.warns(DeprecationWarning, match=r"device=\.\.\.\) is deprecated and ignored"):
         shared = DistributedCache(cache, device=torch.device("cuda", 1))
     assert shared.device == CPU
@@ -1275,11 +1275,12 @@ def test_the_old_spellings_still_work_and_say_what_replaces_them() -> None:
 @pytest.mark.usefixtures("world_of_one")
 def test_bad_settings_are_refused() -> None:
     cache = HiCache(bench_config())
-    for timeout in (0, -1.5, float("nan"), float("inf"), "5", None, True):
+    for timeout in (0, -1.5, float("nan"), float("inf"), 1e15, "5", None, True):
         with pytest.raises(ConfigError) as caught:
             DistributedCache(cache, timeout=timeout)  # type: ignore[arg-type]
         assert str(caught.value) == (
-            f"distributed: timeout must be a finite number of seconds > 0, got {timeout!r}"
+            "distributed: timeout must be a number of seconds > 0 and at most 8.64e+13"
+            f" (a timedelta's), got {timeout!r}"
         )
     for every in (-1, 1.5, "2"):
         with pytest.raises(ConfigError) as caught:
@@ -1288,6 +1289,13 @@ def test_bad_settings_are_refused() -> None:
     with pytest.raises(BadArgument) as refused:
         DistributedCache("cache")  # type: ignore[arg-type]
     assert str(refused.value) == "distributed: cache must be a HiCache, got str"
+    DistributedCache(cache)
+    with pytest.raises(ConfigError) as twice:
+        DistributedCache(cache)  # a second wrapper would buffer completions the first waits for
+    assert str(twice.value) == (
+        "distributed: this cache's acknowledgements come from another DistributedCache"
+        " already: wrap a cache once (two would each buffer completions the other waits for)"
+    )
     with pytest.raises(BadArgument) as refused:
         DistributedCache(cache, group="tp")  # type: ignore[arg-type]
     assert str(refused.value) == (

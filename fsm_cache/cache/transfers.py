@@ -25,7 +25,14 @@ from typing import Protocol
 from fsm_cache.cache.core import CacheCore
 from fsm_cache.cache.tree import TreeNode
 from fsm_cache.engine import trail
-from fsm_cache.errors import BadArgument, CopyFailed, DuplicateAck, EffectFailed, PoolExhausted
+from fsm_cache.errors import (
+    BadArgument,
+    ConfigError,
+    CopyFailed,
+    DuplicateAck,
+    EffectFailed,
+    PoolExhausted,
+)
 from fsm_cache.memory.tickets import Completion, Copier, Direction, Ticket
 from fsm_cache.memory.tiers import Tiers
 from fsm_cache.policy import WritePolicy, backup_threshold, parent_allows_backup, wants_backup
@@ -142,6 +149,8 @@ class Transfers:
         )
         self._page_bytes = tiers.device.layout.page_bytes
         self._source = (acks or CopierAcks)(tiers.copier, self)
+        self.acks_taken = False
+        """Whether :meth:`take_acks_from` gave the acknowledgements to another source."""
         core.on_split(self._rehome)
 
     # -- views ---------------------------------------------------------------
@@ -198,8 +207,18 @@ class Transfers:
         acknowledgements at the same points, so the group's agreement replaces
         the copy engine's own reports (see
         :class:`fsm_cache.distributed.agreement.DistributedCache`).
+
+        Raises:
+            ConfigError: Another source took them already (a cache wrapped
+                twice): two would each buffer completions the other waits for.
         """
+        if self.acks_taken:
+            raise ConfigError(
+                f"the cache's acknowledgements come from a {type(self._source).__name__} already:"
+                " wrap a cache in one DistributedCache"
+            )
         self._source = source
+        self.acks_taken = True
 
     def on_ack(self, listener: AckListener) -> None:
         """Call ``listener(nodes, event)`` after each copy's acknowledgement events."""

@@ -46,11 +46,11 @@ order; so is a lookup that asks a storage tier about its tail.
 from __future__ import annotations
 
 import contextlib
-import math
 import struct
 import time
 import warnings
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 from typing import Literal
 
 import torch
@@ -148,8 +148,9 @@ class DistributedCache:
         NoProcessGroup: ``torch.distributed`` is not initialised.
         BadArgument: ``cache`` is not a :class:`HiCache`, or ``group`` is not a
             process group.
-        ConfigError: ``timeout`` is not a finite number of seconds above 0,
-            ``verify_every`` is not an int >= 0,
+        ConfigError: ``timeout`` is not a number of seconds above 0 and at
+            most a timedelta's, ``verify_every`` is not an int >= 0, the cache
+            is wrapped in another DistributedCache already,
             the cache's write policy is ``write_back``, ``group`` is an
             NCCL group smaller than the world (pass its gloo twin), or the
             cache's storage tier names another rank or group size (other than
@@ -668,13 +669,18 @@ class DistributedCache:
         return self.comm.all_gather_object(here)
 
 
+_LONGEST_TIMEOUT = timedelta.max.total_seconds()
+"""The longest wait a collective can be given: a timedelta's (about 2.7 million years)."""
+
+
 def _check_arguments(cache: object, group: object, timeout: object, verify_every: object) -> None:
     """Refuse arguments :class:`DistributedCache` cannot work with (before anything is changed).
 
     Raises:
         BadArgument: ``cache`` is not a :class:`HiCache`, or ``group`` not a process group.
-        ConfigError: ``timeout`` is not a finite number of seconds above 0, or
-            ``verify_every`` not an int >= 0.
+        ConfigError: ``timeout`` is not a number of seconds above 0 and at
+            most a timedelta's, ``verify_every`` not an int >= 0, or the cache
+            is wrapped in a DistributedCache already.
     """
     if not isinstance(cache, HiCache):
         raise BadArgument(f"distributed: cache must be a HiCache, got {type(cache).__name__}")
@@ -686,10 +692,16 @@ def _check_arguments(cache: object, group: object, timeout: object, verify_every
     if (
         isinstance(timeout, bool)
         or not isinstance(timeout, (int, float))
-        or not (math.isfinite(timeout) and timeout > 0)
+        or not (0 < timeout <= _LONGEST_TIMEOUT)
     ):
         raise ConfigError(
-            f"distributed: timeout must be a finite number of seconds > 0, got {timeout!r}"
+            f"distributed: timeout must be a number of seconds > 0 and at most "
+            f"{_LONGEST_TIMEOUT:g} (a timedelta's), got {timeout!r}"
+        )
+    if isinstance(cache, HiCache) and cache.transfers.acks_taken:
+        raise ConfigError(
+            "distributed: this cache's acknowledgements come from another DistributedCache"
+            " already: wrap a cache once (two would each buffer completions the other waits for)"
         )
     if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
         raise ConfigError(f"distributed: verify_every must be an int >= 0, got {verify_every!r}")
