@@ -959,3 +959,28 @@ def test_a_fetch_short_of_host_room_evicts_only_what_it_lacks(store: Store) -> N
     assert small.tiers.host.allocator.free_pages == 1
     small.poll()
     assert device_kv_matches(small, toks)
+
+
+# -- found by a review: what a failed fetch, a discover, a held torn page and close leave ---------
+
+
+def test_a_failed_fetch_backs_up_what_an_insert_put_on_the_device(tmp_path: Path) -> None:
+    """The part of a failed read an insert took onto the device, and its child, are backed up."""
+    store = LocalFileStore(tmp_path)
+    toks = tokens(4)
+    writer = stored_cache(store, toks)
+    keys = page_keys(writer.storage.namespace(), toks)  # type: ignore[union-attr]
+    torn = store.path(keys[0])
+    torn.write_bytes(torn.read_bytes()[:-8])
+    reader = HiCache(config(), storage=tier(store))
+    reader.match_prefix(toks)  # the read runs inline; it is applied at the next poll
+    other = toks[: 2 * PAGE] + tokens(2, start=50000)
+    reader.insert(other)  # takes the fetching node's first two pages onto the device
+    for _ in range(4):  # the failed read, then the host and storage backups
+        reader.poll()
+    head, tail = reader.tree.walk(tuple(other)).path
+    assert [(n.host, n.device, n.storage) for n in (head, tail)] == [
+        ("backed", "resident", "stored"),
+        ("backed", "resident", "stored"),
+    ]
+    assert device_kv_matches(reader, other)

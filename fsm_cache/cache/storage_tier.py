@@ -641,6 +641,11 @@ class StorageTier:
                 )
             if node.device == "absent" and node.host not in HOST_HELD and not node.children:
                 self._core.delete(node)
+        for node in failed:  # one an insert took onto the device is backed up as on success
+            if node.parent is not None and node.device != "absent":
+                self._transfers.maybe_backup(node)
+                for child in list(node.children.values()):
+                    self._transfers.maybe_backup(child)
 
     def _write_host(self, pages: Sequence[int], data: Sequence[torch.Tensor]) -> None:
         """Copy pages read from the store into host slots, one pass each (no staging copy)."""
