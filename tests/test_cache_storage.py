@@ -984,3 +984,18 @@ def test_a_failed_fetch_backs_up_what_an_insert_put_on_the_device(tmp_path: Path
         ("backed", "resident", "stored"),
     ]
     assert device_kv_matches(reader, other)
+
+
+def test_close_settles_the_backup_a_fetch_applied_at_close_starts(store: Store) -> None:
+    """A child recomputed under a node being fetched is backed up, not left writing, by close."""
+    toks = tokens(3)
+    stored_cache(store, toks)
+    reader = HiCache(config(), storage=tier(store))
+    reader.match_prefix(toks)  # the read runs inline; it is applied at close
+    reader.insert(toks + tokens(2, start=70000))  # its backup waits for the read
+    reader.close()
+    assert [(n.host, n.device, n.storage) for n in reader.tree] == [
+        ("backed", "resident", "stored"),
+        ("backed", "resident", "stored"),
+    ]
+    assert reader.issued() == []
