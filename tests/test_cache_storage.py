@@ -999,3 +999,22 @@ def test_close_settles_the_backup_a_fetch_applied_at_close_starts(store: Store) 
         ("backed", "resident", "stored"),
     ]
     assert reader.issued() == []
+
+
+def test_a_child_is_stored_once_its_parent_is_discovered(tmp_path: Path) -> None:
+    """Under write_through a child waits for its parent's pages, whoever stored them."""
+    parent, child = tokens(2), tokens(2, start=30000)
+    faulty = FaultyStore(LocalFileStore(tmp_path))
+    faulty.raises = {"put"}
+    cache = HiCache(config(), storage=tier(faulty))
+    cache.insert(parent)
+    cache.insert(parent + child)
+    for _ in range(3):  # the host backups; the parent's store fails; the child's never starts
+        cache.poll()
+    faulty.raises = set()
+    stored_cache(LocalFileStore(tmp_path), parent)  # another server stores the parent
+    cache.match_prefix(parent + child + tokens(2, start=40000))  # discovers the parent
+    cache.poll()
+    assert [(n.host, n.storage) for n in cache.tree] == [("backed", "stored"), ("backed", "stored")]
+    assert cache.stats().storage_pages == {"stored": 2, "discovered": 2}
+    assert faulty.calls == ["put", "exists_prefix", "exists_prefix", "put"]

@@ -891,16 +891,28 @@ class StorageTier:
         except Exception:  # any store failure counts 0 found, so a group still reaches the MIN
             found, failed = [0, 0], True
         in_run, stored = self._agree_hits(found, [len(run_keys), len(keys)])
-        offset = 0
+        self._discover(run, in_run)
+        return stored, keys, failed
+
+    def _discover(self, run: Sequence[TreeNode], pages: int) -> None:
+        """Fire ``discover`` on the nodes of ``run`` within its first ``pages`` stored pages.
+
+        Their children's stores may start then, as after a ``store_done``: a
+        child waits for its parent's pages, whoever stored them.
+        """
+        offset, found = 0, []
         for node in run:
             count = len(node.store_keys or ())
-            if offset + count > in_run:
+            if offset + count > pages:
                 break
             offset += count
             if self._core.allowed(node, "discover"):
                 self._core.fire(node, "discover")
                 self._core.counters.storage_pages["discovered"] += count
-        return stored, keys, failed
+                found.append(node)
+        for node in found:
+            for child in list(node.children.values()):
+                self.maybe_store(child)
 
     def _ask(self, run_keys: list[str], keys: list[str]) -> list[int]:
         """Return the leading pages the store holds of the run and of the tail (one or two queries).
