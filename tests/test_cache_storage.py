@@ -1018,3 +1018,21 @@ def test_a_child_is_stored_once_its_parent_is_discovered(tmp_path: Path) -> None
     assert [(n.host, n.storage) for n in cache.tree] == [("backed", "stored"), ("backed", "stored")]
     assert cache.stats().storage_pages == {"stored": 2, "discovered": 2}
     assert faulty.calls == ["put", "exists_prefix", "exists_prefix", "put"]
+
+
+def test_a_torn_page_another_read_holds_is_left_and_the_prefix_kept(tmp_path: Path) -> None:
+    """The drop a read refuses waits for a later read; the intact pages before it are used."""
+    store = LocalFileStore(tmp_path)
+    toks = tokens(4)
+    writer = stored_cache(store, toks)
+    keys = page_keys(writer.storage.namespace(), toks)  # type: ignore[union-attr]
+    torn = store.path(keys[2])
+    torn.write_bytes(torn.read_bytes()[:-8])
+    reader = HiCache(config(), storage=tier(store, prefetch_policy="wait"))
+    with store.reading(keys):  # another fetch holds the pages
+        assert reader.match_prefix(toks).host_len == 2 * PAGE
+    assert torn.exists()
+    assert reader.log.storage_acks() == [("prefetch", ((1, "fetch", 2, "corrupt"),))]
+    assert device_kv_matches(reader, toks[: 2 * PAGE])
+    assert reader.match_prefix(toks).host_len == 0  # the next read meets it and drops it
+    assert not torn.exists()

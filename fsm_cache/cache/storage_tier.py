@@ -67,6 +67,7 @@ from fsm_cache.errors import (
     EffectFailed,
     IllegalTransition,
     InvariantViolation,
+    PageInUse,
     PoolExhausted,
     StoreFailed,
 )
@@ -338,15 +339,27 @@ def _get(store: Store, keys: Sequence[str], shape: tuple[int, ...]) -> StoreResu
         pages = store.get(keys)
     except CorruptPage as exc:
         at = keys.index(exc.key) if exc.key in keys else 0
-        store.drop([exc.key])
+        _drop_bad(store, exc.key)
         pages = store.get(keys[:at]) if at else []
         return StoreResult(len(pages), pages, "corrupt", str(exc))
     for i, page in enumerate(pages):
         if tuple(page.shape) != shape or page.dtype != torch.uint8:
-            store.drop([keys[i]])
+            _drop_bad(store, keys[i])
             problem = f"page {i} is {page.dtype} {tuple(page.shape)}, not uint8 {shape}"
             return StoreResult(i, pages[:i], "corrupt", problem)
     return StoreResult(len(pages), pages, "ok" if len(pages) == len(keys) else "missing")
+
+
+def _drop_bad(store: Store, key: str) -> None:
+    """Drop a page that is not a host page's KV; one a read holds is left for a later drop.
+
+    The pages before it are intact and still used: the next read that meets
+    the page (once no read holds it) drops it.
+    """
+    try:
+        store.drop([key])
+    except PageInUse:
+        return
 
 
 class StorageTier:
