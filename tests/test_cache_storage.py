@@ -959,3 +959,80 @@ def test_a_fetch_short_of_host_room_evicts_only_what_it_lacks(store: Store) -> N
     assert small.tiers.host.allocator.free_pages == 1
     small.poll()
     assert device_kv_matches(small, toks)
+
+
+# -- found by a review: what a failed fetch, a discover, a held torn page and close leave ---------
+
+
+def test_a_failed_fetch_backs_up_what_an_insert_put_on_the_device(tmp_path: Path) -> None:
+    """The part of a failed read an insert took onto the device, and its child, are backed up."""
+    store = LocalFileStore(tmp_path)
+    toks = tokens(4)
+    writer = stored_cache(store, toks)
+    keys = page_keys(writer.storage.namespace(), toks)  # type: ignore[union-attr]
+    torn = store.path(keys[0])
+    torn.write_bytes(torn.read_bytes()[:-8])
+    reader = HiCache(config(), storage=tier(store))
+    reader.match_prefix(toks)  # the read runs inline; it is applied at the next poll
+    other = toks[: 2 * PAGE] + tokens(2, start=50000)
+    reader.insert(other)  # takes the fetching node's first two pages onto the device
+    for _ in range(4):  # the failed read, then the host and storage backups
+        reader.poll()
+    head, tail = reader.tree.walk(tuple(other)).path
+    assert [(n.host, n.device, n.storage) for n in (head, tail)] == [
+        ("backed", "resident", "stored"),
+        ("backed", "resident", "stored"),
+    ]
+    assert device_kv_matches(reader, other)
+
+
+def test_close_settles_the_backup_a_fetch_applied_at_close_starts(store: Store) -> None:
+    """A child recomputed under a node being fetched is backed up, not left writing, by close."""
+    toks = tokens(3)
+    stored_cache(store, toks)
+    reader = HiCache(config(), storage=tier(store))
+    reader.match_prefix(toks)  # the read runs inline; it is applied at close
+    reader.insert(toks + tokens(2, start=70000))  # its backup waits for the read
+    reader.close()
+    assert [(n.host, n.device, n.storage) for n in reader.tree] == [
+        ("backed", "resident", "stored"),
+        ("backed", "resident", "stored"),
+    ]
+    assert reader.issued() == []
+
+
+def test_a_child_is_stored_once_its_parent_is_discovered(tmp_path: Path) -> None:
+    """Under write_through a child waits for its parent's pages, whoever stored them."""
+    parent, child = tokens(2), tokens(2, start=30000)
+    faulty = FaultyStore(LocalFileStore(tmp_path))
+    faulty.raises = {"put"}
+    cache = HiCache(config(), storage=tier(faulty))
+    cache.insert(parent)
+    cache.insert(parent + child)
+    for _ in range(3):  # the host backups; the parent's store fails; the child's never starts
+        cache.poll()
+    faulty.raises = set()
+    stored_cache(LocalFileStore(tmp_path), parent)  # another server stores the parent
+    cache.match_prefix(parent + child + tokens(2, start=40000))  # discovers the parent
+    cache.poll()
+    assert [(n.host, n.storage) for n in cache.tree] == [("backed", "stored"), ("backed", "stored")]
+    assert cache.stats().storage_pages == {"stored": 2, "discovered": 2}
+    assert faulty.calls == ["put", "exists_prefix", "exists_prefix", "put"]
+
+
+def test_a_torn_page_another_read_holds_is_left_and_the_prefix_kept(tmp_path: Path) -> None:
+    """The drop a read refuses waits for a later read; the intact pages before it are used."""
+    store = LocalFileStore(tmp_path)
+    toks = tokens(4)
+    writer = stored_cache(store, toks)
+    keys = page_keys(writer.storage.namespace(), toks)  # type: ignore[union-attr]
+    torn = store.path(keys[2])
+    torn.write_bytes(torn.read_bytes()[:-8])
+    reader = HiCache(config(), storage=tier(store, prefetch_policy="wait"))
+    with store.reading(keys):  # another fetch holds the pages
+        assert reader.match_prefix(toks).host_len == 2 * PAGE
+    assert torn.exists()
+    assert reader.log.storage_acks() == [("prefetch", ((1, "fetch", 2, "corrupt"),))]
+    assert device_kv_matches(reader, toks[: 2 * PAGE])
+    assert reader.match_prefix(toks).host_len == 0  # the next read meets it and drops it
+    assert not torn.exists()

@@ -380,6 +380,41 @@ def test_local_pages_written_by_another_process_are_found(tmp_path: Path) -> Non
     assert (reader.exists_prefix(keys), reader.capacity().pages) == (1, 1)
 
 
+def test_local_a_prefix_another_process_dropped_is_forgotten_whole(tmp_path: Path) -> None:
+    """A get or an exists_prefix that misses a page forgets every counted page whose file is gone."""
+    keys, pages = page_keys(NS, list(range(16))), pages_of(4)
+    reader, writer = LocalFileStore(tmp_path), LocalFileStore(tmp_path)
+    writer.put(keys, pages)
+    assert reader.exists_prefix(keys) == 4
+    writer.drop(keys)
+    assert reader.get(keys) == []
+    assert reader.capacity() == Capacity(0, 0, None, 0)
+    writer.put(keys, pages)
+    assert reader.exists_prefix(keys) == 4
+    writer.drop(keys[:2])
+    writer.drop(keys[3:])
+    assert reader.exists_prefix(keys) == 0
+    assert reader.capacity().pages == 1  # the third page is still on disk
+
+
+def test_local_pages_another_process_dropped_make_no_room_by_evicting(tmp_path: Path) -> None:
+    """Pages counted but gone from the disk never make a put evict a page still stored."""
+    keys, pages = page_keys(NS, list(range(16))), pages_of(5)
+    other = page_keys(NS, list(range(100, 104)))
+    writer = LocalFileStore(tmp_path)
+    writer.put(keys[:1], pages[:1])
+    size = writer.capacity().used_bytes
+    writer.drop(keys[:1])
+    reader = LocalFileStore(tmp_path, limit_bytes=4 * size)
+    assert reader.put(other, pages[4:]) == [S]
+    writer.put(keys, pages[:4])
+    assert reader.exists_prefix(keys) == 4
+    writer.drop(keys)
+    reader.get(keys)
+    assert reader.put(keys[:1], pages[:1]) == [S]
+    assert reader.exists_prefix(other) == 1
+
+
 def test_local_torn_and_foreign_files_are_clear_errors(tmp_path: Path) -> None:
     """A file cut short or holding another page is a CorruptPage naming the file."""
     store = LocalFileStore(tmp_path)

@@ -814,9 +814,7 @@ class HiCache:
         if self._gate.closed:
             return
         with self._operation("close"):
-            self._transfers.settle_all(len(self._core.tree.nodes) + 2)
-            if self._storage is not None:
-                self._storage.settle(len(self._core.tree.nodes) + 2)
+            self._settle_tiers(len(self._core.tree.nodes) + 2)
             # a load that keeps failing under a lock is queued again after the last round:
             # started now, its completion would be dropped with the engine
             self._transfers.stop()
@@ -824,6 +822,19 @@ class HiCache:
         if self._storage is not None:
             self._storage.close()
         self.tiers.close()
+
+    def _settle_tiers(self, rounds: int) -> None:
+        """Settle the host copies, then the storage copies, until both are quiet.
+
+        Applying a fetch may queue a host backup (a child recomputed under the
+        node fetched), and a host backup acknowledged may start a store, so one
+        pass of each is not enough: at most ``rounds`` passes.
+        """
+        for _ in range(rounds):
+            self._transfers.settle_all(rounds)
+            if self._storage is None or self._storage.idle():
+                return
+            self._storage.settle(rounds)
 
     def __enter__(self) -> HiCache:
         return self

@@ -67,6 +67,7 @@ from fsm_cache.errors import (
     EffectFailed,
     IllegalTransition,
     InvariantViolation,
+    PageInUse,
     PoolExhausted,
     StoreFailed,
 )
@@ -338,15 +339,27 @@ def _get(store: Store, keys: Sequence[str], shape: tuple[int, ...]) -> StoreResu
         pages = store.get(keys)
     except CorruptPage as exc:
         at = keys.index(exc.key) if exc.key in keys else 0
-        store.drop([exc.key])
+        _drop_bad(store, exc.key)
         pages = store.get(keys[:at]) if at else []
         return StoreResult(len(pages), pages, "corrupt", str(exc))
     for i, page in enumerate(pages):
         if tuple(page.shape) != shape or page.dtype != torch.uint8:
-            store.drop([keys[i]])
+            _drop_bad(store, keys[i])
             problem = f"page {i} is {page.dtype} {tuple(page.shape)}, not uint8 {shape}"
             return StoreResult(i, pages[:i], "corrupt", problem)
     return StoreResult(len(pages), pages, "ok" if len(pages) == len(keys) else "missing")
+
+
+def _drop_bad(store: Store, key: str) -> None:
+    """Drop a page that is not a host page's KV; one a read holds is left for a later drop.
+
+    The pages before it are intact and still used: the next read that meets
+    the page (once no read holds it) drops it.
+    """
+    try:
+        store.drop([key])
+    except PageInUse:
+        return
 
 
 class StorageTier:
@@ -641,6 +654,11 @@ class StorageTier:
                 )
             if node.device == "absent" and node.host not in HOST_HELD and not node.children:
                 self._core.delete(node)
+        for node in failed:  # one an insert took onto the device is backed up as on success
+            if node.parent is not None and node.device != "absent":
+                self._transfers.maybe_backup(node)
+                for child in list(node.children.values()):
+                    self._transfers.maybe_backup(child)
 
     def _write_host(self, pages: Sequence[int], data: Sequence[torch.Tensor]) -> None:
         """Copy pages read from the store into host slots, one pass each (no staging copy)."""
@@ -886,16 +904,28 @@ class StorageTier:
         except Exception:  # any store failure counts 0 found, so a group still reaches the MIN
             found, failed = [0, 0], True
         in_run, stored = self._agree_hits(found, [len(run_keys), len(keys)])
-        offset = 0
+        self._discover(run, in_run)
+        return stored, keys, failed
+
+    def _discover(self, run: Sequence[TreeNode], pages: int) -> None:
+        """Fire ``discover`` on the nodes of ``run`` within its first ``pages`` stored pages.
+
+        Their children's stores may start then, as after a ``store_done``: a
+        child waits for its parent's pages, whoever stored them.
+        """
+        offset, found = 0, []
         for node in run:
             count = len(node.store_keys or ())
-            if offset + count > in_run:
+            if offset + count > pages:
                 break
             offset += count
             if self._core.allowed(node, "discover"):
                 self._core.fire(node, "discover")
                 self._core.counters.storage_pages["discovered"] += count
-        return stored, keys, failed
+                found.append(node)
+        for node in found:
+            for child in list(node.children.values()):
+                self.maybe_store(child)
 
     def _ask(self, run_keys: list[str], keys: list[str]) -> list[int]:
         """Return the leading pages the store holds of the run and of the tail (one or two queries).

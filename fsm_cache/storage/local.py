@@ -123,7 +123,9 @@ class LocalFileStore:
             pages: list[torch.Tensor] = []
             for key in keys[:held]:
                 page = self._read(key, len(pages), len(keys))
-                if page is None:
+                if page is None:  # the rest may be gone too (another process dropped them)
+                    with self._lock:
+                        self._forget_lost(keys[len(pages) :])
                     break
                 pages.append(page)
         self._touch(keys[: len(pages)])
@@ -277,8 +279,6 @@ class LocalFileStore:
         try:
             return codec.read(str(self._path(key)), key)
         except FileNotFoundError:
-            with self._lock:
-                self._forget(key)
             return None
         except OSError as exc:
             raise self._failed("get", done, total, exc) from exc
@@ -358,6 +358,9 @@ class LocalFileStore:
     def _leading(self, keys: Sequence[str], operation: str) -> int:
         """Count leading keys with a page file, indexing found files and forgetting lost ones.
 
+        Past the first missing key, the indexed keys whose files are gone are
+        forgotten too.
+
         When the count includes pages the index lacked (written by another
         process), the counted prefix is ranked as just used, tail first, so
         eviction does not take its head before its tail.
@@ -370,6 +373,7 @@ class LocalFileStore:
             known = key in self._index
             try:
                 if not self._present(key):
+                    self._forget_lost(keys[count + 1 :])
                     break
             except OSError as exc:
                 raise self._failed(operation, count, len(keys), exc) from exc
@@ -410,6 +414,23 @@ class LocalFileStore:
         finally:
             self._forget(key)
         return True
+
+    def _forget_lost(self, keys: Sequence[str]) -> None:
+        """Forget each indexed key of ``keys`` whose file is gone, so the budget follows the disk.
+
+        Another process drops a whole prefix at once: past the first missing
+        page the rest are likely gone too, and counting them would evict real
+        pages for room that is free. A file that cannot be looked at is kept.
+        """
+        for key in keys:
+            if key not in self._index:
+                continue
+            try:
+                self._path(key).stat()
+            except FileNotFoundError:
+                self._forget(key)
+            except OSError:
+                continue
 
     def _forget(self, key: str) -> None:
         size = self._index.pop(key, None)
