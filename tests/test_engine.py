@@ -308,3 +308,52 @@ def test_bad_record_of_a_single_machine_reads_its_state_region() -> None:
     assert (
         engine.bad_record({"state": "pinned"}, {}) == "state pinned requires pins >= 1, got pins=0"
     )
+
+
+METER = {
+    "machine": {"name": "meter", "initial": "idle"},
+    "counters": {"n": 0},
+    "states": {"idle": {"invariant": "n == 0"}, "counting": {"invariant": "n >= 1"}},
+    "transition": [
+        {"event": "tick", "source": "idle", "dest": "counting", "update": "n += 1"},
+        {
+            "event": "tick",
+            "source": "counting",
+            "dest": "counting",
+            "guard": "n < 1000000",
+            "update": "n += 1",
+        },
+        {
+            "event": "reset",
+            "source": "counting",
+            "dest": "idle",
+            "guard": "n >= 1000000",
+            "update": "n = 0",
+        },
+    ],
+    "forbid": [
+        {
+            "event": "tick",
+            "source": "counting",
+            "guard": "n >= 1000000",
+            "error": "Full",
+            "reason": "full",
+        },
+        {"event": "reset", "source": "idle", "error": "Idle", "reason": "nothing counted"},
+        {
+            "event": "reset",
+            "source": "counting",
+            "guard": "n < 1000000",
+            "error": "NotFull",
+            "reason": "not full",
+        },
+    ],
+}
+"""A counter compared with a million: a million records its runs reach."""
+
+
+@pytest.mark.timeout(10)  # the unbounded search took 15 s and a million records here
+def test_bad_record_searches_no_further_than_validation_does() -> None:
+    engine = Engine(spec_from_dict(METER), trail=False)
+    assert engine.bad_record({"state": "counting"}, {"n": 999_999}) is None
+    assert engine.bad_record({"state": "idle"}, {"n": 5}) == "state idle requires n == 0, got n=5"

@@ -11,6 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fsm_cache.errors import SpecError
+from fsm_cache.spec import reach
 from fsm_cache.spec import validate as validate_module
 from fsm_cache.spec.guards import Assign, Comparison, Guard, Update, parse_guard, parse_update
 from fsm_cache.spec.loader import load_spec
@@ -808,4 +809,4 @@ reason = "r"
     path = tmp_path / "climb.toml"
     path.write_text(text, encoding="utf-8")
     assert problems(load_spec(path)) == []
-    assert validate_module.RECORD_LIMIT == 10_000
+    assert reach.RECORD_LIMIT == 10_000

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from fsm_cache.spec.machine import MachineSpec, System
-from fsm_cache.spec.reach import Point, ceilings, reachable
+from fsm_cache.spec.reach import RECORD_LIMIT, Point, ceilings, search
 
 
 def unknown_state(region: str, machine: MachineSpec, state: object) -> str | None:
@@ -42,18 +42,26 @@ class Legal:
     Attributes:
         system: The system the records run on.
         reached: Every record some run reaches, counters capped
-            (:func:`~fsm_cache.spec.reach.reachable`).
+            (:func:`~fsm_cache.spec.reach.search`).
         top: Each counter's cap (:func:`~fsm_cache.spec.reach.ceilings`).
+        complete: Whether the search saw every record (it stops at
+            :data:`~fsm_cache.spec.reach.RECORD_LIMIT`).
     """
 
     system: System
     reached: frozenset[Point]
     top: Mapping[str, int]
+    complete: bool = True
 
     @classmethod
     def of(cls, system: System) -> Legal:
-        """Return the legal records of ``system``, its reachable records searched once."""
-        return cls(system, reachable(system), ceilings(system))
+        """Return the legal records of ``system``, its reachable records searched once.
+
+        The search stops at :data:`~fsm_cache.spec.reach.RECORD_LIMIT` records,
+        as validation's does; past it, no record is called unreachable.
+        """
+        runs = search(system, RECORD_LIMIT)
+        return cls(system, runs.points, ceilings(system), runs.complete)
 
     def problem(self, states: Mapping[str, object], counters: Mapping[str, object]) -> str | None:
         """Return why no record could be in ``states`` with ``counters``, or None if one can.
@@ -100,7 +108,7 @@ class Legal:
     def _reach_problem(self, states: Mapping[str, str], values: Mapping[str, int]) -> str | None:
         combination = tuple(states.values())
         capped = tuple(min(value, self.top[name]) for name, value in values.items())
-        if (combination, capped) in self.reached:
+        if (combination, capped) in self.reached or not self.complete:
             return None
         where = ", ".join(f"{region} {state}" for region, state in states.items())
         if any(point[0] == combination for point in self.reached):

@@ -87,6 +87,12 @@ class Runs:
         return label, events[::-1]
 
 
+RECORD_LIMIT = 10_000
+"""The most records (states and capped counters) a search of a spec's runs visits, for
+validation and for the engine's record checks: past it, a spec whose counters are compared
+with large constants is searched no further, and no state is called unreachable."""
+
+
 def search(system: System, limit: int | None = None) -> Runs:
     """Return every record some run of ``system`` reaches, breadth first from its births.
 
@@ -160,11 +166,6 @@ def replay(system: System, birth: str, events: list[str]) -> Record | None:
             return None
         record = fire(system, event, record)
     return record
-
-
-def reachable(system: System) -> frozenset[Point]:
-    """Return every record some run of ``system`` reaches: its states and capped counters."""
-    return search(system).points
 
 
 def _spread(

@@ -29,7 +29,7 @@ from fsm_cache.spec.machine import (
     bad_title,
 )
 from fsm_cache.spec.meaning import step
-from fsm_cache.spec.reach import Record, Runs, replay, search
+from fsm_cache.spec.reach import RECORD_LIMIT, Record, Runs, replay, search
 from fsm_cache.spec.stubs import state_alias
 
 
@@ -39,10 +39,6 @@ RESERVED = frozenset({"id", "trail", "parent", "children", "state", "rec", "resu
 """Names no counter or region may take: a record's own attributes, and the names the
 generated contracts module gives a record, a step's result and its refusal."""
 
-RECORD_LIMIT = 10_000
-"""The most records (states and capped counters) validation searches for deadlocks and
-unreached states: past it, a spec whose counters are compared with large constants is
-searched no further, its deadlocks found so far reported and no state called unreachable."""
 
 
 def validate(spec: Spec) -> None:
