@@ -161,10 +161,20 @@ class ResidencyRecord:
         pins: int = 0,
         locks: int = 0,
     ) -> None:
-        # The tree builds every node fresh: that case skips the spec (which costs microseconds).
+        # A fresh record skips the spec (which costs microseconds).
         fresh = host == "unbacked" and device == "resident" and pins == 0 == locks
         if not fresh or type(pins) is not int or type(locks) is not int:
             self._check(ident, {"host": host, "device": device}, {"pins": pins, "locks": locks})
+        self._start(ident, host, device, pins, locks)
+
+    def _start(
+        self, ident: int, host: HostState, device: DeviceState, pins: int, locks: int
+    ) -> None:
+        """Set every field, unchecked: for :meth:`__init__` once it checked, and the tree.
+
+        The radix tree builds each node fresh (``unbacked``, ``resident``, no
+        pins or locks), so its nodes skip the check and its cost per insert.
+        """
         self.id = ident
         self.host: HostState = host
         self.device: DeviceState = device

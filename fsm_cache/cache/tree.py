@@ -61,7 +61,7 @@ class TreeNode(ResidencyRecord):
     def __init__(
         self, ident: int, key: Key, parent: TreeNode | None, device_pages: Pages = ()
     ) -> None:
-        super().__init__(ident)
+        self._start(ident, "unbacked", "resident", 0, 0)  # fresh: no check to pay per insert
         self.key = key
         self.parent = parent
         self.children: Mapping[Key, TreeNode] = NO_CHILDREN
