@@ -40,7 +40,6 @@ RESERVED = frozenset({"id", "trail", "parent", "children", "state", "rec", "resu
 generated contracts module gives a record, a step's result and its refusal."""
 
 
-
 def validate(spec: Spec) -> None:
     """Raise :class:`SpecError` listing every problem of ``spec``; return if none."""
     found = problems(spec)
