@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import enum
-from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeGuard
@@ -16,13 +15,13 @@ from typing import TypeGuard
 from fsm_cache.audit.model import AuditConfig
 from fsm_cache.audit.scope import (
     Scope,
-    bound_names,
     calls_anything,
     conditional_effects,
+    name_bindings,
     root_name,
+    sole_kinds,
     string_constant,
     verb_event,
-    walk_same_scope,
 )
 
 
@@ -151,19 +150,9 @@ class Classifier:
         engine's lease, which is no acquire to the audit) maps to -1. A name
         also bound to anything else, or to two pairs' receipts, is none.
         """
-        pairs: dict[str, set[int]] = {}
-        receipt_binds: Counter[str] = Counter()
-        for target, value in _name_bindings(body):
-            pair = self._lease_pair(value, scope)
-            if pair is not None:
-                pairs.setdefault(target, set()).add(pair)
-                receipt_binds[target] += 1
-        binds = Counter(name for stmt in body for name in bound_names(stmt))
-        return {
-            name: next(iter(found))
-            for name, found in pairs.items()
-            if len(found) == 1 and binds[name] == receipt_binds[name]
-        }
+        nodes: list[ast.AST] = list(body)
+        bindings = name_bindings(nodes, with_items=True)
+        return sole_kinds(nodes, bindings, lambda value: self._lease_pair(value, scope))
 
     def _lease_pair(self, value: ast.expr, scope: Scope) -> int | None:
         """Return the pair whose receipt ``value`` is, -1 for ``X.lease(...)``, else None."""
@@ -187,17 +176,6 @@ def _receipt_release(call: ast.Call, scope: Scope) -> Op | None:
     if pair is None:
         return None
     return Op(OpKind.CALL, call) if pair < 0 else Op(OpKind.RELEASE, call, pair, func.value)
-
-
-def _name_bindings(body: list[ast.stmt]) -> Iterator[tuple[str, ast.expr]]:
-    """Yield (name, value) of each ``name = value`` and ``with value as name`` in ``body``."""
-    for stmt in body:
-        for sub in walk_same_scope(stmt):
-            if isinstance(sub, ast.Assign) and len(sub.targets) == 1:
-                if isinstance(sub.targets[0], ast.Name):
-                    yield sub.targets[0].id, sub.value
-            elif isinstance(sub, ast.withitem) and isinstance(sub.optional_vars, ast.Name):
-                yield sub.optional_vars.id, sub.context_expr
 
 
 def callee_name(call: ast.Call) -> str:

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import ast
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+
+K = TypeVar("K")
+"""The kind :func:`sole_kinds` reads off a bound value (an event, a pair's index)."""
 
 
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
@@ -117,20 +122,47 @@ def verb_names(body: list[ast.AST]) -> dict[str, str]:
     ``take = engine.verb("pin")`` makes ``take(rec)`` a call of ``pin``. A name
     also bound to anything else, or to two events, could be either, so it is none.
     """
-    events: dict[str, set[str]] = {}
-    verb_binds: Counter[str] = Counter()
+    return sole_kinds(body, name_bindings(body, with_items=False), verb_event)
+
+
+def name_bindings(body: list[ast.AST], *, with_items: bool) -> Iterator[tuple[str, ast.expr]]:
+    """Yield (name, value) of each ``name = value`` in ``body``, and of each ``with value as name``."""
     for node in body:
         for sub in walk_same_scope(node):
             if isinstance(sub, ast.Assign) and len(sub.targets) == 1:
-                target, event = sub.targets[0], verb_event(sub.value)
-                if isinstance(target, ast.Name) and event is not None:
-                    events.setdefault(target.id, set()).add(event)
-                    verb_binds[target.id] += 1
+                if isinstance(sub.targets[0], ast.Name):
+                    yield sub.targets[0].id, sub.value
+            elif (
+                with_items
+                and isinstance(sub, ast.withitem)
+                and isinstance(sub.optional_vars, ast.Name)
+            ):
+                yield sub.optional_vars.id, sub.context_expr
+
+
+def sole_kinds(
+    body: list[ast.AST],
+    bindings: Iterable[tuple[str, ast.expr]],
+    kind_of: Callable[[ast.expr], K | None],
+) -> dict[str, K]:
+    """Return the names that ``bindings`` bind only to values of one kind, with that kind.
+
+    A name also bound in ``body`` any other way (a loop target, a parameter of
+    a nested ``def``, a value ``kind_of`` gives no kind), or bound to two
+    kinds, could be anything, so it is none.
+    """
+    kinds: dict[str, set[K]] = {}
+    counted: Counter[str] = Counter()
+    for name, value in bindings:
+        kind = kind_of(value)
+        if kind is not None:
+            kinds.setdefault(name, set()).add(kind)
+            counted[name] += 1
     binds = Counter(name for node in body for name in bound_names(node))
     return {
-        name: next(iter(named))
-        for name, named in events.items()
-        if len(named) == 1 and binds[name] == verb_binds[name]
+        name: next(iter(found))
+        for name, found in kinds.items()
+        if len(found) == 1 and binds[name] == counted[name]
     }
 
 
