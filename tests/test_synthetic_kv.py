@@ -268,16 +268,16 @@ def pool(name: str, layout: KVLayout, pages: int = 10) -> KVPool:
     layouts(),
     st.permutations(range(10)).flatmap(lambda order: st.integers(0, 10).map(lambda k: order[:k])),
     st.booleans(),
-    st.booleans(),
+    st.sampled_from(["kv", "values", "pages last"]),
 )
 def test_a_write_stores_each_page_and_nothing_else(
-    name: str, layout: KVLayout, pages: list[int], sort: bool, as_values: bool
+    name: str, layout: KVLayout, pages: list[int], sort: bool, given_as: str
 ) -> None:
     chosen = sorted(pages) if sort else pages
     target = pool(name, layout)
     tokens = [(104_729 * i) % 2**45 for i in range(len(chosen) * layout.page_size)]
     kv = synthetic_kv(layout, tokens)
-    if as_values:  # the same integers as float64 values, split into pages, cast by the pool
+    if given_as != "kv":  # the same integers as float64 values, split into pages, cast by the pool
         paged = kv.to(torch.float64).reshape(
             layout.layers,
             layout.planes,
@@ -286,7 +286,11 @@ def test_a_write_stores_each_page_and_nothing_else(
             layout.heads,
             layout.head_dim,
         )
-        target.write_values(chosen, paged)
+        if given_as == "values":
+            target.write_values(chosen, paged)
+        else:  # the pages last, laid out that way in memory
+            last = paged.permute(0, 1, 3, 4, 5, 2).contiguous()
+            target.write_values(chosen, last, pages_last=True)
     else:
         target.write(chosen, kv)
     assert same_bytes(target.read(chosen), kv)
@@ -316,6 +320,17 @@ def test_write_values_refuses_a_shape_or_page_and_changes_nothing(name: str) -> 
         f"{name} pool: values of shape (1, 2, 4, 2, 4) do not fit 2 pages, "
         "which need shape (1, 2, 2, 2, 2, 4)"
     )
+    with pytest.raises(PoolError) as caught:
+        target.write_values([1, 2], good, pages_last=True)
+    assert str(caught.value) == (
+        f"{name} pool: values of shape (1, 2, 2, 2, 2, 4) do not fit 2 pages, "
+        "which need shape (1, 2, 2, 2, 4, 2)"
+    )
+    last = torch.zeros(1, 2, 2, 2, 4, 2)
+    with pytest.raises(PoolError, match=rf"^{name} pool: page 2 is listed twice$"):
+        target.write_values([2, 2], last, pages_last=True)
+    with pytest.raises(ForeignSlot, match=rf"^{name} pool: page 10 outside 0\.\.9$"):
+        target.write_values([9, 10], last, pages_last=True)
     with pytest.raises(PoolError, match=rf"^{name} pool: page 2 is listed twice$"):
         target.write_values([2, 2], good)
     with pytest.raises(ForeignSlot, match=rf"^{name} pool: page 10 outside 0\.\.9$"):

@@ -125,6 +125,11 @@ class KVPool:
         # the device's layer-first ``[layers * planes, pages, words]``)
         self._page_first = name == "host"
         self._paged = tensor if self._page_first else tensor.view(*_paged_shape(layout, num_pages))
+        # the same split into pages with the pages last, ``[layers, planes, page_size, heads,
+        # head_dim, pages]`` on either tier: what write_values(pages_last=True) addresses
+        self._paged_last = self._paged.permute(
+            (1, 2, 3, 4, 5, 0) if self._page_first else (0, 1, 3, 4, 5, 2)
+        )
         self._dest = self.words if self._page_first else self.words.permute(1, 0, 2)
         self._on_cpu = tensor.device.type == "cpu"
         self._pin_device = pin_device
@@ -186,16 +191,22 @@ class KVPool:
         if where is not None:
             self._store(pages, where, kv.reshape(_paged_shape(lay, n)))
 
-    def write_values(self, pages: Sequence[int], values: torch.Tensor) -> None:
+    def write_values(
+        self, pages: Sequence[int], values: torch.Tensor, *, pages_last: bool = False
+    ) -> None:
         """Store ``values`` into ``pages``, cast to the pool's dtype as ``Tensor.copy_`` casts.
 
         ``values`` is ``[layers, planes, len(pages), page_size, heads,
         head_dim]``: the device layout with its slots split into pages, in
-        any dtype on any device. For KV computed in another type, such as
+        any dtype on any device; with ``pages_last``, the same dimensions
+        with the pages moved last, ``[layers, planes, page_size, heads,
+        head_dim, len(pages)]``. For KV computed in another type, such as
         :meth:`Tiers.write_tokens`'s small integers (exact in every KV
         dtype): the cast happens on the way into the pool instead of in a
-        tensor of its own. Checked as :meth:`write`; a refused write
-        changes no page.
+        tensor of its own, and KV computed with the pages last (a broadcast
+        over the tokens) is copied in that order, where a permuted view of
+        it would cost the copy about a microsecond more. Checked as
+        :meth:`write`; a refused write changes no page.
 
         Raises:
             ForeignSlot: a page is outside the pool.
@@ -203,14 +214,23 @@ class KVPool:
                 shape than ``pages`` need.
         """
         where = self._where(pages)
-        shape = _paged_shape(self.layout, len(pages))
+        n = len(pages)
+        shape = _paged_shape(self.layout, n)
+        if pages_last:
+            shape = (*shape[:2], *shape[3:], n)
         if values.shape != shape:
             raise PoolError(
                 f"{self.name} pool: values of shape {tuple(values.shape)} do not fit "
-                f"{len(pages)} pages, which need shape {shape}"
+                f"{n} pages, which need shape {shape}"
             )
-        if where is not None:
+        if where is None:
+            return
+        if not pages_last:
             self._store(pages, where, values)
+        elif isinstance(where, int):  # a run: one slice, in the values' own order
+            self._paged_last.narrow(5, where, n).copy_(values)
+        else:
+            self._store(pages, where, values.permute(0, 1, 5, 2, 3, 4))
 
     def _store(self, pages: Sequence[int], where: int | torch.Tensor, paged: torch.Tensor) -> None:
         """Write ``paged`` (``[layers, planes, pages, page_size, heads, head_dim]``) to ``pages``.
