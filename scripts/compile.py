@@ -30,8 +30,6 @@ if sys.version_info >= (3, 11):
 else:  # the project's dependency on 3.10
     import tomli as tomllib
 
-import tomllib
-
 
 ROOT = Path(__file__).resolve().parent.parent
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]  # ".cpython-311-x86_64-linux-gnu.so"
