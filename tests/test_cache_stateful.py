@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from evictions import expected_host_victims, host_evicted, unfiled_host_leaves
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -126,7 +127,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 12))
     def evict_host(self, n: int) -> None:
+        expected = expected_host_victims(self.cache, n)
+        before = {node.id: node.host for node in self.cache.tree}
         self.cache.evict_host(n)
+        assert host_evicted(self.cache, before) == set(expected)
 
     @rule(data=st.data())
     def load_back(self, data: st.DataObject) -> None:
@@ -137,6 +141,10 @@ class CacheMachine(RuleBasedStateMachine):
     @rule()
     def poll(self) -> None:
         self.cache.poll()
+
+    @invariant()
+    def every_host_leaf_is_a_candidate(self) -> None:
+        assert unfiled_host_leaves(self.cache) == []
 
     @invariant()
     def nothing_waits_without_its_copy(self) -> None:

@@ -961,6 +961,22 @@ def test_a_fetch_short_of_host_room_evicts_only_what_it_lacks(store: Store) -> N
     assert device_kv_matches(small, toks)
 
 
+def test_a_fetched_prefix_is_evicted_from_the_host_in_its_turn(store: Store) -> None:
+    toks = tokens(3)
+    stored_cache(store, toks)
+    reader = HiCache(config(), storage=tier(store, policy="off", prefetch_policy="wait"))
+    _host_only(reader, [5000], 2)  # older: used before the fetch
+    reader.match_prefix(toks)  # fetched: a host-only prefix, used last
+    (fetched,) = [n for n in reader.tree if n.key[0] == toks[0]]
+    assert (fetched.host, fetched.device) == ("backed", "absent")
+    assert fetched.id in reader.evictor.host_candidates()
+    assert reader.evict_host(2 * PAGE) == 2 * PAGE  # the older prefix first
+    assert fetched.id in reader.tree.nodes
+    assert reader.evict_host(3 * PAGE) == 3 * PAGE  # then the fetched one
+    assert fetched.id not in reader.tree.nodes
+    assert reader.tiers.host.allocator.free_pages == 32
+
+
 # -- found by a review: what a failed fetch, a discover, a held torn page and close leave ---------
 
 

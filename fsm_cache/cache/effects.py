@@ -67,14 +67,25 @@ class MemoryEffects:
         self._transfers.queue(Direction.D2H, node)
 
     def free_host(self, node: TreeNode) -> None:
-        """Give the host pages back (refused while a copy still uses them)."""
+        """Give the host pages back (refused while a copy still uses them).
+
+        The parent may have just become a host leaf.
+        """
         self._tiers.free_host(node.host_pages, node.id)
         node.host_pages = ()
+        parent = node.parent
+        if parent is not None:
+            self._evictor.offer_host(parent)
 
     def free_device(self, node: TreeNode) -> None:
-        """Give the device pages back; the parent may have just become a device leaf."""
+        """Give the device pages back.
+
+        The parent may have just become a device leaf, and the node, if a host
+        copy stays, a host leaf.
+        """
         self._tiers.free_device(node.device_pages, node.id)
         node.device_pages = ()
+        self._evictor.offer_host(node)
         parent = node.parent
         if parent is not None:
             self._evictor.offer(parent)

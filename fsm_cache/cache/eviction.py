@@ -1,16 +1,16 @@
 """How the cache frees memory: device and host eviction, and allocation under pressure.
 
-:class:`Evictor` owns the candidates for device eviction (a heap of leaves
-in least recently used order), the write-back evictions waiting for their
-backups' acknowledgements, and the nodes host eviction must spare while an
-allocation runs. It only chooses which nodes and in what order: every
+:class:`Evictor` owns the candidates for device and for host eviction (a
+heap of leaves each, in least recently used order), the write-back evictions
+waiting for their backups' acknowledgements, and the nodes host eviction must
+spare while an allocation runs. It only chooses which nodes and in what order: every
 residency change still goes through the machine (:meth:`CacheCore.fire`).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from fsm_cache.cache.core import CacheCore
 from fsm_cache.cache.transfers import Transfers
@@ -31,17 +31,51 @@ def _device_leaf(node: TreeNode) -> bool:
     )
 
 
-class LeafHeap:
-    """Device-leaf candidates in least-recently-used order, kept across evictions.
+def _structural_leaf(nodes: dict[int, TreeNode], node: TreeNode) -> bool:
+    """Whether ``node`` is in the tree, holds device pages, and no child is on the device.
 
-    Nodes are pushed when they may have become device leaves (new leaves,
-    parents of evicted or deleted nodes, loaded or adopted nodes). Entries go
-    stale when a node is touched, gains a child or leaves the device; they are
-    checked when popped, so eviction costs the leaves it looks at, not the tree.
+    A loading node counts: once its load completes it is a leaf to evict.
+    """
+    return (
+        nodes.get(node.id) is node
+        and node.device in DEVICE_HELD
+        and not (node.children and any(c.device in DEVICE_HELD for c in node.children.values()))
+    )
+
+
+def _structural_host_leaf(nodes: dict[int, TreeNode], node: TreeNode) -> bool:
+    """Whether ``node`` is in the tree, holds host pages but no device ones, and no child host ones.
+
+    A pinned or fetching node counts: once released or landed it is a leaf to evict.
+    """
+    return (
+        nodes.get(node.id) is node
+        and node.device == "absent"
+        and node.host in HOST_HELD
+        and not (node.children and any(c.host in HOST_HELD for c in node.children.values()))
+    )
+
+
+class LeafHeap:
+    """Leaf candidates of one tier in least-recently-used order, kept across evictions.
+
+    Nodes are pushed when they may have become leaves of the tier. For the
+    device: new leaves, parents of evicted or deleted nodes, loaded or adopted
+    nodes. For the host: nodes whose device copy went, parents of nodes whose
+    host copy went, nodes being fetched. Entries go stale when a node is
+    touched, gains a child or leaves the tier; they are checked when popped
+    (``structural``), so eviction costs the leaves it looks at, not the tree.
+
+    Args:
+        structural: Whether a node is still, in the tree, a leaf of the tier
+            (whatever keeps it from being evicted right now: locks, pins).
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, structural: Callable[[dict[int, TreeNode], TreeNode], bool] = _structural_leaf
+    ) -> None:
         self._heap: list[tuple[int, int, TreeNode]] = []
+        self._structural = structural
 
     def push(self, node: TreeNode) -> None:
         """Offer ``node`` as a candidate at its current recency."""
@@ -55,7 +89,7 @@ class LeafHeap:
         """
         while self._heap:
             stamp, _, node = heapq.heappop(self._heap)
-            if not _structural_leaf(nodes, node):
+            if not self._structural(nodes, node):
                 continue
             if stamp != node.last_access:  # touched since it was pushed: file it anew
                 self.push(node)
@@ -63,17 +97,10 @@ class LeafHeap:
             return node
         return None
 
-
-def _structural_leaf(nodes: dict[int, TreeNode], node: TreeNode) -> bool:
-    """Whether ``node`` is in the tree, holds device pages, and no child is on the device.
-
-    A loading node counts: once its load completes it is a leaf to evict.
-    """
-    return (
-        nodes.get(node.id) is node
-        and node.device in DEVICE_HELD
-        and not (node.children and any(c.device in DEVICE_HELD for c in node.children.values()))
-    )
+    def candidates(self) -> Iterator[TreeNode]:
+        """Yield the nodes filed, in no particular order, stale entries and repeats included."""
+        for _, _, node in self._heap:
+            yield node
 
 
 class Evictor:
@@ -94,6 +121,7 @@ class Evictor:
         self._transfers = transfers
         self._policy = policy
         self._leaves = LeafHeap()
+        self._host_leaves = LeafHeap(_structural_host_leaf)
         self._waiting: set[int] = set()  # write-back leaves evicted once their backup is acked
         self._spared: frozenset[int] = frozenset()  # nodes host eviction must keep, for now
         transfers.on_ack(self._acknowledged)
@@ -104,6 +132,15 @@ class Evictor:
         """Return the ids of write-back leaves to evict once their backup is acknowledged."""
         return frozenset(self._waiting)
 
+    def host_candidates(self) -> frozenset[int]:
+        """Return the ids of the nodes filed as host-eviction candidates (tests: every host leaf).
+
+        Host eviction looks only at these: a node that holds host pages but
+        no device ones, and no child that holds host pages, must be among them,
+        or it would never be evicted.
+        """
+        return frozenset(node.id for node in self._host_leaves.candidates())
+
     # -- lifecycle -----------------------------------------------------------
 
     def offer(self, node: TreeNode) -> None:
@@ -111,9 +148,15 @@ class Evictor:
         if node.parent is not None:
             self._leaves.push(node)
 
+    def offer_host(self, node: TreeNode) -> None:
+        """Make ``node`` a host-eviction candidate (it may have just become a host leaf)."""
+        if node.parent is not None:
+            self._host_leaves.push(node)
+
     def reset(self) -> None:
         """Forget every candidate and pending eviction (the tree was emptied)."""
         self._leaves = LeafHeap()
+        self._host_leaves = LeafHeap(_structural_host_leaf)
         self._waiting = set()
         self._spared = frozenset()
 
@@ -222,9 +265,24 @@ class Evictor:
         """Whether ``pages`` host pages could be free after :meth:`evict_host`, counting the free.
 
         An allocation asks before it evicts: one that no eviction can satisfy
-        is refused with nothing evicted (check, then act).
+        is refused with nothing evicted (check, then act). Host leaves filed
+        as candidates that already hold enough answer it without walking the
+        tree; only a shortfall among them counts every node that could go.
         """
-        return self._tiers.host.allocator.free_pages + self.host_evictable(spare) >= pages
+        short = pages - self._tiers.host.allocator.free_pages
+        if short <= 0:
+            return True
+        spared = self._spared | {n.id for n in spare}
+        nodes, seen, found = self._core.tree.nodes, set(), 0
+        for node in self._host_leaves.candidates():
+            if node.id in seen or node.id in spared or nodes.get(node.id) is not node:
+                continue
+            seen.add(node.id)
+            if self._host_leaf(node):
+                found += len(node.host_pages)
+                if found >= short:
+                    return True
+        return self.host_evictable(spare) >= short
 
     def evict_host(self, num_tokens: int, spare: Sequence[TreeNode] = ()) -> int:
         """Evict least recently used unpinned host-only leaves, deleting each; return tokens freed.
@@ -239,18 +297,19 @@ class Evictor:
                 return self.evict_host(num_tokens)
             finally:
                 self._spared = kept
-        heap = [(n.last_access, n.id, n) for n in self._core.tree if self._host_leaf(n)]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+        freed, held = 0, []
+        nodes = self._core.tree.nodes
+        while freed < num_tokens:
+            node = self._host_leaves.pop(nodes)
+            if node is None:
+                break
             if not self._host_leaf(node):
+                held.append(node)  # pinned, fetching or spared: a candidate again later
                 continue
-            parent = node.parent
-            self.evict_host_node(node)
+            self.evict_host_node(node)  # its host copy's going files its parent
             freed += len(node.key)
-            if parent is not None and self._host_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        for node in held:
+            self._host_leaves.push(node)
         return freed
 
     def evict_host_node(self, node: TreeNode) -> None:

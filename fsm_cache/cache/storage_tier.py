@@ -502,6 +502,7 @@ class StorageTier:
             self._evictor.evict_host(short * self._tiers.page_size, spare=spare)
             pages = self._tiers.alloc_host(size, node.id)
         node.host_pages = pages
+        self._evictor.offer_host(node)  # a host leaf to evict once its pages land
         self._queue("fetch", node, keys)
 
     def delete_storage(self, node: TreeNode) -> None:
