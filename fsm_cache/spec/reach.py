@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from fsm_cache.spec.machine import System
+from fsm_cache.spec.machine import System, compared
 from fsm_cache.spec.meaning import step
 
 
@@ -41,17 +41,13 @@ def ceilings(system: System) -> dict[str, int]:
 
     One more than the largest constant the counter is compared with (or starts
     at): every guard, invariant and refusal then holds of all values from the
-    ceiling up or of none, so the ceiling stands for all of them.
+    ceiling up or of none, so the ceiling stands for all of them. The constants
+    are :func:`~fsm_cache.spec.machine.compared`'s, the composition's refusals
+    included.
     """
-    guards = [forbid.guard for forbid in system.forbids]
-    for _, machine in system.regions:
-        guards += [state.invariant for state in machine.states]
-        guards += [t.guard for t in machine.transitions] + [f.guard for f in machine.forbids]
-    top = {name: max(value, 0) + 1 for name, value in system.counters}
-    for term in (term for guard in guards for term in guard.terms):
-        if term.counter in top:
-            top[term.counter] = max(top[term.counter], term.value + 1)
-    return top
+    machines = (machine for _, machine in system.regions)
+    constants = compared(machines, *(forbid.guard for forbid in system.forbids))
+    return {name: max(value, 0, *constants[name]) + 1 for name, value in system.counters}
 
 
 @dataclass(frozen=True)

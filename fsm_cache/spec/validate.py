@@ -27,6 +27,7 @@ from fsm_cache.spec.machine import (
     as_system,
     bad_name,
     bad_title,
+    compared,
 )
 from fsm_cache.spec.meaning import step
 from fsm_cache.spec.reach import RECORD_LIMIT, Record, Runs, replay, search
@@ -84,18 +85,15 @@ def representatives(spec: MachineSpec, *extra: Guard) -> dict[str, tuple[int, ..
     """Return, per counter, ascending values that stand for every value it can take.
 
     Each counter's :func:`~fsm_cache.spec.guards.critical_values` (which says why they
-    are exact) for the constants it is compared with (every invariant, guard and
-    forbid guard, and the ``extra`` guards) and the steps updates move it by.
+    are exact) for the constants it is compared with
+    (:func:`~fsm_cache.spec.machine.compared`: every invariant, guard and forbid
+    guard, and the ``extra`` guards) and the steps updates move it by.
     Guards are conjunctions and updates assign counters one by one, so the
     counters are independent: the product of these meets every class of
     valuations that any check tells apart.
     """
-    guards = [s.invariant for s in spec.states] + [t.guard for t in spec.transitions]
-    guards += [f.guard for f in spec.forbids] + list(extra)
-    constants: dict[str, list[int]] = {name: [] for name in spec.counter_names}
+    constants = compared([spec], *extra)
     steps: dict[str, list[int]] = {name: [] for name in spec.counter_names}
-    for term in (term for guard in guards for term in guard.terms):
-        constants.get(term.counter, []).append(term.value)
     for assign in (a for tr in spec.transitions for a in tr.update.assigns):
         steps.get(assign.counter, []).append(assign.delta())
     return {name: critical_values(constants[name], steps[name]) for name in spec.counter_names}
