@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import builtins
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 
 from fsm_cache import errors
 from fsm_cache.errors import FsmCacheError, IllegalTransition, SpecError, error_class
@@ -106,8 +106,18 @@ def valuations(spec: MachineSpec, invariant: Guard) -> Iterator[dict[str, int]]:
     lexicographic order, keeping those where ``invariant`` holds; checking a
     property of one step on these is checking it on every valuation.
     """
-    names = spec.counter_names
-    reps = representatives(spec, invariant)
+    yield from allowed(spec.counter_names, representatives(spec, invariant), invariant)
+
+
+def allowed(
+    names: Sequence[str], reps: Mapping[str, tuple[int, ...]], invariant: Guard
+) -> Iterator[dict[str, int]]:
+    """Yield the valuations of ``names`` drawn from ``reps`` that satisfy ``invariant``.
+
+    :func:`valuations` for a caller that holds the representatives already
+    (:func:`representatives` of the machine and ``invariant``), so they are
+    not computed twice.
+    """
     # The invariant is a conjunction of single-counter terms: filter each axis alone.
     axes = [
         [
