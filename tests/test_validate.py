@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
+import tomllib
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -14,7 +17,7 @@ from fsm_cache.errors import SpecError
 from fsm_cache.spec import reach
 from fsm_cache.spec import validate as validate_module
 from fsm_cache.spec.guards import Assign, Comparison, Guard, Update, parse_guard, parse_update
-from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.loader import load_spec, machine_from_dict
 from fsm_cache.spec.machine import (
     Birth,
     Forbid,
@@ -413,6 +416,18 @@ def test_caps_and_representatives_read_one_list_of_constants() -> None:
     # constant sets the cap (k starts at 3, compared with 5: cap 6).
     system = System("s", (("r", host),), forbids=(Forbid("go", (), "E", "r", guard=extra),))
     assert reach.ceilings(system) == {"n": 10, "k": 6}
+
+
+def test_a_spec_built_with_lists_is_searched_too() -> None:
+    """A list where a tuple belongs makes a spec unhashable; its runs are searched all the same."""
+    text = HEAD + "jammed = {}\n" + OPEN + LEAVE + REFUSE + JAM
+    spec = machine_from_dict(tomllib.loads(text))
+    listed = dataclasses.replace(spec, states=cast("tuple[StateSpec, ...]", list(spec.states)))
+    with pytest.raises(TypeError):
+        hash(listed)
+    assert problems(listed) == [
+        "<python>: states.jammed: deadlock when n=0: every event is refused there (enter: E, leave: E, jam: E, unjam: Stuck) and it is not final; reached from closed by jam"
+    ]
 
 
 def test_composition_rules(tmp_path: Path) -> None:

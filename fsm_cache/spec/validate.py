@@ -30,7 +30,7 @@ from fsm_cache.spec.machine import (
     compared,
 )
 from fsm_cache.spec.meaning import step
-from fsm_cache.spec.reach import RECORD_LIMIT, Record, Runs, replay, search
+from fsm_cache.spec.reach import Record, Runs, replay, runs
 from fsm_cache.spec.stubs import state_alias
 
 
@@ -418,15 +418,16 @@ def _records(spec: Spec) -> Iterator[str]:
 
     The checks above look at one state of one machine; these follow runs of
     the whole record (every region, its counters, the composition's rules)
-    from its births, with :func:`fsm_cache.spec.reach.search`. Tree rules are
-    read for a record with no parent and no children, where none refuses:
-    neighbours only add refusals, so a deadlock found is one in any tree, and
-    a state missed is missed in every tree.
+    from its births, with :func:`fsm_cache.spec.reach.runs` (the search the
+    engine's record checks read too). Tree rules are read for a record with no
+    parent and no children, where none refuses: neighbours only add refusals,
+    so a deadlock found is one in any tree, and a state missed is missed in
+    every tree.
     """
-    runs = search(as_system(spec), RECORD_LIMIT)
-    yield from _deadlocks(spec, runs)
-    if runs.complete:
-        yield from _unreached(spec, runs)
+    found = runs(as_system(spec))
+    yield from _deadlocks(spec, found)
+    if found.complete:
+        yield from _unreached(spec, found)
 
 
 def _deadlocks(spec: Spec, runs: Runs) -> Iterator[str]:
