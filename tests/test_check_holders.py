@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from pools import ACCEPTED, REFUSED, pool
 
 from fsm_cache.modelcheck import check
 from fsm_cache.modelcheck.explore import Bounds
 from fsm_cache.modelcheck.state import Layout
+from fsm_cache.spec import changes as spec_changes
+from fsm_cache.spec import validate
 from fsm_cache.spec.changes import changes
+from fsm_cache.spec.guards import Guard
 from fsm_cache.spec.loader import load_spec
-from fsm_cache.spec.machine import as_system
+from fsm_cache.spec.machine import MachineSpec, as_system
+from fsm_cache.spec.validate import representatives
 
 
 def _pool(
@@ -63,6 +68,23 @@ def test_an_assignment_nothing_pins_adds_no_one_amount(tmp_path: Path) -> None:
     assert {(2, -1), (3, -2)} <= found  # values a representative stands for alone
     assert max(found) == (4, None)  # and 4 stands for every value from 4 up
     assert _layout(path).holders.releases["release"] == ()
+
+
+def test_changes_computes_each_states_representatives_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The representatives ``changes`` draws valuations from are the ones it reads."""
+    machine = as_system(load_spec(_pool(tmp_path))).machines["state"]
+    asked: list[Guard] = []
+
+    def counted(spec: MachineSpec, *extra: Guard) -> dict[str, tuple[int, ...]]:
+        asked.extend(extra)
+        return representatives(spec, *extra)
+
+    monkeypatch.setattr(validate, "representatives", counted)
+    monkeypatch.setattr(spec_changes, "representatives", counted)
+    assert changes(machine, "release")["holders"]
+    assert asked == [state.invariant for state in machine.states]
 
 
 def test_a_give_back_accepted_with_nothing_held_is_named(tmp_path: Path) -> None:

@@ -12,8 +12,11 @@ from fsm_cache import errors
 from fsm_cache.bench.engine import record_bytes, run_engine_bench
 from fsm_cache.engine.core import Engine
 from fsm_cache.errors import BadArgument, EffectFailed, IllegalTransition, SpecError, error_class
+from fsm_cache.spec import reach
 from fsm_cache.spec.loader import machine_from_dict, spec_from_dict
+from fsm_cache.spec.machine import Forbid, System
 from fsm_cache.spec.shipped import host_machine, load_shipped, residency_system
+from fsm_cache.spec.validate import problems
 
 
 @pytest.fixture
@@ -357,3 +360,59 @@ def test_bad_record_searches_no_further_than_validation_does() -> None:
     engine = Engine(spec_from_dict(METER), trail=False)
     assert engine.bad_record({"state": "counting"}, {"n": 999_999}) is None
     assert engine.bad_record({"state": "idle"}, {"n": 5}) == "state idle requires n == 0, got n=5"
+
+
+LAMP = {
+    "machine": {"name": "lamp", "initial": "off"},
+    "states": {"off": {}, "on": {}},
+    "transition": [
+        {"event": "flip", "source": "off", "dest": "on"},
+        {"event": "flip", "source": "on", "dest": "off"},
+    ],
+}
+"""Two states, each reached from the other by ``flip``."""
+
+
+def _counting_steps(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Count the steps any search of a spec's runs takes from now on."""
+    fired: list[str] = []
+    fire = reach.fire
+
+    def counted(system: System, event: str, record: reach.Record) -> reach.Record | None:
+        fired.append(event)
+        return fire(system, event, record)
+
+    monkeypatch.setattr(reach, "fire", counted)
+    return fired
+
+
+def test_bad_record_reads_the_search_validation_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading validates, which searches the runs; the engines' record checks search no more."""
+    spec = spec_from_dict(LAMP)
+    fired = _counting_steps(monkeypatch)
+    for _ in range(2):  # each engine wraps the machine in a system of its own, an equal one
+        engine = Engine(spec, trail=False)
+        assert engine.bad_record({"state": "on"}, {}) is None
+        assert (
+            engine.bad_record({"state": "dim"}, {})
+            == "state 'dim' is not a state of lamp (off, on)"
+        )
+    assert fired == []
+
+
+def test_a_spec_forced_to_change_is_searched_as_it_now_is() -> None:
+    """Searches are kept per spec; one whose frozen fields are forced gets its own."""
+    lamp = machine_from_dict(LAMP)
+    system = System("room", (("lamp", lamp),))
+    assert problems(system) == []
+    assert Engine(system, trail=False).bad_record({"lamp": "on"}, {}) is None
+    refusal = Forbid("flip", (), "Stuck", "the switch is stuck")
+    object.__setattr__(system, "forbids", (refusal,))  # frozen: forced, as no caller should
+    engine = Engine(system, trail=False)
+    assert engine.bad_record({"lamp": "on"}, {}) == "no run of room reaches lamp on"
+    assert problems(system) == [
+        "<python>: composition: deadlock at lamp off: every event is refused there "
+        "(flip: Stuck) and no region is final; a record is born there (the initial states)",
+        "<python>: composition.regions.lamp: state on: unreachable in the composition "
+        "(no run from a birth reaches it)",
+    ]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
+import tomllib
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -14,8 +17,16 @@ from fsm_cache.errors import SpecError
 from fsm_cache.spec import reach
 from fsm_cache.spec import validate as validate_module
 from fsm_cache.spec.guards import Assign, Comparison, Guard, Update, parse_guard, parse_update
-from fsm_cache.spec.loader import load_spec
-from fsm_cache.spec.machine import Birth, Forbid, MachineSpec, StateSpec, System, Transition
+from fsm_cache.spec.loader import load_spec, machine_from_dict
+from fsm_cache.spec.machine import (
+    Birth,
+    Forbid,
+    MachineSpec,
+    StateSpec,
+    System,
+    Transition,
+    compared,
+)
 from fsm_cache.spec.shipped import load_shipped, shipped_spec_paths
 from fsm_cache.spec.validate import bound, problems, representatives, validate, valuations
 
@@ -385,6 +396,38 @@ def test_valuations_are_the_exact_representatives() -> None:
     assert list(valuations(host, parse_guard("pins == 0"))) == [{"pins": 0}]
     # The constants of the invariant asked about count too.
     assert list(valuations(host, parse_guard("pins >= 7"))) == [{"pins": v} for v in (7, 8, 9)]
+
+
+def test_caps_and_representatives_read_one_list_of_constants() -> None:
+    """The search's caps and validation's representatives start from :func:`compared`."""
+    host = MachineSpec(
+        "m",
+        "a",
+        (("n", 0), ("k", 3)),
+        (StateSpec("a", invariant=parse_guard("n <= 6")),),
+        (Transition("go", ("a",), "a", guard=parse_guard("n < 2 and k >= 5 and x == 99")),),
+        (Forbid("go", ("a",), "E", "r", guard=parse_guard("n >= 2")),),
+    )
+    extra = parse_guard("n == 9")
+    # Invariants, then transition guards, then forbid guards, then extra; x is no counter.
+    assert compared([host], extra) == {"n": [6, 2, 2, 9], "k": [5]}
+    assert representatives(host, extra) == {"n": (0, 1, 2, 3, 6, 7, 9, 10), "k": (0, 1, 5, 6)}
+    # A composition's own refusals count for its caps; an initial value above every
+    # constant sets the cap (k starts at 3, compared with 5: cap 6).
+    system = System("s", (("r", host),), forbids=(Forbid("go", (), "E", "r", guard=extra),))
+    assert reach.ceilings(system) == {"n": 10, "k": 6}
+
+
+def test_a_spec_built_with_lists_is_searched_too() -> None:
+    """A list where a tuple belongs makes a spec unhashable; its runs are searched all the same."""
+    text = HEAD + "jammed = {}\n" + OPEN + LEAVE + REFUSE + JAM
+    spec = machine_from_dict(tomllib.loads(text))
+    listed = dataclasses.replace(spec, states=cast("tuple[StateSpec, ...]", list(spec.states)))
+    with pytest.raises(TypeError):
+        hash(listed)
+    assert problems(listed) == [
+        "<python>: states.jammed: deadlock when n=0: every event is refused there (enter: E, leave: E, jam: E, unjam: Stuck) and it is not final; reached from closed by jam"
+    ]
 
 
 def test_composition_rules(tmp_path: Path) -> None:

@@ -170,7 +170,8 @@ class Engine:
         needs ``pins >= 1``), and some run of the spec reaches the whole: the
         composition's refusals keep a host ``writing`` from a device
         ``absent``. All of it comes from the spec (:mod:`fsm_cache.engine.legal`);
-        the runs are searched once per engine, on first use. The engine itself
+        the runs are the search validation made (:func:`fsm_cache.spec.reach.runs`
+        searches each spec once), read on first use. The engine itself
         trusts its records (its fast paths rely on the invariants), so code
         that builds a record from a caller's states asks this first.
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from fsm_cache.spec.machine import MachineSpec, System
-from fsm_cache.spec.reach import RECORD_LIMIT, Point, ceilings, search
+from fsm_cache.spec.reach import Point, runs
 
 
 def unknown_state(region: str, machine: MachineSpec, state: object) -> str | None:
@@ -42,7 +42,7 @@ class Legal:
     Attributes:
         system: The system the records run on.
         reached: Every record some run reaches, counters capped
-            (:func:`~fsm_cache.spec.reach.search`).
+            (:func:`~fsm_cache.spec.reach.runs`).
         top: Each counter's cap (:func:`~fsm_cache.spec.reach.ceilings`).
         complete: Whether the search saw every record (it stops at
             :data:`~fsm_cache.spec.reach.RECORD_LIMIT`).
@@ -55,13 +55,15 @@ class Legal:
 
     @classmethod
     def of(cls, system: System) -> Legal:
-        """Return the legal records of ``system``, its reachable records searched once.
+        """Return the legal records of ``system``, from the search validation made.
 
-        The search stops at :data:`~fsm_cache.spec.reach.RECORD_LIMIT` records,
-        as validation's does; past it, no record is called unreachable.
+        :func:`~fsm_cache.spec.reach.runs` searches each system once, so a
+        spec loaded (and so validated) is not searched again here. The search
+        stops at :data:`~fsm_cache.spec.reach.RECORD_LIMIT` records; past it,
+        no record is called unreachable.
         """
-        runs = search(system, RECORD_LIMIT)
-        return cls(system, runs.points, ceilings(system), runs.complete)
+        found = runs(system)
+        return cls(system, found.points, found.top, found.complete)
 
     def problem(self, states: Mapping[str, object], counters: Mapping[str, object]) -> str | None:
         """Return why no record could be in ``states`` with ``counters``, or None if one can.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fsm_cache.spec.machine import MachineSpec
 from fsm_cache.spec.meaning import region_step
-from fsm_cache.spec.validate import representatives, valuations
+from fsm_cache.spec.validate import allowed, representatives
 
 
 Change = tuple[int, int | None]
@@ -21,8 +21,9 @@ def changes(machine: MachineSpec, event: str) -> dict[str, set[Change]]:
     """Return how the steps of ``event`` that ``machine`` accepts move each of its counters.
 
     Each state's representative valuations (:func:`~fsm_cache.spec.validate.valuations`,
-    those its invariant allows) are stepped by the spec's own meaning
-    (:func:`~fsm_cache.spec.meaning.region_step`); a refusal is no step. A
+    those its invariant allows, drawn by :func:`~fsm_cache.spec.validate.allowed`
+    from the representatives computed once per state) are stepped by the spec's
+    own meaning (:func:`~fsm_cache.spec.meaning.region_step`); a refusal is no step. A
     representative stands for a class of values no guard tells apart, so an
     increment moves the whole class alike, but an assignment (``holders = 1``)
     adds one amount only where the class is that one value (the invariant or
@@ -31,7 +32,7 @@ def changes(machine: MachineSpec, event: str) -> dict[str, set[Change]]:
     out: dict[str, set[Change]] = {name: set() for name in machine.counter_names}
     for state in machine.states:
         reps = representatives(machine, state.invariant)
-        for values in valuations(machine, state.invariant):
+        for values in allowed(machine.counter_names, reps, state.invariant):
             taken = region_step(machine, event, state.name, values)
             if isinstance(taken, str):
                 continue

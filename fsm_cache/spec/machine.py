@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import keyword
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from fsm_cache.spec.guards import NO_UPDATE, TRUE, Condition, Guard, Update
@@ -338,6 +338,26 @@ class System:
 
 
 Spec = MachineSpec | System
+
+
+def compared(machines: Iterable[MachineSpec], *extra: Guard) -> dict[str, list[int]]:
+    """Return, per counter of ``machines``, the constants guards compare it with.
+
+    The guards are every state's invariant, transition's guard and forbid's
+    guard of each machine, then ``extra`` (a composition's refusals, say); a
+    term on a counter no machine declares is left out. Validation's
+    representatives and the search's counter caps both start from these, so
+    the two read one list of what a spec compares.
+    """
+    machines = list(machines)
+    found: dict[str, list[int]] = {name: [] for m in machines for name in m.counter_names}
+    guards = [s.invariant for m in machines for s in m.states]
+    guards += [t.guard for m in machines for t in m.transitions]
+    guards += [f.guard for m in machines for f in m.forbids] + list(extra)
+    for term in (term for guard in guards for term in guard.terms):
+        if term.counter in found:
+            found[term.counter].append(term.value)
+    return found
 
 
 def as_system(spec: Spec) -> System:

@@ -3,9 +3,10 @@
 One search serves two readers: the engine, which asks whether a caller's
 record is one some run reaches (:mod:`fsm_cache.engine.legal`), and
 validation, which asks whether a reached record is stuck or a region state is
-never reached (:mod:`fsm_cache.spec.validate`). Both read the spec's own
-reference semantics (:func:`~fsm_cache.spec.meaning.step`), so the rule of
-what a step does lives in one place.
+never reached (:mod:`fsm_cache.spec.validate`). Both ask :func:`runs`, which
+searches each spec once however often it is validated or run, and both read
+the spec's own reference semantics (:func:`~fsm_cache.spec.meaning.step`), so
+the rule of what a step does lives in one place.
 
 Counters are capped one above the largest constant they are compared with
 (:func:`ceilings`) and tree rules are read for a record with no parent and no
@@ -15,12 +16,14 @@ add records, so a record left out is reached by no run in any tree.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
-from fsm_cache.spec.machine import System
+from fsm_cache.spec.machine import System, compared
 from fsm_cache.spec.meaning import step
 
 
@@ -41,17 +44,13 @@ def ceilings(system: System) -> dict[str, int]:
 
     One more than the largest constant the counter is compared with (or starts
     at): every guard, invariant and refusal then holds of all values from the
-    ceiling up or of none, so the ceiling stands for all of them.
+    ceiling up or of none, so the ceiling stands for all of them. The constants
+    are :func:`~fsm_cache.spec.machine.compared`'s, the composition's refusals
+    included.
     """
-    guards = [forbid.guard for forbid in system.forbids]
-    for _, machine in system.regions:
-        guards += [state.invariant for state in machine.states]
-        guards += [t.guard for t in machine.transitions] + [f.guard for f in machine.forbids]
-    top = {name: max(value, 0) + 1 for name, value in system.counters}
-    for term in (term for guard in guards for term in guard.terms):
-        if term.counter in top:
-            top[term.counter] = max(top[term.counter], term.value + 1)
-    return top
+    machines = (machine for _, machine in system.regions)
+    constants = compared(machines, *(forbid.guard for forbid in system.forbids))
+    return {name: max(value, 0, *constants[name]) + 1 for name, value in system.counters}
 
 
 @dataclass(frozen=True)
@@ -63,6 +62,8 @@ class Runs:
         ways: Each reached point and how a shortest run first reached it
             (breadth first, events in the system's order).
         stuck: The reached points where the system refuses every event.
+        top: Each counter's cap (:func:`ceilings`), which the points' counters
+            are capped at.
         complete: False when the search stopped at its limit: ``ways`` then
             holds only some of the records runs reach.
     """
@@ -70,6 +71,7 @@ class Runs:
     system: System
     ways: Mapping[Point, Way]
     stuck: frozenset[Point]
+    top: Mapping[str, int]
     complete: bool = True
 
     @property
@@ -92,6 +94,32 @@ RECORD_LIMIT = 10_000
 validation and for the engine's record checks: past it, a spec whose counters are compared
 with large constants is searched no further, and no state is called unreachable."""
 
+KEPT = 32
+"""How many systems' runs :func:`runs` keeps; past it, the one asked least recently goes."""
+
+
+def runs(system: System) -> Runs:
+    """Return :func:`search` of ``system`` to :data:`RECORD_LIMIT`, searching each system once.
+
+    Validation and the engine's record checks both ask this, so a spec that
+    is loaded, validated and run by any number of engines is searched once.
+    Systems are frozen dataclasses, compared and hashed by content: an equal
+    system built anew (:func:`~fsm_cache.spec.machine.as_system` wraps a
+    machine in a new one each time) shares the search, and a spec whose frozen
+    fields are forced after its search no longer matches it and is searched
+    as it now is. The last :data:`KEPT` systems asked are kept.
+    """
+    try:
+        hash(system)
+    except TypeError:  # a spec built in code with a list where a tuple belongs
+        return search(system, RECORD_LIMIT)
+    return _kept(system)
+
+
+@functools.lru_cache(maxsize=KEPT)
+def _kept(system: System) -> Runs:
+    return search(system, RECORD_LIMIT)
+
 
 def search(system: System, limit: int | None = None) -> Runs:
     """Return every record some run of ``system`` reaches, breadth first from its births.
@@ -105,9 +133,9 @@ def search(system: System, limit: int | None = None) -> Runs:
     Args:
         system: The system to search.
         limit: Stop, the result marked incomplete, once more records than
-            this are reached (None: search them all). Validation sets one, so
-            that a spec whose counters are compared with large constants
-            loads in bounded time.
+            this are reached (None: search them all). :func:`runs` sets
+            one, so that a spec whose counters are compared with large
+            constants loads in bounded time.
     """
     regions = [region for region, _ in system.regions]
     names, top = [name for name, _ in system.counters], ceilings(system)
@@ -135,8 +163,8 @@ def search(system: System, limit: int | None = None) -> Runs:
         if not moved:
             stuck.add(point)
         if limit is not None and len(ways) > limit:
-            return Runs(system, ways, frozenset(stuck), complete=False)
-    return Runs(system, ways, frozenset(stuck))
+            return Runs(system, MappingProxyType(ways), frozenset(stuck), top, complete=False)
+    return Runs(system, MappingProxyType(ways), frozenset(stuck), top)
 
 
 def fire(system: System, event: str, record: Record) -> Record | None:

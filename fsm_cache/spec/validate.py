@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import builtins
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 
 from fsm_cache import errors
 from fsm_cache.errors import FsmCacheError, IllegalTransition, SpecError, error_class
@@ -27,9 +27,10 @@ from fsm_cache.spec.machine import (
     as_system,
     bad_name,
     bad_title,
+    compared,
 )
 from fsm_cache.spec.meaning import step
-from fsm_cache.spec.reach import RECORD_LIMIT, Record, Runs, replay, search
+from fsm_cache.spec.reach import Record, Runs, replay, runs
 from fsm_cache.spec.stubs import state_alias
 
 
@@ -84,18 +85,15 @@ def representatives(spec: MachineSpec, *extra: Guard) -> dict[str, tuple[int, ..
     """Return, per counter, ascending values that stand for every value it can take.
 
     Each counter's :func:`~fsm_cache.spec.guards.critical_values` (which says why they
-    are exact) for the constants it is compared with (every invariant, guard and
-    forbid guard, and the ``extra`` guards) and the steps updates move it by.
+    are exact) for the constants it is compared with
+    (:func:`~fsm_cache.spec.machine.compared`: every invariant, guard and forbid
+    guard, and the ``extra`` guards) and the steps updates move it by.
     Guards are conjunctions and updates assign counters one by one, so the
     counters are independent: the product of these meets every class of
     valuations that any check tells apart.
     """
-    guards = [s.invariant for s in spec.states] + [t.guard for t in spec.transitions]
-    guards += [f.guard for f in spec.forbids] + list(extra)
-    constants: dict[str, list[int]] = {name: [] for name in spec.counter_names}
+    constants = compared([spec], *extra)
     steps: dict[str, list[int]] = {name: [] for name in spec.counter_names}
-    for term in (term for guard in guards for term in guard.terms):
-        constants.get(term.counter, []).append(term.value)
     for assign in (a for tr in spec.transitions for a in tr.update.assigns):
         steps.get(assign.counter, []).append(assign.delta())
     return {name: critical_values(constants[name], steps[name]) for name in spec.counter_names}
@@ -108,8 +106,18 @@ def valuations(spec: MachineSpec, invariant: Guard) -> Iterator[dict[str, int]]:
     lexicographic order, keeping those where ``invariant`` holds; checking a
     property of one step on these is checking it on every valuation.
     """
-    names = spec.counter_names
-    reps = representatives(spec, invariant)
+    yield from allowed(spec.counter_names, representatives(spec, invariant), invariant)
+
+
+def allowed(
+    names: Sequence[str], reps: Mapping[str, tuple[int, ...]], invariant: Guard
+) -> Iterator[dict[str, int]]:
+    """Yield the valuations of ``names`` drawn from ``reps`` that satisfy ``invariant``.
+
+    :func:`valuations` for a caller that holds the representatives already
+    (:func:`representatives` of the machine and ``invariant``), so they are
+    not computed twice.
+    """
     # The invariant is a conjunction of single-counter terms: filter each axis alone.
     axes = [
         [
@@ -410,15 +418,16 @@ def _records(spec: Spec) -> Iterator[str]:
 
     The checks above look at one state of one machine; these follow runs of
     the whole record (every region, its counters, the composition's rules)
-    from its births, with :func:`fsm_cache.spec.reach.search`. Tree rules are
-    read for a record with no parent and no children, where none refuses:
-    neighbours only add refusals, so a deadlock found is one in any tree, and
-    a state missed is missed in every tree.
+    from its births, with :func:`fsm_cache.spec.reach.runs` (the search the
+    engine's record checks read too). Tree rules are read for a record with no
+    parent and no children, where none refuses: neighbours only add refusals,
+    so a deadlock found is one in any tree, and a state missed is missed in
+    every tree.
     """
-    runs = search(as_system(spec), RECORD_LIMIT)
-    yield from _deadlocks(spec, runs)
-    if runs.complete:
-        yield from _unreached(spec, runs)
+    found = runs(as_system(spec))
+    yield from _deadlocks(spec, found)
+    if found.complete:
+        yield from _unreached(spec, found)
 
 
 def _deadlocks(spec: Spec, runs: Runs) -> Iterator[str]:
