@@ -53,7 +53,6 @@ from functools import partial
 
 import torch
 
-from fsm_cache.cache import arguments
 from fsm_cache.cache.core import CacheCore
 from fsm_cache.cache.eviction import Evictor
 from fsm_cache.cache.transfers import Transfers
@@ -72,6 +71,7 @@ from fsm_cache.errors import (
     StoreFailed,
 )
 from fsm_cache.memory.tiers import Tiers
+from fsm_cache.numeric import as_index
 from fsm_cache.policy import WritePolicy
 from fsm_cache.residency import FETCHING, HOST_HELD, HOST_VALID, STORAGE_HELD, Event
 from fsm_cache.storage.base import Store, stored_prefix
@@ -324,7 +324,7 @@ def _acknowledged(value: object, total: int) -> int:
     pages than were put, not an integer) counts as none: the pages are not
     taken as stored, and a later lookup may still find them.
     """
-    held = arguments.as_index(value)
+    held = as_index(value)
     return held if held is not None and 0 <= held <= total else 0
 
 
