@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import ast
 import enum
 import math
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+import fsm_cache
 from fsm_cache.numeric import as_index, real, whole
 
 
@@ -102,3 +105,46 @@ def test_as_index_is_the_int_a_value_stands_for_and_no_bool(
     found = as_index(value)
     assert found == index
     assert found is None or type(found) is int
+
+
+def _checks_bool(node: ast.AST) -> bool:
+    """Whether ``node`` (or the operand of a ``not``) is ``isinstance(x, bool)``."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        node = node.operand
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "isinstance"
+        and len(node.args) == 2
+        and isinstance(node.args[1], ast.Name)
+        and node.args[1].id == "bool"
+    )
+
+
+def _checks_int(node: ast.AST) -> bool:
+    """Whether ``node`` (or the operand of a ``not``) is ``isinstance(x, int)`` or of a tuple with int."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        node = node.operand
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+        return False
+    if node.func.id != "isinstance" or len(node.args) != 2:
+        return False
+    kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+    return any(isinstance(k, ast.Name) and k.id == "int" for k in kinds)
+
+
+def test_no_module_spells_the_rule_by_hand() -> None:
+    # "an int, and not a bool" written out again is a second copy of the rule
+    package = Path(fsm_cache.__file__).parent
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "numeric.py" and path.parent == package:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.BoolOp)
+                and any(map(_checks_bool, node.values))
+                and any(map(_checks_int, node.values))
+            ):
+                found.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert found == []
