@@ -1282,7 +1282,7 @@ def test_bad_settings_are_refused() -> None:
             "distributed: timeout must be a number of seconds > 0 and at most 8.64e+13"
             f" (a timedelta's), got {timeout!r}"
         )
-    for every in (-1, 1.5, "2"):
+    for every in (-1, 1.5, "2", True):
         with pytest.raises(ConfigError) as caught:
             DistributedCache(cache, verify_every=every)  # type: ignore[arg-type]
         assert str(caught.value) == f"distributed: verify_every must be an int >= 0, got {every!r}"

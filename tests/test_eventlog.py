@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+import torch
 
 from fsm_cache.cache.eventlog import DEFAULT_LIMIT, EventLog
 from fsm_cache.cache.hicache import HiCache
@@ -226,7 +227,9 @@ def test_a_full_log_holds_no_more_memory() -> None:
     assert (len(log.entries), log.dropped) == (200, 2000)
 
 
-@pytest.mark.parametrize("limit", [0, -1, True, 2.5, "10"])
+@pytest.mark.parametrize(
+    "limit", [0, -1, True, 2.5, "10", torch.tensor(True), torch.tensor([3, 4])]
+)
 def test_a_limit_is_none_or_a_positive_int(limit: object) -> None:
     with pytest.raises(BadArgument) as caught:
         EventLog(limit=limit)  # type: ignore[arg-type]

@@ -13,12 +13,12 @@ of Python ints once, so equal prefixes match whatever they were passed as.
 from __future__ import annotations
 
 import array
-import operator
 from collections.abc import Hashable, Sequence
 from typing import Any, Protocol, TypeAlias
 
 from fsm_cache.cache.tree import RadixTree, TreeNode
 from fsm_cache.errors import BadArgument, StaleNode
+from fsm_cache.numeric import as_index
 
 
 class TokenArray(Protocol):
@@ -132,20 +132,6 @@ def count(value: object, op: str, what: str = "num_tokens") -> int:
     if number < 0:
         raise BadArgument(f"{op}: {what} must be >= 0, got {value!r}")
     return number
-
-
-def as_index(value: object) -> int | None:
-    """Return the int ``value`` stands for, or None if it is not an integer (or is a bool).
-
-    Numpy integers and one-element integer tensors stand for their int;
-    floats, bools (and bool tensors) and the rest do not.
-    """
-    if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "torch.bool":
-        return None
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError, RuntimeError):
-        return None
 
 
 def namespace(value: object, op: str) -> Hashable:

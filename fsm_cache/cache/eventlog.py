@@ -20,13 +20,13 @@ plus whatever its arguments hold alive.
 from __future__ import annotations
 
 import itertools
-import operator
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, SupportsIndex, overload
 
 from fsm_cache.errors import BadArgument
+from fsm_cache.numeric import as_index
 
 
 Acks = tuple[tuple[int, bool], ...]
@@ -149,14 +149,12 @@ def _limit(limit: object) -> int | None:
     """``limit`` as an int (a numpy integer is the int it stands for), or None.
 
     Raises:
-        BadArgument: It is neither None nor an int >= 1; a bool is not an int here.
+        BadArgument: It is neither None nor an int >= 1; a bool (or a bool
+            tensor) is not an int here.
     """
     if limit is None:
         return None
-    try:
-        kept = None if isinstance(limit, bool) else operator.index(limit)  # type: ignore[arg-type]
-    except TypeError:
-        kept = None
+    kept = as_index(limit)
     if kept is None or kept < 1:
         raise BadArgument(f"EventLog: limit must be None or an int >= 1, got {limit!r}")
     return kept

@@ -53,7 +53,6 @@ from functools import partial
 
 import torch
 
-from fsm_cache.cache import arguments
 from fsm_cache.cache.core import CacheCore
 from fsm_cache.cache.eviction import Evictor
 from fsm_cache.cache.transfers import Transfers
@@ -72,6 +71,7 @@ from fsm_cache.errors import (
     StoreFailed,
 )
 from fsm_cache.memory.tiers import Tiers
+from fsm_cache.numeric import as_index, real, whole
 from fsm_cache.policy import WritePolicy
 from fsm_cache.residency import FETCHING, HOST_HELD, HOST_VALID, STORAGE_HELD, Event
 from fsm_cache.storage.base import Store, stored_prefix
@@ -172,7 +172,7 @@ class StorageConfig:
                 )
         for name, least in (("prefetch_threshold", 0), ("threads", 0), ("ranks", 1)):
             _need_int(self, name, least)
-        if not _is_int(self.rank) or not 0 <= self.rank < self.ranks:
+        if not whole(self.rank) or self.rank >= self.ranks:
             raise ConfigError(
                 f"storage: rank must be an int in 0..{self.ranks - 1}, got {self.rank!r}"
             )
@@ -180,23 +180,15 @@ class StorageConfig:
             _need_int(self, "prefetch_capacity", 0)
         for name in ("prefetch_timeout", "io_timeout"):
             value = getattr(self, name)
-            if not _is_real(value) or not value > 0 or value == float("inf"):
+            if not real(value) or not value > 0 or value == float("inf"):
                 raise ConfigError(f"storage: {name} must be seconds > 0, got {value!r}")
         if not isinstance(self.owned, bool):
             raise ConfigError(f"storage: owned must be a bool, got {self.owned!r}")
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _need_int(config: StorageConfig, name: str, least: int) -> None:
     value = getattr(config, name)
-    if not _is_int(value) or value < least:
+    if not whole(value, least):
         raise ConfigError(f"storage: {name} must be an int >= {least}, got {value!r}")
 
 
@@ -324,7 +316,7 @@ def _acknowledged(value: object, total: int) -> int:
     pages than were put, not an integer) counts as none: the pages are not
     taken as stored, and a later lookup may still find them.
     """
-    held = arguments.as_index(value)
+    held = as_index(value)
     return held if held is not None and 0 <= held <= total else 0
 
 

@@ -35,6 +35,7 @@ from fsm_cache.contracts import runner as crosshair_run
 from fsm_cache.contracts.generate import generate
 from fsm_cache.contracts.runner import Options, Row
 from fsm_cache.errors import BadArgument, SpecError
+from fsm_cache.numeric import whole
 from fsm_cache.spec.controls import Control, controls, load_finding, relative, render_controls
 from fsm_cache.spec.loader import load_spec, read_toml
 from fsm_cache.spec.machine import as_system
@@ -94,9 +95,9 @@ def _options(table: dict[str, Any], path: Path) -> Options:
         if not hasattr(default, key):
             raise SpecError([f"{path}: tool.fsm_cache.verify.{key}: unknown option"])
         given: Any = value
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        if expected is float and whole(value, None):
             given = float(value)
-        if not isinstance(given, expected) or isinstance(given, bool):
+        if not (whole(given, None) if expected is int else isinstance(given, expected)):
             raise SpecError([f"{path}: tool.fsm_cache.verify.{key}: expected {expected.__name__}"])
         problem = out_of_range(key, given)
         if problem:

@@ -84,6 +84,7 @@ from fsm_cache.errors import (
     RankFailure,
 )
 from fsm_cache.memory.tickets import Completion
+from fsm_cache.numeric import real, whole
 
 
 STORAGE_SLOTS = 32
@@ -689,11 +690,7 @@ def _check_arguments(cache: object, group: object, timeout: object, verify_every
             f"distributed: group must be a torch.distributed ProcessGroup or None, "
             f"got {type(group).__name__}"
         )
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not (0 < timeout <= _LONGEST_TIMEOUT)
-    ):
+    if not real(timeout) or not (0 < timeout <= _LONGEST_TIMEOUT):
         raise ConfigError(
             f"distributed: timeout must be a number of seconds > 0 and at most "
             f"{_LONGEST_TIMEOUT:g} (a timedelta's), got {timeout!r}"
@@ -703,7 +700,7 @@ def _check_arguments(cache: object, group: object, timeout: object, verify_every
             "distributed: this cache's acknowledgements come from another DistributedCache"
             " already: wrap a cache once (two would each buffer completions the other waits for)"
         )
-    if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
+    if not whole(verify_every):
         raise ConfigError(f"distributed: verify_every must be an int >= 0, got {verify_every!r}")
 
 

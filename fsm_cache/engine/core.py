@@ -30,6 +30,7 @@ from fsm_cache.engine.lease import Lease, LeaseBook
 from fsm_cache.engine.legal import Legal, unknown_state
 from fsm_cache.engine.runtime import Effect, caller_frame, no_effect, run_effect
 from fsm_cache.errors import BadArgument, FsmCacheError, IllegalTransition, SpecError, error_class
+from fsm_cache.numeric import whole
 from fsm_cache.spec.machine import MachineSpec, Spec, System, as_system
 
 
@@ -481,7 +482,7 @@ def _check_arguments(
             f"Engine: effects must be a mapping of effect names to callables, or None; got {effects!r}"
         )
     trails.check_flags("Engine", trail, audit)
-    if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+    if not whole(history):
         raise BadArgument(f"Engine: history must be an int >= 0, got {history!r}")
 
 

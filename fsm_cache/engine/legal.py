@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import cast
 
+from fsm_cache.numeric import whole
 from fsm_cache.spec.machine import MachineSpec, System
 from fsm_cache.spec.reach import Point, runs
 
@@ -121,6 +122,6 @@ class Legal:
 def _count_problem(values: Mapping[str, object]) -> str | None:
     """Return why a counter's value is not an int >= 0 (bools are not counts), or None."""
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not whole(value):
             return f"{name} must be an int >= 0, got {value!r}"
     return None

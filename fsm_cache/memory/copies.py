@@ -56,6 +56,7 @@ from fsm_cache.memory.tickets import (
     host_runs,
     refuse_busy_destination,
 )
+from fsm_cache.numeric import whole
 
 
 __all__ = [
@@ -120,7 +121,7 @@ class CopyEngine:
         streams: Streams | None = None,
         batch_polls: int = 1,
     ) -> None:
-        if isinstance(batch_polls, bool) or not isinstance(batch_polls, int) or batch_polls < 1:
+        if not whole(batch_polls, 1):
             raise ValueError(f"copy engine: batch_polls must be an int >= 1, got {batch_polls!r}")
         self.device = device
         self.host = host

@@ -31,6 +31,7 @@ import torch
 
 from fsm_cache.errors import ForeignSlot, PinnedMemoryError, PoolError
 from fsm_cache.memory.pages import PageAllocator
+from fsm_cache.numeric import whole
 
 
 _INT = frozenset((int,))
@@ -304,7 +305,7 @@ class KVPool:
         ):
             return
         for p in pages:
-            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.num_pages:
+            if not whole(p) or p >= self.num_pages:
                 raise ForeignSlot(f"{self.name} pool: page {p!r} outside 0..{self.num_pages - 1}")
 
     def _refuse_repeats(self, pages: Sequence[int]) -> None:

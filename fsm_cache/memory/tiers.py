@@ -22,6 +22,7 @@ from fsm_cache.memory.copies import CopyEngine
 from fsm_cache.memory.kv import KVLayout, KVPool, default_device, device_pool, host_pool
 from fsm_cache.memory.pages import PageAllocator
 from fsm_cache.memory.tickets import Copier
+from fsm_cache.numeric import real, whole
 
 
 CopierFactory = Callable[[KVPool, KVPool], Copier]
@@ -129,7 +130,7 @@ class CacheConfig:
         if self.host_pages is not None:
             _need_int(self, "host_pages", 0, none=True)
         ratio = self.host_ratio
-        if not _is_real(ratio) or not math.isfinite(ratio) or ratio < 0:
+        if not real(ratio) or not math.isfinite(ratio) or ratio < 0:
             raise ConfigError(f"config: host_ratio must be a finite real >= 0, got {ratio!r}")
         for name in ("page_size", "layers", "heads", "head_dim"):
             _need_int(self, name, 1)
@@ -165,17 +166,9 @@ class CacheConfig:
         return KVLayout(self.layers, self.heads, self.head_dim, dtype, self.page_size)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _need_int(config: CacheConfig, name: str, least: int, *, none: bool = False) -> None:
     value = getattr(config, name)
-    if not _is_int(value) or value < least:
+    if not whole(value, least):
         what = f"None or an int >= {least}" if none else f"an int >= {least}"
         raise ConfigError(f"config: {name} must be {what}, got {value!r}")
 

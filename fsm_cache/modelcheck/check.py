@@ -51,6 +51,7 @@ from fsm_cache.modelcheck.explore import Bounds, Explorer, Result
 from fsm_cache.modelcheck.hooks import hooks, raised
 from fsm_cache.modelcheck.progress import PLAIN_EVERY, progress
 from fsm_cache.modelcheck.state import Layout, Nodes, reference_states
+from fsm_cache.numeric import whole
 from fsm_cache.policy import WritePolicy
 from fsm_cache.spec.controls import Control, controls, load_finding, render_controls
 from fsm_cache.spec.loader import load_spec, unreadable
@@ -182,7 +183,7 @@ def check_spec(
             the residency checks read by name
             (:func:`~fsm_cache.modelcheck.state.reference_states`).
     """
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+    if not whole(nodes, 1):
         raise BadArgument(f"check: nodes must be an int >= 1, got {nodes!r}")
     if nodes > MAX_NODES:
         raise BadArgument(

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from fsm_cache.errors import SpecError
+from fsm_cache.numeric import whole
 from fsm_cache.spec.guards import (
     MAX_DIGITS,
     GrammarError,
@@ -634,7 +635,7 @@ def _counters(table: object, problems: _Problems) -> tuple[tuple[str, int], ...]
     for name, value in table.items():
         if (bad := bad_name(name)) is not None:
             problems.add(f"counters.{name}", bad)
-        elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        elif not whole(value):
             problems.add(
                 f"counters.{name}", f"initial value must be an integer >= 0, got {shown(value)}"
             )

@@ -10,9 +10,10 @@ eviction, another process, a Redis server's ``maxmemory`` policy): the caller
 sees a shorter prefix, never a page without its bytes. Torch-free: pages are
 typed as tensors for checkers only.
 
-The two argument rules every part of the package shares live here, so each is
-written once: what counts as a count (:func:`check_count`) and what counts as
-a sequence of keys, pages or tokens (:func:`check_sequence`).
+The two argument refusals every part of the storage layer shares live here, so
+each is written once: of a value that is not a count (:func:`check_count`, on
+:func:`fsm_cache.numeric.whole`, the package's rule for ints) and of one that is
+not a sequence of keys, pages or tokens (:func:`check_sequence`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from fsm_cache.errors import BadArgument
+from fsm_cache.numeric import whole
 
 
 if TYPE_CHECKING:
@@ -69,7 +71,7 @@ def check_count(name: str, value: object, least: int = 0) -> int:
     Raises:
         BadArgument: Naming ``name`` and the value.
     """
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not whole(value, None):
         raise BadArgument(f"{name} must be an int, not {value!r}")
     if value < least:
         raise BadArgument(f"{name} must be at least {least}, not {value}")

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fsm_cache.errors import BadArgument, CorruptPage
+from fsm_cache.numeric import whole
 from fsm_cache.storage.base import check_sequence
 from fsm_cache.storage.keys import check_keys
 
@@ -279,12 +280,7 @@ def _parse(where: str, key: str, head: bytes) -> Header:
 
 def _sized(shape: object, nbytes: object, dtype: torch.dtype) -> bool:
     """Whether ``shape`` of ``dtype`` takes exactly ``nbytes`` bytes."""
-    if not isinstance(shape, list) or not all(_count(n) for n in shape):
+    if not isinstance(shape, list) or not all(whole(n) for n in shape):
         return False
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return _count(nbytes) and math.prod(shape) * itemsize == nbytes
-
-
-def _count(value: object) -> bool:
-    """Whether ``value`` is an int >= 0 (JSON's ``true`` is not one)."""
-    return type(value) is int and value >= 0
+    return whole(nbytes) and math.prod(shape) * itemsize == nbytes
