@@ -227,6 +227,32 @@ def test_version_is_the_installed_one(capsys: pytest.CaptureFixture[str]) -> Non
     assert capsys.readouterr().out == f"fsm-cache {version('fsm-cache')}\n"
 
 
+def test_python_dash_m_fsm_cache_is_the_command_line() -> None:
+    """``python -m fsm_cache`` runs what the console script runs, exit status included."""
+    import subprocess
+    from importlib.metadata import version
+
+    ran = subprocess.run(
+        [sys.executable, "-m", "fsm_cache", "--version"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (ran.returncode, ran.stdout, ran.stderr) == (
+        0,
+        f"fsm-cache {version('fsm-cache')}\n",
+        "",
+    )
+    bad = subprocess.run(
+        [sys.executable, "-m", "fsm_cache", "validate", "no-such.toml"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert "Traceback" not in bad.stderr
+
+
 def test_nesting_too_deep_is_a_finding_not_a_recursion_error(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -79,7 +79,20 @@ def test_page_listed_twice_is_a_double_free_and_nothing_is_freed() -> None:
     before = snapshot(a)
     with pytest.raises(DoubleFree) as info:
         a.free([0, 1, 0], owner=1)
-    assert str(info.value) == "host pool: page 0 is already free"
+    assert str(info.value) == "host pool: page 0 is listed twice"
+    assert snapshot(a) == before
+
+
+def test_a_held_page_listed_twice_is_named_so_by_free_and_reassign() -> None:
+    a = PageAllocator("host", 4, 16)
+    first, second = a.alloc(32, owner=5)
+    before = snapshot(a)
+    with pytest.raises(DoubleFree) as freed:
+        a.free([first, second, first], owner=5)
+    assert str(freed.value) == f"host pool: page {first} is listed twice"
+    with pytest.raises(DoubleFree) as moved:
+        a.reassign([second, second], 5, 6)
+    assert str(moved.value) == f"host pool: page {second} is listed twice"
     assert snapshot(a) == before
 
 

@@ -349,8 +349,10 @@ class PageAllocator:
         seen: set[int] = set()
         for p in pages:
             self._check_range(p)
+            if p in seen:
+                raise DoubleFree(f"{self.name} pool: page {p} is listed twice")
             held = self._owner[p]
-            if held == FREE or p in seen:
+            if held == FREE:
                 raise DoubleFree(f"{self.name} pool: page {p} is already free")
             if held != owner:
                 raise ForeignSlot(f"{self.name} pool: page {p} is owned by {held}, not {owner}")
