@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from fsm_cache.cli.main import build_parser
+
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -49,3 +51,12 @@ def test_names_every_wheel_make_test_downloads() -> None:
         name, version = wheel.rsplit("-", 1)
         named.append(f"{name.replace('_', '-')} {version}")
     assert [name for name in named if name not in prose] == []
+
+
+def test_commands_name_every_subcommand() -> None:
+    """The Commands section names every subcommand the `fsm-cache` parser has."""
+    commands = README.split("## Commands", 1)[1].strip().split("\n\n", 1)[0]
+    subcommands = re.findall(r"^    ([a-z]+) ", build_parser().format_help(), re.MULTILINE)
+    assert "types" in subcommands
+    named = set(re.findall(r"`(?:fsm-cache )?([a-z]+)\b", commands))
+    assert sorted(set(subcommands) - named) == []
