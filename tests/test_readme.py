@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from fsm_cache.cli.main import build_parser
+
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,3 +67,15 @@ def test_commands_name_every_subcommand() -> None:
     assert "types" in subcommands
     named = set(re.findall(r"`(?:fsm-cache )?([a-z]+)\b", commands))
     assert sorted(set(subcommands) - named) == []
+
+
+def test_extras_table_lists_every_extra() -> None:
+    """The extras table has a row per extra of pyproject.toml, and `all` counts the rows it gathers."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    extras = project["optional-dependencies"]
+    rows = dict(re.findall(r"^\| `([a-z]+)` \| ([^|]*) \|", README, re.MULTILINE))
+    assert list(rows) == list(extras)
+    (gathered,) = re.findall(r"fsm-cache\[([a-z,]+)\]", extras["all"][0])
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    assert list(rows)[: list(rows).index("all")] == gathered.split(",")
+    assert rows["all"].strip() == f"all {words[len(gathered.split(',')) - 1]} above"
