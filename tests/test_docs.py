@@ -85,6 +85,21 @@ def test_concepts_types_example_runs_and_mypy_reports_its_two_mistakes(
         assert said_by_comment in error.lower()
 
 
+def test_check_page_quotes_what_check_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    """The check page's policy error and its example trace are what ``fsm-cache check`` prints."""
+    page = (DOCS / "check.md").read_text(encoding="utf-8")
+    (quoted,) = re.findall(r"`(error: host_residency: the write_through policy[^`]*)`", page)
+    spec = str(ROOT / "specs" / "host_residency.toml")
+    assert main(["check", spec, "--policy", "write_through"]) == 2
+    assert capsys.readouterr().err == f"{quoted}\n"
+    control = "specs/bugs_detected/evict_device_while_writing.toml"
+    ((nodes, trace),) = re.findall(
+        rf"`{control}`.*?`--nodes (\d+)`.*?\n```\n(.*?)```", page, re.DOTALL
+    )
+    assert main(["check", str(ROOT / control), "--nodes", nodes]) == 1
+    assert capsys.readouterr().out.endswith(trace)
+
+
 def test_residency_page_explains_every_refusal_class_the_specs_name() -> None:
     named = set()
     for path in shipped_spec_paths():
