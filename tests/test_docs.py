@@ -100,6 +100,35 @@ def test_check_page_quotes_what_check_prints(capsys: pytest.CaptureFixture[str])
     assert capsys.readouterr().out.endswith(trace)
 
 
+def test_every_fsm_cache_name_the_docs_give_exists() -> None:
+    """Each ``fsm_cache.`` name in the README and the docs is a module or an attribute of one."""
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    named = {
+        name: page.name
+        for page in pages
+        for name in re.findall(
+            r"`[^`\n]*?(?<![.\w])(fsm_cache(?:\.\w+)+)", page.read_text(encoding="utf-8")
+        )
+    }
+    missing = {name: page for name, page in sorted(named.items()) if not resolves(name)}
+    assert missing == {}
+
+
+def resolves(dotted: str) -> bool:
+    """Whether ``dotted`` names a module, or an attribute of the longest module it starts with."""
+    parts = dotted.split(".")
+    obj: object = importlib.import_module(parts[0])
+    for k, part in enumerate(parts[1:], 2):
+        if hasattr(obj, part):
+            obj = getattr(obj, part)
+            continue
+        try:
+            obj = importlib.import_module(".".join(parts[:k]))
+        except ImportError:
+            return False
+    return True
+
+
 def test_residency_page_explains_every_refusal_class_the_specs_name() -> None:
     named = set()
     for path in shipped_spec_paths():
