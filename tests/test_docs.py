@@ -22,6 +22,9 @@ import pytest
 from mypy import api as mypy_api
 
 from fsm_cache.cli.main import main
+from fsm_cache.contracts.generate import generate
+from fsm_cache.contracts.runner import contracts
+from fsm_cache.contracts.verify import POOL_CONTRACTS
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import as_system
 from fsm_cache.spec.shipped import shipped_spec_paths
@@ -127,6 +130,16 @@ def resolves(dotted: str) -> bool:
         except ImportError:
             return False
     return True
+
+
+def test_verify_page_counts_the_contracts_verify_runs(tmp_path: Path) -> None:
+    """The count of contracts verify.md quotes is that of the shipped specs and the allocators."""
+    page = (DOCS / "verify.md").read_text(encoding="utf-8")
+    (quoted,) = re.findall(r"`(\d+) contracts: \d+ confirmed over all paths", page)
+    modules = [generate(as_system(load_spec(p)), p).write(tmp_path) for p in shipped_spec_paths()]
+    pools = importlib.import_module(POOL_CONTRACTS).__file__
+    assert pools is not None
+    assert int(quoted) == sum(len(contracts(m)) for m in [*modules, Path(pools)])
 
 
 def test_residency_page_explains_every_refusal_class_the_specs_name() -> None:
