@@ -79,3 +79,13 @@ def test_extras_table_lists_every_extra() -> None:
     words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
     assert list(rows)[: list(rows).index("all")] == gathered.split(",")
     assert rows["all"].strip() == f"all {words[len(gathered.split(',')) - 1]} above"
+
+
+def test_make_run_installs_the_extras_the_makefile_names() -> None:
+    """`make run`'s comment names the extras the Makefile installs for it."""
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    (extras,) = re.findall(r"^EXTRAS  := (.*)$", makefile, re.MULTILINE)
+    (said,) = re.findall(
+        r"^make run +# creates \.venv, installs fsm_cache\[([a-z,]+)\]", README, re.MULTILINE
+    )
+    assert said == extras
