@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,12 @@ from types import ModuleType, SimpleNamespace
 
 import griffe
 import pytest
+from mypy import api as mypy_api
 
+from fsm_cache.cli.main import main
+from fsm_cache.contracts.generate import generate
+from fsm_cache.contracts.runner import contracts
+from fsm_cache.contracts.verify import POOL_CONTRACTS
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import as_system
 from fsm_cache.spec.shipped import shipped_spec_paths
@@ -50,6 +56,90 @@ def test_quick_start_shows_the_release_at_zero_message() -> None:
     assert namespace["message"] == (
         "node 17: release refused in backed (pins=0): release without a matching pin"
     )
+
+
+def test_concepts_types_example_runs_and_mypy_reports_its_two_mistakes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The typed-stub example: its spec, its command and what mypy says of its code."""
+    page = (DOCS / "concepts.md").read_text(encoding="utf-8")
+    section = page.split("## Types that mypy sees\n", 1)[1].split("\n## ", 1)[0]
+    (spec,) = re.findall(r"^```toml\n(.*?)^```", section, re.DOTALL | re.MULTILINE)
+    ((command, said),) = re.findall(r"^\$ fsm-cache (.*)\n(.*)\n```", section, re.MULTILINE)
+    (code,) = PYTHON_BLOCK.findall(section)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "door.toml").write_text(spec, encoding="utf-8")
+    assert main(shlex.split(command)) == 0
+    assert capsys.readouterr().out == f"{said}\n"
+    (tmp_path / "user.py").write_text(code, encoding="utf-8")
+    # fsm_cache's own modules as Any: what is checked is the code against the stub
+    (tmp_path / "mypy.ini").write_text("[mypy]\n[mypy-fsm_cache.*]\nfollow_imports = skip\n")
+    options = ["--strict", "--no-incremental", "--config-file", "mypy.ini"]
+    out, _, status = mypy_api.run([*options, "--cache-dir", str(tmp_path / ".mypy"), "user.py"])
+    found = [line.split(": error: ") for line in out.splitlines() if ": error: " in line]
+    promised = [  # (line, what its comment says mypy reports)
+        (number, line.split("# mypy", 1)[1].split(": ", 1)[1].lower())
+        for number, line in enumerate(code.splitlines(), 1)
+        if "# mypy" in line
+    ]
+    assert status == 1
+    assert [int(where.split(":")[1]) for where, _ in found] == [n for n, _ in promised]
+    for (_, error), (_, said_by_comment) in zip(found, promised, strict=True):
+        assert said_by_comment in error.lower()
+
+
+def test_check_page_quotes_what_check_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    """The check page's policy error and its example trace are what ``fsm-cache check`` prints."""
+    page = (DOCS / "check.md").read_text(encoding="utf-8")
+    (quoted,) = re.findall(r"`(error: host_residency: the write_through policy[^`]*)`", page)
+    spec = str(ROOT / "specs" / "host_residency.toml")
+    assert main(["check", spec, "--policy", "write_through"]) == 2
+    assert capsys.readouterr().err == f"{quoted}\n"
+    control = "specs/bugs_detected/evict_device_while_writing.toml"
+    ((nodes, trace),) = re.findall(
+        rf"`{control}`.*?`--nodes (\d+)`.*?\n```\n(.*?)```", page, re.DOTALL
+    )
+    assert main(["check", str(ROOT / control), "--nodes", nodes]) == 1
+    assert capsys.readouterr().out.endswith(trace)
+
+
+def test_every_fsm_cache_name_the_docs_give_exists() -> None:
+    """Each ``fsm_cache.`` name in the README and the docs is a module or an attribute of one."""
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    named = {
+        name: page.name
+        for page in pages
+        for name in re.findall(
+            r"`[^`\n]*?(?<![.\w])(fsm_cache(?:\.\w+)+)", page.read_text(encoding="utf-8")
+        )
+    }
+    missing = {name: page for name, page in sorted(named.items()) if not resolves(name)}
+    assert missing == {}
+
+
+def resolves(dotted: str) -> bool:
+    """Whether ``dotted`` names a module, or an attribute of the longest module it starts with."""
+    parts = dotted.split(".")
+    obj: object = importlib.import_module(parts[0])
+    for k, part in enumerate(parts[1:], 2):
+        if hasattr(obj, part):
+            obj = getattr(obj, part)
+            continue
+        try:
+            obj = importlib.import_module(".".join(parts[:k]))
+        except ImportError:
+            return False
+    return True
+
+
+def test_verify_page_counts_the_contracts_verify_runs(tmp_path: Path) -> None:
+    """The count of contracts verify.md quotes is that of the shipped specs and the allocators."""
+    page = (DOCS / "verify.md").read_text(encoding="utf-8")
+    (quoted,) = re.findall(r"`(\d+) contracts: \d+ confirmed over all paths", page)
+    modules = [generate(as_system(load_spec(p)), p).write(tmp_path) for p in shipped_spec_paths()]
+    pools = importlib.import_module(POOL_CONTRACTS).__file__
+    assert pools is not None
+    assert int(quoted) == sum(len(contracts(m)) for m in [*modules, Path(pools)])
 
 
 def test_residency_page_explains_every_refusal_class_the_specs_name() -> None:
