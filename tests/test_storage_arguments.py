@@ -106,6 +106,29 @@ def test_local_a_root_that_is_not_a_directory_is_bad_argument(tmp_path: Path) ->
     assert tree(tmp_path) == before
 
 
+def test_local_a_folder_another_process_makes_meanwhile_is_no_obstacle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks opening stores side by side under one new folder: the one that loses the race opens.
+
+    The folder does not exist when this process asks whether it is a
+    directory, and does, made by the other rank, when it asks whether
+    anything is there.
+    """
+    shared = tmp_path / "shared"
+    exists = Path.exists
+
+    def made_meanwhile(self: Path, *args: Any, **options: Any) -> bool:
+        if self == shared:
+            shared.mkdir(exist_ok=True)  # the other rank, between the two looks
+        return exists(self, *args, **options)
+
+    monkeypatch.setattr(Path, "exists", made_meanwhile)
+    store = LocalFileStore(shared / "rank1")
+    assert (shared / "rank1" / ".tmp").is_dir()
+    store.close()
+
+
 def test_local_a_directory_that_cannot_be_made_is_store_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

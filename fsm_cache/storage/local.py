@@ -507,7 +507,9 @@ def _not_a_directory(path: Path) -> Path | None:
     """Return the nearest of ``path`` and the directories above it that exists and is no directory.
 
     None when the nearest that exists is a directory, so creating ``path``
-    (and whatever is missing above it) can succeed.
+    (and whatever is missing above it) can succeed. A directory another
+    process creates while this one looks (ranks opening stores side by side
+    under one new folder) is a directory, not something in the way.
 
     Raises:
         OSError: A path could not be looked at (no permission).
@@ -516,7 +518,7 @@ def _not_a_directory(path: Path) -> Path | None:
         if candidate.is_dir():
             return None
         if candidate.is_symlink() or candidate.exists():
-            return candidate
+            return None if candidate.is_dir() else candidate
     return None
 
 
