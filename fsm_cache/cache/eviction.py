@@ -102,6 +102,25 @@ class LeafHeap:
         for _, _, node in self._heap:
             yield node
 
+    def hold(self, nodes: dict[int, TreeNode], need: int, pages: Callable[[TreeNode], int]) -> bool:
+        """Whether the filed nodes still in the tree hold ``need`` pages between them.
+
+        Each counts once, for ``pages(node)`` (0 for one that does not count).
+        A quick answer for a check that would otherwise walk the tree: True
+        means the tree holds at least that many; False means only that the
+        filed nodes do not.
+        """
+        seen: set[int] = set()
+        found = 0
+        for _, _, node in self._heap:
+            if node.id in seen or nodes.get(node.id) is not node:
+                continue
+            seen.add(node.id)
+            found += pages(node)
+            if found >= need:
+                return True
+        return False
+
 
 class Evictor:
     """Device and host eviction of one cache, and device allocation that evicts when short.
@@ -273,15 +292,12 @@ class Evictor:
         if short <= 0:
             return True
         spared = self._spared | {n.id for n in spare}
-        nodes, seen, found = self._core.tree.nodes, set(), 0
-        for node in self._host_leaves.candidates():
-            if node.id in seen or node.id in spared or nodes.get(node.id) is not node:
-                continue
-            seen.add(node.id)
-            if self._host_leaf(node):
-                found += len(node.host_pages)
-                if found >= short:
-                    return True
+
+        def evictable(node: TreeNode) -> int:
+            return len(node.host_pages) if node.id not in spared and self._host_leaf(node) else 0
+
+        if self._host_leaves.hold(self._core.tree.nodes, short, evictable):
+            return True
         return self.host_evictable(spare) >= short
 
     def evict_host(self, num_tokens: int, spare: Sequence[TreeNode] = ()) -> int:
@@ -369,7 +385,8 @@ class Evictor:
         still loading) ask before they wait, so such a refusal changes nothing.
 
         The bound counts every free page and every page of an unlocked device
-        node off ``keep``'s path: no eviction frees more than that.
+        node off ``keep``'s path: no eviction frees more than that. Filed
+        device leaves that already reach it answer without walking the tree.
         """
         allocator = self._tiers.device.allocator
         if pages <= allocator.free_pages:
@@ -378,11 +395,15 @@ class Evictor:
         while keep is not None:
             kept.add(keep.id)
             keep = keep.parent
-        bound = allocator.free_pages + sum(
-            len(n.device_pages)
-            for n in self._core.tree
-            if n.locks == 0 and n.device in DEVICE_HELD and n.id not in kept
-        )
+
+        def counted(node: TreeNode) -> int:
+            held = node.locks == 0 and node.device in DEVICE_HELD and node.id not in kept
+            return len(node.device_pages) if held else 0
+
+        need = pages - allocator.free_pages
+        if self._leaves.hold(self._core.tree.nodes, need, counted):
+            return
+        bound = allocator.free_pages + sum(counted(n) for n in self._core.tree)
         if bound < pages:
             size = self._tiers.page_size
             raise PoolExhausted(allocator.name, pages * size, allocator.free_slots)
