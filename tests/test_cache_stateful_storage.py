@@ -13,17 +13,28 @@ least-recently-used walk would.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import fakeredis
 import torch
+import torch.distributed as dist
 from evictions import expected_host_victims, host_evicted, unfiled_host_leaves
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.storage_tier import StorageConfig
+from fsm_cache.distributed.agreement import DistributedCache
 from fsm_cache.engine.lease import Lease
 from fsm_cache.errors import (
     BadArgument,
@@ -146,6 +157,15 @@ class StorageCacheMachine(RuleBasedStateMachine):
         self.leases: list[Lease] = []
 
     # -- operations ------------------------------------------------------------
+
+    @initialize(seqs=st.lists(sequences, min_size=1, max_size=4), evicted=st.integers(0, 16))
+    def warm(self, seqs: list[list[int]], evicted: int) -> None:
+        """Start from backed prefixes, some off the device: host leaves from the first step."""
+        for seq in seqs:
+            self.insert(seq)
+            self.poll()
+        self.poll()
+        self.evict(evicted)
 
     @rule(seq=sequences)
     def insert(self, seq: list[int]) -> None:
@@ -294,6 +314,35 @@ class StorageCacheMachine(RuleBasedStateMachine):
         self.other.close()
 
 
+class AgreedStorageMachine(StorageCacheMachine):
+    """The same in a tensor-parallel group of one: copies are applied as the group agrees.
+
+    :class:`DistributedCache` applies acknowledgements through
+    ``apply_completions`` and accepted storage copies through ``poll`` at each
+    step, and an allocation that waits drains the copy engine itself.
+    """
+
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp()
+        dist.init_process_group(
+            "gloo", init_method=f"file://{Path(self.folder) / 'group'}", rank=0, world_size=1
+        )
+        super().__init__()
+        self.shared = DistributedCache(self.cache)
+
+    @rule()
+    def poll(self) -> None:
+        self.shared.step()
+
+    def teardown(self) -> None:
+        try:
+            self.shared.drain()
+            super().teardown()
+        finally:
+            dist.destroy_process_group()
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
 class WriteBackStorageMachine(StorageCacheMachine):
     """The same under the write-back policy."""
 
@@ -321,6 +370,8 @@ SETTINGS = settings(
 )
 TestStorageWriteThrough = StorageCacheMachine.TestCase
 TestStorageWriteThrough.settings = SETTINGS
+TestStorageAgreed = AgreedStorageMachine.TestCase
+TestStorageAgreed.settings = SETTINGS
 TestStorageWriteBack = WriteBackStorageMachine.TestCase
 TestStorageWriteBack.settings = SETTINGS
 TestStorageSelective = SelectiveStorageMachine.TestCase
