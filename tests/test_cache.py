@@ -7,7 +7,9 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from evictions import expected_host_victims, host_evicted, unfiled_host_leaves
 
+from fsm_cache.cache.eviction import _SLACK
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.replay import replay
 from fsm_cache.cache.tree import TreeNode
@@ -408,6 +410,36 @@ class TestEviction:
         assert cache.evict_host(8) == 8
         assert list(cache.tree) == []
         assert cache.tiers.host.allocator.free_pages == 32
+
+    def test_candidates_stay_within_the_tree_while_the_host_holds_the_working_set(self) -> None:
+        """Prompts the device takes turns holding, all of them backed: the host never evicts.
+
+        Only eviction pops candidates, so each device eviction's offer of a
+        host leaf stayed filed for ever (a review of f5383dc: 150 entries for
+        4 nodes here, growing by one a turn). Compacted, they stay within the
+        tree, and host eviction still takes exactly what a full walk would.
+        """
+        cache = make(device_pages=8, load_back_threshold=0)
+        prompts = [tokens(1000 * i, 24) for i in range(1, 5)]  # 6 pages each: one fits at a time
+        for turn in range(150):
+            prompt = prompts[turn % len(prompts)]
+            found = cache.match_prefix(prompt)
+            if found.host_len:
+                assert cache.load_back(found.last_host_node) is not None
+                cache.poll()
+            cache.insert(prompt)
+            cache.poll()
+        assert cache.stats().transitions["evict_device"] >= 149
+        assert "evict_host" not in cache.stats().transitions
+        nodes = len(cache.tree.nodes)
+        device, host = cache.evictor.filed()
+        assert (nodes, device <= 2 * nodes + _SLACK, host <= 2 * nodes + _SLACK) == (4, True, True)
+        assert unfiled_host_leaves(cache) == []
+        expected = expected_host_victims(cache, 48)
+        assert len(expected) == 2
+        before = {node.id: node.host for node in cache.tree}
+        assert cache.evict_host(48) == 48
+        assert host_evicted(cache, before) == set(expected)
 
 
 class TestLoadBack:

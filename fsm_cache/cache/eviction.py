@@ -56,6 +56,10 @@ def _structural_host_leaf(nodes: dict[int, TreeNode], node: TreeNode) -> bool:
     )
 
 
+_SLACK = 64
+"""Entries a heap may hold beyond twice the tree's nodes before it drops dead and repeated ones."""
+
+
 class LeafHeap:
     """Leaf candidates of one tier in least-recently-used order, kept across evictions.
 
@@ -65,6 +69,10 @@ class LeafHeap:
     host copy went, nodes being fetched. Entries go stale when a node is
     touched, gains a child or leaves the tier; they are checked when popped
     (``structural``), so eviction costs the leaves it looks at, not the tree.
+    Only eviction pops, so a tier that is never short (a host pool that holds
+    the working set, while the device evicts and loads it back) would keep an
+    entry per offer for ever: :meth:`offer` keeps the heap within about twice
+    the tree.
 
     Args:
         structural: Whether a node is still, in the tree, a leaf of the tier
@@ -77,12 +85,32 @@ class LeafHeap:
         self._heap: list[tuple[int, int, TreeNode]] = []
         self._structural = structural
 
+    def __len__(self) -> int:
+        """Return how many entries are filed, stale ones and repeats included."""
+        return len(self._heap)
+
     def push(self, node: TreeNode) -> None:
-        """Offer ``node`` as a candidate at its current recency."""
+        """File ``node`` as a candidate at its current recency."""
         heapq.heappush(self._heap, (node.last_access, node.id, node))
 
+    def offer(self, node: TreeNode, nodes: dict[int, TreeNode]) -> None:
+        """File ``node``, first compacting the heap if it outgrew the tree (``nodes``).
+
+        Compacting keeps one entry per node still in the tree, at its current
+        recency, where a pop would file it anew: what eviction finds, and in
+        what order, is unchanged. It does not ask whether a node is a leaf, so
+        it may run inside an effect, before the event changed any state: the
+        node offered, the one that may become a leaf, is filed after it.
+        Amortised, it costs a constant per offer.
+        """
+        if len(self._heap) > 2 * len(nodes) + _SLACK:
+            kept = {n.id: n for _, _, n in self._heap if nodes.get(n.id) is n}
+            self._heap = [(n.last_access, n.id, n) for n in kept.values()]
+            heapq.heapify(self._heap)
+        self.push(node)
+
     def pop(self, nodes: dict[int, TreeNode]) -> TreeNode | None:
-        """Return the least recently used candidate still a structural device leaf, or None.
+        """Return the least recently used candidate still a structural leaf of the tier, or None.
 
         Args:
             nodes: The tree's nodes by id; a candidate no longer among them is dropped.
@@ -160,17 +188,21 @@ class Evictor:
         """
         return frozenset(node.id for node in self._host_leaves.candidates())
 
+    def filed(self) -> tuple[int, int]:
+        """Return the entries the device and the host candidates hold (tests: bounded by the tree)."""
+        return len(self._leaves), len(self._host_leaves)
+
     # -- lifecycle -----------------------------------------------------------
 
     def offer(self, node: TreeNode) -> None:
         """Make ``node`` a device-eviction candidate (it may have just become a device leaf)."""
         if node.parent is not None:
-            self._leaves.push(node)
+            self._leaves.offer(node, self._core.tree.nodes)
 
     def offer_host(self, node: TreeNode) -> None:
         """Make ``node`` a host-eviction candidate (it may have just become a host leaf)."""
         if node.parent is not None:
-            self._host_leaves.push(node)
+            self._host_leaves.offer(node, self._core.tree.nodes)
 
     def reset(self) -> None:
         """Forget every candidate and pending eviction (the tree was emptied)."""
