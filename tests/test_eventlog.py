@@ -9,7 +9,7 @@ import sys
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -20,6 +20,10 @@ from fsm_cache.cache.replay import replay
 from fsm_cache.errors import BadArgument, PoolExhausted, ReplayMismatch
 from fsm_cache.memory.tiers import CacheConfig
 from fsm_cache.testing.faults import Faults, FaultyCopyEngine
+
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11's; annotations only
 
 
 BASE = CacheConfig(

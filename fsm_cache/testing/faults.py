@@ -23,14 +23,16 @@ import functools
 import random
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Self, TypedDict, Unpack
+from typing import TYPE_CHECKING, TypedDict
 
 from fsm_cache.errors import CopyFailed
 from fsm_cache.memory.copies import CopyEngine
 from fsm_cache.memory.tickets import Completion, Direction, Ticket, refuse_busy_destination
 
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # Self and Unpack are Python 3.11's; annotations only, so 3.10 imports this
+    from typing import Self, Unpack
+
     from fsm_cache.memory.kv import KVPool
 
 
