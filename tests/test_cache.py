@@ -23,8 +23,6 @@ from fsm_cache.errors import (
     LeaseError,
     PoolExhausted,
 )
-from fsm_cache.memory.copies import CopyEngine
-from fsm_cache.memory.kv import KVPool
 from fsm_cache.memory.pages import slots_of
 from fsm_cache.memory.tickets import Ticket
 from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
@@ -62,13 +60,6 @@ def states(cache: HiCache) -> list[tuple[int, str]]:
 def nothing_queued(cache: HiCache) -> bool:
     """No node waits in a batch without its copy, and no copy is in flight."""
     return cache.transfers.queued() == 0 and cache.issued() == []
-
-
-def failing(*positions: int) -> object:
-    def build(device: KVPool, host: KVPool) -> FaultyCopyEngine:
-        return FaultyCopyEngine(CopyEngine(device, host), fail=positions)
-
-    return build
 
 
 class TestInsertAndMatch:
@@ -359,7 +350,11 @@ class TestEviction:
 
     def test_failed_write_back_is_applied_before_the_refusal(self) -> None:
         """Backups that keep failing free nothing: refused, every failure applied."""
-        cache = make(device_pages=4, write_policy="write_back", copier=failing(*range(1, 9)))
+        cache = make(
+            device_pages=4,
+            write_policy="write_back",
+            copier=FaultyCopyEngine.copier(fail=range(1, 9)),
+        )
         cache.insert(tokens(0, 16))
         with pytest.raises(PoolExhausted) as caught:
             cache.insert(tokens(100, 8))
@@ -372,7 +367,9 @@ class TestEviction:
 
     def test_a_backup_that_failed_once_is_tried_again(self) -> None:
         """One failed write-back does not refuse the allocation: the backup is started again."""
-        cache = make(device_pages=4, write_policy="write_back", copier=failing(1))
+        cache = make(
+            device_pages=4, write_policy="write_back", copier=FaultyCopyEngine.copier(fail=[1])
+        )
         cache.insert(tokens(0, 16))
         assert cache.insert(tokens(100, 8)) == 0
         assert states(cache) == [
@@ -636,7 +633,7 @@ class TestMisuseFoundByReview:
                     raise error
                 return super().start_load(host_pages, device_pages)
 
-        return lambda device, host: Raising(CopyEngine(device, host))
+        return Raising.copier()
 
     def test_an_engine_raising_at_a_write_start_fails_the_write_and_says_so(self) -> None:
         cache = make(copier=self.raising_at_start("d2h", RuntimeError("out of memory")))

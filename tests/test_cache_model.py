@@ -32,8 +32,6 @@ from fsm_cache.cache.transfers import IssuedCopies
 from fsm_cache.cache.tree import TreeNode
 from fsm_cache.engine.lease import Lease
 from fsm_cache.errors import ConfigError, CopyFailed, FsmCacheError, LeaseError, PoolExhausted
-from fsm_cache.memory.copies import CopyEngine
-from fsm_cache.memory.kv import KVPool
 from fsm_cache.memory.pages import FREE, REQUEST
 from fsm_cache.memory.tickets import Completion, Copier
 from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
@@ -295,22 +293,6 @@ def _holdings(cache: HiCache) -> Holdings:
     return Holdings(frozenset(device), frozenset(loading), frozenset(host))
 
 
-def _faulty(
-    fail: frozenset[int], refuse: frozenset[int], delay: int, shuffle: bool, seed: int
-) -> Callable[[KVPool, KVPool], FaultyCopyEngine]:
-    def build(device: KVPool, host: KVPool) -> FaultyCopyEngine:
-        return FaultyCopyEngine(
-            CopyEngine(device, host),
-            fail=fail,
-            refuse=refuse,
-            delay=delay,
-            shuffle=shuffle,
-            seed=seed,
-        )
-
-    return build
-
-
 # -- bad input -----------------------------------------------------------------------
 
 BAD_TOKENS: list[object] = [
@@ -409,7 +391,9 @@ class ModelMachine(RuleBasedStateMachine):
                 selective_threshold=2,
                 load_back_threshold=2,
                 debug=True,
-                copier=_faulty(fail, refuse, delay, shuffle, seed),
+                copier=FaultyCopyEngine.copier(
+                    fail=fail, refuse=refuse, delay=delay, shuffle=shuffle, seed=seed
+                ),
             )
 
         def acks(copier: Copier, copies: IssuedCopies) -> HeldAcks:

@@ -22,9 +22,6 @@ from fsm_cache.testing.faults import FaultyCopyEngine
 
 
 def config(fail: tuple[int, ...] = (), **overrides: object) -> CacheConfig:
-    def build(device: KVPool, host: KVPool) -> FaultyCopyEngine:
-        return FaultyCopyEngine(CopyEngine(device, host), fail=fail)
-
     settings: dict[str, object] = {
         "device_pages": 8,
         "host_pages": 16,
@@ -34,7 +31,7 @@ def config(fail: tuple[int, ...] = (), **overrides: object) -> CacheConfig:
         "head_dim": 4,
         "load_back_threshold": 4,
         "debug": True,
-        "copier": build,
+        "copier": FaultyCopyEngine.copier(fail=fail),
     }
     settings.update(overrides)
     return CacheConfig(**settings)  # type: ignore[arg-type]
@@ -108,10 +105,7 @@ class TestCopyFaults:
         with nothing on the device (docs/hicache.md, "Loads in flight").
         """
 
-        def refusing(device: KVPool, host: KVPool) -> FaultyCopyEngine:
-            return FaultyCopyEngine(CopyEngine(device, host), refuse=[2])
-
-        cache = HiCache(config(copier=refusing))
+        cache = HiCache(config(copier=FaultyCopyEngine.copier(refuse=[2])))
         cache.insert(list(range(8)))
         cache.poll()
         assert cache.evict(8) == 8

@@ -23,8 +23,6 @@ from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.replay import replay
 from fsm_cache.engine.lease import Lease
 from fsm_cache.errors import PoolExhausted
-from fsm_cache.memory.copies import CopyEngine
-from fsm_cache.memory.kv import KVPool
 from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
 from fsm_cache.residency import HOST_VALID
 from fsm_cache.testing.faults import FaultyCopyEngine
@@ -36,15 +34,6 @@ WORDS = [(1, 2), (3, 4), (5, 6), (7, 8)]
 sequences = st.lists(st.sampled_from(WORDS), min_size=1, max_size=5).map(
     lambda ws: [t for w in ws for t in w]
 )
-
-
-def faulty(seed: int) -> object:
-    def build(device: KVPool, host: KVPool) -> FaultyCopyEngine:
-        return FaultyCopyEngine(
-            CopyEngine(device, host), fail=(3, 7, 11), delay=1, shuffle=True, seed=seed
-        )
-
-    return build
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -65,7 +54,7 @@ class CacheMachine(RuleBasedStateMachine):
             write_policy=self.policy,
             selective_threshold=2,
             debug=True,
-            copier=faulty(0),  # type: ignore[arg-type]
+            copier=FaultyCopyEngine.copier(fail=(3, 7, 11), delay=1, shuffle=True, seed=0),
         )
         self.cache = HiCache(config)
         self.inserted: list[tuple[int, ...]] = []

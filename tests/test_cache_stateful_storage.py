@@ -43,9 +43,7 @@ from fsm_cache.errors import (
     IllegalTransition,
     PoolExhausted,
 )
-from fsm_cache.memory.copies import CopyEngine
-from fsm_cache.memory.kv import KVPool
-from fsm_cache.memory.tiers import CacheConfig
+from fsm_cache.memory.tiers import CacheConfig, CopierFactory
 from fsm_cache.residency import HOST_VALID
 from fsm_cache.storage import PutResult, RedisStore
 from fsm_cache.storage.base import Capacity
@@ -107,16 +105,7 @@ class FlakyStore:
         self.inner.close()
 
 
-def faulty(seed: int) -> object:
-    def build(device: KVPool, host: KVPool) -> FaultyCopyEngine:
-        return FaultyCopyEngine(
-            CopyEngine(device, host), fail=(3, 7, 11, 19), delay=1, shuffle=True, seed=seed
-        )
-
-    return build
-
-
-def config(policy: str, copier: object = None) -> CacheConfig:
+def config(policy: str, copier: CopierFactory | None = None) -> CacheConfig:
     return CacheConfig(
         device_pages=8,
         host_pages=HOST_PAGES,
@@ -128,7 +117,7 @@ def config(policy: str, copier: object = None) -> CacheConfig:
         write_policy=policy,
         selective_threshold=2,
         debug=True,
-        copier=copier,  # type: ignore[arg-type]
+        copier=copier,
     )
 
 
@@ -150,7 +139,8 @@ class StorageCacheMachine(RuleBasedStateMachine):
             prefetch_policy=self.prefetch,
             owned=True,
         )
-        self.cache = HiCache(config(self.policy, faulty(0)), storage=storage)
+        faulty = FaultyCopyEngine.copier(fail=(3, 7, 11, 19), delay=1, shuffle=True, seed=0)
+        self.cache = HiCache(config(self.policy, faulty), storage=storage)
         # another server storing into the same store: what this cache finds and discovers
         other = StorageConfig(shared, model="test", threads=0, prefetch_threshold=10_000)
         self.other = HiCache(config("write_through"), storage=other)

@@ -82,6 +82,21 @@ def stored_cache(store: Store, toks: Sequence[int], **overrides: Any) -> HiCache
     return cache
 
 
+def torn_store(
+    folder: Path, toks: Sequence[int], page: int
+) -> tuple[LocalFileStore, list[str], Path]:
+    """A local store in ``folder`` holding ``toks``, its page ``page`` torn (8 bytes cut off).
+
+    Returns the store, the keys of ``toks``' pages and the torn page's file.
+    """
+    store = LocalFileStore(folder)
+    writer = stored_cache(store, toks)
+    keys = page_keys(writer.storage.namespace(), toks)  # type: ignore[union-attr]
+    torn = store.path(keys[page])
+    torn.write_bytes(torn.read_bytes()[:-8])
+    return store, keys, torn
+
+
 def device_kv_matches(cache: HiCache, toks: Sequence[int]) -> bool:
     """Load ``toks``' cached prefix to the device and compare its KV with what was written."""
     found = cache.match_prefix(toks)
@@ -847,12 +862,8 @@ def test_a_split_keeps_the_storage_state_and_the_store_pin() -> None:
 
 def test_a_torn_page_is_dropped_and_only_the_pages_before_it_are_used(tmp_path: Path) -> None:
     """A page that reads back torn is never used: it is dropped and the prefix ends before it."""
-    store = LocalFileStore(tmp_path)
     toks = tokens(4)
-    writer = stored_cache(store, toks)
-    keys = page_keys(writer.storage.namespace(), toks)  # type: ignore[union-attr]
-    torn = store.path(keys[2])
-    torn.write_bytes(torn.read_bytes()[:-8])
+    store, _, torn = torn_store(tmp_path, toks, page=2)
     reader = HiCache(config(), storage=tier(store, prefetch_policy="wait"))
     assert reader.match_prefix(toks).host_len == 2 * PAGE
     assert not torn.exists()
@@ -982,12 +993,8 @@ def test_a_fetched_prefix_is_evicted_from_the_host_in_its_turn(store: Store) -> 
 
 def test_a_failed_fetch_backs_up_what_an_insert_put_on_the_device(tmp_path: Path) -> None:
     """The part of a failed read an insert took onto the device, and its child, are backed up."""
-    store = LocalFileStore(tmp_path)
     toks = tokens(4)
-    writer = stored_cache(store, toks)
-    keys = page_keys(writer.storage.namespace(), toks)  # type: ignore[union-attr]
-    torn = store.path(keys[0])
-    torn.write_bytes(torn.read_bytes()[:-8])
+    store, _, _ = torn_store(tmp_path, toks, page=0)
     reader = HiCache(config(), storage=tier(store))
     reader.match_prefix(toks)  # the read runs inline; it is applied at the next poll
     other = toks[: 2 * PAGE] + tokens(2, start=50000)
@@ -1038,12 +1045,8 @@ def test_a_child_is_stored_once_its_parent_is_discovered(tmp_path: Path) -> None
 
 def test_a_torn_page_another_read_holds_is_left_and_the_prefix_kept(tmp_path: Path) -> None:
     """The drop a read refuses waits for a later read; the intact pages before it are used."""
-    store = LocalFileStore(tmp_path)
     toks = tokens(4)
-    writer = stored_cache(store, toks)
-    keys = page_keys(writer.storage.namespace(), toks)  # type: ignore[union-attr]
-    torn = store.path(keys[2])
-    torn.write_bytes(torn.read_bytes()[:-8])
+    store, keys, torn = torn_store(tmp_path, toks, page=2)
     reader = HiCache(config(), storage=tier(store, prefetch_policy="wait"))
     with store.reading(keys):  # another fetch holds the pages
         assert reader.match_prefix(toks).host_len == 2 * PAGE

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import pickle
 import re
 import warnings
 from collections.abc import Callable
@@ -22,7 +24,7 @@ with warnings.catch_warnings():
     from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
     from fsm_cache.memory.staging import Stream
     from fsm_cache.testing.fakecuda import FakeEvent, FakeStream, FakeStreams
-    from fsm_cache.testing.faults import POISON, FaultyCopyEngine
+    from fsm_cache.testing.faults import POISON, Faults, FaultyCopyEngine
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -398,6 +400,60 @@ def test_shuffled_acks_arrive_once_each_out_of_order() -> None:
     assert sorted(got, key=lambda t: t.id) == tickets
     assert got != tickets
     assert engine.poll() == []
+
+
+def test_copier_builds_a_new_faulty_engine_over_each_caches_pools() -> None:
+    """``FaultyCopyEngine.copier`` is a ``CacheConfig(copier=...)`` factory: an engine a call."""
+    pools = make()
+    build = FaultyCopyEngine.copier(fail=[2], refuse=[3], delay=1, poison=False)
+    first, second = build(pools.device, pools.host), build(pools.device, pools.host)
+    assert type(first) is FaultyCopyEngine
+    assert type(first.inner) is CopyEngine
+    assert first.inner is not second.inner
+    assert first.inner.device is pools.device
+    assert first.inner.host is pools.host
+    faults = (first.fail, first.refuse, first.delay, first.shuffle, first.poison)
+    assert faults == (frozenset({2}), frozenset({3}), 1, False, False)
+    first.start_write([0], [0])
+    assert (first.started, second.started) == (1, 0)
+
+
+def test_copier_passes_the_seed_of_the_order() -> None:
+    direct = FaultyCopyEngine(make(host_pages=8), shuffle=True, seed=3)
+    pools = make(host_pages=8)
+    built = FaultyCopyEngine.copier(shuffle=True, seed=3)(pools.device, pools.host)
+    orders = []
+    for engine in (direct, built):
+        for p in range(8):
+            engine.start_write([p], [p])
+        orders.append([c.ticket.src_pages for c in engine.poll()])
+    assert orders[0] == orders[1] != sorted(orders[0])
+
+
+class _Subclass(FaultyCopyEngine):
+    """A subclass at module level, so that its factory pickles."""
+
+
+def test_copier_on_a_subclass_builds_the_subclass_and_pickles() -> None:
+    build = pickle.loads(pickle.dumps(_Subclass.copier(delay=2)))
+    pools = make()
+    engine = build(pools.device, pools.host)
+    assert type(engine) is _Subclass
+    assert engine.delay == 2
+
+
+def test_copier_refuses_an_unknown_fault_when_called() -> None:
+    """A misspelt fault is named where it is written, not when a cache builds its engine."""
+    with pytest.raises(TypeError) as caught:
+        FaultyCopyEngine.copier(fial=[1], delay=1, bogus=2)  # type: ignore[call-arg]
+    assert str(caught.value) == "FaultyCopyEngine.copier got unknown faults: bogus, fial"
+
+
+def test_copier_takes_exactly_the_keywords_of_the_engine() -> None:
+    """``Faults`` types ``copier``'s keywords; it must name every keyword of the initialiser."""
+    params = inspect.signature(FaultyCopyEngine).parameters.values()
+    assert Faults.__optional_keys__ == {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+    assert Faults.__required_keys__ == frozenset()
 
 
 def test_bench_copies_reports_each_path() -> None:

@@ -62,13 +62,6 @@ def make(copier: Callable[[KVPool, KVPool], object] | None = None, **overrides: 
     return HiCache(CacheConfig(**settings))  # type: ignore[arg-type]
 
 
-def faulty(**faults: object) -> Callable[[KVPool, KVPool], FaultyCopyEngine]:
-    def build(device: KVPool, host: KVPool) -> FaultyCopyEngine:
-        return FaultyCopyEngine(CopyEngine(device, host), **faults)  # type: ignore[arg-type]
-
-    return build
-
-
 def assert_kv(cache: HiCache, tokens: list[int], match: MatchResult) -> None:
     """The pages handed out hold exactly the KV of the device-matched tokens."""
     got = cache.tiers.read_device(match.device_pages).view(torch.uint8)
@@ -114,7 +107,7 @@ def test_1_a_lookup_never_hands_out_a_childs_kv_for_a_loading_parent(policy: str
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_1_with_late_acknowledgements_the_insert_waits_for_the_load(policy: str) -> None:
-    cache = make(faulty(delay=3), write_policy=policy)
+    cache = make(FaultyCopyEngine.copier(delay=3), write_policy=policy)
     cache.insert([1, 2])
     drain(cache)
     cache.evict(2)
@@ -149,7 +142,7 @@ def chain_cache(copier: Callable[[KVPool, KVPool], object]) -> HiCache:
 
 
 def test_2_a_chain_load_refused_at_start_fails_every_node_cleanly() -> None:
-    cache = chain_cache(faulty(refuse={3}))
+    cache = chain_cache(FaultyCopyEngine.copier(refuse={3}))
     free = cache.tiers.device.allocator.free_pages
     cache.load_back(cache.tree.nodes[2])
     assert settled(cache) == [
@@ -162,7 +155,7 @@ def test_2_a_chain_load_refused_at_start_fails_every_node_cleanly() -> None:
 
 
 def test_3_a_refused_retry_inside_poll_applies_every_other_completion() -> None:
-    cache = chain_cache(faulty(fail={3}, refuse={5}))
+    cache = chain_cache(FaultyCopyEngine.copier(fail={3}, refuse={5}))
     chain = cache.load_back(cache.tree.nodes[2]) or []  # copy 3: it will fail
     leaf = chain[-1]
     lock = cache.lock(leaf)  # a locked load cannot fail: it is copied again
@@ -179,7 +172,7 @@ def test_3_a_refused_retry_inside_poll_applies_every_other_completion() -> None:
 
 
 def test_4_a_failed_load_of_a_chain_fails_cleanly_once() -> None:
-    cache = chain_cache(faulty(fail={3}))
+    cache = chain_cache(FaultyCopyEngine.copier(fail={3}))
     cache.load_back(cache.tree.nodes[2])
     cache.poll()
     assert settled(cache) == [
@@ -197,7 +190,9 @@ def test_4_a_failed_load_of_a_chain_fails_cleanly_once() -> None:
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("delay", [0, 3])
 def test_5_a_caller_that_never_polls_is_never_refused_room(policy: str, delay: int) -> None:
-    cache = make(faulty(delay=delay), write_policy=policy, device_pages=8, host_pages=64)
+    cache = make(
+        FaultyCopyEngine.copier(delay=delay), write_policy=policy, device_pages=8, host_pages=64
+    )
     for i in range(40):
         cache.insert([100 + 2 * i, 101 + 2 * i, 1, 1])
     assert cache.tiers.device.allocator.free_pages >= 0
@@ -491,7 +486,7 @@ def test_13_a_resident_prefix_is_what_the_return_value_counts() -> None:
 
 
 def test_14_a_repeated_acknowledgement_is_a_duplicate_ack_and_applies_nothing() -> None:
-    cache = make(faulty(delay=0))
+    cache = make(FaultyCopyEngine.copier(delay=0))
     cache.insert([1, 2])
     done = cache.transfers.collect(wait=True)
     cache.apply_completions(done)
@@ -520,7 +515,7 @@ def test_14_a_completion_listed_twice_applies_neither() -> None:
 @pytest.mark.parametrize("kind", ["another cache's", "built by hand"])
 def test_a_completion_of_another_copy_under_the_same_id_applies_nothing(kind: str) -> None:
     """Every copy engine numbers its tickets from 1: an id alone does not name this copy."""
-    cache, other = make(faulty(delay=3)), make()
+    cache, other = make(FaultyCopyEngine.copier(delay=3)), make()
     cache.insert([1, 2])
     other.insert([7, 8])
     (mine,) = cache.issued()
@@ -579,7 +574,7 @@ def test_pin_refuses_a_namespace_root_and_lock_takes_it() -> None:
 
 @pytest.mark.parametrize("event", ["write_done", "write_failed"])
 def test_fire_refuses_the_acknowledgement_of_a_copy_in_flight(event: str) -> None:
-    cache = make(faulty(delay=3))
+    cache = make(FaultyCopyEngine.copier(delay=3))
     cache.insert([1, 2])
     node = cache.match_prefix([1, 2]).last_device_node
     before = snapshot(cache)
@@ -600,7 +595,7 @@ def test_fire_refuses_the_acknowledgement_of_a_copy_in_flight(event: str) -> Non
 
 
 def test_21_close_waits_for_every_copy_and_refuses_later_calls() -> None:
-    with make(faulty(delay=5)) as cache:
+    with make(FaultyCopyEngine.copier(delay=5)) as cache:
         cache.insert([1, 2])
         assert cache.issued()
     assert cache.issued() == []

@@ -24,7 +24,7 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -114,20 +114,10 @@ def join_group(rank: int, world: int, store: str) -> None:
     )
 
 
-def skewed(rank: int, **faults: Any) -> CacheConfig:
+def skewed(rank: int, fail: Collection[int] = ()) -> CacheConfig:
     """A small debug cache whose acknowledgements come late and shuffled, differently per rank."""
-    copier = _Skew(delay=rank % 3, seed=rank, **faults)
+    copier = FaultyCopyEngine.copier(fail=fail, delay=rank % 3, shuffle=True, seed=rank)
     return bench_config(debug=True, copier=copier)
-
-
-class _Skew:
-    """A picklable copier factory: a FaultyCopyEngine with per-rank delay and order."""
-
-    def __init__(self, **faults: Any) -> None:
-        self.faults = faults
-
-    def __call__(self, device: Any, host: Any) -> FaultyCopyEngine:
-        return FaultyCopyEngine(CopyEngine(device, host), shuffle=True, **self.faults)
 
 
 def fingerprint(cache: HiCache) -> list[list[Any]]:
@@ -260,17 +250,6 @@ def failures(cache: HiCache) -> list[list[Any]]:
     ]
 
 
-class _Fail:
-    """A picklable copier factory whose copies at the positions in ``fail`` (from 1) fail."""
-
-    def __init__(self, fail: set[int], loads: bool = False) -> None:
-        self.fail, self.loads = fail, loads
-
-    def __call__(self, device: Any, host: Any) -> FaultyCopyEngine:
-        engine = _FailingLoads if self.loads else FaultyCopyEngine
-        return engine(CopyEngine(device, host), fail=self.fail)
-
-
 class _FailingLoads(FaultyCopyEngine):
     """Every load fails, however often it runs again."""
 
@@ -286,7 +265,7 @@ def fail_then_drain(rank: int, world: int) -> dict[str, Any]:
     ``drain`` on what they saw would part: one in another round, one in ``verify``.
     """
     fail = {1} if rank == world - 1 else set()
-    config = bench_config(debug=True, copier=_Fail(fail))
+    config = bench_config(debug=True, copier=FaultyCopyEngine.copier(fail=fail))
     shared = DistributedCache(HiCache(config), timeout=TIMEOUT)
     cache = shared.cache
     cache.insert(list(range(16)))  # the parent: its backup starts
@@ -303,7 +282,7 @@ def fail_then_drain(rank: int, world: int) -> dict[str, Any]:
 
 def failing_locked_load(rank: int) -> dict[str, Any]:
     """Every load fails, under a request's lock: drain must still return, on every rank."""
-    config = bench_config(debug=True, copier=_Fail(set(), loads=True), load_back_threshold=1)
+    config = bench_config(debug=True, copier=_FailingLoads.copier(), load_back_threshold=1)
     shared = DistributedCache(HiCache(config), timeout=TIMEOUT)
     cache = shared.cache
     cache.insert(list(range(16)))
@@ -493,10 +472,6 @@ class _Lossy(FaultyCopyEngine):
         return [c for c in super().drain() if c.ticket.id not in self._lost]
 
 
-def _lossy(device: Any, host: Any) -> _Lossy:
-    return _Lossy(CopyEngine(device, host))
-
-
 def lost_completion(rank: int, world: int, *, stall: bool) -> tuple[str, int]:
     """The last rank loses the completion of the first copy of the seventh request.
 
@@ -505,7 +480,7 @@ def lost_completion(rank: int, world: int, *, stall: bool) -> tuple[str, int]:
     and how many polls after the loss returned normally.
     """
     shared = DistributedCache(
-        HiCache(bench_config(debug=True, copier=_lossy)), timeout=1.0 if stall else TIMEOUT
+        HiCache(bench_config(debug=True, copier=_Lossy.copier())), timeout=1.0 if stall else TIMEOUT
     )
     copier = shared.cache.tiers.copier
     assert isinstance(copier, _Lossy)
@@ -537,7 +512,9 @@ def lost_in_a_wait(rank: int, world: int) -> list[str]:
     every rank without a collective. The last rank, which lost one, raises
     there; every rank raises at the next step. Returns both messages.
     """
-    shared = DistributedCache(HiCache(bench_config(debug=True, copier=_lossy)), timeout=TIMEOUT)
+    shared = DistributedCache(
+        HiCache(bench_config(debug=True, copier=_Lossy.copier())), timeout=TIMEOUT
+    )
     copier = shared.cache.tiers.copier
     assert isinstance(copier, _Lossy)
     trace = chat_trace(21, seed=1)
@@ -590,7 +567,7 @@ def failed_in_a_wait(rank: int, world: int) -> list[str]:
     A wait applies each rank's own outcome, so the ranks part there, and the next
     step names it on every rank.
     """
-    config = bench_config(debug=True, copier=lambda d, h: _Spoiling(CopyEngine(d, h)))
+    config = bench_config(debug=True, copier=_Spoiling.copier())
     shared = DistributedCache(HiCache(config), timeout=TIMEOUT)
     copier = shared.cache.tiers.copier
     assert isinstance(copier, _Spoiling)
@@ -1328,7 +1305,7 @@ class _HoldFirst(FaultyCopyEngine):
 
 @pytest.mark.usefixtures("world_of_one")
 def test_a_step_applies_only_the_finished_head_of_the_issue_order() -> None:
-    cache = HiCache(bench_config(debug=True, copier=lambda d, h: _HoldFirst(CopyEngine(d, h))))
+    cache = HiCache(bench_config(debug=True, copier=_HoldFirst.copier()))
     copier = cache.tiers.copier
     assert isinstance(copier, _HoldFirst)
     shared = DistributedCache(cache)
@@ -1398,7 +1375,9 @@ def test_the_tp_bench_times_a_local_poll_that_reaches_the_copy_engine(
 
 @pytest.mark.usefixtures("world_of_one")
 def test_drain_applies_everything_and_verify_returns_the_digest() -> None:
-    cache = HiCache(bench_config(debug=True, copier=_Skew(delay=2, seed=1)))
+    cache = HiCache(
+        bench_config(debug=True, copier=FaultyCopyEngine.copier(delay=2, shuffle=True, seed=1))
+    )
     shared = DistributedCache(cache)
     serve_chat_trace(cache, chat_trace(20), every(4, shared.step))
     shared.drain()

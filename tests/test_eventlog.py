@@ -9,7 +9,7 @@ import sys
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -18,10 +18,12 @@ from fsm_cache.cache.eventlog import DEFAULT_LIMIT, EventLog
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.replay import replay
 from fsm_cache.errors import BadArgument, PoolExhausted, ReplayMismatch
-from fsm_cache.memory.copies import CopyEngine
-from fsm_cache.memory.kv import KVPool
 from fsm_cache.memory.tiers import CacheConfig
-from fsm_cache.testing.faults import FaultyCopyEngine
+from fsm_cache.testing.faults import Faults, FaultyCopyEngine
+
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11's; annotations only
 
 
 BASE = CacheConfig(
@@ -36,13 +38,9 @@ BASE = CacheConfig(
 )
 
 
-def faulty(**faults: object) -> CacheConfig:
+def faulty(**faults: Unpack[Faults]) -> CacheConfig:
     """BASE with a copy engine that delays, reorders or fails acknowledgements."""
-
-    def build(device: KVPool, host: KVPool) -> FaultyCopyEngine:
-        return FaultyCopyEngine(CopyEngine(device, host), **faults)  # type: ignore[arg-type]
-
-    return replace(BASE, copier=build)
+    return replace(BASE, copier=FaultyCopyEngine.copier(**faults))
 
 
 def states(cache: HiCache) -> list[tuple[int, str]]:

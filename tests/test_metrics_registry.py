@@ -13,8 +13,6 @@ from fsm_cache.cache.metrics import Collector, register
 from fsm_cache.cache.replay import replay
 from fsm_cache.cache.storage_tier import StorageConfig
 from fsm_cache.errors import BadArgument
-from fsm_cache.memory.copies import CopyEngine
-from fsm_cache.memory.kv import KVPool
 from fsm_cache.memory.tiers import CacheConfig
 from fsm_cache.storage import LocalFileStore
 from fsm_cache.testing.faults import FaultyCopyEngine
@@ -91,10 +89,7 @@ def test_storage_copies_in_flight_are_the_stats_figure(tmp_path: Path) -> None:
 def test_copies_in_flight_are_the_copies_issued_and_not_applied() -> None:
     """A replayed cache's copies are in flight until applied, whatever its engine reports."""
 
-    def slow(device: KVPool, host: KVPool) -> FaultyCopyEngine:
-        return FaultyCopyEngine(CopyEngine(device, host), delay=3)
-
-    cache = HiCache(replace(BASE, copier=slow))
+    cache = HiCache(replace(BASE, copier=FaultyCopyEngine.copier(delay=3)))
     cache.insert(list(range(8)))
     cache.poll()
     again = replay(cache.log, BASE)

@@ -28,11 +28,7 @@ BASE = CacheConfig(
 
 def late(delay: int) -> CacheConfig:
     """BASE with a copy engine whose acknowledgements come ``delay`` polls late."""
-
-    def build(device: KVPool, host: KVPool) -> FaultyCopyEngine:
-        return FaultyCopyEngine(CopyEngine(device, host), delay=delay)
-
-    return replace(BASE, copier=build)
+    return replace(BASE, copier=FaultyCopyEngine.copier(delay=delay))
 
 
 def states(cache: HiCache) -> list[tuple[int, str]]:

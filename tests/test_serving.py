@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from fsm_cache.bench.serving import serve
 from fsm_cache.bench.workload import Request
 from fsm_cache.cache.hicache import HiCache
-from fsm_cache.memory.copies import CopyEngine
-from fsm_cache.memory.kv import KVPool
 from fsm_cache.memory.pages import REQUEST
-from fsm_cache.memory.tiers import CacheConfig
+from fsm_cache.memory.tiers import CacheConfig, CopierFactory
 from fsm_cache.testing.faults import FaultyCopyEngine
 
 
-def slow_acks(device: KVPool, host: KVPool) -> FaultyCopyEngine:
-    return FaultyCopyEngine(CopyEngine(device, host), delay=3)
+SLOW_ACKS = FaultyCopyEngine.copier(delay=3)
 
 
 def request_pages(cache: HiCache) -> list[int]:
@@ -24,7 +19,7 @@ def request_pages(cache: HiCache) -> list[int]:
 
 
 def loading_cache(
-    copier: Callable[[KVPool, KVPool], FaultyCopyEngine] = slow_acks,
+    copier: CopierFactory = SLOW_ACKS,
 ) -> tuple[HiCache, tuple[int, ...]]:
     """A cache (copies acknowledged three polls late) holding 8 tokens on the host only."""
     cache = HiCache(
@@ -70,10 +65,7 @@ def test_a_loaded_prefix_is_used_while_its_copy_is_in_flight() -> None:
 def test_wait_loaded_refuses_a_load_that_must_run_again() -> None:
     """A locked load that failed, and whose new copy was refused, has nothing to wait on."""
 
-    def build(device: KVPool, host: KVPool) -> FaultyCopyEngine:
-        return FaultyCopyEngine(CopyEngine(device, host), fail={2}, refuse={3})
-
-    cache, prefix = loading_cache(build)
+    cache, prefix = loading_cache(FaultyCopyEngine.copier(fail={2}, refuse={3}))
     chain = cache.load_back(cache.match_prefix(prefix).last_host_node)
     assert chain
     assert cache.wait_loaded(chain)  # copy 2 is in flight

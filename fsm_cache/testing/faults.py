@@ -13,21 +13,46 @@ cannot tell it apart, except that it can:
 * deliver the acknowledgements of one poll in a seeded random order.
 
 Pages stay busy until their ticket is delivered, so early frees stay visible.
+:meth:`FaultyCopyEngine.copier` builds the ``CacheConfig(copier=...)`` factory
+that wraps each new cache's engine.
 """
 
 from __future__ import annotations
 
+import functools
 import random
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
 
 from fsm_cache.errors import CopyFailed
 from fsm_cache.memory.copies import CopyEngine
 from fsm_cache.memory.tickets import Completion, Direction, Ticket, refuse_busy_destination
 
 
+if TYPE_CHECKING:  # Self and Unpack are Python 3.11's; annotations only, so 3.10 imports this
+    from typing import Self, Unpack
+
+    from fsm_cache.memory.kv import KVPool
+
+
 POISON = 0xFF
 """The byte a failed copy leaves in its destination pages."""
+
+
+class Faults(TypedDict, total=False):
+    """The keyword arguments of :class:`FaultyCopyEngine` after ``inner``, all optional.
+
+    They type :meth:`FaultyCopyEngine.copier`'s ``**faults``; what each means,
+    and its default, is the engine's to say.
+    """
+
+    fail: Collection[int]
+    refuse: Collection[int]
+    delay: int
+    shuffle: bool
+    seed: int
+    poison: bool
 
 
 @dataclass
@@ -70,6 +95,33 @@ class FaultyCopyEngine:
         self._rng = random.Random(seed)
         self._doomed: dict[int, int] = {}
         self._held: list[_Held] = []
+
+    @classmethod
+    def copier(cls, **faults: Unpack[Faults]) -> Callable[[KVPool, KVPool], Self]:
+        """Return a ``CacheConfig(copier=...)`` factory: this engine over a new ``CopyEngine``.
+
+        A cache calls its copier with its two pools; each call builds a new
+        :class:`CopyEngine` over them and wraps it with these faults, so caches
+        built from one config never share an engine or its count of starts.
+        Called on a subclass, it builds that subclass (whose initialiser must
+        take the same arguments). The factory pickles where ``cls`` does.
+
+        Args:
+            **faults: The keyword arguments of :class:`FaultyCopyEngine`
+                (``fail``, ``refuse``, ``delay``, ``shuffle``, ``seed``, ``poison``).
+
+        Raises:
+            TypeError: A keyword that is none of those, here rather than when a
+                cache first builds its engine.
+        """
+        unknown = sorted(faults.keys() - Faults.__optional_keys__)
+        if unknown:
+            raise TypeError(f"{cls.__name__}.copier got unknown faults: {', '.join(unknown)}")
+        return functools.partial(cls._over, **faults)
+
+    @classmethod
+    def _over(cls, device: KVPool, host: KVPool, **faults: Unpack[Faults]) -> Self:
+        return cls(CopyEngine(device, host), **faults)
 
     def start_write(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Ticket:
         """Start a device-to-host copy, or refuse it if its position is in ``refuse``."""
