@@ -10,9 +10,11 @@ Installed with fsm_cache (a ``pytest11`` entry point), it adds:
   SGLang test suite finds residency misuse where it happens;
 * the ini option ``fsm_specs`` (spec paths, relative to the rootdir, separated
   by spaces or line breaks and quoted like shell words, as ``testpaths``): each
-  spec becomes two test items, ``fsm-verify[PATH]`` (the CrossHair
-  contracts of ``fsm-cache verify``) and ``fsm-check[PATH]`` (the model
-  checker of ``fsm-cache check``); ``fsm_check_nodes`` sets the tree size;
+  spec is collected as a file of two items, ``PATH::fsm-verify`` (the CrossHair
+  contracts of ``fsm-cache verify``) and ``PATH::fsm-check`` (the model
+  checker of ``fsm-cache check``), by a run without arguments or one whose
+  arguments name the spec or a directory above it (``docs/verify.md``);
+  ``fsm_check_nodes`` sets the tree size;
 * the marker ``@pytest.mark.fsm_spec("path.toml")``: before the marked test
   runs, the spec is model-checked and verified (``check=False`` or
   ``verify=False`` skips one), and the test errors on any finding;
@@ -148,16 +150,62 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         config.stash[_SGLANG].undo()
 
 
-def pytest_collection_modifyitems(
-    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
-) -> None:
-    """Add a verify and a check item for every spec named by ``fsm_specs``."""
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> SpecFile | None:
+    """Collect a spec named by ``fsm_specs`` where it is itself an argument of the run.
+
+    ``pytest specs/a.toml`` or ``pytest specs/a.toml::fsm-check`` reaches the file by
+    pytest's own walk, which needs a collector for it; every other spec is added by
+    :func:`pytest_make_collect_report`, so none is collected twice.
+    """
+    session = parent.session
+    if session.isinitpath(file_path) and file_path in _specs(session.config):
+        return SpecFile.from_parent(parent, path=file_path)
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    """Add the specs the run selects after the rest of the session's collectors.
+
+    A spec is selected when the run is the whole session (no arguments, started
+    from the rootdir) or an argument is a directory above it; one that is itself an
+    argument is collected by :func:`pytest_collect_file` instead.
+    """
+    report = yield
+    if isinstance(collector, pytest.Session) and report.passed:
+        # named as fsm_specs names it, which is its node id outside the rootdir
+        report.result.extend(
+            SpecFile.from_parent(collector, path=path, name=name)
+            for path, name in _specs(collector.config).items()
+            if _selected(collector, path)
+        )
+    return report
+
+
+def _specs(config: pytest.Config) -> dict[Path, str]:
+    """Return the specs named by ``fsm_specs``: each one's absolute path, and its name there.
+
+    Paths are made absolute without resolving links, as pytest makes its arguments,
+    so that a spec compares equal to the same file given on the command line.
+    """
+    found: dict[Path, str] = {}
     for name in config.getini("fsm_specs"):
-        path = (config.rootpath / name).resolve()
-        for kind in ("verify", "check"):
-            items.append(
-                SpecItem.from_parent(session, name=f"fsm-{kind}[{name}]", path_=path, kind=kind)
-            )
+        found.setdefault(Path(os.path.abspath(config.rootpath / name)), name)
+    return found
+
+
+def _selected(session: pytest.Session, path: Path) -> bool:
+    """Whether the spec at ``path`` is collected at session level (see ``docs/verify.md``)."""
+    if session.isinitpath(path):
+        return False  # pytest's walk collects it: pytest_collect_file
+    config = session.config
+    whole = (
+        config.args_source is not pytest.Config.ArgsSource.ARGS
+        and config.invocation_params.dir == config.rootpath
+    )
+    return whole or any(session.isinitpath(x) for x in path.parents)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -238,18 +286,25 @@ def _dropped(lease: Dropped, test: str | None) -> str:
     return f"{lease} (collected during {test})" if test else str(lease)
 
 
+class SpecFile(pytest.File):
+    """A spec named by ``fsm_specs``: its two formal checks are its items."""
+
+    def collect(self) -> list[SpecItem]:
+        """Return the verify item, then the check item; a missing file fails both when run."""
+        return [SpecItem.from_parent(self, name=f"fsm-{x}", kind=x) for x in ("verify", "check")]
+
+
 class SpecItem(pytest.Item):
     """One formal check of one spec, run as a test."""
 
-    def __init__(self, *, path_: Path, kind: str, **kwargs: Any) -> None:
+    def __init__(self, *, kind: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.spec_path = path_
         self.kind = kind
 
     def runtest(self) -> None:
         """Run verify or check; fail with the first finding."""
         runner: Callable[[Path], str] = _verify if self.kind == "verify" else self._check
-        problem = runner(self.spec_path)
+        problem = runner(self.path)
         if problem:
             raise SpecFinding(problem)
 
@@ -262,8 +317,8 @@ class SpecItem(pytest.Item):
         return str(excinfo.value)
 
     def reportinfo(self) -> tuple[Path, int, str]:
-        """Name the spec file in reports."""
-        return self.spec_path, 0, self.name
+        """Head a failure with the item's name and the spec's, as ``fsm_specs`` names it."""
+        return self.path, 0, f"{self.name}[{_specs(self.config).get(self.path, self.path)}]"
 
 
 class SpecFinding(Exception):

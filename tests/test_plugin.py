@@ -511,9 +511,114 @@ def test_ini_specs_are_separated_by_spaces_or_lines(
         f"[pytest]\nfsm_specs = a.toml{separator}'b c.toml'\n    d.toml\n",
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--collect-only", "-q")
-    names = [line.removeprefix("::") for line in result.stdout.lines if "fsm-" in line]
+    names = [line for line in result.stdout.lines if "fsm-" in line]
     assert names == [
-        f"fsm-{kind}[{name}]"
+        f"{name}::fsm-{kind}"
         for name in ("a.toml", "b c.toml", "d.toml")
         for kind in ("verify", "check")
     ]
+
+
+def spec_project(
+    pytester: pytest.Pytester, specs: str = "specs/gate.toml specs/broken.toml"
+) -> None:
+    """Lay out a project: two tests under ``tests/``, two user specs under ``specs/``."""
+    pytester.mkdir("tests")
+    (pytester.path / "tests" / "test_a.py").write_text(
+        "def test_x():\n    pass\n\n\ndef test_y():\n    pass\n", encoding="utf-8"
+    )
+    pytester.mkdir("specs")
+    (pytester.path / "specs" / "gate.toml").write_text(GOOD_GATE, encoding="utf-8")
+    (pytester.path / "specs" / "broken.toml").write_text(BROKEN_GATE, encoding="utf-8")
+    pytester.makeini(f"[pytest]\ntestpaths = tests\nfsm_specs = {specs}\nfsm_check_nodes = 2\n")
+
+
+def collected(pytester: pytest.Pytester, *args: str) -> list[str]:
+    """Return the node ids ``pytest --collect-only ARGS`` lists, in order."""
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--collect-only", "-q", *args)
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    return [line for line in result.stdout.lines if "::" in line]
+
+
+TESTS = ["tests/test_a.py::test_x", "tests/test_a.py::test_y"]
+GATE_ITEMS = ["specs/gate.toml::fsm-verify", "specs/gate.toml::fsm-check"]
+BROKEN_ITEMS = ["specs/broken.toml::fsm-verify", "specs/broken.toml::fsm-check"]
+
+
+def test_spec_items_are_collected_counted_and_deselected_like_tests(
+    pytester: pytest.Pytester,
+) -> None:
+    """They come after the suite's tests, and ``-k`` counts them among the deselected."""
+    spec_project(pytester)
+    assert collected(pytester) == TESTS + GATE_ITEMS + BROKEN_ITEMS
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "fsm-check")
+    result.assert_outcomes(passed=1, failed=1, deselected=4)
+    result.stdout.fnmatch_lines(
+        [
+            "collected 6 items / 4 deselected / 2 selected",
+            "*_ fsm-check[[]specs/broken.toml[]] _*",
+            f"{pytester.path / 'specs' / 'broken.toml'}: violation: holders: give gives back one,"
+            " but no event takes one (take adds 2): its acquires and releases do not pair",
+        ]
+    )
+
+
+REACHED = [
+    ((), TESTS + GATE_ITEMS + BROKEN_ITEMS),
+    ((".",), TESTS + GATE_ITEMS + BROKEN_ITEMS),
+    (("specs",), GATE_ITEMS + BROKEN_ITEMS),
+    (("specs/broken.toml",), BROKEN_ITEMS),
+    (("specs/broken.toml::fsm-check",), BROKEN_ITEMS[1:]),
+    (("tests/test_a.py", "specs/gate.toml"), TESTS + GATE_ITEMS),
+    (("tests",), TESTS),
+    (("tests/test_a.py",), TESTS),
+    (("tests/test_a.py::test_x",), TESTS[:1]),
+]
+"""The arguments of a run of :func:`spec_project`, and the node ids it collects."""
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"), [pytest.param(*x, id=" ".join(x[0]) or "no-args") for x in REACHED]
+)
+def test_spec_items_are_collected_where_the_arguments_reach_the_spec(
+    pytester: pytest.Pytester, args: tuple[str, ...], expected: list[str]
+) -> None:
+    """The whole session, a directory above the spec or the spec itself runs it; other tests do not."""
+    spec_project(pytester)
+    assert collected(pytester, *args) == expected
+
+
+def test_no_arguments_in_a_subdirectory_collect_only_the_specs_under_it(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec_project(pytester)
+    monkeypatch.chdir(pytester.path / "tests")
+    assert collected(pytester) == TESTS
+    monkeypatch.chdir(pytester.path / "specs")
+    assert collected(pytester) == GATE_ITEMS + BROKEN_ITEMS
+
+
+def test_last_failed_reruns_only_the_spec_item_that_failed(pytester: pytest.Pytester) -> None:
+    spec_project(pytester)
+    first = pytester.runpytest_subprocess("-k", "not fsm-verify")
+    first.assert_outcomes(passed=3, failed=1, deselected=2)
+    again = pytester.runpytest_subprocess("--lf", "-k", "not fsm-verify")
+    again.assert_outcomes(failed=1)
+    again.stdout.fnmatch_lines(["FAILED specs/broken.toml::fsm-check - *"])
+
+
+@pytest.mark.parametrize("args", [(), ("specs",)])
+def test_a_missing_spec_fails_its_items_naming_the_file(
+    pytester: pytest.Pytester, args: tuple[str, ...]
+) -> None:
+    """The rest of the session still runs: the loader's message is each item's failure."""
+    spec_project(pytester, specs="specs/gate.toml specs/missing.toml")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "not fsm-verify", *args)
+    result.assert_outcomes(passed=1 if args else 3, failed=1, deselected=2)
+    missing = pytester.path / "specs" / "missing.toml"
+    result.stdout.fnmatch_lines(
+        [
+            "*_ fsm-check[[]specs/missing.toml[]] _*",
+            f"{missing}: cannot read: No such file or directory",
+        ]
+    )
