@@ -55,6 +55,8 @@ _SGLANG = pytest.StashKey[Any]()
 """The patch ``--fsm-sglang`` applied to the installed SGLang."""
 _REPORT = pytest.StashKey[list[str]]()
 """The lines of the leak report, printed in the terminal summary."""
+_UNREACHED = pytest.StashKey[list[str]]()
+"""The ``fsm_specs`` entries the run's arguments did not reach, as the ini names them."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -175,13 +177,30 @@ def pytest_make_collect_report(
     """
     report = yield
     if isinstance(collector, pytest.Session) and report.passed:
+        specs = _specs(collector.config)
         # named as fsm_specs names it, which is its node id outside the rootdir
         report.result.extend(
             SpecFile.from_parent(collector, path=path, name=name)
-            for path, name in _specs(collector.config).items()
+            for path, name in specs.items()
             if _selected(collector, path)
         )
+        collector.config.stash[_UNREACHED] = [
+            name
+            for path, name in specs.items()
+            if not _selected(collector, path) and not collector.isinitpath(path)
+        ]
     return report
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> str | None:
+    """Say which ``fsm_specs`` this run leaves out, so a CI that names paths sees it."""
+    unreached = config.stash.get(_UNREACHED, [])
+    if not unreached:
+        return None
+    return (
+        f"fsm_specs not collected (no argument reaches them): {', '.join(unreached)}; "
+        "run pytest without arguments, or name them, to check them"
+    )
 
 
 def _specs(config: pytest.Config) -> dict[Path, str]:

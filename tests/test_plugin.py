@@ -588,6 +588,37 @@ def test_spec_items_are_collected_where_the_arguments_reach_the_spec(
     assert collected(pytester, *args) == expected
 
 
+@pytest.mark.parametrize(
+    ("args", "left"),
+    [
+        (("tests",), "specs/gate.toml, specs/broken.toml"),
+        (("tests", "specs/gate.toml"), "specs/broken.toml"),
+        (("tests/test_a.py::test_x", "specs/broken.toml::fsm-check"), "specs/gate.toml"),
+    ],
+)
+def test_a_run_that_reaches_no_spec_says_which_it_left_out(
+    pytester: pytest.Pytester, args: tuple[str, ...], left: str
+) -> None:
+    """A CI that names its test folder sees that it no longer checks the specs."""
+    spec_project(pytester)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--collect-only", *args)
+    result.stdout.fnmatch_lines(
+        [
+            f"fsm_specs not collected (no argument reaches them): {left}; "
+            "run pytest without arguments, or name them, to check them"
+        ]
+    )
+
+
+@pytest.mark.parametrize("args", [(), ("specs",), ("specs/gate.toml", "specs/broken.toml")])
+def test_a_run_that_reaches_every_spec_says_nothing_of_them(
+    pytester: pytest.Pytester, args: tuple[str, ...]
+) -> None:
+    spec_project(pytester)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--collect-only", *args)
+    assert "fsm_specs not collected" not in result.stdout.str()
+
+
 def test_no_arguments_in_a_subdirectory_collect_only_the_specs_under_it(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
