@@ -4,14 +4,17 @@ Each tool module exposes ``register(subparsers)``, which adds its subparser and
 sets ``handler`` to a function taking the parsed namespace and returning the
 exit status. Bad input never shows a traceback: any :class:`FsmCacheError`
 (and OSError for unreadable files) becomes ``error: ...`` lines and exit 2.
+A reader that leaves early (``fsm-cache ... | head -1``) ends the command
+quietly, with :data:`OUTPUT_CLOSED`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from fsm_cache.errors import FsmCacheError, SpecError
 
@@ -27,6 +30,18 @@ _TOOLS = (
     "fsm_cache.modelcheck.check",
     "fsm_cache.audit",
 )
+
+
+INTERRUPTED = 130
+"""Exit status after Ctrl-C: 128 + SIGINT (2), as a shell reports it."""
+
+OUTPUT_CLOSED = 141
+"""Exit status when the reader of stdout or stderr has gone (``| head -1``).
+
+128 + SIGPIPE (13), as a shell reports a command that signal ended. Python
+ignores SIGPIPE and raises BrokenPipeError at the next write instead, which
+is no error of the input: nothing more is written, not even an ``error:`` line.
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,22 +70,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit status.
 
     0 ok, 1 findings, 2 bad input, 3 a check stopped short, 130 interrupted
-    (Ctrl-C: one line, as a shell reports SIGINT, never a traceback).
+    (Ctrl-C: one line, as a shell reports SIGINT, never a traceback), 141 the
+    reader of the output has gone (:data:`OUTPUT_CLOSED`).
     """
-    try:  # the parser too: a tool module that fails at import is one error, no traceback
-        args = build_parser().parse_args(argv)
-        status: int = args.handler(args)
+    try:
+        try:  # the parser too: a tool module that fails at import is one error, no traceback
+            args = build_parser().parse_args(argv)
+            status: int = args.handler(args)
+        finally:
+            sys.stdout.flush()  # a reader that has gone is met here, not in the exit's flush
+    except BrokenPipeError:
+        return _output_closed()
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        return _report(["interrupted"], INTERRUPTED)
     except SpecError as exc:
-        for problem in exc.problems:
-            print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return _report([f"error: {problem}" for problem in exc.problems], 2)
     except (FsmCacheError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _report([f"error: {exc}"], 2)
     return status
+
+
+def _report(lines: Iterable[str], status: int) -> int:
+    """Write ``lines`` to stderr and return ``status``, or :data:`OUTPUT_CLOSED` if stderr has gone."""
+    try:
+        for line in lines:
+            print(line, file=sys.stderr)
+    except BrokenPipeError:
+        return _output_closed()
+    return status
+
+
+def _output_closed() -> int:
+    """Return :data:`OUTPUT_CLOSED`, with stdout's unwritten text dropped if its reader has gone.
+
+    Text still buffered for a closed stdout would fail again in the
+    interpreter's flush at exit (``Exception ignored ... BrokenPipeError``,
+    exit 120), so stdout's descriptor is pointed at the null device, as the
+    Python documentation's note on SIGPIPE does. Where stdout can still be
+    flushed, only stderr has gone and stdout's text is kept.
+    """
+    try:
+        sys.stdout.flush()
+    except OSError:
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+        except OSError:
+            return OUTPUT_CLOSED
+        try:
+            os.dup2(null, sys.stdout.fileno())
+        except (OSError, ValueError):  # no descriptor (a stream in memory): nothing flushes it
+            pass
+        finally:
+            os.close(null)
+    return OUTPUT_CLOSED
 
 
 if __name__ == "__main__":
