@@ -23,9 +23,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsm_cache.cli.files import current_text, path_argument, write_files
+from fsm_cache.cli.files import current_text, write_files
 from fsm_cache.diagram import FORMATS, DiagramError, one_line, render
-from fsm_cache.spec.loader import load_spec, spec_files
+from fsm_cache.spec.loader import load_spec, path_argument, spec_files
 from fsm_cache.spec.shipped import shipped_spec_paths
 
 

@@ -16,7 +16,6 @@ without it, so a module of the user's code named by mistake is left whole.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import os
@@ -31,9 +30,6 @@ from fsm_cache.errors import FsmCacheError
 _SPEC_SUFFIX = ".toml"
 """The suffix of specs and settings: input, never a file a command generates."""
 
-EMPTY_PATH = "an empty path names no file"
-"""Why an empty path argument is refused: ``Path("")`` would be the working directory."""
-
 _STAGING_TRIES = 16
 """How many random staging names to try before giving up (one is almost always enough)."""
 
@@ -43,30 +39,6 @@ _HEAD_BYTES = 64 * 1024
 
 class OutputError(FsmCacheError):
     """A generated file cannot be checked or written; on a write, nothing was changed."""
-
-
-def path_text(text: str) -> str:
-    """Return ``text``, an argparse ``type`` for path arguments that refuses an empty one.
-
-    An empty argument (``--write ''``, an unset shell variable) would otherwise
-    name the working directory or mean "no file given", and the command would
-    print or write somewhere the user did not ask for.
-
-    Raises:
-        argparse.ArgumentTypeError: ``text`` is empty; argparse reports it and exits 2.
-    """
-    if not text:
-        raise argparse.ArgumentTypeError(EMPTY_PATH)
-    return text
-
-
-def path_argument(text: str) -> Path:
-    """Return ``text`` as a :class:`Path`, refusing an empty one as :func:`path_text` does.
-
-    Raises:
-        argparse.ArgumentTypeError: ``text`` is empty.
-    """
-    return Path(path_text(text))
 
 
 def current_text(path: Path) -> str | None:

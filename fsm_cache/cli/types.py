@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fsm_cache.cli.files import current_text, path_argument, write_files
-from fsm_cache.spec.loader import load_spec, spec_files
+from fsm_cache.cli.files import current_text, write_files
+from fsm_cache.spec.loader import load_spec, path_argument, spec_files
 from fsm_cache.spec.stubs import is_stub, stub
 
 

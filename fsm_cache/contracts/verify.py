@@ -37,7 +37,7 @@ from fsm_cache.contracts.runner import Options, Row
 from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.numeric import whole
 from fsm_cache.spec.controls import Control, controls, load_finding, relative, render_controls
-from fsm_cache.spec.loader import load_spec, read_toml
+from fsm_cache.spec.loader import load_spec, path_text, read_toml
 from fsm_cache.spec.machine import as_system
 from fsm_cache.spec.shipped import shipped_spec_paths
 
@@ -291,6 +291,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "targets",
         nargs="*",
+        type=path_text,
         metavar="SPEC_OR_MODULE",
         help="spec .toml files, contract modules (.py or dotted names); default: the shipped specs, pool contracts and negative controls",
     )

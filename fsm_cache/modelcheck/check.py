@@ -54,7 +54,7 @@ from fsm_cache.modelcheck.state import Layout, Nodes, reference_states
 from fsm_cache.numeric import whole
 from fsm_cache.policy import WritePolicy
 from fsm_cache.spec.controls import Control, controls, load_finding, render_controls
-from fsm_cache.spec.loader import load_spec, unreadable
+from fsm_cache.spec.loader import load_spec, path_text, unreadable
 from fsm_cache.spec.machine import as_system
 from fsm_cache.spec.shipped import shipped_spec_paths
 
@@ -346,7 +346,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ConfigError: The ``--ops`` module cannot be imported, or a hook fails.
     """
     ops: ModuleType = treeops
-    if args.ops:
+    if args.ops is not None:
         spec, ops = load_ops(Path(args.ops))
         args = with_ops(args, spec, getattr(ops, "POLICY", None))
     symmetry = not args.no_symmetry
@@ -479,6 +479,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "specs",
         nargs="*",
+        type=path_text,
         metavar="SPEC",
         help="spec .toml files; default: the shipped specs and the negative controls",
     )
@@ -519,6 +520,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--ops",
+        type=path_text,
         metavar="FILE.py",
         help="a module replacing tree operations (insert, born, split, prune), wants_backup "
         "or match_prefix, checked on the spec its SPEC names under its POLICY (default: "
