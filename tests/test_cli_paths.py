@@ -8,6 +8,8 @@ argument at all (``check --ops ''`` ran every shipped spec and control).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from fsm_cache.cli.main import main
@@ -42,3 +44,30 @@ def test_an_empty_path_is_refused(
         "",
         f"fsm-cache {command}: error: argument {argument}: an empty path names no file",
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "argument"),
+    [
+        (["types", "{spec}", "--write", "out/"], "--write"),
+        (["types", "{spec}", "--write", "new/."], "--write"),
+        (["types", "{spec}", "--check", "out/"], "--check"),
+        (["diagram", "{spec}", "-o", "drawn/"], "-o/--output"),
+        (["diagram", "{spec}", "--write", "-o", "drawn/.."], "-o/--output"),
+    ],
+)
+def test_an_output_file_that_names_a_folder_is_refused(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    argv: list[str],
+    argument: str,
+) -> None:
+    """``--write out/`` wrote a file named ``out``: the path asks for a folder, not a file."""
+    monkeypatch.chdir(tmp_path)
+    spec = str(spec_dir() / "residency.toml")
+    assert usage_error(capsys, *(a.format(spec=spec) for a in argv)) == (
+        "",
+        f"fsm-cache {argv[0]}: error: argument {argument}: {argv[-1]}: names a folder, not a file",
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -23,7 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsm_cache.cli.files import current_text, write_files
+from fsm_cache.cli.files import current_text, file_argument, write_files
 from fsm_cache.diagram import FORMATS, DiagramError, one_line, render
 from fsm_cache.spec.loader import load_spec, path_argument, spec_files
 from fsm_cache.spec.shipped import shipped_spec_paths
@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--format", choices=FORMATS, default="mermaid", help="default: mermaid")
     parser.add_argument(
-        "-o", "--output", type=path_argument, metavar="PATH", help="write here, not stdout"
+        "-o", "--output", type=file_argument, metavar="PATH", help="write here, not stdout"
     )
     parser.add_argument(
         "--highlight",

@@ -16,6 +16,7 @@ without it, so a module of the user's code named by mistake is left whole.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import os
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from fsm_cache.errors import FsmCacheError
+from fsm_cache.spec.loader import path_argument
 
 
 _SPEC_SUFFIX = ".toml"
@@ -39,6 +41,23 @@ _HEAD_BYTES = 64 * 1024
 
 class OutputError(FsmCacheError):
     """A generated file cannot be checked or written; on a write, nothing was changed."""
+
+
+def file_argument(text: str) -> Path:
+    """Return ``text`` as the :class:`Path` of a file to write or check (an argparse ``type``).
+
+    Refused like any path when empty (:func:`~fsm_cache.spec.loader.path_argument`),
+    and when it names a folder by its spelling: a trailing ``/``, or a last
+    part ``.`` or ``..``. :class:`Path` drops a trailing ``/`` and a ``.``
+    part, so ``--write out/`` would otherwise write a file named ``out``.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is empty or names a folder.
+    """
+    path = path_argument(text)
+    if os.path.basename(text) in ("", os.curdir, os.pardir):
+        raise argparse.ArgumentTypeError(f"{text}: names a folder, not a file")
+    return path
 
 
 def current_text(path: Path) -> str | None:
