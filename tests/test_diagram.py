@@ -585,6 +585,26 @@ def test_committed_diagrams_match_the_specs(capsys: pytest.CaptureFixture[str]) 
             ["--check", "--highlight", "pinned"],
             "--highlight marks one rendering; use it with -o or stdout, not --check/--write",
         ),
+        (
+            ["--write", "--format", "svg", "--dir", "drawn"],
+            "--format is the format of one rendering, to -o or stdout; --check/--write "
+            "without -o work on each spec's .mmd, .dot and .md files",
+        ),
+        (
+            ["--check", "--format", "mermaid"],
+            "--format is the format of one rendering, to -o or stdout; --check/--write "
+            "without -o work on each spec's .mmd, .dot and .md files",
+        ),
+        (
+            ["a.toml", "--dir", "drawn"],
+            "--dir is the folder of --check/--write without -o; a rendering to -o or "
+            "stdout does not use it",
+        ),
+        (
+            ["a.toml", "--write", "-o", "a.mmd", "--dir", "drawn"],
+            "--dir is the folder of --check/--write without -o; a rendering to -o or "
+            "stdout does not use it",
+        ),
     ],
 )
 def test_bad_arguments_are_refused(argv: list[str], message: str) -> None:
