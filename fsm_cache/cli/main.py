@@ -11,10 +11,12 @@ quietly, with :data:`OUTPUT_CLOSED`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from fsm_cache.errors import FsmCacheError, SpecError
 
@@ -73,6 +75,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     (Ctrl-C: one line, as a shell reports SIGINT, never a traceback), 141 the
     reader of the output has gone (:data:`OUTPUT_CLOSED`).
     """
+    with _escaping_output():
+        return _run(argv)
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    """Parse ``argv``, run its subcommand and return the exit status, reporting any error."""
     try:
         try:  # the parser too: a tool module that fails at import is one error, no traceback
             args = build_parser().parse_args(argv)
@@ -88,6 +96,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FsmCacheError, OSError) as exc:
         return _report([f"error: {exc}"], 2)
     return status
+
+
+@contextlib.contextmanager
+def _escaping_output() -> Iterator[None]:
+    r"""Let stdout and stderr write any text while the command runs: what they cannot encode is escaped.
+
+    A file name that is not UTF-8 (Linux names are bytes; Python carries the
+    undecodable ones as lone surrogates) cannot be written by a strict UTF-8
+    stdout, which is what most locales give: ``ok: NAME`` failed with a
+    UnicodeEncodeError traceback after the work was done, and so did a
+    spec's ``é`` on an ASCII or Latin-1 stdout. A strict stream escapes
+    instead (``\udcff``, ``\xe9``), as Python's stderr always does; one
+    that already handles such text (``surrogateescape`` writes a name's own
+    bytes back) is left as it is, and each is put back as it was afterwards.
+    """
+    changed = []
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            stream.reconfigure(errors="backslashreplace")
+            changed.append(stream)
+    try:
+        yield
+    finally:
+        for stream in changed:
+            with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing to put back
+                stream.reconfigure(errors="strict")
 
 
 def _report(lines: Iterable[str], status: int) -> int:
