@@ -729,6 +729,22 @@ def test_output_to_a_toml_file_is_refused_though_no_spec_read_is_there(
     assert {p.name: p.read_bytes() for p in specs.iterdir()} == before
 
 
+def test_checking_a_toml_file_is_refused_as_writing_one_is(
+    specs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--check`` of a spec called it stale and advised ``--write``, which refuses it."""
+    door = specs / "door.toml"
+    for argv in (
+        ["diagram", str(door), "-o", str(door), "--check"],
+        ["types", str(door), "--check", str(door)],
+    ):
+        assert main(argv) == 2
+        assert capsys.readouterr() == (
+            "",
+            f"error: {door}: is a .toml file (a spec or settings), never one fsm-cache generates\n",
+        )
+
+
 def test_a_set_written_over_a_spec_is_refused(
     specs: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

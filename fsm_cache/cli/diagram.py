@@ -196,7 +196,8 @@ def _check(wanted: dict[Path, str]) -> int:
     """Print each file that is missing or stale; return 1 if any is.
 
     Raises:
-        OutputError: A file to check is there but is no regular file, or cannot be read.
+        OutputError: A file to check is a ``.toml`` file, is there but is no
+            regular file, or cannot be read.
     """
     stale = 0
     currents = {path: current_text(path) for path in wanted}  # any error before any line

@@ -63,6 +63,10 @@ def file_argument(text: str) -> Path:
 def current_text(path: Path) -> str | None:
     """Return the text of a generated file: None when missing, ``""`` when not UTF-8.
 
+    A ``.toml`` path is refused as :func:`write_files` refuses it: no command
+    generates one, so ``--check`` would call it stale and advise a
+    ``--write`` that refuses it.
+
     A file that is not UTF-8 is not what fsm_cache generated either: it reads
     as an empty text, so ``--check`` calls it stale and ``--write`` rewrites it
     instead of failing on the decode. A path that is there but no regular file
@@ -70,8 +74,11 @@ def current_text(path: Path) -> str | None:
     user named the wrong thing, and reading a FIFO would block.
 
     Raises:
-        OutputError: The path is not a regular file, or cannot be read.
+        OutputError: The path is a ``.toml`` file, is not a regular file, or cannot be read.
     """
+    toml = _toml(path)
+    if toml:
+        raise OutputError(toml)
     try:
         status = path.stat()
     except FileNotFoundError:
@@ -258,9 +265,9 @@ def _check_generated(
     Raises:
         OutputError: Naming the target and why; nothing was changed.
     """
-    if _SPEC_SUFFIX in (path.suffix.lower(), Path(os.path.realpath(path)).suffix.lower()):
-        msg = f"{path}: is a .toml file (a spec or settings), never one fsm-cache generates"
-        raise OutputError(f"{msg}; {unchanged}")
+    toml = _toml(path)
+    if toml:
+        raise OutputError(f"{toml}; {unchanged}")
     if ours is None:
         return
     try:
@@ -272,6 +279,13 @@ def _check_generated(
         raise OutputError(f"{path}: cannot read: {_why(exc)}; {unchanged}") from None
     if head and not ours(head.decode("utf-8", errors="replace")):
         raise OutputError(f"{path}: is not a {kind} file fsm-cache wrote; {unchanged}")
+
+
+def _toml(path: Path) -> str:
+    """Return why ``path`` is no file of ours when it is a ``.toml`` file (through a link too), else ``""``."""
+    if _SPEC_SUFFIX in (path.suffix.lower(), Path(os.path.realpath(path)).suffix.lower()):
+        return f"{path}: is a .toml file (a spec or settings), never one fsm-cache generates"
+    return ""
 
 
 def _differs(path: Path, text: str) -> bool:
