@@ -365,6 +365,31 @@ def test_the_cli_refuses_a_renamed_reference_state_with_exit_2(
     )
 
 
+@pytest.mark.parametrize("refused", ["policy", "renamed"])
+def test_a_spec_refused_after_another_is_refused_before_any_is_explored(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    refused: str,
+) -> None:
+    """The first spec's search (minutes on four nodes) was done, then lost to the second's refusal."""
+
+    def run(*_: object, **__: object) -> None:
+        raise AssertionError("a spec was explored though another is refused")
+
+    monkeypatch.setattr(Explorer, "run", run)
+    good = str(spec_dir() / "residency.toml")
+    if refused == "policy":
+        argv = ["--policy", "write_through", good, str(spec_dir() / "host_residency.toml")]
+        why = "host_residency: the write_through policy needs host and device regions"
+    else:
+        argv = [good, str(_renamed(tmp_path, "host", "backed", "valid"))]
+        why = "check: residency: the host region has no state backed: "
+    assert cli_main(["check", "--nodes", "2", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err.startswith(f"error: {why}"), len(err.splitlines())) == ("", True, 1)
+
+
 def test_states_the_checker_does_not_read_may_be_renamed(tmp_path: Path) -> None:
     result = check.check_spec(_renamed(tmp_path, "host", "evicted", "freed"), 2, Bounds({}))
     assert result.violation is None

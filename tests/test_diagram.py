@@ -585,6 +585,26 @@ def test_committed_diagrams_match_the_specs(capsys: pytest.CaptureFixture[str]) 
             ["--check", "--highlight", "pinned"],
             "--highlight marks one rendering; use it with -o or stdout, not --check/--write",
         ),
+        (
+            ["--write", "--format", "svg", "--dir", "drawn"],
+            "--format is the format of one rendering, to -o or stdout; --check/--write "
+            "without -o work on each spec's .mmd, .dot and .md files",
+        ),
+        (
+            ["--check", "--format", "mermaid"],
+            "--format is the format of one rendering, to -o or stdout; --check/--write "
+            "without -o work on each spec's .mmd, .dot and .md files",
+        ),
+        (
+            ["a.toml", "--dir", "drawn"],
+            "--dir is the folder of --check/--write without -o; a rendering to -o or "
+            "stdout does not use it",
+        ),
+        (
+            ["a.toml", "--write", "-o", "a.mmd", "--dir", "drawn"],
+            "--dir is the folder of --check/--write without -o; a rendering to -o or "
+            "stdout does not use it",
+        ),
     ],
 )
 def test_bad_arguments_are_refused(argv: list[str], message: str) -> None:
@@ -707,6 +727,22 @@ def test_output_to_a_toml_file_is_refused_though_no_spec_read_is_there(
             "generates; no diagram file was changed\n",
         )
     assert {p.name: p.read_bytes() for p in specs.iterdir()} == before
+
+
+def test_checking_a_toml_file_is_refused_as_writing_one_is(
+    specs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--check`` of a spec called it stale and advised ``--write``, which refuses it."""
+    door = specs / "door.toml"
+    for argv in (
+        ["diagram", str(door), "-o", str(door), "--check"],
+        ["types", str(door), "--check", str(door)],
+    ):
+        assert main(argv) == 2
+        assert capsys.readouterr() == (
+            "",
+            f"error: {door}: is a .toml file (a spec or settings), never one fsm-cache generates\n",
+        )
 
 
 def test_a_set_written_over_a_spec_is_refused(

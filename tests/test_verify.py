@@ -516,3 +516,31 @@ def test_a_release_accepted_at_zero_refutes_its_exact_change_contract(tmp_path: 
     assert [(r.function, r.contract, r.detail) for r in bad] == [
         ("release", "release changes holders by exactly -1", "release(state=State.idle, holders=0)")
     ]
+
+
+def test_every_bad_target_is_reported_before_any_is_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad target after a good one was found only once the good one was verified.
+
+    That is minutes of CrossHair on a composition, thrown away by the error;
+    now every target is loaded or found first, and every fault is reported.
+    """
+
+    def prove(*_: object, **__: object) -> list[Row]:
+        raise AssertionError("a target was verified though another is bad")
+
+    monkeypatch.setattr(crosshair_run, "prove", prove)
+    monkeypatch.setattr(exhaustive, "check_module", prove)
+    missing = tmp_path / "missing.toml"
+    status = main(
+        ["verify", str(spec_dir() / "host_residency.toml"), str(missing), "no_such.module"]
+    )
+    assert (status, capsys.readouterr()) == (
+        2,
+        (
+            "",
+            f"error: {missing}: cannot read: No such file or directory\n"
+            "error: no_such.module: not a spec file, a .py file or an importable module\n",
+        ),
+    )

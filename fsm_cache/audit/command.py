@@ -23,6 +23,7 @@ from fsm_cache.audit.config import ConfigFinder
 from fsm_cache.audit.model import DEFAULT_PAIRS, AuditConfig, AuditError, Finding
 from fsm_cache.audit.report import REPORT_FORMATS, render_report
 from fsm_cache.errors import FsmCacheError
+from fsm_cache.spec.loader import path_argument, path_text
 
 
 _SKIPPED_DIRS = frozenset({"__pycache__", "node_modules", "site-packages"})
@@ -39,7 +40,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "leaks, double releases, unmatched releases and exception-unsafe pairs."
         ),
     )
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="files or folders to audit")
+    parser.add_argument(
+        "paths", nargs="+", type=path_text, metavar="PATH", help="files or folders to audit"
+    )
     parser.add_argument(
         "--pair",
         action="append",
@@ -50,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--format", choices=REPORT_FORMATS, default="text", help="report format")
     parser.add_argument(
         "--config",
-        type=Path,
+        type=path_argument,
         metavar="PYPROJECT",
         help=(
             "pyproject.toml to read [tool.fsm_cache.audit] from, for every file "

@@ -11,7 +11,9 @@ Usage::
 ``<dir>/<name>.mmd``, ``.dot`` and ``.md`` (every shipped spec when no SPEC is
 given). SVG is left out of the set: its bytes depend on the Graphviz version.
 Two specs whose sets would be the same files (``a/d.toml`` and ``b/d.toml``
-both draw ``<dir>/d.*``) are refused, naming both.
+both draw ``<dir>/d.*``) are refused, naming both. ``--format`` is the format
+of one rendering and ``--dir`` the folder of the set: either given to the
+other mode is refused, never silently ignored.
 
 Every write goes through :func:`fsm_cache.cli.files.write_files`: all files or
 none, never over a spec file the command reads, and never to a ``.toml`` file.
@@ -23,13 +25,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsm_cache.cli.files import current_text, path_argument, write_files
+from fsm_cache.cli.files import current_text, file_argument, write_files
 from fsm_cache.diagram import FORMATS, DiagramError, one_line, render
-from fsm_cache.spec.loader import load_spec, spec_files
+from fsm_cache.spec.loader import load_spec, path_argument, spec_files
 from fsm_cache.spec.shipped import shipped_spec_paths
 
 
 DEFAULT_DIR = Path("docs/diagrams")
+DEFAULT_FORMAT = "mermaid"
 SET_SUFFIXES = {"mermaid": ".mmd", "dot": ".dot", "md": ".md"}
 # Formats whose documents can hold several specs; the others are one picture each.
 SECTIONED = ("md",)
@@ -56,9 +59,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "specs", nargs="*", type=path_argument, metavar="SPEC", help="spec TOML files"
     )
-    parser.add_argument("--format", choices=FORMATS, default="mermaid", help="default: mermaid")
+    # --format and --dir default to None, so one given where it is not used is told and refused
+    parser.add_argument("--format", choices=FORMATS, help=f"default: {DEFAULT_FORMAT}")
     parser.add_argument(
-        "-o", "--output", type=path_argument, metavar="PATH", help="write here, not stdout"
+        "-o", "--output", type=file_argument, metavar="PATH", help="write here, not stdout"
     )
     parser.add_argument(
         "--highlight",
@@ -73,8 +77,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--dir",
         type=path_argument,
-        default=DEFAULT_DIR,
-        help=f"diagram folder (default: {DEFAULT_DIR})",
+        help=f"diagram folder of --check/--write without -o (default: {DEFAULT_DIR})",
     )
     parser.set_defaults(handler=run)
 
@@ -84,8 +87,10 @@ def run(args: argparse.Namespace) -> int:
 
     Raises:
         DiagramError: The arguments do not name what to render, ask for one
-            document of several specs in a format that draws one, or name
-            specs whose diagram files would be the same.
+            document of several specs in a format that draws one, name
+            specs whose diagram files would be the same, or give an option
+            the mode does not use (``--format`` to the set of files,
+            ``--dir`` to one rendering).
         OutputError: A file to write is a spec the command reads or a
             ``.toml`` file, is no regular file, or cannot be written (nothing
             was changed), or a
@@ -95,10 +100,23 @@ def run(args: argparse.Namespace) -> int:
         if args.highlight:
             msg = "--highlight marks one rendering; use it with -o or stdout, not --check/--write"
             raise DiagramError(msg)
+        if args.format is not None:
+            suffixes = list(SET_SUFFIXES.values())
+            msg = (
+                "--format is the format of one rendering, to -o or stdout; --check/--write "
+                f"without -o work on each spec's {', '.join(suffixes[:-1])} and {suffixes[-1]} files"
+            )
+            raise DiagramError(msg)
         specs = args.specs or shipped_spec_paths()
-        wanted = expected(specs, args.dir)
+        wanted = expected(specs, DEFAULT_DIR if args.dir is None else args.dir)
         return _check(wanted) if args.check else _write(wanted, specs)
-    text = document(args.specs, args.format, tuple(args.highlight))
+    if args.dir is not None:
+        msg = (
+            "--dir is the folder of --check/--write without -o; a rendering to -o or "
+            "stdout does not use it"
+        )
+        raise DiagramError(msg)
+    text = document(args.specs, args.format or DEFAULT_FORMAT, tuple(args.highlight))
     if args.output is None:
         sys.stdout.write(text)
         return 0
@@ -178,7 +196,8 @@ def _check(wanted: dict[Path, str]) -> int:
     """Print each file that is missing or stale; return 1 if any is.
 
     Raises:
-        OutputError: A file to check is there but is no regular file, or cannot be read.
+        OutputError: A file to check is a ``.toml`` file, is there but is no
+            regular file, or cannot be read.
     """
     stale = 0
     currents = {path: current_text(path) for path in wanted}  # any error before any line

@@ -26,13 +26,11 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from fsm_cache.errors import FsmCacheError
+from fsm_cache.spec.loader import path_argument
 
 
 _SPEC_SUFFIX = ".toml"
 """The suffix of specs and settings: input, never a file a command generates."""
-
-EMPTY_PATH = "an empty path names no file"
-"""Why an empty path argument is refused: ``Path("")`` would be the working directory."""
 
 _STAGING_TRIES = 16
 """How many random staging names to try before giving up (one is almost always enough)."""
@@ -45,32 +43,29 @@ class OutputError(FsmCacheError):
     """A generated file cannot be checked or written; on a write, nothing was changed."""
 
 
-def path_text(text: str) -> str:
-    """Return ``text``, an argparse ``type`` for path arguments that refuses an empty one.
+def file_argument(text: str) -> Path:
+    """Return ``text`` as the :class:`Path` of a file to write or check (an argparse ``type``).
 
-    An empty argument (``--write ''``, an unset shell variable) would otherwise
-    name the working directory or mean "no file given", and the command would
-    print or write somewhere the user did not ask for.
-
-    Raises:
-        argparse.ArgumentTypeError: ``text`` is empty; argparse reports it and exits 2.
-    """
-    if not text:
-        raise argparse.ArgumentTypeError(EMPTY_PATH)
-    return text
-
-
-def path_argument(text: str) -> Path:
-    """Return ``text`` as a :class:`Path`, refusing an empty one as :func:`path_text` does.
+    Refused like any path when empty (:func:`~fsm_cache.spec.loader.path_argument`),
+    and when it names a folder by its spelling: a trailing ``/``, or a last
+    part ``.`` or ``..``. :class:`Path` drops a trailing ``/`` and a ``.``
+    part, so ``--write out/`` would otherwise write a file named ``out``.
 
     Raises:
-        argparse.ArgumentTypeError: ``text`` is empty.
+        argparse.ArgumentTypeError: ``text`` is empty or names a folder.
     """
-    return Path(path_text(text))
+    path = path_argument(text)
+    if os.path.basename(text) in ("", os.curdir, os.pardir):
+        raise argparse.ArgumentTypeError(f"{text}: names a folder, not a file")
+    return path
 
 
 def current_text(path: Path) -> str | None:
     """Return the text of a generated file: None when missing, ``""`` when not UTF-8.
+
+    A ``.toml`` path is refused as :func:`write_files` refuses it: no command
+    generates one, so ``--check`` would call it stale and advise a
+    ``--write`` that refuses it.
 
     A file that is not UTF-8 is not what fsm_cache generated either: it reads
     as an empty text, so ``--check`` calls it stale and ``--write`` rewrites it
@@ -79,8 +74,11 @@ def current_text(path: Path) -> str | None:
     user named the wrong thing, and reading a FIFO would block.
 
     Raises:
-        OutputError: The path is not a regular file, or cannot be read.
+        OutputError: The path is a ``.toml`` file, is not a regular file, or cannot be read.
     """
+    toml = _toml(path)
+    if toml:
+        raise OutputError(toml)
     try:
         status = path.stat()
     except FileNotFoundError:
@@ -267,9 +265,9 @@ def _check_generated(
     Raises:
         OutputError: Naming the target and why; nothing was changed.
     """
-    if _SPEC_SUFFIX in (path.suffix.lower(), Path(os.path.realpath(path)).suffix.lower()):
-        msg = f"{path}: is a .toml file (a spec or settings), never one fsm-cache generates"
-        raise OutputError(f"{msg}; {unchanged}")
+    toml = _toml(path)
+    if toml:
+        raise OutputError(f"{toml}; {unchanged}")
     if ours is None:
         return
     try:
@@ -281,6 +279,13 @@ def _check_generated(
         raise OutputError(f"{path}: cannot read: {_why(exc)}; {unchanged}") from None
     if head and not ours(head.decode("utf-8", errors="replace")):
         raise OutputError(f"{path}: is not a {kind} file fsm-cache wrote; {unchanged}")
+
+
+def _toml(path: Path) -> str:
+    """Return why ``path`` is no file of ours when it is a ``.toml`` file (through a link too), else ``""``."""
+    if _SPEC_SUFFIX in (path.suffix.lower(), Path(os.path.realpath(path)).suffix.lower()):
+        return f"{path}: is a .toml file (a spec or settings), never one fsm-cache generates"
+    return ""
 
 
 def _differs(path: Path, text: str) -> bool:

@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fsm_cache.cli.files import current_text, path_argument, write_files
-from fsm_cache.spec.loader import load_spec, spec_files
+from fsm_cache.cli.files import current_text, file_argument, write_files
+from fsm_cache.spec.loader import load_spec, path_argument, spec_files
 from fsm_cache.spec.stubs import is_stub, stub
 
 
@@ -34,9 +34,9 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("spec", type=path_argument, metavar="SPEC", help="a .toml spec file")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--write", type=path_argument, metavar="FILE", help="write the stub to FILE")
+    where.add_argument("--write", type=file_argument, metavar="FILE", help="write the stub to FILE")
     where.add_argument(
-        "--check", type=path_argument, metavar="FILE", help="exit 1 if FILE is not the current stub"
+        "--check", type=file_argument, metavar="FILE", help="exit 1 if FILE is not the current stub"
     )
     parser.set_defaults(handler=run)
 

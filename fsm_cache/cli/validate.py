@@ -15,9 +15,8 @@ import argparse
 import sys
 from typing import Any
 
-from fsm_cache.cli.files import path_text
 from fsm_cache.errors import SpecError
-from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.loader import load_spec, path_text
 from fsm_cache.spec.machine import MachineSpec, Spec
 
 

@@ -37,7 +37,7 @@ from fsm_cache.contracts.runner import Options, Row
 from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.numeric import whole
 from fsm_cache.spec.controls import Control, controls, load_finding, relative, render_controls
-from fsm_cache.spec.loader import load_spec, read_toml
+from fsm_cache.spec.loader import load_spec, path_text, read_toml
 from fsm_cache.spec.machine import as_system
 from fsm_cache.spec.shipped import shipped_spec_paths
 
@@ -151,6 +151,16 @@ def verify_module(name: str, options: Options) -> list[Row]:
     Raises:
         SpecError: No such file or module, or importing its package raised or exited.
     """
+    path = module_path(name)
+    return crosshair_run.prove(path.stem, path, options)
+
+
+def module_path(name: str) -> Path:
+    """Return the file of a contracts module given as a ``.py`` path or a dotted module name.
+
+    Raises:
+        SpecError: No such file or module, or importing its package raised or exited.
+    """
     path = Path(name)
     if path.suffix != ".py":
         spec = _find_module(name) if _dotted(name) else None
@@ -159,7 +169,7 @@ def verify_module(name: str, options: Options) -> list[Row]:
         path = Path(spec.origin)
     if not path.is_file():
         raise SpecError([f"{name}: no such file"])
-    return crosshair_run.prove(path.stem, path, options)
+    return path
 
 
 def _find_module(name: str) -> ModuleSpec | None:
@@ -183,6 +193,30 @@ def _find_module(name: str) -> ModuleSpec | None:
         raise SpecError([f"{name}: cannot import: {type(exc).__name__}: {exc}"]) from None
     except (Exception, SystemExit) as exc:  # the user's package: its own raise or exit
         raise SpecError([f"{name}: cannot import: {type(exc).__name__}: {exc}"]) from None
+
+
+def check_targets(targets: Sequence[str]) -> None:
+    """Refuse a run before anything is verified when a target does not load or is not found.
+
+    Verifying one target takes seconds to minutes of CrossHair, so a bad
+    target found only when its turn came would throw away the work done on
+    those before it; and like ``validate``, one run names every bad target.
+
+    Raises:
+        SpecError: Every fault of every target: a spec that does not load, a
+            module that is not found or whose package cannot be imported.
+    """
+    problems: list[str] = []
+    for target in targets:
+        try:
+            if target.endswith(".toml"):
+                load_spec(Path(target))
+            else:
+                module_path(target)
+        except SpecError as exc:
+            problems += exc.problems
+    if problems:
+        raise SpecError(list(dict.fromkeys(problems)))
 
 
 def verify_target(target: str, options: Options, workdir: Path) -> list[Row]:
@@ -210,7 +244,13 @@ def verify_control(control: Control, options: Options, workdir: Path) -> str:
 
 
 def run(targets: Sequence[str], options: Options, with_controls: bool) -> dict[str, Any]:
-    """Verify targets (the shipped set when empty) and, if asked, the negative controls."""
+    """Verify targets (the shipped set when empty) and, if asked, the negative controls.
+
+    Raises:
+        SpecError: A target does not load or is not found (:func:`check_targets`);
+            nothing was verified.
+    """
+    check_targets(targets)
     started = time.perf_counter()
     shipped = [str(p) for p in shipped_spec_paths()] + [POOL_CONTRACTS]
     with tempfile.TemporaryDirectory(prefix="fsm-verify-") as tmp:
@@ -291,6 +331,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "targets",
         nargs="*",
+        type=path_text,
         metavar="SPEC_OR_MODULE",
         help="spec .toml files, contract modules (.py or dotted names); default: the shipped specs, pool contracts and negative controls",
     )

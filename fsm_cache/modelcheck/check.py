@@ -54,7 +54,7 @@ from fsm_cache.modelcheck.state import Layout, Nodes, reference_states
 from fsm_cache.numeric import whole
 from fsm_cache.policy import WritePolicy
 from fsm_cache.spec.controls import Control, controls, load_finding, render_controls
-from fsm_cache.spec.loader import load_spec, unreadable
+from fsm_cache.spec.loader import load_spec, path_text, unreadable
 from fsm_cache.spec.machine import as_system
 from fsm_cache.spec.shipped import shipped_spec_paths
 
@@ -183,6 +183,27 @@ def check_spec(
             the residency checks read by name
             (:func:`~fsm_cache.modelcheck.state.reference_states`).
     """
+    explorer, start = prepare(path, nodes, bounds, ops, policy=policy, symmetry=symmetry)
+    return explorer.run(start, tick, budget)
+
+
+def prepare(
+    path: Path,
+    nodes: int,
+    bounds: Bounds,
+    ops: ModuleType | Any = treeops,
+    *,
+    policy: WritePolicy | None = None,
+    symmetry: bool = True,
+) -> tuple[Explorer, dict[str, Nodes]]:
+    """Return the explorer of :func:`check_spec` and the tree of each shape it starts from.
+
+    Everything that refuses a check is done here, before anything is
+    explored, so :func:`run` can refuse a run with several specs at once.
+
+    Raises:
+        BadArgument, SpecError, ConfigError: As :func:`check_spec`.
+    """
     if not whole(nodes, 1):
         raise BadArgument(f"check: nodes must be an int >= 1, got {nodes!r}")
     if nodes > MAX_NODES:
@@ -192,8 +213,7 @@ def check_spec(
     system = as_system(load_spec(path))
     reference_states(system)
     layout = Layout.of(system)
-    explorer = Explorer(layout, bounds, ops, policy, symmetry=symmetry)
-    return explorer.run(shapes(layout, nodes), tick, budget)
+    return Explorer(layout, bounds, ops, policy, symmetry=symmetry), shapes(layout, nodes)
 
 
 def load_ops(path: Path) -> tuple[Path, ModuleType]:
@@ -342,19 +362,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     Raises:
         SpecError: The ``--ops`` module names no ``SPEC``, an unknown
-            ``POLICY``, or another spec or policy than the command line.
+            ``POLICY``, or another spec or policy than the command line; or a
+            target is refused (:func:`prepare`), before any is explored.
         ConfigError: The ``--ops`` module cannot be imported, or a hook fails.
     """
     ops: ModuleType = treeops
-    if args.ops:
+    if args.ops is not None:
         spec, ops = load_ops(Path(args.ops))
         args = with_ops(args, spec, getattr(ops, "POLICY", None))
     symmetry = not args.no_symmetry
     budget = Budget(max_states=args.max_states, max_seconds=args.max_seconds)
-    specs = []
+    planned = []
     for path, policy, nodes, locks in targets(args):
         bounded = ceilings(path, args.max_pins, locks, args.max_count)
         bounds = Bounds(bounded, args.max_count)
+        # every target is refused or taken before one is explored: a refusal after a
+        # search (minutes on four nodes) would throw its result away
+        prepare(path, nodes, bounds, ops, policy=POLICIES[policy], symmetry=symmetry)
+        planned.append((path, policy, nodes, bounded, bounds))
+    specs = []
+    for path, policy, nodes, bounded, bounds in planned:
         started = time.perf_counter()
         with progress(args.progress, _title(path.name, policy)) as tick:
             result = check_spec(
@@ -479,6 +506,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "specs",
         nargs="*",
+        type=path_text,
         metavar="SPEC",
         help="spec .toml files; default: the shipped specs and the negative controls",
     )
@@ -519,6 +547,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--ops",
+        type=path_text,
         metavar="FILE.py",
         help="a module replacing tree operations (insert, born, split, prune), wants_backup "
         "or match_prefix, checked on the spec its SPEC names under its POLICY (default: "

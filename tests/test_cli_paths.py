@@ -1,0 +1,115 @@
+"""Path arguments of every subcommand: a path that names nothing, or a folder, is a usage error.
+
+``fsm-cache validate``, ``diagram`` and ``types`` refused an empty path from
+the start; ``check``, ``verify`` and ``audit`` took it as the working
+directory (``audit ''`` audited it, ``--config ''`` read ``.``) or as no
+argument at all (``check --ops ''`` ran every shipped spec and control).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsm_cache.cli.main import main
+from fsm_cache.spec.shipped import spec_dir
+
+
+def usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[str, str]:
+    """Run ``fsm-cache ARGV``, which must be refused by the parser; return (stdout, last stderr line)."""
+    with pytest.raises(SystemExit) as info:
+        main(list(argv))
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    return out, err.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "argument"),
+    [
+        (["check", ""], "SPEC"),
+        (["check", "--ops", ""], "--ops"),
+        (["verify", ""], "SPEC_OR_MODULE"),
+        (["audit", ""], "PATH"),
+        (["audit", "{spec}", "--config", ""], "--config"),
+    ],
+)
+def test_an_empty_path_is_refused(
+    capsys: pytest.CaptureFixture[str], argv: list[str], argument: str
+) -> None:
+    spec = str(spec_dir() / "host_residency.toml")
+    command = argv[0]
+    assert usage_error(capsys, *(a.format(spec=spec) for a in argv)) == (
+        "",
+        f"fsm-cache {command}: error: argument {argument}: an empty path names no file",
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "argument"),
+    [
+        (["types", "{spec}", "--write", "out/"], "--write"),
+        (["types", "{spec}", "--write", "new/."], "--write"),
+        (["types", "{spec}", "--check", "out/"], "--check"),
+        (["diagram", "{spec}", "-o", "drawn/"], "-o/--output"),
+        (["diagram", "{spec}", "--write", "-o", "drawn/.."], "-o/--output"),
+    ],
+)
+def test_an_output_file_that_names_a_folder_is_refused(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    argv: list[str],
+    argument: str,
+) -> None:
+    """``--write out/`` wrote a file named ``out``: the path asks for a folder, not a file."""
+    monkeypatch.chdir(tmp_path)
+    spec = str(spec_dir() / "residency.toml")
+    assert usage_error(capsys, *(a.format(spec=spec) for a in argv)) == (
+        "",
+        f"fsm-cache {argv[0]}: error: argument {argument}: {argv[-1]}: names a folder, not a file",
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_name_that_is_not_utf8_is_printed_escaped(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A name stdout cannot encode is escaped as on stderr, never a UnicodeEncodeError traceback.
+
+    Linux file names are bytes; Python carries those that are not UTF-8 as
+    lone surrogates, which a strict UTF-8 stdout (most locales') cannot write.
+    """
+    spec = tmp_path / os.fsdecode(b"flip\xff.toml")
+    shutil.copyfile(spec_dir() / "host_residency.toml", spec)
+    shown = str(spec).encode("utf-8", "backslashreplace").decode("ascii")
+    assert sys.stdout.errors == "strict"  # as under en_US.UTF-8
+    status = main(["validate", str(spec)])
+    assert (status, capsys.readouterr().out) == (
+        0,
+        f"ok: {shown} (machine host_residency: 5 states, 15 transitions, 14 refusals)\n",
+    )
+    assert sys.stdout.errors == "strict"  # as it was: main changes it for its own run only
+
+
+def test_text_stdout_cannot_encode_is_escaped(tmp_path: Path) -> None:
+    """A spec's doc drawn to an ASCII stdout (``PYTHONIOENCODING=ascii``, a Latin-1 locale)."""
+    text = (spec_dir() / "host_residency.toml").read_text(encoding="utf-8")
+    spec = tmp_path / "accent.toml"
+    spec.write_text(
+        text.replace('doc = "Only the device', 'doc = "D\u00e9j\u00e0: only the device')
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "fsm_cache", "diagram", "--format", "md", str(spec)],
+        env={**os.environ, "FSM_CACHE_PURE": "1", "PYTHONIOENCODING": "ascii"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    assert "D\\xe9j\\xe0: only the device" in done.stdout

@@ -1,0 +1,94 @@
+"""A reader that goes away (``fsm-cache ... | head -1``): a quiet exit 141, never an error.
+
+Python ignores SIGPIPE and raises BrokenPipeError at the next write instead;
+the CLI used to report that as ``error: [Errno 32] Broken pipe`` (exit 2), and
+when stderr was the closed pipe, failed on the report itself (exit 1, the
+traceback lost). Each subprocess test hands the command a pipe whose reader is
+already gone, so the first write fails whatever the buffering.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsm_cache.cli.main import OUTPUT_CLOSED, main
+from fsm_cache.spec.shipped import spec_dir
+
+
+def closed_reader(*argv: str, into: str) -> tuple[int, bytes]:
+    """Run ``python -m fsm_cache ARGV`` with ``into`` (stdout or stderr) a pipe nobody reads.
+
+    Returns the exit status and what the other stream received.
+    """
+    read, write = os.pipe()
+    os.close(read)
+    stdout, stderr = (write, subprocess.PIPE) if into == "stdout" else (subprocess.PIPE, write)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "fsm_cache", *argv],
+            env={**os.environ, "FSM_CACHE_PURE": "1"},
+            stdout=stdout,
+            stderr=stderr,
+            check=False,
+        )
+    finally:
+        os.close(write)
+    return done.returncode, done.stderr if into == "stdout" else done.stdout
+
+
+def test_the_status_is_what_a_shell_reports_of_sigpipe() -> None:
+    assert OUTPUT_CLOSED == 128 + 13
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["validate", str(spec_dir() / "host_residency.toml")],
+        ["diagram", str(spec_dir() / "residency.toml")],
+        ["types", str(spec_dir() / "residency.toml")],
+    ],
+    ids=["validate", "diagram", "types"],
+)
+def test_a_closed_stdout_ends_the_command_quietly(argv: list[str]) -> None:
+    assert closed_reader(*argv, into="stdout") == (OUTPUT_CLOSED, b"")
+
+
+def test_a_closed_stderr_ends_the_command_quietly(tmp_path: Path) -> None:
+    """The error lines of a bad spec cannot be written: no traceback, none of stdout lost."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text("x = [\n", encoding="utf-8")
+    good = spec_dir() / "host_residency.toml"
+    status, out = closed_reader("validate", str(good), str(bad), into="stderr")
+    assert (status, out.decode()) == (
+        OUTPUT_CLOSED,
+        f"ok: {good} (machine host_residency: 5 states, 15 transitions, 14 refusals)\n",
+    )
+
+
+class _Gone(io.StringIO):
+    """A stream whose reader has left: every write fails as a closed pipe's does."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_main_returns_the_status_and_writes_no_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "stdout", _Gone())
+    assert main(["validate", str(spec_dir() / "host_residency.toml")]) == OUTPUT_CLOSED
+    assert capsys.readouterr().err == ""
+
+
+def test_main_returns_the_status_when_the_error_lines_cannot_be_written(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(sys, "stderr", _Gone())
+    assert main(["validate", str(tmp_path / "missing.toml")]) == OUTPUT_CLOSED
+    assert main(["types", str(tmp_path / "missing.toml")]) == OUTPUT_CLOSED
