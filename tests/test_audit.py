@@ -212,6 +212,7 @@ def test_python_dash_m_sarif_is_valid_json() -> None:
     assert [r["ruleId"] for r in log["runs"][0]["results"]] == ["FSM101", "FSM104"]
 
 
+@pytest.mark.usefixtures("default_recursion_limit")  # an earlier test (mypy) may raise it
 def test_a_source_too_deeply_nested_to_parse_is_bad_input(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
