@@ -1121,7 +1121,9 @@ def _spec_class(cpu_spec: Any, manager: type) -> type:
                 if getattr(self, "cpu_info", None) is not None:
                     options["info"] = self.cpu_info
                 policy = extra.get("eviction_policy", "lru")
-                if policy != "lru" or extra.get("cache_policy_module_path"):
+                # vLLM resolves a registered name before any module path, so with "lru"
+                # its own LRU runs whatever cache_policy_module_path says.
+                if policy != "lru":
                     msg = (
                         "FsmCpuOffloadingSpec supports eviction_policy 'lru' only, "
                         f"not {policy!r} (cache_policy_module_path "

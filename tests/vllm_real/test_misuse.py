@@ -257,6 +257,40 @@ def test_the_spec_refuses_eviction_policies_other_than_lru(vl: Vllm) -> None:
         vl.fsm.FsmCpuOffloadingSpec(_offloading_config(vl, extra)).get_manager()
 
 
+def test_the_spec_takes_lru_with_a_policy_module_path_as_vllm_does(vl: Vllm) -> None:
+    """vLLM resolves a registered name first: ``lru`` is its LRU whatever the module path says."""
+    policies: Any = __import__(
+        "vllm.v1.kv_offload.cpu.policies.factory", fromlist=["CachePolicyFactory"]
+    )
+    lru: Any = __import__("vllm.v1.kv_offload.cpu.policies.lru", fromlist=["LRUCachePolicy"])
+    extra = {
+        "cpu_bytes_to_use": 64 * 4096,
+        "eviction_policy": "lru",
+        "cache_policy_module_path": "no.such.module",
+    }
+    found = policies.CachePolicyFactory.get_cache_policy_cls("lru", "no.such.module")
+    assert found is lru.LRUCachePolicy
+    ours = vl.fsm.FsmCpuOffloadingSpec(_offloading_config(vl, extra)).get_manager()
+    assert isinstance(ours, vl.fsm.FsmOffloadingManager)
+    assert ours.num_chunks == 64
+
+
+def test_the_spec_refuses_an_out_of_tree_policy(vl: Vllm) -> None:
+    from fsm_cache.errors import BadArgument
+
+    extra = {
+        "cpu_bytes_to_use": 64 * 4096,
+        "eviction_policy": "MyPolicy",
+        "cache_policy_module_path": "my.policies",
+    }
+    with pytest.raises(BadArgument) as refused:
+        vl.fsm.FsmCpuOffloadingSpec(_offloading_config(vl, extra)).get_manager()
+    assert str(refused.value) == (
+        "FsmCpuOffloadingSpec supports eviction_policy 'lru' only, not 'MyPolicy' "
+        "(cache_policy_module_path 'my.policies')"
+    )
+
+
 @pytest.mark.parametrize(
     ("strict", "trail", "expected"),
     [("false", "0", (False, False)), ("True", "on", (True, True)), (None, False, (False, False))],
