@@ -286,7 +286,7 @@ class Driver:
             if a != self.vl.base.LookupResult.HIT:
                 break
             hits.append(key)
-        if hits and self.rng.random() < 0.08:
+        if hits and self.rng.random() < 0.2:
             self.note("repeated_load")
             hits.append(self.rng.choice(hits))
         if hits or self.rng.random() < 0.05:
