@@ -258,6 +258,25 @@ def test_strict_mode_refuses_duplicate_complete_store(ctx: RequestContext) -> No
     assert m.records[K[1]].host == "backed"
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_keys_given_once_through_are_taken_as_a_list(ctx: RequestContext, strict: bool) -> None:
+    """vLLM's manager walks a load's keys once; an iterator of them works there, so here too.
+
+    Checking every key before changing anything walks them twice: an iterator
+    pinned nothing and loaded no chunk, or failed on ``len``.
+    """
+    m = CheckedOffloadingManager(4, strict=strict)
+    m.prepare_store(iter([K[0], K[1]]), ctx)
+    m.complete_store(iter([K[0], K[1]]), ctx)
+    assert m.prepare_load(iter([K[1], K[0]]), ctx) == [1, 0]
+    assert (m.records[K[0]].pins, m.records[K[1]].pins) == (1, 1)
+    m.complete_load(iter([K[0], K[1]]), ctx)
+    assert (m.records[K[0]].host, m.records[K[1]].host) == ("backed", "backed")
+    m.prepare_store(iter([K[2]]), ctx)
+    m.complete_store(iter([K[2]]), ctx, success=False)
+    assert K[2] not in m.records
+
+
 def test_reset_drops_everything_and_restarts_chunks(ctx: RequestContext) -> None:
     m = CheckedOffloadingManager(2)
     stored(m, [K[0]], ctx)

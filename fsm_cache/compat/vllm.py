@@ -485,15 +485,18 @@ class CheckedOffloadingManager:
             return self._answer(Lookup.HIT)
         return self._answer(Lookup.HIT_PENDING)
 
-    def prepare_load(self, keys: Collection[bytes], req_context: ReqContextLike) -> Any:
+    def prepare_load(self, keys: Iterable[bytes], req_context: ReqContextLike) -> Any:
         """Fire ``load`` on every key (pins += 1) and return their chunks.
+
+        ``keys`` is walked once, as vLLM walks it: checking every key before
+        changing anything needs them twice, so they are listed first.
 
         Raises:
             NoHostCopy: A key has no record or its store is still in flight
                 (vLLM asserts "not found" / "not ready"); nothing changed.
             BadArgument: The request was already finished; nothing changed.
         """
-        records = self.records
+        keys, records = list(keys), self.records
         for key in keys:
             rec = records.get(key)
             if rec is None or rec.host not in self._readable:
@@ -510,7 +513,7 @@ class CheckedOffloadingManager:
         self._record(keys, req_context, request)
         return self._load_spec(chunks)
 
-    def touch(self, keys: Collection[bytes], req_context: ReqContextLike) -> None:
+    def touch(self, keys: Iterable[bytes], req_context: ReqContextLike) -> None:
         """Make the held ``keys`` the most recently used (no state changes).
 
         vLLM 0.32 and 0.33's call; 0.34 removed it (``FsmOffloadingManager``
@@ -519,7 +522,7 @@ class CheckedOffloadingManager:
         del req_context
         self.recency.touch(keys)
 
-    def complete_load(self, keys: Collection[bytes], req_context: ReqContextLike) -> None:
+    def complete_load(self, keys: Iterable[bytes], req_context: ReqContextLike) -> None:
         """Fire ``load_done`` on every key; a block whose last load ends becomes evictable.
 
         Raises:
@@ -528,7 +531,7 @@ class CheckedOffloadingManager:
                 already 0" or "not found"); nothing changed.
         """
         del req_context
-        records = self.records
+        keys, records = list(keys), self.records
         if len(set(keys)) != len(keys):
             self._check_repeated(keys, self._load_done)
         for key in keys:
@@ -541,7 +544,7 @@ class CheckedOffloadingManager:
             if rec.pins == 0:
                 self.recency.mark_evictable(key)
 
-    def prepare_store(self, keys: Collection[bytes], req_context: ReqContextLike) -> Any:
+    def prepare_store(self, keys: Iterable[bytes], req_context: ReqContextLike) -> Any:
         """Choose the offered keys to store, evict LRU ready blocks to fit, fire ``write``.
 
         Returns None when too few ready blocks can be evicted (nothing changes
@@ -589,7 +592,7 @@ class CheckedOffloadingManager:
         return self._store_output(to_store, chunks, evicted)
 
     def complete_store(
-        self, keys: Collection[bytes], req_context: ReqContextLike, success: bool = True
+        self, keys: Iterable[bytes], req_context: ReqContextLike, success: bool = True
     ) -> None:
         """Fire ``write_done`` (``success``) or ``write_failed`` on the keys being stored.
 
@@ -602,7 +605,7 @@ class CheckedOffloadingManager:
             DuplicateAck: Strict mode, and a key has no store in flight; nothing changed.
         """
         accepted = self._storing if success else self._failing
-        records = self.records
+        keys, records = list(keys), self.records
         if self.strict:
             if len(set(keys)) != len(keys):
                 self._check_repeated(keys, self._write_done if success else self._write_failed)
@@ -1121,7 +1124,9 @@ def _spec_class(cpu_spec: Any, manager: type) -> type:
                 if getattr(self, "cpu_info", None) is not None:
                     options["info"] = self.cpu_info
                 policy = extra.get("eviction_policy", "lru")
-                if policy != "lru" or extra.get("cache_policy_module_path"):
+                # vLLM resolves a registered name before any module path, so with "lru"
+                # its own LRU runs whatever cache_policy_module_path says.
+                if policy != "lru":
                     msg = (
                         "FsmCpuOffloadingSpec supports eviction_policy 'lru' only, "
                         f"not {policy!r} (cache_policy_module_path "

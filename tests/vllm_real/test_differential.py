@@ -1,13 +1,19 @@
 """Ours against vLLM's own CPU offloading manager, on identical random call sequences.
 
 A driver plays the scheduler's side of the contract (what vLLM's connector
-does): ``complete_store`` only for a prepared store job (and again, late, for
-one already completed, as a preempted request's blocks are); ``prepare_load``
-only of keys that look up as ``HIT``; one ``complete_load`` per load job;
-``reset_cache`` only with no job in flight; new keys only for requests not yet
-finished. Every call goes to both managers and every answer must be equal:
-lookup results, ``None`` or the keys to store with their chunk ids and the
-evicted keys, loaded chunk ids, and the event stream (with the request a
+does): ``complete_store`` only for a prepared store job, with the context of
+the request that prepared it, finished or not (and again, late, for one
+already completed, as a preempted request's blocks are, or for keys never
+offered: a stray acknowledgement both ignore); ``prepare_load`` only of keys
+that look up as ``HIT``; one ``complete_load`` per load job; ``reset_cache``
+with the jobs in flight either completed first or never completed (vLLM's
+scheduler fences them); no call but completions for a finished request. Offers
+are runs of one KV group or one block in every group (the partial-tail path),
+sometimes empty; a load may name a key twice and a completion repeat a key;
+a request records token positions for all, none or some of its keys. Every
+call goes to both managers and every answer must be equal: lookup results,
+``None`` or the keys to store with their chunk ids and the evicted keys,
+loaded chunk ids, the statistics and the event stream (with the request a
 store event names, from vLLM 0.34). The calls are the installed vLLM's:
 ``touch`` up to 0.33; from 0.34, which has none, a request's re-offers of
 keys it offered before instead.
@@ -70,6 +76,33 @@ def _snapshot(ours: Any) -> tuple[Any, ...]:
 
 
 @dataclass
+class Request:
+    """A request's context, which of its keys get token positions, its offers.
+
+    Attributes:
+        ctx: vLLM's request context.
+        positions: ``all``, ``none`` or ``some`` (each key by a coin toss, as a
+            scheduler that has not recorded every position yet).
+        offers: The runs of keys it offered.
+        current: The managers hold its state: a call that records accesses made it
+            since the last reset (lookups, touches and completions record none).
+    """
+
+    ctx: Any
+    positions: str
+    offers: list[list[bytes]] = field(default_factory=list)
+    current: bool = True
+
+
+@dataclass
+class Job:
+    """A store or load job in flight: its keys and the request that prepared it."""
+
+    keys: list[bytes]
+    request: Request
+
+
+@dataclass
 class Driver:
     """Feeds one random, contract-respecting call sequence to both managers."""
 
@@ -80,10 +113,11 @@ class Driver:
     num_blocks: int
     groups: int = 1
     calls: int = 0
-    requests: list[Any] = field(default_factory=list)
-    stores: list[list[bytes]] = field(default_factory=list)
-    stored: list[list[bytes]] = field(default_factory=list)
-    loads: list[list[bytes]] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    stores: list[Job] = field(default_factory=list)
+    stored: list[Job] = field(default_factory=list)
+    loads: list[Job] = field(default_factory=list)
     counter: int = 0
     seen: dict[str, int] = field(default_factory=dict)
     steps: tuple[tuple[float, Callable[[Driver, Request], None]], ...] = field(init=False)
@@ -99,20 +133,39 @@ class Driver:
             *args, **kwargs
         )
 
-    def keys(self, request: Any, n: int) -> list[bytes]:
-        """A run of ``n`` consecutive keys of one group, as a request's blocks are."""
-        group = self.rng.randrange(self.groups)
-        start = self.rng.randrange(self.num_blocks - n + 1)
-        keys = [self.vl.key(b, group) for b in range(start, start + n)]
-        if request.positioned:
-            for key, block in zip(keys, range(start, start + n), strict=True):
+    def note(self, name: str) -> None:
+        self.seen[name] = self.seen.get(name, 0) + 1
+
+    def keys(self, request: Request, n: int) -> list[bytes]:
+        """A run of ``n`` consecutive keys of one group, as a request's blocks are.
+
+        Now and then instead: no key, or one block in every group (the keys a
+        partial tail is offered with).
+        """
+        rng = self.rng
+        roll = rng.random()
+        if roll < 0.02:
+            self.note("empty")
+            return []
+        if roll < 0.08 and self.groups > 1:
+            self.note("across_groups")
+            block = rng.randrange(self.num_blocks)
+            keys = [self.vl.key(block, group) for group in range(self.groups)]
+            blocks = [block] * self.groups
+        else:
+            group, n = rng.randrange(self.groups), min(n, self.num_blocks)
+            start = rng.randrange(self.num_blocks - n + 1)
+            blocks = list(range(start, start + n))
+            keys = [self.vl.key(b, group) for b in blocks]
+        for key, block in zip(keys, blocks, strict=True):
+            if request.positions == "all" or (request.positions == "some" and rng.random() < 0.5):
                 request.ctx.set_offload_key_position(key, 16 * (block + 1))
         return keys
 
     def new_request(self) -> None:
         self.counter += 1
         ctx = self.vl.context(f"req-{self.counter}")
-        request = Request(ctx, positioned=self.rng.random() < 0.7)
+        request = Request(ctx, self.rng.choices(("all", "none", "some"), (6, 2, 2))[0])
         a, b = self.both("on_new_request", ctx)
         assert a == b
         self.requests.append(request)
@@ -129,68 +182,103 @@ class Driver:
                 action(self, request)
                 return
 
-    def lookups(self, request: Any) -> None:
+    def lookups(self, request: Request) -> None:
         for key in self.keys(request, self.rng.randint(1, 6)):
             a, b = self.both("lookup", key, request.ctx)
             assert a == b, key
 
-    def touch(self, request: Any) -> None:
+    def touch(self, request: Request) -> None:
         self.both("touch", self.keys(request, self.rng.randint(1, 6)), request.ctx)
 
-    def prepare_store(self, request: Any) -> None:
+    def prepare_store(self, request: Request) -> None:
         keys = self.keys(request, self.rng.randint(1, 8))
         request.offers.append(keys)
         self.offer(request, keys)
 
-    def reoffer(self, request: Any) -> None:
+    def reoffer(self, request: Request) -> None:
         """The request offers again what it offered before: a retry, or after a preemption."""
         if request.offers:
-            self.seen["reoffer"] = self.seen.get("reoffer", 0) + 1
+            self.note("reoffer")
             self.offer(request, self.rng.choice(request.offers))
 
-    def offer(self, request: Any, keys: list[bytes]) -> None:
+    def offer(self, request: Request, keys: list[bytes]) -> None:
         a, b = self.both("prepare_store", keys, request.ctx)
+        request.current = True
         assert _store(a) == _store(b), keys
         if a is not None and a.keys_to_store:
-            self.stores.append(list(a.keys_to_store))
+            self.stores.append(Job(list(a.keys_to_store), request))
 
-    def complete_store(self, request: Any) -> None:
+    def complete_store(self, request: Request) -> None:
+        """Complete a store job, as its request's (which may have finished since)."""
+        del request
         if not self.stores:
             return
         job = self.stores.pop(self.rng.randrange(len(self.stores)))
         success = self.rng.random() < 0.85
-        self.both("complete_store", job, request.ctx, success)
+        keys = job.keys
+        if self.rng.random() < 0.05:
+            self.note("repeated_ack")
+            keys = [*keys, keys[0]]
+        self.both("complete_store", keys, job.request.ctx, success)
         if success:
             self.stored.append(job)
 
-    def duplicate_store(self, request: Any) -> None:
-        """A late duplicate, as for a preempted request's blocks: tolerated by both."""
-        if self.stored:
-            self.both("complete_store", self.rng.choice(self.stored), request.ctx)
+    def duplicate_store(self, request: Request) -> None:
+        """A late duplicate, as for a preempted request's blocks, or a stray one: both ignore it."""
+        if self.stored and self.rng.random() < 0.7:
+            job = self.rng.choice(self.stored)
+            self.both("complete_store", job.keys, job.request.ctx)
+        else:
+            self.note("stray_ack")
+            keys = self.keys(request, self.rng.randint(1, 3))
+            self.both("complete_store", keys, request.ctx, self.rng.random() < 0.5)
 
-    def complete_load(self, request: Any) -> None:
+    def complete_load(self, request: Request) -> None:
+        del request
         if self.loads:
             job = self.loads.pop(self.rng.randrange(len(self.loads)))
-            self.both("complete_load", job, request.ctx)
+            self.both("complete_load", job.keys, job.request.ctx)
 
-    def finish_request(self, request: Any) -> None:
+    def finish_request(self, request: Request) -> None:
+        """Finish a request: from now on only its jobs' completions name it.
+
+        The managers mark it finished only if they hold its state: a request
+        untouched since a reset finishes as one they never saw.
+        """
         self.both("on_request_finished", request.ctx)
         self.requests.remove(request)
+        if request.current:
+            self.finished = [*self.finished[-7:], request]
 
-    def take_events(self, request: Any) -> None:
+    def take_events(self, request: Request) -> None:
         del request
         a, b = self.both("take_events")
         assert _events(a) == _events(b)
         a, b = self.both("get_stats")
         assert _stats(a) == _stats(b)
 
-    def reset(self, request: Any) -> None:
-        self.drain(request.ctx)
+    def reset(self, request: Request) -> None:
+        """Reset, the jobs in flight completed first or, as vLLM's scheduler fences them, never."""
+        if self.rng.random() < 0.5:
+            self.drain()
+        else:
+            self.note("abandoned")
+            self.stores.clear()
+            self.loads.clear()
         self.both("reset_cache")
         self.stored.clear()
+        # The managers forget every request's state (vLLM's scheduler drops finished ones).
+        self.finished.clear()
+        for live in self.requests:
+            live.current = False
+        del request
 
-    def load(self, request: Any) -> None:
-        """Load the longest prefix of a run that looks up as ``HIT`` (the connector's rule)."""
+    def load(self, request: Request) -> None:
+        """Load the longest prefix of a run that looks up as ``HIT`` (the connector's rule).
+
+        Now and then the load names a key twice (vLLM pins it twice; the job's
+        completion unpins it twice), or no key at all.
+        """
         hits = []
         for key in self.keys(request, self.rng.randint(1, 6)):
             a, b = self.both("lookup", key, request.ctx)
@@ -198,49 +286,67 @@ class Driver:
             if a != self.vl.base.LookupResult.HIT:
                 break
             hits.append(key)
-        if hits:
+        if hits and self.rng.random() < 0.2:
+            self.note("repeated_load")
+            hits.append(self.rng.choice(hits))
+        if hits or self.rng.random() < 0.05:
             a, b = self.both("prepare_load", hits, request.ctx)
             assert _spec_ids(a) == _spec_ids(b)
-            self.loads.append(hits)
+            request.current = True
+            self.loads.append(Job(hits, request))
 
-    def misuse(self, request: Any) -> None:
-        """A call vLLM would assert on, to ours only: refused, typed, and nothing changed.
+    def misuse(self, request: Request) -> None:
+        """A call vLLM would assert on or be corrupted by, to ours only: refused, nothing changed.
 
         A ``complete_load`` of a block with no load in flight, the same block
-        twice in one ``complete_load`` when it has one load in flight, or a
-        ``prepare_load`` of a block never stored. Trails are part of what must
-        not change: a refusal checked on scratch copies leaves no note.
+        twice in one ``complete_load`` when it has one load in flight, a
+        ``prepare_load`` of a block never stored, a key offered twice in one
+        ``prepare_store``, or a finished request offering a key it never saw.
+        Trails are part of what must not change: a refusal checked on scratch
+        copies leaves no note.
         """
         ours, rng = self.ours, self.rng
-        key = self.keys(request, 1)[0]
-        rec = ours.records.get(key)
-        if rec is not None and rec.host == "pinned" and rec.pins == 1 and rng.random() < 0.5:
-            name, args = "complete_load", ([key, key], request.ctx)
+        key = self.keys(request, 1)[:1] or [self.vl.key(0)]
+        rec = ours.records.get(key[0])
+        roll = rng.random()
+        if roll < 0.15:
+            name, args, kind = "prepare_store", ([*key, *key], request.ctx), "offer_twice"
+        elif roll < 0.3 and self.finished and ours.store_threshold < 2:
+            # A block no request ever sees: new to the finished request, so vLLM would record it.
+            fresh = [self.vl.key(self.num_blocks + 1)]
+            finished = rng.choice(self.finished).ctx
+            name, args, kind = "prepare_store", (fresh, finished), "finished_new_key"
+        elif rec is not None and rec.host == "pinned" and rec.pins == 1 and rng.random() < 0.5:
+            name, args, kind = "complete_load", ([*key, *key], request.ctx), "misuse"
         elif rec is None:
-            name, args = "prepare_load", ([key], request.ctx)
+            name, args, kind = "prepare_load", (key, request.ctx), "misuse"
         elif rec.host != "pinned":
-            name, args = "complete_load", ([key], request.ctx)
+            name, args, kind = "complete_load", (key, request.ctx), "misuse"
         else:
             return
         before = _snapshot(ours)
         with pytest.raises(FsmCacheError):
             getattr(ours, name)(*args)
         assert _snapshot(ours) == before, (name, key)
-        self.seen["misuse"] = self.seen.get("misuse", 0) + 1
+        self.note(kind)
 
-    def drain(self, ctx: Any) -> None:
-        """Complete every job in flight (before a reset: the scheduler fences them)."""
+    def drain(self) -> None:
+        """Complete every job in flight, each as its request's."""
         while self.stores:
-            self.both("complete_store", self.stores.pop(), ctx)
+            job = self.stores.pop()
+            self.both("complete_store", job.keys, job.request.ctx)
         while self.loads:
-            self.both("complete_load", self.loads.pop(), ctx)
+            job = self.loads.pop()
+            self.both("complete_load", job.keys, job.request.ctx)
 
     def finish(self) -> None:
-        """Drain the jobs, compare the events and every key's lookup."""
+        """Drain the jobs, compare the events, the statistics and every key's lookup."""
         ctx = self.vl.context("final")
-        self.drain(ctx)
+        self.drain()
         a, b = self.both("take_events")
         assert _events(a) == _events(b)
+        a, b = self.both("get_stats")
+        assert _stats(a) == _stats(b)
         for group in range(self.groups):
             for block in range(self.num_blocks):
                 key = self.vl.key(block, group)
@@ -272,13 +378,17 @@ def steps(vl: Vllm) -> tuple[tuple[float, Callable[[Driver, Request], None]], ..
     )
 
 
-@dataclass
-class Request:
-    """A request's context, whether the scheduler recorded token positions, its offers."""
-
-    ctx: Any
-    positioned: bool
-    offers: list[list[bytes]] = field(default_factory=list)
+def run(vl: Vllm, case: tuple[int, ...], calls: int, *, trail: bool = False) -> Driver:
+    """Drive both managers through one sequence of ``calls`` calls; return the driver."""
+    seed, num_chunks, num_blocks, groups, threshold, tracker = case
+    options = {"store_threshold": threshold, "max_tracker_size": tracker}
+    theirs = vl.theirs(num_chunks, **options)
+    ours = vl.ours(num_chunks, trail=trail, **options)
+    driver = Driver(vl, theirs, ours, random.Random(seed), num_blocks, groups)
+    while driver.calls < calls:
+        driver.step()
+    driver.finish()
+    return driver
 
 
 @pytest.mark.parametrize(
@@ -293,17 +403,12 @@ class Request:
     ids=lambda c: "seed{}-chunks{}-blocks{}-groups{}-threshold{}-trail{}".format(*c),
 )
 def test_same_answers_as_vllm(vl: Vllm, case: tuple[int, int, int, int, int, bool]) -> None:
-    seed, num_chunks, num_blocks, groups, threshold, trail = case
-    theirs = vl.theirs(num_chunks, store_threshold=threshold)
-    ours = vl.ours(num_chunks, store_threshold=threshold, trail=trail)
-    driver = Driver(vl, theirs, ours, random.Random(seed), num_blocks, groups)
-    while driver.calls < CALLS:
-        driver.step()
-    driver.finish()
+    *sizes, trail = case
+    driver = run(vl, (*sizes, 64_000), CALLS, trail=trail)
     assert driver.calls >= 10_000
     # The sequence exercised every call, evictions and refusals to store included.
-    recency = "touch" if hasattr(theirs, "touch") else "reoffer"
-    for name in (
+    recency = "touch" if hasattr(driver.theirs, "touch") else "reoffer"
+    names = [
         "lookup",
         recency,
         "prepare_store",
@@ -313,10 +418,41 @@ def test_same_answers_as_vllm(vl: Vllm, case: tuple[int, int, int, int, int, boo
         "on_request_finished",
         "take_events",
         "reset_cache",
+        "abandoned",
+        "empty",
+        "repeated_ack",
+        "stray_ack",
+        "repeated_load",
         "misuse",
-    ):
+        "offer_twice",
+    ]
+    if driver.groups > 1:
+        names.append("across_groups")
+    if driver.ours.store_threshold < 2:
+        names.append("finished_new_key")
+    for name in names:
         assert driver.seen.get(name, 0) > 0, name
-    assert ours.duplicate_acks > 0
+    assert driver.ours.duplicate_acks > 0
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        (6, 0, 8, 1, 0, 64_000),
+        (7, 1, 12, 2, 0, 64_000),
+        (8, 1, 12, 1, 3, 64_000),
+        (9, 4, 24, 2, 2, 3),
+        (10, 2, 6, 1, 2, 1),
+        (11, 3, 16, 2, 3, 6),
+    ],
+    ids=lambda c: "seed{}-chunks{}-blocks{}-groups{}-threshold{}-tracker{}".format(*c),
+)
+def test_same_answers_as_vllm_at_the_edges(vl: Vllm, case: tuple[int, ...]) -> None:
+    """No chunk, one chunk, a higher threshold, offer counts that outgrow a tiny tracker."""
+    driver = run(vl, case, 4_000)
+    assert driver.seen.get("prepare_store", 0) > 100
+    if case[1] > 0:
+        assert driver.seen.get("prepare_load", 0) > 0
 
 
 def test_the_differential_driver_sees_evictions_and_full_caches(vl: Vllm) -> None:

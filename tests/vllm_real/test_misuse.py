@@ -13,7 +13,14 @@ from typing import Any
 
 import pytest
 
-from fsm_cache.errors import CopyInFlight, DuplicateAck, HostCopyPinned, NoHostCopy, NotLoading
+from fsm_cache.errors import (
+    BadArgument,
+    CopyInFlight,
+    DuplicateAck,
+    HostCopyPinned,
+    NoHostCopy,
+    NotLoading,
+)
 
 from .conftest import Vllm
 
@@ -23,6 +30,12 @@ def _snapshot(manager: Any) -> tuple[Any, ...]:
     records = {k: (r.host, r.pins, r.chunk) for k, r in manager.records.items()}
     recency = (dict(manager.recency.ranks), set(manager.recency.evictable))
     return records, recency, list(manager.free), manager.allocated, list(manager.events)
+
+
+def _gauge(manager: Any, name: str) -> float:
+    """One of vLLM's CPU cache gauges (``usage``, ``write_usage``) from ``get_stats``."""
+    value: float = manager.get_stats().data["data"][f"vllm:kv_offload_cpu_cache_{name}_perc"][()]
+    return value
 
 
 def _stored(manager: Any, keys: list[bytes], ctx: Any) -> None:
@@ -116,6 +129,62 @@ def test_load_of_an_unknown_key_after_a_good_one_changes_nothing(vl: Vllm) -> No
     )
     assert _snapshot(ours) == before
     assert ours.records[good].pins == 0
+
+
+def test_a_key_offered_twice_in_one_store(vl: Vllm) -> None:
+    """vLLM stores a new key offered twice into two chunks and never frees the first.
+
+    Its scheduler offers distinct keys, so only a broken caller gets there;
+    vLLM's write gauge then counts a store in flight forever. Ours refuses the
+    offer, whatever the key's state, and changes nothing.
+    """
+    ctx, key, other = vl.context("r"), vl.key(1), vl.key(2)
+    theirs = vl.theirs(4)
+    out = theirs.prepare_store([key, other, key], ctx)
+    assert [int(c) for c in out.store_spec.block_ids] == [0, 1, 2]
+    theirs.complete_store([key, other, key], ctx)
+    assert _gauge(theirs, "write_usage") == 0.25
+    assert [int(c) for c in theirs.prepare_load([key], ctx).block_ids] == [2]  # chunk 0 is lost
+
+    ours = vl.ours(4)
+    _stored(ours, [other], ctx)
+    before = _snapshot(ours)
+    with pytest.raises(BadArgument) as refused:
+        ours.prepare_store([key, other, key], ctx)
+    assert str(refused.value) == (
+        "prepare_store offered a key twice: "
+        "['0000000000000001/0', '0000000000000002/0', '0000000000000001/0']"
+    )
+    with pytest.raises(BadArgument, match="offered a key twice"):
+        ours.prepare_store([other, other], ctx)  # held: vLLM skips it twice, harmlessly
+    assert _snapshot(ours) == before
+
+
+def test_new_keys_for_a_finished_request(vl: Vllm) -> None:
+    """vLLM asserts after it has pinned the load; ours refuses before anything changes."""
+    ctx, key, seen = vl.context("r"), vl.key(1), vl.key(2)
+    writer = vl.context("w")
+    theirs = vl.theirs(4)
+    _stored(theirs, [key], writer)
+    theirs.prepare_store([seen], ctx)
+    theirs.on_request_finished(ctx)
+    with pytest.raises(AssertionError, match="after request finalization"):
+        theirs.prepare_load([key], ctx)
+    assert _gauge(theirs, "usage") == 0.5  # the pin stays: the block can never be evicted
+
+    ours = vl.ours(4)
+    _stored(ours, [key], writer)
+    ours.prepare_store([seen], ctx)
+    ours.on_request_finished(ctx)
+    before = _snapshot(ours)
+    for call in (ours.prepare_load, ours.prepare_store):
+        with pytest.raises(BadArgument) as refused:
+            call([key], ctx)
+        assert str(refused.value) == (
+            "request finished: new cache keys observed after on_request_finished"
+        )
+    assert _snapshot(ours) == before
+    assert ours.prepare_store([seen], ctx).keys_to_store == []  # a key it saw: no refusal
 
 
 def test_eviction_during_a_load(vl: Vllm) -> None:
@@ -255,6 +324,40 @@ def test_the_spec_refuses_eviction_policies_other_than_lru(vl: Vllm) -> None:
     extra = {"cpu_bytes_to_use": 64 * 4096, "eviction_policy": "arc"}
     with pytest.raises(BadArgument, match="supports eviction_policy 'lru' only, not 'arc'"):
         vl.fsm.FsmCpuOffloadingSpec(_offloading_config(vl, extra)).get_manager()
+
+
+def test_the_spec_takes_lru_with_a_policy_module_path_as_vllm_does(vl: Vllm) -> None:
+    """vLLM resolves a registered name first: ``lru`` is its LRU whatever the module path says."""
+    policies: Any = __import__(
+        "vllm.v1.kv_offload.cpu.policies.factory", fromlist=["CachePolicyFactory"]
+    )
+    lru: Any = __import__("vllm.v1.kv_offload.cpu.policies.lru", fromlist=["LRUCachePolicy"])
+    extra = {
+        "cpu_bytes_to_use": 64 * 4096,
+        "eviction_policy": "lru",
+        "cache_policy_module_path": "no.such.module",
+    }
+    found = policies.CachePolicyFactory.get_cache_policy_cls("lru", "no.such.module")
+    assert found is lru.LRUCachePolicy
+    ours = vl.fsm.FsmCpuOffloadingSpec(_offloading_config(vl, extra)).get_manager()
+    assert isinstance(ours, vl.fsm.FsmOffloadingManager)
+    assert ours.num_chunks == 64
+
+
+def test_the_spec_refuses_an_out_of_tree_policy(vl: Vllm) -> None:
+    from fsm_cache.errors import BadArgument
+
+    extra = {
+        "cpu_bytes_to_use": 64 * 4096,
+        "eviction_policy": "MyPolicy",
+        "cache_policy_module_path": "my.policies",
+    }
+    with pytest.raises(BadArgument) as refused:
+        vl.fsm.FsmCpuOffloadingSpec(_offloading_config(vl, extra)).get_manager()
+    assert str(refused.value) == (
+        "FsmCpuOffloadingSpec supports eviction_policy 'lru' only, not 'MyPolicy' "
+        "(cache_policy_module_path 'my.policies')"
+    )
 
 
 @pytest.mark.parametrize(
