@@ -6,7 +6,9 @@ present and writes nothing. A page is written to a temporary file under
 ``<root>/.tmp`` and renamed into place with :func:`os.replace`, so a reader
 never sees part of a page under its name; a crash leaves only a temporary file.
 A temporary file is named by its writer's host and process: a store opened
-on the directory deletes those of this host's processes that are gone.
+on the directory deletes those of this host's processes that are gone. A
+writer creates its temporary file afresh (``O_EXCL``), so a link another user
+of the folder planted at that name is removed, never written through.
 Every read checks the page's header (:mod:`fsm_cache.storage.codec`).
 
 With a byte limit, a write reserves its bytes first (:mod:`fsm_cache.storage.budget`)
@@ -292,8 +294,11 @@ class LocalFileStore:
         """Write ``page`` to a temporary file and rename it into place; clean up on failure."""
         target = self._path(key)
         temporary = self._tmp / f"{key}.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp"
+        # The name is predictable: whatever is there (a link planted by another
+        # user of the folder) is replaced, and O_EXCL never opens through a link.
+        temporary.unlink(missing_ok=True)
         try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 codec.write(fd, key, page)
                 if self.durable:

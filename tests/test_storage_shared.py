@@ -1,0 +1,52 @@
+"""A local store's folder shared by many processes, and what another user may plant in it.
+
+Many serving processes (on one host, or many hosts on one network folder) use
+one directory as their storage tier. These tests put in the folder what those
+processes, a crash, or a disk leave there, at the exact moment a store looks.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fsm_cache.storage import LocalFileStore, Namespace, PutResult, page_keys
+from fsm_cache.storage import local as local_module
+
+
+NS = Namespace("m", "l", 4)
+KEYS = page_keys(NS, list(range(8)))
+PAGES = [torch.full((2, 4), float(i)) for i in range(2)]
+
+
+def temporary_name(key: str) -> str:
+    """Return the temporary file's name a put of ``key`` in this thread writes."""
+    host = local_module._HOST  # noqa: SLF001 (the name is the file planted on)
+    return f"{key}.{host}.{os.getpid()}.{threading.get_ident()}.tmp"
+
+
+@pytest.mark.parametrize("link", [os.symlink, os.link])
+def test_local_a_link_planted_at_a_temporary_name_is_not_written_through(
+    tmp_path: Path, link: Any
+) -> None:
+    """A link at the name a put will write is replaced, and the file it names is left whole.
+
+    Temporary names are predictable (key, host, pid, thread): whoever can
+    write the folder could plant a link there, and a put that opened the name
+    with ``O_TRUNC`` emptied the linked file and wrote the page into it (a
+    page file that was a link to it, for a symlink).
+    """
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not yours to overwrite")
+    store = LocalFileStore(tmp_path / "store")
+    link(victim, tmp_path / "store" / ".tmp" / temporary_name(KEYS[0]))
+    assert store.put(KEYS[:1], PAGES[:1]) == [PutResult.STORED]
+    assert victim.read_bytes() == b"not yours to overwrite"
+    assert not store.path(KEYS[0]).is_symlink()
+    assert list((tmp_path / "store" / ".tmp").iterdir()) == []
+    assert torch.equal(store.get(KEYS[:1])[0], PAGES[0])
