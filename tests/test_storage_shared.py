@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from fsm_cache.errors import StoreFailed
 from fsm_cache.storage import LocalFileStore, Namespace, PutResult, page_keys
 from fsm_cache.storage import local as local_module
 
@@ -50,3 +51,24 @@ def test_local_a_link_planted_at_a_temporary_name_is_not_written_through(
     assert not store.path(KEYS[0]).is_symlink()
     assert list((tmp_path / "store" / ".tmp").iterdir()) == []
     assert torch.equal(store.get(KEYS[:1])[0], PAGES[0])
+
+
+def test_local_a_disk_error_indexing_at_open_is_store_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page file another process wrote that cannot be looked at is StoreFailed (open), not OSError."""
+    LocalFileStore(tmp_path).put(KEYS, PAGES)
+    stat = Path.stat
+
+    def eio(self: Path, *args: Any, **options: Any) -> os.stat_result:
+        if self.suffix == ".page":
+            raise OSError(5, "Input/output error", str(self))
+        return stat(self, *args, **options)
+
+    monkeypatch.setattr(Path, "stat", eio)
+    with pytest.raises(StoreFailed) as caught:
+        LocalFileStore(tmp_path)
+    assert str(caught.value).startswith(
+        f"local {tmp_path}: open failed: OSError: [Errno 5] Input/output error: '{tmp_path}/"
+    )
+    assert (caught.value.operation, caught.value.acknowledged) == ("open", 0)

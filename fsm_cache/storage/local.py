@@ -75,8 +75,9 @@ class LocalFileStore:
             or its ``.tmp``) is not a directory; ``limit_bytes`` is neither None
             nor an int >= 0; ``durable`` is not a bool. Checked before anything
             is created.
-        StoreFailed: The directory could not be created or looked at (no
-            permission, a disk error); ``operation`` is ``open``.
+        StoreFailed: The directory, or a page or temporary file in it, could
+            not be created or looked at (no permission, a disk error);
+            ``operation`` is ``open``.
     """
 
     def __init__(
@@ -94,8 +95,11 @@ class LocalFileStore:
         self._rooted: set[str] = set()  # shards whose entry in root this process synced
         self._tmp = self.root / ".tmp"
         self._make_directory()
-        self.reaped = _reap(self._tmp)
-        self._scan()
+        try:
+            self.reaped = _reap(self._tmp)
+            self._scan()
+        except OSError as exc:
+            raise self._failed("open", 0, 0, exc) from exc
 
     def path(self, key: str) -> Path:
         """Return the file that holds (or would hold) the page ``key``.
