@@ -72,3 +72,21 @@ def test_local_a_disk_error_indexing_at_open_is_store_failed(
         f"local {tmp_path}: open failed: OSError: [Errno 5] Input/output error: '{tmp_path}/"
     )
     assert (caught.value.operation, caught.value.acknowledged) == ("open", 0)
+
+
+def test_local_a_temporary_name_whose_pid_is_not_ascii_digits_is_left_alone(
+    tmp_path: Path,
+) -> None:
+    """A name whose pid part is digits only to Unicode is another form: kept, and the open succeeds.
+
+    ``"²".isdigit()`` is true and ``int("²")`` a ValueError, which escaped the
+    constructor; ``int("١٢")`` is 12, a pid this name never meant.
+    """
+    tmp = tmp_path / ".tmp"
+    tmp.mkdir()
+    host = temporary_name(KEYS[0]).split(".")[1]
+    names = sorted(f"{KEYS[0]}.{host}.{pid}.1.tmp" for pid in ["\u00b2", "\u0661\u0662"])
+    for name in names:
+        (tmp / name).write_bytes(b"x")
+    assert LocalFileStore(tmp_path).reaped == 0
+    assert sorted(p.name for p in tmp.iterdir()) == names

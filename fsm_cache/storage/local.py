@@ -560,9 +560,10 @@ def _reap(tmp: Path) -> int:
         return reaped
     for file in tmp.glob("*.tmp"):
         parts = file.name.split(".")
-        if len(parts) != 5 or parts[1] != _HOST or not parts[2].isdigit():
+        pid = parts[2] if len(parts) == 5 and parts[1] == _HOST else ""
+        if not (pid.isascii() and pid.isdigit()):  # "²" is a digit to isdigit, not to int
             continue
-        if _alive(int(parts[2])):
+        if _alive(int(pid)):
             continue
         try:
             file.unlink()
