@@ -184,12 +184,18 @@ class RedisStore:
         return results
 
     def drop(self, keys: Sequence[str]) -> int:
-        """Delete the pages of ``keys``; return how many the server held."""
+        """Delete the pages of ``keys``, a batch at a time; return how many the server held.
+
+        Raises:
+            StoreFailed: The server went away; the ``acknowledged`` leading
+                keys (the batches before the one that failed) were dropped.
+        """
         check_keys(keys)
         dropped = 0
         for batch in self.batches([0] * len(keys)):
             names = [self._name(key) for key in keys[batch.start : batch.stop]]
-            dropped += self._call("drop", 0, len(keys), partial(self._client.delete, *names))
+            delete = partial(self._client.delete, *names)
+            dropped += self._call("drop", batch.start, len(keys), delete)
         return dropped
 
     def capacity(self) -> Capacity:
