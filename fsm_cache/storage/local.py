@@ -25,6 +25,9 @@ and a prefix a lookup finds with pages it had not indexed is ranked tail first.
 
 Other processes may share the directory: pages they write are found by
 :meth:`LocalFileStore.exists_prefix`, and pages they delete read as missing.
+The byte limit and the holds are this process's: another process may delete a
+page held here (a read that has opened its file still reads it whole), and a
+page it deleted counts here until a lookup here misses it.
 Any other disk error is a :class:`~fsm_cache.errors.StoreFailed`, and a
 directory or other non-file at a page's path a
 :class:`~fsm_cache.errors.CorruptPage`. Thread-safe: the index, the holds and
