@@ -8,7 +8,9 @@ processes, a crash, or a disk leave there, at the exact moment a store looks.
 from __future__ import annotations
 
 import os
+import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +92,53 @@ def test_local_a_temporary_name_whose_pid_is_not_ascii_digits_is_left_alone(
         (tmp / name).write_bytes(b"x")
     assert LocalFileStore(tmp_path).reaped == 0
     assert sorted(p.name for p in tmp.iterdir()) == names
+
+
+def not_a_live_pid() -> int:
+    """Return a pid no process has: one above the kernel's largest."""
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+
+
+@pytest.mark.skipif(not Path("/proc/self/ns/pid").exists(), reason="Linux pid namespaces")
+def test_local_a_writer_on_another_machine_of_the_same_name_is_not_reaped(tmp_path: Path) -> None:
+    """Machines cloned from one image share a hostname, and every machine's first pid
+    namespace has the same inode: a temporary file so named, of a pid dead here, may be a
+    live writer's there. Reaping it failed that writer's put; it is left alone."""
+    tmp = tmp_path / ".tmp"
+    tmp.mkdir()
+    clone = f"{socket.gethostname().replace('.', '_')}-{os.stat('/proc/self/ns/pid').st_ino}"
+    name = f"{KEYS[0]}.{clone}.{not_a_live_pid()}.1.tmp"
+    (tmp / name).write_bytes(b"part of a page")
+    assert LocalFileStore(tmp_path).reaped == 0
+    assert [p.name for p in tmp.iterdir()] == [name]
+
+
+def test_local_temporary_files_untouched_for_long_are_reaped_whoever_wrote_them(
+    tmp_path: Path,
+) -> None:
+    """A writer on another machine, in a container since restarted (another pid namespace),
+    of a previous boot, or whose pid another process took cannot be asked whether it lives;
+    a page takes well under a second to write. Their files untouched for
+    ``STALE_TEMPORARY_SECONDS`` are reaped, the fresh ones (a writer on its way) are not,
+    and names of another form never are."""
+    tmp = tmp_path / ".tmp"
+    tmp.mkdir()
+    here = temporary_name(KEYS[0]).split(".")[1]
+    writers = [
+        f"elsewhere-0123456789ab-4026531836.{os.getpid()}.1",  # another machine
+        f"{here}9.1.1",  # a pid namespace gone: a container restarted
+        f"{here}.{os.getpid()}.1",  # a live pid: this one, or one reused
+    ]
+    stale = time.time() - 86_400  # a day: past STALE_TEMPORARY_SECONDS
+    for writer in writers:
+        for age, key in [("old", KEYS[0]), ("new", KEYS[1])]:
+            (tmp / f"{key}.{writer}.tmp").write_bytes(b"x")
+            if age == "old":
+                os.utime(tmp / f"{key}.{writer}.tmp", (stale, stale))
+    (tmp / f"{KEYS[0]}.{os.getpid()}.1.tmp").write_bytes(b"x")  # another form
+    os.utime(tmp / f"{KEYS[0]}.{os.getpid()}.1.tmp", (stale, stale))
+    assert LocalFileStore(tmp_path).reaped == 3
+    assert sorted(p.name for p in tmp.iterdir()) == sorted(
+        [f"{KEYS[1]}.{writer}.tmp" for writer in writers] + [f"{KEYS[0]}.{os.getpid()}.1.tmp"]
+    )
+    assert local_module.STALE_TEMPORARY_SECONDS < 86_400
