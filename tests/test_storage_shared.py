@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fsm_cache.errors import StoreFailed
-from fsm_cache.storage import LocalFileStore, Namespace, PutResult, page_keys
+from fsm_cache.storage import LocalFileStore, Namespace, PutResult, codec, page_keys
 from fsm_cache.storage import local as local_module
 
 
@@ -142,3 +142,28 @@ def test_local_temporary_files_untouched_for_long_are_reaped_whoever_wrote_them(
         [f"{KEYS[1]}.{writer}.tmp" for writer in writers] + [f"{KEYS[0]}.{os.getpid()}.1.tmp"]
     )
     assert local_module.STALE_TEMPORARY_SECONDS < 86_400
+
+
+def test_local_a_page_another_process_deletes_mid_read_is_whole_or_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Holds are per process: another process's drop deletes pages this one is reading.
+
+    The page whose file the read has opened is read whole (an unlinked file's
+    data lives until it is closed); the next reads as missing: a shorter
+    prefix, never an error.
+    """
+    reader, other = LocalFileStore(tmp_path), LocalFileStore(tmp_path)
+    other.put(KEYS, PAGES)
+    assert reader.exists_prefix(KEYS) == 2
+    read_into = codec._read_into  # noqa: SLF001 (the moment the file is open)
+
+    def dropped_meanwhile(fd: int, path: str, key: str, nbytes: int) -> torch.Tensor:
+        other.drop(KEYS)
+        return read_into(fd, path, key, nbytes)
+
+    monkeypatch.setattr(codec, "_read_into", dropped_meanwhile)
+    got = reader.get(KEYS)
+    assert len(got) == 1
+    assert torch.equal(got[0], PAGES[0])
+    assert (reader.exists_prefix(KEYS), reader.capacity().pages) == (0, 0)
