@@ -787,6 +787,34 @@ def test_redis_an_error_reply_is_store_failed() -> None:
     assert str(caught.value).endswith("LOADING Redis is loading the dataset")
 
 
+def test_redis_a_drop_that_fails_part_way_acknowledges_the_batches_deleted() -> None:
+    """A drop whose second batch fails says the first batch's pages were dropped, not none."""
+    import redis
+
+    class FailsSecond(fakeredis.FakeRedis):
+        deletes = 0
+
+        def delete(self, *names: Any) -> int:
+            FailsSecond.deletes += 1
+            if FailsSecond.deletes == 2:
+                raise redis.exceptions.ConnectionError("Connection closed by server.")
+            return int(super().delete(*names))
+
+    server = fakeredis.FakeServer()
+    client = FailsSecond(server=server, host="127.0.0.1", port=6399)
+    store = RedisStore(client, batch_pages=2)
+    keys = page_keys(NS, list(range(16)))
+    store.put(keys, pages_of(4))
+    with pytest.raises(StoreFailed) as caught:
+        store.drop(keys)
+    assert str(caught.value) == (
+        "redis 127.0.0.1:6399: drop failed after 2 of 4 pages: Connection closed by server."
+    )
+    assert caught.value.acknowledged == 2
+    assert store.exists_prefix(keys[2:]) == 2
+    assert store.exists_prefix(keys) == 0
+
+
 def test_a_local_write_that_fails_with_anything_gives_its_bytes_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -317,6 +317,20 @@ def test_redis_a_client_that_is_not_one_is_refused() -> None:
     )
 
 
+def test_redis_a_client_that_decodes_replies_is_refused() -> None:
+    """A page is bytes: a client that decodes replies as text stored pages it could never read.
+
+    Every get of them failed with a raw UnicodeDecodeError, and the pages
+    it put were found by every exists_prefix.
+    """
+    assert refused(lambda: RedisStore(fakeredis.FakeRedis(decode_responses=True))) == (
+        "client must return values as bytes, not decode them (decode_responses=True)"
+    )
+    assert refused(lambda: RedisStore.connect("redis://h/0?decode_responses=yes")) == (
+        "client must return values as bytes, not decode them (decode_responses='yes')"
+    )
+
+
 def test_redis_name_refuses_what_is_not_a_page_key() -> None:
     """``name(None)`` used to give ``fsm:page:None``."""
     store = RedisStore(fakeredis.FakeRedis())

@@ -6,7 +6,10 @@ present and writes nothing. A page is written to a temporary file under
 ``<root>/.tmp`` and renamed into place with :func:`os.replace`, so a reader
 never sees part of a page under its name; a crash leaves only a temporary file.
 A temporary file is named by its writer's host and process: a store opened
-on the directory deletes those of this host's processes that are gone.
+on the directory deletes those of this host's processes that are gone, and
+any other writer's once untouched for :data:`STALE_TEMPORARY_SECONDS`. A
+writer creates its temporary file afresh (``O_EXCL``), so a link another user
+of the folder planted at that name is removed, never written through.
 Every read checks the page's header (:mod:`fsm_cache.storage.codec`).
 
 With a byte limit, a write reserves its bytes first (:mod:`fsm_cache.storage.budget`)
@@ -23,6 +26,9 @@ and a prefix a lookup finds with pages it had not indexed is ranked tail first.
 
 Other processes may share the directory: pages they write are found by
 :meth:`LocalFileStore.exists_prefix`, and pages they delete read as missing.
+The byte limit and the holds are this process's: another process may delete a
+page held here (a read that has opened its file still reads it whole), and a
+page it deleted counts here until a lookup here misses it.
 Any other disk error is a :class:`~fsm_cache.errors.StoreFailed`, and a
 directory or other non-file at a page's path a
 :class:`~fsm_cache.errors.CorruptPage`. Thread-safe: the index, the holds and
@@ -34,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import string
 import threading
 import time
 from collections import OrderedDict
@@ -51,6 +58,11 @@ from fsm_cache.storage.keys import check_keys
 
 SUFFIX = ".page"
 
+STALE_TEMPORARY_SECONDS = 3600.0
+"""How long a temporary file no writer touched makes it a dead writer's, whatever its name
+says: a page takes well under a second to write, and a writer on another host cannot be
+asked whether it lives."""
+
 
 class LocalFileStore:
     """Pages as files under ``root``, with an optional byte limit.
@@ -58,7 +70,8 @@ class LocalFileStore:
     Args:
         root: The directory (created if missing). Pages already there are
             indexed, oldest first, and count against the limit; temporary
-            files of crashed writers on this host are deleted.
+            files of crashed writers are deleted (this host's at once, the
+            others' once untouched for :data:`STALE_TEMPORARY_SECONDS`).
         limit_bytes: The most the pages may take on disk (headers included),
             or None for no limit.
         durable: ``fsync`` each page before renaming it into place, and the
@@ -66,15 +79,16 @@ class LocalFileStore:
             once acknowledged (slower).
 
     Attributes:
-        reaped: Temporary files of gone writers on this host that opening deleted.
+        reaped: Temporary files of gone writers that opening deleted.
 
     Raises:
         BadArgument: ``root`` is not a path, or it (or a directory above it,
             or its ``.tmp``) is not a directory; ``limit_bytes`` is neither None
             nor an int >= 0; ``durable`` is not a bool. Checked before anything
             is created.
-        StoreFailed: The directory could not be created or looked at (no
-            permission, a disk error); ``operation`` is ``open``.
+        StoreFailed: The directory, or a page or temporary file in it, could
+            not be created or looked at (no permission, a disk error);
+            ``operation`` is ``open``.
     """
 
     def __init__(
@@ -92,8 +106,11 @@ class LocalFileStore:
         self._rooted: set[str] = set()  # shards whose entry in root this process synced
         self._tmp = self.root / ".tmp"
         self._make_directory()
-        self.reaped = _reap(self._tmp)
-        self._scan()
+        try:
+            self.reaped = _reap(self._tmp)
+            self._scan()
+        except OSError as exc:
+            raise self._failed("open", 0, 0, exc) from exc
 
     def path(self, key: str) -> Path:
         """Return the file that holds (or would hold) the page ``key``.
@@ -292,8 +309,11 @@ class LocalFileStore:
         """Write ``page`` to a temporary file and rename it into place; clean up on failure."""
         target = self._path(key)
         temporary = self._tmp / f"{key}.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp"
+        # The name is predictable: whatever is there (a link planted by another
+        # user of the folder) is replaced, and O_EXCL never opens through a link.
+        temporary.unlink(missing_ok=True)
         try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 codec.write(fd, key, page)
                 if self.durable:
@@ -526,13 +546,19 @@ def _host() -> str:
     """This host and process-id namespace, as a name part: a pid means something only there.
 
     Containers may share a hostname and a directory, each with its own
-    process ids; on Linux the pid namespace's inode tells them apart.
+    process ids; on Linux the pid namespace's inode tells them apart. That
+    inode is unique only within one boot of one kernel (every machine's first
+    namespace has the same), and machines cloned from one image share a
+    hostname: the boot's id tells machines, and boots, apart.
     """
     name = socket.gethostname().replace(".", "_").replace("/", "_") or "host"
     try:
-        return f"{name}-{os.stat('/proc/self/ns/pid').st_ino}"
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
     except OSError:  # not Linux, or no /proc
         return name
+    boot = "".join(c for c in boot if c in string.hexdigits)[:12]
+    return f"{name}-{boot}-{namespace}"
 
 
 _HOST = _host()
@@ -540,20 +566,19 @@ _HOST = _host()
 
 
 def _reap(tmp: Path) -> int:
-    """Delete the temporary files of this host's writers that are gone; return how many.
+    """Delete the temporary files of writers that are gone; return how many.
 
-    A name reads ``<key>.<host>.<pid>.<thread>.tmp``. Files of other hosts (a
-    shared directory) and of live processes are left alone, as are names in
-    another form: their writer cannot be told apart from a live one.
+    A name reads ``<key>.<host>.<pid>.<thread>.tmp``. A file of this host's
+    process that no longer exists goes at once. Any other writer (on another
+    host, in a pid namespace since gone, or whose pid another process now
+    has) cannot be asked whether it lives, so its file goes once untouched for
+    :data:`STALE_TEMPORARY_SECONDS` (a live writer stuck that long finds its
+    file gone and fails its put, cleanly). Names in another form are left alone.
     """
-    reaped = 0
-    if os.name != "posix":  # os.kill(pid, 0) tests a process only on POSIX
-        return reaped
+    reaped, now = 0, time.time()
     for file in tmp.glob("*.tmp"):
         parts = file.name.split(".")
-        if len(parts) != 5 or parts[1] != _HOST or not parts[2].isdigit():
-            continue
-        if _alive(int(parts[2])):
+        if len(parts) != 5 or not (_gone(parts[1], parts[2]) or _stale(file, now)):
             continue
         try:
             file.unlink()
@@ -561,6 +586,24 @@ def _reap(tmp: Path) -> int:
             continue
         reaped += 1
     return reaped
+
+
+def _gone(host: str, pid: str) -> bool:
+    """Whether ``pid`` of ``host``, read from a temporary file's name, has exited on this host."""
+    if host != _HOST or os.name != "posix":  # os.kill(pid, 0) tests a process only on POSIX
+        return False
+    if not (pid.isascii() and pid.isdigit()):  # "²" is a digit to isdigit, not to int
+        return False
+    return not _alive(int(pid))
+
+
+def _stale(file: Path, now: float) -> bool:
+    """Whether ``file`` was last written :data:`STALE_TEMPORARY_SECONDS` or more before ``now``."""
+    try:
+        written = file.stat().st_mtime
+    except OSError:  # reaped meanwhile, or not to be looked at: left to the next open
+        return False
+    return now - written >= STALE_TEMPORARY_SECONDS
 
 
 def _alive(pid: int) -> bool:

@@ -53,7 +53,8 @@ class RedisStore:
 
     Args:
         client: A connected client (``redis.Redis``, or ``fakeredis.FakeRedis``
-            in tests); values must come back as bytes (the default).
+            in tests); values must come back as bytes (the default: not
+            ``decode_responses``).
         prefix: What every page's Redis key starts with.
         batch_pages: The most pages one pipelined round trip carries.
         batch_bytes: The most page bytes one round trip carries, so a batch of
@@ -61,7 +62,8 @@ class RedisStore:
 
     Raises:
         BadArgument: ``client`` has no ``connection_pool`` to name the server
-            by, ``prefix`` is not a str, or a batch limit is not an int >= 1.
+            by or decodes replies as text, ``prefix`` is not a str, or a batch
+            limit is not an int >= 1.
     """
 
     def __init__(
@@ -77,6 +79,11 @@ class RedisStore:
             raise BadArgument(
                 "client must be a redis.Redis client (with a connection_pool), "
                 f"not {type(client).__name__}"
+            )
+        decoding = options.get("decode_responses")
+        if decoding:  # redis-py decodes for any true value, the string "false" of a URL included
+            raise BadArgument(
+                f"client must return values as bytes, not decode them (decode_responses={decoding!r})"
             )
         if not isinstance(prefix, str):  # bytes would be spelled b'...' into every name
             raise BadArgument(f"prefix must be a str, not {prefix!r}")
@@ -184,12 +191,18 @@ class RedisStore:
         return results
 
     def drop(self, keys: Sequence[str]) -> int:
-        """Delete the pages of ``keys``; return how many the server held."""
+        """Delete the pages of ``keys``, a batch at a time; return how many the server held.
+
+        Raises:
+            StoreFailed: The server went away; the ``acknowledged`` leading
+                keys (the batches before the one that failed) were dropped.
+        """
         check_keys(keys)
         dropped = 0
         for batch in self.batches([0] * len(keys)):
             names = [self._name(key) for key in keys[batch.start : batch.stop]]
-            dropped += self._call("drop", 0, len(keys), partial(self._client.delete, *names))
+            delete = partial(self._client.delete, *names)
+            dropped += self._call("drop", batch.start, len(keys), delete)
         return dropped
 
     def capacity(self) -> Capacity:

@@ -1,0 +1,169 @@
+"""A local store's folder shared by many processes, and what another user may plant in it.
+
+Many serving processes (on one host, or many hosts on one network folder) use
+one directory as their storage tier. These tests put in the folder what those
+processes, a crash, or a disk leave there, at the exact moment a store looks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fsm_cache.errors import StoreFailed
+from fsm_cache.storage import LocalFileStore, Namespace, PutResult, codec, page_keys
+from fsm_cache.storage import local as local_module
+
+
+NS = Namespace("m", "l", 4)
+KEYS = page_keys(NS, list(range(8)))
+PAGES = [torch.full((2, 4), float(i)) for i in range(2)]
+
+
+def temporary_name(key: str) -> str:
+    """Return the temporary file's name a put of ``key`` in this thread writes."""
+    host = local_module._HOST  # noqa: SLF001 (the name is the file planted on)
+    return f"{key}.{host}.{os.getpid()}.{threading.get_ident()}.tmp"
+
+
+@pytest.mark.parametrize("link", [os.symlink, os.link])
+def test_local_a_link_planted_at_a_temporary_name_is_not_written_through(
+    tmp_path: Path, link: Any
+) -> None:
+    """A link at the name a put will write is replaced, and the file it names is left whole.
+
+    Temporary names are predictable (key, host, pid, thread): whoever can
+    write the folder could plant a link there, and a put that opened the name
+    with ``O_TRUNC`` emptied the linked file and wrote the page into it (a
+    page file that was a link to it, for a symlink).
+    """
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not yours to overwrite")
+    store = LocalFileStore(tmp_path / "store")
+    link(victim, tmp_path / "store" / ".tmp" / temporary_name(KEYS[0]))
+    assert store.put(KEYS[:1], PAGES[:1]) == [PutResult.STORED]
+    assert victim.read_bytes() == b"not yours to overwrite"
+    assert not store.path(KEYS[0]).is_symlink()
+    assert list((tmp_path / "store" / ".tmp").iterdir()) == []
+    assert torch.equal(store.get(KEYS[:1])[0], PAGES[0])
+
+
+def test_local_a_disk_error_indexing_at_open_is_store_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page file another process wrote that cannot be looked at is StoreFailed (open), not OSError."""
+    LocalFileStore(tmp_path).put(KEYS, PAGES)
+    stat = Path.stat
+
+    def eio(self: Path, *args: Any, **options: Any) -> os.stat_result:
+        if self.suffix == ".page":
+            raise OSError(5, "Input/output error", str(self))
+        return stat(self, *args, **options)
+
+    monkeypatch.setattr(Path, "stat", eio)
+    with pytest.raises(StoreFailed) as caught:
+        LocalFileStore(tmp_path)
+    assert str(caught.value).startswith(
+        f"local {tmp_path}: open failed: OSError: [Errno 5] Input/output error: '{tmp_path}/"
+    )
+    assert (caught.value.operation, caught.value.acknowledged) == ("open", 0)
+
+
+def test_local_a_temporary_name_whose_pid_is_not_ascii_digits_is_left_alone(
+    tmp_path: Path,
+) -> None:
+    """A name whose pid part is digits only to Unicode is another form: kept, and the open succeeds.
+
+    ``"²".isdigit()`` is true and ``int("²")`` a ValueError, which escaped the
+    constructor; ``int("١٢")`` is 12, a pid this name never meant.
+    """
+    tmp = tmp_path / ".tmp"
+    tmp.mkdir()
+    host = temporary_name(KEYS[0]).split(".")[1]
+    names = sorted(f"{KEYS[0]}.{host}.{pid}.1.tmp" for pid in ["\u00b2", "\u0661\u0662"])
+    for name in names:
+        (tmp / name).write_bytes(b"x")
+    assert LocalFileStore(tmp_path).reaped == 0
+    assert sorted(p.name for p in tmp.iterdir()) == names
+
+
+def not_a_live_pid() -> int:
+    """Return a pid no process has: one above the kernel's largest."""
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+
+
+@pytest.mark.skipif(not Path("/proc/self/ns/pid").exists(), reason="Linux pid namespaces")
+def test_local_a_writer_on_another_machine_of_the_same_name_is_not_reaped(tmp_path: Path) -> None:
+    """Machines cloned from one image share a hostname, and every machine's first pid
+    namespace has the same inode: a temporary file so named, of a pid dead here, may be a
+    live writer's there. Reaping it failed that writer's put; it is left alone."""
+    tmp = tmp_path / ".tmp"
+    tmp.mkdir()
+    clone = f"{socket.gethostname().replace('.', '_')}-{os.stat('/proc/self/ns/pid').st_ino}"
+    name = f"{KEYS[0]}.{clone}.{not_a_live_pid()}.1.tmp"
+    (tmp / name).write_bytes(b"part of a page")
+    assert LocalFileStore(tmp_path).reaped == 0
+    assert [p.name for p in tmp.iterdir()] == [name]
+
+
+def test_local_temporary_files_untouched_for_long_are_reaped_whoever_wrote_them(
+    tmp_path: Path,
+) -> None:
+    """A writer on another machine, in a container since restarted (another pid namespace),
+    of a previous boot, or whose pid another process took cannot be asked whether it lives;
+    a page takes well under a second to write. Their files untouched for
+    ``STALE_TEMPORARY_SECONDS`` are reaped, the fresh ones (a writer on its way) are not,
+    and names of another form never are."""
+    tmp = tmp_path / ".tmp"
+    tmp.mkdir()
+    here = temporary_name(KEYS[0]).split(".")[1]
+    writers = [
+        f"elsewhere-0123456789ab-4026531836.{os.getpid()}.1",  # another machine
+        f"{here}9.1.1",  # a pid namespace gone: a container restarted
+        f"{here}.{os.getpid()}.1",  # a live pid: this one, or one reused
+    ]
+    stale = time.time() - 86_400  # a day: past STALE_TEMPORARY_SECONDS
+    for writer in writers:
+        for age, key in [("old", KEYS[0]), ("new", KEYS[1])]:
+            (tmp / f"{key}.{writer}.tmp").write_bytes(b"x")
+            if age == "old":
+                os.utime(tmp / f"{key}.{writer}.tmp", (stale, stale))
+    (tmp / f"{KEYS[0]}.{os.getpid()}.1.tmp").write_bytes(b"x")  # another form
+    os.utime(tmp / f"{KEYS[0]}.{os.getpid()}.1.tmp", (stale, stale))
+    assert LocalFileStore(tmp_path).reaped == 3
+    assert sorted(p.name for p in tmp.iterdir()) == sorted(
+        [f"{KEYS[1]}.{writer}.tmp" for writer in writers] + [f"{KEYS[0]}.{os.getpid()}.1.tmp"]
+    )
+    assert local_module.STALE_TEMPORARY_SECONDS < 86_400
+
+
+def test_local_a_page_another_process_deletes_mid_read_is_whole_or_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Holds are per process: another process's drop deletes pages this one is reading.
+
+    The page whose file the read has opened is read whole (an unlinked file's
+    data lives until it is closed); the next reads as missing: a shorter
+    prefix, never an error.
+    """
+    reader, other = LocalFileStore(tmp_path), LocalFileStore(tmp_path)
+    other.put(KEYS, PAGES)
+    assert reader.exists_prefix(KEYS) == 2
+    read_into = codec._read_into  # noqa: SLF001 (the moment the file is open)
+
+    def dropped_meanwhile(fd: int, path: str, key: str, nbytes: int) -> torch.Tensor:
+        other.drop(KEYS)
+        return read_into(fd, path, key, nbytes)
+
+    monkeypatch.setattr(codec, "_read_into", dropped_meanwhile)
+    got = reader.get(KEYS)
+    assert len(got) == 1
+    assert torch.equal(got[0], PAGES[0])
+    assert (reader.exists_prefix(KEYS), reader.capacity().pages) == (0, 0)
