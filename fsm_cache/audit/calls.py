@@ -142,6 +142,16 @@ class Classifier:
                 expr = expr.value
         return None
 
+    def reads_receipt(self, call: ast.Call, scope: Scope) -> bool:
+        """Return whether ``call`` is a method of an acquire's result, in the acquire's expression.
+
+        ``cache.inc_lock_ref(node).to_dec_params()`` reads the receipt as it is
+        taken: it is part of the acquire, not a call after it that may raise
+        and leak it (no ``try`` could sit between the two).
+        """
+        func = call.func
+        return isinstance(func, ast.Attribute) and self.receipt_of(func.value, scope) is not None
+
     def receipt_names(self, body: list[ast.stmt], scope: Scope) -> dict[str, int]:
         """Return the names bound only to receipts of one pair, with that pair's index.
 

@@ -147,7 +147,10 @@ class Walker:
             add(outcome, Flow.RAISE, _at(states, effect.lineno))
             return states
         assert isinstance(effect, ast.Call)
-        return self._call(self.classifier.classify(effect, self.scope), states, outcome)
+        op = self.classifier.classify(effect, self.scope)
+        if op.kind is OpKind.CALL and self.classifier.reads_receipt(effect, self.scope):
+            op = Op(OpKind.SAFE, effect)
+        return self._call(op, states, outcome)
 
     def _bool_op(self, op: ast.BoolOp, states: States, outcome: FlowOutcome) -> States:
         """Run ``a and b and c``: each operand runs only when the ones before did not decide."""
