@@ -20,6 +20,7 @@ REPO = Path(__file__).parent.parent
 MODULES = sorted(CORPUS.glob("*.py"))
 CLEAN = [
     "callbacks_clean.py",
+    "guarded_locks.py",
     "load_back_fixed.py",
     "prefill_adder.py",
     "write_through_clean.py",

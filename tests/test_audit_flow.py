@@ -865,6 +865,44 @@ def test_reading_a_receipt_as_it_is_taken_is_part_of_the_acquire() -> None:
     ]
 
 
+def test_a_receipt_or_none_is_released_under_its_none_test() -> None:
+    # A name bound to a receipt on some paths and to None on others, then
+    # tested against None: the test tells the paths that acquired. Testing
+    # the wrong way round, or binding the name again, loses that.
+    assert audit(
+        """
+        def wrong_way_round(self, node, c):
+            lock = None
+            if c:
+                lock = self.cache.lock(node)
+            if lock is None:
+                self.cache.unlock(lock)
+
+        def bound_again(self, node, c):
+            lock = self.cache.lock(node) if c else None
+            lock = self.other()
+            if lock is not None:
+                self.cache.unlock(lock)
+
+        def early_return(self, node, c, d):
+            lock = self.cache.lock(node) if c else (None if d else self.cache.lock(node))
+            if lock is None:
+                return
+            self.cache.unlock(lock)
+        """,
+        LOCK_PAIR,
+    ) == [
+        "5:16: FSM101 lock() on 'node' is not released or handed on"
+        " when the function ends at line 7 [wrong_way_round]",
+        "7:9: FSM103 unlock() on 'lock' has no lock() in reach and no documented hand-off"
+        " [wrong_way_round]",
+        "10:12: FSM101 lock() on 'node' is not released or handed on"
+        " when the function ends at line 13 [bound_again]",
+        "13:9: FSM105 unlock() on 'lock' also runs on a path that skipped lock()"
+        " at line 10 [bound_again]",
+    ]
+
+
 def test_an_acquire_receipt_that_is_dropped_leaks() -> None:
     assert audit(
         """

@@ -18,6 +18,7 @@ from fsm_cache.audit.scope import (
     calls_anything,
     conditional_effects,
     name_bindings,
+    none_test,
     root_name,
     sole_kinds,
     string_constant,
@@ -151,6 +152,21 @@ class Classifier:
         """
         func = call.func
         return isinstance(func, ast.Attribute) and self.receipt_of(func.value, scope) is not None
+
+    def none_guards(self, body: list[ast.stmt], scope: Scope) -> frozenset[str]:
+        """Return the names bound to an acquire's receipt on some paths and tested against None.
+
+        ``params = cache.inc_lock_ref(node).to_dec_params() if c else None``, or
+        ``lock = None`` and then ``lock = cache.lock(node)`` in a branch: a
+        later ``if lock is not None:`` runs on the paths that acquired, not on
+        the others.
+        """
+        names: set[str] = set()
+        for name, value in name_bindings(list(body), with_items=False):
+            options = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
+            if any(self.receipt_of(option, scope) is not None for option in options):
+                names.add(name)
+        return frozenset(name for name in names if none_test(name) in scope.mentions)
 
     def receipt_names(self, body: list[ast.stmt], scope: Scope) -> dict[str, int]:
         """Return the names bound only to receipts of one pair, with that pair's index.

@@ -33,6 +33,7 @@ from fsm_cache.audit.scope import (
     Scope,
     build_scope,
     element_bindings,
+    none_test,
     test_fact,
     walk_same_scope,
 )
@@ -257,6 +258,25 @@ class Walker:
         self.sink.receipt(alias, text)
         return states_of(*(state.alias(alias, frozenset({text})) for state in states))
 
+    def known_none(self, target: ast.expr, value: ast.expr, states: States) -> States:
+        """Record on each path whether a guard name was just bound to None or to a receipt.
+
+        ``lock = None`` makes ``lock is None`` true on the path and ``lock =
+        cache.lock(node)`` makes it false, so a later ``if lock is not None:``
+        releases on the paths that acquired and only on those. A receipt is
+        taken to be not None: an acquire that returns None took nothing.
+        """
+        if not isinstance(target, ast.Name) or target.id not in self.scope.guards:
+            return states
+        if isinstance(value, ast.Constant) and value.value is None:
+            is_none = True
+        elif self.classifier.receipt_of(value, self.scope) is not None:
+            is_none = False
+        else:
+            return states
+        test = none_test(target.id)
+        return states_of(*(state.assume(test, is_none) for state in states))
+
     def entered(self, expr: ast.expr) -> ResourceKey | None:
         """Return what a ``with`` item holds: an acquire's (``with cache.lock(node):``) or a receipt's.
 
@@ -380,6 +400,9 @@ def _stored(target: ast.expr) -> list[ast.expr]:
 def _simple(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
     """Run a statement without control flow: its calls, then its stores."""
     outcome: FlowOutcome = {}
+    guarded = _guarded_choice(walker.scope, stmt)
+    if guarded is not None:
+        return walker.stmt(guarded, states)
     if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
         states = walker.closure(stmt, states)
     elif not isinstance(stmt, ast.ClassDef):
@@ -394,8 +417,31 @@ def _simple(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
         for target in targets:
             if isinstance(target, ast.Subscript):
                 states = walker.collect(target.value, [value], states)
-    add(outcome, Flow.NORMAL, walker.forget(targets, states))
+    states = walker.forget(targets, states)
+    if len(targets) == 1 and isinstance(value, ast.expr):
+        states = walker.known_none(targets[0], value, states)
+    add(outcome, Flow.NORMAL, states)
     return outcome
+
+
+def _guarded_choice(scope: Scope, stmt: ast.stmt) -> ast.If | None:
+    """Return ``guard = a if c else b`` as ``if c: guard = a`` / ``else: guard = b``.
+
+    Each branch then records whether the guard holds a receipt or None on its
+    paths (:meth:`Walker.known_none`). Any other statement gives None.
+    """
+    if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
+        return None
+    target, value = stmt.targets[0], stmt.value
+    if not (isinstance(target, ast.Name) and target.id in scope.guards):
+        return None
+    if not isinstance(value, ast.IfExp):
+        return None
+    branches: list[ast.stmt] = [
+        ast.copy_location(ast.Assign(targets=[target], value=part), stmt)
+        for part in (value.body, value.orelse)
+    ]
+    return ast.copy_location(ast.If(test=value.test, body=branches[:1], orelse=branches[1:]), stmt)
 
 
 def _targets(stmt: ast.stmt) -> list[ast.expr]:
@@ -505,6 +551,8 @@ def analyze(
     """Run every path of ``func``; return how they leave it and the events seen."""
     scope = build_scope(func)
     scope.receipts = classifier.receipt_names(func.body, scope)
+    scope.guards = classifier.none_guards(func.body, scope)
+    scope.correlated |= {none_test(name) for name in scope.guards}
     walker = Walker(scope, classifier)
     outcome = walker.block(func.body, states_of(State()))
     return outcome, walker.sink
