@@ -803,6 +803,41 @@ def test_a_comprehension_releases_twice_like_a_loop() -> None:
     ]
 
 
+def test_a_pair_called_through_each_element_acts_once_per_element() -> None:
+    # SGLang 0.5.23's UnifiedTreeCore locks a node in every component:
+    # `for comp in self.components: comp.release_component_lock(node, params)`.
+    # Each pass goes through another receiver, so it is no double release;
+    # the same receiver in every pass still is.
+    components = AuditConfig(pairs=(Pair("acquire_component_lock", "release_component_lock"),))
+    assert audit(
+        """
+        def each_component(self, node):
+            for comp in self.components:
+                comp.acquire_component_lock(node)
+            try:
+                self.work(node)
+            finally:
+                for comp in reversed(self.components):
+                    comp.release_component_lock(node)
+
+        def each_index(self, node):
+            for i in range(len(self.parts)):
+                self.parts[i].acquire_component_lock(node)
+            for i in range(len(self.parts)):
+                self.parts[i].release_component_lock(node)
+
+        def same_receiver(self, node):
+            self.part.acquire_component_lock(node)
+            for _ in range(2):
+                self.part.release_component_lock(node)
+        """,
+        components,
+    ) == [
+        "20:9: FSM102 release_component_lock() on 'node' can run twice:"
+        " it runs again on a later loop iteration [same_receiver]"
+    ]
+
+
 LOCK_PAIR = AuditConfig(pairs=(Pair("lock", "unlock"),))
 
 

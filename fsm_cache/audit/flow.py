@@ -227,7 +227,7 @@ class Walker:
         elif op.resource is not None and op.kind is not OpKind.SAFE:
             self.pair_ops += 1
             key = (op.pair, self.scope.canon(op.resource))
-            if not self._repeats(key[1]) and not self._varies(op.resource):
+            if not (self._repeats(key[1]) or self._varies(op.resource) or self._switches(op)):
                 states = self._pair(op, key, states)
         return states
 
@@ -320,6 +320,18 @@ class Walker:
             isinstance(sub, ast.Call) or (isinstance(sub, ast.Name) and sub.id in rebound)
             for sub in walk_same_scope(resource)
         )
+
+    def _switches(self, op: Op) -> bool:
+        """Return whether a later loop pass makes ``op`` through another receiver.
+
+        ``for comp in comps: comp.release_component_lock(node, params)`` releases
+        ``node`` in a different component each pass, not twice in one, as
+        ``self.caches[i].dec_lock_ref(node)`` does with ``i`` rebound per pass.
+        """
+        func = op.call.func
+        if not self.repeating or not isinstance(func, ast.Attribute) or func.value is op.resource:
+            return False
+        return self._repeats(self.scope.canon(func.value)) or self._varies(func.value)
 
     def _repeats(self, text: str) -> bool:
         """Return whether ``text`` is a per-iteration resource seen again in a later pass."""
