@@ -503,6 +503,23 @@ def test_a_long_elif_chain_is_followed_without_recursion() -> None:
     ]
 
 
+def test_a_function_that_makes_no_pair_call_is_not_analyzed() -> None:
+    # Most functions of a cache acquire and release nothing: following their
+    # paths was nearly all of the audit's time on SGLang's trees. One past
+    # the bounds has nothing unchecked to report either; one that fires an
+    # event or takes a verb may pair, so it is analyzed.
+    deep = "    x = " + " + ".join(["a"] * 1500) + "\n"
+    source = (
+        f"def f(node):\n    node.refresh()\n{deep}\n"
+        f"def g(engine, rec):\n    engine.fire(rec, 'ping')\n{deep}\n"
+        f"def h(engine, rec):\n    take = engine.verb('ping')\n{deep}"
+    )
+    assert audit(source) == [
+        "5:1: FSM106 g is too deeply nested to analyze; nothing in it is checked [g]",
+        "9:1: FSM106 h is too deeply nested to analyze; nothing in it is checked [h]",
+    ]
+
+
 def test_a_function_too_deeply_nested_to_analyze_is_reported_not_checked() -> None:
     source = "def f(node):\n    node.protect_host()\n    x = " + " + ".join(["a"] * 1500) + "\n"
     assert audit(source) == [

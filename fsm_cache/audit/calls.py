@@ -71,6 +71,21 @@ class Classifier:
         self.takers = frozenset(name.rsplit(".", 1)[-1] for name in takers)
         self.non_raising = config.non_raising
 
+    def may_pair(self, node: ast.AST) -> bool:
+        """Return whether any call inside ``node`` could be a pair call.
+
+        A cheap test by name: a call named like an acquire or a release, a
+        ``fire`` or a ``verb``, or a call of what a call returned
+        (``engine.verb("pin")(rec)``). Code without one acquires and releases
+        nothing, so it has nothing to analyze.
+        """
+        names = self.acquires.keys() | self.releases.keys() | {"fire", "verb"}
+        return any(
+            isinstance(sub, ast.Call)
+            and (isinstance(sub.func, ast.Call) or callee_name(sub) in names)
+            for sub in ast.walk(node)
+        )
+
     def classify(self, call: ast.Call, scope: Scope) -> Op:
         """Return what ``call`` does, judged by the name it calls or the event it fires.
 
