@@ -503,6 +503,23 @@ def test_a_long_elif_chain_is_followed_without_recursion() -> None:
     ]
 
 
+def test_a_function_that_makes_no_pair_call_is_not_analyzed() -> None:
+    # Most functions of a cache acquire and release nothing: following their
+    # paths was nearly all of the audit's time on SGLang's trees. One past
+    # the bounds has nothing unchecked to report either; one that fires an
+    # event or takes a verb may pair, so it is analyzed.
+    deep = "    x = " + " + ".join(["a"] * 1500) + "\n"
+    source = (
+        f"def f(node):\n    node.refresh()\n{deep}\n"
+        f"def g(engine, rec):\n    engine.fire(rec, 'ping')\n{deep}\n"
+        f"def h(engine, rec):\n    take = engine.verb('ping')\n{deep}"
+    )
+    assert audit(source) == [
+        "5:1: FSM106 g is too deeply nested to analyze; nothing in it is checked [g]",
+        "9:1: FSM106 h is too deeply nested to analyze; nothing in it is checked [h]",
+    ]
+
+
 def test_a_function_too_deeply_nested_to_analyze_is_reported_not_checked() -> None:
     source = "def f(node):\n    node.protect_host()\n    x = " + " + ".join(["a"] * 1500) + "\n"
     assert audit(source) == [
@@ -803,6 +820,41 @@ def test_a_comprehension_releases_twice_like_a_loop() -> None:
     ]
 
 
+def test_a_pair_called_through_each_element_acts_once_per_element() -> None:
+    # SGLang 0.5.23's UnifiedTreeCore locks a node in every component:
+    # `for comp in self.components: comp.release_component_lock(node, params)`.
+    # Each pass goes through another receiver, so it is no double release;
+    # the same receiver in every pass still is.
+    components = AuditConfig(pairs=(Pair("acquire_component_lock", "release_component_lock"),))
+    assert audit(
+        """
+        def each_component(self, node):
+            for comp in self.components:
+                comp.acquire_component_lock(node)
+            try:
+                self.work(node)
+            finally:
+                for comp in reversed(self.components):
+                    comp.release_component_lock(node)
+
+        def each_index(self, node):
+            for i in range(len(self.parts)):
+                self.parts[i].acquire_component_lock(node)
+            for i in range(len(self.parts)):
+                self.parts[i].release_component_lock(node)
+
+        def same_receiver(self, node):
+            self.part.acquire_component_lock(node)
+            for _ in range(2):
+                self.part.release_component_lock(node)
+        """,
+        components,
+    ) == [
+        "20:9: FSM102 release_component_lock() on 'node' can run twice:"
+        " it runs again on a later loop iteration [same_receiver]"
+    ]
+
+
 LOCK_PAIR = AuditConfig(pairs=(Pair("lock", "unlock"),))
 
 
@@ -829,7 +881,7 @@ def test_an_acquire_receipt_releases_and_hands_on_the_resource() -> None:
 
 
 def test_what_is_read_from_a_receipt_is_a_receipt() -> None:
-    assert audit("""
+    assert not audit("""
         def f(self, node_id, ack_id):
             lock_params = self.inc_lock_ref(node_id).to_dec_params()
             self.ongoing_write_through[ack_id] = lock_params
@@ -837,7 +889,70 @@ def test_what_is_read_from_a_receipt_is_a_receipt() -> None:
         async def g(self, node_id):
             handle = await self.tree.inc_lock_ref(node_id)
             return handle.params
-    """) == [f"3:19: FSM104 inc_lock_ref() on 'node_id' leaks if line 3 raises; {LEAK_HINT} [f]"]
+    """)
+
+
+def test_reading_a_receipt_as_it_is_taken_is_part_of_the_acquire() -> None:
+    # SGLang 0.5.23 writes `self.ongoing_backup[op] = (node_id,
+    # self.inc_host_lock_ref(node_id).to_dec_params())`: no try can sit
+    # between the acquire and the read of its result. A later statement, or
+    # a call the receipt is passed to, still may raise.
+    assert audit("""
+        def same_expression(self, node_id, op):
+            self.ongoing[op] = (node_id, self.inc_lock_ref(node_id).to_dec_params().copy())
+
+        async def awaited(self, node_id):
+            self.held = (await self.tree.inc_lock_ref(node_id)).params.freeze()
+
+        def later_statement(self, node_id):
+            result = self.inc_lock_ref(node_id)
+            self.held = result.to_dec_params()
+
+        def wrapped(self, node):
+            return TreeLock(node, self.inc_lock_ref(node).to_dec_params())
+    """) == [
+        f"9:14: FSM104 inc_lock_ref() on 'node_id' leaks if line 10 raises; {LEAK_HINT}"
+        " [later_statement]",
+        f"13:27: FSM104 inc_lock_ref() on 'node' leaks if line 13 raises; {LEAK_HINT} [wrapped]",
+    ]
+
+
+def test_a_receipt_or_none_is_released_under_its_none_test() -> None:
+    # A name bound to a receipt on some paths and to None on others, then
+    # tested against None: the test tells the paths that acquired. Testing
+    # the wrong way round, or binding the name again, loses that.
+    assert audit(
+        """
+        def wrong_way_round(self, node, c):
+            lock = None
+            if c:
+                lock = self.cache.lock(node)
+            if lock is None:
+                self.cache.unlock(lock)
+
+        def bound_again(self, node, c):
+            lock = self.cache.lock(node) if c else None
+            lock = self.other()
+            if lock is not None:
+                self.cache.unlock(lock)
+
+        def early_return(self, node, c, d):
+            lock = self.cache.lock(node) if c else (None if d else self.cache.lock(node))
+            if lock is None:
+                return
+            self.cache.unlock(lock)
+        """,
+        LOCK_PAIR,
+    ) == [
+        "5:16: FSM101 lock() on 'node' is not released or handed on"
+        " when the function ends at line 7 [wrong_way_round]",
+        "7:9: FSM103 unlock() on 'lock' has no lock() in reach and no documented hand-off"
+        " [wrong_way_round]",
+        "10:12: FSM101 lock() on 'node' is not released or handed on"
+        " when the function ends at line 13 [bound_again]",
+        "13:9: FSM105 unlock() on 'lock' also runs on a path that skipped lock()"
+        " at line 10 [bound_again]",
+    ]
 
 
 def test_an_acquire_receipt_that_is_dropped_leaks() -> None:

@@ -18,6 +18,7 @@ from fsm_cache.audit.scope import (
     calls_anything,
     conditional_effects,
     name_bindings,
+    none_test,
     root_name,
     sole_kinds,
     string_constant,
@@ -69,6 +70,21 @@ class Classifier:
         self.releases = {pair.release: index for index, pair in enumerate(config.pairs)}
         self.takers = frozenset(name.rsplit(".", 1)[-1] for name in takers)
         self.non_raising = config.non_raising
+
+    def may_pair(self, node: ast.AST) -> bool:
+        """Return whether any call inside ``node`` could be a pair call.
+
+        A cheap test by name: a call named like an acquire or a release, a
+        ``fire`` or a ``verb``, or a call of what a call returned
+        (``engine.verb("pin")(rec)``). Code without one acquires and releases
+        nothing, so it has nothing to analyze.
+        """
+        names = self.acquires.keys() | self.releases.keys() | {"fire", "verb"}
+        return any(
+            isinstance(sub, ast.Call)
+            and (isinstance(sub.func, ast.Call) or callee_name(sub) in names)
+            for sub in ast.walk(node)
+        )
 
     def classify(self, call: ast.Call, scope: Scope) -> Op:
         """Return what ``call`` does, judged by the name it calls or the event it fires.
@@ -141,6 +157,31 @@ class Classifier:
             else:
                 expr = expr.value
         return None
+
+    def reads_receipt(self, call: ast.Call, scope: Scope) -> bool:
+        """Return whether ``call`` is a method of an acquire's result, in the acquire's expression.
+
+        ``cache.inc_lock_ref(node).to_dec_params()`` reads the receipt as it is
+        taken: it is part of the acquire, not a call after it that may raise
+        and leak it (no ``try`` could sit between the two).
+        """
+        func = call.func
+        return isinstance(func, ast.Attribute) and self.receipt_of(func.value, scope) is not None
+
+    def none_guards(self, body: list[ast.stmt], scope: Scope) -> frozenset[str]:
+        """Return the names bound to an acquire's receipt on some paths and tested against None.
+
+        ``params = cache.inc_lock_ref(node).to_dec_params() if c else None``, or
+        ``lock = None`` and then ``lock = cache.lock(node)`` in a branch: a
+        later ``if lock is not None:`` runs on the paths that acquired, not on
+        the others.
+        """
+        names: set[str] = set()
+        for name, value in name_bindings(list(body), with_items=False):
+            options = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
+            if any(self.receipt_of(option, scope) is not None for option in options):
+                names.add(name)
+        return frozenset(name for name in names if none_test(name) in scope.mentions)
 
     def receipt_names(self, body: list[ast.stmt], scope: Scope) -> dict[str, int]:
         """Return the names bound only to receipts of one pair, with that pair's index.

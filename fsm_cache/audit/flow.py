@@ -33,6 +33,7 @@ from fsm_cache.audit.scope import (
     Scope,
     build_scope,
     element_bindings,
+    none_test,
     test_fact,
     walk_same_scope,
 )
@@ -147,7 +148,10 @@ class Walker:
             add(outcome, Flow.RAISE, _at(states, effect.lineno))
             return states
         assert isinstance(effect, ast.Call)
-        return self._call(self.classifier.classify(effect, self.scope), states, outcome)
+        op = self.classifier.classify(effect, self.scope)
+        if op.kind is OpKind.CALL and self.classifier.reads_receipt(effect, self.scope):
+            op = Op(OpKind.SAFE, effect)
+        return self._call(op, states, outcome)
 
     def _bool_op(self, op: ast.BoolOp, states: States, outcome: FlowOutcome) -> States:
         """Run ``a and b and c``: each operand runs only when the ones before did not decide."""
@@ -223,7 +227,7 @@ class Walker:
         elif op.resource is not None and op.kind is not OpKind.SAFE:
             self.pair_ops += 1
             key = (op.pair, self.scope.canon(op.resource))
-            if not self._repeats(key[1]) and not self._varies(op.resource):
+            if not (self._repeats(key[1]) or self._varies(op.resource) or self._switches(op)):
                 states = self._pair(op, key, states)
         return states
 
@@ -253,6 +257,25 @@ class Walker:
             return states
         self.sink.receipt(alias, text)
         return states_of(*(state.alias(alias, frozenset({text})) for state in states))
+
+    def known_none(self, target: ast.expr, value: ast.expr, states: States) -> States:
+        """Record on each path whether a guard name was just bound to None or to a receipt.
+
+        ``lock = None`` makes ``lock is None`` true on the path and ``lock =
+        cache.lock(node)`` makes it false, so a later ``if lock is not None:``
+        releases on the paths that acquired and only on those. A receipt is
+        taken to be not None: an acquire that returns None took nothing.
+        """
+        if not isinstance(target, ast.Name) or target.id not in self.scope.guards:
+            return states
+        if isinstance(value, ast.Constant) and value.value is None:
+            is_none = True
+        elif self.classifier.receipt_of(value, self.scope) is not None:
+            is_none = False
+        else:
+            return states
+        test = none_test(target.id)
+        return states_of(*(state.assume(test, is_none) for state in states))
 
     def entered(self, expr: ast.expr) -> ResourceKey | None:
         """Return what a ``with`` item holds: an acquire's (``with cache.lock(node):``) or a receipt's.
@@ -297,6 +320,18 @@ class Walker:
             isinstance(sub, ast.Call) or (isinstance(sub, ast.Name) and sub.id in rebound)
             for sub in walk_same_scope(resource)
         )
+
+    def _switches(self, op: Op) -> bool:
+        """Return whether a later loop pass makes ``op`` through another receiver.
+
+        ``for comp in comps: comp.release_component_lock(node, params)`` releases
+        ``node`` in a different component each pass, not twice in one, as
+        ``self.caches[i].dec_lock_ref(node)`` does with ``i`` rebound per pass.
+        """
+        func = op.call.func
+        if not self.repeating or not isinstance(func, ast.Attribute) or func.value is op.resource:
+            return False
+        return self._repeats(self.scope.canon(func.value)) or self._varies(func.value)
 
     def _repeats(self, text: str) -> bool:
         """Return whether ``text`` is a per-iteration resource seen again in a later pass."""
@@ -377,6 +412,9 @@ def _stored(target: ast.expr) -> list[ast.expr]:
 def _simple(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
     """Run a statement without control flow: its calls, then its stores."""
     outcome: FlowOutcome = {}
+    guarded = _guarded_choice(walker.scope, stmt)
+    if guarded is not None:
+        return walker.stmt(guarded, states)
     if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
         states = walker.closure(stmt, states)
     elif not isinstance(stmt, ast.ClassDef):
@@ -391,8 +429,31 @@ def _simple(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
         for target in targets:
             if isinstance(target, ast.Subscript):
                 states = walker.collect(target.value, [value], states)
-    add(outcome, Flow.NORMAL, walker.forget(targets, states))
+    states = walker.forget(targets, states)
+    if len(targets) == 1 and isinstance(value, ast.expr):
+        states = walker.known_none(targets[0], value, states)
+    add(outcome, Flow.NORMAL, states)
     return outcome
+
+
+def _guarded_choice(scope: Scope, stmt: ast.stmt) -> ast.If | None:
+    """Return ``guard = a if c else b`` as ``if c: guard = a`` / ``else: guard = b``.
+
+    Each branch then records whether the guard holds a receipt or None on its
+    paths (:meth:`Walker.known_none`). Any other statement gives None.
+    """
+    if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
+        return None
+    target, value = stmt.targets[0], stmt.value
+    if not (isinstance(target, ast.Name) and target.id in scope.guards):
+        return None
+    if not isinstance(value, ast.IfExp):
+        return None
+    branches: list[ast.stmt] = [
+        ast.copy_location(ast.Assign(targets=[target], value=part), stmt)
+        for part in (value.body, value.orelse)
+    ]
+    return ast.copy_location(ast.If(test=value.test, body=branches[:1], orelse=branches[1:]), stmt)
 
 
 def _targets(stmt: ast.stmt) -> list[ast.expr]:
@@ -502,6 +563,8 @@ def analyze(
     """Run every path of ``func``; return how they leave it and the events seen."""
     scope = build_scope(func)
     scope.receipts = classifier.receipt_names(func.body, scope)
+    scope.guards = classifier.none_guards(func.body, scope)
+    scope.correlated |= {none_test(name) for name in scope.guards}
     walker = Walker(scope, classifier)
     outcome = walker.block(func.body, states_of(State()))
     return outcome, walker.sink

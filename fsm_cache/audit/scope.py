@@ -31,7 +31,8 @@ class Scope:
     Attributes:
         params: Parameter names.
         locals: Names bound in the body (not parameters).
-        correlated: Normalized branch tests that occur more than once.
+        correlated: Normalized branch tests that occur more than once, and the
+            None tests of the guards (set by the analysis).
         mentions: Test -> the texts of the names and attributes it reads.
         env: Loop variable -> the text it stands for (``nodes[*]``).
         shared: Names declared ``global`` or ``nonlocal``: storing into them
@@ -40,6 +41,9 @@ class Scope:
         receipts: Name bound only to receipts of one pair (``lock =
             cache.lock(node)``) -> that pair's index; -1 for ``engine.lease(...)``.
             Set by the analysis, which knows the pairs.
+        guards: Names that hold an acquire's receipt on some paths and that
+            a branch tests against None (:func:`none_test`); their tests are
+            correlated with their assignments. Set by the analysis.
     """
 
     params: frozenset[str]
@@ -50,6 +54,7 @@ class Scope:
     shared: frozenset[str] = frozenset()
     verbs: dict[str, str] = field(default_factory=dict)
     receipts: dict[str, int] = field(default_factory=dict)
+    guards: frozenset[str] = frozenset()
 
     def canon(self, expr: ast.expr) -> str:
         """Return the text of ``expr`` with a loop variable replaced by what it stands for."""
@@ -226,6 +231,11 @@ def test_fact(test: ast.expr) -> tuple[str, bool]:
             positive = ast.Compare(test.left, [op], test.comparators)
             return ast.unparse(positive), False
     return ast.unparse(test), True
+
+
+def none_test(name: str) -> str:
+    """Return the normalized test of ``name is None`` (and of ``name is not None``)."""
+    return f"{name} is None"
 
 
 def texts_of(node: ast.AST) -> frozenset[str]:
