@@ -48,7 +48,7 @@ from fsm_cache.errors import BadArgument, ConfigError, SpecError
 from fsm_cache.modelcheck import treeops
 from fsm_cache.modelcheck.budget import Budget
 from fsm_cache.modelcheck.explore import Bounds, Explorer, Result
-from fsm_cache.modelcheck.hooks import hooks, raised
+from fsm_cache.modelcheck.hooks import hooks, never_called, raised
 from fsm_cache.modelcheck.progress import PLAIN_EVERY, progress
 from fsm_cache.modelcheck.state import Layout, Nodes, reference_states
 from fsm_cache.numeric import whole
@@ -181,7 +181,9 @@ def check_spec(
             without host and device regions.
         ConfigError: A ``host``, ``device`` or ``storage`` region lacks a state
             the residency checks read by name
-            (:func:`~fsm_cache.modelcheck.state.reference_states`).
+            (:func:`~fsm_cache.modelcheck.state.reference_states`), or ``ops``
+            defines a hook the check never calls
+            (:func:`~fsm_cache.modelcheck.hooks.never_called`).
     """
     explorer, start = prepare(path, nodes, bounds, ops, policy=policy, symmetry=symmetry)
     return explorer.run(start, tick, budget)
@@ -213,6 +215,9 @@ def prepare(
     system = as_system(load_spec(path))
     reference_states(system)
     layout = Layout.of(system)
+    unused = never_called(ops, layout, policy, path)
+    if unused is not None:
+        raise ConfigError(unused)
     return Explorer(layout, bounds, ops, policy, symmetry=symmetry), shapes(layout, nodes)
 
 
