@@ -250,7 +250,7 @@ def test_a_stale_file_that_is_not_utf8_is_reported_stale(
     target.write_bytes(b"\xff\xfe")
     assert run(capsys, "types", str(spec), "--check", str(target)) == (
         1,
-        f"{target} differs from the types of {spec}: run fsm-cache types --write",
+        f"{target} differs from the types of {spec}: run fsm-cache types {spec} --write {target}",
     )
     diagram = tmp_path / "m.mmd"
     diagram.write_bytes(b"\xff\xfe")
