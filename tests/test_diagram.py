@@ -310,10 +310,25 @@ def test_mermaid_of_a_machine_has_no_refusal_note(specs: Path) -> None:
 
 
 def test_markdown_of_a_composition_lists_each_region_then_the_cross_refusals(specs: Path) -> None:
+    """The composition's own ``doc`` comes first: it was in no format at all."""
     text = render(doorway(specs), "md")
-    assert text.startswith("**Region `door`: `door`**: A door that people hold open.\n")
+    assert text.startswith(
+        "**`doorway`**: A door and its bolt.\n\n"
+        "**Region `door`: `door`**: A door that people hold open.\n"
+    )
     assert "\n**Region `lock`: `lock`**: A bolt.\n" in text
     assert text.endswith("\n\n" + DOORWAY_CROSS_MD)
+
+
+def test_markdown_of_undocumented_specs_ends_no_heading_in_a_colon(specs: Path) -> None:
+    """A machine without ``doc`` was headed ``**`door`**: `` with nothing after the colon."""
+    (specs / "bare.toml").write_text(DOOR.replace('doc = "A door that people hold open."\n', ""))
+    (specs / "bare_way.toml").write_text(
+        DOORWAY.replace('doc = "A door and its bolt."\n', "").replace("door.toml", "bare.toml")
+    )
+    assert render(load_spec(specs / "bare.toml"), "md").startswith("**`door`**\n\n| state |")
+    text = render(load_spec(specs / "bare_way.toml"), "md")
+    assert text.startswith("**Region `door`: `door`**\n\n| state |")
 
 
 def test_dot_of_a_composition_has_one_cluster_per_region_and_a_refusal_note(specs: Path) -> None:
