@@ -350,4 +350,4 @@ def test_a_name_built_in_code_is_checked_and_escaped_by_every_renderer() -> None
         == 'digraph "door\\\\n    open --> locked : forged `x`" {'
     )
     system = System(name, (("one", spec), ("two", spec)), source="<python>")
-    assert f"**Region `one`: `` {escaped} ``**: " in render(system, "md").splitlines()[0]
+    assert render(system, "md").splitlines()[0] == f"**Region `one`: `` {escaped} ``**"
