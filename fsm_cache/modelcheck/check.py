@@ -433,20 +433,21 @@ def report(result: dict[str, Any]) -> str:
     for s in result["specs"]:
         rate = s["states"] / s["seconds"] if s["seconds"] else 0.0
         lines.append(
-            f"{_title(s['spec'], s['policy'])}: {s['nodes']} nodes ({', '.join(SHAPES)}), {_bounds(s['bounds'])}"
+            f"{_title(s['spec'], s['policy'])}: {_count(s['nodes'], 'node')} "
+            f"({', '.join(SHAPES)}), {_bounds(s['bounds'])}"
         )
         lines.append(f"  states explored: {s['states']} ({_symmetry(s['symmetry'])})")
         if s["symmetry"]:
             lines.append(
                 f"  before reduction: {s['numbered']} numbered states (each tree in every "
-                f"numbering of its {s['nodes']} slots)"
+                f"numbering of its {_count(s['nodes'], 'slot')})"
             )
         lines.append(f"  states/s: {rate:.0f}")
         lines.append(f"  time: {s['seconds']:.2f} s")
         if s["violation"]:
             lines.append(f"  violation: {s['violation']}")
             if s["trace"]:  # none for a finding about the spec, made before exploring
-                lines.append(f"  shortest trace ({len(s['trace']) - 1} steps):")
+                lines.append(f"  shortest trace ({_count(len(s['trace']) - 1, 'step')}):")
                 lines += [f"    {step}" for step in s["trace"]]
         elif s["stopped"]:
             lines.append(f"  stopped: {s['stopped']}")
@@ -455,6 +456,11 @@ def report(result: dict[str, Any]) -> str:
             lines.append("  no invariant violated")
     lines += render_controls(result["controls"])
     return "\n".join(lines)
+
+
+def _count(number: int, noun: str) -> str:
+    """Return ``1 node`` or ``3 nodes``."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _bounds(bounds: dict[str, int]) -> str:
