@@ -120,6 +120,36 @@ def test_a_name_that_is_no_plain_identifier_is_refused_up_front(
         assert f"{path}: {problem}" in text
 
 
+def test_an_events_table_names_its_bad_event_where_it_is_declared(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``[events] return = ...`` was never named: only its uses were, or ``events[0]`` if unused.
+
+    The loader reads ``[events]`` after the transitions and forbids, and says so in that order.
+    """
+    declared = BASE.replace(
+        "[[transition]]", '[events]\nreturn = { past = "returned" }\n\n[[transition]]', 1
+    )
+    used = write(tmp_path, declared.replace('"release"', '"return"'), "used.toml")
+    assert run(capsys, "validate", str(used)) == (
+        2,
+        "\n".join(
+            f"error: {used}: {where}: 'return' is a Python keyword"
+            for where in (
+                "transition[1].event",
+                "transition[2].event",
+                "forbid[0].event",
+                "events.return",
+            )
+        ),
+    )
+    unused = write(tmp_path, declared, "unused.toml")
+    assert run(capsys, "validate", str(unused)) == (
+        2,
+        f"error: {unused}: events.return: 'return' is a Python keyword",
+    )
+
+
 def test_a_region_name_python_would_rewrite_is_refused(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -250,7 +280,7 @@ def test_a_stale_file_that_is_not_utf8_is_reported_stale(
     target.write_bytes(b"\xff\xfe")
     assert run(capsys, "types", str(spec), "--check", str(target)) == (
         1,
-        f"{target} differs from the types of {spec}: run fsm-cache types --write",
+        f"{target} differs from the types of {spec}: run fsm-cache types {spec} --write {target}",
     )
     diagram = tmp_path / "m.mmd"
     diagram.write_bytes(b"\xff\xfe")
@@ -320,4 +350,4 @@ def test_a_name_built_in_code_is_checked_and_escaped_by_every_renderer() -> None
         == 'digraph "door\\\\n    open --> locked : forged `x`" {'
     )
     system = System(name, (("one", spec), ("two", spec)), source="<python>")
-    assert f"**Region `one`: `` {escaped} ``**: " in render(system, "md").splitlines()[0]
+    assert render(system, "md").splitlines()[0] == f"**Region `one`: `` {escaped} ``**"

@@ -1317,3 +1317,36 @@ def test_a_single_machine_is_explored_past_a_pin_it_cannot_release_by_every_even
     assert (result.violation, result.states) == (None, 8)  # unbacked ... pinned(2), evicted
     assert not layout.at_once
     assert layout.owed((-1, "writing", 1, 1)) == []
+
+
+def test_the_report_counts_one_node_slot_and_step_in_the_singular() -> None:
+    """``1 nodes``, ``its 1 slots`` and ``shortest trace (1 steps)`` read as typos in a user's CI log."""
+    one = {
+        "spec": "slot.toml",
+        "policy": "none",
+        "nodes": 1,
+        "bounds": {"borrows": 2},
+        "symmetry": True,
+        "seconds": 0.5,
+        "states": 3,
+        "numbered": 3,
+        "violation": "invariant 8: node 0: borrows is -1",
+        "trace": ["start: chain", "node 0: give_back"],
+        "stopped": None,
+    }
+    assert check.report({"specs": [one], "controls": []}).splitlines() == [
+        "slot.toml: 1 node (chain, fan-out, binary), borrows <= 2",
+        "  states explored: 3 (symmetry reduced)",
+        "  before reduction: 3 numbered states (each tree in every numbering of its 1 slot)",
+        "  states/s: 6",
+        "  time: 0.50 s",
+        "  violation: invariant 8: node 0: borrows is -1",
+        "  shortest trace (1 step):",
+        "    start: chain",
+        "    node 0: give_back",
+    ]
+    two = {**one, "nodes": 2, "trace": ["start: chain", "node 0: borrow", "node 1: give_back"]}
+    text = check.report({"specs": [two], "controls": []})
+    assert "slot.toml: 2 nodes (" in text
+    assert "numbering of its 2 slots)" in text
+    assert "  shortest trace (2 steps):" in text

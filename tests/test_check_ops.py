@@ -369,3 +369,131 @@ def test_an_ops_module_without_a_policy_runs_under_the_one_given(
     out = json.loads(capsys.readouterr().out)
     assert status == 0
     assert [(s["spec"], s["policy"]) for s in out["specs"]] == [(str(RESIDENCY), "write_through")]
+
+
+_PLAIN = """\
+[machine]
+name = "slot"
+initial = "idle"
+
+[counters]
+borrows = 0
+
+[states]
+idle = { invariant = "borrows == 0" }
+busy = { invariant = "borrows >= 1", counter = "borrows" }
+
+[[transition]]
+event = "borrow"
+source = ["idle", "busy"]
+dest = "busy"
+guard = "borrows < 2"
+update = "borrows += 1"
+
+[[forbid]]
+event = "borrow"
+source = "busy"
+guard = "borrows >= 2"
+error = "Full"
+reason = "two borrowers already"
+
+[[transition]]
+event = "give_back"
+source = "busy"
+dest = "busy"
+guard = "borrows >= 2"
+update = "borrows -= 1"
+
+[[transition]]
+event = "give_back"
+source = "busy"
+dest = "idle"
+guard = "borrows == 1"
+update = "borrows -= 1"
+
+[[forbid]]
+event = "give_back"
+source = "idle"
+error = "NotBorrowed"
+reason = "nobody borrowed it"
+"""
+
+_NO_PAGES = (
+    "its nodes keep no pages (it has no host and device regions), so no node is ever "
+    "deleted and the tree keeps its starting shape"
+)
+
+
+@pytest.mark.parametrize(
+    ("spec", "body", "error"),
+    [
+        (
+            "plain",
+            "def split(*a):\n    return None\ndef prune(layout, nodes):\n    return nodes\n",
+            f"split, prune are never called in a check of {{spec}}: {_NO_PAGES}",
+        ),
+        (
+            "plain",
+            "def insert(*a):\n    return None\n",
+            f"insert is never called in a check of {{spec}}: {_NO_PAGES}",
+        ),
+        (
+            "plain",
+            "def match_prefix(layout, path):\n    return None\n",
+            "match_prefix is never called in a check of {spec}: its nodes have no device "
+            "copy to look up (it has no host and device regions)",
+        ),
+        (
+            "residency",
+            "def born(*a):\n    return None\n",
+            "born is never called in a check of {spec}: it declares no [composition.births]",
+        ),
+        (
+            "residency",
+            "def wants_backup(*a):\n    return True\n",
+            "wants_backup is never called in a check of {spec}: it is checked under no write "
+            "policy (give the module POLICY = 'write_through', or --policy write_through)",
+        ),
+    ],
+    ids=["plain-split-prune", "plain-insert", "plain-lookup", "no-births", "no-policy"],
+)
+def test_a_hook_the_check_never_calls_is_refused(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    spec: str,
+    body: str,
+    error: str,
+) -> None:
+    """A hook the search never reaches was ignored, and the check passed as if it ran.
+
+    On a spec without host and device regions no node is ever deleted, so the
+    starting trees keep every slot full: no insert, birth or split can happen
+    and nothing is pruned. A lookup needs a device tier, a backup decision a
+    write policy, a birth hook a declared birth.
+    """
+    path = RESIDENCY
+    if spec == "plain":
+        path = tmp_path / "slot.toml"
+        path.write_text(_PLAIN)
+    ops = tmp_path / "ops.py"
+    ops.write_text(f"SPEC = {str(path)!r}\n{body}")
+    status = main(["check", "--nodes", "2", "--ops", str(ops)])
+    captured = capsys.readouterr()
+    assert (status, captured.out, captured.err.strip()) == (
+        2,
+        "",
+        f"error: {ops}: {error.format(spec=path)}",
+    )
+
+
+def test_hooks_the_check_calls_are_taken(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """What the refusal leaves alone: a residency spec's split, its policy's wants_backup."""
+    ops = _ops(
+        tmp_path,
+        "from fsm_cache import policy\nfrom fsm_cache.modelcheck import treeops\n"
+        "def split(*a):\n    return treeops.split(*a)\n"
+        "def wants_backup(*a):\n    return policy.wants_backup(*a)\n",
+    )
+    assert _check(capsys, ops, "--policy", "write_through") == (0, "")

@@ -6,6 +6,7 @@ import argparse
 import ast
 import errno
 import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -309,10 +310,25 @@ def test_mermaid_of_a_machine_has_no_refusal_note(specs: Path) -> None:
 
 
 def test_markdown_of_a_composition_lists_each_region_then_the_cross_refusals(specs: Path) -> None:
+    """The composition's own ``doc`` comes first: it was in no format at all."""
     text = render(doorway(specs), "md")
-    assert text.startswith("**Region `door`: `door`**: A door that people hold open.\n")
+    assert text.startswith(
+        "**`doorway`**: A door and its bolt.\n\n"
+        "**Region `door`: `door`**: A door that people hold open.\n"
+    )
     assert "\n**Region `lock`: `lock`**: A bolt.\n" in text
     assert text.endswith("\n\n" + DOORWAY_CROSS_MD)
+
+
+def test_markdown_of_undocumented_specs_ends_no_heading_in_a_colon(specs: Path) -> None:
+    """A machine without ``doc`` was headed ``**`door`**: `` with nothing after the colon."""
+    (specs / "bare.toml").write_text(DOOR.replace('doc = "A door that people hold open."\n', ""))
+    (specs / "bare_way.toml").write_text(
+        DOORWAY.replace('doc = "A door and its bolt."\n', "").replace("door.toml", "bare.toml")
+    )
+    assert render(load_spec(specs / "bare.toml"), "md").startswith("**`door`**\n\n| state |")
+    text = render(load_spec(specs / "bare_way.toml"), "md")
+    assert text.startswith("**Region `door`: `door`**\n\n| state |")
 
 
 def test_dot_of_a_composition_has_one_cluster_per_region_and_a_refusal_note(specs: Path) -> None:
@@ -511,7 +527,8 @@ def test_output_file_and_its_check(specs: Path, capsys: pytest.CaptureFixture[st
     assert run(str(specs / "door.toml"), "--format", "md", "-o", str(out), "--check") == 1
     assert capsys.readouterr().out == (
         f"{out}: differs from a fresh rendering\n"
-        "1 of 1 diagram files are stale; run: fsm-cache diagram --write\n"
+        f"1 of 1 diagram files are stale; run: fsm-cache diagram {specs / 'door.toml'} "
+        f"--format md -o {out}\n"
     )
 
 
@@ -532,7 +549,7 @@ def test_check_detects_drift_and_write_fixes_it(
     assert capsys.readouterr().out == (
         f"{folder / 'door.mmd'}: differs from a fresh rendering\n"
         f"{folder / 'door.dot'}: missing\n"
-        "2 of 3 diagram files are stale; run: fsm-cache diagram --write\n"
+        f"2 of 3 diagram files are stale; run: fsm-cache diagram {spec} --write --dir {folder}\n"
     )
 
     assert run(spec, "--write", "--dir", str(folder)) == 0
@@ -540,6 +557,33 @@ def test_check_detects_drift_and_write_fixes_it(
         f"wrote {folder / 'door.mmd'}\nwrote {folder / 'door.dot'}\n"
     )
     assert run(spec, "--check", "--dir", str(folder)) == 0
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [("--dir", "my diagrams"), ("--format", "md", "--highlight", "state=open", "-o", "door a.md")],
+    ids=["set", "one-file"],
+)
+def test_a_stale_diagram_is_told_the_command_that_rewrites_it(
+    specs: Path, capsys: pytest.CaptureFixture[str], mode: tuple[str, ...]
+) -> None:
+    """``fsm-cache diagram --write`` alone rewrites the shipped specs' diagrams, not the user's.
+
+    The hint repeats the specs, and the folder or the file, format and
+    highlight of the check, quoted for a shell, so running it makes the check pass.
+    """
+    given = [str(specs / "door.toml"), str(specs / "doorway.toml")]
+    if "-o" in mode:
+        given = given[:1]
+    where = [str(specs / m) if m.startswith(("my ", "door ")) else m for m in mode]
+    assert run(*given, *where, "--check") == 1
+    hint = capsys.readouterr().out.splitlines()[-1].split("; run: ")[1]
+    wanted = ["fsm-cache", "diagram", *given, *where]
+    if "-o" not in mode:
+        wanted.insert(-2, "--write")
+    assert shlex.split(hint) == wanted
+    assert main(shlex.split(hint)[1:]) == 0
+    assert run(*given, *where, "--check") == 0
 
 
 def test_default_set_is_every_shipped_spec_under_docs_diagrams(

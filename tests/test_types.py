@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import get_args
@@ -102,10 +103,10 @@ def test_check_reports_a_missing_or_stale_stub(
     spec.write_text(SPEC.replace('"open"', '"ajar"').replace("open = {}", "ajar = {}"))
     assert main(["types", str(spec), "--check", str(out)]) == 1
     assert capsys.readouterr().out.splitlines() == [
-        f"{out} is missing the types of {spec}: run fsm-cache types --write",
+        f"{out} is missing the types of {spec}: run fsm-cache types {spec} --write {out}",
         f"wrote {out}",
         f"{out} matches {spec}",
-        f"{out} differs from the types of {spec}: run fsm-cache types --write",
+        f"{out} differs from the types of {spec}: run fsm-cache types {spec} --write {out}",
     ]
 
 
@@ -358,3 +359,18 @@ def test_an_empty_path_is_refused(
         f"fsm-cache types: error: argument {argument}: an empty path names no file",
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["door.toml"]
+
+
+def test_a_stale_file_is_told_the_command_that_rewrites_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fsm-cache types --write`` alone is a usage error: the hint names the spec and the file."""
+    folder = tmp_path / "my specs"
+    folder.mkdir()
+    spec, out = folder / "door.toml", folder / "door types.py"
+    spec.write_text(SPEC, encoding="utf-8")
+    assert main(["types", str(spec), "--check", str(out)]) == 1
+    hint = capsys.readouterr().out.strip().split(": run ")[1]
+    assert hint == f"fsm-cache types '{spec}' --write '{out}'"
+    assert main(shlex.split(hint)[1:]) == 0
+    assert main(["types", str(spec), "--check", str(out)]) == 0

@@ -22,6 +22,7 @@ none, never over a spec file the command reads, and never to a ``.toml`` file.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             raise DiagramError(msg)
         specs = args.specs or shipped_spec_paths()
         wanted = expected(specs, DEFAULT_DIR if args.dir is None else args.dir)
-        return _check(wanted) if args.check else _write(wanted, specs)
+        return _check(wanted, _rewrite(args)) if args.check else _write(wanted, specs)
     if args.dir is not None:
         msg = (
             "--dir is the folder of --check/--write without -o; a rendering to -o or "
@@ -121,7 +122,25 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         return 0
     wanted = {args.output: text}
-    return _check(wanted) if args.check else _write(wanted, args.specs)
+    return _check(wanted, _rewrite(args)) if args.check else _write(wanted, args.specs)
+
+
+def _rewrite(args: argparse.Namespace) -> str:
+    """Return the command that rewrites what ``args`` checks, quoted for a shell.
+
+    ``fsm-cache diagram --write`` alone would rewrite the shipped specs'
+    files in ``docs/diagrams``, not the user's: the command repeats the specs,
+    and the folder, or the file with its format and highlights.
+    """
+    words = ["fsm-cache", "diagram", *map(str, args.specs)]
+    if args.output is None:
+        words.append("--write")
+        words += [] if args.dir is None else ["--dir", str(args.dir)]
+        return shlex.join(words)
+    words += [] if args.format is None else ["--format", args.format]
+    for mark in args.highlight:
+        words += ["--highlight", mark]
+    return shlex.join([*words, "-o", str(args.output)])
 
 
 def document(specs: list[Path], fmt: str, highlight: tuple[str, ...] = ()) -> str:
@@ -192,8 +211,8 @@ def _same_file(first: Path, second: Path) -> bool:
         return False
 
 
-def _check(wanted: dict[Path, str]) -> int:
-    """Print each file that is missing or stale; return 1 if any is.
+def _check(wanted: dict[Path, str], rewrite: str) -> int:
+    """Print each file that is missing or stale, and the command ``rewrite`` if any is; return 1 then.
 
     Raises:
         OutputError: A file to check is a ``.toml`` file, is there but is no
@@ -210,7 +229,7 @@ def _check(wanted: dict[Path, str]) -> int:
             print(f"{path}: differs from a fresh rendering")
             stale += 1
     if stale:
-        print(f"{stale} of {len(wanted)} diagram files are stale; run: fsm-cache diagram --write")
+        print(f"{stale} of {len(wanted)} diagram files are stale; run: {rewrite}")
         return 1
     print(f"{len(wanted)} diagram files match their specs")
     return 0

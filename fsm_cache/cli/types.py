@@ -16,6 +16,7 @@ the user's code named by mistake is refused, not overwritten.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         current = current_text(args.check)
         if current != text:
             what = "is missing" if current is None else "differs from"
-            print(f"{args.check} {what} the types of {spec}: run fsm-cache types --write")
+            rewrite = shlex.join(["fsm-cache", "types", str(spec), "--write", str(args.check)])
+            print(f"{args.check} {what} the types of {spec}: run {rewrite}")
             return 1
         print(f"{args.check} matches {spec}")
         return 0

@@ -23,14 +23,19 @@ from fsm_cache.diagram.ir import (
 def markdown_tables(diagram: Diagram) -> str:
     """Return Markdown tables: states, transitions, refused pairs and cross-region refusals.
 
+    Each machine's tables follow its name and ``doc``; a composition's own
+    ``doc``, where it has one, comes first.
+
     A highlighted state is bold in each row it starts and marked ``(here)`` in the
     states table, so a report can show where a node was and what it could do there.
     """
     parts: list[str] = []
+    if diagram.composed and diagram.doc:
+        parts.append(_heading(f"**{_c(diagram.name)}**", diagram.doc))
     for region in diagram.regions:
         title = f"Region {_c(region.name)}: " if diagram.composed else ""
         here = {state for name, state in diagram.highlight if name == region.name}
-        parts.append(f"**{title}{_c(region.machine)}**: {region.doc}")
+        parts.append(_heading(f"**{title}{_c(region.machine)}**", region.doc))
         parts.append(_md_states(region, here))
         parts.append(_md_edges(region, here))
         if region.refusals:
@@ -45,6 +50,11 @@ def markdown_tables(diagram: Diagram) -> str:
             [(_c(r.event), _c(condition_text(r)), _c(r.error), r.reason) for r in diagram.refusals],
         ))  # fmt: skip
     return "\n\n".join(parts) + "\n"
+
+
+def _heading(title: str, doc: str) -> str:
+    """Return ``title: doc``, or the title alone for a spec without a ``doc``."""
+    return f"{title}: {doc}" if doc else title
 
 
 def _md_states(region: Region, here: set[str]) -> str:

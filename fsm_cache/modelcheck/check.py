@@ -48,7 +48,7 @@ from fsm_cache.errors import BadArgument, ConfigError, SpecError
 from fsm_cache.modelcheck import treeops
 from fsm_cache.modelcheck.budget import Budget
 from fsm_cache.modelcheck.explore import Bounds, Explorer, Result
-from fsm_cache.modelcheck.hooks import hooks, raised
+from fsm_cache.modelcheck.hooks import hooks, never_called, raised
 from fsm_cache.modelcheck.progress import PLAIN_EVERY, progress
 from fsm_cache.modelcheck.state import Layout, Nodes, reference_states
 from fsm_cache.numeric import whole
@@ -181,7 +181,9 @@ def check_spec(
             without host and device regions.
         ConfigError: A ``host``, ``device`` or ``storage`` region lacks a state
             the residency checks read by name
-            (:func:`~fsm_cache.modelcheck.state.reference_states`).
+            (:func:`~fsm_cache.modelcheck.state.reference_states`), or ``ops``
+            defines a hook the check never calls
+            (:func:`~fsm_cache.modelcheck.hooks.never_called`).
     """
     explorer, start = prepare(path, nodes, bounds, ops, policy=policy, symmetry=symmetry)
     return explorer.run(start, tick, budget)
@@ -213,6 +215,9 @@ def prepare(
     system = as_system(load_spec(path))
     reference_states(system)
     layout = Layout.of(system)
+    unused = never_called(ops, layout, policy, path)
+    if unused is not None:
+        raise ConfigError(unused)
     return Explorer(layout, bounds, ops, policy, symmetry=symmetry), shapes(layout, nodes)
 
 
@@ -428,20 +433,21 @@ def report(result: dict[str, Any]) -> str:
     for s in result["specs"]:
         rate = s["states"] / s["seconds"] if s["seconds"] else 0.0
         lines.append(
-            f"{_title(s['spec'], s['policy'])}: {s['nodes']} nodes ({', '.join(SHAPES)}), {_bounds(s['bounds'])}"
+            f"{_title(s['spec'], s['policy'])}: {_count(s['nodes'], 'node')} "
+            f"({', '.join(SHAPES)}), {_bounds(s['bounds'])}"
         )
         lines.append(f"  states explored: {s['states']} ({_symmetry(s['symmetry'])})")
         if s["symmetry"]:
             lines.append(
                 f"  before reduction: {s['numbered']} numbered states (each tree in every "
-                f"numbering of its {s['nodes']} slots)"
+                f"numbering of its {_count(s['nodes'], 'slot')})"
             )
         lines.append(f"  states/s: {rate:.0f}")
         lines.append(f"  time: {s['seconds']:.2f} s")
         if s["violation"]:
             lines.append(f"  violation: {s['violation']}")
             if s["trace"]:  # none for a finding about the spec, made before exploring
-                lines.append(f"  shortest trace ({len(s['trace']) - 1} steps):")
+                lines.append(f"  shortest trace ({_count(len(s['trace']) - 1, 'step')}):")
                 lines += [f"    {step}" for step in s["trace"]]
         elif s["stopped"]:
             lines.append(f"  stopped: {s['stopped']}")
@@ -450,6 +456,11 @@ def report(result: dict[str, Any]) -> str:
             lines.append("  no invariant violated")
     lines += render_controls(result["controls"])
     return "\n".join(lines)
+
+
+def _count(number: int, noun: str) -> str:
+    """Return ``1 node`` or ``3 nodes``."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _bounds(bounds: dict[str, int]) -> str:

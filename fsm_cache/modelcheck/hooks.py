@@ -16,7 +16,9 @@ What is checked is the shape and the types of what a hook returns (a tree
 of node entries of the spec, a :class:`~fsm_cache.modelcheck.lookup.Match`
 of positions), not what it means: a hook that drops a pin or reports a
 node past a ``loading`` one returns a well-formed answer, and the checker's
-invariants are what find it. The checker's own hooks are used unwrapped, so
+invariants are what find it. A hook the check of its spec would never call
+(:func:`never_called`) is refused too, rather than ignored by a check that
+passes as if it had tried it. The checker's own hooks are used unwrapped, so
 its fast paths (which test them by identity) still apply.
 """
 
@@ -272,6 +274,7 @@ def hooks(path: Path, module: ModuleType) -> ModuleType:
         ConfigError: A hook it defines is not callable.
     """
     view = ModuleType(module.__name__, module.__doc__)
+    view.__file__ = str(path)  # named by what refuses its hooks (never_called)
     names = vars(module)  # what it defines: never its own __getattr__, which may raise
     for name in ("SPEC", "POLICY"):
         if name in names:
@@ -284,3 +287,60 @@ def hooks(path: Path, module: ModuleType) -> ModuleType:
             continue
         setattr(view, name, guarded(path, name, hook))
     return view
+
+
+_NO_PAGES = (
+    "its nodes keep no pages (it has no host and device regions), so no node is ever "
+    "deleted and the tree keeps its starting shape"
+)
+
+
+def _never(layout: Layout, write_policy: object, name: str) -> str | None:
+    """Return why the check of ``layout`` never calls the hook ``name``, or None if it may."""
+    if name in TREE_OPS and not layout.memory.tiers:
+        # only a node whose data is gone is deleted, and the starting trees fill every slot
+        return _NO_PAGES
+    if name == "born" and not layout.births:
+        return "it declares no [composition.births]"
+    if name == "match_prefix" and not lookup.applies(layout):
+        return "its nodes have no device copy to look up (it has no host and device regions)"
+    if name == "wants_backup" and write_policy is None:
+        return (
+            "it is checked under no write policy (give the module POLICY = 'write_through', "
+            "or --policy write_through)"
+        )
+    return None
+
+
+def never_called(
+    ops: ModuleType | Any, layout: Layout, write_policy: object, spec: Path
+) -> str | None:
+    """Return which hooks of the ops module ``ops`` a check of ``spec`` never calls, and why.
+
+    A hook the search never reaches would be ignored, and the check would
+    pass as if it had tried it: on a spec without host and device regions
+    no node is deleted, so the starting trees keep every slot full and no
+    tree operation applies; a lookup needs a device tier, a backup decision
+    a write policy, and a birth hook a declared birth. None when every hook
+    the module defines is called (the checker's own are not asked about).
+
+    Args:
+        ops: The checker's view of the module (:func:`hooks`), or the checker's own operations.
+        layout: The node layout of the spec checked.
+        write_policy: The write policy checked under, or None.
+        spec: The spec checked, as the message names it.
+    """
+    reasons: dict[str, list[str]] = {}
+    for name in (*TREE_OPS, *OPTIONAL):
+        hook = getattr(ops, name, None)
+        why = None if hook is None or hook is DEFAULTS[name] else _never(layout, write_policy, name)
+        if why is not None:
+            reasons.setdefault(why, []).append(name)
+    if not reasons:
+        return None
+    parts = [
+        f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} never called in a check of "
+        f"{spec}: {why}"
+        for why, names in reasons.items()
+    ]
+    return f"{getattr(ops, '__file__', ops.__name__)}: {'; '.join(parts)}"

@@ -756,10 +756,12 @@ def _events(table: object, problems: _Problems) -> tuple[EventSpec, ...]:
         return ()
     result = []
     for name, body in table.items():
-        if not isinstance(body, Mapping):
-            problems.add(f"events.{name}", "must be a table")
-            continue
         where = f"events.{name}"
+        if (bad := bad_name(name)) is not None:
+            problems.add(where, bad)
+        if not isinstance(body, Mapping):
+            problems.add(where, "must be a table")
+            continue
         _known_keys(body, {"doc", "past"}, where, problems)
         doc, past = _text(body, "doc", where, problems), _text(body, "past", where, problems)
         result.append(EventSpec(name, doc, past))
