@@ -177,6 +177,84 @@ def test_cli_prints_figures_and_exits_1_on_a_violation(capsys: pytest.CaptureFix
     ]
 
 
+GATE = """\
+[machine]
+name = "gate"
+initial = "open"
+
+[counters]
+n = 0
+
+[states]
+open = { invariant = "n >= 0", counter = "n" }
+shut = { invariant = "n == 0", final = true }
+
+[[transition]]
+event = "take"
+source = "open"
+dest = "open"
+guard = "n < 5"
+update = "n += 1"
+
+[[forbid]]
+event = "take"
+source = "open"
+guard = "n >= 5"
+error = "GateFull"
+reason = "five are in"
+
+[[transition]]
+event = "give"
+source = "open"
+dest = "open"
+guard = "n >= 1"
+update = "n -= 1"
+
+[[forbid]]
+event = "give"
+source = "open"
+guard = "n == 0"
+error = "GateEmpty"
+reason = "nobody is in"
+
+[[transition]]
+event = "shut"
+source = "open"
+dest = "shut"
+guard = "n == 0"
+
+[[forbid]]
+event = "shut"
+source = "open"
+guard = "n >= 1"
+error = "GateInUse"
+reason = "someone is in"
+"""
+"""Up to five holders, each refusal guarded at five."""
+
+
+def test_a_guard_the_bounds_never_reach_is_named_with_the_bound_that_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gate = tmp_path / "gate.toml"
+    gate.write_text(GATE)
+    assert _cli(["check", str(gate), "--nodes", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == [
+        f"{gate}: 1 node (chain, fan-out, binary), n <= 2",
+        "  not explored: n above 2, where a comparison turns at 5 (--max-count 5 reaches it)",
+    ]
+    assert _cli(["check", str(gate), "--nodes", "1", "--max-count", "5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["specs"][0]["unexplored"] == {}
+
+
+def test_the_shipped_specs_bounds_reach_every_guard(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli(["check", "--nodes", "1", "--no-controls", "--json"]) == 0
+    specs = json.loads(capsys.readouterr().out)["specs"]
+    assert len(specs) > 6
+    assert [s["unexplored"] for s in specs] == [{}] * len(specs)
+
+
 def test_cli_json_and_ops_module(capsys: pytest.CaptureFixture[str]) -> None:
     ops = BUGS / "split_drops_pins.py"
     status = _cli(

@@ -172,3 +172,29 @@ def test_condition_grammar_errors(text: str) -> None:
 
 def test_grammar_error_is_a_value_error() -> None:
     assert issubclass(GrammarError, ValueError)
+
+
+@given(
+    op=st.sampled_from(["==", "!=", "<", "<=", ">", ">="]),
+    value=st.integers(-3, 40),
+)
+def test_a_comparison_turns_at_the_least_count_that_answers_otherwise_than_zero(
+    op: str, value: int
+) -> None:
+    """Every count below the turn answers as 0 does; the turn (if any) answers otherwise."""
+    term = Comparison("x", op, value)
+    first = term.holds({"x": 0})
+    turn = term.turns_at()
+    below = range(turn) if turn else range(value + 3)
+    assert all(term.holds({"x": v}) == first for v in below)
+    if turn:
+        assert term.holds({"x": turn}) != first
+
+
+@pytest.mark.parametrize(
+    ("text", "turn"),
+    [("x >= 8", 8), ("x > 8", 9), ("x <= 1", 2), ("x < 1", 1), ("x == 0", 1), ("x >= 0", 0)],
+)
+def test_where_a_comparison_turns(text: str, turn: int) -> None:
+    (term,) = parse_guard(text).terms
+    assert term.turns_at() == turn

@@ -55,7 +55,7 @@ from fsm_cache.numeric import whole
 from fsm_cache.policy import WritePolicy
 from fsm_cache.spec.controls import Control, controls, load_finding, render_controls
 from fsm_cache.spec.loader import load_spec, path_text, unreadable
-from fsm_cache.spec.machine import as_system
+from fsm_cache.spec.machine import as_system, comparisons
 from fsm_cache.spec.shipped import shipped_spec_paths
 
 
@@ -142,18 +142,43 @@ def sized(path: Path, nodes: int | None, locks: int | None) -> tuple[int, int]:
     )
 
 
+BOUND_BY = {"pins": "--max-pins", "locks": "--max-locks"}
+"""The option that bounds a counter of each of these names; any other's is ``--max-count``."""
+
+
 def ceilings(path: Path, pins: int, locks: int, count: int) -> dict[str, int]:
     """Return the ceiling of each counter of the spec at ``path``, in the spec's order.
 
     ``pins`` bounds a counter named ``pins`` (``--max-pins``), ``locks`` one
-    named ``locks`` (``--max-locks``), ``count`` any other (``--max-count``);
-    a spec without counters has none.
+    named ``locks`` (``--max-locks``), ``count`` any other (``--max-count``):
+    :data:`BOUND_BY`. A spec without counters has none.
 
     Raises:
         SpecError: The spec does not load.
     """
-    given = {"pins": pins, "locks": locks}
+    given = dict(zip(BOUND_BY, (pins, locks), strict=True))
     return {name: given.get(name, count) for name, _ in as_system(load_spec(path)).counters}
+
+
+def unexplored(path: Path, bounded: dict[str, int]) -> dict[str, int]:
+    """Return the counters ``bounded`` caps below where a comparison of the spec turns, and where.
+
+    A guard ``borrows >= 8`` under ``borrows <= 2`` never holds in the search,
+    so what it guards (a refusal, a transition) goes unexplored; the report
+    says so, with the ceiling that reaches it
+    (:meth:`~fsm_cache.spec.guards.Comparison.turns_at`), rather than passing
+    in silence.
+
+    Raises:
+        SpecError: The spec does not load.
+    """
+    system = as_system(load_spec(path))
+    machines = [machine for _, machine in system.regions]
+    turns: dict[str, int] = {}
+    for term in comparisons(machines, *(forbid.guard for forbid in system.forbids)):
+        if term.counter in bounded:
+            turns[term.counter] = max(turns.get(term.counter, 0), term.turns_at())
+    return {name: at for name, at in turns.items() if bounded[name] < at}
 
 
 def check_spec(
@@ -406,6 +431,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "policy": policy,
                 "nodes": nodes,
                 "bounds": bounded,
+                "unexplored": unexplored(path, bounded),
                 "symmetry": symmetry,
                 "seconds": seconds,
                 **vars(result),
@@ -436,6 +462,11 @@ def report(result: dict[str, Any]) -> str:
             f"{_title(s['spec'], s['policy'])}: {_count(s['nodes'], 'node')} "
             f"({', '.join(SHAPES)}), {_bounds(s['bounds'])}"
         )
+        lines += [
+            f"  not explored: {name} above {s['bounds'][name]}, where a comparison turns at "
+            f"{at} ({BOUND_BY.get(name, '--max-count')} {at} reaches it)"
+            for name, at in s["unexplored"].items()
+        ]
         lines.append(f"  states explored: {s['states']} ({_symmetry(s['symmetry'])})")
         if s["symmetry"]:
             lines.append(

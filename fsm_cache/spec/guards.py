@@ -56,6 +56,17 @@ class Comparison:
         """Return whether the comparison holds for these counter values."""
         return OPS[self.op](counters[self.counter], self.value)
 
+    def turns_at(self) -> int:
+        """Return the least count at which the comparison answers otherwise than at 0.
+
+        0 when it answers alike for every count (``pins >= 0``). A search that
+        bounds the counter below this never sees one of its answers.
+        """
+        first = self.holds({self.counter: 0})
+        # the answer of x OP c can change only at c or at c + 1
+        turns = (v for v in (self.value, self.value + 1) if v > 0)
+        return next((v for v in turns if self.holds({self.counter: v}) != first), 0)
+
     def __str__(self) -> str:
         return f"{self.counter} {self.op} {self.value}"
 

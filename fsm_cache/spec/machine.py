@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from fsm_cache.spec.guards import NO_UPDATE, TRUE, Condition, Guard, Update
+from fsm_cache.spec.guards import NO_UPDATE, TRUE, Comparison, Condition, Guard, Update
 
 
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
@@ -351,13 +351,24 @@ def compared(machines: Iterable[MachineSpec], *extra: Guard) -> dict[str, list[i
     """
     machines = list(machines)
     found: dict[str, list[int]] = {name: [] for m in machines for name in m.counter_names}
-    guards = [s.invariant for m in machines for s in m.states]
-    guards += [t.guard for m in machines for t in m.transitions]
-    guards += [f.guard for m in machines for f in m.forbids] + list(extra)
-    for term in (term for guard in guards for term in guard.terms):
+    for term in comparisons(machines, *extra):
         if term.counter in found:
             found[term.counter].append(term.value)
     return found
+
+
+def comparisons(machines: Iterable[MachineSpec], *extra: Guard) -> Iterator[Comparison]:
+    """Yield every comparison of ``machines``' guards, then of ``extra``, as :func:`compared` reads them.
+
+    Every state's invariant, transition's guard and forbid's guard, in that
+    order, machine by machine; terms on counters no machine declares included.
+    """
+    machines = list(machines)
+    guards = [s.invariant for m in machines for s in m.states]
+    guards += [t.guard for m in machines for t in m.transitions]
+    guards += [f.guard for m in machines for f in m.forbids] + list(extra)
+    for guard in guards:
+        yield from guard.terms
 
 
 def as_system(spec: Spec) -> System:
