@@ -257,7 +257,7 @@ def test_a_transition_whose_guard_never_holds_reaches_nothing(tmp_path: Path) ->
     assert found(tmp_path, text) == [
         "states.closed: not final and has no way out: no transition out has a guard that can hold there (invariant n == 0)",
         "states.open: unreachable from closed",
-        "states.open: not final and has no transition out",
+        "states.open: not final and has no transition out (each of its transitions leads back to it)",
     ]
 
 

@@ -360,9 +360,11 @@ def _liveness(spec: MachineSpec) -> Iterator[str]:
 
 def _way_out(spec: MachineSpec, st: StateSpec) -> Iterator[str]:
     """A non-final state needs a transition out whose guard can hold under its invariant."""
-    exits = [t for t in spec.transitions if st.name in t.sources and t.dest != st.name]
+    moves = [t for t in spec.transitions if st.name in t.sources]
+    exits = [t for t in moves if t.dest != st.name]
     if not exits:
-        yield f"states.{st.name}: not final and has no transition out"
+        loops = " (each of its transitions leads back to it)" if moves else ""
+        yield f"states.{st.name}: not final and has no transition out{loops}"
     elif not any(_enabled(spec, st.name, t.guard) for t in exits):
         yield f"states.{st.name}: not final and has no way out: no transition out has a guard that can hold there{_under(st)}"
 
