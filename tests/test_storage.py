@@ -636,6 +636,37 @@ def test_redis_capacity_needs_info() -> None:
         store.capacity()
 
 
+class InfoClient(fakeredis.FakeRedis):
+    """A Redis-compatible server whose ``INFO memory`` answers ``answer``."""
+
+    answer: dict[str, object]
+
+    def info(self, section: object = None, *args: object, **options: object) -> Any:
+        return dict(self.answer)
+
+
+@pytest.mark.parametrize(
+    ("answer", "cause"),
+    [
+        ({"maxmemory": 0}, "INFO memory has no used_memory"),
+        ({"used_memory": "12M"}, "INFO memory's used_memory is '12M', not a byte count"),
+        ({"used_memory": -1}, "INFO memory's used_memory is -1, not a byte count"),
+        ({"used_memory": 10, "maxmemory": 1.5}, "INFO memory's maxmemory is 1.5, not a byte count"),
+    ],
+)
+def test_redis_capacity_from_an_info_without_byte_counts_is_store_failed(
+    answer: dict[str, object], cause: str
+) -> None:
+    """A server whose INFO lacks or garbles a byte count fails as StoreFailed, not a KeyError."""
+    client = InfoClient(host="127.0.0.1", port=6399)
+    client.answer = {"used_memory": 10, "maxmemory": 0}
+    assert RedisStore(client).capacity() == Capacity(10, 0, None, None)
+    client.answer = answer
+    with pytest.raises(StoreFailed) as caught:
+        RedisStore(client).capacity()
+    assert str(caught.value) == f"redis 127.0.0.1:6399: capacity failed: {cause}"
+
+
 def test_redis_store_without_the_client_names_the_extra() -> None:
     """Without the redis package, RedisStore says which extra brings it; the package still imports."""
     code = (
