@@ -310,8 +310,9 @@ class StoreFailed(StorageError):
 
     Attributes:
         where: The store (``redis 127.0.0.1:6379``, ``local /var/kv``).
-        operation: ``put``, ``get``, ``exists``, ``drop``, or ``open`` (a
-            :class:`~fsm_cache.storage.LocalFileStore` root it cannot create or read).
+        operation: ``put``, ``get``, ``exists``, ``drop``, ``capacity``, or
+            ``open`` (a :class:`~fsm_cache.storage.LocalFileStore` root it
+            cannot create or read).
         acknowledged: Leading pages the store acknowledged before it failed.
         total: Pages the operation was given (0 for a question about the
             whole store, which the message then leaves out).

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from fsm_cache.cli.main import OUTPUT_CLOSED, main
+from fsm_cache.cli.main import main
+from fsm_cache.shell import OUTPUT_CLOSED
 from fsm_cache.spec.shipped import spec_dir
 
 
-def closed_reader(*argv: str, into: str) -> tuple[int, bytes]:
-    """Run ``python -m fsm_cache ARGV`` with ``into`` (stdout or stderr) a pipe nobody reads.
+def closed_reader(*argv: str, into: str, module: str = "fsm_cache") -> tuple[int, bytes]:
+    """Run ``python -m MODULE ARGV`` with ``into`` (stdout or stderr) a pipe nobody reads.
 
     Returns the exit status and what the other stream received.
     """
@@ -31,7 +32,7 @@ def closed_reader(*argv: str, into: str) -> tuple[int, bytes]:
     stdout, stderr = (write, subprocess.PIPE) if into == "stdout" else (subprocess.PIPE, write)
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "fsm_cache", *argv],
+            [sys.executable, "-m", module, *argv],
             env={**os.environ, "FSM_CACHE_PURE": "1"},
             stdout=stdout,
             stderr=stderr,
@@ -69,6 +70,30 @@ def test_a_closed_stderr_ends_the_command_quietly(tmp_path: Path) -> None:
         OUTPUT_CLOSED,
         f"ok: {good} (machine host_residency: 5 states, 15 transitions, 14 refusals)\n",
     )
+
+
+AUDITED = Path(__file__).parent / "audit_corpus" / "abort_retract.py"
+"""A module the audit has findings in: it writes them to stdout."""
+AUDIT_ENTRIES = {"cli": ("fsm_cache", ["audit"]), "module": ("fsm_cache.audit", [])}
+"""``python -m fsm_cache audit`` and ``python -m fsm_cache.audit``: the same command."""
+
+
+@pytest.mark.parametrize("entry", AUDIT_ENTRIES, ids=str)
+def test_a_closed_stdout_ends_the_audit_quietly_from_either_entry(entry: str) -> None:
+    module, argv = AUDIT_ENTRIES[entry]
+    assert closed_reader(*argv, str(AUDITED), into="stdout", module=module) == (
+        OUTPUT_CLOSED,
+        b"",
+    )
+
+
+@pytest.mark.parametrize("entry", AUDIT_ENTRIES, ids=str)
+def test_a_closed_stderr_ends_the_audit_quietly_from_either_entry(
+    entry: str, tmp_path: Path
+) -> None:
+    module, argv = AUDIT_ENTRIES[entry]
+    missing = str(tmp_path / "missing.py")
+    assert closed_reader(*argv, missing, into="stderr", module=module) == (OUTPUT_CLOSED, b"")
 
 
 class _Gone(io.StringIO):

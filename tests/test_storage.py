@@ -636,6 +636,37 @@ def test_redis_capacity_needs_info() -> None:
         store.capacity()
 
 
+class InfoClient(fakeredis.FakeRedis):
+    """A Redis-compatible server whose ``INFO memory`` answers ``answer``."""
+
+    answer: dict[str, object]
+
+    def info(self, section: object = None, *args: object, **options: object) -> Any:
+        return dict(self.answer)
+
+
+@pytest.mark.parametrize(
+    ("answer", "cause"),
+    [
+        ({"maxmemory": 0}, "INFO memory has no used_memory"),
+        ({"used_memory": "12M"}, "INFO memory's used_memory is '12M', not a byte count"),
+        ({"used_memory": -1}, "INFO memory's used_memory is -1, not a byte count"),
+        ({"used_memory": 10, "maxmemory": 1.5}, "INFO memory's maxmemory is 1.5, not a byte count"),
+    ],
+)
+def test_redis_capacity_from_an_info_without_byte_counts_is_store_failed(
+    answer: dict[str, object], cause: str
+) -> None:
+    """A server whose INFO lacks or garbles a byte count fails as StoreFailed, not a KeyError."""
+    client = InfoClient(host="127.0.0.1", port=6399)
+    client.answer = {"used_memory": 10, "maxmemory": 0}
+    assert RedisStore(client).capacity() == Capacity(10, 0, None, None)
+    client.answer = answer
+    with pytest.raises(StoreFailed) as caught:
+        RedisStore(client).capacity()
+    assert str(caught.value) == f"redis 127.0.0.1:6399: capacity failed: {cause}"
+
+
 def test_redis_store_without_the_client_names_the_extra() -> None:
     """Without the redis package, RedisStore says which extra brings it; the package still imports."""
     code = (
@@ -856,6 +887,48 @@ def test_codec_refuses_a_shape_of_booleans() -> None:
     with pytest.raises(CorruptPage) as caught:
         codec.decode("there", one, lying)
     assert caught.value.problem == "header's uint8 [True, 4] does not make 4 bytes"
+
+
+QUANTIZED = [torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4]
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED, ids=str)
+def test_codec_refuses_a_header_naming_a_quantized_dtype(dtype: torch.dtype) -> None:
+    """A header is data: a dtype put refuses to store is a CorruptPage naming it, never a page."""
+    key, body = page_keys(NS, list(range(4)))[0], bytes(4)
+
+    def value(name: str, shape: list[int]) -> bytes:
+        crc = f"{zlib.crc32(body):08x}"
+        fields = {"key": key, "dtype": name, "shape": shape, "nbytes": 4, "crc32": crc}
+        head = json.dumps(fields, separators=(",", ":")).encode()
+        return struct.pack("<8sI", codec.MAGIC, len(head)) + head + body
+
+    assert codec.decode("here", key, value("uint8", [4])).dtype == torch.uint8
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(CorruptPage) as caught:
+        codec.decode("there", key, value(name, [4 // dtype.itemsize]))
+    assert caught.value.problem == f"header's dtype is quantized ({name}), not of a plain dtype"
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED, ids=str)
+def test_codec_refuses_bytes_viewed_as_a_quantized_dtype(dtype: torch.dtype) -> None:
+    """Plain bytes viewed as a quantized dtype (``is_quantized`` is False) are refused too."""
+    page = torch.zeros(8, dtype=torch.uint8).view(dtype)
+    assert not page.is_quantized
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(BadArgument) as caught:
+        codec.check_pages(page_keys(NS, list(range(4))), [page])
+    assert str(caught.value) == f"page 0 is quantized ({name}), not of a plain dtype"
+
+
+def test_codec_round_trips_a_complex32_page_without_a_warning() -> None:
+    """put stores complex32 (chalf) pages, so get reads them back, with no warning under -W error."""
+    page = torch.arange(16, dtype=torch.uint8).view(torch.complex32).reshape(2, 2)
+    key = page_keys(NS, [1, 2, 3, 4])[0]
+    codec.check_pages([key], [page])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert same([codec.decode("here", key, codec.encode(key, page))], [page])
 
 
 # ---------------------------------------------------------------- properties

@@ -1,7 +1,8 @@
 """What a call does to ownership: acquire, release, hand on, or maybe raise.
 
 Resources are named by text. ``node.protect_host()`` acts on ``node`` (the
-receiver); ``self.inc_lock_ref(node)`` acts on ``node`` (the first argument).
+receiver); ``self.inc_lock_ref(node)`` and ``self.inc_lock_ref(node=node)`` act
+on ``node`` (the first argument, positional or keyword).
 """
 
 from __future__ import annotations
@@ -264,9 +265,19 @@ def _fire_arguments(call: ast.Call) -> tuple[str | None, ast.expr | None]:
 def subject(call: ast.Call) -> ast.expr | None:
     """Return the resource of a pair call: its first argument, else its receiver.
 
-    A literal first argument is a flag (``lock.acquire(False)``), not a resource.
+    The first argument is the first positional one, else the first keyword
+    one, so ``inc_lock_ref(node=node)`` acts on ``node`` as
+    ``inc_lock_ref(node)`` does. A literal first argument is a flag
+    (``lock.acquire(False)``, ``node.protect_host(force=True)``), not a
+    resource; nor is an unpacking (``*nodes``, ``**options``), whose
+    arguments are unknown.
     """
-    first = call.args[0] if call.args else None
+    if call.args:
+        first: ast.expr | None = call.args[0]
+    elif call.keywords and call.keywords[0].arg is not None:
+        first = call.keywords[0].value
+    else:
+        first = None
     if first is not None and not isinstance(first, ast.Starred | ast.Constant):
         return first
     if isinstance(call.func, ast.Attribute):

@@ -1,8 +1,9 @@
 """The ``fsm-cache audit`` subcommand: read sources, audit them, print a report.
 
 Exit status: 0 when clean, 1 when there are findings, 2 on bad input (an
-unreadable file, a syntax error, a bad option or config), which the CLI shell
-prints as ``error: ...`` from the :class:`AuditError` raised here.
+unreadable file, a syntax error, a bad option or config), which the command
+shell (:mod:`fsm_cache.shell`) prints as ``error: ...`` from the
+:class:`AuditError` raised here.
 
 Each file is audited under the config of its own project (see
 :class:`~fsm_cache.audit.config.ConfigFinder`), not that of the working directory.
@@ -16,13 +17,14 @@ import os
 import sys
 import tokenize
 from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 
 from fsm_cache.audit.checker import check_source
 from fsm_cache.audit.config import ConfigFinder
 from fsm_cache.audit.model import DEFAULT_PAIRS, AuditConfig, AuditError, Finding
 from fsm_cache.audit.report import REPORT_FORMATS, render_report
-from fsm_cache.errors import FsmCacheError
+from fsm_cache.shell import run_command
 from fsm_cache.spec.loader import path_argument, path_text
 
 
@@ -88,15 +90,20 @@ def audit_paths(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``audit`` as a standalone program (``python -m fsm_cache.audit``)."""
+    """Run ``audit`` as a standalone program (``python -m fsm_cache.audit``).
+
+    It ends as ``fsm-cache audit`` does: both run under
+    :func:`~fsm_cache.shell.run_command` (the audit cannot import the CLI).
+    """
+    return run_command(partial(_standalone, sys.argv[1:] if argv is None else argv))
+
+
+def _standalone(argv: Sequence[str]) -> int:
+    """Parse ``argv`` as ``fsm-cache audit``'s arguments and run the audit."""
     parser = argparse.ArgumentParser(prog="fsm-cache")
     register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["audit", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        status: int = args.handler(args)
-    except (FsmCacheError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    args = parser.parse_args(["audit", *argv])
+    status: int = args.handler(args)
     return status
 
 

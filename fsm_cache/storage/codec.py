@@ -13,7 +13,9 @@ compact JSON (``key``, ``dtype``, ``shape``, ``nbytes``, and ``crc32``: the
 CRC-32 of the bytes as 8 lowercase hex digits, fixed width so a page's size is
 known before its bytes are hashed), then ``nbytes`` bytes. The bytes are the
 tensor's memory as is, so every dtype (float8 included) round-trips bit for
-bit; torch alone moves them (no numpy). Pages of the first format
+bit; torch alone moves them (no numpy). Quantized dtypes are the exception:
+their bytes mean nothing without a scale, so a page of one is refused and a
+header naming one is corrupt. Pages of the first format
 (``FSMPAGE1``, no checksum) are refused as corrupt: their bytes cannot be
 verified.
 """
@@ -43,6 +45,8 @@ OLD_MAGIC = b"FSMPAGE1"
 """The first format's magic: pages without a checksum, read as corrupt."""
 _PREFIX = struct.Struct("<8sI")
 _MAX_HEADER = 1 << 16
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+"""The quantized dtypes: torch offers no test of a dtype (``is_quantized`` is a tensor's)."""
 
 
 class Header(NamedTuple):
@@ -95,9 +99,28 @@ def _refusal(page: object) -> str:
         return "is a nested tensor, not a dense one"
     if page.layout != torch.strided:
         return f"is a {str(page.layout).removeprefix('torch.')} tensor, not a dense (strided) one"
-    if page.is_quantized:
-        return f"is quantized ({str(page.dtype).removeprefix('torch.')}), not of a plain dtype"
+    unstored = _unstored(page.dtype)
+    if unstored:
+        return f"is {unstored}"
     return _misplaced(page)
+
+
+def _unstored(dtype: torch.dtype) -> str:
+    """Return why pages of ``dtype`` are not stored, or ``""`` when they are.
+
+    The one rule for both directions: put refuses such a page, and a header
+    that names such a dtype is corrupt, since put never wrote it. A quantized
+    dtype is refused whether or not the tensor is quantized: plain bytes viewed
+    as ``qint8`` report ``is_quantized`` False, yet mean nothing without a scale.
+    """
+    if dtype in _QUANTIZED:
+        return f"quantized ({_dtype_name(dtype)}), not of a plain dtype"
+    return ""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """Return the name a header gives ``dtype`` (``bfloat16``)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _misplaced(page: torch.Tensor) -> str:
@@ -132,7 +155,7 @@ def _header(key: str, page: torch.Tensor, crc: int) -> bytes:
     """Return the header of ``page`` under ``key`` with checksum ``crc`` (its length is crc's alone)."""
     fields = {
         "key": key,
-        "dtype": str(page.dtype).removeprefix("torch."),
+        "dtype": _dtype_name(page.dtype),
         "shape": list(page.shape),
         "nbytes": page.numel() * page.element_size(),
         "crc32": f"{crc:08x}",
@@ -273,14 +296,20 @@ def _parse(where: str, key: str, head: bytes) -> Header:
     if found != key:
         raise CorruptPage(where, key, f"header names page {str(found)[:12]}")
     dtype = getattr(torch, str(name), None)
+    unstored = _unstored(dtype) if isinstance(dtype, torch.dtype) else ""
+    if unstored:
+        raise CorruptPage(where, key, f"header's dtype is {unstored}")
     if not isinstance(dtype, torch.dtype) or not _sized(shape, nbytes, dtype):
         raise CorruptPage(where, key, f"header's {name} {shape} does not make {nbytes} bytes")
     return Header(dtype, shape, nbytes, crc, start)
 
 
 def _sized(shape: object, nbytes: object, dtype: torch.dtype) -> bool:
-    """Whether ``shape`` of ``dtype`` takes exactly ``nbytes`` bytes."""
+    """Whether ``shape`` of ``dtype`` takes exactly ``nbytes`` bytes.
+
+    The item size is the dtype's own: building a tensor of a dtype a header
+    names makes torch warn for some (``complex32``).
+    """
     if not isinstance(shape, list) or not all(whole(n) for n in shape):
         return False
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return whole(nbytes) and math.prod(shape) * itemsize == nbytes
+    return whole(nbytes) and math.prod(shape) * dtype.itemsize == nbytes

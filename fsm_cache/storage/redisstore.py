@@ -35,6 +35,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - tested in a fresh inter
     ) from exc
 
 from fsm_cache.errors import BadArgument, StoreFailed
+from fsm_cache.numeric import whole
 from fsm_cache.storage import codec
 from fsm_cache.storage.base import Capacity, PutResult, check_count, stored_prefix
 from fsm_cache.storage.keys import check_keys
@@ -209,11 +210,22 @@ class RedisStore:
         """Return the server's memory in use and its ``maxmemory`` (None when unset).
 
         Raises:
-            StoreFailed: The server is gone or does not answer ``INFO``.
+            StoreFailed: The server is gone, does not answer ``INFO``, or its
+                answer has no ``used_memory`` byte count (a Redis-compatible
+                server may leave it out); a missing ``maxmemory`` is unset.
         """
         info = self._call("capacity", 0, 0, partial(self._client.info, "memory"))
-        limit = int(info.get("maxmemory", 0))
-        return Capacity(int(info["used_memory"]), 0, limit or None, None)
+        if "used_memory" not in info:
+            raise self._capacity_failed("INFO memory has no used_memory")
+        used, limit = info["used_memory"], info.get("maxmemory", 0)
+        for field, value in (("used_memory", used), ("maxmemory", limit)):
+            if not whole(value):
+                raise self._capacity_failed(f"INFO memory's {field} is {value!r}, not a byte count")
+        return Capacity(used, 0, limit or None, None)
+
+    def _capacity_failed(self, cause: str) -> StoreFailed:
+        """Return the :class:`StoreFailed` of an ``INFO`` answer :meth:`capacity` cannot read."""
+        return StoreFailed(self.where, "capacity", acknowledged=0, total=0, cause=cause)
 
     def close(self) -> None:
         """Close the client's connections; the pages stay on the server."""

@@ -1,0 +1,118 @@
+"""The command shell: run a command's body and turn what it raises into an exit status.
+
+Every way to run a command goes through :func:`run_command`, so ``fsm-cache
+audit``, ``python -m fsm_cache audit`` and ``python -m fsm_cache.audit`` end the
+same way: bad input (any :class:`~fsm_cache.errors.FsmCacheError`, and OSError
+for unreadable files) becomes ``error: ...`` lines and exit 2, never a
+traceback; Ctrl-C one line and :data:`INTERRUPTED`; a reader that leaves early
+(``... | head -1``) a quiet :data:`OUTPUT_CLOSED`. It sits below every layer
+that has a command (the CLI imports the audit, never the reverse).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
+
+from fsm_cache.errors import FsmCacheError, SpecError
+
+
+INTERRUPTED = 130
+"""Exit status after Ctrl-C: 128 + SIGINT (2), as a shell reports it."""
+
+OUTPUT_CLOSED = 141
+"""Exit status when the reader of stdout or stderr has gone (``| head -1``).
+
+128 + SIGPIPE (13), as a shell reports a command that signal ended. Python
+ignores SIGPIPE and raises BrokenPipeError at the next write instead, which
+is no error of the input: nothing more is written, not even an ``error:`` line.
+"""
+
+
+def run_command(command: Callable[[], int]) -> int:
+    """Run ``command`` and return its exit status, or the status of what it raised.
+
+    ``command`` parses its arguments too, so a failure there (a tool module
+    that fails at import) is one error, no traceback. The statuses: the
+    command's own (0 ok, 1 findings, 3 a check stopped short), 2 bad input,
+    :data:`INTERRUPTED`, :data:`OUTPUT_CLOSED`.
+    """
+    with _escaping_output():
+        try:
+            try:
+                status = command()
+            finally:
+                sys.stdout.flush()  # a reader that has gone is met here, not in the exit's flush
+        except BrokenPipeError:
+            return _output_closed()
+        except KeyboardInterrupt:
+            return _report(["interrupted"], INTERRUPTED)
+        except SpecError as exc:
+            return _report([f"error: {problem}" for problem in exc.problems], 2)
+        except (FsmCacheError, OSError) as exc:
+            return _report([f"error: {exc}"], 2)
+        return status
+
+
+@contextlib.contextmanager
+def _escaping_output() -> Iterator[None]:
+    r"""Let stdout and stderr write any text while the command runs: what they cannot encode is escaped.
+
+    A file name that is not UTF-8 (Linux names are bytes; Python carries the
+    undecodable ones as lone surrogates) cannot be written by a strict UTF-8
+    stdout, which is what most locales give: ``ok: NAME`` failed with a
+    UnicodeEncodeError traceback after the work was done, and so did a
+    spec's ``é`` on an ASCII or Latin-1 stdout. A strict stream escapes
+    instead (``\udcff``, ``\xe9``), as Python's stderr always does; one
+    that already handles such text (``surrogateescape`` writes a name's own
+    bytes back) is left as it is, and each is put back as it was afterwards.
+    """
+    changed = []
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            stream.reconfigure(errors="backslashreplace")
+            changed.append(stream)
+    try:
+        yield
+    finally:
+        for stream in changed:
+            with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing to put back
+                stream.reconfigure(errors="strict")
+
+
+def _report(lines: Iterable[str], status: int) -> int:
+    """Write ``lines`` to stderr and return ``status``, or :data:`OUTPUT_CLOSED` if stderr has gone."""
+    try:
+        for line in lines:
+            print(line, file=sys.stderr)
+    except BrokenPipeError:
+        return _output_closed()
+    return status
+
+
+def _output_closed() -> int:
+    """Return :data:`OUTPUT_CLOSED`, with stdout's unwritten text dropped if its reader has gone.
+
+    Text still buffered for a closed stdout would fail again in the
+    interpreter's flush at exit (``Exception ignored ... BrokenPipeError``,
+    exit 120), so stdout's descriptor is pointed at the null device, as the
+    Python documentation's note on SIGPIPE does. Where stdout can still be
+    flushed, only stderr has gone and stdout's text is kept.
+    """
+    try:
+        sys.stdout.flush()
+    except OSError:
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+        except OSError:
+            return OUTPUT_CLOSED
+        try:
+            os.dup2(null, sys.stdout.fileno())
+        except (OSError, ValueError):  # no descriptor (a stream in memory): nothing flushes it
+            pass
+        finally:
+            os.close(null)
+    return OUTPUT_CLOSED
