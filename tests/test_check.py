@@ -1404,6 +1404,7 @@ def test_the_report_counts_one_node_slot_and_step_in_the_singular() -> None:
         "policy": "none",
         "nodes": 1,
         "bounds": {"borrows": 2},
+        "unexplored": {},
         "symmetry": True,
         "seconds": 0.5,
         "states": 3,
