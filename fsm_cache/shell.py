@@ -6,16 +6,19 @@ same way: bad input (any :class:`~fsm_cache.errors.FsmCacheError`, and OSError
 for unreadable files) becomes ``error: ...`` lines and exit 2, never a
 traceback; Ctrl-C one line and :data:`INTERRUPTED`; a reader that leaves early
 (``... | head -1``) a quiet :data:`OUTPUT_CLOSED`. It sits below every layer
-that has a command (the CLI imports the audit, never the reverse).
+that has a command (the CLI imports the audit, never the reverse), with the
+argparse types their path arguments share (:func:`path_text`, :func:`path_argument`).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 from fsm_cache.errors import FsmCacheError, SpecError
 
@@ -30,6 +33,34 @@ OUTPUT_CLOSED = 141
 ignores SIGPIPE and raises BrokenPipeError at the next write instead, which
 is no error of the input: nothing more is written, not even an ``error:`` line.
 """
+
+
+EMPTY_PATH = "an empty path names no file"
+"""Why an empty path argument is refused: ``Path("")`` would be the working directory."""
+
+
+def path_text(text: str) -> str:
+    """Return ``text``, an argparse ``type`` for path arguments that refuses an empty one.
+
+    An empty argument (``--write ''``, an unset shell variable) would otherwise
+    name the working directory or mean "no file given", and the command would
+    print or write somewhere the user did not ask for.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is empty; argparse reports it and exits 2.
+    """
+    if not text:
+        raise argparse.ArgumentTypeError(EMPTY_PATH)
+    return text
+
+
+def path_argument(text: str) -> Path:
+    """Return ``text`` as a :class:`Path`, refusing an empty one as :func:`path_text` does.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is empty.
+    """
+    return Path(path_text(text))
 
 
 def run_command(command: Callable[[], int]) -> int:

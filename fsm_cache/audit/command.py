@@ -24,8 +24,7 @@ from fsm_cache.audit.checker import check_source
 from fsm_cache.audit.config import ConfigFinder
 from fsm_cache.audit.model import DEFAULT_PAIRS, AuditConfig, AuditError, Finding
 from fsm_cache.audit.report import REPORT_FORMATS, render_report
-from fsm_cache.shell import run_command
-from fsm_cache.spec.loader import path_argument, path_text
+from fsm_cache.shell import path_argument, path_text, run_command
 
 
 _SKIPPED_DIRS = frozenset({"__pycache__", "node_modules", "site-packages"})

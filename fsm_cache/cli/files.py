@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from fsm_cache.errors import FsmCacheError
-from fsm_cache.spec.loader import path_argument
+from fsm_cache.shell import path_argument
 
 
 _SPEC_SUFFIX = ".toml"
@@ -46,7 +46,7 @@ class OutputError(FsmCacheError):
 def file_argument(text: str) -> Path:
     """Return ``text`` as the :class:`Path` of a file to write or check (an argparse ``type``).
 
-    Refused like any path when empty (:func:`~fsm_cache.spec.loader.path_argument`),
+    Refused like any path when empty (:func:`~fsm_cache.shell.path_argument`),
     and when it names a folder by its spelling: a trailing ``/``, or a last
     part ``.`` or ``..``. :class:`Path` drops a trailing ``/`` and a ``.``
     part, so ``--write out/`` would otherwise write a file named ``out``.

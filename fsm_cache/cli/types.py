@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from fsm_cache.cli.files import current_text, file_argument, write_files
-from fsm_cache.spec.loader import load_spec, path_argument, spec_files
+from fsm_cache.shell import path_argument
+from fsm_cache.spec.loader import load_spec, spec_files
 from fsm_cache.spec.stubs import is_stub, stub
 
 

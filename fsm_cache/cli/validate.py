@@ -16,7 +16,8 @@ import sys
 from typing import Any
 
 from fsm_cache.errors import SpecError
-from fsm_cache.spec.loader import load_spec, path_text
+from fsm_cache.shell import path_text
+from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import MachineSpec, Spec
 
 

@@ -36,8 +36,9 @@ from fsm_cache.contracts.generate import generate
 from fsm_cache.contracts.runner import Options, Row
 from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.numeric import whole
+from fsm_cache.shell import path_text
 from fsm_cache.spec.controls import Control, controls, load_finding, relative, render_controls
-from fsm_cache.spec.loader import load_spec, path_text, read_toml
+from fsm_cache.spec.loader import load_spec, read_toml
 from fsm_cache.spec.machine import as_system
 from fsm_cache.spec.shipped import shipped_spec_paths
 

@@ -53,8 +53,9 @@ from fsm_cache.modelcheck.progress import PLAIN_EVERY, progress
 from fsm_cache.modelcheck.state import Layout, Nodes, reference_states
 from fsm_cache.numeric import whole
 from fsm_cache.policy import WritePolicy
+from fsm_cache.shell import path_text
 from fsm_cache.spec.controls import Control, controls, load_finding, render_controls
-from fsm_cache.spec.loader import load_spec, path_text, unreadable
+from fsm_cache.spec.loader import load_spec, unreadable
 from fsm_cache.spec.machine import as_system, comparisons
 from fsm_cache.spec.shipped import shipped_spec_paths
 

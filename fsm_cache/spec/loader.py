@@ -19,7 +19,6 @@ messages are shortened (:func:`shown`).
 
 from __future__ import annotations
 
-import argparse
 import errno
 import os
 import reprlib
@@ -334,34 +333,6 @@ def unreadable(path: Path) -> str | None:
     except (OSError, ValueError) as exc:
         return _why(exc)
     return None
-
-
-EMPTY_PATH = "an empty path names no file"
-"""Why an empty path argument is refused: ``Path("")`` would be the working directory."""
-
-
-def path_text(text: str) -> str:
-    """Return ``text``, an argparse ``type`` for path arguments that refuses an empty one.
-
-    An empty argument (``--write ''``, an unset shell variable) would otherwise
-    name the working directory or mean "no file given", and the command would
-    print or write somewhere the user did not ask for.
-
-    Raises:
-        argparse.ArgumentTypeError: ``text`` is empty; argparse reports it and exits 2.
-    """
-    if not text:
-        raise argparse.ArgumentTypeError(EMPTY_PATH)
-    return text
-
-
-def path_argument(text: str) -> Path:
-    """Return ``text`` as a :class:`Path`, refusing an empty one as :func:`path_text` does.
-
-    Raises:
-        argparse.ArgumentTypeError: ``text`` is empty.
-    """
-    return Path(path_text(text))
 
 
 def _why(exc: OSError | ValueError) -> str:
