@@ -177,18 +177,13 @@ def pytest_make_collect_report(
     """
     report = yield
     if isinstance(collector, pytest.Session) and report.passed:
-        specs = _specs(collector.config)
-        # named as fsm_specs names it, which is its node id outside the rootdir
-        report.result.extend(
-            SpecFile.from_parent(collector, path=path, name=name)
-            for path, name in specs.items()
-            if _selected(collector, path)
-        )
-        collector.config.stash[_UNREACHED] = [
-            name
-            for path, name in specs.items()
-            if not _selected(collector, path) and not collector.isinitpath(path)
-        ]
+        unreached = collector.config.stash[_UNREACHED] = []
+        for path, name in _specs(collector.config).items():
+            if _selected(collector, path):
+                # named as fsm_specs names it, which is its node id outside the rootdir
+                report.result.append(SpecFile.from_parent(collector, path=path, name=name))
+            elif not collector.isinitpath(path):  # else pytest's walk collects it
+                unreached.append(name)
     return report
 
 
