@@ -219,6 +219,7 @@ def two_rank_worker(rank: int, world: int, store: str, out: str) -> None:
     report["parted_keys"] = parted_keys(rank)
     report["reset_alone"] = reset_alone(rank, world)
     report["step_vs_verify"] = step_versus_verify(rank)
+    report["step_vs_drain"] = step_versus_drain(rank)
     report["raised_before"] = raised_before_the_collective(rank)
     report["slow_report"] = a_slow_report(rank)
     dist.barrier()  # the default group is whole: the slow rank catches up here
@@ -384,6 +385,24 @@ def step_versus_verify(rank: int) -> list[Any]:
     started = time.monotonic()
     try:
         shared.step() if rank == 0 else shared.verify_agreement()
+        said = "no error"
+    except (RankDivergence, RankFailure) as exc:
+        said = f"{type(exc).__name__}: {exc}"
+    return [said, time.monotonic() - started < 1.0]
+
+
+def step_versus_drain(rank: int) -> list[Any]:
+    """Rank 0 steps where rank 1 drains: both raise at once, naming the two methods.
+
+    Both trees agree when they meet (one request served alike), so only the kind of
+    the collective can tell them apart. On a gloo group of its own, as above.
+    """
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+    shared = DistributedCache(HiCache(bench_config(debug=True)), side, timeout=2.0)
+    serve_request(shared.cache, chat_trace(1, seed=1)[0])
+    started = time.monotonic()
+    try:
+        shared.step() if rank == 0 else shared.drain()
         said = "no error"
     except (RankDivergence, RankFailure) as exc:
         said = f"{type(exc).__name__}: {exc}"
@@ -853,6 +872,15 @@ def test_ranks_in_a_step_and_a_verification_raise_at_once(two_ranks: Results) ->
         "different DistributedCache methods)"
     )
     assert [r["step_vs_verify"] for r in two_ranks] == [[want, True], [want, True]]
+
+
+def test_ranks_in_a_step_and_a_drain_raise_at_once(two_ranks: Results) -> None:
+    want = (
+        "RankDivergence: rank divergence after transition 0: the ranks reached different "
+        "collectives: some a step, the others a drain (the ranks called different "
+        "DistributedCache methods)"
+    )
+    assert [r["step_vs_drain"] for r in two_ranks] == [[want, True], [want, True]]
 
 
 def test_a_rank_that_raises_before_the_collective_takes_the_others_along(

@@ -103,15 +103,18 @@ completion, an overdue copy, and the first finished copy that failed."""
 _WIDTH = 2 + _OWN + 2 * _SHARED + STORAGE_SLOTS
 """Length of every agreement all-reduce (a step's, a hit count's, a verification's), so ranks that
 reach different ones get the same shapes, and say so, instead of failing in gloo."""
-_STEP, _HITS, _VERIFY, _RAISED = 1, 2, 3, 4
+_STEP, _HITS, _VERIFY, _DRAIN, _RAISED = 1, 2, 3, 4, 5
 _KINDS = {
     _STEP: "a step",
     _HITS: "a prefetch's hit count",
     _VERIFY: "a digest verification",
+    _DRAIN: "a drain",
     _RAISED: "the notice that a rank raised",
 }
 """Each agreement collective's kind; ``_RAISED``, the highest, is the collective a rank
-joins in place of a step's or a verification's when its own work before it raised."""
+joins in place of a step's or a verification's when its own work before it raised. A
+drain's rounds have a kind of their own, so a rank that steps where another drains is
+named at once, not as different transitions at some later call."""
 
 
 Loss = tuple[int, list[list[int]], int]
@@ -396,7 +399,7 @@ class DistributedCache:
         same = [self._resets, len(issued), self._digest.count, *struct.unpack("<4I", digest)]
         same += [len(stores), next(iter(stores), 0), busy]
         reduced = self._reduce(
-            _STEP,
+            _DRAIN if drained else _STEP,
             [ready, -ready, -short, -overdue, failed, *same, *(-v for v in same), *slots],
             "step agreement (all_reduce MIN)",
         )
