@@ -167,3 +167,30 @@ def test_local_a_page_another_process_deletes_mid_read_is_whole_or_missing(
     assert len(got) == 1
     assert torch.equal(got[0], PAGES[0])
     assert (reader.exists_prefix(KEYS), reader.capacity().pages) == (0, 0)
+
+
+@pytest.mark.parametrize("reads", [False, True])
+def test_local_a_link_planted_at_a_page_path_does_not_touch_the_file_it_names(
+    tmp_path: Path, reads: bool
+) -> None:
+    """Marking a page used sets its file's times; a symlink at the page's path is not followed.
+
+    Another user of the folder may plant a link at a page's name, to a file
+    of this process's user (or to a page elsewhere): a put finding it present,
+    or a get reading through it, then set that file's modification time.
+    """
+    elsewhere = LocalFileStore(tmp_path / "elsewhere")
+    elsewhere.put(KEYS[:1], PAGES[:1])
+    victim = elsewhere.path(KEYS[0]) if reads else tmp_path / "victim"
+    if not reads:
+        victim.write_bytes(b"not yours to touch")
+    os.utime(victim, ns=(1_000_000_000, 1_000_000_000))
+    store = LocalFileStore(tmp_path / "store")
+    store.path(KEYS[0]).parent.mkdir()
+    store.path(KEYS[0]).symlink_to(victim)
+    if reads:
+        assert torch.equal(store.get(KEYS[:1])[0], PAGES[0])
+    else:
+        assert store.put(KEYS[:1], PAGES[:1]) == [PutResult.PRESENT]
+    assert victim.stat().st_mtime_ns == 1_000_000_000
+    assert store.path(KEYS[0]).lstat().st_mtime_ns != 1_000_000_000

@@ -9,7 +9,8 @@ A temporary file is named by its writer's host and process: a store opened
 on the directory deletes those of this host's processes that are gone, and
 any other writer's once untouched for :data:`STALE_TEMPORARY_SECONDS`. A
 writer creates its temporary file afresh (``O_EXCL``), so a link another user
-of the folder planted at that name is removed, never written through.
+of the folder planted at that name is removed, never written through; nor is a
+link planted at a page's path followed when the page's times are set.
 Every read checks the page's header (:mod:`fsm_cache.storage.codec`).
 
 With a byte limit, a write reserves its bytes first (:mod:`fsm_cache.storage.budget`)
@@ -475,13 +476,19 @@ class LocalFileStore:
         The files' modification times record the same order for the next start
         (:meth:`_scan`): one nanosecond apart, the last key's the oldest. A file
         gone, or another user's, keeps its time: the order on disk is a hint.
+        A link another user of the folder planted at a page's path is not
+        followed: touching through it would set the times of whatever file it
+        names (one of this process's own), so the link's own times are set.
+        Where links cannot be touched without following them, no file is.
         """
         with self._lock:
             self._rank(keys)
+        if not _TOUCH_LINKS:
+            return
         now = time.time_ns()
         for offset, key in enumerate(reversed(keys)):
             with contextlib.suppress(OSError):
-                os.utime(self._path(key), ns=(now + offset, now + offset))
+                os.utime(self._path(key), ns=(now + offset, now + offset), follow_symlinks=False)
 
     def _rank(self, keys: Sequence[str]) -> None:
         """Under the lock: make ``keys`` the most recently used, the last first."""
@@ -563,6 +570,9 @@ def _host() -> str:
 
 _HOST = _host()
 """This host in temporary files' names (:func:`_host`)."""
+
+_TOUCH_LINKS = os.utime in os.supports_follow_symlinks
+"""Whether a link's own times can be set (``lutimes``): POSIX, not Windows."""
 
 
 def _reap(tmp: Path) -> int:
