@@ -194,3 +194,63 @@ def test_local_a_link_planted_at_a_page_path_does_not_touch_the_file_it_names(
         assert store.put(KEYS[:1], PAGES[:1]) == [PutResult.PRESENT]
     assert victim.stat().st_mtime_ns == 1_000_000_000
     assert store.path(KEYS[0]).lstat().st_mtime_ns != 1_000_000_000
+
+
+class SkewedClock:
+    """This host's ``time`` module, ``skew`` seconds off the folder's clock."""
+
+    def __init__(self, skew: float) -> None:
+        self.skew = skew
+
+    def time(self) -> float:
+        return time.time() + self.skew
+
+    def time_ns(self) -> int:
+        return time.time_ns() + int(self.skew * 1e9)
+
+
+@pytest.mark.parametrize("skew", [-7200.0, 7200.0])
+def test_local_a_temporary_file_s_age_is_read_off_the_folder_s_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skew: float
+) -> None:
+    """A network folder's server stamps its files: this host's clock two hours off the
+    server's neither reaps a live writer's fresh file (ahead: its put would fail) nor keeps
+    a dead writer's file untouched for longer than ``STALE_TEMPORARY_SECONDS`` (behind).
+    The probe that reads the folder's clock leaves nothing behind."""
+    tmp = tmp_path / ".tmp"
+    tmp.mkdir()
+    writer = f"elsewhere-0123456789ab-4026531836.{os.getpid()}.1"
+    fresh, old = (tmp / f"{key}.{writer}.tmp" for key in KEYS[:2])
+    fresh.write_bytes(b"a page on its way")
+    old.write_bytes(b"a dead writer's")
+    stamped = old.stat().st_mtime - local_module.STALE_TEMPORARY_SECONDS - 60
+    os.utime(old, (stamped, stamped))
+    monkeypatch.setattr(local_module, "time", SkewedClock(skew))
+    assert LocalFileStore(tmp_path).reaped == 1
+    assert [p.name for p in tmp.iterdir()] == [fresh.name]
+
+
+def test_local_a_folder_whose_clock_cannot_be_read_reaps_only_this_host_s_dead_writers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No probe can be made (the folder is read-only, or out of inodes): no other
+    writer's file is judged stale, whatever this host's clock says; a dead process
+    of this host is still known dead without a clock."""
+    tmp = tmp_path / ".tmp"
+    tmp.mkdir()
+    here = temporary_name(KEYS[0]).split(".")[1]
+    elsewhere = tmp / f"{KEYS[0]}.elsewhere-0123456789ab-4026531836.{os.getpid()}.1.tmp"
+    dead = tmp / f"{KEYS[1]}.{here}.{not_a_live_pid()}.1.tmp"
+    for file in (elsewhere, dead):
+        file.write_bytes(b"x")
+        os.utime(file, (0, 0))
+    made = os.open
+
+    def no_probe(path: Any, flags: int, *args: Any, **options: Any) -> int:
+        if Path(path).name.startswith("clock."):
+            raise OSError(28, "No space left on device", str(path))
+        return made(path, flags, *args, **options)
+
+    monkeypatch.setattr(os, "open", no_probe)
+    assert LocalFileStore(tmp_path).reaped == 1
+    assert [p.name for p in tmp.iterdir()] == [elsewhere.name]

@@ -7,7 +7,8 @@ present and writes nothing. A page is written to a temporary file under
 never sees part of a page under its name; a crash leaves only a temporary file.
 A temporary file is named by its writer's host and process: a store opened
 on the directory deletes those of this host's processes that are gone, and
-any other writer's once untouched for :data:`STALE_TEMPORARY_SECONDS`. A
+any other writer's once untouched for :data:`STALE_TEMPORARY_SECONDS` by the
+folder's own clock (a network folder's server's, not this host's). A
 writer creates its temporary file afresh (``O_EXCL``), so a link another user
 of the folder planted at that name is removed, never written through; nor is a
 link planted at a page's path followed when the page's times are set.
@@ -584,12 +585,21 @@ def _reap(tmp: Path) -> int:
     has) cannot be asked whether it lives, so its file goes once untouched for
     :data:`STALE_TEMPORARY_SECONDS` (a live writer stuck that long finds its
     file gone and fails its put, cleanly). Names in another form are left alone.
+
+    Untouched for how long is read off the clock that stamped the file: a
+    network folder's server stamps it, and this host's clock may be hours off
+    the server's (:func:`_folder_now`), which would reap a live writer's file.
     """
-    reaped, now = 0, time.time()
-    for file in tmp.glob("*.tmp"):
+    reaped = 0
+    now: list[float | None] = []  # the folder's time: read once, and only when a file needs it
+    for file in list(tmp.glob("*.tmp")):  # listed before the clock's probe is made there
         parts = file.name.split(".")
-        if len(parts) != 5 or not (_gone(parts[1], parts[2]) or _stale(file, now)):
+        if len(parts) != 5:
             continue
+        if not _gone(parts[1], parts[2]):
+            now = now or [_folder_now(tmp)]
+            if not _stale(file, now[0]):
+                continue
         try:
             file.unlink()
         except OSError:  # another store reaped it first, or it is not ours to delete
@@ -607,8 +617,45 @@ def _gone(host: str, pid: str) -> bool:
     return not _alive(int(pid))
 
 
-def _stale(file: Path, now: float) -> bool:
-    """Whether ``file`` was last written :data:`STALE_TEMPORARY_SECONDS` or more before ``now``."""
+def _folder_now(tmp: Path) -> float | None:
+    """Return the time now by the clock that stamps files made in ``tmp``; None if none can be made.
+
+    A file's modification time comes from the clock of whoever stores it: the
+    kernel's for a local disk, the server's for a network folder (NFS sets it
+    on create and write). A file made here now (an empty probe, deleted at
+    once) reads that clock, so a temporary file's age is measured on one clock
+    however far this host's is off. The probe is named as a temporary file of
+    this thread, so a crash between its making and its deletion leaves a file
+    the next open reaps.
+
+    None (nothing is stale) when the probe cannot be made: then no file can be
+    deleted either (a read-only folder, no permission), or the folder is full
+    and its files are reaped by a later open, rather than by a clock that may
+    be hours off.
+    """
+    probe = tmp / f"clock.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        probe.unlink(missing_ok=True)  # a link planted at the name is replaced, as in _write
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return None
+    try:
+        return os.fstat(fd).st_mtime
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            probe.unlink()
+
+
+def _stale(file: Path, now: float | None) -> bool:
+    """Whether ``file`` was last written :data:`STALE_TEMPORARY_SECONDS` or more before ``now``.
+
+    Never when ``now`` is None: the folder's clock could not be read.
+    """
+    if now is None:
+        return False
     try:
         written = file.stat().st_mtime
     except OSError:  # reaped meanwhile, or not to be looked at: left to the next open
