@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from fsm_cache.errors import StoreFailed
+from fsm_cache.errors import BadArgument, StoreFailed
 from fsm_cache.storage import LocalFileStore, Namespace, PutResult, codec, page_keys
 from fsm_cache.storage import local as local_module
 
@@ -254,3 +254,47 @@ def test_local_a_folder_whose_clock_cannot_be_read_reaps_only_this_host_s_dead_w
     monkeypatch.setattr(os, "open", no_probe)
     assert LocalFileStore(tmp_path).reaped == 1
     assert [p.name for p in tmp.iterdir()] == [elsewhere.name]
+
+
+def test_local_a_temporary_folder_replaced_by_a_link_is_refused(tmp_path: Path) -> None:
+    """Whoever can write the folder can swap ``.tmp`` for a link: opening reaped dead
+    writers' files through it, deleting files so named (a day old) in the folder it
+    names, one of this process's user's. The open is refused, and nothing is deleted."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    theirs = elsewhere / f"{KEYS[0]}.elsewhere-0123456789ab-4026531836.1.1.tmp"
+    theirs.write_bytes(b"not yours to delete")
+    os.utime(theirs, (0, 0))
+    LocalFileStore(tmp_path / "store")
+    (tmp_path / "store" / ".tmp").rmdir()
+    (tmp_path / "store" / ".tmp").symlink_to(elsewhere)
+    with pytest.raises(BadArgument) as caught:
+        LocalFileStore(tmp_path / "store")
+    store = tmp_path / "store"
+    assert str(caught.value) == f"root {store}: {store / '.tmp'} is a link, not a directory"
+    assert theirs.read_bytes() == b"not yours to delete"
+
+
+def test_local_a_temporary_folder_swapped_for_a_link_while_opening_is_not_reaped_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The swap may come after the open has looked at ``.tmp``: the reaping opens the
+    folder without following a link, so it fails the open instead (StoreFailed)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    theirs = elsewhere / f"{KEYS[0]}.elsewhere-0123456789ab-4026531836.1.1.tmp"
+    theirs.write_bytes(b"not yours to delete")
+    os.utime(theirs, (0, 0))
+    tmp = tmp_path / "store" / ".tmp"
+    made = LocalFileStore._make_directory  # noqa: SLF001 (the moment after the look)
+
+    def swapped(store: LocalFileStore) -> None:
+        made(store)
+        tmp.rmdir()
+        tmp.symlink_to(elsewhere)
+
+    monkeypatch.setattr(LocalFileStore, "_make_directory", swapped)
+    with pytest.raises(StoreFailed) as caught:
+        LocalFileStore(tmp_path / "store")
+    assert (caught.value.operation, caught.value.acknowledged) == ("open", 0)
+    assert theirs.read_bytes() == b"not yours to delete"

@@ -235,18 +235,27 @@ class LocalFileStore:
     def _make_directory(self) -> None:
         """Create the root and its ``.tmp``, unless something that is not a directory is in the way.
 
+        A ``.tmp`` that is a link (another user of the folder may replace the
+        directory by one) is refused: opening deletes dead writers' files in
+        ``.tmp``, and would delete files of that name wherever the link points.
+
         Raises:
             BadArgument: The root, a directory above it, or its ``.tmp`` is a
-                file (or a link to nothing); nothing was created.
+                file (or a link to nothing), or ``.tmp`` is a link; nothing
+                was created.
             StoreFailed: The directories could not be looked at or created.
         """
         try:
             blocked = _not_a_directory(self._tmp)
             if blocked is None:
                 self._tmp.mkdir(parents=True, exist_ok=True)
-                return
+                linked = self._tmp.is_symlink()
         except OSError as exc:
             raise self._failed("open", 0, 0, exc) from exc
+        if blocked is None:
+            if linked:
+                raise BadArgument(f"root {self.root}: {self._tmp} is a link, not a directory")
+            return
         if blocked == self.root:
             raise BadArgument(f"root {self.root} is not a directory")
         raise BadArgument(f"root {self.root}: {blocked} is not a directory")
@@ -589,22 +598,35 @@ def _reap(tmp: Path) -> int:
     Untouched for how long is read off the clock that stamped the file: a
     network folder's server stamps it, and this host's clock may be hours off
     the server's (:func:`_folder_now`), which would reap a live writer's file.
+
+    The folder is opened once and never through a link, and its files are
+    named from it, so a ``.tmp`` swapped for a link meanwhile cannot turn the
+    reaping on another folder's files.
+
+    Raises:
+        OSError: ``.tmp`` could not be opened or listed (it is a link now).
     """
     reaped = 0
     now: list[float | None] = []  # the folder's time: read once, and only when a file needs it
-    for file in list(tmp.glob("*.tmp")):  # listed before the clock's probe is made there
-        parts = file.name.split(".")
-        if len(parts) != 5:
-            continue
-        if not _gone(parts[1], parts[2]):
-            now = now or [_folder_now(tmp)]
-            if not _stale(file, now[0]):
+    folder = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        with os.scandir(folder) as listing:  # listed before the clock's probe is made there
+            names = [entry.name for entry in listing if entry.name.endswith(".tmp")]
+        for name in names:
+            parts = name.split(".")
+            if len(parts) != 5:
                 continue
-        try:
-            file.unlink()
-        except OSError:  # another store reaped it first, or it is not ours to delete
-            continue
-        reaped += 1
+            if not _gone(parts[1], parts[2]):
+                now = now or [_folder_now(folder)]
+                if not _stale(name, folder, now[0]):
+                    continue
+            try:
+                os.unlink(name, dir_fd=folder)
+            except OSError:  # another store reaped it first, or it is not ours to delete
+                continue
+            reaped += 1
+    finally:
+        os.close(folder)
     return reaped
 
 
@@ -617,8 +639,8 @@ def _gone(host: str, pid: str) -> bool:
     return not _alive(int(pid))
 
 
-def _folder_now(tmp: Path) -> float | None:
-    """Return the time now by the clock that stamps files made in ``tmp``; None if none can be made.
+def _folder_now(tmp: int) -> float | None:
+    """Return the time now by the clock that stamps files made in the open folder ``tmp``.
 
     A file's modification time comes from the clock of whoever stores it: the
     kernel's for a local disk, the server's for a network folder (NFS sets it
@@ -633,10 +655,11 @@ def _folder_now(tmp: Path) -> float | None:
     and its files are reaped by a later open, rather than by a clock that may
     be hours off.
     """
-    probe = tmp / f"clock.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp"
+    probe = f"clock.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
-        probe.unlink(missing_ok=True)  # a link planted at the name is replaced, as in _write
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with contextlib.suppress(FileNotFoundError):  # a link planted at the name is replaced
+            os.unlink(probe, dir_fd=tmp)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=tmp)
     except OSError:
         return None
     try:
@@ -646,18 +669,18 @@ def _folder_now(tmp: Path) -> float | None:
     finally:
         os.close(fd)
         with contextlib.suppress(OSError):
-            probe.unlink()
+            os.unlink(probe, dir_fd=tmp)
 
 
-def _stale(file: Path, now: float | None) -> bool:
-    """Whether ``file`` was last written :data:`STALE_TEMPORARY_SECONDS` or more before ``now``.
+def _stale(name: str, tmp: int, now: float | None) -> bool:
+    """Whether ``name`` in the open folder ``tmp`` is :data:`STALE_TEMPORARY_SECONDS` older than ``now``.
 
     Never when ``now`` is None: the folder's clock could not be read.
     """
     if now is None:
         return False
     try:
-        written = file.stat().st_mtime
+        written = os.stat(name, dir_fd=tmp, follow_symlinks=False).st_mtime
     except OSError:  # reaped meanwhile, or not to be looked at: left to the next open
         return False
     return now - written >= STALE_TEMPORARY_SECONDS
