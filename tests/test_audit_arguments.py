@@ -16,9 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from fsm_cache.audit import AuditConfig, AuditError, Pair, check_source, parse_pair, register
+from fsm_cache.audit import (
+    Argument,
+    AuditConfig,
+    AuditError,
+    Pair,
+    check_source,
+    parse_pair,
+    register,
+)
 from fsm_cache.audit.config import ConfigFinder
-from fsm_cache.audit.model import Argument
 
 
 LAYOUT = "acquire_layout(key):release_layout(event, key)"
