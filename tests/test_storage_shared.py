@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from fsm_cache.errors import StoreFailed
+from fsm_cache.errors import BadArgument, StoreFailed
 from fsm_cache.storage import LocalFileStore, Namespace, PutResult, codec, page_keys
 from fsm_cache.storage import local as local_module
 
@@ -167,3 +167,134 @@ def test_local_a_page_another_process_deletes_mid_read_is_whole_or_missing(
     assert len(got) == 1
     assert torch.equal(got[0], PAGES[0])
     assert (reader.exists_prefix(KEYS), reader.capacity().pages) == (0, 0)
+
+
+@pytest.mark.parametrize("reads", [False, True])
+def test_local_a_link_planted_at_a_page_path_does_not_touch_the_file_it_names(
+    tmp_path: Path, reads: bool
+) -> None:
+    """Marking a page used sets its file's times; a symlink at the page's path is not followed.
+
+    Another user of the folder may plant a link at a page's name, to a file
+    of this process's user (or to a page elsewhere): a put finding it present,
+    or a get reading through it, then set that file's modification time.
+    """
+    elsewhere = LocalFileStore(tmp_path / "elsewhere")
+    elsewhere.put(KEYS[:1], PAGES[:1])
+    victim = elsewhere.path(KEYS[0]) if reads else tmp_path / "victim"
+    if not reads:
+        victim.write_bytes(b"not yours to touch")
+    os.utime(victim, ns=(1_000_000_000, 1_000_000_000))
+    store = LocalFileStore(tmp_path / "store")
+    store.path(KEYS[0]).parent.mkdir()
+    store.path(KEYS[0]).symlink_to(victim)
+    if reads:
+        assert torch.equal(store.get(KEYS[:1])[0], PAGES[0])
+    else:
+        assert store.put(KEYS[:1], PAGES[:1]) == [PutResult.PRESENT]
+    assert victim.stat().st_mtime_ns == 1_000_000_000
+    assert store.path(KEYS[0]).lstat().st_mtime_ns != 1_000_000_000
+
+
+class SkewedClock:
+    """This host's ``time`` module, ``skew`` seconds off the folder's clock."""
+
+    def __init__(self, skew: float) -> None:
+        self.skew = skew
+
+    def time(self) -> float:
+        return time.time() + self.skew
+
+    def time_ns(self) -> int:
+        return time.time_ns() + int(self.skew * 1e9)
+
+
+@pytest.mark.parametrize("skew", [-7200.0, 7200.0])
+def test_local_a_temporary_file_s_age_is_read_off_the_folder_s_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skew: float
+) -> None:
+    """A network folder's server stamps its files: this host's clock two hours off the
+    server's neither reaps a live writer's fresh file (ahead: its put would fail) nor keeps
+    a dead writer's file untouched for longer than ``STALE_TEMPORARY_SECONDS`` (behind).
+    The probe that reads the folder's clock leaves nothing behind."""
+    tmp = tmp_path / ".tmp"
+    tmp.mkdir()
+    writer = f"elsewhere-0123456789ab-4026531836.{os.getpid()}.1"
+    fresh, old = (tmp / f"{key}.{writer}.tmp" for key in KEYS[:2])
+    fresh.write_bytes(b"a page on its way")
+    old.write_bytes(b"a dead writer's")
+    stamped = old.stat().st_mtime - local_module.STALE_TEMPORARY_SECONDS - 60
+    os.utime(old, (stamped, stamped))
+    monkeypatch.setattr(local_module, "time", SkewedClock(skew))
+    assert LocalFileStore(tmp_path).reaped == 1
+    assert [p.name for p in tmp.iterdir()] == [fresh.name]
+
+
+def test_local_a_folder_whose_clock_cannot_be_read_reaps_only_this_host_s_dead_writers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No probe can be made (the folder is read-only, or out of inodes): no other
+    writer's file is judged stale, whatever this host's clock says; a dead process
+    of this host is still known dead without a clock."""
+    tmp = tmp_path / ".tmp"
+    tmp.mkdir()
+    here = temporary_name(KEYS[0]).split(".")[1]
+    elsewhere = tmp / f"{KEYS[0]}.elsewhere-0123456789ab-4026531836.{os.getpid()}.1.tmp"
+    dead = tmp / f"{KEYS[1]}.{here}.{not_a_live_pid()}.1.tmp"
+    for file in (elsewhere, dead):
+        file.write_bytes(b"x")
+        os.utime(file, (0, 0))
+    made = os.open
+
+    def no_probe(path: Any, flags: int, *args: Any, **options: Any) -> int:
+        if Path(path).name.startswith("clock."):
+            raise OSError(28, "No space left on device", str(path))
+        return made(path, flags, *args, **options)
+
+    monkeypatch.setattr(os, "open", no_probe)
+    assert LocalFileStore(tmp_path).reaped == 1
+    assert [p.name for p in tmp.iterdir()] == [elsewhere.name]
+
+
+def test_local_a_temporary_folder_replaced_by_a_link_is_refused(tmp_path: Path) -> None:
+    """Whoever can write the folder can swap ``.tmp`` for a link: opening reaped dead
+    writers' files through it, deleting files so named (a day old) in the folder it
+    names, one of this process's user's. The open is refused, and nothing is deleted."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    theirs = elsewhere / f"{KEYS[0]}.elsewhere-0123456789ab-4026531836.1.1.tmp"
+    theirs.write_bytes(b"not yours to delete")
+    os.utime(theirs, (0, 0))
+    LocalFileStore(tmp_path / "store")
+    (tmp_path / "store" / ".tmp").rmdir()
+    (tmp_path / "store" / ".tmp").symlink_to(elsewhere)
+    with pytest.raises(BadArgument) as caught:
+        LocalFileStore(tmp_path / "store")
+    store = tmp_path / "store"
+    assert str(caught.value) == f"root {store}: {store / '.tmp'} is a link, not a directory"
+    assert theirs.read_bytes() == b"not yours to delete"
+
+
+def test_local_a_temporary_folder_swapped_for_a_link_while_opening_is_not_reaped_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The swap may come after the open has looked at ``.tmp``: the reaping opens the
+    folder without following a link, so it fails the open instead (StoreFailed)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    theirs = elsewhere / f"{KEYS[0]}.elsewhere-0123456789ab-4026531836.1.1.tmp"
+    theirs.write_bytes(b"not yours to delete")
+    os.utime(theirs, (0, 0))
+    tmp = tmp_path / "store" / ".tmp"
+    made = LocalFileStore._make_directory  # noqa: SLF001 (the moment after the look)
+
+    def swapped(store: LocalFileStore) -> None:
+        made(store)
+        tmp.rmdir()
+        tmp.symlink_to(elsewhere)
+
+    monkeypatch.setattr(LocalFileStore, "_make_directory", swapped)
+    with pytest.raises(StoreFailed) as caught:
+        LocalFileStore(tmp_path / "store")
+    assert (caught.value.operation, caught.value.acknowledged) == ("open", 0)
+    assert theirs.read_bytes() == b"not yours to delete"

@@ -12,11 +12,12 @@ from __future__ import annotations
 from fsm_cache.audit.checker import check_source, check_tree
 from fsm_cache.audit.command import audit_paths, main, register
 from fsm_cache.audit.config import load_config, parse_pair
-from fsm_cache.audit.model import RULES, AuditConfig, AuditError, Finding, Pair
+from fsm_cache.audit.model import RULES, Argument, AuditConfig, AuditError, Finding, Pair
 
 
 __all__ = [
     "RULES",
+    "Argument",
     "AuditConfig",
     "AuditError",
     "Finding",

@@ -2,7 +2,8 @@
 
 Resources are named by text. ``node.protect_host()`` acts on ``node`` (the
 receiver); ``self.inc_lock_ref(node)`` and ``self.inc_lock_ref(node=node)`` act
-on ``node`` (the first argument, positional or keyword).
+on ``node`` (the first argument, positional or keyword), unless the pair
+declares its resource's argument (:func:`declared`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeGuard
 
-from fsm_cache.audit.model import AuditConfig
+from fsm_cache.audit.model import Argument, AuditConfig
 from fsm_cache.audit.scope import (
     Scope,
     calls_anything,
@@ -69,6 +70,11 @@ class Classifier:
     def __init__(self, config: AuditConfig, takers: frozenset[str]) -> None:
         self.acquires = {pair.acquire: index for index, pair in enumerate(config.pairs)}
         self.releases = {pair.release: index for index, pair in enumerate(config.pairs)}
+        self.arguments = {
+            name: pair.argument(name)
+            for pair in config.pairs
+            for name in (pair.acquire, pair.release)
+        }
         self.takers = frozenset(name.rsplit(".", 1)[-1] for name in takers)
         self.non_raising = config.non_raising
 
@@ -115,14 +121,17 @@ class Classifier:
         """Return the pair name ``call`` invokes and its resource, if it is a pair call.
 
         An event fired through a generic entry point (:func:`fired`) counts as
-        a call of the event's name, before the name the call is made through.
+        a call of the event's name, before the name the call is made through;
+        it acts on the record it fires at, whatever argument the pair declares
+        for a direct call.
         """
         event, resource = fired(call, scope.verbs)
         if event is not None and (event in self.acquires or event in self.releases):
             return event, resource
         name = callee_name(call)
         if name in self.acquires or name in self.releases:
-            return name, subject(call)
+            argument = self.arguments[name]
+            return name, subject(call) if argument is None else declared(call, argument)
         return None
 
     def _pair_op(self, call: ast.Call, name: str, resource: ast.expr | None) -> Op:
@@ -282,6 +291,28 @@ def subject(call: ast.Call) -> ast.expr | None:
         return first
     if isinstance(call.func, ast.Attribute):
         return call.func.value
+    return None
+
+
+def declared(call: ast.Call, argument: Argument) -> ast.expr | None:
+    """Return the resource of a pair call whose pair declares its ``argument``; None if not passed.
+
+    ``release_layout(event, key)`` finds the resource passed as ``key=`` or as
+    the second positional argument, and ``acquire(self)`` the receiver, so
+    neither a leading argument nor an option passed first is taken for it.
+    None (the call is not counted) when the call does not pass it, or when an
+    unpacking (``*args``, ``**options``) may: what that holds is unknown.
+    """
+    if argument.receiver:
+        return call.func.value if isinstance(call.func, ast.Attribute) else None
+    for keyword in call.keywords:
+        if keyword.arg == argument.keyword:
+            return keyword.value
+    leading = call.args[: argument.position + 1]
+    if any(isinstance(arg, ast.Starred) for arg in leading):
+        return None
+    if len(leading) > argument.position:
+        return leading[argument.position]
     return None
 
 

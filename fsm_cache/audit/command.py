@@ -49,7 +49,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="append",
         default=[],
         metavar="ACQUIRE:RELEASE",
-        help=f"call names to pair; replaces the configured pairs (default: {defaults})",
+        help=(
+            "call names to pair, each optionally with its arguments up to the resource "
+            "('acquire_layout(key):release_layout(event, key)') or (self) for the receiver; "
+            f"replaces the configured pairs (default: {defaults})"
+        ),
     )
     parser.add_argument("--format", choices=REPORT_FORMATS, default="text", help="report format")
     parser.add_argument(

@@ -6,7 +6,7 @@ wherever the audit runs from; :class:`ConfigFinder` is that one rule, shared
 by the CLI and the flake8 plugin. Example::
 
     [tool.fsm_cache.audit]
-    pairs = ["protect_host:release_host", "inc_lock_ref:dec_lock_ref"]
+    pairs = ["protect_host:release_host", "acquire_layout(key):release_layout(event, key)"]
     takes_ownership = ["HiRadixCache.release_aborted_request", "_track_write_through"]
     hands_off = ["HiRadixCache.prefetch_from_storage"]
     non_raising = ["record_metric"]
@@ -24,6 +24,7 @@ from pathlib import Path
 from fsm_cache.audit.model import (
     DEFAULT_NON_RAISING,
     RULES_BY_CODE,
+    Argument,
     AuditConfig,
     AuditError,
     Pair,
@@ -40,13 +41,47 @@ _KEYS = ("pairs", "takes_ownership", "hands_off", "non_raising", "ignore")
 
 
 def parse_pair(text: str) -> Pair:
-    """Parse ``ACQUIRE:RELEASE`` into a :class:`Pair`; both must be call names, not keywords."""
-    acquire, sep, release = text.partition(":")
+    """Parse ``ACQUIRE:RELEASE`` into a :class:`Pair`; both must be call names, not keywords.
+
+    Either name may be followed by the arguments that locate its resource
+    (:class:`Argument`): ``acquire_layout(key):release_layout(event, key)``,
+    ``acquire(self):release``.
+    """
+    first, sep, second = text.partition(":")
+    acquire, acquire_at = _side(first, text)
+    release, release_at = _side(second, text)
     if not sep or not _is_name(acquire) or not _is_name(release):
         raise AuditError(f"bad pair {text!r}: expected ACQUIRE:RELEASE, two call names")
     if acquire == release:
         raise AuditError(f"bad pair {text!r}: the acquire and release names must differ")
-    return Pair(acquire, release)
+    return Pair(acquire, release, acquire_at, release_at)
+
+
+def _side(side: str, text: str) -> tuple[str, Argument | None]:
+    """Split one side of a pair into its call name and the argument it declares, if any.
+
+    Raises:
+        AuditError: The parenthesised list is not argument names, the
+            resource's last, or ``self`` alone.
+    """
+    name, paren, rest = side.partition("(")
+    if not paren:
+        return name, None
+    params = tuple(param.strip() for param in rest.removesuffix(")").split(","))
+    if not rest.endswith(")") or not all(_is_name(param) for param in params):
+        raise AuditError(
+            f"bad pair {text!r}: {name}(...) must list the argument names up to the resource, "
+            f"the resource last ({name}(event, key)), or be {name}(self) for the receiver"
+        )
+    if "self" in params and len(params) > 1:
+        raise AuditError(
+            f"bad pair {text!r}: self names {name}()'s receiver and stands alone; "
+            "list only the arguments a call passes"
+        )
+    repeated = sorted({param for param in params if params.count(param) > 1} - {"_"})
+    if repeated:
+        raise AuditError(f"bad pair {text!r}: {name}() names argument {repeated[0]!r} twice")
+    return name, Argument(params)
 
 
 def _is_name(text: str) -> bool:

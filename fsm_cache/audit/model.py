@@ -99,14 +99,63 @@ class Finding:
 
 
 @dataclass(frozen=True)
+class Argument:
+    """The argument a pair's call takes its resource from, as the pair declares it.
+
+    Written after the call name: ``release_layout(event, key)`` lists the
+    call's arguments up to the resource, the resource last, so its resource is
+    the second positional argument or the keyword ``key``; ``acquire(self)``
+    names the receiver, whatever else the call is passed.
+
+    Attributes:
+        params: The argument names, the resource's last; ``("self",)`` for the receiver.
+    """
+
+    params: tuple[str, ...]
+
+    @property
+    def receiver(self) -> bool:
+        """Whether the resource is the receiver (``lock`` in ``lock.acquire(timeout=t)``)."""
+        return self.params == ("self",)
+
+    @property
+    def position(self) -> int:
+        """The resource's index among the positional arguments."""
+        return len(self.params) - 1
+
+    @property
+    def keyword(self) -> str:
+        """The keyword that passes the resource by name."""
+        return self.params[-1]
+
+    def __str__(self) -> str:
+        return f"({', '.join(self.params)})"
+
+
+@dataclass(frozen=True)
 class Pair:
-    """An acquiring call name and the call name that undoes it (``protect_host:release_host``)."""
+    """An acquiring call name and the call name that undoes it (``protect_host:release_host``).
+
+    Attributes:
+        acquire: The acquiring call's name.
+        release: The releasing call's name.
+        acquire_at: Where the acquire takes its resource, or None for the
+            default rule (its first argument, else its receiver).
+        release_at: The same for the release.
+    """
 
     acquire: str
     release: str
+    acquire_at: Argument | None = None
+    release_at: Argument | None = None
 
     def __str__(self) -> str:
-        return f"{self.acquire}:{self.release}"
+        acquire = f"{self.acquire}{self.acquire_at or ''}"
+        return f"{acquire}:{self.release}{self.release_at or ''}"
+
+    def argument(self, name: str) -> Argument | None:
+        """Return where the call named ``name`` (this pair's acquire or release) takes its resource."""
+        return self.acquire_at if name == self.acquire else self.release_at
 
 
 DEFAULT_PAIRS = (Pair("protect_host", "release_host"), Pair("inc_lock_ref", "dec_lock_ref"))

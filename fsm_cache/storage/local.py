@@ -7,9 +7,11 @@ present and writes nothing. A page is written to a temporary file under
 never sees part of a page under its name; a crash leaves only a temporary file.
 A temporary file is named by its writer's host and process: a store opened
 on the directory deletes those of this host's processes that are gone, and
-any other writer's once untouched for :data:`STALE_TEMPORARY_SECONDS`. A
+any other writer's once untouched for :data:`STALE_TEMPORARY_SECONDS` by the
+folder's own clock (a network folder's server's, not this host's). A
 writer creates its temporary file afresh (``O_EXCL``), so a link another user
-of the folder planted at that name is removed, never written through.
+of the folder planted at that name is removed, never written through; nor is a
+link planted at a page's path followed when the page's times are set.
 Every read checks the page's header (:mod:`fsm_cache.storage.codec`).
 
 With a byte limit, a write reserves its bytes first (:mod:`fsm_cache.storage.budget`)
@@ -233,18 +235,27 @@ class LocalFileStore:
     def _make_directory(self) -> None:
         """Create the root and its ``.tmp``, unless something that is not a directory is in the way.
 
+        A ``.tmp`` that is a link (another user of the folder may replace the
+        directory by one) is refused: opening deletes dead writers' files in
+        ``.tmp``, and would delete files of that name wherever the link points.
+
         Raises:
             BadArgument: The root, a directory above it, or its ``.tmp`` is a
-                file (or a link to nothing); nothing was created.
+                file (or a link to nothing), or ``.tmp`` is a link; nothing
+                was created.
             StoreFailed: The directories could not be looked at or created.
         """
         try:
             blocked = _not_a_directory(self._tmp)
             if blocked is None:
                 self._tmp.mkdir(parents=True, exist_ok=True)
-                return
+                linked = self._tmp.is_symlink()
         except OSError as exc:
             raise self._failed("open", 0, 0, exc) from exc
+        if blocked is None:
+            if linked:
+                raise BadArgument(f"root {self.root}: {self._tmp} is a link, not a directory")
+            return
         if blocked == self.root:
             raise BadArgument(f"root {self.root} is not a directory")
         raise BadArgument(f"root {self.root}: {blocked} is not a directory")
@@ -475,13 +486,19 @@ class LocalFileStore:
         The files' modification times record the same order for the next start
         (:meth:`_scan`): one nanosecond apart, the last key's the oldest. A file
         gone, or another user's, keeps its time: the order on disk is a hint.
+        A link another user of the folder planted at a page's path is not
+        followed: touching through it would set the times of whatever file it
+        names (one of this process's own), so the link's own times are set.
+        Where links cannot be touched without following them, no file is.
         """
         with self._lock:
             self._rank(keys)
+        if not _TOUCH_LINKS:
+            return
         now = time.time_ns()
         for offset, key in enumerate(reversed(keys)):
             with contextlib.suppress(OSError):
-                os.utime(self._path(key), ns=(now + offset, now + offset))
+                os.utime(self._path(key), ns=(now + offset, now + offset), follow_symlinks=False)
 
     def _rank(self, keys: Sequence[str]) -> None:
         """Under the lock: make ``keys`` the most recently used, the last first."""
@@ -564,6 +581,9 @@ def _host() -> str:
 _HOST = _host()
 """This host in temporary files' names (:func:`_host`)."""
 
+_TOUCH_LINKS = os.utime in os.supports_follow_symlinks
+"""Whether a link's own times can be set (``lutimes``): POSIX, not Windows."""
+
 
 def _reap(tmp: Path) -> int:
     """Delete the temporary files of writers that are gone; return how many.
@@ -574,17 +594,39 @@ def _reap(tmp: Path) -> int:
     has) cannot be asked whether it lives, so its file goes once untouched for
     :data:`STALE_TEMPORARY_SECONDS` (a live writer stuck that long finds its
     file gone and fails its put, cleanly). Names in another form are left alone.
+
+    Untouched for how long is read off the clock that stamped the file: a
+    network folder's server stamps it, and this host's clock may be hours off
+    the server's (:func:`_folder_now`), which would reap a live writer's file.
+
+    The folder is opened once and never through a link, and its files are
+    named from it, so a ``.tmp`` swapped for a link meanwhile cannot turn the
+    reaping on another folder's files.
+
+    Raises:
+        OSError: ``.tmp`` could not be opened or listed (it is a link now).
     """
-    reaped, now = 0, time.time()
-    for file in tmp.glob("*.tmp"):
-        parts = file.name.split(".")
-        if len(parts) != 5 or not (_gone(parts[1], parts[2]) or _stale(file, now)):
-            continue
-        try:
-            file.unlink()
-        except OSError:  # another store reaped it first, or it is not ours to delete
-            continue
-        reaped += 1
+    reaped = 0
+    now: list[float | None] = []  # the folder's time: read once, and only when a file needs it
+    folder = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        with os.scandir(folder) as listing:  # listed before the clock's probe is made there
+            names = [entry.name for entry in listing if entry.name.endswith(".tmp")]
+        for name in names:
+            parts = name.split(".")
+            if len(parts) != 5:
+                continue
+            if not _gone(parts[1], parts[2]):
+                now = now or [_folder_now(folder)]
+                if not _stale(name, folder, now[0]):
+                    continue
+            try:
+                os.unlink(name, dir_fd=folder)
+            except OSError:  # another store reaped it first, or it is not ours to delete
+                continue
+            reaped += 1
+    finally:
+        os.close(folder)
     return reaped
 
 
@@ -597,10 +639,48 @@ def _gone(host: str, pid: str) -> bool:
     return not _alive(int(pid))
 
 
-def _stale(file: Path, now: float) -> bool:
-    """Whether ``file`` was last written :data:`STALE_TEMPORARY_SECONDS` or more before ``now``."""
+def _folder_now(tmp: int) -> float | None:
+    """Return the time now by the clock that stamps files made in the open folder ``tmp``.
+
+    A file's modification time comes from the clock of whoever stores it: the
+    kernel's for a local disk, the server's for a network folder (NFS sets it
+    on create and write). A file made here now (an empty probe, deleted at
+    once) reads that clock, so a temporary file's age is measured on one clock
+    however far this host's is off. The probe is named as a temporary file of
+    this thread, so a crash between its making and its deletion leaves a file
+    the next open reaps.
+
+    None (nothing is stale) when the probe cannot be made: then no file can be
+    deleted either (a read-only folder, no permission), or the folder is full
+    and its files are reaped by a later open, rather than by a clock that may
+    be hours off.
+    """
+    probe = f"clock.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
-        written = file.stat().st_mtime
+        with contextlib.suppress(FileNotFoundError):  # a link planted at the name is replaced
+            os.unlink(probe, dir_fd=tmp)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=tmp)
+    except OSError:
+        return None
+    try:
+        return os.fstat(fd).st_mtime
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(probe, dir_fd=tmp)
+
+
+def _stale(name: str, tmp: int, now: float | None) -> bool:
+    """Whether ``name`` in the open folder ``tmp`` is :data:`STALE_TEMPORARY_SECONDS` older than ``now``.
+
+    Never when ``now`` is None: the folder's clock could not be read.
+    """
+    if now is None:
+        return False
+    try:
+        written = os.stat(name, dir_fd=tmp, follow_symlinks=False).st_mtime
     except OSError:  # reaped meanwhile, or not to be looked at: left to the next open
         return False
     return now - written >= STALE_TEMPORARY_SECONDS
