@@ -158,8 +158,8 @@ class Reference:
         except (MachineError, KeyError):
             fired = False
             if not forbids:
-                reason = f"{event} is not defined in this state"
-                raise self._refusal(rec, region, event, "IllegalTransition", reason) from None
+                error, reason = spec.unanswered(state, event)
+                raise self._refusal(rec, region, event, error, reason) from None
         if not fired:
             reason = "no transition's guard holds"
             raise self._refusal(rec, region, event, "IllegalTransition", reason)
