@@ -15,6 +15,7 @@ from mypy import api as mypy_api
 
 from fsm_cache import residency
 from fsm_cache.cli.main import main
+from fsm_cache.engine.core import Engine
 from fsm_cache.errors import SpecError
 from fsm_cache.spec.loader import load_spec, spec_from_dict
 from fsm_cache.spec.machine import MachineSpec, Spec, System
@@ -284,6 +285,18 @@ def stub_path(folder: Path) -> Path:
     path = folder / "door.toml"
     path.write_text(SPEC, encoding="utf-8")
     return path
+
+
+def test_the_record_fields_are_the_engines_attributes(tmp_path: Path) -> None:
+    """A composition of one region has that region's attribute, not a lone machine's ``state``."""
+    door = stub_path(tmp_path)
+    one = tmp_path / "one.toml"
+    one.write_text('[composition]\nname = "one"\n[composition.regions]\nfront = "door.toml"\n')
+    for spec in (load_spec(door), load_spec(one), residency_system()):
+        text = stub(spec)
+        fields = text.split('returns."""\n\n')[1].splitlines()
+        assert [f.split(":")[0].strip() for f in fields] == list(Engine(spec).slots[:-1])
+    assert "    front: State\n    opens: int\n" in stub(load_spec(one))
 
 
 # -- writing and checking FILE ------------------------------------------------------

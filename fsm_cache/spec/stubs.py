@@ -70,11 +70,6 @@ def annotation_types(system: System) -> dict[str, str]:
     return names
 
 
-def region_field(system: System, region: str) -> str:
-    """Return the record attribute holding a region's state (``state`` for a single machine)."""
-    return "state" if len(system.regions) == 1 else region
-
-
 def stub(spec: Spec) -> str:
     """Return the typed stub module of ``spec`` as Python source."""
     system = as_system(spec)
@@ -95,6 +90,6 @@ def stub(spec: Spec) -> str:
         "    id: object",
     ]
     for region, _ in system.regions:
-        lines.append(f"    {region_field(system, region)}: {state_alias(system, region)}")
+        lines.append(f"    {region}: {state_alias(system, region)}")  # the engine's attribute
     lines += [f"    {name}: int" for name, _ in system.counters]
     return "\n".join(lines) + "\n"
