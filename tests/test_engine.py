@@ -96,7 +96,11 @@ def test_unknown_events(engine: Engine) -> None:
     for call in (lambda: engine.fire(node, "fly"), lambda: engine.allowed(node, "fly")):
         with pytest.raises(SpecError) as info:
             call()
-        assert str(info.value) == f"{source}: unknown event 'fly'"
+        assert str(info.value) == (
+            f"{source}: unknown event 'fly' (events: write, write_done, write_failed, pin, "
+            "release, evict_host, load, load_done, load_failed, lock, unlock, evict_device, "
+            "adopt)"
+        )
 
 
 GATE = {

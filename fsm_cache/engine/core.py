@@ -355,7 +355,10 @@ class Engine:
         """Return the error for an event name the spec does not declare, or no name at all."""
         if not isinstance(event, str):
             return BadArgument(f"Engine.{where}: event must be a str, got {event!r}")
-        return SpecError([f"{self.system.source}: unknown event {event!r}"])
+        line = self.system.unknown_event(event)
+        if where == "lease":  # the events may be the defaults, which the caller never wrote
+            line += "; Engine.lease fires 'pin' and 'release' unless given others"
+        return SpecError([line])
 
     def _machine(self, region: str) -> Any:
         """Return ``region``'s machine, or raise SpecError naming the regions there are."""

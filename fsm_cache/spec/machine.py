@@ -317,6 +317,10 @@ class System:
             t.effect for _, m in self.regions for t in m.transitions if t.effect is not None
         )
 
+    def unknown_event(self, event: str) -> str:
+        """Return the problem line of firing ``event``, which no region declares, naming the events."""
+        return f"{self.source}: unknown event {event!r} (events: {', '.join(self.event_names)})"
+
     def regions_of(self, event: str) -> tuple[str, ...]:
         """Return the regions whose machine declares ``event``, in region order."""
         cached = self._event_regions.get(event)

@@ -122,7 +122,7 @@ class Reference:
 
     def _plans(self, rec: Any, event: str) -> list[tuple[Any, _Scratch]]:
         if event not in self.system.event_names:
-            raise SpecError([f"{self.system.source}: unknown event {event!r}"])
+            raise SpecError([self.system.unknown_event(event)])
         first = self._step(rec, event)
         plans = [(rec, first)]
         if any(t.propagate == "ancestors" for t in first.chosen):
