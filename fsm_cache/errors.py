@@ -9,6 +9,7 @@ Every error the library raises on bad input or an illegal step derives from
     │   ├── ReleaseAtZero         (also a RuntimeError, as SGLang's check was)
     │   ├── UnlockAtZero, HostCopyPinned, CopyInFlight, NoHostCopy,
     │   │   AlreadyBacked, NotLoading, DuplicateAck, ...
+    │   ├── FinalState            an event a final state does not answer
     │   └── <classes a spec names>   created on first use
     ├── EffectFailed              a bound effect raised; the record is unchanged
     ├── LeaseError                a lease released twice
@@ -165,6 +166,15 @@ class DuplicateAck(IllegalTransition):
     """A copy acknowledgement arrived for a node with no such copy in flight."""
 
 
+class FinalState(IllegalTransition):
+    """An event at a record in a final state that declares no answer to it.
+
+    A final state has ended: nothing leaves it but what its spec declares, so
+    every other event there is refused with this class
+    (``conn 3: acquire refused in closed: closed is final: nothing leaves it``).
+    """
+
+
 _PREDEFINED: dict[str, type[IllegalTransition]] = {
     cls.__name__: cls
     for cls in (
@@ -177,6 +187,7 @@ _PREDEFINED: dict[str, type[IllegalTransition]] = {
         AlreadyBacked,
         NotLoading,
         DuplicateAck,
+        FinalState,
     )
 }
 _CREATED: dict[str, type[IllegalTransition]] = {}

@@ -14,7 +14,8 @@ from fsm_cache.engine.core import Engine
 from fsm_cache.errors import BadArgument, EffectFailed, IllegalTransition, SpecError, error_class
 from fsm_cache.spec import reach
 from fsm_cache.spec.loader import machine_from_dict, spec_from_dict
-from fsm_cache.spec.machine import Forbid, System
+from fsm_cache.spec.machine import Forbid, System, as_system
+from fsm_cache.spec.meaning import step
 from fsm_cache.spec.shipped import host_machine, load_shipped, residency_system
 from fsm_cache.spec.validate import problems
 
@@ -95,7 +96,11 @@ def test_unknown_events(engine: Engine) -> None:
     for call in (lambda: engine.fire(node, "fly"), lambda: engine.allowed(node, "fly")):
         with pytest.raises(SpecError) as info:
             call()
-        assert str(info.value) == f"{source}: unknown event 'fly'"
+        assert str(info.value) == (
+            f"{source}: unknown event 'fly' (events: write, write_done, write_failed, pin, "
+            "release, evict_host, load, load_done, load_failed, lock, unlock, evict_device, "
+            "adopt)"
+        )
 
 
 GATE = {
@@ -126,13 +131,39 @@ def test_a_user_spec_names_its_own_error_classes() -> None:
     assert jammed.__module__ == "fsm_cache.errors"
     assert jammed is error_class("GateJammed")
     assert str(info.value) == "gate north: open refused in open: already open"
+
+
+@pytest.mark.parametrize("trail", [False, True])
+def test_an_event_in_a_final_state_is_refused_as_final(trail: bool) -> None:
+    """A final state has ended: what it declares nothing for is a FinalState refusal."""
+    engine = Engine(spec_from_dict(GATE), trail=trail)
+    gate = engine.new("north")
     engine.fire(gate, "remove")
-    with pytest.raises(IllegalTransition) as final:
-        engine.fire(gate, "close")
-    assert type(final.value) is IllegalTransition
-    assert (
-        str(final.value) == "gate north: close refused in gone: close is not defined in this state"
-    )
+    for event in ("open", "close", "remove"):
+        assert not engine.allowed(gate, event)
+        with pytest.raises(errors.FinalState) as final:
+            engine.fire(gate, event)
+        assert type(final.value) is error_class("FinalState")
+        assert str(final.value).split("; ")[0] == (
+            f"gate north: {event} refused in gone: gone is final: nothing leaves it"
+        )
+        assert gate.state == "gone"
+    assert step(as_system(spec_from_dict(GATE)), "close", {"state": "gone"}, {})[0] == "FinalState"
+
+
+def test_a_final_state_with_a_way_out_names_it() -> None:
+    revive = {"event": "revive", "source": "gone", "dest": "shut"}
+    alive = {"event": "revive", "source": ["shut", "open"], "error": "Alive", "reason": "alive"}
+    base: dict[str, Any] = GATE
+    spec = {**base, "transition": [*base["transition"], revive], "forbid": [*base["forbid"], alive]}
+    engine = Engine(spec_from_dict(spec), trail=False)
+    gate = engine.new(2)
+    engine.fire(gate, "remove")
+    with pytest.raises(errors.FinalState) as final:
+        engine.fire(gate, "open")
+    assert str(final.value) == "gate 2: open refused in gone: gone is final: only revive leave it"
+    engine.fire(gate, "revive")
+    assert gate.state == "shut"
 
 
 def test_a_class_another_thread_created_first_is_the_one_returned(

@@ -16,7 +16,25 @@ from records import Node
 from fsm_cache.engine.core import Engine
 from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.residency import Residency, configure
+from fsm_cache.spec.loader import machine_from_dict
 from fsm_cache.spec.shipped import host_machine, residency_system
+
+
+GATE = machine_from_dict(
+    {
+        "machine": {"name": "gate", "initial": "shut"},
+        "states": {"shut": {}, "open": {}},
+        "transition": [
+            {"event": "open", "source": "shut", "dest": "open"},
+            {"event": "shut", "source": "open", "dest": "shut"},
+        ],
+        "forbid": [
+            {"event": "open", "source": "open", "error": "Open", "reason": "open"},
+            {"event": "shut", "source": "shut", "error": "Shut", "reason": "shut"},
+        ],
+    }
+)
+"""A machine that names no effect."""
 
 
 NOT_A_RECORD = "is not a record of residency: it has no id, host, device, pins, locks"
@@ -38,6 +56,22 @@ def engine() -> Engine:
         (
             lambda: Engine(host_machine(), effects={"start_write": print, "free_host": "x"}),  # type: ignore[dict-item]
             "Engine: effect 'free_host' must be callable, got 'x'",
+        ),
+        (
+            lambda: Engine(
+                host_machine(), effects={"start_write": print, "free_hots": print}
+            ),  # a misspelt effect: it would bind nothing
+            "Engine: effects binds 'free_hots', not an effect of host_residency "
+            "(its effects: free_host, start_write)",
+        ),
+        (
+            lambda: Engine(residency_system(), effects={"on_load": print, 7: print}),  # type: ignore[dict-item]
+            "Engine: effects binds 'on_load', 7, not effects of residency "
+            "(its effects: adopt_device, free_device, free_host, start_load, start_write)",
+        ),
+        (
+            lambda: Engine(GATE, effects={"on_open": print}),
+            "Engine: effects binds 'on_open', not an effect of gate (it names no effect)",
         ),
         (
             lambda: Engine(host_machine(), trail="x"),  # type: ignore[arg-type]

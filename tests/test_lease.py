@@ -20,6 +20,7 @@ from fsm_cache.engine.core import Engine
 from fsm_cache.engine.holds import Held, held_records
 from fsm_cache.errors import BadArgument, LeaseError, ReleaseAtZero, SpecError
 from fsm_cache.residency import Node, Residency
+from fsm_cache.spec.loader import machine_from_dict
 from fsm_cache.spec.shipped import host_machine, residency_system
 
 
@@ -101,9 +102,39 @@ def test_a_lease_with_an_unknown_release_event_pins_nothing(engine: Engine) -> N
     rec = backed(engine)
     with pytest.raises(SpecError) as info:
         engine.lease(rec, "pin", "unpin")
-    assert str(info.value) == f"{engine.system.source}: unknown event 'unpin'"
-    assert (rec.state, rec.pins) == ("backed", 0)
-    assert engine.leases.outstanding() == []
+    assert str(info.value) == (
+        f"{engine.system.source}: unknown event 'unpin' (events: write, write_done, "
+        "write_failed, pin, release, evict_host, load, load_done, load_failed); "
+        "Engine.lease fires 'pin' and 'release' unless given others"
+    )
+
+
+def test_a_lease_on_a_spec_without_pin_names_the_defaults() -> None:
+    """A spec whose events are not pin and release is told why 'release' was asked for."""
+    door = machine_from_dict(
+        {
+            "machine": {"name": "door", "initial": "shut"},
+            "states": {"shut": {}, "open": {}},
+            "transition": [
+                {"event": "open_it", "source": "shut", "dest": "open"},
+                {"event": "shut_it", "source": "open", "dest": "shut"},
+            ],
+            "forbid": [
+                {"event": "open_it", "source": "open", "error": "Open", "reason": "open"},
+                {"event": "shut_it", "source": "shut", "error": "Shut", "reason": "shut"},
+            ],
+        }
+    )
+    engine = Engine(door, trail=False)
+    with pytest.raises(SpecError) as info:
+        engine.lease(engine.new(1))
+    assert str(info.value) == (
+        "<python>: unknown event 'release' (events: open_it, shut_it); "
+        "Engine.lease fires 'pin' and 'release' unless given others"
+    )
+    with engine.lease(engine.new(2), "open_it", "shut_it") as lease:
+        assert lease.record.state == "open"
+    assert lease.record.state == "shut"
 
 
 def test_voiding_leases_without_a_site_is_refused(engine: Engine) -> None:

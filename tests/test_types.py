@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import get_args
 
@@ -14,9 +15,13 @@ from mypy import api as mypy_api
 
 from fsm_cache import residency
 from fsm_cache.cli.main import main
-from fsm_cache.spec.loader import load_spec
+from fsm_cache.engine.core import Engine
+from fsm_cache.errors import SpecError
+from fsm_cache.spec.loader import load_spec, spec_from_dict
+from fsm_cache.spec.machine import MachineSpec, Spec, System
 from fsm_cache.spec.shipped import residency_system, spec_dir
 from fsm_cache.spec.stubs import stub
+from fsm_cache.spec.validate import problems
 
 
 SPEC = """
@@ -171,6 +176,127 @@ def test_regions_whose_aliases_collide_are_refused(
         f"alias {alias} (fsm-cache types camel-cases region names); rename one\n"
     )
     assert not out.exists()
+
+
+TYPED = "in the types fsm-cache types writes, where a field of that name would hide it from the fields after it (mypy rejects the file); rename it"
+
+
+def composition(folder: Path, regions: str, gate: str = SPEC) -> Path:
+    """Write a composition of ``regions`` (``name = "door.toml"`` lines) over door and gate."""
+    (folder / "door.toml").write_text(SPEC, encoding="utf-8")
+    (folder / "gate.toml").write_text(gate, encoding="utf-8")
+    path = folder / "house.toml"
+    path.write_text(f'[composition]\nname = "house"\n[composition.regions]\n{regions}', "utf-8")
+    return path
+
+
+def mypy_errors(folder: Path, stubs: dict[str, str]) -> dict[str, list[str]]:
+    """Return mypy --strict's errors in each stub, by module name, checked in one run."""
+    for name, text in stubs.items():
+        (folder / f"{name}.py").write_text(text, encoding="utf-8")
+    limit = sys.getrecursionlimit()
+    try:
+        out, _, _ = mypy_api.run(
+            ["--strict", "--no-incremental", "--cache-dir", str(folder / ".mypy")]
+            + [str(folder / f"{name}.py") for name in stubs]
+        )
+    finally:  # mypy raises the limit for its own run; later tests meet Python's
+        sys.setrecursionlimit(limit)
+    found: dict[str, list[str]] = {name: [] for name in stubs}
+    for line in out.splitlines():
+        if ": error: " in line:
+            found[Path(line.split(":")[0]).stem].append(line.split(": error: ")[1])
+    return found
+
+
+def test_a_field_named_like_a_type_of_the_stub_is_refused(tmp_path: Path) -> None:
+    """A counter ``int``, or a region named like another's alias, would break the stub."""
+    door = tmp_path / "door.toml"
+    door.write_text(SPEC.replace("opens = 0", "int = 0\nopens = 0"), encoding="utf-8")
+    (tmp_path / "sub").mkdir()
+    gate = SPEC.replace("opens", "passes")
+    house = composition(tmp_path / "sub", 'DoorState = "gate.toml"\ndoor = "door.toml"\n', gate)
+    (tmp_path / "sub2").mkdir()
+    counted = SPEC.replace("opens", "DoorState")
+    other = composition(tmp_path / "sub2", 'door = "door.toml"\ngate = "gate.toml"\n', counted)
+    (tmp_path / "sub3").mkdir()
+    region = composition(tmp_path / "sub3", 'door = "door.toml"\nint = "gate.toml"\n', gate)
+    faults = {}
+    for path in (door, house, other, region):
+        with pytest.raises(SpecError) as info:
+            load_spec(path)
+        faults[path] = info.value.problems
+    assert faults == {
+        door: [f"{door}: counters.int: 'int' is the type of every counter {TYPED}"],
+        house: [
+            f"{house}: composition.regions.DoorState: 'DoorState' is the type of the "
+            f"states of region 'door' {TYPED}"
+        ],
+        other: [
+            f"{other}: composition.regions.gate: counter 'DoorState' is the type of the "
+            f"states of region 'door' {TYPED}"
+        ],
+        region: [f"{region}: composition.regions.int: 'int' is the type of every counter {TYPED}"],
+    }
+
+
+def test_mypy_accepts_the_stub_of_names_that_load_and_rejects_those_refused(
+    tmp_path: Path,
+) -> None:
+    """Builtin and typing names that load (``max``, ``Literal``, a region ``Event``) type-check."""
+    tricky = "max = 0\nlen = 0\nstr = 0\nLiteral = 0\nProtocol = 0\nRecord = 0\nNoReturn = 0"
+    machine = spec_from_dict(
+        {
+            "machine": {"name": "tricky", "initial": "a"},
+            "counters": dict.fromkeys(tricky.replace(" = 0", "").split("\n"), 0),
+            "states": {"a": {"final": True}},
+            "transition": [{"event": "go", "source": "a", "dest": "a"}],
+        }
+    )
+    assert isinstance(machine, MachineSpec)
+    door = load_spec(stub_path(tmp_path))
+    assert isinstance(door, MachineSpec)
+    regions = (("Event", door), ("Record", replace(machine, name="m")), ("State", machine))
+    house = System("house", tuple((r, replace(m, source=r)) for r, m in regions))
+    refused: dict[str, Spec] = {
+        "counter_int": replace(door, counters=(("int", 0), ("opens", 0))),
+        "region_alias": System("house", (("DoorState", machine), ("door", door))),
+    }
+    found = mypy_errors(
+        tmp_path,
+        {
+            "tricky_types": stub(machine),
+            "house_types": stub(replace(house, regions=house.regions[::2])),
+            **{name: stub(spec) for name, spec in refused.items()},
+        },
+    )
+    assert found == {
+        "tricky_types": [],
+        "house_types": [],
+        "counter_int": ['Variable "counter_int.Record.int" is not valid as a type  [valid-type]'],
+        "region_alias": [
+            'Variable "region_alias.Record.DoorState" is not valid as a type  [valid-type]'
+        ],
+    }
+    assert all(problems(spec) for spec in refused.values())
+
+
+def stub_path(folder: Path) -> Path:
+    path = folder / "door.toml"
+    path.write_text(SPEC, encoding="utf-8")
+    return path
+
+
+def test_the_record_fields_are_the_engines_attributes(tmp_path: Path) -> None:
+    """A composition of one region has that region's attribute, not a lone machine's ``state``."""
+    door = stub_path(tmp_path)
+    one = tmp_path / "one.toml"
+    one.write_text('[composition]\nname = "one"\n[composition.regions]\nfront = "door.toml"\n')
+    for spec in (load_spec(door), load_spec(one), residency_system()):
+        text = stub(spec)
+        fields = text.split('returns."""\n\n')[1].splitlines()
+        assert [f.split(":")[0].strip() for f in fields] == list(Engine(spec).slots[:-1])
+    assert "    front: State\n    opens: int\n" in stub(load_spec(one))
 
 
 # -- writing and checking FILE ------------------------------------------------------

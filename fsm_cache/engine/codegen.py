@@ -531,13 +531,17 @@ def _region_block(em: Emitter, region: str, machine: MachineSpec, event: str) ->
     for state in sorted(machine.states, key=lambda st: order.get(st.name, len(order))):
         transitions = list(machine.transitions_for(state.name, event))
         forbids = list(machine.forbids_for(state.name, event))
-        if not transitions and not forbids:
+        if not transitions and not forbids and not state.final:
             continue
         em.emit(1, f"{'if' if first else 'elif'} s_{region} == {state.name!r}:")
         first = False
         em.state = state.name
+        if not transitions and not forbids:  # a final state: its own refusal, not the fallback's
+            index = em.refusal(region, *machine.unanswered(state.name, event))
+            em.emit(2, f"_refuse(rec, {index})")
+            continue
         _state_body(em, region, transitions, forbids)
-    fallback = em.refusal(region, "IllegalTransition", f"{event} is not defined in this state")
+    fallback = em.refusal(region, *machine.unanswered("", event))  # a state not declared
     if first:
         em.emit(1, f"_refuse(rec, {fallback})")
         return

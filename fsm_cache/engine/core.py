@@ -48,7 +48,8 @@ class Engine:
         spec: The machine or composition to run.
         effects: Hooks by effect name, called with the record after all checks
             pass and before the commit. Without a mapping, effects are no-ops
-            (a pure engine); with one, every effect the spec names must be bound.
+            (a pure engine); with one, every effect the spec names must be
+            bound, and nothing else: a misspelt name would bind nothing.
         trail: Trail mode: keep the call sites of each record's recent events,
             so refusals name them; defaults to ``FSM_CACHE_TRAIL``.
         history: How many events each record's trail keeps in trail mode.
@@ -63,7 +64,8 @@ class Engine:
 
     Raises:
         BadArgument: ``spec`` is no machine or composition, ``effects`` no
-            mapping (or a hook it binds is not callable), ``trail`` or
+            mapping (or it binds a name no transition of the spec gives as
+            its effect, or a hook it binds is not callable), ``trail`` or
             ``audit`` neither a bool nor None, or ``history`` not an int >= 0.
         SpecError: An effect the spec names is not bound.
         ConfigError: ``trail`` and ``audit`` both given and different, or
@@ -353,7 +355,10 @@ class Engine:
         """Return the error for an event name the spec does not declare, or no name at all."""
         if not isinstance(event, str):
             return BadArgument(f"Engine.{where}: event must be a str, got {event!r}")
-        return SpecError([f"{self.system.source}: unknown event {event!r}"])
+        line = self.system.unknown_event(event)
+        if where == "lease":  # the events may be the defaults, which the caller never wrote
+            line += "; Engine.lease fires 'pin' and 'release' unless given others"
+        return SpecError([line])
 
     def _machine(self, region: str) -> Any:
         """Return ``region``'s machine, or raise SpecError naming the regions there are."""
@@ -389,6 +394,10 @@ class Engine:
         named = self.system.effect_names
         if effects is None:
             return dict.fromkeys(named, no_effect)
+        # A key no transition names (a typo, a hook for another spec) would bind nothing.
+        unknown = [name for name in effects if name not in named]
+        if unknown:
+            raise BadArgument(_unknown_effects(self.system, unknown))
         missing = sorted(named - set(effects))
         if missing:
             raise SpecError(
@@ -484,6 +493,15 @@ def _check_arguments(
     trails.check_flags("Engine", trail, audit)
     if not whole(history):
         raise BadArgument(f"Engine: history must be an int >= 0, got {history!r}")
+
+
+def _unknown_effects(system: System, unknown: Sequence[object]) -> str:
+    """Return why ``effects`` binding ``unknown`` is refused, naming the effects the spec has."""
+    names = ", ".join(repr(name) for name in unknown)
+    which = "not an effect" if len(unknown) == 1 else "not effects"
+    has = ", ".join(sorted(system.effect_names))
+    its = f"its effects: {has}" if has else "it names no effect"
+    return f"Engine: effects binds {names}, {which} of {system.name} ({its})"
 
 
 def _initialise(

@@ -210,6 +210,24 @@ class MachineSpec:
             f for f in self.forbids if f.event == event and (not f.sources or state in f.sources)
         )
 
+    def unanswered(self, state: str, event: str) -> tuple[str, str]:
+        """Return the refusal ``(error class name, reason)`` of an event ``state`` declares nothing for.
+
+        Totality leaves such a pair only in a final state, which has ended:
+        the event is refused with ``FinalState``, saying so (``closed is
+        final: nothing leaves it``, or ``only reopen leaves it`` where the spec
+        declares a way out). A state the machine does not declare (a record
+        written by hand) refuses every event with the base class. The engine,
+        :mod:`fsm_cache.spec.meaning` and the reference model all read this.
+        """
+        found = next((s for s in self.states if s.name == state), None)
+        if found is None or not found.final:
+            return "IllegalTransition", f"{event} is not defined in this state"
+        leaving = dict.fromkeys(t.event for t in self.transitions if state in t.sources)
+        if not leaving:
+            return "FinalState", f"{state} is final: nothing leaves it"
+        return "FinalState", f"{state} is final: only {', '.join(leaving)} leave it"
+
 
 @dataclass(frozen=True)
 class Birth:
@@ -298,6 +316,10 @@ class System:
         return frozenset(
             t.effect for _, m in self.regions for t in m.transitions if t.effect is not None
         )
+
+    def unknown_event(self, event: str) -> str:
+        """Return the problem line of firing ``event``, which no region declares, naming the events."""
+        return f"{self.source}: unknown event {event!r} (events: {', '.join(self.event_names)})"
 
     def regions_of(self, event: str) -> tuple[str, ...]:
         """Return the regions whose machine declares ``event``, in region order."""

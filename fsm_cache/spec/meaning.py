@@ -75,7 +75,7 @@ def region_step(
     transitions = list(machine.transitions_for(state, event))
     forbids = list(machine.forbids_for(state, event))
     if not transitions and not forbids:
-        return "IllegalTransition"
+        return machine.unanswered(state, event)[0]
     for forbid in forbids:
         if forbid.guard.holds(counters):
             return forbid.error

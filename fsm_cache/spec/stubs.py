@@ -52,9 +52,22 @@ def state_alias(system: System, region: str) -> str:
     return "State" if len(system.regions) == 1 else f"{_camel(region)}State"
 
 
-def region_field(system: System, region: str) -> str:
-    """Return the record attribute holding a region's state (``state`` for a single machine)."""
-    return "state" if len(system.regions) == 1 else region
+def annotation_types(system: System) -> dict[str, str]:
+    """Return each name the stub's ``Record`` annotates a field with, and what it types there.
+
+    mypy binds the names of a class body in order, so a field named like one of
+    these (a counter ``int`` before another counter, a region ``HostState``
+    before the region ``host``) becomes the type of the fields after it, and
+    mypy rejects the stub. Validation refuses such names
+    (:mod:`fsm_cache.spec.validate`), so every spec that loads has a stub mypy accepts.
+    """
+    names = {"object": "the type of a record's id", "int": "the type of every counter"}
+    for region, _ in system.regions:
+        what = (
+            "the record's state" if len(system.regions) == 1 else f"the states of region {region!r}"
+        )
+        names[state_alias(system, region)] = f"the type of {what}"
+    return names
 
 
 def stub(spec: Spec) -> str:
@@ -77,6 +90,6 @@ def stub(spec: Spec) -> str:
         "    id: object",
     ]
     for region, _ in system.regions:
-        lines.append(f"    {region_field(system, region)}: {state_alias(system, region)}")
+        lines.append(f"    {region}: {state_alias(system, region)}")  # the engine's attribute
     lines += [f"    {name}: int" for name, _ in system.counters]
     return "\n".join(lines) + "\n"

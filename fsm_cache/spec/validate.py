@@ -31,7 +31,7 @@ from fsm_cache.spec.machine import (
 )
 from fsm_cache.spec.meaning import step
 from fsm_cache.spec.reach import Record, Runs, replay, runs
-from fsm_cache.spec.stubs import state_alias
+from fsm_cache.spec.stubs import annotation_types, state_alias
 
 
 # Attributes every record has besides regions and counters (see Engine.slots and the
@@ -183,6 +183,8 @@ def _name_problems(spec: MachineSpec) -> list[str]:
         for c in spec.counter_names
         if _reserved(c)
     ]
+    typed = annotation_types(System.single(spec))
+    out += [f"counters.{c}: {_typed(c, typed[c])}" for c in spec.counter_names if c in typed]
     for st in spec.states:
         out += [
             f"states.{st.name}.invariant: unknown counter {c!r}"
@@ -231,6 +233,14 @@ def _undeclared(spec: MachineSpec, where: str, event: str) -> list[str]:
     if not declared or event in declared:
         return []
     return [f"{where}: unknown event {event!r} (declared in [events]: {', '.join(declared)})"]
+
+
+def _typed(name: str, what: str) -> str:
+    """Return why a record field may not be called ``name``: ``fsm-cache types`` annotates with it."""
+    return (
+        f"{name!r} is {what} in the types fsm-cache types writes, where a field of that "
+        "name would hide it from the fields after it (mypy rejects the file); rename it"
+    )
 
 
 def _reserved(name: str) -> bool:
@@ -407,6 +417,7 @@ def _system_problems(system: System) -> list[str]:
     if (bad := bad_title(system.name)) is not None:
         out.append(f"composition.name: {system.name!r}: {bad}")
     out += _alias_problems(system)
+    out += _annotation_problems(system)
     for i, fb in enumerate(system.forbids):
         out += _system_forbid_problems(system, f"forbid[{i}]", fb)
     out += _birth_problems(system)
@@ -508,6 +519,22 @@ def _alias_problems(system: System) -> Iterator[str]:
             )
         else:
             owners[alias] = region
+
+
+def _annotation_problems(system: System) -> Iterator[str]:
+    """Each region, or counter, named like a type the composition's stub annotates with.
+
+    A counter named ``int`` or ``object`` is its machine file's fault, reported
+    there; here are the names only the composition gives a meaning to: the
+    region aliases (a region ``HostState`` beside the region ``host``).
+    """
+    typed = annotation_types(system)
+    for region, machine in system.regions:
+        if region in typed:
+            yield f"composition.regions.{region}: {_typed(region, typed[region])}"
+        for counter in machine.counter_names:
+            if counter in typed and counter not in annotation_types(System.single(machine)):
+                yield f"composition.regions.{region}: counter {_typed(counter, typed[counter])}"
 
 
 def _birth_problems(system: System) -> Iterator[str]:

@@ -122,7 +122,7 @@ class Reference:
 
     def _plans(self, rec: Any, event: str) -> list[tuple[Any, _Scratch]]:
         if event not in self.system.event_names:
-            raise SpecError([f"{self.system.source}: unknown event {event!r}"])
+            raise SpecError([self.system.unknown_event(event)])
         first = self._step(rec, event)
         plans = [(rec, first)]
         if any(t.propagate == "ancestors" for t in first.chosen):
@@ -158,8 +158,8 @@ class Reference:
         except (MachineError, KeyError):
             fired = False
             if not forbids:
-                reason = f"{event} is not defined in this state"
-                raise self._refusal(rec, region, event, "IllegalTransition", reason) from None
+                error, reason = spec.unanswered(state, event)
+                raise self._refusal(rec, region, event, error, reason) from None
         if not fired:
             reason = "no transition's guard holds"
             raise self._refusal(rec, region, event, "IllegalTransition", reason)
