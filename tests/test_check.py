@@ -1429,3 +1429,161 @@ def test_the_report_counts_one_node_slot_and_step_in_the_singular() -> None:
     assert "slot.toml: 2 nodes (" in text
     assert "numbering of its 2 slots)" in text
     assert "  shortest trace (2 steps):" in text
+
+
+_GATE = """\
+[machine]
+name = "gate"
+initial = "shut"
+
+[states]
+shut = {}
+ajar = {}
+
+[[transition]]
+event = "open"
+source = "shut"
+dest = "ajar"
+
+[[forbid]]
+event = "open"
+source = "ajar"
+error = "AlreadyOpen"
+reason = "the gate is open"
+
+[[transition]]
+event = "close"
+source = "ajar"
+dest = "shut"
+
+[[forbid]]
+event = "close"
+source = "shut"
+error = "AlreadyShut"
+reason = "the gate is shut"
+
+[[transition]]
+event = "borrow"
+source = ["shut", "ajar"]
+dest = "shut"
+
+[[transition]]
+event = "give_back"
+source = ["shut", "ajar"]
+dest = "shut"
+"""
+
+_SLOT = """\
+[machine]
+name = "slot"
+initial = "idle"
+
+[counters]
+borrows = 0
+
+[states]
+idle = { invariant = "borrows == 0" }
+busy = { invariant = "borrows >= 1", counter = "borrows" }
+
+[[transition]]
+event = "borrow"
+source = ["idle", "busy"]
+dest = "busy"
+guard = "borrows < 2"
+update = "borrows += 1"
+
+[[forbid]]
+event = "borrow"
+source = "busy"
+guard = "borrows >= 2"
+error = "Full"
+reason = "two borrowers already"
+
+[[transition]]
+event = "give_back"
+source = "busy"
+dest = "busy"
+guard = "borrows >= 2"
+update = "borrows -= 1"
+
+[[transition]]
+event = "give_back"
+source = "busy"
+dest = "idle"
+guard = "borrows == 1"
+update = "borrows -= 1"
+
+# the bug: a give-back of nothing is accepted, where the gate's forbid is all that stops it
+[[transition]]
+event = "give_back"
+source = "idle"
+dest = "idle"
+"""
+
+_GATED = """\
+[composition]
+name = "gated"
+
+[composition.regions]
+slot = "slot.toml"
+gate = "gate.toml"
+
+[[forbid]]
+event = "give_back"
+when = "gate in [shut]"
+error = "GateShut"
+reason = "give back through the open gate"
+
+[[forbid]]
+event = "open"
+when = "slot in [idle]"
+error = "NothingBorrowed"
+reason = "the gate opens for a borrower"
+"""
+
+
+@pytest.mark.parametrize("born", [False, True], ids=["no-birth", "birth"])
+def test_a_birth_of_a_spec_without_tiers_is_explored_at_the_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], born: bool
+) -> None:
+    """Without host and device regions the trees keep their starting shape.
+
+    So no node enters a tree after the start, and a birth was never explored: a
+    give-back of nothing that only a node born ``stray`` (slot idle behind an
+    open gate, which no run from ``idle``/``shut`` reaches) can make passed the
+    check. Each node of each starting tree is now fresh or born.
+    """
+    (tmp_path / "slot.toml").write_text(_SLOT)
+    (tmp_path / "gate.toml").write_text(_GATE)
+    births = '\n[composition.births.stray]\nstates = { slot = "idle", gate = "ajar" }\n'
+    spec = tmp_path / "gated.toml"
+    spec.write_text(_GATED + (births if born else ""))
+    status = cli_main(["check", str(spec), "--nodes", "2", "--json"])
+    (found,) = json.loads(capsys.readouterr().out)["specs"]
+    if not born:
+        assert (status, found["violation"], found["states"]) == (0, None, 25)
+        return
+    assert (status, found["violation"], found["trace"]) == (
+        1,
+        "invariant 6: node 1: give_back is accepted though nothing holds borrows there "
+        "(borrows=0, no borrow to give back)",
+        ["start: chain, node 1 stray"],
+    )
+
+
+def test_births_at_the_start_are_bounded_before_anything_is_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each node fresh or born is 2**N starting trees a shape: 40 nodes are refused at once."""
+    (tmp_path / "slot.toml").write_text(_SLOT)
+    (tmp_path / "gate.toml").write_text(_GATE)
+    spec = tmp_path / "gated.toml"
+    spec.write_text(_GATED + '\n[composition.births.stray]\nstates = { gate = "ajar" }\n')
+    status = cli_main(["check", str(spec), "--nodes", "40"])
+    captured = capsys.readouterr()
+    assert (status, captured.out) == (2, "")
+    assert captured.err.strip() == (
+        f"error: check: 40 nodes make {3 * 2**40} starting trees, at most 100000: each node "
+        "of each shape starts fresh or born stray, as no node enters a tree of a spec "
+        "without host and device regions later"
+    )

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import itertools
 import json
 import os
 import sys
@@ -68,11 +69,42 @@ SHAPES: dict[str, Callable[[int], list[int]]] = {
 
 
 def shapes(layout: Layout, nodes: int) -> dict[str, Nodes]:
-    """Return the initial model state of each tree shape: every node fresh."""
-    return {
+    """Return the initial model state of each tree shape: every node fresh, or born.
+
+    A spec with host or device regions grows its trees by births as nodes are
+    deleted. One without keeps its starting trees, every slot full, so each
+    birth it declares is explored at the start instead: every node of every
+    shape either fresh or born each declared way (``chain, node 1 stray``).
+    A combination of states that only a birth reaches (one the composition's
+    forbids keep its runs out of) is then explored as ``Engine.new`` makes it.
+
+    Raises:
+        BadArgument: Those starting trees would be more than
+            :data:`MAX_STARTS` (they are built before any budget is read).
+    """
+    starts: dict[str, Nodes] = {
         name: tuple(layout.fresh(parent) for parent in parents(nodes))
         for name, parents in SHAPES.items()
     }
+    if layout.memory.tiers or not layout.births:
+        return starts
+    count = len(SHAPES) * (1 + len(layout.births)) ** nodes
+    if count > MAX_STARTS:
+        raise BadArgument(
+            f"check: {nodes} nodes make {count} starting trees, at most {MAX_STARTS}: each "
+            f"node of each shape starts fresh or born {' or '.join(layout.births)}, as no "
+            "node enters a tree of a spec without host and device regions later"
+        )
+    for name, parents in SHAPES.items():
+        above = parents(nodes)
+        for ways in itertools.product((None, *layout.births), repeat=len(above)):
+            if any(ways):
+                born = ", ".join(f"node {i} {way}" for i, way in enumerate(ways) if way)
+                starts[f"{name}, {born}"] = tuple(
+                    layout.fresh(p) if way is None else layout.born(p, way)
+                    for p, way in zip(above, ways, strict=True)
+                )
+    return starts
 
 
 POLICIES: dict[str, WritePolicy | None] = {"none": None, "write_through": WritePolicy.WRITE_THROUGH}
@@ -97,6 +129,10 @@ the budget is first read, recursively along the chain (``RecursionError``
 from a few hundred nodes), and with millions of nodes for minutes and
 gigabytes.
 """
+
+MAX_STARTS = 100_000
+"""The most starting trees :func:`shapes` builds: a spec without host and device regions
+starts each node fresh or born, so its births multiply the starting trees per node."""
 
 TOO_MANY_NODES = "every state of the tree is explored: 4 nodes are already about 2 million states"
 """Why :data:`MAX_NODES` bounds the tree, as a refusal of a larger one says."""
