@@ -103,6 +103,18 @@ def test_check_page_quotes_what_check_prints(capsys: pytest.CaptureFixture[str])
     assert capsys.readouterr().out.endswith(trace)
 
 
+def test_check_page_lists_every_negative_control_and_what_finds_it() -> None:
+    """The controls table of check.md has one row per control, found by the command its .expected names."""
+    page = (DOCS / "check.md").read_text(encoding="utf-8")
+    table = page.split("\n## Negative controls\n", 1)[1].split("\n## ", 1)[0]
+    listed = dict(re.findall(r"^\| `(\w+)\.(?:toml|py)` \| [^|]* \| (\w+)", table, re.MULTILINE))
+    expected = {
+        path.stem: path.read_text(encoding="utf-8").split(":", 1)[0]
+        for path in (ROOT / "specs" / "bugs_detected").glob("*.expected")
+    }
+    assert listed == expected
+
+
 def test_every_fsm_cache_name_the_docs_give_exists() -> None:
     """Each ``fsm_cache.`` name in the README and the docs is a module or an attribute of one."""
     pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
