@@ -115,6 +115,23 @@ def test_check_page_lists_every_negative_control_and_what_finds_it() -> None:
     assert listed == expected
 
 
+def test_concepts_page_quotes_what_types_write_says_of_a_current_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Writing the door example's stub again prints the line the concepts page quotes."""
+    page = (DOCS / "concepts.md").read_text(encoding="utf-8")
+    section = page.split("## Types that mypy sees\n", 1)[1].split("\n## ", 1)[0]
+    (spec,) = re.findall(r"^```toml\n(.*?)^```", section, re.DOTALL | re.MULTILINE)
+    ((command, _),) = re.findall(r"^\$ fsm-cache (.*)\n(.*)\n```", section, re.MULTILINE)
+    (quoted,) = re.findall(r"\(`([\w.]+ matches [^`]*)`\)", section)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "door.toml").write_text(spec, encoding="utf-8")
+    assert main(shlex.split(command)) == 0
+    capsys.readouterr()
+    assert main(shlex.split(command)) == 0
+    assert capsys.readouterr().out == f"{quoted}\n"
+
+
 def test_every_fsm_cache_name_the_docs_give_exists() -> None:
     """Each ``fsm_cache.`` name in the README and the docs is a module or an attribute of one."""
     pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
