@@ -26,8 +26,8 @@ from fsm_cache.contracts.generate import generate
 from fsm_cache.contracts.runner import contracts
 from fsm_cache.contracts.verify import POOL_CONTRACTS
 from fsm_cache.spec.loader import load_spec
-from fsm_cache.spec.machine import as_system
-from fsm_cache.spec.shipped import shipped_spec_paths
+from fsm_cache.spec.machine import MachineSpec, as_system
+from fsm_cache.spec.shipped import load_shipped, shipped_spec_paths
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,6 +130,16 @@ def test_concepts_page_quotes_what_types_write_says_of_a_current_file(
     capsys.readouterr()
     assert main(shlex.split(command)) == 0
     assert capsys.readouterr().out == f"{quoted}\n"
+
+
+def test_spec_format_page_names_the_shipped_pin_sources_in_their_order() -> None:
+    """The example of transition order quotes the shipped host machine's pin sources as declared."""
+    page = " ".join((DOCS / "spec-format.md").read_text(encoding="utf-8").split())
+    ((first, second),) = re.findall(r"lists `pin` from `(\w+)`/`(\w+)` before `pin` from", page)
+    machine = load_shipped("host_residency")
+    assert isinstance(machine, MachineSpec)
+    pins = [t.sources for t in machine.transitions if t.event == "pin"]
+    assert (first, second) == pins[0]
 
 
 def test_every_fsm_cache_name_the_docs_give_exists() -> None:
