@@ -142,6 +142,44 @@ def test_spec_format_page_names_the_shipped_pin_sources_in_their_order() -> None
     assert (first, second) == pins[0]
 
 
+def test_audit_page_quotes_what_audit_prints_of_its_corpus(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The audit page's first console example is what ``fsm-cache audit`` prints, line for line."""
+    page = (DOCS / "audit.md").read_text(encoding="utf-8")
+    first = re.search(r"^```console\n\$ fsm-cache ([^\n]*)\n(.*?)^```", page, re.S | re.M)
+    assert first is not None
+    command, said = first.groups()
+    monkeypatch.chdir(ROOT)
+    assert main(shlex.split(command)) == 1
+    assert capsys.readouterr().out == said
+
+
+@pytest.mark.parametrize("code", ["FSM100", "FSM101", "FSM102", "FSM103", "FSM104", "FSM105"])
+def test_audit_page_examples_give_the_findings_it_quotes(
+    code: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each code's example, audited, gives the finding quoted under it (among others).
+
+    The audit reads functions only, so an example written as a function body is
+    audited inside one, and the line numbers its finding quotes count from the
+    body's first line.
+    """
+    page = (DOCS / "audit.md").read_text(encoding="utf-8")
+    section = page.split(f"\n### {code}\n", 1)[1].split("\n### ", 1)[0]
+    (example,) = PYTHON_BLOCK.findall(section)
+    quoted = re.findall(rf"^`({code} .*)`\.$", section, re.MULTILINE)[0]
+    if code != "FSM100" and not example.startswith("def "):
+        body = "".join(f"    {line}" if line.strip() else line for line in example.splitlines(True))
+        example = f"def f(self, node, pin, work):\n{body}"
+        quoted = re.sub(r"line (\d+)", lambda m: f"line {int(m.group(1)) + 1}", quoted)
+    (tmp_path / "example.py").write_text(example, encoding="utf-8")
+    assert main(["audit", str(tmp_path / "example.py")]) == 1
+    out = capsys.readouterr().out
+    found = re.findall(r"^\S+:\d+:\d+: (.*?)(?: \[[\w.]+\])?$", out, re.MULTILINE)
+    assert quoted in found
+
+
 def test_every_fsm_cache_name_the_docs_give_exists() -> None:
     """Each ``fsm_cache.`` name in the README and the docs is a module or an attribute of one."""
     pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
