@@ -26,8 +26,8 @@ from fsm_cache.contracts.generate import generate
 from fsm_cache.contracts.runner import contracts
 from fsm_cache.contracts.verify import POOL_CONTRACTS
 from fsm_cache.spec.loader import load_spec
-from fsm_cache.spec.machine import as_system
-from fsm_cache.spec.shipped import shipped_spec_paths
+from fsm_cache.spec.machine import MachineSpec, as_system
+from fsm_cache.spec.shipped import load_shipped, shipped_spec_paths
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,6 +101,83 @@ def test_check_page_quotes_what_check_prints(capsys: pytest.CaptureFixture[str])
     )
     assert main(["check", str(ROOT / control), "--nodes", nodes]) == 1
     assert capsys.readouterr().out.endswith(trace)
+
+
+def test_check_page_lists_every_negative_control_and_what_finds_it() -> None:
+    """The controls table of check.md has one row per control, found by the command its .expected names."""
+    page = (DOCS / "check.md").read_text(encoding="utf-8")
+    table = page.split("\n## Negative controls\n", 1)[1].split("\n## ", 1)[0]
+    listed = dict(re.findall(r"^\| `(\w+)\.(?:toml|py)` \| [^|]* \| (\w+)", table, re.MULTILINE))
+    expected = {
+        path.stem: path.read_text(encoding="utf-8").split(":", 1)[0]
+        for path in (ROOT / "specs" / "bugs_detected").glob("*.expected")
+    }
+    assert listed == expected
+
+
+def test_concepts_page_quotes_what_types_write_says_of_a_current_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Writing the door example's stub again prints the line the concepts page quotes."""
+    page = (DOCS / "concepts.md").read_text(encoding="utf-8")
+    section = page.split("## Types that mypy sees\n", 1)[1].split("\n## ", 1)[0]
+    (spec,) = re.findall(r"^```toml\n(.*?)^```", section, re.DOTALL | re.MULTILINE)
+    ((command, _),) = re.findall(r"^\$ fsm-cache (.*)\n(.*)\n```", section, re.MULTILINE)
+    (quoted,) = re.findall(r"\(`([\w.]+ matches [^`]*)`\)", section)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "door.toml").write_text(spec, encoding="utf-8")
+    assert main(shlex.split(command)) == 0
+    capsys.readouterr()
+    assert main(shlex.split(command)) == 0
+    assert capsys.readouterr().out == f"{quoted}\n"
+
+
+def test_spec_format_page_names_the_shipped_pin_sources_in_their_order() -> None:
+    """The example of transition order quotes the shipped host machine's pin sources as declared."""
+    page = " ".join((DOCS / "spec-format.md").read_text(encoding="utf-8").split())
+    ((first, second),) = re.findall(r"lists `pin` from `(\w+)`/`(\w+)` before `pin` from", page)
+    machine = load_shipped("host_residency")
+    assert isinstance(machine, MachineSpec)
+    pins = [t.sources for t in machine.transitions if t.event == "pin"]
+    assert (first, second) == pins[0]
+
+
+def test_audit_page_quotes_what_audit_prints_of_its_corpus(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The audit page's first console example is what ``fsm-cache audit`` prints, line for line."""
+    page = (DOCS / "audit.md").read_text(encoding="utf-8")
+    first = re.search(r"^```console\n\$ fsm-cache ([^\n]*)\n(.*?)^```", page, re.S | re.M)
+    assert first is not None
+    command, said = first.groups()
+    monkeypatch.chdir(ROOT)
+    assert main(shlex.split(command)) == 1
+    assert capsys.readouterr().out == said
+
+
+@pytest.mark.parametrize("code", ["FSM100", "FSM101", "FSM102", "FSM103", "FSM104", "FSM105"])
+def test_audit_page_examples_give_the_findings_it_quotes(
+    code: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each code's example, audited, gives the finding quoted under it (among others).
+
+    The audit reads functions only, so an example written as a function body is
+    audited inside one, and the line numbers its finding quotes count from the
+    body's first line.
+    """
+    page = (DOCS / "audit.md").read_text(encoding="utf-8")
+    section = page.split(f"\n### {code}\n", 1)[1].split("\n### ", 1)[0]
+    (example,) = PYTHON_BLOCK.findall(section)
+    quoted = re.findall(rf"^`({code} .*)`\.$", section, re.MULTILINE)[0]
+    if code != "FSM100" and not example.startswith("def "):
+        body = "".join(f"    {line}" if line.strip() else line for line in example.splitlines(True))
+        example = f"def f(self, node, pin, work):\n{body}"
+        quoted = re.sub(r"line (\d+)", lambda m: f"line {int(m.group(1)) + 1}", quoted)
+    (tmp_path / "example.py").write_text(example, encoding="utf-8")
+    assert main(["audit", str(tmp_path / "example.py")]) == 1
+    out = capsys.readouterr().out
+    found = re.findall(r"^\S+:\d+:\d+: (.*?)(?: \[[\w.]+\])?$", out, re.MULTILINE)
+    assert quoted in found
 
 
 def test_every_fsm_cache_name_the_docs_give_exists() -> None:

@@ -81,6 +81,29 @@ def test_extras_table_lists_every_extra() -> None:
     assert rows["all"].strip() == f"all {words[len(gathered.split(',')) - 1]} above"
 
 
+def test_extras_table_names_every_package_an_extra_installs() -> None:
+    """Each row of the extras table names every requirement of its extra (an extra of ours by name)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"][
+        "optional-dependencies"
+    ]
+    rows = dict(re.findall(r"^\| `([a-z]+)` \| ([^|]*) \|", README, re.MULTILINE))
+    missing = {}
+    for extra, requirements in extras.items():
+        if extra == "all":  # "all six above": counted by the test before
+            continue
+        named = {re.sub(r"\(.*?\)|[`\s]", "", name) for name in rows[extra].split(",")}
+        wanted = set()
+        for requirement in requirements:
+            ours = re.match(r"fsm-cache\[([a-z,]+)\]", requirement)
+            if ours:
+                wanted |= set(ours.group(1).split(","))
+            else:
+                wanted.add(re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0])
+        if wanted - named:
+            missing[extra] = sorted(wanted - named)
+    assert missing == {}
+
+
 def test_make_run_installs_the_extras_the_makefile_names() -> None:
     """`make run`'s comment names the extras the Makefile installs for it."""
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
