@@ -428,7 +428,7 @@ def test_a_residency_region_without_the_reference_states_is_refused(
         check.check_spec(path, 2, Bounds({}))
     assert str(info.value) == (
         f"check: residency: the {region} region has no state {old}: the residency checks read "
-        f"the {region} states by the names of shared/design/residency.md ({wanted}); name them "
+        f"the {region} states by the names of docs/residency.md ({wanted}); name them "
         "so, or give the region another name to check the spec as plain machines"
     )
 

@@ -82,7 +82,7 @@ def reference_states(system: System) -> None:
             states = ", ".join(missing)
             raise ConfigError(
                 f"check: {system.name}: the {region} region has no state {states}: the residency "
-                f"checks read the {region} states by the names of shared/design/residency.md "
+                f"checks read the {region} states by the names of docs/residency.md "
                 f"({', '.join(wanted)}); name them so, or give the region another name to "
                 "check the spec as plain machines"
             )
