@@ -143,6 +143,27 @@ def test_pinned_host_pool_is_pinned_at_exactly_its_size() -> None:
 
 @pytest.mark.gpu
 @needs_cuda
+def test_a_refused_registration_leaves_no_error_for_the_next_kernel() -> None:
+    """A failed ``cudaHostRegister`` or ``cudaHostUnregister`` fails only itself.
+
+    The runtime keeps a failed call's error until ``cudaGetLastError`` reads
+    it, and torch reads it after every kernel launch: the next kernel, however
+    unrelated, raised the registration's error.
+    """
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    pool = host_pool(LAYOUT, 2, pin=True, device=gpu)
+    refused = r"^cudaHost(Register|Unregister) of \d+ bytes on cuda:\d+ failed with cudaError"
+    with pytest.raises(PinnedMemoryError, match=refused):
+        kv.register_host(pool.tensor, gpu)  # cudaErrorHostMemoryAlreadyRegistered
+    assert torch.ones(3, device=gpu).sum().item() == 3
+    pool.close()
+    with pytest.raises(PinnedMemoryError, match=refused):
+        kv.unregister_host(pool.tensor, gpu)  # cudaErrorHostMemoryNotRegistered
+    assert torch.ones(3, device=gpu).sum().item() == 3
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_device_pool_defaults_to_cuda() -> None:
     pool = device_pool(LAYOUT, 2)
     assert pool.device.type == "cuda"

@@ -9,7 +9,9 @@ injected faults still reach exactly the tickets they concern.
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -317,6 +319,36 @@ def test_staging_buffers_are_kept_and_reused(monkeypatch: pytest.MonkeyPatch) ->
         assert all(c.ok for c in eng.drain())
         assert torch.equal(raw(eng.host, hosts), raw(eng.device, src))
     assert sorted(slot for slot, _ in used) == [0, 1]  # two buffers, the same in every round
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_outgrown_staging_buffer_is_freed_once_the_polls_report_its_copies(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """Not only at a drain, which a serving loop may never call: GPU memory held for good."""
+    eng = engine(FakeStreams(seed=seed, max_polls=3), pages=32, chunk=8)
+    buffers: list[weakref.ref[torch.Tensor]] = []
+    take = staging.Mover._buffer  # noqa: SLF001 (spied on, to see which memory is staged through)
+
+    def spy(mover: staging.Mover, direction: Direction, slot: int, pages: int) -> torch.Tensor:
+        view = take(mover, direction, slot, pages)
+        whole = view._base  # noqa: SLF001 (the buffer the view of ``pages`` pages is cut from)
+        buffers.append(weakref.ref(view if whole is None else whole))
+        return view
+
+    monkeypatch.setattr(staging.Mover, "_buffer", spy)
+    eng.start_write([1], [9])
+    eng.poll()  # submitted through a buffer of one page
+    eng.start_write([2, 3, 4], [12, 14, 16])
+    eng.poll()  # through a buffer of four pages: the first one is outgrown
+    outgrown, current = buffers[0], buffers[-1]
+    assert outgrown() is not current()
+    while eng.in_flight():
+        assert all(c.ok for c in eng.poll())
+    gc.collect()
+    assert outgrown() is None
+    assert current() is not None  # kept for the next batch
+    assert torch.equal(raw(eng.host, [9, 12, 14, 16]), raw(eng.device, [1, 2, 3, 4]))
 
 
 # -- failures ------------------------------------------------------------------------

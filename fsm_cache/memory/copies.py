@@ -310,6 +310,7 @@ class CopyEngine:
                 behind.add(direction)
         if len(done) == len(submitted):  # all of them: always so on a CPU engine
             self._submitted = []
+            self._mover.release()  # nothing queued can read an outgrown staging buffer now
         else:
             self._submitted = [s for s in submitted if s not in done]
         if len(done) == 1:

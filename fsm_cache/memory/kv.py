@@ -529,9 +529,26 @@ def _raise_on(call: str, err: Any, nbytes: int, device: torch.device | None) -> 
         name = str(_cudart().cudaGetErrorString(err))
     except (AttributeError, TypeError, RuntimeError):  # bindings without it, or no enum
         name = "unknown error"
+    _consume_last_error(device)
     raise PinnedMemoryError(
         f"{call} of {nbytes} bytes on {where} failed with cudaError {code} ({name})"
     )
+
+
+def _consume_last_error(device: torch.device | None) -> None:
+    """Clear the error a failed runtime call left for ``cudaGetLastError`` in this thread.
+
+    The CUDA runtime keeps it until ``cudaGetLastError`` reads it, and torch
+    reads it after every kernel launch: the next, unrelated kernel would raise
+    this call's error. torch's bindings have no ``cudaGetLastError``, so a
+    one-element fill kernel is launched and the error its check raises is
+    dropped. Without CUDA (fake bindings in tests) there is nothing to clear.
+    """
+    if not torch.cuda.is_available():
+        return
+    # whatever it raises, the error is read (and cleared) or the device is broken for good
+    with contextlib.suppress(Exception):
+        torch.ones(1, device=device or torch.device("cuda"))
 
 
 def _cudart() -> Any:
