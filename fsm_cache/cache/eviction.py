@@ -215,26 +215,44 @@ class Evictor:
 
     def evict_device(self, num_tokens: int) -> int:
         """Evict least recently used unlocked device leaves until ``num_tokens`` are freed."""
+        return self._evict(num_tokens, device=True)
+
+    def _evict(self, num_tokens: int, *, device: bool) -> int:
+        """Evict the least recently used leaves of a tier until ``num_tokens`` are freed.
+
+        Leaves are popped from the tier's candidates; one that cannot go now
+        (locked, pinned, loading, being written, spared, or no host room for
+        its write-back) is filed again once the loop ends, and so is the leaf
+        whose eviction raised: a refusal leaves no candidate unfiled, or it
+        would never be evicted.
+        """
+        leaves = self._leaves if device else self._host_leaves
         freed, held = 0, []
         nodes = self._core.tree.nodes
-        while freed < num_tokens:
-            node = self._leaves.pop(nodes)
-            if node is None:
-                break
-            if not _device_leaf(node) or node.id in self._waiting:
-                held.append(node)  # locked, loading or being written: a candidate again later
-                continue
-            parent = node.parent
-            tokens = self._evict_one(node)
-            if tokens is None:
-                held.append(node)  # no host room for its write-back: a candidate again later
-                continue
-            freed += tokens
-            if parent is not None and parent.parent is not None:
-                self._leaves.push(parent)
-        for node in held:
-            self._leaves.push(node)
+        try:
+            while freed < num_tokens:
+                node = leaves.pop(nodes)
+                if node is None:
+                    break
+                held.append(node)  # until it is gone
+                tokens = self._evict_device_leaf(node) if device else self._evict_host_leaf(node)
+                if tokens is not None:
+                    held.pop()
+                    freed += tokens
+        finally:
+            for node in held:
+                leaves.push(node)
         return freed
+
+    def _evict_device_leaf(self, node: TreeNode) -> int | None:
+        """Evict ``node`` if it is an evictable device leaf; return the device tokens freed now.
+
+        None: it is not one (locked, loading, being written, or its write-back
+        eviction waits for its backup), or it cannot go yet (:meth:`_evict_one`).
+        """
+        if not _device_leaf(node) or node.id in self._waiting:
+            return None
+        return self._evict_one(node)
 
     def _evict_one(self, node: TreeNode) -> int | None:
         """Evict one device leaf per the write policy; return the device tokens freed now.
@@ -265,7 +283,10 @@ class Evictor:
         if node.device_pages:
             self._tiers.free_device(node.device_pages, node.id)
             node.device_pages = ()
+        parent = node.parent
         self._core.delete(node)
+        if parent is not None:
+            self.offer(parent)  # it may have just become a device leaf
 
     def _acknowledged(self, nodes: Sequence[TreeNode], event: Event) -> None:
         """Evict the write-back leaves whose backup was just acknowledged."""
@@ -338,27 +359,25 @@ class Evictor:
         The ``spare`` nodes are kept (a prefetch's anchor while its host slots
         are allocated, before the fetching child protects it).
         """
-        if spare:
-            kept = self._spared
-            self._spared = kept | {n.id for n in spare}
-            try:
-                return self.evict_host(num_tokens)
-            finally:
-                self._spared = kept
-        freed, held = 0, []
-        nodes = self._core.tree.nodes
-        while freed < num_tokens:
-            node = self._host_leaves.pop(nodes)
-            if node is None:
-                break
-            if not self._host_leaf(node):
-                held.append(node)  # pinned, fetching or spared: a candidate again later
-                continue
-            self.evict_host_node(node)  # its host copy's going files its parent
-            freed += len(node.key)
-        for node in held:
-            self._host_leaves.push(node)
-        return freed
+        if not spare:
+            return self._evict(num_tokens, device=False)
+        kept = self._spared
+        self._spared = kept | {n.id for n in spare}
+        try:
+            return self._evict(num_tokens, device=False)
+        finally:
+            self._spared = kept
+
+    def _evict_host_leaf(self, node: TreeNode) -> int | None:
+        """Evict ``node`` if it is an evictable host leaf; return the host tokens freed.
+
+        None: it is not one (pinned, fetching, or spared). Its host copy's
+        going files its parent.
+        """
+        if not self._host_leaf(node):
+            return None
+        self.evict_host_node(node)
+        return len(node.key)
 
     def evict_host_node(self, node: TreeNode) -> None:
         """Fire ``evict_host`` on ``node``; delete it when no tier holds it any more.
