@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence, ValuesView
 
 import pytest
 import torch
@@ -460,6 +460,36 @@ class TestEviction:
         cache.unlock(lock)
         assert cache.evict(100) == 16
         assert {n.device for n in cache.tree} == {"absent"}
+
+    def test_a_write_the_host_cannot_take_reads_no_more_than_the_candidates(self) -> None:
+        """A full host pool of device-resident nodes' backups: a refused write walks no tree.
+
+        Under write-through the host pool fills with copies of nodes still on
+        the device, none of which can go; each backup the pool could not take
+        counted every node of the tree, on every insert (a review of the
+        eviction module). Now it reads the filed candidates only.
+        """
+        cache = make(device_pages=16, host_pages=4)
+        cache.insert(tokens(0, 16))
+        cache.poll()
+        assert cache.tiers.host.allocator.free_pages == 0
+        roots = cache.tree.roots
+        walked = []
+
+        class Watched(dict[Hashable, TreeNode]):
+            def values(self) -> ValuesView[TreeNode]:  # type: ignore[override]
+                walked.append("roots")
+                return super().values()
+
+        cache.tree.roots = Watched(roots)
+        try:
+            assert not cache.evictor.could_free_host(1)
+            assert cache.evictor.host_evictable() == 0
+        finally:
+            cache.tree.roots = roots
+        assert walked == []
+        assert cache.insert(tokens(100, 4)) == 0  # its backup refused, the insert done
+        assert [n.host for n in cache.tree if n.key[0] == 100] == ["unbacked"]
 
     def test_candidates_stay_within_the_tree_while_the_host_holds_the_working_set(self) -> None:
         """Prompts the device takes turns holding, all of them backed: the host never evicts.

@@ -13,7 +13,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from evictions import expected_host_victims, host_evicted, unfiled_host_leaves
+from evictions import (
+    expected_host_victims,
+    host_evictable,
+    host_evicted,
+    unfiled_host_leaves,
+)
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -134,6 +139,15 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def every_host_leaf_is_a_candidate(self) -> None:
         assert unfiled_host_leaves(self.cache) == []
+
+    @invariant()
+    def could_free_host_answers_what_a_walk_does(self) -> None:
+        evictor = self.cache.evictor
+        free = self.cache.tiers.host.allocator.free_pages
+        evictable = host_evictable(self.cache)
+        assert evictor.host_evictable() == evictable
+        for pages in range(14):
+            assert evictor.could_free_host(pages) == (free + evictable >= pages), pages
 
     @invariant()
     def nothing_waits_without_its_copy(self) -> None:

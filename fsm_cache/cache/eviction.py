@@ -312,46 +312,63 @@ class Evictor:
             and not any(c.host in HOST_HELD for c in node.children.values())
         )
 
-    def host_evictable(self, spare: Sequence[TreeNode] = ()) -> int:
+    def host_evictable(self, spare: Sequence[TreeNode] = (), need: int | None = None) -> int:
         """Return the host pages :meth:`evict_host` would free if asked for everything.
 
         Exactly: a node goes once every child holding a host copy has gone, so
         a node counts when it is a host-only copy, not spared, and every such
         child counts. Lets a caller refuse before evicting anything.
+
+        Every host leaf is filed as a candidate, so the count starts from the
+        filed leaves that could go and climbs to a parent once each of its
+        children holding a host copy went: it costs the candidates and the
+        nodes that could go, never the tree (whose device-resident nodes'
+        host copies, under write-through most of the host pool, could not).
+
+        Args:
+            spare: Nodes kept besides those already spared.
+            need: Stop counting once this many pages were found (None: count them all).
         """
         spared = self._spared | {n.id for n in spare}
-        order = [c for root in self._core.tree.roots.values() for c in root.children.values()]
-        for node in order:  # preorder, extended as it goes; walked back below: children first
-            order.extend(node.children.values())
-        goes: set[int] = set()
+        nodes = self._core.tree.nodes
+        left: dict[int, int] = {}  # children holding a host copy not yet gone, per parent reached
+        seen: set[int] = set()
         total = 0
-        for node in reversed(order):
-            if node.id in spared or node.host != "backed" or node.device != "absent":
-                continue
-            if all(c.id in goes for c in node.children.values() if c.host in HOST_HELD):
-                goes.add(node.id)
-                total += len(node.host_pages)
+        for node in self._host_leaves.candidates():
+            if node.id in seen or nodes.get(node.id) is not node:
+                continue  # counted, or a stale entry
+            if any(c.host in HOST_HELD for c in node.children.values()):
+                continue  # not a leaf: counted, if it goes, from its children
+            walk: TreeNode | None = node
+            while (
+                walk is not None
+                and walk.id not in spared
+                and walk.host == "backed"
+                and walk.device == "absent"
+            ):
+                seen.add(walk.id)
+                total += len(walk.host_pages)
+                if need is not None and total >= need:
+                    return total
+                parent = walk.parent
+                if parent is None or parent.parent is None:
+                    break  # a namespace root holds no host copy to free
+                count = left.get(parent.id)
+                if count is None:
+                    count = sum(1 for c in parent.children.values() if c.host in HOST_HELD)
+                left[parent.id] = count - 1
+                walk = parent if count == 1 else None  # the last of them went
         return total
 
     def could_free_host(self, pages: int, spare: Sequence[TreeNode] = ()) -> bool:
         """Whether ``pages`` host pages could be free after :meth:`evict_host`, counting the free.
 
         An allocation asks before it evicts: one that no eviction can satisfy
-        is refused with nothing evicted (check, then act). Host leaves filed
-        as candidates that already hold enough answer it without walking the
-        tree; only a shortfall among them counts every node that could go.
+        is refused with nothing evicted (check, then act). It counts only
+        until enough are found (:meth:`host_evictable`).
         """
         short = pages - self._tiers.host.allocator.free_pages
-        if short <= 0:
-            return True
-        spared = self._spared | {n.id for n in spare}
-
-        def evictable(node: TreeNode) -> int:
-            return len(node.host_pages) if node.id not in spared and self._host_leaf(node) else 0
-
-        if self._host_leaves.hold(self._core.tree.nodes, short, evictable):
-            return True
-        return self.host_evictable(spare) >= short
+        return short <= 0 or self.host_evictable(spare, short) >= short
 
     def evict_host(self, num_tokens: int, spare: Sequence[TreeNode] = ()) -> int:
         """Evict least recently used unpinned host-only leaves, deleting each; return tokens freed.
