@@ -85,6 +85,10 @@ class CacheMachine(RuleBasedStateMachine):
         result = self.cache.match_prefix(seq)
         longest = max((_common(seq, key) for key in self.inserted), default=0)
         assert result.device_len + result.host_len <= longest
+        # what a caller reads: the matched pages hold exactly those tokens' KV
+        layout = self.cache.tiers.device.layout
+        matched = self.cache.tiers.read_device(result.device_pages)
+        assert torch.equal(matched, synthetic_kv(layout, seq[: result.device_len]))
 
     @rule(data=st.data())
     def lock(self, data: st.DataObject) -> None:
@@ -172,7 +176,11 @@ class CacheMachine(RuleBasedStateMachine):
         # the log rebuilds the same tree on copies that finish at once, in order, and never fail
         rebuilt = replay(self.cache.log, replace(self.cache.config, copier=None))
         assert _states(rebuilt) == _states(self.cache)
-        self.cache.tiers.copier.drain()
+        # every lease given back and every copy applied: nothing holds a node, nothing is stuck
+        self.cache.close()
+        held = [n for n in self.cache.tree if n.locks or n.pins]
+        stuck = [n for n in self.cache.tree if n.host == "writing" or n.device == "loading"]
+        assert (held, stuck, self.cache.evictor.waiting()) == ([], [], frozenset())
 
 
 def _states(cache: HiCache) -> list[tuple[int, str]]:
