@@ -404,6 +404,7 @@ class Evictor:
 
         Raises:
             IllegalTransition: The spec refuses the eviction; nothing changed.
+            EffectFailed: A copy still reads or writes its host pages; nothing changed.
         """
         self._core.fire(node, "evict_host")
         if node.device == "absent" and not node.children:
