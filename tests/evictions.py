@@ -8,7 +8,7 @@ random-operation tests to compare.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.tree import TreeNode
@@ -73,3 +73,21 @@ def host_evicted(cache: HiCache, before: Mapping[int, str]) -> set[int]:
         for ident, host in before.items()
         if host in HOST_HELD and (ident not in nodes or nodes[ident].host not in HOST_HELD)
     }
+
+
+def host_evictable(cache: HiCache, spare: Collection[TreeNode] = ()) -> int:
+    """The host pages ``cache.evict_host`` frees if asked for everything, by a walk of the tree.
+
+    A node goes once every child holding a host copy has gone: it counts
+    when it is a backed, host-only copy, not spared, and every such child counts.
+    """
+    spared = {n.id for n in spare}
+    goes: set[int] = set()
+    total = 0
+    for node in reversed(list(cache.tree)):  # children before parents
+        if node.id in spared or node.host != "backed" or node.device != "absent":
+            continue
+        if all(c.id in goes for c in node.children.values() if c.host in HOST_HELD):
+            goes.add(node.id)
+            total += len(node.host_pages)
+    return total

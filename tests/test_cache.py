@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence, ValuesView
 
 import pytest
 import torch
@@ -407,6 +407,89 @@ class TestEviction:
         assert cache.evict_host(8) == 8
         assert list(cache.tree) == []
         assert cache.tiers.host.allocator.free_pages == 32
+
+    def test_a_refused_host_eviction_leaves_every_candidate_filed(self) -> None:
+        """A leaf whose host pages a copy still reads refuses; the leaves popped before stay filed.
+
+        The pinned leaf, popped first and passed over, and the busy one were
+        both left unfiled by the raise, so host eviction never saw them again.
+        """
+        cache = make()
+        cache.insert(tokens(0, 8))
+        cache.insert(tokens(100, 8))
+        cache.poll()
+        older, newer = sorted(cache.tree, key=lambda n: n.last_access)
+        assert cache.evict(16) == 16
+        pin = cache.pin(older)
+        free = cache.tiers.device.allocator.free_list[:2]
+        cache.tiers.copier.start_load(newer.host_pages, free)  # a copy the cache did not start
+        with pytest.raises(EffectFailed) as caught:
+            cache.evict_host(100)
+        assert str(caught.value) == (
+            f"node {newer.id}: effect free_host of evict_host failed:"
+            f" host pages of node {newer.id} are still being copied"
+        )
+        assert (older.residency(), newer.residency()) == (
+            "pinned/absent (pins=1, locks=0)",
+            "backed/absent (pins=0, locks=0)",
+        )
+        assert unfiled_host_leaves(cache) == []
+        cache.tiers.copier.drain()
+        pin.release()
+        assert cache.evict_host(100) == 16
+        assert list(cache.tree) == []
+
+    def test_a_refused_device_eviction_leaves_every_candidate_filed(self) -> None:
+        """A leaf whose device pages a copy still reads refuses; the leaves popped before stay filed."""
+        cache = make()
+        cache.insert(tokens(0, 8))
+        cache.insert(tokens(100, 8))
+        cache.poll()
+        older, newer = sorted(cache.tree, key=lambda n: n.last_access)
+        lock = cache.lock(older)
+        free = cache.tiers.host.allocator.free_list[:2]
+        cache.tiers.copier.start_write(newer.device_pages, free)  # a copy the cache did not start
+        with pytest.raises(EffectFailed) as caught:
+            cache.evict(100)
+        assert str(caught.value) == (
+            f"node {newer.id}: effect free_device of evict_device failed:"
+            f" device pages of node {newer.id} are still being copied"
+        )
+        assert cache.evictor.filed()[0] == 2
+        cache.tiers.copier.drain()
+        cache.unlock(lock)
+        assert cache.evict(100) == 16
+        assert {n.device for n in cache.tree} == {"absent"}
+
+    def test_a_write_the_host_cannot_take_reads_no_more_than_the_candidates(self) -> None:
+        """A full host pool of device-resident nodes' backups: a refused write walks no tree.
+
+        Under write-through the host pool fills with copies of nodes still on
+        the device, none of which can go; each backup the pool could not take
+        counted every node of the tree, on every insert (a review of the
+        eviction module). Now it reads the filed candidates only.
+        """
+        cache = make(device_pages=16, host_pages=4)
+        cache.insert(tokens(0, 16))
+        cache.poll()
+        assert cache.tiers.host.allocator.free_pages == 0
+        roots = cache.tree.roots
+        walked = []
+
+        class Watched(dict[Hashable, TreeNode]):
+            def values(self) -> ValuesView[TreeNode]:  # type: ignore[override]
+                walked.append("roots")
+                return super().values()
+
+        cache.tree.roots = Watched(roots)
+        try:
+            assert not cache.evictor.could_free_host(1)
+            assert cache.evictor.host_evictable() == 0
+        finally:
+            cache.tree.roots = roots
+        assert walked == []
+        assert cache.insert(tokens(100, 4)) == 0  # its backup refused, the insert done
+        assert [n.host for n in cache.tree if n.key[0] == 100] == ["unbacked"]
 
     def test_candidates_stay_within_the_tree_while_the_host_holds_the_working_set(self) -> None:
         """Prompts the device takes turns holding, all of them backed: the host never evicts.

@@ -13,7 +13,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from evictions import expected_host_victims, host_evicted, unfiled_host_leaves
+from evictions import (
+    expected_host_victims,
+    host_evictable,
+    host_evicted,
+    unfiled_host_leaves,
+)
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -80,6 +85,10 @@ class CacheMachine(RuleBasedStateMachine):
         result = self.cache.match_prefix(seq)
         longest = max((_common(seq, key) for key in self.inserted), default=0)
         assert result.device_len + result.host_len <= longest
+        # what a caller reads: the matched pages hold exactly those tokens' KV
+        layout = self.cache.tiers.device.layout
+        matched = self.cache.tiers.read_device(result.device_pages)
+        assert torch.equal(matched, synthetic_kv(layout, seq[: result.device_len]))
 
     @rule(data=st.data())
     def lock(self, data: st.DataObject) -> None:
@@ -136,6 +145,15 @@ class CacheMachine(RuleBasedStateMachine):
         assert unfiled_host_leaves(self.cache) == []
 
     @invariant()
+    def could_free_host_answers_what_a_walk_does(self) -> None:
+        evictor = self.cache.evictor
+        free = self.cache.tiers.host.allocator.free_pages
+        evictable = host_evictable(self.cache)
+        assert evictor.host_evictable() == evictable
+        for pages in range(14):
+            assert evictor.could_free_host(pages) == (free + evictable >= pages), pages
+
+    @invariant()
     def nothing_waits_without_its_copy(self) -> None:
         assert self.cache.transfers.queued() == 0
 
@@ -158,7 +176,11 @@ class CacheMachine(RuleBasedStateMachine):
         # the log rebuilds the same tree on copies that finish at once, in order, and never fail
         rebuilt = replay(self.cache.log, replace(self.cache.config, copier=None))
         assert _states(rebuilt) == _states(self.cache)
-        self.cache.tiers.copier.drain()
+        # every lease given back and every copy applied: nothing holds a node, nothing is stuck
+        self.cache.close()
+        held = [n for n in self.cache.tree if n.locks or n.pins]
+        stuck = [n for n in self.cache.tree if n.host == "writing" or n.device == "loading"]
+        assert (held, stuck, self.cache.evictor.waiting()) == ([], [], frozenset())
 
 
 def _states(cache: HiCache) -> list[tuple[int, str]]:

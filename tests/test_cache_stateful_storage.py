@@ -21,7 +21,12 @@ from pathlib import Path
 import fakeredis
 import torch
 import torch.distributed as dist
-from evictions import expected_host_victims, host_evicted, unfiled_host_leaves
+from evictions import (
+    expected_host_victims,
+    host_evictable,
+    host_evicted,
+    unfiled_host_leaves,
+)
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -288,7 +293,8 @@ class StorageCacheMachine(RuleBasedStateMachine):
         evictor = self.cache.evictor
         free = self.cache.tiers.host.allocator.free_pages
         for spare in [(), *((n,) for n in self.cache.tree)]:
-            evictable = evictor.host_evictable(spare)
+            evictable = host_evictable(self.cache, spare)
+            assert evictor.host_evictable(spare) == evictable, spare
             for pages in range(HOST_PAGES + 2):
                 answer = evictor.could_free_host(pages, spare)
                 assert answer == (free + evictable >= pages), (pages, spare)

@@ -215,26 +215,44 @@ class Evictor:
 
     def evict_device(self, num_tokens: int) -> int:
         """Evict least recently used unlocked device leaves until ``num_tokens`` are freed."""
+        return self._evict(num_tokens, device=True)
+
+    def _evict(self, num_tokens: int, *, device: bool) -> int:
+        """Evict the least recently used leaves of a tier until ``num_tokens`` are freed.
+
+        Leaves are popped from the tier's candidates; one that cannot go now
+        (locked, pinned, loading, being written, spared, or no host room for
+        its write-back) is filed again once the loop ends, and so is the leaf
+        whose eviction raised: a refusal leaves no candidate unfiled, or it
+        would never be evicted.
+        """
+        leaves = self._leaves if device else self._host_leaves
         freed, held = 0, []
         nodes = self._core.tree.nodes
-        while freed < num_tokens:
-            node = self._leaves.pop(nodes)
-            if node is None:
-                break
-            if not _device_leaf(node) or node.id in self._waiting:
-                held.append(node)  # locked, loading or being written: a candidate again later
-                continue
-            parent = node.parent
-            tokens = self._evict_one(node)
-            if tokens is None:
-                held.append(node)  # no host room for its write-back: a candidate again later
-                continue
-            freed += tokens
-            if parent is not None and parent.parent is not None:
-                self._leaves.push(parent)
-        for node in held:
-            self._leaves.push(node)
+        try:
+            while freed < num_tokens:
+                node = leaves.pop(nodes)
+                if node is None:
+                    break
+                held.append(node)  # until it is gone
+                tokens = self._evict_device_leaf(node) if device else self._evict_host_leaf(node)
+                if tokens is not None:
+                    held.pop()
+                    freed += tokens
+        finally:
+            for node in held:
+                leaves.push(node)
         return freed
+
+    def _evict_device_leaf(self, node: TreeNode) -> int | None:
+        """Evict ``node`` if it is an evictable device leaf; return the device tokens freed now.
+
+        None: it is not one (locked, loading, being written, or its write-back
+        eviction waits for its backup), or it cannot go yet (:meth:`_evict_one`).
+        """
+        if not _device_leaf(node) or node.id in self._waiting:
+            return None
+        return self._evict_one(node)
 
     def _evict_one(self, node: TreeNode) -> int | None:
         """Evict one device leaf per the write policy; return the device tokens freed now.
@@ -265,7 +283,10 @@ class Evictor:
         if node.device_pages:
             self._tiers.free_device(node.device_pages, node.id)
             node.device_pages = ()
+        parent = node.parent
         self._core.delete(node)
+        if parent is not None:
+            self.offer(parent)  # it may have just become a device leaf
 
     def _acknowledged(self, nodes: Sequence[TreeNode], event: Event) -> None:
         """Evict the write-back leaves whose backup was just acknowledged."""
@@ -291,46 +312,63 @@ class Evictor:
             and not any(c.host in HOST_HELD for c in node.children.values())
         )
 
-    def host_evictable(self, spare: Sequence[TreeNode] = ()) -> int:
+    def host_evictable(self, spare: Sequence[TreeNode] = (), need: int | None = None) -> int:
         """Return the host pages :meth:`evict_host` would free if asked for everything.
 
         Exactly: a node goes once every child holding a host copy has gone, so
         a node counts when it is a host-only copy, not spared, and every such
         child counts. Lets a caller refuse before evicting anything.
+
+        Every host leaf is filed as a candidate, so the count starts from the
+        filed leaves that could go and climbs to a parent once each of its
+        children holding a host copy went: it costs the candidates and the
+        nodes that could go, never the tree (whose device-resident nodes'
+        host copies, under write-through most of the host pool, could not).
+
+        Args:
+            spare: Nodes kept besides those already spared.
+            need: Stop counting once this many pages were found (None: count them all).
         """
         spared = self._spared | {n.id for n in spare}
-        order = [c for root in self._core.tree.roots.values() for c in root.children.values()]
-        for node in order:  # preorder, extended as it goes; walked back below: children first
-            order.extend(node.children.values())
-        goes: set[int] = set()
+        nodes = self._core.tree.nodes
+        left: dict[int, int] = {}  # children holding a host copy not yet gone, per parent reached
+        seen: set[int] = set()
         total = 0
-        for node in reversed(order):
-            if node.id in spared or node.host != "backed" or node.device != "absent":
-                continue
-            if all(c.id in goes for c in node.children.values() if c.host in HOST_HELD):
-                goes.add(node.id)
-                total += len(node.host_pages)
+        for node in self._host_leaves.candidates():
+            if node.id in seen or nodes.get(node.id) is not node:
+                continue  # counted, or a stale entry
+            if any(c.host in HOST_HELD for c in node.children.values()):
+                continue  # not a leaf: counted, if it goes, from its children
+            walk: TreeNode | None = node
+            while (
+                walk is not None
+                and walk.id not in spared
+                and walk.host == "backed"
+                and walk.device == "absent"
+            ):
+                seen.add(walk.id)
+                total += len(walk.host_pages)
+                if need is not None and total >= need:
+                    return total
+                parent = walk.parent
+                if parent is None or parent.parent is None:
+                    break  # a namespace root holds no host copy to free
+                count = left.get(parent.id)
+                if count is None:
+                    count = sum(1 for c in parent.children.values() if c.host in HOST_HELD)
+                left[parent.id] = count - 1
+                walk = parent if count == 1 else None  # the last of them went
         return total
 
     def could_free_host(self, pages: int, spare: Sequence[TreeNode] = ()) -> bool:
         """Whether ``pages`` host pages could be free after :meth:`evict_host`, counting the free.
 
         An allocation asks before it evicts: one that no eviction can satisfy
-        is refused with nothing evicted (check, then act). Host leaves filed
-        as candidates that already hold enough answer it without walking the
-        tree; only a shortfall among them counts every node that could go.
+        is refused with nothing evicted (check, then act). It counts only
+        until enough are found (:meth:`host_evictable`).
         """
         short = pages - self._tiers.host.allocator.free_pages
-        if short <= 0:
-            return True
-        spared = self._spared | {n.id for n in spare}
-
-        def evictable(node: TreeNode) -> int:
-            return len(node.host_pages) if node.id not in spared and self._host_leaf(node) else 0
-
-        if self._host_leaves.hold(self._core.tree.nodes, short, evictable):
-            return True
-        return self.host_evictable(spare) >= short
+        return short <= 0 or self.host_evictable(spare, short) >= short
 
     def evict_host(self, num_tokens: int, spare: Sequence[TreeNode] = ()) -> int:
         """Evict least recently used unpinned host-only leaves, deleting each; return tokens freed.
@@ -338,27 +376,25 @@ class Evictor:
         The ``spare`` nodes are kept (a prefetch's anchor while its host slots
         are allocated, before the fetching child protects it).
         """
-        if spare:
-            kept = self._spared
-            self._spared = kept | {n.id for n in spare}
-            try:
-                return self.evict_host(num_tokens)
-            finally:
-                self._spared = kept
-        freed, held = 0, []
-        nodes = self._core.tree.nodes
-        while freed < num_tokens:
-            node = self._host_leaves.pop(nodes)
-            if node is None:
-                break
-            if not self._host_leaf(node):
-                held.append(node)  # pinned, fetching or spared: a candidate again later
-                continue
-            self.evict_host_node(node)  # its host copy's going files its parent
-            freed += len(node.key)
-        for node in held:
-            self._host_leaves.push(node)
-        return freed
+        if not spare:
+            return self._evict(num_tokens, device=False)
+        kept = self._spared
+        self._spared = kept | {n.id for n in spare}
+        try:
+            return self._evict(num_tokens, device=False)
+        finally:
+            self._spared = kept
+
+    def _evict_host_leaf(self, node: TreeNode) -> int | None:
+        """Evict ``node`` if it is an evictable host leaf; return the host tokens freed.
+
+        None: it is not one (pinned, fetching, or spared). Its host copy's
+        going files its parent.
+        """
+        if not self._host_leaf(node):
+            return None
+        self.evict_host_node(node)
+        return len(node.key)
 
     def evict_host_node(self, node: TreeNode) -> None:
         """Fire ``evict_host`` on ``node``; delete it when no tier holds it any more.
@@ -368,6 +404,7 @@ class Evictor:
 
         Raises:
             IllegalTransition: The spec refuses the eviction; nothing changed.
+            EffectFailed: A copy still reads or writes its host pages; nothing changed.
         """
         self._core.fire(node, "evict_host")
         if node.device == "absent" and not node.children:
