@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 import tempfile
 import time
@@ -220,6 +221,19 @@ def check_targets(targets: Sequence[str]) -> None:
         raise SpecError(list(dict.fromkeys(problems)))
 
 
+def once(targets: Sequence[str]) -> list[str]:
+    """Return ``targets`` in order, each once: a file named twice, in any spelling, is verified once.
+
+    A repeat would be verified again (seconds to minutes of CrossHair) for
+    the same rows; files are compared by where they are, names as given.
+    """
+    seen: dict[str, str] = {}
+    for target in targets:
+        key = os.path.realpath(target) if target.endswith((".toml", ".py")) else target
+        seen.setdefault(key, target)
+    return list(seen.values())
+
+
 def verify_target(target: str, options: Options, workdir: Path) -> list[Row]:
     """Verify one command-line target: a spec file, a module file or a module name."""
     if target.endswith(".toml"):
@@ -305,16 +319,24 @@ def handle(args: argparse.Namespace) -> int:
 
     Raises:
         BadArgument: ``--jobs`` is out of the range pyproject's ``jobs`` may
-            take (1 to 256); nothing is read or run.
+            take (1 to 256), or ``--no-controls`` is given with targets (the
+            controls run only without); nothing is read or run.
         SpecError: pyproject's settings are bad, or a target does not load.
     """
+    if args.no_controls and args.targets:
+        msg = (
+            "verify: --no-controls skips the negative controls, which run only without "
+            "SPEC_OR_MODULE arguments; this run has none to skip"
+        )
+        raise BadArgument(msg)
     problem = "" if args.jobs is None else out_of_range("jobs", args.jobs)
     if problem:
         raise BadArgument(f"--jobs: {problem}")
     options = load_options()
     if args.jobs is not None:
         options = dataclasses.replace(options, jobs=args.jobs)
-    result = run(args.targets, options, with_controls=not args.targets and not args.no_controls)
+    targets = once(args.targets)
+    result = run(targets, options, with_controls=not targets and not args.no_controls)
     if args.json:
         print(json.dumps({**result, "rows": [r.as_dict() for r in result["rows"]]}, indent=2))
     else:
@@ -343,7 +365,11 @@ def register(subparsers: Any) -> None:
         default=None,
         help="CrossHair processes in parallel, 1 to 256 (default: pyproject's jobs, else 2)",
     )
-    parser.add_argument("--no-controls", action="store_true", help="skip the negative controls")
+    parser.add_argument(
+        "--no-controls",
+        action="store_true",
+        help="skip the negative controls (they run only without SPEC_OR_MODULE)",
+    )
     parser.set_defaults(handler=handle)
 
 
