@@ -5,7 +5,8 @@ audit``, ``python -m fsm_cache audit`` and ``python -m fsm_cache.audit`` end the
 same way: bad input (any :class:`~fsm_cache.errors.FsmCacheError`, and OSError
 for unreadable files) becomes ``error: ...`` lines and exit 2, never a
 traceback; Ctrl-C one line and :data:`INTERRUPTED`; a reader that leaves early
-(``... | head -1``) a quiet :data:`OUTPUT_CLOSED`. It sits below every layer
+(``... | head -1``) a quiet :data:`OUTPUT_CLOSED`; a stdout that cannot be written
+(``> /dev/full``) one ``error: cannot write to stdout`` line and exit 2. It sits below every layer
 that has a command (the CLI imports the audit, never the reverse), with the
 argparse types their path arguments share (:func:`path_text`, :func:`path_argument`).
 """
@@ -83,9 +84,24 @@ def run_command(command: Callable[[], int]) -> int:
             return _report(["interrupted"], INTERRUPTED)
         except SpecError as exc:
             return _report([f"error: {problem}" for problem in exc.problems], 2)
-        except (FsmCacheError, OSError) as exc:
+        except FsmCacheError as exc:
             return _report([f"error: {exc}"], 2)
+        except OSError as exc:
+            return _report([f"error: {_unwritten(exc)}"], 2)
         return status
+
+
+def _unwritten(exc: OSError) -> str:
+    """Return what ``exc`` says, naming stdout when it is stdout that cannot be written.
+
+    A full disk or ``> /dev/full`` fails stdout's flush: the text still
+    buffered would fail again in the interpreter's flush at exit
+    (``Exception ignored ... OSError``, exit 120), so it is dropped
+    (:func:`_drop_stdout`), and an error naming no file is stdout's.
+    """
+    if _drop_stdout() and exc.filename is None:
+        return f"cannot write to stdout: {exc.strerror or exc}"
+    return str(exc)
 
 
 @contextlib.contextmanager
@@ -127,11 +143,21 @@ def _report(lines: Iterable[str], status: int) -> int:
 def _output_closed() -> int:
     """Return :data:`OUTPUT_CLOSED`, with stdout's unwritten text dropped if its reader has gone.
 
-    Text still buffered for a closed stdout would fail again in the
-    interpreter's flush at exit (``Exception ignored ... BrokenPipeError``,
-    exit 120), so stdout's descriptor is pointed at the null device, as the
-    Python documentation's note on SIGPIPE does. Where stdout can still be
-    flushed, only stderr has gone and stdout's text is kept.
+    Where stdout can still be flushed, only stderr has gone and stdout's
+    text is kept (:func:`_drop_stdout`).
+    """
+    _drop_stdout()
+    return OUTPUT_CLOSED
+
+
+def _drop_stdout() -> bool:
+    """Drop stdout's unwritten text if it cannot be flushed; return whether it could not.
+
+    Text still buffered for a stdout that cannot take it (a reader that has
+    gone, a full disk) would fail again in the interpreter's flush at exit
+    (``Exception ignored ... BrokenPipeError``, exit 120), so stdout's
+    descriptor is pointed at the null device, as the Python documentation's
+    note on SIGPIPE does.
     """
     try:
         sys.stdout.flush()
@@ -139,11 +165,12 @@ def _output_closed() -> int:
         try:
             null = os.open(os.devnull, os.O_WRONLY)
         except OSError:
-            return OUTPUT_CLOSED
+            return True
         try:
             os.dup2(null, sys.stdout.fileno())
         except (OSError, ValueError):  # no descriptor (a stream in memory): nothing flushes it
             pass
         finally:
             os.close(null)
-    return OUTPUT_CLOSED
+        return True
+    return False
