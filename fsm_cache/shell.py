@@ -8,7 +8,8 @@ traceback; Ctrl-C one line and :data:`INTERRUPTED`; a reader that leaves early
 (``... | head -1``) a quiet :data:`OUTPUT_CLOSED`; a stdout that cannot be written
 (``> /dev/full``) one ``error: cannot write to stdout`` line and exit 2. It sits below every layer
 that has a command (the CLI imports the audit, never the reverse), with the
-argparse types their path arguments share (:func:`path_text`, :func:`path_argument`).
+argparse types their path arguments share (:func:`path_text`, :func:`path_argument`)
+and how they drop a file named twice (:func:`named_once`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from fsm_cache.errors import FsmCacheError, SpecError
 
@@ -35,6 +37,9 @@ ignores SIGPIPE and raises BrokenPipeError at the next write instead, which
 is no error of the input: nothing more is written, not even an ``error:`` line.
 """
 
+
+_Named = TypeVar("_Named", str, Path)
+"""A path as a command line names it: the text, or the :class:`Path` of it."""
 
 EMPTY_PATH = "an empty path names no file"
 """Why an empty path argument is refused: ``Path("")`` would be the working directory."""
@@ -62,6 +67,20 @@ def path_argument(text: str) -> Path:
         argparse.ArgumentTypeError: ``text`` is empty.
     """
     return Path(path_text(text))
+
+
+def named_once(paths: Iterable[_Named]) -> list[_Named]:
+    """Return ``paths`` in order, each once: a file named twice, in any spelling, is kept first.
+
+    A command given one file twice (``a.toml ./a.toml``, a link) would do its
+    work twice for the same answer: minutes for a check or a proof. Paths
+    are compared by where they lead, so a module name (``verify``'s dotted
+    names) is one only with itself.
+    """
+    seen: dict[str, _Named] = {}
+    for path in paths:
+        seen.setdefault(os.path.realpath(path), path)
+    return list(seen.values())
 
 
 def run_command(command: Callable[[], int]) -> int:

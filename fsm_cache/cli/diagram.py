@@ -28,7 +28,7 @@ from pathlib import Path
 
 from fsm_cache.cli.files import STDOUT, current_text, output_argument, write_files
 from fsm_cache.diagram import FORMATS, DiagramError, one_line, render
-from fsm_cache.shell import path_argument
+from fsm_cache.shell import named_once, path_argument
 from fsm_cache.spec.loader import load_spec, spec_files
 from fsm_cache.spec.shipped import shipped_spec_paths
 
@@ -149,9 +149,12 @@ def _rewrite(args: argparse.Namespace) -> str:
 def document(specs: list[Path], fmt: str, highlight: tuple[str, ...] = ()) -> str:
     """Return one ``fmt`` document of ``specs``: the rendering of one, or md sections of several.
 
+    A spec named twice, in any spelling, is drawn once.
+
     Raises:
         DiagramError: No spec, or several in a one-picture format or with a highlight.
     """
+    specs = named_once(specs)
     if not specs:
         msg = "give SPEC files to draw, or --check/--write without -o for the shipped specs"
         raise DiagramError(msg)

@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
-import os
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ from fsm_cache.contracts.generate import generate
 from fsm_cache.contracts.runner import Options, Row
 from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.numeric import whole
-from fsm_cache.shell import path_text
+from fsm_cache.shell import named_once, path_text
 from fsm_cache.spec.controls import Control, controls, load_finding, relative, render_controls
 from fsm_cache.spec.loader import load_spec, read_toml
 from fsm_cache.spec.machine import as_system
@@ -221,19 +220,6 @@ def check_targets(targets: Sequence[str]) -> None:
         raise SpecError(list(dict.fromkeys(problems)))
 
 
-def once(targets: Sequence[str]) -> list[str]:
-    """Return ``targets`` in order, each once: a file named twice, in any spelling, is verified once.
-
-    A repeat would be verified again (seconds to minutes of CrossHair) for
-    the same rows; files are compared by where they are, names as given.
-    """
-    seen: dict[str, str] = {}
-    for target in targets:
-        key = os.path.realpath(target) if target.endswith((".toml", ".py")) else target
-        seen.setdefault(key, target)
-    return list(seen.values())
-
-
 def verify_target(target: str, options: Options, workdir: Path) -> list[Row]:
     """Verify one command-line target: a spec file, a module file or a module name."""
     if target.endswith(".toml"):
@@ -335,7 +321,7 @@ def handle(args: argparse.Namespace) -> int:
     options = load_options()
     if args.jobs is not None:
         options = dataclasses.replace(options, jobs=args.jobs)
-    targets = once(args.targets)
+    targets = named_once(args.targets)
     result = run(targets, options, with_controls=not targets and not args.no_controls)
     if args.json:
         print(json.dumps({**result, "rows": [r.as_dict() for r in result["rows"]]}, indent=2))

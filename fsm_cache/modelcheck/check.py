@@ -53,7 +53,7 @@ from fsm_cache.modelcheck.progress import PLAIN_EVERY, progress
 from fsm_cache.modelcheck.state import Layout, Nodes, reference_states
 from fsm_cache.numeric import whole
 from fsm_cache.policy import WritePolicy
-from fsm_cache.shell import path_text
+from fsm_cache.shell import named_once, path_text
 from fsm_cache.spec.controls import Control, controls, load_finding, render_controls
 from fsm_cache.spec.loader import load_spec, unreadable
 from fsm_cache.spec.machine import as_system, comparisons
@@ -404,10 +404,7 @@ def targets(args: argparse.Namespace) -> list[Target]:
         return Target(path, policy, nodes if most is None else min(nodes, most), locks)
 
     if args.specs:
-        named: dict[str, Path] = {}
-        for given in args.specs:  # a spec named twice, in any spelling, is checked once
-            named.setdefault(os.path.realpath(given), Path(given))
-        return [target(p, args.policy or "none") for p in named.values()]
+        return [target(Path(p), args.policy or "none") for p in named_once(args.specs)]
     shipped = shipped_spec_paths()
     residency = [p for p in shipped if Layout.of(as_system(load_spec(p))).residency]
     if args.policy is not None:
