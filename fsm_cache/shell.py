@@ -5,11 +5,12 @@ audit``, ``python -m fsm_cache audit`` and ``python -m fsm_cache.audit`` end the
 same way: bad input (any :class:`~fsm_cache.errors.FsmCacheError`, and OSError
 for unreadable files) becomes ``error: ...`` lines and exit 2, never a
 traceback; Ctrl-C one line and :data:`INTERRUPTED`; a reader that leaves early
-(``... | head -1``) a quiet :data:`OUTPUT_CLOSED`; a stdout that cannot be written
-(``> /dev/full``) one ``error: cannot write to stdout`` line and exit 2. It sits below every layer
-that has a command (the CLI imports the audit, never the reverse), with the
-argparse types their path arguments share (:func:`path_text`, :func:`path_argument`)
-and how they drop a file named twice (:func:`named_once`).
+(``... | head -1``) a quiet :data:`OUTPUT_CLOSED`; a stdout that cannot be
+written (``> /dev/full``) one ``error: cannot write to stdout`` line and exit
+2. It sits below every layer that has a command (the CLI imports the audit,
+never the reverse), with the argparse types their path arguments share
+(:func:`path_text`, :func:`path_argument`) and how they drop a file named
+twice (:func:`named_once`).
 """
 
 from __future__ import annotations

@@ -39,10 +39,11 @@ SET_SUFFIXES = {"mermaid": ".mmd", "dot": ".dot", "md": ".md"}
 # Formats whose documents can hold several specs; the others are one picture each.
 SECTIONED = ("md",)
 EPILOG = """\
-One document goes to stdout, or to PATH with -o (-o - is stdout). A mermaid, dot or svg document
-draws one SPEC, so several SPECs are refused there: draw them one at a time, or
---write each spec's .mmd, .dot and .md files into --dir. With --format md,
-several SPECs make one Markdown document, a '## NAME' section per spec.
+One document goes to stdout, or to PATH with -o (-o - is stdout). A mermaid,
+dot or svg document draws one SPEC, so several SPECs are refused there: draw
+them one at a time, or --write each spec's .mmd, .dot and .md files into --dir.
+With --format md, several SPECs make one Markdown document, a '## NAME' section
+per spec.
 
 --highlight marks a state of one SPEC, e.g. where a node was when an error was
 reported: filled in mermaid, dot and svg; bold, and '(here)', in md's tables.

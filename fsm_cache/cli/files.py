@@ -68,7 +68,10 @@ def file_argument(text: str) -> Path:
         argparse.ArgumentTypeError: ``text`` is empty, ``-``, or names a folder.
     """
     if text == STDIO:
-        msg = f"'{STDIO}' (stdin or stdout) names no file here; give one (./{STDIO} for a file named {STDIO})"
+        msg = (
+            f"'{STDIO}' (stdin or stdout) names no file here; "
+            f"give one (./{STDIO} for a file named {STDIO})"
+        )
         raise argparse.ArgumentTypeError(msg)
     path = path_argument(text)
     if os.path.basename(text) in ("", os.curdir, os.pardir):

@@ -1,9 +1,9 @@
 """``fsm-cache types SPEC``: print, write or check the typed stub of a spec.
 
 See :mod:`fsm_cache.spec.stubs`. ``--write FILE`` writes the stub (``-``: prints
-it, as without ``--write``); ``--check FILE``
-exits 1 when FILE differs from what the spec generates now (a spec changed
-without its types), naming the file, so CI keeps the two in step.
+it, as without ``--write``); ``--check FILE`` exits 1 when FILE differs from
+what the spec generates now (a spec changed without its types), naming the
+file, so CI keeps the two in step.
 
 ``--write`` goes through :func:`fsm_cache.cli.files.write_files`, as the
 diagrams do: the stub is written beside FILE and renamed over it, so a full
