@@ -70,6 +70,15 @@ def path_argument(text: str) -> Path:
     return Path(path_text(text))
 
 
+def summary_line(doc: str | None) -> str:
+    """Return the first line of a command module's docstring as ``--help`` shows it.
+
+    The docstring is reST for the documentation site; ``--help`` prints it
+    as plain text, where the double backquotes of its literals would show.
+    """
+    return doc.splitlines()[0].replace("``", "") if doc else ""
+
+
 def named_once(paths: Iterable[_Named]) -> list[_Named]:
     """Return ``paths`` in order, each once: a file named twice, in any spelling, is kept first.
 

@@ -36,7 +36,7 @@ from fsm_cache.contracts.generate import generate
 from fsm_cache.contracts.runner import Options, Row
 from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.numeric import whole
-from fsm_cache.shell import named_once, path_text
+from fsm_cache.shell import named_once, path_text, summary_line
 from fsm_cache.spec.controls import Control, controls, load_finding, relative, render_controls
 from fsm_cache.spec.loader import load_spec, read_toml
 from fsm_cache.spec.machine import as_system
@@ -335,7 +335,7 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "verify",
         help="prove the contracts of specs with CrossHair",
-        description=__doc__.splitlines()[0],
+        description=summary_line(__doc__),
     )
     parser.add_argument(
         "targets",

@@ -53,7 +53,7 @@ from fsm_cache.modelcheck.progress import PLAIN_EVERY, progress
 from fsm_cache.modelcheck.state import Layout, Nodes, reference_states
 from fsm_cache.numeric import whole
 from fsm_cache.policy import WritePolicy
-from fsm_cache.shell import named_once, path_text
+from fsm_cache.shell import named_once, path_text, summary_line
 from fsm_cache.spec.controls import Control, controls, load_finding, render_controls
 from fsm_cache.spec.loader import load_spec, unreadable
 from fsm_cache.spec.machine import as_system, comparisons
@@ -594,7 +594,7 @@ def handle(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     """Add the ``check`` subcommand."""
     parser = subparsers.add_parser(
-        "check", help="model-check specs on a small tree", description=__doc__.splitlines()[0]
+        "check", help="model-check specs on a small tree", description=summary_line(__doc__)
     )
     parser.add_argument(
         "specs",
