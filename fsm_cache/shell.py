@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import TextIO, TypeVar
 
 from fsm_cache.errors import FsmCacheError, SpecError
 
@@ -117,6 +117,9 @@ def run_command(command: Callable[[], int]) -> int:
             return _report([f"error: {exc}"], 2)
         except OSError as exc:
             return _report([f"error: {_unwritten(exc)}"], 2)
+        except SystemExit:  # argparse's usage error: its lines may not fit in stderr either
+            _drop(sys.stderr)
+            raise
         return status
 
 
@@ -126,9 +129,9 @@ def _unwritten(exc: OSError) -> str:
     A full disk or ``> /dev/full`` fails stdout's flush: the text still
     buffered would fail again in the interpreter's flush at exit
     (``Exception ignored ... OSError``, exit 120), so it is dropped
-    (:func:`_drop_stdout`), and an error naming no file is stdout's.
+    (:func:`_drop`), and an error naming no file is stdout's.
     """
-    if _drop_stdout() and exc.filename is None:
+    if _drop(sys.stdout) and exc.filename is None:
         return f"cannot write to stdout: {exc.strerror or exc}"
     return str(exc)
 
@@ -160,12 +163,20 @@ def _escaping_output() -> Iterator[None]:
 
 
 def _report(lines: Iterable[str], status: int) -> int:
-    """Write ``lines`` to stderr and return ``status``, or :data:`OUTPUT_CLOSED` if stderr has gone."""
+    """Write ``lines`` to stderr and return ``status``, or :data:`OUTPUT_CLOSED` if stderr has gone.
+
+    A stderr that cannot take them (``2> /dev/full``) leaves ``status`` to
+    tell: the lines are dropped (:func:`_drop`), or the interpreter's flush
+    at exit would fail on them again and exit 120.
+    """
     try:
         for line in lines:
             print(line, file=sys.stderr)
+        sys.stderr.flush()
     except BrokenPipeError:
         return _output_closed()
+    except OSError:
+        _drop(sys.stderr)
     return status
 
 
@@ -173,30 +184,30 @@ def _output_closed() -> int:
     """Return :data:`OUTPUT_CLOSED`, with stdout's unwritten text dropped if its reader has gone.
 
     Where stdout can still be flushed, only stderr has gone and stdout's
-    text is kept (:func:`_drop_stdout`).
+    text is kept (:func:`_drop`).
     """
-    _drop_stdout()
+    _drop(sys.stdout)
     return OUTPUT_CLOSED
 
 
-def _drop_stdout() -> bool:
-    """Drop stdout's unwritten text if it cannot be flushed; return whether it could not.
+def _drop(stream: TextIO) -> bool:
+    """Drop the unwritten text of ``stream`` if it cannot be flushed; return whether it could not.
 
-    Text still buffered for a stdout that cannot take it (a reader that has
+    Text still buffered for a stream that cannot take it (a reader that has
     gone, a full disk) would fail again in the interpreter's flush at exit
-    (``Exception ignored ... BrokenPipeError``, exit 120), so stdout's
+    (``Exception ignored ... BrokenPipeError``, exit 120), so the stream's
     descriptor is pointed at the null device, as the Python documentation's
     note on SIGPIPE does.
     """
     try:
-        sys.stdout.flush()
+        stream.flush()
     except OSError:
         try:
             null = os.open(os.devnull, os.O_WRONLY)
         except OSError:
             return True
         try:
-            os.dup2(null, sys.stdout.fileno())
+            os.dup2(null, stream.fileno())
         except (OSError, ValueError):  # no descriptor (a stream in memory): nothing flushes it
             pass
         finally:

@@ -148,3 +148,23 @@ def test_a_full_stdout_is_one_error_naming_stdout(argv: list[str]) -> None:
         2,
         b"error: cannot write to stdout: No space left on device\n",
     )
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full to fill")
+@pytest.mark.parametrize(
+    "argv",
+    [["validate", "no-such-spec.toml"], ["types", "no-such-spec.toml"], ["check", "--nodes", "x"]],
+    ids=["validate", "types", "usage"],
+)
+def test_a_full_stderr_leaves_the_status_to_tell(argv: list[str]) -> None:
+    """``2> /dev/full`` turned exit 2 into 120: the error lines failed again in the exit's flush."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with open("/dev/full", "wb") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "fsm_cache", *argv],
+            env={**env, "FSM_CACHE_PURE": "1"},
+            stdout=subprocess.PIPE,
+            stderr=full,
+            check=False,
+        )
+    assert (done.returncode, done.stdout) == (2, b"")
