@@ -580,3 +580,26 @@ def test_a_target_named_twice_in_any_spelling_is_verified_once(
     argv = ["verify", host, verify.POOL_CONTRACTS, again, verify.POOL_CONTRACTS]
     assert main(argv) == 0
     assert verified == [host, verify.POOL_CONTRACTS]
+
+
+def test_jobs_where_crosshair_proves_no_target_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A composition of three regions is checked on every input: ``--jobs`` was dropped unsaid."""
+    given: list[int] = []
+
+    def run(targets: list[str], options: Options, with_controls: bool) -> dict[str, object]:
+        given.append(options.jobs)
+        return {"rows": [], "controls": [], "seconds": 0.0}
+
+    monkeypatch.setattr(verify, "run", run)
+    three = str(spec_dir() / "residency_storage.toml")
+    assert main(["verify", "--jobs", "3", three]) == 2
+    assert capsys.readouterr() == (
+        "",
+        "error: verify: --jobs 3 sets CrossHair's processes, and no target is proved by "
+        "CrossHair: a composition of 3 or more regions is checked on every representative "
+        f"input ({three})\n",
+    )
+    assert main(["verify", "--jobs", "3", three, str(spec_dir() / "host_residency.toml")]) == 0
+    assert given == [3]
