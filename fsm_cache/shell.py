@@ -5,9 +5,12 @@ audit``, ``python -m fsm_cache audit`` and ``python -m fsm_cache.audit`` end the
 same way: bad input (any :class:`~fsm_cache.errors.FsmCacheError`, and OSError
 for unreadable files) becomes ``error: ...`` lines and exit 2, never a
 traceback; Ctrl-C one line and :data:`INTERRUPTED`; a reader that leaves early
-(``... | head -1``) a quiet :data:`OUTPUT_CLOSED`. It sits below every layer
-that has a command (the CLI imports the audit, never the reverse), with the
-argparse types their path arguments share (:func:`path_text`, :func:`path_argument`).
+(``... | head -1``) a quiet :data:`OUTPUT_CLOSED`; a stdout that cannot be
+written (``> /dev/full``) one ``error: cannot write to stdout`` line and exit
+2. It sits below every layer that has a command (the CLI imports the audit,
+never the reverse), with the argparse types their path arguments share
+(:func:`path_text`, :func:`path_argument`) and how they drop a file named
+twice (:func:`named_once`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TextIO, TypeVar
 
 from fsm_cache.errors import FsmCacheError, SpecError
 
@@ -34,6 +38,9 @@ ignores SIGPIPE and raises BrokenPipeError at the next write instead, which
 is no error of the input: nothing more is written, not even an ``error:`` line.
 """
 
+
+_Named = TypeVar("_Named", str, Path)
+"""A path as a command line names it: the text, or the :class:`Path` of it."""
 
 EMPTY_PATH = "an empty path names no file"
 """Why an empty path argument is refused: ``Path("")`` would be the working directory."""
@@ -63,6 +70,29 @@ def path_argument(text: str) -> Path:
     return Path(path_text(text))
 
 
+def summary_line(doc: str | None) -> str:
+    """Return the first line of a command module's docstring as ``--help`` shows it.
+
+    The docstring is reST for the documentation site; ``--help`` prints it
+    as plain text, where the double backquotes of its literals would show.
+    """
+    return doc.splitlines()[0].replace("``", "") if doc else ""
+
+
+def named_once(paths: Iterable[_Named]) -> list[_Named]:
+    """Return ``paths`` in order, each once: a file named twice, in any spelling, is kept first.
+
+    A command given one file twice (``a.toml ./a.toml``, a link) would do its
+    work twice for the same answer: minutes for a check or a proof. Paths
+    are compared by where they lead, so a module name (``verify``'s dotted
+    names) is one only with itself.
+    """
+    seen: dict[str, _Named] = {}
+    for path in paths:
+        seen.setdefault(os.path.realpath(path), path)
+    return list(seen.values())
+
+
 def run_command(command: Callable[[], int]) -> int:
     """Run ``command`` and return its exit status, or the status of what it raised.
 
@@ -83,9 +113,27 @@ def run_command(command: Callable[[], int]) -> int:
             return _report(["interrupted"], INTERRUPTED)
         except SpecError as exc:
             return _report([f"error: {problem}" for problem in exc.problems], 2)
-        except (FsmCacheError, OSError) as exc:
+        except FsmCacheError as exc:
             return _report([f"error: {exc}"], 2)
+        except OSError as exc:
+            return _report([f"error: {_unwritten(exc)}"], 2)
+        except SystemExit:  # argparse's usage error: its lines may not fit in stderr either
+            _drop(sys.stderr)
+            raise
         return status
+
+
+def _unwritten(exc: OSError) -> str:
+    """Return what ``exc`` says, naming stdout when it is stdout that cannot be written.
+
+    A full disk or ``> /dev/full`` fails stdout's flush: the text still
+    buffered would fail again in the interpreter's flush at exit
+    (``Exception ignored ... OSError``, exit 120), so it is dropped
+    (:func:`_drop`), and an error naming no file is stdout's.
+    """
+    if _drop(sys.stdout) and exc.filename is None:
+        return f"cannot write to stdout: {exc.strerror or exc}"
+    return str(exc)
 
 
 @contextlib.contextmanager
@@ -115,35 +163,54 @@ def _escaping_output() -> Iterator[None]:
 
 
 def _report(lines: Iterable[str], status: int) -> int:
-    """Write ``lines`` to stderr and return ``status``, or :data:`OUTPUT_CLOSED` if stderr has gone."""
+    """Write ``lines`` to stderr and return ``status``, or :data:`OUTPUT_CLOSED` if stderr has gone.
+
+    A stderr that cannot take them (``2> /dev/full``) leaves ``status`` to
+    tell: the lines are dropped (:func:`_drop`), or the interpreter's flush
+    at exit would fail on them again and exit 120.
+    """
     try:
         for line in lines:
             print(line, file=sys.stderr)
+        sys.stderr.flush()
     except BrokenPipeError:
         return _output_closed()
+    except OSError:
+        _drop(sys.stderr)
     return status
 
 
 def _output_closed() -> int:
     """Return :data:`OUTPUT_CLOSED`, with stdout's unwritten text dropped if its reader has gone.
 
-    Text still buffered for a closed stdout would fail again in the
-    interpreter's flush at exit (``Exception ignored ... BrokenPipeError``,
-    exit 120), so stdout's descriptor is pointed at the null device, as the
-    Python documentation's note on SIGPIPE does. Where stdout can still be
-    flushed, only stderr has gone and stdout's text is kept.
+    Where stdout can still be flushed, only stderr has gone and stdout's
+    text is kept (:func:`_drop`).
+    """
+    _drop(sys.stdout)
+    return OUTPUT_CLOSED
+
+
+def _drop(stream: TextIO) -> bool:
+    """Drop the unwritten text of ``stream`` if it cannot be flushed; return whether it could not.
+
+    Text still buffered for a stream that cannot take it (a reader that has
+    gone, a full disk) would fail again in the interpreter's flush at exit
+    (``Exception ignored ... BrokenPipeError``, exit 120), so the stream's
+    descriptor is pointed at the null device, as the Python documentation's
+    note on SIGPIPE does.
     """
     try:
-        sys.stdout.flush()
+        stream.flush()
     except OSError:
         try:
             null = os.open(os.devnull, os.O_WRONLY)
         except OSError:
-            return OUTPUT_CLOSED
+            return True
         try:
-            os.dup2(null, sys.stdout.fileno())
+            os.dup2(null, stream.fileno())
         except (OSError, ValueError):  # no descriptor (a stream in memory): nothing flushes it
             pass
         finally:
             os.close(null)
-    return OUTPUT_CLOSED
+        return True
+    return False

@@ -209,8 +209,8 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[str]
     [
         (JOB, ("--max-count", "0"), ("tokens <= 0, retries <= 0", {"tokens": 0, "retries": 0})),
         (STREAM, (), ("tokens <= 2", {"tokens": 2})),
-        (KEPT, ("--max-pins", "1", "--max-count", "5"), ("pins <= 1", {"pins": 1})),
-        (PLAIN, ("--max-count", "0"), ("no counters", {})),
+        (KEPT, ("--max-pins", "1"), ("pins <= 1", {"pins": 1})),
+        (PLAIN, (), ("no counters", {})),
     ],
     ids=["other-counters", "default-count", "pins", "none"],
 )

@@ -77,6 +77,61 @@ def test_an_output_file_that_names_a_folder_is_refused(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["diagram", "{spec}", "-o", "-"],
+        ["diagram", "{spec}", "--write", "-o", "-"],
+        ["types", "{spec}", "--write", "-"],
+    ],
+)
+def test_an_output_file_of_dash_is_stdout(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    argv: list[str],
+) -> None:
+    """``diagram -o -`` wrote a file named ``-``: to most tools ``-`` is stdout."""
+    monkeypatch.chdir(tmp_path)
+    spec = str(spec_dir() / "host_residency.toml")
+    command = [a.format(spec=spec) for a in argv]
+    assert main(command[:2]) == 0
+    printed = capsys.readouterr()
+    assert main(command) == 0
+    assert capsys.readouterr() == printed
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_to_check_of_dash_is_refused(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--check -`` read a file named ``-``: stdout cannot be compared, so no ``-`` is checked."""
+    monkeypatch.chdir(tmp_path)
+    spec = str(spec_dir() / "host_residency.toml")
+    assert usage_error(capsys, "types", spec, "--check", "-") == (
+        "",
+        "fsm-cache types: error: argument --check: '-' (stdin or stdout) names no file here; "
+        "give one (./- for a file named -)",
+    )
+    assert main(["diagram", spec, "--check", "-o", "-"]) == 2
+    assert capsys.readouterr() == (
+        "",
+        "error: -o - is stdout: --check compares a file; give the file to check\n",
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_named_dash_is_spelled_dot_slash_dash(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    spec = str(spec_dir() / "host_residency.toml")
+    assert main(["types", spec, "--write", "./-"]) == 0
+    assert main(["types", spec, "--check", "./-"]) == 0
+    assert capsys.readouterr().out == "wrote -\n- matches " + spec + "\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["-"]
+
+
 def test_a_file_name_that_is_not_utf8_is_printed_escaped(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

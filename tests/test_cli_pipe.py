@@ -117,3 +117,54 @@ def test_main_returns_the_status_when_the_error_lines_cannot_be_written(
     monkeypatch.setattr(sys, "stderr", _Gone())
     assert main(["validate", str(tmp_path / "missing.toml")]) == OUTPUT_CLOSED
     assert main(["types", str(tmp_path / "missing.toml")]) == OUTPUT_CLOSED
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full to fill")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["validate", str(spec_dir() / "host_residency.toml")],
+        ["diagram", str(spec_dir() / "residency.toml")],
+        ["--help"],
+    ],
+    ids=["validate", "diagram", "help"],
+)
+def test_a_full_stdout_is_one_error_naming_stdout(argv: list[str]) -> None:
+    """``> /dev/full`` gave ``error: [Errno 28] ...``, then ``Exception ignored`` and exit 120.
+
+    The text left in stdout's buffer failed again in the interpreter's flush
+    at exit; ``--help`` failed there alone, after argparse's exit 0.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with open("/dev/full", "wb") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "fsm_cache", *argv],
+            env={**env, "FSM_CACHE_PURE": "1"},
+            stdout=full,
+            stderr=subprocess.PIPE,
+            check=False,
+        )
+    assert (done.returncode, done.stderr) == (
+        2,
+        b"error: cannot write to stdout: No space left on device\n",
+    )
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full to fill")
+@pytest.mark.parametrize(
+    "argv",
+    [["validate", "no-such-spec.toml"], ["types", "no-such-spec.toml"], ["check", "--nodes", "x"]],
+    ids=["validate", "types", "usage"],
+)
+def test_a_full_stderr_leaves_the_status_to_tell(argv: list[str]) -> None:
+    """``2> /dev/full`` turned exit 2 into 120: the error lines failed again in the exit's flush."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with open("/dev/full", "wb") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "fsm_cache", *argv],
+            env={**env, "FSM_CACHE_PURE": "1"},
+            stdout=subprocess.PIPE,
+            stderr=full,
+            check=False,
+        )
+    assert (done.returncode, done.stdout) == (2, b"")

@@ -79,3 +79,18 @@ def test_a_negative_request_count_is_refused(capsys: pytest.CaptureFixture[str])
     """``--requests -3`` is bad input: exit 2 with the reason, nothing served."""
     assert main(["demo", "--requests", "-3"]) == 2
     assert capsys.readouterr().err == "error: demo: --requests must be >= 0, got -3\n"
+
+
+def test_an_unknown_write_policy_is_a_usage_error_naming_the_option(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--policy bogus`` was named as the config's ``write_policy``, and --help listed no choice."""
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--policy", "bogus"])
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    assert (out, err.splitlines()[-1]) == (
+        "",
+        "fsm-cache demo: error: argument --policy: invalid choice: 'bogus' "
+        "(choose from 'write_through', 'write_through_selective', 'write_back')",
+    )

@@ -865,3 +865,16 @@ def test_an_empty_path_is_refused(
         f"fsm-cache diagram: error: argument {argument}: an empty path names no file",
     )
     assert sorted(p.name for p in specs.iterdir()) == ["door.toml", "doorway.toml", "lock.toml"]
+
+
+@pytest.mark.parametrize("fmt", ["mermaid", "md"])
+def test_a_spec_named_twice_in_any_spelling_is_drawn_once(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """``diagram a.toml ./a.toml`` refused mermaid as two specs, and drew md's section twice."""
+    spec = shipped_spec_paths()[0]
+    monkeypatch.chdir(spec.parent)
+    assert main(["diagram", "--format", fmt, spec.name]) == 0
+    once = capsys.readouterr()
+    assert main(["diagram", "--format", fmt, spec.name, f"./{spec.name}", str(spec)]) == 0
+    assert capsys.readouterr() == once

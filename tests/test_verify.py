@@ -544,3 +544,62 @@ def test_every_bad_target_is_reported_before_any_is_verified(
             "error: no_such.module: not a spec file, a .py file or an importable module\n",
         ),
     )
+
+
+def test_no_controls_with_targets_is_refused_where_no_control_would_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The controls run only without targets: ``--no-controls`` with some was dropped unsaid."""
+
+    def run(*_: object, **__: object) -> None:
+        raise AssertionError("verify ran though the command line is refused")
+
+    monkeypatch.setattr(verify, "run", run)
+    assert main(["verify", "--no-controls", str(spec_dir() / "host_residency.toml")]) == 2
+    assert capsys.readouterr() == (
+        "",
+        "error: verify: --no-controls skips the negative controls, which run only without "
+        "SPEC_OR_MODULE arguments; this run has none to skip\n",
+    )
+
+
+def test_a_target_named_twice_in_any_spelling_is_verified_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each repeat was verified again: seconds to minutes of CrossHair for the same rows."""
+    verified: list[str] = []
+
+    def verify_target(target: str, *_: object) -> list[Row]:
+        verified.append(target)
+        return []
+
+    monkeypatch.setattr(verify, "verify_target", verify_target)
+    monkeypatch.chdir(spec_dir())
+    host = "host_residency.toml"
+    again = f"../{spec_dir().name}/{host}"
+    argv = ["verify", host, verify.POOL_CONTRACTS, again, verify.POOL_CONTRACTS]
+    assert main(argv) == 0
+    assert verified == [host, verify.POOL_CONTRACTS]
+
+
+def test_jobs_where_crosshair_proves_no_target_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A composition of three regions is checked on every input: ``--jobs`` was dropped unsaid."""
+    given: list[int] = []
+
+    def run(targets: list[str], options: Options, with_controls: bool) -> dict[str, object]:
+        given.append(options.jobs)
+        return {"rows": [], "controls": [], "seconds": 0.0}
+
+    monkeypatch.setattr(verify, "run", run)
+    three = str(spec_dir() / "residency_storage.toml")
+    assert main(["verify", "--jobs", "3", three]) == 2
+    assert capsys.readouterr() == (
+        "",
+        "error: verify: --jobs 3 sets CrossHair's processes, and no target is proved by "
+        "CrossHair: a composition of 3 or more regions is checked on every representative "
+        f"input ({three})\n",
+    )
+    assert main(["verify", "--jobs", "3", three, str(spec_dir() / "host_residency.toml")]) == 0
+    assert given == [3]

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fsm_cache.errors import BadArgument, FsmCacheError, ReleaseAtZero
+from fsm_cache.policy import WritePolicy
 from fsm_cache.residency import HOST_VALID, Node, Residency
 
 
@@ -44,7 +45,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     """Add the ``demo`` subcommand."""
     parser = subparsers.add_parser("demo", help="serve a chat workload through HiCache")
     parser.add_argument("--requests", type=int, default=2000, help="requests to serve")
-    parser.add_argument("--policy", default="write_through", help="write policy")
+    parser.add_argument(
+        "--policy",
+        choices=tuple(policy.value for policy in WritePolicy),
+        default=WritePolicy.WRITE_THROUGH.value,
+        help="HiCache's write policy (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.set_defaults(handler=run)
 

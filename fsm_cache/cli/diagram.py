@@ -26,9 +26,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from fsm_cache.cli.files import current_text, file_argument, write_files
+from fsm_cache.cli.files import STDOUT, current_text, output_argument, write_files
 from fsm_cache.diagram import FORMATS, DiagramError, one_line, render
-from fsm_cache.shell import path_argument
+from fsm_cache.shell import named_once, path_argument
 from fsm_cache.spec.loader import load_spec, spec_files
 from fsm_cache.spec.shipped import shipped_spec_paths
 
@@ -39,10 +39,11 @@ SET_SUFFIXES = {"mermaid": ".mmd", "dot": ".dot", "md": ".md"}
 # Formats whose documents can hold several specs; the others are one picture each.
 SECTIONED = ("md",)
 EPILOG = """\
-One document goes to stdout, or to PATH with -o. A mermaid, dot or svg document
-draws one SPEC, so several SPECs are refused there: draw them one at a time, or
---write each spec's .mmd, .dot and .md files into --dir. With --format md,
-several SPECs make one Markdown document, a '## NAME' section per spec.
+One document goes to stdout, or to PATH with -o (-o - is stdout). A mermaid,
+dot or svg document draws one SPEC, so several SPECs are refused there: draw
+them one at a time, or --write each spec's .mmd, .dot and .md files into --dir.
+With --format md, several SPECs make one Markdown document, a '## NAME' section
+per spec.
 
 --highlight marks a state of one SPEC, e.g. where a node was when an error was
 reported: filled in mermaid, dot and svg; bold, and '(here)', in md's tables.
@@ -64,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     # --format and --dir default to None, so one given where it is not used is told and refused
     parser.add_argument("--format", choices=FORMATS, help=f"default: {DEFAULT_FORMAT}")
     parser.add_argument(
-        "-o", "--output", type=file_argument, metavar="PATH", help="write here, not stdout"
+        "-o", "--output", type=output_argument, metavar="PATH", help="write here (-: stdout)"
     )
     parser.add_argument(
         "--highlight",
@@ -98,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
             was changed), or a
             file to check is no regular file.
     """
+    if args.output is STDOUT and args.check:
+        raise DiagramError("-o - is stdout: --check compares a file; give the file to check")
     if args.output is None and (args.check or args.write):
         if args.highlight:
             msg = "--highlight marks one rendering; use it with -o or stdout, not --check/--write"
@@ -119,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         )
         raise DiagramError(msg)
     text = document(args.specs, args.format or DEFAULT_FORMAT, tuple(args.highlight))
-    if args.output is None:
+    if args.output is None or args.output is STDOUT:
         sys.stdout.write(text)
         return 0
     wanted = {args.output: text}
@@ -147,9 +150,12 @@ def _rewrite(args: argparse.Namespace) -> str:
 def document(specs: list[Path], fmt: str, highlight: tuple[str, ...] = ()) -> str:
     """Return one ``fmt`` document of ``specs``: the rendering of one, or md sections of several.
 
+    A spec named twice, in any spelling, is drawn once.
+
     Raises:
         DiagramError: No spec, or several in a one-picture format or with a highlight.
     """
+    specs = named_once(specs)
     if not specs:
         msg = "give SPEC files to draw, or --check/--write without -o for the shipped specs"
         raise DiagramError(msg)

@@ -43,6 +43,17 @@ class OutputError(FsmCacheError):
     """A generated file cannot be checked or written; on a write, nothing was changed."""
 
 
+STDOUT = Path("-")
+"""What :func:`output_argument` returns for ``-``: stdout, as in most tools.
+
+Told by identity (``path is STDOUT``), never by equality: ``./-`` names a
+file called ``-``, and :class:`Path` spells it ``-`` too.
+"""
+
+STDIO = "-"
+"""How a command line names stdout (or stdin) instead of a file."""
+
+
 def file_argument(text: str) -> Path:
     """Return ``text`` as the :class:`Path` of a file to write or check (an argparse ``type``).
 
@@ -50,14 +61,33 @@ def file_argument(text: str) -> Path:
     and when it names a folder by its spelling: a trailing ``/``, or a last
     part ``.`` or ``..``. :class:`Path` drops a trailing ``/`` and a ``.``
     part, so ``--write out/`` would otherwise write a file named ``out``.
+    ``-`` is refused too: it means stdin or stdout to most tools, and a
+    file named ``-`` was written or read instead (``./-`` names one).
 
     Raises:
-        argparse.ArgumentTypeError: ``text`` is empty or names a folder.
+        argparse.ArgumentTypeError: ``text`` is empty, ``-``, or names a folder.
     """
+    if text == STDIO:
+        msg = (
+            f"'{STDIO}' (stdin or stdout) names no file here; "
+            f"give one (./{STDIO} for a file named {STDIO})"
+        )
+        raise argparse.ArgumentTypeError(msg)
     path = path_argument(text)
     if os.path.basename(text) in ("", os.curdir, os.pardir):
         raise argparse.ArgumentTypeError(f"{text}: names a folder, not a file")
     return path
+
+
+def output_argument(text: str) -> Path:
+    """Return ``text`` as the :class:`Path` of a file to write, or :data:`STDOUT` for ``-``.
+
+    Otherwise as :func:`file_argument`.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is empty or names a folder.
+    """
+    return STDOUT if text == STDIO else file_argument(text)
 
 
 def current_text(path: Path) -> str | None:

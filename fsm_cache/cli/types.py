@@ -1,8 +1,9 @@
 """``fsm-cache types SPEC``: print, write or check the typed stub of a spec.
 
-See :mod:`fsm_cache.spec.stubs`. ``--write FILE`` writes the stub; ``--check FILE``
-exits 1 when FILE differs from what the spec generates now (a spec changed
-without its types), naming the file, so CI keeps the two in step.
+See :mod:`fsm_cache.spec.stubs`. ``--write FILE`` writes the stub (``-``: prints
+it, as without ``--write``); ``--check FILE`` exits 1 when FILE differs from
+what the spec generates now (a spec changed without its types), naming the
+file, so CI keeps the two in step.
 
 ``--write`` goes through :func:`fsm_cache.cli.files.write_files`, as the
 diagrams do: the stub is written beside FILE and renamed over it, so a full
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fsm_cache.cli.files import current_text, file_argument, write_files
+from fsm_cache.cli.files import STDOUT, current_text, file_argument, output_argument, write_files
 from fsm_cache.shell import path_argument
 from fsm_cache.spec.loader import load_spec, spec_files
 from fsm_cache.spec.stubs import is_stub, stub
@@ -36,7 +37,9 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("spec", type=path_argument, metavar="SPEC", help="a .toml spec file")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--write", type=file_argument, metavar="FILE", help="write the stub to FILE")
+    where.add_argument(
+        "--write", type=output_argument, metavar="FILE", help="write the stub to FILE (-: stdout)"
+    )
     where.add_argument(
         "--check", type=file_argument, metavar="FILE", help="exit 1 if FILE is not the current stub"
     )
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     """
     spec: Path = args.spec
     text = stub(load_spec(spec))
-    if args.write is not None:
+    if args.write is not None and args.write is not STDOUT:
         written = write_files({args.write: text}, "types", spec_files(spec), ours=is_stub)
         print(f"wrote {args.write}" if written else f"{args.write} matches {spec}")
         return 0

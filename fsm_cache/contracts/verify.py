@@ -36,7 +36,7 @@ from fsm_cache.contracts.generate import generate
 from fsm_cache.contracts.runner import Options, Row
 from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.numeric import whole
-from fsm_cache.shell import path_text
+from fsm_cache.shell import named_once, path_text, summary_line
 from fsm_cache.spec.controls import Control, controls, load_finding, relative, render_controls
 from fsm_cache.spec.loader import load_spec, read_toml
 from fsm_cache.spec.machine import as_system
@@ -139,11 +139,25 @@ def verify_spec(path: Path, options: Options, workdir: Path) -> list[Row]:
     folder = Path(tempfile.mkdtemp(dir=workdir))
     generated = generate(system, path)
     module = generated.write(folder)
-    if len(system.regions) >= EXHAUSTIVE_REGIONS:
+    if not by_crosshair(str(path)):
         rows = exhaustive.check_module(system.name, module, exhaustive.counter_domains(system))
     else:
         rows = crosshair_run.prove(system.name, module, options)
     return [generated.reported(row) for row in rows]
+
+
+def by_crosshair(target: str) -> bool:
+    """Whether CrossHair proves ``target``: a module, or a spec of few regions.
+
+    A spec of :data:`EXHAUSTIVE_REGIONS` regions or more is checked on every
+    representative input instead, with none of CrossHair's options.
+
+    Raises:
+        SpecError: ``target`` is a spec that does not load.
+    """
+    if not target.endswith(".toml"):
+        return True
+    return len(as_system(load_spec(Path(target))).regions) < EXHAUSTIVE_REGIONS
 
 
 def verify_module(name: str, options: Options) -> list[Row]:
@@ -305,16 +319,34 @@ def handle(args: argparse.Namespace) -> int:
 
     Raises:
         BadArgument: ``--jobs`` is out of the range pyproject's ``jobs`` may
-            take (1 to 256); nothing is read or run.
+            take (1 to 256) or is given to targets none of which CrossHair
+            proves (:func:`by_crosshair`), or ``--no-controls`` is given with
+            targets (the controls run only without); nothing is run.
         SpecError: pyproject's settings are bad, or a target does not load.
     """
+    if args.no_controls and args.targets:
+        msg = (
+            "verify: --no-controls skips the negative controls, which run only without "
+            "SPEC_OR_MODULE arguments; this run has none to skip"
+        )
+        raise BadArgument(msg)
     problem = "" if args.jobs is None else out_of_range("jobs", args.jobs)
     if problem:
         raise BadArgument(f"--jobs: {problem}")
+    targets = named_once(args.targets)
+    if args.jobs is not None and targets:
+        check_targets(targets)  # every bad target named first, as run() would
+        if not any(by_crosshair(target) for target in targets):
+            msg = (
+                f"verify: --jobs {args.jobs} sets CrossHair's processes, and no target is "
+                f"proved by CrossHair: a composition of {EXHAUSTIVE_REGIONS} or more regions "
+                f"is checked on every representative input ({', '.join(targets)})"
+            )
+            raise BadArgument(msg)
     options = load_options()
     if args.jobs is not None:
         options = dataclasses.replace(options, jobs=args.jobs)
-    result = run(args.targets, options, with_controls=not args.targets and not args.no_controls)
+    result = run(targets, options, with_controls=not targets and not args.no_controls)
     if args.json:
         print(json.dumps({**result, "rows": [r.as_dict() for r in result["rows"]]}, indent=2))
     else:
@@ -327,7 +359,7 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "verify",
         help="prove the contracts of specs with CrossHair",
-        description=__doc__.splitlines()[0],
+        description=summary_line(__doc__),
     )
     parser.add_argument(
         "targets",
@@ -343,7 +375,11 @@ def register(subparsers: Any) -> None:
         default=None,
         help="CrossHair processes in parallel, 1 to 256 (default: pyproject's jobs, else 2)",
     )
-    parser.add_argument("--no-controls", action="store_true", help="skip the negative controls")
+    parser.add_argument(
+        "--no-controls",
+        action="store_true",
+        help="skip the negative controls (they run only without SPEC_OR_MODULE)",
+    )
     parser.set_defaults(handler=handle)
 
 

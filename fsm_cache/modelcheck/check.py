@@ -54,7 +54,7 @@ from fsm_cache.modelcheck.progress import PLAIN_EVERY, progress
 from fsm_cache.modelcheck.state import Layout, Nodes, reference_states
 from fsm_cache.numeric import whole
 from fsm_cache.policy import WritePolicy
-from fsm_cache.shell import path_text
+from fsm_cache.shell import named_once, path_text, summary_line
 from fsm_cache.spec.controls import Control, controls, load_finding, render_controls
 from fsm_cache.spec.loader import load_spec, unreadable
 from fsm_cache.spec.machine import as_system, comparisons
@@ -166,13 +166,14 @@ def sized(path: Path, nodes: int | None, locks: int | None) -> tuple[int, int]:
     """Return the tree size and lock bound of ``path``: those given, else the spec's defaults.
 
     A spec with a ``storage`` region defaults to :data:`STORAGE_NODES` nodes
-    and :data:`STORAGE_LOCKS` locks, any other to :data:`NODES` and 2.
+    and :data:`STORAGE_LOCKS` locks, any other to :data:`NODES` and the
+    default ceiling, :attr:`Bounds.default <fsm_cache.modelcheck.explore.Bounds.default>`.
 
     Raises:
         SpecError: The spec does not load.
     """
     storage = "storage" in dict(as_system(load_spec(path)).regions)
-    default = (STORAGE_NODES, STORAGE_LOCKS) if storage else (NODES, 2)
+    default = (STORAGE_NODES, STORAGE_LOCKS) if storage else (NODES, Bounds.default)
     return (
         nodes if nodes is not None else default[0],
         locks if locks is not None else default[1],
@@ -181,6 +182,33 @@ def sized(path: Path, nodes: int | None, locks: int | None) -> tuple[int, int]:
 
 BOUND_BY = {"pins": "--max-pins", "locks": "--max-locks"}
 """The option that bounds a counter of each of these names; any other's is ``--max-count``."""
+
+
+def unused_bounds(given: dict[str, int], counters: dict[Path, list[str]]) -> list[str]:
+    """Return a refusal of each bound option in ``given`` that bounds no counter of ``counters``.
+
+    ``--max-locks 3`` on a spec that counts pins alone would be dropped
+    without a word, and a user who typed the wrong option would believe
+    the bound applied; so would ``--max-count`` where every counter is
+    named ``pins`` or ``locks``. An option that bounds a counter of any
+    spec checked is taken: the report names each spec's ceilings.
+
+    Args:
+        given: The value of each bound option on the command line, by option.
+        counters: The counters of each spec checked, in the spec's order.
+    """
+    used = {BOUND_BY.get(name, "--max-count") for names in counters.values() for name in names}
+    have = "; ".join(
+        f"{path}: {', '.join(names) or 'no counters'}" for path, names in counters.items()
+    )
+    bounds = {flag: f"a counter named {name}" for name, flag in BOUND_BY.items()}
+    other = f"counters not named {' or '.join(BOUND_BY)}"
+    return [
+        f"check: {flag} {value} bounds {bounds.get(flag, other)}, and no spec checked has "
+        f"one ({have})"
+        for flag, value in given.items()
+        if flag not in used
+    ]
 
 
 def ceilings(path: Path, pins: int, locks: int, count: int) -> dict[str, int]:
@@ -398,7 +426,8 @@ def with_ops(args: argparse.Namespace, spec: Path, policy: str | None) -> argpar
 def targets(args: argparse.Namespace) -> list[Target]:
     """Return what to check, in order.
 
-    Named specs run under ``--policy`` (default none). Without specs, the
+    Named specs run under ``--policy`` (default none), each once however
+    often and however spelled it is named. Without specs, the
     shipped specs run with no policy, then those of the residency layout under
     the write-through policy on at most :data:`POLICY_NODES` nodes; an explicit
     ``--policy`` runs the shipped specs it applies to under it instead. Each
@@ -411,7 +440,7 @@ def targets(args: argparse.Namespace) -> list[Target]:
         return Target(path, policy, nodes if most is None else min(nodes, most), locks)
 
     if args.specs:
-        return [target(Path(p), args.policy or "none") for p in args.specs]
+        return [target(Path(p), args.policy or "none") for p in named_once(args.specs)]
     shipped = shipped_spec_paths()
     residency = [p for p in shipped if Layout.of(as_system(load_spec(p))).residency]
     if args.policy is not None:
@@ -429,8 +458,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     Raises:
         SpecError: The ``--ops`` module names no ``SPEC``, an unknown
-            ``POLICY``, or another spec or policy than the command line; or a
-            target is refused (:func:`prepare`), before any is explored.
+            ``POLICY``, or another spec or policy than the command line; a
+            counter bound given bounds no counter of any target
+            (:func:`unused_bounds`); or a target is refused
+            (:func:`prepare`). Each before any target is explored.
         ConfigError: The ``--ops`` module cannot be imported, or a hook fails.
     """
     ops: ModuleType = treeops
@@ -439,10 +470,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args = with_ops(args, spec, getattr(ops, "POLICY", None))
     symmetry = not args.no_symmetry
     budget = Budget(max_states=args.max_states, max_seconds=args.max_seconds)
+    runs = targets(args)
+    flags = zip(
+        ("--max-pins", "--max-locks", "--max-count"),
+        (args.max_pins, args.max_locks, args.max_count),
+        strict=True,
+    )
+    counters = {path: list(ceilings(path, 0, 0, 0)) for path, *_ in runs}
+    problems = unused_bounds({flag: n for flag, n in flags if n is not None}, counters)
+    if problems:
+        raise SpecError(problems)
+    pins, count = (Bounds.default if n is None else n for n in (args.max_pins, args.max_count))
     planned = []
-    for path, policy, nodes, locks in targets(args):
-        bounded = ceilings(path, args.max_pins, locks, args.max_count)
-        bounds = Bounds(bounded, args.max_count)
+    for path, policy, nodes, locks in runs:
+        bounded = ceilings(path, pins, locks, count)
+        bounds = Bounds(bounded, count)
         # every target is refused or taken before one is explored: a refusal after a
         # search (minutes on four nodes) would throw its result away
         prepare(path, nodes, bounds, ops, policy=POLICIES[policy], symmetry=symmetry)
@@ -550,20 +592,28 @@ def handle(args: argparse.Namespace) -> int:
     """Run ``fsm-cache check`` and return its exit status.
 
     Raises:
-        SpecError: ``--nodes`` is below 1 or above :data:`MAX_NODES`, or a
-            counter bound is negative; nothing is loaded or checked. Or the
+        SpecError: ``--nodes`` is below 1 or above :data:`MAX_NODES`, a
+            counter bound is negative, or ``--no-controls`` is given to a run
+            that has no controls (one of SPEC arguments or ``--ops``);
+            nothing is loaded or checked. Or the
             ``--ops`` module names another spec or policy than the command
             line (:func:`with_ops`); nothing is checked.
     """
-    nodes, locks = (1 if args.nodes is None else args.nodes), (args.max_locks or 0)
-    least: list[tuple[str, int, int]] = [("--nodes", nodes, 1), ("--max-pins", args.max_pins, 0)]
-    least += [("--max-locks", locks, 0), ("--max-count", args.max_count, 0)]
-    for flag, value, bound in least:
-        if value < bound:
-            raise SpecError([f"check: {flag} must be >= {bound}, got {value}"])
-    if nodes > MAX_NODES:
+    if args.no_controls and (args.specs or args.ops is not None):
         raise SpecError(
-            [f"check: --nodes must be at most {MAX_NODES}, got {nodes} ({TOO_MANY_NODES})"]
+            [
+                "check: --no-controls skips the negative controls, which run only without "
+                "SPEC arguments and --ops; this run has none to skip"
+            ]
+        )
+    least = [("--nodes", args.nodes, 1), ("--max-pins", args.max_pins, 0)]
+    least += [("--max-locks", args.max_locks, 0), ("--max-count", args.max_count, 0)]
+    for flag, value, bound in least:
+        if value is not None and value < bound:
+            raise SpecError([f"check: {flag} must be >= {bound}, got {value}"])
+    if args.nodes is not None and args.nodes > MAX_NODES:
+        raise SpecError(
+            [f"check: --nodes must be at most {MAX_NODES}, got {args.nodes} ({TOO_MANY_NODES})"]
         )
     if args.json:  # what an --ops module prints goes to stderr: stdout is the JSON alone
         with contextlib.redirect_stdout(sys.stderr):
@@ -580,7 +630,7 @@ def handle(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     """Add the ``check`` subcommand."""
     parser = subparsers.add_parser(
-        "check", help="model-check specs on a small tree", description=__doc__.splitlines()[0]
+        "check", help="model-check specs on a small tree", description=summary_line(__doc__)
     )
     parser.add_argument(
         "specs",
@@ -595,14 +645,16 @@ def register(subparsers: Any) -> None:
         help=f"nodes in the tree (default {NODES}; {STORAGE_NODES} for a spec with a storage "
         f"region; at most {MAX_NODES})",
     )
-    parser.add_argument("--max-pins", type=int, default=2, help="pins per node at most (default 2)")
+    parser.add_argument(
+        "--max-pins", type=int, help=f"pins per node at most (default {Bounds.default})"
+    )
     parser.add_argument(
         "--max-locks",
         type=int,
-        help=f"locks per node at most (default 2; {STORAGE_LOCKS} for a spec with a storage region)",
+        help=f"locks per node at most (default {Bounds.default}; {STORAGE_LOCKS} for a spec with a storage region)",
     )
     parser.add_argument(
-        "--max-count", type=int, default=2, help="bound of any other counter (default 2)"
+        "--max-count", type=int, help=f"bound of any other counter (default {Bounds.default})"
     )
     parser.add_argument(
         "--max-states",
@@ -645,6 +697,10 @@ def register(subparsers: Any) -> None:
         help="explore every numbering of each tree as its own state (default: one state per "
         "tree up to interchangeable sibling subtrees; same verdicts, fewer states)",
     )
-    parser.add_argument("--no-controls", action="store_true", help="skip the negative controls")
+    parser.add_argument(
+        "--no-controls",
+        action="store_true",
+        help="skip the negative controls (they run only without SPEC and --ops)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(handler=handle)

@@ -1,0 +1,107 @@
+"""``fsm-cache check``'s arguments: an option it would not use is refused, never dropped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fsm_cache.cli.main import main
+from fsm_cache.modelcheck.explore import Explorer
+from fsm_cache.spec.shipped import spec_dir
+
+
+HOST = spec_dir() / "host_residency.toml"
+DEVICE = spec_dir() / "device_residency.toml"
+STORAGE = spec_dir() / "storage_residency.toml"
+SPLIT_DROPS_PINS = spec_dir() / "bugs_detected" / "split_drops_pins.py"
+
+
+@pytest.fixture
+def unexplored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if anything is explored: a refused command line checks nothing."""
+
+    def run(*_: object, **__: object) -> None:
+        raise AssertionError("a spec was explored though the command line is refused")
+
+    monkeypatch.setattr(Explorer, "run", run)
+
+
+@pytest.mark.usefixtures("unexplored")
+@pytest.mark.parametrize(
+    ("argv", "errors"),
+    [
+        (
+            [str(HOST), "--max-locks", "3"],
+            [
+                "check: --max-locks 3 bounds a counter named locks, and no spec checked has one "
+                f"({HOST}: pins)"
+            ],
+        ),
+        (
+            [str(DEVICE), "--max-pins", "0"],
+            [
+                "check: --max-pins 0 bounds a counter named pins, and no spec checked has one "
+                f"({DEVICE}: locks)"
+            ],
+        ),
+        (
+            [str(HOST), str(STORAGE), "--max-count", "5", "--max-locks", "1"],
+            [
+                "check: --max-locks 1 bounds a counter named locks, and no spec checked has one "
+                f"({HOST}: pins; {STORAGE}: no counters)",
+                "check: --max-count 5 bounds counters not named pins or locks, and no spec "
+                f"checked has one ({HOST}: pins; {STORAGE}: no counters)",
+            ],
+        ),
+    ],
+)
+def test_a_counter_bound_no_spec_has_is_refused_naming_the_option_and_the_specs(
+    capsys: pytest.CaptureFixture[str], argv: list[str], errors: list[str]
+) -> None:
+    """``--max-locks 3`` on a spec counting pins alone was dropped without a word, exit 0."""
+    assert main(["check", "--nodes", "1", *argv]) == 2
+    assert capsys.readouterr() == ("", "".join(f"error: {e}\n" for e in errors))
+
+
+def test_a_counter_bound_one_spec_has_applies_to_that_spec(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["check", "--nodes", "1", "--json", "--max-locks", "1", str(HOST), str(DEVICE)]
+    assert main(argv) == 0
+    bounds = [s["bounds"] for s in json.loads(capsys.readouterr().out)["specs"]]
+    assert bounds == [{"pins": 2}, {"locks": 1}]
+
+
+def test_the_default_bounds_are_given_to_no_spec_without_their_counter(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Leaving an option out never refuses a spec that lacks its counter."""
+    assert main(["check", "--nodes", "1", "--json", str(STORAGE), str(HOST)]) == 0
+    bounds = [s["bounds"] for s in json.loads(capsys.readouterr().out)["specs"]]
+    assert bounds == [{}, {"pins": 2}]
+
+
+@pytest.mark.usefixtures("unexplored")
+@pytest.mark.parametrize("argv", [[str(HOST)], ["--ops", str(SPLIT_DROPS_PINS)]])
+def test_no_controls_is_refused_where_no_control_would_run(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    """The controls run only without SPEC and --ops: ``--no-controls`` there was dropped unsaid."""
+    assert main(["check", "--nodes", "1", "--no-controls", *argv]) == 2
+    assert capsys.readouterr() == (
+        "",
+        "error: check: --no-controls skips the negative controls, which run only without "
+        "SPEC arguments and --ops; this run has none to skip\n",
+    )
+
+
+def test_a_spec_named_twice_in_any_spelling_is_checked_once(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each repeat was searched again: minutes on four nodes, for the same result."""
+    monkeypatch.chdir(HOST.parent)
+    other = f"../{HOST.parent.name}/{HOST.name}"
+    assert main(["check", "--nodes", "1", "--json", HOST.name, str(DEVICE), other]) == 0
+    specs = [s["spec"] for s in json.loads(capsys.readouterr().out)["specs"]]
+    assert specs == [HOST.name, str(DEVICE)]
