@@ -153,6 +153,15 @@ def test_a_missing_file_is_reported_as_bad_input(
     assert (status, err) == (2, f"error: {tmp_path / 'nope.py'}: no such file or directory\n")
 
 
+def test_a_folder_without_python_files_is_named_not_passed_in_silence(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "notes.txt").write_text("not python\n")
+    status, out, err = run_main([str(tmp_path)], capsys)
+    assert (status, out) == (0, "")
+    assert err == f"warning: no Python files under {tmp_path}: nothing was audited\n"
+
+
 def test_an_undecodable_file_is_reported_as_bad_input(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

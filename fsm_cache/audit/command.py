@@ -69,8 +69,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    """Audit ``args.paths``, print the report, and return the exit status."""
-    findings = audit_paths(args.paths, ConfigFinder(args.config, args.pair))
+    """Audit ``args.paths``, print the report, and return the exit status.
+
+    Folders with no Python file under them are named on stderr: a CI step
+    pointed at the wrong folder would otherwise pass, having read nothing.
+    """
+    files = list(_python_files(args.paths))
+    if not files:
+        named = ", ".join(args.paths)
+        sys.stderr.write(f"warning: no Python files under {named}: nothing was audited\n")
+    findings = audit_paths(files, ConfigFinder(args.config, args.pair))
     sys.stdout.write(render_report(findings, args.format))
     return 1 if findings else 0
 
