@@ -10,6 +10,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from pools import ACCEPTED, pool
 
 from fsm_cache.cache.tree import RadixTree
 from fsm_cache.cli.main import main as cli_main
@@ -1463,61 +1464,14 @@ error = "AlreadyShut"
 reason = "the gate is shut"
 
 [[transition]]
-event = "borrow"
+event = "acquire"
 source = ["shut", "ajar"]
 dest = "shut"
 
 [[transition]]
-event = "give_back"
+event = "release"
 source = ["shut", "ajar"]
 dest = "shut"
-"""
-
-_SLOT = """\
-[machine]
-name = "slot"
-initial = "idle"
-
-[counters]
-borrows = 0
-
-[states]
-idle = { invariant = "borrows == 0" }
-busy = { invariant = "borrows >= 1", counter = "borrows" }
-
-[[transition]]
-event = "borrow"
-source = ["idle", "busy"]
-dest = "busy"
-guard = "borrows < 2"
-update = "borrows += 1"
-
-[[forbid]]
-event = "borrow"
-source = "busy"
-guard = "borrows >= 2"
-error = "Full"
-reason = "two borrowers already"
-
-[[transition]]
-event = "give_back"
-source = "busy"
-dest = "busy"
-guard = "borrows >= 2"
-update = "borrows -= 1"
-
-[[transition]]
-event = "give_back"
-source = "busy"
-dest = "idle"
-guard = "borrows == 1"
-update = "borrows -= 1"
-
-# the bug: a give-back of nothing is accepted, where the gate's forbid is all that stops it
-[[transition]]
-event = "give_back"
-source = "idle"
-dest = "idle"
 """
 
 _GATED = """\
@@ -1529,16 +1483,16 @@ slot = "slot.toml"
 gate = "gate.toml"
 
 [[forbid]]
-event = "give_back"
+event = "release"
 when = "gate in [shut]"
 error = "GateShut"
-reason = "give back through the open gate"
+reason = "release through the open gate"
 
 [[forbid]]
 event = "open"
 when = "slot in [idle]"
 error = "NothingBorrowed"
-reason = "the gate opens for a borrower"
+reason = "the gate opens for a holder"
 """
 
 
@@ -1549,11 +1503,11 @@ def test_a_birth_of_a_spec_without_tiers_is_explored_at_the_start(
     """Without host and device regions the trees keep their starting shape.
 
     So no node enters a tree after the start, and a birth was never explored: a
-    give-back of nothing that only a node born ``stray`` (slot idle behind an
-    open gate, which no run from ``idle``/``shut`` reaches) can make passed the
-    check. Each node of each starting tree is now fresh or born.
+    release at zero (the pool accepts it) that only a node born ``stray`` (slot
+    idle behind an open gate, which no run from ``idle``/``shut`` reaches) can
+    make passed the check. Each node of each starting tree is now fresh or born.
     """
-    (tmp_path / "slot.toml").write_text(_SLOT)
+    (tmp_path / "slot.toml").write_text(pool(at_zero=ACCEPTED))
     (tmp_path / "gate.toml").write_text(_GATE)
     births = '\n[composition.births.stray]\nstates = { slot = "idle", gate = "ajar" }\n'
     spec = tmp_path / "gated.toml"
@@ -1565,8 +1519,8 @@ def test_a_birth_of_a_spec_without_tiers_is_explored_at_the_start(
         return
     assert (status, found["violation"], found["trace"]) == (
         1,
-        "invariant 6: node 1: give_back is accepted though nothing holds borrows there "
-        "(borrows=0, no borrow to give back)",
+        "invariant 6: node 1: release is accepted though nothing holds holders there "
+        "(holders=0, no acquire to give back)",
         ["start: chain, node 1 stray"],
     )
 
@@ -1575,7 +1529,7 @@ def test_births_at_the_start_are_bounded_before_anything_is_built(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Each node fresh or born is 2**N starting trees a shape: 40 nodes are refused at once."""
-    (tmp_path / "slot.toml").write_text(_SLOT)
+    (tmp_path / "slot.toml").write_text(pool(at_zero=ACCEPTED))
     (tmp_path / "gate.toml").write_text(_GATE)
     spec = tmp_path / "gated.toml"
     spec.write_text(_GATED + '\n[composition.births.stray]\nstates = { gate = "ajar" }\n')
