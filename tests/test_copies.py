@@ -573,3 +573,21 @@ def test_a_closed_faulty_engine_drops_held_acknowledgements() -> None:
     engine.close()
     assert engine.in_flight() == []
     assert not engine.host_busy([1])
+
+
+def test_wait_says_whether_the_copies_can_still_land(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch that failed is known before any poll: wait says so, where it said nothing."""
+    engine = make()
+    good = engine.start_load([0], [0])
+    assert engine.wait([good.id]) is True
+
+    def broken(dst: object, src: object, non_blocking: bool) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(staging, "_copy", broken)
+    bad = engine.start_load([1], [1])
+    assert engine.wait([bad.id]) is False
+    assert engine.wait([good.id]) is True
+    assert engine.wait([good.id, bad.id]) is False
+    assert [c.ok for c in engine.poll()] == [True, False]
+    assert engine.wait([bad.id]) is True  # reported: nothing left to wait for

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fsm_cache.bench.serving import serve
 from fsm_cache.bench.workload import Request
 from fsm_cache.cache.hicache import HiCache
+from fsm_cache.memory import staging
+from fsm_cache.memory.copies import CopyEngine
 from fsm_cache.memory.pages import REQUEST
 from fsm_cache.memory.tiers import CacheConfig, CopierFactory
 from fsm_cache.testing.faults import FaultyCopyEngine
@@ -124,3 +128,31 @@ def test_write_through_deletions_count_as_device_evictions() -> None:
     assert cache.evict(8) == 8
     assert cache.counters.evicted_tokens["device"] == 8
     assert cache.counters.deleted_nodes == 1
+
+
+def test_wait_loaded_says_a_load_whose_launch_failed_holds_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine knows at once that the load's launch failed: compute must not read the pages.
+
+    ``wait_loaded`` said True, so a forward pass queued after it read pages the
+    copy never wrote, until a later poll applied the failure.
+    """
+    cache, prefix = loading_cache(CopyEngine)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: launch failure")
+
+    monkeypatch.setattr(staging, "_copy", broken)
+    monkeypatch.setattr(staging, "_scatter", broken)
+    monkeypatch.setattr(staging, "_gather", broken)
+    chain = cache.load_back(cache.match_prefix(prefix).last_host_node)
+    assert chain is not None
+    assert [node.device for node in chain] == ["loading"]
+    assert not cache.wait_loaded(chain)
+    monkeypatch.undo()
+    cache.poll()  # the failure applied: unlocked, the node is absent again
+    assert chain[-1].residency() == "backed/absent (pins=0, locks=0)"
+    again = cache.load_back(cache.match_prefix(prefix).last_host_node)
+    assert again is not None
+    assert cache.wait_loaded(again)

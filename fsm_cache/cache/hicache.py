@@ -745,8 +745,9 @@ class HiCache:
                 Ignored on CPU, where copies are synchronous.
 
         Returns:
-            False when a node's copy failed and is queued to run again: its
-            pages do not hold its KV yet (poll, and try again).
+            False when a node's copy failed and is queued to run again, or its
+            launch has failed and a poll has yet to say so: its pages do not
+            hold its KV (poll, and try again).
 
         Raises:
             BadArgument: ``nodes`` is not a sequence of nodes.
@@ -757,9 +758,7 @@ class HiCache:
             tickets = self._transfers.tickets_of(given)
             if tickets is None:
                 return False
-            if tickets:
-                self.tiers.copier.wait(tickets, stream)
-            return True
+            return not tickets or self.tiers.copier.wait(tickets, stream)
 
     # -- copies --------------------------------------------------------------
 

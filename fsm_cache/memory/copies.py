@@ -327,7 +327,7 @@ class CopyEngine:
         self._mover.release()  # nothing queued can read an outgrown staging buffer now
         return self.poll()
 
-    def wait(self, ticket_ids: Iterable[int], stream: object | None = None) -> None:
+    def wait(self, ticket_ids: Iterable[int], stream: object | None = None) -> bool:
         """Make ``stream`` wait for these tickets' copies, without blocking the host.
 
         Compute that reads the pages a load writes must not start before the
@@ -341,6 +341,11 @@ class CopyEngine:
             ticket_ids: Ids of tickets this engine started.
             stream: The stream to hold back; None: the device's current stream.
 
+        Returns:
+            False when a launch of one of these copies failed (the submission
+            is failed, to be reported by a later :meth:`poll`): its pages will
+            not hold the data, so compute must not read them. True otherwise.
+
         Raises:
             ValueError: an id names no ticket this engine started.
         """
@@ -349,14 +354,18 @@ class CopyEngine:
         if unknown is not None:
             raise ValueError(f"copy: cannot wait for ticket {unknown}: no copy started with it")
         self.submit()
-        if self._api is None:
-            return
-        here = self.device.device
-        target = self._api.current_stream(here) if stream is None else cast("Stream", stream)
         wanted = set(ids)
-        for submission in self._submitted:
-            if submission.event is not None and any(t.id in wanted for t in submission.tickets):
-                target.wait_event(submission.event)
+        ours = [s for s in self._submitted if any(t.id in wanted for t in s.tickets)]
+        if self._api is not None:
+            target = (
+                self._api.current_stream(self.device.device)
+                if stream is None
+                else cast("Stream", stream)
+            )
+            for submission in ours:
+                if submission.event is not None:
+                    target.wait_event(submission.event)
+        return all(submission.failure is None for submission in ours)
 
     def close(self) -> None:
         """Drain every copy, let the device go idle, and refuse copies from now on.

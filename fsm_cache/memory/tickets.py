@@ -95,13 +95,18 @@ class Copier(Protocol):
         """Block until every ticket finishes and report them (shutdown, tests)."""
         ...
 
-    def wait(self, ticket_ids: Iterable[int], stream: object | None = None) -> None:
+    def wait(self, ticket_ids: Iterable[int], stream: object | None = None) -> bool:
         """Make ``stream`` (None: the device's current stream) wait for these copies.
 
         Never blocks the host: on CUDA the stream waits on each unreported
         ticket's event, so compute queued after it reads the loaded pages.
         Reported tickets need nothing; a CPU engine's copies are synchronous.
         An id no copy was started with raises ValueError.
+
+        Returns False when one of these copies is already known to have failed
+        (its launch did), so its pages will not hold what it copies and compute
+        must not read them; a later :meth:`poll` reports the failure. True
+        otherwise: the copies land before the compute queued after this call.
         """
         ...
 

@@ -159,9 +159,14 @@ class FaultyCopyEngine:
         """Finish every copy and deliver every acknowledgement, held ones included."""
         return self._deliver(self.inner.drain(), flush=True)
 
-    def wait(self, ticket_ids: Iterable[int], stream: object | None = None) -> None:
-        """Make ``stream`` wait for these copies (the inner engine's; held ones are done)."""
-        self.inner.wait(ticket_ids, stream)
+    def wait(self, ticket_ids: Iterable[int], stream: object | None = None) -> bool:
+        """Make ``stream`` wait for these copies (the inner engine's; held ones are done).
+
+        False where the inner engine knows a launch failed; a failure this
+        engine injects is known only when it is reported, as a copy that
+        fails on the device would be.
+        """
+        return self.inner.wait(ticket_ids, stream)
 
     def close(self) -> None:
         """Close the inner engine and drop held acknowledgements; idempotent."""
