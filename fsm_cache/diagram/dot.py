@@ -62,11 +62,11 @@ def _dot_region(diagram: Diagram, region: Region) -> list[str]:
         if state.initial:
             start = ident("__start")
             lines += [f'{start} [shape=point, label=""];', f"{start} -> {ident(state.name)};"]
-    for birth, state in births_in(diagram, region.name):
+    for birth, born in births_in(diagram, region.name):
         start = ident(f"__birth_{birth}")  # no state is named so: names start with a letter
         lines += [
             f'{start} [shape=point, label=""];',
-            f"{start} -> {ident(state)} [label={_q(f'birth {birth}')}, style=dashed];",
+            f"{start} -> {ident(born)} [label={_q(f'birth {birth}')}, style=dashed];",
         ]
     lines += [
         f"{ident(src)} -> {ident(dst)} [label={_q(*labels)}];"

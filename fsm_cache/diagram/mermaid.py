@@ -49,8 +49,8 @@ def _mermaid_region(diagram: Diagram, region: Region) -> list[str]:
         if state.initial:
             lines.append(f"[*] --> {state_id(diagram, region.name, state.name)}")
     # Mermaid has one start point per composite state: a birth is a labelled arrow from it.
-    for birth, state in births_in(diagram, region.name):
-        target = state_id(diagram, region.name, state)
+    for birth, born in births_in(diagram, region.name):
+        target = state_id(diagram, region.name, born)
         lines.append(f"[*] --> {target} : {_mermaid_text(f'birth {birth}')}")
     for (source, dest), labels in parallel(region).items():
         src, dst = state_id(diagram, region.name, source), state_id(diagram, region.name, dest)
