@@ -319,12 +319,48 @@ def _totality(spec: MachineSpec) -> Iterator[str]:
         for event in spec.event_names:
             covers = [t.guard for t in spec.transitions_for(st.name, event)]
             covers += [f.guard for f in spec.forbids_for(st.name, event)]
-            gap = next(
-                (c for c in valuations(spec, st.invariant) if not any(g.holds(c) for g in covers)),
-                None,
-            )
-            if gap is not None:
-                yield f"states.{st.name}: event {event!r} is neither a transition nor a forbid{_when(gap)} (not total)"
+            allowed = list(valuations(spec, st.invariant))
+            gaps = [c for c in allowed if not any(g.holds(c) for g in covers)]
+            if gaps:
+                yield f"states.{st.name}: event {event!r} is neither a transition nor a forbid{_gap_when(st.invariant, allowed, gaps)} (not total)"
+
+
+def _gap_when(invariant: Guard, allowed: list[dict[str, int]], gaps: list[dict[str, int]]) -> str:
+    """Return the condition of a totality gap: its first valuation, less what it does not depend on.
+
+    A counter the gap holds for whatever its value (of those the state's
+    invariant allows, more than one) is named ``for every value of uses``
+    rather than given the value of the first gap, which would read as a
+    condition: `` when uses=0`` for a gap that has none.
+
+    Args:
+        invariant: The state's invariant.
+        allowed: The representative valuations it allows (:func:`valuations`,
+            a product of one axis per counter).
+        gaps: Those of ``allowed`` no transition or forbid covers, in order.
+    """
+    missing = {tuple(sorted(c.items())) for c in gaps}
+    free = []
+    for name in gaps[0]:
+        values = {c[name] for c in allowed}
+        # Representatives stand for every value, so a gap at each of them is one at all.
+        if not _pinned(invariant, name) and all(
+            tuple(sorted({**c, name: v}.items())) in missing for c in gaps for v in values
+        ):
+            free.append(name)
+    shown = _when({k: v for k, v in gaps[0].items() if k not in free})
+    if not free:
+        return shown
+    every = f"for every value of {' and '.join(free)}"
+    return f"{shown}, {every}" if shown else f" {every}"
+
+
+def _pinned(invariant: Guard, counter: str) -> bool:
+    """Return whether ``invariant`` allows ``counter`` one value only (``n == 0``)."""
+    terms = [t for t in invariant.terms if t.counter == counter]
+    # Every value past the largest constant answers alike: two past it are all of them.
+    top = max((t.value for t in terms), default=0) + 2
+    return sum(all(t.holds({counter: v}) for t in terms) for v in range(max(top, 0) + 1)) == 1
 
 
 def _safety(spec: MachineSpec) -> Iterator[str]:
