@@ -551,6 +551,14 @@ def test_names_of_a_spec_built_in_code_are_spelled_as_in_a_file() -> None:
     assert problems(born) == ["s.toml: composition.births[0]: 'new born': not an identifier"]
 
 
+def test_a_birth_declared_twice_is_reported_once() -> None:
+    """Each of the two was reported: the same line twice."""
+    gate = MachineSpec("g", "a", (), (StateSpec("a", final=True),), (), source="g.toml")
+    twice = (Birth("x", (("g", "a"),)), Birth("x", (("g", "a"),)))
+    born = System("s", (("g", gate),), births=twice, source="s.toml")
+    assert problems(born) == ["s.toml: composition.births.x: declared twice"]
+
+
 def test_a_state_declared_twice_is_named() -> None:
     states = (StateSpec("a", final=True), StateSpec("b", final=True), StateSpec("a"))
     spec = MachineSpec("m", "a", (), states, (), source="m.toml")
