@@ -18,7 +18,7 @@ from fsm_cache.cli.main import main
 from fsm_cache.diagram import FORMATS, RENDERERS, DiagramError, build, highlight, ir, render
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import Spec
-from fsm_cache.spec.shipped import residency_system, shipped_spec_paths
+from fsm_cache.spec.shipped import load_shipped, residency_system, shipped_spec_paths
 
 
 DOOR = """\
@@ -342,6 +342,69 @@ def test_dot_of_a_composition_has_one_cluster_per_region_and_a_refusal_note(spec
         '"];\n}\n'
     )
     assert text.endswith(note)
+
+
+BORN = """
+[composition.births.bolted]
+doc = "Fitted with the bolt thrown."
+states = { lock = "shut" }
+"""
+"""A birth of the doorway naming one region: the door starts in its initial state."""
+
+
+def born_doorway(specs: Path) -> Spec:
+    text = DOORWAY.replace("\n[composition.regions]", BORN + "\n[composition.regions]")
+    (specs / "born.toml").write_text(text, encoding="utf-8")
+    return load_spec(specs / "born.toml")
+
+
+def test_mermaid_draws_each_birth_from_every_region_start(specs: Path) -> None:
+    """A birth was in no diagram: a reader could not tell a record may start elsewhere."""
+    lines = render(born_doorway(specs), "mermaid").splitlines()
+    door = lines.index("        [*] --> door_closed")
+    assert lines[door + 1] == "        [*] --> door_closed : birth bolted"
+    lock = lines.index("        [*] --> lock_open")
+    assert lines[lock + 1] == "        [*] --> lock_shut : birth bolted"
+
+
+def test_dot_draws_each_birth_as_a_start_point_in_every_region(specs: Path) -> None:
+    text = render(born_doorway(specs), "dot")
+    for region, state in (("door", "closed"), ("lock", "shut")):
+        start = f'"{region}___birth_bolted"'
+        assert (
+            f'        {start} [shape=point, label=""];\n'
+            f'        {start} -> "{region}_{state}" [label="birth bolted", style=dashed];\n'
+        ) in text
+
+
+def test_markdown_lists_each_birth_after_the_composition_heading(specs: Path) -> None:
+    text = render(born_doorway(specs), "md")
+    assert text.startswith(
+        "**`doorway`**: A door and its bolt.\n\n"
+        "**Births** (`doorway`): a record starts in each region's initial state, "
+        "or in the states of one of these:\n\n"
+        "| birth | `door` | `lock` | meaning |\n"
+        "| --- | --- | --- | --- |\n"
+        "| `bolted` | `closed` | `shut` | Fitted with the bolt thrown. |\n\n"
+        "**Region `door`: `door`**"
+    )
+
+
+def test_a_composition_without_births_draws_none(specs: Path) -> None:
+    for fmt in ("mermaid", "dot", "md"):
+        assert "birth" not in render(doorway(specs), fmt).lower()
+
+
+@pytest.mark.parametrize(
+    ("fmt", "shown"),
+    [
+        ("mermaid", "[*] --> storage_stored : birth discovered"),
+        ("dot", '"storage___birth_discovered" -> "storage_stored" [label="birth discovered"'),
+        ("md", "| `discovered` | `evicted` | `absent` | `stored` |"),
+    ],
+)
+def test_shipped_storage_diagrams_show_the_discovered_birth(fmt: str, shown: str) -> None:
+    assert shown in render(load_shipped("residency_storage"), fmt)
 
 
 def test_shipped_diagrams_show_counters_and_every_transition() -> None:

@@ -323,6 +323,11 @@ STORAGE_RECORDS = [
     ),
     ({"hots": "backed"}, {}, "'hots' is no region or counter of residency_storage"),
     ({}, {"pinz": 1}, "'pinz' is no region or counter of residency_storage"),
+    (
+        {"hots": "backed", "device": "resident", "stroage": "stored"},
+        {"pinz": 1, "pins": 0, "lokcs": 2},
+        "'hots', 'stroage', 'pinz', 'lokcs' are no regions or counters of residency_storage",
+    ),
     ({}, {"locks": 2.0}, "locks must be an int >= 0, got 2.0"),
 ]
 

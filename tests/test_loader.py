@@ -767,9 +767,70 @@ def test_birth_faults(tmp_path: Path) -> None:
     ]
     bad.write_text(bad.read_text().replace("[composition.births.empty]\nstates = {}\n", ""))
     assert problems(bad) == [
-        f"{bad}: composition.births.lit.states.a: the initial counters break the invariant of on (n >= 1)",
-        f"{bad}: composition.births.odd.states.z: unknown region",
-        f"{bad}: composition.births.odd.states.a: unknown state 'nowhere' of a",
+        f"{bad}: composition.births.lit.states.a: the initial counters (n=0) break the invariant of on (n >= 1)",
+        f"{bad}: composition.births.odd.states.z: unknown region (regions: a)",
+        f"{bad}: composition.births.odd.states.a: unknown state 'nowhere' of a (states of lamp: off, on)",
+    ]
+
+
+def born_one(tmp_path: Path) -> Path:
+    """Write lamp, dimmer and switch, and ``one.toml``: a dimmer and a switch, born ``dark``."""
+    write(tmp_path, LAMP, "lamp.toml")
+    write(tmp_path, DIMMER, "dimmer.toml")
+    write(tmp_path, re.sub(r"\bn\b", "m", LAMP).replace('"lamp"', '"switch"'), "switch.toml")
+    return write(
+        tmp_path,
+        "[composition]\nname = 'one'\n[composition.regions]\na = 'dimmer.toml'\nb = 'switch.toml'\n"
+        "[composition.births.dark]\nstates = { a = 'dim' }\n",
+        "one.toml",
+    )
+
+
+def extending_one(tmp_path: Path, body: str) -> Path:
+    return write(tmp_path, f"[composition]\nextends = 'one.toml'\nname = 'two'\n{body}", "two.toml")
+
+
+def test_a_birth_of_the_base_redeclared_is_named_with_its_base(tmp_path: Path) -> None:
+    """It was 'declared twice', twice, and named neither the base nor the rule."""
+    one = born_one(tmp_path)
+    two = extending_one(tmp_path, "[composition.births.dark]\nstates = { a = 'dim' }\n")
+    assert problems(two) == [
+        f"{two}: composition.births.dark: already a birth of the base {one} "
+        "(a spec that extends another may not redeclare its births)"
+    ]
+
+
+def test_two_births_of_the_same_states_are_refused(tmp_path: Path) -> None:
+    """A region a birth leaves out is in its initial state: b off makes the base's dark again."""
+    born_one(tmp_path)
+    two = extending_one(
+        tmp_path, "[composition.births.dimmed]\nstates = { a = 'dim', b = 'off' }\n"
+    )
+    assert problems(two) == [
+        f"{two}: composition.births.dimmed: the same states as birth dark (a dim, b off)"
+    ]
+
+
+def test_a_base_birth_the_extending_regions_lack_names_the_base(tmp_path: Path) -> None:
+    """Replacing the dimmer by the lamp leaves dark's state undeclared; the fault is the base's birth."""
+    one = born_one(tmp_path)
+    two = extending_one(tmp_path, "[composition.regions]\na = 'lamp.toml'\n")
+    assert problems(two) == [
+        f"{two}: composition.births.dark.states.a: unknown state 'dim' of a "
+        f"(states of lamp: off, on); the birth is declared in {one}"
+    ]
+
+
+def test_an_extending_birth_of_a_missing_region_or_a_broken_invariant(tmp_path: Path) -> None:
+    born_one(tmp_path)
+    two = extending_one(
+        tmp_path,
+        "[composition.births.far]\nstates = { c = 'on' }\n"
+        "[composition.births.lit]\nstates = { b = 'on' }\n",
+    )
+    assert problems(two) == [
+        f"{two}: composition.births.far.states.c: unknown region (regions: a, b)",
+        f"{two}: composition.births.lit.states.b: the initial counters (m=0) break the invariant of on (m >= 1)",
     ]
 
 

@@ -194,6 +194,64 @@ def test_gaps_are_not_total(tmp_path: Path) -> None:
     ]
 
 
+TOOL = """
+[machine]
+name = "tool"
+initial = "idle"
+[counters]
+uses = 0
+pins = 0
+[states]
+idle = { invariant = "pins == 0" }
+busy = { invariant = "pins >= 1" }
+worn = { invariant = "uses >= 1", final = true }
+[[transition]]
+event = "take"
+source = ["idle", "busy"]
+dest = "busy"
+update = "pins += 1, uses += 1"
+[[transition]]
+event = "give"
+source = "busy"
+dest = "idle"
+guard = "pins == 1"
+update = "pins -= 1"
+[[transition]]
+event = "give"
+source = "busy"
+dest = "busy"
+guard = "pins >= 2"
+update = "pins -= 1"
+[[forbid]]
+event = "give"
+source = "idle"
+error = "NotTaken"
+reason = "nobody holds it"
+[[transition]]
+event = "retire"
+source = "busy"
+dest = "worn"
+guard = "uses >= 3 and pins == 1"
+update = "pins -= 1"
+"""
+"""A tool whose ``retire`` idle does not answer whatever the counters, busy only below 3 uses."""
+
+
+def test_a_gap_that_holds_for_every_value_of_a_counter_says_so(tmp_path: Path) -> None:
+    """It said ``when uses=0``, a condition the gap does not have; a value pinned stays."""
+    assert found(tmp_path, TOOL)[:2] == [
+        "states.idle: event 'retire' is neither a transition nor a forbid "
+        "when pins=0, for every value of uses (not total)",
+        "states.busy: event 'retire' is neither a transition nor a forbid when uses=0, pins=1 (not total)",
+    ]
+    text = TOOL.replace('guard = "uses >= 3 and pins == 1"', 'guard = "pins == 1"')
+    text = text.replace('idle = { invariant = "pins == 0" }', "idle = {}")
+    assert found(tmp_path, text)[:1] == [
+        "states.idle: event 'retire' is neither a transition nor a forbid "
+        "for every value of uses and pins (not total)",
+    ]
+
+
 def test_gaps_without_counters_say_always(tmp_path: Path) -> None:
     text = """
 [machine]
@@ -493,6 +551,14 @@ def test_names_of_a_spec_built_in_code_are_spelled_as_in_a_file() -> None:
     assert problems(born) == ["s.toml: composition.births[0]: 'new born': not an identifier"]
 
 
+def test_a_birth_declared_twice_is_reported_once() -> None:
+    """Each of the two was reported: the same line twice."""
+    gate = MachineSpec("g", "a", (), (StateSpec("a", final=True),), (), source="g.toml")
+    twice = (Birth("x", (("g", "a"),)), Birth("x", (("g", "a"),)))
+    born = System("s", (("g", gate),), births=twice, source="s.toml")
+    assert problems(born) == ["s.toml: composition.births.x: declared twice"]
+
+
 def test_a_state_declared_twice_is_named() -> None:
     states = (StateSpec("a", final=True), StateSpec("b", final=True), StateSpec("a"))
     spec = MachineSpec("m", "a", (), states, (), source="m.toml")
@@ -670,7 +736,7 @@ def test_the_examples_above_are_faults() -> None:
         "<python>: transition[0].update: breaks the invariant of q (a <= 4) from p when a=3, b=0"
     ]
     assert problems(_step("a -= 2", "a != 5", guard="a >= 2")) == [
-        "<python>: states.p: event 'x' is neither a transition nor a forbid when a=0, b=0 (not total)",
+        "<python>: states.p: event 'x' is neither a transition nor a forbid when a=0, for every value of b (not total)",
         "<python>: transition[0].update: breaks the invariant of q (a != 5) from p when a=7, b=0",
     ]
 

@@ -17,6 +17,7 @@ from fsm_cache.diagram import dot, markdown, mermaid
 from fsm_cache.diagram.builder import build
 from fsm_cache.diagram.ir import (
     Diagram,
+    DiagramBirth,
     DiagramEdge,
     DiagramError,
     DiagramRefusal,
@@ -35,6 +36,7 @@ __all__ = [
     "FORMATS",
     "RENDERERS",
     "Diagram",
+    "DiagramBirth",
     "DiagramEdge",
     "DiagramError",
     "DiagramRefusal",

@@ -10,21 +10,37 @@ diagram files change only when the spec does.
 
 from __future__ import annotations
 
-from fsm_cache.diagram.ir import Diagram, DiagramEdge, DiagramRefusal, DiagramState, Region
-from fsm_cache.spec.machine import Forbid, MachineSpec, Spec, System
+from fsm_cache.diagram.ir import (
+    Diagram,
+    DiagramBirth,
+    DiagramEdge,
+    DiagramRefusal,
+    DiagramState,
+    Region,
+)
+from fsm_cache.spec.machine import Birth, Forbid, MachineSpec, Spec, System
 
 
 def build(spec: Spec) -> Diagram:
     """Return the diagram of a machine or a composition.
 
     A machine on its own is one region named ``state``; a composition keeps its
-    region names, and its own forbids become the diagram's cross-region refusals.
+    region names, its own forbids become the diagram's cross-region refusals,
+    and its births are drawn beside each region's initial state.
     """
     if isinstance(spec, MachineSpec):
         return Diagram(spec.name, spec.doc, False, (_region("state", spec),))
     regions = tuple(_region(name, machine) for name, machine in spec.regions)
     refusals = tuple(_cross_refusal(spec, f) for f in spec.forbids)
-    return Diagram(spec.name, spec.doc, True, regions, refusals)
+    births = tuple(_birth(spec, b) for b in spec.births)
+    return Diagram(spec.name, spec.doc, True, regions, refusals, births)
+
+
+def _birth(spec: System, birth: Birth) -> DiagramBirth:
+    # Every region's state at the birth, so each region draws where the record starts.
+    named = dict(birth.states)
+    states = tuple((region, named.get(region, m.initial)) for region, m in spec.regions)
+    return DiagramBirth(birth.name, birth.doc, states)
 
 
 def _cross_refusal(spec: System, forbid: Forbid) -> DiagramRefusal:

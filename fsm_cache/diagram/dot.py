@@ -1,7 +1,8 @@
 """Graphviz rendering of a :class:`~fsm_cache.diagram.ir.Diagram`: DOT source, and SVG via ``dot``.
 
 Regions of a composed machine become side-by-side clusters; cross-region
-refusals are listed in a note.
+refusals are listed in a note; each birth is a start point of its own in every
+region, its dashed arrow labelled ``birth NAME``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fsm_cache.diagram.ir import (
     Diagram,
     DiagramError,
     Region,
+    births_in,
     one_line,
     parallel,
     refusal_line,
@@ -60,6 +62,12 @@ def _dot_region(diagram: Diagram, region: Region) -> list[str]:
         if state.initial:
             start = ident("__start")
             lines += [f'{start} [shape=point, label=""];', f"{start} -> {ident(state.name)};"]
+    for birth, born in births_in(diagram, region.name):
+        start = ident(f"__birth_{birth}")  # no state is named so: names start with a letter
+        lines += [
+            f'{start} [shape=point, label=""];',
+            f"{start} -> {ident(born)} [label={_q(f'birth {birth}')}, style=dashed];",
+        ]
     lines += [
         f"{ident(src)} -> {ident(dst)} [label={_q(*labels)}];"
         for (src, dst), labels in parallel(region).items()

@@ -6,12 +6,14 @@ stable order). Each format is then one function of that diagram, in a module
 that imports this one and nothing of the spec: :mod:`fsm_cache.diagram.mermaid`,
 :mod:`fsm_cache.diagram.dot` (DOT and SVG) and :mod:`fsm_cache.diagram.markdown`.
 Keeping the spec out of the renderers means a new format needs to learn only
-these five classes, and a change to the spec model touches only the builder.
+these six classes, and a change to the spec model touches only the builder.
 
 Conventions shared by all formats: an edge reads ``event [guard] / update``;
 a state that carries a counter is one state drawn as ``pinned(pins)``; the
 initial state is entered from a start point and final states lead to an end
-point; a composition draws each region as a composite state, side by side.
+point; a composition draws each region as a composite state, side by side, and
+each of its births (a record created in other states) as a start of its own in
+every region, labelled with the birth's name.
 """
 
 from __future__ import annotations
@@ -124,6 +126,22 @@ class Region:
 
 
 @dataclass(frozen=True, slots=True)
+class DiagramBirth:
+    """A way a composition's record is born other than in every region's initial state.
+
+    Attributes:
+        name: The birth's name (``discovered``).
+        doc: When records are born this way.
+        states: ``(region, state)`` for every region, in region order: the state the
+            birth names, or the region's initial state where it names none.
+    """
+
+    name: str
+    doc: str
+    states: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Diagram:
     """What every renderer draws: regions, cross-region refusals and highlighted states.
 
@@ -133,6 +151,7 @@ class Diagram:
         composed: Whether the spec is a composition (regions drawn as composite states).
         regions: The machines, in region order.
         refusals: The composition's cross-region and tree refusals.
+        births: The composition's births, in declaration order.
         highlight: ``(region, state)`` pairs to mark, e.g. where a node was.
     """
 
@@ -141,6 +160,7 @@ class Diagram:
     composed: bool
     regions: tuple[Region, ...]
     refusals: tuple[DiagramRefusal, ...] = ()
+    births: tuple[DiagramBirth, ...] = ()
     highlight: frozenset[tuple[str, str]] = frozenset()
 
 
@@ -178,6 +198,11 @@ def parallel(region: Region) -> dict[tuple[str, str], list[str]]:
     for edge in region.edges:
         pairs.setdefault((edge.source, edge.dest), []).append(edge.label)
     return pairs
+
+
+def births_in(diagram: Diagram, region: str) -> list[tuple[str, str]]:
+    """Return ``(birth, state)`` for each birth of ``diagram``: where ``region`` starts by it."""
+    return [(b.name, dict(b.states)[region]) for b in diagram.births]
 
 
 def state_id(diagram: Diagram, region: str, state: str) -> str:

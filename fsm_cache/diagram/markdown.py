@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from fsm_cache.diagram.ir import (
     Diagram,
+    DiagramBirth,
     DiagramEdge,
     DiagramState,
     Region,
@@ -24,7 +25,7 @@ def markdown_tables(diagram: Diagram) -> str:
     """Return Markdown tables: states, transitions, refused pairs and cross-region refusals.
 
     Each machine's tables follow its name and ``doc``; a composition's own
-    ``doc``, where it has one, comes first.
+    ``doc``, where it has one, comes first, then its births, a row each.
 
     A highlighted state is bold in each row it starts and marked ``(here)`` in the
     states table, so a report can show where a node was and what it could do there.
@@ -32,6 +33,8 @@ def markdown_tables(diagram: Diagram) -> str:
     parts: list[str] = []
     if diagram.composed and diagram.doc:
         parts.append(_heading(f"**{_c(diagram.name)}**", diagram.doc))
+    if diagram.births:
+        parts += _md_births(diagram.name, diagram.births)
     for region in diagram.regions:
         title = f"Region {_c(region.name)}: " if diagram.composed else ""
         here = {state for name, state in diagram.highlight if name == region.name}
@@ -55,6 +58,17 @@ def markdown_tables(diagram: Diagram) -> str:
 def _heading(title: str, doc: str) -> str:
     """Return ``title: doc``, or the title alone for a spec without a ``doc``."""
     return f"{title}: {doc}" if doc else title
+
+
+def _md_births(name: str, births: tuple[DiagramBirth, ...]) -> list[str]:
+    """Return the births' heading and table: each birth's state in every region, and its doc."""
+    regions = [region for region, _ in births[0].states]
+    intro = (
+        f"**Births** ({_c(name)}): a record starts in each region's initial state, "
+        "or in the states of one of these:"
+    )
+    rows = [(_c(b.name), *(_c(state) for _, state in b.states), b.doc) for b in births]
+    return [intro, _md_table(("birth", *map(_c, regions), "meaning"), rows)]
 
 
 def _md_states(region: Region, here: set[str]) -> str:

@@ -1,7 +1,8 @@
 """Mermaid ``stateDiagram-v2`` rendering of a :class:`~fsm_cache.diagram.ir.Diagram`.
 
 Composed machines are drawn as composite states side by side, their
-cross-region and tree refusals in a note beside the last region; parallel
+cross-region and tree refusals in a note beside the last region, and each
+birth as an arrow from a region's start point labelled ``birth NAME``; parallel
 edges between two states are merged into one multi-line label.
 """
 
@@ -12,6 +13,7 @@ from fsm_cache.diagram.ir import (
     HIGHLIGHT_STROKE,
     Diagram,
     Region,
+    births_in,
     one_line,
     parallel,
     refusal_line,
@@ -46,6 +48,10 @@ def _mermaid_region(diagram: Diagram, region: Region) -> list[str]:
     for state in region.states:
         if state.initial:
             lines.append(f"[*] --> {state_id(diagram, region.name, state.name)}")
+    # Mermaid has one start point per composite state: a birth is a labelled arrow from it.
+    for birth, born in births_in(diagram, region.name):
+        target = state_id(diagram, region.name, born)
+        lines.append(f"[*] --> {target} : {_mermaid_text(f'birth {birth}')}")
     for (source, dest), labels in parallel(region).items():
         src, dst = state_id(diagram, region.name, source), state_id(diagram, region.name, dest)
         lines.append(f"{src} --> {dst} : {'<br/>'.join(map(_mermaid_text, labels))}")

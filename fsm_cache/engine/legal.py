@@ -74,14 +74,18 @@ class Legal:
             counters: Value by counter; a counter left out has its initial value.
 
         Returns:
-            The first problem, naming the region or counter and its value: an
-            unknown region, counter or state, a count that is no int >= 0 or
-            that its state's invariant forbids, or a record no run reaches.
+            The first problem, naming the region or counter and its value: the
+            unknown regions and counters, all of them in one line (in the order
+            given, regions first); an unknown state, a count that is no int >= 0
+            or that its state's invariant forbids, or a record no run reaches.
         """
         system = self.system
-        stray = (set(states) - set(system.machines)) or (set(counters) - set(self.top))
+        stray = [name for name in states if name not in system.machines]
+        stray += [name for name in counters if name not in self.top and name not in stray]
         if stray:
-            return f"{sorted(map(repr, stray))[0]} is no region or counter of {system.name}"
+            names = ", ".join(map(repr, stray))
+            what = "is no region or counter" if len(stray) == 1 else "are no regions or counters"
+            return f"{names} {what} of {system.name}"
         full = {region: states.get(region, m.initial) for region, m in system.regions}
         values = {name: counters.get(name, v) for name, v in system.counters}
         found = self._state_problem(full) or _count_problem(values)

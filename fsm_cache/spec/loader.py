@@ -555,7 +555,14 @@ def _composition(data: _Table, source: str, base: Path, route: _Route) -> System
         if machine is not None:
             regions[region] = machine
     forbids = _forbids(data.get("forbid", []), "forbid", problems)
-    births = _births(head.get("births", {}), problems)
+    births = _births(head.get("births", {}), source, problems)
+    for birth in births:
+        if basis is not None and birth.name in (b.name for b in basis.births):
+            problems.add(
+                f"composition.births.{birth.name}",
+                f"already a birth of the base {basis.source} "
+                "(a spec that extends another may not redeclare its births)",
+            )
     if not isinstance(head.get("name"), str):
         problems.add("composition.name", "missing or not a string")
     elif (bad := bad_title(head["name"])) is not None:
@@ -574,8 +581,13 @@ def _composition(data: _Table, source: str, base: Path, route: _Route) -> System
     )
 
 
-def _births(table: object, problems: _Problems) -> tuple[Birth, ...]:
-    """Parse ``[composition.births]``: ``NAME = { doc = ..., states = { REGION = STATE } }``."""
+def _births(table: object, source: str, problems: _Problems) -> tuple[Birth, ...]:
+    """Parse ``[composition.births]``: ``NAME = { doc = ..., states = { REGION = STATE } }``.
+
+    Each birth keeps ``source``, its file: one a spec inherits through ``extends``
+    is reported, if the regions that spec replaces no longer have its states, as
+    declared in the base.
+    """
     if not isinstance(table, Mapping):
         problems.add("composition.births", "must be a table of NAME = { doc, states }")
         return ()
@@ -599,7 +611,8 @@ def _births(table: object, problems: _Problems) -> tuple[Birth, ...]:
             )
             continue
         doc = _text(body, "doc", where, problems)
-        result.append(Birth(name, tuple((str(r), str(st)) for r, st in states.items()), doc))
+        pairs = tuple((str(r), str(st)) for r, st in states.items())
+        result.append(Birth(name, pairs, doc, source))
     return tuple(result)
 
 

@@ -242,11 +242,14 @@ class Birth:
         name: The birth's name (``discovered``).
         states: ``(region, state)`` for the regions not born in their initial state.
         doc: When records are born this way.
+        source: The file that declares the birth (a base's, for an inherited
+            one), so a fault of it names where to fix it; not compared.
     """
 
     name: str
     states: tuple[tuple[str, str], ...]
     doc: str = ""
+    source: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)

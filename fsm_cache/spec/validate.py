@@ -18,6 +18,7 @@ from fsm_cache import errors
 from fsm_cache.errors import FsmCacheError, IllegalTransition, SpecError, error_class
 from fsm_cache.spec.guards import Guard, critical_values
 from fsm_cache.spec.machine import (
+    Birth,
     Forbid,
     MachineSpec,
     Spec,
@@ -319,12 +320,48 @@ def _totality(spec: MachineSpec) -> Iterator[str]:
         for event in spec.event_names:
             covers = [t.guard for t in spec.transitions_for(st.name, event)]
             covers += [f.guard for f in spec.forbids_for(st.name, event)]
-            gap = next(
-                (c for c in valuations(spec, st.invariant) if not any(g.holds(c) for g in covers)),
-                None,
-            )
-            if gap is not None:
-                yield f"states.{st.name}: event {event!r} is neither a transition nor a forbid{_when(gap)} (not total)"
+            allowed = list(valuations(spec, st.invariant))
+            gaps = [c for c in allowed if not any(g.holds(c) for g in covers)]
+            if gaps:
+                yield f"states.{st.name}: event {event!r} is neither a transition nor a forbid{_gap_when(st.invariant, allowed, gaps)} (not total)"
+
+
+def _gap_when(invariant: Guard, allowed: list[dict[str, int]], gaps: list[dict[str, int]]) -> str:
+    """Return the condition of a totality gap: its first valuation, less what it does not depend on.
+
+    A counter the gap holds for whatever its value (of those the state's
+    invariant allows, more than one) is named ``for every value of uses``
+    rather than given the value of the first gap, which would read as a
+    condition: `` when uses=0`` for a gap that has none.
+
+    Args:
+        invariant: The state's invariant.
+        allowed: The representative valuations it allows (:func:`valuations`,
+            a product of one axis per counter).
+        gaps: Those of ``allowed`` no transition or forbid covers, in order.
+    """
+    missing = {tuple(sorted(c.items())) for c in gaps}
+    free = []
+    for name in gaps[0]:
+        values = {c[name] for c in allowed}
+        # Representatives stand for every value, so a gap at each of them is one at all.
+        if not _pinned(invariant, name) and all(
+            tuple(sorted({**c, name: v}.items())) in missing for c in gaps for v in values
+        ):
+            free.append(name)
+    shown = _when({k: v for k, v in gaps[0].items() if k not in free})
+    if not free:
+        return shown
+    every = f"for every value of {' and '.join(free)}"
+    return f"{shown}, {every}" if shown else f" {every}"
+
+
+def _pinned(invariant: Guard, counter: str) -> bool:
+    """Return whether ``invariant`` allows ``counter`` one value only (``n == 0``)."""
+    terms = [t for t in invariant.terms if t.counter == counter]
+    # Every value past the largest constant answers alike: two past it are all of them.
+    top = max((t.value for t in terms), default=0) + 2
+    return sum(all(t.holds({counter: v}) for t in terms) for v in range(max(top, 0) + 1)) == 1
 
 
 def _safety(spec: MachineSpec) -> Iterator[str]:
@@ -538,23 +575,49 @@ def _annotation_problems(system: System) -> Iterator[str]:
 
 
 def _birth_problems(system: System) -> Iterator[str]:
-    """Each birth names known regions and states whose invariants hold at the initial counters."""
-    machines, names = system.machines, [b.name for b in system.births]
+    """Each birth names known regions and states whose invariants hold at the initial counters.
+
+    A name declared twice is reported once, at the second; a birth whose
+    states, with every region it leaves out in its initial state, are those
+    of an earlier birth is a second name for one way to be born. A birth a
+    base declares names the base: the spec that extends it may have replaced
+    the region its state belonged to.
+    """
+    machines = system.machines
+    seen: dict[tuple[tuple[str, str], ...], str] = {}  # each way to be born, by its first name
     for i, birth in enumerate(system.births):
         if (bad := bad_name(birth.name)) is not None:
             yield f"composition.births[{i}]: {birth.name!r}: {bad}"
             continue
         where = f"composition.births.{birth.name}"
-        if names.count(birth.name) > 1:
+        inherited = birth.source not in ("", system.source)
+        origin = f"; the birth is declared in {birth.source}" if inherited else ""
+        if birth.name in (b.name for b in system.births[:i]):
             yield f"{where}: declared twice"
-        for region, state in birth.states:
-            machine = machines.get(region)
-            if machine is None:
-                yield f"{where}.states.{region}: unknown region"
-            elif state not in machine.state_names:
-                yield f"{where}.states.{region}: unknown state {state!r} of {region}"
-            elif not machine.state(state).invariant.holds(dict(machine.counters)):
-                yield f"{where}.states.{region}: the initial counters break the invariant of {state} ({machine.state(state).invariant})"
+            continue
+        faults = list(_birth_state_problems(machines, birth))
+        yield from (f"{where}.states.{fault}{origin}" for fault in faults)
+        if faults:
+            continue
+        born = tuple(system.born(birth.name).items())
+        if born in seen:
+            states = ", ".join(f"{region} {state}" for region, state in born)
+            yield f"{where}: the same states as birth {seen[born]} ({states}){origin}"
+        seen.setdefault(born, birth.name)
+
+
+def _birth_state_problems(machines: Mapping[str, MachineSpec], birth: Birth) -> Iterator[str]:
+    """Each ``REGION: fault`` of a birth's states: an unknown region or state, a broken invariant."""
+    for region, state in birth.states:
+        machine = machines.get(region)
+        if machine is None:
+            yield f"{region}: unknown region (regions: {', '.join(machines)})"
+        elif state not in machine.state_names:
+            known = ", ".join(machine.state_names)
+            yield f"{region}: unknown state {state!r} of {region} (states of {machine.name}: {known})"
+        elif not (invariant := machine.state(state).invariant).holds(dict(machine.counters)):
+            initial = ", ".join(f"{name}={value}" for name, value in machine.counters)
+            yield f"{region}: the initial counters ({initial}) break the invariant of {state} ({invariant})"
 
 
 def _system_forbid_problems(system: System, where: str, fb: Forbid) -> list[str]:
