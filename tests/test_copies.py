@@ -19,7 +19,7 @@ with warnings.catch_warnings():
 
     from fsm_cache.bench.copies import CopyBenchResult, run_copy_bench
     from fsm_cache.bench.memory import bench_copies, ceiling_copy
-    from fsm_cache.errors import BadArgument, CopyFailed, ForeignSlot
+    from fsm_cache.errors import BadArgument, CopyFailed, ForeignSlot, PageBusy
     from fsm_cache.memory import staging
     from fsm_cache.memory.copies import Completion, CopyEngine, Direction, host_runs
     from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
@@ -717,3 +717,62 @@ def test_tiers_dropped_unclosed_wait_for_their_copies() -> None:
     ):
         del tiers  # the last reference: the engine's finalizer runs here
     assert torch.equal(raw(host, [2, 3]), want)
+
+
+def test_every_refused_copy_is_a_typed_error_that_starts_nothing() -> None:
+    engine = make()
+    engine.start_write([1], [2])
+    refusals: list[tuple[Callable[[], object], str]] = [
+        (lambda: engine.start_write([1, 2], [0]), "copy: 2 source pages but 1 destination pages"),
+        (lambda: engine.start_write([1, 3], [0, 0]), "copy: a destination page is listed twice"),
+        (
+            lambda: engine.start_write([3], [2]),
+            "copy: host page 2 is still in use by an unreported copy",
+        ),
+        (
+            lambda: engine.start_load([0], [1]),
+            "copy: device page 1 is still in use by an unreported copy",
+        ),
+        (
+            lambda: engine.start_write(iter([3]), [4]),  # type: ignore[arg-type]
+            "copy: pages must be a sequence (a list or tuple), got list_iterator",
+        ),
+        (
+            lambda: engine.start_load([3], 4),  # type: ignore[arg-type]
+            "copy: pages must be a sequence (a list or tuple), got int",
+        ),
+    ]
+    for refused, message in refusals:
+        with pytest.raises(BadArgument) as caught:
+            refused()
+        assert str(caught.value) == message
+        assert isinstance(caught.value, ValueError)  # what these raised before
+        assert [t.id for t in engine.in_flight()] == [1]
+    assert [c.ticket.id for c in engine.poll()] == [1]
+    assert engine.start_write([3], [4]).id == 2  # no id was spent on a refusal
+
+
+@pytest.mark.parametrize("bad", [1.0, True, "1", None, 2])
+def test_wait_refuses_what_is_no_ticket_id(bad: object) -> None:
+    engine = make("fake")
+    engine.start_write([0], [0])
+    with pytest.raises(BadArgument) as caught:
+        engine.wait([1, bad])  # type: ignore[list-item]
+    assert str(caught.value) == f"copy: cannot wait for ticket {bad!r}: no copy started with it"
+    engine.close()
+
+
+def test_tiers_reset_with_copies_in_flight_is_refused_and_changes_nothing() -> None:
+    tiers = Tiers(CacheConfig(device="cpu", device_pages=4, page_size=2))
+    device, host = tiers.alloc_device(2, owner=1), tiers.alloc_host(2, owner=1)
+    tiers.copier.start_write(device, host)
+    with pytest.raises(PageBusy) as caught:
+        tiers.reset()
+    assert str(caught.value) == (
+        "tiers: reset refused: 1 copies in flight (ticket 1 first); drain the copy engine first"
+    )
+    assert tiers.device.allocator.owners[:2] == (1, 1)
+    assert tiers.host.allocator.owners[:2] == (1, 1)
+    tiers.copier.drain()
+    tiers.reset()
+    assert tiers.device.allocator.free_pages == 4

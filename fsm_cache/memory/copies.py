@@ -179,8 +179,9 @@ class CopyEngine:
         or load, or once the batch fills a staging buffer.
 
         Raises:
-            ValueError: the page lists differ in length, a destination repeats,
-                or a destination is busy with an unreported copy.
+            BadArgument: the pages are not sequences, the lists differ in
+                length, a destination repeats, or a destination is busy with
+                an unreported copy (also a ValueError, as these were).
             ForeignSlot: a page is outside its pool.
             CopyFailed: the engine is closed.
         """
@@ -195,8 +196,9 @@ class CopyEngine:
         Submitted at once, with the open batch before it.
 
         Raises:
-            ValueError: the page lists differ in length, a destination repeats,
-                or a destination is busy with an unreported copy.
+            BadArgument: the pages are not sequences, the lists differ in
+                length, a destination repeats, or a destination is busy with
+                an unreported copy (also a ValueError, as these were).
             ForeignSlot: a page is outside its pool.
             CopyFailed: the engine is closed.
         """
@@ -224,8 +226,15 @@ class CopyEngine:
         Returns the first page of ``src`` and of ``dst`` where each is one run of its
         pool's pages (:meth:`~fsm_cache.memory.pages.PageAllocator.run_of`), for the ticket.
         """
-        if len(src) != len(dst):
-            raise ValueError(f"copy: {len(src)} source pages but {len(dst)} destination pages")
+        try:
+            lengths = len(src), len(dst)
+        except TypeError:  # an iterator, or a single page: the pages are read more than once
+            bad = src if not hasattr(src, "__len__") else dst
+            raise BadArgument(
+                f"copy: pages must be a sequence (a list or tuple), got {type(bad).__name__}"
+            ) from None
+        if lengths[0] != lengths[1]:
+            raise BadArgument(f"copy: {lengths[0]} source pages but {lengths[1]} destination pages")
         if direction is Direction.D2H:
             source, target, busy = self.device, self.host, self._busy.host
         else:
@@ -237,7 +246,7 @@ class CopyEngine:
         if dst_run is None:
             target.check_pages(dst)
             if len(set(dst)) != len(dst):
-                raise ValueError("copy: a destination page is listed twice")
+                raise BadArgument("copy: a destination page is listed twice")
         if not busy.isdisjoint(dst, dst_run):
             refuse_busy_destination(direction, dst, busy)
         return src_run, dst_run
@@ -372,12 +381,14 @@ class CopyEngine:
             stream: The stream to hold back; None: the device's current stream.
 
         Raises:
-            ValueError: an id names no ticket this engine started.
+            BadArgument: an id is not the int id of a ticket this engine started
+                (also a ValueError).
         """
         ids = list(ticket_ids)
-        unknown = next((i for i in ids if not 1 <= i <= self._started), None)
-        if unknown is not None:
-            raise ValueError(f"copy: cannot wait for ticket {unknown}: no copy started with it")
+        started = self._started
+        for i in ids:
+            if not (whole(i, 1) and i <= started):
+                raise BadArgument(f"copy: cannot wait for ticket {i!r}: no copy started with it")
         self.submit()
         if self._api is None:
             return
