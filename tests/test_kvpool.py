@@ -537,7 +537,7 @@ def test_a_pool_over_a_tensor_its_views_cannot_address_is_refused(
             "host_pool: num_pages must be an int >= 0, got -1",
         ),
         (
-            lambda: host_pool(LAYOUT, 2.5, pin=False),
+            lambda: host_pool(LAYOUT, 2.5, pin=False),  # type: ignore[arg-type]
             "host_pool: num_pages must be an int >= 0, got 2.5",
         ),
         (
