@@ -141,6 +141,7 @@ class TestCopyFaults:
         )
         assert seen() == before
         assert node.device == "loading"
+        cache.close()  # the load is still queued on its fake stream
 
     # the lock is held across close on purpose: its lease reports it when collected
     @pytest.mark.filterwarnings("ignore::ResourceWarning")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 import pickle
 import re
@@ -18,12 +19,13 @@ with warnings.catch_warnings():
 
     from fsm_cache.bench.copies import CopyBenchResult, run_copy_bench
     from fsm_cache.bench.memory import bench_copies, ceiling_copy
-    from fsm_cache.errors import CopyFailed, ForeignSlot
+    from fsm_cache.errors import BadArgument, CopyFailed, ForeignSlot, PageBusy
     from fsm_cache.memory import staging
     from fsm_cache.memory.copies import Completion, CopyEngine, Direction, host_runs
     from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
     from fsm_cache.memory.staging import Stream
-    from fsm_cache.testing.fakecuda import FakeEvent, FakeStream, FakeStreams
+    from fsm_cache.memory.tiers import CacheConfig, Tiers
+    from fsm_cache.testing.fakecuda import FakeEvent, FakeStream, FakeStreams, deferred_copier
     from fsm_cache.testing.faults import POISON, Faults, FaultyCopyEngine
 
 CUDA = torch.cuda.is_available()
@@ -591,3 +593,204 @@ def test_wait_says_whether_the_copies_can_still_land(monkeypatch: pytest.MonkeyP
     assert engine.wait([good.id, bad.id]) is False
     assert [c.ok for c in engine.poll()] == [True, False]
     assert engine.wait([bad.id]) is True  # reported: nothing left to wait for
+
+
+# -- refused pools, and engines dropped unclosed ---------------------------------------------
+
+
+LAYOUT = KVLayout(layers=3, heads=2, head_dim=4, dtype=torch.float16, page_size=4)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        KVLayout(layers=3, heads=4, head_dim=2, dtype=torch.float16, page_size=4),  # same bytes
+        KVLayout(layers=3, heads=2, head_dim=4, dtype=torch.bfloat16, page_size=4),
+        KVLayout(layers=3, heads=2, head_dim=4, dtype=torch.float32, page_size=4),
+        KVLayout(layers=3, heads=2, head_dim=4, dtype=torch.float16, page_size=8),
+        KVLayout.mla(layers=3, latent_dim=8, dtype=torch.float16, page_size=4),
+    ],
+    ids=["heads", "dtype", "wider", "page_size", "mla"],
+)
+def test_pools_of_two_layouts_are_refused_naming_both(other: KVLayout) -> None:
+    dev = device_pool(LAYOUT, 4, torch.device("cpu"))
+    host = host_pool(other, 4, pin=False)
+    with pytest.raises(BadArgument) as caught:
+        CopyEngine(dev, host)
+    assert str(caught.value) == (
+        f"copy engine: the device pool's layout {LAYOUT} (384 bytes a page) differs from "
+        f"the host pool's {other} ({other.page_bytes} bytes a page)"
+    )
+    assert dev.allocator.free_pages == host.allocator.free_pages == 4
+
+
+def test_pools_in_the_wrong_places_are_refused() -> None:
+    cpu = torch.device("cpu")
+    dev, host = device_pool(LAYOUT, 4, cpu), host_pool(LAYOUT, 4, pin=False)
+    meta_shape = (4, LAYOUT.layers, LAYOUT.planes, LAYOUT.page_size, LAYOUT.heads, LAYOUT.head_dim)
+    on_meta = KVPool(
+        "host", LAYOUT, 4, torch.empty(meta_shape, dtype=LAYOUT.dtype, device="meta"), False
+    )
+    dev_meta = device_pool(LAYOUT, 4, torch.device("meta"))
+    cases: list[tuple[object, object, str]] = [
+        (dev, dev, "copy engine: host must be the host pool, got the device pool"),
+        (host, dev, "copy engine: device must be the device pool, got the host pool"),
+        (dev, dev.tensor, "copy engine: host must be a KVPool, got Tensor"),
+        (None, host, "copy engine: device must be a KVPool, got NoneType"),
+        (dev, on_meta, "copy engine: the host pool must be on the CPU, got meta"),
+        (dev_meta, host, "copy engine: the device pool must be on cpu or cuda, got meta"),
+    ]
+    for device, hosted, message in cases:
+        with pytest.raises(BadArgument) as caught:
+            CopyEngine(device, hosted)  # type: ignore[arg-type]
+        assert str(caught.value) == message
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5e6, True, "64"])
+def test_staging_bytes_must_be_a_positive_int(bad: object) -> None:
+    dev, host = device_pool(LAYOUT, 4, torch.device("cpu")), host_pool(LAYOUT, 4, pin=False)
+    with pytest.raises(BadArgument) as caught:
+        CopyEngine(dev, host, staging_bytes=bad)  # type: ignore[arg-type]
+    assert str(caught.value) == f"copy engine: staging_bytes must be an int >= 1, got {bad!r}"
+
+
+class _ClaimsCuda(KVPool):
+    """A CPU pool that says it is on CUDA: the engine's construction-time checks run on CPU."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+
+def test_a_pageable_host_pool_for_a_cuda_device_pool_warns_once_at_construction() -> None:
+    plain = device_pool(LAYOUT, 4, torch.device("cpu"))
+    dev = _ClaimsCuda("device", LAYOUT, 4, plain.tensor, pinned=False)
+    host = host_pool(LAYOUT, 4, pin=False)
+    with pytest.warns(RuntimeWarning) as caught:
+        CopyEngine(dev, host, streams=FakeStreams())
+    assert [str(w.message) for w in caught] == [
+        "copy engine: the host pool (4 pages) is not pinned, so every copy between it and "
+        "cuda:0 blocks the host in submit() and poll(); allocate it with "
+        "host_pool(..., pin=True), as Tiers does"
+    ]
+    assert caught[0].filename == __file__  # points at the caller
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_pageable_host_pool_on_cuda_warns() -> None:
+    dev = device_pool(LAYOUT, 4, torch.device("cuda"))
+    with pytest.warns(
+        RuntimeWarning, match=r"^copy engine: the host pool \(4 pages\) is not pinned"
+    ):
+        CopyEngine(dev, host_pool(LAYOUT, 4, pin=False))
+
+
+def test_an_engine_dropped_unclosed_waits_for_its_copies_and_warns() -> None:
+    fake = FakeStreams(max_polls=1000)  # nothing lands until something waits for it
+    engine = make("fake")
+    engine = CopyEngine(engine.device, engine.host, streams=fake)
+    host, want = engine.host, raw(engine.device, [1, 2])
+    engine.start_write([1, 2], [3, 4])
+    engine.poll()
+    assert fake.streams[0].pending  # queued on its stream, not run
+    name = repr(engine)
+    assert name == "CopyEngine(8 device pages on cpu, 8 host pages, FakeStreams)"
+    with pytest.warns(ResourceWarning) as caught:
+        del engine  # the last reference: the finalizer runs here
+    assert [str(w.message) for w in caught] == [
+        f"unclosed {name} dropped with 1 copies in flight: waited for them; "
+        "call close() before dropping it"
+    ]
+    assert [s.pending for s in fake.streams] == [0, 0]
+    assert torch.equal(raw(host, [3, 4]), want)
+
+
+def test_a_closed_or_idle_engine_is_dropped_quietly() -> None:
+    fake = FakeStreams(max_polls=1000)
+    engine = make("fake")
+    closed = CopyEngine(engine.device, engine.host, streams=fake)
+    closed.start_write([1], [1])
+    closed.close()
+    synchronous = make()
+    synchronous.start_write([1], [1])  # on the CPU nothing is queued: it never ran
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del closed, synchronous, engine
+        gc.collect()
+
+
+def test_tiers_dropped_unclosed_wait_for_their_copies() -> None:
+    fake = FakeStreams(max_polls=1000)
+    tiers = Tiers(
+        CacheConfig(device="cpu", device_pages=4, page_size=2, copier=deferred_copier(streams=fake))
+    )
+    tiers.write_tokens([0, 1], [5, 6, 7, 8])
+    want = raw(tiers.device, [0, 1])
+    host = tiers.host
+    tiers.copier.start_write([0, 1], [2, 3])
+    tiers.copier.poll()
+    with pytest.warns(
+        ResourceWarning, match=r"^unclosed CopyEngine\(4 device pages on cpu, 8 host"
+    ):
+        del tiers  # the last reference: the engine's finalizer runs here
+    assert torch.equal(raw(host, [2, 3]), want)
+
+
+def test_every_refused_copy_is_a_typed_error_that_starts_nothing() -> None:
+    engine = make()
+    engine.start_write([1], [2])
+    refusals: list[tuple[Callable[[], object], str]] = [
+        (lambda: engine.start_write([1, 2], [0]), "copy: 2 source pages but 1 destination pages"),
+        (lambda: engine.start_write([1, 3], [0, 0]), "copy: a destination page is listed twice"),
+        (
+            lambda: engine.start_write([3], [2]),
+            "copy: host page 2 is still in use by an unreported copy",
+        ),
+        (
+            lambda: engine.start_load([0], [1]),
+            "copy: device page 1 is still in use by an unreported copy",
+        ),
+        (
+            lambda: engine.start_write(iter([3]), [4]),  # type: ignore[arg-type]
+            "copy: pages must be a sequence (a list or tuple), got list_iterator",
+        ),
+        (
+            lambda: engine.start_load([3], 4),  # type: ignore[arg-type]
+            "copy: pages must be a sequence (a list or tuple), got int",
+        ),
+    ]
+    for refused, message in refusals:
+        with pytest.raises(BadArgument) as caught:
+            refused()
+        assert str(caught.value) == message
+        assert isinstance(caught.value, ValueError)  # what these raised before
+        assert [t.id for t in engine.in_flight()] == [1]
+    assert [c.ticket.id for c in engine.poll()] == [1]
+    assert engine.start_write([3], [4]).id == 2  # no id was spent on a refusal
+
+
+@pytest.mark.parametrize("bad", [1.0, True, "1", None, 2])
+def test_wait_refuses_what_is_no_ticket_id(bad: object) -> None:
+    engine = make("fake")
+    engine.start_write([0], [0])
+    with pytest.raises(BadArgument) as caught:
+        engine.wait([1, bad])  # type: ignore[list-item]
+    assert str(caught.value) == f"copy: cannot wait for ticket {bad!r}: no copy started with it"
+    engine.close()
+
+
+def test_tiers_reset_with_copies_in_flight_is_refused_and_changes_nothing() -> None:
+    tiers = Tiers(CacheConfig(device="cpu", device_pages=4, page_size=2))
+    device, host = tiers.alloc_device(2, owner=1), tiers.alloc_host(2, owner=1)
+    tiers.copier.start_write(device, host)
+    with pytest.raises(PageBusy) as caught:
+        tiers.reset()
+    assert str(caught.value) == (
+        "tiers: reset refused: 1 copies in flight (ticket 1 first); drain the copy engine first"
+    )
+    assert tiers.device.allocator.owners[:2] == (1, 1)
+    assert tiers.host.allocator.owners[:2] == (1, 1)
+    tiers.copier.drain()
+    tiers.reset()
+    assert tiers.device.allocator.free_pages == 4

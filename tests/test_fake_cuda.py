@@ -112,6 +112,7 @@ def test_poll_never_runs_a_copy_whose_event_is_not_due() -> None:
     assert fake.streams[0].pending > 0
     assert stale(engine.host, [1])
     assert fake.events[0].queries == 10
+    engine.close()  # dropped with the copy queued, it would wait for it and warn
 
 
 def test_drain_completes_everything() -> None:
@@ -210,6 +211,7 @@ def test_wait_refuses_ids_no_copy_was_started_with() -> None:
         with pytest.raises(ValueError, match=r"^copy: cannot wait for ticket ") as caught:
             engine.wait([1, bad])
         assert str(caught.value) == f"copy: cannot wait for ticket {bad}: no copy started with it"
+    engine.close()
 
 
 def test_wait_on_a_synchronous_cpu_engine_only_checks_the_ids() -> None:

@@ -14,7 +14,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
     import torch
 
-    from fsm_cache.errors import ForeignSlot, PinnedMemoryError, PoolError
+    from fsm_cache.errors import BadArgument, ForeignSlot, PinnedMemoryError, PoolError
     from fsm_cache.memory import kv
     from fsm_cache.memory.kv import (
         KVLayout,
@@ -445,3 +445,140 @@ def test_the_first_256_layer_and_plane_blocks_all_differ() -> None:
     for token in (0, 7, 2**40 + 3):
         blocks = synthetic_kv(layout, [token]).view(torch.uint8).reshape(260, 16)
         assert distinct_rows(blocks[:256])  # 16 bytes a block
+
+
+# -- bad pools and layouts are refused before any view is made --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"layers": 0}, "KV layout: layers must be an int >= 1, got 0"),
+        ({"heads": 2.0}, "KV layout: heads must be an int >= 1, got 2.0"),
+        ({"head_dim": -4}, "KV layout: head_dim must be an int >= 1, got -4"),
+        ({"page_size": True}, "KV layout: page_size must be an int >= 1, got True"),
+        ({"planes": 3}, "KV layout: planes must be 1 or 2, got 3"),
+        ({"planes": True}, "KV layout: planes must be 1 or 2, got True"),
+        ({"dtype": "float16"}, "KV layout: dtype must be a torch.dtype, got 'float16'"),
+    ],
+)
+def test_a_layout_of_no_bytes_or_no_type_is_refused(
+    kwargs: dict[str, object], message: str
+) -> None:
+    given: dict[str, object] = {
+        "layers": 3,
+        "heads": 2,
+        "head_dim": 4,
+        "dtype": torch.float16,
+        "page_size": 4,
+        **kwargs,
+    }
+    with pytest.raises(BadArgument) as caught:
+        KVLayout(**given)  # type: ignore[arg-type]
+    assert str(caught.value) == message
+
+
+HOST_SHAPE = (4, 3, 2, 4, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("name", "tensor", "message"),
+    [
+        (
+            "host",
+            torch.empty(HOST_SHAPE[::-1], dtype=torch.float16).permute(5, 4, 3, 2, 1, 0),
+            "host pool: the tensor must be contiguous, got strides (1, 4, 12, 24, 96, 192)",
+        ),
+        (
+            "host",
+            torch.empty((1, *HOST_SHAPE[1:]), dtype=torch.float16).expand(HOST_SHAPE),
+            "host pool: the tensor must be contiguous, got strides (0, 64, 32, 8, 4, 1)",
+        ),
+        (
+            "host",
+            torch.empty(4 * 3 * 2 * 4 * 2 * 4, dtype=torch.float16),
+            "host pool: a tensor of shape (768,) and dtype torch.float16 does not hold 4 pages, "
+            "which need shape (4, 3, 2, 4, 2, 4) and dtype torch.float16",
+        ),
+        (
+            "host",
+            torch.empty(HOST_SHAPE, dtype=torch.float32),
+            "host pool: a tensor of shape (4, 3, 2, 4, 2, 4) and dtype torch.float32 does not "
+            "hold 4 pages, which need shape (4, 3, 2, 4, 2, 4) and dtype torch.float16",
+        ),
+        (
+            "device",
+            torch.empty(HOST_SHAPE, dtype=torch.float16),  # the host's layout, same bytes
+            "device pool: a tensor of shape (4, 3, 2, 4, 2, 4) and dtype torch.float16 does not "
+            "hold 4 pages, which need shape (3, 2, 16, 2, 4) and dtype torch.float16",
+        ),
+        ("gpu", torch.empty(HOST_SHAPE), "KV pool: name must be 'device' or 'host', got 'gpu'"),
+        ("host", [0.0], "host pool: tensor must be a torch.Tensor, got list"),
+    ],
+    ids=["permuted", "expanded", "flat", "dtype", "host-layout", "name", "list"],
+)
+def test_a_pool_over_a_tensor_its_views_cannot_address_is_refused(
+    name: str, tensor: torch.Tensor, message: str
+) -> None:
+    with pytest.raises(BadArgument) as caught:
+        KVPool(name, LAYOUT, 4, tensor, pinned=False)
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: device_pool(LAYOUT, -1, torch.device("cpu")),
+            "device pool: num_pages must be an int >= 0, got -1",
+        ),
+        (
+            lambda: host_pool(LAYOUT, -1, pin=False),
+            "host_pool: num_pages must be an int >= 0, got -1",
+        ),
+        (
+            lambda: host_pool(LAYOUT, 2.5, pin=False),  # type: ignore[arg-type]
+            "host_pool: num_pages must be an int >= 0, got 2.5",
+        ),
+        (
+            lambda: host_pool(LAYOUT, byte_budget=-192, pin=False),
+            "host_pool: byte_budget must be an int >= 0, got -192",
+        ),
+        (
+            lambda: host_pool(LAYOUT, ratio=-1.0, device_pages=4, pin=False),
+            "host_pool: ratio must be a finite real >= 0, got -1.0",
+        ),
+        (
+            lambda: host_pool(LAYOUT, ratio=float("nan"), device_pages=4, pin=False),
+            "host_pool: ratio must be a finite real >= 0, got nan",
+        ),
+        (
+            lambda: host_pool(LAYOUT, ratio=2.0, device_pages=-4, pin=False),
+            "host_pool: device_pages must be an int >= 0, got -4",
+        ),
+    ],
+    ids=["device-negative", "negative", "fraction", "budget", "ratio", "nan", "device-pages"],
+)
+def test_a_pool_of_an_impossible_size_is_a_typed_error(make: object, message: str) -> None:
+    with pytest.raises(BadArgument) as caught:
+        make()  # type: ignore[operator]
+    assert str(caught.value) == message
+
+
+def test_an_empty_pool_says_it_has_no_pages() -> None:
+    pool = host_pool(LAYOUT, 0, pin=False)
+    with pytest.raises(ForeignSlot) as caught:
+        pool.read([0])
+    assert str(caught.value) == "host pool: page 0 outside the pool, which has no pages"
+
+
+def test_a_pool_dropped_pinned_waits_for_the_device_before_unregistering(
+    cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = pinned_pool()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "synchronize", lambda device=None: cudart.calls.append(("synchronize", 0))
+    )
+    del pool  # the last reference: the finalizer runs here
+    assert [c[0] for c in cudart.calls] == ["register", "synchronize", "unregister"]

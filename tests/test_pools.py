@@ -59,7 +59,7 @@ def test_zero_slots_is_an_empty_run() -> None:
 def test_bad_construction_is_refused() -> None:
     with pytest.raises(PoolError) as info:
         PageAllocator("host", 4, 0)
-    assert str(info.value) == "host pool: need num_pages >= 0 and page_size >= 1, got 4 and 0"
+    assert str(info.value) == "host pool: need ints num_pages >= 0 and page_size >= 1, got 4 and 0"
 
 
 def test_double_free_is_refused_and_changes_nothing() -> None:
@@ -342,3 +342,34 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.parametrize(
+    ("slots", "owner"), [(32.0, 1), (True, 1), ("32", 1), (32, 1.5), (32, None)]
+)
+def test_an_allocation_of_no_integer_size_or_owner_is_refused_whole(
+    slots: object, owner: object
+) -> None:
+    a = PageAllocator("host", 4, 16)
+    before = snapshot(a)
+    with pytest.raises(PoolError) as info:
+        a.alloc(slots, owner=owner)  # type: ignore[arg-type]
+    assert str(info.value) == (
+        f"host pool: cannot allocate {slots!r} slots for owner {owner!r}: both must be integers"
+    )
+    assert snapshot(a) == before
+
+
+@pytest.mark.parametrize(("pages", "size"), [(2.5, 16), (4, 1.5), (None, 16), (True, 16)])
+def test_an_allocator_of_no_integer_size_is_refused(pages: object, size: object) -> None:
+    with pytest.raises(PoolError) as info:
+        PageAllocator("host", pages, size)  # type: ignore[arg-type]
+    assert str(info.value) == (
+        f"host pool: need ints num_pages >= 0 and page_size >= 1, got {pages} and {size}"
+    )
+
+
+def test_an_empty_allocator_says_it_has_no_pages() -> None:
+    with pytest.raises(ForeignSlot) as info:
+        PageAllocator("device", 0, 16).owner_of(0)
+    assert str(info.value) == "device pool: page 0 outside the pool, which has no pages"

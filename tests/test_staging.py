@@ -16,7 +16,7 @@ import weakref
 import pytest
 import torch
 
-from fsm_cache.errors import CopyFailed
+from fsm_cache.errors import BadArgument, CopyFailed
 from fsm_cache.memory import staging
 from fsm_cache.memory.copies import CopyEngine, Direction
 from fsm_cache.memory.kv import WORDS, KVLayout, KVPool, device_pool, host_pool, word_type
@@ -165,7 +165,7 @@ def test_drain_and_wait_submit_whatever_the_batch_polls() -> None:
 def test_batch_polls_must_be_a_positive_int() -> None:
     dev, host = pools(2)
     for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match=r"^copy engine: batch_polls must be an int >= 1"):
+        with pytest.raises(BadArgument, match=r"^copy engine: batch_polls must be an int >= 1"):
             CopyEngine(dev, host, batch_polls=bad)  # type: ignore[arg-type]
 
 

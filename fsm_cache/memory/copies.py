@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import cast
 
-from fsm_cache.errors import CopyFailed
+from fsm_cache.errors import BadArgument, CopyFailed
 from fsm_cache.memory.kv import KVPool
 from fsm_cache.memory.staging import CudaStreams, Event, Mover, Stream, Streams
 from fsm_cache.memory.tickets import (
@@ -108,8 +110,22 @@ class CopyEngine:
             backups of ``k`` scheduler steps move together (fewer, larger
             copies; each backup is acknowledged up to ``k - 1`` polls later).
 
+    The two pools must share one layout (page shape, dtype and bytes per
+    page): the engine moves pages as raw words, so pools of two layouts
+    would be copied into each other as garbage. The host pool lives on the
+    CPU; on CUDA it should be pinned (see :func:`_check_pools`).
+
+    An engine dropped without :meth:`close` while copies are in flight waits
+    for them before its pools and staging buffers can be freed (queued copies
+    would otherwise run into freed memory), and warns with a
+    ``ResourceWarning`` naming it: :meth:`close` is the contract.
+
     Raises:
-        ValueError: ``batch_polls`` is below 1.
+        BadArgument: ``device`` or ``host`` is not a pool of its kind (the
+            same pool twice, the host pool off the CPU, a device pool on
+            neither the CPU nor CUDA), the two pools' layouts differ,
+            ``staging_bytes`` is not an int >= 1, or ``batch_polls`` is not
+            an int >= 1. Nothing is allocated.
     """
 
     def __init__(
@@ -121,8 +137,13 @@ class CopyEngine:
         streams: Streams | None = None,
         batch_polls: int = 1,
     ) -> None:
+        _check_pools(device, host)
+        if not whole(staging_bytes, 1):
+            raise BadArgument(
+                f"copy engine: staging_bytes must be an int >= 1, got {staging_bytes!r}"
+            )
         if not whole(batch_polls, 1):
-            raise ValueError(f"copy engine: batch_polls must be an int >= 1, got {batch_polls!r}")
+            raise BadArgument(f"copy engine: batch_polls must be an int >= 1, got {batch_polls!r}")
         self.device = device
         self.host = host
         self.stats = CopyStats()
@@ -141,6 +162,15 @@ class CopyEngine:
         self._api = streams if streams is not None else CudaStreams() if self.cuda else None
         self._busy = BusyPages(writes=self._api is not None)
         self._mover = Mover(device, host, self._chunk, self._api)
+        # Holds the mover (the pools' memory, the staging buffers, the streams), not the engine.
+        self._finalizer = weakref.finalize(self, _abandoned, repr(self), self._pending, self._mover)
+
+    def __repr__(self) -> str:
+        streams = "synchronous" if self._api is None else type(self._api).__name__
+        return (
+            f"CopyEngine({self.device.num_pages} device pages on {self.device.device}, "
+            f"{self.host.num_pages} host pages, {streams})"
+        )
 
     def start_write(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Ticket:
         """Start copying ``device_pages`` into ``host_pages``; see :class:`Copier`.
@@ -149,8 +179,9 @@ class CopyEngine:
         or load, or once the batch fills a staging buffer.
 
         Raises:
-            ValueError: the page lists differ in length, a destination repeats,
-                or a destination is busy with an unreported copy.
+            BadArgument: the pages are not sequences, the lists differ in
+                length, a destination repeats, or a destination is busy with
+                an unreported copy (also a ValueError, as these were).
             ForeignSlot: a page is outside its pool.
             CopyFailed: the engine is closed.
         """
@@ -165,8 +196,9 @@ class CopyEngine:
         Submitted at once, with the open batch before it.
 
         Raises:
-            ValueError: the page lists differ in length, a destination repeats,
-                or a destination is busy with an unreported copy.
+            BadArgument: the pages are not sequences, the lists differ in
+                length, a destination repeats, or a destination is busy with
+                an unreported copy (also a ValueError, as these were).
             ForeignSlot: a page is outside its pool.
             CopyFailed: the engine is closed.
         """
@@ -194,8 +226,15 @@ class CopyEngine:
         Returns the first page of ``src`` and of ``dst`` where each is one run of its
         pool's pages (:meth:`~fsm_cache.memory.pages.PageAllocator.run_of`), for the ticket.
         """
-        if len(src) != len(dst):
-            raise ValueError(f"copy: {len(src)} source pages but {len(dst)} destination pages")
+        try:
+            lengths = len(src), len(dst)
+        except TypeError:  # an iterator, or a single page: the pages are read more than once
+            bad = src if not hasattr(src, "__len__") else dst
+            raise BadArgument(
+                f"copy: pages must be a sequence (a list or tuple), got {type(bad).__name__}"
+            ) from None
+        if lengths[0] != lengths[1]:
+            raise BadArgument(f"copy: {lengths[0]} source pages but {lengths[1]} destination pages")
         if direction is Direction.D2H:
             source, target, busy = self.device, self.host, self._busy.host
         else:
@@ -207,7 +246,7 @@ class CopyEngine:
         if dst_run is None:
             target.check_pages(dst)
             if len(set(dst)) != len(dst):
-                raise ValueError("copy: a destination page is listed twice")
+                raise BadArgument("copy: a destination page is listed twice")
         if not busy.isdisjoint(dst, dst_run):
             refuse_busy_destination(direction, dst, busy)
         return src_run, dst_run
@@ -347,12 +386,14 @@ class CopyEngine:
             not hold the data, so compute must not read them. True otherwise.
 
         Raises:
-            ValueError: an id names no ticket this engine started.
+            BadArgument: an id is not the int id of a ticket this engine started
+                (also a ValueError).
         """
         ids = list(ticket_ids)
-        unknown = next((i for i in ids if not 1 <= i <= self._started), None)
-        if unknown is not None:
-            raise ValueError(f"copy: cannot wait for ticket {unknown}: no copy started with it")
+        started = self._started
+        for i in ids:
+            if not (whole(i, 1) and i <= started):
+                raise BadArgument(f"copy: cannot wait for ticket {i!r}: no copy started with it")
         self.submit()
         wanted = set(ids)
         ours = [s for s in self._submitted if any(t.id in wanted for t in s.tickets)]
@@ -379,6 +420,7 @@ class CopyEngine:
         if self._api is not None:  # the side streams and whatever compute still reads
             self._api.synchronize(self.device.device)
         self.closed = True
+        self._finalizer.detach()  # nothing is in flight: the memory may go with the engine
 
     def _complete(self, submission: _Submission) -> list[Completion]:
         """Report a finished submission's tickets: no longer busy, counted, each completed once."""
@@ -418,6 +460,68 @@ class CopyEngine:
     def busy_host_pages(self) -> frozenset[int]:
         """Every host page an unreported copy touches."""
         return self._busy.host.frozen()
+
+
+def _check_pools(device_pool: object, host_pool: object) -> None:
+    """Refuse a pair of pools the engine cannot copy between; see :class:`CopyEngine`.
+
+    A CUDA device pool with a pageable host pool is taken, with a warning:
+    each copy then blocks the host, which defeats a non-blocking scheduler
+    but moves the right bytes.
+
+    Raises:
+        BadArgument: naming what is wrong and, for a layout mismatch, both layouts.
+    """
+    device, host = _pool_of("device", device_pool), _pool_of("host", host_pool)
+    if host.device.type != "cpu":
+        raise BadArgument(f"copy engine: the host pool must be on the CPU, got {host.device}")
+    if device.device.type not in {"cpu", "cuda"}:
+        raise BadArgument(
+            f"copy engine: the device pool must be on cpu or cuda, got {device.device}"
+        )
+    if device.layout != host.layout:
+        raise BadArgument(
+            f"copy engine: the device pool's layout {device.layout} "
+            f"({device.layout.page_bytes} bytes a page) differs from the host pool's "
+            f"{host.layout} ({host.layout.page_bytes} bytes a page)"
+        )
+    if device.device.type == "cuda" and not host.tensor.is_pinned():  # CUDA only
+        warnings.warn(
+            f"copy engine: the host pool ({host.num_pages} pages) is not pinned, so every copy "
+            f"between it and {device.device} blocks the host in submit() and poll(); "
+            "allocate it with host_pool(..., pin=True), as Tiers does",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _pool_of(name: str, pool: object) -> KVPool:
+    """``pool``, if it is a :class:`KVPool` made as the ``name`` pool (its layout depends on it)."""
+    if not isinstance(pool, KVPool):
+        raise BadArgument(f"copy engine: {name} must be a KVPool, got {type(pool).__name__}")
+    if pool.name != name:
+        raise BadArgument(f"copy engine: {name} must be the {name} pool, got the {pool.name} pool")
+    return pool
+
+
+def _abandoned(engine: str, pending: dict[int, Ticket], mover: Mover) -> None:
+    """The finalizer of an engine dropped unclosed: wait for its copies before memory goes.
+
+    ``mover`` holds the pools' memory and the staging buffers, so none of it
+    can be freed before the queued copies that use it have run. A synchronous
+    engine (no streams) has nothing running: its unreported copies either ran
+    or never will, and it goes quietly.
+    """
+    if not pending or not mover.streams:
+        return
+    with contextlib.suppress(RuntimeError):  # a broken device runs nothing more
+        mover.synchronize()
+    warnings.warn(
+        f"unclosed {engine} dropped with {len(pending)} copies in flight: waited for them; "
+        "call close() before dropping it",
+        ResourceWarning,
+        stacklevel=2,
+    )
 
 
 def _busy(busy: PageSet, pool: KVPool, pages: Iterable[int]) -> bool:

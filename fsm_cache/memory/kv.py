@@ -20,6 +20,7 @@ creates a context on GPU 0 nor pins the memory for the wrong context.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 import weakref
 from array import array
@@ -29,9 +30,9 @@ from typing import Any
 
 import torch
 
-from fsm_cache.errors import ForeignSlot, PinnedMemoryError, PoolError
-from fsm_cache.memory.pages import PageAllocator
-from fsm_cache.numeric import whole
+from fsm_cache.errors import BadArgument, ForeignSlot, PinnedMemoryError, PoolError
+from fsm_cache.memory.pages import PageAllocator, outside
+from fsm_cache.numeric import real, whole
 
 
 _INT = frozenset((int,))
@@ -49,6 +50,11 @@ class KVLayout:
         dtype: Element type.
         page_size: Tokens (slots) per page.
         planes: 2 for separate K and V, 1 for an MLA single latent.
+
+    Raises:
+        BadArgument: a size is not an int >= 1 (a page of no bytes cannot be
+            copied or counted), ``planes`` is neither 1 nor 2, or ``dtype`` is
+            not a ``torch.dtype``.
     """
 
     layers: int
@@ -57,6 +63,16 @@ class KVLayout:
     dtype: torch.dtype
     page_size: int
     planes: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "heads", "head_dim", "page_size"):
+            value = getattr(self, name)
+            if not whole(value, 1):
+                raise BadArgument(f"KV layout: {name} must be an int >= 1, got {value!r}")
+        if self.planes not in {1, 2} or not whole(self.planes):
+            raise BadArgument(f"KV layout: planes must be 1 or 2, got {self.planes!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise BadArgument(f"KV layout: dtype must be a torch.dtype, got {self.dtype!r}")
 
     @classmethod
     def mla(cls, layers: int, latent_dim: int, dtype: torch.dtype, page_size: int) -> KVLayout:
@@ -101,6 +117,13 @@ class KVPool:
             of one, bit for bit.
         allocator: The pool's :class:`PageAllocator`.
         pinned: Whether the memory is page-locked by this pool.
+
+    Raises:
+        BadArgument: ``name`` is neither ``device`` nor ``host``, ``num_pages``
+            is not an int >= 0, or ``tensor`` is not a contiguous tensor of
+            the shape and dtype that ``name``'s layout needs for ``num_pages``
+            pages (:func:`device_pool` and :func:`host_pool` make them); the
+            views would otherwise alias or reinterpret its memory.
     """
 
     def __init__(
@@ -113,6 +136,7 @@ class KVPool:
         *,
         pin_device: torch.device | None = None,
     ) -> None:
+        _check_pool(name, layout, num_pages, tensor)
         self.name = name
         self.layout = layout
         self.num_pages = num_pages
@@ -306,7 +330,7 @@ class KVPool:
             return
         for p in pages:
             if not whole(p) or p >= self.num_pages:
-                raise ForeignSlot(f"{self.name} pool: page {p!r} outside 0..{self.num_pages - 1}")
+                raise ForeignSlot(f"{self.name} pool: page {p!r} {outside(self.num_pages)}")
 
     def _refuse_repeats(self, pages: Sequence[int]) -> None:
         """Raise :class:`PoolError` naming the first page ``pages`` lists twice."""
@@ -337,6 +361,35 @@ class KVPool:
             return
         self.pinned = False
         unregister_host(self.tensor, self._pin_device)
+
+
+def _check_pool(name: object, layout: KVLayout, num_pages: object, tensor: object) -> None:
+    """Refuse a pool whose tensor is not what its views assume; see :class:`KVPool`."""
+    if name not in {"device", "host"}:
+        raise BadArgument(f"KV pool: name must be 'device' or 'host', got {name!r}")
+    if not isinstance(layout, KVLayout):
+        raise BadArgument(f"{name} pool: layout must be a KVLayout, got {type(layout).__name__}")
+    if not whole(num_pages):
+        raise BadArgument(f"{name} pool: num_pages must be an int >= 0, got {num_pages!r}")
+    if not isinstance(tensor, torch.Tensor):
+        raise BadArgument(
+            f"{name} pool: tensor must be a torch.Tensor, got {type(tensor).__name__}"
+        )
+    lay = layout
+    if name == "host":
+        shape: tuple[int, ...] = (num_pages, lay.layers, lay.planes, lay.page_size, lay.heads)
+    else:
+        shape = (lay.layers, lay.planes, num_pages * lay.page_size, lay.heads)
+    shape = (*shape, lay.head_dim)
+    if tuple(tensor.shape) != shape or tensor.dtype != lay.dtype:
+        raise BadArgument(
+            f"{name} pool: a tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} "
+            f"does not hold {num_pages} pages, which need shape {shape} and dtype {lay.dtype}"
+        )
+    if not tensor.is_contiguous():
+        raise BadArgument(
+            f"{name} pool: the tensor must be contiguous, got strides {tensor.stride()}"
+        )
 
 
 def _paged_shape(layout: KVLayout, pages: int) -> tuple[int, ...]:
@@ -387,6 +440,8 @@ def device_pool(layout: KVLayout, num_pages: int, device: torch.device | None = 
         num_pages: Pages to allocate.
         device: Where; :func:`default_device` when ``None``.
     """
+    if not whole(num_pages):
+        raise BadArgument(f"device pool: num_pages must be an int >= 0, got {num_pages!r}")
     where = device or default_device()
     shape = (layout.layers, layout.planes, num_pages * layout.page_size, layout.heads)
     tensor = torch.empty((*shape, layout.head_dim), dtype=layout.dtype, device=where)
@@ -417,7 +472,10 @@ def host_pool(
             current CUDA device.
 
     Raises:
-        ValueError: not exactly one size was given, or ``ratio`` lacks ``device_pages``.
+        BadArgument: not exactly one size was given, ``ratio`` lacks
+            ``device_pages``, or the size is not a whole number of pages
+            ``>= 0`` (``num_pages``, ``byte_budget`` and ``device_pages``
+            ints, ``ratio`` a finite real).
         PinnedMemoryError: ``cudaHostRegister`` failed.
     """
     pages = _host_pages(layout, num_pages, byte_budget, ratio, device_pages)
@@ -437,14 +495,21 @@ def _host_pages(
 ) -> int:
     given = [x for x in (num_pages, byte_budget, ratio) if x is not None]
     if len(given) != 1:
-        raise ValueError("host_pool: give exactly one of num_pages, byte_budget, ratio")
+        raise BadArgument("host_pool: give exactly one of num_pages, byte_budget, ratio")
+    for name, value in (("num_pages", num_pages), ("byte_budget", byte_budget)):
+        if value is not None and not whole(value):
+            raise BadArgument(f"host_pool: {name} must be an int >= 0, got {value!r}")
     if num_pages is not None:
         return num_pages
     if byte_budget is not None:
         return layout.pages_for_bytes(byte_budget)
     if device_pages is None:
-        raise ValueError("host_pool: ratio needs device_pages")
-    return int(device_pages * (ratio or 0.0))
+        raise BadArgument("host_pool: ratio needs device_pages")
+    if not whole(device_pages):
+        raise BadArgument(f"host_pool: device_pages must be an int >= 0, got {device_pages!r}")
+    if not real(ratio) or not math.isfinite(ratio) or ratio < 0:
+        raise BadArgument(f"host_pool: ratio must be a finite real >= 0, got {ratio!r}")
+    return int(device_pages * ratio)
 
 
 def _pin_device(device: torch.device | None) -> torch.device:
@@ -507,7 +572,16 @@ def unregister_host(tensor: torch.Tensor, device: torch.device | None) -> None:
 
 
 def _unregister_at_exit(tensor: torch.Tensor, device: torch.device | None) -> None:
-    """The pool's finalizer: unregister, and warn (a finalizer cannot raise) on failure."""
+    """The pool's finalizer: unregister, and warn (a finalizer cannot raise) on failure.
+
+    The device is synchronised first: a pool dropped without :meth:`KVPool.close`
+    may still be read or written by queued copies (a copy engine dropped in the
+    same garbage collection may not have waited for them yet), and memory
+    unregistered under a running DMA is undefined behaviour.
+    """
+    if torch.cuda.is_available():  # CUDA only
+        with contextlib.suppress(RuntimeError):  # a broken device runs nothing more
+            torch.cuda.synchronize(device)
     try:
         unregister_host(tensor, device)
     except PinnedMemoryError as exc:

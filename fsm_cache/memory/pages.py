@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from itertools import chain, repeat
 
 from fsm_cache.errors import DoubleFree, ForeignSlot, InvariantViolation, PoolError, PoolExhausted
+from fsm_cache.numeric import as_index, whole
 
 
 FREE = -1
@@ -59,6 +60,13 @@ def pages_of(slots: Sequence[int], page_size: int) -> list[int]:
     if slots_of(pages, page_size) != list(slots):
         raise ForeignSlot(f"slots are not whole pages of size {page_size}")
     return pages
+
+
+def outside(num_pages: int) -> str:
+    """How a refusal says a page is not in a pool of ``num_pages`` pages (one may have none)."""
+    if num_pages:
+        return f"outside 0..{num_pages - 1}"
+    return "outside the pool, which has no pages"
 
 
 def run_start(pages: Sequence[int]) -> int | None:
@@ -104,9 +112,9 @@ class PageAllocator:
     _owner: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.num_pages < 0 or self.page_size < 1:
+        if not whole(self.num_pages) or not whole(self.page_size, 1):
             raise PoolError(
-                f"{self.name} pool: need num_pages >= 0 and page_size >= 1, "
+                f"{self.name} pool: need ints num_pages >= 0 and page_size >= 1, "
                 f"got {self.num_pages} and {self.page_size}"
             )
         # A stack popped from the end: fresh pools hand out ascending runs.
@@ -157,9 +165,17 @@ class PageAllocator:
         owned by ``owner``; ``free_slots`` dropped by ``num_slots``.
 
         Raises:
-            PoolError: ``num_slots`` is negative or not page-aligned, or ``owner < 0``.
+            PoolError: ``num_slots`` is negative, not page-aligned or not an
+                integer (a bool is not), or ``owner`` is not an integer ``>= 0``.
             PoolExhausted: fewer than ``num_slots`` slots are free.
         """
+        if (type(num_slots) is not int or type(owner) is not int) and (
+            as_index(num_slots) is None or as_index(owner) is None
+        ):  # a float would pass the checks below and fail half-way; a numpy integer is fine
+            raise PoolError(
+                f"{self.name} pool: cannot allocate {num_slots!r} slots for owner {owner!r}: "
+                "both must be integers"
+            )
         if num_slots < 0 or num_slots % self.page_size or owner < 0:
             raise PoolError(
                 f"{self.name} pool: cannot allocate {num_slots} slots for owner {owner} "
@@ -341,7 +357,7 @@ class PageAllocator:
             except TypeError:
                 raise ForeignSlot(f"{self.name} pool: page {page!r} is not an int") from None
         if not 0 <= page < self.num_pages:
-            raise ForeignSlot(f"{self.name} pool: page {page} outside 0..{self.num_pages - 1}")
+            raise ForeignSlot(f"{self.name} pool: page {page} {outside(self.num_pages)}")
 
     def _check_owned(self, pages: Sequence[int], owner: int) -> None:
         if self.all_owned_by(pages, owner):

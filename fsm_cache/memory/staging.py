@@ -270,6 +270,11 @@ class Mover:
         else:
             _copy(self._dev[dst : dst + n], self._host[src : src + n], False)
 
+    def synchronize(self) -> None:
+        """Block until every copy queued on the streams has run (nothing to wait for without)."""
+        if self._api is not None:
+            self._api.synchronize(self._where)
+
     def release(self) -> None:
         """Drop outgrown staging buffers; call only when no queued copy can still use them."""
         self._retired.clear()

@@ -16,7 +16,7 @@ from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
-from fsm_cache.errors import CopyFailed
+from fsm_cache.errors import BadArgument, CopyFailed
 from fsm_cache.memory.pages import run_start
 
 
@@ -101,7 +101,7 @@ class Copier(Protocol):
         Never blocks the host: on CUDA the stream waits on each unreported
         ticket's event, so compute queued after it reads the loaded pages.
         Reported tickets need nothing; a CPU engine's copies are synchronous.
-        An id no copy was started with raises ValueError.
+        An id no copy was started with raises BadArgument (a ValueError).
 
         Returns False when one of these copies is already known to have failed
         (its launch did), so its pages will not hold what it copies and compute
@@ -305,7 +305,7 @@ def refuse_busy_destination(direction: Direction, dst: Iterable[int], busy: Cont
     """Refuse to write pages an unreported copy still reads or writes (WAR and WAW hazards).
 
     Raises:
-        ValueError: naming the first busy destination page.
+        BadArgument: naming the first busy destination page (also a ValueError).
     """
     disjoint = getattr(busy, "isdisjoint", None)
     if disjoint is not None and disjoint(dst):
@@ -313,4 +313,4 @@ def refuse_busy_destination(direction: Direction, dst: Iterable[int], busy: Cont
     hit = next((p for p in dst if p in busy), None)
     if hit is not None:
         tier = "host" if direction is Direction.D2H else "device"
-        raise ValueError(f"copy: {tier} page {hit} is still in use by an unreported copy")
+        raise BadArgument(f"copy: {tier} page {hit} is still in use by an unreported copy")

@@ -335,7 +335,17 @@ class Tiers:
         """Free every page of both pools, keeping their tensors (and pinned memory) as they are.
 
         The copy engine must have nothing in flight (drain it first): no page may be busy.
+
+        Raises:
+            PageBusy: a copy is in flight, which would run into pages handed
+                out again; nothing is reset.
         """
+        busy = self.copier.in_flight()
+        if busy:
+            raise PageBusy(
+                f"tiers: reset refused: {len(busy)} copies in flight (ticket {busy[0].id} first); "
+                "drain the copy engine first"
+            )
         for pool in (self.device, self.host):
             pool.allocator = PageAllocator(pool.name, pool.num_pages, pool.layout.page_size)
 
