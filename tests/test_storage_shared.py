@@ -396,3 +396,28 @@ def test_local_a_shard_swapped_for_a_link_mid_read_is_neither_touched_nor_evicte
     )
     assert folder_state(victim) == before
     assert store.put(KEYS[1:], PAGES[1:]) == [PutResult.STORED]
+
+
+def test_local_a_temporary_folder_swapped_for_a_link_after_opening_is_not_written_through(
+    tmp_path: Path,
+) -> None:
+    """``.tmp`` is checked when the store opens; a put long after made its temporary
+    file through a link swapped in since, deleting first the file of that name in the
+    folder the link names. The put fails instead, and that folder is left as it was."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / temporary_name(KEYS[0])).write_bytes(b"not yours to delete")
+    before = folder_state(elsewhere)
+    store = LocalFileStore(tmp_path / "store")
+    tmp = tmp_path / "store" / ".tmp"
+    tmp.rmdir()
+    tmp.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(StoreFailed) as caught:
+        store.put(KEYS[:1], PAGES[:1])
+    assert str(caught.value) == (
+        f"local {tmp_path / 'store'}: put failed after 0 of 1 pages: "
+        f"NotADirectoryError: [Errno 20] a link, not a directory: '{tmp}'"
+    )
+    assert folder_state(elsewhere) == before
+    assert not store.path(KEYS[0]).exists()
+    assert store.capacity() == Capacity(0, 0, None, 0)

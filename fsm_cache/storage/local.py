@@ -12,9 +12,9 @@ folder's own clock (a network folder's server's, not this host's). A
 writer creates its temporary file afresh (``O_EXCL``), so a link another user
 of the folder planted at that name is removed, never written through; nor is a
 link planted at a page's path followed when the page's times are set. Nor is
-a link that replaced a shard (``<root>/<key[:2]>``): every page operation
-opens the shard without following a link and names the file in it, so an
-operation that meets such a link fails (a
+a link that replaced a shard (``<root>/<key[:2]>``) or ``.tmp``: every page
+operation opens the directory without following a link and names the file in
+it, so an operation that meets such a link fails (a
 :class:`~fsm_cache.errors.StoreFailed` naming it), and opening skips the shard.
 Every read checks the page's header (:mod:`fsm_cache.storage.codec`).
 
@@ -112,6 +112,7 @@ class LocalFileStore:
         self._readers: dict[str, int] = {}
         self._rooted: set[str] = set()  # shards whose entry in root this process synced
         self._tmp = self.root / ".tmp"
+        self._temporaries = str(self._tmp)
         self._make_directory()
         try:
             self.reaped = _reap(self._tmp)
@@ -323,26 +324,40 @@ class LocalFileStore:
         return StoreFailed(self.where, operation, acknowledged=done, total=total, cause=cause)
 
     def _write(self, key: str, page: torch.Tensor) -> None:
-        """Write ``page`` to a temporary file and rename it into place; clean up on failure."""
-        temporary = self._tmp / f"{key}.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp"
-        # The name is predictable: whatever is there (a link planted by another
-        # user of the folder) is replaced, and O_EXCL never opens through a link.
-        temporary.unlink(missing_ok=True)
-        try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                codec.write(fd, key, page)
-                if self.durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            self._place(str(temporary), key)
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
+        """Write ``page`` to a temporary file and rename it into place; clean up on failure.
 
-    def _place(self, temporary: str, key: str) -> None:
-        """Rename the page written at ``temporary`` into place; sync it if durable.
+        ``.tmp`` is opened without following a link, and the file made in it
+        by name: another user of the folder may swap ``.tmp`` for a link after
+        the open looked at it.
+        """
+        name = f"{key}.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp = _open_folder(self._temporaries)
+        try:
+            # The name is predictable: whatever is there (a link planted by another
+            # user of the folder) is replaced, and O_EXCL never opens through a link.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=tmp)
+            try:
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=tmp)
+                try:
+                    codec.write(fd, key, page)
+                    if self.durable:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self._place(tmp, name, key)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=tmp)
+                raise
+        except OSError as exc:
+            _name_in(exc, name, os.path.join(self._temporaries, name))
+            raise
+        finally:
+            os.close(tmp)
+
+    def _place(self, tmp: int, name: str, key: str) -> None:
+        """Rename the page written as ``name`` in the open ``tmp`` into place; sync it if durable.
 
         The shard is made if missing, and never followed if a link. The rename
         is durable once the shard directory is synced, and the shard itself
@@ -350,7 +365,7 @@ class LocalFileStore:
         another process made is covered too.
         """
         with self._shard(key, make=True) as shard:
-            os.replace(temporary, f"{key}{SUFFIX}", dst_dir_fd=shard)
+            os.replace(name, f"{key}{SUFFIX}", src_dir_fd=tmp, dst_dir_fd=shard)
             if not self.durable:
                 return
             if key[:2] not in self._rooted:
