@@ -498,11 +498,11 @@ def test_local_a_failed_write_leaves_no_file_and_no_reservation(
     real = os.replace
     calls = []
 
-    def failing(src: str, dst: str) -> None:
+    def failing(src: str, dst: str, **folders: int) -> None:
         calls.append(dst)
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
-        real(src, dst)
+        real(src, dst, **folders)
 
     monkeypatch.setattr(os, "replace", failing)
     with pytest.raises(StoreFailed) as caught:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fsm_cache.errors import BadArgument, StoreFailed
-from fsm_cache.storage import LocalFileStore, Namespace, PutResult, codec, page_keys
+from fsm_cache.storage import Capacity, LocalFileStore, Namespace, PutResult, codec, page_keys
 from fsm_cache.storage import local as local_module
 
 
@@ -60,14 +60,14 @@ def test_local_a_disk_error_indexing_at_open_is_store_failed(
 ) -> None:
     """A page file another process wrote that cannot be looked at is StoreFailed (open), not OSError."""
     LocalFileStore(tmp_path).put(KEYS, PAGES)
-    stat = Path.stat
+    stat = os.stat
 
-    def eio(self: Path, *args: Any, **options: Any) -> os.stat_result:
-        if self.suffix == ".page":
-            raise OSError(5, "Input/output error", str(self))
-        return stat(self, *args, **options)
+    def eio(path: Any, *args: Any, **options: Any) -> os.stat_result:
+        if str(path).endswith(".page"):
+            raise OSError(5, "Input/output error", str(path))
+        return stat(path, *args, **options)
 
-    monkeypatch.setattr(Path, "stat", eio)
+    monkeypatch.setattr(os, "stat", eio)
     with pytest.raises(StoreFailed) as caught:
         LocalFileStore(tmp_path)
     assert str(caught.value).startswith(
@@ -298,3 +298,126 @@ def test_local_a_temporary_folder_swapped_for_a_link_while_opening_is_not_reaped
         LocalFileStore(tmp_path / "store")
     assert (caught.value.operation, caught.value.acknowledged) == ("open", 0)
     assert theirs.read_bytes() == b"not yours to delete"
+
+
+def shard_linked_to_a_victim(tmp_path: Path, *, holding: bool) -> tuple[LocalFileStore, Path]:
+    """Return a store whose first key's shard is a link, and the folder it names.
+
+    The folder is another store's shard: holding the first key's page (its
+    times set to a known past) if ``holding``, else empty.
+    """
+    elsewhere = LocalFileStore(tmp_path / "elsewhere")
+    if holding:
+        elsewhere.put(KEYS[:1], PAGES[:1])
+        os.utime(elsewhere.path(KEYS[0]), ns=(1_000_000_000, 1_000_000_000))
+    victim = elsewhere.path(KEYS[0]).parent
+    victim.mkdir(exist_ok=True)
+    store = LocalFileStore(tmp_path / "store")
+    store.path(KEYS[0]).parent.symlink_to(victim, target_is_directory=True)
+    return store, victim
+
+
+def folder_state(folder: Path) -> list[tuple[str, bytes, int]]:
+    """Return each file in ``folder``: its name, bytes and modification time."""
+    return sorted((p.name, p.read_bytes(), p.stat().st_mtime_ns) for p in folder.iterdir())
+
+
+def operate(store: LocalFileStore, operation: str) -> object:
+    """Run ``operation`` (put, exists, get or drop) on the first key's page."""
+    if operation == "put":
+        return store.put(KEYS[:1], PAGES[:1])
+    if operation == "exists":
+        return store.exists_prefix(KEYS[:1])
+    if operation == "get":
+        return store.get(KEYS[:1])
+    return store.drop(KEYS[:1])
+
+
+@pytest.mark.parametrize("operation", ["put", "exists", "get", "drop"])
+def test_local_a_shard_replaced_by_a_link_is_not_followed(tmp_path: Path, operation: str) -> None:
+    """Another user of the folder may replace a shard (``<root>/ab``) by a link to a
+    folder of this process's user: a put wrote its page there, a lookup found the pages
+    there (and a get read and touched them), a drop deleted them. Each is StoreFailed
+    instead, naming the link, and the folder it names is left as it was."""
+    store, victim = shard_linked_to_a_victim(tmp_path, holding=operation != "put")
+    before = folder_state(victim)
+    with pytest.raises(StoreFailed) as caught:
+        operate(store, operation)
+    link = store.path(KEYS[0]).parent
+    assert str(caught.value) == (
+        f"local {tmp_path / 'store'}: {operation} failed after 0 of 1 pages: "
+        f"NotADirectoryError: [Errno 20] a link, not a directory: '{link}'"
+    )
+    assert folder_state(victim) == before
+    assert store.capacity() == Capacity(0, 0, None, 0)
+    assert list((tmp_path / "store" / ".tmp").iterdir()) == []
+
+
+def test_local_a_linked_shard_is_not_indexed_at_open_nor_evicted_through(tmp_path: Path) -> None:
+    """Opening indexed the pages under every shard, a link's too: they counted against
+    the limit, and the first put to need room deleted them in the folder the link names."""
+    _, victim = shard_linked_to_a_victim(tmp_path, holding=True)
+    before = folder_state(victim)
+    size = LocalFileStore(tmp_path / "elsewhere").capacity().used_bytes
+    store = LocalFileStore(tmp_path / "store", limit_bytes=size)
+    assert store.capacity() == Capacity(0, 0, size, 0)
+    assert store.put(KEYS[1:], PAGES[1:]) == [PutResult.STORED]
+    assert folder_state(victim) == before
+
+
+def test_local_a_shard_swapped_for_a_link_mid_read_is_neither_touched_nor_evicted_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The swap may come after a page is found: marking it used then set the times of the
+    page of that name in the folder the link names, and evicting it deleted that page."""
+    _, victim = shard_linked_to_a_victim(tmp_path, holding=True)
+    before = folder_state(victim)
+    size = LocalFileStore(tmp_path / "elsewhere").capacity().used_bytes
+    store = LocalFileStore(tmp_path / "store", limit_bytes=size)
+    store.path(KEYS[0]).parent.unlink()
+    assert store.put(KEYS[:1], PAGES[:1]) == [PutResult.STORED]
+    shard = store.path(KEYS[0]).parent
+    read_into = codec._read_into  # noqa: SLF001 (the moment the file is open)
+
+    def swapped_meanwhile(fd: int, path: str, key: str, nbytes: int) -> torch.Tensor:
+        store.path(KEYS[0]).unlink()
+        shard.rmdir()
+        shard.symlink_to(victim, target_is_directory=True)
+        return read_into(fd, path, key, nbytes)
+
+    monkeypatch.setattr(codec, "_read_into", swapped_meanwhile)
+    assert torch.equal(store.get(KEYS[:1])[0], PAGES[0])
+    assert folder_state(victim) == before
+    with pytest.raises(StoreFailed) as caught:
+        store.put(KEYS[1:], PAGES[1:])
+    assert str(caught.value) == (
+        f"local {tmp_path / 'store'}: put failed after 0 of 1 pages: "
+        f"NotADirectoryError: [Errno 20] a link, not a directory: '{shard}'"
+    )
+    assert folder_state(victim) == before
+    assert store.put(KEYS[1:], PAGES[1:]) == [PutResult.STORED]
+
+
+def test_local_a_temporary_folder_swapped_for_a_link_after_opening_is_not_written_through(
+    tmp_path: Path,
+) -> None:
+    """``.tmp`` is checked when the store opens; a put long after made its temporary
+    file through a link swapped in since, deleting first the file of that name in the
+    folder the link names. The put fails instead, and that folder is left as it was."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / temporary_name(KEYS[0])).write_bytes(b"not yours to delete")
+    before = folder_state(elsewhere)
+    store = LocalFileStore(tmp_path / "store")
+    tmp = tmp_path / "store" / ".tmp"
+    tmp.rmdir()
+    tmp.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(StoreFailed) as caught:
+        store.put(KEYS[:1], PAGES[:1])
+    assert str(caught.value) == (
+        f"local {tmp_path / 'store'}: put failed after 0 of 1 pages: "
+        f"NotADirectoryError: [Errno 20] a link, not a directory: '{tmp}'"
+    )
+    assert folder_state(elsewhere) == before
+    assert not store.path(KEYS[0]).exists()
+    assert store.capacity() == Capacity(0, 0, None, 0)

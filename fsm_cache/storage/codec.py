@@ -222,12 +222,18 @@ def decode(where: str, key: str, value: bytes) -> torch.Tensor:
     return _verified(where, key, head, page)
 
 
-def read(path: str, key: str) -> torch.Tensor:
+def read(path: str, key: str, *, folder: int | None = None) -> torch.Tensor:
     """Return the page in the file at ``path``, after checking its header, length and checksum.
 
     Reads the header, then the bytes straight into the new tensor (no buffer
     between, no read past the header). Opened non-blocking, so a FIFO planted
     at ``path`` is refused instead of waited on.
+
+    Args:
+        path: The file, as errors name it.
+        key: The page key its header must name.
+        folder: An open directory to find the file in by its name (the last
+            part of ``path``), so a link swapped in above it is not followed.
 
     Raises:
         FileNotFoundError: There is no such file (the page was evicted or dropped).
@@ -235,7 +241,8 @@ def read(path: str, key: str) -> torch.Tensor:
             names another key.
         OSError: The file could not be read (a disk error, no permission).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    name = path if folder is None else os.path.basename(path)
+    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK, dir_fd=folder)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

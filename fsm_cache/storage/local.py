@@ -11,7 +11,11 @@ any other writer's once untouched for :data:`STALE_TEMPORARY_SECONDS` by the
 folder's own clock (a network folder's server's, not this host's). A
 writer creates its temporary file afresh (``O_EXCL``), so a link another user
 of the folder planted at that name is removed, never written through; nor is a
-link planted at a page's path followed when the page's times are set.
+link planted at a page's path followed when the page's times are set. Nor is
+a link that replaced a shard (``<root>/<key[:2]>``) or ``.tmp``: every page
+operation opens the directory without following a link and names the file in
+it, so an operation that meets such a link fails (a
+:class:`~fsm_cache.errors.StoreFailed` naming it), and opening skips the shard.
 Every read checks the page's header (:mod:`fsm_cache.storage.codec`).
 
 With a byte limit, a write reserves its bytes first (:mod:`fsm_cache.storage.budget`)
@@ -40,6 +44,7 @@ the budget sit behind one lock; file I/O runs outside it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import string
@@ -107,6 +112,7 @@ class LocalFileStore:
         self._readers: dict[str, int] = {}
         self._rooted: set[str] = set()  # shards whose entry in root this process synced
         self._tmp = self.root / ".tmp"
+        self._temporaries = str(self._tmp)
         self._make_directory()
         try:
             self.reaped = _reap(self._tmp)
@@ -305,7 +311,8 @@ class LocalFileStore:
     def _read(self, key: str, done: int, total: int) -> torch.Tensor | None:
         """Read one held page of a get; None when another process deleted it under the hold."""
         try:
-            return codec.read(str(self._path(key)), key)
+            with self._shard(key) as shard:
+                return codec.read(self._named(key), key, folder=shard)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -317,41 +324,54 @@ class LocalFileStore:
         return StoreFailed(self.where, operation, acknowledged=done, total=total, cause=cause)
 
     def _write(self, key: str, page: torch.Tensor) -> None:
-        """Write ``page`` to a temporary file and rename it into place; clean up on failure."""
-        target = self._path(key)
-        temporary = self._tmp / f"{key}.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp"
-        # The name is predictable: whatever is there (a link planted by another
-        # user of the folder) is replaced, and O_EXCL never opens through a link.
-        temporary.unlink(missing_ok=True)
+        """Write ``page`` to a temporary file and rename it into place; clean up on failure.
+
+        ``.tmp`` is opened without following a link, and the file made in it
+        by name: another user of the folder may swap ``.tmp`` for a link after
+        the open looked at it.
+        """
+        name = f"{key}.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp = _open_folder(self._temporaries)
         try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            # The name is predictable: whatever is there (a link planted by another
+            # user of the folder) is replaced, and O_EXCL never opens through a link.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=tmp)
             try:
-                codec.write(fd, key, page)
-                if self.durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            self._place(temporary, target)
-        except BaseException:
-            temporary.unlink(missing_ok=True)
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=tmp)
+                try:
+                    codec.write(fd, key, page)
+                    if self.durable:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self._place(tmp, name, key)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=tmp)
+                raise
+        except OSError as exc:
+            _name_in(exc, name, os.path.join(self._temporaries, name))
             raise
+        finally:
+            os.close(tmp)
 
-    def _place(self, temporary: Path, target: Path) -> None:
-        """Rename a written page into place; when durable, sync the directories that name it.
+    def _place(self, tmp: int, name: str, key: str) -> None:
+        """Rename the page written as ``name`` in the open ``tmp`` into place; sync it if durable.
 
-        The rename is durable once the shard directory is synced, and the shard
-        itself once the root is: synced once per shard and process, so a shard
+        The shard is made if missing, and never followed if a link. The rename
+        is durable once the shard directory is synced, and the shard itself
+        once the root is: synced once per shard and process, so a shard
         another process made is covered too.
         """
-        target.parent.mkdir(exist_ok=True)
-        os.replace(temporary, target)
-        if not self.durable:
-            return
-        shard = target.parent.name
-        if shard not in self._rooted:
-            _sync_directory(self.root)
-            self._rooted.add(shard)
-        _sync_directory(target.parent)
+        with self._shard(key, make=True) as shard:
+            os.replace(name, f"{key}{SUFFIX}", src_dir_fd=tmp, dst_dir_fd=shard)
+            if not self.durable:
+                return
+            if key[:2] not in self._rooted:
+                _sync_directory(self.root)
+                self._rooted.add(key[:2])
+            os.fsync(shard)
 
     def _settle(self, key: str, reservation: Reservation) -> None:
         """Count a written page once, even if another writer indexed it meanwhile."""
@@ -420,7 +440,8 @@ class LocalFileStore:
             OSError: The file could not be looked at (other than missing).
         """
         try:
-            size = self._path(key).stat().st_size
+            with self._shard(key) as shard:
+                size = os.stat(f"{key}{SUFFIX}", dir_fd=shard).st_size
         except FileNotFoundError:
             self._forget(key)
             return False
@@ -439,7 +460,8 @@ class LocalFileStore:
             OSError: The file could not be deleted (other than missing).
         """
         try:
-            self._path(key).unlink()
+            with self._shard(key) as shard:
+                os.unlink(f"{key}{SUFFIX}", dir_fd=shard)
         except FileNotFoundError:
             return False
         finally:
@@ -457,7 +479,8 @@ class LocalFileStore:
             if key not in self._index:
                 continue
             try:
-                self._path(key).stat()
+                with self._shard(key) as shard:
+                    os.stat(f"{key}{SUFFIX}", dir_fd=shard)
             except FileNotFoundError:
                 self._forget(key)
             except OSError:
@@ -497,8 +520,9 @@ class LocalFileStore:
             return
         now = time.time_ns()
         for offset, key in enumerate(reversed(keys)):
-            with contextlib.suppress(OSError):
-                os.utime(self._path(key), ns=(now + offset, now + offset), follow_symlinks=False)
+            with contextlib.suppress(OSError), self._shard(key) as shard:
+                times = (now + offset, now + offset)
+                os.utime(f"{key}{SUFFIX}", ns=times, dir_fd=shard, follow_symlinks=False)
 
     def _rank(self, keys: Sequence[str]) -> None:
         """Under the lock: make ``keys`` the most recently used, the last first."""
@@ -507,19 +531,61 @@ class LocalFileStore:
                 self._index.move_to_end(key)
 
     def _scan(self) -> None:
-        """Index the pages already under ``root``, least recently used (modified) first."""
+        """Index the pages already under ``root``, least recently used (modified) first.
+
+        A shard that is a link (or a file), or that cannot be opened, is
+        skipped: its pages would be another folder's, which eviction would
+        then delete.
+
+        Raises:
+            OSError: The root could not be listed, or a page looked at.
+        """
         found = []
-        for file in self.root.glob(f"??/*{SUFFIX}"):
-            key = file.name.removesuffix(SUFFIX)
+        with os.scandir(self.root) as listing:
+            shards = [entry.name for entry in listing if len(entry.name) == 2]
+        for name in shards:
+            where = os.path.join(self.root, name)
             try:
-                check_keys([key])
-                stat = file.stat()
-            except (BadArgument, FileNotFoundError):
+                shard = _open_folder(where)
+            except (FileNotFoundError, NotADirectoryError, PermissionError):
                 continue
-            found.append((stat.st_mtime_ns, key, stat.st_size))
+            try:
+                found += _pages(shard, where)
+            finally:
+                os.close(shard)
         for _, key, size in sorted(found):
             self._index[key] = size
             self._budget.add(size)
+
+    @contextlib.contextmanager
+    def _shard(self, key: str, *, make: bool = False) -> Iterator[int]:
+        """Open ``key``'s shard directory never through a link, to name its page file in.
+
+        Another user of the folder may replace a shard by a link to a folder
+        of this process's user: pages would be written, touched, and deleted
+        there. An error names the page's whole path, as if it had been used.
+
+        Args:
+            key: A page key, already checked.
+            make: Create the shard if missing.
+
+        Raises:
+            FileNotFoundError: The shard is missing (and not ``make``), or the page.
+            NotADirectoryError: The shard is a link or a file.
+            OSError: The shard, or the page in it, could not be used.
+        """
+        shard = _open_folder(os.path.join(self.root, key[:2]), make=make)
+        try:
+            yield shard
+        except OSError as exc:
+            _name_in(exc, f"{key}{SUFFIX}", self._named(key))
+            raise
+        finally:
+            os.close(shard)
+
+    def _named(self, key: str) -> str:
+        """Return the path of ``key``'s page file, as errors name it."""
+        return os.path.join(self.root, key[:2], f"{key}{SUFFIX}")
 
 
 def _root(root: object) -> Path:
@@ -581,8 +647,66 @@ def _host() -> str:
 _HOST = _host()
 """This host in temporary files' names (:func:`_host`)."""
 
-_TOUCH_LINKS = os.utime in os.supports_follow_symlinks
-"""Whether a link's own times can be set (``lutimes``): POSIX, not Windows."""
+_TOUCH_LINKS = os.utime in os.supports_follow_symlinks and os.utime in os.supports_dir_fd
+"""Whether a link's own times can be set, by name in an open folder (``utimensat``): POSIX."""
+
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+"""How a store's own directories are opened: never through a link another user swapped in."""
+
+
+def _open_folder(path: str, *, make: bool = False) -> int:
+    """Open the directory ``path`` (creating it first if ``make``), never through a link.
+
+    Raises:
+        FileNotFoundError: ``path`` is missing (and not ``make``).
+        NotADirectoryError: ``path`` is a link (says so) or a file.
+        OSError: ``path`` could not be opened or created.
+    """
+    try:
+        return os.open(path, _FOLDER)
+    except FileNotFoundError:
+        if not make:
+            raise
+    except OSError as exc:  # a link: ENOTDIR on Linux, ELOOP elsewhere
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP) and os.path.islink(path):
+            raise NotADirectoryError(errno.ENOTDIR, "a link, not a directory", path) from None
+        raise
+    with contextlib.suppress(FileExistsError):  # another writer made it meanwhile
+        os.mkdir(path)
+    return _open_folder(path)
+
+
+def _name_in(exc: OSError, name: str, path: str) -> None:
+    """Make ``exc``, raised on ``name`` in an open folder, name the whole ``path`` instead."""
+    if exc.filename == name:
+        exc.filename = path
+    if exc.filename2 == name:
+        exc.filename2 = path
+
+
+def _pages(shard: int, where: str) -> list[tuple[int, str, int]]:
+    """Return the pages in the open ``shard`` (at ``where``): (modification time, key, bytes) each.
+
+    A name that is not a page key's is not a page; a file gone meanwhile is skipped.
+
+    Raises:
+        OSError: The shard could not be listed, or a page looked at.
+    """
+    with os.scandir(shard) as listing:
+        names = [entry.name for entry in listing if entry.name.endswith(SUFFIX)]
+    found = []
+    for name in names:
+        key = name.removesuffix(SUFFIX)
+        try:
+            check_keys([key])
+            info = os.stat(name, dir_fd=shard)
+        except (BadArgument, FileNotFoundError):
+            continue
+        except OSError as exc:
+            _name_in(exc, name, os.path.join(where, name))
+            raise
+        found.append((info.st_mtime_ns, key, info.st_size))
+    return found
 
 
 def _reap(tmp: Path) -> int:
@@ -608,7 +732,7 @@ def _reap(tmp: Path) -> int:
     """
     reaped = 0
     now: list[float | None] = []  # the folder's time: read once, and only when a file needs it
-    folder = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    folder = os.open(tmp, _FOLDER)
     try:
         with os.scandir(folder) as listing:  # listed before the clock's probe is made there
             names = [entry.name for entry in listing if entry.name.endswith(".tmp")]
