@@ -218,8 +218,8 @@ def two_rank_worker(rank: int, world: int, store: str, out: str) -> None:
     report["given_group"] = agree_on_a_given_group(rank)
     report["parted_keys"] = parted_keys(rank)
     report["reset_alone"] = reset_alone(rank, world)
-    report["step_vs_verify"] = step_versus_verify(rank)
-    report["step_vs_drain"] = step_versus_drain(rank)
+    report["step_vs_verify"] = step_versus(rank, "verify_agreement")
+    report["step_vs_drain"] = step_versus(rank, "drain")
     report["raised_before"] = raised_before_the_collective(rank)
     report["slow_report"] = a_slow_report(rank)
     dist.barrier()  # the default group is whole: the slow rank catches up here
@@ -373,36 +373,19 @@ def reset_alone(rank: int, world: int) -> list[str]:
     return outcomes(shared)[::2]  # step and verify_agreement (drain says what step says)
 
 
-def step_versus_verify(rank: int) -> list[Any]:
-    """Rank 0 steps where rank 1 verifies: both raise at once, well inside the timeout.
-
-    On a gloo group of its own with a short timeout, which a timed-out collective
-    would leave broken.
-    """
-    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
-    shared = DistributedCache(HiCache(bench_config(debug=True)), side, timeout=2.0)
-    serve_request(shared.cache, chat_trace(1, seed=1)[0])
-    started = time.monotonic()
-    try:
-        shared.step() if rank == 0 else shared.verify_agreement()
-        said = "no error"
-    except (RankDivergence, RankFailure) as exc:
-        said = f"{type(exc).__name__}: {exc}"
-    return [said, time.monotonic() - started < 1.0]
-
-
-def step_versus_drain(rank: int) -> list[Any]:
-    """Rank 0 steps where rank 1 drains: both raise at once, naming the two methods.
+def step_versus(rank: int, other: str) -> list[Any]:
+    """Rank 0 steps where rank 1 calls ``other``: both raise at once, well inside the timeout.
 
     Both trees agree when they meet (one request served alike), so only the kind of
-    the collective can tell them apart. On a gloo group of its own, as above.
+    the collective can tell the methods apart. On a gloo group of its own with a
+    short timeout, which a timed-out collective would leave broken.
     """
     side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
     shared = DistributedCache(HiCache(bench_config(debug=True)), side, timeout=2.0)
     serve_request(shared.cache, chat_trace(1, seed=1)[0])
     started = time.monotonic()
     try:
-        shared.step() if rank == 0 else shared.drain()
+        shared.step() if rank == 0 else getattr(shared, other)()
         said = "no error"
     except (RankDivergence, RankFailure) as exc:
         said = f"{type(exc).__name__}: {exc}"
