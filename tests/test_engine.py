@@ -329,6 +329,13 @@ STORAGE_RECORDS = [
         "'hots', 'stroage', 'pinz', 'lokcs' are no regions or counters of residency_storage",
     ),
     ({}, {"locks": 2.0}, "locks must be an int >= 0, got 2.0"),
+    ({"pins": 1}, {}, "'pins' is a counter of residency_storage, not a region"),
+    (
+        {"pins": 1, "hots": "backed"},
+        {"storage": "stored"},
+        "'pins' is a counter of residency_storage, not a region; 'storage' is a region of "
+        "residency_storage, not a counter; 'hots' is no region or counter of residency_storage",
+    ),
 ]
 
 

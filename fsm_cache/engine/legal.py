@@ -83,9 +83,7 @@ class Legal:
         stray = [name for name in states if name not in system.machines]
         stray += [name for name in counters if name not in self.top and name not in stray]
         if stray:
-            names = ", ".join(map(repr, stray))
-            what = "is no region or counter" if len(stray) == 1 else "are no regions or counters"
-            return f"{names} {what} of {system.name}"
+            return self._stray_problem(stray)
         full = {region: states.get(region, m.initial) for region, m in system.regions}
         values = {name: counters.get(name, v) for name, v in system.counters}
         found = self._state_problem(full) or _count_problem(values)
@@ -94,6 +92,27 @@ class Legal:
         # Checked just above: every state is one of its machine's, every count an int.
         named, counts = cast("dict[str, str]", full), cast("dict[str, int]", values)
         return self._invariant_problem(named, counts) or self._reach_problem(named, counts)
+
+    def _stray_problem(self, stray: list[str]) -> str:
+        """Name the names that are no region or counter, and those given as the other kind.
+
+        A counter given as a region (or a region as a counter) is named as what
+        it is, so the fix reads off the message.
+        """
+        system = self.system
+        swapped = [
+            f"{name!r} is a counter of {system.name}, not a region"
+            if name in self.top
+            else f"{name!r} is a region of {system.name}, not a counter"
+            for name in stray
+            if name in self.top or name in system.machines
+        ]
+        unknown = [name for name in stray if name not in self.top and name not in system.machines]
+        if unknown:
+            names = ", ".join(map(repr, unknown))
+            what = "is no region or counter" if len(unknown) == 1 else "are no regions or counters"
+            swapped.append(f"{names} {what} of {system.name}")
+        return "; ".join(swapped)
 
     def _state_problem(self, states: Mapping[str, object]) -> str | None:
         for region, machine in self.system.regions:
