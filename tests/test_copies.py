@@ -654,6 +654,19 @@ def test_staging_bytes_must_be_a_positive_int(bad: object) -> None:
     assert str(caught.value) == f"copy engine: staging_bytes must be an int >= 1, got {bad!r}"
 
 
+@pytest.mark.parametrize("bad", ["cuda", torch.cuda, object()], ids=["text", "module", "object"])
+def test_streams_that_are_no_streams_are_refused_at_once(bad: object) -> None:
+    """A wrong ``streams=`` failed at the first copy, with an AttributeError from deep inside."""
+    dev, host = device_pool(LAYOUT, 4, torch.device("cpu")), host_pool(LAYOUT, 4, pin=False)
+    with pytest.raises(BadArgument) as caught:
+        CopyEngine(dev, host, streams=bad)  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        "copy engine: streams must provide new_stream, current_stream, new_event, run_on and "
+        f"synchronize (a Streams), got {type(bad).__name__}"
+    )
+    assert dev.allocator.free_pages == host.allocator.free_pages == 4
+
+
 class _ClaimsCuda(KVPool):
     """A CPU pool that says it is on CUDA: the engine's construction-time checks run on CPU."""
 

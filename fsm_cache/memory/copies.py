@@ -144,6 +144,11 @@ class CopyEngine:
             )
         if not whole(batch_polls, 1):
             raise BadArgument(f"copy engine: batch_polls must be an int >= 1, got {batch_polls!r}")
+        if streams is not None and not isinstance(streams, Streams):
+            raise BadArgument(
+                "copy engine: streams must provide new_stream, current_stream, new_event, "
+                f"run_on and synchronize (a Streams), got {type(streams).__name__}"
+            )
         self.device = device
         self.host = host
         self.stats = CopyStats()

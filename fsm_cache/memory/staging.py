@@ -32,7 +32,7 @@ from __future__ import annotations
 import array
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -76,6 +76,7 @@ class Stream(Protocol):
         ...
 
 
+@runtime_checkable
 class Streams(Protocol):
     """Where the engine gets its streams and events, and how it queues work on them.
 
