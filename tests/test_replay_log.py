@@ -80,7 +80,62 @@ def test_a_copy_engine_failing_at_flush_logs_the_refusal() -> None:
     cache.poll()
     text = "CopyFailed: d2h copy could not start: RuntimeError: driver hiccup"
     assert cache.log.refusals() == [("insert", text)]
-    assert states(replay(cache.log, config)) == states(cache)
+    assert cache.log.refused_starts() == [(1, "d2h", (1,), "RuntimeError: driver hiccup")]
+    again = replay(cache.log, BASE)  # an engine that never breaks: the start is refused as logged
+    assert states(again) == states(cache)
+    assert again.log.refusals() == [("insert", text)]
+
+
+def test_refused_copy_starts_replay_on_an_engine_that_refuses_none() -> None:
+    """A start the engine refused is logged with its copy number and refused again on replay."""
+    config = replace(BASE, load_back_threshold=4)
+    cache = HiCache(replace(config, copier=FaultyCopyEngine.copier(refuse={2, 4})))
+    cache.insert(list(range(8)))  # copy 1
+    cache.poll()
+    cache.insert(list(range(100, 108)))  # start 2 refused: would have been copy 2
+    assert cache.evict(8) == 8
+    assert cache.load_back(cache.tree.nodes[1]) == [cache.tree.nodes[1]]  # start 3: copy 2
+    cache.poll()
+    assert cache.evict(8) == 8
+    assert cache.load_back(cache.tree.nodes[1]) is None  # start 4 refused: would be copy 3
+    assert cache.load_back(cache.tree.nodes[1]) == [cache.tree.nodes[1]]  # start 5: copy 3
+    cache.poll()
+    assert cache.log.refused_starts() == [
+        (2, "d2h", (2,), "CopyFailed: injected refusal of copy 2"),
+        (3, "h2d", (1,), "CopyFailed: injected refusal of copy 4"),
+    ]
+    again = replay(cache.log, config)
+    assert again.log.transitions() == cache.log.transitions()
+    assert again.log.refused_starts() == cache.log.refused_starts()
+    assert states(again) == states(cache)
+    again.insert(list(range(200, 208)))  # past the log the replayed cache starts its own copies
+    again.poll()
+    assert again.tree.nodes[3].host == "backed"
+
+
+def test_starts_a_closed_engine_refused_replay_on_an_open_one() -> None:
+    """Copies refused by an engine closed under the cache replay on an engine left open."""
+    cache = HiCache(BASE)
+    cache.insert(list(range(8)))
+    cache.poll()
+    cache.tiers.copier.close()
+    cache.insert(list(range(100, 108)))
+    cache.poll()
+    text = "CopyFailed: copy engine closed: d2h copy refused"
+    assert cache.log.refused_starts() == [(2, "d2h", (2,), text)]
+    assert cache.tree.nodes[2].host == "unbacked"
+    again = replay(cache.log, BASE)
+    assert states(again) == states(cache)
+    assert again.log.refused_starts() == [(2, "d2h", (2,), text)]
+
+
+def test_a_start_refused_only_on_replay_is_a_mismatch() -> None:
+    """The replay's own engine refusing a start the log did not is named as the difference."""
+    cache = HiCache(BASE)
+    cache.insert(list(range(8)))
+    with pytest.raises(ReplayMismatch) as caught:
+        replay(cache.log, replace(BASE, copier=FaultyCopyEngine.copier(refuse={1})))
+    assert str(caught.value) == "recorded 0 refused copy starts, replayed 1"
 
 
 def test_the_replayed_cache_takes_its_acknowledgements_from_its_engine() -> None:
@@ -172,6 +227,12 @@ def short_log() -> EventLog:
             ("op", "insert", ((1, 2, 3, 4),)),
             BadArgument,
             "replay: entry 5 ('op', 'insert', ((1, 2, 3, 4),)): insert is logged with 3 arguments",
+        ),
+        (
+            ("copy_refused", (2, "up", (1,)), "CopyFailed: no"),
+            BadArgument,
+            "replay: entry 5 ('copy_refused', (2, 'up', (1,)), 'CopyFailed: no'): a refused"
+            " copy start is ((copy, 'd2h' or 'h2d', (node id, ...)), 'ErrorClass: message')",
         ),
         (
             ("op", "backup", (5,)),

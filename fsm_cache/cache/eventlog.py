@@ -4,7 +4,8 @@ Operations (``insert``, ``match_prefix``, ``lock``, ``evict``, ``poll``, ...)
 are recorded with their arguments, transitions as ``(node id, event)``, and
 every batch of applied copy acknowledgements as the copy numbers it applied,
 in order, each with whether it succeeded. An operation that raised is
-followed by its refusal. :func:`fsm_cache.cache.replay.replay` runs the log
+followed by its refusal, and a copy the copy engine refused to start by an
+entry saying so, so that a replay refuses the same start on any engine. :func:`fsm_cache.cache.replay.replay` runs the log
 again on a fresh cache.
 
 A log keeps at most ``limit`` entries (:data:`DEFAULT_LIMIT` unless told),
@@ -40,6 +41,13 @@ Storage copies count from 1 apart from device-host copies; the outcome is
 longer held a page), ``corrupt`` (a page read back torn or foreign, and was
 dropped), ``failed`` (the store raised) or ``timeout`` (no answer in time).
 The pages acknowledged are the leading pages that landed whatever the outcome.
+"""
+
+RefusedStart = tuple[int, str, tuple[int, ...], str]
+"""One copy the engine refused to start: ``(copy number, d2h|h2d, node ids, "ErrorClass: message")``.
+
+The copy number is the one the copy would have had; the next copy started
+gets it, since a refused start is numbered as no copy.
 """
 
 Entry = tuple[str, Any, Any]
@@ -173,8 +181,10 @@ class EventLog:
             ``("acks", origin, ((copy, ok), ...))`` (origin: ``poll``,
             ``apply_completions``, or ``wait`` for an allocation that waited for
             write-backs), ``("storage", origin, ((copy, kind, pages, outcome), ...))``
-            for applied copies to and from a storage tier (:data:`StorageAck`)
-            and ``("refused", name, "ErrorClass: message")`` tuples (the
+            for applied copies to and from a storage tier (:data:`StorageAck`),
+            ``("copy_refused", (copy, d2h|h2d, (node_id, ...)), "ErrorClass:
+            message")`` for a copy the engine refused to start (see
+            :data:`RefusedStart`), and ``("refused", name, "ErrorClass: message")`` tuples (the
             message without the call-site account a trail-mode refusal ends
             with, see :func:`refusal_text`); the kept ones, oldest first, as an
             :class:`Entries` view. :meth:`~fsm_cache.cache.hicache.HiCache.fire`
@@ -291,6 +301,15 @@ class EventLog:
         self._recorded += 1
         self._items.append(("refused", name, refusal_text(error)))
 
+    def copy_refused(self, number: int, direction: str, nodes: tuple[int, ...], text: str) -> None:
+        """Record that the engine refused to start copy ``number`` of ``nodes`` with ``text``.
+
+        ``text`` is ``"ErrorClass: message"`` (:func:`refusal_text`); logged
+        only when a start is refused, so a start that succeeds costs nothing here.
+        """
+        self._recorded += 1
+        self._items.append(("copy_refused", (number, direction, nodes), text))
+
     def transitions(self) -> list[tuple[int, str]]:
         """Return the kept transitions in order."""
         return [(e[1], e[2]) for e in self._items if e[0] == "transition"]
@@ -306,6 +325,10 @@ class EventLog:
     def storage_acks(self) -> list[tuple[str, tuple[StorageAck, ...]]]:
         """Return the kept storage acknowledgement batches in order, each with its origin."""
         return [(e[1], e[2]) for e in self._items if e[0] == "storage"]
+
+    def refused_starts(self) -> list[RefusedStart]:
+        """Return the kept copies the engine refused to start, in order (:data:`RefusedStart`)."""
+        return [(e[1][0], e[1][1], e[1][2], e[2]) for e in self._items if e[0] == "copy_refused"]
 
     def refusals(self) -> list[tuple[str, str]]:
         """Return the kept refusals (operation, ``ErrorClass: message``) in order."""

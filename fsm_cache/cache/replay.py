@@ -4,8 +4,12 @@
 against a fresh cache of the same configuration whose acknowledgement source
 is the log itself (:class:`ScriptedAcks`): exactly the recorded
 acknowledgements at the recorded points, so copies that finish late, out of
-order or not at all replay as they happened. It checks that the transitions,
-acknowledgements and refusals match. Once the log is used up the returned
+order or not at all replay as they happened. Copy starts come through the log
+too (:class:`ScriptedStarts`): a start the copy engine refused in the
+recording is refused again at the same point, without asking the replay's
+engine, so a log with refused starts replays on an engine that refuses none.
+It checks that the transitions, acknowledgements, refused starts and
+refusals match. Once the log is used up the returned
 cache takes its acknowledgements from its copy engine again, and works as any
 other cache.
 
@@ -20,16 +24,17 @@ and so does a log that is no event log or a configuration that is no
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import cache as memoized
 
-from fsm_cache.cache.eventlog import Acks, Entry, EventLog, refusal_text
+from fsm_cache.cache.eventlog import Acks, Entry, EventLog, RefusedStart, refusal_text
 from fsm_cache.cache.hicache import HiCache
-from fsm_cache.cache.transfers import IssuedCopies
+from fsm_cache.cache.transfers import IssuedCopies, ReplayedRefusal
 from fsm_cache.cache.tree import TreeNode
 from fsm_cache.engine.lease import Lease
 from fsm_cache.errors import BadArgument, CopyFailed, FsmCacheError, ReplayMismatch
-from fsm_cache.memory.tickets import Completion, Copier
+from fsm_cache.memory.tickets import Completion, Copier, Ticket
 from fsm_cache.memory.tiers import CacheConfig
 from fsm_cache.spec.shipped import load_shipped
 
@@ -57,7 +62,7 @@ _ARITY = {
 }
 """The operations a replay knows, and how many arguments each is logged with."""
 
-_KINDS = frozenset({"op", "transition", "acks", "refused"})
+_KINDS = frozenset({"op", "transition", "acks", "refused", "copy_refused"})
 """The entry kinds of a two-tier cache's log (``storage`` entries are a storage tier's)."""
 
 Step = tuple[int, Entry, str | None]
@@ -107,10 +112,13 @@ def replay(log: EventLog, config: CacheConfig) -> HiCache:
         return sources[-1]
 
     cache = HiCache(replace(config, log_limit=None), acks=scripted)
+    engine = cache.tiers.copier
+    cache.transfers.start_copies_with(ScriptedStarts(log.refused_starts(), engine))
     held: dict[tuple[str, int], list[Lease]] = {}  # receipts by (lock|pin, node id)
     for at, entry, refused in steps:
         _step(cache, at, entry, refused, held)
     _compare(log, cache.log)
+    cache.transfers.start_copies_with(engine)
     sources[0].hand_back()
     return cache
 
@@ -168,6 +176,11 @@ def _check_entry(at: int, entry: object) -> None:
         )
     if kind not in _KINDS:
         raise BadArgument(f"replay: entry {at} {entry!r}: unknown entry kind {kind!r}")
+    if kind == "copy_refused" and not _refused_start(first, second):
+        raise BadArgument(
+            f"replay: entry {at} {entry!r}: a refused copy start is"
+            " ((copy, 'd2h' or 'h2d', (node id, ...)), 'ErrorClass: message')"
+        )
     if kind != "op":
         return
     if first not in _ARITY:
@@ -176,6 +189,19 @@ def _check_entry(at: int, entry: object) -> None:
         raise BadArgument(
             f"replay: entry {at} {entry!r}: {first} is logged with {_ARITY[first]} arguments"
         )
+
+
+def _refused_start(first: object, second: object) -> bool:
+    """Return whether ``first`` and ``second`` are those of a ``copy_refused`` entry."""
+    if not isinstance(first, tuple) or len(first) != 3 or not isinstance(second, str):
+        return False
+    number, direction, nodes = first
+    return (
+        isinstance(number, int)
+        and direction in ("d2h", "h2d")
+        and isinstance(nodes, tuple)
+        and all(isinstance(n, int) for n in nodes)
+    )
 
 
 def _storage_entry(kind: object, first: object, second: object) -> bool:
@@ -205,6 +231,7 @@ def _same_refusal(name: str, text: str, refused: str | None, exc: FsmCacheError)
 
 
 def _compare(want: EventLog, got: EventLog) -> None:
+    _compare_starts(want.refused_starts(), got.refused_starts())
     recorded, replayed = want.transitions(), got.transitions()
     for i, (a, b) in enumerate(zip(recorded, replayed, strict=False)):
         if a != b:
@@ -216,6 +243,66 @@ def _compare(want: EventLog, got: EventLog) -> None:
     many, again = len(want.acknowledgements()), len(got.acknowledgements())
     if many != again:
         raise ReplayMismatch(f"recorded {many} acknowledgement batches, replayed {again}")
+
+
+def _compare_starts(recorded: list[RefusedStart], replayed: list[RefusedStart]) -> None:
+    for a, b in zip(recorded, replayed, strict=False):
+        if a != b:
+            raise ReplayMismatch(
+                f"refused copy start: recorded {_start_text(a)}, replayed {_start_text(b)}"
+            )
+    if len(recorded) != len(replayed):
+        raise ReplayMismatch(
+            f"recorded {len(recorded)} refused copy starts, replayed {len(replayed)}"
+        )
+
+
+def _start_text(start: RefusedStart) -> str:
+    number, direction, nodes, text = start
+    return f"copy {number} ({direction} of nodes {list(nodes)}) refused with {text}"
+
+
+class ScriptedStarts:
+    """Copy starts as a log recorded them: the refused ones refused again, the others started.
+
+    A recorded refusal is raised as a :class:`ReplayedRefusal` with the
+    recorded error text when the start it names comes, without asking the
+    engine: the engine the replay runs on need not refuse anything. Any
+    other start goes to the engine.
+
+    Args:
+        script: The recorded refused starts, in order (:data:`RefusedStart`).
+        copier: The replaying cache's copy engine, which starts every other copy.
+    """
+
+    def __init__(self, script: list[RefusedStart], copier: Copier) -> None:
+        self._pending = deque(script)
+        self._copier = copier
+        self._started = 0  # copies the engine started: the next one is numbered one more
+
+    def start_write(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Ticket:
+        """Refuse the write if the log refused it here; otherwise start it on the engine."""
+        self._refuse()
+        ticket = self._copier.start_write(device_pages, host_pages)
+        self._started += 1
+        return ticket
+
+    def start_load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> Ticket:
+        """Refuse the load if the log refused it here; otherwise start it on the engine."""
+        self._refuse()
+        ticket = self._copier.start_load(host_pages, device_pages)
+        self._started += 1
+        return ticket
+
+    def _refuse(self) -> None:
+        """Raise the recorded refusal if the next one names this start's copy number.
+
+        A refusal recorded for the other direction is raised all the same:
+        the replay's log then records the start as it came, and the final
+        comparison names the difference.
+        """
+        if self._pending and self._pending[0][0] == self._started + 1:
+            raise ReplayedRefusal(self._pending.popleft()[3])
 
 
 class ScriptedAcks:

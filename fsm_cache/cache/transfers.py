@@ -23,6 +23,7 @@ from itertools import chain
 from typing import Protocol
 
 from fsm_cache.cache.core import CacheCore
+from fsm_cache.cache.eventlog import refusal_text
 from fsm_cache.cache.tree import TreeNode
 from fsm_cache.engine import trail
 from fsm_cache.errors import (
@@ -72,6 +73,35 @@ class IssuedCopies(Protocol):
     def numbers(self) -> dict[int, int]:
         """Return the ticket id of each copy in flight by its copy number."""
         ...
+
+
+class CopyStarts(Protocol):
+    """What starts the cache's copies: the copy engine, or a replay's script in front of it."""
+
+    def start_write(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Ticket:
+        """Start a device-to-host copy, or raise to refuse it."""
+        ...
+
+    def start_load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> Ticket:
+        """Start a host-to-device copy, or raise to refuse it."""
+        ...
+
+
+class ReplayedRefusal(Exception):
+    """A start refused as a log recorded it, raised by a replay in place of the engine's error.
+
+    It never leaves :class:`Transfers`, which logs and handles it as the
+    recorded error: a refusal (``CopyFailed: ...``) fails the copy, anything
+    else is a broken engine and raises :class:`CopyFailed` naming it.
+
+    Args:
+        text: The recorded ``"ErrorClass: message"``.
+    """
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+        self.broken = not text.startswith(f"{CopyFailed.__name__}: ")
 
 
 AckSourceFactory = Callable[[Copier, IssuedCopies], AckSource]
@@ -149,6 +179,7 @@ class Transfers:
         )
         self._page_bytes = tiers.device.layout.page_bytes
         self._source = (acks or CopierAcks)(tiers.copier, self)
+        self._starts: CopyStarts = tiers.copier
         self.acks_taken = False
         """Whether :meth:`take_acks_from` gave the acknowledgements to another source."""
         core.on_split(self._rehome)
@@ -219,6 +250,10 @@ class Transfers:
             )
         self._source = source
         self.acks_taken = True
+
+    def start_copies_with(self, starts: CopyStarts) -> None:
+        """Start copies through ``starts`` from now on (a replay's refused starts, or the engine)."""
+        self._starts = starts
 
     def on_ack(self, listener: AckListener) -> None:
         """Call ``listener(nodes, event)`` after each copy's acknowledgement events."""
@@ -325,13 +360,14 @@ class Transfers:
         copy that fails later does. Anything else it raises is a broken engine
         or a page it should not have been given: the copy is failed all the
         same, so no node is left waiting for it, and the error is raised as a
-        :class:`CopyFailed` naming it.
+        :class:`CopyFailed` naming it. Either way the refused start is logged
+        (``copy_refused``) before the nodes fail, so a replay refuses it too.
 
         Raises:
             CopyFailed: The engine raised something else than CopyFailed; the
                 nodes' copies were failed (or queued to run again).
         """
-        copier = self._tiers.copier
+        starts = self._starts
         if len(nodes) == 1:  # the common case: one operation backed up one node
             dev, host = nodes[0].device_pages, nodes[0].host_pages
         else:
@@ -339,18 +375,26 @@ class Transfers:
             host = tuple(chain.from_iterable(n.host_pages for n in nodes))
         try:
             if direction is Direction.D2H:
-                ticket = copier.start_write(dev, host)
+                ticket = starts.start_write(dev, host)
             else:
-                ticket = copier.start_load(host, dev)
-        except CopyFailed:
-            self._fail(direction, nodes)
-            return
+                ticket = starts.start_load(host, dev)
         except Exception as exc:
-            self._fail(direction, nodes)
-            kind = type(exc).__name__
-            raise CopyFailed(f"{direction.value} copy could not start: {kind}: {exc}") from exc
+            self._refused(direction, nodes, exc)
+            return
         self._started += 1
         self._tickets[ticket.id] = CopyBatch(nodes, time.perf_counter(), self._started, ticket)
+
+    def _refused(self, direction: Direction, nodes: list[TreeNode], exc: Exception) -> None:
+        """Log a start the engine refused with ``exc`` and fail its copy; raise if it is broken."""
+        if isinstance(exc, ReplayedRefusal):
+            text, broken = exc.text, exc.broken
+        else:
+            text, broken = refusal_text(exc), not isinstance(exc, CopyFailed)
+        ids = tuple(n.id for n in nodes)
+        self._core.log.copy_refused(self._started + 1, direction.value, ids, text)
+        self._fail(direction, nodes)
+        if broken:
+            raise CopyFailed(f"{direction.value} copy could not start: {text}") from exc
 
     # -- acknowledgements ----------------------------------------------------
 
