@@ -30,6 +30,12 @@ from fsm_cache.spec.machine import MachineSpec, as_system
 from fsm_cache.spec.shipped import load_shipped, shipped_spec_paths
 
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
@@ -140,6 +146,14 @@ def test_spec_format_page_names_the_shipped_pin_sources_in_their_order() -> None
     assert isinstance(machine, MachineSpec)
     pins = [t.sources for t in machine.transitions if t.event == "pin"]
     assert (first, second) == pins[0]
+
+
+def test_spec_format_page_names_where_a_wheel_puts_the_shipped_specs() -> None:
+    """A user of the installed package finds the shipped specs where the wheel puts them."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    targets = pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]
+    page = (DOCS / "spec-format.md").read_text(encoding="utf-8")
+    assert f"`{targets['force-include']['specs']}/`" in page
 
 
 def test_audit_page_quotes_what_audit_prints_of_its_corpus(
