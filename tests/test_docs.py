@@ -30,6 +30,12 @@ from fsm_cache.spec.machine import MachineSpec, as_system
 from fsm_cache.spec.shipped import load_shipped, shipped_spec_paths
 
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
@@ -140,6 +146,40 @@ def test_spec_format_page_names_the_shipped_pin_sources_in_their_order() -> None
     assert isinstance(machine, MachineSpec)
     pins = [t.sources for t in machine.transitions if t.event == "pin"]
     assert (first, second) == pins[0]
+
+
+def test_spec_format_page_names_where_a_wheel_puts_the_shipped_specs() -> None:
+    """A user of the installed package finds the shipped specs where the wheel puts them."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    targets = pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]
+    page = (DOCS / "spec-format.md").read_text(encoding="utf-8")
+    assert f"`{targets['force-include']['specs']}/`" in page
+
+
+def test_ci_snippets_install_the_cpu_torch_before_fsm_cache() -> None:
+    """Each CI job the docs give installs torch's CPU build first, never the CUDA one."""
+    jobs = []
+    for page in sorted(DOCS.glob("*.md")):
+        for block in re.findall(
+            r"^```yaml\n(.*?)^```", page.read_text(encoding="utf-8"), re.M | re.S
+        ):
+            installs = [x for x in block.splitlines() if "pip install" in x]
+            if any("fsm-cache" in x for x in installs):
+                jobs.append(page.name)
+                assert "download.pytorch.org/whl/cpu" in installs[0], page.name
+                assert "torch" in installs[0].split("pip install")[1], page.name
+    assert sorted(jobs) == ["check.md", "verify.md"]
+
+
+def test_verify_page_installs_what_the_pytest_items_need() -> None:
+    """The plugin's pytest instructions install pytest and the extra that brings CrossHair."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    extras = pyproject["project"]["optional-dependencies"]
+    (extra,) = [
+        x for x in extras if x not in {"all", "dev"} and any("crosshair" in d for d in extras[x])
+    ]
+    page = (DOCS / "verify.md").read_text(encoding="utf-8")
+    assert f'`pip install "fsm-cache[{extra}]" pytest`' in page
 
 
 def test_audit_page_quotes_what_audit_prints_of_its_corpus(
