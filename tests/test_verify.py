@@ -603,3 +603,22 @@ def test_jobs_where_crosshair_proves_no_target_is_refused(
     )
     assert main(["verify", "--jobs", "3", three, str(spec_dir() / "host_residency.toml")]) == 0
     assert given == [3]
+
+
+def test_verify_without_its_extra_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Without CrossHair it ended in a ModuleNotFoundError traceback from deep inside."""
+    monkeypatch.setattr(crosshair_run, "EXTRA_MODULES", ("crosshair", "no_such_module_here"))
+    want = (
+        "verification needs no_such_module_here, not installed here; the verify extra "
+        "brings it: pip install 'fsm-cache[verify]'"
+    )
+    spec = spec_dir() / "device_residency.toml"
+    assert main(["verify", str(spec)]) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", f"error: {want}\n")
+    with pytest.raises(FsmCacheError) as caught:
+        verify.verify_spec(spec, Options(), tmp_path)
+    assert str(caught.value) == want
+    assert list(tmp_path.iterdir()) == []  # nothing generated

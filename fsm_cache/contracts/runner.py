@@ -17,6 +17,7 @@ no options were given on its command line.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import subprocess
 import sys
@@ -172,6 +173,29 @@ def prove(target: str, path: Path, options: Options) -> list[Row]:
         Row(target, c.function, c.text, *verdicts.get(key, _unreported()))
         for key, c in sorted(known.items())
     ]
+
+
+EXTRA_MODULES = ("crosshair", "icontract")
+"""What the ``verify`` extra installs that verification imports: CrossHair proves the
+contracts, and every generated contract module imports icontract."""
+
+
+def require_extra() -> None:
+    """Refuse to verify without the ``verify`` extra, naming it, before anything runs.
+
+    Without it, verification ended in a bare ``ModuleNotFoundError`` traceback
+    from deep inside (the CLI) or a one-line "No module named" (the pytest items).
+
+    Raises:
+        FsmCacheError: A module of :data:`EXTRA_MODULES` is not installed.
+    """
+    missing = [name for name in EXTRA_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        them = "them" if len(missing) > 1 else "it"
+        raise FsmCacheError(
+            f"verification needs {' and '.join(missing)}, not installed here; the verify "
+            f"extra brings {them}: pip install 'fsm-cache[verify]'"
+        )
 
 
 def with_directives(options: Options, path: Path) -> Options:

@@ -134,7 +134,9 @@ def verify_spec(path: Path, options: Options, workdir: Path) -> list[Row]:
 
     Raises:
         SpecError: The spec does not load.
+        FsmCacheError: The verify extra is not installed (:func:`~fsm_cache.contracts.runner.require_extra`).
     """
+    crosshair_run.require_extra()
     system = as_system(load_spec(path))
     folder = Path(tempfile.mkdtemp(dir=workdir))
     generated = generate(system, path)
@@ -264,7 +266,9 @@ def run(targets: Sequence[str], options: Options, with_controls: bool) -> dict[s
     Raises:
         SpecError: A target does not load or is not found (:func:`check_targets`);
             nothing was verified.
+        FsmCacheError: The verify extra is not installed; nothing was verified.
     """
+    crosshair_run.require_extra()
     check_targets(targets)
     started = time.perf_counter()
     shipped = [str(p) for p in shipped_spec_paths()] + [POOL_CONTRACTS]
