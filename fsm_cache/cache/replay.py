@@ -113,7 +113,7 @@ def replay(log: EventLog, config: CacheConfig) -> HiCache:
 
     cache = HiCache(replace(config, log_limit=None), acks=scripted)
     engine = cache.tiers.copier
-    cache.transfers.start_copies_with(ScriptedStarts(log.refused_starts(), engine))
+    cache.transfers.start_copies_with(ScriptedStarts(log.refused_starts(), engine, cache.transfers))
     held: dict[tuple[str, int], list[Lease]] = {}  # receipts by (lock|pin, node id)
     for at, entry, refused in steps:
         _step(cache, at, entry, refused, held)
@@ -273,26 +273,24 @@ class ScriptedStarts:
     Args:
         script: The recorded refused starts, in order (:data:`RefusedStart`).
         copier: The replaying cache's copy engine, which starts every other copy.
+        copies: The replaying cache's copies, whose count of starts numbers
+            the next one as the log does.
     """
 
-    def __init__(self, script: list[RefusedStart], copier: Copier) -> None:
+    def __init__(self, script: list[RefusedStart], copier: Copier, copies: IssuedCopies) -> None:
         self._pending = deque(script)
         self._copier = copier
-        self._started = 0  # copies the engine started: the next one is numbered one more
+        self._copies = copies
 
     def start_write(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Ticket:
         """Refuse the write if the log refused it here; otherwise start it on the engine."""
         self._refuse()
-        ticket = self._copier.start_write(device_pages, host_pages)
-        self._started += 1
-        return ticket
+        return self._copier.start_write(device_pages, host_pages)
 
     def start_load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> Ticket:
         """Refuse the load if the log refused it here; otherwise start it on the engine."""
         self._refuse()
-        ticket = self._copier.start_load(host_pages, device_pages)
-        self._started += 1
-        return ticket
+        return self._copier.start_load(host_pages, device_pages)
 
     def _refuse(self) -> None:
         """Raise the recorded refusal if the next one names this start's copy number.
@@ -301,7 +299,7 @@ class ScriptedStarts:
         the replay's log then records the start as it came, and the final
         comparison names the difference.
         """
-        if self._pending and self._pending[0][0] == self._started + 1:
+        if self._pending and self._pending[0][0] == self._copies.started() + 1:
             raise ReplayedRefusal(self._pending.popleft()[3])
 
 

@@ -74,6 +74,10 @@ class IssuedCopies(Protocol):
         """Return the ticket id of each copy in flight by its copy number."""
         ...
 
+    def started(self) -> int:
+        """Return how many copies started so far; the next one gets the number after it."""
+        ...
+
 
 class CopyStarts(Protocol):
     """What starts the cache's copies: the copy engine, or a replay's script in front of it."""
@@ -193,6 +197,10 @@ class Transfers:
     def numbers(self) -> dict[int, int]:
         """Return the ticket id of each copy in flight by its copy number."""
         return {batch.number: ident for ident, batch in self._tickets.items()}
+
+    def started(self) -> int:
+        """Return how many copies started since construction or reset (their log numbers)."""
+        return self._started
 
     def in_flight(self) -> Mapping[int, CopyBatch]:
         """The copies started and not yet applied, by ticket id (read-only view)."""
