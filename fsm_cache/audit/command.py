@@ -16,7 +16,7 @@ import io
 import os
 import sys
 import tokenize
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
@@ -24,7 +24,7 @@ from fsm_cache.audit.checker import check_source
 from fsm_cache.audit.config import ConfigFinder
 from fsm_cache.audit.model import DEFAULT_PAIRS, AuditConfig, AuditError, Finding
 from fsm_cache.audit.report import REPORT_FORMATS, render_report
-from fsm_cache.shell import path_argument, path_text, run_command
+from fsm_cache.shell import named_once, path_argument, path_text, run_command
 
 
 _SKIPPED_DIRS = frozenset({"__pycache__", "node_modules", "site-packages"})
@@ -74,11 +74,11 @@ def run(args: argparse.Namespace) -> int:
     Folders with no Python file under them are named on stderr: a CI step
     pointed at the wrong folder would otherwise pass, having read nothing.
     """
-    files = list(_python_files(args.paths))
+    files = _python_files(args.paths)
     if not files:
         named = ", ".join(args.paths)
         sys.stderr.write(f"warning: no Python files under {named}: nothing was audited\n")
-    findings = audit_paths(files, ConfigFinder(args.config, args.pair))
+    findings = _findings(files, ConfigFinder(args.config, args.pair))
     sys.stdout.write(render_report(findings, args.format))
     return 1 if findings else 0
 
@@ -91,8 +91,12 @@ def audit_paths(
     ``config`` applies to every file when it is an :class:`AuditConfig`; by
     default each file gets the config of the nearest pyproject.toml above it.
     """
-    configs = ConfigFinder() if config is None else config
-    sources = [(path, _read(path)) for path in _python_files(paths)]
+    return _findings(_python_files(paths), ConfigFinder() if config is None else config)
+
+
+def _findings(files: Sequence[str], configs: AuditConfig | ConfigFinder) -> list[Finding]:
+    """Return the findings of ``files``, sorted by place."""
+    sources = [(path, _read(path)) for path in files]
     return sorted(
         finding
         for path, source in sources
@@ -122,31 +126,27 @@ def _config_of(config: AuditConfig | ConfigFinder, path: str) -> AuditConfig:
     return config.for_file(path) if isinstance(config, ConfigFinder) else config
 
 
-def _python_files(paths: Sequence[str]) -> Iterator[str]:
-    """Yield the files named, and the ``.py`` files under the folders named, in order.
+def _python_files(paths: Sequence[str]) -> list[str]:
+    """Return the files named, and the ``.py`` files under the folders named, in order.
 
     A file reached twice (named twice, or named and under a folder named) is
-    yielded once, as first reached.
+    kept once, as first reached (:func:`~fsm_cache.shell.named_once`).
 
     Raises:
         AuditError: A path is missing or not a regular file, or a folder cannot be listed.
     """
-    seen: set[str] = set()
+    found: list[str] = []
     for name in paths:
         path = Path(name)
         if path.is_dir():
-            found = [str(file) for file in _walk(path)]
+            found += [str(file) for file in _walk(path)]
         elif path.is_file():
-            found = [name]
+            found.append(name)
         elif path.exists():
             raise AuditError(f"{name}: not a regular file")
         else:
             raise AuditError(f"{name}: no such file or directory")
-        for file in found:
-            real = os.path.realpath(file)
-            if real not in seen:
-                seen.add(real)
-                yield file
+    return named_once(found)
 
 
 def _walk(root: Path) -> list[Path]:
