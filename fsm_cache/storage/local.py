@@ -128,7 +128,7 @@ class LocalFileStore:
                 outside the root).
         """
         check_keys([key])
-        return self._path(key)
+        return Path(self._named(key))
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
         """Return how many leading ``keys`` have a page file (found files are indexed)."""
@@ -234,10 +234,6 @@ class LocalFileStore:
     def close(self) -> None:
         """Nothing to release: files are opened per page; the pages stay on disk."""
 
-    def _path(self, key: str) -> Path:
-        """Return :meth:`path` of a key already checked."""
-        return self.root / key[:2] / f"{key}{SUFFIX}"
-
     def _make_directory(self) -> None:
         """Create the root and its ``.tmp``, unless something that is not a directory is in the way.
 
@@ -333,12 +329,8 @@ class LocalFileStore:
         name = f"{key}.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp"
         tmp = _open_folder(self._temporaries)
         try:
-            # The name is predictable: whatever is there (a link planted by another
-            # user of the folder) is replaced, and O_EXCL never opens through a link.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=tmp)
             try:
-                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=tmp)
+                fd = _fresh_file(tmp, name, 0o644)
                 try:
                     codec.write(fd, key, page)
                     if self.durable:
@@ -365,7 +357,7 @@ class LocalFileStore:
         another process made is covered too.
         """
         with self._shard(key, make=True) as shard:
-            os.replace(name, f"{key}{SUFFIX}", src_dir_fd=tmp, dst_dir_fd=shard)
+            os.replace(name, _page_file(key), src_dir_fd=tmp, dst_dir_fd=shard)
             if not self.durable:
                 return
             if key[:2] not in self._rooted:
@@ -441,7 +433,7 @@ class LocalFileStore:
         """
         try:
             with self._shard(key) as shard:
-                size = os.stat(f"{key}{SUFFIX}", dir_fd=shard).st_size
+                size = os.stat(_page_file(key), dir_fd=shard).st_size
         except FileNotFoundError:
             self._forget(key)
             return False
@@ -461,7 +453,7 @@ class LocalFileStore:
         """
         try:
             with self._shard(key) as shard:
-                os.unlink(f"{key}{SUFFIX}", dir_fd=shard)
+                os.unlink(_page_file(key), dir_fd=shard)
         except FileNotFoundError:
             return False
         finally:
@@ -480,7 +472,7 @@ class LocalFileStore:
                 continue
             try:
                 with self._shard(key) as shard:
-                    os.stat(f"{key}{SUFFIX}", dir_fd=shard)
+                    os.stat(_page_file(key), dir_fd=shard)
             except FileNotFoundError:
                 self._forget(key)
             except OSError:
@@ -522,7 +514,7 @@ class LocalFileStore:
         for offset, key in enumerate(reversed(keys)):
             with contextlib.suppress(OSError), self._shard(key) as shard:
                 times = (now + offset, now + offset)
-                os.utime(f"{key}{SUFFIX}", ns=times, dir_fd=shard, follow_symlinks=False)
+                os.utime(_page_file(key), ns=times, dir_fd=shard, follow_symlinks=False)
 
     def _rank(self, keys: Sequence[str]) -> None:
         """Under the lock: make ``keys`` the most recently used, the last first."""
@@ -578,14 +570,14 @@ class LocalFileStore:
         try:
             yield shard
         except OSError as exc:
-            _name_in(exc, f"{key}{SUFFIX}", self._named(key))
+            _name_in(exc, _page_file(key), self._named(key))
             raise
         finally:
             os.close(shard)
 
     def _named(self, key: str) -> str:
-        """Return the path of ``key``'s page file, as errors name it."""
-        return os.path.join(self.root, key[:2], f"{key}{SUFFIX}")
+        """Return the path of ``key``'s page file (a key already checked), as errors name it."""
+        return os.path.join(self.root, key[:2], _page_file(key))
 
 
 def _root(root: object) -> Path:
@@ -650,6 +642,12 @@ _HOST = _host()
 _TOUCH_LINKS = os.utime in os.supports_follow_symlinks and os.utime in os.supports_dir_fd
 """Whether a link's own times can be set, by name in an open folder (``utimensat``): POSIX."""
 
+
+def _page_file(key: str) -> str:
+    """Return the name of ``key``'s page file in its shard."""
+    return f"{key}{SUFFIX}"
+
+
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 """How a store's own directories are opened: never through a link another user swapped in."""
 
@@ -674,6 +672,21 @@ def _open_folder(path: str, *, make: bool = False) -> int:
     with contextlib.suppress(FileExistsError):  # another writer made it meanwhile
         os.mkdir(path)
     return _open_folder(path)
+
+
+def _fresh_file(folder: int, name: str, mode: int) -> int:
+    """Create the file ``name`` in the open ``folder`` afresh and return it open for writing.
+
+    Temporary names are predictable: whatever is already there (a link another
+    user of the folder planted) is removed first, and ``O_EXCL`` never opens
+    through a link.
+
+    Raises:
+        OSError: The file could not be removed or created.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=folder)
+    return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode, dir_fd=folder)
 
 
 def _name_in(exc: OSError, name: str, path: str) -> None:
@@ -732,7 +745,7 @@ def _reap(tmp: Path) -> int:
     """
     reaped = 0
     now: list[float | None] = []  # the folder's time: read once, and only when a file needs it
-    folder = os.open(tmp, _FOLDER)
+    folder = _open_folder(str(tmp))
     try:
         with os.scandir(folder) as listing:  # listed before the clock's probe is made there
             names = [entry.name for entry in listing if entry.name.endswith(".tmp")]
@@ -781,9 +794,7 @@ def _folder_now(tmp: int) -> float | None:
     """
     probe = f"clock.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
-        with contextlib.suppress(FileNotFoundError):  # a link planted at the name is replaced
-            os.unlink(probe, dir_fd=tmp)
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=tmp)
+        fd = _fresh_file(tmp, probe, 0o600)
     except OSError:
         return None
     try:
