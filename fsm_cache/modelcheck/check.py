@@ -471,19 +471,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     symmetry = not args.no_symmetry
     budget = Budget(max_states=args.max_states, max_seconds=args.max_seconds)
     runs = targets(args)
+    pins, count = (Bounds.default if n is None else n for n in (args.max_pins, args.max_count))
+    ceiling = [ceilings(path, pins, locks, count) for path, _, _, locks in runs]
     flags = zip(
         ("--max-pins", "--max-locks", "--max-count"),
         (args.max_pins, args.max_locks, args.max_count),
         strict=True,
     )
-    counters = {path: list(ceilings(path, 0, 0, 0)) for path, *_ in runs}
+    counters = {run.spec: list(bounded) for run, bounded in zip(runs, ceiling, strict=True)}
     problems = unused_bounds({flag: n for flag, n in flags if n is not None}, counters)
     if problems:
         raise SpecError(problems)
-    pins, count = (Bounds.default if n is None else n for n in (args.max_pins, args.max_count))
     planned = []
-    for path, policy, nodes, locks in runs:
-        bounded = ceilings(path, pins, locks, count)
+    for (path, policy, nodes, _), bounded in zip(runs, ceiling, strict=True):
         bounds = Bounds(bounded, count)
         # every target is refused or taken before one is explored: a refusal after a
         # search (minutes on four nodes) would throw its result away
