@@ -183,7 +183,7 @@ class KVPool:
         """
         idx = self._index(pages)
         lay = self.layout
-        shape = (lay.layers, lay.planes, len(pages) * lay.page_size, lay.heads, lay.head_dim)
+        shape = _pool_shape("device", lay, len(pages))
         if idx is None:
             return torch.empty(shape, dtype=lay.dtype)
         data = self.pages.index_select(0, idx).permute(1, 2, 0, 3, 4, 5)
@@ -207,7 +207,7 @@ class KVPool:
         """
         where = self._where(pages)
         lay, n = self.layout, len(pages)
-        shape = (lay.layers, lay.planes, n * lay.page_size, lay.heads, lay.head_dim)
+        shape = _pool_shape("device", lay, n)
         if kv.shape != shape or kv.dtype != lay.dtype:
             raise PoolError(
                 f"{self.name} pool: kv of shape {tuple(kv.shape)} and dtype {kv.dtype} "
@@ -375,21 +375,27 @@ def _check_pool(name: object, layout: KVLayout, num_pages: object, tensor: objec
         raise BadArgument(
             f"{name} pool: tensor must be a torch.Tensor, got {type(tensor).__name__}"
         )
-    lay = layout
-    if name == "host":
-        shape: tuple[int, ...] = (num_pages, lay.layers, lay.planes, lay.page_size, lay.heads)
-    else:
-        shape = (lay.layers, lay.planes, num_pages * lay.page_size, lay.heads)
-    shape = (*shape, lay.head_dim)
-    if tuple(tensor.shape) != shape or tensor.dtype != lay.dtype:
+    shape = _pool_shape(name, layout, num_pages)
+    if tuple(tensor.shape) != shape or tensor.dtype != layout.dtype:
         raise BadArgument(
             f"{name} pool: a tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} "
-            f"does not hold {num_pages} pages, which need shape {shape} and dtype {lay.dtype}"
+            f"does not hold {num_pages} pages, which need shape {shape} and dtype {layout.dtype}"
         )
     if not tensor.is_contiguous():
         raise BadArgument(
             f"{name} pool: the tensor must be contiguous, got strides {tensor.stride()}"
         )
+
+
+def _pool_shape(name: str, layout: KVLayout, pages: int) -> tuple[int, ...]:
+    """The shape of ``pages`` pages in ``name``'s pool: host pages first, device slots third.
+
+    KV in the device layout, wherever it is held, has the device's shape.
+    """
+    lay = layout
+    if name == "host":
+        return (pages, lay.layers, lay.planes, lay.page_size, lay.heads, lay.head_dim)
+    return (lay.layers, lay.planes, pages * lay.page_size, lay.heads, lay.head_dim)
 
 
 def _paged_shape(layout: KVLayout, pages: int) -> tuple[int, ...]:
@@ -443,8 +449,7 @@ def device_pool(layout: KVLayout, num_pages: int, device: torch.device | None = 
     if not whole(num_pages):
         raise BadArgument(f"device pool: num_pages must be an int >= 0, got {num_pages!r}")
     where = device or default_device()
-    shape = (layout.layers, layout.planes, num_pages * layout.page_size, layout.heads)
-    tensor = torch.empty((*shape, layout.head_dim), dtype=layout.dtype, device=where)
+    tensor = torch.empty(_pool_shape("device", layout, num_pages), dtype=layout.dtype, device=where)
     return KVPool("device", layout, num_pages, tensor, pinned=False)
 
 
@@ -480,9 +485,9 @@ def host_pool(
     """
     pages = _host_pages(layout, num_pages, byte_budget, ratio, device_pages)
     pinned = torch.cuda.is_available() if pin is None else pin
-    shape = (pages, layout.layers, layout.planes, layout.page_size, layout.heads)
     where = _pin_device(device) if pinned else None
-    tensor = alloc_exact_host((*shape, layout.head_dim), layout.dtype, pinned, device=where)
+    shape = _pool_shape("host", layout, pages)
+    tensor = alloc_exact_host(shape, layout.dtype, pinned, device=where)
     return KVPool("host", layout, pages, tensor, pinned=pinned, pin_device=where)
 
 
