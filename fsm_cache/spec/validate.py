@@ -569,8 +569,9 @@ def _annotation_problems(system: System) -> Iterator[str]:
     for region, machine in system.regions:
         if region in typed:
             yield f"composition.regions.{region}: {_typed(region, typed[region])}"
+        own = annotation_types(System.single(machine))  # reported in the machine's file
         for counter in machine.counter_names:
-            if counter in typed and counter not in annotation_types(System.single(machine)):
+            if counter in typed and counter not in own:
                 yield f"composition.regions.{region}: counter {_typed(counter, typed[counter])}"
 
 
