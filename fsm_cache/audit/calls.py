@@ -77,6 +77,7 @@ class Classifier:
         }
         self.takers = frozenset(name.rsplit(".", 1)[-1] for name in takers)
         self.non_raising = config.non_raising
+        self._may_pair = frozenset(self.arguments) | {"fire", "verb"}  # see may_pair
 
     def may_pair(self, node: ast.AST) -> bool:
         """Return whether any call inside ``node`` could be a pair call.
@@ -86,7 +87,7 @@ class Classifier:
         (``engine.verb("pin")(rec)``). Code without one acquires and releases
         nothing, so it has nothing to analyze.
         """
-        names = self.acquires.keys() | self.releases.keys() | {"fire", "verb"}
+        names = self._may_pair
         return any(
             isinstance(sub, ast.Call)
             and (isinstance(sub.func, ast.Call) or callee_name(sub) in names)
