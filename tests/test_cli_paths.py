@@ -121,6 +121,19 @@ def test_a_file_to_check_of_dash_is_refused(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_diagram_file_named_dash_is_printed_as_a_path_not_as_stdout(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``diagram -o ./-`` printed ``wrote -``, which reads as "wrote to stdout"."""
+    monkeypatch.chdir(tmp_path)
+    spec = str(spec_dir() / "host_residency.toml")
+    assert main(["diagram", spec, "-o", "./-"]) == 0
+    assert capsys.readouterr().out == f"wrote {tmp_path / '-'}\n"
+    assert main(["diagram", spec, "--check", "-o", "./-"]) == 0
+    assert capsys.readouterr().out == "1 diagram files match their specs\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["-"]
+
+
 def test_a_file_named_dash_is_spelled_dot_slash_dash(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -128,7 +141,8 @@ def test_a_file_named_dash_is_spelled_dot_slash_dash(
     spec = str(spec_dir() / "host_residency.toml")
     assert main(["types", spec, "--write", "./-"]) == 0
     assert main(["types", spec, "--check", "./-"]) == 0
-    assert capsys.readouterr().out == "wrote -\n- matches " + spec + "\n"
+    named = tmp_path / "-"
+    assert capsys.readouterr().out == f"wrote {named}\n{named} matches {spec}\n"
     assert [p.name for p in tmp_path.iterdir()] == ["-"]
 
 

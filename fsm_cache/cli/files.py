@@ -46,8 +46,8 @@ class OutputError(FsmCacheError):
 STDOUT = Path("-")
 """What :func:`output_argument` returns for ``-``: stdout, as in most tools.
 
-Told by identity (``path is STDOUT``), never by equality: ``./-`` names a
-file called ``-``, and :class:`Path` spells it ``-`` too.
+Told by identity (``path is STDOUT``): a file named ``-`` (``./-``) comes
+back absolute from :func:`file_argument`, so it never equals this either.
 """
 
 STDIO = "-"
@@ -62,7 +62,9 @@ def file_argument(text: str) -> Path:
     part ``.`` or ``..``. :class:`Path` drops a trailing ``/`` and a ``.``
     part, so ``--write out/`` would otherwise write a file named ``out``.
     ``-`` is refused too: it means stdin or stdout to most tools, and a
-    file named ``-`` was written or read instead (``./-`` names one).
+    file named ``-`` was written or read instead (``./-`` names one). A
+    file named ``-`` comes back absolute, so that what the command prints
+    (``wrote /work/-``) cannot be read as stdout.
 
     Raises:
         argparse.ArgumentTypeError: ``text`` is empty, ``-``, or names a folder.
@@ -76,7 +78,7 @@ def file_argument(text: str) -> Path:
     path = path_argument(text)
     if os.path.basename(text) in ("", os.curdir, os.pardir):
         raise argparse.ArgumentTypeError(f"{text}: names a folder, not a file")
-    return path
+    return path.absolute() if str(path) == STDIO else path
 
 
 def output_argument(text: str) -> Path:
