@@ -22,9 +22,13 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TextIO, TypeVar
+from typing import TYPE_CHECKING, TextIO, TypeVar
 
 from fsm_cache.errors import FsmCacheError, SpecError
+
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 
 INTERRUPTED = 130
@@ -68,6 +72,43 @@ def path_argument(text: str) -> Path:
         argparse.ArgumentTypeError: ``text`` is empty.
     """
     return Path(path_text(text))
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose help, usage and version text fails loudly when it cannot be written.
+
+    argparse drops an :class:`OSError` from writing them: with
+    ``PYTHONUNBUFFERED=1`` (nothing left in a buffer to fail at the exit's
+    flush), ``--help > /dev/full`` wrote nothing and exited 0, and
+    ``--help | head -1`` exited 0 where every other output that lost its
+    reader exits :data:`OUTPUT_CLOSED`. Raised here, :func:`run_command`
+    reports the error as it does any other. Subparsers are built of the
+    same class.
+    """
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        """Write ``message`` to ``file`` (stdout by default), letting a failed write raise.
+
+        Raises:
+            OSError: ``file`` cannot take ``message``; :class:`_StdoutUnwritten`
+                when it is stdout, which an unbuffered stdout's error does not
+                say.
+        """
+        if not message:
+            return
+        stream = file or sys.stdout
+        try:
+            stream.write(message)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            if stream is sys.stdout and exc.filename is None:
+                raise _StdoutUnwritten(exc.errno, exc.strerror) from exc
+            raise
+
+
+class _StdoutUnwritten(OSError):
+    """Stdout could not take text written straight through (unbuffered), so no flush tells."""
 
 
 def summary_line(doc: str | None) -> str:
@@ -131,7 +172,7 @@ def _unwritten(exc: OSError) -> str:
     (``Exception ignored ... OSError``, exit 120), so it is dropped
     (:func:`_drop`), and an error naming no file is stdout's.
     """
-    if _drop(sys.stdout) and exc.filename is None:
+    if (_drop(sys.stdout) or isinstance(exc, _StdoutUnwritten)) and exc.filename is None:
         return f"cannot write to stdout: {exc.strerror or exc}"
     return str(exc)
 

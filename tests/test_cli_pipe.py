@@ -152,6 +152,33 @@ def test_a_full_stdout_is_one_error_naming_stdout(argv: list[str]) -> None:
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full to fill")
 @pytest.mark.parametrize(
+    ("module", "argv"),
+    [
+        ("fsm_cache", ["--help"]),
+        ("fsm_cache", ["check", "--help"]),
+        ("fsm_cache", ["--version"]),
+        ("fsm_cache.audit", ["--help"]),
+    ],
+    ids=["help", "command-help", "version", "audit-help"],
+)
+def test_help_to_a_full_unbuffered_stdout_is_an_error(module: str, argv: list[str]) -> None:
+    """With ``PYTHONUNBUFFERED=1`` argparse swallowed the failed write: nothing written, exit 0."""
+    with open("/dev/full", "wb") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", module, *argv],
+            env={**os.environ, "FSM_CACHE_PURE": "1", "PYTHONUNBUFFERED": "1"},
+            stdout=full,
+            stderr=subprocess.PIPE,
+            check=False,
+        )
+    assert (done.returncode, done.stderr) == (
+        2,
+        b"error: cannot write to stdout: No space left on device\n",
+    )
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full to fill")
+@pytest.mark.parametrize(
     "argv",
     [["validate", "no-such-spec.toml"], ["types", "no-such-spec.toml"], ["check", "--nodes", "x"]],
     ids=["validate", "types", "usage"],

@@ -24,7 +24,7 @@ from fsm_cache.audit.checker import check_source
 from fsm_cache.audit.config import ConfigFinder
 from fsm_cache.audit.model import DEFAULT_PAIRS, AuditConfig, AuditError, Finding
 from fsm_cache.audit.report import REPORT_FORMATS, render_report
-from fsm_cache.shell import named_once, path_argument, path_text, run_command
+from fsm_cache.shell import Parser, named_once, path_argument, path_text, run_command
 
 
 _SKIPPED_DIRS = frozenset({"__pycache__", "node_modules", "site-packages"})
@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _standalone(argv: Sequence[str]) -> int:
     """Parse ``argv`` as ``fsm-cache audit``'s arguments and run the audit."""
-    parser = argparse.ArgumentParser(prog="fsm-cache")
+    parser: argparse.ArgumentParser = Parser(prog="fsm-cache")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["audit", *argv])
     status: int = args.handler(args)

@@ -16,7 +16,7 @@ import importlib
 from collections.abc import Sequence
 from functools import partial
 
-from fsm_cache.shell import run_command
+from fsm_cache.shell import Parser, run_command
 
 
 # NOTE: modules are imported when the parser is built; none of them imports torch at import time.
@@ -34,7 +34,7 @@ _TOOLS = (
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser with every available subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="fsm-cache",
         description="Typed, formally checked state machines for KV-cache residency.",
     )
