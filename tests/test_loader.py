@@ -811,6 +811,16 @@ def test_two_births_of_the_same_states_are_refused(tmp_path: Path) -> None:
     ]
 
 
+def test_a_birth_of_the_initial_states_is_refused(tmp_path: Path) -> None:
+    """It was accepted: a second name for what ``Engine.new`` without a birth does."""
+    born_one(tmp_path)
+    two = extending_one(tmp_path, "[composition.births.plain]\nstates = { a = 'off' }\n")
+    assert problems(two) == [
+        f"{two}: composition.births.plain: the initial states (a off, b off): "
+        "a node given no birth is born so"
+    ]
+
+
 def test_a_base_birth_the_extending_regions_lack_names_the_base(tmp_path: Path) -> None:
     """Replacing the dimmer by the lamp leaves dark's state undeclared; the fault is the base's birth."""
     one = born_one(tmp_path)

@@ -553,8 +553,9 @@ def test_names_of_a_spec_built_in_code_are_spelled_as_in_a_file() -> None:
 
 def test_a_birth_declared_twice_is_reported_once() -> None:
     """Each of the two was reported: the same line twice."""
-    gate = MachineSpec("g", "a", (), (StateSpec("a", final=True),), (), source="g.toml")
-    twice = (Birth("x", (("g", "a"),)), Birth("x", (("g", "a"),)))
+    states = (StateSpec("a"), StateSpec("b", final=True))
+    gate = MachineSpec("g", "a", (), states, (Transition("go", ("a",), "b"),), source="g.toml")
+    twice = (Birth("x", (("g", "b"),)), Birth("x", (("g", "b"),)))
     born = System("s", (("g", gate),), births=twice, source="s.toml")
     assert problems(born) == ["s.toml: composition.births.x: declared twice"]
 

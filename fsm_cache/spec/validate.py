@@ -580,12 +580,15 @@ def _birth_problems(system: System) -> Iterator[str]:
 
     A name declared twice is reported once, at the second; a birth whose
     states, with every region it leaves out in its initial state, are those
-    of an earlier birth is a second name for one way to be born. A birth a
+    of an earlier birth is a second name for one way to be born, and one
+    whose states are the initial states is a name for the birth every node
+    without one has (``Engine.new`` with no ``birth``). A birth a
     base declares names the base: the spec that extends it may have replaced
     the region its state belonged to.
     """
     machines = system.machines
     seen: dict[tuple[tuple[str, str], ...], str] = {}  # each way to be born, by its first name
+    initial = tuple(system.born().items())
     for i, birth in enumerate(system.births):
         if (bad := bad_name(birth.name)) is not None:
             yield f"composition.births[{i}]: {birth.name!r}: {bad}"
@@ -601,8 +604,10 @@ def _birth_problems(system: System) -> Iterator[str]:
         if faults:
             continue
         born = tuple(system.born(birth.name).items())
-        if born in seen:
-            states = ", ".join(f"{region} {state}" for region, state in born)
+        states = ", ".join(f"{region} {state}" for region, state in born)
+        if born == initial:
+            yield f"{where}: the initial states ({states}): a node given no birth is born so{origin}"
+        elif born in seen:
             yield f"{where}: the same states as birth {seen[born]} ({states}){origin}"
         seen.setdefault(born, birth.name)
 
