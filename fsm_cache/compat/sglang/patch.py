@@ -47,6 +47,7 @@ import heapq
 import importlib
 import importlib.metadata
 import importlib.util
+import sys
 import types
 import warnings
 from collections import defaultdict
@@ -72,6 +73,15 @@ SUPPORTED = ("0.5.6", "0.5.23")
 
 CACHES = ("RadixCache", "HiRadixCache")
 """The cache classes a module may define."""
+
+FORWARDERS = ("sglang.srt.mem_cache.base_prefix_cache",)
+"""SGLang modules whose cache methods only forward to the checked ones.
+
+0.5.23's scheduler locks through ``BasePrefixCache.lock``/``unlock``, which
+call ``inc_lock_ref``/``dec_lock_ref``. While patched, trail mode skips their
+frames as it skips fsm_cache's own, so a refusal names the scheduler's call,
+not the forwarding line.
+"""
 
 UNCHECKED = {"sglang.srt.mem_cache.unified_radix_cache": "UnifiedRadixCache"}
 """Cache classes an SGLang release's scheduler builds by default that the patch does not check.
@@ -275,11 +285,18 @@ class Patch:
     node_class: type[ResidencyMixin]
     wrapped: tuple[str, ...]
     _saved: list[tuple[Any, str, Any]] = field(default_factory=list, repr=False)
+    _skipped: list[str] = field(default_factory=list, repr=False)
 
     def record(self, owner: Any, name: str, value: Any) -> None:
         """Set ``owner.name`` to ``value``, keeping the old value for :meth:`undo`."""
         self._saved.append((owner, name, getattr(owner, name)))
         setattr(owner, name, value)
+
+    def skip(self, filename: str) -> None:
+        """Have trail mode skip ``filename``'s frames (as fsm_cache's), until :meth:`undo`."""
+        if not trail.is_internal(filename):
+            trail.internal(filename)
+            self._skipped.append(filename)
 
     def undo(self) -> None:
         """Restore every patched module and class as it was."""
@@ -288,6 +305,9 @@ class Patch:
                 getattr(owner, name).undone = True
             setattr(owner, name, old)
         self._saved.clear()
+        for filename in self._skipped:
+            trail.forget(filename)
+        self._skipped.clear()
         for name in self.modules:
             _ACTIVE.pop(name, None)
 
@@ -339,6 +359,10 @@ def patch(
         result.node_class = checked[original]
         result.record(module, "TreeNode", result.node_class)
         wrapped += _wrap_caches(result, module, engine)
+    for name in FORWARDERS:
+        forwarder = sys.modules.get(name)
+        if forwarder is not None and forwarder.__file__:
+            result.skip(forwarder.__file__)
     result.wrapped = tuple(wrapped)
     for name in result.modules:
         _ACTIVE[name] = result

@@ -31,6 +31,7 @@ import functools
 import itertools
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,11 +52,11 @@ trail.internal(__file__)
 
 Step = tuple[tuple[str, Any], ...]
 """The attribute assignments of one node's step, as :meth:`Engine.plan` returns them."""
-Armed = tuple[int, Step, Event, bool]
+Armed = tuple[int, Step, Event, "trail.Spot | None"]
 """What a walk arms a node with when its step changes more than ``locks`` or
 trail mode notes it: its ``locks`` after the step, the step's other changes,
-the event, and whether to note it in the node's trail. Any other step is armed
-with the bare ``locks`` after it."""
+the event, and the call site to note it at in the node's trail (None: not
+noted). Any other step is armed with the bare ``locks`` after it."""
 Planner = Callable[[Any], Plan]
 """An engine's :meth:`~fsm_cache.engine.core.Engine.planner` for one event."""
 Method = Callable[..., Any]
@@ -156,7 +157,9 @@ def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
     afterwards every node is disarmed. One check per node, per call, and no
     object built for the walk: where the step only moves ``locks`` (the spec
     says where, :func:`counter_step`), the check is one lookup and one
-    comparison and the node is armed with its count after the step.
+    comparison and the node is armed with its count after the step. In trail
+    mode each step is noted at the call of the method, not at the line of its
+    loop that takes it: a lock released twice names both releases.
 
     Args:
         event: ``lock`` or ``unlock``.
@@ -193,6 +196,8 @@ def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
                 return original(self, node, *args, **kwargs)
             if node.deleted:
                 _refuse_deleted(node, original.__name__)
+            # Trail mode notes each step at the call of the walk, not at SGLang's loop line.
+            spot = trail.caller_spot() if trail_on else None
             at = node
             try:
                 while (up := at.parent) is not None:  # SGLang's loops stop at the root
@@ -206,7 +211,7 @@ def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
                     if locks >= floor:
                         at.pending = locks + delta
                     else:  # the full check: refuses, or arms a step that changes more
-                        at.pending = _armed(at, plan, event, trail_on)
+                        at.pending = _armed(at, plan, event, spot)
                     at = up
             except BaseException:
                 _disarm(node, at)
@@ -268,8 +273,13 @@ def _disarm(node: Any, stop: Any) -> None:
         at = at.parent
 
 
-def _armed(node: ResidencyMixin, plan: Planner, event: Event, trail_on: bool) -> int | Armed:
-    """``node``'s checked step as it is armed: the ``locks`` after it, or an :data:`Armed`."""
+def _armed(
+    node: ResidencyMixin, plan: Planner, event: Event, spot: trail.Spot | None
+) -> int | Armed:
+    """``node``'s checked step as it is armed: the ``locks`` after it, or an :data:`Armed`.
+
+    ``spot`` is the call site trail mode notes the step at; None outside trail mode.
+    """
     locks = node.locks
     others: Step = ()
     for attr, value in plan(node)[0]:
@@ -277,9 +287,21 @@ def _armed(node: ResidencyMixin, plan: Planner, event: Event, trail_on: bool) ->
             locks = value  # type: ignore[assignment]
         elif getattr(node, attr) != value:
             others = (*others, (attr, value))
-    if others or trail_on:
-        return (locks, others, event, trail_on)
+    if others or spot is not None:
+        return (locks, others, event, spot)
     return locks
+
+
+def noted(past: trail.Trail | None, event: Event, spot: trail.Spot, length: int) -> trail.Trail:
+    """Append ``event`` at the call site ``spot`` to a node's trail (creating it); return it.
+
+    :func:`fsm_cache.engine.trail.note` with the site given: a lock walk's
+    step is taken inside SGLang's loop, but noted where the walk was called.
+    """
+    if past is None:
+        past = deque(maxlen=length)
+    past.append((event, *spot))
+    return past
 
 
 class Walk:
@@ -288,7 +310,8 @@ class Walk:
     Use it as a context manager (``with Walk(node, "lock") as path:``) or
     :meth:`open` / :meth:`close` it around SGLang's loop. While open, each
     node of the path may move ``lock_ref`` by one in the event's direction,
-    once; the step applied is the one checked. The armed step is kept on the
+    once; the step applied is the one checked, noted in trail mode where the
+    walk was opened. The armed step is kept on the
     node itself (``node.pending``), so the hot ``lock_ref`` setter reads one
     field.
 
@@ -303,15 +326,16 @@ class Walk:
         self.path: list[ResidencyMixin] = []
         self.steps: list[int | Armed] = []
         engine = node.machine().engine
-        plan, trail_on = engine.planner(event), engine.trail
+        plan = engine.planner(event)
         if node.deleted:
             _refuse_deleted(node, event)
+        spot = trail.caller_spot() if engine.trail else None  # where the walk was opened
         at: Any = node
         while at.parent is not None:  # SGLang's loops stop at the root
             if not at.sealed:
                 at.seal()
             self.path.append(at)
-            self.steps.append(_armed(at, plan, event, trail_on))
+            self.steps.append(_armed(at, plan, event, spot))
             at = at.parent
 
     def open(self) -> Walk:

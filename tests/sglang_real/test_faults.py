@@ -1,0 +1,156 @@
+"""Faults in SGLang's real caches: refused with a typed error naming both call sites, nothing changed.
+
+Each test plants one residency fault (an unlock with no lock left, a lock
+released twice through 0.5.23's ``unlock``, an eviction of a locked node) and
+checks three things: the
+error's class, its message naming the earlier call and the refused one (trail
+mode), and the whole state of the cache, its memory and its copies, compared
+before and after the refused call (:func:`conftest.whole_state`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from fsm_cache.compat.sglang import patch
+from fsm_cache.errors import error_class
+
+from .conftest import Api, build_hiradix, whole_state
+from .fakes import FakeAllocator
+
+
+HERE = "test_faults.py"
+
+
+@pytest.fixture
+def patched(sg: Api) -> Iterator[Any]:
+    """SGLang's caches, patched in trail mode for the test."""
+    del sg
+    with patch(trail=True) as applied:
+        yield applied
+
+
+def line() -> int:
+    """The caller's current line (the call on the next line is ``line() + 1``)."""
+    frame = inspect.currentframe()
+    assert frame is not None
+    assert frame.f_back is not None
+    return frame.f_back.f_lineno
+
+
+def site(at: int, function: str) -> str:
+    """A call site of this file, as a refusal names it."""
+    return f"{HERE}:{at} in {function}"
+
+
+def sglang_site(function: Any, text: str) -> str:
+    """``file.py:N in name`` of the first line of SGLang's ``function`` containing ``text``."""
+    function = inspect.unwrap(function)
+    lines, start = inspect.getsourcelines(function)
+    offset = next(i for i, source in enumerate(lines) if text in source)
+    name = function.__code__.co_filename.rsplit("/", 1)[-1]
+    return f"{name}:{start + offset} in {function.__name__}"
+
+
+def two_nodes(sg: Api, allocator: FakeAllocator) -> tuple[Any, Any]:
+    """A patched ``RadixCache`` holding ``[1..4]`` and ``[1..6]`` (two nodes); the deeper one."""
+    cache = sg.rc.RadixCache(sg.cache_params(allocator))
+    sg.insert(cache, [1, 2, 3, 4], allocator.take(4))
+    value = allocator.take(6)
+    allocator.free(value[: sg.insert(cache, [1, 2, 3, 4, 5, 6], value)])
+    return cache, sg.match(cache, [1, 2, 3, 4, 5, 6])[1]
+
+
+def test_a_double_dec_lock_ref_names_both_unlocks_and_changes_nothing(
+    sg: Api, allocator: FakeAllocator, patched: Any
+) -> None:
+    del patched
+    cache, node = two_nodes(sg, allocator)
+    test = "test_a_double_dec_lock_ref_names_both_unlocks_and_changes_nothing"
+    locked = line() + 1
+    cache.inc_lock_ref(node)
+    cache.dec_lock_ref(node)  # the request's release...
+    before = whole_state(cache, allocator)
+    refused = line() + 2
+    with pytest.raises(error_class("UnlockAtZero")) as caught:
+        cache.dec_lock_ref(node)  # ...and a second cleanup path releasing it again
+    assert str(caught.value) == (
+        f"node {node.id}: unlock refused in resident (locks=0): unlock without a matching "
+        f"lock; locked at {site(locked, test)}; unlocked at {site(locked + 1, test)}; "
+        f"refused at {site(refused, test)}"
+    )
+    assert whole_state(cache, allocator) == before
+
+
+def test_a_lock_released_twice_names_the_schedulers_calls(
+    sg: Api, allocator: FakeAllocator, patched: Any
+) -> None:
+    """0.5.23's scheduler locks and unlocks through ``lock``/``unlock``: their callers are named."""
+    del patched
+    if not sg.new:
+        pytest.skip(f"sglang {sg.version} has no lock()/unlock()")
+    cache, node = two_nodes(sg, allocator)
+    test = "test_a_lock_released_twice_names_the_schedulers_calls"
+    locked = line() + 1
+    held = cache.lock(node)
+    cache.unlock(held)
+    before = whole_state(cache, allocator)
+    refused = line() + 2
+    with pytest.raises(error_class("UnlockAtZero")) as caught:
+        cache.unlock(held)  # the same TreeLock released a second time
+    assert str(caught.value) == (
+        f"node {node.id}: unlock refused in resident (locks=0): unlock without a matching "
+        f"lock; locked at {site(locked, test)}; unlocked at {site(locked + 1, test)}; "
+        f"refused at {site(refused, test)}"
+    )
+    assert whole_state(cache, allocator) == before
+
+
+def test_an_unlock_with_no_lock_changes_nothing(
+    sg: Api, allocator: FakeAllocator, patched: Any
+) -> None:
+    del patched
+    cache, node = two_nodes(sg, allocator)
+    before = whole_state(cache, allocator)
+    refused = line() + 2
+    with pytest.raises(error_class("UnlockAtZero")) as caught:
+        cache.dec_lock_ref(node)
+    assert str(caught.value) == (
+        f"node {node.id}: unlock refused in resident (locks=0): unlock without a matching "
+        f"lock; refused at {site(refused, 'test_an_unlock_with_no_lock_changes_nothing')}"
+    )
+    assert whole_state(cache, allocator) == before
+
+
+def test_evicting_a_locked_backed_node_names_the_lock_and_changes_nothing(
+    sg: Api, allocator: FakeAllocator, monkeypatch: pytest.MonkeyPatch, patched: Any
+) -> None:
+    del patched
+    cache = build_hiradix(sg, allocator, monkeypatch, "write_through")
+    sg.insert(cache, [1, 2, 3, 4, 5, 6], allocator.take(6))
+    cache.cache_controller.finish_writes()
+    cache.writing_check()
+    (node,) = cache.root_node.children.values()
+    test = "test_evicting_a_locked_backed_node_names_the_lock_and_changes_nothing"
+    locked = line() + 1
+    cache.inc_lock_ref(node)  # a running request holds it
+    before = whole_state(cache, allocator)
+    refused = line() + 3
+    with pytest.raises(error_class("DeviceLocked")) as caught:
+        # SGLang's eviction step, called as a fork's loop that lost the lock check calls it
+        cache._evict_backuped(node)  # noqa: SLF001
+    hi = type(cache)
+    assert str(caught.value) == (
+        f"node {node.id}: evict_device refused in resident (locks=1): a running request "
+        f"holds the device copy; written at {sglang_site(hi._inc_hit_count, 'self.write_backup(node)')}; "  # noqa: SLF001
+        f"locked at {sglang_site(hi.write_backup, 'self.inc_lock_ref(node)')} "
+        f"and at {site(locked, test)}; "
+        f"acknowledged at {sglang_site(hi.writing_check, 'self.ongoing_write_through.pop')}; "
+        f"unlocked at {sglang_site(hi.writing_check, 'self.dec_lock_ref(backuped_node)')}; "
+        f"refused at {site(refused, test)}"
+    )
+    assert whole_state(cache, allocator) == before
