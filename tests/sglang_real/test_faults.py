@@ -1,8 +1,8 @@
 """Faults in SGLang's real caches: refused with a typed error naming both call sites, nothing changed.
 
 Each test plants one residency fault (an unlock with no lock left, a lock
-released twice through 0.5.23's ``unlock``, an eviction of a locked node) and
-checks three things: the
+released twice through 0.5.23's ``unlock``, an eviction of a locked node, a
+host copy evicted while a load back reads it) and checks three things: the
 error's class, its message naming the earlier call and the refused one (trail
 mode), and the whole state of the cache, its memory and its copies, compared
 before and after the refused call (:func:`conftest.whole_state`).
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from fsm_cache.compat.sglang import patch
-from fsm_cache.errors import error_class
+from fsm_cache.errors import HostCopyPinned, error_class
 
 from .conftest import Api, build_hiradix, whole_state
 from .fakes import FakeAllocator
@@ -152,5 +152,48 @@ def test_evicting_a_locked_backed_node_names_the_lock_and_changes_nothing(
         f"acknowledged at {sglang_site(hi.writing_check, 'self.ongoing_write_through.pop')}; "
         f"unlocked at {sglang_site(hi.writing_check, 'self.dec_lock_ref(backuped_node)')}; "
         f"refused at {site(refused, test)}"
+    )
+    assert whole_state(cache, allocator) == before
+
+
+def test_a_host_copy_evicted_while_its_load_back_waits_for_memory_is_refused(
+    sg: Api, monkeypatch: pytest.MonkeyPatch, patched: Any
+) -> None:
+    """``load_back`` evicts to make room; a write-back there evicts host copies, the loading one too.
+
+    Stock SGLang frees the host slots the load is about to read, drops the
+    node from the tree, writes another node's KV into those slots, loads
+    them as the request's prefix and locks the detached node. The patch
+    refuses the host eviction (the load holds the copy) and leaves the
+    cache as it was before ``init_load_back``, the lock ``load_back`` took
+    on the chain's resident ancestor included.
+    """
+    del patched
+    allocator = FakeAllocator(24)
+    cache = build_hiradix(sg, allocator, monkeypatch, "write_back")
+    cache.load_back_threshold = 1
+    prefix, chain, other = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [20, 21, 22, 23]
+    sg.insert(cache, prefix, allocator.take(4))
+    value = allocator.take(len(chain))
+    allocator.free(value[: sg.insert(cache, chain, value)])
+    cache.evict(6)  # the chain's tail is written back and evicted; its prefix stays
+    host = cache.cache_controller.mem_pool_host
+    host.take(host.available_size())  # host memory full
+    sg.insert(cache, other, allocator.take(4))  # an unbacked leaf, the next victim
+    allocator.take(allocator.available_size() - 5)  # too little device memory for the load
+    found = cache.match_prefix(sg.key(chain))
+    tail, resident = found.last_host_node, found.last_device_node
+    assert (found.host_hit_length, tail.parent is resident, len(resident.key)) == (6, True, 4)
+    before = whole_state(cache, allocator)
+    with pytest.raises(HostCopyPinned) as caught:
+        cache.init_load_back(tail, found.host_hit_length)
+    hi = type(cache)
+    assert str(caught.value) == (
+        f"node {tail.id}: evict_host refused in pinned (pins=1): the host copy is pinned by a "
+        f"holder; written at {sglang_site(hi.evict, 'self.write_backup(x, write_back=True)')}; "
+        f"acknowledged at {sglang_site(hi.writing_check, 'del self.ongoing_write_through')}; "
+        f"evicted from device at {sglang_site(hi.evict, 'self._evict_backuped(node)')}; "
+        f"loaded at {sglang_site(hi.init_load_back, 'self.load_back(last_node, mem_quota)')}; "
+        f"refused at {sglang_site(hi.evict_host, 'self.cache_controller.evict_host')}"
     )
     assert whole_state(cache, allocator) == before

@@ -24,7 +24,9 @@ SGLang method                 what the wrapper adds
                               are freed (:func:`~fsm_cache.compat.sglang.scope.deleting`)
 ``_evict_regular(node)``      the same check, before the device slots are freed
 ``load_back(node)``           fires ``load`` on the chain before device slots are allocated;
-                              ``load_failed`` if SGLang then gives up
+                              ``load_failed`` if SGLang then gives up; if a refusal inside
+                              (its eviction making room) stops it, also releases the lock
+                              SGLang took on the chain's resident ancestor
 ``evict_host(n)``             fires ``evict_host`` at the controller call freeing a victim
 ``__init__``                  turns ``ongoing_write_through``/``ongoing_load_back`` into
                               :class:`~fsm_cache.compat.sglang.scope.AckBook`
@@ -204,10 +206,14 @@ def _load_back(original: Method) -> Method:
     def load_back(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
         chain = scope.absent_chain(node)
         scope.loading(chain)
+        held = chain[0].parent if chain else node  # the resident ancestor SGLang locks first
+        locks = held.locks
         try:
             result = original(self, node, *args, **kwargs)
-        except BaseException:
+        except BaseException:  # a refusal inside (the eviction that makes room): undo it all
             scope.back_out(chain)
+            if held.locks > locks:  # SGLang's lock on the ancestor, its release skipped
+                self.dec_lock_ref(held)
             raise
         if result is None:
             scope.back_out(chain)
