@@ -92,13 +92,14 @@ class Api:
         else:
             cache.evict(tokens)
 
-    def cache_params(self, allocator: FakeAllocator, page_size: int = 1) -> Any:
-        """``CacheInitParams`` with the fake allocator and no request pool."""
+    def cache_params(self, allocator: FakeAllocator, page_size: int = 1, **options: Any) -> Any:
+        """``CacheInitParams`` with the fake allocator and no request pool, plus ``options``."""
         return self.params.CacheInitParams(
-            disable=False,
+            disable=options.pop("disable", False),
             req_to_token_pool=None,
             token_to_kv_pool_allocator=allocator,
             page_size=page_size,
+            **options,
         )
 
 
