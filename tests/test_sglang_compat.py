@@ -19,6 +19,7 @@ import pytest
 
 from fsm_cache.compat.sglang import (
     AckBook,
+    BuiltBeforePatch,
     Children,
     ReadOnlyCounter,
     RemovedInUse,
@@ -486,3 +487,20 @@ def test_the_patch_builds_a_flat_checked_node_with_checked_children(
         with pytest.raises(ReadOnlyCounter):
             node.lock_ref += 1
     assert (shaped.TreeNode, shaped.defaultdict) == (stock, defaultdict)
+
+
+def test_a_cache_built_before_the_patch_is_refused_before_its_walk_runs(
+    shaped: types.ModuleType,
+) -> None:
+    cache = shaped.RadixCache()  # SGLang's own nodes
+    node = cache.insert(1, [5, 6])
+    with patch(shaped), pytest.raises(BuiltBeforePatch) as caught:
+        cache.inc_lock_ref(node)
+    assert str(caught.value) == (
+        f"node {node.id}: inc_lock_ref of a node built before patch() (SGLang's own TreeNode, "
+        "unchecked); build the cache after patching; nothing changed"
+    )
+    assert (node.lock_ref, cache.root_node.lock_ref) == (0, 1)
+    stock_error = "'NoneType' object has no attribute 'deleted'"
+    with patch(shaped), pytest.raises(AttributeError, match=stock_error):
+        cache.inc_lock_ref(None)  # not a node: an AttributeError, as stock

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from fsm_cache.compat.sglang import patch
+from fsm_cache.compat.sglang import BuiltBeforePatch, patch
 from fsm_cache.errors import HostCopyPinned, error_class
 
 from .conftest import Api, build_hiradix, whole_state
@@ -197,3 +197,23 @@ def test_a_host_copy_evicted_while_its_load_back_waits_for_memory_is_refused(
         f"refused at {sglang_site(hi.evict_host, 'self.cache_controller.evict_host')}"
     )
     assert whole_state(cache, allocator) == before
+
+
+def test_a_cache_built_before_the_patch_is_refused_at_its_first_checked_call(
+    sg: Api, allocator: FakeAllocator
+) -> None:
+    """SGLang's own nodes have nothing to check: the walk and the eviction say so, and change nothing."""
+    cache = sg.rc.RadixCache(sg.cache_params(allocator))  # built stock
+    sg.insert(cache, [1, 2, 3, 4], allocator.take(4))
+    node = sg.match(cache, [1, 2, 3, 4])[1]
+    with patch(trail=True):
+        before = whole_state(cache, allocator)
+        with pytest.raises(BuiltBeforePatch) as caught:
+            cache.inc_lock_ref(node)
+        assert str(caught.value) == (
+            f"node {node.id}: inc_lock_ref of a node built before patch() (SGLang's own "
+            "TreeNode, unchecked); build the cache after patching; nothing changed"
+        )
+        with pytest.raises(BuiltBeforePatch, match=f"^node {node.id}: evict of a node built "):
+            sg.evict(cache, 4)
+        assert whole_state(cache, allocator) == before

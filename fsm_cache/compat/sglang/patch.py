@@ -113,6 +113,7 @@ Method = Callable[..., Any]
 def _write_backup(original: Method) -> Method:
     @functools.wraps(original)
     def write_backup(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        scope.require_checked(node, "write_backup")
         write_back = bool(kwargs.get("write_back", args[0] if args else False))
         if not write_back:
             scope.check(list(node.path_to_root()), "lock")
@@ -131,6 +132,7 @@ def _write_backup(original: Method) -> Method:
 def _write_backup_storage(original: Method) -> Method:
     @functools.wraps(original)
     def write_backup_storage(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        scope.require_checked(node, "write_backup_storage")
         scope.check([node], "pin")
         return original(self, node, *args, **kwargs)
 
@@ -140,6 +142,7 @@ def _write_backup_storage(original: Method) -> Method:
 def _evict_backuped(original: Method) -> Method:
     @functools.wraps(original)
     def evict_backuped(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        scope.require_checked(node, "_evict_backuped")
         node.seal()
         if scope.defer_eviction(node):
             return len(node.value)  # what SGLang's controller reports freeing, later

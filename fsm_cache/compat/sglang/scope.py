@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from fsm_cache.engine import trail
 from fsm_cache.engine.core import Engine, Plan
-from fsm_cache.errors import IllegalTransition, StaleNode
+from fsm_cache.errors import FsmCacheError, IllegalTransition, StaleNode
 from fsm_cache.residency import HOST_HELD, Event, Residency
 from fsm_cache.spec.validate import representatives
 
@@ -48,6 +48,16 @@ if TYPE_CHECKING:
     from fsm_cache.compat.sglang.node import ResidencyMixin
 
 trail.internal(__file__)
+
+
+class BuiltBeforePatch(FsmCacheError, TypeError):
+    """A checked cache method was given a node SGLang built before the patch.
+
+    A cache built before :func:`~fsm_cache.compat.sglang.patch` keeps SGLang's
+    own nodes: they have no residency to check, and nodes attached to them are
+    never sealed. Its lock walks and memory moves are refused before they
+    change anything; build the cache after patching.
+    """
 
 
 Step = tuple[tuple[str, Any], ...]
@@ -194,12 +204,12 @@ def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
         def method(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
             if getattr(self, "disable", False):
                 return original(self, node, *args, **kwargs)
-            if node.deleted:
-                _refuse_deleted(node, original.__name__)
             # Trail mode notes each step at the call of the walk, not at SGLang's loop line.
             spot = trail.caller_spot() if trail_on else None
             at = node
             try:
+                if node.deleted:
+                    _refuse_deleted(node, original.__name__)
                 while (up := at.parent) is not None:  # SGLang's loops stop at the root
                     if not at.sealed:
                         at.seal()
@@ -213,8 +223,8 @@ def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
                     else:  # the full check: refuses, or arms a step that changes more
                         at.pending = _armed(at, plan, event, spot)
                     at = up
-            except BaseException:
-                _disarm(node, at)
+            except BaseException as exc:
+                _abandon(node, at, exc, original.__name__)
                 raise
             if at is not getattr(self, "root_node", at):
                 _disarm(node, at)
@@ -235,6 +245,23 @@ def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
 
 _NEVER = sys.maxsize
 """A floor no lock count reaches: the state takes the full check."""
+
+
+def require_checked(node: Any, call: str) -> None:
+    """Refuse ``call`` on a node of SGLang's that the patch did not build (its cache predates it).
+
+    Anything that is not an SGLang node (no ``lock_ref``) is let through, to
+    fail as it would stock.
+
+    Raises:
+        BuiltBeforePatch: ``node`` is SGLang's own ``TreeNode``; nothing changed.
+    """
+    if hasattr(node, "lock_ref") and not hasattr(node, "sealed"):
+        msg = (
+            f"node {getattr(node, 'id', '?')}: {call} of a node built before patch() "
+            "(SGLang's own TreeNode, unchecked); build the cache after patching; nothing changed"
+        )
+        raise BuiltBeforePatch(msg)
 
 
 def _refuse_foreign(node: Any, top: Any, walk: str) -> NoReturn:
@@ -263,6 +290,18 @@ def _with_sites(msg: str, node: Any) -> str:
         return msg
     past = {e.name: e.past for _, m in engine.system.regions for e in m.events if e.past}
     return f"{msg}; {trail.account(trail.sites(node.trail), past, trail.caller_site())}"
+
+
+def _abandon(node: Any, at: Any, exc: BaseException, walk: str) -> None:
+    """Disarm what a walk armed below ``at``, where it stopped; refuse ``at`` if SGLang built it.
+
+    Raises:
+        BuiltBeforePatch: The walk stopped for want of a checked node's field
+            at ``at``, one of SGLang's own nodes.
+    """
+    _disarm(node, at)
+    if isinstance(exc, AttributeError):
+        require_checked(at, walk)
 
 
 def _disarm(node: Any, stop: Any) -> None:
@@ -388,7 +427,10 @@ def loading(chain: Sequence[ResidencyMixin]) -> None:
 
     Raises:
         IllegalTransition: A node of the chain refuses the load.
+        BuiltBeforePatch: A node of the chain is SGLang's own; nothing fired.
     """
+    for n in chain:
+        require_checked(n, "load_back")
     done: list[ResidencyMixin] = []
     try:
         for n in chain:
@@ -562,10 +604,12 @@ def host_eviction(slots: Any) -> None:
 
     Raises:
         IllegalTransition: The node refuses it (pinned, written, loaded); nothing was freed.
+        BuiltBeforePatch: The node is SGLang's own; nothing was freed.
     """
     for owners in reversed(_HOST.open):
         node = owners.get(id(slots))
         if node is not None:
+            require_checked(node, "evict_host")
             node.seal()
             node.machine().evict_host(node)
             return
@@ -586,9 +630,11 @@ def deleting(node: Any) -> None:
     Raises:
         IllegalTransition: The victim is locked, or has a copy in flight;
             nothing was freed.
+        BuiltBeforePatch: The victim is SGLang's own node; nothing was freed.
     """
+    require_checked(node, "evict")
     if getattr(node, "device", "absent") == "absent" or getattr(node, "parent", None) is None:
-        return  # not a checked node, off the device already, or a root
+        return  # not an SGLang node, off the device already, or a root
     node.seal()
     machine = node.machine()
     if node.host in HOST_HELD:
@@ -615,7 +661,9 @@ def check(path: Sequence[ResidencyMixin], event: Event) -> None:
 
     Raises:
         IllegalTransition: A node refuses it.
+        BuiltBeforePatch: A node is SGLang's own.
     """
     for n in path:
+        require_checked(n, event)
         n.seal()
         n.machine().engine.plan(n, event)
