@@ -1,11 +1,12 @@
 """Faults in SGLang's real caches: refused with a typed error naming both call sites, nothing changed.
 
 Each test plants one residency fault (an unlock with no lock left, a lock
-released twice through 0.5.23's ``unlock``, an eviction of a locked node, a
-host copy evicted while a load back reads it) and checks three things: the
-error's class, its message naming the earlier call and the refused one (trail
-mode), and the whole state of the cache, its memory and its copies, compared
-before and after the refused call (:func:`conftest.whole_state`).
+released twice through 0.5.23's ``unlock``, a host copy released twice, an
+eviction of a locked node, a host copy evicted while a load back reads it, a
+cache built before the patch) and checks three things: the error's class, its
+message naming the earlier call and the refused one (trail mode), and the
+whole state of the cache, its memory and its copies, compared before and after
+the refused call (:func:`conftest.whole_state`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from fsm_cache.compat.sglang import BuiltBeforePatch, patch
+from fsm_cache.compat.sglang import BuiltBeforePatch, HostRefCounterZero, patch
 from fsm_cache.errors import HostCopyPinned, error_class
 
 from .conftest import Api, build_hiradix, whole_state
@@ -152,6 +153,34 @@ def test_evicting_a_locked_backed_node_names_the_lock_and_changes_nothing(
         f"acknowledged at {sglang_site(hi.writing_check, 'self.ongoing_write_through.pop')}; "
         f"unlocked at {sglang_site(hi.writing_check, 'self.dec_lock_ref(backuped_node)')}; "
         f"refused at {site(refused, test)}"
+    )
+    assert whole_state(cache, allocator) == before
+
+
+def test_a_double_release_host_names_both_releases_and_changes_nothing(
+    sg: Api, allocator: FakeAllocator, monkeypatch: pytest.MonkeyPatch, patched: Any
+) -> None:
+    del patched
+    cache = build_hiradix(sg, allocator, monkeypatch, "write_through")
+    sg.insert(cache, [1, 2, 3, 4, 5, 6], allocator.take(6))
+    cache.cache_controller.finish_writes()
+    cache.writing_check()
+    (node,) = cache.root_node.children.values()
+    test = "test_a_double_release_host_names_both_releases_and_changes_nothing"
+    pinned = line() + 1
+    node.protect_host()  # a backup to storage holds the host copy...
+    node.release_host()  # ...its acknowledgement releases it...
+    before = whole_state(cache, allocator)
+    refused = line() + 2
+    with pytest.raises(HostRefCounterZero) as caught:
+        node.release_host()  # ...and a revoke releases it again
+    assert str(caught.value).endswith(
+        f"pinned at {site(pinned, test)}; released at {site(pinned + 1, test)}; "
+        f"refused at {site(refused, test)}"
+    )
+    assert str(caught.value).startswith(
+        f"Host reference counter is already zero. node {node.id}: release refused in "
+        "backed (pins=0): release without a matching pin; "
     )
     assert whole_state(cache, allocator) == before
 
