@@ -6,12 +6,12 @@ scheduler passes), the lock walks (``inc_lock_ref``/``dec_lock_ref``, and on
 0.5.23 ``lock``/``unlock``), a request's KV row in a ``req_to_token`` pool,
 chunked prefill (0.5.6 ``cache_unfinished_req``, 0.5.23 ``checkpoint``), the
 finish (0.5.6 ``cache_finished_req``, with and without insert; 0.5.23
-``checkpoint`` then the row freed and the lock released), eviction, and the
-read-outs (``evictable_size``, ``protected_size``, ``total_size``,
-``pretty_print``, ``all_values_flatten``) and ``reset`` between requests,
-over every eviction policy. Every return value, every exception and every
-read-out must be the same stock and patched.
-"""
+``checkpoint`` then the row freed and the lock released), eviction (and on
+0.5.23 ``evict_for_alloc`` when an allocation is short), the read-outs
+(``evictable_size``, ``protected_size``, ``total_size``, ``pretty_print``,
+``all_values_flatten``) and ``reset`` between requests, over every eviction
+policy. Every return value, every exception and every read-out must be the
+same stock and patched."""
 
 from __future__ import annotations
 
@@ -135,9 +135,13 @@ class Scheduler:
         return tokens, ints(slots), loaded, repr_receipt(receipt)
 
     def alloc(self, need: int) -> Any:
+        """``need`` device slots, evicting first when too few are free (None: still too few)."""
         slots = self.allocator.alloc(need)
         if slots is None:
-            self.evict(need)
+            if self.sg.new:  # 0.5.23's allocation path evicts through evict_for_alloc
+                self.cache.evict_for_alloc(self.sg.base.EvictParams(num_tokens=need))
+            else:
+                self.evict(need)
             slots = self.allocator.alloc(need)
         return slots
 
