@@ -23,6 +23,7 @@ from fsm_cache.compat.sglang import (
     ResidencyMixin,
     patch,
 )
+from fsm_cache.engine import trail
 from fsm_cache.errors import CopyInFlight, DuplicateAck, HostCopyPinned, StaleNode, error_class
 
 from .conftest import Api, build_hiradix
@@ -230,7 +231,10 @@ def test_a_cache_driven_after_its_patch_is_undone_is_refused_clearly(sg: Api) ->
     cache = sg.rc.RadixCache(sg.cache_params(allocator))
     sg.insert(cache, [1, 2, 3], allocator.take(3))
     node = sg.match(cache, [1, 2, 3])[1]
+    forwarder = sg.base.__file__  # base_prefix_cache.py: its frames are skipped while patched
+    assert trail.is_internal(forwarder)
     applied.undo()
+    assert not trail.is_internal(forwarder)
     with pytest.raises(PatchUndone) as caught:
         cache.inc_lock_ref(node)  # SGLang's own walk again, over a checked node
     assert str(caught.value) == (
