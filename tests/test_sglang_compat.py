@@ -7,6 +7,7 @@ move only in checked walks, splits and chains are acknowledged together.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import sys
 import types
@@ -18,6 +19,7 @@ import pytest
 
 from fsm_cache.compat.sglang import (
     AckBook,
+    BuiltBeforePatch,
     Children,
     ReadOnlyCounter,
     RemovedInUse,
@@ -32,6 +34,7 @@ from fsm_cache.compat.sglang import (
     walked,
 )
 from fsm_cache.compat.sglang.scope import CounterStep, counter_step
+from fsm_cache.engine import trail
 from fsm_cache.errors import (
     HostCopyPinned,
     IllegalTransition,
@@ -265,7 +268,7 @@ def test_the_fast_check_agrees_with_the_full_one_at_every_count(event: str) -> N
 class LockCache:
     """A cache with SGLang's lock loop: bookkeeping, then one step per node, up to the root."""
 
-    def __init__(self, root: Checked, twice: bool = False) -> None:
+    def __init__(self, root: ResidencyMixin, twice: bool = False) -> None:
         self.root_node = root
         self.disable = False
         self.twice = twice
@@ -329,6 +332,57 @@ def test_a_walked_lock_that_steps_a_node_twice_is_refused() -> None:
     with pytest.raises(ReadOnlyCounter):
         inc_lock_ref(cache, b)
     assert (b.locks, armed(a, b)) == (1, [None, None])  # the checked step, and no more
+
+
+def next_line() -> int:
+    """The line after the caller's current one."""
+    frame = inspect.currentframe()
+    assert frame is not None
+    assert frame.f_back is not None
+    return frame.f_back.f_lineno + 1
+
+
+class Trailed(ResidencyMixin, TreeNode):
+    residency = Residency(trail=True)
+
+
+def trailed_chain() -> tuple[Trailed, Trailed]:
+    """A trail-mode root and one node under it."""
+    root, node = Trailed(0), Trailed(1)
+    root.value, root.host_value, root.lock_ref = [], [], 1
+    node.parent, node.value = root, [5]
+    root.children[1] = node
+    return root, node
+
+
+def test_a_walks_steps_are_noted_where_the_walk_was_called() -> None:
+    root, node = trailed_chain()
+    cache = LockCache(root)
+    lock, unlock = (walked(e, Trailed.machine())(LockCache.loop) for e in ("lock", "unlock"))
+    first = next_line()
+    lock(cache, node, 1)
+    unlock(cache, node, -1)  # the request's release...
+    with pytest.raises(error_class("UnlockAtZero")) as caught:
+        unlock(cache, node, -1)  # ...and a second cleanup path: both calls are named
+    test = f"test_sglang_compat.py:{{}} in {test_a_walks_steps_are_noted_where_the_walk_was_called.__name__}"
+    assert str(caught.value) == (
+        "node 1: unlock refused in resident (locks=0): unlock without a matching lock; "
+        f"locked at {test.format(first)}; unlocked at {test.format(first + 1)}; "
+        f"refused at {test.format(first + 3)}"
+    )
+    assert (node.locks, cache.counted, node.pending) == (0, 0, None)
+
+
+def test_a_nodes_own_lock_walk_is_noted_at_its_caller() -> None:
+    _, node = trailed_chain()
+    first = next_line()
+    node.inc_lock_ref()
+    node.dec_lock_ref()
+    test = "test_a_nodes_own_lock_walk_is_noted_at_its_caller"
+    assert [(event, str(site)) for event, site in trail.sites(node.trail)] == [
+        ("lock", f"test_sglang_compat.py:{first} in {test}"),
+        ("unlock", f"test_sglang_compat.py:{first + 1} in {test}"),
+    ]
 
 
 def test_a_walk_that_ends_at_another_root_is_refused_before_the_loop() -> None:
@@ -433,3 +487,20 @@ def test_the_patch_builds_a_flat_checked_node_with_checked_children(
         with pytest.raises(ReadOnlyCounter):
             node.lock_ref += 1
     assert (shaped.TreeNode, shaped.defaultdict) == (stock, defaultdict)
+
+
+def test_a_cache_built_before_the_patch_is_refused_before_its_walk_runs(
+    shaped: types.ModuleType,
+) -> None:
+    cache = shaped.RadixCache()  # SGLang's own nodes
+    node = cache.insert(1, [5, 6])
+    with patch(shaped), pytest.raises(BuiltBeforePatch) as caught:
+        cache.inc_lock_ref(node)
+    assert str(caught.value) == (
+        f"node {node.id}: inc_lock_ref of a node built before patch() (SGLang's own TreeNode, "
+        "unchecked); build the cache after patching; nothing changed"
+    )
+    assert (node.lock_ref, cache.root_node.lock_ref) == (0, 1)
+    stock_error = "'NoneType' object has no attribute 'deleted'"
+    with patch(shaped), pytest.raises(AttributeError, match=stock_error):
+        cache.inc_lock_ref(None)  # not a node: an AttributeError, as stock

@@ -92,13 +92,14 @@ class Api:
         else:
             cache.evict(tokens)
 
-    def cache_params(self, allocator: FakeAllocator, page_size: int = 1) -> Any:
-        """``CacheInitParams`` with the fake allocator and no request pool."""
+    def cache_params(self, allocator: FakeAllocator, page_size: int = 1, **options: Any) -> Any:
+        """``CacheInitParams`` with the fake allocator and no request pool, plus ``options``."""
         return self.params.CacheInitParams(
-            disable=False,
+            disable=options.pop("disable", False),
             req_to_token_pool=None,
             token_to_kv_pool_allocator=allocator,
             page_size=page_size,
+            **options,
         )
 
 
@@ -180,3 +181,51 @@ def build_hiradix(
     monkeypatch.setattr(hi, "HiCacheController", CpuController.build)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
     return hi.HiRadixCache(sg.cache_params(allocator, page_size), server_args(write_policy))
+
+
+def whole_state(cache: Any, allocator: Any) -> dict[str, Any]:
+    """Everything a refusal must leave as it was: every node, SGLang's counts, both tiers' memory.
+
+    Each node (by token path) with its slots, SGLang's counters and, when
+    checked, its residency; the cache's sizes; the free lists and logs of the
+    device allocator and (``HiRadixCache``) the host pool; the copies in
+    flight and queued.
+    """
+    nodes = {}
+    stack: list[tuple[Any, tuple[int, ...]]] = [(cache.root_node, ())]
+    while stack:
+        node, above = stack.pop()
+        path = above + tuple(node.key) if node.key is not None else above
+        fields = [
+            None if node.value is None else [int(x) for x in node.value],
+            None
+            if getattr(node, "host_value", None) is None
+            else [int(x) for x in node.host_value],
+            node.lock_ref,
+            getattr(node, "host_ref_counter", None),
+        ]
+        for name in ("host", "device", "pins", "locks", "pending", "deleted", "evicting"):
+            fields.append(getattr(node, name, None))
+        ack_with = getattr(node, "ack_with", None)
+        fields.append(None if ack_with is None else ack_with.id)
+        nodes[path] = fields
+        stack.extend((child, path) for child in node.children.values())
+    state: dict[str, Any] = {
+        "nodes": nodes,
+        "sizes": (cache.evictable_size(), cache.protected_size()),
+        "device": (list(allocator.free_slots), [list(f) for f in allocator.freed]),
+    }
+    ctl = getattr(cache, "cache_controller", None)
+    if ctl is not None:
+        host = ctl.mem_pool_host
+        state["host"] = (list(host.free_slots), [list(f) for f in host.freed])
+        state["copies"] = (
+            sorted(cache.ongoing_write_through),
+            sorted(cache.ongoing_load_back),
+            [ack.node_ids for ack in ctl.ack_write_queue],
+            [ack.node_ids for ack in ctl.ack_load_queue],
+            list(ctl.load_queue),
+            list(ctl.writes),
+            list(ctl.loads),
+        )
+    return state

@@ -11,6 +11,7 @@ slot freed, and a controller whose copies "finish" when the test says so.
 from __future__ import annotations
 
 import types
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -238,3 +239,74 @@ def server_args(write_policy: str = "write_through") -> types.SimpleNamespace:
         hicache_write_policy=write_policy,
         served_model_name="fake",
     )
+
+
+class FakeReqToTokenPool:
+    """``req_to_token_pool``: one row of device slots per running request."""
+
+    def __init__(self, rows: int, width: int) -> None:
+        self.width = width
+        self.req_to_token = torch.zeros((rows, width), dtype=torch.int32)
+        self.free_rows = list(range(rows))
+
+    def alloc(self) -> int | None:
+        """A free row, lowest first; None when every row is taken."""
+        return self.free_rows.pop(0) if self.free_rows else None
+
+    def free(self, row: Any) -> None:
+        """Give a row back (0.5.6 passes its index, 0.5.23 the request)."""
+        index = row if isinstance(row, int) else row.req_pool_idx
+        assert index not in self.free_rows, f"row {index} freed twice"
+        self.free_rows = sorted([*self.free_rows, index])
+
+    def write(self, indices: tuple[int, slice], values: torch.Tensor) -> None:
+        """``req_to_token[row, cols] = values`` (``cache_unfinished_req``/``checkpoint``)."""
+        self.req_to_token[indices] = values.to(torch.int32)
+
+
+class FakeReq:
+    """The fields of SGLang's ``Req`` its radix caches read and write, for both releases.
+
+    0.5.6 keeps the KV row's fields on the request; 0.5.23 on ``req.kv``,
+    which is the request itself here, and wants its token ids as ``array('q')``.
+    """
+
+    def __init__(
+        self, rid: int, tokens: list[int], extra_key: str | None, last_node: Any, arrays: bool
+    ) -> None:
+        self.rid = f"r{rid}"
+        self.arrays = arrays
+        self.origin_input_ids = self._ids(tokens)
+        self.output_ids = self._ids([])
+        self.fill_ids = self.full_untruncated_fill_ids = self._ids(tokens)
+        self.extra_key = extra_key
+        self.cache_salt: str | None = None
+        self.last_node = last_node
+        self.priority: int | None = None
+        self.lock: Any = None
+        self.req_pool_idx = -1
+        self.cache_protected_len = 0
+        self.cache_inserted_len = 0
+        self.swa_evict_floor = 0
+        self.kv_committed_len = 0
+        self.prefix_indices: Any = None
+
+    def _ids(self, ids: list[int]) -> Any:
+        return array("q", ids) if self.arrays else list(ids)
+
+    @property
+    def kv(self) -> FakeReq:
+        """0.5.23's per-request KV record: the request itself."""
+        return self
+
+    def length(self) -> int:
+        """Tokens with KV in the request's row."""
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def refresh(self) -> None:
+        """``fill_ids`` catch up with the output (``refresh_fill_ids``)."""
+        self.fill_ids = self.full_untruncated_fill_ids = self.origin_input_ids + self.output_ids
+
+    def pop_committed_kv_cache(self) -> int:
+        """0.5.6: the KV length ``cache_finished_req`` takes over."""
+        return self.kv_committed_len

@@ -214,3 +214,33 @@ def test_a_write_back_eviction_frees_every_waiting_node_deepest_first(
     assert (allocator.available_size(), cache.ongoing_write_through) == (64, {})
     for node in chain:
         assert residency(node, mode) in (None, ("backed", "absent", 0, 0))
+
+
+def test_a_write_back_without_host_memory_keeps_the_waiting_parent_on_the_device(
+    sg: Api, allocator: FakeAllocator, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deliberate difference: SGLang's own assertion fails in both modes, the parent differs.
+
+    B's write-back finds the host full; SGLang's loop goes on and frees A,
+    the parent B hangs under, then fails ``assert node.backuped`` for B. Stock,
+    A is off the device under a child still on it; patched, A's eviction was
+    waiting for B's and never happens.
+    """
+    cache = build_hiradix(sg, allocator, monkeypatch, "write_back")
+    sg.insert(cache, A, allocator.take(len(A)))
+    cache.evict(len(A))  # A written back and evicted
+    assert sg.insert(cache, AB, allocator.take(len(AB))) == 0  # A recomputed, B new
+    (a,) = cache.root_node.children.values()
+    (b,) = a.children.values()
+    host = cache.cache_controller.mem_pool_host
+    host.take(host.available_size())
+    free = allocator.available_size()
+    with pytest.raises(AssertionError):
+        cache.evict(len(AB))
+    assert (b.evicted, b.backuped, a.backuped) == (False, False, True)
+    if mode == "stock":
+        assert (a.evicted, allocator.available_size()) == (True, free + len(A))
+    else:
+        assert (a.evicted, allocator.available_size()) == (False, free)
+        assert residency(a, mode) == ("backed", "resident", 0, 0)
+        assert residency(b, mode) == ("unbacked", "resident", 0, 0)

@@ -23,6 +23,7 @@ from fsm_cache.compat.sglang import (
     ResidencyMixin,
     patch,
 )
+from fsm_cache.engine import trail
 from fsm_cache.errors import CopyInFlight, DuplicateAck, HostCopyPinned, StaleNode, error_class
 
 from .conftest import Api, build_hiradix
@@ -103,15 +104,15 @@ def test_a_double_release_is_refused_with_sglangs_call_sites(sg: Api, hiradix: A
     refused_at = here.f_lineno + 2
     with pytest.raises(HostRefCounterZero) as caught:
         node.release_host()  # a second cleanup path: the bug
-    hi, rc = type(hiradix), sg.rc.RadixCache
+    hi = type(hiradix)
     test = "test_a_double_release_is_refused_with_sglangs_call_sites"
     assert str(caught.value) == (
         f"Host reference counter is already zero. node {node.id}: release refused in "
         "backed (pins=0): release without a matching pin; "
         f"written at {line_of(vars(hi)['_inc_hit_count'], 'self.write_backup(node)')}; "
-        f"locked at {line_of(rc.inc_lock_ref, 'node.lock_ref += 1')}; "
+        f"locked at {line_of(hi.write_backup, 'self.inc_lock_ref(node)')}; "
         f"acknowledged at {line_of(hi.writing_check, 'self.ongoing_write_through.pop')}; "
-        f"unlocked at {line_of(rc.dec_lock_ref, 'node.lock_ref -= 1')}; "
+        f"unlocked at {line_of(hi.writing_check, 'self.dec_lock_ref(backuped_node)')}; "
         f"pinned at test_misuse.py:{refused_at - 4} in {test}; "
         f"released at test_misuse.py:{refused_at - 3} in {test}; "
         f"refused at test_misuse.py:{refused_at} in {test}"
@@ -230,7 +231,10 @@ def test_a_cache_driven_after_its_patch_is_undone_is_refused_clearly(sg: Api) ->
     cache = sg.rc.RadixCache(sg.cache_params(allocator))
     sg.insert(cache, [1, 2, 3], allocator.take(3))
     node = sg.match(cache, [1, 2, 3])[1]
+    forwarder = sg.base.__file__  # base_prefix_cache.py: its frames are skipped while patched
+    assert trail.is_internal(forwarder)
     applied.undo()
+    assert not trail.is_internal(forwarder)
     with pytest.raises(PatchUndone) as caught:
         cache.inc_lock_ref(node)  # SGLang's own walk again, over a checked node
     assert str(caught.value) == (
@@ -280,7 +284,7 @@ def test_an_unlock_after_a_reset_is_refused_before_a_count_moves(
     assert str(caught.value) == (
         f"node {node.id}: dec_lock_ref walks up to node {old_root.id}, which is not this "
         "cache's root: the node is from before a reset() or from another cache; nothing "
-        f"changed; locked at {line_of(sg.rc.RadixCache.inc_lock_ref, 'node.lock_ref += 1')}; "
+        f"changed; locked at {line_of(locked_leaf, 'cache.inc_lock_ref(node)')}; "
         f"refused at test_misuse.py:{refused_at} in {test}"
     )
     after = (cache.evictable_size(), cache.protected_size(), node.lock_ref, old_root.lock_ref)
@@ -315,7 +319,7 @@ def test_evicting_a_locked_leaf_is_refused_before_its_slots_are_freed(
     rc = sg.rc.RadixCache
     assert str(caught.value) == (
         f"node {node.id}: evict_device refused in resident (locks=1): a running request "
-        f"holds the device copy; locked at {line_of(rc.inc_lock_ref, 'node.lock_ref += 1')}; "
+        f"holds the device copy; locked at {line_of(locked_leaf, 'cache.inc_lock_ref(node)')}; "
         f"refused at {line_of(rc.evict, 'heapq.heappop(eviction_heap)')}"
     )
     assert counts(cache, allocator, node) == before
@@ -328,10 +332,11 @@ def test_a_regular_eviction_of_a_locked_node_is_refused_before_its_slots_are_fre
     cache = build_hiradix(sg, allocator, monkeypatch, "write_through_selective")
     sg.insert(cache, AB, allocator.take(len(AB)))
     node = only_child(cache)
-    cache.inc_lock_ref(node)
-    before = counts(cache, allocator, node)
     here = inspect.currentframe()
     assert here is not None
+    cache.inc_lock_ref(node)
+    locked_at = here.f_lineno - 1
+    before = counts(cache, allocator, node)
     refused_at = here.f_lineno + 3
     with pytest.raises(error_class("DeviceLocked")) as caught:
         # SGLang's eviction step, called as a fork's loop that lost the lock check calls it
@@ -339,8 +344,7 @@ def test_a_regular_eviction_of_a_locked_node_is_refused_before_its_slots_are_fre
     test = "test_a_regular_eviction_of_a_locked_node_is_refused_before_its_slots_are_freed"
     assert str(caught.value) == (
         f"node {node.id}: evict_device refused in resident (locks=1): a running request "
-        "holds the device copy; locked at "
-        f"{line_of(sg.rc.RadixCache.inc_lock_ref, 'node.lock_ref += 1')}; "
+        f"holds the device copy; locked at test_misuse.py:{locked_at} in {test}; "
         f"refused at test_misuse.py:{refused_at} in {test}"
     )
     assert counts(cache, allocator, node) == before

@@ -33,6 +33,7 @@ from fsm_cache.compat.sglang.patch import (
 )
 from fsm_cache.compat.sglang.scope import (
     AckBook,
+    BuiltBeforePatch,
     absent_chain,
     back_out,
     check,
@@ -54,6 +55,7 @@ __all__ = [
     "SGLANG_ZERO",
     "SUPPORTED",
     "AckBook",
+    "BuiltBeforePatch",
     "Children",
     "HostRefCounterZero",
     "Patch",

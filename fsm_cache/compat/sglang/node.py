@@ -351,9 +351,9 @@ class ResidencyMixin(metaclass=ABCMeta):
         self.locks = value
         for attr, new in armed[1]:  # the rest of the step, checked before the walk began
             setattr(self, attr, new)
-        if armed[3]:
+        if armed[3] is not None:
             history = self.machine().engine.history
-            self.trail = trail.note(self.trail, armed[2], history)
+            self.trail = scope.noted(self.trail, armed[2], armed[3], history)
 
     def _refuse(self, name: str, use: str) -> NoReturn:
         node = f"node {getattr(self, 'id', '?')}"

@@ -24,7 +24,9 @@ SGLang method                 what the wrapper adds
                               are freed (:func:`~fsm_cache.compat.sglang.scope.deleting`)
 ``_evict_regular(node)``      the same check, before the device slots are freed
 ``load_back(node)``           fires ``load`` on the chain before device slots are allocated;
-                              ``load_failed`` if SGLang then gives up
+                              ``load_failed`` if SGLang then gives up; if a refusal inside
+                              (its eviction making room) stops it, also releases the lock
+                              SGLang took on the chain's resident ancestor
 ``evict_host(n)``             fires ``evict_host`` at the controller call freeing a victim
 ``__init__``                  turns ``ongoing_write_through``/``ongoing_load_back`` into
                               :class:`~fsm_cache.compat.sglang.scope.AckBook`
@@ -47,6 +49,7 @@ import heapq
 import importlib
 import importlib.metadata
 import importlib.util
+import sys
 import types
 import warnings
 from collections import defaultdict
@@ -72,6 +75,15 @@ SUPPORTED = ("0.5.6", "0.5.23")
 
 CACHES = ("RadixCache", "HiRadixCache")
 """The cache classes a module may define."""
+
+FORWARDERS = ("sglang.srt.mem_cache.base_prefix_cache",)
+"""SGLang modules whose cache methods only forward to the checked ones.
+
+0.5.23's scheduler locks through ``BasePrefixCache.lock``/``unlock``, which
+call ``inc_lock_ref``/``dec_lock_ref``. While patched, trail mode skips their
+frames as it skips fsm_cache's own, so a refusal names the scheduler's call,
+not the forwarding line.
+"""
 
 UNCHECKED = {"sglang.srt.mem_cache.unified_radix_cache": "UnifiedRadixCache"}
 """Cache classes an SGLang release's scheduler builds by default that the patch does not check.
@@ -101,6 +113,7 @@ Method = Callable[..., Any]
 def _write_backup(original: Method) -> Method:
     @functools.wraps(original)
     def write_backup(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        scope.require_checked(node, "write_backup")
         write_back = bool(kwargs.get("write_back", args[0] if args else False))
         if not write_back:
             scope.check(list(node.path_to_root()), "lock")
@@ -119,6 +132,7 @@ def _write_backup(original: Method) -> Method:
 def _write_backup_storage(original: Method) -> Method:
     @functools.wraps(original)
     def write_backup_storage(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        scope.require_checked(node, "write_backup_storage")
         scope.check([node], "pin")
         return original(self, node, *args, **kwargs)
 
@@ -128,6 +142,7 @@ def _write_backup_storage(original: Method) -> Method:
 def _evict_backuped(original: Method) -> Method:
     @functools.wraps(original)
     def evict_backuped(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        scope.require_checked(node, "_evict_backuped")
         node.seal()
         if scope.defer_eviction(node):
             return len(node.value)  # what SGLang's controller reports freeing, later
@@ -194,10 +209,14 @@ def _load_back(original: Method) -> Method:
     def load_back(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
         chain = scope.absent_chain(node)
         scope.loading(chain)
+        held = chain[0].parent if chain else node  # the resident ancestor SGLang locks first
+        locks = held.locks
         try:
             result = original(self, node, *args, **kwargs)
-        except BaseException:
+        except BaseException:  # a refusal inside (the eviction that makes room): undo it all
             scope.back_out(chain)
+            if held.locks > locks:  # SGLang's lock on the ancestor, its release skipped
+                self.dec_lock_ref(held)
             raise
         if result is None:
             scope.back_out(chain)
@@ -275,11 +294,18 @@ class Patch:
     node_class: type[ResidencyMixin]
     wrapped: tuple[str, ...]
     _saved: list[tuple[Any, str, Any]] = field(default_factory=list, repr=False)
+    _skipped: list[str] = field(default_factory=list, repr=False)
 
     def record(self, owner: Any, name: str, value: Any) -> None:
         """Set ``owner.name`` to ``value``, keeping the old value for :meth:`undo`."""
         self._saved.append((owner, name, getattr(owner, name)))
         setattr(owner, name, value)
+
+    def skip(self, filename: str) -> None:
+        """Have trail mode skip ``filename``'s frames (as fsm_cache's), until :meth:`undo`."""
+        if not trail.is_internal(filename):
+            trail.internal(filename)
+            self._skipped.append(filename)
 
     def undo(self) -> None:
         """Restore every patched module and class as it was."""
@@ -288,6 +314,9 @@ class Patch:
                 getattr(owner, name).undone = True
             setattr(owner, name, old)
         self._saved.clear()
+        for filename in self._skipped:
+            trail.forget(filename)
+        self._skipped.clear()
         for name in self.modules:
             _ACTIVE.pop(name, None)
 
@@ -339,6 +368,10 @@ def patch(
         result.node_class = checked[original]
         result.record(module, "TreeNode", result.node_class)
         wrapped += _wrap_caches(result, module, engine)
+    for name in FORWARDERS:
+        forwarder = sys.modules.get(name)
+        if forwarder is not None and forwarder.__file__:
+            result.skip(forwarder.__file__)
     result.wrapped = tuple(wrapped)
     for name in result.modules:
         _ACTIVE[name] = result

@@ -31,6 +31,7 @@ import functools
 import itertools
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from fsm_cache.engine import trail
 from fsm_cache.engine.core import Engine, Plan
-from fsm_cache.errors import IllegalTransition, StaleNode
+from fsm_cache.errors import FsmCacheError, IllegalTransition, StaleNode
 from fsm_cache.residency import HOST_HELD, Event, Residency
 from fsm_cache.spec.validate import representatives
 
@@ -49,13 +50,23 @@ if TYPE_CHECKING:
 trail.internal(__file__)
 
 
+class BuiltBeforePatch(FsmCacheError, TypeError):
+    """A checked cache method was given a node SGLang built before the patch.
+
+    A cache built before :func:`~fsm_cache.compat.sglang.patch` keeps SGLang's
+    own nodes: they have no residency to check, and nodes attached to them are
+    never sealed. Its lock walks and memory moves are refused before they
+    change anything; build the cache after patching.
+    """
+
+
 Step = tuple[tuple[str, Any], ...]
 """The attribute assignments of one node's step, as :meth:`Engine.plan` returns them."""
-Armed = tuple[int, Step, Event, bool]
+Armed = tuple[int, Step, Event, "trail.Spot | None"]
 """What a walk arms a node with when its step changes more than ``locks`` or
 trail mode notes it: its ``locks`` after the step, the step's other changes,
-the event, and whether to note it in the node's trail. Any other step is armed
-with the bare ``locks`` after it."""
+the event, and the call site to note it at in the node's trail (None: not
+noted). Any other step is armed with the bare ``locks`` after it."""
 Planner = Callable[[Any], Plan]
 """An engine's :meth:`~fsm_cache.engine.core.Engine.planner` for one event."""
 Method = Callable[..., Any]
@@ -156,7 +167,9 @@ def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
     afterwards every node is disarmed. One check per node, per call, and no
     object built for the walk: where the step only moves ``locks`` (the spec
     says where, :func:`counter_step`), the check is one lookup and one
-    comparison and the node is armed with its count after the step.
+    comparison and the node is armed with its count after the step. In trail
+    mode each step is noted at the call of the method, not at the line of its
+    loop that takes it: a lock released twice names both releases.
 
     Args:
         event: ``lock`` or ``unlock``.
@@ -191,10 +204,12 @@ def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
         def method(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
             if getattr(self, "disable", False):
                 return original(self, node, *args, **kwargs)
-            if node.deleted:
-                _refuse_deleted(node, original.__name__)
+            # Trail mode notes each step at the call of the walk, not at SGLang's loop line.
+            spot = trail.caller_spot() if trail_on else None
             at = node
             try:
+                if node.deleted:
+                    _refuse_deleted(node, original.__name__)
                 while (up := at.parent) is not None:  # SGLang's loops stop at the root
                     if not at.sealed:
                         at.seal()
@@ -206,10 +221,10 @@ def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
                     if locks >= floor:
                         at.pending = locks + delta
                     else:  # the full check: refuses, or arms a step that changes more
-                        at.pending = _armed(at, plan, event, trail_on)
+                        at.pending = _armed(at, plan, event, spot)
                     at = up
-            except BaseException:
-                _disarm(node, at)
+            except BaseException as exc:
+                _abandon(node, at, exc, original.__name__)
                 raise
             if at is not getattr(self, "root_node", at):
                 _disarm(node, at)
@@ -230,6 +245,23 @@ def walked(event: Event, machine: Residency) -> Callable[[Method], Method]:
 
 _NEVER = sys.maxsize
 """A floor no lock count reaches: the state takes the full check."""
+
+
+def require_checked(node: Any, call: str) -> None:
+    """Refuse ``call`` on a node of SGLang's that the patch did not build (its cache predates it).
+
+    Anything that is not an SGLang node (no ``lock_ref``) is let through, to
+    fail as it would stock.
+
+    Raises:
+        BuiltBeforePatch: ``node`` is SGLang's own ``TreeNode``; nothing changed.
+    """
+    if hasattr(node, "lock_ref") and not hasattr(node, "sealed"):
+        msg = (
+            f"node {getattr(node, 'id', '?')}: {call} of a node built before patch() "
+            "(SGLang's own TreeNode, unchecked); build the cache after patching; nothing changed"
+        )
+        raise BuiltBeforePatch(msg)
 
 
 def _refuse_foreign(node: Any, top: Any, walk: str) -> NoReturn:
@@ -260,6 +292,18 @@ def _with_sites(msg: str, node: Any) -> str:
     return f"{msg}; {trail.account(trail.sites(node.trail), past, trail.caller_site())}"
 
 
+def _abandon(node: Any, at: Any, exc: BaseException, walk: str) -> None:
+    """Disarm what a walk armed below ``at``, where it stopped; refuse ``at`` if SGLang built it.
+
+    Raises:
+        BuiltBeforePatch: The walk stopped for want of a checked node's field
+            at ``at``, one of SGLang's own nodes.
+    """
+    _disarm(node, at)
+    if isinstance(exc, AttributeError):
+        require_checked(at, walk)
+
+
 def _disarm(node: Any, stop: Any) -> None:
     """Disarm ``node`` and its ancestors below ``stop``: no step not taken may be taken later."""
     at = node
@@ -268,8 +312,13 @@ def _disarm(node: Any, stop: Any) -> None:
         at = at.parent
 
 
-def _armed(node: ResidencyMixin, plan: Planner, event: Event, trail_on: bool) -> int | Armed:
-    """``node``'s checked step as it is armed: the ``locks`` after it, or an :data:`Armed`."""
+def _armed(
+    node: ResidencyMixin, plan: Planner, event: Event, spot: trail.Spot | None
+) -> int | Armed:
+    """``node``'s checked step as it is armed: the ``locks`` after it, or an :data:`Armed`.
+
+    ``spot`` is the call site trail mode notes the step at; None outside trail mode.
+    """
     locks = node.locks
     others: Step = ()
     for attr, value in plan(node)[0]:
@@ -277,9 +326,21 @@ def _armed(node: ResidencyMixin, plan: Planner, event: Event, trail_on: bool) ->
             locks = value  # type: ignore[assignment]
         elif getattr(node, attr) != value:
             others = (*others, (attr, value))
-    if others or trail_on:
-        return (locks, others, event, trail_on)
+    if others or spot is not None:
+        return (locks, others, event, spot)
     return locks
+
+
+def noted(past: trail.Trail | None, event: Event, spot: trail.Spot, length: int) -> trail.Trail:
+    """Append ``event`` at the call site ``spot`` to a node's trail (creating it); return it.
+
+    :func:`fsm_cache.engine.trail.note` with the site given: a lock walk's
+    step is taken inside SGLang's loop, but noted where the walk was called.
+    """
+    if past is None:
+        past = deque(maxlen=length)
+    past.append((event, *spot))
+    return past
 
 
 class Walk:
@@ -288,7 +349,8 @@ class Walk:
     Use it as a context manager (``with Walk(node, "lock") as path:``) or
     :meth:`open` / :meth:`close` it around SGLang's loop. While open, each
     node of the path may move ``lock_ref`` by one in the event's direction,
-    once; the step applied is the one checked. The armed step is kept on the
+    once; the step applied is the one checked, noted in trail mode where the
+    walk was opened. The armed step is kept on the
     node itself (``node.pending``), so the hot ``lock_ref`` setter reads one
     field.
 
@@ -303,15 +365,16 @@ class Walk:
         self.path: list[ResidencyMixin] = []
         self.steps: list[int | Armed] = []
         engine = node.machine().engine
-        plan, trail_on = engine.planner(event), engine.trail
+        plan = engine.planner(event)
         if node.deleted:
             _refuse_deleted(node, event)
+        spot = trail.caller_spot() if engine.trail else None  # where the walk was opened
         at: Any = node
         while at.parent is not None:  # SGLang's loops stop at the root
             if not at.sealed:
                 at.seal()
             self.path.append(at)
-            self.steps.append(_armed(at, plan, event, trail_on))
+            self.steps.append(_armed(at, plan, event, spot))
             at = at.parent
 
     def open(self) -> Walk:
@@ -364,7 +427,10 @@ def loading(chain: Sequence[ResidencyMixin]) -> None:
 
     Raises:
         IllegalTransition: A node of the chain refuses the load.
+        BuiltBeforePatch: A node of the chain is SGLang's own; nothing fired.
     """
+    for n in chain:
+        require_checked(n, "load_back")
     done: list[ResidencyMixin] = []
     try:
         for n in chain:
@@ -538,10 +604,12 @@ def host_eviction(slots: Any) -> None:
 
     Raises:
         IllegalTransition: The node refuses it (pinned, written, loaded); nothing was freed.
+        BuiltBeforePatch: The node is SGLang's own; nothing was freed.
     """
     for owners in reversed(_HOST.open):
         node = owners.get(id(slots))
         if node is not None:
+            require_checked(node, "evict_host")
             node.seal()
             node.machine().evict_host(node)
             return
@@ -562,9 +630,11 @@ def deleting(node: Any) -> None:
     Raises:
         IllegalTransition: The victim is locked, or has a copy in flight;
             nothing was freed.
+        BuiltBeforePatch: The victim is SGLang's own node; nothing was freed.
     """
+    require_checked(node, "evict")
     if getattr(node, "device", "absent") == "absent" or getattr(node, "parent", None) is None:
-        return  # not a checked node, off the device already, or a root
+        return  # not an SGLang node, off the device already, or a root
     node.seal()
     machine = node.machine()
     if node.host in HOST_HELD:
@@ -591,7 +661,9 @@ def check(path: Sequence[ResidencyMixin], event: Event) -> None:
 
     Raises:
         IllegalTransition: A node refuses it.
+        BuiltBeforePatch: A node is SGLang's own.
     """
     for n in path:
+        require_checked(n, event)
         n.seal()
         n.machine().engine.plan(n, event)
