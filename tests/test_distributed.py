@@ -1263,12 +1263,17 @@ def test_the_old_spellings_still_work_and_say_what_replaces_them() -> None:
 @pytest.mark.usefixtures("world_of_one")
 def test_bad_settings_are_refused() -> None:
     cache = HiCache(bench_config())
-    for timeout in (0, -1.5, float("nan"), float("inf"), 1e15, "5", None, True):
+    # below a millisecond torch.distributed waits 0 ms, which is no limit at all; past about
+    # 9.2e9 s its clock overflows (1e10 timed out at once), and a timedelta's longest raised
+    longest = timedelta.max.total_seconds()
+    out_of_range = (0, -1.5, 0.0009, 1e-9, float("nan"), float("inf"), 1e10, longest)
+    for timeout in (*out_of_range, "5", None, True):
         with pytest.raises(ConfigError) as caught:
             DistributedCache(cache, timeout=timeout)  # type: ignore[arg-type]
         assert str(caught.value) == (
-            "distributed: timeout must be a number of seconds > 0 and at most 8.64e+13"
-            f" (a timedelta's), got {timeout!r}"
+            "distributed: timeout must be a number of seconds from 0.001 to 4.61169e+09 "
+            "(torch.distributed waits whole milliseconds, 0 meaning no limit, and adds them to "
+            f"its clock in 64-bit nanoseconds), got {timeout!r}"
         )
     for every in (-1, 1.5, "2", True):
         with pytest.raises(ConfigError) as caught:
@@ -1300,6 +1305,48 @@ def test_bad_settings_are_refused() -> None:
         "distributed: write_back waits for its copies inside an allocation, where the "
         "ranks cannot agree on them yet; use write_through or write_through_selective"
     )
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_group_this_rank_cannot_agree_over_is_refused() -> None:
+    """The placeholder a rank outside a group gets, and a destroyed group: no raw torch error."""
+    cache = HiCache(bench_config())
+    gone = dist.new_group(backend="gloo")
+    dist.destroy_process_group(gone)
+    refusals = {
+        dist.GroupMember.NON_GROUP_MEMBER: (
+            "distributed: this rank is not a member of the group it passed (new_group() gives "
+            "the ranks outside a group a placeholder); pass the group of this rank's own ranks"
+        ),
+        gone: (
+            "distributed: group is not a process group of this rank: it was destroyed, or "
+            "this rank is not one of its members"
+        ),
+    }
+    for group, message in refusals.items():
+        with pytest.raises(BadArgument) as refused:
+            DistributedCache(cache, group)
+        assert str(refused.value) == message
+    assert not cache.transfers.acks_taken  # nothing took the cache's acknowledgements over
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("default", ["gloo", "nccl"])
+def test_the_shortest_and_the_longest_timeout_work_in_a_collective(
+    default: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the group given, and on a gloo side group built with the timeout."""
+    if default == "nccl":
+        real = dist.get_backend
+        monkeypatch.setattr(
+            dist, "get_backend", lambda group=None: "nccl" if group is None else real(group)
+        )
+    for timeout in (0.001, 2**62 / 10**9):
+        shared = DistributedCache(HiCache(bench_config()), timeout=timeout)
+        assert (shared.group is None) == (default == "gloo")
+        shared.cache.insert(list(range(16)))
+        assert shared.step() == 1
+        assert shared.verify_agreement() == shared.digest
 
 
 class _HoldFirst(FaultyCopyEngine):
