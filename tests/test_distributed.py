@@ -16,12 +16,15 @@ from __future__ import annotations
 import argparse
 import array
 import dataclasses
+import enum
 import hashlib
 import inspect
 import itertools
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -356,7 +359,30 @@ def parted_keys(rank: int) -> dict[str, list[str]]:
         extra.step()
     if rank == 1:
         extra.cache.insert(list(range(5000, 5032)))
-    return {"swapped": outcomes(swapped), "longer": outcomes(longer), "extra": outcomes(extra)}
+    # the same prompt for another tenant: the same node, the same events, in another namespace
+    tenants = DistributedCache(HiCache(bench_config(debug=True)), timeout=TIMEOUT)
+    tenants.cache.insert(a, namespace=_Tenant.A if rank == 0 else _Tenant.B)
+    return {
+        "swapped": outcomes(swapped),
+        "longer": outcomes(longer),
+        "extra": outcomes(extra),
+        "tenants": outcomes(tenants),
+    }
+
+
+class _Tenant(enum.Enum):
+    """A namespace kind a server may key its tenants or adapters by."""
+
+    A = "a"
+    B = "b"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Adapter:
+    """Another: a value that compares by its name, not by the rank that loaded it."""
+
+    name: str
+    rank: int = dataclasses.field(default=0, compare=False)
 
 
 def reset_alone(rank: int, world: int) -> list[str]:
@@ -833,11 +859,17 @@ def test_ranks_that_cached_different_keys_are_named(two_ranks: Results) -> None:
     more = head.format(8) + (
         f"rank 0 did nothing more, rank 1 called insert(<32 ids {extra & mask:016x}>, None, None)"
     )
+    tenants = head.format(0) + (
+        f"rank 0 called insert(<16 ids {a & mask:016x}>, _Tenant.A, None), "
+        f"rank 1 called insert(<16 ids {a & mask:016x}>, _Tenant.B, None)"
+    )
     for result in two_ranks:
         parted = result["parted_keys"]
         assert parted["swapped"] == [swapped] * 3
         assert parted["longer"] == [lengths] * 3
         assert parted["extra"] == [more] * 3
+        # an enum namespace folded in by its type only: both ranks said "ok" (it did)
+        assert parted["tenants"] == [tenants] * 3
 
 
 def test_a_reset_on_one_rank_is_named_alike_on_every_rank(two_ranks: Results) -> None:
@@ -1067,6 +1099,19 @@ def test_the_digest_of_every_entry_form_does_not_depend_on_the_updates() -> None
             (("op", "lock", (4,)), ("op", "lock", (3,))),
         ),
         ((("op", "agreed_hits", ((3, 5), (3, 2))),), (("op", "agreed_hits", ((3, 5), (3, 1))),)),
+        # namespaces that are not plain values, by value (they were by type only)
+        (
+            (("op", "insert", ((1,), _Tenant.A, None)),),
+            (("op", "insert", ((1,), _Tenant.B, None)),),
+        ),
+        (
+            (("op", "insert", ((1,), _Adapter("x"), None)),),
+            (("op", "insert", ((1,), _Adapter("y"), None)),),
+        ),
+        (
+            (("op", "match_prefix", ((1,), frozenset({"a"}))),),
+            (("op", "match_prefix", ((1,), frozenset({"b"}))),),
+        ),
     ],
 )
 def test_the_digest_tells_apart_what_every_rank_must_share(
@@ -1083,6 +1128,48 @@ def test_the_digest_tells_apart_what_every_rank_must_share(
 
     assert digest(a) == digest(a)
     assert digest(a) != digest(b)
+
+
+NAMESPACE_TEXT = """
+from fsm_cache.cache.eventlog import EventLog
+from fsm_cache.distributed.digest import TransitionDigest, operation_text
+names = frozenset(f"lora-{i}" for i in range(20))
+log = EventLog()
+log.op("match_prefix", (1, 2), names)
+print(operation_text("match_prefix", ((1, 2), names)), TransitionDigest(log).update().hex())
+"""
+
+
+def test_namespaces_that_compare_by_value_fold_in_by_value() -> None:
+    """Equal namespaces fold alike, in every process; distinct ones apart (were by type only)."""
+    assert operation_text("insert", ((1,), _Tenant.A, None)) == "insert((1,), _Tenant.A, None)"
+    assert operation_text("insert", ((1,), _Adapter("x", rank=3), None)) == (
+        "insert((1,), _Adapter(name='x'), None)"  # the field it does not compare is left out
+    )
+    assert operation_text("match_prefix", ((1,), frozenset({"b", "a"}))) == (
+        "match_prefix((1,), frozenset({'a', 'b'}))"
+    )
+
+    def digest(namespace: object) -> bytes:
+        log = EventLog()
+        log.op("insert", (1,), namespace, None)
+        return TransitionDigest(log).update()
+
+    assert digest(_Adapter("x", rank=0)) == digest(_Adapter("x", rank=1))
+    assert digest(_Tenant.A) != digest(_Tenant.B)
+    # a set of strings iterates in an order of its hash, which each process seeds apart
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    seen = {
+        subprocess.run(
+            [sys.executable, "-c", NAMESPACE_TEXT],
+            env={**env, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in (1, 2, 3)
+    }
+    assert len(seen) == 1, seen
 
 
 def test_the_digest_leaves_out_what_each_rank_finds_alone() -> None:

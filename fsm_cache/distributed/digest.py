@@ -21,6 +21,8 @@ Pure Python and torch-free: :mod:`fsm_cache.distributed.agreement` moves the byt
 from __future__ import annotations
 
 import array
+import dataclasses
+import enum
 import hashlib
 import struct
 import zlib
@@ -108,15 +110,35 @@ def _ids(value: object) -> str:
 
 
 def _namespace(value: object) -> str:
-    """A namespace as every rank renders it: plain values in full, other objects by type.
+    """A namespace as every rank renders it: by value where that is the same everywhere.
 
-    An object's own ``repr`` may hold its address, which differs between ranks.
+    Plain values and tuples of them in full; an enum member by its class and
+    name; a frozenset by its members' renderings, sorted (its own order
+    follows ``hash()``, which differs between processes for strings); a
+    dataclass that compares by value by the fields it compares. Any other
+    object by its type only, since its own ``repr`` may hold its address,
+    which differs between ranks. Rendering distinct namespaces alike would let
+    ranks that served different ones fold to the same digest.
     """
     if value is None or isinstance(value, (str, bytes, int, float)):
         return repr(value)
     if isinstance(value, tuple):
         return "(" + ", ".join(_namespace(v) for v in value) + ")"
-    return f"<{type(value).__qualname__}>"
+    kind = type(value)
+    if isinstance(value, enum.Enum):
+        return f"{kind.__qualname__}.{value.name}"
+    if isinstance(value, frozenset):
+        return "frozenset({" + ", ".join(sorted(_namespace(v) for v in value)) + "})"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        params = getattr(kind, "__dataclass_params__", None)
+        if params is not None and params.eq:  # compared field by field, as a namespace key is
+            shown = (
+                f"{f.name}={_namespace(getattr(value, f.name))}"
+                for f in dataclasses.fields(value)
+                if f.compare
+            )
+            return f"{kind.__qualname__}({', '.join(shown)})"
+    return f"<{kind.__qualname__}>"
 
 
 _TRANSITION, _OPERATION, _REFUSED = -1, -2, -3
