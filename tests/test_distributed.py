@@ -63,6 +63,7 @@ with warnings.catch_warnings():
     from fsm_cache.distributed.collectives import CPU, Collectives, cpu_group
     from fsm_cache.distributed.digest import (
         TransitionDigest,
+        collectives_message,
         copy_nodes,
         divergence_message,
         first_difference,
@@ -723,9 +724,27 @@ def four_rank_worker(rank: int, world: int, store: str, out: str) -> None:
     join_group(rank, world, store)
     report: dict[str, Any] = {"workload": agree_on_workload(rank)}
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    report["three_methods"] = three_methods(rank)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     report["death"] = survive_a_death(rank, world)
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
+
+
+def three_methods(rank: int) -> str:
+    """Ranks 0 and 1 step, rank 2 verifies, rank 3 drains: each must be named for its own.
+
+    On a gloo group of its own, as :func:`step_versus`.
+    """
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+    shared = DistributedCache(HiCache(bench_config(debug=True)), side, timeout=5.0)
+    serve_request(shared.cache, chat_trace(1, seed=1)[0])
+    call = {2: shared.verify_agreement, 3: shared.drain}.get(rank, shared.step)
+    try:
+        call()
+    except RankDivergence as exc:
+        return str(exc)
+    return "no divergence"
 
 
 def survive_a_death(rank: int, world: int) -> str:
@@ -883,7 +902,7 @@ def test_a_reset_on_one_rank_is_named_alike_on_every_rank(two_ranks: Results) ->
 def test_ranks_in_a_step_and_a_verification_raise_at_once(two_ranks: Results) -> None:
     want = (
         "RankDivergence: rank divergence after transition 0: the ranks reached different "
-        "collectives: some a step, the others a digest verification (the ranks called "
+        "collectives: rank 0 a step, rank 1 a digest verification (the ranks called "
         "different DistributedCache methods)"
     )
     assert [r["step_vs_verify"] for r in two_ranks] == [[want, True], [want, True]]
@@ -892,7 +911,7 @@ def test_ranks_in_a_step_and_a_verification_raise_at_once(two_ranks: Results) ->
 def test_ranks_in_a_step_and_a_drain_raise_at_once(two_ranks: Results) -> None:
     want = (
         "RankDivergence: rank divergence after transition 0: the ranks reached different "
-        "collectives: some a step, the others a drain (the ranks called different "
+        "collectives: rank 0 a step, rank 1 a drain (the ranks called different "
         "DistributedCache methods)"
     )
     assert [r["step_vs_drain"] for r in two_ranks] == [[want, True], [want, True]]
@@ -993,6 +1012,16 @@ def test_a_given_gloo_group_is_used_as_it_is(two_ranks: Results) -> None:
         assert given["given"]
         assert (given["backend"], given["default"], given["on_the_group"]) == ("gloo", False, True)
         assert given["devices"] == ["cpu"]
+
+
+def test_ranks_in_three_methods_are_each_named_for_their_own(four_ranks: Results) -> None:
+    """With only the lowest and highest kind named, rank 2 read that it drained (it verified)."""
+    want = (
+        "rank divergence after transition 0: the ranks reached different collectives: "
+        "ranks 0, 1 a step, rank 2 a digest verification, rank 3 a drain (the ranks called "
+        "different DistributedCache methods)"
+    )
+    assert [r["three_methods"] for r in four_ranks] == [want] * 4
 
 
 def test_a_dead_rank_makes_the_others_fail_not_hang(four_ranks: Results) -> None:
@@ -1279,6 +1308,13 @@ def test_divergence_message_names_every_rank_and_node() -> None:
         "rank 2 not in the tree; "
         "node 9 now: rank 0 not in the tree, rank 1 backed/absent (pins=0, locks=0), "
         "rank 2 not in the tree"
+    )
+
+
+def test_collectives_message_names_each_ranks_collective() -> None:
+    assert collectives_message(7, ["a drain", "a step", "a drain"], "why") == (
+        "rank divergence after transition 7: the ranks reached different collectives: "
+        "ranks 0, 2 a drain, rank 1 a step (why)"
     )
 
 

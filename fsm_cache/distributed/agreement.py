@@ -62,6 +62,7 @@ from fsm_cache.distributed.digest import (
     AppliedOperation,
     AppliedTransition,
     TransitionDigest,
+    collectives_message,
     copy_nodes,
     divergence_message,
     first_difference,
@@ -444,7 +445,7 @@ class DistributedCache:
         kind and its negation, so ranks that reach different collectives (one
         in a step, another in a lookup's hit count) all raise
         :class:`RankDivergence` instead of gloo failing on mismatched shapes
-        (SGLang #39267). Where some ranks sent the :data:`_RAISED` notice
+        (SGLang #39267), naming the collective each rank reached. Where some ranks sent the :data:`_RAISED` notice
         (``raised`` says what this rank raised), every rank gathers what each
         raised, and raises :class:`RankFailure` naming them.
         """
@@ -453,16 +454,18 @@ class DistributedCache:
         low, high = reduced[0], -reduced[1]
         if high == _RAISED and low != high:
             raise RankFailure(self._raised_message(raised))
-        if low != high:
+        if low != high:  # every rank found it so, and gathers which rank reached which
+            reached: list[tuple[int, int]] = self.comm.all_gather_object(
+                (kind, self._digest.agreed)
+            )
+            kinds = [k for k, _ in reached]
             why = (
                 "a lookup asked the storage tier on some ranks only"
-                if _HITS in (low, high)
+                if _HITS in kinds
                 else "the ranks called different DistributedCache methods"
             )
-            raise RankDivergence(
-                f"rank divergence after transition {self._digest.agreed}: the ranks reached "
-                f"different collectives: some {_KINDS[low]}, the others {_KINDS[high]} ({why})"
-            )
+            start = min(agreed for _, agreed in reached)
+            raise RankDivergence(collectives_message(start, [_KINDS[k] for k in kinds], why))
         return reduced[2:]
 
     @contextlib.contextmanager

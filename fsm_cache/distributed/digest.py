@@ -399,6 +399,29 @@ def reset_message(resets: Sequence[int]) -> str:
     )
 
 
+def collectives_message(start: int, reached: Sequence[str], why: str) -> str:
+    """Describe ranks that reached different agreement collectives, naming each rank's.
+
+    Args:
+        start: Transitions every rank had agreed on.
+        reached: Per rank, the collective it reached (``a step``, ``a drain``, ...).
+        why: What that says about the ranks' calls.
+
+    Returns:
+        ``rank divergence after transition 12: the ranks reached different
+        collectives: ranks 0, 1 a step, rank 2 a digest verification, rank 3 a
+        drain (the ranks called different DistributedCache methods)``.
+    """
+    ranks: dict[str, list[int]] = {}
+    for rank, what in enumerate(reached):
+        ranks.setdefault(what, []).append(rank)
+    each = ", ".join(f"{_ranks(group)} {what}" for what, group in ranks.items())
+    return (
+        f"rank divergence after transition {start}: the ranks reached different collectives: "
+        f"{each} ({why})"
+    )
+
+
 def waiting_message(
     start: int, waits: Sequence[Sequence[Sequence[int]]], states: Sequence[Mapping[int, str]]
 ) -> str:
