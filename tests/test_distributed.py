@@ -1576,6 +1576,23 @@ def test_a_gloo_group_is_its_own_cpu_group() -> None:
     assert (shared.group, shared.device, shared.comm.device) == (None, CPU, CPU)
 
 
+@pytest.mark.usefixtures("world_of_one")
+def test_the_collectives_stay_on_the_cpu_whatever_the_default_device() -> None:
+    """A model loader's ``set_default_device("cuda")`` moved the report's gathers; meta stands in.
+
+    On a GPU, reading them back would wait for the compute queued before them.
+    """
+    comm = Collectives.of(None, TIMEOUT)
+    default = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        assert comm.all_reduce_min([3, -1]) == [3, -1]
+        assert comm.all_gather_digest([1, -2]) == [[1, -2]]
+        assert comm.all_gather_object({"node": 7}) == [{"node": 7}]
+    finally:
+        torch.set_default_device(default)
+
+
 @pytest.fixture
 def nccl_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """A world of one whose default group says it is NCCL, without a GPU."""
