@@ -1651,6 +1651,35 @@ def test_an_nccl_group_smaller_than_the_world_must_bring_its_gloo_twin(
 
 
 @pytest.mark.usefixtures("world_of_one")
+def test_a_mixed_group_is_used_and_a_whole_world_nccl_group_gets_a_side_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``cpu:gloo,cuda:nccl`` sends CPU tensors to gloo; an NCCL group of every rank is twinned."""
+    mixed, whole = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+    real = dist.get_backend
+    backends = {mixed: "cpu:gloo,cuda:nccl", whole: "nccl"}
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backends.get(group, real(group)))
+    built: list[dict[str, Any]] = []
+    new_group = dist.new_group
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        built.append(kwargs)
+        return new_group(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "new_group", recording)
+    assert cpu_group(mixed, TIMEOUT) is mixed
+    assert built == []
+    side = cpu_group(whole, 3.0)
+    assert side is not whole
+    assert built == [{"backend": "gloo", "timeout": timedelta(seconds=3)}]
+    shared = DistributedCache(HiCache(bench_config()), whole, timeout=3.0)
+    assert shared.group not in (whole, side, None)  # a side group of its own, each time
+    assert real(shared.group) == "gloo"
+    shared.cache.insert(list(range(16)))
+    assert shared.step() == 1
+
+
+@pytest.mark.usefixtures("world_of_one")
 def test_a_step_serves_its_requests_without_a_collective(monkeypatch: pytest.MonkeyPatch) -> None:
     """The wait of an allocation under memory pressure, too, needs no collective."""
     reduces: list[int] = []
