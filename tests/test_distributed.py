@@ -16,12 +16,15 @@ from __future__ import annotations
 import argparse
 import array
 import dataclasses
+import enum
 import hashlib
 import inspect
 import itertools
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -60,6 +63,7 @@ with warnings.catch_warnings():
     from fsm_cache.distributed.collectives import CPU, Collectives, cpu_group
     from fsm_cache.distributed.digest import (
         TransitionDigest,
+        collectives_message,
         copy_nodes,
         divergence_message,
         first_difference,
@@ -356,7 +360,30 @@ def parted_keys(rank: int) -> dict[str, list[str]]:
         extra.step()
     if rank == 1:
         extra.cache.insert(list(range(5000, 5032)))
-    return {"swapped": outcomes(swapped), "longer": outcomes(longer), "extra": outcomes(extra)}
+    # the same prompt for another tenant: the same node, the same events, in another namespace
+    tenants = DistributedCache(HiCache(bench_config(debug=True)), timeout=TIMEOUT)
+    tenants.cache.insert(a, namespace=_Tenant.A if rank == 0 else _Tenant.B)
+    return {
+        "swapped": outcomes(swapped),
+        "longer": outcomes(longer),
+        "extra": outcomes(extra),
+        "tenants": outcomes(tenants),
+    }
+
+
+class _Tenant(enum.Enum):
+    """A namespace kind a server may key its tenants or adapters by."""
+
+    A = "a"
+    B = "b"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Adapter:
+    """Another: a value that compares by its name, not by the rank that loaded it."""
+
+    name: str
+    rank: int = dataclasses.field(default=0, compare=False)
 
 
 def reset_alone(rank: int, world: int) -> list[str]:
@@ -697,9 +724,27 @@ def four_rank_worker(rank: int, world: int, store: str, out: str) -> None:
     join_group(rank, world, store)
     report: dict[str, Any] = {"workload": agree_on_workload(rank)}
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    report["three_methods"] = three_methods(rank)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     report["death"] = survive_a_death(rank, world)
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
+
+
+def three_methods(rank: int) -> str:
+    """Ranks 0 and 1 step, rank 2 verifies, rank 3 drains: each must be named for its own.
+
+    On a gloo group of its own, as :func:`step_versus`.
+    """
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+    shared = DistributedCache(HiCache(bench_config(debug=True)), side, timeout=5.0)
+    serve_request(shared.cache, chat_trace(1, seed=1)[0])
+    call = {2: shared.verify_agreement, 3: shared.drain}.get(rank, shared.step)
+    try:
+        call()
+    except RankDivergence as exc:
+        return str(exc)
+    return "no divergence"
 
 
 def survive_a_death(rank: int, world: int) -> str:
@@ -833,11 +878,17 @@ def test_ranks_that_cached_different_keys_are_named(two_ranks: Results) -> None:
     more = head.format(8) + (
         f"rank 0 did nothing more, rank 1 called insert(<32 ids {extra & mask:016x}>, None, None)"
     )
+    tenants = head.format(0) + (
+        f"rank 0 called insert(<16 ids {a & mask:016x}>, _Tenant.A, None), "
+        f"rank 1 called insert(<16 ids {a & mask:016x}>, _Tenant.B, None)"
+    )
     for result in two_ranks:
         parted = result["parted_keys"]
         assert parted["swapped"] == [swapped] * 3
         assert parted["longer"] == [lengths] * 3
         assert parted["extra"] == [more] * 3
+        # an enum namespace folded in by its type only: both ranks said "ok" (it did)
+        assert parted["tenants"] == [tenants] * 3
 
 
 def test_a_reset_on_one_rank_is_named_alike_on_every_rank(two_ranks: Results) -> None:
@@ -851,7 +902,7 @@ def test_a_reset_on_one_rank_is_named_alike_on_every_rank(two_ranks: Results) ->
 def test_ranks_in_a_step_and_a_verification_raise_at_once(two_ranks: Results) -> None:
     want = (
         "RankDivergence: rank divergence after transition 0: the ranks reached different "
-        "collectives: some a step, the others a digest verification (the ranks called "
+        "collectives: rank 0 a step, rank 1 a digest verification (the ranks called "
         "different DistributedCache methods)"
     )
     assert [r["step_vs_verify"] for r in two_ranks] == [[want, True], [want, True]]
@@ -860,7 +911,7 @@ def test_ranks_in_a_step_and_a_verification_raise_at_once(two_ranks: Results) ->
 def test_ranks_in_a_step_and_a_drain_raise_at_once(two_ranks: Results) -> None:
     want = (
         "RankDivergence: rank divergence after transition 0: the ranks reached different "
-        "collectives: some a step, the others a drain (the ranks called different "
+        "collectives: rank 0 a step, rank 1 a drain (the ranks called different "
         "DistributedCache methods)"
     )
     assert [r["step_vs_drain"] for r in two_ranks] == [[want, True], [want, True]]
@@ -961,6 +1012,16 @@ def test_a_given_gloo_group_is_used_as_it_is(two_ranks: Results) -> None:
         assert given["given"]
         assert (given["backend"], given["default"], given["on_the_group"]) == ("gloo", False, True)
         assert given["devices"] == ["cpu"]
+
+
+def test_ranks_in_three_methods_are_each_named_for_their_own(four_ranks: Results) -> None:
+    """With only the lowest and highest kind named, rank 2 read that it drained (it verified)."""
+    want = (
+        "rank divergence after transition 0: the ranks reached different collectives: "
+        "ranks 0, 1 a step, rank 2 a digest verification, rank 3 a drain (the ranks called "
+        "different DistributedCache methods)"
+    )
+    assert [r["three_methods"] for r in four_ranks] == [want] * 4
 
 
 def test_a_dead_rank_makes_the_others_fail_not_hang(four_ranks: Results) -> None:
@@ -1067,6 +1128,19 @@ def test_the_digest_of_every_entry_form_does_not_depend_on_the_updates() -> None
             (("op", "lock", (4,)), ("op", "lock", (3,))),
         ),
         ((("op", "agreed_hits", ((3, 5), (3, 2))),), (("op", "agreed_hits", ((3, 5), (3, 1))),)),
+        # namespaces that are not plain values, by value (they were by type only)
+        (
+            (("op", "insert", ((1,), _Tenant.A, None)),),
+            (("op", "insert", ((1,), _Tenant.B, None)),),
+        ),
+        (
+            (("op", "insert", ((1,), _Adapter("x"), None)),),
+            (("op", "insert", ((1,), _Adapter("y"), None)),),
+        ),
+        (
+            (("op", "match_prefix", ((1,), frozenset({"a"}))),),
+            (("op", "match_prefix", ((1,), frozenset({"b"}))),),
+        ),
     ],
 )
 def test_the_digest_tells_apart_what_every_rank_must_share(
@@ -1083,6 +1157,48 @@ def test_the_digest_tells_apart_what_every_rank_must_share(
 
     assert digest(a) == digest(a)
     assert digest(a) != digest(b)
+
+
+NAMESPACE_TEXT = """
+from fsm_cache.cache.eventlog import EventLog
+from fsm_cache.distributed.digest import TransitionDigest, operation_text
+names = frozenset(f"lora-{i}" for i in range(20))
+log = EventLog()
+log.op("match_prefix", (1, 2), names)
+print(operation_text("match_prefix", ((1, 2), names)), TransitionDigest(log).update().hex())
+"""
+
+
+def test_namespaces_that_compare_by_value_fold_in_by_value() -> None:
+    """Equal namespaces fold alike, in every process; distinct ones apart (were by type only)."""
+    assert operation_text("insert", ((1,), _Tenant.A, None)) == "insert((1,), _Tenant.A, None)"
+    assert operation_text("insert", ((1,), _Adapter("x", rank=3), None)) == (
+        "insert((1,), _Adapter(name='x'), None)"  # the field it does not compare is left out
+    )
+    assert operation_text("match_prefix", ((1,), frozenset({"b", "a"}))) == (
+        "match_prefix((1,), frozenset({'a', 'b'}))"
+    )
+
+    def digest(namespace: object) -> bytes:
+        log = EventLog()
+        log.op("insert", (1,), namespace, None)
+        return TransitionDigest(log).update()
+
+    assert digest(_Adapter("x", rank=0)) == digest(_Adapter("x", rank=1))
+    assert digest(_Tenant.A) != digest(_Tenant.B)
+    # a set of strings iterates in an order of its hash, which each process seeds apart
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    seen = {
+        subprocess.run(
+            [sys.executable, "-c", NAMESPACE_TEXT],
+            env={**env, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in (1, 2, 3)
+    }
+    assert len(seen) == 1, seen
 
 
 def test_the_digest_leaves_out_what_each_rank_finds_alone() -> None:
@@ -1195,6 +1311,13 @@ def test_divergence_message_names_every_rank_and_node() -> None:
     )
 
 
+def test_collectives_message_names_each_ranks_collective() -> None:
+    assert collectives_message(7, ["a drain", "a step", "a drain"], "why") == (
+        "rank divergence after transition 7: the ranks reached different collectives: "
+        "ranks 0, 2 a drain, rank 1 a step (why)"
+    )
+
+
 def test_copy_nodes_come_from_a_rank_that_still_holds_the_ticket() -> None:
     waits = [[[], [5, 6]], [[3], [5, 6]], [[4], []]]
     assert copy_nodes(waits) == [[3], [5, 6]]
@@ -1263,12 +1386,17 @@ def test_the_old_spellings_still_work_and_say_what_replaces_them() -> None:
 @pytest.mark.usefixtures("world_of_one")
 def test_bad_settings_are_refused() -> None:
     cache = HiCache(bench_config())
-    for timeout in (0, -1.5, float("nan"), float("inf"), 1e15, "5", None, True):
+    # below a millisecond torch.distributed waits 0 ms, which is no limit at all; past about
+    # 9.2e9 s its clock overflows (1e10 timed out at once), and a timedelta's longest raised
+    longest = timedelta.max.total_seconds()
+    out_of_range = (0, -1.5, 0.0009, 1e-9, float("nan"), float("inf"), 1e10, longest)
+    for timeout in (*out_of_range, "5", None, True):
         with pytest.raises(ConfigError) as caught:
             DistributedCache(cache, timeout=timeout)  # type: ignore[arg-type]
         assert str(caught.value) == (
-            "distributed: timeout must be a number of seconds > 0 and at most 8.64e+13"
-            f" (a timedelta's), got {timeout!r}"
+            "distributed: timeout must be a number of seconds from 0.001 to 4.61169e+09 "
+            "(torch.distributed waits whole milliseconds, 0 meaning no limit, and adds them to "
+            f"its clock in 64-bit nanoseconds), got {timeout!r}"
         )
     for every in (-1, 1.5, "2", True):
         with pytest.raises(ConfigError) as caught:
@@ -1300,6 +1428,48 @@ def test_bad_settings_are_refused() -> None:
         "distributed: write_back waits for its copies inside an allocation, where the "
         "ranks cannot agree on them yet; use write_through or write_through_selective"
     )
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_group_this_rank_cannot_agree_over_is_refused() -> None:
+    """The placeholder a rank outside a group gets, and a destroyed group: no raw torch error."""
+    cache = HiCache(bench_config())
+    gone = dist.new_group(backend="gloo")
+    dist.destroy_process_group(gone)
+    refusals = {
+        dist.GroupMember.NON_GROUP_MEMBER: (
+            "distributed: this rank is not a member of the group it passed (new_group() gives "
+            "the ranks outside a group a placeholder); pass the group of this rank's own ranks"
+        ),
+        gone: (
+            "distributed: group is not a process group of this rank: it was destroyed, or "
+            "this rank is not one of its members"
+        ),
+    }
+    for group, message in refusals.items():
+        with pytest.raises(BadArgument) as refused:
+            DistributedCache(cache, group)
+        assert str(refused.value) == message
+    assert not cache.transfers.acks_taken  # nothing took the cache's acknowledgements over
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("default", ["gloo", "nccl"])
+def test_the_shortest_and_the_longest_timeout_work_in_a_collective(
+    default: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the group given, and on a gloo side group built with the timeout."""
+    if default == "nccl":
+        real = dist.get_backend
+        monkeypatch.setattr(
+            dist, "get_backend", lambda group=None: "nccl" if group is None else real(group)
+        )
+    for timeout in (0.001, 2**62 / 10**9):
+        shared = DistributedCache(HiCache(bench_config()), timeout=timeout)
+        assert (shared.group is None) == (default == "gloo")
+        shared.cache.insert(list(range(16)))
+        assert shared.step() == 1
+        assert shared.verify_agreement() == shared.digest
 
 
 class _HoldFirst(FaultyCopyEngine):
@@ -1406,6 +1576,23 @@ def test_a_gloo_group_is_its_own_cpu_group() -> None:
     assert (shared.group, shared.device, shared.comm.device) == (None, CPU, CPU)
 
 
+@pytest.mark.usefixtures("world_of_one")
+def test_the_collectives_stay_on_the_cpu_whatever_the_default_device() -> None:
+    """A model loader's ``set_default_device("cuda")`` moved the report's gathers; meta stands in.
+
+    On a GPU, reading them back would wait for the compute queued before them.
+    """
+    comm = Collectives.of(None, TIMEOUT)
+    default = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        assert comm.all_reduce_min([3, -1]) == [3, -1]
+        assert comm.all_gather_digest([1, -2]) == [[1, -2]]
+        assert comm.all_gather_object({"node": 7}) == [{"node": 7}]
+    finally:
+        torch.set_default_device(default)
+
+
 @pytest.fixture
 def nccl_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """A world of one whose default group says it is NCCL, without a GPU."""
@@ -1461,6 +1648,35 @@ def test_an_nccl_group_smaller_than_the_world_must_bring_its_gloo_twin(
         "cannot get one here (every rank of the world would have to build it); build it on "
         'every rank with torch.distributed.new_group(ranks, backend="gloo") and pass that'
     )
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_mixed_group_is_used_and_a_whole_world_nccl_group_gets_a_side_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``cpu:gloo,cuda:nccl`` sends CPU tensors to gloo; an NCCL group of every rank is twinned."""
+    mixed, whole = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+    real = dist.get_backend
+    backends = {mixed: "cpu:gloo,cuda:nccl", whole: "nccl"}
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backends.get(group, real(group)))
+    built: list[dict[str, Any]] = []
+    new_group = dist.new_group
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        built.append(kwargs)
+        return new_group(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "new_group", recording)
+    assert cpu_group(mixed, TIMEOUT) is mixed
+    assert built == []
+    side = cpu_group(whole, 3.0)
+    assert side is not whole
+    assert built == [{"backend": "gloo", "timeout": timedelta(seconds=3)}]
+    shared = DistributedCache(HiCache(bench_config()), whole, timeout=3.0)
+    assert shared.group not in (whole, side, None)  # a side group of its own, each time
+    assert real(shared.group) == "gloo"
+    shared.cache.insert(list(range(16)))
+    assert shared.step() == 1
 
 
 @pytest.mark.usefixtures("world_of_one")

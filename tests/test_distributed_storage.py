@@ -425,8 +425,8 @@ def test_ranks_that_reach_different_collectives_say_so(ranks: Results) -> None:
     messages = [r["collectives"] for r in ranks]
     assert messages[0] == messages[1]
     assert messages[0].endswith(
-        "the ranks reached different collectives: some a step, the others a prefetch's hit "
-        "count (a lookup asked the storage tier on some ranks only)"
+        "the ranks reached different collectives: rank 0 a prefetch's hit count, rank 1 a "
+        "step (a lookup asked the storage tier on some ranks only)"
     )
 
 

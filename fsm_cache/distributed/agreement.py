@@ -50,7 +50,6 @@ import struct
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from datetime import timedelta
 from typing import Literal
 
 import torch
@@ -63,6 +62,7 @@ from fsm_cache.distributed.digest import (
     AppliedOperation,
     AppliedTransition,
     TransitionDigest,
+    collectives_message,
     copy_nodes,
     divergence_message,
     first_difference,
@@ -151,9 +151,9 @@ class DistributedCache:
     Raises:
         NoProcessGroup: ``torch.distributed`` is not initialised.
         BadArgument: ``cache`` is not a :class:`HiCache`, or ``group`` is not a
-            process group.
-        ConfigError: ``timeout`` is not a number of seconds above 0 and at
-            most a timedelta's, ``verify_every`` is not an int >= 0, the cache
+            live process group this rank belongs to.
+        ConfigError: ``timeout`` is not a number of seconds from 0.001 to
+            about 4.6e9 (146 years), ``verify_every`` is not an int >= 0, the cache
             is wrapped in another DistributedCache already,
             the cache's write policy is ``write_back``, ``group`` is an
             NCCL group smaller than the world (pass its gloo twin), or the
@@ -445,7 +445,7 @@ class DistributedCache:
         kind and its negation, so ranks that reach different collectives (one
         in a step, another in a lookup's hit count) all raise
         :class:`RankDivergence` instead of gloo failing on mismatched shapes
-        (SGLang #39267). Where some ranks sent the :data:`_RAISED` notice
+        (SGLang #39267), naming the collective each rank reached. Where some ranks sent the :data:`_RAISED` notice
         (``raised`` says what this rank raised), every rank gathers what each
         raised, and raises :class:`RankFailure` naming them.
         """
@@ -454,16 +454,18 @@ class DistributedCache:
         low, high = reduced[0], -reduced[1]
         if high == _RAISED and low != high:
             raise RankFailure(self._raised_message(raised))
-        if low != high:
+        if low != high:  # every rank found it so, and gathers which rank reached which
+            reached: list[tuple[int, int]] = self.comm.all_gather_object(
+                (kind, self._digest.agreed)
+            )
+            kinds = [k for k, _ in reached]
             why = (
                 "a lookup asked the storage tier on some ranks only"
-                if _HITS in (low, high)
+                if _HITS in kinds
                 else "the ranks called different DistributedCache methods"
             )
-            raise RankDivergence(
-                f"rank divergence after transition {self._digest.agreed}: the ranks reached "
-                f"different collectives: some {_KINDS[low]}, the others {_KINDS[high]} ({why})"
-            )
+            start = min(agreed for _, agreed in reached)
+            raise RankDivergence(collectives_message(start, [_KINDS[k] for k in kinds], why))
         return reduced[2:]
 
     @contextlib.contextmanager
@@ -673,30 +675,35 @@ class DistributedCache:
         return self.comm.all_gather_object(here)
 
 
-_LONGEST_TIMEOUT = timedelta.max.total_seconds()
-"""The longest wait a collective can be given: a timedelta's (about 2.7 million years)."""
+_SHORTEST_TIMEOUT = 0.001
+"""The shortest wait a collective can be given: torch.distributed waits whole milliseconds,
+and reads 0 ms as no limit at all (a shorter timeout waited for the group's own, 30 minutes
+by default)."""
+_LONGEST_TIMEOUT = 2**62 / 10**9
+"""The longest (about 146 years): torch.distributed adds a timeout to its clock in 64-bit
+nanoseconds, and past about 9.2e9 s less the clock a wait overflowed (it failed at once with
+"Operation timed out!", or never returned); half the range is left to the clock."""
 
 
 def _check_arguments(cache: object, group: object, timeout: object, verify_every: object) -> None:
     """Refuse arguments :class:`DistributedCache` cannot work with (before anything is changed).
 
     Raises:
-        BadArgument: ``cache`` is not a :class:`HiCache`, or ``group`` not a process group.
-        ConfigError: ``timeout`` is not a number of seconds above 0 and at
-            most a timedelta's, ``verify_every`` not an int >= 0, or the cache
-            is wrapped in a DistributedCache already.
+        BadArgument: ``cache`` is not a :class:`HiCache`, or ``group`` not a
+            live process group this rank belongs to.
+        ConfigError: ``timeout`` is not a number of seconds from a
+            millisecond to :data:`_LONGEST_TIMEOUT`, ``verify_every`` not an
+            int >= 0, or the cache is wrapped in a DistributedCache already.
     """
     if not isinstance(cache, HiCache):
         raise BadArgument(f"distributed: cache must be a HiCache, got {type(cache).__name__}")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise BadArgument(
-            f"distributed: group must be a torch.distributed ProcessGroup or None, "
-            f"got {type(group).__name__}"
-        )
-    if not real(timeout) or not (0 < timeout <= _LONGEST_TIMEOUT):
+    if group is not None:
+        _check_group(group)
+    if not real(timeout) or not (_SHORTEST_TIMEOUT <= timeout <= _LONGEST_TIMEOUT):
         raise ConfigError(
-            f"distributed: timeout must be a number of seconds > 0 and at most "
-            f"{_LONGEST_TIMEOUT:g} (a timedelta's), got {timeout!r}"
+            f"distributed: timeout must be a number of seconds from {_SHORTEST_TIMEOUT:g} to "
+            f"{_LONGEST_TIMEOUT:g} (torch.distributed waits whole milliseconds, 0 meaning no "
+            f"limit, and adds them to its clock in 64-bit nanoseconds), got {timeout!r}"
         )
     if isinstance(cache, HiCache) and cache.transfers.acks_taken:
         raise ConfigError(
@@ -705,6 +712,36 @@ def _check_arguments(cache: object, group: object, timeout: object, verify_every
         )
     if not whole(verify_every):
         raise ConfigError(f"distributed: verify_every must be an int >= 0, got {verify_every!r}")
+
+
+def _check_group(group: object) -> None:
+    """Refuse a ``group`` this rank cannot agree over (before anything is changed).
+
+    Raises:
+        BadArgument: ``group`` is the placeholder ``new_group()`` gives the
+            ranks outside a group, not a process group, or one that
+            ``torch.distributed`` no longer knows (destroyed).
+    """
+    outside = dist.GroupMember.NON_GROUP_MEMBER
+    if group is outside or (type(group) is type(outside) and group == outside):
+        raise BadArgument(
+            "distributed: this rank is not a member of the group it passed (new_group() gives "
+            "the ranks outside a group a placeholder); pass the group of this rank's own ranks"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise BadArgument(
+            f"distributed: group must be a torch.distributed ProcessGroup or None, "
+            f"got {type(group).__name__}"
+        )
+    try:
+        rank = dist.get_rank(group)
+    except ValueError:  # torch's words: "Group ... is not registered"
+        rank = -1
+    if rank < 0:
+        raise BadArgument(
+            "distributed: group is not a process group of this rank: it was destroyed, or "
+            "this rank is not one of its members"
+        )
 
 
 def _check_storage(config: StorageConfig, group: dist.ProcessGroup | None, timeout: float) -> None:

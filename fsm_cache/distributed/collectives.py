@@ -7,7 +7,9 @@ and reading its result back (``.tolist()``) waits for every kernel queued
 before it, so each agreement would stall the scheduler until the compute
 stream drained. SGLang keeps a CPU side group (``tp_cpu_group``) for the same
 reason; :func:`cpu_group` uses a gloo group as it is and builds a gloo side
-group over the ranks of any other.
+group over the ranks of any other. Their tensors are made on the CPU by name,
+whatever torch's default device: a model loader's
+``torch.set_default_device("cuda")`` put the divergence report's on the GPU.
 
 Each call waits at most the group's timeout (``Work.wait(timeout)``) and turns
 a backend error into a :class:`~fsm_cache.errors.RankFailure` that names the
@@ -133,7 +135,7 @@ class Collectives:
             payload: This rank's values; the same length on every rank.
             what: The collective's name in a :class:`RankFailure`.
         """
-        mine = torch.tensor(payload, dtype=torch.int64)
+        mine = torch.tensor(payload, dtype=torch.int64, device=CPU)  # whatever the default device
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
 
         def call() -> None:
@@ -152,7 +154,7 @@ class Collectives:
         data = pickle.dumps(obj)
         sizes = self.all_gather_digest([len(data)], "divergence report (all_gather sizes)")
         longest = max(size for (size,) in sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine = torch.zeros(longest, dtype=torch.uint8, device=CPU)
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
 

@@ -21,6 +21,8 @@ Pure Python and torch-free: :mod:`fsm_cache.distributed.agreement` moves the byt
 from __future__ import annotations
 
 import array
+import dataclasses
+import enum
 import hashlib
 import struct
 import zlib
@@ -108,15 +110,35 @@ def _ids(value: object) -> str:
 
 
 def _namespace(value: object) -> str:
-    """A namespace as every rank renders it: plain values in full, other objects by type.
+    """A namespace as every rank renders it: by value where that is the same everywhere.
 
-    An object's own ``repr`` may hold its address, which differs between ranks.
+    Plain values and tuples of them in full; an enum member by its class and
+    name; a frozenset by its members' renderings, sorted (its own order
+    follows ``hash()``, which differs between processes for strings); a
+    dataclass that compares by value by the fields it compares. Any other
+    object by its type only, since its own ``repr`` may hold its address,
+    which differs between ranks. Rendering distinct namespaces alike would let
+    ranks that served different ones fold to the same digest.
     """
     if value is None or isinstance(value, (str, bytes, int, float)):
         return repr(value)
     if isinstance(value, tuple):
         return "(" + ", ".join(_namespace(v) for v in value) + ")"
-    return f"<{type(value).__qualname__}>"
+    kind = type(value)
+    if isinstance(value, enum.Enum):
+        return f"{kind.__qualname__}.{value.name}"
+    if isinstance(value, frozenset):
+        return "frozenset({" + ", ".join(sorted(_namespace(v) for v in value)) + "})"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        params = getattr(kind, "__dataclass_params__", None)
+        if params is not None and params.eq:  # compared field by field, as a namespace key is
+            shown = (
+                f"{f.name}={_namespace(getattr(value, f.name))}"
+                for f in dataclasses.fields(value)
+                if f.compare
+            )
+            return f"{kind.__qualname__}({', '.join(shown)})"
+    return f"<{kind.__qualname__}>"
 
 
 _TRANSITION, _OPERATION, _REFUSED = -1, -2, -3
@@ -374,6 +396,29 @@ def reset_message(resets: Sequence[int]) -> str:
     return (
         f"rank divergence: the cache was reset on {_ranks(ahead)} and not on {_ranks(behind)} "
         f"(resets: {counts}); every rank must reset its cache at the same point"
+    )
+
+
+def collectives_message(start: int, reached: Sequence[str], why: str) -> str:
+    """Describe ranks that reached different agreement collectives, naming each rank's.
+
+    Args:
+        start: Transitions every rank had agreed on.
+        reached: Per rank, the collective it reached (``a step``, ``a drain``, ...).
+        why: What that says about the ranks' calls.
+
+    Returns:
+        ``rank divergence after transition 12: the ranks reached different
+        collectives: ranks 0, 1 a step, rank 2 a digest verification, rank 3 a
+        drain (the ranks called different DistributedCache methods)``.
+    """
+    ranks: dict[str, list[int]] = {}
+    for rank, what in enumerate(reached):
+        ranks.setdefault(what, []).append(rank)
+    each = ", ".join(f"{_ranks(group)} {what}" for what, group in ranks.items())
+    return (
+        f"rank divergence after transition {start}: the ranks reached different collectives: "
+        f"{each} ({why})"
     )
 
 
