@@ -160,7 +160,40 @@ def test_row_verdicts() -> None:
     bad = Row("t", "f", "c", crosshair_run.COUNTEREXAMPLE, "f(1)")
     assert bad.verdict() == "counterexample: f(1)"
     assert bad.failed
-    assert not Row("t", "f", "c", crosshair_run.WITHIN_BUDGET).failed
+    assert Row("t", "f", "c", crosshair_run.WITHIN_BUDGET).failed  # unknown is not proved
+    assert not Row("t", "f", "c", crosshair_run.CONFIRMED).failed
+    assert not Row("t", "f", "c", exhaustive.CONFIRMED_EVERY_INPUT, "4 inputs").failed
+
+
+_ENDLESS = """# crosshair: per_condition_timeout=0.5
+import icontract
+
+
+@icontract.require(lambda n: n >= 0)
+@icontract.ensure(lambda result: result == 0, "counts down to zero")
+def count_down(n: int) -> int:
+    while n > 0:  # a path for every n: CrossHair never exhausts them
+        n -= 1
+    return n
+"""
+
+
+def test_a_contract_crosshair_runs_out_of_time_on_fails_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It holds, but CrossHair only tried some n: exit 0 reported a proof there was none of."""
+    path = tmp_path / "endless.py"
+    path.write_text(_ENDLESS)
+    status = _cli(["verify", str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert status == 1
+    assert lines[0] == "endless.count_down  counts down to zero  no counterexample within budget"
+    assert lines[1].startswith("1 contracts: 0 confirmed over all paths, ")
+    assert lines[2:] == [
+        "1 contract(s) unknown: CrossHair ran out of time before exhausting their paths; "
+        "raise per_condition_timeout in [tool.fsm_cache.verify] of pyproject.toml, or in the "
+        "module's '# crosshair:' directive, to prove or refute them"
+    ]
 
 
 def test_options_come_from_pyproject(tmp_path: Path) -> None:

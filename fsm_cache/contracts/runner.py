@@ -87,8 +87,13 @@ class Row:
 
     @property
     def failed(self) -> bool:
-        """Whether the row fails a verify run."""
-        return self.status in (COUNTEREXAMPLE, NOT_ANALYSED)
+        """Whether the row fails a verify run: anything short of a complete check.
+
+        A contract left at ``no counterexample within budget`` holds on the
+        paths CrossHair tried before its time ran out and is unknown on the
+        rest: passing the run on it would report a proof where there is none.
+        """
+        return self.status in (WITHIN_BUDGET, COUNTEREXAMPLE, NOT_ANALYSED)
 
     def verdict(self) -> str:
         """Return ``confirmed over all paths`` or ``counterexample: <call>`` etc."""

@@ -11,8 +11,8 @@ every representative input (:mod:`fsm_cache.contracts.exhaustive`), a complete
 check of the same contracts over a finite domain.
 Without arguments it verifies the shipped specs, the allocator contracts and
 the negative controls of ``specs/bugs_detected`` (which must keep failing).
-Exit status: 0 clean, 1 a counterexample, an unanalysed contract or a control
-that no longer finds its bug.
+Exit status: 0 clean, 1 a counterexample, a contract CrossHair ran out of time on
+(unknown, not proved), an unanalysed contract or a control that no longer finds its bug.
 """
 
 from __future__ import annotations
@@ -309,8 +309,25 @@ def report(result: dict[str, Any]) -> str:
     }
     summary = ", ".join(f"{n} {s}" for s, n in counts.items())
     lines.append(f"{len(rows)} contracts: {summary} ({result['seconds']:.1f} s)")
+    lines += budget_note(rows)
     lines += render_controls(result["controls"])
     return "\n".join(lines)
+
+
+def budget_note(rows: Sequence[Row]) -> list[str]:
+    """Return the line saying what to do about contracts CrossHair ran out of time on, if any.
+
+    Such a contract is unknown, neither proved nor refuted, and fails the run;
+    a longer budget lets CrossHair exhaust its paths or find its counterexample.
+    """
+    unknown = sum(r.status == crosshair_run.WITHIN_BUDGET for r in rows)
+    if not unknown:
+        return []
+    return [
+        f"{unknown} contract(s) unknown: CrossHair ran out of time before exhausting their "
+        "paths; raise per_condition_timeout in [tool.fsm_cache.verify] of pyproject.toml, "
+        "or in the module's '# crosshair:' directive, to prove or refute them"
+    ]
 
 
 def failed(result: dict[str, Any]) -> bool:
