@@ -318,6 +318,62 @@ def test_every_input_finds_a_planted_bug_in_the_engines_code(tmp_path: Path) -> 
     )
 
 
+def _planted(tmp_path: Path, system: System, function: str, old: str, new: str) -> Path:
+    """Write the contracts module of ``system`` with ``old`` replaced in the engine's ``function``."""
+    module = generate(system, spec_dir() / "residency_storage.toml")
+    start = module.source.index(f"def {function}(rec):")
+    body = module.source[start : module.source.index("\ndef ", start + 1)]
+    assert old in body
+    path = tmp_path / "contracts_planted.py"
+    path.write_text(module.source.replace(body, body.replace(old, new, 1)))
+    return path
+
+
+def test_code_that_raises_on_an_input_is_a_counterexample_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """A refusal registered at the wrong index raised IndexError out of ``fsm-cache verify``."""
+    storage = load_shipped("residency_storage")
+    assert isinstance(storage, System)
+    path = _planted(tmp_path, storage, "_fire_evict_host", "_refuse(rec, 33)", "_refuse(rec, 9999)")
+    rows = exhaustive.check_module("planted", path, exhaustive.counter_domains(storage))
+    bad = [r for r in rows if r.failed]
+    assert {r.function for r in bad} == {"_event_evict_host"}
+    assert {r.status for r in bad} == {crosshair_run.COUNTEREXAMPLE}
+    assert len(bad) == len([r for r in rows if r.function == "_event_evict_host"])
+    assert bad[0].detail == (
+        "_event_evict_host(host=HostState.unbacked, device=DeviceState.resident, "
+        "storage=StorageState.unstored, pins=0, locks=0, child_host=None) "
+        "raises IndexError: tuple index out of range"
+    )
+
+
+def test_a_contract_that_raises_on_an_input_is_a_counterexample(tmp_path: Path) -> None:
+    path = tmp_path / "contracts_divide.py"
+    path.write_text(
+        "import icontract\n\n\n"
+        "@icontract.ensure(lambda result: 12 // result > 0, 'twelve over it is positive')\n"
+        "def same(n: int) -> int:\n"
+        "    return n\n\n\n"
+        "@icontract.ensure(lambda result: result >= 0, 'never negative')\n"
+        "def twelve_over(n: int) -> int:\n"
+        "    return 12 // n\n"
+    )
+    rows = exhaustive.check_module("divide", path, {"n": (0, 1, 2)})
+    assert [(r.function, r.verdict()) for r in rows] == [
+        (
+            "same",
+            "counterexample: same(n=0): the contract raises "
+            "ZeroDivisionError: integer division or modulo by zero",
+        ),
+        (
+            "twelve_over",
+            "counterexample: twelve_over(n=0) raises "
+            "ZeroDivisionError: integer division or modulo by zero",
+        ),
+    ]
+
+
 def test_a_domain_too_large_is_not_analysed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

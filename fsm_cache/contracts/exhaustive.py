@@ -13,6 +13,9 @@ on the product of those domains, with its preconditions as filters, and
 evaluating each postcondition on the result is therefore a complete check of
 the same contracts CrossHair would prove. One row per postcondition: confirmed
 on every representative input, or the first counterexample found.
+
+An input on which the code raises is a counterexample to each contract, as
+CrossHair reports it, not a traceback.
 """
 
 from __future__ import annotations
@@ -101,9 +104,22 @@ def _check_function(
         args = dict(zip(names, values, strict=True))
         if not all(_holds(c, args) for c in pre):
             continue
-        result = raw(**args)
+        try:
+            result = raw(**args)
+        except Exception as exc:  # the code under test raised: no contract holds on this input
+            why = f"{_call(func.__name__, args)} raises {_raised(exc)}"
+            for i in range(len(post)):
+                found.setdefault(i, why)
+            continue
         for i, c in enumerate(post):
-            if i not in found and not _holds(c, {**args, "result": result}):
+            if i in found:
+                continue
+            try:
+                held = _holds(c, {**args, "result": result})
+            except Exception as exc:  # the contract itself raised (its meaning, say)
+                found[i] = f"{_call(func.__name__, args)}: the contract raises {_raised(exc)}"
+                continue
+            if not held:
                 found[i] = _call(func.__name__, args)
     return [
         Row(target, func.__name__, _text(c), COUNTEREXAMPLE, found[i])
@@ -139,6 +155,10 @@ def _is_enum(hint: Any) -> bool:
 
 def _holds(contract: Any, values: Mapping[str, Any]) -> bool:
     return bool(contract.condition(**{a: values[a] for a in contract.condition_args}))
+
+
+def _raised(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _text(contract: Any) -> str:
