@@ -329,6 +329,25 @@ def _planted(tmp_path: Path, system: System, function: str, old: str, new: str) 
     return path
 
 
+def test_every_input_reaches_a_constant_only_the_code_compares_with(tmp_path: Path) -> None:
+    """The spec's values for pins stop at 4; a release that misfires at 9 was confirmed."""
+    storage = load_shipped("residency_storage")
+    assert isinstance(storage, System)
+    path = _planted(
+        tmp_path, storage, "_fire_release", "if c_pins == 1:", "if c_pins == 1 or c_pins == 9:"
+    )
+    domains = exhaustive.counter_domains(storage)
+    rows = exhaustive.check_module("planted", path, domains)
+    bad = {r.contract: r.detail for r in rows if r.status == crosshair_run.COUNTEREXAMPLE}
+    assert bad.get("the step follows the spec") == (
+        "_event_release(host=HostState.pinned, device=DeviceState.resident, "
+        "storage=StorageState.unstored, pins=9, locks=0)"
+    )
+    assert {r.function for r in rows if r.failed} == {"_event_release"}
+    assert exhaustive.code_constants(path, domains) == {"pins": {0, 1, 2, 9}, "locks": {0, 1}}
+    assert exhaustive.widened(domains, path)["pins"] == (0, 1, 2, 3, 4, 9, 10)
+
+
 def test_code_that_raises_on_an_input_is_a_counterexample_not_a_traceback(
     tmp_path: Path,
 ) -> None:
