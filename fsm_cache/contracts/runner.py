@@ -43,7 +43,7 @@ class Options:
     """Pinned CrossHair options (``[tool.fsm_cache.verify]`` in pyproject.toml)."""
 
     analysis_kind: str = "icontract"
-    per_condition_timeout: float = 4.0
+    per_condition_timeout: float = 10.0
     per_path_timeout: float = 2.0
     jobs: int = 2
 
