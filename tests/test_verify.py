@@ -109,6 +109,57 @@ def test_device_spec_confirmed_over_all_paths(tmp_path: Path) -> None:
     assert "lock changes locks by exactly +1" in {r.contract for r in rows if r.function == "lock"}
 
 
+_HOST_MUTANTS = {
+    # event: (the engine's function, what it says, the mutant), one realistic slip each
+    "release": ("_fire_release", "if c_pins == 1:", "if c_pins == 2:"),  # guard off by one
+    "load_done": ("_fire_load_done", "_refuse(rec, 34)", "return"),  # a give-back at zero
+    "pin": ("_fire_pin", "rec.pins = rec.pins + 1", "rec.pins = rec.pins + 2"),
+    "write_failed": ("_fire_write_failed", "if c_pins >= 1:", "if c_pins > 1:"),
+    "load_failed": ("_fire_load_failed", "rec.pins = c_pins - 1", "rec.pins = c_pins"),
+}
+
+
+def test_crosshair_refutes_each_slip_in_the_engines_counter_code(tmp_path: Path) -> None:
+    """The spec is right and the code the engine runs is not: only CrossHair can tell.
+
+    Every spec-level control is a bug in a spec; these are bugs in the generated
+    code, found only by comparing it with the spec (``the step follows the spec``)
+    and by the counter contracts. Each event's slip is refuted, and only it.
+    """
+    path = spec_dir() / "host_residency.toml"
+    module = generate(as_system(load_spec(path)), path)
+    source = module.source
+    for function, old, new in _HOST_MUTANTS.values():
+        start = source.index(f"def {function}(rec):")
+        body = source[start : source.index("\ndef ", start + 1)]
+        assert old in body, function
+        source = source.replace(body, body.replace(old, new, 1))
+    planted = tmp_path / "contracts_host_residency.py"
+    planted.write_text(source)
+    rows = [module.reported(r) for r in crosshair_run.prove("host", planted, Options())]
+    refuted: dict[str, set[str]] = {}
+    for row in rows:
+        if row.status != crosshair_run.CONFIRMED:
+            assert row.status == crosshair_run.COUNTEREXAMPLE, row
+            assert row.detail.startswith(f"{row.function}(State."), row
+            refuted.setdefault(row.function, set()).add(row.contract)
+    holders = "pins moves by at most one (writing(N), pinned(N) count holders)"
+    assert refuted == {
+        "release": {
+            "every state's invariant holds",
+            holders,
+            "release changes pins by exactly -1",
+            "the step follows the spec",
+        },
+        "load_done": {"load_done changes pins by exactly -1", "the step follows the spec"},
+        "pin": {holders, "pin changes pins by exactly +1", "the step follows the spec"},
+        "write_failed": {"every state's invariant holds", "the step follows the spec"},
+        "load_failed": {"load_failed changes pins by exactly -1", "the step follows the spec"},
+    }
+    confirmed = {"write", "write_done", "evict_host", "load"}
+    assert {r.function for r in rows} - set(refuted) == confirmed
+
+
 def test_cli_json_rows_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
     status = _cli(["verify", "--json", str(spec_dir() / "device_residency.toml")])
     out = json.loads(capsys.readouterr().out)
