@@ -187,20 +187,65 @@ def test_unknown_target_is_a_clear_error() -> None:
 
 def test_parse_maps_lines_to_contracts() -> None:
     known = {
-        ("/m.py", 10): Contract("/m.py", 10, "pin", "a"),
-        ("/m.py", 11): Contract("/m.py", 11, "pin", "b"),
-        ("/m.py", 12): Contract("/m.py", 12, "pin", "c"),
+        ("/m.py", 10): Contract("/m.py", 10, 10, "pin", "a", (9, 16)),
+        ("/m.py", 11): Contract("/m.py", 11, 11, "pin", "b", (9, 16)),
+        ("/m.py", 12): Contract("/m.py", 12, 12, "pin", "c", (9, 16)),
+        # a decorator over lines 20 to 23: CrossHair names its lambda's line, 21
+        ("/m.py", 20): Contract("/m.py", 20, 23, "unpin", "d", (19, 30)),
     }
     report = (
         "/m.py:10: info: Confirmed over all paths.\n"
         "/m.py:11: error: false when calling pin(State.backed, 0) (which returns Result(error=''))\n"
         "/m.py:12: info: Unable to meet precondition.\n"
+        "/m.py:21: info: Confirmed over all paths.\n"
     )
     assert crosshair_run.parse_report(report, known) == {
         ("/m.py", 10): (crosshair_run.CONFIRMED, ""),
         ("/m.py", 11): (crosshair_run.COUNTEREXAMPLE, "pin(State.backed, 0)"),
         ("/m.py", 12): (crosshair_run.NOT_ANALYSED, "unable to meet precondition"),
+        ("/m.py", 20): (crosshair_run.CONFIRMED, ""),
     }
+
+
+_TWO_FUNCTIONS = """import icontract
+
+
+@icontract.ensure(lambda result: result >= 0, "never negative")
+def good(n: int) -> int:
+    return abs(n)
+
+
+@icontract.require(lambda n: 0 < n < 0)
+@icontract.ensure(lambda result: result >= 0, "never negative")
+def impossible(n: int) -> int:
+    return n
+
+
+@icontract.ensure(lambda result: result >= 0, "never negative")
+@icontract.ensure(lambda result: result <= 5, "at most five")
+def seven(n: int) -> int:
+    if n == 7:
+        raise ValueError("seven")
+    return min(abs(n), 5)
+"""
+
+
+def test_a_report_on_a_functions_other_lines_is_on_each_of_its_contracts(
+    tmp_path: Path,
+) -> None:
+    """CrossHair reports a precondition it cannot meet on that precondition's line, and a raise
+    in a body on the body's line, once for all of a function's contracts. Both were put on
+    the contract just above: the previous function's, which had been confirmed, and one
+    contract of ``seven``, the other left "not reported"."""
+    path = tmp_path / "two.py"
+    path.write_text(_TWO_FUNCTIONS)
+    rows = crosshair_run.prove("two", path, Options())
+    assert [(r.function, r.contract, r.verdict()) for r in rows] == [
+        ("good", "never negative", crosshair_run.CONFIRMED),
+        ("impossible", "never negative", "not analysed: unable to meet precondition"),
+        ("seven", "never negative", "counterexample: seven(7) raises ValueError: seven"),
+        ("seven", "at most five", "counterexample: seven(7) raises ValueError: seven"),
+    ]
 
 
 def test_row_verdicts() -> None:
