@@ -44,7 +44,7 @@ class Options:
 
     analysis_kind: str = "icontract"
     per_condition_timeout: float = 10.0
-    per_path_timeout: float = 2.0
+    per_path_timeout: float = 5.0
     jobs: int = 2
 
     def argv(self) -> list[str]:
