@@ -358,8 +358,8 @@ def _check(path: Path, nodes: int) -> str:
 
 
 def _verify(path: Path) -> str:
-    """Return one line per contract CrossHair did not confirm, or ``""``."""
-    from fsm_cache.contracts.verify import load_options, verify_spec
+    """Return one line per contract not proved (``fsm-cache verify``'s failing rows), or ``""``."""
+    from fsm_cache.contracts.verify import budget_note, load_options, verify_spec
 
     try:
         with tempfile.TemporaryDirectory(prefix="fsm-verify-") as tmp:
@@ -369,4 +369,4 @@ def _verify(path: Path) -> str:
     bad = [
         f"{path}: {r.target}.{r.function}: {r.contract}: {r.verdict()}" for r in rows if r.failed
     ]
-    return "\n".join(bad)
+    return "\n".join([*bad, *budget_note(rows)])

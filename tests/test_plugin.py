@@ -383,6 +383,24 @@ def test_the_pytest_plugin_fails_a_spec_whose_check_stopped(pytester: pytest.Pyt
     )
 
 
+def test_the_pytest_plugin_fails_a_spec_crosshair_ran_out_of_time_on(
+    pytester: pytest.Pytester,
+) -> None:
+    """The verdict of ``fsm-cache verify``: a contract left unknown is not proved, so it fails."""
+    pytester.makefile(".toml", gate=GOOD_GATE)
+    pytester.makepyprojecttoml("[tool.fsm_cache.verify]\nper_condition_timeout = 0.001\n")
+    pytester.makeini("[pytest]\nfsm_specs = gate.toml\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "fsm-verify")
+    result.assert_outcomes(failed=1)
+    gate = pytester.path / "gate.toml"
+    result.stdout.fnmatch_lines(
+        [
+            f"{gate}: gate.take: * no counterexample within budget",
+            "* contract(s) unknown: CrossHair ran out of time before exhausting their paths; *",
+        ]
+    )
+
+
 def test_marker_model_checks_before_the_test(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         f"""

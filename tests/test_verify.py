@@ -109,6 +109,57 @@ def test_device_spec_confirmed_over_all_paths(tmp_path: Path) -> None:
     assert "lock changes locks by exactly +1" in {r.contract for r in rows if r.function == "lock"}
 
 
+_HOST_MUTANTS = {
+    # event: (the engine's function, what it says, the mutant), one realistic slip each
+    "release": ("_fire_release", "if c_pins == 1:", "if c_pins == 2:"),  # guard off by one
+    "load_done": ("_fire_load_done", "_refuse(rec, 34)", "return"),  # a give-back at zero
+    "pin": ("_fire_pin", "rec.pins = rec.pins + 1", "rec.pins = rec.pins + 2"),
+    "write_failed": ("_fire_write_failed", "if c_pins >= 1:", "if c_pins > 1:"),
+    "load_failed": ("_fire_load_failed", "rec.pins = c_pins - 1", "rec.pins = c_pins"),
+}
+
+
+def test_crosshair_refutes_each_slip_in_the_engines_counter_code(tmp_path: Path) -> None:
+    """The spec is right and the code the engine runs is not: only CrossHair can tell.
+
+    Every spec-level control is a bug in a spec; these are bugs in the generated
+    code, found only by comparing it with the spec (``the step follows the spec``)
+    and by the counter contracts. Each event's slip is refuted, and only it.
+    """
+    path = spec_dir() / "host_residency.toml"
+    module = generate(as_system(load_spec(path)), path)
+    source = module.source
+    for function, old, new in _HOST_MUTANTS.values():
+        start = source.index(f"def {function}(rec):")
+        body = source[start : source.index("\ndef ", start + 1)]
+        assert old in body, function
+        source = source.replace(body, body.replace(old, new, 1))
+    planted = tmp_path / "contracts_host_residency.py"
+    planted.write_text(source)
+    rows = [module.reported(r) for r in crosshair_run.prove("host", planted, Options())]
+    refuted: dict[str, set[str]] = {}
+    for row in rows:
+        if row.status != crosshair_run.CONFIRMED:
+            assert row.status == crosshair_run.COUNTEREXAMPLE, row
+            assert row.detail.startswith(f"{row.function}(State."), row
+            refuted.setdefault(row.function, set()).add(row.contract)
+    holders = "pins moves by at most one (writing(N), pinned(N) count holders)"
+    assert refuted == {
+        "release": {
+            "every state's invariant holds",
+            holders,
+            "release changes pins by exactly -1",
+            "the step follows the spec",
+        },
+        "load_done": {"load_done changes pins by exactly -1", "the step follows the spec"},
+        "pin": {holders, "pin changes pins by exactly +1", "the step follows the spec"},
+        "write_failed": {"every state's invariant holds", "the step follows the spec"},
+        "load_failed": {"load_failed changes pins by exactly -1", "the step follows the spec"},
+    }
+    confirmed = {"write", "write_done", "evict_host", "load"}
+    assert {r.function for r in rows} - set(refuted) == confirmed
+
+
 def test_cli_json_rows_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
     status = _cli(["verify", "--json", str(spec_dir() / "device_residency.toml")])
     out = json.loads(capsys.readouterr().out)
@@ -136,20 +187,65 @@ def test_unknown_target_is_a_clear_error() -> None:
 
 def test_parse_maps_lines_to_contracts() -> None:
     known = {
-        ("/m.py", 10): Contract("/m.py", 10, "pin", "a"),
-        ("/m.py", 11): Contract("/m.py", 11, "pin", "b"),
-        ("/m.py", 12): Contract("/m.py", 12, "pin", "c"),
+        ("/m.py", 10): Contract("/m.py", 10, 10, "pin", "a", (9, 16)),
+        ("/m.py", 11): Contract("/m.py", 11, 11, "pin", "b", (9, 16)),
+        ("/m.py", 12): Contract("/m.py", 12, 12, "pin", "c", (9, 16)),
+        # a decorator over lines 20 to 23: CrossHair names its lambda's line, 21
+        ("/m.py", 20): Contract("/m.py", 20, 23, "unpin", "d", (19, 30)),
     }
     report = (
         "/m.py:10: info: Confirmed over all paths.\n"
         "/m.py:11: error: false when calling pin(State.backed, 0) (which returns Result(error=''))\n"
         "/m.py:12: info: Unable to meet precondition.\n"
+        "/m.py:21: info: Confirmed over all paths.\n"
     )
     assert crosshair_run.parse_report(report, known) == {
         ("/m.py", 10): (crosshair_run.CONFIRMED, ""),
         ("/m.py", 11): (crosshair_run.COUNTEREXAMPLE, "pin(State.backed, 0)"),
         ("/m.py", 12): (crosshair_run.NOT_ANALYSED, "unable to meet precondition"),
+        ("/m.py", 20): (crosshair_run.CONFIRMED, ""),
     }
+
+
+_TWO_FUNCTIONS = """import icontract
+
+
+@icontract.ensure(lambda result: result >= 0, "never negative")
+def good(n: int) -> int:
+    return abs(n)
+
+
+@icontract.require(lambda n: 0 < n < 0)
+@icontract.ensure(lambda result: result >= 0, "never negative")
+def impossible(n: int) -> int:
+    return n
+
+
+@icontract.ensure(lambda result: result >= 0, "never negative")
+@icontract.ensure(lambda result: result <= 5, "at most five")
+def seven(n: int) -> int:
+    if n == 7:
+        raise ValueError("seven")
+    return min(abs(n), 5)
+"""
+
+
+def test_a_report_on_a_functions_other_lines_is_on_each_of_its_contracts(
+    tmp_path: Path,
+) -> None:
+    """CrossHair reports a precondition it cannot meet on that precondition's line, and a raise
+    in a body on the body's line, once for all of a function's contracts. Both were put on
+    the contract just above: the previous function's, which had been confirmed, and one
+    contract of ``seven``, the other left "not reported"."""
+    path = tmp_path / "two.py"
+    path.write_text(_TWO_FUNCTIONS)
+    rows = crosshair_run.prove("two", path, Options())
+    assert [(r.function, r.contract, r.verdict()) for r in rows] == [
+        ("good", "never negative", crosshair_run.CONFIRMED),
+        ("impossible", "never negative", "not analysed: unable to meet precondition"),
+        ("seven", "never negative", "counterexample: seven(7) raises ValueError: seven"),
+        ("seven", "at most five", "counterexample: seven(7) raises ValueError: seven"),
+    ]
 
 
 def test_row_verdicts() -> None:
@@ -160,7 +256,40 @@ def test_row_verdicts() -> None:
     bad = Row("t", "f", "c", crosshair_run.COUNTEREXAMPLE, "f(1)")
     assert bad.verdict() == "counterexample: f(1)"
     assert bad.failed
-    assert not Row("t", "f", "c", crosshair_run.WITHIN_BUDGET).failed
+    assert Row("t", "f", "c", crosshair_run.WITHIN_BUDGET).failed  # unknown is not proved
+    assert not Row("t", "f", "c", crosshair_run.CONFIRMED).failed
+    assert not Row("t", "f", "c", exhaustive.CONFIRMED_EVERY_INPUT, "4 inputs").failed
+
+
+_ENDLESS = """# crosshair: per_condition_timeout=0.5
+import icontract
+
+
+@icontract.require(lambda n: n >= 0)
+@icontract.ensure(lambda result: result == 0, "counts down to zero")
+def count_down(n: int) -> int:
+    while n > 0:  # a path for every n: CrossHair never exhausts them
+        n -= 1
+    return n
+"""
+
+
+def test_a_contract_crosshair_runs_out_of_time_on_fails_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It holds, but CrossHair only tried some n: exit 0 reported a proof there was none of."""
+    path = tmp_path / "endless.py"
+    path.write_text(_ENDLESS)
+    status = _cli(["verify", str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert status == 1
+    assert lines[0] == "endless.count_down  counts down to zero  no counterexample within budget"
+    assert lines[1].startswith("1 contracts: 0 confirmed over all paths, ")
+    assert lines[2:] == [
+        "1 contract(s) unknown: CrossHair ran out of time before exhausting their paths; "
+        "raise per_condition_timeout in [tool.fsm_cache.verify] of pyproject.toml, or in the "
+        "module's '# crosshair:' directive, to prove or refute them"
+    ]
 
 
 def test_options_come_from_pyproject(tmp_path: Path) -> None:
@@ -283,6 +412,81 @@ def test_every_input_finds_a_planted_bug_in_the_engines_code(tmp_path: Path) -> 
         "release(host=HostState.writing, device=DeviceState.resident, "
         "storage=StorageState.storing, pins=1, locks=0)"
     )
+
+
+def _planted(tmp_path: Path, system: System, function: str, old: str, new: str) -> Path:
+    """Write the contracts module of ``system`` with ``old`` replaced in the engine's ``function``."""
+    module = generate(system, spec_dir() / "residency_storage.toml")
+    start = module.source.index(f"def {function}(rec):")
+    body = module.source[start : module.source.index("\ndef ", start + 1)]
+    assert old in body
+    path = tmp_path / "contracts_planted.py"
+    path.write_text(module.source.replace(body, body.replace(old, new, 1)))
+    return path
+
+
+def test_every_input_reaches_a_constant_only_the_code_compares_with(tmp_path: Path) -> None:
+    """The spec's values for pins stop at 4; a release that misfires at 9 was confirmed."""
+    storage = load_shipped("residency_storage")
+    assert isinstance(storage, System)
+    path = _planted(
+        tmp_path, storage, "_fire_release", "if c_pins == 1:", "if c_pins == 1 or c_pins == 9:"
+    )
+    domains = exhaustive.counter_domains(storage)
+    rows = exhaustive.check_module("planted", path, domains)
+    bad = {r.contract: r.detail for r in rows if r.status == crosshair_run.COUNTEREXAMPLE}
+    assert bad.get("the step follows the spec") == (
+        "_event_release(host=HostState.pinned, device=DeviceState.resident, "
+        "storage=StorageState.unstored, pins=9, locks=0)"
+    )
+    assert {r.function for r in rows if r.failed} == {"_event_release"}
+    assert exhaustive.code_constants(path, domains) == {"pins": {0, 1, 2, 9}, "locks": {0, 1}}
+    assert exhaustive.widened(domains, path)["pins"] == (0, 1, 2, 3, 4, 9, 10)
+
+
+def test_code_that_raises_on_an_input_is_a_counterexample_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """A refusal registered at the wrong index raised IndexError out of ``fsm-cache verify``."""
+    storage = load_shipped("residency_storage")
+    assert isinstance(storage, System)
+    path = _planted(tmp_path, storage, "_fire_evict_host", "_refuse(rec, 33)", "_refuse(rec, 9999)")
+    rows = exhaustive.check_module("planted", path, exhaustive.counter_domains(storage))
+    bad = [r for r in rows if r.failed]
+    assert {r.function for r in bad} == {"_event_evict_host"}
+    assert {r.status for r in bad} == {crosshair_run.COUNTEREXAMPLE}
+    assert len(bad) == len([r for r in rows if r.function == "_event_evict_host"])
+    assert bad[0].detail == (
+        "_event_evict_host(host=HostState.unbacked, device=DeviceState.resident, "
+        "storage=StorageState.unstored, pins=0, locks=0, child_host=None) "
+        "raises IndexError: tuple index out of range"
+    )
+
+
+def test_a_contract_that_raises_on_an_input_is_a_counterexample(tmp_path: Path) -> None:
+    path = tmp_path / "contracts_divide.py"
+    path.write_text(
+        "import icontract\n\n\n"
+        "@icontract.ensure(lambda result: 12 // result > 0, 'twelve over it is positive')\n"
+        "def same(n: int) -> int:\n"
+        "    return n\n\n\n"
+        "@icontract.ensure(lambda result: result >= 0, 'never negative')\n"
+        "def twelve_over(n: int) -> int:\n"
+        "    return 12 // n\n"
+    )
+    rows = exhaustive.check_module("divide", path, {"n": (0, 1, 2)})
+    assert [(r.function, r.verdict()) for r in rows] == [
+        (
+            "same",
+            "counterexample: same(n=0): the contract raises "
+            "ZeroDivisionError: integer division or modulo by zero",
+        ),
+        (
+            "twelve_over",
+            "counterexample: twelve_over(n=0) raises "
+            "ZeroDivisionError: integer division or modulo by zero",
+        ),
+    ]
 
 
 def test_a_domain_too_large_is_not_analysed(

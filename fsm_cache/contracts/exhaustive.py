@@ -13,21 +13,30 @@ on the product of those domains, with its preconditions as filters, and
 evaluating each postcondition on the result is therefore a complete check of
 the same contracts CrossHair would prove. One row per postcondition: confirmed
 on every representative input, or the first counterexample found.
+
+The representatives are the spec's; the code under test is what is in
+doubt. So every integer the module's code compares a counter with joins that
+counter's values too (:func:`code_constants`): code that tests a counter
+against a constant the spec never names (``pins == 9``) is still called on
+both sides of its test, where the spec's values alone would never reach 9.
+An input on which the code raises is a counterexample to each contract, as
+CrossHair reports it, not a traceback.
 """
 
 from __future__ import annotations
 
+import ast
 import enum
 import importlib.util
 import inspect
 import itertools
 import sys
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fsm_cache.contracts.runner import COUNTEREXAMPLE, NOT_ANALYSED, Row, contracts
+from fsm_cache.contracts.runner import COUNTEREXAMPLE, NOT_ANALYSED, Row, contracts, parse_module
 from fsm_cache.errors import FsmCacheError
 from fsm_cache.spec.machine import System
 from fsm_cache.spec.validate import representatives
@@ -54,16 +63,72 @@ def check_module(target: str, path: Path, counters: Mapping[str, Sequence[int]])
     Args:
         target: The name rows are reported under (the spec's).
         path: A module written by :mod:`fsm_cache.contracts.generate`.
-        counters: Per counter parameter, the values standing for all of them.
+        counters: Per counter parameter, the values standing for all of them;
+            the constants the module's code compares each with are added
+            (:func:`widened`).
 
     Raises:
         FsmCacheError: The module cannot be imported.
     """
+    counters = widened(counters, path)
     module = _load(path)
     rows: list[Row] = []
     for name in dict.fromkeys(c.function for c in contracts(path)):
         rows += _check_function(target, getattr(module, name), counters)
     return rows
+
+
+def widened(counters: Mapping[str, Sequence[int]], path: Path) -> dict[str, tuple[int, ...]]:
+    """Return ``counters`` with each constant ``k`` the module compares a counter with, and ``k + 1``.
+
+    A test ``x OP k`` splits the values of ``x`` at ``k``: ``k`` and ``k + 1``
+    (with the values below, which start at 0) meet each side of it.
+    """
+    found = code_constants(path, counters)
+    return {
+        name: tuple(sorted({*values, *(v for k in found[name] for v in (k, k + 1) if v >= 0)}))
+        for name, values in counters.items()
+    }
+
+
+def code_constants(path: Path, counters: Iterable[str]) -> dict[str, set[int]]:
+    """Return, per counter, the integers the module at ``path`` compares it with.
+
+    A counter is read as ``c_<name>`` (the engine's locals), ``<name>`` (a
+    contract's parameter) or ``<anything>.<name>`` (a record's field); the
+    integer is a literal on the other side of the comparison, or in a literal
+    tuple, list or set an ``in`` test reads.
+    """
+    found: dict[str, set[int]] = {name: set() for name in counters}
+    for node in ast.walk(parse_module(path)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        for a, b in itertools.pairwise(operands):
+            for side, other in ((a, b), (b, a)):
+                for name in _counters(side, found):
+                    found[name] |= _integers(other)
+    return found
+
+
+def _counters(node: ast.expr, counters: Mapping[str, object]) -> set[str]:
+    """Return the counters ``node`` may read (a counter ``c_x`` beside ``x``: both, harmlessly)."""
+    if isinstance(node, ast.Attribute):
+        names = {node.attr}
+    elif isinstance(node, ast.Name):
+        names = {node.id, node.id.removeprefix("c_")}
+    else:
+        return set()
+    return {name for name in names if name in counters}
+
+
+def _integers(node: ast.expr) -> set[int]:
+    try:
+        value = ast.literal_eval(node)
+    except (ValueError, TypeError):  # not a literal: a name, a call
+        return set()
+    values = value if isinstance(value, tuple | list | set | frozenset) else (value,)
+    return {v for v in values if type(v) is int}
 
 
 def _load(path: Path) -> Any:
@@ -101,9 +166,22 @@ def _check_function(
         args = dict(zip(names, values, strict=True))
         if not all(_holds(c, args) for c in pre):
             continue
-        result = raw(**args)
+        try:
+            result = raw(**args)
+        except Exception as exc:  # the code under test raised: no contract holds on this input
+            why = f"{_call(func.__name__, args)} raises {_raised(exc)}"
+            for i in range(len(post)):
+                found.setdefault(i, why)
+            continue
         for i, c in enumerate(post):
-            if i not in found and not _holds(c, {**args, "result": result}):
+            if i in found:
+                continue
+            try:
+                held = _holds(c, {**args, "result": result})
+            except Exception as exc:  # the contract itself raised (its meaning, say)
+                found[i] = f"{_call(func.__name__, args)}: the contract raises {_raised(exc)}"
+                continue
+            if not held:
                 found[i] = _call(func.__name__, args)
     return [
         Row(target, func.__name__, _text(c), COUNTEREXAMPLE, found[i])
@@ -139,6 +217,10 @@ def _is_enum(hint: Any) -> bool:
 
 def _holds(contract: Any, values: Mapping[str, Any]) -> bool:
     return bool(contract.condition(**{a: values[a] for a in contract.condition_args}))
+
+
+def _raised(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _text(contract: Any) -> str:

@@ -43,8 +43,8 @@ class Options:
     """Pinned CrossHair options (``[tool.fsm_cache.verify]`` in pyproject.toml)."""
 
     analysis_kind: str = "icontract"
-    per_condition_timeout: float = 4.0
-    per_path_timeout: float = 2.0
+    per_condition_timeout: float = 10.0
+    per_path_timeout: float = 5.0
     jobs: int = 2
 
     def argv(self) -> list[str]:
@@ -59,12 +59,27 @@ class Options:
 
 @dataclass(frozen=True)
 class Contract:
-    """One pre- or postcondition declared in a module."""
+    """One postcondition declared in a module.
+
+    Attributes:
+        file: The module's path, resolved.
+        line: The first line of its ``ensure`` decorator.
+        end: The decorator's last line. CrossHair reports on the line of the
+            condition's lambda, which is ``line`` or, in a decorator written
+            over several lines, one below it.
+        function: The function it is declared on.
+        text: Its description.
+        span: The first and last lines of that function, decorators included:
+            CrossHair reports a precondition it cannot meet on the precondition's
+            line, and a raise in the body on the body's line, both in there.
+    """
 
     file: str
     line: int
+    end: int
     function: str
     text: str
+    span: tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -87,8 +102,13 @@ class Row:
 
     @property
     def failed(self) -> bool:
-        """Whether the row fails a verify run."""
-        return self.status in (COUNTEREXAMPLE, NOT_ANALYSED)
+        """Whether the row fails a verify run: anything short of a complete check.
+
+        A contract left at ``no counterexample within budget`` holds on the
+        paths CrossHair tried before its time ran out and is unknown on the
+        rest: passing the run on it would report a proof where there is none.
+        """
+        return self.status in (WITHIN_BUDGET, COUNTEREXAMPLE, NOT_ANALYSED)
 
     def verdict(self) -> str:
         """Return ``confirmed over all paths`` or ``counterexample: <call>`` etc."""
@@ -130,10 +150,12 @@ def contracts(path: Path) -> list[Contract]:
     for node in ast.walk(tree):
         if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             continue
+        span = (min(d.lineno for d in (node, *node.decorator_list)), node.end_lineno or node.lineno)
         for deco in node.decorator_list:
             if isinstance(deco, ast.Call) and _name(deco.func).endswith("ensure"):
                 text = _description(deco)
-                found.append(Contract(str(path.resolve()), deco.lineno, node.name, text))
+                end = deco.end_lineno or deco.lineno
+                found.append(Contract(str(path.resolve()), deco.lineno, end, node.name, text, span))
     return sorted(found, key=lambda c: c.line)
 
 
@@ -243,33 +265,63 @@ def parse_report(
 
     Args:
         report: CrossHair's output (``FILE:LINE: KIND: MESSAGE`` lines; others are skipped).
-        known: The contracts by ``(file, line)``; a report on another line (a raise
-            in a body) counts for the contract just above it.
+        known: The contracts by ``(file, line)``. A report on a line of a
+            contract's decorator is on that contract; one on another line of a
+            function (a precondition it cannot meet, a raise in the body) is on
+            every contract of that function: CrossHair checks each contract
+            alone, then prints one line for the lot.
+
+    A contract reported twice keeps its worse verdict (a counterexample over
+    ``not analysed`` over ``no counterexample within budget`` over confirmed),
+    as CrossHair keeps the worse of two messages on one line.
     """
     out: dict[tuple[str, int], tuple[str, str]] = {}
     for raw in report.splitlines():
         match = _LINE.match(raw.strip())
         if match is None:
             continue
-        key, msg = _owner(known, match["file"], int(match["line"])), match["msg"]
+        file, line, msg = match["file"], int(match["line"]), match["msg"]
+        own = [k for k, c in known.items() if c.file == file and c.line <= line <= c.end]
         if "Unable to meet precondition" in msg:
-            out[key] = (NOT_ANALYSED, "unable to meet precondition")
+            verdict = (NOT_ANALYSED, "unable to meet precondition")
         elif match["kind"] == "error":
-            call = _CALL.search(msg)
-            out.setdefault(key, (COUNTEREXAMPLE, call["call"] if call else msg))
-        elif msg.startswith("Confirmed over all paths"):
-            out.setdefault(key, (CONFIRMED, ""))
-        elif msg.startswith("Not confirmed"):
-            out.setdefault(key, (WITHIN_BUDGET, ""))
+            verdict = (COUNTEREXAMPLE, _counterexample(msg, raised=not own))
+        elif own and msg.startswith("Confirmed over all paths"):
+            verdict = (CONFIRMED, "")
+        elif own and msg.startswith("Not confirmed"):
+            verdict = (WITHIN_BUDGET, "")
+        else:
+            continue
+        for key in own or _function_at(known, file, line):
+            if _RANK[verdict[0]] > _RANK[out.get(key, ("", ""))[0]]:
+                out[key] = verdict
     return out
 
 
-def _owner(known: dict[tuple[str, int], Contract], file: str, line: int) -> tuple[str, int]:
-    """Map a report on a non-contract line (a raise in a body) to the contract just above it."""
-    if (file, line) in known:
-        return file, line
-    before = [n for f, n in known if f == file and n <= line]
-    return (file, max(before)) if before else (file, line)
+_RANK = {"": -1, CONFIRMED: 0, WITHIN_BUDGET: 1, NOT_ANALYSED: 2, COUNTEREXAMPLE: 3}
+"""Which of two verdicts on one contract is kept: the higher."""
+
+
+def _counterexample(msg: str, *, raised: bool) -> str:
+    """Return the call of an error message, followed, for a raise in a body, by what it raised.
+
+    A contract's own line says ``false when calling f(1)`` (the contract did not
+    hold); a body's line says ``ValueError: seven when calling f(7)``, and every
+    contract of ``f`` gets ``f(7) raises ValueError: seven``: none was false, the
+    call raised.
+    """
+    call = _CALL.search(msg)
+    if call is None:
+        return msg
+    what = msg[: call.start()].strip()
+    return f"{call['call']} raises {what}" if raised and what else call["call"]
+
+
+def _function_at(
+    known: dict[tuple[str, int], Contract], file: str, line: int
+) -> list[tuple[str, int]]:
+    """Return the contracts of the function whose lines hold ``line`` in ``file`` (none if none)."""
+    return [key for key, c in known.items() if c.file == file and c.span[0] <= line <= c.span[1]]
 
 
 def _def_line(path: Path, name: str) -> int:

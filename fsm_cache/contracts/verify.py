@@ -11,8 +11,8 @@ every representative input (:mod:`fsm_cache.contracts.exhaustive`), a complete
 check of the same contracts over a finite domain.
 Without arguments it verifies the shipped specs, the allocator contracts and
 the negative controls of ``specs/bugs_detected`` (which must keep failing).
-Exit status: 0 clean, 1 a counterexample, an unanalysed contract or a control
-that no longer finds its bug.
+Exit status: 0 clean, 1 a counterexample, a contract CrossHair ran out of time on
+(unknown, not proved), an unanalysed contract or a control that no longer finds its bug.
 """
 
 from __future__ import annotations
@@ -244,7 +244,13 @@ def verify_target(target: str, options: Options, workdir: Path) -> list[Row]:
 
 
 def verify_control(control: Control, options: Options, workdir: Path) -> str:
-    """Return the first finding ``validate`` or ``verify`` reports on a control (``""`` if none)."""
+    """Return the first finding ``validate`` or ``verify`` reports on a control (``""`` if none).
+
+    The first counterexample, if there is one, comes before any other failing
+    row: a control asks whether its bug is still found, and a contract
+    elsewhere that CrossHair ran out of time on (a loaded machine) does not
+    answer that.
+    """
     if control.path.suffix == ".toml":
         spec, problem = load_finding(control.path)
         if spec is None:
@@ -252,7 +258,8 @@ def verify_control(control: Control, options: Options, workdir: Path) -> str:
         rows = verify_spec(control.path, options, workdir)
     else:
         rows = verify_module(str(control.path), options)
-    bad = next((r for r in rows if r.failed), None)
+    found = [r for r in rows if r.status == crosshair_run.COUNTEREXAMPLE]
+    bad = next(iter(found or [r for r in rows if r.failed]), None)
     if bad is None:
         return ""
     return relative(
@@ -309,8 +316,25 @@ def report(result: dict[str, Any]) -> str:
     }
     summary = ", ".join(f"{n} {s}" for s, n in counts.items())
     lines.append(f"{len(rows)} contracts: {summary} ({result['seconds']:.1f} s)")
+    lines += budget_note(rows)
     lines += render_controls(result["controls"])
     return "\n".join(lines)
+
+
+def budget_note(rows: Sequence[Row]) -> list[str]:
+    """Return the line saying what to do about contracts CrossHair ran out of time on, if any.
+
+    Such a contract is unknown, neither proved nor refuted, and fails the run;
+    a longer budget lets CrossHair exhaust its paths or find its counterexample.
+    """
+    unknown = sum(r.status == crosshair_run.WITHIN_BUDGET for r in rows)
+    if not unknown:
+        return []
+    return [
+        f"{unknown} contract(s) unknown: CrossHair ran out of time before exhausting their "
+        "paths; raise per_condition_timeout in [tool.fsm_cache.verify] of pyproject.toml, "
+        "or in the module's '# crosshair:' directive, to prove or refute them"
+    ]
 
 
 def failed(result: dict[str, Any]) -> bool:
