@@ -40,7 +40,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -246,6 +246,33 @@ def unexplored(path: Path, bounded: dict[str, int]) -> dict[str, int]:
     return {name: at for name, at in turns.items() if bounded[name] < at}
 
 
+def starts_past_ceiling(
+    name: str, counters: Sequence[tuple[str, int]], bounds: Bounds
+) -> str | None:
+    """Return the refusal of the first counter that starts above its ceiling, or None.
+
+    No step is taken past a ceiling, and the starting value of such a counter
+    is past it already: every event would be refused at the start (whatever
+    counter it moves), so the check would explore the starting trees alone
+    and report them clean. A node born of a birth starts with the same values.
+
+    Args:
+        name: The spec's name, as the refusal names it.
+        counters: The spec's counters and their starting values, in order.
+        bounds: The ceilings of the check.
+    """
+    for counter, start in counters:
+        most = bounds.ceiling(counter)
+        if start > most:
+            flag = BOUND_BY.get(counter, "--max-count")
+            return (
+                f"check: {name}: {counter} starts at {start}, above its ceiling {most} "
+                f"({flag}): no step is taken past a ceiling, so nothing would be explored; "
+                f"give {flag} {start} or more"
+            )
+    return None
+
+
 def check_spec(
     path: Path,
     nodes: int,
@@ -266,7 +293,8 @@ def check_spec(
 
     Raises:
         BadArgument: ``nodes`` is not an int >= 1 (no tree, nothing checked),
-            or is more than :data:`MAX_NODES`.
+            or is more than :data:`MAX_NODES`; or a counter starts above its
+            ceiling in ``bounds`` (:func:`starts_past_ceiling`).
         SpecError: The spec does not load, or a policy is given for a spec
             without host and device regions.
         ConfigError: A ``host``, ``device`` or ``storage`` region lacks a state
@@ -304,6 +332,9 @@ def prepare(
         )
     system = as_system(load_spec(path))
     reference_states(system)
+    past = starts_past_ceiling(system.name, system.counters, bounds)
+    if past is not None:
+        raise BadArgument(past)
     layout = Layout.of(system)
     unused = never_called(ops, layout, policy, path)
     if unused is not None:

@@ -128,6 +128,10 @@ class Bounds:
     counters: dict[str, int]
     default: int = 2
 
+    def ceiling(self, counter: str) -> int:
+        """Return the ceiling of ``counter``: its own, else :attr:`default`."""
+        return self.counters.get(counter, self.default)
+
 
 @dataclass
 class Result:
@@ -180,7 +184,7 @@ class Explorer:
         symmetry: bool = True,
     ) -> None:
         self.layout = layout
-        ceilings = [bounds.counters.get(c, bounds.default) for c in layout.counters]
+        ceilings = [bounds.ceiling(c) for c in layout.counters]
         self.ops = ops
         self.policy = policy
         self.match: lookup.Lookup = getattr(ops, "match_prefix", lookup.match_prefix)
