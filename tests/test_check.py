@@ -1413,6 +1413,7 @@ def test_the_report_counts_one_node_slot_and_step_in_the_singular() -> None:
         "violation": "invariant 8: node 0: borrows is -1",
         "trace": ["start: chain", "node 0: give_back"],
         "stopped": None,
+        "past_ceiling": 0,
     }
     assert check.report({"specs": [one], "controls": []}).splitlines() == [
         "slot.toml: 1 node (chain, fan-out, binary), borrows <= 2",

@@ -577,6 +577,12 @@ def report(result: dict[str, Any]) -> str:
             f"{at} ({BOUND_BY.get(name, '--max-count')} {at} reaches it)"
             for name, at in s["unexplored"].items()
         ]
+        if s["past_ceiling"]:
+            lines.append(
+                f"  not explored: past the ceilings, where {_count(s['past_ceiling'], 'state')} "
+                "settle (each only by a step that takes a counter past its ceiling); liveness "
+                "takes them to settle"
+            )
         lines.append(f"  states explored: {s['states']} ({_symmetry(s['symmetry'])})")
         if s["symmetry"]:
             lines.append(

@@ -149,6 +149,11 @@ class Result:
             the symmetry reduction: each tree in every numbering of its slots
             (:meth:`~fsm_cache.modelcheck.forest.Trees.numberings`); ``states``
             without the reduction.
+        past_ceiling: The states whose liveness the ceilings leave undecided:
+            they settle only by a settling step that takes a counter past its
+            ceiling (a give-back that counts what it served), which is not
+            fired, so what follows it is not explored. They are taken to
+            settle rather than reported stuck; 0 when none.
     """
 
     states: int
@@ -156,6 +161,7 @@ class Result:
     trace: list[str] = field(default_factory=list)
     stopped: str | None = None
     numbered: int = 0
+    past_ceiling: int = 0
 
 
 class Explorer:
@@ -192,11 +198,13 @@ class Explorer:
         self.looks = lookup.applies(layout)
         self.trees = Trees(layout, symmetry=symmetry)
         choices = Choices.of(layout, policy, getattr(ops, "wants_backup", wants_backup))
-        self.answers = Answers(layout, self.trees, ceilings, choices)
+        self.answers = Answers(layout, self.trees, ceilings, choices, self.settling)
         self.replay = Replay(layout, ceilings, ops, choices, symmetry=symmetry)
         self.slots = 0
-        self.moves: dict[tuple[int, ...], tuple[list[Move], bool]] = {}
+        self.moves: dict[tuple[int, ...], tuple[list[Move], bool, bool]] = {}
         self.roots: dict[int, Root] = {}
+        self.past: set[int] = set()
+        """Root subtrees in which a ceiling alone cuts a settling step (:meth:`Answers.cut`)."""
         self.holds: dict[tuple[int, int], bool] = {}
         self.node_holds: dict[tuple[int, int, tuple[int, ...]], bool] = {}
         self.alone: dict[int, bool] = {}
@@ -461,7 +469,7 @@ class Explorer:
         chains: list[tuple[int, ...]] = []
         paths: list[tuple[int, ...]] = []
         out: list[Successor] = []
-        wrong = False
+        wrong = past = False
         for k, (sid, parent) in enumerate(order):
             up = trees.stid[trees.local[order[parent][0]]] if parent >= 0 else -1
             chain = (self.answers.context(sid, up), *(chains[parent] if parent >= 0 else ()))
@@ -470,10 +478,14 @@ class Explorer:
             found = self.moves.get(chain)
             if found is None:
                 gives = self.answers.takes_unheld(chain) or self.answers.refuses_owed(chain)
-                found = self.moves[chain] = (self._moves(chain), gives)
+                moves = self._moves(chain)  # asks every answer a cut would be read from
+                found = self.moves[chain] = (moves, gives, self.answers.cut(chain))
             wrong = wrong or found[1] or not self._path_ok(paths[k])
+            past = past or found[2]
             for event, lids, gone, settles in found[0]:
                 out.append((self._step(k, event), self._lift(order, k, lids), gone, settles))
+        if past:
+            self.past.add(root)
         return out, wrong
 
     def _moves(self, chain: tuple[int, ...]) -> list[Move]:
@@ -635,6 +647,16 @@ class Explorer:
         first = good.find(0)
         if first < 0:
             return Result(len(forests))
+        past = 0
+        if self.past:  # a ceiling cut settling steps: what lies past it is taken to settle
+            for i, forest in enumerate(forests):
+                if not good[i] and any(sid in self.past for sid in forest):
+                    unsettled[i] = 0
+            hoped = liveness.settles(unsettled, *edges)
+            first = hoped.find(0)
+            past = sum(hoped) - sum(good)
+            if first < 0:
+                return Result(len(forests), past_ceiling=past)
         lines, nodes = self._trace(parents, steps, starts, first)
         replay = self.replay
         found = liveness.stuck(
@@ -643,7 +665,7 @@ class Explorer:
             lambda at, i, event: replay.apply(at, ("event", i, event)),
             replay.refusal,
         )
-        return Result(len(forests), found, lines)
+        return Result(len(forests), found, lines, past_ceiling=past)
 
     def _weight(self, sid: int) -> int:
         """Return the copies in flight and holds of subtree ``sid`` (tabled; 0: settled)."""
