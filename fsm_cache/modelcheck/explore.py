@@ -609,8 +609,23 @@ class Explorer:
     ) -> Result:
         """Return the violation at state ``last``, described in the replayed tree's node numbers."""
         lines, nodes = self._trace(parents, steps, starts, last)
-        replay = self.replay
         found = (
+            self.finding(nodes)
+            or "checker: the tabled answers found a violation that the replayed state does not show"
+        )
+        return Result(len(forests), found, lines)
+
+    def finding(self, nodes: Nodes) -> str | None:
+        """Return the first violation the flat state ``nodes`` shows, or None.
+
+        Read on the state itself, with the engine asked anew
+        (:class:`~fsm_cache.modelcheck.traces.Replay`), never from the
+        explorer's tables: how a violation found on the interned states is
+        described once its trace is replayed, and how a replayed trace is
+        shown to end where it was found.
+        """
+        replay = self.replay
+        return (
             violation(self.layout, nodes, self.policy)
             or unheld_give_back(
                 self.layout, nodes, lambda i, event: replay.accepts(nodes, i, event)
@@ -619,9 +634,17 @@ class Explorer:
                 self.layout, nodes, lambda i, event: replay.refusal(nodes, i, event)
             )
             or lookup.first_violation(self.layout, nodes, self.match)
-            or "checker: the tabled answers found a violation that the replayed state does not show"
         )
-        return Result(len(forests), found, lines)
+
+    def stuck(self, nodes: Nodes) -> str:
+        """Describe the flat state ``nodes``, which cannot settle (:func:`~fsm_cache.modelcheck.liveness.stuck`)."""
+        replay = self.replay
+        return liveness.stuck(
+            self.layout,
+            nodes,
+            lambda at, i, event: replay.apply(at, ("event", i, event)),
+            replay.refusal,
+        )
 
     def _live(
         self,
@@ -658,14 +681,7 @@ class Explorer:
             if first < 0:
                 return Result(len(forests), past_ceiling=past)
         lines, nodes = self._trace(parents, steps, starts, first)
-        replay = self.replay
-        found = liveness.stuck(
-            self.layout,
-            nodes,
-            lambda at, i, event: replay.apply(at, ("event", i, event)),
-            replay.refusal,
-        )
-        return Result(len(forests), found, lines, past_ceiling=past)
+        return Result(len(forests), self.stuck(nodes), lines, past_ceiling=past)
 
     def _weight(self, sid: int) -> int:
         """Return the copies in flight and holds of subtree ``sid`` (tabled; 0: settled)."""
