@@ -231,8 +231,9 @@ def unexplored(path: Path, bounded: dict[str, int]) -> dict[str, int]:
     A guard ``borrows >= 8`` under ``borrows <= 2`` never holds in the search,
     so what it guards (a refusal, a transition) goes unexplored; the report
     says so, with the ceiling that reaches it
-    (:meth:`~fsm_cache.spec.guards.Comparison.turns_at`), rather than passing
-    in silence.
+    (:meth:`~fsm_cache.spec.guards.Comparison.turns_at`: an equality's last
+    turn, ``pins == 2`` at 3, since where it is read the count may never be
+    below 2), rather than passing in silence.
 
     Raises:
         SpecError: The spec does not load.
