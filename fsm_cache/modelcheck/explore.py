@@ -256,6 +256,20 @@ class Explorer:
         result.numbered = sum(numberings(forest, slots) for forest in forests)
         return result
 
+    def reachable(
+        self, initial: dict[str, Nodes], budget: Budget | None = None
+    ) -> tuple[Result, list[Nodes]]:
+        """Explore as :meth:`run` does; return its result and every state it explored.
+
+        The states are flat model states (:mod:`fsm_cache.modelcheck.state`),
+        numbered as :func:`~fsm_cache.modelcheck.state.canonical` numbers them,
+        in breadth-first order: what a differential test holds the cache's own
+        trees to (every tree the cache reaches within the bounds must be one).
+        """
+        forests: list[Forest] = []
+        result = self._search(initial, forests, None, budget if budget is not None else Budget())
+        return result, [self.trees.decode(forest, self.slots) for forest in forests]
+
     def _search(
         self,
         initial: dict[str, Nodes],
