@@ -249,11 +249,47 @@ def test_a_guard_the_bounds_never_reach_is_named_with_the_bound_that_does(
     assert json.loads(capsys.readouterr().out)["specs"][0]["unexplored"] == {}
 
 
-def test_the_shipped_specs_bounds_reach_every_guard(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_shipped_specs_bounds_reach_every_guard_but_two_store_and_load_pins(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``StorePinHeld``'s ``pins == 2`` answers otherwise only at 3 where it is read.
+
+    A node being stored and loaded holds two pins already, so under
+    ``pins <= 2`` no client ever pins it: the release such a client may make
+    (``pins >= 3``) goes unexplored, and the report says so.
+    """
     assert _cli(["check", "--nodes", "1", "--no-controls", "--json"]) == 0
     specs = json.loads(capsys.readouterr().out)["specs"]
     assert len(specs) > 6
-    assert [s["unexplored"] for s in specs] == [{}] * len(specs)
+    unexplored = {(Path(s["spec"]).name, s["policy"]): s["unexplored"] for s in specs}
+    stored = {("residency_storage.toml", p): {"pins": 3} for p in ("none", "write_through")}
+    assert unexplored == {key: stored.get(key, {}) for key in unexplored}
+
+
+def test_a_release_past_the_store_and_load_pins_is_reached_only_at_three(
+    tmp_path: Path,
+) -> None:
+    """Without its ``pins == 2`` guard, ``StorePinHeld`` refuses every release of such a node.
+
+    A client that pinned a node then stored and loaded could never give its
+    pin back; ``pins <= 2`` never has that client, so the check passed it
+    without a word. Three pins find it.
+    """
+    for spec in spec_dir().glob("*.toml"):
+        (tmp_path / spec.name).write_text(spec.read_text(encoding="utf-8"))
+    path = tmp_path / "residency_storage.toml"
+    both = 'when = ["storage in [storing]", "device in [loading]"]\nguard = "pins == 2"\n'
+    text = path.read_text(encoding="utf-8")
+    assert both in text
+    path.write_text(text.replace(both, both.replace('guard = "pins == 2"\n', "")))
+    assert check.unexplored(path, {"pins": 2, "locks": 1}) == {}  # no guard left to name it
+    quiet = check.check_spec(path, 2, Bounds({"pins": 2, "locks": 1}))
+    assert (quiet.violation, quiet.stopped) == (None, None)
+    found = check.check_spec(path, 2, Bounds({"pins": 3, "locks": 1}))
+    assert found.violation == (
+        "invariant 6: node 1: release is refused (StorePinHeld) though pin holds pins there "
+        "(pins=3)"
+    )
 
 
 def test_cli_json_and_ops_module(capsys: pytest.CaptureFixture[str]) -> None:
@@ -1413,6 +1449,7 @@ def test_the_report_counts_one_node_slot_and_step_in_the_singular() -> None:
         "violation": "invariant 8: node 0: borrows is -1",
         "trace": ["start: chain", "node 0: give_back"],
         "stopped": None,
+        "past_ceiling": 0,
     }
     assert check.report({"specs": [one], "controls": []}).splitlines() == [
         "slot.toml: 1 node (chain, fan-out, binary), borrows <= 2",

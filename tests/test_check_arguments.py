@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from fsm_cache.cli.main import main
-from fsm_cache.modelcheck.explore import Explorer
+from fsm_cache.errors import BadArgument
+from fsm_cache.modelcheck import check
+from fsm_cache.modelcheck.explore import Bounds, Explorer
 from fsm_cache.spec.shipped import spec_dir
 
 
@@ -105,3 +108,62 @@ def test_a_spec_named_twice_in_any_spelling_is_checked_once(
     assert main(["check", "--nodes", "1", "--json", HOST.name, str(DEVICE), other]) == 0
     specs = [s["spec"] for s in json.loads(capsys.readouterr().out)["specs"]]
     assert specs == [HOST.name, str(DEVICE)]
+
+
+KEPT_FROM_THREE = """
+[machine]
+name = "kept"
+initial = "free"
+
+[counters]
+pins = 0
+generation = 3
+
+[states]
+free = { doc = "f", invariant = "pins == 0" }
+pinned = { doc = "p", invariant = "pins >= 1", counter = "pins" }
+
+[[transition]]
+event = "pin"
+source = ["free", "pinned"]
+dest = "pinned"
+update = "pins += 1"
+
+[[transition]]
+event = "drop"
+source = "pinned"
+dest = "free"
+update = "pins = 0"
+
+[[forbid]]
+event = "drop"
+source = "free"
+error = "NotPinned"
+reason = "not pinned"
+"""
+"""A ``drop`` that loses a pin (found after ``pin``, ``drop``), and a counter that starts at 3."""
+
+
+def test_a_counter_that_starts_above_its_ceiling_is_refused_naming_the_option(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """No step is taken past a ceiling: every step was refused, and the start alone passed.
+
+    ``generation`` starts at 3, past the default ceiling of 2, so even ``pin``
+    (which leaves it alone) was cut: one state explored, ``no invariant
+    violated``, exit status 0, and the lost pin never found.
+    """
+    path = tmp_path / "kept.toml"
+    path.write_text(KEPT_FROM_THREE)
+    refusal = (
+        "check: kept: generation starts at 3, above its ceiling 2 (--max-count): no step is "
+        "taken past a ceiling, so nothing would be explored; give --max-count 3 or more"
+    )
+    with pytest.raises(BadArgument) as caught:
+        check.check_spec(path, 1, Bounds({}))
+    assert str(caught.value) == refusal
+    assert main(["check", "--nodes", "1", str(path)]) == 2
+    assert capsys.readouterr() == ("", f"error: {refusal}\n")
+    found = check.check_spec(path, 1, Bounds({}, 3))
+    assert found.violation == "invariant 6: node 0: pins is 0 but its holders account for 1"
+    assert found.trace == ["start: chain", "node 0: pin", "node 0: drop"]

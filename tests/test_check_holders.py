@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from pools import ACCEPTED, REFUSED, pool
 
+from fsm_cache.cli.main import main
 from fsm_cache.modelcheck import check
 from fsm_cache.modelcheck.explore import Bounds
 from fsm_cache.modelcheck.state import Layout
@@ -234,3 +235,46 @@ def test_a_give_back_nothing_re_enables_is_a_deadlock(tmp_path: Path) -> None:
         "liveness: node 0: acquire can never give back its holders (release: ChildStillLeased)"
     )
     assert result.trace == ["start: chain", "node 0: acquire", "node 1: acquire"]
+
+
+def _served(tmp_path: Path) -> Path:
+    """The pool, each release also counting the lease it served (``served``, only ever raised)."""
+    path = _pool(tmp_path, last="holders -= 1, served += 1")
+    text = path.read_text().replace("holders = 0\n", "holders = 0\nserved = 0\n")
+    more = 'guard = "holders >= 2"\nupdate = "holders -= 1'
+    path.write_text(text.replace(more, f"{more}, served += 1"))
+    return path
+
+
+def test_a_give_back_only_a_ceiling_cuts_is_taken_to_settle_and_said_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At ``served`` 2 a ``release`` would take it past its ceiling, so it is not fired.
+
+    Liveness read that as a holder that can never give back, a finding the
+    spec does not have: ``acquire can never give back its holders (release:
+    waits)``, the engine accepting the release it named. Such states are taken
+    to settle, and the report says how many it could not decide.
+    """
+    path = _served(tmp_path)
+    result = check.check_spec(path, 1, Bounds({}))
+    assert (result.violation, result.stopped, result.states) == (None, None, 9)
+    assert result.past_ceiling == 3  # served 2 with 1 or 2 holders, and served 1 with 2
+    assert main(["check", "--nodes", "1", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "  not explored: past the ceilings, where 3 states settle (each only by a step that "
+        "takes a counter past its ceiling); liveness takes them to settle"
+    )
+
+
+def test_a_deadlock_is_found_beside_give_backs_a_ceiling_cuts(tmp_path: Path) -> None:
+    """Taking the states past a ceiling to settle leaves those that never settle stuck."""
+    _served(tmp_path)  # pool.toml, which the tree composes
+    path = tmp_path / "tree.toml"
+    path.write_text(TREE + PARENTS_FIRST)
+    result = check.check_spec(path, 3, Bounds({}))
+    assert result.violation == (
+        "liveness: node 0: acquire can never give back its holders (release: ChildStillLeased)"
+    )
+    assert result.trace == ["start: chain", "node 0: acquire", "node 1: acquire"]
+    assert result.past_ceiling > 0

@@ -178,22 +178,31 @@ def test_grammar_error_is_a_value_error() -> None:
     op=st.sampled_from(["==", "!=", "<", "<=", ">", ">="]),
     value=st.integers(-3, 40),
 )
-def test_a_comparison_turns_at_the_least_count_that_answers_otherwise_than_zero(
+def test_a_comparison_turns_last_at_the_count_from_which_it_answers_alike(
     op: str, value: int
 ) -> None:
-    """Every count below the turn answers as 0 does; the turn (if any) answers otherwise."""
+    """Every count from the last turn up answers alike; the turn (if any) otherwise than the one below."""
     term = Comparison("x", op, value)
-    first = term.holds({"x": 0})
     turn = term.turns_at()
-    below = range(turn) if turn else range(value + 3)
-    assert all(term.holds({"x": v}) == first for v in below)
+    steady = term.holds({"x": turn})
+    assert all(term.holds({"x": v}) == steady for v in range(turn, max(turn, value) + 3))
     if turn:
-        assert term.holds({"x": turn}) != first
+        assert term.holds({"x": turn - 1}) != steady
 
 
 @pytest.mark.parametrize(
     ("text", "turn"),
-    [("x >= 8", 8), ("x > 8", 9), ("x <= 1", 2), ("x < 1", 1), ("x == 0", 1), ("x >= 0", 0)],
+    [
+        ("x >= 8", 8),
+        ("x > 8", 9),
+        ("x <= 1", 2),
+        ("x < 1", 1),
+        ("x == 0", 1),
+        ("x >= 0", 0),
+        ("x == 2", 3),  # turns at 2 and again at 3: read where x >= 2, only 3 answers otherwise
+        ("x != 1", 2),
+        ("x == -1", 0),
+    ],
 )
 def test_where_a_comparison_turns(text: str, turn: int) -> None:
     (term,) = parse_guard(text).terms

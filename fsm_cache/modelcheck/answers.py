@@ -44,15 +44,28 @@ class Answers:
         trees: The interned subtrees the contexts are read from.
         bounds: Counter ceilings in counter order (an answer past one is a refusal).
         choices: What the cache chooses among the steps the spec allows.
+        settling: The settling events (:func:`~fsm_cache.modelcheck.liveness.settling`):
+            an answer of one that only a ceiling refuses is kept in :attr:`past`.
+
+    Attributes:
+        past: The answers ``(event, context, fired)`` of settling events that the
+            engine accepts but that take a counter past its ceiling (:meth:`cut`).
     """
 
     def __init__(
-        self, layout: Layout, trees: Trees, bounds: list[int], choices: Choices | None = None
+        self,
+        layout: Layout,
+        trees: Trees,
+        bounds: list[int],
+        choices: Choices | None = None,
+        settling: frozenset[str] = frozenset(),
     ) -> None:
         self.layout = layout
         self.trees = trees
         self.bounds = bounds
         self.choices = choices or Choices()
+        self.settling = settling
+        self.past: set[tuple[str, int, bool]] = set()
         self.engine = Engine(layout.system, trail=False)
         self.Rec: type = type("Rec", (), {"__slots__": (*self.engine.slots, "parent", "children")})
         self.fields = (*layout.regions, *layout.counters)
@@ -168,6 +181,32 @@ class Answers:
             self.answer(event, ctx, False) is not None for ctx in chain[1:]
         )
 
+    def cut(self, chain: tuple[int, ...]) -> bool:
+        """Whether a ceiling alone refuses a settling event at the node of ``chain``.
+
+        The engine accepts it, at the node and at every ancestor it changes,
+        but one of them would take a counter past its ceiling (a give-back
+        that also counts what it served): liveness cannot tell where that
+        step leads. Read from the answers :meth:`moves` asked for the chain,
+        so it is asked after it.
+        """
+        if not self.past:
+            return False
+        for event in self.settling:
+            if (event, chain[0], True) in self.past:
+                return True
+            answer = self._table.get((event, chain[0], True))
+            if answer is None:
+                continue
+            for ctx in chain[1:]:
+                if not (answer[1] or self._joins(event, ctx)):
+                    break
+                if (event, ctx, False) in self.past:
+                    return True
+                if self.answer(event, ctx, False) is None:
+                    break
+        return False
+
     def _joins(self, event: str, ctx: int) -> bool:
         """Whether ``event``, acknowledging a copy below, applies to the node of ``ctx`` too."""
         if event not in self.choices.joined:
@@ -215,6 +254,8 @@ class Answers:
         if fired:
             after = layout.with_holds(after, layout.deltas(event))
         if layout.over(after, self.bounds):
+            if event in self.settling:
+                self.past.add((event, at, fired))
             return None
         return self.trees.lid(after[1:]), propagates
 

@@ -40,7 +40,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -231,8 +231,9 @@ def unexplored(path: Path, bounded: dict[str, int]) -> dict[str, int]:
     A guard ``borrows >= 8`` under ``borrows <= 2`` never holds in the search,
     so what it guards (a refusal, a transition) goes unexplored; the report
     says so, with the ceiling that reaches it
-    (:meth:`~fsm_cache.spec.guards.Comparison.turns_at`), rather than passing
-    in silence.
+    (:meth:`~fsm_cache.spec.guards.Comparison.turns_at`: an equality's last
+    turn, ``pins == 2`` at 3, since where it is read the count may never be
+    below 2), rather than passing in silence.
 
     Raises:
         SpecError: The spec does not load.
@@ -244,6 +245,33 @@ def unexplored(path: Path, bounded: dict[str, int]) -> dict[str, int]:
         if term.counter in bounded:
             turns[term.counter] = max(turns.get(term.counter, 0), term.turns_at())
     return {name: at for name, at in turns.items() if bounded[name] < at}
+
+
+def starts_past_ceiling(
+    name: str, counters: Sequence[tuple[str, int]], bounds: Bounds
+) -> str | None:
+    """Return the refusal of the first counter that starts above its ceiling, or None.
+
+    No step is taken past a ceiling, and the starting value of such a counter
+    is past it already: every event would be refused at the start (whatever
+    counter it moves), so the check would explore the starting trees alone
+    and report them clean. A node born of a birth starts with the same values.
+
+    Args:
+        name: The spec's name, as the refusal names it.
+        counters: The spec's counters and their starting values, in order.
+        bounds: The ceilings of the check.
+    """
+    for counter, start in counters:
+        most = bounds.ceiling(counter)
+        if start > most:
+            flag = BOUND_BY.get(counter, "--max-count")
+            return (
+                f"check: {name}: {counter} starts at {start}, above its ceiling {most} "
+                f"({flag}): no step is taken past a ceiling, so nothing would be explored; "
+                f"give {flag} {start} or more"
+            )
+    return None
 
 
 def check_spec(
@@ -266,7 +294,8 @@ def check_spec(
 
     Raises:
         BadArgument: ``nodes`` is not an int >= 1 (no tree, nothing checked),
-            or is more than :data:`MAX_NODES`.
+            or is more than :data:`MAX_NODES`; or a counter starts above its
+            ceiling in ``bounds`` (:func:`starts_past_ceiling`).
         SpecError: The spec does not load, or a policy is given for a spec
             without host and device regions.
         ConfigError: A ``host``, ``device`` or ``storage`` region lacks a state
@@ -304,6 +333,9 @@ def prepare(
         )
     system = as_system(load_spec(path))
     reference_states(system)
+    past = starts_past_ceiling(system.name, system.counters, bounds)
+    if past is not None:
+        raise BadArgument(past)
     layout = Layout.of(system)
     unused = never_called(ops, layout, policy, path)
     if unused is not None:
@@ -546,6 +578,12 @@ def report(result: dict[str, Any]) -> str:
             f"{at} ({BOUND_BY.get(name, '--max-count')} {at} reaches it)"
             for name, at in s["unexplored"].items()
         ]
+        if s["past_ceiling"]:
+            lines.append(
+                f"  not explored: past the ceilings, where {_count(s['past_ceiling'], 'state')} "
+                "settle (each only by a step that takes a counter past its ceiling); liveness "
+                "takes them to settle"
+            )
         lines.append(f"  states explored: {s['states']} ({_symmetry(s['symmetry'])})")
         if s["symmetry"]:
             lines.append(

@@ -128,6 +128,10 @@ class Bounds:
     counters: dict[str, int]
     default: int = 2
 
+    def ceiling(self, counter: str) -> int:
+        """Return the ceiling of ``counter``: its own, else :attr:`default`."""
+        return self.counters.get(counter, self.default)
+
 
 @dataclass
 class Result:
@@ -145,6 +149,11 @@ class Result:
             the symmetry reduction: each tree in every numbering of its slots
             (:meth:`~fsm_cache.modelcheck.forest.Trees.numberings`); ``states``
             without the reduction.
+        past_ceiling: The states whose liveness the ceilings leave undecided:
+            they settle only by a settling step that takes a counter past its
+            ceiling (a give-back that counts what it served), which is not
+            fired, so what follows it is not explored. They are taken to
+            settle rather than reported stuck; 0 when none.
     """
 
     states: int
@@ -152,6 +161,7 @@ class Result:
     trace: list[str] = field(default_factory=list)
     stopped: str | None = None
     numbered: int = 0
+    past_ceiling: int = 0
 
 
 class Explorer:
@@ -180,7 +190,7 @@ class Explorer:
         symmetry: bool = True,
     ) -> None:
         self.layout = layout
-        ceilings = [bounds.counters.get(c, bounds.default) for c in layout.counters]
+        ceilings = [bounds.ceiling(c) for c in layout.counters]
         self.ops = ops
         self.policy = policy
         self.match: lookup.Lookup = getattr(ops, "match_prefix", lookup.match_prefix)
@@ -188,11 +198,13 @@ class Explorer:
         self.looks = lookup.applies(layout)
         self.trees = Trees(layout, symmetry=symmetry)
         choices = Choices.of(layout, policy, getattr(ops, "wants_backup", wants_backup))
-        self.answers = Answers(layout, self.trees, ceilings, choices)
+        self.answers = Answers(layout, self.trees, ceilings, choices, self.settling)
         self.replay = Replay(layout, ceilings, ops, choices, symmetry=symmetry)
         self.slots = 0
-        self.moves: dict[tuple[int, ...], tuple[list[Move], bool]] = {}
+        self.moves: dict[tuple[int, ...], tuple[list[Move], bool, bool]] = {}
         self.roots: dict[int, Root] = {}
+        self.past: set[int] = set()
+        """Root subtrees in which a ceiling alone cuts a settling step (:meth:`Answers.cut`)."""
         self.holds: dict[tuple[int, int], bool] = {}
         self.node_holds: dict[tuple[int, int, tuple[int, ...]], bool] = {}
         self.alone: dict[int, bool] = {}
@@ -243,6 +255,20 @@ class Explorer:
         numberings, slots = self.trees.numberings, self.slots
         result.numbered = sum(numberings(forest, slots) for forest in forests)
         return result
+
+    def reachable(
+        self, initial: dict[str, Nodes], budget: Budget | None = None
+    ) -> tuple[Result, list[Nodes]]:
+        """Explore as :meth:`run` does; return its result and every state it explored.
+
+        The states are flat model states (:mod:`fsm_cache.modelcheck.state`),
+        numbered as :func:`~fsm_cache.modelcheck.state.canonical` numbers them,
+        in breadth-first order: what a differential test holds the cache's own
+        trees to (every tree the cache reaches within the bounds must be one).
+        """
+        forests: list[Forest] = []
+        result = self._search(initial, forests, None, budget if budget is not None else Budget())
+        return result, [self.trees.decode(forest, self.slots) for forest in forests]
 
     def _search(
         self,
@@ -457,7 +483,7 @@ class Explorer:
         chains: list[tuple[int, ...]] = []
         paths: list[tuple[int, ...]] = []
         out: list[Successor] = []
-        wrong = False
+        wrong = past = False
         for k, (sid, parent) in enumerate(order):
             up = trees.stid[trees.local[order[parent][0]]] if parent >= 0 else -1
             chain = (self.answers.context(sid, up), *(chains[parent] if parent >= 0 else ()))
@@ -466,10 +492,14 @@ class Explorer:
             found = self.moves.get(chain)
             if found is None:
                 gives = self.answers.takes_unheld(chain) or self.answers.refuses_owed(chain)
-                found = self.moves[chain] = (self._moves(chain), gives)
+                moves = self._moves(chain)  # asks every answer a cut would be read from
+                found = self.moves[chain] = (moves, gives, self.answers.cut(chain))
             wrong = wrong or found[1] or not self._path_ok(paths[k])
+            past = past or found[2]
             for event, lids, gone, settles in found[0]:
                 out.append((self._step(k, event), self._lift(order, k, lids), gone, settles))
+        if past:
+            self.past.add(root)
         return out, wrong
 
     def _moves(self, chain: tuple[int, ...]) -> list[Move]:
@@ -593,8 +623,23 @@ class Explorer:
     ) -> Result:
         """Return the violation at state ``last``, described in the replayed tree's node numbers."""
         lines, nodes = self._trace(parents, steps, starts, last)
-        replay = self.replay
         found = (
+            self.finding(nodes)
+            or "checker: the tabled answers found a violation that the replayed state does not show"
+        )
+        return Result(len(forests), found, lines)
+
+    def finding(self, nodes: Nodes) -> str | None:
+        """Return the first violation the flat state ``nodes`` shows, or None.
+
+        Read on the state itself, with the engine asked anew
+        (:class:`~fsm_cache.modelcheck.traces.Replay`), never from the
+        explorer's tables: how a violation found on the interned states is
+        described once its trace is replayed, and how a replayed trace is
+        shown to end where it was found.
+        """
+        replay = self.replay
+        return (
             violation(self.layout, nodes, self.policy)
             or unheld_give_back(
                 self.layout, nodes, lambda i, event: replay.accepts(nodes, i, event)
@@ -603,9 +648,17 @@ class Explorer:
                 self.layout, nodes, lambda i, event: replay.refusal(nodes, i, event)
             )
             or lookup.first_violation(self.layout, nodes, self.match)
-            or "checker: the tabled answers found a violation that the replayed state does not show"
         )
-        return Result(len(forests), found, lines)
+
+    def stuck(self, nodes: Nodes) -> str:
+        """Describe the flat state ``nodes``, which cannot settle (:func:`~fsm_cache.modelcheck.liveness.stuck`)."""
+        replay = self.replay
+        return liveness.stuck(
+            self.layout,
+            nodes,
+            lambda at, i, event: replay.apply(at, ("event", i, event)),
+            replay.refusal,
+        )
 
     def _live(
         self,
@@ -631,15 +684,18 @@ class Explorer:
         first = good.find(0)
         if first < 0:
             return Result(len(forests))
+        past = 0
+        if self.past:  # a ceiling cut settling steps: what lies past it is taken to settle
+            for i, forest in enumerate(forests):
+                if not good[i] and any(sid in self.past for sid in forest):
+                    unsettled[i] = 0
+            hoped = liveness.settles(unsettled, *edges)
+            first = hoped.find(0)
+            past = sum(hoped) - sum(good)
+            if first < 0:
+                return Result(len(forests), past_ceiling=past)
         lines, nodes = self._trace(parents, steps, starts, first)
-        replay = self.replay
-        found = liveness.stuck(
-            self.layout,
-            nodes,
-            lambda at, i, event: replay.apply(at, ("event", i, event)),
-            replay.refusal,
-        )
-        return Result(len(forests), found, lines)
+        return Result(len(forests), self.stuck(nodes), lines, past_ceiling=past)
 
     def _weight(self, sid: int) -> int:
         """Return the copies in flight and holds of subtree ``sid`` (tabled; 0: settled)."""

@@ -57,15 +57,21 @@ class Comparison:
         return OPS[self.op](counters[self.counter], self.value)
 
     def turns_at(self) -> int:
-        """Return the least count at which the comparison answers otherwise than at 0.
+        """Return the last count at which the comparison's answer turns: it answers alike from there up.
 
-        0 when it answers alike for every count (``pins >= 0``). A search that
-        bounds the counter below this never sees one of its answers.
+        0 when it answers alike for every count (``pins >= 0``). An equality
+        turns twice (``pins == 2`` at 2 and again at 3), and its last turn is
+        the one that counts: read where the counter cannot be below 2 (a node
+        that two copies in flight pin), it answers otherwise only at 3. A
+        search that bounds the counter below this may never see one of its
+        answers where it is read.
         """
-        first = self.holds({self.counter: 0})
         # the answer of x OP c can change only at c or at c + 1
-        turns = (v for v in (self.value, self.value + 1) if v > 0)
-        return next((v for v in turns if self.holds({self.counter: v}) != first), 0)
+        turns = (v for v in (self.value + 1, self.value) if v > 0)
+        counter = self.counter
+        return next(
+            (v for v in turns if self.holds({counter: v}) != self.holds({counter: v - 1})), 0
+        )
 
     def __str__(self) -> str:
         return f"{self.counter} {self.op} {self.value}"
