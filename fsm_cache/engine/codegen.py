@@ -481,14 +481,22 @@ def _note_site(em: Emitter, event: str, walk: bool) -> None:
 def _inlinable(em: Emitter, event: str) -> bool:
     """Whether ``event`` may commit inside its branches: nothing is checked after them.
 
-    That holds with one region and no composition forbid, and where no update
-    assigns one counter twice (each write reads the value on entry).
+    That holds with one region and no composition forbid.
     """
     regions = em.system.regions_of(event)
-    if len(regions) != 1 or em.system.forbids_for(event):
-        return False
-    updates = (t.update for t in em.system.machines[regions[0]].transitions if t.event == event)
-    return all(len({a.counter for a in u.assigns}) == len(u.assigns) for u in updates)
+    return len(regions) == 1 and not em.system.forbids_for(event)
+
+
+def _assigns(tr: Transition) -> tuple[Assign, ...]:
+    """Return the assignments of ``tr``'s update that count, one per counter.
+
+    Each assignment reads the counter's value on entry, as
+    :meth:`~fsm_cache.spec.guards.Update.apply` defines it, so where an update
+    built in Python assigns one counter twice (the grammar refuses that) only
+    the last counts: ``n += 1, n += 1`` adds one, as the spec's meaning says.
+    """
+    last = {a.counter: a for a in tr.update.assigns}
+    return tuple(a for a in tr.update.assigns if last[a.counter] is a)
 
 
 def _used(system: System, event: str) -> set[str]:
@@ -638,7 +646,7 @@ def _read_tested(
     a lone unguarded transition, and not the last when the ones before imply it
     (``implied``). A counter the branch only assigns is read where it
     is written (``rec.pins = rec.pins + 1``): each counter is assigned once in a
-    branch (:func:`_inlinable`), so that read is still the value on entry.
+    branch (:func:`_assigns`), so that read is still the value on entry.
     """
     tested: set[str] = set()
     for forbid in forbids:
@@ -660,7 +668,7 @@ def _transition_body(em: Emitter, region: str, tr: Transition, depth: int) -> No
         _inline_commit(em, region, tr, depth, effect)
         return
     em.emit(depth, f"n_{region} = {tr.dest!r}")
-    for assign in tr.update.assigns:
+    for assign in _assigns(tr):
         em.emit(depth, f"c_{assign.counter} = {_value(assign)}")
     if em.live is None:
         if tr.effect is not None:
@@ -679,7 +687,7 @@ def _inline_commit(
     Values are computed before the effect runs, from the values on entry, as
     the plan computes them before its effects: a constant needs no local.
     """
-    values = [(a.counter, _inline_value(em, region, tr, a)) for a in tr.update.assigns]
+    values = [(a.counter, _inline_value(em, region, tr, a)) for a in _assigns(tr)]
     if effect is not None:
         for counter, value in values:
             if not value.isdigit():
