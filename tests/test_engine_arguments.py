@@ -175,3 +175,66 @@ def test_a_verb_reads_its_record_unchecked(engine: Engine) -> None:
     """The per-event functions check nothing but the spec: a non-record fails as Python does."""
     with pytest.raises(AttributeError):
         engine.verb("pin")(None)
+
+
+class Slotted:
+    """The base of slotted record classes: no ``__dict__``, so no room for what a slot lacks."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<slotted>"
+
+
+def slotted(engine: Engine, *, trail: bool, **state: object) -> Any:
+    """Return a residency record whose class has a ``trail`` slot only if ``trail``."""
+    names = engine.slots if trail else engine.slots[:-1]
+    kind = type("Record", (Slotted,), {"__slots__": names})
+    rec = kind()
+    values = {"id": 7, "host": "backed", "device": "resident", "pins": 0, "locks": 0}
+    for name, value in {**values, **state}.items():
+        setattr(rec, name, value)
+    return rec
+
+
+def fields(engine: Engine, rec: Any) -> list[object]:
+    """Every record field ``rec`` holds, or a marker for one it does not."""
+    return [getattr(rec, name, "<unset>") for name in engine.slots]
+
+
+@pytest.mark.parametrize(
+    ("event", "state"),
+    [
+        ("pin", {}),  # inline fast path
+        ("write", {"host": "unbacked"}),  # effects: the fast path with effects
+        ("lock", {}),  # propagates: the plan path in trail mode
+    ],
+)
+def test_in_trail_mode_a_record_with_no_trail_is_named_before_anything_changes(
+    event: str, state: dict[str, object]
+) -> None:
+    """Trail mode notes each event on ``rec.trail``; a record without one changes nothing.
+
+    The note used to follow the writes: the event was applied, then
+    AttributeError raised, so the caller saw a failure that had changed the
+    record (and, with effects, that had run them).
+    """
+    called: list[str] = []
+    effects = dict.fromkeys(residency_system().effect_names, called.append)
+    engine = Engine(residency_system(), effects=effects, trail=True)
+    rec = slotted(engine, trail=False, **state)
+    before = fields(engine, rec)
+    with pytest.raises(BadArgument) as info:
+        engine.fire(rec, event)
+    assert (
+        str(info.value)
+        == "Engine.fire: rec <slotted> is not a record of residency: it has no trail"
+    )
+    assert fields(engine, rec) == before
+    with pytest.raises(AttributeError):  # a verb reads its record unchecked, and changes nothing
+        engine.verb(event)(rec)
+    assert fields(engine, rec) == before
+    assert called == []
+    plain = Engine(residency_system(), effects=effects, trail=False)
+    plain.fire(rec, event)  # outside trail mode a trail is never read
+    assert fields(engine, rec) != before

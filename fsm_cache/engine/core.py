@@ -227,7 +227,7 @@ class Engine:
             SpecError: Unknown event name.
             BadArgument: ``event`` is not a str, or ``rec`` (or an ancestor
                 the event reads) is no record: it lacks an attribute the
-                engine reads; nothing changed.
+                engine reads (in trail mode, ``trail`` too); nothing changed.
         """
         try:
             verb = self._verbs[event]
@@ -374,7 +374,9 @@ class Engine:
         Called once something already raised AttributeError, so the per-event
         functions check nothing; if every record has them, the caller re-raises.
         """
-        needed = _slots(self.system)[:-1]  # a trail is read only in trail mode, and may be absent
+        needed = _slots(self.system)
+        if not self.trail:  # a trail is read only in trail mode, and may be absent otherwise
+            needed = needed[:-1]
         node, seen, who = rec, set(), "rec"
         while id(node) not in seen:
             missing = [name for name in needed if not hasattr(node, name)]
@@ -431,6 +433,8 @@ class Engine:
             plan = step(rec)
             if not plan[2]:  # the common case: this record alone, no list of plans to build
                 assigns, names, _ = plan
+                if on:  # a record with no trail raises here, before any effect or write
+                    rec.trail  # noqa: B018 -- read for the AttributeError alone
                 for name in names:
                     run_effect(effects[name], name, event, rec, label)
                 for attr, value in assigns:
@@ -439,6 +443,9 @@ class Engine:
                     rec.trail = trails.note(rec.trail, event, history)
                 return
             plans = self._plans(rec, step, plan)
+            if on:  # a record with no trail raises here, before any effect or write
+                for target, _ in plans:
+                    target.trail  # noqa: B018 -- read for the AttributeError alone
             for target, (_, names, _) in plans:
                 for name in names:
                     run_effect(effects[name], name, event, target, label)
