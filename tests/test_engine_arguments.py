@@ -238,3 +238,31 @@ def test_in_trail_mode_a_record_with_no_trail_is_named_before_anything_changes(
     plain = Engine(residency_system(), effects=effects, trail=False)
     plain.fire(rec, event)  # outside trail mode a trail is never read
     assert fields(engine, rec) != before
+
+
+def test_init_of_an_object_that_cannot_hold_a_record_changes_nothing() -> None:
+    """``init`` writes every field or none; it used to write the id and stop at the first gap."""
+    engine = Engine(residency_system(), trail=False)
+    kind = type("Record", (Slotted,), {"__slots__": ("id", "host", "device")})
+    rec = kind()
+    rec.id = "old"
+    with pytest.raises(BadArgument) as info:
+        engine.init(rec, 7)
+    assert str(info.value) == (
+        "Engine.init: rec <slotted> is not a record of residency: it cannot hold pins"
+    )
+    assert (rec.id, hasattr(rec, "host"), hasattr(rec, "device")) == ("old", False, False)
+    full = slotted(engine, trail=True, host="pinned", pins=2)
+    engine.init(full, 8)
+    assert fields(engine, full) == [8, "unbacked", "resident", 0, 0, None]
+
+
+@pytest.mark.parametrize("call", ["new", "init"])
+@pytest.mark.parametrize("birth", [3, ["discovered"]])
+def test_a_birth_that_is_no_string_is_named(call: str, birth: object) -> None:
+    engine = Engine(residency_system(), trail=False)
+    rec = engine.new(1)
+    with pytest.raises(BadArgument) as info:
+        engine.new(2, birth) if call == "new" else engine.init(rec, 2, birth)  # type: ignore[arg-type]
+    assert str(info.value) == f"Engine.{call}: birth must be a str or None, got {birth!r}"
+    assert rec.id == 1

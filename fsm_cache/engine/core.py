@@ -142,26 +142,67 @@ class Engine:
 
         Raises:
             SpecError: The spec declares no birth of that name.
+            BadArgument: ``birth`` is neither a str nor None.
         """
+        states = self._born(birth, "new")
         rec = self.Record(ident)
-        if birth is not None:
-            self.init(rec, ident, birth)
+        if states is not None:
+            _initialise(self.system, rec, ident, states)
         return rec
 
     def init(self, rec: Any, ident: object, birth: str | None = None) -> None:
         """Put any object with the record's attributes into the initial states (or ``birth``'s).
 
+        The record starts afresh, so a lease still held on it would release
+        a pin or lock of the record's new life: each is void, as a cache's
+        reset voids its leases, and its ``release()`` raises LeaseError
+        naming the caller of ``init`` as where it was released.
+
         Raises:
             SpecError: The spec declares no birth of that name; ``rec`` is unchanged.
+            BadArgument: ``birth`` is neither a str nor None, or ``rec`` cannot
+                hold one of the record's attributes (:attr:`slots`); ``rec``
+                is unchanged.
         """
+        states = self._born(birth, "init")
+        pairs = _initial(self.system, ident, states)
+        was = [getattr(rec, name, _UNSET) for name, _ in pairs]
+        done = 0
         try:
-            states = self.system.born(birth)
+            for name, value in pairs:
+                setattr(rec, name, value)
+                done += 1
+        except (AttributeError, TypeError):
+            for (name, _), old in zip(pairs[:done], was, strict=False):
+                if old is _UNSET:
+                    delattr(rec, name)
+                else:
+                    setattr(rec, name, old)
+            raise BadArgument(
+                f"Engine.init: rec {rec!r} is not a record of {self.system.name}:"
+                f" it cannot hold {pairs[done][0]}"
+            ) from None
+        if self.leases.holding(rec):
+            self.leases.void(trails.caller_site(), rec)
+
+    def _born(self, birth: object, where: str) -> dict[str, str] | None:
+        """Return every region's state at ``birth``, or None for no birth (the initial states).
+
+        Raises:
+            BadArgument: ``birth`` is neither a str nor None.
+            SpecError: The spec declares no birth of that name.
+        """
+        if birth is None:
+            return None
+        if not isinstance(birth, str):
+            raise BadArgument(f"Engine.{where}: birth must be a str or None, got {birth!r}")
+        try:
+            return self.system.born(birth)
         except KeyError:
             known = ", ".join(b.name for b in self.system.births) or "none"
             raise SpecError(
                 [f"{self.system.source}: unknown birth {birth!r} (declared: {known})"]
             ) from None
-        _initialise(self.system, rec, ident, states)
 
     def bad_record(
         self, states: Mapping[str, object], counters: Mapping[str, object]
@@ -511,16 +552,27 @@ def _unknown_effects(system: System, unknown: Sequence[object]) -> str:
     return f"Engine: effects binds {names}, {which} of {system.name} ({its})"
 
 
+def _initial(
+    system: System, ident: object, states: dict[str, str] | None = None
+) -> list[tuple[str, object]]:
+    """Return a fresh record's attributes and values: its id, every region's state, counters, no trail.
+
+    Each region is in its initial state unless ``states`` says otherwise.
+    """
+    regions = [(r, states[r] if states else m.initial) for r, m in system.regions]
+    return [("id", ident), *regions, *system.counters, ("trail", None)]
+
+
 def _initialise(
     system: System, rec: Any, ident: object, states: dict[str, str] | None = None
 ) -> None:
-    """Set ``rec``'s id, every region's state (initial unless ``states`` says), initial counters, no trail."""
-    rec.id = ident
-    for region, machine in system.regions:
-        setattr(rec, region, states[region] if states else machine.initial)
-    for name, value in system.counters:
+    """Set ``rec``'s attributes to a fresh record's (:func:`_initial`)."""
+    for name, value in _initial(system, ident, states):
         setattr(rec, name, value)
-    rec.trail = None
+
+
+_UNSET = object()
+"""Stands for an attribute an object did not have (``init`` removes it again on a failure)."""
 
 
 def _slots(system: System) -> tuple[str, ...]:
