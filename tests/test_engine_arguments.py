@@ -266,3 +266,24 @@ def test_a_birth_that_is_no_string_is_named(call: str, birth: object) -> None:
         engine.new(2, birth) if call == "new" else engine.init(rec, 2, birth)  # type: ignore[arg-type]
     assert str(info.value) == f"Engine.{call}: birth must be a str or None, got {birth!r}"
     assert rec.id == 1
+
+
+@pytest.mark.parametrize(
+    ("states", "counters", "message"),
+    [
+        (5, {}, "Engine.bad_record: states must be a mapping, got 5"),
+        ({}, None, "Engine.bad_record: counters must be a mapping, got None"),
+        (
+            [("host", "backed")],
+            {},
+            "Engine.bad_record: states must be a mapping, got [('host', 'backed')]",
+        ),
+    ],
+)
+def test_bad_record_names_an_argument_that_is_no_mapping(
+    engine: Engine, states: object, counters: object, message: str
+) -> None:
+    """It raised TypeError (``'int' object is not iterable``), which no caller catches as ours."""
+    with pytest.raises(BadArgument) as info:
+        engine.bad_record(states, counters)  # type: ignore[arg-type]
+    assert str(info.value) == message

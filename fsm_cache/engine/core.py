@@ -222,7 +222,13 @@ class Engine:
         Args:
             states: State by region; a region left out is in its initial state.
             counters: Value by counter; a counter left out has its initial value.
+
+        Raises:
+            BadArgument: ``states`` or ``counters`` is no mapping.
         """
+        for name, given in (("states", states), ("counters", counters)):
+            if not isinstance(given, Mapping):
+                raise BadArgument(f"Engine.bad_record: {name} must be a mapping, got {given!r}")
         return self._legal.problem(states, counters)
 
     @cached_property
