@@ -407,6 +407,8 @@ def _run_then_commit(em: Emitter, event: str, calls: list[tuple[str, list[str], 
     """
     if em.trail and calls:
         _probe_trail(em, 1)
+    if calls:
+        _keep_fields(em, 1)
     for region, names, always in calls:
         if always:
             _call_effect(em, 1, names[0])
@@ -445,12 +447,32 @@ def _call_effect(em: Emitter, depth: int, effect: str) -> None:
     """Emit the call of ``effect``'s hook on ``rec``, a failure raised as EffectFailed.
 
     The message and the chained cause are :func:`runtime.run_effect`'s (the plan
-    path's); ``try`` costs nothing until it catches.
+    path's); ``try`` costs nothing until it catches. Then, as the plan path
+    does, an effect that changed the record's fields (``was``, read by
+    :func:`_keep_fields`) fails too, with :func:`runtime.meddled`'s reason:
+    the writes that follow were computed before it ran.
     """
     em.emit(depth, "try:")
     em.emit(depth + 1, f"_fx_{effect}(rec)")
     em.emit(depth, "except Exception as exc:")
     em.emit(depth + 1, f"raise _effect_failed(exc, {effect!r}, {em.event!r}, rec, _label) from exc")
+    em.emit(depth, f"if {_fields(em.system)} != was:")
+    why = runtime.meddled(em.event)
+    em.emit(
+        depth + 1,
+        f"raise _effect_failed(RuntimeError({why!r}), {effect!r}, {em.event!r}, rec, _label)",
+    )
+
+
+def _keep_fields(em: Emitter, depth: int) -> None:
+    """Emit, before an event's effects run, ``was``: the record's states and counters then."""
+    em.emit(depth, f"was = {_fields(em.system)}")
+
+
+def _fields(system: System) -> str:
+    """Return the tuple expression of a record's states and counters (what an effect may not change)."""
+    names = [*(r for r, _ in system.regions), *(c for c, _ in system.counters)]
+    return f"({', '.join(f'rec.{name}' for name in names)},)"
 
 
 def _find_site(em: Emitter, walk: bool) -> None:
@@ -717,6 +739,7 @@ def _inline_commit(
         values = [(c, v if v.isdigit() else f"v_{c}") for c, v in values]
         if em.trail:
             _probe_trail(em, depth)
+        _keep_fields(em, depth)
         _call_effect(em, depth, effect)
     if em.trail:
         _note_site(em, em.event, depth)

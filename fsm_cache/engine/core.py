@@ -10,7 +10,9 @@ cross-region and tree condition, every ancestor it propagates to) before
 effects run, and effects run before anything is written. A refusal raises the
 spec's error class and leaves every record exactly as it was; an effect that
 raises leaves them unchanged too and is chained as the cause of
-:class:`~fsm_cache.errors.EffectFailed`.
+:class:`~fsm_cache.errors.EffectFailed`. The writes are computed before the
+effects run, so an effect that changes a record the event writes (fires an
+event at it) fails the event too, and the record keeps what the effect left.
 
 The generated source is in :mod:`linecache` under :attr:`Engine.filename`, so a
 refusal's traceback shows the generated line that refused.
@@ -28,7 +30,14 @@ from fsm_cache.engine import trail as trails
 from fsm_cache.engine.codegen import Compiled, Plan, Refusal, Refuser, Step, Verb, compile_system
 from fsm_cache.engine.lease import Lease, LeaseBook
 from fsm_cache.engine.legal import Legal, unknown_state
-from fsm_cache.engine.runtime import Effect, caller_frame, no_effect, run_effect
+from fsm_cache.engine.runtime import (
+    Effect,
+    caller_frame,
+    effect_failed,
+    meddled,
+    no_effect,
+    run_effect,
+)
 from fsm_cache.errors import BadArgument, FsmCacheError, IllegalTransition, SpecError, error_class
 from fsm_cache.numeric import whole
 from fsm_cache.spec.machine import MachineSpec, Spec, System, as_system
@@ -459,12 +468,9 @@ class Engine:
                 )
         return dict(effects)
 
-    def _plans(self, rec: Any, step: Step, first: Plan | None = None) -> list[tuple[Any, Plan]]:
-        """Check ``event`` on ``rec`` (and its ancestors if it propagates); change nothing.
-
-        ``first`` is ``step(rec)`` where the caller has it already.
-        """
-        plans = [(rec, step(rec) if first is None else first)]
+    def _plans(self, rec: Any, step: Step) -> list[tuple[Any, Plan]]:
+        """Check ``event`` on ``rec`` (and its ancestors if it propagates); change nothing."""
+        plans = [(rec, step(rec))]
         if plans[0][1][2]:
             node = getattr(rec, "parent", None)
             while node is not None:
@@ -475,27 +481,24 @@ class Engine:
     def _general(self, event: str) -> Verb:
         effects, on, history, label = self._effects, self.trail, self.history, self.system.label
         step = self._compiled.steps[event]
+        names = [*(r for r, _ in self.system.regions), *(c for c, _ in self.system.counters)]
+
+        def fields(targets: list[tuple[Any, Plan]]) -> list[tuple[object, ...]]:
+            return [tuple(getattr(target, name) for name in names) for target, _ in targets]
 
         def fire(rec: Any) -> None:
-            plan = step(rec)
-            if not plan[2]:  # the common case: this record alone, no list of plans to build
-                assigns, names, _ = plan
-                if on:  # a record with no trail raises here, before any effect or write
-                    rec.trail  # noqa: B018 -- read for the AttributeError alone
-                for name in names:
-                    run_effect(effects[name], name, event, rec, label)
-                for attr, value in assigns:
-                    setattr(rec, attr, value)
-                if on:
-                    rec.trail = trails.note(rec.trail, event, history)
-                return
-            plans = self._plans(rec, step, plan)
+            plans = self._plans(rec, step)
             if on:  # a record with no trail raises here, before any effect or write
                 for target, _ in plans:
                     target.trail  # noqa: B018 -- read for the AttributeError alone
-            for target, (_, names, _) in plans:
-                for name in names:
-                    run_effect(effects[name], name, event, target, label)
+            if any(plan[1] for _, plan in plans):
+                was = fields(plans)
+                for target, (_, run, _) in plans:
+                    for name in run:
+                        run_effect(effects[name], name, event, target, label)
+                        if fields(plans) != was:  # the writes below would undo what it did
+                            cause = RuntimeError(meddled(event))
+                            raise effect_failed(cause, name, event, target, label)
             for target, (assigns, _, _) in plans:
                 for attr, value in assigns:
                     setattr(target, attr, value)
