@@ -14,6 +14,10 @@ raises leaves them unchanged too and is chained as the cause of
 effects run, so an effect that changes a record the event writes (fires an
 event at it) fails the event too, and the record keeps what the effect left.
 
+An engine takes no lock: an event reads, checks, then writes, so events fired
+at one record from two threads at once may interleave. Callers serialise them
+(the cache is single-threaded and refuses a second thread).
+
 The generated source is in :mod:`linecache` under :attr:`Engine.filename`, so a
 refusal's traceback shows the generated line that refused.
 """
