@@ -287,3 +287,19 @@ def test_bad_record_names_an_argument_that_is_no_mapping(
     with pytest.raises(BadArgument) as info:
         engine.bad_record(states, counters)  # type: ignore[arg-type]
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize("region", [5, ["host"]])
+def test_a_region_that_is_no_string_is_named(engine: Engine, region: object) -> None:
+    """Named as an event or a birth that is no str is, not as an unknown region."""
+    with pytest.raises(BadArgument) as info:
+        engine.counters(engine.new(1), region)  # type: ignore[arg-type]
+    assert str(info.value) == f"Engine.counters: region must be a str or None, got {region!r}"
+
+
+def test_an_empty_region_name_is_unknown_not_every_region(engine: Engine) -> None:
+    """``counters(rec, "")`` returned every region's counters, as if no region were named."""
+    with pytest.raises(SpecError) as info:
+        engine.counters(engine.new(1), "")
+    source = residency_system().source
+    assert str(info.value) == f"{source}: unknown region '' (regions: host, device)"

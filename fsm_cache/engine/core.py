@@ -368,9 +368,9 @@ class Engine:
 
         Raises:
             SpecError: No region is called ``region``.
-            BadArgument: ``rec`` is no record.
+            BadArgument: ``region`` is neither a str nor None, or ``rec`` is no record.
         """
-        machines = [self._machine(region)] if region else self.machines()
+        machines = self.machines() if region is None else [self._machine(region)]
         try:
             return {c: getattr(rec, c) for m in machines for c in m.counter_names}
         except AttributeError:
@@ -422,7 +422,9 @@ class Engine:
 
     def _machine(self, region: str) -> Any:
         """Return ``region``'s machine, or raise SpecError naming the regions there are."""
-        machine = self.system.machines.get(region) if isinstance(region, str) else None
+        if not isinstance(region, str):
+            raise BadArgument(f"Engine.counters: region must be a str or None, got {region!r}")
+        machine = self.system.machines.get(region)
         if machine is None:
             known = ", ".join(r for r, _ in self.system.regions)
             raise SpecError([f"{self.system.source}: unknown region {region!r} (regions: {known})"])
