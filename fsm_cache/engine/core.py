@@ -283,7 +283,9 @@ class Engine:
 
         Raises:
             IllegalTransition: The spec refuses the event; ``rec`` is unchanged.
-            EffectFailed: A bound effect raised; ``rec`` is unchanged.
+            EffectFailed: A bound effect raised, and ``rec`` is unchanged; or
+                it changed the states or counters of a record the event
+                writes, which keeps what the effect left.
             SpecError: Unknown event name.
             BadArgument: ``event`` is not a str, or ``rec`` (or an ancestor
                 the event reads) is no record: it lacks an attribute the
@@ -352,7 +354,7 @@ class Engine:
         Raises:
             SpecError: Unknown ``acquire`` or ``release`` event; nothing was fired.
             IllegalTransition: The spec refuses ``acquire``; ``rec`` is unchanged.
-            EffectFailed: A bound effect of ``acquire`` raised; ``rec`` is unchanged.
+            EffectFailed: A bound effect of ``acquire`` failed (as for :meth:`fire`).
             BadArgument: An event is not a str, or ``rec`` is no record; nothing was fired.
         """
         undo, take = self._verb(release, "lease"), self._verb(acquire, "lease")
