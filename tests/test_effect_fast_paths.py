@@ -20,6 +20,7 @@ from __future__ import annotations
 import random
 import textwrap
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from fsm_cache.engine.core import Engine
 from fsm_cache.errors import EffectFailed, FsmCacheError
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import Spec, System, as_system
-from fsm_cache.spec.shipped import load_shipped, shipped_spec_paths
+from fsm_cache.spec.shipped import load_shipped, residency_system, shipped_spec_paths
 
 
 PLAN_PATH = """
@@ -378,7 +379,6 @@ def test_an_effect_sees_the_record_before_the_commit_and_a_failure_leaves_it(
 
     def open_valve(rec: Any) -> None:
         seen.append((rec.state, rec.turns))
-        rec.turns += 10  # what the transition writes is computed on entry, as a plan is
 
     def close_valve(rec: Any) -> None:
         raise ValueError("stuck")
@@ -394,3 +394,63 @@ def test_an_effect_sees_the_record_before_the_commit_and_a_failure_leaves_it(
     assert isinstance(info.value.__cause__, ValueError)
     assert info.value.__suppress_context__
     assert (rec.state, rec.turns, rec.trail) == ("open", 1, None)
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["plain", "trail"])
+@pytest.mark.parametrize("composed", [False, True], ids=["inline", "composed"])
+def test_an_effect_that_changes_its_record_fails_and_its_event_is_not_applied(
+    tmp_path: Path, on: bool, composed: bool
+) -> None:
+    """The writes were computed before the effect ran: committing them would undo what it did.
+
+    An effect that fires an event at its own record (a copy that completes at
+    once and acknowledges itself) used to be overwritten by the commit that
+    followed, leaving a record no run of the spec makes. The event fails
+    instead, and the record keeps what the effect left.
+    """
+    spec = plant(tmp_path)[composed]
+
+    def open_valve(rec: Any) -> None:
+        rec.turns += 10
+
+    names = as_system(spec).effect_names
+    effects = {**dict.fromkeys(names, runtime.no_effect), "open_valve": open_valve}
+    engine = Engine(spec, effects=effects, trail=on)
+    rec = engine.new(4)
+    with pytest.raises(EffectFailed) as info:
+        engine.fire(rec, "turn")
+    assert str(info.value) == (
+        "valve 4: effect open_valve of turn failed: it changed the record's states or counters"
+        " (did it fire an event at the record?); turn was not applied"
+    )
+    region = "valve" if composed else "state"
+    assert (getattr(rec, region), rec.turns, rec.trail) == ("shut", 10, None)
+
+
+def test_an_effect_of_a_propagating_event_that_changes_a_record_fails() -> None:
+    """The plan path (an event that propagates, with effects) checks every record it will write."""
+    system = residency_system()
+    lock = next(t for t in system.machines["device"].transitions if t.event == "lock")
+    device = replace(
+        system.machines["device"],
+        transitions=tuple(
+            replace(t, effect="note_lock") if t is lock else t
+            for t in system.machines["device"].transitions
+        ),
+    )
+    spec = replace(system, regions=(system.regions[0], ("device", device)))
+    names = as_system(spec).effect_names
+    engine: Engine
+
+    def note_lock(rec: Any) -> None:
+        if rec.parent is not None:
+            engine.fire(rec.parent, "lock")  # an event at another record the lock will write
+
+    effects = {name: (note_lock if name == "note_lock" else runtime.no_effect) for name in names}
+    engine = Engine(spec, effects=effects, trail=False)
+    root: Any = Rec(engine, 1, None)
+    child: Any = Rec(engine, 2, root)
+    with pytest.raises(EffectFailed) as info:
+        engine.fire(child, "lock")
+    assert str(info.value).startswith("node 2: effect note_lock of lock failed: it changed")
+    assert (root.locks, child.locks) == (1, 0)

@@ -175,3 +175,131 @@ def test_a_verb_reads_its_record_unchecked(engine: Engine) -> None:
     """The per-event functions check nothing but the spec: a non-record fails as Python does."""
     with pytest.raises(AttributeError):
         engine.verb("pin")(None)
+
+
+class Slotted:
+    """The base of slotted record classes: no ``__dict__``, so no room for what a slot lacks."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<slotted>"
+
+
+def slotted(engine: Engine, *, trail: bool, **state: object) -> Any:
+    """Return a residency record whose class has a ``trail`` slot only if ``trail``."""
+    names = engine.slots if trail else engine.slots[:-1]
+    kind = type("Record", (Slotted,), {"__slots__": names})
+    rec = kind()
+    values = {"id": 7, "host": "backed", "device": "resident", "pins": 0, "locks": 0}
+    for name, value in {**values, **state}.items():
+        setattr(rec, name, value)
+    return rec
+
+
+def fields(engine: Engine, rec: Any) -> list[object]:
+    """Every record field ``rec`` holds, or a marker for one it does not."""
+    return [getattr(rec, name, "<unset>") for name in engine.slots]
+
+
+@pytest.mark.parametrize(
+    ("event", "state"),
+    [
+        ("pin", {}),  # inline fast path
+        ("write", {"host": "unbacked"}),  # effects: the fast path with effects
+        ("lock", {}),  # propagates: the plan path in trail mode
+    ],
+)
+def test_in_trail_mode_a_record_with_no_trail_is_named_before_anything_changes(
+    event: str, state: dict[str, object]
+) -> None:
+    """Trail mode notes each event on ``rec.trail``; a record without one changes nothing.
+
+    The note used to follow the writes: the event was applied, then
+    AttributeError raised, so the caller saw a failure that had changed the
+    record (and, with effects, that had run them).
+    """
+    called: list[str] = []
+    effects = dict.fromkeys(residency_system().effect_names, called.append)
+    engine = Engine(residency_system(), effects=effects, trail=True)
+    rec = slotted(engine, trail=False, **state)
+    before = fields(engine, rec)
+    with pytest.raises(BadArgument) as info:
+        engine.fire(rec, event)
+    assert (
+        str(info.value)
+        == "Engine.fire: rec <slotted> is not a record of residency: it has no trail"
+    )
+    assert fields(engine, rec) == before
+    with pytest.raises(AttributeError):  # a verb reads its record unchecked, and changes nothing
+        engine.verb(event)(rec)
+    assert fields(engine, rec) == before
+    assert called == []
+    plain = Engine(residency_system(), effects=effects, trail=False)
+    plain.fire(rec, event)  # outside trail mode a trail is never read
+    assert fields(engine, rec) != before
+
+
+def test_init_of_an_object_that_cannot_hold_a_record_changes_nothing() -> None:
+    """``init`` writes every field or none; it used to write the id and stop at the first gap."""
+    engine = Engine(residency_system(), trail=False)
+    kind = type("Record", (Slotted,), {"__slots__": ("id", "host", "device")})
+    rec = kind()
+    rec.id = "old"
+    with pytest.raises(BadArgument) as info:
+        engine.init(rec, 7)
+    assert str(info.value) == (
+        "Engine.init: rec <slotted> is not a record of residency: it cannot hold pins"
+    )
+    assert (rec.id, hasattr(rec, "host"), hasattr(rec, "device")) == ("old", False, False)
+    full = slotted(engine, trail=True, host="pinned", pins=2)
+    engine.init(full, 8)
+    assert fields(engine, full) == [8, "unbacked", "resident", 0, 0, None]
+
+
+@pytest.mark.parametrize("call", ["new", "init"])
+@pytest.mark.parametrize("birth", [3, ["discovered"]])
+def test_a_birth_that_is_no_string_is_named(call: str, birth: object) -> None:
+    engine = Engine(residency_system(), trail=False)
+    rec = engine.new(1)
+    with pytest.raises(BadArgument) as info:
+        engine.new(2, birth) if call == "new" else engine.init(rec, 2, birth)  # type: ignore[arg-type]
+    assert str(info.value) == f"Engine.{call}: birth must be a str or None, got {birth!r}"
+    assert rec.id == 1
+
+
+@pytest.mark.parametrize(
+    ("states", "counters", "message"),
+    [
+        (5, {}, "Engine.bad_record: states must be a mapping, got 5"),
+        ({}, None, "Engine.bad_record: counters must be a mapping, got None"),
+        (
+            [("host", "backed")],
+            {},
+            "Engine.bad_record: states must be a mapping, got [('host', 'backed')]",
+        ),
+    ],
+)
+def test_bad_record_names_an_argument_that_is_no_mapping(
+    engine: Engine, states: object, counters: object, message: str
+) -> None:
+    """It raised TypeError (``'int' object is not iterable``), which no caller catches as ours."""
+    with pytest.raises(BadArgument) as info:
+        engine.bad_record(states, counters)  # type: ignore[arg-type]
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("region", [5, ["host"]])
+def test_a_region_that_is_no_string_is_named(engine: Engine, region: object) -> None:
+    """Named as an event or a birth that is no str is, not as an unknown region."""
+    with pytest.raises(BadArgument) as info:
+        engine.counters(engine.new(1), region)  # type: ignore[arg-type]
+    assert str(info.value) == f"Engine.counters: region must be a str or None, got {region!r}"
+
+
+def test_an_empty_region_name_is_unknown_not_every_region(engine: Engine) -> None:
+    """``counters(rec, "")`` returned every region's counters, as if no region were named."""
+    with pytest.raises(SpecError) as info:
+        engine.counters(engine.new(1), "")
+    source = residency_system().source
+    assert str(info.value) == f"{source}: unknown region '' (regions: host, device)"

@@ -161,6 +161,30 @@ def test_a_release_refused_by_the_machine_keeps_the_lease_held(engine: Engine) -
     lease.release()
 
 
+def test_init_voids_the_leases_held_on_the_record_it_starts_afresh(engine: Engine) -> None:
+    """A lease on a record that ``init`` starts afresh is stale: its release is refused.
+
+    It used to release whatever the record's new life held: here the pin of a
+    new holder, who would then be the one refused at zero.
+    """
+    rec, other = backed(engine), backed(engine)
+    stale, kept = engine.lease(rec), engine.lease(other)
+    started = here() + 1
+    engine.init(rec, 7)
+    for event in ("write", "write_done", "pin"):  # the record's new life, and its own holder
+        engine.fire(rec, event)
+    with pytest.raises(LeaseError) as info:
+        stale.release()
+    where = "test_init_voids_the_leases_held_on_the_record_it_starts_afresh"
+    assert str(info.value) == (
+        f"node 7: lease (pin taken at {stale.taken_at}) "
+        f"already released at {HERE}:{started} in {where}"
+    )
+    assert (rec.state, rec.pins) == ("pinned", 1)
+    assert engine.leases.outstanding() == [kept]
+    kept.release()
+
+
 @pytest.fixture
 def recording() -> Iterator[None]:
     """Record dropped leases during the test, and forget the ones it made afterwards."""

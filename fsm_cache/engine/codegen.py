@@ -79,6 +79,8 @@ class Emitter:
         """Not inline: the regions whose branches say in ``x_<region>`` which effect to run."""
         self.indent = 0
         """Levels added to every line emitted (a step's body inside a chain's loop)."""
+        self.walk = True
+        """In trail mode, whether the fast path being emitted walks past dispatch frames."""
         self.implied: dict[tuple[str, str, str], bool] = {}
         """Per (region, state, event): whether the last guard is implied (:func:`_last_guard_implied`)."""
 
@@ -346,10 +348,11 @@ def compile_fast(
     each transition commits in its branch, writing only what changes: a pin on a
     pinned node writes one counter, as a bare counter does; and each branch reads
     only the counters its guards test, so a pin on a backed node reads its state
-    and its pins once each, as the bare counter reads its count. Without a trail the
-    branch returns there; with one, every branch that did not refuse falls through
-    to the note of the call site: the first frame outside fsm_cache's dispatch files,
-    or with ``walk`` false the immediate caller (``_fire_<event>_at_caller``).
+    and its pins once each, as the bare counter reads its count. With a trail,
+    each commit first notes the call site: the first frame outside fsm_cache's
+    dispatch files, or with ``walk`` false the immediate caller
+    (``_fire_<event>_at_caller``). The note comes before the writes, so a
+    record with no ``trail`` to note on is refused with nothing written.
 
     An event with effects needs ``live``, the effect names bound to a hook that
     does something: once every check has passed, those run in region order (the
@@ -361,6 +364,7 @@ def compile_fast(
     em.event = event
     em.emit(0, f"def {name}(rec):")
     regions = em.system.regions_of(event)
+    em.walk = walk
     if em.trail:
         _find_site(em, walk)
     inline = em.inline = _inlinable(em, event)
@@ -379,8 +383,6 @@ def compile_fast(
     if not inline:
         _system_forbids(em, event)
         _run_then_commit(em, event, calls)
-    if em.trail:
-        _note_site(em, event, walk)
     em.emit(0, "")
     return name
 
@@ -398,7 +400,15 @@ def _read_counters(em: Emitter, event: str, used_only: bool) -> None:
 
 
 def _run_then_commit(em: Emitter, event: str, calls: list[tuple[str, list[str], bool]]) -> None:
-    """Emit, not inline and after every check, the effect calls in region order, then the commit."""
+    """Emit, not inline and after every check, the effect calls in region order, then the commit.
+
+    In trail mode the call site is noted between the effects and the writes
+    (:func:`_note_site`).
+    """
+    if em.trail and calls:
+        _probe_trail(em, 1)
+    if calls:
+        _keep_fields(em, 1)
     for region, names, always in calls:
         if always:
             _call_effect(em, 1, names[0])
@@ -406,6 +416,8 @@ def _run_then_commit(em: Emitter, event: str, calls: list[tuple[str, list[str], 
         for i, effect in enumerate(names):
             em.emit(1, f"{'if' if i == 0 else 'elif'} x_{region} == {effect!r}:")
             _call_effect(em, 2, effect)
+    if em.trail:
+        _note_site(em, event, 1)
     for region in em.system.regions_of(event):
         em.emit(1, f"rec.{region} = n_{region}")
     for counter in _assigned(em.system, event):
@@ -435,12 +447,32 @@ def _call_effect(em: Emitter, depth: int, effect: str) -> None:
     """Emit the call of ``effect``'s hook on ``rec``, a failure raised as EffectFailed.
 
     The message and the chained cause are :func:`runtime.run_effect`'s (the plan
-    path's); ``try`` costs nothing until it catches.
+    path's); ``try`` costs nothing until it catches. Then, as the plan path
+    does, an effect that changed the record's fields (``was``, read by
+    :func:`_keep_fields`) fails too, with :func:`runtime.meddled`'s reason:
+    the writes that follow were computed before it ran.
     """
     em.emit(depth, "try:")
     em.emit(depth + 1, f"_fx_{effect}(rec)")
     em.emit(depth, "except Exception as exc:")
     em.emit(depth + 1, f"raise _effect_failed(exc, {effect!r}, {em.event!r}, rec, _label) from exc")
+    em.emit(depth, f"if {_fields(em.system)} != was:")
+    why = runtime.meddled(em.event)
+    em.emit(
+        depth + 1,
+        f"raise _effect_failed(RuntimeError({why!r}), {effect!r}, {em.event!r}, rec, _label)",
+    )
+
+
+def _keep_fields(em: Emitter, depth: int) -> None:
+    """Emit, before an event's effects run, ``was``: the record's states and counters then."""
+    em.emit(depth, f"was = {_fields(em.system)}")
+
+
+def _fields(system: System) -> str:
+    """Return the tuple expression of a record's states and counters (what an effect may not change)."""
+    names = [*(r for r, _ in system.regions), *(c for c, _ in system.counters)]
+    return f"({', '.join(f'rec.{name}' for name in names)},)"
 
 
 def _find_site(em: Emitter, walk: bool) -> None:
@@ -462,33 +494,53 @@ def _find_site(em: Emitter, walk: bool) -> None:
         em.emit(2, "c = f.f_code")
 
 
-def _note_site(em: Emitter, event: str, walk: bool) -> None:
+def _note_site(em: Emitter, event: str, depth: int) -> None:
     """Emit the note of ``event``'s call site on ``rec.trail``: the frame ``f``'s code and offset.
 
     :func:`_find_site` found the frame (and, walking, its code ``c``). The line
     is looked up only when a refusal names it (:func:`trail.site_of`). A
     record's first note finds its trail None and makes it (``try`` costs
-    nothing until it catches).
+    nothing until it catches). Emitted after every check and effect and
+    before the writes: a record that has no ``trail`` at all raises
+    AttributeError there, with nothing written.
     """
-    code = "c" if walk else "f.f_code"
+    code = "c" if em.walk else "f.f_code"
     entry = f"({event!r}, {code}, f.f_lasti)"
-    em.emit(1, "try:")
-    em.emit(2, f"rec.trail.append({entry})")
-    em.emit(1, "except AttributeError:  # None: the record's first note")
-    em.emit(2, f"rec.trail = _deque(({entry},), maxlen=_history)")
+    em.emit(depth, "try:")
+    em.emit(depth + 1, f"rec.trail.append({entry})")
+    em.emit(depth, "except AttributeError:  # None: the record's first note")
+    em.emit(depth + 1, f"rec.trail = _deque(({entry},), maxlen=_history)")
+
+
+def _probe_trail(em: Emitter, depth: int) -> None:
+    """Emit, in trail mode before an event's effects run, a read of ``rec.trail``.
+
+    A record with no ``trail`` then raises AttributeError before any effect
+    has run, not after (the note that follows the effects would). Only events
+    with effects pay for it.
+    """
+    em.emit(depth, "rec.trail  # a record with no trail is refused before its effects run")
 
 
 def _inlinable(em: Emitter, event: str) -> bool:
     """Whether ``event`` may commit inside its branches: nothing is checked after them.
 
-    That holds with one region and no composition forbid, and where no update
-    assigns one counter twice (each write reads the value on entry).
+    That holds with one region and no composition forbid.
     """
     regions = em.system.regions_of(event)
-    if len(regions) != 1 or em.system.forbids_for(event):
-        return False
-    updates = (t.update for t in em.system.machines[regions[0]].transitions if t.event == event)
-    return all(len({a.counter for a in u.assigns}) == len(u.assigns) for u in updates)
+    return len(regions) == 1 and not em.system.forbids_for(event)
+
+
+def _assigns(tr: Transition) -> tuple[Assign, ...]:
+    """Return the assignments of ``tr``'s update that count, one per counter.
+
+    Each assignment reads the counter's value on entry, as
+    :meth:`~fsm_cache.spec.guards.Update.apply` defines it, so where an update
+    built in Python assigns one counter twice (the grammar refuses that) only
+    the last counts: ``n += 1, n += 1`` adds one, as the spec's meaning says.
+    """
+    last = {a.counter: a for a in tr.update.assigns}
+    return tuple(a for a in tr.update.assigns if last[a.counter] is a)
 
 
 def _used(system: System, event: str) -> set[str]:
@@ -638,7 +690,7 @@ def _read_tested(
     a lone unguarded transition, and not the last when the ones before imply it
     (``implied``). A counter the branch only assigns is read where it
     is written (``rec.pins = rec.pins + 1``): each counter is assigned once in a
-    branch (:func:`_inlinable`), so that read is still the value on entry.
+    branch (:func:`_assigns`), so that read is still the value on entry.
     """
     tested: set[str] = set()
     for forbid in forbids:
@@ -660,7 +712,7 @@ def _transition_body(em: Emitter, region: str, tr: Transition, depth: int) -> No
         _inline_commit(em, region, tr, depth, effect)
         return
     em.emit(depth, f"n_{region} = {tr.dest!r}")
-    for assign in tr.update.assigns:
+    for assign in _assigns(tr):
         em.emit(depth, f"c_{assign.counter} = {_value(assign)}")
     if em.live is None:
         if tr.effect is not None:
@@ -674,27 +726,28 @@ def _transition_body(em: Emitter, region: str, tr: Transition, depth: int) -> No
 def _inline_commit(
     em: Emitter, region: str, tr: Transition, depth: int, effect: str | None
 ) -> None:
-    """Emit, inline, the transition's effect (if live) and then its writes.
+    """Emit, inline, the transition's effect (if live), the trail's note and then its writes.
 
     Values are computed before the effect runs, from the values on entry, as
     the plan computes them before its effects: a constant needs no local.
     """
-    values = [(a.counter, _inline_value(em, region, tr, a)) for a in tr.update.assigns]
+    values = [(a.counter, _inline_value(em, region, tr, a)) for a in _assigns(tr)]
     if effect is not None:
         for counter, value in values:
             if not value.isdigit():
                 em.emit(depth, f"v_{counter} = {value}")
         values = [(c, v if v.isdigit() else f"v_{c}") for c, v in values]
+        if em.trail:
+            _probe_trail(em, depth)
+        _keep_fields(em, depth)
         _call_effect(em, depth, effect)
+    if em.trail:
+        _note_site(em, em.event, depth)
     if tr.dest != em.state:
         em.emit(depth, f"rec.{region} = {tr.dest!r}")
     for counter, value in values:
         em.emit(depth, f"rec.{counter} = {value}")
-    # A trail note follows the branches; a transition that writes nothing needs a body.
-    if not em.trail:
-        em.emit(depth, "return")
-    elif tr.dest == em.state and not values and effect is None:
-        em.emit(depth, "pass")
+    em.emit(depth, "return")
 
 
 def _inline_value(em: Emitter, region: str, tr: Transition, assign: Assign) -> str:

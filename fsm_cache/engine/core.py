@@ -10,7 +10,13 @@ cross-region and tree condition, every ancestor it propagates to) before
 effects run, and effects run before anything is written. A refusal raises the
 spec's error class and leaves every record exactly as it was; an effect that
 raises leaves them unchanged too and is chained as the cause of
-:class:`~fsm_cache.errors.EffectFailed`.
+:class:`~fsm_cache.errors.EffectFailed`. The writes are computed before the
+effects run, so an effect that changes a record the event writes (fires an
+event at it) fails the event too, and the record keeps what the effect left.
+
+An engine takes no lock: an event reads, checks, then writes, so events fired
+at one record from two threads at once may interleave. Callers serialise them
+(the cache is single-threaded and refuses a second thread).
 
 The generated source is in :mod:`linecache` under :attr:`Engine.filename`, so a
 refusal's traceback shows the generated line that refused.
@@ -28,7 +34,14 @@ from fsm_cache.engine import trail as trails
 from fsm_cache.engine.codegen import Compiled, Plan, Refusal, Refuser, Step, Verb, compile_system
 from fsm_cache.engine.lease import Lease, LeaseBook
 from fsm_cache.engine.legal import Legal, unknown_state
-from fsm_cache.engine.runtime import Effect, caller_frame, no_effect, run_effect
+from fsm_cache.engine.runtime import (
+    Effect,
+    caller_frame,
+    effect_failed,
+    meddled,
+    no_effect,
+    run_effect,
+)
 from fsm_cache.errors import BadArgument, FsmCacheError, IllegalTransition, SpecError, error_class
 from fsm_cache.numeric import whole
 from fsm_cache.spec.machine import MachineSpec, Spec, System, as_system
@@ -142,26 +155,67 @@ class Engine:
 
         Raises:
             SpecError: The spec declares no birth of that name.
+            BadArgument: ``birth`` is neither a str nor None.
         """
+        states = self._born(birth, "new")
         rec = self.Record(ident)
-        if birth is not None:
-            self.init(rec, ident, birth)
+        if states is not None:
+            _initialise(self.system, rec, ident, states)
         return rec
 
     def init(self, rec: Any, ident: object, birth: str | None = None) -> None:
         """Put any object with the record's attributes into the initial states (or ``birth``'s).
 
+        The record starts afresh, so a lease still held on it would release
+        a pin or lock of the record's new life: each is void, as a cache's
+        reset voids its leases, and its ``release()`` raises LeaseError
+        naming the caller of ``init`` as where it was released.
+
         Raises:
             SpecError: The spec declares no birth of that name; ``rec`` is unchanged.
+            BadArgument: ``birth`` is neither a str nor None, or ``rec`` cannot
+                hold one of the record's attributes (:attr:`slots`); ``rec``
+                is unchanged.
         """
+        states = self._born(birth, "init")
+        pairs = _initial(self.system, ident, states)
+        was = [getattr(rec, name, _UNSET) for name, _ in pairs]
+        done = 0
         try:
-            states = self.system.born(birth)
+            for name, value in pairs:
+                setattr(rec, name, value)
+                done += 1
+        except (AttributeError, TypeError):
+            for (name, _), old in zip(pairs[:done], was, strict=False):
+                if old is _UNSET:
+                    delattr(rec, name)
+                else:
+                    setattr(rec, name, old)
+            raise BadArgument(
+                f"Engine.init: rec {rec!r} is not a record of {self.system.name}:"
+                f" it cannot hold {pairs[done][0]}"
+            ) from None
+        if self.leases.holding(rec):
+            self.leases.void(trails.caller_site(), rec)
+
+    def _born(self, birth: object, where: str) -> dict[str, str] | None:
+        """Return every region's state at ``birth``, or None for no birth (the initial states).
+
+        Raises:
+            BadArgument: ``birth`` is neither a str nor None.
+            SpecError: The spec declares no birth of that name.
+        """
+        if birth is None:
+            return None
+        if not isinstance(birth, str):
+            raise BadArgument(f"Engine.{where}: birth must be a str or None, got {birth!r}")
+        try:
+            return self.system.born(birth)
         except KeyError:
             known = ", ".join(b.name for b in self.system.births) or "none"
             raise SpecError(
                 [f"{self.system.source}: unknown birth {birth!r} (declared: {known})"]
             ) from None
-        _initialise(self.system, rec, ident, states)
 
     def bad_record(
         self, states: Mapping[str, object], counters: Mapping[str, object]
@@ -181,7 +235,13 @@ class Engine:
         Args:
             states: State by region; a region left out is in its initial state.
             counters: Value by counter; a counter left out has its initial value.
+
+        Raises:
+            BadArgument: ``states`` or ``counters`` is no mapping.
         """
+        for name, given in (("states", states), ("counters", counters)):
+            if not isinstance(given, Mapping):
+                raise BadArgument(f"Engine.bad_record: {name} must be a mapping, got {given!r}")
         return self._legal.problem(states, counters)
 
     @cached_property
@@ -223,11 +283,13 @@ class Engine:
 
         Raises:
             IllegalTransition: The spec refuses the event; ``rec`` is unchanged.
-            EffectFailed: A bound effect raised; ``rec`` is unchanged.
+            EffectFailed: A bound effect raised, and ``rec`` is unchanged; or
+                it changed the states or counters of a record the event
+                writes, which keeps what the effect left.
             SpecError: Unknown event name.
             BadArgument: ``event`` is not a str, or ``rec`` (or an ancestor
                 the event reads) is no record: it lacks an attribute the
-                engine reads; nothing changed.
+                engine reads (in trail mode, ``trail`` too); nothing changed.
         """
         try:
             verb = self._verbs[event]
@@ -292,7 +354,7 @@ class Engine:
         Raises:
             SpecError: Unknown ``acquire`` or ``release`` event; nothing was fired.
             IllegalTransition: The spec refuses ``acquire``; ``rec`` is unchanged.
-            EffectFailed: A bound effect of ``acquire`` raised; ``rec`` is unchanged.
+            EffectFailed: A bound effect of ``acquire`` failed (as for :meth:`fire`).
             BadArgument: An event is not a str, or ``rec`` is no record; nothing was fired.
         """
         undo, take = self._verb(release, "lease"), self._verb(acquire, "lease")
@@ -308,9 +370,9 @@ class Engine:
 
         Raises:
             SpecError: No region is called ``region``.
-            BadArgument: ``rec`` is no record.
+            BadArgument: ``region`` is neither a str nor None, or ``rec`` is no record.
         """
-        machines = [self._machine(region)] if region else self.machines()
+        machines = self.machines() if region is None else [self._machine(region)]
         try:
             return {c: getattr(rec, c) for m in machines for c in m.counter_names}
         except AttributeError:
@@ -362,7 +424,9 @@ class Engine:
 
     def _machine(self, region: str) -> Any:
         """Return ``region``'s machine, or raise SpecError naming the regions there are."""
-        machine = self.system.machines.get(region) if isinstance(region, str) else None
+        if not isinstance(region, str):
+            raise BadArgument(f"Engine.counters: region must be a str or None, got {region!r}")
+        machine = self.system.machines.get(region)
         if machine is None:
             known = ", ".join(r for r, _ in self.system.regions)
             raise SpecError([f"{self.system.source}: unknown region {region!r} (regions: {known})"])
@@ -374,7 +438,9 @@ class Engine:
         Called once something already raised AttributeError, so the per-event
         functions check nothing; if every record has them, the caller re-raises.
         """
-        needed = _slots(self.system)[:-1]  # a trail is read only in trail mode, and may be absent
+        needed = _slots(self.system)
+        if not self.trail:  # a trail is read only in trail mode, and may be absent otherwise
+            needed = needed[:-1]
         node, seen, who = rec, set(), "rec"
         while id(node) not in seen:
             missing = [name for name in needed if not hasattr(node, name)]
@@ -410,12 +476,9 @@ class Engine:
                 )
         return dict(effects)
 
-    def _plans(self, rec: Any, step: Step, first: Plan | None = None) -> list[tuple[Any, Plan]]:
-        """Check ``event`` on ``rec`` (and its ancestors if it propagates); change nothing.
-
-        ``first`` is ``step(rec)`` where the caller has it already.
-        """
-        plans = [(rec, step(rec) if first is None else first)]
+    def _plans(self, rec: Any, step: Step) -> list[tuple[Any, Plan]]:
+        """Check ``event`` on ``rec`` (and its ancestors if it propagates); change nothing."""
+        plans = [(rec, step(rec))]
         if plans[0][1][2]:
             node = getattr(rec, "parent", None)
             while node is not None:
@@ -426,22 +489,24 @@ class Engine:
     def _general(self, event: str) -> Verb:
         effects, on, history, label = self._effects, self.trail, self.history, self.system.label
         step = self._compiled.steps[event]
+        names = [*(r for r, _ in self.system.regions), *(c for c, _ in self.system.counters)]
+
+        def fields(targets: list[tuple[Any, Plan]]) -> list[tuple[object, ...]]:
+            return [tuple(getattr(target, name) for name in names) for target, _ in targets]
 
         def fire(rec: Any) -> None:
-            plan = step(rec)
-            if not plan[2]:  # the common case: this record alone, no list of plans to build
-                assigns, names, _ = plan
-                for name in names:
-                    run_effect(effects[name], name, event, rec, label)
-                for attr, value in assigns:
-                    setattr(rec, attr, value)
-                if on:
-                    rec.trail = trails.note(rec.trail, event, history)
-                return
-            plans = self._plans(rec, step, plan)
-            for target, (_, names, _) in plans:
-                for name in names:
-                    run_effect(effects[name], name, event, target, label)
+            plans = self._plans(rec, step)
+            if on:  # a record with no trail raises here, before any effect or write
+                for target, _ in plans:
+                    target.trail  # noqa: B018 -- read for the AttributeError alone
+            if any(plan[1] for _, plan in plans):
+                was = fields(plans)
+                for target, (_, run, _) in plans:
+                    for name in run:
+                        run_effect(effects[name], name, event, target, label)
+                        if fields(plans) != was:  # the writes below would undo what it did
+                            cause = RuntimeError(meddled(event))
+                            raise effect_failed(cause, name, event, target, label)
             for target, (assigns, _, _) in plans:
                 for attr, value in assigns:
                     setattr(target, attr, value)
@@ -504,16 +569,27 @@ def _unknown_effects(system: System, unknown: Sequence[object]) -> str:
     return f"Engine: effects binds {names}, {which} of {system.name} ({its})"
 
 
+def _initial(
+    system: System, ident: object, states: dict[str, str] | None = None
+) -> list[tuple[str, object]]:
+    """Return a fresh record's attributes and values: its id, every region's state, counters, no trail.
+
+    Each region is in its initial state unless ``states`` says otherwise.
+    """
+    regions = [(r, states[r] if states else m.initial) for r, m in system.regions]
+    return [("id", ident), *regions, *system.counters, ("trail", None)]
+
+
 def _initialise(
     system: System, rec: Any, ident: object, states: dict[str, str] | None = None
 ) -> None:
-    """Set ``rec``'s id, every region's state (initial unless ``states`` says), initial counters, no trail."""
-    rec.id = ident
-    for region, machine in system.regions:
-        setattr(rec, region, states[region] if states else machine.initial)
-    for name, value in system.counters:
+    """Set ``rec``'s attributes to a fresh record's (:func:`_initial`)."""
+    for name, value in _initial(system, ident, states):
         setattr(rec, name, value)
-    rec.trail = None
+
+
+_UNSET = object()
+"""Stands for an attribute an object did not have (``init`` removes it again on a failure)."""
 
 
 def _slots(system: System) -> tuple[str, ...]:

@@ -173,10 +173,17 @@ class LeaseBook:
         """Return the leases still held, oldest site first."""
         return sorted(self._open, key=lambda x: x.serial)
 
-    def void(self, site: trail.Site) -> None:
-        """Close every held lease as released at ``site`` (a reset that drops what they hold).
+    def holding(self, record: Any) -> bool:
+        """Return whether a lease of this book still holds ``record``."""
+        return any(lease.record is record for lease in self._open)
 
-        A later release of a voided lease raises LeaseError naming ``site``.
+    def void(self, site: trail.Site, record: Any = None) -> None:
+        """Close every held lease (on ``record`` only, if given) as released at ``site``.
+
+        What a reset that drops what the leases hold does: a cache's ``reset``
+        voids them all, :meth:`~fsm_cache.engine.core.Engine.init` those on the
+        record it starts afresh. A later release of a voided lease raises
+        LeaseError naming ``site``.
 
         Raises:
             BadArgument: ``site`` is not a :class:`~fsm_cache.engine.trail.Site`
@@ -185,8 +192,9 @@ class LeaseBook:
         if not isinstance(site, trail.Site):
             raise BadArgument(f"LeaseBook.void: site must be a Site, got {site!r}")
         for lease in self.outstanding():
-            lease.released_at = site
-            self._open.discard(lease)
+            if record is None or lease.record is record:
+                lease.released_at = site
+                self._open.discard(lease)
 
 
 _BOOKS: weakref.WeakSet[LeaseBook] = weakref.WeakSet()

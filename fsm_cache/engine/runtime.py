@@ -25,6 +25,7 @@ __all__ = [
     "caller_frame",
     "child_in",
     "effect_failed",
+    "meddled",
     "no_effect",
     "parent_in",
     "run_effect",
@@ -76,6 +77,22 @@ def effect_failed(exc: Exception, name: str, event: str, rec: Any, label: str) -
     fast paths generated code runs, which raise it ``from exc`` themselves.
     """
     return EffectFailed(f"{label} {rec.id}: effect {name} of {event} failed: {exc}")
+
+
+def meddled(event: str) -> str:
+    """Return why an effect of ``event`` that changed its record's states or counters failed.
+
+    The engine computed its writes from the values before the effect ran:
+    committing them would overwrite what the effect did (an event it fired
+    at the same record, say a copy that completed at once and fired its
+    acknowledgement), so the event is not applied, and the record keeps what
+    the effect left. Generated code raises it as :func:`effect_failed`'s
+    cause, the text emitted as a literal.
+    """
+    return (
+        "it changed the record's states or counters (did it fire an event at the record?);"
+        f" {event} was not applied"
+    )
 
 
 def no_effect(rec: Any) -> None:
