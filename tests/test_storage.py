@@ -1254,3 +1254,48 @@ def test_codec_pages_of_the_second_format_are_still_read(tmp_path: Path) -> None
     claiming = b"FSMPAGE2" + codec.encode(key, page)[8:]  # one bit of the magic flipped
     with pytest.raises(CorruptPage, match=r"^there: not a valid page .*: crc32 of the bytes is "):
         codec.decode("there", key, claiming)
+
+
+class LosesAnAnswer(fakeredis.FakeRedis):
+    """A client (or proxy) whose round trips lose their last answer once ``losing`` is set."""
+
+    losing = False
+
+    def pipeline(self, transaction: bool = True, shard_hint: object = None) -> Any:
+        pipe = super().pipeline(transaction=transaction, shard_hint=shard_hint)
+        execute = pipe.execute
+
+        def short(raise_on_error: bool = True) -> list[object]:
+            return self._short(execute(raise_on_error))
+
+        setattr(pipe, "execute", short)  # noqa: B010 (a method of the instance)
+        return pipe
+
+    def mget(self, keys: Any, *args: Any) -> Any:
+        return self._short(super().mget(keys, *args))
+
+    def _short(self, answers: list[Any]) -> list[Any]:
+        return answers[:-1] if self.losing else answers
+
+
+def test_redis_a_round_trip_short_of_an_answer_is_store_failed_not_shifted() -> None:
+    """Answers are matched to pages by position: one lost would acknowledge a page never stored."""
+    server = fakeredis.FakeServer()
+    client = LosesAnAnswer(server=server, host="127.0.0.1", port=6399)
+    store = RedisStore(client, batch_pages=2)
+    keys, pages = page_keys(NS, list(range(24))), pages_of(6)
+    client.losing = True
+    failures: dict[str, tuple[Callable[[], object], str]] = {
+        "put": (lambda: store.put(keys, pages), "answers to 1 of 2 commands"),
+        "exists": (lambda: store.exists_prefix(keys), "answers to 1 of 2 commands"),
+        "get": (lambda: store.get(keys), "answers to 0 of 1 commands"),
+    }
+    for operation, (call, cause) in failures.items():
+        with pytest.raises(StoreFailed) as caught:
+            call()
+        assert str(caught.value) == (
+            f"redis 127.0.0.1:6399: {operation} failed after 0 of 6 pages: {cause}"
+        )
+        assert caught.value.acknowledged == 0
+    client.losing = False
+    assert store.exists_prefix(keys) == 2  # the first batch landed; its answer did not
