@@ -36,7 +36,7 @@ Every error the library raises on bad input or an illegal step derives from
         ├── CorruptPage           a stored page's header does not match (torn or foreign)
         ├── PageInUse             a page a read holds may not be dropped
         ├── StorageFull           a capacity reservation larger than what is free
-        └── ReservationError      a reservation committed or aborted twice
+        └── ReservationError      a reservation settled twice, or by another budget
 
 Tools add their own under the root: ``DiagramError`` (diagram), ``AuditError``
 (audit), ``ReadOnlyCounter`` (compat.sglang), ``OutputError`` (cli: a generated
@@ -394,4 +394,4 @@ class StorageFull(StorageError):
 
 
 class ReservationError(StorageError):
-    """A capacity reservation was committed or aborted after it was already settled."""
+    """A capacity reservation was settled twice, or by a budget other than the one that made it."""

@@ -1299,3 +1299,21 @@ def test_redis_a_round_trip_short_of_an_answer_is_store_failed_not_shifted() -> 
         assert caught.value.acknowledged == 0
     client.losing = False
     assert store.exists_prefix(keys) == 2  # the first batch landed; its answer did not
+
+
+@pytest.mark.parametrize("how", ["commit", "abort"])
+def test_a_reservation_settles_only_in_the_budget_that_made_it(how: str) -> None:
+    """Another budget's reservation is refused: settling it would count bytes never reserved."""
+    mine, other = Budget("disk", 100), Budget("other", 100)
+    reservation = other.reserve(60)
+    with pytest.raises(ReservationError) as caught:
+        getattr(mine, how)(reservation)
+    want = "committed" if how == "commit" else "aborted"
+    assert (
+        str(caught.value)
+        == f"disk: reservation 1 (60 bytes) cannot be {want}: another budget made it"
+    )
+    assert (mine.used_bytes, mine.reserved_bytes, mine.free()) == (0, 0, 100)
+    assert (other.reserved_bytes, reservation.settled) == (60, "")
+    getattr(other, how)(reservation)
+    assert other.reserved_bytes == 0
