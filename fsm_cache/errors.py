@@ -317,7 +317,8 @@ class StoreFailed(StorageError):
 
     The pages of a put are acknowledged in order, so what survives is a prefix:
     pages ``[0, acknowledged)`` were stored (or already present) before the
-    failure; nothing after them was, and no partial page is left readable.
+    failure; the rest are not known to be (a Redis batch whose answer was lost
+    may have landed), and no partial page is left readable.
 
     Attributes:
         where: The store (``redis 127.0.0.1:6379``, ``local /var/kv``).
