@@ -36,7 +36,7 @@ Every error the library raises on bad input or an illegal step derives from
         ├── CorruptPage           a stored page's header does not match (torn or foreign)
         ├── PageInUse             a page a read holds may not be dropped
         ├── StorageFull           a capacity reservation larger than what is free
-        └── ReservationError      a reservation committed or aborted twice
+        └── ReservationError      a reservation settled twice, or by another budget
 
 Tools add their own under the root: ``DiagramError`` (diagram), ``AuditError``
 (audit), ``ReadOnlyCounter`` (compat.sglang), ``OutputError`` (cli: a generated
@@ -317,7 +317,8 @@ class StoreFailed(StorageError):
 
     The pages of a put are acknowledged in order, so what survives is a prefix:
     pages ``[0, acknowledged)`` were stored (or already present) before the
-    failure; nothing after them was, and no partial page is left readable.
+    failure; the rest are not known to be (a Redis batch whose answer was lost
+    may have landed), and no partial page is left readable.
 
     Attributes:
         where: The store (``redis 127.0.0.1:6379``, ``local /var/kv``).
@@ -394,4 +395,4 @@ class StorageFull(StorageError):
 
 
 class ReservationError(StorageError):
-    """A capacity reservation was committed or aborted after it was already settled."""
+    """A capacity reservation was settled twice, or by a budget other than the one that made it."""

@@ -898,7 +898,8 @@ def test_codec_refuses_a_header_naming_a_quantized_dtype(dtype: torch.dtype) -> 
     key, body = page_keys(NS, list(range(4)))[0], bytes(4)
 
     def value(name: str, shape: list[int]) -> bytes:
-        crc = f"{zlib.crc32(body):08x}"
+        covered = json.dumps([key, name, shape, 4], separators=(",", ":")).encode()
+        crc = f"{zlib.crc32(body, zlib.crc32(covered)):08x}"
         fields = {"key": key, "dtype": name, "shape": shape, "nbytes": 4, "crc32": crc}
         head = json.dumps(fields, separators=(",", ":")).encode()
         return struct.pack("<8sI", codec.MAGIC, len(head)) + head + body
@@ -1044,9 +1045,11 @@ def test_codec_a_torn_page_of_intact_length_is_corrupt(tmp_path: Path) -> None:
     value = codec.encode(keys[1], pages[1])
     torn = value[:-16] + bytes(16)
     body = torn[len(codec.header(keys[1], pages[1])) :]
+    covered = json.dumps([keys[1], "bfloat16", list(pages[1].shape), 256], separators=(",", ":"))
+    start = zlib.crc32(covered.encode())
     problem = (
-        f"crc32 of the bytes is {zlib.crc32(body):08x}, "
-        f"the header says {zlib.crc32(value[-256:]):08x}"
+        f"crc32 of the header and bytes is {zlib.crc32(body, start):08x}, "
+        f"the header says {zlib.crc32(value[-256:], start):08x}"
     )
     with pytest.raises(CorruptPage) as caught:
         codec.decode("there", keys[1], torn)
@@ -1182,3 +1185,135 @@ def test_local_a_page_that_cannot_be_deleted_is_store_failed(tmp_path: Path) -> 
         f"IsADirectoryError: [Errno 21] Is a directory: '{path}'"
     )
     assert (store.exists_prefix(keys[:1]), store.capacity().used_bytes) == (0, 0)
+
+
+def rewritten(value: bytes, old: bytes, new: bytes) -> bytes:
+    """Return the stored page ``value`` with ``old`` replaced by ``new`` in its header (resized)."""
+    magic, length = struct.unpack_from("<8sI", value)
+    head = value[12 : 12 + length]
+    assert old in head
+    head = head.replace(old, new)
+    return struct.pack("<8sI", magic, len(head)) + head + value[12 + length :]
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (b'"dtype":"bfloat16"', b'"dtype":"float16"'),  # another dtype of the same size
+        (b'"shape":[2,2,4,2,4]', b'"shape":[4,2,2,2,4]'),  # two dims swapped: two bits
+    ],
+    ids=["dtype", "shape"],
+)
+def test_codec_a_header_naming_another_dtype_or_shape_of_its_bytes_is_corrupt(
+    old: bytes, new: bytes
+) -> None:
+    """The checksum covers the header's fields: the same bytes under another dtype are not the page."""
+    key, page = page_keys(NS, list(range(4)))[0], pages_of(1)[0]
+    lying = rewritten(codec.encode(key, page), old, new)
+    with pytest.raises(CorruptPage) as caught:
+        codec.decode("there", key, lying)
+    assert caught.value.problem.startswith("crc32 of the header and bytes is ")
+
+
+INT3: torch.dtype = torch.int3  # type: ignore[attr-defined]  # a sub-byte dtype torch's stubs omit
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, INT3], ids=str)
+def test_codec_every_bit_flipped_in_a_header_is_corrupt(dtype: torch.dtype) -> None:
+    """No single bit flipped in a header (magic, length, JSON) reads as a page: int3 became int1."""
+    key = page_keys(NS, list(range(4)))[0]
+    page = torch.arange(24, dtype=torch.uint8).view(dtype).reshape(2, -1)
+    value = codec.encode(key, page)
+    for at in range(len(codec.header(key, page))):
+        for bit in range(8):
+            flipped = bytearray(value)
+            flipped[at] ^= 1 << bit
+            with pytest.raises(CorruptPage):
+                codec.decode("there", key, bytes(flipped))
+
+
+def test_codec_pages_of_the_second_format_are_still_read(tmp_path: Path) -> None:
+    """FSMPAGE2 pages (checksum of the bytes alone) read back; FSMPAGE3 pages claiming it do not."""
+    key, page = page_keys(NS, list(range(4)))[0], pages_of(1)[0]
+    body = codec.encode(key, page)[-256:]
+    fields = {"key": key, "dtype": "bfloat16", "shape": list(page.shape), "nbytes": 256}
+    fields["crc32"] = f"{zlib.crc32(body):08x}"
+    head = json.dumps(fields, separators=(",", ":")).encode()
+    second = struct.pack("<8sI", b"FSMPAGE2", len(head)) + head + body
+    assert same([codec.decode("here", key, second)], [page])
+    store = LocalFileStore(tmp_path)
+    store.path(key).parent.mkdir()
+    store.path(key).write_bytes(second)
+    assert same(store.get([key]), [page])
+    torn = second[:-1] + b"\xff"
+    with pytest.raises(CorruptPage) as caught:
+        codec.decode("there", key, torn)
+    assert caught.value.problem == (
+        f"crc32 of the bytes is {zlib.crc32(torn[-256:]):08x}, the header says {fields['crc32']}"
+    )
+    claiming = b"FSMPAGE2" + codec.encode(key, page)[8:]  # one bit of the magic flipped
+    with pytest.raises(CorruptPage, match=r"^there: not a valid page .*: crc32 of the bytes is "):
+        codec.decode("there", key, claiming)
+
+
+class LosesAnAnswer(fakeredis.FakeRedis):
+    """A client (or proxy) whose round trips lose their last answer once ``losing`` is set."""
+
+    losing = False
+
+    def pipeline(self, transaction: bool = True, shard_hint: object = None) -> Any:
+        pipe = super().pipeline(transaction=transaction, shard_hint=shard_hint)
+        execute = pipe.execute
+
+        def short(raise_on_error: bool = True) -> list[object]:
+            return self._short(execute(raise_on_error))
+
+        setattr(pipe, "execute", short)  # noqa: B010 (a method of the instance)
+        return pipe
+
+    def mget(self, keys: Any, *args: Any) -> Any:
+        return self._short(super().mget(keys, *args))
+
+    def _short(self, answers: list[Any]) -> list[Any]:
+        return answers[:-1] if self.losing else answers
+
+
+def test_redis_a_round_trip_short_of_an_answer_is_store_failed_not_shifted() -> None:
+    """Answers are matched to pages by position: one lost would acknowledge a page never stored."""
+    server = fakeredis.FakeServer()
+    client = LosesAnAnswer(server=server, host="127.0.0.1", port=6399)
+    store = RedisStore(client, batch_pages=2)
+    keys, pages = page_keys(NS, list(range(24))), pages_of(6)
+    client.losing = True
+    failures: dict[str, tuple[Callable[[], object], str]] = {
+        "put": (lambda: store.put(keys, pages), "answers to 1 of 2 commands"),
+        "exists": (lambda: store.exists_prefix(keys), "answers to 1 of 2 commands"),
+        "get": (lambda: store.get(keys), "answers to 0 of 1 commands"),
+    }
+    for operation, (call, cause) in failures.items():
+        with pytest.raises(StoreFailed) as caught:
+            call()
+        assert str(caught.value) == (
+            f"redis 127.0.0.1:6399: {operation} failed after 0 of 6 pages: {cause}"
+        )
+        assert caught.value.acknowledged == 0
+    client.losing = False
+    assert store.exists_prefix(keys) == 2  # the first batch landed; its answer did not
+
+
+@pytest.mark.parametrize("how", ["commit", "abort"])
+def test_a_reservation_settles_only_in_the_budget_that_made_it(how: str) -> None:
+    """Another budget's reservation is refused: settling it would count bytes never reserved."""
+    mine, other = Budget("disk", 100), Budget("other", 100)
+    reservation = other.reserve(60)
+    with pytest.raises(ReservationError) as caught:
+        getattr(mine, how)(reservation)
+    want = "committed" if how == "commit" else "aborted"
+    assert (
+        str(caught.value)
+        == f"disk: reservation 1 (60 bytes) cannot be {want}: another budget made it"
+    )
+    assert (mine.used_bytes, mine.reserved_bytes, mine.free()) == (0, 0, 100)
+    assert (other.reserved_bytes, reservation.settled) == (60, "")
+    getattr(other, how)(reservation)
+    assert other.reserved_bytes == 0

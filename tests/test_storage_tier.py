@@ -7,11 +7,15 @@ review found in how the tier treats what a store gives back.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import fakeredis
+import redis
 
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.storage_tier import StorageConfig
 from fsm_cache.memory.tiers import CacheConfig
-from fsm_cache.storage import LocalFileStore, Store
+from fsm_cache.storage import LocalFileStore, RedisStore, Store
 
 
 PAGE = 4
@@ -54,3 +58,35 @@ def test_a_page_of_another_shape_is_dropped_like_a_torn_one(tmp_path: Path) -> N
     assert store.exists_prefix(keys) == 0
     reader.match_prefix(toks)  # nothing stored: nothing fetched, nothing failed again
     assert dict(reader.stats().storage_failures) == {"fetch:corrupt": 1}
+
+
+class NoDelete(fakeredis.FakeRedis):
+    """A client whose ACL user may read and write pages but not delete them."""
+
+    def delete(self, *names: Any) -> int:
+        raise redis.exceptions.NoPermissionError(
+            "NOPERM User reader has no permissions to run 'del'"
+        )
+
+
+def test_a_torn_page_the_store_cannot_drop_still_ends_the_prefix_before_it() -> None:
+    """A drop the store refuses (a user without DEL, a read-only folder) keeps the intact prefix.
+
+    The fetch failed whole when the drop raised: the pages before the torn one
+    were thrown away too, and every later lookup fetched and failed again.
+    """
+    server = fakeredis.FakeServer()
+    toks = list(range(1000, 1000 + 3 * PAGE))
+    writer = cache(RedisStore(fakeredis.FakeRedis(server=server)))
+    writer.insert(toks)
+    writer.poll()  # the host backup lands: the store starts
+    writer.poll()  # the store lands
+    keys = list(writer.storage.keys_of(next(iter(writer.tree))))  # type: ignore[union-attr]
+    raw = fakeredis.FakeRedis(server=server)
+    name = f"fsm:page:{keys[1]}"
+    raw.set(name, raw.get(name)[:-8])  # type: ignore[index]
+    reader = cache(RedisStore(NoDelete(server=server)), prefetch_policy="wait")
+    assert reader.match_prefix(toks).host_len == PAGE
+    assert reader.log.storage_acks() == [("prefetch", ((1, "fetch", 1, "corrupt"),))]
+    assert raw.exists(name)  # left for a read that may drop it
+    assert reader.match_prefix(toks).host_len == PAGE  # the intact page stays cached

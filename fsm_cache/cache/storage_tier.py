@@ -343,14 +343,17 @@ def _get(store: Store, keys: Sequence[str], shape: tuple[int, ...]) -> StoreResu
 
 
 def _drop_bad(store: Store, key: str) -> None:
-    """Drop a page that is not a host page's KV; one a read holds is left for a later drop.
+    """Drop a page that is not a host page's KV; one the store will not drop now is left.
 
-    The pages before it are intact and still used: the next read that meets
-    the page (once no read holds it) drops it.
+    A read may hold it (``PageInUse``), or the store may refuse to delete (a
+    read-only folder, a Redis user without ``DEL``: ``StoreFailed``). The
+    pages before it are intact and still used either way: failing the whole
+    read would throw them away at every lookup that meets the page, and the
+    next read that meets it tries the drop again.
     """
     try:
         store.drop([key])
-    except PageInUse:
+    except (PageInUse, StoreFailed):
         return
 
 

@@ -154,7 +154,8 @@ class Store(Protocol):
 
         Raises:
             StoreFailed: The store went away part-way; its ``acknowledged``
-                leading pages are held, the rest are not.
+                leading pages are held, the rest are not known to be (a
+                batch whose answer was lost may have landed).
         """
         ...
 

@@ -25,11 +25,13 @@ class Reservation:
         ident: A number unique within its budget, for messages.
         nbytes: The bytes reserved.
         settled: ``""`` while open, then ``committed`` or ``aborted``.
+        budget: The budget that made it, which alone may settle it.
     """
 
     ident: int
     nbytes: int
     settled: str = field(default="")
+    budget: Budget | None = field(default=None, repr=False, compare=False)
 
 
 class Budget:
@@ -88,14 +90,15 @@ class Budget:
         if free is not None and nbytes > free:
             raise StorageFull(self.where, nbytes, free)
         self.reserved_bytes += nbytes
-        return Reservation(next(self._idents), nbytes)
+        return Reservation(next(self._idents), nbytes, budget=self)
 
     def commit(self, reservation: Reservation) -> None:
         """Count a finished write's bytes as used.
 
         Raises:
             BadArgument: ``reservation`` is not a :class:`Reservation`; nothing changed.
-            ReservationError: The reservation was already settled; nothing changed.
+            ReservationError: The reservation was already settled, or another
+                budget made it; nothing changed.
         """
         self._settle(reservation, "committed")
         self.used_bytes += reservation.nbytes
@@ -105,7 +108,8 @@ class Budget:
 
         Raises:
             BadArgument: ``reservation`` is not a :class:`Reservation`; nothing changed.
-            ReservationError: The reservation was already settled; nothing changed.
+            ReservationError: The reservation was already settled, or another
+                budget made it; nothing changed.
         """
         self._settle(reservation, "aborted")
 
@@ -121,6 +125,11 @@ class Budget:
         if not isinstance(reservation, Reservation):
             raise BadArgument(
                 f"reservation must be a Reservation, not {type(reservation).__name__}"
+            )
+        if reservation.budget is not self:  # its bytes were never reserved here
+            raise ReservationError(
+                f"{self.where}: reservation {reservation.ident} ({reservation.nbytes} bytes) "
+                f"cannot be {how}: another budget made it"
             )
         if reservation.settled:
             raise ReservationError(

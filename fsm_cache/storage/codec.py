@@ -4,20 +4,27 @@ Both backends store a page this way, the header and the bytes together in one
 file or one Redis value, so a page is either whole or absent: LMCache's Redis
 connector kept them under two keys, and a server that evicted the bytes left a
 header that promised a page it could not give. The header and a checksum of
-the bytes are verified on every read, so a torn file (even one of intact length
-whose last blocks were lost), a foreign file or a page under the wrong key is a
+the header's fields and the bytes are verified on every read, so a torn file
+(even one of intact length whose last blocks were lost), a foreign file, a page
+under the wrong key or a header whose dtype or shape changed is a
 :class:`~fsm_cache.errors.CorruptPage`, never wrong KV.
 
-Layout: ``FSMPAGE2``, a 4-byte little-endian header length, the header as
+Layout: ``FSMPAGE3``, a 4-byte little-endian header length, the header as
 compact JSON (``key``, ``dtype``, ``shape``, ``nbytes``, and ``crc32``: the
-CRC-32 of the bytes as 8 lowercase hex digits, fixed width so a page's size is
-known before its bytes are hashed), then ``nbytes`` bytes. The bytes are the
-tensor's memory as is, so every dtype (float8 included) round-trips bit for
-bit; torch alone moves them (no numpy). Quantized dtypes are the exception:
-their bytes mean nothing without a scale, so a page of one is refused and a
-header naming one is corrupt. Pages of the first format
-(``FSMPAGE1``, no checksum) are refused as corrupt: their bytes cannot be
-verified.
+CRC-32 of the other four fields, as the JSON list ``[key, dtype, shape,
+nbytes]``, followed by the bytes, as 8 lowercase hex digits, fixed width so a
+page's size is known before its bytes are hashed), then ``nbytes`` bytes. The
+bytes are the tensor's memory as is, so every dtype (float8 included)
+round-trips bit for bit; torch alone moves them (no numpy). Quantized dtypes
+are the exception: their bytes mean nothing without a scale, so a page of one
+is refused and a header naming one is corrupt.
+
+Pages of the second format (``FSMPAGE2``, whose checksum covers the bytes
+alone) are still read, so a store written before keeps its pages: a header of
+theirs whose dtype or shape changed to another of the same length goes
+unnoticed, which the cache's check of a page's shape and dtype covers. Pages
+of the first format (``FSMPAGE1``, no checksum) are refused as corrupt: their
+bytes cannot be verified.
 """
 
 from __future__ import annotations
@@ -40,11 +47,16 @@ from fsm_cache.storage.base import check_sequence
 from fsm_cache.storage.keys import check_keys
 
 
-MAGIC = b"FSMPAGE2"
+MAGIC = b"FSMPAGE3"
+"""The format written: the checksum covers the header's fields and the bytes."""
+BYTES_ONLY_MAGIC = b"FSMPAGE2"
+"""The second format's magic: the checksum covers the bytes alone; read, never written."""
 OLD_MAGIC = b"FSMPAGE1"
 """The first format's magic: pages without a checksum, read as corrupt."""
 _PREFIX = struct.Struct("<8sI")
 _MAX_HEADER = 1 << 16
+_CHECKED = frozenset({MAGIC, BYTES_ONLY_MAGIC})
+"""The magics of the formats read: both have a checksum."""
 _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 """The quantized dtypes: torch offers no test of a dtype (``is_quantized`` is a tensor's)."""
 
@@ -56,9 +68,11 @@ class Header(NamedTuple):
         dtype: The page's dtype.
         shape: The page's shape.
         nbytes: The length of the bytes after the header.
-        crc32: The CRC-32 of those bytes, as 8 lowercase hex digits (as read:
-            compared, never trusted to be well formed).
+        crc32: The CRC-32 of ``covered`` and those bytes, as 8 lowercase hex
+            digits (as read: compared, never trusted to be well formed).
         start: Where the bytes start in the stored value.
+        covered: The header's fields the checksum covers before the bytes
+            (:func:`_covered`); empty in the second format.
     """
 
     dtype: torch.dtype
@@ -66,6 +80,7 @@ class Header(NamedTuple):
     nbytes: int
     crc32: object
     start: int
+    covered: bytes
 
 
 def check_pages(keys: Sequence[str], pages: Sequence[torch.Tensor]) -> None:
@@ -143,25 +158,36 @@ def dense(page: torch.Tensor) -> torch.Tensor:
 
 def header(key: str, page: torch.Tensor) -> bytes:
     """Return the bytes that precede a contiguous ``page``'s bytes under ``key``."""
-    return _header(key, page, zlib.crc32(raw_bytes(page)))
+    return _header(key, page, raw_bytes(page))
 
 
 def stored_bytes(key: str, page: torch.Tensor) -> int:
     """Return what ``page`` takes stored under ``key``, header included, without hashing it."""
-    return len(_header(key, page, 0)) + page.numel() * page.element_size()
+    return len(_header(key, page, None)) + page.numel() * page.element_size()
 
 
-def _header(key: str, page: torch.Tensor, crc: int) -> bytes:
-    """Return the header of ``page`` under ``key`` with checksum ``crc`` (its length is crc's alone)."""
-    fields = {
-        "key": key,
-        "dtype": _dtype_name(page.dtype),
-        "shape": list(page.shape),
-        "nbytes": page.numel() * page.element_size(),
-        "crc32": f"{crc:08x}",
-    }
+def _header(key: str, page: torch.Tensor, data: memoryview | None) -> bytes:
+    """Return the header of ``page`` under ``key``, its checksum over ``data`` (0 when None).
+
+    The header's length does not depend on the checksum (fixed width), so
+    :func:`stored_bytes` need not hash the page.
+    """
+    name, shape = _dtype_name(page.dtype), list(page.shape)
+    nbytes = page.numel() * page.element_size()
+    crc = 0 if data is None else zlib.crc32(data, zlib.crc32(_covered(key, name, shape, nbytes)))
+    fields = {"key": key, "dtype": name, "shape": shape, "nbytes": nbytes, "crc32": f"{crc:08x}"}
     encoded = json.dumps(fields, separators=(",", ":")).encode()
     return _PREFIX.pack(MAGIC, len(encoded)) + encoded
+
+
+def _covered(key: object, dtype: object, shape: object, nbytes: object) -> bytes:
+    """Return the header's fields as the checksum covers them: a compact JSON list.
+
+    Encoded from the values, not copied from the stored header, so writer and
+    reader agree on them byte for byte; a header that names another dtype or
+    shape (a bit flipped, a writer's bug) fails the checksum.
+    """
+    return json.dumps([key, dtype, shape, nbytes], separators=(",", ":")).encode()
 
 
 def raw_bytes(page: torch.Tensor) -> memoryview:
@@ -248,7 +274,7 @@ def read(path: str, key: str, *, folder: int | None = None) -> torch.Tensor:
         if not stat.S_ISREG(info.st_mode):
             raise CorruptPage(path, key, "not a regular file")
         head = os.read(fd, _PREFIX.size)
-        if len(head) == _PREFIX.size and head.startswith(MAGIC):
+        if len(head) == _PREFIX.size and head[: len(MAGIC)] in _CHECKED:
             head += os.read(fd, min(_PREFIX.unpack(head)[1], _MAX_HEADER))
         parsed = _parse(path, key, head)
         if info.st_size != parsed.start + parsed.nbytes:
@@ -274,9 +300,10 @@ def _read_into(fd: int, path: str, key: str, nbytes: int) -> torch.Tensor:
 
 def _verified(where: str, key: str, head: Header, page: torch.Tensor) -> torch.Tensor:
     """Return the bytes ``page`` as the header's dtype and shape, once their checksum matches."""
-    crc = f"{zlib.crc32(raw_bytes(page)):08x}"
+    crc = f"{zlib.crc32(raw_bytes(page), zlib.crc32(head.covered)):08x}"
     if crc != head.crc32:
-        problem = f"crc32 of the bytes is {crc}, the header says {str(head.crc32)[:8]}"
+        covers = "header and bytes" if head.covered else "bytes"
+        problem = f"crc32 of the {covers} is {crc}, the header says {str(head.crc32)[:8]}"
         raise CorruptPage(where, key, problem)
     return page.view(head.dtype).reshape(head.shape)
 
@@ -285,9 +312,9 @@ def _parse(where: str, key: str, head: bytes) -> Header:
     """Return what a header declares, and where the bytes start."""
     if head[: len(OLD_MAGIC)] == OLD_MAGIC:
         raise CorruptPage(where, key, "a page of the first format (FSMPAGE1), with no checksum")
-    if len(head) < _PREFIX.size or head[: len(MAGIC)] != MAGIC:
+    if len(head) < _PREFIX.size or head[: len(MAGIC)] not in _CHECKED:
         raise CorruptPage(where, key, "no page header")
-    _, length = _PREFIX.unpack_from(head)
+    magic, length = _PREFIX.unpack_from(head)
     start = _PREFIX.size + length
     if len(head) < start:
         raise CorruptPage(
@@ -308,7 +335,8 @@ def _parse(where: str, key: str, head: bytes) -> Header:
         raise CorruptPage(where, key, f"header's dtype is {unstored}")
     if not isinstance(dtype, torch.dtype) or not _sized(shape, nbytes, dtype):
         raise CorruptPage(where, key, f"header's {name} {shape} does not make {nbytes} bytes")
-    return Header(dtype, shape, nbytes, crc, start)
+    covered = _covered(found, name, shape, nbytes) if magic == MAGIC else b""
+    return Header(dtype, shape, nbytes, crc, start, covered)
 
 
 def _sized(shape: object, nbytes: object, dtype: torch.dtype) -> bool:

@@ -12,7 +12,9 @@ The server owns eviction (``maxmemory`` with an ``allkeys-lru`` policy): pages
 vanish whenever it needs room, so :meth:`RedisStore.exists_prefix` is a hint and
 :meth:`RedisStore.get` may return fewer pages than it said. A server that goes
 away fails the operation with :class:`~fsm_cache.errors.StoreFailed`, which says
-how many leading pages of a put were acknowledged. Needs the ``redis`` client
+how many leading pages of a put were acknowledged; so does a round trip answered
+with another count of answers than it sent commands, since answers are matched
+to pages by position. Needs the ``redis`` client
 package (the ``storage`` extra).
 """
 
@@ -132,7 +134,7 @@ class RedisStore:
             pipe = self._client.pipeline(transaction=False)
             for key in keys[batch.start : batch.stop]:
                 pipe.exists(self._name(key))
-            answers = self._call("exists", count, len(keys), pipe.execute)
+            answers = self._answers("exists", count, len(keys), pipe.execute, len(batch))
             for answer in answers:
                 if not answer:
                     return count
@@ -152,7 +154,8 @@ class RedisStore:
         while len(pages) < len(keys):
             start = len(pages)
             names = [self._name(key) for key in keys[start : start + step]]
-            values = self._call("get", start, len(keys), partial(self._client.mget, names))
+            read = partial(self._client.mget, names)
+            values = self._answers("get", start, len(keys), read, len(names))
             for index, value in enumerate(cast("list[bytes | None]", values), start):
                 if value is None:
                     return pages
@@ -171,8 +174,10 @@ class RedisStore:
         server answered them.
 
         Raises:
-            StoreFailed: The server went away; ``acknowledged`` leading pages
-                were stored before it did.
+            StoreFailed: The server went away, or answered a batch with another
+                count of answers than it sent pages; ``acknowledged`` leading
+                pages were stored before, and the batch it failed in may have
+                landed in part.
         """
         codec.check_pages(keys, pages)
         sizes = [page.numel() * page.element_size() for page in pages]
@@ -187,7 +192,8 @@ class RedisStore:
             ):
                 pipe.set(self._name(key), codec.encode(key, page), nx=True)
             done = stored_prefix(results)
-            answers = self._call("put", done, len(keys), partial(pipe.execute, False))
+            send = partial(pipe.execute, False)
+            answers = self._answers("put", done, len(keys), send, len(batch))
             results.extend(self._result(answer, done, len(keys)) for answer in answers)
         return results
 
@@ -253,6 +259,22 @@ class RedisStore:
             raise StoreFailed(
                 self.where, operation, acknowledged=done, total=total, cause=str(exc)
             ) from exc
+
+    def _answers(
+        self, operation: str, done: int, total: int, call: Callable[[], object], sent: int
+    ) -> list[object]:
+        """Run one round trip of ``sent`` commands; answers of another count are a :class:`StoreFailed`.
+
+        Answers are matched to pages by position: a client or proxy that lost
+        one would shift the rest onto the wrong pages, so a put would
+        acknowledge a page never stored and a prefix count would run past a gap.
+        """
+        answers = self._call(operation, done, total, call)
+        if not isinstance(answers, list) or len(answers) != sent:
+            got = len(answers) if isinstance(answers, list) else type(answers).__name__
+            cause = f"answers to {got} of {sent} commands"
+            raise StoreFailed(self.where, operation, acknowledged=done, total=total, cause=cause)
+        return answers
 
     def batches(self, sizes: Sequence[int]) -> Iterator[range]:
         """Split pages of ``sizes`` bytes into the runs one round trip each carries.
