@@ -148,7 +148,7 @@ def test_other_controls_match_exactly() -> None:
 @pytest.mark.parametrize("path", shipped_spec_paths(), ids=lambda p: p.name)
 def test_shipped_specs_hold_in_the_model_checker(path: Path) -> None:
     """On three nodes; a spec with a storage region on one fewer than its own size, to stay short."""
-    nodes, locks = check.sized(path, None, None)
+    nodes, _, locks = check.sized(path, None, None, None)
     small = 3 if nodes >= check.NODES else nodes - 1
     result = check.check_spec(path, small, Bounds({"pins": 2, "locks": locks}))
     assert result.violation is None

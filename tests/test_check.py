@@ -249,21 +249,37 @@ def test_a_guard_the_bounds_never_reach_is_named_with_the_bound_that_does(
     assert json.loads(capsys.readouterr().out)["specs"][0]["unexplored"] == {}
 
 
-def test_the_shipped_specs_bounds_reach_every_guard_but_two_store_and_load_pins(
+def test_the_shipped_specs_default_bounds_reach_every_guard(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``StorePinHeld``'s ``pins == 2`` answers otherwise only at 3 where it is read.
 
     A node being stored and loaded holds two pins already, so under
-    ``pins <= 2`` no client ever pins it: the release such a client may make
-    (``pins >= 3``) goes unexplored, and the report says so.
+    ``pins <= 2`` no client ever pinned it: the release such a client may
+    make (``pins >= 3``) went unexplored at the default bounds. A spec with a
+    storage region now runs to three pins (``check.STORAGE_PINS``).
     """
     assert _cli(["check", "--nodes", "1", "--no-controls", "--json"]) == 0
     specs = json.loads(capsys.readouterr().out)["specs"]
     assert len(specs) > 6
     unexplored = {(Path(s["spec"]).name, s["policy"]): s["unexplored"] for s in specs}
-    stored = {("residency_storage.toml", p): {"pins": 3} for p in ("none", "write_through")}
-    assert unexplored == {key: stored.get(key, {}) for key in unexplored}
+    assert unexplored == dict.fromkeys(unexplored, {})
+    assert (
+        _cli(
+            [
+                "check",
+                "--nodes",
+                "1",
+                "--max-pins",
+                "2",
+                str(spec_dir() / "residency_storage.toml"),
+                "--json",
+            ]
+        )
+        == 0
+    )
+    (below,) = json.loads(capsys.readouterr().out)["specs"]
+    assert below["unexplored"] == {"pins": 3}
 
 
 def test_a_release_past_the_store_and_load_pins_is_reached_only_at_three(
@@ -528,20 +544,33 @@ def test_the_default_run_adds_write_through_on_three_nodes_and_sizes_storage_spe
     shipped = shipped_spec_paths()
     residency = spec_dir() / "residency.toml"
     storage = spec_dir() / "residency_storage.toml"
-    own = {storage: (3, 1)}  # a spec with a storage region: its own tree size and lock bound
+    own = {storage: (3, 3, 1)}  # a spec with a storage region: its own tree size, pins and locks
     assert check.targets(parser.parse_args(["check"])) == [
-        *((p, "none", *own.get(p, (4, 2))) for p in shipped),
-        (residency, "write_through", 3, 2),
-        (storage, "write_through", 3, 1),
+        *((p, "none", *own.get(p, (4, 2, 2))) for p in shipped),
+        (residency, "write_through", 3, 2, 2),
+        (storage, "write_through", 3, 3, 1),
     ]
     assert check.targets(parser.parse_args(["check", "--policy", "write_through"])) == [
-        (residency, "write_through", 4, 2),
-        (storage, "write_through", 3, 1),
+        (residency, "write_through", 4, 2, 2),
+        (storage, "write_through", 3, 3, 1),
     ]
     named = parser.parse_args(["check", str(residency), str(storage)])
-    assert check.targets(named) == [(residency, "none", 4, 2), (storage, "none", 3, 1)]
-    given = parser.parse_args(["check", "--nodes", "2", "--max-locks", "2", str(storage)])
-    assert check.targets(given) == [(storage, "none", 2, 2)]
+    assert check.targets(named) == [(residency, "none", 4, 2, 2), (storage, "none", 3, 3, 1)]
+    given = parser.parse_args(
+        ["check", "--nodes", "2", "--max-pins", "2", "--max-locks", "2", str(storage)]
+    )
+    assert check.targets(given) == [(storage, "none", 2, 2, 2)]
+
+
+def test_the_default_storage_run_reaches_every_pins_comparison(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """At two pins, StorePinHeld's ``pins == 2`` was never met by a client pin: not explored."""
+    storage = str(spec_dir() / "residency_storage.toml")
+    assert cli_main(["check", storage, "--nodes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "pins <= 3" in out
+    assert "not explored" not in out
 
 
 def test_ops_module_policy_must_be_known(tmp_path: Path) -> None:

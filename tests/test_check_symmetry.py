@@ -212,7 +212,7 @@ tree small enough to keep the test short (the finding may name another node ther
 
 def _bounds(path: Path, nodes: int) -> Bounds:
     """The bounds ``check_control`` runs a control under (locks as :func:`check.sized` says)."""
-    return Bounds({"locks": check.sized(path, nodes, None)[1]})
+    return Bounds({"locks": check.sized(path, nodes, None, None)[2]})
 
 
 @functools.cache
