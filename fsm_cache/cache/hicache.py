@@ -955,7 +955,12 @@ class _Gate:
 
 
 class _Operation:
-    """One public operation: gated, logged first, its copies started however it ends, checked after."""
+    """One public operation: gated, logged first, its copies started however it ends, checked after.
+
+    Whatever it raises is logged after it: a refusal of the cache's own, or a
+    failure from outside the cache (a copy engine, an allocator, torch), so a
+    tensor-parallel digest sees an operation that raised on one rank only.
+    """
 
     __slots__ = ("args", "check", "flush", "gate", "log", "name")
 
@@ -979,8 +984,11 @@ class _Operation:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         try:
-            if isinstance(exc, FsmCacheError):
-                self.log.refusal(self.name, exc)
+            if exc is not None:  # logged either way, so that an agreement sees it on this rank
+                if isinstance(exc, FsmCacheError):
+                    self.log.refusal(self.name, exc)
+                else:  # a copy engine, an allocator or torch broke: no refusal of the cache's
+                    self.log.failure(self.name, exc)
             try:
                 self.flush()  # nothing stays queued without its copy, even on a refusal
             except FsmCacheError as failed:  # what the caller gets instead: logged, to replay
