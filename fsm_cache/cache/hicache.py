@@ -61,6 +61,7 @@ from fsm_cache.memory.tickets import Completion
 from fsm_cache.memory.tiers import CacheConfig, Tiers
 from fsm_cache.policy import WritePolicy, parent_allows_backup, worth_loading
 from fsm_cache.residency import (
+    DEVICE_HELD,
     DEVICE_READABLE,
     HOST_VALID,
     AnyEvent,
@@ -745,7 +746,8 @@ class HiCache:
                 Ignored on CPU, where copies are synchronous.
 
         Returns:
-            False when a node's copy failed and is queued to run again, or its
+            False when a node is off the device (its load failed and was
+            applied), or its copy failed and is queued to run again, or its
             launch has failed and a poll has yet to say so: its pages do not
             hold its KV (poll, and try again).
 
@@ -755,6 +757,8 @@ class HiCache:
         """
         given = arguments.nodes(self._core.tree, nodes, "wait_loaded")
         with self._operation("wait_loaded", tuple(n.id for n in given)):
+            if any(n.device not in DEVICE_HELD for n in given):
+                return False  # its load failed, applied: its pages went back
             tickets = self._transfers.tickets_of(given)
             if tickets is None:
                 return False
