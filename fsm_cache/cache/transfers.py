@@ -211,6 +211,19 @@ class Transfers:
         waiting = [*self._batch.values(), *self._retry.values()]
         return sum(len(nodes) for nodes in waiting)
 
+    def queued_nodes(self) -> list[tuple[str, list[int]]]:
+        """Return, per direction with any, the ids of the nodes waiting for their copy to start.
+
+        Those queued by this operation and those whose copy failed and waits
+        to run again (:meth:`queued` counts them): ``[("d2h", [4, 7])]``.
+        """
+        out = []
+        for direction in (Direction.D2H, Direction.H2D):
+            nodes = [*self._batch[direction], *self._retry[direction]]
+            if nodes:
+                out.append((direction.value, [n.id for n in nodes]))
+        return out
+
     def idle(self) -> bool:
         """Return whether no copy is in flight, queued, or waiting to be copied again."""
         return not self._tickets and self.queued() == 0
