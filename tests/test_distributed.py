@@ -26,6 +26,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator
 from datetime import timedelta
@@ -768,6 +769,87 @@ def survive_a_death(rank: int, world: int) -> str:
     return "finished"
 
 
+class _LaunchFails(FaultyCopyEngine):
+    """Fails the copies at the positions in ``fail`` at their launch: a wait says so at once."""
+
+    def __init__(self, inner: CopyEngine, **faults: Any) -> None:
+        super().__init__(inner, **faults)
+        self.launch_failed: set[int] = set()
+
+    def start_load(self, host_pages: Any, device_pages: Any) -> Ticket:
+        ticket = super().start_load(host_pages, device_pages)
+        if self.started in self.fail:
+            self.launch_failed.add(ticket.id)
+        return ticket
+
+    def wait(self, ticket_ids: Iterable[int], stream: object | None = None) -> bool:
+        ids = list(ticket_ids)
+        return not self.launch_failed.intersection(ids) and super().wait(ids, stream)
+
+
+def host_only(shared: DistributedCache, *prompts: list[int]) -> None:
+    """Cache ``prompts``, back them up on every rank, and evict them from the device."""
+    for prompt in prompts:
+        shared.cache.insert(prompt)
+    shared.drain()
+    shared.cache.evict(1000)
+
+
+def a_launch_failed_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    """The last rank's load fails at its launch: every rank's wait must say no, then yes."""
+    config = bench_config(debug=True, copier=_LaunchFails.copier(), load_back_threshold=1)
+    shared = DistributedCache(HiCache(config), timeout=TIMEOUT)
+    cache, prompt = shared.cache, list(range(16))
+    host_only(shared, prompt)
+    copier = cache.tiers.copier
+    assert isinstance(copier, _LaunchFails)
+    if rank == world - 1:
+        copier.fail = frozenset({copier.started + 1})
+    chain = cache.load_back(cache.match_prefix(prompt).last_host_node)
+    assert chain
+    lock = cache.lock(chain[-1])
+    said = [cache.wait_loaded(chain)]
+    shared.step()  # failed on every rank; locked, so copied again
+    said.append(cache.wait_loaded(chain))
+    lock.release()
+    shared.drain()
+    shared.verify_agreement()
+    acks = [[number, ok] for _, batch in cache.log.acknowledgements() for number, ok in batch]
+    return {"said": said, "acks": acks, "node": chain[-1].residency()}
+
+
+def waits_for_different_loads(rank: int, world: int) -> list[str]:
+    """The last rank's first load is refused at its start, so it waits for the second prompt's.
+
+    Its ``load_back`` gave up (the refused start failed the load there alone) and
+    the others' did not: their waits must not pair up as if they were one.
+    """
+    refuse = {3} if rank == world - 1 else set()  # two backups, then the first load
+    copier = FaultyCopyEngine.copier(refuse=refuse)
+    shared = DistributedCache(
+        HiCache(bench_config(debug=True, copier=copier, load_back_threshold=1)), timeout=TIMEOUT
+    )
+    cache = shared.cache
+    prompts = [list(range(16)), list(range(100, 116))]
+    host_only(shared, *prompts)
+    try:
+        for prompt in prompts:
+            chain = cache.load_back(cache.match_prefix(prompt).last_host_node)
+            if chain:
+                cache.wait_loaded(chain)
+                break
+        shared.step()
+    except RankDivergence as exc:
+        return [where(exc), str(exc)]
+    return ["no divergence"]
+
+
+def where(exc: BaseException) -> str:
+    """The DistributedCache method, or cache operation, whose frame raised ``exc`` last."""
+    names = [frame.name for frame in traceback.extract_tb(exc.__traceback__)]
+    return next(n for n in reversed(names) if n in ("step", "_agree_wait", "wait_loaded"))
+
+
 def failed_on_one_rank(rank: int, world: int) -> dict[str, Any]:
     """The last rank's allocator breaks in an insert under ``write_through_selective``.
 
@@ -819,9 +901,11 @@ def queued_on_one_rank(rank: int, world: int) -> str:
 
 
 def answers_worker(rank: int, world: int, store: str, out: str) -> None:
-    """Scenarios of failures and copies on one rank only."""
+    """Scenarios of what the cache answers its caller, and of failures on one rank."""
     join_group(rank, world, store)
     report: dict[str, Any] = {
+        "launch_failed": a_launch_failed_on_one_rank(rank, world),
+        "different_loads": waits_for_different_loads(rank, world),
         "failed_on_one": failed_on_one_rank(rank, world),
         "queued_on_one": queued_on_one_rank(rank, world),
     }
@@ -845,6 +929,28 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Results:
 @pytest.fixture(scope="module")
 def answers(tmp_path_factory: pytest.TempPathFactory) -> Results:
     return spawn(answers_worker, 2, tmp_path_factory.mktemp("answers"))
+
+
+def test_a_load_whose_launch_failed_on_one_rank_is_unready_on_every_rank(
+    answers: Results,
+) -> None:
+    """``wait_loaded`` said False on the failing rank only, so the ranks ran different passes."""
+    for result in answers:
+        report = result["launch_failed"]
+        assert report["said"] == [False, True]
+        # the load (copy 2) applied as failed on every rank, and copied again (copy 3)
+        assert report["acks"] == [[1, True], [2, False], [3, True]]
+        assert report["node"] == "backed/resident (pins=0, locks=0)"
+
+
+def test_waits_for_different_loads_part_the_ranks_at_the_wait(answers: Results) -> None:
+    """The wait compares the digests: a rank whose load gave up alone is named there."""
+    want = (
+        "rank divergence at transition 7: rank 0 applied nothing (only 7 transitions), "
+        "rank 1 applied node 1 load_failed; node 1 now: rank 0 pinned/loading (pins=1, "
+        "locks=0), rank 1 backed/absent (pins=0, locks=0)"
+    )
+    assert [r["different_loads"] for r in answers] == [["_agree_wait", want]] * 2
 
 
 def test_an_operation_that_failed_on_one_rank_is_named_at_the_step(answers: Results) -> None:
@@ -1518,6 +1624,31 @@ def test_the_shared_values_apart_are_named_each_once() -> None:
     lows = [0, 2, 30, 0, 2, 3, 0, 0, 0, 0]  # two digest words, and the flag
     assert shared_values_apart(lows, highs) == ["digests", "flags of anything in flight or queued"]
     assert shared_values_apart(same[:7], highs[:7]) == []
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_load_wait_under_agreement_is_one_collective_and_refuses_alike() -> None:
+    """``wait_loaded`` on a wrapped cache is agreed; a bad argument is still a BadArgument."""
+    config = bench_config(debug=True, load_back_threshold=1)
+    shared = DistributedCache(HiCache(config), timeout=TIMEOUT)
+    cache, prompt = shared.cache, list(range(16))
+    host_only(shared, prompt)
+    chain = cache.load_back(cache.match_prefix(prompt).last_host_node)
+    assert chain
+    calls: list[tuple[str, Any, list[str]]] = []
+    undo = count_collectives(calls)
+    try:
+        assert cache.wait_loaded(chain)
+        with pytest.raises(BadArgument) as caught:
+            cache.wait_loaded("")  # type: ignore[arg-type]
+    finally:
+        undo()
+    assert str(caught.value) == "wait_loaded: expected a sequence of tree nodes, got str"
+    # one all-reduce each: the wait's, then the notice that this rank raised
+    assert [name for name, *_ in calls] == ["all_reduce", "all_reduce"]
+    shared.drain()
+    assert cache.wait_loaded(chain)  # resident now: nothing to wait for
+    shared.verify_agreement()
 
 
 def test_without_a_process_group_it_says_so() -> None:

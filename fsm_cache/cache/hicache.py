@@ -739,6 +739,12 @@ class HiCache:
         the compute. The chain stays ``loading`` until :meth:`poll` (or an
         insert through it) applies the acknowledgement.
 
+        Under tensor-parallel agreement
+        (:class:`~fsm_cache.distributed.agreement.DistributedCache`) the answer
+        is the group's, so that every rank runs the same forward pass: a
+        collective that every rank reaches at the same call, False on every
+        rank when it is False on any (a launch that failed on one rank only).
+
         Args:
             nodes: Nodes whose device pages the compute will read; nodes
                 already resident need nothing.
@@ -754,7 +760,17 @@ class HiCache:
         Raises:
             BadArgument: ``nodes`` is not a sequence of nodes.
             StaleNode: A node is not a node of this cache.
+            RankDivergence: Under agreement, the ranks applied different
+                transitions before this call (every rank raises).
+            RankFailure: Under agreement, the collective failed or timed out.
         """
+        agree = self._transfers.agree_waits
+        if agree is None:
+            return self._wait_loaded(nodes, stream)
+        return agree(partial(self._wait_loaded, nodes, stream))
+
+    def _wait_loaded(self, nodes: Sequence[TreeNode], stream: object | None) -> bool:
+        """:meth:`wait_loaded` on this cache alone: this copy engine's answer."""
         given = arguments.nodes(self._core.tree, nodes, "wait_loaded")
         with self._operation("wait_loaded", tuple(n.id for n in given)):
             if any(n.device not in DEVICE_HELD for n in given):

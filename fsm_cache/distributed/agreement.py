@@ -39,8 +39,14 @@ is the MIN over the ranks before any rank creates and fetches the
 that asks the store), and each storage copy is applied at a step with the
 fewest pages any rank landed, carried by the step's one all-reduce.
 
+Whether a chain still loading can be read (the wrapped cache's
+:meth:`~fsm_cache.cache.hicache.HiCache.wait_loaded`) is agreed too, since each
+rank's copy engine knows only its own launches: every rank answers False where
+any rank does, so that every rank runs the same forward pass.
+
 Every method here is a collective: all ranks of the group call it, in the same
-order; so is a lookup that asks a storage tier about its tail.
+order; so are a lookup that asks a storage tier about its tail and the wrapped
+cache's ``wait_loaded``.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ import contextlib
 import struct
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -116,14 +122,16 @@ _SHARED_NAMES = (
 )
 """What each of the :data:`_SHARED` values is, as a divergence message names the ones that differ."""
 _WIDTH = 2 + _OWN + 2 * _SHARED + STORAGE_SLOTS
-"""Length of every agreement all-reduce (a step's, a hit count's, a verification's), so ranks that
-reach different ones get the same shapes, and say so, instead of failing in gloo."""
-_STEP, _HITS, _VERIFY, _DRAIN, _RAISED = 1, 2, 3, 4, 5
+"""Length of every agreement all-reduce (a step's, a hit count's, a verification's, a load
+wait's), so ranks that reach different ones get the same shapes, and say so, instead of failing
+in gloo."""
+_STEP, _HITS, _VERIFY, _DRAIN, _WAIT, _RAISED = 1, 2, 3, 4, 5, 6
 _KINDS = {
     _STEP: "a step",
     _HITS: "a prefetch's hit count",
     _VERIFY: "a digest verification",
     _DRAIN: "a drain",
+    _WAIT: "a load wait",
     _RAISED: "the notice that a rank raised",
 }
 """Each agreement collective's kind; ``_RAISED``, the highest, is the collective a rank
@@ -148,7 +156,8 @@ class DistributedCache:
     cache's acknowledgements come from this object from now on, so its own
     ``poll()`` applies nothing, and an allocation or insert that must wait for
     copies applies all of them in issue order on every rank (:meth:`collect`),
-    without a collective.
+    without a collective. Its ``wait_loaded`` gives the group's answer, in a
+    collective of its own.
 
     Args:
         cache: This rank's cache; same configuration and operations on every rank.
@@ -212,7 +221,7 @@ class DistributedCache:
         self._resets = 0
         self._log = cache.log
         self._digest = TransitionDigest(cache.log)
-        cache.transfers.take_acks_from(self)
+        cache.transfers.take_acks_from(self, self._agree_wait)
         if cache.storage is not None:
             cache.storage.agree_by(self._agree_hits)
 
@@ -578,6 +587,34 @@ class DistributedCache:
         )
         self._check_shared(reduced[: len(same)], reduced[len(same) : 2 * len(same)])
         return mine
+
+    def _agree_wait(self, local: Callable[[], bool]) -> bool:
+        """Agree on whether a load can be read (the cache's ``wait_loaded``): the MIN over the ranks.
+
+        Each rank computes its own answer (``local``: its copy engine knows
+        only its own launches), and every rank returns False when any rank
+        did, so that every rank runs the same forward pass: the failed load
+        is then applied as failed on every rank at the next step. One
+        all-reduce of the same shape as a step's, with a kind of its own, that
+        also compares what :meth:`verify_agreement` compares: ranks that
+        pair this collective with another rank's wait for another request
+        (one rank's ``load_back`` gave up where another's did not) part there.
+
+        Raises:
+            RankDivergence: As :meth:`verify_agreement`, or some ranks reached
+                another collective (every rank raises).
+            RankFailure: The collective failed or timed out.
+        """
+        with self._announcing("wait_loaded"):
+            self._follow_reset()
+            ready = int(local())
+            mine = self._digest.update()
+        same = self._shared(mine, len(self.cache.issued()))
+        reduced = self._reduce(
+            _WAIT, [ready, *same, *(-v for v in same)], "load wait agreement (all_reduce MIN)"
+        )
+        self._check_shared(reduced[1 : 1 + len(same)], reduced[1 + len(same) : 1 + 2 * len(same)])
+        return reduced[0] == 1
 
     def _shared(self, digest: bytes, in_flight: int) -> list[int]:
         """The values every rank must share at any agreement: the first of :data:`_SHARED`.
