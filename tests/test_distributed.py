@@ -26,6 +26,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator
 from datetime import timedelta
@@ -59,18 +60,24 @@ with warnings.catch_warnings():
     from fsm_cache.cache.eventlog import EventLog
     from fsm_cache.cache.hicache import HiCache
     from fsm_cache.cli import bench
-    from fsm_cache.distributed.agreement import STORAGE_SLOTS, DistributedCache
+    from fsm_cache.distributed.agreement import (
+        STORAGE_SLOTS,
+        DistributedCache,
+        shared_values_apart,
+    )
     from fsm_cache.distributed.collectives import CPU, Collectives, cpu_group
     from fsm_cache.distributed.digest import (
         TransitionDigest,
         collectives_message,
         copy_nodes,
         divergence_message,
+        failure_message,
         first_difference,
         involved_nodes,
         lost_message,
         operation_message,
         operation_text,
+        queued_message,
         reset_message,
         stalled_message,
     )
@@ -83,6 +90,7 @@ with warnings.catch_warnings():
         RankFailure,
     )
     from fsm_cache.memory.copies import Completion, CopyEngine, Ticket
+    from fsm_cache.memory.tickets import Direction
     from fsm_cache.memory.tiers import CacheConfig
     from fsm_cache.testing.faults import FaultyCopyEngine
 
@@ -761,6 +769,150 @@ def survive_a_death(rank: int, world: int) -> str:
     return "finished"
 
 
+class _LaunchFails(FaultyCopyEngine):
+    """Fails the copies at the positions in ``fail`` at their launch: a wait says so at once."""
+
+    def __init__(self, inner: CopyEngine, **faults: Any) -> None:
+        super().__init__(inner, **faults)
+        self.launch_failed: set[int] = set()
+
+    def start_load(self, host_pages: Any, device_pages: Any) -> Ticket:
+        ticket = super().start_load(host_pages, device_pages)
+        if self.started in self.fail:
+            self.launch_failed.add(ticket.id)
+        return ticket
+
+    def wait(self, ticket_ids: Iterable[int], stream: object | None = None) -> bool:
+        ids = list(ticket_ids)
+        return not self.launch_failed.intersection(ids) and super().wait(ids, stream)
+
+
+def host_only(shared: DistributedCache, *prompts: list[int]) -> None:
+    """Cache ``prompts``, back them up on every rank, and evict them from the device."""
+    for prompt in prompts:
+        shared.cache.insert(prompt)
+    shared.drain()
+    shared.cache.evict(1000)
+
+
+def a_launch_failed_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    """The last rank's load fails at its launch: every rank's wait must say no, then yes."""
+    config = bench_config(debug=True, copier=_LaunchFails.copier(), load_back_threshold=1)
+    shared = DistributedCache(HiCache(config), timeout=TIMEOUT)
+    cache, prompt = shared.cache, list(range(16))
+    host_only(shared, prompt)
+    copier = cache.tiers.copier
+    assert isinstance(copier, _LaunchFails)
+    if rank == world - 1:
+        copier.fail = frozenset({copier.started + 1})
+    chain = cache.load_back(cache.match_prefix(prompt).last_host_node)
+    assert chain
+    lock = cache.lock(chain[-1])
+    said = [cache.wait_loaded(chain)]
+    shared.step()  # failed on every rank; locked, so copied again
+    said.append(cache.wait_loaded(chain))
+    lock.release()
+    shared.drain()
+    shared.verify_agreement()
+    acks = [[number, ok] for _, batch in cache.log.acknowledgements() for number, ok in batch]
+    return {"said": said, "acks": acks, "node": chain[-1].residency()}
+
+
+def waits_for_different_loads(rank: int, world: int) -> list[str]:
+    """The last rank's first load is refused at its start, so it waits for the second prompt's.
+
+    Its ``load_back`` gave up (the refused start failed the load there alone) and
+    the others' did not: their waits must not pair up as if they were one.
+    """
+    refuse = {3} if rank == world - 1 else set()  # two backups, then the first load
+    copier = FaultyCopyEngine.copier(refuse=refuse)
+    shared = DistributedCache(
+        HiCache(bench_config(debug=True, copier=copier, load_back_threshold=1)), timeout=TIMEOUT
+    )
+    cache = shared.cache
+    prompts = [list(range(16)), list(range(100, 116))]
+    host_only(shared, *prompts)
+    try:
+        for prompt in prompts:
+            chain = cache.load_back(cache.match_prefix(prompt).last_host_node)
+            if chain:
+                cache.wait_loaded(chain)
+                break
+        shared.step()
+    except RankDivergence as exc:
+        return [where(exc), str(exc)]
+    return ["no divergence"]
+
+
+def where(exc: BaseException) -> str:
+    """The DistributedCache method, or cache operation, whose frame raised ``exc`` last."""
+    names = [frame.name for frame in traceback.extract_tb(exc.__traceback__)]
+    return next(n for n in reversed(names) if n in ("step", "_agree_wait", "wait_loaded"))
+
+
+def failed_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    """The last rank's allocator breaks in an insert under ``write_through_selective``.
+
+    The insert fires no transition where it succeeds, so only the failure, logged
+    on the rank where it happened, tells the ranks apart.
+    """
+    selective = bench_config(debug=True, write_policy="write_through_selective")
+    shared = DistributedCache(HiCache(selective), timeout=TIMEOUT)
+    cache = shared.cache
+    for tokens in chat_trace(4, seed=1):
+        serve_request(cache, tokens)
+        shared.step()
+    before = fingerprint(cache)
+    allocator = cache.tiers.device.allocator
+    if rank == world - 1:
+
+        def broken(*args: Any, **kwargs: Any) -> list[int]:
+            raise RuntimeError("injected allocator fault")
+
+        allocator.alloc = broken  # type: ignore[method-assign]
+    try:
+        cache.insert(list(range(5000, 5032)))
+        raised = "served"
+    except RuntimeError as exc:
+        raised = str(exc)
+    finally:
+        vars(allocator).pop("alloc", None)
+    return {"raised": raised, "unchanged": fingerprint(cache) == before, "said": outcomes(shared)}
+
+
+def queued_on_one_rank(rank: int, world: int) -> str:
+    """The last rank keeps a node queued for a copy that no operation started.
+
+    The bug simulated: a rank's own bookkeeping queues a copy the others' does
+    not. Nothing public can do that, so the test queues it by hand, as an
+    effect would. Only the flag of anything in flight or queued tells the ranks apart.
+    """
+    shared = DistributedCache(HiCache(bench_config(debug=True)), timeout=TIMEOUT)
+    cache = shared.cache
+    cache.insert(list(range(16)))
+    shared.drain()
+    if rank == world - 1:
+        cache.transfers.queue(Direction.D2H, cache.tree.nodes[1])
+    try:
+        shared.step()
+    except RankDivergence as exc:
+        return str(exc)
+    return "no divergence"
+
+
+def answers_worker(rank: int, world: int, store: str, out: str) -> None:
+    """Scenarios of what the cache answers its caller, and of failures on one rank."""
+    join_group(rank, world, store)
+    report: dict[str, Any] = {
+        "launch_failed": a_launch_failed_on_one_rank(rank, world),
+        "different_loads": waits_for_different_loads(rank, world),
+        "failed_on_one": failed_on_one_rank(rank, world),
+        "queued_on_one": queued_on_one_rank(rank, world),
+    }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
 # -- multi-process tests ---------------------------------------------------------
 
 
@@ -772,6 +924,58 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Results:
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Results:
     return spawn(four_rank_worker, 4, tmp_path_factory.mktemp("tp4"))
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory: pytest.TempPathFactory) -> Results:
+    return spawn(answers_worker, 2, tmp_path_factory.mktemp("answers"))
+
+
+def test_a_load_whose_launch_failed_on_one_rank_is_unready_on_every_rank(
+    answers: Results,
+) -> None:
+    """``wait_loaded`` said False on the failing rank only, so the ranks ran different passes."""
+    for result in answers:
+        report = result["launch_failed"]
+        assert report["said"] == [False, True]
+        # the load (copy 2) applied as failed on every rank, and copied again (copy 3)
+        assert report["acks"] == [[1, True], [2, False], [3, True]]
+        assert report["node"] == "backed/resident (pins=0, locks=0)"
+
+
+def test_waits_for_different_loads_part_the_ranks_at_the_wait(answers: Results) -> None:
+    """The wait compares the digests: a rank whose load gave up alone is named there."""
+    want = (
+        "rank divergence at transition 7: rank 0 applied nothing (only 7 transitions), "
+        "rank 1 applied node 1 load_failed; node 1 now: rank 0 pinned/loading (pins=1, "
+        "locks=0), rank 1 backed/absent (pins=0, locks=0)"
+    )
+    assert [r["different_loads"] for r in answers] == [["_agree_wait", want]] * 2
+
+
+def test_an_operation_that_failed_on_one_rank_is_named_at_the_step(answers: Results) -> None:
+    """An allocator that broke on one rank under selective write-through went unseen."""
+    key = hash(tuple(range(5000, 5032))) & ((1 << 64) - 1)
+    want = (
+        "rank divergence after transition 8: an operation failed on some ranks only: "
+        f"rank 0 had no failure, rank 1's insert(<32 ids {key:016x}>, None, None) raised "
+        "RuntimeError: injected allocator fault"
+    )
+    first, last = (r["failed_on_one"] for r in answers)
+    assert first["raised"] == "served"
+    assert last["raised"] == "injected allocator fault"
+    assert last["unchanged"]  # the failed insert changed nothing there
+    assert first["said"] == last["said"] == [want] * 3
+
+
+def test_a_rank_with_a_copy_queued_alone_is_named(answers: Results) -> None:
+    """Only the flag of anything queued differs: the message said "the digests differ"."""
+    want = (
+        "rank divergence after transition 2: the ranks have different copies waiting to "
+        "start: rank 0 none, rank 1 d2h of nodes [1]; node 1 now: rank 0 backed/resident "
+        "(pins=0, locks=0), rank 1 backed/resident (pins=0, locks=0)"
+    )
+    assert [r["queued_on_one"] for r in answers] == [want, want]
 
 
 def assert_agreed(results: Results) -> None:
@@ -1351,6 +1555,100 @@ def test_stalled_message_names_the_ranks_on_each_side() -> None:
         "node 7 now: rank 0 backed/loading (pins=1, locks=1), "
         "rank 1 backed/loading (pins=1, locks=1), rank 2 backed/loading (pins=1, locks=1)"
     )
+
+
+def test_a_failure_folds_in_apart_from_a_refusal_and_names_its_operation() -> None:
+    """An operation that raised from outside the cache is in the digest (it was in no entry)."""
+
+    def digest(*outcome: tuple[str, str, str]) -> TransitionDigest:
+        log = EventLog()
+        log.op("insert", (1, 2), None, None)
+        for entry in outcome:
+            log.append(entry)
+        folded = TransitionDigest(log)
+        folded.update()
+        return folded
+
+    served = digest().update()
+    failed = digest(("failed", "insert", "RuntimeError: allocator broke"))
+    assert failed.update() != served
+    # the class is folded in, not the message, which may name what differs between ranks
+    assert failed.update() == digest(("failed", "insert", "RuntimeError: at 0x7f")).update()
+    assert failed.update() != digest(("failed", "insert", "OSError: allocator broke")).update()
+    assert (
+        failed.update() != digest(("refused", "insert", "RuntimeError: allocator broke")).update()
+    )
+    assert failed.failures() == [
+        (0, "insert((1, 2), None, None) raised RuntimeError: allocator broke")
+    ]
+    assert digest(("refused", "insert", "PoolExhausted: no room")).failures() == []
+
+
+def test_failure_message_names_each_ranks_failure() -> None:
+    failed = [
+        [(3, "insert((1,), None, None) raised RuntimeError: broke")],
+        [],
+        [
+            (3, "insert((1,), None, None) raised RuntimeError: broke"),
+            (5, "evict(4) raised OSError: x"),
+        ],
+    ]
+    assert first_difference(failed) == 0
+    assert failure_message(0, failed) == (
+        "rank divergence after transition 3: an operation failed on some ranks only: "
+        "rank 0's insert((1,), None, None) raised RuntimeError: broke, rank 1 had no failure, "
+        "rank 2's insert((1,), None, None) raised RuntimeError: broke"
+    )
+    assert failure_message(1, [failed[0], failed[2]]) == (
+        "rank divergence after transition 5: an operation failed on some ranks only: "
+        "rank 0 had no failure, rank 1's evict(4) raised OSError: x"
+    )
+
+
+def test_queued_message_names_each_ranks_waiting_copies() -> None:
+    states = [{4: "backed/resident (pins=0, locks=0)", 9: "backed/loading (pins=1, locks=1)"}] * 2
+    assert queued_message(6, [[], [("d2h", [4]), ("h2d", [9])]], states) == (
+        "rank divergence after transition 6: the ranks have different copies waiting to "
+        "start: rank 0 none, rank 1 d2h of nodes [4] and h2d of nodes [9]; "
+        "node 4 now: rank 0 backed/resident (pins=0, locks=0), "
+        "rank 1 backed/resident (pins=0, locks=0); "
+        "node 9 now: rank 0 backed/loading (pins=1, locks=1), "
+        "rank 1 backed/loading (pins=1, locks=1)"
+    )
+
+
+def test_the_shared_values_apart_are_named_each_once() -> None:
+    same = [0, 2, 30, 1, 2, 3, 4, 0, 0, 1]
+    highs = [-v for v in same]
+    assert shared_values_apart(same, highs) == []
+    lows = [0, 2, 30, 0, 2, 3, 0, 0, 0, 0]  # two digest words, and the flag
+    assert shared_values_apart(lows, highs) == ["digests", "flags of anything in flight or queued"]
+    assert shared_values_apart(same[:7], highs[:7]) == []
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_load_wait_under_agreement_is_one_collective_and_refuses_alike() -> None:
+    """``wait_loaded`` on a wrapped cache is agreed; a bad argument is still a BadArgument."""
+    config = bench_config(debug=True, load_back_threshold=1)
+    shared = DistributedCache(HiCache(config), timeout=TIMEOUT)
+    cache, prompt = shared.cache, list(range(16))
+    host_only(shared, prompt)
+    chain = cache.load_back(cache.match_prefix(prompt).last_host_node)
+    assert chain
+    calls: list[tuple[str, Any, list[str]]] = []
+    undo = count_collectives(calls)
+    try:
+        assert cache.wait_loaded(chain)
+        with pytest.raises(BadArgument) as caught:
+            cache.wait_loaded("")  # type: ignore[arg-type]
+    finally:
+        undo()
+    assert str(caught.value) == "wait_loaded: expected a sequence of tree nodes, got str"
+    # one all-reduce each: the wait's, then the notice that this rank raised
+    assert [name for name, *_ in calls] == ["all_reduce", "all_reduce"]
+    shared.drain()
+    assert cache.wait_loaded(chain)  # resident now: nothing to wait for
+    shared.verify_agreement()
 
 
 def test_without_a_process_group_it_says_so() -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -84,6 +85,102 @@ def test_a_copy_engine_failing_at_flush_logs_the_refusal() -> None:
     again = replay(cache.log, BASE)  # an engine that never breaks: the start is refused as logged
     assert states(again) == states(cache)
     assert again.log.refusals() == [("insert", text)]
+
+
+def owners(cache: HiCache) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Who holds each device and each host page."""
+    return cache.tiers.device.allocator.owners, cache.tiers.host.allocator.owners
+
+
+class _Breaking:
+    """Stands in for a method: calls through, except the calls numbered in ``breaks`` (from 1)."""
+
+    def __init__(
+        self, method: Callable[..., Any], breaks: Collection[int], error: Exception
+    ) -> None:
+        self.method, self.breaks, self.error, self.calls = method, breaks, error, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls in self.breaks:
+            raise self.error
+        return self.method(*args, **kwargs)
+
+
+def test_an_allocator_that_breaks_in_an_insert_is_logged_and_changes_nothing() -> None:
+    """A failure from outside the cache is logged (it was not), and replays as nothing done.
+
+    Unlogged, a replay ran the insert in full, and a tensor-parallel digest could
+    not tell the rank it broke on from the others.
+    """
+    cache = HiCache(replace(BASE, debug=True))
+    cache.insert(list(range(8)))
+    cache.poll()
+    before = (states(cache), owners(cache), cache.tiers.copier.in_flight())
+    allocator = cache.tiers.device.allocator
+    allocator.alloc = _Breaking(allocator.alloc, {1}, RuntimeError("allocator broke"))  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="allocator broke"):
+        cache.insert(list(range(100, 116)))
+    assert (states(cache), owners(cache), cache.tiers.copier.in_flight()) == before
+    cache.check_invariants()
+    assert cache.log.failures() == [("insert", "RuntimeError: allocator broke")]
+    assert cache.log.refusals() == []
+    cache.insert(list(range(100, 116)))  # the allocator works again
+    cache.poll()
+    again = replay(cache.log, BASE)  # the failed insert is not run again
+    assert again.log.transitions() == cache.log.transitions()
+    assert states(again) == states(cache)
+    assert again.log.failures() == []
+
+
+def test_a_copy_engine_that_breaks_in_an_insert_s_wait_changes_nothing() -> None:
+    """An insert through a chain still loading polls the engine first; a broken poll is logged."""
+    config = replace(BASE, load_back_threshold=4)
+    cache = HiCache(replace(config, debug=True, copier=late(3).copier))
+    prompt = list(range(8))
+    cache.insert(prompt)
+    while cache.issued():
+        cache.poll()
+    assert cache.evict(8) == 8
+    assert cache.load_back(cache.tree.nodes[1])
+    before = (states(cache), owners(cache), cache.issued())
+    copier = cache.tiers.copier
+    copier.poll = _Breaking(copier.poll, {1}, OSError("copy engine broke"))  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="copy engine broke"):
+        cache.insert([*prompt, *range(100, 108)])
+    assert (states(cache), owners(cache), cache.issued()) == before
+    assert cache.log.failures() == [("insert", "OSError: copy engine broke")]
+    cache.insert([*prompt, *range(100, 108)])  # waits for the load, this time
+    while cache.issued():
+        cache.poll()
+    again = replay(cache.log, config)
+    assert again.log.transitions() == cache.log.transitions()
+    assert states(again) == states(cache)
+
+
+def test_a_failure_after_the_operation_changed_the_cache_does_not_replay() -> None:
+    """What the insert evicted before its allocator broke stays done, so it cannot be skipped."""
+    cache = HiCache(replace(BASE, debug=True))
+    for start in range(0, 400, 100):  # 16 pages: the device pool, full
+        cache.insert(list(range(start, start + 16)))
+    cache.poll()
+    allocator = cache.tiers.device.allocator
+    # the first allocation finds the pool full, the one after the eviction breaks
+    allocator.alloc = _Breaking(allocator.alloc, {2}, RuntimeError("allocator broke"))  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="allocator broke"):
+        cache.insert(list(range(500, 516)))
+    cache.check_invariants()
+    assert cache.log.failures() == [("insert", "RuntimeError: allocator broke")]
+    at = cache.log.entries.index(("op", "insert", (tuple(range(500, 516)), None, None)))
+    assert cache.log.entries[at + 1 : at + 2] == [("transition", 1, "evict_device")]
+    failed = cache.log.entries.index(("failed", "insert", "RuntimeError: allocator broke"))
+    with pytest.raises(ReplayMismatch) as caught:
+        replay(cache.log, BASE)
+    assert str(caught.value) == (
+        f"replay: entry {at} {cache.log.entries[at]!r} failed in the recording (RuntimeError:"
+        f" allocator broke) after it changed the cache (entries {at + 1} to {failed - 1});"
+        " a failure from outside the cache replays only where the operation changed nothing"
+    )
 
 
 def test_refused_copy_starts_replay_on_an_engine_that_refuses_none() -> None:
@@ -233,6 +330,18 @@ def short_log() -> EventLog:
             BadArgument,
             "replay: entry 5 ('copy_refused', (2, 'up', (1,)), 'CopyFailed: no'): a refused"
             " copy start is ((copy, 'd2h' or 'h2d', (node id, ...)), 'ErrorClass: message')",
+        ),
+        (
+            ("failed", "poll", 3),
+            BadArgument,
+            "replay: entry 5 ('failed', 'poll', 3): a failure of no operation",
+        ),
+        (
+            ("failed", "poll", "RuntimeError: broke"),
+            ReplayMismatch,
+            "replay: entry 2 ('op', 'poll', ()) failed in the recording (RuntimeError: broke)"
+            " after it changed the cache (entries 3 to 4); a failure from outside the cache"
+            " replays only where the operation changed nothing",
         ),
         (
             ("op", "backup", (5,)),

@@ -85,6 +85,20 @@ def test_wait_loaded_refuses_a_load_that_must_run_again() -> None:
     assert chain[-1].residency() == "backed/resident (pins=0, locks=0)"
 
 
+def test_wait_loaded_says_a_load_that_failed_and_was_applied_holds_nothing() -> None:
+    """A chain whose failed load a poll applied is off the device: its pages are gone.
+
+    ``wait_loaded`` counted a node off the device as one that needs nothing, and
+    said True: a forward pass queued after it would read pages given back.
+    """
+    cache, prefix = loading_cache(FaultyCopyEngine.copier(fail={2}))
+    chain = cache.load_back(cache.match_prefix(prefix).last_host_node)
+    assert chain
+    cache.poll()  # copy 2 failed; unlocked, the node goes back to the host only
+    assert chain[-1].residency() == "backed/absent (pins=0, locks=0)"
+    assert not cache.wait_loaded(chain)
+
+
 def test_evicted_tokens_count_evictions_inside_allocations() -> None:
     """Evictions an allocation makes (no explicit evict) are counted, per tier, where they happen."""
     cache = HiCache(

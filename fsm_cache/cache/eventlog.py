@@ -4,8 +4,10 @@ Operations (``insert``, ``match_prefix``, ``lock``, ``evict``, ``poll``, ...)
 are recorded with their arguments, transitions as ``(node id, event)``, and
 every batch of applied copy acknowledgements as the copy numbers it applied,
 in order, each with whether it succeeded. An operation that raised is
-followed by its refusal, and a copy the copy engine refused to start by an
-entry saying so, so that a replay refuses the same start on any engine. :func:`fsm_cache.cache.replay.replay` runs the log
+followed by its refusal (a :class:`~fsm_cache.errors.FsmCacheError`) or its
+failure (anything else: a copy engine or an allocator that broke), and a copy
+the copy engine refused to start by an entry saying so, so that a replay
+refuses the same start on any engine. :func:`fsm_cache.cache.replay.replay` runs the log
 again on a fresh cache.
 
 A log keeps at most ``limit`` entries (:data:`DEFAULT_LIMIT` unless told),
@@ -184,9 +186,11 @@ class EventLog:
             for applied copies to and from a storage tier (:data:`StorageAck`),
             ``("copy_refused", (copy, d2h|h2d, (node_id, ...)), "ErrorClass:
             message")`` for a copy the engine refused to start (see
-            :data:`RefusedStart`), and ``("refused", name, "ErrorClass: message")`` tuples (the
+            :data:`RefusedStart`), ``("refused", name, "ErrorClass: message")`` tuples (the
             message without the call-site account a trail-mode refusal ends
-            with, see :func:`refusal_text`); the kept ones, oldest first, as an
+            with, see :func:`refusal_text`), and ``("failed", name, "ErrorClass:
+            message")`` for an operation that raised something other than a
+            :class:`~fsm_cache.errors.FsmCacheError`; the kept ones, oldest first, as an
             :class:`Entries` view. :meth:`~fsm_cache.cache.hicache.HiCache.fire`
             is recorded as ``("op", "fire", (event, node_id))``.
 
@@ -301,6 +305,15 @@ class EventLog:
         self._recorded += 1
         self._items.append(("refused", name, refusal_text(error)))
 
+    def failure(self, name: str, error: BaseException) -> None:
+        """Record that operation ``name`` failed with ``error``, which is no refusal of the cache's.
+
+        A copy engine, an allocator or torch raised it, not the cache's own
+        checks: unlike a refusal, a replay on a sound engine cannot raise it again.
+        """
+        self._recorded += 1
+        self._items.append(("failed", name, refusal_text(error)))
+
     def copy_refused(self, number: int, direction: str, nodes: tuple[int, ...], text: str) -> None:
         """Record that the engine refused to start copy ``number`` of ``nodes`` with ``text``.
 
@@ -333,6 +346,10 @@ class EventLog:
     def refusals(self) -> list[tuple[str, str]]:
         """Return the kept refusals (operation, ``ErrorClass: message``) in order."""
         return [(e[1], e[2]) for e in self._items if e[0] == "refused"]
+
+    def failures(self) -> list[tuple[str, str]]:
+        """Return the kept failures (operation, ``ErrorClass: message``) in order."""
+        return [(e[1], e[2]) for e in self._items if e[0] == "failed"]
 
     def __repr__(self) -> str:
         """Return ``EventLog(limit=..., recorded=..., dropped=...)``; the entries are many."""

@@ -61,6 +61,7 @@ from fsm_cache.memory.tickets import Completion
 from fsm_cache.memory.tiers import CacheConfig, Tiers
 from fsm_cache.policy import WritePolicy, parent_allows_backup, worth_loading
 from fsm_cache.residency import (
+    DEVICE_HELD,
     DEVICE_READABLE,
     HOST_VALID,
     AnyEvent,
@@ -738,6 +739,12 @@ class HiCache:
         the compute. The chain stays ``loading`` until :meth:`poll` (or an
         insert through it) applies the acknowledgement.
 
+        Under tensor-parallel agreement
+        (:class:`~fsm_cache.distributed.agreement.DistributedCache`) the answer
+        is the group's, so that every rank runs the same forward pass: a
+        collective that every rank reaches at the same call, False on every
+        rank when it is False on any (a launch that failed on one rank only).
+
         Args:
             nodes: Nodes whose device pages the compute will read; nodes
                 already resident need nothing.
@@ -745,16 +752,29 @@ class HiCache:
                 Ignored on CPU, where copies are synchronous.
 
         Returns:
-            False when a node's copy failed and is queued to run again, or its
+            False when a node is off the device (its load failed and was
+            applied), or its copy failed and is queued to run again, or its
             launch has failed and a poll has yet to say so: its pages do not
             hold its KV (poll, and try again).
 
         Raises:
             BadArgument: ``nodes`` is not a sequence of nodes.
             StaleNode: A node is not a node of this cache.
+            RankDivergence: Under agreement, the ranks applied different
+                transitions before this call (every rank raises).
+            RankFailure: Under agreement, the collective failed or timed out.
         """
+        agree = self._transfers.agree_waits
+        if agree is None:
+            return self._wait_loaded(nodes, stream)
+        return agree(partial(self._wait_loaded, nodes, stream))
+
+    def _wait_loaded(self, nodes: Sequence[TreeNode], stream: object | None) -> bool:
+        """:meth:`wait_loaded` on this cache alone: this copy engine's answer."""
         given = arguments.nodes(self._core.tree, nodes, "wait_loaded")
         with self._operation("wait_loaded", tuple(n.id for n in given)):
+            if any(n.device not in DEVICE_HELD for n in given):
+                return False  # its load failed, applied: its pages went back
             tickets = self._transfers.tickets_of(given)
             if tickets is None:
                 return False
@@ -955,7 +975,12 @@ class _Gate:
 
 
 class _Operation:
-    """One public operation: gated, logged first, its copies started however it ends, checked after."""
+    """One public operation: gated, logged first, its copies started however it ends, checked after.
+
+    Whatever it raises is logged after it: a refusal of the cache's own, or a
+    failure from outside the cache (a copy engine, an allocator, torch), so a
+    tensor-parallel digest sees an operation that raised on one rank only.
+    """
 
     __slots__ = ("args", "check", "flush", "gate", "log", "name")
 
@@ -979,8 +1004,11 @@ class _Operation:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         try:
-            if isinstance(exc, FsmCacheError):
-                self.log.refusal(self.name, exc)
+            if exc is not None:  # logged either way, so that an agreement sees it on this rank
+                if isinstance(exc, FsmCacheError):
+                    self.log.refusal(self.name, exc)
+                else:  # a copy engine, an allocator or torch broke: no refusal of the cache's
+                    self.log.failure(self.name, exc)
             try:
                 self.flush()  # nothing stays queued without its copy, even on a refusal
             except FsmCacheError as failed:  # what the caller gets instead: logged, to replay

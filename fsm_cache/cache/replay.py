@@ -9,7 +9,12 @@ too (:class:`ScriptedStarts`): a start the copy engine refused in the
 recording is refused again at the same point, without asking the replay's
 engine, so a log with refused starts replays on an engine that refuses none.
 It checks that the transitions, acknowledgements, refused starts and
-refusals match. Once the log is used up the returned
+refusals match. An operation that failed in the recording with an error from
+outside the cache (a copy engine or an allocator that broke, logged as
+``failed``) is not run again, since a sound engine would not fail it: the
+cache leaves itself as it was when such an error comes before any change,
+and a log whose failed operation had changed the cache first (logged
+transitions or acknowledgements before the failure) is refused as not replayable. Once the log is used up the returned
 cache takes its acknowledgements from its copy engine again, and works as any
 other cache.
 
@@ -62,11 +67,12 @@ _ARITY = {
 }
 """The operations a replay knows, and how many arguments each is logged with."""
 
-_KINDS = frozenset({"op", "transition", "acks", "refused", "copy_refused"})
+_KINDS = frozenset({"op", "transition", "acks", "refused", "failed", "copy_refused"})
 """The entry kinds of a two-tier cache's log (``storage`` entries are a storage tier's)."""
 
-Step = tuple[int, Entry, str | None]
-"""One operation to replay: its position in the log, its entry, and its recorded refusal."""
+Step = tuple[int, Entry, str | None, str | None]
+"""One operation to replay: its position in the log, its entry, its recorded refusal, and
+its recorded failure (an error from outside the cache; the operation is then not run)."""
 
 
 def replay(log: EventLog, config: CacheConfig) -> HiCache:
@@ -89,8 +95,9 @@ def replay(log: EventLog, config: CacheConfig) -> HiCache:
             entry is of an unknown kind, names an unknown operation or has the
             wrong number of arguments, or the log is a storage-tier cache's;
             nothing is replayed.
-        ReplayMismatch: The log dropped its oldest entries (nothing is
-            replayed), an entry names a node, lock or pin the replay does not
+        ReplayMismatch: The log dropped its oldest entries, or an operation
+            failed in it from outside the cache after changing the cache
+            (nothing is replayed); an entry names a node, lock or pin the replay does not
             have, or the replayed transitions, acknowledgements or refusals
             differ from the recorded ones; names the first difference.
     """
@@ -115,8 +122,9 @@ def replay(log: EventLog, config: CacheConfig) -> HiCache:
     engine = cache.tiers.copier
     cache.transfers.start_copies_with(ScriptedStarts(log.refused_starts(), engine, cache.transfers))
     held: dict[tuple[str, int], list[Lease]] = {}  # receipts by (lock|pin, node id)
-    for at, entry, refused in steps:
-        _step(cache, at, entry, refused, held)
+    for at, entry, refused, failed in steps:
+        if failed is None:  # a failed operation changed nothing (checked by _steps): skipped
+            _step(cache, at, entry, refused, held)
     _compare(log, cache.log)
     cache.transfers.start_copies_with(engine)
     sources[0].hand_back()
@@ -147,20 +155,34 @@ def _step(
 
 
 def _steps(log: EventLog) -> list[Step]:
-    """Return each operation with its position and its recorded refusal; check every entry.
+    """Return each operation with its position and its recorded refusal or failure; check every entry.
 
     Raises:
         BadArgument: See :func:`replay`.
+        ReplayMismatch: An operation failed from outside the cache after it
+            had changed the cache (entries logged between it and its failure).
     """
     out: list[Step] = []
     for at, entry in enumerate(log.entries):
         _check_entry(at, entry)
-        if entry[0] == "op":
-            out.append((at, entry, None))
-        elif entry[0] == "refused":
+        kind = entry[0]
+        if kind == "op":
+            out.append((at, entry, None, None))
+        elif kind in ("refused", "failed"):
             if not out or not isinstance(entry[2], str):
-                raise BadArgument(f"replay: entry {at} {entry!r}: a refusal of no operation")
-            out[-1] = (*out[-1][:2], entry[2])
+                what = "refusal" if kind == "refused" else "failure"
+                raise BadArgument(f"replay: entry {at} {entry!r}: a {what} of no operation")
+            start, op, refused, failed = out[-1]
+            if kind == "refused":  # after a failure too: the copies its end started were refused
+                out[-1] = (start, op, entry[2], failed)
+                continue
+            if at > start + 1:
+                raise ReplayMismatch(
+                    f"replay: entry {start} {op!r} failed in the recording ({entry[2]}) after it"
+                    f" changed the cache (entries {start + 1} to {at - 1}); a failure from"
+                    " outside the cache replays only where the operation changed nothing"
+                )
+            out[-1] = (start, op, refused, entry[2])
     return out
 
 

@@ -108,6 +108,10 @@ class ReplayedRefusal(Exception):
         self.broken = not text.startswith(f"{CopyFailed.__name__}: ")
 
 
+WaitAgreement = Callable[[Callable[[], bool]], bool]
+"""Agrees on a load wait's answer across ranks: called with what computes this rank's answer
+(:meth:`~fsm_cache.cache.hicache.HiCache.wait_loaded` on this cache alone), it returns the group's."""
+
 AckSourceFactory = Callable[[Copier, IssuedCopies], AckSource]
 """Builds a cache's acknowledgement source from its copy engine and its copies in flight."""
 
@@ -186,6 +190,8 @@ class Transfers:
         self._starts: CopyStarts = tiers.copier
         self.acks_taken = False
         """Whether :meth:`take_acks_from` gave the acknowledgements to another source."""
+        self.agree_waits: WaitAgreement | None = None
+        """Who answers a load wait for the group (:meth:`take_acks_from`); None: this cache."""
         core.on_split(self._rehome)
 
     # -- views ---------------------------------------------------------------
@@ -210,6 +216,19 @@ class Transfers:
         """Return how many nodes wait in a batch for their copy to start (retries included)."""
         waiting = [*self._batch.values(), *self._retry.values()]
         return sum(len(nodes) for nodes in waiting)
+
+    def queued_nodes(self) -> list[tuple[str, list[int]]]:
+        """Return, per direction with any, the ids of the nodes waiting for their copy to start.
+
+        Those queued by this operation and those whose copy failed and waits
+        to run again (:meth:`queued` counts them): ``[("d2h", [4, 7])]``.
+        """
+        out = []
+        for direction in (Direction.D2H, Direction.H2D):
+            nodes = [*self._batch[direction], *self._retry[direction]]
+            if nodes:
+                out.append((direction.value, [n.id for n in nodes]))
+        return out
 
     def idle(self) -> bool:
         """Return whether no copy is in flight, queued, or waiting to be copied again."""
@@ -239,13 +258,16 @@ class Transfers:
 
     # -- lifecycle -----------------------------------------------------------
 
-    def take_acks_from(self, source: AckSource) -> None:
-        """Read finished copies from ``source`` from now on.
+    def take_acks_from(self, source: AckSource, waits: WaitAgreement | None = None) -> None:
+        """Read finished copies from ``source`` from now on, and answer load waits by ``waits``.
 
         For a tensor-parallel group: every rank must apply the same
         acknowledgements at the same points, so the group's agreement replaces
         the copy engine's own reports (see
-        :class:`fsm_cache.distributed.agreement.DistributedCache`).
+        :class:`fsm_cache.distributed.agreement.DistributedCache`); and every
+        rank must run the same forward pass, so whether a load can be read
+        (:meth:`~fsm_cache.cache.hicache.HiCache.wait_loaded`) is the group's
+        answer too.
 
         Raises:
             ConfigError: Another source took them already (a cache wrapped
@@ -258,6 +280,7 @@ class Transfers:
             )
         self._source = source
         self.acks_taken = True
+        self.agree_waits = waits
 
     def start_copies_with(self, starts: CopyStarts) -> None:
         """Start copies through ``starts`` from now on (a replay's refused starts, or the engine)."""

@@ -39,8 +39,14 @@ is the MIN over the ranks before any rank creates and fetches the
 that asks the store), and each storage copy is applied at a step with the
 fewest pages any rank landed, carried by the step's one all-reduce.
 
+Whether a chain still loading can be read (the wrapped cache's
+:meth:`~fsm_cache.cache.hicache.HiCache.wait_loaded`) is agreed too, since each
+rank's copy engine knows only its own launches: every rank answers False where
+any rank does, so that every rank runs the same forward pass.
+
 Every method here is a collective: all ranks of the group call it, in the same
-order; so is a lookup that asks a storage tier about its tail.
+order; so are a lookup that asks a storage tier about its tail and the wrapped
+cache's ``wait_loaded``.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ import contextlib
 import struct
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -65,10 +71,12 @@ from fsm_cache.distributed.digest import (
     collectives_message,
     copy_nodes,
     divergence_message,
+    failure_message,
     first_difference,
     involved_nodes,
     lost_message,
     operation_message,
+    queued_message,
     reset_message,
     stalled_message,
     storage_waiting_message,
@@ -100,15 +108,30 @@ first of them, and whether anything is in flight or queued at all."""
 _OWN = 5
 """Values each rank brings to a step's MIN: finished copies, its negation, a lost
 completion, an overdue copy, and the first finished copy that failed."""
+_SHARED_NAMES = (
+    "resets followed",
+    "copies in flight",
+    "transitions",
+    "digests",
+    "digests",
+    "digests",
+    "digests",
+    "storage copies in flight",
+    "first storage copies in flight",
+    "flags of anything in flight or queued",
+)
+"""What each of the :data:`_SHARED` values is, as a divergence message names the ones that differ."""
 _WIDTH = 2 + _OWN + 2 * _SHARED + STORAGE_SLOTS
-"""Length of every agreement all-reduce (a step's, a hit count's, a verification's), so ranks that
-reach different ones get the same shapes, and say so, instead of failing in gloo."""
-_STEP, _HITS, _VERIFY, _DRAIN, _RAISED = 1, 2, 3, 4, 5
+"""Length of every agreement all-reduce (a step's, a hit count's, a verification's, a load
+wait's), so ranks that reach different ones get the same shapes, and say so, instead of failing
+in gloo."""
+_STEP, _HITS, _VERIFY, _DRAIN, _WAIT, _RAISED = 1, 2, 3, 4, 5, 6
 _KINDS = {
     _STEP: "a step",
     _HITS: "a prefetch's hit count",
     _VERIFY: "a digest verification",
     _DRAIN: "a drain",
+    _WAIT: "a load wait",
     _RAISED: "the notice that a rank raised",
 }
 """Each agreement collective's kind; ``_RAISED``, the highest, is the collective a rank
@@ -133,7 +156,8 @@ class DistributedCache:
     cache's acknowledgements come from this object from now on, so its own
     ``poll()`` applies nothing, and an allocation or insert that must wait for
     copies applies all of them in issue order on every rank (:meth:`collect`),
-    without a collective.
+    without a collective. Its ``wait_loaded`` gives the group's answer, in a
+    collective of its own.
 
     Args:
         cache: This rank's cache; same configuration and operations on every rank.
@@ -197,7 +221,7 @@ class DistributedCache:
         self._resets = 0
         self._log = cache.log
         self._digest = TransitionDigest(cache.log)
-        cache.transfers.take_acks_from(self)
+        cache.transfers.take_acks_from(self, self._agree_wait)
         if cache.storage is not None:
             cache.storage.agree_by(self._agree_hits)
 
@@ -396,8 +420,7 @@ class DistributedCache:
         # flag reaches all, all ranks raise or go on at the same step, and the values every
         # rank must share (copies in flight, transitions, digest words) are equal iff MIN == MAX;
         # then per storage copy the fewest pages any rank landed (see StorageTier.report)
-        same = [self._resets, len(issued), self._digest.count, *struct.unpack("<4I", digest)]
-        same += [len(stores), next(iter(stores), 0), busy]
+        same = [*self._shared(digest, len(issued)), len(stores), next(iter(stores), 0), busy]
         reduced = self._reduce(
             _DRAIN if drained else _STEP,
             [ready, -ready, -short, -overdue, failed, *same, *(-v for v in same), *slots],
@@ -412,7 +435,7 @@ class DistributedCache:
         if lost:  # then: a wait that lost a completion also parts the transitions
             raise RankDivergence(self._locate("lost"))
         if lows != [-high for high in highs]:
-            raise RankDivergence(self._locate())
+            raise RankDivergence(self._locate(apart=shared_values_apart(lows, highs)))
         stalled = agreed == 0 and most_ready < 0  # the oldest copy finished on some ranks only
         if stalled and late:
             raise RankDivergence(self._locate("stalled"))
@@ -558,24 +581,73 @@ class DistributedCache:
         with self._announcing("verify_agreement"):
             self._follow_reset()
             mine = self._digest.update()
-        same = [self._resets, self._digest.count, len(self.cache.issued())]
-        same += struct.unpack("<4I", mine)
+        same = self._shared(mine, len(self.cache.issued()))
         reduced = self._reduce(
             _VERIFY, [*same, *(-v for v in same)], "digest verification (all_reduce MIN)"
         )
-        lows, highs = reduced[: len(same)], reduced[len(same) : 2 * len(same)]
+        self._check_shared(reduced[: len(same)], reduced[len(same) : 2 * len(same)])
+        return mine
+
+    def _agree_wait(self, local: Callable[[], bool]) -> bool:
+        """Agree on whether a load can be read (the cache's ``wait_loaded``): the MIN over the ranks.
+
+        Each rank computes its own answer (``local``: its copy engine knows
+        only its own launches), and every rank returns False when any rank
+        did, so that every rank runs the same forward pass: the failed load
+        is then applied as failed on every rank at the next step. One
+        all-reduce of the same shape as a step's, with a kind of its own, that
+        also compares what :meth:`verify_agreement` compares: ranks that
+        pair this collective with another rank's wait for another request
+        (one rank's ``load_back`` gave up where another's did not) part there.
+
+        Raises:
+            RankDivergence: As :meth:`verify_agreement`, or some ranks reached
+                another collective (every rank raises).
+            RankFailure: The collective failed or timed out.
+        """
+        with self._announcing("wait_loaded"):
+            self._follow_reset()
+            ready = int(local())
+            mine = self._digest.update()
+        same = self._shared(mine, len(self.cache.issued()))
+        reduced = self._reduce(
+            _WAIT, [ready, *same, *(-v for v in same)], "load wait agreement (all_reduce MIN)"
+        )
+        self._check_shared(reduced[1 : 1 + len(same)], reduced[1 + len(same) : 1 + 2 * len(same)])
+        return reduced[0] == 1
+
+    def _shared(self, digest: bytes, in_flight: int) -> list[int]:
+        """The values every rank must share at any agreement: the first of :data:`_SHARED`.
+
+        Args:
+            digest: This rank's digest, just updated.
+            in_flight: The copies in flight here (``len(cache.issued())``).
+        """
+        return [self._resets, in_flight, self._digest.count, *struct.unpack("<4I", digest)]
+
+    def _check_shared(self, lows: Sequence[int], highs: Sequence[int]) -> None:
+        """Raise unless every rank shares the :meth:`_shared` values; then the point is agreed.
+
+        Args:
+            lows: The values' MIN over the ranks.
+            highs: The MIN of their negations.
+
+        Raises:
+            RankDivergence: A rank's cache was reset alone, or the values differ.
+        """
         if lows[0] != -highs[0]:
             raise RankDivergence(self._reset_message())
         if lows != [-high for high in highs]:
-            raise RankDivergence(self._locate())
+            raise RankDivergence(self._locate(apart=shared_values_apart(lows, highs)))
         self._digest.agree()
-        return mine
 
     def _reset_message(self) -> str:
         """Gather the resets each rank followed and name the ranks that reset alone."""
         return reset_message(self.comm.all_gather_object(self._resets))
 
-    def _locate(self, why: Literal["split", "lost", "stalled"] = "split") -> str:
+    def _locate(
+        self, why: Literal["split", "lost", "stalled"] = "split", apart: Sequence[str] = ()
+    ) -> str:
         """Gather what each rank did since the agreed point and describe the first split.
 
         Args:
@@ -584,8 +656,12 @@ class DistributedCache:
                 a completion. ``stalled``: the oldest copy finished on some
                 ranks only, for longer than ``timeout``. A completion lost in
                 an operation that waited for it is reported first (the
-                transitions part because of it); then a difference in the
+                transitions part because of it); for a split, an operation
+                that failed from outside the cache on some ranks only (the
+                cause, whatever it left apart); then a difference in the
                 transitions, in every case.
+            apart: The shared values the ranks differ in (:data:`_SHARED_NAMES`),
+                named when nothing else is found to differ.
         """
         if why == "lost":
             losses: list[Loss | None] = self.comm.all_gather_object(self._loss)
@@ -593,6 +669,13 @@ class DistributedCache:
                 return self._lost_in_wait(losses)
         self._digest.update()
         start = self._digest.agreed
+        if why == "split":
+            failed: list[list[AppliedOperation]] = self.comm.all_gather_object(
+                self._digest.failures()
+            )
+            index = first_difference(failed)
+            if index is not None:
+                return failure_message(index, failed)
         tails: list[list[AppliedTransition]] = self.comm.all_gather_object(self._digest.tail())
         index = first_difference(tails)
         if index is not None:
@@ -607,14 +690,19 @@ class DistributedCache:
         index = first_difference(served)
         if index is not None:
             return operation_message(index, served)
-        return self._copies_apart(start, applied)
+        return self._copies_apart(start, applied, apart)
 
-    def _copies_apart(self, start: int, applied: int) -> str:
+    def _copies_apart(self, start: int, applied: int, apart: Sequence[str]) -> str:
         """Describe ranks that did the same since the agreed point but wait on different copies.
+
+        In flight to or from the host, in flight to or from a storage tier,
+        or waiting to start (queued, or failed and to run again); where all
+        of those agree, name the shared values that differ.
 
         Args:
             start: Transitions every rank had agreed on.
             applied: Transitions every rank has applied now.
+            apart: The shared values the ranks differ in.
         """
         waits: list[list[list[int]]] = self.comm.all_gather_object(self._waiting())
         if any(w != waits[0] for w in waits):
@@ -629,9 +717,14 @@ class DistributedCache:
         stores = self.comm.all_gather_object(mine)
         if any(w != stores[0] for w in stores):
             return storage_waiting_message(applied, stores)
+        queued = self.comm.all_gather_object(self.cache.transfers.queued_nodes())
+        if any(q != queued[0] for q in queued):
+            nodes = [n for copies in queued for _, ids in copies for n in ids]
+            return queued_message(applied, queued, self._gather_states(nodes))
         return (
-            f"rank divergence after transition {start}: the digests differ, yet every rank "
-            "applied the same transitions since; the ranks last agreed at different points"
+            f"rank divergence after transition {start}: the ranks' {', '.join(apart)} differ, "
+            "yet every rank applied the same transitions and served the same operations since, "
+            "and waits on the same copies; the ranks last agreed at different points"
         )
 
     def _lost_in_wait(self, losses: list[Loss | None]) -> str:
@@ -683,6 +776,27 @@ _LONGEST_TIMEOUT = 2**62 / 10**9
 """The longest (about 146 years): torch.distributed adds a timeout to its clock in 64-bit
 nanoseconds, and past about 9.2e9 s less the clock a wait overflowed (it failed at once with
 "Operation timed out!", or never returned); half the range is left to the clock."""
+
+
+def shared_values_apart(lows: Sequence[int], highs: Sequence[int]) -> list[str]:
+    """Name the values every rank must share whose MIN and MAX over the ranks differ, each once.
+
+    Args:
+        lows: The values' MIN over the ranks, in the order of a step's
+            (:data:`_SHARED_NAMES`), or the first of them.
+        highs: The MIN of their negations: the negated MAX.
+
+    Returns:
+        What differs, for a divergence message: ``["digests", "flags of
+        anything in flight or queued"]``; empty when every rank agrees.
+    """
+    return list(
+        dict.fromkeys(
+            _SHARED_NAMES[i]
+            for i, (low, high) in enumerate(zip(lows, highs, strict=True))
+            if low != -high
+        )
+    )
 
 
 def _check_arguments(cache: object, group: object, timeout: object, verify_every: object) -> None:

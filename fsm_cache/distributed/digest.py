@@ -141,8 +141,11 @@ def _namespace(value: object) -> str:
     return f"<{kind.__qualname__}>"
 
 
-_TRANSITION, _OPERATION, _REFUSED = -1, -2, -3
+_TRANSITION, _OPERATION, _REFUSED, _FAILED = -1, -2, -3, -4
 """The first word of an entry's words, for the entries without a shorter form."""
+_OUTCOMES = {"refused": _REFUSED, "failed": _FAILED}
+"""The first word of an operation's outcome by its entry's kind: a refusal of the cache's own,
+or a failure from outside the cache (a copy engine or an allocator that raised)."""
 _NODE_BITS = 32
 """A transition of a node id below ``2**31`` folds in as one word: the id, then the event's code
 in the low 32 bits; the word is at least 0, which no other entry's first word is."""
@@ -219,7 +222,9 @@ class TransitionDigest:
     refusal as the operation's and the error class's codes (a call refused on
     one rank only changed nothing there); acknowledgement batches are not (the
     transitions they fire are, and a storage batch holds each rank's own
-    outcome). Names are coded by CRC-32 (:func:`_code`), never by ``hash()``
+    outcome), and a failure (an error from outside the cache: a copy engine or
+    an allocator that raised) as the operation's and the error class's codes,
+    apart from a refusal. Names are coded by CRC-32 (:func:`_code`), never by ``hash()``
     of a string, which differs between processes. Words rather than text: a
     32-request step's log folds in about a quarter of the time its text took.
 
@@ -269,9 +274,9 @@ class TransitionDigest:
                     namespaced = first in _NAMESPACED
                     for i, value in enumerate(shared):
                         words.extend(_argument_words(value, namespaced and i == 1))
-            elif kind == "refused":
+            elif kind in _OUTCOMES:  # a refusal, or a failure from outside the cache
                 error = second.partition(":")[0]
-                words.extend((_REFUSED, _code(codes, first), _code(codes, error)))
+                words.extend((_OUTCOMES[kind], _code(codes, first), _code(codes, error)))
         if words:
             self._hash.update(_pack(words))
         self.count += count
@@ -287,6 +292,22 @@ class TransitionDigest:
         """Return the transitions folded in since the last agreed point, in order."""
         entries = self._log.since(self._agreed_entry, self._scanned)
         return [(node, event) for kind, node, event in entries if kind == "transition"]
+
+    def failures(self) -> list[AppliedOperation]:
+        """Return the operations that failed from outside the cache since the last agreed point.
+
+        Each as ``(transitions applied before it, "insert(...) raised RuntimeError: ...")``:
+        the operation as every rank renders it, then the error and its message.
+        """
+        applied, found, last = self.agreed, [], "an operation"
+        for kind, first, second in self._log.since(self._agreed_entry, self._scanned):
+            if kind == "transition":
+                applied += 1
+            elif kind == "op":
+                last = operation_text(first, second) or first
+            elif kind == "failed":
+                found.append((applied, f"{last} raised {second}"))
+        return found
 
     def operations(self) -> list[AppliedOperation]:
         """Return the operations and refusals folded in since the last agreed point, in order.
@@ -375,6 +396,61 @@ def operation_message(index: int, operations: Sequence[Sequence[AppliedOperation
     return (
         f"rank divergence after transition {applied}: the ranks served different operations: "
         + ", ".join(called)
+    )
+
+
+def failure_message(index: int, failures: Sequence[Sequence[AppliedOperation]]) -> str:
+    """Describe the first operation that failed from outside the cache on some ranks only.
+
+    Args:
+        index: Where the ranks' failures first differ (from :func:`first_difference`).
+        failures: Per rank, its failures since the agreed point (see
+            :meth:`TransitionDigest.failures`).
+
+    Returns:
+        ``rank divergence after transition 8: an operation failed on some ranks
+        only: rank 0 had no failure, rank 1's insert(<32 ids 13514aa7e54a0922>,
+        None, None) raised RuntimeError: allocator broke``.
+    """
+    said = []
+    for rank, failed in enumerate(failures):
+        if index < len(failed):
+            said.append(f"rank {rank}'s {failed[index][1]}")
+        else:
+            said.append(f"rank {rank} had no failure")
+    applied = min(failed[index][0] for failed in failures if index < len(failed))
+    return (
+        f"rank divergence after transition {applied}: an operation failed on some ranks only: "
+        + ", ".join(said)
+    )
+
+
+def queued_message(
+    start: int,
+    queued: Sequence[Sequence[tuple[str, Sequence[int]]]],
+    states: Sequence[Mapping[int, str]],
+) -> str:
+    """Describe ranks that did the same but have different nodes waiting for a copy to start.
+
+    Args:
+        start: Transitions every rank applied.
+        queued: Per rank, per direction with any, the nodes waiting for their copy to start.
+        states: Per rank, the residency of each node named in ``queued``.
+
+    Returns:
+        ``rank divergence after transition 8: the ranks have different copies
+        waiting to start: rank 0 none, rank 1 d2h of nodes [1]; node 1 now:
+        rank 0 backed/resident (pins=0, locks=0), rank 1 backed/resident
+        (pins=0, locks=0)``.
+    """
+    waiting = []
+    for rank, copies in enumerate(queued):
+        named = " and ".join(f"{direction} of nodes {list(nodes)}" for direction, nodes in copies)
+        waiting.append(f"rank {rank} {named or 'none'}")
+    nodes = dict.fromkeys(n for copies in queued for _, ids in copies for n in ids)
+    return (
+        f"rank divergence after transition {start}: the ranks have different copies waiting "
+        "to start: " + "; ".join([", ".join(waiting), *_now(nodes, states)])
     )
 
 
