@@ -496,6 +496,32 @@ def world_of_one(tmp_path: Path) -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("world_of_one")
+def test_a_storage_tier_that_leaves_its_ranks_unsaid_is_refused_in_a_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unsaid, ``ranks`` was 1: every rank of a sharded model read the others' heads."""
+    store = LocalFileStore(tmp_path / "pages")
+    unsaid = StorageConfig(store, model="test", threads=0, io_timeout=5.0)
+    assert (unsaid.ranks, unsaid.shards) == (None, 1)
+    alone = DistributedCache(HiCache(config(), storage=unsaid))  # a world of one: no shards
+    assert alone.cache.storage is not None
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    cache = HiCache(config(), storage=unsaid)
+    with pytest.raises(ConfigError) as caught:
+        DistributedCache(cache)
+    assert str(caught.value) == (
+        "distributed: the storage tier does not say its ranks, in a group of 2: pass "
+        "StorageConfig(rank=0, ranks=2) where each rank holds its own KV heads, or ranks=1 "
+        "where every rank holds the same KV (an MLA latent); unsaid, every rank would key its "
+        "shard under one namespace and read the others'"
+    )
+    assert cache.storage is not None
+    assert cache.storage.collect() == []  # refused whole: the tier was not handed to a group
+    shared = StorageConfig(store, model="test", ranks=1, threads=0, io_timeout=5.0)
+    assert DistributedCache(HiCache(config(), storage=shared)).cache.storage is not None
+
+
+@pytest.mark.usefixtures("world_of_one")
 def test_a_storage_tier_that_does_not_fit_the_group_is_refused(tmp_path: Path) -> None:
     store = LocalFileStore(tmp_path / "pages")
     with pytest.raises(ConfigError) as caught:

@@ -118,7 +118,12 @@ class StorageConfig:
             two models with one KV layout (fine-tunes of one base) would read
             each other's pages under a shared default.
         rank: This cache's rank in its tensor-parallel group.
-        ranks: The group's size.
+        ranks: The group's size where each rank holds its own KV heads, or 1
+            where every rank holds the same KV (an MLA latent) and the ranks
+            share one namespace. None (not said) is 1 for a cache alone; a
+            :class:`~fsm_cache.distributed.agreement.DistributedCache` of
+            more than one rank refuses it, since each rank would read the
+            shards of the others under one namespace.
         policy: ``write_through`` stores every node once its host backup is
             acknowledged (parents first); ``off`` stores only what is fired by
             hand (``cache.fire("store", node)``).
@@ -144,7 +149,7 @@ class StorageConfig:
     store: Store
     model: str
     rank: int = 0
-    ranks: int = 1
+    ranks: int | None = None
     policy: str = "write_through"
     prefetch_threshold: int = 256
     prefetch_policy: str = "best_effort"
@@ -170,11 +175,13 @@ class StorageConfig:
                 raise ConfigError(
                     f"storage: {name} must be one of {', '.join(allowed)}, got {value!r}"
                 )
-        for name, least in (("prefetch_threshold", 0), ("threads", 0), ("ranks", 1)):
+        for name, least in (("prefetch_threshold", 0), ("threads", 0)):
             _need_int(self, name, least)
-        if not whole(self.rank) or self.rank >= self.ranks:
+        if self.ranks is not None:
+            _need_int(self, "ranks", 1)
+        if not whole(self.rank) or self.rank >= self.shards:
             raise ConfigError(
-                f"storage: rank must be an int in 0..{self.ranks - 1}, got {self.rank!r}"
+                f"storage: rank must be an int in 0..{self.shards - 1}, got {self.rank!r}"
             )
         if self.prefetch_capacity is not None:
             _need_int(self, "prefetch_capacity", 0)
@@ -184,6 +191,11 @@ class StorageConfig:
                 raise ConfigError(f"storage: {name} must be seconds > 0, got {value!r}")
         if not isinstance(self.owned, bool):
             raise ConfigError(f"storage: owned must be a bool, got {self.owned!r}")
+
+    @property
+    def shards(self) -> int:
+        """The group size the pages are keyed under: ``ranks``, or 1 where it is not said."""
+        return 1 if self.ranks is None else self.ranks
 
 
 def _need_int(config: StorageConfig, name: str, least: int) -> None:
@@ -390,7 +402,7 @@ class StorageTier:
         self._evictor = evictor
         self._write_through = write_policy is not WritePolicy.WRITE_BACK
         self._base = Namespace.for_layout(
-            config.model, tiers.host.layout, rank=config.rank, ranks=config.ranks
+            config.model, tiers.host.layout, rank=config.rank, ranks=config.shards
         )
         pool_tokens = tiers.host.num_pages * tiers.page_size
         self.capacity = (

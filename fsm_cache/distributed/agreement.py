@@ -182,7 +182,8 @@ class DistributedCache:
             the cache's write policy is ``write_back``, ``group`` is an
             NCCL group smaller than the world (pass its gloo twin), or the
             cache's storage tier names another rank or group size (other than
-            one namespace for all, ``ranks=1``), or its ``io_timeout`` is not
+            one namespace for all, ``ranks=1``), or does not say ``ranks`` in a
+            group of more than one, or its ``io_timeout`` is not
             below ``timeout``.
     """
 
@@ -865,12 +866,21 @@ def _check_storage(config: StorageConfig, group: dist.ProcessGroup | None, timeo
         ConfigError: It names a rank or group size other than the group's
             (ranks with shards of their own would read one another's; one
             namespace for the whole group, ``rank=0, ranks=1``, is fine where
-            every rank holds the same KV, as an MLA latent), or its
+            every rank holds the same KV, as an MLA latent), leaves ``ranks``
+            unsaid in a group of more than one (which of the two it means
+            cannot be told from the cache), or its
             ``io_timeout`` is not below ``timeout`` (a rank waiting for a copy
             would miss the others' next collective).
     """
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
-    if config.ranks != 1 and (config.rank, config.ranks) != (rank, ranks):
+    if config.ranks is None and ranks > 1:
+        raise ConfigError(
+            f"distributed: the storage tier does not say its ranks, in a group of {ranks}: pass "
+            f"StorageConfig(rank={rank}, ranks={ranks}) where each rank holds its own KV heads, or "
+            "ranks=1 where every rank holds the same KV (an MLA latent); unsaid, every rank "
+            "would key its shard under one namespace and read the others'"
+        )
+    if config.shards != 1 and (config.rank, config.shards) != (rank, ranks):
         raise ConfigError(
             f"distributed: the storage tier is rank {config.rank} of {config.ranks}, the group's "
             f"rank is {rank} of {ranks}: pass StorageConfig(rank=, ranks=) of the group, so "
