@@ -1756,7 +1756,13 @@ def test_a_group_this_rank_cannot_agree_over_is_refused() -> None:
 def test_the_shortest_and_the_longest_timeout_work_in_a_collective(
     default: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On the group given, and on a gloo side group built with the timeout."""
+    """On the group given, and on a gloo side group built with the timeout.
+
+    A millisecond is short enough for gloo's own hand-off to outlast it on a
+    loaded machine, so there the step may end in the typed timeout instead:
+    what is tested is that torch takes the bound, neither reading it as no
+    limit nor overflowing its clock.
+    """
     if default == "nccl":
         real = dist.get_backend
         monkeypatch.setattr(
@@ -1766,8 +1772,16 @@ def test_the_shortest_and_the_longest_timeout_work_in_a_collective(
         shared = DistributedCache(HiCache(bench_config()), timeout=timeout)
         assert (shared.group is None) == (default == "gloo")
         shared.cache.insert(list(range(16)))
-        assert shared.step() == 1
-        assert shared.verify_agreement() == shared.digest
+        try:
+            applied = shared.step()
+        except RankFailure as failed:
+            timed_out = str(failed)
+        else:
+            assert applied == 1
+            assert shared.verify_agreement() == shared.digest
+            continue
+        assert timeout == 0.001
+        assert "(timeout 0.001 s)" in timed_out
 
 
 class _HoldFirst(FaultyCopyEngine):
