@@ -386,16 +386,8 @@ def operation_message(index: int, operations: Sequence[Sequence[AppliedOperation
         operations: rank 0 called insert(<16 ids 53b8a4e4c4a1c2f0>, None, None),
         rank 1 called insert(<64 ids 0e9bd5b1a3d6e2c7>, None, None)``.
     """
-    called = []
-    for rank, ops in enumerate(operations):
-        if index < len(ops):
-            called.append(f"rank {rank} {ops[index][1]}")
-        else:
-            called.append(f"rank {rank} did nothing more")
-    applied = min(ops[index][0] for ops in operations if index < len(ops))
-    return (
-        f"rank divergence after transition {applied}: the ranks served different operations: "
-        + ", ".join(called)
+    return _apart(
+        index, operations, "the ranks served different operations", "rank {} {}", "did nothing more"
     )
 
 
@@ -412,17 +404,25 @@ def failure_message(index: int, failures: Sequence[Sequence[AppliedOperation]]) 
         only: rank 0 had no failure, rank 1's insert(<32 ids 13514aa7e54a0922>,
         None, None) raised RuntimeError: allocator broke``.
     """
-    said = []
-    for rank, failed in enumerate(failures):
-        if index < len(failed):
-            said.append(f"rank {rank}'s {failed[index][1]}")
-        else:
-            said.append(f"rank {rank} had no failure")
-    applied = min(failed[index][0] for failed in failures if index < len(failed))
-    return (
-        f"rank divergence after transition {applied}: an operation failed on some ranks only: "
-        + ", ".join(said)
+    return _apart(
+        index, failures, "an operation failed on some ranks only", "rank {}'s {}", "had no failure"
     )
+
+
+def _apart(
+    index: int, per_rank: Sequence[Sequence[AppliedOperation]], what: str, said: str, unsaid: str
+) -> str:
+    """Name each rank's entry at ``index`` (``said`` of its rank and the entry) or ``unsaid``.
+
+    The divergence is dated by the fewest transitions applied before any
+    rank's entry there.
+    """
+    parts = [
+        said.format(rank, entries[index][1]) if index < len(entries) else f"rank {rank} {unsaid}"
+        for rank, entries in enumerate(per_rank)
+    ]
+    applied = min(entries[index][0] for entries in per_rank if index < len(entries))
+    return f"rank divergence after transition {applied}: {what}: " + ", ".join(parts)
 
 
 def queued_message(
