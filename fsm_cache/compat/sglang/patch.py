@@ -216,7 +216,7 @@ def _load_back(original: Method) -> Method:
         except BaseException:  # a refusal inside (the eviction that makes room): undo it all
             scope.back_out(chain)
             if held.locks > locks:  # SGLang's lock on the ancestor, its release skipped
-                self.dec_lock_ref(held)
+                self.dec_lock_ref(held)  # fsm-cache: takes-ownership -- the lock SGLang took
             raise
         if result is None:
             scope.back_out(chain)
