@@ -71,7 +71,7 @@ verify: $(DEVSTAMP)
 	$(BIN)/fsm-cache verify
 
 check: $(DEVSTAMP)
-	$(BIN)/fsm-cache check
+	$(BIN)/fsm-cache check --jobs 2
 
 audit: $(DEVSTAMP)
 	$(BIN)/fsm-cache audit fsm_cache

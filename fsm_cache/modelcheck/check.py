@@ -37,6 +37,7 @@ import contextlib
 import importlib.util
 import itertools
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -498,6 +499,82 @@ def targets(args: argparse.Namespace) -> list[Target]:
     ]
 
 
+class Search(NamedTuple):
+    """One planned search of :func:`run`, whole enough to run in another process (``--jobs``)."""
+
+    spec: Path
+    policy: str
+    nodes: int
+    bounded: dict[str, int]
+    bounds: Bounds
+    symmetry: bool
+    budget: Budget
+    progress: bool | None
+
+
+def search(
+    planned: Search, ops: ModuleType | Any = treeops, *, plain: bool = False
+) -> dict[str, Any]:
+    """Explore one planned target; return its entry of :func:`run`'s ``specs``.
+
+    ``plain`` shows progress as lines, never as a bar (searches side by side).
+    """
+    title = _title(planned.spec.name, planned.policy)
+    started = time.perf_counter()
+    with progress(planned.progress, title, plain=plain) as tick:
+        result = check_spec(
+            planned.spec,
+            planned.nodes,
+            planned.bounds,
+            ops,
+            tick=tick,
+            policy=POLICIES[planned.policy],
+            symmetry=planned.symmetry,
+            budget=planned.budget,
+        )
+    return {
+        "spec": str(planned.spec),
+        "policy": planned.policy,
+        "nodes": planned.nodes,
+        "bounds": planned.bounded,
+        "unexplored": unexplored(planned.spec, planned.bounded),
+        "symmetry": planned.symmetry,
+        "seconds": time.perf_counter() - started,
+        **vars(result),
+    }
+
+
+def searched(
+    searches: list[Search],
+    chosen: list[Control],
+    ops: ModuleType | Any,
+    *,
+    jobs: int,
+    symmetry: bool,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Run the searches, then the controls' checks; return their results in that order.
+
+    With ``jobs`` above 1 they run in that many processes, each search whole
+    in one (a search is not split); the results are the same, and the
+    report's order is the command line's. An ``--ops`` module is not sent to
+    other processes: a run with one has a single target and no controls.
+    """
+    if jobs == 1 or ops is not treeops or len(searches) + len(chosen) < 2:
+        specs = [search(s, ops) for s in searches]
+        return specs, [check_control(c, symmetry=symmetry) for c in chosen]
+    pool = multiprocessing.get_context("spawn").Pool(min(jobs, len(searches) + len(chosen)))
+    try:
+        runs = [pool.apply_async(search, (s,), {"plain": True}) for s in searches]
+        checks = [pool.apply_async(check_control, (c,), {"symmetry": symmetry}) for c in chosen]
+        specs, found = [r.get() for r in runs], [c.get() for c in checks]
+    except BaseException:  # an interrupt or a failed search: the others are not waited for
+        pool.terminate()
+        raise
+    pool.close()
+    pool.join()
+    return specs, found
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Check the targets (the shipped specs when none) and, without targets, the controls.
 
@@ -536,46 +613,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # search (minutes on four nodes) would throw its result away
         prepare(path, nodes, bounds, ops, policy=POLICIES[policy], symmetry=symmetry)
         planned.append((path, policy, nodes, bounded, bounds))
-    specs = []
-    for path, policy, nodes, bounded, bounds in planned:
-        started = time.perf_counter()
-        with progress(args.progress, _title(path.name, policy)) as tick:
-            result = check_spec(
-                path,
-                nodes,
-                bounds,
-                ops,
-                tick=tick,
-                policy=POLICIES[policy],
-                symmetry=symmetry,
-                budget=budget,
-            )
-        seconds = time.perf_counter() - started
-        specs.append(
-            {
-                "spec": str(path),
-                "policy": policy,
-                "nodes": nodes,
-                "bounds": bounded,
-                "unexplored": unexplored(path, bounded),
-                "symmetry": symmetry,
-                "seconds": seconds,
-                **vars(result),
-            }
-        )
-    checked = []
-    for control in (
+    searches = [Search(*p, symmetry, budget, args.progress) for p in planned]
+    chosen = (
         controls(tools=("validate", "check")) if not args.specs and not args.no_controls else []
-    ):
-        found = check_control(control, symmetry=symmetry)
-        checked.append(
-            {
-                "control": control.name,
-                "expected": control.expected,
-                "found": found,
-                "ok": control.matches(found),
-            }
-        )
+    )
+    specs, found = searched(searches, chosen, ops, jobs=args.jobs, symmetry=symmetry)
+    checked = [
+        {
+            "control": control.name,
+            "expected": control.expected,
+            "found": finding,
+            "ok": control.matches(finding),
+        }
+        for control, finding in zip(chosen, found, strict=True)
+    ]
     return {"specs": specs, "controls": checked}
 
 
@@ -661,6 +712,7 @@ def handle(args: argparse.Namespace) -> int:
         )
     least = [("--nodes", args.nodes, 1), ("--max-pins", args.max_pins, 0)]
     least += [("--max-locks", args.max_locks, 0), ("--max-count", args.max_count, 0)]
+    least.append(("--jobs", args.jobs, 1))
     for flag, value, bound in least:
         if value is not None and value < bound:
             raise SpecError([f"check: {flag} must be >= {bound}, got {value}"])
@@ -756,6 +808,14 @@ def register(subparsers: Any) -> None:
         "--no-controls",
         action="store_true",
         help="skip the negative controls (they run only without SPEC and --ops)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run up to N searches at once, each in its own process (default 1); the report "
+        "is the same, and each search keeps its own memory floor",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(handler=handle)

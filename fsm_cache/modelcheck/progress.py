@@ -19,17 +19,21 @@ PLAIN_EVERY = 5.0
 
 
 @contextmanager
-def progress(wanted: bool | None, name: str) -> Iterator[Callable[[int], None] | None]:
+def progress(
+    wanted: bool | None, name: str, *, plain: bool = False
+) -> Iterator[Callable[[int], None] | None]:
     """Yield the callback that shows progress on stderr (None: show none).
 
     On a terminal a rich progress display; elsewhere (CI logs), with
     ``--progress``, a plain line every :data:`PLAIN_EVERY` seconds. A
-    terminal without rich installed gets the plain lines.
+    terminal without rich installed gets the plain lines, and so does a
+    ``plain`` caller: searches running side by side (``check --jobs``), whose
+    bars would draw over each other.
     """
     terminal = sys.stderr.isatty()
     if not (wanted if wanted is not None else terminal):
         yield None
-    elif terminal and find_spec("rich") is not None:
+    elif terminal and not plain and find_spec("rich") is not None:
         with _bar(name) as tick:
             yield tick
     else:

@@ -1,0 +1,102 @@
+"""``fsm-cache check --jobs``: searches side by side in other processes, the same report."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from fsm_cache.cli.main import main
+from fsm_cache.modelcheck import check, treeops
+from fsm_cache.modelcheck.explore import Explorer
+from fsm_cache.spec.controls import controls
+from fsm_cache.spec.shipped import spec_dir
+
+
+HOST = spec_dir() / "host_residency.toml"
+DEVICE = spec_dir() / "device_residency.toml"
+STORAGE = spec_dir() / "storage_residency.toml"
+BROKEN = spec_dir() / "bugs_detected" / "evict_host_while_pinned.toml"
+SPLIT_DROPS_PINS = spec_dir() / "bugs_detected" / "split_drops_pins.py"
+
+
+def checked(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
+    """Run ``check --json`` and return its exit status and its report without the timings."""
+    status = main(["check", "--json", *argv])
+    result = json.loads(capsys.readouterr().out)
+    for spec in result["specs"]:
+        assert spec.pop("seconds") >= 0
+    return status, result
+
+
+@pytest.fixture
+def not_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail any search run in this process: under ``--jobs`` they run in others."""
+
+    def run(*_: object, **__: object) -> None:
+        raise AssertionError("a search ran in the process that ordered it")
+
+    monkeypatch.setattr(Explorer, "run", run)
+
+
+def test_jobs_run_the_searches_in_other_processes_and_report_the_same(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    specs = [str(HOST), str(DEVICE), str(STORAGE), "--nodes", "3"]
+    alone = checked(capsys, *specs)
+    explore = Explorer.run
+    monkeypatch.setattr(Explorer, "run", lambda *_, **__: pytest.fail("ran here"))
+    side_by_side = checked(capsys, *specs, "--jobs", "2")
+    monkeypatch.setattr(Explorer, "run", explore)
+    assert side_by_side == alone
+    assert alone[0] == 0
+    assert [s["spec"] for s in alone[1]["specs"]] == [str(HOST), str(DEVICE), str(STORAGE)]
+
+
+@pytest.mark.usefixtures("not_here")
+def test_a_violation_found_in_another_process_is_reported_whole(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, result = checked(capsys, str(HOST), str(BROKEN), "--nodes", "3", "--jobs", "2")
+    assert status == 1
+    host, broken = result["specs"]
+    assert host["violation"] is None
+    assert broken["violation"] == "invariant 6: node 0: pins is 0 but its holders account for 1"
+    assert broken["trace"][0].startswith("start: ")
+
+
+def test_the_violation_and_its_trace_match_the_search_run_here(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [str(HOST), str(BROKEN), "--nodes", "3"]
+    assert checked(capsys, *argv, "--jobs", "2") == checked(capsys, *argv)
+
+
+def test_the_controls_found_in_other_processes_are_those_found_here() -> None:
+    chosen = controls(tools=("validate", "check"))[:4]
+    assert len(chosen) == 4
+    alone = check.searched([], chosen, treeops, jobs=1, symmetry=True)
+    assert check.searched([], chosen, treeops, jobs=2, symmetry=True) == alone
+    assert all(c.matches(found) for c, found in zip(chosen, alone[1], strict=True))
+
+
+def test_an_ops_module_is_checked_here_whatever_the_jobs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, result = checked(capsys, "--ops", str(SPLIT_DROPS_PINS), "--nodes", "3", "--jobs", "2")
+    assert status == 1
+    assert result["specs"][0]["violation"].endswith(
+        ": host pinned requires pins >= 1 (pins=0, locks=0)"
+    )
+
+
+@pytest.mark.usefixtures("not_here")
+@pytest.mark.parametrize("jobs", ["0", "-1"])
+def test_fewer_than_one_job_is_refused_before_anything_runs(
+    capsys: pytest.CaptureFixture[str], jobs: str
+) -> None:
+    assert main(["check", str(HOST), "--jobs", jobs]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"error: check: --jobs must be >= 1, got {jobs}\n"
