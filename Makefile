@@ -57,15 +57,17 @@ lint: $(DEVSTAMP)
 typecheck: $(DEVSTAMP)
 	$(BIN)/mypy
 
+# pytest-xdist: the suite in PYTEST_JOBS processes (the CI machine has two cores).
+PYTEST_JOBS ?= 2
 pytest: $(DEVSTAMP) compile
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(PYTEST_JOBS)
 
 # The tests that build a HiCache again on the compiled modules' sources, as a plain
 # `pip install` runs them (about a minute).
 OPEN    := (
 PURE_TESTS ?= $(shell grep -lF 'HiCache$(OPEN)' tests/test_*.py) tests/test_native.py
 pytest-pure: $(DEVSTAMP)
-	FSM_CACHE_PURE=1 $(BIN)/pytest -q -p no:cacheprovider $(PURE_TESTS)
+	FSM_CACHE_PURE=1 $(BIN)/pytest -q -n $(PYTEST_JOBS) -p no:cacheprovider $(PURE_TESTS)
 
 verify: $(DEVSTAMP)
 	$(BIN)/fsm-cache verify
