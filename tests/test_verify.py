@@ -116,6 +116,8 @@ _HOST_MUTANTS = {
     "pin": ("_fire_pin", "rec.pins = rec.pins + 1", "rec.pins = rec.pins + 2"),
     "write_failed": ("_fire_write_failed", "if c_pins >= 1:", "if c_pins > 1:"),
     "load_failed": ("_fire_load_failed", "rec.pins = c_pins - 1", "rec.pins = c_pins"),
+    # the right class from another event's table: pin's NoHostCopy, "no valid host copy to pin"
+    "evict_host": ("_fire_evict_host", "_refuse(rec, 23)", "_refuse(rec, 15)"),
 }
 
 
@@ -155,8 +157,9 @@ def test_crosshair_refutes_each_slip_in_the_engines_counter_code(tmp_path: Path)
         "pin": {holders, "pin changes pins by exactly +1", "the step follows the spec"},
         "write_failed": {"every state's invariant holds", "the step follows the spec"},
         "load_failed": {"load_failed changes pins by exactly -1", "the step follows the spec"},
+        "evict_host": {"the step follows the spec"},
     }
-    confirmed = {"write", "write_done", "evict_host", "load"}
+    confirmed = {"write", "write_done", "load"}
     assert {r.function for r in rows} - set(refuted) == confirmed
 
 
@@ -412,6 +415,42 @@ def test_every_input_finds_a_planted_bug_in_the_engines_code(tmp_path: Path) -> 
         "release(host=HostState.writing, device=DeviceState.resident, "
         "storage=StorageState.storing, pins=1, locks=0)"
     )
+
+
+@pytest.mark.parametrize(
+    ("slip", "event", "call"),
+    [
+        # StorePinHeld, but "the last pin belongs to the store in flight (storage storing)":
+        # the reason and the regions named of the other StorePinHeld
+        (
+            ("_fire_release", "_refuse(rec, 32)", "_refuse(rec, 31)"),
+            "release",
+            "release(host=HostState.writing, device=DeviceState.loading, "
+            "storage=StorageState.storing, pins=2, locks=0)",
+        ),
+        # NotLoading with its reason, but the host's: "load_done refused in pinned (pins=1)"
+        # where the device refuses, "refused in resident (locks=0)"
+        (
+            ("_fire_load_done", "_refuse(rec, 57)", "_refuse(rec, 53)"),
+            "load_done",
+            "load_done(host=HostState.pinned, device=DeviceState.resident, "
+            "storage=StorageState.unstored, pins=1, locks=0)",
+        ),
+    ],
+)
+def test_a_refusal_of_the_right_class_with_the_wrong_message_is_a_counterexample(
+    tmp_path: Path, slip: tuple[str, str, str], event: str, call: str
+) -> None:
+    """The contracts compared a refusal's class alone: another reason or region passed."""
+    storage = load_shipped("residency_storage")
+    assert isinstance(storage, System)
+    module = generate(storage, spec_dir() / "residency_storage.toml")
+    path = _planted(tmp_path, storage, *slip)
+    rows = exhaustive.check_module("planted", path, exhaustive.counter_domains(storage))
+    bad = [module.reported(r) for r in rows if r.failed]
+    assert [(r.function, r.contract, r.verdict()) for r in bad] == [
+        (event, "the step follows the spec", f"{crosshair_run.COUNTEREXAMPLE}: {call}")
+    ]
 
 
 def _planted(tmp_path: Path, system: System, function: str, old: str, new: str) -> Path:
