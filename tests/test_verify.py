@@ -304,6 +304,47 @@ def test_options_come_from_pyproject(tmp_path: Path) -> None:
     assert verify.load_options(sub) == Options(per_condition_timeout=3.0, jobs=1)
 
 
+def test_a_spec_gets_its_projects_options_wherever_verify_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CLI read the pyproject of the working directory, the pytest items the spec's.
+
+    Run from a sub-package with a pyproject of its own (or from outside the
+    project), ``fsm-cache verify`` proved a spec with other budgets than its
+    ``fsm-verify`` item; now both read the pyproject nearest the spec.
+    """
+    root = tmp_path / "project"
+    (root / "specs").mkdir(parents=True)
+    (root / "tools").mkdir()
+    (root / "pyproject.toml").write_text(
+        "[tool.fsm_cache.verify]\nper_condition_timeout = 3\njobs = 1\n"
+    )
+    (root / "tools" / "pyproject.toml").write_text("[project]\nname = 'tools'\n")
+    (tmp_path / "pyproject.toml").write_text("[tool.fsm_cache.verify]\njobs = 4\n")
+    (root / "specs" / "door.toml").write_text(_BUILTIN_EVENTS)
+    given: list[Options] = []
+
+    def verify_target(target: str, options: Options, workdir: Path) -> list[Row]:
+        given.append(options)
+        return []
+
+    monkeypatch.setattr(verify, "verify_target", verify_target)
+    runs = [
+        (root, "specs/door.toml"),
+        (root / "specs", "door.toml"),
+        (root / "tools", "../specs/door.toml"),
+        (tmp_path, "project/specs/door.toml"),
+    ]
+    for cwd, spec in runs:
+        monkeypatch.chdir(cwd)
+        assert main(["verify", spec]) == 0
+    assert main(["verify", "--jobs", "2", "project/specs/door.toml"]) == 0
+    capsys.readouterr()
+    pinned = Options(per_condition_timeout=3.0, jobs=1)
+    assert given == [pinned] * len(runs) + [Options(per_condition_timeout=3.0, jobs=2)]
+    assert verify.options_for(root / "specs" / "door.toml") == pinned  # the pytest items' call
+
+
 def test_options_default_without_pyproject(tmp_path: Path) -> None:
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
     assert verify.load_options(tmp_path) == Options()
@@ -664,8 +705,9 @@ def test_a_pyproject_too_big_for_tomllib_is_bad_input_not_a_traceback(
     with pytest.raises(SpecError) as info:
         verify.load_options(tmp_path)
     assert info.value.problems == [f"{path}: invalid TOML: {message}"]
+    (tmp_path / "door.toml").write_text(_BUILTIN_EVENTS)
     monkeypatch.chdir(tmp_path)
-    assert main(["verify", "nonexistent.py"]) == 2
+    assert main(["verify", "door.toml"]) == 2
     assert capsys.readouterr() == ("", f"error: {path}: invalid TOML: {message}\n")
 
 
@@ -825,14 +867,56 @@ def test_a_target_named_twice_in_any_spelling_is_verified_once(
     assert verified == [host, verify.POOL_CONTRACTS]
 
 
+def test_a_module_named_and_given_as_its_file_is_verified_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fsm_cache.contracts.pages`` and its ``.py`` file are one module: it was proved twice."""
+    verified: list[str] = []
+
+    def verify_target(target: str, *_: object) -> list[Row]:
+        verified.append(target)
+        return []
+
+    monkeypatch.setattr(verify, "verify_target", verify_target)
+    from fsm_cache.contracts import pages
+
+    file = pages.__file__
+    assert file is not None
+    assert main(["verify", verify.POOL_CONTRACTS, file]) == 0
+    assert main(["verify", file, verify.POOL_CONTRACTS]) == 0
+    assert verified == [verify.POOL_CONTRACTS, file]
+
+
+def test_a_spec_is_checked_by_its_regions_not_its_files_suffix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A composition of three regions in ``fsm_specs`` as ``x.spec`` went to CrossHair.
+
+    Its file's suffix decided, so its pytest item left contracts unknown after
+    minutes where ``fsm-cache verify`` checks every representative input.
+    """
+
+    def prove(*_: object) -> list[Row]:
+        raise AssertionError("CrossHair was run on a composition of three regions")
+
+    monkeypatch.setattr(crosshair_run, "prove", prove)
+    for spec in spec_dir().glob("*.toml"):
+        (tmp_path / spec.name).write_text(spec.read_text())
+    odd = tmp_path / "residency_storage.spec"
+    (tmp_path / "residency_storage.toml").rename(odd)
+    rows = verify.verify_spec(odd, Options(), tmp_path)
+    assert {r.status for r in rows} == {exhaustive.CONFIRMED_EVERY_INPUT}
+
+
 def test_jobs_where_crosshair_proves_no_target_is_refused(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A composition of three regions is checked on every input: ``--jobs`` was dropped unsaid."""
     given: list[int] = []
 
-    def run(targets: list[str], options: Options, with_controls: bool) -> dict[str, object]:
-        given.append(options.jobs)
+    def run(targets: list[str], jobs: int | None, with_controls: bool) -> dict[str, object]:
+        assert jobs is not None
+        given.append(jobs)
         return {"rows": [], "controls": [], "seconds": 0.0}
 
     monkeypatch.setattr(verify, "run", run)
