@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -415,6 +419,47 @@ def test_a_malformed_crosshair_directive_is_named(tmp_path: Path) -> None:
     assert (
         str(info.value) == f'{path}:2: crosshair directive: Unknown option: "per_condition_timout"'
     )
+
+
+def test_an_interrupt_stops_crosshair_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGINT to fsm_cache alone waited for each CrossHair worker to finish its contracts.
+
+    A terminal's Ctrl-C reaches CrossHair too; an IDE's stop button or ``kill -INT``
+    reaches the main thread only, and leaving the thread pool waited for the
+    workers: two minutes on ``residency.toml`` before ``interrupted``.
+    """
+    started = tmp_path / "started"
+    fake = tmp_path / "fake" / "crosshair"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "__main__.py").write_text(
+        f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\ntime.sleep(60)\n"
+    )
+    path = [str(fake.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))
+    module = tmp_path / "contracts_two.py"
+    module.write_text(
+        "import icontract\n\n\n"
+        "@icontract.ensure(lambda result: result >= 0, 'never negative')\n"
+        "def one(n: int) -> int:\n    return abs(n)\n\n\n"
+        "@icontract.ensure(lambda result: result >= 0, 'never negative')\n"
+        "def two(n: int) -> int:\n    return abs(n)\n"
+    )
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + 30
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if started.exists():  # CrossHair is running: prove() is waiting on it
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        crosshair_run.prove("two", module, Options(jobs=2))
+    assert time.monotonic() - began < 30
 
 
 def test_the_allocator_contracts_set_a_budget_that_exhausts_them() -> None:
