@@ -359,11 +359,11 @@ def _check(path: Path, nodes: int) -> str:
 
 def _verify(path: Path) -> str:
     """Return one line per contract not proved (``fsm-cache verify``'s failing rows), or ``""``."""
-    from fsm_cache.contracts.verify import budget_note, load_options, verify_spec
+    from fsm_cache.contracts.verify import budget_note, options_for, verify_spec
 
     try:
         with tempfile.TemporaryDirectory(prefix="fsm-verify-") as tmp:
-            rows = verify_spec(path, load_options(path.parent), Path(tmp))
+            rows = verify_spec(path, options_for(path), Path(tmp))
     except FsmCacheError as exc:
         return str(exc)
     bad = [

@@ -10,7 +10,8 @@ written (``> /dev/full``) one ``error: cannot write to stdout`` line and exit
 2. It sits below every layer that has a command (the CLI imports the audit,
 never the reverse), with the argparse types their path arguments share
 (:func:`path_text`, :func:`path_argument`) and how they drop a file named
-twice (:func:`named_once`).
+twice (:func:`named_once`), and where a command finds a file's settings
+(:func:`find_pyproject`).
 """
 
 from __future__ import annotations
@@ -132,6 +133,21 @@ def named_once(paths: Iterable[_Named]) -> list[_Named]:
     for path in paths:
         seen.setdefault(os.path.realpath(path), path)
     return list(seen.values())
+
+
+def find_pyproject(start: Path) -> Path | None:
+    """Return the nearest ``pyproject.toml`` at or above the folder ``start``.
+
+    The one rule of every command's ``[tool.fsm_cache.*]`` settings (``audit``'s
+    per file, ``verify``'s per spec or module): they belong to the project
+    the file is in, so the working directory does not change them.
+    """
+    start = start.resolve()
+    for folder in (start, *start.parents):
+        candidate = folder / "pyproject.toml"
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 def run_command(command: Callable[[], int]) -> int:

@@ -22,10 +22,11 @@ from fsm_cache.audit import (
     register,
 )
 from fsm_cache.audit import config as config_module
-from fsm_cache.audit.config import ConfigFinder, find_pyproject, parse_pairs
+from fsm_cache.audit.config import ConfigFinder, parse_pairs
 from fsm_cache.audit.flake8 import AuditPlugin
 from fsm_cache.audit.markers import read_markers
 from fsm_cache.audit.model import DEFAULT_NON_RAISING, DEFAULT_PAIRS
+from fsm_cache.shell import find_pyproject
 
 
 def write_pyproject(folder: Path, table: str) -> Path:

@@ -97,7 +97,9 @@ def test_validate_and_check_controls_yield_their_finding(control: Control) -> No
 
 @pytest.mark.parametrize("control", [c for c in ALL if c.tool == "verify"], ids=lambda c: c.name)
 def test_verify_controls_yield_their_counterexample(control: Control, tmp_path: Path) -> None:
-    assert control.matches(verify.verify_control(control, verify.load_options(), tmp_path))
+    assert control.matches(
+        verify.verify_control(control, verify.options_for(control.path), tmp_path)
+    )
 
 
 VERIFY_CONTROL = Control(Path("c.py"), "verify", "m.f: no page twice: counterexample: f(1, 1)")
@@ -158,13 +160,14 @@ def test_shipped_specs_hold_in_the_model_checker(path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("path", shipped_spec_paths(), ids=lambda p: p.name)
 def test_shipped_specs_have_no_counterexample(path: Path, tmp_path: Path) -> None:
-    rows = verify.verify_spec(path, verify.load_options(), tmp_path)
+    rows = verify.verify_spec(path, verify.options_for(path), tmp_path)
     assert rows
     assert [r for r in rows if r.failed] == []
 
 
 def test_pool_contracts_have_no_counterexample() -> None:
     """Every one proved, with the budgets ``make verify`` has (a tighter one may leave some unknown)."""
-    rows = verify.verify_module(verify.POOL_CONTRACTS, verify.load_options())
+    options = verify.options_for(verify.target_file(verify.POOL_CONTRACTS))
+    rows = verify.verify_module(verify.POOL_CONTRACTS, options)
     assert {r.function for r in rows} == {"alloc_twice", "alloc_free"}
     assert [r for r in rows if r.failed] == []

@@ -401,6 +401,44 @@ def test_the_pytest_plugin_fails_a_spec_crosshair_ran_out_of_time_on(
     )
 
 
+def test_the_pytest_items_read_the_options_fsm_cache_verify_reads(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spec's pyproject gives its options, run from the root or a folder with its own."""
+    pytester.makepyprojecttoml(
+        """
+        [tool.pytest.ini_options]
+        fsm_specs = ["specs/gate.toml"]
+
+        [tool.fsm_cache.verify]
+        per_condition_timeout = 3
+        jobs = 1
+        """
+    )
+    (pytester.path / "specs").mkdir()
+    (pytester.path / "specs" / "gate.toml").write_text(GOOD_GATE)
+    (pytester.path / "tools").mkdir()
+    (pytester.path / "tools" / "pyproject.toml").write_text("[project]\nname = 'tools'\n")
+    pytester.makeconftest(
+        """
+        from fsm_cache.contracts import runner, verify
+
+        def verify_spec(path, options, workdir):
+            return [runner.Row("gate", "take", repr(options), runner.COUNTEREXAMPLE)]
+
+        verify.verify_spec = verify_spec
+        """
+    )
+    shown = "*gate.take: Options(analysis_kind='icontract', per_condition_timeout=3.0, per_path_timeout=5.0, jobs=1): counterexample"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "fsm-verify")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([shown])
+    monkeypatch.chdir(pytester.path / "tools")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "fsm-verify", "../specs")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([shown])
+
+
 def test_marker_model_checks_before_the_test(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         f"""

@@ -30,6 +30,7 @@ from fsm_cache.audit.model import (
     Pair,
 )
 from fsm_cache.errors import SpecError
+from fsm_cache.shell import find_pyproject
 
 # The spec loader's reader, shared so every TOML fsm_cache reads is bounded alike:
 # at most 16 MiB, and nesting or integers too large for tomllib are errors, not crashes.
@@ -99,16 +100,6 @@ def parse_pairs(texts: Sequence[str]) -> tuple[Pair, ...]:
     if repeated:
         raise AuditError(f"call name {repeated[0]!r} appears in more than one pair")
     return pairs
-
-
-def find_pyproject(start: Path) -> Path | None:
-    """Return the nearest ``pyproject.toml`` at or above ``start``."""
-    start = start.resolve()
-    for folder in (start, *start.parents):
-        candidate = folder / "pyproject.toml"
-        if candidate.is_file():
-            return candidate
-    return None
 
 
 class ConfigFinder:

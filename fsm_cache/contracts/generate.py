@@ -13,12 +13,15 @@ For a spec, :func:`generate` writes a self-contained Python module holding:
 * one top-level function per event, ``_event_<event>`` (:func:`checked_name`),
   over ``(region states as Enums, counters as ints, the parent's and a child's
   states where the event reads them)``, which runs that code on a record and
-  returns the record after the step (with the refusal's error class name if
-  it refused); rows and counterexamples name the event
+  returns the record after the step (with, if it refused, the refusal the
+  engine's message is made of: its error class, region, event, reason and
+  the other regions it names); rows and counterexamples name the event
   (:meth:`Generated.reported`);
 * icontract pre- and postconditions derived from the spec objects: the
   source state's invariant holds and counters are non-negative before; after,
-  the result equals :func:`fsm_cache.spec.meaning.step` (the spec interpreted),
+  the result equals :func:`fsm_cache.spec.meaning.explained` (the spec
+  interpreted, its refusal whole, so one of the right class with another
+  reason is a counterexample),
   counters are non-negative, every state's invariant holds, counters carried
   by a state (``pinned(N)``) move by at most one, and counters every step of
   an event changes by the same amount change by exactly that amount.
@@ -63,7 +66,7 @@ from fsm_cache.engine.runtime import child_in as _child_in, effect_failed as _ef
 from fsm_cache.engine.runtime import parent_in as _parent_in
 from fsm_cache.errors import IllegalTransition as _IllegalTransition, error_class as _error_class
 from fsm_cache.spec.loader import load_spec as _load_spec
-from fsm_cache.spec.meaning import step as _meaning
+from fsm_cache.spec.meaning import explained as _meaning
 from fsm_cache.spec.machine import as_system as _as_system
 
 _NAME = {name!r}
@@ -75,10 +78,12 @@ _label = {label!r}
 _HARNESS = """
 
 def _refuse(rec, index):
-    error, event, reason = _REFUSALS[index]
-    raise _error_class(error)(
+    error, region, event, reason, others = _REFUSALS[index]
+    exc = _error_class(error)(
         label=_LABEL, instance=rec.id, state="", counters={{}}, event=event, reason=reason
     )
+    exc.refused = (region, event, reason, others)  # what the engine's message is made of
+    raise exc
 
 
 class _Rec:
@@ -103,15 +108,19 @@ def _view(**states):
     return None if None in states.values() else _Rec_view(**states)
 
 
-def _take(rec, error=""):
-    return _Result(error, {take})
+def _take(rec, refusal=()):
+    return _Result(refusal, {take})
+
+
+def _refusal(exc):
+    return (type(exc).__name__, *getattr(exc, "refused", ("", "", "", ())))
 
 
 def _fire(verb, rec):
     try:
         verb(rec)
     except _IllegalTransition as exc:
-        return _take(rec, type(exc).__name__)
+        return _take(rec, _refusal(exc))
     return _take(rec)
 
 
@@ -119,7 +128,7 @@ def _plan(step, rec):
     try:
         assigns, _effects, _propagate = step(rec)
     except _IllegalTransition as exc:
-        return _take(rec, type(exc).__name__)
+        return _take(rec, _refusal(exc))
     for attr, value in assigns:
         setattr(rec, attr, value)
     return _take(rec)
@@ -197,7 +206,7 @@ def generate(system: System, source: str | Path) -> Generated:
         *(_enum(region, machine) for region, machine in system.regions),
         _result(system),
         f"_LABEL = {system.label!r}",
-        f"_REFUSALS = {tuple((r.error, r.event, r.reason) for r in em.refusals)!r}",
+        f"_REFUSALS = {tuple((r.error, r.region, r.event, r.reason, r.others) for r in em.refusals)!r}",
         _harness(system),
         *(f"\n\ndef _fx_{name}(rec):\n    return None" for name in sorted(hooks)),
         "\n# -- the engine's generated code, as fsm_cache.engine.codegen emits it --\n",
@@ -219,7 +228,7 @@ def _enum(region: str, machine: MachineSpec) -> str:
 
 
 def _result(system: System) -> str:
-    fields = [("error", "str")]
+    fields = [("error", "tuple")]
     fields += [(r, "str") for r, _ in system.regions]
     fields += [(c, "int") for c, _ in system.counters]
     typed = ", ".join(f"({name!r}, {kind})" for name, kind in fields)
@@ -306,7 +315,7 @@ def _ensures(system: System, event: str, parent: list[str], child: list[str]) ->
             count = "counts" if len(carriers) == 1 else "count"
             out.append(
                 _ensure(
-                    f"result.error != '' or abs(result.{name} - {name}) <= 1",
+                    f"result.error != () or abs(result.{name} - {name}) <= 1",
                     f"{name} moves by at most one ({', '.join(carriers)} {count} holders)",
                     (name,),
                 )
@@ -315,7 +324,7 @@ def _ensures(system: System, event: str, parent: list[str], child: list[str]) ->
         sign = f"+ {delta}" if delta >= 0 else f"- {-delta}"
         out.append(
             _ensure(
-                f"result.error != '' or result.{name} == {name} {sign}",
+                f"result.error != () or result.{name} == {name} {sign}",
                 f"{event} changes {name} by exactly {delta:+d}",
                 (name,),
             )

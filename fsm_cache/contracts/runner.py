@@ -21,6 +21,7 @@ import importlib.util
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -182,8 +183,15 @@ def prove(target: str, path: Path, options: Options) -> list[Row]:
     lines = [_def_line(path, name) for name, _ in functions(path)]
     targets = [f"{path.resolve()}:{n}" for n in lines] if all(lines) else []
     chunks = _chunks(targets, options.jobs) if targets else [[str(path.resolve())]]
+    children = _Children()
     with ThreadPoolExecutor(max_workers=options.jobs) as pool:
-        reports = list(pool.map(lambda chunk: _run(chunk, options, path.parent), chunks))
+        try:
+            reports = list(
+                pool.map(lambda chunk: _run(chunk, options, path.parent, children), chunks)
+            )
+        except BaseException:  # Ctrl-C: leaving the pool waits for its workers' CrossHair
+            children.stop()
+            raise
     files = {str(path.resolve())} | {f for r in reports for f in _files(r)}
     known = {(c.file, c.line): c for f in sorted(files) for c in contracts(Path(f))}
     verdicts: dict[tuple[str, int], tuple[str, str]] = {}
@@ -246,16 +254,55 @@ def _unreported() -> tuple[str, str]:
     return NOT_ANALYSED, "CrossHair did not report this contract"
 
 
-def _run(targets: Sequence[str], options: Options, cwd: Path) -> str:
+class _Children:
+    """The CrossHair processes of one proof, stopped together when it is interrupted.
+
+    A SIGINT sent to fsm_cache alone (an IDE's stop button, ``kill -INT``,
+    ``timeout -s INT``), not to its process group as a terminal's Ctrl-C is,
+    reached the main thread only: leaving the thread pool then waited for each
+    worker's CrossHair to finish its contracts, minutes, before the run said
+    ``interrupted``. Once stopped, no worker starts another.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: list[subprocess.Popen[str]] = []
+        self._stopped = False
+
+    def start(self, argv: Sequence[str], cwd: Path) -> subprocess.Popen[str]:
+        """Start ``argv`` in ``cwd``, its output piped, unless the proof is stopped.
+
+        Raises:
+            FsmCacheError: The proof was stopped, or the process cannot start.
+        """
+        with self._lock:
+            if self._stopped:
+                raise FsmCacheError("CrossHair not started: verification was interrupted")
+            try:
+                child = subprocess.Popen(
+                    argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd
+                )
+            except OSError as exc:
+                raise FsmCacheError(f"cannot run CrossHair: {exc}") from exc
+            self._running.append(child)
+            return child
+
+    def stop(self) -> None:
+        """Kill every process started, and start no other."""
+        with self._lock:
+            self._stopped = True
+            for child in self._running:
+                child.kill()
+
+
+def _run(targets: Sequence[str], options: Options, cwd: Path, children: _Children) -> str:
     argv = [sys.executable, "-m", "crosshair", "check", *options.argv(), *targets]
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, cwd=cwd, check=False)
-    except OSError as exc:
-        raise FsmCacheError(f"cannot run CrossHair: {exc}") from exc
-    if done.returncode not in (0, 1):
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+    child = children.start(argv, cwd)
+    stdout, stderr = child.communicate()
+    if child.returncode not in (0, 1):
+        tail = (stderr or stdout).strip().splitlines()[-1:] or ["no output"]
         raise FsmCacheError(f"CrossHair failed on {' '.join(targets)}: {tail[0]}")
-    return done.stdout + done.stderr
+    return stdout + stderr
 
 
 def parse_report(

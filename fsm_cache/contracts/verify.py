@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 import tempfile
 import time
@@ -36,10 +37,10 @@ from fsm_cache.contracts.generate import generate
 from fsm_cache.contracts.runner import Options, Row
 from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.numeric import whole
-from fsm_cache.shell import named_once, path_text, summary_line
+from fsm_cache.shell import find_pyproject, named_once, path_text, summary_line
 from fsm_cache.spec.controls import Control, controls, load_finding, relative, render_controls
 from fsm_cache.spec.loader import load_spec, read_toml
-from fsm_cache.spec.machine import as_system
+from fsm_cache.spec.machine import System, as_system
 from fsm_cache.spec.shipped import shipped_spec_paths
 
 
@@ -53,8 +54,39 @@ _TABLE = ("tool", "fsm_cache", "verify")
 """Where in pyproject.toml the options live."""
 
 
-def load_options(start: Path | None = None) -> Options:
-    """Read ``[tool.fsm_cache.verify]`` from the nearest pyproject.toml; defaults without one.
+def options_for(file: Path, jobs: int | None = None) -> Options:
+    """Return the options the spec or contracts module at ``file`` is verified with.
+
+    The one rule of ``fsm-cache verify`` and of the pytest items: the
+    ``[tool.fsm_cache.verify]`` of the pyproject.toml nearest the file, in its
+    folder or the first above it, whatever the working directory. One spec
+    gets the same budgets from the CLI, run at the project's root or in a
+    subfolder, and from pytest; a spec of another project gets that project's.
+
+    Args:
+        file: The spec's file, or the module's (:func:`target_file`).
+        jobs: ``--jobs``, which replaces the table's ``jobs`` when given.
+
+    Raises:
+        SpecError: The pyproject is bad (:func:`load_options`).
+    """
+    options = load_options(file.parent)
+    return options if jobs is None else dataclasses.replace(options, jobs=jobs)
+
+
+def target_file(target: str) -> Path:
+    """Return the file of a command-line target: a spec's, or a contracts module's.
+
+    Raises:
+        SpecError: The target names a module that is not found (:func:`module_path`).
+    """
+    return Path(target) if target.endswith(".toml") else module_path(target)
+
+
+def load_options(start: Path) -> Options:
+    """Read ``[tool.fsm_cache.verify]`` from the pyproject.toml nearest ``start``; defaults without one.
+
+    The file is the first found in ``start`` or a folder above it.
 
     The file is read as specs are (the loader's reader), so whatever it holds
     (an integer of 5000 digits, arrays nested 5000 deep) is a finding naming
@@ -64,20 +96,18 @@ def load_options(start: Path | None = None) -> Options:
         SpecError: The file cannot be read or is not TOML, or the table is not a
             table, holds an unknown key, a value of the wrong type or one out of range.
     """
-    folder = (start or Path.cwd()).resolve()
-    for candidate in (folder, *folder.parents):
-        path = candidate / "pyproject.toml"
-        if path.is_file():
-            try:
-                table: Any = read_toml(path)
-            except OSError as exc:
-                raise SpecError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
-            for depth, key in enumerate(_TABLE, 1):
-                table = table.get(key, {})
-                if not isinstance(table, dict):
-                    raise SpecError([f"{path}: {'.'.join(_TABLE[:depth])}: expected a table"])
-            return _options(table, path)
-    return Options()
+    path = find_pyproject(start)
+    if path is None:
+        return Options()
+    try:
+        table: Any = read_toml(path)
+    except OSError as exc:
+        raise SpecError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
+    for depth, key in enumerate(_TABLE, 1):
+        table = table.get(key, {})
+        if not isinstance(table, dict):
+            raise SpecError([f"{path}: {'.'.join(_TABLE[:depth])}: expected a table"])
+    return _options(table, path)
 
 
 _LOWEST = {"jobs": 1, "per_condition_timeout": 0.001, "per_path_timeout": 0.001}
@@ -141,7 +171,7 @@ def verify_spec(path: Path, options: Options, workdir: Path) -> list[Row]:
     folder = Path(tempfile.mkdtemp(dir=workdir))
     generated = generate(system, path)
     module = generated.write(folder)
-    if not by_crosshair(str(path)):
+    if not proved_by_crosshair(system):
         rows = exhaustive.check_module(system.name, module, exhaustive.counter_domains(system))
     else:
         rows = crosshair_run.prove(system.name, module, options)
@@ -157,9 +187,16 @@ def by_crosshair(target: str) -> bool:
     Raises:
         SpecError: ``target`` is a spec that does not load.
     """
-    if not target.endswith(".toml"):
-        return True
-    return len(as_system(load_spec(Path(target))).regions) < EXHAUSTIVE_REGIONS
+    return not target.endswith(".toml") or proved_by_crosshair(as_system(load_spec(Path(target))))
+
+
+def proved_by_crosshair(system: System) -> bool:
+    """Whether CrossHair proves ``system``'s contracts: fewer than :data:`EXHAUSTIVE_REGIONS` regions.
+
+    Decided by the spec loaded, not by its file's name: a spec named
+    ``x.TOML`` in ``fsm_specs`` is checked as ``x.toml`` is.
+    """
+    return len(system.regions) < EXHAUSTIVE_REGIONS
 
 
 def verify_module(name: str, options: Options) -> list[Row]:
@@ -221,19 +258,32 @@ def check_targets(targets: Sequence[str]) -> None:
 
     Raises:
         SpecError: Every fault of every target: a spec that does not load, a
-            module that is not found or whose package cannot be imported.
+            module that is not found or whose package cannot be imported, the
+            bad pyproject settings it would be verified with (:func:`options_for`).
     """
     problems: list[str] = []
     for target in targets:
         try:
             if target.endswith(".toml"):
                 load_spec(Path(target))
-            else:
-                module_path(target)
+            options_for(target_file(target))
         except SpecError as exc:
             problems += exc.problems
     if problems:
         raise SpecError(list(dict.fromkeys(problems)))
+
+
+def modules_once(targets: Sequence[str]) -> list[str]:
+    """Return ``targets`` with each contracts module once, by name or by file, kept first.
+
+    ``fsm_cache.contracts.pages`` and ``fsm_cache/contracts/pages.py`` are one
+    module, proved alike: the second spelling would prove it again. Call after
+    :func:`check_targets`, which has found every module.
+    """
+    seen: dict[str, str] = {}
+    for target in targets:
+        seen.setdefault(os.path.realpath(target_file(target)), target)
+    return list(seen.values())
 
 
 def verify_target(target: str, options: Options, workdir: Path) -> list[Row]:
@@ -267,22 +317,28 @@ def verify_control(control: Control, options: Options, workdir: Path) -> str:
     )
 
 
-def run(targets: Sequence[str], options: Options, with_controls: bool) -> dict[str, Any]:
+def run(targets: Sequence[str], jobs: int | None, with_controls: bool) -> dict[str, Any]:
     """Verify targets (the shipped set when empty) and, if asked, the negative controls.
 
+    Each is verified with the options of :func:`options_for`, ``jobs`` (``--jobs``)
+    replacing their ``jobs`` when given.
+
     Raises:
-        SpecError: A target does not load or is not found (:func:`check_targets`);
-            nothing was verified.
+        SpecError: A target does not load or is not found, or the pyproject its
+            options come from is bad (:func:`check_targets`); nothing was verified.
         FsmCacheError: The verify extra is not installed; nothing was verified.
     """
     crosshair_run.require_extra()
     check_targets(targets)
     started = time.perf_counter()
-    shipped = [str(p) for p in shipped_spec_paths()] + [POOL_CONTRACTS]
+    chosen = modules_once(targets) or [str(p) for p in shipped_spec_paths()] + [POOL_CONTRACTS]
+    planned = [(target, options_for(target_file(target), jobs)) for target in chosen]
+    checks = controls(tools=("validate", "verify")) if with_controls else []
+    known = [(control, options_for(control.path, jobs)) for control in checks]
     with tempfile.TemporaryDirectory(prefix="fsm-verify-") as tmp:
-        rows = [r for t in (targets or shipped) for r in verify_target(t, options, Path(tmp))]
+        rows = [r for t, options in planned for r in verify_target(t, options, Path(tmp))]
         checked = []
-        for control in controls(tools=("validate", "verify")) if with_controls else []:
+        for control, options in known:
             found = verify_control(control, options, Path(tmp))
             checked.append(
                 {
@@ -371,10 +427,7 @@ def handle(args: argparse.Namespace) -> int:
                 f"is checked on every representative input ({', '.join(targets)})"
             )
             raise BadArgument(msg)
-    options = load_options()
-    if args.jobs is not None:
-        options = dataclasses.replace(options, jobs=args.jobs)
-    result = run(targets, options, with_controls=not targets and not args.no_controls)
+    result = run(targets, args.jobs, with_controls=not targets and not args.no_controls)
     if args.json:
         print(json.dumps({**result, "rows": [r.as_dict() for r in result["rows"]]}, indent=2))
     else:

@@ -31,7 +31,7 @@ from typing import Any
 from fsm_cache.engine import runtime
 from fsm_cache.engine import trail as trails
 from fsm_cache.spec.guards import Assign, Condition, Guard
-from fsm_cache.spec.machine import Forbid, MachineSpec, System, Transition
+from fsm_cache.spec.machine import GUARDS_FAIL, Forbid, MachineSpec, System, Transition
 
 
 Plan = tuple[tuple[tuple[str, object], ...], list[str], bool]
@@ -632,7 +632,7 @@ def _state_body(
         em.emit(2, f"{keyword} {guard_expr(tr.guard)}:")
         keyword = "elif"
         _transition_body(em, region, tr, 3)
-    index = em.refusal(region, "IllegalTransition", "no transition's guard holds")
+    index = em.refusal(region, *GUARDS_FAIL)
     if keyword == "if":
         em.emit(2, f"_refuse(rec, {index})")
     else:
@@ -788,16 +788,6 @@ def _system_forbids(em: Emitter, event: str) -> None:
             tests.append(f"s_{owner} in {tuple(forbid.sources)!r}")
         if forbid.guard:
             tests.append(guard_expr(forbid.guard, local=False))
-        index = em.refusal(owner, forbid.error, forbid.reason, other_regions(forbid, owner))
+        index = em.refusal(owner, forbid.error, forbid.reason, forbid.others(owner))
         em.emit(1, f"if {' and '.join(tests) or 'True'}:")
         em.emit(2, f"_refuse(rec, {index})")
-
-
-def other_regions(forbid: Forbid, owner: str) -> tuple[str, ...]:
-    """Return the regions besides ``owner`` whose state on this record ``forbid`` reads.
-
-    A refusal names the state of each, so ``open_door refused in closed`` says
-    why: ``(bolt locked)``. Tree conditions read other records and are left out.
-    """
-    regions = (c.region for c in forbid.when if c.scope == "self" and c.region != owner)
-    return tuple(dict.fromkeys(regions))

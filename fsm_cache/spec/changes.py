@@ -7,7 +7,7 @@ both, so the two read one rule.
 
 from __future__ import annotations
 
-from fsm_cache.spec.machine import MachineSpec
+from fsm_cache.spec.machine import MachineSpec, Transition
 from fsm_cache.spec.meaning import region_step
 from fsm_cache.spec.validate import allowed, representatives
 
@@ -34,7 +34,7 @@ def changes(machine: MachineSpec, event: str) -> dict[str, set[Change]]:
         reps = representatives(machine, state.invariant)
         for values in allowed(machine.counter_names, reps, state.invariant):
             taken = region_step(machine, event, state.name, values)
-            if isinstance(taken, str):
+            if not isinstance(taken, Transition):
                 continue
             after = taken.update.apply(values)
             for name, before in values.items():

@@ -28,6 +28,10 @@ identifiers in generated code, so a leading underscore (Python's own), other scr
 (which Python rewrites) and a trailing newline are out."""
 NOT_A_NAME = "not an identifier"
 
+GUARDS_FAIL = ("IllegalTransition", "no transition's guard holds")
+"""The refusal ``(error class name, reason)`` of an event whose transitions from the
+state all have guards that fail, where no refusal of the state's holds either."""
+
 
 NOT_A_TITLE = "not one line of printable text (no line break, tab or other control character)"
 """Why a machine's or composition's ``name`` is refused: it is shown in diagrams, stubs,
@@ -127,6 +131,15 @@ class Forbid:
     def conditional(self) -> bool:
         """Whether the refusal depends on a guard or a condition (vs. a plain gap-filler)."""
         return bool(self.guard) or bool(self.when)
+
+    def others(self, owner: str) -> tuple[str, ...]:
+        """Return the regions besides ``owner`` whose state on the record this refusal reads.
+
+        A refusal names the state of each, so ``open_door refused in closed`` says
+        why: ``(bolt locked)``. Tree conditions read other records and are left out.
+        """
+        regions = (c.region for c in self.when if c.scope == "self" and c.region != owner)
+        return tuple(dict.fromkeys(regions))
 
 
 @dataclass(frozen=True)

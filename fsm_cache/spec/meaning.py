@@ -18,11 +18,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from fsm_cache.spec.guards import Condition
-from fsm_cache.spec.machine import Forbid, MachineSpec, System, Transition
+from fsm_cache.spec.machine import GUARDS_FAIL, Forbid, MachineSpec, System, Transition
 
 
 Outcome = tuple[object, ...]
 """``(error, *region states, *counters)``; ``error`` is ``""`` when the step is taken."""
+
+Refused = tuple[str, str, str, str, tuple[str, ...]]
+"""A refusal as the engine raises it: ``(error class name, region, event, reason, others)``.
+
+``region`` is the region whose state and counters its message shows, ``others``
+the other regions of the record a composition's rule reads, whose states it
+names after them (:meth:`~fsm_cache.spec.machine.Forbid.others`): with the
+record, they make its whole message
+(``node 17: release refused in backed (pins=0): <reason>``)."""
 
 View = Mapping[str, str]
 """Region states of a record seen from a neighbour (its parent or a child)."""
@@ -52,37 +61,61 @@ def step(
         order: the refusal's error class name and the unchanged record, or
         ``""`` and the record after the step.
     """
+    refused, *record = explained(system, event, states, counters, parent=parent, children=children)
+    return (refused[0] if isinstance(refused, tuple) and refused else "", *record)
+
+
+def explained(
+    system: System,
+    event: str,
+    states: Mapping[str, str],
+    counters: Mapping[str, int],
+    *,
+    parent: View | None = None,
+    children: Sequence[View] = (),
+) -> Outcome:
+    """Return :func:`step`'s outcome with the whole refusal in place of its error class.
+
+    The contracts compare the engine's code with this: a refusal of the right
+    class with another reason, or shown in another region, is a wrong step.
+
+    Returns:
+        ``(refusal, *states, *counters)``: the :data:`Refused` and the
+        unchanged record, or ``()`` and the record after the step.
+    """
     new_states = dict(states)
     new_counters = dict(counters)
     for region in system.regions_of(event):
         found = region_step(system.machines[region], event, states[region], counters)
-        if isinstance(found, str):
-            return _shaped(system, found, states, counters)
+        if not isinstance(found, Transition):
+            error, reason = found
+            return _shaped(system, (error, region, event, reason, ()), states, counters)
         new_states[region] = found.dest
         for assign in found.update.assigns:
             new_counters[assign.counter] = assign.apply(counters[assign.counter])
+    owner = system.regions_of(event)[0]
     for forbid in system.forbids_for(event):
-        owner = system.regions_of(event)[0]
         if _refuses(forbid, owner, states, counters, (parent, children)):
-            return _shaped(system, forbid.error, states, counters)
-    return _shaped(system, "", new_states, new_counters)
+            refusal = (forbid.error, owner, event, forbid.reason, forbid.others(owner))
+            return _shaped(system, refusal, states, counters)
+    return _shaped(system, (), new_states, new_counters)
 
 
 def region_step(
     machine: MachineSpec, event: str, state: str, counters: Mapping[str, int]
-) -> Transition | str:
-    """Return the transition ``event`` takes in one region, or the refusal's error name."""
+) -> Transition | tuple[str, str]:
+    """Return the transition ``event`` takes in one region, or the refusal's error name and reason."""
     transitions = list(machine.transitions_for(state, event))
     forbids = list(machine.forbids_for(state, event))
     if not transitions and not forbids:
-        return machine.unanswered(state, event)[0]
+        return machine.unanswered(state, event)
     for forbid in forbids:
         if forbid.guard.holds(counters):
-            return forbid.error
+            return forbid.error, forbid.reason
     for tr in transitions:
         if tr.guard.holds(counters):
             return tr
-    return "IllegalTransition"
+    return GUARDS_FAIL
 
 
 def condition_holds(
@@ -112,7 +145,7 @@ def _refuses(
 
 
 def _shaped(
-    system: System, error: str, states: Mapping[str, str], counters: Mapping[str, int]
+    system: System, error: object, states: Mapping[str, str], counters: Mapping[str, int]
 ) -> Outcome:
     return (
         error,

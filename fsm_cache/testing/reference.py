@@ -41,7 +41,15 @@ except ModuleNotFoundError as exc:  # an optional dependency: say which extra br
 from fsm_cache.engine.core import Effect
 from fsm_cache.errors import EffectFailed, IllegalTransition, SpecError, error_class
 from fsm_cache.spec.guards import Condition
-from fsm_cache.spec.machine import Forbid, MachineSpec, Spec, System, Transition, as_system
+from fsm_cache.spec.machine import (
+    GUARDS_FAIL,
+    Forbid,
+    MachineSpec,
+    Spec,
+    System,
+    Transition,
+    as_system,
+)
 
 
 class Record:
@@ -161,8 +169,7 @@ class Reference:
                 error, reason = spec.unanswered(state, event)
                 raise self._refusal(rec, region, event, error, reason) from None
         if not fired:
-            reason = "no transition's guard holds"
-            raise self._refusal(rec, region, event, "IllegalTransition", reason)
+            raise self._refusal(rec, region, event, *GUARDS_FAIL)
 
     def _refusal(
         self,
