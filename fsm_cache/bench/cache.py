@@ -237,16 +237,22 @@ def serve_trace(
     poll: Callable[[], object] | None,
     *,
     cache_writes: bool = False,
-) -> None:
+) -> int:
     """Serve ``keys`` as a scheduler would: match, lock, evict if short, insert, unlock, ``poll``.
 
     The request locks its matched prefix while it runs, as SGLang's scheduler
     does (``inc_lock_ref`` at admission, ``dec_lock_ref`` when it is cached).
     It holds its slots (``alloc_slots``, then ``insert(tokens, slots)``), or
     with ``cache_writes`` the cache allocates them and writes the KV itself.
+
+    Returns:
+        The tokens the requests found on the device, summed: what a benchmark
+        compares with the other side's, which must do the same work.
     """
+    hits = 0
     for key in keys:
         match = cache.match_prefix(key)
+        hits += match.device_len
         with cache.lock(match.last_device_node):  # unlocked however the request ends
             need = len(key) - match.device_len
             free = cache.tiers.device.allocator.free_slots
@@ -258,6 +264,7 @@ def serve_trace(
                 cache.insert(key, [0] * match.device_len + cache.alloc_slots(need))
         if poll is not None:
             poll()
+    return hits
 
 
 def _run_hicache(keys: list[list[int]], pages: int, host_pages: int) -> float:

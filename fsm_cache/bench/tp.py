@@ -320,7 +320,7 @@ def _measure(world: int, settings: _Settings) -> TPBench:
 
 
 K = TypeVar("K")
-Replayer = Callable[[HiCache, Sequence[K], Callable[[], object]], None]
+Replayer = Callable[[HiCache, Sequence[K], Callable[[], object]], object]
 
 
 def _compare(

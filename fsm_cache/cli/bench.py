@@ -115,9 +115,9 @@ def _run(args: argparse.Namespace) -> int:
 
         print(run_storage_bench(quick=args.quick, reps=args.reps, pages=args.pages).format())
     elif args.what == "cache" and args.against == "sglang":
-        from fsm_cache.bench.against import run_against_sglang
+        from fsm_cache.bench.against import QUICK_REQUESTS, run_against_sglang
 
-        sized = {"num_requests": 200, "rounds": 1} if args.quick else {}
+        sized = {"num_requests": QUICK_REQUESTS, "rounds": 1} if args.quick else {}
         return _server_bench(lambda: run_against_sglang(**sized).format())
     elif args.what == "cache":
         from fsm_cache.bench.cache import run_cache_bench
