@@ -9,8 +9,16 @@ import pytest
 import torch
 
 from fsm_cache.bench import against
-from fsm_cache.bench.against import AgainstBench, UnequalWork, Work, cached_tokens
-from fsm_cache.bench.cache import BaselineRadix, serve_trace, trace, trace_config
+from fsm_cache.bench.against import AgainstBench, cached_tokens
+from fsm_cache.bench.cache import (
+    BaselineRadix,
+    UnequalWork,
+    Work,
+    compare,
+    serve_trace,
+    trace,
+    trace_config,
+)
 from fsm_cache.bench.sglang import Allocator
 from fsm_cache.cache.arguments import TokenKey
 from fsm_cache.cache.hicache import HiCache
@@ -92,7 +100,7 @@ def test_a_side_that_did_other_work_than_sglang_is_refused_not_reported(
     with pytest.raises(UnequalWork) as refused:
         against.run_against_sglang(num_requests=30, rounds=1)
     assert str(refused.value) == (
-        "bench cache --against sglang: on the page 1 trace, held did other work than SGLang "
+        "bench cache --against sglang, page 1 trace: held did other work than SGLang "
         f"({hits:,} tokens hit, 0 evicted; SGLang 0 tokens hit, {total:,} evicted), "
         "so their ratio would compare different work"
     )
@@ -166,3 +174,31 @@ def test_the_baseline_tree_locks_and_unlocks_the_matched_path() -> None:
     assert node.lock_ref == 0
     tree.evict(64)
     assert tree.match_prefix(key) == 0
+
+
+def test_bench_cache_reports_the_work_its_three_sides_did_alike() -> None:
+    """``bench cache --quick``'s trace and pool: every side hits and evicts the same tokens."""
+    keys = trace(200)
+    best, work = compare(keys, 512, 1)
+    assert set(best) == {"baseline", "hicache", "write_through"}
+    assert work.evicted_tokens > 0  # the pool of 512 pages is short: the sides evict
+    assert work.hit_tokens > 0
+
+
+def test_bench_cache_refuses_a_side_that_did_other_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A baseline that never finds its prefix allocates every token: no ratio of that."""
+
+    def nothing_found(tree: BaselineRadix, key: list[int]) -> int:
+        tree.last_node = tree.root
+        return 0
+
+    monkeypatch.setattr(BaselineRadix, "match_prefix", nothing_found)
+    keys = trace(30)
+    total, hits = sum(len(k) for k in keys), sum(len(k) for k in keys) - cached_tokens(keys)
+    with pytest.raises(UnequalWork) as refused:
+        compare(keys, total // 16, 1)  # room for every token: nothing is evicted
+    assert str(refused.value) == (
+        f"bench cache: HiCache did other work than the baseline tree ({hits:,} tokens hit, "
+        "0 evicted; the baseline tree 0 tokens hit, 0 evicted), so their ratio would compare "
+        "different work"
+    )

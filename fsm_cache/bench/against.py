@@ -17,18 +17,20 @@ Three traces: page 1, page 16, and page 1 with a device pool a quarter of the
 tokens the trace leaves cached (:func:`cached_tokens`), so the tree evicts
 three quarters of them over the run. Each request is one ``match_prefix`` and one
 ``insert`` (plus the eviction it needs); ratios are HiCache's requests per
-second over SGLang's. Every replay of a trace must do the same work as
-SGLang's: the same tokens found cached and the same tokens evicted, or the
-run raises :class:`UnequalWork` instead of reporting a ratio. (The two trees
-stamp a split differently: a match that ends inside a node marks the whole
-node used in SGLang, only the matched part in HiCache. On the eviction trace
-of fewer than about 300 requests that evicts other leaves; from
-:data:`QUICK_REQUESTS` up to 3,000 the work is the same.) As SGLang's ``RadixKey`` objects are built before its clock
-starts, HiCache's requests are :class:`~fsm_cache.cache.arguments.TokenKey` objects
-(token ids checked once) built before its own. Issue 15's targets: ``held`` at least 1.8x, ``writes``
-at least 1.3x, ``write-through`` at least 0.9x, on every trace. Each timed
-replay starts after a full garbage collection, so none pays for the garbage
-of the one before it.
+second over SGLang's. As SGLang's ``RadixKey`` objects are built before its
+clock starts, HiCache's requests are :class:`~fsm_cache.cache.arguments.TokenKey`
+objects (token ids checked once) built before its own. Issue 15's targets:
+``held`` at least 1.8x, ``writes`` at least 1.3x, ``write-through`` at least
+0.9x, on every trace. Each timed replay starts after a full garbage
+collection, so none pays for the garbage of the one before it.
+
+Every replay of a trace must do SGLang's work: hit the same tokens and evict
+the same tokens, or the run raises :class:`~fsm_cache.bench.cache.UnequalWork`
+instead of giving a ratio. The trees stamp a split differently (a match that
+ends inside a node marks the whole node used in SGLang, only the matched part
+in HiCache), so on the eviction trace of fewer than :data:`QUICK_REQUESTS`
+requests they evict other leaves; at 400 to 3,000 (the sizes tried) the work is
+the same.
 """
 
 from __future__ import annotations
@@ -41,37 +43,23 @@ from typing import Any
 
 import torch
 
-from fsm_cache.bench.cache import serve_trace, trace, trace_config
+from fsm_cache.bench.cache import (
+    Work,
+    same_work,
+    serve_trace,
+    trace,
+    trace_config,
+    work_of,
+)
 from fsm_cache.bench.sglang import Driver
 from fsm_cache.cache.arguments import TokenKey
 from fsm_cache.cache.hicache import HiCache
-from fsm_cache.errors import FsmCacheError
 
 
 MODES = ("held", "writes", "write-through")
 TARGETS = {"held": 1.8, "writes": 1.3, "write-through": 0.9}
 QUICK_REQUESTS = 400
 """Requests of a smoke run (``--quick``): enough that both trees evict the same leaves."""
-
-
-class UnequalWork(FsmCacheError):
-    """Two sides of a benchmark's ratio did different work on one trace; no ratio is given."""
-
-
-@dataclass(frozen=True)
-class Work:
-    """What one replay of a trace did, read after its clock stopped.
-
-    Attributes:
-        hit_tokens: Tokens the requests found cached on the device, summed.
-        evicted_tokens: Tokens evicted from the device to make room.
-    """
-
-    hit_tokens: int
-    evicted_tokens: int
-
-    def __str__(self) -> str:
-        return f"{self.hit_tokens:,} tokens hit, {self.evicted_tokens:,} evicted"
 
 
 @dataclass(frozen=True)
@@ -166,24 +154,13 @@ def run_against_sglang(num_requests: int = 2000, rounds: int = 3) -> AgainstBenc
             }
             for name, run in runs.items():
                 replay = run()
-                same_work(spec.name, name, work.setdefault(spec.name, replay.work), replay.work)
+                where = f"bench cache --against sglang, {spec.name} trace"
+                same_work(
+                    where, name, "SGLang", work.setdefault(spec.name, replay.work), replay.work
+                )
                 figures = best[spec.name]
                 figures[name] = max(figures.get(name, 0.0), replay.rps)
     return AgainstBench(driver.version, len(keys), best, work)
-
-
-def same_work(trace_name: str, side: str, sglang: Work, replay: Work) -> None:
-    """Refuse a replay of ``trace_name`` by ``side`` that did other work than SGLang's.
-
-    Raises:
-        UnequalWork: Naming the trace, the side and both sides' work.
-    """
-    if replay != sglang:
-        raise UnequalWork(
-            f"bench cache --against sglang: on the {trace_name} trace, {side} did other work "
-            f"than SGLang ({replay}; SGLang {sglang}), so their ratio would compare different "
-            "work"
-        )
 
 
 def cached_tokens(keys: Sequence[Sequence[int]]) -> int:
@@ -203,16 +180,6 @@ def cached_tokens(keys: Sequence[Sequence[int]]) -> int:
     return total
 
 
-def _work(keys: Sequence[Sequence[int]], hits: int, pool: int, free: int) -> Work:
-    """The work of a replay that hit ``hits`` tokens and left ``free`` of ``pool`` slots free.
-
-    Every token a request did not find was allocated, so what the pool does
-    not hold at the end was evicted: the same sum for either tree.
-    """
-    allocated = sum(len(k) for k in keys) - hits
-    return Work(hits, allocated - (pool - free))
-
-
 def _sglang(driver: Driver, keys: Sequence[list[int]], spec: Trace) -> Replay:
     cache, allocator = driver.build(spec.pool, page_size=spec.page)
     seqs: list[tuple[Any, torch.Tensor]] = [
@@ -222,7 +189,7 @@ def _sglang(driver: Driver, keys: Sequence[list[int]], spec: Trace) -> Replay:
     started = time.perf_counter()
     hits = driver.match_insert(cache, allocator, seqs)
     rps = len(seqs) / (time.perf_counter() - started)
-    return Replay(rps, _work(keys, hits, allocator.size, allocator.free_count))
+    return Replay(rps, work_of(keys, hits, allocator.size, allocator.free_count))
 
 
 def _hicache(keys: Sequence[list[int]], spec: Trace, mode: str) -> Replay:
@@ -237,4 +204,4 @@ def _hicache(keys: Sequence[list[int]], spec: Trace, mode: str) -> Replay:
     seconds = time.perf_counter() - started
     free = cache.tiers.device.allocator.free_slots
     cache.close()
-    return Replay(len(keys) / seconds, _work(keys, hits, pages * spec.page, free))
+    return Replay(len(keys) / seconds, work_of(keys, hits, pages * spec.page, free))

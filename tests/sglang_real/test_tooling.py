@@ -95,12 +95,13 @@ def test_the_cache_bench_runs_against_the_installed_sglang() -> None:
 
 def test_the_cache_bench_refuses_a_trace_whose_sides_did_other_work() -> None:
     """40 requests: with write-through HiCache evicts other leaves than SGLang, so no ratio."""
-    from fsm_cache.bench.against import UnequalWork, run_against_sglang
+    from fsm_cache.bench.against import run_against_sglang
+    from fsm_cache.bench.cache import UnequalWork
 
     with pytest.raises(UnequalWork) as refused:
         run_against_sglang(num_requests=40, rounds=1)
     assert str(refused.value) == (
-        "bench cache --against sglang: on the page 1 + evictions trace, write-through did "
+        "bench cache --against sglang, page 1 + evictions trace: write-through did "
         "other work than SGLang (4,208 tokens hit, 4,784 evicted; SGLang 4,080 tokens hit, "
         "5,088 evicted), so their ratio would compare different work"
     )
