@@ -158,10 +158,14 @@ def _positive(text: str) -> int:
 
 
 def _server_bench(table: Callable[[], str]) -> int:
-    """Print a benchmark that needs a server's code installed; exit 2 saying so when it is not."""
+    """Print a benchmark that needs a server's code installed; exit 2 saying so when it is not.
+
+    Not installed is a ``ModuleNotFoundError``; installed but not the code the
+    benchmark drives (a release that moved a name) is its parent ``ImportError``.
+    """
     try:
         print(table())
-    except ModuleNotFoundError as exc:
+    except ImportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
