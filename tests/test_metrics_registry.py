@@ -177,3 +177,17 @@ def test_a_reset_restarts_the_counters_and_says_when(monkeypatch: pytest.MonkeyP
     assert {value for _, value in created} == {2000.0}
     text = prometheus_client.generate_latest(registry).decode()
     assert "fsm_cache_tokens_created" not in text  # a gauge counts nothing: it has none
+
+
+def test_a_failed_copy_is_counted_where_a_scrape_sees_it() -> None:
+    """Device-host copies that fail were counted in the cache and shown nowhere."""
+    registry = prometheus_client.CollectorRegistry()
+    cache = HiCache(replace(BASE, copier=FaultyCopyEngine.copier(fail=[1])))
+    register(cache, registry, name="a")
+    cache.insert(list(range(8)))
+    cache.poll()  # the backup's copy fails: the node stays unbacked, its copy to run again
+    assert cache.stats().copy_failures == {"d2h": 1}
+    assert series(registry, "fsm_cache_copy_failures_total") == {
+        (("cache", "a"), ("direction", "d2h")): 1.0
+    }
+    cache.close()

@@ -135,6 +135,7 @@ class Stats:
             whatever the copy engine reports of them.
         bytes: Bytes copied per direction (``d2h``, ``h2d``).
         seconds: Seconds from start to applied acknowledgement, per direction.
+        copy_failures: Copies whose acknowledgement reported failure, per direction.
         transitions: Applied transitions by event.
         refused: Refused transitions by event.
         states: Nodes per ``host/device`` state pair.
@@ -170,6 +171,7 @@ class Stats:
     storage_bytes: dict[str, int] = field(default_factory=dict)
     storage_failures: dict[str, int] = field(default_factory=dict)
     prefetch: dict[str, int] = field(default_factory=dict)
+    copy_failures: dict[str, int] = field(default_factory=dict)
     counted_since: float = field(default=0.0, compare=False)
 
 
@@ -199,6 +201,7 @@ def snapshot(cache: Observed, storage_in_flight: int = 0) -> Stats:
         storage_bytes=dict(c.storage_bytes),
         storage_failures=dict(c.storage_failures),
         prefetch=dict(c.prefetch),
+        copy_failures=dict(c.copy_failures),
         counted_since=c.since,
     )
 
@@ -217,6 +220,7 @@ _FAMILIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ),
     ("copy_bytes", "counter", "Bytes copied", ("direction",)),
     ("copy_seconds", "counter", "Copy seconds", ("direction",)),
+    ("copy_failures", "counter", "Copies that failed", ("direction",)),
     ("transitions", "counter", "Applied transitions", ("event",)),
     ("refused", "counter", "Refused transitions", ("event",)),
     ("nodes", "gauge", "Nodes per residency state", ("state",)),
@@ -249,6 +253,7 @@ def _samples(stats: Stats) -> Samples:
         "storage_copies_in_flight": [((), stats.storage_in_flight)],
         "copy_bytes": by(stats.bytes.items()),
         "copy_seconds": by(stats.seconds.items()),
+        "copy_failures": by(stats.copy_failures.items()),
         "transitions": by(stats.transitions.items()),
         "refused": by(stats.refused.items()),
         "nodes": by(stats.states.items()),
