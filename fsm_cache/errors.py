@@ -40,7 +40,8 @@ Every error the library raises on bad input or an illegal step derives from
 
 Tools add their own under the root: ``DiagramError`` (diagram), ``AuditError``
 (audit), ``ReadOnlyCounter`` (compat.sglang), ``OutputError`` (cli: a generated
-file that cannot be checked or written; nothing was changed).
+file that cannot be checked or written; nothing was changed), ``UnequalWork``
+(bench: the two sides of a ratio did different work, so no ratio is given).
 
 Refusals carry the instance, its state and counters, the event and the reason,
 so messages read ``node 17: release refused in backed (pins=0): <reason>``. A

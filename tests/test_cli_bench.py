@@ -70,3 +70,23 @@ def test_help_says_which_benchmarks_take_each_flag(capsys: pytest.CaptureFixture
     assert "--against {baseline,sglang} cache only:" in text
     assert "--pages PAGES storage only:" in text
     assert "--reps REPS storage only:" in text
+
+
+@pytest.mark.parametrize("what", ["vllm", "sglang"])
+def test_a_server_whose_code_moved_is_one_error_line_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], what: str
+) -> None:
+    """An installed release without a name the benchmark imports: exit 2, nothing measured."""
+    from fsm_cache.bench import sglang as sglangbench
+    from fsm_cache.bench import vllm as vllmbench
+
+    def moved(**sizes: object) -> object:
+        raise ImportError("cannot import name 'RadixKey' from 'sglang.srt.mem_cache.radix_key'")
+
+    monkeypatch.setattr(sglangbench, "run_sglang_bench", moved)
+    monkeypatch.setattr(vllmbench, "run_vllm_bench", moved)
+    assert main(["bench", what, "--quick"]) == 2
+    assert capsys.readouterr() == (
+        "",
+        "error: cannot import name 'RadixKey' from 'sglang.srt.mem_cache.radix_key'\n",
+    )

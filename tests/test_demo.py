@@ -57,6 +57,7 @@ def test_summary_claims_only_the_invariants_one_cache_checks(output: list[str]) 
         "10 is agreement across ranks, not checked on one cache)",
     ] in rows
     assert ["refused transitions", "0"] in rows
+    assert ["cached prefixes read back bit-exact", "30 of 30"] in rows
 
 
 def test_the_third_tier_is_stored_by_one_cache_and_prefetched_by_another(
@@ -94,3 +95,24 @@ def test_an_unknown_write_policy_is_a_usage_error_naming_the_option(
         "fsm-cache demo: error: argument --policy: invalid choice: 'bogus' "
         "(choose from 'write_through', 'write_through_selective', 'write_back')",
     )
+
+
+def test_a_cached_prefix_whose_kv_differs_fails_the_demo_in_its_summary(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 1 with the count and the requests named: it was an AssertionError's traceback."""
+    from fsm_cache.memory import tiers
+
+    written = tiers.synthetic_kv
+    monkeypatch.setattr(tiers, "synthetic_kv", lambda layout, tokens: written(layout, tokens) + 1)
+    monkeypatch.setenv("COLUMNS", "1000")
+    assert main(["demo", "--requests", "30"]) == 1
+    output = capsys.readouterr().out.splitlines()
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in output if "│" in line]
+    assert ["cached prefixes read back bit-exact", "0 of 30"] in rows
+    named = [line for line in output if line.startswith("KV of request ")]
+    assert named == [  # conversation/turn of the first three (the trace regenerates turn 1)
+        "KV of request 0/1 differs from what was written",
+        "KV of request 1/1 differs from what was written",
+        "KV of request 1/1 differs from what was written",
+    ]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from fsm_cache.cache import metrics
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.metrics import Collector, register
 from fsm_cache.cache.replay import replay
@@ -142,3 +143,51 @@ def test_what_a_scrape_could_not_read_is_refused_at_register(
     assert str(caught.value) == message
     assert prometheus_client.generate_latest(registry) == before
     assert collector.names == ("a",)
+
+
+def test_a_reset_restarts_the_counters_and_says_when(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Totals going down on a reset are a restart (``_created`` moves), never a decrease."""
+    clock = iter([1000.0, 2000.0])
+
+    class Clock:
+        @staticmethod
+        def time() -> float:
+            return next(clock)
+
+    monkeypatch.setattr(metrics, "time", Clock)
+    registry = prometheus_client.CollectorRegistry()
+    cache = HiCache(BASE)  # its counters start at 1000
+    register(cache, registry, name="a")
+    cache.insert(list(range(8)))
+    cache.poll()
+    cache.insert(list(range(16)))
+    write = (("cache", "a"), ("event", "write"))
+    assert series(registry, "fsm_cache_transitions_total")[write] == 2.0
+    assert series(registry, "fsm_cache_transitions_created")[write] == 1000.0
+    cache.reset()  # its counters start again at 2000
+    cache.insert(list(range(8)))
+    assert series(registry, "fsm_cache_transitions_total")[write] == 1.0
+    created = [
+        (sample.name, sample.value)
+        for family in registry.collect()
+        for sample in family.samples
+        if sample.name.endswith("_created")
+    ]
+    assert {name for name, _ in created} == {"fsm_cache_transitions_created"}  # no copy yet
+    assert {value for _, value in created} == {2000.0}
+    text = prometheus_client.generate_latest(registry).decode()
+    assert "fsm_cache_tokens_created" not in text  # a gauge counts nothing: it has none
+
+
+def test_a_failed_copy_is_counted_where_a_scrape_sees_it() -> None:
+    """Device-host copies that fail were counted in the cache and shown nowhere."""
+    registry = prometheus_client.CollectorRegistry()
+    cache = HiCache(replace(BASE, copier=FaultyCopyEngine.copier(fail=[1])))
+    register(cache, registry, name="a")
+    cache.insert(list(range(8)))
+    cache.poll()  # the backup's copy fails: the node stays unbacked, its copy to run again
+    assert cache.stats().copy_failures == {"d2h": 1}
+    assert series(registry, "fsm_cache_copy_failures_total") == {
+        (("cache", "a"), ("direction", "d2h")): 1.0
+    }
+    cache.close()

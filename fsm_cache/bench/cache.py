@@ -27,10 +27,54 @@ import torch
 from fsm_cache.bench.workload import ChatWorkload, requests
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.tree import TreeNode
+from fsm_cache.errors import BadArgument, FsmCacheError
 from fsm_cache.memory.tiers import CacheConfig
 
 
 PAGE = 16
+
+
+class UnequalWork(FsmCacheError):
+    """Two sides of a benchmark's ratio did different work on one trace; no ratio is given."""
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one replay of a trace did, read after its clock stopped.
+
+    Attributes:
+        hit_tokens: Tokens the requests found cached on the device, summed.
+        evicted_tokens: Tokens evicted from the device to make room.
+    """
+
+    hit_tokens: int
+    evicted_tokens: int
+
+    def __str__(self) -> str:
+        return f"{self.hit_tokens:,} tokens hit, {self.evicted_tokens:,} evicted"
+
+
+def work_of(keys: Sequence[Sequence[int]], hits: int, pool: int, free: int) -> Work:
+    """The work of a replay of ``keys`` that hit ``hits`` tokens and left ``free`` of ``pool`` slots.
+
+    Every token a request did not find was allocated, so what the pool does
+    not hold at the end was evicted: the same sum for either tree.
+    """
+    allocated = sum(len(k) for k in keys) - hits
+    return Work(hits, allocated - (pool - free))
+
+
+def same_work(where: str, side: str, reference: str, expected: Work, got: Work) -> None:
+    """Refuse a replay by ``side`` that did other work than ``reference``'s of the same trace.
+
+    Raises:
+        UnequalWork: Naming the trace (``where``), both sides and their work.
+    """
+    if got != expected:
+        raise UnequalWork(
+            f"{where}: {side} did other work than {reference} ({got}; {reference} {expected}), "
+            "so their ratio would compare different work"
+        )
 
 
 class _BaseNode:
@@ -174,6 +218,8 @@ class CacheBench:
     write_through_rps: float
     hicache_node_bytes: float
     baseline_node_bytes: float
+    work: Work
+    """What each side did on the trace (the same: the run refuses otherwise)."""
 
     def format(self) -> str:
         """Render the figures as a table with the ratios the issue targets."""
@@ -188,6 +234,7 @@ class CacheBench:
             f"  bytes per node: HiCache {self.hicache_node_bytes:,.0f}, "
             f"SGLang-style TreeNode {self.baseline_node_bytes:,.0f} "
             f"({self.hicache_node_bytes / self.baseline_node_bytes:.2f}x)",
+            f"  the same work on each side: {self.work}",
         ]
         return "\n".join(lines)
 
@@ -201,11 +248,13 @@ def trace(n: int) -> list[list[int]]:
     ]
 
 
-def _run_baseline(trace: list[list[int]], slots: int) -> float:
+def _run_baseline(trace: list[list[int]], slots: int) -> tuple[float, Work]:
     tree = BaselineRadix(slots)
+    hits = 0
     started = time.perf_counter()
     for key in trace:
         hit = tree.match_prefix(key)
+        hits += hit
         node = tree.last_node
         tree.inc_lock_ref(node)  # the request holds its prefix while it runs
         try:
@@ -216,7 +265,8 @@ def _run_baseline(trace: list[list[int]], slots: int) -> float:
             tree.insert(key, torch.cat([torch.zeros(hit, dtype=torch.int64), fresh]))
         finally:
             tree.dec_lock_ref(node)
-    return len(trace) / (time.perf_counter() - started)
+    rps = len(trace) / (time.perf_counter() - started)
+    return rps, work_of(trace, hits, slots, len(tree.free))
 
 
 def trace_config(device_pages: int, host_pages: int, page_size: int = PAGE) -> CacheConfig:
@@ -237,16 +287,22 @@ def serve_trace(
     poll: Callable[[], object] | None,
     *,
     cache_writes: bool = False,
-) -> None:
+) -> int:
     """Serve ``keys`` as a scheduler would: match, lock, evict if short, insert, unlock, ``poll``.
 
     The request locks its matched prefix while it runs, as SGLang's scheduler
     does (``inc_lock_ref`` at admission, ``dec_lock_ref`` when it is cached).
     It holds its slots (``alloc_slots``, then ``insert(tokens, slots)``), or
     with ``cache_writes`` the cache allocates them and writes the KV itself.
+
+    Returns:
+        The tokens the requests found on the device, summed: what a benchmark
+        compares with the other side's, which must do the same work.
     """
+    hits = 0
     for key in keys:
         match = cache.match_prefix(key)
+        hits += match.device_len
         with cache.lock(match.last_device_node):  # unlocked however the request ends
             need = len(key) - match.device_len
             free = cache.tiers.device.allocator.free_slots
@@ -258,13 +314,15 @@ def serve_trace(
                 cache.insert(key, [0] * match.device_len + cache.alloc_slots(need))
         if poll is not None:
             poll()
+    return hits
 
 
-def _run_hicache(keys: list[list[int]], pages: int, host_pages: int) -> float:
+def _run_hicache(keys: list[list[int]], pages: int, host_pages: int) -> tuple[float, Work]:
     cache = HiCache(trace_config(pages, host_pages))
     started = time.perf_counter()
-    serve_trace(cache, keys, cache.poll if host_pages else None)
-    return len(keys) / (time.perf_counter() - started)
+    hits = serve_trace(cache, keys, cache.poll if host_pages else None)
+    rps = len(keys) / (time.perf_counter() - started)
+    return rps, work_of(keys, hits, pages * PAGE, cache.tiers.device.allocator.free_slots)
 
 
 def node_bytes(make: Callable[[int], object], count: int = 50_000) -> float:
@@ -317,19 +375,49 @@ def run_cache_bench(
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as fresh:
         baseline_bytes = fresh.submit(node_bytes, _sglang_node).result()
     keys = trace(num_requests)
-    runs: dict[str, list[float]] = {"baseline": [], "hicache": [], "write_through": []}
-    for _ in range(rounds):  # interleaved, so a noisy neighbour slows all three alike
-        runs["baseline"].append(_run_baseline(keys, device_pages * PAGE))
-        runs["hicache"].append(_run_hicache(keys, device_pages, 0))
-        runs["write_through"].append(_run_hicache(keys, device_pages, device_pages * 4))
-    baseline, hicache, write_through = (
-        max(runs[k]) for k in ("baseline", "hicache", "write_through")
-    )
+    best, work = compare(keys, device_pages, rounds)
     return CacheBench(
         requests=len(keys),
-        baseline_rps=baseline,
-        hicache_rps=hicache,
-        write_through_rps=write_through,
+        baseline_rps=best["baseline"],
+        hicache_rps=best["hicache"],
+        write_through_rps=best["write_through"],
         hicache_node_bytes=hicache_bytes,
         baseline_node_bytes=baseline_bytes,
+        work=work,
     )
+
+
+def compare(keys: list[list[int]], device_pages: int, rounds: int) -> tuple[dict[str, float], Work]:
+    """Replay ``keys`` on the baseline, HiCache and HiCache with write-through, interleaved.
+
+    Returns:
+        The best requests per second of each (``baseline``, ``hicache``,
+        ``write_through``), and the work each did, the same.
+
+    Raises:
+        UnequalWork: A side hit or evicted other tokens than the baseline.
+    """
+    runs: dict[str, list[float]] = {"baseline": [], "hicache": [], "write_through": []}
+    replays: dict[str, Callable[[], tuple[float, Work]]] = {
+        "baseline": lambda: _run_baseline(keys, device_pages * PAGE),
+        "hicache": lambda: _run_hicache(keys, device_pages, 0),
+        "write_through": lambda: _run_hicache(keys, device_pages, device_pages * 4),
+    }
+    work: Work | None = None
+    for _ in range(rounds):  # interleaved, so a noisy neighbour slows all three alike
+        for name, replay in replays.items():
+            rps, done = replay()
+            work = work or done  # the baseline's, which runs first
+            same_work("bench cache", _SIDES[name], _SIDES["baseline"], work, done)
+            runs[name].append(rps)
+    if work is None:
+        raise BadArgument(f"bench cache: rounds must be >= 1, got {rounds}")
+    return {name: max(figures) for name, figures in runs.items()}, work
+
+
+_SIDES = {
+    "baseline": "the baseline tree",
+    "hicache": "HiCache",
+    "write_through": "HiCache with write-through",
+}
+"""How :class:`UnequalWork` names each side of ``bench cache``."""

@@ -164,20 +164,27 @@ class Driver:
         else:
             cache.insert(key, value)
 
-    def match_insert(self, cache: Any, allocator: Allocator, seqs: list[tuple[Any, Any]]) -> None:
+    def match_insert(self, cache: Any, allocator: Allocator, seqs: list[tuple[Any, Any]]) -> int:
         """Serve each request as a scheduler does: match, lock, evict if short, insert, unlock.
 
         The matched prefix is locked while the request runs (``inc_lock_ref`` at
         admission, ``dec_lock_ref`` once its sequence is cached), so an eviction
         it causes cannot take its own prefix.
+
+        Returns:
+            The tokens the requests found cached, summed: what a benchmark
+            compares with the other side's, which must do the same work.
         """
+        hits = 0
         for key, value in seqs:
             hit, node = self.match(cache, key)
+            hits += hit
             cache.inc_lock_ref(node)
             try:
                 self.evict_insert(cache, allocator, key, value, hit)
             finally:
                 cache.dec_lock_ref(node)
+        return hits
 
     def key(self, ids: list[int]) -> Any:
         """A ``RadixKey`` over ``ids``."""

@@ -23,7 +23,11 @@ backend (127.0.0.1 only) and measures, on each:
   and host evictions come with the copies).
 
 After each agreed replay the ranks drain and verify that they applied the same
-transitions. ``fsm-cache bench tp`` calls :func:`run_tp_bench`.
+transitions, and each rank checks that its agreed cache applied the transitions
+its local one did (the same work on both sides of the ratio), or every rank
+raises :class:`~fsm_cache.bench.cache.UnequalWork`. A rank that raises one of
+fsm_cache's errors has :func:`run_tp_bench` raise it, typed, with the rank
+named; ``fsm-cache bench tp`` calls :func:`run_tp_bench`.
 """
 
 from __future__ import annotations
@@ -41,13 +45,17 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.spawn import start_processes
+from torch.multiprocessing.spawn import (
+    ProcessException,
+    ProcessExitedException,
+    start_processes,
+)
 
 from fsm_cache.bench import cache as cachebench
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.tree import Key
 from fsm_cache.distributed.agreement import DistributedCache
-from fsm_cache.errors import PoolExhausted
+from fsm_cache.errors import FsmCacheError, PoolExhausted, RankFailure
 from fsm_cache.memory.tiers import CacheConfig
 
 
@@ -242,19 +250,29 @@ def run_tp_bench(
         timeout: Seconds a collective may wait.
 
     Raises:
-        ProcessRaisedException: A rank failed; carries its traceback.
+        UnequalWork: On some rank the agreed replay applied other transitions
+            than the local one.
+        RankFailure: A rank raised another of fsm_cache's errors (its type and
+            message are given), or exited without a result (killed, say).
+        ProcessRaisedException: A rank raised anything else (a defect);
+            carries its traceback.
     """
-    settings = _Settings(per_step, polls, requests, small_requests, rounds, timeout)
+    settings = Settings(per_step, polls, requests, small_requests, rounds, timeout)
     with tempfile.TemporaryDirectory(prefix="fsm-tpbench-") as tmp:
         args = (ranks, str(Path(tmp) / "store"), tmp, settings)
-        start_processes(_bench_rank, args=args, nprocs=ranks)  # type: ignore[no-untyped-call]
+        try:
+            start_processes(_bench_rank, args=args, nprocs=ranks)  # type: ignore[no-untyped-call]
+        except ProcessException as exc:
+            raise rank_error(exc, Path(tmp)) from exc
         figures = json.loads((Path(tmp) / "rank0.json").read_text())
     big, small = (StepTimes(**figures.pop(k)) for k in ("cache_trace", "small_trace"))
     return TPBench(**figures, cache_trace=big, small_trace=small)
 
 
 @dataclass(frozen=True)
-class _Settings:
+class Settings:
+    """The sizes of one run, as :func:`run_tp_bench` takes them, for every rank."""
+
     per_step: int
     polls: int
     requests: int
@@ -263,22 +281,56 @@ class _Settings:
     timeout: float
 
 
-def _bench_rank(rank: int, world: int, store: str, out: str, settings: _Settings) -> None:
-    """One rank of :func:`run_tp_bench`; rank 0 writes the figures as JSON."""
+def _bench_rank(rank: int, world: int, store: str, out: str, settings: Settings) -> None:
+    """One rank of :func:`run_tp_bench`; rank 0 writes the figures as JSON.
+
+    An error of fsm_cache's is written to ``rank<N>.error`` (its type's name
+    and its message) before it ends the rank, for :func:`rank_error`.
+    """
     torch.set_num_threads(1)  # a core per rank at most; idle intra-op threads would spin
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=settings.timeout),
-    )
     try:
-        figures = _measure(world, settings)
-        if rank == 0:
-            (Path(out) / "rank0.json").write_text(json.dumps(asdict(figures)))
-    finally:
-        dist.destroy_process_group()
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=settings.timeout),
+        )
+        try:
+            figures = _measure(world, settings)
+            if rank == 0:
+                (Path(out) / "rank0.json").write_text(json.dumps(asdict(figures)))
+        finally:
+            dist.destroy_process_group()
+    except FsmCacheError as exc:
+        (Path(out) / f"rank{rank}.error").write_text(json.dumps([type(exc).__name__, str(exc)]))
+        raise
+
+
+def rank_error(failed: ProcessException, out: Path) -> BaseException:
+    """Return what to raise for a rank of :func:`run_tp_bench` that failed.
+
+    The error a rank wrote (:func:`_bench_rank`) is raised typed: an
+    :class:`~fsm_cache.bench.cache.UnequalWork` as itself, any other as a
+    :class:`~fsm_cache.errors.RankFailure` naming the rank, the type and the
+    message. A rank that exited without one (killed) is a ``RankFailure``
+    too; one that raised anything else is a defect, and ``failed`` (with its
+    traceback) is raised as it is.
+
+    Args:
+        failed: What ``start_processes`` raised.
+        out: The folder the ranks wrote to.
+    """
+    rank = failed.error_index
+    written = out / f"rank{rank}.error"
+    if written.exists():
+        name, message = json.loads(written.read_text())
+        if name == cachebench.UnequalWork.__name__:
+            return cachebench.UnequalWork(message)
+        return RankFailure(f"bench tp: rank {rank} failed: {name}: {message}")
+    if isinstance(failed, ProcessExitedException):
+        return RankFailure(f"bench tp: rank {rank} failed: {failed.msg}")
+    return failed
 
 
 def idle_calls(timeout: float) -> tuple[Callable[[], int], Callable[[], int]]:
@@ -297,7 +349,7 @@ def idle_calls(timeout: float) -> tuple[Callable[[], int], Callable[[], int]]:
     return agreed.step, HiCache(bench_config()).poll
 
 
-def _measure(world: int, settings: _Settings) -> TPBench:
+def _measure(world: int, settings: Settings) -> TPBench:
     """Measure on this rank: an idle agreed step beside an idle local poll, then both traces."""
     step, poll = idle_calls(settings.timeout)
     agreed_us = _median_us(step, settings.polls)
@@ -309,22 +361,33 @@ def _measure(world: int, settings: _Settings) -> TPBench:
         agreed_us,
         local_us,
         settings.rounds,
-        _compare(
+        compare_steps(
             cache_trace_config,
             cachebench.serve_trace,
             cachebench.trace(settings.requests),
             settings,
+            "bench cache trace",
         ),
-        _compare(bench_config, serve_chat_trace, chat_trace(settings.small_requests), settings),
+        compare_steps(
+            bench_config,
+            serve_chat_trace,
+            chat_trace(settings.small_requests),
+            settings,
+            "small trace",
+        ),
     )
 
 
 K = TypeVar("K")
-Replayer = Callable[[HiCache, Sequence[K], Callable[[], object]], None]
+Replayer = Callable[[HiCache, Sequence[K], Callable[[], object]], object]
 
 
-def _compare(
-    config: Callable[[], CacheConfig], run: Replayer[K], trace: Sequence[K], settings: _Settings
+def compare_steps(
+    config: Callable[[], CacheConfig],
+    run: Replayer[K],
+    trace: Sequence[K],
+    settings: Settings,
+    name: str,
 ) -> StepTimes:
     """Serve ``trace`` in steps with the local and the agreed poll, alternating step by step.
 
@@ -332,10 +395,16 @@ def _compare(
     (the group moves at its slowest rank's pace), and each step counts its best
     round, as the other benchmarks take the best of their rounds: a rank that
     lost its core for a while in one round does not count, in either half.
+    A collective: every rank of the default group calls it.
+
+    Raises:
+        UnequalWork: On every rank, when on some rank the agreed cache applied
+            other transitions than the local one (``name`` says which trace).
     """
     starts = range(0, len(trace), settings.per_step)
     local: list[list[Span]] = []  # per round, per step
     agreed: list[list[Span]] = []
+    unequal = ""  # on this rank, the first round's transitions that differ between the sides
     for round_ in range(settings.rounds):
         cache = HiCache(config())
         shared = DistributedCache(HiCache(config()), timeout=settings.timeout)
@@ -349,9 +418,34 @@ def _compare(
                 spans.append(_step_span(run, served, chunk, poll))
         shared.drain()
         shared.verify_agreement()  # the ranks really applied the same transitions (not timed)
-    every = shared.comm.all_gather_object((local, agreed))
-    local_ms, agreed_ms = (_best_group_ms([mine[k] for mine in every]) for k in (0, 1))
+        cache.close()  # its last copies applied, as drain() applied the agreed side's
+        unequal = unequal or unequal_transitions(cache, shared.cache)
+    every: list[tuple[list[list[Span]], list[list[Span]], str]]
+    every = shared.comm.all_gather_object((local, agreed, unequal))
+    for rank, (_, _, differs) in enumerate(every):
+        if differs:  # raised on every rank, so that none waits for the others' next collective
+            raise cachebench.UnequalWork(
+                f"bench tp, {name}: on rank {rank} the agreed replay applied other transitions "
+                f"than the local one ({differs}), so their ratio would compare different work"
+            )
+    local_ms = _best_group_ms([mine[0] for mine in every])
+    agreed_ms = _best_group_ms([mine[1] for mine in every])
     return StepTimes(len(trace), settings.per_step, len(starts), local_ms, agreed_ms)
+
+
+def unequal_transitions(local: HiCache, agreed: HiCache) -> str:
+    """Say which transitions ``agreed`` applied a different number of times than ``local``.
+
+    Returns:
+        ``"<event> <agreed> agreed, <local> local"`` for each such event, by
+        name, comma-separated; empty when they applied the same.
+    """
+    mine, theirs = local.stats().transitions, agreed.stats().transitions
+    return ", ".join(
+        f"{event} {theirs.get(event, 0)} agreed, {mine.get(event, 0)} local"
+        for event in sorted(mine.keys() | theirs.keys())
+        if mine.get(event, 0) != theirs.get(event, 0)
+    )
 
 
 Span = tuple[float, float]

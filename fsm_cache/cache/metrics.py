@@ -5,6 +5,9 @@ combines it with a walk of the tree into a :class:`Stats`. :func:`register`
 exposes the same figures to Prometheus through a custom collector, read at
 scrape time so the hot path pays nothing for it. Every series carries a
 ``cache`` label naming its cache, so that several caches can share a registry.
+A counter's totals start again when its cache is reset, as a process's do when
+it restarts; each counter sample carries when its totals started (the
+``_created`` series), so a scraper tells that reset from counts going down.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import itertools
 import re
 import threading
+import time
 import weakref
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
@@ -24,10 +28,17 @@ from fsm_cache.memory.tiers import Tiers
 from fsm_cache.residency import DEVICE_HELD, HOST_HELD, STORAGE_HELD
 
 
+def _now() -> float:
+    """Seconds since the epoch, as Prometheus's ``_created`` timestamps are."""
+    return time.time()
+
+
 @dataclass
 class Counters:
-    """Running totals kept by the cache."""
+    """Running totals kept by the cache, since :attr:`since` (built or reset)."""
 
+    since: float = field(default_factory=_now, compare=False)
+    """When these totals started: the ``_created`` of every Prometheus counter."""
     lookup_tokens: int = 0
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
@@ -124,6 +135,7 @@ class Stats:
             whatever the copy engine reports of them.
         bytes: Bytes copied per direction (``d2h``, ``h2d``).
         seconds: Seconds from start to applied acknowledgement, per direction.
+        copy_failures: Copies whose acknowledgement reported failure, per direction.
         transitions: Applied transitions by event.
         refused: Refused transitions by event.
         states: Nodes per ``host/device`` state pair.
@@ -135,6 +147,9 @@ class Stats:
         storage_failures: Storage copies that failed, by ``kind:outcome``.
         prefetch: What each lookup's prefetch decided (``started``, ``waited``,
             ``below_threshold``, ``rate_limited``, ``none_stored``, ...).
+        counted_since: When the running totals above started (the cache built
+            or reset), seconds since the epoch; not compared, as a
+            reset cache's stats equal a new one's.
     """
 
     nodes: int
@@ -156,6 +171,8 @@ class Stats:
     storage_bytes: dict[str, int] = field(default_factory=dict)
     storage_failures: dict[str, int] = field(default_factory=dict)
     prefetch: dict[str, int] = field(default_factory=dict)
+    copy_failures: dict[str, int] = field(default_factory=dict)
+    counted_since: float = field(default=0.0, compare=False)
 
 
 def snapshot(cache: Observed, storage_in_flight: int = 0) -> Stats:
@@ -184,6 +201,8 @@ def snapshot(cache: Observed, storage_in_flight: int = 0) -> Stats:
         storage_bytes=dict(c.storage_bytes),
         storage_failures=dict(c.storage_failures),
         prefetch=dict(c.prefetch),
+        copy_failures=dict(c.copy_failures),
+        counted_since=c.since,
     )
 
 
@@ -201,6 +220,7 @@ _FAMILIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ),
     ("copy_bytes", "counter", "Bytes copied", ("direction",)),
     ("copy_seconds", "counter", "Copy seconds", ("direction",)),
+    ("copy_failures", "counter", "Copies that failed", ("direction",)),
     ("transitions", "counter", "Applied transitions", ("event",)),
     ("refused", "counter", "Refused transitions", ("event",)),
     ("nodes", "gauge", "Nodes per residency state", ("state",)),
@@ -233,6 +253,7 @@ def _samples(stats: Stats) -> Samples:
         "storage_copies_in_flight": [((), stats.storage_in_flight)],
         "copy_bytes": by(stats.bytes.items()),
         "copy_seconds": by(stats.seconds.items()),
+        "copy_failures": by(stats.copy_failures.items()),
         "transitions": by(stats.transitions.items()),
         "refused": by(stats.refused.items()),
         "nodes": by(stats.states.items()),
@@ -305,10 +326,16 @@ class Collector:
         families = self._families()
         with self._lock:
             caches = list(self._caches.items())
+        counters = {metric for metric, kind, _, _ in _FAMILIES if kind == "counter"}
         for name, cache in caches:
-            for metric, rows in _samples(cache.stats()).items():
+            stats = cache.stats()
+            for metric, rows in _samples(stats).items():
+                family = families[metric]
                 for labels, value in rows:
-                    families[metric].add_metric([name, *labels], value)
+                    if metric in counters:
+                        family.add_metric([name, *labels], value, created=stats.counted_since)
+                    else:
+                        family.add_metric([name, *labels], value)
         yield from families.values()
 
     def _families(self) -> dict[str, Any]:

@@ -115,9 +115,9 @@ def _run(args: argparse.Namespace) -> int:
 
         print(run_storage_bench(quick=args.quick, reps=args.reps, pages=args.pages).format())
     elif args.what == "cache" and args.against == "sglang":
-        from fsm_cache.bench.against import run_against_sglang
+        from fsm_cache.bench.against import QUICK_REQUESTS, run_against_sglang
 
-        sized = {"num_requests": 200, "rounds": 1} if args.quick else {}
+        sized = {"num_requests": QUICK_REQUESTS, "rounds": 1} if args.quick else {}
         return _server_bench(lambda: run_against_sglang(**sized).format())
     elif args.what == "cache":
         from fsm_cache.bench.cache import run_cache_bench
@@ -158,10 +158,14 @@ def _positive(text: str) -> int:
 
 
 def _server_bench(table: Callable[[], str]) -> int:
-    """Print a benchmark that needs a server's code installed; exit 2 saying so when it is not."""
+    """Print a benchmark that needs a server's code installed; exit 2 saying so when it is not.
+
+    Not installed is a ``ModuleNotFoundError``; installed but not the code the
+    benchmark drives (a release that moved a name) is its parent ``ImportError``.
+    """
     try:
         print(table())
-    except ModuleNotFoundError as exc:
+    except ImportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -80,14 +80,31 @@ def test_the_overhead_bench_charges_only_what_a_request_adds() -> None:
 
 
 def test_the_cache_bench_runs_against_the_installed_sglang() -> None:
-    from fsm_cache.bench.against import MODES, run_against_sglang
+    """At the smoke run's size every side does SGLang's work: the run reports it, not refuses."""
+    from fsm_cache.bench.against import MODES, QUICK_REQUESTS, run_against_sglang
 
-    bench = run_against_sglang(num_requests=40, rounds=1)
-    assert set(bench.rps) == {"page 1", "page 16", "page 1 + evictions"}
+    bench = run_against_sglang(num_requests=QUICK_REQUESTS, rounds=1)
+    assert set(bench.rps) == set(bench.work) == {"page 1", "page 16", "page 1 + evictions"}
     for figures in bench.rps.values():
         assert set(figures) == {"sglang", *MODES}
         assert all(v > 0 for v in figures.values())
+    assert bench.work["page 1"].evicted_tokens == 0
+    assert bench.work["page 1 + evictions"].evicted_tokens > 0
     assert "targets: held >= 1.8x" in bench.format()
+
+
+def test_the_cache_bench_refuses_a_trace_whose_sides_did_other_work() -> None:
+    """40 requests: with write-through HiCache evicts other leaves than SGLang, so no ratio."""
+    from fsm_cache.bench.against import run_against_sglang
+    from fsm_cache.bench.cache import UnequalWork
+
+    with pytest.raises(UnequalWork) as refused:
+        run_against_sglang(num_requests=40, rounds=1)
+    assert str(refused.value) == (
+        "bench cache --against sglang, page 1 + evictions trace: write-through did "
+        "other work than SGLang (4,208 tokens hit, 4,784 evicted; SGLang 4,080 tokens hit, "
+        "5,088 evicted), so their ratio would compare different work"
+    )
 
 
 UNIFIED = "sglang.srt.mem_cache.unified_radix_cache"
