@@ -20,9 +20,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
+from fsm_cache.cache import storage_tier
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.metrics import register
-from fsm_cache.cache.storage_tier import StorageConfig
+from fsm_cache.cache.storage_tier import QueryBackoff, StorageConfig
 from fsm_cache.cache.tree import TreeNode
 from fsm_cache.errors import (
     BadArgument,
@@ -207,6 +208,15 @@ def test_without_a_store_nothing_changes(tmp_path: Path) -> None:
         ),
         ({"threads": -1}, "storage: threads must be an int >= 0, got -1"),
         ({"io_timeout": 0}, "storage: io_timeout must be seconds > 0, got 0"),
+        ({"query_backoff": -1}, "storage: query_backoff must be seconds >= 0, got -1"),
+        (
+            {"query_backoff_max": float("inf")},
+            "storage: query_backoff_max must be seconds >= 0, got inf",
+        ),
+        (
+            {"query_backoff": 5, "query_backoff_max": 2.5},
+            "storage: query_backoff_max must be at least query_backoff (5), got 2.5",
+        ),
         ({"rank": 2, "ranks": 2}, "storage: rank must be an int in 0..1, got 2"),
         ({"model": ""}, "storage: model must be a non-empty str, got ''"),
     ],
@@ -517,7 +527,7 @@ def test_a_query_that_raises_anything_asks_nothing_and_changes_nothing(store: St
     stored_cache(store, toks)
     faulty = FaultyStore(store)
     faulty.raises = {"exists_prefix"}  # a RuntimeError, as a raw client error would be
-    reader = HiCache(config(), storage=tier(faulty, prefetch_policy="wait"))
+    reader = HiCache(config(), storage=tier(faulty, prefetch_policy="wait", query_backoff=0))
     found = reader.match_prefix(toks)
     assert (found.device_len, found.host_len, found.storage_len) == (0, 0, 0)
     assert list(reader.tree) == []
@@ -525,6 +535,119 @@ def test_a_query_that_raises_anything_asks_nothing_and_changes_nothing(store: St
     faulty.raises = set()
     assert reader.match_prefix(toks).host_len == 3 * PAGE
     reader.close()
+
+
+class Clock:
+    """The storage tier's clock, moved by hand: ``monotonic()`` is ``now``."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """The tier reads this clock (its module's ``time``), nothing else does."""
+    fake = Clock()
+    monkeypatch.setattr(storage_tier, "time", fake)
+    return fake
+
+
+def test_a_query_backoff_doubles_per_failure_in_a_row_up_to_its_longest() -> None:
+    backoff = QueryBackoff(1.0, 3.0)
+    assert backoff.passed(0.0)  # none runs
+    waits = []
+    for now in (10.0, 20.0, 30.0, 40.0):
+        backoff.failed(now)
+        assert backoff.closed
+        assert not backoff.passed(backoff.until - 0.001)
+        waits.append(backoff.until - now)
+        backoff.closed = False  # the tier let a trial query through
+    assert waits == [1.0, 2.0, 3.0, 3.0]
+    backoff.answered()
+    backoff.failed(50.0)
+    assert backoff.until == 51.0  # an answer starts the doubling over
+    never = QueryBackoff(0.0, 0.0)
+    never.failed(10.0)
+    assert not never.closed
+    assert never.passed(10.0)
+    long = QueryBackoff(1.0, 30.0)
+    long.failures = 5000
+    long.failed(0.0)  # 2**5000 would overflow a float
+    assert long.until == 30.0
+
+
+def test_a_store_that_stops_answering_is_asked_again_only_after_a_backoff(
+    store: Store, clock: Clock
+) -> None:
+    """While the store is down each lookup would wait out the client's timeout on its thread.
+
+    After a failed key query lookups ask nothing for ``query_backoff`` seconds,
+    doubled after each failure in a row; the first query that answers ends it.
+    """
+    toks = tokens(3)
+    stored_cache(store, toks)
+    faulty = FaultyStore(store)
+    faulty.raises = {"exists_prefix"}
+    reader = HiCache(
+        config(),
+        storage=tier(faulty, prefetch_policy="wait", query_backoff=1.0, query_backoff_max=5.0),
+    )
+
+    def lookup(after: float) -> int:
+        clock.now += after
+        return reader.match_prefix(toks).host_len
+
+    assert lookup(0) == 0  # fails: back off one second
+    assert lookup(0.5) == 0  # asks nothing
+    assert faulty.calls == ["exists_prefix"]
+    assert lookup(0.5) == 0  # a trial: fails again, back off two seconds
+    assert lookup(1.9) == 0
+    assert faulty.calls == ["exists_prefix"] * 2
+    assert list(reader.tree) == []
+    faulty.raises = set()
+    assert lookup(0.1) == 3 * PAGE  # the store is back: asked, and fetched
+    assert reader.stats().prefetch == {
+        "query_failed": 2,
+        "backing_off": 2,
+        "started": 1,
+        "read": 1,
+    }
+    assert reader.storage is not None
+    assert (reader.storage.backoff.failures, reader.storage.backoff.closed) == (0, False)
+
+
+def test_under_agreement_a_query_backoff_ends_only_where_the_group_says(
+    store: Store, clock: Clock
+) -> None:
+    """Another rank's store raised: this rank backs off too, and its clock alone ends nothing."""
+    toks = tokens(3)
+    stored_cache(store, toks)
+    faulty = FaultyStore(store)
+    reader = HiCache(config(), storage=tier(faulty, query_backoff=1.0))
+    storage = reader.storage
+    assert storage is not None
+    asked: list[tuple[list[int], list[int]]] = []
+
+    def another_rank_raises(found: Sequence[int], pages: Sequence[int]) -> list[int]:
+        asked.append((list(found), list(pages)))
+        return [0, 0, 0]
+
+    storage.agree_by(another_rank_raises)
+    assert reader.match_prefix(toks).storage_len == 0
+    assert asked == [([0, 3, 1], [0, 3, 1])]  # this rank's store answered
+    clock.now += 10.0
+    assert storage.queries_may_resume()  # what this rank brings to the next step
+    assert reader.match_prefix(toks).storage_len == 0  # but no step agreed yet
+    assert faulty.calls == ["exists_prefix"]
+    storage.resume_queries(False)  # another rank's clock says not yet
+    assert reader.match_prefix(toks).storage_len == 0
+    storage.resume_queries(True)
+    storage.agree_by(lambda found, pages: list(found))
+    assert reader.match_prefix(toks).storage_len == 3 * PAGE
+    assert reader.stats().prefetch == {"query_failed": 1, "backing_off": 2, "started": 1}
 
 
 def test_a_read_that_raises_fails_the_fetch_and_removes_the_node(store: Store) -> None:

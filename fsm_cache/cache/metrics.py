@@ -134,7 +134,8 @@ class Stats:
         storage_bytes: Bytes of pages acknowledged per storage copy kind (``store``, ``fetch``).
         storage_failures: Storage copies that failed, by ``kind:outcome``.
         prefetch: What each lookup's prefetch decided (``started``, ``waited``,
-            ``below_threshold``, ``rate_limited``, ``none_stored``, ...).
+            ``below_threshold``, ``rate_limited``, ``none_stored``,
+            ``query_failed``, ``backing_off``, ...).
     """
 
     nodes: int
