@@ -650,6 +650,40 @@ def test_under_agreement_a_query_backoff_ends_only_where_the_group_says(
     assert reader.stats().prefetch == {"query_failed": 1, "backing_off": 2, "started": 1}
 
 
+@pytest.mark.parametrize("answer", [None, True, -1, 4, 2.0, "3"])
+def test_a_query_answered_with_no_count_of_its_keys_fails_and_changes_nothing(
+    store: Store, answer: object
+) -> None:
+    """A store of another make answers garbage: the query failed, the lookup does not raise."""
+    toks = tokens(3)
+    stored_cache(store, toks)
+
+    class Garbled(FaultyStore):
+        def exists_prefix(self, keys: Sequence[str]) -> int:
+            self.calls.append("exists_prefix")
+            return answer  # type: ignore[return-value]
+
+    reader = HiCache(config(), storage=tier(Garbled(store), prefetch_policy="wait"))
+    found = reader.match_prefix(toks)
+    assert (found.host_len, found.storage_len) == (0, 0)
+    assert list(reader.tree) == []
+    assert reader.stats().prefetch == {"query_failed": 1}
+    assert reader.tiers.host.allocator.free_pages == 32
+
+
+def test_a_torn_page_the_store_will_not_drop_keeps_the_pages_before_it(tmp_path: Path) -> None:
+    """A drop that raises something of another make leaves the page; the read stands."""
+    toks = tokens(4)
+    store, _, torn = torn_store(tmp_path, toks, page=2)
+    faulty = FaultyStore(store)
+    faulty.raises = {"drop"}
+    reader = HiCache(config(), storage=tier(faulty, prefetch_policy="wait"))
+    assert reader.match_prefix(toks).host_len == 2 * PAGE
+    assert torn.exists()
+    assert reader.log.storage_acks() == [("prefetch", ((1, "fetch", 2, "corrupt"),))]
+    assert device_kv_matches(reader, toks[: 2 * PAGE])
+
+
 def test_a_read_that_raises_fails_the_fetch_and_removes_the_node(store: Store) -> None:
     toks = tokens(3)
     stored_cache(store, toks)

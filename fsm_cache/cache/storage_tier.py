@@ -73,7 +73,6 @@ from fsm_cache.errors import (
     EffectFailed,
     IllegalTransition,
     InvariantViolation,
-    PageInUse,
     PoolExhausted,
     StoreFailed,
 )
@@ -447,14 +446,15 @@ def _drop_bad(store: Store, key: str) -> None:
     """Drop a page that is not a host page's KV; one the store will not drop now is left.
 
     A read may hold it (``PageInUse``), or the store may refuse to delete (a
-    read-only folder, a Redis user without ``DEL``: ``StoreFailed``). The
-    pages before it are intact and still used either way: failing the whole
-    read would throw them away at every lookup that meets the page, and the
-    next read that meets it tries the drop again.
+    read-only folder, a Redis user without ``DEL``: ``StoreFailed``, or
+    whatever a store of another make raises). The pages before it are intact
+    and still used either way: failing the whole read would throw them away at
+    every lookup that meets the page, and the next read that meets it tries
+    the drop again.
     """
     try:
         store.drop([key])
-    except (PageInUse, StoreFailed):
+    except Exception:  # the drop is a courtesy to the next reader; the read stands
         return
 
 
@@ -1065,11 +1065,34 @@ class StorageTier:
         in the run needs a second query for the tail alone.
         """
         if not run_keys:
-            return [0, self._store.exists_prefix(keys)]
-        found = self._store.exists_prefix(run_keys + keys)
+            return [0, self._exists(keys)]
+        found = self._exists(run_keys + keys)
         if found >= len(run_keys):
             return [len(run_keys), found - len(run_keys)]
-        return [found, self._store.exists_prefix(keys)]
+        return [found, self._exists(keys)]
+
+    def _exists(self, keys: list[str]) -> int:
+        """Return how many leading ``keys`` the store holds, as an int in ``0..len(keys)``.
+
+        A store's count may be a numpy integer, which is the int it stands for.
+
+        Raises:
+            StoreFailed: The answer is no such count (None, a bool, a float, a
+                negative number, more keys than were asked): the query failed,
+                as if the store had raised, instead of the lookup failing later
+                on a count it cannot use (or, under agreement, on one rank only).
+        """
+        answer = self._store.exists_prefix(keys)
+        held = as_index(answer)
+        if held is None or not 0 <= held <= len(keys):
+            raise StoreFailed(
+                type(self._store).__name__,
+                "exists",
+                acknowledged=0,
+                total=len(keys),
+                cause=f"the answer {answer!r} is not a count of 0 to {len(keys)} keys",
+            )
+        return held
 
     def _fetch_new(
         self, anchor: TreeNode, tokens: Key, keys: Sequence[str]
