@@ -684,6 +684,48 @@ def test_a_torn_page_the_store_will_not_drop_keeps_the_pages_before_it(tmp_path:
     assert device_kv_matches(reader, toks[: 2 * PAGE])
 
 
+def test_a_store_that_failed_once_is_stored_again_by_a_later_lookup(store: Store) -> None:
+    """One transient failure kept the node, and every node under it, out of the store for good."""
+    toks, more = tokens(3), tokens(2, start=9000)
+    faulty = FaultyStore(store)
+    faulty.raises = {"put"}
+    writer = HiCache(config(), storage=tier(faulty))
+    writer.insert(toks)
+    writer.poll()
+    writer.poll()  # the store failed
+    writer.insert(toks + more)  # a child, waiting for its parent's pages
+    writer.poll()
+    assert [n.storage for n in writer.tree] == ["unstored", "unstored"]
+    faulty.raises = set()
+    assert writer.match_prefix(toks).device_len == 3 * PAGE  # starts the parent's store again
+    assert [n.storage for n in writer.tree] == ["storing", "unstored"]
+    assert writer.match_prefix(toks).device_len == 3 * PAGE  # in flight: not started twice
+    writer.poll()  # the parent is stored; the child's store starts
+    writer.poll()
+    assert [n.storage for n in writer.tree] == ["stored", "stored"]
+    assert faulty.calls == ["put", "put", "put"]
+    reader = HiCache(config(), storage=tier(store, prefetch_policy="wait"))
+    assert reader.match_prefix(toks + more).host_len == 5 * PAGE
+
+
+def test_no_store_is_started_again_while_queries_back_off(store: Store, clock: Clock) -> None:
+    toks = tokens(3)
+    faulty = FaultyStore(store)
+    faulty.raises = {"put", "exists_prefix"}
+    writer = HiCache(config(), storage=tier(faulty, query_backoff=1.0))
+    writer.insert(toks)
+    writer.poll()
+    writer.poll()  # the store failed
+    writer.match_prefix(toks + tokens(2, start=9000))  # the query fails: back off
+    writer.match_prefix(toks)
+    assert faulty.calls == ["put", "exists_prefix"]
+    assert [n.storage for n in writer.tree] == ["unstored"]
+    faulty.raises = set()
+    clock.now += 1.0
+    writer.match_prefix(toks + tokens(2, start=9000))  # asks (the run, then the tail), stores
+    assert faulty.calls == ["put", "exists_prefix", "exists_prefix", "exists_prefix", "put"]
+
+
 def test_a_read_that_raises_fails_the_fetch_and_removes_the_node(store: Store) -> None:
     toks = tokens(3)
     stored_cache(store, toks)

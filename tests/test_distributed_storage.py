@@ -182,6 +182,22 @@ def store_fails_on_one_rank(rank: int, folder: Path) -> dict[str, Any]:
     return report(shared, held=inner.exists_prefix(keys))
 
 
+def store_retried(rank: int, folder: Path) -> dict[str, Any]:
+    """As ``store_fails``; then rank 1's store is back, and a lookup stores the rest on both."""
+    inner = LocalFileStore(folder / f"rank{rank}")
+    store = Faulty(inner)
+    store.put_fails_after = 2 if rank == 1 else None
+    shared = wrapped(store, rank)
+    toks = tokens(5)
+    shared.cache.insert(toks)
+    shared.drain()
+    store.put_fails_after = None
+    shared.cache.match_prefix(toks)
+    shared.drain()
+    keys = page_keys(shared.cache.storage.namespace(), toks)  # type: ignore[union-attr]
+    return report(shared, held=inner.exists_prefix(keys))
+
+
 def store_times_out_on_one_rank(rank: int, folder: Path) -> dict[str, Any]:
     """Rank 1's put never answers: past io_timeout it fails there, and so on rank 0."""
     inner = LocalFileStore(folder / f"rank{rank}")
@@ -322,6 +338,7 @@ def different_collectives(rank: int, folder: Path) -> str:
 SCENARIOS: dict[str, Callable[[int, Path], Any]] = {
     "store_fails": store_fails_on_one_rank,
     "store_times_out": store_times_out_on_one_rank,
+    "store_retried": store_retried,
     "hits_differ": hits_differ,
     "below_threshold": hits_below_threshold,
     "discover": discover_differs,
@@ -388,6 +405,20 @@ def test_a_store_failed_on_one_rank_splits_the_node_on_both(ranks: Results) -> N
     ]
     # rank 0's store holds all five pages; its tree, like rank 1's, says two
     assert [r["store_fails"]["held"] for r in ranks] == [5, 2]
+
+
+def test_a_store_failed_on_one_rank_is_started_again_on_both_by_a_lookup(
+    ranks: Results,
+) -> None:
+    run = agreed(ranks, "store_retried")
+    assert [row[2:] for row in run["tree"]] == [
+        [2 * PAGE, "backed", "resident", "stored", 0],
+        [3 * PAGE, "backed", "resident", "stored", 0],
+    ]
+    assert [r["store_retried"]["acks"][-1] for r in ranks] == [
+        ["poll", [[2, "store", 3, "ok"]]]
+    ] * 2
+    assert [r["store_retried"]["held"] for r in ranks] == [5, 5]
 
 
 def test_a_store_timed_out_on_one_rank_fails_on_both(ranks: Results) -> None:

@@ -727,7 +727,7 @@ class StorageTier:
             self._core.fire(node, "store_done")
         for node in failed:
             self._core.fire(node, "store_failed")
-        for node in done:  # their children's stores may start; a store that failed is not retried
+        for node in done:  # their children's stores may start; a failed one waits for a lookup
             for child in list(node.children.values()):
                 if child not in failed:
                     self.maybe_store(child)
@@ -925,8 +925,35 @@ class StorageTier:
         tensor-parallel agreement (:meth:`agree_by`) the hit counts are the
         group's, and the read is applied only at a step, as every rank
         finished it: the termination policy then only bounds how long the
-        lookup waits for the read to finish here.
+        lookup waits for the read to finish here. Then the match's first
+        cached node that is not stored is stored, where the policy would have
+        (:meth:`_store_again`).
         """
+        walk = self._prefetch(walk, key, tree_namespace)
+        self._store_again(walk.path)
+        return walk
+
+    def _store_again(self, path: Sequence[TreeNode]) -> None:
+        """Store the first cached node of a lookup's ``path`` that is not stored, if the policy would.
+
+        A store that failed is not retried on its own, and a node waits for
+        its parent's pages: after one transient failure (a Redis blip) this
+        server would never store the node or anything under it, and no other
+        server sharing the store would find them while it kept them. A lookup
+        that matches such a node starts its store again: at most one store
+        per lookup, none while a store or its parent's is in flight, and none
+        while queries back off (the store is down); its children follow once
+        it is acknowledged.
+        """
+        if self.backoff.closed:
+            return
+        for node in local_prefix(path):
+            if node.storage == "unstored":
+                self.maybe_store(node)
+                return
+
+    def _prefetch(self, walk: Walk, key: Key, tree_namespace: Hashable) -> Walk:
+        """Prefetch as :meth:`prefetch` says; return the walk anew."""
         usable = local_prefix(walk.path)
         tail = key[sum(len(n.key) for n in usable) :]
         counted = self._core.counters.prefetch
