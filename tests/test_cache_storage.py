@@ -738,6 +738,8 @@ def test_a_read_that_raises_fails_the_fetch_and_removes_the_node(store: Store) -
     assert reader.tiers.host.allocator.free_pages == 32
     assert [e for _, e in reader.log.transitions()][-2:] == ["fetch_failed", "delete"]
     assert reader.stats().storage_failures == {"fetch:failed": 1}
+    faulty.raises = set()  # a transient failure: the next lookup finds the pages by key
+    assert reader.match_prefix(toks).host_len == 3 * PAGE
 
 
 def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store) -> None:
@@ -762,6 +764,11 @@ def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store) -> Non
     assert reader.tiers.host.allocator.free_pages == 32
     assert reader.log.storage_acks()[-1] == ("poll", ((1, "fetch", 0, "timeout"),))
     faulty.gate.set()
+    reader.poll()  # the late answer comes to no one
+    assert list(reader.tree) == []
+    found = reader.match_prefix(toks)  # the pages are found by key, and read again
+    assert reader.stats().prefetch == {"started": 2, "still_reading": 1, "read": 1}
+    assert found.host_len == 3 * PAGE
     reader.close()
 
 
@@ -1206,6 +1213,35 @@ def test_a_failed_fetch_backs_up_what_an_insert_put_on_the_device(tmp_path: Path
         ("backed", "resident", "stored"),
     ]
     assert device_kv_matches(reader, other)
+
+
+def test_a_failed_fetch_loses_no_hit_for_good(store: Store) -> None:
+    """A read that failed once under a node an insert kept: once evicted, it is fetched again.
+
+    The spec leaves a node whose fetch failed ``stored`` with no host copy;
+    the runtime keeps it only while the device holds it (and backs it up),
+    and removes it once no tier does, so a later lookup finds it by key.
+    """
+    toks = tokens(3)
+    stored_cache(store, toks)
+    faulty = FaultyStore(store)
+    faulty.raises = {"get"}
+    reader = HiCache(config(), storage=tier(faulty))
+    reader.match_prefix(toks)  # the read runs inline, and fails
+    reader.insert(toks)  # a request recomputed the prefix meanwhile
+    reader.poll()  # fetch_failed: the node stays on the device, and is backed up
+    reader.poll()
+    assert [(h, d, s) for _, _, h, d, s, _ in states(reader)] == [("backed", "resident", "stored")]
+    faulty.raises = set()
+    reader.evict(3 * PAGE)
+    reader.evict_host(3 * PAGE)
+    assert list(reader.tree) == []
+    found = reader.match_prefix(toks)
+    assert found.storage_len == 3 * PAGE
+    reader.poll()
+    assert reader.match_prefix(toks).host_len == 3 * PAGE
+    assert reader.stats().prefetch == {"started": 2}
+    assert reader.stats().storage_failures == {"fetch:failed": 1}
 
 
 def test_close_settles_the_backup_a_fetch_applied_at_close_starts(store: Store) -> None:
