@@ -772,6 +772,29 @@ def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store) -> Non
     reader.close()
 
 
+def test_a_copy_that_timed_out_waiting_for_a_worker_is_never_run(store: Store) -> None:
+    """Behind a slow store, copies nobody waits for would keep the worker busy for good."""
+    faulty = FaultyStore(store)
+    faulty.gate = threading.Event()
+    writer = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=0.3))
+    for start in (1000, 2000, 3000):
+        writer.insert(tokens(1, start))
+    writer.poll()  # the host backups land: three stores queue behind one worker
+    storage = writer.storage
+    assert storage is not None
+    copies = list(storage.in_flight().values())
+    assert len(copies) == 3
+    time.sleep(0.4)
+    writer.poll()  # all three timed out: the first in the store, two in the queue
+    assert writer.stats().storage_failures == {"store:timeout": 3}
+    faulty.gate.set()
+    for copy in copies:
+        assert copy.done.wait(5)
+    assert faulty.calls == ["put"]  # the two the worker reached late were not run
+    assert [c.result.outcome for c in copies[1:]] == ["timeout", "timeout"]  # type: ignore[union-attr]
+    writer.close()
+
+
 def test_the_timeout_policy_returns_the_pages_read_within_its_deadline(store: Store) -> None:
     toks = tokens(3)
     stored_cache(store, toks)

@@ -349,7 +349,7 @@ class _Workers:
 
     Jobs never raise (each catches what its store raises), so a thread lives as
     long as the cache; a job that hangs holds its thread, and the copies behind
-    it are failed by their timeout.
+    it are failed by their timeout (and not run once a thread gets to them).
     """
 
     def __init__(self, threads: int) -> None:
@@ -383,12 +383,24 @@ class _Workers:
 
 
 def _run(
-    store: Store, copy: StorageCopy, pages: list[torch.Tensor], shape: tuple[int, ...]
+    store: Store,
+    copy: StorageCopy,
+    pages: list[torch.Tensor],
+    shape: tuple[int, ...],
+    timeout: float,
 ) -> None:
     """Run one copy on a worker: record its result, whatever the store does.
 
-    A fetch's pages must be uint8 pages of ``shape`` (a host page's).
+    A fetch's pages must be uint8 pages of ``shape`` (a host page's). A copy
+    that waited in the queue past its ``timeout`` is failed by it already (or
+    will be, at the next poll), so it is not run: behind a slow store, running
+    every such copy would keep the workers busy with copies nobody waits for,
+    and every later copy would time out in the queue too.
     """
+    if copy.started is not None and time.monotonic() >= copy.started + timeout:
+        copy.result = StoreResult(0, [], "timeout", f"not started within {timeout} s")
+        copy.done.set()
+        return
     try:
         if copy.kind == "store":
             result = _put(store, copy.keys, pages)
@@ -635,7 +647,8 @@ class StorageTier:
                 index = torch.tensor(host, dtype=torch.long)
                 pages = list(self._tiers.host.pages.index_select(0, index).unbind(0))
             copy.started = time.monotonic()
-            self._workers.submit(partial(_run, self._store, copy, pages, shape))
+            job = partial(_run, self._store, copy, pages, shape, self.config.io_timeout)
+            self._workers.submit(job)
 
     def idle(self) -> bool:
         """Return whether no storage copy is queued or in flight."""
