@@ -1301,6 +1301,23 @@ def test_a_child_is_stored_once_its_parent_is_discovered(tmp_path: Path) -> None
     assert faulty.calls == ["put", "exists_prefix", "exists_prefix", "put"]
 
 
+def test_a_page_a_newer_version_wrote_is_left_in_the_store(tmp_path: Path) -> None:
+    """Across an upgrade, a server of this version must not throw away the newer servers' pages."""
+    toks = tokens(4)
+    store = LocalFileStore(tmp_path)
+    writer = stored_cache(store, toks)
+    keys = page_keys(writer.storage.namespace(), toks)  # type: ignore[union-attr]
+    newer = store.path(keys[2])
+    newer.write_bytes(b"FSMPAGE4" + newer.read_bytes()[8:])
+    reader = HiCache(config(), storage=tier(store, prefetch_policy="wait"))
+    assert reader.match_prefix(toks).host_len == 2 * PAGE
+    assert newer.exists()
+    assert reader.log.storage_acks() == [("prefetch", ((1, "fetch", 2, "later_format"),))]
+    assert reader.stats().storage_failures == {"fetch:later_format": 1}
+    assert [e for _, e in reader.log.transitions()][-3:] == ["fetch_failed", "vanish", "delete"]
+    assert device_kv_matches(reader, toks[: 2 * PAGE])
+
+
 def test_a_torn_page_another_read_holds_is_left_and_the_prefix_kept(tmp_path: Path) -> None:
     """The drop a read refuses waits for a later read; the intact pages before it are used."""
     toks = tokens(4)

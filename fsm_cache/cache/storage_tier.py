@@ -73,6 +73,7 @@ from fsm_cache.errors import (
     EffectFailed,
     IllegalTransition,
     InvariantViolation,
+    LaterFormatPage,
     PoolExhausted,
     StoreFailed,
 )
@@ -93,8 +94,9 @@ PREFETCH_POLICIES = ("best_effort", "wait", "timeout")
 STORAGE_ACKNOWLEDGEMENTS = frozenset({"store_done", "store_failed", "fetch_done", "fetch_failed"})
 """The events a storage copy's outcome fires (:meth:`StorageTier.apply`), and nothing else may."""
 _STORE_METHODS = ("exists_prefix", "get", "put", "drop", "capacity", "close")
-_GONE = frozenset({"missing", "corrupt", "peer_missing"})
-"""Outcomes of a read whose first failed page the store no longer holds: the rest vanish."""
+_GONE = frozenset({"missing", "corrupt", "later_format", "peer_missing"})
+"""Outcomes of a read whose first failed page the store no longer holds, or holds in a form this
+version cannot read (as good as gone, to this cache): the rest vanish."""
 
 HitAgreement = Callable[[Sequence[int], Sequence[int]], list[int]]
 """Agrees on a prefetch query's hit counts: ``(found, asked)`` -> the agreed ``found``.
@@ -301,7 +303,8 @@ class StoreResult:
         pages: The pages a fetch read, in order (``held`` of them).
         outcome: ``ok``, ``full`` (the store had no room), ``missing`` (the store
             no longer held a page), ``corrupt`` (a page read back torn or
-            foreign; the worker dropped it), ``failed`` (the store raised) or
+            foreign; the worker dropped it), ``later_format`` (a page a newer
+            version wrote; left stored), ``failed`` (the store raised) or
             ``timeout`` (no answer within ``io_timeout``); under tensor-parallel
             agreement also ``peer_failed`` or ``peer_missing``: this rank
             landed more pages, another rank's copy stopped first (``missing``:
@@ -443,9 +446,11 @@ def _get(store: Store, keys: Sequence[str], shape: tuple[int, ...]) -> StoreResu
         pages = store.get(keys)
     except CorruptPage as exc:
         at = keys.index(exc.key) if exc.key in keys else 0
-        _drop_bad(store, exc.key)
+        later = isinstance(exc, LaterFormatPage)
+        if not later:  # a newer version's page is whole: it stays for the servers that read it
+            _drop_bad(store, exc.key)
         pages = store.get(keys[:at]) if at else []
-        return StoreResult(len(pages), pages, "corrupt", str(exc))
+        return StoreResult(len(pages), pages, "later_format" if later else "corrupt", str(exc))
     for i, page in enumerate(pages):
         if tuple(page.shape) != shape or page.dtype != torch.uint8:
             _drop_bad(store, keys[i])
