@@ -564,7 +564,7 @@ def test_a_query_backoff_doubles_per_failure_in_a_row_up_to_its_longest() -> Non
         assert backoff.closed
         assert not backoff.passed(backoff.until - 0.001)
         waits.append(backoff.until - now)
-        backoff.closed = False  # the tier let a trial query through
+        backoff.reopen()  # the tier let a trial query through
     assert waits == [1.0, 2.0, 3.0, 3.0]
     backoff.answered()
     backoff.failed(50.0)

@@ -285,6 +285,10 @@ class QueryBackoff:
         self.until = now + min(wait, self.longest)
         self.closed = True
 
+    def reopen(self) -> None:
+        """Let the next lookup ask: a trial, which backs off twice as long if it fails too."""
+        self.closed = False
+
     def answered(self) -> None:
         """A query answered: the store is back, the next failure waits ``first`` again."""
         self.failures = 0
@@ -1033,7 +1037,7 @@ class StorageTier:
         That query is a trial: one that fails again backs off twice as long.
         """
         if passed:
-            self.backoff.closed = False
+            self.backoff.reopen()
 
     def _start(
         self, usable: Sequence[TreeNode], tail: Key, anchor: TreeNode, tree_namespace: Hashable
