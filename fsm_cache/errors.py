@@ -34,6 +34,7 @@ Every error the library raises on bad input or an illegal step derives from
     └── StorageError              a storage backend (local files, Redis) refused or failed
         ├── StoreFailed           the store failed mid-operation (server gone, disk error)
         ├── CorruptPage           a stored page's header does not match (torn or foreign)
+        │   └── LaterFormatPage   a page of a format a newer version writes (left stored)
         ├── PageInUse             a page a read holds may not be dropped
         ├── StorageFull           a capacity reservation larger than what is free
         └── ReservationError      a reservation settled twice, or by another budget
@@ -363,6 +364,16 @@ class CorruptPage(StorageError):
         self.key = key
         self.problem = problem
         super().__init__(f"{where}: not a valid page {key[:12]}: {problem}")
+
+
+class LaterFormatPage(CorruptPage):
+    """A stored page is of a later format than this version reads: a newer version wrote it.
+
+    Nothing was returned, as for any :class:`CorruptPage`, but the page is
+    not known to be torn: a cache leaves it in the store, where the servers
+    of the newer version read it (in a store shared across an upgrade,
+    dropping it would throw their pages away).
+    """
 
 
 class PageInUse(StorageError):

@@ -20,9 +20,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
+from fsm_cache.cache import storage_tier
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.metrics import register
-from fsm_cache.cache.storage_tier import StorageConfig
+from fsm_cache.cache.storage_tier import QueryBackoff, StorageConfig
 from fsm_cache.cache.tree import TreeNode
 from fsm_cache.errors import (
     BadArgument,
@@ -207,6 +208,15 @@ def test_without_a_store_nothing_changes(tmp_path: Path) -> None:
         ),
         ({"threads": -1}, "storage: threads must be an int >= 0, got -1"),
         ({"io_timeout": 0}, "storage: io_timeout must be seconds > 0, got 0"),
+        ({"query_backoff": -1}, "storage: query_backoff must be seconds >= 0, got -1"),
+        (
+            {"query_backoff_max": float("inf")},
+            "storage: query_backoff_max must be seconds >= 0, got inf",
+        ),
+        (
+            {"query_backoff": 5, "query_backoff_max": 2.5},
+            "storage: query_backoff_max must be at least query_backoff (5), got 2.5",
+        ),
         ({"rank": 2, "ranks": 2}, "storage: rank must be an int in 0..1, got 2"),
         ({"model": ""}, "storage: model must be a non-empty str, got ''"),
     ],
@@ -517,7 +527,7 @@ def test_a_query_that_raises_anything_asks_nothing_and_changes_nothing(store: St
     stored_cache(store, toks)
     faulty = FaultyStore(store)
     faulty.raises = {"exists_prefix"}  # a RuntimeError, as a raw client error would be
-    reader = HiCache(config(), storage=tier(faulty, prefetch_policy="wait"))
+    reader = HiCache(config(), storage=tier(faulty, prefetch_policy="wait", query_backoff=0))
     found = reader.match_prefix(toks)
     assert (found.device_len, found.host_len, found.storage_len) == (0, 0, 0)
     assert list(reader.tree) == []
@@ -525,6 +535,195 @@ def test_a_query_that_raises_anything_asks_nothing_and_changes_nothing(store: St
     faulty.raises = set()
     assert reader.match_prefix(toks).host_len == 3 * PAGE
     reader.close()
+
+
+class Clock:
+    """The storage tier's clock, moved by hand: ``monotonic()`` is ``now``."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """The tier reads this clock (its module's ``time``), nothing else does."""
+    fake = Clock()
+    monkeypatch.setattr(storage_tier, "time", fake)
+    return fake
+
+
+def test_a_query_backoff_doubles_per_failure_in_a_row_up_to_its_longest() -> None:
+    backoff = QueryBackoff(1.0, 3.0)
+    assert backoff.passed(0.0)  # none runs
+    waits = []
+    for now in (10.0, 20.0, 30.0, 40.0):
+        backoff.failed(now)
+        assert backoff.closed
+        assert not backoff.passed(backoff.until - 0.001)
+        waits.append(backoff.until - now)
+        backoff.reopen()  # the tier let a trial query through
+    assert waits == [1.0, 2.0, 3.0, 3.0]
+    backoff.answered()
+    backoff.failed(50.0)
+    assert backoff.until == 51.0  # an answer starts the doubling over
+    never = QueryBackoff(0.0, 0.0)
+    never.failed(10.0)
+    assert not never.closed
+    assert never.passed(10.0)
+    long = QueryBackoff(1.0, 30.0)
+    long.failures = 5000
+    long.failed(0.0)  # 2**5000 would overflow a float
+    assert long.until == 30.0
+
+
+def test_a_store_that_stops_answering_is_asked_again_only_after_a_backoff(
+    store: Store, clock: Clock
+) -> None:
+    """While the store is down each lookup would wait out the client's timeout on its thread.
+
+    After a failed key query lookups ask nothing for ``query_backoff`` seconds,
+    doubled after each failure in a row; the first query that answers ends it.
+    """
+    toks = tokens(3)
+    stored_cache(store, toks)
+    faulty = FaultyStore(store)
+    faulty.raises = {"exists_prefix"}
+    reader = HiCache(
+        config(),
+        storage=tier(faulty, prefetch_policy="wait", query_backoff=1.0, query_backoff_max=5.0),
+    )
+
+    def lookup(after: float) -> int:
+        clock.now += after
+        return reader.match_prefix(toks).host_len
+
+    assert lookup(0) == 0  # fails: back off one second
+    assert lookup(0.5) == 0  # asks nothing
+    assert faulty.calls == ["exists_prefix"]
+    assert lookup(0.5) == 0  # a trial: fails again, back off two seconds
+    assert lookup(1.9) == 0
+    assert faulty.calls == ["exists_prefix"] * 2
+    assert list(reader.tree) == []
+    faulty.raises = set()
+    assert lookup(0.1) == 3 * PAGE  # the store is back: asked, and fetched
+    assert reader.stats().prefetch == {
+        "query_failed": 2,
+        "backing_off": 2,
+        "started": 1,
+        "read": 1,
+    }
+    assert reader.storage is not None
+    assert (reader.storage.backoff.failures, reader.storage.backoff.closed) == (0, False)
+
+
+def test_under_agreement_a_query_backoff_ends_only_where_the_group_says(
+    store: Store, clock: Clock
+) -> None:
+    """Another rank's store raised: this rank backs off too, and its clock alone ends nothing."""
+    toks = tokens(3)
+    stored_cache(store, toks)
+    faulty = FaultyStore(store)
+    reader = HiCache(config(), storage=tier(faulty, query_backoff=1.0))
+    storage = reader.storage
+    assert storage is not None
+    asked: list[tuple[list[int], list[int]]] = []
+
+    def another_rank_raises(found: Sequence[int], pages: Sequence[int]) -> list[int]:
+        asked.append((list(found), list(pages)))
+        return [0, 0, 0]
+
+    storage.agree_by(another_rank_raises)
+    assert reader.match_prefix(toks).storage_len == 0
+    assert asked == [([0, 3, 1], [0, 3, 1])]  # this rank's store answered
+    clock.now += 10.0
+    assert storage.queries_may_resume()  # what this rank brings to the next step
+    assert reader.match_prefix(toks).storage_len == 0  # but no step agreed yet
+    assert faulty.calls == ["exists_prefix"]
+    storage.resume_queries(False)  # another rank's clock says not yet
+    assert reader.match_prefix(toks).storage_len == 0
+    storage.resume_queries(True)
+    storage.agree_by(lambda found, pages: list(found))
+    assert reader.match_prefix(toks).storage_len == 3 * PAGE
+    assert reader.stats().prefetch == {"query_failed": 1, "backing_off": 2, "started": 1}
+
+
+@pytest.mark.parametrize("answer", [None, True, -1, 4, 2.0, "3"])
+def test_a_query_answered_with_no_count_of_its_keys_fails_and_changes_nothing(
+    store: Store, answer: object
+) -> None:
+    """A store of another make answers garbage: the query failed, the lookup does not raise."""
+    toks = tokens(3)
+    stored_cache(store, toks)
+
+    class Garbled(FaultyStore):
+        def exists_prefix(self, keys: Sequence[str]) -> int:
+            self.calls.append("exists_prefix")
+            return answer  # type: ignore[return-value]
+
+    reader = HiCache(config(), storage=tier(Garbled(store), prefetch_policy="wait"))
+    found = reader.match_prefix(toks)
+    assert (found.host_len, found.storage_len) == (0, 0)
+    assert list(reader.tree) == []
+    assert reader.stats().prefetch == {"query_failed": 1}
+    assert reader.tiers.host.allocator.free_pages == 32
+
+
+def test_a_torn_page_the_store_will_not_drop_keeps_the_pages_before_it(tmp_path: Path) -> None:
+    """A drop that raises something of another make leaves the page; the read stands."""
+    toks = tokens(4)
+    store, _, torn = torn_store(tmp_path, toks, page=2)
+    faulty = FaultyStore(store)
+    faulty.raises = {"drop"}
+    reader = HiCache(config(), storage=tier(faulty, prefetch_policy="wait"))
+    assert reader.match_prefix(toks).host_len == 2 * PAGE
+    assert torn.exists()
+    assert reader.log.storage_acks() == [("prefetch", ((1, "fetch", 2, "corrupt"),))]
+    assert device_kv_matches(reader, toks[: 2 * PAGE])
+
+
+def test_a_store_that_failed_once_is_stored_again_by_a_later_lookup(store: Store) -> None:
+    """One transient failure kept the node, and every node under it, out of the store for good."""
+    toks, more = tokens(3), tokens(2, start=9000)
+    faulty = FaultyStore(store)
+    faulty.raises = {"put"}
+    writer = HiCache(config(), storage=tier(faulty))
+    writer.insert(toks)
+    writer.poll()
+    writer.poll()  # the store failed
+    writer.insert(toks + more)  # a child, waiting for its parent's pages
+    writer.poll()
+    assert [n.storage for n in writer.tree] == ["unstored", "unstored"]
+    faulty.raises = set()
+    assert writer.match_prefix(toks).device_len == 3 * PAGE  # starts the parent's store again
+    assert [n.storage for n in writer.tree] == ["storing", "unstored"]
+    assert writer.match_prefix(toks).device_len == 3 * PAGE  # in flight: not started twice
+    writer.poll()  # the parent is stored; the child's store starts
+    writer.poll()
+    assert [n.storage for n in writer.tree] == ["stored", "stored"]
+    assert faulty.calls == ["put", "put", "put"]
+    reader = HiCache(config(), storage=tier(store, prefetch_policy="wait"))
+    assert reader.match_prefix(toks + more).host_len == 5 * PAGE
+
+
+def test_no_store_is_started_again_while_queries_back_off(store: Store, clock: Clock) -> None:
+    toks = tokens(3)
+    faulty = FaultyStore(store)
+    faulty.raises = {"put", "exists_prefix"}
+    writer = HiCache(config(), storage=tier(faulty, query_backoff=1.0))
+    writer.insert(toks)
+    writer.poll()
+    writer.poll()  # the store failed
+    writer.match_prefix(toks + tokens(2, start=9000))  # the query fails: back off
+    writer.match_prefix(toks)
+    assert faulty.calls == ["put", "exists_prefix"]
+    assert [n.storage for n in writer.tree] == ["unstored"]
+    faulty.raises = set()
+    clock.now += 1.0
+    writer.match_prefix(toks + tokens(2, start=9000))  # asks (the run, then the tail), stores
+    assert faulty.calls == ["put", "exists_prefix", "exists_prefix", "exists_prefix", "put"]
 
 
 def test_a_read_that_raises_fails_the_fetch_and_removes_the_node(store: Store) -> None:
@@ -539,6 +738,8 @@ def test_a_read_that_raises_fails_the_fetch_and_removes_the_node(store: Store) -
     assert reader.tiers.host.allocator.free_pages == 32
     assert [e for _, e in reader.log.transitions()][-2:] == ["fetch_failed", "delete"]
     assert reader.stats().storage_failures == {"fetch:failed": 1}
+    faulty.raises = set()  # a transient failure: the next lookup finds the pages by key
+    assert reader.match_prefix(toks).host_len == 3 * PAGE
 
 
 def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store) -> None:
@@ -563,7 +764,35 @@ def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store) -> Non
     assert reader.tiers.host.allocator.free_pages == 32
     assert reader.log.storage_acks()[-1] == ("poll", ((1, "fetch", 0, "timeout"),))
     faulty.gate.set()
+    reader.poll()  # the late answer comes to no one
+    assert list(reader.tree) == []
+    found = reader.match_prefix(toks)  # the pages are found by key, and read again
+    assert reader.stats().prefetch == {"started": 2, "still_reading": 1, "read": 1}
+    assert found.host_len == 3 * PAGE
     reader.close()
+
+
+def test_a_copy_that_timed_out_waiting_for_a_worker_is_never_run(store: Store) -> None:
+    """Behind a slow store, copies nobody waits for would keep the worker busy for good."""
+    faulty = FaultyStore(store)
+    faulty.gate = threading.Event()
+    writer = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=0.3))
+    for start in (1000, 2000, 3000):
+        writer.insert(tokens(1, start))
+    writer.poll()  # the host backups land: three stores queue behind one worker
+    storage = writer.storage
+    assert storage is not None
+    copies = list(storage.in_flight().values())
+    assert len(copies) == 3
+    time.sleep(0.4)
+    writer.poll()  # all three timed out: the first in the store, two in the queue
+    assert writer.stats().storage_failures == {"store:timeout": 3}
+    faulty.gate.set()
+    for copy in copies:
+        assert copy.done.wait(5)
+    assert faulty.calls == ["put"]  # the two the worker reached late were not run
+    assert [c.result.outcome for c in copies[1:]] == ["timeout", "timeout"]  # type: ignore[union-attr]
+    writer.close()
 
 
 def test_the_timeout_policy_returns_the_pages_read_within_its_deadline(store: Store) -> None:
@@ -1009,6 +1238,35 @@ def test_a_failed_fetch_backs_up_what_an_insert_put_on_the_device(tmp_path: Path
     assert device_kv_matches(reader, other)
 
 
+def test_a_failed_fetch_loses_no_hit_for_good(store: Store) -> None:
+    """A read that failed once under a node an insert kept: once evicted, it is fetched again.
+
+    The spec leaves a node whose fetch failed ``stored`` with no host copy;
+    the runtime keeps it only while the device holds it (and backs it up),
+    and removes it once no tier does, so a later lookup finds it by key.
+    """
+    toks = tokens(3)
+    stored_cache(store, toks)
+    faulty = FaultyStore(store)
+    faulty.raises = {"get"}
+    reader = HiCache(config(), storage=tier(faulty))
+    reader.match_prefix(toks)  # the read runs inline, and fails
+    reader.insert(toks)  # a request recomputed the prefix meanwhile
+    reader.poll()  # fetch_failed: the node stays on the device, and is backed up
+    reader.poll()
+    assert [(h, d, s) for _, _, h, d, s, _ in states(reader)] == [("backed", "resident", "stored")]
+    faulty.raises = set()
+    reader.evict(3 * PAGE)
+    reader.evict_host(3 * PAGE)
+    assert list(reader.tree) == []
+    found = reader.match_prefix(toks)
+    assert found.storage_len == 3 * PAGE
+    reader.poll()
+    assert reader.match_prefix(toks).host_len == 3 * PAGE
+    assert reader.stats().prefetch == {"started": 2}
+    assert reader.stats().storage_failures == {"fetch:failed": 1}
+
+
 def test_close_settles_the_backup_a_fetch_applied_at_close_starts(store: Store) -> None:
     """A child recomputed under a node being fetched is backed up, not left writing, by close."""
     toks = tokens(3)
@@ -1041,6 +1299,23 @@ def test_a_child_is_stored_once_its_parent_is_discovered(tmp_path: Path) -> None
     assert [(n.host, n.storage) for n in cache.tree] == [("backed", "stored"), ("backed", "stored")]
     assert cache.stats().storage_pages == {"stored": 2, "discovered": 2}
     assert faulty.calls == ["put", "exists_prefix", "exists_prefix", "put"]
+
+
+def test_a_page_a_newer_version_wrote_is_left_in_the_store(tmp_path: Path) -> None:
+    """Across an upgrade, a server of this version must not throw away the newer servers' pages."""
+    toks = tokens(4)
+    store = LocalFileStore(tmp_path)
+    writer = stored_cache(store, toks)
+    keys = page_keys(writer.storage.namespace(), toks)  # type: ignore[union-attr]
+    newer = store.path(keys[2])
+    newer.write_bytes(b"FSMPAGE4" + newer.read_bytes()[8:])
+    reader = HiCache(config(), storage=tier(store, prefetch_policy="wait"))
+    assert reader.match_prefix(toks).host_len == 2 * PAGE
+    assert newer.exists()
+    assert reader.log.storage_acks() == [("prefetch", ((1, "fetch", 2, "later_format"),))]
+    assert reader.stats().storage_failures == {"fetch:later_format": 1}
+    assert [e for _, e in reader.log.transitions()][-3:] == ["fetch_failed", "vanish", "delete"]
+    assert device_kv_matches(reader, toks[: 2 * PAGE])
 
 
 def test_a_torn_page_another_read_holds_is_left_and_the_prefix_kept(tmp_path: Path) -> None:

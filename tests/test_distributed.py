@@ -2011,7 +2011,7 @@ def test_a_step_serves_its_requests_without_a_collective(monkeypatch: pytest.Mon
     assert waits
     # the kind and its negation, ready and its negation, two flags, the first failed copy,
     # ten shared values and theirs, one slot per storage copy considered (none here: -1 each)
-    assert reduces == [2 + 5 + 2 * 10 + STORAGE_SLOTS] * 3
+    assert reduces == [2 + 6 + 2 * 10 + STORAGE_SLOTS] * 3
 
 
 @pytest.mark.gpu

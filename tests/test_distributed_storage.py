@@ -88,6 +88,8 @@ class Faulty:
         put_fails_after: Raise StoreFailed after storing this many pages of a put.
         after_exists: Called after each ``exists_prefix`` (drop a page behind its back).
         gate: Puts wait for this event first (a hung backend).
+        exists_fails: ``exists_prefix`` raises (a server that stopped answering).
+        queries: How many times ``exists_prefix`` was called.
     """
 
     def __init__(self, inner: Store) -> None:
@@ -95,8 +97,13 @@ class Faulty:
         self.put_fails_after: int | None = None
         self.after_exists: Callable[[], None] | None = None
         self.gate: threading.Event | None = None
+        self.exists_fails = False
+        self.queries = 0
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
+        self.queries += 1
+        if self.exists_fails:
+            raise StoreFailed("faulty", "exists", acknowledged=0, total=len(keys), cause="planted")
         found = self.inner.exists_prefix(keys)
         if self.after_exists is not None:
             self.after_exists()
@@ -170,6 +177,22 @@ def store_fails_on_one_rank(rank: int, folder: Path) -> dict[str, Any]:
     shared = wrapped(store, rank)
     toks = tokens(5)
     shared.cache.insert(toks)
+    shared.drain()
+    keys = page_keys(shared.cache.storage.namespace(), toks)  # type: ignore[union-attr]
+    return report(shared, held=inner.exists_prefix(keys))
+
+
+def store_retried(rank: int, folder: Path) -> dict[str, Any]:
+    """As ``store_fails``; then rank 1's store is back, and a lookup stores the rest on both."""
+    inner = LocalFileStore(folder / f"rank{rank}")
+    store = Faulty(inner)
+    store.put_fails_after = 2 if rank == 1 else None
+    shared = wrapped(store, rank)
+    toks = tokens(5)
+    shared.cache.insert(toks)
+    shared.drain()
+    store.put_fails_after = None
+    shared.cache.match_prefix(toks)
     shared.drain()
     keys = page_keys(shared.cache.storage.namespace(), toks)  # type: ignore[union-attr]
     return report(shared, held=inner.exists_prefix(keys))
@@ -266,6 +289,37 @@ def loaded_bit_exact(shared: DistributedCache, toks: list[int]) -> bool:
     return found.device_len == len(toks) and torch.equal(kv, expected)
 
 
+def query_backs_off(rank: int, folder: Path) -> dict[str, Any]:
+    """Rank 1's store stops answering queries: both ranks back off, and ask again at one step.
+
+    Rank 0's backoff is 10 ms, rank 1's 2 s (clocks that disagree): rank 0's
+    clock alone would let its next lookup ask, and the ranks would part.
+    """
+    toks = tokens(4)
+    store, _ = written(rank, folder, toks)
+    faulty = Faulty(store)
+    faulty.exists_fails = rank == 1
+    wait = 0.01 if rank == 0 else 2.0
+    shared = wrapped(faulty, rank, query_backoff=wait, query_backoff_max=wait)
+    seen = []
+
+    def lookup() -> None:
+        found = shared.cache.match_prefix(toks)
+        seen.append([faulty.queries, found.storage_len])
+
+    lookup()  # fails on rank 1: both back off
+    time.sleep(0.05)
+    lookup()  # both ask nothing, though rank 0's wait has passed
+    shared.step()  # rank 1's has not: still backing off
+    lookup()
+    faulty.exists_fails = False
+    time.sleep(2.0)
+    shared.step()  # both waits have passed
+    lookup()  # both ask, and fetch
+    shared.drain()
+    return report(shared, seen=seen)
+
+
 def different_collectives(rank: int, folder: Path) -> str:
     """Rank 0's lookup asks the store while rank 1 ends a step: both say so."""
     toks = tokens(2)
@@ -284,10 +338,12 @@ def different_collectives(rank: int, folder: Path) -> str:
 SCENARIOS: dict[str, Callable[[int, Path], Any]] = {
     "store_fails": store_fails_on_one_rank,
     "store_times_out": store_times_out_on_one_rank,
+    "store_retried": store_retried,
     "hits_differ": hits_differ,
     "below_threshold": hits_below_threshold,
     "discover": discover_differs,
     "read_loses": read_loses_a_page,
+    "query_backs_off": query_backs_off,
     "collectives": different_collectives,
 }
 
@@ -351,6 +407,20 @@ def test_a_store_failed_on_one_rank_splits_the_node_on_both(ranks: Results) -> N
     assert [r["store_fails"]["held"] for r in ranks] == [5, 2]
 
 
+def test_a_store_failed_on_one_rank_is_started_again_on_both_by_a_lookup(
+    ranks: Results,
+) -> None:
+    run = agreed(ranks, "store_retried")
+    assert [row[2:] for row in run["tree"]] == [
+        [2 * PAGE, "backed", "resident", "stored", 0],
+        [3 * PAGE, "backed", "resident", "stored", 0],
+    ]
+    assert [r["store_retried"]["acks"][-1] for r in ranks] == [
+        ["poll", [[2, "store", 3, "ok"]]]
+    ] * 2
+    assert [r["store_retried"]["held"] for r in ranks] == [5, 5]
+
+
 def test_a_store_timed_out_on_one_rank_fails_on_both(ranks: Results) -> None:
     run = agreed(ranks, "store_times_out")
     assert [row[2:] for row in run["tree"]] == [[2 * PAGE, "backed", "resident", "unstored", 0]]
@@ -368,8 +438,8 @@ def test_hit_counts_that_differ_are_agreed_to_the_min(ranks: Results) -> None:
     assert [row[2:] for row in run["tree"]] == [[4 * PAGE, "backed", "absent", "stored", 0]]
     # (pages of the cached run, pages of the tail) found, then agreed
     assert [r["hits_differ"]["hits"] for r in ranks] == [
-        [[[0, 6], [0, 4]]],
-        [[[0, 4], [0, 4]]],
+        [[[0, 6, 1], [0, 4, 1]]],
+        [[[0, 4, 1], [0, 4, 1]]],
     ]
     assert run["after"] == [4 * PAGE, 0]
     assert [r["hits_differ"]["acks"] for r in ranks] == [[["poll", [[1, "fetch", 4, "ok"]]]]] * 2
@@ -382,8 +452,8 @@ def test_below_the_threshold_after_agreement_no_rank_prefetches(ranks: Results) 
     assert run["tree"] == []
     assert "fetch" not in run["events"]
     assert [r["below_threshold"]["hits"] for r in ranks] == [
-        [[[0, 6], [0, 1]]],
-        [[[0, 1], [0, 1]]],
+        [[[0, 6, 1], [0, 1, 1]]],
+        [[[0, 1, 1], [0, 1, 1]]],
     ]
     assert [r["below_threshold"]["prefetch"] for r in ranks] == [{"below_threshold": 1}] * 2
 
@@ -397,15 +467,15 @@ def test_a_cached_run_is_discovered_only_where_every_rank_holds_it(ranks: Result
     ]
     assert run["during"] == [2 * PAGE, 0, 4 * PAGE]
     assert [r["discover"]["hits"] for r in ranks] == [
-        [[[2, 4], [0, 4]]],
-        [[[0, 4], [0, 4]]],
+        [[[2, 4, 1], [0, 4, 1]]],
+        [[[0, 4, 1], [0, 4, 1]]],
     ]
 
 
 def test_a_page_lost_mid_prefix_on_one_rank_shortens_the_prefix_on_both(ranks: Results) -> None:
     run = agreed(ranks, "read_loses")
     assert run["during"] == [0, 6 * PAGE]  # both stores said six pages
-    assert [r["read_loses"]["hits"] for r in ranks] == [[[[0, 6], [0, 6]]]] * 2
+    assert [r["read_loses"]["hits"] for r in ranks] == [[[[0, 6, 1], [0, 6, 1]]]] * 2
     assert [row[2:] for row in run["tree"]] == [[3 * PAGE, "backed", "absent", "stored", 0]]
     fetched = run["events"].index("fetch_done")
     assert run["events"][fetched : fetched + 4] == [
@@ -419,6 +489,22 @@ def test_a_page_lost_mid_prefix_on_one_rank_shortens_the_prefix_on_both(ranks: R
         ["poll", [[1, "fetch", 3, "missing"]]],
     ]
     assert [r["read_loses"]["bit_exact"] for r in ranks] == [True, True]
+
+
+def test_a_query_that_failed_on_one_rank_backs_off_every_rank_alike(ranks: Results) -> None:
+    run = agreed(ranks, "query_backs_off")
+    # per lookup: the queries this rank's store was asked so far, the pages prefetched
+    assert [r["query_backs_off"]["seen"] for r in ranks] == [
+        [[1, 0], [1, 0], [1, 0], [2, 4 * PAGE]]
+    ] * 2
+    assert [r["query_backs_off"]["hits"] for r in ranks] == [
+        [[[0, 4, 1], [0, 0, 0]], [[0, 4, 1], [0, 4, 1]]],
+        [[[0, 0, 0], [0, 0, 0]], [[0, 4, 1], [0, 4, 1]]],
+    ]
+    assert [r["query_backs_off"]["prefetch"] for r in ranks] == [
+        {"query_failed": 1, "backing_off": 2, "started": 1}
+    ] * 2
+    assert [row[2:] for row in run["tree"]] == [[4 * PAGE, "backed", "absent", "stored", 0]]
 
 
 def test_ranks_that_reach_different_collectives_say_so(ranks: Results) -> None:
@@ -470,11 +556,11 @@ def test_a_read_agreed_shorter_vanishes_past_the_agreed_page(tmp_path: Path) -> 
 
     def other_rank_holds_three(found: Sequence[int], pages: Sequence[int]) -> list[int]:
         asked.append((list(found), list(pages)))
-        return [found[0], min(found[1], 3)]
+        return [found[0], min(found[1], 3), found[2]]
 
     storage.agree_by(other_rank_holds_three)
     assert reader.match_prefix(toks).storage_len == 3 * PAGE
-    assert asked == [([0, 4], [0, 4])]
+    assert asked == [([0, 4, 1], [0, 4, 1])]
     assert storage.report(2) == [2 * 3 + 1, -1]
     storage.accept([2 * 2 + 0, -1])  # the other rank's store lost page 2 at the read
     reader.poll()

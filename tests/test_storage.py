@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from fsm_cache.errors import (
     BadArgument,
     CorruptPage,
+    LaterFormatPage,
     PageInUse,
     ReservationError,
     StorageError,
@@ -1075,6 +1076,27 @@ def test_codec_refuses_pages_of_the_first_format(tmp_path: Path) -> None:
     store.path(key).write_bytes(old)
     with pytest.raises(CorruptPage, match=rf"{key[:12]}: {re.escape(problem)}$"):
         store.get([key])
+
+
+def test_codec_reads_a_page_of_a_later_format_as_such(tmp_path: Path) -> None:
+    """FSMPAGE4 on: a newer version's page, not a torn one (a cache leaves it stored)."""
+    key, page = page_keys(NS, list(range(4)))[0], pages_of(1)[0]
+    later = b"FSMPAGE4" + codec.encode(key, page)[8:]
+    problem = "a page of a later format (FSMPAGE4), written by a newer version"
+    with pytest.raises(LaterFormatPage) as caught:
+        codec.decode("there", key, later)
+    assert str(caught.value) == f"there: not a valid page {key[:12]}: {problem}"
+    assert isinstance(caught.value, CorruptPage)  # caught wherever a corrupt page is
+    store = LocalFileStore(tmp_path)
+    store.path(key).parent.mkdir()
+    store.path(key).write_bytes(later)
+    with pytest.raises(LaterFormatPage, match=rf"{key[:12]}: {re.escape(problem)}$"):
+        store.get([key])
+    for magic in (b"FSMPAGE0", b"FSMPAGE:", b"FSMPAGEX"):  # not a later version's: no header
+        with pytest.raises(CorruptPage) as torn:
+            codec.decode("there", key, magic + later[8:])
+        assert type(torn.value) is CorruptPage
+        assert torn.value.problem == "no page header"
 
 
 def test_codec_a_deeply_nested_header_is_corrupt() -> None:

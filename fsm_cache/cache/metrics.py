@@ -146,7 +146,8 @@ class Stats:
         storage_bytes: Bytes of pages acknowledged per storage copy kind (``store``, ``fetch``).
         storage_failures: Storage copies that failed, by ``kind:outcome``.
         prefetch: What each lookup's prefetch decided (``started``, ``waited``,
-            ``below_threshold``, ``rate_limited``, ``none_stored``, ...).
+            ``below_threshold``, ``rate_limited``, ``none_stored``,
+            ``query_failed``, ``backing_off``, ...).
         counted_since: When the running totals above started (the cache built
             or reset), seconds since the epoch; not compared, as a
             reset cache's stats equal a new one's.

@@ -33,12 +33,19 @@ machine:
   under a rate limit, the stored pages after the locally cached prefix become
   a ``discovered`` node that is fetched, and the termination policy decides
   whether the lookup waits for it.
+* **Backoff after a failed query** (:class:`QueryBackoff`): the key query runs
+  on the lookup's thread, so a store that stops answering would hold every
+  lookup for its client's timeout; after one fails, lookups ask nothing for a
+  while, twice as long after each failure in a row.
 * **Tensor-parallel agreement** (:meth:`StorageTier.agree_by`): under a
   :class:`~fsm_cache.distributed.agreement.DistributedCache` each rank's store
   holds its own shard, so the ranks' stores may answer differently; the hit
   count of a query is the MIN over the ranks before any rank fetches, and a
   copy is applied only as every rank finished it (:meth:`StorageTier.report`,
   :meth:`StorageTier.accept`), so every rank fires the same storage events.
+  A query that failed on any rank backs every rank off, and the backoff ends
+  only where the group agrees it has (:meth:`StorageTier.resume_queries`), so
+  every rank asks its store at the same lookups.
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ from fsm_cache.errors import (
     EffectFailed,
     IllegalTransition,
     InvariantViolation,
-    PageInUse,
+    LaterFormatPage,
     PoolExhausted,
     StoreFailed,
 )
@@ -87,17 +94,20 @@ PREFETCH_POLICIES = ("best_effort", "wait", "timeout")
 STORAGE_ACKNOWLEDGEMENTS = frozenset({"store_done", "store_failed", "fetch_done", "fetch_failed"})
 """The events a storage copy's outcome fires (:meth:`StorageTier.apply`), and nothing else may."""
 _STORE_METHODS = ("exists_prefix", "get", "put", "drop", "capacity", "close")
-_GONE = frozenset({"missing", "corrupt", "peer_missing"})
-"""Outcomes of a read whose first failed page the store no longer holds: the rest vanish."""
+_GONE = frozenset({"missing", "corrupt", "later_format", "peer_missing"})
+"""Outcomes of a read whose first failed page the store no longer holds, or holds in a form this
+version cannot read (as good as gone, to this cache): the rest vanish."""
 
 HitAgreement = Callable[[Sequence[int], Sequence[int]], list[int]]
 """Agrees on a prefetch query's hit counts: ``(found, asked)`` -> the agreed ``found``.
 
 ``found`` are the stored pages this rank's store reported (of the cached run
-being discovered, then of the tail); ``asked`` how many pages were asked about,
-which every rank must share. A tensor-parallel group returns the MIN over its
-ranks (:class:`~fsm_cache.distributed.agreement.DistributedCache`); a cache on
-its own keeps what its store said."""
+being discovered, then of the tail), then 1 where the store answered and 0
+where it raised; ``asked`` how many pages were asked about, then 1, which
+every rank must share. A tensor-parallel group returns the MIN over its
+ranks (:class:`~fsm_cache.distributed.agreement.DistributedCache`), so a
+query that failed on any rank failed for all; a cache on its own keeps what
+its store said."""
 
 
 def _alone(found: Sequence[int], asked: Sequence[int]) -> list[int]:  # noqa: ARG001
@@ -139,6 +149,13 @@ class StorageConfig:
             that many are in flight does not prefetch. None: half the host pool.
         io_timeout: Seconds after which a copy to or from the store that has
             not finished is failed (its pin given back, its slots freed).
+        query_backoff: Seconds lookups ask the store nothing after a key
+            query failed (the store raised, its client timed out): the query
+            runs on the lookup's thread, so without it every lookup would
+            wait out the client's timeout while the store is down. Doubled
+            after each failure in a row, up to ``query_backoff_max``; the
+            first query that answers ends it. 0: every lookup asks.
+        query_backoff_max: The longest backoff, in seconds.
         threads: Worker threads doing the store's I/O; 0 runs each copy inline
             when it starts (deterministic, for tests and tools).
         owned: The cache owns the store's contents and may delete pages
@@ -156,6 +173,8 @@ class StorageConfig:
     prefetch_timeout: float = 2.0
     prefetch_capacity: int | None = None
     io_timeout: float = 30.0
+    query_backoff: float = 1.0
+    query_backoff_max: float = 30.0
     threads: int = 1
     owned: bool = False
 
@@ -185,10 +204,7 @@ class StorageConfig:
             )
         if self.prefetch_capacity is not None:
             _need_int(self, "prefetch_capacity", 0)
-        for name in ("prefetch_timeout", "io_timeout"):
-            value = getattr(self, name)
-            if not real(value) or not value > 0 or value == float("inf"):
-                raise ConfigError(f"storage: {name} must be seconds > 0, got {value!r}")
+        _check_seconds(self)
         if not isinstance(self.owned, bool):
             raise ConfigError(f"storage: owned must be a bool, got {self.owned!r}")
 
@@ -198,10 +214,88 @@ class StorageConfig:
         return 1 if self.ranks is None else self.ranks
 
 
+def _check_seconds(config: StorageConfig) -> None:
+    """Raise :class:`ConfigError` naming the first duration that is not a finite number of seconds.
+
+    The timeouts must be above 0; a backoff may be 0 (none), and its longest
+    wait no shorter than its first.
+    """
+    for name, zero in (
+        ("prefetch_timeout", False),
+        ("io_timeout", False),
+        ("query_backoff", True),
+        ("query_backoff_max", True),
+    ):
+        value = getattr(config, name)
+        if not real(value) or value == float("inf") or not (value >= 0 if zero else value > 0):
+            raise ConfigError(
+                f"storage: {name} must be seconds {'>=' if zero else '>'} 0, got {value!r}"
+            )
+    if config.query_backoff_max < config.query_backoff:
+        raise ConfigError(
+            f"storage: query_backoff_max must be at least query_backoff "
+            f"({config.query_backoff!r}), got {config.query_backoff_max!r}"
+        )
+
+
 def _need_int(config: StorageConfig, name: str, least: int) -> None:
     value = getattr(config, name)
     if not whole(value, least):
         raise ConfigError(f"storage: {name} must be an int >= {least}, got {value!r}")
+
+
+class QueryBackoff:
+    """Whether lookups may ask the store now: after a failed key query, not for a while.
+
+    A key query runs on the lookup's thread, so a store that stops answering
+    (Redis paused, or cut off by the network) holds every lookup for its
+    client's timeout. After a query fails, lookups ask nothing (``closed``)
+    for ``first`` seconds, twice as long after each failure in a row, at most
+    ``longest``; the first query after the wait is a trial, and one that
+    answers ends the backoff.
+
+    The wait is read off this process's clock, but only the tier decides when
+    (:meth:`StorageTier.resume_queries`): under tensor-parallel agreement every
+    rank must ask its store at the same lookups, or the ranks would reach
+    different collectives.
+
+    Attributes:
+        first: The first wait, in seconds (0: never back off).
+        longest: The longest wait, in seconds.
+        failures: Queries failed in a row.
+        until: When (``time.monotonic``) the wait has passed.
+        closed: Lookups ask the store nothing.
+    """
+
+    __slots__ = ("closed", "failures", "first", "longest", "until")
+
+    def __init__(self, first: float, longest: float) -> None:
+        self.first = first
+        self.longest = longest
+        self.failures = 0
+        self.until = 0.0
+        self.closed = False
+
+    def failed(self, now: float) -> None:
+        """A query failed at ``now``: close for the next wait (none when ``first`` is 0)."""
+        self.failures += 1
+        if not self.first:
+            return
+        wait = self.first * 2.0 ** min(self.failures - 1, 64)  # capped: 2**1024 overflows
+        self.until = now + min(wait, self.longest)
+        self.closed = True
+
+    def reopen(self) -> None:
+        """Let the next lookup ask: a trial, which backs off twice as long if it fails too."""
+        self.closed = False
+
+    def answered(self) -> None:
+        """A query answered: the store is back, the next failure waits ``first`` again."""
+        self.failures = 0
+
+    def passed(self, now: float) -> bool:
+        """Return whether this process's clock says the wait has passed (or none runs)."""
+        return not self.closed or now >= self.until
 
 
 @dataclass
@@ -213,7 +307,8 @@ class StoreResult:
         pages: The pages a fetch read, in order (``held`` of them).
         outcome: ``ok``, ``full`` (the store had no room), ``missing`` (the store
             no longer held a page), ``corrupt`` (a page read back torn or
-            foreign; the worker dropped it), ``failed`` (the store raised) or
+            foreign; the worker dropped it), ``later_format`` (a page a newer
+            version wrote; left stored), ``failed`` (the store raised) or
             ``timeout`` (no answer within ``io_timeout``); under tensor-parallel
             agreement also ``peer_failed`` or ``peer_missing``: this rank
             landed more pages, another rank's copy stopped first (``missing``:
@@ -261,7 +356,7 @@ class _Workers:
 
     Jobs never raise (each catches what its store raises), so a thread lives as
     long as the cache; a job that hangs holds its thread, and the copies behind
-    it are failed by their timeout.
+    it are failed by their timeout (and not run once a thread gets to them).
     """
 
     def __init__(self, threads: int) -> None:
@@ -295,12 +390,24 @@ class _Workers:
 
 
 def _run(
-    store: Store, copy: StorageCopy, pages: list[torch.Tensor], shape: tuple[int, ...]
+    store: Store,
+    copy: StorageCopy,
+    pages: list[torch.Tensor],
+    shape: tuple[int, ...],
+    timeout: float,
 ) -> None:
     """Run one copy on a worker: record its result, whatever the store does.
 
-    A fetch's pages must be uint8 pages of ``shape`` (a host page's).
+    A fetch's pages must be uint8 pages of ``shape`` (a host page's). A copy
+    that waited in the queue past its ``timeout`` is failed by it already (or
+    will be, at the next poll), so it is not run: behind a slow store, running
+    every such copy would keep the workers busy with copies nobody waits for,
+    and every later copy would time out in the queue too.
     """
+    if copy.started is not None and time.monotonic() >= copy.started + timeout:
+        copy.result = StoreResult(0, [], "timeout", f"not started within {timeout} s")
+        copy.done.set()
+        return
     try:
         if copy.kind == "store":
             result = _put(store, copy.keys, pages)
@@ -343,9 +450,11 @@ def _get(store: Store, keys: Sequence[str], shape: tuple[int, ...]) -> StoreResu
         pages = store.get(keys)
     except CorruptPage as exc:
         at = keys.index(exc.key) if exc.key in keys else 0
-        _drop_bad(store, exc.key)
+        later = isinstance(exc, LaterFormatPage)
+        if not later:  # a newer version's page is whole: it stays for the servers that read it
+            _drop_bad(store, exc.key)
         pages = store.get(keys[:at]) if at else []
-        return StoreResult(len(pages), pages, "corrupt", str(exc))
+        return StoreResult(len(pages), pages, "later_format" if later else "corrupt", str(exc))
     for i, page in enumerate(pages):
         if tuple(page.shape) != shape or page.dtype != torch.uint8:
             _drop_bad(store, keys[i])
@@ -358,14 +467,15 @@ def _drop_bad(store: Store, key: str) -> None:
     """Drop a page that is not a host page's KV; one the store will not drop now is left.
 
     A read may hold it (``PageInUse``), or the store may refuse to delete (a
-    read-only folder, a Redis user without ``DEL``: ``StoreFailed``). The
-    pages before it are intact and still used either way: failing the whole
-    read would throw them away at every lookup that meets the page, and the
-    next read that meets it tries the drop again.
+    read-only folder, a Redis user without ``DEL``: ``StoreFailed``, or
+    whatever a store of another make raises). The pages before it are intact
+    and still used either way: failing the whole read would throw them away at
+    every lookup that meets the page, and the next read that meets it tries
+    the drop again.
     """
     try:
         store.drop([key])
-    except (PageInUse, StoreFailed):
+    except Exception:  # the drop is a courtesy to the next reader; the read stands
         return
 
 
@@ -416,6 +526,7 @@ class StorageTier:
         self._reported: dict[int, StoreResult | None] = {}  # the window of the last report
         self._agreed: dict[int, StoreResult] = {}  # accepted, not yet applied, by number
         self._workers = _Workers(config.threads)
+        self.backoff = QueryBackoff(config.query_backoff, config.query_backoff_max)
         transfers.on_ack(self._host_acknowledged)
         core.on_split(self._rehome)
 
@@ -545,7 +656,8 @@ class StorageTier:
                 index = torch.tensor(host, dtype=torch.long)
                 pages = list(self._tiers.host.pages.index_select(0, index).unbind(0))
             copy.started = time.monotonic()
-            self._workers.submit(partial(_run, self._store, copy, pages, shape))
+            job = partial(_run, self._store, copy, pages, shape, self.config.io_timeout)
+            self._workers.submit(job)
 
     def idle(self) -> bool:
         """Return whether no storage copy is queued or in flight."""
@@ -637,7 +749,7 @@ class StorageTier:
             self._core.fire(node, "store_done")
         for node in failed:
             self._core.fire(node, "store_failed")
-        for node in done:  # their children's stores may start; a store that failed is not retried
+        for node in done:  # their children's stores may start; a failed one waits for a lookup
             for child in list(node.children.values()):
                 if child not in failed:
                     self.maybe_store(child)
@@ -825,7 +937,8 @@ class StorageTier:
     def prefetch(self, walk: Walk, key: Key, tree_namespace: Hashable) -> Walk:
         """Prefetch the stored pages of ``key`` past its locally cached prefix; return the walk anew.
 
-        Past ``prefetch_threshold`` tokens and under the rate limit, ask the
+        Past ``prefetch_threshold`` tokens, under the rate limit and outside
+        a backoff after a failed query (:class:`QueryBackoff`), ask the
         store how many pages after the cached prefix it holds, hang them as a
         ``discovered`` node under the last cached node and fetch it; a lookup
         that finds a fetch in flight there waits for it as the policy says.
@@ -834,8 +947,35 @@ class StorageTier:
         tensor-parallel agreement (:meth:`agree_by`) the hit counts are the
         group's, and the read is applied only at a step, as every rank
         finished it: the termination policy then only bounds how long the
-        lookup waits for the read to finish here.
+        lookup waits for the read to finish here. Then the match's first
+        cached node that is not stored is stored, where the policy would have
+        (:meth:`_store_again`).
         """
+        walk = self._prefetch(walk, key, tree_namespace)
+        self._store_again(walk.path)
+        return walk
+
+    def _store_again(self, path: Sequence[TreeNode]) -> None:
+        """Store the first cached node of a lookup's ``path`` that is not stored, if the policy would.
+
+        A store that failed is not retried on its own, and a node waits for
+        its parent's pages: after one transient failure (a Redis blip) this
+        server would never store the node or anything under it, and no other
+        server sharing the store would find them while it kept them. A lookup
+        that matches such a node starts its store again: at most one store
+        per lookup, none while a store or its parent's is in flight, and none
+        while queries back off (the store is down); its children follow once
+        it is acknowledged.
+        """
+        if self.backoff.closed:
+            return
+        for node in local_prefix(path):
+            if node.storage == "unstored":
+                self.maybe_store(node)
+                return
+
+    def _prefetch(self, walk: Walk, key: Key, tree_namespace: Hashable) -> Walk:
+        """Prefetch as :meth:`prefetch` says; return the walk anew."""
         usable = local_prefix(walk.path)
         tail = key[sum(len(n.key) for n in usable) :]
         counted = self._core.counters.prefetch
@@ -847,6 +987,8 @@ class StorageTier:
             return self._finish(copy, key, tree_namespace)
         anchor = usable[-1] if usable else self._core.tree.root(tree_namespace)
         copy, skipped = None, self._skip(tail, anchor)
+        if skipped is None and self._backing_off():
+            skipped = "backing_off"
         if skipped is None:
             copy, skipped = self._start(usable, tail, anchor, tree_namespace)
         if copy is None:
@@ -870,6 +1012,33 @@ class StorageTier:
             return "anchor_not_backed"  # a host copy under it would break invariant 3
         return None
 
+    def _backing_off(self) -> bool:
+        """Return whether lookups ask the store nothing now (:class:`QueryBackoff`).
+
+        A cache alone reads its clock here; under agreement only a step that
+        every rank takes ends a backoff (:meth:`resume_queries`), so the ranks
+        ask their stores at the same lookups.
+        """
+        if not self._agreed_only:
+            self.resume_queries(self.queries_may_resume())
+        return self.backoff.closed
+
+    def queries_may_resume(self) -> bool:
+        """Return whether this rank's clock says the query backoff has passed (or none runs).
+
+        What a rank brings to a step's agreement; :meth:`resume_queries` takes
+        the group's answer.
+        """
+        return self.backoff.passed(time.monotonic())
+
+    def resume_queries(self, passed: bool) -> None:
+        """End the query backoff if ``passed`` (under agreement, the group's MIN): the next lookup asks.
+
+        That query is a trial: one that fails again backs off twice as long.
+        """
+        if passed:
+            self.backoff.reopen()
+
     def _start(
         self, usable: Sequence[TreeNode], tail: Key, anchor: TreeNode, tree_namespace: Hashable
     ) -> tuple[StorageCopy | None, str | None]:
@@ -879,7 +1048,9 @@ class StorageTier:
         except BadArgument:
             return None, "unkeyable"
         if failed:
+            self.backoff.failed(time.monotonic())
             return None, "query_failed"
+        self.backoff.answered()
         tokens = stored * self._core.tree.page_size
         if tokens == 0:
             return None, "none_stored"
@@ -894,10 +1065,11 @@ class StorageTier:
 
         The trailing run of cached nodes this cache has not stored (whose parent
         is stored) is asked about in the same query: those the store holds
-        (another server stored them) are ``discover``-ed. Both counts are
-        agreed first (:meth:`agree_by`; a store that raised counts 0, so a
-        group still agrees). Returns the agreed stored pages of ``tail``, its
-        keys, and whether this rank's store raised.
+        (another server stored them) are ``discover``-ed. Both counts, and
+        whether the store answered, are agreed first (:meth:`agree_by`; a
+        store that raised counts 0, so a group still agrees). Returns the
+        agreed stored pages of ``tail``, its keys, and whether a store raised
+        (this rank's, or under agreement any rank's: every rank backs off).
 
         Raises:
             BadArgument: A token does not fit the keys (the same on every rank:
@@ -908,12 +1080,12 @@ class StorageTier:
         run = _unstored_run(usable)
         run_keys = [k for n in run for k in self.keys_of(n)]
         try:
-            found, failed = self._ask(run_keys, keys), False
+            found = [*self._ask(run_keys, keys), 1]
         except Exception:  # any store failure counts 0 found, so a group still reaches the MIN
-            found, failed = [0, 0], True
-        in_run, stored = self._agree_hits(found, [len(run_keys), len(keys)])
+            found = [0, 0, 0]
+        in_run, stored, answered = self._agree_hits(found, [len(run_keys), len(keys), 1])
         self._discover(run, in_run)
-        return stored, keys, failed
+        return stored, keys, not answered
 
     def _discover(self, run: Sequence[TreeNode], pages: int) -> None:
         """Fire ``discover`` on the nodes of ``run`` within its first ``pages`` stored pages.
@@ -942,11 +1114,34 @@ class StorageTier:
         in the run needs a second query for the tail alone.
         """
         if not run_keys:
-            return [0, self._store.exists_prefix(keys)]
-        found = self._store.exists_prefix(run_keys + keys)
+            return [0, self._exists(keys)]
+        found = self._exists(run_keys + keys)
         if found >= len(run_keys):
             return [len(run_keys), found - len(run_keys)]
-        return [found, self._store.exists_prefix(keys)]
+        return [found, self._exists(keys)]
+
+    def _exists(self, keys: list[str]) -> int:
+        """Return how many leading ``keys`` the store holds, as an int in ``0..len(keys)``.
+
+        A store's count may be a numpy integer, which is the int it stands for.
+
+        Raises:
+            StoreFailed: The answer is no such count (None, a bool, a float, a
+                negative number, more keys than were asked): the query failed,
+                as if the store had raised, instead of the lookup failing later
+                on a count it cannot use (or, under agreement, on one rank only).
+        """
+        answer = self._store.exists_prefix(keys)
+        held = as_index(answer)
+        if held is None or not 0 <= held <= len(keys):
+            raise StoreFailed(
+                type(self._store).__name__,
+                "exists",
+                acknowledged=0,
+                total=len(keys),
+                cause=f"the answer {answer!r} is not a count of 0 to {len(keys)} keys",
+            )
+        return held
 
     def _fetch_new(
         self, anchor: TreeNode, tokens: Key, keys: Sequence[str]

@@ -37,7 +37,9 @@ prefix every rank holds, as SGLang's does: the hit count of a prefetch query
 is the MIN over the ranks before any rank creates and fetches the
 ``discovered`` node (one small all-reduce in the lookup, only for a lookup
 that asks the store), and each storage copy is applied at a step with the
-fewest pages any rank landed, carried by the step's one all-reduce.
+fewest pages any rank landed, carried by the step's one all-reduce. A query
+that failed on any rank backs every rank off (the same all-reduce says so),
+and the backoff ends at a step, where every rank's clock says it has passed.
 
 Whether a chain still loading can be read (the wrapped cache's
 :meth:`~fsm_cache.cache.hicache.HiCache.wait_loaded`) is agreed too, since each
@@ -105,9 +107,10 @@ _SHARED = 10
 """Values every rank must share in a step: the resets followed, copies in flight,
 transitions, four digest words, storage copies in flight and the number of the
 first of them, and whether anything is in flight or queued at all."""
-_OWN = 5
+_OWN = 6
 """Values each rank brings to a step's MIN: finished copies, its negation, a lost
-completion, an overdue copy, and the first finished copy that failed."""
+completion, an overdue copy, the first finished copy that failed, and whether its
+clock lets the storage tier's query backoff end."""
 _SHARED_NAMES = (
     "resets followed",
     "copies in flight",
@@ -318,7 +321,9 @@ class DistributedCache:
         first :data:`STORAGE_SLOTS` in flight), each with the fewest pages any
         rank landed; they are applied after the host copies
         (:meth:`~fsm_cache.cache.hicache.HiCache.poll`), so a page one rank
-        read and another did not fails, or splits its node, on every rank.
+        read and another did not fails, or splits its node, on every rank;
+        and it ends the tier's query backoff where every rank's clock says
+        its wait has passed (:meth:`~fsm_cache.cache.storage_tier.StorageTier.resume_queries`).
         The all-reduce runs on CPU tensors over a gloo group, so it never
         waits for the GPU. Returns how many copies (host and storage) were applied.
 
@@ -417,6 +422,7 @@ class DistributedCache:
             )
             stores = {} if tier is None else tier.in_flight()
             busy = not self.cache.transfers.idle() or (tier is not None and not tier.idle())
+            resume = tier is None or tier.queries_may_resume()
         # one collective: the MIN of each value and of its negation (the MAX), so any rank's
         # flag reaches all, all ranks raise or go on at the same step, and the values every
         # rank must share (copies in flight, transitions, digest words) are equal iff MIN == MAX;
@@ -424,10 +430,10 @@ class DistributedCache:
         same = [*self._shared(digest, len(issued)), len(stores), next(iter(stores), 0), busy]
         reduced = self._reduce(
             _DRAIN if drained else _STEP,
-            [ready, -ready, -short, -overdue, failed, *same, *(-v for v in same), *slots],
+            [ready, -ready, -short, -overdue, failed, resume, *same, *(-v for v in same), *slots],
             "step agreement (all_reduce MIN)",
         )
-        agreed, most_ready, lost, late, first_failed = reduced[:_OWN]
+        agreed, most_ready, lost, late, first_failed, resumed = reduced[:_OWN]
         lows = reduced[_OWN : _OWN + _SHARED]
         highs = reduced[_OWN + _SHARED : _OWN + 2 * _SHARED]
         finished = reduced[_OWN + 2 * _SHARED : _OWN + 2 * _SHARED + STORAGE_SLOTS]
@@ -445,7 +451,10 @@ class DistributedCache:
         self._stalled_head = head if stalled else None
         agreed = min(agreed, first_failed + 1)
         self.cache.log.op("agreed_poll", agreed)
-        accepted = 0 if tier is None else tier.accept(finished)
+        accepted = 0
+        if tier is not None:
+            accepted = tier.accept(finished)
+            tier.resume_queries(bool(resumed))  # only where every rank's clock says so
         chosen = [self._finished.pop(ticket) for ticket in issued[:agreed]]
         if first_failed < agreed and chosen[first_failed].ok:
             chosen[first_failed] = Completion(
@@ -526,7 +535,9 @@ class DistributedCache:
         Every rank's lookup asks its own store about the same pages (``asked``,
         checked equal); each takes the fewest stored pages any rank found, so
         every rank discovers and fetches the same prefix, or none below the
-        threshold (SGLang's storage hit count, all-reduced with MIN).
+        threshold (SGLang's storage hit count, all-reduced with MIN). The last
+        count is whether the store answered: where any rank's raised, every
+        rank backs off alike (:class:`~fsm_cache.cache.storage_tier.QueryBackoff`).
 
         Raises:
             RankDivergence: The ranks asked about different numbers of pages.

@@ -24,7 +24,9 @@ alone) are still read, so a store written before keeps its pages: a header of
 theirs whose dtype or shape changed to another of the same length goes
 unnoticed, which the cache's check of a page's shape and dtype covers. Pages
 of the first format (``FSMPAGE1``, no checksum) are refused as corrupt: their
-bytes cannot be verified.
+bytes cannot be verified. Pages of a later format (``FSMPAGE4`` on) cannot be
+read here either, but are not torn: they are
+:class:`~fsm_cache.errors.LaterFormatPage`, which a cache leaves stored.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fsm_cache.errors import BadArgument, CorruptPage
+from fsm_cache.errors import BadArgument, CorruptPage, LaterFormatPage
 from fsm_cache.numeric import whole
 from fsm_cache.storage.base import check_sequence
 from fsm_cache.storage.keys import check_keys
@@ -53,6 +55,9 @@ BYTES_ONLY_MAGIC = b"FSMPAGE2"
 """The second format's magic: the checksum covers the bytes alone; read, never written."""
 OLD_MAGIC = b"FSMPAGE1"
 """The first format's magic: pages without a checksum, read as corrupt."""
+LATER_MAGICS = frozenset(MAGIC[:-1] + bytes([v]) for v in range(MAGIC[-1] + 1, ord("9") + 1))
+"""The magics a later version may write (``FSMPAGE4`` to ``FSMPAGE9``): such a page is
+:class:`~fsm_cache.errors.LaterFormatPage`, unread but not taken for a torn one."""
 _PREFIX = struct.Struct("<8sI")
 _MAX_HEADER = 1 << 16
 _CHECKED = frozenset({MAGIC, BYTES_ONLY_MAGIC})
@@ -312,6 +317,11 @@ def _parse(where: str, key: str, head: bytes) -> Header:
     """Return what a header declares, and where the bytes start."""
     if head[: len(OLD_MAGIC)] == OLD_MAGIC:
         raise CorruptPage(where, key, "a page of the first format (FSMPAGE1), with no checksum")
+    if head[: len(MAGIC)] in LATER_MAGICS:
+        later = head[: len(MAGIC)].decode()
+        raise LaterFormatPage(
+            where, key, f"a page of a later format ({later}), written by a newer version"
+        )
     if len(head) < _PREFIX.size or head[: len(MAGIC)] not in _CHECKED:
         raise CorruptPage(where, key, "no page header")
     magic, length = _PREFIX.unpack_from(head)
