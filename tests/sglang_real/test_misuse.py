@@ -246,6 +246,66 @@ def test_a_cache_driven_after_its_patch_is_undone_is_refused_clearly(sg: Api) ->
     assert not isinstance(fresh.root_node, ResidencyMixin)
 
 
+def tree_nodes(cache: Any) -> list[Any]:
+    """Every node of ``cache``'s tree, its root included."""
+    nodes, stack = [], [cache.root_node]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.children.values())
+    return nodes
+
+
+def test_node_ids_name_one_node_across_undo_and_sglangs_own_class(sg: Api) -> None:
+    """SGLang numbers nodes with ``TreeNode.counter``; patched, its own class counts on with it.
+
+    Nodes of SGLang's own class built while patched (by a module that
+    imported ``TreeNode`` before the patch), stock nodes built after an undo
+    while patched ones live on, and nodes of a second patch all take ids
+    no other node has, numbered on as stock SGLang numbers them.
+    """
+    stock = sg.rc.TreeNode
+    allocator = FakeAllocator(32)
+    with patch():
+        first = sg.rc.RadixCache(sg.cache_params(allocator))
+        sg.insert(first, [1, 2, 3], allocator.take(3))
+        sg.insert(first, [1, 2, 4], allocator.take(3)[2:])  # splits [1, 2, 3]
+        meanwhile = stock()
+    after = sg.rc.RadixCache(sg.cache_params(allocator))
+    sg.insert(after, [5, 6], allocator.take(2))
+    with patch():
+        again = sg.rc.RadixCache(sg.cache_params(allocator))
+        sg.insert(again, [7], allocator.take(1))
+    nodes = [*tree_nodes(first), meanwhile, *tree_nodes(after), *tree_nodes(again)]
+    ids = sorted(node.id for node in nodes)
+    assert ids == list(range(ids[0], ids[0] + 9))  # 4 + 1 + 2 + 2 nodes, each its own id
+    assert stock.counter == ids[-1] + 1
+
+
+def test_a_reset_while_patched_numbers_on_so_a_stale_root_is_told_apart(
+    sg: Api, allocator: FakeAllocator, patched: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """0.5.6's ``HiRadixCache.reset`` sets ``TreeNode.counter = 0``; patched, ids number on.
+
+    Stock, the new root takes id 0 again, and a refusal of a node from
+    before the reset would name the stale root by the live root's id.
+    """
+    del patched
+    cache = build_hiradix(sg, allocator, monkeypatch, "write_through")
+    sg.insert(cache, AB, allocator.take(len(AB)))
+    node = sg.match(cache, AB)[1]
+    cache.inc_lock_ref(node)
+    old_root = cache.root_node
+    cache.reset()
+    assert cache.root_node.id > node.id > old_root.id
+    with pytest.raises(StaleNode) as caught:
+        cache.dec_lock_ref(node)
+    assert str(caught.value).startswith(
+        f"node {node.id}: dec_lock_ref walks up to node {old_root.id}, which is not this "
+        "cache's root: "
+    )
+
+
 def locked_leaf(sg: Api, allocator: FakeAllocator) -> tuple[Any, Any]:
     """A patched ``RadixCache`` holding ``AB`` in one leaf, which a running request locks."""
     cache = sg.rc.RadixCache(sg.cache_params(allocator))

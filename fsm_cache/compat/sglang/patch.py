@@ -485,10 +485,37 @@ def _checked_class(
     skip = _NOT_COPIED if children_property else _NOT_COPIED | {"children", "_set_children"}
     members = {k: v for k, v in vars(ResidencyMixin).items() if k not in skip}
     members.update(residency=engine, __module__=original.__module__, __doc__=doc)
-    made = type(original.__name__, (original,), members)
+    made = _ids_of(original)(original.__name__, (original,), members)
     made.__qualname__ = original.__qualname__
     ResidencyMixin.register(made)
     return cast("type[ResidencyMixin]", made)
+
+
+def _ids_of(original: type) -> type[type]:
+    """The metaclass of ``original``'s checked class: one that numbers nodes with ``original``'s ``counter``.
+
+    SGLang numbers nodes ``self.id = TreeNode.counter``, then ``TreeNode.counter
+    += 1``, through its module's global name (0.5.6 and 0.5.23 alike; 0.5.6's
+    ``HiRadixCache.reset`` sets it back to 0). Patched, that name is the checked
+    class, and the ``+=`` would give it a ``counter`` of its own: SGLang's own
+    class, still built by modules that imported it before the patch, would
+    hand out the same ids meanwhile, and again after ``undo()``, over nodes
+    still alive. Read and written through this metaclass, the name counts with
+    SGLang's class, and never back (a reset keeps counting), so that a node id a
+    refusal or a trail names is one node's, patched or not, in any cache.
+    """
+    meta = type(original)
+    if not isinstance(vars(original).get("counter"), int):
+        return meta  # no counter of SGLang's to share
+
+    def read(_cls: type) -> int:
+        return cast("int", original.counter)  # type: ignore[attr-defined]
+
+    def write(_cls: type, value: int) -> None:
+        original.counter = max(value, original.counter)  # type: ignore[attr-defined]
+
+    counter = property(read, write, doc="SGLang's node counter, shared with its own class.")
+    return type(f"{original.__name__}Ids", (meta,), {"counter": counter, "__module__": __name__})
 
 
 _NOT_COPIED = frozenset(
