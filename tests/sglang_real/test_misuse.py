@@ -191,6 +191,27 @@ def test_a_lost_load_acknowledgement_keeps_its_pages_from_being_freed(
     assert (allocator.freed, node.evicted) == (freed, False)
 
 
+def test_a_host_copy_freed_under_its_load_is_refused_as_the_loads(sg: Api, hiradix: Any) -> None:
+    """A fork that frees the host copy itself (``host_value = None``) while a load reads it."""
+    node = only_child(hiradix)
+    hiradix.evict(len(AB))
+    found = hiradix.match_prefix(sg.key(AB))
+    hiradix.init_load_back(found.last_host_node, found.host_hit_length)
+    host_value = node.host_value
+    with pytest.raises(CopyInFlight) as caught:
+        node.host_value = None
+    assert str(caught.value).startswith(
+        f"node {node.id}: evict_host refused in pinned (pins=1, device loading): "
+        "a host-to-device copy still reads the host slots; "
+    )
+    assert (node.host_value, node.host, node.pins, node.host_ref_counter) == (
+        host_value,
+        "pinned",
+        1,
+        0,
+    )
+
+
 def test_a_stray_write_acknowledgement_is_refused(hiradix: Any) -> None:
     node = only_child(hiradix)
     ctl = hiradix.cache_controller
