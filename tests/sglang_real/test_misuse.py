@@ -8,7 +8,9 @@ and counts as they were.
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import threading
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +20,8 @@ import pytest
 from fsm_cache.compat.sglang import (
     Children,
     HostRefCounterZero,
+    Patch,
+    PatchError,
     PatchUndone,
     ReadOnlyCounter,
     ResidencyMixin,
@@ -325,6 +329,72 @@ def test_a_reset_while_patched_numbers_on_so_a_stale_root_is_told_apart(
         f"node {node.id}: dec_lock_ref walks up to node {old_root.id}, which is not this "
         "cache's root: "
     )
+
+
+def test_a_patch_refused_for_one_module_leaves_every_module_as_it_was(sg: Api) -> None:
+    stock = (sg.rc.TreeNode, sg.rc.defaultdict, vars(sg.rc.RadixCache)["inc_lock_ref"])
+    with pytest.raises(PatchError) as caught:
+        patch(sg.rc, sg.base)  # base_prefix_cache has no TreeNode: refused after radix_cache
+    assert str(caught.value) == f"{sg.base.__name__}: no TreeNode class to check"
+    assert (sg.rc.TreeNode, sg.rc.defaultdict, vars(sg.rc.RadixCache)["inc_lock_ref"]) == stock
+    with patch() as applied:  # nothing was left patched
+        assert sg.rc.TreeNode is applied.node_class
+
+
+def test_an_undo_repeated_after_a_new_patch_leaves_the_new_one_in_place(sg: Api) -> None:
+    first = patch()
+    first.undo()
+    with patch() as second:
+        first.undo()  # a cleanup path that runs twice
+        with pytest.raises(PatchError, match=r"patched already; undo that patch first$"):
+            patch()
+        assert sg.rc.TreeNode is second.node_class
+
+
+def test_two_threads_patching_at_once_get_one_patch_and_one_refusal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first ``patch()`` is held after its check; a second one meanwhile waits for it.
+
+    Unserialized, the second passes the same check and patches SGLang while
+    the first is held, and the first then fails on a ``TreeNode`` checked
+    already (or, a step later, patches over the second).
+    """
+    patch_module = importlib.import_module("fsm_cache.compat.sglang.patch")
+    warn = patch_module._warn_unchecked  # noqa: SLF001
+    checked, second_done = threading.Event(), threading.Event()
+
+    def held_after_its_check() -> None:
+        if threading.current_thread().name == "first":
+            checked.set()
+            second_done.wait(3.0)  # the second patch() runs to its end now, or waits
+        warn()
+
+    monkeypatch.setattr(patch_module, "_warn_unchecked", held_after_its_check)
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        name = threading.current_thread().name
+        try:
+            outcome[name] = patch()
+        except PatchError as exc:
+            outcome[name] = str(exc)
+        finally:
+            if name == "second":
+                second_done.set()
+
+    first = threading.Thread(target=run, name="first")
+    first.start()
+    assert checked.wait(30.0)
+    second = threading.Thread(target=run, name="second")
+    second.start()
+    first.join()
+    second.join()
+    for applied in outcome.values():
+        if isinstance(applied, Patch):
+            applied.undo()
+    assert isinstance(outcome["first"], Patch), outcome["first"]
+    assert outcome["second"].endswith(": patched already; undo that patch first")
 
 
 def locked_leaf(sg: Api, allocator: FakeAllocator) -> tuple[Any, Any]:

@@ -50,6 +50,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import sys
+import threading
 import types
 import warnings
 from collections import defaultdict
@@ -309,16 +310,18 @@ class Patch:
 
     def undo(self) -> None:
         """Restore every patched module and class as it was."""
-        for owner, name, old in reversed(self._saved):
-            if name == "TreeNode":  # its nodes' counters now have no walk to drive them
-                getattr(owner, name).undone = True
-            setattr(owner, name, old)
-        self._saved.clear()
-        for filename in self._skipped:
-            trail.forget(filename)
-        self._skipped.clear()
-        for name in self.modules:
-            _ACTIVE.pop(name, None)
+        with _PATCHING:
+            for owner, name, old in reversed(self._saved):
+                if name == "TreeNode":  # its nodes' counters now have no walk to drive them
+                    getattr(owner, name).undone = True
+                setattr(owner, name, old)
+            self._saved.clear()
+            for filename in self._skipped:
+                trail.forget(filename)
+            self._skipped.clear()
+            for name in self.modules:
+                if _ACTIVE.get(name) is self:
+                    del _ACTIVE[name]
 
     def __enter__(self) -> Patch:
         return self
@@ -328,6 +331,10 @@ class Patch:
 
 
 _ACTIVE: dict[str, Patch] = {}
+"""The patch each patched module's name is under, until its ``undo()``."""
+
+_PATCHING = threading.RLock()
+"""Held while :func:`patch` checks and changes SGLang, and while :meth:`Patch.undo` restores it."""
 
 
 def patch(
@@ -351,13 +358,26 @@ def patch(
             one fails to import for want of another module.
     """
     found = [_module(m) for m in modules] if modules else _installed()
-    already = [m.__name__ for m in found if m.__name__ in _ACTIVE]
-    if already:
-        raise PatchError(f"{', '.join(already)}: patched already; undo that patch first")
-    _warn_unsupported()
-    _warn_unchecked()
-    engine = residency or Residency(trail=trail)
-    result = Patch(tuple(m.__name__ for m in found), ResidencyMixin, ())
+    with _PATCHING:  # one patch() or undo() at a time: each checks, then changes, SGLang
+        already = [m.__name__ for m in found if m.__name__ in _ACTIVE]
+        if already:
+            raise PatchError(f"{', '.join(already)}: patched already; undo that patch first")
+        _warn_unsupported()
+        _warn_unchecked()
+        engine = residency or Residency(trail=trail)
+        result = Patch(tuple(m.__name__ for m in found), ResidencyMixin, ())
+        try:
+            result.wrapped = _apply(result, found, engine)
+        except BaseException:  # a module that cannot be patched: the ones before it are restored
+            result.undo()
+            raise
+        for name in result.modules:
+            _ACTIVE[name] = result
+    return result
+
+
+def _apply(result: Patch, found: list[ModuleType], engine: Residency) -> tuple[str, ...]:
+    """Patch each of ``found``, recording every change in ``result``; return what was wrapped."""
     checked: dict[type, type[ResidencyMixin]] = {}
     wrapped: list[str] = []
     for module in found:
@@ -372,10 +392,7 @@ def patch(
         forwarder = sys.modules.get(name)
         if forwarder is not None and forwarder.__file__:
             result.skip(forwarder.__file__)
-    result.wrapped = tuple(wrapped)
-    for name in result.modules:
-        _ACTIVE[name] = result
-    return result
+    return tuple(wrapped)
 
 
 def _module(given: ModuleType | str) -> ModuleType:
