@@ -307,30 +307,6 @@ def test_node_ids_name_one_node_across_undo_and_sglangs_own_class(sg: Api) -> No
     assert stock.counter == ids[-1] + 1
 
 
-def test_a_reset_while_patched_numbers_on_so_a_stale_root_is_told_apart(
-    sg: Api, allocator: FakeAllocator, patched: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """0.5.6's ``HiRadixCache.reset`` sets ``TreeNode.counter = 0``; patched, ids number on.
-
-    Stock, the new root takes id 0 again, and a refusal of a node from
-    before the reset would name the stale root by the live root's id.
-    """
-    del patched
-    cache = build_hiradix(sg, allocator, monkeypatch, "write_through")
-    sg.insert(cache, AB, allocator.take(len(AB)))
-    node = sg.match(cache, AB)[1]
-    cache.inc_lock_ref(node)
-    old_root = cache.root_node
-    cache.reset()
-    assert cache.root_node.id > node.id > old_root.id
-    with pytest.raises(StaleNode) as caught:
-        cache.dec_lock_ref(node)
-    assert str(caught.value).startswith(
-        f"node {node.id}: dec_lock_ref walks up to node {old_root.id}, which is not this "
-        "cache's root: "
-    )
-
-
 def test_a_patch_refused_for_one_module_leaves_every_module_as_it_was(sg: Api) -> None:
     stock = (sg.rc.TreeNode, sg.rc.defaultdict, vars(sg.rc.RadixCache)["inc_lock_ref"])
     with pytest.raises(PatchError) as caught:

@@ -517,9 +517,10 @@ def _ids_of(original: type) -> type[type]:
     class, and the ``+=`` would give it a ``counter`` of its own: SGLang's own
     class, still built by modules that imported it before the patch, would
     hand out the same ids meanwhile, and again after ``undo()``, over nodes
-    still alive. Read and written through this metaclass, the name counts with
-    SGLang's class, and never back (a reset keeps counting), so that a node id a
-    refusal or a trail names is one node's, patched or not, in any cache.
+    still alive. Read and written through this metaclass, the name is SGLang's
+    class's counter, so that a node id a refusal or a trail names is one
+    node's, patched or not. The numbering is SGLang's, resets included: SGLang's
+    results depend on it (tests/sglang_real/test_differential.py).
     """
     meta = type(original)
     if not isinstance(vars(original).get("counter"), int):
@@ -529,7 +530,7 @@ def _ids_of(original: type) -> type[type]:
         return cast("int", original.counter)  # type: ignore[attr-defined]
 
     def write(_cls: type, value: int) -> None:
-        original.counter = max(value, original.counter)  # type: ignore[attr-defined]
+        original.counter = value  # type: ignore[attr-defined]
 
     counter = property(read, write, doc="SGLang's node counter, shared with its own class.")
     return type(f"{original.__name__}Ids", (meta,), {"counter": counter, "__module__": __name__})
