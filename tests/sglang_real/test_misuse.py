@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import threading
+import types
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -371,6 +373,50 @@ def test_two_threads_patching_at_once_get_one_patch_and_one_refusal(
             applied.undo()
     assert isinstance(outcome["first"], Patch), outcome["first"]
     assert outcome["second"].endswith(": patched already; undo that patch first")
+
+
+FORK = """
+from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
+
+
+class ForkCache(RadixCache):
+    def graft(self, key, value):  # builds its node itself, as LMCRadixCache.match_prefix does
+        node = TreeNode()
+        node.key, node.value, node.parent = key, value, self.root_node
+        self.root_node.children[("graft", node.id)] = node
+        self.evictable_size_ += len(value)
+        return node
+"""
+
+
+def fork_module(name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A fork's module holding a subclass of SGLang's ``RadixCache`` and SGLang's ``TreeNode``."""
+    module = types.ModuleType(name)
+    exec(compile(FORK, f"<{name}>", "exec"), module.__dict__)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+def test_a_subclass_defined_before_the_patch_builds_checked_nodes(
+    sg: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its module's ``TreeNode`` is SGLang's; patched, it is the checked one, until the undo.
+
+    Unpatched, the subclass's nodes are SGLang's own in a checked tree, and
+    their first lock walk is refused as "built before patch()"; a module
+    imported while patched would build checked nodes after the undo.
+    """
+    fork = fork_module("fork_cache", monkeypatch)
+    stock = fork.TreeNode
+    allocator = FakeAllocator(16)
+    with patch() as applied:
+        cache = fork.ForkCache(sg.cache_params(allocator))
+        node = cache.graft(sg.key([1, 2]), allocator.take(2))
+        cache.inc_lock_ref(node)
+        assert (type(node), node.locks, cache.protected_size()) == (applied.node_class, 1, 2)
+        late = fork_module("fork_cache_late", monkeypatch)
+        assert late.TreeNode is applied.node_class
+    assert (fork.TreeNode, late.TreeNode, sg.rc.TreeNode) == (stock, stock, stock)
 
 
 def locked_leaf(sg: Api, allocator: FakeAllocator) -> tuple[Any, Any]:

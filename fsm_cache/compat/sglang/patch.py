@@ -289,6 +289,7 @@ class Patch:
         modules: The patched modules' names.
         node_class: The checked ``TreeNode`` the modules now build.
         wrapped: ``Class.method`` for each wrapped cache method.
+        originals: SGLang's class of each checked class the patch built.
     """
 
     modules: tuple[str, ...]
@@ -296,6 +297,7 @@ class Patch:
     wrapped: tuple[str, ...]
     _saved: list[tuple[Any, str, Any]] = field(default_factory=list, repr=False)
     _skipped: list[str] = field(default_factory=list, repr=False)
+    originals: dict[type, type] = field(default_factory=dict, repr=False)
 
     def record(self, owner: Any, name: str, value: Any) -> None:
         """Set ``owner.name`` to ``value``, keeping the old value for :meth:`undo`."""
@@ -316,12 +318,28 @@ class Patch:
                     getattr(owner, name).undone = True
                 setattr(owner, name, old)
             self._saved.clear()
+            self._restore_importers()
             for filename in self._skipped:
                 trail.forget(filename)
             self._skipped.clear()
             for name in self.modules:
                 if _ACTIVE.get(name) is self:
                     del _ACTIVE[name]
+
+    def _restore_importers(self) -> None:
+        """Point back at SGLang's class each module that imported a checked one while patched.
+
+        ``from sglang.srt.mem_cache.radix_cache import TreeNode`` in a module
+        first imported under the patch (a storage backend's cache, loaded on
+        demand) binds the checked class; after the undo, that module would
+        still build checked nodes that SGLang's own walks cannot drive.
+        """
+        for module in list(sys.modules.values()):
+            if not isinstance(module, ModuleType):
+                continue
+            held = vars(module).get("TreeNode")
+            if isinstance(held, type) and held in self.originals:
+                module.TreeNode = self.originals[held]  # type: ignore[attr-defined]
 
     def __enter__(self) -> Patch:
         return self
@@ -385,9 +403,11 @@ def _apply(result: Patch, found: list[ModuleType], engine: Residency) -> tuple[s
         if original not in checked:
             born = _children_built_checked(result, original)
             checked[original] = _checked_class(original, engine, children_property=not born)
+            result.originals[checked[original]] = original
         result.node_class = checked[original]
         result.record(module, "TreeNode", result.node_class)
         wrapped += _wrap_caches(result, module, engine)
+    wrapped += _adopt_subclasses(result, found, checked, engine)
     for name in FORWARDERS:
         forwarder = sys.modules.get(name)
         if forwarder is not None and forwarder.__file__:
@@ -551,18 +571,65 @@ def _wrap_caches(result: Patch, module: ModuleType, machine: Residency) -> list[
     ]
     if not classes:
         raise PatchError(f"{module.__name__}: none of {', '.join(CACHES)} is defined there")
+    return [name for cls in classes for name in _wrap_class(result, module, cls, machine)]
+
+
+def _wrap_class(result: Patch, module: ModuleType, cls: type, machine: Residency) -> list[str]:
+    """Wrap the cache methods ``cls`` defines itself (defined in ``module``); return their names."""
     out = []
-    for cls in classes:
-        for name, method in list(vars(cls).items()):
-            if name in WALKS:
-                checked = scope.walked(WALKS[name], machine)(method)
-            elif name == "evict" and not hasattr(cls, "_evict_backuped"):
-                _check_victims(result, module)  # nothing to defer: RadixCache frees leaves only
+    for name, method in list(vars(cls).items()):
+        if name in WALKS:
+            checked = scope.walked(WALKS[name], machine)(method)
+        elif name == "evict" and not hasattr(cls, "_evict_backuped"):
+            _check_victims(result, module)  # nothing to defer: RadixCache frees leaves only
+            continue
+        elif name in WRAPPERS:
+            checked = WRAPPERS[name](method)
+        else:
+            continue
+        result.record(cls, name, checked)
+        out.append(f"{cls.__name__}.{name}")
+    return out
+
+
+def _adopt_subclasses(
+    result: Patch,
+    found: list[ModuleType],
+    checked: dict[type, type[ResidencyMixin]],
+    machine: Residency,
+) -> list[str]:
+    """Patch the subclasses of the patched caches that other modules defined before the patch.
+
+    Such a subclass (SGLang's ``LMCRadixCache``, ``FlexKVRadixCache``, a
+    fork's cache) inherits the wrapped methods, but builds nodes through the
+    ``TreeNode`` its module imported, SGLang's own class: nodes nothing
+    checks, in a checked tree, whose first lock walk was refused as "built
+    before patch()". Its module's name is pointed at the checked class and
+    the cache methods it overrides are wrapped too, all undone with the rest.
+    SGLang's own cache modules (:data:`MODULES`) are patched when named, only.
+    """
+    skipped = {m.__name__ for m in found} | set(MODULES)
+    out: list[str] = []
+    seen: set[type] = set()
+    stack: list[type] = [
+        cls
+        for module in found
+        for name in CACHES
+        if isinstance(cls := getattr(module, name, None), type)
+        and cls.__module__ == module.__name__
+    ]
+    while stack:
+        subclasses: list[type] = stack.pop().__subclasses__()
+        for sub in subclasses:
+            if sub in seen:
                 continue
-            elif name in WRAPPERS:
-                checked = WRAPPERS[name](method)
-            else:
+            seen.add(sub)
+            stack.append(sub)
+            module = sys.modules.get(sub.__module__)
+            if sub.__module__ in skipped or not isinstance(module, ModuleType):
                 continue
-            result.record(cls, name, checked)
-            out.append(f"{cls.__name__}.{name}")
+            held = vars(module).get("TreeNode")
+            if isinstance(held, type) and held in checked:
+                result.record(module, "TreeNode", checked[held])
+            out += _wrap_class(result, module, sub, machine)
     return out
