@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from fsm_cache.compat.sglang import (
+    BuiltBeforePatch,
     Children,
     HostRefCounterZero,
     Patch,
@@ -32,7 +33,7 @@ from fsm_cache.compat.sglang import (
 from fsm_cache.engine import trail
 from fsm_cache.errors import CopyInFlight, DuplicateAck, HostCopyPinned, StaleNode, error_class
 
-from .conftest import Api, build_hiradix
+from .conftest import Api, build_hiradix, hiradix_module, whole_state
 from .fakes import FakeAllocator
 
 
@@ -417,6 +418,36 @@ def test_a_subclass_defined_before_the_patch_builds_checked_nodes(
         late = fork_module("fork_cache_late", monkeypatch)
         assert late.TreeNode is applied.node_class
     assert (fork.TreeNode, late.TreeNode, sg.rc.TreeNode) == (stock, stock, stock)
+
+
+def test_a_copy_in_a_cache_built_while_another_thread_patched_is_refused(
+    sg: Api, allocator: FakeAllocator, patched: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its ``__init__`` ran unpatched, its nodes are checked: its copies would never be acknowledged.
+
+    Unrefused, the backup is fired and its acknowledgement is not (SGLang's
+    dict acknowledges nothing): the node stays ``writing``, and the next
+    eviction of it is refused as a copy in flight.
+    """
+    del patched
+    hi = hiradix_module()
+    with monkeypatch.context() as unreached:  # the patch had not reached them yet
+        for cls in (sg.rc.RadixCache, hi.HiRadixCache):
+            unreached.setattr(cls, "__init__", inspect.unwrap(vars(cls)["__init__"]))
+        cache = build_hiradix(sg, allocator, monkeypatch, "write_through")
+    assert isinstance(cache.root_node, ResidencyMixin)
+    before = whole_state(cache, allocator)
+    node = cache.root_node
+    with pytest.raises(BuiltBeforePatch) as caught:
+        cache.write_backup(node)
+    assert str(caught.value) == (
+        "HiRadixCache: write_backup in a cache built before patch() (ongoing_write_through "
+        "is SGLang's dict, which acknowledges no copy); build the cache after patching; "
+        "nothing changed"
+    )
+    with pytest.raises(BuiltBeforePatch, match=r"^HiRadixCache: load_back in a cache built "):
+        cache.load_back(node)
+    assert whole_state(cache, allocator) == before
 
 
 def locked_leaf(sg: Api, allocator: FakeAllocator) -> tuple[Any, Any]:

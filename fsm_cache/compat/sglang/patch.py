@@ -115,6 +115,7 @@ def _write_backup(original: Method) -> Method:
     @functools.wraps(original)
     def write_backup(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
         scope.require_checked(node, "write_backup")
+        scope.require_books(self, "write_backup")
         write_back = bool(kwargs.get("write_back", args[0] if args else False))
         if not write_back:
             scope.check(list(node.path_to_root()), "lock")
@@ -208,6 +209,7 @@ def _check_victims(result: Patch, module: ModuleType) -> None:
 def _load_back(original: Method) -> Method:
     @functools.wraps(original)
     def load_back(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        scope.require_books(self, "load_back")
         chain = scope.absent_chain(node)
         scope.loading(chain)
         held = chain[0].parent if chain else node  # the resident ancestor SGLang locks first
@@ -241,10 +243,7 @@ def _init(original: Method) -> Method:
     @functools.wraps(original)
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        for name, event in (
-            ("ongoing_write_through", "write_done"),
-            ("ongoing_load_back", "load_done"),
-        ):
+        for name, event in zip(scope.BOOKS, ("write_done", "load_done"), strict=True):
             book = getattr(self, name, None)
             if isinstance(book, dict) and not isinstance(book, scope.AckBook):
                 setattr(self, name, scope.AckBook(event, book))  # type: ignore[arg-type]

@@ -266,6 +266,33 @@ def require_checked(node: Any, call: str) -> None:
         raise BuiltBeforePatch(msg)
 
 
+BOOKS = ("ongoing_write_through", "ongoing_load_back")
+"""SGLang's records of copies in flight, which the patched ``__init__`` makes :class:`AckBook`."""
+
+
+def require_books(cache: Any, call: str) -> None:
+    """Refuse ``call`` (a copy) in a cache whose records of copies in flight are SGLang's dicts.
+
+    A cache whose ``__init__`` ran before the patch (another thread patched
+    while it was being built) can hold checked nodes with plain dicts for its
+    records: the copy would be fired, and its acknowledgement never, so the
+    node would stay ``writing`` or ``loading`` and a later step would be
+    refused far from the cause.
+
+    Raises:
+        BuiltBeforePatch: One of :data:`BOOKS` is a plain dict; nothing changed.
+    """
+    for name in BOOKS:
+        book = getattr(cache, name, None)
+        if isinstance(book, dict) and not isinstance(book, AckBook):
+            msg = (
+                f"{type(cache).__name__}: {call} in a cache built before patch() ({name} is "
+                "SGLang's dict, which acknowledges no copy); build the cache after patching; "
+                "nothing changed"
+            )
+            raise BuiltBeforePatch(msg)
+
+
 def _refuse_foreign(node: Any, top: Any, walk: str) -> NoReturn:
     """Refuse a lock walk whose path ends at a root that is not its cache's.
 
