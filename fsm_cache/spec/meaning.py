@@ -94,11 +94,33 @@ def explained(
         for assign in found.update.assigns:
             new_counters[assign.counter] = assign.apply(counters[assign.counter])
     owner = system.regions_of(event)[0]
+    forbid = composed_refusal(system, event, states, counters, parent=parent, children=children)
+    if forbid is not None:
+        refusal = (forbid.error, owner, event, forbid.reason, forbid.others(owner))
+        return _shaped(system, refusal, states, counters)
+    return _shaped(system, (), new_states, new_counters)
+
+
+def composed_refusal(
+    system: System,
+    event: str,
+    states: Mapping[str, str],
+    counters: Mapping[str, int],
+    *,
+    parent: View | None = None,
+    children: Sequence[View] = (),
+) -> Forbid | None:
+    """Return the first of the composition's refusals of ``event`` that holds, or None.
+
+    The last check of :func:`explained`, read on its own: a caller that knows a
+    region's refusal has a more precise cause across regions (a host copy
+    pinned by a load, not by a holder) can name it. Arguments as :func:`step`'s.
+    """
+    owner = system.regions_of(event)[0]
     for forbid in system.forbids_for(event):
         if _refuses(forbid, owner, states, counters, (parent, children)):
-            refusal = (forbid.error, owner, event, forbid.reason, forbid.others(owner))
-            return _shaped(system, refusal, states, counters)
-    return _shaped(system, (), new_states, new_counters)
+            return forbid
+    return None
 
 
 def region_step(

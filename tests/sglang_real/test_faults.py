@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from fsm_cache.compat.sglang import BuiltBeforePatch, HostRefCounterZero, patch
-from fsm_cache.errors import HostCopyPinned, error_class
+from fsm_cache.errors import CopyInFlight, error_class
 
 from .conftest import Api, build_hiradix, whole_state
 from .fakes import FakeAllocator
@@ -193,9 +193,10 @@ def test_a_host_copy_evicted_while_its_load_back_waits_for_memory_is_refused(
     Stock SGLang frees the host slots the load is about to read, drops the
     node from the tree, writes another node's KV into those slots, loads
     them as the request's prefix and locks the detached node. The patch
-    refuses the host eviction (the load holds the copy) and leaves the
-    cache as it was before ``init_load_back``, the lock ``load_back`` took
-    on the chain's resident ancestor included.
+    refuses the host eviction, naming the load that reads the copy (not
+    "a holder": SGLang's ``host_ref_counter`` is 0), and leaves the cache
+    as it was before ``init_load_back``, the lock ``load_back`` took on the
+    chain's resident ancestor included.
     """
     del patched
     allocator = FakeAllocator(24)
@@ -214,12 +215,12 @@ def test_a_host_copy_evicted_while_its_load_back_waits_for_memory_is_refused(
     tail, resident = found.last_host_node, found.last_device_node
     assert (found.host_hit_length, tail.parent is resident, len(resident.key)) == (6, True, 4)
     before = whole_state(cache, allocator)
-    with pytest.raises(HostCopyPinned) as caught:
+    with pytest.raises(CopyInFlight) as caught:
         cache.init_load_back(tail, found.host_hit_length)
     hi = type(cache)
     assert str(caught.value) == (
-        f"node {tail.id}: evict_host refused in pinned (pins=1): the host copy is pinned by a "
-        f"holder; written at {sglang_site(hi.evict, 'self.write_backup(x, write_back=True)')}; "
+        f"node {tail.id}: evict_host refused in pinned (pins=1, device loading): a host-to-device "
+        f"copy still reads the host slots; written at {sglang_site(hi.evict, 'self.write_backup(x, write_back=True)')}; "
         f"acknowledged at {sglang_site(hi.writing_check, 'del self.ongoing_write_through')}; "
         f"evicted from device at {sglang_site(hi.evict, 'self._evict_backuped(node)')}; "
         f"loaded at {sglang_site(hi.init_load_back, 'self.load_back(last_node, mem_quota)')}; "

@@ -8,7 +8,11 @@ and counts as they were.
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import sys
+import threading
+import types
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -16,8 +20,11 @@ from typing import Any
 import pytest
 
 from fsm_cache.compat.sglang import (
+    BuiltBeforePatch,
     Children,
     HostRefCounterZero,
+    Patch,
+    PatchError,
     PatchUndone,
     ReadOnlyCounter,
     ResidencyMixin,
@@ -26,7 +33,7 @@ from fsm_cache.compat.sglang import (
 from fsm_cache.engine import trail
 from fsm_cache.errors import CopyInFlight, DuplicateAck, HostCopyPinned, StaleNode, error_class
 
-from .conftest import Api, build_hiradix
+from .conftest import Api, build_hiradix, hiradix_module, whole_state
 from .fakes import FakeAllocator
 
 
@@ -191,6 +198,27 @@ def test_a_lost_load_acknowledgement_keeps_its_pages_from_being_freed(
     assert (allocator.freed, node.evicted) == (freed, False)
 
 
+def test_a_host_copy_freed_under_its_load_is_refused_as_the_loads(sg: Api, hiradix: Any) -> None:
+    """A fork that frees the host copy itself (``host_value = None``) while a load reads it."""
+    node = only_child(hiradix)
+    hiradix.evict(len(AB))
+    found = hiradix.match_prefix(sg.key(AB))
+    hiradix.init_load_back(found.last_host_node, found.host_hit_length)
+    host_value = node.host_value
+    with pytest.raises(CopyInFlight) as caught:
+        node.host_value = None
+    assert str(caught.value).startswith(
+        f"node {node.id}: evict_host refused in pinned (pins=1, device loading): "
+        "a host-to-device copy still reads the host slots; "
+    )
+    assert (node.host_value, node.host, node.pins, node.host_ref_counter) == (
+        host_value,
+        "pinned",
+        1,
+        0,
+    )
+
+
 def test_a_stray_write_acknowledgement_is_refused(hiradix: Any) -> None:
     node = only_child(hiradix)
     ctl = hiradix.cache_controller
@@ -244,6 +272,182 @@ def test_a_cache_driven_after_its_patch_is_undone_is_refused_clearly(sg: Api) ->
     assert (node.lock_ref, node.locks) == (0, 0)
     fresh = sg.rc.RadixCache(sg.cache_params(FakeAllocator(16)))  # built after: stock
     assert not isinstance(fresh.root_node, ResidencyMixin)
+
+
+def tree_nodes(cache: Any) -> list[Any]:
+    """Every node of ``cache``'s tree, its root included."""
+    nodes, stack = [], [cache.root_node]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.children.values())
+    return nodes
+
+
+def test_node_ids_name_one_node_across_undo_and_sglangs_own_class(sg: Api) -> None:
+    """SGLang numbers nodes with ``TreeNode.counter``; patched, its own class counts on with it.
+
+    Nodes of SGLang's own class built while patched (by a module that
+    imported ``TreeNode`` before the patch), stock nodes built after an undo
+    while patched ones live on, and nodes of a second patch all take ids
+    no other node has, numbered on as stock SGLang numbers them.
+    """
+    stock = sg.rc.TreeNode
+    allocator = FakeAllocator(32)
+    with patch():
+        first = sg.rc.RadixCache(sg.cache_params(allocator))
+        sg.insert(first, [1, 2, 3], allocator.take(3))
+        sg.insert(first, [1, 2, 4], allocator.take(3)[2:])  # splits [1, 2, 3]
+        meanwhile = stock()
+    after = sg.rc.RadixCache(sg.cache_params(allocator))
+    sg.insert(after, [5, 6], allocator.take(2))
+    with patch():
+        again = sg.rc.RadixCache(sg.cache_params(allocator))
+        sg.insert(again, [7], allocator.take(1))
+    nodes = [*tree_nodes(first), meanwhile, *tree_nodes(after), *tree_nodes(again)]
+    ids = sorted(node.id for node in nodes)
+    assert ids == list(range(ids[0], ids[0] + 9))  # 4 + 1 + 2 + 2 nodes, each its own id
+    assert stock.counter == ids[-1] + 1
+
+
+def test_a_patch_refused_for_one_module_leaves_every_module_as_it_was(sg: Api) -> None:
+    stock = (sg.rc.TreeNode, sg.rc.defaultdict, vars(sg.rc.RadixCache)["inc_lock_ref"])
+    with pytest.raises(PatchError) as caught:
+        patch(sg.rc, sg.base)  # base_prefix_cache has no TreeNode: refused after radix_cache
+    assert str(caught.value) == f"{sg.base.__name__}: no TreeNode class to check"
+    assert (sg.rc.TreeNode, sg.rc.defaultdict, vars(sg.rc.RadixCache)["inc_lock_ref"]) == stock
+    with patch() as applied:  # nothing was left patched
+        assert sg.rc.TreeNode is applied.node_class
+
+
+def test_an_undo_repeated_after_a_new_patch_leaves_the_new_one_in_place(sg: Api) -> None:
+    first = patch()
+    first.undo()
+    with patch() as second:
+        first.undo()  # a cleanup path that runs twice
+        with pytest.raises(PatchError, match=r"patched already; undo that patch first$"):
+            patch()
+        assert sg.rc.TreeNode is second.node_class
+
+
+def test_two_threads_patching_at_once_get_one_patch_and_one_refusal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first ``patch()`` is held after its check; a second one meanwhile waits for it.
+
+    Unserialized, the second passes the same check and patches SGLang while
+    the first is held, and the first then fails on a ``TreeNode`` checked
+    already (or, a step later, patches over the second).
+    """
+    patch_module = importlib.import_module("fsm_cache.compat.sglang.patch")
+    warn = patch_module._warn_unchecked  # noqa: SLF001
+    checked, second_done = threading.Event(), threading.Event()
+
+    def held_after_its_check() -> None:
+        if threading.current_thread().name == "first":
+            checked.set()
+            second_done.wait(3.0)  # the second patch() runs to its end now, or waits
+        warn()
+
+    monkeypatch.setattr(patch_module, "_warn_unchecked", held_after_its_check)
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        name = threading.current_thread().name
+        try:
+            outcome[name] = patch()
+        except PatchError as exc:
+            outcome[name] = str(exc)
+        finally:
+            if name == "second":
+                second_done.set()
+
+    first = threading.Thread(target=run, name="first")
+    first.start()
+    assert checked.wait(30.0)
+    second = threading.Thread(target=run, name="second")
+    second.start()
+    first.join()
+    second.join()
+    for applied in outcome.values():
+        if isinstance(applied, Patch):
+            applied.undo()
+    assert isinstance(outcome["first"], Patch), outcome["first"]
+    assert outcome["second"].endswith(": patched already; undo that patch first")
+
+
+FORK = """
+from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
+
+
+class ForkCache(RadixCache):
+    def graft(self, key, value):  # builds its node itself, as LMCRadixCache.match_prefix does
+        node = TreeNode()
+        node.key, node.value, node.parent = key, value, self.root_node
+        self.root_node.children[("graft", node.id)] = node
+        self.evictable_size_ += len(value)
+        return node
+"""
+
+
+def fork_module(name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A fork's module holding a subclass of SGLang's ``RadixCache`` and SGLang's ``TreeNode``."""
+    module = types.ModuleType(name)
+    exec(compile(FORK, f"<{name}>", "exec"), module.__dict__)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+def test_a_subclass_defined_before_the_patch_builds_checked_nodes(
+    sg: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its module's ``TreeNode`` is SGLang's; patched, it is the checked one, until the undo.
+
+    Unpatched, the subclass's nodes are SGLang's own in a checked tree, and
+    their first lock walk is refused as "built before patch()"; a module
+    imported while patched would build checked nodes after the undo.
+    """
+    fork = fork_module("fork_cache", monkeypatch)
+    stock = fork.TreeNode
+    allocator = FakeAllocator(16)
+    with patch() as applied:
+        cache = fork.ForkCache(sg.cache_params(allocator))
+        node = cache.graft(sg.key([1, 2]), allocator.take(2))
+        cache.inc_lock_ref(node)
+        assert (type(node), node.locks, cache.protected_size()) == (applied.node_class, 1, 2)
+        late = fork_module("fork_cache_late", monkeypatch)
+        assert late.TreeNode is applied.node_class
+    assert (fork.TreeNode, late.TreeNode, sg.rc.TreeNode) == (stock, stock, stock)
+
+
+def test_a_copy_in_a_cache_built_while_another_thread_patched_is_refused(
+    sg: Api, allocator: FakeAllocator, patched: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its ``__init__`` ran unpatched, its nodes are checked: its copies would never be acknowledged.
+
+    Unrefused, the backup is fired and its acknowledgement is not (SGLang's
+    dict acknowledges nothing): the node stays ``writing``, and the next
+    eviction of it is refused as a copy in flight.
+    """
+    del patched
+    hi = hiradix_module()
+    with monkeypatch.context() as unreached:  # the patch had not reached them yet
+        for cls in (sg.rc.RadixCache, hi.HiRadixCache):
+            unreached.setattr(cls, "__init__", inspect.unwrap(vars(cls)["__init__"]))
+        cache = build_hiradix(sg, allocator, monkeypatch, "write_through")
+    assert isinstance(cache.root_node, ResidencyMixin)
+    before = whole_state(cache, allocator)
+    node = cache.root_node
+    with pytest.raises(BuiltBeforePatch) as caught:
+        cache.write_backup(node)
+    assert str(caught.value) == (
+        "HiRadixCache: write_backup in a cache built before patch() (ongoing_write_through "
+        "is SGLang's dict, which acknowledges no copy); build the cache after patching; "
+        "nothing changed"
+    )
+    with pytest.raises(BuiltBeforePatch, match=r"^HiRadixCache: load_back in a cache built "):
+        cache.load_back(node)
+    assert whole_state(cache, allocator) == before
 
 
 def locked_leaf(sg: Api, allocator: FakeAllocator) -> tuple[Any, Any]:

@@ -433,9 +433,10 @@ class ResidencyMixin(metaclass=ABCMeta):
                 return  # SGLang's __init__: the class defaults say it already
             self.host = "unbacked" if slots is None else "backed"
         elif self.host in HOST_HELD:
-            if slots is None:
-                machine = self.machine()
-                (machine.write_failed if self.host == "writing" else machine.evict_host)(self)
+            if slots is None and self.host == "writing":
+                self.machine().write_failed(self)
+            elif slots is None:
+                scope.free_host(self)
         elif slots is not None:
             self.machine().write(self)
         self._host_value = slots

@@ -50,6 +50,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import sys
+import threading
 import types
 import warnings
 from collections import defaultdict
@@ -114,6 +115,7 @@ def _write_backup(original: Method) -> Method:
     @functools.wraps(original)
     def write_backup(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
         scope.require_checked(node, "write_backup")
+        scope.require_books(self, "write_backup")
         write_back = bool(kwargs.get("write_back", args[0] if args else False))
         if not write_back:
             scope.check(list(node.path_to_root()), "lock")
@@ -207,6 +209,7 @@ def _check_victims(result: Patch, module: ModuleType) -> None:
 def _load_back(original: Method) -> Method:
     @functools.wraps(original)
     def load_back(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        scope.require_books(self, "load_back")
         chain = scope.absent_chain(node)
         scope.loading(chain)
         held = chain[0].parent if chain else node  # the resident ancestor SGLang locks first
@@ -240,10 +243,7 @@ def _init(original: Method) -> Method:
     @functools.wraps(original)
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        for name, event in (
-            ("ongoing_write_through", "write_done"),
-            ("ongoing_load_back", "load_done"),
-        ):
+        for name, event in zip(scope.BOOKS, ("write_done", "load_done"), strict=True):
             book = getattr(self, name, None)
             if isinstance(book, dict) and not isinstance(book, scope.AckBook):
                 setattr(self, name, scope.AckBook(event, book))  # type: ignore[arg-type]
@@ -288,6 +288,7 @@ class Patch:
         modules: The patched modules' names.
         node_class: The checked ``TreeNode`` the modules now build.
         wrapped: ``Class.method`` for each wrapped cache method.
+        originals: SGLang's class of each checked class the patch built.
     """
 
     modules: tuple[str, ...]
@@ -295,6 +296,7 @@ class Patch:
     wrapped: tuple[str, ...]
     _saved: list[tuple[Any, str, Any]] = field(default_factory=list, repr=False)
     _skipped: list[str] = field(default_factory=list, repr=False)
+    originals: dict[type, type] = field(default_factory=dict, repr=False)
 
     def record(self, owner: Any, name: str, value: Any) -> None:
         """Set ``owner.name`` to ``value``, keeping the old value for :meth:`undo`."""
@@ -309,16 +311,34 @@ class Patch:
 
     def undo(self) -> None:
         """Restore every patched module and class as it was."""
-        for owner, name, old in reversed(self._saved):
-            if name == "TreeNode":  # its nodes' counters now have no walk to drive them
-                getattr(owner, name).undone = True
-            setattr(owner, name, old)
-        self._saved.clear()
-        for filename in self._skipped:
-            trail.forget(filename)
-        self._skipped.clear()
-        for name in self.modules:
-            _ACTIVE.pop(name, None)
+        with _PATCHING:
+            for owner, name, old in reversed(self._saved):
+                if name == "TreeNode":  # its nodes' counters now have no walk to drive them
+                    getattr(owner, name).undone = True
+                setattr(owner, name, old)
+            self._saved.clear()
+            self._restore_importers()
+            for filename in self._skipped:
+                trail.forget(filename)
+            self._skipped.clear()
+            for name in self.modules:
+                if _ACTIVE.get(name) is self:
+                    del _ACTIVE[name]
+
+    def _restore_importers(self) -> None:
+        """Point back at SGLang's class each module that imported a checked one while patched.
+
+        ``from sglang.srt.mem_cache.radix_cache import TreeNode`` in a module
+        first imported under the patch (a storage backend's cache, loaded on
+        demand) binds the checked class; after the undo, that module would
+        still build checked nodes that SGLang's own walks cannot drive.
+        """
+        for module in list(sys.modules.values()):
+            if not isinstance(module, ModuleType):
+                continue
+            held = vars(module).get("TreeNode")
+            if isinstance(held, type) and held in self.originals:
+                module.TreeNode = self.originals[held]  # type: ignore[attr-defined]
 
     def __enter__(self) -> Patch:
         return self
@@ -328,6 +348,10 @@ class Patch:
 
 
 _ACTIVE: dict[str, Patch] = {}
+"""The patch each patched module's name is under, until its ``undo()``."""
+
+_PATCHING = threading.RLock()
+"""Held while :func:`patch` checks and changes SGLang, and while :meth:`Patch.undo` restores it."""
 
 
 def patch(
@@ -351,13 +375,26 @@ def patch(
             one fails to import for want of another module.
     """
     found = [_module(m) for m in modules] if modules else _installed()
-    already = [m.__name__ for m in found if m.__name__ in _ACTIVE]
-    if already:
-        raise PatchError(f"{', '.join(already)}: patched already; undo that patch first")
-    _warn_unsupported()
-    _warn_unchecked()
-    engine = residency or Residency(trail=trail)
-    result = Patch(tuple(m.__name__ for m in found), ResidencyMixin, ())
+    with _PATCHING:  # one patch() or undo() at a time: each checks, then changes, SGLang
+        already = [m.__name__ for m in found if m.__name__ in _ACTIVE]
+        if already:
+            raise PatchError(f"{', '.join(already)}: patched already; undo that patch first")
+        _warn_unsupported()
+        _warn_unchecked()
+        engine = residency or Residency(trail=trail)
+        result = Patch(tuple(m.__name__ for m in found), ResidencyMixin, ())
+        try:
+            result.wrapped = _apply(result, found, engine)
+        except BaseException:  # a module that cannot be patched: the ones before it are restored
+            result.undo()
+            raise
+        for name in result.modules:
+            _ACTIVE[name] = result
+    return result
+
+
+def _apply(result: Patch, found: list[ModuleType], engine: Residency) -> tuple[str, ...]:
+    """Patch each of ``found``, recording every change in ``result``; return what was wrapped."""
     checked: dict[type, type[ResidencyMixin]] = {}
     wrapped: list[str] = []
     for module in found:
@@ -365,17 +402,16 @@ def patch(
         if original not in checked:
             born = _children_built_checked(result, original)
             checked[original] = _checked_class(original, engine, children_property=not born)
+            result.originals[checked[original]] = original
         result.node_class = checked[original]
         result.record(module, "TreeNode", result.node_class)
         wrapped += _wrap_caches(result, module, engine)
+    wrapped += _adopt_subclasses(result, found, checked, engine)
     for name in FORWARDERS:
         forwarder = sys.modules.get(name)
         if forwarder is not None and forwarder.__file__:
             result.skip(forwarder.__file__)
-    result.wrapped = tuple(wrapped)
-    for name in result.modules:
-        _ACTIVE[name] = result
-    return result
+    return tuple(wrapped)
 
 
 def _module(given: ModuleType | str) -> ModuleType:
@@ -485,10 +521,38 @@ def _checked_class(
     skip = _NOT_COPIED if children_property else _NOT_COPIED | {"children", "_set_children"}
     members = {k: v for k, v in vars(ResidencyMixin).items() if k not in skip}
     members.update(residency=engine, __module__=original.__module__, __doc__=doc)
-    made = type(original.__name__, (original,), members)
+    made = _ids_of(original)(original.__name__, (original,), members)
     made.__qualname__ = original.__qualname__
     ResidencyMixin.register(made)
     return cast("type[ResidencyMixin]", made)
+
+
+def _ids_of(original: type) -> type[type]:
+    """The metaclass of ``original``'s checked class: one that numbers nodes with ``original``'s ``counter``.
+
+    SGLang numbers nodes ``self.id = TreeNode.counter``, then ``TreeNode.counter
+    += 1``, through its module's global name (0.5.6 and 0.5.23 alike; 0.5.6's
+    ``HiRadixCache.reset`` sets it back to 0). Patched, that name is the checked
+    class, and the ``+=`` would give it a ``counter`` of its own: SGLang's own
+    class, still built by modules that imported it before the patch, would
+    hand out the same ids meanwhile, and again after ``undo()``, over nodes
+    still alive. Read and written through this metaclass, the name is SGLang's
+    class's counter, so that a node id a refusal or a trail names is one
+    node's, patched or not. The numbering is SGLang's, resets included: SGLang's
+    results depend on it (tests/sglang_real/test_differential.py).
+    """
+    meta = type(original)
+    if not isinstance(vars(original).get("counter"), int):
+        return meta  # no counter of SGLang's to share
+
+    def read(_cls: type) -> int:
+        return cast("int", original.counter)  # type: ignore[attr-defined]
+
+    def write(_cls: type, value: int) -> None:
+        original.counter = value  # type: ignore[attr-defined]
+
+    counter = property(read, write, doc="SGLang's node counter, shared with its own class.")
+    return type(f"{original.__name__}Ids", (meta,), {"counter": counter, "__module__": __name__})
 
 
 _NOT_COPIED = frozenset(
@@ -506,18 +570,65 @@ def _wrap_caches(result: Patch, module: ModuleType, machine: Residency) -> list[
     ]
     if not classes:
         raise PatchError(f"{module.__name__}: none of {', '.join(CACHES)} is defined there")
+    return [name for cls in classes for name in _wrap_class(result, module, cls, machine)]
+
+
+def _wrap_class(result: Patch, module: ModuleType, cls: type, machine: Residency) -> list[str]:
+    """Wrap the cache methods ``cls`` defines itself (defined in ``module``); return their names."""
     out = []
-    for cls in classes:
-        for name, method in list(vars(cls).items()):
-            if name in WALKS:
-                checked = scope.walked(WALKS[name], machine)(method)
-            elif name == "evict" and not hasattr(cls, "_evict_backuped"):
-                _check_victims(result, module)  # nothing to defer: RadixCache frees leaves only
+    for name, method in list(vars(cls).items()):
+        if name in WALKS:
+            checked = scope.walked(WALKS[name], machine)(method)
+        elif name == "evict" and not hasattr(cls, "_evict_backuped"):
+            _check_victims(result, module)  # nothing to defer: RadixCache frees leaves only
+            continue
+        elif name in WRAPPERS:
+            checked = WRAPPERS[name](method)
+        else:
+            continue
+        result.record(cls, name, checked)
+        out.append(f"{cls.__name__}.{name}")
+    return out
+
+
+def _adopt_subclasses(
+    result: Patch,
+    found: list[ModuleType],
+    checked: dict[type, type[ResidencyMixin]],
+    machine: Residency,
+) -> list[str]:
+    """Patch the subclasses of the patched caches that other modules defined before the patch.
+
+    Such a subclass (SGLang's ``LMCRadixCache``, ``FlexKVRadixCache``, a
+    fork's cache) inherits the wrapped methods, but builds nodes through the
+    ``TreeNode`` its module imported, SGLang's own class: nodes nothing
+    checks, in a checked tree, whose first lock walk was refused as "built
+    before patch()". Its module's name is pointed at the checked class and
+    the cache methods it overrides are wrapped too, all undone with the rest.
+    SGLang's own cache modules (:data:`MODULES`) are patched when named, only.
+    """
+    skipped = {m.__name__ for m in found} | set(MODULES)
+    out: list[str] = []
+    seen: set[type] = set()
+    stack: list[type] = [
+        cls
+        for module in found
+        for name in CACHES
+        if isinstance(cls := getattr(module, name, None), type)
+        and cls.__module__ == module.__name__
+    ]
+    while stack:
+        subclasses: list[type] = stack.pop().__subclasses__()
+        for sub in subclasses:
+            if sub in seen:
                 continue
-            elif name in WRAPPERS:
-                checked = WRAPPERS[name](method)
-            else:
+            seen.add(sub)
+            stack.append(sub)
+            module = sys.modules.get(sub.__module__)
+            if sub.__module__ in skipped or not isinstance(module, ModuleType):
                 continue
-            result.record(cls, name, checked)
-            out.append(f"{cls.__name__}.{name}")
+            held = vars(module).get("TreeNode")
+            if isinstance(held, type) and held in checked:
+                result.record(module, "TreeNode", checked[held])
+            out += _wrap_class(result, module, sub, machine)
     return out

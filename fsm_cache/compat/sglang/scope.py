@@ -38,9 +38,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from fsm_cache.engine import trail
+from fsm_cache.engine.codegen import other_regions
 from fsm_cache.engine.core import Engine, Plan
-from fsm_cache.errors import FsmCacheError, IllegalTransition, StaleNode
+from fsm_cache.errors import FsmCacheError, IllegalTransition, StaleNode, error_class
 from fsm_cache.residency import HOST_HELD, Event, Residency
+from fsm_cache.spec.meaning import composed_refusal
 from fsm_cache.spec.validate import representatives
 
 
@@ -262,6 +264,33 @@ def require_checked(node: Any, call: str) -> None:
             "(SGLang's own TreeNode, unchecked); build the cache after patching; nothing changed"
         )
         raise BuiltBeforePatch(msg)
+
+
+BOOKS = ("ongoing_write_through", "ongoing_load_back")
+"""SGLang's records of copies in flight, which the patched ``__init__`` makes :class:`AckBook`."""
+
+
+def require_books(cache: Any, call: str) -> None:
+    """Refuse ``call`` (a copy) in a cache whose records of copies in flight are SGLang's dicts.
+
+    A cache whose ``__init__`` ran before the patch (another thread patched
+    while it was being built) can hold checked nodes with plain dicts for its
+    records: the copy would be fired, and its acknowledgement never, so the
+    node would stay ``writing`` or ``loading`` and a later step would be
+    refused far from the cause.
+
+    Raises:
+        BuiltBeforePatch: One of :data:`BOOKS` is a plain dict; nothing changed.
+    """
+    for name in BOOKS:
+        book = getattr(cache, name, None)
+        if isinstance(book, dict) and not isinstance(book, AckBook):
+            msg = (
+                f"{type(cache).__name__}: {call} in a cache built before patch() ({name} is "
+                "SGLang's dict, which acknowledges no copy); build the cache after patching; "
+                "nothing changed"
+            )
+            raise BuiltBeforePatch(msg)
 
 
 def _refuse_foreign(node: Any, top: Any, walk: str) -> NoReturn:
@@ -611,8 +640,58 @@ def host_eviction(slots: Any) -> None:
         if node is not None:
             require_checked(node, "evict_host")
             node.seal()
-            node.machine().evict_host(node)
+            free_host(node)
             return
+
+
+def free_host(node: ResidencyMixin) -> None:
+    """Fire ``evict_host`` on ``node``; a copy a load reads is refused as the load's.
+
+    A load holds a pin on the host copy while it reads it, and the host
+    machine refuses to free a pinned copy before the composition is asked
+    (the engine checks regions first), so the refusal would say a holder
+    pins it: SGLang's ``host_ref_counter`` leaves the load's pin out (it
+    reads 0), and SGLang has no such holder. Where a refusal of the
+    composition's that reads the node's other regions holds (a
+    host-to-device copy in flight), it is raised in the region's place,
+    with the same node, state, counters and trail.
+
+    Raises:
+        IllegalTransition: The node refuses it (pinned, written, loaded); nothing was freed.
+    """
+    machine = node.machine()
+    try:
+        machine.evict_host(node)
+    except IllegalTransition as exc:
+        raise _as_composed(node, exc) from None
+
+
+def _as_composed(node: Any, exc: IllegalTransition) -> IllegalTransition:
+    """``exc``, or the composition's refusal of its event that holds on ``node``'s own regions.
+
+    Only a refusal that reads the node's own regions is looked for (no parent
+    or children are given): the region's refusal names the node's own state,
+    and so must the one raised in its place.
+    """
+    system = node.machine().engine.system
+    states = {region: getattr(node, region) for region, _ in system.regions}
+    counters = {name: getattr(node, name) for name, _ in system.counters}
+    forbid = composed_refusal(system, exc.event, states, counters)
+    if forbid is None:
+        return exc
+    owner = system.regions_of(exc.event)[0]
+    return error_class(forbid.error)(
+        label=exc.label,
+        instance=exc.instance,
+        state=exc.state,
+        counters=exc.counters,
+        event=exc.event,
+        reason=forbid.reason,
+        history=exc.history,
+        site=exc.site,
+        sites=exc.sites,
+        others={region: states[region] for region in other_regions(forbid, owner)},
+    )
 
 
 def deleting(node: Any) -> None:
