@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from fsm_cache.engine import trail
-from fsm_cache.engine.codegen import other_regions
 from fsm_cache.engine.core import Engine, Plan
 from fsm_cache.errors import FsmCacheError, IllegalTransition, StaleNode, error_class
 from fsm_cache.residency import HOST_HELD, Event, Residency
@@ -690,7 +689,7 @@ def _as_composed(node: Any, exc: IllegalTransition) -> IllegalTransition:
         history=exc.history,
         site=exc.site,
         sites=exc.sites,
-        others={region: states[region] for region in other_regions(forbid, owner)},
+        others={region: states[region] for region in forbid.others(owner)},
     )
 
 
