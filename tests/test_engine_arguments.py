@@ -257,6 +257,49 @@ def test_init_of_an_object_that_cannot_hold_a_record_changes_nothing() -> None:
     assert fields(engine, full) == [8, "unbacked", "resident", 0, 0, None]
 
 
+def test_init_of_an_object_whose_setter_refuses_a_field_changes_nothing() -> None:
+    """A setter that raises (a property checking its value) leaves the object as it was.
+
+    Only AttributeError and TypeError were undone: a ValueError from the setter of
+    ``pins`` left the new id and states written and escaped untyped.
+    """
+    engine = Engine(residency_system(), trail=False)
+
+    class Guarded(Slotted):
+        __slots__ = ("counted", "device", "host", "id", "locks", "trail")
+        counted: int
+        device: str
+        host: str
+        id: object
+        locks: int
+        trail: object
+
+        @property
+        def pins(self) -> int:
+            return self.counted
+
+        @pins.setter
+        def pins(self, value: int) -> None:
+            raise ValueError(f"pins are counted elsewhere, not set to {value}")
+
+    rec = Guarded()
+    rec.id, rec.host, rec.device, rec.counted, rec.locks, rec.trail = (
+        5,
+        "pinned",
+        "absent",
+        1,
+        0,
+        None,
+    )
+    with pytest.raises(BadArgument) as info:
+        engine.init(rec, 7)
+    assert str(info.value) == (
+        "Engine.init: rec <slotted> is not a record of residency: it cannot hold pins"
+    )
+    assert str(info.value.__cause__) == "pins are counted elsewhere, not set to 0"
+    assert (rec.id, rec.host, rec.device, rec.pins) == (5, "pinned", "absent", 1)
+
+
 @pytest.mark.parametrize("call", ["new", "init"])
 @pytest.mark.parametrize("birth", [3, ["discovered"]])
 def test_a_birth_that_is_no_string_is_named(call: str, birth: object) -> None:

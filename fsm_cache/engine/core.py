@@ -177,8 +177,9 @@ class Engine:
         Raises:
             SpecError: The spec declares no birth of that name; ``rec`` is unchanged.
             BadArgument: ``birth`` is neither a str nor None, or ``rec`` cannot
-                hold one of the record's attributes (:attr:`slots`); ``rec``
-                is unchanged.
+                hold one of the record's attributes (:attr:`slots`): it has no
+                room for it, or its setter raised (chained as the cause);
+                ``rec`` is unchanged.
         """
         states = self._born(birth, "init")
         pairs = _initial(self.system, ident, states)
@@ -188,16 +189,19 @@ class Engine:
             for name, value in pairs:
                 setattr(rec, name, value)
                 done += 1
-        except (AttributeError, TypeError):
+        except Exception as exc:  # a setter of the caller's class may raise anything
             for (name, _), old in zip(pairs[:done], was, strict=False):
                 if old is _UNSET:
                     delattr(rec, name)
                 else:
                     setattr(rec, name, old)
-            raise BadArgument(
+            error = BadArgument(
                 f"Engine.init: rec {rec!r} is not a record of {self.system.name}:"
                 f" it cannot hold {pairs[done][0]}"
-            ) from None
+            )
+            if isinstance(exc, AttributeError | TypeError):  # no such slot: nothing to add
+                raise error from None
+            raise error from exc
         if self.leases.holding(rec):
             self.leases.void(trails.caller_site(), rec)
 
