@@ -18,7 +18,14 @@ from fsm_cache.compat.sglang import ResidencyMixin
 from fsm_cache.engine import lease as leases
 from fsm_cache.engine.core import Engine
 from fsm_cache.engine.holds import Held, held_records
-from fsm_cache.errors import BadArgument, LeaseError, ReleaseAtZero, SpecError, error_class
+from fsm_cache.errors import (
+    BadArgument,
+    EffectFailed,
+    LeaseError,
+    ReleaseAtZero,
+    SpecError,
+    error_class,
+)
 from fsm_cache.residency import Node, Residency
 from fsm_cache.spec.loader import machine_from_dict
 from fsm_cache.spec.shipped import host_machine, residency_system
@@ -297,6 +304,61 @@ def test_a_release_refused_by_the_machine_keeps_the_lease_held(engine: Engine) -
     assert engine.leases.outstanding() == [lease]
     rec.state, rec.pins = "pinned", 1
     lease.release()
+
+
+def test_a_release_asked_for_by_an_effect_of_itself_is_refused() -> None:
+    """An effect of the release that releases the same lease again is refused, not fired.
+
+    It used to fire the release again from inside its own effect, and so on
+    until the recursion limit: an EffectFailed nested a thousand deep.
+    """
+    spec = machine_from_dict(
+        {
+            "machine": {"name": "job", "initial": "idle", "label": "job"},
+            "counters": {"holders": 0},
+            "states": {"idle": {"invariant": "holders >= 0", "counter": "holders"}},
+            "transition": [
+                {"event": "take", "source": "idle", "dest": "idle", "update": "holders += 1"},
+                {
+                    "event": "give",
+                    "source": "idle",
+                    "dest": "idle",
+                    "guard": "holders >= 1",
+                    "update": "holders -= 1",
+                    "effect": "notify",
+                },
+            ],
+            "forbid": [
+                {
+                    "event": "give",
+                    "source": "idle",
+                    "guard": "holders == 0",
+                    "error": "GiveAtZero",
+                    "reason": "nothing held",
+                }
+            ],
+        }
+    )
+    again: list[leases.Lease] = []
+
+    def notify(rec: Any) -> None:
+        for lease in again:
+            lease.release()
+
+    engine = Engine(spec, effects={"notify": notify}, trail=False)
+    rec = engine.new(1)
+    lease, other = engine.lease(rec, "take", "give"), engine.lease(rec, "take", "give")
+    again.append(lease)
+    with pytest.raises(EffectFailed) as info:
+        lease.release()
+    message = f"job 1: lease (take taken at {lease.taken_at}) is being released"
+    assert str(info.value) == f"job 1: effect notify of give failed: {message}"
+    assert isinstance(info.value.__cause__, LeaseError)
+    assert (rec.holders, lease.held, other.held) == (2, True, True)
+    again.clear()
+    lease.release()
+    other.release()
+    assert (rec.holders, lease.held, other.held) == (0, False, False)
 
 
 def test_init_voids_the_leases_held_on_the_record_it_starts_afresh(engine: Engine) -> None:
