@@ -231,6 +231,11 @@ def test_in_trail_mode_a_record_with_no_trail_is_named_before_anything_changes(
         == "Engine.fire: rec <slotted> is not a record of residency: it has no trail"
     )
     assert fields(engine, rec) == before
+    with pytest.raises(BadArgument) as info:  # it used to say True: fire would accept it
+        engine.allowed(rec, event)
+    assert str(info.value) == (
+        "Engine.allowed: rec <slotted> is not a record of residency: it has no trail"
+    )
     with pytest.raises(AttributeError):  # a verb reads its record unchecked, and changes nothing
         engine.verb(event)(rec)
     assert fields(engine, rec) == before

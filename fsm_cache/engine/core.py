@@ -311,13 +311,19 @@ class Engine:
     def allowed(self, rec: Any, event: str) -> bool:
         """Return whether ``event`` would be accepted now, without changing anything.
 
+        In trail mode a record that :meth:`fire` would not take for lack of a
+        ``trail`` is named here too, rather than said to accept the event.
+
         Raises:
             SpecError: Unknown event name.
             BadArgument: As for :meth:`fire`.
         """
         step = self._step(event, "allowed")
         try:
-            self._plans(rec, step)
+            plans = self._plans(rec, step)
+            if self.trail:  # fire notes the event on each record it writes
+                for target, _ in plans:
+                    target.trail  # noqa: B018 -- read for the AttributeError alone
         except IllegalTransition:
             return False
         except AttributeError:
