@@ -17,6 +17,7 @@ from fsm_cache.engine.core import Engine
 from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.residency import Residency, configure
 from fsm_cache.spec.loader import machine_from_dict
+from fsm_cache.spec.machine import MachineSpec, StateSpec, System, Transition
 from fsm_cache.spec.shipped import host_machine, residency_system
 
 
@@ -351,3 +352,56 @@ def test_an_empty_region_name_is_unknown_not_every_region(engine: Engine) -> Non
         engine.counters(engine.new(1), "")
     source = residency_system().source
     assert str(info.value) == f"{source}: unknown region '' (regions: host, device)"
+
+
+def counting(counter: str) -> MachineSpec:
+    """A machine, built in code and never validated, whose one counter is ``counter``."""
+    return machine_from_dict(
+        {
+            "machine": {"name": "m", "initial": "a"},
+            "counters": {counter: 0},
+            "states": {"a": {}},
+            "transition": [
+                {"event": "go", "source": "a", "dest": "a", "update": f"{counter} += 1"}
+            ],
+        }
+    )
+
+
+@pytest.mark.parametrize("counter", ["id", "trail", "parent", "state"])
+def test_a_spec_whose_counter_is_named_like_a_record_attribute_is_refused(counter: str) -> None:
+    """A counter called ``id`` used to be a second ``id`` slot: each event rewrote the record's id.
+
+    ``trail`` broke every event in trail mode, ``parent`` the walk to the
+    ancestors, ``state`` the single machine's region. Validation refused them
+    in files; a spec built in code reached the engine unchecked.
+    """
+    with pytest.raises(SpecError) as info:
+        Engine(counting(counter), trail=False)
+    assert str(info.value) == (
+        f"<python>: counters.{counter}: {counter!r} is reserved "
+        "(a record attribute or a name of the generated code)"
+    )
+
+
+def test_a_spec_name_that_is_no_identifier_never_becomes_generated_code() -> None:
+    """An event name is written into the engine's generated source: it must be an identifier."""
+    event = "go(rec):\n    pass\nimport os\ndef _step_x"
+    spec = MachineSpec(
+        "m", "a", (), (StateSpec("a"),), (Transition(event, ("a",), "a"),), source="<python>"
+    )
+    with pytest.raises(SpecError) as info:
+        Engine(spec, trail=False)
+    assert str(info.value) == f"<python>: transition[0].event: {event!r}: not an identifier"
+
+
+def test_a_composition_whose_region_is_named_like_a_record_attribute_is_refused() -> None:
+    spec = counting("n")
+    system = System("c", (("parent", spec), ("other", spec)), source="<c>")
+    with pytest.raises(SpecError) as info:
+        Engine(system, trail=False)
+    assert str(info.value).splitlines() == [
+        "<c>: composition.regions.parent: not a usable region name "
+        "(an identifier that is no keyword, record attribute or counter)",
+        "<c>: composition.regions.other: counter 'n' also in region 'parent'",
+    ]

@@ -46,6 +46,7 @@ from fsm_cache.errors import BadArgument, FsmCacheError, IllegalTransition, Spec
 from fsm_cache.numeric import whole
 from fsm_cache.spec.holders import Hold, Holders
 from fsm_cache.spec.machine import MachineSpec, Spec, System, as_system
+from fsm_cache.spec.validate import layout_problems
 
 
 __all__ = ["Effect", "Engine", "Plan", "Verb"]
@@ -81,7 +82,11 @@ class Engine:
             mapping (or it binds a name no transition of the spec gives as
             its effect, or a hook it binds is not callable), ``trail`` or
             ``audit`` neither a bool nor None, or ``history`` not an int >= 0.
-        SpecError: An effect the spec names is not bound.
+        SpecError: An effect the spec names is not bound, or a name of the
+            spec cannot be a record's slot or a name in generated code (a spec
+            built in code, never validated, with a counter called ``id`` or
+            ``trail``, a name that is no identifier, a counter declared twice:
+            :func:`~fsm_cache.spec.validate.layout_problems`).
         ConfigError: ``trail`` and ``audit`` both given and different, or
             ``FSM_CACHE_TRAIL`` and ``FSM_CACHE_AUDIT`` disagree.
     """
@@ -96,6 +101,10 @@ class Engine:
         audit: bool | None = None,
     ) -> None:
         _check_arguments(spec, effects, trail, audit, history)
+        # A spec built in code was never validated; its names become slots and generated code.
+        unusable = layout_problems(spec)
+        if unusable:
+            raise SpecError(unusable)
         self.system: System = as_system(spec)
         chosen = trails.choose(trail, audit, "Engine", stacklevel=2)
         self.trail = trails.from_environment(stacklevel=2) if chosen is None else chosen
