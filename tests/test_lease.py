@@ -75,6 +75,26 @@ def test_a_lease_pins_and_releases_once(engine: Engine) -> None:
     assert (rec.state, rec.pins) == ("backed", 0)
 
 
+def test_a_released_lease_cannot_be_made_held_again(engine: Engine) -> None:
+    """``released_at`` had a setter (for the book's ``void``): writing None there re-armed the lease.
+
+    Its next ``release()`` then fired a second release, the double release
+    leases exist to prevent.
+    """
+    rec = backed(engine)
+    other = engine.lease(rec)
+    lease = engine.lease(rec)
+    lease.release()
+    site = lease.released_at
+    with pytest.raises(AttributeError):
+        lease.released_at = None  # type: ignore[misc]
+    assert (lease.held, lease.released_at) == (False, site)
+    with pytest.raises(LeaseError):
+        lease.release()
+    assert (rec.state, rec.pins) == ("pinned", 1)
+    other.release()
+
+
 def test_a_with_block_releases_on_exceptions(engine: Engine) -> None:
     rec = backed(engine)
     seen: list[int] = []

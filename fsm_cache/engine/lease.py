@@ -83,8 +83,12 @@ class Lease:
             return released
         return trail.spot_site(released)
 
-    @released_at.setter
-    def released_at(self, site: trail.Site) -> None:
+    def voided(self, site: trail.Site) -> None:
+        """Mark the lease released at ``site`` without firing anything (its book voids it).
+
+        A method of the book's, not a setter: a setter would let any caller
+        write None there and make a released lease held again, to release twice.
+        """
         self._released = site
 
     @property
@@ -208,7 +212,7 @@ class LeaseBook:
             raise BadArgument(f"LeaseBook.void: site must be a Site, got {site!r}")
         for lease in self.outstanding():
             if record is None or lease.record is record:
-                lease.released_at = site
+                lease.voided(site)
                 self._open.discard(lease)
 
 
