@@ -221,7 +221,7 @@ class EffectFailed(FsmCacheError):
 
 
 class LeaseError(FsmCacheError):
-    """A lease was released a second time; the message names the first release."""
+    """A lease was released again: after its release (named) or while that was still firing."""
 
 
 class PoolError(FsmCacheError):

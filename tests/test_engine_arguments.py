@@ -17,6 +17,7 @@ from fsm_cache.engine.core import Engine
 from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.residency import Residency, configure
 from fsm_cache.spec.loader import machine_from_dict
+from fsm_cache.spec.machine import MachineSpec, StateSpec, System, Transition
 from fsm_cache.spec.shipped import host_machine, residency_system
 
 
@@ -231,6 +232,11 @@ def test_in_trail_mode_a_record_with_no_trail_is_named_before_anything_changes(
         == "Engine.fire: rec <slotted> is not a record of residency: it has no trail"
     )
     assert fields(engine, rec) == before
+    with pytest.raises(BadArgument) as info:  # it used to say True: fire would accept it
+        engine.allowed(rec, event)
+    assert str(info.value) == (
+        "Engine.allowed: rec <slotted> is not a record of residency: it has no trail"
+    )
     with pytest.raises(AttributeError):  # a verb reads its record unchecked, and changes nothing
         engine.verb(event)(rec)
     assert fields(engine, rec) == before
@@ -255,6 +261,49 @@ def test_init_of_an_object_that_cannot_hold_a_record_changes_nothing() -> None:
     full = slotted(engine, trail=True, host="pinned", pins=2)
     engine.init(full, 8)
     assert fields(engine, full) == [8, "unbacked", "resident", 0, 0, None]
+
+
+def test_init_of_an_object_whose_setter_refuses_a_field_changes_nothing() -> None:
+    """A setter that raises (a property checking its value) leaves the object as it was.
+
+    Only AttributeError and TypeError were undone: a ValueError from the setter of
+    ``pins`` left the new id and states written and escaped untyped.
+    """
+    engine = Engine(residency_system(), trail=False)
+
+    class Guarded(Slotted):
+        __slots__ = ("counted", "device", "host", "id", "locks", "trail")
+        counted: int
+        device: str
+        host: str
+        id: object
+        locks: int
+        trail: object
+
+        @property
+        def pins(self) -> int:
+            return self.counted
+
+        @pins.setter
+        def pins(self, value: int) -> None:
+            raise ValueError(f"pins are counted elsewhere, not set to {value}")
+
+    rec = Guarded()
+    rec.id, rec.host, rec.device, rec.counted, rec.locks, rec.trail = (
+        5,
+        "pinned",
+        "absent",
+        1,
+        0,
+        None,
+    )
+    with pytest.raises(BadArgument) as info:
+        engine.init(rec, 7)
+    assert str(info.value) == (
+        "Engine.init: rec <slotted> is not a record of residency: it cannot hold pins"
+    )
+    assert str(info.value.__cause__) == "pins are counted elsewhere, not set to 0"
+    assert (rec.id, rec.host, rec.device, rec.pins) == (5, "pinned", "absent", 1)
 
 
 @pytest.mark.parametrize("call", ["new", "init"])
@@ -303,3 +352,56 @@ def test_an_empty_region_name_is_unknown_not_every_region(engine: Engine) -> Non
         engine.counters(engine.new(1), "")
     source = residency_system().source
     assert str(info.value) == f"{source}: unknown region '' (regions: host, device)"
+
+
+def counting(counter: str) -> MachineSpec:
+    """A machine, built in code and never validated, whose one counter is ``counter``."""
+    return machine_from_dict(
+        {
+            "machine": {"name": "m", "initial": "a"},
+            "counters": {counter: 0},
+            "states": {"a": {}},
+            "transition": [
+                {"event": "go", "source": "a", "dest": "a", "update": f"{counter} += 1"}
+            ],
+        }
+    )
+
+
+@pytest.mark.parametrize("counter", ["id", "trail", "parent", "state"])
+def test_a_spec_whose_counter_is_named_like_a_record_attribute_is_refused(counter: str) -> None:
+    """A counter called ``id`` used to be a second ``id`` slot: each event rewrote the record's id.
+
+    ``trail`` broke every event in trail mode, ``parent`` the walk to the
+    ancestors, ``state`` the single machine's region. Validation refused them
+    in files; a spec built in code reached the engine unchecked.
+    """
+    with pytest.raises(SpecError) as info:
+        Engine(counting(counter), trail=False)
+    assert str(info.value) == (
+        f"<python>: counters.{counter}: {counter!r} is reserved "
+        "(a record attribute or a name of the generated code)"
+    )
+
+
+def test_a_spec_name_that_is_no_identifier_never_becomes_generated_code() -> None:
+    """An event name is written into the engine's generated source: it must be an identifier."""
+    event = "go(rec):\n    pass\nimport os\ndef _step_x"
+    spec = MachineSpec(
+        "m", "a", (), (StateSpec("a"),), (Transition(event, ("a",), "a"),), source="<python>"
+    )
+    with pytest.raises(SpecError) as info:
+        Engine(spec, trail=False)
+    assert str(info.value) == f"<python>: transition[0].event: {event!r}: not an identifier"
+
+
+def test_a_composition_whose_region_is_named_like_a_record_attribute_is_refused() -> None:
+    spec = counting("n")
+    system = System("c", (("parent", spec), ("other", spec)), source="<c>")
+    with pytest.raises(SpecError) as info:
+        Engine(system, trail=False)
+    assert str(info.value).splitlines() == [
+        "<c>: composition.regions.parent: not a usable region name "
+        "(an identifier that is no keyword, record attribute or counter)",
+        "<c>: composition.regions.other: counter 'n' also in region 'parent'",
+    ]

@@ -48,8 +48,9 @@ OPAQUE = (
     MachineSpec,
 )
 """Compared by identity: code, classes, functions and the frozen spec objects."""
-LAZY = {"_legal"}
-"""Engine attributes computed on first use (``bad_record``'s search): a cache, not state."""
+LAZY = {"_legal", "_holders", "_pairs"}
+"""Engine attributes computed on first use (``bad_record``'s search, ``lease``'s pairing
+of acquire and release): a cache, not state."""
 
 
 def snapshot(*roots: object) -> object:

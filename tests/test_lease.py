@@ -18,7 +18,14 @@ from fsm_cache.compat.sglang import ResidencyMixin
 from fsm_cache.engine import lease as leases
 from fsm_cache.engine.core import Engine
 from fsm_cache.engine.holds import Held, held_records
-from fsm_cache.errors import BadArgument, LeaseError, ReleaseAtZero, SpecError
+from fsm_cache.errors import (
+    BadArgument,
+    EffectFailed,
+    LeaseError,
+    ReleaseAtZero,
+    SpecError,
+    error_class,
+)
 from fsm_cache.residency import Node, Residency
 from fsm_cache.spec.loader import machine_from_dict
 from fsm_cache.spec.shipped import host_machine, residency_system
@@ -66,6 +73,26 @@ def test_a_lease_pins_and_releases_once(engine: Engine) -> None:
         f"already released at {HERE}:{released} in {where}"
     )
     assert (rec.state, rec.pins) == ("backed", 0)
+
+
+def test_a_released_lease_cannot_be_made_held_again(engine: Engine) -> None:
+    """``released_at`` had a setter (for the book's ``void``): writing None there re-armed the lease.
+
+    Its next ``release()`` then fired a second release, the double release
+    leases exist to prevent.
+    """
+    rec = backed(engine)
+    other = engine.lease(rec)
+    lease = engine.lease(rec)
+    lease.release()
+    site = lease.released_at
+    with pytest.raises(AttributeError):
+        lease.released_at = None  # type: ignore[misc]
+    assert (lease.held, lease.released_at) == (False, site)
+    with pytest.raises(LeaseError):
+        lease.release()
+    assert (rec.state, rec.pins) == ("pinned", 1)
+    other.release()
 
 
 def test_a_with_block_releases_on_exceptions(engine: Engine) -> None:
@@ -132,9 +159,147 @@ def test_a_lease_on_a_spec_without_pin_names_the_defaults() -> None:
         "<python>: unknown event 'release' (events: open_it, shut_it); "
         "Engine.lease fires 'pin' and 'release' unless given others"
     )
-    with engine.lease(engine.new(2), "open_it", "shut_it") as lease:
-        assert lease.record.state == "open"
-    assert lease.record.state == "shut"
+
+
+def door_machine(counted: bool) -> Any:
+    """A door that opens and shuts: a state flag, or (``counted``) a count of 0 or 1."""
+    if not counted:
+        return machine_from_dict(
+            {
+                "machine": {"name": "door", "initial": "shut"},
+                "states": {"shut": {}, "open": {}},
+                "transition": [
+                    {"event": "open_it", "source": "shut", "dest": "open"},
+                    {"event": "shut_it", "source": "open", "dest": "shut"},
+                ],
+                "forbid": [
+                    {"event": "open_it", "source": "open", "error": "Open", "reason": "open"},
+                    {"event": "shut_it", "source": "shut", "error": "Shut", "reason": "shut"},
+                ],
+            }
+        )
+    return machine_from_dict(
+        {
+            "machine": {"name": "door", "initial": "shut"},
+            "counters": {"opened": 0},
+            "states": {
+                "shut": {"invariant": "opened == 0"},
+                "open": {"invariant": "opened == 1", "counter": "opened"},
+            },
+            "transition": [
+                {"event": "open_it", "source": "shut", "dest": "open", "update": "opened = 1"},
+                {"event": "shut_it", "source": "open", "dest": "shut", "update": "opened = 0"},
+            ],
+            "forbid": [
+                {"event": "open_it", "source": "open", "error": "Open", "reason": "open"},
+                {"event": "shut_it", "source": "shut", "error": "Shut", "reason": "shut"},
+            ],
+        }
+    )
+
+
+def test_a_lease_on_a_flag_kept_as_a_state_is_refused() -> None:
+    """A door's open changes a state only: nothing in the spec says what gives it back.
+
+    It used to be leased with any release, ``open_it`` itself included, whose
+    ``release()`` then failed or opened the door again.
+    """
+    engine = Engine(door_machine(counted=False), trail=True)
+    door = engine.new(1)
+    for release in ("shut_it", "open_it"):
+        with pytest.raises(BadArgument) as info:
+            engine.lease(door, "open_it", release)
+        assert str(info.value) == (
+            "Engine.lease: open_it takes no hold of door: it adds one to no count"
+            " that an event gives back, so no release would give back what it took"
+        )
+        assert (door.state, door.trail) == ("shut", None)
+    assert engine.leases.outstanding() == []
+
+
+def test_a_flag_kept_as_a_count_is_a_hold_and_is_leased() -> None:
+    engine = Engine(door_machine(counted=True), trail=False)
+    door = engine.new(1)
+    with engine.lease(door, "open_it", "shut_it") as lease:
+        assert (door.state, door.opened) == ("open", 1)
+        with pytest.raises(error_class("Open")):
+            engine.lease(door, "open_it", "shut_it")  # the one holder holds it
+    assert (door.state, door.opened, lease.held) == ("shut", 0, False)
+    with pytest.raises(BadArgument) as info:
+        engine.lease(door, "open_it", "open_it")
+    assert str(info.value) == (
+        "Engine.lease: open_it gives back nothing, not what open_it takes (opened);"
+        " shut_it gives it back"
+    )
+    assert (door.state, door.opened) == ("shut", 0)
+
+
+@pytest.mark.parametrize(
+    ("acquire", "release", "message"),
+    [
+        (
+            "write",
+            "write",
+            "Engine.lease: write takes no hold of residency: it adds one to no count"
+            " that an event gives back, so no release would give back what it took",
+        ),
+        (
+            "pin",
+            "pin",
+            "Engine.lease: pin gives back nothing, not what pin takes (pins of host);"
+            " release gives it back",
+        ),
+        (
+            "pin",
+            "unlock",
+            "Engine.lease: unlock gives back locks of device, not what pin takes"
+            " (pins of host); release gives it back",
+        ),
+        (
+            "load",
+            "release",
+            "Engine.lease: release gives back pins of host, not what load takes"
+            " (pins of host, device); load_done and load_failed give it back",
+        ),
+        (
+            "lock",
+            "load_done",
+            "Engine.lease: load_done gives back pins of host, device, not what lock takes"
+            " (locks of device); unlock gives it back",
+        ),
+    ],
+)
+def test_a_lease_whose_release_does_not_give_back_what_its_acquire_takes_is_refused(
+    acquire: str, release: str, message: str
+) -> None:
+    """``lease(rec, "write", "write")`` was accepted: its release wrote again.
+
+    Nothing is fired: the record keeps its states, counters and trail.
+    """
+    engine = Engine(residency_system(), trail=True)
+    rec = engine.new(3)
+    rec.host, rec.device = "backed", "absent"
+    for _ in range(2):  # the second answer is the one kept from the first
+        with pytest.raises(BadArgument) as info:
+            engine.lease(rec, acquire, release)
+        assert str(info.value) == message
+        assert (rec.host, rec.device, rec.pins, rec.locks, rec.trail) == (
+            "backed",
+            "absent",
+            0,
+            0,
+            None,
+        )
+    assert engine.leases.outstanding() == []
+
+
+def test_a_load_is_leased_with_its_own_give_back() -> None:
+    engine = Engine(residency_system(), trail=False)
+    rec = engine.new(3)
+    rec.host, rec.device = "backed", "absent"
+    with engine.lease(rec, "load", "load_done"):
+        assert (rec.host, rec.device, rec.pins) == ("pinned", "loading", 1)
+    assert (rec.host, rec.device, rec.pins) == ("backed", "resident", 0)
 
 
 def test_voiding_leases_without_a_site_is_refused(engine: Engine) -> None:
@@ -159,6 +324,61 @@ def test_a_release_refused_by_the_machine_keeps_the_lease_held(engine: Engine) -
     assert engine.leases.outstanding() == [lease]
     rec.state, rec.pins = "pinned", 1
     lease.release()
+
+
+def test_a_release_asked_for_by_an_effect_of_itself_is_refused() -> None:
+    """An effect of the release that releases the same lease again is refused, not fired.
+
+    It used to fire the release again from inside its own effect, and so on
+    until the recursion limit: an EffectFailed nested a thousand deep.
+    """
+    spec = machine_from_dict(
+        {
+            "machine": {"name": "job", "initial": "idle", "label": "job"},
+            "counters": {"holders": 0},
+            "states": {"idle": {"invariant": "holders >= 0", "counter": "holders"}},
+            "transition": [
+                {"event": "take", "source": "idle", "dest": "idle", "update": "holders += 1"},
+                {
+                    "event": "give",
+                    "source": "idle",
+                    "dest": "idle",
+                    "guard": "holders >= 1",
+                    "update": "holders -= 1",
+                    "effect": "notify",
+                },
+            ],
+            "forbid": [
+                {
+                    "event": "give",
+                    "source": "idle",
+                    "guard": "holders == 0",
+                    "error": "GiveAtZero",
+                    "reason": "nothing held",
+                }
+            ],
+        }
+    )
+    again: list[leases.Lease] = []
+
+    def notify(rec: Any) -> None:
+        for lease in again:
+            lease.release()
+
+    engine = Engine(spec, effects={"notify": notify}, trail=False)
+    rec = engine.new(1)
+    lease, other = engine.lease(rec, "take", "give"), engine.lease(rec, "take", "give")
+    again.append(lease)
+    with pytest.raises(EffectFailed) as info:
+        lease.release()
+    message = f"job 1: lease (take taken at {lease.taken_at}) is being released"
+    assert str(info.value) == f"job 1: effect notify of give failed: {message}"
+    assert isinstance(info.value.__cause__, LeaseError)
+    assert (rec.holders, lease.held, other.held) == (2, True, True)
+    again.clear()
+    lease.release()
+    other.release()
+    assert (rec.holders, lease.held, other.held) == (0, False, False)
 
 
 def test_init_voids_the_leases_held_on_the_record_it_starts_afresh(engine: Engine) -> None:

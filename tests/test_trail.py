@@ -92,6 +92,36 @@ def test_a_refusal_names_the_earlier_call_sites_and_its_own() -> None:
     )
 
 
+def test_a_refusal_names_the_events_in_the_order_they_fired() -> None:
+    """Across repeated cycles the order shows which release was the extra one.
+
+    The events used to be grouped by name (``pinned at A and at B; released
+    at C and at D``), which hid that the second pin came between the releases.
+    """
+    engine = Engine(host_machine(), trail=True)
+    node = backed(engine)
+    a = backup_to_storage(engine, node)
+    c = drain_backup(engine, node)
+    b = prefetch(engine, node)
+    d = release_aborted_request(engine, node)
+    exc = refusal(engine, node, "release")
+    assert exc.history == (
+        f"pinned at {HERE}:{a} in backup_to_storage; released at {HERE}:{c} in drain_backup; "
+        f"pinned at {HERE}:{b} in prefetch; "
+        f"released at {HERE}:{d} in release_aborted_request; {REFUSED}"
+    )
+    assert [event for event, _ in exc.sites] == ["pin", "release", "pin", "release"]
+
+
+def test_only_a_run_of_one_event_shares_its_name() -> None:
+    a, b, c, d = (trail.Site(f"{name}.py", 1, "f") for name in "abcd")
+    recent = (("pin", a), ("pin", b), ("release", c), ("pin", d))
+    assert trail.account(recent, {}, d) == (
+        "pinned at a.py:1 in f and at b.py:1 in f; released at c.py:1 in f; "
+        "pinned at d.py:1 in f; refused at d.py:1 in f"
+    )
+
+
 def test_the_sites_are_on_the_refusal() -> None:
     engine = Engine(host_machine(), trail=True)
     node = backed(engine)

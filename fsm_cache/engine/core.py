@@ -44,7 +44,9 @@ from fsm_cache.engine.runtime import (
 )
 from fsm_cache.errors import BadArgument, FsmCacheError, IllegalTransition, SpecError, error_class
 from fsm_cache.numeric import whole
+from fsm_cache.spec.holders import Hold, Holders
 from fsm_cache.spec.machine import MachineSpec, Spec, System, as_system
+from fsm_cache.spec.validate import layout_problems
 
 
 __all__ = ["Effect", "Engine", "Plan", "Verb"]
@@ -80,7 +82,11 @@ class Engine:
             mapping (or it binds a name no transition of the spec gives as
             its effect, or a hook it binds is not callable), ``trail`` or
             ``audit`` neither a bool nor None, or ``history`` not an int >= 0.
-        SpecError: An effect the spec names is not bound.
+        SpecError: An effect the spec names is not bound, or a name of the
+            spec cannot be a record's slot or a name in generated code (a spec
+            built in code, never validated, with a counter called ``id`` or
+            ``trail``, a name that is no identifier, a counter declared twice:
+            :func:`~fsm_cache.spec.validate.layout_problems`).
         ConfigError: ``trail`` and ``audit`` both given and different, or
             ``FSM_CACHE_TRAIL`` and ``FSM_CACHE_AUDIT`` disagree.
     """
@@ -95,11 +101,17 @@ class Engine:
         audit: bool | None = None,
     ) -> None:
         _check_arguments(spec, effects, trail, audit, history)
+        # A spec built in code was never validated; its names become slots and generated code.
+        unusable = layout_problems(spec)
+        if unusable:
+            raise SpecError(unusable)
         self.system: System = as_system(spec)
         chosen = trails.choose(trail, audit, "Engine", stacklevel=2)
         self.trail = trails.from_environment(stacklevel=2) if chosen is None else chosen
         self.history = min(history, sys.maxsize)  # a deque's longest; more would overflow it
         self.leases = LeaseBook()
+        self._pairs: dict[tuple[str, str], str | None] = {}
+        """Why each (acquire, release) pair :meth:`lease` was given does not pair, or None."""
         self._effects = self._bind(effects)
         self._past = {e.name: e.past for _, m in self.system.regions for e in m.events if e.past}
         self._compiled: Compiled = compile_system(
@@ -174,8 +186,9 @@ class Engine:
         Raises:
             SpecError: The spec declares no birth of that name; ``rec`` is unchanged.
             BadArgument: ``birth`` is neither a str nor None, or ``rec`` cannot
-                hold one of the record's attributes (:attr:`slots`); ``rec``
-                is unchanged.
+                hold one of the record's attributes (:attr:`slots`): it has no
+                room for it, or its setter raised (chained as the cause);
+                ``rec`` is unchanged.
         """
         states = self._born(birth, "init")
         pairs = _initial(self.system, ident, states)
@@ -185,16 +198,19 @@ class Engine:
             for name, value in pairs:
                 setattr(rec, name, value)
                 done += 1
-        except (AttributeError, TypeError):
+        except Exception as exc:  # a setter of the caller's class may raise anything
             for (name, _), old in zip(pairs[:done], was, strict=False):
                 if old is _UNSET:
                     delattr(rec, name)
                 else:
                     setattr(rec, name, old)
-            raise BadArgument(
+            error = BadArgument(
                 f"Engine.init: rec {rec!r} is not a record of {self.system.name}:"
                 f" it cannot hold {pairs[done][0]}"
-            ) from None
+            )
+            if isinstance(exc, AttributeError | TypeError):  # no such slot: nothing to add
+                raise error from None
+            raise error from exc
         if self.leases.holding(rec):
             self.leases.void(trails.caller_site(), rec)
 
@@ -304,13 +320,19 @@ class Engine:
     def allowed(self, rec: Any, event: str) -> bool:
         """Return whether ``event`` would be accepted now, without changing anything.
 
+        In trail mode a record that :meth:`fire` would not take for lack of a
+        ``trail`` is named here too, rather than said to accept the event.
+
         Raises:
             SpecError: Unknown event name.
             BadArgument: As for :meth:`fire`.
         """
         step = self._step(event, "allowed")
         try:
-            self._plans(rec, step)
+            plans = self._plans(rec, step)
+            if self.trail:  # fire notes the event on each record it writes
+                for target, _ in plans:
+                    target.trail  # noqa: B018 -- read for the AttributeError alone
         except IllegalTransition:
             return False
         except AttributeError:
@@ -351,19 +373,49 @@ class Engine:
     def lease(self, rec: Any, acquire: str = "pin", release: str = "release") -> Lease:
         """Fire ``acquire`` and return a lease whose ``release()`` fires ``release`` once.
 
+        A lease is the receipt of a hold, so its release must give back
+        exactly the holds its acquire takes, as the spec's own meaning says
+        (:class:`~fsm_cache.spec.holders.Holders`, the classification the model
+        checker reads): ``pin`` and ``release``, ``lock`` and ``unlock``, in
+        the composed residency ``load`` and ``load_done`` (never ``release``,
+        which gives back a pin of the host alone). An acquire that adds one to
+        no count an event gives back takes no hold, and is refused whatever
+        the release: a door's ``open`` from ``shut`` to ``open`` changes a
+        state, and nothing in the spec says which event undoes it, so a lease
+        could not check its release. Fire such events with :meth:`fire`, or
+        spell the flag as a count (``open = 1`` from a state whose invariant
+        is ``open == 0``, given back by ``open = 0``), which is a hold.
+
         Raises:
             SpecError: Unknown ``acquire`` or ``release`` event; nothing was fired.
+            BadArgument: ``release`` does not give back exactly what
+                ``acquire`` takes, or ``acquire`` takes no hold; an event is
+                not a str, or ``rec`` is no record; nothing was fired.
             IllegalTransition: The spec refuses ``acquire``; ``rec`` is unchanged.
             EffectFailed: A bound effect of ``acquire`` failed (as for :meth:`fire`).
-            BadArgument: An event is not a str, or ``rec`` is no record; nothing was fired.
         """
         undo, take = self._verb(release, "lease"), self._verb(acquire, "lease")
+        pair = (acquire, release)
+        unpaired = self._pairs[pair] if pair in self._pairs else self._pair(acquire, release)
+        if unpaired is not None:
+            raise BadArgument(unpaired)
         try:
             take(rec)
         except AttributeError:
             self._name_non_record(rec, "lease")
             raise
         return self.leases.open(rec, undo, acquire, self.system.label)
+
+    def _pair(self, acquire: str, release: str) -> str | None:
+        """Return (and keep) why ``release`` does not give back what ``acquire`` takes, or None."""
+        why = _unreturned(self.system, self._holders, acquire, release)
+        self._pairs[acquire, release] = why
+        return why
+
+    @cached_property
+    def _holders(self) -> Holders:
+        """The spec's holder kinds, read once, on the first lease (a few ms a spec)."""
+        return Holders.of(self.system)
 
     def counters(self, rec: Any, region: str | None = None) -> dict[str, int]:
         """Return the record's counters, of one region or of all of them.
@@ -567,6 +619,36 @@ def _unknown_effects(system: System, unknown: Sequence[object]) -> str:
     has = ", ".join(sorted(system.effect_names))
     its = f"its effects: {has}" if has else "it names no effect"
     return f"Engine: effects binds {names}, {which} of {system.name} ({its})"
+
+
+def _unreturned(system: System, holders: Holders, acquire: str, release: str) -> str | None:
+    """Return why ``release`` does not give back exactly what ``acquire`` takes, or None."""
+    takes = set(holders.acquires[acquire])
+    if not takes:
+        return (
+            f"Engine.lease: {acquire} takes no hold of {system.name}: it adds one to no count"
+            " that an event gives back, so no release would give back what it took"
+        )
+    gives = holders.releases[release]
+    if set(gives) == takes:
+        return None
+    takers = [event for event, keys in holders.releases.items() if set(keys) == takes]
+    if not takers:
+        back = "no event gives it back"
+    else:
+        back = f"{' and '.join(takers)} give{'s' if len(takers) == 1 else ''} it back"
+    return (
+        f"Engine.lease: {release} gives back {_holds(system, gives) or 'nothing'},"
+        f" not what {acquire} takes ({_holds(system, holders.acquires[acquire])}); {back}"
+    )
+
+
+def _holds(system: System, holds: Sequence[Hold]) -> str:
+    """Name holds as messages do: ``pins``, or ``pins of host, device`` in a composition."""
+    composed = len(system.regions) > 1
+    return " and ".join(
+        f"{counter} of {', '.join(regions)}" if composed else counter for counter, regions in holds
+    )
 
 
 def _initial(

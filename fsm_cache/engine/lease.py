@@ -45,6 +45,7 @@ class Lease:
     __slots__ = (
         "__weakref__",
         "_book",
+        "_busy",
         "_release",
         "_released",
         "_taken",
@@ -65,6 +66,8 @@ class Lease:
         self._taken = trail.caller_spot()
         self._released: trail.Spot | trail.Site | None = None
         self._book = book
+        self._busy = False
+        """Whether ``release()`` is firing the release now (an effect of it may call it again)."""
         self.serial = 0
 
     @property
@@ -80,8 +83,12 @@ class Lease:
             return released
         return trail.spot_site(released)
 
-    @released_at.setter
-    def released_at(self, site: trail.Site) -> None:
+    def voided(self, site: trail.Site) -> None:
+        """Mark the lease released at ``site`` without firing anything (its book voids it).
+
+        A method of the book's, not a setter: a setter would let any caller
+        write None there and make a released lease held again, to release twice.
+        """
         self._released = site
 
     @property
@@ -96,17 +103,29 @@ class Lease:
     def release(self) -> None:
         """Fire the releasing event once.
 
+        A release asked for while this one is still firing (by an effect of
+        the release event itself) is refused rather than fired again: it
+        used to recurse until the interpreter's recursion limit. Like the
+        engine, a lease takes no lock: releases of one lease from two threads
+        at once are the caller's to serialise.
+
         Raises:
-            LeaseError: The lease was already released; names the first release.
-            IllegalTransition: The machine refused the release (nothing changed).
+            LeaseError: The lease was already released (names the first
+                release), or is being released now.
+            IllegalTransition: The machine refused the release (nothing
+                changed; the lease is still held).
+            EffectFailed: An effect of the release failed (as for
+                :meth:`~fsm_cache.engine.core.Engine.fire`); the lease is still held.
         """
-        if self._released is not None:
-            msg = (
-                f"{self.label} {self.record.id}: lease ({self.event} taken at {self.taken_at}) "
-                f"already released at {self.released_at}"
-            )
+        if self._released is not None or self._busy:
+            done = "is being released" if self._busy else f"already released at {self.released_at}"
+            msg = f"{self.label} {self.record.id}: lease ({self.event} taken at {self.taken_at}) {done}"
             raise LeaseError(msg)
-        self._release(self.record)
+        self._busy = True
+        try:
+            self._release(self.record)
+        finally:
+            self._busy = False
         self._released = trail.caller_spot()
         self._book.closed(self)
 
@@ -193,7 +212,7 @@ class LeaseBook:
             raise BadArgument(f"LeaseBook.void: site must be a Site, got {site!r}")
         for lease in self.outstanding():
             if record is None or lease.record is record:
-                lease.released_at = site
+                lease.voided(site)
                 self._open.discard(lease)
 
 

@@ -236,16 +236,25 @@ def account(
 ) -> str:
     """Render ``pinned at a.py:10 in f; released at b.py:2 in g and at ...; refused at ...``.
 
+    The events are named in the order they fired, so a double release across
+    repeated cycles (pin, release, pin, release, release) reads as it
+    happened; only a run of the same event in a row shares its name
+    (``released at b.py:2 in g and at c.py:5 in h``). The message is bounded
+    as the trail is: one site per entry, at most ``history`` of them.
+
     Args:
         recent: The record's earlier events and their sites, oldest first.
         past: Past-tense names declared by the spec, by event.
         refused: The site of the refused call itself, named last; None omits it.
     """
-    groups: dict[str, list[Site]] = {}
+    runs: list[tuple[str, list[Site]]] = []
     for event, site in recent:
-        groups.setdefault(event, []).append(site)
+        if runs and runs[-1][0] == event:
+            runs[-1][1].append(site)
+        else:
+            runs.append((event, [site]))
     parts = []
-    for event, where in groups.items():
+    for event, where in runs:
         joined = " and ".join(f"at {site}" for site in where)
         parts.append(f"{past.get(event) or past_tense(event)} {joined}")
     if refused is not None:

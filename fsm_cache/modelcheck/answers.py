@@ -26,8 +26,8 @@ from typing import Any
 from fsm_cache.engine.core import Engine
 from fsm_cache.errors import IllegalTransition
 from fsm_cache.modelcheck.forest import Trees
-from fsm_cache.modelcheck.holders import Hold
 from fsm_cache.modelcheck.state import Choices, Layout, NodeEntry
+from fsm_cache.spec.holders import Hold
 
 
 Context = tuple[int, int, tuple[int, ...]]

@@ -238,7 +238,7 @@ class Explorer:
         """Explore from the named initial states; stop at the first violation.
 
         A spec whose give-backs do not pair with its acquires is a finding
-        before anything is explored (:attr:`fsm_cache.modelcheck.holders.Holders.unpaired`),
+        before anything is explored (:attr:`fsm_cache.spec.holders.Holders.unpaired`),
         and so is a copy none of whose acknowledgements reports a failure
         (:attr:`fsm_cache.modelcheck.copies.Memory.unfailing`).
         Once every state is explored and every invariant holds in each, the

@@ -30,11 +30,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fsm_cache.modelcheck.copies import FAILED, FILLING, FREE, VALID, Copy, copy_into, kind
-from fsm_cache.modelcheck.holders import Hold
 from fsm_cache.modelcheck.state import Layout, NodeEntry, Nodes, children
 from fsm_cache.modelcheck.treeops import dataless
 from fsm_cache.policy import WritePolicy
 from fsm_cache.residency import DEVICE_HELD, FETCHING, HOST_HELD, HOST_VALID
+from fsm_cache.spec.holders import Hold
 
 
 READING = "reading"
@@ -61,7 +61,7 @@ def counts(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> str | Non
 def accounted(layout: Layout, nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
     """Invariant 6: each holder count equals its holders (plus its children's, if it propagates).
 
-    Only counters that count holders (:attr:`~fsm_cache.modelcheck.holders.Holders.counts`)
+    Only counters that count holders (:attr:`~fsm_cache.spec.holders.Holders.counts`)
     are accounted: a count of tokens or retries has no holders.
     """
     for name in layout.holders.counts:

@@ -9,7 +9,7 @@ hold (``release``, ``unlock``, ``load_done``). A state is *settled* when no
 node has a copy in flight or a hold. Every reachable state must reach a
 settled one by settling steps alone; one that cannot is stuck.
 Holds are kept only on counters that count holders
-(:attr:`~fsm_cache.modelcheck.holders.Holders.counts`: one some event gives
+(:attr:`~fsm_cache.spec.holders.Holders.counts`: one some event gives
 back or a state carries), so a counter that is only ever raised (tokens
 emitted, retries) is never owed back.
 

@@ -9,7 +9,7 @@ clients made directly at this node and have not given back (``pin`` minus
 They are what the counters must account for, so a tree operation or
 transition that loses a count is caught. Which events acquire and give back
 which counter, and so the kinds of holds, is read from the spec
-(:mod:`fsm_cache.modelcheck.holders`). ``memory`` is the ghost account of the
+(:mod:`fsm_cache.spec.holders`). ``memory`` is the ghost account of the
 node's pages and copies in flight, moved by the spec's effects
 (:mod:`fsm_cache.modelcheck.copies`; no fields for specs without ``host`` and
 ``device`` regions), which the states' claims are checked against.
@@ -27,9 +27,9 @@ from typing import cast
 
 from fsm_cache.errors import ConfigError, SpecError
 from fsm_cache.modelcheck.copies import EFFECTS, Copy, Fields, Memory
-from fsm_cache.modelcheck.holders import Hold, Holders
 from fsm_cache.policy import PolicyNode, WritePolicy, parent_allows_backup, wants_backup
 from fsm_cache.residency import FETCHING, DeviceState, HostState
+from fsm_cache.spec.holders import Hold, Holders
 from fsm_cache.spec.machine import System
 
 

@@ -15,9 +15,9 @@ from typing import cast
 
 from fsm_cache.modelcheck.copies import FREE, REMOTE
 from fsm_cache.modelcheck.forest import Forest, Trees
-from fsm_cache.modelcheck.holders import Hold
 from fsm_cache.modelcheck.state import Layout, NodeEntry, Nodes, children
 from fsm_cache.residency import DeviceState, HostState, split_prefix
+from fsm_cache.spec.holders import Hold
 
 
 def insert(layout: Layout, nodes: Nodes, parent: int, slot: int) -> Nodes | None:

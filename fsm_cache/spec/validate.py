@@ -163,13 +163,31 @@ def _spelling(spec: MachineSpec) -> Iterator[str]:
             yield f"{where}: {name!r}: {bad}"
 
 
-def _name_problems(spec: MachineSpec) -> list[str]:
-    spelling = list(_spelling(spec))
-    if spelling:  # the checks below put names into messages and generated code
-        return spelling
-    states, counters = set(spec.state_names), set(spec.counter_names)
-    out = [] if spec.initial in states else [f"machine.initial: unknown state {spec.initial!r}"]
-    out += [
+def layout_problems(spec: Spec) -> list[str]:
+    """Return one located line per name of ``spec`` that a record or generated code cannot use.
+
+    The part of :func:`problems` the engine relies on to compile a spec at all,
+    and the part it checks on every spec it is given (validation proper runs
+    when a spec is loaded; a spec built in code never passes through it): every
+    name an identifier that is no keyword, since names become Python
+    identifiers in generated code; no state or counter declared twice; no
+    counter or region named like an attribute every record has (``id``,
+    ``trail``, ``parent``) or like another region's counter, since each
+    becomes a slot of the record.
+    """
+    if isinstance(spec, MachineSpec):
+        lines = list(_spelling(spec)) or _clashes(spec)
+        return [f"{spec.source}: {line}" for line in lines]
+    out: dict[str, None] = {}  # ordered, each line once (regions may share a machine)
+    for _, machine in spec.regions:
+        out.update(dict.fromkeys(layout_problems(machine)))
+    own = [line for region, _ in spec.regions for line in _region_clashes(spec, region)]
+    return [*out, *(f"{spec.source}: {line}" for line in own)]
+
+
+def _clashes(spec: MachineSpec) -> list[str]:
+    """The states and counters of ``spec`` declared twice, and its counters named as reserved."""
+    out = [
         f"states.{s}: declared twice (a spec that extends another may not redeclare its states)"
         for s in dict.fromkeys(spec.state_names)
         if spec.state_names.count(s) > 1
@@ -179,11 +197,40 @@ def _name_problems(spec: MachineSpec) -> list[str]:
         for c in dict.fromkeys(spec.counter_names)
         if spec.counter_names.count(c) > 1
     ]
-    out += [
+    return out + [
         f"counters.{c}: {c!r} is reserved (a record attribute or a name of the generated code)"
         for c in spec.counter_names
         if _reserved(c)
     ]
+
+
+def _region_clashes(system: System, region: str) -> list[str]:
+    """Whether ``region`` is no usable name, and each of its counters another region has too."""
+    out = []
+    if not _region_name_ok(region, system):
+        out.append(
+            f"composition.regions.{region}: not a usable region name (an identifier that is no keyword, record attribute or counter)"
+        )
+    seen: dict[str, str] = {}  # each counter's latest region so far, as validation names it
+    for name, machine in system.regions:
+        for counter in machine.counter_names:
+            if name == region and counter in seen:
+                out.append(
+                    f"composition.regions.{region}: counter {counter!r} also in region {seen[counter]!r}"
+                )
+            seen[counter] = name
+        if name == region:
+            break
+    return out
+
+
+def _name_problems(spec: MachineSpec) -> list[str]:
+    spelling = list(_spelling(spec))
+    if spelling:  # the checks below put names into messages and generated code
+        return spelling
+    states, counters = set(spec.state_names), set(spec.counter_names)
+    out = [] if spec.initial in states else [f"machine.initial: unknown state {spec.initial!r}"]
+    out += _clashes(spec)
     typed = annotation_types(System.single(spec))
     out += [f"counters.{c}: {_typed(c, typed[c])}" for c in spec.counter_names if c in typed]
     for st in spec.states:
@@ -436,21 +483,11 @@ def _system_problems(system: System) -> list[str]:
     out: list[str] = []
     inner: dict[str, None] = {}  # ordered, each line once
     validated: set[int] = set()  # the machines already validated, by identity
-    seen: dict[str, str] = {}
     for region, machine in system.regions:
         if id(machine) not in validated:
             validated.add(id(machine))
             inner.update(dict.fromkeys(problems(machine)))
-        if not _region_name_ok(region, system):
-            out.append(
-                f"composition.regions.{region}: not a usable region name (an identifier that is no keyword, record attribute or counter)"
-            )
-        for counter in machine.counter_names:
-            if counter in seen:
-                out.append(
-                    f"composition.regions.{region}: counter {counter!r} also in region {seen[counter]!r}"
-                )
-            seen[counter] = region
+        out += _region_clashes(system, region)
     if (bad := bad_title(system.name)) is not None:
         out.append(f"composition.name: {system.name!r}: {bad}")
     out += _alias_problems(system)

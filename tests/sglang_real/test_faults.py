@@ -148,10 +148,10 @@ def test_evicting_a_locked_backed_node_names_the_lock_and_changes_nothing(
     assert str(caught.value) == (
         f"node {node.id}: evict_device refused in resident (locks=1): a running request "
         f"holds the device copy; written at {sglang_site(hi._inc_hit_count, 'self.write_backup(node)')}; "  # noqa: SLF001
-        f"locked at {sglang_site(hi.write_backup, 'self.inc_lock_ref(node)')} "
-        f"and at {site(locked, test)}; "
+        f"locked at {sglang_site(hi.write_backup, 'self.inc_lock_ref(node)')}; "
         f"acknowledged at {sglang_site(hi.writing_check, 'self.ongoing_write_through.pop')}; "
         f"unlocked at {sglang_site(hi.writing_check, 'self.dec_lock_ref(backuped_node)')}; "
+        f"locked at {site(locked, test)}; "
         f"refused at {site(refused, test)}"
     )
     assert whole_state(cache, allocator) == before

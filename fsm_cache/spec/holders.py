@@ -1,7 +1,10 @@
 """Holder kinds: which events acquire and which give back each counter, read from the spec.
 
-The model checker keeps ghost counts of what clients hold at each node
-(:mod:`fsm_cache.modelcheck.state`). Only some counters count holders
+Two readers ask this one classification: the model checker, which keeps ghost
+counts of what clients hold at each node (:mod:`fsm_cache.modelcheck.state`),
+and :meth:`~fsm_cache.engine.core.Engine.lease`, which hands out a lease only
+when its release gives back what its acquire takes. It lives here, below both,
+so that the two read one rule. Only some counters count holders
 (:attr:`Holders.counts`): one some event gives back, or one a state carries
 (``counter = "pins"``, drawn ``pinned(N)``: one state per holder count, as
 :mod:`fsm_cache.engine.holds` reads it). A counter only ever raised or set
