@@ -7,8 +7,8 @@ import itertools
 import json
 import os
 import signal
+import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -421,24 +421,35 @@ def test_a_malformed_crosshair_directive_is_named(tmp_path: Path) -> None:
     )
 
 
-def test_an_interrupt_stops_crosshair_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (no longer there, or a zombie left to be reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_an_interrupt_stops_crosshair_at_once(tmp_path: Path) -> None:
     """A SIGINT to fsm_cache alone waited for each CrossHair worker to finish its contracts.
 
     A terminal's Ctrl-C reaches CrossHair too; an IDE's stop button or ``kill -INT``
-    reaches the main thread only, and leaving the thread pool waited for the
-    workers: two minutes on ``residency.toml`` before ``interrupted``.
+    reaches fsm_cache's process only, and leaving the thread pool waited for the
+    workers: two minutes on ``residency.toml`` before ``interrupted``. The proof runs
+    in a process of its own, as the command line does, and gets the SIGINT once both
+    (stand-in) CrossHair processes run; it must end at once, and take them with it.
     """
-    started = tmp_path / "started"
+    running = tmp_path / "running"
+    running.mkdir()
     fake = tmp_path / "fake" / "crosshair"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     (fake / "__main__.py").write_text(
-        f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\ntime.sleep(60)\n"
+        "import os, pathlib, time\n"
+        f"pathlib.Path({str(running)!r}, str(os.getpid())).touch()\n"
+        "time.sleep(60)\n"
     )
-    path = [str(fake.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))
     module = tmp_path / "contracts_two.py"
     module.write_text(
         "import icontract\n\n\n"
@@ -447,19 +458,30 @@ def test_an_interrupt_stops_crosshair_at_once(
         "@icontract.ensure(lambda result: result >= 0, 'never negative')\n"
         "def two(n: int) -> int:\n    return abs(n)\n"
     )
-
-    def interrupt() -> None:
-        deadline = time.monotonic() + 30
-        while not started.exists() and time.monotonic() < deadline:
+    path = [str(fake.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    proof = (  # the real CrossHair reads the directives; its processes run the stand-in
+        "import os, pathlib, sys\n"
+        "from fsm_cache.contracts.runner import Options, prove\n"
+        "import crosshair.codeconfig\n"
+        "os.environ['PYTHONPATH'] = sys.argv[2]\n"
+        "prove('two', pathlib.Path(sys.argv[1]), Options(jobs=2))\n"
+    )
+    argv = [sys.executable, "-c", proof, str(module), os.pathsep.join(path)]
+    with subprocess.Popen(argv) as child:
+        deadline = time.monotonic() + 60
+        while len(list(running.iterdir())) < 2 and time.monotonic() < deadline:
+            assert child.poll() is None, "the proof ended before CrossHair ran"
             time.sleep(0.05)
-        if started.exists():  # CrossHair is running: prove() is waiting on it
-            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
-
-    threading.Thread(target=interrupt, daemon=True).start()
-    began = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        crosshair_run.prove("two", module, Options(jobs=2))
+        workers = [int(p.name) for p in running.iterdir()]
+        assert len(workers) == 2
+        began = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        assert child.wait(timeout=30) == -signal.SIGINT  # an uncaught KeyboardInterrupt
     assert time.monotonic() - began < 30
+    deadline = time.monotonic() + 10
+    while not all(_gone(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(pid) for pid in workers)
 
 
 def test_the_allocator_contracts_set_a_budget_that_exhausts_them() -> None:
