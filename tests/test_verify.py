@@ -459,8 +459,12 @@ def test_an_interrupt_stops_crosshair_at_once(tmp_path: Path) -> None:
         "def two(n: int) -> int:\n    return abs(n)\n"
     )
     path = [str(fake.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
-    proof = (  # the real CrossHair reads the directives; its processes run the stand-in
-        "import os, pathlib, sys\n"
+    # The real CrossHair reads the directives; its processes run the stand-in. A shell
+    # starts background jobs with SIGINT ignored (`make test &`), and a process keeps
+    # that: the proof takes SIGINT as Python does by default, whoever started pytest.
+    proof = (
+        "import os, pathlib, signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from fsm_cache.contracts.runner import Options, prove\n"
         "import crosshair.codeconfig\n"
         "os.environ['PYTHONPATH'] = sys.argv[2]\n"
