@@ -17,7 +17,9 @@ Installed with fsm_cache (a ``pytest11`` entry point), it adds:
   ``fsm_check_nodes`` sets the tree size;
 * the marker ``@pytest.mark.fsm_spec("path.toml")``: before the marked test
   runs, the spec is model-checked and verified (``check=False`` or
-  ``verify=False`` skips one), and the test errors on any finding;
+  ``verify=False`` skips one), and the test errors on any finding; each spec
+  is checked and verified once a run however many tests name it (again if its
+  file changes);
 * at the end of the run (after every fixture is torn down), a failure on
   leases still held, leases collected while held (``fsm_leases = false``
   turns both off) and live records still holding a counter a state carries,
@@ -31,6 +33,7 @@ import gc
 import os
 import tempfile
 from collections.abc import Callable, Generator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,7 @@ _SGLANG = pytest.StashKey[Any]()
 _REPORT = pytest.StashKey[list[str]]()
 """The lines of the leak report, printed in the terminal summary."""
 _UNREACHED = pytest.StashKey[list[str]]()
+_FOUND = pytest.StashKey[dict[tuple[object, ...], str]]()
 """The ``fsm_specs`` entries the run's arguments did not reach, as the ini names them."""
 
 
@@ -231,11 +235,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                 f"fsm_spec takes one spec path, verify= and check=: {marker}", pytrace=False
             )
         path = (item.config.rootpath / str(marker.args[0])).resolve()
+        known = item.config.stash.setdefault(_FOUND, {})
         found = []
         if marker.kwargs.get("check", True):
-            found.append(_check(path, check_nodes(item.config)))
+            nodes = check_nodes(item.config)
+            found.append(_once(known, path, ("check", nodes), partial(_check, path, nodes)))
         if marker.kwargs.get("verify", True):
-            found.append(_verify(path))
+            found.append(_once(known, path, ("verify",), partial(_verify, path)))
         if any(found):  # a spec that does not load fails both the same way: say it once
             pytest.fail("\n".join(dict.fromkeys(x for x in found if x)), pytrace=False)
 
@@ -337,6 +343,27 @@ class SpecItem(pytest.Item):
 
 class SpecFinding(Exception):
     """A formal check found a problem in a spec."""
+
+
+def _once(
+    known: dict[tuple[object, ...], str],
+    path: Path,
+    what: tuple[object, ...],
+    run: Callable[[], str],
+) -> str:
+    """Return what ``run()`` found of ``what`` at ``path``, running it once a run.
+
+    The key holds the spec file's size and change time, so an edited spec is
+    checked again; one that cannot be read is never remembered.
+    """
+    try:
+        info = path.stat()
+    except OSError:
+        return run()
+    key = (path, *what, info.st_size, info.st_mtime_ns)
+    if key not in known:
+        known[key] = run()
+    return known[key]
 
 
 def _check(path: Path, nodes: int) -> str:

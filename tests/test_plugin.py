@@ -463,6 +463,67 @@ def test_marker_model_checks_before_the_test(pytester: pytest.Pytester) -> None:
     )
 
 
+COUNTING = """
+import pathlib
+
+import fsm_cache.contracts.verify as verify
+import fsm_cache.modelcheck.check as check
+
+
+def counted(name, run):
+    def counting(*args, **kwargs):
+        with pathlib.Path("calls.txt").open("a") as calls:
+            calls.write(name + "\\n")
+        return run(*args, **kwargs)
+
+    return counting
+
+
+check.check_spec = counted("check", check.check_spec)
+verify.verify_spec = counted("verify", verify.verify_spec)
+"""
+
+
+def test_a_spec_many_tests_name_is_checked_and_verified_once_a_run(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makefile(".toml", gate=GOOD_GATE)
+    pytester.makeconftest(COUNTING)
+    pytester.makepyfile(
+        """
+        import pathlib
+
+        import pytest
+
+        @pytest.mark.fsm_spec("gate.toml")
+        def test_one():
+            pass
+
+        @pytest.mark.fsm_spec("gate.toml")
+        @pytest.mark.fsm_spec("gate.toml")
+        def test_named_twice():
+            pass
+
+        @pytest.mark.fsm_spec("gate.toml", verify=False)
+        def test_check_only():
+            pass
+
+        def test_edit_the_spec():
+            spec = pathlib.Path("gate.toml")
+            spec.write_text(spec.read_text() + "\\n# edited\\n")
+
+        @pytest.mark.fsm_spec("gate.toml")
+        def test_after_the_edit():
+            pass
+        """
+    )
+    pytester.makeini("[pytest]\nfsm_check_nodes = 2\n")
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=5)
+    calls = (pytester.path / "calls.txt").read_text().split()
+    assert calls == ["check", "verify", "check", "verify"]
+
+
 def setup_errors(result: pytest.RunResult) -> dict[str, str]:
     """Return each test's setup error text, by test name."""
     found: dict[str, str] = {}
