@@ -17,6 +17,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -169,8 +170,11 @@ def report(shared: DistributedCache, **more: Any) -> dict[str, Any]:
     }
 
 
-def store_fails_on_one_rank(rank: int, folder: Path) -> dict[str, Any]:
-    """Rank 1's store takes 2 of 5 pages of a put, then fails; rank 0's takes all 5."""
+def store_fails_on_one_rank(rank: int, folder: Path, *, retried: bool = False) -> dict[str, Any]:
+    """Rank 1's store takes 2 of 5 pages of a put, then fails; rank 0's takes all 5.
+
+    ``retried``: then rank 1's store is back, and a lookup stores the rest on both.
+    """
     inner = LocalFileStore(folder / f"rank{rank}")
     store = Faulty(inner)
     store.put_fails_after = 2 if rank == 1 else None
@@ -178,22 +182,10 @@ def store_fails_on_one_rank(rank: int, folder: Path) -> dict[str, Any]:
     toks = tokens(5)
     shared.cache.insert(toks)
     shared.drain()
-    keys = page_keys(shared.cache.storage.namespace(), toks)  # type: ignore[union-attr]
-    return report(shared, held=inner.exists_prefix(keys))
-
-
-def store_retried(rank: int, folder: Path) -> dict[str, Any]:
-    """As ``store_fails``; then rank 1's store is back, and a lookup stores the rest on both."""
-    inner = LocalFileStore(folder / f"rank{rank}")
-    store = Faulty(inner)
-    store.put_fails_after = 2 if rank == 1 else None
-    shared = wrapped(store, rank)
-    toks = tokens(5)
-    shared.cache.insert(toks)
-    shared.drain()
-    store.put_fails_after = None
-    shared.cache.match_prefix(toks)
-    shared.drain()
+    if retried:
+        store.put_fails_after = None
+        shared.cache.match_prefix(toks)
+        shared.drain()
     keys = page_keys(shared.cache.storage.namespace(), toks)  # type: ignore[union-attr]
     return report(shared, held=inner.exists_prefix(keys))
 
@@ -338,7 +330,7 @@ def different_collectives(rank: int, folder: Path) -> str:
 SCENARIOS: dict[str, Callable[[int, Path], Any]] = {
     "store_fails": store_fails_on_one_rank,
     "store_times_out": store_times_out_on_one_rank,
-    "store_retried": store_retried,
+    "store_retried": partial(store_fails_on_one_rank, retried=True),
     "hits_differ": hits_differ,
     "below_threshold": hits_below_threshold,
     "discover": discover_differs,
