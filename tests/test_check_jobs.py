@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fsm_cache.cli.main import main
+from fsm_cache.errors import SpecError
 from fsm_cache.modelcheck import check, treeops
-from fsm_cache.modelcheck.explore import Explorer
+from fsm_cache.modelcheck.budget import Budget
+from fsm_cache.modelcheck.explore import Bounds, Explorer
 from fsm_cache.spec.controls import controls
 from fsm_cache.spec.shipped import spec_dir
 
@@ -100,3 +103,18 @@ def test_fewer_than_one_job_is_refused_before_anything_runs(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == f"error: check: --jobs must be >= 1, got {jobs}\n"
+
+
+def test_a_search_that_raises_in_another_process_fails_as_it_does_here(tmp_path: Path) -> None:
+    spec = tmp_path / "host.toml"
+    spec.write_bytes(HOST.read_bytes())
+    bounded = check.ceilings(spec, 2, 2, 2)
+    planned = check.Search(spec, "none", 2, bounded, Bounds(bounded, 2), True, Budget(), False)
+    spec.unlink()  # gone between planning and searching: the worker's load raises
+    errors = []
+    for jobs in (1, 2):
+        with pytest.raises(SpecError) as raised:
+            check.searched([planned, planned], [], treeops, jobs=jobs, symmetry=True)
+        errors.append((str(raised.value), raised.value.problems))
+    assert errors[1] == errors[0]
+    assert errors[0][1] == [f"{spec}: cannot read: No such file or directory"]
