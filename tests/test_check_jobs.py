@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +25,8 @@ from fsm_cache.spec.shipped import spec_dir
 HOST = spec_dir() / "host_residency.toml"
 DEVICE = spec_dir() / "device_residency.toml"
 STORAGE = spec_dir() / "storage_residency.toml"
+STORAGE_THREE = spec_dir() / "residency_storage.toml"
+HOST_STORAGE = spec_dir() / "host_storage_residency.toml"
 BROKEN = spec_dir() / "bugs_detected" / "evict_host_while_pinned.toml"
 SPLIT_DROPS_PINS = spec_dir() / "bugs_detected" / "split_drops_pins.py"
 
@@ -118,3 +125,72 @@ def test_a_search_that_raises_in_another_process_fails_as_it_does_here(tmp_path:
         errors.append((str(raised.value), raised.value.problems))
     assert errors[1] == errors[0]
     assert errors[0][1] == [f"{spec}: cannot read: No such file or directory"]
+
+
+def _workers_of(pid: int) -> list[int]:
+    """Return the pool workers among the children of process ``pid`` (not its resource tracker)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text(encoding="ascii").rsplit(")", 1)[1].split()
+            command = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and b"spawn_main" in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_ctrl_c_to_the_group_is_one_line_and_ends_every_worker() -> None:
+    """A terminal's Ctrl-C reaches the workers too: each printed its own interrupt."""
+    # A shell starts background jobs with SIGINT ignored (`make test &`), and a process
+    # keeps that: the command takes SIGINT as Python does by default, whoever started pytest.
+    command = (
+        "import signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "from fsm_cache.cli.main import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    specs = [str(STORAGE_THREE), str(HOST_STORAGE)]
+    argv = [sys.executable, "-c", command, "check", *specs, "--jobs", "2", "--max-seconds", "60"]
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as child:
+        deadline = time.monotonic() + 60
+        while len(_workers_of(child.pid)) < 2 and time.monotonic() < deadline:
+            assert child.poll() is None, "the check ended before its workers ran"
+            time.sleep(0.05)
+        pool = _workers_of(child.pid)
+        assert len(pool) == 2
+        time.sleep(1)  # the workers start, then search
+        # whether a worker prints its interrupt races the parent's terminate: what it
+        # does with SIGINT is read first, so the test does not pass by that race
+        assert [_ignores_interrupts(pid) for pid in pool] == [True, True]
+        os.killpg(child.pid, signal.SIGINT)
+        out, err = child.communicate(timeout=30)
+    assert (child.returncode, out, err) == (130, "", "interrupted\n")
+    deadline = time.monotonic() + 10
+    while _alive(pool) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pool)
+
+
+def _alive(pids: list[int]) -> bool:
+    """Whether any of ``pids`` still runs (a zombie left to be reaped has ended)."""
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _ignores_interrupts(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGINT (its ``SigIgn`` mask, from ``/proc``)."""
+    for line in Path(f"/proc/{pid}/status").read_text(encoding="ascii").splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGINT - 1) & 1)
+    return False

@@ -38,8 +38,11 @@ import importlib.util
 import itertools
 import json
 import multiprocessing
+import multiprocessing.pool
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -562,17 +565,38 @@ def searched(
     if jobs == 1 or ops is not treeops or len(searches) + len(chosen) < 2:
         specs = [search(s, ops) for s in searches]
         return specs, [check_control(c, symmetry=symmetry) for c in chosen]
-    pool = multiprocessing.get_context("spawn").Pool(min(jobs, len(searches) + len(chosen)))
-    try:
+    # leaving the pool terminates it: on an interrupt or a failed search the others
+    # are not waited for
+    with workers(min(jobs, len(searches) + len(chosen))) as pool:
         runs = [pool.apply_async(search, (s,), {"plain": True}) for s in searches]
         checks = [pool.apply_async(check_control, (c,), {"symmetry": symmetry}) for c in chosen]
-        specs, found = [r.get() for r in runs], [c.get() for c in checks]
-    except BaseException:  # an interrupt or a failed search: the others are not waited for
-        pool.terminate()
-        raise
-    pool.close()
-    pool.join()
-    return specs, found
+        return [r.get() for r in runs], [c.get() for c in checks]
+
+
+def workers(processes: int) -> multiprocessing.pool.Pool:
+    """Return a pool of ``processes`` spawned processes that leave Ctrl-C to this one.
+
+    A terminal's Ctrl-C reaches every process of its group: each worker
+    printed its own interrupt (``Process SpawnPoolWorker-2:``, or a traceback
+    while it started) around the command's one line, ``interrupted``. This
+    process takes the interrupt and ends them all. They start with SIGINT
+    ignored where this is the main thread (a process keeps an ignored
+    signal across ``exec``, so none is exposed while it starts), and ignore
+    it first thing in any case (one the pool starts later to replace one).
+    """
+    context = multiprocessing.get_context("spawn")
+    if threading.current_thread() is not threading.main_thread():
+        return context.Pool(processes, initializer=_uninterrupted)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt meanwhile is lost
+    try:
+        return context.Pool(processes, initializer=_uninterrupted)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _uninterrupted() -> None:
+    """Ignore SIGINT in a worker of :func:`workers`: the process that started it handles it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
