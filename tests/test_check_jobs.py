@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -141,9 +143,12 @@ def _workers_of(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-def test_a_ctrl_c_to_the_group_is_one_line_and_ends_every_worker() -> None:
-    """A terminal's Ctrl-C reaches the workers too: each printed its own interrupt."""
+@contextlib.contextmanager
+def _searching() -> Iterator[tuple[subprocess.Popen[str], list[int]]]:
+    """Run ``check --jobs 2`` on two long searches; yield it and its workers once they search.
+
+    It runs in a session of its own, ended whole at the end, whatever the test did.
+    """
     # A shell starts background jobs with SIGINT ignored (`make test &`), and a process
     # keeps that: the command takes SIGINT as Python does by default, whoever started pytest.
     command = (
@@ -157,19 +162,46 @@ def test_a_ctrl_c_to_the_group_is_one_line_and_ends_every_worker() -> None:
     with subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     ) as child:
-        deadline = time.monotonic() + 60
-        while len(_workers_of(child.pid)) < 2 and time.monotonic() < deadline:
-            assert child.poll() is None, "the check ended before its workers ran"
-            time.sleep(0.05)
-        pool = _workers_of(child.pid)
-        assert len(pool) == 2
-        time.sleep(1)  # the workers start, then search
+        try:
+            deadline = time.monotonic() + 60
+            while len(_workers_of(child.pid)) < 2 and time.monotonic() < deadline:
+                assert child.poll() is None, "the check ended before its workers ran"
+                time.sleep(0.05)
+            pool = _workers_of(child.pid)
+            assert len(pool) == 2
+            time.sleep(1)  # the workers start, then search
+            yield child, pool
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_ctrl_c_to_the_group_is_one_line_and_ends_every_worker() -> None:
+    """A terminal's Ctrl-C reaches the workers too: each printed its own interrupt."""
+    with _searching() as (child, pool):
         # whether a worker prints its interrupt races the parent's terminate: what it
         # does with SIGINT is read first, so the test does not pass by that race
         assert [_ignores_interrupts(pid) for pid in pool] == [True, True]
         os.killpg(child.pid, signal.SIGINT)
         out, err = child.communicate(timeout=30)
     assert (child.returncode, out, err) == (130, "", "interrupted\n")
+    deadline = time.monotonic() + 10
+    while _alive(pool) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pool)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_worker_killed_mid_search_fails_the_run_instead_of_hanging_it() -> None:
+    """An out-of-memory kill of a worker left its result awaited for ever."""
+    with _searching() as (child, pool):
+        os.kill(pool[0], signal.SIGKILL)
+        try:
+            out, err = child.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the check waited for the killed worker's result")
+    assert (child.returncode, out, err) == (2, "", f"error: {check.WORKER_LOST}\n")
     deadline = time.monotonic() + 10
     while _alive(pool) and time.monotonic() < deadline:
         time.sleep(0.05)
