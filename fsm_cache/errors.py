@@ -64,7 +64,23 @@ if TYPE_CHECKING:
 
 
 class FsmCacheError(Exception):
-    """Root of every error fsm_cache raises on purpose."""
+    """Root of every error fsm_cache raises on purpose.
+
+    An error pickles as its class, its arguments and its attributes, and
+    unpickles without calling ``__init__`` again: an ``__init__`` that takes
+    other arguments than the message (``SpecError``'s problems,
+    ``IllegalTransition``'s keywords) came back with another message or
+    not at all, and a process pool that cannot read a worker's error
+    waits for it for ever (``check --jobs``).
+    """
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuilt, (type(self), self.args), self.__dict__)
+
+
+def _rebuilt(cls: type[FsmCacheError], args: tuple[object, ...]) -> FsmCacheError:
+    """Return an error of ``cls`` with ``args``, its ``__init__`` not called (unpickling)."""
+    return cls.__new__(cls, *args)
 
 
 class SpecError(FsmCacheError):

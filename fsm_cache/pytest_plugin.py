@@ -18,8 +18,8 @@ Installed with fsm_cache (a ``pytest11`` entry point), it adds:
 * the marker ``@pytest.mark.fsm_spec("path.toml")``: before the marked test
   runs, the spec is model-checked and verified (``check=False`` or
   ``verify=False`` skips one), and the test errors on any finding; each spec
-  is checked and verified once a run however many tests name it (again if its
-  file changes);
+  is checked and verified once a run however many tests name it (again once a
+  file it is read from changes: a composition's region files too);
 * at the end of the run (after every fixture is torn down), a failure on
   leases still held, leases collected while held (``fsm_leases = false``
   turns both off) and live records still holding a counter a state carries,
@@ -59,8 +59,9 @@ _SGLANG = pytest.StashKey[Any]()
 _REPORT = pytest.StashKey[list[str]]()
 """The lines of the leak report, printed in the terminal summary."""
 _UNREACHED = pytest.StashKey[list[str]]()
-_FOUND = pytest.StashKey[dict[tuple[object, ...], str]]()
 """The ``fsm_specs`` entries the run's arguments did not reach, as the ini names them."""
+_FOUND = pytest.StashKey[dict[tuple[object, ...], str]]()
+"""What each ``fsm_spec`` marker's check and verify found, by spec and its files (:func:`_once`)."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -353,17 +354,33 @@ def _once(
 ) -> str:
     """Return what ``run()`` found of ``what`` at ``path``, running it once a run.
 
-    The key holds the spec file's size and change time, so an edited spec is
-    checked again; one that cannot be read is never remembered.
+    The key holds every file the spec is read from (the spec, what it
+    extends, its regions' files: an edited region changes the composition)
+    with its inode, size, and modification and change times (a copy that
+    keeps the old modification time, ``cp -p``, still changes the change
+    time), so a spec is checked again once any of them changes; one whose
+    files cannot all be read is never remembered.
     """
+    from fsm_cache.spec.loader import spec_files  # late: pytest starts without the loader
+
     try:
-        info = path.stat()
+        stamps = tuple(_stamp(file) for file in spec_files(path))
     except OSError:
         return run()
-    key = (path, *what, info.st_size, info.st_mtime_ns)
+    key = (path, *what, stamps)
     if key not in known:
         known[key] = run()
     return known[key]
+
+
+def _stamp(file: Path) -> tuple[str, int, int, int, int]:
+    """Return what says ``file`` is unchanged: its real path, inode, size and two times.
+
+    Raises:
+        OSError: The file cannot be read.
+    """
+    info = file.stat()
+    return (os.path.realpath(file), info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 def _check(path: Path, nodes: int) -> str:

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fsm_cache.cli.main import main
+from fsm_cache.errors import SpecError
 from fsm_cache.modelcheck import check, treeops
-from fsm_cache.modelcheck.explore import Explorer
+from fsm_cache.modelcheck.budget import Budget
+from fsm_cache.modelcheck.explore import Bounds, Explorer
 from fsm_cache.spec.controls import controls
 from fsm_cache.spec.shipped import spec_dir
 
@@ -17,6 +27,8 @@ from fsm_cache.spec.shipped import spec_dir
 HOST = spec_dir() / "host_residency.toml"
 DEVICE = spec_dir() / "device_residency.toml"
 STORAGE = spec_dir() / "storage_residency.toml"
+STORAGE_THREE = spec_dir() / "residency_storage.toml"
+HOST_STORAGE = spec_dir() / "host_storage_residency.toml"
 BROKEN = spec_dir() / "bugs_detected" / "evict_host_while_pinned.toml"
 SPLIT_DROPS_PINS = spec_dir() / "bugs_detected" / "split_drops_pins.py"
 
@@ -100,3 +112,117 @@ def test_fewer_than_one_job_is_refused_before_anything_runs(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == f"error: check: --jobs must be >= 1, got {jobs}\n"
+
+
+def test_a_search_that_raises_in_another_process_fails_as_it_does_here(tmp_path: Path) -> None:
+    spec = tmp_path / "host.toml"
+    spec.write_bytes(HOST.read_bytes())
+    bounded = check.ceilings(spec, 2, 2, 2)
+    planned = check.Search(spec, "none", 2, bounded, Bounds(bounded, 2), True, Budget(), False)
+    spec.unlink()  # gone between planning and searching: the worker's load raises
+    errors = []
+    for jobs in (1, 2):
+        with pytest.raises(SpecError) as raised:
+            check.searched([planned, planned], [], treeops, jobs=jobs, symmetry=True)
+        errors.append((str(raised.value), raised.value.problems))
+    assert errors[1] == errors[0]
+    assert errors[0][1] == [f"{spec}: cannot read: No such file or directory"]
+
+
+def _workers_of(pid: int) -> list[int]:
+    """Return the pool workers among the children of process ``pid`` (not its resource tracker)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text(encoding="ascii").rsplit(")", 1)[1].split()
+            command = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and b"spawn_main" in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@contextlib.contextmanager
+def _searching() -> Iterator[tuple[subprocess.Popen[str], list[int]]]:
+    """Run ``check --jobs 2`` on two long searches; yield it and its workers once they search.
+
+    It runs in a session of its own, ended whole at the end, whatever the test did.
+    """
+    # A shell starts background jobs with SIGINT ignored (`make test &`), and a process
+    # keeps that: the command takes SIGINT as Python does by default, whoever started pytest.
+    command = (
+        "import signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "from fsm_cache.cli.main import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    specs = [str(STORAGE_THREE), str(HOST_STORAGE)]
+    argv = [sys.executable, "-c", command, "check", *specs, "--jobs", "2", "--max-seconds", "60"]
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as child:
+        try:
+            deadline = time.monotonic() + 60
+            while len(_workers_of(child.pid)) < 2 and time.monotonic() < deadline:
+                assert child.poll() is None, "the check ended before its workers ran"
+                time.sleep(0.05)
+            pool = _workers_of(child.pid)
+            assert len(pool) == 2
+            time.sleep(1)  # the workers start, then search
+            yield child, pool
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_ctrl_c_to_the_group_is_one_line_and_ends_every_worker() -> None:
+    """A terminal's Ctrl-C reaches the workers too: each printed its own interrupt."""
+    with _searching() as (child, pool):
+        # whether a worker prints its interrupt races the parent's terminate: what it
+        # does with SIGINT is read first, so the test does not pass by that race
+        assert [_ignores_interrupts(pid) for pid in pool] == [True, True]
+        os.killpg(child.pid, signal.SIGINT)
+        out, err = child.communicate(timeout=30)
+    assert (child.returncode, out, err) == (130, "", "interrupted\n")
+    deadline = time.monotonic() + 10
+    while _alive(pool) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pool)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_worker_killed_mid_search_fails_the_run_instead_of_hanging_it() -> None:
+    """An out-of-memory kill of a worker left its result awaited for ever."""
+    with _searching() as (child, pool):
+        os.kill(pool[0], signal.SIGKILL)
+        try:
+            out, err = child.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the check waited for the killed worker's result")
+    assert (child.returncode, out, err) == (2, "", f"error: {check.WORKER_LOST}\n")
+    deadline = time.monotonic() + 10
+    while _alive(pool) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pool)
+
+
+def _alive(pids: list[int]) -> bool:
+    """Whether any of ``pids`` still runs (a zombie left to be reaped has ended)."""
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _ignores_interrupts(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGINT (its ``SigIgn`` mask, from ``/proc``)."""
+    for line in Path(f"/proc/{pid}/status").read_text(encoding="ascii").splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGINT - 1) & 1)
+    return False

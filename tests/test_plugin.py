@@ -770,3 +770,47 @@ def test_a_missing_spec_fails_its_items_naming_the_file(
             f"{missing}: cannot read: No such file or directory",
         ]
     )
+
+
+def test_a_composed_spec_is_checked_again_once_a_region_file_changes(
+    pytester: pytest.Pytester,
+) -> None:
+    for name in ("residency", "host_residency", "device_residency"):
+        pytester.makefile(".toml", **{name: (spec_dir() / f"{name}.toml").read_text()})
+    pytester.makeconftest(COUNTING)
+    pytester.makepyfile(
+        """
+        import os
+        import pathlib
+
+        import pytest
+
+        @pytest.mark.fsm_spec("residency.toml", verify=False)
+        def test_before():
+            pass
+
+        def test_edit_a_region():
+            region = pathlib.Path("host_residency.toml")
+            region.write_text(region.read_text() + "\\n# edited\\n")
+
+        @pytest.mark.fsm_spec("residency.toml", verify=False)
+        def test_after_the_edit():
+            pass
+
+        def test_replace_the_spec_keeping_its_size_and_time():
+            spec = pathlib.Path("residency.toml")
+            before = spec.stat()
+            spec.write_text(spec.read_text().replace("# The", "# the", 1))
+            os.utime(spec, ns=(before.st_atime_ns, before.st_mtime_ns))  # as cp -p does
+            assert spec.stat().st_size == before.st_size
+
+        @pytest.mark.fsm_spec("./residency.toml", verify=False)
+        def test_after_the_copy():
+            pass
+        """
+    )
+    pytester.makeini("[pytest]\nfsm_check_nodes = 2\n")
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=5)
+    calls = (pytester.path / "calls.txt").read_text().split()
+    assert calls == ["check", "check", "check"]

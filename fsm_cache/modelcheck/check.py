@@ -39,14 +39,18 @@ import itertools
 import json
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from fsm_cache.errors import BadArgument, ConfigError, SpecError
+from fsm_cache.errors import BadArgument, ConfigError, FsmCacheError, SpecError
 from fsm_cache.modelcheck import treeops
 from fsm_cache.modelcheck.budget import Budget
 from fsm_cache.modelcheck.explore import Bounds, Explorer, Result
@@ -562,17 +566,57 @@ def searched(
     if jobs == 1 or ops is not treeops or len(searches) + len(chosen) < 2:
         specs = [search(s, ops) for s in searches]
         return specs, [check_control(c, symmetry=symmetry) for c in chosen]
-    pool = multiprocessing.get_context("spawn").Pool(min(jobs, len(searches) + len(chosen)))
+    context = multiprocessing.get_context("spawn")
+    count = min(jobs, len(searches) + len(chosen))
+    with ProcessPoolExecutor(count, mp_context=context, initializer=_uninterrupted) as pool:
+        others = set(multiprocessing.active_children())
+        with _interrupts_held_off():  # the workers start as work is submitted
+            runs = [pool.submit(search, s, plain=True) for s in searches]
+            checks = [pool.submit(check_control, c, symmetry=symmetry) for c in chosen]
+            started = set(multiprocessing.active_children()) - others
+        try:
+            return [r.result() for r in runs], [c.result() for c in checks]
+        except BrokenProcessPool:  # the pool has ended the other workers
+            raise FsmCacheError(WORKER_LOST) from None
+        except BaseException:  # an interrupt or a failed search: the others are not waited for
+            for process in started:
+                process.terminate()
+            raise
+
+
+WORKER_LOST = (
+    "check: a search process of --jobs ended without its result (killed: out of memory?); "
+    "the other searches were stopped"
+)
+"""The error of a ``--jobs`` run whose worker died: a pool would wait for its result for ever."""
+
+
+@contextlib.contextmanager
+def _interrupts_held_off() -> Iterator[None]:
+    """Ignore SIGINT while workers are spawned here, so they start ignoring it.
+
+    A terminal's Ctrl-C reaches every process of its group: each worker
+    printed its own interrupt (a traceback, or ``Process SpawnPoolWorker-2:``)
+    around the command's one line, ``interrupted``. This process takes the
+    interrupt and ends them all. A process keeps an ignored signal across
+    ``exec``, so a worker spawned meanwhile is never exposed while it
+    starts; then :func:`_uninterrupted` keeps it so. Off the main thread,
+    where no handler can be set, only :func:`_uninterrupted` does. An
+    interrupt in the few milliseconds held off is lost.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        runs = [pool.apply_async(search, (s,), {"plain": True}) for s in searches]
-        checks = [pool.apply_async(check_control, (c,), {"symmetry": symmetry}) for c in chosen]
-        specs, found = [r.get() for r in runs], [c.get() for c in checks]
-    except BaseException:  # an interrupt or a failed search: the others are not waited for
-        pool.terminate()
-        raise
-    pool.close()
-    pool.join()
-    return specs, found
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _uninterrupted() -> None:
+    """Ignore SIGINT in a ``--jobs`` worker: the process that started it handles it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
