@@ -859,7 +859,7 @@ def register(subparsers: Any) -> None:
         default=1,
         metavar="N",
         help="run up to N searches at once, each in its own process (default 1); the report "
-        "is the same, and each search keeps its own memory floor",
+        "is the same; every search stops at the same machine-wide memory floor",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(handler=handle)
