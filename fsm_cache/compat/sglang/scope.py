@@ -672,10 +672,10 @@ def _as_composed(node: Any, exc: IllegalTransition) -> IllegalTransition:
     or children are given): the region's refusal names the node's own state,
     and so must the one raised in its place.
     """
-    system = node.machine().engine.system
+    engine = node.machine().engine
+    system = engine.system
     states = {region: getattr(node, region) for region, _ in system.regions}
-    counters = {name: getattr(node, name) for name, _ in system.counters}
-    forbid = composed_refusal(system, exc.event, states, counters)
+    forbid = composed_refusal(system, exc.event, states, engine.counters(node))
     if forbid is None:
         return exc
     owner = system.regions_of(exc.event)[0]
