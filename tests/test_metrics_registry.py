@@ -173,7 +173,11 @@ def test_a_reset_restarts_the_counters_and_says_when(monkeypatch: pytest.MonkeyP
         for sample in family.samples
         if sample.name.endswith("_created")
     ]
-    assert {name for name, _ in created} == {"fsm_cache_transitions_created"}  # no copy yet
+    assert {name for name, _ in created} == {  # no copy yet
+        "fsm_cache_transitions_created",
+        "fsm_cache_lookup_tokens_created",
+        "fsm_cache_hit_tokens_created",
+    }
     assert {value for _, value in created} == {2000.0}
     text = prometheus_client.generate_latest(registry).decode()
     assert "fsm_cache_tokens_created" not in text  # a gauge counts nothing: it has none
@@ -191,3 +195,35 @@ def test_a_failed_copy_is_counted_where_a_scrape_sees_it() -> None:
         (("cache", "a"), ("direction", "d2h")): 1.0
     }
     cache.close()
+
+
+def test_hit_counters_give_a_window_the_lifetime_gauge_cannot() -> None:
+    """The token counters move by what each lookup matched; ``hit_rate`` averages them all.
+
+    A scrape-to-scrape rate (what PromQL's ``rate()`` computes from two
+    samples) comes from ``fsm_cache_hit_tokens_total`` over
+    ``fsm_cache_lookup_tokens_total``; the gauge stays the average since the
+    counters started.
+    """
+    registry = prometheus_client.CollectorRegistry()
+    cache = HiCache(BASE)
+    cache.insert(list(range(8)))
+    register(cache, registry, name="c")
+    cache.match_prefix(list(range(8)))  # 8 of 8 on the device
+    first = (
+        series(registry, "fsm_cache_hit_tokens_total"),
+        series(registry, "fsm_cache_lookup_tokens_total"),
+    )
+    cache.match_prefix(list(range(100, 124)))  # 0 of 24
+    hits, looked = (
+        series(registry, "fsm_cache_hit_tokens_total"),
+        series(registry, "fsm_cache_lookup_tokens_total"),
+    )
+    device = (("cache", "c"), ("tier", "device"))
+    assert first == (
+        {device: 8.0, (("cache", "c"), ("tier", "host")): 0.0},
+        {(("cache", "c"),): 8.0},
+    )
+    assert (hits[device] - first[0][device]) / (looked[(("cache", "c"),)] - 8.0) == 0.0
+    assert series(registry, "fsm_cache_hit_rate")[device] == 8 / 32
+    assert "fsm_cache_lookup_tokens_created" in prometheus_client.generate_latest(registry).decode()

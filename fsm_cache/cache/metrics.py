@@ -126,8 +126,10 @@ class Stats:
         nodes: Tree nodes (roots excluded).
         device_tokens: Tokens whose KV the device holds or is loading.
         host_tokens: Tokens whose KV the host holds or is writing.
-        device_hit_rate: Matched device tokens over looked-up tokens.
-        host_hit_rate: Host-only matched tokens over looked-up tokens.
+        device_hit_rate: Matched device tokens over looked-up tokens, since
+            ``counted_since`` (a lifetime average: for a rate over a window,
+            divide the increases of ``hit_tokens`` and ``lookup_tokens``).
+        host_hit_rate: Host-only matched tokens over looked-up tokens, likewise.
         pins: Pins outstanding, summed over nodes.
         locks: Locks outstanding on leaves of lock paths (a lock counts once).
         copies_in_flight: Copies between the device and the host started and
@@ -136,6 +138,9 @@ class Stats:
         bytes: Bytes copied per direction (``d2h``, ``h2d``).
         seconds: Seconds from start to applied acknowledgement, per direction.
         copy_failures: Copies whose acknowledgement reported failure, per direction.
+        lookup_tokens: Tokens looked up, since ``counted_since``.
+        hit_tokens: Of those, tokens matched on the device (``device``) and
+            on the host only (``host``).
         transitions: Applied transitions by event.
         refused: Refused transitions by event.
         states: Nodes per ``host/device`` state pair.
@@ -173,6 +178,8 @@ class Stats:
     storage_failures: dict[str, int] = field(default_factory=dict)
     prefetch: dict[str, int] = field(default_factory=dict)
     copy_failures: dict[str, int] = field(default_factory=dict)
+    lookup_tokens: int = 0
+    hit_tokens: dict[str, int] = field(default_factory=dict)
     counted_since: float = field(default=0.0, compare=False)
 
 
@@ -203,13 +210,22 @@ def snapshot(cache: Observed, storage_in_flight: int = 0) -> Stats:
         storage_failures=dict(c.storage_failures),
         prefetch=dict(c.prefetch),
         copy_failures=dict(c.copy_failures),
+        lookup_tokens=c.lookup_tokens,
+        hit_tokens={"device": c.device_hit_tokens, "host": c.host_hit_tokens},
         counted_since=c.since,
     )
 
 
 _FAMILIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("tokens", "gauge", "Tokens held per tier", ("tier",)),
-    ("hit_rate", "gauge", "Matched tokens over looked-up tokens", ("tier",)),
+    (
+        "hit_rate",
+        "gauge",
+        "Matched tokens over looked-up tokens, since the counters started",
+        ("tier",),
+    ),
+    ("lookup_tokens", "counter", "Tokens looked up", ()),
+    ("hit_tokens", "counter", "Looked-up tokens matched, per tier", ("tier",)),
     ("pins", "gauge", "Host pins outstanding", ()),
     ("locks", "gauge", "Device locks outstanding", ()),
     ("copies_in_flight", "gauge", "Copies started, not yet applied", ()),
@@ -248,6 +264,8 @@ def _samples(stats: Stats) -> Samples:
             (("storage",), stats.storage_tokens),
         ],
         "hit_rate": [(("device",), stats.device_hit_rate), (("host",), stats.host_hit_rate)],
+        "lookup_tokens": [((), stats.lookup_tokens)],
+        "hit_tokens": by(stats.hit_tokens.items()),
         "pins": [((), stats.pins)],
         "locks": [((), stats.locks)],
         "copies_in_flight": [((), stats.copies_in_flight)],
