@@ -152,6 +152,24 @@ def test_a_refusal_of_a_class_a_spec_named_comes_back_from_a_worker_whole() -> N
     assert raised.value.counters == {"pins": 1}
 
 
+def test_a_ctrl_c_while_the_workers_spawn_interrupts_the_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGINT was ignored while workers spawned: an interrupt then was lost, the run went on."""
+    submit = ProcessPoolExecutor.submit
+
+    def interrupted(pool: ProcessPoolExecutor, *args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)  # as a Ctrl-C lands while a worker spawns
+        return submit(pool, *args, **kwargs)
+
+    monkeypatch.setattr(ProcessPoolExecutor, "submit", interrupted)
+    bounded = check.ceilings(HOST, 2, 2, 2)
+    planned = check.Search(HOST, "none", 2, bounded, Bounds(bounded, 2), True, Budget(), False)
+    with pytest.raises(KeyboardInterrupt):
+        check.searched([planned, planned], [], treeops, jobs=2, symmetry=True)
+    assert multiprocessing.active_children() == []
+
+
 def _workers_of(pid: int) -> list[int]:
     """Return the pool workers among the children of process ``pid`` (not its resource tracker)."""
     found = []
