@@ -151,6 +151,19 @@ class IllegalTransition(FsmCacheError):
         text = f"{self.label} {self.instance}: {self.event} refused in {where}: {self.reason}"
         return f"{text}; {self.history}" if self.history else text
 
+    def __reduce__(self) -> tuple[object, ...]:
+        """Pickle a refusal of a class a spec named (:func:`error_class`) by that name.
+
+        Such a class is made at run time, so it is no attribute of this module
+        and pickling it by reference failed: a ``check --jobs`` worker that
+        raised one sent back a ``PicklingError`` instead. The process reading
+        it makes the class from its name, once, as the spec's engine would.
+        """
+        cls = type(self)
+        if _CREATED.get(cls.__name__) is not cls:
+            return super().__reduce__()
+        return (_named_rebuilt, (cls.__name__, self.args), self.__dict__)
+
 
 class ReleaseAtZero(IllegalTransition, RuntimeError):
     """A release with no pin outstanding (SGLang: 'Host reference counter is already zero.')."""
@@ -230,6 +243,12 @@ def error_class(name: str) -> type[IllegalTransition]:
         made = type(name, (IllegalTransition,), {"__module__": __name__})
         found = _CREATED.setdefault(name, made)
     return found
+
+
+def _named_rebuilt(name: str, args: tuple[object, ...]) -> IllegalTransition:
+    """Return a refusal of the class :func:`error_class` gives ``name``, with ``args`` (unpickling)."""
+    cls = error_class(name)
+    return cls.__new__(cls, *args)
 
 
 class EffectFailed(FsmCacheError):

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fsm_cache.cli.main import main
-from fsm_cache.errors import SpecError
+from fsm_cache.errors import IllegalTransition, SpecError, error_class
 from fsm_cache.modelcheck import check, treeops
 from fsm_cache.modelcheck.budget import Budget
 from fsm_cache.modelcheck.explore import Bounds, Explorer
@@ -127,6 +129,45 @@ def test_a_search_that_raises_in_another_process_fails_as_it_does_here(tmp_path:
         errors.append((str(raised.value), raised.value.problems))
     assert errors[1] == errors[0]
     assert errors[0][1] == [f"{spec}: cannot read: No such file or directory"]
+
+
+_RAISES_SPEC_MADE = (
+    "from fsm_cache.errors import error_class\n"
+    "raise error_class('EvictedWhileHeldInWorker')(label='node', instance=2, state='held', "
+    "counters={'pins': 1}, event='evict', reason='a pin holds it')"
+)
+"""A worker's code raising a refusal of a class a spec names, made in the worker first."""
+
+
+def test_a_refusal_of_a_class_a_spec_named_comes_back_from_a_worker_whole() -> None:
+    """Such a class is made at run time: the pool got a ``PicklingError`` in its place."""
+    context = multiprocessing.get_context("spawn")
+    with (
+        ProcessPoolExecutor(1, mp_context=context) as pool,
+        pytest.raises(IllegalTransition) as raised,
+    ):
+        pool.submit(exec, _RAISES_SPEC_MADE).result()
+    assert type(raised.value) is error_class("EvictedWhileHeldInWorker")
+    assert str(raised.value) == "node 2: evict refused in held (pins=1): a pin holds it"
+    assert raised.value.counters == {"pins": 1}
+
+
+def test_a_ctrl_c_while_the_workers_spawn_interrupts_the_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGINT was ignored while workers spawned: an interrupt then was lost, the run went on."""
+    submit = ProcessPoolExecutor.submit
+
+    def interrupted(pool: ProcessPoolExecutor, *args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)  # as a Ctrl-C lands while a worker spawns
+        return submit(pool, *args, **kwargs)
+
+    monkeypatch.setattr(ProcessPoolExecutor, "submit", interrupted)
+    bounded = check.ceilings(HOST, 2, 2, 2)
+    planned = check.Search(HOST, "none", 2, bounded, Bounds(bounded, 2), True, Budget(), False)
+    with pytest.raises(KeyboardInterrupt):
+        check.searched([planned, planned], [], treeops, jobs=2, symmetry=True)
+    assert multiprocessing.active_children() == []
 
 
 def _workers_of(pid: int) -> list[int]:

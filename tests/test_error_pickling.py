@@ -15,6 +15,7 @@ from fsm_cache.errors import (
     ReleaseAtZero,
     SpecError,
     StoreFailed,
+    error_class,
 )
 
 
@@ -52,4 +53,22 @@ def test_an_error_unpickles_as_the_same_class_message_and_attributes(
     assert type(back) is type(error)
     assert str(back) == str(error)
     assert back.args == error.args
+    assert vars(back) == vars(error)
+
+
+def test_a_refusal_of_a_class_a_spec_named_unpickles_as_that_class() -> None:
+    """Such a class is made at run time: pickling it by reference raised ``PicklingError``."""
+    made = error_class("GateJammedWhilePickled")
+    error = made(
+        label="gate",
+        instance=3,
+        state="shut",
+        counters={"turns": 1},
+        event="open",
+        reason="jammed",
+        others={"bolt": "locked"},
+    )
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is made
+    assert str(back) == "gate 3: open refused in shut (turns=1, bolt locked): jammed"
     assert vars(back) == vars(error)

@@ -15,9 +15,17 @@ from hypothesis import strategies as st
 from fsm_cache.errors import SpecError
 from fsm_cache.spec import loader
 from fsm_cache.spec.guards import parse_condition, parse_guard, parse_update
-from fsm_cache.spec.loader import MAX_DEPTH, load_spec, machine_from_dict, shown, spec_from_dict
+from fsm_cache.spec.loader import (
+    MAX_DEPTH,
+    NOT_IN_SNAPSHOT,
+    load_snapshot,
+    load_spec,
+    machine_from_dict,
+    shown,
+    spec_from_dict,
+)
 from fsm_cache.spec.machine import EventSpec, Forbid, MachineSpec, StateSpec, System, Transition
-from fsm_cache.spec.shipped import load_shipped
+from fsm_cache.spec.shipped import load_shipped, spec_dir
 
 
 if sys.version_info >= (3, 11):
@@ -694,8 +702,8 @@ def test_a_file_reached_twice_in_one_load_is_read_and_reported_once(
         reads.append(path)
         return read(path)
 
-    read = loader.read_toml  # spied on: one read per file a load reaches
-    monkeypatch.setattr(loader, "read_toml", counted)
+    read = loader.read_bytes  # spied on: one read per file a load reaches
+    monkeypatch.setattr(loader, "read_bytes", counted)
     write(tmp_path, LAMP, "lamp.toml")
     write(tmp_path, DIMMER, "dimmer.toml")
     write(
@@ -860,3 +868,48 @@ def test_the_shipped_storage_composition_builds_on_residency() -> None:
         "device": "absent",
         "storage": "stored",
     }
+
+
+# -- snapshots ---------------------------------------------------------------------
+_STORAGE_FILES = (
+    "residency_storage.toml",
+    "residency.toml",
+    "host_residency.toml",
+    "device_residency.toml",
+    "host_storage_residency.toml",
+    "storage_residency.toml",
+)
+"""Every file ``residency_storage.toml`` is read from: what it extends, and their regions."""
+
+
+def test_a_snapshot_builds_the_spec_it_was_read_as_once_every_file_is_gone(
+    tmp_path: Path,
+) -> None:
+    for name in _STORAGE_FILES:
+        (tmp_path / name).write_bytes((spec_dir() / name).read_bytes())
+    spec, files = load_snapshot(tmp_path / "residency_storage.toml")
+    assert spec == load_spec(tmp_path / "residency_storage.toml")
+    assert files == {
+        str((tmp_path / name).resolve()): (spec_dir() / name).read_bytes()
+        for name in _STORAGE_FILES
+    }
+    for name in _STORAGE_FILES:
+        (tmp_path / name).unlink()
+    assert load_spec(tmp_path / "residency_storage.toml", files) == spec
+
+
+def test_a_file_a_snapshot_lacks_is_not_read_from_disk(tmp_path: Path) -> None:
+    for name in ("residency.toml", "host_residency.toml", "device_residency.toml"):
+        (tmp_path / name).write_bytes((spec_dir() / name).read_bytes())
+    spec = tmp_path / "residency.toml"
+    _, files = load_snapshot(spec)
+    device = tmp_path / "device_residency.toml"
+    del files[str(device.resolve())]
+    with pytest.raises(SpecError) as raised:
+        load_spec(spec, files)
+    assert raised.value.problems == [
+        f"{spec}: composition.regions.device: cannot read {device}: {NOT_IN_SNAPSHOT}"
+    ]
+    with pytest.raises(SpecError) as raised:
+        load_spec(spec, {})
+    assert raised.value.problems == [f"{spec}: cannot read: {NOT_IN_SNAPSHOT}"]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import too_big_toml
@@ -508,6 +509,55 @@ def test_a_three_region_composition_is_checked_on_every_representative_input(
     # host 6 x device 3 x storage 4 x pins 5 x locks 4 x parent device 4 x parent host 7
     assert [r.detail for r in fetch] == [f"{6 * 3 * 4 * 5 * 4 * 4 * 7} inputs"]
     assert exhaustive.counter_domains(storage) == {"pins": (0, 1, 2, 3, 4), "locks": (0, 1, 2, 3)}
+
+
+_STORAGE_FILES = (
+    "residency_storage.toml",
+    "residency.toml",
+    "host_residency.toml",
+    "device_residency.toml",
+    "host_storage_residency.toml",
+    "storage_residency.toml",
+)
+"""Every file ``residency_storage.toml`` is read from: what it extends, and their regions."""
+
+
+@pytest.mark.parametrize(
+    ("file", "old", "new"),
+    [
+        # a refusal's reason in the base the composition extends: the steps the contracts
+        # were generated from refuse with the old reason, the spec read again the new
+        (
+            "residency.toml",
+            'reason = "the last pin belongs to the load in flight"',
+            'reason = "the load in flight holds the last pin"',
+        ),
+        # a region of that base no longer TOML: the spec read again did not load
+        ("device_residency.toml", "[machine]", "[machine"),
+    ],
+    ids=["reworded", "garbled"],
+)
+def test_a_spec_saved_over_while_it_is_verified_is_proved_as_it_was_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file: str, old: str, new: str
+) -> None:
+    """The contracts module read the spec's files again when imported: two versions mixed."""
+    for name in _STORAGE_FILES:
+        (tmp_path / name).write_text((spec_dir() / name).read_text())
+    generated = generate
+
+    def then_saved_over(*args: Any) -> Any:
+        module = generated(*args)
+        text = (tmp_path / file).read_text()
+        assert old in text
+        (tmp_path / file).write_text(text.replace(old, new, 1))  # as an editor saves it
+        return module
+
+    monkeypatch.setattr(verify, "generate", then_saved_over)
+    work = tmp_path / "work"
+    work.mkdir()
+    rows = verify.verify_spec(tmp_path / "residency_storage.toml", Options(), work)
+    assert {r.status for r in rows} == {exhaustive.CONFIRMED_EVERY_INPUT}
+    assert {r.function for r in rows} == set(load_shipped("residency_storage").event_names)
 
 
 def test_every_input_finds_a_planted_bug_in_the_engines_code(tmp_path: Path) -> None:

@@ -17,6 +17,9 @@ For a spec, :func:`generate` writes a self-contained Python module holding:
   engine's message is made of: its error class, region, event, reason and
   the other regions it names); rows and counterexamples name the event
   (:meth:`Generated.reported`);
+* the bytes of the spec's files the system was built from, from which the
+  module builds it again (:func:`generate`), so the contracts are proved
+  against the version of the spec their code was generated from;
 * icontract pre- and postconditions derived from the spec objects: the
   source state's invariant holds and counters are non-negative before; after,
   the result equals :func:`fsm_cache.spec.meaning.explained` (the spec
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -71,7 +74,8 @@ from fsm_cache.spec.machine import as_system as _as_system
 
 _NAME = {name!r}
 _SOURCE = {source!r}
-_SYSTEM = _as_system(_load_spec(_SOURCE))
+_FILES = {files!r}
+_SYSTEM = _as_system(_load_spec(_SOURCE, _FILES))
 _label = {label!r}
 '''
 
@@ -188,8 +192,17 @@ class Generated:
         return path
 
 
-def generate(system: System, source: str | Path) -> Generated:
-    """Return the contracts module of ``system``, which was loaded from ``source``."""
+def generate(
+    system: System, source: str | Path, files: Mapping[str, bytes] | None = None
+) -> Generated:
+    """Return the contracts module of ``system``, which was loaded from ``source``.
+
+    The module proves the engine's code against the spec it builds when
+    imported: from ``files``, the bytes ``system`` was built from
+    (:func:`~fsm_cache.spec.loader.load_snapshot`), which it holds, so it
+    proves the version of the spec its code was generated from, though the
+    spec was saved over since; without them, from the files as they are then.
+    """
     em = Emitter(system)
     code: dict[str, str] = {}
     hooks = system.effect_names  # each bound to a hook that does nothing
@@ -202,7 +215,12 @@ def generate(system: System, source: str | Path) -> Generated:
             code[event] = compile_fast(em, event)
     engine_code = "\n".join(em.lines)
     parts = [
-        _HEADER.format(name=system.name, source=str(Path(source).resolve()), label=system.label),
+        _HEADER.format(
+            name=system.name,
+            source=str(Path(source).resolve()),
+            files=None if files is None else dict(sorted(files.items())),
+            label=system.label,
+        ),
         *(_enum(region, machine) for region, machine in system.regions),
         _result(system),
         f"_LABEL = {system.label!r}",

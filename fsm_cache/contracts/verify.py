@@ -39,7 +39,7 @@ from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.numeric import whole
 from fsm_cache.shell import find_pyproject, named_once, path_text, summary_line
 from fsm_cache.spec.controls import Control, controls, load_finding, relative, render_controls
-from fsm_cache.spec.loader import load_spec, read_toml
+from fsm_cache.spec.loader import load_snapshot, load_spec, read_toml
 from fsm_cache.spec.machine import System, as_system
 from fsm_cache.spec.shipped import shipped_spec_paths
 
@@ -162,14 +162,20 @@ def out_of_range(key: str, value: float) -> str:
 def verify_spec(path: Path, options: Options, workdir: Path) -> list[Row]:
     """Generate the contracts of the spec at ``path`` and check them.
 
+    The spec's files are read once, here: the contracts module holds their
+    bytes and builds the spec from them (:func:`~fsm_cache.spec.loader.load_snapshot`),
+    so the code generated and the spec it is proved against are one version,
+    though a file is saved over while CrossHair runs.
+
     Raises:
         SpecError: The spec does not load.
         FsmCacheError: The verify extra is not installed (:func:`~fsm_cache.contracts.runner.require_extra`).
     """
     crosshair_run.require_extra()
-    system = as_system(load_spec(path))
+    spec, files = load_snapshot(path)
+    system = as_system(spec)
     folder = Path(tempfile.mkdtemp(dir=workdir))
-    generated = generate(system, path)
+    generated = generate(system, path, files)
     module = generated.write(folder)
     if not proved_by_crosshair(system):
         rows = exhaustive.check_module(system.name, module, exhaustive.counter_domains(system))

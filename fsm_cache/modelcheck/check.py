@@ -570,11 +570,12 @@ def searched(
     count = min(jobs, len(searches) + len(chosen))
     with ProcessPoolExecutor(count, mp_context=context, initializer=_uninterrupted) as pool:
         others = set(multiprocessing.active_children())
-        with _interrupts_held_off():  # the workers start as work is submitted
-            runs = [pool.submit(search, s, plain=True) for s in searches]
-            checks = [pool.submit(check_control, c, symmetry=symmetry) for c in chosen]
-            started = set(multiprocessing.active_children()) - others
+        started: set[multiprocessing.process.BaseProcess] = set()
         try:
+            with _interrupts_held_off():  # the workers start as work is submitted
+                runs = [pool.submit(search, s, plain=True) for s in searches]
+                checks = [pool.submit(check_control, c, symmetry=symmetry) for c in chosen]
+                started = set(multiprocessing.active_children()) - others
             return [r.result() for r in runs], [c.result() for c in checks]
         except BrokenProcessPool:  # the pool has ended the other workers
             raise FsmCacheError(WORKER_LOST) from None
@@ -593,7 +594,7 @@ WORKER_LOST = (
 
 @contextlib.contextmanager
 def _interrupts_held_off() -> Iterator[None]:
-    """Ignore SIGINT while workers are spawned here, so they start ignoring it.
+    """Ignore and block SIGINT while workers are spawned here, so they start ignoring it.
 
     A terminal's Ctrl-C reaches every process of its group: each worker
     printed its own interrupt (a traceback, or ``Process SpawnPoolWorker-2:``)
@@ -601,17 +602,24 @@ def _interrupts_held_off() -> Iterator[None]:
     interrupt and ends them all. A process keeps an ignored signal across
     ``exec``, so a worker spawned meanwhile is never exposed while it
     starts; then :func:`_uninterrupted` keeps it so. Off the main thread,
-    where no handler can be set, only :func:`_uninterrupted` does. An
-    interrupt in the few milliseconds held off is lost.
+    where no handler can be set, only :func:`_uninterrupted` does.
+
+    Blocked, an interrupt sent in the few milliseconds held off waits,
+    though ignored (Linux keeps a blocked signal pending whatever its
+    handler; POSIX lets a system drop it), and is taken here as
+    ``KeyboardInterrupt`` once the handler is back: ignored alone, it was lost.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        if signal.SIGINT not in blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending one: now
 
 
 def _uninterrupted() -> None:

@@ -151,7 +151,11 @@ class _Files:
     exponential in the depth, and repeat each of their faults as often.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, given: Mapping[str, bytes] | None = None) -> None:
+        self.given = given
+        """The bytes of every file to read, by resolved path (:func:`load_snapshot`); None: the disk's."""
+        self.read: dict[str, bytes] = {}
+        """The bytes of every file read, by resolved path: what the spec was built from."""
         self.tables: dict[Path, _Table | None] = {}
         """A file's table by its resolved path; None when the file itself is at fault."""
         self.specs: dict[tuple[Path, int], Spec | None] = {}
@@ -173,7 +177,7 @@ class _Files:
         if target is not None and target in self.tables:
             return self.tables[target]
         try:
-            data = read_toml(path)
+            data = _toml(self._bytes(path, target), path)
             _check_shape(data, str(path))
         except SpecError:
             if target is not None:
@@ -182,6 +186,25 @@ class _Files:
         if target is not None:
             self.tables[target] = data
         return data
+
+    def _bytes(self, path: Path, target: Path | None) -> bytes:
+        """Return the bytes of the file ``path`` (``target`` resolved): from disk, or as given.
+
+        Raises:
+            OSError: It cannot be read, or, from given bytes, none are given for it.
+            ValueError: Its name cannot name a file.
+            SpecError: It is larger than :data:`MAX_BYTES`.
+        """
+        given = None if self.given is None or target is None else self.given.get(str(target))
+        if self.given is None:
+            raw = read_bytes(path)
+        elif given is None:
+            raise FileNotFoundError(errno.ENOENT, NOT_IN_SNAPSHOT)
+        else:
+            raw = given
+        if target is not None:
+            self.read[str(target)] = raw
+        return raw
 
     def spec(self, data: _Table, path: Path, route: _Route, key: tuple[Path, int] | None) -> Spec:
         """Return the unvalidated spec of ``data``, the file ``path`` reached by ``route``, built once per ``key``.
@@ -238,11 +261,19 @@ def _resolved(path: Path) -> Path | None:
         return None
 
 
-def load_spec(path: str | Path) -> Spec:
+NOT_IN_SNAPSHOT = "not among the files the spec was first read from"
+"""Why a load from a snapshot (:func:`load_spec` given ``files``) cannot read a file."""
+
+
+def load_spec(path: str | Path, files: Mapping[str, bytes] | None = None) -> Spec:
     """Read, parse and validate one spec file.
 
     Args:
         path: A ``.toml`` file holding a ``[machine]`` or a ``[composition]``.
+        files: The bytes of the spec's files by resolved path, as
+            :func:`load_snapshot` returns them: the spec is built from them
+            and no file is read, so it is the spec they were read as, whatever
+            the files hold now. None (the default) reads the files.
 
     Returns:
         The validated :class:`MachineSpec` or :class:`System`.
@@ -251,12 +282,43 @@ def load_spec(path: str | Path) -> Spec:
         SpecError: The file is unreadable, not TOML, or the spec is invalid;
             one problem per fault, each naming the file and key.
     """
-    path = Path(path)
+    return _load(Path(path), _Files(files))
+
+
+def load_snapshot(path: str | Path) -> tuple[Spec, dict[str, bytes]]:
+    """Load one spec file as :func:`load_spec` does; return it and the bytes it was built from.
+
+    The bytes are those of every file the load read (the spec, what it
+    extends, its regions' files), by resolved path, read once each: given
+    back to :func:`load_spec`, in this process or another, they build this
+    spec again, though a file was saved over meanwhile. A run that builds
+    a spec more than once (``verify``: the contracts here, the spec they
+    are proved against in CrossHair's process) builds one version of it.
+
+    Raises:
+        SpecError: As :func:`load_spec`.
+    """
+    files = _Files()
+    return _load(Path(path), files), files.read
+
+
+def _load(path: Path, files: _Files) -> Spec:
+    """Load the spec file ``path``, reading its files through ``files``.
+
+    Raises:
+        SpecError: As :func:`load_spec`.
+    """
+    from fsm_cache.spec.validate import validate
+
     try:
-        data = read_toml(path)
+        data = files.table(path, _resolved(path))
     except (OSError, ValueError) as exc:
         raise SpecError([f"{path}: cannot read: {_why(exc)}"]) from exc
-    return spec_from_dict(data, source=str(path), base=path.parent)
+    if data is None:  # pragma: no cover - a first read is never one already refused
+        raise SpecError([])
+    spec = _built(data, str(path), path.parent, _Route((), files))
+    validate(spec)
+    return spec
 
 
 def read_toml(path: Path) -> _Table:
@@ -276,6 +338,19 @@ def read_toml(path: Path) -> _Table:
             (including integers too long to convert and nesting too deep for
             the parser).
     """
+    return _toml(read_bytes(path), path)
+
+
+def read_bytes(path: Path) -> bytes:
+    """Return the bytes of ``path``, a regular file of at most :data:`MAX_BYTES`.
+
+    The one way a spec file is read (:func:`read_toml`, and every file a
+    load reaches), so what a load read is what it built.
+
+    Raises:
+        OSError, ValueError: As :func:`read_toml`.
+        SpecError: It is larger than :data:`MAX_BYTES`.
+    """
     _regular(os.stat(path).st_mode)  # before opening: a FIFO's open waits for a writer
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # nor waits for one put there since
     try:
@@ -286,6 +361,15 @@ def read_toml(path: Path) -> _Table:
         os.close(fd)
     if len(raw) > MAX_BYTES:
         raise SpecError([f"{path}: larger than {MAX_BYTES // 2**20} MiB; not a spec file"])
+    return raw
+
+
+def _toml(raw: bytes, path: Path) -> _Table:
+    """Return the TOML table of ``raw``, the bytes of ``path``.
+
+    Raises:
+        SpecError: Not UTF-8, or not TOML (as :func:`read_toml`).
+    """
     try:
         return tomllib.loads(raw.decode("utf-8"))
     except ValueError as exc:  # TOMLDecodeError, UnicodeDecodeError, int digit limit
@@ -378,12 +462,16 @@ def spec_from_dict(data: _Table, source: str = "<python>", base: Path | None = N
     from fsm_cache.spec.validate import validate
 
     _check_shape(data, source)
-    if "composition" in data:
-        spec: Spec = _composition(data, source, base or Path(), _Route.start())
-    else:
-        spec = _machine(data, source, base, _Route.start())
+    spec = _built(data, source, base, _Route.start())
     validate(spec)
     return spec
+
+
+def _built(data: _Table, source: str, base: Path | None, route: _Route) -> Spec:
+    """Return the unvalidated spec of ``data``, a composition's or a machine's, reached by ``route``."""
+    if "composition" in data:
+        return _composition(data, source, base or Path(), route)
+    return _machine(data, source, base, route)
 
 
 def machine_from_dict(
