@@ -9,8 +9,10 @@ deterministic: a poll applies what the previous operation started.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -792,6 +794,47 @@ def test_a_copy_that_timed_out_waiting_for_a_worker_is_never_run(store: Store) -
         assert copy.done.wait(5)
     assert faulty.calls == ["put"]  # the two the worker reached late were not run
     assert [c.result.outcome for c in copies[1:]] == ["timeout", "timeout"]  # type: ignore[union-attr]
+    writer.close()
+
+
+def test_a_store_abandoned_behind_a_hung_worker_lets_its_snapshot_go(
+    store: Store, clock: Clock
+) -> None:
+    """The worker hangs for good: a store queued behind it must not hold its host snapshot.
+
+    The copy a worker claimed keeps its pages until its put returns (and
+    writes them all); the one it never reached is abandoned at its timeout,
+    and never run.
+    """
+    faulty = FaultyStore(store)
+    faulty.gate = threading.Event()
+    writer = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=1.0))
+    writer.insert(tokens(1, 1000))
+    writer.insert(tokens(2, 2000))
+    writer.poll()  # two stores: the first hangs the worker, the second waits in its queue
+    storage = writer.storage
+    assert storage is not None
+    first, second = storage.in_flight().values()
+    ends = time.monotonic() + 5.0
+    while faulty.calls != ["put"] and time.monotonic() < ends:
+        time.sleep(0.01)
+    assert faulty.calls == ["put"]  # the worker claimed the first
+    held = [weakref.ref(page) for page in second.snapshot]
+    assert len(held) == 2
+    clock.now += 1.0
+    writer.poll()  # both timed out
+    gc.collect()
+    assert [page() for page in held] == [None, None]
+    assert (first.snapshot, second.snapshot) == ([], [])
+    assert writer.stats().storage_failures == {"store:timeout": 2}
+    faulty.gate.set()
+    assert first.done.wait(5)
+    assert second.done.wait(5)
+    assert faulty.calls == ["put"]  # the abandoned one was not run
+    assert first.result is not None
+    assert second.result is not None
+    assert (first.result.held, first.result.outcome) == (1, "ok")  # late, to no one
+    assert (second.result.held, second.result.outcome) == (0, "timeout")
     writer.close()
 
 

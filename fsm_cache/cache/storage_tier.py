@@ -19,7 +19,9 @@ machine:
   Every copy is numbered and stays in :meth:`StorageTier.in_flight` until it
   is applied; :meth:`StorageTier.collect` fails copies older than
   ``io_timeout`` (a backend thread that hangs or dies must not keep its host
-  pin for ever: SGLang #38427).
+  pin for ever: SGLang #38427), and abandon them: a store's snapshot that no
+  worker claimed is let go then, so workers that hang keep no more host
+  memory than the copies they run.
 * **Acknowledgements per page.** A store or a read lands a prefix of its
   pages; the node is split at the first page that did not land, the prefix
   acknowledged (``store_done``, ``fetch_done``) and the rest failed
@@ -325,6 +327,14 @@ class StoreResult:
 class StorageCopy:
     """One copy to or from the store: its ticket, the nodes it serves, and its result.
 
+    A store's snapshot of its host pages is held here, not by the job queued
+    for a worker, so that the cache thread can let it go when the copy is
+    abandoned (:meth:`abandon`) while the job still waits behind a worker that
+    hangs. Whichever of the worker (:meth:`claim`) and the cache thread comes
+    first decides, under a lock: a worker that claimed the snapshot writes it
+    (the memory comes back when its put returns), and one that comes after an
+    abandon finds nothing to write and does not run the copy.
+
     Attributes:
         number: The copy's number in the log (from 1 since construction or reset).
         kind: ``store`` or ``fetch``.
@@ -333,9 +343,22 @@ class StorageCopy:
         started: When it was started (``time.monotonic``); None while queued.
         done: Set by the worker once :attr:`result` is there.
         result: The worker's report, or None.
+        snapshot: The host pages a store writes, until a worker claims them or
+            the copy is abandoned (then empty); empty for a fetch.
     """
 
-    __slots__ = ("done", "keys", "kind", "nodes", "number", "result", "started")
+    __slots__ = (
+        "_claims",
+        "_fate",
+        "done",
+        "keys",
+        "kind",
+        "nodes",
+        "number",
+        "result",
+        "snapshot",
+        "started",
+    )
 
     def __init__(self, number: int, kind: str, node: TreeNode, keys: Sequence[str]) -> None:
         self.number = number
@@ -345,10 +368,34 @@ class StorageCopy:
         self.started: float | None = None
         self.done = threading.Event()
         self.result: StoreResult | None = None
+        self.snapshot: list[torch.Tensor] = []
+        self._claims = threading.Lock()
+        self._fate = ""  # "running" once a worker claimed it, "abandoned" once the cache did
 
     def tokens(self) -> int:
         """Return the tokens this copy moves."""
         return sum(len(n.key) for n in self.nodes)
+
+    def claim(self) -> list[torch.Tensor] | None:
+        """Take the snapshot to run the copy (a worker); None where it was abandoned first."""
+        with self._claims:
+            if self._fate == "abandoned":
+                return None
+            self._fate = "running"
+            pages, self.snapshot = self.snapshot, []
+            return pages
+
+    def abandon(self) -> None:
+        """Let the snapshot go, and no worker run the copy, unless a worker runs it already.
+
+        The cache thread calls it once nobody waits for the copy (its timeout
+        was applied, or the tier was reset); a worker that claimed it first
+        holds its pages until its put returns, and no longer.
+        """
+        with self._claims:
+            if self._fate != "running":
+                self._fate = "abandoned"
+                self.snapshot = []
 
 
 class _Workers:
@@ -356,7 +403,9 @@ class _Workers:
 
     Jobs never raise (each catches what its store raises), so a thread lives as
     long as the cache; a job that hangs holds its thread, and the copies behind
-    it are failed by their timeout (and not run once a thread gets to them).
+    it are failed by their timeout (and not run once a thread gets to them);
+    their snapshots are let go then (:meth:`StorageCopy.abandon`), though the
+    jobs stay queued.
     """
 
     def __init__(self, threads: int) -> None:
@@ -389,22 +438,20 @@ class _Workers:
         self._threads = []
 
 
-def _run(
-    store: Store,
-    copy: StorageCopy,
-    pages: list[torch.Tensor],
-    shape: tuple[int, ...],
-    timeout: float,
-) -> None:
+def _run(store: Store, copy: StorageCopy, shape: tuple[int, ...], timeout: float) -> None:
     """Run one copy on a worker: record its result, whatever the store does.
 
     A fetch's pages must be uint8 pages of ``shape`` (a host page's). A copy
     that waited in the queue past its ``timeout`` is failed by it already (or
     will be, at the next poll), so it is not run: behind a slow store, running
     every such copy would keep the workers busy with copies nobody waits for,
-    and every later copy would time out in the queue too.
+    and every later copy would time out in the queue too. Nor is one the cache
+    abandoned (:meth:`StorageCopy.abandon`) before this worker claimed it.
     """
-    if copy.started is not None and time.monotonic() >= copy.started + timeout:
+    late = copy.started is not None and time.monotonic() >= copy.started + timeout
+    pages = None if late else copy.claim()
+    if pages is None:
+        copy.abandon()  # a copy nobody runs needs no snapshot
         copy.result = StoreResult(0, [], "timeout", f"not started within {timeout} s")
         copy.done.set()
         return
@@ -650,13 +697,12 @@ class StorageTier:
         queued, self._queued = self._queued, []
         shape = tuple(self._tiers.host.pages.shape[1:])
         for copy in queued:
-            pages: list[torch.Tensor] = []
             if copy.kind == "store":
                 host = [p for n in copy.nodes for p in n.host_pages]
                 index = torch.tensor(host, dtype=torch.long)
-                pages = list(self._tiers.host.pages.index_select(0, index).unbind(0))
+                copy.snapshot = list(self._tiers.host.pages.index_select(0, index).unbind(0))
             copy.started = time.monotonic()
-            job = partial(_run, self._store, copy, pages, shape, self.config.io_timeout)
+            job = partial(_run, self._store, copy, shape, self.config.io_timeout)
             self._workers.submit(job)
 
     def idle(self) -> bool:
@@ -721,9 +767,14 @@ class StorageTier:
         return self._outcome(copy) if agreed is None else agreed
 
     def _outcome(self, copy: StorageCopy) -> StoreResult:
-        """The worker's result (which checked a fetch's pages), or a timeout."""
+        """The worker's result (which checked a fetch's pages), or a timeout.
+
+        A copy timed out is abandoned here: a worker that never got to it
+        (every worker hangs) would otherwise keep its snapshot for ever.
+        """
         result = copy.result if copy.done.is_set() else None
         if result is None:
+            copy.abandon()
             return StoreResult(0, [], "timeout", f"no answer in {self.config.io_timeout} s")
         return result
 
@@ -799,7 +850,12 @@ class StorageTier:
             self.apply(self.collect(wait_until=float("inf")), "wait")
 
     def reset(self) -> None:
-        """Forget every copy (a copy still running answers no one) and renumber from 1."""
+        """Forget every copy (a copy still running answers no one) and renumber from 1.
+
+        A copy no worker has claimed yet is abandoned: never run, its snapshot let go.
+        """
+        for copy in self._copies.values():
+            copy.abandon()
         self._copies = {}
         self._queued = []
         self._numbers = 0
