@@ -9,8 +9,10 @@ deterministic: a poll applies what the previous operation started.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,8 +61,12 @@ def config(**overrides: Any) -> CacheConfig:
 
 
 def tier(store: Store, **overrides: Any) -> StorageConfig:
-    """Inline copies, prefetch from one page on."""
-    settings: dict[str, Any] = {"threads": 0, "prefetch_threshold": PAGE}
+    """Inline copies, prefetch from one page on.
+
+    A query is slow only past 5 s, so that a busy machine does not back a test
+    off that is not about slow queries (those set their own budget).
+    """
+    settings: dict[str, Any] = {"threads": 0, "prefetch_threshold": PAGE, "query_budget": 5.0}
     settings.update(overrides)
     return StorageConfig(store, **{"model": "test", **settings})
 
@@ -208,6 +214,9 @@ def test_without_a_store_nothing_changes(tmp_path: Path) -> None:
         ),
         ({"threads": -1}, "storage: threads must be an int >= 0, got -1"),
         ({"io_timeout": 0}, "storage: io_timeout must be seconds > 0, got 0"),
+        ({"query_budget": 0}, "storage: query_budget must be seconds > 0, got 0"),
+        ({"query_budget": float("nan")}, "storage: query_budget must be seconds > 0, got nan"),
+        ({"query_budget": "1"}, "storage: query_budget must be seconds > 0, got '1'"),
         ({"query_backoff": -1}, "storage: query_backoff must be seconds >= 0, got -1"),
         (
             {"query_backoff_max": float("inf")},
@@ -633,11 +642,11 @@ def test_under_agreement_a_query_backoff_ends_only_where_the_group_says(
 
     def another_rank_raises(found: Sequence[int], pages: Sequence[int]) -> list[int]:
         asked.append((list(found), list(pages)))
-        return [0, 0, 0]
+        return [0, 0, 0, 0]
 
     storage.agree_by(another_rank_raises)
     assert reader.match_prefix(toks).storage_len == 0
-    assert asked == [([0, 3, 1], [0, 3, 1])]  # this rank's store answered
+    assert asked == [([0, 3, 1, 1], [0, 3, 1, 1])]  # this rank's store answered, in time
     clock.now += 10.0
     assert storage.queries_may_resume()  # what this rank brings to the next step
     assert reader.match_prefix(toks).storage_len == 0  # but no step agreed yet
@@ -684,12 +693,18 @@ def test_a_torn_page_the_store_will_not_drop_keeps_the_pages_before_it(tmp_path:
     assert device_kv_matches(reader, toks[: 2 * PAGE])
 
 
-def test_a_store_that_failed_once_is_stored_again_by_a_later_lookup(store: Store) -> None:
-    """One transient failure kept the node, and every node under it, out of the store for good."""
+def test_a_store_that_failed_once_is_stored_again_by_a_later_lookup(
+    store: Store, clock: Clock
+) -> None:
+    """One transient failure kept the node, and every node under it, out of the store for good.
+
+    The failed store backs lookups off, so the lookup that stores it again is
+    the first after the backoff, though it has no tail to ask about.
+    """
     toks, more = tokens(3), tokens(2, start=9000)
     faulty = FaultyStore(store)
     faulty.raises = {"put"}
-    writer = HiCache(config(), storage=tier(faulty))
+    writer = HiCache(config(), storage=tier(faulty, query_backoff=1.0))
     writer.insert(toks)
     writer.poll()
     writer.poll()  # the store failed
@@ -697,6 +712,9 @@ def test_a_store_that_failed_once_is_stored_again_by_a_later_lookup(store: Store
     writer.poll()
     assert [n.storage for n in writer.tree] == ["unstored", "unstored"]
     faulty.raises = set()
+    assert writer.match_prefix(toks).device_len == 3 * PAGE  # backing off: no store
+    assert [n.storage for n in writer.tree] == ["unstored", "unstored"]
+    clock.now += 1.0
     assert writer.match_prefix(toks).device_len == 3 * PAGE  # starts the parent's store again
     assert [n.storage for n in writer.tree] == ["storing", "unstored"]
     assert writer.match_prefix(toks).device_len == 3 * PAGE  # in flight: not started twice
@@ -715,31 +733,42 @@ def test_no_store_is_started_again_while_queries_back_off(store: Store, clock: C
     writer = HiCache(config(), storage=tier(faulty, query_backoff=1.0))
     writer.insert(toks)
     writer.poll()
-    writer.poll()  # the store failed
-    writer.match_prefix(toks + tokens(2, start=9000))  # the query fails: back off
+    writer.poll()  # the store failed: back off
+    writer.match_prefix(toks + tokens(2, start=9000))  # asks nothing
+    writer.match_prefix(toks)
+    assert faulty.calls == ["put"]
+    assert [n.storage for n in writer.tree] == ["unstored"]
+    clock.now += 1.0
+    writer.match_prefix(toks + tokens(2, start=9000))  # the query fails: back off again
     writer.match_prefix(toks)
     assert faulty.calls == ["put", "exists_prefix"]
     assert [n.storage for n in writer.tree] == ["unstored"]
     faulty.raises = set()
-    clock.now += 1.0
+    clock.now += 2.0
     writer.match_prefix(toks + tokens(2, start=9000))  # asks (the run, then the tail), stores
     assert faulty.calls == ["put", "exists_prefix", "exists_prefix", "exists_prefix", "put"]
 
 
-def test_a_read_that_raises_fails_the_fetch_and_removes_the_node(store: Store) -> None:
+def test_a_read_that_raises_fails_the_fetch_and_removes_the_node(
+    store: Store, clock: Clock
+) -> None:
     toks = tokens(3)
     stored_cache(store, toks)
     faulty = FaultyStore(store)
     faulty.raises = {"get"}
-    reader = HiCache(config(), storage=tier(faulty, prefetch_policy="wait"))
+    reader = HiCache(config(), storage=tier(faulty, prefetch_policy="wait", query_backoff=1.0))
     found = reader.match_prefix(toks)
     assert (found.host_len, found.storage_len) == (0, 0)
     assert list(reader.tree) == []
     assert reader.tiers.host.allocator.free_pages == 32
     assert [e for _, e in reader.log.transitions()][-2:] == ["fetch_failed", "delete"]
     assert reader.stats().storage_failures == {"fetch:failed": 1}
-    faulty.raises = set()  # a transient failure: the next lookup finds the pages by key
+    faulty.raises = set()  # a transient failure: the store may still be down, so back off
+    assert reader.match_prefix(toks).host_len == 0
+    assert faulty.calls == ["exists_prefix", "get"]
+    clock.now += 1.0  # then the next lookup finds the pages by key
     assert reader.match_prefix(toks).host_len == 3 * PAGE
+    assert reader.stats().prefetch == {"started": 2, "read": 2, "backing_off": 1}
 
 
 def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store) -> None:
@@ -750,7 +779,12 @@ def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store) -> Non
     reader = HiCache(
         config(),
         storage=tier(
-            faulty, threads=1, prefetch_policy="timeout", prefetch_timeout=0.05, io_timeout=1.0
+            faulty,
+            threads=1,
+            prefetch_policy="timeout",
+            prefetch_timeout=0.05,
+            io_timeout=1.0,
+            query_backoff=0,  # the backoff after a timeout is tested on its own
         ),
     )
     started = time.monotonic()
@@ -793,6 +827,181 @@ def test_a_copy_that_timed_out_waiting_for_a_worker_is_never_run(store: Store) -
     assert faulty.calls == ["put"]  # the two the worker reached late were not run
     assert [c.result.outcome for c in copies[1:]] == ["timeout", "timeout"]  # type: ignore[union-attr]
     writer.close()
+
+
+def test_a_store_abandoned_behind_a_hung_worker_lets_its_snapshot_go(
+    store: Store, clock: Clock
+) -> None:
+    """The worker hangs for good: a store queued behind it must not hold its host snapshot.
+
+    The copy a worker claimed keeps its pages until its put returns (and
+    writes them all); the one it never reached is abandoned at its timeout,
+    and never run.
+    """
+    faulty = FaultyStore(store)
+    faulty.gate = threading.Event()
+    writer = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=1.0))
+    writer.insert(tokens(1, 1000))
+    writer.insert(tokens(2, 2000))
+    writer.poll()  # two stores: the first hangs the worker, the second waits in its queue
+    storage = writer.storage
+    assert storage is not None
+    first, second = storage.in_flight().values()
+    ends = time.monotonic() + 5.0
+    while faulty.calls != ["put"] and time.monotonic() < ends:
+        time.sleep(0.01)
+    assert faulty.calls == ["put"]  # the worker claimed the first
+    held = [weakref.ref(page) for page in second.snapshot]
+    assert len(held) == 2
+    clock.now += 1.0
+    writer.poll()  # both timed out
+    gc.collect()
+    assert [page() for page in held] == [None, None]
+    assert (first.snapshot, second.snapshot) == ([], [])
+    assert writer.stats().storage_failures == {"store:timeout": 2}
+    faulty.gate.set()
+    assert first.done.wait(5)
+    assert second.done.wait(5)
+    assert faulty.calls == ["put"]  # the abandoned one was not run
+    assert first.result is not None
+    assert second.result is not None
+    assert (first.result.held, first.result.outcome) == (1, "ok")  # late, to no one
+    assert (second.result.held, second.result.outcome) == (0, "timeout")
+    writer.close()
+
+
+def test_a_query_slower_than_its_budget_backs_off_but_its_answer_stands(
+    store: Store, clock: Clock
+) -> None:
+    """Redis answers every EXISTS after 2 s: without a budget each lookup would wait as long."""
+    toks, more, third = tokens(3), tokens(3, start=5000), tokens(3, start=7000)
+    for prefix in (toks, more, third):
+        stored_cache(store, prefix)
+    faulty = FaultyStore(store)
+
+    def slow() -> None:
+        clock.now += 2.0
+
+    faulty.after_exists = slow
+    reader = HiCache(
+        config(),
+        storage=tier(
+            faulty,
+            prefetch_policy="wait",
+            query_budget=0.5,
+            query_backoff=1.0,
+            query_backoff_max=5.0,
+        ),
+    )
+    storage = reader.storage
+    assert storage is not None
+    assert reader.match_prefix(toks).host_len == 3 * PAGE  # slow: the answer is used
+    assert reader.match_prefix(more).host_len == 0  # backing off: asks nothing
+    assert faulty.calls == ["exists_prefix", "get"]
+    clock.now += 1.0
+    assert reader.match_prefix(more).host_len == 3 * PAGE  # a trial, slow again: two seconds
+    clock.now += 1.5
+    assert reader.match_prefix(third).host_len == 0
+    faulty.after_exists = None
+    clock.now += 0.5
+    assert reader.match_prefix(third).host_len == 3 * PAGE  # in time: the backoff ends
+    assert faulty.calls == ["exists_prefix", "get"] * 3
+    assert (storage.backoff.failures, storage.backoff.closed) == (0, False)
+    assert reader.stats().storage_failures == {"query:slow": 2}
+    assert reader.stats().prefetch == {"started": 3, "read": 3, "backing_off": 2}
+
+
+def test_a_query_within_its_budget_ends_no_backoff_early_and_counts_nothing(
+    store: Store, clock: Clock
+) -> None:
+    """A budget exactly met is in time: no backoff, no failure counted."""
+    toks = tokens(3)
+    stored_cache(store, toks)
+    faulty = FaultyStore(store)
+
+    def just_in_time() -> None:
+        clock.now += 0.5
+
+    faulty.after_exists = just_in_time
+    reader = HiCache(config(), storage=tier(faulty, prefetch_policy="wait", query_budget=0.5))
+    assert reader.match_prefix(toks).host_len == 3 * PAGE
+    assert reader.storage is not None
+    assert not reader.storage.backoff.closed
+    assert reader.stats().storage_failures == {}
+
+
+@pytest.mark.parametrize("fault", ["raises", "hangs"])
+def test_a_store_that_fails_or_hangs_on_a_copy_backs_lookups_off(
+    store: Store, clock: Clock, fault: str
+) -> None:
+    """A server that fails a put (or never answers it) would fail the next lookup's query too."""
+    toks = tokens(3)
+    stored_cache(store, toks)
+    faulty = FaultyStore(store)
+    if fault == "raises":
+        faulty.raises = {"put"}
+    else:
+        faulty.gate = threading.Event()
+    threads = 0 if fault == "raises" else 1
+    writer = HiCache(config(), storage=tier(faulty, threads=threads, io_timeout=1.0))
+    writer.insert(tokens(2, start=9000))
+    writer.poll()  # write_done: the store starts
+    ends = time.monotonic() + 5.0
+    while faulty.calls != ["put"] and time.monotonic() < ends:
+        time.sleep(0.01)
+    clock.now += 1.0  # past its io_timeout where it hangs
+    writer.poll()  # the store failed
+    assert writer.stats().storage_failures == {
+        f"store:{'failed' if threads == 0 else 'timeout'}": 1
+    }
+    assert writer.match_prefix(toks).storage_len == 0  # backing off: asks nothing
+    assert faulty.calls == ["put"]
+    clock.now += 1.0
+    assert writer.match_prefix(toks).storage_len == 3 * PAGE
+    assert writer.stats().prefetch == {"backing_off": 1, "started": 1}
+    if faulty.gate is not None:
+        faulty.gate.set()
+    writer.close()
+
+
+def test_a_store_that_is_full_backs_no_lookup_off(tmp_path: Path) -> None:
+    """No room is the store answering: its pages stay readable, so lookups keep asking."""
+    toks = tokens(3)
+    stored_cache(LocalFileStore(tmp_path), toks)
+    faulty = FaultyStore(LocalFileStore(tmp_path, limit_bytes=0))
+    writer = HiCache(config(), storage=tier(faulty))
+    writer.insert(tokens(2, start=9000))
+    writer.poll()
+    writer.poll()
+    assert writer.stats().storage_failures == {"store:full": 1}
+    assert writer.match_prefix(toks).storage_len == 3 * PAGE
+    assert faulty.calls == ["put", "exists_prefix", "get"]
+
+
+def test_under_agreement_a_copy_that_failed_here_is_told_to_the_group_once(
+    tmp_path: Path, clock: Clock
+) -> None:
+    """The group backs off at the step that carries it; applying it later backs off no more."""
+    faulty = FaultyStore(LocalFileStore(tmp_path))
+    faulty.raises = {"put"}
+    cache = HiCache(config(), storage=tier(faulty, query_backoff=1.0))
+    storage = cache.storage
+    assert storage is not None
+    storage.agree_by(lambda found, asked: list(found))
+    cache.insert(tokens(2))
+    cache.poll()  # write_done: the store runs inline, and fails
+    assert faulty.calls == ["put"]
+    assert not storage.backoff.closed  # only the group decides
+    assert storage.copies_failed_here()
+    assert not storage.copies_failed_here()  # told once
+    storage.back_off_for_copies(False)  # as the group would say where no rank's failed
+    assert not storage.backoff.closed
+    storage.back_off_for_copies(True)
+    assert (storage.backoff.closed, storage.backoff.failures) == (True, 1)
+    storage.accept(storage.report(2))
+    assert cache.poll() == 1  # applied: no second backoff
+    assert storage.backoff.failures == 1
+    assert cache.log.storage_acks() == [("poll", ((1, "store", 0, "failed"),))]
 
 
 def test_the_timeout_policy_returns_the_pages_read_within_its_deadline(store: Store) -> None:
@@ -1249,7 +1458,7 @@ def test_a_failed_fetch_loses_no_hit_for_good(store: Store) -> None:
     stored_cache(store, toks)
     faulty = FaultyStore(store)
     faulty.raises = {"get"}
-    reader = HiCache(config(), storage=tier(faulty))
+    reader = HiCache(config(), storage=tier(faulty, query_backoff=0))  # asks again at once
     reader.match_prefix(toks)  # the read runs inline, and fails
     reader.insert(toks)  # a request recomputed the prefix meanwhile
     reader.poll()  # fetch_failed: the node stays on the device, and is backed up
@@ -1287,7 +1496,7 @@ def test_a_child_is_stored_once_its_parent_is_discovered(tmp_path: Path) -> None
     parent, child = tokens(2), tokens(2, start=30000)
     faulty = FaultyStore(LocalFileStore(tmp_path))
     faulty.raises = {"put"}
-    cache = HiCache(config(), storage=tier(faulty))
+    cache = HiCache(config(), storage=tier(faulty, query_backoff=0))  # asks again at once
     cache.insert(parent)
     cache.insert(parent + child)
     for _ in range(3):  # the host backups; the parent's store fails; the child's never starts

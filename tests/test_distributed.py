@@ -2011,8 +2011,9 @@ def test_a_step_serves_its_requests_without_a_collective(monkeypatch: pytest.Mon
     waits = [a for o, a in shared.cache.log.acknowledgements() if o == "wait" and a]
     assert waits
     # the kind and its negation, ready and its negation, two flags, the first failed copy,
-    # ten shared values and theirs, one slot per storage copy considered (none here: -1 each)
-    assert reduces == [2 + 6 + 2 * 10 + STORAGE_SLOTS] * 3
+    # whether the query backoff may end, whether a storage copy failed, ten shared values
+    # and theirs, one slot per storage copy considered (none here: -1 each)
+    assert reduces == [2 + 7 + 2 * 10 + STORAGE_SLOTS] * 3
 
 
 @pytest.mark.gpu

@@ -60,8 +60,17 @@ def config() -> CacheConfig:
 
 
 def tier(store: Store, rank: int = 0, ranks: int = 2, **overrides: Any) -> StorageConfig:
-    """Inline copies, prefetch from one page on, this rank's namespace."""
-    settings: dict[str, Any] = {"threads": 0, "prefetch_threshold": PAGE, "io_timeout": 5.0}
+    """Inline copies, prefetch from one page on, this rank's namespace.
+
+    A query is slow only past 5 s, so that a busy machine does not back a
+    scenario off that is not about slow queries.
+    """
+    settings: dict[str, Any] = {
+        "threads": 0,
+        "prefetch_threshold": PAGE,
+        "io_timeout": 5.0,
+        "query_budget": 5.0,
+    }
     settings.update(overrides)
     return StorageConfig(store, model="test", rank=rank, ranks=ranks, **settings)
 
@@ -90,6 +99,7 @@ class Faulty:
         after_exists: Called after each ``exists_prefix`` (drop a page behind its back).
         gate: Puts wait for this event first (a hung backend).
         exists_fails: ``exists_prefix`` raises (a server that stopped answering).
+        exists_delay: Seconds ``exists_prefix`` takes before it answers (a slow server).
         queries: How many times ``exists_prefix`` was called.
     """
 
@@ -99,10 +109,12 @@ class Faulty:
         self.after_exists: Callable[[], None] | None = None
         self.gate: threading.Event | None = None
         self.exists_fails = False
+        self.exists_delay = 0.0
         self.queries = 0
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
         self.queries += 1
+        time.sleep(self.exists_delay)
         if self.exists_fails:
             raise StoreFailed("faulty", "exists", acknowledged=0, total=len(keys), cause="planted")
         found = self.inner.exists_prefix(keys)
@@ -173,17 +185,21 @@ def report(shared: DistributedCache, **more: Any) -> dict[str, Any]:
 def store_fails_on_one_rank(rank: int, folder: Path, *, retried: bool = False) -> dict[str, Any]:
     """Rank 1's store takes 2 of 5 pages of a put, then fails; rank 0's takes all 5.
 
-    ``retried``: then rank 1's store is back, and a lookup stores the rest on both.
+    ``retried``: then rank 1's store is back, and the first lookup after the
+    backoff the failure began stores the rest on both.
     """
     inner = LocalFileStore(folder / f"rank{rank}")
     store = Faulty(inner)
     store.put_fails_after = 2 if rank == 1 else None
-    shared = wrapped(store, rank)
+    shared = wrapped(store, rank, query_backoff=0.05, query_backoff_max=0.05)
     toks = tokens(5)
     shared.cache.insert(toks)
     shared.drain()
     if retried:
         store.put_fails_after = None
+        shared.cache.match_prefix(toks)  # backing off on both: stores nothing
+        time.sleep(0.1)
+        shared.step()  # both waits have passed
         shared.cache.match_prefix(toks)
         shared.drain()
     keys = page_keys(shared.cache.storage.namespace(), toks)  # type: ignore[union-attr]
@@ -312,6 +328,76 @@ def query_backs_off(rank: int, folder: Path) -> dict[str, Any]:
     return report(shared, seen=seen)
 
 
+def slow_query_backs_off(rank: int, folder: Path) -> dict[str, Any]:
+    """Rank 1's store answers after 0.6 s, past a 0.3 s budget: both back off at that lookup.
+
+    Its answer stands (both fetch the first prefix); the next lookup asks
+    nothing on either rank until a step where both ranks' waits have passed
+    (rank 0's is 10 ms, rank 1's 1 s: rank 0's clock alone would part them).
+    """
+    first, second = tokens(3), tokens(3, start=5000)
+    store, _ = written(rank, folder, first)
+    more = LocalFileStore(folder / f"rank{rank}")
+    faulty = Faulty(store)
+    wait = 0.01 if rank == 0 else 1.0
+    shared = wrapped(faulty, rank, query_budget=0.3, query_backoff=wait, query_backoff_max=wait)
+    second_written = wrapped(more, rank)
+    second_written.cache.insert(second)
+    second_written.drain()
+    second_written.cache.close()
+    faulty.exists_delay = 0.6 if rank == 1 else 0.0
+    seen = []
+
+    def lookup(toks: list[int]) -> None:
+        found = shared.cache.match_prefix(toks)
+        seen.append([faulty.queries, found.storage_len])
+
+    lookup(first)  # slow on rank 1: both use the answer, and back off
+    faulty.exists_delay = 0.0
+    time.sleep(0.05)
+    lookup(second)  # both ask nothing, though rank 0's wait has passed
+    shared.step()  # rank 1's has not: still backing off
+    lookup(second)
+    time.sleep(1.0)
+    shared.step()  # both waits have passed
+    lookup(second)  # both ask, and fetch
+    shared.drain()
+    return report(shared, seen=seen)
+
+
+def copy_failure_backs_off(rank: int, folder: Path) -> dict[str, Any]:
+    """Rank 1's store fails a put: at the step that applies it, both ranks back off.
+
+    The store that failed a put is likely to fail the next lookup's query, so
+    no lookup asks it until both ranks' waits have passed (rank 0's 10 ms,
+    rank 1's 1 s), at one step.
+    """
+    toks = tokens(3)
+    store, _ = written(rank, folder, toks)
+    faulty = Faulty(store)
+    faulty.put_fails_after = 0 if rank == 1 else None
+    wait = 0.01 if rank == 0 else 1.0
+    shared = wrapped(faulty, rank, query_backoff=wait, query_backoff_max=wait)
+    seen = []
+
+    def lookup() -> None:
+        found = shared.cache.match_prefix(toks)
+        seen.append([faulty.queries, found.storage_len])
+
+    shared.cache.insert(tokens(2, start=5000))
+    shared.drain()  # its store fails on rank 1: both back off
+    faulty.put_fails_after = None
+    time.sleep(0.05)
+    lookup()  # both ask nothing, though rank 0's wait has passed
+    shared.step()  # rank 1's has not: still backing off
+    lookup()
+    time.sleep(1.0)
+    shared.step()  # both waits have passed
+    lookup()  # both ask, and fetch
+    shared.drain()
+    return report(shared, seen=seen)
+
+
 def different_collectives(rank: int, folder: Path) -> str:
     """Rank 0's lookup asks the store while rank 1 ends a step: both say so."""
     toks = tokens(2)
@@ -336,6 +422,8 @@ SCENARIOS: dict[str, Callable[[int, Path], Any]] = {
     "discover": discover_differs,
     "read_loses": read_loses_a_page,
     "query_backs_off": query_backs_off,
+    "slow_query": slow_query_backs_off,
+    "copy_failure": copy_failure_backs_off,
     "collectives": different_collectives,
 }
 
@@ -430,8 +518,8 @@ def test_hit_counts_that_differ_are_agreed_to_the_min(ranks: Results) -> None:
     assert [row[2:] for row in run["tree"]] == [[4 * PAGE, "backed", "absent", "stored", 0]]
     # (pages of the cached run, pages of the tail) found, then agreed
     assert [r["hits_differ"]["hits"] for r in ranks] == [
-        [[[0, 6, 1], [0, 4, 1]]],
-        [[[0, 4, 1], [0, 4, 1]]],
+        [[[0, 6, 1, 1], [0, 4, 1, 1]]],
+        [[[0, 4, 1, 1], [0, 4, 1, 1]]],
     ]
     assert run["after"] == [4 * PAGE, 0]
     assert [r["hits_differ"]["acks"] for r in ranks] == [[["poll", [[1, "fetch", 4, "ok"]]]]] * 2
@@ -444,8 +532,8 @@ def test_below_the_threshold_after_agreement_no_rank_prefetches(ranks: Results) 
     assert run["tree"] == []
     assert "fetch" not in run["events"]
     assert [r["below_threshold"]["hits"] for r in ranks] == [
-        [[[0, 6, 1], [0, 1, 1]]],
-        [[[0, 1, 1], [0, 1, 1]]],
+        [[[0, 6, 1, 1], [0, 1, 1, 1]]],
+        [[[0, 1, 1, 1], [0, 1, 1, 1]]],
     ]
     assert [r["below_threshold"]["prefetch"] for r in ranks] == [{"below_threshold": 1}] * 2
 
@@ -459,15 +547,15 @@ def test_a_cached_run_is_discovered_only_where_every_rank_holds_it(ranks: Result
     ]
     assert run["during"] == [2 * PAGE, 0, 4 * PAGE]
     assert [r["discover"]["hits"] for r in ranks] == [
-        [[[2, 4, 1], [0, 4, 1]]],
-        [[[0, 4, 1], [0, 4, 1]]],
+        [[[2, 4, 1, 1], [0, 4, 1, 1]]],
+        [[[0, 4, 1, 1], [0, 4, 1, 1]]],
     ]
 
 
 def test_a_page_lost_mid_prefix_on_one_rank_shortens_the_prefix_on_both(ranks: Results) -> None:
     run = agreed(ranks, "read_loses")
     assert run["during"] == [0, 6 * PAGE]  # both stores said six pages
-    assert [r["read_loses"]["hits"] for r in ranks] == [[[[0, 6, 1], [0, 6, 1]]]] * 2
+    assert [r["read_loses"]["hits"] for r in ranks] == [[[[0, 6, 1, 1], [0, 6, 1, 1]]]] * 2
     assert [row[2:] for row in run["tree"]] == [[3 * PAGE, "backed", "absent", "stored", 0]]
     fetched = run["events"].index("fetch_done")
     assert run["events"][fetched : fetched + 4] == [
@@ -490,13 +578,45 @@ def test_a_query_that_failed_on_one_rank_backs_off_every_rank_alike(ranks: Resul
         [[1, 0], [1, 0], [1, 0], [2, 4 * PAGE]]
     ] * 2
     assert [r["query_backs_off"]["hits"] for r in ranks] == [
-        [[[0, 4, 1], [0, 0, 0]], [[0, 4, 1], [0, 4, 1]]],
-        [[[0, 0, 0], [0, 0, 0]], [[0, 4, 1], [0, 4, 1]]],
+        [[[0, 4, 1, 1], [0, 0, 0, 0]], [[0, 4, 1, 1], [0, 4, 1, 1]]],
+        [[[0, 0, 0, 0], [0, 0, 0, 0]], [[0, 4, 1, 1], [0, 4, 1, 1]]],
     ]
     assert [r["query_backs_off"]["prefetch"] for r in ranks] == [
         {"query_failed": 1, "backing_off": 2, "started": 1}
     ] * 2
     assert [row[2:] for row in run["tree"]] == [[4 * PAGE, "backed", "absent", "stored", 0]]
+
+
+def test_a_query_slow_on_one_rank_backs_off_every_rank_alike(ranks: Results) -> None:
+    run = agreed(ranks, "slow_query")
+    # per lookup: the queries this rank's store was asked so far, the pages prefetched
+    assert [r["slow_query"]["seen"] for r in ranks] == [
+        [[1, 3 * PAGE], [1, 0], [1, 0], [2, 3 * PAGE]]
+    ] * 2
+    assert [r["slow_query"]["hits"] for r in ranks] == [
+        [[[0, 3, 1, 1], [0, 3, 1, 0]], [[0, 3, 1, 1], [0, 3, 1, 1]]],
+        [[[0, 3, 1, 0], [0, 3, 1, 0]], [[0, 3, 1, 1], [0, 3, 1, 1]]],
+    ]
+    assert [r["slow_query"]["prefetch"] for r in ranks] == [{"started": 2, "backing_off": 2}] * 2
+    assert [r["slow_query"]["failures"] for r in ranks] == [{"query:slow": 1}] * 2
+    assert [row[2:] for row in run["tree"]] == [
+        [3 * PAGE, "backed", "absent", "stored", 0],
+        [3 * PAGE, "backed", "absent", "stored", 0],
+    ]
+
+
+def test_a_copy_failed_on_one_rank_backs_off_every_rank_alike(ranks: Results) -> None:
+    run = agreed(ranks, "copy_failure")
+    assert [r["copy_failure"]["seen"] for r in ranks] == [[[0, 0], [0, 0], [1, 3 * PAGE]]] * 2
+    assert [r["copy_failure"]["prefetch"] for r in ranks] == [{"backing_off": 2, "started": 1}] * 2
+    assert [r["copy_failure"]["failures"] for r in ranks] == [
+        {"store:peer_failed": 1},
+        {"store:failed": 1},
+    ]
+    assert [row[3:] for row in run["tree"]] == [
+        ["backed", "absent", "stored", 0],  # fetched after the backoff
+        ["backed", "resident", "unstored", 0],  # its store failed (on rank 1)
+    ]
 
 
 def test_ranks_that_reach_different_collectives_say_so(ranks: Results) -> None:
@@ -548,11 +668,11 @@ def test_a_read_agreed_shorter_vanishes_past_the_agreed_page(tmp_path: Path) -> 
 
     def other_rank_holds_three(found: Sequence[int], pages: Sequence[int]) -> list[int]:
         asked.append((list(found), list(pages)))
-        return [found[0], min(found[1], 3), found[2]]
+        return [found[0], min(found[1], 3), found[2], found[3]]
 
     storage.agree_by(other_rank_holds_three)
     assert reader.match_prefix(toks).storage_len == 3 * PAGE
-    assert asked == [([0, 4, 1], [0, 4, 1])]
+    assert asked == [([0, 4, 1, 1], [0, 4, 1, 1])]
     assert storage.report(2) == [2 * 3 + 1, -1]
     storage.accept([2 * 2 + 0, -1])  # the other rank's store lost page 2 at the read
     reader.poll()

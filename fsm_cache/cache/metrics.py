@@ -149,7 +149,8 @@ class Stats:
         storage_pages: Pages ``stored``, ``fetched``, ``discovered``, ``vanished``,
             ``evicted`` (from a store the cache owns).
         storage_bytes: Bytes of pages acknowledged per storage copy kind (``store``, ``fetch``).
-        storage_failures: Storage copies that failed, by ``kind:outcome``.
+        storage_failures: Storage copies that failed, by ``kind:outcome``, and
+            key queries that answered after their budget (``query:slow``).
         prefetch: What each lookup's prefetch decided (``started``, ``waited``,
             ``below_threshold``, ``rate_limited``, ``none_stored``,
             ``query_failed``, ``backing_off``, ...).

@@ -19,7 +19,9 @@ machine:
   Every copy is numbered and stays in :meth:`StorageTier.in_flight` until it
   is applied; :meth:`StorageTier.collect` fails copies older than
   ``io_timeout`` (a backend thread that hangs or dies must not keep its host
-  pin for ever: SGLang #38427).
+  pin for ever: SGLang #38427), and abandon them: a store's snapshot that no
+  worker claimed is let go then, so workers that hang keep no more host
+  memory than the copies they run.
 * **Acknowledgements per page.** A store or a read lands a prefix of its
   pages; the node is split at the first page that did not land, the prefix
   acknowledged (``store_done``, ``fetch_done``) and the rest failed
@@ -35,7 +37,9 @@ machine:
   whether the lookup waits for it.
 * **Backoff after a failed query** (:class:`QueryBackoff`): the key query runs
   on the lookup's thread, so a store that stops answering would hold every
-  lookup for its client's timeout; after one fails, lookups ask nothing for a
+  lookup for its client's timeout; after one fails, answers only after
+  ``query_budget``, or a copy fails as a store that is down fails one (it
+  raised, or did not answer within ``io_timeout``), lookups ask nothing for a
   while, twice as long after each failure in a row.
 * **Tensor-parallel agreement** (:meth:`StorageTier.agree_by`): under a
   :class:`~fsm_cache.distributed.agreement.DistributedCache` each rank's store
@@ -43,9 +47,11 @@ machine:
   count of a query is the MIN over the ranks before any rank fetches, and a
   copy is applied only as every rank finished it (:meth:`StorageTier.report`,
   :meth:`StorageTier.accept`), so every rank fires the same storage events.
-  A query that failed on any rank backs every rank off, and the backoff ends
-  only where the group agrees it has (:meth:`StorageTier.resume_queries`), so
-  every rank asks its store at the same lookups.
+  A query that failed or was slow on any rank, and a copy that failed on any
+  rank as a store that is down fails one, back every rank off, and the
+  backoff ends only where the group agrees it has
+  (:meth:`StorageTier.resume_queries`), so every rank asks its store at the
+  same lookups.
 """
 
 from __future__ import annotations
@@ -94,6 +100,10 @@ PREFETCH_POLICIES = ("best_effort", "wait", "timeout")
 STORAGE_ACKNOWLEDGEMENTS = frozenset({"store_done", "store_failed", "fetch_done", "fetch_failed"})
 """The events a storage copy's outcome fires (:meth:`StorageTier.apply`), and nothing else may."""
 _STORE_METHODS = ("exists_prefix", "get", "put", "drop", "capacity", "close")
+_DOWN = frozenset({"failed", "timeout"})
+"""Outcomes of a copy that a store which is down (or hangs) gives, as it fails a key query: the
+store raised, or did not answer within ``io_timeout``. They back lookups off (:class:`QueryBackoff`);
+a full store or a page gone or torn is the store answering, and does not."""
 _GONE = frozenset({"missing", "corrupt", "later_format", "peer_missing"})
 """Outcomes of a read whose first failed page the store no longer holds, or holds in a form this
 version cannot read (as good as gone, to this cache): the rest vanish."""
@@ -103,11 +113,12 @@ HitAgreement = Callable[[Sequence[int], Sequence[int]], list[int]]
 
 ``found`` are the stored pages this rank's store reported (of the cached run
 being discovered, then of the tail), then 1 where the store answered and 0
-where it raised; ``asked`` how many pages were asked about, then 1, which
-every rank must share. A tensor-parallel group returns the MIN over its
+where it raised, then 1 where it answered within ``query_budget`` and 0
+where it did not; ``asked`` how many pages were asked about, then 1 and 1,
+which every rank must share. A tensor-parallel group returns the MIN over its
 ranks (:class:`~fsm_cache.distributed.agreement.DistributedCache`), so a
-query that failed on any rank failed for all; a cache on its own keeps what
-its store said."""
+query that failed (or was slow) on any rank failed (or was slow) for all; a
+cache on its own keeps what its store said."""
 
 
 def _alone(found: Sequence[int], asked: Sequence[int]) -> list[int]:  # noqa: ARG001
@@ -150,17 +161,24 @@ class StorageConfig:
         io_timeout: Seconds after which a copy to or from the store that has
             not finished is failed (its pin given back, its slots freed).
         query_backoff: Seconds lookups ask the store nothing after a key
-            query failed (the store raised, its client timed out): the query
-            runs on the lookup's thread, so without it every lookup would
-            wait out the client's timeout while the store is down. Doubled
-            after each failure in a row, up to ``query_backoff_max``; the
-            first query that answers ends it. 0: every lookup asks.
+            query failed (the store raised, its client timed out, or it
+            answered after ``query_budget``) or a copy failed as a store that
+            is down fails one (it raised, or did not answer within
+            ``io_timeout``): the query runs on the lookup's thread, so without
+            it every lookup would wait out the client's timeout while the
+            store is down. Doubled after each failure in a row, up to
+            ``query_backoff_max``; the first query that answers within its
+            budget ends it. 0: every lookup asks.
         query_backoff_max: The longest backoff, in seconds.
         threads: Worker threads doing the store's I/O; 0 runs each copy inline
             when it starts (deterministic, for tests and tools).
         owned: The cache owns the store's contents and may delete pages
             (:meth:`~fsm_cache.cache.hicache.HiCache.evict_storage`). Leave it
             False for a store other servers share: its server evicts.
+        query_budget: Seconds a key query may take: one that answers later
+            is used, but counts as failed for the query backoff (a store that
+            answers every query after seconds holds every lookup as long as
+            one that is down, only without failing).
     """
 
     store: Store
@@ -177,6 +195,7 @@ class StorageConfig:
     query_backoff_max: float = 30.0
     threads: int = 1
     owned: bool = False
+    query_budget: float = 0.5
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the first value of the wrong type or out of range."""
@@ -223,6 +242,7 @@ def _check_seconds(config: StorageConfig) -> None:
     for name, zero in (
         ("prefetch_timeout", False),
         ("io_timeout", False),
+        ("query_budget", False),
         ("query_backoff", True),
         ("query_backoff_max", True),
     ):
@@ -249,10 +269,12 @@ class QueryBackoff:
 
     A key query runs on the lookup's thread, so a store that stops answering
     (Redis paused, or cut off by the network) holds every lookup for its
-    client's timeout. After a query fails, lookups ask nothing (``closed``)
-    for ``first`` seconds, twice as long after each failure in a row, at most
-    ``longest``; the first query after the wait is a trial, and one that
-    answers ends the backoff.
+    client's timeout. After a query fails (or answers only after the tier's
+    ``query_budget``), or a copy fails as a store that is down fails one,
+    lookups ask nothing (``closed``) for ``first`` seconds, twice as long
+    after each failure in a row, at most ``longest``; the first query after
+    the wait is a trial, and one that answers within its budget ends the
+    backoff.
 
     The wait is read off this process's clock, but only the tier decides when
     (:meth:`StorageTier.resume_queries`): under tensor-parallel agreement every
@@ -325,6 +347,14 @@ class StoreResult:
 class StorageCopy:
     """One copy to or from the store: its ticket, the nodes it serves, and its result.
 
+    A store's snapshot of its host pages is held here, not by the job queued
+    for a worker, so that the cache thread can let it go when the copy is
+    abandoned (:meth:`abandon`) while the job still waits behind a worker that
+    hangs. Whichever of the worker (:meth:`claim`) and the cache thread comes
+    first decides, under a lock: a worker that claimed the snapshot writes it
+    (the memory comes back when its put returns), and one that comes after an
+    abandon finds nothing to write and does not run the copy.
+
     Attributes:
         number: The copy's number in the log (from 1 since construction or reset).
         kind: ``store`` or ``fetch``.
@@ -333,9 +363,22 @@ class StorageCopy:
         started: When it was started (``time.monotonic``); None while queued.
         done: Set by the worker once :attr:`result` is there.
         result: The worker's report, or None.
+        snapshot: The host pages a store writes, until a worker claims them or
+            the copy is abandoned (then empty); empty for a fetch.
     """
 
-    __slots__ = ("done", "keys", "kind", "nodes", "number", "result", "started")
+    __slots__ = (
+        "_claims",
+        "_fate",
+        "done",
+        "keys",
+        "kind",
+        "nodes",
+        "number",
+        "result",
+        "snapshot",
+        "started",
+    )
 
     def __init__(self, number: int, kind: str, node: TreeNode, keys: Sequence[str]) -> None:
         self.number = number
@@ -345,10 +388,34 @@ class StorageCopy:
         self.started: float | None = None
         self.done = threading.Event()
         self.result: StoreResult | None = None
+        self.snapshot: list[torch.Tensor] = []
+        self._claims = threading.Lock()
+        self._fate = ""  # "running" once a worker claimed it, "abandoned" once the cache did
 
     def tokens(self) -> int:
         """Return the tokens this copy moves."""
         return sum(len(n.key) for n in self.nodes)
+
+    def claim(self) -> list[torch.Tensor] | None:
+        """Take the snapshot to run the copy (a worker); None where it was abandoned first."""
+        with self._claims:
+            if self._fate == "abandoned":
+                return None
+            self._fate = "running"
+            pages, self.snapshot = self.snapshot, []
+            return pages
+
+    def abandon(self) -> None:
+        """Let the snapshot go, and no worker run the copy, unless a worker runs it already.
+
+        The cache thread calls it once nobody waits for the copy (its timeout
+        was applied, or the tier was reset); a worker that claimed it first
+        holds its pages until its put returns, and no longer.
+        """
+        with self._claims:
+            if self._fate != "running":
+                self._fate = "abandoned"
+                self.snapshot = []
 
 
 class _Workers:
@@ -356,7 +423,9 @@ class _Workers:
 
     Jobs never raise (each catches what its store raises), so a thread lives as
     long as the cache; a job that hangs holds its thread, and the copies behind
-    it are failed by their timeout (and not run once a thread gets to them).
+    it are failed by their timeout (and not run once a thread gets to them);
+    their snapshots are let go then (:meth:`StorageCopy.abandon`), though the
+    jobs stay queued.
     """
 
     def __init__(self, threads: int) -> None:
@@ -389,22 +458,20 @@ class _Workers:
         self._threads = []
 
 
-def _run(
-    store: Store,
-    copy: StorageCopy,
-    pages: list[torch.Tensor],
-    shape: tuple[int, ...],
-    timeout: float,
-) -> None:
+def _run(store: Store, copy: StorageCopy, shape: tuple[int, ...], timeout: float) -> None:
     """Run one copy on a worker: record its result, whatever the store does.
 
     A fetch's pages must be uint8 pages of ``shape`` (a host page's). A copy
     that waited in the queue past its ``timeout`` is failed by it already (or
     will be, at the next poll), so it is not run: behind a slow store, running
     every such copy would keep the workers busy with copies nobody waits for,
-    and every later copy would time out in the queue too.
+    and every later copy would time out in the queue too. Nor is one the cache
+    abandoned (:meth:`StorageCopy.abandon`) before this worker claimed it.
     """
-    if copy.started is not None and time.monotonic() >= copy.started + timeout:
+    late = copy.started is not None and time.monotonic() >= copy.started + timeout
+    pages = None if late else copy.claim()
+    if pages is None:
+        copy.abandon()  # a copy nobody runs needs no snapshot
         copy.result = StoreResult(0, [], "timeout", f"not started within {timeout} s")
         copy.done.set()
         return
@@ -525,6 +592,7 @@ class StorageTier:
         self._agreed_only = False  # a group agrees on what collect() returns
         self._reported: dict[int, StoreResult | None] = {}  # the window of the last report
         self._agreed: dict[int, StoreResult] = {}  # accepted, not yet applied, by number
+        self._told: set[int] = set()  # copies whose store failure a step carried already
         self._workers = _Workers(config.threads)
         self.backoff = QueryBackoff(config.query_backoff, config.query_backoff_max)
         transfers.on_ack(self._host_acknowledged)
@@ -650,13 +718,12 @@ class StorageTier:
         queued, self._queued = self._queued, []
         shape = tuple(self._tiers.host.pages.shape[1:])
         for copy in queued:
-            pages: list[torch.Tensor] = []
             if copy.kind == "store":
                 host = [p for n in copy.nodes for p in n.host_pages]
                 index = torch.tensor(host, dtype=torch.long)
-                pages = list(self._tiers.host.pages.index_select(0, index).unbind(0))
+                copy.snapshot = list(self._tiers.host.pages.index_select(0, index).unbind(0))
             copy.started = time.monotonic()
-            job = partial(_run, self._store, copy, pages, shape, self.config.io_timeout)
+            job = partial(_run, self._store, copy, shape, self.config.io_timeout)
             self._workers.submit(job)
 
     def idle(self) -> bool:
@@ -702,8 +769,11 @@ class StorageTier:
             return 0
         outcomes = [(copy, self._result(copy)) for copy in copies]
         self._core.log.storage(origin, [(c.number, c.kind, r.held, r.outcome) for c, r in outcomes])
+        if not self._agreed_only and any(r.outcome in _DOWN for _, r in outcomes):
+            self.backoff.failed(time.monotonic())  # once per poll, however many copies failed
         for copy, result in outcomes:
             del self._copies[copy.number]
+            self._told.discard(copy.number)
             seconds = time.monotonic() - (copy.started or time.monotonic())
             nbytes = result.held * self._tiers.host.layout.page_bytes
             self._core.counters.storage_copied(
@@ -721,9 +791,14 @@ class StorageTier:
         return self._outcome(copy) if agreed is None else agreed
 
     def _outcome(self, copy: StorageCopy) -> StoreResult:
-        """The worker's result (which checked a fetch's pages), or a timeout."""
+        """The worker's result (which checked a fetch's pages), or a timeout.
+
+        A copy timed out is abandoned here: a worker that never got to it
+        (every worker hangs) would otherwise keep its snapshot for ever.
+        """
         result = copy.result if copy.done.is_set() else None
         if result is None:
+            copy.abandon()
             return StoreResult(0, [], "timeout", f"no answer in {self.config.io_timeout} s")
         return result
 
@@ -799,12 +874,18 @@ class StorageTier:
             self.apply(self.collect(wait_until=float("inf")), "wait")
 
     def reset(self) -> None:
-        """Forget every copy (a copy still running answers no one) and renumber from 1."""
+        """Forget every copy (a copy still running answers no one) and renumber from 1.
+
+        A copy no worker has claimed yet is abandoned: never run, its snapshot let go.
+        """
+        for copy in self._copies.values():
+            copy.abandon()
         self._copies = {}
         self._queued = []
         self._numbers = 0
         self._reported = {}
         self._agreed = {}
+        self._told = set()
 
     def close(self) -> None:
         """Let the worker threads end; the store stays open (it is the caller's)."""
@@ -965,9 +1046,12 @@ class StorageTier:
         that matches such a node starts its store again: at most one store
         per lookup, none while a store or its parent's is in flight, and none
         while queries back off (the store is down); its children follow once
-        it is acknowledged.
+        it is acknowledged. A lookup with no tail to ask about ends a backoff
+        here as one with a tail would (:meth:`_backing_off`): a failed store
+        backs lookups off too, and a cache whose lookups all hit locally
+        would otherwise never store again.
         """
-        if self.backoff.closed:
+        if self._backing_off():
             return
         for node in local_prefix(path):
             if node.storage == "unstored":
@@ -1031,6 +1115,34 @@ class StorageTier:
         """
         return self.backoff.passed(time.monotonic())
 
+    def copies_failed_here(self) -> bool:
+        """Return whether a copy ended here as a store that is down ends one, since last asked.
+
+        What a rank brings to a step's agreement (each copy once, when it has
+        ended here): the copies themselves are applied only once every rank
+        finished them, but a store failing on one rank must back every rank
+        off at the same step, whatever the others' copies did. Pass the
+        group's answer to :meth:`back_off_for_copies`.
+        """
+        failed = False
+        for copy in self._copies.values():
+            if copy.started is None or copy.number in self._told:
+                continue
+            result = self._ended(copy)
+            if result is not None and result.outcome in _DOWN:
+                self._told.add(copy.number)
+                failed = True
+        return failed
+
+    def back_off_for_copies(self, failed: bool) -> None:
+        """Back lookups off if ``failed`` (the group's :meth:`copies_failed_here`), as after a query.
+
+        A store that raised or hung on a copy would hold the next lookup's
+        query as long (the same server, the same client).
+        """
+        if failed:
+            self.backoff.failed(time.monotonic())
+
     def resume_queries(self, passed: bool) -> None:
         """End the query backoff if ``passed`` (under agreement, the group's MIN): the next lookup asks.
 
@@ -1044,13 +1156,17 @@ class StorageTier:
     ) -> tuple[StorageCopy | None, str | None]:
         """Ask the store about ``tail`` and fetch what it holds; the copy, or why there is none."""
         try:
-            stored, keys, failed = self._query(usable, tail, anchor, tree_namespace)
+            stored, keys, failed, slow = self._query(usable, tail, anchor, tree_namespace)
         except BadArgument:
             return None, "unkeyable"
         if failed:
             self.backoff.failed(time.monotonic())
             return None, "query_failed"
-        self.backoff.answered()
+        if slow:  # its answer stands, but the next lookups must not wait as long
+            self._core.counters.storage_failures["query:slow"] += 1
+            self.backoff.failed(time.monotonic())
+        else:
+            self.backoff.answered()
         tokens = stored * self._core.tree.page_size
         if tokens == 0:
             return None, "none_stored"
@@ -1060,16 +1176,17 @@ class StorageTier:
 
     def _query(
         self, usable: Sequence[TreeNode], tail: Key, anchor: TreeNode, tree_namespace: Hashable
-    ) -> tuple[int, list[str], bool]:
+    ) -> tuple[int, list[str], bool, bool]:
         """Count the stored pages of ``tail``; discover the unstored end of the cached path.
 
         The trailing run of cached nodes this cache has not stored (whose parent
         is stored) is asked about in the same query: those the store holds
-        (another server stored them) are ``discover``-ed. Both counts, and
-        whether the store answered, are agreed first (:meth:`agree_by`; a
-        store that raised counts 0, so a group still agrees). Returns the
-        agreed stored pages of ``tail``, its keys, and whether a store raised
-        (this rank's, or under agreement any rank's: every rank backs off).
+        (another server stored them) are ``discover``-ed. Both counts, whether
+        the store answered, and whether it answered within ``query_budget``
+        are agreed first (:meth:`agree_by`; a store that raised counts 0, so a
+        group still agrees). Returns the agreed stored pages of ``tail``, its
+        keys, whether a store raised and whether one was slow (this rank's, or
+        under agreement any rank's: every rank backs off at the same lookup).
 
         Raises:
             BadArgument: A token does not fit the keys (the same on every rank:
@@ -1079,13 +1196,16 @@ class StorageTier:
         keys = page_keys(self.namespace(tree_namespace), tail, parent=prior)
         run = _unstored_run(usable)
         run_keys = [k for n in run for k in self.keys_of(n)]
+        began = time.monotonic()
         try:
-            found = [*self._ask(run_keys, keys), 1]
+            found = [*self._ask(run_keys, keys), 1, 1]
         except Exception:  # any store failure counts 0 found, so a group still reaches the MIN
-            found = [0, 0, 0]
-        in_run, stored, answered = self._agree_hits(found, [len(run_keys), len(keys), 1])
+            found = [0, 0, 0, 0]
+        else:  # this rank's clock says only whether its own store was slow; the MIN tells all
+            found[3] = int(time.monotonic() - began <= self.config.query_budget)
+        in_run, stored, answered, prompt = self._agree_hits(found, [len(run_keys), len(keys), 1, 1])
         self._discover(run, in_run)
-        return stored, keys, not answered
+        return stored, keys, not answered, not prompt
 
     def _discover(self, run: Sequence[TreeNode], pages: int) -> None:
         """Fire ``discover`` on the nodes of ``run`` within its first ``pages`` stored pages.

@@ -39,7 +39,10 @@ is the MIN over the ranks before any rank creates and fetches the
 that asks the store), and each storage copy is applied at a step with the
 fewest pages any rank landed, carried by the step's one all-reduce. A query
 that failed on any rank backs every rank off (the same all-reduce says so),
-and the backoff ends at a step, where every rank's clock says it has passed.
+and the backoff ends at a step, where every rank's clock says it has passed. A
+query that answered only after its budget, and a storage copy that failed on
+any rank because the store raised or hung, back every rank off alike (the
+first in the hit count's all-reduce, the second in the step's).
 
 Whether a chain still loading can be read (the wrapped cache's
 :meth:`~fsm_cache.cache.hicache.HiCache.wait_loaded`) is agreed too, since each
@@ -107,10 +110,11 @@ _SHARED = 10
 """Values every rank must share in a step: the resets followed, copies in flight,
 transitions, four digest words, storage copies in flight and the number of the
 first of them, and whether anything is in flight or queued at all."""
-_OWN = 6
+_OWN = 7
 """Values each rank brings to a step's MIN: finished copies, its negation, a lost
-completion, an overdue copy, the first finished copy that failed, and whether its
-clock lets the storage tier's query backoff end."""
+completion, an overdue copy, the first finished copy that failed, whether its
+clock lets the storage tier's query backoff end, and whether a storage copy
+failed here as a store that is down fails one (negated)."""
 _SHARED_NAMES = (
     "resets followed",
     "copies in flight",
@@ -323,7 +327,10 @@ class DistributedCache:
         (:meth:`~fsm_cache.cache.hicache.HiCache.poll`), so a page one rank
         read and another did not fails, or splits its node, on every rank;
         and it ends the tier's query backoff where every rank's clock says
-        its wait has passed (:meth:`~fsm_cache.cache.storage_tier.StorageTier.resume_queries`).
+        its wait has passed (:meth:`~fsm_cache.cache.storage_tier.StorageTier.resume_queries`),
+        then backs every rank off where a storage copy failed on any rank as
+        a store that is down fails one
+        (:meth:`~fsm_cache.cache.storage_tier.StorageTier.back_off_for_copies`).
         The all-reduce runs on CPU tensors over a gloo group, so it never
         waits for the GPU. Returns how many copies (host and storage) were applied.
 
@@ -423,6 +430,7 @@ class DistributedCache:
             stores = {} if tier is None else tier.in_flight()
             busy = not self.cache.transfers.idle() or (tier is not None and not tier.idle())
             resume = tier is None or tier.queries_may_resume()
+            down = tier is not None and tier.copies_failed_here()
         # one collective: the MIN of each value and of its negation (the MAX), so any rank's
         # flag reaches all, all ranks raise or go on at the same step, and the values every
         # rank must share (copies in flight, transitions, digest words) are equal iff MIN == MAX;
@@ -430,10 +438,15 @@ class DistributedCache:
         same = [*self._shared(digest, len(issued)), len(stores), next(iter(stores), 0), busy]
         reduced = self._reduce(
             _DRAIN if drained else _STEP,
-            [ready, -ready, -short, -overdue, failed, resume, *same, *(-v for v in same), *slots],
+            [
+                *(ready, -ready, -short, -overdue, failed, resume, -down),
+                *same,
+                *(-v for v in same),
+                *slots,
+            ],
             "step agreement (all_reduce MIN)",
         )
-        agreed, most_ready, lost, late, first_failed, resumed = reduced[:_OWN]
+        agreed, most_ready, lost, late, first_failed, resumed, down_somewhere = reduced[:_OWN]
         lows = reduced[_OWN : _OWN + _SHARED]
         highs = reduced[_OWN + _SHARED : _OWN + 2 * _SHARED]
         finished = reduced[_OWN + 2 * _SHARED : _OWN + 2 * _SHARED + STORAGE_SLOTS]
@@ -455,6 +468,7 @@ class DistributedCache:
         if tier is not None:
             accepted = tier.accept(finished)
             tier.resume_queries(bool(resumed))  # only where every rank's clock says so
+            tier.back_off_for_copies(bool(down_somewhere))  # a store down on any rank: on all
         chosen = [self._finished.pop(ticket) for ticket in issued[:agreed]]
         if first_failed < agreed and chosen[first_failed].ok:
             chosen[first_failed] = Completion(
@@ -536,8 +550,10 @@ class DistributedCache:
         checked equal); each takes the fewest stored pages any rank found, so
         every rank discovers and fetches the same prefix, or none below the
         threshold (SGLang's storage hit count, all-reduced with MIN). The last
-        count is whether the store answered: where any rank's raised, every
-        rank backs off alike (:class:`~fsm_cache.cache.storage_tier.QueryBackoff`).
+        two counts are whether the store answered and whether it answered
+        within its ``query_budget``: where any rank's raised or was slow,
+        every rank backs off alike (:class:`~fsm_cache.cache.storage_tier.QueryBackoff`);
+        each rank's clock says only whether its own store was slow.
 
         Raises:
             RankDivergence: The ranks asked about different numbers of pages.
