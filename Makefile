@@ -93,11 +93,15 @@ test: system-deps $(DEVSTAMP)
 # SGLang's real radix caches (tests/sglang_real): one side venv per version under .cache/sglang
 # (ignored by git), holding only the wheel (--no-deps); torch, pytest and fsm_cache come from
 # .venv through a .pth file, and what else the cache modules import is stood in by the tests
-# (fsm_cache/testing/sglang.py). The wheels are downloaded once and kept.
+# (fsm_cache/testing/sglang.py). The wheels are downloaded once and kept. A release whose
+# cache code needs a package at run time gets it beside the wheel (SGLANG_NEEDS_<version>):
+# 0.5.23's unified tree cores build msgspec structs, which no stand-in can.
 SGLANG_VERSIONS ?= 0.5.6 0.5.23
+SGLANG_NEEDS_0.5.23 := msgspec==0.23.0
 SGCACHE := .cache/sglang
 
-$(SGCACHE)/venv-%/.installed: $(DEVSTAMP)
+# Rebuilt when the Makefile changes, so that a side venv gets what SGLANG_NEEDS_ adds.
+$(SGCACHE)/venv-%/.installed: $(DEVSTAMP) Makefile
 	rm -rf $(SGCACHE)/venv-$*
 	mkdir -p $(SGCACHE)/wheels
 	ls $(SGCACHE)/wheels/sglang-$*-*.whl >/dev/null 2>&1 \
@@ -107,7 +111,7 @@ $(SGCACHE)/venv-%/.installed: $(DEVSTAMP)
 	&& side=$$($(SGCACHE)/venv-$*/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
 	&& echo "import site; site.addsitedir('$$main')" > "$$side/_fsm_cache_main_venv.pth"
 	$(BIN)/python -m pip --python $(SGCACHE)/venv-$*/bin/python install -q --no-deps --no-compile \
-		$(SGCACHE)/wheels/sglang-$*-*.whl
+		$(SGCACHE)/wheels/sglang-$*-*.whl $(SGLANG_NEEDS_$*)
 	touch $@
 
 test-sglang: $(foreach v,$(SGLANG_VERSIONS),$(SGCACHE)/venv-$(v)/.installed)

@@ -21,6 +21,7 @@ from fsm_cache.compat.sglang import (
     AckBook,
     BuiltBeforePatch,
     Children,
+    PatchError,
     ReadOnlyCounter,
     RemovedInUse,
     ResidencyMixin,
@@ -504,3 +505,73 @@ def test_a_cache_built_before_the_patch_is_refused_before_its_walk_runs(
     stock_error = "'NoneType' object has no attribute 'deleted'"
     with patch(shaped), pytest.raises(AttributeError, match=stock_error):
         cache.inc_lock_ref(None)  # not a node: an AttributeError, as stock
+
+
+class UnifiedCache:
+    """SGLang 0.5.23's ``UnifiedRadixCache``, lock boundary only: counts per node id, as its core."""
+
+    def __init__(self) -> None:
+        self.disable = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.refs: dict[int, int] = {}
+
+    def inc_lock_ref(self, node_id: int) -> dict[str, int]:
+        self.refs[node_id] = self.refs.get(node_id, 0) + 1
+        return {"node_id": node_id}
+
+    def dec_lock_ref(self, node_id: int, params: dict[str, int]) -> None:
+        assert params["node_id"] == node_id, "receipt anchored elsewhere"
+        assert self.refs.get(node_id, 0) > 0, f"lock_ref=0 on node {node_id}"
+        self.refs[node_id] -= 1
+
+    inc_host_lock_ref = inc_lock_ref
+    dec_host_lock_ref = dec_lock_ref
+
+
+def boundary_module(cache: type | None = UnifiedCache) -> types.ModuleType:
+    """A module standing in for 0.5.23's ``unified_radix_cache``, defining ``cache`` if given."""
+    module = types.ModuleType("sglang.srt.mem_cache.unified_radix_cache")
+    if cache is not None:
+        module.UnifiedRadixCache = cache  # type: ignore[attr-defined]
+    return module
+
+
+def test_the_lock_boundary_refuses_a_release_with_no_acquire_left_before_sglang_runs() -> None:
+    module = boundary_module()
+    with patch(module, trail=False) as applied:
+        assert applied.wrapped[-1] == "UnifiedRadixCache.reset"
+        cache = module.UnifiedRadixCache()
+        one, two, other = cache.inc_lock_ref(7), cache.inc_lock_ref(7), cache.inc_lock_ref(8)
+        cache.dec_lock_ref(7, one)
+        with pytest.raises(AssertionError, match="anchored elsewhere"):
+            cache.dec_lock_ref(8, two)  # SGLang refuses it: nothing is recorded
+        cache.dec_lock_ref(8, other)  # node 8's receipt is still out
+        cache.dec_lock_ref(7, two)
+        with pytest.raises(error_class("UnlockAtZero")) as caught:
+            cache.dec_lock_ref(7, two)
+        assert str(caught.value) == (
+            "node 7: unlock refused in resident (locks=0): unlock without a matching lock"
+        )
+        assert cache.refs == {7: 0, 8: 0}  # SGLang's method never ran
+        cache.dec_host_lock_ref(7, cache.inc_host_lock_ref(7))
+        with pytest.raises(error_class("ReleaseAtZero")):
+            cache.dec_host_lock_ref(7, one)
+        held = cache.inc_lock_ref(9)
+        cache.reset()
+        with pytest.raises(error_class("UnlockAtZero")):
+            cache.dec_lock_ref(9, held)
+        cache.disable = True  # SGLang's disabled cache returns before its core: unchecked
+        with pytest.raises(AssertionError, match="lock_ref=0"):
+            cache.dec_lock_ref(9, held)
+
+
+def test_a_boundary_module_without_its_cache_class_is_refused() -> None:
+    with pytest.raises(PatchError) as caught:
+        patch(boundary_module(None))
+    assert str(caught.value) == (
+        "sglang.srt.mem_cache.unified_radix_cache: no UnifiedRadixCache defining "
+        "inc_lock_ref, dec_lock_ref, inc_host_lock_ref, dec_host_lock_ref, reset to check; "
+        "see docs/sglang.md for the releases patch() supports"
+    )

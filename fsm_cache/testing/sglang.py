@@ -16,7 +16,10 @@ code above all, is SGLang's own, from the installed wheel.
   frontend language: ``tqdm``, ``requests``, ``IPython``...) never runs.
 * SGLang's own modules that are not cache code: ``sglang.srt.layers`` (model
   layers, attention kernels), ``sglang.srt.configs`` (model configs, built on
-  ``transformers``), ``sglang.srt.server_args``, ``sglang.srt.distributed``.
+  ``transformers``), ``sglang.srt.server_args``, ``sglang.srt.distributed``,
+  and ``sglang.srt.managers.schedule_batch`` (the request batch, which 0.5.23's
+  ``unified_radix_cache.py`` imports through its streaming sessions; it pulls
+  in the grammar backends and the OpenAI protocol).
 * Third-party modules, stood in only when not installed: GPU kernels
   (``triton``, ``sgl_kernel``, ``aiter``), the KV-event transport (``msgspec``,
   ``zmq``, ``pydantic``, ``pydantic_core``; events stay disabled) and
@@ -36,6 +39,7 @@ ALWAYS = (
     "sglang.srt.configs",
     "sglang.srt.server_args",
     "sglang.srt.distributed",
+    "sglang.srt.managers.schedule_batch",
 )
 """SGLang modules outside the cache, replaced even though the wheel has them."""
 

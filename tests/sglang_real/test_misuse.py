@@ -343,11 +343,11 @@ def test_two_threads_patching_at_once_get_one_patch_and_one_refusal(
     warn = patch_module._warn_unchecked  # noqa: SLF001
     checked, second_done = threading.Event(), threading.Event()
 
-    def held_after_its_check() -> None:
+    def held_after_its_check(patched: set[str]) -> None:
         if threading.current_thread().name == "first":
             checked.set()
             second_done.wait(3.0)  # the second patch() runs to its end now, or waits
-        warn()
+        warn(patched)
 
     monkeypatch.setattr(patch_module, "_warn_unchecked", held_after_its_check)
     outcome: dict[str, Any] = {}

@@ -110,18 +110,35 @@ def test_the_cache_bench_refuses_a_trace_whose_sides_did_other_work() -> None:
 UNIFIED = "sglang.srt.mem_cache.unified_radix_cache"
 
 
-def test_patch_warns_that_the_default_cache_of_sglang_is_not_checked() -> None:
+def test_patch_warns_that_the_default_cache_of_sglang_is_checked_at_its_lock_boundary_only() -> (
+    None
+):
     if importlib.util.find_spec(UNIFIED) is None:
         pytest.skip("this SGLang has no UnifiedRadixCache")
-    with pytest.warns(UserWarning, match="UnifiedRadixCache") as caught, patch():
-        pass
+    with pytest.warns(UserWarning, match="UnifiedRadixCache") as caught, patch() as applied:
+        assert "UnifiedRadixCache.dec_lock_ref" in applied.wrapped
     assert [str(w.message) for w in caught] == [
-        f"UnifiedRadixCache ({UNIFIED}) is not checked: SGLang's scheduler builds it by "
-        "default (registry.default_radix_cache_factory), and patch() checks RadixCache and "
-        "HiRadixCache only; see docs/sglang.md"
+        f"UnifiedRadixCache ({UNIFIED}) is checked at its lock boundary only: patch() "
+        "refuses a dec_lock_ref or dec_host_lock_ref with no inc_lock_ref or "
+        "inc_host_lock_ref left on its node, and checks none of its residency (evictions, "
+        "loads, write-backs, the tree core's own locks); SGLang's scheduler builds it by "
+        "default (registry.default_radix_cache_factory); see docs/sglang.md"
     ]
     core = importlib.import_module("sglang.srt.mem_cache.unified_cache.unified_tree_core")
     assert not issubclass(core.UnifiedTreeNode, ResidencyMixin)  # what the warning is about
+
+
+def test_patch_given_other_modules_warns_that_the_default_cache_is_not_checked() -> None:
+    if importlib.util.find_spec(UNIFIED) is None:
+        pytest.skip("this SGLang has no UnifiedRadixCache")
+    radix = "sglang.srt.mem_cache.radix_cache"
+    with pytest.warns(UserWarning, match="UnifiedRadixCache") as caught, patch(radix) as applied:
+        assert not [w for w in applied.wrapped if w.startswith("UnifiedRadixCache.")]
+    assert [str(w.message) for w in caught] == [
+        f"UnifiedRadixCache ({UNIFIED}) is not checked: patch() was not given its module; "
+        "SGLang's scheduler builds it by default (registry.default_radix_cache_factory); "
+        "see docs/sglang.md"
+    ]
 
 
 def test_patch_is_silent_where_sglang_builds_only_what_it_checks() -> None:

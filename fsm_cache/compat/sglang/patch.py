@@ -38,8 +38,11 @@ split prefix takes its residency when attached, and counters move only
 inside the walks above. Refusals are raised at SGLang's call, with SGLang's
 call sites in trail mode, and leave the tree and memory as they were.
 
-SGLang 0.5.23's server builds a ``UnifiedRadixCache`` by default, which this
-does not check; :func:`patch` warns where it is installed (:data:`UNCHECKED`).
+SGLang 0.5.23's server builds a ``UnifiedRadixCache`` by default, whose nodes
+and counters live in its tree core: :func:`patch` checks it at its lock
+boundary only (:mod:`~fsm_cache.compat.sglang.unified`: a release of a lock or
+host lock with no acquire left on its node is refused), and warns where it is
+installed that the rest of its residency is not checked (:data:`UNCHECKED`).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, cast
 
-from fsm_cache.compat.sglang import scope
+from fsm_cache.compat.sglang import scope, unified
 from fsm_cache.compat.sglang.node import Children, ResidencyMixin
 from fsm_cache.engine import trail
 from fsm_cache.errors import FsmCacheError
@@ -87,17 +90,19 @@ not the forwarding line.
 """
 
 UNCHECKED = {"sglang.srt.mem_cache.unified_radix_cache": "UnifiedRadixCache"}
-"""Cache classes an SGLang release's scheduler builds by default that the patch does not check.
+"""Cache classes an SGLang release's scheduler builds by default that the patch checks only in part.
 
 SGLang 0.5.23's ``registry.default_radix_cache_factory`` builds a
 ``UnifiedRadixCache`` (its own ``UnifiedTreeNode``, its counters kept in a
-tree core by node id) for every model but pure-SWA ones and FlexKV;
-:func:`patch` warns where the module is installed.
+tree core by node id) for every model but pure-SWA ones and FlexKV. The
+patch wraps its lock methods and ``reset``
+(:data:`~fsm_cache.compat.sglang.unified.BOUNDARY`), not its nodes, and
+warns where the module is installed, saying which part is checked.
 """
 
 
 class UncheckedCacheWarning(UserWarning):
-    """SGLang's server would build a cache class :func:`patch` does not check (:data:`UNCHECKED`).
+    """SGLang's server would build a cache class :func:`patch` checks only in part, or not at all (:data:`UNCHECKED`).
 
     A category of its own, so that code that knowingly drives a checked class
     (a benchmark of ``RadixCache``) can silence it and nothing else.
@@ -361,7 +366,7 @@ def patch(
 
     Args:
         modules: SGLang cache modules (objects or dotted names); none: every
-            one of :data:`MODULES` that is installed.
+            one of :data:`MODULES` and :data:`UNCHECKED` that is installed.
         residency: The engine the nodes fire through; default a new one.
         trail: Trail mode for the default engine (refusals name call sites);
             None reads ``FSM_CACHE_TRAIL``.
@@ -380,7 +385,7 @@ def patch(
         if already:
             raise PatchError(f"{', '.join(already)}: patched already; undo that patch first")
         _warn_unsupported()
-        _warn_unchecked()
+        _warn_unchecked({m.__name__ for m in found})
         engine = residency or Residency(trail=trail)
         result = Patch(tuple(m.__name__ for m in found), ResidencyMixin, ())
         try:
@@ -397,6 +402,9 @@ def _apply(result: Patch, found: list[ModuleType], engine: Residency) -> tuple[s
     """Patch each of ``found``, recording every change in ``result``; return what was wrapped."""
     checked: dict[type, type[ResidencyMixin]] = {}
     wrapped: list[str] = []
+    for module in [m for m in found if m.__name__ in UNCHECKED]:
+        wrapped += _wrap_boundary(result, module, engine)
+    found = [m for m in found if m.__name__ not in UNCHECKED]
     for module in found:
         original = _tree_node(module)
         if original not in checked:
@@ -414,13 +422,38 @@ def _apply(result: Patch, found: list[ModuleType], engine: Residency) -> tuple[s
     return tuple(wrapped)
 
 
+def _wrap_boundary(result: Patch, module: ModuleType, machine: Residency) -> list[str]:
+    """Check the cache class of ``module`` (one of :data:`UNCHECKED`) at its lock boundary.
+
+    Its lock methods and ``reset`` (:data:`~fsm_cache.compat.sglang.unified.BOUNDARY`)
+    are wrapped to keep one :class:`~fsm_cache.compat.sglang.unified.ReceiptBook`
+    per cache. Subclasses inherit the wrappers; their own overrides are not
+    wrapped (one that calls its base's would record each receipt twice).
+
+    Raises:
+        PatchError: The module defines no such class, or the class none of the methods.
+    """
+    name = UNCHECKED[module.__name__]
+    cls = getattr(module, name, None)
+    names = [*unified.BOUNDARY, "reset"]
+    if not isinstance(cls, type) or any(n not in vars(cls) for n in names):
+        raise PatchError(
+            f"{module.__name__}: no {name} defining {', '.join(names)} to check; "
+            "see docs/sglang.md for the releases patch() supports"
+        )
+    receipts = unified.Receipts(machine)
+    for method in names:
+        result.record(cls, method, receipts.wrap(method, vars(cls)[method]))
+    return [f"{name}.{method}" for method in names]
+
+
 def _module(given: ModuleType | str) -> ModuleType:
     return importlib.import_module(given) if isinstance(given, str) else given
 
 
 def _installed() -> list[ModuleType]:
     out = []
-    for name in MODULES:
+    for name in (*MODULES, *UNCHECKED):
         try:
             out.append(importlib.import_module(name))
         except ModuleNotFoundError as exc:
@@ -456,21 +489,34 @@ def _warn_unsupported() -> None:
         )
 
 
-def _warn_unchecked() -> None:
-    """Warn where SGLang's server would build a cache :func:`patch` leaves unchecked."""
+def _warn_unchecked(patched: set[str]) -> None:
+    """Warn where SGLang's server would build a cache :func:`patch` checks in part, or not at all.
+
+    Args:
+        patched: The names of the modules this patch takes.
+    """
     for name, cls in UNCHECKED.items():
         try:
             present = importlib.util.find_spec(name) is not None
         except ModuleNotFoundError:  # no SGLang package at all
             present = False
-        if present:
-            warnings.warn(
-                f"{cls} ({name}) is not checked: SGLang's scheduler builds it by default "
-                "(registry.default_radix_cache_factory), and patch() checks RadixCache and "
-                "HiRadixCache only; see docs/sglang.md",
-                UncheckedCacheWarning,
-                stacklevel=3,
+        if not present:
+            continue
+        if name in patched:
+            what = (
+                "is checked at its lock boundary only: patch() refuses a dec_lock_ref or "
+                "dec_host_lock_ref with no inc_lock_ref or inc_host_lock_ref left on its "
+                "node, and checks none of its residency (evictions, loads, write-backs, the "
+                "tree core's own locks)"
             )
+        else:
+            what = "is not checked: patch() was not given its module"
+        warnings.warn(
+            f"{cls} ({name}) {what}; SGLang's scheduler builds it by default "
+            "(registry.default_radix_cache_factory); see docs/sglang.md",
+            UncheckedCacheWarning,
+            stacklevel=3,
+        )
 
 
 def _tree_node(module: ModuleType) -> type:

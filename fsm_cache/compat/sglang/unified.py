@@ -1,0 +1,170 @@
+"""SGLang 0.5.23's ``UnifiedRadixCache``, checked at its lock boundary: every release has an acquire.
+
+``UnifiedRadixCache`` keeps its counters in a tree core addressed by node id
+(a compiled Rust one by default, ``UnifiedTreeCore`` in Python otherwise),
+per component, out of fsm_cache's reach. What every caller does go through
+is four cache methods, each taking the anchor node's id:
+``inc_lock_ref(node_id)`` returns a receipt that ``dec_lock_ref(node_id,
+receipt)`` replays, and ``inc_host_lock_ref`` / ``dec_host_lock_ref`` do the
+same for the host copy. SGLang's own check is an ``assert`` deep in a
+component's walk (``FULL segment release hit lock_ref=0 on node N``), at
+the first node the walk finds at zero, which may be far above the anchor
+(an ancestor still held by another request's lock is silently released
+instead); the Rust core panics there and refuses every later call on the
+cache ("mutex poisoned").
+
+:class:`ReceiptBook` keeps, per anchor node id, a residency record of the
+receipts given out there: ``locks`` counts the device locks, ``pins`` the
+host locks, and the residency spec's own rules move them (``lock``/``unlock``
+on a ``resident`` device, ``pin``/``release`` on a ``backed`` host). Its
+states are fixed: the node's real residency lives in the tree core and is
+not observed, so of the spec only the counter rules apply (an ``unlock``
+without a ``lock`` is ``UnlockAtZero``, a ``release`` without a ``pin`` is
+``ReleaseAtZero``). A release is checked before SGLang's method runs and
+recorded after it returns, so a refusal changes nothing, and a call SGLang
+itself refuses (a receipt anchored on another node) is not recorded.
+Receipts on one anchor are interchangeable, as they are to SGLang (a
+device receipt carries no id of its own), so what is refused is exactly a
+release with no matching acquire left on its anchor.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from fsm_cache.compat.sglang.scope import BuiltBeforePatch
+from fsm_cache.engine import trail
+from fsm_cache.residency import Event, Residency, ResidencyRecord
+
+
+trail.internal(__file__)
+
+BOUNDARY: dict[str, Event] = {
+    "inc_lock_ref": "lock",
+    "dec_lock_ref": "unlock",
+    "inc_host_lock_ref": "pin",
+    "dec_host_lock_ref": "release",
+}
+"""``UnifiedRadixCache``'s lock methods and the residency event each one is."""
+
+Method = Callable[..., Any]
+
+
+class ReceiptBook:
+    """The lock receipts one ``UnifiedRadixCache`` gave out, per anchor node id.
+
+    Args:
+        machine: The engine the records fire through (the patch's).
+
+    Attributes:
+        records: Per anchor node id, its record (``locks``: device receipts
+            out, ``pins``: host receipts out). Outside trail mode a record is
+            dropped once both are zero; in trail mode it is kept, with the
+            call sites a later refusal names, until the cache's ``reset``.
+    """
+
+    __slots__ = ("machine", "records")
+
+    def __init__(self, machine: Residency) -> None:
+        self.machine = machine
+        self.records: dict[Any, ResidencyRecord] = {}
+
+    def check(self, node_id: Any, event: Event) -> None:
+        """Check ``event`` on ``node_id``'s receipts, changing nothing.
+
+        Raises:
+            UnlockAtZero: ``unlock`` with no device receipt out on the node.
+            ReleaseAtZero: ``release`` with no host receipt out on the node.
+        """
+        self.machine.engine.plan(self._record(node_id), event)
+
+    def fire(self, node_id: Any, event: Event) -> None:
+        """Record ``event`` on ``node_id``'s receipts (checked as :meth:`check`)."""
+        record = self._record(node_id)
+        self.machine.verb(event)(record)
+        if record.locks or record.pins or self.machine.engine.trail:
+            self.records[node_id] = record
+        else:
+            self.records.pop(node_id, None)
+
+    def clear(self) -> None:
+        """Forget every receipt: the cache's ``reset`` dropped the tree they anchor on."""
+        self.records.clear()
+
+    def _record(self, node_id: Any) -> ResidencyRecord:
+        record = self.records.get(node_id)
+        if record is None:
+            ident = node_id if isinstance(node_id, int) else 0
+            record = ResidencyRecord(ident, host="backed")
+        return record
+
+
+class Receipts:
+    """The receipt books of the ``UnifiedRadixCache`` instances built under one patch.
+
+    A book is made by the cache's ``reset`` (its ``__init__`` ends with one)
+    and cleared by every later one. A cache with no book here was built
+    before this patch (or under another one): its receipts out are not
+    known, and its lock methods are refused.
+
+    Args:
+        machine: The engine the books fire through.
+    """
+
+    def __init__(self, machine: Residency) -> None:
+        self.machine = machine
+        self.books: weakref.WeakKeyDictionary[Any, ReceiptBook] = weakref.WeakKeyDictionary()
+
+    def reset(self, cache: Any) -> None:
+        """Give ``cache`` an empty book (its tree was just built or dropped)."""
+        book = self.books.get(cache)
+        if book is None:
+            self.books[cache] = ReceiptBook(self.machine)
+        else:
+            book.clear()
+
+    def book(self, cache: Any, call: str) -> ReceiptBook:
+        """Return ``cache``'s book.
+
+        Raises:
+            BuiltBeforePatch: ``cache`` was built before this patch; nothing changed.
+        """
+        book = self.books.get(cache)
+        if book is None:
+            msg = (
+                f"{type(cache).__name__}: {call} in a cache built before patch() (the "
+                "receipts it gave out are not known); build the cache after patching; "
+                "nothing changed"
+            )
+            raise BuiltBeforePatch(msg)
+        return book
+
+    def wrap(self, name: str, original: Method) -> Method:
+        """``original`` (one of :data:`BOUNDARY`, or ``reset``), checked through the books."""
+        if name == "reset":
+            return self._reset(original)
+        event = BOUNDARY[name]
+
+        @functools.wraps(original)
+        def method(cache: Any, node_id: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(cache, "disable", False):  # SGLang's returns an empty receipt
+                return original(cache, node_id, *args, **kwargs)
+            book = self.book(cache, name)
+            book.check(node_id, event)
+            result = original(cache, node_id, *args, **kwargs)
+            book.fire(node_id, event)
+            return result
+
+        return method
+
+    def _reset(self, original: Method) -> Method:
+        @functools.wraps(original)
+        def reset(cache: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(cache, *args, **kwargs)
+            self.reset(cache)
+            return result
+
+        return reset

@@ -1,0 +1,291 @@
+"""SGLang 0.5.23's real ``UnifiedRadixCache``, checked at its lock boundary, on both tree cores.
+
+The cache keeps its counters in a tree core by node id: the compiled Rust
+one (SGLang's default) or ``UnifiedTreeCore`` in Python. Stock, a lock
+released twice trips an ``assert`` in the core's walk (the Rust core panics
+and refuses every later call: the cache is dead), or passes silently when
+another request's lock holds the nodes the walk meets. Patched, the release
+with no acquire left on its node is refused at its call, typed, with the
+call sites in trail mode, and the tree is as it was.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from fsm_cache.compat.sglang import BuiltBeforePatch, patch
+from fsm_cache.errors import ReleaseAtZero, UnlockAtZero
+
+from .conftest import Api
+from .fakes import FakeAllocator
+
+
+UNIFIED = "sglang.srt.mem_cache.unified_radix_cache"
+CORES = {"python": "UnifiedTreeCore", "rust": "RustUnifiedTreeCore"}
+"""SGLang's tree cores, by the name ``tree_core_backend`` selects, and their classes."""
+
+SHARED, LEFT, RIGHT = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+
+
+@pytest.fixture(scope="module")
+def unified() -> Any:
+    """0.5.23's ``unified_radix_cache`` module; skip where SGLang has none or msgspec is missing."""
+    if importlib.util.find_spec(UNIFIED) is None:
+        pytest.skip("this SGLang has no UnifiedRadixCache")
+    # Its tree cores build msgspec structs; the stand-in for a missing msgspec cannot.
+    pytest.importorskip("msgspec", reason="make test-sglang installs msgspec in the side venv")
+    return importlib.import_module(UNIFIED)
+
+
+@pytest.fixture(params=sorted(CORES))
+def core(request: pytest.FixtureRequest) -> str:
+    """The tree core the cache is built on."""
+    return str(request.param)
+
+
+@pytest.fixture
+def patched(unified: Any) -> Iterator[Any]:
+    """SGLang's caches, patched in trail mode for the test."""
+    del unified
+    with patch(trail=True) as applied:
+        yield applied
+
+
+def build(sg: Api, unified: Any, allocator: FakeAllocator, core: str, **options: Any) -> Any:
+    """A full-attention ``UnifiedRadixCache`` on ``core`` holding ``SHARED+LEFT`` and ``SHARED+RIGHT``."""
+    types = importlib.import_module("sglang.srt.mem_cache.unified_cache.component_type")
+    params = sg.cache_params(
+        allocator, tree_components=(types.ComponentType.FULL,), tree_core_backend=core, **options
+    )
+    cache = unified.UnifiedRadixCache(params)
+    assert type(cache.tree_core).__name__ == CORES[core]  # no silent fallback to the other
+    for ids in (SHARED + LEFT, SHARED + RIGHT):
+        sg.insert(cache, ids, allocator.take(len(ids)))
+    return cache
+
+
+def anchor(sg: Api, cache: Any, ids: list[int]) -> Any:
+    """The node id a match of ``ids`` ends at (what the scheduler locks)."""
+    return sg.match(cache, ids)[1]
+
+
+def whole_state(cache: Any, allocator: FakeAllocator, capfd: pytest.CaptureFixture[str]) -> Any:
+    """The tree with every node's lock count (the core's own print), sizes and free device slots.
+
+    Node ids are left out (the Python core numbers nodes process-wide) and the
+    lines are sorted (the Rust core prints siblings in no fixed order).
+    """
+    capfd.readouterr()
+    cache.pretty_print()  # the Rust core prints from Rust: read through the file descriptor
+    tree = sorted(re.sub(r"\[\d+\]", "[]", capfd.readouterr().out).splitlines())
+    return tree, cache.evictable_size(), cache.protected_size(), list(allocator.free_slots)
+
+
+def test_a_double_release_is_refused_at_its_call_and_changes_nothing(
+    sg: Api,
+    unified: Any,
+    *,
+    patched: Any,
+    allocator: FakeAllocator,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    del patched
+    cache = build(sg, unified, allocator, core)
+    node = anchor(sg, cache, SHARED + LEFT)
+    here = inspect.currentframe()
+    assert here is not None
+    receipt = cache.inc_lock_ref(node).to_dec_params()
+    cache.dec_lock_ref(node, receipt)
+    before = whole_state(cache, allocator, capfd)
+    refused_at = here.f_lineno + 2
+    with pytest.raises(UnlockAtZero) as caught:
+        cache.dec_lock_ref(node, receipt)  # a second cleanup path: the bug
+    test = "test_a_double_release_is_refused_at_its_call_and_changes_nothing"
+    assert str(caught.value) == (
+        f"node {node}: unlock refused in resident (locks=0): unlock without a matching "
+        f"lock; locked at test_unified_real.py:{refused_at - 5} in {test}; "
+        f"unlocked at test_unified_real.py:{refused_at - 4} in {test}; "
+        f"refused at test_unified_real.py:{refused_at} in {test}"
+    )
+    assert whole_state(cache, allocator, capfd) == before
+    receipt = cache.inc_lock_ref(node).to_dec_params()  # the cache still serves
+    assert cache.protected_size() == len(SHARED + LEFT)
+    cache.dec_lock_ref(node, receipt)
+    assert whole_state(cache, allocator, capfd) == before
+
+
+def test_stock_sglang_trips_at_the_walk_and_the_rust_core_is_dead_after(
+    sg: Api, unified: Any, allocator: FakeAllocator, core: str
+) -> None:
+    cache = build(sg, unified, allocator, core)
+    node = anchor(sg, cache, SHARED + LEFT)
+    receipt = cache.inc_lock_ref(node).to_dec_params()
+    cache.dec_lock_ref(node, receipt)
+    with pytest.raises((AssertionError, RuntimeError), match="hit lock_ref=0 on node"):
+        cache.dec_lock_ref(node, receipt)
+    if core == "rust":
+        with pytest.raises(RuntimeError, match="mutex poisoned"):
+            cache.inc_lock_ref(node)
+
+
+def test_a_release_that_sglang_takes_silently_from_an_ancestor_is_refused(
+    sg: Api,
+    unified: Any,
+    *,
+    mode: str,
+    allocator: FakeAllocator,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    cache = build(sg, unified, allocator, core)
+    leaf, shared = anchor(sg, cache, SHARED + LEFT), anchor(sg, cache, SHARED)
+    cache.inc_lock_ref(leaf)  # a running request holds SHARED + LEFT
+    receipt = cache.inc_lock_ref(shared).to_dec_params()
+    cache.dec_lock_ref(shared, receipt)
+    before = whole_state(cache, allocator, capfd)
+    if mode == "stock":  # SGLang takes the leaf's lock off the shared prefix, silently
+        cache.dec_lock_ref(shared, receipt)
+        assert cache.protected_size() == len(LEFT)
+        return
+    with pytest.raises(UnlockAtZero, match=f"^node {shared}: unlock refused in resident"):
+        cache.dec_lock_ref(shared, receipt)
+    assert whole_state(cache, allocator, capfd) == before
+    assert cache.protected_size() == len(SHARED + LEFT)
+
+
+def test_a_host_lock_released_twice_is_refused(
+    sg: Api,
+    unified: Any,
+    *,
+    mode: str,
+    allocator: FakeAllocator,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    cache = build(sg, unified, allocator, core)
+    node = anchor(sg, cache, SHARED + RIGHT)
+    receipt = cache.inc_host_lock_ref(node).to_dec_params()
+    cache.dec_host_lock_ref(node, receipt)
+    before = whole_state(cache, allocator, capfd)
+    if mode == "stock":  # no host copy to lock: SGLang's receipt holds nothing, and says nothing
+        cache.dec_host_lock_ref(node, receipt)
+        return
+    with pytest.raises(ReleaseAtZero, match=f"^node {node}: release refused in backed"):
+        cache.dec_host_lock_ref(node, receipt)
+    assert whole_state(cache, allocator, capfd) == before
+
+
+def test_receipts_pair_per_node_and_reset_forgets_them(
+    sg: Api, unified: Any, patched: Any, allocator: FakeAllocator, core: str
+) -> None:
+    del patched
+    cache = build(sg, unified, allocator, core)
+    leaf, shared = anchor(sg, cache, SHARED + LEFT), anchor(sg, cache, SHARED)
+    one, two = (cache.inc_lock_ref(leaf).to_dec_params() for _ in range(2))
+    lock = cache.lock(shared)  # 0.5.23's scheduler locks through lock()/unlock()
+    cache.dec_lock_ref(leaf, two)
+    cache.dec_lock_ref(leaf, one)
+    cache.unlock(lock)
+    assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
+    stale = cache.inc_lock_ref(leaf).to_dec_params()
+    cache.reset()  # flush_cache: the tree and the receipts on it are gone
+    with pytest.raises(UnlockAtZero):
+        cache.dec_lock_ref(leaf, stale)
+    sg.insert(cache, SHARED + LEFT, allocator.take(8))
+    node = anchor(sg, cache, SHARED + LEFT)
+    cache.dec_lock_ref(node, cache.inc_lock_ref(node).to_dec_params())
+    assert (cache.protected_size(), cache.evictable_size()) == (0, 8)
+
+
+def test_a_cache_built_before_the_patch_is_refused(
+    sg: Api, unified: Any, allocator: FakeAllocator, core: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    cache = build(sg, unified, allocator, core)
+    node = anchor(sg, cache, SHARED + LEFT)
+    receipt = cache.inc_lock_ref(node).to_dec_params()
+    before = whole_state(cache, allocator, capfd)
+    with patch(), pytest.raises(BuiltBeforePatch) as caught:
+        cache.dec_lock_ref(node, receipt)
+    assert str(caught.value) == (
+        "UnifiedRadixCache: dec_lock_ref in a cache built before patch() (the receipts it "
+        "gave out are not known); build the cache after patching; nothing changed"
+    )
+    assert whole_state(cache, allocator, capfd) == before
+    cache.dec_lock_ref(node, receipt)  # SGLang's own again
+
+
+def test_a_disabled_cache_runs_sglangs_methods_unchecked(
+    sg: Api, unified: Any, patched: Any, core: str
+) -> None:
+    del patched
+    types = importlib.import_module("sglang.srt.mem_cache.unified_cache.component_type")
+    params = sg.cache_params(
+        FakeAllocator(8),
+        disable=True,
+        tree_components=(types.ComponentType.FULL,),
+        tree_core_backend=core,
+    )
+    cache = unified.UnifiedRadixCache(params)
+    receipt = cache.inc_lock_ref(cache.root_node_handle()).to_dec_params()
+    for _ in range(2):  # SGLang's disabled cache holds nothing: nothing to refuse
+        cache.dec_lock_ref(cache.root_node_handle(), receipt)
+
+
+def test_the_patch_wraps_the_lock_boundary_and_undo_restores_it(unified: Any) -> None:
+    stock = dict(vars(unified.UnifiedRadixCache))
+    names = ["inc_lock_ref", "dec_lock_ref", "inc_host_lock_ref", "dec_host_lock_ref", "reset"]
+    with patch() as applied:
+        assert [w for w in applied.wrapped if w.startswith("UnifiedRadixCache.")] == [
+            f"UnifiedRadixCache.{name}" for name in names
+        ]
+        assert all(vars(unified.UnifiedRadixCache)[n] is not stock[n] for n in names)
+    assert all(vars(unified.UnifiedRadixCache)[n] is stock[n] for n in names)
+
+
+def test_the_stock_and_patched_caches_agree_on_a_lock_stream(
+    sg: Api, unified: Any, core: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    def run() -> list[Any]:
+        allocator = FakeAllocator(64)
+        cache = build(sg, unified, allocator, core)
+        leaf, shared = anchor(sg, cache, SHARED + LEFT), anchor(sg, cache, SHARED)
+        seen: list[Any] = []
+        held = [cache.lock(leaf), cache.lock(shared), cache.lock(leaf)]
+        host = cache.inc_host_lock_ref(shared).to_dec_params()
+        seen.append(whole_state(cache, allocator, capfd))
+        for lock in (held.pop(1), *held):
+            cache.unlock(lock)
+            seen.append(whole_state(cache, allocator, capfd))
+        cache.dec_host_lock_ref(shared, host)
+        sg.evict(cache, 8)
+        seen.append(whole_state(cache, allocator, capfd))
+        return seen
+
+    stock = run()
+    with patch(trail=True):
+        assert run() == stock
+
+
+def test_outside_trail_mode_a_double_release_is_refused_without_call_sites(
+    sg: Api, unified: Any, allocator: FakeAllocator, core: str
+) -> None:
+    with patch(trail=False):
+        cache = build(sg, unified, allocator, core)
+        node = anchor(sg, cache, SHARED + LEFT)
+        receipt = cache.inc_lock_ref(node).to_dec_params()
+        cache.dec_lock_ref(node, receipt)
+        with pytest.raises(UnlockAtZero) as caught:
+            cache.dec_lock_ref(node, receipt)
+        assert str(caught.value) == (
+            f"node {node}: unlock refused in resident (locks=0): unlock without a matching lock"
+        )
+        assert cache.protected_size() == 0
+        cache.dec_lock_ref(node, cache.inc_lock_ref(node).to_dec_params())
