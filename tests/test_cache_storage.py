@@ -386,8 +386,13 @@ def test_a_store_that_raises_fails_the_store_and_the_worker_lives_on(store: Stor
     cache.close()
 
 
-def test_a_store_that_never_answers_is_failed_at_its_timeout(store: Store) -> None:
-    """SGLang #38427: a hung backup thread must not keep its host pin."""
+def test_a_store_that_never_answers_is_failed_at_its_timeout(store: Store, clock: Clock) -> None:
+    """SGLang #38427: a hung backup thread must not keep its host pin.
+
+    The tier's clock is moved by hand: on the real one a loaded machine could
+    take the whole timeout between the store's start and the poll that must
+    find it not yet timed out.
+    """
     faulty = FaultyStore(store)
     faulty.gate = threading.Event()
     cache = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=0.5))
@@ -395,8 +400,9 @@ def test_a_store_that_never_answers_is_failed_at_its_timeout(store: Store) -> No
     cache.poll()
     (node,) = cache.tree
     assert (node.storage, node.pins) == ("storing", 1)
+    clock.now += 0.25
     assert cache.poll() == 0  # not yet past its timeout
-    time.sleep(0.55)
+    clock.now += 0.25
     assert cache.poll() == 1
     assert (node.host, node.storage, node.pins) == ("backed", "unstored", 0)
     assert cache.log.storage_acks()[-1] == ("poll", ((1, "store", 0, "timeout"),))
@@ -742,7 +748,15 @@ def test_a_read_that_raises_fails_the_fetch_and_removes_the_node(store: Store) -
     assert reader.match_prefix(toks).host_len == 3 * PAGE
 
 
-def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store) -> None:
+def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store, clock: Clock) -> None:
+    """The lookup waits its deadline, not the read's; the read fails at its own, and is not kept.
+
+    The tier's clock is moved by hand past the read's timeout, which is long
+    (30 s) so that a lookup waiting for the read would stand out. The read
+    started again is waited for before its pages are looked at: within the
+    lookup's 0.05 s a loaded machine may not have run the worker at all, and
+    the lookup then returns before the pages land (the ``timeout`` policy).
+    """
     toks = tokens(3)
     stored_cache(store, toks)
     faulty = FaultyStore(store)
@@ -750,30 +764,47 @@ def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store) -> Non
     reader = HiCache(
         config(),
         storage=tier(
-            faulty, threads=1, prefetch_policy="timeout", prefetch_timeout=0.05, io_timeout=1.0
+            faulty, threads=1, prefetch_policy="timeout", prefetch_timeout=0.05, io_timeout=30.0
         ),
     )
+    storage = reader.storage
+    assert storage is not None
     started = time.monotonic()
     found = reader.match_prefix(toks)
-    assert time.monotonic() - started < 1.0  # the lookup waited its deadline, not the read's
+    assert time.monotonic() - started < 10.0  # the lookup waited its deadline, not the read's
     assert (found.host_len, found.storage_len) == (0, 3 * PAGE)
     assert reader.stats().prefetch == {"started": 1, "still_reading": 1}
-    time.sleep(1.0)
+    (late,) = storage.in_flight().values()
+    clock.now += 30.0
     reader.poll()
     assert list(reader.tree) == []
     assert reader.tiers.host.allocator.free_pages == 32
     assert reader.log.storage_acks()[-1] == ("poll", ((1, "fetch", 0, "timeout"),))
     faulty.gate.set()
+    assert late.done.wait(30)
     reader.poll()  # the late answer comes to no one
     assert list(reader.tree) == []
-    found = reader.match_prefix(toks)  # the pages are found by key, and read again
-    assert reader.stats().prefetch == {"started": 2, "still_reading": 1, "read": 1}
-    assert found.host_len == 3 * PAGE
+    reader.match_prefix(toks)  # the pages are found by key, and read again
+    for again in storage.in_flight().values():  # the read, where it outlasted the lookup
+        assert again.done.wait(30)
+    reader.poll()
+    prefetch = reader.stats().prefetch
+    assert prefetch["started"] == 2
+    assert prefetch.get("read", 0) + prefetch["still_reading"] == 2
+    assert reader.stats().storage_pages == {"fetched": 3}
+    assert reader.match_prefix(toks).host_len == 3 * PAGE
     reader.close()
 
 
-def test_a_copy_that_timed_out_waiting_for_a_worker_is_never_run(store: Store) -> None:
-    """Behind a slow store, copies nobody waits for would keep the worker busy for good."""
+def test_a_copy_that_timed_out_waiting_for_a_worker_is_never_run(
+    store: Store, clock: Clock
+) -> None:
+    """Behind a slow store, copies nobody waits for would keep the worker busy for good.
+
+    The tier's clock is moved by hand, once the worker is inside the first put:
+    on the real one a worker thread that a loaded machine started late found
+    the first copy timed out too, and never ran it.
+    """
     faulty = FaultyStore(store)
     faulty.gate = threading.Event()
     writer = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=0.3))
@@ -784,7 +815,10 @@ def test_a_copy_that_timed_out_waiting_for_a_worker_is_never_run(store: Store) -
     assert storage is not None
     copies = list(storage.in_flight().values())
     assert len(copies) == 3
-    time.sleep(0.4)
+    deadline = time.monotonic() + 30
+    while faulty.calls != ["put"] and time.monotonic() < deadline:
+        time.sleep(0.01)  # the worker takes the first copy, and waits at the gate
+    clock.now += 0.5
     writer.poll()  # all three timed out: the first in the store, two in the queue
     assert writer.stats().storage_failures == {"store:timeout": 3}
     faulty.gate.set()
