@@ -18,6 +18,7 @@ from typing import Any
 import fakeredis
 import pytest
 import torch
+from clocks import HandClock
 from prometheus_client import CollectorRegistry, generate_latest
 
 from fsm_cache.cache import storage_tier
@@ -386,7 +387,9 @@ def test_a_store_that_raises_fails_the_store_and_the_worker_lives_on(store: Stor
     cache.close()
 
 
-def test_a_store_that_never_answers_is_failed_at_its_timeout(store: Store, clock: Clock) -> None:
+def test_a_store_that_never_answers_is_failed_at_its_timeout(
+    store: Store, clock: HandClock
+) -> None:
     """SGLang #38427: a hung backup thread must not keep its host pin.
 
     The tier's clock is moved by hand: on the real one a loaded machine could
@@ -543,20 +546,10 @@ def test_a_query_that_raises_anything_asks_nothing_and_changes_nothing(store: St
     reader.close()
 
 
-class Clock:
-    """The storage tier's clock, moved by hand: ``monotonic()`` is ``now``."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    """The tier reads this clock (its module's ``time``), nothing else does."""
-    fake = Clock()
+def clock(monkeypatch: pytest.MonkeyPatch) -> HandClock:
+    """The storage tier's clock, moved by hand: the tier reads it (its module's ``time``)."""
+    fake = HandClock()
     monkeypatch.setattr(storage_tier, "time", fake)
     return fake
 
@@ -586,7 +579,7 @@ def test_a_query_backoff_doubles_per_failure_in_a_row_up_to_its_longest() -> Non
 
 
 def test_a_store_that_stops_answering_is_asked_again_only_after_a_backoff(
-    store: Store, clock: Clock
+    store: Store, clock: HandClock
 ) -> None:
     """While the store is down each lookup would wait out the client's timeout on its thread.
 
@@ -626,7 +619,7 @@ def test_a_store_that_stops_answering_is_asked_again_only_after_a_backoff(
 
 
 def test_under_agreement_a_query_backoff_ends_only_where_the_group_says(
-    store: Store, clock: Clock
+    store: Store, clock: HandClock
 ) -> None:
     """Another rank's store raised: this rank backs off too, and its clock alone ends nothing."""
     toks = tokens(3)
@@ -714,7 +707,7 @@ def test_a_store_that_failed_once_is_stored_again_by_a_later_lookup(store: Store
     assert reader.match_prefix(toks + more).host_len == 5 * PAGE
 
 
-def test_no_store_is_started_again_while_queries_back_off(store: Store, clock: Clock) -> None:
+def test_no_store_is_started_again_while_queries_back_off(store: Store, clock: HandClock) -> None:
     toks = tokens(3)
     faulty = FaultyStore(store)
     faulty.raises = {"put", "exists_prefix"}
@@ -748,7 +741,7 @@ def test_a_read_that_raises_fails_the_fetch_and_removes_the_node(store: Store) -
     assert reader.match_prefix(toks).host_len == 3 * PAGE
 
 
-def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store, clock: Clock) -> None:
+def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store, clock: HandClock) -> None:
     """The lookup waits its deadline, not the read's; the read fails at its own, and is not kept.
 
     The tier's clock is moved by hand past the read's timeout, which is long
@@ -797,7 +790,7 @@ def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store, clock:
 
 
 def test_a_copy_that_timed_out_waiting_for_a_worker_is_never_run(
-    store: Store, clock: Clock
+    store: Store, clock: HandClock
 ) -> None:
     """Behind a slow store, copies nobody waits for would keep the worker busy for good.
 
