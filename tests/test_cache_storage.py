@@ -20,6 +20,7 @@ from typing import Any
 import fakeredis
 import pytest
 import torch
+from clocks import HandClock
 from prometheus_client import CollectorRegistry, generate_latest
 
 from fsm_cache.cache import storage_tier
@@ -395,8 +396,15 @@ def test_a_store_that_raises_fails_the_store_and_the_worker_lives_on(store: Stor
     cache.close()
 
 
-def test_a_store_that_never_answers_is_failed_at_its_timeout(store: Store) -> None:
-    """SGLang #38427: a hung backup thread must not keep its host pin."""
+def test_a_store_that_never_answers_is_failed_at_its_timeout(
+    store: Store, clock: HandClock
+) -> None:
+    """SGLang #38427: a hung backup thread must not keep its host pin.
+
+    The tier's clock is moved by hand: on the real one a loaded machine could
+    take the whole timeout between the store's start and the poll that must
+    find it not yet timed out.
+    """
     faulty = FaultyStore(store)
     faulty.gate = threading.Event()
     cache = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=0.5))
@@ -404,8 +412,9 @@ def test_a_store_that_never_answers_is_failed_at_its_timeout(store: Store) -> No
     cache.poll()
     (node,) = cache.tree
     assert (node.storage, node.pins) == ("storing", 1)
+    clock.now += 0.25
     assert cache.poll() == 0  # not yet past its timeout
-    time.sleep(0.55)
+    clock.now += 0.25
     assert cache.poll() == 1
     assert (node.host, node.storage, node.pins) == ("backed", "unstored", 0)
     assert cache.log.storage_acks()[-1] == ("poll", ((1, "store", 0, "timeout"),))
@@ -546,20 +555,10 @@ def test_a_query_that_raises_anything_asks_nothing_and_changes_nothing(store: St
     reader.close()
 
 
-class Clock:
-    """The storage tier's clock, moved by hand: ``monotonic()`` is ``now``."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    """The tier reads this clock (its module's ``time``), nothing else does."""
-    fake = Clock()
+def clock(monkeypatch: pytest.MonkeyPatch) -> HandClock:
+    """The storage tier's clock, moved by hand: the tier reads it (its module's ``time``)."""
+    fake = HandClock()
     monkeypatch.setattr(storage_tier, "time", fake)
     return fake
 
@@ -589,7 +588,7 @@ def test_a_query_backoff_doubles_per_failure_in_a_row_up_to_its_longest() -> Non
 
 
 def test_a_store_that_stops_answering_is_asked_again_only_after_a_backoff(
-    store: Store, clock: Clock
+    store: Store, clock: HandClock
 ) -> None:
     """While the store is down each lookup would wait out the client's timeout on its thread.
 
@@ -629,7 +628,7 @@ def test_a_store_that_stops_answering_is_asked_again_only_after_a_backoff(
 
 
 def test_under_agreement_a_query_backoff_ends_only_where_the_group_says(
-    store: Store, clock: Clock
+    store: Store, clock: HandClock
 ) -> None:
     """Another rank's store raised: this rank backs off too, and its clock alone ends nothing."""
     toks = tokens(3)
@@ -694,7 +693,7 @@ def test_a_torn_page_the_store_will_not_drop_keeps_the_pages_before_it(tmp_path:
 
 
 def test_a_store_that_failed_once_is_stored_again_by_a_later_lookup(
-    store: Store, clock: Clock
+    store: Store, clock: HandClock
 ) -> None:
     """One transient failure kept the node, and every node under it, out of the store for good.
 
@@ -726,7 +725,7 @@ def test_a_store_that_failed_once_is_stored_again_by_a_later_lookup(
     assert reader.match_prefix(toks + more).host_len == 5 * PAGE
 
 
-def test_no_store_is_started_again_while_queries_back_off(store: Store, clock: Clock) -> None:
+def test_no_store_is_started_again_while_queries_back_off(store: Store, clock: HandClock) -> None:
     toks = tokens(3)
     faulty = FaultyStore(store)
     faulty.raises = {"put", "exists_prefix"}
@@ -750,7 +749,7 @@ def test_no_store_is_started_again_while_queries_back_off(store: Store, clock: C
 
 
 def test_a_read_that_raises_fails_the_fetch_and_removes_the_node(
-    store: Store, clock: Clock
+    store: Store, clock: HandClock
 ) -> None:
     toks = tokens(3)
     stored_cache(store, toks)
@@ -771,7 +770,15 @@ def test_a_read_that_raises_fails_the_fetch_and_removes_the_node(
     assert reader.stats().prefetch == {"started": 2, "read": 2, "backing_off": 1}
 
 
-def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store) -> None:
+def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store, clock: HandClock) -> None:
+    """The lookup waits its deadline, not the read's; the read fails at its own, and is not kept.
+
+    The tier's clock is moved by hand past the read's timeout, which is long
+    (30 s) so that a lookup waiting for the read would stand out. The read
+    started again is waited for before its pages are looked at: within the
+    lookup's 0.05 s a loaded machine may not have run the worker at all, and
+    the lookup then returns before the pages land (the ``timeout`` policy).
+    """
     toks = tokens(3)
     stored_cache(store, toks)
     faulty = FaultyStore(store)
@@ -783,31 +790,48 @@ def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store) -> Non
             threads=1,
             prefetch_policy="timeout",
             prefetch_timeout=0.05,
-            io_timeout=1.0,
+            io_timeout=30.0,
             query_backoff=0,  # the backoff after a timeout is tested on its own
         ),
     )
+    storage = reader.storage
+    assert storage is not None
     started = time.monotonic()
     found = reader.match_prefix(toks)
-    assert time.monotonic() - started < 1.0  # the lookup waited its deadline, not the read's
+    assert time.monotonic() - started < 10.0  # the lookup waited its deadline, not the read's
     assert (found.host_len, found.storage_len) == (0, 3 * PAGE)
     assert reader.stats().prefetch == {"started": 1, "still_reading": 1}
-    time.sleep(1.0)
+    (late,) = storage.in_flight().values()
+    clock.now += 30.0
     reader.poll()
     assert list(reader.tree) == []
     assert reader.tiers.host.allocator.free_pages == 32
     assert reader.log.storage_acks()[-1] == ("poll", ((1, "fetch", 0, "timeout"),))
     faulty.gate.set()
+    assert late.done.wait(30)
     reader.poll()  # the late answer comes to no one
     assert list(reader.tree) == []
-    found = reader.match_prefix(toks)  # the pages are found by key, and read again
-    assert reader.stats().prefetch == {"started": 2, "still_reading": 1, "read": 1}
-    assert found.host_len == 3 * PAGE
+    reader.match_prefix(toks)  # the pages are found by key, and read again
+    for again in storage.in_flight().values():  # the read, where it outlasted the lookup
+        assert again.done.wait(30)
+    reader.poll()
+    prefetch = reader.stats().prefetch
+    assert prefetch["started"] == 2
+    assert prefetch.get("read", 0) + prefetch["still_reading"] == 2
+    assert reader.stats().storage_pages == {"fetched": 3}
+    assert reader.match_prefix(toks).host_len == 3 * PAGE
     reader.close()
 
 
-def test_a_copy_that_timed_out_waiting_for_a_worker_is_never_run(store: Store) -> None:
-    """Behind a slow store, copies nobody waits for would keep the worker busy for good."""
+def test_a_copy_that_timed_out_waiting_for_a_worker_is_never_run(
+    store: Store, clock: HandClock
+) -> None:
+    """Behind a slow store, copies nobody waits for would keep the worker busy for good.
+
+    The tier's clock is moved by hand, once the worker is inside the first put:
+    on the real one a worker thread that a loaded machine started late found
+    the first copy timed out too, and never ran it.
+    """
     faulty = FaultyStore(store)
     faulty.gate = threading.Event()
     writer = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=0.3))
@@ -818,7 +842,10 @@ def test_a_copy_that_timed_out_waiting_for_a_worker_is_never_run(store: Store) -
     assert storage is not None
     copies = list(storage.in_flight().values())
     assert len(copies) == 3
-    time.sleep(0.4)
+    deadline = time.monotonic() + 30
+    while faulty.calls != ["put"] and time.monotonic() < deadline:
+        time.sleep(0.01)  # the worker takes the first copy, and waits at the gate
+    clock.now += 0.5
     writer.poll()  # all three timed out: the first in the store, two in the queue
     assert writer.stats().storage_failures == {"store:timeout": 3}
     faulty.gate.set()
@@ -830,7 +857,7 @@ def test_a_copy_that_timed_out_waiting_for_a_worker_is_never_run(store: Store) -
 
 
 def test_a_store_abandoned_behind_a_hung_worker_lets_its_snapshot_go(
-    store: Store, clock: Clock
+    store: Store, clock: HandClock
 ) -> None:
     """The worker hangs for good: a store queued behind it must not hold its host snapshot.
 
@@ -871,7 +898,7 @@ def test_a_store_abandoned_behind_a_hung_worker_lets_its_snapshot_go(
 
 
 def test_a_query_slower_than_its_budget_backs_off_but_its_answer_stands(
-    store: Store, clock: Clock
+    store: Store, clock: HandClock
 ) -> None:
     """Redis answers every EXISTS after 2 s: without a budget each lookup would wait as long."""
     toks, more, third = tokens(3), tokens(3, start=5000), tokens(3, start=7000)
@@ -912,7 +939,7 @@ def test_a_query_slower_than_its_budget_backs_off_but_its_answer_stands(
 
 
 def test_a_query_within_its_budget_ends_no_backoff_early_and_counts_nothing(
-    store: Store, clock: Clock
+    store: Store, clock: HandClock
 ) -> None:
     """A budget exactly met is in time: no backoff, no failure counted."""
     toks = tokens(3)
@@ -932,7 +959,7 @@ def test_a_query_within_its_budget_ends_no_backoff_early_and_counts_nothing(
 
 @pytest.mark.parametrize("fault", ["raises", "hangs"])
 def test_a_store_that_fails_or_hangs_on_a_copy_backs_lookups_off(
-    store: Store, clock: Clock, fault: str
+    store: Store, clock: HandClock, fault: str
 ) -> None:
     """A server that fails a put (or never answers it) would fail the next lookup's query too."""
     toks = tokens(3)
@@ -979,7 +1006,7 @@ def test_a_store_that_is_full_backs_no_lookup_off(tmp_path: Path) -> None:
 
 
 def test_under_agreement_a_copy_that_failed_here_is_told_to_the_group_once(
-    tmp_path: Path, clock: Clock
+    tmp_path: Path, clock: HandClock
 ) -> None:
     """The group backs off at the step that carries it; applying it later backs off no more."""
     faulty = FaultyStore(LocalFileStore(tmp_path))

@@ -210,7 +210,11 @@ def _searching() -> Iterator[tuple[subprocess.Popen[str], list[int]]]:
                 time.sleep(0.05)
             pool = _workers_of(child.pid)
             assert len(pool) == 2
-            time.sleep(1)  # the workers start, then search
+            # the command ignores SIGINT while it starts its workers, and an interrupt then
+            # is lost: a test's comes once it takes SIGINT again (a second's sleep was a guess)
+            while _ignores_interrupts(child.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not _ignores_interrupts(child.pid)
             yield child, pool
         finally:
             with contextlib.suppress(ProcessLookupError):

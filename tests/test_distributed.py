@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from clocks import HandClock
 
 
 with warnings.catch_warnings():
@@ -60,6 +61,7 @@ with warnings.catch_warnings():
     from fsm_cache.cache.eventlog import EventLog
     from fsm_cache.cache.hicache import HiCache
     from fsm_cache.cli import bench
+    from fsm_cache.distributed import agreement
     from fsm_cache.distributed.agreement import (
         STORAGE_SLOTS,
         DistributedCache,
@@ -95,7 +97,10 @@ with warnings.catch_warnings():
     from fsm_cache.testing.faults import FaultyCopyEngine
 
 TIMEOUT = 20.0  # seconds a collective waits for the other ranks
-DEADLINE = 120.0  # seconds a whole spawned group may run before the test kills it
+# Seconds a whole spawned group may run before the test kills it: long enough for a loaded
+# machine (four ranks took 64 s beside four busy processes on two cores), short of the
+# suite's pytest timeout (300 s), which would not name the group.
+DEADLINE = 240.0
 Results = list[dict[str, Any]]
 
 
@@ -413,11 +418,14 @@ def step_versus(rank: int, other: str) -> list[Any]:
 
     Both trees agree when they meet (one request served alike), so only the kind of
     the collective can tell the methods apart. On a gloo group of its own with a
-    short timeout, which a timed-out collective would leave broken.
+    short timeout, which a timed-out collective would leave broken. The clock
+    starts when both ranks have served (a barrier): a loaded machine may run
+    one rank's request a second later than the other's.
     """
     side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
     shared = DistributedCache(HiCache(bench_config(debug=True)), side, timeout=2.0)
     serve_request(shared.cache, chat_trace(1, seed=1)[0])
+    dist.barrier(group=side)
     started = time.monotonic()
     try:
         shared.step() if rank == 0 else getattr(shared, other)()
@@ -432,13 +440,15 @@ def raised_before_the_collective(rank: int) -> list[Any]:
 
     Rank 1 keeps a shorter event log than its digest needs (a configuration that
     differs between the ranks), so its step raises ConfigError before the
-    all-reduce. On a gloo group of its own with a timeout the test would notice.
+    all-reduce. On a gloo group of its own with a timeout the test would notice;
+    the clock starts when both ranks have served, as in :func:`step_versus`.
     """
     side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
     limit = {"log_limit": 1} if rank == 1 else {}
     shared = DistributedCache(HiCache(bench_config(debug=True, **limit)), side, timeout=5.0)
     serve_request(shared.cache, chat_trace(1, seed=1)[0])
     before = len(shared.cache.log.transitions())
+    dist.barrier(group=side)
     started = time.monotonic()
     try:
         shared.step()
@@ -461,7 +471,8 @@ class _SlowReports(Collectives):
 def a_slow_report(rank: int) -> str:
     """The last rank diverges, then is slow to join the report's gather: the other gives up.
 
-    On a gloo group of its own, which the timeout leaves broken.
+    On a gloo group of its own, which the timeout leaves broken. The ranks meet
+    (a barrier) before the step, whose all-reduce has the same 1 s timeout.
     """
     side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
     shared = DistributedCache(HiCache(bench_config()), side, timeout=1.0)
@@ -471,6 +482,7 @@ def a_slow_report(rank: int) -> str:
         shared.cache.evict(1000)
         comm = shared.comm
         shared.comm = _SlowReports(comm.group, comm.rank, comm.world_size, comm.timeout)
+    dist.barrier(group=side)
     try:
         shared.step()
     except (RankDivergence, RankFailure) as exc:
@@ -512,12 +524,17 @@ class _Lossy(FaultyCopyEngine):
 def lost_completion(rank: int, world: int, *, stall: bool) -> tuple[str, int]:
     """The last rank loses the completion of the first copy of the seventh request.
 
-    ``stall``: keep polling (timeout 1 s) until the group gives up on the copy;
-    otherwise drain, which must notice the loss at once. Returns the message
-    and how many polls after the loss returned normally.
+    ``stall``: keep polling until the group gives up on the copy; otherwise
+    drain, which must notice the loss at once. Returns the message and how many
+    polls after the loss returned normally.
+
+    The stall clock (the agreement's ``time``) is moved by hand, faster on rank
+    0 than on rank 1, so the ranks' clocks disagree on when the copy is overdue:
+    they must still give up at the same step. The collectives keep the long
+    timeout (as a 1 s one, a loaded machine could time one out instead).
     """
     shared = DistributedCache(
-        HiCache(bench_config(debug=True, copier=_Lossy.copier())), timeout=1.0 if stall else TIMEOUT
+        HiCache(bench_config(debug=True, copier=_Lossy.copier())), timeout=TIMEOUT
     )
     copier = shared.cache.tiers.copier
     assert isinstance(copier, _Lossy)
@@ -529,15 +546,18 @@ def lost_completion(rank: int, world: int, *, stall: bool) -> tuple[str, int]:
         copier.lose = frozenset({copier.started + 1})
     serve_request(shared.cache, trace[-1])
     polls = 0
-    try:
-        if not stall:
-            shared.drain()
-        for _ in range(40):  # 2 s of steps: longer than the timeout, and bounded
-            shared.step()
-            polls += 1
-            time.sleep(0.05)
-    except RankDivergence as exc:
-        return str(exc), polls
+    clock = HandClock()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(agreement, "time", clock)
+        try:
+            if not stall:
+                shared.drain()
+            for _ in range(40):  # 40 s of steps on rank 0: longer than the timeout, and bounded
+                shared.step()
+                polls += 1
+                clock.now += 1.0 if rank == 0 else 0.5
+        except RankDivergence as exc:
+            return str(exc), polls
     return "no divergence", polls
 
 
@@ -1145,7 +1165,7 @@ def test_a_slow_rank_in_a_divergence_report_fails_the_other_after_the_timeout(
 ) -> None:
     pattern = (
         r"RankFailure: rank 0 of 2: divergence report \(all_gather sizes\) failed after "
-        r"1\.\d\d s \(timeout 1 s\): another rank died or stopped taking part: .+"
+        r"[1-9]\d*\.\d\d s \(timeout 1 s\): another rank died or stopped taking part: .+"
     )
     assert re.fullmatch(pattern, two_ranks[0]["slow_report"]), two_ranks[0]["slow_report"]
 
@@ -1163,7 +1183,7 @@ def test_a_lost_completion_is_named_when_draining(two_ranks: Results) -> None:
 def test_a_completion_missing_past_the_timeout_is_named_when_stepping(two_ranks: Results) -> None:
     want = (
         "rank divergence after transition 24: copy 1 of 1 in flight (nodes [8]) finished "
-        "on rank 0 and not on rank 1 for longer than the timeout (1 s); "
+        "on rank 0 and not on rank 1 for longer than the timeout (20 s); "
         "node 8 now: rank 0 writing/resident (pins=0, locks=0), "
         "rank 1 writing/resident (pins=0, locks=0)"
     )
@@ -1824,8 +1844,12 @@ def test_a_copy_applied_by_a_wait_stops_the_stall_clock(monkeypatch: pytest.Monk
     """The head copy stalls past the timeout, then a wait applies it: the next one starts afresh.
 
     A second rank that has finished no copy is played by the reduction: its
-    ready count, and so the first failed copy, is 0 while ``behind``.
+    ready count, and so the first failed copy, is 0 while ``behind``. The stall
+    clock (the agreement's ``time``) is moved by hand, and the collectives keep
+    the long timeout: as a 0.2 s one, a loaded machine could time one out.
     """
+    clock = HandClock()
+    monkeypatch.setattr(agreement, "time", clock)
     behind = True
     reduce_min = Collectives.all_reduce_min
 
@@ -1835,11 +1859,11 @@ def test_a_copy_applied_by_a_wait_stops_the_stall_clock(monkeypatch: pytest.Monk
         return reduce_min(self, values, what)
 
     monkeypatch.setattr(Collectives, "all_reduce_min", with_a_slow_peer)
-    shared = DistributedCache(HiCache(bench_config(debug=True)), timeout=0.2)
+    shared = DistributedCache(HiCache(bench_config(debug=True)), timeout=TIMEOUT)
     cache = shared.cache
     cache.insert(list(range(176)))  # 44 of 48 device pages; its backup starts
     assert (shared.step(), shared.buffered) == (0, 1)  # finished here only: the clock starts
-    time.sleep(0.3)  # longer than the timeout
+    clock.now += TIMEOUT + 1  # longer than the timeout
     waited = len(cache.log.acknowledgements())
     cache.insert(list(range(1000, 1032)))  # needs 8 pages: waits for that backup to evict
     assert [o for o, a in cache.log.acknowledgements()[waited:] if a] == ["wait"]

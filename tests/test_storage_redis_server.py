@@ -15,6 +15,7 @@ import torch
 
 from fsm_cache.errors import StoreFailed
 from fsm_cache.storage import Namespace, PutResult, RedisStore, page_keys
+from fsm_cache.testing import redis_server
 from fsm_cache.testing.redis_server import KillsServer, RedisServer, redis_server_path
 
 
@@ -51,6 +52,23 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
     """A server with no memory cap."""
     with RedisServer(tmp_path / "redis") as running:
         yield running
+
+
+def test_a_port_taken_before_the_server_binds_it_is_left_for_a_free_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A free port may be taken before the server binds it (``pytest -n 2``): it tries another.
+
+    The server on the taken port exits; its start took the other server's answer
+    for its own, and the test then used the other test's server.
+    """
+    with RedisServer(tmp_path / "first") as first:
+        taken, free = [first.port], redis_server.free_port
+        monkeypatch.setattr(redis_server, "free_port", lambda: taken.pop() if taken else free())
+        with RedisServer(tmp_path / "second") as second:
+            assert second.port != first.port
+            second.client().set("whose", b"second")
+            assert (first.client().get("whose"), second.client().get("whose")) == (None, b"second")
 
 
 def test_two_clients_share_pages_bit_exact(server: RedisServer) -> None:

@@ -24,6 +24,8 @@ from redis.retry import Retry
 
 
 STARTUP_SECONDS = 10.0
+PORT_TRIES = 5
+"""How many free ports a first start tries: another process may take one before the server binds it."""
 
 
 def redis_server_path() -> str | None:
@@ -59,9 +61,10 @@ class RedisServer:
         self.maxmemory = maxmemory
         self.policy = policy
         self.durable = durable
-        self.port = _free_port()
+        self.port = free_port()
         self._process: subprocess.Popen[bytes] | None = None
         self._clients: list[redis.Redis] = []
+        self._started = False
 
     @property
     def url(self) -> str:
@@ -79,26 +82,51 @@ class RedisServer:
         return client
 
     def start(self) -> None:
-        """Start the server (again, on the same port and files) and wait until it answers."""
+        """Start the server (again, on the same port and files) and wait until it answers.
+
+        The port was free when it was chosen, and another process (a server of
+        a test running alongside, a connection's own port) may take it before
+        this server binds it: the server then exits, and a first start tries a
+        new port (a restart keeps its port, which its clients hold).
+
+        Raises:
+            RuntimeError: The server did not answer within ``STARTUP_SECONDS``,
+                or exited on each port tried; with its log's tail.
+        """
+        first = not self._started
+        for _ in range(PORT_TRIES if first else 1):
+            if self._launch():
+                self._started = True
+                return
+            if first:
+                self.port = free_port()
+        tail = (self.directory / "redis.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"redis-server did not start:\n{tail}")
+
+    def _launch(self) -> bool:
+        """Run the server on ``port``; return whether it answers, or False once it ended.
+
+        Only its own answer counts (INFO's ``process_id``): on a port another
+        server took first, that server would answer the ping while this one exits.
+        """
         self.directory.mkdir(parents=True, exist_ok=True)
         log = (self.directory / "redis.log").open("ab")
-        self._process = subprocess.Popen(self._command(), stdout=log, stderr=log)
+        self._process = process = subprocess.Popen(self._command(), stdout=log, stderr=log)
         log.close()
-        probe = redis.Redis(host="127.0.0.1", port=self.port)
+        probe = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=STARTUP_SECONDS)
         deadline = time.monotonic() + STARTUP_SECONDS
         try:
-            while True:
+            while process.poll() is None and time.monotonic() <= deadline:
                 try:
-                    probe.ping()
-                    return
-                except redis.exceptions.ConnectionError:
-                    if self._process.poll() is not None or time.monotonic() > deadline:
-                        self.kill()
-                        tail = (self.directory / "redis.log").read_text(errors="replace")[-2000:]
-                        raise RuntimeError(f"redis-server did not start:\n{tail}") from None
-                    time.sleep(0.02)
+                    if probe.info("server")["process_id"] == process.pid:
+                        return True
+                except redis.exceptions.RedisError:  # not listening yet, or not a redis server
+                    pass
+                time.sleep(0.02)
         finally:
             probe.close()
+        self.kill()
+        return False
 
     def kill(self) -> None:
         """Kill the server at once (SIGKILL) and reap it; its pages in memory are lost."""
@@ -156,8 +184,8 @@ class KillsServer:
         return getattr(self.client, name)
 
 
-def _free_port() -> int:
-    """Return a loopback port nothing listens on now."""
+def free_port() -> int:
+    """Return a loopback port nothing listens on now (it may be taken before it is bound)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
