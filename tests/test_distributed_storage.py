@@ -104,7 +104,6 @@ class Faulty:
         after_exists: Called after each ``exists_prefix`` (drop a page behind its back).
         gate: Puts wait for this event first (a hung backend).
         exists_fails: ``exists_prefix`` raises (a server that stopped answering).
-        exists_delay: Seconds ``exists_prefix`` takes before it answers (a slow server).
         queries: How many times ``exists_prefix`` was called.
     """
 
@@ -114,12 +113,10 @@ class Faulty:
         self.after_exists: Callable[[], None] | None = None
         self.gate: threading.Event | None = None
         self.exists_fails = False
-        self.exists_delay = 0.0
         self.queries = 0
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
         self.queries += 1
-        time.sleep(self.exists_delay)
         if self.exists_fails:
             raise StoreFailed("faulty", "exists", acknowledged=0, total=len(keys), cause="planted")
         found = self.inner.exists_prefix(keys)
@@ -344,6 +341,9 @@ def slow_query_backs_off(rank: int, folder: Path) -> dict[str, Any]:
     Its answer stands (both fetch the first prefix); the next lookup asks
     nothing on either rank until a step where both ranks' waits have passed
     (rank 0's is 10 ms, rank 1's 1 s: rank 0's clock alone would part them).
+    The tier's clock is moved by hand, the slow answer's 0.6 s included: on
+    the real one a loaded machine could make rank 0's query slow too, or pass
+    rank 1's 1 s before the step that must find it still backing off.
     """
     first, second = tokens(3), tokens(3, start=5000)
     store, _ = written(rank, folder, first)
@@ -355,23 +355,30 @@ def slow_query_backs_off(rank: int, folder: Path) -> dict[str, Any]:
     second_written.cache.insert(second)
     second_written.drain()
     second_written.cache.close()
-    faulty.exists_delay = 0.6 if rank == 1 else 0.0
     seen = []
 
     def lookup(toks: list[int]) -> None:
         found = shared.cache.match_prefix(toks)
         seen.append([faulty.queries, found.storage_len])
 
-    lookup(first)  # slow on rank 1: both use the answer, and back off
-    faulty.exists_delay = 0.0
-    time.sleep(0.05)
-    lookup(second)  # both ask nothing, though rank 0's wait has passed
-    shared.step()  # rank 1's has not: still backing off
-    lookup(second)
-    time.sleep(1.0)
-    shared.step()  # both waits have passed
-    lookup(second)  # both ask, and fetch
-    shared.drain()
+    clock = HandClock()
+
+    def slow() -> None:
+        clock.now += 0.6
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(storage_tier, "time", clock)
+        faulty.after_exists = slow if rank == 1 else None
+        lookup(first)  # slow on rank 1: both use the answer, and back off
+        faulty.after_exists = None
+        clock.now += 0.05
+        lookup(second)  # both ask nothing, though rank 0's wait has passed
+        shared.step()  # rank 1's has not: still backing off
+        lookup(second)
+        clock.now += 1.0
+        shared.step()  # both waits have passed
+        lookup(second)  # both ask, and fetch
+        shared.drain()
     return report(shared, seen=seen)
 
 
@@ -380,7 +387,9 @@ def copy_failure_backs_off(rank: int, folder: Path) -> dict[str, Any]:
 
     The store that failed a put is likely to fail the next lookup's query, so
     no lookup asks it until both ranks' waits have passed (rank 0's 10 ms,
-    rank 1's 1 s), at one step.
+    rank 1's 1 s), at one step. The tier's clock is moved by hand, so a
+    loaded machine cannot pass rank 1's 1 s before the step that must find it
+    still backing off.
     """
     toks = tokens(3)
     store, _ = written(rank, folder, toks)
@@ -394,17 +403,20 @@ def copy_failure_backs_off(rank: int, folder: Path) -> dict[str, Any]:
         found = shared.cache.match_prefix(toks)
         seen.append([faulty.queries, found.storage_len])
 
-    shared.cache.insert(tokens(2, start=5000))
-    shared.drain()  # its store fails on rank 1: both back off
-    faulty.put_fails_after = None
-    time.sleep(0.05)
-    lookup()  # both ask nothing, though rank 0's wait has passed
-    shared.step()  # rank 1's has not: still backing off
-    lookup()
-    time.sleep(1.0)
-    shared.step()  # both waits have passed
-    lookup()  # both ask, and fetch
-    shared.drain()
+    clock = HandClock()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(storage_tier, "time", clock)
+        shared.cache.insert(tokens(2, start=5000))
+        shared.drain()  # its store fails on rank 1: both back off
+        faulty.put_fails_after = None
+        clock.now += 0.05
+        lookup()  # both ask nothing, though rank 0's wait has passed
+        shared.step()  # rank 1's has not: still backing off
+        lookup()
+        clock.now += 1.0
+        shared.step()  # both waits have passed
+        lookup()  # both ask, and fetch
+        shared.drain()
     return report(shared, seen=seen)
 
 
