@@ -23,7 +23,7 @@ from fsm_cache.modelcheck.state import Layout, NodeEntry, canonical
 from fsm_cache.modelcheck.traces import label
 from fsm_cache.policy import WritePolicy
 from fsm_cache.residency import DEVICE_READABLE
-from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.loader import load_snapshot, load_spec
 from fsm_cache.spec.machine import as_system
 from fsm_cache.spec.shipped import (
     device_machine,
@@ -545,21 +545,25 @@ def test_the_default_run_adds_write_through_on_three_nodes_and_sizes_storage_spe
     residency = spec_dir() / "residency.toml"
     storage = spec_dir() / "residency_storage.toml"
     own = {storage: (3, 3, 1)}  # a spec with a storage region: its own tree size, pins and locks
+    files = {p: load_snapshot(p)[1] for p in shipped}  # each target carries what its spec read
     assert check.targets(parser.parse_args(["check"])) == [
-        *((p, "none", *own.get(p, (4, 2, 2))) for p in shipped),
-        (residency, "write_through", 3, 2, 2),
-        (storage, "write_through", 3, 3, 1),
+        *((p, "none", *own.get(p, (4, 2, 2)), files[p]) for p in shipped),
+        (residency, "write_through", 3, 2, 2, files[residency]),
+        (storage, "write_through", 3, 3, 1, files[storage]),
     ]
     assert check.targets(parser.parse_args(["check", "--policy", "write_through"])) == [
-        (residency, "write_through", 4, 2, 2),
-        (storage, "write_through", 3, 3, 1),
+        (residency, "write_through", 4, 2, 2, files[residency]),
+        (storage, "write_through", 3, 3, 1, files[storage]),
     ]
     named = parser.parse_args(["check", str(residency), str(storage)])
-    assert check.targets(named) == [(residency, "none", 4, 2, 2), (storage, "none", 3, 3, 1)]
+    assert check.targets(named) == [
+        (residency, "none", 4, 2, 2, files[residency]),
+        (storage, "none", 3, 3, 1, files[storage]),
+    ]
     given = parser.parse_args(
         ["check", "--nodes", "2", "--max-pins", "2", "--max-locks", "2", str(storage)]
     )
-    assert check.targets(given) == [(storage, "none", 2, 2, 2)]
+    assert check.targets(given) == [(storage, "none", 2, 2, 2, files[storage])]
 
 
 def test_the_default_storage_run_reaches_every_pins_comparison(

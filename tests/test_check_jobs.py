@@ -24,6 +24,7 @@ from fsm_cache.modelcheck import check, treeops
 from fsm_cache.modelcheck.budget import Budget
 from fsm_cache.modelcheck.explore import Bounds, Explorer
 from fsm_cache.spec.controls import controls
+from fsm_cache.spec.loader import NOT_IN_SNAPSHOT, load_snapshot
 from fsm_cache.spec.shipped import spec_dir
 
 
@@ -121,15 +122,15 @@ def test_a_search_that_raises_in_another_process_fails_as_it_does_here(tmp_path:
     spec = tmp_path / "host.toml"
     spec.write_bytes(HOST.read_bytes())
     bounded = check.ceilings(spec, 2, 2, 2)
-    planned = check.Search(spec, "none", 2, bounded, Bounds(bounded, 2), True, Budget(), False)
-    spec.unlink()  # gone between planning and searching: the worker's load raises
+    # planned without the spec's bytes: the worker's load, from them alone, raises
+    planned = check.Search(spec, "none", 2, bounded, Bounds(bounded, 2), True, Budget(), False, {})
     errors = []
     for jobs in (1, 2):
         with pytest.raises(SpecError) as raised:
             check.searched([planned, planned], [], treeops, jobs=jobs, symmetry=True)
         errors.append((str(raised.value), raised.value.problems))
     assert errors[1] == errors[0]
-    assert errors[0][1] == [f"{spec}: cannot read: No such file or directory"]
+    assert errors[0][1] == [f"{spec}: cannot read: {NOT_IN_SNAPSHOT}"]
 
 
 _RAISES_SPEC_MADE = (
@@ -174,8 +175,11 @@ def test_a_ctrl_c_while_the_workers_spawn_interrupts_the_run(
         return submit(pool, *args, **kwargs)
 
     monkeypatch.setattr(ProcessPoolExecutor, "submit", interrupted)
-    bounded = check.ceilings(HOST, 2, 2, 2)
-    planned = check.Search(HOST, "none", 2, bounded, Bounds(bounded, 2), True, Budget(), False)
+    _, files = load_snapshot(HOST)
+    bounded = check.ceilings(HOST, 2, 2, 2, files=files)
+    planned = check.Search(
+        HOST, "none", 2, bounded, Bounds(bounded, 2), True, Budget(), False, files
+    )
     try:
         with pytest.raises(KeyboardInterrupt):
             check.searched([planned, planned], [], treeops, jobs=2, symmetry=True)

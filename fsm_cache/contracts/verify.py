@@ -308,8 +308,8 @@ def verify_control(control: Control, options: Options, workdir: Path) -> str:
     answer that.
     """
     if control.path.suffix == ".toml":
-        spec, problem = load_finding(control.path)
-        if spec is None:
+        loaded, problem = load_finding(control.path)
+        if loaded is None:
             return f"validate: {problem}"
         rows = verify_spec(control.path, options, workdir)
     else:

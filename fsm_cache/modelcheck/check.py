@@ -43,7 +43,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -61,8 +61,8 @@ from fsm_cache.numeric import whole
 from fsm_cache.policy import WritePolicy
 from fsm_cache.shell import named_once, path_text, summary_line
 from fsm_cache.spec.controls import Control, controls, load_finding, render_controls
-from fsm_cache.spec.loader import load_spec, unreadable
-from fsm_cache.spec.machine import as_system, comparisons
+from fsm_cache.spec.loader import load_snapshot, load_spec, unreadable
+from fsm_cache.spec.machine import System, as_system, comparisons
 from fsm_cache.spec.shipped import shipped_spec_paths
 
 
@@ -168,17 +168,36 @@ nodes under every storage step at a third of the states of two.
 
 
 class Target(NamedTuple):
-    """One run of the checker: a spec, the policy it runs under, its tree size, pin and lock bounds."""
+    """One run of the checker: a spec, the policy it runs under, its tree size, pin and lock bounds.
+
+    ``files`` holds the bytes of every file the spec was read from, read once
+    (:func:`~fsm_cache.spec.loader.load_snapshot`): every later step of the
+    run builds the spec from them, so one run checks one version of it.
+    """
 
     spec: Path
     policy: str
     nodes: int
     pins: int
     locks: int
+    files: dict[str, bytes]
+
+
+Files = Mapping[str, bytes] | None
+"""The bytes a spec is built from (:func:`~fsm_cache.spec.loader.load_snapshot`); None: its files on disk."""
+
+
+def _system(path: Path, files: Files) -> System:
+    """Return the system of the spec at ``path``, built from ``files`` if given.
+
+    Raises:
+        SpecError: The spec does not load.
+    """
+    return as_system(load_spec(path, files))
 
 
 def sized(
-    path: Path, nodes: int | None, pins: int | None, locks: int | None
+    path: Path, nodes: int | None, pins: int | None, locks: int | None, *, files: Files = None
 ) -> tuple[int, int, int]:
     """Return the tree size, pin and lock bounds of ``path``: those given, else the spec's defaults.
 
@@ -186,11 +205,12 @@ def sized(
     :data:`STORAGE_PINS` pins and :data:`STORAGE_LOCKS` locks, any other to
     :data:`NODES` and the default ceiling,
     :attr:`Bounds.default <fsm_cache.modelcheck.explore.Bounds.default>`.
+    The spec is built from ``files`` if given (:data:`Files`).
 
     Raises:
         SpecError: The spec does not load.
     """
-    storage = "storage" in dict(as_system(load_spec(path)).regions)
+    storage = "storage" in dict(_system(path, files).regions)
     default = Bounds.default
     own = (STORAGE_NODES, STORAGE_PINS, STORAGE_LOCKS) if storage else (NODES, default, default)
     return (
@@ -231,21 +251,24 @@ def unused_bounds(given: dict[str, int], counters: dict[Path, list[str]]) -> lis
     ]
 
 
-def ceilings(path: Path, pins: int, locks: int, count: int) -> dict[str, int]:
+def ceilings(
+    path: Path, pins: int, locks: int, count: int, *, files: Files = None
+) -> dict[str, int]:
     """Return the ceiling of each counter of the spec at ``path``, in the spec's order.
 
     ``pins`` bounds a counter named ``pins`` (``--max-pins``), ``locks`` one
     named ``locks`` (``--max-locks``), ``count`` any other (``--max-count``):
-    :data:`BOUND_BY`. A spec without counters has none.
+    :data:`BOUND_BY`. A spec without counters has none. The spec is built
+    from ``files`` if given (:data:`Files`).
 
     Raises:
         SpecError: The spec does not load.
     """
     given = dict(zip(BOUND_BY, (pins, locks), strict=True))
-    return {name: given.get(name, count) for name, _ in as_system(load_spec(path)).counters}
+    return {name: given.get(name, count) for name, _ in _system(path, files).counters}
 
 
-def unexplored(path: Path, bounded: dict[str, int]) -> dict[str, int]:
+def unexplored(path: Path, bounded: dict[str, int], *, files: Files = None) -> dict[str, int]:
     """Return the counters ``bounded`` caps below where a comparison of the spec turns, and where.
 
     A guard ``borrows >= 8`` under ``borrows <= 2`` never holds in the search,
@@ -253,12 +276,13 @@ def unexplored(path: Path, bounded: dict[str, int]) -> dict[str, int]:
     says so, with the ceiling that reaches it
     (:meth:`~fsm_cache.spec.guards.Comparison.turns_at`: an equality's last
     turn, ``pins == 2`` at 3, since where it is read the count may never be
-    below 2), rather than passing in silence.
+    below 2), rather than passing in silence. The spec is built from
+    ``files`` if given (:data:`Files`).
 
     Raises:
         SpecError: The spec does not load.
     """
-    system = as_system(load_spec(path))
+    system = _system(path, files)
     machines = [machine for _, machine in system.regions]
     turns: dict[str, int] = {}
     for term in comparisons(machines, *(forbid.guard for forbid in system.forbids)):
@@ -304,6 +328,7 @@ def check_spec(
     policy: WritePolicy | None = None,
     symmetry: bool = True,
     budget: Budget | None = None,
+    files: Files = None,
 ) -> Result:
     """Model-check the spec at ``path``, under the cache's write ``policy`` if one is given.
 
@@ -311,6 +336,7 @@ def check_spec(
     numbering; without, every numbering is explored (same verdict, more states).
     ``budget`` says when to stop short (default: while a sixteenth of the
     memory, at least 1 GiB or a quarter under 4 GiB, is free); :attr:`Result.stopped` then says why.
+    The spec is built from ``files`` if given (:data:`Files`), else read once from ``path``.
 
     Raises:
         BadArgument: ``nodes`` is not an int >= 1 (no tree, nothing checked),
@@ -324,7 +350,9 @@ def check_spec(
             defines a hook the check never calls
             (:func:`~fsm_cache.modelcheck.hooks.never_called`).
     """
-    explorer, start = prepare(path, nodes, bounds, ops, policy=policy, symmetry=symmetry)
+    explorer, start = prepare(
+        path, nodes, bounds, ops, policy=policy, symmetry=symmetry, files=files
+    )
     return explorer.run(start, tick, budget)
 
 
@@ -336,6 +364,7 @@ def prepare(
     *,
     policy: WritePolicy | None = None,
     symmetry: bool = True,
+    files: Files = None,
 ) -> tuple[Explorer, dict[str, Nodes]]:
     """Return the explorer of :func:`check_spec` and the tree of each shape it starts from.
 
@@ -351,7 +380,7 @@ def prepare(
         raise BadArgument(
             f"check: nodes must be at most {MAX_NODES}, got {nodes} ({TOO_MANY_NODES})"
         )
-    system = as_system(load_spec(path))
+    system = _system(path, files)
     reference_states(system)
     past = starts_past_ceiling(system.name, system.counters, bounds)
     if past is not None:
@@ -420,17 +449,19 @@ def check_control(
     """Return the first finding of ``validate`` or ``check`` on a control (``""`` if none).
 
     Without ``bounds``, counters are bounded by 2, locks as :func:`sized` says.
+    The control's spec is read once, as a target's is (:class:`Target`).
     """
     path, ops = (control.path, treeops)
     if path.suffix == ".py":
         path, ops = load_ops(path)
-    spec, problem = load_finding(path)
-    if spec is None:
+    loaded, problem = load_finding(path)
+    if loaded is None:
         return f"validate: {problem}"
+    _, files = loaded
     if bounds is None:
-        bounds = Bounds({"locks": sized(path, nodes, None, None)[2]})
+        bounds = Bounds({"locks": sized(path, nodes, None, None, files=files)[2]})
     policy = POLICIES[getattr(ops, "POLICY", "none")]
-    result = check_spec(path, nodes, bounds, ops, policy=policy, symmetry=symmetry)
+    result = check_spec(path, nodes, bounds, ops, policy=policy, symmetry=symmetry, files=files)
     if result.violation:
         return f"check: violation: {result.violation}"
     return f"check: stopped: {result.stopped}" if result.stopped else ""
@@ -485,16 +516,25 @@ def targets(args: argparse.Namespace) -> list[Target]:
     ``--policy`` runs the shipped specs it applies to under it instead. Each
     spec runs on ``--nodes`` and ``--max-locks``, or its own defaults
     (:func:`sized`: a spec with a storage region on fewer).
+
+    Each spec's files are read here, once, though it runs under two policies
+    (:attr:`Target.files`).
+
+    Raises:
+        SpecError: A spec does not load.
     """
+    paths = [Path(p) for p in named_once(args.specs)] if args.specs else shipped_spec_paths()
+    read = {path: load_snapshot(path) for path in paths}
 
     def target(path: Path, policy: str, most: int | None = None) -> Target:
-        nodes, pins, locks = sized(path, args.nodes, args.max_pins, args.max_locks)
-        return Target(path, policy, nodes if most is None else min(nodes, most), pins, locks)
+        files = read[path][1]
+        nodes, pins, locks = sized(path, args.nodes, args.max_pins, args.max_locks, files=files)
+        return Target(path, policy, nodes if most is None else min(nodes, most), pins, locks, files)
 
     if args.specs:
-        return [target(Path(p), args.policy or "none") for p in named_once(args.specs)]
-    shipped = shipped_spec_paths()
-    residency = [p for p in shipped if Layout.of(as_system(load_spec(p))).residency]
+        return [target(path, args.policy or "none") for path in paths]
+    shipped = paths
+    residency = [p for p in shipped if Layout.of(as_system(read[p][0])).residency]
     if args.policy is not None:
         return [target(p, args.policy) for p in (residency if POLICIES[args.policy] else shipped)]
     return [
@@ -504,7 +544,12 @@ def targets(args: argparse.Namespace) -> list[Target]:
 
 
 class Search(NamedTuple):
-    """One planned search of :func:`run`, whole enough to run in another process (``--jobs``)."""
+    """One planned search of :func:`run`, whole enough to run in another process (``--jobs``).
+
+    It carries the bytes of the spec's files (:attr:`Target.files`, a few
+    kilobytes), not the spec: a worker builds the version :func:`run`
+    planned from them, whatever the files on disk hold by then.
+    """
 
     spec: Path
     policy: str
@@ -514,6 +559,7 @@ class Search(NamedTuple):
     symmetry: bool
     budget: Budget
     progress: bool | None
+    files: dict[str, bytes]
 
 
 def search(
@@ -535,13 +581,14 @@ def search(
             policy=POLICIES[planned.policy],
             symmetry=planned.symmetry,
             budget=planned.budget,
+            files=planned.files,
         )
     return {
         "spec": str(planned.spec),
         "policy": planned.policy,
         "nodes": planned.nodes,
         "bounds": planned.bounded,
-        "unexplored": unexplored(planned.spec, planned.bounded),
+        "unexplored": unexplored(planned.spec, planned.bounded, files=planned.files),
         "symmetry": planned.symmetry,
         "seconds": time.perf_counter() - started,
         **vars(result),
@@ -648,7 +695,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     budget = Budget(max_states=args.max_states, max_seconds=args.max_seconds)
     runs = targets(args)
     count = Bounds.default if args.max_count is None else args.max_count
-    ceiling = [ceilings(run.spec, run.pins, run.locks, count) for run in runs]
+    ceiling = [ceilings(run.spec, run.pins, run.locks, count, files=run.files) for run in runs]
     flags = zip(
         ("--max-pins", "--max-locks", "--max-count"),
         (args.max_pins, args.max_locks, args.max_count),
@@ -658,14 +705,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     problems = unused_bounds({flag: n for flag, n in flags if n is not None}, counters)
     if problems:
         raise SpecError(problems)
-    planned = []
-    for (path, policy, nodes, _, _), bounded in zip(runs, ceiling, strict=True):
+    searches = []
+    for (path, policy, nodes, _, _, files), bounded in zip(runs, ceiling, strict=True):
         bounds = Bounds(bounded, count)
         # every target is refused or taken before one is explored: a refusal after a
         # search (minutes on four nodes) would throw its result away
-        prepare(path, nodes, bounds, ops, policy=POLICIES[policy], symmetry=symmetry)
-        planned.append((path, policy, nodes, bounded, bounds))
-    searches = [Search(*p, symmetry, budget, args.progress) for p in planned]
+        prepare(path, nodes, bounds, ops, policy=POLICIES[policy], symmetry=symmetry, files=files)
+        searches.append(
+            Search(path, policy, nodes, bounded, bounds, symmetry, budget, args.progress, files)
+        )
     chosen = (
         controls(tools=("validate", "check")) if not args.specs and not args.no_controls else []
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm_cache.errors import SpecError
-from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.loader import load_snapshot
 from fsm_cache.spec.machine import Spec
 from fsm_cache.spec.shipped import spec_dir
 
@@ -81,10 +81,15 @@ def controls(folder: Path | None = None, tools: tuple[str, ...] = TOOLS) -> list
     return found
 
 
-def load_finding(path: Path) -> tuple[Spec | None, str]:
-    """Load a spec; return it, or None and the validator's first problem (paths made relative)."""
+def load_finding(path: Path) -> tuple[tuple[Spec, dict[str, bytes]] | None, str]:
+    """Load a spec; return it, or None and the validator's first problem (paths made relative).
+
+    What loaded comes with the bytes it was built from
+    (:func:`~fsm_cache.spec.loader.load_snapshot`), so a checker of the
+    control builds that version again rather than read the files anew.
+    """
     try:
-        return load_spec(path), ""
+        return load_snapshot(path), ""
     except SpecError as exc:
         return None, relative(exc.problems[0], path.parent)
 
