@@ -11,6 +11,7 @@ call sites in trail mode, and the tree is as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 
 from fsm_cache.compat.sglang import BuiltBeforePatch, patch
-from fsm_cache.errors import ReleaseAtZero, UnlockAtZero
+from fsm_cache.errors import BadArgument, ReleaseAtZero, UnlockAtZero
 
 from .conftest import Api
 from .fakes import FakeAllocator
@@ -289,3 +290,62 @@ def test_outside_trail_mode_a_double_release_is_refused_without_call_sites(
         )
         assert cache.protected_size() == 0
         cache.dec_lock_ref(node, cache.inc_lock_ref(node).to_dec_params())
+
+
+def test_a_receipt_released_in_parts_is_taken_as_sglang_takes_it(
+    sg: Api,
+    unified: Any,
+    *,
+    mode: str,
+    allocator: FakeAllocator,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # MambaComponent._alloc_mamba_slot (enable_mamba_extra_buffer_lazy) releases a running
+    # request's Mamba lock alone, then its unlock releases the rest: one lock, two releases.
+    cache = build(sg, unified, allocator, core)
+    lock = cache.lock(anchor(sg, cache, SHARED + LEFT))
+    held = whole_state(cache, allocator, capfd)
+    types = importlib.import_module("sglang.srt.mem_cache.unified_cache.component_type")
+    ct = types.ComponentType.MAMBA  # _alloc_mamba_slot's own lines, on a FULL-only cache
+    only_mamba = tuple(c for c in cache.tree_components if c != ct)
+    cache.dec_lock_ref(
+        lock.node, dataclasses.replace(lock.receipt, skipped_lock_components=only_mamba)
+    )
+    assert whole_state(cache, allocator, capfd) == held  # FULL is still locked
+    lock.receipt.skipped_lock_components += (ct,)
+    cache.unlock(lock)
+    assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
+    if mode == "patched":  # and the FULL lock is counted back: a second unlock is refused
+        with pytest.raises(UnlockAtZero):
+            cache.unlock(lock)
+
+
+def test_a_receipt_given_to_another_node_is_refused_before_the_core_panics(
+    sg: Api,
+    unified: Any,
+    *,
+    mode: str,
+    allocator: FakeAllocator,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    cache = build(sg, unified, allocator, core)
+    left, right = anchor(sg, cache, SHARED + LEFT), anchor(sg, cache, SHARED + RIGHT)
+    receipt = cache.inc_lock_ref(left).to_dec_params()
+    cache.inc_lock_ref(right)
+    before = whole_state(cache, allocator, capfd)
+    if mode == "stock":  # an assert (Python core) or a panic that kills the cache (Rust core)
+        with pytest.raises((AssertionError, RuntimeError), match="anchored on node"):
+            cache.dec_lock_ref(right, receipt)
+        return
+    with pytest.raises(BadArgument) as caught:
+        cache.dec_lock_ref(right, receipt)
+    assert str(caught.value) == (
+        f"UnifiedRadixCache: dec_lock_ref on node {right} given a receipt anchored on node "
+        f"{left}; a receipt is released on the node it was taken on; nothing changed"
+    )
+    assert whole_state(cache, allocator, capfd) == before
+    cache.dec_lock_ref(left, receipt)  # the cache still serves, and the book still pairs it
+    with pytest.raises(UnlockAtZero):
+        cache.dec_lock_ref(left, receipt)

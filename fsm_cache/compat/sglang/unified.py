@@ -22,10 +22,29 @@ not observed, so of the spec only the counter rules apply (an ``unlock``
 without a ``lock`` is ``UnlockAtZero``, a ``release`` without a ``pin`` is
 ``ReleaseAtZero``). A release is checked before SGLang's method runs and
 recorded after it returns, so a refusal changes nothing, and a call SGLang
-itself refuses (a receipt anchored on another node) is not recorded.
-Receipts on one anchor are interchangeable, as they are to SGLang (a
-device receipt carries no id of its own), so what is refused is exactly a
-release with no matching acquire left on its anchor.
+itself raises on is not recorded. Receipts on one anchor are
+interchangeable, as they are to SGLang (a FULL-only receipt carries no id of
+its own), so what is refused is exactly a release with no matching acquire
+left on its anchor.
+
+What is counted is the lock of SGLang's base component, ``FULL``
+(:data:`BASE`): a call whose receipt skips it moves none of the book. SGLang
+releases a receipt in parts: with ``enable_mamba_extra_buffer_lazy``,
+``MambaComponent._alloc_mamba_slot`` releases a running request's Mamba
+lock alone (``dec_lock_ref`` with every other component skipped) and its
+``unlock`` later releases the rest; counting that first call would refuse
+the second, on a correct server.
+
+A receipt released on another node than the one it was taken on is refused
+(:class:`~fsm_cache.errors.BadArgument`) before SGLang runs: the ``assert``
+in its Python core refuses it (under ``python -O`` it releases the given
+node's locks instead), and its Rust core panics and refuses every later
+call on the cache.
+
+The books are not locked: SGLang 0.5.23 calls the four methods on the
+scheduler's thread only (its storage threads hand acknowledgements over
+queues that ``check_hicache_events`` drains there, and
+``StorageAttachment.detach`` releases backups after stopping them).
 """
 
 from __future__ import annotations
@@ -37,6 +56,7 @@ from typing import Any
 
 from fsm_cache.compat.sglang.scope import BuiltBeforePatch
 from fsm_cache.engine import trail
+from fsm_cache.errors import BadArgument
 from fsm_cache.residency import Event, Residency, ResidencyRecord
 
 
@@ -49,6 +69,9 @@ BOUNDARY: dict[str, Event] = {
     "dec_host_lock_ref": "release",
 }
 """``UnifiedRadixCache``'s lock methods and the residency event each one is."""
+
+BASE = "FULL"
+"""The component whose locks the book counts: SGLang's ``BASE_COMPONENT_TYPE``, by name."""
 
 Method = Callable[..., Any]
 
@@ -147,12 +170,21 @@ class Receipts:
         if name == "reset":
             return self._reset(original)
         event = BOUNDARY[name]
+        release = name.startswith("dec_")
 
         @functools.wraps(original)
         def method(cache: Any, node_id: Any, *args: Any, **kwargs: Any) -> Any:
             if getattr(cache, "disable", False):  # SGLang's returns an empty receipt
                 return original(cache, node_id, *args, **kwargs)
             book = self.book(cache, name)
+            if release:
+                receipt = args[0] if args else kwargs.get("params")
+                _check_anchor(cache, name, node_id, receipt)
+                skipped = getattr(receipt, "skipped_lock_components", ())
+            else:
+                skipped = args[0] if args else kwargs.get("skip_lock_components", ())
+            if any(getattr(c, "name", c) == BASE for c in skipped):  # moves no FULL lock
+                return original(cache, node_id, *args, **kwargs)
             book.check(node_id, event)
             result = original(cache, node_id, *args, **kwargs)
             book.fire(node_id, event)
@@ -168,3 +200,17 @@ class Receipts:
             return result
 
         return reset
+
+
+def _check_anchor(cache: Any, call: str, node_id: Any, receipt: Any) -> None:
+    """Refuse ``receipt`` unless it was taken on ``node_id`` (SGLang's core asserts, or panics).
+
+    Raises:
+        BadArgument: The receipt names another anchor, or none; nothing changed.
+    """
+    anchor = getattr(receipt, "node_id", None)
+    if anchor != node_id:
+        raise BadArgument(
+            f"{type(cache).__name__}: {call} on node {node_id} given a receipt anchored on "
+            f"node {anchor}; a receipt is released on the node it was taken on; nothing changed"
+        )
