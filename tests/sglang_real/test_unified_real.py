@@ -349,3 +349,24 @@ def test_a_receipt_given_to_another_node_is_refused_before_the_core_panics(
     cache.dec_lock_ref(left, receipt)  # the cache still serves, and the book still pairs it
     with pytest.raises(UnlockAtZero):
         cache.dec_lock_ref(left, receipt)
+
+
+def test_trail_mode_keeps_the_call_sites_of_the_last_released_nodes_only(
+    sg: Api, unified: Any, allocator: FakeAllocator, core: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(importlib.import_module("fsm_cache.compat.sglang.unified"), "KEPT", 1)
+    with patch(trail=True):
+        cache = build(sg, unified, allocator, core)
+        left, right = anchor(sg, cache, SHARED + LEFT), anchor(sg, cache, SHARED + RIGHT)
+        stale = {node: cache.inc_lock_ref(node).to_dec_params() for node in (left, right)}
+        for node in (left, right):
+            cache.dec_lock_ref(node, stale[node])
+        with pytest.raises(UnlockAtZero) as kept:
+            cache.dec_lock_ref(right, stale[right])
+        with pytest.raises(UnlockAtZero) as dropped:
+            cache.dec_lock_ref(left, stale[left])
+    assert "; locked at test_unified_real.py:" in str(kept.value)
+    assert str(dropped.value).startswith(
+        f"node {left}: unlock refused in resident (locks=0): unlock without a matching "
+        "lock; refused at test_unified_real.py:"
+    )

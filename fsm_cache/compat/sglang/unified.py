@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +74,9 @@ BOUNDARY: dict[str, Event] = {
 BASE = "FULL"
 """The component whose locks the book counts: SGLang's ``BASE_COMPONENT_TYPE``, by name."""
 
+KEPT = 1024
+"""How many released anchors' records trail mode keeps (most recent), for their call sites."""
+
 Method = Callable[..., Any]
 
 
@@ -83,17 +87,20 @@ class ReceiptBook:
         machine: The engine the records fire through (the patch's).
 
     Attributes:
-        records: Per anchor node id, its record (``locks``: device receipts
-            out, ``pins``: host receipts out). Outside trail mode a record is
-            dropped once both are zero; in trail mode it is kept, with the
-            call sites a later refusal names, until the cache's ``reset``.
+        records: Per anchor node id with receipts out, its record (``locks``:
+            device receipts out, ``pins``: host receipts out).
+        released: In trail mode, the records of the last :data:`KEPT` anchors
+            whose receipts all came back, with the call sites a later refusal
+            names; empty outside it. Bounded: a server that never resets
+            locks a new node id for most requests.
     """
 
-    __slots__ = ("machine", "records")
+    __slots__ = ("machine", "records", "released")
 
     def __init__(self, machine: Residency) -> None:
         self.machine = machine
         self.records: dict[Any, ResidencyRecord] = {}
+        self.released: OrderedDict[Any, ResidencyRecord] = OrderedDict()
 
     def check(self, node_id: Any, event: Event) -> None:
         """Check ``event`` on ``node_id``'s receipts, changing nothing.
@@ -108,17 +115,25 @@ class ReceiptBook:
         """Record ``event`` on ``node_id``'s receipts (checked as :meth:`check`)."""
         record = self._record(node_id)
         self.machine.verb(event)(record)
-        if record.locks or record.pins or self.machine.engine.trail:
+        self.released.pop(node_id, None)
+        if record.locks or record.pins:
             self.records[node_id] = record
-        else:
-            self.records.pop(node_id, None)
+            return
+        self.records.pop(node_id, None)
+        if self.machine.engine.trail:
+            self.released[node_id] = record
+            if len(self.released) > KEPT:
+                self.released.popitem(last=False)
 
     def clear(self) -> None:
         """Forget every receipt: the cache's ``reset`` dropped the tree they anchor on."""
         self.records.clear()
+        self.released.clear()
 
     def _record(self, node_id: Any) -> ResidencyRecord:
         record = self.records.get(node_id)
+        if record is None:
+            record = self.released.get(node_id)
         if record is None:
             ident = node_id if isinstance(node_id, int) else 0
             record = ResidencyRecord(ident, host="backed")
