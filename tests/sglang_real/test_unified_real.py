@@ -370,3 +370,31 @@ def test_trail_mode_keeps_the_call_sites_of_the_last_released_nodes_only(
         f"node {left}: unlock refused in resident (locks=0): unlock without a matching "
         "lock; refused at test_unified_real.py:"
     )
+
+
+def test_a_release_sglang_raises_on_after_the_check_is_not_recorded(
+    sg: Api,
+    unified: Any,
+    *,
+    patched: Any,
+    allocator: FakeAllocator,
+    core: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    del patched
+    cache = build(sg, unified, allocator, core)
+    node = anchor(sg, cache, SHARED + LEFT)
+    receipt = cache.inc_lock_ref(node).to_dec_params()
+    with monkeypatch.context() as broken:
+        broken.setattr(cache.tree_core, "dec_lock_ref", _raise)
+        with pytest.raises(OSError, match="core failed"):
+            cache.dec_lock_ref(node, receipt)
+    assert cache.protected_size() == len(SHARED + LEFT)
+    cache.dec_lock_ref(node, receipt)  # the book still holds the receipt SGLang kept
+    with pytest.raises(UnlockAtZero):
+        cache.dec_lock_ref(node, receipt)
+
+
+def _raise(*args: Any) -> None:
+    """A tree core call that fails (what a caller's ``except`` keeps the receipt through)."""
+    raise OSError("core failed")
