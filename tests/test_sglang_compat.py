@@ -13,6 +13,7 @@ import sys
 import types
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -37,6 +38,7 @@ from fsm_cache.compat.sglang import (
 from fsm_cache.compat.sglang.scope import CounterStep, counter_step
 from fsm_cache.engine import trail
 from fsm_cache.errors import (
+    BadArgument,
     HostCopyPinned,
     IllegalTransition,
     NoHostCopy,
@@ -507,6 +509,14 @@ def test_a_cache_built_before_the_patch_is_refused_before_its_walk_runs(
         cache.inc_lock_ref(None)  # not a node: an AttributeError, as stock
 
 
+@dataclass
+class Receipt:
+    """SGLang 0.5.23's ``DecLockRefParams``: the anchor and the components the acquire left."""
+
+    node_id: int
+    skipped_lock_components: tuple[str, ...] = ()
+
+
 class UnifiedCache:
     """SGLang 0.5.23's ``UnifiedRadixCache``, lock boundary only: counts per node id, as its core."""
 
@@ -517,12 +527,14 @@ class UnifiedCache:
     def reset(self) -> None:
         self.refs: dict[int, int] = {}
 
-    def inc_lock_ref(self, node_id: int) -> dict[str, int]:
+    def inc_lock_ref(self, node_id: int) -> Receipt:
         self.refs[node_id] = self.refs.get(node_id, 0) + 1
-        return {"node_id": node_id}
+        return Receipt(node_id)
 
-    def dec_lock_ref(self, node_id: int, params: dict[str, int]) -> None:
-        assert params["node_id"] == node_id, "receipt anchored elsewhere"
+    def dec_lock_ref(self, node_id: int, params: Receipt) -> None:
+        assert params.node_id == node_id, "receipt anchored elsewhere"
+        if "FULL" in params.skipped_lock_components:  # an auxiliary component's part only
+            return
         assert self.refs.get(node_id, 0) > 0, f"lock_ref=0 on node {node_id}"
         self.refs[node_id] -= 1
 
@@ -545,9 +557,14 @@ def test_the_lock_boundary_refuses_a_release_with_no_acquire_left_before_sglang_
         cache = module.UnifiedRadixCache()
         one, two, other = cache.inc_lock_ref(7), cache.inc_lock_ref(7), cache.inc_lock_ref(8)
         cache.dec_lock_ref(7, one)
-        with pytest.raises(AssertionError, match="anchored elsewhere"):
-            cache.dec_lock_ref(8, two)  # SGLang refuses it: nothing is recorded
+        with pytest.raises(BadArgument) as elsewhere:
+            cache.dec_lock_ref(8, two)  # refused before SGLang's assert (a panic on Rust)
+        assert str(elsewhere.value) == (
+            "UnifiedCache: dec_lock_ref on node 8 given a receipt anchored on node 7; a "
+            "receipt is released on the node it was taken on; nothing changed"
+        )
         cache.dec_lock_ref(8, other)  # node 8's receipt is still out
+        cache.dec_lock_ref(7, Receipt(7, ("FULL",)))  # a part that holds no FULL lock
         cache.dec_lock_ref(7, two)
         with pytest.raises(error_class("UnlockAtZero")) as caught:
             cache.dec_lock_ref(7, two)

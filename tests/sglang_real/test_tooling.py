@@ -120,8 +120,9 @@ def test_patch_warns_that_the_default_cache_of_sglang_is_checked_at_its_lock_bou
     assert [str(w.message) for w in caught] == [
         f"UnifiedRadixCache ({UNIFIED}) is checked at its lock boundary only: patch() "
         "refuses a dec_lock_ref or dec_host_lock_ref with no inc_lock_ref or "
-        "inc_host_lock_ref left on its node, and checks none of its residency (evictions, "
-        "loads, write-backs, the tree core's own locks); SGLang's scheduler builds it by "
+        "inc_host_lock_ref left on its node (counting FULL's locks) or given another node's "
+        "receipt, and checks none of its residency (evictions, loads, write-backs, the tree "
+        "core's own locks, the SWA and Mamba parts of a lock); SGLang's scheduler builds it by "
         "default (registry.default_radix_cache_factory); see docs/sglang.md"
     ]
     core = importlib.import_module("sglang.srt.mem_cache.unified_cache.unified_tree_core")

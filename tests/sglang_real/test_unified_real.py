@@ -11,6 +11,7 @@ call sites in trail mode, and the tree is as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 
 from fsm_cache.compat.sglang import BuiltBeforePatch, patch
-from fsm_cache.errors import ReleaseAtZero, UnlockAtZero
+from fsm_cache.errors import BadArgument, ReleaseAtZero, UnlockAtZero
 
 from .conftest import Api
 from .fakes import FakeAllocator
@@ -289,3 +290,111 @@ def test_outside_trail_mode_a_double_release_is_refused_without_call_sites(
         )
         assert cache.protected_size() == 0
         cache.dec_lock_ref(node, cache.inc_lock_ref(node).to_dec_params())
+
+
+def test_a_receipt_released_in_parts_is_taken_as_sglang_takes_it(
+    sg: Api,
+    unified: Any,
+    *,
+    mode: str,
+    allocator: FakeAllocator,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # MambaComponent._alloc_mamba_slot (enable_mamba_extra_buffer_lazy) releases a running
+    # request's Mamba lock alone, then its unlock releases the rest: one lock, two releases.
+    cache = build(sg, unified, allocator, core)
+    lock = cache.lock(anchor(sg, cache, SHARED + LEFT))
+    held = whole_state(cache, allocator, capfd)
+    types = importlib.import_module("sglang.srt.mem_cache.unified_cache.component_type")
+    ct = types.ComponentType.MAMBA  # _alloc_mamba_slot's own lines, on a FULL-only cache
+    only_mamba = tuple(c for c in cache.tree_components if c != ct)
+    cache.dec_lock_ref(
+        lock.node, dataclasses.replace(lock.receipt, skipped_lock_components=only_mamba)
+    )
+    assert whole_state(cache, allocator, capfd) == held  # FULL is still locked
+    lock.receipt.skipped_lock_components += (ct,)
+    cache.unlock(lock)
+    assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
+    if mode == "patched":  # and the FULL lock is counted back: a second unlock is refused
+        with pytest.raises(UnlockAtZero):
+            cache.unlock(lock)
+
+
+def test_a_receipt_given_to_another_node_is_refused_before_the_core_panics(
+    sg: Api,
+    unified: Any,
+    *,
+    mode: str,
+    allocator: FakeAllocator,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    cache = build(sg, unified, allocator, core)
+    left, right = anchor(sg, cache, SHARED + LEFT), anchor(sg, cache, SHARED + RIGHT)
+    receipt = cache.inc_lock_ref(left).to_dec_params()
+    cache.inc_lock_ref(right)
+    before = whole_state(cache, allocator, capfd)
+    if mode == "stock":  # an assert (Python core) or a panic that kills the cache (Rust core)
+        with pytest.raises((AssertionError, RuntimeError), match="anchored on node"):
+            cache.dec_lock_ref(right, receipt)
+        return
+    with pytest.raises(BadArgument) as caught:
+        cache.dec_lock_ref(right, receipt)
+    assert str(caught.value) == (
+        f"UnifiedRadixCache: dec_lock_ref on node {right} given a receipt anchored on node "
+        f"{left}; a receipt is released on the node it was taken on; nothing changed"
+    )
+    assert whole_state(cache, allocator, capfd) == before
+    cache.dec_lock_ref(left, receipt)  # the cache still serves, and the book still pairs it
+    with pytest.raises(UnlockAtZero):
+        cache.dec_lock_ref(left, receipt)
+
+
+def test_trail_mode_keeps_the_call_sites_of_the_last_released_nodes_only(
+    sg: Api, unified: Any, allocator: FakeAllocator, core: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(importlib.import_module("fsm_cache.compat.sglang.unified"), "KEPT", 1)
+    with patch(trail=True):
+        cache = build(sg, unified, allocator, core)
+        left, right = anchor(sg, cache, SHARED + LEFT), anchor(sg, cache, SHARED + RIGHT)
+        stale = {node: cache.inc_lock_ref(node).to_dec_params() for node in (left, right)}
+        for node in (left, right):
+            cache.dec_lock_ref(node, stale[node])
+        with pytest.raises(UnlockAtZero) as kept:
+            cache.dec_lock_ref(right, stale[right])
+        with pytest.raises(UnlockAtZero) as dropped:
+            cache.dec_lock_ref(left, stale[left])
+    assert "; locked at test_unified_real.py:" in str(kept.value)
+    assert str(dropped.value).startswith(
+        f"node {left}: unlock refused in resident (locks=0): unlock without a matching "
+        "lock; refused at test_unified_real.py:"
+    )
+
+
+def test_a_release_sglang_raises_on_after_the_check_is_not_recorded(
+    sg: Api,
+    unified: Any,
+    *,
+    patched: Any,
+    allocator: FakeAllocator,
+    core: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    del patched
+    cache = build(sg, unified, allocator, core)
+    node = anchor(sg, cache, SHARED + LEFT)
+    receipt = cache.inc_lock_ref(node).to_dec_params()
+    with monkeypatch.context() as broken:
+        broken.setattr(cache.tree_core, "dec_lock_ref", _raise)
+        with pytest.raises(OSError, match="core failed"):
+            cache.dec_lock_ref(node, receipt)
+    assert cache.protected_size() == len(SHARED + LEFT)
+    cache.dec_lock_ref(node, receipt)  # the book still holds the receipt SGLang kept
+    with pytest.raises(UnlockAtZero):
+        cache.dec_lock_ref(node, receipt)
+
+
+def _raise(*args: Any) -> None:
+    """A tree core call that fails (what a caller's ``except`` keeps the receipt through)."""
+    raise OSError("core failed")

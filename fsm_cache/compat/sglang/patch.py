@@ -506,8 +506,9 @@ def _warn_unchecked(patched: set[str]) -> None:
             what = (
                 "is checked at its lock boundary only: patch() refuses a dec_lock_ref or "
                 "dec_host_lock_ref with no inc_lock_ref or inc_host_lock_ref left on its "
-                "node, and checks none of its residency (evictions, loads, write-backs, the "
-                "tree core's own locks)"
+                "node (counting FULL's locks) or given another node's receipt, and checks "
+                "none of its residency (evictions, loads, write-backs, the tree core's own "
+                "locks, the SWA and Mamba parts of a lock)"
             )
         else:
             what = "is not checked: patch() was not given its module"

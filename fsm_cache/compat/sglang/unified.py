@@ -22,21 +22,42 @@ not observed, so of the spec only the counter rules apply (an ``unlock``
 without a ``lock`` is ``UnlockAtZero``, a ``release`` without a ``pin`` is
 ``ReleaseAtZero``). A release is checked before SGLang's method runs and
 recorded after it returns, so a refusal changes nothing, and a call SGLang
-itself refuses (a receipt anchored on another node) is not recorded.
-Receipts on one anchor are interchangeable, as they are to SGLang (a
-device receipt carries no id of its own), so what is refused is exactly a
-release with no matching acquire left on its anchor.
+itself raises on is not recorded. Receipts on one anchor are
+interchangeable, as they are to SGLang (a FULL-only receipt carries no id of
+its own), so what is refused is exactly a release with no matching acquire
+left on its anchor.
+
+What is counted is the lock of SGLang's base component, ``FULL``
+(:data:`BASE`): a call whose receipt skips it moves none of the book. SGLang
+releases a receipt in parts: with ``enable_mamba_extra_buffer_lazy``,
+``MambaComponent._alloc_mamba_slot`` releases a running request's Mamba
+lock alone (``dec_lock_ref`` with every other component skipped) and its
+``unlock`` later releases the rest; counting that first call would refuse
+the second, on a correct server.
+
+A receipt released on another node than the one it was taken on is refused
+(:class:`~fsm_cache.errors.BadArgument`) before SGLang runs: the ``assert``
+in its Python core refuses it (under ``python -O`` it releases the given
+node's locks instead), and its Rust core panics and refuses every later
+call on the cache.
+
+The books are not locked: SGLang 0.5.23 calls the four methods on the
+scheduler's thread only (its storage threads hand acknowledgements over
+queues that ``check_hicache_events`` drains there, and
+``StorageAttachment.detach`` releases backups after stopping them).
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from fsm_cache.compat.sglang.scope import BuiltBeforePatch
 from fsm_cache.engine import trail
+from fsm_cache.errors import BadArgument
 from fsm_cache.residency import Event, Residency, ResidencyRecord
 
 
@@ -50,6 +71,12 @@ BOUNDARY: dict[str, Event] = {
 }
 """``UnifiedRadixCache``'s lock methods and the residency event each one is."""
 
+BASE = "FULL"
+"""The component whose locks the book counts: SGLang's ``BASE_COMPONENT_TYPE``, by name."""
+
+KEPT = 1024
+"""How many released anchors' records trail mode keeps (most recent), for their call sites."""
+
 Method = Callable[..., Any]
 
 
@@ -60,17 +87,20 @@ class ReceiptBook:
         machine: The engine the records fire through (the patch's).
 
     Attributes:
-        records: Per anchor node id, its record (``locks``: device receipts
-            out, ``pins``: host receipts out). Outside trail mode a record is
-            dropped once both are zero; in trail mode it is kept, with the
-            call sites a later refusal names, until the cache's ``reset``.
+        records: Per anchor node id with receipts out, its record (``locks``:
+            device receipts out, ``pins``: host receipts out).
+        released: In trail mode, the records of the last :data:`KEPT` anchors
+            whose receipts all came back, with the call sites a later refusal
+            names; empty outside it. Bounded: a server that never resets
+            locks a new node id for most requests.
     """
 
-    __slots__ = ("machine", "records")
+    __slots__ = ("machine", "records", "released")
 
     def __init__(self, machine: Residency) -> None:
         self.machine = machine
         self.records: dict[Any, ResidencyRecord] = {}
+        self.released: OrderedDict[Any, ResidencyRecord] = OrderedDict()
 
     def check(self, node_id: Any, event: Event) -> None:
         """Check ``event`` on ``node_id``'s receipts, changing nothing.
@@ -85,17 +115,25 @@ class ReceiptBook:
         """Record ``event`` on ``node_id``'s receipts (checked as :meth:`check`)."""
         record = self._record(node_id)
         self.machine.verb(event)(record)
-        if record.locks or record.pins or self.machine.engine.trail:
+        self.released.pop(node_id, None)
+        if record.locks or record.pins:
             self.records[node_id] = record
-        else:
-            self.records.pop(node_id, None)
+            return
+        self.records.pop(node_id, None)
+        if self.machine.engine.trail:
+            self.released[node_id] = record
+            if len(self.released) > KEPT:
+                self.released.popitem(last=False)
 
     def clear(self) -> None:
         """Forget every receipt: the cache's ``reset`` dropped the tree they anchor on."""
         self.records.clear()
+        self.released.clear()
 
     def _record(self, node_id: Any) -> ResidencyRecord:
         record = self.records.get(node_id)
+        if record is None:
+            record = self.released.get(node_id)
         if record is None:
             ident = node_id if isinstance(node_id, int) else 0
             record = ResidencyRecord(ident, host="backed")
@@ -147,12 +185,21 @@ class Receipts:
         if name == "reset":
             return self._reset(original)
         event = BOUNDARY[name]
+        release = name.startswith("dec_")
 
         @functools.wraps(original)
         def method(cache: Any, node_id: Any, *args: Any, **kwargs: Any) -> Any:
             if getattr(cache, "disable", False):  # SGLang's returns an empty receipt
                 return original(cache, node_id, *args, **kwargs)
             book = self.book(cache, name)
+            if release:
+                receipt = args[0] if args else kwargs.get("params")
+                _check_anchor(cache, name, node_id, receipt)
+                skipped = getattr(receipt, "skipped_lock_components", ())
+            else:
+                skipped = args[0] if args else kwargs.get("skip_lock_components", ())
+            if any(getattr(c, "name", c) == BASE for c in skipped):  # moves no FULL lock
+                return original(cache, node_id, *args, **kwargs)
             book.check(node_id, event)
             result = original(cache, node_id, *args, **kwargs)
             book.fire(node_id, event)
@@ -168,3 +215,17 @@ class Receipts:
             return result
 
         return reset
+
+
+def _check_anchor(cache: Any, call: str, node_id: Any, receipt: Any) -> None:
+    """Refuse ``receipt`` unless it was taken on ``node_id`` (SGLang's core asserts, or panics).
+
+    Raises:
+        BadArgument: The receipt names another anchor, or none; nothing changed.
+    """
+    anchor = getattr(receipt, "node_id", None)
+    if anchor != node_id:
+        raise BadArgument(
+            f"{type(cache).__name__}: {call} on node {node_id} given a receipt anchored on "
+            f"node {anchor}; a receipt is released on the node it was taken on; nothing changed"
+        )
