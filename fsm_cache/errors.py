@@ -21,7 +21,8 @@ Every error the library raises on bad input or an illegal step derives from
     ├── CopyFailed                a copy between tiers failed
     ├── PinnedMemoryError         cudaHostRegister or cudaHostUnregister failed
     ├── BadArgument               an argument of the wrong type or value (also a
-    │                             TypeError and a ValueError); nothing changed
+    │   │                         TypeError and a ValueError); nothing changed
+    │   └── ParentLoop            a record's parent chain loops; nothing changed
     ├── StaleNode                 a node that is not (or no longer) in this cache
     ├── ConcurrentUse             two threads inside one cache at once
     ├── CacheClosed               an operation on a cache after close()
@@ -275,6 +276,14 @@ class BadArgument(FsmCacheError, TypeError, ValueError):
 
     Also a TypeError and a ValueError, so code written against the builtin
     errors a plain container would raise still catches it.
+    """
+
+
+class ParentLoop(BadArgument):
+    """An event walked a record's ancestors and the parent chain came back to a record on it.
+
+    The message names the records of the chain up to the repeated one; no
+    record was changed.
     """
 
 

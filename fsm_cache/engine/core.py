@@ -14,6 +14,13 @@ raises leaves them unchanged too and is chained as the cause of
 effects run, so an effect that changes a record the event writes (fires an
 event at it) fails the event too, and the record keeps what the effect left.
 
+A record's ``parent`` is the caller's own attribute, set where the engine does
+not see it, so a chain that loops is found by the walk itself: every
+:data:`~fsm_cache.engine.runtime.WALK` records an event walking the ancestors
+looks for a repeated one and raises :class:`~fsm_cache.errors.ParentLoop`
+before anything is written. A walk pays only for counting its records (a
+``for`` over a range where it had a ``while True``).
+
 An engine takes no lock: an event reads, checks, then writes, so events fired
 at one record from two threads at once may interleave. Callers serialise them
 (the cache is single-threaded and refuses a second thread).
@@ -35,9 +42,11 @@ from fsm_cache.engine.codegen import Compiled, Plan, Refusal, Refuser, Step, Ver
 from fsm_cache.engine.lease import Lease, LeaseBook
 from fsm_cache.engine.legal import Legal, unknown_state
 from fsm_cache.engine.runtime import (
+    WALK,
     Effect,
     caller_frame,
     effect_failed,
+    looped,
     meddled,
     no_effect,
     run_effect,
@@ -306,6 +315,8 @@ class Engine:
             BadArgument: ``event`` is not a str, or ``rec`` (or an ancestor
                 the event reads) is no record: it lacks an attribute the
                 engine reads (in trail mode, ``trail`` too); nothing changed.
+            ParentLoop: The event propagates and ``rec``'s parent chain loops
+                (a BadArgument); nothing changed.
         """
         try:
             verb = self._verbs[event]
@@ -329,7 +340,7 @@ class Engine:
         """
         step = self._step(event, "allowed")
         try:
-            plans = self._plans(rec, step)
+            plans = self._plans(rec, step, event)
             if self.trail:  # fire notes the event on each record it writes
                 for target, _ in plans:
                     target.trail  # noqa: B018 -- read for the AttributeError alone
@@ -528,13 +539,20 @@ class Engine:
                 )
         return dict(effects)
 
-    def _plans(self, rec: Any, step: Step) -> list[tuple[Any, Plan]]:
-        """Check ``event`` on ``rec`` (and its ancestors if it propagates); change nothing."""
+    def _plans(self, rec: Any, step: Step, event: str) -> list[tuple[Any, Plan]]:
+        """Check ``event`` on ``rec`` (and its ancestors if it propagates); change nothing.
+
+        Raises:
+            ParentLoop: The ancestors loop (checked every :data:`~fsm_cache.engine.runtime.WALK`
+                records, as the generated walks do).
+        """
         plans = [(rec, step(rec))]
         if plans[0][1][2]:
             node = getattr(rec, "parent", None)
             while node is not None:
                 plans.append((node, step(node)))
+                if not len(plans) % WALK:
+                    looped(plans, self.system.label, event)
                 node = getattr(node, "parent", None)
         return plans
 
@@ -547,7 +565,7 @@ class Engine:
             return [tuple(getattr(target, name) for name in names) for target, _ in targets]
 
         def fire(rec: Any) -> None:
-            plans = self._plans(rec, step)
+            plans = self._plans(rec, step, event)
             if on:  # a record with no trail raises here, before any effect or write
                 for target, _ in plans:
                     target.trail  # noqa: B018 -- read for the AttributeError alone

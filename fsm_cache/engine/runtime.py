@@ -9,7 +9,7 @@ the tree tests and the effect wrapper. Torch-free, and cheap to import.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 # NOTE: imported by name rather than read as ``sys._getframe``: it is CPython's documented
 # frame accessor, not another component's private, and ``inspect.currentframe`` costs one
@@ -17,14 +17,16 @@ from collections.abc import Callable, Iterable, Mapping
 from sys import _getframe as caller_frame
 from typing import Any
 
-from fsm_cache.errors import EffectFailed
+from fsm_cache.errors import EffectFailed, ParentLoop
 
 
 __all__ = [
+    "WALK",
     "Effect",
     "caller_frame",
     "child_in",
     "effect_failed",
+    "looped",
     "meddled",
     "no_effect",
     "parent_in",
@@ -55,6 +57,40 @@ def child_in(rec: Any, region: str, states: tuple[str, ...]) -> bool:
         return False
     values: Iterable[Any] = children.values() if isinstance(children, Mapping) else children
     return any(getattr(child, region) in states for child in values)
+
+
+WALK = 4096
+"""How many records a walk up the parents takes between checks that the chain does not loop.
+
+The engine never sees a record's ``parent`` set (it is the caller's own
+attribute), so a chain that loops (``a.parent = b``, ``b.parent = a``) would
+walk for ever. Checking every walk would cost every event that propagates;
+instead a walk that has taken this many records, far more than a tree of
+any real cache is deep, looks for a repeated record in what it took
+(:func:`looped`), and goes on if there is none.
+"""
+
+
+def looped(chain: Sequence[tuple[Any, ...]], label: str, event: str) -> None:
+    """Raise ParentLoop if a record repeats in ``chain``, a walk's entries, each record first.
+
+    Called by a walk that has taken :data:`WALK` records (or a multiple) and
+    changed nothing yet.
+
+    Raises:
+        ParentLoop: A record is in ``chain`` twice; the message names the
+            records up to the repeat.
+    """
+    first: dict[int, int] = {}
+    for index, entry in enumerate(chain):
+        if first.setdefault(id(entry[0]), index) != index:
+            names = [f"{label} {each[0].id}" for each in chain[: index + 1]]
+            if len(names) > 8:
+                names[4:-3] = ["..."]
+            raise ParentLoop(
+                f"{names[0]}: its parent chain loops ({' -> '.join(names)});"
+                f" {event} was not applied"
+            )
 
 
 def run_effect(effect: Effect, name: str, event: str, rec: Any, label: str) -> None:

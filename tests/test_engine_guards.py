@@ -1,0 +1,176 @@
+"""What the engine refuses that no spec declares: looping parents, re-entrant effects, settings.
+
+A parent chain that loops, and an effect that fires its own event at its
+record, used to run until memory or the recursion limit ran out; each is
+now refused with a typed error that names the records, and nothing is
+written. ``trail`` and ``history`` are compiled in, so assigning them is
+refused rather than ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from records import Node, snapshot
+
+from fsm_cache.engine.core import Engine
+from fsm_cache.engine.runtime import WALK
+from fsm_cache.errors import (
+    BadArgument,
+    ParentLoop,
+)
+from fsm_cache.spec.loader import spec_from_dict
+from fsm_cache.spec.shipped import residency_system
+
+
+pytestmark = pytest.mark.timeout(60)  # the old code walked a looping chain for ever
+
+TRAILS = pytest.mark.parametrize("trail", [False, True], ids=["plain", "trail"])
+
+RING = {
+    "machine": {"name": "ring", "initial": "idle", "label": "item"},
+    "counters": {"n": 0},
+    "states": {"idle": {"invariant": "n >= 0", "counter": "n"}, "gone": {"final": True}},
+    "transition": [
+        # grab propagates and has an effect: the plan path (Engine._general)
+        {
+            "event": "grab",
+            "source": "idle",
+            "dest": "idle",
+            "update": "n += 1",
+            "propagate": "ancestors",
+            "effect": "grabbed",
+        },
+        {"event": "a", "source": "idle", "dest": "idle", "effect": "on_a"},
+        {"event": "b", "source": "idle", "dest": "idle", "effect": "on_b"},
+        {"event": "c", "source": "idle", "dest": "idle"},
+        {"event": "drop", "source": "idle", "dest": "gone"},
+    ],
+}
+
+
+class Item:
+    """A record of ``RING`` with a parent."""
+
+    id: int
+    state: str
+    n: int
+
+    def __init__(self, engine: Engine, ident: int, parent: Item | None = None) -> None:
+        engine.init(self, ident)
+        self.parent = parent
+
+
+def ring_engine(trail: bool, **hooks: Callable[[Any], None]) -> Engine:
+    bound = {"grabbed": _nothing, "on_a": _nothing, "on_b": _nothing, **hooks}
+    return Engine(spec_from_dict(RING), effects=bound, trail=trail)
+
+
+def _nothing(rec: Any) -> None:
+    del rec
+
+
+def path(engine: Engine, length: int) -> list[Node]:
+    """Return ``length`` nodes, ids from 0, each the parent of the next."""
+    nodes = [Node(engine, 0)]
+    for ident in range(1, length):
+        nodes.append(Node(engine, ident, nodes[-1]))
+    return nodes
+
+
+def looped_pair(engine: Engine) -> tuple[Node, Node]:
+    """Return nodes 1 and 2, each the other's parent."""
+    one = Node(engine, 1)
+    two = Node(engine, 2, one)
+    one.parent = two
+    return one, two
+
+
+# -- parent chains that loop -------------------------------------------------------
+
+
+@TRAILS
+@pytest.mark.parametrize("event", ["lock", "unlock"])
+def test_an_event_walking_a_looping_chain_is_refused_and_changes_nothing(
+    trail: bool, event: str
+) -> None:
+    engine = Engine(residency_system(), trail=trail)
+    one, two = looped_pair(engine)
+    if event == "unlock":
+        one.locks = two.locks = 1
+    before = snapshot(engine, one, two)
+    with pytest.raises(ParentLoop) as info:
+        engine.fire(two, event)
+    assert str(info.value) == (
+        f"node 2: its parent chain loops (node 2 -> node 1 -> node 2); {event} was not applied"
+    )
+    assert isinstance(info.value, BadArgument)
+    assert snapshot(engine, one, two) == before
+
+
+@TRAILS
+def test_a_record_that_is_its_own_parent_is_refused(trail: bool) -> None:
+    engine = Engine(residency_system(), trail=trail)
+    node = Node(engine, 3)
+    node.parent = node
+    with pytest.raises(ParentLoop) as info:
+        engine.verb("lock")(node)
+    assert (
+        str(info.value) == "node 3: its parent chain loops (node 3 -> node 3); lock was not applied"
+    )
+    assert node.locks == 0
+
+
+def test_a_loop_above_the_record_names_the_walk_to_the_repeat() -> None:
+    engine = Engine(residency_system(), trail=False)
+    one, two = looped_pair(engine)
+    leaf = Node(engine, 7, two)
+    with pytest.raises(ParentLoop) as info:
+        engine.fire(leaf, "lock")
+    assert str(info.value) == (
+        "node 7: its parent chain loops (node 7 -> node 2 -> node 1 -> node 2); lock was not applied"
+    )
+    assert [leaf.locks, two.locks, one.locks] == [0, 0, 0]
+
+
+def test_a_loop_longer_than_a_walk_is_found_and_named_in_short() -> None:
+    engine = Engine(residency_system(), trail=False)
+    nodes = path(engine, WALK + 100)
+    nodes[0].parent = nodes[-1]
+    last = len(nodes) - 1
+    with pytest.raises(ParentLoop) as info:
+        engine.fire(nodes[-1], "lock")
+    assert str(info.value) == (
+        f"node {last}: its parent chain loops (node {last} -> node {last - 1} -> node {last - 2}"
+        f" -> node {last - 3} -> ... -> node 1 -> node 0 -> node {last}); lock was not applied"
+    )
+    assert {node.locks for node in nodes} == {0}
+
+
+def test_a_chain_deeper_than_a_walk_that_does_not_loop_is_walked_whole() -> None:
+    engine = Engine(residency_system(), trail=False)
+    nodes = path(engine, 2 * WALK + 5)
+    engine.fire(nodes[-1], "lock")
+    assert {node.locks for node in nodes} == {1}
+    engine.fire(nodes[-1], "unlock")
+    assert {node.locks for node in nodes} == {0}
+
+
+@TRAILS
+def test_the_plan_path_and_allowed_refuse_a_looping_chain_too(trail: bool) -> None:
+    calls: list[int] = []
+    engine = ring_engine(trail, grabbed=lambda rec: calls.append(rec.id))
+    one = Item(engine, 1)
+    two = Item(engine, 2, one)
+    one.parent = two
+    message = "item 2: its parent chain loops (item 2 -> item 1 -> item 2); grab was not applied"
+    for call in (lambda: engine.fire(two, "grab"), lambda: engine.allowed(two, "grab")):
+        with pytest.raises(ParentLoop) as info:
+            call()
+        assert str(info.value) == message
+    assert (one.n, two.n, calls) == (0, 0, [])
+    one.parent = None
+    engine.fire(two, "grab")
+    assert (one.n, two.n, calls) == (1, 1, [2, 1])
