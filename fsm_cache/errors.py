@@ -12,6 +12,7 @@ Every error the library raises on bad input or an illegal step derives from
     │   ├── FinalState            an event a final state does not answer
     │   └── <classes a spec names>   created on first use
     ├── EffectFailed              a bound effect raised; the record is unchanged
+    │   └── EffectReentered       an effect fired its own event at its record again
     ├── LeaseError                a lease released twice
     ├── PoolError                 slot accounting refused a request
     │   ├── PoolExhausted         more requested than is free
@@ -235,6 +236,15 @@ def error_class(name: str) -> type[IllegalTransition]:
 
 class EffectFailed(FsmCacheError):
     """A bound effect raised while an event was being applied; the record is unchanged."""
+
+
+class EffectReentered(EffectFailed):
+    """An effect fired its own event at its record again, directly or through other events.
+
+    The firing that would have run the effect a second time on the record is
+    refused before the effect runs, so nothing the events would write is
+    written; the effect on the way there did run, up to its firing.
+    """
 
 
 class LeaseError(FsmCacheError):

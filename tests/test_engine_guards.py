@@ -19,6 +19,8 @@ from fsm_cache.engine.core import Engine
 from fsm_cache.engine.runtime import WALK
 from fsm_cache.errors import (
     BadArgument,
+    EffectFailed,
+    EffectReentered,
     ParentLoop,
 )
 from fsm_cache.spec.loader import spec_from_dict
@@ -174,3 +176,120 @@ def test_the_plan_path_and_allowed_refuse_a_looping_chain_too(trail: bool) -> No
     one.parent = None
     engine.fire(two, "grab")
     assert (one.n, two.n, calls) == (1, 1, [2, 1])
+
+
+# -- effects that fire their own event ------------------------------------------------
+
+
+def residency_effects(**hooks: Callable[[Any], None]) -> dict[str, Callable[[Any], None]]:
+    machines = residency_system().machines.values()
+    names = {t.effect for m in machines for t in m.transitions if t.effect is not None}
+    return {name: hooks.get(name, _nothing) for name in names}
+
+
+@TRAILS
+def test_an_effect_that_fires_its_own_event_is_refused_at_the_first_reentry(
+    trail: bool,
+) -> None:
+    runs: list[int] = []
+    engines: list[Engine] = []
+
+    def start_write(rec: Any) -> None:
+        runs.append(rec.id)
+        engines[0].fire(rec, "write")
+
+    engine = Engine(
+        residency_system(), effects=residency_effects(start_write=start_write), trail=trail
+    )
+    engines.append(engine)
+    node = Node(engine, 4)
+    before = snapshot(engine, node)
+    with pytest.raises(EffectReentered) as info:
+        engine.fire(node, "write")
+    assert str(info.value) == (
+        "node 4: write fired again while its effect start_write was running on the record;"
+        " the re-entrant write was refused before start_write ran again"
+    )
+    assert isinstance(info.value, EffectFailed)
+    assert runs == [4]  # the effect ran once, not to the recursion limit
+    assert snapshot(engine, node) == before
+    depth, cause = 0, info.value.__cause__
+    while cause is not None:
+        depth, cause = depth + 1, cause.__cause__
+    assert depth <= 2
+
+
+@TRAILS
+def test_an_effect_that_fires_its_event_through_another_is_refused(trail: bool) -> None:
+    runs: list[str] = []
+    engines: list[Engine] = []
+
+    def on_a(rec: Any) -> None:
+        runs.append("on_a")
+        engines[0].fire(rec, "b")
+
+    def on_b(rec: Any) -> None:
+        runs.append("on_b")
+        engines[0].fire(rec, "a")
+
+    engine = ring_engine(trail, on_a=on_a, on_b=on_b)
+    engines.append(engine)
+    item = Item(engine, 5)
+    before = snapshot(engine, item)
+    with pytest.raises(EffectReentered) as info:
+        engine.fire(item, "a")
+    assert str(info.value) == (
+        "item 5: a fired again while its effect on_a was running on the record;"
+        " the re-entrant a was refused before on_a ran again"
+    )
+    assert runs == ["on_a", "on_b"]
+    assert snapshot(engine, item) == before
+
+
+@TRAILS
+def test_an_effect_may_fire_events_at_other_records(trail: bool) -> None:
+    """The same event, another event, and an event with an effect of its own, elsewhere."""
+    engines: list[Engine] = []
+    items: dict[int, Item] = {}
+    runs: list[str] = []
+
+    def on_a(rec: Any) -> None:
+        runs.append(f"on_a {rec.id}")
+        if rec.id == 1:
+            engines[0].fire(items[2], "a")  # the same event (and effect), another record
+            engines[0].fire(items[2], "b")  # another event with an effect
+            engines[0].fire(items[3], "c")  # another event without one
+
+    def on_b(rec: Any) -> None:
+        runs.append(f"on_b {rec.id}")
+        engines[0].fire(items[3], "grab")  # an effect on the plan path
+
+    def grabbed(rec: Any) -> None:
+        runs.append(f"grabbed {rec.id}")
+
+    engine = ring_engine(trail, on_a=on_a, on_b=on_b, grabbed=grabbed)
+    engines.append(engine)
+    items.update({i: Item(engine, i) for i in (1, 2, 4)})
+    items[3] = Item(engine, 3, items[4])
+    engine.fire(items[1], "a")
+    assert runs == ["on_a 1", "on_a 2", "on_b 2", "grabbed 3", "grabbed 4"]
+    assert [items[i].n for i in (1, 2, 3, 4)] == [0, 0, 1, 1]
+    engine.fire(items[1], "a")  # and again: the effects left nothing behind
+    assert [items[i].n for i in (1, 2, 3, 4)] == [0, 0, 2, 2]
+
+
+def test_an_effect_that_failed_can_run_again() -> None:
+    """A hook that raised is not left marked as running on the record."""
+    fail = [True]
+
+    def on_a(rec: Any) -> None:
+        if fail[0]:
+            raise OSError("boom")
+
+    engine = ring_engine(False, on_a=on_a)
+    item = Item(engine, 6)
+    with pytest.raises(EffectFailed) as info:
+        engine.fire(item, "a")
+    assert str(info.value) == "item 6: effect on_a of a failed: boom"
+    fail[0] = False
+    engine.fire(item, "a")

@@ -13,6 +13,9 @@ raises leaves them unchanged too and is chained as the cause of
 :class:`~fsm_cache.errors.EffectFailed`. The writes are computed before the
 effects run, so an effect that changes a record the event writes (fires an
 event at it) fails the event too, and the record keeps what the effect left.
+An effect that fires its own event at its record again, directly or through
+other events, is refused there, before it runs a second time
+(:class:`~fsm_cache.errors.EffectReentered`).
 
 A record's ``parent`` is the caller's own attribute, set where the engine does
 not see it, so a chain that loops is found by the walk itself: every
@@ -46,6 +49,7 @@ from fsm_cache.engine.runtime import (
     Effect,
     caller_frame,
     effect_failed,
+    guarded,
     looped,
     meddled,
     no_effect,
@@ -311,6 +315,9 @@ class Engine:
             EffectFailed: A bound effect raised, and ``rec`` is unchanged; or
                 it changed the states or counters of a record the event
                 writes, which keeps what the effect left.
+            EffectReentered: A bound effect fired this event at ``rec`` again
+                (directly or through another event); that firing was refused
+                before the effect ran again, and nothing was written.
             SpecError: Unknown event name.
             BadArgument: ``event`` is not a str, or ``rec`` (or an ancestor
                 the event reads) is no record: it lacks an attribute the
@@ -537,7 +544,12 @@ class Engine:
                 raise BadArgument(
                     f"Engine: effect {name!r} must be callable, got {effects[name]!r}"
                 )
-        return dict(effects)
+        # Each hook refuses to run again on a record it is running on: an effect that fired
+        # its own event there would recurse to the recursion limit (runtime.guarded).
+        return {
+            name: hook if hook is no_effect else guarded(hook, name)
+            for name, hook in effects.items()
+        }
 
     def _plans(self, rec: Any, step: Step, event: str) -> list[tuple[Any, Plan]]:
         """Check ``event`` on ``rec`` (and its ancestors if it propagates); change nothing.

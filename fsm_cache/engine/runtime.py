@@ -17,15 +17,17 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from sys import _getframe as caller_frame
 from typing import Any
 
-from fsm_cache.errors import EffectFailed, ParentLoop
+from fsm_cache.errors import EffectFailed, EffectReentered, ParentLoop
 
 
 __all__ = [
     "WALK",
     "Effect",
+    "Reentry",
     "caller_frame",
     "child_in",
     "effect_failed",
+    "guarded",
     "looped",
     "meddled",
     "no_effect",
@@ -93,6 +95,42 @@ def looped(chain: Sequence[tuple[Any, ...]], label: str, event: str) -> None:
             )
 
 
+class Reentry(Exception):
+    """Raised by a :func:`guarded` effect called on a record it is still running on.
+
+    The engine's callers of an effect turn it into :class:`EffectReentered`
+    (:func:`effect_failed`), which names the event as well.
+    """
+
+
+def guarded(hook: Effect, name: str) -> Effect:
+    """Return ``hook`` refusing to run on a record it is already running on.
+
+    An effect that fires its own event at its record (directly, or through an
+    event whose effect fires it back) would otherwise run again and again
+    until Python's recursion limit, each level wrapping the last. The
+    records the effect runs on are kept by id while it runs; a record is
+    alive while its effect runs, so its id is its own. Other records, and
+    other effects on the record, run as before.
+
+    Raises:
+        Reentry: ``hook`` is already running on the record; it is not run again.
+    """
+    running: dict[int, None] = {}
+
+    def run(rec: Any) -> None:
+        key = id(rec)
+        if key in running:
+            raise Reentry(f"effect {name} is already running on the record")
+        running[key] = None
+        try:
+            hook(rec)
+        finally:
+            del running[key]
+
+    return run
+
+
 def run_effect(effect: Effect, name: str, event: str, rec: Any, label: str) -> None:
     """Call ``effect`` on ``rec``, chaining whatever it raises under :class:`EffectFailed`.
 
@@ -111,7 +149,18 @@ def effect_failed(exc: Exception, name: str, event: str, rec: Any, label: str) -
 
     One message for both callers: :func:`run_effect` (the plan path) and the
     fast paths generated code runs, which raise it ``from exc`` themselves.
+    A :class:`Reentry` of the effect (:func:`guarded`) becomes
+    :class:`EffectReentered` naming the event; an :class:`EffectReentered`
+    raised by a firing inside the effect stays one, with its message, as it
+    leaves each effect it passed through.
     """
+    if isinstance(exc, Reentry):
+        return EffectReentered(
+            f"{label} {rec.id}: {event} fired again while its effect {name} was running"
+            f" on the record; the re-entrant {event} was refused before {name} ran again"
+        )
+    if isinstance(exc, EffectReentered):
+        return EffectReentered(*exc.args)
     return EffectFailed(f"{label} {rec.id}: effect {name} of {event} failed: {exc}")
 
 
