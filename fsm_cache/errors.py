@@ -24,6 +24,8 @@ Every error the library raises on bad input or an illegal step derives from
     ├── BadArgument               an argument of the wrong type or value (also a
     │   │                         TypeError and a ValueError); nothing changed
     │   └── ParentLoop            a record's parent chain loops; nothing changed
+    ├── ReadOnlyAttribute         an attribute fixed when its object was built was
+    │                             assigned (also an AttributeError)
     ├── StaleNode                 a node that is not (or no longer) in this cache
     ├── ConcurrentUse             two threads inside one cache at once
     ├── CacheClosed               an operation on a cache after close()
@@ -295,6 +297,10 @@ class ParentLoop(BadArgument):
     The message names the records of the chain up to the repeated one; no
     record was changed.
     """
+
+
+class ReadOnlyAttribute(FsmCacheError, AttributeError):
+    """An attribute fixed when its object was built was assigned; nothing changed."""
 
 
 class StaleNode(FsmCacheError):

@@ -22,6 +22,7 @@ from fsm_cache.errors import (
     EffectFailed,
     EffectReentered,
     ParentLoop,
+    ReadOnlyAttribute,
 )
 from fsm_cache.spec.loader import spec_from_dict
 from fsm_cache.spec.shipped import residency_system
@@ -293,3 +294,22 @@ def test_an_effect_that_failed_can_run_again() -> None:
     assert str(info.value) == "item 6: effect on_a of a failed: boom"
     fail[0] = False
     engine.fire(item, "a")
+
+
+# -- settings compiled into the engine ----------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "value"), [("trail", True), ("history", 3)])
+def test_trail_and_history_cannot_be_assigned(name: str, value: object) -> None:
+    engine = Engine(residency_system(), trail=False, history=5)
+    with pytest.raises(ReadOnlyAttribute) as info:
+        setattr(engine, name, value)
+    assert str(info.value) == (
+        f"Engine.{name} cannot be set (to {value!r}): the engine's functions were compiled"
+        f" with {name}; build another Engine(spec, {name}=...)"
+    )
+    assert isinstance(info.value, AttributeError)
+    assert (engine.trail, engine.history) == (False, 5)
+    node = Node(engine, 1)
+    engine.fire(node, "lock")
+    assert node.trail is None  # still no trail mode

@@ -38,7 +38,7 @@ import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from functools import cached_property
-from typing import Any
+from typing import Any, Never
 
 from fsm_cache.engine import trail as trails
 from fsm_cache.engine.codegen import Compiled, Plan, Refusal, Refuser, Step, Verb, compile_system
@@ -55,7 +55,14 @@ from fsm_cache.engine.runtime import (
     no_effect,
     run_effect,
 )
-from fsm_cache.errors import BadArgument, FsmCacheError, IllegalTransition, SpecError, error_class
+from fsm_cache.errors import (
+    BadArgument,
+    FsmCacheError,
+    IllegalTransition,
+    ReadOnlyAttribute,
+    SpecError,
+    error_class,
+)
 from fsm_cache.numeric import whole
 from fsm_cache.spec.holders import Hold, Holders
 from fsm_cache.spec.machine import MachineSpec, Spec, System, as_system
@@ -85,8 +92,8 @@ class Engine:
 
     Attributes:
         system: The compiled system.
-        trail: Whether the engine runs in trail mode.
-        history: How many events each record's trail keeps.
+        trail: Whether the engine runs in trail mode (read-only: see below).
+        history: How many events each record's trail keeps (read-only).
         leases: The leases :meth:`lease` handed out and not yet released.
         Record: The slotted record class; :meth:`new` builds one.
 
@@ -102,6 +109,10 @@ class Engine:
             :func:`~fsm_cache.spec.validate.layout_problems`).
         ConfigError: ``trail`` and ``audit`` both given and different, or
             ``FSM_CACHE_TRAIL`` and ``FSM_CACHE_AUDIT`` disagree.
+
+    ``trail`` and ``history`` are compiled into the engine's functions, so
+    assigning either later raises :class:`~fsm_cache.errors.ReadOnlyAttribute`
+    rather than changing nothing.
     """
 
     def __init__(
@@ -120,8 +131,8 @@ class Engine:
             raise SpecError(unusable)
         self.system: System = as_system(spec)
         chosen = trails.choose(trail, audit, "Engine", stacklevel=2)
-        self.trail = trails.from_environment(stacklevel=2) if chosen is None else chosen
-        self.history = min(history, sys.maxsize)  # a deque's longest; more would overflow it
+        self._trail = trails.from_environment(stacklevel=2) if chosen is None else chosen
+        self._history = min(history, sys.maxsize)  # a deque's longest; more would overflow it
         self.leases = LeaseBook()
         self._pairs: dict[tuple[str, str], str | None] = {}
         """Why each (acquire, release) pair :meth:`lease` was given does not pair, or None."""
@@ -140,6 +151,32 @@ class Engine:
         }
         self._direct = {**self._verbs, **self._compiled.direct} if self.trail else self._verbs
         self.Record = _record_class(self.system)
+
+    @property
+    def trail(self) -> bool:
+        """Whether the engine runs in trail mode; fixed when it is built.
+
+        The engine's functions are compiled with it, so it cannot change
+        afterwards: build another engine with ``Engine(spec, trail=True)``.
+        """
+        return self._trail
+
+    @trail.setter
+    def trail(self, value: Never) -> None:  # Never: mypy refuses the assignment too
+        raise _fixed("trail", value)
+
+    @property
+    def history(self) -> int:
+        """How many events each record's trail keeps in trail mode; fixed when it is built.
+
+        The engine's functions are compiled with it, so it cannot change
+        afterwards: build another engine with ``Engine(spec, history=16)``.
+        """
+        return self._history
+
+    @history.setter
+    def history(self, value: Never) -> None:  # Never: mypy refuses the assignment too
+        raise _fixed("history", value)
 
     @property
     def audit(self) -> bool:
@@ -640,6 +677,14 @@ def _check_arguments(
     trails.check_flags("Engine", trail, audit)
     if not whole(history):
         raise BadArgument(f"Engine: history must be an int >= 0, got {history!r}")
+
+
+def _fixed(name: str, value: object) -> ReadOnlyAttribute:
+    """Return the error for assigning ``value`` to the engine's ``name``, fixed when it was built."""
+    return ReadOnlyAttribute(
+        f"Engine.{name} cannot be set (to {value!r}): the engine's functions were compiled"
+        f" with {name}; build another Engine(spec, {name}=...)"
+    )
 
 
 def _unknown_effects(system: System, unknown: Sequence[object]) -> str:
