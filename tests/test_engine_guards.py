@@ -247,6 +247,37 @@ def test_an_effect_that_fires_its_event_through_another_is_refused(trail: bool) 
     assert snapshot(engine, item) == before
 
 
+@pytest.mark.parametrize("back", [1, 2], ids=["first-record", "second-record"])
+def test_a_reentry_while_the_effect_runs_on_two_records_is_refused(back: int) -> None:
+    """``on_a`` of item 1 fires ``a`` at item 2, whose ``on_a`` fires ``a`` at item ``back``."""
+    engines: list[Engine] = []
+    items: dict[int, Item] = {}
+    runs: list[int] = []
+    firing = [True]
+
+    def on_a(rec: Any) -> None:
+        runs.append(rec.id)
+        if firing[0]:
+            engines[0].fire(items[2 if rec.id == 1 else back], "a")
+
+    engine = ring_engine(False, on_a=on_a)
+    engines.append(engine)
+    items.update({i: Item(engine, i) for i in (1, 2)})
+    before = snapshot(engine, items[1], items[2])
+    with pytest.raises(EffectReentered) as info:
+        engine.fire(items[1], "a")
+    assert str(info.value) == (
+        f"item {back}: a fired again while its effect on_a was running on the record;"
+        " the re-entrant a was refused before on_a ran again"
+    )
+    assert runs == [1, 2]
+    assert snapshot(engine, items[1], items[2]) == before
+    firing[0] = False  # nothing is left marked as running on either record
+    engine.fire(items[1], "a")
+    engine.fire(items[2], "a")
+    assert runs == [1, 2, 1, 2]
+
+
 @TRAILS
 def test_an_effect_may_fire_events_at_other_records(trail: bool) -> None:
     """The same event, another event, and an event with an effect of its own, elsewhere."""

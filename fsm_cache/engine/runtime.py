@@ -108,25 +108,43 @@ def guarded(hook: Effect, name: str) -> Effect:
 
     An effect that fires its own event at its record (directly, or through an
     event whose effect fires it back) would otherwise run again and again
-    until Python's recursion limit, each level wrapping the last. The
-    records the effect runs on are kept by id while it runs; a record is
-    alive while its effect runs, so its id is its own. Other records, and
-    other effects on the record, run as before.
+    until Python's recursion limit, each level wrapping the last. Other
+    records, and other effects on the record, run as before.
+
+    The usual call begins while no other call of the hook runs: it keeps its
+    record in one variable, which costs about a third of keeping it in a
+    dict by id. A call that begins while another runs (an effect firing at
+    another record, or another thread) is kept in the dict. Both are
+    cleared as each call ends, so a record is refused only while a call of
+    the hook on it runs; a record is alive while its hook runs, so its id is
+    its own. Two threads that begin calls at the same instant may both take
+    the variable, and then a re-entry of the first to end is found one
+    firing later; events at one record from two threads at once are the
+    caller's to serialise in any case (:mod:`fsm_cache.engine.core`).
 
     Raises:
         Reentry: ``hook`` is already running on the record; it is not run again.
     """
-    running: dict[int, None] = {}
+    current: Any = None
+    others: dict[int, None] = {}
 
     def run(rec: Any) -> None:
+        nonlocal current
+        if current is None and not others:
+            current = rec
+            try:
+                hook(rec)
+            finally:
+                current = None
+            return
         key = id(rec)
-        if key in running:
+        if current is rec or key in others:
             raise Reentry(f"effect {name} is already running on the record")
-        running[key] = None
+        others[key] = None
         try:
             hook(rec)
         finally:
-            del running[key]
+            del others[key]
 
     return run
 
