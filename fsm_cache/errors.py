@@ -12,6 +12,7 @@ Every error the library raises on bad input or an illegal step derives from
     │   ├── FinalState            an event a final state does not answer
     │   └── <classes a spec names>   created on first use
     ├── EffectFailed              a bound effect raised; the record is unchanged
+    │   └── EffectReentered       an effect fired its own event at its record again
     ├── LeaseError                a lease released twice
     ├── PoolError                 slot accounting refused a request
     │   ├── PoolExhausted         more requested than is free
@@ -21,7 +22,10 @@ Every error the library raises on bad input or an illegal step derives from
     ├── CopyFailed                a copy between tiers failed
     ├── PinnedMemoryError         cudaHostRegister or cudaHostUnregister failed
     ├── BadArgument               an argument of the wrong type or value (also a
-    │                             TypeError and a ValueError); nothing changed
+    │   │                         TypeError and a ValueError); nothing changed
+    │   └── ParentLoop            a record's parent chain loops; nothing changed
+    ├── ReadOnlyAttribute         an attribute fixed when its object was built was
+    │                             assigned (also an AttributeError)
     ├── StaleNode                 a node that is not (or no longer) in this cache
     ├── ConcurrentUse             two threads inside one cache at once
     ├── CacheClosed               an operation on a cache after close()
@@ -255,6 +259,15 @@ class EffectFailed(FsmCacheError):
     """A bound effect raised while an event was being applied; the record is unchanged."""
 
 
+class EffectReentered(EffectFailed):
+    """An effect fired its own event at its record again, directly or through other events.
+
+    The firing that would have run the effect a second time on the record is
+    refused before the effect runs, so nothing the events would write is
+    written; the effect on the way there did run, up to its firing.
+    """
+
+
 class LeaseError(FsmCacheError):
     """A lease was released again: after its release (named) or while that was still firing."""
 
@@ -295,6 +308,18 @@ class BadArgument(FsmCacheError, TypeError, ValueError):
     Also a TypeError and a ValueError, so code written against the builtin
     errors a plain container would raise still catches it.
     """
+
+
+class ParentLoop(BadArgument):
+    """An event walked a record's ancestors and the parent chain came back to a record on it.
+
+    The message names the records of the chain up to the repeated one; no
+    record was changed.
+    """
+
+
+class ReadOnlyAttribute(FsmCacheError, AttributeError):
+    """An attribute fixed when its object was built was assigned; nothing changed."""
 
 
 class StaleNode(FsmCacheError):

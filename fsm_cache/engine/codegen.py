@@ -199,6 +199,8 @@ def _namespace(
         "_effect_failed": runtime.effect_failed,
         "_refuse": refuse,
         "_parent_in": runtime.parent_in,
+        "_WALK": range(runtime.WALK),
+        "_looped": runtime.looped,
         "_child_in": runtime.child_in,
         "_getframe": runtime.caller_frame,
         "_INTERNAL": trails.internal_files(),
@@ -310,6 +312,12 @@ def compile_chain(em: Emitter, event: str) -> str:
     node is written, ``rec`` first. The step's body runs in a loop over the
     chain, so no plan, list of assignments or ``setattr`` is built per node:
     a lock or unlock of a path costs a few attribute reads and writes a node.
+
+    The walk takes :data:`runtime.WALK` records at a time (a ``for`` over a
+    range, where an unbounded ``while`` would walk a looping chain for ever);
+    after each such stretch it checks the chain for a repeated record
+    (:func:`runtime.looped` raises ParentLoop, with nothing written) and goes
+    on if there is none.
     """
     name = f"_fire_{event}"
     em.event = event
@@ -317,18 +325,24 @@ def compile_chain(em: Emitter, event: str) -> str:
     em.emit(0, f"def {name}(rec):")
     em.emit(1, "chain = []")
     em.emit(1, "while True:")
-    em.indent = 1
+    em.emit(2, "for _ in _WALK:")
+    em.indent = 2
     try:
         counters = _step_body(em, event, effects=False)
     finally:
         em.indent = 0
     values = ", ".join([*(f"n_{r}" for r in regions), *(f"c_{c}" for c in counters)])
-    em.emit(2, f"chain.append((rec, {values}))")
-    em.emit(2, "if not propagate and len(chain) == 1:  # propagating: to the root")
-    em.emit(3, "break")
-    em.emit(2, "rec = getattr(rec, 'parent', None)")
-    em.emit(2, "if rec is None:")
-    em.emit(3, "break")
+    em.emit(3, f"chain.append((rec, {values}))")
+    if not all(t.propagate is not None for t in _of(em.system, event)):
+        em.emit(3, "if not propagate and len(chain) == 1:  # propagating: to the root")
+        em.emit(4, "break")
+    em.emit(3, "rec = getattr(rec, 'parent', None)")
+    em.emit(3, "if rec is None:")
+    em.emit(4, "break")
+    em.emit(2, "else:  # a long walk: raise if the chain loops, else walk on")
+    em.emit(3, f"_looped(chain, _label, {event!r})")
+    em.emit(3, "continue")
+    em.emit(2, "break")
     em.emit(1, f"for rec, {values} in chain:")
     for region in regions:
         em.emit(2, f"rec.{region} = n_{region}")

@@ -13,6 +13,16 @@ raises leaves them unchanged too and is chained as the cause of
 :class:`~fsm_cache.errors.EffectFailed`. The writes are computed before the
 effects run, so an effect that changes a record the event writes (fires an
 event at it) fails the event too, and the record keeps what the effect left.
+An effect that fires its own event at its record again, directly or through
+other events, is refused there, before it runs a second time
+(:class:`~fsm_cache.errors.EffectReentered`).
+
+A record's ``parent`` is the caller's own attribute, set where the engine does
+not see it, so a chain that loops is found by the walk itself: every
+:data:`~fsm_cache.engine.runtime.WALK` records an event walking the ancestors
+looks for a repeated one and raises :class:`~fsm_cache.errors.ParentLoop`
+before anything is written. A walk pays only for counting its records (a
+``for`` over a range where it had a ``while True``).
 
 An engine takes no lock: an event reads, checks, then writes, so events fired
 at one record from two threads at once may interleave. Callers serialise them
@@ -28,21 +38,31 @@ import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from functools import cached_property
-from typing import Any
+from typing import Any, Never
 
 from fsm_cache.engine import trail as trails
 from fsm_cache.engine.codegen import Compiled, Plan, Refusal, Refuser, Step, Verb, compile_system
 from fsm_cache.engine.lease import Lease, LeaseBook
 from fsm_cache.engine.legal import Legal, unknown_state
 from fsm_cache.engine.runtime import (
+    WALK,
     Effect,
     caller_frame,
     effect_failed,
+    guarded,
+    looped,
     meddled,
     no_effect,
     run_effect,
 )
-from fsm_cache.errors import BadArgument, FsmCacheError, IllegalTransition, SpecError, error_class
+from fsm_cache.errors import (
+    BadArgument,
+    FsmCacheError,
+    IllegalTransition,
+    ReadOnlyAttribute,
+    SpecError,
+    error_class,
+)
 from fsm_cache.numeric import whole
 from fsm_cache.spec.holders import Hold, Holders
 from fsm_cache.spec.machine import MachineSpec, Spec, System, as_system
@@ -72,8 +92,8 @@ class Engine:
 
     Attributes:
         system: The compiled system.
-        trail: Whether the engine runs in trail mode.
-        history: How many events each record's trail keeps.
+        trail: Whether the engine runs in trail mode (read-only: see below).
+        history: How many events each record's trail keeps (read-only).
         leases: The leases :meth:`lease` handed out and not yet released.
         Record: The slotted record class; :meth:`new` builds one.
 
@@ -89,6 +109,10 @@ class Engine:
             :func:`~fsm_cache.spec.validate.layout_problems`).
         ConfigError: ``trail`` and ``audit`` both given and different, or
             ``FSM_CACHE_TRAIL`` and ``FSM_CACHE_AUDIT`` disagree.
+
+    ``trail`` and ``history`` are compiled into the engine's functions, so
+    assigning either later raises :class:`~fsm_cache.errors.ReadOnlyAttribute`
+    rather than changing nothing.
     """
 
     def __init__(
@@ -107,8 +131,8 @@ class Engine:
             raise SpecError(unusable)
         self.system: System = as_system(spec)
         chosen = trails.choose(trail, audit, "Engine", stacklevel=2)
-        self.trail = trails.from_environment(stacklevel=2) if chosen is None else chosen
-        self.history = min(history, sys.maxsize)  # a deque's longest; more would overflow it
+        self._trail = trails.from_environment(stacklevel=2) if chosen is None else chosen
+        self._history = min(history, sys.maxsize)  # a deque's longest; more would overflow it
         self.leases = LeaseBook()
         self._pairs: dict[tuple[str, str], str | None] = {}
         """Why each (acquire, release) pair :meth:`lease` was given does not pair, or None."""
@@ -127,6 +151,32 @@ class Engine:
         }
         self._direct = {**self._verbs, **self._compiled.direct} if self.trail else self._verbs
         self.Record = _record_class(self.system)
+
+    @property
+    def trail(self) -> bool:
+        """Whether the engine runs in trail mode; fixed when it is built.
+
+        The engine's functions are compiled with it, so it cannot change
+        afterwards: build another engine with ``Engine(spec, trail=True)``.
+        """
+        return self._trail
+
+    @trail.setter
+    def trail(self, value: Never) -> None:  # Never: mypy refuses the assignment too
+        raise _fixed("trail", value)
+
+    @property
+    def history(self) -> int:
+        """How many events each record's trail keeps in trail mode; fixed when it is built.
+
+        The engine's functions are compiled with it, so it cannot change
+        afterwards: build another engine with ``Engine(spec, history=16)``.
+        """
+        return self._history
+
+    @history.setter
+    def history(self, value: Never) -> None:  # Never: mypy refuses the assignment too
+        raise _fixed("history", value)
 
     @property
     def audit(self) -> bool:
@@ -302,10 +352,15 @@ class Engine:
             EffectFailed: A bound effect raised, and ``rec`` is unchanged; or
                 it changed the states or counters of a record the event
                 writes, which keeps what the effect left.
+            EffectReentered: A bound effect fired this event at ``rec`` again
+                (directly or through another event); that firing was refused
+                before the effect ran again, and nothing was written.
             SpecError: Unknown event name.
             BadArgument: ``event`` is not a str, or ``rec`` (or an ancestor
                 the event reads) is no record: it lacks an attribute the
                 engine reads (in trail mode, ``trail`` too); nothing changed.
+            ParentLoop: The event propagates and ``rec``'s parent chain loops
+                (a BadArgument); nothing changed.
         """
         try:
             verb = self._verbs[event]
@@ -329,7 +384,7 @@ class Engine:
         """
         step = self._step(event, "allowed")
         try:
-            plans = self._plans(rec, step)
+            plans = self._plans(rec, step, event)
             if self.trail:  # fire notes the event on each record it writes
                 for target, _ in plans:
                     target.trail  # noqa: B018 -- read for the AttributeError alone
@@ -526,15 +581,27 @@ class Engine:
                 raise BadArgument(
                     f"Engine: effect {name!r} must be callable, got {effects[name]!r}"
                 )
-        return dict(effects)
+        # Each hook refuses to run again on a record it is running on: an effect that fired
+        # its own event there would recurse to the recursion limit (runtime.guarded).
+        return {
+            name: hook if hook is no_effect else guarded(hook, name)
+            for name, hook in effects.items()
+        }
 
-    def _plans(self, rec: Any, step: Step) -> list[tuple[Any, Plan]]:
-        """Check ``event`` on ``rec`` (and its ancestors if it propagates); change nothing."""
+    def _plans(self, rec: Any, step: Step, event: str) -> list[tuple[Any, Plan]]:
+        """Check ``event`` on ``rec`` (and its ancestors if it propagates); change nothing.
+
+        Raises:
+            ParentLoop: The ancestors loop (checked every :data:`~fsm_cache.engine.runtime.WALK`
+                records, as the generated walks do).
+        """
         plans = [(rec, step(rec))]
         if plans[0][1][2]:
             node = getattr(rec, "parent", None)
             while node is not None:
                 plans.append((node, step(node)))
+                if not len(plans) % WALK:
+                    looped(plans, self.system.label, event)
                 node = getattr(node, "parent", None)
         return plans
 
@@ -547,7 +614,7 @@ class Engine:
             return [tuple(getattr(target, name) for name in names) for target, _ in targets]
 
         def fire(rec: Any) -> None:
-            plans = self._plans(rec, step)
+            plans = self._plans(rec, step, event)
             if on:  # a record with no trail raises here, before any effect or write
                 for target, _ in plans:
                     target.trail  # noqa: B018 -- read for the AttributeError alone
@@ -610,6 +677,14 @@ def _check_arguments(
     trails.check_flags("Engine", trail, audit)
     if not whole(history):
         raise BadArgument(f"Engine: history must be an int >= 0, got {history!r}")
+
+
+def _fixed(name: str, value: object) -> ReadOnlyAttribute:
+    """Return the error for assigning ``value`` to the engine's ``name``, fixed when it was built."""
+    return ReadOnlyAttribute(
+        f"Engine.{name} cannot be set (to {value!r}): the engine's functions were compiled"
+        f" with {name}; build another Engine(spec, {name}=...)"
+    )
 
 
 def _unknown_effects(system: System, unknown: Sequence[object]) -> str:

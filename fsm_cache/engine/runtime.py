@@ -9,7 +9,7 @@ the tree tests and the effect wrapper. Torch-free, and cheap to import.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 # NOTE: imported by name rather than read as ``sys._getframe``: it is CPython's documented
 # frame accessor, not another component's private, and ``inspect.currentframe`` costs one
@@ -17,14 +17,18 @@ from collections.abc import Callable, Iterable, Mapping
 from sys import _getframe as caller_frame
 from typing import Any
 
-from fsm_cache.errors import EffectFailed
+from fsm_cache.errors import EffectFailed, EffectReentered, ParentLoop
 
 
 __all__ = [
+    "WALK",
     "Effect",
+    "Reentry",
     "caller_frame",
     "child_in",
     "effect_failed",
+    "guarded",
+    "looped",
     "meddled",
     "no_effect",
     "parent_in",
@@ -57,6 +61,94 @@ def child_in(rec: Any, region: str, states: tuple[str, ...]) -> bool:
     return any(getattr(child, region) in states for child in values)
 
 
+WALK = 4096
+"""How many records a walk up the parents takes between checks that the chain does not loop.
+
+The engine never sees a record's ``parent`` set (it is the caller's own
+attribute), so a chain that loops (``a.parent = b``, ``b.parent = a``) would
+walk for ever. Checking every walk would cost every event that propagates;
+instead a walk that has taken this many records, far more than a tree of
+any real cache is deep, looks for a repeated record in what it took
+(:func:`looped`), and goes on if there is none.
+"""
+
+
+def looped(chain: Sequence[tuple[Any, ...]], label: str, event: str) -> None:
+    """Raise ParentLoop if a record repeats in ``chain``, a walk's entries, each record first.
+
+    Called by a walk that has taken :data:`WALK` records (or a multiple) and
+    changed nothing yet.
+
+    Raises:
+        ParentLoop: A record is in ``chain`` twice; the message names the
+            records up to the repeat.
+    """
+    first: dict[int, int] = {}
+    for index, entry in enumerate(chain):
+        if first.setdefault(id(entry[0]), index) != index:
+            names = [f"{label} {each[0].id}" for each in chain[: index + 1]]
+            if len(names) > 8:
+                names[4:-3] = ["..."]
+            raise ParentLoop(
+                f"{names[0]}: its parent chain loops ({' -> '.join(names)});"
+                f" {event} was not applied"
+            )
+
+
+class Reentry(Exception):
+    """Raised by a :func:`guarded` effect called on a record it is still running on.
+
+    The engine's callers of an effect turn it into :class:`EffectReentered`
+    (:func:`effect_failed`), which names the event as well.
+    """
+
+
+def guarded(hook: Effect, name: str) -> Effect:
+    """Return ``hook`` refusing to run on a record it is already running on.
+
+    An effect that fires its own event at its record (directly, or through an
+    event whose effect fires it back) would otherwise run again and again
+    until Python's recursion limit, each level wrapping the last. Other
+    records, and other effects on the record, run as before.
+
+    The usual call begins while no other call of the hook runs: it keeps its
+    record in one variable, which costs about a third of keeping it in a
+    dict by id. A call that begins while another runs (an effect firing at
+    another record, or another thread) is kept in the dict. Both are
+    cleared as each call ends, so a record is refused only while a call of
+    the hook on it runs; a record is alive while its hook runs, so its id is
+    its own. Two threads that begin calls at the same instant may both take
+    the variable, and then a re-entry of the first to end is found one
+    firing later; events at one record from two threads at once are the
+    caller's to serialise in any case (:mod:`fsm_cache.engine.core`).
+
+    Raises:
+        Reentry: ``hook`` is already running on the record; it is not run again.
+    """
+    current: Any = None
+    others: dict[int, None] = {}
+
+    def run(rec: Any) -> None:
+        nonlocal current
+        if current is None and not others:
+            current = rec
+            try:
+                hook(rec)
+            finally:
+                current = None
+            return
+        key = id(rec)
+        if current is rec or key in others:
+            raise Reentry(f"effect {name} is already running on the record")
+        others[key] = None
+        try:
+            hook(rec)
+        finally:
+            del others[key]
+
+    return run
+
+
 def run_effect(effect: Effect, name: str, event: str, rec: Any, label: str) -> None:
     """Call ``effect`` on ``rec``, chaining whatever it raises under :class:`EffectFailed`.
 
@@ -75,7 +167,18 @@ def effect_failed(exc: Exception, name: str, event: str, rec: Any, label: str) -
 
     One message for both callers: :func:`run_effect` (the plan path) and the
     fast paths generated code runs, which raise it ``from exc`` themselves.
+    A :class:`Reentry` of the effect (:func:`guarded`) becomes
+    :class:`EffectReentered` naming the event; an :class:`EffectReentered`
+    raised by a firing inside the effect stays one, with its message, as it
+    leaves each effect it passed through.
     """
+    if isinstance(exc, Reentry):
+        return EffectReentered(
+            f"{label} {rec.id}: {event} fired again while its effect {name} was running"
+            f" on the record; the re-entrant {event} was refused before {name} ran again"
+        )
+    if isinstance(exc, EffectReentered):
+        return EffectReentered(*exc.args)
     return EffectFailed(f"{label} {rec.id}: effect {name} of {event} failed: {exc}")
 
 
