@@ -7,22 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from shipped_files import STORAGE_FILES
 
 from fsm_cache.cli.main import main
 from fsm_cache.modelcheck import check
 from fsm_cache.spec.controls import Control, load_finding
 from fsm_cache.spec.shipped import spec_dir
 
-
-_STORAGE_FILES = (
-    "residency_storage.toml",
-    "residency.toml",
-    "host_residency.toml",
-    "device_residency.toml",
-    "host_storage_residency.toml",
-    "storage_residency.toml",
-)
-"""Every file ``residency_storage.toml`` is read from: what it extends, and their regions."""
 
 _EDITS = pytest.mark.parametrize(
     "edit",
@@ -39,7 +30,7 @@ _EDITS = pytest.mark.parametrize(
 
 def _copied(folder: Path) -> None:
     """Copy ``residency_storage.toml`` and every file it is read from into ``folder``."""
-    for name in _STORAGE_FILES:
+    for name in STORAGE_FILES:
         (folder / name).write_bytes((spec_dir() / name).read_bytes())
 
 

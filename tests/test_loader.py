@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from shipped_files import STORAGE_FILES
 
 from fsm_cache.errors import SpecError
 from fsm_cache.spec import loader
@@ -871,29 +872,19 @@ def test_the_shipped_storage_composition_builds_on_residency() -> None:
 
 
 # -- snapshots ---------------------------------------------------------------------
-_STORAGE_FILES = (
-    "residency_storage.toml",
-    "residency.toml",
-    "host_residency.toml",
-    "device_residency.toml",
-    "host_storage_residency.toml",
-    "storage_residency.toml",
-)
-"""Every file ``residency_storage.toml`` is read from: what it extends, and their regions."""
 
 
 def test_a_snapshot_builds_the_spec_it_was_read_as_once_every_file_is_gone(
     tmp_path: Path,
 ) -> None:
-    for name in _STORAGE_FILES:
+    for name in STORAGE_FILES:
         (tmp_path / name).write_bytes((spec_dir() / name).read_bytes())
     spec, files = load_snapshot(tmp_path / "residency_storage.toml")
     assert spec == load_spec(tmp_path / "residency_storage.toml")
     assert files == {
-        str((tmp_path / name).resolve()): (spec_dir() / name).read_bytes()
-        for name in _STORAGE_FILES
+        str((tmp_path / name).resolve()): (spec_dir() / name).read_bytes() for name in STORAGE_FILES
     }
-    for name in _STORAGE_FILES:
+    for name in STORAGE_FILES:
         (tmp_path / name).unlink()
     assert load_spec(tmp_path / "residency_storage.toml", files) == spec
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import too_big_toml
 from pools import ACCEPTED, REFUSED, pool
+from shipped_files import STORAGE_FILES
 
 from fsm_cache.cli.main import main
 from fsm_cache.contracts import exhaustive, verify
@@ -511,17 +512,6 @@ def test_a_three_region_composition_is_checked_on_every_representative_input(
     assert exhaustive.counter_domains(storage) == {"pins": (0, 1, 2, 3, 4), "locks": (0, 1, 2, 3)}
 
 
-_STORAGE_FILES = (
-    "residency_storage.toml",
-    "residency.toml",
-    "host_residency.toml",
-    "device_residency.toml",
-    "host_storage_residency.toml",
-    "storage_residency.toml",
-)
-"""Every file ``residency_storage.toml`` is read from: what it extends, and their regions."""
-
-
 @pytest.mark.parametrize(
     ("file", "old", "new"),
     [
@@ -541,7 +531,7 @@ def test_a_spec_saved_over_while_it_is_verified_is_proved_as_it_was_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file: str, old: str, new: str
 ) -> None:
     """The contracts module read the spec's files again when imported: two versions mixed."""
-    for name in _STORAGE_FILES:
+    for name in STORAGE_FILES:
         (tmp_path / name).write_text((spec_dir() / name).read_text())
     generated = generate
 
