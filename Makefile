@@ -57,17 +57,20 @@ lint: $(DEVSTAMP)
 typecheck: $(DEVSTAMP)
 	$(BIN)/mypy
 
-# pytest-xdist: the suite in PYTEST_JOBS processes (the CI machine has two cores).
+# pytest-xdist: the suite in PYTEST_JOBS processes (the CI machine has two cores), a test
+# file's tests in one of them (--dist loadfile): a module's group of spawned ranks is then
+# started once, not once per process at the same time on two cores, for the same time.
 PYTEST_JOBS ?= 2
+XDIST := -n $(PYTEST_JOBS) --dist loadfile
 pytest: $(DEVSTAMP) compile
-	$(BIN)/pytest -q -n $(PYTEST_JOBS)
+	$(BIN)/pytest -q $(XDIST)
 
 # The tests that build a HiCache again on the compiled modules' sources, as a plain
 # `pip install` runs them (about a minute).
 OPEN    := (
 PURE_TESTS ?= $(shell grep -lF 'HiCache$(OPEN)' tests/test_*.py) tests/test_native.py
 pytest-pure: $(DEVSTAMP)
-	FSM_CACHE_PURE=1 $(BIN)/pytest -q -n $(PYTEST_JOBS) -p no:cacheprovider $(PURE_TESTS)
+	FSM_CACHE_PURE=1 $(BIN)/pytest -q $(XDIST) -p no:cacheprovider $(PURE_TESTS)
 
 verify: $(DEVSTAMP)
 	$(BIN)/fsm-cache verify
