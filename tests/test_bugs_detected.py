@@ -178,3 +178,19 @@ def test_pool_contracts_have_no_counterexample() -> None:
     rows = verify.verify_module(verify.POOL_CONTRACTS, options)
     assert {r.function for r in rows} == {"alloc_twice", "alloc_free"}
     assert [r for r in rows if r.failed] == []
+
+
+def test_a_verify_control_is_read_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The control's files were read to validate it, then read again to verify it."""
+    (control,) = [c for c in ALL if c.tool == "verify" and c.path.suffix == ".toml"]
+
+    def read_again(path: Path) -> None:
+        raise AssertionError(f"{path} read again")
+
+    def proved(name: str, module: Path, options: Options) -> list[Row]:
+        return [Row(name, "pin", "the step follows the spec", crosshair_run.COUNTEREXAMPLE, "x")]
+
+    monkeypatch.setattr(verify, "load_snapshot", read_again)
+    monkeypatch.setattr(crosshair_run, "prove", proved)
+    found = verify.verify_control(control, Options(), tmp_path)
+    assert found == "verify: host_residency.pin: the step follows the spec: counterexample: x"

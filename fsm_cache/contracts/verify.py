@@ -40,7 +40,7 @@ from fsm_cache.numeric import whole
 from fsm_cache.shell import find_pyproject, named_once, path_text, summary_line
 from fsm_cache.spec.controls import Control, controls, load_finding, relative, render_controls
 from fsm_cache.spec.loader import load_snapshot, load_spec, read_toml
-from fsm_cache.spec.machine import System, as_system
+from fsm_cache.spec.machine import Spec, System, as_system
 from fsm_cache.spec.shipped import shipped_spec_paths
 
 
@@ -159,20 +159,26 @@ def out_of_range(key: str, value: float) -> str:
     return ""
 
 
-def verify_spec(path: Path, options: Options, workdir: Path) -> list[Row]:
+def verify_spec(
+    path: Path,
+    options: Options,
+    workdir: Path,
+    snapshot: tuple[Spec, dict[str, bytes]] | None = None,
+) -> list[Row]:
     """Generate the contracts of the spec at ``path`` and check them.
 
-    The spec's files are read once, here: the contracts module holds their
-    bytes and builds the spec from them (:func:`~fsm_cache.spec.loader.load_snapshot`),
-    so the code generated and the spec it is proved against are one version,
-    though a file is saved over while CrossHair runs.
+    The spec's files are read once, here, or were read by the caller
+    (``snapshot``, from :func:`~fsm_cache.spec.loader.load_snapshot`): the
+    contracts module holds their bytes and builds the spec from them, so the
+    code generated and the spec it is proved against are one version, though
+    a file is saved over while CrossHair runs.
 
     Raises:
         SpecError: The spec does not load.
         FsmCacheError: The verify extra is not installed (:func:`~fsm_cache.contracts.runner.require_extra`).
     """
     crosshair_run.require_extra()
-    spec, files = load_snapshot(path)
+    spec, files = load_snapshot(path) if snapshot is None else snapshot
     system = as_system(spec)
     folder = Path(tempfile.mkdtemp(dir=workdir))
     generated = generate(system, path, files)
@@ -311,7 +317,7 @@ def verify_control(control: Control, options: Options, workdir: Path) -> str:
         loaded, problem = load_finding(control.path)
         if loaded is None:
             return f"validate: {problem}"
-        rows = verify_spec(control.path, options, workdir)
+        rows = verify_spec(control.path, options, workdir, loaded)
     else:
         rows = verify_module(str(control.path), options)
     found = [r for r in rows if r.status == crosshair_run.COUNTEREXAMPLE]
