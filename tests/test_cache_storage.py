@@ -1031,6 +1031,45 @@ def test_under_agreement_a_copy_that_failed_here_is_told_to_the_group_once(
     assert cache.log.storage_acks() == [("poll", ((1, "store", 0, "failed"),))]
 
 
+def test_under_agreement_a_copy_reported_timed_out_stays_timed_out_when_its_put_returns(
+    tmp_path: Path, clock: HandClock
+) -> None:
+    """A step reports a copy timed out; its put returns before the step asks what failed here.
+
+    Both must read the same ending: the group applies the timeout, so it must
+    back off for it, and a later report must not say the copy landed. The
+    put still writes its pages, late, to no one.
+    """
+    faulty = FaultyStore(LocalFileStore(tmp_path))
+    faulty.gate = threading.Event()
+    cache = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=1.0, query_backoff=1.0))
+    storage = cache.storage
+    assert storage is not None
+    storage.agree_by(lambda found, asked: list(found))
+    cache.insert(tokens(2))
+    cache.poll()  # write_done: the store starts, and hangs in its put
+    (first,) = storage.in_flight().values()
+    ends = time.monotonic() + 5.0
+    while faulty.calls != ["put"] and time.monotonic() < ends:
+        time.sleep(0.01)
+    assert faulty.calls == ["put"]
+    clock.now += 1.0
+    assert storage.report(2) == [2 * 0 + 1, -1]  # timed out here
+    faulty.gate.set()
+    assert first.done.wait(5)  # the put returns: too late
+    assert first.result is not None
+    assert (first.result.held, first.result.outcome) == (2, "ok")
+    assert storage.copies_failed_here()  # it timed out here: the group backs off
+    assert storage.report(2) == [2 * 0 + 1, -1]  # still timed out
+    storage.back_off_for_copies(True)
+    assert storage.accept([2 * 0 + 1, -1]) == 1
+    assert cache.poll() == 1
+    assert cache.log.storage_acks() == [("poll", ((1, "store", 0, "timeout"),))]
+    assert [n.storage for n in cache.tree] == ["unstored"]
+    assert (storage.backoff.closed, storage.backoff.failures) == (True, 1)
+    cache.close()
+
+
 def test_the_timeout_policy_returns_the_pages_read_within_its_deadline(store: Store) -> None:
     toks = tokens(3)
     stored_cache(store, toks)

@@ -369,6 +369,7 @@ class StorageCopy:
 
     __slots__ = (
         "_claims",
+        "_end",
         "_fate",
         "done",
         "keys",
@@ -391,6 +392,7 @@ class StorageCopy:
         self.snapshot: list[torch.Tensor] = []
         self._claims = threading.Lock()
         self._fate = ""  # "running" once a worker claimed it, "abandoned" once the cache did
+        self._end: StoreResult | None = None  # how the cache found it ended, once it looked
 
     def tokens(self) -> int:
         """Return the tokens this copy moves."""
@@ -404,6 +406,25 @@ class StorageCopy:
             self._fate = "running"
             pages, self.snapshot = self.snapshot, []
             return pages
+
+    def end(self, timeout: StoreResult) -> StoreResult:
+        """Return how the copy ended, to the cache: decided at the first call, the same after.
+
+        The worker's result where it has answered, else ``timeout`` (and the
+        copy is abandoned). A worker that answers later answers no one: under
+        tensor-parallel agreement a rank reads a copy's ending more than once
+        before the group applies it (each step's report, and whether a store
+        failed here), and every read must find the ending the first reported.
+        The cache thread calls it once the copy finished or passed its timeout.
+        """
+        with self._claims:
+            if self._end is None:
+                answered = self.result if self.done.is_set() else None
+                if answered is None and self._fate != "running":
+                    self._fate = "abandoned"
+                    self.snapshot = []
+                self._end = timeout if answered is None else answered
+            return self._end
 
     def abandon(self) -> None:
         """Let the snapshot go, and no worker run the copy, unless a worker runs it already.
@@ -791,16 +812,13 @@ class StorageTier:
         return self._outcome(copy) if agreed is None else agreed
 
     def _outcome(self, copy: StorageCopy) -> StoreResult:
-        """The worker's result (which checked a fetch's pages), or a timeout.
+        """The worker's result (which checked a fetch's pages), or a timeout; the same at each call.
 
         A copy timed out is abandoned here: a worker that never got to it
-        (every worker hangs) would otherwise keep its snapshot for ever.
+        (every worker hangs) would otherwise keep its snapshot for ever
+        (:meth:`StorageCopy.end`).
         """
-        result = copy.result if copy.done.is_set() else None
-        if result is None:
-            copy.abandon()
-            return StoreResult(0, [], "timeout", f"no answer in {self.config.io_timeout} s")
-        return result
+        return copy.end(StoreResult(0, [], "timeout", f"no answer in {self.config.io_timeout} s"))
 
     def _split_at(self, copy: StorageCopy, held: int) -> tuple[list[TreeNode], list[TreeNode]]:
         """Split the copy's nodes at page ``held``: the nodes it landed, and the rest."""
