@@ -725,6 +725,40 @@ def test_a_store_that_failed_once_is_stored_again_by_a_later_lookup(
     assert reader.match_prefix(toks + more).host_len == 5 * PAGE
 
 
+def test_a_store_that_lands_after_a_failure_ends_the_row_of_failures(
+    tmp_path: Path, clock: HandClock
+) -> None:
+    """A cache whose lookups all hit locally asks nothing: its stores are its only trials.
+
+    One that lands shows the store answers again, as a query would: a failure
+    an hour later is a blip of its own, backed off for the first wait, not
+    twice as long (and so on, up to the longest, over a day of blips).
+    """
+    faulty = FaultyStore(LocalFileStore(tmp_path))
+    faulty.raises = {"put"}
+    writer = HiCache(config(), storage=tier(faulty, query_backoff=1.0, query_backoff_max=60.0))
+    storage = writer.storage
+    assert storage is not None
+    writer.insert(tokens(3))
+    writer.poll()
+    writer.poll()  # the store failed: back off
+    assert (storage.backoff.closed, storage.backoff.failures) == (True, 1)
+    faulty.raises = set()
+    clock.now += 1.0
+    writer.match_prefix(tokens(3))  # no tail to ask about: stores the node again
+    writer.poll()  # it landed
+    assert [n.storage for n in writer.tree] == ["stored"]
+    assert (storage.backoff.closed, storage.backoff.failures) == (False, 0)
+    clock.now += 3600.0
+    faulty.raises = {"put"}
+    writer.insert(tokens(2, start=9000))
+    writer.poll()
+    writer.poll()  # this store fails
+    assert faulty.calls == ["put", "put", "put"]
+    assert storage.backoff.closed
+    assert storage.backoff.until - clock.now == 1.0
+
+
 def test_no_store_is_started_again_while_queries_back_off(store: Store, clock: HandClock) -> None:
     toks = tokens(3)
     faulty = FaultyStore(store)

@@ -168,7 +168,8 @@ class StorageConfig:
             it every lookup would wait out the client's timeout while the
             store is down. Doubled after each failure in a row, up to
             ``query_backoff_max``; the first query that answers within its
-            budget ends it. 0: every lookup asks.
+            budget ends it, and a poll outside a backoff whose copies the
+            store all answered ends the row. 0: every lookup asks.
         query_backoff_max: The longest backoff, in seconds.
         threads: Worker threads doing the store's I/O; 0 runs each copy inline
             when it starts (deterministic, for tests and tools).
@@ -274,7 +275,9 @@ class QueryBackoff:
     lookups ask nothing (``closed``) for ``first`` seconds, twice as long
     after each failure in a row, at most ``longest``; the first query after
     the wait is a trial, and one that answers within its budget ends the
-    backoff.
+    backoff. Copies the store answered outside a backoff end the row too
+    (:meth:`answered`): a cache whose lookups all hit locally asks nothing,
+    and its stores are its only trials.
 
     The wait is read off this process's clock, but only the tier decides when
     (:meth:`StorageTier.resume_queries`): under tensor-parallel agreement every
@@ -284,7 +287,7 @@ class QueryBackoff:
     Attributes:
         first: The first wait, in seconds (0: never back off).
         longest: The longest wait, in seconds.
-        failures: Queries failed in a row.
+        failures: Queries (or polls with a copy failed) failed in a row.
         until: When (``time.monotonic``) the wait has passed.
         closed: Lookups ask the store nothing.
     """
@@ -790,7 +793,10 @@ class StorageTier:
             return 0
         outcomes = [(copy, self._result(copy)) for copy in copies]
         self._core.log.storage(origin, [(c.number, c.kind, r.held, r.outcome) for c, r in outcomes])
-        if not self._agreed_only and any(r.outcome in _DOWN for _, r in outcomes):
+        if not any(r.outcome in _DOWN for _, r in outcomes):
+            if not self.backoff.closed:  # a trial, or none needed: a later failure is a new row
+                self.backoff.answered()  # (while closed, a slow query's fetch still lands)
+        elif not self._agreed_only:
             self.backoff.failed(time.monotonic())  # once per poll, however many copies failed
         for copy, result in outcomes:
             del self._copies[copy.number]
