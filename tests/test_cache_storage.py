@@ -725,6 +725,40 @@ def test_a_store_that_failed_once_is_stored_again_by_a_later_lookup(
     assert reader.match_prefix(toks + more).host_len == 5 * PAGE
 
 
+def test_a_store_that_lands_after_a_failure_ends_the_row_of_failures(
+    tmp_path: Path, clock: HandClock
+) -> None:
+    """A cache whose lookups all hit locally asks nothing: its stores are its only trials.
+
+    One that lands shows the store answers again, as a query would: a failure
+    an hour later is a blip of its own, backed off for the first wait, not
+    twice as long (and so on, up to the longest, over a day of blips).
+    """
+    faulty = FaultyStore(LocalFileStore(tmp_path))
+    faulty.raises = {"put"}
+    writer = HiCache(config(), storage=tier(faulty, query_backoff=1.0, query_backoff_max=60.0))
+    storage = writer.storage
+    assert storage is not None
+    writer.insert(tokens(3))
+    writer.poll()
+    writer.poll()  # the store failed: back off
+    assert (storage.backoff.closed, storage.backoff.failures) == (True, 1)
+    faulty.raises = set()
+    clock.now += 1.0
+    writer.match_prefix(tokens(3))  # no tail to ask about: stores the node again
+    writer.poll()  # it landed
+    assert [n.storage for n in writer.tree] == ["stored"]
+    assert (storage.backoff.closed, storage.backoff.failures) == (False, 0)
+    clock.now += 3600.0
+    faulty.raises = {"put"}
+    writer.insert(tokens(2, start=9000))
+    writer.poll()
+    writer.poll()  # this store fails
+    assert faulty.calls == ["put", "put", "put"]
+    assert storage.backoff.closed
+    assert storage.backoff.until - clock.now == 1.0
+
+
 def test_no_store_is_started_again_while_queries_back_off(store: Store, clock: HandClock) -> None:
     toks = tokens(3)
     faulty = FaultyStore(store)
@@ -1029,6 +1063,45 @@ def test_under_agreement_a_copy_that_failed_here_is_told_to_the_group_once(
     assert cache.poll() == 1  # applied: no second backoff
     assert storage.backoff.failures == 1
     assert cache.log.storage_acks() == [("poll", ((1, "store", 0, "failed"),))]
+
+
+def test_under_agreement_a_copy_reported_timed_out_stays_timed_out_when_its_put_returns(
+    tmp_path: Path, clock: HandClock
+) -> None:
+    """A step reports a copy timed out; its put returns before the step asks what failed here.
+
+    Both must read the same ending: the group applies the timeout, so it must
+    back off for it, and a later report must not say the copy landed. The
+    put still writes its pages, late, to no one.
+    """
+    faulty = FaultyStore(LocalFileStore(tmp_path))
+    faulty.gate = threading.Event()
+    cache = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=1.0, query_backoff=1.0))
+    storage = cache.storage
+    assert storage is not None
+    storage.agree_by(lambda found, asked: list(found))
+    cache.insert(tokens(2))
+    cache.poll()  # write_done: the store starts, and hangs in its put
+    (first,) = storage.in_flight().values()
+    ends = time.monotonic() + 5.0
+    while faulty.calls != ["put"] and time.monotonic() < ends:
+        time.sleep(0.01)
+    assert faulty.calls == ["put"]
+    clock.now += 1.0
+    assert storage.report(2) == [2 * 0 + 1, -1]  # timed out here
+    faulty.gate.set()
+    assert first.done.wait(5)  # the put returns: too late
+    assert first.result is not None
+    assert (first.result.held, first.result.outcome) == (2, "ok")
+    assert storage.copies_failed_here()  # it timed out here: the group backs off
+    assert storage.report(2) == [2 * 0 + 1, -1]  # still timed out
+    storage.back_off_for_copies(True)
+    assert storage.accept([2 * 0 + 1, -1]) == 1
+    assert cache.poll() == 1
+    assert cache.log.storage_acks() == [("poll", ((1, "store", 0, "timeout"),))]
+    assert [n.storage for n in cache.tree] == ["unstored"]
+    assert (storage.backoff.closed, storage.backoff.failures) == (True, 1)
+    cache.close()
 
 
 def test_the_timeout_policy_returns_the_pages_read_within_its_deadline(store: Store) -> None:

@@ -168,7 +168,8 @@ class StorageConfig:
             it every lookup would wait out the client's timeout while the
             store is down. Doubled after each failure in a row, up to
             ``query_backoff_max``; the first query that answers within its
-            budget ends it. 0: every lookup asks.
+            budget ends it, and a poll outside a backoff whose copies the
+            store all answered ends the row. 0: every lookup asks.
         query_backoff_max: The longest backoff, in seconds.
         threads: Worker threads doing the store's I/O; 0 runs each copy inline
             when it starts (deterministic, for tests and tools).
@@ -274,7 +275,9 @@ class QueryBackoff:
     lookups ask nothing (``closed``) for ``first`` seconds, twice as long
     after each failure in a row, at most ``longest``; the first query after
     the wait is a trial, and one that answers within its budget ends the
-    backoff.
+    backoff. Copies the store answered outside a backoff end the row too
+    (:meth:`answered`): a cache whose lookups all hit locally asks nothing,
+    and its stores are its only trials.
 
     The wait is read off this process's clock, but only the tier decides when
     (:meth:`StorageTier.resume_queries`): under tensor-parallel agreement every
@@ -284,7 +287,7 @@ class QueryBackoff:
     Attributes:
         first: The first wait, in seconds (0: never back off).
         longest: The longest wait, in seconds.
-        failures: Queries failed in a row.
+        failures: Queries (or polls with a copy failed) failed in a row.
         until: When (``time.monotonic``) the wait has passed.
         closed: Lookups ask the store nothing.
     """
@@ -369,6 +372,7 @@ class StorageCopy:
 
     __slots__ = (
         "_claims",
+        "_end",
         "_fate",
         "done",
         "keys",
@@ -391,6 +395,7 @@ class StorageCopy:
         self.snapshot: list[torch.Tensor] = []
         self._claims = threading.Lock()
         self._fate = ""  # "running" once a worker claimed it, "abandoned" once the cache did
+        self._end: StoreResult | None = None  # how the cache found it ended, once it looked
 
     def tokens(self) -> int:
         """Return the tokens this copy moves."""
@@ -404,6 +409,25 @@ class StorageCopy:
             self._fate = "running"
             pages, self.snapshot = self.snapshot, []
             return pages
+
+    def end(self, timeout: StoreResult) -> StoreResult:
+        """Return how the copy ended, to the cache: decided at the first call, the same after.
+
+        The worker's result where it has answered, else ``timeout`` (and the
+        copy is abandoned). A worker that answers later answers no one: under
+        tensor-parallel agreement a rank reads a copy's ending more than once
+        before the group applies it (each step's report, and whether a store
+        failed here), and every read must find the ending the first reported.
+        The cache thread calls it once the copy finished or passed its timeout.
+        """
+        with self._claims:
+            if self._end is None:
+                answered = self.result if self.done.is_set() else None
+                if answered is None and self._fate != "running":
+                    self._fate = "abandoned"
+                    self.snapshot = []
+                self._end = timeout if answered is None else answered
+            return self._end
 
     def abandon(self) -> None:
         """Let the snapshot go, and no worker run the copy, unless a worker runs it already.
@@ -769,7 +793,10 @@ class StorageTier:
             return 0
         outcomes = [(copy, self._result(copy)) for copy in copies]
         self._core.log.storage(origin, [(c.number, c.kind, r.held, r.outcome) for c, r in outcomes])
-        if not self._agreed_only and any(r.outcome in _DOWN for _, r in outcomes):
+        if not any(r.outcome in _DOWN for _, r in outcomes):
+            if not self.backoff.closed:  # a trial, or none needed: a later failure is a new row
+                self.backoff.answered()  # (while closed, a slow query's fetch still lands)
+        elif not self._agreed_only:
             self.backoff.failed(time.monotonic())  # once per poll, however many copies failed
         for copy, result in outcomes:
             del self._copies[copy.number]
@@ -791,16 +818,13 @@ class StorageTier:
         return self._outcome(copy) if agreed is None else agreed
 
     def _outcome(self, copy: StorageCopy) -> StoreResult:
-        """The worker's result (which checked a fetch's pages), or a timeout.
+        """The worker's result (which checked a fetch's pages), or a timeout; the same at each call.
 
         A copy timed out is abandoned here: a worker that never got to it
-        (every worker hangs) would otherwise keep its snapshot for ever.
+        (every worker hangs) would otherwise keep its snapshot for ever
+        (:meth:`StorageCopy.end`).
         """
-        result = copy.result if copy.done.is_set() else None
-        if result is None:
-            copy.abandon()
-            return StoreResult(0, [], "timeout", f"no answer in {self.config.io_timeout} s")
-        return result
+        return copy.end(StoreResult(0, [], "timeout", f"no answer in {self.config.io_timeout} s"))
 
     def _split_at(self, copy: StorageCopy, held: int) -> tuple[list[TreeNode], list[TreeNode]]:
         """Split the copy's nodes at page ``held``: the nodes it landed, and the rest."""
