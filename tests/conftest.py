@@ -40,6 +40,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _recursion_limit_kept() -> Iterator[None]:
+    """Put back after every test the recursion limit it found.
+
+    mypy's API raises the limit for its own run and leaves it raised, and a
+    test that depends on the default (a source too deep to analyze) then
+    passed or failed by which test its xdist process ran before.
+    """
+    limit = sys.getrecursionlimit()
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)
+
+
 @pytest.fixture
 def default_recursion_limit() -> Iterator[None]:
     """Hold Python's default recursion limit (1000) for the test, then restore the one before.

@@ -503,6 +503,7 @@ def test_a_long_elif_chain_is_followed_without_recursion() -> None:
     ]
 
 
+@pytest.mark.usefixtures("default_recursion_limit")  # an earlier test may raise it
 def test_a_function_that_makes_no_pair_call_is_not_analyzed() -> None:
     # Most functions of a cache acquire and release nothing: following their
     # paths was nearly all of the audit's time on SGLang's trees. One past
@@ -520,6 +521,7 @@ def test_a_function_that_makes_no_pair_call_is_not_analyzed() -> None:
     ]
 
 
+@pytest.mark.usefixtures("default_recursion_limit")  # an earlier test may raise it
 def test_a_function_too_deeply_nested_to_analyze_is_reported_not_checked() -> None:
     source = "def f(node):\n    node.protect_host()\n    x = " + " + ".join(["a"] * 1500) + "\n"
     assert audit(source) == [

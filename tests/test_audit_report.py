@@ -159,6 +159,7 @@ def test_sarif_paths_outside_the_working_directory_have_no_base(
     ]
 
 
+@pytest.mark.usefixtures("default_recursion_limit")  # an earlier test may raise it
 def test_flake8_plugin_reports_a_function_too_deep_to_analyze_as_a_result() -> None:
     source = (
         "x = 1\n\ndef f(node):\n    node.protect_host()\n    x = " + " + ".join(["a"] * 1500) + "\n"
