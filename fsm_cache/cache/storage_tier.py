@@ -423,9 +423,8 @@ class StorageCopy:
         with self._claims:
             if self._end is None:
                 answered = self.result if self.done.is_set() else None
-                if answered is None and self._fate != "running":
-                    self._fate = "abandoned"
-                    self.snapshot = []
+                if answered is None:
+                    self._let_go()
                 self._end = timeout if answered is None else answered
             return self._end
 
@@ -437,9 +436,13 @@ class StorageCopy:
         holds its pages until its put returns, and no longer.
         """
         with self._claims:
-            if self._fate != "running":
-                self._fate = "abandoned"
-                self.snapshot = []
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """Abandon the copy unless a worker claimed it; the caller holds the claims lock."""
+        if self._fate != "running":
+            self._fate = "abandoned"
+            self.snapshot = []
 
 
 class _Workers:
