@@ -2,7 +2,9 @@
 
 Each handler takes the walker, the statement and the incoming states, and
 returns the states per way of leaving the statement, as
-:meth:`fsm_cache.audit.flow.Walker.stmt` does.
+:meth:`fsm_cache.audit.flow.Walker.stmt` does. Handlers read the walker
+through :class:`Walking` and change nothing of it but through its methods:
+the walker owns its loop state.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 import ast
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import Protocol
 
-from fsm_cache.audit.scope import loop_bindings
+from fsm_cache.audit.scope import Scope, loop_bindings
 from fsm_cache.audit.state import (
     Flow,
     FlowOutcome,
@@ -25,9 +28,6 @@ from fsm_cache.audit.state import (
 )
 
 
-if TYPE_CHECKING:
-    from fsm_cache.audit.flow import Walker
-
 _CATCH_ALL = frozenset({"Exception", "BaseException"})
 if sys.version_info >= (3, 11):
     _TRY = (ast.Try, ast.TryStar)
@@ -35,7 +35,42 @@ else:
     _TRY = (ast.Try,)
 
 
-def run_try(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
+class Walking(Protocol):
+    """What a compound statement's handler asks of the walker running it."""
+
+    @property
+    def scope(self) -> Scope:
+        """The function's names."""
+
+    @property
+    def pair_ops(self) -> int:
+        """Acquires and releases run so far."""
+
+    def block(self, body: list[ast.stmt], states: States) -> FlowOutcome:
+        """Run ``body`` from ``states``; return the states per way of leaving it."""
+
+    def evaluate(self, node: ast.AST, states: States, outcome: FlowOutcome) -> States:
+        """Apply the calls inside ``node`` in order; raising paths go to ``outcome``."""
+
+    def forget(self, targets: list[ast.expr], states: States) -> States:
+        """Drop the branch facts that read any of the assigned ``targets``."""
+
+    def receipt(self, target: ast.expr, value: ast.expr, states: States) -> States:
+        """Make ``target`` of ``target = <acquire call>`` stand for the resource acquired."""
+
+    def entered(self, expr: ast.expr) -> ResourceKey | None:
+        """Return what a ``with`` item holds: an acquire's or a receipt's."""
+
+    def exit_with(self, keys: list[ResourceKey], outcome: FlowOutcome, line: int) -> FlowOutcome:
+        """Release ``keys``, last entered first, on every way out of the ``with`` at ``line``."""
+
+    def loop_pass(
+        self, bindings: dict[str, str], varying: frozenset[str] | None
+    ) -> AbstractContextManager[None]:
+        """Bind a loop pass's variables; a later pass (``varying`` given) freezes them."""
+
+
+def run_try(walker: Walking, stmt: ast.stmt, states: States) -> FlowOutcome:
     """Run ``try``: handlers see the body's raising paths; ``finally`` sees every exit."""
     assert isinstance(stmt, _TRY)
     body = walker.block(stmt.body, states)
@@ -53,7 +88,7 @@ def run_try(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
     return _run_finally(walker, stmt.finalbody, pending)
 
 
-def _run_finally(walker: Walker, body: list[ast.stmt], pending: FlowOutcome) -> FlowOutcome:
+def _run_finally(walker: Walking, body: list[ast.stmt], pending: FlowOutcome) -> FlowOutcome:
     """Run a ``finally`` body over every way of leaving its ``try``.
 
     A state that ends the body normally goes on as it left the ``try``
@@ -91,7 +126,7 @@ def _catches_all(handler: ast.ExceptHandler) -> bool:
     return any(kind is None or ast.unparse(kind) in _CATCH_ALL for kind in kinds)
 
 
-def run_loop(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
+def run_loop(walker: Walking, stmt: ast.stmt, states: States) -> FlowOutcome:
     """Run a loop body once and twice; ``for`` loops are assumed to run at least once.
 
     A ``for`` loop's variable stands for every element, so pinning and releasing
@@ -129,32 +164,24 @@ def run_loop(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
 
 
 def _iterate(
-    walker: Walker,
+    walker: Walking,
     stmt: ast.For | ast.AsyncFor | ast.While,
     states: States,
     bindings: dict[str, str],
     iteration: int,
 ) -> FlowOutcome:
     """Run one pass of a loop body with its loop variables bound."""
-    saved_env, saved_frozen, saved_repeating = walker.scope.env, walker.frozen, walker.repeating
-    walker.scope.env = {**saved_env, **bindings}
-    if iteration:
-        walker.frozen = saved_frozen | frozenset(bindings.values())
-        walker.repeating = True
-    try:
+    with walker.loop_pass(bindings, frozenset(bindings.values()) if iteration else None):
         targets = [] if isinstance(stmt, ast.While) else [stmt.target]
         entry = walker.forget(targets, states)
         return walker.block(stmt.body, entry)
-    finally:
-        walker.scope.env, walker.frozen = saved_env, saved_frozen
-        walker.repeating = saved_repeating
 
 
 def _always_true(test: ast.expr) -> bool:
     return isinstance(test, ast.Constant) and bool(test.value)
 
 
-def run_with(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
+def run_with(walker: Walking, stmt: ast.stmt, states: States) -> FlowOutcome:
     """Run ``with``: entering may raise; an acquire entered as an item is released on the way out.
 
     ``with cache.lock(node):`` holds the lock as a lease, whose end releases
@@ -179,7 +206,7 @@ def run_with(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
     return outcome
 
 
-def run_match(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
+def run_match(walker: Walking, stmt: ast.stmt, states: States) -> FlowOutcome:
     """Run ``match``: every case is a branch; no case matching falls through."""
     assert isinstance(stmt, ast.Match)
     outcome: FlowOutcome = {}
@@ -193,7 +220,7 @@ def run_match(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
     return outcome
 
 
-Handler = Callable[["Walker", ast.stmt, States], FlowOutcome]
+Handler = Callable[[Walking, ast.stmt, States], FlowOutcome]
 
 HANDLERS: dict[type[ast.stmt], Handler] = {
     **dict.fromkeys(_TRY, run_try),

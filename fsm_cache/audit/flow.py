@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from fsm_cache.audit import compound
@@ -27,7 +29,6 @@ from fsm_cache.audit.calls import (
     call_arguments,
     effects,
 )
-from fsm_cache.audit.compound import Handler
 from fsm_cache.audit.events import Sink
 from fsm_cache.audit.scope import (
     Scope,
@@ -169,25 +170,35 @@ class Walker:
         Like a ``for`` loop, it is assumed to run at least once; a resource
         that is a loop variable's element is not acted on twice by the second pass.
         """
-        saved_env, saved_frozen, saved_repeating = self.scope.env, self.frozen, self.repeating
         first = comp.generators[0]
         states = self.evaluate(first.iter, states, outcome)
         exits: States = {}
         varying: set[str] = set()
-        try:
-            for iteration in range(2):
-                if iteration:
-                    self.frozen, self.repeating = saved_frozen | frozenset(varying), True
-                entry, pair_ops = states, self.pair_ops
-                self.scope.env = saved_env
+        for iteration in range(2):
+            entry, pair_ops = states, self.pair_ops
+            with self.loop_pass({}, frozenset(varying) if iteration else None):
                 states = self._generate(comp, states, outcome, varying, exits)
-                exits.update(states)
-                if self.pair_ops == pair_ops and states.keys() <= entry.keys():
-                    break
+            exits.update(states)
+            if self.pair_ops == pair_ops and states.keys() <= entry.keys():
+                break
+        return exits
+
+    @contextmanager
+    def loop_pass(self, bindings: dict[str, str], varying: frozenset[str] | None) -> Iterator[None]:
+        """Bind a loop pass's variables; a later pass (``varying`` given) freezes them.
+
+        Each pass starts from the names, frozen texts and repeating flag the
+        loop was entered with, and they are put back however the pass leaves.
+        """
+        saved_env, saved_frozen, saved_repeating = self.scope.env, self.frozen, self.repeating
+        self.scope.env = {**saved_env, **bindings}
+        if varying is not None:
+            self.frozen, self.repeating = saved_frozen | varying, True
+        try:
+            yield
         finally:
             self.scope.env, self.frozen = saved_env, saved_frozen
             self.repeating = saved_repeating
-        return exits
 
     def _generate(
         self,
@@ -198,7 +209,6 @@ class Walker:
         exits: States,
     ) -> States:
         """Run one element of ``comp``; states its ``if`` clauses filter out go to ``exits``."""
-        self.scope.env = dict(self.scope.env)
         for index, generator in enumerate(comp.generators):
             if index:
                 states = self.evaluate(generator.iter, states, outcome)
@@ -368,6 +378,9 @@ class Walker:
             if root not in own
         )
         return states_of(*(state.hand_on(texts) for state in states)) if texts else states
+
+
+Handler = Callable[[Walker, ast.stmt, States], FlowOutcome]
 
 
 def _give_back(state: State, keys: list[ResourceKey], line: int) -> State:
