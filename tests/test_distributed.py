@@ -838,6 +838,36 @@ def a_launch_failed_on_one_rank(rank: int, world: int) -> dict[str, Any]:
     return {"said": said, "acks": acks, "node": chain[-1].residency()}
 
 
+def a_failure_held_back_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    """The last rank's load fails while the others' is still copying: every wait must say no.
+
+    The step reports the failure on the last rank and holds it back, unapplied
+    (the others' copies have not finished), so the node is still loading there
+    and its copy engine no longer knows the copy: it answered that the copy
+    could be read, and every rank ran the forward pass over pages it never wrote.
+    """
+    config = bench_config(debug=True, copier=FaultyCopyEngine.copier(), load_back_threshold=1)
+    shared = DistributedCache(HiCache(config), timeout=TIMEOUT)
+    cache, prompt = shared.cache, list(range(16))
+    host_only(shared, prompt)
+    copier = cache.tiers.copier
+    assert isinstance(copier, FaultyCopyEngine)
+    if rank == world - 1:
+        copier.fail = frozenset({copier.started + 1})
+    else:
+        copier.delay = 1
+    chain = cache.load_back(cache.match_prefix(prompt).last_host_node)
+    assert chain
+    lock = cache.lock(chain[-1])
+    applied = shared.step()
+    held, said = shared.buffered, cache.wait_loaded(chain)
+    lock.release()
+    shared.drain()
+    shared.verify_agreement()
+    acks = [[number, ok] for _, batch in cache.log.acknowledgements() for number, ok in batch]
+    return {"applied": applied, "held": held, "said": said, "acks": acks}
+
+
 def waits_for_different_loads(rank: int, world: int) -> list[str]:
     """The last rank's first load is refused at its start, so it waits for the second prompt's.
 
@@ -925,6 +955,7 @@ def answers_worker(rank: int, world: int, store: str, out: str) -> None:
     join_group(rank, world, store)
     report: dict[str, Any] = {
         "launch_failed": a_launch_failed_on_one_rank(rank, world),
+        "failure_held_back": a_failure_held_back_on_one_rank(rank, world),
         "different_loads": waits_for_different_loads(rank, world),
         "failed_on_one": failed_on_one_rank(rank, world),
         "queued_on_one": queued_on_one_rank(rank, world),
@@ -949,6 +980,17 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Results:
 @pytest.fixture(scope="module")
 def answers(tmp_path_factory: pytest.TempPathFactory) -> Results:
     return spawn(answers_worker, 2, tmp_path_factory.mktemp("answers"))
+
+
+def test_a_failed_load_held_back_by_a_step_is_unready_on_every_rank(answers: Results) -> None:
+    """Its copy engine forgot the copy once it reported it; the step holds the failure back."""
+    last = len(answers) - 1
+    for rank, result in enumerate(answers):
+        report = result["failure_held_back"]
+        assert report["applied"] == 0
+        assert report["held"] == (1 if rank == last else 0)
+        assert report["said"] is False
+    assert answers[0]["failure_held_back"]["acks"] == answers[last]["failure_held_back"]["acks"]
 
 
 def test_a_load_whose_launch_failed_on_one_rank_is_unready_on_every_rank(

@@ -778,6 +778,9 @@ class HiCache:
             tickets = self._transfers.tickets_of(given)
             if tickets is None:
                 return False
+            held = self._transfers.held_failures
+            if held is not None and held(tickets):
+                return False  # reported failed here, held back until the group applies it
             return not tickets or self.tiers.copier.wait(tickets, stream)
 
     # -- copies --------------------------------------------------------------

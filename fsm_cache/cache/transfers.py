@@ -112,6 +112,10 @@ WaitAgreement = Callable[[Callable[[], bool]], bool]
 """Agrees on a load wait's answer across ranks: called with what computes this rank's answer
 (:meth:`~fsm_cache.cache.hicache.HiCache.wait_loaded` on this cache alone), it returns the group's."""
 
+HeldFailures = Callable[[Sequence[int]], bool]
+"""Says whether the acknowledgement source holds back, unapplied, a failed completion of one of
+these copies: the copy engine reported it, so it no longer knows the copy failed."""
+
 AckSourceFactory = Callable[[Copier, IssuedCopies], AckSource]
 """Builds a cache's acknowledgement source from its copy engine and its copies in flight."""
 
@@ -192,6 +196,8 @@ class Transfers:
         """Whether :meth:`take_acks_from` gave the acknowledgements to another source."""
         self.agree_waits: WaitAgreement | None = None
         """Who answers a load wait for the group (:meth:`take_acks_from`); None: this cache."""
+        self.held_failures: HeldFailures | None = None
+        """Who knows of failed copies reported and not yet applied; None: none are held back."""
         core.on_split(self._rehome)
 
     # -- views ---------------------------------------------------------------
@@ -258,7 +264,12 @@ class Transfers:
 
     # -- lifecycle -----------------------------------------------------------
 
-    def take_acks_from(self, source: AckSource, waits: WaitAgreement | None = None) -> None:
+    def take_acks_from(
+        self,
+        source: AckSource,
+        waits: WaitAgreement | None = None,
+        held: HeldFailures | None = None,
+    ) -> None:
         """Read finished copies from ``source`` from now on, and answer load waits by ``waits``.
 
         For a tensor-parallel group: every rank must apply the same
@@ -267,7 +278,10 @@ class Transfers:
         :class:`fsm_cache.distributed.agreement.DistributedCache`); and every
         rank must run the same forward pass, so whether a load can be read
         (:meth:`~fsm_cache.cache.hicache.HiCache.wait_loaded`) is the group's
-        answer too.
+        answer too. A source that holds completions back until the group
+        agrees says, by ``held``, which of them failed: the copy engine
+        forgets a copy once it reported it, so only the source can tell a
+        load wait that the copy it waits on failed.
 
         Raises:
             ConfigError: Another source took them already (a cache wrapped
@@ -281,6 +295,7 @@ class Transfers:
         self._source = source
         self.acks_taken = True
         self.agree_waits = waits
+        self.held_failures = held
 
     def start_copies_with(self, starts: CopyStarts) -> None:
         """Start copies through ``starts`` from now on (a replay's refused starts, or the engine)."""

@@ -229,7 +229,7 @@ class DistributedCache:
         self._resets = 0
         self._log = cache.log
         self._digest = TransitionDigest(cache.log)
-        cache.transfers.take_acks_from(self, self._agree_wait)
+        cache.transfers.take_acks_from(self, self._agree_wait, self._failed_here)
         if cache.storage is not None:
             cache.storage.agree_by(self._agree_hits)
 
@@ -643,6 +643,18 @@ class DistributedCache:
         )
         self._check_shared(reduced[1 : 1 + len(same)], reduced[1 + len(same) : 1 + 2 * len(same)])
         return reduced[0] == 1
+
+    def _failed_here(self, tickets: Sequence[int]) -> bool:
+        """Whether a copy of ``tickets`` finished failed on this rank, held back until agreed.
+
+        The copy engine reported it at a :meth:`step` and forgot it; the
+        slower ranks had not finished theirs, so it waits here unapplied, its
+        node still loading. A load wait must then say False on this rank, and
+        so on every rank: the copy never wrote the pages the forward pass
+        would read. (Only :meth:`_agree_wait` gets here, after following a reset.)
+        """
+        finished = self._finished
+        return any(ticket in finished and not finished[ticket].ok for ticket in tickets)
 
     def _shared(self, digest: bytes, in_flight: int) -> list[int]:
         """The values every rank must share at any agreement: the first of :data:`_SHARED`.
