@@ -218,6 +218,31 @@ class TestCopyFaults:
         assert torch.equal(cache.tiers.read_device(node.device_pages), written)
 
 
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("adopted", "free_slots: device page 0 belongs to node 1, not to a request"),
+        ([4000, 4001, 4002, 4003], "free_slots: device pool: page 1000 outside 0..7"),
+        ([1], "free_slots: 1 slots is not a multiple of page_size 4"),
+        ([2**63] * 4, "free_slots: slots are not whole pages of size 4"),
+    ],
+)
+def test_free_slots_names_itself_and_the_node_that_holds_the_slots(
+    given: object, message: str
+) -> None:
+    """Slots the tree adopted were refused as ``PageBusy`` of node 0 (the request's owner id)
+    while a write-back read them, else as a bare pool message; none named ``free_slots``."""
+    cache = HiCache(config())
+    adopted = cache.alloc_slots(8)
+    cache.insert(list(range(300, 308)), device_slots=adopted)  # its write-back is in flight
+    before = cache.tiers.device.allocator.free_pages, [n.residency() for n in cache.tree]
+    with pytest.raises(ForeignSlot) as refused:
+        cache.free_slots(adopted if given == "adopted" else given)  # type: ignore[arg-type]
+    assert str(refused.value) == message
+    assert (cache.tiers.device.allocator.free_pages, [n.residency() for n in cache.tree]) == before
+    cache.close()
+
+
 def test_prometheus_exposes_the_stats() -> None:
     """A scrape shows tokens per tier and applied transitions."""
     cache = HiCache(config())

@@ -56,7 +56,7 @@ from fsm_cache.errors import (
     LeaseError,
     PoolExhausted,
 )
-from fsm_cache.memory.pages import REQUEST, pages_of, slots_of
+from fsm_cache.memory.pages import REQUEST, slots_of
 from fsm_cache.memory.tickets import Completion
 from fsm_cache.memory.tiers import CacheConfig, Tiers
 from fsm_cache.policy import WritePolicy, parent_allows_backup, worth_loading
@@ -411,7 +411,10 @@ class HiCache:
         if page == 1:  # slots are pages
             out = {ident: given[o : o + n] for ident, o, n in parts}
         else:
-            out = {ident: tuple(pages_of(given[o : o + n], page)) for ident, o, n in parts}
+            out = {
+                ident: tuple(slots.request_pages(given[o : o + n], page, "insert"))
+                for ident, o, n in parts
+            }
         allocator = self.tiers.device.allocator
         if len(out) == 1:
             ident = next(iter(out))
@@ -475,7 +478,9 @@ class HiCache:
         """
         given, logged = arguments.packed(device_slots, "free_slots", "slots")
         with self._operation("free_slots", logged):
-            self.tiers.free_device(pages_of(given, self.config.page_size), REQUEST)
+            pages = slots.request_pages(given, self.config.page_size, "free_slots")
+            allocator = self.tiers.device.allocator
+            self.tiers.free_device(slots.held(allocator, pages, "free_slots"), REQUEST)
 
     def backup(self, nodes: Sequence[TreeNode]) -> int:
         """Start backing up ``nodes`` to the host in one batched copy; return how many started.

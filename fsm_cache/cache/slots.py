@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from fsm_cache.cache.tree import Key, TreeNode
 from fsm_cache.errors import ForeignSlot
-from fsm_cache.memory.pages import FREE, REQUEST, PageAllocator
+from fsm_cache.memory.pages import FREE, REQUEST, PageAllocator, pages_of
 
 
 NEW_TAIL = -1
@@ -43,11 +43,16 @@ def wanted(path: Sequence[TreeNode], key: Key) -> list[tuple[int, int, int]]:
     return out
 
 
-def held(allocator: PageAllocator, pages: Sequence[int]) -> tuple[int, ...]:
+def held(allocator: PageAllocator, pages: Sequence[int], op: str = "insert") -> tuple[int, ...]:
     """Return ``pages`` as the pool's own ints if every one is held by a request, once.
 
     The cache keeps the result as a node's pages, never the caller's objects
     (:meth:`PageAllocator.owned`).
+
+    Args:
+        allocator: The device pool's allocator.
+        pages: The caller's pages.
+        op: The operation a refusal names.
 
     Raises:
         ForeignSlot: A page is outside the pool, free, owned by a node, or repeated.
@@ -57,15 +62,30 @@ def held(allocator: PageAllocator, pages: Sequence[int]) -> tuple[int, ...]:
         return own  # the common case, checked in C; otherwise name the first fault
     seen: set[int] = set()
     for p in pages:
-        owner = allocator.owner_of(p)  # ForeignSlot when outside the pool
+        try:
+            owner = allocator.owner_of(p)
+        except ForeignSlot as exc:  # outside the pool
+            raise ForeignSlot(f"{op}: {exc}") from None
         if owner == FREE:
             raise ForeignSlot(
-                f"insert: device page {p} is free; a request's slots come from alloc_slots"
+                f"{op}: device page {p} is free; a request's slots come from alloc_slots"
             )
         if owner != REQUEST:
-            raise ForeignSlot(f"insert: device page {p} belongs to node {owner}, not to a request")
+            raise ForeignSlot(f"{op}: device page {p} belongs to node {owner}, not to a request")
         if p in seen:
-            raise ForeignSlot(f"insert: device page {p} is given twice")
+            raise ForeignSlot(f"{op}: device page {p} is given twice")
         seen.add(p)
     # only an int subclass that compares unlike the page it equals gets here
-    raise ForeignSlot(f"insert: device slots {list(pages)!r} could not be checked as the request's")
+    raise ForeignSlot(f"{op}: device slots {list(pages)!r} could not be checked as the request's")
+
+
+def request_pages(slots: Sequence[int], page_size: int, op: str) -> list[int]:
+    """Return the pages whose slots are exactly ``slots``, as :func:`pages_of`, naming ``op``.
+
+    Raises:
+        ForeignSlot: ``slots`` is not a run of whole, aligned pages.
+    """
+    try:
+        return pages_of(slots, page_size)
+    except ForeignSlot as exc:
+        raise ForeignSlot(f"{op}: {exc}") from None
