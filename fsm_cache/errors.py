@@ -323,7 +323,7 @@ class ReadOnlyAttribute(FsmCacheError, AttributeError):
 
 
 class StaleNode(FsmCacheError):
-    """A node handle that is not in this cache's tree: deleted, or from before a reset."""
+    """A node handle that is not in this cache's tree: deleted, from before a reset, or another's."""
 
 
 class ConcurrentUse(FsmCacheError):

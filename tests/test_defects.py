@@ -306,9 +306,25 @@ def test_7_a_node_kept_across_reset_is_refused() -> None:
         cache.load_back(old)
     assert str(caught.value) == (
         "node 1: load_back refused: the node is not in this cache"
-        " (deleted by eviction, or from before a reset)"
+        " (deleted by eviction, from before a reset, or another cache's)"
     )
     assert snapshot(cache) == before
+
+
+def test_7_another_caches_node_is_refused_as_not_in_this_cache() -> None:
+    """The message guessed only eviction or a reset, neither of which happened."""
+    mine, other = make(), make()
+    mine.insert([1, 2])
+    other.insert([1, 2])
+    theirs = other.match_prefix([1, 2]).last_device_node
+    before = snapshot(mine)
+    with pytest.raises(StaleNode) as caught:
+        mine.pin(theirs)
+    assert str(caught.value) == (
+        f"node {theirs.id}: pin refused: the node is not in this cache"
+        " (deleted by eviction, from before a reset, or another cache's)"
+    )
+    assert snapshot(mine) == before
 
 
 def test_16_lock_of_a_node_deleted_by_eviction_is_refused() -> None:

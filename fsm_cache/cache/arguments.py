@@ -204,5 +204,5 @@ def node(tree: RadixTree, value: object, op: str) -> TreeNode:
         return value
     raise StaleNode(
         f"node {value.id}: {op} refused: the node is not in this cache"
-        " (deleted by eviction, or from before a reset)"
+        " (deleted by eviction, from before a reset, or another cache's)"
     )

@@ -569,7 +569,7 @@ class HiCache:
         Raises:
             BadArgument: ``event`` is not an event of this cache's residency
                 machine, or ``node`` not a node.
-            StaleNode: ``node`` is not in this cache (deleted, or from before a reset).
+            StaleNode: ``node`` is not in this cache (deleted, from before a reset, or another cache's).
             IllegalTransition: The spec refuses the event; nothing changed.
             EffectFailed: An effect failed (no host room for a fetch, a page a
                 read holds for ``evict_storage``); nothing changed.
@@ -685,7 +685,7 @@ class HiCache:
 
         Raises:
             BadArgument: ``node`` is not a tree node.
-            StaleNode: ``node`` is not in this cache (deleted, or from before a reset).
+            StaleNode: ``node`` is not in this cache (deleted, from before a reset, or another cache's).
             IllegalTransition: A node of the chain holds no valid host copy.
         """
         node = arguments.node(self._core.tree, node, "load_back")
