@@ -25,6 +25,8 @@ Installed with fsm_cache (a ``pytest11`` entry point), it adds:
   turns both off) and live records still holding a counter a state carries,
   pins or locks taken with or without a lease (``fsm_holds = false``).
   ``@pytest.mark.fsm_allow_leaks`` excuses the leases a test drops on purpose.
+  Under pytest-xdist each worker accounts for the tests it ran and hands its
+  report to the controller, which prints them all and fails the run.
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ _REPORT = pytest.StashKey[list[str]]()
 """The lines of the leak report, printed in the terminal summary."""
 _UNREACHED = pytest.StashKey[list[str]]()
 """The ``fsm_specs`` entries the run's arguments did not reach, as the ini names them."""
+_DEFAULT_NODES = "3"
+"""``fsm_check_nodes`` when the ini does not set it."""
+_WORKERS = pytest.StashKey[list[str]]()
+"""The leak reports pytest-xdist workers handed the controller, in the order they finished."""
+_HANDED = "fsm_cache_leaks"
+"""The key of a worker's leak report in pytest-xdist's ``workeroutput``."""
 _FOUND = pytest.StashKey[dict[tuple[object, ...], str]]()
 """What each ``fsm_spec`` marker's check and verify found, by spec and its files (:func:`_once`)."""
 
@@ -90,7 +98,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "spec files to verify and model-check as tests (separated by spaces or lines)",
         type="args",
     )
-    parser.addini("fsm_check_nodes", "tree size of the model checker (default 3)", default="3")
+    parser.addini(
+        "fsm_check_nodes", "tree size of the model checker (default 3)", default=_DEFAULT_NODES
+    )
     parser.addini(
         "fsm_leases",
         "fail the run on leases never released or dropped while held (default true)",
@@ -108,13 +118,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def check_nodes(config: pytest.Config) -> int:
     """Return the ``fsm_check_nodes`` ini option: the model checker's tree size.
 
+    Checked when the run starts, so a bad value stops it before anything runs
+    instead of failing every ``fsm-check`` item.
+
     Raises:
-        pytest.UsageError: It is not a whole number >= 1 (0 nodes would check nothing).
+        pytest.UsageError: It is not a whole number >= 1 (0 nodes would check
+            nothing), or it is more than ``fsm-cache check`` takes.
     """
     value = str(config.getini("fsm_check_nodes")).strip()
     if not value.isdecimal() or int(value) < 1:
         raise pytest.UsageError(f"fsm_check_nodes must be a whole number >= 1, got {value!r}")
-    return int(value)
+    nodes = int(value)
+    if value != _DEFAULT_NODES:  # the checker's import costs pytest's start ~0.7 s: only if set
+        from fsm_cache.modelcheck.check import MAX_NODES, TOO_MANY_NODES
+
+        if nodes > MAX_NODES:
+            raise pytest.UsageError(
+                f"fsm_check_nodes must be at most {MAX_NODES}, got {nodes} ({TOO_MANY_NODES})"
+            )
+    return nodes
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -268,10 +290,30 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """After fixture teardown, fail the run if it leaked leases or left records held."""
-    lines = session.config.stash[_REPORT] = _leaks(session.config)
+    """After fixture teardown, fail the run if it leaked leases or left records held.
+
+    A pytest-xdist worker's exit status and terminal summary never reach the
+    user, so a worker hands its report to the controller instead
+    (:func:`pytest_testnodedown`), which fails the run on it.
+    """
+    config = session.config
+    handed: dict[str, object] | None = getattr(config, "workeroutput", None)
+    if handed is not None:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "a worker")
+        handed[_HANDED] = _leaks(config, f" (on {worker})")
+        return
+    lines = config.stash[_REPORT] = _leaks(config) + config.stash.get(_WORKERS, [])
     if lines and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any) -> None:
+    """Keep the leak report a pytest-xdist worker handed over as it finished."""
+    output: dict[str, object] = getattr(node, "workeroutput", None) or {}
+    lines = output.get(_HANDED)
+    if isinstance(lines, list):
+        node.config.stash.setdefault(_WORKERS, []).extend(str(line) for line in lines)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -283,8 +325,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_line(line)
 
 
-def _leaks(config: pytest.Config) -> list[str]:
-    """Return the report of what the run leaked, one heading per kind; [] if nothing."""
+def _leaks(config: pytest.Config, where: str = "") -> list[str]:
+    """Return the report of what the run leaked, one heading per kind; [] if nothing.
+
+    Args:
+        config: The run's config.
+        where: What each heading adds to say where it was found (a worker).
+    """
     sections: list[tuple[str, list[str]]] = []
     if config.getini("fsm_leases"):
         gc.collect()  # a held lease only a reference cycle keeps is dropped, not open
@@ -299,7 +346,7 @@ def _leaks(config: pytest.Config) -> list[str]:
     lines = []
     for heading, found in sections:
         if found:
-            lines += [f"fsm_cache: {len(found)} {heading}:", *(f"  {x}" for x in found)]
+            lines += [f"fsm_cache: {len(found)} {heading}{where}:", *(f"  {x}" for x in found)]
     return lines
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
+from fsm_cache.modelcheck.check import TOO_MANY_NODES
 from fsm_cache.spec.shipped import spec_dir
 
 
@@ -146,6 +148,45 @@ def test_leaks():
         "fsm_cache: 1 record(s) still held:",
         "  node 7: pinned (pins=1)",
     ]
+
+
+def test_leaks_found_by_xdist_workers_fail_the_run(pytester: pytest.Pytester) -> None:
+    """Each worker hands its report to the controller, which prints it and fails the run.
+
+    Before, the workers' reports and exit statuses never reached the user: the run passed.
+    """
+    module = pytester.makepyfile(
+        RECORD
+        + """
+HELD = []
+
+def test_leaks():
+    HELD.append(ENGINE.lease(backed(7)))
+
+def test_passes():
+    pass
+"""
+    )
+    taken = line_of(module, "HELD.append")
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(passed=2)
+    found = leaks(result)
+    worker = re.fullmatch(r"fsm_cache: 1 lease\(s\) never released \(on (gw[01])\):", found[0])
+    assert worker is not None, found
+    assert found == [
+        f"fsm_cache: 1 lease(s) never released (on {worker[1]}):",
+        f"  <Lease pin on node 7, taken at {module.name}:{taken} in test_leaks, held>",
+        f"fsm_cache: 1 record(s) still held (on {worker[1]}):",
+        "  node 7: pinned (pins=1)",
+    ]
+
+
+def test_xdist_workers_that_leak_nothing_pass(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(RECORD + "\ndef test_releases():\n    ENGINE.lease(backed(7)).release()\n")
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.OK
+    assert leaks(result) == []
 
 
 def test_dropped_receipt_fails_the_run(pytester: pytest.Pytester) -> None:
@@ -617,6 +658,19 @@ def test_a_tree_size_that_checks_nothing_is_a_usage_error(
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         [f"ERROR: fsm_check_nodes must be a whole number >= 1, got '{nodes}'"]
+    )
+
+
+def test_a_tree_size_check_refuses_is_a_usage_error_before_anything_runs(
+    pytester: pytest.Pytester,
+) -> None:
+    """It was accepted, and each ``fsm-check`` item then failed on it."""
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    pytester.makeini("[pytest]\nfsm_check_nodes = 500\n")
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [f"ERROR: fsm_check_nodes must be at most 128, got 500 ({TOO_MANY_NODES})"]
     )
 
 
