@@ -1104,6 +1104,84 @@ def test_under_agreement_a_copy_reported_timed_out_stays_timed_out_when_its_put_
     cache.close()
 
 
+class DownStore(FaultyStore):
+    """A store that went away: its first put raises at once, every later one hangs at the gate."""
+
+    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[PutResult]:
+        self.calls.append("put")
+        if self.calls.count("put") == 1:
+            raise RuntimeError("planted fault in put")
+        assert self.gate is not None
+        self.gate.wait()
+        return self.inner.put(keys, pages)
+
+
+def test_copies_one_outage_fails_in_different_polls_back_off_once(
+    store: Store, clock: HandClock
+) -> None:
+    """Two backups in flight when the store goes down: one raises, the other hangs.
+
+    They fail a poll apart (the second by its ``io_timeout``), but they are
+    one outage, so the wait doubles once: the first lookup after one second
+    asks the store again. Before, each poll with a failed copy doubled it.
+    """
+    faulty = DownStore(store)
+    faulty.gate = threading.Event()
+    writer = HiCache(
+        config(),
+        storage=tier(faulty, threads=1, io_timeout=1.0, query_backoff=1.0, query_backoff_max=30.0),
+    )
+    storage = writer.storage
+    assert storage is not None
+    writer.insert(tokens(1, 1000))
+    writer.insert(tokens(1, 2000))
+    writer.poll()  # write_done: both stores start, on one worker
+    first, _ = storage.in_flight().values()
+    assert first.done.wait(5)  # it raised
+    ends = time.monotonic() + 5.0
+    while faulty.calls != ["put", "put"] and time.monotonic() < ends:
+        time.sleep(0.01)  # the worker takes the second, and hangs at the gate
+    assert faulty.calls == ["put", "put"]
+    writer.poll()  # the first failed: back off one second
+    assert writer.log.storage_acks() == [("poll", ((1, "store", 0, "failed"),))]
+    assert (storage.backoff.closed, storage.backoff.failures) == (True, 1)
+    assert storage.backoff.until == clock.now + 1.0
+    clock.now += 1.0
+    writer.poll()  # the second timed out: the same outage, no second backoff
+    assert writer.log.storage_acks()[-1] == ("poll", ((2, "store", 0, "timeout"),))
+    assert (storage.backoff.failures, storage.backoff.until) == (1, clock.now)
+    assert writer.match_prefix(tokens(2, 5000)).storage_len == 0  # asks: the backoff passed
+    assert faulty.calls == ["put", "put", "exists_prefix"]
+    assert writer.stats().prefetch == {"none_stored": 1}
+    assert (storage.backoff.closed, storage.backoff.failures) == (False, 0)
+    faulty.gate.set()
+    writer.close()
+
+
+def test_a_copy_in_flight_when_a_query_fails_backs_off_no_more(
+    store: Store, clock: HandClock
+) -> None:
+    """A failed key query backs lookups off; a store that then fails by its timeout is that outage."""
+    toks = tokens(3)
+    stored_cache(store, toks)
+    faulty = FaultyStore(store)
+    faulty.gate = threading.Event()
+    writer = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=2.0, query_backoff=1.0))
+    storage = writer.storage
+    assert storage is not None
+    writer.insert(tokens(2, 9000))
+    writer.poll()  # write_done: the store starts, and hangs
+    faulty.raises = {"exists_prefix"}
+    assert writer.match_prefix(toks).storage_len == 0  # the query fails: back off one second
+    assert (storage.backoff.failures, storage.backoff.until) == (1, clock.now + 1.0)
+    clock.now += 2.0
+    writer.poll()  # the store timed out: no second backoff
+    assert writer.stats().storage_failures == {"store:timeout": 1}
+    assert (storage.backoff.failures, storage.backoff.until) == (1, clock.now - 1.0)
+    faulty.gate.set()
+    writer.close()
+
+
 def test_the_timeout_policy_returns_the_pages_read_within_its_deadline(store: Store) -> None:
     toks = tokens(3)
     stored_cache(store, toks)
