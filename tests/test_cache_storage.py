@@ -1182,6 +1182,40 @@ def test_a_copy_in_flight_when_a_query_fails_backs_off_no_more(
     writer.close()
 
 
+def test_no_backup_is_started_while_lookups_back_off(store: Store, clock: HandClock) -> None:
+    """A host backup acknowledged during a backoff starts no store, and holds no pin for one.
+
+    The store is known to be down: the backup would hold its host pin and
+    snapshot until its ``io_timeout``. The node stays unstored, and the first
+    lookup after the backoff that matches it stores it.
+    """
+    faulty = FaultyStore(store)
+    faulty.raises = {"put"}
+    writer = HiCache(config(), storage=tier(faulty, query_backoff=1.0))
+    storage = writer.storage
+    assert storage is not None
+    writer.insert(tokens(2))
+    writer.poll()  # write_done: the store runs inline, and fails
+    writer.poll()  # applied: back off
+    assert storage.backoff.closed
+    faulty.raises = set()
+    later = tokens(2, start=5000)
+    writer.insert(later)
+    writer.poll()  # its host backup lands during the backoff: no store starts
+    assert [(n.host, n.storage, n.pins) for n in writer.tree] == [
+        ("backed", "unstored", 0),
+        ("backed", "unstored", 0),
+    ]
+    assert dict(storage.in_flight()) == {}
+    assert faulty.calls == ["put"]
+    assert writer.stats().storage_failures == {"store:failed": 1, "store:backing_off": 1}
+    clock.now += 1.0
+    assert writer.match_prefix(later).device_len == 2 * PAGE  # the first lookup after: stores it
+    writer.poll()
+    assert {n.key[0]: n.storage for n in writer.tree} == {1000: "unstored", 5000: "stored"}
+    assert faulty.calls == ["put", "put"]
+
+
 def test_the_timeout_policy_returns_the_pages_read_within_its_deadline(store: Store) -> None:
     toks = tokens(3)
     stored_cache(store, toks)

@@ -1021,6 +1021,14 @@ class StorageTier:
     def maybe_store(self, node: TreeNode) -> bool:
         """Fire ``store`` on ``node`` if the policy wants it and its parent's pages are stored.
 
+        Not while lookups back off (:meth:`_backing_off`): the store is known
+        to be down, and a backup started now would hold its host pin and its
+        snapshot until it failed by its ``io_timeout``. The node stays
+        ``unstored`` (counted as ``store:backing_off``), as after a failed
+        store: the first lookup after the backoff that matches it stores it
+        (:meth:`_store_again`), and its children follow. Under agreement the
+        backoff is the group's, so every rank skips the same backups.
+
         Returns whether a store was started.
         """
         if self.config.policy != "write_through" or node.storage != "unstored":
@@ -1034,6 +1042,9 @@ class StorageTier:
             self.keys_of(node)
         except BadArgument:
             self._core.counters.storage_failures["store:unkeyable"] += 1
+            return False
+        if self._backing_off():
+            self._core.counters.storage_failures["store:backing_off"] += 1
             return False
         self._core.fire(node, "store")
         return True
