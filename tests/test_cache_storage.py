@@ -1216,6 +1216,46 @@ def test_no_backup_is_started_while_lookups_back_off(store: Store, clock: HandCl
     assert faulty.calls == ["put", "put"]
 
 
+def test_pages_a_timed_out_put_writes_late_are_found_again_by_key(
+    store: Store, clock: HandClock
+) -> None:
+    """The bound docs/storage.md states: a claimed put is not stopped, and its pages count again.
+
+    The worker is inside the put when the timeout is applied: the node is
+    failed and its pages, written late, are not counted; the next store of
+    the node (the first lookup after the backoff) finds them and counts them.
+    """
+    faulty = FaultyStore(store)
+    faulty.gate = threading.Event()
+    writer = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=1.0, query_backoff=1.0))
+    storage = writer.storage
+    assert storage is not None
+    toks = tokens(2)
+    writer.insert(toks)
+    writer.poll()  # write_done: the store starts, and hangs in its put
+    (late,) = storage.in_flight().values()
+    ends = time.monotonic() + 5.0
+    while faulty.calls != ["put"] and time.monotonic() < ends:
+        time.sleep(0.01)
+    assert faulty.calls == ["put"]  # the worker claimed it
+    clock.now += 1.0
+    writer.poll()  # timed out: the node is unstored, nothing counted
+    faulty.gate.set()
+    assert late.done.wait(5)  # the put returns to no one, its pages written
+    keys = page_keys(storage.namespace(), toks)
+    assert store.exists_prefix(keys) == 2
+    assert [n.storage for n in writer.tree] == ["unstored"]
+    assert writer.stats().storage_pages == {"stored": 0}
+    clock.now += 1.0
+    writer.match_prefix(toks)  # the first lookup after the backoff stores the node again
+    (again,) = storage.in_flight().values()
+    assert again.done.wait(5)
+    writer.poll()
+    assert [n.storage for n in writer.tree] == ["stored"]
+    assert writer.stats().storage_pages == {"stored": 2}
+    writer.close()
+
+
 def test_the_timeout_policy_returns_the_pages_read_within_its_deadline(store: Store) -> None:
     toks = tokens(3)
     stored_cache(store, toks)
