@@ -1104,6 +1104,158 @@ def test_under_agreement_a_copy_reported_timed_out_stays_timed_out_when_its_put_
     cache.close()
 
 
+class DownStore(FaultyStore):
+    """A store that went away: its first put raises at once, every later one hangs at the gate."""
+
+    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[PutResult]:
+        self.calls.append("put")
+        if self.calls.count("put") == 1:
+            raise RuntimeError("planted fault in put")
+        assert self.gate is not None
+        self.gate.wait()
+        return self.inner.put(keys, pages)
+
+
+def test_copies_one_outage_fails_in_different_polls_back_off_once(
+    store: Store, clock: HandClock
+) -> None:
+    """Two backups in flight when the store goes down: one raises, the other hangs.
+
+    They fail a poll apart (the second by its ``io_timeout``), but they are
+    one outage, so the wait doubles once: the first lookup after one second
+    asks the store again. Before, each poll with a failed copy doubled it.
+    """
+    faulty = DownStore(store)
+    faulty.gate = threading.Event()
+    writer = HiCache(
+        config(),
+        storage=tier(faulty, threads=1, io_timeout=1.0, query_backoff=1.0, query_backoff_max=30.0),
+    )
+    storage = writer.storage
+    assert storage is not None
+    writer.insert(tokens(1, 1000))
+    writer.insert(tokens(1, 2000))
+    writer.poll()  # write_done: both stores start, on one worker
+    first, _ = storage.in_flight().values()
+    assert first.done.wait(5)  # it raised
+    ends = time.monotonic() + 5.0
+    while faulty.calls != ["put", "put"] and time.monotonic() < ends:
+        time.sleep(0.01)  # the worker takes the second, and hangs at the gate
+    assert faulty.calls == ["put", "put"]
+    writer.poll()  # the first failed: back off one second
+    assert writer.log.storage_acks() == [("poll", ((1, "store", 0, "failed"),))]
+    assert (storage.backoff.closed, storage.backoff.failures) == (True, 1)
+    assert storage.backoff.until == clock.now + 1.0
+    clock.now += 1.0
+    writer.poll()  # the second timed out: the same outage, no second backoff
+    assert writer.log.storage_acks()[-1] == ("poll", ((2, "store", 0, "timeout"),))
+    assert (storage.backoff.failures, storage.backoff.until) == (1, clock.now)
+    assert writer.match_prefix(tokens(2, 5000)).storage_len == 0  # asks: the backoff passed
+    assert faulty.calls == ["put", "put", "exists_prefix"]
+    assert writer.stats().prefetch == {"none_stored": 1}
+    assert (storage.backoff.closed, storage.backoff.failures) == (False, 0)
+    faulty.gate.set()
+    writer.close()
+
+
+def test_a_copy_in_flight_when_a_query_fails_backs_off_no_more(
+    store: Store, clock: HandClock
+) -> None:
+    """A failed key query backs lookups off; a store that then fails by its timeout is that outage."""
+    toks = tokens(3)
+    stored_cache(store, toks)
+    faulty = FaultyStore(store)
+    faulty.gate = threading.Event()
+    writer = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=2.0, query_backoff=1.0))
+    storage = writer.storage
+    assert storage is not None
+    writer.insert(tokens(2, 9000))
+    writer.poll()  # write_done: the store starts, and hangs
+    faulty.raises = {"exists_prefix"}
+    assert writer.match_prefix(toks).storage_len == 0  # the query fails: back off one second
+    assert (storage.backoff.failures, storage.backoff.until) == (1, clock.now + 1.0)
+    clock.now += 2.0
+    writer.poll()  # the store timed out: no second backoff
+    assert writer.stats().storage_failures == {"store:timeout": 1}
+    assert (storage.backoff.failures, storage.backoff.until) == (1, clock.now - 1.0)
+    faulty.gate.set()
+    writer.close()
+
+
+def test_no_backup_is_started_while_lookups_back_off(store: Store, clock: HandClock) -> None:
+    """A host backup acknowledged during a backoff starts no store, and holds no pin for one.
+
+    The store is known to be down: the backup would hold its host pin and
+    snapshot until its ``io_timeout``. The node stays unstored, and the first
+    lookup after the backoff that matches it stores it.
+    """
+    faulty = FaultyStore(store)
+    faulty.raises = {"put"}
+    writer = HiCache(config(), storage=tier(faulty, query_backoff=1.0))
+    storage = writer.storage
+    assert storage is not None
+    writer.insert(tokens(2))
+    writer.poll()  # write_done: the store runs inline, and fails
+    writer.poll()  # applied: back off
+    assert storage.backoff.closed
+    faulty.raises = set()
+    later = tokens(2, start=5000)
+    writer.insert(later)
+    writer.poll()  # its host backup lands during the backoff: no store starts
+    assert [(n.host, n.storage, n.pins) for n in writer.tree] == [
+        ("backed", "unstored", 0),
+        ("backed", "unstored", 0),
+    ]
+    assert dict(storage.in_flight()) == {}
+    assert faulty.calls == ["put"]
+    assert writer.stats().storage_failures == {"store:failed": 1, "store:backing_off": 1}
+    clock.now += 1.0
+    assert writer.match_prefix(later).device_len == 2 * PAGE  # the first lookup after: stores it
+    writer.poll()
+    assert {n.key[0]: n.storage for n in writer.tree} == {1000: "unstored", 5000: "stored"}
+    assert faulty.calls == ["put", "put"]
+
+
+def test_pages_a_timed_out_put_writes_late_are_found_again_by_key(
+    store: Store, clock: HandClock
+) -> None:
+    """The bound docs/storage.md states: a claimed put is not stopped, and its pages count again.
+
+    The worker is inside the put when the timeout is applied: the node is
+    failed and its pages, written late, are not counted; the next store of
+    the node (the first lookup after the backoff) finds them and counts them.
+    """
+    faulty = FaultyStore(store)
+    faulty.gate = threading.Event()
+    writer = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=1.0, query_backoff=1.0))
+    storage = writer.storage
+    assert storage is not None
+    toks = tokens(2)
+    writer.insert(toks)
+    writer.poll()  # write_done: the store starts, and hangs in its put
+    (late,) = storage.in_flight().values()
+    ends = time.monotonic() + 5.0
+    while faulty.calls != ["put"] and time.monotonic() < ends:
+        time.sleep(0.01)
+    assert faulty.calls == ["put"]  # the worker claimed it
+    clock.now += 1.0
+    writer.poll()  # timed out: the node is unstored, nothing counted
+    faulty.gate.set()
+    assert late.done.wait(5)  # the put returns to no one, its pages written
+    keys = page_keys(storage.namespace(), toks)
+    assert store.exists_prefix(keys) == 2
+    assert [n.storage for n in writer.tree] == ["unstored"]
+    assert writer.stats().storage_pages == {"stored": 0}
+    clock.now += 1.0
+    writer.match_prefix(toks)  # the first lookup after the backoff stores the node again
+    (again,) = storage.in_flight().values()
+    assert again.done.wait(5)
+    writer.poll()
+    assert [n.storage for n in writer.tree] == ["stored"]
+    assert writer.stats().storage_pages == {"stored": 2}
+    writer.close()
+
+
 def test_the_timeout_policy_returns_the_pages_read_within_its_deadline(store: Store) -> None:
     toks = tokens(3)
     stored_cache(store, toks)

@@ -104,6 +104,7 @@ class Faulty:
         after_exists: Called after each ``exists_prefix`` (drop a page behind its back).
         gate: Puts wait for this event first (a hung backend).
         exists_fails: ``exists_prefix`` raises (a server that stopped answering).
+        before_put: Called with a put's keys before it runs (raise, or wait).
         queries: How many times ``exists_prefix`` was called.
     """
 
@@ -113,6 +114,7 @@ class Faulty:
         self.after_exists: Callable[[], None] | None = None
         self.gate: threading.Event | None = None
         self.exists_fails = False
+        self.before_put: Callable[[Sequence[str]], None] | None = None
         self.queries = 0
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
@@ -130,6 +132,8 @@ class Faulty:
     def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[PutResult]:
         if self.gate is not None:
             self.gate.wait()
+        if self.before_put is not None:
+            self.before_put(keys)
         cut = self.put_fails_after
         if cut is not None and cut < len(keys):
             self.inner.put(keys[:cut], pages[:cut])
@@ -420,6 +424,101 @@ def copy_failure_backs_off(rank: int, folder: Path) -> dict[str, Any]:
     return report(shared, seen=seen)
 
 
+def backoff_state(shared: DistributedCache, clock: HandClock) -> list[Any]:
+    """Whether lookups back off, the failures in a row, and the seconds left to wait."""
+    backoff = shared.cache.storage.backoff  # type: ignore[union-attr]
+    return [backoff.closed, backoff.failures, max(0.0, backoff.until - clock.now)]
+
+
+def one_outage_seen_at_two_steps(rank: int, folder: Path) -> dict[str, Any]:
+    """Two stores in flight as the stores go down; the ranks see them fail a step apart.
+
+    Rank 0's store fails the first at once (and takes the second); rank 1's
+    takes the first and hangs on the second until its ``io_timeout``. One
+    outage: the group backs off once, at the first step, on both ranks; the
+    second step, where rank 1's copy times out, ends the backoff (both waits
+    passed) and backs off no more, so both ask at the next lookup. The
+    tier's clock is moved by hand: the hung put times out only where the
+    test says, however slowly a loaded machine runs it.
+    """
+    store = Faulty(LocalFileStore(folder / f"rank{rank}"))
+    hung = threading.Event()
+    first, second = tokens(2), tokens(2, start=5000)
+    clock = HandClock()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(storage_tier, "time", clock)
+        shared = wrapped(
+            store,
+            rank,
+            policy="off",
+            threads=1,
+            io_timeout=1.0,
+            query_backoff=1.0,
+            query_backoff_max=30.0,
+        )
+        cache = shared.cache
+        namespace = cache.storage.namespace()  # type: ignore[union-attr]
+        down = page_keys(namespace, first if rank == 0 else second)[0]
+
+        def outage(keys: Sequence[str]) -> None:
+            if keys[0] != down:
+                return
+            if rank == 1:
+                hung.wait()
+            raise StoreFailed("faulty", "put", acknowledged=0, total=len(keys), cause="planted")
+
+        store.before_put = outage
+        cache.insert(first)
+        cache.insert(second)
+        shared.drain()  # the host backups land; nothing stores on its own (policy off)
+        for toks in (first, second):
+            cache.fire("store", cache.match_prefix(toks).last_device_node)
+        copies = list(cache.storage.in_flight().values())  # type: ignore[union-attr]
+        for copy in copies if rank == 0 else copies[:1]:  # those that end here without the clock
+            assert copy.done.wait(30)
+        shared.step()  # the first failed on rank 0: both back off
+        seen = [backoff_state(shared, clock)]
+        clock.now += 1.0  # past the second's io_timeout, and past the wait
+        shared.step()  # the second timed out on rank 1: the same outage
+        seen.append(backoff_state(shared, clock))
+        found = cache.match_prefix(tokens(2, start=9000))  # both ask the store
+        seen.append([store.queries, found.storage_len])
+        hung.set()
+        out = report(shared, seen=seen)
+        cache.close()
+    return out
+
+
+def no_backup_while_backing_off(rank: int, folder: Path) -> dict[str, Any]:
+    """Rank 1's store fails a put: both back off, and no backup starts on either meanwhile.
+
+    A host backup acknowledged during the backoff leaves its node unstored
+    and unpinned on both ranks (the backoff is the group's, so is the
+    decision); the first lookup after the backoff that matches it stores it
+    on both. The tier's clock is moved by hand.
+    """
+    inner = LocalFileStore(folder / f"rank{rank}")
+    store = Faulty(inner)
+    store.put_fails_after = 0 if rank == 1 else None
+    later = tokens(2, start=5000)
+    clock = HandClock()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(storage_tier, "time", clock)
+        shared = wrapped(store, rank, query_backoff=1.0, query_backoff_max=1.0)
+        shared.cache.insert(tokens(2))
+        shared.drain()  # its store fails on rank 1: both back off
+        store.put_fails_after = None
+        shared.cache.insert(later)
+        shared.drain()  # its host backup lands: no store starts
+        during = rows(shared.cache)
+        clock.now += 1.0
+        shared.step()  # both waits have passed
+        shared.cache.match_prefix(later)  # stores it, on both
+        shared.drain()
+    keys = page_keys(shared.cache.storage.namespace(), later)  # type: ignore[union-attr]
+    return report(shared, during=during, held=inner.exists_prefix(keys))
+
+
 def different_collectives(rank: int, folder: Path) -> str:
     """Rank 0's lookup asks the store while rank 1 ends a step: both say so."""
     toks = tokens(2)
@@ -446,6 +545,8 @@ SCENARIOS: dict[str, Callable[[int, Path], Any]] = {
     "query_backs_off": query_backs_off,
     "slow_query": slow_query_backs_off,
     "copy_failure": copy_failure_backs_off,
+    "one_outage": one_outage_seen_at_two_steps,
+    "no_backup": no_backup_while_backing_off,
     "collectives": different_collectives,
 }
 
@@ -639,6 +740,37 @@ def test_a_copy_failed_on_one_rank_backs_off_every_rank_alike(ranks: Results) ->
         ["backed", "absent", "stored", 0],  # fetched after the backoff
         ["backed", "resident", "unstored", 0],  # its store failed (on rank 1)
     ]
+
+
+def test_one_outage_seen_at_two_steps_backs_every_rank_off_once(ranks: Results) -> None:
+    run = agreed(ranks, "one_outage")
+    # backing off, failures in a row, seconds left: after the first step, the second, then
+    # the queries asked so far and the pages prefetched at the lookup after them. Each rank
+    # ends the row of failures on its own applies: rank 0's second copy landed (its
+    # store answered), rank 1's timed out
+    assert [r["one_outage"]["seen"] for r in ranks] == [
+        [[True, 1, 1.0], [False, 0, 0.0], [1, 0]],
+        [[True, 1, 1.0], [False, 1, 0.0], [1, 0]],
+    ]
+    assert [r["one_outage"]["acks"] for r in ranks] == [
+        [["poll", [[1, "store", 0, "failed"]]], ["poll", [[2, "store", 0, "peer_failed"]]]],
+        [["poll", [[1, "store", 0, "peer_failed"]]], ["poll", [[2, "store", 0, "timeout"]]]],
+    ]
+    assert [row[5:] for row in run["tree"]] == [["unstored", 0], ["unstored", 0]]
+
+
+def test_no_backup_starts_on_any_rank_while_the_group_backs_off(ranks: Results) -> None:
+    run = agreed(ranks, "no_backup")
+    assert [[row[2:] for row in r["no_backup"]["during"]] for r in ranks] == [
+        [[2 * PAGE, "backed", "resident", "unstored", 0]] * 2
+    ] * 2
+    assert [r["no_backup"]["failures"] for r in ranks] == [
+        {"store:peer_failed": 1, "store:backing_off": 1},
+        {"store:failed": 1, "store:backing_off": 1},
+    ]
+    assert [r["no_backup"]["acks"][-1] for r in ranks] == [["poll", [[2, "store", 2, "ok"]]]] * 2
+    assert [r["no_backup"]["held"] for r in ranks] == [2, 2]
+    assert sorted(row[5] for row in run["tree"]) == ["stored", "unstored"]
 
 
 def test_ranks_that_reach_different_collectives_say_so(ranks: Results) -> None:

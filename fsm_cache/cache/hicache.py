@@ -908,11 +908,16 @@ class HiCache:
     def reset(self) -> None:
         """Drop everything and start empty, keeping the pools and the copy engine.
 
-        Copies in flight are waited for and discarded. The KV tensors and the
-        pinned host memory are reused as they are (every page is free again, so
-        their old contents are never read). Leases still held are void: a later
-        release raises LeaseError naming this reset as the release. Each part
-        is cleared in place, so the effects bound to them stay bound.
+        Copies between the device and the host in flight are waited for and
+        discarded. Storage copies are not waited for (a store that hangs would
+        hold the reset for its ``io_timeout``): each is abandoned, so one no
+        worker has started is never run and its snapshot is let go, and one a
+        worker runs finishes to no one (a put may still write its pages to the
+        store). The KV tensors and the pinned host memory are reused as they
+        are (every page is free again, so their old contents are never read).
+        Leases still held are void: a later release raises LeaseError naming
+        this reset as the release. Each part is cleared in place, so the
+        effects bound to them stay bound.
         """
         self._gate.enter("reset")
         try:

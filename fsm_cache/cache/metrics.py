@@ -150,7 +150,8 @@ class Stats:
             ``evicted`` (from a store the cache owns).
         storage_bytes: Bytes of pages acknowledged per storage copy kind (``store``, ``fetch``).
         storage_failures: Storage copies that failed, by ``kind:outcome``, and
-            key queries that answered after their budget (``query:slow``).
+            key queries that answered after their budget (``query:slow``), and
+            backups not started because lookups back off (``store:backing_off``).
         prefetch: What each lookup's prefetch decided (``started``, ``waited``,
             ``below_threshold``, ``rate_limited``, ``none_stored``,
             ``query_failed``, ``backing_off``, ...).

@@ -40,7 +40,8 @@ machine:
   lookup for its client's timeout; after one fails, answers only after
   ``query_budget``, or a copy fails as a store that is down fails one (it
   raised, or did not answer within ``io_timeout``), lookups ask nothing for a
-  while, twice as long after each failure in a row.
+  while, twice as long after each failure in a row; the copies in flight
+  when lookups back off fail by that outage, and back them off no more.
 * **Tensor-parallel agreement** (:meth:`StorageTier.agree_by`): under a
   :class:`~fsm_cache.distributed.agreement.DistributedCache` each rank's store
   holds its own shard, so the ranks' stores may answer differently; the hit
@@ -287,7 +288,7 @@ class QueryBackoff:
     Attributes:
         first: The first wait, in seconds (0: never back off).
         longest: The longest wait, in seconds.
-        failures: Queries (or polls with a copy failed) failed in a row.
+        failures: Queries (or outages a copy failed in) failed in a row.
         until: When (``time.monotonic``) the wait has passed.
         closed: Lookups ask the store nothing.
     """
@@ -619,7 +620,9 @@ class StorageTier:
         self._agreed_only = False  # a group agrees on what collect() returns
         self._reported: dict[int, StoreResult | None] = {}  # the window of the last report
         self._agreed: dict[int, StoreResult] = {}  # accepted, not yet applied, by number
-        self._told: set[int] = set()  # copies whose store failure a step carried already
+        # copies whose failure backs nothing off (again): a step carried it already, or
+        # lookups backed off while the copy was in flight (:meth:`_back_off`)
+        self._told: set[int] = set()
         self._workers = _Workers(config.threads)
         self.backoff = QueryBackoff(config.query_backoff, config.query_backoff_max)
         transfers.on_ack(self._host_acknowledged)
@@ -796,11 +799,12 @@ class StorageTier:
             return 0
         outcomes = [(copy, self._result(copy)) for copy in copies]
         self._core.log.storage(origin, [(c.number, c.kind, r.held, r.outcome) for c, r in outcomes])
-        if not any(r.outcome in _DOWN for _, r in outcomes):
+        down = [c.number for c, r in outcomes if r.outcome in _DOWN]
+        if not down:
             if not self.backoff.closed:  # a trial, or none needed: a later failure is a new row
                 self.backoff.answered()  # (while closed, a slow query's fetch still lands)
-        elif not self._agreed_only:
-            self.backoff.failed(time.monotonic())  # once per poll, however many copies failed
+        elif not self._agreed_only and not self._told.issuperset(down):
+            self._back_off()  # once per outage: copies then in flight back off no more
         for copy, result in outcomes:
             del self._copies[copy.number]
             self._told.discard(copy.number)
@@ -1017,6 +1021,14 @@ class StorageTier:
     def maybe_store(self, node: TreeNode) -> bool:
         """Fire ``store`` on ``node`` if the policy wants it and its parent's pages are stored.
 
+        Not while lookups back off (:meth:`_backing_off`): the store is known
+        to be down, and a backup started now would hold its host pin and its
+        snapshot until it failed by its ``io_timeout``. The node stays
+        ``unstored`` (counted as ``store:backing_off``), as after a failed
+        store: the first lookup after the backoff that matches it stores it
+        (:meth:`_store_again`), and its children follow. Under agreement the
+        backoff is the group's, so every rank skips the same backups.
+
         Returns whether a store was started.
         """
         if self.config.policy != "write_through" or node.storage != "unstored":
@@ -1030,6 +1042,9 @@ class StorageTier:
             self.keys_of(node)
         except BadArgument:
             self._core.counters.storage_failures["store:unkeyable"] += 1
+            return False
+        if self._backing_off():
+            self._core.counters.storage_failures["store:backing_off"] += 1
             return False
         self._core.fire(node, "store")
         return True
@@ -1148,8 +1163,11 @@ class StorageTier:
         What a rank brings to a step's agreement (each copy once, when it has
         ended here): the copies themselves are applied only once every rank
         finished them, but a store failing on one rank must back every rank
-        off at the same step, whatever the others' copies did. Pass the
-        group's answer to :meth:`back_off_for_copies`.
+        off at the same step, whatever the others' copies did. A copy in
+        flight when the group last backed off is not told (:meth:`_back_off`):
+        ranks that see one outage's copies fail at different steps would
+        otherwise back off once per such step. Pass the group's answer to
+        :meth:`back_off_for_copies`.
         """
         failed = False
         for copy in self._copies.values():
@@ -1168,7 +1186,20 @@ class StorageTier:
         query as long (the same server, the same client).
         """
         if failed:
-            self.backoff.failed(time.monotonic())
+            self._back_off()
+
+    def _back_off(self) -> None:
+        """Back lookups off now, and count every copy in flight as failed by this outage.
+
+        A store that is down fails every copy in flight, each when it raises
+        or passes its ``io_timeout``: one poll (or, under agreement, one step)
+        apart or many, on one rank or another. Each is the outage already
+        backed off for, not a failure in a row, so none backs off again when
+        it fails: one outage doubles the wait once. A copy started later is a
+        new trial of the store, and its failure backs off (twice as long).
+        """
+        self.backoff.failed(time.monotonic())
+        self._told.update(self._copies)
 
     def resume_queries(self, passed: bool) -> None:
         """End the query backoff if ``passed`` (under agreement, the group's MIN): the next lookup asks.
@@ -1187,11 +1218,11 @@ class StorageTier:
         except BadArgument:
             return None, "unkeyable"
         if failed:
-            self.backoff.failed(time.monotonic())
+            self._back_off()
             return None, "query_failed"
         if slow:  # its answer stands, but the next lookups must not wait as long
             self._core.counters.storage_failures["query:slow"] += 1
-            self.backoff.failed(time.monotonic())
+            self._back_off()
         else:
             self.backoff.answered()
         tokens = stored * self._core.tree.page_size
