@@ -17,8 +17,12 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
     import torch
 
+    from fsm_cache.bench import copies as bench_copies_module
     from fsm_cache.bench.copies import CopyBenchResult, run_copy_bench
     from fsm_cache.bench.memory import bench_copies, ceiling_copy
+    from fsm_cache.cache.hicache import HiCache
+    from fsm_cache.cache.tree import TreeNode
+    from fsm_cache.cli.main import main
     from fsm_cache.errors import BadArgument, CopyFailed, ForeignSlot, PageBusy
     from fsm_cache.memory import staging
     from fsm_cache.memory.copies import Completion, CopyEngine, Direction, host_runs
@@ -487,6 +491,36 @@ def test_bench_copies_drives_both_directions_through_the_machines() -> None:
         assert result.shares() == {}
         assert "ceiling" not in result.format()
     assert "load-backs (load -> copy -> poll -> load_done)" in result.format()
+    assert result.round_trip_exact is True
+    assert "round trip (backup, evict, load back): bytes equal" in result.format()
+
+
+def test_bench_copies_finds_a_round_trip_that_loads_back_the_wrong_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    load = bench_copies_module._machine_load  # noqa: SLF001
+
+    def corrupting(cache: HiCache, chains: list[list[TreeNode]]) -> None:
+        load(cache, chains)
+        cache.tiers.device.words.bitwise_not_()  # every loaded page now differs
+
+    monkeypatch.setattr(bench_copies_module, "_machine_load", corrupting)
+    result = run_copy_bench(quick=True, reps=1)
+    assert result.round_trip_exact is False
+    assert "round trip (backup, evict, load back): BYTES DIFFER" in result.format()
+
+
+@pytest.mark.parametrize(("exact", "status"), [(True, 0), (None, 0), (False, 1)])
+def test_bench_copies_command_fails_on_a_wrong_round_trip(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    exact: bool | None,
+    status: int,
+) -> None:
+    canned = CopyBenchResult("cpu", 8, 2**20, 4.0, 4.0, 4.0, None, None, exact)
+    monkeypatch.setattr(bench_copies_module, "run_copy_bench", lambda quick: canned)
+    assert main(["bench", "copies", "--quick"]) == status
+    assert capsys.readouterr().out.startswith(canned.format() + "\n")
 
 
 def test_bench_copies_reports_each_direction_against_its_ceiling() -> None:
@@ -494,11 +528,14 @@ def test_bench_copies_reports_each_direction_against_its_ceiling() -> None:
     assert result.shares() == {"d2h": 0.8, "h2d": 0.9}
     text = result.format()
     assert (
-        "d2h: one large pinned copy_ (ceiling)    50.00 GB/s; machine = 80% (target >= 85%)" in text
+        "d2h: one large pinned copy_ (ceiling)    50.00 GB/s; machine = 80% (target >= 85%): MISSED"
+        in text
     )
     assert (
-        "h2d: one large pinned copy_ (ceiling)    50.00 GB/s; machine = 90% (target >= 85%)" in text
+        "h2d: one large pinned copy_ (ceiling)    50.00 GB/s; machine = 90% (target >= 85%): met"
+        in text
     )
+    assert "round trip" not in text  # not checked
 
 
 def test_ceiling_copy_moves_flat_bytes_between_pools_of_other_layouts() -> None:
