@@ -9,6 +9,7 @@ import torch
 
 from fsm_cache.memory import kv, tiers
 from fsm_cache.memory.kv import KVLayout, alloc_exact_host, device_pool, host_pool, upload
+from fsm_cache.memory.staging import CudaStreams
 from fsm_cache.memory.tiers import synthetic_kv
 
 
@@ -98,3 +99,16 @@ def test_cuda_insert_path_uploads_without_synchronising() -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.equal(made.cpu().view(torch.int16), expected.view(torch.int16))
+
+
+def test_cuda_events_let_a_waiting_host_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``drain`` synchronises on these events: a spinning wait would take a core."""
+    made: list[dict[str, object]] = []
+
+    def event(**kwargs: object) -> object:
+        made.append(kwargs)
+        return object()
+
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    CudaStreams().new_event()
+    assert made == [{"blocking": True}]
