@@ -14,17 +14,17 @@ bytes (as 64-bit words where the page size allows, through reused staging
 buffers, chunk by chunk).
 
 On CUDA each direction has its own streams. A copy is ordered after compute
-when it is *started*, not when it is submitted: ``start_*`` records an event
-on every compute stream the engine knows (the one named by ``stream=``, else
-the engine's ``compute_stream``, else the current stream; and every stream
-given to :meth:`CopyEngine.wait`), and the submission waits on those events
-(a backup must read what compute wrote before it was started, even when it
-is submitted later, from another thread or under another current stream; a
-load must not overwrite pages compute still reads). An event recorded after
-the submission is what :meth:`CopyEngine.poll` queries, so the scheduler
-never blocks. On CPU the
-same code runs synchronously at submission and its tickets are reported by the
-poll that submitted them.
+when it is *started*, not when it is submitted: ``start_*`` makes the
+engine's ordering stream wait for every compute stream the engine knows as
+it stands then (the one named by ``stream=``, else the engine's
+``compute_stream``, else the current stream; and every stream given to
+:meth:`CopyEngine.wait`), and a submission waits for the ordering stream (a
+backup must read what compute wrote before it was started, even when it is
+submitted later, from another thread or under another current stream; a load
+must not overwrite pages compute still reads). An event recorded after the
+submission is what :meth:`CopyEngine.poll` queries, so the scheduler never
+blocks. On CPU the same code runs synchronously at submission and its
+tickets are reported by the poll that submitted them.
 
 Pages named by an in-flight ticket are *busy* until :meth:`CopyEngine.poll`
 has reported that ticket; the cache must not free busy pages.
@@ -216,7 +216,8 @@ class CopyEngine:
                 an unreported copy (also a ValueError, as these were), or
                 ``stream`` is not a stream.
             ForeignSlot: a page is outside its pool.
-            CopyFailed: the engine is closed.
+            CopyFailed: the engine is closed, or the device failed while the
+                copy was being ordered after compute (nothing is started).
         """
         ticket = self._start(Direction.D2H, device_pages, host_pages, stream)
         if self._open_pages >= self._chunk:
@@ -242,7 +243,8 @@ class CopyEngine:
                 an unreported copy (also a ValueError, as these were), or
                 ``stream`` is not a stream.
             ForeignSlot: a page is outside its pool.
-            CopyFailed: the engine is closed.
+            CopyFailed: the engine is closed, or the device failed while the
+                copy was being ordered after compute (nothing is started).
         """
         ticket = self._start(Direction.H2D, host_pages, device_pages, stream)
         self.submit()
