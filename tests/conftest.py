@@ -1,12 +1,21 @@
-"""Shared test configuration: the ``gpu`` marker skips without CUDA."""
+"""Shared test configuration: the ``gpu`` marker skips without CUDA.
+
+On a machine meant to have a GPU (``scripts/gpu_check.sh``), set
+``FSM_CACHE_REQUIRE_GPU=1``: a ``gpu`` test that skips, for want of CUDA or
+for any other reason, then fails, so a run that checked nothing cannot pass.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
+
+
+REQUIRE_GPU = "FSM_CACHE_REQUIRE_GPU"
 
 
 def _cuda_available() -> bool:
@@ -38,6 +47,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Turn a skipped ``gpu`` test into a failure where ``FSM_CACHE_REQUIRE_GPU=1``."""
+    del call
+    report = yield
+    if report.skipped and os.environ.get(REQUIRE_GPU) == "1" and item.get_closest_marker("gpu"):
+        why = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"gpu test skipped where {REQUIRE_GPU}=1 requires it to run: {why}"
+    return report
 
 
 @pytest.fixture(autouse=True)

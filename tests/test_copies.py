@@ -17,8 +17,12 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
     import torch
 
+    from fsm_cache.bench import copies as bench_copies_module
     from fsm_cache.bench.copies import CopyBenchResult, run_copy_bench
     from fsm_cache.bench.memory import bench_copies, ceiling_copy
+    from fsm_cache.cache.hicache import HiCache
+    from fsm_cache.cache.tree import TreeNode
+    from fsm_cache.cli.main import main
     from fsm_cache.errors import BadArgument, CopyFailed, ForeignSlot, PageBusy
     from fsm_cache.memory import staging
     from fsm_cache.memory.copies import Completion, CopyEngine, Direction, host_runs
@@ -212,11 +216,18 @@ class _FlakyStreams(FakeStreams):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return super().new_event()
 
-    def current_stream(self, device: torch.device) -> FakeStream:
-        stream = super().current_stream(device)
-        if self.fail == "wait":
-            self.fail = None
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    def new_stream(self, device: torch.device) -> FakeStream:
+        streams = self
+
+        class Side(FakeStream):
+            def wait_event(self, event: FakeEvent) -> None:
+                if streams.fail == "wait" and self in streams.streams[:2]:  # a direction's
+                    streams.fail = None
+                    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+                super().wait_event(event)
+
+        stream = Side(device, f"side {len(self.streams)}")
+        self.streams.append(stream)
         return stream
 
 
@@ -480,6 +491,36 @@ def test_bench_copies_drives_both_directions_through_the_machines() -> None:
         assert result.shares() == {}
         assert "ceiling" not in result.format()
     assert "load-backs (load -> copy -> poll -> load_done)" in result.format()
+    assert result.round_trip_exact is True
+    assert "round trip (backup, evict, load back): bytes equal" in result.format()
+
+
+def test_bench_copies_finds_a_round_trip_that_loads_back_the_wrong_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    load = bench_copies_module._machine_load  # noqa: SLF001
+
+    def corrupting(cache: HiCache, chains: list[list[TreeNode]]) -> None:
+        load(cache, chains)
+        cache.tiers.device.words.bitwise_not_()  # every loaded page now differs
+
+    monkeypatch.setattr(bench_copies_module, "_machine_load", corrupting)
+    result = run_copy_bench(quick=True, reps=1)
+    assert result.round_trip_exact is False
+    assert "round trip (backup, evict, load back): BYTES DIFFER" in result.format()
+
+
+@pytest.mark.parametrize(("exact", "status"), [(True, 0), (None, 0), (False, 1)])
+def test_bench_copies_command_fails_on_a_wrong_round_trip(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    exact: bool | None,
+    status: int,
+) -> None:
+    canned = CopyBenchResult("cpu", 8, 2**20, 4.0, 4.0, 4.0, None, None, exact)
+    monkeypatch.setattr(bench_copies_module, "run_copy_bench", lambda quick: canned)
+    assert main(["bench", "copies", "--quick"]) == status
+    assert capsys.readouterr().out.startswith(canned.format() + "\n")
 
 
 def test_bench_copies_reports_each_direction_against_its_ceiling() -> None:
@@ -487,11 +528,14 @@ def test_bench_copies_reports_each_direction_against_its_ceiling() -> None:
     assert result.shares() == {"d2h": 0.8, "h2d": 0.9}
     text = result.format()
     assert (
-        "d2h: one large pinned copy_ (ceiling)    50.00 GB/s; machine = 80% (target >= 85%)" in text
+        "d2h: one large pinned copy_ (ceiling)    50.00 GB/s; machine = 80% (target >= 85%): MISSED"
+        in text
     )
     assert (
-        "h2d: one large pinned copy_ (ceiling)    50.00 GB/s; machine = 90% (target >= 85%)" in text
+        "h2d: one large pinned copy_ (ceiling)    50.00 GB/s; machine = 90% (target >= 85%): met"
+        in text
     )
+    assert "round trip" not in text  # not checked
 
 
 def test_ceiling_copy_moves_flat_bytes_between_pools_of_other_layouts() -> None:
@@ -715,7 +759,7 @@ def test_an_engine_dropped_unclosed_waits_for_its_copies_and_warns() -> None:
         f"unclosed {name} dropped with 1 copies in flight: waited for them; "
         "call close() before dropping it"
     ]
-    assert [s.pending for s in fake.streams] == [0, 0]
+    assert [s.pending for s in fake.streams[:2]] == [0, 0]
     assert torch.equal(raw(host, [3, 4]), want)
 
 
@@ -807,3 +851,141 @@ def test_tiers_reset_with_copies_in_flight_is_refused_and_changes_nothing() -> N
     tiers.copier.drain()
     tiers.reset()
     assert tiers.device.allocator.free_pages == 4
+
+
+# -- ordering after the stream that wrote the pages (review B2) -----------------------
+
+
+class _SwitchedStreams(FakeStreams):
+    """Fake streams whose current stream can be switched, as ``torch.cuda.stream(s)`` does."""
+
+    now: FakeStream | None = None
+
+    def current_stream(self, device: torch.device) -> FakeStream:
+        return self.now if self.now is not None else super().current_stream(device)
+
+
+def _ordered(**kwargs: object) -> tuple[CopyEngine, _SwitchedStreams, FakeStream]:
+    """An engine on switchable fake streams, its streams, and a forward stream of its own."""
+    engine = make("fake")
+    streams = _SwitchedStreams(max_polls=0)
+    ordered = CopyEngine(engine.device, engine.host, streams=streams, **kwargs)  # type: ignore[arg-type]
+    return ordered, streams, FakeStream(torch.device("cpu"), "forward")
+
+
+def _write_page(engine: CopyEngine, page: int, value: int) -> Callable[[], None]:
+    def write() -> None:
+        engine.device.words[page].fill_(value)
+
+    return write
+
+
+def test_a_backup_follows_the_stream_current_at_its_start_not_at_its_submission() -> None:
+    """SGLang's overlap: KV written on the forward stream, the batch submitted under another."""
+    engine, streams, forward = _ordered()
+    streams.now = forward
+    forward.enqueue(_write_page(engine, 2, 7))  # the forward pass writes page 2, queued
+    ticket = engine.start_write([2], [5])
+    streams.now = None  # submitted later, under the default stream
+    assert [(c.ticket, c.ok) for c in engine.drain()] == [(ticket, True)]
+    assert bool((engine.host.words[5] == 7).all())
+    assert torch.equal(raw(engine.host, [5]), raw(engine.device, [2]))
+    engine.close()
+
+
+@pytest.mark.parametrize("how", ["stream", "compute_stream"])
+def test_a_copy_follows_the_stream_it_is_given(how: str) -> None:
+    engine, _, forward = _ordered()
+    if how == "compute_stream":
+        engine, _, _ = _ordered(compute_stream=forward)
+    forward.enqueue(_write_page(engine, 3, 9))
+    given = {"stream": forward} if how == "stream" else {}
+    engine.start_write([3], [4], **given)
+    assert all(c.ok for c in engine.drain())
+    assert bool((engine.host.words[4] == 9).all())
+    engine.close()
+
+
+def test_a_load_does_not_overwrite_pages_a_stream_given_to_wait_still_reads() -> None:
+    """Pages loaded, read on a consumer stream, freed and loaded into again before it ran."""
+    engine, _, consumer = _ordered()
+    engine.host.words[0].fill_(1)
+    engine.host.words[1].fill_(2)
+    first = engine.start_load([0], [6])
+    assert engine.wait([first.id], stream=consumer)
+    read = torch.empty_like(engine.device.words[6])
+
+    def compute() -> None:  # reads what the first load wrote
+        read.copy_(engine.device.words[6])
+
+    consumer.enqueue(compute)
+    assert all(c.ok for c in engine.drain())
+    engine.start_load([1], [6])  # page 6 freed and reused, its reader still queued
+    assert all(c.ok for c in engine.drain())
+    consumer.synchronize()
+    assert bool((read == 1).all())  # what the first load put there, not the second
+    assert bool((engine.device.words[6] == 2).all())
+    engine.close()
+
+
+def test_a_stream_argument_that_is_not_a_stream_is_refused_and_starts_nothing() -> None:
+    engine, _, _ = _ordered()
+    with pytest.raises(BadArgument) as caught:
+        engine.start_write([0], [0], stream=object())
+    assert str(caught.value) == (
+        "copy engine: stream must be a stream (torch.cuda.Stream or the Streams' own), got object"
+    )
+    assert engine.in_flight() == []
+    assert engine.busy_device_pages() == engine.busy_host_pages() == frozenset()
+    with pytest.raises(BadArgument) as caught:
+        _ordered(compute_stream="forward")
+    assert str(caught.value) == (
+        "copy engine: compute_stream must be a stream (torch.cuda.Stream or the Streams' own), "
+        "got str"
+    )
+    engine.close()
+
+
+def test_a_device_error_ordering_a_copy_at_its_start_refuses_it_and_starts_nothing() -> None:
+    engine, streams, _ = _ordered()
+
+    class Broken(FakeStream):
+        def mark(self, event: FakeEvent, generation: int) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    streams.now = Broken(torch.device("cpu"), "broken")
+    with pytest.raises(CopyFailed) as caught:
+        engine.start_write([0], [0])
+    assert str(caught.value) == (
+        "copy engine: d2h copy refused: cannot order it after compute: "
+        "CUDA error: an illegal memory access was encountered"
+    )
+    assert engine.in_flight() == []
+    assert engine.busy_device_pages() == engine.busy_host_pages() == frozenset()
+    streams.now = None
+    engine.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("how", ["current", "stream", "compute_stream"])
+def test_cuda_a_backup_follows_the_forward_stream_that_wrote_its_pages(how: str) -> None:
+    """The backup is submitted under the default stream while the forward stream still writes."""
+    engine = make("cuda", torch.float32, dev_pages=64, host_pages=64)
+    forward = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    if how == "compute_stream":
+        engine = CopyEngine(engine.device, engine.host, compute_stream=forward)
+    pages = list(range(64))
+    with torch.cuda.stream(forward):
+        big = torch.randn(4096, 4096, device="cuda")
+        for _ in range(8):  # keep the forward stream busy, then write the KV last
+            big = big @ big / 4096
+        engine.device.tensor.fill_(3.0)
+        given = {"stream": forward} if how == "stream" else {}
+        if how == "current":
+            engine.start_write(pages, pages)
+    if how != "current":
+        engine.start_write(pages, pages, **given)
+    assert all(c.ok for c in engine.drain())  # submitted here, under the default stream
+    assert bool((engine.host.read(pages) == 3.0).all())
+    engine.close()

@@ -64,11 +64,13 @@ class _Broken(CopyEngine):
         super().__init__(device, host)
         self.starts = 0
 
-    def start_write(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Ticket:
+    def start_write(
+        self, device_pages: Sequence[int], host_pages: Sequence[int], *, stream: object = None
+    ) -> Ticket:
         self.starts += 1
         if self.starts == 1:
             raise RuntimeError("driver hiccup")
-        return super().start_write(device_pages, host_pages)
+        return super().start_write(device_pages, host_pages, stream=stream)
 
 
 def test_a_copy_engine_failing_at_flush_logs_the_refusal() -> None:

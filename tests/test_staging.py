@@ -255,7 +255,7 @@ def test_several_chunks_alternate_two_buffers_on_two_streams() -> None:
     eng = engine(fake, pages=16, chunk=2)
     eng.start_write([1, 2, 3, 4, 5, 6], [9, 3, 8, 12, 0, 5])  # three chunks of two pages
     assert eng.poll() == []
-    d2h, h2d, gather = fake.streams
+    d2h, h2d, _, gather = fake.streams  # the third: the engine's ordering stream
     assert gather.pending > 0
     assert d2h.pending > 0
     assert not raw(eng.host, [9, 3]).any()  # nothing ran: it all waits for its event
@@ -272,7 +272,7 @@ def test_a_single_chunk_runs_on_the_direction_stream_alone() -> None:
     eng = engine(fake, pages=16, chunk=8)
     eng.start_write([1, 2], [5, 9])
     eng.poll()
-    assert len(fake.streams) == 2  # no second stream made for a batch of one chunk
+    assert len(fake.streams) == 3  # the engine's ordering stream, no second one for a chunk
     eng.drain()
     assert torch.equal(raw(eng.host, [5, 9]), raw(eng.device, [1, 2]))
 

@@ -109,7 +109,10 @@ def _run(args: argparse.Namespace) -> int:
     elif args.what == "copies":
         from fsm_cache.bench.copies import run_copy_bench
 
-        print(run_copy_bench(quick=args.quick).format())
+        result = run_copy_bench(quick=args.quick)
+        print(result.format())
+        if result.round_trip_exact is False:  # the bytes moved are wrong: no figure counts
+            return 1
     elif args.what == "storage":
         from fsm_cache.bench.storage import run_storage_bench
 

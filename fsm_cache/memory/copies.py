@@ -13,12 +13,18 @@ direction still writes waits for that direction's stream). :class:`~fsm_cache.me
 bytes (as 64-bit words where the page size allows, through reused staging
 buffers, chunk by chunk).
 
-On CUDA each direction has its own streams; a submission first waits for the
-compute stream (a backup must read what compute wrote; a load must not
-overwrite pages compute still reads), and an event recorded after it is what
-:meth:`CopyEngine.poll` queries, so the scheduler never blocks. On CPU the
-same code runs synchronously at submission and its tickets are reported by the
-poll that submitted them.
+On CUDA each direction has its own streams. A copy is ordered after compute
+when it is *started*, not when it is submitted: ``start_*`` makes the
+engine's ordering stream wait for every compute stream the engine knows as
+it stands then (the one named by ``stream=``, else the engine's
+``compute_stream``, else the current stream; and every stream given to
+:meth:`CopyEngine.wait`), and a submission waits for the ordering stream (a
+backup must read what compute wrote before it was started, even when it is
+submitted later, from another thread or under another current stream; a load
+must not overwrite pages compute still reads). An event recorded after the
+submission is what :meth:`CopyEngine.poll` queries, so the scheduler never
+blocks. On CPU the same code runs synchronously at submission and its
+tickets are reported by the poll that submitted them.
 
 Pages named by an in-flight ticket are *busy* until :meth:`CopyEngine.poll`
 has reported that ticket; the cache must not free busy pages.
@@ -109,6 +115,10 @@ class CopyEngine:
             next one; ``k``, the ``k``-th since the batch opened, so the
             backups of ``k`` scheduler steps move together (fewer, larger
             copies; each backup is acknowledged up to ``k - 1`` polls later).
+        compute_stream: The stream that writes and reads the device pool's
+            pages (a serving engine's forward stream), which each copy is
+            ordered after when it starts. None: the device's current stream
+            at each ``start_*``. Ignored without streams (a CPU engine).
 
     The two pools must share one layout (page shape, dtype and bytes per
     page): the engine moves pages as raw words, so pools of two layouts
@@ -124,8 +134,9 @@ class CopyEngine:
         BadArgument: ``device`` or ``host`` is not a pool of its kind (the
             same pool twice, the host pool off the CPU, a device pool on
             neither the CPU nor CUDA), the two pools' layouts differ,
-            ``staging_bytes`` is not an int >= 1, or ``batch_polls`` is not
-            an int >= 1. Nothing is allocated.
+            ``staging_bytes`` is not an int >= 1, ``batch_polls`` is not
+            an int >= 1, or ``compute_stream`` is not a stream. Nothing is
+            allocated.
     """
 
     def __init__(
@@ -136,6 +147,7 @@ class CopyEngine:
         *,
         streams: Streams | None = None,
         batch_polls: int = 1,
+        compute_stream: object | None = None,
     ) -> None:
         _check_pools(device, host)
         if not whole(staging_bytes, 1):
@@ -149,6 +161,7 @@ class CopyEngine:
                 "copy engine: streams must provide new_stream, current_stream, new_event, "
                 f"run_on and synchronize (a Streams), got {type(streams).__name__}"
             )
+        _check_stream("compute_stream", compute_stream)
         self.device = device
         self.host = host
         self.stats = CopyStats()
@@ -166,7 +179,12 @@ class CopyEngine:
         self._open_polls = 0  # polls the open batch has waited
         self._api = streams if streams is not None else CudaStreams() if self.cuda else None
         self._busy = BusyPages(writes=self._api is not None)
+        self._compute = cast("Stream | None", compute_stream)
+        self._consumers: list[Stream] = []  # streams given to wait(): they read the device pages
         self._mover = Mover(device, host, self._chunk, self._api)
+        # Runs nothing: each start makes it wait for the compute streams as they stand then, and
+        # each submission waits for it, so a copy follows the compute queued before its start.
+        self._after = None if self._api is None else self._api.new_stream(device.device)
         # Holds the mover (the pools' memory, the staging buffers, the streams), not the engine.
         self._finalizer = weakref.finalize(self, _abandoned, repr(self), self._pending, self._mover)
 
@@ -177,44 +195,77 @@ class CopyEngine:
             f"{self.host.num_pages} host pages, {streams})"
         )
 
-    def start_write(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Ticket:
+    def start_write(
+        self,
+        device_pages: Sequence[int],
+        host_pages: Sequence[int],
+        *,
+        stream: object | None = None,
+    ) -> Ticket:
         """Start copying ``device_pages`` into ``host_pages``; see :class:`Copier`.
 
         The copy joins the open batch, submitted at the next poll, drain, wait
-        or load, or once the batch fills a staging buffer.
+        or load, or once the batch fills a staging buffer. On streams it reads
+        the pages only after the work queued so far on ``stream`` (None: the
+        engine's ``compute_stream``, else the current stream) and on every
+        stream given to :meth:`wait`, whenever it is submitted.
 
         Raises:
             BadArgument: the pages are not sequences, the lists differ in
-                length, a destination repeats, or a destination is busy with
-                an unreported copy (also a ValueError, as these were).
+                length, a destination repeats, a destination is busy with
+                an unreported copy (also a ValueError, as these were), or
+                ``stream`` is not a stream.
             ForeignSlot: a page is outside its pool.
-            CopyFailed: the engine is closed.
+            CopyFailed: the engine is closed, or the device failed while the
+                copy was being ordered after compute (nothing is started).
         """
-        ticket = self._start(Direction.D2H, device_pages, host_pages)
+        ticket = self._start(Direction.D2H, device_pages, host_pages, stream)
         if self._open_pages >= self._chunk:
             self.submit()
         return ticket
 
-    def start_load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> Ticket:
+    def start_load(
+        self,
+        host_pages: Sequence[int],
+        device_pages: Sequence[int],
+        *,
+        stream: object | None = None,
+    ) -> Ticket:
         """Start copying ``host_pages`` into ``device_pages``; see :class:`Copier`.
 
-        Submitted at once, with the open batch before it.
+        Submitted at once, with the open batch before it. On streams it
+        overwrites the pages only after the work queued so far on ``stream``
+        (as for :meth:`start_write`) and on every stream given to :meth:`wait`.
 
         Raises:
             BadArgument: the pages are not sequences, the lists differ in
-                length, a destination repeats, or a destination is busy with
-                an unreported copy (also a ValueError, as these were).
+                length, a destination repeats, a destination is busy with
+                an unreported copy (also a ValueError, as these were), or
+                ``stream`` is not a stream.
             ForeignSlot: a page is outside its pool.
-            CopyFailed: the engine is closed.
+            CopyFailed: the engine is closed, or the device failed while the
+                copy was being ordered after compute (nothing is started).
         """
-        ticket = self._start(Direction.H2D, host_pages, device_pages)
+        ticket = self._start(Direction.H2D, host_pages, device_pages, stream)
         self.submit()
         return ticket
 
-    def _start(self, direction: Direction, src: Sequence[int], dst: Sequence[int]) -> Ticket:
+    def _start(
+        self, direction: Direction, src: Sequence[int], dst: Sequence[int], stream: object | None
+    ) -> Ticket:
         if self.closed:
             raise CopyFailed(f"copy engine closed: {direction.value} copy refused")
         runs = self._validate(direction, src, dst)
+        if self._api is not None:
+            if stream is not None:
+                _check_stream("stream", stream)
+            try:
+                self._mark(cast("Stream | None", stream))
+            except RuntimeError as exc:  # a broken device: nothing is started
+                raise CopyFailed(
+                    f"copy engine: {direction.value} copy refused: "
+                    f"cannot order it after compute: {exc}"
+                ) from exc
         ticket = Ticket(next(self._ids), direction, tuple(src), tuple(dst), runs)
         self._started = ticket.id
         self._pending[ticket.id] = ticket
@@ -256,6 +307,25 @@ class CopyEngine:
             refuse_busy_destination(direction, dst, busy)
         return src_run, dst_run
 
+    def _mark(self, stream: Stream | None) -> None:
+        """Make the ordering stream wait for each compute stream's work queued so far.
+
+        The point a copy must follow is taken when it starts: an event
+        recorded on each compute stream now, which the ordering stream waits
+        on, and a submission waits for the ordering stream. Never blocks the
+        host; on CUDA a stream's wait holds the event as it was recorded.
+        """
+        api, after = self._api, self._after
+        assert api is not None  # streams only
+        assert after is not None
+        producer = stream if stream is not None else self._compute
+        if producer is None:
+            producer = api.current_stream(self.device.device)
+        after.wait_stream(producer)
+        for consumer in self._consumers:
+            if consumer != producer:
+                after.wait_stream(consumer)
+
     def submit(self) -> None:
         """Move the open batch now: one submission per direction, in start order.
 
@@ -284,9 +354,10 @@ class CopyEngine:
         stream = self._mover.streams.get(direction)
         why = None
         try:
-            if stream is not None and self._api is not None:
-                # D2H: read only what compute has written. H2D: overwrite only what compute has read.
-                stream.wait_stream(self._api.current_stream(self.device.device))
+            if stream is not None and self._after is not None:
+                # D2H: read only what compute had written when the copy started. H2D: overwrite
+                # only what compute had read then.
+                stream.wait_stream(self._after)
                 self._after_writes(direction, stream, src, runs[0] if runs is not None else None)
             self._mover.move(direction, src, dst, runs)
         except Exception as exc:  # any failure to launch fails the tickets; none is left busy
@@ -381,9 +452,15 @@ class CopyEngine:
         ticket's event; tickets already reported are done and need nothing. On
         a CPU engine the submission ran the copies, so nothing more is needed.
 
+        ``stream`` reads the loaded pages, so the engine keeps it among its
+        compute streams: every copy started from now on is ordered after the
+        work queued on it at that start, so a later load into the same pages
+        (freed and handed out again) cannot overwrite them before it has read.
+
         Args:
             ticket_ids: Ids of tickets this engine started.
-            stream: The stream to hold back; None: the device's current stream.
+            stream: The stream to hold back; None: the engine's
+                ``compute_stream``, else the device's current stream.
 
         Returns:
             False when a launch of one of these copies failed (the submission
@@ -392,22 +469,24 @@ class CopyEngine:
 
         Raises:
             BadArgument: an id is not the int id of a ticket this engine started
-                (also a ValueError).
+                (also a ValueError), or ``stream`` is not a stream.
         """
         ids = list(ticket_ids)
         started = self._started
         for i in ids:
             if not (whole(i, 1) and i <= started):
                 raise BadArgument(f"copy: cannot wait for ticket {i!r}: no copy started with it")
+        if stream is not None and self._api is not None:  # a CPU engine has no streams to wait
+            _check_stream("stream", stream)
         self.submit()
         wanted = set(ids)
         ours = [s for s in self._submitted if any(t.id in wanted for t in s.tickets)]
         if self._api is not None:
-            target = (
-                self._api.current_stream(self.device.device)
-                if stream is None
-                else cast("Stream", stream)
-            )
+            target = cast("Stream | None", stream) if stream is not None else self._compute
+            if target is None:
+                target = self._api.current_stream(self.device.device)
+            elif target != self._compute and target not in self._consumers:
+                self._consumers.append(target)
             for submission in ours:
                 if submission.event is not None:
                     target.wait_event(submission.event)
@@ -497,6 +576,22 @@ def _check_pools(device_pool: object, host_pool: object) -> None:
             "allocate it with host_pool(..., pin=True), as Tiers does",
             RuntimeWarning,
             stacklevel=3,
+        )
+
+
+def _check_stream(name: str, stream: object) -> None:
+    """Refuse ``stream`` unless it can be waited on and recorded on, as a stream can.
+
+    Raises:
+        BadArgument: naming the argument and what was given.
+    """
+    if stream is not None and not (
+        callable(getattr(stream, "wait_event", None))
+        and callable(getattr(stream, "wait_stream", None))
+    ):
+        raise BadArgument(
+            f"copy engine: {name} must be a stream (torch.cuda.Stream or the Streams' own), "
+            f"got {type(stream).__name__}"
         )
 
 

@@ -156,7 +156,6 @@ class KVPool:
             (1, 2, 3, 4, 5, 0) if self._page_first else (0, 1, 3, 4, 5, 2)
         )
         self._dest = self.words if self._page_first else self.words.permute(1, 0, 2)
-        self._on_cpu = tensor.device.type == "cpu"
         self._pin_device = pin_device
         self._finalizer: weakref.finalize[..., KVPool] | None = None
         if pinned:
@@ -185,7 +184,7 @@ class KVPool:
         lay = self.layout
         shape = _pool_shape("device", lay, len(pages))
         if idx is None:
-            return torch.empty(shape, dtype=lay.dtype)
+            return torch.empty(shape, dtype=lay.dtype, device="cpu")
         data = self.pages.index_select(0, idx).permute(1, 2, 0, 3, 4, 5)
         return data.reshape(*shape[:-1], -1).view(lay.dtype).to("cpu")
 
@@ -313,8 +312,7 @@ class KVPool:
         """``pages`` (ints, not empty) as an index on the pool's device, after their bounds."""
         if not (min(pages) >= 0 and max(pages) < self.num_pages):
             self.check_pages(pages)
-        idx = torch.frombuffer(array("q", pages), dtype=torch.int64)
-        return idx if self._on_cpu else idx.to(self.device)
+        return upload(torch.frombuffer(array("q", pages), dtype=torch.int64), self.device)
 
     def check_pages(self, pages: Sequence[int]) -> None:
         """Refuse ``pages`` unless each is an int (a bool is not) in ``0..num_pages - 1``.
@@ -517,6 +515,21 @@ def _host_pages(
     return int(device_pages * ratio)
 
 
+def upload(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Return ``index``, a CPU tensor, on ``device``, without blocking the host.
+
+    A copy from pageable memory to CUDA blocks the host until the stream has
+    run it (a hidden synchronisation on every call): on CUDA ``index`` is
+    pinned first and uploaded with ``non_blocking``, on the current stream.
+    The pinned buffer is kept from reuse until that copy has run.
+    """
+    if device.type == "cpu":
+        return index
+    if device.type == "cuda":  # CUDA only
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
+
+
 def _pin_device(device: torch.device | None) -> torch.device:
     """The CUDA device to register under: ``device`` with its index, else the current one."""
     if device is not None and device.type == "cuda" and device.index is not None:
@@ -545,7 +558,7 @@ def alloc_exact_host(
     Raises:
         PinnedMemoryError: ``cudaHostRegister`` failed.
     """
-    tensor = torch.empty(tuple(shape), dtype=dtype)
+    tensor = torch.empty(tuple(shape), dtype=dtype, device="cpu")  # whatever the default device
     if pin and tensor.numel():
         register_host(tensor, device)
     return tensor

@@ -36,7 +36,7 @@ from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
-from fsm_cache.memory.kv import KVPool
+from fsm_cache.memory.kv import KVPool, upload
 from fsm_cache.memory.pages import run_start
 from fsm_cache.memory.tickets import Direction, host_runs
 
@@ -120,8 +120,13 @@ class CudaStreams:  # CUDA only: tested by the gpu-marked tests, faked on CPU by
         return stream
 
     def new_event(self) -> Event:
-        """Return ``torch.cuda.Event()`` (timing off: the cheapest kind)."""
-        event: Event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        """Return ``torch.cuda.Event(blocking=True)`` (timing off: the cheapest kind).
+
+        Blocking: a host that waits on it (``drain``, ``close``) sleeps until
+        the device signals it instead of spinning a core the scheduler and the
+        other ranks need; ``query``, what ``poll`` calls, is the same either way.
+        """
+        event: Event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         return event
 
     def run_on(self, stream: Stream, work: Callable[[], None]) -> None:
@@ -143,13 +148,9 @@ def page_index(pages: Sequence[int], device: torch.device) -> torch.Tensor:
     """Return ``pages`` as an int64 index tensor on ``device``.
 
     Built from an ``array`` (several times cheaper than ``torch.tensor`` of a
-    list). On CUDA it is pinned first and uploaded without blocking, on the
-    current stream: a pageable source would make the upload block the host.
+    list), and uploaded without blocking the host (:func:`~fsm_cache.memory.kv.upload`).
     """
-    index = torch.frombuffer(array.array("q", pages), dtype=torch.int64)
-    if device.type == "cuda":  # CUDA only
-        return index.pin_memory().to(device, non_blocking=True)
-    return index
+    return upload(torch.frombuffer(array.array("q", pages), dtype=torch.int64), device)
 
 
 class Mover:

@@ -19,7 +19,14 @@ import torch
 from fsm_cache.engine.trail import choose
 from fsm_cache.errors import ConfigError, PageBusy
 from fsm_cache.memory.copies import CopyEngine
-from fsm_cache.memory.kv import KVLayout, KVPool, default_device, device_pool, host_pool
+from fsm_cache.memory.kv import (
+    KVLayout,
+    KVPool,
+    default_device,
+    device_pool,
+    host_pool,
+    upload,
+)
 from fsm_cache.memory.pages import PageAllocator
 from fsm_cache.memory.tickets import Copier
 from fsm_cache.numeric import real, whole
@@ -459,7 +466,7 @@ def synthetic_kv(layout: KVLayout, tokens: Sequence[int]) -> torch.Tensor:
     kv = _pattern(layout, _CPU).kv(tokens)
     # a copy with every stride canonical: contiguous() keeps a size-1 dimension's stride,
     # and a last one other than 1 would refuse a byte view
-    return torch.empty(kv.shape, dtype=kv.dtype).copy_(kv)
+    return torch.empty(kv.shape, dtype=kv.dtype, device=_CPU).copy_(kv)
 
 
 def _wrap(value: int) -> int:
@@ -511,7 +518,6 @@ class _Pattern:
         self.layout, self.device = layout, device
         lay, ps = layout, layout.page_size
         self._dims = (lay.layers, lay.planes, lay.heads, lay.head_dim)
-        self._on_cpu = device.type == "cpu"
         inner, blocks = lay.heads * lay.head_dim, lay.layers * lay.planes
         # where each (layer, plane) block starts reading the circular pattern
         step = _DIGITS + 1 if inner >= _DIGITS else inner + _DIGITS  # see synthetic_kv
@@ -558,9 +564,7 @@ class _Pattern:
         """
         n, ps = len(tokens), self.layout.page_size
         # ids up to 2**64 - 1, read as int64: the code's arithmetic is modulo 2**64 either way
-        ids = torch.frombuffer(array("Q", tokens), dtype=torch.int64)
-        if not self._on_cpu:
-            ids = ids.to(self.device)
+        ids = upload(torch.frombuffer(array("Q", tokens), dtype=torch.int64), self.device)
         if not self.starts:
             if ps > 1:  # [page_size, 1, 1, pages]: each token under its position, by page
                 ids = ids.as_strided((ps, 1, 1, n // ps), (1, 1, 1, ps))
