@@ -34,7 +34,6 @@ refusal's traceback shows the generated line that refused.
 
 from __future__ import annotations
 
-import reprlib
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -716,11 +715,8 @@ _BUILT: Final = {
 
 
 def _fixed(name: str, value: object, why: str) -> ReadOnlyAttribute:
-    """Return the error for assigning ``value`` to the engine's ``name``, fixed when it was built.
-
-    The value is shortened as :func:`reprlib.repr` does: a system's repr runs to pages.
-    """
-    return ReadOnlyAttribute(f"Engine.{name} cannot be set (to {reprlib.repr(value)}): {why}")
+    """Return the error for assigning ``value`` to the engine's ``name``, fixed when it was built."""
+    return ReadOnlyAttribute.assigned(f"Engine.{name}", value, why)
 
 
 def _unknown_effects(system: System, unknown: Sequence[object]) -> str:

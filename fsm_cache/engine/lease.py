@@ -15,7 +15,6 @@ records whose hold counters (pins, locks) are still up, lease or no lease.
 
 from __future__ import annotations
 
-import reprlib
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -273,10 +272,8 @@ _BOOKS: weakref.WeakSet[LeaseBook] = weakref.WeakSet()
 
 def _fixed(name: str, value: object) -> ReadOnlyAttribute:
     """Return the error for assigning ``value`` to a lease's ``name``, fixed when it was taken."""
-    return ReadOnlyAttribute(
-        f"Lease.{name} cannot be set (to {reprlib.repr(value)}): a lease is the receipt of"
-        " what was taken; take another lease"
-    )
+    why = "a lease is the receipt of what was taken; take another lease"
+    return ReadOnlyAttribute.assigned(f"Lease.{name}", value, why)
 
 
 def open_leases() -> list[Lease]:
