@@ -59,6 +59,7 @@ the refused call, and the message ends with that account
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -320,6 +321,16 @@ class ParentLoop(BadArgument):
 
 class ReadOnlyAttribute(FsmCacheError, AttributeError):
     """An attribute fixed when its object was built was assigned; nothing changed."""
+
+    @classmethod
+    def assigned(cls, attribute: str, value: object, why: str) -> ReadOnlyAttribute:
+        """Return the error for assigning ``value`` to ``attribute`` (``Engine.trail``).
+
+        Every such message reads ``Engine.trail cannot be set (to True): WHY``;
+        the value is shortened as :func:`reprlib.repr` does (a system's repr
+        runs to pages).
+        """
+        return cls(f"{attribute} cannot be set (to {reprlib.repr(value)}): {why}")
 
 
 class StaleNode(FsmCacheError):

@@ -260,9 +260,23 @@ class Residency:
         return self.engine.allowed(rec, event)
 
     def lease(self, rec: ResidencyRecord, kind: Literal["pin", "lock"] = "pin") -> Lease:
-        """Pin (or lock) ``rec`` and return the receipt that undoes it exactly once."""
-        undo = "release" if kind == "pin" else "unlock"
-        return self.engine.lease(rec, kind, undo)
+        """Pin (or lock) ``rec`` and return the receipt that undoes it exactly once.
+
+        Raises:
+            BadArgument: ``kind`` is neither ``"pin"`` nor ``"lock"`` (it used
+                to be leased with ``unlock`` as its release, and refused by
+                :meth:`~fsm_cache.engine.core.Engine.lease` naming a release
+                the caller never wrote); nothing was fired.
+            IllegalTransition: As for :meth:`~fsm_cache.engine.core.Engine.lease`.
+        """
+        if kind == "pin":
+            return self.engine.lease(rec, "pin", "release")
+        if kind == "lock":
+            return self.engine.lease(rec, "lock", "unlock")
+        raise BadArgument(
+            f"Residency.lease: kind must be 'pin' or 'lock', got {kind!r}; lease another"
+            " event with Residency.engine.lease(rec, acquire, release)"
+        )
 
 
 _default: list[Residency] = []

@@ -25,7 +25,7 @@ from fsm_cache.errors import (
     ReadOnlyAttribute,
 )
 from fsm_cache.spec.loader import spec_from_dict
-from fsm_cache.spec.shipped import residency_system
+from fsm_cache.spec.shipped import load_shipped, residency_system
 
 
 pytestmark = pytest.mark.timeout(60)  # the old code walked a looping chain for ever
@@ -344,3 +344,50 @@ def test_trail_and_history_cannot_be_assigned(name: str, value: object) -> None:
     node = Node(engine, 1)
     engine.fire(node, "lock")
     assert node.trail is None  # still no trail mode
+
+
+def test_the_system_the_record_class_and_the_lease_book_cannot_be_assigned() -> None:
+    """``system``, ``Record`` and ``leases`` used to be plain attributes, silently replaced.
+
+    A replaced system changed what messages and :meth:`Engine.bad_record` read
+    but not the compiled functions; a replaced book forgot the leases handed
+    out, so ``init`` no longer voided them and a stale lease released the pin
+    of the record's next life.
+    """
+    engine = Engine(residency_system(), trail=False)
+    system, book, record = engine.system, engine.leases, engine.Record
+    rec = engine.new(1)
+    rec.host = "backed"
+    lease = engine.lease(rec)
+    tries: list[tuple[str, object, str]] = [
+        (
+            "system",
+            load_shipped("host_residency"),
+            "Engine.system cannot be set (to MachineSpec(n...sidency.toml')): the engine's"
+            " functions were compiled from it; build another Engine(spec)",
+        ),
+        (
+            "Record",
+            dict,
+            "Engine.Record cannot be set (to <class 'dict'>): the engine's functions"
+            " were compiled for its records; build another Engine(spec) for another record class",
+        ),
+        (
+            "leases",
+            None,
+            "Engine.leases cannot be set (to None): the engine opens its"
+            " leases in it and init voids them there; release them, or void them with"
+            " Engine.leases.void(site)",
+        ),
+    ]
+    for name, value, message in tries:
+        with pytest.raises(ReadOnlyAttribute) as info:
+            setattr(engine, name, value)
+        assert str(info.value) == message
+        assert isinstance(info.value, AttributeError)
+    assert (engine.system, engine.leases, engine.Record) == (system, book, record)
+    assert type(engine.new(2)) is record
+    engine.init(rec, 1)
+    assert not lease.held  # the engine's own book voided it
+    engine.foo = 1  # type: ignore[attr-defined]  # what the engine is not built with is the caller's
+    assert engine.foo == 1  # type: ignore[attr-defined]

@@ -22,6 +22,7 @@ from fsm_cache.errors import (
     BadArgument,
     EffectFailed,
     LeaseError,
+    ReadOnlyAttribute,
     ReleaseAtZero,
     SpecError,
     error_class,
@@ -591,3 +592,30 @@ def test_held_records_ignores_objects_that_only_look_like_records(engine: Engine
     derived.id, derived.state = 2, "pinned"
     assert held_records([engine]) == []
     assert (fake.pins, derived.pins) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("record", None), ("event", "lock"), ("label", "job"), ("serial", 0)]
+)
+def test_what_a_lease_says_cannot_be_assigned(engine: Engine, name: str, value: object) -> None:
+    """A lease is the receipt of what was taken: its record, event, label and serial are fixed.
+
+    They were plain slots: a lease given another record released that
+    record's pin, one given another event passed for a lock receipt, and a
+    smaller serial made a later lease the oldest one a record released first.
+    """
+    rec = backed(engine)
+    first, lease = engine.lease(rec), engine.lease(rec)
+    with pytest.raises(ReadOnlyAttribute) as info:
+        setattr(lease, name, value)
+    assert str(info.value) == (
+        f"Lease.{name} cannot be set (to {value!r}): a lease is the receipt of what was taken;"
+        " take another lease"
+    )
+    assert isinstance(info.value, AttributeError)
+    assert (lease.record, lease.event, lease.label) == (rec, "pin", "node")
+    assert (first.serial, lease.serial) == (1, 2)
+    assert engine.leases.oldest(rec, "pin") is first
+    lease.release()
+    first.release()
+    assert (rec.state, rec.pins) == ("backed", 0)

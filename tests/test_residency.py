@@ -384,3 +384,32 @@ class TestConstruction:
             f"node 3: host 'nope' is not a state of host_residency ({HOST_STATES})"
         )
         assert node.residency() == "nope/resident (pins=0, locks=0)"
+
+
+@pytest.mark.parametrize("kind", ["load", "write", "release", "unlock", ["pin", "pin"], None])
+def test_a_lease_of_a_kind_that_is_neither_pin_nor_lock_is_refused(kind: object) -> None:
+    """Any kind but ``pin`` was leased with ``unlock`` as its release.
+
+    ``lease(rec, "load")`` was refused by the engine for a release the caller
+    never wrote (``unlock gives back locks of device, not what load takes``);
+    ``lease(rec, ["pin", "pin"])`` for an event that is no str.
+    """
+    res = Residency(trail=True)
+    rec = ResidencyRecord(4, host="backed")
+    with pytest.raises(BadArgument) as caught:
+        res.lease(rec, kind)  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        f"Residency.lease: kind must be 'pin' or 'lock', got {kind!r}; lease another event"
+        " with Residency.engine.lease(rec, acquire, release)"
+    )
+    assert (rec.host, rec.device, rec.pins, rec.locks, rec.trail) == (
+        "backed",
+        "resident",
+        0,
+        0,
+        None,
+    )
+    assert res.engine.leases.outstanding() == []
+    with res.lease(rec, "lock"), res.lease(rec):
+        assert (rec.host, rec.pins, rec.locks) == ("pinned", 1, 1)
+    assert (rec.host, rec.pins, rec.locks) == ("backed", 0, 0)

@@ -38,7 +38,7 @@ import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from functools import cached_property
-from typing import Any, Never
+from typing import TYPE_CHECKING, Any, Final, Never
 
 from fsm_cache.engine import trail as trails
 from fsm_cache.engine.codegen import Compiled, Plan, Refusal, Refuser, Step, Verb, compile_system
@@ -91,11 +91,11 @@ class Engine:
         audit: Deprecated spelling of ``trail`` (warns); to be removed.
 
     Attributes:
-        system: The compiled system.
-        trail: Whether the engine runs in trail mode (read-only: see below).
+        system: The compiled system (read-only: see below).
+        trail: Whether the engine runs in trail mode (read-only).
         history: How many events each record's trail keeps (read-only).
-        leases: The leases :meth:`lease` handed out and not yet released.
-        Record: The slotted record class; :meth:`new` builds one.
+        leases: The leases :meth:`lease` handed out and not yet released (read-only).
+        Record: The slotted record class; :meth:`new` builds one (read-only).
 
     Raises:
         BadArgument: ``spec`` is no machine or composition, ``effects`` no
@@ -110,9 +110,13 @@ class Engine:
         ConfigError: ``trail`` and ``audit`` both given and different, or
             ``FSM_CACHE_TRAIL`` and ``FSM_CACHE_AUDIT`` disagree.
 
-    ``trail`` and ``history`` are compiled into the engine's functions, so
-    assigning either later raises :class:`~fsm_cache.errors.ReadOnlyAttribute`
-    rather than changing nothing.
+    What the engine is built with is fixed: ``system``, ``trail`` and
+    ``history`` are compiled into its functions, ``Record`` is the class of
+    their records, and ``leases`` is the book its leases are opened in (and
+    :meth:`init` voids them in). Assigning any of them later raises
+    :class:`~fsm_cache.errors.ReadOnlyAttribute` rather than changing nothing
+    or something else: a replaced book would keep :meth:`init` from voiding
+    the leases it forgot.
     """
 
     def __init__(
@@ -129,11 +133,11 @@ class Engine:
         unusable = layout_problems(spec)
         if unusable:
             raise SpecError(unusable)
-        self.system: System = as_system(spec)
+        self.system: Final[System] = as_system(spec)
         chosen = trails.choose(trail, audit, "Engine", stacklevel=2)
         self._trail = trails.from_environment(stacklevel=2) if chosen is None else chosen
         self._history = min(history, sys.maxsize)  # a deque's longest; more would overflow it
-        self.leases = LeaseBook()
+        self.leases: Final[LeaseBook] = LeaseBook()
         self._pairs: dict[tuple[str, str], str | None] = {}
         """Why each (acquire, release) pair :meth:`lease` was given does not pair, or None."""
         self._effects = self._bind(effects)
@@ -150,7 +154,23 @@ class Engine:
             for event in self.system.event_names
         }
         self._direct = {**self._verbs, **self._compiled.direct} if self.trail else self._verbs
-        self.Record = _record_class(self.system)
+        self.Record: Final[type] = _record_class(self.system)
+
+    if not TYPE_CHECKING:  # mypy would take any attribute for settable, a typo included
+
+        def __setattr__(self, name: str, value: object) -> None:
+            """Set ``name``, unless it is one of :data:`_BUILT` and the engine already has it.
+
+            Plain attributes rather than properties: reading ``engine.leases`` (the
+            cache does per lock) stays an attribute read; only an assignment pays.
+
+            Raises:
+                ReadOnlyAttribute: ``name`` is fixed when the engine is built; nothing changed.
+            """
+            why = _BUILT.get(name)
+            if why is not None and name in self.__dict__:
+                raise _fixed(name, value, why)
+            object.__setattr__(self, name, value)
 
     @property
     def trail(self) -> bool:
@@ -163,7 +183,7 @@ class Engine:
 
     @trail.setter
     def trail(self, value: Never) -> None:  # Never: mypy refuses the assignment too
-        raise _fixed("trail", value)
+        raise _fixed("trail", value, _COMPILED_WITH.format(name="trail"))
 
     @property
     def history(self) -> int:
@@ -176,7 +196,7 @@ class Engine:
 
     @history.setter
     def history(self, value: Never) -> None:  # Never: mypy refuses the assignment too
-        raise _fixed("history", value)
+        raise _fixed("history", value, _COMPILED_WITH.format(name="history"))
 
     @property
     def audit(self) -> bool:
@@ -679,12 +699,24 @@ def _check_arguments(
         raise BadArgument(f"Engine: history must be an int >= 0, got {history!r}")
 
 
-def _fixed(name: str, value: object) -> ReadOnlyAttribute:
+_COMPILED_WITH = (
+    "the engine's functions were compiled with {name}; build another Engine(spec, {name}=...)"
+)
+"""Why a setting compiled into the engine's functions (``trail``, ``history``) cannot be set."""
+
+_BUILT: Final = {
+    "system": "the engine's functions were compiled from it; build another Engine(spec)",
+    "Record": "the engine's functions were compiled for its records;"
+    " build another Engine(spec) for another record class",
+    "leases": "the engine opens its leases in it and init voids them there;"
+    " release them, or void them with Engine.leases.void(site)",
+}
+"""Why each plain attribute the engine is built with cannot be set (:meth:`Engine.__setattr__`)."""
+
+
+def _fixed(name: str, value: object, why: str) -> ReadOnlyAttribute:
     """Return the error for assigning ``value`` to the engine's ``name``, fixed when it was built."""
-    return ReadOnlyAttribute(
-        f"Engine.{name} cannot be set (to {value!r}): the engine's functions were compiled"
-        f" with {name}; build another Engine(spec, {name}=...)"
-    )
+    return ReadOnlyAttribute.assigned(f"Engine.{name}", value, why)
 
 
 def _unknown_effects(system: System, unknown: Sequence[object]) -> str:

@@ -19,10 +19,10 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Never
 
 from fsm_cache.engine import trail
-from fsm_cache.errors import BadArgument, LeaseError
+from fsm_cache.errors import BadArgument, LeaseError, ReadOnlyAttribute
 
 
 if TYPE_CHECKING:
@@ -36,39 +36,91 @@ class Lease:
     """One held acquisition of ``acquire`` on a record, released by ``release()``.
 
     Attributes:
-        record: The record the lease holds.
+        record: The record the lease holds (read-only, as are the next three).
         event: The acquiring event (``pin``, ``lock``).
+        label: How the record is called in messages (``node``).
+        serial: The lease's number in its book, in the order they were taken.
         taken_at: Where the lease was taken.
         released_at: Where it was released, or None while held.
+
+    A lease is the receipt of what was taken, so what it says is fixed:
+    assigning ``record``, ``event``, ``label`` or ``serial`` raises
+    :class:`~fsm_cache.errors.ReadOnlyAttribute`. They used to be plain
+    slots, and a lease given another record released that record's pin.
+    The slots are private and read directly by :meth:`release`, so a
+    release costs no more; other code reads them through properties.
     """
 
     __slots__ = (
         "__weakref__",
         "_book",
         "_busy",
+        "_event",
+        "_label",
+        "_record",
         "_release",
         "_released",
+        "_serial",
         "_taken",
-        "event",
-        "label",
-        "record",
-        "serial",
     )
 
     def __init__(
-        self, record: Any, release: Callable[[Any], None], event: str, label: str, book: LeaseBook
+        self,
+        record: Any,
+        release: Callable[[Any], None],
+        event: str,
+        label: str,
+        book: LeaseBook,
+        *,
+        serial: int = 0,
     ) -> None:
-        self.record = record
+        self._record = record
         self._release = release
-        self.event = event
-        self.label = label
+        self._event = event
+        self._label = label
         # the sites are kept as code and offset, and rendered only when asked for
         self._taken = trail.caller_spot()
         self._released: trail.Spot | trail.Site | None = None
         self._book = book
         self._busy = False
         """Whether ``release()`` is firing the release now (an effect of it may call it again)."""
-        self.serial = 0
+        self._serial = serial
+
+    @property
+    def record(self) -> Any:
+        """The record the lease holds."""
+        return self._record
+
+    @record.setter
+    def record(self, value: Never) -> None:  # Never: mypy refuses the assignment too
+        raise _fixed("record", value)
+
+    @property
+    def event(self) -> str:
+        """The acquiring event (``pin``, ``lock``)."""
+        return self._event
+
+    @event.setter
+    def event(self, value: Never) -> None:
+        raise _fixed("event", value)
+
+    @property
+    def label(self) -> str:
+        """How the record is called in messages (``node``)."""
+        return self._label
+
+    @label.setter
+    def label(self, value: Never) -> None:
+        raise _fixed("label", value)
+
+    @property
+    def serial(self) -> int:
+        """The lease's number in its book: leases taken later have larger ones."""
+        return self._serial
+
+    @serial.setter
+    def serial(self, value: Never) -> None:
+        raise _fixed("serial", value)
 
     @property
     def taken_at(self) -> trail.Site:
@@ -119,11 +171,11 @@ class Lease:
         """
         if self._released is not None or self._busy:
             done = "is being released" if self._busy else f"already released at {self.released_at}"
-            msg = f"{self.label} {self.record.id}: lease ({self.event} taken at {self.taken_at}) {done}"
+            msg = f"{self._label} {self._record.id}: lease ({self._event} taken at {self.taken_at}) {done}"
             raise LeaseError(msg)
         self._busy = True
         try:
-            self._release(self.record)
+            self._release(self._record)
         finally:
             self._busy = False
         self._released = trail.caller_spot()
@@ -147,11 +199,11 @@ class Lease:
         # lock to deadlock on), and record before warning, which may raise.
         if getattr(self, "_released", True) is not None:
             return
-        dropped = Dropped(self.label, self.record.id, self.event, self.taken_at)
+        dropped = Dropped(self._label, self._record.id, self._event, self.taken_at)
         if _DROPS.recording:
             _DROPS.entries.append(dropped)
         warnings.warn(
-            f"{self.label} {dropped.ident}: lease ({self.event} taken at {self.taken_at}) "
+            f"{self._label} {dropped.ident}: lease ({self._event} taken at {self.taken_at}) "
             "was never released",
             ResourceWarning,
             stacklevel=1,
@@ -159,7 +211,7 @@ class Lease:
 
     def __repr__(self) -> str:
         state = "held" if self.held else f"released at {self.released_at}"
-        return f"<Lease {self.event} on {self.label} {self.record.id}, taken at {self.taken_at}, {state}>"
+        return f"<Lease {self._event} on {self._label} {self._record.id}, taken at {self.taken_at}, {state}>"
 
 
 class LeaseBook:
@@ -173,9 +225,8 @@ class LeaseBook:
 
     def open(self, record: Any, release: Callable[[Any], None], event: str, label: str) -> Lease:
         """Record and return a new held lease on ``record``."""
-        lease = Lease(record, release, event, label, self)
         self._serial += 1
-        lease.serial = self._serial
+        lease = Lease(record, release, event, label, self, serial=self._serial)
         self._open.add(lease)
         return lease
 
@@ -217,6 +268,12 @@ class LeaseBook:
 
 
 _BOOKS: weakref.WeakSet[LeaseBook] = weakref.WeakSet()
+
+
+def _fixed(name: str, value: object) -> ReadOnlyAttribute:
+    """Return the error for assigning ``value`` to a lease's ``name``, fixed when it was taken."""
+    why = "a lease is the receipt of what was taken; take another lease"
+    return ReadOnlyAttribute.assigned(f"Lease.{name}", value, why)
 
 
 def open_leases() -> list[Lease]:

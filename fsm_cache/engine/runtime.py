@@ -32,6 +32,7 @@ __all__ = [
     "meddled",
     "no_effect",
     "parent_in",
+    "parent_loop",
     "run_effect",
 ]
 
@@ -86,13 +87,22 @@ def looped(chain: Sequence[tuple[Any, ...]], label: str, event: str) -> None:
     first: dict[int, int] = {}
     for index, entry in enumerate(chain):
         if first.setdefault(id(entry[0]), index) != index:
-            names = [f"{label} {each[0].id}" for each in chain[: index + 1]]
-            if len(names) > 8:
-                names[4:-3] = ["..."]
-            raise ParentLoop(
-                f"{names[0]}: its parent chain loops ({' -> '.join(names)});"
-                f" {event} was not applied"
-            )
+            raise parent_loop([each[0] for each in chain[: index + 1]], label, event)
+
+
+def parent_loop(walked: Sequence[Any], label: str, event: str) -> ParentLoop:
+    """Return the ParentLoop of a walk that took ``walked``, the last a repeat of an earlier one.
+
+    One message for the engine (:func:`looped`) and the reference executor
+    (:mod:`fsm_cache.testing.reference`), which finds the repeat its own way.
+    The records up to the repeat are named, the middle of a long walk elided.
+    """
+    names = [f"{label} {rec.id}" for rec in walked]
+    if len(names) > 8:
+        names[4:-3] = ["..."]
+    return ParentLoop(
+        f"{names[0]}: its parent chain loops ({' -> '.join(names)}); {event} was not applied"
+    )
 
 
 class Reentry(Exception):

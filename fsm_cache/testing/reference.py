@@ -12,7 +12,12 @@ directly from the :class:`~fsm_cache.spec.machine.System`:
 * an event fires in every region that declares it and is legal only if all of
   them allow it (a synchronous product);
 * a transition with ``propagate = "ancestors"`` makes the same step on every
-  ancestor, all checked before any record changes;
+  ancestor, all checked before any record changes; a parent chain that loops
+  is refused with :class:`~fsm_cache.errors.ParentLoop` where the walk first
+  comes back to a record, once every record before it passed (the engine
+  looks for the repeat only every :data:`~fsm_cache.engine.runtime.WALK`
+  records, but an ancestor answers the same each time it is walked, so the
+  outcome is the same: the nearest refusal, else the loop);
 * effects run after every check passed and before the commit; one raising
   leaves every record unchanged and raises :class:`EffectFailed`.
 
@@ -39,6 +44,7 @@ except ModuleNotFoundError as exc:  # an optional dependency: say which extra br
     ) from exc
 
 from fsm_cache.engine.core import Effect
+from fsm_cache.engine.runtime import parent_loop
 from fsm_cache.errors import EffectFailed, IllegalTransition, SpecError, error_class
 from fsm_cache.spec.guards import Condition
 from fsm_cache.spec.machine import (
@@ -109,6 +115,8 @@ class Reference:
             IllegalTransition: The spec refuses it; no record changed.
             EffectFailed: An effect raised; no record changed.
             SpecError: No region declares ``event``.
+            ParentLoop: The event propagates and ``rec``'s parent chain loops,
+                and no record before the repeat refused it; no record changed.
         """
         plans = self._plans(rec, event)
         for target, scratch in plans:
@@ -121,7 +129,11 @@ class Reference:
                     setattr(target, counter, getattr(scratch, counter))
 
     def allowed(self, rec: Any, event: str) -> bool:
-        """Return whether ``event`` would be accepted now, changing nothing."""
+        """Return whether ``event`` would be accepted now, changing nothing.
+
+        Raises:
+            ParentLoop: As for :meth:`fire` (a looping chain is no answer).
+        """
         try:
             self._plans(rec, event)
         except IllegalTransition:
@@ -134,8 +146,13 @@ class Reference:
         first = self._step(rec, event)
         plans = [(rec, first)]
         if any(t.propagate == "ancestors" for t in first.chosen):
+            taken = {id(rec)}  # the records are alive, so their ids are their own
             node = getattr(rec, "parent", None)
             while node is not None:
+                if id(node) in taken:
+                    walked = [target for target, _ in plans]
+                    raise parent_loop([*walked, node], self.system.label, event)
+                taken.add(id(node))
                 plans.append((node, self._step(node, event)))
                 node = getattr(node, "parent", None)
         return plans
