@@ -1447,6 +1447,27 @@ def test_a_store_whose_acknowledgements_are_refused_is_found(tmp_path: Path) -> 
     assert result.trace[-2:] == ["node 0: store", "node 1: discover"]
 
 
+STORE_WITHOUT_COPY = BUGS / "store_without_copy.toml"
+
+
+def test_the_stores_reports_are_the_events_its_region_alone_declares() -> None:
+    """A ``store`` that starts no copy still takes a host pin: the cache's act, not the store's word."""
+    shipped = Layout.of(as_system(load_spec(STORAGE))).memory
+    assert shipped.reports == {"storage": frozenset({"discover", "vanish"})}
+    mutant = Layout.of(as_system(load_spec(STORE_WITHOUT_COPY))).memory
+    assert "store" not in mutant.acks  # it starts no copy, so nothing acknowledges one
+    assert mutant.reports == {"storage": frozenset({"discover", "vanish"})}
+
+
+def test_a_store_that_never_copies_claims_pages_nobody_wrote() -> None:
+    result = check.check_spec(STORE_WITHOUT_COPY, 2, Bounds({"locks": 1}))
+    assert result.violation == (
+        "valid data: node 0: storage storing claims valid storage pages, but the node holds "
+        "no storage pages"
+    )
+    assert result.trace == ["start: chain", "node 0: write", "node 0: write_done", "node 0: store"]
+
+
 def test_the_two_storage_machines_alone_are_checked_cheaply() -> None:
     for name in ("storage_residency.toml", "host_storage_residency.toml"):
         result = check.check_spec(spec_dir() / name, 4, Bounds({"pins": 2}))

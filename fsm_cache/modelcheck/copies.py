@@ -35,12 +35,15 @@ another held state claims valid data, the rest claim no pages.
 
 The storage tier is the store's, not the cache's (:data:`REMOTE`): the store
 may drop pages at any time and may hold pages this cache never wrote. An
-event of its region that runs no effect and acknowledges no copy reports
-what the store did, and the pages follow what its new state claims
+event of its region alone that runs no effect and acknowledges no copy
+reports what the store did, and the pages follow what its new state claims
 (``discover``: the store holds them; ``vanish``: it dropped them), checked
 as any take or free is: no pages appear where the node holds some, none
-vanish while a copy reads or writes them. A failed store leaves no pages
-the cache holds.
+vanish while a copy reads or writes them. An event another region declares
+too (``store`` takes a host pin) is the cache's own: it moves the store's
+pages by its effects alone, so a ``store`` that marks the node stored
+without starting a copy leaves the state claiming pages nobody wrote. A
+failed store leaves no pages the cache holds.
 """
 
 from __future__ import annotations
@@ -175,7 +178,7 @@ class Memory:
         tiers: The tiers (regions) whose memory is kept, in order.
         copying: Per tier, its region's copying states, each with the copy that fills the tier there.
         acks: The acknowledgement events, each with its copy and outcome.
-        reports: Per remote tier, the events of its region by which the store reports what it did.
+        reports: Per remote tier, the events of its region alone by which the store reports what it did.
         unfailing: One finding per copy that events end, but none in a
             failure (:func:`_unfailing`).
     """
@@ -214,8 +217,14 @@ class Memory:
                     empty = all(t.dest not in HELD[region] for t in trs)
                     acks[event] = Ack(copy, region, not (frees or empty))
         moves = {t.event for _, m in system.regions for t in m.transitions if t.effect in EFFECTS}
+        # An event another region declares too is the cache's own, not the store's word.
         reports = {
-            tier: frozenset(e for e in regions[tier].event_names if e not in {*acks, *moves})
+            tier: frozenset(
+                e
+                for e in regions[tier].event_names
+                if e not in {*acks, *moves}
+                and not any(e in m.event_names for r, m in system.regions if r != tier)
+            )
             for tier in tiers
             if tier in REMOTE
         }
