@@ -44,6 +44,12 @@ too (``store`` takes a host pin) is the cache's own: it moves the store's
 pages by its effects alone, so a ``store`` that marks the node stored
 without starting a copy leaves the state claiming pages nobody wrote. A
 failed store leaves no pages the cache holds.
+
+A copy to or from the store ends for good when it fails (:func:`final`):
+the storage tier never copies again (a later lookup starts a new copy),
+where a copy between the cache's own tiers whose failure the spec refuses is
+copied again. Liveness asks that every state settle with those copies
+failing (:attr:`Memory.final_successes`).
 """
 
 from __future__ import annotations
@@ -106,6 +112,18 @@ def filling(copy: Copy) -> str:
 def failed(copy: Copy) -> str:
     """Return the status of pages ``copy`` left when it failed: ``failed from`` the tier it read."""
     return f"{FAILED} from {copy.reads}"
+
+
+def final(copy: Copy) -> bool:
+    """Whether a failure of ``copy`` is final: it reads or fills a tier the store owns.
+
+    The store may have dropped the pages a read wants, or refuse the pages a
+    write brings, for good, so the storage tier does not copy again: its
+    failure acknowledgement is the only way the copy ends. A copy between
+    the cache's own tiers still has its source (a load's pin holds the host
+    copy), and the cache copies again where the spec refuses its failure.
+    """
+    return copy.reads in REMOTE or copy.fills in REMOTE
 
 
 def kind(status: object) -> str:
@@ -247,6 +265,16 @@ class Memory:
         if not self.tiers:
             return ()
         return (*(self.claims(t, states[t]) for t in self.tiers), "")
+
+    @property
+    def final_successes(self) -> frozenset[str]:
+        """The success acknowledgements of copies whose failure is final (:func:`final`).
+
+        A copy that failed never completes, so where such a copy fails, its
+        failure acknowledgement alone can end it: liveness asks that every
+        state settle without these events too.
+        """
+        return frozenset(e for e, a in self.acks.items() if a.ok and final(a.copy))
 
     def failure(self, event: str) -> bool:
         """Whether ``event`` acknowledges a copy's failure (the cache may copy again instead)."""
