@@ -18,6 +18,14 @@ request locked it) is copied again by the cache, deepest nodes failed first
 (``transfers``): in the model the node stays as it is, a step that changes
 nothing, so the retry adds no edge and the copy may still complete.
 
+A copy to or from the store is not copied again when it fails (the storage
+tier starts a new copy at a later lookup, if any), so its failure
+acknowledgement is the only way a failed one ends. Once every state settles,
+a second pass leaves out the steps that complete such a copy
+(:func:`passes`): every state must also settle where those copies fail, or
+a refused ``fetch_failed`` leaves a node ``fetching`` for ever while the
+first pass counts on a ``fetch_done`` that a failed read never sends.
+
 The explored graph is finite, so deciding it is linear in states and
 settling steps (:func:`settles`: in order of what is left to settle, or a
 backward breadth-first search from the settled states). A stuck state is reported with the shortest

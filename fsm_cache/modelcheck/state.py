@@ -343,8 +343,8 @@ class Choices:
     """What the cache chooses to do among the steps the spec allows, under a write policy.
 
     Without a policy, every step the spec allows may happen, and copies are
-    acknowledged one node at a time in any order, but for one thing no policy
-    changes: a fetch from storage lands its pages in order, so its success
+    acknowledged one node at a time in any order, but for one: a fetch from
+    storage lands its pages in order (as under a policy, below), so its success
     (``fetch_done``) is not fired at a node whose parent's host copy is still
     being fetched (a split of a node being fetched, or a node fetched below
     one): the parent's share lands first (:attr:`ordered`). The cache
