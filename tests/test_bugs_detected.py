@@ -44,6 +44,8 @@ STORAGE_CLASSES = {
     "fetch_failed_after_done.toml": "valid data",  # SGLang #13483: freed on both paths
     "store_ack_applied_whole.py": "valid data",  # SGLang #39444: a partial store acked whole
     "fetch_ignores_parent.toml": "invariant 2",  # fetched under a parent nobody holds
+    "store_without_copy.toml": "valid data",  # marked stored, no copy ever started
+    "fetch_failed_refused_on_device.toml": "liveness",  # a failed read that can never end
 }
 """The storage tier's bug classes (issue 16), each caught by the model checker."""
 

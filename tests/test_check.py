@@ -19,7 +19,7 @@ from fsm_cache.modelcheck import check, copies, invariants, liveness, lookup, pr
 from fsm_cache.modelcheck.copies import VALID
 from fsm_cache.modelcheck.explore import Bounds, Explorer
 from fsm_cache.modelcheck.forest import Trees
-from fsm_cache.modelcheck.state import Layout, NodeEntry, canonical
+from fsm_cache.modelcheck.state import Choices, Layout, NodeEntry, canonical
 from fsm_cache.modelcheck.traces import label
 from fsm_cache.policy import WritePolicy
 from fsm_cache.residency import DEVICE_READABLE
@@ -1445,6 +1445,63 @@ def test_a_store_whose_acknowledgements_are_refused_is_found(tmp_path: Path) -> 
         "there (pins=1)"
     )
     assert result.trace[-2:] == ["node 0: store", "node 1: discover"]
+
+
+STORE_WITHOUT_COPY = BUGS / "store_without_copy.toml"
+FETCH_FAILED_ON_DEVICE = BUGS / "fetch_failed_refused_on_device.toml"
+
+
+def test_the_stores_reports_are_the_events_its_region_alone_declares() -> None:
+    """A ``store`` that starts no copy still takes a host pin: the cache's act, not the store's word."""
+    shipped = Layout.of(as_system(load_spec(STORAGE))).memory
+    assert shipped.reports == {"storage": frozenset({"discover", "vanish"})}
+    mutant = Layout.of(as_system(load_spec(STORE_WITHOUT_COPY))).memory
+    assert "store" not in mutant.acks  # it starts no copy, so nothing acknowledges one
+    assert mutant.reports == {"storage": frozenset({"discover", "vanish"})}
+
+
+def test_a_store_that_never_copies_claims_pages_nobody_wrote() -> None:
+    result = check.check_spec(STORE_WITHOUT_COPY, 2, Bounds({"locks": 1}))
+    assert result.violation == (
+        "valid data: node 0: storage storing claims valid storage pages, but the node holds "
+        "no storage pages"
+    )
+    assert result.trace == ["start: chain", "node 0: write", "node 0: write_done", "node 0: store"]
+
+
+def test_the_failure_pass_leaves_out_the_steps_that_complete_a_copy_to_or_from_the_store() -> None:
+    """``~state`` marks a step completing such a copy: taken in the first pass, left out in the second."""
+    first, dst = array("l", [0, 2, 3, 3]), array("l", [1, ~2, ~2])
+    (every_first, every), (kept_first, kept) = liveness.passes(first, dst)
+    assert (list(every_first), list(every)) == ([0, 2, 3, 3], [1, 2, 2])
+    assert (list(kept_first), list(kept)) == ([0, 1, 1, 1], [1])
+    storage = Layout.of(as_system(load_spec(STORAGE))).memory
+    assert storage.final_successes == {"store_done", "fetch_done"}
+    assert RESIDENCY.memory.final_successes == frozenset()  # a load or a backup is copied again
+
+
+def test_a_fetch_whose_failure_is_refused_for_good_is_found_though_it_may_complete() -> None:
+    """The storage tier never copies again after a failed fetch: its fetch_failed must come."""
+    result = check.check_spec(FETCH_FAILED_ON_DEVICE, 2, Bounds({"locks": 1}))
+    assert result.violation == (
+        "liveness: node 1: its storage-to-host copy can never fail (fetch_failed: DeviceHoldsKV)"
+    )
+    assert result.trace[-2:] == ["node 1: fetch", "node 1: adopt"]
+
+
+def test_a_read_lands_in_order_so_a_suffix_never_lands_above_a_prefix_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Why ``Choices.ordered``: a suffix landed first keeps its prefix from failing (NotAHostLeaf)."""
+    layout = Layout.of(as_system(load_spec(STORAGE)))
+    assert Choices.of(layout, None).ordered == {"fetch_done": "fetching"}
+    assert Choices.of(RESIDENCY, None).ordered == {}
+    monkeypatch.setattr(Choices, "behind", lambda *_: False)
+    result = check.check_spec(STORAGE, 2, Bounds({"locks": 1}))
+    assert result.violation == (
+        "liveness: node 1: its storage-to-host copy can never fail (fetch_failed: NotAHostLeaf)"
+    )
+    assert result.trace[-2:] == ["split node 0: prefix node 1", "node 0: fetch_done"]
 
 
 def test_the_two_storage_machines_alone_are_checked_cheaply() -> None:

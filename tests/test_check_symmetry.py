@@ -205,6 +205,7 @@ LIVENESS = {
     "write_ack_waits_for_children.toml": 2,
     "fetch_ignores_parent.toml": 2,
     "evict_prefetch_anchor.toml": 2,
+    "fetch_failed_refused_on_device.toml": 2,
 }
 """Controls found only once every state is explored, or deep in a three-region space, on a
 tree small enough to keep the test short (the finding may name another node there)."""
@@ -280,7 +281,11 @@ def _replay_labels(replay: Replay, start: Nodes, labels: list[str]) -> Nodes:
 UNTRACED = {"write_failed_keeps_pages.toml", "load_failed_keeps_pages.toml"}
 """Controls found in the spec before anything is explored (a copy that cannot fail): no trace."""
 
-BORN = {"evict_prefetch_anchor.toml", "evict_storage_while_reading.toml"}
+BORN = {
+    "evict_prefetch_anchor.toml",
+    "evict_storage_while_reading.toml",
+    "fetch_failed_refused_on_device.toml",
+}
 """Controls whose trace hangs a node born in storage (found in the store, then fetched)."""
 
 
@@ -305,7 +310,8 @@ def test_a_printed_trace_replays_by_its_node_numbers(control: Control, symmetry:
     explorer = Explorer(layout, _bounds(path, nodes), ops, policy, symmetry=symmetry)
     end = _replay_labels(explorer.replay, start, result.trace[1:])
     liveness = (result.violation or "").startswith("liveness: ")
-    found = explorer.stuck(end) if liveness else explorer.finding(end)
+    failed = "can never fail" in (result.violation or "")  # the pass where store copies fail
+    found = explorer.stuck(end, failed=failed) if liveness else explorer.finding(end)
     assert found == result.violation
     assert (explorer.finding(end) is None) is liveness  # a stuck state keeps every invariant
     born = any("born" in line for line in result.trace)

@@ -35,12 +35,21 @@ another held state claims valid data, the rest claim no pages.
 
 The storage tier is the store's, not the cache's (:data:`REMOTE`): the store
 may drop pages at any time and may hold pages this cache never wrote. An
-event of its region that runs no effect and acknowledges no copy reports
-what the store did, and the pages follow what its new state claims
+event of its region alone that runs no effect and acknowledges no copy
+reports what the store did, and the pages follow what its new state claims
 (``discover``: the store holds them; ``vanish``: it dropped them), checked
 as any take or free is: no pages appear where the node holds some, none
-vanish while a copy reads or writes them. A failed store leaves no pages
-the cache holds.
+vanish while a copy reads or writes them. An event another region declares
+too (``store`` takes a host pin) is the cache's own: it moves the store's
+pages by its effects alone, so a ``store`` that marks the node stored
+without starting a copy leaves the state claiming pages nobody wrote. A
+failed store leaves no pages the cache holds.
+
+A copy to or from the store ends for good when it fails (:func:`final`):
+the storage tier never copies again (a later lookup starts a new copy),
+where a copy between the cache's own tiers whose failure the spec refuses is
+copied again. Liveness asks that every state settle with those copies
+failing (:attr:`Memory.final_successes`).
 """
 
 from __future__ import annotations
@@ -103,6 +112,18 @@ def filling(copy: Copy) -> str:
 def failed(copy: Copy) -> str:
     """Return the status of pages ``copy`` left when it failed: ``failed from`` the tier it read."""
     return f"{FAILED} from {copy.reads}"
+
+
+def final(copy: Copy) -> bool:
+    """Whether a failure of ``copy`` is final: it reads or fills a tier the store owns.
+
+    The store may have dropped the pages a read wants, or refuse the pages a
+    write brings, for good, so the storage tier does not copy again: its
+    failure acknowledgement is the only way the copy ends. A copy between
+    the cache's own tiers still has its source (a load's pin holds the host
+    copy), and the cache copies again where the spec refuses its failure.
+    """
+    return copy.reads in REMOTE or copy.fills in REMOTE
 
 
 def kind(status: object) -> str:
@@ -175,7 +196,7 @@ class Memory:
         tiers: The tiers (regions) whose memory is kept, in order.
         copying: Per tier, its region's copying states, each with the copy that fills the tier there.
         acks: The acknowledgement events, each with its copy and outcome.
-        reports: Per remote tier, the events of its region by which the store reports what it did.
+        reports: Per remote tier, the events of its region alone by which the store reports what it did.
         unfailing: One finding per copy that events end, but none in a
             failure (:func:`_unfailing`).
     """
@@ -214,8 +235,14 @@ class Memory:
                     empty = all(t.dest not in HELD[region] for t in trs)
                     acks[event] = Ack(copy, region, not (frees or empty))
         moves = {t.event for _, m in system.regions for t in m.transitions if t.effect in EFFECTS}
+        # An event another region declares too is the cache's own, not the store's word.
         reports = {
-            tier: frozenset(e for e in regions[tier].event_names if e not in {*acks, *moves})
+            tier: frozenset(
+                e
+                for e in regions[tier].event_names
+                if e not in {*acks, *moves}
+                and not any(e in m.event_names for r, m in system.regions if r != tier)
+            )
             for tier in tiers
             if tier in REMOTE
         }
@@ -238,6 +265,16 @@ class Memory:
         if not self.tiers:
             return ()
         return (*(self.claims(t, states[t]) for t in self.tiers), "")
+
+    @property
+    def final_successes(self) -> frozenset[str]:
+        """The success acknowledgements of copies whose failure is final (:func:`final`).
+
+        A copy that failed never completes, so where such a copy fails, its
+        failure acknowledgement alone can end it: liveness asks that every
+        state settle without these events too.
+        """
+        return frozenset(e for e, a in self.acks.items() if a.ok and final(a.copy))
 
     def failure(self, event: str) -> bool:
         """Whether ``event`` acknowledges a copy's failure (the cache may copy again instead)."""

@@ -43,18 +43,25 @@ from fsm_cache.modelcheck.traces import Replay, TraceStep
 from fsm_cache.policy import WritePolicy, wants_backup
 
 
-Move = tuple[str, tuple[int, ...], bool, bool]
+Move = tuple[str, tuple[int, ...], bool, int]
 """An enabled event at a node: its name, the new locals of the node and the ancestors
 it changed (nearest first), whether one of them holds its data nowhere, and whether it
-settles (:func:`~fsm_cache.modelcheck.liveness.settling`)."""
-Successor = tuple[TraceStep, int, bool, bool]
+settles (:data:`SETTLES`, :data:`COMPLETES` or 0)."""
+Successor = tuple[TraceStep, int, bool, int]
 """An event step in a root subtree: the step, the new subtree (before pruning), whether to
-prune, and whether it settles (:func:`~fsm_cache.modelcheck.liveness.settling`)."""
+prune, and whether it settles (:data:`SETTLES`, :data:`COMPLETES` or 0)."""
 Root = tuple[list[Successor], bool]
 """A root subtree's event steps, and whether a node in it answers wrongly: accepts a
 give-back its clients do not hold, refuses one they hold, or is looked up wrongly."""
-Edge = tuple[TraceStep, Forest, bool]
-"""A step from a state: the step, the state it leads to, and whether it settles."""
+Edge = tuple[TraceStep, Forest, int]
+"""A step from a state: the step, the state it leads to, and whether it settles (as :data:`Move`)."""
+
+SETTLES = 1
+"""A settling step (:func:`~fsm_cache.modelcheck.liveness.settling`) that a failed copy may take too."""
+COMPLETES = -1
+"""A settling step that completes a copy whose failure is final
+(:attr:`~fsm_cache.modelcheck.copies.Memory.final_successes`): where that copy
+failed it never comes, so the failure pass of liveness leaves it out."""
 
 
 TIME_STATES = 16
@@ -195,6 +202,7 @@ class Explorer:
         self.policy = policy
         self.match: lookup.Lookup = getattr(ops, "match_prefix", lookup.match_prefix)
         self.settling = liveness.settling(layout)
+        self.completes = layout.memory.final_successes & self.settling
         self.looks = lookup.applies(layout)
         self.trees = Trees(layout, symmetry=symmetry)
         choices = Choices.of(layout, policy, getattr(ops, "wants_backup", wants_backup))
@@ -286,7 +294,8 @@ class Explorer:
         early = self._at_start(forests, parents, steps, starts, budget)
         if early is not None:
             return early
-        # The settling steps of state s lead to dst[first[s]:first[s + 1]].
+        # The settling steps of state s lead to dst[first[s]:first[s + 1]]; one that
+        # completes a copy whose failure is final is stored as ~state (COMPLETES).
         first, dst = array("l"), array("l")
         settle, passes = dst.append, self.passes
         at = 0
@@ -296,7 +305,7 @@ class Explorer:
                 found = index.get(nxt)
                 if found is not None:
                     if settles:
-                        settle(found)
+                        settle(found if settles > 0 else ~found)
                     continue
                 found = index[nxt] = len(forests)
                 if found >= pace.due:
@@ -309,7 +318,7 @@ class Explorer:
                 if not passes(nxt):
                     return self._found(parents, steps, starts, found, forests)
                 if settles:
-                    settle(found)
+                    settle(found if settles > 0 else ~found)
             at += 1
             if at >= pace.timed:
                 short = pace.expanded(at, len(forests))
@@ -505,9 +514,15 @@ class Explorer:
     def _moves(self, chain: tuple[int, ...]) -> list[Move]:
         """Return the enabled events at the node of context ``chain`` (then its ancestors')."""
         return [
-            (event, lids, any(self._dataless(i) for i in lids), event in self.settling)
+            (event, lids, any(self._dataless(i) for i in lids), self._settles(event))
             for event, lids in self.answers.moves(chain)
         ]
+
+    def _settles(self, event: str) -> int:
+        """Return whether ``event`` settles: :data:`SETTLES`, :data:`COMPLETES` or 0."""
+        if event not in self.settling:
+            return 0
+        return COMPLETES if event in self.completes else SETTLES
 
     def _step(self, node: int, event: str) -> TraceStep:
         """Return the step firing ``event`` at ``node``, one shared tuple per pair (states keep millions)."""
@@ -650,14 +665,19 @@ class Explorer:
             or lookup.first_violation(self.layout, nodes, self.match)
         )
 
-    def stuck(self, nodes: Nodes) -> str:
-        """Describe the flat state ``nodes``, which cannot settle (:func:`~fsm_cache.modelcheck.liveness.stuck`)."""
+    def stuck(self, nodes: Nodes, *, failed: bool = False) -> str:
+        """Describe the flat state ``nodes``, which cannot settle (:func:`~fsm_cache.modelcheck.liveness.stuck`).
+
+        ``failed``: it cannot settle where the copies whose failure is final
+        fail (it can where they complete).
+        """
         replay = self.replay
         return liveness.stuck(
             self.layout,
             nodes,
             lambda at, i, event: replay.apply(at, ("event", i, event)),
             replay.refusal,
+            without=self.completes if failed else frozenset(),
         )
 
     def _live(
@@ -670,6 +690,11 @@ class Explorer:
     ) -> Result:
         """Return the first state that cannot settle, with its trace, or a clean result.
 
+        Where some copy's failure is final (a copy to or from the store), a
+        state that settles must also settle where those copies fail: a second
+        pass leaves out the steps that complete them
+        (:func:`~fsm_cache.modelcheck.liveness.passes`).
+
         Args:
             forests: The explored states, in breadth-first order.
             edges: The settling steps: per state the offset of its first one,
@@ -680,22 +705,36 @@ class Explorer:
         """
         weight = self._weight
         unsettled = array("l", (sum(weight(sid) for sid in f) for f in forests))
+        every, failing = liveness.passes(*edges) if self.completes else (edges, None)
+        first, past = self._unsettled(forests, unsettled, every)
+        if first >= 0:
+            lines, nodes = self._trace(parents, steps, starts, first)
+            return Result(len(forests), self.stuck(nodes), lines, past_ceiling=past)
+        if failing is not None:  # every state settles; does it where final copies fail?
+            first, _ = self._unsettled(forests, unsettled, failing)
+            if first >= 0:
+                lines, nodes = self._trace(parents, steps, starts, first)
+                found = self.stuck(nodes, failed=True)
+                return Result(len(forests), found, lines, past_ceiling=past)
+        return Result(len(forests), past_ceiling=past)
+
+    def _unsettled(
+        self, forests: list[Forest], unsettled: array[int], edges: tuple[array[int], array[int]]
+    ) -> tuple[int, int]:
+        """Return the first state that cannot settle by ``edges`` (-1: none), and how many past the ceilings.
+
+        A state that settles only past a ceiling (a settling step there is cut)
+        is taken to settle: its weight in ``unsettled`` is set to 0.
+        """
         good = liveness.settles(unsettled, *edges)
         first = good.find(0)
-        if first < 0:
-            return Result(len(forests))
-        past = 0
-        if self.past:  # a ceiling cut settling steps: what lies past it is taken to settle
-            for i, forest in enumerate(forests):
-                if not good[i] and any(sid in self.past for sid in forest):
-                    unsettled[i] = 0
-            hoped = liveness.settles(unsettled, *edges)
-            first = hoped.find(0)
-            past = sum(hoped) - sum(good)
-            if first < 0:
-                return Result(len(forests), past_ceiling=past)
-        lines, nodes = self._trace(parents, steps, starts, first)
-        return Result(len(forests), self.stuck(nodes), lines, past_ceiling=past)
+        if first < 0 or not self.past:
+            return first, 0
+        for i, forest in enumerate(forests):
+            if not good[i] and any(sid in self.past for sid in forest):
+                unsettled[i] = 0
+        hoped = liveness.settles(unsettled, *edges)
+        return hoped.find(0), sum(hoped) - sum(good)
 
     def _weight(self, sid: int) -> int:
         """Return the copies in flight and holds of subtree ``sid`` (tabled; 0: settled)."""

@@ -18,6 +18,14 @@ request locked it) is copied again by the cache, deepest nodes failed first
 (``transfers``): in the model the node stays as it is, a step that changes
 nothing, so the retry adds no edge and the copy may still complete.
 
+A copy to or from the store is not copied again when it fails (the storage
+tier starts a new copy at a later lookup, if any), so its failure
+acknowledgement is the only way a failed one ends. Once every state settles,
+a second pass leaves out the steps that complete such a copy
+(:func:`passes`): every state must also settle where those copies fail, or
+a refused ``fetch_failed`` leaves a node ``fetching`` for ever while the
+first pass counts on a ``fetch_done`` that a failed read never sends.
+
 The explored graph is finite, so deciding it is linear in states and
 settling steps (:func:`settles`: in order of what is left to settle, or a
 backward breadth-first search from the settled states). A stuck state is reported with the shortest
@@ -73,6 +81,25 @@ def settles(weight: array[int], first: array[int], dst: array[int]) -> bytearray
     return good
 
 
+def passes(
+    first: array[int], dst: array[int]
+) -> tuple[tuple[array[int], array[int]], tuple[array[int], array[int]]]:
+    """Return the settling steps of the two passes: every one, and those a failed copy may take.
+
+    ``dst`` holds ``~state`` for a step that completes a copy whose failure
+    is final (:attr:`~fsm_cache.modelcheck.copies.Memory.final_successes`):
+    the first pass takes it to ``state``, the second leaves it out, so that
+    every state must also settle where those copies fail.
+    """
+    every = array("l", (d if d >= 0 else ~d for d in dst))
+    kept_first, kept = array("l"), array("l")
+    for state in range(len(first) - 1):
+        kept_first.append(len(kept))
+        kept.extend(d for d in dst[first[state] : first[state + 1]] if d >= 0)
+    kept_first.append(len(kept))
+    return (first, every), (kept_first, kept)
+
+
 def backward(weight: array[int], first: array[int], dst: array[int]) -> bytearray:
     """Return, per state, whether it reaches a settled state: a backward breadth-first search.
 
@@ -121,15 +148,27 @@ def settling(layout: Layout) -> frozenset[str]:
     return frozenset({*layout.memory.acks, *gives})
 
 
-def stuck(layout: Layout, nodes: Nodes, apply: Apply, refusal: Refusal, limit: int = 64) -> str:
+def stuck(
+    layout: Layout,
+    nodes: Nodes,
+    apply: Apply,
+    refusal: Refusal,
+    limit: int = 64,
+    *,
+    without: frozenset[str] = frozenset(),
+) -> str:
     """Describe a stuck state: which node cannot settle, and why.
 
     Settling steps are taken from ``nodes`` while one is fired (all lead to
     stuck states too) and none repeats a state, at most ``limit``; then the
     first node with a copy in flight or a hold is named, with the engine's
-    answer to each of its settling events.
+    answer to each of its settling events. ``without``: the settling events
+    left out, the success acknowledgements of copies whose failure is final
+    (a state that settles only if such a copy completes): the first node
+    where one is in flight is named, with the engine's answer to its failure
+    acknowledgements.
     """
-    events = settling(layout)
+    events = settling(layout) - without
     seen = {nodes}
     for _ in range(limit):
         nxt = next(
@@ -146,6 +185,14 @@ def stuck(layout: Layout, nodes: Nodes, apply: Apply, refusal: Refusal, limit: i
             break
         seen.add(nxt)
         nodes = nxt
+    for i, entry in enumerate(nodes):
+        if entry is None or not without:
+            continue
+        for copy in layout.memory.in_flight(layout.pages(entry)):
+            acks = [e for e, a in layout.memory.acks.items() if a.copy == copy]
+            if without.intersection(acks):
+                why = _answers(nodes, i, [e for e in acks if e not in without], refusal)
+                return f"liveness: node {i}: its {copy.name} copy can never fail ({why})"
     for i, entry in enumerate(nodes):
         if entry is None or not layout.unsettled(entry):
             continue
@@ -164,7 +211,7 @@ def _pending(layout: Layout, entry: tuple[int | str, ...], events: frozenset[str
     out = [
         event
         for event, ack in layout.memory.acks.items()
-        if ack.copy in layout.memory.in_flight(layout.pages(entry))
+        if event in events and ack.copy in layout.memory.in_flight(layout.pages(entry))
     ]
     out += [
         event

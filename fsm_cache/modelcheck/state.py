@@ -343,7 +343,15 @@ class Choices:
     """What the cache chooses to do among the steps the spec allows, under a write policy.
 
     Without a policy, every step the spec allows may happen, and copies are
-    acknowledged one node at a time in any order. Under a write policy:
+    acknowledged one node at a time in any order, but for one: a fetch from
+    storage lands its pages in order (as under a policy, below), so its success
+    (``fetch_done``) is not fired at a node whose parent's host copy is still
+    being fetched (a split of a node being fetched, or a node fetched below
+    one): the parent's share lands first (:attr:`ordered`). The cache
+    acknowledges a read's nodes top down, the landed prefix first, and
+    fails the rest (``storage_tier``); a suffix landed above a prefix still
+    in flight would keep the prefix's failure from ever being applied
+    (``NotAHostLeaf``), which no cache reaches. Under a write policy:
 
     * a backup (:data:`BACKUP`) starts only where
       :func:`fsm_cache.policy.wants_backup` says so (the model asks it for a
@@ -370,11 +378,15 @@ class Choices:
             where ``write`` leads; ``fetch_done``: ``fetching``, where ``fetch``
             leads, since pages land in order: a fetch fails node by node, deepest
             first). A pin taken while a copy is in flight stays in that state.
+        ordered: Without a policy, the events acknowledging a fetch's success,
+            each with the host state of a fetch in flight (``fetch_done``:
+            ``fetching``): not fired at a node whose parent is in that state.
     """
 
     policy: WritePolicy | None = None
     joined: Mapping[str, str] = field(default_factory=dict)
     wants: Wants = wants_backup
+    ordered: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, layout: Layout, policy: WritePolicy | None, wants: Wants = wants_backup) -> Choices:
@@ -387,7 +399,7 @@ class Choices:
             SpecError: A policy is given for a spec whose nodes are not residency records.
         """
         if policy is None:
-            return cls()
+            return cls(ordered=_landed(layout, PREFETCH, True) if layout.has("host") else {})
         if not layout.residency:
             missing = [
                 *(f"no {r} region" for r in RESIDENCY_REGIONS if not layout.has(r)),
@@ -399,15 +411,7 @@ class Choices:
                     f"regions with pins and locks counters ({', '.join(missing)})"
                 ]
             )
-        host = layout.system.machines["host"].transitions
-        joined: dict[str, str] = {}
-        for start, landed_only in ((BACKUP, False), (PREFETCH, True)):
-            copying = next((t.dest for t in host if t.event == start), None)
-            for t in host:
-                if copying not in t.sources or t.dest == copying or t.event == start:
-                    continue
-                if not (landed_only and layout.memory.failure(t.event)):
-                    joined[t.event] = str(copying)
+        joined = {**_landed(layout, BACKUP, False), **_landed(layout, PREFETCH, True)}
         return cls(policy, joined, wants)
 
     def fires(self, layout: Layout, event: str, node: NodeEntry, parent: NodeEntry | None) -> bool:
@@ -421,6 +425,11 @@ class Choices:
             return parent_allows_backup(self.policy, view)
         return self.wants(self.policy, view, 1)
 
+    def behind(self, event: str, parent: str | None) -> bool:
+        """Whether ``event`` waits for the parent's share of a fetch to land (``parent``: its host state)."""
+        copying = self.ordered.get(event)
+        return copying is not None and copying == parent
+
     def waits(self, event: str, children: list[str]) -> bool:
         """Whether ``event`` waits for a child's: the node shares its copy with a child (host states)."""
         copying = self.joined.get(event)
@@ -430,6 +439,21 @@ class Choices:
         """Whether ``event``, acknowledging the copy of a child, applies to ``ancestor`` too."""
         copying = self.joined.get(event)
         return copying is not None and layout.state(ancestor, "host") == copying
+
+
+def _landed(layout: Layout, start: str, landed_only: bool) -> dict[str, str]:
+    """Return the host events that end the copy ``start`` begins, each with its copying state.
+
+    ``landed_only``: only those that report its success (a failure is applied node by node).
+    """
+    host = layout.system.machines["host"].transitions
+    copying = next((t.dest for t in host if t.event == start), None)
+    return {
+        t.event: str(copying)
+        for t in host
+        if copying in t.sources and t.dest != copying and t.event != start
+        if not (landed_only and layout.memory.failure(t.event))
+    }
 
 
 def _residency(layout: Layout, entry: NodeEntry) -> tuple[HostState, DeviceState]:

@@ -125,10 +125,11 @@ class Replay:
 
     def _chosen(self, nodes: Nodes, index: int, event: str) -> bool:
         """Whether the cache fires ``event`` at node ``index`` itself (its policy, its copies)."""
-        if self.choices.policy is None:
-            return True  # any step the spec allows
         entry = _at(nodes, index)
         parent = int(entry[0])
+        if self.choices.policy is None:  # any step the spec allows, a read landing in order
+            above = self.layout.state(_at(nodes, parent), "host") if parent >= 0 else None
+            return not self.choices.behind(event, above)
         if not self.choices.fires(
             self.layout, event, entry, nodes[parent] if parent >= 0 else None
         ):
