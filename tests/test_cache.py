@@ -668,10 +668,12 @@ def test_reset_voids_receipts_taken_before() -> None:
     with pytest.raises(LeaseError) as caught:
         cache.unlock(lock)
     assert str(caught.value) == (
-        f"node 1: lease (lock taken at {lock.taken_at}) already released at {lock.released_at}"
+        f"node 1: lease (lock taken at {lock.taken_at}) was voided at {lock.released_at}:"
+        " what it held was reset"
     )
     assert lock.released_at is not None
     assert lock.released_at.function == "test_reset_voids_receipts_taken_before"
+    assert repr(lock).endswith(f"was voided at {lock.released_at}: what it held was reset>")
     assert cache.tree.nodes[1].locks == 0
 
 

@@ -399,7 +399,7 @@ def test_init_voids_the_leases_held_on_the_record_it_starts_afresh(engine: Engin
     where = "test_init_voids_the_leases_held_on_the_record_it_starts_afresh"
     assert str(info.value) == (
         f"node 7: lease (pin taken at {stale.taken_at}) "
-        f"already released at {HERE}:{started} in {where}"
+        f"was voided at {HERE}:{started} in {where}: what it held was reset"
     )
     assert (rec.state, rec.pins) == ("pinned", 1)
     assert engine.leases.outstanding() == [kept]

@@ -170,7 +170,7 @@ class Lease:
                 :meth:`~fsm_cache.engine.core.Engine.fire`); the lease is still held.
         """
         if self._released is not None or self._busy:
-            done = "is being released" if self._busy else f"already released at {self.released_at}"
+            done = "is being released" if self._busy else self._ended()
             msg = f"{self._label} {self._record.id}: lease ({self._event} taken at {self.taken_at}) {done}"
             raise LeaseError(msg)
         self._busy = True
@@ -180,6 +180,12 @@ class Lease:
             self._busy = False
         self._released = trail.caller_spot()
         self._book.closed(self)
+
+    def _ended(self) -> str:
+        """Say how a lease no longer held ended: released, or voided by its book (a reset)."""
+        if isinstance(self._released, trail.Site):
+            return f"was voided at {self._released}: what it held was reset"
+        return f"already released at {self.released_at}"
 
     def __enter__(self) -> Lease:
         return self
@@ -210,7 +216,7 @@ class Lease:
         )
 
     def __repr__(self) -> str:
-        state = "held" if self.held else f"released at {self.released_at}"
+        state = "held" if self.held else self._ended().removeprefix("already ")
         return f"<Lease {self._event} on {self._label} {self._record.id}, taken at {self.taken_at}, {state}>"
 
 
