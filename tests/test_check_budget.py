@@ -328,6 +328,21 @@ def test_a_tree_past_max_nodes_is_refused_before_anything_runs(
     assert str(refused.value) == f"check: nodes must be at most 128, got 129 ({why})"
 
 
+@pytest.mark.parametrize("flag", ["--max-pins", "--max-locks", "--max-count"])
+def test_a_counter_bound_past_max_bound_is_refused_before_anything_runs(
+    capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    """--max-count 1000000 ran for minutes into gigabytes and printed nothing."""
+    why = "each value of a counter is a state of its own on every node"
+    status = main(["check", str(RESIDENCY), flag, "65", "--max-states", "1"])
+    assert (status, *capsys.readouterr()) == (
+        2,
+        "",
+        f"error: check: {flag} must be at most 64, got 65 ({why})\n",
+    )
+    assert check.MAX_BOUND == 64
+
+
 def test_the_largest_tree_is_set_up_checked_and_traced(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

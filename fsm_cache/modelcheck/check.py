@@ -135,6 +135,19 @@ from a few hundred nodes), and with millions of nodes for minutes and
 gigabytes.
 """
 
+MAX_BOUND = 64
+"""The largest counter bound ``check`` takes (``--max-pins``, ``--max-locks``, ``--max-count``).
+
+Every value of a counter is a state of its own on every node, so a bound
+multiplies the space by itself once per node: 3 nodes of ``residency.toml``
+with pins up to 3 are about 700 thousand states. A bound past this one is a
+slip (``--max-count 1000000``), which ran for minutes into gigabytes with
+nothing to say.
+"""
+
+TOO_HIGH_A_BOUND = "each value of a counter is a state of its own on every node"
+"""Why :data:`MAX_BOUND` bounds the counter bounds, as a refusal of a higher one says."""
+
 MAX_STARTS = 100_000
 """The most starting trees :func:`shapes` builds: a spec without host and device regions
 starts each node fresh or born, so its births multiply the starting trees per node."""
@@ -797,7 +810,7 @@ def handle(args: argparse.Namespace) -> int:
 
     Raises:
         SpecError: ``--nodes`` is below 1 or above :data:`MAX_NODES`, a
-            counter bound is negative, or ``--no-controls`` is given to a run
+            counter bound is negative or above :data:`MAX_BOUND`, or ``--no-controls`` is given to a run
             that has no controls (one of SPEC arguments or ``--ops``);
             nothing is loaded or checked. Or the
             ``--ops`` module names another spec or policy than the command
@@ -816,6 +829,11 @@ def handle(args: argparse.Namespace) -> int:
     for flag, value, bound in least:
         if value is not None and value < bound:
             raise SpecError([f"check: {flag} must be >= {bound}, got {value}"])
+    for flag, value, _ in least[1:4]:
+        if value is not None and value > MAX_BOUND:
+            raise SpecError(
+                [f"check: {flag} must be at most {MAX_BOUND}, got {value} ({TOO_HIGH_A_BOUND})"]
+            )
     if args.nodes is not None and args.nodes > MAX_NODES:
         raise SpecError(
             [f"check: --nodes must be at most {MAX_NODES}, got {args.nodes} ({TOO_MANY_NODES})"]
