@@ -111,12 +111,15 @@ def test_every_input_finds_code_that_reads_children_otherwise_than_any(
 def test_crosshair_finds_code_that_reads_only_the_first_child(tmp_path: Path) -> None:
     """The two-region composition is proved by CrossHair: it is given two children as well."""
     module = generate(residency_system(), spec_dir() / "residency.toml")
-    reading = ("evict_host", "load_failed", "evict_device")
+    reading = ("evict_device",)  # the cheapest to search of the three that read a child
     path = _slipped(tmp_path, module, "first")
-    # keep the functions that read a child, so CrossHair searches those alone
-    head, *checked = path.read_text().split("\n\n\n\n")
-    kept = [block for block in checked if any(f"def _event_{e}(" in block for e in reading)]
-    path.write_text("\n\n\n\n".join([head, *kept]))
+    # keep, of the checked functions, one that reads a child, so CrossHair searches it alone
+    blocks = path.read_text().split("\n\n\n\n")
+    kept = [
+        b for b in blocks if "def _event_" not in b or any(f"def _event_{e}(" in b for e in reading)
+    ]
+    assert len(kept) == len(blocks) - len(module.functions) + len(reading)
+    path.write_text("\n\n\n\n".join(kept))
     rows = [
         module.reported(r) for r in crosshair_run.prove("residency", path, crosshair_run.Options())
     ]
@@ -124,9 +127,9 @@ def test_crosshair_finds_code_that_reads_only_the_first_child(tmp_path: Path) ->
     assert {(r.function, r.contract, r.status) for r in bad} == {
         (event, "the step follows the spec", crosshair_run.COUNTEREXAMPLE) for event in reading
     }
-    for row in bad:
-        assert "child1_" in row.detail, row
-        assert "child2_" in row.detail, row
+    # the one family the slip answers otherwise: a child off the device before one on it
+    (row,) = bad
+    assert row.detail.endswith(", DeviceState.absent, DeviceState.resident)"), row
     assert {r.status for r in rows if not r.failed} == {crosshair_run.CONFIRMED}
 
 
