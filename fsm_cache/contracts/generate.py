@@ -11,9 +11,10 @@ For a spec, :func:`generate` writes a self-contained Python module holding:
 * the same tree tests the engine's code calls (``_parent_in``, ``_child_in``),
   imported from :mod:`fsm_cache.engine.runtime`, not copied;
 * one top-level function per event, ``_event_<event>`` (:func:`checked_name`),
-  over ``(region states as Enums, counters as ints, the parent's and a child's
-  states where the event reads them)``, which runs that code on a record and
-  returns the record after the step (with, if it refused, the refusal the
+  over ``(region states as Enums, counters as ints, the parent's and the
+  children's states where the event reads them)``, as many children as its
+  rules take to tell apart (:func:`children_needed`), which runs that code on
+  a record and returns the record after the step (with, if it refused, the refusal the
   engine's message is made of: its error class, region, event, reason and
   the other regions it names); rows and counterexamples name the event
   (:meth:`Generated.reported`);
@@ -36,6 +37,7 @@ The module imports only icontract and torch-free parts of fsm_cache.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -276,20 +278,105 @@ def _context(system: System, event: str, scope: str) -> list[str]:
     return list(found)
 
 
+def children_needed(system: System, event: str) -> int:
+    """Return how many children the checked function of ``event`` gives a record, at most.
+
+    An ``any child`` condition holds when some child meets it. Telling it from
+    a reading of the first child only, or of every child, takes a child that
+    meets it and one that does not, in either order: two children, where one
+    child answers every input as the spec does. A refusal with ``k`` such
+    conditions may need a child for each (``any child host in [writing]`` and
+    ``any child host in [backed]``: no one child meets both), and ``k`` are
+    enough, as where a condition needs a child of its own the other
+    conditions' children are ones that do not meet it. So the most ``k`` of
+    ``event``'s refusals, and at least two; none where no refusal reads a
+    child. Each child may be absent too, so every smaller family is an input.
+    """
+    most = max(
+        (sum(c.scope == "child" for c in f.when) for f in system.forbids_for(event)), default=0
+    )
+    return max(2, most) if most else 0
+
+
+def family_states(system: System, event: str, region: str) -> tuple[str, ...]:
+    """Return one state of ``region`` per class ``event``'s ``any child`` conditions tell apart.
+
+    Two states are of one class when they meet the same of those conditions:
+    ``any child host in [writing, backed, pinned]`` makes two, ``writing``
+    (the first in the machine's order to meet it) and ``unbacked``. Whether a
+    family of children meets a condition, the one thing a family tells a
+    single child does not, depends on its children's classes alone.
+    """
+    conds = [c for f in system.forbids_for(event) for c in f.when]
+    conds = [c for c in conds if c.scope == "child" and c.region == region]
+    found: dict[tuple[bool, ...], str] = {}
+    for state in system.machines[region].state_names:
+        found.setdefault(tuple(state in c.states for c in conds), state)
+    return tuple(found.values())
+
+
+@dataclass(frozen=True)
+class _Child:
+    """A parameter of a checked function: one region's state of one child.
+
+    Attributes:
+        name: ``child1_host`` is the host state of the first child.
+        region: The region whose state it is.
+        kind: Its enum: every state of the region for the first child, the
+            region's :func:`family_states` for the others.
+    """
+
+    name: str
+    region: str
+    kind: str
+
+
+def _children(system: System, event: str) -> list[list[_Child]]:
+    """Return the children ``event``'s function is given, first to last: each its states.
+
+    The first child ranges over every state, so what each state means to the
+    rules is checked as it is for one child. A family of two or more tells
+    how the code reads children, and takes every child from the
+    :func:`family_states` (the first by a precondition, the others by their enum):
+    every state for each would multiply the inputs, CrossHair's paths
+    included, by the states of each child more.
+    """
+    regions = _context(system, event, "child")
+    kids = [[_Child(f"child1_{r}", r, f"_{_enum_name(r)}") for r in regions]]
+    for i in range(2, children_needed(system, event) + 1):
+        kids.append([_Child(f"child{i}_{r}", r, _family_enum(event, r)) for r in regions])
+    return kids if regions else []
+
+
+def _family(system: System, event: str, child: _Child) -> str:
+    """Return the statement defining ``child``'s enum: its region's :func:`family_states` for ``event``.
+
+    It shows the name the region's own enum does, so a counterexample reads alike.
+    """
+    members = [(s, s) for s in family_states(system, event, child.region)]
+    return f"{child.kind} = _enum.Enum({_enum_name(child.region)!r}, {members!r})\n\n"
+
+
+def _family_enum(event: str, region: str) -> str:
+    """The name of the enum of ``region``'s :func:`family_states` for ``event``."""
+    return f"_{_enum_name(region)}_{event}"
+
+
 def _checked(system: System, event: str, verb: str) -> str:
     regions = [r for r, _ in system.regions]
     counters = [c for c, _ in system.counters]
     parent = _context(system, event, "parent")
-    child = _context(system, event, "child")
+    kids = _children(system, event)
     params = [f"{r}: _{_enum_name(r)}" for r in regions] + [f"{c}: int" for c in counters]
     params += [f"parent_{r}: _Optional[_{_enum_name(r)}]" for r in parent]
-    params += [f"child_{r}: _Optional[_{_enum_name(r)}]" for r in child]
+    params += [f"{k.name}: _Optional[{k.kind}]" for kid in kids for k in kid]
     values = [f"{r}.value" for r in regions] + counters
     parent_view = f"_view({', '.join(f'{r}=_v(parent_{r})' for r in parent)})" if parent else "None"
-    child_view = f"_view({', '.join(f'{r}=_v(child_{r})' for r in child)})" if child else "None"
-    children = f"[c for c in [{child_view}] if c is not None]"
+    child_views = [f"_view({', '.join(f'{k.region}=_v({k.name})' for k in kid)})" for kid in kids]
+    children = f"[c for c in [{', '.join(child_views)}] if c is not None]"
     runner = "_plan" if verb.startswith("_step_") else "_fire"
-    lines = [*_requires(system, parent, child), *_ensures(system, event, parent, child)]
+    lines = [_family(system, event, k) for k in (kids[1] if len(kids) > 1 else [])]
+    lines += [*_requires(system, event, parent, kids), *_ensures(system, event, parent, kids)]
     lines.append(f"def {checked_name(event)}({', '.join(params)}) -> _Result:")
     lines.append(f'    """Fire {event} through the engine\'s code on one record."""')
     lines.append(f"    rec = _record({parent_view}, {children}, {', '.join(values)})")
@@ -297,7 +384,7 @@ def _checked(system: System, event: str, verb: str) -> str:
     return "\n\n" + "\n".join(lines) + "\n"
 
 
-def _requires(system: System, parent: list[str], child: list[str]) -> list[str]:
+def _requires(system: System, event: str, parent: list[str], kids: list[list[_Child]]) -> list[str]:
     out = []
     counters = [c for c, _ in system.counters]
     for region, machine in system.regions:
@@ -306,15 +393,29 @@ def _requires(system: System, parent: list[str], child: list[str]) -> list[str]:
         out.append(f"@_icontract.require(lambda {', '.join(args)}: {text})")
     for name in counters:
         out.append(f"@_icontract.require(lambda {name}: {name} >= 0)")
-    for scope, regions in (("parent", parent), ("child", child)):
-        if len(regions) > 1:
-            names = [f"{scope}_{r}" for r in regions]
+    # A neighbour is there whole or not at all: each of its states is None alike.
+    for names in ([f"parent_{r}" for r in parent], *([k.name for k in kid] for kid in kids)):
+        if len(names) > 1:
             same = " == ".join(f"({n} is None)" for n in names)
             out.append(f"@_icontract.require(lambda {', '.join(names)}: {same})")
+    # The children's come last, as icontract checks the decorator nearest the function
+    # first: CrossHair drops the inputs they rule out before it branches on a counter.
+    # Children come first to last, so a family is given once, not once per gap.
+    for before, after in itertools.pairwise(kid[0].name for kid in kids):
+        out.append(
+            f"@_icontract.require(lambda {before}, {after}: {before} is not None or {after} is None)"
+        )
+    if len(kids) > 1:  # the first child of a family is one of the family's states, as the others
+        first, second = kids[0][0].name, kids[1][0].name
+        terms = [f"{k.name}.value in {family_states(system, event, k.region)!r}" for k in kids[0]]
+        out.append(
+            f"@_icontract.require(lambda {', '.join(k.name for k in kids[0])}, {second}: "
+            f"{second} is None or {first} is None or ({' and '.join(terms)}))"
+        )
     return out
 
 
-def _ensures(system: System, event: str, parent: list[str], child: list[str]) -> list[str]:
+def _ensures(system: System, event: str, parent: list[str], kids: list[list[_Child]]) -> list[str]:
     regions = [r for r, _ in system.regions]
     counters = [c for c, _ in system.counters]
     out = []
@@ -347,13 +448,20 @@ def _ensures(system: System, event: str, parent: list[str], child: list[str]) ->
                 (name,),
             )
         )
-    args = [*regions, *counters, *(f"parent_{r}" for r in parent), *(f"child_{r}" for r in child)]
+    args = [*regions, *counters, *(f"parent_{r}" for r in parent)]
+    args += [k.name for kid in kids for k in kid]
     states = "{" + ", ".join(f"{r!r}: {r}.value" for r in regions) + "}"
     values = "{" + ", ".join(f"{c!r}: {c}" for c in counters) + "}"
     pview = "{" + ", ".join(f"{r!r}: _v(parent_{r})" for r in parent) + "}"
-    cview = "{" + ", ".join(f"{r!r}: _v(child_{r})" for r in child) + "}"
     pexpr = f"None if parent_{parent[0]} is None else {pview}" if parent else "None"
-    cexpr = f"[] if child_{child[0]} is None else [{cview}]" if child else "[]"
+    cviews = [
+        f"None if {kid[0].name} is None else "
+        + "{"
+        + ", ".join(f"{k.region!r}: _v({k.name})" for k in kid)
+        + "}"
+        for kid in kids
+    ]
+    cexpr = f"[c for c in [{', '.join(cviews)}] if c is not None]" if kids else "[]"
     meaning = f"_meaning(_SYSTEM, {event!r}, {states}, {values}, parent={pexpr}, children={cexpr})"
     out.append(_ensure(f"result == {meaning}", "the step follows the spec", tuple(args)))
     return out

@@ -1,0 +1,185 @@
+"""fsm-cache verify gives a record as many children as its spec's children rules tell apart.
+
+With one child, code that reads only the first child, or every child where
+the spec says "any child", answered every input as the spec does and was
+confirmed. These slips are planted in the tree test the engine's code calls.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fsm_cache.contracts import exhaustive
+from fsm_cache.contracts import runner as crosshair_run
+from fsm_cache.contracts.generate import Generated, children_needed, family_states, generate
+from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.machine import System, as_system
+from fsm_cache.spec.shipped import load_shipped, residency_system, spec_dir
+
+
+_IMPORT = (
+    "from fsm_cache.engine.runtime import child_in as _child_in, effect_failed as _effect_failed\n"
+)
+_SLIPS = {
+    "first": (
+        "def _child_in(rec, region, states):\n"
+        "    return bool(rec.children) and getattr(rec.children[0], region) in states\n"
+    ),
+    "every": (
+        "def _child_in(rec, region, states):\n"
+        "    kids = rec.children\n"
+        "    return bool(kids) and all(getattr(kid, region) in states for kid in kids)\n"
+    ),
+}
+"""The tree test read as the first child alone, or as every child, for any child."""
+
+
+def _slipped(tmp_path: Path, module: Generated, slip: str) -> Path:
+    """Write ``module`` with its tree test ``_child_in`` replaced by ``slip``."""
+    assert _IMPORT in module.source
+    replaced = "from fsm_cache.engine.runtime import effect_failed as _effect_failed\n"
+    path = tmp_path / "contracts_slipped.py"
+    path.write_text(module.source.replace(_IMPORT, replaced + _SLIPS[slip]))
+    return path
+
+
+def _storage() -> System:
+    storage = load_shipped("residency_storage")
+    assert isinstance(storage, System)
+    return storage
+
+
+def test_the_shipped_specs_children_rules_take_two_children() -> None:
+    storage = _storage()
+    needed = {event: children_needed(storage, event) for event in storage.event_names}
+    reading = {"evict_host", "load_failed", "fetch_failed", "evict_device", "evict_storage"}
+    assert {event for event, n in needed.items() if n} == reading
+    assert {needed[event] for event in reading} == {2}
+    # writing, backed and pinned refuse evict_host, fetching too; the rest do not
+    assert family_states(storage, "evict_host", "host") == ("unbacked", "writing", "fetching")
+
+
+# Each event that reads a child, on the first input (in the order the domains are
+# walked) where the slip answers otherwise than the spec: a child that does not
+# meet the rule before one that does, or one that does before one that does not.
+_FIRST = {
+    "evict_host": "host=HostState.backed, device=DeviceState.resident, "
+    "storage=StorageState.unstored, pins=0, locks=0, "
+    "child1_host=HostState.unbacked, child2_host=HostState.writing",
+    "load_failed": "host=HostState.pinned, device=DeviceState.loading, "
+    "storage=StorageState.unstored, pins=1, locks=0, "
+    "child1_device=DeviceState.absent, child2_device=DeviceState.resident",
+}
+_EVERY = {
+    "evict_host": "host=HostState.backed, device=DeviceState.resident, "
+    "storage=StorageState.unstored, pins=0, locks=0, "
+    "child1_host=HostState.unbacked, child2_host=HostState.writing",
+    "load_failed": "host=HostState.pinned, device=DeviceState.loading, "
+    "storage=StorageState.unstored, pins=1, locks=0, "
+    "child1_device=DeviceState.resident, child2_device=DeviceState.absent",
+}
+
+
+@pytest.mark.parametrize(("slip", "calls"), [("first", _FIRST), ("every", _EVERY)])
+def test_every_input_finds_code_that_reads_children_otherwise_than_any(
+    tmp_path: Path, slip: str, calls: dict[str, str]
+) -> None:
+    storage = _storage()
+    module = generate(storage, spec_dir() / "residency_storage.toml")
+    path = _slipped(tmp_path, module, slip)
+    rows = [
+        module.reported(r)
+        for r in exhaustive.check_module("slipped", path, exhaustive.counter_domains(storage))
+    ]
+    bad = {r.function: r for r in rows if r.failed}
+    assert {r.contract for r in bad.values()} == {"the step follows the spec"}
+    assert {r.status for r in bad.values()} == {crosshair_run.COUNTEREXAMPLE}
+    assert set(bad) == {
+        "evict_host",
+        "load_failed",
+        "fetch_failed",
+        "evict_device",
+        "evict_storage",
+    }
+    for event, call in calls.items():
+        assert bad[event].detail == f"{event}({call})"
+
+
+def test_crosshair_finds_code_that_reads_only_the_first_child(tmp_path: Path) -> None:
+    """The two-region composition is proved by CrossHair: it is given two children as well."""
+    module = generate(residency_system(), spec_dir() / "residency.toml")
+    reading = ("evict_device",)  # the cheapest to search of the three that read a child
+    path = _slipped(tmp_path, module, "first")
+    # keep, of the checked functions, one that reads a child, so CrossHair searches it alone
+    blocks = path.read_text().split("\n\n\n\n")
+    kept = [
+        b for b in blocks if "def _event_" not in b or any(f"def _event_{e}(" in b for e in reading)
+    ]
+    assert len(kept) == len(blocks) - len(module.functions) + len(reading)
+    path.write_text("\n\n\n\n".join(kept))
+    rows = [
+        module.reported(r) for r in crosshair_run.prove("residency", path, crosshair_run.Options())
+    ]
+    bad = [r for r in rows if r.failed]
+    assert {(r.function, r.contract, r.status) for r in bad} == {
+        (event, "the step follows the spec", crosshair_run.COUNTEREXAMPLE) for event in reading
+    }
+    # the one family the slip answers otherwise: a child off the device before one on it
+    (row,) = bad
+    assert row.detail.endswith(", DeviceState.absent, DeviceState.resident)"), row
+    assert {r.status for r in rows if not r.failed} == {crosshair_run.CONFIRMED}
+
+
+_THREE_CHILDREN = """
+[composition]
+name = "three_children"
+label = "node"
+doc = "Residency with a rule that only three children, each in its own host state, meet."
+
+[composition.regions]
+host = "host_residency.toml"
+device = "device_residency.toml"
+
+[[forbid]]
+event = "evict_host"
+when = ["any child host in [writing]", "any child host in [backed]", "any child host in [pinned]"]
+error = "NotAHostLeaf"
+reason = "children write, hold and pin host copies under this node"
+"""
+
+
+def test_a_rule_that_takes_three_children_is_given_three(tmp_path: Path) -> None:
+    """One child, or a constant two, never fired this refusal: code that lost it passed."""
+    for name in ("host_residency.toml", "device_residency.toml"):
+        shutil.copy(spec_dir() / name, tmp_path / name)
+    spec = tmp_path / "three_children.toml"
+    spec.write_text(_THREE_CHILDREN)
+    system = as_system(load_spec(spec))
+    assert children_needed(system, "evict_host") == 3
+    module = generate(system, spec)
+    assert (
+        "child1_host: _Optional[_HostState], child2_host: _Optional[_HostState_evict_host], "
+        "child3_host: _Optional[_HostState_evict_host]) -> _Result:" in module.source
+    )
+    domains = exhaustive.counter_domains(system)
+    clean = module.write(tmp_path)
+    assert not [r for r in exhaustive.check_module("clean", clean, domains) if r.failed]
+    dropped = module.source.replace(
+        "_child_in(rec, 'host', ('writing',)) and _child_in(rec, 'host', ('backed',))", "False", 1
+    )
+    assert dropped != module.source
+    path = tmp_path / "contracts_dropped.py"
+    path.write_text(dropped)
+    bad = [module.reported(r) for r in exhaustive.check_module("dropped", path, domains)]
+    assert [(r.function, r.contract, r.detail) for r in bad if r.failed] == [
+        (
+            "evict_host",
+            "the step follows the spec",
+            "evict_host(host=HostState.backed, device=DeviceState.resident, pins=0, locks=0, "
+            "child1_host=HostState.writing, child2_host=HostState.backed, "
+            "child3_host=HostState.pinned)",
+        )
+    ]
