@@ -12,17 +12,23 @@ call sites in trail mode, and the tree is as it was.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import inspect
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from fsm_cache.compat.sglang import BuiltBeforePatch, patch
-from fsm_cache.errors import BadArgument, ReleaseAtZero, UnlockAtZero
+from fsm_cache.errors import (
+    BadArgument,
+    ReleaseAtZero,
+    StaleNode,
+    UnlockAtZero,
+)
 
 from .conftest import Api
 from .fakes import FakeAllocator
@@ -398,3 +404,48 @@ def test_a_release_sglang_raises_on_after_the_check_is_not_recorded(
 def _raise(*args: Any) -> None:
     """A tree core call that fails (what a caller's ``except`` keeps the receipt through)."""
     raise OSError("core failed")
+
+
+def test_an_acquire_on_a_node_the_tree_does_not_have_is_refused_at_its_call(
+    sg: Api,
+    unified: Any,
+    *,
+    mode: str,
+    allocator: FakeAllocator,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    cache = build(sg, unified, allocator, core)
+    gone = anchor(sg, cache, SHARED + LEFT)
+    sg.evict(cache, 12)  # every node but the root: the matched id names nothing now
+    before = whole_state(cache, allocator, capfd)
+    types = importlib.import_module("sglang.srt.mem_cache.unified_cache.component_type")
+    full = (types.ComponentType.FULL,)  # an acquire that skips FULL is checked too
+    acquires: list[tuple[str, Callable[[Any], Any]]] = [
+        ("inc_lock_ref", cache.inc_lock_ref),
+        ("inc_host_lock_ref", cache.inc_host_lock_ref),
+        ("inc_lock_ref", functools.partial(cache.inc_lock_ref, skip_lock_components=full)),
+    ]
+    for call, acquire in acquires:
+        if mode == "stock":  # the core's own lookup: a KeyError (TypeError on Rust for None)
+            with pytest.raises(KeyError):
+                acquire(gone)
+            with pytest.raises((KeyError, TypeError)):
+                acquire(None)
+            continue
+        with pytest.raises(StaleNode) as stale:
+            acquire(gone)
+        assert str(stale.value) == (
+            f"UnifiedRadixCache: {call} on node {gone}, which is not in the tree (evicted, "
+            "or from before a reset); match the prefix again; nothing changed"
+        )
+        with pytest.raises(BadArgument) as bad:
+            acquire(None)
+        assert str(bad.value) == (
+            f"UnifiedRadixCache: {call} given None, not a node id; nothing changed"
+        )
+        assert whole_state(cache, allocator, capfd) == before
+    sg.insert(cache, SHARED, allocator.take(4))  # the cache still serves, and the book pairs
+    node = anchor(sg, cache, SHARED)
+    cache.dec_lock_ref(node, cache.inc_lock_ref(node).to_dec_params())
+    assert (cache.protected_size(), cache.evictable_size()) == (0, 4)

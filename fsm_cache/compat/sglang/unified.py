@@ -27,6 +27,13 @@ interchangeable, as they are to SGLang (a FULL-only receipt carries no id of
 its own), so what is refused is exactly a release with no matching acquire
 left on its anchor.
 
+An acquire on a node id the tree does not have (evicted, or from before a
+``reset``) is refused (:class:`~fsm_cache.errors.StaleNode`) before SGLang
+runs, on both cores (stock, a ``KeyError`` from the tree core's lookup; the
+Rust core raises ``TypeError`` or ``OverflowError`` for ids that are not
+unsigned integers). The test is the tree core's own ``is_root(node_id)``: one
+lookup in its node map, O(1), on both cores.
+
 What is counted is the lock of SGLang's base component, ``FULL``
 (:data:`BASE`): a call whose receipt skips it moves none of the book. SGLang
 releases a receipt in parts: with ``enable_mamba_extra_buffer_lazy``,
@@ -57,7 +64,7 @@ from typing import Any
 
 from fsm_cache.compat.sglang.scope import BuiltBeforePatch
 from fsm_cache.engine import trail
-from fsm_cache.errors import BadArgument
+from fsm_cache.errors import BadArgument, StaleNode
 from fsm_cache.residency import Event, Residency, ResidencyRecord
 
 
@@ -197,6 +204,7 @@ class Receipts:
                 _check_anchor(cache, name, node_id, receipt)
                 skipped = getattr(receipt, "skipped_lock_components", ())
             else:
+                _check_node(cache, name, node_id)
                 skipped = args[0] if args else kwargs.get("skip_lock_components", ())
             if any(getattr(c, "name", c) == BASE for c in skipped):  # moves no FULL lock
                 return original(cache, node_id, *args, **kwargs)
@@ -215,6 +223,28 @@ class Receipts:
             return result
 
         return reset
+
+
+def _check_node(cache: Any, call: str, node_id: Any) -> None:
+    """Refuse an acquire on a node id the tree does not have (SGLang's core raises ``KeyError``).
+
+    Raises:
+        StaleNode: No such node in the tree (evicted, or from before a reset); nothing changed.
+        BadArgument: ``node_id`` is not a node id at all; nothing changed.
+    """
+    try:
+        cache.tree_core.is_root(node_id)  # the core's own O(1) lookup; raises if it has none
+    except (KeyError, TypeError, OverflowError):
+        pass
+    else:
+        return
+    name = type(cache).__name__
+    if isinstance(node_id, int):
+        raise StaleNode(
+            f"{name}: {call} on node {node_id}, which is not in the tree (evicted, or from "
+            "before a reset); match the prefix again; nothing changed"
+        ) from None
+    raise BadArgument(f"{name}: {call} given {node_id!r}, not a node id; nothing changed") from None
 
 
 def _check_anchor(cache: Any, call: str, node_id: Any, receipt: Any) -> None:
