@@ -41,6 +41,7 @@ from fsm_cache.errors import (
     BadArgument,
     HostCopyPinned,
     IllegalTransition,
+    LeaseError,
     NoHostCopy,
     StaleNode,
     error_class,
@@ -611,6 +612,27 @@ def test_the_lock_boundary_refuses_an_acquire_on_a_node_the_tree_does_not_have()
             cache.inc_host_lock_ref(None)
         assert cache.refs == {}  # SGLang's acquires never ran
         cache.dec_lock_ref(7, cache.inc_lock_ref(7))
+
+
+def test_the_lock_boundary_tells_two_receipts_on_one_node_apart() -> None:
+    module = boundary_module()
+    with patch(module, trail=False):
+        cache = module.UnifiedRadixCache()
+        first, second = cache.inc_lock_ref(7), cache.inc_lock_ref(7)
+        cache.dec_lock_ref(7, first)
+        with pytest.raises(LeaseError) as twice:
+            cache.dec_lock_ref(7, first)  # second is out: counting alone let this pass
+        assert str(twice.value) == (
+            f"node 7: dec_lock_ref refused: this receipt (Receipt at {id(first):#x}) was "
+            "released already; the node's 1 other receipt(s) out stay held; nothing changed"
+        )
+        assert cache.refs == {7: 1}  # SGLang's method never ran
+        cache.dec_lock_ref(7, second)
+        wrapper = vars(module.UnifiedRadixCache)["dec_lock_ref"]
+        book = inspect.getclosurevars(wrapper).nonlocals["self"].books[cache]
+        assert len(book.spent) == 2
+        del first, second, twice  # freed (the refusal's frames held one): the book forgets them
+        assert book.spent == {}
 
 
 def test_a_boundary_module_without_its_cache_class_is_refused() -> None:

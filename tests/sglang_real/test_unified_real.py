@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import importlib
 import importlib.util
 import inspect
@@ -25,6 +26,7 @@ import pytest
 from fsm_cache.compat.sglang import BuiltBeforePatch, patch
 from fsm_cache.errors import (
     BadArgument,
+    LeaseError,
     ReleaseAtZero,
     StaleNode,
     UnlockAtZero,
@@ -449,3 +451,91 @@ def test_an_acquire_on_a_node_the_tree_does_not_have_is_refused_at_its_call(
     node = anchor(sg, cache, SHARED)
     cache.dec_lock_ref(node, cache.inc_lock_ref(node).to_dec_params())
     assert (cache.protected_size(), cache.evictable_size()) == (0, 4)
+
+
+def test_a_receipt_released_twice_while_another_is_out_on_its_node_is_refused(
+    sg: Api,
+    unified: Any,
+    *,
+    mode: str,
+    allocator: FakeAllocator,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    cache = build(sg, unified, allocator, core)
+    node = anchor(sg, cache, SHARED + LEFT)
+    here = inspect.currentframe()
+    assert here is not None
+    first = cache.inc_lock_ref(node).to_dec_params()  # two requests lock the same prefix
+    second = cache.inc_lock_ref(node).to_dec_params()
+    cache.dec_lock_ref(node, first)
+    before = whole_state(cache, allocator, capfd)
+    if mode == "stock":  # SGLang takes the second request's lock: its prefix is evictable
+        cache.dec_lock_ref(node, first)
+        assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
+        return
+    refused_at = here.f_lineno + 2
+    with pytest.raises(LeaseError) as caught:
+        cache.dec_lock_ref(node, first)  # the first request's second cleanup path: the bug
+    test = "test_a_receipt_released_twice_while_another_is_out_on_its_node_is_refused"
+    assert str(caught.value) == (
+        f"node {node}: dec_lock_ref refused: this receipt (DecLockRefParams at "
+        f"{id(first):#x}) was released already; the node's 1 other receipt(s) out stay "
+        f"held; nothing changed; released at test_unified_real.py:{refused_at - 8} in "
+        f"{test}; refused at test_unified_real.py:{refused_at} in {test}"
+    )
+    assert whole_state(cache, allocator, capfd) == before
+    assert cache.protected_size() == len(SHARED + LEFT)  # the second request's lock holds
+    cache.dec_lock_ref(node, second)
+    with pytest.raises(UnlockAtZero):  # no receipt left: the count refuses it first
+        cache.dec_lock_ref(node, first)
+    again = cache.lock(node)  # a new lock on the node: an old receipt still is not one
+    with pytest.raises(LeaseError, match=f"^node {node}: dec_lock_ref refused: this receipt"):
+        cache.dec_lock_ref(node, second)
+    other = cache.lock(node)  # the scheduler's way: lock() and unlock(), the same check
+    cache.unlock(again)
+    with pytest.raises(LeaseError, match=r"released at unified_radix_cache\.py:\d+ in unlock;"):
+        cache.unlock(again)
+    cache.unlock(other)
+    assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
+
+
+def test_a_host_receipt_released_twice_while_another_is_out_is_refused(
+    sg: Api, unified: Any, patched: Any, allocator: FakeAllocator, core: str
+) -> None:
+    del patched
+    cache = build(sg, unified, allocator, core)
+    node = anchor(sg, cache, SHARED + RIGHT)
+    first, second = (cache.inc_host_lock_ref(node).to_dec_params() for _ in range(2))
+    cache.dec_host_lock_ref(node, first)
+    with pytest.raises(LeaseError) as caught:
+        cache.dec_host_lock_ref(node, first)
+    assert str(caught.value).startswith(
+        f"node {node}: dec_host_lock_ref refused: this receipt (DecLockRefParams at "
+        f"{id(first):#x}) was released already; the node's 1 other receipt(s) out stay held"
+    )
+    cache.dec_host_lock_ref(node, second)
+    with pytest.raises(ReleaseAtZero):
+        cache.dec_host_lock_ref(node, second)
+
+
+def test_a_released_receipt_is_remembered_while_held_and_forgotten_when_freed(
+    sg: Api, unified: Any, patched: Any, allocator: FakeAllocator, core: str
+) -> None:
+    del patched
+    cache = build(sg, unified, allocator, core)
+    wrapper = vars(unified.UnifiedRadixCache)["dec_lock_ref"]
+    book = inspect.getclosurevars(wrapper).nonlocals["self"].books[cache]
+    node = anchor(sg, cache, SHARED + LEFT)
+    kept = cache.lock(node)
+    for _ in range(100):  # a request's lock, released and dropped (SGLang sets req.lock = None)
+        cache.unlock(cache.lock(node))
+    cache.unlock(kept)
+    assert [ref() for ref in book.spent.values()] == [kept.receipt]
+    del kept
+    gc.collect()
+    assert book.spent == {}
+    stale = cache.lock(node)
+    cache.unlock(stale)
+    cache.reset()  # the tree is gone, and with it what the book knew
+    assert book.spent == {}
