@@ -41,6 +41,7 @@ from fsm_cache.errors import (
     BadArgument,
     HostCopyPinned,
     IllegalTransition,
+    LeaseError,
     NoHostCopy,
     StaleNode,
     error_class,
@@ -517,6 +518,18 @@ class Receipt:
     skipped_lock_components: tuple[str, ...] = ()
 
 
+class TreeCore:
+    """SGLang 0.5.23's tree core, as the boundary reads it: ``is_root`` looks the node id up."""
+
+    def __init__(self, nodes: set[int]) -> None:
+        self.nodes = nodes
+
+    def is_root(self, node_id: int) -> bool:
+        if node_id not in self.nodes:
+            raise KeyError(node_id)  # the Python core's node map
+        return node_id == 0
+
+
 class UnifiedCache:
     """SGLang 0.5.23's ``UnifiedRadixCache``, lock boundary only: counts per node id, as its core."""
 
@@ -526,6 +539,7 @@ class UnifiedCache:
 
     def reset(self) -> None:
         self.refs: dict[int, int] = {}
+        self.tree_core = TreeCore({0, 7, 8, 9})
 
     def inc_lock_ref(self, node_id: int) -> Receipt:
         self.refs[node_id] = self.refs.get(node_id, 0) + 1
@@ -582,6 +596,43 @@ def test_the_lock_boundary_refuses_a_release_with_no_acquire_left_before_sglang_
         cache.disable = True  # SGLang's disabled cache returns before its core: unchecked
         with pytest.raises(AssertionError, match="lock_ref=0"):
             cache.dec_lock_ref(9, held)
+
+
+def test_the_lock_boundary_refuses_an_acquire_on_a_node_the_tree_does_not_have() -> None:
+    module = boundary_module()
+    with patch(module, trail=False):
+        cache = module.UnifiedRadixCache()
+        with pytest.raises(StaleNode) as stale:
+            cache.inc_lock_ref(5)
+        assert str(stale.value) == (
+            "UnifiedCache: inc_lock_ref on node 5, which is not in the tree (evicted, or "
+            "from before a reset); match the prefix again; nothing changed"
+        )
+        with pytest.raises(BadArgument, match=r"^UnifiedCache: inc_host_lock_ref given None"):
+            cache.inc_host_lock_ref(None)
+        assert cache.refs == {}  # SGLang's acquires never ran
+        cache.dec_lock_ref(7, cache.inc_lock_ref(7))
+
+
+def test_the_lock_boundary_tells_two_receipts_on_one_node_apart() -> None:
+    module = boundary_module()
+    with patch(module, trail=False):
+        cache = module.UnifiedRadixCache()
+        first, second = cache.inc_lock_ref(7), cache.inc_lock_ref(7)
+        cache.dec_lock_ref(7, first)
+        with pytest.raises(LeaseError) as twice:
+            cache.dec_lock_ref(7, first)  # second is out: counting alone let this pass
+        assert str(twice.value) == (
+            f"node 7: dec_lock_ref refused: this receipt (Receipt at {id(first):#x}) was "
+            "released already; the node's 1 other receipt(s) out stay held; nothing changed"
+        )
+        assert cache.refs == {7: 1}  # SGLang's method never ran
+        cache.dec_lock_ref(7, second)
+        wrapper = vars(module.UnifiedRadixCache)["dec_lock_ref"]
+        book = inspect.getclosurevars(wrapper).nonlocals["self"].books[cache]
+        assert len(book.spent) == 2
+        del first, second, twice  # freed (the refusal's frames held one): the book forgets them
+        assert book.spent == {}
 
 
 def test_a_boundary_module_without_its_cache_class_is_refused() -> None:

@@ -120,10 +120,12 @@ def test_patch_warns_that_the_default_cache_of_sglang_is_checked_at_its_lock_bou
     assert [str(w.message) for w in caught] == [
         f"UnifiedRadixCache ({UNIFIED}) is checked at its lock boundary only: patch() "
         "refuses a dec_lock_ref or dec_host_lock_ref with no inc_lock_ref or "
-        "inc_host_lock_ref left on its node (counting FULL's locks) or given another node's "
-        "receipt, and checks none of its residency (evictions, loads, write-backs, the tree "
-        "core's own locks, the SWA and Mamba parts of a lock); SGLang's scheduler builds it by "
-        "default (registry.default_radix_cache_factory); see docs/sglang.md"
+        "inc_host_lock_ref left on its node (counting FULL's locks), given a receipt released "
+        "already or another node's, and an inc_lock_ref or inc_host_lock_ref on a node the "
+        "tree does not have; it checks none of its residency (evictions, loads, write-backs, "
+        "the tree core's own locks and full pins, the SWA and Mamba parts of a lock); SGLang's "
+        "scheduler builds it by default (registry.default_radix_cache_factory); see "
+        "docs/sglang.md"
     ]
     core = importlib.import_module("sglang.srt.mem_cache.unified_cache.unified_tree_core")
     assert not issubclass(core.UnifiedTreeNode, ResidencyMixin)  # what the warning is about

@@ -12,17 +12,25 @@ call sites in trail mode, and the tree is as it was.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
 import importlib
 import importlib.util
 import inspect
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from fsm_cache.compat.sglang import BuiltBeforePatch, patch
-from fsm_cache.errors import BadArgument, ReleaseAtZero, UnlockAtZero
+from fsm_cache.errors import (
+    BadArgument,
+    LeaseError,
+    ReleaseAtZero,
+    StaleNode,
+    UnlockAtZero,
+)
 
 from .conftest import Api
 from .fakes import FakeAllocator
@@ -398,3 +406,136 @@ def test_a_release_sglang_raises_on_after_the_check_is_not_recorded(
 def _raise(*args: Any) -> None:
     """A tree core call that fails (what a caller's ``except`` keeps the receipt through)."""
     raise OSError("core failed")
+
+
+def test_an_acquire_on_a_node_the_tree_does_not_have_is_refused_at_its_call(
+    sg: Api,
+    unified: Any,
+    *,
+    mode: str,
+    allocator: FakeAllocator,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    cache = build(sg, unified, allocator, core)
+    gone = anchor(sg, cache, SHARED + LEFT)
+    sg.evict(cache, 12)  # every node but the root: the matched id names nothing now
+    before = whole_state(cache, allocator, capfd)
+    types = importlib.import_module("sglang.srt.mem_cache.unified_cache.component_type")
+    full = (types.ComponentType.FULL,)  # an acquire that skips FULL is checked too
+    acquires: list[tuple[str, Callable[[Any], Any]]] = [
+        ("inc_lock_ref", cache.inc_lock_ref),
+        ("inc_host_lock_ref", cache.inc_host_lock_ref),
+        ("inc_lock_ref", functools.partial(cache.inc_lock_ref, skip_lock_components=full)),
+    ]
+    for call, acquire in acquires:
+        if mode == "stock":  # the core's own lookup: a KeyError (TypeError on Rust for None)
+            with pytest.raises(KeyError):
+                acquire(gone)
+            with pytest.raises((KeyError, TypeError)):
+                acquire(None)
+            continue
+        with pytest.raises(StaleNode) as stale:
+            acquire(gone)
+        assert str(stale.value) == (
+            f"UnifiedRadixCache: {call} on node {gone}, which is not in the tree (evicted, "
+            "or from before a reset); match the prefix again; nothing changed"
+        )
+        with pytest.raises(BadArgument) as bad:
+            acquire(None)
+        assert str(bad.value) == (
+            f"UnifiedRadixCache: {call} given None, not a node id; nothing changed"
+        )
+        assert whole_state(cache, allocator, capfd) == before
+    sg.insert(cache, SHARED, allocator.take(4))  # the cache still serves, and the book pairs
+    node = anchor(sg, cache, SHARED)
+    cache.dec_lock_ref(node, cache.inc_lock_ref(node).to_dec_params())
+    assert (cache.protected_size(), cache.evictable_size()) == (0, 4)
+
+
+def test_a_receipt_released_twice_while_another_is_out_on_its_node_is_refused(
+    sg: Api,
+    unified: Any,
+    *,
+    mode: str,
+    allocator: FakeAllocator,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    cache = build(sg, unified, allocator, core)
+    node = anchor(sg, cache, SHARED + LEFT)
+    here = inspect.currentframe()
+    assert here is not None
+    first = cache.inc_lock_ref(node).to_dec_params()  # two requests lock the same prefix
+    second = cache.inc_lock_ref(node).to_dec_params()
+    cache.dec_lock_ref(node, first)
+    before = whole_state(cache, allocator, capfd)
+    if mode == "stock":  # SGLang takes the second request's lock: its prefix is evictable
+        cache.dec_lock_ref(node, first)
+        assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
+        return
+    refused_at = here.f_lineno + 2
+    with pytest.raises(LeaseError) as caught:
+        cache.dec_lock_ref(node, first)  # the first request's second cleanup path: the bug
+    test = "test_a_receipt_released_twice_while_another_is_out_on_its_node_is_refused"
+    assert str(caught.value) == (
+        f"node {node}: dec_lock_ref refused: this receipt (DecLockRefParams at "
+        f"{id(first):#x}) was released already; the node's 1 other receipt(s) out stay "
+        f"held; nothing changed; released at test_unified_real.py:{refused_at - 8} in "
+        f"{test}; refused at test_unified_real.py:{refused_at} in {test}"
+    )
+    assert whole_state(cache, allocator, capfd) == before
+    assert cache.protected_size() == len(SHARED + LEFT)  # the second request's lock holds
+    cache.dec_lock_ref(node, second)
+    with pytest.raises(UnlockAtZero):  # no receipt left: the count refuses it first
+        cache.dec_lock_ref(node, first)
+    again = cache.lock(node)  # a new lock on the node: an old receipt still is not one
+    with pytest.raises(LeaseError, match=f"^node {node}: dec_lock_ref refused: this receipt"):
+        cache.dec_lock_ref(node, second)
+    other = cache.lock(node)  # the scheduler's way: lock() and unlock(), the same check
+    cache.unlock(again)
+    with pytest.raises(LeaseError, match=r"released at unified_radix_cache\.py:\d+ in unlock;"):
+        cache.unlock(again)
+    cache.unlock(other)
+    assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
+
+
+def test_a_host_receipt_released_twice_while_another_is_out_is_refused(
+    sg: Api, unified: Any, patched: Any, allocator: FakeAllocator, core: str
+) -> None:
+    del patched
+    cache = build(sg, unified, allocator, core)
+    node = anchor(sg, cache, SHARED + RIGHT)
+    first, second = (cache.inc_host_lock_ref(node).to_dec_params() for _ in range(2))
+    cache.dec_host_lock_ref(node, first)
+    with pytest.raises(LeaseError) as caught:
+        cache.dec_host_lock_ref(node, first)
+    assert str(caught.value).startswith(
+        f"node {node}: dec_host_lock_ref refused: this receipt (DecLockRefParams at "
+        f"{id(first):#x}) was released already; the node's 1 other receipt(s) out stay held"
+    )
+    cache.dec_host_lock_ref(node, second)
+    with pytest.raises(ReleaseAtZero):
+        cache.dec_host_lock_ref(node, second)
+
+
+def test_a_released_receipt_is_remembered_while_held_and_forgotten_when_freed(
+    sg: Api, unified: Any, patched: Any, allocator: FakeAllocator, core: str
+) -> None:
+    del patched
+    cache = build(sg, unified, allocator, core)
+    wrapper = vars(unified.UnifiedRadixCache)["dec_lock_ref"]
+    book = inspect.getclosurevars(wrapper).nonlocals["self"].books[cache]
+    node = anchor(sg, cache, SHARED + LEFT)
+    kept = cache.lock(node)
+    for _ in range(100):  # a request's lock, released and dropped (SGLang sets req.lock = None)
+        cache.unlock(cache.lock(node))
+    cache.unlock(kept)
+    assert [ref() for ref in book.spent.values()] == [kept.receipt]
+    del kept
+    gc.collect()
+    assert book.spent == {}
+    stale = cache.lock(node)
+    cache.unlock(stale)
+    cache.reset()  # the tree is gone, and with it what the book knew
+    assert book.spent == {}

@@ -41,7 +41,8 @@ call sites in trail mode, and leave the tree and memory as they were.
 SGLang 0.5.23's server builds a ``UnifiedRadixCache`` by default, whose nodes
 and counters live in its tree core: :func:`patch` checks it at its lock
 boundary only (:mod:`~fsm_cache.compat.sglang.unified`: a release of a lock or
-host lock with no acquire left on its node is refused), and warns where it is
+host lock with no acquire left on its node, or of a receipt released already, and
+an acquire on a node the tree does not have are refused), and warns where it is
 installed that the rest of its residency is not checked (:data:`UNCHECKED`).
 """
 
@@ -506,9 +507,11 @@ def _warn_unchecked(patched: set[str]) -> None:
             what = (
                 "is checked at its lock boundary only: patch() refuses a dec_lock_ref or "
                 "dec_host_lock_ref with no inc_lock_ref or inc_host_lock_ref left on its "
-                "node (counting FULL's locks) or given another node's receipt, and checks "
-                "none of its residency (evictions, loads, write-backs, the tree core's own "
-                "locks, the SWA and Mamba parts of a lock)"
+                "node (counting FULL's locks), given a receipt released already or "
+                "another node's, and an inc_lock_ref or inc_host_lock_ref on a node the "
+                "tree does not have; it checks none of its residency (evictions, loads, "
+                "write-backs, the tree core's own locks and full pins, the SWA and Mamba "
+                "parts of a lock)"
             )
         else:
             what = "is not checked: patch() was not given its module"

@@ -22,10 +22,29 @@ not observed, so of the spec only the counter rules apply (an ``unlock``
 without a ``lock`` is ``UnlockAtZero``, a ``release`` without a ``pin`` is
 ``ReleaseAtZero``). A release is checked before SGLang's method runs and
 recorded after it returns, so a refusal changes nothing, and a call SGLang
-itself raises on is not recorded. Receipts on one anchor are
-interchangeable, as they are to SGLang (a FULL-only receipt carries no id of
-its own), so what is refused is exactly a release with no matching acquire
-left on its anchor.
+itself raises on is not recorded.
+
+A receipt's contents carry no identity of its own (a FULL-only receipt is
+its anchor's id and empty maps, the same for every lock on the node), but
+its object does: every caller in SGLang 0.5.23 keeps the one
+``DecLockRefParams`` that ``to_dec_params`` made and passes that same
+object back (``TreeLock.receipt``, a flow's or a pending copy's
+``lock_params``). The book remembers each receipt that came back, by
+identity, for as long as anything holds it (a weak reference, whose
+callback drops the entry when the receipt is freed, so the memory is
+bounded by the receipts SGLang still holds), and refuses a second release
+of the same object (:class:`~fsm_cache.errors.LeaseError`) even while other
+receipts on its node are out: the release SGLang would take from another
+request's lock. What SGLang sees is unchanged: the receipt objects are its
+own, nothing is added to them. A copy of a receipt (``dataclasses.replace``
+with FULL kept) is another object, and only counted.
+
+An acquire on a node id the tree does not have (evicted, or from before a
+``reset``) is refused (:class:`~fsm_cache.errors.StaleNode`) before SGLang
+runs, on both cores (stock, a ``KeyError`` from the tree core's lookup; the
+Rust core raises ``TypeError`` or ``OverflowError`` for ids that are not
+unsigned integers). The test is the tree core's own ``is_root(node_id)``: one
+lookup in its node map, O(1), on both cores.
 
 What is counted is the lock of SGLang's base component, ``FULL``
 (:data:`BASE`): a call whose receipt skips it moves none of the book. SGLang
@@ -44,7 +63,11 @@ call on the cache.
 The books are not locked: SGLang 0.5.23 calls the four methods on the
 scheduler's thread only (its storage threads hand acknowledgements over
 queues that ``check_hicache_events`` drains there, and
-``StorageAttachment.detach`` releases backups after stopping them).
+``StorageAttachment.detach`` releases backups after stopping them). The one
+write from elsewhere is a freed receipt's callback, on whichever thread
+drops the receipt's last reference: one dict deletion, atomic under the
+GIL, of the entry of a receipt nobody holds, which no call can be checking
+(a call holds its receipt).
 """
 
 from __future__ import annotations
@@ -57,7 +80,7 @@ from typing import Any
 
 from fsm_cache.compat.sglang.scope import BuiltBeforePatch
 from fsm_cache.engine import trail
-from fsm_cache.errors import BadArgument
+from fsm_cache.errors import BadArgument, LeaseError, StaleNode
 from fsm_cache.residency import Event, Residency, ResidencyRecord
 
 
@@ -80,6 +103,20 @@ KEPT = 1024
 Method = Callable[..., Any]
 
 
+class Spent(weakref.ref[Any]):
+    """A weak reference to a receipt that came back, keyed by the receipt's ``id``.
+
+    Attributes:
+        key: ``id`` of the receipt (its entry's key, which the callback drops).
+        spot: In trail mode, where it came back; else None.
+    """
+
+    __slots__ = ("key", "spot")
+
+    key: int
+    spot: trail.Spot | None
+
+
 class ReceiptBook:
     """The lock receipts one ``UnifiedRadixCache`` gave out, per anchor node id.
 
@@ -93,14 +130,24 @@ class ReceiptBook:
             whose receipts all came back, with the call sites a later refusal
             names; empty outside it. Bounded: a server that never resets
             locks a new node id for most requests.
+        spent: The receipts that came back and are still held somewhere, by
+            ``id``: an entry goes when its receipt is freed.
     """
 
-    __slots__ = ("machine", "records", "released")
+    __slots__ = ("_forget", "machine", "records", "released", "spent")
 
     def __init__(self, machine: Residency) -> None:
         self.machine = machine
         self.records: dict[Any, ResidencyRecord] = {}
         self.released: OrderedDict[Any, ResidencyRecord] = OrderedDict()
+        self.spent: dict[int, Spent] = {}
+        spent = self.spent
+
+        def forget(ref: Spent) -> None:  # a closure over the dict: no cycle through the book
+            if spent.get(ref.key) is ref:
+                del spent[ref.key]
+
+        self._forget = forget
 
     def check(self, node_id: Any, event: Event) -> None:
         """Check ``event`` on ``node_id``'s receipts, changing nothing.
@@ -125,10 +172,41 @@ class ReceiptBook:
             if len(self.released) > KEPT:
                 self.released.popitem(last=False)
 
+    def check_receipt(self, node_id: Any, event: Event, receipt: Any, call: str) -> None:
+        """Refuse ``receipt`` for ``event`` (a release) if it came back already, changing nothing.
+
+        Raises:
+            LeaseError: ``receipt`` (this very object) was released already.
+        """
+        ref = self.spent.get(id(receipt))
+        if ref is None or ref() is not receipt:
+            return
+        record = self._record(node_id)
+        out = record.pins if event == "release" else record.locks
+        msg = (
+            f"node {node_id}: {call} refused: this receipt ({type(receipt).__name__} at "
+            f"{id(receipt):#x}) was released already; the node's {out} other receipt(s) out "
+            "stay held; nothing changed"
+        )
+        if ref.spot is not None:
+            msg += f"; released at {trail.spot_site(ref.spot)}; refused at {trail.caller_site()}"
+        raise LeaseError(msg)
+
+    def spend(self, receipt: Any) -> None:
+        """Remember that ``receipt`` came back, for as long as it is held."""
+        try:
+            ref = Spent(receipt, self._forget)
+        except TypeError:  # not weakly referable: counted only
+            return
+        ref.key = id(receipt)
+        ref.spot = trail.caller_spot() if self.machine.engine.trail else None
+        self.spent[ref.key] = ref
+
     def clear(self) -> None:
         """Forget every receipt: the cache's ``reset`` dropped the tree they anchor on."""
         self.records.clear()
         self.released.clear()
+        self.spent.clear()
 
     def _record(self, node_id: Any) -> ResidencyRecord:
         record = self.records.get(node_id)
@@ -192,17 +270,23 @@ class Receipts:
             if getattr(cache, "disable", False):  # SGLang's returns an empty receipt
                 return original(cache, node_id, *args, **kwargs)
             book = self.book(cache, name)
+            receipt = None
             if release:
                 receipt = args[0] if args else kwargs.get("params")
                 _check_anchor(cache, name, node_id, receipt)
                 skipped = getattr(receipt, "skipped_lock_components", ())
             else:
+                _check_node(cache, name, node_id)
                 skipped = args[0] if args else kwargs.get("skip_lock_components", ())
             if any(getattr(c, "name", c) == BASE for c in skipped):  # moves no FULL lock
                 return original(cache, node_id, *args, **kwargs)
             book.check(node_id, event)
+            if release:
+                book.check_receipt(node_id, event, receipt, name)
             result = original(cache, node_id, *args, **kwargs)
             book.fire(node_id, event)
+            if release:
+                book.spend(receipt)
             return result
 
         return method
@@ -215,6 +299,28 @@ class Receipts:
             return result
 
         return reset
+
+
+def _check_node(cache: Any, call: str, node_id: Any) -> None:
+    """Refuse an acquire on a node id the tree does not have (SGLang's core raises ``KeyError``).
+
+    Raises:
+        StaleNode: No such node in the tree (evicted, or from before a reset); nothing changed.
+        BadArgument: ``node_id`` is not a node id at all; nothing changed.
+    """
+    try:
+        cache.tree_core.is_root(node_id)  # the core's own O(1) lookup; raises if it has none
+    except (KeyError, TypeError, OverflowError):
+        pass
+    else:
+        return
+    name = type(cache).__name__
+    if isinstance(node_id, int):
+        raise StaleNode(
+            f"{name}: {call} on node {node_id}, which is not in the tree (evicted, or from "
+            "before a reset); match the prefix again; nothing changed"
+        ) from None
+    raise BadArgument(f"{name}: {call} given {node_id!r}, not a node id; nothing changed") from None
 
 
 def _check_anchor(cache: Any, call: str, node_id: Any, receipt: Any) -> None:
