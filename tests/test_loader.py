@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from shipped_files import STORAGE_FILES
 
-from fsm_cache.errors import SpecError
+from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.spec import loader
 from fsm_cache.spec.guards import parse_condition, parse_guard, parse_update
 from fsm_cache.spec.loader import (
@@ -159,14 +159,51 @@ def test_invalid_utf8(tmp_path: Path) -> None:
 
 
 def test_missing_tables_are_all_reported(tmp_path: Path) -> None:
-    path = write(tmp_path, "title = 'x'\n")
+    path = write(tmp_path, "[machine]\n")
     assert problems(path) == [
-        f"{path}: title: unknown key (allowed: counters, events, forbid, machine, states, transition)",
-        f"{path}: machine: missing table",
         f"{path}: states: missing: a table of NAME = {{ doc = ... }}",
         f"{path}: machine.name: missing or not a string",
         f"{path}: machine.initial: missing or not a string",
     ]
+
+
+@pytest.mark.parametrize("text", ["", "title = 'x'\n"])
+def test_a_file_with_no_spec_table_is_one_line(tmp_path: Path, text: str) -> None:
+    """An empty file said ``machine: missing table`` and three more missing keys."""
+    path = write(tmp_path, text)
+    region = write(
+        tmp_path, "[composition]\nname = 'c'\n[composition.regions]\nr = 'spec.toml'\n", "c.toml"
+    )
+    unknown = [
+        f"{path}: title: unknown key (allowed: counters, events, forbid, machine, states, transition)"
+    ]
+    line = f"{path}: holds no [machine] or [composition] table; a spec file is one of them"
+    assert problems(path) == [*unknown[: len(text)], line]
+    assert problems(region) == [*unknown[: len(text)], line]
+
+
+def test_a_file_with_both_tables_says_so(tmp_path: Path) -> None:
+    """It was read as a composition: ``machine: unknown key (allowed: composition, forbid)``."""
+    both = LAMP + "\n[composition]\nname = 'x'\n"
+    path = write(tmp_path, both)
+    comp = write(
+        tmp_path, "[composition]\nname = 'c'\n[composition.regions]\nr = 'spec.toml'\n", "c.toml"
+    )
+    line = f"{path}: holds both a [machine] and a [composition] table; a spec file is one of them"
+    assert problems(path) == [line]
+    assert problems(comp) == [line]
+
+
+@pytest.mark.parametrize(("given", "named"), [(None, "NoneType"), (3, "int"), (b"a.toml", "bytes")])
+def test_a_path_of_another_type_is_a_bad_argument(given: object, named: str) -> None:
+    """``load_spec(None)`` raised a bare TypeError from inside pathlib."""
+    said = f"path must be a spec file's path (str or os.PathLike), got {named}"
+    with pytest.raises(BadArgument) as info:
+        load_spec(given)  # type: ignore[arg-type]
+    assert str(info.value) == f"load_spec: {said}"
+    with pytest.raises(BadArgument) as info:
+        load_snapshot(given)  # type: ignore[arg-type]
+    assert str(info.value) == f"load_snapshot: {said}"
 
 
 def test_unknown_keys(tmp_path: Path) -> None:
