@@ -941,3 +941,157 @@ def test_a_file_a_snapshot_lacks_is_not_read_from_disk(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as raised:
         load_spec(spec, {})
     assert raised.value.problems == [f"{spec}: cannot read: {NOT_IN_SNAPSHOT}"]
+
+
+BUFFER = """
+[machine]
+name = "buffer"
+initial = "free"
+
+[counters]
+refs = 0
+
+[states]
+free = { invariant = "refs == 0" }
+ready = { invariant = "refs == 0" }
+held = { invariant = "refs >= 1", counter = "refs" }
+
+[[transition]]
+event = "acquire"
+source = ["ready", "held"]
+dest = "held"
+update = "refs += 1"
+
+[[transition]]
+event = "release"
+source = "held"
+dest = "held"
+guard = "refs >= 2"
+update = "refs -= 1"
+
+[[transition]]
+event = "release"
+source = "held"
+dest = "ready"
+guard = "refs == 1"
+update = "refs -= 1"
+
+[[transition]]
+event = "reclaim"
+source = "ready"
+dest = "free"
+
+[[transition]]
+event = "fill"
+source = "free"
+dest = "ready"
+
+[[forbid]]
+event = "acquire"
+source = "free"
+error = "NotReady"
+reason = "no data"
+
+[[forbid]]
+event = "release"
+source = ["free", "ready"]
+error = "ReleaseAtZero"
+reason = "not held"
+
+[[forbid]]
+event = "reclaim"
+source = ["free", "held"]
+error = "BufferBusy"
+reason = "only a ready buffer is reclaimed"
+
+[[forbid]]
+event = "fill"
+source = ["ready", "held"]
+error = "AlreadyFilled"
+reason = "filled"
+"""
+
+
+def test_the_buffer_is_valid() -> None:
+    """The spec the tests below break validates as it is."""
+    assert load_spec_text(BUFFER).name == "buffer"
+
+
+def load_spec_text(text: str) -> MachineSpec:
+    spec = spec_from_dict(tomllib.loads(text), "buffer.toml")
+    assert isinstance(spec, MachineSpec)
+    return spec
+
+
+def spec_problems(text: str) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        load_spec_text(text)
+    return info.value.problems
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "said"),
+    [
+        ('event = "reclaim"\nsource = "ready"', "reclam", "transition[3]"),
+        ('event = "release"\nsource = ["free", "ready"]', "relese", "forbid[1]"),
+    ],
+)
+def test_a_misspelt_event_is_pointed_at(old: str, new: str, said: str) -> None:
+    """``reclam`` in one transition gave a totality line per state, none naming the transition.
+
+    ``reclaim`` is used once too, by a forbid listing more states: it is
+    taken for the name meant, and its use is named.
+    """
+    meant = old.split('"')[1]
+    there = " (forbid[2])" if meant == "reclaim" else ""
+    assert spec_problems(BUFFER.replace(old, old.replace(meant, new))) == [
+        f"buffer.toml: {said}.event: {new!r} appears in no other transition or forbid; "
+        f"did you mean {meant!r}{there}?"
+    ]
+
+
+def test_a_misspelt_event_leaves_the_gaps_it_does_not_explain() -> None:
+    """Only the gaps the slip leaves are dropped: another event's stay, after the hint."""
+    text = BUFFER.replace(
+        'event = "reclaim"\nsource = "ready"', 'event = "reclam"\nsource = "ready"'
+    )
+    text = text.replace(
+        'source = ["free", "ready"]\nerror = "ReleaseAtZero"',
+        'source = "free"\nerror = "ReleaseAtZero"',
+    )
+    assert spec_problems(text) == [
+        "buffer.toml: transition[3].event: 'reclam' appears in no other transition or forbid; "
+        "did you mean 'reclaim' (forbid[2])?",
+        "buffer.toml: states.ready: event 'release' is neither a transition nor a forbid when refs=0 (not total)",
+    ]
+
+
+def test_an_event_used_once_and_total_is_no_slip() -> None:
+    """``fills``, close to ``fill`` and used once, covers every state: a spec may have it."""
+    text = (
+        BUFFER
+        + '\n[[transition]]\nevent = "fills"\nsource = ["free", "ready", "held"]\ndest = "free"\nupdate = "refs = 0"\n'
+    )
+    assert "fills" in load_spec_text(text).event_names
+
+
+@pytest.mark.parametrize("key", ["transition", "forbid"])
+def test_a_state_named_twice_in_a_source_list_is_refused(key: str) -> None:
+    """``source = ["ready", "ready", "held"]`` was accepted without a word."""
+    old = (
+        'source = ["ready", "held"]\ndest'
+        if key == "transition"
+        else 'source = ["free", "held"]\nerror'
+    )
+    text = BUFFER.replace(old, old.replace('["', '["held", "'))
+    index = 0 if key == "transition" else 2
+    assert spec_problems(text) == [f"buffer.toml: {key}[{index}].source: state 'held' named twice"]
+
+
+def test_a_repeated_transition_without_a_guard_is_named_as_a_whole() -> None:
+    """It was reported at ``transition[5].guard``, a key the transition did not have."""
+    text = BUFFER + '\n[[transition]]\nevent = "reclaim"\nsource = "ready"\ndest = "free"\n'
+    assert spec_problems(text) == [
+        "buffer.toml: transition[5]: overlaps transition[3] on reclaim in ready when refs=0 "
+        "(non-deterministic)"
+    ]
