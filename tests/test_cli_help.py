@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fsm_cache.cli.main import build_parser, main
+from fsm_cache.shell import Parser
 
 
 COMMANDS = ["audit", "bench", "check", "demo", "diagram", "types", "validate", "verify"]
@@ -54,5 +55,6 @@ def test_an_unknown_option_is_named_before_a_missing_argument(
 def test_unknown_options_are_read_as_argparse_reads_them() -> None:
     """A prefix of an option, ``--opt=value``, a negative number and all after ``--`` are not unknown."""
     parser = build_parser()
+    assert isinstance(parser, Parser)
     given = ["--vers", "--version=1", "-5", "-h", "-hx", "--v", "-x", "--nope=1", "--", "--after"]
     assert parser.unknown_options(given) == ["-x", "--nope=1"]
