@@ -20,10 +20,11 @@ import argparse
 import contextlib
 import io
 import os
+import re
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TextIO, TypeVar
 
 from fsm_cache.errors import FsmCacheError, SpecError
 
@@ -85,7 +86,49 @@ class Parser(argparse.ArgumentParser):
     reader exits :data:`OUTPUT_CLOSED`. Raised here, :func:`run_command`
     reports the error as it does any other. Subparsers are built of the
     same class.
+
+    An unknown option is named before a missing argument: argparse checks
+    the required arguments first, so ``fsm-cache --bogus`` said ``the
+    following arguments are required: COMMAND`` and never that ``--bogus``
+    is no option of it.
     """
+
+    _given: tuple[str, ...] = ()
+    """The arguments of the latest parse, for :meth:`error` to find unknown options in."""
+
+    def parse_known_args(  # type: ignore[override]  # typeshed's overloads; one signature here
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """Parse as argparse does, keeping ``args`` for :meth:`error`."""
+        self._given = tuple(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        """Report ``message`` as argparse does, led by the unknown options given, if any."""
+        unknown = self.unknown_options(self._given)
+        if unknown and message.startswith(_REQUIRED):
+            message = f"unrecognized arguments: {' '.join(unknown)}; {message}"
+        super().error(message)
+
+    def unknown_options(self, args: Sequence[str]) -> list[str]:
+        """Return the arguments of ``args`` that look like options this parser does not take.
+
+        As argparse reads them: up to ``--``; ``--name=value`` by its name, a
+        long option by any unambiguous prefix, ``-xVALUE`` by its ``-x``; a
+        negative number is a value, not an option.
+        """
+        options = [name for action in self._actions for name in action.option_strings]
+        unknown = []
+        for arg in args:
+            if arg == "--":
+                break
+            if len(arg) < 2 or arg[0] not in self.prefix_chars or _NUMBER.fullmatch(arg):
+                continue
+            name = arg.split("=", 1)[0]
+            long = name[1] in self.prefix_chars
+            if not any(o.startswith(name) if long else o in (name, arg[:2]) for o in options):
+                unknown.append(arg)
+        return unknown
 
     def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
         """Write ``message`` to ``file`` (stdout by default), letting a failed write raise.
@@ -106,6 +149,13 @@ class Parser(argparse.ArgumentParser):
             if stream is sys.stdout and exc.filename is None:
                 raise _StdoutUnwritten(exc.errno, exc.strerror) from exc
             raise
+
+
+_REQUIRED = "the following arguments are required"
+"""How argparse's message on missing arguments begins (its English text: fsm_cache sets no locale)."""
+
+_NUMBER = re.compile(r"-\d+|-\d*\.\d+")
+"""A negative number, which argparse reads as a value (no option of ours looks like one)."""
 
 
 class _StdoutUnwritten(OSError):

@@ -650,14 +650,38 @@ def test_a_stale_diagram_is_told_the_command_that_rewrites_it(
 
 
 def test_default_set_is_every_shipped_spec_under_docs_diagrams(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.chdir(tmp_path)
-    assert run("--write") == 0
-    names = sorted(p.name for p in (tmp_path / "docs" / "diagrams").iterdir())
-    stems = [p.stem for p in shipped_spec_paths()]
-    assert names == sorted(f"{s}{x}" for s in stems for x in (".dot", ".md", ".mmd"))
+    """With no SPEC, in the checkout, ``--check`` is ``make diagrams``: every shipped spec's files."""
+    monkeypatch.chdir(command.home().parent.parent)
     assert run("--check") == 0
+    count = 3 * len(shipped_spec_paths())
+    assert capsys.readouterr().out == f"{count} diagram files match their specs\n"
+
+
+@pytest.mark.parametrize("mode", ["--check", "--write"])
+def test_no_spec_outside_the_checkout_is_refused(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str,
+) -> None:
+    """A user's ``fsm-cache diagram --check`` checked fsm_cache's 18 files in their docs.
+
+    It printed ``docs/diagrams/residency.mmd: missing`` and the like and
+    advised a ``--write`` that wrote them there; no SPEC now means fsm_cache's
+    own diagrams only where they live, and elsewhere nothing is read or written.
+    """
+    monkeypatch.chdir(tmp_path)
+    assert main(["diagram", mode]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == (
+        "",
+        f"error: {mode} with no SPEC is for fsm_cache's own diagrams, in {command.home()}, "
+        f"not docs/diagrams; name the specs whose diagrams to {mode[2:]}: "
+        f"fsm-cache diagram SPEC... {mode}\n",
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_committed_diagrams_match_the_specs(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from shipped_files import STORAGE_FILES
 
-from fsm_cache.errors import SpecError
+from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.spec import loader
 from fsm_cache.spec.guards import parse_condition, parse_guard, parse_update
 from fsm_cache.spec.loader import (
@@ -159,14 +159,51 @@ def test_invalid_utf8(tmp_path: Path) -> None:
 
 
 def test_missing_tables_are_all_reported(tmp_path: Path) -> None:
-    path = write(tmp_path, "title = 'x'\n")
+    path = write(tmp_path, "[machine]\n")
     assert problems(path) == [
-        f"{path}: title: unknown key (allowed: counters, events, forbid, machine, states, transition)",
-        f"{path}: machine: missing table",
         f"{path}: states: missing: a table of NAME = {{ doc = ... }}",
         f"{path}: machine.name: missing or not a string",
         f"{path}: machine.initial: missing or not a string",
     ]
+
+
+@pytest.mark.parametrize("text", ["", "title = 'x'\n"])
+def test_a_file_with_no_spec_table_is_one_line(tmp_path: Path, text: str) -> None:
+    """An empty file said ``machine: missing table`` and three more missing keys."""
+    path = write(tmp_path, text)
+    region = write(
+        tmp_path, "[composition]\nname = 'c'\n[composition.regions]\nr = 'spec.toml'\n", "c.toml"
+    )
+    unknown = [
+        f"{path}: title: unknown key (allowed: counters, events, forbid, machine, states, transition)"
+    ]
+    line = f"{path}: holds no [machine] or [composition] table; a spec file is one of them"
+    assert problems(path) == [*unknown[: len(text)], line]
+    assert problems(region) == [*unknown[: len(text)], line]
+
+
+def test_a_file_with_both_tables_says_so(tmp_path: Path) -> None:
+    """It was read as a composition: ``machine: unknown key (allowed: composition, forbid)``."""
+    both = LAMP + "\n[composition]\nname = 'x'\n"
+    path = write(tmp_path, both)
+    comp = write(
+        tmp_path, "[composition]\nname = 'c'\n[composition.regions]\nr = 'spec.toml'\n", "c.toml"
+    )
+    line = f"{path}: holds both a [machine] and a [composition] table; a spec file is one of them"
+    assert problems(path) == [line]
+    assert problems(comp) == [line]
+
+
+@pytest.mark.parametrize(("given", "named"), [(None, "NoneType"), (3, "int"), (b"a.toml", "bytes")])
+def test_a_path_of_another_type_is_a_bad_argument(given: object, named: str) -> None:
+    """``load_spec(None)`` raised a bare TypeError from inside pathlib."""
+    said = f"path must be a spec file's path (str or os.PathLike), got {named}"
+    with pytest.raises(BadArgument) as info:
+        load_spec(given)  # type: ignore[arg-type]
+    assert str(info.value) == f"load_spec: {said}"
+    with pytest.raises(BadArgument) as info:
+        load_snapshot(given)  # type: ignore[arg-type]
+    assert str(info.value) == f"load_snapshot: {said}"
 
 
 def test_unknown_keys(tmp_path: Path) -> None:
@@ -904,3 +941,157 @@ def test_a_file_a_snapshot_lacks_is_not_read_from_disk(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as raised:
         load_spec(spec, {})
     assert raised.value.problems == [f"{spec}: cannot read: {NOT_IN_SNAPSHOT}"]
+
+
+BUFFER = """
+[machine]
+name = "buffer"
+initial = "free"
+
+[counters]
+refs = 0
+
+[states]
+free = { invariant = "refs == 0" }
+ready = { invariant = "refs == 0" }
+held = { invariant = "refs >= 1", counter = "refs" }
+
+[[transition]]
+event = "acquire"
+source = ["ready", "held"]
+dest = "held"
+update = "refs += 1"
+
+[[transition]]
+event = "release"
+source = "held"
+dest = "held"
+guard = "refs >= 2"
+update = "refs -= 1"
+
+[[transition]]
+event = "release"
+source = "held"
+dest = "ready"
+guard = "refs == 1"
+update = "refs -= 1"
+
+[[transition]]
+event = "reclaim"
+source = "ready"
+dest = "free"
+
+[[transition]]
+event = "fill"
+source = "free"
+dest = "ready"
+
+[[forbid]]
+event = "acquire"
+source = "free"
+error = "NotReady"
+reason = "no data"
+
+[[forbid]]
+event = "release"
+source = ["free", "ready"]
+error = "ReleaseAtZero"
+reason = "not held"
+
+[[forbid]]
+event = "reclaim"
+source = ["free", "held"]
+error = "BufferBusy"
+reason = "only a ready buffer is reclaimed"
+
+[[forbid]]
+event = "fill"
+source = ["ready", "held"]
+error = "AlreadyFilled"
+reason = "filled"
+"""
+
+
+def test_the_buffer_is_valid() -> None:
+    """The spec the tests below break validates as it is."""
+    assert load_spec_text(BUFFER).name == "buffer"
+
+
+def load_spec_text(text: str) -> MachineSpec:
+    spec = spec_from_dict(tomllib.loads(text), "buffer.toml")
+    assert isinstance(spec, MachineSpec)
+    return spec
+
+
+def spec_problems(text: str) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        load_spec_text(text)
+    return info.value.problems
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "said"),
+    [
+        ('event = "reclaim"\nsource = "ready"', "reclam", "transition[3]"),
+        ('event = "release"\nsource = ["free", "ready"]', "relese", "forbid[1]"),
+    ],
+)
+def test_a_misspelt_event_is_pointed_at(old: str, new: str, said: str) -> None:
+    """``reclam`` in one transition gave a totality line per state, none naming the transition.
+
+    ``reclaim`` is used once too, by a forbid listing more states: it is
+    taken for the name meant, and its use is named.
+    """
+    meant = old.split('"')[1]
+    there = " (forbid[2])" if meant == "reclaim" else ""
+    assert spec_problems(BUFFER.replace(old, old.replace(meant, new))) == [
+        f"buffer.toml: {said}.event: {new!r} appears in no other transition or forbid; "
+        f"did you mean {meant!r}{there}?"
+    ]
+
+
+def test_a_misspelt_event_leaves_the_gaps_it_does_not_explain() -> None:
+    """Only the gaps the slip leaves are dropped: another event's stay, after the hint."""
+    text = BUFFER.replace(
+        'event = "reclaim"\nsource = "ready"', 'event = "reclam"\nsource = "ready"'
+    )
+    text = text.replace(
+        'source = ["free", "ready"]\nerror = "ReleaseAtZero"',
+        'source = "free"\nerror = "ReleaseAtZero"',
+    )
+    assert spec_problems(text) == [
+        "buffer.toml: transition[3].event: 'reclam' appears in no other transition or forbid; "
+        "did you mean 'reclaim' (forbid[2])?",
+        "buffer.toml: states.ready: event 'release' is neither a transition nor a forbid when refs=0 (not total)",
+    ]
+
+
+def test_an_event_used_once_and_total_is_no_slip() -> None:
+    """``fills``, close to ``fill`` and used once, covers every state: a spec may have it."""
+    text = (
+        BUFFER
+        + '\n[[transition]]\nevent = "fills"\nsource = ["free", "ready", "held"]\ndest = "free"\nupdate = "refs = 0"\n'
+    )
+    assert "fills" in load_spec_text(text).event_names
+
+
+@pytest.mark.parametrize("key", ["transition", "forbid"])
+def test_a_state_named_twice_in_a_source_list_is_refused(key: str) -> None:
+    """``source = ["ready", "ready", "held"]`` was accepted without a word."""
+    old = (
+        'source = ["ready", "held"]\ndest'
+        if key == "transition"
+        else 'source = ["free", "held"]\nerror'
+    )
+    text = BUFFER.replace(old, old.replace('["', '["held", "'))
+    index = 0 if key == "transition" else 2
+    assert spec_problems(text) == [f"buffer.toml: {key}[{index}].source: state 'held' named twice"]
+
+
+def test_a_repeated_transition_without_a_guard_is_named_as_a_whole() -> None:
+    """It was reported at ``transition[5].guard``, a key the transition did not have."""
+    text = BUFFER + '\n[[transition]]\nevent = "reclaim"\nsource = "ready"\ndest = "free"\n'
+    assert spec_problems(text) == [
+        "buffer.toml: transition[5]: overlaps transition[3] on reclaim in ready when refs=0 "
+        "(non-deterministic)"
+    ]

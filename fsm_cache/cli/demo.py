@@ -43,7 +43,14 @@ CHECK_EVERY = 10
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``demo`` subcommand."""
-    parser = subparsers.add_parser("demo", help="serve a chat workload through HiCache")
+    parser = subparsers.add_parser(
+        "demo",
+        help="serve a chat workload through HiCache",
+        description=(
+            "Serve a synthetic chat workload through HiCache, checking its invariants, "
+            "then show a planted double release refused."
+        ),
+    )
     parser.add_argument("--requests", type=int, default=2000, help="requests to serve")
     parser.add_argument(
         "--policy",

@@ -8,8 +8,12 @@ Usage::
     fsm-cache diagram [SPEC...] --check [--dir docs/diagrams]
 
 ``--write`` and ``--check`` without ``-o`` work on a set of files per spec,
-``<dir>/<name>.mmd``, ``.dot`` and ``.md`` (every shipped spec when no SPEC is
-given). SVG is left out of the set: its bytes depend on the Graphviz version.
+``<dir>/<name>.mmd``, ``.dot`` and ``.md``. SVG is left out of the set: its
+bytes depend on the Graphviz version. With no SPEC they work on the shipped
+specs, and only where their diagrams live, fsm_cache's own ``docs/diagrams``
+(:func:`home`): in a user's project, ``fsm-cache diagram --check`` would
+otherwise check, and ``--write`` write, fsm_cache's diagrams among the
+user's, so there it is refused and asks for the user's specs.
 Two specs whose sets would be the same files (``a/d.toml`` and ``b/d.toml``
 both draw ``<dir>/d.*``) are refused, naming both. ``--format`` is the format
 of one rendering and ``--dir`` the folder of the set: either given to the
@@ -22,6 +26,7 @@ none, never over a spec file the command reads, and never to a ``.toml`` file.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -30,7 +35,7 @@ from fsm_cache.cli.files import STDOUT, current_text, output_argument, write_fil
 from fsm_cache.diagram import FORMATS, DiagramError, one_line, render
 from fsm_cache.shell import named_once, path_argument
 from fsm_cache.spec.loader import load_spec, spec_files
-from fsm_cache.spec.shipped import shipped_spec_paths
+from fsm_cache.spec.shipped import shipped_spec_paths, spec_dir
 
 
 DEFAULT_DIR = Path("docs/diagrams")
@@ -47,6 +52,10 @@ per spec.
 
 --highlight marks a state of one SPEC, e.g. where a node was when an error was
 reported: filled in mermaid, dot and svg; bold, and '(here)', in md's tables.
+
+--check and --write without -o work on each SPEC's .mmd, .dot and .md files in
+--dir (default: docs/diagrams). With no SPEC they work on fsm_cache's own specs,
+and only in its checkout's docs/diagrams: in your project, name your specs.
 """
 
 
@@ -60,7 +69,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "specs", nargs="*", type=path_argument, metavar="SPEC", help="spec TOML files"
+        "specs",
+        nargs="*",
+        type=path_argument,
+        metavar="SPEC",
+        help="spec TOML files (none: fsm_cache's own specs, for --check/--write in its checkout)",
     )
     # --format and --dir default to None, so one given where it is not used is told and refused
     parser.add_argument("--format", choices=FORMATS, help=f"default: {DEFAULT_FORMAT}")
@@ -112,8 +125,9 @@ def run(args: argparse.Namespace) -> int:
                 f"without -o work on each spec's {', '.join(suffixes[:-1])} and {suffixes[-1]} files"
             )
             raise DiagramError(msg)
-        specs = args.specs or shipped_spec_paths()
-        wanted = expected(specs, DEFAULT_DIR if args.dir is None else args.dir)
+        folder = DEFAULT_DIR if args.dir is None else args.dir
+        specs = args.specs or _shipped(folder, "--check" if args.check else "--write")
+        wanted = expected(specs, folder)
         return _check(wanted, _rewrite(args)) if args.check else _write(wanted, specs)
     if args.dir is not None:
         msg = (
@@ -127,6 +141,27 @@ def run(args: argparse.Namespace) -> int:
         return 0
     wanted = {args.output: text}
     return _check(wanted, _rewrite(args)) if args.check else _write(wanted, args.specs)
+
+
+def home() -> Path:
+    """Return the folder of the shipped specs' diagrams: ``docs/diagrams`` beside their ``specs/``."""
+    return spec_dir().parent / DEFAULT_DIR
+
+
+def _shipped(folder: Path, mode: str) -> list[Path]:
+    """Return the shipped specs, whose diagram files ``mode`` with no SPEC works on in ``folder``.
+
+    Raises:
+        DiagramError: ``folder`` is not :func:`home`: no SPEC there means the
+            user forgot theirs, not that fsm_cache's own diagrams belong there.
+    """
+    if os.path.realpath(folder) != os.path.realpath(home()):
+        msg = (
+            f"{mode} with no SPEC is for fsm_cache's own diagrams, in {home()}, not {folder}; "
+            f"name the specs whose diagrams to {mode[2:]}: fsm-cache diagram SPEC... {mode}"
+        )
+        raise DiagramError(msg)
+    return shipped_spec_paths()
 
 
 def _rewrite(args: argparse.Namespace) -> str:

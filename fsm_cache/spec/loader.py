@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from fsm_cache.errors import SpecError
+from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.numeric import whole
 from fsm_cache.spec.guards import (
     MAX_DIGITS,
@@ -109,6 +109,10 @@ class _Problems:
 
     def add(self, where: str, message: str) -> None:
         self.lines.append(f"{self.source}: {where}: {message}")
+
+    def add_file(self, message: str) -> None:
+        """Add a fault of the file as a whole, at no key."""
+        self.lines.append(f"{self.source}: {message}")
 
     def include(self, error: SpecError) -> None:
         """Take the faults of a file this one needs, which therefore fails too."""
@@ -219,11 +223,7 @@ class _Files:
                 raise SpecError([])
             return found
         try:
-            built: Spec
-            if "composition" in data:
-                built = _composition(data, str(path), path.parent, route)
-            else:
-                built = _machine(data, str(path), path.parent, route)
+            built = _built(data, str(path), path.parent, route)
         except SpecError:
             if key is not None:
                 self.specs[key] = None
@@ -261,6 +261,9 @@ def _resolved(path: Path) -> Path | None:
         return None
 
 
+NO_SPEC = "holds no [machine] or [composition] table; a spec file is one of them"
+"""Why a TOML file with neither table (an empty one) is no spec, said once rather than key by key."""
+
 NOT_IN_SNAPSHOT = "not among the files the spec was first read from"
 """Why a load from a snapshot (:func:`load_spec` given ``files``) cannot read a file."""
 
@@ -281,8 +284,23 @@ def load_spec(path: str | Path, files: Mapping[str, bytes] | None = None) -> Spe
     Raises:
         SpecError: The file is unreadable, not TOML, or the spec is invalid;
             one problem per fault, each naming the file and key.
+        BadArgument: ``path`` names no file: it is no ``str`` or
+            :class:`os.PathLike` (``None``, bytes).
     """
-    return _load(Path(path), _Files(files))
+    return _load(_path(path, "load_spec"), _Files(files))
+
+
+def _path(path: object, caller: str) -> Path:
+    """Return the spec path ``path`` a caller of ``caller`` gave, as a :class:`Path`.
+
+    Raises:
+        BadArgument: ``path`` is no ``str`` or :class:`os.PathLike` of one.
+    """
+    try:
+        return Path(path)  # type: ignore[arg-type]  # checked here: the caller may not be typed
+    except TypeError:
+        msg = f"{caller}: path must be a spec file's path (str or os.PathLike), got {type(path).__name__}"
+        raise BadArgument(msg) from None
 
 
 def load_snapshot(path: str | Path) -> tuple[Spec, dict[str, bytes]]:
@@ -296,10 +314,10 @@ def load_snapshot(path: str | Path) -> tuple[Spec, dict[str, bytes]]:
     are proved against in CrossHair's process) builds one version of it.
 
     Raises:
-        SpecError: As :func:`load_spec`.
+        SpecError, BadArgument: As :func:`load_spec`.
     """
     files = _Files()
-    return _load(Path(path), files), files.read
+    return _load(_path(path, "load_snapshot"), files), files.read
 
 
 def _load(path: Path, files: _Files) -> Spec:
@@ -468,10 +486,30 @@ def spec_from_dict(data: _Table, source: str = "<python>", base: Path | None = N
 
 
 def _built(data: _Table, source: str, base: Path | None, route: _Route) -> Spec:
-    """Return the unvalidated spec of ``data``, a composition's or a machine's, reached by ``route``."""
-    if "composition" in data:
+    """Return the unvalidated spec of ``data``, a composition's or a machine's, reached by ``route``.
+
+    Raises:
+        SpecError: It does not build, or holds both kinds (:func:`_kind`).
+    """
+    if _kind(data, source) == "composition":
         return _composition(data, source, base or Path(), route)
     return _machine(data, source, base, route)
+
+
+def _kind(data: _Table, source: str) -> str:
+    """Return which spec the file ``source``'s table ``data`` holds: ``machine`` or ``composition``.
+
+    A table with neither is a machine's, whose build reports it.
+
+    Raises:
+        SpecError: It holds both, which one file cannot be.
+    """
+    if "composition" not in data:
+        return "machine"
+    if "machine" in data:
+        msg = f"{source}: holds both a [machine] and a [composition] table; a spec file is one of them"
+        raise SpecError([msg])
+    return "composition"
 
 
 def machine_from_dict(
@@ -509,6 +547,9 @@ def _machine(data: _Table, source: str, base: Path | None, route: _Route) -> Mac
     _known_keys(
         data, {"machine", "counters", "states", "transition", "forbid", "events"}, "", problems
     )
+    if "machine" not in data:  # an empty file, or another TOML file: not a spec missing keys
+        problems.add_file(NO_SPEC)
+        problems.check()
     head = _table(data, "machine", problems)
     _known_keys(head, {"name", "initial", "doc", "label", "extends"}, "machine", problems)
     extending = "extends" in head
@@ -596,7 +637,7 @@ def _follow(  # noqa: PLR0917 (one reference: its key, its file, its kind, from 
         data = route.files.table(path, target)
         if data is None:  # no spec file, reported where it was first read
             problems.failed = True
-        elif ("composition" if "composition" in data else "machine") != kind:
+        elif _kind(data, str(path)) != kind:
             problems.add(where, f"{rel} is not a [{kind}] file")
         else:
             key = None if target is None else (target, extending)

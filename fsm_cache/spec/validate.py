@@ -11,6 +11,7 @@ for all of them: :func:`representatives` says which, and
 from __future__ import annotations
 
 import builtins
+import difflib
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -56,10 +57,12 @@ def problems(spec: Spec) -> list[str]:
     names = _name_problems(spec)
     if names:
         return [f"{spec.source}: {line}" for line in names]
+    slips, gaps = _slips(spec)
     lines = [
+        *slips,
         *_initial(spec),
         *_determinism(spec),
-        *_totality(spec),
+        *gaps,
         *_safety(spec),
         *_liveness(spec),
     ]
@@ -256,6 +259,7 @@ def _transition_names(spec: MachineSpec, where: str, tr: Transition) -> list[str
     states = spec.state_names
     out = _undeclared(spec, f"{where}.event", tr.event)
     out += [f"{where}.source: unknown state {s!r}" for s in tr.sources if s not in states]
+    out += _repeated(f"{where}.source", tr.sources)
     out += [f"{where}.dest: unknown state {tr.dest!r}"] if tr.dest not in states else []
     known = set(spec.counter_names)
     for key, used in (("guard", tr.guard.counters()), ("update", tr.update.counters())):
@@ -266,6 +270,7 @@ def _transition_names(spec: MachineSpec, where: str, tr: Transition) -> list[str
 def _forbid_names(spec: MachineSpec, where: str, fb: Forbid) -> list[str]:
     out = _undeclared(spec, f"{where}.event", fb.event)
     out += [f"{where}.source: unknown state {s!r}" for s in fb.sources if s not in spec.state_names]
+    out += _repeated(f"{where}.source", fb.sources)
     unknown = fb.guard.counters() - set(spec.counter_names)
     out += [f"{where}.guard: unknown counter {c!r}" for c in sorted(unknown)]
     if fb.when:
@@ -273,6 +278,13 @@ def _forbid_names(spec: MachineSpec, where: str, fb: Forbid) -> list[str]:
     if not fb.sources:
         out.append(f"{where}.source: a machine's forbid must name its states")
     return out + _error_name(where, fb.error)
+
+
+def _repeated(where: str, sources: Sequence[str]) -> list[str]:
+    """Each state a source list names more than once: a slip, which would otherwise pass unseen."""
+    return [
+        f"{where}: state {s!r} named twice" for s in dict.fromkeys(sources) if sources.count(s) > 1
+    ]
 
 
 def _undeclared(spec: MachineSpec, where: str, event: str) -> list[str]:
@@ -342,8 +354,9 @@ def _determinism(spec: MachineSpec) -> Iterator[str]:
             at = f"on {event} in {st.name}"
             for (i, a), (j, b) in itertools.combinations(moves, 2):
                 both = _overlap(spec, st.invariant, a.guard, b.guard)
-                if both is not None:
-                    yield f"transition[{j}].guard: overlaps transition[{i}] {at}{_when(both)} (non-deterministic)"
+                if both is not None:  # at the guard that lets it overlap, if it has one
+                    where = f"transition[{j}]{'.guard' if b.guard else ''}"
+                    yield f"{where}: overlaps transition[{i}] {at}{_when(both)} (non-deterministic)"
             for n, (k, fb) in enumerate(refusals):
                 for i, tr in moves:
                     both = _overlap(spec, st.invariant, tr.guard, fb.guard)
@@ -360,7 +373,8 @@ def _overlap(spec: MachineSpec, invariant: Guard, a: Guard, b: Guard) -> dict[st
     return next((c for c in valuations(spec, invariant) if a.holds(c) and b.holds(c)), None)
 
 
-def _totality(spec: MachineSpec) -> Iterator[str]:
+def _totality(spec: MachineSpec) -> Iterator[tuple[str, str, str]]:
+    """Each state, event and line where the event is neither a transition nor a forbid."""
     for st in spec.states:
         if st.final:
             continue
@@ -370,7 +384,64 @@ def _totality(spec: MachineSpec) -> Iterator[str]:
             allowed = list(valuations(spec, st.invariant))
             gaps = [c for c in allowed if not any(g.holds(c) for g in covers)]
             if gaps:
-                yield f"states.{st.name}: event {event!r} is neither a transition nor a forbid{_gap_when(st.invariant, allowed, gaps)} (not total)"
+                line = f"states.{st.name}: event {event!r} is neither a transition nor a forbid{_gap_when(st.invariant, allowed, gaps)} (not total)"
+                yield st.name, event, line
+
+
+def _slips(spec: MachineSpec) -> tuple[list[str], list[str]]:
+    """Return the events that look misspelt, located, and the totality gaps they do not explain.
+
+    An event one transition or forbid uses and nothing else does, whose name
+    is close to another event's (``reclam``, where the rest say ``reclaim``),
+    is a slip when it is not total and the other name is missing in a state
+    its one use lists: the one use is named, with the name meant, instead of
+    the gaps it leaves, its own in every state and the other name's in the
+    states its one use lists. A machine with an ``[events]`` table has no
+    slips: an undeclared name is refused as such. Without one, the spec's own
+    names are the list to check spelling against, and the name more of it
+    agrees on (more uses, then more states listed) is taken for the one
+    meant. Where the other name is used once too, its use is named beside
+    it, so a guess the wrong way round still shows both. An event that is
+    total on its own is no slip.
+    """
+    gaps = list(_totality(spec))
+    if spec.events:
+        return [], [line for _, _, line in gaps]
+    uses: dict[str, list[tuple[str, tuple[str, ...]]]] = {}
+    for i, tr in enumerate(spec.transitions):
+        uses.setdefault(tr.event, []).append((f"transition[{i}]", tr.sources))
+    for k, fb in enumerate(spec.forbids):
+        uses.setdefault(fb.event, []).append((f"forbid[{k}]", fb.sources))
+    gapped: dict[str, set[str]] = {}
+    for state, event, _ in gaps:
+        gapped.setdefault(event, set()).add(state)
+    weight = {
+        event: (len(places), len({s for _, sources in places for s in sources}))
+        for event, places in uses.items()
+    }
+    slips, explained = [], set()
+    for event, places in uses.items():
+        if len(places) != 1 or event not in gapped:
+            continue
+        close = difflib.get_close_matches(event, [e for e in uses if e != event], 1, _CLOSE)
+        if not close:
+            continue
+        (where, sources), meant = places[0], close[0]
+        if not gapped.get(meant, set()) & set(sources) or weight[meant] < weight[event]:
+            continue
+        there = f" ({uses[meant][0][0]})" if len(uses[meant]) == 1 else ""
+        slips.append(
+            f"{where}.event: {event!r} appears in no other transition or forbid; "
+            f"did you mean {meant!r}{there}?"
+        )
+        explained |= {(state, gap) for state, gap, _ in gaps if gap == event}
+        explained |= {(state, meant) for state in sources}
+    return slips, [line for state, event, line in gaps if (state, event) not in explained]
+
+
+_CLOSE = 0.8
+"""How alike (:class:`difflib.SequenceMatcher`'s ratio) an event's name must be to another's to
+be taken for a misspelling of it: ``reclam`` and ``reclaim`` are 0.92, ``pin`` and ``unpin`` 0.75."""
 
 
 def _gap_when(invariant: Guard, allowed: list[dict[str, int]], gaps: list[dict[str, int]]) -> str:
@@ -681,6 +752,7 @@ def _system_forbid_problems(system: System, where: str, fb: Forbid) -> list[str]
         for s in fb.sources
         if owners and s not in machines[owners[0]].state_names
     ]
+    out += _repeated(f"{where}.source", fb.sources)
     for cond in fb.when:
         if cond.region not in machines:
             out.append(f"{where}.when: unknown region {cond.region!r}")
