@@ -156,6 +156,7 @@ class KVPool:
             (1, 2, 3, 4, 5, 0) if self._page_first else (0, 1, 3, 4, 5, 2)
         )
         self._dest = self.words if self._page_first else self.words.permute(1, 0, 2)
+        self._on_cpu = tensor.device.type == "cpu"  # the page index's fast path reads it
         self._pin_device = pin_device
         self._finalizer: weakref.finalize[..., KVPool] | None = None
         if pinned:
@@ -312,7 +313,8 @@ class KVPool:
         """``pages`` (ints, not empty) as an index on the pool's device, after their bounds."""
         if not (min(pages) >= 0 and max(pages) < self.num_pages):
             self.check_pages(pages)
-        return upload(torch.frombuffer(array("q", pages), dtype=torch.int64), self.device)
+        idx = torch.frombuffer(array("q", pages), dtype=torch.int64)
+        return idx if self._on_cpu else upload(idx, self.device)  # device: a tensor's, ~1 us
 
     def check_pages(self, pages: Sequence[int]) -> None:
         """Refuse ``pages`` unless each is an int (a bool is not) in ``0..num_pages - 1``.

@@ -518,6 +518,7 @@ class _Pattern:
         self.layout, self.device = layout, device
         lay, ps = layout, layout.page_size
         self._dims = (lay.layers, lay.planes, lay.heads, lay.head_dim)
+        self._on_cpu = device.type == "cpu"
         inner, blocks = lay.heads * lay.head_dim, lay.layers * lay.planes
         # where each (layer, plane) block starts reading the circular pattern
         step = _DIGITS + 1 if inner >= _DIGITS else inner + _DIGITS  # see synthetic_kv
@@ -564,7 +565,9 @@ class _Pattern:
         """
         n, ps = len(tokens), self.layout.page_size
         # ids up to 2**64 - 1, read as int64: the code's arithmetic is modulo 2**64 either way
-        ids = upload(torch.frombuffer(array("Q", tokens), dtype=torch.int64), self.device)
+        ids = torch.frombuffer(array("Q", tokens), dtype=torch.int64)
+        if not self._on_cpu:  # a call per insert: the upload's own test would cost it
+            ids = upload(ids, self.device)
         if not self.starts:
             if ps > 1:  # [page_size, 1, 1, pages]: each token under its position, by page
                 ids = ids.as_strided((ps, 1, 1, n // ps), (1, 1, 1, ps))
