@@ -332,6 +332,11 @@ class ReadOnlyAttribute(FsmCacheError, AttributeError):
         """
         return cls(f"{attribute} cannot be set (to {reprlib.repr(value)}): {why}")
 
+    @classmethod
+    def deleted(cls, attribute: str, why: str) -> ReadOnlyAttribute:
+        """Return the error for deleting ``attribute``: ``Engine.leases cannot be deleted: WHY``."""
+        return cls(f"{attribute} cannot be deleted: {why}")
+
 
 class StaleNode(FsmCacheError):
     """A node handle that is not in this cache's tree: deleted, from before a reset, or another's."""

@@ -24,7 +24,7 @@ with warnings.catch_warnings():
     from fsm_cache.cache.tree import TreeNode
     from fsm_cache.cli.main import main
     from fsm_cache.errors import BadArgument, CopyFailed, ForeignSlot, PageBusy
-    from fsm_cache.memory import staging
+    from fsm_cache.memory import copies, staging
     from fsm_cache.memory.copies import Completion, CopyEngine, Direction, host_runs
     from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
     from fsm_cache.memory.staging import Stream
@@ -925,6 +925,55 @@ def test_a_load_does_not_overwrite_pages_a_stream_given_to_wait_still_reads() ->
     consumer.synchronize()
     assert bool((read == 1).all())  # what the first load put there, not the second
     assert bool((engine.device.words[6] == 2).all())
+    engine.close()
+
+
+def test_a_load_given_a_stream_still_follows_the_engines_compute_stream() -> None:
+    """A ``stream=`` replaced ``compute_stream``: a load overwrote a page it still read."""
+    forward = FakeStream(torch.device("cpu"), "forward")
+    engine, _, other = _ordered(compute_stream=forward)
+    engine.host.words[0].fill_(1)
+    engine.host.words[1].fill_(2)
+    engine.start_load([0], [6])
+    assert all(c.ok for c in engine.drain())
+    read = torch.empty_like(engine.device.words[6])
+
+    def compute() -> None:  # the forward pass reads what the first load wrote
+        read.copy_(engine.device.words[6])
+
+    forward.enqueue(compute)
+    engine.start_load([1], [6], stream=other)  # page 6 freed and reused, its reader queued
+    assert all(c.ok for c in engine.drain())
+    forward.synchronize()
+    assert bool((read == 1).all())
+    engine.close()
+
+
+def test_the_streams_given_to_wait_are_the_latest_few() -> None:
+    """Each start waits for them: a new stream object each step grew the list for ever."""
+    engine, _, _ = _ordered()
+    ticket = engine.start_write([0], [0])
+    given = [
+        FakeStream(torch.device("cpu"), f"reader {i}") for i in range(copies.MAX_CONSUMERS + 3)
+    ]
+    for stream in given:
+        engine.wait([ticket.id], stream=stream)
+    assert engine._consumers == given[-copies.MAX_CONSUMERS :]  # noqa: SLF001
+    engine.close()
+
+
+def test_a_cpu_engine_refuses_a_stream_argument_that_is_not_a_stream() -> None:
+    """The check ran only on streams, so the slip showed first on a GPU."""
+    engine = make("cpu")
+    ticket = engine.start_write([0], [0])
+    for call in (
+        lambda: engine.start_write([1], [1], stream=42),
+        lambda: engine.start_load([2], [2], stream="forward"),
+        lambda: engine.wait([ticket.id], stream=object()),
+    ):
+        with pytest.raises(BadArgument, match=r"^copy engine: stream must be a stream "):
+            call()
+    assert [t.id for t in engine.in_flight()] == [ticket.id]
     engine.close()
 
 

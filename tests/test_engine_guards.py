@@ -391,3 +391,24 @@ def test_the_system_the_record_class_and_the_lease_book_cannot_be_assigned() -> 
     assert not lease.held  # the engine's own book voided it
     engine.foo = 1  # type: ignore[attr-defined]  # what the engine is not built with is the caller's
     assert engine.foo == 1  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", ["system", "Record", "leases"])
+def test_what_the_engine_is_built_with_cannot_be_deleted(name: str) -> None:
+    """Deleted, it could be set again past the guard, which lets only a missing one be set."""
+    engine = Engine(residency_system(), trail=False)
+    kept = getattr(engine, name)
+    with pytest.raises(ReadOnlyAttribute) as info:
+        delattr(engine, name)
+    why = {
+        "system": "the engine's functions were compiled from it; build another Engine(spec)",
+        "Record": "the engine's functions were compiled for its records; build another"
+        " Engine(spec) for another record class",
+        "leases": "the engine opens its leases in it and init voids them there; release them,"
+        " or void them with Engine.leases.void(site)",
+    }[name]
+    assert str(info.value) == f"Engine.{name} cannot be deleted: {why}"
+    assert getattr(engine, name) is kept
+    engine.foo = 1  # type: ignore[attr-defined]
+    del engine.foo  # type: ignore[attr-defined]  # the caller's own: deleted as ever
+    assert not hasattr(engine, "foo")

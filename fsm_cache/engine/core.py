@@ -172,6 +172,17 @@ class Engine:
                 raise _fixed(name, value, why)
             object.__setattr__(self, name, value)
 
+        def __delattr__(self, name: str) -> None:
+            """Delete ``name``, unless it is one of :data:`_BUILT` (set again, it would pass).
+
+            Raises:
+                ReadOnlyAttribute: ``name`` is fixed when the engine is built; nothing changed.
+            """
+            why = _BUILT.get(name)
+            if why is not None:
+                raise ReadOnlyAttribute.deleted(f"Engine.{name}", why)
+            object.__delattr__(self, name)
+
     @property
     def trail(self) -> bool:
         """Whether the engine runs in trail mode; fixed when it is built.

@@ -256,9 +256,8 @@ class CopyEngine:
         if self.closed:
             raise CopyFailed(f"copy engine closed: {direction.value} copy refused")
         runs = self._validate(direction, src, dst)
+        _check_stream("stream", stream)  # on CPU too: a slip must not wait for a GPU to show
         if self._api is not None:
-            if stream is not None:
-                _check_stream("stream", stream)
             try:
                 self._mark(cast("Stream | None", stream))
             except RuntimeError as exc:  # a broken device: nothing is started
@@ -318,10 +317,13 @@ class CopyEngine:
         api, after = self._api, self._after
         assert api is not None  # streams only
         assert after is not None
-        producer = stream if stream is not None else self._compute
+        compute = self._compute
+        producer = stream if stream is not None else compute
         if producer is None:
             producer = api.current_stream(self.device.device)
         after.wait_stream(producer)
+        if compute is not None and compute != producer:  # a stream= adds to it, never replaces it
+            after.wait_stream(compute)
         for consumer in self._consumers:
             if consumer != producer:
                 after.wait_stream(consumer)
@@ -476,8 +478,7 @@ class CopyEngine:
         for i in ids:
             if not (whole(i, 1) and i <= started):
                 raise BadArgument(f"copy: cannot wait for ticket {i!r}: no copy started with it")
-        if stream is not None and self._api is not None:  # a CPU engine has no streams to wait
-            _check_stream("stream", stream)
+        _check_stream("stream", stream)  # on CPU too, where there is nothing to hold back
         self.submit()
         wanted = set(ids)
         ours = [s for s in self._submitted if any(t.id in wanted for t in s.tickets)]
@@ -487,6 +488,7 @@ class CopyEngine:
                 target = self._api.current_stream(self.device.device)
             elif target != self._compute and target not in self._consumers:
                 self._consumers.append(target)
+                del self._consumers[:-MAX_CONSUMERS]
             for submission in ours:
                 if submission.event is not None:
                     target.wait_event(submission.event)
@@ -577,6 +579,14 @@ def _check_pools(device_pool: object, host_pool: object) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+MAX_CONSUMERS = 8
+"""The most streams given to :meth:`CopyEngine.wait` that each copy start follows: the latest.
+
+A serving engine reads the pool on one or two streams; a caller handing in a
+new stream object each step would otherwise make every start wait for all of
+them, for ever."""
 
 
 def _check_stream(name: str, stream: object) -> None:
