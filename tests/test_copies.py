@@ -962,15 +962,18 @@ def test_the_streams_given_to_wait_are_the_latest_few() -> None:
     engine.close()
 
 
-def test_a_cpu_engine_refuses_a_stream_argument_that_is_not_a_stream() -> None:
-    """The check ran only on streams, so the slip showed first on a GPU."""
+def test_a_cpu_engine_refuses_a_start_given_a_stream_that_is_not_a_stream() -> None:
+    """The check ran only on streams, so the slip showed first on a GPU.
+
+    ``wait`` is the exception: on CPU it only checks the ids (``test_fake_cuda``).
+    """
     engine = make("cpu")
     ticket = engine.start_write([0], [0])
-    for call in (
+    calls: list[Callable[[], object]] = [
         lambda: engine.start_write([1], [1], stream=42),
         lambda: engine.start_load([2], [2], stream="forward"),
-        lambda: engine.wait([ticket.id], stream=object()),
-    ):
+    ]
+    for call in calls:
         with pytest.raises(BadArgument, match=r"^copy engine: stream must be a stream "):
             call()
     assert [t.id for t in engine.in_flight()] == [ticket.id]

@@ -471,14 +471,16 @@ class CopyEngine:
 
         Raises:
             BadArgument: an id is not the int id of a ticket this engine started
-                (also a ValueError), or ``stream`` is not a stream.
+                (also a ValueError), or ``stream`` is not a stream (on streams;
+                a CPU engine only checks the ids).
         """
         ids = list(ticket_ids)
         started = self._started
         for i in ids:
             if not (whole(i, 1) and i <= started):
                 raise BadArgument(f"copy: cannot wait for ticket {i!r}: no copy started with it")
-        _check_stream("stream", stream)  # on CPU too, where there is nothing to hold back
+        if self._api is not None:  # a CPU engine has no streams to wait: it only checks the ids
+            _check_stream("stream", stream)
         self.submit()
         wanted = set(ids)
         ours = [s for s in self._submitted if any(t.id in wanted for t in s.tickets)]
