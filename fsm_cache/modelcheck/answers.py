@@ -262,10 +262,10 @@ class Answers:
     def _chosen(self, event: str, entry: NodeEntry, up: int, kids: tuple[int, ...]) -> bool:
         """Whether the cache fires ``event`` at the node itself (its policy, its copies)."""
         if self.choices.policy is None:  # any step the spec allows, a read landing in order
-            if up < 0 or event not in self.choices.ordered:
+            if event not in self.choices.ordered:  # hot: build no entry for the common case
                 return True
-            above = self.layout.state((0, *self.trees.states[up]), "host")
-            return not self.choices.behind(event, above)
+            above = (0, *self.trees.states[up]) if up >= 0 else None
+            return not self.choices.behind(self.layout, event, above)
         states = self.trees.states
         parent = (0, *states[up]) if up >= 0 else None
         if not self.choices.fires(self.layout, event, entry, parent):

@@ -425,10 +425,16 @@ class Choices:
             return parent_allows_backup(self.policy, view)
         return self.wants(self.policy, view, 1)
 
-    def behind(self, event: str, parent: str | None) -> bool:
-        """Whether ``event`` waits for the parent's share of a fetch to land (``parent``: its host state)."""
+    def behind(self, layout: Layout, event: str, parent: NodeEntry | None) -> bool:
+        """Whether ``event`` waits for the parent's share of a fetch to land (None: the root).
+
+        The parent's host state is read only for an event :attr:`ordered` holds,
+        which only a spec with a host region has.
+        """
         copying = self.ordered.get(event)
-        return copying is not None and copying == parent
+        return (
+            copying is not None and parent is not None and layout.state(parent, "host") == copying
+        )
 
     def waits(self, event: str, children: list[str]) -> bool:
         """Whether ``event`` waits for a child's: the node shares its copy with a child (host states)."""

@@ -128,9 +128,8 @@ class Replay:
         entry = _at(nodes, index)
         parent = int(entry[0])
         if self.choices.policy is None:  # any step the spec allows, a read landing in order
-            if parent < 0 or event not in self.choices.ordered:  # ordered: a host region's
-                return True
-            return not self.choices.behind(event, self.layout.state(_at(nodes, parent), "host"))
+            above = _at(nodes, parent) if parent >= 0 else None
+            return not self.choices.behind(self.layout, event, above)
         if not self.choices.fires(
             self.layout, event, entry, nodes[parent] if parent >= 0 else None
         ):
