@@ -1182,6 +1182,33 @@ def test_a_copy_in_flight_when_a_query_fails_backs_off_no_more(
     writer.close()
 
 
+def test_a_store_queued_but_not_started_when_lookups_back_off_is_a_new_trial(
+    tmp_path: Path, clock: HandClock
+) -> None:
+    """A backup queued in the poll that backs off starts after it: its failure backs off again.
+
+    It had not tried the store when the poll applied the first store's
+    failure; it tries it as that poll ends, so its failure says the store is
+    still down, and the wait doubles, as for any store started after a
+    backoff. Before, every copy queued then counted as that outage's.
+    """
+    faulty = FaultyStore(LocalFileStore(tmp_path))
+    faulty.raises = {"put"}
+    writer = HiCache(config(), storage=tier(faulty, query_backoff=1.0, query_backoff_max=30.0))
+    storage = writer.storage
+    assert storage is not None
+    writer.insert(tokens(2))
+    writer.poll()  # write_done: the first store runs inline, and fails
+    writer.insert(tokens(2, start=5000))
+    writer.poll()  # the second's write_done queues its store; the first's failure backs off
+    assert writer.log.storage_acks() == [("poll", ((1, "store", 0, "failed"),))]
+    assert (storage.backoff.failures, storage.backoff.until) == (1, clock.now + 1.0)
+    assert faulty.calls == ["put", "put"]  # the second started as that poll ended
+    writer.poll()  # it failed: the store is still down
+    assert writer.log.storage_acks()[-1] == ("poll", ((2, "store", 0, "failed"),))
+    assert (storage.backoff.failures, storage.backoff.until) == (2, clock.now + 2.0)
+
+
 def test_no_backup_is_started_while_lookups_back_off(store: Store, clock: HandClock) -> None:
     """A host backup acknowledged during a backoff starts no store, and holds no pin for one.
 

@@ -1196,10 +1196,15 @@ class StorageTier:
         apart or many, on one rank or another. Each is the outage already
         backed off for, not a failure in a row, so none backs off again when
         it fails: one outage doubles the wait once. A copy started later is a
-        new trial of the store, and its failure backs off (twice as long).
+        new trial of the store, and its failure backs off (twice as long): so is
+        one queued and not yet started (a store a host backup acknowledged in
+        the poll that backs off), which tries the store only when it starts.
+        Started, not claimed by a worker: a copy waiting behind a worker that
+        hangs on the store fails by that outage, and which copies are started
+        is the same on every rank at a step or a lookup.
         """
         self.backoff.failed(time.monotonic())
-        self._told.update(self._copies)
+        self._told.update(n for n, copy in self._copies.items() if copy.started is not None)
 
     def resume_queries(self, passed: bool) -> None:
         """End the query backoff if ``passed`` (under agreement, the group's MIN): the next lookup asks.
