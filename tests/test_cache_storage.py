@@ -1182,6 +1182,72 @@ def test_a_copy_in_flight_when_a_query_fails_backs_off_no_more(
     writer.close()
 
 
+def test_a_store_queued_but_not_started_when_lookups_back_off_is_a_new_trial(
+    tmp_path: Path, clock: HandClock
+) -> None:
+    """A backup queued in the poll that backs off starts after it: its failure backs off again.
+
+    It had not tried the store when the poll applied the first store's
+    failure; it tries it as that poll ends, so its failure says the store is
+    still down, and the wait doubles, as for any store started after a
+    backoff. Before, every copy queued then counted as that outage's.
+    """
+    faulty = FaultyStore(LocalFileStore(tmp_path))
+    faulty.raises = {"put"}
+    writer = HiCache(config(), storage=tier(faulty, query_backoff=1.0, query_backoff_max=30.0))
+    storage = writer.storage
+    assert storage is not None
+    writer.insert(tokens(2))
+    writer.poll()  # write_done: the first store runs inline, and fails
+    writer.insert(tokens(2, start=5000))
+    writer.poll()  # the second's write_done queues its store; the first's failure backs off
+    assert writer.log.storage_acks() == [("poll", ((1, "store", 0, "failed"),))]
+    assert (storage.backoff.failures, storage.backoff.until) == (1, clock.now + 1.0)
+    assert faulty.calls == ["put", "put"]  # the second started as that poll ended
+    writer.poll()  # it failed: the store is still down
+    assert writer.log.storage_acks()[-1] == ("poll", ((2, "store", 0, "failed"),))
+    assert (storage.backoff.failures, storage.backoff.until) == (2, clock.now + 2.0)
+
+
+def test_under_agreement_a_copy_in_flight_at_a_backoff_that_failed_elsewhere_ends_no_row(
+    tmp_path: Path, clock: HandClock
+) -> None:
+    """The row of failures follows the group's outcome of a copy, not this rank's.
+
+    The group backed off while the copy was in flight, and the backoff
+    passed; the copy landed here but not on another rank (``peer_failed``
+    here; there it may have timed out, its store down). Every rank keeps the
+    row, as the rank whose store failed does: a rank that ended it would
+    wait less after the next failure than the others, and the group, which
+    ends a backoff only where every rank's wait passed, waits the longest.
+    A copy not in flight at a backoff that landed short elsewhere ends the
+    row on every rank: no rank's store failed it as a store that is down
+    does, or the group would have backed off for it, with it in flight.
+    """
+    cache = HiCache(config(), storage=tier(LocalFileStore(tmp_path), query_backoff=1.0))
+    storage = cache.storage
+    assert storage is not None
+    storage.agree_by(lambda found, asked: list(found))
+    cache.insert(tokens(2))
+    cache.poll()  # write_done: the store runs inline, and lands here
+    storage.back_off_for_copies(True)  # another rank's store failed another copy: all back off
+    assert (storage.backoff.closed, storage.backoff.failures) == (True, 1)
+    clock.now += 1.0
+    storage.resume_queries(True)  # every rank's wait has passed
+    assert storage.report(2) == [2 * 2 + 1, -1]
+    storage.accept([2 * 0 + 1, -1])  # another rank landed none, its store down
+    assert cache.poll() == 1
+    assert cache.log.storage_acks() == [("poll", ((1, "store", 0, "peer_failed"),))]
+    assert (storage.backoff.closed, storage.backoff.failures) == (False, 1)
+    cache.insert(tokens(2, start=5000))
+    cache.poll()  # write_done: the store runs inline, and lands here
+    assert storage.report(2) == [2 * 2 + 1, -1]
+    storage.accept([2 * 1 + 1, -1])  # another rank's store was full after one page
+    assert cache.poll() == 1
+    assert cache.log.storage_acks()[-1] == ("poll", ((2, "store", 1, "peer_failed"),))
+    assert (storage.backoff.closed, storage.backoff.failures) == (False, 0)
+
+
 def test_no_backup_is_started_while_lookups_back_off(store: Store, clock: HandClock) -> None:
     """A host backup acknowledged during a backoff starts no store, and holds no pin for one.
 

@@ -437,9 +437,12 @@ def one_outage_seen_at_two_steps(rank: int, folder: Path) -> dict[str, Any]:
     takes the first and hangs on the second until its ``io_timeout``. One
     outage: the group backs off once, at the first step, on both ranks; the
     second step, where rank 1's copy times out, ends the backoff (both waits
-    passed) and backs off no more, so both ask at the next lookup. The
-    tier's clock is moved by hand: the hung put times out only where the
-    test says, however slowly a loaded machine runs it.
+    passed) and backs off no more, so both ask at the next lookup. Neither
+    rank ends the row of failures at the second copy (rank 0's landed, but
+    the group's outcome is a failure), so the next lookup's query, which
+    fails, backs both off for as long. The tier's clock is moved by hand:
+    the hung put times out only where the test says, however slowly a
+    loaded machine runs it.
     """
     store = Faulty(LocalFileStore(folder / f"rank{rank}"))
     hung = threading.Event()
@@ -481,8 +484,10 @@ def one_outage_seen_at_two_steps(rank: int, folder: Path) -> dict[str, Any]:
         clock.now += 1.0  # past the second's io_timeout, and past the wait
         shared.step()  # the second timed out on rank 1: the same outage
         seen.append(backoff_state(shared, clock))
-        found = cache.match_prefix(tokens(2, start=9000))  # both ask the store
+        store.exists_fails = True
+        found = cache.match_prefix(tokens(2, start=9000))  # both ask the store: it fails
         seen.append([store.queries, found.storage_len])
+        seen.append(backoff_state(shared, clock))
         hung.set()
         out = report(shared, seen=seen)
         cache.close()
@@ -745,13 +750,12 @@ def test_a_copy_failed_on_one_rank_backs_off_every_rank_alike(ranks: Results) ->
 def test_one_outage_seen_at_two_steps_backs_every_rank_off_once(ranks: Results) -> None:
     run = agreed(ranks, "one_outage")
     # backing off, failures in a row, seconds left: after the first step, the second, then
-    # the queries asked so far and the pages prefetched at the lookup after them. Each rank
-    # ends the row of failures on its own applies: rank 0's second copy landed (its
-    # store answered), rank 1's timed out
+    # the queries asked so far and the pages prefetched at the lookup after them, then after
+    # that lookup's query failed. The row of failures is the group's: rank 0's second copy
+    # landed but rank 1's timed out, so neither ends it, and both wait 2 s after the query
     assert [r["one_outage"]["seen"] for r in ranks] == [
-        [[True, 1, 1.0], [False, 0, 0.0], [1, 0]],
-        [[True, 1, 1.0], [False, 1, 0.0], [1, 0]],
-    ]
+        [[True, 1, 1.0], [False, 1, 0.0], [1, 0], [True, 2, 2.0]]
+    ] * 2
     assert [r["one_outage"]["acks"] for r in ranks] == [
         [["poll", [[1, "store", 0, "failed"]]], ["poll", [[2, "store", 0, "peer_failed"]]]],
         [["poll", [[1, "store", 0, "peer_failed"]]], ["poll", [[2, "store", 0, "timeout"]]]],

@@ -52,7 +52,7 @@ machine:
   rank as a store that is down fails one, back every rank off, and the
   backoff ends only where the group agrees it has
   (:meth:`StorageTier.resume_queries`), so every rank asks its store at the
-  same lookups.
+  same lookups; a copy ends the row of failures on every rank or on none.
 """
 
 from __future__ import annotations
@@ -799,7 +799,7 @@ class StorageTier:
             return 0
         outcomes = [(copy, self._result(copy)) for copy in copies]
         self._core.log.storage(origin, [(c.number, c.kind, r.held, r.outcome) for c, r in outcomes])
-        down = [c.number for c, r in outcomes if r.outcome in _DOWN]
+        down = self._down(outcomes)
         if not down:
             if not self.backoff.closed:  # a trial, or none needed: a later failure is a new row
                 self.backoff.answered()  # (while closed, a slow query's fetch still lands)
@@ -818,6 +818,23 @@ class StorageTier:
             else:
                 self._apply_fetch(copy, result)
         return len(outcomes)
+
+    def _down(self, outcomes: Sequence[tuple[StorageCopy, StoreResult]]) -> list[int]:
+        """Return the numbers of the copies applied that failed as a store that is down fails one.
+
+        Alone, those whose outcome says so. Under agreement, a rank's outcome
+        is its own (``peer_failed`` where another rank's copy timed out), but
+        whether the row of failures ends must be the group's, or the ranks'
+        next waits would differ (and the group, which resumes only where every
+        rank's wait passed, would wait the longest): the copies told to the
+        group that did not land whole everywhere. A copy that failed so on any
+        rank is told on every rank by the step that accepts it (the group
+        backed off for it, with it in flight, or it was in flight at an earlier
+        backoff), and which copies are told is the same on every rank.
+        """
+        if not self._agreed_only:
+            return [c.number for c, r in outcomes if r.outcome in _DOWN]
+        return [c.number for c, r in outcomes if c.number in self._told and r.outcome != "ok"]
 
     def _result(self, copy: StorageCopy) -> StoreResult:
         """The result to apply: the group's, when it accepted the copy; else this rank's."""
@@ -1196,10 +1213,15 @@ class StorageTier:
         apart or many, on one rank or another. Each is the outage already
         backed off for, not a failure in a row, so none backs off again when
         it fails: one outage doubles the wait once. A copy started later is a
-        new trial of the store, and its failure backs off (twice as long).
+        new trial of the store, and its failure backs off (twice as long): so is
+        one queued and not yet started (a store a host backup acknowledged in
+        the poll that backs off), which tries the store only when it starts.
+        Started, not claimed by a worker: a copy waiting behind a worker that
+        hangs on the store fails by that outage, and which copies are started
+        is the same on every rank at a step or a lookup.
         """
         self.backoff.failed(time.monotonic())
-        self._told.update(self._copies)
+        self._told.update(n for n, copy in self._copies.items() if copy.started is not None)
 
     def resume_queries(self, passed: bool) -> None:
         """End the query backoff if ``passed`` (under agreement, the group's MIN): the next lookup asks.
