@@ -25,7 +25,7 @@ Every error the library raises on bad input or an illegal step derives from
     │   │                         TypeError and a ValueError); nothing changed
     │   └── ParentLoop            a record's parent chain loops; nothing changed
     ├── ReadOnlyAttribute         an attribute fixed when its object was built was
-    │                             assigned (also an AttributeError)
+    │                             assigned, or one it lacks (also an AttributeError)
     ├── StaleNode                 a node that is not (or no longer) in this cache
     ├── ConcurrentUse             two threads inside one cache at once
     ├── CacheClosed               an operation on a cache after close()
@@ -320,7 +320,7 @@ class ParentLoop(BadArgument):
 
 
 class ReadOnlyAttribute(FsmCacheError, AttributeError):
-    """An attribute fixed when its object was built was assigned; nothing changed."""
+    """An attribute fixed when its object was built was assigned, or one it lacks; nothing changed."""
 
     @classmethod
     def assigned(cls, attribute: str, value: object, why: str) -> ReadOnlyAttribute:
