@@ -61,11 +61,27 @@ from __future__ import annotations
 
 import reprlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 
-if TYPE_CHECKING:
-    from fsm_cache.engine.trail import Site, Sites
+class CallSite(Protocol):
+    """Where a call was made, as a refusal carries it: :class:`fsm_cache.engine.trail.Site`.
+
+    A protocol rather than that class, so that this module, below the
+    engine, imports nothing of fsm_cache's (even for type checking).
+    """
+
+    @property
+    def filename(self) -> str:
+        """The file of the call."""
+
+    @property
+    def line(self) -> int:
+        """The line of the call."""
+
+    @property
+    def function(self) -> str:
+        """The function the call was made in."""
 
 
 class FsmCacheError(Exception):
@@ -132,8 +148,8 @@ class IllegalTransition(FsmCacheError):
         event: str,
         reason: str,
         history: str = "",
-        site: Site | None = None,
-        sites: Sites = (),
+        site: CallSite | None = None,
+        sites: tuple[tuple[str, CallSite], ...] = (),
         others: Mapping[str, str] | None = None,
     ) -> None:
         self.label = label
