@@ -25,7 +25,7 @@ Every error the library raises on bad input or an illegal step derives from
     │   │                         TypeError and a ValueError); nothing changed
     │   └── ParentLoop            a record's parent chain loops; nothing changed
     ├── ReadOnlyAttribute         an attribute fixed when its object was built was
-    │                             assigned (also an AttributeError)
+    │                             assigned, or one it lacks (also an AttributeError)
     ├── StaleNode                 a node that is not (or no longer) in this cache
     ├── ConcurrentUse             two threads inside one cache at once
     ├── CacheClosed               an operation on a cache after close()
@@ -61,11 +61,27 @@ from __future__ import annotations
 
 import reprlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 
-if TYPE_CHECKING:
-    from fsm_cache.engine.trail import Site, Sites
+class CallSite(Protocol):
+    """Where a call was made, as a refusal carries it: :class:`fsm_cache.engine.trail.Site`.
+
+    A protocol rather than that class, so that this module, below the
+    engine, imports nothing of fsm_cache's (even for type checking).
+    """
+
+    @property
+    def filename(self) -> str:
+        """The file of the call."""
+
+    @property
+    def line(self) -> int:
+        """The line of the call."""
+
+    @property
+    def function(self) -> str:
+        """The function the call was made in."""
 
 
 class FsmCacheError(Exception):
@@ -132,8 +148,8 @@ class IllegalTransition(FsmCacheError):
         event: str,
         reason: str,
         history: str = "",
-        site: Site | None = None,
-        sites: Sites = (),
+        site: CallSite | None = None,
+        sites: tuple[tuple[str, CallSite], ...] = (),
         others: Mapping[str, str] | None = None,
     ) -> None:
         self.label = label
@@ -320,7 +336,7 @@ class ParentLoop(BadArgument):
 
 
 class ReadOnlyAttribute(FsmCacheError, AttributeError):
-    """An attribute fixed when its object was built was assigned; nothing changed."""
+    """An attribute fixed when its object was built was assigned, or one it lacks; nothing changed."""
 
     @classmethod
     def assigned(cls, attribute: str, value: object, why: str) -> ReadOnlyAttribute:

@@ -26,13 +26,14 @@ its events are :data:`StorageEvent`.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, get_args
 
 from fsm_cache.engine import trail as trails
 from fsm_cache.engine.core import Effect, Engine, Verb
 from fsm_cache.engine.lease import Lease
-from fsm_cache.errors import BadArgument
+from fsm_cache.errors import BadArgument, ReadOnlyAttribute
 from fsm_cache.spec.shipped import load_shipped, residency_system
 
 
@@ -216,6 +217,13 @@ class Residency:
         ConfigError: ``trail`` and ``audit`` both given and different.
         BadArgument: ``trail`` or ``audit`` is neither a bool nor None,
             ``storage`` no bool, or ``effects`` as :class:`Engine` refuses it.
+
+    What a residency is built with is fixed: ``engine`` and the verbs bound
+    from it (``pin``, ``release``, ...). Assigning one later, or an attribute
+    it has not got (``residency.relase = ...``), raises
+    :class:`~fsm_cache.errors.ReadOnlyAttribute`: a rebound ``engine`` used
+    to leave the verbs firing the old one's functions, and a typo was
+    accepted and read by nothing.
     """
 
     def __init__(
@@ -231,25 +239,50 @@ class Residency:
             raise BadArgument(f"Residency: storage must be a bool, got {storage!r}")
         chosen = trails.choose(trail, audit, "Residency", stacklevel=2)
         spec = load_shipped("residency_storage") if storage else residency_system()
-        self.engine = Engine(spec, effects=effects, trail=chosen)
+        self.engine: Final = Engine(spec, effects=effects, trail=chosen)
         verb = self.engine.verb
-        self.write, self.write_done, self.write_failed = (
-            verb("write"),
-            verb("write_done"),
-            verb("write_failed"),
-        )
-        self.pin, self.release, self.evict_host = verb("pin"), verb("release"), verb("evict_host")
-        self.lock, self.unlock, self.evict_device = (
-            verb("lock"),
-            verb("unlock"),
-            verb("evict_device"),
-        )
-        self.load, self.load_done, self.load_failed = (
-            verb("load"),
-            verb("load_done"),
-            verb("load_failed"),
-        )
-        self.adopt = verb("adopt")
+        self.write: Final = verb("write")
+        self.write_done: Final = verb("write_done")
+        self.write_failed: Final = verb("write_failed")
+        self.pin: Final = verb("pin")
+        self.release: Final = verb("release")
+        self.evict_host: Final = verb("evict_host")
+        self.lock: Final = verb("lock")
+        self.unlock: Final = verb("unlock")
+        self.evict_device: Final = verb("evict_device")
+        self.load: Final = verb("load")
+        self.load_done: Final = verb("load_done")
+        self.load_failed: Final = verb("load_failed")
+        self.adopt: Final = verb("adopt")
+
+    if not TYPE_CHECKING:  # mypy would take any attribute for settable, a typo included
+
+        def __setattr__(self, name: str, value: object) -> None:
+            """Bind ``name`` once, as :meth:`__init__` does, if it is one of :data:`_BOUND`.
+
+            Plain attributes rather than properties: ``residency.pin`` (the
+            cache reads it per pin) stays an attribute read; only an
+            assignment pays.
+
+            Raises:
+                ReadOnlyAttribute: ``name`` is bound already, or no attribute
+                    a residency is built with (a typo); nothing changed.
+            """
+            if name in _BOUND and name not in self.__dict__:
+                object.__setattr__(self, name, value)
+                return
+            raise ReadOnlyAttribute.assigned(f"Residency.{name}", value, _unsettable(name))
+
+        def __delattr__(self, name: str) -> None:
+            """Delete nothing a residency is built with (deleted, it could be bound again).
+
+            Raises:
+                ReadOnlyAttribute: ``name`` is one of :data:`_BOUND`; nothing changed.
+                AttributeError: The residency has no attribute ``name`` of its own.
+            """
+            if name in _BOUND:
+                raise ReadOnlyAttribute.deleted(f"Residency.{name}", _unsettable(name))
+            object.__delattr__(self, name)
 
     def verb(self, event: AnyEvent) -> Verb:
         """Return the checked function for ``event``."""
@@ -277,6 +310,23 @@ class Residency:
             f"Residency.lease: kind must be 'pin' or 'lock', got {kind!r}; lease another"
             " event with Residency.engine.lease(rec, acquire, release)"
         )
+
+
+_BOUND: Final = frozenset({"engine", *get_args(Event)})
+"""What :class:`Residency` binds when it is built: its engine and a verb per event."""
+
+
+def _unsettable(name: str) -> str:
+    """Return why a residency's ``name`` cannot be set or deleted (:meth:`Residency.__setattr__`)."""
+    if name == "engine":
+        return "its verbs are this engine's, bound when the residency was built; build another Residency"
+    if name in _BOUND:
+        return f"it is Residency.engine.verb({name!r}), bound when the residency was built"
+    if hasattr(Residency, name):
+        return "it is a method of Residency"
+    close = difflib.get_close_matches(name, sorted(_BOUND), 1)
+    meant = f"; did you mean {close[0]!r}?" if close else ""
+    return f"a Residency has no attribute {name!r}, only its engine and a verb per event{meant}"
 
 
 _default: list[Residency] = []

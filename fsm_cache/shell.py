@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import io
 import os
-import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -90,11 +89,12 @@ class Parser(argparse.ArgumentParser):
     An unknown option is named before a missing argument: argparse checks
     the required arguments first, so ``fsm-cache --bogus`` said ``the
     following arguments are required: COMMAND`` and never that ``--bogus``
-    is no option of it.
+    is no option of it. argparse itself says which are unknown
+    (:meth:`unrecognized`).
     """
 
     _given: tuple[str, ...] = ()
-    """The arguments of the latest parse, for :meth:`error` to find unknown options in."""
+    """The arguments of the latest parse, for :meth:`error` to find unrecognised ones in."""
 
     def parse_known_args(  # type: ignore[override]  # typeshed's overloads; one signature here
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
@@ -104,31 +104,34 @@ class Parser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
-        """Report ``message`` as argparse does, led by the unknown options given, if any."""
-        unknown = self.unknown_options(self._given)
-        if unknown and message.startswith(_REQUIRED):
-            message = f"unrecognized arguments: {' '.join(unknown)}; {message}"
+        """Report ``message`` as argparse does, led by the arguments it does not recognise, if any."""
+        if message.startswith(_REQUIRED):
+            unknown = self.unrecognized(self._given)
+            if unknown:
+                message = f"unrecognized arguments: {' '.join(unknown)}; {message}"
         super().error(message)
 
-    def unknown_options(self, args: Sequence[str]) -> list[str]:
-        """Return the arguments of ``args`` that look like options this parser does not take.
+    def unrecognized(self, args: Sequence[str]) -> list[str]:
+        """Return the arguments of ``args`` this parser does not recognise, as argparse reads them.
 
-        As argparse reads them: up to ``--``; ``--name=value`` by its name, a
-        long option by any unambiguous prefix, ``-xVALUE`` by its ``-x``; a
-        negative number is a value, not an option.
+        argparse matches them itself (prefixes of options, ``--name=value``,
+        ``-xVALUE``, negative numbers, ``--``), but it checks the required
+        arguments before it reports them, and stops there: parsed again with
+        none required, :meth:`parse_known_args` returns them. ``args`` are
+        those of a parse that reached that check, so nothing stops this one
+        earlier (``--help``, a bad value).
         """
-        options = [name for action in self._actions for name in action.option_strings]
-        unknown = []
-        for arg in args:
-            if arg == "--":
-                break
-            if len(arg) < 2 or arg[0] not in self.prefix_chars or _NUMBER.fullmatch(arg):
-                continue
-            name = arg.split("=", 1)[0]
-            long = name[1] in self.prefix_chars
-            if not any(o.startswith(name) if long else o in (name, arg[:2]) for o in options):
-                unknown.append(arg)
-        return unknown
+        required: list[argparse.Action | argparse._MutuallyExclusiveGroup] = [
+            *(action for action in self._actions if action.required),
+            *(group for group in self._mutually_exclusive_groups if group.required),
+        ]
+        for item in required:
+            item.required = False
+        try:
+            return super().parse_known_args(list(args))[1]
+        finally:
+            for item in required:
+                item.required = True
 
     def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
         """Write ``message`` to ``file`` (stdout by default), letting a failed write raise.
@@ -153,9 +156,6 @@ class Parser(argparse.ArgumentParser):
 
 _REQUIRED = "the following arguments are required"
 """How argparse's message on missing arguments begins (its English text: fsm_cache sets no locale)."""
-
-_NUMBER = re.compile(r"-\d+|-\d*\.\d+")
-"""A negative number, which argparse reads as a value (no option of ours looks like one)."""
 
 
 class _StdoutUnwritten(OSError):

@@ -10,6 +10,7 @@ pyproject.toml, so it is kept in one place.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +103,33 @@ def test_lazy_names_resolve() -> None:
     assert fsm_cache.HiCache.__name__ == "HiCache"
     with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
         _ = fsm_cache.Nope
+
+
+def imported(module: str) -> list[str]:
+    """Return every module ``module``'s source imports, type-checking-only imports included."""
+    tree = ast.parse(PACKAGE.parent.joinpath(*module.split(".")).with_suffix(".py").read_text())
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names.append("." * node.level + (node.module or ""))
+    return names
+
+
+def test_the_leaves_import_nothing_of_ours_even_for_type_checking() -> None:
+    """The lowest layer imports no module of fsm_cache's, not even under ``TYPE_CHECKING``.
+
+    import-linter leaves type-checking imports out (they never run), so it let
+    ``errors`` import ``engine.trail`` for its annotations while ``engine.trail``
+    imports ``errors``: a cycle only mypy followed. ``errors`` names what a
+    refusal carries with a protocol instead.
+    """
+    (leaves,) = [layer for layer in contract("layers")["layers"] if "fsm_cache.errors" in layer]
+    names = [name.strip() for name in leaves.split("|")]
+    assert names == ["fsm_cache.errors", "fsm_cache.numeric", "fsm_cache.lazy", "fsm_cache.native"]
+    ours = {
+        leaf: [name for name in imported(leaf) if name.startswith((".", "fsm_cache"))]
+        for leaf in names
+    }
+    assert ours == {leaf: [] for leaf in names}

@@ -23,6 +23,7 @@ from fsm_cache.spec.loader import (
     load_spec,
     machine_from_dict,
     shown,
+    spec_files,
     spec_from_dict,
 )
 from fsm_cache.spec.machine import EventSpec, Forbid, MachineSpec, StateSpec, System, Transition
@@ -1095,3 +1096,41 @@ def test_a_repeated_transition_without_a_guard_is_named_as_a_whole() -> None:
         "buffer.toml: transition[5]: overlaps transition[3] on reclaim in ready when refs=0 "
         "(non-deterministic)"
     ]
+
+
+# -- the files a spec is read from ----------------------------------------------
+
+
+def test_the_files_of_a_spec_are_those_its_load_reads_in_its_order() -> None:
+    """:func:`spec_files` walked the files itself, a second rule beside the loader's.
+
+    It pushed and popped them, so the regions came before the base they
+    extend; it is now the loader's own walk: the spec, its base and the
+    base's regions, then its own regions, each once.
+    """
+    path = spec_dir() / "residency_storage.toml"
+    files = spec_files(path)
+    assert [file.name for file in files] == [
+        "residency_storage.toml",
+        "residency.toml",
+        "host_residency.toml",
+        "device_residency.toml",
+        "host_storage_residency.toml",
+        "storage_residency.toml",
+    ]
+    assert all(file.parent == spec_dir() for file in files)
+    _, read = load_snapshot(path)
+    assert sorted(os.path.realpath(file) for file in files) == sorted(read)
+
+
+def test_the_files_of_a_spec_that_does_not_load_are_those_it_reached(tmp_path: Path) -> None:
+    """A file that cannot be read is among them (what reads them must see it appear);
+    one past where the load stopped following (a region of the wrong kind) is not."""
+    write(tmp_path, LAMP, "lamp.toml")
+    write(tmp_path, "[machine]\nextends = 'loop.toml'\n", "loop.toml")
+    inner = "[composition]\nname = 'inner'\n[composition.regions]\nr = 'lamp.toml'\n"
+    write(tmp_path, inner, "inner.toml")
+    regions = "x = 'missing.toml'\ny = './loop.toml'\nz = 'inner.toml'\nw = 'loop.toml'\n"
+    comp = write(tmp_path, f"[composition]\nname = 'c'\n[composition.regions]\n{regions}", "c.toml")
+    names = ("missing.toml", "loop.toml", "inner.toml")
+    assert spec_files(comp) == [comp, *(tmp_path / name for name in names)]

@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from fsm_cache.errors import BadArgument, IllegalTransition, ReleaseAtZero
+from fsm_cache.errors import BadArgument, IllegalTransition, ReadOnlyAttribute, ReleaseAtZero
 from fsm_cache.residency import Node, Residency, ResidencyRecord
 
 
@@ -413,3 +413,70 @@ def test_a_lease_of_a_kind_that_is_neither_pin_nor_lock_is_refused(kind: object)
     with res.lease(rec, "lock"), res.lease(rec):
         assert (rec.host, rec.pins, rec.locks) == ("pinned", 1, 1)
     assert (rec.host, rec.pins, rec.locks) == ("backed", 0, 0)
+
+
+ENGINE_FIXED = (
+    "its verbs are this engine's, bound when the residency was built; build another Residency"
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "why"),
+    [
+        ("engine", None, ENGINE_FIXED),
+        ("pin", None, "it is Residency.engine.verb('pin'), bound when the residency was built"),
+        ("adopt", 3, "it is Residency.engine.verb('adopt'), bound when the residency was built"),
+        ("lease", None, "it is a method of Residency"),
+        (
+            "trial",
+            True,
+            "a Residency has no attribute 'trial', only its engine and a verb per event",
+        ),
+        (
+            "relase",
+            None,
+            "a Residency has no attribute 'relase', only its engine and a verb per event;"
+            " did you mean 'release'?",
+        ),
+    ],
+)
+def test_what_a_residency_is_built_with_cannot_be_assigned(
+    name: str, value: object, why: str
+) -> None:
+    """``residency.engine = other`` used to rebind silently, and a typo was kept, read by nothing.
+
+    The verbs stayed the old engine's, so a rebound engine's leases and
+    ``allowed`` disagreed with what ``pin`` fired.
+    """
+    res = Residency(trail=False)
+    kept = dict(vars(res))
+    with pytest.raises(ReadOnlyAttribute) as info:
+        setattr(res, name, value)
+    assert str(info.value) == f"Residency.{name} cannot be set (to {value!r}): {why}"
+    assert isinstance(info.value, AttributeError)
+    assert vars(res) == kept
+    rec = ResidencyRecord(2, host="backed")
+    res.pin(rec)
+    assert res.engine.allowed(rec, "release")
+    assert rec.residency() == "pinned/resident (pins=1, locks=0)"
+
+
+@pytest.mark.parametrize(("name", "why"), [("engine", ENGINE_FIXED), ("release", None)])
+def test_what_a_residency_is_built_with_cannot_be_deleted(name: str, why: str | None) -> None:
+    """Deleted, it could be bound again past the guard, which binds only a missing one."""
+    res = Residency(trail=False)
+    kept = getattr(res, name)
+    with pytest.raises(ReadOnlyAttribute) as info:
+        delattr(res, name)
+    why = why or f"it is Residency.engine.verb({name!r}), bound when the residency was built"
+    assert str(info.value) == f"Residency.{name} cannot be deleted: {why}"
+    assert getattr(res, name) is kept
+
+
+def test_a_residency_binds_its_engine_and_a_verb_per_event_as_plain_attributes() -> None:
+    """Reading ``residency.pin`` (per pin in the cache) stays an instance-dict read."""
+    res = Residency(trail=False)
+    assert set(vars(res)) == {"engine", *EVENTS}
+    for event in EVENTS:
+        assert vars(res)[event] is getattr(res, event)
+        assert vars(res)[event] is res.engine.verb(event)

@@ -19,6 +19,7 @@ messages are shortened (:func:`shown`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import reprlib
@@ -160,6 +161,8 @@ class _Files:
         """The bytes of every file to read, by resolved path (:func:`load_snapshot`); None: the disk's."""
         self.read: dict[str, bytes] = {}
         """The bytes of every file read, by resolved path: what the spec was built from."""
+        self.reached: dict[str, Path] = {}
+        """Every file the load went to read, as named, by real path: read or not (:func:`spec_files`)."""
         self.tables: dict[Path, _Table | None] = {}
         """A file's table by its resolved path; None when the file itself is at fault."""
         self.specs: dict[tuple[Path, int], Spec | None] = {}
@@ -178,6 +181,7 @@ class _Files:
             SpecError: It is no spec file (too large, not TOML, nested too
                 deeply): its own fault, reported where it is first read.
         """
+        self.reached.setdefault(os.path.realpath(path), path)
         if target is not None and target in self.tables:
             return self.tables[target]
         try:
@@ -328,15 +332,24 @@ def _load(path: Path, files: _Files) -> Spec:
     """
     from fsm_cache.spec.validate import validate
 
+    spec = _unvalidated(path, files)
+    validate(spec)
+    return spec
+
+
+def _unvalidated(path: Path, files: _Files) -> Spec:
+    """Build the spec of the file ``path``, reading its files through ``files``; do not validate it.
+
+    Raises:
+        SpecError: A file cannot be read, or the spec does not build.
+    """
     try:
         data = files.table(path, _resolved(path))
     except (OSError, ValueError) as exc:
         raise SpecError([f"{path}: cannot read: {_why(exc)}"]) from exc
     if data is None:  # pragma: no cover - a first read is never one already refused
         raise SpecError([])
-    spec = _built(data, str(path), path.parent, _Route((), files))
-    validate(spec)
-    return spec
+    return _built(data, str(path), path.parent, _Route((), files))
 
 
 def read_toml(path: Path) -> _Table:
@@ -933,42 +946,18 @@ def _parse(parser: Any, text: object, where: str, problems: _Problems) -> Any:
         return None
 
 
-MAX_SPEC_FILES = 1024
-"""The most files :func:`spec_files` follows; a real spec reads a handful."""
-
-
 def spec_files(path: Path) -> list[Path]:
     """Return the files a spec is read from: ``path``, what it extends, its regions' files.
 
-    What a command must never write over. Meant for a spec that loaded (so
-    the files are there and form no cycle); the walk still stops at a file it
-    has seen (compared resolved) and after :data:`MAX_SPEC_FILES` files, and
-    skips a file it cannot read, whatever the files hold now.
+    What a command must never write over, and what the pytest plugin watches
+    for edits. They are the files a load of ``path`` goes to read, in the
+    order it does, each once (compared by real path): the loader's own walk,
+    so there is one rule of which keys name files. A file that cannot be
+    read is among them; where the spec does not load, so are the files the
+    load reached before it stopped following (a file of the wrong kind, a
+    cycle), which are those it depends on.
     """
-    found: dict[str, Path] = {}
-    todo = [path]
-    while todo and len(found) < MAX_SPEC_FILES:
-        current = todo.pop()
-        key = os.path.realpath(current)
-        if key in found:
-            continue
-        found[key] = current
-        try:
-            data = read_toml(current)
-        except (OSError, ValueError, SpecError):
-            continue
-        todo += [current.parent / name for name in _named_files(data)]
-    return list(found.values())
-
-
-def _named_files(data: Mapping[str, object]) -> list[str]:
-    """Return the file names a spec table points at: ``extends`` and composition regions."""
-    names: list[object] = []
-    for kind in ("machine", "composition"):
-        head = data.get(kind)
-        if isinstance(head, Mapping):
-            names.append(head.get("extends"))
-            regions = head.get("regions") if kind == "composition" else None
-            if isinstance(regions, Mapping):
-                names += regions.values()
-    return [n for n in names if isinstance(n, str) and n and "\0" not in n]
+    files = _Files()
+    with contextlib.suppress(SpecError):
+        _unvalidated(path, files)
+    return list(files.reached.values())
