@@ -18,6 +18,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
     import torch
 
+    from fsm_cache.cache.hicache import HiCache
     from fsm_cache.errors import CopyFailed
     from fsm_cache.memory.copies import CopyEngine, Direction, Ticket
     from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
@@ -236,3 +237,22 @@ def test_staging_is_allocated_on_the_copy_stream_not_the_callers() -> None:
         assert _stream_of(buffer.data_ptr()) == copy_stream.cuda_stream  # type: ignore[attr-defined]
         assert _stream_of(buffer.data_ptr()) != caller.cuda_stream
     eng.close()
+
+
+def test_a_cache_given_a_compute_stream_backs_up_the_kv_it_wrote_there() -> None:
+    """The cache wrote its own KV on the current stream, which its copies no longer followed."""
+    forward = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    config = CacheConfig(device="cuda", device_pages=64, page_size=16, head_dim=16)
+    cache = HiCache(config, compute_stream=forward)
+    torch.cuda.synchronize()  # the pools' own initialisation is done before anything is timed
+    prompt = list(range(64))
+    spin()  # the current stream is busy: work queued on it now runs seconds later
+    cache.insert(prompt)  # write-through: the KV written, then a backup started
+    while cache.tiers.copier.in_flight():
+        cache.poll()
+    backed = [node for node in cache.tree if node.host_pages]
+    assert backed
+    for node in backed:
+        want = synthetic_kv(cache.tiers.host.layout, node.key).view(torch.uint8)
+        assert torch.equal(cache.tiers.host.read(node.host_pages).view(torch.uint8), want)
+    cache.close()

@@ -13,6 +13,7 @@ import os
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from typing import cast
 
 import torch
 
@@ -286,7 +287,8 @@ class Tiers:
         config: The cache's configuration; checked again here.
         compute_stream: The stream the serving engine's forward pass runs on,
             which the copy engine orders every copy after
-            (:class:`~fsm_cache.memory.copies.CopyEngine`'s ``compute_stream``);
+            (:class:`~fsm_cache.memory.copies.CopyEngine`'s ``compute_stream``),
+            and which :meth:`write_tokens` writes on, as a forward pass would;
             None: the device's current stream at each copy's start. Only for
             the default engine: a ``config.copier`` builds its own engine, and
             is given the stream there.
@@ -329,6 +331,10 @@ class Tiers:
         )
         self.page_size = config.page_size
         self.closed = False
+        # CUDA only: the stream write_tokens writes on, so the copies ordered after it see the KV
+        self._forward = (
+            cast("torch.cuda.Stream", compute_stream) if self.device.device.type == "cuda" else None
+        )
 
     def close(self) -> None:
         """Wait for every copy, then release the pinned host memory; idempotent.
@@ -406,10 +412,21 @@ class Tiers:
         device from constants computed once per layout, in a few tensor
         operations a call.
 
+        On CUDA with a ``compute_stream`` the writes are queued there, where
+        a forward pass writes KV: the copies follow that stream, not the
+        current one, so a backup started after this call reads what it wrote.
+
         Raises:
             ForeignSlot: a page is outside the device pool.
             PoolError: a page is listed twice, or ``tokens`` do not fill ``pages``.
         """
+        if self._forward is None:
+            self._write_tokens(pages, tokens)
+            return
+        with torch.cuda.stream(self._forward):  # CUDA only
+            self._write_tokens(pages, tokens)
+
+    def _write_tokens(self, pages: Sequence[int], tokens: Sequence[int]) -> None:
         n = len(tokens)
         if n and n == len(pages) * self.page_size:
             self.device.write_values(pages, self._synthetic.values(tokens), pages_last=True)
