@@ -706,17 +706,29 @@ class TestMisuseFoundByReview:
         class Raising(FaultyCopyEngine):
             armed = True
 
-            def start_write(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Ticket:
+            def start_write(
+                self,
+                device_pages: Sequence[int],
+                host_pages: Sequence[int],
+                *,
+                stream: object | None = None,
+            ) -> Ticket:
                 if direction == "d2h" and Raising.armed:
                     Raising.armed = False
                     raise error
-                return super().start_write(device_pages, host_pages)
+                return super().start_write(device_pages, host_pages, stream=stream)
 
-            def start_load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> Ticket:
+            def start_load(
+                self,
+                host_pages: Sequence[int],
+                device_pages: Sequence[int],
+                *,
+                stream: object | None = None,
+            ) -> Ticket:
                 if direction == "h2d" and Raising.armed:
                     Raising.armed = False
                     raise error
-                return super().start_load(host_pages, device_pages)
+                return super().start_load(host_pages, device_pages, stream=stream)
 
         return Raising.copier()
 

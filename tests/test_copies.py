@@ -469,6 +469,71 @@ def test_copier_takes_exactly_the_keywords_of_the_engine() -> None:
     assert Faults.__required_keys__ == frozenset()
 
 
+def test_the_faulty_engine_takes_every_method_and_parameter_of_the_engine() -> None:
+    """It dropped ``stream=`` of the starts (and ``submit``), so a faulted run lost the ordering."""
+
+    def methods(cls: type) -> dict[str, list[tuple[str, object, object]]]:
+        public = [n for n, f in vars(cls).items() if callable(f) and not n.startswith("_")]
+        return {
+            name: [
+                (p.name, p.kind, p.default)
+                for p in inspect.signature(getattr(cls, name)).parameters.values()
+            ]
+            for name in public
+        }
+
+    faulty = methods(FaultyCopyEngine)
+    for name, params in methods(CopyEngine).items():
+        assert faulty.get(name) == params, name
+
+
+@pytest.mark.parametrize("direction", ["write", "load"])
+def test_a_faulty_engine_orders_its_copies_after_the_stream_it_is_given(direction: str) -> None:
+    engine, _, forward = _ordered()
+    faulty = FaultyCopyEngine(engine)
+    engine.host.words[1].fill_(2)
+    engine.device.words[6].fill_(1)
+    read = torch.empty_like(engine.device.words[6])
+
+    def compute() -> None:  # writes page 3, reads page 6: both queued before the copy starts
+        engine.device.words[3].fill_(9)
+        read.copy_(engine.device.words[6])
+
+    forward.enqueue(compute)
+    if direction == "write":
+        faulty.start_write([3], [4], stream=forward)
+    else:
+        faulty.start_load([1], [6], stream=forward)
+    assert all(c.ok for c in faulty.drain())
+    forward.synchronize()
+    if direction == "write":  # the backup read what the forward pass wrote
+        assert bool((engine.host.words[4] == 9).all())
+    else:  # the load overwrote page 6 only after the forward pass had read it
+        assert bool((read == 1).all())
+        assert bool((engine.device.words[6] == 2).all())
+    faulty.close()
+
+
+def test_a_faulty_engine_refuses_a_bad_stream_as_the_engine_does_and_counts_nothing() -> None:
+    """A start the inner engine refused counted, shifting the positions of later faults."""
+    faulty = FaultyCopyEngine(make(), fail=[1])
+    for start in (faulty.start_write, faulty.start_load):
+        with pytest.raises(BadArgument) as caught:
+            start([0], [0], stream=42)
+        assert str(caught.value) == (
+            "copy engine: stream must be a stream (torch.cuda.Stream or the Streams' own), got int"
+        )
+    with pytest.raises(ForeignSlot):  # refused by the inner engine: no copy started either
+        faulty.start_write([99], [0])
+    assert faulty.started == 0
+    assert faulty.in_flight() == []
+    ticket = faulty.start_write([0], [0])  # still the first copy: the one that fails
+    assert [(c.ticket, str(c.error)) for c in faulty.drain()] == [
+        (ticket, "injected failure of copy 1")
+    ]
+    faulty.close()
+
+
 def test_bench_copies_reports_each_path() -> None:
     result = bench_copies(4, layers=2, heads=2, head_dim=8, reps=2, device=torch.device("cpu"))
     assert (result.device, result.pages, result.reps) == ("cpu", 4, 2)

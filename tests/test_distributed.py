@@ -271,9 +271,9 @@ def failures(cache: HiCache) -> list[list[Any]]:
 class _FailingLoads(FaultyCopyEngine):
     """Every load fails, however often it runs again."""
 
-    def start_load(self, host_pages: Any, device_pages: Any) -> Ticket:
+    def start_load(self, host_pages: Any, device_pages: Any, *, stream: Any = None) -> Ticket:
         self.fail = self.fail | {self.started + 1}  # this copy's position
-        return super().start_load(host_pages, device_pages)
+        return super().start_load(host_pages, device_pages, stream=stream)
 
 
 def fail_then_drain(rank: int, world: int) -> dict[str, Any]:
@@ -503,11 +503,11 @@ class _Lossy(FaultyCopyEngine):
         """Lose the completions of these copies, already started."""
         self._lost.update(tickets)
 
-    def start_write(self, device_pages: Any, host_pages: Any) -> Ticket:
-        return self._mark(super().start_write(device_pages, host_pages))
+    def start_write(self, device_pages: Any, host_pages: Any, *, stream: Any = None) -> Ticket:
+        return self._mark(super().start_write(device_pages, host_pages, stream=stream))
 
-    def start_load(self, host_pages: Any, device_pages: Any) -> Ticket:
-        return self._mark(super().start_load(host_pages, device_pages))
+    def start_load(self, host_pages: Any, device_pages: Any, *, stream: Any = None) -> Ticket:
+        return self._mark(super().start_load(host_pages, device_pages, stream=stream))
 
     def _mark(self, ticket: Ticket) -> Ticket:
         if self.started in self.lose:
@@ -796,8 +796,8 @@ class _LaunchFails(FaultyCopyEngine):
         super().__init__(inner, **faults)
         self.launch_failed: set[int] = set()
 
-    def start_load(self, host_pages: Any, device_pages: Any) -> Ticket:
-        ticket = super().start_load(host_pages, device_pages)
+    def start_load(self, host_pages: Any, device_pages: Any, *, stream: Any = None) -> Ticket:
+        ticket = super().start_load(host_pages, device_pages, stream=stream)
         if self.started in self.fail:
             self.launch_failed.add(ticket.id)
         return ticket

@@ -8,14 +8,16 @@ queued before or after a copy.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 import torch
 
 from fsm_cache.cache.hicache import HiCache
-from fsm_cache.errors import CopyFailed
+from fsm_cache.errors import BadArgument, ConfigError, CopyFailed
 from fsm_cache.memory import staging
+from fsm_cache.memory import tiers as tiers_module
 from fsm_cache.memory.copies import CopyEngine, Direction
 from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
 from fsm_cache.memory.tiers import CacheConfig, Tiers, synthetic_kv
@@ -355,3 +357,62 @@ def test_a_cache_runs_on_deferred_copies() -> None:
         if node.host_pages:
             want = synthetic_kv(cache.tiers.host.layout, node.key).view(torch.uint8)
             assert torch.equal(cache.tiers.host.read(node.host_pages).view(torch.uint8), want)
+
+
+def _cache_config(**kwargs: object) -> CacheConfig:
+    return CacheConfig(
+        device_pages=16, host_pages=32, page_size=4, layers=1, heads=1, head_dim=4,
+        device="cpu", debug=True, load_back_threshold=1, **kwargs,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def test_a_cache_orders_its_copies_after_the_compute_stream_it_is_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cache's copies followed whatever stream was current at each call.
+
+    SGLang's overlap scheduler runs the forward pass on a stream of its own
+    while the scheduler thread's current stream is the default one.
+    """
+    fake = FakeStreams(seed=0, max_polls=0)  # the CUDA engine, on CPU pools
+    monkeypatch.setattr(tiers_module, "CopyEngine", functools.partial(CopyEngine, streams=fake))
+    forward = FakeStream(CPU, "forward")
+    cache = HiCache(_cache_config(), compute_stream=forward)
+    ran: list[str] = []
+    forward.enqueue(lambda: ran.append("forward pass"))  # queued before the insert's backup
+    prompt = list(range(8))
+    cache.insert(prompt)  # write-through: a backup starts as the insert returns
+    while cache.tiers.copier.in_flight():
+        cache.poll()
+    assert ran == ["forward pass"]  # the backup waited for it
+    cache.evict(1000)
+    chain = cache.load_back(cache.match_prefix(prompt).last_host_node)
+    assert chain
+    queued = forward.pending
+    assert cache.wait_loaded(chain)  # no stream named: the compute stream waits for the load
+    assert forward.pending == queued + 1
+    cache.close()
+    assert torch.equal(
+        cache.tiers.device.read(chain[-1].device_pages).view(torch.uint8),
+        synthetic_kv(cache.tiers.device.layout, chain[-1].key).view(torch.uint8),
+    )
+
+
+def test_a_cache_refuses_a_compute_stream_it_cannot_use_before_taking_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    allocated: list[str] = []
+    monkeypatch.setattr(tiers_module, "_allocate", lambda name, *args: allocated.append(name))
+    with pytest.raises(BadArgument) as caught:
+        HiCache(_cache_config(), compute_stream="forward")
+    assert str(caught.value) == (
+        "copy engine: compute_stream must be a stream (torch.cuda.Stream or the Streams' own), "
+        "got str"
+    )
+    with pytest.raises(ConfigError) as refused:
+        HiCache(_cache_config(copier=deferred_copier()), compute_stream=FakeStream(CPU))
+    assert str(refused.value) == (
+        "config: compute_stream is for the default copy engine; a copier builds its own: "
+        "give the stream to the engine it builds (CopyEngine(device, host, compute_stream=...))"
+    )
+    assert allocated == []

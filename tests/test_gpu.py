@@ -18,8 +18,9 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
     import torch
 
+    from fsm_cache.cache.hicache import HiCache
     from fsm_cache.errors import CopyFailed
-    from fsm_cache.memory.copies import CopyEngine, Ticket
+    from fsm_cache.memory.copies import CopyEngine, Direction, Ticket
     from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
     from fsm_cache.memory.tiers import CacheConfig, Tiers, synthetic_kv
 
@@ -204,3 +205,54 @@ def test_the_host_pool_is_registered_with_the_cache_gpu() -> None:
     pool.close()
     assert not pool.tensor.is_pinned()
     pool.close()
+
+
+def _stream_of(pointer: int) -> int:
+    """The stream the caching allocator tied the segment that holds ``pointer`` to."""
+    for segment in torch.cuda.memory_snapshot():  # type: ignore[no-untyped-call]
+        if segment["address"] <= pointer < segment["address"] + segment["total_size"]:
+            return int(segment["stream"])
+    raise AssertionError(f"no segment of the caching allocator holds {pointer:#x}")
+
+
+def test_staging_is_allocated_on_the_copy_stream_not_the_callers() -> None:
+    """Taken under the caller's stream, a buffer could be a block that stream still used.
+
+    The allocator hands a stream the blocks it freed itself; the copy stream
+    waits for compute only as it stood at the copy's start, so it could write
+    into a block the caller's queued kernels still read.
+    """
+    eng = engine(8)
+    caller = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(caller):
+        eng.start_write([1, 5, 2], [3, 0, 6])
+        assert all(c.ok for c in eng.drain())
+        eng.start_load([3, 0, 6], [4, 7, 0])
+        assert all(c.ok for c in eng.drain())
+    mover = eng._mover  # noqa: SLF001 (where the buffers and the copy streams are)
+    for direction in Direction:
+        buffer = mover._buffers[direction][0]  # noqa: SLF001 (one chunk: slot 0)
+        assert buffer is not None
+        copy_stream = mover.streams[direction]
+        assert _stream_of(buffer.data_ptr()) == copy_stream.cuda_stream  # type: ignore[attr-defined]
+        assert _stream_of(buffer.data_ptr()) != caller.cuda_stream
+    eng.close()
+
+
+def test_a_cache_given_a_compute_stream_backs_up_the_kv_it_wrote_there() -> None:
+    """The cache wrote its own KV on the current stream, which its copies no longer followed."""
+    forward = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    config = CacheConfig(device="cuda", device_pages=64, page_size=16, head_dim=16)
+    cache = HiCache(config, compute_stream=forward)
+    torch.cuda.synchronize()  # the pools' own initialisation is done before anything is timed
+    prompt = list(range(64))
+    spin()  # the current stream is busy: work queued on it now runs seconds later
+    cache.insert(prompt)  # write-through: the KV written, then a backup started
+    while cache.tiers.copier.in_flight():
+        cache.poll()
+    backed = [node for node in cache.tree if node.host_pages]
+    assert backed
+    for node in backed:
+        want = synthetic_kv(cache.tiers.host.layout, node.key).view(torch.uint8)
+        assert torch.equal(cache.tiers.host.read(node.host_pages).view(torch.uint8), want)
+    cache.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import random
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -321,6 +322,49 @@ def test_staging_buffers_are_kept_and_reused(monkeypatch: pytest.MonkeyPatch) ->
     assert sorted(slot for slot, _ in used) == [0, 1]  # two buffers, the same in every round
 
 
+class _EagerStreams(FakeStreams):
+    """Fake streams that run work when it is queued, as CUDA launches it, noting on which stream."""
+
+    running: object = None
+
+    def run_on(self, stream: staging.Stream, work: Callable[[], None]) -> None:
+        self.running = stream
+        try:
+            work()
+        finally:
+            self.running = None
+
+
+@pytest.mark.parametrize("chunk", [8, 2], ids=["one chunk", "three chunks"])
+def test_staging_is_taken_on_the_copy_stream_that_fills_it(
+    monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """Taken under the caller's stream, a CUDA buffer could be a block that stream still used.
+
+    The caching allocator ties a block to the stream current at its allocation
+    (``tests/test_gpu.py`` checks that on a GPU); here, that the buffer is
+    taken inside the stage that fills it, on a side stream.
+    """
+    fake = _EagerStreams(seed=0, max_polls=0)
+    eng = engine(fake, pages=16, chunk=chunk)
+    taken: list[object] = []
+    take = staging.Mover._buffer  # noqa: SLF001 (spied on, to see where buffers are taken)
+
+    def spy(mover: staging.Mover, direction: Direction, slot: int, pages: int) -> torch.Tensor:
+        taken.append(fake.running)
+        return take(mover, direction, slot, pages)
+
+    monkeypatch.setattr(staging.Mover, "_buffer", spy)
+    eng.start_write([1, 2, 3, 4, 5, 6], [9, 3, 8, 12, 0, 5])
+    assert all(c.ok for c in eng.drain())
+    eng.start_load([9, 3, 8, 12, 0, 5], [7, 8, 9, 10, 11, 12])
+    assert all(c.ok for c in eng.drain())
+    assert torch.equal(raw(eng.device, [7, 8, 9, 10, 11, 12]), raw(eng.device, [1, 2, 3, 4, 5, 6]))
+    assert taken  # staged: the host pages are no run
+    assert all(stream in fake.streams for stream in taken)  # side streams, never None
+    eng.close()
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_an_outgrown_staging_buffer_is_freed_once_the_polls_report_its_copies(
     monkeypatch: pytest.MonkeyPatch, seed: int
@@ -341,13 +385,15 @@ def test_an_outgrown_staging_buffer_is_freed_once_the_polls_report_its_copies(
     eng.poll()  # submitted through a buffer of one page
     eng.start_write([2, 3, 4], [12, 14, 16])
     eng.poll()  # through a buffer of four pages: the first one is outgrown
-    outgrown, current = buffers[0], buffers[-1]
-    assert outgrown() is not current()
     while eng.in_flight():
         assert all(c.ok for c in eng.poll())
     gc.collect()
+    # taken when each batch's first stage ran: the one-page buffer, then the four-page one
+    outgrown, current = buffers[0], buffers[-1]
     assert outgrown() is None
-    assert current() is not None  # kept for the next batch
+    kept = current()
+    assert kept is not None  # kept for the next batch
+    assert kept.shape[0] == 4
     assert torch.equal(raw(eng.host, [9, 12, 14, 16]), raw(eng.device, [1, 2, 3, 4]))
 
 

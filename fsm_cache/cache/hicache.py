@@ -139,12 +139,22 @@ class HiCache:
             (:func:`~fsm_cache.cache.replay.replay` passes a scripted one).
         storage: A storage tier below the host, and how to use it; None for
             none (the two-tier cache, ``specs/residency.toml``, unchanged).
+        compute_stream: The stream the forward pass reads and writes the
+            device pages on, when it is not the current stream at the
+            cache's calls (SGLang's overlap scheduler runs it on a forward
+            stream): every copy is ordered after the work queued on it when
+            the copy starts, and :meth:`wait_loaded` holds it back by
+            default. None: the device's current stream at each call. Given
+            to the default copy engine (:class:`~fsm_cache.memory.tiers.Tiers`);
+            ignored on CPU, where copies are synchronous.
 
     Raises:
-        ConfigError: A configuration value is out of range, or the write
+        ConfigError: A configuration value is out of range, the write
             policy cannot work with these tiers (write-back with no host pages
             could never evict a device page; a storage tier with no host pages
-            could copy nothing).
+            could copy nothing), or ``compute_stream`` is given with a
+            ``config.copier`` (which builds its own engine: give it the stream).
+        BadArgument: ``compute_stream`` is not a stream.
     """
 
     def __init__(
@@ -153,6 +163,7 @@ class HiCache:
         *,
         acks: AckSourceFactory | None = None,
         storage: StorageConfig | None = None,
+        compute_stream: object | None = None,
     ) -> None:
         if config is not None and not isinstance(config, CacheConfig):
             raise ConfigError(f"config: expected a CacheConfig, got {type(config).__name__}")
@@ -165,7 +176,7 @@ class HiCache:
         if storage is not None:
             storage.check()
         self.policy = WritePolicy(self.config.write_policy)
-        self.tiers = Tiers(self.config)
+        self.tiers = Tiers(self.config, compute_stream=compute_stream)
         if self.policy is WritePolicy.WRITE_BACK and self.tiers.host.num_pages == 0:
             raise ConfigError(
                 "config: write_back needs host pages: with none, no device page could be evicted"
@@ -753,7 +764,8 @@ class HiCache:
         Args:
             nodes: Nodes whose device pages the compute will read; nodes
                 already resident need nothing.
-            stream: The stream to hold back; None: the device's current stream.
+            stream: The stream to hold back; None: the cache's
+                ``compute_stream``, else the device's current stream.
                 Ignored on CPU, where copies are synchronous.
 
         Returns:

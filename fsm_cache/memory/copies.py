@@ -79,6 +79,7 @@ __all__ = [
     "Stream",
     "Streams",
     "Ticket",
+    "check_stream",
     "host_runs",
     "refuse_busy_destination",
 ]
@@ -161,7 +162,7 @@ class CopyEngine:
                 "copy engine: streams must provide new_stream, current_stream, new_event, "
                 f"run_on and synchronize (a Streams), got {type(streams).__name__}"
             )
-        _check_stream("compute_stream", compute_stream)
+        check_stream("compute_stream", compute_stream)
         self.device = device
         self.host = host
         self.stats = CopyStats()
@@ -256,7 +257,7 @@ class CopyEngine:
         if self.closed:
             raise CopyFailed(f"copy engine closed: {direction.value} copy refused")
         runs = self._validate(direction, src, dst)
-        _check_stream("stream", stream)  # on CPU too: a slip must not wait for a GPU to show
+        check_stream("stream", stream)  # on CPU too: a slip must not wait for a GPU to show
         if self._api is not None:
             try:
                 self._mark(cast("Stream | None", stream))
@@ -480,7 +481,7 @@ class CopyEngine:
             if not (whole(i, 1) and i <= started):
                 raise BadArgument(f"copy: cannot wait for ticket {i!r}: no copy started with it")
         if self._api is not None:  # a CPU engine has no streams to wait: it only checks the ids
-            _check_stream("stream", stream)
+            check_stream("stream", stream)
         self.submit()
         wanted = set(ids)
         ours = [s for s in self._submitted if any(t.id in wanted for t in s.tickets)]
@@ -591,8 +592,12 @@ new stream object each step would otherwise make every start wait for all of
 them, for ever."""
 
 
-def _check_stream(name: str, stream: object) -> None:
+def check_stream(name: str, stream: object) -> None:
     """Refuse ``stream`` unless it can be waited on and recorded on, as a stream can.
+
+    None passes (no stream given). Public so that whoever hands a stream on to
+    an engine it builds later (:class:`~fsm_cache.memory.tiers.Tiers`) can
+    refuse it before taking any memory, with the engine's own message.
 
     Raises:
         BadArgument: naming the argument and what was given.

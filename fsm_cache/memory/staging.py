@@ -19,7 +19,9 @@ a chunk (the gather, or the load into staging) runs on one while the second
 stage of the previous chunk (the copy out, or the scatter) runs on the other,
 so the kernel and the transfer overlap; each buffer is filled again only after
 the stage that read it has finished. The copy engine records the batch's event
-on the second stream, after the last chunk.
+on the second stream, after the last chunk. A buffer is allocated when it is
+first needed, inside the stage that fills it (on CUDA, from the copy stream's
+pool of the caching allocator), never up front.
 
 On a CPU device pool the same code runs synchronously with no streams, and two
 shortcuts apply: a chunk whose host pages form one run is gathered straight
@@ -253,8 +255,11 @@ class Mover:
         slot: int,
         runs: tuple[int | None, int | None] | None = None,
     ) -> tuple[Callable[[], None], Callable[[], None] | None]:
-        """The two stages of one chunk, staged (when they need to be) through buffer ``slot``."""
-        buffer = partial(self._buffer, direction, slot, len(src))
+        """The two stages of one chunk, staged (when they need to be) through buffer ``slot``.
+
+        The buffer is taken when the first stage runs, on its stream (:class:`_Staged`).
+        """
+        buffer = _Staged(partial(self._buffer, direction, slot, len(src)))
         if runs is None:
             runs = (run_start(src), run_start(dst))
         if direction is Direction.D2H:
@@ -297,7 +302,15 @@ class Mover:
             self._api.run_on(stream, work)
 
     def _buffer(self, direction: Direction, slot: int, pages: int) -> torch.Tensor:
-        """Staging buffer ``slot`` of ``direction``, at least ``pages`` pages; kept for reuse."""
+        """Staging buffer ``slot`` of ``direction``, at least ``pages`` pages; kept for reuse.
+
+        Called inside a chunk's first stage (:class:`_Staged`), so on CUDA a
+        new buffer comes from the caching allocator's pool of the copy stream
+        that fills it. A buffer also used on the other stream of its direction
+        needs no ``record_stream``: it is freed only when no queued copy can
+        use it (:meth:`release` once every batch has finished, or with the
+        engine after a synchronisation).
+        """
         buffers = self._buffers[direction]
         have = buffers[slot]
         if have is not None and have.shape[0] >= pages:
@@ -326,16 +339,16 @@ class Mover:
             if begin is not None:  # device pages in one run too: one strided copy
                 return (lambda: _copy(out, dev[begin : begin + len(src)], False)), None
             return (lambda: _gather(dev, page_index(src, where), out)), None
-        buffer = staging()
 
         def copy_out() -> None:
+            buffer = staging()
             if self._cuda:  # CUDA: one transfer per run of host pages
                 for first, off, n in host_runs(dst):
                     _copy(host[first : first + n], buffer[off : off + n], True)
             else:
                 _scatter(host, page_index(dst, where), buffer)
 
-        return (lambda: _gather(dev, page_index(src, where), buffer)), copy_out
+        return (lambda: _gather(dev, page_index(src, where), staging())), copy_out
 
     def _h2d(
         self,
@@ -353,16 +366,41 @@ class Mover:
             if begin is not None:  # device pages in one run too: one strided copy
                 return (lambda: _copy(dev[begin : begin + len(dst)], data, False)), None
             return (lambda: _scatter(dev, page_index(dst, where), data)), None
-        buffer = staging()
 
         def load() -> None:
+            buffer = staging()
             if self._cuda:  # CUDA: one transfer per run of host pages
                 for first, off, n in host_runs(src):
                     _copy(buffer[off : off + n], host[first : first + n], True)
             else:
                 _gather(host, page_index(src, where), buffer)
 
-        return load, lambda: _scatter(dev, page_index(dst, where), buffer)
+        return load, lambda: _scatter(dev, page_index(dst, where), staging())
+
+
+class _Staged:
+    """A chunk's staging buffer: taken by the chunk's first stage, the same one for its second.
+
+    Taken when the stage runs, inside :meth:`Streams.run_on`, not when the
+    stages are built: on CUDA the caching allocator ties a block to the
+    stream current at its allocation and hands that stream blocks it freed
+    itself. Taken under the caller's stream, a new buffer could be a block
+    that stream had freed while its queued kernels still used it, and the
+    copy stream, ordered after compute only as it stood when the copy
+    started, would write into it under them. Taken on the copy stream, a
+    block can only follow that stream's own earlier work.
+    """
+
+    __slots__ = ("_buffer", "_take")
+
+    def __init__(self, take: Callable[[], torch.Tensor]) -> None:
+        self._take = take
+        self._buffer: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        if self._buffer is None:
+            self._buffer = self._take()
+        return self._buffer
 
 
 def _in_host_order(

@@ -13,12 +13,13 @@ import os
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from typing import cast
 
 import torch
 
 from fsm_cache.engine.trail import choose
 from fsm_cache.errors import ConfigError, PageBusy
-from fsm_cache.memory.copies import CopyEngine
+from fsm_cache.memory.copies import CopyEngine, check_stream
 from fsm_cache.memory.kv import (
     KVLayout,
     KVPool,
@@ -284,15 +285,31 @@ class Tiers:
 
     Args:
         config: The cache's configuration; checked again here.
+        compute_stream: The stream the serving engine's forward pass runs on,
+            which the copy engine orders every copy after
+            (:class:`~fsm_cache.memory.copies.CopyEngine`'s ``compute_stream``),
+            and which :meth:`write_tokens` writes on, as a forward pass would;
+            None: the device's current stream at each copy's start. Only for
+            the default engine: a ``config.copier`` builds its own engine, and
+            is given the stream there.
 
     Raises:
-        ConfigError: A value is bad (see :meth:`CacheConfig.check`), or a pool
+        ConfigError: A value is bad (see :meth:`CacheConfig.check`), a
+            ``compute_stream`` is given with a ``config.copier``, or a pool
             could not be allocated or page-locked; the message names the pool,
             its pages and bytes, the device, and the allocator's reason.
+        BadArgument: ``compute_stream`` is not a stream. Nothing is allocated.
     """
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, *, compute_stream: object | None = None) -> None:
         config.check()
+        if compute_stream is not None and config.copier is not None:
+            raise ConfigError(
+                "config: compute_stream is for the default copy engine; a copier builds its "
+                "own: give the stream to the engine it builds (CopyEngine(device, host, "
+                "compute_stream=...))"
+            )
+        check_stream("compute_stream", compute_stream)  # before any memory is taken
         layout = config.layout()
         where = _device_of(config.device)
         self.device = _allocate(
@@ -307,10 +324,17 @@ class Tiers:
             torch.device("cpu"),
             lambda n: host_pool(layout, n, pin=gpu is not None, device=gpu),
         )
-        make = config.copier or CopyEngine
-        self.copier: Copier = make(self.device, self.host)
+        self.copier: Copier = (
+            config.copier(self.device, self.host)
+            if config.copier is not None
+            else CopyEngine(self.device, self.host, compute_stream=compute_stream)
+        )
         self.page_size = config.page_size
         self.closed = False
+        # CUDA only: the stream write_tokens writes on, so the copies ordered after it see the KV
+        self._forward = (
+            cast("torch.cuda.Stream", compute_stream) if self.device.device.type == "cuda" else None
+        )
 
     def close(self) -> None:
         """Wait for every copy, then release the pinned host memory; idempotent.
@@ -388,10 +412,21 @@ class Tiers:
         device from constants computed once per layout, in a few tensor
         operations a call.
 
+        On CUDA with a ``compute_stream`` the writes are queued there, where
+        a forward pass writes KV: the copies follow that stream, not the
+        current one, so a backup started after this call reads what it wrote.
+
         Raises:
             ForeignSlot: a page is outside the device pool.
             PoolError: a page is listed twice, or ``tokens`` do not fill ``pages``.
         """
+        if self._forward is None:
+            self._write_tokens(pages, tokens)
+            return
+        with torch.cuda.stream(self._forward):  # CUDA only
+            self._write_tokens(pages, tokens)
+
+    def _write_tokens(self, pages: Sequence[int], tokens: Sequence[int]) -> None:
         n = len(tokens)
         if n and n == len(pages) * self.page_size:
             self.device.write_values(pages, self._synthetic.values(tokens), pages_last=True)

@@ -123,17 +123,47 @@ class FaultyCopyEngine:
     def _over(cls, device: KVPool, host: KVPool, **faults: Unpack[Faults]) -> Self:
         return cls(CopyEngine(device, host), **faults)
 
-    def start_write(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Ticket:
-        """Start a device-to-host copy, or refuse it if its position is in ``refuse``."""
+    def start_write(
+        self,
+        device_pages: Sequence[int],
+        host_pages: Sequence[int],
+        *,
+        stream: object | None = None,
+    ) -> Ticket:
+        """Start a device-to-host copy, or refuse it if its position is in ``refuse``.
+
+        ``stream`` goes to the inner engine, which orders the copy after it
+        (:meth:`CopyEngine.start_write`): a faulted run keeps the ordering of
+        a plain one. A start the inner engine refuses is not counted.
+        """
         self._refuse_held(Direction.D2H, host_pages)
         self._count_start()
-        return self._watch(self.inner.start_write(device_pages, host_pages))
+        try:
+            ticket = self.inner.start_write(device_pages, host_pages, stream=stream)
+        except BaseException:
+            self.started -= 1  # nothing started: the positions of later copies stay as they were
+            raise
+        return self._watch(ticket)
 
-    def start_load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> Ticket:
-        """Start a host-to-device copy, or refuse it if its position is in ``refuse``."""
+    def start_load(
+        self,
+        host_pages: Sequence[int],
+        device_pages: Sequence[int],
+        *,
+        stream: object | None = None,
+    ) -> Ticket:
+        """Start a host-to-device copy, or refuse it if its position is in ``refuse``.
+
+        ``stream`` goes to the inner engine, as for :meth:`start_write`.
+        """
         self._refuse_held(Direction.H2D, device_pages)
         self._count_start()
-        return self._watch(self.inner.start_load(host_pages, device_pages))
+        try:
+            ticket = self.inner.start_load(host_pages, device_pages, stream=stream)
+        except BaseException:
+            self.started -= 1  # nothing started: the positions of later copies stay as they were
+            raise
+        return self._watch(ticket)
 
     def _refuse_held(self, direction: Direction, dst: Sequence[int]) -> None:
         tickets = [h.completion.ticket for h in self._held]
@@ -150,6 +180,10 @@ class FaultyCopyEngine:
         if self.started in self.fail:
             self._doomed[ticket.id] = self.started
         return ticket
+
+    def submit(self) -> None:
+        """Move the inner engine's open batch now (:meth:`CopyEngine.submit`)."""
+        self.inner.submit()
 
     def poll(self) -> list[Completion]:
         """Report the acknowledgements whose delay has run out."""
