@@ -631,7 +631,10 @@ def test_the_lock_boundary_tells_two_receipts_on_one_node_apart() -> None:
         wrapper = vars(module.UnifiedRadixCache)["dec_lock_ref"]
         book = inspect.getclosurevars(wrapper).nonlocals["self"].books[cache]
         assert len(book.spent) == 2
+        book.sweep()
+        assert len(book.spent) == 2  # both receipts still held here
         del first, second, twice  # freed (the refusal's frames held one): the book forgets them
+        book.sweep()
         assert book.spent == {}
 
 

@@ -11,6 +11,7 @@ call sites in trail mode, and the tree is as it was.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import gc
@@ -24,6 +25,7 @@ from typing import Any
 import pytest
 
 from fsm_cache.compat.sglang import BuiltBeforePatch, patch
+from fsm_cache.compat.sglang.unified import SWEEP
 from fsm_cache.errors import (
     BadArgument,
     LeaseError,
@@ -519,7 +521,50 @@ def test_a_host_receipt_released_twice_while_another_is_out_is_refused(
         cache.dec_host_lock_ref(node, second)
 
 
-def test_a_released_receipt_is_remembered_while_held_and_forgotten_when_freed(
+def test_a_lock_released_through_a_copy_of_its_receipt_is_refused(
+    sg: Api,
+    unified: Any,
+    *,
+    mode: str,
+    allocator: FakeAllocator,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    cache = build(sg, unified, allocator, core)
+    node = anchor(sg, cache, SHARED + LEFT)
+    here = inspect.currentframe()
+    assert here is not None
+    first, second = cache.lock(node), cache.lock(node)  # two requests lock the same prefix
+    cache.dec_lock_ref(node, dataclasses.replace(first.receipt))  # a copy, dropped at once
+    before = whole_state(cache, allocator, capfd)
+    if mode == "stock":  # SGLang takes the second request's lock: its prefix is evictable
+        cache.dec_lock_ref(node, first.receipt)
+        assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
+        return
+    test = "test_a_lock_released_through_a_copy_of_its_receipt_is_refused"
+    refused_at = here.f_lineno + 2
+    with pytest.raises(LeaseError) as caught:
+        cache.dec_lock_ref(node, first.receipt)  # the original, after its copy: the bug
+    assert str(caught.value) == (
+        f"node {node}: dec_lock_ref refused: this receipt (DecLockRefParams at "
+        f"{id(first.receipt):#x}) shares its lock with a receipt released already (a copy: "
+        "dataclasses.replace or copy.copy keep its uuid maps); the node's 1 other "
+        "receipt(s) out stay held; nothing changed; released at "
+        f"test_unified_real.py:{refused_at - 9} in {test}; refused at "
+        f"test_unified_real.py:{refused_at} in {test}"
+    )
+    assert whole_state(cache, allocator, capfd) == before
+    third = cache.lock(node)
+    cache.unlock(third)
+    with pytest.raises(LeaseError, match=r"shares its lock with a receipt released already"):
+        cache.dec_lock_ref(node, copy.copy(third.receipt))  # a copy, after its original
+    with pytest.raises(LeaseError, match=r"shares its lock with a receipt released already"):
+        cache.dec_lock_ref(node, dataclasses.replace(third.receipt, skipped_lock_components=()))
+    cache.unlock(second)  # separate receipts with equal fields are separate locks
+    assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
+
+
+def test_a_released_lock_is_remembered_while_its_receipt_or_a_copy_is_held(
     sg: Api, unified: Any, patched: Any, allocator: FakeAllocator, core: str
 ) -> None:
     del patched
@@ -528,13 +573,24 @@ def test_a_released_receipt_is_remembered_while_held_and_forgotten_when_freed(
     book = inspect.getclosurevars(wrapper).nonlocals["self"].books[cache]
     node = anchor(sg, cache, SHARED + LEFT)
     kept = cache.lock(node)
-    for _ in range(100):  # a request's lock, released and dropped (SGLang sets req.lock = None)
+    for _ in range(2 * SWEEP):  # a request's lock, released and dropped (req.lock = None)
         cache.unlock(cache.lock(node))
+        assert len(book.spent) < SWEEP  # the book sweeps itself as it grows
     cache.unlock(kept)
-    assert [ref() for ref in book.spent.values()] == [kept.receipt]
+    book.sweep()
+    assert [entry.receipt() for entry in book.spent.values()] == [kept.receipt]
+    held = copy.copy(kept.receipt)  # a copy keeps the lock's uuid maps, and so its entry
     del kept
     gc.collect()
+    book.sweep()
+    assert len(book.spent) == 1
+    other = cache.lock(node)  # a lock out for the copy to take: refused by its entry alone
+    with pytest.raises(LeaseError, match="shares its lock with a receipt released already"):
+        cache.dec_lock_ref(node, held)
+    del held
+    book.sweep()
     assert book.spent == {}
+    cache.unlock(other)
     stale = cache.lock(node)
     cache.unlock(stale)
     cache.reset()  # the tree is gone, and with it what the book knew
