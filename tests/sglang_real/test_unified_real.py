@@ -455,6 +455,43 @@ def test_an_acquire_on_a_node_the_tree_does_not_have_is_refused_at_its_call(
     assert (cache.protected_size(), cache.evictable_size()) == (0, 4)
 
 
+def test_an_acquire_on_another_caches_node_id_is_refused_naming_that_cache(
+    sg: Api,
+    unified: Any,
+    *,
+    mode: str,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    one, allocator = build(sg, unified, FakeAllocator(64), core), FakeAllocator(64)
+    two = build(sg, unified, allocator, core)
+    sg.insert(one, [13, 14, 15, 16], FakeAllocator(64).take(4))
+    extra = anchor(sg, one, [13, 14, 15, 16])  # a node two has no id for, on either core
+    shared = anchor(sg, one, SHARED + LEFT)  # the Rust core numbers two's nodes alike
+    before = whole_state(two, allocator, capfd)
+    if mode == "stock":
+        with pytest.raises(KeyError):
+            two.inc_lock_ref(extra)
+        return
+    with pytest.raises(StaleNode) as caught:
+        two.inc_lock_ref(extra)
+    assert str(caught.value) == (
+        f"UnifiedRadixCache: inc_lock_ref on node {extra}, which is not in the tree but "
+        f"another cache's (UnifiedRadixCache at {id(one):#x}); a node id is its own "
+        "cache's; nothing changed"
+    )
+    assert whole_state(two, allocator, capfd) == before
+    if core == "python":  # ids are process-wide: every id of one's is refused on two
+        with pytest.raises(StaleNode, match="not in the tree but another cache's"):
+            two.inc_host_lock_ref(shared)
+        return
+    # The Rust core counts ids per cache: one's id names a node of two's, and is taken as it
+    # (an id is a plain int, and a receipt's fields none of the cache's own).
+    assert shared == anchor(sg, two, SHARED + LEFT)
+    two.unlock(two.lock(shared))
+    assert whole_state(two, allocator, capfd) == before
+
+
 def test_a_receipt_released_twice_while_another_is_out_on_its_node_is_refused(
     sg: Api,
     unified: Any,

@@ -50,7 +50,10 @@ An acquire on a node id the tree does not have (evicted, or from before a
 runs, on both cores (stock, a ``KeyError`` from the tree core's lookup; the
 Rust core raises ``TypeError`` or ``OverflowError`` for ids that are not
 unsigned integers). The test is the tree core's own ``is_root(node_id)``: one
-lookup in its node map, O(1), on both cores.
+lookup in its node map, O(1), on both cores. An id another cache built under
+the same patch has is refused naming that cache; on the Rust core, whose
+ids count per cache, one this tree has too is taken as its own node (an id
+is a plain ``int``: nothing SGLang passes names its cache).
 
 What is counted is the lock of SGLang's base component, ``FULL``
 (:data:`BASE`): a call whose receipt skips it moves none of the book. SGLang
@@ -79,7 +82,7 @@ import functools
 import sys
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fsm_cache.compat.sglang.scope import BuiltBeforePatch
@@ -335,7 +338,7 @@ class Receipts:
                 _check_anchor(cache, name, node_id, receipt)
                 skipped = getattr(receipt, "skipped_lock_components", ())
             else:
-                _check_node(cache, name, node_id)
+                _check_node(cache, name, node_id, self.books)
                 skipped = args[0] if args else kwargs.get("skip_lock_components", ())
             if any(getattr(c, "name", c) == BASE for c in skipped):  # moves no FULL lock
                 return original(cache, node_id, *args, **kwargs)
@@ -360,26 +363,47 @@ class Receipts:
         return reset
 
 
-def _check_node(cache: Any, call: str, node_id: Any) -> None:
+def _check_node(cache: Any, call: str, node_id: Any, caches: Iterable[Any]) -> None:
     """Refuse an acquire on a node id the tree does not have (SGLang's core raises ``KeyError``).
 
+    An id is a plain ``int`` and carries no cache: one the tree lacks is
+    looked up in the other ``caches`` (those built under the same patch), on
+    this error path only, to name the cache it came from. On the Python core
+    ids are process-wide, so another cache's id is always found there; on the
+    Rust core ids count per cache, and another cache's id that this tree has
+    too is taken as this tree's node (SGLang passes nothing that tells them
+    apart).
+
     Raises:
-        StaleNode: No such node in the tree (evicted, or from before a reset); nothing changed.
+        StaleNode: No such node in the tree (evicted, from before a reset, or
+            another cache's); nothing changed.
         BadArgument: ``node_id`` is not a node id at all; nothing changed.
     """
-    try:
-        cache.tree_core.is_root(node_id)  # the core's own O(1) lookup; raises if it has none
-    except (KeyError, TypeError, OverflowError):
-        pass
-    else:
+    if _has(cache, node_id):
         return
     name = type(cache).__name__
-    if isinstance(node_id, int):
+    if not isinstance(node_id, int):
+        raise BadArgument(f"{name}: {call} given {node_id!r}, not a node id; nothing changed")
+    owner = next((c for c in list(caches) if c is not cache and _has(c, node_id)), None)
+    if owner is not None:
         raise StaleNode(
-            f"{name}: {call} on node {node_id}, which is not in the tree (evicted, or from "
-            "before a reset); match the prefix again; nothing changed"
-        ) from None
-    raise BadArgument(f"{name}: {call} given {node_id!r}, not a node id; nothing changed") from None
+            f"{name}: {call} on node {node_id}, which is not in the tree but another cache's "
+            f"({type(owner).__name__} at {id(owner):#x}); a node id is its own cache's; "
+            "nothing changed"
+        )
+    raise StaleNode(
+        f"{name}: {call} on node {node_id}, which is not in the tree (evicted, or from "
+        "before a reset); match the prefix again; nothing changed"
+    )
+
+
+def _has(cache: Any, node_id: Any) -> bool:
+    """Whether ``cache``'s tree has ``node_id``: the core's own O(1) lookup, which raises if not."""
+    try:
+        cache.tree_core.is_root(node_id)
+    except (KeyError, TypeError, OverflowError):
+        return False
+    return True
 
 
 def _check_anchor(cache: Any, call: str, node_id: Any, receipt: Any) -> None:
