@@ -13,7 +13,7 @@ import sys
 import types
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -676,6 +676,29 @@ def test_the_lock_boundary_tells_two_receipts_on_one_node_apart() -> None:
         book.sweep()
         assert len(book.spent) == 2  # both receipts still held here
         del first, second, twice  # freed (the refusal's frames held one): the book forgets them
+        book.sweep()
+        assert book.spent == {}
+
+
+@dataclass
+class MapReceipt(Receipt):
+    """A ``DecLockRefParams`` made by hand, its two uuid maps one object."""
+
+    component_lock_uuids: dict[str, int] = field(default_factory=dict)
+    component_host_lock_uuids: dict[str, int] = field(default_factory=dict)
+
+
+def test_the_lock_boundary_forgets_a_lock_whose_receipt_shares_one_map_twice() -> None:
+    module = boundary_module()
+    with patch(module, trail=False):
+        cache = module.UnifiedRadixCache()
+        cache.inc_lock_ref(7)
+        uuids: dict[str, int] = {}
+        receipt = MapReceipt(7, component_lock_uuids=uuids, component_host_lock_uuids=uuids)
+        cache.dec_lock_ref(7, receipt)
+        wrapper = vars(module.UnifiedRadixCache)["dec_lock_ref"]
+        book = inspect.getclosurevars(wrapper).nonlocals["self"].books[cache]
+        del receipt, uuids  # nothing but the book holds the map: no copy can come back
         book.sweep()
         assert book.spent == {}
 

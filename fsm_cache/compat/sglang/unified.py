@@ -146,9 +146,15 @@ class Spent:
 
 
 def _parts(receipt: Any) -> tuple[Any, ...]:
-    """What ``receipt``'s copies share with it: its :data:`SHARED` maps, else the receipt itself."""
+    """What ``receipt``'s copies share with it: its :data:`SHARED` maps, else the receipt itself.
+
+    Each object once (a hand-made receipt may give both fields one map), so
+    that :func:`_refs` counts the book's hold on it once.
+    """
     parts = tuple(getattr(receipt, name, None) for name in SHARED)
-    return (receipt,) if any(part is None for part in parts) else parts
+    if any(part is None for part in parts):
+        return (receipt,)
+    return tuple({id(part): part for part in parts}.values())
 
 
 def _refs(parts: tuple[Any, ...]) -> list[int]:
