@@ -13,7 +13,7 @@ import sys
 import types
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -510,6 +510,48 @@ def test_a_cache_built_before_the_patch_is_refused_before_its_walk_runs(
         cache.inc_lock_ref(None)  # not a node: an AttributeError, as stock
 
 
+REGISTERING = """
+class Registering(RadixCache):
+    registered = []
+
+    def __init_subclass__(cls, tag="", **kwargs):
+        super().__init_subclass__(**kwargs)
+        Registering.registered.append((cls.__name__, tag))
+"""
+
+LATER = """
+from sglang_shaped_radix_cache import Registering, TreeNode
+
+
+class Later(Registering, tag="later"):
+    def inc_lock_ref(self, node):
+        while node is not self.root_node:
+            node.lock_ref += 1
+            node = node.parent
+"""
+
+
+def test_a_subclass_defined_while_patched_is_adopted_beside_its_own_init_subclass(
+    shaped: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exec(compile(REGISTERING, shaped.__name__, "exec"), shaped.__dict__)
+    registering = vars(shaped.RadixCache).get("__init_subclass__")
+    hook = vars(shaped.Registering)["__init_subclass__"]
+    later = types.ModuleType("sglang_shaped_later")
+    monkeypatch.setitem(sys.modules, later.__name__, later)
+    with patch(shaped) as applied:
+        exec(compile(LATER, later.__name__, "exec"), later.__dict__)
+        assert shaped.Registering.registered == [("Later", "later")]  # its own hook ran
+        assert "Later.inc_lock_ref" in applied.wrapped
+        cache = later.Later()
+        node = cache.insert(1, [5, 6])
+        cache.inc_lock_ref(node)  # wrapped: a checked walk (unwrapped: ReadOnlyCounter)
+        assert (type(node), node.lock_ref) == (applied.node_class, 1)
+    assert vars(shaped.RadixCache).get("__init_subclass__") is registering is None
+    assert vars(shaped.Registering)["__init_subclass__"] is hook
+    assert not hasattr(vars(later.Later)["inc_lock_ref"], "__wrapped__")
+
+
 @dataclass
 class Receipt:
     """SGLang 0.5.23's ``DecLockRefParams``: the anchor and the components the acquire left."""
@@ -631,7 +673,33 @@ def test_the_lock_boundary_tells_two_receipts_on_one_node_apart() -> None:
         wrapper = vars(module.UnifiedRadixCache)["dec_lock_ref"]
         book = inspect.getclosurevars(wrapper).nonlocals["self"].books[cache]
         assert len(book.spent) == 2
+        book.sweep()
+        assert len(book.spent) == 2  # both receipts still held here
         del first, second, twice  # freed (the refusal's frames held one): the book forgets them
+        book.sweep()
+        assert book.spent == {}
+
+
+@dataclass
+class MapReceipt(Receipt):
+    """A ``DecLockRefParams`` made by hand, its two uuid maps one object."""
+
+    component_lock_uuids: dict[str, int] = field(default_factory=dict)
+    component_host_lock_uuids: dict[str, int] = field(default_factory=dict)
+
+
+def test_the_lock_boundary_forgets_a_lock_whose_receipt_shares_one_map_twice() -> None:
+    module = boundary_module()
+    with patch(module, trail=False):
+        cache = module.UnifiedRadixCache()
+        cache.inc_lock_ref(7)
+        uuids: dict[str, int] = {}
+        receipt = MapReceipt(7, component_lock_uuids=uuids, component_host_lock_uuids=uuids)
+        cache.dec_lock_ref(7, receipt)
+        wrapper = vars(module.UnifiedRadixCache)["dec_lock_ref"]
+        book = inspect.getclosurevars(wrapper).nonlocals["self"].books[cache]
+        del receipt, uuids  # nothing but the book holds the map: no copy can come back
+        book.sweep()
         assert book.spent == {}
 
 

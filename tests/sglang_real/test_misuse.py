@@ -420,6 +420,57 @@ def test_a_subclass_defined_before_the_patch_builds_checked_nodes(
     assert (fork.TreeNode, late.TreeNode, sg.rc.TreeNode) == (stock, stock, stock)
 
 
+OWN_WALK = """
+from sglang.srt.mem_cache.radix_cache import RadixCache
+
+
+class OwnWalkCache(RadixCache):
+    def inc_lock_ref(self, node):  # a fork's own lock walk, not calling SGLang's
+        while node != self.root_node:
+            if node.lock_ref == 0:
+                self.evictable_size_ -= len(node.key)
+                self.protected_size_ += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+"""
+
+
+@pytest.mark.parametrize("defined", ["before", "after"])
+def test_a_subclass_override_is_checked_whenever_its_module_was_imported(
+    sg: Api, allocator: FakeAllocator, monkeypatch: pytest.MonkeyPatch, defined: str
+) -> None:
+    """A storage backend's module is imported on demand: often after ``patch()``.
+
+    Its override of a wrapped method is wrapped either way, so another
+    cache's node is refused before its walk moves a count (unwrapped, its
+    walk is refused at its first step, ``ReadOnlyCounter``: a count moves
+    only inside a checked walk).
+    """
+
+    def fork() -> Any:
+        module = types.ModuleType("own_walk_cache")
+        monkeypatch.setitem(sys.modules, module.__name__, module)  # as an import does, first
+        exec(compile(OWN_WALK, "<own_walk_cache>", "exec"), module.__dict__)
+        return module.OwnWalkCache
+
+    early = fork() if defined == "before" else None
+    with patch() as applied:
+        subclass = early or fork()
+        own = inspect.unwrap(vars(subclass)["inc_lock_ref"])
+        other = sg.rc.RadixCache(sg.cache_params(allocator))
+        sg.insert(other, AB, allocator.take(len(AB)))
+        node = sg.match(other, AB)[1]
+        cache = subclass(sg.cache_params(FakeAllocator(16)))
+        with pytest.raises(StaleNode, match=f"^node {node.id}: inc_lock_ref walks up to node "):
+            cache.inc_lock_ref(node)
+        assert (node.lock_ref, other.evictable_size(), other.protected_size()) == (0, 12, 0)
+        assert "OwnWalkCache.inc_lock_ref" in applied.wrapped
+    assert vars(subclass)["inc_lock_ref"] is own  # the undo restores the fork's method
+    assert "__init_subclass__" not in vars(sg.rc.RadixCache)
+    late = fork()  # one defined after the undo is left as it is
+    assert not hasattr(vars(late)["inc_lock_ref"], "__wrapped__")
+
+
 def test_a_copy_in_a_cache_built_while_another_thread_patched_is_refused(
     sg: Api, allocator: FakeAllocator, patched: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

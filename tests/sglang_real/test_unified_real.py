@@ -11,6 +11,7 @@ call sites in trail mode, and the tree is as it was.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import gc
@@ -24,6 +25,7 @@ from typing import Any
 import pytest
 
 from fsm_cache.compat.sglang import BuiltBeforePatch, patch
+from fsm_cache.compat.sglang.unified import SWEEP
 from fsm_cache.errors import (
     BadArgument,
     LeaseError,
@@ -453,6 +455,43 @@ def test_an_acquire_on_a_node_the_tree_does_not_have_is_refused_at_its_call(
     assert (cache.protected_size(), cache.evictable_size()) == (0, 4)
 
 
+def test_an_acquire_on_another_caches_node_id_is_refused_naming_that_cache(
+    sg: Api,
+    unified: Any,
+    *,
+    mode: str,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    one, allocator = build(sg, unified, FakeAllocator(64), core), FakeAllocator(64)
+    two = build(sg, unified, allocator, core)
+    sg.insert(one, [13, 14, 15, 16], FakeAllocator(64).take(4))
+    extra = anchor(sg, one, [13, 14, 15, 16])  # a node two has no id for, on either core
+    shared = anchor(sg, one, SHARED + LEFT)  # the Rust core numbers two's nodes alike
+    before = whole_state(two, allocator, capfd)
+    if mode == "stock":
+        with pytest.raises(KeyError):
+            two.inc_lock_ref(extra)
+        return
+    with pytest.raises(StaleNode) as caught:
+        two.inc_lock_ref(extra)
+    assert str(caught.value) == (
+        f"UnifiedRadixCache: inc_lock_ref on node {extra}, which is not in the tree but "
+        f"another cache's (UnifiedRadixCache at {id(one):#x}); a node id is its own "
+        "cache's; nothing changed"
+    )
+    assert whole_state(two, allocator, capfd) == before
+    if core == "python":  # ids are process-wide: every id of one's is refused on two
+        with pytest.raises(StaleNode, match="not in the tree but another cache's"):
+            two.inc_host_lock_ref(shared)
+        return
+    # The Rust core counts ids per cache: one's id names a node of two's, and is taken as it
+    # (an id is a plain int, and a receipt's fields none of the cache's own).
+    assert shared == anchor(sg, two, SHARED + LEFT)
+    two.unlock(two.lock(shared))
+    assert whole_state(two, allocator, capfd) == before
+
+
 def test_a_receipt_released_twice_while_another_is_out_on_its_node_is_refused(
     sg: Api,
     unified: Any,
@@ -519,7 +558,50 @@ def test_a_host_receipt_released_twice_while_another_is_out_is_refused(
         cache.dec_host_lock_ref(node, second)
 
 
-def test_a_released_receipt_is_remembered_while_held_and_forgotten_when_freed(
+def test_a_lock_released_through_a_copy_of_its_receipt_is_refused(
+    sg: Api,
+    unified: Any,
+    *,
+    mode: str,
+    allocator: FakeAllocator,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    cache = build(sg, unified, allocator, core)
+    node = anchor(sg, cache, SHARED + LEFT)
+    here = inspect.currentframe()
+    assert here is not None
+    first, second = cache.lock(node), cache.lock(node)  # two requests lock the same prefix
+    cache.dec_lock_ref(node, dataclasses.replace(first.receipt))  # a copy, dropped at once
+    before = whole_state(cache, allocator, capfd)
+    if mode == "stock":  # SGLang takes the second request's lock: its prefix is evictable
+        cache.dec_lock_ref(node, first.receipt)
+        assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
+        return
+    test = "test_a_lock_released_through_a_copy_of_its_receipt_is_refused"
+    refused_at = here.f_lineno + 2
+    with pytest.raises(LeaseError) as caught:
+        cache.dec_lock_ref(node, first.receipt)  # the original, after its copy: the bug
+    assert str(caught.value) == (
+        f"node {node}: dec_lock_ref refused: this receipt (DecLockRefParams at "
+        f"{id(first.receipt):#x}) shares its lock with a receipt released already (a copy: "
+        "dataclasses.replace or copy.copy keep its uuid maps); the node's 1 other "
+        "receipt(s) out stay held; nothing changed; released at "
+        f"test_unified_real.py:{refused_at - 9} in {test}; refused at "
+        f"test_unified_real.py:{refused_at} in {test}"
+    )
+    assert whole_state(cache, allocator, capfd) == before
+    third = cache.lock(node)
+    cache.unlock(third)
+    with pytest.raises(LeaseError, match=r"shares its lock with a receipt released already"):
+        cache.dec_lock_ref(node, copy.copy(third.receipt))  # a copy, after its original
+    with pytest.raises(LeaseError, match=r"shares its lock with a receipt released already"):
+        cache.dec_lock_ref(node, dataclasses.replace(third.receipt, skipped_lock_components=()))
+    cache.unlock(second)  # separate receipts with equal fields are separate locks
+    assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
+
+
+def test_a_released_lock_is_remembered_while_its_receipt_or_a_copy_is_held(
     sg: Api, unified: Any, patched: Any, allocator: FakeAllocator, core: str
 ) -> None:
     del patched
@@ -528,13 +610,24 @@ def test_a_released_receipt_is_remembered_while_held_and_forgotten_when_freed(
     book = inspect.getclosurevars(wrapper).nonlocals["self"].books[cache]
     node = anchor(sg, cache, SHARED + LEFT)
     kept = cache.lock(node)
-    for _ in range(100):  # a request's lock, released and dropped (SGLang sets req.lock = None)
+    for _ in range(2 * SWEEP):  # a request's lock, released and dropped (req.lock = None)
         cache.unlock(cache.lock(node))
+        assert len(book.spent) < SWEEP  # the book sweeps itself as it grows
     cache.unlock(kept)
-    assert [ref() for ref in book.spent.values()] == [kept.receipt]
+    book.sweep()
+    assert [entry.receipt() for entry in book.spent.values()] == [kept.receipt]
+    held = copy.copy(kept.receipt)  # a copy keeps the lock's uuid maps, and so its entry
     del kept
     gc.collect()
+    book.sweep()
+    assert len(book.spent) == 1
+    other = cache.lock(node)  # a lock out for the copy to take: refused by its entry alone
+    with pytest.raises(LeaseError, match="shares its lock with a receipt released already"):
+        cache.dec_lock_ref(node, held)
+    del held
+    book.sweep()
     assert book.spent == {}
+    cache.unlock(other)
     stale = cache.lock(node)
     cache.unlock(stale)
     cache.reset()  # the tree is gone, and with it what the book knew

@@ -293,7 +293,8 @@ class Patch:
     Attributes:
         modules: The patched modules' names.
         node_class: The checked ``TreeNode`` the modules now build.
-        wrapped: ``Class.method`` for each wrapped cache method.
+        wrapped: ``Class.method`` for each wrapped cache method (a subclass's
+            too, added as one defined while patched is adopted).
         originals: SGLang's class of each checked class the patch built.
     """
 
@@ -305,8 +306,13 @@ class Patch:
     originals: dict[type, type] = field(default_factory=dict, repr=False)
 
     def record(self, owner: Any, name: str, value: Any) -> None:
-        """Set ``owner.name`` to ``value``, keeping the old value for :meth:`undo`."""
-        self._saved.append((owner, name, getattr(owner, name)))
+        """Set ``owner.name`` to ``value``, keeping the old value for :meth:`undo`.
+
+        A class's old value is what its own namespace held (a descriptor as
+        it is, or none: the undo deletes the name, and the class inherits again).
+        """
+        old = vars(owner).get(name, _ABSENT) if isinstance(owner, type) else getattr(owner, name)
+        self._saved.append((owner, name, old))
         setattr(owner, name, value)
 
     def skip(self, filename: str) -> None:
@@ -321,7 +327,10 @@ class Patch:
             for owner, name, old in reversed(self._saved):
                 if name == "TreeNode":  # its nodes' counters now have no walk to drive them
                     getattr(owner, name).undone = True
-                setattr(owner, name, old)
+                if old is _ABSENT:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, old)
             self._saved.clear()
             self._restore_importers()
             for filename in self._skipped:
@@ -352,6 +361,9 @@ class Patch:
     def __exit__(self, *exc: object) -> None:
         self.undo()
 
+
+_ABSENT = object()
+"""What :meth:`Patch.record` keeps for a name the class did not define itself."""
 
 _ACTIVE: dict[str, Patch] = {}
 """The patch each patched module's name is under, until its ``undo()``."""
@@ -647,26 +659,36 @@ def _adopt_subclasses(
     checked: dict[type, type[ResidencyMixin]],
     machine: Residency,
 ) -> list[str]:
-    """Patch the subclasses of the patched caches that other modules defined before the patch.
+    """Patch the subclasses of the patched caches, those defined before the patch and after.
 
-    Such a subclass (SGLang's ``LMCRadixCache``, ``FlexKVRadixCache``, a
-    fork's cache) inherits the wrapped methods, but builds nodes through the
-    ``TreeNode`` its module imported, SGLang's own class: nodes nothing
-    checks, in a checked tree, whose first lock walk was refused as "built
-    before patch()". Its module's name is pointed at the checked class and
-    the cache methods it overrides are wrapped too, all undone with the rest.
-    SGLang's own cache modules (:data:`MODULES`) are patched when named, only.
+    Such a subclass (SGLang's ``LMCRadixCache``, ``FlexKVRadixCache``,
+    ``PureSWARadixCache``, a fork's cache) inherits the wrapped methods, but
+    builds nodes through the ``TreeNode`` its module imported, SGLang's own
+    class if it was imported before the patch: nodes nothing checks, in a
+    checked tree, whose first lock walk was refused as "built before
+    patch()". Its module's name is pointed at the checked class and the
+    cache methods it overrides are wrapped too (:func:`_adopt`), all undone
+    with the rest. SGLang's own cache modules (:data:`MODULES`) are patched
+    when named, only.
+
+    A subclass defined while the patch holds (a storage backend's module,
+    imported on demand when the server builds its cache) is adopted the
+    same way as Python creates it: each patched cache class with no patched
+    ancestor gets an ``__init_subclass__`` (:func:`_adopting`), until the
+    undo, so that whether a subclass's overrides are checked does not depend
+    on when its module was imported.
     """
     skipped = {m.__name__ for m in found} | set(MODULES)
     out: list[str] = []
     seen: set[type] = set()
-    stack: list[type] = [
+    roots: list[type] = [
         cls
         for module in found
         for name in CACHES
         if isinstance(cls := getattr(module, name, None), type)
         and cls.__module__ == module.__name__
     ]
+    stack = list(roots)
     while stack:
         subclasses: list[type] = stack.pop().__subclasses__()
         for sub in subclasses:
@@ -674,11 +696,53 @@ def _adopt_subclasses(
                 continue
             seen.add(sub)
             stack.append(sub)
-            module = sys.modules.get(sub.__module__)
-            if sub.__module__ in skipped or not isinstance(module, ModuleType):
-                continue
-            held = vars(module).get("TreeNode")
-            if isinstance(held, type) and held in checked:
-                result.record(module, "TreeNode", checked[held])
-            out += _wrap_class(result, module, sub, machine)
+            out += _adopt(result, sub, checked, machine, skipped)
+    for cls in roots:
+        if not any(base in roots for base in cls.__mro__[1:]):  # its ancestor's hook runs
+            adopt = _adopting(result, cls, checked, machine, skipped)
+            result.record(cls, "__init_subclass__", adopt)
     return out
+
+
+def _adopt(
+    result: Patch,
+    sub: type,
+    checked: dict[type, type[ResidencyMixin]],
+    machine: Residency,
+    skipped: set[str],
+) -> list[str]:
+    """Point ``sub``'s module at the checked ``TreeNode`` and wrap its overrides; return them."""
+    module = sys.modules.get(sub.__module__)
+    if sub.__module__ in skipped or not isinstance(module, ModuleType):
+        return []
+    held = vars(module).get("TreeNode")
+    if isinstance(held, type) and held in checked:
+        result.record(module, "TreeNode", checked[held])
+    return _wrap_class(result, module, sub, machine)
+
+
+def _adopting(
+    result: Patch,
+    cls: type,
+    checked: dict[type, type[ResidencyMixin]],
+    machine: Residency,
+    skipped: set[str],
+) -> Any:
+    """``cls``'s ``__init_subclass__`` while ``result`` holds: the one it had, then :func:`_adopt`.
+
+    A subclass created after :meth:`Patch.undo` began is left alone (the
+    undo would not see what an adoption recorded after it).
+    """
+    own = vars(cls).get("__init_subclass__")
+    base: Any = cls
+
+    def init_subclass(sub: type, /, **kwargs: Any) -> None:
+        if own is None:
+            super(base, sub).__init_subclass__(**kwargs)
+        else:
+            own.__get__(None, sub)(**kwargs)
+        with _PATCHING:
+            if any(_ACTIVE.get(name) is result for name in result.modules):
+                result.wrapped += tuple(_adopt(result, sub, checked, machine, skipped))
+
+    return classmethod(init_subclass)

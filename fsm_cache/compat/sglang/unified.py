@@ -26,25 +26,34 @@ itself raises on is not recorded.
 
 A receipt's contents carry no identity of its own (a FULL-only receipt is
 its anchor's id and empty maps, the same for every lock on the node), but
-its object does: every caller in SGLang 0.5.23 keeps the one
+its objects do: every caller in SGLang 0.5.23 keeps the one
 ``DecLockRefParams`` that ``to_dec_params`` made and passes that same
 object back (``TreeLock.receipt``, a flow's or a pending copy's
-``lock_params``). The book remembers each receipt that came back, by
-identity, for as long as anything holds it (a weak reference, whose
-callback drops the entry when the receipt is freed, so the memory is
-bounded by the receipts SGLang still holds), and refuses a second release
-of the same object (:class:`~fsm_cache.errors.LeaseError`) even while other
-receipts on its node are out: the release SGLang would take from another
-request's lock. What SGLang sees is unchanged: the receipt objects are its
-own, nothing is added to them. A copy of a receipt (``dataclasses.replace``
-with FULL kept) is another object, and only counted.
+``lock_params``), and ``to_dec_params`` builds its two uuid maps afresh
+(:data:`SHARED`), which a copy (``dataclasses.replace``, ``copy.copy``)
+shares with its original. SGLang's one copy of a receipt
+(``MambaComponent._alloc_mamba_slot``) releases a part of the same lock,
+not another lock, so a lock is the pair of map objects. The book keeps
+each lock whose receipt came back (:class:`Spent`, holding the maps so
+that their ids stay theirs) and refuses a second release of it, through
+the receipt or a copy (:class:`~fsm_cache.errors.LeaseError`), even while
+other receipts on its node are out: the release SGLang would take from
+another request's lock. An entry goes once the book alone holds one of
+its maps (no receipt or copy is left to come back), found by reference
+count when the book has doubled (:meth:`ReceiptBook.sweep`), so the memory
+is bounded by the receipts SGLang still holds. What SGLang sees is
+unchanged: the receipt objects are its own, nothing is added to them. A
+deep copy has maps of its own, and is only counted.
 
 An acquire on a node id the tree does not have (evicted, or from before a
 ``reset``) is refused (:class:`~fsm_cache.errors.StaleNode`) before SGLang
 runs, on both cores (stock, a ``KeyError`` from the tree core's lookup; the
 Rust core raises ``TypeError`` or ``OverflowError`` for ids that are not
 unsigned integers). The test is the tree core's own ``is_root(node_id)``: one
-lookup in its node map, O(1), on both cores.
+lookup in its node map, O(1), on both cores. An id another cache built under
+the same patch has is refused naming that cache; on the Rust core, whose
+ids count per cache, one this tree has too is taken as its own node (an id
+is a plain ``int``: nothing SGLang passes names its cache).
 
 What is counted is the lock of SGLang's base component, ``FULL``
 (:data:`BASE`): a call whose receipt skips it moves none of the book. SGLang
@@ -63,19 +72,17 @@ call on the cache.
 The books are not locked: SGLang 0.5.23 calls the four methods on the
 scheduler's thread only (its storage threads hand acknowledgements over
 queues that ``check_hicache_events`` drains there, and
-``StorageAttachment.detach`` releases backups after stopping them). The one
-write from elsewhere is a freed receipt's callback, on whichever thread
-drops the receipt's last reference: one dict deletion, atomic under the
-GIL, of the entry of a receipt nobody holds, which no call can be checking
-(a call holds its receipt).
+``StorageAttachment.detach`` releases backups after stopping them), and a
+book is swept inside a release.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fsm_cache.compat.sglang.scope import BuiltBeforePatch
@@ -103,18 +110,60 @@ KEPT = 1024
 Method = Callable[..., Any]
 
 
-class Spent(weakref.ref[Any]):
-    """A weak reference to a receipt that came back, keyed by the receipt's ``id``.
+SHARED = ("component_lock_uuids", "component_host_lock_uuids")
+"""The receipt fields whose objects identify its lock: made anew per receipt, kept by its copies.
+
+``to_dec_params`` builds both maps afresh for every receipt (and a hand-made
+``DecLockRefParams`` gets new ones from its field defaults), while
+``dataclasses.replace`` and ``copy.copy`` hand the copy the same two objects.
+"""
+
+SWEEP = 256
+"""How many released locks a book holds before it first drops those nothing else holds."""
+
+
+class Spent:
+    """A lock whose receipt came back: the objects its copies share, held until no one else does.
 
     Attributes:
-        key: ``id`` of the receipt (its entry's key, which the callback drops).
+        parts: What the receipt's copies share with it (its :data:`SHARED`
+            maps; the receipt itself if it has none), held strongly so that
+            their ``id`` is not reused while the entry lasts.
+        receipt: A weak reference to the receipt that came back (None if it
+            cannot be weakly referenced), to tell it from a copy.
         spot: In trail mode, where it came back; else None.
     """
 
-    __slots__ = ("key", "spot")
+    __slots__ = ("parts", "receipt", "spot")
 
-    key: int
-    spot: trail.Spot | None
+    def __init__(self, parts: tuple[Any, ...], receipt: Any, spot: trail.Spot | None) -> None:
+        self.parts = parts
+        try:
+            self.receipt: weakref.ref[Any] | None = weakref.ref(receipt)
+        except TypeError:
+            self.receipt = None
+        self.spot = spot
+
+
+def _parts(receipt: Any) -> tuple[Any, ...]:
+    """What ``receipt``'s copies share with it: its :data:`SHARED` maps, else the receipt itself.
+
+    Each object once (a hand-made receipt may give both fields one map), so
+    that :func:`_refs` counts the book's hold on it once.
+    """
+    parts = tuple(getattr(receipt, name, None) for name in SHARED)
+    if any(part is None for part in parts):
+        return (receipt,)
+    return tuple({id(part): part for part in parts}.values())
+
+
+def _refs(parts: tuple[Any, ...]) -> list[int]:
+    """The reference count of each of ``parts`` (the same code measures :data:`_ALONE`)."""
+    return [sys.getrefcount(part) for part in parts]
+
+
+_ALONE = _refs((object(),))[0]
+"""What :func:`_refs` gives for an object held only by its ``parts`` tuple."""
 
 
 class ReceiptBook:
@@ -130,24 +179,19 @@ class ReceiptBook:
             whose receipts all came back, with the call sites a later refusal
             names; empty outside it. Bounded: a server that never resets
             locks a new node id for most requests.
-        spent: The receipts that came back and are still held somewhere, by
-            ``id``: an entry goes when its receipt is freed.
+        spent: The locks whose receipts came back, keyed by the ``id`` of
+            their :class:`Spent` parts; an entry goes once nothing but the
+            book holds its parts (no receipt or copy of it can come back).
     """
 
-    __slots__ = ("_forget", "machine", "records", "released", "spent")
+    __slots__ = ("machine", "records", "released", "spent", "sweep_at")
 
     def __init__(self, machine: Residency) -> None:
         self.machine = machine
         self.records: dict[Any, ResidencyRecord] = {}
         self.released: OrderedDict[Any, ResidencyRecord] = OrderedDict()
-        self.spent: dict[int, Spent] = {}
-        spent = self.spent
-
-        def forget(ref: Spent) -> None:  # a closure over the dict: no cycle through the book
-            if spent.get(ref.key) is ref:
-                del spent[ref.key]
-
-        self._forget = forget
+        self.spent: dict[tuple[int, ...], Spent] = {}
+        self.sweep_at = SWEEP
 
     def check(self, node_id: Any, event: Event) -> None:
         """Check ``event`` on ``node_id``'s receipts, changing nothing.
@@ -173,40 +217,64 @@ class ReceiptBook:
                 self.released.popitem(last=False)
 
     def check_receipt(self, node_id: Any, event: Event, receipt: Any, call: str) -> None:
-        """Refuse ``receipt`` for ``event`` (a release) if it came back already, changing nothing.
+        """Refuse ``receipt`` for ``event`` (a release) if its lock came back already, changing nothing.
+
+        Its lock came back if this very object did, or a copy of it
+        (``dataclasses.replace``, ``copy.copy``: one that shares its
+        :data:`SHARED` maps), or the receipt it is a copy of.
 
         Raises:
-            LeaseError: ``receipt`` (this very object) was released already.
+            LeaseError: ``receipt``, a copy of it or its original was released already.
         """
-        ref = self.spent.get(id(receipt))
-        if ref is None or ref() is not receipt:
+        entry = self.spent.get(tuple(map(id, _parts(receipt))))
+        if entry is None:
             return
         record = self._record(node_id)
         out = record.pins if event == "release" else record.locks
+        what = f"this receipt ({type(receipt).__name__} at {id(receipt):#x})"
+        if entry.receipt is not None and entry.receipt() is receipt:
+            what += " was released already"
+        else:
+            what += (
+                " shares its lock with a receipt released already (a copy: "
+                "dataclasses.replace or copy.copy keep its uuid maps)"
+            )
         msg = (
-            f"node {node_id}: {call} refused: this receipt ({type(receipt).__name__} at "
-            f"{id(receipt):#x}) was released already; the node's {out} other receipt(s) out "
+            f"node {node_id}: {call} refused: {what}; the node's {out} other receipt(s) out "
             "stay held; nothing changed"
         )
-        if ref.spot is not None:
-            msg += f"; released at {trail.spot_site(ref.spot)}; refused at {trail.caller_site()}"
+        if entry.spot is not None:
+            msg += f"; released at {trail.spot_site(entry.spot)}; refused at {trail.caller_site()}"
         raise LeaseError(msg)
 
     def spend(self, receipt: Any) -> None:
-        """Remember that ``receipt`` came back, for as long as it is held."""
-        try:
-            ref = Spent(receipt, self._forget)
-        except TypeError:  # not weakly referable: counted only
-            return
-        ref.key = id(receipt)
-        ref.spot = trail.caller_spot() if self.machine.engine.trail else None
-        self.spent[ref.key] = ref
+        """Remember that ``receipt``'s lock came back, while it or a copy of it may come back again."""
+        parts = _parts(receipt)
+        spot = trail.caller_spot() if self.machine.engine.trail else None
+        self.spent[tuple(map(id, parts))] = Spent(parts, receipt, spot)
+        if len(self.spent) >= self.sweep_at:
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Drop the released locks nothing but the book holds a part of.
+
+        A copy holds every part of its original, so a lock with a part held
+        by the book alone has no receipt left to come back. Run when the book
+        doubles (from :data:`SWEEP`), so each release pays O(1) on average,
+        and the book holds at most twice the locks whose receipts are still
+        held somewhere.
+        """
+        for key, entry in list(self.spent.items()):
+            if any(count <= _ALONE for count in _refs(entry.parts)):
+                del self.spent[key]
+        self.sweep_at = max(SWEEP, 2 * len(self.spent))
 
     def clear(self) -> None:
         """Forget every receipt: the cache's ``reset`` dropped the tree they anchor on."""
         self.records.clear()
         self.released.clear()
         self.spent.clear()
+        self.sweep_at = SWEEP
 
     def _record(self, node_id: Any) -> ResidencyRecord:
         record = self.records.get(node_id)
@@ -276,7 +344,7 @@ class Receipts:
                 _check_anchor(cache, name, node_id, receipt)
                 skipped = getattr(receipt, "skipped_lock_components", ())
             else:
-                _check_node(cache, name, node_id)
+                _check_node(cache, name, node_id, self.books)
                 skipped = args[0] if args else kwargs.get("skip_lock_components", ())
             if any(getattr(c, "name", c) == BASE for c in skipped):  # moves no FULL lock
                 return original(cache, node_id, *args, **kwargs)
@@ -301,26 +369,47 @@ class Receipts:
         return reset
 
 
-def _check_node(cache: Any, call: str, node_id: Any) -> None:
+def _check_node(cache: Any, call: str, node_id: Any, caches: Iterable[Any]) -> None:
     """Refuse an acquire on a node id the tree does not have (SGLang's core raises ``KeyError``).
 
+    An id is a plain ``int`` and carries no cache: one the tree lacks is
+    looked up in the other ``caches`` (those built under the same patch), on
+    this error path only, to name the cache it came from. On the Python core
+    ids are process-wide, so another cache's id is always found there; on the
+    Rust core ids count per cache, and another cache's id that this tree has
+    too is taken as this tree's node (SGLang passes nothing that tells them
+    apart).
+
     Raises:
-        StaleNode: No such node in the tree (evicted, or from before a reset); nothing changed.
+        StaleNode: No such node in the tree (evicted, from before a reset, or
+            another cache's); nothing changed.
         BadArgument: ``node_id`` is not a node id at all; nothing changed.
     """
-    try:
-        cache.tree_core.is_root(node_id)  # the core's own O(1) lookup; raises if it has none
-    except (KeyError, TypeError, OverflowError):
-        pass
-    else:
+    if _has(cache, node_id):
         return
     name = type(cache).__name__
-    if isinstance(node_id, int):
+    if not isinstance(node_id, int):
+        raise BadArgument(f"{name}: {call} given {node_id!r}, not a node id; nothing changed")
+    owner = next((c for c in list(caches) if c is not cache and _has(c, node_id)), None)
+    if owner is not None:
         raise StaleNode(
-            f"{name}: {call} on node {node_id}, which is not in the tree (evicted, or from "
-            "before a reset); match the prefix again; nothing changed"
-        ) from None
-    raise BadArgument(f"{name}: {call} given {node_id!r}, not a node id; nothing changed") from None
+            f"{name}: {call} on node {node_id}, which is not in the tree but another cache's "
+            f"({type(owner).__name__} at {id(owner):#x}); a node id is its own cache's; "
+            "nothing changed"
+        )
+    raise StaleNode(
+        f"{name}: {call} on node {node_id}, which is not in the tree (evicted, or from "
+        "before a reset); match the prefix again; nothing changed"
+    )
+
+
+def _has(cache: Any, node_id: Any) -> bool:
+    """Whether ``cache``'s tree has ``node_id``: the core's own O(1) lookup, which raises if not."""
+    try:
+        cache.tree_core.is_root(node_id)
+    except (KeyError, TypeError, OverflowError):
+        return False
+    return True
 
 
 def _check_anchor(cache: Any, call: str, node_id: Any, receipt: Any) -> None:
