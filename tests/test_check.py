@@ -1504,6 +1504,109 @@ def test_a_read_lands_in_order_so_a_suffix_never_lands_above_a_prefix_in_flight(
     assert result.trace[-2:] == ["split node 0: prefix node 1", "node 0: fetch_done"]
 
 
+CANCEL_HOST = """\
+[machine]
+extends = "{specs}/host_storage_residency.toml"
+name = "host_cancel"
+
+[counters]
+cancels = 0
+
+[events]
+cancel = {{ doc = "Give up the read of a suffix whose prefix is still read.", past = "cancelled" }}
+
+[[transition]]
+event = "cancel"
+source = "fetching"
+dest = "evicted"
+effect = "free_host"
+update = "cancels += 1"
+
+[[forbid]]
+event = "cancel"
+source = ["unbacked", "writing", "backed", "pinned", "evicted"]
+error = "NotFetching"
+reason = "no storage-to-host copy in flight"
+"""
+
+CANCEL_STORAGE = """\
+[machine]
+extends = "{specs}/storage_residency.toml"
+name = "storage_cancel"
+
+[events]
+cancel = {{ doc = "Give up the read.", past = "cancelled" }}
+
+[[transition]]
+event = "cancel"
+source = "reading"
+dest = "stored"
+
+[[forbid]]
+event = "cancel"
+source = ["unstored", "storing", "stored"]
+error = "NotReading"
+reason = "no storage-to-host copy in flight"
+"""
+
+CANCEL = """\
+[composition]
+name = "cancel"
+doc = "Host and storage without a device: a read below one still in flight may be given up."
+
+[composition.regions]
+host = "host.toml"
+storage = "storage.toml"
+
+[[forbid]]
+event = "cancel"
+when = "parent host in [unbacked, writing, backed, pinned, evicted]"
+error = "ParentLanded"
+reason = "only the suffix of a read still in flight above is given up"
+""" + "".join(
+    f"""
+[[forbid]]
+event = "{event}"
+when = "storage in [storing]"
+guard = "pins == 1"
+error = "StorePinHeld"
+reason = "the last pin belongs to the store in flight"
+"""
+    for event in ("release", "load_done", "load_failed")
+)
+
+
+def test_only_a_fetchs_success_acknowledgements_wait_for_the_parents_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Choices.ordered`` holds back what the pages account reads as a fetch's success, no other exit.
+
+    Without a device the nodes keep no pages, so no acknowledgement is known
+    and none waits: the search is the one that fires every exit from
+    ``fetching`` in any order. Holding back every exit lost each state where
+    a child's read is given up (``cancel``, counted) under its parent's.
+    """
+    specs = spec_dir().as_posix()
+    (tmp_path / "host.toml").write_text(CANCEL_HOST.format(specs=specs))
+    (tmp_path / "storage.toml").write_text(CANCEL_STORAGE.format(specs=specs))
+    (tmp_path / "cancel.toml").write_text(CANCEL)
+    bounds = Bounds({"pins": 2, "cancels": 1})
+    result = check.check_spec(tmp_path / "cancel.toml", 2, bounds)
+    monkeypatch.setattr(Choices, "behind", lambda *_: False)
+    every_order = check.check_spec(tmp_path / "cancel.toml", 2, bounds)
+    assert (result.violation, result.states) == (None, every_order.states) == (None, 1444)
+    assert Choices.of(Layout.of(as_system(load_spec(tmp_path / "cancel.toml"))), None).ordered == {}
+    # With pages, a fetch_failed accepted from backed too acknowledges nothing (it may fire
+    # after the read landed), and an evict_host that may leave writing ends no backup.
+    after_done = Layout.of(as_system(load_spec(BUGS / "fetch_failed_after_done.toml")))
+    assert Choices.of(after_done, None).ordered == {"fetch_done": "fetching"}
+    leaves = Layout.of(as_system(load_spec(EVICT_HOST_LEAVES_WRITING)))
+    assert Choices.of(leaves, WRITE_THROUGH).joined == {
+        "write_done": "writing",
+        "write_failed": "writing",
+    }
+
+
 def test_the_two_storage_machines_alone_are_checked_cheaply() -> None:
     for name in ("storage_residency.toml", "host_storage_residency.toml"):
         result = check.check_spec(spec_dir() / name, 4, Bounds({"pins": 2}))
