@@ -162,9 +162,7 @@ def test_cli_prints_figures_and_exits_1_on_a_violation(capsys: pytest.CaptureFix
     status = _cli(["check", str(BUGS / "unlock_skips_ancestor.toml"), "--nodes", "2"])
     out = capsys.readouterr().out.splitlines()
     assert status == 1
-    assert out[0].endswith(
-        "unlock_skips_ancestor.toml: 2 nodes (chain, fan-out, binary), pins <= 2, locks <= 2"
-    )
+    assert out[0].endswith("unlock_skips_ancestor.toml: 2 nodes (chain), pins <= 2, locks <= 2")
     assert out[1].startswith("  states explored: ")
     assert out[2].startswith("  before reduction: ")
     assert out[3].startswith("  states/s: ")
@@ -242,7 +240,7 @@ def test_a_guard_the_bounds_never_reach_is_named_with_the_bound_that_does(
     assert _cli(["check", str(gate), "--nodes", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[:2] == [
-        f"{gate}: 1 node (chain, fan-out, binary), n <= 2",
+        f"{gate}: 1 node, n <= 2",
         "  not explored: n above 2, where a comparison turns at 5 (--max-count 5 reaches it)",
     ]
     assert _cli(["check", str(gate), "--nodes", "1", "--max-count", "5", "--json"]) == 0
@@ -532,9 +530,7 @@ def test_cli_names_the_policy(capsys: pytest.CaptureFixture[str]) -> None:
     status = _cli(["check", "--policy", "write_through", "--nodes", "2", spec])
     out = capsys.readouterr().out.splitlines()
     assert status == 0
-    assert out[0] == (
-        f"{spec} (write_through policy): 2 nodes (chain, fan-out, binary), pins <= 2, locks <= 2"
-    )
+    assert out[0] == (f"{spec} (write_through policy): 2 nodes (chain), pins <= 2, locks <= 2")
     assert out[-1] == "  no invariant violated"
 
 
@@ -728,7 +724,7 @@ def test_a_release_no_acquire_pairs_with_is_a_finding(
     path.write_text(STEPS_BY_TWO)
     assert _cli(["check", "--nodes", "2", str(path)]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == f"{path}: 2 nodes (chain, fan-out, binary), holders <= 2"
+    assert out[0] == f"{path}: 2 nodes (chain), holders <= 2"
     assert out[1:4] == [
         "  states explored: 0 (symmetry reduced)",
         "  before reduction: 0 numbered states (each tree in every numbering of its 2 slots)",
@@ -1504,6 +1500,109 @@ def test_a_read_lands_in_order_so_a_suffix_never_lands_above_a_prefix_in_flight(
     assert result.trace[-2:] == ["split node 0: prefix node 1", "node 0: fetch_done"]
 
 
+CANCEL_HOST = """\
+[machine]
+extends = "{specs}/host_storage_residency.toml"
+name = "host_cancel"
+
+[counters]
+cancels = 0
+
+[events]
+cancel = {{ doc = "Give up the read of a suffix whose prefix is still read.", past = "cancelled" }}
+
+[[transition]]
+event = "cancel"
+source = "fetching"
+dest = "evicted"
+effect = "free_host"
+update = "cancels += 1"
+
+[[forbid]]
+event = "cancel"
+source = ["unbacked", "writing", "backed", "pinned", "evicted"]
+error = "NotFetching"
+reason = "no storage-to-host copy in flight"
+"""
+
+CANCEL_STORAGE = """\
+[machine]
+extends = "{specs}/storage_residency.toml"
+name = "storage_cancel"
+
+[events]
+cancel = {{ doc = "Give up the read.", past = "cancelled" }}
+
+[[transition]]
+event = "cancel"
+source = "reading"
+dest = "stored"
+
+[[forbid]]
+event = "cancel"
+source = ["unstored", "storing", "stored"]
+error = "NotReading"
+reason = "no storage-to-host copy in flight"
+"""
+
+CANCEL = """\
+[composition]
+name = "cancel"
+doc = "Host and storage without a device: a read below one still in flight may be given up."
+
+[composition.regions]
+host = "host.toml"
+storage = "storage.toml"
+
+[[forbid]]
+event = "cancel"
+when = "parent host in [unbacked, writing, backed, pinned, evicted]"
+error = "ParentLanded"
+reason = "only the suffix of a read still in flight above is given up"
+""" + "".join(
+    f"""
+[[forbid]]
+event = "{event}"
+when = "storage in [storing]"
+guard = "pins == 1"
+error = "StorePinHeld"
+reason = "the last pin belongs to the store in flight"
+"""
+    for event in ("release", "load_done", "load_failed")
+)
+
+
+def test_only_a_fetchs_success_acknowledgements_wait_for_the_parents_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Choices.ordered`` holds back what the pages account reads as a fetch's success, no other exit.
+
+    Without a device the nodes keep no pages, so no acknowledgement is known
+    and none waits: the search is the one that fires every exit from
+    ``fetching`` in any order. Holding back every exit lost each state where
+    a child's read is given up (``cancel``, counted) under its parent's.
+    """
+    specs = spec_dir().as_posix()
+    (tmp_path / "host.toml").write_text(CANCEL_HOST.format(specs=specs))
+    (tmp_path / "storage.toml").write_text(CANCEL_STORAGE.format(specs=specs))
+    (tmp_path / "cancel.toml").write_text(CANCEL)
+    bounds = Bounds({"pins": 2, "cancels": 1})
+    result = check.check_spec(tmp_path / "cancel.toml", 2, bounds)
+    monkeypatch.setattr(Choices, "behind", lambda *_: False)
+    every_order = check.check_spec(tmp_path / "cancel.toml", 2, bounds)
+    assert (result.violation, result.states) == (None, every_order.states) == (None, 1444)
+    assert Choices.of(Layout.of(as_system(load_spec(tmp_path / "cancel.toml"))), None).ordered == {}
+    # With pages, a fetch_failed accepted from backed too acknowledges nothing (it may fire
+    # after the read landed), and an evict_host that may leave writing ends no backup.
+    after_done = Layout.of(as_system(load_spec(BUGS / "fetch_failed_after_done.toml")))
+    assert Choices.of(after_done, None).ordered == {"fetch_done": "fetching"}
+    leaves = Layout.of(as_system(load_spec(EVICT_HOST_LEAVES_WRITING)))
+    assert Choices.of(leaves, WRITE_THROUGH).joined == {
+        "write_done": "writing",
+        "write_failed": "writing",
+    }
+
+
 def test_the_two_storage_machines_alone_are_checked_cheaply() -> None:
     for name in ("storage_residency.toml", "host_storage_residency.toml"):
         result = check.check_spec(spec_dir() / name, 4, Bounds({"pins": 2}))
@@ -1524,12 +1623,41 @@ def test_a_single_machine_is_explored_past_a_pin_it_cannot_release_by_every_even
     assert layout.owed((-1, "writing", 1, 1)) == []
 
 
+def test_the_report_names_each_starting_tree_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """Small trees make the shapes one: two nodes are a chain, three a chain and a fan-out.
+
+    The report said ``(chain, fan-out, binary)`` whatever the size, naming
+    three shapes where one or two trees were started from.
+    """
+    assert {n: list(check.starting_shapes(n)) for n in (1, 2, 3, 4)} == {
+        1: ["chain"],
+        2: ["chain"],
+        3: ["chain", "fan-out"],
+        4: ["chain", "fan-out", "binary"],
+    }
+    device = spec_dir() / "device_residency.toml"
+    starts = check.shapes(Layout.of(as_system(load_spec(device))), 3)
+    assert list(starts) == ["chain", "fan-out"]
+    assert len(set(starts.values())) == 2
+    for nodes, tree in (
+        ("1", "1 node"),
+        ("2", "2 nodes (chain)"),
+        ("3", "3 nodes (chain, fan-out)"),
+    ):
+        assert _cli(["check", str(device), "--nodes", nodes, "--json"]) == 0
+        shapes = json.loads(capsys.readouterr().out)["specs"][0]["shapes"]
+        assert shapes == list(check.starting_shapes(int(nodes)))
+        assert _cli(["check", str(device), "--nodes", nodes]) == 0
+        assert capsys.readouterr().out.splitlines()[0] == f"{device}: {tree}, locks <= 2"
+
+
 def test_the_report_counts_one_node_slot_and_step_in_the_singular() -> None:
     """``1 nodes``, ``its 1 slots`` and ``shortest trace (1 steps)`` read as typos in a user's CI log."""
     one = {
         "spec": "slot.toml",
         "policy": "none",
         "nodes": 1,
+        "shapes": ["chain"],
         "bounds": {"borrows": 2},
         "unexplored": {},
         "symmetry": True,
@@ -1542,7 +1670,7 @@ def test_the_report_counts_one_node_slot_and_step_in_the_singular() -> None:
         "past_ceiling": 0,
     }
     assert check.report({"specs": [one], "controls": []}).splitlines() == [
-        "slot.toml: 1 node (chain, fan-out, binary), borrows <= 2",
+        "slot.toml: 1 node, borrows <= 2",
         "  states explored: 3 (symmetry reduced)",
         "  before reduction: 3 numbered states (each tree in every numbering of its 1 slot)",
         "  states/s: 6",

@@ -181,7 +181,7 @@ def test_the_cli_reports_a_stopped_check_and_exits_3(capsys: pytest.CaptureFixtu
     status = main(["check", str(RESIDENCY), "--nodes", "3", "--max-states", "700"])
     out = capsys.readouterr().out.splitlines()
     assert status == check.STOPPED == 3
-    assert out[0] == f"{RESIDENCY}: 3 nodes (chain, fan-out, binary), pins <= 2, locks <= 2"
+    assert out[0] == f"{RESIDENCY}: 3 nodes (chain, fan-out), pins <= 2, locks <= 2"
     assert out[1] == "  states explored: 700 (symmetry reduced)"
     assert re.fullmatch(
         r"  before reduction: \d+ numbered states \(each tree in every numbering of its 3 slots\)",
@@ -196,7 +196,7 @@ def test_the_cli_reports_a_stopped_check_and_exits_3(capsys: pytest.CaptureFixtu
 def test_a_cap_below_the_starting_shapes_keeps_the_first_of_them(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """Three starting trees on 3 nodes: a cap of 1 or 2 explores that many, and says so."""
+    """Two starting trees on 3 nodes (the fan-out is the binary tree): a cap of 1 or 2 explores that many."""
     for cap in (1, 2):
         result = check.check_spec(
             RESIDENCY, 3, Bounds({}), budget=Budget(max_states=cap, floor=None)

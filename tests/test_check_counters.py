@@ -224,7 +224,7 @@ def test_the_report_names_the_bound_of_each_counter_the_spec_has(
     shown, bounds = expected
     path = _spec(tmp_path, text)
     _, out = _cli(capsys, *argv, str(path))
-    assert out[0] == f"{path}: 2 nodes (chain, fan-out, binary), {shown}"
+    assert out[0] == f"{path}: 2 nodes (chain), {shown}"
     _, out = _cli(capsys, "--json", *argv, str(path))
     assert json.loads("\n".join(out))["specs"][0]["bounds"] == bounds
 
@@ -234,5 +234,5 @@ def test_the_report_of_a_one_region_shipped_spec_names_its_own_counter(
 ) -> None:
     path = spec_dir() / "device_residency.toml"
     assert _cli(capsys, "--max-locks", "1", str(path))[1][0] == (
-        f"{path}: 2 nodes (chain, fan-out, binary), locks <= 1"
+        f"{path}: 2 nodes (chain), locks <= 1"
     )

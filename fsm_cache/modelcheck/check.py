@@ -73,6 +73,22 @@ SHAPES: dict[str, Callable[[int], list[int]]] = {
 }
 
 
+def starting_shapes(nodes: int) -> dict[str, list[int]]:
+    """Return the shapes a tree of ``nodes`` nodes starts from: each tree once, by its first name.
+
+    Small trees make the shapes coincide: one node is every shape, two are a
+    chain whatever the shape, and on three the binary tree is the fan-out.
+    Each is then one starting tree, and the report names only the shapes
+    started from (``2 nodes (chain)``), not three that are one.
+    """
+    out: dict[str, list[int]] = {}
+    for name, shape in SHAPES.items():
+        parents = shape(nodes)
+        if parents not in out.values():
+            out[name] = parents
+    return out
+
+
 def shapes(layout: Layout, nodes: int) -> dict[str, Nodes]:
     """Return the initial model state of each tree shape: every node fresh, or born.
 
@@ -87,21 +103,20 @@ def shapes(layout: Layout, nodes: int) -> dict[str, Nodes]:
         BadArgument: Those starting trees would be more than
             :data:`MAX_STARTS` (they are built before any budget is read).
     """
+    trees = starting_shapes(nodes)
     starts: dict[str, Nodes] = {
-        name: tuple(layout.fresh(parent) for parent in parents(nodes))
-        for name, parents in SHAPES.items()
+        name: tuple(layout.fresh(parent) for parent in parents) for name, parents in trees.items()
     }
     if layout.memory.tiers or not layout.births:
         return starts
-    count = len(SHAPES) * (1 + len(layout.births)) ** nodes
+    count = len(trees) * (1 + len(layout.births)) ** nodes
     if count > MAX_STARTS:
         raise BadArgument(
             f"check: {nodes} nodes make {count} starting trees, at most {MAX_STARTS}: each "
             f"node of each shape starts fresh or born {' or '.join(layout.births)}, as no "
             "node enters a tree of a spec without host and device regions later"
         )
-    for name, parents in SHAPES.items():
-        above = parents(nodes)
+    for name, above in trees.items():
         for ways in itertools.product((None, *layout.births), repeat=len(above)):
             if any(ways):
                 born = ", ".join(f"node {i} {way}" for i, way in enumerate(ways) if way)
@@ -600,6 +615,7 @@ def search(
         "spec": str(planned.spec),
         "policy": planned.policy,
         "nodes": planned.nodes,
+        "shapes": list(starting_shapes(planned.nodes)),
         "bounds": planned.bounded,
         "unexplored": unexplored(planned.spec, planned.bounded, files=planned.files),
         "symmetry": planned.symmetry,
@@ -749,8 +765,8 @@ def report(result: dict[str, Any]) -> str:
     for s in result["specs"]:
         rate = s["states"] / s["seconds"] if s["seconds"] else 0.0
         lines.append(
-            f"{_title(s['spec'], s['policy'])}: {_count(s['nodes'], 'node')} "
-            f"({', '.join(SHAPES)}), {_bounds(s['bounds'])}"
+            f"{_title(s['spec'], s['policy'])}: {_tree(s['nodes'], s['shapes'])}, "
+            f"{_bounds(s['bounds'])}"
         )
         lines += [
             f"  not explored: {name} above {s['bounds'][name]}, where a comparison turns at "
@@ -788,6 +804,14 @@ def report(result: dict[str, Any]) -> str:
 def _count(number: int, noun: str) -> str:
     """Return ``1 node`` or ``3 nodes``."""
     return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+def _tree(nodes: int, shapes: list[str]) -> str:
+    """Return how the report names a run's trees: ``1 node``, ``3 nodes (chain, fan-out)``.
+
+    A single node has no shape to name.
+    """
+    return _count(nodes, "node") if nodes == 1 else f"{nodes} nodes ({', '.join(shapes)})"
 
 
 def _bounds(bounds: dict[str, int]) -> str:

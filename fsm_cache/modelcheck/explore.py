@@ -360,7 +360,7 @@ class Explorer:
         """Return the search's end among its starting states, or None to search on.
 
         A cap below their number keeps the first of them and stops there (with
-        the starting trees of a shape each, three on three nodes and more).
+        a starting tree of each shape, two on three nodes, three on four and more).
         A starting state that breaks an invariant is the finding either way,
         and the states explored are those up to it.
         """

@@ -378,9 +378,14 @@ class Choices:
             where ``write`` leads; ``fetch_done``: ``fetching``, where ``fetch``
             leads, since pages land in order: a fetch fails node by node, deepest
             first). A pin taken while a copy is in flight stays in that state.
+            Only the copy's acknowledgements, as the pages account reads them
+            (:func:`_acknowledging`): another exit from the copying state is
+            fired as the spec allows.
         ordered: Without a policy, the events acknowledging a fetch's success,
             each with the host state of a fetch in flight (``fetch_done``:
             ``fetching``): not fired at a node whose parent is in that state.
+            Empty on a spec whose nodes keep no pages: the checker cannot tell
+            its acknowledgements, so every order is explored.
     """
 
     policy: WritePolicy | None = None
@@ -399,7 +404,7 @@ class Choices:
             SpecError: A policy is given for a spec whose nodes are not residency records.
         """
         if policy is None:
-            return cls(ordered=_landed(layout, PREFETCH, True) if layout.has("host") else {})
+            return cls(ordered=_acknowledging(layout, PREFETCH, True) if layout.has("host") else {})
         if not layout.residency:
             missing = [
                 *(f"no {r} region" for r in RESIDENCY_REGIONS if not layout.has(r)),
@@ -411,7 +416,7 @@ class Choices:
                     f"regions with pins and locks counters ({', '.join(missing)})"
                 ]
             )
-        joined = {**_landed(layout, BACKUP, False), **_landed(layout, PREFETCH, True)}
+        joined = {**_acknowledging(layout, BACKUP, False), **_acknowledging(layout, PREFETCH, True)}
         return cls(policy, joined, wants)
 
     def fires(self, layout: Layout, event: str, node: NodeEntry, parent: NodeEntry | None) -> bool:
@@ -447,18 +452,28 @@ class Choices:
         return copying is not None and layout.state(ancestor, "host") == copying
 
 
-def _landed(layout: Layout, start: str, landed_only: bool) -> dict[str, str]:
-    """Return the host events that end the copy ``start`` begins, each with its copying state.
+def _acknowledging(layout: Layout, start: str, successes_only: bool) -> dict[str, str]:
+    """Return the host events that acknowledge the copy ``start`` begins, each with its copying state.
 
-    ``landed_only``: only those that report its success (a failure is applied node by node).
+    They are the copy's acknowledgements as the pages account reads them from
+    the spec's effects (:attr:`fsm_cache.modelcheck.copies.Memory.acks`), not
+    every exit from the copying state: an event that may also fire
+    elsewhere (a ``fetch_failed`` accepted from ``backed`` too) acknowledges
+    nothing, and holding it back would hold it back from every state. A spec
+    whose nodes keep no pages (no ``host`` and ``device`` regions) has no
+    acknowledgement the checker can tell, so none is held back there.
+
+    ``successes_only``: only those that report its success (a failure is
+    applied node by node).
     """
     host = layout.system.machines["host"].transitions
     copying = next((t.dest for t in host if t.event == start), None)
+    copy = layout.memory.copying.get("host", {}).get(str(copying))
     return {
-        t.event: str(copying)
-        for t in host
-        if copying in t.sources and t.dest != copying and t.event != start
-        if not (landed_only and layout.memory.failure(t.event))
+        event: str(copying)
+        for event, ack in layout.memory.acks.items()
+        if copy is not None and ack.region == "host" and ack.copy == copy
+        if ack.ok or not successes_only
     }
 
 
