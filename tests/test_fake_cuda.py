@@ -18,7 +18,7 @@ from fsm_cache.cache.hicache import HiCache
 from fsm_cache.errors import BadArgument, ConfigError, CopyFailed
 from fsm_cache.memory import staging
 from fsm_cache.memory import tiers as tiers_module
-from fsm_cache.memory.copies import CopyEngine, Direction
+from fsm_cache.memory.copies import CopyEngine, Direction, check_stream
 from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
 from fsm_cache.memory.tiers import CacheConfig, Tiers, synthetic_kv
 from fsm_cache.testing import FakeStreams as LazyFakeStreams
@@ -416,3 +416,16 @@ def test_a_cache_refuses_a_compute_stream_it_cannot_use_before_taking_memory(
         "give the stream to the engine it builds (CopyEngine(device, host, compute_stream=...))"
     )
     assert allocated == []
+
+
+def test_a_stream_of_another_gpu_is_refused_as_it_would_order_nothing_here() -> None:
+    ours, other = torch.device("cuda", 0), torch.device("cuda", 1)
+    with pytest.raises(BadArgument) as caught:
+        check_stream("compute_stream", FakeStream(other), ours)
+    assert str(caught.value) == (
+        "copy engine: compute_stream is a stream of cuda:1, but the device pool is on cuda:0: "
+        "give a stream of the pool's GPU"
+    )
+    check_stream("compute_stream", FakeStream(ours), ours)  # the pool's own GPU
+    check_stream("stream", FakeStream(other), CPU)  # a CPU engine ignores streams
+    check_stream("stream", FakeStream(CPU), ours)  # a fake's CPU stream orders fake work

@@ -162,7 +162,7 @@ class CopyEngine:
                 "copy engine: streams must provide new_stream, current_stream, new_event, "
                 f"run_on and synchronize (a Streams), got {type(streams).__name__}"
             )
-        check_stream("compute_stream", compute_stream)
+        check_stream("compute_stream", compute_stream, device.device)
         self.device = device
         self.host = host
         self.stats = CopyStats()
@@ -257,7 +257,7 @@ class CopyEngine:
         if self.closed:
             raise CopyFailed(f"copy engine closed: {direction.value} copy refused")
         runs = self._validate(direction, src, dst)
-        check_stream("stream", stream)  # on CPU too: a slip must not wait for a GPU to show
+        check_stream("stream", stream, self.device.device)  # on CPU too: a slip shows here
         if self._api is not None:
             try:
                 self._mark(cast("Stream | None", stream))
@@ -481,7 +481,7 @@ class CopyEngine:
             if not (whole(i, 1) and i <= started):
                 raise BadArgument(f"copy: cannot wait for ticket {i!r}: no copy started with it")
         if self._api is not None:  # a CPU engine has no streams to wait: it only checks the ids
-            check_stream("stream", stream)
+            check_stream("stream", stream, self.device.device)
         self.submit()
         wanted = set(ids)
         ours = [s for s in self._submitted if any(t.id in wanted for t in s.tickets)]
@@ -592,23 +592,43 @@ new stream object each step would otherwise make every start wait for all of
 them, for ever."""
 
 
-def check_stream(name: str, stream: object) -> None:
+def check_stream(name: str, stream: object, device: object = None) -> None:
     """Refuse ``stream`` unless it can be waited on and recorded on, as a stream can.
 
     None passes (no stream given). Public so that whoever hands a stream on to
     an engine it builds later (:class:`~fsm_cache.memory.tiers.Tiers`) can
     refuse it before taking any memory, with the engine's own message.
 
+    Args:
+        name: The argument's name, for the message.
+        stream: What was given.
+        device: The device pool's ``torch.device``, or None. A CUDA stream
+            of another GPU is refused: waiting on it would order nothing on
+            this one (its kernels run on this GPU's current stream).
+
     Raises:
         BadArgument: naming the argument and what was given.
     """
-    if stream is not None and not (
+    if stream is None:
+        return
+    if not (
         callable(getattr(stream, "wait_event", None))
         and callable(getattr(stream, "wait_stream", None))
     ):
         raise BadArgument(
             f"copy engine: {name} must be a stream (torch.cuda.Stream or the Streams' own), "
             f"got {type(stream).__name__}"
+        )
+    on = getattr(stream, "device", None)
+    if (
+        getattr(device, "type", None) == "cuda"
+        and getattr(on, "type", None) == "cuda"
+        and getattr(device, "index", None) is not None
+        and getattr(on, "index", None) != getattr(device, "index", None)
+    ):
+        raise BadArgument(
+            f"copy engine: {name} is a stream of {on}, but the device pool is on {device}: "
+            "give a stream of the pool's GPU"
         )
 
 

@@ -309,9 +309,11 @@ class Tiers:
                 "own: give the stream to the engine it builds (CopyEngine(device, host, "
                 "compute_stream=...))"
             )
-        check_stream("compute_stream", compute_stream)  # before any memory is taken
         layout = config.layout()
         where = _device_of(config.device)
+        if where.type == "cuda" and where.index is None:  # the GPU its pool would be made on
+            where = torch.device("cuda", torch.cuda.current_device())
+        check_stream("compute_stream", compute_stream, where)  # before any memory is taken
         self.device = _allocate(
             "device", config.device_pages, layout, where, lambda n: device_pool(layout, n, where)
         )
@@ -573,6 +575,8 @@ class _Pattern:
             per_position = self.base.view(ps, lay.layers, lay.planes, lay.heads, lay.head_dim)
             self.base = per_position.permute(1, 2, 0, 3, 4).unsqueeze(-1).contiguous()
             self.scale = self.scale.view(lay.layers, lay.planes, 1, lay.heads, lay.head_dim, 1)
+        if device.type == "cuda":  # shared by caches on other streams: done before any reads
+            torch.cuda.synchronize(device)
 
     def kv(self, tokens: Sequence[int]) -> torch.Tensor:
         """Return :func:`synthetic_kv` of ``tokens`` on :attr:`device`, maybe not contiguous."""
