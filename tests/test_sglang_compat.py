@@ -36,6 +36,7 @@ from fsm_cache.compat.sglang import (
     walked,
 )
 from fsm_cache.compat.sglang.scope import CounterStep, counter_step
+from fsm_cache.compat.sglang.unified import ReceiptBook
 from fsm_cache.engine import trail
 from fsm_cache.errors import (
     BadArgument,
@@ -710,4 +711,28 @@ def test_a_boundary_module_without_its_cache_class_is_refused() -> None:
         "sglang.srt.mem_cache.unified_radix_cache: no UnifiedRadixCache defining "
         "inc_lock_ref, dec_lock_ref, inc_host_lock_ref, dec_host_lock_ref, reset to check; "
         "see docs/sglang.md for the releases patch() supports"
+    )
+
+
+class SlotReceipt:
+    """A receipt with the two uuid maps that cannot be weakly referenced (``__slots__``)."""
+
+    __slots__ = ("component_host_lock_uuids", "component_lock_uuids", "node_id")
+
+    def __init__(self, node_id: int) -> None:
+        self.node_id = node_id
+        self.component_lock_uuids: dict[str, int] = {}
+        self.component_host_lock_uuids: dict[str, int] = {}
+
+
+def test_a_receipt_that_cannot_be_weakly_referenced_released_twice_is_not_called_a_copy() -> None:
+    book = ReceiptBook(Residency(trail=False))
+    receipt = SlotReceipt(1)
+    book.spend(receipt)
+    with pytest.raises(LeaseError) as caught:
+        book.check_receipt(1, "unlock", receipt, "dec_lock_ref")
+    assert str(caught.value) == (
+        f"node 1: dec_lock_ref refused: this receipt (SlotReceipt at {id(receipt):#x}) was "
+        "released already (or a copy of it was); the node's 0 other receipt(s) out stay "
+        "held; nothing changed"
     )

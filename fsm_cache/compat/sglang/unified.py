@@ -232,7 +232,9 @@ class ReceiptBook:
         record = self._record(node_id)
         out = record.pins if event == "release" else record.locks
         what = f"this receipt ({type(receipt).__name__} at {id(receipt):#x})"
-        if entry.receipt is not None and entry.receipt() is receipt:
+        if entry.receipt is None:  # one that cannot be weakly referenced: it or a copy
+            what += " was released already (or a copy of it was)"
+        elif entry.receipt() is receipt:
             what += " was released already"
         else:
             what += (
@@ -261,8 +263,9 @@ class ReceiptBook:
         A copy holds every part of its original, so a lock with a part held
         by the book alone has no receipt left to come back. Run when the book
         doubles (from :data:`SWEEP`), so each release pays O(1) on average,
-        and the book holds at most twice the locks whose receipts are still
-        held somewhere.
+        and the book holds at most the larger of :data:`SWEEP` and twice the
+        locks whose receipts were still held at the last sweep (those freed
+        since stay until the next).
         """
         for key, entry in list(self.spent.items()):
             if any(count <= _ALONE for count in _refs(entry.parts)):
@@ -372,13 +375,14 @@ class Receipts:
 def _check_node(cache: Any, call: str, node_id: Any, caches: Iterable[Any]) -> None:
     """Refuse an acquire on a node id the tree does not have (SGLang's core raises ``KeyError``).
 
-    An id is a plain ``int`` and carries no cache: one the tree lacks is
-    looked up in the other ``caches`` (those built under the same patch), on
-    this error path only, to name the cache it came from. On the Python core
-    ids are process-wide, so another cache's id is always found there; on the
-    Rust core ids count per cache, and another cache's id that this tree has
-    too is taken as this tree's node (SGLang passes nothing that tells them
-    apart).
+    An id is a plain ``int`` and carries no cache. On the Python core ids
+    are process-wide (one counter for every node), so one the tree lacks is
+    looked up in the other ``caches`` (those built under the same patch) on
+    the Python core too, on this error path only, to name the cache it came
+    from. On the Rust core ids count per cache: a cache's own stale id is
+    most often some other cache's live one, so no owner is named there, and
+    another cache's id that this tree has too is taken as this tree's node
+    (SGLang passes nothing that tells them apart).
 
     Raises:
         StaleNode: No such node in the tree (evicted, from before a reset, or
@@ -390,7 +394,7 @@ def _check_node(cache: Any, call: str, node_id: Any, caches: Iterable[Any]) -> N
     name = type(cache).__name__
     if not isinstance(node_id, int):
         raise BadArgument(f"{name}: {call} given {node_id!r}, not a node id; nothing changed")
-    owner = next((c for c in list(caches) if c is not cache and _has(c, node_id)), None)
+    owner = _owner(cache, node_id, caches) if _ids_process_wide(cache) else None
     if owner is not None:
         raise StaleNode(
             f"{name}: {call} on node {node_id}, which is not in the tree but another cache's "
@@ -401,6 +405,37 @@ def _check_node(cache: Any, call: str, node_id: Any, caches: Iterable[Any]) -> N
         f"{name}: {call} on node {node_id}, which is not in the tree (evicted, or from "
         "before a reset); match the prefix again; nothing changed"
     )
+
+
+def _ids_process_wide(cache: Any) -> bool:
+    """Whether ``cache``'s node ids are unique in the process.
+
+    SGLang's Python core numbers every node from one class counter; the Rust
+    core numbers each cache's own.
+    """
+    return type(getattr(cache, "tree_core", None)).__name__ == _PYTHON_CORE
+
+
+_PYTHON_CORE = "UnifiedTreeCore"
+"""The class name of SGLang's Python tree core (the Rust one is ``RustUnifiedTreeCore``)."""
+
+
+def _owner(cache: Any, node_id: int, caches: Iterable[Any]) -> Any:
+    """The other Python-core cache of ``caches`` whose tree has ``node_id``, or None.
+
+    Another cache's failure (a Rust core poisoned by a panic raises
+    ``RuntimeError`` on every call) makes it no owner: it must not take the
+    place of this cache's refusal.
+    """
+    for other in list(caches):
+        if other is cache or not _ids_process_wide(other):
+            continue
+        try:
+            if _has(other, node_id):
+                return other
+        except Exception:  # whatever another cache raises, it is not the owner
+            continue
+    return None
 
 
 def _has(cache: Any, node_id: Any) -> bool:
