@@ -212,7 +212,7 @@ def every_family(
     Args:
         system: The spec.
         generated: Its contracts module, every child over every state.
-        workdir: A folder of its own for the module.
+        workdir: The folder to write the module under, in a folder of its own.
         rows: CrossHair's, one per contract of the module with classes.
     """
     reading = [checked_name(e) for e in system.event_names if children_needed(system, e)]
