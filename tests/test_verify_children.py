@@ -2,7 +2,9 @@
 
 With one child, code that reads only the first child, or every child where
 the spec says "any child", answered every input as the spec does and was
-confirmed. These slips are planted in the tree test the engine's code calls.
+confirmed; with a family's children over one state per class of the rules,
+code that tests a later child against the first state of a rule's list
+only. These slips are planted in the tree test the engine's code calls.
 """
 
 from __future__ import annotations
