@@ -332,3 +332,23 @@ def test_verify_finds_a_later_child_read_against_the_first_state_only(
     ]
     assert {r.status for r in rows if not r.failed} == {crosshair_run.CONFIRMED}
     assert len(rows) == 6
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "kept"),
+    [
+        (crosshair_run.CONFIRMED, crosshair_run.COUNTEREXAMPLE, "second"),
+        (crosshair_run.CONFIRMED, crosshair_run.NOT_ANALYSED, "second"),
+        (crosshair_run.WITHIN_BUDGET, crosshair_run.COUNTEREXAMPLE, "second"),
+        (crosshair_run.NOT_ANALYSED, crosshair_run.WITHIN_BUDGET, "first"),
+        (crosshair_run.COUNTEREXAMPLE, crosshair_run.COUNTEREXAMPLE, "first"),
+        (crosshair_run.CONFIRMED, exhaustive.CONFIRMED_EVERY_INPUT, "first"),
+    ],
+)
+def test_a_contract_keeps_the_worse_of_two_verdicts(first: str, second: str, kept: str) -> None:
+    """CrossHair's verdict over the classes, and every family's: a failure of either fails it."""
+    rows = {
+        "first": crosshair_run.Row("t", "f", "c", first, "f(1)"),
+        "second": crosshair_run.Row("t", "f", "c", second, "f(2)"),
+    }
+    assert crosshair_run.worse(rows["first"], rows["second"]) is rows[kept]
