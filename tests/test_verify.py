@@ -535,8 +535,8 @@ def test_a_spec_saved_over_while_it_is_verified_is_proved_as_it_was_read(
         (tmp_path / name).write_text((spec_dir() / name).read_text())
     generated = generate
 
-    def then_saved_over(*args: Any) -> Any:
-        module = generated(*args)
+    def then_saved_over(*args: Any, **kwargs: Any) -> Any:
+        module = generated(*args, **kwargs)
         text = (tmp_path / file).read_text()
         assert old in text
         (tmp_path / file).write_text(text.replace(old, new, 1))  # as an editor saves it

@@ -2,17 +2,21 @@
 
 With one child, code that reads only the first child, or every child where
 the spec says "any child", answered every input as the spec does and was
-confirmed. These slips are planted in the tree test the engine's code calls.
+confirmed; with a family's children over one state per class of the rules,
+code that tests a later child against the first state of a rule's list
+only. These slips are planted in the tree test the engine's code calls.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from fsm_cache.contracts import exhaustive
+from fsm_cache.contracts import exhaustive, verify
 from fsm_cache.contracts import runner as crosshair_run
 from fsm_cache.contracts.generate import Generated, children_needed, family_states, generate
 from fsm_cache.spec.loader import load_spec
@@ -33,16 +37,32 @@ _SLIPS = {
         "    kids = rec.children\n"
         "    return bool(kids) and all(getattr(kid, region) in states for kid in kids)\n"
     ),
+    "later": (
+        "def _child_in(rec, region, states):\n"
+        "    kids = rec.children\n"
+        "    return bool(kids) and (\n"
+        "        getattr(kids[0], region) in states\n"
+        "        or any(getattr(kid, region) == states[0] for kid in kids[1:])\n"
+        "    )\n"
+    ),
 }
-"""The tree test read as the first child alone, or as every child, for any child."""
+"""The tree test read as the first child alone, or as every child, for any child; or
+with a later child tested against the first state of the condition's list only."""
+
+
+def _with_slip(module: Generated, slip: str) -> Generated:
+    """Return ``module`` with its tree test ``_child_in`` replaced by ``slip``."""
+    assert _IMPORT in module.source
+    replaced = "from fsm_cache.engine.runtime import effect_failed as _effect_failed\n"
+    return dataclasses.replace(
+        module, source=module.source.replace(_IMPORT, replaced + _SLIPS[slip])
+    )
 
 
 def _slipped(tmp_path: Path, module: Generated, slip: str) -> Path:
     """Write ``module`` with its tree test ``_child_in`` replaced by ``slip``."""
-    assert _IMPORT in module.source
-    replaced = "from fsm_cache.engine.runtime import effect_failed as _effect_failed\n"
     path = tmp_path / "contracts_slipped.py"
-    path.write_text(module.source.replace(_IMPORT, replaced + _SLIPS[slip]))
+    path.write_text(_with_slip(module, slip).source)
     return path
 
 
@@ -110,7 +130,7 @@ def test_every_input_finds_code_that_reads_children_otherwise_than_any(
 
 def test_crosshair_finds_code_that_reads_only_the_first_child(tmp_path: Path) -> None:
     """The two-region composition is proved by CrossHair: it is given two children as well."""
-    module = generate(residency_system(), spec_dir() / "residency.toml")
+    module = generate(residency_system(), spec_dir() / "residency.toml", classes=True)
     reading = ("evict_device",)  # the cheapest to search of the three that read a child
     path = _slipped(tmp_path, module, "first")
     # keep, of the checked functions, one that reads a child, so CrossHair searches it alone
@@ -159,10 +179,15 @@ def test_a_rule_that_takes_three_children_is_given_three(tmp_path: Path) -> None
     spec.write_text(_THREE_CHILDREN)
     system = as_system(load_spec(spec))
     assert children_needed(system, "evict_host") == 3
-    module = generate(system, spec)
     assert (
         "child1_host: _Optional[_HostState], child2_host: _Optional[_HostState_evict_host], "
-        "child3_host: _Optional[_HostState_evict_host]) -> _Result:" in module.source
+        "child3_host: _Optional[_HostState_evict_host]) -> _Result:"
+        in generate(system, spec, classes=True).source
+    )
+    module = generate(system, spec)
+    assert (
+        "child1_host: _Optional[_HostState], child2_host: _Optional[_HostState], "
+        "child3_host: _Optional[_HostState]) -> _Result:" in module.source
     )
     domains = exhaustive.counter_domains(system)
     clean = module.write(tmp_path)
@@ -183,3 +208,147 @@ def test_a_rule_that_takes_three_children_is_given_three(tmp_path: Path) -> None
             "child3_host=HostState.pinned)",
         )
     ]
+
+
+def test_every_family_finds_a_later_child_read_against_the_first_state_only(
+    tmp_path: Path,
+) -> None:
+    """CrossHair's classes (``unbacked``, ``writing``) never meet the slip; every state does.
+
+    ``evict_host`` is refused when any child's host is in ``[writing, backed,
+    pinned]``, and the slip tests a later child against ``writing`` alone, as
+    a review found ``verify`` passed it.
+    """
+    system = residency_system()
+    spec = spec_dir() / "residency.toml"
+    domains = exhaustive.counter_domains(system)
+    classes = _with_slip(generate(system, spec, classes=True), "later")
+    rows = exhaustive.check_module("residency", classes.write(tmp_path), domains)
+    assert [r for r in rows if r.failed] == []
+    every = _with_slip(generate(system, spec), "later")
+    found = [classes.reported(r) for r in verify.every_family(system, every, tmp_path, rows)]
+    assert len(found) == len(rows)
+    bad = {r.function: r for r in found if r.failed}
+    assert sorted(bad) == ["evict_device", "evict_host", "load_failed"]
+    assert {(r.contract, r.status) for r in bad.values()} == {
+        ("the step follows the spec", crosshair_run.COUNTEREXAMPLE)
+    }
+    assert bad["evict_host"].detail == (
+        "evict_host(host=HostState.backed, device=DeviceState.resident, pins=0, locks=0, "
+        "child1_host=HostState.unbacked, child2_host=HostState.backed)"
+    )
+
+
+_TIER = """
+[machine]
+name = "{name}"
+initial = "empty"
+label = "node"
+doc = "Whether a node has a copy in a tier."
+
+[states]
+empty = {{ doc = "No copy." }}
+filling = {{ doc = "A copy is being made." }}
+full = {{ doc = "The copy is there." }}
+
+[events]
+fill = {{ doc = "Start a copy, or finish it.", past = "filled" }}
+drop = {{ doc = "Free the copy.", past = "dropped" }}
+
+[[transition]]
+event = "fill"
+source = "empty"
+dest = "filling"
+
+[[transition]]
+event = "fill"
+source = "filling"
+dest = "full"
+
+[[transition]]
+event = "drop"
+source = ["filling", "full"]
+dest = "empty"
+
+[[forbid]]
+event = "drop"
+source = "empty"
+error = "IllegalTransition"
+reason = "there is no copy to free"
+
+[[forbid]]
+event = "fill"
+source = "full"
+error = "IllegalTransition"
+reason = "the copy is there already"
+"""
+
+_TIERS = """
+[composition]
+name = "tiers"
+label = "node"
+doc = "A tier whose copies are prefix-closed, beside another."
+
+[composition.regions]
+tier = "tier.toml"
+mark = "mark.toml"
+
+[[forbid]]
+event = "drop"
+when = "any child tier in [filling, full]"
+error = "NotAHostLeaf"
+reason = "a child still has a copy in the tier"
+"""
+
+
+def test_verify_finds_a_later_child_read_against_the_first_state_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spec CrossHair proves, run as ``fsm-cache verify`` runs it, with the slip planted.
+
+    CrossHair proves ``drop`` over the classes ``empty`` and ``filling``, which
+    the slip (a later child tested against ``filling`` alone) answers as the
+    spec does; a child ``full`` after an ``empty`` one is refused by the spec
+    and not by the slip.
+    """
+    for name in ("tier", "mark"):
+        (tmp_path / f"{name}.toml").write_text(_TIER.format(name=name))
+    spec = tmp_path / "tiers.toml"
+    spec.write_text(_TIERS)
+
+    def slipped(*args: Any, **kwargs: Any) -> Generated:
+        return _with_slip(generate(*args, **kwargs), "later")
+
+    monkeypatch.setattr(verify, "generate", slipped)
+    rows = verify.verify_spec(spec, crosshair_run.Options(), tmp_path)
+    assert [(r.function, r.contract, r.status, r.detail) for r in rows if r.failed] == [
+        (
+            "drop",
+            "the step follows the spec",
+            crosshair_run.COUNTEREXAMPLE,
+            "drop(tier=TierState.filling, mark=MarkState.filling, "
+            "child1_tier=TierState.empty, child2_tier=TierState.full)",
+        )
+    ]
+    assert {r.status for r in rows if not r.failed} == {crosshair_run.CONFIRMED}
+    assert len(rows) == 6
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "kept"),
+    [
+        (crosshair_run.CONFIRMED, crosshair_run.COUNTEREXAMPLE, "second"),
+        (crosshair_run.CONFIRMED, crosshair_run.NOT_ANALYSED, "second"),
+        (crosshair_run.WITHIN_BUDGET, crosshair_run.COUNTEREXAMPLE, "second"),
+        (crosshair_run.NOT_ANALYSED, crosshair_run.WITHIN_BUDGET, "first"),
+        (crosshair_run.COUNTEREXAMPLE, crosshair_run.COUNTEREXAMPLE, "first"),
+        (crosshair_run.CONFIRMED, exhaustive.CONFIRMED_EVERY_INPUT, "first"),
+    ],
+)
+def test_a_contract_keeps_the_worse_of_two_verdicts(first: str, second: str, kept: str) -> None:
+    """CrossHair's verdict over the classes, and every family's: a failure of either fails it."""
+    rows = {
+        "first": crosshair_run.Row("t", "f", "c", first, "f(1)"),
+        "second": crosshair_run.Row("t", "f", "c", second, "f(2)"),
+    }
+    assert crosshair_run.worse(rows["first"], rows["second"]) is rows[kept]

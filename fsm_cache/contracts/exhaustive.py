@@ -32,7 +32,7 @@ import inspect
 import itertools
 import sys
 import typing
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,12 @@ def counter_domains(system: System) -> dict[str, tuple[int, ...]]:
     return domains
 
 
-def check_module(target: str, path: Path, counters: Mapping[str, Sequence[int]]) -> list[Row]:
+def check_module(
+    target: str,
+    path: Path,
+    counters: Mapping[str, Sequence[int]],
+    functions: Collection[str] | None = None,
+) -> list[Row]:
     """Call every contracted function of the module at ``path`` on every representative input.
 
     Args:
@@ -66,6 +71,7 @@ def check_module(target: str, path: Path, counters: Mapping[str, Sequence[int]])
         counters: Per counter parameter, the values standing for all of them;
             the constants the module's code compares each with are added
             (:func:`widened`).
+        functions: The functions to check, of those the module contracts; all when None.
 
     Raises:
         FsmCacheError: The module cannot be imported.
@@ -74,7 +80,8 @@ def check_module(target: str, path: Path, counters: Mapping[str, Sequence[int]])
     module = _load(path)
     rows: list[Row] = []
     for name in dict.fromkeys(c.function for c in contracts(path)):
-        rows += _check_function(target, getattr(module, name), counters)
+        if functions is None or name in functions:
+            rows += _check_function(target, getattr(module, name), counters)
     return rows
 
 

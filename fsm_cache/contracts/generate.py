@@ -13,10 +13,12 @@ For a spec, :func:`generate` writes a self-contained Python module holding:
 * one top-level function per event, ``_event_<event>`` (:func:`checked_name`),
   over ``(region states as Enums, counters as ints, the parent's and the
   children's states where the event reads them)``, as many children as its
-  rules take to tell apart (:func:`children_needed`), which runs that code on
-  a record and returns the record after the step (with, if it refused, the refusal the
-  engine's message is made of: its error class, region, event, reason and
-  the other regions it names); rows and counterexamples name the event
+  rules take to tell apart (:func:`children_needed`), each over every state
+  of its regions (or, for CrossHair, a family's over :func:`family_states`),
+  which runs that code on a record and returns the record after the step
+  (with, if it refused, the refusal the engine's message is made of: its
+  error class, region, event, reason and the other regions it names); rows
+  and counterexamples name the event
   (:meth:`Generated.reported`);
 * the bytes of the spec's files the system was built from, from which the
   module builds it again (:func:`generate`), so the contracts are proved
@@ -195,7 +197,11 @@ class Generated:
 
 
 def generate(
-    system: System, source: str | Path, files: Mapping[str, bytes] | None = None
+    system: System,
+    source: str | Path,
+    files: Mapping[str, bytes] | None = None,
+    *,
+    classes: bool = False,
 ) -> Generated:
     """Return the contracts module of ``system``, which was loaded from ``source``.
 
@@ -204,6 +210,12 @@ def generate(
     (:func:`~fsm_cache.spec.loader.load_snapshot`), which it holds, so it
     proves the version of the spec its code was generated from, though the
     spec was saved over since; without them, from the files as they are then.
+
+    Every child of a family ranges over every state of its regions; with
+    ``classes``, a family of two or more takes its children's states from
+    :func:`family_states` instead, one per class the event's conditions tell
+    apart: fewer paths for CrossHair, for code that treats alike the states
+    those conditions treat alike (:func:`_children`).
     """
     em = Emitter(system)
     code: dict[str, str] = {}
@@ -232,7 +244,7 @@ def generate(
         "\n# -- the engine's generated code, as fsm_cache.engine.codegen emits it --\n",
         engine_code,
     ]
-    parts += [_checked(system, event, code[event]) for event in system.event_names]
+    parts += [_checked(system, event, code[event], classes) for event in system.event_names]
     return Generated(system.name, "\n".join(parts) + "\n", system.event_names)
 
 
@@ -305,7 +317,10 @@ def family_states(system: System, event: str, region: str) -> tuple[str, ...]:
     ``any child host in [writing, backed, pinned]`` makes two, ``writing``
     (the first in the machine's order to meet it) and ``unbacked``. Whether a
     family of children meets a condition, the one thing a family tells a
-    single child does not, depends on its children's classes alone.
+    single child does not, depends on its children's classes alone in the
+    spec; code may tell apart states of one class (test a later child against
+    ``writing`` alone), which only the other states show, so a family takes
+    these only where CrossHair proves it (``classes`` of :func:`generate`).
     """
     conds = [c for f in system.forbids_for(event) for c in f.when]
     conds = [c for c in conds if c.scope == "child" and c.region == region]
@@ -322,8 +337,8 @@ class _Child:
     Attributes:
         name: ``child1_host`` is the host state of the first child.
         region: The region whose state it is.
-        kind: Its enum: every state of the region for the first child, the
-            region's :func:`family_states` for the others.
+        kind: Its enum: every state of the region, or, for a child after the
+            first where families take classes, the region's :func:`family_states`.
     """
 
     name: str
@@ -331,20 +346,26 @@ class _Child:
     kind: str
 
 
-def _children(system: System, event: str) -> list[list[_Child]]:
+def _children(system: System, event: str, classes: bool) -> list[list[_Child]]:
     """Return the children ``event``'s function is given, first to last: each its states.
 
-    The first child ranges over every state, so what each state means to the
-    rules is checked as it is for one child. A family of two or more tells
-    how the code reads children, and takes every child from the
-    :func:`family_states` (the first by a precondition, the others by their enum):
-    every state for each would multiply the inputs, CrossHair's paths
-    included, by the states of each child more.
+    Each child ranges over every state of its regions, so a slip that reads
+    a later child otherwise than the first (against the first state of a
+    condition's list only, say) meets a family that shows it. With
+    ``classes``, the first child alone ranges over every state, so what each
+    state means to the rules is checked as it is for one child, and a family
+    of two or more takes every child from the :func:`family_states` (the
+    first by a precondition, the others by their enum): every state for each
+    multiplies CrossHair's paths by the states of each child more, past its
+    budget on the shipped specs, so CrossHair proves the classes and
+    :mod:`fsm_cache.contracts.verify` checks every family on every
+    representative input besides.
     """
     regions = _context(system, event, "child")
     kids = [[_Child(f"child1_{r}", r, f"_{_enum_name(r)}") for r in regions]]
     for i in range(2, children_needed(system, event) + 1):
-        kids.append([_Child(f"child{i}_{r}", r, _family_enum(event, r)) for r in regions])
+        kinds = {r: _family_enum(event, r) if classes else f"_{_enum_name(r)}" for r in regions}
+        kids.append([_Child(f"child{i}_{r}", r, kinds[r]) for r in regions])
     return kids if regions else []
 
 
@@ -362,11 +383,11 @@ def _family_enum(event: str, region: str) -> str:
     return f"_{_enum_name(region)}_{event}"
 
 
-def _checked(system: System, event: str, verb: str) -> str:
+def _checked(system: System, event: str, verb: str, classes: bool) -> str:
     regions = [r for r, _ in system.regions]
     counters = [c for c, _ in system.counters]
     parent = _context(system, event, "parent")
-    kids = _children(system, event)
+    kids = _children(system, event, classes)
     params = [f"{r}: _{_enum_name(r)}" for r in regions] + [f"{c}: int" for c in counters]
     params += [f"parent_{r}: _Optional[_{_enum_name(r)}]" for r in parent]
     params += [f"{k.name}: _Optional[{k.kind}]" for kid in kids for k in kid]
@@ -375,8 +396,9 @@ def _checked(system: System, event: str, verb: str) -> str:
     child_views = [f"_view({', '.join(f'{k.region}=_v({k.name})' for k in kid)})" for kid in kids]
     children = f"[c for c in [{', '.join(child_views)}] if c is not None]"
     runner = "_plan" if verb.startswith("_step_") else "_fire"
-    lines = [_family(system, event, k) for k in (kids[1] if len(kids) > 1 else [])]
-    lines += [*_requires(system, event, parent, kids), *_ensures(system, event, parent, kids)]
+    lines = [_family(system, event, k) for k in (kids[1] if len(kids) > 1 and classes else [])]
+    lines += _requires(system, event, parent, kids, classes)
+    lines += _ensures(system, event, parent, kids)
     lines.append(f"def {checked_name(event)}({', '.join(params)}) -> _Result:")
     lines.append(f'    """Fire {event} through the engine\'s code on one record."""')
     lines.append(f"    rec = _record({parent_view}, {children}, {', '.join(values)})")
@@ -384,7 +406,9 @@ def _checked(system: System, event: str, verb: str) -> str:
     return "\n\n" + "\n".join(lines) + "\n"
 
 
-def _requires(system: System, event: str, parent: list[str], kids: list[list[_Child]]) -> list[str]:
+def _requires(
+    system: System, event: str, parent: list[str], kids: list[list[_Child]], classes: bool
+) -> list[str]:
     out = []
     counters = [c for c, _ in system.counters]
     for region, machine in system.regions:
@@ -405,7 +429,7 @@ def _requires(system: System, event: str, parent: list[str], kids: list[list[_Ch
         out.append(
             f"@_icontract.require(lambda {before}, {after}: {before} is not None or {after} is None)"
         )
-    if len(kids) > 1:  # the first child of a family is one of the family's states, as the others
+    if classes and len(kids) > 1:  # a family's first child takes one of its classes too
         first, second = kids[0][0].name, kids[1][0].name
         terms = [f"{k.name}.value in {family_states(system, event, k.region)!r}" for k in kids[0]]
         out.append(

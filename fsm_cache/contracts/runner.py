@@ -349,6 +349,16 @@ _RANK = {"": -1, CONFIRMED: 0, WITHIN_BUDGET: 1, NOT_ANALYSED: 2, COUNTEREXAMPLE
 """Which of two verdicts on one contract is kept: the higher."""
 
 
+def worse(first: Row, second: Row) -> Row:
+    """Return whichever of two rows on one contract has the worse verdict, ``first`` on a tie.
+
+    The rule :func:`parse_report` keeps for a contract reported twice: a
+    counterexample over ``not analysed`` over ``no counterexample within
+    budget`` over a confirmation, of either kind.
+    """
+    return second if _RANK.get(second.status, 0) > _RANK.get(first.status, 0) else first
+
+
 def _counterexample(msg: str, *, raised: bool) -> str:
     """Return the call of an error message, followed, for a raise in a body, by what it raised.
 

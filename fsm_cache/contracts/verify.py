@@ -33,7 +33,7 @@ from typing import Any
 
 from fsm_cache.contracts import exhaustive
 from fsm_cache.contracts import runner as crosshair_run
-from fsm_cache.contracts.generate import generate
+from fsm_cache.contracts.generate import Generated, checked_name, children_needed, generate
 from fsm_cache.contracts.runner import Options, Row
 from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.numeric import whole
@@ -181,13 +181,48 @@ def verify_spec(
     spec, files = load_snapshot(path) if snapshot is None else snapshot
     system = as_system(spec)
     folder = Path(tempfile.mkdtemp(dir=workdir))
-    generated = generate(system, path, files)
+    crosshair = proved_by_crosshair(system)
+    generated = generate(system, path, files, classes=crosshair)
     module = generated.write(folder)
-    if not proved_by_crosshair(system):
+    if not crosshair:
         rows = exhaustive.check_module(system.name, module, exhaustive.counter_domains(system))
     else:
         rows = crosshair_run.prove(system.name, module, options)
+        rows = every_family(system, generate(system, path, files), folder, rows)
     return [generated.reported(row) for row in rows]
+
+
+def every_family(
+    system: System, generated: Generated, workdir: Path, rows: Sequence[Row]
+) -> list[Row]:
+    """Return CrossHair's ``rows`` with every family of children checked on every representative input.
+
+    CrossHair proves a family of two children or more over one state per
+    class the event's conditions tell apart (``classes`` of
+    :func:`~fsm_cache.contracts.generate.generate`): every state for each
+    child runs past its budget. So each function that reads children is
+    also called, in ``generated`` (every state for every child), on every
+    family and every representative input
+    (:mod:`fsm_cache.contracts.exhaustive`), and a contract keeps the worse
+    of its two verdicts: a slip that reads a later child otherwise than the
+    first (``writing`` alone of ``[writing, backed, pinned]``) is a
+    counterexample, though CrossHair's classes (``unbacked``, ``writing``)
+    never meet it.
+
+    Args:
+        system: The spec.
+        generated: Its contracts module, every child over every state.
+        workdir: The folder to write the module under, in a folder of its own.
+        rows: CrossHair's, one per contract of the module with classes.
+    """
+    reading = [checked_name(e) for e in system.event_names if children_needed(system, e)]
+    if not reading:
+        return list(rows)
+    module = generated.write(Path(tempfile.mkdtemp(dir=workdir)))
+    domains = exhaustive.counter_domains(system)
+    found = exhaustive.check_module(system.name, module, domains, functions=reading)
+    failed = {(r.function, r.contract): r for r in found if r.failed}
+    return [crosshair_run.worse(r, failed.get((r.function, r.contract), r)) for r in rows]
 
 
 def by_crosshair(target: str) -> bool:
