@@ -73,7 +73,7 @@ def parse(source: str, path: str) -> ast.Module:
     except SyntaxError as exc:
         where = f"{path}:{exc.lineno}:{exc.offset or 0}" if exc.lineno else path
         raise AuditError(f"{where}: syntax error: {exc.msg}") from None
-    except RecursionError:
+    except (RecursionError, MemoryError):  # building the tree; the parser's own stack
         raise AuditError(f"{path}: too deeply nested to parse") from None
     except ValueError as exc:  # null bytes in the source
         raise AuditError(f"{path}: cannot parse: {exc}") from None
