@@ -43,14 +43,19 @@ def real(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+_BOOL_DTYPES = frozenset({"torch.bool", "bool"})
+"""The names of torch's and numpy's bool dtypes."""
+
+
 def as_index(value: object) -> int | None:
     """Return the int ``value`` stands for, or None if it is not an integer (or is a bool).
 
     Numpy integers and one-element integer tensors stand for their int;
-    floats, bools, bool tensors (whose ``__index__`` gives 0 or 1) and the
-    rest do not. Read by the dtype's name, so torch is never imported.
+    floats, bools, bool tensors and numpy bools (whose ``__index__`` gives 0
+    or 1: numpy 2.2, the newest on Python 3.10, only warns) and the rest do
+    not. Read by the dtype's name, so neither torch nor numpy is imported.
     """
-    if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "torch.bool":
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in _BOOL_DTYPES:
         return None
     try:
         return operator.index(value)  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from fsm_cache.testing.faults import Faults, FaultyCopyEngine
 
 
 if TYPE_CHECKING:
-    from typing import Unpack  # Python 3.11's; annotations only
+    from typing_extensions import Unpack  # typing's from 3.11; mypy's own stubs, never imported
 
 
 BASE = CacheConfig(

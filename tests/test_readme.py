@@ -112,3 +112,19 @@ def test_make_run_installs_the_extras_the_makefile_names() -> None:
         r"^make run +# creates \.venv, installs fsm_cache\[([a-z,]+)\]", README, re.MULTILINE
     )
     assert said == extras
+
+
+def test_type_and_lint_checks_target_the_oldest_python_the_readme_promises() -> None:
+    """mypy and ruff check as requires-python's oldest version, the one the README names.
+
+    mypy reads the standard library of its ``python_version``: set above the oldest
+    supported Python, it passed ``typing.Never``, which 3.10 lacks, and the package
+    did not import there.
+    """
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    floor = re.fullmatch(r">=(3\.\d+)", pyproject["project"]["requires-python"])
+    assert floor is not None
+    oldest = floor.group(1)
+    assert pyproject["tool"]["mypy"]["python_version"] == oldest
+    assert pyproject["tool"]["ruff"]["target-version"] == "py" + oldest.replace(".", "")
+    assert f"Python {oldest}+" in README

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
 import pytest
-import tomllib
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +29,12 @@ from fsm_cache.spec.machine import (
 )
 from fsm_cache.spec.shipped import load_shipped, shipped_spec_paths
 from fsm_cache.spec.validate import bound, problems, representatives, validate, valuations
+
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
 
 
 # A valid counter machine; each test breaks one rule by adding or replacing a line.

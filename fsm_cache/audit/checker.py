@@ -73,10 +73,10 @@ def parse(source: str, path: str) -> ast.Module:
     except SyntaxError as exc:
         where = f"{path}:{exc.lineno}:{exc.offset or 0}" if exc.lineno else path
         raise AuditError(f"{where}: syntax error: {exc.msg}") from None
-    except RecursionError:
+    except (RecursionError, MemoryError):  # building the tree; the parser's own stack
         raise AuditError(f"{path}: too deeply nested to parse") from None
-    except ValueError as exc:  # null bytes in the source
-        raise AuditError(f"{path}: cannot parse: {exc}") from None
+    except ValueError as exc:  # null bytes, on Python 3.10 (3.11.7 raises SyntaxError)
+        raise AuditError(f"{path}: syntax error: {exc}") from None
 
 
 def check_source(source: str, path: str, config: AuditConfig) -> list[Finding]:

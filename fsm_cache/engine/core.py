@@ -38,7 +38,7 @@ import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Final, Never
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 from fsm_cache.engine import trail as trails
 from fsm_cache.engine.codegen import Compiled, Plan, Refusal, Refuser, Step, Verb, compile_system
@@ -193,7 +193,7 @@ class Engine:
         return self._trail
 
     @trail.setter
-    def trail(self, value: Never) -> None:  # Never: mypy refuses the assignment too
+    def trail(self, value: NoReturn) -> None:  # NoReturn: mypy refuses the assignment too
         raise _fixed("trail", value, _COMPILED_WITH.format(name="trail"))
 
     @property
@@ -206,7 +206,7 @@ class Engine:
         return self._history
 
     @history.setter
-    def history(self, value: Never) -> None:  # Never: mypy refuses the assignment too
+    def history(self, value: NoReturn) -> None:  # NoReturn: mypy refuses the assignment too
         raise _fixed("history", value, _COMPILED_WITH.format(name="history"))
 
     @property

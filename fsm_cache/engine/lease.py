@@ -19,7 +19,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Never
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from fsm_cache.engine import trail
 from fsm_cache.errors import BadArgument, LeaseError, ReadOnlyAttribute
@@ -92,7 +92,7 @@ class Lease:
         return self._record
 
     @record.setter
-    def record(self, value: Never) -> None:  # Never: mypy refuses the assignment too
+    def record(self, value: NoReturn) -> None:  # NoReturn: mypy refuses the assignment too
         raise _fixed("record", value)
 
     @property
@@ -101,7 +101,7 @@ class Lease:
         return self._event
 
     @event.setter
-    def event(self, value: Never) -> None:
+    def event(self, value: NoReturn) -> None:
         raise _fixed("event", value)
 
     @property
@@ -110,7 +110,7 @@ class Lease:
         return self._label
 
     @label.setter
-    def label(self, value: Never) -> None:
+    def label(self, value: NoReturn) -> None:
         raise _fixed("label", value)
 
     @property
@@ -119,7 +119,7 @@ class Lease:
         return self._serial
 
     @serial.setter
-    def serial(self, value: Never) -> None:
+    def serial(self, value: NoReturn) -> None:
         raise _fixed("serial", value)
 
     @property
