@@ -268,6 +268,16 @@ def test_verify_and_check_refuse_a_module_that_is_no_python(
     )
     status, text = run(capsys, "verify", str(binary))
     assert (status, text.split(": cannot read the module:")[0]) == (2, f"error: {binary}")
+    nul = tmp_path / "nul.py"
+    nul.write_bytes(b"x = 1\0\n")
+    status, text = run(capsys, "verify", str(nul))  # ValueError on 3.10, no line on 3.11
+    assert (status, text.split(": not valid Python:")[0]) == (2, f"error: {nul}")
+    deep = tmp_path / "deep.py"
+    deep.write_text("x = " + "-" * 20000 + "1\n", encoding="utf-8")
+    assert run(capsys, "verify", str(deep)) == (
+        2,
+        f"error: {deep}: too deeply nested to parse",
+    )
     status, text = run(capsys, "check", "--nodes", "2", "--ops", str(raising), str(spec))
     assert (status, text) == (2, f"error: {raising}: cannot import: RuntimeError: boom")
 

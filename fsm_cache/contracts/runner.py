@@ -141,7 +141,12 @@ def parse_module(path: Path) -> ast.Module:
     try:
         return ast.parse(read_module(path), filename=str(path))
     except SyntaxError as exc:
-        raise SpecError([f"{path}:{exc.lineno}: not valid Python: {exc.msg}"]) from None
+        where = f"{path}:{exc.lineno}" if exc.lineno else str(path)
+        raise SpecError([f"{where}: not valid Python: {exc.msg}"]) from None
+    except ValueError as exc:  # a null byte, on Python 3.10 (3.11 raises SyntaxError)
+        raise SpecError([f"{path}: not valid Python: {exc}"]) from None
+    except (RecursionError, MemoryError):  # the parser's own stack, or building the tree
+        raise SpecError([f"{path}: too deeply nested to parse"]) from None
 
 
 def contracts(path: Path) -> list[Contract]:

@@ -31,7 +31,7 @@ from fsm_cache.memory.tickets import Completion, Direction, Ticket, refuse_busy_
 
 
 if TYPE_CHECKING:  # Self and Unpack are Python 3.11's; annotations only, so 3.10 imports this
-    from typing import Self, Unpack
+    from typing_extensions import Self, Unpack
 
     from fsm_cache.memory.kv import KVPool
 
