@@ -1796,3 +1796,227 @@ def test_births_at_the_start_are_bounded_before_anything_is_built(
         "of each shape starts fresh or born stray, as no node enters a tree of a spec "
         "without host and device regions later"
     )
+
+
+REFETCH_HOST = """\
+[machine]
+extends = "SPECS/host_storage_residency.toml"
+name = "host_refetch"
+
+[states]
+refetching = { doc = "A second read into the host.", invariant = "pins == 0" }
+
+[events]
+refetch = { doc = "Start a second kind of read.", past = "refetched" }
+refetch_done = { doc = "The second read landed.", past = "refetch acknowledged" }
+
+[[transition]]
+event = "refetch"
+source = "evicted"
+dest = "refetching"
+effect = "start_fetch"
+
+[[transition]]
+event = "refetch_done"
+source = "refetching"
+dest = "backed"
+
+[[transition]]
+event = "fetch_failed"
+source = "refetching"
+dest = "evicted"
+effect = "free_host"
+
+[[forbid]]
+event = "write"
+source = "refetching"
+error = "CopyInFlight"
+reason = "a second read is in flight"
+
+[[forbid]]
+event = "write_done"
+source = "refetching"
+error = "CopyInFlight"
+reason = "a second read is in flight"
+
+[[forbid]]
+event = "write_failed"
+source = "refetching"
+error = "CopyInFlight"
+reason = "a second read is in flight"
+
+[[forbid]]
+event = "pin"
+source = "refetching"
+error = "CopyInFlight"
+reason = "a second read is in flight"
+
+[[forbid]]
+event = "release"
+source = "refetching"
+error = "CopyInFlight"
+reason = "a second read is in flight"
+
+[[forbid]]
+event = "evict_host"
+source = "refetching"
+error = "CopyInFlight"
+reason = "a second read is in flight"
+
+[[forbid]]
+event = "load"
+source = "refetching"
+error = "CopyInFlight"
+reason = "a second read is in flight"
+
+[[forbid]]
+event = "load_done"
+source = "refetching"
+error = "CopyInFlight"
+reason = "a second read is in flight"
+
+[[forbid]]
+event = "load_failed"
+source = "refetching"
+error = "CopyInFlight"
+reason = "a second read is in flight"
+
+[[forbid]]
+event = "store"
+source = "refetching"
+error = "CopyInFlight"
+reason = "a second read is in flight"
+
+[[forbid]]
+event = "store_done"
+source = "refetching"
+error = "CopyInFlight"
+reason = "a second read is in flight"
+
+[[forbid]]
+event = "store_failed"
+source = "refetching"
+error = "CopyInFlight"
+reason = "a second read is in flight"
+
+[[forbid]]
+event = "fetch"
+source = "refetching"
+error = "CopyInFlight"
+reason = "a second read is in flight"
+
+[[forbid]]
+event = "fetch_done"
+source = "refetching"
+error = "CopyInFlight"
+reason = "a second read is in flight"
+
+[[forbid]]
+event = "refetch"
+source = ["unbacked", "writing", "backed", "pinned", "fetching", "refetching"]
+error = "CopyInFlight"
+reason = "not evicted"
+
+[[forbid]]
+event = "refetch_done"
+source = ["unbacked", "writing", "backed", "pinned", "evicted", "fetching"]
+error = "NotFetching"
+reason = "no second read"
+"""
+"""A host machine with a second kind of read (``refetching``), filled by the same copy as a fetch."""
+
+REFETCH_STORAGE = """\
+[machine]
+extends = "SPECS/storage_residency.toml"
+name = "storage_refetch"
+
+[events]
+refetch = { doc = "Start a second kind of read.", past = "refetched" }
+refetch_done = { doc = "The second read landed.", past = "refetch acknowledged" }
+
+[[transition]]
+event = "refetch"
+source = "stored"
+dest = "reading"
+
+[[forbid]]
+event = "refetch"
+source = ["unstored", "storing", "reading"]
+error = "NotStored"
+reason = "nothing stored to read"
+
+[[transition]]
+event = "refetch_done"
+source = "reading"
+dest = "stored"
+
+[[forbid]]
+event = "refetch_done"
+source = ["unstored", "storing", "stored"]
+error = "NotReading"
+reason = "no read"
+"""
+
+REFETCH = """\
+[composition]
+extends = "SPECS/residency_storage.toml"
+name = "refetch"
+doc = "residency_storage with a second read state."
+
+[composition.regions]
+host = "host.toml"
+storage = "stor.toml"
+
+[[forbid]]
+event = "refetch"
+when = "device in [resident, loading]"
+error = "AlreadyResident"
+reason = "on device"
+
+[[forbid]]
+event = "refetch"
+when = ["parent device in [absent]", "parent host in [unbacked, evicted]"]
+error = "ParentNotCached"
+reason = "parent not cached"
+
+[[forbid]]
+event = "evict_host"
+when = "any child host in [refetching]"
+error = "NotAHostLeaf"
+reason = "a child is being read"
+
+[[forbid]]
+event = "write"
+when = "parent host in [refetching]"
+error = "ParentFetching"
+reason = "parent being read"
+
+[[forbid]]
+event = "fetch_failed"
+when = "any child host in [refetching]"
+error = "NotAHostLeaf"
+reason = "a child is being read"
+"""
+
+
+def test_an_acknowledgement_out_of_another_state_the_copy_fills_waits_for_nothing(
+    tmp_path: Path,
+) -> None:
+    """``refetch_done`` acknowledges the storage-to-host copy out of ``refetching``, not ``fetching``.
+
+    Read by copy alone, it was held back under a parent still ``fetching``
+    and applied to ``fetching`` ancestors under write-through.
+    """
+    for name, text in (
+        ("host.toml", REFETCH_HOST),
+        ("stor.toml", REFETCH_STORAGE),
+        ("comp.toml", REFETCH),
+    ):
+        (tmp_path / name).write_text(text.replace("SPECS", spec_dir().as_posix()))
+    layout = Layout.of(as_system(load_spec(tmp_path / "comp.toml")))
+    assert Choices.of(layout, None).ordered == {"fetch_done": "fetching"}
+    assert Choices.of(layout, WRITE_THROUGH).joined == {
+        "write_done": "writing",
+        "write_failed": "writing",
+        "fetch_done": "fetching",
+    }

@@ -154,7 +154,7 @@ class HiCache:
             could never evict a device page; a storage tier with no host pages
             could copy nothing), or ``compute_stream`` is given with a
             ``config.copier`` (which builds its own engine: give it the stream).
-        BadArgument: ``compute_stream`` is not a stream.
+        BadArgument: ``compute_stream`` is not a stream, or one of another GPU.
     """
 
     def __init__(

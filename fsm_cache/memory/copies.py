@@ -136,8 +136,8 @@ class CopyEngine:
             same pool twice, the host pool off the CPU, a device pool on
             neither the CPU nor CUDA), the two pools' layouts differ,
             ``staging_bytes`` is not an int >= 1, ``batch_polls`` is not
-            an int >= 1, or ``compute_stream`` is not a stream. Nothing is
-            allocated.
+            an int >= 1, or ``compute_stream`` is not a stream (or one of
+            another GPU than the device pool's). Nothing is allocated.
     """
 
     def __init__(
@@ -215,7 +215,7 @@ class CopyEngine:
             BadArgument: the pages are not sequences, the lists differ in
                 length, a destination repeats, a destination is busy with
                 an unreported copy (also a ValueError, as these were), or
-                ``stream`` is not a stream.
+                ``stream`` is not a stream (or one of another GPU).
             ForeignSlot: a page is outside its pool.
             CopyFailed: the engine is closed, or the device failed while the
                 copy was being ordered after compute (nothing is started).
@@ -242,7 +242,7 @@ class CopyEngine:
             BadArgument: the pages are not sequences, the lists differ in
                 length, a destination repeats, a destination is busy with
                 an unreported copy (also a ValueError, as these were), or
-                ``stream`` is not a stream.
+                ``stream`` is not a stream (or one of another GPU).
             ForeignSlot: a page is outside its pool.
             CopyFailed: the engine is closed, or the device failed while the
                 copy was being ordered after compute (nothing is started).
@@ -472,8 +472,8 @@ class CopyEngine:
 
         Raises:
             BadArgument: an id is not the int id of a ticket this engine started
-                (also a ValueError), or ``stream`` is not a stream (on streams;
-                a CPU engine only checks the ids).
+                (also a ValueError), or ``stream`` is not a stream, or one of
+                another GPU (on streams; a CPU engine only checks the ids).
         """
         ids = list(ticket_ids)
         started = self._started

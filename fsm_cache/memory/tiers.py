@@ -298,7 +298,8 @@ class Tiers:
             ``compute_stream`` is given with a ``config.copier``, or a pool
             could not be allocated or page-locked; the message names the pool,
             its pages and bytes, the device, and the allocator's reason.
-        BadArgument: ``compute_stream`` is not a stream. Nothing is allocated.
+        BadArgument: ``compute_stream`` is not a stream, or one of another
+            GPU than the device pool's. Nothing is allocated.
     """
 
     def __init__(self, config: CacheConfig, *, compute_stream: object | None = None) -> None:

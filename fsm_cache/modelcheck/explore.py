@@ -360,7 +360,8 @@ class Explorer:
         """Return the search's end among its starting states, or None to search on.
 
         A cap below their number keeps the first of them and stops there (with
-        a starting tree of each shape, two on three nodes, three on four and more).
+        a starting tree of each distinct shape: one on one or two nodes, two on
+        three, three on four and more; times the ways a node may be born).
         A starting state that breaks an invariant is the finding either way,
         and the states explored are those up to it.
         """

@@ -459,7 +459,9 @@ def _acknowledging(layout: Layout, start: str, successes_only: bool) -> dict[str
     the spec's effects (:attr:`fsm_cache.modelcheck.copies.Memory.acks`), not
     every exit from the copying state: an event that may also fire
     elsewhere (a ``fetch_failed`` accepted from ``backed`` too) acknowledges
-    nothing, and holding it back would hold it back from every state. A spec
+    nothing, and holding it back would hold it back from every state. Nor
+    one that acknowledges the same copy out of another state it fills (a
+    second kind of read, ``refetching``): it does not leave this one. A spec
     whose nodes keep no pages (no ``host`` and ``device`` regions) has no
     acknowledgement the checker can tell, so none is held back there.
 
@@ -469,11 +471,12 @@ def _acknowledging(layout: Layout, start: str, successes_only: bool) -> dict[str
     host = layout.system.machines["host"].transitions
     copying = next((t.dest for t in host if t.event == start), None)
     copy = layout.memory.copying.get("host", {}).get(str(copying))
+    leaving = {t.event for t in host if copying in t.sources and t.dest != copying}
     return {
         event: str(copying)
         for event, ack in layout.memory.acks.items()
         if copy is not None and ack.region == "host" and ack.copy == copy
-        if ack.ok or not successes_only
+        if event in leaving and (ack.ok or not successes_only)
     }
 
 
