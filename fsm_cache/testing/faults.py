@@ -136,14 +136,11 @@ class FaultyCopyEngine:
         (:meth:`CopyEngine.start_write`): a faulted run keeps the ordering of
         a plain one. A start the inner engine refuses is not counted.
         """
-        self._refuse_held(Direction.D2H, host_pages)
-        self._count_start()
-        try:
-            ticket = self.inner.start_write(device_pages, host_pages, stream=stream)
-        except BaseException:
-            self.started -= 1  # nothing started: the positions of later copies stay as they were
-            raise
-        return self._watch(ticket)
+        return self._start(
+            Direction.D2H,
+            host_pages,
+            lambda: self.inner.start_write(device_pages, host_pages, stream=stream),
+        )
 
     def start_load(
         self,
@@ -156,12 +153,26 @@ class FaultyCopyEngine:
 
         ``stream`` goes to the inner engine, as for :meth:`start_write`.
         """
-        self._refuse_held(Direction.H2D, device_pages)
+        return self._start(
+            Direction.H2D,
+            device_pages,
+            lambda: self.inner.start_load(host_pages, device_pages, stream=stream),
+        )
+
+    def _start(
+        self, direction: Direction, dst: Sequence[int], begin: Callable[[], Ticket]
+    ) -> Ticket:
+        """Count a start (refusing it where ``refuse`` says), ``begin`` it, and watch its ticket.
+
+        A start the inner engine refuses is not counted: the positions of
+        later copies stay as they were.
+        """
+        self._refuse_held(direction, dst)
         self._count_start()
         try:
-            ticket = self.inner.start_load(host_pages, device_pages, stream=stream)
+            ticket = begin()
         except BaseException:
-            self.started -= 1  # nothing started: the positions of later copies stay as they were
+            self.started -= 1
             raise
         return self._watch(ticket)
 
