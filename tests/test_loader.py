@@ -611,6 +611,59 @@ def test_an_extension_must_keep_its_base_total(tmp_path: Path) -> None:
     )
 
 
+def test_an_extending_spec_counts_its_own_tables(tmp_path: Path) -> None:
+    """A fault found validating the whole counted the base's tables first: transition[4], of two."""
+    write(tmp_path, LAMP, "lamp.toml")
+    text = DIMMER.replace('source = "dim"\ndest = "off"', 'source = "dim"\ndest = "nowhere"')
+    text = text.replace('event = "unpress"\nsource = "dim"', 'event = "unpress"\nsource = "gone"')
+    dimmer = write(tmp_path, text, "dimmer.toml")
+    assert problems(dimmer) == [
+        f"{dimmer}: transition[1].dest: unknown state 'nowhere'",
+        f"{dimmer}: forbid[2].source: unknown state 'gone'",
+    ]
+
+
+def test_a_base_entry_is_named_in_its_base(tmp_path: Path) -> None:
+    """It was named in the spec that extends it, where no such entry is written."""
+    lamp = write(tmp_path, LAMP.replace('guard = "n == 1"', 'guard = "m == 1"'), "lamp.toml")
+    dimmer = write(tmp_path, DIMMER, "dimmer.toml")
+    assert problems(lamp) == [f"{lamp}: transition[1].guard: unknown counter 'm'"]
+    assert problems(dimmer) == [
+        f"{lamp}: transition[1].guard: unknown counter 'm'; found validating {dimmer}, which extends it"
+    ]
+
+
+def test_a_fault_across_files_names_each_entry_in_its_file(tmp_path: Path) -> None:
+    """An overlap with a base's transition names it in the base; a base state left open, too."""
+    lamp = write(tmp_path, LAMP, "lamp.toml")
+    again = '[[transition]]\nevent = "press"\nsource = "off"\ndest = "on"\nupdate = "n += 1"\n'
+    dimmer = write(tmp_path, DIMMER.replace("[[forbid]]", again + "[[forbid]]", 1), "dimmer.toml")
+    assert problems(dimmer) == [
+        f"{dimmer}: transition[2]: overlaps transition[0] of {lamp} on press in off when n=0 "
+        "(non-deterministic)"
+    ]
+    open_on = DIMMER.replace('event = "turn"\nsource = "on"', 'event = "turn"\nsource = "dim"')
+    dimmer = write(tmp_path, open_on, "dimmer.toml")
+    assert problems(dimmer) == [
+        f"{dimmer}: forbid[0]: overlaps transition[1] on turn in dim when n=0",
+        f"{lamp}: states.on: event 'turn' is neither a transition nor a forbid for every value "
+        f"of n (not total); found validating {dimmer}, which extends it",
+    ]
+
+
+def test_an_extending_composition_counts_its_own_forbids(tmp_path: Path) -> None:
+    write(tmp_path, LAMP, "lamp.toml")
+    refuse = "[[forbid]]\nevent = 'press'\nwhen = '{} in [on]'\nerror = 'Busy'\nreason = 'busy'\n"
+    write(
+        tmp_path,
+        "[composition]\nname = 'one'\n[composition.regions]\na = 'lamp.toml'\n"
+        + refuse.format("a"),
+        "one.toml",
+    )
+    two = extending_one(tmp_path, refuse.format("z"))
+    assert problems(two) == [f"{two}: forbid[0].when: unknown region 'z'"]
+
+
 def test_extends_faults_name_the_key(tmp_path: Path) -> None:
     missing = write(tmp_path, DIMMER, "dimmer.toml")
     assert problems(missing)[0].startswith(f"{missing}: machine.extends: cannot read ")
@@ -873,8 +926,8 @@ def test_a_base_birth_the_extending_regions_lack_names_the_base(tmp_path: Path) 
     one = born_one(tmp_path)
     two = extending_one(tmp_path, "[composition.regions]\na = 'lamp.toml'\n")
     assert problems(two) == [
-        f"{two}: composition.births.dark.states.a: unknown state 'dim' of a "
-        f"(states of lamp: off, on); the birth is declared in {one}"
+        f"{one}: composition.births.dark.states.a: unknown state 'dim' of a "
+        f"(states of lamp: off, on); found validating {two}, which extends it"
     ]
 
 

@@ -821,7 +821,11 @@ def _states(table: object, problems: _Problems, required: bool = True) -> tuple[
         if counter is not None and not isinstance(counter, str):
             problems.add(f"{where}.counter", f"must be a counter name, got {shown(counter)}")
         doc = _text(body, "doc", where, problems)
-        result.append(StateSpec(name, doc, final is True, invariant or parse_guard(""), counter))
+        result.append(
+            StateSpec(
+                name, doc, final is True, invariant or parse_guard(""), counter, problems.source
+            )
+        )
     return tuple(result)
 
 
@@ -847,7 +851,9 @@ def _transitions(items: object, problems: _Problems) -> tuple[Transition, ...]:
         doc = _text(body, "doc", where, problems)
         if guard is None or update is None:
             continue
-        result.append(Transition(event, sources, dest, guard, update, effect, propagate, doc))
+        result.append(
+            Transition(event, sources, dest, guard, update, effect, propagate, doc, problems.source)
+        )
     return tuple(result)
 
 
@@ -872,7 +878,8 @@ def _forbids(items: object, key: str, problems: _Problems) -> tuple[Forbid, ...]
         if guard is None or None in when:
             continue
         conditions = tuple(c for c in when if c is not None)
-        result.append(Forbid(event, sources, error, str(body.get("reason")), guard, conditions))
+        reason = str(body.get("reason"))
+        result.append(Forbid(event, sources, error, reason, guard, conditions, problems.source))
     return tuple(result)
 
 
@@ -890,7 +897,7 @@ def _events(table: object, problems: _Problems) -> tuple[EventSpec, ...]:
             continue
         _known_keys(body, {"doc", "past"}, where, problems)
         doc, past = _text(body, "doc", where, problems), _text(body, "past", where, problems)
-        result.append(EventSpec(name, doc, past))
+        result.append(EventSpec(name, doc, past, problems.source))
     return tuple(result)
 
 
