@@ -52,6 +52,7 @@ from fsm_cache.spec.machine import (
     bad_name,
     bad_title,
 )
+from fsm_cache.spec.shipped import SHIPPED, shipped_names, spec_dir
 
 
 if sys.version_info >= (3, 11):
@@ -606,7 +607,7 @@ def _machine(data: _Table, source: str, base: Path | None, route: _Route) -> Mac
 def _extended(
     kind: str, head: _Table, base: Path, route: _Route, problems: _Problems
 ) -> Spec | None:
-    """Return the unvalidated spec ``head.extends`` names (relative to ``base``), if any.
+    """Return the unvalidated spec ``head.extends`` names (:func:`_named_file`), if any.
 
     ``route`` holds the files that led here, this one last; a base among them
     closes a cycle, reported here and nowhere else. A base of another kind
@@ -625,16 +626,18 @@ def _extended(
 def _follow(  # noqa: PLR0917 (one reference: its key, its file, its kind, from where, how)
     where: str, rel: str, kind: str, base: Path, route: _Route, problems: _Problems
 ) -> Spec | None:
-    """Return the unvalidated ``kind`` spec the file ``rel`` (relative to ``base``) holds, or None.
+    """Return the unvalidated ``kind`` spec the file ``rel`` names (:func:`_named_file`), or None.
 
     ``where`` is the key that names it; ``route`` the files that led here,
     the one holding ``where`` last. Each fault of the reference itself (a
     cycle, a chain of more than :data:`MAX_EXTENDS`, a file that cannot be
-    read, or one of another kind) is reported at ``where``; the file's own
+    read, no shipped spec of the name, or one of another kind) is reported at ``where``; the file's own
     faults name that file, once in a load however often it is reached
     (:class:`_Files`).
     """
-    path, links = base / rel, route.links
+    path, links = _named_file(where, rel, base, problems), route.links
+    if path is None:
+        return None
     cycle = _cycle(path, links)
     extending = len(links) - next(
         (i + 1 for i in reversed(range(len(links))) if links[i].how != _EXTENDS), 0
@@ -660,6 +663,23 @@ def _follow(  # noqa: PLR0917 (one reference: its key, its file, its kind, from 
     except SpecError as exc:
         problems.include(exc)
     return None
+
+
+def _named_file(where: str, rel: str, base: Path, problems: _Problems) -> Path | None:
+    """Return the file ``rel`` names: a path relative to ``base``, or a shipped spec's name.
+
+    ``fsm_cache:NAME`` (:data:`~fsm_cache.spec.shipped.SHIPPED`) names the
+    shipped spec ``NAME`` in the installed package; a name that is none is
+    reported at ``where``, with the names there are, and gives None.
+    """
+    if not rel.startswith(SHIPPED):
+        return base / rel
+    name, names = rel[len(SHIPPED) :], shipped_names()
+    if name not in names:
+        known = ", ".join(names) or "none here"
+        problems.add(where, f"no shipped spec {shown(name)} (shipped: {known})")
+        return None
+    return spec_dir() / f"{name}.toml"
 
 
 def _cycle(path: Path, links: tuple[_Link, ...]) -> tuple[_Link, ...]:
