@@ -614,6 +614,19 @@ def test_an_extension_must_keep_its_base_total(tmp_path: Path) -> None:
     )
 
 
+def test_a_counter_redeclared_down_a_chain_is_named_where_it_is(tmp_path: Path) -> None:
+    """It was named in the file at the top of the chain, which declares no counter."""
+    lamp = write(tmp_path, LAMP, "lamp.toml")
+    dimmer = write(
+        tmp_path, DIMMER.replace("[states]", "[counters]\nn = 1\n\n[states]"), "dimmer.toml"
+    )
+    top = write(tmp_path, "[machine]\nextends = 'dimmer.toml'\nname = 'top'\n", "top.toml")
+    assert problems(top) == [
+        f"{dimmer}: counters.n: already a counter of the base {lamp} "
+        "(a spec that extends another may not redeclare its counters)"
+    ]
+
+
 def test_an_extending_spec_counts_its_own_tables(tmp_path: Path) -> None:
     """A fault found validating the whole counted the base's tables first: transition[4], of two."""
     write(tmp_path, LAMP, "lamp.toml")

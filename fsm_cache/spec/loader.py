@@ -572,12 +572,15 @@ def _machine(data: _Table, source: str, base: Path | None, route: _Route) -> Mac
     counters = _counters(data.get("counters", {}), problems)
     states = _states(data.get("states", {}), problems, required=not extending)
     if basis is not None:
-        for state in states:
-            if state.name in basis.state_names:
+        for kind, names, known in (
+            ("counter", [name for name, _ in counters], basis.counter_names),
+            ("state", [state.name for state in states], basis.state_names),
+        ):
+            for name in (n for n in names if n in known):
                 problems.add(
-                    f"states.{state.name}",
-                    f"already a state of the base {basis.source} "
-                    "(a spec that extends another may not redeclare its states)",
+                    f"{kind}s.{name}",
+                    f"already a {kind} of the base {basis.source} "
+                    f"(a spec that extends another may not redeclare its {kind}s)",
                 )
     transitions = _transitions(data.get("transition", []), problems)
     forbids = _forbids(data.get("forbid", []), "forbid", problems)
