@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from shipped_files import STORAGE_FILES
 
+import fsm_cache
 from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.spec import loader
 from fsm_cache.spec.guards import parse_condition, parse_guard, parse_update
@@ -28,7 +31,7 @@ from fsm_cache.spec.loader import (
     spec_from_dict,
 )
 from fsm_cache.spec.machine import EventSpec, Forbid, MachineSpec, StateSpec, System, Transition
-from fsm_cache.spec.shipped import load_shipped, spec_dir
+from fsm_cache.spec.shipped import load_shipped, shipped_names, spec_dir
 
 
 if sys.version_info >= (3, 11):
@@ -611,6 +614,72 @@ def test_an_extension_must_keep_its_base_total(tmp_path: Path) -> None:
     )
 
 
+def test_a_counter_redeclared_down_a_chain_is_named_where_it_is(tmp_path: Path) -> None:
+    """It was named in the file at the top of the chain, which declares no counter."""
+    lamp = write(tmp_path, LAMP, "lamp.toml")
+    dimmer = write(
+        tmp_path, DIMMER.replace("[states]", "[counters]\nn = 1\n\n[states]"), "dimmer.toml"
+    )
+    top = write(tmp_path, "[machine]\nextends = 'dimmer.toml'\nname = 'top'\n", "top.toml")
+    assert problems(top) == [
+        f"{dimmer}: counters.n: already a counter of the base {lamp} "
+        "(a spec that extends another may not redeclare its counters)"
+    ]
+
+
+def test_an_extending_spec_counts_its_own_tables(tmp_path: Path) -> None:
+    """A fault found validating the whole counted the base's tables first: transition[4], of two."""
+    write(tmp_path, LAMP, "lamp.toml")
+    text = DIMMER.replace('source = "dim"\ndest = "off"', 'source = "dim"\ndest = "nowhere"')
+    text = text.replace('event = "unpress"\nsource = "dim"', 'event = "unpress"\nsource = "gone"')
+    dimmer = write(tmp_path, text, "dimmer.toml")
+    assert problems(dimmer) == [
+        f"{dimmer}: transition[1].dest: unknown state 'nowhere'",
+        f"{dimmer}: forbid[2].source: unknown state 'gone'",
+    ]
+
+
+def test_a_base_entry_is_named_in_its_base(tmp_path: Path) -> None:
+    """It was named in the spec that extends it, where no such entry is written."""
+    lamp = write(tmp_path, LAMP.replace('guard = "n == 1"', 'guard = "m == 1"'), "lamp.toml")
+    dimmer = write(tmp_path, DIMMER, "dimmer.toml")
+    assert problems(lamp) == [f"{lamp}: transition[1].guard: unknown counter 'm'"]
+    assert problems(dimmer) == [
+        f"{lamp}: transition[1].guard: unknown counter 'm'; found validating {dimmer}, which extends it"
+    ]
+
+
+def test_a_fault_across_files_names_each_entry_in_its_file(tmp_path: Path) -> None:
+    """An overlap with a base's transition names it in the base; a base state left open, too."""
+    lamp = write(tmp_path, LAMP, "lamp.toml")
+    again = '[[transition]]\nevent = "press"\nsource = "off"\ndest = "on"\nupdate = "n += 1"\n'
+    dimmer = write(tmp_path, DIMMER.replace("[[forbid]]", again + "[[forbid]]", 1), "dimmer.toml")
+    assert problems(dimmer) == [
+        f"{dimmer}: transition[2]: overlaps transition[0] of {lamp} on press in off when n=0 "
+        "(non-deterministic)"
+    ]
+    open_on = DIMMER.replace('event = "turn"\nsource = "on"', 'event = "turn"\nsource = "dim"')
+    dimmer = write(tmp_path, open_on, "dimmer.toml")
+    assert problems(dimmer) == [
+        f"{dimmer}: forbid[0]: overlaps transition[1] on turn in dim when n=0",
+        f"{lamp}: states.on: event 'turn' is neither a transition nor a forbid for every value "
+        f"of n (not total); found validating {dimmer}, which extends it",
+    ]
+
+
+def test_an_extending_composition_counts_its_own_forbids(tmp_path: Path) -> None:
+    write(tmp_path, LAMP, "lamp.toml")
+    refuse = "[[forbid]]\nevent = 'press'\nwhen = '{} in [on]'\nerror = 'Busy'\nreason = 'busy'\n"
+    write(
+        tmp_path,
+        "[composition]\nname = 'one'\n[composition.regions]\na = 'lamp.toml'\n"
+        + refuse.format("a"),
+        "one.toml",
+    )
+    two = extending_one(tmp_path, refuse.format("z"))
+    assert problems(two) == [f"{two}: forbid[0].when: unknown region 'z'"]
+
+
 def test_extends_faults_name_the_key(tmp_path: Path) -> None:
     missing = write(tmp_path, DIMMER, "dimmer.toml")
     assert problems(missing)[0].startswith(f"{missing}: machine.extends: cannot read ")
@@ -873,8 +942,8 @@ def test_a_base_birth_the_extending_regions_lack_names_the_base(tmp_path: Path) 
     one = born_one(tmp_path)
     two = extending_one(tmp_path, "[composition.regions]\na = 'lamp.toml'\n")
     assert problems(two) == [
-        f"{two}: composition.births.dark.states.a: unknown state 'dim' of a "
-        f"(states of lamp: off, on); the birth is declared in {one}"
+        f"{one}: composition.births.dark.states.a: unknown state 'dim' of a "
+        f"(states of lamp: off, on); found validating {two}, which extends it"
     ]
 
 
@@ -888,6 +957,85 @@ def test_an_extending_birth_of_a_missing_region_or_a_broken_invariant(tmp_path: 
     assert problems(two) == [
         f"{two}: composition.births.far.states.c: unknown region (regions: a, b)",
         f"{two}: composition.births.lit.states.b: the initial counters (m=0) break the invariant of on (m >= 1)",
+    ]
+
+
+MINE = """
+[composition]
+extends = "fsm_cache:residency"
+name = "mine"
+
+[composition.regions]
+host = "fsm_cache:host_residency"
+"""
+
+
+def test_a_spec_extends_a_shipped_spec_by_name(tmp_path: Path) -> None:
+    """``fsm_cache:NAME`` reads the shipped copy, in extends and in a region, from any folder."""
+    spec = load_spec(write(tmp_path, MINE, "mine.toml"))
+    residency = load_shipped("residency")
+    assert isinstance(spec, System)
+    assert isinstance(residency, System)
+    assert (spec.name, spec.regions, spec.forbids) == ("mine", residency.regions, residency.forbids)
+    assert spec_files(tmp_path / "mine.toml") == [
+        tmp_path / "mine.toml",
+        spec_dir() / "residency.toml",
+        spec_dir() / "host_residency.toml",
+        spec_dir() / "device_residency.toml",
+    ]
+
+
+def test_a_name_no_shipped_spec_has_is_refused_with_the_names(tmp_path: Path) -> None:
+    names = ", ".join(shipped_names())
+    assert "residency" in names.split(", ")
+    text = MINE.replace("fsm_cache:residency", "fsm_cache:residency.toml")
+    text = text.replace("fsm_cache:host_residency", "fsm_cache:../specs/host_residency")
+    mine = write(tmp_path, text, "mine.toml")
+    assert problems(mine) == [
+        f"{mine}: composition.extends: no shipped spec 'residency.toml' (shipped: {names})",
+        f"{mine}: composition.regions.host: no shipped spec '../specs/host_residency' "
+        f"(shipped: {names})",
+    ]
+    machine = write(tmp_path, "[machine]\nextends = 'fsm_cache:residency'\n", "m.toml")
+    assert problems(machine) == [
+        f"{machine}: machine.extends: fsm_cache:residency is not a [machine] file"
+    ]
+
+
+def test_a_shipped_name_reads_the_installed_copy(tmp_path: Path) -> None:
+    """From a wheel's layout (the specs inside the package), run outside the checkout."""
+    site = tmp_path / "site"
+    package = Path(fsm_cache.__file__).resolve().parent
+    shutil.copytree(
+        package, site / "fsm_cache", ignore=shutil.ignore_patterns("*.so", "__pycache__")
+    )
+    shutil.copytree(
+        spec_dir(), site / "fsm_cache" / "specs", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    write(work, MINE, "mine.toml")
+    script = (
+        "import sys; from fsm_cache.cli.main import main; from fsm_cache.spec.loader import spec_files; "
+        "print(*spec_files(__import__('pathlib').Path('mine.toml'))[1:], sep='\\n'); "
+        "sys.exit(main(['validate', 'mine.toml']))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site), "FSM_CACHE_PURE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    shipped = site / "fsm_cache" / "specs"
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.splitlines() == [
+        str(shipped / "residency.toml"),
+        str(shipped / "host_residency.toml"),
+        str(shipped / "device_residency.toml"),
+        "ok: mine.toml (composition mine of host, device: 8 states, 24 transitions, 35 refusals)",
     ]
 
 

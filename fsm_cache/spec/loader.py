@@ -52,6 +52,7 @@ from fsm_cache.spec.machine import (
     bad_name,
     bad_title,
 )
+from fsm_cache.spec.shipped import SHIPPED, shipped_names, spec_dir
 
 
 if sys.version_info >= (3, 11):
@@ -571,12 +572,15 @@ def _machine(data: _Table, source: str, base: Path | None, route: _Route) -> Mac
     counters = _counters(data.get("counters", {}), problems)
     states = _states(data.get("states", {}), problems, required=not extending)
     if basis is not None:
-        for state in states:
-            if state.name in basis.state_names:
+        for kind, names, known in (
+            ("counter", [name for name, _ in counters], basis.counter_names),
+            ("state", [state.name for state in states], basis.state_names),
+        ):
+            for name in (n for n in names if n in known):
                 problems.add(
-                    f"states.{state.name}",
-                    f"already a state of the base {basis.source} "
-                    "(a spec that extends another may not redeclare its states)",
+                    f"{kind}s.{name}",
+                    f"already a {kind} of the base {basis.source} "
+                    f"(a spec that extends another may not redeclare its {kind}s)",
                 )
     transitions = _transitions(data.get("transition", []), problems)
     forbids = _forbids(data.get("forbid", []), "forbid", problems)
@@ -606,7 +610,7 @@ def _machine(data: _Table, source: str, base: Path | None, route: _Route) -> Mac
 def _extended(
     kind: str, head: _Table, base: Path, route: _Route, problems: _Problems
 ) -> Spec | None:
-    """Return the unvalidated spec ``head.extends`` names (relative to ``base``), if any.
+    """Return the unvalidated spec ``head.extends`` names (:func:`_named_file`), if any.
 
     ``route`` holds the files that led here, this one last; a base among them
     closes a cycle, reported here and nowhere else. A base of another kind
@@ -625,16 +629,18 @@ def _extended(
 def _follow(  # noqa: PLR0917 (one reference: its key, its file, its kind, from where, how)
     where: str, rel: str, kind: str, base: Path, route: _Route, problems: _Problems
 ) -> Spec | None:
-    """Return the unvalidated ``kind`` spec the file ``rel`` (relative to ``base``) holds, or None.
+    """Return the unvalidated ``kind`` spec the file ``rel`` names (:func:`_named_file`), or None.
 
     ``where`` is the key that names it; ``route`` the files that led here,
     the one holding ``where`` last. Each fault of the reference itself (a
     cycle, a chain of more than :data:`MAX_EXTENDS`, a file that cannot be
-    read, or one of another kind) is reported at ``where``; the file's own
+    read, no shipped spec of the name, or one of another kind) is reported at ``where``; the file's own
     faults name that file, once in a load however often it is reached
     (:class:`_Files`).
     """
-    path, links = base / rel, route.links
+    path, links = _named_file(where, rel, base, problems), route.links
+    if path is None:
+        return None
     cycle = _cycle(path, links)
     extending = len(links) - next(
         (i + 1 for i in reversed(range(len(links))) if links[i].how != _EXTENDS), 0
@@ -660,6 +666,23 @@ def _follow(  # noqa: PLR0917 (one reference: its key, its file, its kind, from 
     except SpecError as exc:
         problems.include(exc)
     return None
+
+
+def _named_file(where: str, rel: str, base: Path, problems: _Problems) -> Path | None:
+    """Return the file ``rel`` names: a path relative to ``base``, or a shipped spec's name.
+
+    ``fsm_cache:NAME`` (:data:`~fsm_cache.spec.shipped.SHIPPED`) names the
+    shipped spec ``NAME`` in the installed package; a name that is none is
+    reported at ``where``, with the names there are, and gives None.
+    """
+    if not rel.startswith(SHIPPED):
+        return base / rel
+    name, names = rel[len(SHIPPED) :], shipped_names()
+    if name not in names:
+        known = ", ".join(names) or "none here"
+        problems.add(where, f"no shipped spec {shown(name)} (shipped: {known})")
+        return None
+    return spec_dir() / f"{name}.toml"
 
 
 def _cycle(path: Path, links: tuple[_Link, ...]) -> tuple[_Link, ...]:
@@ -821,7 +844,11 @@ def _states(table: object, problems: _Problems, required: bool = True) -> tuple[
         if counter is not None and not isinstance(counter, str):
             problems.add(f"{where}.counter", f"must be a counter name, got {shown(counter)}")
         doc = _text(body, "doc", where, problems)
-        result.append(StateSpec(name, doc, final is True, invariant or parse_guard(""), counter))
+        result.append(
+            StateSpec(
+                name, doc, final is True, invariant or parse_guard(""), counter, problems.source
+            )
+        )
     return tuple(result)
 
 
@@ -847,7 +874,9 @@ def _transitions(items: object, problems: _Problems) -> tuple[Transition, ...]:
         doc = _text(body, "doc", where, problems)
         if guard is None or update is None:
             continue
-        result.append(Transition(event, sources, dest, guard, update, effect, propagate, doc))
+        result.append(
+            Transition(event, sources, dest, guard, update, effect, propagate, doc, problems.source)
+        )
     return tuple(result)
 
 
@@ -872,7 +901,8 @@ def _forbids(items: object, key: str, problems: _Problems) -> tuple[Forbid, ...]
         if guard is None or None in when:
             continue
         conditions = tuple(c for c in when if c is not None)
-        result.append(Forbid(event, sources, error, str(body.get("reason")), guard, conditions))
+        reason = str(body.get("reason"))
+        result.append(Forbid(event, sources, error, reason, guard, conditions, problems.source))
     return tuple(result)
 
 
@@ -890,7 +920,7 @@ def _events(table: object, problems: _Problems) -> tuple[EventSpec, ...]:
             continue
         _known_keys(body, {"doc", "past"}, where, problems)
         doc, past = _text(body, "doc", where, problems), _text(body, "past", where, problems)
-        result.append(EventSpec(name, doc, past))
+        result.append(EventSpec(name, doc, past, problems.source))
     return tuple(result)
 
 

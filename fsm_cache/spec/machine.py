@@ -71,6 +71,9 @@ class StateSpec:
         final: A final state needs no way out; events there are refused.
         invariant: A guard over counters that holds whenever the machine is here.
         counter: A counter carried by the state, drawn as ``pinned(N)``.
+        source: The file that declares it (a base's, for one a spec inherits
+            through ``extends``), so a fault of it names the file and the key
+            it has there; "" for the spec's own file. Not compared.
     """
 
     name: str
@@ -78,6 +81,7 @@ class StateSpec:
     final: bool = False
     invariant: Guard = TRUE
     counter: str | None = None
+    source: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,9 @@ class Transition:
         propagate: ``"ancestors"`` to fire the same step on every ancestor too,
             all checked before any is changed.
         doc: Why the transition exists.
+        source: The file that declares it (a base's, for one a spec inherits
+            through ``extends``), so a fault of it names the file and the key
+            it has there; "" for the spec's own file. Not compared.
     """
 
     event: str
@@ -105,6 +112,7 @@ class Transition:
     effect: str | None = None
     propagate: str | None = None
     doc: str = ""
+    source: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,9 @@ class Forbid:
         reason: Human reason, the tail of the error message.
         guard: Refuse only when this counter condition holds.
         when: Refuse only when every condition holds (other regions, parent, children).
+        source: The file that declares it (a base's, for one a spec inherits
+            through ``extends``), so a fault of it names the file and the key
+            it has there; "" for the spec's own file. Not compared.
     """
 
     event: str
@@ -126,6 +137,7 @@ class Forbid:
     reason: str
     guard: Guard = TRUE
     when: tuple[Condition, ...] = ()
+    source: str = field(default="", compare=False)
 
     @property
     def conditional(self) -> bool:
@@ -144,11 +156,21 @@ class Forbid:
 
 @dataclass(frozen=True)
 class EventSpec:
-    """Documentation of an event: what it means and how history names it."""
+    """Documentation of an event: what it means and how history names it.
+
+    Attributes:
+        name: The event's name.
+        doc: What the event means.
+        past: How trails name it (``pinned``).
+        source: The file that declares it (a base's, for one a spec inherits
+            through ``extends``), so a fault of it names the file and the key
+            it has there; "" for the spec's own file. Not compared.
+    """
 
     name: str
     doc: str = ""
     past: str = ""
+    source: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -160,8 +182,10 @@ class MachineSpec:
         initial: The state new instances start in.
         counters: Counter names with their initial values, in declaration order.
         states: Every state, in declaration order.
-        transitions: Every transition, in declaration order (indices are used
-            in error locations: ``transition[3]``).
+        transitions: Every transition, in declaration order: a base's first,
+            for a spec that extends another (error locations count each
+            file's own: ``transition[3]`` of the file a transition's
+            ``source`` names).
         forbids: Every declared refusal, in declaration order.
         events: Optional documentation of events.
         doc: What the machine models.

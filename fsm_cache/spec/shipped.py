@@ -27,6 +27,20 @@ def shipped_spec_paths() -> list[Path]:
     return sorted(spec_dir().glob("*.toml"))
 
 
+SHIPPED = "fsm_cache:"
+"""How a spec file names a shipped spec, in ``extends`` or a region: ``fsm_cache:residency``.
+
+The name reads the copy the installed fsm_cache carries (:func:`spec_dir`),
+wherever it is installed, so a spec can build on one without a path into
+site-packages, which would hold only on the machine it was written on.
+"""
+
+
+def shipped_names() -> list[str]:
+    """Return the names of the shipped specs (``residency``, ...), sorted."""
+    return [path.stem for path in shipped_spec_paths()]
+
+
 @cache
 def load_shipped(name: str) -> Spec:
     """Load and validate the shipped spec ``name`` (``residency``, ``host_residency``, ...).

@@ -13,13 +13,14 @@ from __future__ import annotations
 import builtins
 import difflib
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from fsm_cache import errors
 from fsm_cache.errors import FsmCacheError, IllegalTransition, SpecError, error_class
 from fsm_cache.spec.guards import Guard, critical_values
 from fsm_cache.spec.machine import (
     Birth,
+    EventSpec,
     Forbid,
     MachineSpec,
     Spec,
@@ -43,6 +44,12 @@ RESERVED = frozenset({"id", "trail", "parent", "children", "state", "rec", "resu
 generated contracts module gives a record, a step's result and its refusal."""
 
 
+_Line = tuple[str, str]
+"""One problem: the file holding the entry it names ("" for the spec's own) and ``KEY: message``."""
+
+_Entry = StateSpec | EventSpec | Transition | Forbid | Birth
+
+
 def validate(spec: Spec) -> None:
     """Raise :class:`SpecError` listing every problem of ``spec``; return if none."""
     found = problems(spec)
@@ -56,7 +63,7 @@ def problems(spec: Spec) -> list[str]:
         return _system_problems(spec)
     names = _name_problems(spec)
     if names:
-        return [f"{spec.source}: {line}" for line in names]
+        return _located(spec, names)
     slips, gaps = _slips(spec)
     lines = [
         *slips,
@@ -68,7 +75,55 @@ def problems(spec: Spec) -> list[str]:
     ]
     if not lines:  # the search runs the spec's steps, so they must be well defined
         lines = list(_records(spec))
-    return [f"{spec.source}: {line}" for line in lines]
+    return _located(spec, lines)
+
+
+def _located(spec: Spec, lines: Iterable[_Line]) -> list[str]:
+    """Return each line as reported: ``FILE: KEY: message``, FILE the file that holds KEY.
+
+    An entry a spec inherits through ``extends`` is named in its base's file,
+    by the key it has there (``transition[4]`` counts the base's tables), as
+    reading the base reports it: one name for one entry, the one a reader
+    finds in the file. The line also names the spec it was found validating,
+    since the fault may be the whole's (a base state an added event leaves
+    uncovered) and the fix in the spec that extends it.
+    """
+    return [
+        f"{file}: {text}; found validating {spec.source}, which extends it"
+        if file
+        else f"{spec.source}: {text}"
+        for file, text in lines
+    ]
+
+
+def _held(spec: Spec, entry: _Entry) -> str:
+    """Return the file that holds ``entry`` when it is not ``spec``'s own, else ""."""
+    return "" if entry.source in ("", spec.source) else entry.source
+
+
+def _places(spec: Spec, kind: str, entries: Sequence[Transition | Forbid]) -> list[_Line]:
+    """Return each of ``entries``' file (:func:`_held`) and key there: ``transition[1]``.
+
+    The index counts the ``[[kind]]`` tables of the entry's own file from 0, as
+    written, wherever the spec that extends it puts them.
+    """
+    counts: dict[str, int] = {}
+    out = []
+    for entry in entries:
+        file = _held(spec, entry)
+        counts[file] = counts.get(file, 0) + 1
+        out.append((file, f"{kind}[{counts[file] - 1}]"))
+    return out
+
+
+def _named(spec: Spec, place: _Line, at: str) -> str:
+    """Return ``place``'s key as a line in the file ``at`` names it.
+
+    That is the key alone in the entry's own file, and ``transition[2] of base.toml``
+    in another's.
+    """
+    file, key = place
+    return key if file == at else f"{key} of {file or spec.source}"
 
 
 def bound(spec: MachineSpec) -> int:
@@ -227,29 +282,33 @@ def _region_clashes(system: System, region: str) -> list[str]:
     return out
 
 
-def _name_problems(spec: MachineSpec) -> list[str]:
+def _name_problems(spec: MachineSpec) -> list[_Line]:
     spelling = list(_spelling(spec))
     if spelling:  # the checks below put names into messages and generated code
-        return spelling
+        return [("", line) for line in spelling]
     states, counters = set(spec.state_names), set(spec.counter_names)
-    out = [] if spec.initial in states else [f"machine.initial: unknown state {spec.initial!r}"]
-    out += _clashes(spec)
+    own = [] if spec.initial in states else [f"machine.initial: unknown state {spec.initial!r}"]
+    own += _clashes(spec)
     typed = annotation_types(System.single(spec))
-    out += [f"counters.{c}: {_typed(c, typed[c])}" for c in spec.counter_names if c in typed]
+    own += [f"counters.{c}: {_typed(c, typed[c])}" for c in spec.counter_names if c in typed]
+    out = [("", line) for line in own]
     for st in spec.states:
+        file = _held(spec, st)
         out += [
-            f"states.{st.name}.invariant: unknown counter {c!r}"
+            (file, f"states.{st.name}.invariant: unknown counter {c!r}")
             for c in st.invariant.counters() - counters
         ]
         if st.counter is not None and st.counter not in counters:
-            out.append(f"states.{st.name}.counter: unknown counter {st.counter!r}")
-    for i, tr in enumerate(spec.transitions):
-        out += _transition_names(spec, f"transition[{i}]", tr)
-    for i, fb in enumerate(spec.forbids):
-        out += _forbid_names(spec, f"forbid[{i}]", fb)
+            out.append((file, f"states.{st.name}.counter: unknown counter {st.counter!r}"))
+    for (file, key), tr in zip(
+        _places(spec, "transition", spec.transitions), spec.transitions, strict=True
+    ):
+        out += [(file, line) for line in _transition_names(spec, key, tr)]
+    for (file, key), fb in zip(_places(spec, "forbid", spec.forbids), spec.forbids, strict=True):
+        out += [(file, line) for line in _forbid_names(spec, key, fb)]
     used = set(spec.event_names)
     return out + [
-        f"events.{e.name}: declared but no transition or forbid uses it"
+        (_held(spec, e), f"events.{e.name}: declared but no transition or forbid uses it")
         for e in spec.events
         if e.name not in used
     ]
@@ -330,15 +389,20 @@ def _error_name(where: str, name: str) -> list[str]:
     return []
 
 
-def _initial(spec: MachineSpec) -> Iterator[str]:
+def _initial(spec: MachineSpec) -> Iterator[_Line]:
     invariant = spec.state(spec.initial).invariant
     values = dict(spec.counters)
     broken = {t.counter for t in invariant.terms if not t.holds(values)}
     for name in (n for n in spec.counter_names if n in broken):
-        yield f"counters.{name}: initial value {values[name]} breaks the invariant of the initial state {spec.initial} ({invariant})"
+        yield (
+            "",
+            f"counters.{name}: initial value {values[name]} breaks the invariant of the initial state {spec.initial} ({invariant})",
+        )
 
 
-def _determinism(spec: MachineSpec) -> Iterator[str]:
+def _determinism(spec: MachineSpec) -> Iterator[_Line]:
+    moved = _places(spec, "transition", spec.transitions)
+    refused = _places(spec, "forbid", spec.forbids)
     for st in spec.states:
         for event in spec.event_names:
             moves = [
@@ -355,17 +419,22 @@ def _determinism(spec: MachineSpec) -> Iterator[str]:
             for (i, a), (j, b) in itertools.combinations(moves, 2):
                 both = _overlap(spec, st.invariant, a.guard, b.guard)
                 if both is not None:  # at the guard that lets it overlap, if it has one
-                    where = f"transition[{j}]{'.guard' if b.guard else ''}"
-                    yield f"{where}: overlaps transition[{i}] {at}{_when(both)} (non-deterministic)"
+                    file, key = moved[j]
+                    where = f"{key}{'.guard' if b.guard else ''}"
+                    other = _named(spec, moved[i], file)
+                    yield file, f"{where}: overlaps {other} {at}{_when(both)} (non-deterministic)"
             for n, (k, fb) in enumerate(refusals):
+                file, key = refused[k]
                 for i, tr in moves:
                     both = _overlap(spec, st.invariant, tr.guard, fb.guard)
                     if both is not None:
-                        yield f"forbid[{k}]: overlaps transition[{i}] {at}{_when(both)}"
+                        other = _named(spec, moved[i], file)
+                        yield file, f"{key}: overlaps {other} {at}{_when(both)}"
                 for m, earlier in refusals[:n]:
                     both = _overlap(spec, st.invariant, earlier.guard, fb.guard)
                     if both is not None:
-                        yield f"forbid[{k}]: overlaps forbid[{m}] {at}{_when(both)} (ambiguous refusal)"
+                        other = _named(spec, refused[m], file)
+                        yield file, f"{key}: overlaps {other} {at}{_when(both)} (ambiguous refusal)"
 
 
 def _overlap(spec: MachineSpec, invariant: Guard, a: Guard, b: Guard) -> dict[str, int] | None:
@@ -373,7 +442,7 @@ def _overlap(spec: MachineSpec, invariant: Guard, a: Guard, b: Guard) -> dict[st
     return next((c for c in valuations(spec, invariant) if a.holds(c) and b.holds(c)), None)
 
 
-def _totality(spec: MachineSpec) -> Iterator[tuple[str, str, str]]:
+def _totality(spec: MachineSpec) -> Iterator[tuple[str, str, _Line]]:
     """Each state, event and line where the event is neither a transition nor a forbid."""
     for st in spec.states:
         if st.final:
@@ -385,10 +454,10 @@ def _totality(spec: MachineSpec) -> Iterator[tuple[str, str, str]]:
             gaps = [c for c in allowed if not any(g.holds(c) for g in covers)]
             if gaps:
                 line = f"states.{st.name}: event {event!r} is neither a transition nor a forbid{_gap_when(st.invariant, allowed, gaps)} (not total)"
-                yield st.name, event, line
+                yield st.name, event, (_held(spec, st), line)
 
 
-def _slips(spec: MachineSpec) -> tuple[list[str], list[str]]:
+def _slips(spec: MachineSpec) -> tuple[list[_Line], list[_Line]]:
     """Return the events that look misspelt, located, and the totality gaps they do not explain.
 
     An event one transition or forbid uses and nothing else does, whose name
@@ -407,11 +476,13 @@ def _slips(spec: MachineSpec) -> tuple[list[str], list[str]]:
     gaps = list(_totality(spec))
     if spec.events:
         return [], [line for _, _, line in gaps]
-    uses: dict[str, list[tuple[str, tuple[str, ...]]]] = {}
-    for i, tr in enumerate(spec.transitions):
-        uses.setdefault(tr.event, []).append((f"transition[{i}]", tr.sources))
-    for k, fb in enumerate(spec.forbids):
-        uses.setdefault(fb.event, []).append((f"forbid[{k}]", fb.sources))
+    uses: dict[str, list[tuple[_Line, tuple[str, ...]]]] = {}
+    for place, tr in zip(
+        _places(spec, "transition", spec.transitions), spec.transitions, strict=True
+    ):
+        uses.setdefault(tr.event, []).append((place, tr.sources))
+    for place, fb in zip(_places(spec, "forbid", spec.forbids), spec.forbids, strict=True):
+        uses.setdefault(fb.event, []).append((place, fb.sources))
     gapped: dict[str, set[str]] = {}
     for state, event, _ in gaps:
         gapped.setdefault(event, set()).add(state)
@@ -419,20 +490,24 @@ def _slips(spec: MachineSpec) -> tuple[list[str], list[str]]:
         event: (len(places), len({s for _, sources in places for s in sources}))
         for event, places in uses.items()
     }
-    slips, explained = [], set()
+    slips: list[_Line] = []
+    explained = set()
     for event, places in uses.items():
         if len(places) != 1 or event not in gapped:
             continue
         close = difflib.get_close_matches(event, [e for e in uses if e != event], 1, _CLOSE)
         if not close:
             continue
-        (where, sources), meant = places[0], close[0]
+        ((file, where), sources), meant = places[0], close[0]
         if not gapped.get(meant, set()) & set(sources) or weight[meant] < weight[event]:
             continue
-        there = f" ({uses[meant][0][0]})" if len(uses[meant]) == 1 else ""
+        there = f" ({_named(spec, uses[meant][0][0], file)})" if len(uses[meant]) == 1 else ""
         slips.append(
-            f"{where}.event: {event!r} appears in no other transition or forbid; "
-            f"did you mean {meant!r}{there}?"
+            (
+                file,
+                f"{where}.event: {event!r} appears in no other transition or forbid; "
+                f"did you mean {meant!r}{there}?",
+            )
         )
         explained |= {(state, gap) for state, gap, _ in gaps if gap == event}
         explained |= {(state, meant) for state in sources}
@@ -482,9 +557,11 @@ def _pinned(invariant: Guard, counter: str) -> bool:
     return sum(all(t.holds({counter: v}) for t in terms) for v in range(max(top, 0) + 1)) == 1
 
 
-def _safety(spec: MachineSpec) -> Iterator[str]:
+def _safety(spec: MachineSpec) -> Iterator[_Line]:
     names = set(spec.state_names)
-    for i, tr in enumerate(spec.transitions):
+    for (file, key), tr in zip(
+        _places(spec, "transition", spec.transitions), spec.transitions, strict=True
+    ):
         if tr.dest not in names:
             continue
         dest = spec.state(tr.dest)
@@ -495,14 +572,20 @@ def _safety(spec: MachineSpec) -> Iterator[str]:
                 after = tr.update.apply(before)
                 negative = [k for k, v in after.items() if v < 0]
                 if negative:
-                    yield f"transition[{i}].update: drives {negative[0]} negative from {source}{_when(before)}"
+                    yield (
+                        file,
+                        f"{key}.update: drives {negative[0]} negative from {source}{_when(before)}",
+                    )
                     break
                 if not dest.invariant.holds(after):
-                    yield f"transition[{i}].update: breaks the invariant of {dest.name} ({dest.invariant}) from {source}{_when(before)}"
+                    yield (
+                        file,
+                        f"{key}.update: breaks the invariant of {dest.name} ({dest.invariant}) from {source}{_when(before)}",
+                    )
                     break
 
 
-def _liveness(spec: MachineSpec) -> Iterator[str]:
+def _liveness(spec: MachineSpec) -> Iterator[_Line]:
     reached, frontier = {spec.initial}, [spec.initial]
     while frontier:
         state = frontier.pop()
@@ -512,26 +595,31 @@ def _liveness(spec: MachineSpec) -> Iterator[str]:
                 frontier.append(tr.dest)
     for st in spec.states:
         if st.name not in reached:
-            yield f"states.{st.name}: unreachable from {spec.initial}"
+            yield _held(spec, st), f"states.{st.name}: unreachable from {spec.initial}"
         if not st.final:
             yield from _way_out(spec, st)
-    for i, tr in enumerate(spec.transitions):
+    for (file, key), tr in zip(
+        _places(spec, "transition", spec.transitions), spec.transitions, strict=True
+    ):
         # A source list shares one transition among states, its guard choosing among
         # them; only a guard that holds in none of them says a move never made.
         if tr.sources and not any(_enabled(spec, s, tr.guard) for s in tr.sources):
             where = " nor in ".join(f"{s}{_under(spec.state(s))}" for s in tr.sources)
-            yield f"transition[{i}].guard: never holds in {where}: the transition can never fire"
+            yield file, f"{key}.guard: never holds in {where}: the transition can never fire"
 
 
-def _way_out(spec: MachineSpec, st: StateSpec) -> Iterator[str]:
+def _way_out(spec: MachineSpec, st: StateSpec) -> Iterator[_Line]:
     """A non-final state needs a transition out whose guard can hold under its invariant."""
     moves = [t for t in spec.transitions if st.name in t.sources]
     exits = [t for t in moves if t.dest != st.name]
     if not exits:
         loops = " (each of its transitions leads back to it)" if moves else ""
-        yield f"states.{st.name}: not final and has no transition out{loops}"
+        yield _held(spec, st), f"states.{st.name}: not final and has no transition out{loops}"
     elif not any(_enabled(spec, st.name, t.guard) for t in exits):
-        yield f"states.{st.name}: not final and has no way out: no transition out has a guard that can hold there{_under(st)}"
+        yield (
+            _held(spec, st),
+            f"states.{st.name}: not final and has no way out: no transition out has a guard that can hold there{_under(st)}",
+        )
 
 
 def _under(st: StateSpec) -> str:
@@ -551,27 +639,29 @@ def _system_problems(system: System) -> list[str]:
     region reaches it, so they are reported once, as the loader reports a
     file's own faults once however often a load reaches it.
     """
-    out: list[str] = []
+    out: list[_Line] = []
     inner: dict[str, None] = {}  # ordered, each line once
     validated: set[int] = set()  # the machines already validated, by identity
     for region, machine in system.regions:
         if id(machine) not in validated:
             validated.add(id(machine))
             inner.update(dict.fromkeys(problems(machine)))
-        out += _region_clashes(system, region)
+        out += [("", line) for line in _region_clashes(system, region)]
     if (bad := bad_title(system.name)) is not None:
-        out.append(f"composition.name: {system.name!r}: {bad}")
-    out += _alias_problems(system)
-    out += _annotation_problems(system)
-    for i, fb in enumerate(system.forbids):
-        out += _system_forbid_problems(system, f"forbid[{i}]", fb)
+        out.append(("", f"composition.name: {system.name!r}: {bad}"))
+    out += [("", line) for line in _alias_problems(system)]
+    out += [("", line) for line in _annotation_problems(system)]
+    for (file, key), fb in zip(
+        _places(system, "forbid", system.forbids), system.forbids, strict=True
+    ):
+        out += [(file, line) for line in _system_forbid_problems(system, key, fb)]
     out += _birth_problems(system)
     if not inner and not out:  # the search runs the spec's steps, so they must be well defined
         out = list(_records(system))
-    return [*inner, *(f"{system.source}: {line}" for line in out)]
+    return [*inner, *_located(system, out)]
 
 
-def _records(spec: Spec) -> Iterator[str]:
+def _records(spec: Spec) -> Iterator[_Line]:
     """Each deadlock a run reaches, then each state no run reaches, searching whole records.
 
     The checks above look at one state of one machine; these follow runs of
@@ -588,7 +678,7 @@ def _records(spec: Spec) -> Iterator[str]:
         yield from _unreached(spec, found)
 
 
-def _deadlocks(spec: Spec, runs: Runs) -> Iterator[str]:
+def _deadlocks(spec: Spec, runs: Runs) -> Iterator[_Line]:
     """Each combination of states where a reached record refuses every event, none final.
 
     The first (shortest) run to each is replayed with exact counters, so the
@@ -615,14 +705,20 @@ def _deadlock(
     record: Record,
     refused: list[tuple[str, object]],
     run: str,
-) -> str:
+) -> _Line:
     """Return the line naming a deadlocked ``record``, each event's refusal, and ``run``."""
     reasons = ", ".join(f"{event}: {error}" for event, error in refused)
     every = f"every event is refused there ({reasons})"
     if isinstance(spec, System):
         where = ", ".join(f"{region} {state}" for region, state in record[0].items())
-        return f"composition: deadlock at {where}{_when(record[1])}: {every} and no region is final; {run}"
-    return f"states.{record[0]['state']}: deadlock{_when(record[1])}: {every} and it is not final; {run}"
+        return (
+            "",
+            f"composition: deadlock at {where}{_when(record[1])}: {every} and no region is final; {run}",
+        )
+    state = spec.state(record[0]["state"])
+    return _held(
+        spec, state
+    ), f"states.{state.name}: deadlock{_when(record[1])}: {every} and it is not final; {run}"
 
 
 def _run(spec: Spec, birth: str, events: list[str]) -> str:
@@ -636,16 +732,23 @@ def _run(spec: Spec, birth: str, events: list[str]) -> str:
     return f"reached from {origin} by {', '.join(events)}"
 
 
-def _unreached(spec: Spec, runs: Runs) -> Iterator[str]:
+def _unreached(spec: Spec, runs: Runs) -> Iterator[_Line]:
     """Each region state no reached record has."""
     regions = list(runs.system.machines)
     seen = {pair for point in runs.ways for pair in zip(regions, point[0], strict=True)}
     for region, machine in runs.system.regions:
         for state in (s for s in machine.state_names if (region, s) not in seen):
             if isinstance(spec, System):
-                yield f"composition.regions.{region}: state {state}: unreachable in the composition (no run from a birth reaches it)"
+                yield (
+                    "",
+                    f"composition.regions.{region}: state {state}: unreachable in the composition (no run from a birth reaches it)",
+                )
             else:
-                yield f"states.{state}: unreachable from {spec.initial} (every way in needs counters no run from {spec.initial} has)"
+                held = _held(spec, spec.state(state))
+                yield (
+                    held,
+                    f"states.{state}: unreachable from {spec.initial} (every way in needs counters no run from {spec.initial} has)",
+                )
 
 
 def _alias_problems(system: System) -> Iterator[str]:
@@ -683,7 +786,7 @@ def _annotation_problems(system: System) -> Iterator[str]:
                 yield f"composition.regions.{region}: counter {_typed(counter, typed[counter])}"
 
 
-def _birth_problems(system: System) -> Iterator[str]:
+def _birth_problems(system: System) -> Iterator[_Line]:
     """Each birth names known regions and states whose invariants hold at the initial counters.
 
     A name declared twice is reported once, at the second; a birth whose
@@ -691,32 +794,30 @@ def _birth_problems(system: System) -> Iterator[str]:
     of an earlier birth is a second name for one way to be born, and one
     whose states are the initial states is a name for the birth every node
     without one has (``Engine.new`` with no ``birth``). A birth a
-    base declares names the base: the spec that extends it may have replaced
-    the region its state belonged to.
+    base declares is named in the base (:func:`_located`): the spec that
+    extends it may have replaced the region its state belonged to.
     """
     machines = system.machines
     seen: dict[tuple[tuple[str, str], ...], str] = {}  # each way to be born, by its first name
     initial = tuple(system.born().items())
     for i, birth in enumerate(system.births):
         if (bad := bad_name(birth.name)) is not None:
-            yield f"composition.births[{i}]: {birth.name!r}: {bad}"
+            yield "", f"composition.births[{i}]: {birth.name!r}: {bad}"
             continue
-        where = f"composition.births.{birth.name}"
-        inherited = birth.source not in ("", system.source)
-        origin = f"; the birth is declared in {birth.source}" if inherited else ""
+        where, file = f"composition.births.{birth.name}", _held(system, birth)
         if birth.name in (b.name for b in system.births[:i]):
-            yield f"{where}: declared twice"
+            yield file, f"{where}: declared twice"
             continue
         faults = list(_birth_state_problems(machines, birth))
-        yield from (f"{where}.states.{fault}{origin}" for fault in faults)
+        yield from ((file, f"{where}.states.{fault}") for fault in faults)
         if faults:
             continue
         born = tuple(system.born(birth.name).items())
         states = ", ".join(f"{region} {state}" for region, state in born)
         if born == initial:
-            yield f"{where}: the initial states ({states}): a node given no birth is born so{origin}"
+            yield file, f"{where}: the initial states ({states}): a node given no birth is born so"
         elif born in seen:
-            yield f"{where}: the same states as birth {seen[born]} ({states}){origin}"
+            yield file, f"{where}: the same states as birth {seen[born]} ({states})"
         seen.setdefault(born, birth.name)
 
 
