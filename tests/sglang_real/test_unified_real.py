@@ -749,3 +749,28 @@ def test_a_subclass_override_of_the_lock_pair_is_checked_and_counted_once(
         with pytest.raises(UnlockAtZero):
             cache.unlock(second)
         assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
+
+
+def test_a_deep_copy_of_a_receipt_is_counted_and_nothing_in_it_tells_it_apart(
+    sg: Api, unified: Any, patched: Any, allocator: FakeAllocator, core: str
+) -> None:
+    """Why a deep copy is only counted: it holds no object of its original's that another lock lacks.
+
+    A ``dataclasses.replace`` or ``copy.copy`` copy keeps its original's uuid
+    maps; a deep copy has maps of its own, and what else a ``FULL``-only
+    receipt holds (the anchor's id, the skipped components) is what every
+    receipt on the node holds: the same value, and on either core the same object.
+    """
+    del patched
+    cache = build(sg, unified, allocator, core)
+    node = anchor(sg, cache, SHARED + LEFT)
+    lock, other = cache.lock(node), cache.lock(node)
+    copied = copy.deepcopy(lock.receipt)
+    assert copied == lock.receipt == other.receipt
+    ids = [{id(value) for value in vars(r).values()} for r in (copied, lock.receipt, other.receipt)]
+    assert ids[0] & ids[1] <= ids[2]
+    cache.unlock(lock)
+    cache.dec_lock_ref(node, copied)  # counted: the node's second lock (other's, for SGLang)
+    with pytest.raises(UnlockAtZero):  # and no lock is left on the node to take
+        cache.dec_lock_ref(node, copied)
+    assert (cache.protected_size(), cache.evictable_size()) == (0, 12)

@@ -43,7 +43,9 @@ its maps (no receipt or copy is left to come back), found by reference
 count when the book has doubled (:meth:`ReceiptBook.sweep`), so the memory
 is bounded by the receipts SGLang still holds. What SGLang sees is
 unchanged: the receipt objects are its own, nothing is added to them. A
-deep copy has maps of its own, and is only counted.
+deep copy has maps of its own, and is only counted: in a ``FULL``-only
+receipt what else it holds (the anchor's id, the skipped components) is the
+objects every receipt on the node holds, and SGLang 0.5.23 makes none.
 
 An acquire on a node id the tree does not have (evicted, or from before a
 ``reset``) is refused (:class:`~fsm_cache.errors.StaleNode`) before SGLang
