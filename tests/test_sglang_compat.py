@@ -704,6 +704,68 @@ def test_the_lock_boundary_forgets_a_lock_whose_receipt_shares_one_map_twice() -
         assert book.spent == {}
 
 
+def own_locks(through_base: str) -> type[UnifiedCache]:
+    """A subclass overriding the lock pair: one method through the base's, the other on its own.
+
+    ``through_base`` names the one that calls ``super()``; the other moves the
+    counts itself, as an override calling ``self.tree_core`` directly does.
+    """
+
+    class OwnLocks(UnifiedCache):
+        def inc_lock_ref(self, node_id: int) -> Receipt:
+            if through_base == "inc_lock_ref":
+                return super().inc_lock_ref(node_id)
+            self.refs[node_id] = self.refs.get(node_id, 0) + 1
+            return Receipt(node_id)
+
+        def dec_lock_ref(self, node_id: int, params: Receipt) -> None:
+            if through_base == "dec_lock_ref":
+                super().dec_lock_ref(node_id, params)
+            else:
+                self.refs[node_id] -= 1
+
+    return OwnLocks
+
+
+@pytest.mark.parametrize("defined", ["before", "after"])
+@pytest.mark.parametrize("through_base", ["inc_lock_ref", "dec_lock_ref"])
+def test_a_subclass_override_of_the_lock_boundary_is_checked_and_counted_once(
+    defined: str, through_base: str
+) -> None:
+    """Whether its override calls the base's or not, and whenever it was defined.
+
+    Unwrapped, an acquire that skips the base's went uncounted (its release
+    was refused on a correct server) and a release that skips it went
+    unchecked; wrapped naively, one that calls the base's counts twice.
+    """
+    module = boundary_module()
+    early = own_locks(through_base) if defined == "before" else None
+    stock = {name: vars(UnifiedCache)[name] for name in ("inc_lock_ref", "dec_lock_ref")}
+    with patch(module, trail=False) as applied:
+        subclass = early or own_locks(through_base)
+        own = {name: inspect.unwrap(vars(subclass)[name]) for name in stock}
+        assert {"OwnLocks.inc_lock_ref", "OwnLocks.dec_lock_ref"} <= set(applied.wrapped)
+        cache = subclass()
+        first, second = cache.inc_lock_ref(7), cache.inc_lock_ref(7)
+        cache.dec_lock_ref(7, first)
+        with pytest.raises(LeaseError) as twice:
+            cache.dec_lock_ref(7, first)  # second is out: SGLang would take its lock
+        assert str(twice.value) == (
+            f"node 7: dec_lock_ref refused: this receipt (Receipt at {id(first):#x}) was "
+            "released already; the node's 1 other receipt(s) out stay held; nothing changed"
+        )
+        assert cache.refs == {7: 1}  # the override never ran
+        cache.dec_lock_ref(7, second)  # counted once each: second is still out
+        with pytest.raises(error_class("UnlockAtZero")):
+            cache.dec_lock_ref(7, second)
+        assert cache.refs == {7: 0}
+    assert {name: vars(subclass)[name] for name in stock} == own  # the undo restores them
+    assert {name: vars(UnifiedCache)[name] for name in stock} == stock
+    assert "__init_subclass__" not in vars(UnifiedCache)
+    late = own_locks(through_base)  # one defined after the undo is left as it is
+    assert not hasattr(vars(late)["dec_lock_ref"], "__wrapped__")
+
+
 def test_a_boundary_module_without_its_cache_class_is_refused() -> None:
     with pytest.raises(PatchError) as caught:
         patch(boundary_module(None))

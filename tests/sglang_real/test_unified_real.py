@@ -19,6 +19,8 @@ import importlib
 import importlib.util
 import inspect
 import re
+import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -681,3 +683,94 @@ class _Poisoned:
 
 
 _Poisoned.__name__ = "UnifiedTreeCore"
+
+
+OWN_LOCKS = """
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+
+class OwnLocksCache(UnifiedRadixCache):
+    def inc_lock_ref(self, node_id, skip_lock_components=()):
+        if THROUGH_BASE == "inc_lock_ref":
+            return super().inc_lock_ref(node_id, skip_lock_components)
+        return self.tree_core.inc_lock_ref(node_id, skip_lock_components)
+
+    def dec_lock_ref(self, node_id, params, skip_swa=False):
+        if THROUGH_BASE == "dec_lock_ref":
+            return super().dec_lock_ref(node_id, params, skip_swa)
+        return self.tree_core.dec_lock_ref(node_id, params, skip_swa)
+"""
+"""A fork's subclass: one of the lock pair through SGLang's method, the other on the core."""
+
+
+@pytest.mark.parametrize("defined", ["before", "after"])
+@pytest.mark.parametrize("through_base", ["inc_lock_ref", "dec_lock_ref"])
+def test_a_subclass_override_of_the_lock_pair_is_checked_and_counted_once(
+    sg: Api,
+    unified: Any,
+    *,
+    allocator: FakeAllocator,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    defined: str,
+    through_base: str,
+) -> None:
+    """An override on the core is checked, one through SGLang's counted once, whenever defined.
+
+    Unwrapped, a lock taken on the core was not counted (its unlock was
+    refused on a correct server), and an unlock on the core went unchecked
+    (SGLang took the other request's lock).
+    """
+
+    def fork() -> Any:
+        module = types.ModuleType("own_locks_cache")
+        module.THROUGH_BASE = through_base  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        exec(compile(OWN_LOCKS, "<own_locks_cache>", "exec"), module.__dict__)
+        return module
+
+    early = fork() if defined == "before" else None
+    with patch(trail=False) as applied:
+        module = early or fork()
+        assert "OwnLocksCache.dec_lock_ref" in applied.wrapped
+        cache = build(
+            sg, types.SimpleNamespace(UnifiedRadixCache=module.OwnLocksCache), allocator, core
+        )
+        node = anchor(sg, cache, SHARED + LEFT)
+        first, second = cache.lock(node), cache.lock(node)  # two requests lock one prefix
+        cache.unlock(first)
+        before = whole_state(cache, allocator, capfd)
+        with pytest.raises(LeaseError, match=f"^node {node}: dec_lock_ref refused: this receipt"):
+            cache.unlock(first)
+        assert whole_state(cache, allocator, capfd) == before
+        assert cache.protected_size() == len(SHARED + LEFT)  # the second request's lock holds
+        cache.unlock(second)  # each counted once: second's lock is still out
+        with pytest.raises(UnlockAtZero):
+            cache.unlock(second)
+        assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
+
+
+def test_a_deep_copy_of_a_receipt_is_counted_and_nothing_in_it_tells_it_apart(
+    sg: Api, unified: Any, patched: Any, allocator: FakeAllocator, core: str
+) -> None:
+    """Why a deep copy is only counted: it holds no object of its original's that another lock lacks.
+
+    A ``dataclasses.replace`` or ``copy.copy`` copy keeps its original's uuid
+    maps; a deep copy has maps of its own, and what else a ``FULL``-only
+    receipt holds (the anchor's id, the skipped components) is what every
+    receipt on the node holds: the same value, and on either core the same object.
+    """
+    del patched
+    cache = build(sg, unified, allocator, core)
+    node = anchor(sg, cache, SHARED + LEFT)
+    lock, other = cache.lock(node), cache.lock(node)
+    copied = copy.deepcopy(lock.receipt)
+    assert copied == lock.receipt == other.receipt
+    ids = [{id(value) for value in vars(r).values()} for r in (copied, lock.receipt, other.receipt)]
+    assert ids[0] & ids[1] <= ids[2]
+    cache.unlock(lock)
+    cache.dec_lock_ref(node, copied)  # counted: the node's second lock (other's, for SGLang)
+    with pytest.raises(UnlockAtZero):  # and no lock is left on the node to take
+        cache.dec_lock_ref(node, copied)
+    assert (cache.protected_size(), cache.evictable_size()) == (0, 12)

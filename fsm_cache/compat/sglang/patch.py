@@ -440,8 +440,12 @@ def _wrap_boundary(result: Patch, module: ModuleType, machine: Residency) -> lis
 
     Its lock methods and ``reset`` (:data:`~fsm_cache.compat.sglang.unified.BOUNDARY`)
     are wrapped to keep one :class:`~fsm_cache.compat.sglang.unified.ReceiptBook`
-    per cache. Subclasses inherit the wrappers; their own overrides are not
-    wrapped (one that calls its base's would record each receipt twice).
+    per cache. A subclass's overrides of them are wrapped too, those defined
+    before the patch and, through an ``__init_subclass__`` (:func:`_adopting`),
+    those defined while it holds (LMCache's cache is imported on demand): an
+    override that skips its base's (``self.tree_core`` called directly) is
+    checked all the same, and one that calls it is recorded once, by the
+    base's wrapper (``Receipts.wrap``'s ``override``).
 
     Raises:
         PatchError: The module defines no such class, or the class none of the methods.
@@ -457,7 +461,31 @@ def _wrap_boundary(result: Patch, module: ModuleType, machine: Residency) -> lis
     receipts = unified.Receipts(machine)
     for method in names:
         result.record(cls, method, receipts.wrap(method, vars(cls)[method]))
-    return [f"{name}.{method}" for method in names]
+
+    def adopt(sub: type) -> list[str]:
+        own = [n for n in names if isinstance(vars(sub).get(n), types.FunctionType)]
+        for method in own:
+            result.record(sub, method, receipts.wrap(method, vars(sub)[method], override=True))
+        return [f"{sub.__name__}.{method}" for method in own]
+
+    out = [f"{name}.{method}" for method in names]
+    for sub in _descendants(cls):
+        out += adopt(sub)
+    result.record(cls, "__init_subclass__", _adopting(result, cls, adopt))
+    return out
+
+
+def _descendants(cls: type) -> list[type]:
+    """Every subclass of ``cls``, at any depth, each once, parents before their children."""
+    out: list[type] = []
+    stack = [cls]
+    while stack:
+        subclasses: list[type] = stack.pop().__subclasses__()
+        for sub in subclasses:
+            if sub not in out:
+                out.append(sub)
+                stack.append(sub)
+    return out
 
 
 def _module(given: ModuleType | str) -> ModuleType:
@@ -680,7 +708,6 @@ def _adopt_subclasses(
     """
     skipped = {m.__name__ for m in found} | set(MODULES)
     out: list[str] = []
-    seen: set[type] = set()
     roots: list[type] = [
         cls
         for module in found
@@ -688,19 +715,14 @@ def _adopt_subclasses(
         if isinstance(cls := getattr(module, name, None), type)
         and cls.__module__ == module.__name__
     ]
-    stack = list(roots)
-    while stack:
-        subclasses: list[type] = stack.pop().__subclasses__()
-        for sub in subclasses:
-            if sub in seen:
-                continue
-            seen.add(sub)
-            stack.append(sub)
-            out += _adopt(result, sub, checked, machine, skipped)
+    for sub in dict.fromkeys(sub for cls in roots for sub in _descendants(cls)):
+        out += _adopt(result, sub, checked, machine, skipped)
     for cls in roots:
         if not any(base in roots for base in cls.__mro__[1:]):  # its ancestor's hook runs
-            adopt = _adopting(result, cls, checked, machine, skipped)
-            result.record(cls, "__init_subclass__", adopt)
+            hook = _adopting(
+                result, cls, lambda sub: _adopt(result, sub, checked, machine, skipped)
+            )
+            result.record(cls, "__init_subclass__", hook)
     return out
 
 
@@ -721,14 +743,11 @@ def _adopt(
     return _wrap_class(result, module, sub, machine)
 
 
-def _adopting(
-    result: Patch,
-    cls: type,
-    checked: dict[type, type[ResidencyMixin]],
-    machine: Residency,
-    skipped: set[str],
-) -> Any:
-    """``cls``'s ``__init_subclass__`` while ``result`` holds: the one it had, then :func:`_adopt`.
+def _adopting(result: Patch, cls: type, adopt: Callable[[type], list[str]]) -> Any:
+    """``cls``'s ``__init_subclass__`` while ``result`` holds: the one it had, then ``adopt``.
+
+    ``adopt`` patches a new subclass and returns what it wrapped (:func:`_adopt`
+    for the node-checked caches, the boundary's own for ``UnifiedRadixCache``).
 
     A subclass created after :meth:`Patch.undo` began is left alone (the
     undo would not see what an adoption recorded after it).
@@ -743,6 +762,6 @@ def _adopting(
             own.__get__(None, sub)(**kwargs)
         with _PATCHING:
             if any(_ACTIVE.get(name) is result for name in result.modules):
-                result.wrapped += tuple(_adopt(result, sub, checked, machine, skipped))
+                result.wrapped += tuple(adopt(sub))
 
     return classmethod(init_subclass)

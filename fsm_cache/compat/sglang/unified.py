@@ -43,7 +43,9 @@ its maps (no receipt or copy is left to come back), found by reference
 count when the book has doubled (:meth:`ReceiptBook.sweep`), so the memory
 is bounded by the receipts SGLang still holds. What SGLang sees is
 unchanged: the receipt objects are its own, nothing is added to them. A
-deep copy has maps of its own, and is only counted.
+deep copy has maps of its own, and is only counted: in a ``FULL``-only
+receipt what else it holds (the anchor's id, the skipped components) is the
+objects every receipt on the node holds, and SGLang 0.5.23 makes none.
 
 An acquire on a node id the tree does not have (evicted, or from before a
 ``reset``) is refused (:class:`~fsm_cache.errors.StaleNode`) before SGLang
@@ -182,12 +184,16 @@ class ReceiptBook:
         spent: The locks whose receipts came back, keyed by the ``id`` of
             their :class:`Spent` parts; an entry goes once nothing but the
             book holds its parts (no receipt or copy of it can come back).
+        reached: Per method of :data:`BOUNDARY`, how many calls reached
+            ``UnifiedRadixCache``'s own (a running count): a subclass's
+            override whose call raised it records nothing itself.
     """
 
-    __slots__ = ("machine", "records", "released", "spent", "sweep_at")
+    __slots__ = ("machine", "reached", "records", "released", "spent", "sweep_at")
 
     def __init__(self, machine: Residency) -> None:
         self.machine = machine
+        self.reached: dict[str, int] = {}
         self.records: dict[Any, ResidencyRecord] = {}
         self.released: OrderedDict[Any, ResidencyRecord] = OrderedDict()
         self.spent: dict[tuple[int, ...], Spent] = {}
@@ -329,8 +335,19 @@ class Receipts:
             raise BuiltBeforePatch(msg)
         return book
 
-    def wrap(self, name: str, original: Method) -> Method:
-        """``original`` (one of :data:`BOUNDARY`, or ``reset``), checked through the books."""
+    def wrap(self, name: str, original: Method, *, override: bool = False) -> Method:
+        """``original`` (one of :data:`BOUNDARY`, or ``reset``), checked through the books.
+
+        Args:
+            name: The method's name.
+            original: The method: ``UnifiedRadixCache``'s own, or with
+                ``override`` a subclass's override of it.
+            override: Whether ``original`` is a subclass's override. Its call
+                is checked before it runs, as the base's is, but recorded only
+                if it did not reach the base's method (which records what it
+                is given): an override that calls ``super()`` is counted once,
+                and one that moves the tree core itself is counted still.
+        """
         if name == "reset":
             return self._reset(original)
         event = BOUNDARY[name]
@@ -341,6 +358,8 @@ class Receipts:
             if getattr(cache, "disable", False):  # SGLang's returns an empty receipt
                 return original(cache, node_id, *args, **kwargs)
             book = self.book(cache, name)
+            if not override:  # reached, whatever follows: an override's call no longer records
+                book.reached[name] = book.reached.get(name, 0) + 1
             receipt = None
             if release:
                 receipt = args[0] if args else kwargs.get("params")
@@ -354,7 +373,10 @@ class Receipts:
             book.check(node_id, event)
             if release:
                 book.check_receipt(node_id, event, receipt, name)
+            reached = book.reached.get(name, 0)
             result = original(cache, node_id, *args, **kwargs)
+            if override and book.reached.get(name, 0) != reached:  # the base's call recorded it
+                return result
             book.fire(node_id, event)
             if release:
                 book.spend(receipt)
