@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -338,6 +339,44 @@ def test_a_key_offered_twice_in_one_store_is_refused(ctx: RequestContext) -> Non
     with pytest.raises(BadArgument, match="offered a key twice"):
         m.prepare_store([K[0], K[0]], ctx)
     assert m.records == {}
+
+
+def test_success_passed_where_the_request_context_goes_is_refused(ctx: RequestContext) -> None:
+    """``complete_store(keys, False)`` binds False to req_context: it must not store the block."""
+    m = CheckedOffloadingManager(4)
+    m.prepare_store([K[0]], ctx)
+    with pytest.raises(BadArgument) as refused:
+        m.complete_store([K[0]], False)  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        "complete_store: req_context must be a request context (get_state, set_state, "
+        "get_offload_key_position), got False (bool)"
+    )
+    assert m.records[K[0]].host == "writing"
+    assert m.lookup(K[0], ctx) == Lookup.HIT_PENDING
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m: m.on_new_request(None),
+        lambda m: m.lookup(K[0], None),
+        lambda m: m.prepare_load([K[0]], None),
+        lambda m: m.touch([K[0]], None),
+        lambda m: m.complete_load([K[0]], None),
+        lambda m: m.prepare_store([K[1]], None),
+        lambda m: m.complete_store([K[0]], None),
+        lambda m: m.on_request_finished(None),
+    ],
+)
+def test_every_call_refuses_what_is_no_request_context(
+    ctx: RequestContext, call: Callable[[CheckedOffloadingManager], object]
+) -> None:
+    m = CheckedOffloadingManager(4)
+    stored(m, [K[0]], ctx)
+    before = (dict(m.records), m.records[K[0]].host, m.records[K[0]].pins, list(m.free))
+    with pytest.raises(BadArgument, match=r"req_context must be a request context .* got None"):
+        call(m)
+    assert (dict(m.records), m.records[K[0]].host, m.records[K[0]].pins, list(m.free)) == before
 
 
 def test_a_finished_request_may_not_bring_new_keys(ctx: RequestContext) -> None:

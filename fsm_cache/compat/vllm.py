@@ -471,13 +471,21 @@ class CheckedOffloadingManager:
     # -- the OffloadingManager calls -------------------------------------------
 
     def on_new_request(self, req_context: ReqContextLike) -> Any:
-        """Start remembering a request's accesses; return vLLM's default offloading context."""
-        self._request(req_context)
+        """Start remembering a request's accesses; return vLLM's default offloading context.
+
+        Raises:
+            BadArgument: ``req_context`` is not a request context.
+        """
+        self._request("on_new_request", req_context)
         return self._request_offloading_context()
 
     def lookup(self, key: bytes, req_context: ReqContextLike) -> Any:
-        """``MISS`` without a record, ``HIT_PENDING`` while ``writing``, else ``HIT``."""
-        del req_context
+        """``MISS`` without a record, ``HIT_PENDING`` while ``writing``, else ``HIT``.
+
+        Raises:
+            BadArgument: ``req_context`` is not a request context.
+        """
+        _check_context("lookup", req_context)
         rec = self.records.get(key)
         if rec is None:
             return self._answer(Lookup.MISS)
@@ -494,14 +502,15 @@ class CheckedOffloadingManager:
         Raises:
             NoHostCopy: A key has no record or its store is still in flight
                 (vLLM asserts "not found" / "not ready"); nothing changed.
-            BadArgument: The request was already finished; nothing changed.
+            BadArgument: The request was already finished, or ``req_context``
+                is not a request context; nothing changed.
         """
         keys, records = list(keys), self.records
         for key in keys:
             rec = records.get(key)
             if rec is None or rec.host not in self._readable:
                 self._refuse("load", key, rec)
-        request = self._request(req_context)
+        request = self._request("prepare_load", req_context)
         self._check_open(keys, request)
         chunks = []
         for key in keys:
@@ -518,8 +527,11 @@ class CheckedOffloadingManager:
 
         vLLM 0.32 and 0.33's call; 0.34 removed it (``FsmOffloadingManager``
         bound to 0.34 has none).
+
+        Raises:
+            BadArgument: ``req_context`` is not a request context; nothing changed.
         """
-        del req_context
+        _check_context("touch", req_context)
         self.recency.touch(keys)
 
     def complete_load(self, keys: Iterable[bytes], req_context: ReqContextLike) -> None:
@@ -529,8 +541,9 @@ class CheckedOffloadingManager:
             NotLoading: A key has no load in flight (a second ``complete_load``,
                 or one for a block never loaded; vLLM asserts "ref_cnt is
                 already 0" or "not found"); nothing changed.
+            BadArgument: ``req_context`` is not a request context; nothing changed.
         """
-        del req_context
+        _check_context("complete_load", req_context)
         keys, records = list(keys), self.records
         if len(set(keys)) != len(keys):
             self._check_repeated(keys, self._load_done)
@@ -551,9 +564,10 @@ class CheckedOffloadingManager:
         then but the access bookkeeping, as in vLLM).
 
         Raises:
-            BadArgument: A key offered twice, or the request was already
+            BadArgument: A key offered twice, the request was already
                 finished and a key it never saw would be recorded (vLLM
-                asserts); nothing changed.
+                asserts), or ``req_context`` is not a request context;
+                nothing changed.
         """
         keys = list(keys)
         if len(set(keys)) != len(keys):
@@ -566,7 +580,7 @@ class CheckedOffloadingManager:
                 to_store.append(key)
             elif rec.host in self._readable:
                 ready.append(key)
-        request = self._request(req_context)
+        request = self._request("prepare_store", req_context)
         # What vLLM records, and its finished-request assert covers: the ready keys and the
         # new ones this offer brings to the threshold (read lazily: only a finished request
         # needs them).
@@ -603,7 +617,10 @@ class CheckedOffloadingManager:
 
         Raises:
             DuplicateAck: Strict mode, and a key has no store in flight; nothing changed.
+            BadArgument: ``req_context`` is not a request context (``complete_store(keys,
+                False)`` would otherwise store what failed); nothing changed.
         """
+        _check_context("complete_store", req_context)
         accepted = self._storing if success else self._failing
         keys, records = list(keys), self.records
         if self.strict:
@@ -637,7 +654,12 @@ class CheckedOffloadingManager:
             self.events.append(self._event(done, True, True))
 
     def on_request_finished(self, req_context: ReqContextLike) -> None:
-        """Commit the request's accesses to the LRU order, head of the prefix most recent."""
+        """Commit the request's accesses to the LRU order, head of the prefix most recent.
+
+        Raises:
+            BadArgument: ``req_context`` is not a request context; nothing changed.
+        """
+        _check_context("on_request_finished", req_context)
         request = req_context.get_state(_Request)
         if (
             request is None
@@ -826,7 +848,8 @@ class CheckedOffloadingManager:
                 unprotected -= 1
             counts[key] = 1
 
-    def _request(self, req_context: ReqContextLike) -> _Request:
+    def _request(self, call: str, req_context: ReqContextLike) -> _Request:
+        _check_context(call, req_context)
         request = req_context.get_state(_Request)
         if request is None or request.owner is not self or request.generation != self.generation:
             request = _Request(self, self.generation)
@@ -853,6 +876,24 @@ class CheckedOffloadingManager:
         if new and self.recency.request_ranks:
             positions = [req_context.get_offload_key_position(key) for key in new]
             self.recency.access(new, positions, request)
+
+
+def _check_context(call: str, req_context: object) -> None:
+    """Refuse a ``req_context`` that is not a request context (:class:`ReqContextLike`).
+
+    vLLM passes it second, before ``complete_store``'s ``success``: a call
+    written ``complete_store(keys, False)`` would bind ``False`` to it and
+    store the blocks whose store failed.
+
+    Raises:
+        BadArgument: It lacks ``get_offload_key_position``.
+    """
+    if not hasattr(req_context, "get_offload_key_position"):
+        msg = (
+            f"{call}: req_context must be a request context (get_state, set_state, "
+            f"get_offload_key_position), got {req_context!r} ({type(req_context).__name__})"
+        )
+        raise BadArgument(msg)
 
 
 def _by_position(keys: list[bytes], req_context: ReqContextLike) -> list[bytes]:
