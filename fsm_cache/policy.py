@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from typing import Protocol
 
-from fsm_cache.residency import HOST_VALID, DeviceState, HostState
+from fsm_cache.residency import HOST_VALID, AnyHostState, DeviceState
 
 
 class WritePolicy(str, enum.Enum):
@@ -32,7 +32,7 @@ class PolicyNode(Protocol):
     """What policy decisions read from a node."""
 
     @property
-    def host(self) -> HostState:
+    def host(self) -> AnyHostState:
         """The host residency state."""
 
     @property

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, get_args, overload
 
 from fsm_cache.engine import trail as trails
 from fsm_cache.engine.core import Effect, Engine, Verb
@@ -72,8 +72,10 @@ StorageEvent = Literal[
 """The events ``residency_storage.toml`` adds to :data:`Event`."""
 AnyEvent = Event | StorageEvent
 """An event of either composition: what a cache with a storage tier may fire."""
-FETCHING = "fetching"
+FETCHING: Final = "fetching"
 """The host state ``host_storage_residency.toml`` adds: host slots filled from storage."""
+AnyHostState = Literal[HostState, "fetching"]
+"""A host state of either composition: what ``record.host`` may be with a storage tier."""
 HOST_VALID: frozenset[str] = frozenset({"backed", "pinned"})
 """Host states in which the host copy is readable."""
 HOST_HELD: frozenset[str] = frozenset({"writing", "backed", "pinned", FETCHING})
@@ -89,9 +91,17 @@ The model checker derives the same set from the spec (held, and no copy in
 flight); ``tests/test_check.py`` holds the two together."""
 
 
+@overload
 def split_prefix(
-    host: HostState, device: DeviceState, locks: int, storage: StorageState = "unstored"
-) -> tuple[HostState, DeviceState, int, int]:
+    host: HostState, device: DeviceState, locks: int
+) -> tuple[HostState, DeviceState, int, int]: ...
+@overload
+def split_prefix(
+    host: AnyHostState, device: DeviceState, locks: int, storage: StorageState
+) -> tuple[AnyHostState, DeviceState, int, int]: ...
+def split_prefix(
+    host: AnyHostState, device: DeviceState, locks: int, storage: StorageState = "unstored"
+) -> tuple[AnyHostState, DeviceState, int, int]:
     """Return the residency a radix split gives the new prefix: ``(host, device, pins, locks)``.
 
     The prefix takes the first pages of the node's slots in both tiers, so it
@@ -144,7 +154,8 @@ class ResidencyRecord:
 
     Attributes:
         id: The node's id, used in messages (``node 17: ...``).
-        host: Host residency state.
+        host: Host residency state (:data:`AnyHostState`: ``fetching`` is one
+            with a storage tier).
         device: Device residency state.
         pins: Holders of the host copy.
         locks: Running requests holding the device copy (propagated to ancestors).
@@ -177,7 +188,7 @@ class ResidencyRecord:
         pins or locks), so its nodes skip the check and its cost per insert.
         """
         self.id = ident
-        self.host: HostState = host
+        self.host: AnyHostState = host
         self.device: DeviceState = device
         self.pins = pins
         self.locks = locks

@@ -1612,7 +1612,7 @@ def test_a_split_keeps_the_storage_state_and_the_store_pin() -> None:
     assert split_prefix("pinned", "resident", 0, "storing") == ("pinned", "resident", 1, 0)
     assert split_prefix("pinned", "loading", 2, "storing") == ("pinned", "loading", 2, 2)
     assert split_prefix("pinned", "resident", 1, "stored") == ("backed", "resident", 0, 1)
-    assert split_prefix("fetching", "absent", 0, "reading") == ("fetching", "absent", 0, 0)  # type: ignore[arg-type]
+    assert split_prefix("fetching", "absent", 0, "reading") == ("fetching", "absent", 0, 0)
     assert split_prefix("pinned", "loading", 0) == ("pinned", "loading", 1, 0)
 
 

@@ -19,7 +19,7 @@ from fsm_cache.engine.core import Engine
 from fsm_cache.errors import SpecError
 from fsm_cache.spec.loader import load_spec, spec_from_dict
 from fsm_cache.spec.machine import MachineSpec, Spec, System
-from fsm_cache.spec.shipped import residency_system, spec_dir
+from fsm_cache.spec.shipped import load_shipped, residency_system, spec_dir
 from fsm_cache.spec.stubs import stub
 from fsm_cache.spec.validate import problems
 
@@ -81,6 +81,12 @@ def test_the_residency_literals_are_the_specs_states_and_events() -> None:
     assert get_args(residency.HostState) == machines["host"].state_names
     assert get_args(residency.DeviceState) == machines["device"].state_names
     assert set(get_args(residency.Event)) == set(system.event_names)
+    storage = load_shipped("residency_storage")
+    assert isinstance(storage, System)
+    assert get_args(residency.AnyHostState) == storage.machines["host"].state_names
+    assert get_args(residency.StorageState) == storage.machines["storage"].state_names
+    events = {*get_args(residency.Event), *get_args(residency.StorageEvent)}
+    assert events == set(storage.event_names)
 
 
 def test_stub_of_a_user_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
