@@ -7,7 +7,10 @@ cannot tell it apart, except that it can:
 * fail chosen copies (counted from 1 in start order): the copy runs, its
   completion carries a :class:`~fsm_cache.errors.CopyFailed`, and its
   destination pages are poisoned with ``0xFF`` bytes, as a half-done copy would
-  leave them;
+  leave them: a load's device pages in the copy's own order, on its stream
+  (:meth:`~fsm_cache.memory.copies.CopyEngine.queue_after`), so compute made to
+  wait for the load reads the poison; a backup's host pages when its failure
+  is delivered (on CUDA a write to host memory cannot be queued behind a copy);
 * refuse chosen copies at start, raising :class:`CopyFailed` with nothing started;
 * hold every acknowledgement back for ``delay`` extra polls;
 * deliver the acknowledgements of one poll in a seeded random order.
@@ -190,6 +193,9 @@ class FaultyCopyEngine:
     def _watch(self, ticket: Ticket) -> Ticket:
         if self.started in self.fail:
             self._doomed[ticket.id] = self.started
+            if self.poison and ticket.direction is Direction.H2D:  # ordered with the copy
+                fill = functools.partial(self.inner.device.fill, ticket.dst_pages, POISON)
+                self.inner.queue_after(ticket, fill)
         return ticket
 
     def submit(self) -> None:
@@ -212,6 +218,14 @@ class FaultyCopyEngine:
         fails on the device would be.
         """
         return self.inner.wait(ticket_ids, stream)
+
+    def queue_after(self, ticket: Ticket, work: Callable[[], None]) -> None:
+        """Queue ``work`` after ``ticket``'s copy (the inner engine's :meth:`CopyEngine.queue_after`).
+
+        A ticket whose acknowledgement is held back here has been reported by
+        the inner engine, which refuses it: its copy has finished.
+        """
+        self.inner.queue_after(ticket, work)
 
     def close(self) -> None:
         """Close the inner engine and drop held acknowledgements; idempotent."""
@@ -237,10 +251,8 @@ class FaultyCopyEngine:
         if position is None:
             return completion
         ticket = completion.ticket
-        if self.poison:
-            to_device = ticket.direction is Direction.H2D
-            pool = self.inner.device if to_device else self.inner.host
-            pool.fill(ticket.dst_pages, POISON)
+        if self.poison and ticket.direction is Direction.D2H:  # the copy has finished
+            self.inner.host.fill(ticket.dst_pages, POISON)
         return Completion(ticket, CopyFailed(f"injected failure of copy {position}"))
 
     def in_flight(self) -> list[Ticket]:
