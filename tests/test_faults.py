@@ -1,4 +1,4 @@
-"""Injected faults on streams: a failed copy's poison lands in the copy's order.
+"""Injected faults on streams: a failed copy's poison in the copy's order, and the copier factory.
 
 A failed load models a half-done copy: on a GPU the poison must land where the
 copy's bytes would have, on the copy's stream, so compute made to wait for the
@@ -9,14 +9,18 @@ needed, and on a GPU where there is one.
 
 from __future__ import annotations
 
+import functools
+import pickle
 from collections.abc import Callable
 
 import pytest
 import torch
 
+from fsm_cache.cache.hicache import HiCache
 from fsm_cache.memory.copies import CopyEngine, Stream
 from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
-from fsm_cache.testing.fakecuda import FakeStreams
+from fsm_cache.memory.tiers import CacheConfig
+from fsm_cache.testing.fakecuda import FakeStream, FakeStreams, deferred_copier
 from fsm_cache.testing.faults import POISON, FaultyCopyEngine
 
 
@@ -45,6 +49,10 @@ def _pools(where: torch.device = CPU) -> tuple[KVPool, KVPool]:
         dev.words[p].fill_(p + 1)
         host.words[p].fill_(100 + p)
     return dev, host
+
+
+def _fill(pool: KVPool, page: int, word: int) -> None:
+    pool.words[page].fill_(word)
 
 
 def _poisoned(pool: KVPool, page: int) -> bool:
@@ -119,6 +127,68 @@ def test_a_failed_load_on_a_cpu_engine_is_poisoned_once_it_has_run() -> None:
     unpoisoned.start_load([3], [7])
     assert [str(c.error) for c in unpoisoned.drain()] == ["injected failure of copy 1"]
     assert bool((dev.words[7] == 103).all())
+
+
+def test_copier_builds_its_engine_with_the_factory_it_is_given() -> None:
+    """The engine's options (a compute stream, fake streams) reach it through ``engine=``."""
+    fake = FakeStreams(max_polls=0)
+    forward = FakeStream(CPU, "forward")
+    build = FaultyCopyEngine.copier(
+        fail=[2], engine=functools.partial(CopyEngine, streams=fake, compute_stream=forward)
+    )
+    dev, host = _pools()
+    engine = build(dev, host)
+    assert type(engine.inner) is CopyEngine
+    forward.enqueue(functools.partial(_fill, dev, 2, 7))  # the forward pass writes page 2, queued
+    write, load = engine.start_write([2], [5]), engine.start_load([0], [1])
+    assert [(c.ticket, c.ok) for c in engine.drain()] == [(write, True), (load, False)]
+    assert bool((host.words[5] == 7).all())  # the backup waited for the forward pass
+    assert _poisoned(dev, 1)
+    assert len(fake.events) == 2
+
+
+def test_a_cache_orders_a_faulty_engines_copies_after_its_forward_stream() -> None:
+    """``HiCache(compute_stream=)`` refuses a copier: the copier's engine takes the stream."""
+    fake = FakeStreams(max_polls=0)
+    forward = FakeStream(CPU, "forward")
+    ran: list[str] = []
+    engine = functools.partial(CopyEngine, streams=fake, compute_stream=forward)
+    config = CacheConfig(
+        device_pages=16, host_pages=32, page_size=4, layers=1, heads=1, head_dim=4,
+        device="cpu", debug=True, copier=FaultyCopyEngine.copier(delay=1, engine=engine),
+    )  # fmt: skip
+    cache = HiCache(config)
+    forward.enqueue(lambda: ran.append("forward pass"))
+    cache.insert(list(range(8)))  # write-through: a backup starts as the insert returns
+    while cache.tiers.copier.in_flight():
+        cache.poll()
+    assert ran == ["forward pass"]
+    cache.close()
+
+
+def test_copier_over_deferred_copies_and_its_options_pickle() -> None:
+    fake = FakeStreams(max_polls=0)
+    dev, host = _pools()
+    engine = FaultyCopyEngine.copier(engine=deferred_copier(streams=fake))(dev, host)
+    engine.start_load([0], [1])
+    assert [c.ok for c in engine.drain()] == [True]
+    assert len(fake.events) == 1
+    build = pickle.loads(
+        pickle.dumps(FaultyCopyEngine.copier(engine=functools.partial(CopyEngine, batch_polls=2)))
+    )
+    batched = build(dev, host)
+    ticket = batched.start_write([3], [3])
+    assert batched.poll() == []  # the batch waits for its second poll
+    assert [c.ticket for c in batched.poll()] == [ticket]
+
+
+def test_copier_refuses_an_engine_that_cannot_be_called_when_called() -> None:
+    with pytest.raises(TypeError) as caught:
+        FaultyCopyEngine.copier(engine="CopyEngine", fail=[1])  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        "FaultyCopyEngine.copier: engine must build a CopyEngine from the device and host "
+        "pools, got str"
+    )
 
 
 @pytest.mark.gpu

@@ -17,7 +17,9 @@ cannot tell it apart, except that it can:
 
 Pages stay busy until their ticket is delivered, so early frees stay visible.
 :meth:`FaultyCopyEngine.copier` builds the ``CacheConfig(copier=...)`` factory
-that wraps each new cache's engine.
+that wraps each new cache's engine, built by the engine factory it is given
+(``engine=``: ``CopyEngine`` by default; a ``functools.partial`` of it with
+its options, or :func:`~fsm_cache.testing.fakecuda.deferred_copier`).
 """
 
 from __future__ import annotations
@@ -100,31 +102,55 @@ class FaultyCopyEngine:
         self._held: list[_Held] = []
 
     @classmethod
-    def copier(cls, **faults: Unpack[Faults]) -> Callable[[KVPool, KVPool], Self]:
-        """Return a ``CacheConfig(copier=...)`` factory: this engine over a new ``CopyEngine``.
+    def copier(
+        cls,
+        *,
+        engine: Callable[[KVPool, KVPool], CopyEngine] = CopyEngine,
+        **faults: Unpack[Faults],
+    ) -> Callable[[KVPool, KVPool], Self]:
+        """Return a ``CacheConfig(copier=...)`` factory: this engine over a new inner engine.
 
         A cache calls its copier with its two pools; each call builds a new
-        :class:`CopyEngine` over them and wraps it with these faults, so caches
-        built from one config never share an engine or its count of starts.
-        Called on a subclass, it builds that subclass (whose initialiser must
-        take the same arguments). The factory pickles where ``cls`` does.
+        engine over them with ``engine`` and wraps it with these faults, so
+        caches built from one config never share an engine or its count of
+        starts. ``engine`` takes whatever options the plain engine would: a
+        cache's ``compute_stream``, which a copier must give its engine itself
+        (``engine=functools.partial(CopyEngine, compute_stream=forward)``), or
+        fake CUDA streams (``engine=deferred_copier(seed=3)``). Called on a
+        subclass, it builds that subclass (whose initialiser must take the
+        same arguments). The factory pickles where ``cls`` and ``engine`` do.
 
         Args:
+            engine: Builds the engine that really copies from the device and
+                host pools: any ``CacheConfig(copier=...)`` factory of a
+                :class:`CopyEngine`.
             **faults: The keyword arguments of :class:`FaultyCopyEngine`
                 (``fail``, ``refuse``, ``delay``, ``shuffle``, ``seed``, ``poison``).
 
         Raises:
-            TypeError: A keyword that is none of those, here rather than when a
-                cache first builds its engine.
+            TypeError: A keyword that is none of those, or an ``engine`` that
+                is not callable, here rather than when a cache first builds
+                its engine.
         """
         unknown = sorted(faults.keys() - Faults.__optional_keys__)
         if unknown:
             raise TypeError(f"{cls.__name__}.copier got unknown faults: {', '.join(unknown)}")
-        return functools.partial(cls._over, **faults)
+        if not callable(engine):
+            raise TypeError(
+                f"{cls.__name__}.copier: engine must build a CopyEngine from the device and "
+                f"host pools, got {type(engine).__name__}"
+            )
+        return functools.partial(cls._over, engine, **faults)
 
     @classmethod
-    def _over(cls, device: KVPool, host: KVPool, **faults: Unpack[Faults]) -> Self:
-        return cls(CopyEngine(device, host), **faults)
+    def _over(
+        cls,
+        engine: Callable[[KVPool, KVPool], CopyEngine],
+        device: KVPool,
+        host: KVPool,
+        **faults: Unpack[Faults],
+    ) -> Self:
+        return cls(engine(device, host), **faults)
 
     def start_write(
         self,
