@@ -387,6 +387,28 @@ def test_tiers_close_lands_every_copy_and_refuses_new_ones() -> None:
     tiers.close()
 
 
+def test_tiers_read_device_pages_after_the_compute_stream_wrote_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``write_tokens`` writes on the compute stream; a read on another must wait for it."""
+    config = CacheConfig(
+        device_pages=8, host_pages=8, page_size=4, layers=2, heads=2, head_dim=4,
+        dtype="bfloat16", device="cpu",
+    )  # fmt: skip
+    tiers = Tiers(config)
+    forward, current = FakeStream(CPU, "forward"), FakeStream(CPU, "current")
+    tiers._forward = forward  # type: ignore[assignment]  # noqa: SLF001 (set on CUDA only)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    forward.enqueue(lambda: tiers.device.write([1], synthetic_kv(LAYOUT, tokens_of([7]))))
+    seen: list[torch.Tensor] = []
+    tiers.read_device([1])
+    current.enqueue(lambda: seen.append(raw(tiers.device, [1])))  # what the caller queues next
+    current.synchronize()
+    assert torch.equal(seen[0], expected([7]))
+    assert forward.pending == 0
+    tiers.close()
+
+
 def test_tiers_that_cannot_wait_for_their_copies_stay_open_to_close_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
