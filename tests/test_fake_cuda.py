@@ -250,6 +250,96 @@ def test_work_that_raises_fails_its_copy_at_the_event(monkeypatch: pytest.Monkey
     assert torch.equal(raw(engine.host, follow.dst_pages), expected([0]))
 
 
+def test_work_queued_after_a_load_runs_after_it_on_its_stream_before_its_report() -> None:
+    """``queue_after``: in the copy's order, so its report and a stream waiting for it follow."""
+    engine, fake = make(max_polls=0)  # every event completes at its first query
+    engine.host.write([4], synthetic_kv(LAYOUT, tokens_of([66])))
+    load = engine.start_load([4], [9])
+    ran: list[torch.Tensor] = []
+    engine.queue_after(load, lambda: ran.append(raw(engine.device, [9])))
+    assert ran == []  # queued, not run
+    # the host run into staging, the scatter, the event's first mark, the work, its mark again
+    assert fake.streams[1].pending == 5
+    assert [c.ticket for c in engine.poll()] == [load]  # its event was recorded after the work
+    assert len(ran) == 1
+    assert torch.equal(ran[0], expected([66]))  # after the copy
+    with pytest.raises(BadArgument) as caught:
+        engine.queue_after(load, lambda: None)  # reported: nothing to follow
+    assert str(caught.value) == (
+        "copy: cannot queue work after ticket 1: no copy of this engine with it is in flight"
+    )
+    with pytest.raises(BadArgument) as wrong:
+        engine.queue_after(1, lambda: None)  # type: ignore[arg-type]
+    assert str(wrong.value) == "copy: queue_after takes a Ticket, got int"
+
+
+def test_a_stream_waiting_for_a_copy_waits_for_the_work_queued_after_it() -> None:
+    engine, fake = make(max_polls=1000)
+    load = engine.start_load([4], [9])
+    engine.queue_after(load, functools.partial(_fill_words, engine.device, 9, 5))
+    side = FakeStream(CPU, "attention")
+    engine.wait([load.id], stream=side)
+    seen: list[bool] = []
+    side.enqueue(lambda: seen.append(bool((engine.device.words[9] == 5).all())))
+    side.synchronize()
+    assert seen == [True]
+    assert fake.events[0].done
+    engine.close()
+
+
+def test_work_queued_after_a_backup_in_the_open_batch_submits_it_first() -> None:
+    engine, fake = make(max_polls=0)
+    write = engine.start_write([2], [3])
+    assert fake.streams[0].pending == 0  # in the open batch, not submitted
+    ran: list[torch.Tensor] = []
+    engine.queue_after(write, lambda: ran.append(raw(engine.host, [3])))
+    assert fake.streams[0].pending > 0
+    assert [c.ticket for c in engine.poll()] == [write]
+    assert torch.equal(ran[0], expected([2]))
+
+
+def test_work_that_cannot_be_queued_after_a_copy_fails_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine, fake = make(max_polls=1000)
+    load = engine.start_load([4], [9])
+
+    def refused(stream: object, work: object) -> None:
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(fake, "run_on", refused)
+    engine.queue_after(load, lambda: None)
+    assert fake.streams[1].pending == 0  # what was queued is waited for here
+    monkeypatch.undo()
+    (done,) = engine.poll()
+    assert done.ticket == load
+    assert str(done.error) == "copy 1 (h2d) failed: CUDA error: out of memory"
+
+
+def test_work_queued_after_a_copy_of_a_synchronous_engine_runs_at_once() -> None:
+    dev, host = device_pool(LAYOUT, 4, CPU), host_pool(LAYOUT, 4, pin=False)
+    engine = CopyEngine(dev, host)
+    host.words[1].fill_(9)
+    load = engine.start_load([1], [2])
+    ran: list[bool] = []
+    engine.queue_after(load, lambda: ran.append(bool((dev.words[2] == 9).all())))
+    assert ran == [True]
+
+    def broken() -> None:
+        raise RuntimeError("no memory")
+
+    write = engine.start_write([0], [3])
+    engine.queue_after(write, broken)
+    assert [(c.ticket, str(c.error)) for c in engine.poll()] == [
+        (load, "None"),
+        (write, "copy 2 (d2h) failed: no memory"),
+    ]
+
+
+def _fill_words(pool: KVPool, page: int, word: int) -> None:
+    pool.words[page].fill_(word)
+
+
 def test_events_outside_the_engine() -> None:
     never = FakeEvent()
     assert never.query()  # never recorded: complete, as on CUDA
@@ -294,6 +384,28 @@ def test_tiers_close_lands_every_copy_and_refuses_new_ones() -> None:
         tiers.copier.start_write([2], [2])
     with pytest.raises(CopyFailed, match=r"^copy engine closed: h2d copy refused$"):
         tiers.copier.start_load([2], [2])
+    tiers.close()
+
+
+def test_tiers_read_device_pages_after_the_compute_stream_wrote_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``write_tokens`` writes on the compute stream; a read on another must wait for it."""
+    config = CacheConfig(
+        device_pages=8, host_pages=8, page_size=4, layers=2, heads=2, head_dim=4,
+        dtype="bfloat16", device="cpu",
+    )  # fmt: skip
+    tiers = Tiers(config)
+    forward, current = FakeStream(CPU, "forward"), FakeStream(CPU, "current")
+    tiers._forward = forward  # type: ignore[assignment]  # noqa: SLF001 (set on CUDA only)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    forward.enqueue(lambda: tiers.device.write([1], synthetic_kv(LAYOUT, tokens_of([7]))))
+    seen: list[torch.Tensor] = []
+    tiers.read_device([1])
+    current.enqueue(lambda: seen.append(raw(tiers.device, [1])))  # what the caller queues next
+    current.synchronize()
+    assert torch.equal(seen[0], expected([7]))
+    assert forward.pending == 0
     tiers.close()
 
 

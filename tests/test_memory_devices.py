@@ -112,3 +112,34 @@ def test_cuda_events_let_a_waiting_host_sleep(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(torch.cuda, "Event", event)
     CudaStreams().new_event()
     assert made == [{"blocking": True}]
+
+
+def test_the_synthetic_constants_are_synchronised_once_where_they_are_made_on_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Caches on other streams share them: the device is synchronised after their upload.
+
+    Made on CUDA (here as meta tensors, with ``torch.cuda.synchronize``
+    recorded), once per layout and device: a second cache finds them made.
+    """
+    cuda = torch.device("cuda", 0)
+    layout = KVLayout(layers=3, heads=1, head_dim=4, dtype=torch.float16, page_size=2)
+    synced: list[object] = []
+    tensor = torch.tensor
+
+    def on_meta(data: object, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        assert device == cuda
+        return tensor(data, dtype=dtype, device=META)
+
+    tiers._pattern.cache_clear()  # noqa: SLF001
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(torch, "tensor", on_meta)
+            patched.setattr(torch.cuda, "synchronize", synced.append)
+            first = tiers._pattern(layout, cuda)  # noqa: SLF001
+            again = tiers._pattern(layout, torch.device("cuda", 0))  # noqa: SLF001
+        assert synced == [cuda]
+        assert again is first
+        assert first.base.device == META
+    finally:
+        tiers._pattern.cache_clear()  # noqa: SLF001 (no meta constants left for a GPU test)

@@ -45,7 +45,7 @@ import contextlib
 import itertools
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import cast
@@ -496,6 +496,59 @@ class CopyEngine:
                 if submission.event is not None:
                     target.wait_event(submission.event)
         return all(submission.failure is None for submission in ours)
+
+    def queue_after(self, ticket: Ticket, work: Callable[[], None]) -> None:
+        """Queue ``work`` after ``ticket``'s copy, in its order: before its acknowledgement.
+
+        ``work`` runs on the stream the copy ends on, with that stream current,
+        so what it queues on the device (a fill of the pages the copy wrote,
+        say) follows the copy and never goes to a compute stream. The ticket's
+        event is recorded again after it: :meth:`poll` reports the ticket only
+        once ``work`` has run, and a stream a later :meth:`wait` holds back for
+        the ticket waits for it too. The open batch is submitted first where
+        ``ticket`` is still in it. Without streams (a CPU engine) the copy has
+        run already, and so does ``work``, here. Where ``work`` cannot be
+        queued (or, without streams, raises), the copy's tickets fail, as a
+        launch that fails does.
+
+        Call it before any :meth:`wait` for ``ticket``: a stream already made
+        to wait holds the point it waited for, which ``work`` comes after. On
+        CUDA, host memory written by ``work`` is written at once, not in the
+        stream's order: give it device operations.
+
+        Args:
+            ticket: An unreported ticket of this engine.
+            work: What to run, as :meth:`Streams.run_on` runs a copy's stage.
+
+        Raises:
+            BadArgument: ``ticket`` is not a ticket, or not one this engine has
+                yet to report; nothing is queued.
+        """
+        if not isinstance(ticket, Ticket):
+            raise BadArgument(f"copy: queue_after takes a Ticket, got {type(ticket).__name__}")
+        if self._pending.get(ticket.id) != ticket:
+            raise BadArgument(
+                f"copy: cannot queue work after ticket {ticket.id}: no copy of this engine "
+                "with it is in flight"
+            )
+        if any(t.id == ticket.id for t in self._open):
+            self.submit()
+        submission = next(s for s in self._submitted if any(t.id == ticket.id for t in s.tickets))
+        stream = self._mover.streams.get(ticket.direction)
+        try:
+            if stream is None or self._api is None:  # synchronous: the copy has run
+                work()
+                return
+            self._api.run_on(stream, work)
+            if submission.event is None:  # nothing to record it on: wait here, as _launch does
+                stream.synchronize()
+            else:
+                submission.event.record(stream)
+        except Exception as exc:  # as a launch that fails: the copy's tickets fail
+            submission.failure = submission.failure or _launch_failure(ticket.direction, exc)
+            if stream is not None:
+                with contextlib.suppress(RuntimeError):  # a broken device runs nothing more
+                    stream.synchronize()
 
     def close(self) -> None:
         """Drain every copy, let the device go idle, and refuse copies from now on.

@@ -442,7 +442,14 @@ class Tiers:
         return _pattern(self.device.layout, self.device.device)
 
     def read_device(self, pages: Sequence[int]) -> torch.Tensor:
-        """Return the KV held in device ``pages`` (tests, examples)."""
+        """Return the KV held in device ``pages`` (tests, examples), read on the current stream.
+
+        On CUDA with a ``compute_stream`` the current stream first waits for
+        the work queued on that one so far, where :meth:`write_tokens` writes,
+        so the read follows the KV written before it; the host never blocks.
+        """
+        if self._forward is not None:  # CUDA only
+            torch.cuda.current_stream(self.device.device).wait_stream(self._forward)
         return self.device.read(pages)
 
 

@@ -7,14 +7,19 @@ cannot tell it apart, except that it can:
 * fail chosen copies (counted from 1 in start order): the copy runs, its
   completion carries a :class:`~fsm_cache.errors.CopyFailed`, and its
   destination pages are poisoned with ``0xFF`` bytes, as a half-done copy would
-  leave them;
+  leave them: a load's device pages in the copy's own order, on its stream
+  (:meth:`~fsm_cache.memory.copies.CopyEngine.queue_after`), so compute made to
+  wait for the load reads the poison; a backup's host pages when its failure
+  is delivered (on CUDA a write to host memory cannot be queued behind a copy);
 * refuse chosen copies at start, raising :class:`CopyFailed` with nothing started;
 * hold every acknowledgement back for ``delay`` extra polls;
 * deliver the acknowledgements of one poll in a seeded random order.
 
 Pages stay busy until their ticket is delivered, so early frees stay visible.
 :meth:`FaultyCopyEngine.copier` builds the ``CacheConfig(copier=...)`` factory
-that wraps each new cache's engine.
+that wraps each new cache's engine, built by the engine factory it is given
+(``engine=``: ``CopyEngine`` by default; a ``functools.partial`` of it with
+its options, or :func:`~fsm_cache.testing.fakecuda.deferred_copier`).
 """
 
 from __future__ import annotations
@@ -97,31 +102,55 @@ class FaultyCopyEngine:
         self._held: list[_Held] = []
 
     @classmethod
-    def copier(cls, **faults: Unpack[Faults]) -> Callable[[KVPool, KVPool], Self]:
-        """Return a ``CacheConfig(copier=...)`` factory: this engine over a new ``CopyEngine``.
+    def copier(
+        cls,
+        *,
+        engine: Callable[[KVPool, KVPool], CopyEngine] = CopyEngine,
+        **faults: Unpack[Faults],
+    ) -> Callable[[KVPool, KVPool], Self]:
+        """Return a ``CacheConfig(copier=...)`` factory: this engine over a new inner engine.
 
         A cache calls its copier with its two pools; each call builds a new
-        :class:`CopyEngine` over them and wraps it with these faults, so caches
-        built from one config never share an engine or its count of starts.
-        Called on a subclass, it builds that subclass (whose initialiser must
-        take the same arguments). The factory pickles where ``cls`` does.
+        engine over them with ``engine`` and wraps it with these faults, so
+        caches built from one config never share an engine or its count of
+        starts. ``engine`` takes whatever options the plain engine would: a
+        cache's ``compute_stream``, which a copier must give its engine itself
+        (``engine=functools.partial(CopyEngine, compute_stream=forward)``), or
+        fake CUDA streams (``engine=deferred_copier(seed=3)``). Called on a
+        subclass, it builds that subclass (whose initialiser must take the
+        same arguments). The factory pickles where ``cls`` and ``engine`` do.
 
         Args:
+            engine: Builds the engine that really copies from the device and
+                host pools: any ``CacheConfig(copier=...)`` factory of a
+                :class:`CopyEngine`.
             **faults: The keyword arguments of :class:`FaultyCopyEngine`
                 (``fail``, ``refuse``, ``delay``, ``shuffle``, ``seed``, ``poison``).
 
         Raises:
-            TypeError: A keyword that is none of those, here rather than when a
-                cache first builds its engine.
+            TypeError: A keyword that is none of those, or an ``engine`` that
+                is not callable, here rather than when a cache first builds
+                its engine.
         """
         unknown = sorted(faults.keys() - Faults.__optional_keys__)
         if unknown:
             raise TypeError(f"{cls.__name__}.copier got unknown faults: {', '.join(unknown)}")
-        return functools.partial(cls._over, **faults)
+        if not callable(engine):
+            raise TypeError(
+                f"{cls.__name__}.copier: engine must build a CopyEngine from the device and "
+                f"host pools, got {type(engine).__name__}"
+            )
+        return functools.partial(cls._over, engine, **faults)
 
     @classmethod
-    def _over(cls, device: KVPool, host: KVPool, **faults: Unpack[Faults]) -> Self:
-        return cls(CopyEngine(device, host), **faults)
+    def _over(
+        cls,
+        engine: Callable[[KVPool, KVPool], CopyEngine],
+        device: KVPool,
+        host: KVPool,
+        **faults: Unpack[Faults],
+    ) -> Self:
+        return cls(engine(device, host), **faults)
 
     def start_write(
         self,
@@ -190,6 +219,9 @@ class FaultyCopyEngine:
     def _watch(self, ticket: Ticket) -> Ticket:
         if self.started in self.fail:
             self._doomed[ticket.id] = self.started
+            if self.poison and ticket.direction is Direction.H2D:  # ordered with the copy
+                fill = functools.partial(self.inner.device.fill, ticket.dst_pages, POISON)
+                self.inner.queue_after(ticket, fill)
         return ticket
 
     def submit(self) -> None:
@@ -212,6 +244,14 @@ class FaultyCopyEngine:
         fails on the device would be.
         """
         return self.inner.wait(ticket_ids, stream)
+
+    def queue_after(self, ticket: Ticket, work: Callable[[], None]) -> None:
+        """Queue ``work`` after ``ticket``'s copy (the inner engine's :meth:`CopyEngine.queue_after`).
+
+        A ticket whose acknowledgement is held back here has been reported by
+        the inner engine, which refuses it: its copy has finished.
+        """
+        self.inner.queue_after(ticket, work)
 
     def close(self) -> None:
         """Close the inner engine and drop held acknowledgements; idempotent."""
@@ -237,10 +277,8 @@ class FaultyCopyEngine:
         if position is None:
             return completion
         ticket = completion.ticket
-        if self.poison:
-            to_device = ticket.direction is Direction.H2D
-            pool = self.inner.device if to_device else self.inner.host
-            pool.fill(ticket.dst_pages, POISON)
+        if self.poison and ticket.direction is Direction.D2H:  # the copy has finished
+            self.inner.host.fill(ticket.dst_pages, POISON)
         return Completion(ticket, CopyFailed(f"injected failure of copy {position}"))
 
     def in_flight(self) -> list[Ticket]:

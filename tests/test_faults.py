@@ -1,0 +1,210 @@
+"""Injected faults on streams: a failed copy's poison in the copy's order, and the copier factory.
+
+A failed load models a half-done copy: on a GPU the poison must land where the
+copy's bytes would have, on the copy's stream, so compute made to wait for the
+load reads it. These tests run that ordering on fake streams
+(:mod:`fsm_cache.testing.fakecuda`), where nothing queued runs until it is
+needed, and on a GPU where there is one.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from fsm_cache.cache.hicache import HiCache
+from fsm_cache.memory.copies import CopyEngine, Stream
+from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
+from fsm_cache.memory.tiers import CacheConfig
+from fsm_cache.testing.fakecuda import FakeStream, FakeStreams, deferred_copier
+from fsm_cache.testing.faults import POISON, FaultyCopyEngine
+
+
+CPU = torch.device("cpu")
+LAYOUT = KVLayout(layers=2, heads=2, head_dim=4, dtype=torch.float16, page_size=4)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class _Recorded(FakeStreams):
+    """Fake streams that remember the stream each piece of work was queued on."""
+
+    def __init__(self, max_polls: int = 1000) -> None:
+        super().__init__(max_polls=max_polls)
+        self.queued: list[Stream] = []
+
+    def run_on(self, stream: Stream, work: Callable[[], None]) -> None:
+        self.queued.append(stream)
+        super().run_on(stream, work)
+
+
+def _pools(where: torch.device = CPU) -> tuple[KVPool, KVPool]:
+    """A device pool whose page p holds words p + 1, and a host pool whose page p holds 100 + p."""
+    dev = device_pool(LAYOUT, 8, where)
+    host = host_pool(LAYOUT, 8, pin=where.type == "cuda", device=where)
+    for p in range(8):
+        dev.words[p].fill_(p + 1)
+        host.words[p].fill_(100 + p)
+    return dev, host
+
+
+def _fill(pool: KVPool, page: int, word: int) -> None:
+    pool.words[page].fill_(word)
+
+
+def _poisoned(pool: KVPool, page: int) -> bool:
+    return bool((pool.read([page]).view(torch.uint8) == POISON).all())
+
+
+def test_a_failed_loads_poison_lands_in_the_copys_order_on_its_stream() -> None:
+    """Compute waiting for the load reads the poison, which nothing put on the compute stream."""
+    fake = _Recorded()
+    dev, host = _pools()
+    engine = FaultyCopyEngine(CopyEngine(dev, host, streams=fake), fail=[1])
+    h2d = fake.streams[1]  # the engine's side streams: d2h, then h2d
+    ticket = engine.start_load([3], [6])
+    assert not _poisoned(dev, 6)  # nothing ran yet: neither the copy nor its poison
+    assert fake.queued
+    assert all(s is h2d for s in fake.queued)
+    compute = fake.current_stream(CPU)
+    assert engine.wait([ticket.id])  # an injected failure is known only when it is reported
+    seen: list[bool] = []
+    compute.enqueue(lambda: seen.append(_poisoned(dev, 6)))
+    compute.synchronize()
+    assert seen == [True]
+    queued = len(fake.queued)
+    (done,) = engine.drain()
+    assert (done.ticket, str(done.error)) == (ticket, "injected failure of copy 1")
+    assert _poisoned(dev, 6)
+    assert len(fake.queued) == queued  # delivering the failure queues nothing more
+    assert compute.pending == 0
+    assert bool((dev.words[5] == 6).all())  # its neighbours keep their bytes
+    assert bool((dev.words[7] == 8).all())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_failed_load_is_reported_only_after_its_poison_landed(seed: int) -> None:
+    fake = FakeStreams(seed=seed, max_polls=3)
+    dev, host = _pools()
+    engine = FaultyCopyEngine(CopyEngine(dev, host, streams=fake), fail=[2])
+    first, second = engine.start_load([1], [4]), engine.start_load([2], [5])
+    done = []
+    for _ in range(20):
+        for completion in engine.poll():
+            page = completion.ticket.dst_pages[0]
+            done.append((completion.ticket, completion.ok, _poisoned(dev, page)))
+    assert done == [(first, True, False), (second, False, True)]
+    assert bool((dev.words[4] == 101).all())
+
+
+def test_a_failed_backup_poisons_its_host_pages_when_its_failure_is_delivered() -> None:
+    """A host write cannot be queued behind a copy on CUDA: it waits for the copy's report."""
+    fake = _Recorded()
+    dev, host = _pools()
+    engine = FaultyCopyEngine(CopyEngine(dev, host, streams=fake), fail=[1])
+    engine.start_write([2], [5])
+    assert engine.poll() == []  # submitted, not landed
+    queued = len(fake.queued)
+    fake.synchronize(CPU)  # the copy lands
+    assert bool((host.words[5] == 3).all())
+    (done,) = engine.poll()
+    assert str(done.error) == "injected failure of copy 1"
+    assert _poisoned(host, 5)
+    assert len(fake.queued) == queued
+
+
+def test_a_failed_load_on_a_cpu_engine_is_poisoned_once_it_has_run() -> None:
+    """Without streams a load runs in ``start_load``, and its poison right after it."""
+    dev, host = _pools()
+    engine = FaultyCopyEngine(CopyEngine(dev, host), fail=[1], delay=2)
+    engine.start_load([3], [6])
+    assert _poisoned(dev, 6)
+    assert engine.poll() == []
+    unpoisoned = FaultyCopyEngine(CopyEngine(dev, host), fail=[1], poison=False)
+    unpoisoned.start_load([3], [7])
+    assert [str(c.error) for c in unpoisoned.drain()] == ["injected failure of copy 1"]
+    assert bool((dev.words[7] == 103).all())
+
+
+def test_copier_builds_its_engine_with_the_factory_it_is_given() -> None:
+    """The engine's options (a compute stream, fake streams) reach it through ``engine=``."""
+    fake = FakeStreams(max_polls=0)
+    forward = FakeStream(CPU, "forward")
+    build = FaultyCopyEngine.copier(
+        fail=[2], engine=functools.partial(CopyEngine, streams=fake, compute_stream=forward)
+    )
+    dev, host = _pools()
+    engine = build(dev, host)
+    assert type(engine.inner) is CopyEngine
+    forward.enqueue(functools.partial(_fill, dev, 2, 7))  # the forward pass writes page 2, queued
+    write, load = engine.start_write([2], [5]), engine.start_load([0], [1])
+    assert [(c.ticket, c.ok) for c in engine.drain()] == [(write, True), (load, False)]
+    assert bool((host.words[5] == 7).all())  # the backup waited for the forward pass
+    assert _poisoned(dev, 1)
+    assert len(fake.events) == 2
+
+
+def test_a_cache_orders_a_faulty_engines_copies_after_its_forward_stream() -> None:
+    """``HiCache(compute_stream=)`` refuses a copier: the copier's engine takes the stream."""
+    fake = FakeStreams(max_polls=0)
+    forward = FakeStream(CPU, "forward")
+    ran: list[str] = []
+    engine = functools.partial(CopyEngine, streams=fake, compute_stream=forward)
+    config = CacheConfig(
+        device_pages=16, host_pages=32, page_size=4, layers=1, heads=1, head_dim=4,
+        device="cpu", debug=True, copier=FaultyCopyEngine.copier(delay=1, engine=engine),
+    )  # fmt: skip
+    cache = HiCache(config)
+    forward.enqueue(lambda: ran.append("forward pass"))
+    cache.insert(list(range(8)))  # write-through: a backup starts as the insert returns
+    while cache.tiers.copier.in_flight():
+        cache.poll()
+    assert ran == ["forward pass"]
+    cache.close()
+
+
+def test_copier_over_deferred_copies_and_its_options_pickle() -> None:
+    fake = FakeStreams(max_polls=0)
+    dev, host = _pools()
+    engine = FaultyCopyEngine.copier(engine=deferred_copier(streams=fake))(dev, host)
+    engine.start_load([0], [1])
+    assert [c.ok for c in engine.drain()] == [True]
+    assert len(fake.events) == 1
+    build = pickle.loads(
+        pickle.dumps(FaultyCopyEngine.copier(engine=functools.partial(CopyEngine, batch_polls=2)))
+    )
+    batched = build(dev, host)
+    ticket = batched.start_write([3], [3])
+    assert batched.poll() == []  # the batch waits for its second poll
+    assert [c.ticket for c in batched.poll()] == [ticket]
+
+
+def test_copier_refuses_an_engine_that_cannot_be_called_when_called() -> None:
+    with pytest.raises(TypeError) as caught:
+        FaultyCopyEngine.copier(engine="CopyEngine", fail=[1])  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        "FaultyCopyEngine.copier: engine must build a CopyEngine from the device and host "
+        "pools, got str"
+    )
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_failed_loads_poison_is_what_a_waiting_cuda_stream_reads() -> None:
+    """On a GPU: compute on its own stream, made to wait for the load, reads the poison."""
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    dev, host = _pools(cuda)
+    forward = torch.cuda.Stream(cuda)  # type: ignore[no-untyped-call]
+    engine = FaultyCopyEngine(CopyEngine(dev, host, compute_stream=forward), fail=[1])
+    ticket = engine.start_load([3], [6])
+    assert engine.wait([ticket.id])
+    with torch.cuda.stream(forward):
+        seen = dev.read([6]).view(torch.uint8).clone()
+    forward.synchronize()
+    assert bool((seen == POISON).all())
+    (done,) = engine.drain()
+    assert str(done.error) == "injected failure of copy 1"
+    engine.close()
