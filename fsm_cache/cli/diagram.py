@@ -33,9 +33,9 @@ from pathlib import Path
 
 from fsm_cache.cli.files import STDOUT, current_text, output_argument, write_files
 from fsm_cache.diagram import FORMATS, DiagramError, one_line, render
-from fsm_cache.shell import named_once, path_argument
+from fsm_cache.shell import named_once, path_argument, path_text
 from fsm_cache.spec.loader import load_spec, spec_files
-from fsm_cache.spec.shipped import shipped_spec_paths, spec_dir
+from fsm_cache.spec.shipped import shipped_spec_paths, spec_argument, spec_dir
 
 
 DEFAULT_DIR = Path("docs/diagrams")
@@ -71,9 +71,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "specs",
         nargs="*",
-        type=path_argument,
+        type=lambda text: Path(spec_argument(path_text(text))),
         metavar="SPEC",
-        help="spec TOML files (none: fsm_cache's own specs, for --check/--write in its checkout)",
+        help="spec TOML files, or fsm_cache:NAME for a shipped spec (none: fsm_cache's own "
+        "specs, for --check/--write in its checkout)",
     )
     # --format and --dir default to None, so one given where it is not used is told and refused
     parser.add_argument("--format", choices=FORMATS, help=f"default: {DEFAULT_FORMAT}")

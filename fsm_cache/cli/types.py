@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from fsm_cache.cli.files import STDOUT, current_text, file_argument, output_argument, write_files
-from fsm_cache.shell import path_argument
+from fsm_cache.shell import path_text
 from fsm_cache.spec.loader import load_spec, spec_files
+from fsm_cache.spec.shipped import spec_argument
 from fsm_cache.spec.stubs import is_stub, stub
 
 
@@ -35,7 +36,12 @@ def register(subparsers: Any) -> None:
         help="generate Literal types of a spec's states and events for mypy",
         description="Print the typed stub of SPEC (states and events as Literal types).",
     )
-    parser.add_argument("spec", type=path_argument, metavar="SPEC", help="a .toml spec file")
+    parser.add_argument(
+        "spec",
+        type=lambda text: Path(spec_argument(path_text(text))),
+        metavar="SPEC",
+        help="a .toml spec file, or fsm_cache:NAME for a shipped spec",
+    )
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
         "--write", type=output_argument, metavar="FILE", help="write the stub to FILE (-: stdout)"

@@ -19,6 +19,7 @@ from fsm_cache.errors import SpecError
 from fsm_cache.shell import path_text
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import MachineSpec, Spec
+from fsm_cache.spec.shipped import spec_argument
 
 
 def register(subparsers: Any) -> None:
@@ -29,7 +30,11 @@ def register(subparsers: Any) -> None:
         description="Load and validate each SPEC file; exit 2 if any has a problem.",
     )
     parser.add_argument(
-        "specs", nargs="+", type=path_text, metavar="SPEC", help="a .toml spec file"
+        "specs",
+        nargs="+",
+        type=lambda text: spec_argument(path_text(text)),
+        metavar="SPEC",
+        help="a .toml spec file, or fsm_cache:NAME for a shipped spec",
     )
     parser.set_defaults(handler=run)
 

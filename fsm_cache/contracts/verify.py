@@ -41,7 +41,7 @@ from fsm_cache.shell import find_pyproject, named_once, path_text, summary_line
 from fsm_cache.spec.controls import Control, controls, load_finding, relative, render_controls
 from fsm_cache.spec.loader import load_snapshot, load_spec, read_toml
 from fsm_cache.spec.machine import Spec, System, as_system
-from fsm_cache.spec.shipped import shipped_spec_paths
+from fsm_cache.spec.shipped import shipped_spec_paths, spec_argument
 
 
 POOL_CONTRACTS = "fsm_cache.contracts.pages"
@@ -492,9 +492,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "targets",
         nargs="*",
-        type=path_text,
+        type=lambda text: spec_argument(path_text(text)),
         metavar="SPEC_OR_MODULE",
-        help="spec .toml files, contract modules (.py or dotted names); default: the shipped specs, pool contracts and negative controls",
+        help="spec .toml files (fsm_cache:NAME for a shipped spec), contract modules (.py or dotted names); default: the shipped specs, pool contracts and negative controls",
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument(

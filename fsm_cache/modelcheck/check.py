@@ -63,7 +63,7 @@ from fsm_cache.shell import named_once, path_text, summary_line
 from fsm_cache.spec.controls import Control, controls, load_finding, render_controls
 from fsm_cache.spec.loader import load_snapshot, load_spec, unreadable
 from fsm_cache.spec.machine import System, as_system, comparisons
-from fsm_cache.spec.shipped import shipped_spec_paths
+from fsm_cache.spec.shipped import shipped_spec_paths, spec_argument
 
 
 SHAPES: dict[str, Callable[[int], list[int]]] = {
@@ -882,9 +882,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "specs",
         nargs="*",
-        type=path_text,
+        type=lambda text: spec_argument(path_text(text)),
         metavar="SPEC",
-        help="spec .toml files; default: the shipped specs and the negative controls",
+        help="spec .toml files, or fsm_cache:NAME for a shipped spec; default: the shipped "
+        "specs and the negative controls",
     )
     parser.add_argument(
         "--nodes",

@@ -52,7 +52,7 @@ from fsm_cache.spec.machine import (
     bad_name,
     bad_title,
 )
-from fsm_cache.spec.shipped import SHIPPED, shipped_names, spec_dir
+from fsm_cache.spec.shipped import shipped_file
 
 
 if sys.version_info >= (3, 11):
@@ -675,14 +675,12 @@ def _named_file(where: str, rel: str, base: Path, problems: _Problems) -> Path |
     shipped spec ``NAME`` in the installed package; a name that is none is
     reported at ``where``, with the names there are, and gives None.
     """
-    if not rel.startswith(SHIPPED):
-        return base / rel
-    name, names = rel[len(SHIPPED) :], shipped_names()
-    if name not in names:
-        known = ", ".join(names) or "none here"
-        problems.add(where, f"no shipped spec {shown(name)} (shipped: {known})")
+    try:
+        shipped = shipped_file(rel)
+    except SpecError as exc:
+        problems.add(where, exc.problems[0])
         return None
-    return spec_dir() / f"{name}.toml"
+    return base / rel if shipped is None else shipped
 
 
 def _cycle(path: Path, links: tuple[_Link, ...]) -> tuple[_Link, ...]:

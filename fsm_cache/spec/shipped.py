@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import reprlib
 from functools import cache
 from pathlib import Path
 
@@ -39,6 +41,44 @@ site-packages, which would hold only on the machine it was written on.
 def shipped_names() -> list[str]:
     """Return the names of the shipped specs (``residency``, ...), sorted."""
     return [path.stem for path in shipped_spec_paths()]
+
+
+def shipped_file(ref: str) -> Path | None:
+    """Return the file ``ref`` names if it is a shipped spec's name (:data:`SHIPPED`), else None.
+
+    The one rule for ``fsm_cache:NAME``, wherever a spec is named: in
+    ``extends``, a composition's region, or a command's SPEC argument.
+
+    Raises:
+        SpecError: ``ref`` is ``fsm_cache:NAME`` and no shipped spec is
+            ``NAME``; the one problem lists the names there are
+            (``no shipped spec 'resid' (shipped: device_residency, ...)``).
+    """
+    if not ref.startswith(SHIPPED):
+        return None
+    name, names = ref[len(SHIPPED) :], shipped_names()
+    if name not in names:
+        known = ", ".join(names) or "none here"
+        raise SpecError([f"no shipped spec {reprlib.repr(name)} (shipped: {known})"])
+    return spec_dir() / f"{name}.toml"
+
+
+def spec_argument(text: str) -> str:
+    """Return a command's SPEC argument as a path: a shipped spec's file for ``fsm_cache:NAME``.
+
+    An argparse ``type`` (after :func:`fsm_cache.shell.path_text`), so
+    ``fsm-cache diagram fsm_cache:residency`` draws the installed copy,
+    wherever the package is, as ``extends = "fsm_cache:residency"`` reads it.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` names no shipped spec
+            (:func:`shipped_file`); argparse reports it and exits 2.
+    """
+    try:
+        path = shipped_file(text)
+    except SpecError as exc:
+        raise argparse.ArgumentTypeError(exc.problems[0]) from None
+    return text if path is None else str(path)
 
 
 @cache
