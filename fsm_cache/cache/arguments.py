@@ -39,18 +39,19 @@ class TokenKey(tuple[int, ...]):
     A tuple of non-negative Python ints, checked when it is built, as SGLang's
     scheduler builds a request's ``RadixKey`` once: the cache takes it as it
     is, where a list or tensor is converted and checked at every call.
-
-    Args:
-        tokens: The token ids: a sequence of ints, or a 1-d tensor or array.
-
-    Raises:
-        BadArgument: ``tokens`` is not a sequence of ints in ``0 <= id < 2**64``.
     """
 
     __slots__ = ()
 
     def __new__(cls, tokens: Tokens = ()) -> TokenKey:
-        """Check ``tokens`` and hold them."""
+        """Check ``tokens`` and hold them.
+
+        Args:
+            tokens: The token ids: a sequence of ints, or a 1-d tensor or array.
+
+        Raises:
+            BadArgument: ``tokens`` is not a sequence of ints in ``0 <= id < 2**64``.
+        """
         return super().__new__(cls, ints(tokens, "TokenKey", "tokens"))
 
 
