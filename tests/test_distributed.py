@@ -60,6 +60,7 @@ with warnings.catch_warnings():
     from fsm_cache.cache.arguments import TokenKey
     from fsm_cache.cache.eventlog import EventLog
     from fsm_cache.cache.hicache import HiCache
+    from fsm_cache.cache.replay import replay
     from fsm_cache.cli import bench
     from fsm_cache.distributed import agreement
     from fsm_cache.distributed.agreement import (
@@ -87,6 +88,7 @@ with warnings.catch_warnings():
         BadArgument,
         ConfigError,
         CopyFailed,
+        InvariantViolation,
         NoProcessGroup,
         RankDivergence,
         RankFailure,
@@ -1011,6 +1013,55 @@ def failed_on_one_rank(rank: int, world: int) -> dict[str, Any]:
     return {"raised": raised, "unchanged": fingerprint(cache) == before, "said": outcomes(shared)}
 
 
+def failed_taking_over(rank: int, world: int, *, everywhere: bool) -> dict[str, Any]:
+    """The allocator breaks as an insert's new leaf takes its pages: on the last rank, or on all.
+
+    The leaf stayed in the tree before the failure, unlogged, holding pages the
+    allocator did not give it: a replay of the rank's log skipped the insert
+    and built another tree, and where it broke on every rank the step agreed
+    on caches that all held the broken leaf.
+    """
+    selective = bench_config(debug=True, write_policy="write_through_selective")
+    shared = DistributedCache(HiCache(selective), timeout=TIMEOUT)
+    cache = shared.cache
+    for tokens in chat_trace(4, seed=1):
+        serve_request(cache, tokens)
+        shared.step()
+    before = fingerprint(cache)
+    allocator = cache.tiers.device.allocator
+    if everywhere or rank == world - 1:
+
+        def broken(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("injected allocator fault")
+
+        allocator.reassign = broken  # type: ignore[method-assign]
+    try:
+        cache.insert(list(range(5000, 5032)))
+        raised = "served"
+    except RuntimeError as exc:
+        raised = str(exc)
+    finally:
+        vars(allocator).pop("reassign", None)
+    unchanged = fingerprint(cache) == before
+    try:
+        said = outcomes(shared)
+    except InvariantViolation as exc:  # a debug cache's check after the step applied
+        said = [str(exc)]
+    replayed = fingerprint(replay(cache.log, selective)) == fingerprint(cache)
+    try:
+        cache.check_invariants()
+        sound = "sound"
+    except InvariantViolation as exc:
+        sound = str(exc)
+    return {
+        "raised": raised,
+        "unchanged": unchanged,
+        "said": said,
+        "replayed": replayed,
+        "sound": sound,
+    }
+
+
 def queued_on_one_rank(rank: int, world: int) -> str:
     """The last rank keeps a node queued for a copy that no operation started.
 
@@ -1041,6 +1092,8 @@ def answers_worker(rank: int, world: int, store: str, out: str) -> None:
         "write_refused": a_write_refused_on_one_rank(rank, world),
         "different_loads": waits_for_different_loads(rank, world),
         "failed_on_one": failed_on_one_rank(rank, world),
+        "taking_over_on_one": failed_taking_over(rank, world, everywhere=False),
+        "taking_over_everywhere": failed_taking_over(rank, world, everywhere=True),
         "queued_on_one": queued_on_one_rank(rank, world),
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
@@ -1134,6 +1187,33 @@ def test_an_operation_that_failed_on_one_rank_is_named_at_the_step(answers: Resu
     assert last["raised"] == "injected allocator fault"
     assert last["unchanged"]  # the failed insert changed nothing there
     assert first["said"] == last["said"] == [want] * 3
+
+
+def test_an_allocator_that_broke_as_a_new_leaf_took_its_pages_changed_nothing(
+    answers: Results,
+) -> None:
+    """The leaf stayed, unlogged: the rank's log replayed into another tree, and where it
+    broke on every rank the step agreed on caches that all held it."""
+    key = hash(tuple(range(5000, 5032))) & ((1 << 64) - 1)
+    want = (
+        "rank divergence after transition 8: an operation failed on some ranks only: "
+        f"rank 0 had no failure, rank 1's insert(<32 ids {key:016x}>, None, None) raised "
+        "RuntimeError: injected allocator fault"
+    )
+    first, last = (r["taking_over_on_one"] for r in answers)
+    assert first["raised"] == "served"
+    assert last["raised"] == "injected allocator fault"
+    assert last["unchanged"]
+    assert first["said"] == last["said"] == [want] * 3
+    for result in answers:
+        assert result["taking_over_on_one"]["replayed"]
+        assert result["taking_over_on_one"]["sound"] == "sound"
+        report = result["taking_over_everywhere"]
+        assert report["raised"] == "injected allocator fault"
+        assert report["unchanged"]
+        assert report["said"] == ["ok"] * 3
+        assert report["replayed"]
+        assert report["sound"] == "sound"
 
 
 def test_a_rank_with_a_copy_queued_alone_is_named(answers: Results) -> None:
