@@ -710,7 +710,10 @@ class HiCache:
             when the chain is shorter than the load-back threshold, device
             memory cannot be freed for it, the node left the tree meanwhile,
             or the copy engine refused to start the copy (the chain is then
-            host-only again, its ``load_failed`` fired).
+            host-only again, its ``load_failed`` fired). Under tensor-parallel
+            agreement a refused start is a copy that failed instead, applied
+            at the next step: the chain is returned on every rank, and
+            :meth:`wait_loaded` answers False for it.
 
         Raises:
             BadArgument: ``node`` is not a tree node.

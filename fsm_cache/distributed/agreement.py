@@ -47,7 +47,10 @@ first in the hit count's all-reduce, the second in the step's).
 Whether a chain still loading can be read (the wrapped cache's
 :meth:`~fsm_cache.cache.hicache.HiCache.wait_loaded`) is agreed too, since each
 rank's copy engine knows only its own launches: every rank answers False where
-any rank does, so that every rank runs the same forward pass.
+any rank does, so that every rank runs the same forward pass. A copy that
+this rank's copy engine refuses to start is kept in flight as a copy that
+failed here (:meth:`~DistributedCache._keep_refused`), so that every rank
+answers alike and fails it at the same step.
 
 Every method here is a collective: all ranks of the group call it, in the same
 order; so are a lookup that asks a storage tier about its tail and the wrapped
