@@ -13,7 +13,13 @@ from fsm_cache.cache.eventlog import EventLog
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.replay import replay
 from fsm_cache.cache.storage_tier import StorageConfig
-from fsm_cache.errors import BadArgument, CopyFailed, NoHostCopy, ReplayMismatch
+from fsm_cache.errors import (
+    BadArgument,
+    CopyFailed,
+    EffectFailed,
+    NoHostCopy,
+    ReplayMismatch,
+)
 from fsm_cache.memory.copies import CopyEngine
 from fsm_cache.memory.kv import KVPool
 from fsm_cache.memory.tickets import Ticket
@@ -165,6 +171,30 @@ def test_an_allocator_that_breaks_as_the_new_leaf_takes_its_pages_changes_nothin
     again = replay(cache.log, BASE)
     assert again.log.transitions() == cache.log.transitions()
     assert states(again) == states(cache)
+
+
+def test_an_allocator_that_breaks_as_a_node_adopts_its_pages_leaves_it_as_it_was() -> None:
+    """The effect set the node's device pages before the allocator handed them over.
+
+    The event was refused (``EffectFailed``), so the node stayed off the device
+    holding device pages: invariant 9 broke at the next check.
+    """
+    cache = HiCache(replace(BASE, debug=True))
+    prompt = list(range(16))
+    cache.insert(prompt)
+    cache.poll()
+    assert cache.evict(16) == 16
+    before = states(cache)
+    allocator = cache.tiers.device.allocator
+    allocator.reassign = _Breaking(allocator.reassign, {1}, RuntimeError("allocator broke"))  # type: ignore[method-assign]
+    with pytest.raises(EffectFailed, match="allocator broke"):
+        cache.insert(prompt)
+    vars(allocator).pop("reassign")
+    assert states(cache) == before
+    assert [n.device_pages for n in cache.tree] == [()]
+    cache.check_invariants()
+    cache.insert(prompt)  # the allocator works again
+    assert states(cache) == [(1, "backed/resident (pins=0, locks=0)")]
 
 
 def test_a_copy_engine_that_breaks_in_an_insert_s_wait_changes_nothing() -> None:
