@@ -60,6 +60,7 @@ with warnings.catch_warnings():
     from fsm_cache.cache.arguments import TokenKey
     from fsm_cache.cache.eventlog import EventLog
     from fsm_cache.cache.hicache import HiCache
+    from fsm_cache.cache.replay import replay
     from fsm_cache.cli import bench
     from fsm_cache.distributed import agreement
     from fsm_cache.distributed.agreement import (
@@ -87,6 +88,7 @@ with warnings.catch_warnings():
         BadArgument,
         ConfigError,
         CopyFailed,
+        InvariantViolation,
         NoProcessGroup,
         RankDivergence,
         RankFailure,
@@ -868,23 +870,104 @@ def a_failure_held_back_on_one_rank(rank: int, world: int) -> dict[str, Any]:
     return {"applied": applied, "held": held, "said": said, "acks": acks}
 
 
-def waits_for_different_loads(rank: int, world: int) -> list[str]:
-    """The last rank's first load is refused at its start, so it waits for the second prompt's.
+class _BrokenStart(FaultyCopyEngine):
+    """Raises RuntimeError, no refusal (a broken engine), at the next load's start, once."""
 
-    Its ``load_back`` gave up (the refused start failed the load there alone) and
-    the others' did not: their waits must not pair up as if they were one.
+    def __init__(self, inner: CopyEngine, **faults: Any) -> None:
+        super().__init__(inner, **faults)
+        self.break_next = False
+
+    def start_load(self, host_pages: Any, device_pages: Any, *, stream: Any = None) -> Ticket:
+        if self.break_next:
+            self.break_next = False
+            raise RuntimeError("injected broken engine")
+        return super().start_load(host_pages, device_pages, stream=stream)
+
+
+def a_load_refused_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    """The last rank's copy engine refuses to start a load: every rank must answer alike.
+
+    The refused start failed the load at once there alone: that rank's
+    ``load_back`` answered None where the others' answered the chain, and
+    the ranks parted at the call, named only at the next collective.
     """
-    refuse = {3} if rank == world - 1 else set()  # two backups, then the first load
-    copier = FaultyCopyEngine.copier(refuse=refuse)
+    copier = FaultyCopyEngine.copier()
     shared = DistributedCache(
         HiCache(bench_config(debug=True, copier=copier, load_back_threshold=1)), timeout=TIMEOUT
+    )
+    cache, prompt = shared.cache, list(range(16))
+    host_only(shared, prompt)
+    engine = cache.tiers.copier
+    assert isinstance(engine, FaultyCopyEngine)
+    if rank == world - 1:
+        engine.refuse = frozenset({engine.started + 1})
+    chain = cache.load_back(cache.match_prefix(prompt).last_host_node)
+    report: dict[str, Any] = {"chain": None if chain is None else [n.id for n in chain]}
+    try:
+        lock = cache.lock(chain[-1]) if chain else None
+        said = [cache.wait_loaded(chain or [])]
+        applied = shared.step()  # failed on every rank; locked, so copied again
+        said.append(cache.wait_loaded(chain or []))
+        if lock is not None:
+            lock.release()
+        shared.drain()
+        shared.verify_agreement()
+    except RankDivergence as exc:
+        report["divergence"] = str(exc)
+        return report
+    acks = [[number, ok] for _, batch in cache.log.acknowledgements() for number, ok in batch]
+    node = chain[-1].residency() if chain else None
+    report.update(said=said, applied=applied, acks=acks, node=node)
+    return report
+
+
+def a_write_refused_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    """The last rank's copy engine refuses to start a backup: it must fail on every rank.
+
+    The refused start failed the backup at once there alone (``unbacked``
+    there, ``writing`` elsewhere), and the next step named the ranks apart.
+    """
+    refuse = {1} if rank == world - 1 else set()
+    shared = DistributedCache(
+        HiCache(bench_config(debug=True, copier=FaultyCopyEngine.copier(refuse=refuse))),
+        timeout=TIMEOUT,
+    )
+    cache = shared.cache
+    cache.insert(list(range(16)))
+    report: dict[str, Any] = {"after_insert": cache.tree.nodes[1].residency()}
+    try:
+        report["applied"] = shared.step()
+        shared.drain()
+        shared.verify_agreement()
+    except RankDivergence as exc:
+        report["divergence"] = str(exc)
+        return report
+    report["node"] = cache.tree.nodes[1].residency()
+    return report
+
+
+def waits_for_different_loads(rank: int, world: int) -> list[str]:
+    """The last rank's engine breaks at its first load's start, so it waits for the second's.
+
+    Its ``load_back`` raised (the broken start failed the load there alone) and
+    the others' did not: their waits must not pair up as if they were one.
+    """
+    shared = DistributedCache(
+        HiCache(bench_config(debug=True, copier=_BrokenStart.copier(), load_back_threshold=1)),
+        timeout=TIMEOUT,
     )
     cache = shared.cache
     prompts = [list(range(16)), list(range(100, 116))]
     host_only(shared, *prompts)
+    engine = cache.tiers.copier
+    assert isinstance(engine, _BrokenStart)
+    engine.break_next = rank == world - 1
     try:
         for prompt in prompts:
-            chain = cache.load_back(cache.match_prefix(prompt).last_host_node)
+            try:
+                chain = cache.load_back(cache.match_prefix(prompt).last_host_node)
+            except CopyFailed:
+                continue
             if chain:
                 cache.wait_loaded(chain)
                 break
@@ -930,6 +1013,55 @@ def failed_on_one_rank(rank: int, world: int) -> dict[str, Any]:
     return {"raised": raised, "unchanged": fingerprint(cache) == before, "said": outcomes(shared)}
 
 
+def failed_taking_over(rank: int, world: int, *, everywhere: bool) -> dict[str, Any]:
+    """The allocator breaks as an insert's new leaf takes its pages: on the last rank, or on all.
+
+    The leaf stayed in the tree before the failure, unlogged, holding pages the
+    allocator did not give it: a replay of the rank's log skipped the insert
+    and built another tree, and where it broke on every rank the step agreed
+    on caches that all held the broken leaf.
+    """
+    selective = bench_config(debug=True, write_policy="write_through_selective")
+    shared = DistributedCache(HiCache(selective), timeout=TIMEOUT)
+    cache = shared.cache
+    for tokens in chat_trace(4, seed=1):
+        serve_request(cache, tokens)
+        shared.step()
+    before = fingerprint(cache)
+    allocator = cache.tiers.device.allocator
+    if everywhere or rank == world - 1:
+
+        def broken(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("injected allocator fault")
+
+        allocator.reassign = broken  # type: ignore[method-assign]
+    try:
+        cache.insert(list(range(5000, 5032)))
+        raised = "served"
+    except RuntimeError as exc:
+        raised = str(exc)
+    finally:
+        vars(allocator).pop("reassign", None)
+    unchanged = fingerprint(cache) == before
+    try:
+        said = outcomes(shared)
+    except InvariantViolation as exc:  # a debug cache's check after the step applied
+        said = [str(exc)]
+    replayed = fingerprint(replay(cache.log, selective)) == fingerprint(cache)
+    try:
+        cache.check_invariants()
+        sound = "sound"
+    except InvariantViolation as exc:
+        sound = str(exc)
+    return {
+        "raised": raised,
+        "unchanged": unchanged,
+        "said": said,
+        "replayed": replayed,
+        "sound": sound,
+    }
+
+
 def queued_on_one_rank(rank: int, world: int) -> str:
     """The last rank keeps a node queued for a copy that no operation started.
 
@@ -956,8 +1088,12 @@ def answers_worker(rank: int, world: int, store: str, out: str) -> None:
     report: dict[str, Any] = {
         "launch_failed": a_launch_failed_on_one_rank(rank, world),
         "failure_held_back": a_failure_held_back_on_one_rank(rank, world),
+        "load_refused": a_load_refused_on_one_rank(rank, world),
+        "write_refused": a_write_refused_on_one_rank(rank, world),
         "different_loads": waits_for_different_loads(rank, world),
         "failed_on_one": failed_on_one_rank(rank, world),
+        "taking_over_on_one": failed_taking_over(rank, world, everywhere=False),
+        "taking_over_everywhere": failed_taking_over(rank, world, everywhere=True),
         "queued_on_one": queued_on_one_rank(rank, world),
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
@@ -1005,6 +1141,29 @@ def test_a_load_whose_launch_failed_on_one_rank_is_unready_on_every_rank(
         assert report["node"] == "backed/resident (pins=0, locks=0)"
 
 
+def test_a_load_refused_at_its_start_on_one_rank_is_answered_alike(answers: Results) -> None:
+    """Refused there, it failed at once there alone: ``load_back`` said None on that rank only."""
+    for result in answers:
+        report = result["load_refused"]
+        assert report.get("divergence") is None
+        assert report["chain"] == [1]
+        assert report["said"] == [False, True]
+        assert report["applied"] == 1
+        # the load (copy 2) applied as failed on every rank, and copied again (copy 3)
+        assert report["acks"] == [[1, True], [2, False], [3, True]]
+        assert report["node"] == "backed/resident (pins=0, locks=0)"
+
+
+def test_a_write_refused_at_its_start_on_one_rank_fails_on_every_rank(answers: Results) -> None:
+    """Refused there, it failed at once there alone, and the next step named the ranks apart."""
+    for result in answers:
+        report = result["write_refused"]
+        assert report.get("divergence") is None
+        assert report["after_insert"] == "writing/resident (pins=0, locks=0)"
+        assert report["applied"] == 1
+        assert report["node"] == "unbacked/resident (pins=0, locks=0)"
+
+
 def test_waits_for_different_loads_part_the_ranks_at_the_wait(answers: Results) -> None:
     """The wait compares the digests: a rank whose load gave up alone is named there."""
     want = (
@@ -1028,6 +1187,33 @@ def test_an_operation_that_failed_on_one_rank_is_named_at_the_step(answers: Resu
     assert last["raised"] == "injected allocator fault"
     assert last["unchanged"]  # the failed insert changed nothing there
     assert first["said"] == last["said"] == [want] * 3
+
+
+def test_an_allocator_that_broke_as_a_new_leaf_took_its_pages_changed_nothing(
+    answers: Results,
+) -> None:
+    """The leaf stayed, unlogged: the rank's log replayed into another tree, and where it
+    broke on every rank the step agreed on caches that all held it."""
+    key = hash(tuple(range(5000, 5032))) & ((1 << 64) - 1)
+    want = (
+        "rank divergence after transition 8: an operation failed on some ranks only: "
+        f"rank 0 had no failure, rank 1's insert(<32 ids {key:016x}>, None, None) raised "
+        "RuntimeError: injected allocator fault"
+    )
+    first, last = (r["taking_over_on_one"] for r in answers)
+    assert first["raised"] == "served"
+    assert last["raised"] == "injected allocator fault"
+    assert last["unchanged"]
+    assert first["said"] == last["said"] == [want] * 3
+    for result in answers:
+        assert result["taking_over_on_one"]["replayed"]
+        assert result["taking_over_on_one"]["sound"] == "sound"
+        report = result["taking_over_everywhere"]
+        assert report["raised"] == "injected allocator fault"
+        assert report["unchanged"]
+        assert report["said"] == ["ok"] * 3
+        assert report["replayed"]
+        assert report["sound"] == "sound"
 
 
 def test_a_rank_with_a_copy_queued_alone_is_named(answers: Results) -> None:

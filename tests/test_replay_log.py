@@ -13,7 +13,13 @@ from fsm_cache.cache.eventlog import EventLog
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.replay import replay
 from fsm_cache.cache.storage_tier import StorageConfig
-from fsm_cache.errors import BadArgument, CopyFailed, NoHostCopy, ReplayMismatch
+from fsm_cache.errors import (
+    BadArgument,
+    CopyFailed,
+    EffectFailed,
+    NoHostCopy,
+    ReplayMismatch,
+)
 from fsm_cache.memory.copies import CopyEngine
 from fsm_cache.memory.kv import KVPool
 from fsm_cache.memory.tickets import Ticket
@@ -133,6 +139,62 @@ def test_an_allocator_that_breaks_in_an_insert_is_logged_and_changes_nothing() -
     assert again.log.transitions() == cache.log.transitions()
     assert states(again) == states(cache)
     assert again.log.failures() == []
+
+
+@pytest.mark.parametrize("caller_slots", [False, True])
+def test_an_allocator_that_breaks_as_the_new_leaf_takes_its_pages_changes_nothing(
+    caller_slots: bool,
+) -> None:
+    """The leaf was hung in the tree before its pages were handed to it, and stayed.
+
+    Nothing was logged before the failure, so a replay skipped the insert and
+    built a cache without the leaf the recording kept (and its later nodes
+    under other ids); the recording's own pages were held by a node the
+    allocator did not know.
+    """
+    cache = HiCache(replace(BASE, debug=True))
+    cache.insert(list(range(8)))
+    cache.poll()
+    prompt = list(range(100, 116))
+    given = cache.alloc_slots(len(prompt)) if caller_slots else None
+    before = (states(cache), owners(cache), cache.tiers.copier.in_flight())
+    allocator = cache.tiers.device.allocator
+    allocator.reassign = _Breaking(allocator.reassign, {1}, RuntimeError("allocator broke"))  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="allocator broke"):
+        cache.insert(prompt, given)
+    assert (states(cache), owners(cache), cache.tiers.copier.in_flight()) == before
+    cache.check_invariants()
+    assert cache.log.failures() == [("insert", "RuntimeError: allocator broke")]
+    cache.insert(prompt, given)  # the allocator works again; the slots were still the caller's
+    cache.poll()
+    assert [n.id for n in cache.tree.nodes.values()] == [1, 2]
+    again = replay(cache.log, BASE)
+    assert again.log.transitions() == cache.log.transitions()
+    assert states(again) == states(cache)
+
+
+def test_an_allocator_that_breaks_as_a_node_adopts_its_pages_leaves_it_as_it_was() -> None:
+    """The effect set the node's device pages before the allocator handed them over.
+
+    The event was refused (``EffectFailed``), so the node stayed off the device
+    holding device pages: invariant 9 broke at the next check.
+    """
+    cache = HiCache(replace(BASE, debug=True))
+    prompt = list(range(16))
+    cache.insert(prompt)
+    cache.poll()
+    assert cache.evict(16) == 16
+    before = states(cache)
+    allocator = cache.tiers.device.allocator
+    allocator.reassign = _Breaking(allocator.reassign, {1}, RuntimeError("allocator broke"))  # type: ignore[method-assign]
+    with pytest.raises(EffectFailed, match="allocator broke"):
+        cache.insert(prompt)
+    vars(allocator).pop("reassign")
+    assert states(cache) == before
+    assert [n.device_pages for n in cache.tree] == [()]
+    cache.check_invariants()
+    cache.insert(prompt)  # the allocator works again
+    assert states(cache) == [(1, "backed/resident (pins=0, locks=0)")]
 
 
 def test_a_copy_engine_that_breaks_in_an_insert_s_wait_changes_nothing() -> None:

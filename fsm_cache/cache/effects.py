@@ -96,7 +96,13 @@ class MemoryEffects:
         self._transfers.queue(Direction.H2D, node)
 
     def adopt_device(self, node: TreeNode) -> None:
-        """Take the staged device pages, which already hold the node's KV (recomputed)."""
-        node.device_pages = self._core.take_staged(node.id)
+        """Take the staged device pages, which already hold the node's KV (recomputed).
+
+        The allocator hands them over first: where it breaks (an error from
+        outside the cache), the node is left as it was, as an effect that
+        raises must leave its record (:class:`~fsm_cache.errors.EffectFailed`).
+        """
+        pages = self._core.take_staged(node.id)
+        self._tiers.device.allocator.reassign(pages, 0, node.id)
+        node.device_pages = pages
         self._evictor.offer(node)
-        self._tiers.device.allocator.reassign(node.device_pages, 0, node.id)

@@ -378,7 +378,9 @@ class HiCache:
                     break
                 cached += len(node.key)
             fresh = self._fresh_pages(walk.path, key, args)
-            added = self._take_over(walk.path, walk.matched, key, fresh, namespace)
+            added = self._take_over(
+                walk.path, walk.matched, key, fresh, namespace, allocated=args is None
+            )
             touched = (*walk.path, *added)
             self._core.touch(touched)
             self._transfers.maybe_backup_each(touched)
@@ -442,18 +444,34 @@ class HiCache:
         key: tuple[int, ...],
         fresh: dict[int, Pages],
         namespace: Hashable,
+        *,
+        allocated: bool,
     ) -> tuple[TreeNode, ...]:
         """Hang the new tail under the walk's end and adopt the host-only path nodes.
 
         ``fresh`` holds request-held pages (:meth:`_fresh_pages`), so no step
-        here can be refused. Returns the new leaf, if there is one.
+        here can be refused. An allocator that breaks as the new leaf takes its
+        pages (an error from outside the cache) leaves the tree as it was: the
+        leaf and its id are taken back, and the pages go back to the pool where
+        the cache allocated them (``allocated``), or stay the caller's. The
+        leaf was never logged, so where the insert logged nothing before (no
+        eviction made room) a replay skips it, and under tensor parallelism
+        the rank it broke on is named at the next step. Returns the new leaf,
+        if there is one.
         """
         added: tuple[TreeNode, ...] = ()
         tree = self._core.tree
         if matched < len(key):
             parent = path[-1] if path else tree.root(namespace)
-            leaf = tree.add_leaf(parent, key[matched:], fresh.pop(slots.NEW_TAIL))
-            self.tiers.device.allocator.reassign(leaf.device_pages, REQUEST, leaf.id)
+            pages = fresh.pop(slots.NEW_TAIL)
+            leaf = tree.add_leaf(parent, key[matched:], pages)
+            try:
+                self.tiers.device.allocator.reassign(pages, REQUEST, leaf.id)
+            except BaseException:
+                tree.retract(leaf)
+                if allocated:
+                    self.tiers.free_device((*pages, *chain.from_iterable(fresh.values())), REQUEST)
+                raise
             self._evictor.offer(leaf)
             added = (leaf,)
         for node in path:
@@ -692,7 +710,10 @@ class HiCache:
             when the chain is shorter than the load-back threshold, device
             memory cannot be freed for it, the node left the tree meanwhile,
             or the copy engine refused to start the copy (the chain is then
-            host-only again, its ``load_failed`` fired).
+            host-only again, its ``load_failed`` fired). Under tensor-parallel
+            agreement a refused start is a copy that failed instead, applied
+            at the next step: the chain is returned on every rank, and
+            :meth:`wait_loaded` answers False for it.
 
         Raises:
             BadArgument: ``node`` is not a tree node.

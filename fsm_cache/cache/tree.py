@@ -173,6 +173,18 @@ class RadixTree:
         if last is not None and node in last[2].path:  # a walk elsewhere went the same way
             self._last = None
 
+    def retract(self, node: TreeNode) -> None:
+        """Take back the leaf :meth:`add_leaf` made last, and its id, as if it had never been.
+
+        For an insert whose next step failed from outside the cache before
+        anything else saw the leaf: the next node gets the id it would have
+        had, so an event log, which names nodes by id, reads as if the failed
+        insert had changed nothing (a replay skips it), and so does a
+        tensor-parallel digest.
+        """
+        self.remove_leaf(node)
+        self._ids = itertools.count(node.id)
+
     def split(self, node: TreeNode, at: int) -> TreeNode:
         """Split ``node`` after ``at`` tokens; return the new prefix node (the old one's parent).
 

@@ -47,7 +47,10 @@ first in the hit count's all-reduce, the second in the step's).
 Whether a chain still loading can be read (the wrapped cache's
 :meth:`~fsm_cache.cache.hicache.HiCache.wait_loaded`) is agreed too, since each
 rank's copy engine knows only its own launches: every rank answers False where
-any rank does, so that every rank runs the same forward pass.
+any rank does, so that every rank runs the same forward pass. A copy that
+this rank's copy engine refuses to start is kept in flight as a copy that
+failed here (:meth:`~DistributedCache._keep_refused`), so that every rank
+answers alike and fails it at the same step.
 
 Every method here is a collective: all ranks of the group call it, in the same
 order; so are a lookup that asks a storage tier about its tail and the wrapped
@@ -96,7 +99,7 @@ from fsm_cache.errors import (
     RankDivergence,
     RankFailure,
 )
-from fsm_cache.memory.tickets import Completion
+from fsm_cache.memory.tickets import Completion, Copier, Direction, Ticket
 from fsm_cache.numeric import real, whole
 
 
@@ -229,7 +232,9 @@ class DistributedCache:
         self._resets = 0
         self._log = cache.log
         self._digest = TransitionDigest(cache.log)
+        self._refused = 0  # starts the copy engine refused, kept in flight as failed copies
         cache.transfers.take_acks_from(self, self._agree_wait, self._failed_here)
+        cache.transfers.start_copies_with(_AgreedStarts(cache.tiers.copier, self._keep_refused))
         if cache.storage is not None:
             cache.storage.agree_by(self._agree_hits)
 
@@ -291,6 +296,36 @@ class DistributedCache:
         self._finished.clear()
         self._stalled_since = self._stalled_head = None
         self._loss = None
+
+    def _keep_refused(
+        self, direction: Direction, src: Sequence[int], dst: Sequence[int], refusal: CopyFailed
+    ) -> Ticket:
+        """Keep a start this rank's copy engine refused in flight, as a copy that failed.
+
+        Refused at once, it would fail its nodes on this rank alone (a ``load_back``
+        that answers None here and a chain elsewhere, a node ``unbacked`` here and
+        ``writing`` elsewhere), and the ranks would part at the call. Kept in
+        flight under a ticket of its own (a negative id, which no copy engine
+        hands out) with its failure already buffered, it takes a copy number as
+        on every other rank, a load wait answers False for it on every rank
+        (:meth:`_failed_here`), and the step that reaches it applies it as
+        failed on every rank, as a copy that failed in flight here only.
+
+        Args:
+            direction: The copy's direction.
+            src: The pages it would have read.
+            dst: The pages it would have written.
+            refusal: What the copy engine refused it with.
+        """
+        self._follow_reset()  # a reset before this start must not drop its failure later
+        self._refused += 1
+        ticket = Ticket(-self._refused, direction, tuple(src), tuple(dst))
+        error = CopyFailed(
+            f"rank {self.rank} of {self.world_size}: the copy engine refused to start the "
+            f"copy: {refusal}"
+        )
+        self._finished[ticket.id] = Completion(ticket, error)
+        return ticket
 
     @property
     def buffered(self) -> int:
@@ -647,7 +682,8 @@ class DistributedCache:
     def _failed_here(self, tickets: Sequence[int]) -> bool:
         """Whether a copy of ``tickets`` finished failed on this rank, held back until agreed.
 
-        The copy engine reported it at a :meth:`step` and forgot it; the
+        The copy engine reported it at a :meth:`step` and forgot it, or
+        refused to start it (:meth:`_keep_refused`) and never knew it; the
         slower ranks had not finished theirs, so it waits here unapplied, its
         node still loading. A load wait must then say False on this rank, and
         so on every rank: the copy never wrote the pages the forward pass
@@ -806,6 +842,45 @@ class DistributedCache:
         tree = self.cache.tree.nodes
         here = {n: tree[n].residency() for n in dict.fromkeys(nodes) if n in tree}
         return self.comm.all_gather_object(here)
+
+
+class _AgreedStarts:
+    """The copy engine's starts, with a start it refuses kept in flight as a failed copy.
+
+    A copy engine refuses a start with :class:`~fsm_cache.errors.CopyFailed`
+    on one rank only (a destination still busy there, an engine closed
+    there); :class:`~fsm_cache.cache.transfers.Transfers` would fail the copy
+    at once, on that rank alone. Anything else the engine raises (a broken
+    engine) is left to :class:`~fsm_cache.cache.transfers.Transfers`, which
+    fails the copy and raises it to the caller.
+
+    Args:
+        copier: This rank's copy engine.
+        keep: Makes the ticket a refused start is kept in flight under
+            (:meth:`DistributedCache._keep_refused`).
+    """
+
+    def __init__(
+        self,
+        copier: Copier,
+        keep: Callable[[Direction, Sequence[int], Sequence[int], CopyFailed], Ticket],
+    ) -> None:
+        self._copier = copier
+        self._keep = keep
+
+    def start_write(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Ticket:
+        """Start a device-to-host copy; a refused one is kept in flight, failed."""
+        try:
+            return self._copier.start_write(device_pages, host_pages)
+        except CopyFailed as refusal:
+            return self._keep(Direction.D2H, device_pages, host_pages, refusal)
+
+    def start_load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> Ticket:
+        """Start a host-to-device copy; a refused one is kept in flight, failed."""
+        try:
+            return self._copier.start_load(host_pages, device_pages)
+        except CopyFailed as refusal:
+            return self._keep(Direction.H2D, host_pages, device_pages, refusal)
 
 
 _SHORTEST_TIMEOUT = 0.001
