@@ -832,11 +832,11 @@ def test_copies_and_their_acknowledgements_are_read_from_the_effects(layout: Lay
     memory = layout.memory
     assert memory.tiers == ("host", "device")
     assert memory.copying == {"host": {"writing": copies.D2H}, "device": {"loading": copies.H2D}}
-    assert {event: (ack.copy.name, ack.ok) for event, ack in memory.acks.items()} == {
-        "write_done": ("device-to-host", True),
-        "write_failed": ("device-to-host", False),
-        "load_done": ("host-to-device", True),
-        "load_failed": ("host-to-device", False),
+    assert {event: [(a.copy.name, a.ok) for a in acks] for event, acks in memory.acks.items()} == {
+        "write_done": [("device-to-host", True)],
+        "write_failed": [("device-to-host", False)],
+        "load_done": [("host-to-device", True)],
+        "load_failed": [("host-to-device", False)],
     }
     assert [memory.claims("host", s) for s in ("unbacked", "writing", "backed", "evicted")] == [
         "free",
@@ -1210,21 +1210,21 @@ def test_the_storage_tier_is_a_third_tier_of_memory_read_from_the_effects(
         "device": {"loading": copies.H2D},
         "storage": {"storing": copies.H2S},
     }
-    assert {event: (ack.copy.name, ack.ok) for event, ack in memory.acks.items()} == {
-        "write_done": ("device-to-host", True),
-        "write_failed": ("device-to-host", False),
-        "fetch_done": ("storage-to-host", True),
-        "fetch_failed": ("storage-to-host", False),
-        "load_done": ("host-to-device", True),
-        "load_failed": ("host-to-device", False),
-        "store_done": ("host-to-storage", True),
-        "store_failed": ("host-to-storage", False),  # no pages to free: it leads to unstored
+    assert {event: [(a.copy.name, a.ok) for a in acks] for event, acks in memory.acks.items()} == {
+        "write_done": [("device-to-host", True)],
+        "write_failed": [("device-to-host", False)],
+        "fetch_done": [("storage-to-host", True)],
+        "fetch_failed": [("storage-to-host", False)],
+        "load_done": [("host-to-device", True)],
+        "load_failed": [("host-to-device", False)],
+        "store_done": [("host-to-storage", True)],
+        "store_failed": [("host-to-storage", False)],  # no pages to free: it leads to unstored
     }
     assert memory.reports == {"storage": frozenset({"discover", "vanish"})}
     assert storage.holders.acquires["store"] == (("pins", ("host", "storage")),)
     assert storage.copy_holds == {
-        ("pins", ("host", "device")): copies.H2D,
-        ("pins", ("host", "storage")): copies.H2S,
+        ("pins", ("host", "device")): (copies.H2D,),
+        ("pins", ("host", "storage")): (copies.H2S,),
     }
     assert [memory.claims("storage", s) for s in ("unstored", "storing", "stored", "reading")] == [
         "free",

@@ -649,8 +649,8 @@ def test_code_that_raises_on_an_input_is_a_counterexample_not_a_traceback(
     assert len(bad) == len([r for r in rows if r.function == "_event_evict_host"])
     assert bad[0].detail == (
         "_event_evict_host(host=HostState.unbacked, device=DeviceState.resident, "
-        "storage=StorageState.unstored, pins=0, locks=0, child1_host=None, child2_host=None) "
-        "raises IndexError: tuple index out of range"
+        "storage=StorageState.unstored, pins=0, locks=0, child1_host=None, child2_host=None, "
+        "child3_host=None) raises IndexError: tuple index out of range"
     )
 
 

@@ -45,9 +45,14 @@ _SLIPS = {
         "        or any(getattr(kid, region) == states[0] for kid in kids[1:])\n"
         "    )\n"
     ),
+    "first_two": (
+        "def _child_in(rec, region, states):\n"
+        "    return any(getattr(kid, region) in states for kid in list(rec.children)[:2])\n"
+    ),
 }
 """The tree test read as the first child alone, or as every child, for any child; or
-with a later child tested against the first state of the condition's list only."""
+with a later child tested against the first state of the condition's list only; or
+reading only as many children as the rules tell apart (two)."""
 
 
 def _with_slip(module: Generated, slip: str) -> Generated:
@@ -87,23 +92,34 @@ def test_the_shipped_specs_children_rules_take_two_children() -> None:
 # meet the rule before one that does, or one that does before one that does not.
 _FIRST = {
     "evict_host": "host=HostState.backed, device=DeviceState.resident, "
-    "storage=StorageState.unstored, pins=0, locks=0, "
-    "child1_host=HostState.unbacked, child2_host=HostState.writing",
+    "storage=StorageState.unstored, pins=0, locks=0, child1_host=HostState.unbacked, "
+    "child2_host=HostState.unbacked, child3_host=HostState.writing",
     "load_failed": "host=HostState.pinned, device=DeviceState.loading, "
     "storage=StorageState.unstored, pins=1, locks=0, "
-    "child1_device=DeviceState.absent, child2_device=DeviceState.resident",
+    "child1_device=DeviceState.absent, child2_device=DeviceState.resident, child3_device=None",
 }
 _EVERY = {
     "evict_host": "host=HostState.backed, device=DeviceState.resident, "
-    "storage=StorageState.unstored, pins=0, locks=0, "
-    "child1_host=HostState.unbacked, child2_host=HostState.writing",
+    "storage=StorageState.unstored, pins=0, locks=0, child1_host=HostState.unbacked, "
+    "child2_host=HostState.unbacked, child3_host=HostState.writing",
     "load_failed": "host=HostState.pinned, device=DeviceState.loading, "
-    "storage=StorageState.unstored, pins=1, locks=0, "
-    "child1_device=DeviceState.resident, child2_device=DeviceState.absent",
+    "storage=StorageState.unstored, pins=1, locks=0, child1_device=DeviceState.resident, "
+    "child2_device=DeviceState.resident, child3_device=DeviceState.absent",
+}
+
+_FIRST_TWO = {
+    "evict_host": "host=HostState.backed, device=DeviceState.resident, "
+    "storage=StorageState.unstored, pins=0, locks=0, child1_host=HostState.unbacked, "
+    "child2_host=HostState.unbacked, child3_host=HostState.writing",
+    "load_failed": "host=HostState.pinned, device=DeviceState.loading, "
+    "storage=StorageState.unstored, pins=1, locks=0, child1_device=DeviceState.absent, "
+    "child2_device=DeviceState.absent, child3_device=DeviceState.resident",
 }
 
 
-@pytest.mark.parametrize(("slip", "calls"), [("first", _FIRST), ("every", _EVERY)])
+@pytest.mark.parametrize(
+    ("slip", "calls"), [("first", _FIRST), ("every", _EVERY), ("first_two", _FIRST_TWO)]
+)
 def test_every_input_finds_code_that_reads_children_otherwise_than_any(
     tmp_path: Path, slip: str, calls: dict[str, str]
 ) -> None:
@@ -187,7 +203,8 @@ def test_a_rule_that_takes_three_children_is_given_three(tmp_path: Path) -> None
     module = generate(system, spec)
     assert (
         "child1_host: _Optional[_HostState], child2_host: _Optional[_HostState], "
-        "child3_host: _Optional[_HostState]) -> _Result:" in module.source
+        "child3_host: _Optional[_HostState], child4_host: _Optional[_HostState_evict_host]) "
+        "-> _Result:" in module.source
     )
     domains = exhaustive.counter_domains(system)
     clean = module.write(tmp_path)
@@ -204,8 +221,8 @@ def test_a_rule_that_takes_three_children_is_given_three(tmp_path: Path) -> None
             "evict_host",
             "the step follows the spec",
             "evict_host(host=HostState.backed, device=DeviceState.resident, pins=0, locks=0, "
-            "child1_host=HostState.writing, child2_host=HostState.backed, "
-            "child3_host=HostState.pinned)",
+            "child1_host=HostState.unbacked, child2_host=HostState.writing, "
+            "child3_host=HostState.backed, child4_host=HostState.pinned)",
         )
     ]
 
@@ -235,8 +252,46 @@ def test_every_family_finds_a_later_child_read_against_the_first_state_only(
     }
     assert bad["evict_host"].detail == (
         "evict_host(host=HostState.backed, device=DeviceState.resident, pins=0, locks=0, "
-        "child1_host=HostState.unbacked, child2_host=HostState.backed)"
+        "child1_host=HostState.unbacked, child2_host=HostState.backed, child3_host=None)"
     )
+
+
+def test_one_child_more_than_the_rules_tell_apart_finds_code_that_reads_only_so_many(
+    tmp_path: Path,
+) -> None:
+    """Code that reads only the first two children answers every family of two as the spec does.
+
+    The rules tell two children apart, so families of two never showed it;
+    every family is also given a third child (one state per class), whose
+    ``writing`` below two that meet no rule finds it.
+    """
+    system = residency_system()
+    spec = spec_dir() / "residency.toml"
+    domains = exhaustive.counter_domains(system)
+    classes = _with_slip(generate(system, spec, classes=True), "first_two")
+    assert "child3_host" not in classes.source  # CrossHair's families stay at two
+    rows = exhaustive.check_module("residency", classes.write(tmp_path), domains)
+    assert [r for r in rows if r.failed] == []
+    every = _with_slip(generate(system, spec), "first_two")
+    found = [classes.reported(r) for r in verify.every_family(system, every, tmp_path, rows)]
+    bad = {r.function: r for r in found if r.failed}
+    assert sorted(bad) == ["evict_device", "evict_host", "load_failed"]
+    assert {(r.contract, r.status) for r in bad.values()} == {
+        ("the step follows the spec", crosshair_run.COUNTEREXAMPLE)
+    }
+    assert bad["evict_host"].detail == (
+        "evict_host(host=HostState.backed, device=DeviceState.resident, pins=0, locks=0, "
+        "child1_host=HostState.unbacked, child2_host=HostState.unbacked, "
+        "child3_host=HostState.writing)"
+    )
+    assert (
+        "child1_host: _Optional[_HostState], child2_host: _Optional[_HostState], "
+        "child3_host: _Optional[_HostState_evict_host]) -> _Result:" in every.source
+    )
+    (tmp_path / "clean").mkdir()
+    clean = generate(system, spec).write(tmp_path / "clean")
+    checked = exhaustive.check_module("clean", clean, domains)
+    assert [r for r in checked if r.failed] == []
 
 
 _TIER = """
@@ -327,7 +382,7 @@ def test_verify_finds_a_later_child_read_against_the_first_state_only(
             "the step follows the spec",
             crosshair_run.COUNTEREXAMPLE,
             "drop(tier=TierState.filling, mark=MarkState.filling, "
-            "child1_tier=TierState.empty, child2_tier=TierState.full)",
+            "child1_tier=TierState.empty, child2_tier=TierState.full, child3_tier=None)",
         )
     ]
     assert {r.status for r in rows if not r.failed} == {crosshair_run.CONFIRMED}

@@ -14,7 +14,8 @@ For a spec, :func:`generate` writes a self-contained Python module holding:
   over ``(region states as Enums, counters as ints, the parent's and the
   children's states where the event reads them)``, as many children as its
   rules take to tell apart (:func:`children_needed`), each over every state
-  of its regions (or, for CrossHair, a family's over :func:`family_states`),
+  of its regions, and one more over :func:`family_states` (for CrossHair,
+  no more, and a family's over :func:`family_states`),
   which runs that code on a record and returns the record after the step
   (with, if it refused, the refusal the engine's message is made of: its
   error class, region, event, reason and the other regions it names); rows
@@ -211,11 +212,12 @@ def generate(
     proves the version of the spec its code was generated from, though the
     spec was saved over since; without them, from the files as they are then.
 
-    Every child of a family ranges over every state of its regions; with
+    Every child of a family ranges over every state of its regions, and a
+    child more than the rules tell apart over :func:`family_states`; with
     ``classes``, a family of two or more takes its children's states from
     :func:`family_states` instead, one per class the event's conditions tell
-    apart: fewer paths for CrossHair, for code that treats alike the states
-    those conditions treat alike (:func:`_children`).
+    apart, and no extra child: fewer paths for CrossHair, for code that
+    treats alike the states those conditions treat alike (:func:`_children`).
     """
     em = Emitter(system)
     code: dict[str, str] = {}
@@ -291,7 +293,7 @@ def _context(system: System, event: str, scope: str) -> list[str]:
 
 
 def children_needed(system: System, event: str) -> int:
-    """Return how many children the checked function of ``event`` gives a record, at most.
+    """Return how many children ``event``'s rules take to tell apart (0: its rules read none).
 
     An ``any child`` condition holds when some child meets it. Telling it from
     a reading of the first child only, or of every child, takes a child that
@@ -303,6 +305,9 @@ def children_needed(system: System, event: str) -> int:
     conditions' children are ones that do not meet it. So the most ``k`` of
     ``event``'s refusals, and at least two; none where no refusal reads a
     child. Each child may be absent too, so every smaller family is an input.
+    The checked function takes one child more where it is checked on every
+    input (:func:`_children`): code that reads only the first children this
+    many tell apart answers as the spec does on every family of them.
     """
     most = max(
         (sum(c.scope == "child" for c in f.when) for f in system.forbids_for(event)), default=0
@@ -351,20 +356,29 @@ def _children(system: System, event: str, classes: bool) -> list[list[_Child]]:
 
     Each child ranges over every state of its regions, so a slip that reads
     a later child otherwise than the first (against the first state of a
-    condition's list only, say) meets a family that shows it. With
-    ``classes``, the first child alone ranges over every state, so what each
-    state means to the rules is checked as it is for one child, and a family
-    of two or more takes every child from the :func:`family_states` (the
-    first by a precondition, the others by their enum): every state for each
-    multiplies CrossHair's paths by the states of each child more, past its
-    budget on the shipped specs, so CrossHair proves the classes and
-    :mod:`fsm_cache.contracts.verify` checks every family on every
-    representative input besides.
+    condition's list only, say) meets a family that shows it; and one child
+    more than the rules tell apart (:func:`children_needed`) takes the
+    :func:`family_states`, so code that reads only that many children (the
+    first two, where a third meets a condition) is caught too: one state per
+    class is all such a reading needs, and every state for it would multiply
+    each family's inputs by the states again.
+
+    With ``classes`` (for CrossHair), the first child alone ranges over
+    every state, so what each state means to the rules is checked as it is
+    for one child, and a family of two or more takes every child from the
+    :func:`family_states` (the first by a precondition, the others by their
+    enum), up to :func:`children_needed`: every state for each multiplies
+    CrossHair's paths by the states of each child more, past its budget on
+    the shipped specs, so CrossHair proves the classes and
+    :mod:`fsm_cache.contracts.verify` checks every family, the extra child
+    included, on every representative input besides.
     """
     regions = _context(system, event, "child")
+    needed = children_needed(system, event)
     kids = [[_Child(f"child1_{r}", r, f"_{_enum_name(r)}") for r in regions]]
-    for i in range(2, children_needed(system, event) + 1):
-        kinds = {r: _family_enum(event, r) if classes else f"_{_enum_name(r)}" for r in regions}
+    for i in range(2, needed + (1 if classes else 2)):
+        by_class = classes or i > needed
+        kinds = {r: _family_enum(event, r) if by_class else f"_{_enum_name(r)}" for r in regions}
         kids.append([_Child(f"child{i}_{r}", r, kinds[r]) for r in regions])
     return kids if regions else []
 
@@ -396,7 +410,8 @@ def _checked(system: System, event: str, verb: str, classes: bool) -> str:
     child_views = [f"_view({', '.join(f'{k.region}=_v({k.name})' for k in kid)})" for kid in kids]
     children = f"[c for c in [{', '.join(child_views)}] if c is not None]"
     runner = "_plan" if verb.startswith("_step_") else "_fire"
-    lines = [_family(system, event, k) for k in (kids[1] if len(kids) > 1 and classes else [])]
+    by_class = {k.kind: k for kid in kids for k in kid if k.kind == _family_enum(event, k.region)}
+    lines = [_family(system, event, k) for k in by_class.values()]
     lines += _requires(system, event, parent, kids, classes)
     lines += _ensures(system, event, parent, kids)
     lines.append(f"def {checked_name(event)}({', '.join(params)}) -> _Result:")

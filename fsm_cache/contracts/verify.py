@@ -201,17 +201,18 @@ def every_family(
     class the event's conditions tell apart (``classes`` of
     :func:`~fsm_cache.contracts.generate.generate`): every state for each
     child runs past its budget. So each function that reads children is
-    also called, in ``generated`` (every state for every child), on every
-    family and every representative input
-    (:mod:`fsm_cache.contracts.exhaustive`), and a contract keeps the worse
-    of its two verdicts: a slip that reads a later child otherwise than the
-    first (``writing`` alone of ``[writing, backed, pinned]``) is a
-    counterexample, though CrossHair's classes (``unbacked``, ``writing``)
-    never meet it.
+    also called, in ``generated`` (every state for every child, and one
+    child more over the classes), on every family and every representative
+    input (:mod:`fsm_cache.contracts.exhaustive`), and a contract keeps the
+    worse of its two verdicts: a slip that reads a later child otherwise
+    than the first (``writing`` alone of ``[writing, backed, pinned]``), or
+    reads only as many children as the rules tell apart, is a
+    counterexample, though CrossHair's families (``unbacked``, ``writing``;
+    two children) never meet it.
 
     Args:
         system: The spec.
-        generated: Its contracts module, every child over every state.
+        generated: Its contracts module, every child over every state (and the extra one's classes).
         workdir: The folder to write the module under, in a folder of its own.
         rows: CrossHair's, one per contract of the module with classes.
     """

@@ -21,8 +21,10 @@ transition running its start effect leads (``writing``, ``loading``,
 transition of which, in that region, leaves that copying state
 (``write_done``, ``write_failed``, ``load_done``, ``load_failed``,
 ``store_done``, ``store_failed``, ``fetch_done``, ``fetch_failed``; an
-``evict_host`` that may also leave ``backed`` is not one); an
-acknowledgement reports its copy's failure when it frees the pages the copy
+``evict_host`` that may also leave ``backed`` is not one). One event may
+acknowledge a copy in each of several regions (one batch that ends a load
+and a store at once): each of its acknowledgements is kept, and it completes
+every copy it acknowledges. An acknowledgement reports its copy's failure when it frees the pages the copy
 fills or leads only to states that claim none (``store_failed``: the store's
 pages are not the cache's to free), and its success otherwise. A real copy
 can fail, so a copy that no event ends in a failure (freeing the pages it
@@ -195,7 +197,9 @@ class Memory:
     Attributes:
         tiers: The tiers (regions) whose memory is kept, in order.
         copying: Per tier, its region's copying states, each with the copy that fills the tier there.
-        acks: The acknowledgement events, each with its copy and outcome.
+        acks: The acknowledgement events, each with what it acknowledges: one
+            copy and outcome per region whose copying state it leaves, in
+            region order.
         reports: Per remote tier, the events of its region alone by which the store reports what it did.
         unfailing: One finding per copy that events end, but none in a
             failure (:func:`_unfailing`).
@@ -203,7 +207,7 @@ class Memory:
 
     tiers: tuple[str, ...]
     copying: Mapping[str, Mapping[str, Copy]]
-    acks: Mapping[str, Ack]
+    acks: Mapping[str, tuple[Ack, ...]]
     reports: Mapping[str, frozenset[str]]
     unfailing: tuple[str, ...] = ()
 
@@ -220,7 +224,7 @@ class Memory:
                 copy = _effect(t).starts
                 if copy is not None and copy.fills == region:
                     copying.setdefault(region, {})[t.dest] = copy
-        acks: dict[str, Ack] = {}
+        acks: dict[str, tuple[Ack, ...]] = {}
         for region, machine in system.regions:
             states = copying.get(region, {})
             for event in machine.event_names:
@@ -233,7 +237,7 @@ class Memory:
                     copy = served.pop()
                     frees = any(_effect(t).frees == copy.fills for t in trs)
                     empty = all(t.dest not in HELD[region] for t in trs)
-                    acks[event] = Ack(copy, region, not (frees or empty))
+                    acks[event] = (*acks.get(event, ()), Ack(copy, region, not (frees or empty)))
         moves = {t.event for _, m in system.regions for t in m.transitions if t.effect in EFFECTS}
         # An event another region declares too is the cache's own, not the store's word.
         reports = {
@@ -274,12 +278,17 @@ class Memory:
         failure acknowledgement alone can end it: liveness asks that every
         state settle without these events too.
         """
-        return frozenset(e for e, a in self.acks.items() if a.ok and final(a.copy))
+        return frozenset(
+            e for e, acks in self.acks.items() if any(a.ok and final(a.copy) for a in acks)
+        )
 
     def failure(self, event: str) -> bool:
         """Whether ``event`` acknowledges a copy's failure (the cache may copy again instead)."""
-        ack = self.acks.get(event)
-        return ack is not None and not ack.ok
+        return any(not a.ok for a in self.acks.get(event, ()))
+
+    def acknowledging(self, copy: Copy) -> list[str]:
+        """Return the events that acknowledge ``copy`` (with or without other copies)."""
+        return [e for e, acks in self.acks.items() if any(a.copy == copy for a in acks)]
 
     def in_flight(self, fields: Fields) -> list[Copy]:
         """Return the copies in flight at a node (those filling one of its tiers)."""
@@ -306,7 +315,7 @@ class Memory:
     ) -> Fields:
         """Return a node's memory after ``event``, which ran ``effects`` and left it in ``states``.
 
-        An acknowledgement first completes its copy (the copy finished before
+        An acknowledgement first completes its copies (each finished before
         the cache fired it), then the effects run in order, then what the
         store reports moves its pages. The first step that breaks memory is
         kept as the fault.
@@ -315,9 +324,9 @@ class Memory:
             return fields
         status = dict(zip(self.tiers, (str(s) for s in fields), strict=False))
         fault = ""
-        ack = self.acks.get(event)
-        if ack is not None:
-            fault = _acknowledge(self, status, event, ack, states[ack.region])
+        for ack in self.acks.get(event, ()):
+            if not fault:
+                fault = _acknowledge(self, status, event, ack, states[ack.region])
         for name in effects:
             effect = EFFECTS.get(name)
             if effect is not None and not fault:

@@ -146,21 +146,29 @@ def copies_held(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> str 
     host-to-device copy; ``store``: a host-to-storage copy) is held at a
     node exactly while that copy is in flight there, by the ghost account of
     copies: a copy in flight without its hold could lose its pages to an
-    eviction, and a hold without its copy could never be given back.
+    eviction, and a hold without its copy could never be given back. Where
+    several kinds start the same copy (a ``load``, and a batch that loads
+    and stores under one pin), the copy needs one of them held; a kind that
+    starts several copies is held while one of them is in flight.
     """
     memory = layout.memory
     if not memory.tiers:
         return None
     flying = memory.in_flight(layout.pages(entry))
-    for key, copy in layout.copy_holds.items():
+    for key, started in layout.copy_holds.items():
         held = layout.hold(entry, key)
         by = layout.holders.acquirers(key)
-        if copy in flying and held == 0:
-            return f"invariant 6: node {i}: a {copy.name} copy is in flight but {by} holds no {key[0]} there"
-        if held and copy not in flying:
-            return (
-                f"invariant 6: node {i}: {by} holds {key[0]} but no {copy.name} copy is in flight"
-            )
+        for copy in started:
+            starters = [k for k, copies in layout.copy_holds.items() if copy in copies]
+            if copy not in flying or any(layout.hold(entry, k) for k in starters):
+                continue
+            if len(starters) == 1:
+                return f"invariant 6: node {i}: a {copy.name} copy is in flight but {by} holds no {key[0]} there"
+            named = ", ".join(f"{layout.holders.acquirers(k)} {k[0]}" for k in starters)
+            return f"invariant 6: node {i}: a {copy.name} copy is in flight but none of its holders holds it there ({named})"
+        if held and not any(c in flying for c in started):
+            names = " or ".join(c.name for c in started)
+            return f"invariant 6: node {i}: {by} holds {key[0]} but no {names} copy is in flight"
     return None
 
 

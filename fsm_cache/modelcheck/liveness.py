@@ -189,7 +189,7 @@ def stuck(
         if entry is None or not without:
             continue
         for copy in layout.memory.in_flight(layout.pages(entry)):
-            acks = [e for e, a in layout.memory.acks.items() if a.copy == copy]
+            acks = layout.memory.acknowledging(copy)
             if without.intersection(acks):
                 why = _answers(nodes, i, [e for e in acks if e not in without], refusal)
                 return f"liveness: node {i}: its {copy.name} copy can never fail ({why})"
@@ -197,7 +197,7 @@ def stuck(
         if entry is None or not layout.unsettled(entry):
             continue
         for copy in layout.memory.in_flight(layout.pages(entry)):
-            acks = [e for e, a in layout.memory.acks.items() if a.copy == copy]
+            acks = layout.memory.acknowledging(copy)
             return f"liveness: node {i}: its {copy.name} copy can never finish ({_answers(nodes, i, acks, refusal)})"
         key = next(k for k in layout.holders.kinds if layout.hold(entry, k) > 0)
         gives = [e for e, keys in layout.holders.releases.items() if key in keys]
@@ -208,10 +208,11 @@ def stuck(
 
 def _pending(layout: Layout, entry: tuple[int | str, ...], events: frozenset[str]) -> list[str]:
     """Return the settling events that may apply at a node: its copies' acks, its holds' give-backs."""
+    flying = layout.memory.in_flight(layout.pages(entry))
     out = [
         event
-        for event, ack in layout.memory.acks.items()
-        if event in events and ack.copy in layout.memory.in_flight(layout.pages(entry))
+        for event, acks in layout.memory.acks.items()
+        if event in events and any(a.copy in flying for a in acks)
     ]
     out += [
         event

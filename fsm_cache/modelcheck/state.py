@@ -26,7 +26,7 @@ from functools import cached_property
 from typing import cast
 
 from fsm_cache.errors import ConfigError, SpecError
-from fsm_cache.modelcheck.copies import EFFECTS, Copy, Fields, Memory
+from fsm_cache.modelcheck.copies import COPIES, EFFECTS, Copy, Fields, Memory
 from fsm_cache.policy import PolicyNode, WritePolicy, parent_allows_backup, wants_backup
 from fsm_cache.residency import FETCHING, DeviceState, HostState
 from fsm_cache.spec.holders import Hold, Holders
@@ -99,7 +99,8 @@ class Layout:
         holders: The holder kinds, and the events that acquire and give back each.
         memory: The ghost memory of a node: tiers, copies and their acknowledgements.
         copy_holds: The holder kinds that are copies in flight (``load``, ``store``), each
-            with its copy: the acquiring event starts it.
+            with the copies its acquiring events start (one, or one per
+            region for an event that starts a copy in two).
     """
 
     system: System
@@ -107,7 +108,7 @@ class Layout:
     counters: tuple[str, ...]
     holders: Holders
     memory: Memory
-    copy_holds: Mapping[Hold, Copy]
+    copy_holds: Mapping[Hold, tuple[Copy, ...]]
     _steps: dict[tuple[object, ...], Fields] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -296,11 +297,11 @@ class Layout:
         return any(int(v) > b for v, b in zip(values, bounds, strict=True))
 
 
-def _copy_holds(system: System, holders: Holders, memory: Memory) -> dict[Hold, Copy]:
-    """Return the holder kinds whose acquiring event starts a copy, with the copy it starts."""
+def _copy_holds(system: System, holders: Holders, memory: Memory) -> dict[Hold, tuple[Copy, ...]]:
+    """Return the holder kinds whose acquiring events start copies, with the copies they start."""
     if not memory.tiers:
         return {}
-    out: dict[Hold, Copy] = {}
+    out: dict[Hold, tuple[Copy, ...]] = {}
     for event, keys in holders.acquires.items():
         starts = {
             effect.starts
@@ -308,10 +309,10 @@ def _copy_holds(system: System, holders: Holders, memory: Memory) -> dict[Hold, 
             for t in machine.transitions
             if t.event == event and (effect := EFFECTS.get(t.effect or "")) and effect.starts
         }
-        if len(starts) == 1:
-            copy = starts.pop()
-            out.update(dict.fromkeys(keys, copy))
-    return out
+        for key in keys:
+            copies = (*out.get(key, ()), *starts)
+            out[key] = tuple(c for c in COPIES if c in copies)
+    return {key: copies for key, copies in out.items() if copies}
 
 
 Wants = Callable[[WritePolicy, PolicyNode, int], bool]
@@ -474,7 +475,8 @@ def _acknowledging(layout: Layout, start: str, successes_only: bool) -> dict[str
     leaving = {t.event for t in host if copying in t.sources and t.dest != copying}
     return {
         event: str(copying)
-        for event, ack in layout.memory.acks.items()
+        for event, acks in layout.memory.acks.items()
+        for ack in acks
         if copy is not None and ack.region == "host" and ack.copy == copy
         if event in leaving and (ack.ok or not successes_only)
     }
