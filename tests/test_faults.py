@@ -166,6 +166,16 @@ def test_a_cache_orders_a_faulty_engines_copies_after_its_forward_stream() -> No
     cache.close()
 
 
+def test_the_engines_compute_stream_is_read_through_a_faulty_engine() -> None:
+    """Tiers read it from the copier, so the cache's own KV writes follow the same stream."""
+    forward = FakeStream(CPU, "forward")
+    dev, host = _pools()
+    plain = CopyEngine(dev, host, streams=FakeStreams(max_polls=0))
+    assert plain.compute_stream is None
+    engine = functools.partial(CopyEngine, streams=FakeStreams(max_polls=0), compute_stream=forward)
+    assert FaultyCopyEngine.copier(engine=engine)(dev, host).compute_stream is forward
+
+
 def test_copier_over_deferred_copies_and_its_options_pickle() -> None:
     fake = FakeStreams(max_polls=0)
     dev, host = _pools()

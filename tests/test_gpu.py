@@ -256,3 +256,30 @@ def test_a_cache_given_a_compute_stream_backs_up_the_kv_it_wrote_there() -> None
         want = synthetic_kv(cache.tiers.host.layout, node.key).view(torch.uint8)
         assert torch.equal(cache.tiers.host.read(node.host_pages).view(torch.uint8), want)
     cache.close()
+
+
+def test_a_copiers_engine_with_a_compute_stream_has_the_cache_write_its_kv_there() -> None:
+    """A copier's engine ordered after ``forward``; the cache wrote its KV on the current stream."""
+    from functools import partial
+
+    from fsm_cache.testing.faults import FaultyCopyEngine
+
+    forward = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    engine = partial(CopyEngine, compute_stream=forward)
+    config = CacheConfig(
+        device="cuda", device_pages=64, page_size=16, head_dim=16,
+        copier=FaultyCopyEngine.copier(engine=engine),
+    )  # fmt: skip
+    cache = HiCache(config)
+    torch.cuda.synchronize()
+    prompt = list(range(64))
+    spin()  # the current stream is busy: work queued on it now runs seconds later
+    cache.insert(prompt)
+    while cache.tiers.copier.in_flight():
+        cache.poll()
+    backed = [node for node in cache.tree if node.host_pages]
+    assert backed
+    for node in backed:
+        want = synthetic_kv(cache.tiers.host.layout, node.key).view(torch.uint8)
+        assert torch.equal(cache.tiers.host.read(node.host_pages).view(torch.uint8), want)
+    cache.close()

@@ -329,6 +329,16 @@ class CopyEngine:
             if consumer != producer:
                 after.wait_stream(consumer)
 
+    @property
+    def compute_stream(self) -> object | None:
+        """The stream this engine orders its copies after (``compute_stream``), or None.
+
+        The cache reads it from here (:class:`~fsm_cache.memory.tiers.Tiers`),
+        so the KV it writes itself goes on the stream the copies wait for,
+        however the engine was built.
+        """
+        return self._compute
+
     def submit(self) -> None:
         """Move the open batch now: one submission per direction, in start order.
 

@@ -291,7 +291,10 @@ class Tiers:
             and which :meth:`write_tokens` writes on, as a forward pass would;
             None: the device's current stream at each copy's start. Only for
             the default engine: a ``config.copier`` builds its own engine, and
-            is given the stream there.
+            is given the stream there; :meth:`write_tokens` and
+            :meth:`read_device` then follow the engine's ``compute_stream``
+            where it has one (:attr:`CopyEngine.compute_stream
+            <fsm_cache.memory.copies.CopyEngine.compute_stream>`).
 
     Raises:
         ConfigError: A value is bad (see :meth:`CacheConfig.check`), a
@@ -334,9 +337,13 @@ class Tiers:
         )
         self.page_size = config.page_size
         self.closed = False
-        # CUDA only: the stream write_tokens writes on, so the copies ordered after it see the KV
+        # CUDA only: the stream write_tokens writes on, so the copies ordered after it see the KV.
+        # The engine owns it; a copier's engine may have one too (FaultyCopyEngine's, a user's).
+        forward = getattr(self.copier, "compute_stream", None)
         self._forward = (
-            cast("torch.cuda.Stream", compute_stream) if self.device.device.type == "cuda" else None
+            cast("torch.cuda.Stream", forward)
+            if forward is not None and self.device.device.type == "cuda"
+            else None
         )
 
     def close(self) -> None:

@@ -224,6 +224,11 @@ class FaultyCopyEngine:
                 self.inner.queue_after(ticket, fill)
         return ticket
 
+    @property
+    def compute_stream(self) -> object | None:
+        """The inner engine's compute stream (:attr:`CopyEngine.compute_stream`)."""
+        return self.inner.compute_stream
+
     def submit(self) -> None:
         """Move the inner engine's open batch now (:meth:`CopyEngine.submit`)."""
         self.inner.submit()
