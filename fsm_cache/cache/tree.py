@@ -14,7 +14,6 @@ new prefix node so that every count stays exact.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -105,7 +104,7 @@ class RadixTree:
         self.page_size = page_size
         self.roots: dict[Hashable, TreeNode] = {}
         self.nodes: dict[int, TreeNode] = {}
-        self._ids = itertools.count(1)
+        self._made = 0  # the last node id handed out; ids are never reused but by retract
         self._on_split = on_split
         self._last: tuple[Hashable, Key, Walk] | None = None  # dropped when it may be stale
 
@@ -152,7 +151,8 @@ class RadixTree:
 
     def add_leaf(self, parent: TreeNode, key: Key, device_pages: Pages) -> TreeNode:
         """Create a device-resident, unbacked leaf under ``parent``."""
-        node = TreeNode(next(self._ids), key, parent, device_pages)
+        self._made = made = self._made + 1
+        node = TreeNode(made, key, parent, device_pages)
         _children(parent)[key[: self.page_size]] = node
         self._last = None
         self.nodes[node.id] = node
@@ -181,9 +181,20 @@ class RadixTree:
         had, so an event log, which names nodes by id, reads as if the failed
         insert had changed nothing (a replay skips it), and so does a
         tensor-parallel digest.
+
+        Raises:
+            InvariantViolation: ``node`` is not the last node made, or not a
+                leaf: its id may be known elsewhere, and giving it out again
+                would name two nodes alike. Nothing changes.
         """
+        if node.id != self._made or node.children or node.parent is None:
+            msg = (
+                f"node {node.id}: only the last node made, a leaf, can be retracted "
+                f"(the last made is node {self._made})"
+            )
+            raise InvariantViolation(msg)
         self.remove_leaf(node)
-        self._ids = itertools.count(node.id)
+        self._made = node.id - 1
 
     def split(self, node: TreeNode, at: int) -> TreeNode:
         """Split ``node`` after ``at`` tokens; return the new prefix node (the old one's parent).
@@ -202,7 +213,8 @@ class RadixTree:
             msg = f"node {node.id}: cannot split {len(node.key)} tokens at {at}"
             raise InvariantViolation(msg)
         cut = at // page
-        prefix = TreeNode(next(self._ids), node.key[:at], node.parent, node.device_pages[:cut])
+        self._made = made = self._made + 1
+        prefix = TreeNode(made, node.key[:at], node.parent, node.device_pages[:cut])
         prefix.host_pages = node.host_pages[:cut]
         prefix.host, prefix.device, prefix.pins, prefix.locks = split_prefix(
             node.host, node.device, node.locks, node.storage
