@@ -11,7 +11,7 @@ import pytest
 from fsm_cache.cli.main import main
 from fsm_cache.errors import ConfigError
 from fsm_cache.modelcheck import check, treeops
-from fsm_cache.spec.shipped import spec_dir
+from fsm_cache.spec.shipped import shipped_names, spec_dir
 
 
 RESIDENCY = spec_dir() / "residency.toml"
@@ -340,6 +340,26 @@ def test_the_spec_and_policy_an_ops_module_names_may_be_named_again(
     out = json.loads(capsys.readouterr().out)
     assert status == 1
     assert [(s["spec"], s["policy"]) for s in out["specs"]] == [(again, "write_through")]
+
+
+def test_an_ops_module_names_a_shipped_spec_as_fsm_cache_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``SPEC = "fsm_cache:residency"`` read as a path beside the module: cannot read."""
+    source = (BUGS / "backup_ignores_parent.py").read_text(encoding="utf-8")
+    ops = tmp_path / "ops.py"
+    ops.write_text(source.replace('"../residency.toml"', '"fsm_cache:residency"'), encoding="utf-8")
+    status = main(["check", "--nodes", "2", "--json", "--ops", str(ops), "fsm_cache:residency"])
+    out = json.loads(capsys.readouterr().out)
+    assert status == 1
+    assert [(s["spec"], s["policy"]) for s in out["specs"]] == [
+        (str(RESIDENCY.resolve()), "write_through")
+    ]
+    ops.write_text('SPEC = "fsm_cache:resid"\n', encoding="utf-8")
+    assert main(["check", "--nodes", "2", "--ops", str(ops)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: {ops}: SPEC: no shipped spec 'resid' (shipped: {', '.join(shipped_names())})"
+    )
 
 
 def test_another_spec_or_policy_than_the_ops_module_names_is_refused(

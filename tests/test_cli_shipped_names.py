@@ -37,9 +37,13 @@ def test_a_shipped_name_is_the_installed_file(
     by_name = capsys.readouterr().out
     if words[0] == "check":  # the timing lines differ from run to run
         by_path, by_name = (
-            "\n".join(line for line in out.splitlines() if "/s" not in line and " s" not in line)
+            "\n".join(
+                line for line in out.splitlines() if not line.startswith(("  states/s:", "  time:"))
+            )
             for out in (by_path, by_name)
         )
+        assert by_name.startswith(f"{spec_dir() / 'host_residency.toml'}: 2 nodes")
+        assert "states explored: 64 " in by_name
     assert by_name == by_path
     assert by_name
 
@@ -55,4 +59,15 @@ def test_a_name_no_shipped_spec_has_is_a_usage_error(
     assert err[-1] == (
         f"fsm-cache {command}: error: argument {'SPEC_OR_MODULE' if command == 'verify' else 'SPEC'}: "
         f"no shipped spec 'resid' (shipped: {NAMES})"
+    )
+
+
+def test_a_long_unknown_name_is_quoted_from_its_start(capsys: pytest.CaptureFixture[str]) -> None:
+    """reprlib cut the middle out, so the message showed a name the user never wrote."""
+    name = "bugs_detected/" + "x" * 80
+    with pytest.raises(SystemExit):
+        main(["validate", f"fsm_cache:{name}"])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"fsm-cache validate: error: argument SPEC: no shipped spec {name[:60]!r}... "
+        f"(shipped: {NAMES})"
     )

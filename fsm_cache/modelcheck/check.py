@@ -63,7 +63,7 @@ from fsm_cache.shell import named_once, path_text, summary_line
 from fsm_cache.spec.controls import Control, controls, load_finding, render_controls
 from fsm_cache.spec.loader import load_snapshot, load_spec, unreadable
 from fsm_cache.spec.machine import System, as_system, comparisons
-from fsm_cache.spec.shipped import shipped_spec_paths, spec_argument
+from fsm_cache.spec.shipped import shipped_file, shipped_spec_paths, spec_argument
 
 
 SHAPES: dict[str, Callable[[int], list[int]]] = {
@@ -435,7 +435,9 @@ def load_ops(path: Path) -> tuple[Path, ModuleType]:
             syntax error, an exception, any BaseException but a
             KeyboardInterrupt, or a ``sys.exit`` at import), or a hook is not
             callable.
-        SpecError: The module names no ``SPEC`` or an unknown ``POLICY``.
+        SpecError: The module names no ``SPEC`` (a path relative to the
+            module, or ``fsm_cache:NAME``), a shipped spec that is none, or
+            an unknown ``POLICY``.
     """
     problem = unreadable(path)  # a named pipe would make the import wait for a writer
     if problem is not None:
@@ -457,7 +459,11 @@ def load_ops(path: Path) -> tuple[Path, ModuleType]:
     policy = names.get("POLICY", "none")
     if not isinstance(policy, str) or policy not in POLICIES:
         raise SpecError([f"{path}: POLICY must be one of {', '.join(POLICIES)}"])
-    return (path.parent / target).resolve(), hooks(path, module)
+    try:
+        shipped = shipped_file(target)  # fsm_cache:NAME, as a spec's extends names one
+    except SpecError as exc:
+        raise SpecError([f"{path}: SPEC: {exc.problems[0]}"]) from None
+    return (shipped or path.parent / target).resolve(), hooks(path, module)
 
 
 STOPPED = 3

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import reprlib
 from functools import cache
 from pathlib import Path
 
@@ -43,6 +42,10 @@ def shipped_names() -> list[str]:
     return [path.stem for path in shipped_spec_paths()]
 
 
+_SHOWN = 60
+"""The characters of an unknown name a message quotes: the start the user wrote, then ``...``."""
+
+
 def shipped_file(ref: str) -> Path | None:
     """Return the file ``ref`` names if it is a shipped spec's name (:data:`SHIPPED`), else None.
 
@@ -59,7 +62,8 @@ def shipped_file(ref: str) -> Path | None:
     name, names = ref[len(SHIPPED) :], shipped_names()
     if name not in names:
         known = ", ".join(names) or "none here"
-        raise SpecError([f"no shipped spec {reprlib.repr(name)} (shipped: {known})"])
+        shown = repr(name) if len(name) <= _SHOWN else f"{name[:_SHOWN]!r}..."  # a file's string
+        raise SpecError([f"no shipped spec {shown} (shipped: {known})"])
     return spec_dir() / f"{name}.toml"
 
 
