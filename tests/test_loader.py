@@ -668,6 +668,42 @@ def test_a_fault_across_files_names_each_entry_in_its_file(tmp_path: Path) -> No
     ]
 
 
+UNPRESS_OFF = '[[transition]]\nevent = "unpress"\nsource = "off"\ndest = "off"\n\n'
+"""A transition of ``unpress`` in ``off``, which LAMP's ``forbid[0]`` refuses."""
+
+
+def test_an_overlap_with_a_base_forbid_is_filed_in_the_extension(tmp_path: Path) -> None:
+    """It was filed under the base's forbid, in a file the extension's author may not own."""
+    lamp = write(tmp_path, LAMP, "lamp.toml")
+    dimmer = write(
+        tmp_path, DIMMER.replace("[[forbid]]", UNPRESS_OFF + "[[forbid]]", 1), "dimmer.toml"
+    )
+    assert problems(dimmer) == [
+        f"{dimmer}: transition[2]: overlaps forbid[0] of {lamp} on unpress in off when n=0"
+    ]
+    top = write(tmp_path, "[machine]\nextends = 'dimmer.toml'\nname = 'top'\n", "top.toml")
+    assert problems(top) == [
+        f"{dimmer}: transition[2]: overlaps forbid[0] of {lamp} on unpress in off when n=0; "
+        f"found validating {top}, which extends it"
+    ]
+    refuse = '[[forbid]]\nevent = "press"\nsource = "off"\nerror = "Off"\nreason = "r"\n\n'
+    dimmer = write(tmp_path, DIMMER.replace("[[forbid]]", refuse + "[[forbid]]", 1), "dimmer.toml")
+    assert problems(dimmer) == [  # the forbid is the later entry: filed there, as before
+        f"{dimmer}: forbid[0]: overlaps transition[0] of {lamp} on press in off when n=0"
+    ]
+
+
+def test_an_overlap_with_a_shipped_forbid_is_filed_in_the_extension(tmp_path: Path) -> None:
+    """The shipped spec lies in site-packages: the line must name the file its user can edit."""
+    host = load_shipped("host_residency").source
+    text = "[machine]\nextends = 'fsm_cache:host_residency'\nname = 'mine'\n\n"
+    text += '[[transition]]\nevent = "write"\nsource = "writing"\ndest = "writing"\n'
+    mine = write(tmp_path, text, "mine.toml")
+    assert problems(mine) == [
+        f"{mine}: transition[0]: overlaps forbid[1] of {host} on write in writing when pins=0"
+    ]
+
+
 def test_a_base_two_levels_down_is_said_to_be_reached_through_the_files_between(
     tmp_path: Path,
 ) -> None:

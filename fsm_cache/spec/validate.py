@@ -62,7 +62,8 @@ def validate(spec: Spec, chains: Chains | None = None) -> None:
     Args:
         spec: The spec to check.
         chains: The files each of its files builds on (:data:`Chains`), which
-            tell how a base's fault is reached.
+            tell how a base's fault is reached, and which of two files is the
+            later, whose entry a fault between them is filed under.
     """
     found = problems(spec, chains)
     if found:
@@ -82,7 +83,7 @@ def problems(spec: Spec, chains: Chains | None = None) -> list[str]:
     lines = [
         *slips,
         *_initial(spec),
-        *_determinism(spec),
+        *_determinism(spec, chain),
         *gaps,
         *_safety(spec),
         *_liveness(spec),
@@ -122,6 +123,24 @@ def _reached(file: str, chain: Sequence[str]) -> str:
         return "which builds on it"
     through = chain[: chain.index(file)]
     return f"which builds on it through {', '.join(through)}" if through else "which extends it"
+
+
+def _later(file: str, other: str, chain: Sequence[str]) -> bool:
+    """Return whether the file ``file`` builds on ``other`` (:func:`_held`'s names, "" the spec's own).
+
+    A fault between entries of two files is the later one's: the one its
+    author wrote knowing of the other, and may edit, where the other may be
+    a shipped spec in site-packages. Files ``chain`` does not name are not
+    told apart.
+    """
+    return _depth(file, chain) < _depth(other, chain)
+
+
+def _depth(file: str, chain: Sequence[str]) -> int:
+    """Return how many ``extends`` lie between the spec and ``file``: 0 its own, past ``chain`` unknown."""
+    if not file:
+        return 0
+    return 1 + chain.index(file) if file in chain else len(chain) + 1
 
 
 def _held(spec: Spec, entry: _Entry) -> str:
@@ -428,7 +447,14 @@ def _initial(spec: MachineSpec) -> Iterator[_Line]:
         )
 
 
-def _determinism(spec: MachineSpec) -> Iterator[_Line]:
+def _determinism(spec: MachineSpec, chain: Sequence[str]) -> Iterator[_Line]:
+    """Each overlap of two transitions, a transition and a forbid, or two forbids.
+
+    One is filed under the later of the two entries, ``chain`` (the files
+    ``spec`` builds on) ordering two files: two transitions or two forbids
+    at the one listed second, a transition and a forbid at the forbid,
+    unless the transition's file builds on the forbid's.
+    """
     moved = _places(spec, "transition", spec.transitions)
     refused = _places(spec, "forbid", spec.forbids)
     for st in spec.states:
@@ -455,7 +481,13 @@ def _determinism(spec: MachineSpec) -> Iterator[_Line]:
                 file, key = refused[k]
                 for i, tr in moves:
                     both = _overlap(spec, st.invariant, tr.guard, fb.guard)
-                    if both is not None:
+                    if both is None:
+                        continue
+                    tr_file, tr_key = moved[i]
+                    if _later(tr_file, file, chain):  # the base's forbid, met by an added move
+                        other = _named(spec, refused[k], tr_file)
+                        yield tr_file, f"{tr_key}: overlaps {other} {at}{_when(both)}"
+                    else:
                         other = _named(spec, moved[i], file)
                         yield file, f"{key}: overlaps {other} {at}{_when(both)}"
                 for m, earlier in refusals[:n]:
