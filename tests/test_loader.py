@@ -32,6 +32,7 @@ from fsm_cache.spec.loader import (
 )
 from fsm_cache.spec.machine import EventSpec, Forbid, MachineSpec, StateSpec, System, Transition
 from fsm_cache.spec.shipped import load_shipped, shipped_names, spec_dir
+from fsm_cache.spec.validate import problems as validate_problems
 
 
 if sys.version_info >= (3, 11):
@@ -667,6 +668,84 @@ def test_a_fault_across_files_names_each_entry_in_its_file(tmp_path: Path) -> No
     ]
 
 
+UNPRESS_OFF = '[[transition]]\nevent = "unpress"\nsource = "off"\ndest = "off"\n\n'
+"""A transition of ``unpress`` in ``off``, which LAMP's ``forbid[0]`` refuses."""
+
+
+def test_an_overlap_with_a_base_forbid_is_filed_in_the_extension(tmp_path: Path) -> None:
+    """It was filed under the base's forbid, in a file the extension's author may not own."""
+    lamp = write(tmp_path, LAMP, "lamp.toml")
+    dimmer = write(
+        tmp_path, DIMMER.replace("[[forbid]]", UNPRESS_OFF + "[[forbid]]", 1), "dimmer.toml"
+    )
+    assert problems(dimmer) == [
+        f"{dimmer}: transition[2]: overlaps forbid[0] of {lamp} on unpress in off when n=0"
+    ]
+    top = write(tmp_path, "[machine]\nextends = 'dimmer.toml'\nname = 'top'\n", "top.toml")
+    assert problems(top) == [
+        f"{dimmer}: transition[2]: overlaps forbid[0] of {lamp} on unpress in off when n=0; "
+        f"found validating {top}, which extends it"
+    ]
+    refuse = '[[forbid]]\nevent = "press"\nsource = "off"\nerror = "Off"\nreason = "r"\n\n'
+    dimmer = write(tmp_path, DIMMER.replace("[[forbid]]", refuse + "[[forbid]]", 1), "dimmer.toml")
+    assert problems(dimmer) == [  # the forbid is the later entry: filed there, as before
+        f"{dimmer}: forbid[0]: overlaps transition[0] of {lamp} on press in off when n=0"
+    ]
+
+
+def test_an_overlap_with_a_shipped_forbid_is_filed_in_the_extension(tmp_path: Path) -> None:
+    """The shipped spec lies in site-packages: the line must name the file its user can edit."""
+    host = load_shipped("host_residency").source
+    text = "[machine]\nextends = 'fsm_cache:host_residency'\nname = 'mine'\n\n"
+    text += '[[transition]]\nevent = "write"\nsource = "writing"\ndest = "writing"\n'
+    mine = write(tmp_path, text, "mine.toml")
+    assert problems(mine) == [
+        f"{mine}: transition[0]: overlaps forbid[1] of {host} on write in writing when pins=0"
+    ]
+
+
+def test_a_base_two_levels_down_is_said_to_be_reached_through_the_files_between(
+    tmp_path: Path,
+) -> None:
+    """It was said to be found validating a spec 'which extends it', which it extends only through another."""
+    lamp = write(tmp_path, LAMP.replace('guard = "n == 1"', 'guard = "m == 1"'), "lamp.toml")
+    dimmer = write(tmp_path, DIMMER, "dimmer.toml")
+    top = write(tmp_path, "[machine]\nextends = 'dimmer.toml'\nname = 'top'\n", "top.toml")
+    four = write(tmp_path, "[machine]\nextends = 'top.toml'\nname = 'four'\n", "four.toml")
+    fault = f"{lamp}: transition[1].guard: unknown counter 'm'; found validating"
+    assert problems(top) == [f"{fault} {top}, which builds on it through {dimmer}"]
+    assert problems(four) == [f"{fault} {four}, which builds on it through {top}, {dimmer}"]
+
+
+def test_a_base_fault_found_with_no_chain_known_says_the_spec_builds_on_it(
+    tmp_path: Path,
+) -> None:
+    """Validated without the loader's chains, a base is not said to be extended directly."""
+    lamp = write(tmp_path, LAMP.replace('guard = "n == 1"', 'guard = "m == 1"'), "lamp.toml")
+    data = tomllib.loads(DIMMER)
+    spec = machine_from_dict(data, str(tmp_path / "dimmer.toml"), tmp_path)
+    assert validate_problems(spec) == [
+        f"{lamp}: transition[1].guard: unknown counter 'm'; "
+        f"found validating {spec.source}, which builds on it"
+    ]
+
+
+def test_a_name_redeclared_two_levels_down_names_the_file_declaring_it(tmp_path: Path) -> None:
+    """It named the base the spec extends, which declares neither n nor off."""
+    lamp = write(tmp_path, LAMP, "lamp.toml")
+    dimmer = write(tmp_path, DIMMER, "dimmer.toml")
+    text = "[machine]\nextends = 'dimmer.toml'\nname = 'top'\n[counters]\nn = 0\n"
+    top = write(tmp_path, text + "[states]\noff = {}\ndim = {}\n", "top.toml")
+    rule = "(a spec that extends another may not redeclare its"
+    assert problems(top) == [
+        f"{top}: counters.n: already a counter of {lamp}, which this spec builds on through "
+        f"{dimmer} {rule} counters)",
+        f"{top}: states.off: already a state of {lamp}, which this spec builds on through "
+        f"{dimmer} {rule} states)",
+        f"{top}: states.dim: already a state of the base {dimmer} {rule} states)",
+    ]
+
+
 def test_an_extending_composition_counts_its_own_forbids(tmp_path: Path) -> None:
     write(tmp_path, LAMP, "lamp.toml")
     refuse = "[[forbid]]\nevent = 'press'\nwhen = '{} in [on]'\nerror = 'Busy'\nreason = 'busy'\n"
@@ -913,6 +992,20 @@ def test_a_birth_of_the_base_redeclared_is_named_with_its_base(tmp_path: Path) -
     assert problems(two) == [
         f"{two}: composition.births.dark: already a birth of the base {one} "
         "(a spec that extends another may not redeclare its births)"
+    ]
+
+
+def test_a_birth_redeclared_two_levels_down_names_the_file_declaring_it(tmp_path: Path) -> None:
+    """It named the base the spec extends, which declares no birth."""
+    one = born_one(tmp_path)
+    two = extending_one(tmp_path, "")
+    body = "[composition]\nextends = 'two.toml'\nname = 'three'\n"
+    three = write(
+        tmp_path, body + "[composition.births.dark]\nstates = { a = 'dim' }\n", "three.toml"
+    )
+    assert problems(three) == [
+        f"{three}: composition.births.dark: already a birth of {one}, which this spec builds on "
+        f"through {two} (a spec that extends another may not redeclare its births)"
     ]
 
 

@@ -169,6 +169,9 @@ class _Files:
         self.specs: dict[tuple[Path, int], Spec | None] = {}
         """A file's spec by its resolved path and the files extending it above it
         (:data:`MAX_EXTENDS` counts them); None when it did not build."""
+        self.bases: dict[str, tuple[Spec, ...]] = {}
+        """The specs each spec built builds on, its own base first, by its file as named:
+        a fault is told by the file that declares what it names, and how that file is reached."""
 
     def table(self, path: Path, target: Path | None) -> _Table | None:
         """Return the table of the file ``path`` (``target`` resolved), read once.
@@ -236,6 +239,10 @@ class _Files:
         if key is not None:
             self.specs[key] = built
         return built
+
+    def chains(self) -> dict[str, tuple[str, ...]]:
+        """Return the files each spec built builds on, its own base first, by its file as named."""
+        return {source: tuple(b.source for b in bases) for source, bases in self.bases.items()}
 
 
 @dataclass(frozen=True)
@@ -334,7 +341,7 @@ def _load(path: Path, files: _Files) -> Spec:
     from fsm_cache.spec.validate import validate
 
     spec = _unvalidated(path, files)
-    validate(spec)
+    validate(spec, files.chains())
     return spec
 
 
@@ -494,8 +501,9 @@ def spec_from_dict(data: _Table, source: str = "<python>", base: Path | None = N
     from fsm_cache.spec.validate import validate
 
     _check_shape(data, source)
-    spec = _built(data, source, base, _Route.start())
-    validate(spec)
+    route = _Route.start()
+    spec = _built(data, source, base, route)
+    validate(spec, route.files.chains())
     return spec
 
 
@@ -577,11 +585,7 @@ def _machine(data: _Table, source: str, base: Path | None, route: _Route) -> Mac
             ("state", [state.name for state in states], basis.state_names),
         ):
             for name in (n for n in names if n in known):
-                problems.add(
-                    f"{kind}s.{name}",
-                    f"already a {kind} of the base {basis.source} "
-                    f"(a spec that extends another may not redeclare its {kind}s)",
-                )
+                problems.add(f"{kind}s.{name}", _redeclared(kind, name, basis, route.files))
     transitions = _transitions(data.get("transition", []), problems)
     forbids = _forbids(data.get("forbid", []), "forbid", problems)
     events = _events(data.get("events", {}), problems)
@@ -593,6 +597,7 @@ def _machine(data: _Table, source: str, base: Path | None, route: _Route) -> Mac
         problems.add("machine.name", f"{bad}: {shown(head['name'])}")
     doc, label = _text(head, "doc", "machine", problems), _text(head, "label", "machine", problems)
     problems.check()
+    route.files.bases[source] = _lineage(basis, route.files)
     return MachineSpec(
         name=head.get("name", getattr(basis, "name", "")),
         initial=head.get("initial", getattr(basis, "initial", "")),
@@ -721,11 +726,8 @@ def _composition(data: _Table, source: str, base: Path, route: _Route) -> System
     births = _births(head.get("births", {}), source, problems)
     for birth in births:
         if basis is not None and birth.name in (b.name for b in basis.births):
-            problems.add(
-                f"composition.births.{birth.name}",
-                f"already a birth of the base {basis.source} "
-                "(a spec that extends another may not redeclare its births)",
-            )
+            why = _redeclared("birth", birth.name, basis, route.files)
+            problems.add(f"composition.births.{birth.name}", why)
     if not isinstance(head.get("name"), str):
         problems.add("composition.name", "missing or not a string")
     elif (bad := bad_title(head["name"])) is not None:
@@ -733,6 +735,7 @@ def _composition(data: _Table, source: str, base: Path, route: _Route) -> System
     doc = _text(head, "doc", "composition", problems)
     label = _text(head, "label", "composition", problems)
     problems.check()
+    route.files.bases[source] = _lineage(basis, route.files)
     return System(
         name=head["name"],
         regions=tuple(regions.items()),
@@ -742,6 +745,34 @@ def _composition(data: _Table, source: str, base: Path, route: _Route) -> System
         source=source,
         births=(*(basis.births if basis else ()), *births),
     )
+
+
+def _lineage(basis: Spec | None, files: _Files) -> tuple[Spec, ...]:
+    """Return the specs a spec whose base is ``basis`` builds on, ``basis`` first (none without one)."""
+    return () if basis is None else (basis, *files.bases.get(basis.source, ()))
+
+
+def _declares(spec: Spec, kind: str, name: str) -> bool:
+    """Return whether ``spec`` has the ``kind`` (``counter``, ``state``, ``birth``) called ``name``."""
+    if isinstance(spec, System):
+        return name in (b.name for b in spec.births)
+    return name in (spec.counter_names if kind == "counter" else spec.state_names)
+
+
+def _redeclared(kind: str, name: str, basis: Spec, files: _Files) -> str:
+    """Return why a spec extending ``basis`` may not redeclare its ``kind`` called ``name``.
+
+    The file named is the one that declares it, which a chain of ``extends``
+    may reach only through others (named too): the base's own file would not
+    hold it.
+    """
+    lineage = _lineage(basis, files)
+    depth = max((i for i, spec in enumerate(lineage) if _declares(spec, kind, name)), default=0)
+    rule = f"(a spec that extends another may not redeclare its {kind}s)"
+    if depth == 0:
+        return f"already a {kind} of the base {basis.source} {rule}"
+    through = ", ".join(spec.source for spec in lineage[:depth])
+    return f"already a {kind} of {lineage[depth].source}, which this spec builds on through {through} {rule}"
 
 
 def _births(table: object, source: str, problems: _Problems) -> tuple[Birth, ...]:

@@ -50,50 +50,97 @@ _Line = tuple[str, str]
 _Entry = StateSpec | EventSpec | Transition | Forbid | Birth
 
 
-def validate(spec: Spec) -> None:
-    """Raise :class:`SpecError` listing every problem of ``spec``; return if none."""
-    found = problems(spec)
+Chains = Mapping[str, Sequence[str]]
+"""The files each spec file builds on through ``extends``, its own base first, by its file as
+named: the loader's, which alone has followed them. A file it does not name builds on nothing
+known, and its base's faults are said to be found in a spec that builds on it."""
+
+
+def validate(spec: Spec, chains: Chains | None = None) -> None:
+    """Raise :class:`SpecError` listing every problem of ``spec``; return if none.
+
+    Args:
+        spec: The spec to check.
+        chains: The files each of its files builds on (:data:`Chains`), which
+            tell how a base's fault is reached, and which of two files is the
+            later, whose entry a fault between them is filed under.
+    """
+    found = problems(spec, chains)
     if found:
         raise SpecError(found)
 
 
-def problems(spec: Spec) -> list[str]:
-    """Return one located line per problem of ``spec`` (empty when valid)."""
+def problems(spec: Spec, chains: Chains | None = None) -> list[str]:
+    """Return one located line per problem of ``spec`` (empty when valid); ``chains`` as :func:`validate`."""
+    chains = chains or {}
     if isinstance(spec, System):
-        return _system_problems(spec)
+        return _system_problems(spec, chains)
+    chain = tuple(chains.get(spec.source, ()))
     names = _name_problems(spec)
     if names:
-        return _located(spec, names)
+        return _located(spec, names, chain)
     slips, gaps = _slips(spec)
     lines = [
         *slips,
         *_initial(spec),
-        *_determinism(spec),
+        *_determinism(spec, chain),
         *gaps,
         *_safety(spec),
         *_liveness(spec),
     ]
     if not lines:  # the search runs the spec's steps, so they must be well defined
         lines = list(_records(spec))
-    return _located(spec, lines)
+    return _located(spec, lines, chain)
 
 
-def _located(spec: Spec, lines: Iterable[_Line]) -> list[str]:
+def _located(spec: Spec, lines: Iterable[_Line], chain: Sequence[str]) -> list[str]:
     """Return each line as reported: ``FILE: KEY: message``, FILE the file that holds KEY.
 
     An entry a spec inherits through ``extends`` is named in its base's file,
     by the key it has there (``transition[4]`` counts the base's tables), as
     reading the base reports it: one name for one entry, the one a reader
     finds in the file. The line also names the spec it was found validating,
-    since the fault may be the whole's (a base state an added event leaves
-    uncovered) and the fix in the spec that extends it.
+    and the files ``chain`` (the files ``spec`` builds on, its base first)
+    says it reaches the base through, since the fault may be the whole's (a
+    base state an added event leaves uncovered) and the fix in the spec that
+    builds on it.
     """
     return [
-        f"{file}: {text}; found validating {spec.source}, which extends it"
+        f"{file}: {text}; found validating {spec.source}, {_reached(file, chain)}"
         if file
         else f"{spec.source}: {text}"
         for file, text in lines
     ]
+
+
+def _reached(file: str, chain: Sequence[str]) -> str:
+    """Return how a spec reaches its base ``file``, ``chain`` the files it builds on.
+
+    ``which extends it`` when ``file`` is its own base; otherwise the files
+    between them, when ``chain`` names them.
+    """
+    if file not in chain:
+        return "which builds on it"
+    through = chain[: chain.index(file)]
+    return f"which builds on it through {', '.join(through)}" if through else "which extends it"
+
+
+def _later(file: str, other: str, chain: Sequence[str]) -> bool:
+    """Return whether the file ``file`` builds on ``other`` (:func:`_held`'s names, "" the spec's own).
+
+    A fault between entries of two files is the later one's: the one its
+    author wrote knowing of the other, and may edit, where the other may be
+    a shipped spec in site-packages. Files ``chain`` does not name are not
+    told apart.
+    """
+    return _depth(file, chain) < _depth(other, chain)
+
+
+def _depth(file: str, chain: Sequence[str]) -> int:
+    """Return how many ``extends`` lie between the spec and ``file``: 0 its own, past ``chain`` unknown."""
+    if not file:
+        return 0
+    return 1 + chain.index(file) if file in chain else len(chain) + 1
 
 
 def _held(spec: Spec, entry: _Entry) -> str:
@@ -400,7 +447,14 @@ def _initial(spec: MachineSpec) -> Iterator[_Line]:
         )
 
 
-def _determinism(spec: MachineSpec) -> Iterator[_Line]:
+def _determinism(spec: MachineSpec, chain: Sequence[str]) -> Iterator[_Line]:
+    """Each overlap of two transitions, a transition and a forbid, or two forbids.
+
+    One is filed under the later of the two entries, ``chain`` (the files
+    ``spec`` builds on) ordering two files: two transitions or two forbids
+    at the one listed second, a transition and a forbid at the forbid,
+    unless the transition's file builds on the forbid's.
+    """
     moved = _places(spec, "transition", spec.transitions)
     refused = _places(spec, "forbid", spec.forbids)
     for st in spec.states:
@@ -427,7 +481,13 @@ def _determinism(spec: MachineSpec) -> Iterator[_Line]:
                 file, key = refused[k]
                 for i, tr in moves:
                     both = _overlap(spec, st.invariant, tr.guard, fb.guard)
-                    if both is not None:
+                    if both is None:
+                        continue
+                    tr_file, tr_key = moved[i]
+                    if _later(tr_file, file, chain):  # the base's forbid, met by an added move
+                        other = _named(spec, refused[k], tr_file)
+                        yield tr_file, f"{tr_key}: overlaps {other} {at}{_when(both)}"
+                    else:
                         other = _named(spec, moved[i], file)
                         yield file, f"{key}: overlaps {other} {at}{_when(both)}"
                 for m, earlier in refusals[:n]:
@@ -631,7 +691,7 @@ def _enabled(spec: MachineSpec, state: str, guard: Guard) -> bool:
     return any(guard.holds(c) for c in valuations(spec, spec.state(state).invariant))
 
 
-def _system_problems(system: System) -> list[str]:
+def _system_problems(system: System, chains: Chains) -> list[str]:
     """Return the problems of each region's machine, then the composition's own.
 
     A machine that several regions share (one file two regions name) is
@@ -645,7 +705,7 @@ def _system_problems(system: System) -> list[str]:
     for region, machine in system.regions:
         if id(machine) not in validated:
             validated.add(id(machine))
-            inner.update(dict.fromkeys(problems(machine)))
+            inner.update(dict.fromkeys(problems(machine, chains)))
         out += [("", line) for line in _region_clashes(system, region)]
     if (bad := bad_title(system.name)) is not None:
         out.append(("", f"composition.name: {system.name!r}: {bad}"))
@@ -658,7 +718,7 @@ def _system_problems(system: System) -> list[str]:
     out += _birth_problems(system)
     if not inner and not out:  # the search runs the spec's steps, so they must be well defined
         out = list(_records(system))
-    return [*inner, *_located(system, out)]
+    return [*inner, *_located(system, out, tuple(chains.get(system.source, ())))]
 
 
 def _records(spec: Spec) -> Iterator[_Line]:
