@@ -294,7 +294,11 @@ class Engine:
     """Raises :exc:`Boom`."""
 
     def fire(self) -> None:
-        """Fire; see :meth:`lease` and :py:meth:`~Engine.lease`."""
+        """Fire; see :meth:`lease` and :py:meth:`~Engine.lease`.
+
+        Titled: :meth:`the lease
+        <Engine.lease>`, :class:`a boom <pkg.errors.Boom>`.
+        """
 
     def lease(self) -> None:
         """Lease."""
@@ -339,7 +343,9 @@ def test_roles_become_links_resolved_from_the_docstrings_scope(tmp_path: Path) -
         "engine.Engine": f"Raises {autoref('pkg.errors.Boom', 'Boom')}.",
         "fire": (
             f"Fire; see {autoref('pkg.engine.Engine.lease', 'lease')} "
-            f"and {autoref('pkg.engine.Engine.lease', 'lease')}."
+            f"and {autoref('pkg.engine.Engine.lease', 'lease')}.\n\n"
+            f"Titled: {autoref('pkg.engine.Engine.lease', 'the lease')}, "
+            f"{autoref('pkg.errors.Boom', 'a boom')}."
         ),
         "helper": "Help, as ``:func:`helper``` would say.",
     }

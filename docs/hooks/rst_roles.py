@@ -30,6 +30,9 @@ ROLE = re.compile(r"(?<![\w:`]):(?:[a-z]+:)?(?P<role>[a-z]+):`(?P<short>~?)(?P<t
 LINKED_ROLES = frozenset(("attr", "class", "const", "data", "exc", "func", "meth", "mod", "obj"))
 LITERAL_MARKER = re.compile(r"^(?P<text>.*?)(?P<space>[ \t]*)::[ \t]*$(?=\n[ \t]*\n)", re.MULTILINE)
 LEFT_OVER = re.compile(r":(?:[a-z]+:)?[a-z]+:<code>|::</p>")
+# A role's explicit title, ``:meth:`the split <fsm_cache.cache.tree.RadixTree.split>```,
+# which a docstring may break over lines like any other text.
+TITLED = re.compile(r"(?P<title>.+?)\s*<(?P<target>[^<>]+)>", re.DOTALL)
 
 log = get_plugin_logger(__name__)
 
@@ -45,7 +48,12 @@ def rewrite(text: str, resolve: Callable[[str], str | None]) -> str:
 
     def role(match: re.Match[str]) -> str:
         target = match["target"]
-        shown = f"`{target.rpartition('.')[2] if match['short'] else target}`"
+        titled = TITLED.fullmatch(target)
+        if titled is not None:
+            target = titled["target"]
+            shown = f"`{' '.join(titled['title'].split())}`"
+        else:
+            shown = f"`{target.rpartition('.')[2] if match['short'] else target}`"
         path = resolve(target) if match["role"] in LINKED_ROLES else None
         # NOTE: `optional` makes autorefs show a plain code span, not fail the build,
         # when the object is not rendered anywhere (private, or on no page).

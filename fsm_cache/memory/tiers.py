@@ -293,8 +293,8 @@ class Tiers:
             the default engine: a ``config.copier`` builds its own engine, and
             is given the stream there; :meth:`write_tokens` and
             :meth:`read_device` then follow the engine's ``compute_stream``
-            where it has one (:attr:`CopyEngine.compute_stream
-            <fsm_cache.memory.copies.CopyEngine.compute_stream>`).
+            where it has one
+            (:attr:`~fsm_cache.memory.copies.CopyEngine.compute_stream`).
 
     Raises:
         ConfigError: A value is bad (see :meth:`CacheConfig.check`), a
