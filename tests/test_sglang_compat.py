@@ -766,6 +766,59 @@ def test_a_subclass_override_of_the_lock_boundary_is_checked_and_counted_once(
     assert not hasattr(vars(late)["dec_lock_ref"], "__wrapped__")
 
 
+def mixed_locks() -> type[UnifiedCache]:
+    """A subclass whose lock pair comes from a mixin ahead of the cache, moving the counts itself."""
+
+    class OwnLocksMixin:
+        refs: dict[int, int]
+
+        def inc_lock_ref(self, node_id: int) -> Receipt:
+            self.refs[node_id] = self.refs.get(node_id, 0) + 1
+            return Receipt(node_id)
+
+        def dec_lock_ref(self, node_id: int, params: Receipt) -> None:
+            self.refs[node_id] -= 1
+
+    class Mixed(OwnLocksMixin, UnifiedCache):
+        pass
+
+    return Mixed
+
+
+@pytest.mark.parametrize("defined", ["before", "after"])
+def test_a_mixins_override_of_the_lock_boundary_is_checked_and_counted(defined: str) -> None:
+    """A mixin's method ahead of the cache in the MRO is the subclass's override.
+
+    Unwrapped (only the subclass's own namespace was looked at), its lock was
+    not counted, so its correct release was refused, and a receipt it
+    released twice went unchecked.
+    """
+    module = boundary_module()
+    early = mixed_locks() if defined == "before" else None
+    with patch(module, trail=False) as applied:
+        subclass = early or mixed_locks()
+        mixin = subclass.__mro__[1]
+        own = {name: vars(mixin)[name] for name in ("inc_lock_ref", "dec_lock_ref")}
+        assert {"Mixed.inc_lock_ref", "Mixed.dec_lock_ref"} <= set(applied.wrapped)
+        cache = subclass()
+        first, second = cache.inc_lock_ref(7), cache.inc_lock_ref(7)
+        cache.dec_lock_ref(7, first)
+        with pytest.raises(LeaseError) as twice:
+            cache.dec_lock_ref(7, first)
+        assert str(twice.value) == (
+            f"node 7: dec_lock_ref refused: this receipt (Receipt at {id(first):#x}) was "
+            "released already; the node's 1 other receipt(s) out stay held; nothing changed"
+        )
+        assert cache.refs == {7: 1}  # the mixin's method never ran
+        cache.dec_lock_ref(7, second)
+        with pytest.raises(error_class("UnlockAtZero")):
+            cache.dec_lock_ref(7, Receipt(7))
+        assert cache.refs == {7: 0}
+        assert {name: vars(mixin)[name] for name in own} == own  # the mixin is left as it is
+    assert not {"inc_lock_ref", "dec_lock_ref"} & set(vars(subclass))  # the undo deletes them
+    assert {name: vars(mixin)[name] for name in own} == own
+
+
 def test_a_boundary_module_without_its_cache_class_is_refused() -> None:
     with pytest.raises(PatchError) as caught:
         patch(boundary_module(None))

@@ -751,6 +751,71 @@ def test_a_subclass_override_of_the_lock_pair_is_checked_and_counted_once(
         assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
 
 
+def load_fork(monkeypatch: pytest.MonkeyPatch, name: str, source: str) -> Any:
+    """A module ``name`` of a fork, executed from ``source`` (removed from ``sys.modules`` after)."""
+    module = types.ModuleType(name)
+    monkeypatch.setitem(sys.modules, name, module)
+    exec(compile(source, f"<{name}>", "exec"), module.__dict__)
+    return module
+
+
+MIXED = """
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+
+class CoreLocks:
+    def inc_lock_ref(self, node_id, skip_lock_components=()):
+        return self.tree_core.inc_lock_ref(node_id, skip_lock_components)
+
+    def dec_lock_ref(self, node_id, params, skip_swa=False):
+        return self.tree_core.dec_lock_ref(node_id, params, skip_swa)
+
+
+class MixedCache(CoreLocks, UnifiedRadixCache):
+    pass
+"""
+"""A fork's subclass whose lock pair, on the core, comes from a mixin ahead of SGLang's class."""
+
+
+@pytest.mark.parametrize("defined", ["before", "after"])
+def test_a_mixins_override_of_the_lock_pair_is_checked_and_counted(
+    sg: Api,
+    unified: Any,
+    *,
+    allocator: FakeAllocator,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    defined: str,
+) -> None:
+    """A mixin's lock pair, ahead of SGLang's in the MRO, is checked and counted as the subclass's.
+
+    Unwrapped, a lock it took on the core was not counted (its correct
+    unlock was refused) and an unlock it made twice went unchecked.
+    """
+    early = load_fork(monkeypatch, "mixed_cache", MIXED) if defined == "before" else None
+    with patch(trail=False) as applied:
+        module = early or load_fork(monkeypatch, "mixed_cache", MIXED)
+        assert "MixedCache.dec_lock_ref" in applied.wrapped
+        cache = build(
+            sg, types.SimpleNamespace(UnifiedRadixCache=module.MixedCache), allocator, core
+        )
+        node = anchor(sg, cache, SHARED + LEFT)
+        first, second = cache.lock(node), cache.lock(node)
+        cache.unlock(first)
+        before = whole_state(cache, allocator, capfd)
+        with pytest.raises(LeaseError, match=f"^node {node}: dec_lock_ref refused: this receipt"):
+            cache.unlock(first)
+        assert whole_state(cache, allocator, capfd) == before
+        assert cache.protected_size() == len(SHARED + LEFT)  # the second request's lock holds
+        cache.unlock(second)
+        with pytest.raises(UnlockAtZero):
+            cache.unlock(second)
+        assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
+    assert "dec_lock_ref" not in vars(module.MixedCache)  # the undo deletes the wrapper
+    assert "dec_lock_ref" in vars(module.CoreLocks)
+
+
 def test_a_deep_copy_of_a_receipt_is_counted_and_nothing_in_it_tells_it_apart(
     sg: Api, unified: Any, patched: Any, allocator: FakeAllocator, core: str
 ) -> None:
