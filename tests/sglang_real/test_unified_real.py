@@ -816,6 +816,85 @@ def test_a_mixins_override_of_the_lock_pair_is_checked_and_counted(
     assert "dec_lock_ref" in vars(module.CoreLocks)
 
 
+PINNED = """
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+
+class PinnedCache(UnifiedRadixCache):
+    def reset(self):
+        super().reset()
+        self.pinned = self.lock(self.root_node_handle())
+"""
+"""A fork's subclass that locks the new root after SGLang's ``reset``."""
+
+
+def test_a_reset_override_that_locks_after_sglangs_reset_keeps_the_lock(
+    sg: Api,
+    unified: Any,
+    patched: Any,
+    allocator: FakeAllocator,
+    core: str,
+    *,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The book is cleared by SGLang's ``reset``, not again when the override returns.
+
+    Cleared twice, the override's lock was lost and its correct unlock
+    refused.
+    """
+    module = load_fork(monkeypatch, "pinned_cache", PINNED)
+    cache = build(sg, types.SimpleNamespace(UnifiedRadixCache=module.PinnedCache), allocator, core)
+    cache.reset()
+    cache.unlock(cache.pinned)
+    with pytest.raises(UnlockAtZero):
+        cache.unlock(cache.pinned)
+
+
+NEIGHBOUR = """
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+
+class NeighbourCache(UnifiedRadixCache):
+    neighbours = {}
+
+    def inc_lock_ref(self, node_id, skip_lock_components=()):
+        other = self.neighbours.get(node_id)
+        if other is not None:
+            self.neighbour = super().inc_lock_ref(other, skip_lock_components).to_dec_params()
+        return self.tree_core.inc_lock_ref(node_id, skip_lock_components)
+"""
+"""A fork's subclass whose lock also takes another node's, through SGLang's method."""
+
+
+def test_an_override_locking_another_node_through_sglangs_counts_its_own(
+    sg: Api,
+    unified: Any,
+    patched: Any,
+    allocator: FakeAllocator,
+    core: str,
+    *,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang's call for another node counts that node's lock, and the override's its own.
+
+    Counted per method alone, SGLang's call stood for the override's lock,
+    whose correct unlock was then refused.
+    """
+    module = load_fork(monkeypatch, "neighbour_cache", NEIGHBOUR)
+    cache = build(
+        sg, types.SimpleNamespace(UnifiedRadixCache=module.NeighbourCache), allocator, core
+    )
+    node, other = anchor(sg, cache, SHARED + LEFT), anchor(sg, cache, SHARED + RIGHT)
+    cache.neighbours = {node: other}
+    lock = cache.lock(node)
+    assert cache.protected_size() == 12  # both branches held
+    cache.unlock(lock)
+    cache.dec_lock_ref(other, cache.neighbour)
+    assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
+    with pytest.raises(UnlockAtZero):
+        cache.unlock(lock)
+
+
 def test_a_deep_copy_of_a_receipt_is_counted_and_nothing_in_it_tells_it_apart(
     sg: Api, unified: Any, patched: Any, allocator: FakeAllocator, core: str
 ) -> None:
