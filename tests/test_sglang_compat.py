@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import sys
+import threading
 import types
 from collections import defaultdict
 from collections.abc import Callable
@@ -764,6 +765,168 @@ def test_a_subclass_override_of_the_lock_boundary_is_checked_and_counted_once(
     assert "__init_subclass__" not in vars(UnifiedCache)
     late = own_locks(through_base)  # one defined after the undo is left as it is
     assert not hasattr(vars(late)["dec_lock_ref"], "__wrapped__")
+
+
+def mixed_locks() -> type[UnifiedCache]:
+    """A subclass whose lock pair comes from a mixin ahead of the cache, moving the counts itself."""
+
+    class OwnLocksMixin:
+        refs: dict[int, int]
+
+        def inc_lock_ref(self, node_id: int) -> Receipt:
+            self.refs[node_id] = self.refs.get(node_id, 0) + 1
+            return Receipt(node_id)
+
+        def dec_lock_ref(self, node_id: int, params: Receipt) -> None:
+            self.refs[node_id] -= 1
+
+    class Mixed(OwnLocksMixin, UnifiedCache):
+        pass
+
+    return Mixed
+
+
+@pytest.mark.parametrize("defined", ["before", "after"])
+def test_a_mixins_override_of_the_lock_boundary_is_checked_and_counted(defined: str) -> None:
+    """A mixin's method ahead of the cache in the MRO is the subclass's override.
+
+    Unwrapped (only the subclass's own namespace was looked at), its lock was
+    not counted, so its correct release was refused, and a receipt it
+    released twice went unchecked.
+    """
+    module = boundary_module()
+    early = mixed_locks() if defined == "before" else None
+    with patch(module, trail=False) as applied:
+        subclass = early or mixed_locks()
+        mixin = subclass.__mro__[1]
+        own = {name: vars(mixin)[name] for name in ("inc_lock_ref", "dec_lock_ref")}
+        assert {"Mixed.inc_lock_ref", "Mixed.dec_lock_ref"} <= set(applied.wrapped)
+        cache = subclass()
+        first, second = cache.inc_lock_ref(7), cache.inc_lock_ref(7)
+        cache.dec_lock_ref(7, first)
+        with pytest.raises(LeaseError) as twice:
+            cache.dec_lock_ref(7, first)
+        assert str(twice.value) == (
+            f"node 7: dec_lock_ref refused: this receipt (Receipt at {id(first):#x}) was "
+            "released already; the node's 1 other receipt(s) out stay held; nothing changed"
+        )
+        assert cache.refs == {7: 1}  # the mixin's method never ran
+        cache.dec_lock_ref(7, second)
+        with pytest.raises(error_class("UnlockAtZero")):
+            cache.dec_lock_ref(7, Receipt(7))
+        assert cache.refs == {7: 0}
+        assert {name: vars(mixin)[name] for name in own} == own  # the mixin is left as it is
+    assert not {"inc_lock_ref", "dec_lock_ref"} & set(vars(subclass))  # the undo deletes them
+    assert {name: vars(mixin)[name] for name in own} == own
+
+
+@pytest.mark.parametrize("through_base", [True, False])
+def test_a_reset_override_that_locks_after_its_reset_keeps_the_lock_counted(
+    through_base: bool,
+) -> None:
+    """The book is cleared once per reset, where the tree is dropped, not after the override.
+
+    An override that called the base's ``reset`` and then locked a node had
+    the book cleared a second time on its return: the lock was lost, and its
+    correct release refused. One that drops the tree itself still clears it.
+    """
+
+    class Pinning(UnifiedCache):
+        def reset(self) -> None:
+            if through_base:
+                super().reset()
+                self.pinned = self.inc_lock_ref(0)
+            else:  # its own tree, no lock: the book is cleared on its return
+                self.refs = {}
+                self.tree_core = TreeCore({0, 7, 8, 9})
+
+    module = boundary_module()
+    with patch(module, trail=False):
+        cache = Pinning()
+        held = cache.inc_lock_ref(7)
+        cache.reset()
+        with pytest.raises(error_class("UnlockAtZero")):
+            cache.dec_lock_ref(7, held)  # dropped with the tree
+        if through_base:
+            cache.dec_lock_ref(0, cache.pinned)
+            with pytest.raises(error_class("UnlockAtZero")):
+                cache.dec_lock_ref(0, cache.pinned)
+            assert cache.refs == {0: 0}
+
+
+def test_an_override_calling_the_base_for_another_node_counts_its_own() -> None:
+    """What an override is counted for is its own node: a base call for another counts that one.
+
+    Keyed by method alone, the base's call for node 8 stood for the
+    override's lock of node 7, which was then not counted, and its correct
+    release refused.
+    """
+
+    class Neighbour(UnifiedCache):
+        def inc_lock_ref(self, node_id: int) -> Receipt:
+            if node_id == 7:
+                self.neighbour = super().inc_lock_ref(8)
+            self.refs[node_id] = self.refs.get(node_id, 0) + 1
+            return Receipt(node_id)
+
+    module = boundary_module()
+    with patch(module, trail=False):
+        cache = Neighbour()
+        receipt = cache.inc_lock_ref(7)
+        cache.dec_lock_ref(7, receipt)
+        cache.dec_lock_ref(8, cache.neighbour)
+        assert cache.refs == {7: 0, 8: 0}
+        with pytest.raises(error_class("UnlockAtZero")):
+            cache.dec_lock_ref(8, Receipt(8))
+
+
+def test_nested_overrides_record_a_call_once() -> None:
+    """An override calling ``super()`` into one that moves the core itself is counted once.
+
+    The inner override recorded its call, and the outer, seeing the base's
+    not reached, recorded it again: a release with no lock left passed the
+    book and reached SGLang's ``assert``.
+    """
+
+    class Inner(UnifiedCache):
+        def inc_lock_ref(self, node_id: int) -> Receipt:
+            self.refs[node_id] = self.refs.get(node_id, 0) + 1
+            return Receipt(node_id)
+
+    class Outer(Inner):
+        def inc_lock_ref(self, node_id: int) -> Receipt:
+            return super().inc_lock_ref(node_id)
+
+    module = boundary_module()
+    with patch(module, trail=False):
+        cache = Outer()
+        cache.dec_lock_ref(7, cache.inc_lock_ref(7))
+        with pytest.raises(error_class("UnlockAtZero")):
+            cache.dec_lock_ref(7, Receipt(7))
+        assert cache.refs == {7: 0}
+
+
+def test_a_base_call_on_another_thread_does_not_stand_for_an_overrides_own() -> None:
+    """Whether a wrapper inside an override's call recorded it is asked of this thread's calls only."""
+
+    class Threaded(UnifiedCache):
+        def inc_lock_ref(self, node_id: int) -> Receipt:
+            other = threading.Thread(
+                target=lambda: taken.append(super(Threaded, self).inc_lock_ref(7))
+            )
+            other.start()
+            other.join()
+            self.refs[node_id] = self.refs.get(node_id, 0) + 1
+            return Receipt(node_id)
+
+    taken: list[Receipt] = []
+    module = boundary_module()
+    with patch(module, trail=False):
+        cache = Threaded()
+        own = cache.inc_lock_ref(7)
+        cache.dec_lock_ref(7, taken[0])
+        cache.dec_lock_ref(7, own)  # counted: the other thread's lock was that thread's
+        assert cache.refs == {7: 0}
 
 
 def test_a_boundary_module_without_its_cache_class_is_refused() -> None:

@@ -751,6 +751,150 @@ def test_a_subclass_override_of_the_lock_pair_is_checked_and_counted_once(
         assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
 
 
+def load_fork(monkeypatch: pytest.MonkeyPatch, name: str, source: str) -> Any:
+    """A module ``name`` of a fork, executed from ``source`` (removed from ``sys.modules`` after)."""
+    module = types.ModuleType(name)
+    monkeypatch.setitem(sys.modules, name, module)
+    exec(compile(source, f"<{name}>", "exec"), module.__dict__)
+    return module
+
+
+MIXED = """
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+
+class CoreLocks:
+    def inc_lock_ref(self, node_id, skip_lock_components=()):
+        return self.tree_core.inc_lock_ref(node_id, skip_lock_components)
+
+    def dec_lock_ref(self, node_id, params, skip_swa=False):
+        return self.tree_core.dec_lock_ref(node_id, params, skip_swa)
+
+
+class MixedCache(CoreLocks, UnifiedRadixCache):
+    pass
+"""
+"""A fork's subclass whose lock pair, on the core, comes from a mixin ahead of SGLang's class."""
+
+
+@pytest.mark.parametrize("defined", ["before", "after"])
+def test_a_mixins_override_of_the_lock_pair_is_checked_and_counted(
+    sg: Api,
+    unified: Any,
+    *,
+    allocator: FakeAllocator,
+    core: str,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    defined: str,
+) -> None:
+    """A mixin's lock pair, ahead of SGLang's in the MRO, is checked and counted as the subclass's.
+
+    Unwrapped, a lock it took on the core was not counted (its correct
+    unlock was refused) and an unlock it made twice went unchecked.
+    """
+    early = load_fork(monkeypatch, "mixed_cache", MIXED) if defined == "before" else None
+    with patch(trail=False) as applied:
+        module = early or load_fork(monkeypatch, "mixed_cache", MIXED)
+        assert "MixedCache.dec_lock_ref" in applied.wrapped
+        cache = build(
+            sg, types.SimpleNamespace(UnifiedRadixCache=module.MixedCache), allocator, core
+        )
+        node = anchor(sg, cache, SHARED + LEFT)
+        first, second = cache.lock(node), cache.lock(node)
+        cache.unlock(first)
+        before = whole_state(cache, allocator, capfd)
+        with pytest.raises(LeaseError, match=f"^node {node}: dec_lock_ref refused: this receipt"):
+            cache.unlock(first)
+        assert whole_state(cache, allocator, capfd) == before
+        assert cache.protected_size() == len(SHARED + LEFT)  # the second request's lock holds
+        cache.unlock(second)
+        with pytest.raises(UnlockAtZero):
+            cache.unlock(second)
+        assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
+    assert "dec_lock_ref" not in vars(module.MixedCache)  # the undo deletes the wrapper
+    assert "dec_lock_ref" in vars(module.CoreLocks)
+
+
+PINNED = """
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+
+class PinnedCache(UnifiedRadixCache):
+    def reset(self):
+        super().reset()
+        self.pinned = self.lock(self.root_node_handle())
+"""
+"""A fork's subclass that locks the new root after SGLang's ``reset``."""
+
+
+def test_a_reset_override_that_locks_after_sglangs_reset_keeps_the_lock(
+    sg: Api,
+    unified: Any,
+    patched: Any,
+    allocator: FakeAllocator,
+    core: str,
+    *,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The book is cleared by SGLang's ``reset``, not again when the override returns.
+
+    Cleared twice, the override's lock was lost and its correct unlock
+    refused.
+    """
+    module = load_fork(monkeypatch, "pinned_cache", PINNED)
+    cache = build(sg, types.SimpleNamespace(UnifiedRadixCache=module.PinnedCache), allocator, core)
+    cache.reset()
+    cache.unlock(cache.pinned)
+    with pytest.raises(UnlockAtZero):
+        cache.unlock(cache.pinned)
+
+
+NEIGHBOUR = """
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+
+class NeighbourCache(UnifiedRadixCache):
+    neighbours = {}
+
+    def inc_lock_ref(self, node_id, skip_lock_components=()):
+        other = self.neighbours.get(node_id)
+        if other is not None:
+            self.neighbour = super().inc_lock_ref(other, skip_lock_components).to_dec_params()
+        return self.tree_core.inc_lock_ref(node_id, skip_lock_components)
+"""
+"""A fork's subclass whose lock also takes another node's, through SGLang's method."""
+
+
+def test_an_override_locking_another_node_through_sglangs_counts_its_own(
+    sg: Api,
+    unified: Any,
+    patched: Any,
+    allocator: FakeAllocator,
+    core: str,
+    *,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang's call for another node counts that node's lock, and the override's its own.
+
+    Counted per method alone, SGLang's call stood for the override's lock,
+    whose correct unlock was then refused.
+    """
+    module = load_fork(monkeypatch, "neighbour_cache", NEIGHBOUR)
+    cache = build(
+        sg, types.SimpleNamespace(UnifiedRadixCache=module.NeighbourCache), allocator, core
+    )
+    node, other = anchor(sg, cache, SHARED + LEFT), anchor(sg, cache, SHARED + RIGHT)
+    cache.neighbours = {node: other}
+    lock = cache.lock(node)
+    assert cache.protected_size() == 12  # both branches held
+    cache.unlock(lock)
+    cache.dec_lock_ref(other, cache.neighbour)
+    assert (cache.protected_size(), cache.evictable_size()) == (0, 12)
+    with pytest.raises(UnlockAtZero):
+        cache.unlock(lock)
+
+
 def test_a_deep_copy_of_a_receipt_is_counted_and_nothing_in_it_tells_it_apart(
     sg: Api, unified: Any, patched: Any, allocator: FakeAllocator, core: str
 ) -> None:

@@ -445,7 +445,10 @@ def _wrap_boundary(result: Patch, module: ModuleType, machine: Residency) -> lis
     those defined while it holds (LMCache's cache is imported on demand): an
     override that skips its base's (``self.tree_core`` called directly) is
     checked all the same, and one that calls it is recorded once, by the
-    base's wrapper (``Receipts.wrap``'s ``override``).
+    base's wrapper (``Receipts.wrap``'s ``override``). An override a mixin
+    ahead of the class in a subclass's MRO defines (``class
+    Sub(Mixin, UnifiedRadixCache)``) is the subclass's: it is wrapped on the
+    subclass (the undo deletes it there), the mixin left as it is.
 
     Raises:
         PatchError: The module defines no such class, or the class none of the methods.
@@ -463,16 +466,27 @@ def _wrap_boundary(result: Patch, module: ModuleType, machine: Residency) -> lis
         result.record(cls, method, receipts.wrap(method, vars(cls)[method]))
 
     def adopt(sub: type) -> list[str]:
-        own = [n for n in names if isinstance(vars(sub).get(n), types.FunctionType)]
-        for method in own:
-            result.record(sub, method, receipts.wrap(method, vars(sub)[method], override=True))
-        return [f"{sub.__name__}.{method}" for method in own]
+        own = []
+        for method in names:
+            owner = _definer(sub, method)  # cls defines every name: found
+            if owner is not sub and issubclass(owner, cls):  # cls's, or a subclass's adopted
+                continue
+            found = vars(owner)[method]  # sub's own, or a mixin's ahead of cls
+            if isinstance(found, types.FunctionType):
+                result.record(sub, method, receipts.wrap(method, found, override=True))
+                own.append(f"{sub.__name__}.{method}")
+        return own
 
     out = [f"{name}.{method}" for method in names]
     for sub in _descendants(cls):
         out += adopt(sub)
     result.record(cls, "__init_subclass__", _adopting(result, cls, adopt))
     return out
+
+
+def _definer(sub: type, name: str) -> type:
+    """The class whose ``name`` an instance of ``sub`` calls: the first in its MRO defining it."""
+    return next(owner for owner in sub.__mro__ if name in vars(owner))
 
 
 def _descendants(cls: type) -> list[type]:

@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -184,16 +185,12 @@ class ReceiptBook:
         spent: The locks whose receipts came back, keyed by the ``id`` of
             their :class:`Spent` parts; an entry goes once nothing but the
             book holds its parts (no receipt or copy of it can come back).
-        reached: Per method of :data:`BOUNDARY`, how many calls reached
-            ``UnifiedRadixCache``'s own (a running count): a subclass's
-            override whose call raised it records nothing itself.
     """
 
-    __slots__ = ("machine", "reached", "records", "released", "spent", "sweep_at")
+    __slots__ = ("machine", "records", "released", "spent", "sweep_at")
 
     def __init__(self, machine: Residency) -> None:
         self.machine = machine
-        self.reached: dict[str, int] = {}
         self.records: dict[Any, ResidencyRecord] = {}
         self.released: OrderedDict[Any, ResidencyRecord] = OrderedDict()
         self.spent: dict[tuple[int, ...], Spent] = {}
@@ -295,6 +292,32 @@ class ReceiptBook:
         return record
 
 
+class Watch:
+    """A subclass override's call under way, and whether a wrapper inside it recorded the call.
+
+    Attributes:
+        cache: The cache called.
+        name: The method (one of :data:`BOUNDARY`, or ``reset``).
+        node_id: The anchor node's id (None for ``reset``).
+        reached: Whether a wrapper inside the call recorded what it was given
+            for the same cache, method and node: ``UnifiedRadixCache``'s own,
+            or an inner override's that recorded itself.
+    """
+
+    __slots__ = ("cache", "name", "node_id", "reached")
+
+    def __init__(self, cache: Any, name: str, node_id: Any) -> None:
+        self.cache = cache
+        self.name = name
+        self.node_id = node_id
+        self.reached = False
+
+
+def _same_node(one: Any, other: Any) -> bool:
+    """Whether two node ids name one node (ints by value; anything else, SGLang's core refuses, by identity)."""
+    return one is other or (isinstance(one, int) and isinstance(other, int) and one == other)
+
+
 class Receipts:
     """The receipt books of the ``UnifiedRadixCache`` instances built under one patch.
 
@@ -310,6 +333,7 @@ class Receipts:
     def __init__(self, machine: Residency) -> None:
         self.machine = machine
         self.books: weakref.WeakKeyDictionary[Any, ReceiptBook] = weakref.WeakKeyDictionary()
+        self.watches: dict[int, list[Watch]] = {}
 
     def reset(self, cache: Any) -> None:
         """Give ``cache`` an empty book (its tree was just built or dropped)."""
@@ -342,14 +366,17 @@ class Receipts:
             name: The method's name.
             original: The method: ``UnifiedRadixCache``'s own, or with
                 ``override`` a subclass's override of it.
-            override: Whether ``original`` is a subclass's override. Its call
-                is checked before it runs, as the base's is, but recorded only
-                if it did not reach the base's method (which records what it
-                is given): an override that calls ``super()`` is counted once,
-                and one that moves the tree core itself is counted still.
+            override: Whether ``original`` is a subclass's (or a mixin's)
+                override. Its call is checked before it runs, as the base's
+                is, but recorded only if no wrapper inside it recorded the
+                same method on the same cache and node (:class:`Watch`): an
+                override that calls ``super()`` is counted once, one that
+                moves the tree core itself is counted still, and so is one
+                that calls ``super()`` for another node only. A ``reset``
+                override clears the book only if the base's ``reset`` did not.
         """
         if name == "reset":
-            return self._reset(original)
+            return self._reset(original, override)
         event = BOUNDARY[name]
         release = name.startswith("dec_")
 
@@ -358,8 +385,8 @@ class Receipts:
             if getattr(cache, "disable", False):  # SGLang's returns an empty receipt
                 return original(cache, node_id, *args, **kwargs)
             book = self.book(cache, name)
-            if not override:  # reached, whatever follows: an override's call no longer records
-                book.reached[name] = book.reached.get(name, 0) + 1
+            if not override and self.watches:  # reached, whatever follows: no override records
+                self._reach(cache, name, node_id)
             receipt = None
             if release:
                 receipt = args[0] if args else kwargs.get("params")
@@ -373,10 +400,17 @@ class Receipts:
             book.check(node_id, event)
             if release:
                 book.check_receipt(node_id, event, receipt, name)
-            reached = book.reached.get(name, 0)
-            result = original(cache, node_id, *args, **kwargs)
-            if override and book.reached.get(name, 0) != reached:  # the base's call recorded it
-                return result
+            if not override:
+                result = original(cache, node_id, *args, **kwargs)
+            else:
+                watch = self._watch(cache, name, node_id)
+                try:
+                    result = original(cache, node_id, *args, **kwargs)
+                finally:
+                    self._unwatch(watch)
+                if watch.reached:  # a wrapper inside recorded it
+                    return result
+                self._reach(cache, name, node_id)  # an enclosing override's: recorded here
             book.fire(node_id, event)
             if release:
                 book.spend(receipt)
@@ -384,14 +418,48 @@ class Receipts:
 
         return method
 
-    def _reset(self, original: Method) -> Method:
+    def _reset(self, original: Method, override: bool) -> Method:
         @functools.wraps(original)
         def reset(cache: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(cache, *args, **kwargs)
+            if not override:
+                result = original(cache, *args, **kwargs)
+            else:
+                watch = self._watch(cache, "reset", None)
+                try:
+                    result = original(cache, *args, **kwargs)
+                finally:
+                    self._unwatch(watch)
+                if watch.reached:  # the base's reset cleared the book, before what followed it
+                    return result
             self.reset(cache)
+            self._reach(cache, "reset", None)
             return result
 
         return reset
+
+    def _watch(self, cache: Any, name: str, node_id: Any) -> Watch:
+        """Open a :class:`Watch` on an override's call, on this thread's stack.
+
+        Per thread: a call another thread makes meanwhile (SGLang 0.5.23 makes
+        none) is no part of this one, and does not stand in for its record.
+        """
+        watch = Watch(cache, name, node_id)
+        self.watches.setdefault(threading.get_ident(), []).append(watch)
+        return watch
+
+    def _unwatch(self, watch: Watch) -> None:
+        """Close ``watch`` (dropping its thread's stack once empty, so the map stays bounded)."""
+        thread = threading.get_ident()
+        stack = self.watches[thread]
+        stack.remove(watch)
+        if not stack:
+            del self.watches[thread]
+
+    def _reach(self, cache: Any, name: str, node_id: Any) -> None:
+        """Mark the overrides' calls under way on this thread that this call records."""
+        for watch in self.watches.get(threading.get_ident(), ()):
+            if watch.cache is cache and watch.name == name and _same_node(watch.node_id, node_id):
+                watch.reached = True
 
 
 def _check_node(cache: Any, call: str, node_id: Any, caches: Iterable[Any]) -> None:
