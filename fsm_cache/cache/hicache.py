@@ -726,7 +726,11 @@ class HiCache:
             host-only again, its ``load_failed`` fired). Under tensor-parallel
             agreement a refused start is a copy that failed instead, applied
             at the next step: the chain is returned on every rank, and
-            :meth:`wait_loaded` answers False for it.
+            :meth:`wait_loaded` answers False for it. An operation that waits
+            for the chain before that step (an insert through it, an
+            allocation under pressure) applies each rank's own outcome, so a
+            start refused on some ranks only parts the ranks there, named at
+            the next step.
 
         Raises:
             BadArgument: ``node`` is not a tree node.
