@@ -921,6 +921,35 @@ def a_load_refused_on_one_rank(rank: int, world: int) -> dict[str, Any]:
     return report
 
 
+def a_refused_load_waited_for(rank: int, world: int) -> dict[str, Any]:
+    """The last rank refuses a load's start, and an insert through the chain waits for it.
+
+    The known gap of a copy failing on one rank inside a wait, pinned: the wait
+    applies each rank's own outcome (failed on the last rank, done on the
+    others), so the ranks part there, and the next step names it on every rank.
+    """
+    copier = FaultyCopyEngine.copier()
+    shared = DistributedCache(
+        HiCache(bench_config(debug=True, copier=copier, load_back_threshold=1)), timeout=TIMEOUT
+    )
+    cache, prompt = shared.cache, list(range(16))
+    host_only(shared, prompt)
+    engine = cache.tiers.copier
+    assert isinstance(engine, FaultyCopyEngine)
+    if rank == world - 1:
+        engine.refuse = frozenset({engine.started + 1})
+    chain = cache.load_back(cache.match_prefix(prompt).last_host_node)
+    cache.insert([*prompt, *range(500, 516)])  # through the loading chain: waits for it
+    report: dict[str, Any] = {"chain": None if chain is None else [n.id for n in chain]}
+    report["loaded"] = [n.device for n in chain or []]
+    try:
+        shared.step()
+        report["step"] = "no divergence"
+    except RankDivergence as exc:
+        report["step"] = f"{type(exc).__name__}: {exc}"
+    return report
+
+
 def a_write_refused_on_one_rank(rank: int, world: int) -> dict[str, Any]:
     """The last rank's copy engine refuses to start a backup: it must fail on every rank.
 
@@ -1095,6 +1124,7 @@ def answers_worker(rank: int, world: int, store: str, out: str) -> None:
         "taking_over_on_one": failed_taking_over(rank, world, everywhere=False),
         "taking_over_everywhere": failed_taking_over(rank, world, everywhere=True),
         "queued_on_one": queued_on_one_rank(rank, world),
+        "refused_then_waited": a_refused_load_waited_for(rank, world),
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
@@ -1152,6 +1182,22 @@ def test_a_load_refused_at_its_start_on_one_rank_is_answered_alike(answers: Resu
         # the load (copy 2) applied as failed on every rank, and copied again (copy 3)
         assert report["acks"] == [[1, True], [2, False], [3, True]]
         assert report["node"] == "backed/resident (pins=0, locks=0)"
+
+
+def test_a_load_refused_on_one_rank_and_waited_for_parts_the_ranks_named_alike(
+    answers: Results,
+) -> None:
+    """Pins the known gap: the wait applies each rank's own outcome before the step can agree."""
+    want = (
+        "RankDivergence: rank divergence at transition 4: rank 0 applied node 1 load_done,"
+        " rank 1 applied node 1 load_failed; node 1 now: rank 0 backed/resident (pins=0,"
+        " locks=0), rank 1 backed/resident (pins=0, locks=0)"
+    )
+    for result in answers:
+        report = result["refused_then_waited"]
+        assert report["chain"] == [1]  # the refused start kept in flight: a chain everywhere
+        assert report["loaded"] == ["resident"]  # done here, or failed and recomputed
+        assert report["step"] == want
 
 
 def test_a_write_refused_at_its_start_on_one_rank_fails_on_every_rank(answers: Results) -> None:

@@ -22,6 +22,7 @@ from fsm_cache.errors import (
 )
 from fsm_cache.memory.copies import CopyEngine
 from fsm_cache.memory.kv import KVPool
+from fsm_cache.memory.pages import FREE, REQUEST
 from fsm_cache.memory.tickets import Ticket
 from fsm_cache.memory.tiers import CacheConfig
 from fsm_cache.storage import LocalFileStore
@@ -245,6 +246,130 @@ def test_a_failure_after_the_operation_changed_the_cache_does_not_replay() -> No
         f" allocator broke) after it changed the cache (entries {at + 1} to {failed - 1});"
         " a failure from outside the cache replays only where the operation changed nothing"
     )
+
+
+def test_a_split_before_an_allocator_broke_is_logged_and_does_not_replay() -> None:
+    """An insert whose walk split a node changed the cache before its allocator broke.
+
+    The split is logged before the failure, so the log cannot replay the insert
+    as nothing done: a replay names it, as it names an eviction.
+    """
+    cache = HiCache(replace(BASE, debug=True))
+    cache.insert(list(range(16)))
+    cache.poll()
+    allocator = cache.tiers.device.allocator
+    allocator.reassign = _Breaking(allocator.reassign, {2}, RuntimeError("allocator broke"))  # type: ignore[method-assign]
+    prompt = (*range(8), *range(100, 104))  # parts inside node 1: the walk splits it
+    with pytest.raises(RuntimeError, match="allocator broke"):
+        cache.insert(prompt)
+    vars(allocator).pop("reassign")
+    cache.check_invariants()
+    at = cache.log.entries.index(("op", "insert", (prompt, None, None)))
+    assert cache.log.entries[at + 1 :] == [
+        ("transition", 2, "split:1"),
+        ("failed", "insert", "RuntimeError: allocator broke"),
+    ]
+    with pytest.raises(ReplayMismatch) as caught:
+        replay(cache.log, BASE)
+    assert str(caught.value) == (
+        f"replay: entry {at} {cache.log.entries[at]!r} failed in the recording (RuntimeError:"
+        f" allocator broke) after it changed the cache (entries {at + 1} to {at + 1});"
+        " a failure from outside the cache replays only where the operation changed nothing"
+    )
+
+
+def test_an_allocator_that_breaks_as_a_chain_loads_frees_what_it_took() -> None:
+    """``load_back`` allocated the whole chain, then the allocator broke at its second node.
+
+    The pages of the nodes that did not load stayed the request's with no
+    caller holding them (lost), and the staged pages of the nodes after the
+    failing one stayed staged, so a ``load`` fired by hand took them instead
+    of being refused.
+    """
+    config = replace(BASE, load_back_threshold=1)
+    cache = HiCache(replace(config, debug=True))
+    cache.insert(list(range(8)))
+    cache.poll()
+    cache.insert(list(range(24)))  # node 2 (8 tokens) under node 1
+    cache.poll()
+    cache.insert(list(range(16)))  # splits node 2: node 3 (8 tokens) keeps the tail
+    cache.poll()
+    assert cache.evict(24) == 24
+    chain = [cache.tree.nodes[i] for i in (1, 3, 2)]
+    assert [n.key[0] for n in chain] == [0, 8, 16]
+    allocator = cache.tiers.device.allocator
+    allocator.reassign = _Breaking(allocator.reassign, {2}, RuntimeError("allocator broke"))  # type: ignore[method-assign]
+    with pytest.raises(EffectFailed, match="allocator broke"):
+        cache.load_back(chain[-1])
+    vars(allocator).pop("reassign")
+    assert [n.device for n in chain] == ["loading", "absent", "absent"]
+    assert [n.device_pages for n in chain[1:]] == [(), ()]
+    assert REQUEST not in allocator.owners  # the pages of nodes 3 and 2 went back
+    assert allocator.owners.count(FREE) == config.device_pages - 2
+    cache.check_invariants()
+    cache.poll()
+    assert cache.load_back(chain[1]) == [chain[1]]
+    cache.poll()
+    with pytest.raises(EffectFailed) as refused:  # by hand: the spec lets it load now
+        cache.fire("load", chain[2])
+    assert str(refused.value) == (
+        "node 2: effect start_load of load failed: no device pages are staged for it"
+        " (load_back or insert allocate them; the event alone cannot)"
+    )
+    assert cache.load_back(chain[2]) == [chain[2]]
+    cache.poll()
+    assert [n.device for n in chain] == ["resident"] * 3
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("caller_slots", [False, True])
+def test_an_allocator_that_breaks_as_an_insert_adopts_a_node_frees_what_it_took(
+    caller_slots: bool,
+) -> None:
+    """An insert through two host-only nodes, with a new tail: the second adoption breaks.
+
+    The new leaf was hung, on the device, before the path nodes above it
+    adopted their pages, so it stayed on the device under a node off it
+    (invariant 1 broke), and the pages of the nodes that did not adopt them
+    stayed the request's with no caller holding them.
+    """
+    cache = HiCache(replace(BASE, debug=True))
+    cache.insert(list(range(8)))
+    cache.poll()
+    cache.insert(list(range(16)))
+    cache.poll()
+    assert cache.evict(16) == 16
+    prompt = [*range(16), *range(50, 54)]
+    given = cache.alloc_slots(len(prompt)) if caller_slots else None
+    allocator = cache.tiers.device.allocator
+    allocator.reassign = _Breaking(allocator.reassign, {2}, RuntimeError("allocator broke"))  # type: ignore[method-assign]
+    with pytest.raises(EffectFailed, match="allocator broke"):
+        cache.insert(prompt, given)
+    vars(allocator).pop("reassign")
+    cache.check_invariants()
+    assert states(cache) == [
+        (1, "backed/resident (pins=0, locks=0)"),
+        (2, "backed/absent (pins=0, locks=0)"),
+    ]
+    entries = cache.log.entries
+    at = max(i for i, entry in enumerate(entries) if entry[:2] == ("op", "insert"))
+    assert entries[at + 1 :] == [
+        ("transition", 1, "adopt"),
+        (
+            "refused",
+            "insert",
+            "EffectFailed: node 2: effect adopt_device of adopt failed: allocator broke",
+        ),
+    ]
+    rest = [] if given is None else given[8:]  # node 1 adopted the first two pages
+    held = [page for page, owner in enumerate(allocator.owners) if owner == REQUEST]
+    assert held == sorted({slot // BASE.page_size for slot in rest})
+    if given is not None:
+        cache.free_slots(rest)  # still the caller's
+    assert allocator.owners.count(FREE) == BASE.device_pages - 2
+    cache.insert(prompt)  # the allocator works again
+    cache.poll()
+    assert [n.device for n in cache.tree] == ["resident"] * 3
 
 
 def test_refused_copy_starts_replay_on_an_engine_that_refuses_none() -> None:

@@ -102,6 +102,15 @@ class CacheCore:
                 " the event alone cannot)"
             ) from None
 
+    def drop_staged(self, node_ids: Iterable[int]) -> None:
+        """Forget the pages staged for ``node_ids``, if any (an operation that failed midway).
+
+        Without it a ``load`` or ``adopt`` fired later by hand would take pages
+        the failed operation gave back, instead of being refused.
+        """
+        for node_id in node_ids:
+            self._staged.pop(node_id, None)
+
     def fire(self, node: TreeNode, event: AnyEvent) -> None:
         """Fire ``event`` at ``node``: counted and logged if applied, counted if refused.
 

@@ -100,7 +100,8 @@ class MemoryEffects:
 
         The allocator hands them over first: where it breaks (an error from
         outside the cache), the node is left as it was, as an effect that
-        raises must leave its record (:class:`~fsm_cache.errors.EffectFailed`).
+        raises must leave its record (:class:`~fsm_cache.errors.EffectFailed`),
+        and the operation that staged the pages gives back those no node took.
         """
         pages = self._core.take_staged(node.id)
         self._tiers.device.allocator.reassign(pages, 0, node.id)

@@ -447,38 +447,51 @@ class HiCache:
         *,
         allocated: bool,
     ) -> tuple[TreeNode, ...]:
-        """Hang the new tail under the walk's end and adopt the host-only path nodes.
+        """Adopt the host-only path nodes, then hang the new tail under the walk's end.
 
         ``fresh`` holds request-held pages (:meth:`_fresh_pages`), so no step
-        here can be refused. An allocator that breaks as the new leaf takes its
-        pages (an error from outside the cache) leaves the tree as it was: the
-        leaf and its id are taken back, and the pages go back to the pool where
-        the cache allocated them (``allocated``), or stay the caller's. The
-        leaf was never logged, so where the insert logged nothing before (no
-        eviction made room) a replay skips it, and under tensor parallelism
-        the rank it broke on is named at the next step. Returns the new leaf,
-        if there is one.
+        here can be refused. The path nodes adopt first, top down, so that no
+        node is ever on the device under one off it. An allocator that breaks
+        as a node takes its pages (an error from outside the cache) stops the
+        insert there: the path nodes above it keep what they adopted (logged),
+        a new leaf is taken back with its id, and the pages no node took go
+        back to the pool where the cache allocated them (``allocated``), or
+        stay the caller's. A leaf is never logged, so where the insert logged
+        nothing before the failure (no eviction, split or adoption) a replay
+        skips it, and under tensor parallelism the rank it broke on is named
+        at the next step. Returns the new leaf, if there is one.
         """
-        added: tuple[TreeNode, ...] = ()
-        tree = self._core.tree
-        if matched < len(key):
-            parent = path[-1] if path else tree.root(namespace)
-            pages = fresh.pop(slots.NEW_TAIL)
-            leaf = tree.add_leaf(parent, key[matched:], pages)
+        tail = fresh.get(slots.NEW_TAIL, ())
+        adopting = [node for node in path if node.id in fresh]
+        for at, node in enumerate(adopting):
+            self._core.stage(node, fresh[node.id])
             try:
-                self.tiers.device.allocator.reassign(pages, REQUEST, leaf.id)
-            except BaseException:
-                tree.retract(leaf)
-                if allocated:
-                    self.tiers.free_device((*pages, *chain.from_iterable(fresh.values())), REQUEST)
-                raise
-            self._evictor.offer(leaf)
-            added = (leaf,)
-        for node in path:
-            if node.id in fresh:
-                self._core.stage(node, fresh[node.id])
                 self._core.fire(node, "adopt")
-        return added
+            except BaseException:
+                self._core.drop_staged([node.id])  # refused before its effect took them
+                if allocated:
+                    self._free_untaken(
+                        [*chain.from_iterable(fresh[n.id] for n in adopting[at:]), *tail]
+                    )
+                raise
+        if matched == len(key):
+            return ()
+        tree = self._core.tree
+        leaf = tree.add_leaf(path[-1] if path else tree.root(namespace), key[matched:], tail)
+        try:
+            self.tiers.device.allocator.reassign(tail, REQUEST, leaf.id)
+        except BaseException:
+            tree.retract(leaf)
+            if allocated:
+                self.tiers.free_device(tail, REQUEST)
+            raise
+        self._evictor.offer(leaf)
+        return (leaf,)
+
+    def _free_untaken(self, pages: Sequence[int]) -> None:
+        """Give back those of ``pages`` the request still holds: no node took them before a failure."""
+        allocator = self.tiers.device.allocator
+        self.tiers.free_device([p for p in pages if allocator.owner_of(p) == REQUEST], REQUEST)
 
     def alloc_slots(self, num_tokens: SupportsIndex) -> list[int]:
         """Allocate device slots for a request to compute KV into (evicting if needed).
@@ -713,12 +726,19 @@ class HiCache:
             host-only again, its ``load_failed`` fired). Under tensor-parallel
             agreement a refused start is a copy that failed instead, applied
             at the next step: the chain is returned on every rank, and
-            :meth:`wait_loaded` answers False for it.
+            :meth:`wait_loaded` answers False for it. An operation that waits
+            for the chain before that step (an insert through it, an
+            allocation under pressure) applies each rank's own outcome, so a
+            start refused on some ranks only parts the ranks there, named at
+            the next step.
 
         Raises:
             BadArgument: ``node`` is not a tree node.
             StaleNode: ``node`` is not in this cache (deleted, from before a reset, or another cache's).
             IllegalTransition: A node of the chain holds no valid host copy.
+            EffectFailed: The allocator broke (an error from outside the cache)
+                as a node of the chain took its pages: the nodes above it load,
+                it and those below stay off the device, and their pages go back.
         """
         node = arguments.node(self._core.tree, node, "load_back")
         with self._operation("load_back", node.id):
@@ -757,13 +777,19 @@ class HiCache:
             run = self._evictor.alloc_device(tokens // page, chain[0].parent, chain)
         except PoolExhausted:
             return None
-        at = 0
+        starts, at = [], 0
         for n in chain:
             count = len(n.key) // page
             self._core.stage(n, run[at : at + count])
+            starts.append(at)
             at += count
-        for n in chain:
-            self._core.fire(n, "load")
+        for i, n in enumerate(chain):
+            try:
+                self._core.fire(n, "load")
+            except BaseException:  # an allocator that broke: the nodes above it keep loading
+                self._core.drop_staged([m.id for m in chain[i:]])
+                self._free_untaken(run[starts[i] :])
+                raise
         return chain
 
     def wait_loaded(self, nodes: Sequence[TreeNode], stream: object | None = None) -> bool:

@@ -309,7 +309,14 @@ class DistributedCache:
         hands out) with its failure already buffered, it takes a copy number as
         on every other rank, a load wait answers False for it on every rank
         (:meth:`_failed_here`), and the step that reaches it applies it as
-        failed on every rank, as a copy that failed in flight here only.
+        failed on every rank, as a copy that failed in flight here only. An
+        operation that waits for the copies before that step (:meth:`collect`
+        with ``wait``: an insert through the loading chain, an allocation under
+        pressure) applies each rank's own outcome instead: failed here, done
+        elsewhere, so the ranks part and the next step names them, as for any
+        copy that failed on one rank inside a wait. Only this rank knows the
+        start was refused, so a wait could not apply it alike without a
+        collective.
 
         Args:
             direction: The copy's direction.
