@@ -664,7 +664,10 @@ class DistributedCache:
         Each rank computes its own answer (``local``: its copy engine knows
         only its own launches), and every rank returns False when any rank
         did, so that every rank runs the same forward pass: the failed load
-        is then applied as failed on every rank at the next step. One
+        is then applied as failed on every rank at the next step, unless an
+        operation that waits for copies applies it first, each rank its own
+        outcome (:meth:`collect`), which parts the ranks as any copy that
+        failed on one rank only does there. One
         all-reduce of the same shape as a step's, with a kind of its own, that
         also compares what :meth:`verify_agreement` compares: ranks that
         pair this collective with another rank's wait for another request
