@@ -293,10 +293,10 @@ class QueryBackoff:
     (:meth:`answered`): a cache whose lookups all hit locally asks nothing,
     and its stores are its only trials.
 
-    The wait is read off the tier's clock (``StorageConfig.clock``), but only the tier decides when
-    (:meth:`StorageTier.resume_queries`): under tensor-parallel agreement every
-    rank must ask its store at the same lookups, or the ranks would reach
-    different collectives.
+    The wait is read off the tier's clock (``StorageConfig.clock``), but only
+    the tier decides when (:meth:`StorageTier.resume_queries`): under
+    tensor-parallel agreement every rank must ask its store at the same
+    lookups, or the ranks would reach different collectives.
 
     Attributes:
         first: The first wait, in seconds (0: never back off).
@@ -509,11 +509,12 @@ def _run(
     """Run one copy on a worker: record its result, whatever the store does.
 
     A fetch's pages must be uint8 pages of ``shape`` (a host page's). A copy
-    that waited in the queue past its ``timeout`` is failed by it already (or
-    will be, at the next poll), so it is not run: behind a slow store, running
-    every such copy would keep the workers busy with copies nobody waits for,
-    and every later copy would time out in the queue too. Nor is one the cache
-    abandoned (:meth:`StorageCopy.abandon`) before this worker claimed it.
+    that waited in the queue past its ``timeout`` (by the tier's ``clock``) is
+    failed by it already (or will be, at the next poll), so it is not run:
+    behind a slow store, running every such copy would keep the workers busy
+    with copies nobody waits for, and every later copy would time out in the
+    queue too. Nor is one the cache abandoned (:meth:`StorageCopy.abandon`)
+    before this worker claimed it.
     """
     late = copy.started is not None and clock() >= copy.started + timeout
     pages = None if late else copy.claim()
@@ -1398,7 +1399,7 @@ class StorageTier:
             now = self._clock()
             started = copy.started or now
             until = min(started + self.config.io_timeout, now + limit)
-            copy.done.wait(max(0.0, until - self._clock()))
+            copy.done.wait(max(0.0, until - now))
             self._core.counters.prefetch["read" if copy.done.is_set() else "still_reading"] += 1
             self.apply(self.collect(), "prefetch")
         return self._core.tree.walk(key, tree_namespace)
