@@ -5,7 +5,11 @@ copy going, a child's host copy going, a fetch starting). Hypothesis drives
 inserts, lookups that prefetch, locks, pins, device, host and storage
 evictions, load-backs, backups, resets and polls, with a copy engine that
 delays, reorders and fails copies and a store that loses pages, tears them,
-refuses reads, and gains pages another server stored. After every step every
+refuses reads, answers queries slowly, and gains pages another server stored.
+The tiers read a clock the machine moves (each step takes ``STEP`` seconds, and
+a rule lets more time pass), never the wall clock: a query backoff ends where
+the example says, however slowly a loaded machine runs it, so every example
+replays exactly. After every step every
 host leaf is filed, ``could_free_host`` answers what a walk of the tree
 answers, and every ``evict_host`` takes exactly the victims a full
 least-recently-used walk would.
@@ -17,10 +21,13 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import ClassVar, NamedTuple
 
 import fakeredis
+import pytest
 import torch
 import torch.distributed as dist
+from clocks import HandClock
 from evictions import (
     expected_host_victims,
     host_evictable,
@@ -35,8 +42,10 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
+from fsm_cache.cache import storage_tier
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.storage_tier import StorageConfig
 from fsm_cache.distributed.agreement import DistributedCache
@@ -62,6 +71,8 @@ BY_HAND = frozenset(
     {"write", "evict_device", "evict_host", "pin", "store", "discover", "vanish", "fetch"}
 )
 """Events a tool may fire at a node by hand (acknowledgements are the copies' own)."""
+STEP = 0.25
+"""Seconds of the tiers' clock each step takes: a 1 s query backoff ends four steps on."""
 sequences = st.lists(st.sampled_from(WORDS), min_size=1, max_size=5).map(
     lambda ws: [t for w in ws for t in w]
 )
@@ -71,18 +82,24 @@ class FlakyStore:
     """A store that passes through to ``inner``, but can refuse reads and tear pages.
 
     Attributes:
+        clock: The tiers' clock, which a slow query moves.
         broken: Reads raise while set.
+        slow: Key queries answer a second later (by ``clock``) while set: past the budget.
         torn: Keys whose page reads back as a page of the wrong shape (the read drops it).
         lost: Keys the store loses just before they are read (the read finds them missing).
     """
 
-    def __init__(self, inner: RedisStore) -> None:
+    def __init__(self, inner: RedisStore, clock: HandClock) -> None:
         self.inner = inner
+        self.clock = clock
         self.broken = False
+        self.slow = False
         self.torn: set[str] = set()
         self.lost: set[str] = set()
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
+        if self.slow:
+            self.clock.now += 1.0  # twice the default query_budget
         return self.inner.exists_prefix(keys)
 
     def get(self, keys: Sequence[str]) -> list[torch.Tensor]:
@@ -135,7 +152,8 @@ class StorageCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         shared = RedisStore(fakeredis.FakeRedis(), batch_pages=3)
-        self.store = FlakyStore(shared)
+        self.clock = HandClock()
+        self.store = FlakyStore(shared, self.clock)
         storage = StorageConfig(
             self.store,
             model="test",
@@ -143,11 +161,14 @@ class StorageCacheMachine(RuleBasedStateMachine):
             prefetch_threshold=PAGE,
             prefetch_policy=self.prefetch,
             owned=True,
+            clock=self.clock.monotonic,
         )
         faulty = FaultyCopyEngine.copier(fail=(3, 7, 11, 19), delay=1, shuffle=True, seed=0)
         self.cache = HiCache(config(self.policy, faulty), storage=storage)
         # another server storing into the same store: what this cache finds and discovers
-        other = StorageConfig(shared, model="test", threads=0, prefetch_threshold=10_000)
+        other = StorageConfig(
+            shared, model="test", threads=0, prefetch_threshold=10_000, clock=self.clock.monotonic
+        )
         self.other = HiCache(config("write_through"), storage=other)
         self.leases: list[Lease] = []
 
@@ -276,12 +297,26 @@ class StorageCacheMachine(RuleBasedStateMachine):
     def break_reads(self, broken: bool) -> None:
         self.store.broken = broken
 
+    @rule(slow=st.booleans())
+    def slow_queries(self, slow: bool) -> None:
+        self.store.slow = slow
+
+    @rule(seconds=st.sampled_from([0.25, 1.0, 4.0, 40.0]))
+    def wait(self, seconds: float) -> None:
+        """Time passes: a query backoff (1 s, doubled per failure in a row, at most 30 s) may end."""
+        self.clock.now += seconds
+
     @rule()
     def reset(self) -> None:
         self.cache.reset()
         self.leases = []  # void with the tree they held
 
     # -- what must hold after every step ----------------------------------------
+
+    @invariant()
+    def time_passes(self) -> None:
+        """Each step takes ``STEP`` seconds (Hypothesis runs the invariants after every step)."""
+        self.clock.now += STEP
 
     @invariant()
     def every_host_leaf_is_a_candidate(self) -> None:
@@ -374,3 +409,84 @@ TestStorageSelective = SelectiveStorageMachine.TestCase
 TestStorageSelective.settings = SETTINGS
 TestStorageWaiting = WaitingStorageMachine.TestCase
 TestStorageWaiting.settings = SETTINGS
+
+
+class Decided(NamedTuple):
+    """What the query backoff stood at after one step of one example, and what was counted."""
+
+    example: int
+    now: float
+    closed: bool
+    failures: int
+    until: float
+    prefetch: list[tuple[str, int]]
+    storage_failures: list[tuple[str, int]]
+
+
+class RecordedStorageMachine(WriteBackStorageMachine):
+    """The write-back machine, recording what the query backoff decided after every step."""
+
+    trace: ClassVar[list[Decided]] = []
+    examples: ClassVar[int] = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        type(self).examples += 1
+
+    @invariant()
+    def record(self) -> None:
+        tier = self.cache.storage
+        assert tier is not None
+        backoff, stats = tier.backoff, self.cache.stats()
+        self.trace.append(
+            Decided(
+                self.examples,
+                self.clock.now,
+                backoff.closed,
+                backoff.failures,
+                backoff.until,
+                sorted(stats.prefetch.items()),
+                sorted(stats.storage_failures.items()),
+            )
+        )
+
+
+class RacingClock:
+    """A ``time`` module whose ``monotonic()`` runs 100 s ahead at each reading (a loaded machine)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        """Return a time 100 s later than the last."""
+        self.now += 100.0
+        return self.now
+
+
+def test_an_example_takes_the_same_backoff_decisions_when_run_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same examples, run twice, back off and end their backoffs at the same steps.
+
+    The second run's wall clock races (the storage tier's module reads a
+    ``time`` whose every reading is 100 s on): a tier that read the wall
+    clock for a decision would end each backoff at once there, and each
+    query would be slow. An example Hypothesis replays (to shrink a failure,
+    or from its database) must take the path it took when it failed, or it
+    reports ``FlakyStrategyDefinition`` and never the failure.
+    """
+    again = settings(
+        SETTINGS, max_examples=10, stateful_step_count=40, derandomize=True, database=None
+    )
+    traces = []
+    for wall in (None, RacingClock()):
+        RecordedStorageMachine.trace, RecordedStorageMachine.examples = [], 0
+        with monkeypatch.context() as patch:
+            if wall is not None:
+                patch.setattr(storage_tier, "time", wall)
+            run_state_machine_as_test(RecordedStorageMachine, settings=again)
+        traces.append(RecordedStorageMachine.trace)
+    first, second = traces
+    assert first == second
+    assert any(d.closed for d in first)  # not vacuous: some example backed off,
+    assert any(d.closed and d.now >= d.until for d in first)  # and its wait passed

@@ -23,7 +23,6 @@ import torch
 from clocks import HandClock
 from prometheus_client import CollectorRegistry, generate_latest
 
-from fsm_cache.cache import storage_tier
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.metrics import register
 from fsm_cache.cache.storage_tier import QueryBackoff, StorageConfig
@@ -229,6 +228,7 @@ def test_without_a_store_nothing_changes(tmp_path: Path) -> None:
         ),
         ({"rank": 2, "ranks": 2}, "storage: rank must be an int in 0..1, got 2"),
         ({"model": ""}, "storage: model must be a non-empty str, got ''"),
+        ({"clock": 5.0}, "storage: clock must be a callable returning seconds, got 5.0"),
     ],
 )
 def test_a_bad_storage_config_is_refused_by_name(
@@ -407,7 +407,9 @@ def test_a_store_that_never_answers_is_failed_at_its_timeout(
     """
     faulty = FaultyStore(store)
     faulty.gate = threading.Event()
-    cache = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=0.5))
+    cache = HiCache(
+        config(), storage=tier(faulty, clock=clock.monotonic, threads=1, io_timeout=0.5)
+    )
     cache.insert(tokens(2))
     cache.poll()
     (node,) = cache.tree
@@ -556,11 +558,9 @@ def test_a_query_that_raises_anything_asks_nothing_and_changes_nothing(store: St
 
 
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> HandClock:
-    """The storage tier's clock, moved by hand: the tier reads it (its module's ``time``)."""
-    fake = HandClock()
-    monkeypatch.setattr(storage_tier, "time", fake)
-    return fake
+def clock() -> HandClock:
+    """A clock moved by hand, for a tier to read (``tier(..., clock=clock.monotonic)``)."""
+    return HandClock()
 
 
 def test_a_query_backoff_doubles_per_failure_in_a_row_up_to_its_longest() -> None:
@@ -601,7 +601,13 @@ def test_a_store_that_stops_answering_is_asked_again_only_after_a_backoff(
     faulty.raises = {"exists_prefix"}
     reader = HiCache(
         config(),
-        storage=tier(faulty, prefetch_policy="wait", query_backoff=1.0, query_backoff_max=5.0),
+        storage=tier(
+            faulty,
+            clock=clock.monotonic,
+            prefetch_policy="wait",
+            query_backoff=1.0,
+            query_backoff_max=5.0,
+        ),
     )
 
     def lookup(after: float) -> int:
@@ -634,7 +640,7 @@ def test_under_agreement_a_query_backoff_ends_only_where_the_group_says(
     toks = tokens(3)
     stored_cache(store, toks)
     faulty = FaultyStore(store)
-    reader = HiCache(config(), storage=tier(faulty, query_backoff=1.0))
+    reader = HiCache(config(), storage=tier(faulty, clock=clock.monotonic, query_backoff=1.0))
     storage = reader.storage
     assert storage is not None
     asked: list[tuple[list[int], list[int]]] = []
@@ -703,7 +709,7 @@ def test_a_store_that_failed_once_is_stored_again_by_a_later_lookup(
     toks, more = tokens(3), tokens(2, start=9000)
     faulty = FaultyStore(store)
     faulty.raises = {"put"}
-    writer = HiCache(config(), storage=tier(faulty, query_backoff=1.0))
+    writer = HiCache(config(), storage=tier(faulty, clock=clock.monotonic, query_backoff=1.0))
     writer.insert(toks)
     writer.poll()
     writer.poll()  # the store failed
@@ -721,7 +727,7 @@ def test_a_store_that_failed_once_is_stored_again_by_a_later_lookup(
     writer.poll()
     assert [n.storage for n in writer.tree] == ["stored", "stored"]
     assert faulty.calls == ["put", "put", "put"]
-    reader = HiCache(config(), storage=tier(store, prefetch_policy="wait"))
+    reader = HiCache(config(), storage=tier(store, clock=clock.monotonic, prefetch_policy="wait"))
     assert reader.match_prefix(toks + more).host_len == 5 * PAGE
 
 
@@ -736,7 +742,10 @@ def test_a_store_that_lands_after_a_failure_ends_the_row_of_failures(
     """
     faulty = FaultyStore(LocalFileStore(tmp_path))
     faulty.raises = {"put"}
-    writer = HiCache(config(), storage=tier(faulty, query_backoff=1.0, query_backoff_max=60.0))
+    writer = HiCache(
+        config(),
+        storage=tier(faulty, clock=clock.monotonic, query_backoff=1.0, query_backoff_max=60.0),
+    )
     storage = writer.storage
     assert storage is not None
     writer.insert(tokens(3))
@@ -763,7 +772,7 @@ def test_no_store_is_started_again_while_queries_back_off(store: Store, clock: H
     toks = tokens(3)
     faulty = FaultyStore(store)
     faulty.raises = {"put", "exists_prefix"}
-    writer = HiCache(config(), storage=tier(faulty, query_backoff=1.0))
+    writer = HiCache(config(), storage=tier(faulty, clock=clock.monotonic, query_backoff=1.0))
     writer.insert(toks)
     writer.poll()
     writer.poll()  # the store failed: back off
@@ -789,7 +798,10 @@ def test_a_read_that_raises_fails_the_fetch_and_removes_the_node(
     stored_cache(store, toks)
     faulty = FaultyStore(store)
     faulty.raises = {"get"}
-    reader = HiCache(config(), storage=tier(faulty, prefetch_policy="wait", query_backoff=1.0))
+    reader = HiCache(
+        config(),
+        storage=tier(faulty, clock=clock.monotonic, prefetch_policy="wait", query_backoff=1.0),
+    )
     found = reader.match_prefix(toks)
     assert (found.host_len, found.storage_len) == (0, 0)
     assert list(reader.tree) == []
@@ -821,6 +833,7 @@ def test_a_read_that_never_answers_is_failed_at_its_timeout(store: Store, clock:
         config(),
         storage=tier(
             faulty,
+            clock=clock.monotonic,
             threads=1,
             prefetch_policy="timeout",
             prefetch_timeout=0.05,
@@ -868,7 +881,9 @@ def test_a_copy_that_timed_out_waiting_for_a_worker_is_never_run(
     """
     faulty = FaultyStore(store)
     faulty.gate = threading.Event()
-    writer = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=0.3))
+    writer = HiCache(
+        config(), storage=tier(faulty, clock=clock.monotonic, threads=1, io_timeout=0.3)
+    )
     for start in (1000, 2000, 3000):
         writer.insert(tokens(1, start))
     writer.poll()  # the host backups land: three stores queue behind one worker
@@ -901,7 +916,9 @@ def test_a_store_abandoned_behind_a_hung_worker_lets_its_snapshot_go(
     """
     faulty = FaultyStore(store)
     faulty.gate = threading.Event()
-    writer = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=1.0))
+    writer = HiCache(
+        config(), storage=tier(faulty, clock=clock.monotonic, threads=1, io_timeout=1.0)
+    )
     writer.insert(tokens(1, 1000))
     writer.insert(tokens(2, 2000))
     writer.poll()  # two stores: the first hangs the worker, the second waits in its queue
@@ -948,6 +965,7 @@ def test_a_query_slower_than_its_budget_backs_off_but_its_answer_stands(
         config(),
         storage=tier(
             faulty,
+            clock=clock.monotonic,
             prefetch_policy="wait",
             query_budget=0.5,
             query_backoff=1.0,
@@ -984,7 +1002,10 @@ def test_a_query_within_its_budget_ends_no_backoff_early_and_counts_nothing(
         clock.now += 0.5
 
     faulty.after_exists = just_in_time
-    reader = HiCache(config(), storage=tier(faulty, prefetch_policy="wait", query_budget=0.5))
+    reader = HiCache(
+        config(),
+        storage=tier(faulty, clock=clock.monotonic, prefetch_policy="wait", query_budget=0.5),
+    )
     assert reader.match_prefix(toks).host_len == 3 * PAGE
     assert reader.storage is not None
     assert not reader.storage.backoff.closed
@@ -1004,7 +1025,9 @@ def test_a_store_that_fails_or_hangs_on_a_copy_backs_lookups_off(
     else:
         faulty.gate = threading.Event()
     threads = 0 if fault == "raises" else 1
-    writer = HiCache(config(), storage=tier(faulty, threads=threads, io_timeout=1.0))
+    writer = HiCache(
+        config(), storage=tier(faulty, clock=clock.monotonic, threads=threads, io_timeout=1.0)
+    )
     writer.insert(tokens(2, start=9000))
     writer.poll()  # write_done: the store starts
     ends = time.monotonic() + 5.0
@@ -1045,7 +1068,7 @@ def test_under_agreement_a_copy_that_failed_here_is_told_to_the_group_once(
     """The group backs off at the step that carries it; applying it later backs off no more."""
     faulty = FaultyStore(LocalFileStore(tmp_path))
     faulty.raises = {"put"}
-    cache = HiCache(config(), storage=tier(faulty, query_backoff=1.0))
+    cache = HiCache(config(), storage=tier(faulty, clock=clock.monotonic, query_backoff=1.0))
     storage = cache.storage
     assert storage is not None
     storage.agree_by(lambda found, asked: list(found))
@@ -1076,7 +1099,10 @@ def test_under_agreement_a_copy_reported_timed_out_stays_timed_out_when_its_put_
     """
     faulty = FaultyStore(LocalFileStore(tmp_path))
     faulty.gate = threading.Event()
-    cache = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=1.0, query_backoff=1.0))
+    cache = HiCache(
+        config(),
+        storage=tier(faulty, clock=clock.monotonic, threads=1, io_timeout=1.0, query_backoff=1.0),
+    )
     storage = cache.storage
     assert storage is not None
     storage.agree_by(lambda found, asked: list(found))
@@ -1129,7 +1155,14 @@ def test_copies_one_outage_fails_in_different_polls_back_off_once(
     faulty.gate = threading.Event()
     writer = HiCache(
         config(),
-        storage=tier(faulty, threads=1, io_timeout=1.0, query_backoff=1.0, query_backoff_max=30.0),
+        storage=tier(
+            faulty,
+            clock=clock.monotonic,
+            threads=1,
+            io_timeout=1.0,
+            query_backoff=1.0,
+            query_backoff_max=30.0,
+        ),
     )
     storage = writer.storage
     assert storage is not None
@@ -1166,7 +1199,10 @@ def test_a_copy_in_flight_when_a_query_fails_backs_off_no_more(
     stored_cache(store, toks)
     faulty = FaultyStore(store)
     faulty.gate = threading.Event()
-    writer = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=2.0, query_backoff=1.0))
+    writer = HiCache(
+        config(),
+        storage=tier(faulty, clock=clock.monotonic, threads=1, io_timeout=2.0, query_backoff=1.0),
+    )
     storage = writer.storage
     assert storage is not None
     writer.insert(tokens(2, 9000))
@@ -1194,7 +1230,10 @@ def test_a_store_queued_but_not_started_when_lookups_back_off_is_a_new_trial(
     """
     faulty = FaultyStore(LocalFileStore(tmp_path))
     faulty.raises = {"put"}
-    writer = HiCache(config(), storage=tier(faulty, query_backoff=1.0, query_backoff_max=30.0))
+    writer = HiCache(
+        config(),
+        storage=tier(faulty, clock=clock.monotonic, query_backoff=1.0, query_backoff_max=30.0),
+    )
     storage = writer.storage
     assert storage is not None
     writer.insert(tokens(2))
@@ -1224,7 +1263,9 @@ def test_under_agreement_a_copy_in_flight_at_a_backoff_that_failed_elsewhere_end
     row on every rank: no rank's store failed it as a store that is down
     does, or the group would have backed off for it, with it in flight.
     """
-    cache = HiCache(config(), storage=tier(LocalFileStore(tmp_path), query_backoff=1.0))
+    cache = HiCache(
+        config(), storage=tier(LocalFileStore(tmp_path), clock=clock.monotonic, query_backoff=1.0)
+    )
     storage = cache.storage
     assert storage is not None
     storage.agree_by(lambda found, asked: list(found))
@@ -1257,7 +1298,7 @@ def test_no_backup_is_started_while_lookups_back_off(store: Store, clock: HandCl
     """
     faulty = FaultyStore(store)
     faulty.raises = {"put"}
-    writer = HiCache(config(), storage=tier(faulty, query_backoff=1.0))
+    writer = HiCache(config(), storage=tier(faulty, clock=clock.monotonic, query_backoff=1.0))
     storage = writer.storage
     assert storage is not None
     writer.insert(tokens(2))
@@ -1293,7 +1334,10 @@ def test_pages_a_timed_out_put_writes_late_are_found_again_by_key(
     """
     faulty = FaultyStore(store)
     faulty.gate = threading.Event()
-    writer = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=1.0, query_backoff=1.0))
+    writer = HiCache(
+        config(),
+        storage=tier(faulty, clock=clock.monotonic, threads=1, io_timeout=1.0, query_backoff=1.0),
+    )
     storage = writer.storage
     assert storage is not None
     toks = tokens(2)

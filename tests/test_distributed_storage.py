@@ -32,7 +32,6 @@ with warnings.catch_warnings():
     import torch.distributed as dist
     from torch.multiprocessing.spawn import start_processes
 
-    from fsm_cache.cache import storage_tier
     from fsm_cache.cache.hicache import HiCache
     from fsm_cache.cache.storage_tier import StorageConfig
     from fsm_cache.distributed.agreement import DistributedCache
@@ -316,26 +315,26 @@ def query_backs_off(rank: int, folder: Path) -> dict[str, Any]:
     faulty = Faulty(store)
     faulty.exists_fails = rank == 1
     wait = 0.01 if rank == 0 else 2.0
-    shared = wrapped(faulty, rank, query_backoff=wait, query_backoff_max=wait)
+    clock = HandClock()
+    shared = wrapped(
+        faulty, rank, query_backoff=wait, query_backoff_max=wait, clock=clock.monotonic
+    )
     seen = []
 
     def lookup() -> None:
         found = shared.cache.match_prefix(toks)
         seen.append([faulty.queries, found.storage_len])
 
-    clock = HandClock()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(storage_tier, "time", clock)
-        lookup()  # fails on rank 1: both back off
-        clock.now += 0.05
-        lookup()  # both ask nothing, though rank 0's wait has passed
-        shared.step()  # rank 1's has not: still backing off
-        lookup()
-        faulty.exists_fails = False
-        clock.now += 2.0
-        shared.step()  # both waits have passed
-        lookup()  # both ask, and fetch
-        shared.drain()
+    lookup()  # fails on rank 1: both back off
+    clock.now += 0.05
+    lookup()  # both ask nothing, though rank 0's wait has passed
+    shared.step()  # rank 1's has not: still backing off
+    lookup()
+    faulty.exists_fails = False
+    clock.now += 2.0
+    shared.step()  # both waits have passed
+    lookup()  # both ask, and fetch
+    shared.drain()
     return report(shared, seen=seen)
 
 
@@ -354,7 +353,15 @@ def slow_query_backs_off(rank: int, folder: Path) -> dict[str, Any]:
     more = LocalFileStore(folder / f"rank{rank}")
     faulty = Faulty(store)
     wait = 0.01 if rank == 0 else 1.0
-    shared = wrapped(faulty, rank, query_budget=0.3, query_backoff=wait, query_backoff_max=wait)
+    clock = HandClock()
+    shared = wrapped(
+        faulty,
+        rank,
+        query_budget=0.3,
+        query_backoff=wait,
+        query_backoff_max=wait,
+        clock=clock.monotonic,
+    )
     second_written = wrapped(more, rank)
     second_written.cache.insert(second)
     second_written.drain()
@@ -365,24 +372,20 @@ def slow_query_backs_off(rank: int, folder: Path) -> dict[str, Any]:
         found = shared.cache.match_prefix(toks)
         seen.append([faulty.queries, found.storage_len])
 
-    clock = HandClock()
-
     def slow() -> None:
         clock.now += 0.6
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(storage_tier, "time", clock)
-        faulty.after_exists = slow if rank == 1 else None
-        lookup(first)  # slow on rank 1: both use the answer, and back off
-        faulty.after_exists = None
-        clock.now += 0.05
-        lookup(second)  # both ask nothing, though rank 0's wait has passed
-        shared.step()  # rank 1's has not: still backing off
-        lookup(second)
-        clock.now += 1.0
-        shared.step()  # both waits have passed
-        lookup(second)  # both ask, and fetch
-        shared.drain()
+    faulty.after_exists = slow if rank == 1 else None
+    lookup(first)  # slow on rank 1: both use the answer, and back off
+    faulty.after_exists = None
+    clock.now += 0.05
+    lookup(second)  # both ask nothing, though rank 0's wait has passed
+    shared.step()  # rank 1's has not: still backing off
+    lookup(second)
+    clock.now += 1.0
+    shared.step()  # both waits have passed
+    lookup(second)  # both ask, and fetch
+    shared.drain()
     return report(shared, seen=seen)
 
 
@@ -400,27 +403,27 @@ def copy_failure_backs_off(rank: int, folder: Path) -> dict[str, Any]:
     faulty = Faulty(store)
     faulty.put_fails_after = 0 if rank == 1 else None
     wait = 0.01 if rank == 0 else 1.0
-    shared = wrapped(faulty, rank, query_backoff=wait, query_backoff_max=wait)
+    clock = HandClock()
+    shared = wrapped(
+        faulty, rank, query_backoff=wait, query_backoff_max=wait, clock=clock.monotonic
+    )
     seen = []
 
     def lookup() -> None:
         found = shared.cache.match_prefix(toks)
         seen.append([faulty.queries, found.storage_len])
 
-    clock = HandClock()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(storage_tier, "time", clock)
-        shared.cache.insert(tokens(2, start=5000))
-        shared.drain()  # its store fails on rank 1: both back off
-        faulty.put_fails_after = None
-        clock.now += 0.05
-        lookup()  # both ask nothing, though rank 0's wait has passed
-        shared.step()  # rank 1's has not: still backing off
-        lookup()
-        clock.now += 1.0
-        shared.step()  # both waits have passed
-        lookup()  # both ask, and fetch
-        shared.drain()
+    shared.cache.insert(tokens(2, start=5000))
+    shared.drain()  # its store fails on rank 1: both back off
+    faulty.put_fails_after = None
+    clock.now += 0.05
+    lookup()  # both ask nothing, though rank 0's wait has passed
+    shared.step()  # rank 1's has not: still backing off
+    lookup()
+    clock.now += 1.0
+    shared.step()  # both waits have passed
+    lookup()  # both ask, and fetch
+    shared.drain()
     return report(shared, seen=seen)
 
 
@@ -448,49 +451,48 @@ def one_outage_seen_at_two_steps(rank: int, folder: Path) -> dict[str, Any]:
     hung = threading.Event()
     first, second = tokens(2), tokens(2, start=5000)
     clock = HandClock()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(storage_tier, "time", clock)
-        shared = wrapped(
-            store,
-            rank,
-            policy="off",
-            threads=1,
-            io_timeout=1.0,
-            query_backoff=1.0,
-            query_backoff_max=30.0,
-        )
-        cache = shared.cache
-        namespace = cache.storage.namespace()  # type: ignore[union-attr]
-        down = page_keys(namespace, first if rank == 0 else second)[0]
+    shared = wrapped(
+        store,
+        rank,
+        policy="off",
+        threads=1,
+        io_timeout=1.0,
+        query_backoff=1.0,
+        query_backoff_max=30.0,
+        clock=clock.monotonic,
+    )
+    cache = shared.cache
+    namespace = cache.storage.namespace()  # type: ignore[union-attr]
+    down = page_keys(namespace, first if rank == 0 else second)[0]
 
-        def outage(keys: Sequence[str]) -> None:
-            if keys[0] != down:
-                return
-            if rank == 1:
-                hung.wait()
-            raise StoreFailed("faulty", "put", acknowledged=0, total=len(keys), cause="planted")
+    def outage(keys: Sequence[str]) -> None:
+        if keys[0] != down:
+            return
+        if rank == 1:
+            hung.wait()
+        raise StoreFailed("faulty", "put", acknowledged=0, total=len(keys), cause="planted")
 
-        store.before_put = outage
-        cache.insert(first)
-        cache.insert(second)
-        shared.drain()  # the host backups land; nothing stores on its own (policy off)
-        for toks in (first, second):
-            cache.fire("store", cache.match_prefix(toks).last_device_node)
-        copies = list(cache.storage.in_flight().values())  # type: ignore[union-attr]
-        for copy in copies if rank == 0 else copies[:1]:  # those that end here without the clock
-            assert copy.done.wait(30)
-        shared.step()  # the first failed on rank 0: both back off
-        seen = [backoff_state(shared, clock)]
-        clock.now += 1.0  # past the second's io_timeout, and past the wait
-        shared.step()  # the second timed out on rank 1: the same outage
-        seen.append(backoff_state(shared, clock))
-        store.exists_fails = True
-        found = cache.match_prefix(tokens(2, start=9000))  # both ask the store: it fails
-        seen.append([store.queries, found.storage_len])
-        seen.append(backoff_state(shared, clock))
-        hung.set()
-        out = report(shared, seen=seen)
-        cache.close()
+    store.before_put = outage
+    cache.insert(first)
+    cache.insert(second)
+    shared.drain()  # the host backups land; nothing stores on its own (policy off)
+    for toks in (first, second):
+        cache.fire("store", cache.match_prefix(toks).last_device_node)
+    copies = list(cache.storage.in_flight().values())  # type: ignore[union-attr]
+    for copy in copies if rank == 0 else copies[:1]:  # those that end here without the clock
+        assert copy.done.wait(30)
+    shared.step()  # the first failed on rank 0: both back off
+    seen = [backoff_state(shared, clock)]
+    clock.now += 1.0  # past the second's io_timeout, and past the wait
+    shared.step()  # the second timed out on rank 1: the same outage
+    seen.append(backoff_state(shared, clock))
+    store.exists_fails = True
+    found = cache.match_prefix(tokens(2, start=9000))  # both ask the store: it fails
+    seen.append([store.queries, found.storage_len])
+    seen.append(backoff_state(shared, clock))
+    hung.set()
+    out = report(shared, seen=seen)
+    cache.close()
     return out
 
 
@@ -507,19 +509,17 @@ def no_backup_while_backing_off(rank: int, folder: Path) -> dict[str, Any]:
     store.put_fails_after = 0 if rank == 1 else None
     later = tokens(2, start=5000)
     clock = HandClock()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(storage_tier, "time", clock)
-        shared = wrapped(store, rank, query_backoff=1.0, query_backoff_max=1.0)
-        shared.cache.insert(tokens(2))
-        shared.drain()  # its store fails on rank 1: both back off
-        store.put_fails_after = None
-        shared.cache.insert(later)
-        shared.drain()  # its host backup lands: no store starts
-        during = rows(shared.cache)
-        clock.now += 1.0
-        shared.step()  # both waits have passed
-        shared.cache.match_prefix(later)  # stores it, on both
-        shared.drain()
+    shared = wrapped(store, rank, query_backoff=1.0, query_backoff_max=1.0, clock=clock.monotonic)
+    shared.cache.insert(tokens(2))
+    shared.drain()  # its store fails on rank 1: both back off
+    store.put_fails_after = None
+    shared.cache.insert(later)
+    shared.drain()  # its host backup lands: no store starts
+    during = rows(shared.cache)
+    clock.now += 1.0
+    shared.step()  # both waits have passed
+    shared.cache.match_prefix(later)  # stores it, on both
+    shared.drain()
     keys = page_keys(shared.cache.storage.namespace(), later)  # type: ignore[union-attr]
     return report(shared, during=during, held=inner.exists_prefix(keys))
 

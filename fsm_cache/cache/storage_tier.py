@@ -42,6 +42,8 @@ machine:
   raised, or did not answer within ``io_timeout``), lookups ask nothing for a
   while, twice as long after each failure in a row; the copies in flight
   when lookups back off fail by that outage, and back them off no more.
+  Those waits, a query's budget and a copy's timeout are read off one clock,
+  ``StorageConfig.clock``, which a test moves by hand.
 * **Tensor-parallel agreement** (:meth:`StorageTier.agree_by`): under a
   :class:`~fsm_cache.distributed.agreement.DistributedCache` each rank's store
   holds its own shard, so the ranks' stores may answer differently; the hit
@@ -62,7 +64,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -181,6 +183,12 @@ class StorageConfig:
             is used, but counts as failed for the query backoff (a store that
             answers every query after seconds holds every lookup as long as
             one that is down, only without failing).
+        clock: Where the tier reads the time, in seconds: every decision
+            that depends on it (a backoff's wait, a query past its budget, a
+            copy past ``io_timeout``) reads this clock, and a wait for a copy
+            lasts the seconds this clock says are left. A test passes one it
+            moves by hand, so that a run takes the same decisions however
+            slowly a loaded machine runs it, and replays exactly.
     """
 
     store: Store
@@ -198,6 +206,7 @@ class StorageConfig:
     threads: int = 1
     owned: bool = False
     query_budget: float = 0.5
+    clock: Callable[[], float] = field(default=time.monotonic, compare=False)
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the first value of the wrong type or out of range."""
@@ -228,6 +237,10 @@ class StorageConfig:
         _check_seconds(self)
         if not isinstance(self.owned, bool):
             raise ConfigError(f"storage: owned must be a bool, got {self.owned!r}")
+        if not callable(self.clock):
+            raise ConfigError(
+                f"storage: clock must be a callable returning seconds, got {self.clock!r}"
+            )
 
     @property
     def shards(self) -> int:
@@ -280,16 +293,16 @@ class QueryBackoff:
     (:meth:`answered`): a cache whose lookups all hit locally asks nothing,
     and its stores are its only trials.
 
-    The wait is read off this process's clock, but only the tier decides when
-    (:meth:`StorageTier.resume_queries`): under tensor-parallel agreement every
-    rank must ask its store at the same lookups, or the ranks would reach
-    different collectives.
+    The wait is read off the tier's clock (``StorageConfig.clock``), but only
+    the tier decides when (:meth:`StorageTier.resume_queries`): under
+    tensor-parallel agreement every rank must ask its store at the same
+    lookups, or the ranks would reach different collectives.
 
     Attributes:
         first: The first wait, in seconds (0: never back off).
         longest: The longest wait, in seconds.
         failures: Queries (or outages a copy failed in) failed in a row.
-        until: When (``time.monotonic``) the wait has passed.
+        until: When (the tier's clock) the wait has passed.
         closed: Lookups ask the store nothing.
     """
 
@@ -320,7 +333,7 @@ class QueryBackoff:
         self.failures = 0
 
     def passed(self, now: float) -> bool:
-        """Return whether this process's clock says the wait has passed (or none runs)."""
+        """Return whether the clock, reading ``now``, says the wait has passed (or none runs)."""
         return not self.closed or now >= self.until
 
 
@@ -364,7 +377,7 @@ class StorageCopy:
         kind: ``store`` or ``fetch``.
         nodes: The nodes it serves, in key order (a split inserts the prefix).
         keys: The page keys of those nodes, in order.
-        started: When it was started (``time.monotonic``); None while queued.
+        started: When it was started (the tier's clock); None while queued.
         done: Set by the worker once :attr:`result` is there.
         result: The worker's report, or None.
         snapshot: The host pages a store writes, until a worker claims them or
@@ -486,17 +499,24 @@ class _Workers:
         self._threads = []
 
 
-def _run(store: Store, copy: StorageCopy, shape: tuple[int, ...], timeout: float) -> None:
+def _run(
+    store: Store,
+    copy: StorageCopy,
+    shape: tuple[int, ...],
+    timeout: float,
+    clock: Callable[[], float],
+) -> None:
     """Run one copy on a worker: record its result, whatever the store does.
 
     A fetch's pages must be uint8 pages of ``shape`` (a host page's). A copy
-    that waited in the queue past its ``timeout`` is failed by it already (or
-    will be, at the next poll), so it is not run: behind a slow store, running
-    every such copy would keep the workers busy with copies nobody waits for,
-    and every later copy would time out in the queue too. Nor is one the cache
-    abandoned (:meth:`StorageCopy.abandon`) before this worker claimed it.
+    that waited in the queue past its ``timeout`` (by the tier's ``clock``) is
+    failed by it already (or will be, at the next poll), so it is not run:
+    behind a slow store, running every such copy would keep the workers busy
+    with copies nobody waits for, and every later copy would time out in the
+    queue too. Nor is one the cache abandoned (:meth:`StorageCopy.abandon`)
+    before this worker claimed it.
     """
-    late = copy.started is not None and time.monotonic() >= copy.started + timeout
+    late = copy.started is not None and clock() >= copy.started + timeout
     pages = None if late else copy.claim()
     if pages is None:
         copy.abandon()  # a copy nobody runs needs no snapshot
@@ -624,6 +644,7 @@ class StorageTier:
         # lookups backed off while the copy was in flight (:meth:`_back_off`)
         self._told: set[int] = set()
         self._workers = _Workers(config.threads)
+        self._clock = config.clock  # the config's: read for every timed decision
         self.backoff = QueryBackoff(config.query_backoff, config.query_backoff_max)
         transfers.on_ack(self._host_acknowledged)
         core.on_split(self._rehome)
@@ -752,8 +773,8 @@ class StorageTier:
                 host = [p for n in copy.nodes for p in n.host_pages]
                 index = torch.tensor(host, dtype=torch.long)
                 copy.snapshot = list(self._tiers.host.pages.index_select(0, index).unbind(0))
-            copy.started = time.monotonic()
-            job = partial(_run, self._store, copy, shape, self.config.io_timeout)
+            copy.started = self._clock()
+            job = partial(_run, self._store, copy, shape, self.config.io_timeout, self._clock)
             self._workers.submit(job)
 
     def idle(self) -> bool:
@@ -770,8 +791,8 @@ class StorageTier:
         here: a copy that finished on this rank alone must wait for the others.
 
         Args:
-            wait_until: Wait for every started copy until this ``time.monotonic``
-                instant (each at most until its own timeout); None waits for none.
+            wait_until: Wait for every started copy until this instant of
+                the tier's clock (each at most until its own timeout); None waits for none.
                 Given, it returns what finished here even under agreement
                 (:meth:`settle`, when the cache closes).
         """
@@ -784,8 +805,8 @@ class StorageTier:
                 continue
             deadline = copy.started + timeout
             if wait_until is not None:
-                copy.done.wait(max(0.0, min(wait_until, deadline) - time.monotonic()))
-            if copy.done.is_set() or time.monotonic() >= deadline:
+                copy.done.wait(max(0.0, min(wait_until, deadline) - self._clock()))
+            if copy.done.is_set() or self._clock() >= deadline:
                 out.append(copy)
         return out
 
@@ -808,7 +829,7 @@ class StorageTier:
         for copy, result in outcomes:
             del self._copies[copy.number]
             self._told.discard(copy.number)
-            seconds = time.monotonic() - (copy.started or time.monotonic())
+            seconds = self._clock() - (copy.started or self._clock())
             nbytes = result.held * self._tiers.host.layout.page_bytes
             self._core.counters.storage_copied(
                 copy.kind, seconds, result.held, nbytes, result.outcome
@@ -988,7 +1009,7 @@ class StorageTier:
         for copy in window:
             if wait and copy.started is not None:
                 deadline = copy.started + self.config.io_timeout
-                copy.done.wait(max(0.0, deadline - time.monotonic()))
+                copy.done.wait(max(0.0, deadline - self._clock()))
             result = None if copy.started is None else self._ended(copy)
             self._reported[copy.number] = result
             flag = result is not None and result.outcome not in _GONE
@@ -997,7 +1018,7 @@ class StorageTier:
 
     def _ended(self, copy: StorageCopy) -> StoreResult | None:
         """Return how a started copy ended here (a timeout too), or None while it runs."""
-        if copy.done.is_set() or time.monotonic() >= (copy.started or 0) + self.config.io_timeout:
+        if copy.done.is_set() or self._clock() >= (copy.started or 0) + self.config.io_timeout:
             return self._outcome(copy)
         return None
 
@@ -1172,7 +1193,7 @@ class StorageTier:
         What a rank brings to a step's agreement; :meth:`resume_queries` takes
         the group's answer.
         """
-        return self.backoff.passed(time.monotonic())
+        return self.backoff.passed(self._clock())
 
     def copies_failed_here(self) -> bool:
         """Return whether a copy ended here as a store that is down ends one, since last asked.
@@ -1220,7 +1241,7 @@ class StorageTier:
         hangs on the store fails by that outage, and which copies are started
         is the same on every rank at a step or a lookup.
         """
-        self.backoff.failed(time.monotonic())
+        self.backoff.failed(self._clock())
         self._told.update(n for n, copy in self._copies.items() if copy.started is not None)
 
     def resume_queries(self, passed: bool) -> None:
@@ -1276,13 +1297,13 @@ class StorageTier:
         keys = page_keys(self.namespace(tree_namespace), tail, parent=prior)
         run = _unstored_run(usable)
         run_keys = [k for n in run for k in self.keys_of(n)]
-        began = time.monotonic()
+        began = self._clock()
         try:
             found = [*self._ask(run_keys, keys), 1, 1]
         except Exception:  # any store failure counts 0 found, so a group still reaches the MIN
             found = [0, 0, 0, 0]
         else:  # this rank's clock says only whether its own store was slow; the MIN tells all
-            found[3] = int(time.monotonic() - began <= self.config.query_budget)
+            found[3] = int(self._clock() - began <= self.config.query_budget)
         in_run, stored, answered, prompt = self._agree_hits(found, [len(run_keys), len(keys), 1, 1])
         self._discover(run, in_run)
         return stored, keys, not answered, not prompt
@@ -1375,9 +1396,10 @@ class StorageTier:
         policy = self.config.prefetch_policy
         if policy != "best_effort":
             limit = float("inf") if policy == "wait" else self.config.prefetch_timeout
-            started = copy.started or time.monotonic()
-            until = min(started + self.config.io_timeout, time.monotonic() + limit)
-            copy.done.wait(max(0.0, until - time.monotonic()))
+            now = self._clock()
+            started = copy.started or now
+            until = min(started + self.config.io_timeout, now + limit)
+            copy.done.wait(max(0.0, until - now))
             self._core.counters.prefetch["read" if copy.done.is_set() else "still_reading"] += 1
             self.apply(self.collect(), "prefetch")
         return self._core.tree.walk(key, tree_namespace)
