@@ -28,6 +28,7 @@ from typing import Any
 
 import fakeredis
 import pytest
+from clocks import HandClock
 
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.storage_tier import StorageConfig
@@ -127,6 +128,9 @@ class Run:
             seed=seed,
         )
         self.storage = layout.has("storage")
+        # never moved: no query is slow and no wait passes however loaded the machine, so a
+        # run takes the same path every time
+        self.clock = HandClock().monotonic
         self.store: RedisStore | None = None
         extra: dict[str, Any] = {}
         if self.storage:
@@ -135,7 +139,9 @@ class Run:
         self.cache = HiCache(self._config(policy, copier), acks=self._acks, **extra)
         self.other: HiCache | None = None
         if self.store is not None:  # another server storing into the same store
-            config = StorageConfig(self.store, model="m", threads=0, prefetch_threshold=10_000)
+            config = StorageConfig(
+                self.store, model="m", threads=0, prefetch_threshold=10_000, clock=self.clock
+            )
             self.other = HiCache(self._config("write_through", None, 8), storage=config)
         self.hands = BY_HAND_STORAGE if self.storage else BY_HAND
 
@@ -157,7 +163,13 @@ class Run:
     def _storage(self, store: RedisStore) -> StorageConfig:
         policy = self.rng.choice(["write_through", "write_through", "off"])
         return StorageConfig(
-            store, model="m", threads=0, prefetch_threshold=1, owned=True, policy=policy
+            store,
+            model="m",
+            threads=0,
+            prefetch_threshold=1,
+            owned=True,
+            policy=policy,
+            clock=self.clock,
         )
 
     def _acks(self, copier: Copier, copies: IssuedCopies) -> Acks:
