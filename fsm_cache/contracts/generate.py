@@ -82,6 +82,7 @@ _SOURCE = {source!r}
 _FILES = {files!r}
 _SYSTEM = _as_system(_load_spec(_SOURCE, _FILES))
 _label = {label!r}
+{neighbours} = {{}}
 '''
 
 _HARNESS = """
@@ -146,6 +147,12 @@ def _plan(step, rec):
 
 CHECKED = "_event_"
 """The prefix of a checked function's name in the module: ``_event_pin`` checks ``pin``."""
+
+
+NEIGHBOURS = "_NEIGHBOURS"
+"""The module's global that names, per checked function, the parameters that are one
+neighbour's states (the parent's, or one child's): ``None`` alike, as a precondition
+says, so an input takes them all ``None`` or none (:mod:`fsm_cache.contracts.exhaustive`)."""
 
 
 def checked_name(event: str) -> str:
@@ -236,6 +243,7 @@ def generate(
             source=str(Path(source).resolve()),
             files=None if files is None else dict(sorted(files.items())),
             label=system.label,
+            neighbours=NEIGHBOURS,
         ),
         *(_enum(region, machine) for region, machine in system.regions),
         _result(system),
@@ -418,6 +426,8 @@ def _checked(system: System, event: str, verb: str, classes: bool) -> str:
     lines.append(f'    """Fire {event} through the engine\'s code on one record."""')
     lines.append(f"    rec = _record({parent_view}, {children}, {', '.join(values)})")
     lines.append(f"    return {runner}({verb}, rec)")
+    together = tuple(tuple(names) for names in _neighbours(parent, kids))
+    lines.append(f"\n\n{NEIGHBOURS}[{checked_name(event)!r}] = {together!r}")
     return "\n\n" + "\n".join(lines) + "\n"
 
 
@@ -433,10 +443,9 @@ def _requires(
     for name in counters:
         out.append(f"@_icontract.require(lambda {name}: {name} >= 0)")
     # A neighbour is there whole or not at all: each of its states is None alike.
-    for names in ([f"parent_{r}" for r in parent], *([k.name for k in kid] for kid in kids)):
-        if len(names) > 1:
-            same = " == ".join(f"({n} is None)" for n in names)
-            out.append(f"@_icontract.require(lambda {', '.join(names)}: {same})")
+    for names in _neighbours(parent, kids):
+        same = " == ".join(f"({n} is None)" for n in names)
+        out.append(f"@_icontract.require(lambda {', '.join(names)}: {same})")
     # The children's come last, as icontract checks the decorator nearest the function
     # first: CrossHair drops the inputs they rule out before it branches on a counter.
     # Children come first to last, so a family is given once, not once per gap.
@@ -452,6 +461,12 @@ def _requires(
             f"{second} is None or {first} is None or ({' and '.join(terms)}))"
         )
     return out
+
+
+def _neighbours(parent: list[str], kids: list[list[_Child]]) -> list[list[str]]:
+    """Return the parameters of each neighbour read in more than one region: ``None`` alike."""
+    found = [[f"parent_{r}" for r in parent], *([k.name for k in kid] for kid in kids)]
+    return [names for names in found if len(names) > 1]
 
 
 def _ensures(system: System, event: str, parent: list[str], kids: list[list[_Child]]) -> list[str]:
