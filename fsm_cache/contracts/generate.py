@@ -42,7 +42,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -210,6 +210,7 @@ def generate(
     files: Mapping[str, bytes] | None = None,
     *,
     classes: bool = False,
+    without_extra: Collection[str] = (),
 ) -> Generated:
     """Return the contracts module of ``system``, which was loaded from ``source``.
 
@@ -225,6 +226,9 @@ def generate(
     :func:`family_states` instead, one per class the event's conditions tell
     apart, and no extra child: fewer paths for CrossHair, for code that
     treats alike the states those conditions treat alike (:func:`_children`).
+    The functions of the events in ``without_extra`` take no extra child
+    either: with it, their inputs would be more than the every-input check
+    calls a function with (:func:`fsm_cache.contracts.verify.every_input`).
     """
     em = Emitter(system)
     code: dict[str, str] = {}
@@ -254,7 +258,10 @@ def generate(
         "\n# -- the engine's generated code, as fsm_cache.engine.codegen emits it --\n",
         engine_code,
     ]
-    parts += [_checked(system, event, code[event], classes) for event in system.event_names]
+    parts += [
+        _checked(system, event, code[event], classes, extra=event not in without_extra)
+        for event in system.event_names
+    ]
     return Generated(system.name, "\n".join(parts) + "\n", system.event_names)
 
 
@@ -359,7 +366,7 @@ class _Child:
     kind: str
 
 
-def _children(system: System, event: str, classes: bool) -> list[list[_Child]]:
+def _children(system: System, event: str, classes: bool, extra: bool) -> list[list[_Child]]:
     """Return the children ``event``'s function is given, first to last: each its states.
 
     Each child ranges over every state of its regions, so a slip that reads
@@ -380,11 +387,15 @@ def _children(system: System, event: str, classes: bool) -> list[list[_Child]]:
     the shipped specs, so CrossHair proves the classes and
     :mod:`fsm_cache.contracts.verify` checks every family, the extra child
     included, on every representative input besides.
+
+    Without ``extra``, no child past :func:`children_needed`, though not for
+    CrossHair: every child over every state, for a function whose inputs
+    the extra child would take past what the every-input check calls.
     """
     regions = _context(system, event, "child")
     needed = children_needed(system, event)
     kids = [[_Child(f"child1_{r}", r, f"_{_enum_name(r)}") for r in regions]]
-    for i in range(2, needed + (1 if classes else 2)):
+    for i in range(2, needed + (2 if extra and not classes else 1)):
         by_class = classes or i > needed
         kinds = {r: _family_enum(event, r) if by_class else f"_{_enum_name(r)}" for r in regions}
         kids.append([_Child(f"child{i}_{r}", r, kinds[r]) for r in regions])
@@ -405,11 +416,11 @@ def _family_enum(event: str, region: str) -> str:
     return f"_{_enum_name(region)}_{event}"
 
 
-def _checked(system: System, event: str, verb: str, classes: bool) -> str:
+def _checked(system: System, event: str, verb: str, classes: bool, *, extra: bool) -> str:
     regions = [r for r, _ in system.regions]
     counters = [c for c, _ in system.counters]
     parent = _context(system, event, "parent")
-    kids = _children(system, event, classes)
+    kids = _children(system, event, classes, extra)
     params = [f"{r}: _{_enum_name(r)}" for r in regions] + [f"{c}: int" for c in counters]
     params += [f"parent_{r}: _Optional[_{_enum_name(r)}]" for r in parent]
     params += [f"{k.name}: _Optional[{k.kind}]" for kid in kids for k in kid]
