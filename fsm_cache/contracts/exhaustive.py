@@ -9,7 +9,8 @@ absent parent or child) or a counter, and each counter's exact representatives
 (:func:`fsm_cache.spec.validate.representatives`: the critical values of every
 guard, invariant and forbid that reads it, which say why they stand for every
 value) cover every class of values a check tells apart. Calling each function
-on the product of those domains, with its preconditions as filters, and
+on the product of those domains (a neighbour's states taken together, all
+``None`` or none, as a precondition has it), with its preconditions as filters, and
 evaluating each postcondition on the result is therefore a complete check of
 the same contracts CrossHair would prove. One row per postcondition: confirmed
 on every representative input, or the first counterexample found.

@@ -15,7 +15,8 @@ For a spec, :func:`generate` writes a self-contained Python module holding:
   children's states where the event reads them)``, as many children as its
   rules take to tell apart (:func:`children_needed`), each over every state
   of its regions, and one more over :func:`family_states` (for CrossHair,
-  no more, and a family's over :func:`family_states`),
+  no more, and a family's over :func:`family_states`; none more either for
+  an event of ``without_extra``),
   which runs that code on a record and returns the record after the step
   (with, if it refused, the refusal the engine's message is made of: its
   error class, region, event, reason and the other regions it names); rows
