@@ -507,8 +507,9 @@ def test_a_three_region_composition_is_checked_on_every_representative_input(
     assert {r.status for r in rows} == {exhaustive.CONFIRMED_EVERY_INPUT}
     assert {r.function for r in rows} == set(storage.event_names)
     fetch = [r for r in rows if r.function == "fetch" and r.contract == "the step follows the spec"]
-    # host 6 x device 3 x storage 4 x pins 5 x locks 4 x parent device 4 x parent host 7
-    assert [r.detail for r in fetch] == [f"{6 * 3 * 4 * 5 * 4 * 4 * 7} inputs"]
+    # host 6 x device 3 x storage 4 x pins 5 x locks 4 x a parent: its device 3 x host 6,
+    # or none (its states are None alike: 19 of the 4 x 7 that counted None apart)
+    assert [r.detail for r in fetch] == [f"{6 * 3 * 4 * 5 * 4 * (3 * 6 + 1)} inputs"]
     assert exhaustive.counter_domains(storage) == {"pins": (0, 1, 2, 3, 4), "locks": (0, 1, 2, 3)}
 
 
@@ -538,7 +539,7 @@ def test_a_spec_saved_over_while_it_is_verified_is_proved_as_it_was_read(
     def then_saved_over(*args: Any, **kwargs: Any) -> Any:
         module = generated(*args, **kwargs)
         text = (tmp_path / file).read_text()
-        assert old in text
+        assert old in text or new in text  # saved over after the first module generated
         (tmp_path / file).write_text(text.replace(old, new, 1))  # as an editor saves it
         return module
 
@@ -687,6 +688,12 @@ def test_a_domain_too_large_is_not_analysed(
     rows = verify.verify_spec(spec_dir() / "residency_storage.toml", Options(), tmp_path)
     assert all(r.failed for r in rows)
     assert rows[0].verdict() == f"{crosshair_run.NOT_ANALYSED}: 10080 inputs, more than 100"
+    # a function that reads children is tried without its extra child (a third, over
+    # evict_host's 3 classes or none), and says so
+    assert {r.verdict() for r in rows if r.function == "evict_host"} == {
+        f"{crosshair_run.NOT_ANALYSED}: {282240 // 4} inputs, more than 100; "
+        "families without their extra child (282240 inputs with it, more than 100)"
+    }
 
 
 def test_every_input_finds_a_planted_bug_in_an_effectful_fast_path(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,15 @@ def _slipped(tmp_path: Path, module: Generated, slip: str) -> Path:
     path = tmp_path / "contracts_slipped.py"
     path.write_text(_with_slip(module, slip).source)
     return path
+
+
+def _every(system: System, spec: Path, slip: str) -> Callable[[Collection[str]], Generated]:
+    """Return the module ``every_family`` checks (each of ``without_extra``), ``slip`` planted."""
+
+    def module(without_extra: Collection[str]) -> Generated:
+        return _with_slip(generate(system, spec, without_extra=without_extra), slip)
+
+    return module
 
 
 def _storage() -> System:
@@ -242,8 +252,10 @@ def test_every_family_finds_a_later_child_read_against_the_first_state_only(
     classes = _with_slip(generate(system, spec, classes=True), "later")
     rows = exhaustive.check_module("residency", classes.write(tmp_path), domains)
     assert [r for r in rows if r.failed] == []
-    every = _with_slip(generate(system, spec), "later")
-    found = [classes.reported(r) for r in verify.every_family(system, every, tmp_path, rows)]
+    found = [
+        classes.reported(r)
+        for r in verify.every_family(system, _every(system, spec, "later"), tmp_path, rows)
+    ]
     assert len(found) == len(rows)
     bad = {r.function: r for r in found if r.failed}
     assert sorted(bad) == ["evict_device", "evict_host", "load_failed"]
@@ -272,8 +284,10 @@ def test_one_child_more_than_the_rules_tell_apart_finds_code_that_reads_only_so_
     assert "child3_host" not in classes.source  # CrossHair's families stay at two
     rows = exhaustive.check_module("residency", classes.write(tmp_path), domains)
     assert [r for r in rows if r.failed] == []
-    every = _with_slip(generate(system, spec), "first_two")
-    found = [classes.reported(r) for r in verify.every_family(system, every, tmp_path, rows)]
+    found = [
+        classes.reported(r)
+        for r in verify.every_family(system, _every(system, spec, "first_two"), tmp_path, rows)
+    ]
     bad = {r.function: r for r in found if r.failed}
     assert sorted(bad) == ["evict_device", "evict_host", "load_failed"]
     assert {(r.contract, r.status) for r in bad.values()} == {
@@ -286,12 +300,91 @@ def test_one_child_more_than_the_rules_tell_apart_finds_code_that_reads_only_so_
     )
     assert (
         "child1_host: _Optional[_HostState], child2_host: _Optional[_HostState], "
-        "child3_host: _Optional[_HostState_evict_host]) -> _Result:" in every.source
+        "child3_host: _Optional[_HostState_evict_host]) -> _Result:"
+        in generate(system, spec).source
     )
     (tmp_path / "clean").mkdir()
     clean = generate(system, spec).write(tmp_path / "clean")
     checked = exhaustive.check_module("clean", clean, domains)
     assert [r for r in checked if r.failed] == []
+
+
+_BAD_LATER = ["evict_device", "evict_host", "load_failed"]
+
+
+@pytest.mark.parametrize(
+    ("slip", "bad"),
+    [("first_two", ["evict_device", "load_failed"]), ("later", _BAD_LATER)],
+)
+def test_a_function_past_max_inputs_is_checked_without_its_extra_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slip: str, bad: list[str]
+) -> None:
+    """The extra child took a function's inputs past the most called: ``not analysed``, exit 1.
+
+    With at most 20,000 inputs, ``evict_host`` (32,400 with a third child,
+    10,800 without) is checked without it, and says so; ``load_failed`` and
+    ``evict_device`` (14,400) keep theirs, so the slip that reads only the
+    first two children is still found there, and every state of two children
+    still finds the slip that reads a later child against ``writing`` alone.
+    """
+    monkeypatch.setattr(exhaustive, "MAX_INPUTS", 20_000)
+    system = residency_system()
+    spec = spec_dir() / "residency.toml"
+    domains = exhaustive.counter_domains(system)
+    classes = generate(system, spec, classes=True)
+    rows = exhaustive.check_module("residency", classes.write(tmp_path), domains)
+    assert [r for r in rows if r.failed] == []
+    found = [
+        classes.reported(r)
+        for r in verify.every_family(system, _every(system, spec, slip), tmp_path, rows)
+    ]
+    assert len(found) == len(rows)
+    failed = {r.function: r for r in found if r.failed}
+    assert sorted(failed) == bad
+    assert {r.status for r in failed.values()} == {crosshair_run.COUNTEREXAMPLE}
+    note = "families without their extra child (32400 inputs with it, more than 20000)"
+    host = [r for r in found if r.function == "evict_host"]
+    assert len(host) == 6
+    assert all(r.detail.endswith(f"; {note}") for r in host)
+    assert not [r for r in found if r.function != "evict_host" and "extra" in r.detail]
+    if "evict_host" in failed:
+        assert failed["evict_host"].detail == (
+            "evict_host(host=HostState.backed, device=DeviceState.resident, pins=0, "
+            f"locks=0, child1_host=HostState.unbacked, child2_host=HostState.backed); {note}"
+        )
+
+
+_TWO_REGIONS = """
+[composition]
+extends = "fsm_cache:residency"
+name = "two_child_regions"
+
+[[forbid]]
+event = "evict_host"
+when = "any child device in [loading]"
+error = "CopyInFlight"
+reason = "a child is loading"
+"""
+
+
+def test_a_spec_whose_rules_read_two_regions_of_the_children_is_checked_whole(
+    tmp_path: Path,
+) -> None:
+    """A user's spec passed, then its ``evict_host`` was ``not analysed`` (1,555,200 inputs).
+
+    Each child's host and device were counted apart, ``None`` beside a
+    state (the extra child's 3 x 3 where 2 x 2 + 1 are called): counted as
+    called, 384,000, it is checked with its extra child.
+    """
+    spec = tmp_path / "two.toml"
+    spec.write_text(_TWO_REGIONS)
+    system = as_system(load_spec(spec))
+    module = generate(system, spec).write(tmp_path)
+    domains = exhaustive.counter_domains(system)
+    rows = exhaustive.check_module("two", module, domains, functions=["_event_evict_host"])
+    assert {r.verdict() for r in rows} == {
+        f"{exhaustive.CONFIRMED_EVERY_INPUT}: {300 * (5 * 3 + 1) ** 2 * (2 * 2 + 1)} inputs"
+    }
 
 
 _TIER = """

@@ -9,7 +9,8 @@ absent parent or child) or a counter, and each counter's exact representatives
 (:func:`fsm_cache.spec.validate.representatives`: the critical values of every
 guard, invariant and forbid that reads it, which say why they stand for every
 value) cover every class of values a check tells apart. Calling each function
-on the product of those domains, with its preconditions as filters, and
+on the product of those domains (a neighbour's states taken together, all
+``None`` or none, as a precondition has it), with its preconditions as filters, and
 evaluating each postcondition on the result is therefore a complete check of
 the same contracts CrossHair would prove. One row per postcondition: confirmed
 on every representative input, or the first counterexample found.
@@ -30,12 +31,14 @@ import enum
 import importlib.util
 import inspect
 import itertools
+import math
 import sys
 import typing
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fsm_cache.contracts.generate import NEIGHBOURS
 from fsm_cache.contracts.runner import COUNTEREXAMPLE, NOT_ANALYSED, Row, contracts, parse_module
 from fsm_cache.errors import FsmCacheError
 from fsm_cache.spec.machine import System
@@ -78,11 +81,32 @@ def check_module(
     """
     counters = widened(counters, path)
     module = _load(path)
+    together = getattr(module, NEIGHBOURS, {})
     rows: list[Row] = []
     for name in dict.fromkeys(c.function for c in contracts(path)):
         if functions is None or name in functions:
-            rows += _check_function(target, getattr(module, name), counters)
+            rows += _check_function(target, getattr(module, name), counters, together.get(name, ()))
     return rows
+
+
+def input_counts(
+    path: Path, counters: Mapping[str, Sequence[int]], functions: Collection[str]
+) -> dict[str, int]:
+    """Return how many inputs :func:`check_module` calls each of ``functions`` with.
+
+    The count is the one a row of it reports, and the one compared with
+    :data:`MAX_INPUTS`; nothing is called.
+
+    Raises:
+        FsmCacheError: The module cannot be imported.
+    """
+    counters = widened(counters, path)
+    module = _load(path)
+    together = getattr(module, NEIGHBOURS, {})
+    return {
+        name: _size(_axes(getattr(module, name), counters, together.get(name, ()))[1])
+        for name in functions
+    }
 
 
 def widened(counters: Mapping[str, Sequence[int]], path: Path) -> dict[str, tuple[int, ...]]:
@@ -153,7 +177,10 @@ def _load(path: Path) -> Any:
 
 
 def _check_function(
-    target: str, func: Callable[..., Any], counters: Mapping[str, Sequence[int]]
+    target: str,
+    func: Callable[..., Any],
+    counters: Mapping[str, Sequence[int]],
+    together: Sequence[Sequence[str]],
 ) -> list[Row]:
     from icontract._checkers import find_checker
 
@@ -161,16 +188,14 @@ def _check_function(
     pre = [c for group in getattr(checker, "__preconditions__", []) for c in group]
     post = list(getattr(checker, "__postconditions__", []))
     raw = inspect.unwrap(func)
-    names, domains = _domains(func, counters)
-    size = 1
-    for domain in domains:
-        size *= len(domain)
+    names, axes = _axes(func, counters, together)
+    size = _size(axes)
     if size > MAX_INPUTS:
         why = f"{size} inputs, more than {MAX_INPUTS}"
         return [Row(target, func.__name__, _text(c), NOT_ANALYSED, why) for c in post]
     found: dict[int, str] = {}
-    for values in itertools.product(*domains):
-        args = dict(zip(names, values, strict=True))
+    for values in itertools.product(*axes):
+        args = dict(zip(names, itertools.chain.from_iterable(values), strict=True))
         if not all(_holds(c, args) for c in pre):
             continue
         try:
@@ -196,6 +221,42 @@ def _check_function(
         else Row(target, func.__name__, _text(c), CONFIRMED_EVERY_INPUT, f"{size} inputs")
         for i, c in enumerate(post)
     ]
+
+
+def _axes(
+    func: Callable[..., Any],
+    counters: Mapping[str, Sequence[int]],
+    together: Sequence[Sequence[str]],
+) -> tuple[list[str], list[list[tuple[Any, ...]]]]:
+    """Return the parameter names, in the order the axes give them, and each axis's values.
+
+    An axis is one parameter, or the states of one neighbour (``together``,
+    a run of consecutive parameters, :data:`~fsm_cache.contracts.generate.NEIGHBOURS`):
+    all ``None`` or none, as a precondition has it, so the inputs it rules
+    out are neither called nor counted. The axes' product walks the inputs
+    that remain in the order the parameters' product does, so the first
+    counterexample found is the same.
+    """
+    names, domains = _domains(func, counters)
+    domain = dict(zip(names, domains, strict=True))
+    first = {group[0]: tuple(group) for group in together}
+    grouped = {name for group in together for name in group}
+    order: list[str] = []
+    axes: list[list[tuple[Any, ...]]] = []
+    for name in names:
+        if name in first:
+            group = first[name]
+            present = itertools.product(*([v for v in domain[n] if v is not None] for n in group))
+            order += group
+            axes.append([(None,) * len(group), *present])
+        elif name not in grouped:
+            order.append(name)
+            axes.append([(value,) for value in domain[name]])
+    return order, axes
+
+
+def _size(axes: Sequence[Sequence[object]]) -> int:
+    return math.prod(len(axis) for axis in axes)
 
 
 def _domains(

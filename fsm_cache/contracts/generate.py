@@ -15,7 +15,8 @@ For a spec, :func:`generate` writes a self-contained Python module holding:
   children's states where the event reads them)``, as many children as its
   rules take to tell apart (:func:`children_needed`), each over every state
   of its regions, and one more over :func:`family_states` (for CrossHair,
-  no more, and a family's over :func:`family_states`),
+  no more, and a family's over :func:`family_states`; none more either for
+  an event of ``without_extra``),
   which runs that code on a record and returns the record after the step
   (with, if it refused, the refusal the engine's message is made of: its
   error class, region, event, reason and the other regions it names); rows
@@ -42,7 +43,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -82,6 +83,7 @@ _SOURCE = {source!r}
 _FILES = {files!r}
 _SYSTEM = _as_system(_load_spec(_SOURCE, _FILES))
 _label = {label!r}
+{neighbours} = {{}}
 '''
 
 _HARNESS = """
@@ -148,6 +150,12 @@ CHECKED = "_event_"
 """The prefix of a checked function's name in the module: ``_event_pin`` checks ``pin``."""
 
 
+NEIGHBOURS = "_NEIGHBOURS"
+"""The module's global that names, per checked function, the parameters that are one
+neighbour's states (the parent's, or one child's): ``None`` alike, as a precondition
+says, so an input takes them all ``None`` or none (:mod:`fsm_cache.contracts.exhaustive`)."""
+
+
 def checked_name(event: str) -> str:
     """Return the name of the module's function that checks ``event``."""
     return f"{CHECKED}{event}"
@@ -203,6 +211,7 @@ def generate(
     files: Mapping[str, bytes] | None = None,
     *,
     classes: bool = False,
+    without_extra: Collection[str] = (),
 ) -> Generated:
     """Return the contracts module of ``system``, which was loaded from ``source``.
 
@@ -218,6 +227,9 @@ def generate(
     :func:`family_states` instead, one per class the event's conditions tell
     apart, and no extra child: fewer paths for CrossHair, for code that
     treats alike the states those conditions treat alike (:func:`_children`).
+    The functions of the events in ``without_extra`` take no extra child
+    either: with it, their inputs would be more than the every-input check
+    calls a function with (:func:`fsm_cache.contracts.verify.every_input`).
     """
     em = Emitter(system)
     code: dict[str, str] = {}
@@ -236,6 +248,7 @@ def generate(
             source=str(Path(source).resolve()),
             files=None if files is None else dict(sorted(files.items())),
             label=system.label,
+            neighbours=NEIGHBOURS,
         ),
         *(_enum(region, machine) for region, machine in system.regions),
         _result(system),
@@ -246,7 +259,10 @@ def generate(
         "\n# -- the engine's generated code, as fsm_cache.engine.codegen emits it --\n",
         engine_code,
     ]
-    parts += [_checked(system, event, code[event], classes) for event in system.event_names]
+    parts += [
+        _checked(system, event, code[event], classes, extra=event not in without_extra)
+        for event in system.event_names
+    ]
     return Generated(system.name, "\n".join(parts) + "\n", system.event_names)
 
 
@@ -351,7 +367,7 @@ class _Child:
     kind: str
 
 
-def _children(system: System, event: str, classes: bool) -> list[list[_Child]]:
+def _children(system: System, event: str, classes: bool, extra: bool) -> list[list[_Child]]:
     """Return the children ``event``'s function is given, first to last: each its states.
 
     Each child ranges over every state of its regions, so a slip that reads
@@ -372,11 +388,15 @@ def _children(system: System, event: str, classes: bool) -> list[list[_Child]]:
     the shipped specs, so CrossHair proves the classes and
     :mod:`fsm_cache.contracts.verify` checks every family, the extra child
     included, on every representative input besides.
+
+    Without ``extra``, no child past :func:`children_needed`, though not for
+    CrossHair: every child over every state, for a function whose inputs
+    the extra child would take past what the every-input check calls.
     """
     regions = _context(system, event, "child")
     needed = children_needed(system, event)
     kids = [[_Child(f"child1_{r}", r, f"_{_enum_name(r)}") for r in regions]]
-    for i in range(2, needed + (1 if classes else 2)):
+    for i in range(2, needed + (2 if extra and not classes else 1)):
         by_class = classes or i > needed
         kinds = {r: _family_enum(event, r) if by_class else f"_{_enum_name(r)}" for r in regions}
         kids.append([_Child(f"child{i}_{r}", r, kinds[r]) for r in regions])
@@ -397,11 +417,11 @@ def _family_enum(event: str, region: str) -> str:
     return f"_{_enum_name(region)}_{event}"
 
 
-def _checked(system: System, event: str, verb: str, classes: bool) -> str:
+def _checked(system: System, event: str, verb: str, classes: bool, *, extra: bool) -> str:
     regions = [r for r, _ in system.regions]
     counters = [c for c, _ in system.counters]
     parent = _context(system, event, "parent")
-    kids = _children(system, event, classes)
+    kids = _children(system, event, classes, extra)
     params = [f"{r}: _{_enum_name(r)}" for r in regions] + [f"{c}: int" for c in counters]
     params += [f"parent_{r}: _Optional[_{_enum_name(r)}]" for r in parent]
     params += [f"{k.name}: _Optional[{k.kind}]" for kid in kids for k in kid]
@@ -418,6 +438,8 @@ def _checked(system: System, event: str, verb: str, classes: bool) -> str:
     lines.append(f'    """Fire {event} through the engine\'s code on one record."""')
     lines.append(f"    rec = _record({parent_view}, {children}, {', '.join(values)})")
     lines.append(f"    return {runner}({verb}, rec)")
+    together = tuple(tuple(names) for names in _neighbours(parent, kids))
+    lines.append(f"\n\n{NEIGHBOURS}[{checked_name(event)!r}] = {together!r}")
     return "\n\n" + "\n".join(lines) + "\n"
 
 
@@ -433,10 +455,9 @@ def _requires(
     for name in counters:
         out.append(f"@_icontract.require(lambda {name}: {name} >= 0)")
     # A neighbour is there whole or not at all: each of its states is None alike.
-    for names in ([f"parent_{r}" for r in parent], *([k.name for k in kid] for kid in kids)):
-        if len(names) > 1:
-            same = " == ".join(f"({n} is None)" for n in names)
-            out.append(f"@_icontract.require(lambda {', '.join(names)}: {same})")
+    for names in _neighbours(parent, kids):
+        same = " == ".join(f"({n} is None)" for n in names)
+        out.append(f"@_icontract.require(lambda {', '.join(names)}: {same})")
     # The children's come last, as icontract checks the decorator nearest the function
     # first: CrossHair drops the inputs they rule out before it branches on a counter.
     # Children come first to last, so a family is given once, not once per gap.
@@ -452,6 +473,12 @@ def _requires(
             f"{second} is None or {first} is None or ({' and '.join(terms)}))"
         )
     return out
+
+
+def _neighbours(parent: list[str], kids: list[list[_Child]]) -> list[list[str]]:
+    """Return the parameters of each neighbour read in more than one region: ``None`` alike."""
+    found = [[f"parent_{r}" for r in parent], *([k.name for k in kid] for kid in kids)]
+    return [names for names in found if len(names) > 1]
 
 
 def _ensures(system: System, event: str, parent: list[str], kids: list[list[_Child]]) -> list[str]:

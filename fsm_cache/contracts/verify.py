@@ -26,7 +26,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any
@@ -181,19 +181,94 @@ def verify_spec(
     spec, files = load_snapshot(path) if snapshot is None else snapshot
     system = as_system(spec)
     folder = Path(tempfile.mkdtemp(dir=workdir))
-    crosshair = proved_by_crosshair(system)
-    generated = generate(system, path, files, classes=crosshair)
-    module = generated.write(folder)
-    if not crosshair:
-        rows = exhaustive.check_module(system.name, module, exhaustive.counter_domains(system))
+
+    def every(without_extra: Collection[str]) -> Generated:
+        return generate(system, path, files, without_extra=without_extra)
+
+    if proved_by_crosshair(system):
+        generated = generate(system, path, files, classes=True)
+        rows = crosshair_run.prove(system.name, generated.write(folder), options)
+        rows = every_family(system, every, folder, rows)
     else:
-        rows = crosshair_run.prove(system.name, module, options)
-        rows = every_family(system, generate(system, path, files), folder, rows)
+        generated = every(())
+        rows = every_input(system, every, folder, system.event_names)
     return [generated.reported(row) for row in rows]
 
 
+def every_input(
+    system: System,
+    module: Callable[[Collection[str]], Generated],
+    workdir: Path,
+    events: Sequence[str],
+) -> list[Row]:
+    """Check the functions of ``events`` on every representative input (:mod:`~fsm_cache.contracts.exhaustive`).
+
+    Each family of children is given one child more than its rules tell
+    apart (:func:`~fsm_cache.contracts.generate.children_needed`) where the
+    function's inputs stay within :data:`~fsm_cache.contracts.exhaustive.MAX_INPUTS`
+    with it. Where they would not, the function is checked without it, and
+    each of its rows says so (:func:`without_extra_child`): the extra child
+    alone never leaves a function ``not analysed`` (a failure) that is
+    checked completely without it, as a user's spec whose rules read two
+    regions of the children was (its ``evict_host`` at 1,555,200 inputs).
+
+    Args:
+        system: The spec.
+        module: Its contracts module, every child over every state, given the
+            events whose functions take no extra child (``without_extra`` of
+            :func:`~fsm_cache.contracts.generate.generate`).
+        workdir: The folder to write the modules under, each in a folder of its own.
+        events: The events whose functions are checked.
+    """
+    rows, over = _every_input(system, module, workdir, events)
+    return [without_extra_child(row, over) for row in rows]
+
+
+def _every_input(
+    system: System,
+    module: Callable[[Collection[str]], Generated],
+    workdir: Path,
+    events: Sequence[str],
+) -> tuple[list[Row], dict[str, int]]:
+    """Return :func:`every_input`'s rows, unnoted, and the functions checked without their extra child.
+
+    Each of those is given with its inputs had it been given the extra child.
+    """
+    domains = exhaustive.counter_domains(system)
+    names = {checked_name(event): event for event in events}
+    path = module(()).write(Path(tempfile.mkdtemp(dir=workdir)))
+    counts = exhaustive.input_counts(path, domains, names)
+    over = {
+        name: n
+        for name, n in counts.items()
+        if n > exhaustive.MAX_INPUTS and children_needed(system, names[name])
+    }
+    if over:
+        path = module([names[name] for name in over]).write(Path(tempfile.mkdtemp(dir=workdir)))
+    return exhaustive.check_module(system.name, path, domains, functions=names), over
+
+
+def without_extra_child(row: Row, over: Mapping[str, int]) -> Row:
+    """Return ``row``, saying so where its function's families were checked without their extra child.
+
+    Args:
+        row: A row of a function.
+        over: The functions checked without it, each with the inputs it would
+            have been called with, the extra child given.
+    """
+    inputs = over.get(row.function)
+    if inputs is None:
+        return row
+    most = exhaustive.MAX_INPUTS
+    note = f"families without their extra child ({inputs} inputs with it, more than {most})"
+    return dataclasses.replace(row, detail=f"{row.detail}; {note}" if row.detail else note)
+
+
 def every_family(
-    system: System, generated: Generated, workdir: Path, rows: Sequence[Row]
+    system: System,
+    module: Callable[[Collection[str]], Generated],
+    workdir: Path,
+    rows: Sequence[Row],
 ) -> list[Row]:
     """Return CrossHair's ``rows`` with every family of children checked on every representative input.
 
@@ -201,7 +276,7 @@ def every_family(
     class the event's conditions tell apart (``classes`` of
     :func:`~fsm_cache.contracts.generate.generate`): every state for each
     child runs past its budget. So each function that reads children is
-    also called, in ``generated`` (every state for every child, and one
+    also called, in ``module`` (every state for every child, and one
     child more over the classes), on every family and every representative
     input (:mod:`fsm_cache.contracts.exhaustive`), and a contract keeps the
     worse of its two verdicts: a slip that reads a later child otherwise
@@ -210,20 +285,26 @@ def every_family(
     counterexample, though CrossHair's families (``unbacked``, ``writing``;
     two children) never meet it.
 
+    A function checked without its extra child (:func:`every_input`) says
+    so on each of its rows, CrossHair's verdict kept or not.
+
     Args:
         system: The spec.
-        generated: Its contracts module, every child over every state (and the extra one's classes).
-        workdir: The folder to write the module under, in a folder of its own.
+        module: Its contracts module, every child over every state and the
+            extra one over the classes, given the events whose functions
+            take no extra child (:func:`every_input`).
+        workdir: The folder to write the modules under, each in a folder of its own.
         rows: CrossHair's, one per contract of the module with classes.
     """
-    reading = [checked_name(e) for e in system.event_names if children_needed(system, e)]
+    reading = [e for e in system.event_names if children_needed(system, e)]
     if not reading:
         return list(rows)
-    module = generated.write(Path(tempfile.mkdtemp(dir=workdir)))
-    domains = exhaustive.counter_domains(system)
-    found = exhaustive.check_module(system.name, module, domains, functions=reading)
+    found, over = _every_input(system, module, workdir, reading)
     failed = {(r.function, r.contract): r for r in found if r.failed}
-    return [crosshair_run.worse(r, failed.get((r.function, r.contract), r)) for r in rows]
+    return [
+        without_extra_child(crosshair_run.worse(r, failed.get((r.function, r.contract), r)), over)
+        for r in rows
+    ]
 
 
 def by_crosshair(target: str) -> bool:
