@@ -906,6 +906,45 @@ def test_nested_overrides_record_a_call_once() -> None:
         assert cache.refs == {7: 0}
 
 
+def test_an_override_that_moves_the_core_after_the_base_raised_is_counted() -> None:
+    """The base's wrapper marked the call reached before SGLang's method ran, and raised."""
+
+    class Boom(Exception):
+        pass
+
+    class Flaky(UnifiedCache):
+        fail = False
+
+        def inc_lock_ref(self, node_id: int) -> Receipt:
+            if self.fail:
+                self.fail = False
+                raise Boom
+            return super().inc_lock_ref(node_id)
+
+        dec_lock_ref = UnifiedCache.dec_lock_ref  # the patched class defines the whole boundary
+        inc_host_lock_ref = UnifiedCache.inc_host_lock_ref
+        dec_host_lock_ref = UnifiedCache.dec_host_lock_ref
+        reset = UnifiedCache.reset
+
+    module = boundary_module(Flaky)
+    with patch(module, trail=False):
+
+        class Fallback(Flaky):
+            def inc_lock_ref(self, node_id: int) -> Receipt:
+                try:
+                    return super().inc_lock_ref(node_id)
+                except Boom:  # the lock taken on the core by hand, as the base would
+                    self.refs[node_id] = self.refs.get(node_id, 0) + 1
+                    return Receipt(node_id)
+
+        cache = Fallback()
+        cache.fail = True
+        receipt = cache.inc_lock_ref(7)
+        assert cache.refs == {7: 1}
+        cache.dec_lock_ref(7, receipt)  # its correct release: refused as UnlockAtZero before
+        assert cache.refs == {7: 0}
+
+
 def test_a_base_call_on_another_thread_does_not_stand_for_an_overrides_own() -> None:
     """Whether a wrapper inside an override's call recorded it is asked of this thread's calls only."""
 

@@ -385,8 +385,6 @@ class Receipts:
             if getattr(cache, "disable", False):  # SGLang's returns an empty receipt
                 return original(cache, node_id, *args, **kwargs)
             book = self.book(cache, name)
-            if not override and self.watches:  # reached, whatever follows: no override records
-                self._reach(cache, name, node_id)
             receipt = None
             if release:
                 receipt = args[0] if args else kwargs.get("params")
@@ -396,12 +394,17 @@ class Receipts:
                 _check_node(cache, name, node_id, self.books)
                 skipped = args[0] if args else kwargs.get("skip_lock_components", ())
             if any(getattr(c, "name", c) == BASE for c in skipped):  # moves no FULL lock
-                return original(cache, node_id, *args, **kwargs)
+                result = original(cache, node_id, *args, **kwargs)
+                if not override and self.watches:  # an override around it records nothing
+                    self._reach(cache, name, node_id)
+                return result
             book.check(node_id, event)
             if release:
                 book.check_receipt(node_id, event, receipt, name)
             if not override:
                 result = original(cache, node_id, *args, **kwargs)
+                if self.watches:  # recorded below once SGLang's ran: an override around it need not
+                    self._reach(cache, name, node_id)
             else:
                 watch = self._watch(cache, name, node_id)
                 try:
