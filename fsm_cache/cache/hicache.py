@@ -342,6 +342,15 @@ class HiCache:
                 eviction did stays done: the leaves it evicted are host-only
                 (or deleted, under write-through), and the write-backs it
                 started were waited for and applied.
+            EffectFailed: The device allocator broke (an error from outside
+                the cache) as a host-only node on the path took its pages: the
+                nodes before it keep theirs (logged), and nothing after it was
+                inserted. An allocator error as the new leaf takes its pages is
+                raised as it came, and the leaf is not added. Either way the
+                pages the cache allocated itself went back to the pool, and of
+                ``device_slots`` the caller still holds those past
+                ``match_prefix(tokens).device_len``, to give back with
+                :meth:`free_slots` (the rest are the nodes' now).
         """
         given = arguments.ints(tokens, "insert", "tokens")
         args, logged = (

@@ -188,7 +188,12 @@ class StorageConfig:
             copy past ``io_timeout``) reads this clock, and a wait for a copy
             lasts the seconds this clock says are left. A test passes one it
             moves by hand, so that a run takes the same decisions however
-            slowly a loaded machine runs it, and replays exactly.
+            slowly a loaded machine runs it, and replays exactly with
+            ``threads=0``: with store threads, whether a copy started late
+            also depends on when its thread ran. The store threads call it
+            too (whether a copy they start is already past its timeout), so
+            it must be safe to call from several threads at once, as
+            ``time.monotonic`` is.
     """
 
     store: Store
