@@ -460,7 +460,7 @@ def load_ops(path: Path) -> tuple[Path, ModuleType]:
     if not isinstance(policy, str) or policy not in POLICIES:
         raise SpecError([f"{path}: POLICY must be one of {', '.join(POLICIES)}"])
     try:
-        shipped = shipped_file(target)  # fsm_cache:NAME, as a spec's extends names one
+        shipped = shipped_file(target)  # a shipped spec by name, as extends reads one
     except SpecError as exc:
         raise SpecError([f"{path}: SPEC: {exc.problems[0]}"]) from None
     return (shipped or path.parent / target).resolve(), hooks(path, module)
