@@ -1,10 +1,10 @@
-"""RadixTree.retract: only the last node made is taken back, with its id."""
+"""RadixTree.retract and split: node ids, and a split whose page hand-over fails."""
 
 from __future__ import annotations
 
 import pytest
 
-from fsm_cache.cache.tree import RadixTree
+from fsm_cache.cache.tree import Pages, RadixTree
 from fsm_cache.errors import InvariantViolation
 
 
@@ -41,3 +41,48 @@ def test_a_split_prefix_is_made_too() -> None:
     with pytest.raises(InvariantViolation, match=r"^node 2: only the last node made, a leaf"):
         tree.retract(prefix)  # made last, but the leaf hangs under it
     assert set(tree.nodes) == {leaf.id, prefix.id}
+
+
+def test_a_split_hands_the_prefix_s_pages_over_before_the_tree_changes() -> None:
+    """The hook is told the prefix's pages and id to be while the node is still whole."""
+    seen: list[tuple[Pages, Pages, int, int, int]] = []
+
+    def hand_over(device: Pages, host: Pages, owner: int, new: int) -> None:
+        seen.append((device, host, owner, new, len(leaf.key)))
+
+    tree = RadixTree(page_size=1, hand_over=hand_over)
+    leaf = tree.add_leaf(tree.root(), (1, 2, 3), (10, 11, 12))
+    host: Pages = (20, 21, 22)  # typed: a literal would pin the attribute's type here
+    leaf.host_pages = host
+    prefix = tree.split(leaf, 2)
+    assert seen == [((10, 11), (20, 21), 1, 2, 3)]
+    assert (prefix.id, prefix.device_pages, prefix.host_pages) == (2, (10, 11), (20, 21))
+    assert (leaf.device_pages, leaf.host_pages) == ((12,), (22,))
+
+
+def test_a_split_whose_hand_over_fails_leaves_the_tree_as_it_was() -> None:
+    """An allocator that broke: no prefix, the node whole, and its id not spent."""
+    calls = 0
+
+    def hand_over(device: Pages, host: Pages, owner: int, new: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("allocator broke")
+
+    split: list[int] = []
+    tree = RadixTree(page_size=1, hand_over=hand_over, on_split=lambda p, s: split.append(p.id))
+    root = tree.root()
+    leaf = tree.add_leaf(root, (1, 2, 3), (10, 11, 12))
+    leaf.host_pages = (20, 21, 22)
+    with pytest.raises(RuntimeError, match="allocator broke"):
+        tree.walk((1, 2, 9))
+    assert split == []
+    assert root.children == {(1,): leaf}
+    assert leaf.parent is root
+    assert (leaf.key, leaf.device_pages, leaf.host_pages) == ((1, 2, 3), (10, 11, 12), (20, 21, 22))
+    assert set(tree.nodes) == {leaf.id}
+    walk = tree.walk((1, 2, 9))
+    assert split == [2]  # the id the failed split would have given
+    assert [n.id for n in walk.path] == [2]
+    assert leaf.parent is walk.path[0]

@@ -13,6 +13,7 @@ from fsm_cache.cache.eventlog import EventLog
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.replay import replay
 from fsm_cache.cache.storage_tier import StorageConfig
+from fsm_cache.cache.tree import Pages
 from fsm_cache.errors import (
     BadArgument,
     CopyFailed,
@@ -246,6 +247,51 @@ def test_a_failure_after_the_operation_changed_the_cache_does_not_replay() -> No
         f" allocator broke) after it changed the cache (entries {at + 1} to {failed - 1});"
         " a failure from outside the cache replays only where the operation changed nothing"
     )
+
+
+def shape(cache: HiCache) -> list[tuple[int, int | None, tuple[int, ...], Pages, Pages]]:
+    """Each node's id, parent id, key, device pages and host pages."""
+    return sorted(
+        (n.id, None if n.parent is None else n.parent.id, n.key, n.device_pages, n.host_pages)
+        for n in cache.tree
+    )
+
+
+@pytest.mark.parametrize("pool", ["device", "host"])
+def test_an_allocator_that_breaks_as_a_split_hands_pages_over_changes_nothing(pool: str) -> None:
+    """The walk split the node before the prefix's pages were handed over, and it stayed split.
+
+    The pages stayed the suffix's while the prefix held them (invariant 7
+    broke), nothing was logged, and the prefix's id was spent, so a replay,
+    which skips the failed insert, named the later nodes differently. With the
+    host pool broken, the device pages had been handed over already.
+    """
+    cache = HiCache(replace(BASE, debug=True))
+    cache.insert(list(range(16)))
+    cache.poll()
+    assert shape(cache) == [(1, 0, tuple(range(16)), (0, 1, 2, 3), (0, 1, 2, 3))]  # both pools
+    before = (shape(cache), states(cache), owners(cache))
+    allocator = cache.tiers.device.allocator if pool == "device" else cache.tiers.host.allocator
+    allocator.reassign = _Breaking(allocator.reassign, {1}, RuntimeError("allocator broke"))  # type: ignore[method-assign]
+    prompt = (*range(8), *range(100, 104))  # parts inside node 1: the walk splits it
+    with pytest.raises(RuntimeError, match="allocator broke"):
+        cache.insert(prompt)
+    vars(allocator).pop("reassign")
+    assert (shape(cache), states(cache), owners(cache)) == before
+    cache.check_invariants()
+    at = cache.log.entries.index(("op", "insert", (prompt, None, None)))
+    assert cache.log.entries[at + 1 :] == [("failed", "insert", "RuntimeError: allocator broke")]
+    cache.insert(prompt)  # the allocator works again: the prefix gets the id it would have had
+    cache.poll()
+    assert [(n.id, n.key[0]) for n in sorted(cache.tree, key=lambda n: n.id)] == [
+        (1, 8),
+        (2, 0),
+        (3, 100),
+    ]
+    cache.check_invariants()
+    again = replay(cache.log, BASE)
+    assert again.log.transitions() == cache.log.transitions()
+    assert states(again) == states(cache)
 
 
 def test_a_split_before_an_allocator_broke_is_logged_and_does_not_replay() -> None:

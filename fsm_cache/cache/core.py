@@ -50,7 +50,7 @@ class CacheCore:
         self._log_limit = log_limit
         self._split_listeners: list[SplitListener] = []
         self.machine: Residency  # compiled by bind(), once the parts its effects use exist
-        self.tree = RadixTree(page_size, on_split=self._split)
+        self.tree = RadixTree(page_size, on_split=self._split, hand_over=tiers.reassign)
         self.counters = Counters()
         self.log = EventLog(self._log_limit)
         self.clock = 0
@@ -77,7 +77,9 @@ class CacheCore:
         LeaseError naming the caller of the reset as the release.
         """
         self.machine.engine.leases.void(trail.caller_site())
-        self.tree = RadixTree(self.tree.page_size, on_split=self._split)
+        self.tree = RadixTree(
+            self.tree.page_size, on_split=self._split, hand_over=self._tiers.reassign
+        )
         self.counters = Counters()
         self.log = EventLog(self._log_limit)
         self.clock = 0
@@ -159,7 +161,7 @@ class CacheCore:
         self.log.transition(node.id, "delete")
 
     def _split(self, prefix: TreeNode, suffix: TreeNode) -> None:
-        self._tiers.reassign(prefix.device_pages, prefix.host_pages, suffix.id, prefix.id)
+        # the prefix's pages are its own already: the tree handed them over before it changed
         for listener in self._split_listeners:
             listener(prefix, suffix)
         self.log.transition(prefix.id, f"split:{suffix.id}")

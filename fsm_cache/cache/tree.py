@@ -89,6 +89,8 @@ class Walk:
 
 
 SplitHook = Callable[[TreeNode, TreeNode], None]
+HandOver = Callable[[Pages, Pages, int, int], None]
+"""Called as ``hand_over(device_pages, host_pages, owner, new_owner)`` before a split."""
 
 
 class RadixTree:
@@ -97,15 +99,25 @@ class RadixTree:
     Args:
         page_size: Tokens per page; keys and splits are multiples of it.
         on_split: Called as ``on_split(prefix, suffix)`` after a split, so the
-            owner can re-home page ownership and in-flight copies.
+            owner can re-home in-flight copies.
+        hand_over: Called before a split changes the tree, with the prefix's
+            pages and the ids of the node split and of the prefix to be, so
+            the owner hands page ownership over; if it raises, the tree is
+            unchanged.
     """
 
-    def __init__(self, page_size: int, on_split: SplitHook | None = None) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        on_split: SplitHook | None = None,
+        hand_over: HandOver | None = None,
+    ) -> None:
         self.page_size = page_size
         self.roots: dict[Hashable, TreeNode] = {}
         self.nodes: dict[int, TreeNode] = {}
         self._made = 0  # the last node id handed out; ids are never reused but by retract
         self._on_split = on_split
+        self._hand_over = hand_over
         self._last: tuple[Hashable, Key, Walk] | None = None  # dropped when it may be stale
 
     def root(self, namespace: Hashable = None) -> TreeNode:
@@ -207,18 +219,30 @@ class RadixTree:
         and (with a storage tier) the pin of a store in flight, which is
         acknowledged for the prefix on its own. The storage state and the page
         keys are sliced like the pages.
+
+        The prefix's pages are handed over (the ``hand_over`` hook) before
+        the tree changes, so a hand-over that raises (an allocator that
+        broke) leaves the tree as it was, and the next node made gets the id
+        the prefix would have had.
+
+        Raises:
+            InvariantViolation: ``at`` is not a page boundary inside ``node``,
+                or ``node`` is a root. Nothing changes.
         """
         page = self.page_size
         if at <= 0 or at >= len(node.key) or at % page or node.parent is None:
             msg = f"node {node.id}: cannot split {len(node.key)} tokens at {at}"
             raise InvariantViolation(msg)
         cut = at // page
-        self._made = made = self._made + 1
-        prefix = TreeNode(made, node.key[:at], node.parent, node.device_pages[:cut])
-        prefix.host_pages = node.host_pages[:cut]
-        prefix.host, prefix.device, prefix.pins, prefix.locks = split_prefix(
-            node.host, node.device, node.locks, node.storage
-        )
+        made = self._made + 1
+        device_pages, host_pages = node.device_pages[:cut], node.host_pages[:cut]
+        residency = split_prefix(node.host, node.device, node.locks, node.storage)
+        if self._hand_over is not None:
+            self._hand_over(device_pages, host_pages, node.id, made)
+        self._made = made
+        prefix = TreeNode(made, node.key[:at], node.parent, device_pages)
+        prefix.host_pages = host_pages
+        prefix.host, prefix.device, prefix.pins, prefix.locks = residency
         prefix.storage = node.storage
         if node.store_keys is not None:
             prefix.store_keys, node.store_keys = node.store_keys[:cut], node.store_keys[cut:]

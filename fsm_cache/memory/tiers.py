@@ -411,9 +411,18 @@ class Tiers:
         self.host.allocator.free(pages, owner)
 
     def reassign(self, device: Sequence[int], host: Sequence[int], owner: int, new: int) -> None:
-        """Hand pages from ``owner`` to ``new`` in both pools (a split)."""
+        """Hand pages from ``owner`` to ``new`` in both pools (a split); all or none.
+
+        If the host pool's hand-over raises (an allocator that broke), the
+        device pages are handed back to ``owner`` before the error goes on,
+        so a split that fails leaves both pools as they were.
+        """
         self.device.allocator.reassign(device, owner, new)
-        self.host.allocator.reassign(host, owner, new)
+        try:
+            self.host.allocator.reassign(host, owner, new)
+        except BaseException:
+            self.device.allocator.reassign(device, new, owner)
+            raise
 
     def write_tokens(self, pages: Sequence[int], tokens: Sequence[int]) -> None:
         """Fill ``pages`` with KV derived from ``tokens``, as a model's forward pass would.
