@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from fsm_cache.cache.hicache import HiCache
+from fsm_cache.errors import BadArgument, CopyFailed
 from fsm_cache.memory.copies import CopyEngine, Stream
 from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
-from fsm_cache.memory.tiers import CacheConfig
+from fsm_cache.memory.tiers import CacheConfig, Tiers
 from fsm_cache.testing.fakecuda import FakeStream, FakeStreams, deferred_copier
 from fsm_cache.testing.faults import POISON, FaultyCopyEngine
 
@@ -174,6 +175,33 @@ def test_the_engines_compute_stream_is_read_through_a_faulty_engine() -> None:
     assert plain.compute_stream is None
     engine = functools.partial(CopyEngine, streams=FakeStreams(max_polls=0), compute_stream=forward)
     assert FaultyCopyEngine.copier(engine=engine)(dev, host).compute_stream is forward
+
+
+def test_a_copier_whose_engine_exposes_no_stream_is_refused_at_construction() -> None:
+    """A user's copier with a bad ``compute_stream`` failed only at the first ``write_tokens``."""
+    built: list[FaultyCopyEngine] = []
+
+    class Odd(FaultyCopyEngine):
+        @property
+        def compute_stream(self) -> object | None:
+            return "forward"
+
+    def odd(device: KVPool, host: KVPool) -> FaultyCopyEngine:
+        built.append(Odd(CopyEngine(device, host)))
+        return built[-1]
+
+    config = CacheConfig(
+        device_pages=8, host_pages=8, page_size=4, layers=1, heads=1, head_dim=4,
+        device="cpu", copier=odd,
+    )  # fmt: skip
+    with pytest.raises(BadArgument) as refused:
+        Tiers(config)
+    assert str(refused.value) == (
+        "copy engine: the copier's compute_stream must be a stream (torch.cuda.Stream or "
+        "the Streams' own), got str"
+    )
+    with pytest.raises(CopyFailed, match=r"^copy engine closed: d2h copy refused$"):
+        built[0].start_write([0], [0])  # closed, as Tiers.close closes it
 
 
 def test_copier_over_deferred_copies_and_its_options_pickle() -> None:

@@ -18,7 +18,7 @@ from typing import cast
 import torch
 
 from fsm_cache.engine.trail import choose
-from fsm_cache.errors import ConfigError, PageBusy
+from fsm_cache.errors import BadArgument, ConfigError, PageBusy
 from fsm_cache.memory.copies import CopyEngine, check_stream
 from fsm_cache.memory.kv import (
     KVLayout,
@@ -302,7 +302,10 @@ class Tiers:
             could not be allocated or page-locked; the message names the pool,
             its pages and bytes, the device, and the allocator's reason.
         BadArgument: ``compute_stream`` is not a stream, or one of another
-            GPU than the device pool's. Nothing is allocated.
+            GPU than the device pool's. Nothing is allocated. Or the copier's
+            engine exposes a ``compute_stream`` that is no stream, or one of
+            another GPU: the engine is closed and the host pool unregistered,
+            as :meth:`close` does.
     """
 
     def __init__(self, config: CacheConfig, *, compute_stream: object | None = None) -> None:
@@ -340,6 +343,11 @@ class Tiers:
         # CUDA only: the stream write_tokens writes on, so the copies ordered after it see the KV.
         # The engine owns it; a copier's engine may have one too (FaultyCopyEngine's, a user's).
         forward = getattr(self.copier, "compute_stream", None)
+        try:  # a user's copier exposes its own: refused here, not at the first write_tokens
+            check_stream("the copier's compute_stream", forward, self.device.device)
+        except BadArgument:
+            self.close()
+            raise
         self._forward = (
             cast("torch.cuda.Stream", forward)
             if forward is not None and self.device.device.type == "cuda"
