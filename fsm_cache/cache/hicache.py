@@ -492,7 +492,7 @@ class HiCache:
         except BaseException:
             tree.retract(leaf)
             if allocated:
-                self.tiers.free_device(tail, REQUEST)
+                self._free_untaken(tail)
             raise
         self._evictor.offer(leaf)
         return (leaf,)
