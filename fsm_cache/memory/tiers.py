@@ -343,11 +343,12 @@ class Tiers:
         # CUDA only: the stream write_tokens writes on, so the copies ordered after it see the KV.
         # The engine owns it; a copier's engine may have one too (FaultyCopyEngine's, a user's).
         forward = getattr(self.copier, "compute_stream", None)
-        try:  # a user's copier exposes its own: refused here, not at the first write_tokens
-            check_stream("the copier's compute_stream", forward, self.device.device)
-        except BadArgument:
-            self.close()
-            raise
+        if config.copier is not None:  # the default engine checked its own before any memory
+            try:  # a user's copier exposes its own: refused here, not at the first write_tokens
+                check_stream("the copier's compute_stream", forward, self.device.device)
+            except BadArgument:
+                self.close()
+                raise
         self._forward = (
             cast("torch.cuda.Stream", forward)
             if forward is not None and self.device.device.type == "cuda"
