@@ -432,6 +432,50 @@ def test_tiers_that_cannot_wait_for_their_copies_stay_open_to_close_again(
     assert (tiers.closed, released) == (True, ["host", "device"])
 
 
+def test_tiers_close_waits_for_the_gpu_after_the_copies_and_before_giving_memory_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA, ``close`` synchronises the device between the copy engine and the pools.
+
+    No queued kernel may still read a pool when its memory goes back; a device
+    that cannot be waited for leaves the tiers open, releasing nothing.
+    """
+    config = CacheConfig(
+        device_pages=8, host_pages=8, page_size=4, layers=2, heads=2, head_dim=4,
+        dtype="bfloat16", device="cpu", copier=deferred_copier(seed=4, max_polls=1000),
+    )  # fmt: skip
+    tiers = Tiers(config)
+    gpu, order = torch.device("cuda", 0), []
+    pool_type, engine_type = type(tiers.device), type(tiers.copier)
+    monkeypatch.setattr(
+        pool_type, "device", property(lambda pool: gpu if pool.name == "device" else CPU)
+    )
+    monkeypatch.setattr(pool_type, "close", lambda pool: order.append(f"close {pool.name}"))
+    closing = engine_type.close
+
+    def close_engine(engine: CopyEngine) -> None:
+        order.append("close copies")
+        closing(engine)
+
+    def broken(device: torch.device) -> None:
+        order.append(f"synchronize {device}")
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(engine_type, "close", close_engine)
+    monkeypatch.setattr(torch.cuda, "synchronize", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        tiers.close()
+    assert (tiers.closed, order) == (False, ["close copies", "synchronize cuda:0"])
+    order.clear()
+    monkeypatch.setattr(
+        torch.cuda, "synchronize", lambda device: order.append(f"synchronize {device}")
+    )
+    tiers.close()
+    tiers.close()
+    assert tiers.closed
+    assert order == ["close copies", "synchronize cuda:0", "close host", "close device"]
+
+
 def test_a_faulty_engine_over_fake_streams_closes_and_waits_through_its_inner() -> None:
     inner, fake = make(max_polls=1000)
     engine = FaultyCopyEngine(inner, delay=3)
