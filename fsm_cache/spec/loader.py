@@ -609,7 +609,22 @@ def _machine(data: _Table, source: str, base: Path | None, route: _Route) -> Mac
         doc=doc or (basis.doc if basis else ""),
         label=label or (basis.label if basis else "instance"),
         source=source,
+        origins=_origins(basis, "initial" in head),
     )
+
+
+def _origins(basis: MachineSpec | None, initial: bool) -> tuple[tuple[str, str], ...]:
+    """Return the :attr:`~MachineSpec.origins` of a machine extending ``basis``.
+
+    Each counter of the base, and its ``machine.initial`` unless the machine
+    sets its own (``initial``), is declared in the file the base names for it,
+    or else the base's own.
+    """
+    if basis is None:
+        return ()
+    keys = [f"counters.{name}" for name in basis.counter_names]
+    keys += [] if initial else ["machine.initial"]
+    return tuple((key, basis.origin(key) or basis.source) for key in keys)
 
 
 def _extended(
@@ -717,7 +732,8 @@ def _composition(data: _Table, source: str, base: Path, route: _Route) -> System
     if not isinstance(regions_table, Mapping) or not (regions_table or regions or extending):
         problems.add("composition.regions", "missing: a table of REGION = 'machine.toml'")
         problems.check()
-    for region, rel in cast("_Table", regions_table).items():
+    own = cast("_Table", regions_table)
+    for region, rel in own.items():
         on = route.then(source, f", whose region {region} is ")
         machine = _region(f"composition.regions.{region}", rel, base, on, problems)
         if machine is not None:
@@ -744,6 +760,12 @@ def _composition(data: _Table, source: str, base: Path, route: _Route) -> System
         label=label or (basis.label if basis else "instance"),
         source=source,
         births=(*(basis.births if basis else ()), *births),
+        origins=tuple(
+            (key, basis.origin(key) or basis.source)
+            for key in (f"composition.regions.{r}" for r, _ in basis.regions if r not in own)
+        )
+        if basis
+        else (),
     )
 
 
