@@ -246,6 +246,21 @@ def test_malformed_guards_and_updates_name_their_key(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("parse", "text"),
+    [
+        (parse_guard, "n >= \uff14"),  # a fullwidth 4: Python's int() reads it as 4
+        (parse_guard, "n\u00a0>= 1"),  # a no-break space
+        (parse_update, "n += \u0663"),  # an Arabic-Indic 3
+        (parse_condition, "parent\u2003a in [on]"),  # an em space
+    ],
+)
+def test_the_expression_grammar_is_ascii(parse: Any, text: str) -> None:
+    """Other scripts' digits and spaces parsed: a fullwidth 4 loaded as ``n >= 4``."""
+    with pytest.raises(ValueError, match="expected "):
+        parse(text)
+
+
 def test_bad_names_and_shapes(tmp_path: Path) -> None:
     text = LAMP.replace("n = 0\n", 'n = -1\nm = "zero"\n')
     text = text.replace("on = {", '"on air" = { final = true }\non = {')
