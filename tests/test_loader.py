@@ -761,6 +761,17 @@ def test_a_name_redeclared_two_levels_down_names_the_file_declaring_it(tmp_path:
     ]
 
 
+def test_an_event_of_the_base_redeclared_is_refused(tmp_path: Path) -> None:
+    """A second doc of a base event loaded, and was ignored: the base's was the one read."""
+    lamp = write(tmp_path, LAMP, "lamp.toml")
+    text = DIMMER.replace('turn = { doc = "turn the knob" }', 'turn = {}\npress = { doc = "mine" }')
+    dimmer = write(tmp_path, text, "dimmer.toml")
+    assert problems(dimmer) == [
+        f"{dimmer}: events.press: already an event of the base {lamp} "
+        "(a spec that extends another may not redeclare its events)"
+    ]
+
+
 def test_a_base_counter_fault_is_named_in_the_file_declaring_it(tmp_path: Path) -> None:
     """A counter carried no file, so its fault was named in the spec that extends its base."""
     lamp = write(tmp_path, LAMP.replace("n = 0\n", "n = 0\nid = 0\n"), "lamp.toml")
