@@ -246,6 +246,21 @@ def test_malformed_guards_and_updates_name_their_key(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("parse", "text"),
+    [
+        (parse_guard, "n >= \uff14"),  # a fullwidth 4: Python's int() reads it as 4
+        (parse_guard, "n\u00a0>= 1"),  # a no-break space
+        (parse_update, "n += \u0663"),  # an Arabic-Indic 3
+        (parse_condition, "parent\u2003a in [on]"),  # an em space
+    ],
+)
+def test_the_expression_grammar_is_ascii(parse: Any, text: str) -> None:
+    """Other scripts' digits and spaces parsed: a fullwidth 4 loaded as ``n >= 4``."""
+    with pytest.raises(ValueError, match="expected "):
+        parse(text)
+
+
 def test_bad_names_and_shapes(tmp_path: Path) -> None:
     text = LAMP.replace("n = 0\n", 'n = -1\nm = "zero"\n')
     text = text.replace("on = {", '"on air" = { final = true }\non = {')
@@ -743,6 +758,66 @@ def test_a_name_redeclared_two_levels_down_names_the_file_declaring_it(tmp_path:
         f"{top}: states.off: already a state of {lamp}, which this spec builds on through "
         f"{dimmer} {rule} states)",
         f"{top}: states.dim: already a state of the base {dimmer} {rule} states)",
+    ]
+
+
+def test_an_event_of_the_base_redeclared_is_refused(tmp_path: Path) -> None:
+    """A second doc of a base event loaded, and was ignored: the base's was the one read."""
+    lamp = write(tmp_path, LAMP, "lamp.toml")
+    text = DIMMER.replace('turn = { doc = "turn the knob" }', 'turn = {}\npress = { doc = "mine" }')
+    dimmer = write(tmp_path, text, "dimmer.toml")
+    assert problems(dimmer) == [
+        f"{dimmer}: events.press: already an event of the base {lamp} "
+        "(a spec that extends another may not redeclare its events)"
+    ]
+
+
+def test_a_base_counter_fault_is_named_in_the_file_declaring_it(tmp_path: Path) -> None:
+    """A counter carried no file, so its fault was named in the spec that extends its base."""
+    lamp = write(tmp_path, LAMP.replace("n = 0\n", "n = 0\nid = 0\n"), "lamp.toml")
+    dimmer = write(tmp_path, DIMMER, "dimmer.toml")
+    top = write(tmp_path, "[machine]\nextends = 'dimmer.toml'\nname = 'top'\n", "top.toml")
+    reserved = f"{lamp}: counters.id: 'id' is reserved (a record attribute or a name of the generated code)"
+    assert problems(dimmer) == [f"{reserved}; found validating {dimmer}, which extends it"]
+    assert problems(top) == [
+        f"{reserved}; found validating {top}, which builds on it through {dimmer}"
+    ]
+    write(tmp_path, LAMP.replace("n = 0\n", "n = 1\n"), "lamp.toml")
+    assert problems(dimmer) == [
+        f"{lamp}: counters.n: initial value 1 breaks the invariant of the initial state off "
+        f"(n == 0); found validating {dimmer}, which extends it"
+    ]
+
+
+def test_an_inherited_initial_state_is_named_in_the_file_choosing_it(tmp_path: Path) -> None:
+    """An unknown ``initial`` of a base was named in the spec that extends it, which sets none."""
+    lamp = write(tmp_path, LAMP.replace('initial = "off"', 'initial = "of"'), "lamp.toml")
+    dimmer = write(tmp_path, DIMMER, "dimmer.toml")
+    assert problems(dimmer) == [
+        f"{lamp}: machine.initial: unknown state 'of'; found validating {dimmer}, which extends it"
+    ]
+    write(tmp_path, LAMP, "lamp.toml")
+    chosen = write(
+        tmp_path, DIMMER.replace('name = "dimmer"', 'name = "d"\ninitial = "on"'), "d.toml"
+    )
+    assert problems(chosen) == [
+        f"{chosen}: machine.initial: the invariant of the initial state on (n >= 1) is broken "
+        f"by the initial value 0 of counters.n of {lamp}"
+    ]
+
+
+def test_a_base_composition_region_fault_is_named_in_the_base(tmp_path: Path) -> None:
+    """A region a base composition names was faulted in the composition that extends it."""
+    write(tmp_path, LAMP, "lamp.toml")
+    one = write(
+        tmp_path,
+        "[composition]\nname = 'one'\n[composition.regions]\nerror = 'lamp.toml'\n",
+        "one.toml",
+    )
+    two = extending_one(tmp_path, "")
+    assert problems(two) == [
+        f"{one}: composition.regions.error: not a usable region name (an identifier that is no "
+        f"keyword, record attribute or counter); found validating {two}, which extends it"
     ]
 
 

@@ -32,12 +32,16 @@ OPS: dict[str, Callable[[int, int], bool]] = {
     ">=": operator.ge,
 }
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
-_COMPARISON = re.compile(rf"^\s*({_NAME})\s*(==|!=|<=|>=|<|>)\s*(-?\d+)\s*$")
-_ASSIGN = re.compile(rf"^\s*({_NAME})\s*(\+=|-=|=)\s*(\d+)\s*$")
+# re.ASCII: Python's \d takes any script's digits (a fullwidth 4 would read as 4) and its \s
+# Unicode spaces; the spec language is ASCII, as its names are.
+_COMPARISON = re.compile(rf"^\s*({_NAME})\s*(==|!=|<=|>=|<|>)\s*(-?\d+)\s*$", re.ASCII)
+_ASSIGN = re.compile(rf"^\s*({_NAME})\s*(\+=|-=|=)\s*(\d+)\s*$", re.ASCII)
 # Python converts at most 4300 digits between int and str; a constant stays well below
 # that, so every value the tools derive from one (c + 1, c + step) still prints.
 MAX_DIGITS = 1000
-_CONDITION = re.compile(rf"^\s*(parent\s+|any\s+child\s+)?({_NAME})\s+in\s+\[([^\]]*)\]\s*$")
+_CONDITION = re.compile(
+    rf"^\s*(parent\s+|any\s+child\s+)?({_NAME})\s+in\s+\[([^\]]*)\]\s*$", re.ASCII
+)
 
 
 class GrammarError(ValueError):

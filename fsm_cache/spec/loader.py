@@ -589,6 +589,10 @@ def _machine(data: _Table, source: str, base: Path | None, route: _Route) -> Mac
     transitions = _transitions(data.get("transition", []), problems)
     forbids = _forbids(data.get("forbid", []), "forbid", problems)
     events = _events(data.get("events", {}), problems)
+    if basis is not None:  # a second doc would be ignored: event_doc reads the first
+        documented = [event.name for event in basis.events]
+        for name in (event.name for event in events if event.name in documented):
+            problems.add(f"events.{name}", _redeclared("event", name, basis, route.files))
     for key in ("name", "initial"):
         value = head.get(key, getattr(basis, key, None))
         if not isinstance(value, str) and (key in head or not extending):
@@ -609,7 +613,22 @@ def _machine(data: _Table, source: str, base: Path | None, route: _Route) -> Mac
         doc=doc or (basis.doc if basis else ""),
         label=label or (basis.label if basis else "instance"),
         source=source,
+        origins=_origins(basis, "initial" in head),
     )
+
+
+def _origins(basis: MachineSpec | None, initial: bool) -> tuple[tuple[str, str], ...]:
+    """Return the :attr:`~MachineSpec.origins` of a machine extending ``basis``.
+
+    Each counter of the base, and its ``machine.initial`` unless the machine
+    sets its own (``initial``), is declared in the file the base names for it,
+    or else the base's own.
+    """
+    if basis is None:
+        return ()
+    keys = [f"counters.{name}" for name in basis.counter_names]
+    keys += [] if initial else ["machine.initial"]
+    return tuple((key, basis.origin(key) or basis.source) for key in keys)
 
 
 def _extended(
@@ -717,7 +736,8 @@ def _composition(data: _Table, source: str, base: Path, route: _Route) -> System
     if not isinstance(regions_table, Mapping) or not (regions_table or regions or extending):
         problems.add("composition.regions", "missing: a table of REGION = 'machine.toml'")
         problems.check()
-    for region, rel in cast("_Table", regions_table).items():
+    own = cast("_Table", regions_table)
+    for region, rel in own.items():
         on = route.then(source, f", whose region {region} is ")
         machine = _region(f"composition.regions.{region}", rel, base, on, problems)
         if machine is not None:
@@ -744,6 +764,12 @@ def _composition(data: _Table, source: str, base: Path, route: _Route) -> System
         label=label or (basis.label if basis else "instance"),
         source=source,
         births=(*(basis.births if basis else ()), *births),
+        origins=tuple(
+            (key, basis.origin(key) or basis.source)
+            for key in (f"composition.regions.{r}" for r, _ in basis.regions if r not in own)
+        )
+        if basis
+        else (),
     )
 
 
@@ -753,9 +779,11 @@ def _lineage(basis: Spec | None, files: _Files) -> tuple[Spec, ...]:
 
 
 def _declares(spec: Spec, kind: str, name: str) -> bool:
-    """Return whether ``spec`` has the ``kind`` (``counter``, ``state``, ``birth``) called ``name``."""
+    """Return whether ``spec`` has the ``kind`` (``counter``, ``state``, ``event``, ``birth``) called ``name``."""
     if isinstance(spec, System):
         return name in (b.name for b in spec.births)
+    if kind == "event":
+        return name in (event.name for event in spec.events)
     return name in (spec.counter_names if kind == "counter" else spec.state_names)
 
 
@@ -769,10 +797,11 @@ def _redeclared(kind: str, name: str, basis: Spec, files: _Files) -> str:
     lineage = _lineage(basis, files)
     depth = max((i for i, spec in enumerate(lineage) if _declares(spec, kind, name)), default=0)
     rule = f"(a spec that extends another may not redeclare its {kind}s)"
+    article = "an" if kind[0] in "aeiou" else "a"
     if depth == 0:
-        return f"already a {kind} of the base {basis.source} {rule}"
+        return f"already {article} {kind} of the base {basis.source} {rule}"
     through = ", ".join(spec.source for spec in lineage[:depth])
-    return f"already a {kind} of {lineage[depth].source}, which this spec builds on through {through} {rule}"
+    return f"already {article} {kind} of {lineage[depth].source}, which this spec builds on through {through} {rule}"
 
 
 def _births(table: object, source: str, problems: _Problems) -> tuple[Birth, ...]:

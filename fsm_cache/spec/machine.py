@@ -61,6 +61,11 @@ def bad_name(value: object) -> str | None:
     return None
 
 
+def _origin(origins: tuple[tuple[str, str], ...], key: str) -> str:
+    """Return the file ``origins`` (a spec's ``(key, file)`` pairs) names for ``key``, else ""."""
+    return next((file for at, file in origins if at == key), "")
+
+
 @dataclass(frozen=True)
 class StateSpec:
     """One state of a machine.
@@ -191,6 +196,12 @@ class MachineSpec:
         doc: What the machine models.
         label: How instances are called in messages (``node 17: ...``).
         source: The file the spec came from, used in error locations.
+        origins: ``(key, file)`` for each key of the spec that another file
+            declares: ``counters.pins`` and ``machine.initial`` a base sets,
+            by the file that sets it, however far down a chain of
+            ``extends`` (:meth:`origin`). Counters and the initial state are
+            plain values with no ``source`` of their own, so a fault of one
+            is named here in the file a reader finds it in. Not compared.
     """
 
     name: str
@@ -203,6 +214,11 @@ class MachineSpec:
     doc: str = ""
     label: str = "instance"
     source: str = "<python>"
+    origins: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+
+    def origin(self, key: str) -> str:
+        """Return the file that declares ``key`` (``counters.pins``) when another does, else ""."""
+        return _origin(self.origins, key)
 
     def state(self, name: str) -> StateSpec:
         """Return the state called ``name``.
@@ -307,6 +323,10 @@ class System:
         label: How instances are called in messages.
         source: The file the composition came from.
         births: Ways records are born besides every region's initial state.
+        origins: ``(key, file)`` for each region a base composition declares
+            and this one keeps (``composition.regions.host``), by the file
+            that declares it (:meth:`origin`), as for a machine's
+            :attr:`MachineSpec.origins`. Not compared.
     """
 
     name: str
@@ -316,6 +336,7 @@ class System:
     label: str = "instance"
     source: str = "<python>"
     births: tuple[Birth, ...] = ()
+    origins: tuple[tuple[str, str], ...] = field(default=(), compare=False)
     _event_regions: dict[str, tuple[str, ...]] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -330,6 +351,10 @@ class System:
             label=machine.label,
             source=machine.source,
         )
+
+    def origin(self, key: str) -> str:
+        """Return the file that declares ``key`` (``composition.regions.host``) when another does, else ""."""
+        return _origin(self.origins, key)
 
     @property
     def machines(self) -> dict[str, MachineSpec]:

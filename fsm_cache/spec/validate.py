@@ -82,7 +82,7 @@ def problems(spec: Spec, chains: Chains | None = None) -> list[str]:
     slips, gaps = _slips(spec)
     lines = [
         *slips,
-        *_initial(spec),
+        *_initial(spec, chain),
         *_determinism(spec, chain),
         *gaps,
         *_safety(spec),
@@ -281,7 +281,7 @@ def layout_problems(spec: Spec) -> list[str]:
     becomes a slot of the record.
     """
     if isinstance(spec, MachineSpec):
-        lines = list(_spelling(spec)) or _clashes(spec)
+        lines = list(_spelling(spec)) or [f"{key}: {why}" for key, why in _clashes(spec)]
         return [f"{spec.source}: {line}" for line in lines]
     out: dict[str, None] = {}  # ordered, each line once (regions may share a machine)
     for _, machine in spec.regions:
@@ -290,20 +290,23 @@ def layout_problems(spec: Spec) -> list[str]:
     return [*out, *(f"{spec.source}: {line}" for line in own)]
 
 
-def _clashes(spec: MachineSpec) -> list[str]:
-    """The states and counters of ``spec`` declared twice, and its counters named as reserved."""
+def _clashes(spec: MachineSpec) -> list[tuple[str, str]]:
+    """``(key, why)`` for each state and counter of ``spec`` declared twice, and each counter named as reserved."""
     out = [
-        f"states.{s}: declared twice (a spec that extends another may not redeclare its states)"
+        (f"states.{s}", "declared twice (a spec that extends another may not redeclare its states)")
         for s in dict.fromkeys(spec.state_names)
         if spec.state_names.count(s) > 1
     ]
     out += [
-        f"counters.{c}: declared twice (a spec that extends another may not redeclare its counters)"
+        (
+            f"counters.{c}",
+            "declared twice (a spec that extends another may not redeclare its counters)",
+        )
         for c in dict.fromkeys(spec.counter_names)
         if spec.counter_names.count(c) > 1
     ]
     return out + [
-        f"counters.{c}: {c!r} is reserved (a record attribute or a name of the generated code)"
+        (f"counters.{c}", f"{c!r} is reserved (a record attribute or a name of the generated code)")
         for c in spec.counter_names
         if _reserved(c)
     ]
@@ -334,11 +337,11 @@ def _name_problems(spec: MachineSpec) -> list[_Line]:
     if spelling:  # the checks below put names into messages and generated code
         return [("", line) for line in spelling]
     states, counters = set(spec.state_names), set(spec.counter_names)
-    own = [] if spec.initial in states else [f"machine.initial: unknown state {spec.initial!r}"]
+    own = [] if spec.initial in states else [("machine.initial", f"unknown state {spec.initial!r}")]
     own += _clashes(spec)
     typed = annotation_types(System.single(spec))
-    own += [f"counters.{c}: {_typed(c, typed[c])}" for c in spec.counter_names if c in typed]
-    out = [("", line) for line in own]
+    own += [(f"counters.{c}", _typed(c, typed[c])) for c in spec.counter_names if c in typed]
+    out = [(spec.origin(key), f"{key}: {why}") for key, why in own]
     for st in spec.states:
         file = _held(spec, st)
         out += [
@@ -436,15 +439,29 @@ def _error_name(where: str, name: str) -> list[str]:
     return []
 
 
-def _initial(spec: MachineSpec) -> Iterator[_Line]:
+def _initial(spec: MachineSpec, chain: Sequence[str]) -> Iterator[_Line]:
+    """Each counter whose initial value breaks the invariant of the initial state.
+
+    Filed at the counter, in the file that declares it, unless a file that
+    builds on that one chose the initial state: then at its ``machine.initial``.
+    """
     invariant = spec.state(spec.initial).invariant
     values = dict(spec.counters)
     broken = {t.counter for t in invariant.terms if not t.holds(values)}
+    chosen = spec.origin("machine.initial")
     for name in (n for n in spec.counter_names if n in broken):
-        yield (
-            "",
-            f"counters.{name}: initial value {values[name]} breaks the invariant of the initial state {spec.initial} ({invariant})",
-        )
+        declared = spec.origin(f"counters.{name}")
+        if _later(chosen, declared, chain):
+            held = _named(spec, (declared, f"counters.{name}"), chosen)
+            yield (
+                chosen,
+                f"machine.initial: the invariant of the initial state {spec.initial} ({invariant}) is broken by the initial value {values[name]} of {held}",
+            )
+        else:
+            yield (
+                declared,
+                f"counters.{name}: initial value {values[name]} breaks the invariant of the initial state {spec.initial} ({invariant})",
+            )
 
 
 def _determinism(spec: MachineSpec, chain: Sequence[str]) -> Iterator[_Line]:
@@ -706,11 +723,12 @@ def _system_problems(system: System, chains: Chains) -> list[str]:
         if id(machine) not in validated:
             validated.add(id(machine))
             inner.update(dict.fromkeys(problems(machine, chains)))
-        out += [("", line) for line in _region_clashes(system, region)]
+        held = system.origin(f"composition.regions.{region}")
+        out += [(held, line) for line in _region_clashes(system, region)]
     if (bad := bad_title(system.name)) is not None:
         out.append(("", f"composition.name: {system.name!r}: {bad}"))
-    out += [("", line) for line in _alias_problems(system)]
-    out += [("", line) for line in _annotation_problems(system)]
+    for region, line in (*_alias_problems(system), *_annotation_problems(system)):
+        out.append((system.origin(f"composition.regions.{region}"), line))
     for (file, key), fb in zip(
         _places(system, "forbid", system.forbids), system.forbids, strict=True
     ):
@@ -811,8 +829,8 @@ def _unreached(spec: Spec, runs: Runs) -> Iterator[_Line]:
                 )
 
 
-def _alias_problems(system: System) -> Iterator[str]:
-    """Each region whose ``fsm-cache types`` alias (``DoorState``) an earlier region has too.
+def _alias_problems(system: System) -> Iterator[tuple[str, str]]:
+    """``(region, line)`` for each region whose ``fsm-cache types`` alias (``DoorState``) an earlier region has too.
 
     The alias camel-cases the region name, so ``door`` and ``Door``, or ``my_door``
     and ``my__door``, would declare one alias twice; the second region is refused.
@@ -822,15 +840,16 @@ def _alias_problems(system: System) -> Iterator[str]:
         alias = state_alias(system, region)
         if alias in owners:
             yield (
+                region,
                 f"composition.regions.{region}: region {owners[alias]!r} has the same type "
-                f"alias {alias} (fsm-cache types camel-cases region names); rename one"
+                f"alias {alias} (fsm-cache types camel-cases region names); rename one",
             )
         else:
             owners[alias] = region
 
 
-def _annotation_problems(system: System) -> Iterator[str]:
-    """Each region, or counter, named like a type the composition's stub annotates with.
+def _annotation_problems(system: System) -> Iterator[tuple[str, str]]:
+    """``(region, line)`` for each region, or counter, named like a type the composition's stub annotates with.
 
     A counter named ``int`` or ``object`` is its machine file's fault, reported
     there; here are the names only the composition gives a meaning to: the
@@ -839,11 +858,14 @@ def _annotation_problems(system: System) -> Iterator[str]:
     typed = annotation_types(system)
     for region, machine in system.regions:
         if region in typed:
-            yield f"composition.regions.{region}: {_typed(region, typed[region])}"
+            yield region, f"composition.regions.{region}: {_typed(region, typed[region])}"
         own = annotation_types(System.single(machine))  # reported in the machine's file
         for counter in machine.counter_names:
             if counter in typed and counter not in own:
-                yield f"composition.regions.{region}: counter {_typed(counter, typed[counter])}"
+                yield (
+                    region,
+                    f"composition.regions.{region}: counter {_typed(counter, typed[counter])}",
+                )
 
 
 def _birth_problems(system: System) -> Iterator[_Line]:
