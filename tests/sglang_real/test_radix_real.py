@@ -167,3 +167,7 @@ def test_a_lock_released_twice_while_another_request_holds_its_node_is_refused(
         cache.unlock(second)
     cache.unlock(again)
     assert (node.lock_ref, cache.protected_size(), cache.evictable_size()) == (0, 0, 4)
+    empty = cache.lock(cache.root_node)  # an empty match: the root's lock moves nothing
+    cache.unlock(empty)
+    cache.unlock(empty)  # nor does its release, stock or patched
+    assert (cache.root_node.lock_ref, cache.protected_size()) == (1, 0)

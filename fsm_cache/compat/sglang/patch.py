@@ -729,6 +729,8 @@ def _released_once(result: Patch, machine: Residency) -> Callable[[Method], Meth
     is left to the walk, which refuses it (``UnlockAtZero``); a call without
     a receipt (``dec_lock_ref(node)``, as FlexKV's cache makes), or with one
     that has no uuid maps of its own (:func:`_tells_its_lock`), is only counted.
+    A lock on the root (an empty match) moves no count, stock or patched, and
+    its release is not remembered either.
 
     Args:
         result: The patch whose books the wrapper keeps.
@@ -743,7 +745,11 @@ def _released_once(result: Patch, machine: Residency) -> Callable[[Method], Meth
         @functools.wraps(walked)
         def dec_lock_ref(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
             receipt = args[0] if args else kwargs.get("params")
-            if getattr(self, "disable", False) or not _tells_its_lock(receipt):
+            if (
+                getattr(self, "disable", False)
+                or getattr(node, "parent", None) is None  # the root: its walk moves nothing
+                or not _tells_its_lock(receipt)
+            ):
                 return walked(self, node, *args, **kwargs)
             book = books.get(self)
             if book is None:
