@@ -7,11 +7,15 @@ patched runs must give the same results.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import Any
 
 import pytest
 
-from .conftest import Api
+from fsm_cache.errors import LeaseError, error_class
+
+from .conftest import Api, whole_state
 from .fakes import FakeAllocator
 
 
@@ -116,3 +120,54 @@ def test_lru_eviction_order(
     sg.evict(cache, 4)
     assert allocator.freed == [held[1], held[2], held[0]]
     assert cache.evictable_size() == 0
+
+
+def test_a_lock_released_twice_while_another_request_holds_its_node_is_refused(
+    sg: Api, allocator: FakeAllocator, mode: str
+) -> None:
+    """0.5.23's ``RadixCache`` counts locks per node: a receipt released twice took another's lock.
+
+    Two requests lock one prefix; the first one's ``unlock`` runs twice (a
+    second cleanup path). Stock SGLang takes the second request's lock off
+    the prefix, which becomes evictable under it. Patched, the second release
+    is refused by its receipt, changing nothing; with no lock left on the
+    node, the count refuses it first (``UnlockAtZero``), as before.
+    """
+    if not sg.new:
+        pytest.skip(f"sglang {sg.version} has no lock receipts (dec_lock_ref(node) only)")
+    cache = build(sg, allocator)
+    sg.insert(cache, [1, 2, 3, 4], slots(allocator, [1, 2, 3, 4]))
+    node = sg.match(cache, [1, 2, 3, 4])[1]
+    first, second = cache.lock(node), cache.lock(node)
+    released_at = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+    cache.unlock(first)
+    before = whole_state(cache, allocator)
+    if mode == "stock":
+        cache.unlock(first)  # the second request's lock is gone: its prefix is evictable
+        assert (node.lock_ref, cache.protected_size(), cache.evictable_size()) == (0, 0, 4)
+        return
+    with pytest.raises(LeaseError) as caught:
+        cache.unlock(first)
+    test = "test_a_lock_released_twice_while_another_request_holds_its_node_is_refused"
+    assert str(caught.value) == (
+        f"node {node.id}: dec_lock_ref refused: this receipt (DecLockRefParams at "
+        f"{id(first.receipt):#x}) was released already; the 1 lock(s) on the node stay held; "
+        f"nothing changed; released at test_radix_real.py:{released_at} in {test}; refused "
+        f"at test_radix_real.py:{released_at + 7} in {test}"
+    )
+    assert whole_state(cache, allocator) == before
+    copied = dataclasses.replace(first.receipt)  # a copy shares the lock: refused too
+    with pytest.raises(LeaseError, match="shares its lock with a receipt released already"):
+        cache.dec_lock_ref(node, copied)
+    cache.unlock(second)
+    with pytest.raises(error_class("UnlockAtZero")):  # no lock left: the count refuses first
+        cache.unlock(second)
+    again = cache.lock(node)  # a new lock: the old receipts still are not it
+    with pytest.raises(LeaseError, match=f"^node {node.id}: dec_lock_ref refused: this receipt"):
+        cache.unlock(second)
+    cache.unlock(again)
+    assert (node.lock_ref, cache.protected_size(), cache.evictable_size()) == (0, 0, 4)
+    empty = cache.lock(cache.root_node)  # an empty match: the root's lock moves nothing
+    cache.unlock(empty)
+    cache.unlock(empty)  # nor does its release, stock or patched
+    assert (cache.root_node.lock_ref, cache.protected_size()) == (1, 0)

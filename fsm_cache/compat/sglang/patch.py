@@ -10,7 +10,8 @@ and wraps the cache methods that move memory so that each is checked before it d
 SGLang method                 what the wrapper adds
 ============================  ==============================================================
 ``inc_lock_ref(node)``        checks ``lock`` on the path to the root first (root excluded)
-``dec_lock_ref(node)``        checks ``unlock`` on the path first
+``dec_lock_ref(node)``        checks ``unlock`` on the path first; given a receipt
+                              (0.5.23), refuses one whose lock came back already
 ``write_backup(node)``        fires ``write`` before the controller allocates host slots
                               (and the path's ``lock`` is checked); ``write_failed`` if
                               SGLang then gives up (host memory short)
@@ -53,10 +54,12 @@ import heapq
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import sys
 import threading
 import types
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -296,6 +299,9 @@ class Patch:
         wrapped: ``Class.method`` for each wrapped cache method (a subclass's
             too, added as one defined while patched is adopted).
         originals: SGLang's class of each checked class the patch built.
+        spent: Per cache whose ``dec_lock_ref`` takes a receipt (SGLang
+            0.5.23's ``RadixCache``), the locks whose receipts came back
+            (:func:`_released_once`).
     """
 
     modules: tuple[str, ...]
@@ -304,6 +310,9 @@ class Patch:
     _saved: list[tuple[Any, str, Any]] = field(default_factory=list, repr=False)
     _skipped: list[str] = field(default_factory=list, repr=False)
     originals: dict[type, type] = field(default_factory=dict, repr=False)
+    spent: weakref.WeakKeyDictionary[Any, unified.SpentLocks] = field(
+        default_factory=weakref.WeakKeyDictionary, repr=False
+    )
 
     def record(self, owner: Any, name: str, value: Any) -> None:
         """Set ``owner.name`` to ``value``, keeping the old value for :meth:`undo`.
@@ -683,6 +692,8 @@ def _wrap_class(result: Patch, module: ModuleType, cls: type, machine: Residency
     for name, method in list(vars(cls).items()):
         if name in WALKS:
             checked = scope.walked(WALKS[name], machine)(method)
+            if name == "dec_lock_ref" and _takes_receipt(method):
+                checked = _released_once(result, machine)(checked)
         elif name == "evict" and not hasattr(cls, "_evict_backuped"):
             _check_victims(result, module)  # nothing to defer: RadixCache frees leaves only
             continue
@@ -693,6 +704,78 @@ def _wrap_class(result: Patch, module: ModuleType, cls: type, machine: Residency
         result.record(cls, name, checked)
         out.append(f"{cls.__name__}.{name}")
     return out
+
+
+def _takes_receipt(method: Method) -> bool:
+    """Whether a ``dec_lock_ref(self, node, ...)`` takes more than the node (0.5.23's receipt)."""
+    try:
+        return len(inspect.signature(method).parameters) > 2
+    except (TypeError, ValueError):  # no signature to read: take it as one that may
+        return True
+
+
+def _released_once(result: Patch, machine: Residency) -> Callable[[Method], Method]:
+    """Refuse a ``dec_lock_ref`` given a receipt whose lock came back already.
+
+    SGLang 0.5.23's ``RadixCache`` releases a lock with the receipt ``lock``
+    made (``unlock(lock)`` is ``dec_lock_ref(lock.node, lock.receipt)``), but
+    counts per node only: a lock released twice, while another request's
+    lock holds its node, passes the count check and takes the other lock off
+    the node, which becomes evictable under it. The receipt's objects tell
+    its lock (:class:`~fsm_cache.compat.sglang.unified.SpentLocks`), one book
+    per cache in ``result.spent``, shared by a subclass's override and the
+    base's wrapper (an override that calls ``super()`` records the lock
+    twice, after both released it). A release with no lock left on its node
+    is left to the walk, which refuses it (``UnlockAtZero``); a call without
+    a receipt (``dec_lock_ref(node)``, as FlexKV's cache makes), or with one
+    that has no uuid maps of its own (:func:`_tells_its_lock`), is only counted.
+    A lock on the root (an empty match) moves no count, stock or patched, and
+    its release is not remembered either.
+
+    Args:
+        result: The patch whose books the wrapper keeps.
+        machine: The engine the books read trail mode from.
+
+    Returns:
+        A decorator for ``dec_lock_ref`` already :func:`~scope.walked`.
+    """
+    books = result.spent
+
+    def decorate(walked: Method) -> Method:
+        @functools.wraps(walked)
+        def dec_lock_ref(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+            receipt = args[0] if args else kwargs.get("params")
+            if (
+                getattr(self, "disable", False)
+                or getattr(node, "parent", None) is None  # the root: its walk moves nothing
+                or not _tells_its_lock(receipt)
+            ):
+                return walked(self, node, *args, **kwargs)
+            book = books.get(self)
+            if book is None:
+                book = books[self] = unified.SpentLocks(machine)
+            locks = getattr(node, "locks", 0)
+            if locks:  # with none, the walk refuses the release itself
+                held = f"the {locks} lock(s) on the node"
+                book.refuse_spent(getattr(node, "id", "?"), receipt, "dec_lock_ref", held)
+            released = walked(self, node, *args, **kwargs)
+            book.spend(receipt)
+            return released
+
+        return dec_lock_ref
+
+    return decorate
+
+
+def _tells_its_lock(receipt: Any) -> bool:
+    """Whether ``receipt`` has the uuid maps that tell its lock (``DecLockRefParams``'s).
+
+    ``to_dec_params`` makes them afresh per lock, and a copy shares them
+    (:data:`~fsm_cache.compat.sglang.unified.SHARED`). Anything else given
+    (a fork's sentinel, a shared constant) could stand for many locks, and
+    is not remembered.
+    """
+    return all(isinstance(getattr(receipt, name, None), dict) for name in unified.SHARED)
 
 
 def _adopt_subclasses(

@@ -169,62 +169,46 @@ _ALONE = _refs((object(),))[0]
 """What :func:`_refs` gives for an object held only by its ``parts`` tuple."""
 
 
-class ReceiptBook:
-    """The lock receipts one ``UnifiedRadixCache`` gave out, per anchor node id.
+class SpentLocks:
+    """The locks whose receipts came back, while a receipt or a copy of one may come back again.
+
+    A lock is told by its receipt's objects (:func:`_parts`), so a second
+    release of it, through the same receipt or a copy, either way round, is
+    refused while other locks on its node are out: the release SGLang would
+    take from another request's lock. :class:`ReceiptBook` keeps one per
+    ``UnifiedRadixCache``; the patch keeps one per ``RadixCache`` whose
+    ``dec_lock_ref`` takes SGLang 0.5.23's receipt.
 
     Args:
-        machine: The engine the records fire through (the patch's).
+        machine: The engine whose trail mode says whether call sites are kept.
 
     Attributes:
-        records: Per anchor node id with receipts out, its record (``locks``:
-            device receipts out, ``pins``: host receipts out).
-        released: In trail mode, the records of the last :data:`KEPT` anchors
-            whose receipts all came back, with the call sites a later refusal
-            names; empty outside it. Bounded: a server that never resets
-            locks a new node id for most requests.
         spent: The locks whose receipts came back, keyed by the ``id`` of
             their :class:`Spent` parts; an entry goes once nothing but the
             book holds its parts (no receipt or copy of it can come back).
+        sweep_at: The size at which :meth:`spend` next sweeps.
     """
 
-    __slots__ = ("machine", "records", "released", "spent", "sweep_at")
+    __slots__ = ("machine", "spent", "sweep_at")
 
     def __init__(self, machine: Residency) -> None:
         self.machine = machine
-        self.records: dict[Any, ResidencyRecord] = {}
-        self.released: OrderedDict[Any, ResidencyRecord] = OrderedDict()
         self.spent: dict[tuple[int, ...], Spent] = {}
         self.sweep_at = SWEEP
 
-    def check(self, node_id: Any, event: Event) -> None:
-        """Check ``event`` on ``node_id``'s receipts, changing nothing.
-
-        Raises:
-            UnlockAtZero: ``unlock`` with no device receipt out on the node.
-            ReleaseAtZero: ``release`` with no host receipt out on the node.
-        """
-        self.machine.engine.plan(self._record(node_id), event)
-
-    def fire(self, node_id: Any, event: Event) -> None:
-        """Record ``event`` on ``node_id``'s receipts (checked as :meth:`check`)."""
-        record = self._record(node_id)
-        self.machine.verb(event)(record)
-        self.released.pop(node_id, None)
-        if record.locks or record.pins:
-            self.records[node_id] = record
-            return
-        self.records.pop(node_id, None)
-        if self.machine.engine.trail:
-            self.released[node_id] = record
-            if len(self.released) > KEPT:
-                self.released.popitem(last=False)
-
-    def check_receipt(self, node_id: Any, event: Event, receipt: Any, call: str) -> None:
-        """Refuse ``receipt`` for ``event`` (a release) if its lock came back already, changing nothing.
+    def refuse_spent(self, node_id: Any, receipt: Any, call: str, held: str) -> None:
+        """Refuse ``receipt`` if its lock came back already, changing nothing.
 
         Its lock came back if this very object did, or a copy of it
         (``dataclasses.replace``, ``copy.copy``: one that shares its
         :data:`SHARED` maps), or the receipt it is a copy of.
+
+        Args:
+            node_id: The node the release is for, as the message names it.
+            receipt: The receipt given.
+            call: The method called, as the message names it.
+            held: What stays held on the node, as the message says it
+                (``the node's 1 other receipt(s) out``).
 
         Raises:
             LeaseError: ``receipt``, a copy of it or its original was released already.
@@ -232,8 +216,6 @@ class ReceiptBook:
         entry = self.spent.get(tuple(map(id, _parts(receipt))))
         if entry is None:
             return
-        record = self._record(node_id)
-        out = record.pins if event == "release" else record.locks
         what = f"this receipt ({type(receipt).__name__} at {id(receipt):#x})"
         if entry.receipt is None:  # one that cannot be weakly referenced: it or a copy
             what += " was released already (or a copy of it was)"
@@ -244,10 +226,7 @@ class ReceiptBook:
                 " shares its lock with a receipt released already (a copy: "
                 "dataclasses.replace or copy.copy keep its uuid maps)"
             )
-        msg = (
-            f"node {node_id}: {call} refused: {what}; the node's {out} other receipt(s) out "
-            "stay held; nothing changed"
-        )
+        msg = f"node {node_id}: {call} refused: {what}; {held} stay held; nothing changed"
         if entry.spot is not None:
             msg += f"; released at {trail.spot_site(entry.spot)}; refused at {trail.caller_site()}"
         raise LeaseError(msg)
@@ -276,11 +255,72 @@ class ReceiptBook:
         self.sweep_at = max(SWEEP, 2 * len(self.spent))
 
     def clear(self) -> None:
-        """Forget every receipt: the cache's ``reset`` dropped the tree they anchor on."""
-        self.records.clear()
-        self.released.clear()
+        """Forget every released lock: the cache's ``reset`` dropped the tree they anchor on."""
         self.spent.clear()
         self.sweep_at = SWEEP
+
+
+class ReceiptBook(SpentLocks):
+    """The lock receipts one ``UnifiedRadixCache`` gave out, per anchor node id.
+
+    Args:
+        machine: The engine the records fire through (the patch's).
+
+    Attributes:
+        records: Per anchor node id with receipts out, its record (``locks``:
+            device receipts out, ``pins``: host receipts out).
+        released: In trail mode, the records of the last :data:`KEPT` anchors
+            whose receipts all came back, with the call sites a later refusal
+            names; empty outside it. Bounded: a server that never resets
+            locks a new node id for most requests.
+    """
+
+    __slots__ = ("records", "released")
+
+    def __init__(self, machine: Residency) -> None:
+        super().__init__(machine)
+        self.records: dict[Any, ResidencyRecord] = {}
+        self.released: OrderedDict[Any, ResidencyRecord] = OrderedDict()
+
+    def check(self, node_id: Any, event: Event) -> None:
+        """Check ``event`` on ``node_id``'s receipts, changing nothing.
+
+        Raises:
+            UnlockAtZero: ``unlock`` with no device receipt out on the node.
+            ReleaseAtZero: ``release`` with no host receipt out on the node.
+        """
+        self.machine.engine.plan(self._record(node_id), event)
+
+    def fire(self, node_id: Any, event: Event) -> None:
+        """Record ``event`` on ``node_id``'s receipts (checked as :meth:`check`)."""
+        record = self._record(node_id)
+        self.machine.verb(event)(record)
+        self.released.pop(node_id, None)
+        if record.locks or record.pins:
+            self.records[node_id] = record
+            return
+        self.records.pop(node_id, None)
+        if self.machine.engine.trail:
+            self.released[node_id] = record
+            if len(self.released) > KEPT:
+                self.released.popitem(last=False)
+
+    def check_receipt(self, node_id: Any, event: Event, receipt: Any, call: str) -> None:
+        """Refuse ``receipt`` for ``event`` (a release) if its lock came back already, changing nothing.
+
+        Raises:
+            LeaseError: ``receipt``, a copy of it or its original was released
+                already (:meth:`SpentLocks.refuse_spent`).
+        """
+        record = self._record(node_id)
+        out = record.pins if event == "release" else record.locks
+        self.refuse_spent(node_id, receipt, call, f"the node's {out} other receipt(s) out")
+
+    def clear(self) -> None:
+        """Forget every receipt: the cache's ``reset`` dropped the tree they anchor on."""
+        super().clear()
+        self.records.clear()
+        self.released.clear()
 
     def _record(self, node_id: Any) -> ResidencyRecord:
         record = self.records.get(node_id)
