@@ -188,6 +188,28 @@ def test_complete_load_of_a_block_never_loaded(ctx: RequestContext) -> None:
         m.complete_load([K[9]], ctx)
 
 
+def test_complete_load_of_a_block_only_another_request_loads(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(2)
+    other = RequestContext("req-1")
+    stored(m, [K[1]], ctx)
+    m.prepare_load([K[1]], ctx)
+    before = snapshot(m)
+    with pytest.raises(NotLoading) as refused:
+        m.complete_load([K[1]], other)
+    assert str(refused.value) == (
+        "block 0000000000000001/0: load_done refused in pinned (pins=1): "
+        "request 'req-1' has no load of it in flight (its pins are other requests' loads)"
+    )
+    assert snapshot(m) == before
+    m.reset_cache()
+    stored(m, [K[1]], other)
+    m.prepare_load([K[1]], other)
+    with pytest.raises(NotLoading, match="request 'req-0' has no load"):
+        m.complete_load([K[1]], ctx)  # its load was before the reset
+    m.complete_load([K[1]], other)
+    assert m.records[K[1]].host == "backed"
+
+
 def test_load_of_a_pending_or_unknown_key_is_refused_and_changes_nothing(
     ctx: RequestContext,
 ) -> None:

@@ -47,7 +47,7 @@ from __future__ import annotations
 import enum
 import heapq
 import importlib
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -55,7 +55,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 from fsm_cache.engine import trail
 from fsm_cache.engine.core import Engine, Verb
-from fsm_cache.errors import BadArgument, InvariantViolation
+from fsm_cache.errors import BadArgument, InvariantViolation, NotLoading
 from fsm_cache.spec.machine import System
 from fsm_cache.spec.shipped import host_machine
 
@@ -224,6 +224,7 @@ class _Request:
     groups: dict[int, list[bytes]] = field(default_factory=dict)
     seen: set[bytes] = field(default_factory=set)
     counted: set[bytes] = field(default_factory=set)
+    loads: dict[bytes, int] = field(default_factory=dict)
     rank: int | None = None
     finished: bool = False
 
@@ -512,12 +513,13 @@ class CheckedOffloadingManager:
                 self._refuse("load", key, rec)
         request = self._request("prepare_load", req_context)
         self._check_open(keys, request)
-        chunks = []
+        chunks, loads = [], request.loads
         for key in keys:
             rec = records[key]
             if rec.pins == 0:
                 self.recency.mark_held(key)
             self._load(rec)
+            loads[key] = loads.get(key, 0) + 1
             chunks.append(rec.chunk)
         self._record(keys, req_context, request)
         return self._load_spec(chunks)
@@ -537,23 +539,40 @@ class CheckedOffloadingManager:
     def complete_load(self, keys: Iterable[bytes], req_context: ReqContextLike) -> None:
         """Fire ``load_done`` on every key; a block whose last load ends becomes evictable.
 
+        Each load is its request's: vLLM's scheduler completes a load job with
+        the context of the request that prepared it, so a key this request has
+        no load of in flight is refused even while other requests' loads pin
+        the block (vLLM would take their pin and let the block be evicted,
+        its chunk reused, under their copies).
+
         Raises:
             NotLoading: A key has no load in flight (a second ``complete_load``,
                 or one for a block never loaded; vLLM asserts "ref_cnt is
-                already 0" or "not found"); nothing changed.
+                already 0" or "not found"), or none of this request's (vLLM
+                accepts it); nothing changed.
             BadArgument: ``req_context`` is not a request context; nothing changed.
         """
         _check_context("complete_load", req_context)
         keys, records = list(keys), self.records
-        if len(set(keys)) != len(keys):
+        wanted = Counter(keys)
+        if len(wanted) != len(keys):
             self._check_repeated(keys, self._load_done)
         for key in keys:
             rec = records.get(key)
             if rec is None or rec.host not in self._loading:
                 self._refuse("load_done", key, rec)
+        request = self._held(req_context)
+        loads: dict[bytes, int] = request.loads if request is not None else {}
+        for key in keys:
+            if loads.get(key, 0) < wanted[key]:
+                self._refuse_foreign_load(records[key], req_context)
         for key in keys:
             rec = records[key]
             self._load_done(rec)
+            if loads[key] == 1:
+                del loads[key]
+            else:
+                loads[key] -= 1
             if rec.pins == 0:
                 self.recency.mark_evictable(key)
 
@@ -660,13 +679,8 @@ class CheckedOffloadingManager:
             BadArgument: ``req_context`` is not a request context; nothing changed.
         """
         _check_context("on_request_finished", req_context)
-        request = req_context.get_state(_Request)
-        if (
-            request is None
-            or request.owner is not self
-            or request.generation != self.generation
-            or request.finished
-        ):
+        request = self._held(req_context)
+        if request is None or request.finished:
             return
         request.finished = True
         ordered: list[bytes] = []
@@ -699,8 +713,10 @@ class CheckedOffloadingManager:
         delivers the completions of jobs started before a reset, so their
         chunks are free for reuse. A completion that arrives anyway for a key
         not held again is refused (``NotLoading``) or ignored as a duplicate
-        store acknowledgement; for a key stored or loaded again since, it is
-        taken as the new job's, as vLLM takes it (a completion names no job).
+        store acknowledgement; for a key stored again since, it is taken as
+        the new job's, as vLLM takes it (a completion names no job), and so is
+        a load's, but only from the request that loaded the key again (a
+        request's loads before the reset are forgotten with it).
         Strict mode, which refuses the reset itself, is the protection.
 
         Raises:
@@ -855,6 +871,32 @@ class CheckedOffloadingManager:
             request = _Request(self, self.generation)
             req_context.set_state(request)
         return request
+
+    def _held(self, req_context: ReqContextLike) -> _Request | None:
+        """Return what this manager remembers of the request since the last reset, if anything."""
+        request = req_context.get_state(_Request)
+        if request is None or request.owner is not self or request.generation != self.generation:
+            return None
+        return request
+
+    def _refuse_foreign_load(self, rec: OffloadRecord, req_context: ReqContextLike) -> NoReturn:
+        """Refuse a ``load_done`` on a block that only other requests' loads pin.
+
+        The spec counts a block's pins, not whose they are, so the refusal is
+        the manager's; it has the class and shape of the spec's own.
+
+        Raises:
+            NotLoading: Always.
+        """
+        req_id = getattr(req_context, "req_id", None)
+        raise NotLoading(
+            label=self.engine.system.label,
+            instance=rec.id,
+            state=rec.host,
+            counters={"pins": rec.pins},
+            event="load_done",
+            reason=f"request {req_id!r} has no load of it in flight (its pins are other requests' loads)",
+        )
 
     def _check_open(self, keys: Iterable[bytes], request: _Request) -> None:
         """Refuse new keys for a finished request (vLLM asserts)."""
