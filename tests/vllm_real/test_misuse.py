@@ -239,6 +239,50 @@ def test_complete_load_beyond_the_requests_own_loads(vl: Vllm) -> None:
     assert ours.records[key].host == "backed"
 
 
+def test_complete_store_of_another_requests_store(vl: Vllm) -> None:
+    """A's late duplicate acknowledgement lands on B's store of the same key; vLLM publishes it.
+
+    A's store fails, B offers the key again and stores it; A's duplicate
+    completion (earlier vLLM schedulers sent one for a preempted request)
+    arrives before B's copy lands. vLLM marks B's block ready, readable
+    before its data is; ours ignores it as the duplicate it is (strict mode
+    refuses it, nothing changed).
+    """
+    a, b, key = vl.context("A"), vl.context("B"), vl.key(8)
+    theirs = vl.theirs(2)
+    theirs.prepare_store([key], a)
+    theirs.complete_store([key], a, False)
+    assert list(theirs.prepare_store([key], b).keys_to_store) == [key]
+    theirs.complete_store([key], a)
+    assert theirs.lookup(key, b) == vl.base.LookupResult.HIT  # B's copy has not landed
+
+    ours = vl.ours(2)
+    ours.prepare_store([key], a)
+    ours.complete_store([key], a, False)
+    assert list(ours.prepare_store([key], b).keys_to_store) == [key]
+    list(ours.take_events())
+    ours.complete_store([key], a)
+    assert ours.lookup(key, b) == vl.base.LookupResult.HIT_PENDING
+    assert ours.duplicate_acks == 1
+    assert list(ours.take_events()) == []
+    ours.complete_store([key], b)
+    assert ours.lookup(key, b) == vl.base.LookupResult.HIT
+
+    strict = vl.ours(2, strict=True)
+    strict.prepare_store([key], b)
+    before = _snapshot(strict)
+    for success, event in ((True, "write_done"), (False, "write_failed")):
+        with pytest.raises(DuplicateAck) as refused:
+            strict.complete_store([key], a, success)
+        assert str(refused.value) == (
+            f"block 0000000000000008/0: {event} refused in writing (pins=0): "
+            "request 'A' has no store of it in flight (another request's store is)"
+        )
+        assert _snapshot(strict) == before
+    strict.complete_store([key], b)
+    assert strict.lookup(key, b) == vl.base.LookupResult.HIT
+
+
 def test_eviction_during_a_load(vl: Vllm) -> None:
     """A reset evicts a block a load still reads; vLLM hands its chunk to the next store.
 
