@@ -188,6 +188,66 @@ def test_complete_load_of_a_block_never_loaded(ctx: RequestContext) -> None:
         m.complete_load([K[9]], ctx)
 
 
+def test_complete_load_of_a_block_only_another_request_loads(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(2)
+    other = RequestContext("req-1")
+    stored(m, [K[1]], ctx)
+    m.prepare_load([K[1]], ctx)
+    before = snapshot(m)
+    with pytest.raises(NotLoading) as refused:
+        m.complete_load([K[1]], other)
+    assert str(refused.value) == (
+        "block 0000000000000001/0: load_done refused in pinned (pins=1): "
+        "request 'req-1' has no load of it in flight (its pins are other requests' loads)"
+    )
+    assert snapshot(m) == before
+    m.reset_cache()
+    stored(m, [K[1]], other)
+    m.prepare_load([K[1]], other)
+    with pytest.raises(NotLoading, match="request 'req-0' has no load"):
+        m.complete_load([K[1]], ctx)  # its load was before the reset
+    m.complete_load([K[1]], other)
+    assert m.records[K[1]].host == "backed"
+
+
+def test_trail_mode_names_the_call_sites_of_another_requests_load() -> None:
+    m = CheckedOffloadingManager(2, trail=True)
+    mine, other = RequestContext("req-0"), RequestContext("req-1")
+    stored(m, [K[1]], mine)
+    m.prepare_load([K[1]], mine)
+    with pytest.raises(NotLoading) as refused:
+        m.complete_load([K[1]], other)
+    assert refused.value.history.startswith("written at test_vllm_manager.py:")
+    assert "; loaded at test_vllm_manager.py:" in refused.value.history
+    assert refused.value.site is not None
+    assert str(refused.value).endswith(f"refused at {refused.value.site}")
+
+
+def test_complete_store_of_a_block_another_request_stores(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(2, events=True)
+    other = RequestContext("req-1")
+    m.prepare_store([K[1]], other)
+    before = snapshot(m)
+    m.complete_store([K[1]], ctx)
+    m.complete_store([K[1]], ctx, False)
+    assert m.records[K[1]].host == "writing"
+    assert m.duplicate_acks == before[-1] + 2
+    assert snapshot(m)[:-1] == before[:-1]
+    m.complete_store([K[1]], other)
+    assert m.lookup(K[1], ctx) is Lookup.HIT
+
+    strict = CheckedOffloadingManager(2, strict=True)
+    strict.prepare_store([K[1]], other)
+    before = snapshot(strict)
+    with pytest.raises(DuplicateAck) as refused:
+        strict.complete_store([K[1]], ctx)
+    assert str(refused.value) == (
+        "block 0000000000000001/0: write_done refused in writing (pins=0): "
+        "request 'req-0' has no store of it in flight (another request's store is)"
+    )
+    assert snapshot(strict) == before
+
+
 def test_load_of_a_pending_or_unknown_key_is_refused_and_changes_nothing(
     ctx: RequestContext,
 ) -> None:

@@ -31,6 +31,11 @@ refused in ``strict`` mode: a ``complete_store`` of a block that is not being
 stored (earlier vLLM schedulers completed a preempted request's stores at
 once and again when the job reported) and a ``reset_cache`` while copies are
 in flight (vLLM relies on the scheduler never delivering their completions).
+Loads and stores belong to the request that prepared them, as vLLM's
+scheduler completes them: a ``complete_load`` beyond the request's own loads
+is refused (``NotLoading``), and a ``complete_store`` of a block another
+request is storing counts as a duplicate (ignored, refused in strict mode),
+where vLLM would unpin, publish or drop the other request's block.
 
 This module imports neither vLLM nor torch. The vLLM-facing classes,
 ``FsmOffloadingManager`` (vLLM's ``OffloadingManager`` over this one) and
@@ -47,7 +52,7 @@ from __future__ import annotations
 import enum
 import heapq
 import importlib
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -55,7 +60,13 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 from fsm_cache.engine import trail
 from fsm_cache.engine.core import Engine, Verb
-from fsm_cache.errors import BadArgument, InvariantViolation
+from fsm_cache.errors import (
+    BadArgument,
+    DuplicateAck,
+    IllegalTransition,
+    InvariantViolation,
+    NotLoading,
+)
 from fsm_cache.spec.machine import System
 from fsm_cache.spec.shipped import host_machine
 
@@ -224,6 +235,8 @@ class _Request:
     groups: dict[int, list[bytes]] = field(default_factory=dict)
     seen: set[bytes] = field(default_factory=set)
     counted: set[bytes] = field(default_factory=set)
+    loads: dict[bytes, int] = field(default_factory=dict)
+    storing: set[bytes] = field(default_factory=set)
     rank: int | None = None
     finished: bool = False
 
@@ -512,12 +525,13 @@ class CheckedOffloadingManager:
                 self._refuse("load", key, rec)
         request = self._request("prepare_load", req_context)
         self._check_open(keys, request)
-        chunks = []
+        chunks, loads = [], request.loads
         for key in keys:
             rec = records[key]
             if rec.pins == 0:
                 self.recency.mark_held(key)
             self._load(rec)
+            loads[key] = loads.get(key, 0) + 1
             chunks.append(rec.chunk)
         self._record(keys, req_context, request)
         return self._load_spec(chunks)
@@ -537,23 +551,40 @@ class CheckedOffloadingManager:
     def complete_load(self, keys: Iterable[bytes], req_context: ReqContextLike) -> None:
         """Fire ``load_done`` on every key; a block whose last load ends becomes evictable.
 
+        Each load is its request's: vLLM's scheduler completes a load job with
+        the context of the request that prepared it, so a key this request has
+        no load of in flight is refused even while other requests' loads pin
+        the block (vLLM would take their pin and let the block be evicted,
+        its chunk reused, under their copies).
+
         Raises:
             NotLoading: A key has no load in flight (a second ``complete_load``,
                 or one for a block never loaded; vLLM asserts "ref_cnt is
-                already 0" or "not found"); nothing changed.
+                already 0" or "not found"), or none of this request's (vLLM
+                accepts it); nothing changed.
             BadArgument: ``req_context`` is not a request context; nothing changed.
         """
         _check_context("complete_load", req_context)
         keys, records = list(keys), self.records
-        if len(set(keys)) != len(keys):
+        wanted = Counter(keys)
+        if len(wanted) != len(keys):
             self._check_repeated(keys, self._load_done)
         for key in keys:
             rec = records.get(key)
             if rec is None or rec.host not in self._loading:
                 self._refuse("load_done", key, rec)
+        request = self._held(req_context)
+        loads: dict[bytes, int] = request.loads if request is not None else {}
+        for key in keys:
+            if loads.get(key, 0) < wanted[key]:
+                self._refuse_foreign_load(records[key], req_context)
         for key in keys:
             rec = records[key]
             self._load_done(rec)
+            if loads[key] == 1:
+                del loads[key]
+            else:
+                loads[key] -= 1
             if rec.pins == 0:
                 self.recency.mark_evictable(key)
 
@@ -603,39 +634,50 @@ class CheckedOffloadingManager:
             rec = records[key] = OffloadRecord(key, chunk)
             self._write(rec)
             self.recency.insert(key, req_context.get_offload_key_position(key), request)
+        request.storing.update(to_store)
         return self._store_output(to_store, chunks, evicted)
 
     def complete_store(
         self, keys: Iterable[bytes], req_context: ReqContextLike, success: bool = True
     ) -> None:
-        """Fire ``write_done`` (``success``) or ``write_failed`` on the keys being stored.
+        """Fire ``write_done`` (``success``) or ``write_failed`` on the keys this request stores.
 
         A key with no store in flight is ignored, as vLLM ignores it (earlier
         vLLM schedulers completed a preempted request's stores at once and again
         when the job reported); ``duplicate_acks`` counts them. In strict mode
-        it is refused instead.
+        it is refused instead. So is a key another request is storing: vLLM's
+        scheduler completes a store with the context of the request that
+        prepared it, and vLLM would publish (or drop) the other request's block
+        before its copy lands (a late duplicate for a key stored again since).
 
         Raises:
-            DuplicateAck: Strict mode, and a key has no store in flight; nothing changed.
+            DuplicateAck: Strict mode, and a key has no store of this request's
+                in flight; nothing changed.
             BadArgument: ``req_context`` is not a request context (``complete_store(keys,
                 False)`` would otherwise store what failed); nothing changed.
         """
         _check_context("complete_store", req_context)
         accepted = self._storing if success else self._failing
         keys, records = list(keys), self.records
+        request = self._held(req_context)
+        storing: set[bytes] = request.storing if request is not None else set()
         if self.strict:
+            event = "write_done" if success else "write_failed"
             if len(set(keys)) != len(keys):
                 self._check_repeated(keys, self._write_done if success else self._write_failed)
             for key in keys:
                 rec = records.get(key)
                 if rec is None or rec.host not in accepted:
-                    self._refuse("write_done" if success else "write_failed", key, rec)
+                    self._refuse(event, key, rec)
+                if key not in storing:
+                    self._refuse_foreign_store(rec, event, req_context)
         done: list[bytes] = []
         for key in keys:
             rec = records.get(key)
-            if rec is None or rec.host not in accepted:
+            if rec is None or rec.host not in accepted or key not in storing:
                 self.duplicate_acks += 1
                 continue
+            storing.discard(key)
             if success:
                 self._write_done(rec)
                 self.recency.mark_evictable(key)
@@ -660,13 +702,8 @@ class CheckedOffloadingManager:
             BadArgument: ``req_context`` is not a request context; nothing changed.
         """
         _check_context("on_request_finished", req_context)
-        request = req_context.get_state(_Request)
-        if (
-            request is None
-            or request.owner is not self
-            or request.generation != self.generation
-            or request.finished
-        ):
+        request = self._held(req_context)
+        if request is None or request.finished:
             return
         request.finished = True
         ordered: list[bytes] = []
@@ -699,8 +736,10 @@ class CheckedOffloadingManager:
         delivers the completions of jobs started before a reset, so their
         chunks are free for reuse. A completion that arrives anyway for a key
         not held again is refused (``NotLoading``) or ignored as a duplicate
-        store acknowledgement; for a key stored or loaded again since, it is
-        taken as the new job's, as vLLM takes it (a completion names no job).
+        store acknowledgement; for a key stored again since, it is taken as
+        the new job's, as vLLM takes it (a completion names no job), and so is
+        a load's, but only from the request that loaded the key again (a
+        request's loads before the reset are forgotten with it).
         Strict mode, which refuses the reset itself, is the protection.
 
         Raises:
@@ -855,6 +894,65 @@ class CheckedOffloadingManager:
             request = _Request(self, self.generation)
             req_context.set_state(request)
         return request
+
+    def _held(self, req_context: ReqContextLike) -> _Request | None:
+        """Return what this manager remembers of the request since the last reset, if anything."""
+        request = req_context.get_state(_Request)
+        if request is None or request.owner is not self or request.generation != self.generation:
+            return None
+        return request
+
+    def _refuse_foreign_load(self, rec: OffloadRecord, req_context: ReqContextLike) -> NoReturn:
+        """Refuse a ``load_done`` on a block that only other requests' loads pin.
+
+        Raises:
+            NotLoading: Always.
+        """
+        req_id = getattr(req_context, "req_id", None)
+        reason = (
+            f"request {req_id!r} has no load of it in flight (its pins are other requests' loads)"
+        )
+        self._refuse_foreign(NotLoading, rec, "load_done", reason)
+
+    def _refuse_foreign_store(
+        self, rec: OffloadRecord, event: str, req_context: ReqContextLike
+    ) -> NoReturn:
+        """Refuse (strict mode) a store completion for a block another request is storing.
+
+        Raises:
+            DuplicateAck: Always.
+        """
+        req_id = getattr(req_context, "req_id", None)
+        reason = f"request {req_id!r} has no store of it in flight (another request's store is)"
+        self._refuse_foreign(DuplicateAck, rec, event, reason)
+
+    def _refuse_foreign(
+        self, error: type[IllegalTransition], rec: OffloadRecord, event: str, reason: str
+    ) -> NoReturn:
+        """Raise a refusal of the request's claim on ``rec``, shaped as the spec's own.
+
+        The spec counts a block's copies, not whose they are, so the refusal is
+        the manager's; in trail mode it names the block's recent call sites and
+        the refused call's, as the engine's refusals do.
+
+        Raises:
+            IllegalTransition: ``error``, always.
+        """
+        on = self.engine.trail
+        recent = trail.sites(rec.trail) if on else ()
+        site = trail.caller_site() if on else None
+        past = {e.name: e.past for _, m in self.engine.system.regions for e in m.events if e.past}
+        raise error(
+            label=self.engine.system.label,
+            instance=rec.id,
+            state=rec.host,
+            counters={"pins": rec.pins},
+            event=event,
+            reason=reason,
+            history=trail.account(recent, past, site) if on else "",
+            site=site,
+            sites=recent,
+        )
 
     def _check_open(self, keys: Iterable[bytes], request: _Request) -> None:
         """Refuse new keys for a finished request (vLLM asserts)."""

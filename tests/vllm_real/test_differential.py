@@ -224,14 +224,24 @@ class Driver:
             self.stored.append(job)
 
     def duplicate_store(self, request: Request) -> None:
-        """A late duplicate, as for a preempted request's blocks, or a stray one: both ignore it."""
+        """A late duplicate, as for a preempted request's blocks, or a stray one: both ignore it.
+
+        Keys another request is storing are left out: vLLM would complete that
+        store for it, ours ignores them (``misuse`` sends those to ours alone).
+        """
         if self.stored and self.rng.random() < 0.7:
             job = self.rng.choice(self.stored)
-            self.both("complete_store", job.keys, job.request.ctx)
+            keys, ack = self.own(job.keys, job.request), job.request
+            self.both("complete_store", keys, ack.ctx)
         else:
             self.note("stray_ack")
-            keys = self.keys(request, self.rng.randint(1, 3))
+            keys = self.own(self.keys(request, self.rng.randint(1, 3)), request)
             self.both("complete_store", keys, request.ctx, self.rng.random() < 0.5)
+
+    def own(self, keys: list[bytes], request: Request) -> list[bytes]:
+        """``keys`` less those a store job of another request is writing."""
+        foreign = {k for job in self.stores if job.request is not request for k in job.keys}
+        return [key for key in keys if key not in foreign]
 
     def complete_load(self, request: Request) -> None:
         del request

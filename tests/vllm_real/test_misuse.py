@@ -187,6 +187,102 @@ def test_new_keys_for_a_finished_request(vl: Vllm) -> None:
     assert ours.prepare_store([seen], ctx).keys_to_store == []  # a key it saw: no refusal
 
 
+def test_complete_load_of_another_requests_load(vl: Vllm) -> None:
+    """B completes the load A is running; vLLM takes A's pin and reuses its chunk under it.
+
+    vLLM's scheduler completes a load with the context of the request that
+    prepared it, so a completion naming a block only other requests load is
+    misuse: vLLM unpins the block, the next store evicts it and writes into the
+    chunk A's copy still reads. Ours refuses it and changes nothing.
+    """
+    a, b, key, k2, k3 = vl.context("A"), vl.context("B"), vl.key(1), vl.key(2), vl.key(3)
+    theirs = vl.theirs(2)
+    _stored(theirs, [key], a)
+    theirs.prepare_load([key], a)
+    theirs.complete_load([key], b)
+    out = theirs.prepare_store([k2, k3], b)
+    assert list(out.evicted_keys) == [key]  # A's load still reads chunk 0
+    assert 0 in [int(c) for c in out.store_spec.block_ids]
+
+    ours = vl.ours(2)
+    _stored(ours, [key], a)
+    ours.prepare_load([key], a)
+    before = _snapshot(ours)
+    with pytest.raises(NotLoading) as refused:
+        ours.complete_load([key], b)
+    assert str(refused.value) == (
+        "block 0000000000000001/0: load_done refused in pinned (pins=1): "
+        "request 'B' has no load of it in flight (its pins are other requests' loads)"
+    )
+    assert _snapshot(ours) == before
+    assert ours.prepare_store([k2, k3], b) is None  # the pinned block is not evicted
+    ours.complete_load([key], a)
+    assert list(ours.prepare_store([k2, k3], b).evicted_keys) == [key]
+
+
+def test_complete_load_beyond_the_requests_own_loads(vl: Vllm) -> None:
+    """A and B each load a block; A completing it twice in one call is refused, nothing changed."""
+    a, b, key = vl.context("A"), vl.context("B"), vl.key(4)
+    ours = vl.ours(2)
+    _stored(ours, [key], a)
+    ours.prepare_load([key], a)
+    ours.prepare_load([key], b)
+    before = _snapshot(ours)
+    with pytest.raises(
+        NotLoading,
+        match=r"^block 0000000000000004/0: load_done refused in pinned \(pins=2\): request 'A'",
+    ):
+        ours.complete_load([key, key], a)
+    assert _snapshot(ours) == before
+    ours.complete_load([key], b)
+    ours.complete_load([key], a)
+    assert ours.records[key].host == "backed"
+
+
+def test_complete_store_of_another_requests_store(vl: Vllm) -> None:
+    """A's late duplicate acknowledgement lands on B's store of the same key; vLLM publishes it.
+
+    A's store fails, B offers the key again and stores it; A's duplicate
+    completion (earlier vLLM schedulers sent one for a preempted request)
+    arrives before B's copy lands. vLLM marks B's block ready, readable
+    before its data is; ours ignores it as the duplicate it is (strict mode
+    refuses it, nothing changed).
+    """
+    a, b, key = vl.context("A"), vl.context("B"), vl.key(8)
+    theirs = vl.theirs(2)
+    theirs.prepare_store([key], a)
+    theirs.complete_store([key], a, False)
+    assert list(theirs.prepare_store([key], b).keys_to_store) == [key]
+    theirs.complete_store([key], a)
+    assert theirs.lookup(key, b) == vl.base.LookupResult.HIT  # B's copy has not landed
+
+    ours = vl.ours(2)
+    ours.prepare_store([key], a)
+    ours.complete_store([key], a, False)
+    assert list(ours.prepare_store([key], b).keys_to_store) == [key]
+    list(ours.take_events())
+    ours.complete_store([key], a)
+    assert ours.lookup(key, b) == vl.base.LookupResult.HIT_PENDING
+    assert ours.duplicate_acks == 1
+    assert list(ours.take_events()) == []
+    ours.complete_store([key], b)
+    assert ours.lookup(key, b) == vl.base.LookupResult.HIT
+
+    strict = vl.ours(2, strict=True)
+    strict.prepare_store([key], b)
+    before = _snapshot(strict)
+    for success, event in ((True, "write_done"), (False, "write_failed")):
+        with pytest.raises(DuplicateAck) as refused:
+            strict.complete_store([key], a, success)
+        assert str(refused.value) == (
+            f"block 0000000000000008/0: {event} refused in writing (pins=0): "
+            "request 'A' has no store of it in flight (another request's store is)"
+        )
+        assert _snapshot(strict) == before
+    strict.complete_store([key], b)
+    assert strict.lookup(key, b) == vl.base.LookupResult.HIT
+
+
 def test_eviction_during_a_load(vl: Vllm) -> None:
     """A reset evicts a block a load still reads; vLLM hands its chunk to the next store.
 
