@@ -678,8 +678,8 @@ def test_a_fault_across_files_names_each_entry_in_its_file(tmp_path: Path) -> No
     dimmer = write(tmp_path, open_on, "dimmer.toml")
     assert problems(dimmer) == [
         f"{dimmer}: forbid[0]: overlaps transition[1] on turn in dim when n=0",
-        f"{lamp}: states.on: event 'turn' is neither a transition nor a forbid for every value "
-        f"of n (not total); found validating {dimmer}, which extends it",
+        f"{dimmer}: events.turn: neither a transition nor a forbid in states.on of {lamp} "
+        "for every value of n (not total)",
     ]
 
 
@@ -717,6 +717,90 @@ def test_an_overlap_with_a_shipped_forbid_is_filed_in_the_extension(tmp_path: Pa
     assert problems(mine) == [
         f"{mine}: transition[0]: overlaps forbid[1] of {host} on write in writing when pins=0"
     ]
+
+
+TOUCH = """\
+[machine]
+extends = 'fsm_cache:host_residency'
+name = 'my_host'
+
+[events]
+touch = { doc = "A reader looks at the host copy." }
+
+[[transition]]
+event = "touch"
+source = ["unbacked", "writing", "backed", "evicted"]
+dest = "unbacked"
+"""
+"""An extension of the shipped host machine whose new event ``touch`` leaves ``pinned`` open."""
+
+
+def test_a_gap_an_extension_adds_to_a_shipped_state_is_filed_at_its_event(
+    tmp_path: Path,
+) -> None:
+    """It was filed at ``states.pinned`` of the shipped spec, in site-packages; the event is the extension's."""
+    host = load_shipped("host_residency").source
+    mine = write(tmp_path, TOUCH.replace('"writing", "backed"', '"backed"'), "my_host.toml")
+    assert problems(mine) == [
+        f"{mine}: events.touch: neither a transition nor a forbid in states.writing of {host} "
+        "for every value of pins (not total)",
+        f"{mine}: events.touch: neither a transition nor a forbid in states.pinned of {host} "
+        "for every value of pins (not total)",
+    ]
+
+
+def test_a_gap_of_an_event_declared_by_a_use_is_filed_at_its_first_use(tmp_path: Path) -> None:
+    """Without ``[events]``, a use declares the event: the base-most file's first one."""
+    base = "[machine]\nname = 'b'\ninitial = 'x'\n\n[states]\nx = {}\ny = {}\n\n"
+    base += "[[transition]]\nevent = 'go'\nsource = 'x'\ndest = 'y'\n\n"
+    base += "[[transition]]\nevent = 'go'\nsource = 'y'\ndest = 'x'\n"
+    b = write(tmp_path, base, "b.toml")
+    text = "[machine]\nextends = 'b.toml'\nname = 'e'\n\n[states]\nz = {}\n\n"
+    text += "[[transition]]\nevent = 'go'\nsource = 'z'\ndest = 'x'\n\n"
+    text += "[[forbid]]\nevent = 'jump'\nsource = 'z'\nerror = 'No'\nreason = 'no'\n\n"
+    text += "[[transition]]\nevent = 'jump'\nsource = 'x'\ndest = 'z'\n"
+    e = write(tmp_path, text, "e.toml")
+    assert problems(e) == [
+        f"{e}: transition[1].event: neither a transition nor a forbid in states.y of {b} (not total)"
+    ]
+
+
+def test_a_gap_in_a_state_no_older_than_its_event_stays_filed_at_the_state(
+    tmp_path: Path,
+) -> None:
+    """A state of the event's own file, or of a file built on it, is where the gap is fixed."""
+    write(tmp_path, LAMP, "lamp.toml")
+    base_event = DIMMER.replace('event = "press"\nsource = "dim"', 'event = "turn"\nsource = "dim"')
+    dimmer = write(tmp_path, base_event, "dimmer.toml")
+    assert problems(dimmer) == [
+        f"{dimmer}: forbid[1]: overlaps transition[1] on turn in dim when n=0",
+        f"{dimmer}: states.dim: event 'press' is neither a transition nor a forbid when n=0 (not total)",
+    ]
+    own_event = DIMMER.replace('[[transition]]\nevent = "turn"\nsource = "dim"\ndest = "off"\n', "")
+    dimmer = write(tmp_path, own_event, "dimmer.toml")
+    assert problems(dimmer) == [
+        f"{dimmer}: states.dim: event 'turn' is neither a transition nor a forbid when n=0 (not total)",
+        f"{dimmer}: states.dim: not final and has no transition out",
+    ]
+
+
+def test_a_gap_found_through_a_chain_is_filed_at_the_event_in_the_middle_file(
+    tmp_path: Path,
+) -> None:
+    """The file that declares the event may itself be a base: the line says how it is reached."""
+    lamp = write(tmp_path, LAMP, "lamp.toml")
+    forbid = (
+        '[[forbid]]\nevent = "turn"\nsource = "on"\nerror = "TooBright"\nreason = "already on"\n\n'
+    )
+    open_on = DIMMER.replace(forbid, "")
+    dimmer = write(tmp_path, open_on, "dimmer.toml")
+    top = write(tmp_path, "[machine]\nextends = 'dimmer.toml'\nname = 'top'\n", "top.toml")
+    gap = (
+        f"{dimmer}: events.turn: neither a transition nor a forbid in states.on of {lamp} "
+        "for every value of n (not total)"
+    )
+    assert problems(dimmer) == [gap]
+    assert problems(top) == [f"{gap}; found validating {top}, which extends it"]
 
 
 def test_a_base_two_levels_down_is_said_to_be_reached_through_the_files_between(

@@ -15,10 +15,12 @@ from fsm_cache.diagram.ir import (
     Diagram,
     DiagramError,
     Region,
+    birth_id,
     births_in,
     one_line,
     parallel,
     refusal_line,
+    start_id,
     state_id,
 )
 
@@ -60,10 +62,10 @@ def _dot_region(diagram: Diagram, region: Region) -> list[str]:
         lines.append(f"{ident(state.name)} [{', '.join(attrs)}];")
     for state in region.states:
         if state.initial:
-            start = ident("__start")
+            start = _q(start_id(diagram, region.name))
             lines += [f'{start} [shape=point, label=""];', f"{start} -> {ident(state.name)};"]
     for birth, born in births_in(diagram, region.name):
-        start = ident(f"__birth_{birth}")  # no state is named so: names start with a letter
+        start = _q(birth_id(diagram, region.name, birth))
         lines += [
             f'{start} [shape=point, label=""];',
             f"{start} -> {ident(born)} [label={_q(f'birth {birth}')}, style=dashed];",

@@ -205,9 +205,66 @@ def births_in(diagram: Diagram, region: str) -> list[tuple[str, str]]:
     return [(b.name, dict(b.states)[region]) for b in diagram.births]
 
 
+# -- identifiers ---------------------------------------------------------------
+#
+# Every id below is built from spec names (:data:`fsm_cache.spec.machine.NAME`: an
+# ASCII letter, then letters, digits and underscores) by ``_escaped``, which doubles
+# each underscore, so that in an escaped name every run of underscores has even
+# length and the name starts with a letter. A single ``_`` then joins a region to a
+# state; start points and Mermaid's composite states begin with an underscore.
+
+
+def _escaped(name: str) -> str:
+    """Return ``name`` with each underscore doubled (a name without one is unchanged)."""
+    return name.replace("_", "__")
+
+
 def state_id(diagram: Diagram, region: str, state: str) -> str:
-    """Return a state's identifier in a rendering (region-qualified when composed)."""
-    return f"{region}_{state}" if diagram.composed else state
+    """Return a state's identifier in a rendering: ``REGION_STATE`` when composed.
+
+    Both names are escaped (each ``_`` doubled), so ``a.b_c`` is ``a_b__c`` and
+    ``a_b.c`` is ``a__b_c``. The map is injective: a composed id holds exactly one
+    run of underscores of odd length, made of the escaped region's trailing run
+    plus the joining ``_`` (a state name starts with a letter), so the region is
+    what precedes that run's last underscore and the state what follows it, each
+    unescaped by halving its runs. It starts with a letter, so it is no start point
+    (:func:`start_id`, :func:`birth_id`) nor Mermaid composite (:func:`composite_id`),
+    which start with ``_``; and no Mermaid end point either (``root_start``,
+    ``COMPOSITE_start``, ``COMPOSITE_end``): a machine's ids hold only even runs,
+    a composite's implicit ones start with ``_``.
+    """
+    return f"{_escaped(region)}_{_escaped(state)}" if diagram.composed else _escaped(state)
+
+
+def start_id(diagram: Diagram, region: str) -> str:
+    """Return the id of a region's start point: ``__start_REGION``, ``__start`` when alone.
+
+    After its ``__start`` prefix it holds an escaped region name or nothing, so it
+    is injective and, starting with ``_``, never a state's id (:func:`state_id`).
+    """
+    return f"__start_{_escaped(region)}" if diagram.composed else "__start"
+
+
+def birth_id(diagram: Diagram, region: str, birth: str) -> str:
+    """Return the id of a birth's start point in a region: ``__birth_`` then ``REGION_BIRTH``.
+
+    What follows the ``__birth_`` prefix is :func:`state_id`'s ``REGION_STATE`` with
+    the birth for the state (the birth alone when not composed), so it is injective
+    for the reason that one is; the prefix tells it from :func:`start_id` and, starting
+    with ``_``, from every state's id.
+    """
+    return f"__birth_{state_id(diagram, region, birth)}"
+
+
+def composite_id(region: str) -> str:
+    """Return the Mermaid id of a region's composite state: ``_REGION``.
+
+    Mermaid names a composite's start and end points ``ID_start`` and ``ID_end``:
+    with the region's own escaped name for ``ID``, a state ``start`` of region
+    ``host`` (``host_start``) would be that start point. A leading ``_`` keeps the
+    composite, and both of its points, apart from every state (:func:`state_id`).
+    """
+    return f"_{_escaped(region)}"
 
 
 def condition_text(refusal: DiagramRefusal) -> str:

@@ -14,6 +14,7 @@ from fsm_cache.diagram.ir import (
     Diagram,
     Region,
     births_in,
+    composite_id,
     one_line,
     parallel,
     refusal_line,
@@ -28,7 +29,8 @@ def mermaid(diagram: Diagram) -> str:
     for region in diagram.regions:
         indent = "    "
         if diagram.composed:
-            lines.append(f"    state {one_line(region.name)} {{")
+            title = one_line(region.name)
+            lines.append(f'    state "{title}" as {composite_id(region.name)} {{')
             indent = "        "
         lines += [indent + line for line in _mermaid_region(diagram, region)]
         if diagram.composed:
@@ -70,7 +72,7 @@ def _refusal_note(diagram: Diagram) -> list[str]:
         return []
     texts = ["refused across regions:", *(refusal_line(r) for r in diagram.refusals)]
     body = [f"        {_note_text(text)}" for text in texts]
-    return [f"    note right of {one_line(diagram.regions[-1].name)}", *body, "    end note"]
+    return [f"    note right of {composite_id(diagram.regions[-1].name)}", *body, "    end note"]
 
 
 _MERMAID_UNSAFE = str.maketrans({":": "\uff1a", ";": "\uff1b", "#": "\uff03"})

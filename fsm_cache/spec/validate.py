@@ -79,7 +79,7 @@ def problems(spec: Spec, chains: Chains | None = None) -> list[str]:
     names = _name_problems(spec)
     if names:
         return _located(spec, names, chain)
-    slips, gaps = _slips(spec)
+    slips, gaps = _slips(spec, chain)
     lines = [
         *slips,
         *_initial(spec, chain),
@@ -519,22 +519,56 @@ def _overlap(spec: MachineSpec, invariant: Guard, a: Guard, b: Guard) -> dict[st
     return next((c for c in valuations(spec, invariant) if a.holds(c) and b.holds(c)), None)
 
 
-def _totality(spec: MachineSpec) -> Iterator[tuple[str, str, _Line]]:
-    """Each state, event and line where the event is neither a transition nor a forbid."""
+def _totality(spec: MachineSpec, chain: Sequence[str]) -> Iterator[tuple[str, str, _Line]]:
+    """Each state, event and line where the event is neither a transition nor a forbid.
+
+    A gap is filed at the state, unless the event is declared in a file that
+    builds on the state's (:func:`_later`): then it is the event's gap, filed at
+    the event's declaration (:func:`_declarations`), where its author may add
+    the missing transition or forbid, where the state's file may be a shipped
+    spec the author cannot edit.
+    """
+    declared = _declarations(spec, chain)
     for st in spec.states:
         if st.final:
             continue
+        state = (_held(spec, st), f"states.{st.name}")
         for event in spec.event_names:
             covers = [t.guard for t in spec.transitions_for(st.name, event)]
             covers += [f.guard for f in spec.forbids_for(st.name, event)]
             allowed = list(valuations(spec, st.invariant))
             gaps = [c for c in allowed if not any(g.holds(c) for g in covers)]
-            if gaps:
-                line = f"states.{st.name}: event {event!r} is neither a transition nor a forbid{_gap_when(st.invariant, allowed, gaps)} (not total)"
-                yield st.name, event, (_held(spec, st), line)
+            if not gaps:
+                continue
+            when = _gap_when(st.invariant, allowed, gaps)
+            file, key = declared[event]
+            if _later(file, state[0], chain):
+                line = f"{key}: neither a transition nor a forbid in {_named(spec, state, file)}{when} (not total)"
+                yield st.name, event, (file, line)
+            else:
+                line = f"{state[1]}: event {event!r} is neither a transition nor a forbid{when} (not total)"
+                yield st.name, event, (state[0], line)
 
 
-def _slips(spec: MachineSpec) -> tuple[list[_Line], list[_Line]]:
+def _declarations(spec: MachineSpec, chain: Sequence[str]) -> dict[str, _Line]:
+    """Return each event's declaration: its ``[events]`` entry, else its first use in the earliest file.
+
+    The earliest file is the base-most one (:func:`_depth`) that uses the event:
+    a machine without ``[events]`` declares an event by using it, and the file
+    that used it first is the one every later file found it in.
+    """
+    uses: list[tuple[_Line, Transition | Forbid]] = [
+        *zip(_places(spec, "transition", spec.transitions), spec.transitions, strict=True),
+        *zip(_places(spec, "forbid", spec.forbids), spec.forbids, strict=True),
+    ]
+    out: dict[str, _Line] = {}
+    for (file, key), entry in sorted(uses, key=lambda use: -_depth(use[0][0], chain)):
+        out.setdefault(entry.event, (file, f"{key}.event"))
+    out.update({event.name: (_held(spec, event), f"events.{event.name}") for event in spec.events})
+    return out
+
+
+def _slips(spec: MachineSpec, chain: Sequence[str]) -> tuple[list[_Line], list[_Line]]:
     """Return the events that look misspelt, located, and the totality gaps they do not explain.
 
     An event one transition or forbid uses and nothing else does, whose name
@@ -550,7 +584,7 @@ def _slips(spec: MachineSpec) -> tuple[list[_Line], list[_Line]]:
     it, so a guess the wrong way round still shows both. An event that is
     total on its own is no slip.
     """
-    gaps = list(_totality(spec))
+    gaps = list(_totality(spec, chain))
     if spec.events:
         return [], [line for _, _, line in gaps]
     uses: dict[str, list[tuple[_Line, tuple[str, ...]]]] = {}
