@@ -270,7 +270,8 @@ class HiCache:
 
         Raises:
             BadArgument: ``tokens`` is not a sequence of non-negative ints (a 1-d
-                tensor or array is fine), or ``namespace`` is unhashable.
+                tensor or array is fine; a bool is no token id), or ``namespace``
+                is unhashable.
         """
         key = arguments.ints(tokens, "match_prefix", "tokens")
         namespace = arguments.namespace(namespace, "match_prefix")
@@ -331,7 +332,8 @@ class HiCache:
 
         Raises:
             BadArgument: ``tokens`` or ``device_slots`` is not a sequence of
-                non-negative ints, or ``namespace`` is unhashable; nothing changed.
+                non-negative ints (a bool is no token id), or ``namespace`` is
+                unhashable; nothing changed.
             CopyFailed: A node on the path is still loading after its copy failed
                 and was started again (a locked node); nothing was inserted.
             ForeignSlot: ``device_slots`` are too few, not whole pages, repeat a
