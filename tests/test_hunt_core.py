@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
 import pytest
 import torch
 
 from fsm_cache.cache.arguments import TokenKey
 from fsm_cache.cache.hicache import HiCache
-from fsm_cache.errors import BadArgument
+from fsm_cache.cache.replay import replay
+from fsm_cache.errors import BadArgument, EffectFailed, ReplayMismatch
 from fsm_cache.memory.tiers import CacheConfig
 
 
@@ -18,6 +23,19 @@ BASE = CacheConfig(
 
 def states(cache: HiCache) -> list[tuple[int, str]]:
     return sorted((n.id, n.residency()) for n in cache.tree)
+
+
+class _BreaksOnce:
+    """Stands in for an allocator method: the first call raises ``error``, the others call through."""
+
+    def __init__(self, method: Callable[..., Any], error: Exception) -> None:
+        self.method, self.error, self.calls = method, error, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            raise self.error
+        return self.method(*args, **kwargs)
 
 
 # -- token ids that are bools -------------------------------------------------
@@ -53,3 +71,84 @@ def test_ids_0_and_1_as_ints_still_match() -> None:
     cache.insert([1, 0, 1, 1, 0, 0, 0, 1])
     assert cache.match_prefix(torch.tensor([1, 0, 1, 1, 0, 0, 0, 1])).device_len == 8
     assert cache.match_prefix(TokenKey([1, 0, 1, 1])).device_len == 4
+
+
+# -- an allocator that breaks inside an effect ----------------------------------
+
+
+def test_an_allocator_that_breaks_in_an_effect_is_a_failure_and_replays() -> None:
+    """The engine raises the allocator's error as EffectFailed, which was logged as a refusal.
+
+    A replay, whose allocator works, then ran the insert and raised
+    ReplayMismatch ("refused in the recording, not on replay"): a log that
+    met a broken allocator inside an effect never replayed.
+    """
+    cache = HiCache(replace(BASE, debug=True))
+    prompt = list(range(16))
+    cache.insert(prompt)
+    cache.poll()
+    assert cache.evict(16) == 16
+    allocator = cache.tiers.device.allocator
+    allocator.reassign = _BreaksOnce(allocator.reassign, RuntimeError("allocator broke"))  # type: ignore[method-assign]
+    with pytest.raises(EffectFailed) as caught:
+        cache.insert(prompt)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    text = "EffectFailed: node 1: effect adopt_device of adopt failed: allocator broke"
+    assert cache.log.entries[-1] == ("failed", "insert", text)
+    assert cache.log.failures() == [("insert", text)]
+    cache.insert(prompt)  # the allocator works again
+    cache.poll()
+    again = replay(cache.log, BASE)
+    assert again.log.transitions() == cache.log.transitions()
+    assert states(again) == states(cache)
+
+
+def test_a_refusal_of_the_cache_s_own_inside_an_effect_stays_a_refusal() -> None:
+    """An effect that refuses (no pages staged for a load fired by hand) replays as a refusal."""
+    config = replace(BASE, load_back_threshold=1)
+    cache = HiCache(config)
+    cache.insert(list(range(8)))
+    cache.poll()
+    assert cache.evict(8) == 8
+    with pytest.raises(EffectFailed):
+        cache.fire("load", cache.tree.nodes[1])
+    assert cache.log.entries[-1][:2] == ("refused", "fire")
+    assert cache.log.failures() == []
+    again = replay(cache.log, config)
+    assert states(again) == states(cache)
+
+
+def test_an_insert_whose_backup_breaks_after_it_added_its_leaf_does_not_replay() -> None:
+    """The insert hung its leaf, then the host allocator broke as the leaf's backup began.
+
+    A new leaf is not logged, so the failure looked like one before any
+    change: a replay would skip the insert and build a tree without the leaf
+    the recording kept. The leaf is logged on that path (``add``), and the
+    replay names the insert as one that changed the cache.
+    """
+    cache = HiCache(replace(BASE, debug=True))
+    allocator = cache.tiers.host.allocator
+    allocator.alloc = _BreaksOnce(allocator.alloc, RuntimeError("host allocator broke"))  # type: ignore[method-assign]
+    prompt = list(range(8))
+    with pytest.raises(EffectFailed, match="host allocator broke"):
+        cache.insert(prompt)
+    assert states(cache) == [(1, "unbacked/resident (pins=0, locks=0)")]  # the insert was done
+    cache.check_invariants()
+    entries = cache.log.entries
+    assert entries[:] == [
+        ("op", "insert", (tuple(prompt), None, None)),
+        ("transition", 1, "add"),
+        (
+            "failed",
+            "insert",
+            "EffectFailed: node 1: effect start_write of write failed: host allocator broke",
+        ),
+    ]
+    with pytest.raises(ReplayMismatch) as caught:
+        replay(cache.log, BASE)
+    assert str(caught.value) == (
+        f"replay: entry 0 {entries[0]!r} failed in the recording (EffectFailed: node 1: effect"
+        " start_write of write failed: host allocator broke) after it changed the cache"
+        " (entries 1 to 1); a failure from outside the cache replays only where the operation"
+        " changed nothing"
+    )
