@@ -14,6 +14,7 @@ from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.replay import replay
 from fsm_cache.errors import BadArgument, EffectFailed, ReplayMismatch
 from fsm_cache.memory.tiers import CacheConfig
+from fsm_cache.testing.faults import FaultyCopyEngine
 
 
 BASE = CacheConfig(
@@ -152,3 +153,34 @@ def test_an_insert_whose_backup_breaks_after_it_added_its_leaf_does_not_replay()
         " (entries 1 to 1); a failure from outside the cache replays only where the operation"
         " changed nothing"
     )
+
+
+# -- a load-back of a node already loading --------------------------------------
+
+
+def test_a_load_back_of_a_node_already_loading_waits_for_nothing() -> None:
+    """Nothing is absent on its path, so nothing hangs under the load: there is nothing to wait for.
+
+    It waited for every copy in flight (an unrelated backup's too), blocking
+    the host, and returned None all the same: what a second request whose
+    match ended at a prefix the first one was loading back paid on the
+    scheduler's loop.
+    """
+    config = replace(BASE, load_back_threshold=1, copier=FaultyCopyEngine.copier(delay=5))
+    cache = HiCache(config)
+    cache.insert(list(range(8)))
+    while cache.issued():
+        cache.poll()
+    cache.insert(list(range(100, 108)))  # node 2: its backup is in flight
+    assert cache.evict(8) == 8  # node 1, the least recently used
+    node = cache.tree.nodes[1]
+    assert cache.load_back(node) == [node]
+    in_flight, logged = cache.issued(), len(cache.log.entries)
+    assert cache.load_back(node) is None
+    assert (node.device, cache.issued()) == ("loading", in_flight)  # nothing waited for
+    assert cache.log.entries[logged:] == [("op", "load_back", (1,))]
+    while cache.issued():
+        cache.poll()
+    assert node.device == "resident"
+    again = replay(cache.log, replace(config, copier=None))
+    assert states(again) == states(cache)

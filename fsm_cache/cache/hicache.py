@@ -740,9 +740,10 @@ class HiCache:
 
         Returns:
             The nodes now loading (apply completions with :meth:`poll`), or None
-            when the chain is shorter than the load-back threshold, device
-            memory cannot be freed for it, the node left the tree meanwhile,
-            or the copy engine refused to start the copy (the chain is then
+            when ``node`` is on the device or loading already (a load in
+            flight is not waited for), the chain is shorter than the
+            load-back threshold, device memory cannot be freed for it, the
+            node left the tree meanwhile, or the copy engine refused to start the copy (the chain is then
             host-only again, its ``load_failed`` fired). Under tensor-parallel
             agreement a refused start is a copy that failed instead, applied
             at the next step: the chain is returned on every rank, and
@@ -770,6 +771,8 @@ class HiCache:
     def _load_back(self, node: TreeNode) -> list[TreeNode] | None:
         """:meth:`load_back` inside its operation: the chain staged for loading, or None."""
         chain, above = _chain(node)
+        if not chain:  # on the device, or on its way: nothing to start, nothing to wait for
+            return None
         if above is not None and above.device == "loading":
             tokens = sum(len(n.key) for n in chain)
             if tokens and worth_loading(tokens, self.config.load_back_threshold):
