@@ -401,8 +401,8 @@ def test_an_allocator_that_breaks_as_an_insert_adopts_a_node_frees_what_it_took(
     at = max(i for i, entry in enumerate(entries) if entry[:2] == ("op", "insert"))
     assert entries[at + 1 :] == [
         ("transition", 1, "adopt"),
-        (
-            "refused",
+        (  # the allocator's error, not the cache's refusal: logged as a failure
+            "failed",
             "insert",
             "EffectFailed: node 2: effect adopt_device of adopt failed: allocator broke",
         ),

@@ -13,6 +13,7 @@ of Python ints once, so equal prefixes match whatever they were passed as.
 from __future__ import annotations
 
 import array
+import sys
 from collections.abc import Hashable, Sequence
 from typing import Any, Protocol, TypeAlias
 
@@ -56,21 +57,27 @@ class TokenKey(tuple[int, ...]):
 
 
 def ints(value: object, op: str, what: str) -> tuple[int, ...]:
-    """Return ``value`` as a tuple of non-negative Python ints.
+    """Return ``value``, token ids, as a tuple of non-negative Python ints.
 
     Accepts a sequence of ints (a list, tuple, range, array), or anything with
     ``tolist()`` that gives one (a 1-d tensor or array). Not a set, a dict or
     another unordered iterable: their order is not the tokens' order. A
     :class:`TokenKey` was checked when it was built and is returned as it is.
 
+    Not a bool either (a mask passed for the ids, a bool tensor): it equals 0
+    or 1, so it would match, and be matched by, the KV of tokens 0 and 1.
+
     Raises:
         BadArgument: ``value`` is a string, a scalar, not a sequence, nested, or
-            holds a value that is not an int in ``0 <= id < 2**64`` (bools pass
-            as 0 and 1).
+            holds a value that is not an int in ``0 <= id < 2**64``, or a bool.
     """
     if type(value) is TokenKey:
         return value
-    return packed(value, op, what)[0]
+    out, words = packed(value, op, what)
+    at = _first_bool(out, words)
+    if at is not None:
+        raise BadArgument(f"{op}: {what}[{at}] is {out[at]!r}, not an int")
+    return out
 
 
 def packed(value: object, op: str, what: str) -> tuple[tuple[int, ...], array.array[int]]:
@@ -103,6 +110,27 @@ def packed(value: object, op: str, what: str) -> tuple[tuple[int, ...], array.ar
         _name_culprit(out, op, what)
         raise  # not reached: _name_culprit raises
     return out, words
+
+
+def _first_bool(out: tuple[int, ...], words: array.array[int]) -> int | None:
+    """Return the position of the first bool in ``out``, or None; ``words`` is it packed.
+
+    ``array('Q')`` packs True and False as 1 and 0, so only the ids whose
+    lowest byte is 0 or 1 are looked at, found in C among the packed lowest
+    bytes: an id list costs two byte searches and a Python step per id
+    found there (one id in 128 of random ones), not one per id.
+    """
+    raw, size = words.tobytes(), words.itemsize
+    lowest = raw[::size] if sys.byteorder == "little" else raw[size - 1 :: size]
+    first: int | None = None
+    for small in (b"\x00", b"\x01"):  # False's lowest byte, then True's
+        at = lowest.find(small)
+        while at >= 0 and (first is None or at < first):
+            if type(out[at]) is bool:
+                first = at
+                break
+            at = lowest.find(small, at + 1)
+    return first
 
 
 def _text_like(value: object) -> bool:

@@ -190,9 +190,13 @@ class EventLog:
             message without the call-site account a trail-mode refusal ends
             with, see :func:`refusal_text`), and ``("failed", name, "ErrorClass:
             message")`` for an operation that raised something other than a
-            :class:`~fsm_cache.errors.FsmCacheError`; the kept ones, oldest first, as an
+            :class:`~fsm_cache.errors.FsmCacheError`, or an
+            :class:`~fsm_cache.errors.EffectFailed` from such an error (an
+            allocator that broke in an effect); the kept ones, oldest first, as an
             :class:`Entries` view. :meth:`~fsm_cache.cache.hicache.HiCache.fire`
-            is recorded as ``("op", "fire", (event, node_id))``.
+            is recorded as ``("op", "fire", (event, node_id))``. New leaves
+            are not logged, but for one an insert hung before it failed:
+            ``("transition", leaf_id, "add")`` then precedes the failure.
 
     Raises:
         BadArgument: ``limit`` is neither None nor an int >= 1 (one past

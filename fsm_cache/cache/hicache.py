@@ -52,6 +52,8 @@ from fsm_cache.errors import (
     ConcurrentUse,
     ConfigError,
     CopyFailed,
+    EffectFailed,
+    EffectReentered,
     FsmCacheError,
     LeaseError,
     PoolExhausted,
@@ -270,7 +272,8 @@ class HiCache:
 
         Raises:
             BadArgument: ``tokens`` is not a sequence of non-negative ints (a 1-d
-                tensor or array is fine), or ``namespace`` is unhashable.
+                tensor or array is fine; a bool is no token id), or ``namespace``
+                is unhashable.
         """
         key = arguments.ints(tokens, "match_prefix", "tokens")
         namespace = arguments.namespace(namespace, "match_prefix")
@@ -331,7 +334,8 @@ class HiCache:
 
         Raises:
             BadArgument: ``tokens`` or ``device_slots`` is not a sequence of
-                non-negative ints, or ``namespace`` is unhashable; nothing changed.
+                non-negative ints (a bool is no token id), or ``namespace`` is
+                unhashable; nothing changed.
             CopyFailed: A node on the path is still loading after its copy failed
                 and was started again (a locked node); nothing was inserted.
             ForeignSlot: ``device_slots`` are too few, not whole pages, repeat a
@@ -350,7 +354,9 @@ class HiCache:
                 pages the cache allocated itself went back to the pool, and of
                 ``device_slots`` the caller still holds those past
                 ``match_prefix(tokens).device_len``, to give back with
-                :meth:`free_slots` (the rest are the nodes' now).
+                :meth:`free_slots` (the rest are the nodes' now). Or the
+                host allocator broke as a backup the insert started took its
+                pages: the insert was done, and its new leaf, unbacked, is logged.
         """
         given = arguments.ints(tokens, "insert", "tokens")
         args, logged = (
@@ -392,7 +398,12 @@ class HiCache:
             )
             touched = (*walk.path, *added)
             self._core.touch(touched)
-            self._transfers.maybe_backup_each(touched)
+            try:
+                self._transfers.maybe_backup_each(touched)
+            except BaseException:  # a host allocator that broke, after the insert was done
+                if added:  # a new leaf is not logged: say so, or a replay would skip the insert
+                    self._core.log.transition(added[0].id, "add")
+                raise
             return cached
 
     def _fresh_pages(
@@ -729,9 +740,10 @@ class HiCache:
 
         Returns:
             The nodes now loading (apply completions with :meth:`poll`), or None
-            when the chain is shorter than the load-back threshold, device
-            memory cannot be freed for it, the node left the tree meanwhile,
-            or the copy engine refused to start the copy (the chain is then
+            when ``node`` is on the device or loading already (a load in
+            flight is not waited for), the chain is shorter than the
+            load-back threshold, device memory cannot be freed for it, the
+            node left the tree meanwhile, or the copy engine refused to start the copy (the chain is then
             host-only again, its ``load_failed`` fired). Under tensor-parallel
             agreement a refused start is a copy that failed instead, applied
             at the next step: the chain is returned on every rank, and
@@ -759,6 +771,8 @@ class HiCache:
     def _load_back(self, node: TreeNode) -> list[TreeNode] | None:
         """:meth:`load_back` inside its operation: the chain staged for loading, or None."""
         chain, above = _chain(node)
+        if not chain:  # on the device, or on its way: nothing to start, nothing to wait for
+            return None
         if above is not None and above.device == "loading":
             tokens = sum(len(n.key) for n in chain)
             if tokens and worth_loading(tokens, self.config.load_back_threshold):
@@ -1023,6 +1037,22 @@ def _chain(node: TreeNode) -> tuple[list[TreeNode], TreeNode | None]:
     return chain, walk
 
 
+def _from_outside(error: FsmCacheError) -> bool:
+    """Whether ``error`` is an effect's failure whose cause came from outside the cache.
+
+    The engine raises an effect's error as EffectFailed from it, and again
+    at each effect it passed through (a write that evicted host leaves):
+    the cause at the end of the chain is the cache's own refusal (a full
+    pool, a page still being copied), which a replay meets again, or an
+    allocator or torch that broke, which it does not. EffectReentered is
+    the engine's own refusal.
+    """
+    cause: BaseException | None = error
+    while isinstance(cause, EffectFailed) and not isinstance(cause, EffectReentered):
+        cause = cause.__cause__
+    return cause is not error and cause is not None and not isinstance(cause, FsmCacheError)
+
+
 class _Gate:
     """Who is inside a cache: one operation at a time, never nested, and none once closed."""
 
@@ -1086,7 +1116,7 @@ class _Operation:
     ) -> None:
         try:
             if exc is not None:  # logged either way, so that an agreement sees it on this rank
-                if isinstance(exc, FsmCacheError):
+                if isinstance(exc, FsmCacheError) and not _from_outside(exc):
                     self.log.refusal(self.name, exc)
                 else:  # a copy engine, an allocator or torch broke: no refusal of the cache's
                     self.log.failure(self.name, exc)

@@ -10,8 +10,8 @@ recording is refused again at the same point, without asking the replay's
 engine, so a log with refused starts replays on an engine that refuses none.
 It checks that the transitions, acknowledgements, refused starts and
 refusals match. An operation that failed in the recording with an error from
-outside the cache (a copy engine or an allocator that broke, logged as
-``failed``) is not run again, since a sound engine would not fail it: the
+outside the cache (a copy engine or an allocator that broke, in an effect or
+not, logged as ``failed``) is not run again, since a sound engine would not fail it: the
 cache leaves itself as it was when such an error comes before any change,
 and a log whose failed operation had changed the cache first (logged
 transitions or acknowledgements before the failure) is refused as not replayable. Once the log is used up the returned
