@@ -23,7 +23,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, TextIO, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TextIO, TypeVar, cast
 
 from fsm_cache.errors import FsmCacheError, SpecError
 
@@ -137,21 +137,10 @@ class Parser(argparse.ArgumentParser):
         """Write ``message`` to ``file`` (stdout by default), letting a failed write raise.
 
         Raises:
-            OSError: ``file`` cannot take ``message``; :class:`_StdoutUnwritten`
-                when it is stdout, which an unbuffered stdout's error does not
-                say.
+            OSError: ``file`` cannot take ``message``.
         """
-        if not message:
-            return
-        stream = file or sys.stdout
-        try:
-            stream.write(message)
-        except BrokenPipeError:
-            raise
-        except OSError as exc:
-            if stream is sys.stdout and exc.filename is None:
-                raise _StdoutUnwritten(exc.errno, exc.strerror) from exc
-            raise
+        if message:
+            (file or sys.stdout).write(message)
 
 
 _REQUIRED = "the following arguments are required"
@@ -159,7 +148,58 @@ _REQUIRED = "the following arguments are required"
 
 
 class _StdoutUnwritten(OSError):
-    """Stdout could not take text written straight through (unbuffered), so no flush tells."""
+    """Stdout could not take a write or a flush (:class:`_NamedStdout`): an OSError naming no file."""
+
+
+class _NamedStdout:
+    """Stdout while a command runs: an OSError from a write or flush to it says it is stdout's.
+
+    The OS's error names no file, so :func:`run_command` could tell stdout's
+    only when the final flush failed: an unbuffered stdout
+    (``PYTHONUNBUFFERED=1``, common in containers and CI) or an output longer
+    than its buffer fails in the write itself, and ``> /dev/full`` said
+    ``error: [Errno 28] No space left on device``. Everything else is the
+    stream's own (:meth:`__getattr__`); a reader that has gone stays a
+    :class:`BrokenPipeError`.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        """Write ``text`` to stdout.
+
+        Raises:
+            _StdoutUnwritten: Stdout cannot take it (not a reader that has gone).
+        """
+        with _naming_stdout():
+            return self.stream.write(text)
+
+    def flush(self) -> None:
+        """Flush stdout.
+
+        Raises:
+            _StdoutUnwritten: Stdout cannot take what was buffered (not a reader that has gone).
+        """
+        with _naming_stdout():
+            self.stream.flush()
+
+    def __getattr__(self, name: str) -> object:
+        """Return the attribute ``name`` of the stream itself (``fileno``, ``isatty``, ``encoding``)."""
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def _naming_stdout() -> Iterator[None]:
+    """Raise an OSError naming no file as :class:`_StdoutUnwritten`; a broken pipe as it is."""
+    try:
+        yield
+    except (BrokenPipeError, _StdoutUnwritten):
+        raise
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise _StdoutUnwritten(exc.errno, exc.strerror) from exc
 
 
 def summary_line(doc: str | None) -> str:
@@ -208,7 +248,7 @@ def run_command(command: Callable[[], int]) -> int:
     command's own (0 ok, 1 findings, 3 a check stopped short), 2 bad input,
     :data:`INTERRUPTED`, :data:`OUTPUT_CLOSED`.
     """
-    with _escaping_output():
+    with _escaping_output(), _stdout_named():
         try:
             try:
                 status = command()
@@ -233,14 +273,27 @@ def run_command(command: Callable[[], int]) -> int:
 def _unwritten(exc: OSError) -> str:
     """Return what ``exc`` says, naming stdout when it is stdout that cannot be written.
 
-    A full disk or ``> /dev/full`` fails stdout's flush: the text still
-    buffered would fail again in the interpreter's flush at exit
-    (``Exception ignored ... OSError``, exit 120), so it is dropped
-    (:func:`_drop`), and an error naming no file is stdout's.
+    A full disk or ``> /dev/full`` fails stdout's write or flush
+    (:class:`_NamedStdout`): the text still buffered would fail again in the
+    interpreter's flush at exit (``Exception ignored ... OSError``, exit
+    120), so it is dropped (:func:`_drop`).
     """
     if (_drop(sys.stdout) or isinstance(exc, _StdoutUnwritten)) and exc.filename is None:
         return f"cannot write to stdout: {exc.strerror or exc}"
     return str(exc)
+
+
+@contextlib.contextmanager
+def _stdout_named() -> Iterator[None]:
+    """Let :data:`sys.stdout` be a :class:`_NamedStdout` of itself while the command runs."""
+    stdout = sys.stdout
+    named = cast("TextIO", _NamedStdout(stdout))
+    sys.stdout = named
+    try:
+        yield
+    finally:
+        if sys.stdout is named:  # a command that set its own stdout keeps it
+            sys.stdout = stdout
 
 
 @contextlib.contextmanager
