@@ -51,26 +51,41 @@ EMPTY_PATH = "an empty path names no file"
 """Why an empty path argument is refused: ``Path("")`` would be the working directory."""
 
 
+STDIO = "-"
+"""How a command line names stdin or stdout instead of a file."""
+
+DASH_PATH = (
+    f"'{STDIO}' (stdin or stdout) names no file here; give one (./{STDIO} for a file named {STDIO})"
+)
+"""Why a path argument ``-`` is refused where the command reads or writes no stream for it."""
+
+
 def path_text(text: str) -> str:
-    """Return ``text``, an argparse ``type`` for path arguments that refuses an empty one.
+    """Return ``text``, an argparse ``type`` for path arguments that refuses an empty one or ``-``.
 
     An empty argument (``--write ''``, an unset shell variable) would otherwise
     name the working directory or mean "no file given", and the command would
-    print or write somewhere the user did not ask for.
+    print or write somewhere the user did not ask for. ``-`` means stdin or
+    stdout to most tools: ``cat d.toml | fsm-cache validate -`` said ``-:
+    cannot read: No such file or directory``, and read a file named ``-``
+    where there was one. An argument that takes ``-`` for stdout
+    (:func:`fsm_cache.cli.files.output_argument`) tells it first.
 
     Raises:
-        argparse.ArgumentTypeError: ``text`` is empty; argparse reports it and exits 2.
+        argparse.ArgumentTypeError: ``text`` is empty or ``-``; argparse reports it and exits 2.
     """
     if not text:
         raise argparse.ArgumentTypeError(EMPTY_PATH)
+    if text == STDIO:
+        raise argparse.ArgumentTypeError(DASH_PATH)
     return text
 
 
 def path_argument(text: str) -> Path:
-    """Return ``text`` as a :class:`Path`, refusing an empty one as :func:`path_text` does.
+    """Return ``text`` as a :class:`Path`, refusing an empty one or ``-`` as :func:`path_text` does.
 
     Raises:
-        argparse.ArgumentTypeError: ``text`` is empty.
+        argparse.ArgumentTypeError: ``text`` is empty or ``-``.
     """
     return Path(path_text(text))
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from fsm_cache.errors import FsmCacheError
-from fsm_cache.shell import path_argument
+from fsm_cache.shell import STDIO, path_argument
 
 
 _SPEC_SUFFIX = ".toml"
@@ -50,31 +50,22 @@ Told by identity (``path is STDOUT``): a file named ``-`` (``./-``) comes
 back absolute from :func:`file_argument`, so it never equals this either.
 """
 
-STDIO = "-"
-"""How a command line names stdout (or stdin) instead of a file."""
-
 
 def file_argument(text: str) -> Path:
     """Return ``text`` as the :class:`Path` of a file to write or check (an argparse ``type``).
 
-    Refused like any path when empty (:func:`~fsm_cache.shell.path_argument`),
-    and when it names a folder by its spelling: a trailing ``/``, or a last
-    part ``.`` or ``..``. :class:`Path` drops a trailing ``/`` and a ``.``
-    part, so ``--write out/`` would otherwise write a file named ``out``.
-    ``-`` is refused too: it means stdin or stdout to most tools, and a
-    file named ``-`` was written or read instead (``./-`` names one). A
-    file named ``-`` comes back absolute, so that what the command prints
-    (``wrote /work/-``) cannot be read as stdout.
+    Refused like any path when empty or ``-``
+    (:func:`~fsm_cache.shell.path_argument`: a file named ``-`` was written
+    or read instead, and ``./-`` names one), and when it names a folder by
+    its spelling: a trailing ``/``, or a last part ``.`` or ``..``.
+    :class:`Path` drops a trailing ``/`` and a ``.`` part, so ``--write
+    out/`` would otherwise write a file named ``out``. A file named ``-``
+    comes back absolute, so that what the command prints (``wrote /work/-``)
+    cannot be read as stdout.
 
     Raises:
         argparse.ArgumentTypeError: ``text`` is empty, ``-``, or names a folder.
     """
-    if text == STDIO:
-        msg = (
-            f"'{STDIO}' (stdin or stdout) names no file here; "
-            f"give one (./{STDIO} for a file named {STDIO})"
-        )
-        raise argparse.ArgumentTypeError(msg)
     path = path_argument(text)
     if os.path.basename(text) in ("", os.curdir, os.pardir):
         raise argparse.ArgumentTypeError(f"{text}: names a folder, not a file")
