@@ -2,10 +2,11 @@
 
 Every way to run a command goes through :func:`run_command`, so ``fsm-cache
 audit``, ``python -m fsm_cache audit`` and ``python -m fsm_cache.audit`` end the
-same way: bad input (any :class:`~fsm_cache.errors.FsmCacheError`, and OSError
-for unreadable files) becomes ``error: ...`` lines and exit 2, never a
-traceback; Ctrl-C one line and :data:`INTERRUPTED`; a reader that leaves early
-(``... | head -1``) a quiet :data:`OUTPUT_CLOSED`; a stdout that cannot be
+same way: bad input (any :class:`~fsm_cache.errors.FsmCacheError`, OSError
+for unreadable files, and a package of an extra that is not installed)
+becomes ``error: ...`` lines and exit 2, never a traceback; Ctrl-C one line
+and :data:`INTERRUPTED`; a reader that leaves early (``... | head -1``) a
+quiet :data:`OUTPUT_CLOSED`; a stdout that cannot be
 written (``> /dev/full``) one ``error: cannot write to stdout`` line and exit
 2. It sits below every layer that has a command (the CLI imports the audit,
 never the reverse), with the argparse types their path arguments share
@@ -259,7 +260,8 @@ def run_command(command: Callable[[], int]) -> int:
     """Run ``command`` and return its exit status, or the status of what it raised.
 
     ``command`` parses its arguments too, so a failure there (a tool module
-    that fails at import) is one error, no traceback. The statuses: the
+    that fails at import) is one error, no traceback, as is a package from
+    outside fsm_cache that is not installed (an extra's). The statuses: the
     command's own (0 ok, 1 findings, 3 a check stopped short), 2 bad input,
     :data:`INTERRUPTED`, :data:`OUTPUT_CLOSED`.
     """
@@ -275,7 +277,9 @@ def run_command(command: Callable[[], int]) -> int:
             return _report(["interrupted"], INTERRUPTED)
         except SpecError as exc:
             return _report([f"error: {problem}" for problem in exc.problems], 2)
-        except FsmCacheError as exc:
+        except (FsmCacheError, ModuleNotFoundError) as exc:
+            if isinstance(exc, ModuleNotFoundError) and not _not_installed(exc):
+                raise
             return _report([f"error: {exc}"], 2)
         except OSError as exc:
             return _report([f"error: {_unwritten(exc)}"], 2)
@@ -283,6 +287,18 @@ def run_command(command: Callable[[], int]) -> int:
             _drop(sys.stderr)
             raise
         return status
+
+
+def _not_installed(exc: ModuleNotFoundError) -> bool:
+    """Whether ``exc`` says a package from outside fsm_cache is missing: the install's fault, not ours.
+
+    An optional dependency's extra not installed (``bench engine`` without
+    ``transitions``) showed a traceback under its own message, which names
+    the extra to install. A module of fsm_cache's own that is missing is a
+    broken install or a bug, and keeps its traceback.
+    """
+    top = (exc.name or "").partition(".")[0]
+    return bool(top) and top != __name__.partition(".")[0]
 
 
 def _unwritten(exc: OSError) -> str:
