@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import io
 import os
 import sys
@@ -177,9 +178,13 @@ class _NamedStdout:
     ``error: [Errno 28] No space left on device``. Everything else is the
     stream's own (:meth:`__getattr__`); a reader that has gone stays a
     :class:`BrokenPipeError`.
+
+    A stdout closed before the command started (``fsm-cache ... >&-``) is
+    None to Python: the first write failed with an AttributeError traceback.
+    Here it is a stream whose writes fail as a closed descriptor's do.
     """
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO | None) -> None:
         self.stream = stream
 
     def write(self, text: str) -> int:
@@ -188,15 +193,19 @@ class _NamedStdout:
         Raises:
             _StdoutUnwritten: Stdout cannot take it (not a reader that has gone).
         """
+        if self.stream is None:
+            raise _StdoutUnwritten(errno.EBADF, os.strerror(errno.EBADF))
         with _naming_stdout():
             return self.stream.write(text)
 
     def flush(self) -> None:
-        """Flush stdout.
+        """Flush stdout (a closed one holds nothing to flush).
 
         Raises:
             _StdoutUnwritten: Stdout cannot take what was buffered (not a reader that has gone).
         """
+        if self.stream is None:
+            return
         with _naming_stdout():
             self.stream.flush()
 
@@ -265,7 +274,7 @@ def run_command(command: Callable[[], int]) -> int:
     command's own (0 ok, 1 findings, 3 a check stopped short), 2 bad input,
     :data:`INTERRUPTED`, :data:`OUTPUT_CLOSED`.
     """
-    with _escaping_output(), _stdout_named():
+    with _escaping_output(), _standard_streams():
         try:
             try:
                 status = command()
@@ -315,16 +324,27 @@ def _unwritten(exc: OSError) -> str:
 
 
 @contextlib.contextmanager
-def _stdout_named() -> Iterator[None]:
-    """Let :data:`sys.stdout` be a :class:`_NamedStdout` of itself while the command runs."""
-    stdout = sys.stdout
+def _standard_streams() -> Iterator[None]:
+    """Let :data:`sys.stdout` be a :class:`_NamedStdout` of itself while the command runs.
+
+    A stderr closed before Python started (``2>&-``) is None to Python, and
+    ``print(..., file=None)`` writes to stdout: the command's ``error:``
+    lines went there. While the command runs it is a sink instead, as a
+    closed descriptor is.
+    """
+    stdout: TextIO | None = sys.stdout  # None: closed before Python started (>&-)
+    stderr: TextIO | None = sys.stderr
     named = cast("TextIO", _NamedStdout(stdout))
     sys.stdout = named
+    if stderr is None:
+        sys.stderr = io.StringIO()
     try:
         yield
     finally:
         if sys.stdout is named:  # a command that set its own stdout keeps it
             sys.stdout = stdout
+        if stderr is None:
+            sys.stderr = stderr
 
 
 @contextlib.contextmanager

@@ -238,3 +238,38 @@ def test_a_full_stderr_leaves_the_status_to_tell(argv: list[str]) -> None:
             check=False,
         )
     assert (done.returncode, done.stdout) == (2, b"")
+
+
+def closed_before_start(fd: int, *argv: str) -> subprocess.CompletedProcess[bytes]:
+    """Run ``python -m fsm_cache ARGV`` with descriptor ``fd`` closed (``>&-``, ``2>&-``)."""
+    return subprocess.run(
+        [sys.executable, "-m", "fsm_cache", *argv],
+        env={**os.environ, "FSM_CACHE_PURE": "1"},
+        capture_output=True,
+        preexec_fn=lambda: os.close(fd),  # in the child, before Python starts
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["validate", str(spec_dir() / "host_residency.toml")], ["--help"]],
+    ids=["validate", "help"],
+)
+def test_a_stdout_closed_before_the_start_is_one_error(argv: list[str]) -> None:
+    """``>&-`` makes stdout None to Python: the first write was an AttributeError traceback."""
+    done = closed_before_start(1, *argv)
+    assert (done.returncode, done.stderr) == (
+        2,
+        b"error: cannot write to stdout: Bad file descriptor\n",
+    )
+
+
+def test_a_stderr_closed_before_the_start_takes_the_errors(tmp_path: Path) -> None:
+    """``2>&-`` makes stderr None to Python, and print(file=None) wrote the errors to stdout."""
+    good = spec_dir() / "host_residency.toml"
+    done = closed_before_start(2, "validate", str(good), str(tmp_path / "missing.toml"))
+    assert (done.returncode, done.stdout.decode()) == (
+        2,
+        f"ok: {good} (machine host_residency: 5 states, 15 transitions, 14 refusals)\n",
+    )
