@@ -2,10 +2,11 @@
 
 Every way to run a command goes through :func:`run_command`, so ``fsm-cache
 audit``, ``python -m fsm_cache audit`` and ``python -m fsm_cache.audit`` end the
-same way: bad input (any :class:`~fsm_cache.errors.FsmCacheError`, and OSError
-for unreadable files) becomes ``error: ...`` lines and exit 2, never a
-traceback; Ctrl-C one line and :data:`INTERRUPTED`; a reader that leaves early
-(``... | head -1``) a quiet :data:`OUTPUT_CLOSED`; a stdout that cannot be
+same way: bad input (any :class:`~fsm_cache.errors.FsmCacheError`, OSError
+for unreadable files, and a package of an extra that is not installed)
+becomes ``error: ...`` lines and exit 2, never a traceback; Ctrl-C one line
+and :data:`INTERRUPTED`; a reader that leaves early (``... | head -1``) a
+quiet :data:`OUTPUT_CLOSED`; a stdout that cannot be
 written (``> /dev/full``) one ``error: cannot write to stdout`` line and exit
 2. It sits below every layer that has a command (the CLI imports the audit,
 never the reverse), with the argparse types their path arguments share
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import io
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, TextIO, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TextIO, TypeVar, cast
 
 from fsm_cache.errors import FsmCacheError, SpecError
 
@@ -51,26 +53,41 @@ EMPTY_PATH = "an empty path names no file"
 """Why an empty path argument is refused: ``Path("")`` would be the working directory."""
 
 
+STDIO = "-"
+"""How a command line names stdin or stdout instead of a file."""
+
+DASH_PATH = (
+    f"'{STDIO}' (stdin or stdout) names no file here; give one (./{STDIO} for a file named {STDIO})"
+)
+"""Why a path argument ``-`` is refused where the command reads or writes no stream for it."""
+
+
 def path_text(text: str) -> str:
-    """Return ``text``, an argparse ``type`` for path arguments that refuses an empty one.
+    """Return ``text``, an argparse ``type`` for path arguments that refuses an empty one or ``-``.
 
     An empty argument (``--write ''``, an unset shell variable) would otherwise
     name the working directory or mean "no file given", and the command would
-    print or write somewhere the user did not ask for.
+    print or write somewhere the user did not ask for. ``-`` means stdin or
+    stdout to most tools: ``cat d.toml | fsm-cache validate -`` said ``-:
+    cannot read: No such file or directory``, and read a file named ``-``
+    where there was one. An argument that takes ``-`` for stdout
+    (:func:`fsm_cache.cli.files.output_argument`) tells it first.
 
     Raises:
-        argparse.ArgumentTypeError: ``text`` is empty; argparse reports it and exits 2.
+        argparse.ArgumentTypeError: ``text`` is empty or ``-``; argparse reports it and exits 2.
     """
     if not text:
         raise argparse.ArgumentTypeError(EMPTY_PATH)
+    if text == STDIO:
+        raise argparse.ArgumentTypeError(DASH_PATH)
     return text
 
 
 def path_argument(text: str) -> Path:
-    """Return ``text`` as a :class:`Path`, refusing an empty one as :func:`path_text` does.
+    """Return ``text`` as a :class:`Path`, refusing an empty one or ``-`` as :func:`path_text` does.
 
     Raises:
-        argparse.ArgumentTypeError: ``text`` is empty.
+        argparse.ArgumentTypeError: ``text`` is empty or ``-``.
     """
     return Path(path_text(text))
 
@@ -137,21 +154,10 @@ class Parser(argparse.ArgumentParser):
         """Write ``message`` to ``file`` (stdout by default), letting a failed write raise.
 
         Raises:
-            OSError: ``file`` cannot take ``message``; :class:`_StdoutUnwritten`
-                when it is stdout, which an unbuffered stdout's error does not
-                say.
+            OSError: ``file`` cannot take ``message``.
         """
-        if not message:
-            return
-        stream = file or sys.stdout
-        try:
-            stream.write(message)
-        except BrokenPipeError:
-            raise
-        except OSError as exc:
-            if stream is sys.stdout and exc.filename is None:
-                raise _StdoutUnwritten(exc.errno, exc.strerror) from exc
-            raise
+        if message:
+            (file or sys.stdout).write(message)
 
 
 _REQUIRED = "the following arguments are required"
@@ -159,7 +165,66 @@ _REQUIRED = "the following arguments are required"
 
 
 class _StdoutUnwritten(OSError):
-    """Stdout could not take text written straight through (unbuffered), so no flush tells."""
+    """Stdout could not take a write or a flush (:class:`_NamedStdout`): an OSError naming no file."""
+
+
+class _NamedStdout:
+    """Stdout while a command runs: an OSError from a write or flush to it says it is stdout's.
+
+    The OS's error names no file, so :func:`run_command` could tell stdout's
+    only when the final flush failed: an unbuffered stdout
+    (``PYTHONUNBUFFERED=1``, common in containers and CI) or an output longer
+    than its buffer fails in the write itself, and ``> /dev/full`` said
+    ``error: [Errno 28] No space left on device``. Everything else is the
+    stream's own (:meth:`__getattr__`); a reader that has gone stays a
+    :class:`BrokenPipeError`.
+
+    A stdout closed before the command started (``fsm-cache ... >&-``) is
+    None to Python: the first write failed with an AttributeError traceback.
+    Here it is a stream whose writes fail as a closed descriptor's do.
+    """
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        """Write ``text`` to stdout.
+
+        Raises:
+            _StdoutUnwritten: Stdout cannot take it (not a reader that has gone).
+        """
+        if self.stream is None:
+            raise _StdoutUnwritten(errno.EBADF, os.strerror(errno.EBADF))
+        with _naming_stdout():
+            return self.stream.write(text)
+
+    def flush(self) -> None:
+        """Flush stdout (a closed one holds nothing to flush).
+
+        Raises:
+            _StdoutUnwritten: Stdout cannot take what was buffered (not a reader that has gone).
+        """
+        if self.stream is None:
+            return
+        with _naming_stdout():
+            self.stream.flush()
+
+    def __getattr__(self, name: str) -> object:
+        """Return the attribute ``name`` of the stream itself (``fileno``, ``isatty``, ``encoding``)."""
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def _naming_stdout() -> Iterator[None]:
+    """Raise an OSError naming no file as :class:`_StdoutUnwritten`; a broken pipe as it is."""
+    try:
+        yield
+    except (BrokenPipeError, _StdoutUnwritten):
+        raise
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise _StdoutUnwritten(exc.errno, exc.strerror) from exc
 
 
 def summary_line(doc: str | None) -> str:
@@ -204,11 +269,12 @@ def run_command(command: Callable[[], int]) -> int:
     """Run ``command`` and return its exit status, or the status of what it raised.
 
     ``command`` parses its arguments too, so a failure there (a tool module
-    that fails at import) is one error, no traceback. The statuses: the
+    that fails at import) is one error, no traceback, as is a package from
+    outside fsm_cache that is not installed (an extra's). The statuses: the
     command's own (0 ok, 1 findings, 3 a check stopped short), 2 bad input,
     :data:`INTERRUPTED`, :data:`OUTPUT_CLOSED`.
     """
-    with _escaping_output():
+    with _escaping_output(), _standard_streams():
         try:
             try:
                 status = command()
@@ -220,7 +286,9 @@ def run_command(command: Callable[[], int]) -> int:
             return _report(["interrupted"], INTERRUPTED)
         except SpecError as exc:
             return _report([f"error: {problem}" for problem in exc.problems], 2)
-        except FsmCacheError as exc:
+        except (FsmCacheError, ModuleNotFoundError) as exc:
+            if isinstance(exc, ModuleNotFoundError) and not _not_installed(exc):
+                raise
             return _report([f"error: {exc}"], 2)
         except OSError as exc:
             return _report([f"error: {_unwritten(exc)}"], 2)
@@ -230,17 +298,53 @@ def run_command(command: Callable[[], int]) -> int:
         return status
 
 
+def _not_installed(exc: ModuleNotFoundError) -> bool:
+    """Whether ``exc`` says a package from outside fsm_cache is missing: the install's fault, not ours.
+
+    An optional dependency's extra not installed (``bench engine`` without
+    ``transitions``) showed a traceback under its own message, which names
+    the extra to install. A module of fsm_cache's own that is missing is a
+    broken install or a bug, and keeps its traceback.
+    """
+    top = (exc.name or "").partition(".")[0]
+    return bool(top) and top != __name__.partition(".")[0]
+
+
 def _unwritten(exc: OSError) -> str:
     """Return what ``exc`` says, naming stdout when it is stdout that cannot be written.
 
-    A full disk or ``> /dev/full`` fails stdout's flush: the text still
-    buffered would fail again in the interpreter's flush at exit
-    (``Exception ignored ... OSError``, exit 120), so it is dropped
-    (:func:`_drop`), and an error naming no file is stdout's.
+    A full disk or ``> /dev/full`` fails stdout's write or flush
+    (:class:`_NamedStdout`): the text still buffered would fail again in the
+    interpreter's flush at exit (``Exception ignored ... OSError``, exit
+    120), so it is dropped (:func:`_drop`).
     """
     if (_drop(sys.stdout) or isinstance(exc, _StdoutUnwritten)) and exc.filename is None:
         return f"cannot write to stdout: {exc.strerror or exc}"
     return str(exc)
+
+
+@contextlib.contextmanager
+def _standard_streams() -> Iterator[None]:
+    """Let :data:`sys.stdout` be a :class:`_NamedStdout` of itself while the command runs.
+
+    A stderr closed before Python started (``2>&-``) is None to Python, and
+    ``print(..., file=None)`` writes to stdout: the command's ``error:``
+    lines went there. While the command runs it is a sink instead, as a
+    closed descriptor is.
+    """
+    stdout: TextIO | None = sys.stdout  # None: closed before Python started (>&-)
+    stderr: TextIO | None = sys.stderr
+    named = cast("TextIO", _NamedStdout(stdout))
+    sys.stdout = named
+    if stderr is None:
+        sys.stderr = io.StringIO()
+    try:
+        yield
+    finally:
+        if sys.stdout is named:  # a command that set its own stdout keeps it
+            sys.stdout = stdout
+        if stderr is None:
+            sys.stderr = stderr
 
 
 @contextlib.contextmanager

@@ -53,6 +53,52 @@ def test_an_empty_path_is_refused(
 @pytest.mark.parametrize(
     ("argv", "argument"),
     [
+        (["validate", "-"], "SPEC"),
+        (["types", "-"], "SPEC"),
+        (["diagram", "-"], "SPEC"),
+        (["diagram", "{spec}", "--write", "--dir", "-"], "--dir"),
+        (["check", "-"], "SPEC"),
+        (["check", "--ops", "-"], "--ops"),
+        (["verify", "-"], "SPEC_OR_MODULE"),
+        (["audit", "-"], "PATH"),
+        (["audit", "{spec}", "--config", "-"], "--config"),
+    ],
+)
+def test_a_path_to_read_of_dash_is_refused_as_no_stdin(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    argv: list[str],
+    argument: str,
+) -> None:
+    """``cat d.toml | fsm-cache validate -`` said ``-: cannot read: No such file or directory``.
+
+    And where a file named ``-`` was there, read it: no command reads stdin.
+    """
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "-").write_bytes((spec_dir() / "host_residency.toml").read_bytes())
+    spec = str(spec_dir() / "host_residency.toml")
+    assert usage_error(capsys, *(a.format(spec=spec) for a in argv)) == (
+        "",
+        f"fsm-cache {argv[0]}: error: argument {argument}: '-' (stdin or stdout) names no file "
+        "here; give one (./- for a file named -)",
+    )
+
+
+def test_a_spec_file_named_dash_is_spelled_dot_slash_dash(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "-").write_bytes((spec_dir() / "host_residency.toml").read_bytes())
+    assert main(["validate", "./-"]) == 0
+    assert capsys.readouterr().out == (
+        "ok: ./- (machine host_residency: 5 states, 15 transitions, 14 refusals)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "argument"),
+    [
         (["types", "{spec}", "--write", "out/"], "--write"),
         (["types", "{spec}", "--write", "new/."], "--write"),
         (["types", "{spec}", "--check", "out/"], "--check"),

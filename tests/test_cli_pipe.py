@@ -53,8 +53,9 @@ def test_the_status_is_what_a_shell_reports_of_sigpipe() -> None:
         ["validate", str(spec_dir() / "host_residency.toml")],
         ["diagram", str(spec_dir() / "residency.toml")],
         ["types", str(spec_dir() / "residency.toml")],
+        ["demo", "--requests", "0"],
     ],
-    ids=["validate", "diagram", "types"],
+    ids=["validate", "diagram", "types", "demo"],
 )
 def test_a_closed_stdout_ends_the_command_quietly(argv: list[str]) -> None:
     assert closed_reader(*argv, into="stdout") == (OUTPUT_CLOSED, b"")
@@ -152,6 +153,48 @@ def test_a_full_stdout_is_one_error_naming_stdout(argv: list[str]) -> None:
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full to fill")
 @pytest.mark.parametrize(
+    ("unbuffered", "argv"),
+    [
+        (True, ["validate", str(spec_dir() / "host_residency.toml")]),
+        (True, ["types", str(spec_dir() / "residency.toml")]),
+        (True, ["audit", str(AUDITED)]),
+        (False, ["diagram", "--format", "md", *map(str, sorted(spec_dir().glob("*.toml")))]),
+    ],
+    ids=["unbuffered-validate", "unbuffered-types", "unbuffered-audit", "longer-than-the-buffer"],
+)
+def test_a_full_stdout_is_named_when_the_write_itself_fails(
+    unbuffered: bool, argv: list[str]
+) -> None:
+    """A write that fails before the last flush said ``error: [Errno 28] No space left on device``.
+
+    So did every command's with ``PYTHONUNBUFFERED=1``, and an output
+    longer than stdout's buffer (all the specs' Markdown, some 48 kB).
+    """
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with open("/dev/full", "wb") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "fsm_cache", *argv],
+            env={**env, "FSM_CACHE_PURE": "1", **({"PYTHONUNBUFFERED": "1"} if unbuffered else {})},
+            stdout=full,
+            stderr=subprocess.PIPE,
+            check=False,
+        )
+    assert (done.returncode, done.stderr) == (
+        2,
+        b"error: cannot write to stdout: No space left on device\n",
+    )
+
+
+def test_stdout_is_put_back_after_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """The command writes through a stand-in that names stdout; the caller gets its own back."""
+    before = sys.stdout
+    assert main(["validate", str(spec_dir() / "host_residency.toml")]) == 0
+    assert sys.stdout is before
+    assert capsys.readouterr().out.startswith("ok: ")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full to fill")
+@pytest.mark.parametrize(
     ("module", "argv"),
     [
         ("fsm_cache", ["--help"]),
@@ -195,3 +238,38 @@ def test_a_full_stderr_leaves_the_status_to_tell(argv: list[str]) -> None:
             check=False,
         )
     assert (done.returncode, done.stdout) == (2, b"")
+
+
+def closed_before_start(fd: int, *argv: str) -> subprocess.CompletedProcess[bytes]:
+    """Run ``python -m fsm_cache ARGV`` with descriptor ``fd`` closed (``>&-``, ``2>&-``)."""
+    return subprocess.run(
+        [sys.executable, "-m", "fsm_cache", *argv],
+        env={**os.environ, "FSM_CACHE_PURE": "1"},
+        capture_output=True,
+        preexec_fn=lambda: os.close(fd),  # in the child, before Python starts
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["validate", str(spec_dir() / "host_residency.toml")], ["--help"]],
+    ids=["validate", "help"],
+)
+def test_a_stdout_closed_before_the_start_is_one_error(argv: list[str]) -> None:
+    """``>&-`` makes stdout None to Python: the first write was an AttributeError traceback."""
+    done = closed_before_start(1, *argv)
+    assert (done.returncode, done.stderr) == (
+        2,
+        b"error: cannot write to stdout: Bad file descriptor\n",
+    )
+
+
+def test_a_stderr_closed_before_the_start_takes_the_errors(tmp_path: Path) -> None:
+    """``2>&-`` makes stderr None to Python, and print(file=None) wrote the errors to stdout."""
+    good = spec_dir() / "host_residency.toml"
+    done = closed_before_start(2, "validate", str(good), str(tmp_path / "missing.toml"))
+    assert (done.returncode, done.stdout.decode()) == (
+        2,
+        f"ok: {good} (machine host_residency: 5 states, 15 transitions, 14 refusals)\n",
+    )

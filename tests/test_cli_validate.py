@@ -546,3 +546,21 @@ def test_a_composed_deadlock_is_one_error_line(
     assert err == [
         f"error: {house}: composition: deadlock at door a, bolt b: every event is refused there (open_door: Bolted, close_door: E, lock: E, unlock: NoKeyhole) and no region is final; reached from the initial states by lock"
     ]
+
+
+def test_a_file_named_twice_is_validated_once(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``validate d.toml ./d.toml`` printed each line twice, an error as well as an ``ok:``."""
+    monkeypatch.chdir(tmp_path)
+    Path("bad.toml").write_text("x = [\n", encoding="utf-8")
+    shipped = spec_dir() / "host_residency.toml"
+    status, out, err = run(
+        capsys, "fsm_cache:host_residency", str(shipped), "bad.toml", "./bad.toml"
+    )
+    assert (status, out) == (
+        2,
+        [f"ok: {shipped} (machine host_residency: 5 states, 15 transitions, 14 refusals)"],
+    )
+    assert len(err) == 1
+    assert err[0].startswith("error: bad.toml: invalid TOML: ")

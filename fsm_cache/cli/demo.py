@@ -16,6 +16,8 @@ those of the pin and the first release.
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if args.requests < 0:
         raise BadArgument(f"demo: --requests must be >= 0, got {args.requests}")
     try:
-        from rich.console import Console
+        console = _console()
     except ModuleNotFoundError as exc:
         raise FsmCacheError(
             "fsm-cache demo draws with rich, which comes with the cli extra: "
@@ -82,7 +84,6 @@ def run(args: argparse.Namespace) -> int:
     from fsm_cache.cache.hicache import HiCache
     from fsm_cache.memory.tiers import CacheConfig
 
-    console = Console()
     config = CacheConfig(
         device_pages=256,
         host_pages=1024,
@@ -109,6 +110,25 @@ def run(args: argparse.Namespace) -> int:
     planted = _planted_double_release(console)
     refused = sum(cache.stats().refused.values())
     return 0 if planted and shared and refused == 0 and not differing else 1
+
+
+def _console() -> Console:
+    """Return a console on stdout whose lost reader ends the demo as any command's does.
+
+    rich's own answer to a reader that has gone (``fsm-cache demo | head -1``)
+    is ``SystemExit(1)``, which reads as a failed demo; raised on as
+    :class:`BrokenPipeError`, it is :func:`~fsm_cache.shell.run_command`'s
+    quiet :data:`~fsm_cache.shell.OUTPUT_CLOSED`. The console turns quiet
+    first, so the progress bar's clean-up writes nothing more.
+    """
+    from rich.console import Console
+
+    class PipedConsole(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+    return PipedConsole()
 
 
 def _quiet_threads() -> None:

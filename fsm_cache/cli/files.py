@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from fsm_cache.errors import FsmCacheError
-from fsm_cache.shell import path_argument
+from fsm_cache.shell import STDIO, path_argument
 
 
 _SPEC_SUFFIX = ".toml"
@@ -50,31 +50,22 @@ Told by identity (``path is STDOUT``): a file named ``-`` (``./-``) comes
 back absolute from :func:`file_argument`, so it never equals this either.
 """
 
-STDIO = "-"
-"""How a command line names stdout (or stdin) instead of a file."""
-
 
 def file_argument(text: str) -> Path:
     """Return ``text`` as the :class:`Path` of a file to write or check (an argparse ``type``).
 
-    Refused like any path when empty (:func:`~fsm_cache.shell.path_argument`),
-    and when it names a folder by its spelling: a trailing ``/``, or a last
-    part ``.`` or ``..``. :class:`Path` drops a trailing ``/`` and a ``.``
-    part, so ``--write out/`` would otherwise write a file named ``out``.
-    ``-`` is refused too: it means stdin or stdout to most tools, and a
-    file named ``-`` was written or read instead (``./-`` names one). A
-    file named ``-`` comes back absolute, so that what the command prints
-    (``wrote /work/-``) cannot be read as stdout.
+    Refused like any path when empty or ``-``
+    (:func:`~fsm_cache.shell.path_argument`: a file named ``-`` was written
+    or read instead, and ``./-`` names one), and when it names a folder by
+    its spelling: a trailing ``/``, or a last part ``.`` or ``..``.
+    :class:`Path` drops a trailing ``/`` and a ``.`` part, so ``--write
+    out/`` would otherwise write a file named ``out``. A file named ``-``
+    comes back absolute, so that what the command prints (``wrote /work/-``)
+    cannot be read as stdout.
 
     Raises:
         argparse.ArgumentTypeError: ``text`` is empty, ``-``, or names a folder.
     """
-    if text == STDIO:
-        msg = (
-            f"'{STDIO}' (stdin or stdout) names no file here; "
-            f"give one (./{STDIO} for a file named {STDIO})"
-        )
-        raise argparse.ArgumentTypeError(msg)
     path = path_argument(text)
     if os.path.basename(text) in ("", os.curdir, os.pardir):
         raise argparse.ArgumentTypeError(f"{text}: names a folder, not a file")
@@ -92,21 +83,34 @@ def output_argument(text: str) -> Path:
     return STDOUT if text == STDIO else file_argument(text)
 
 
-def current_text(path: Path) -> str | None:
+def current_text(
+    path: Path, kind: str = "", ours: Callable[[str], bool] | None = None
+) -> str | None:
     """Return the text of a generated file: None when missing, ``""`` when not UTF-8.
 
     A ``.toml`` path is refused as :func:`write_files` refuses it: no command
     generates one, so ``--check`` would call it stale and advise a
-    ``--write`` that refuses it.
+    ``--write`` that refuses it. So is, with ``ours``, an existing file that
+    is neither empty nor one ``ours`` recognises (``types``: a module of the
+    user's code), for the same reason.
 
     A file that is not UTF-8 is not what fsm_cache generated either: it reads
     as an empty text, so ``--check`` calls it stale and ``--write`` rewrites it
-    instead of failing on the decode. A path that is there but no regular file
-    (a folder, a FIFO, ``/dev/zero``) is an error rather than "missing": the
-    user named the wrong thing, and reading a FIFO would block.
+    instead of failing on the decode (where ``ours`` takes it). A path that
+    is there but no regular file (a folder, a FIFO, ``/dev/zero``) is an
+    error rather than "missing": the user named the wrong thing, and reading
+    a FIFO would block.
+
+    Args:
+        path: The generated file.
+        kind: What the file is (``types``), for messages.
+        ours: As :func:`write_files`'s: whether the beginning of an existing
+            file's text is a file of ``kind`` the command wrote; None takes
+            any regular file.
 
     Raises:
-        OutputError: The path is a ``.toml`` file, is not a regular file, or cannot be read.
+        OutputError: The path is a ``.toml`` file, is not a regular file, is
+            not one ``ours`` recognises, or cannot be read.
     """
     toml = _toml(path)
     if toml:
@@ -120,11 +124,15 @@ def current_text(path: Path) -> str | None:
     if not stat.S_ISREG(status.st_mode):
         raise OutputError(f"{path}: not a regular file")
     try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        return ""
+        data = path.read_bytes()
     except OSError as exc:
         raise OutputError(f"{path}: cannot read: {_why(exc)}") from None
+    if not _recognised(data[:_HEAD_BYTES], ours):
+        raise OutputError(_foreign(path, kind))
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return ""
 
 
 def write_files(
@@ -309,8 +317,18 @@ def _check_generated(
         return
     except OSError as exc:
         raise OutputError(f"{path}: cannot read: {_why(exc)}; {unchanged}") from None
-    if head and not ours(head.decode("utf-8", errors="replace")):
-        raise OutputError(f"{path}: is not a {kind} file fsm-cache wrote; {unchanged}")
+    if not _recognised(head, ours):
+        raise OutputError(f"{_foreign(path, kind)}; {unchanged}")
+
+
+def _recognised(head: bytes, ours: Callable[[str], bool] | None) -> bool:
+    """Whether a file beginning with ``head`` may be checked or replaced: empty, or ``ours``."""
+    return ours is None or not head or ours(head.decode("utf-8", errors="replace"))
+
+
+def _foreign(path: Path, kind: str) -> str:
+    """Return why ``path`` is neither checked nor replaced: no ``kind`` file of ours."""
+    return f"{path}: is not a {kind} file fsm-cache wrote"
 
 
 def _toml(path: Path) -> str:

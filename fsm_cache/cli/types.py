@@ -3,7 +3,9 @@
 See :mod:`fsm_cache.spec.stubs`. ``--write FILE`` writes the stub (``-``: prints
 it, as without ``--write``); ``--check FILE`` exits 1 when FILE differs from
 what the spec generates now (a spec changed without its types), naming the
-file, so CI keeps the two in step.
+file, so CI keeps the two in step. A FILE that is there but neither empty nor a
+stub this command wrote is an error (exit 2), as ``--write`` refuses it: the
+rewrite ``--check`` advises would be refused.
 
 ``--write`` goes through :func:`fsm_cache.cli.files.write_files`, as the
 diagrams do: the stub is written beside FILE and renamed over it, so a full
@@ -58,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         SpecError: The spec does not load.
         OutputError: FILE is not a regular file, is a file the spec is read
-            from or a ``.toml`` file, is not a stub this command wrote, or
-            cannot be read or written; nothing was changed.
+            from (``--write``) or a ``.toml`` file, is not a stub this command
+            wrote, or cannot be read or written; nothing was changed.
     """
     spec: Path = args.spec
     text = stub(load_spec(spec))
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.write}" if written else f"{args.write} matches {spec}")
         return 0
     if args.check is not None:
-        current = current_text(args.check)
+        current = current_text(args.check, "types", ours=is_stub)
         if current != text:
             what = "is missing" if current is None else "differs from"
             rewrite = shlex.join(["fsm-cache", "types", str(spec), "--write", str(args.check)])

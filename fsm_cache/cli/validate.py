@@ -3,7 +3,9 @@
 Each valid file gets an ``ok:`` line on stdout summarising what it declares;
 each problem of an invalid one gets an ``error: FILE: KEY: ...`` line on
 stderr. Every file is checked even after a failure, so one run reports all of
-them; the exit status is 2 if any file failed, 0 otherwise. Whatever a file
+them; the exit status is 2 if any file failed, 0 otherwise. A file named twice,
+in any spelling (``d.toml ./d.toml``, ``fsm_cache:NAME`` and its path), is
+validated once, as every command reads it once. Whatever a file
 holds (binary garbage, another encoding, values nested thousands of levels
 deep, wrong types anywhere) is such a line, never a traceback: the loader turns
 every fault into a :class:`~fsm_cache.errors.SpecError`.
@@ -16,7 +18,7 @@ import sys
 from typing import Any
 
 from fsm_cache.errors import SpecError
-from fsm_cache.shell import path_text
+from fsm_cache.shell import named_once, path_text
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import MachineSpec, Spec
 from fsm_cache.spec.shipped import spec_argument
@@ -40,9 +42,9 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Validate every file named in ``args.specs``; return 2 if any failed, else 0."""
+    """Validate every file named in ``args.specs``, each once; return 2 if any failed, else 0."""
     status = 0
-    for path in args.specs:
+    for path in named_once(args.specs):
         try:
             spec = load_spec(path)
         except SpecError as exc:
