@@ -3,7 +3,9 @@
 A user spec may batch copies: ``sync`` loads a node's host copy to the
 device and stores it at once under one pin, and ``sync_done`` (or
 ``sync_failed``) ends both. The pages account keeps each acknowledgement of
-such an event, and a holder kind that starts two copies holds both.
+such an event, and a holder kind that starts two copies holds both. A split
+gives the prefix the batch's one pin, not one per copy, and a batch lands
+its prefix first, as a store's pages land in order.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from fsm_cache.modelcheck import check, copies, invariants
+from fsm_cache.modelcheck import check, copies, invariants, state, treeops
 from fsm_cache.modelcheck.copies import H2D, H2S, Ack
 from fsm_cache.modelcheck.explore import Bounds
-from fsm_cache.modelcheck.state import Layout
+from fsm_cache.modelcheck.state import Choices, Layout
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import as_system
 from fsm_cache.spec.shipped import spec_dir
@@ -173,7 +175,21 @@ reason = "no batch in flight"
 """,
 )
 
-SYNC = """\
+CHILD_UNDER_BATCH = """
+[[forbid]]
+event = "{event}"
+when = ["parent device in [loading]", "parent storage in [storing]"]
+error = "ParentSyncing"
+reason = "the parent's store may fail for good, and its batch cannot fail with a child on the device"
+"""
+"""What makes the batch sound on two nodes: no child goes onto the device under a batch in flight.
+
+Its ``sync_failed`` is refused with a child on the device (it frees the
+device pages), and its store may fail for good: a child loaded under it
+would leave the batch neither to land nor to fail.
+"""
+
+SYNC_ALONE = """\
 [composition]
 extends = "residency_storage.toml"
 name = "sync"
@@ -205,7 +221,13 @@ reason = "the copy in flight is the batch's: sync_done or sync_failed ends it"
 """
     for event in ("load_done", "load_failed", "store_done", "store_failed")
 )
-"""The batch's composition: a load's or a store's own acknowledgement is refused while a batch is in flight."""
+"""The batch's composition without :data:`CHILD_UNDER_BATCH`: sound on one node only."""
+
+SYNC = SYNC_ALONE + "".join(CHILD_UNDER_BATCH.format(event=event) for event in ("load", "sync"))
+"""The batch's composition: a load's or a store's own acknowledgement is refused while a batch is
+in flight, and no child goes onto the device under one."""
+
+BOUNDS = Bounds({"pins": 3, "locks": 1})
 
 BOTH_PINS = 'when = ["storage in [storing]", "device in [loading]"]\nguard = "pins == 2"\n'
 """``StorePinHeld``'s rule for a store and a load in flight: a batch in flight is one pin, not two."""
@@ -285,9 +307,105 @@ def test_a_batch_that_loads_and_stores_at_once_holds(sync: Path) -> None:
     """The batch spec is sound; read one acknowledgement per event, ``sync_done`` broke it.
 
     It left the load in flight under a ``resident`` device (``valid data``),
-    and ``sync_failed`` freed the device pages the load still filled. One
-    node: the cache's split gives a prefix a load's pin and a store's, not a
-    batch's, so a batch is split as no cache splits it.
+    and ``sync_failed`` freed the device pages the load still filled.
     """
-    result = check.check_spec(sync, 1, Bounds({"pins": 3, "locks": 1}))
+    result = check.check_spec(sync, 1, BOUNDS)
     assert (result.violation, result.stopped, result.states) == (None, None, 84)
+
+
+def test_a_batch_split_on_two_nodes_holds(sync: Path) -> None:
+    """Split with a pin per copy in flight, the prefix of a batch held a pin nobody gave back.
+
+    ``split_prefix`` counted the load's pin and the store's, the batch's one
+    ``sync_done`` gave back one: ``invariant 6: node 1: pins is 2 but its
+    holders account for 1``.
+    """
+    result = check.check_spec(sync, 2, BOUNDS)
+    assert (result.violation, result.stopped, result.states) == (None, None, 7877)
+
+
+def test_a_split_gives_the_prefix_the_batchs_pin_once(sync: Path) -> None:
+    """The prefix keeps the batch's hold and the one pin and one sync it holds, both copies in flight."""
+    layout = Layout.of(as_system(load_spec(sync)))
+    # host, device, storage; pins, syncs, locks; holds of pin, load, store, sync (pins, syncs), lock
+    synced = layout.entry(-1, "pinned", "loading", "storing", 1, 1, 0, 0, 0, 0, 1, 1, 0)
+    split = treeops.split(layout, (synced, None), 0, 1)
+    assert split is not None
+    assert split[1] == synced
+    assert split[0] == (1, *synced[1:])
+    # A load and a store of their own: a pin each, as the cache's split_prefix gives.
+    both = layout.entry(-1, "pinned", "loading", "storing", 2, 0, 0, 0, 1, 1, 0, 0, 0)
+    split = treeops.split(layout, (both, None), 0, 1)
+    assert split is not None
+    assert split[1] == both
+
+
+def test_a_split_giving_a_batch_a_pin_per_copy_is_caught(
+    sync: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The split before the fix, as a control: a prefix with a pin nobody holds is invariant 6."""
+    monkeypatch.setattr(treeops, "_shared", lambda _layout, _entry: 0)
+    result = check.check_spec(sync, 2, BOUNDS)
+    assert result.violation == "invariant 6: node 1: pins is 2 but its holders account for 1"
+    assert result.trace[-2:] == ["node 1: evict_host", "split node 0: prefix node 1"]
+
+
+def test_a_batch_lands_its_prefix_first(sync: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Landed at a suffix first, a batch left its prefix unable to fail: no cache lands it so.
+
+    The cache lands a copy's nodes prefix first and a store's pages in
+    order; ``sync_done`` at the suffix, then a store that fails for good at
+    the prefix, whose ``sync_failed`` a child on the device refuses.
+    """
+    layout = Layout.of(as_system(load_spec(sync)))
+    choices = Choices.of(layout, None)
+    assert (choices.ordered, choices.ordered_in) == (
+        {"fetch_done": "fetching", "sync_done": "storing"},
+        {"sync_done": "storage"},
+    )
+    shipped = Choices.of(
+        Layout.of(as_system(load_spec(spec_dir() / "residency_storage.toml"))), None
+    )
+    assert (shipped.ordered, shipped.ordered_in) == ({"fetch_done": "fetching"}, {})
+    only_fetch = {"fetch_done": ("host", "fetching")}
+    monkeypatch.setattr(state, "_in_order", lambda _layout: only_fetch)
+    result = check.check_spec(sync, 2, BOUNDS)
+    assert result.violation == (
+        "liveness: node 1: its host-to-device copy can never fail (load_done: SyncInFlight; "
+        "load_failed: NotADeviceLeaf; sync_failed: NotADeviceLeaf)"
+    )
+    assert result.trace[-2:] == ["split node 0: prefix node 1", "node 0: sync_done"]
+
+
+def test_a_child_loaded_under_a_batch_is_caught_on_two_nodes(sync: Path) -> None:
+    """Without :data:`CHILD_UNDER_BATCH` the batch is sound on one node and stuck on two.
+
+    A child loaded under a batch in flight refuses the batch's failure, and
+    its store may fail for good: it can neither land nor fail.
+    """
+    sync.write_text(SYNC_ALONE, encoding="utf-8")
+    assert check.check_spec(sync, 1, BOUNDS).violation is None
+    result = check.check_spec(sync, 2, BOUNDS)
+    assert result.violation == (
+        "liveness: node 0: its host-to-device copy can never fail (load_done: SyncInFlight; "
+        "load_failed: NotADeviceLeaf; sync_failed: NotADeviceLeaf)"
+    )
+    assert result.trace[-3:] == ["node 0: sync", "node 1: load", "node 1: load_done"]
+
+
+def test_a_batch_giving_back_two_pins_is_caught_on_two_nodes(sync: Path) -> None:
+    """A batch whose acknowledgement gives back two pins past three is still caught on two nodes."""
+    host = sync.parent / "host.toml"
+    text = host.read_text(encoding="utf-8")
+    old = 'guard = "pins >= 2 and syncs >= 1"\nupdate = "pins -= 1, syncs -= 1"\n'
+    assert text.count(old) == 2
+    head, *ends = text.split(old)
+    new = old.replace(">= 2", "== 2")
+    for event, rest in zip(("sync_done", "sync_failed"), ends, strict=True):
+        head += (
+            f'{new}\n[[transition]]\nevent = "{event}"\nsource = "pinned"\ndest = "pinned"\n'
+            f'guard = "pins >= 3 and syncs >= 1"\nupdate = "pins -= 2, syncs -= 1"\n{rest}'
+        )
+    host.write_text(head, encoding="utf-8")
+    result = check.check_spec(sync, 2, BOUNDS)
+    assert result.violation == "invariant 6: node 1: pins is 0 but its holders account for 1"

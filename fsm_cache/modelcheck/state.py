@@ -26,7 +26,7 @@ from functools import cached_property
 from typing import cast
 
 from fsm_cache.errors import ConfigError, SpecError
-from fsm_cache.modelcheck.copies import COPIES, EFFECTS, Copy, Fields, Memory
+from fsm_cache.modelcheck.copies import COPIES, EFFECTS, Copy, Fields, Memory, final
 from fsm_cache.policy import PolicyNode, WritePolicy, parent_allows_backup, wants_backup
 from fsm_cache.residency import FETCHING, DeviceState, HostState
 from fsm_cache.spec.holders import Hold, Holders
@@ -352,7 +352,14 @@ class Choices:
     acknowledges a read's nodes top down, the landed prefix first, and
     fails the rest (``storage_tier``); a suffix landed above a prefix still
     in flight would keep the prefix's failure from ever being applied
-    (``NotAHostLeaf``), which no cache reaches. Under a write policy:
+    (``NotAHostLeaf``), which no cache reaches. A user spec's batch that
+    ends a copy to or from the store together with another (``sync_done``:
+    a store and a load) lands likewise, its store's pages in order, so it
+    is not fired at a node whose parent is still being stored: a suffix's
+    batch landed first would keep the prefix's failure, which fails its
+    load too, from being applied (``NotADeviceLeaf``). A store alone is
+    acknowledged in any order, as the cache's hand acknowledgements may be:
+    its failure is accepted whatever lies below. Under a write policy:
 
     * a backup (:data:`BACKUP`) starts only where
       :func:`fsm_cache.policy.wants_backup` says so (the model asks it for a
@@ -383,16 +390,21 @@ class Choices:
             (:func:`_acknowledging`): another exit from the copying state is
             fired as the spec allows.
         ordered: Without a policy, the events acknowledging a fetch's success,
-            each with the host state of a fetch in flight (``fetch_done``:
-            ``fetching``): not fired at a node whose parent is in that state.
-            Empty on a spec whose nodes keep no pages: the checker cannot tell
-            its acknowledgements, so every order is explored.
+            or a batch's that ends a copy to or from the store with another,
+            each with the state of that copy in flight (``fetch_done``:
+            ``fetching``; ``sync_done``: ``storing``): not fired at a node
+            whose parent is in that state. Empty on a spec whose nodes keep
+            no pages: the checker cannot tell its acknowledgements, so every
+            order is explored.
+        ordered_in: The region of each :attr:`ordered` state, where it is not
+            the host's (``sync_done``: ``storage``).
     """
 
     policy: WritePolicy | None = None
     joined: Mapping[str, str] = field(default_factory=dict)
     wants: Wants = wants_backup
     ordered: Mapping[str, str] = field(default_factory=dict)
+    ordered_in: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, layout: Layout, policy: WritePolicy | None, wants: Wants = wants_backup) -> Choices:
@@ -405,7 +417,13 @@ class Choices:
             SpecError: A policy is given for a spec whose nodes are not residency records.
         """
         if policy is None:
-            return cls(ordered=_acknowledging(layout, PREFETCH, True) if layout.has("host") else {})
+            if not layout.has("host"):
+                return cls()
+            ordered = _in_order(layout)
+            return cls(
+                ordered={event: state for event, (_, state) in ordered.items()},
+                ordered_in={e: region for e, (region, _) in ordered.items() if region != "host"},
+            )
         if not layout.residency:
             missing = [
                 *(f"no {r} region" for r in RESIDENCY_REGIONS if not layout.has(r)),
@@ -432,15 +450,15 @@ class Choices:
         return self.wants(self.policy, view, 1)
 
     def behind(self, layout: Layout, event: str, parent: NodeEntry | None) -> bool:
-        """Whether ``event`` waits for the parent's share of a fetch to land (None: the root).
+        """Whether ``event`` waits for the parent's share of a fetch or a batch to land (None: the root).
 
-        The parent's host state is read only for an event :attr:`ordered` holds,
+        The parent's state is read only for an event :attr:`ordered` holds,
         which only a spec with a host region has.
         """
         copying = self.ordered.get(event)
-        return (
-            copying is not None and parent is not None and layout.state(parent, "host") == copying
-        )
+        if copying is None or parent is None:
+            return False
+        return layout.state(parent, self.ordered_in.get(event, "host")) == copying
 
     def waits(self, event: str, children: list[str]) -> bool:
         """Whether ``event`` waits for a child's: the node shares its copy with a child (host states)."""
@@ -451,6 +469,27 @@ class Choices:
         """Whether ``event``, acknowledging the copy of a child, applies to ``ancestor`` too."""
         copying = self.joined.get(event)
         return copying is not None and layout.state(ancestor, "host") == copying
+
+
+def _in_order(layout: Layout) -> dict[str, tuple[str, str]]:
+    """Return the successes that land a parent's share first, each with its copy's region and state.
+
+    A fetch's (:func:`_acknowledging` of :data:`PREFETCH`), and a batch's:
+    an event acknowledging several copies, one of them to or from the store
+    (:func:`~fsm_cache.modelcheck.copies.final`), with the state that copy
+    is in flight in.
+    """
+    memory = layout.memory
+    out = {
+        event: ("host", state) for event, state in _acknowledging(layout, PREFETCH, True).items()
+    }
+    for event, acks in memory.acks.items():
+        landing = [a for a in acks if a.ok and final(a.copy)] if len(acks) > 1 else []
+        if landing and event not in out:
+            ack = landing[0]
+            copying = memory.copying[ack.region]
+            out[event] = (ack.region, next(s for s, c in copying.items() if c == ack.copy))
+    return out
 
 
 def _acknowledging(layout: Layout, start: str, successes_only: bool) -> dict[str, str]:

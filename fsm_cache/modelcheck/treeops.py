@@ -75,7 +75,12 @@ def prefix_fields(layout: Layout, entry: NodeEntry) -> NodeEntry:
     For the residency composition, the cache's own rule
     (:func:`fsm_cache.residency.split_prefix`, which :meth:`RadixTree.split
     <fsm_cache.cache.tree.RadixTree.split>` applies), so the split the cache
-    performs is the one checked. For any other spec, a copy of the node's.
+    performs is the one checked: it gives the prefix one pin per copy in
+    flight, as each of the cache's copies holds one. Copies that one holder
+    started together (a batch that loads and stores under one pin) hold
+    that holder's count between them, and the same acknowledgement gives it
+    back at the prefix, so they count once per count (:func:`_shared`).
+    For any other spec, a copy of the node's.
     """
     fields = entry[1 : layout.base]
     if not layout.residency:
@@ -87,9 +92,27 @@ def prefix_fields(layout: Layout, entry: NodeEntry) -> NodeEntry:
         layout.counter(entry, "locks"),
         *storage,
     )
-    given = {"host": host, "device": device, "pins": pins, "locks": locks}
+    given = {"host": host, "device": device, "pins": pins - _shared(layout, entry), "locks": locks}
     names = (*layout.regions, *layout.counters)
     return tuple(given.get(name, value) for name, value in zip(names, fields, strict=True))
+
+
+def _shared(layout: Layout, entry: NodeEntry) -> int:
+    """Return the pins :func:`~fsm_cache.residency.split_prefix` counts past their holders' count.
+
+    It counts a pin per copy in flight at the node. Each pin holder kind
+    held there whose acquiring event starts several copies (the spec's
+    :attr:`~fsm_cache.modelcheck.state.Layout.copy_holds`) holds its count for
+    all of those in flight: the ones beyond its count hold no pin of their
+    own. Zero where every copy has a holder of its own (the shipped specs).
+    """
+    flying = layout.memory.in_flight(layout.pages(entry))
+    out = 0
+    for key, started in layout.copy_holds.items():
+        held = layout.hold(entry, key)
+        if key[0] == "pins" and held:
+            out += max(0, sum(c in flying for c in started) - held)
+    return out
 
 
 def prefix_holds(layout: Layout, entry: NodeEntry) -> NodeEntry:
