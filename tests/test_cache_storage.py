@@ -396,6 +396,40 @@ def test_a_store_that_raises_fails_the_store_and_the_worker_lives_on(store: Stor
     cache.close()
 
 
+def test_a_copy_that_cannot_be_started_fails_and_the_copies_after_it_start(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No worker thread can start (a pids limit): each copy fails at once, none is stranded.
+
+    A flush that raised at the first copy left the copies queued behind it
+    started by no one and never applied: their nodes stayed ``storing`` with
+    their host pins for ever, and the operation raised a RuntimeError.
+    """
+    cache = HiCache(config(), storage=tier(store, threads=1))
+    cache.insert(tokens(2))
+    cache.insert(tokens(2, start=5000))
+    real = threading.Thread.start
+
+    def refuse(thread: threading.Thread) -> None:
+        if thread.name.startswith("fsm-storage"):
+            raise RuntimeError("can't start new thread")
+        real(thread)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(threading.Thread, "start", refuse)
+        cache.poll()  # write_done for both: two stores start, or fail to
+    assert sorted(n.storage for n in cache.tree) == ["storing", "storing"]
+    assert cache.poll() == 2
+    assert [(n.storage, n.pins) for n in cache.tree] == [("unstored", 0), ("unstored", 0)]
+    assert cache.stats().storage_failures == {"store:failed": 2}
+    first = next(n for n in cache.tree if list(n.key) == tokens(2))
+    cache.fire("store", first)  # threads start now: the store is made again
+    cache.storage.in_flight()[3].done.wait(5)  # type: ignore[union-attr]
+    cache.poll()
+    assert first.storage == "stored"
+    cache.close()
+
+
 def test_a_store_that_never_answers_is_failed_at_its_timeout(
     store: Store, clock: HandClock
 ) -> None:

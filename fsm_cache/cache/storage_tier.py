@@ -447,6 +447,17 @@ class StorageCopy:
                 self._end = timeout if answered is None else answered
             return self._end
 
+    def fail(self, now: float, error: str) -> None:
+        """End a copy no worker was given as ``failed`` with ``error``, started at ``now``.
+
+        Its snapshot is let go; the next :meth:`StorageTier.collect` returns it.
+        """
+        self.abandon()
+        if self.started is None:
+            self.started = now
+        self.result = StoreResult(0, [], "failed", error)
+        self.done.set()
+
     def abandon(self) -> None:
         """Let the snapshot go, and no worker run the copy, unless a worker runs it already.
 
@@ -770,17 +781,31 @@ class StorageTier:
     # -- starting copies -------------------------------------------------------
 
     def flush(self) -> None:
-        """Start every queued copy (a store first snapshots the host pages it reads)."""
+        """Start every queued copy (a store first snapshots the host pages it reads).
+
+        A copy that cannot be started (its snapshot's memory cannot be had, or
+        no worker thread can be) is failed at once, as a copy whose store
+        raised: the next poll applies it, and the copies after it start. Raised
+        out of the flush, it would leave every copy queued behind it started
+        by no one and applied never, its nodes in a copying state for ever.
+        """
         queued, self._queued = self._queued, []
         shape = tuple(self._tiers.host.pages.shape[1:])
         for copy in queued:
-            if copy.kind == "store":
-                host = [p for n in copy.nodes for p in n.host_pages]
-                index = torch.tensor(host, dtype=torch.long)
-                copy.snapshot = list(self._tiers.host.pages.index_select(0, index).unbind(0))
-            copy.started = self._clock()
-            job = partial(_run, self._store, copy, shape, self.config.io_timeout, self._clock)
-            self._workers.submit(job)
+            try:
+                self._start_copy(copy, shape)
+            except Exception as exc:  # torch's allocator, the threading module: not the store's
+                copy.fail(self._clock(), f"not started: {type(exc).__name__}: {exc}")
+
+    def _start_copy(self, copy: StorageCopy, shape: tuple[int, ...]) -> None:
+        """Snapshot a store's host pages, stamp the copy started, and give it to a worker."""
+        if copy.kind == "store":
+            host = [p for n in copy.nodes for p in n.host_pages]
+            index = torch.tensor(host, dtype=torch.long)
+            copy.snapshot = list(self._tiers.host.pages.index_select(0, index).unbind(0))
+        copy.started = self._clock()
+        job = partial(_run, self._store, copy, shape, self.config.io_timeout, self._clock)
+        self._workers.submit(job)
 
     def idle(self) -> bool:
         """Return whether no storage copy is queued or in flight."""
