@@ -352,7 +352,8 @@ class StoreResult:
         outcome: ``ok``, ``full`` (the store had no room), ``missing`` (the store
             no longer held a page), ``corrupt`` (a page read back torn or
             foreign; the worker dropped it), ``later_format`` (a page a newer
-            version wrote; left stored), ``failed`` (the store raised) or
+            version wrote; left stored), ``failed`` (the store raised, or the
+            copy could not be started) or
             ``timeout`` (no answer within ``io_timeout``); under tensor-parallel
             agreement also ``peer_failed`` or ``peer_missing``: this rank
             landed more pages, another rank's copy stopped first (``missing``:
