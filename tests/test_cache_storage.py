@@ -246,6 +246,9 @@ def test_a_store_needs_the_store_methods_and_host_pages(tmp_path: Path) -> None:
         "storage: store must be a Store (exists_prefix, get, put, drop, capacity, close), "
         "got object without exists_prefix, get, put, drop, capacity, close"
     )
+    with pytest.raises(ConfigError) as info:  # every call would fail, as a store that is down
+        HiCache(config(), storage=StorageConfig(LocalFileStore, model="test"))  # type: ignore[arg-type]
+    assert str(info.value) == "storage: store must be a Store, got the class LocalFileStore"
     with pytest.raises(ConfigError, match=r"^storage: a storage tier needs host pages"):
         HiCache(config(host_pages=0), storage=tier(LocalFileStore(tmp_path)))
 

@@ -221,6 +221,10 @@ class StorageConfig:
                 f"storage: store must be a Store ({', '.join(_STORE_METHODS)}), "
                 f"got {type(self.store).__name__} without {', '.join(missing)}"
             )
+        if isinstance(self.store, type):  # its methods are there, unbound: every call would fail
+            raise ConfigError(
+                f"storage: store must be a Store, got the class {self.store.__name__}"
+            )
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"storage: model must be a non-empty str, got {self.model!r}")
         for name, allowed in (("policy", STORAGE_POLICIES), ("prefetch_policy", PREFETCH_POLICIES)):
