@@ -433,6 +433,25 @@ def test_a_copy_that_cannot_be_started_fails_and_the_copies_after_it_start(
     cache.close()
 
 
+def test_a_copy_waited_for_under_a_timeout_of_years_is_waited_for(store: Store) -> None:
+    """An ``io_timeout`` past the longest wait a lock takes: close waits for the copy.
+
+    The wait's seconds went to ``Event.wait`` as they were, which raised
+    OverflowError past ``threading.TIMEOUT_MAX``: close raised with a copy in flight.
+    """
+    faulty = FaultyStore(store)
+    faulty.gate = threading.Event()
+    years = threading.TIMEOUT_MAX * 10
+    cache = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=years))
+    cache.insert(tokens(2))
+    cache.poll()
+    (node,) = cache.tree
+    assert node.storage == "storing"
+    threading.Timer(0.2, faulty.gate.set).start()  # the backend answers while close waits
+    cache.close()
+    assert (node.storage, node.pins) == ("stored", 0)
+
+
 def test_a_store_that_never_answers_is_failed_at_its_timeout(
     store: Store, clock: HandClock
 ) -> None:

@@ -840,7 +840,7 @@ class StorageTier:
                 continue
             deadline = copy.started + timeout
             if wait_until is not None:
-                copy.done.wait(max(0.0, min(wait_until, deadline) - self._clock()))
+                _wait(copy, min(wait_until, deadline) - self._clock())
             if copy.done.is_set() or self._clock() >= deadline:
                 out.append(copy)
         return out
@@ -1044,7 +1044,7 @@ class StorageTier:
         for copy in window:
             if wait and copy.started is not None:
                 deadline = copy.started + self.config.io_timeout
-                copy.done.wait(max(0.0, deadline - self._clock()))
+                _wait(copy, deadline - self._clock())
             result = None if copy.started is None else self._ended(copy)
             self._reported[copy.number] = result
             flag = result is not None and result.outcome not in _GONE
@@ -1434,7 +1434,7 @@ class StorageTier:
             now = self._clock()
             started = copy.started or now
             until = min(started + self.config.io_timeout, now + limit)
-            copy.done.wait(max(0.0, until - now))
+            _wait(copy, until - now)
             self._core.counters.prefetch["read" if copy.done.is_set() else "still_reading"] += 1
             self.apply(self.collect(), "prefetch")
         return self._core.tree.walk(key, tree_namespace)
@@ -1471,6 +1471,16 @@ class StorageTier:
             if parent is not None and parent.parent is not None and _storage_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
+
+
+def _wait(copy: StorageCopy, seconds: float) -> None:
+    """Wait up to ``seconds`` (none when negative) for ``copy``'s worker to answer.
+
+    Cut to the longest wait the platform's locks take: an ``io_timeout`` of
+    years (a copy that may take as long as it likes) is a valid setting, and
+    ``Event.wait`` raises OverflowError past ``threading.TIMEOUT_MAX``.
+    """
+    copy.done.wait(min(max(0.0, seconds), threading.TIMEOUT_MAX))
 
 
 def _agreed_result(copy: StorageCopy, local: StoreResult, value: int) -> StoreResult:
