@@ -1637,6 +1637,23 @@ def test_an_owned_store_evicts_stored_leaves_children_first(tmp_path: Path) -> N
     assert cache.stats().storage_pages["evicted"] == 4
 
 
+def test_an_eviction_the_store_refuses_is_counted_and_keeps_the_nodes() -> None:
+    """A server gone: every drop fails, which the stats said nothing of (0 tokens, no word)."""
+    server = fakeredis.FakeServer()
+    cache = HiCache(
+        config(), storage=tier(RedisStore(fakeredis.FakeRedis(server=server)), owned=True)
+    )
+    for start in (1000, 2000, 3000):
+        cache.insert(tokens(2, start))
+    cache.poll()
+    cache.poll()
+    assert [n.storage for n in cache.tree] == ["stored"] * 3
+    server.connected = False
+    assert cache.evict_storage(100) == 0
+    assert [n.storage for n in cache.tree] == ["stored"] * 3
+    assert cache.stats().storage_failures == {"evict:failed": 3}
+
+
 def test_evicted_storage_pages_count_only_what_the_store_still_held(tmp_path: Path) -> None:
     store = LocalFileStore(tmp_path)
     cache = HiCache(config(), storage=tier(store, owned=True))

@@ -83,6 +83,7 @@ from fsm_cache.errors import (
     IllegalTransition,
     InvariantViolation,
     LaterFormatPage,
+    PageInUse,
     PoolExhausted,
     StoreFailed,
 )
@@ -1446,7 +1447,8 @@ class StorageTier:
 
         Only nodes whose pages are ``stored`` (no copy reads or writes them) and
         none of whose children has pages in storage; a page a read holds
-        (local store) keeps its node.
+        (local store) keeps its node, and so does a store that would not
+        delete (it went away: counted as ``evict:failed``).
 
         Raises:
             ConfigError: The store is shared (``owned=False``).
@@ -1464,8 +1466,10 @@ class StorageTier:
                 continue
             try:
                 self._core.fire(node, "evict_storage")
-            except EffectFailed:
-                continue  # a read holds a page: it stays
+            except EffectFailed as exc:  # a read holds a page, or the store would not delete
+                if not isinstance(exc.__cause__, PageInUse):
+                    self._core.counters.storage_failures["evict:failed"] += 1
+                continue  # it stays, and so does what is under it
             freed += len(node.key)
             parent = node.parent
             if parent is not None and parent.parent is not None and _storage_leaf(parent):
