@@ -246,6 +246,9 @@ def test_a_store_needs_the_store_methods_and_host_pages(tmp_path: Path) -> None:
         "storage: store must be a Store (exists_prefix, get, put, drop, capacity, close), "
         "got object without exists_prefix, get, put, drop, capacity, close"
     )
+    with pytest.raises(ConfigError) as info:  # every call would fail, as a store that is down
+        HiCache(config(), storage=StorageConfig(LocalFileStore, model="test"))  # type: ignore[arg-type]
+    assert str(info.value) == "storage: store must be a Store, got the class LocalFileStore"
     with pytest.raises(ConfigError, match=r"^storage: a storage tier needs host pages"):
         HiCache(config(host_pages=0), storage=tier(LocalFileStore(tmp_path)))
 
@@ -394,6 +397,59 @@ def test_a_store_that_raises_fails_the_store_and_the_worker_lives_on(store: Stor
     cache.poll()
     assert (node.storage, node.pins) == ("stored", 0)
     cache.close()
+
+
+def test_a_copy_that_cannot_be_started_fails_and_the_copies_after_it_start(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No worker thread can start (a pids limit): each copy fails at once, none is stranded.
+
+    A flush that raised at the first copy left the copies queued behind it
+    started by no one and never applied: their nodes stayed ``storing`` with
+    their host pins for ever, and the operation raised a RuntimeError.
+    """
+    cache = HiCache(config(), storage=tier(store, threads=1))
+    cache.insert(tokens(2))
+    cache.insert(tokens(2, start=5000))
+    real = threading.Thread.start
+
+    def refuse(thread: threading.Thread) -> None:
+        if thread.name.startswith("fsm-storage"):
+            raise RuntimeError("can't start new thread")
+        real(thread)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(threading.Thread, "start", refuse)
+        cache.poll()  # write_done for both: two stores start, or fail to
+    assert sorted(n.storage for n in cache.tree) == ["storing", "storing"]
+    assert cache.poll() == 2
+    assert [(n.storage, n.pins) for n in cache.tree] == [("unstored", 0), ("unstored", 0)]
+    assert cache.stats().storage_failures == {"store:failed": 2}
+    first = next(n for n in cache.tree if list(n.key) == tokens(2))
+    cache.fire("store", first)  # threads start now: the store is made again
+    cache.storage.in_flight()[3].done.wait(5)  # type: ignore[union-attr]
+    cache.poll()
+    assert first.storage == "stored"
+    cache.close()
+
+
+def test_a_copy_waited_for_under_a_timeout_of_years_is_waited_for(store: Store) -> None:
+    """An ``io_timeout`` past the longest wait a lock takes: close waits for the copy.
+
+    The wait's seconds went to ``Event.wait`` as they were, which raised
+    OverflowError past ``threading.TIMEOUT_MAX``: close raised with a copy in flight.
+    """
+    faulty = FaultyStore(store)
+    faulty.gate = threading.Event()
+    years = threading.TIMEOUT_MAX * 10
+    cache = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=years))
+    cache.insert(tokens(2))
+    cache.poll()
+    (node,) = cache.tree
+    assert node.storage == "storing"
+    threading.Timer(0.2, faulty.gate.set).start()  # the backend answers while close waits
+    cache.close()
+    assert (node.storage, node.pins) == ("stored", 0)
 
 
 def test_a_store_that_never_answers_is_failed_at_its_timeout(
@@ -1579,6 +1635,23 @@ def test_an_owned_store_evicts_stored_leaves_children_first(tmp_path: Path) -> N
     assert store.capacity().pages == 0
     assert (parent.host, child.host) == ("backed", "backed")  # the local copies stay
     assert cache.stats().storage_pages["evicted"] == 4
+
+
+def test_an_eviction_the_store_refuses_is_counted_and_keeps_the_nodes() -> None:
+    """A server gone: every drop fails, which the stats said nothing of (0 tokens, no word)."""
+    server = fakeredis.FakeServer()
+    cache = HiCache(
+        config(), storage=tier(RedisStore(fakeredis.FakeRedis(server=server)), owned=True)
+    )
+    for start in (1000, 2000, 3000):
+        cache.insert(tokens(2, start))
+    cache.poll()
+    cache.poll()
+    assert [n.storage for n in cache.tree] == ["stored"] * 3
+    server.connected = False
+    assert cache.evict_storage(100) == 0
+    assert [n.storage for n in cache.tree] == ["stored"] * 3
+    assert cache.stats().storage_failures == {"evict:failed": 3}
 
 
 def test_evicted_storage_pages_count_only_what_the_store_still_held(tmp_path: Path) -> None:

@@ -707,6 +707,35 @@ def test_local_concurrent_writers_of_one_prefix_count_each_page_once(tmp_path: P
     assert list((tmp_path / ".tmp").iterdir()) == []
 
 
+def test_local_a_page_found_while_its_put_places_it_is_neither_evicted_nor_counted_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread finds a page between its file's rename and its put's settling.
+
+    The lookup indexed the file while its bytes were still reserved: counted
+    twice, they made another put evict the page to make room that was free,
+    and the first put then acknowledged a page no longer on disk.
+    """
+    keys, pages = page_keys(NS, list(range(8))), pages_of(2)
+    size = page_bytes(keys[0], pages[0])
+    store = LocalFileStore(tmp_path, limit_bytes=2 * size)  # room for both pages
+    rename = os.replace
+    meanwhile: list[object] = []
+
+    def placed(*args: Any, **options: Any) -> None:
+        rename(*args, **options)
+        if not meanwhile:  # the first page is in place, its put not yet settled
+            meanwhile.append(store.exists_prefix(keys[:1]))
+            meanwhile.append(store.put(keys[1:], pages[1:]))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", placed)
+        assert store.put(keys[:1], pages[:1]) == [S]
+    assert meanwhile == [1, [S]]
+    assert same(store.get(keys[:1]), pages[:1])  # acknowledged, and there
+    assert store.capacity() == Capacity(2 * size, 0, 2 * size, 2)
+
+
 class RefusingPipeline:
     """A pipeline whose server answers every SET with ``answer``."""
 

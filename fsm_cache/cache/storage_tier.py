@@ -83,6 +83,7 @@ from fsm_cache.errors import (
     IllegalTransition,
     InvariantViolation,
     LaterFormatPage,
+    PageInUse,
     PoolExhausted,
     StoreFailed,
 )
@@ -221,6 +222,10 @@ class StorageConfig:
                 f"storage: store must be a Store ({', '.join(_STORE_METHODS)}), "
                 f"got {type(self.store).__name__} without {', '.join(missing)}"
             )
+        if isinstance(self.store, type):  # its methods are there, unbound: every call would fail
+            raise ConfigError(
+                f"storage: store must be a Store, got the class {self.store.__name__}"
+            )
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"storage: model must be a non-empty str, got {self.model!r}")
         for name, allowed in (("policy", STORAGE_POLICIES), ("prefetch_policy", PREFETCH_POLICIES)):
@@ -352,7 +357,8 @@ class StoreResult:
         outcome: ``ok``, ``full`` (the store had no room), ``missing`` (the store
             no longer held a page), ``corrupt`` (a page read back torn or
             foreign; the worker dropped it), ``later_format`` (a page a newer
-            version wrote; left stored), ``failed`` (the store raised) or
+            version wrote; left stored), ``failed`` (the store raised, or the
+            copy could not be started) or
             ``timeout`` (no answer within ``io_timeout``); under tensor-parallel
             agreement also ``peer_failed`` or ``peer_missing``: this rank
             landed more pages, another rank's copy stopped first (``missing``:
@@ -446,6 +452,17 @@ class StorageCopy:
                     self._let_go()
                 self._end = timeout if answered is None else answered
             return self._end
+
+    def fail(self, now: float, error: str) -> None:
+        """End a copy no worker was given as ``failed`` with ``error``, started at ``now``.
+
+        Its snapshot is let go; the next :meth:`StorageTier.collect` returns it.
+        """
+        self.abandon()
+        if self.started is None:
+            self.started = now
+        self.result = StoreResult(0, [], "failed", error)
+        self.done.set()
 
     def abandon(self) -> None:
         """Let the snapshot go, and no worker run the copy, unless a worker runs it already.
@@ -770,17 +787,31 @@ class StorageTier:
     # -- starting copies -------------------------------------------------------
 
     def flush(self) -> None:
-        """Start every queued copy (a store first snapshots the host pages it reads)."""
+        """Start every queued copy (a store first snapshots the host pages it reads).
+
+        A copy that cannot be started (its snapshot's memory cannot be had, or
+        no worker thread can be) is failed at once, as a copy whose store
+        raised: the next poll applies it, and the copies after it start. Raised
+        out of the flush, it would leave every copy queued behind it started
+        by no one and applied never, its nodes in a copying state for ever.
+        """
         queued, self._queued = self._queued, []
         shape = tuple(self._tiers.host.pages.shape[1:])
         for copy in queued:
-            if copy.kind == "store":
-                host = [p for n in copy.nodes for p in n.host_pages]
-                index = torch.tensor(host, dtype=torch.long)
-                copy.snapshot = list(self._tiers.host.pages.index_select(0, index).unbind(0))
-            copy.started = self._clock()
-            job = partial(_run, self._store, copy, shape, self.config.io_timeout, self._clock)
-            self._workers.submit(job)
+            try:
+                self._start_copy(copy, shape)
+            except Exception as exc:  # torch's allocator, the threading module: not the store's
+                copy.fail(self._clock(), f"not started: {type(exc).__name__}: {exc}")
+
+    def _start_copy(self, copy: StorageCopy, shape: tuple[int, ...]) -> None:
+        """Snapshot a store's host pages, stamp the copy started, and give it to a worker."""
+        if copy.kind == "store":
+            host = [p for n in copy.nodes for p in n.host_pages]
+            index = torch.tensor(host, dtype=torch.long)
+            copy.snapshot = list(self._tiers.host.pages.index_select(0, index).unbind(0))
+        copy.started = self._clock()
+        job = partial(_run, self._store, copy, shape, self.config.io_timeout, self._clock)
+        self._workers.submit(job)
 
     def idle(self) -> bool:
         """Return whether no storage copy is queued or in flight."""
@@ -810,7 +841,7 @@ class StorageTier:
                 continue
             deadline = copy.started + timeout
             if wait_until is not None:
-                copy.done.wait(max(0.0, min(wait_until, deadline) - self._clock()))
+                _wait(copy, min(wait_until, deadline) - self._clock())
             if copy.done.is_set() or self._clock() >= deadline:
                 out.append(copy)
         return out
@@ -1014,7 +1045,7 @@ class StorageTier:
         for copy in window:
             if wait and copy.started is not None:
                 deadline = copy.started + self.config.io_timeout
-                copy.done.wait(max(0.0, deadline - self._clock()))
+                _wait(copy, deadline - self._clock())
             result = None if copy.started is None else self._ended(copy)
             self._reported[copy.number] = result
             flag = result is not None and result.outcome not in _GONE
@@ -1404,7 +1435,7 @@ class StorageTier:
             now = self._clock()
             started = copy.started or now
             until = min(started + self.config.io_timeout, now + limit)
-            copy.done.wait(max(0.0, until - now))
+            _wait(copy, until - now)
             self._core.counters.prefetch["read" if copy.done.is_set() else "still_reading"] += 1
             self.apply(self.collect(), "prefetch")
         return self._core.tree.walk(key, tree_namespace)
@@ -1416,7 +1447,8 @@ class StorageTier:
 
         Only nodes whose pages are ``stored`` (no copy reads or writes them) and
         none of whose children has pages in storage; a page a read holds
-        (local store) keeps its node.
+        (local store) keeps its node, and so does a store that would not
+        delete (it went away: counted as ``evict:failed``).
 
         Raises:
             ConfigError: The store is shared (``owned=False``).
@@ -1434,13 +1466,25 @@ class StorageTier:
                 continue
             try:
                 self._core.fire(node, "evict_storage")
-            except EffectFailed:
-                continue  # a read holds a page: it stays
+            except EffectFailed as exc:  # a read holds a page, or the store would not delete
+                if not isinstance(exc.__cause__, PageInUse):
+                    self._core.counters.storage_failures["evict:failed"] += 1
+                continue  # it stays, and so does what is under it
             freed += len(node.key)
             parent = node.parent
             if parent is not None and parent.parent is not None and _storage_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
+
+
+def _wait(copy: StorageCopy, seconds: float) -> None:
+    """Wait up to ``seconds`` (none when negative) for ``copy``'s worker to answer.
+
+    Cut to the longest wait the platform's locks take: an ``io_timeout`` of
+    years (a copy that may take as long as it likes) is a valid setting, and
+    ``Event.wait`` raises OverflowError past ``threading.TIMEOUT_MAX``.
+    """
+    copy.done.wait(min(max(0.0, seconds), threading.TIMEOUT_MAX))
 
 
 def _agreed_result(copy: StorageCopy, local: StoreResult, value: int) -> StoreResult:

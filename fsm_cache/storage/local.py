@@ -110,6 +110,8 @@ class LocalFileStore:
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recent first
         self._readers: dict[str, int] = {}
+        # keys this process is writing, by writer: their bytes are reserved, not yet indexed
+        self._writing: dict[str, int] = {}
         self._rooted: set[str] = set()  # shards whose entry in root this process synced
         self._tmp = self.root / ".tmp"
         self._temporaries = str(self._tmp)
@@ -276,15 +278,18 @@ class LocalFileStore:
             if early is not None:
                 return early
             reservation = self._budget.reserve(nbytes)
+            self._hold([key], self._writing)
         try:
             self._write(key, flat)
         except BaseException as exc:
             with self._lock:
+                self._unhold([key], self._writing)
                 self._budget.abort(reservation)
             if not isinstance(exc, OSError):
                 raise  # a bug or an interrupt: not a store failure, but the bytes are back
             raise self._failed("put", index, total, exc) from exc
         with self._lock:
+            self._unhold([key], self._writing)
             self._settle(key, reservation)
             self._hold([key])
             held.append(key)
@@ -428,6 +433,11 @@ class LocalFileStore:
     def _present(self, key: str) -> bool:
         """Whether ``key`` has a page file; a found file is indexed, a lost one forgotten.
 
+        A file this process's put has placed and not yet settled is not
+        indexed here: its bytes are reserved already, and counted twice they
+        would evict pages for room that is free. Nor could eviction then pick
+        it before its put holds it, which would acknowledge a page deleted.
+
         Raises:
             OSError: The file could not be looked at (other than missing).
         """
@@ -437,7 +447,7 @@ class LocalFileStore:
         except FileNotFoundError:
             self._forget(key)
             return False
-        if key not in self._index:
+        if key not in self._index and key not in self._writing:
             self._index[key] = size
             self._budget.add(size)
         return True
@@ -483,17 +493,21 @@ class LocalFileStore:
         if size is not None:
             self._budget.remove(size)
 
-    def _hold(self, keys: Sequence[str]) -> None:
+    def _hold(self, keys: Sequence[str], holds: dict[str, int] | None = None) -> None:
+        """Under the lock: count one more hold of each of ``keys`` (reads', or ``holds``)."""
+        holds = self._readers if holds is None else holds
         for key in keys:
-            self._readers[key] = self._readers.get(key, 0) + 1
+            holds[key] = holds.get(key, 0) + 1
 
-    def _unhold(self, keys: Sequence[str]) -> None:
+    def _unhold(self, keys: Sequence[str], holds: dict[str, int] | None = None) -> None:
+        """Under the lock: count one hold fewer of each of ``keys`` (reads', or ``holds``)."""
+        holds = self._readers if holds is None else holds
         for key in keys:
-            left = self._readers[key] - 1
+            left = holds[key] - 1
             if left:
-                self._readers[key] = left
+                holds[key] = left
             else:
-                del self._readers[key]
+                del holds[key]
 
     def _touch(self, keys: Sequence[str]) -> None:
         """Mark ``keys`` used, the last first, so a prefix's head is the most recent.
