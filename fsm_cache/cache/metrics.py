@@ -151,7 +151,9 @@ class Stats:
         storage_bytes: Bytes of pages acknowledged per storage copy kind (``store``, ``fetch``).
         storage_failures: Storage copies that failed, by ``kind:outcome``, and
             key queries that answered after their budget (``query:slow``), and
-            backups not started because lookups back off (``store:backing_off``).
+            backups not started because lookups back off (``store:backing_off``),
+            and evictions the store refused (``evict:failed``; the nodes stay
+            ``stored``).
         prefetch: What each lookup's prefetch decided (``started``, ``waited``,
             ``below_threshold``, ``rate_limited``, ``none_stored``,
             ``query_failed``, ``backing_off``, ...).
