@@ -49,6 +49,8 @@ class _BreaksOnce:
         ([False, 1, 2, 3], "tokens[0] is False, not an int"),
         ([0, 1, 256, 512, 7, 1, 0, False], "tokens[7] is False, not an int"),
         (torch.tensor([True, False, True, True]), "tokens[0] is True, not an int"),
+        ([0] * 200 + [True] + [0] * 55, "tokens[200] is True, not an int"),  # padding's many zeros
+        ([1792] * 255 + [False], "tokens[255] is False, not an int"),  # lowest byte 0, not 0
     ],
 )
 def test_bool_token_ids_are_refused_and_change_nothing(tokens: object, message: str) -> None:
@@ -65,6 +67,12 @@ def test_bool_token_ids_are_refused_and_change_nothing(tokens: object, message: 
             call()
         assert str(caught.value) == f"{op}: {message}"
     assert (states(cache), list(cache.log.entries)) == (before, logged)
+
+
+def test_ids_that_pack_like_bools_are_ids() -> None:
+    """A prompt padded with one id whose lowest byte is 0 or 1 passes, as few such ids do."""
+    for tokens in ([0] * 256, [1792] * 200 + [257] * 56, [5, 1, 0, 256]):
+        assert TokenKey(tokens) == tuple(tokens)
 
 
 def test_ids_0_and_1_as_ints_still_match() -> None:
