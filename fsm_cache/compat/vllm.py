@@ -577,7 +577,7 @@ class CheckedOffloadingManager:
         loads: dict[bytes, int] = request.loads if request is not None else {}
         for key in keys:
             if loads.get(key, 0) < wanted[key]:
-                self._refuse_foreign_load(records[key], req_context)
+                self._refuse_foreign_load(records[key], req_context, loads.get(key, 0), wanted[key])
         for key in keys:
             rec = records[key]
             self._load_done(rec)
@@ -734,13 +734,13 @@ class CheckedOffloadingManager:
         Ready blocks are evicted through the machine. Blocks with a copy in
         flight are dropped with them by default: vLLM's scheduler never
         delivers the completions of jobs started before a reset, so their
-        chunks are free for reuse. A completion that arrives anyway for a key
-        not held again is refused (``NotLoading``) or ignored as a duplicate
-        store acknowledgement; for a key stored again since, it is taken as
-        the new job's, as vLLM takes it (a completion names no job), and so is
-        a load's, but only from the request that loaded the key again (a
-        request's loads before the reset are forgotten with it).
-        Strict mode, which refuses the reset itself, is the protection.
+        chunks are free for reuse. A completion that arrives anyway is taken
+        as a new job's (a completion names no job, as in vLLM) only from the
+        request that stored or loaded the key again since the reset; for a key
+        not held again, or from another request, a load's is refused
+        (``NotLoading``) and a store's is ignored as a duplicate
+        acknowledgement (what a request prepared before the reset is forgotten
+        with it). Strict mode, which refuses the reset itself, is the protection.
 
         Raises:
             CopyInFlight: Strict mode, and a store is in flight; nothing changed.
@@ -902,16 +902,25 @@ class CheckedOffloadingManager:
             return None
         return request
 
-    def _refuse_foreign_load(self, rec: OffloadRecord, req_context: ReqContextLike) -> NoReturn:
-        """Refuse a ``load_done`` on a block that only other requests' loads pin.
+    def _refuse_foreign_load(
+        self, rec: OffloadRecord, req_context: ReqContextLike, own: int, completes: int
+    ) -> NoReturn:
+        """Refuse a ``load_done`` beyond the request's ``own`` loads of the block in flight.
 
         Raises:
             NotLoading: Always.
         """
         req_id = getattr(req_context, "req_id", None)
-        reason = (
-            f"request {req_id!r} has no load of it in flight (its pins are other requests' loads)"
-        )
+        if own:
+            reason = (
+                f"request {req_id!r} has {own} load(s) of it in flight and completes {completes}"
+                " (its other pins are other requests' loads)"
+            )
+        else:
+            reason = (
+                f"request {req_id!r} has no load of it in flight"
+                " (its pins are other requests' loads)"
+            )
         self._refuse_foreign(NotLoading, rec, "load_done", reason)
 
     def _refuse_foreign_store(

@@ -230,7 +230,11 @@ def test_complete_load_beyond_the_requests_own_loads(vl: Vllm) -> None:
     before = _snapshot(ours)
     with pytest.raises(
         NotLoading,
-        match=r"^block 0000000000000004/0: load_done refused in pinned \(pins=2\): request 'A'",
+        match=(
+            r"^block 0000000000000004/0: load_done refused in pinned \(pins=2\): request 'A' "
+            r"has 1 load\(s\) of it in flight and completes 2 \(its other pins are other "
+            r"requests' loads\)$"
+        ),
     ):
         ours.complete_load([key, key], a)
     assert _snapshot(ours) == before
