@@ -334,8 +334,8 @@ class HiCache:
 
         Raises:
             BadArgument: ``tokens`` or ``device_slots`` is not a sequence of
-                non-negative ints (a bool is no token id), or ``namespace`` is
-                unhashable; nothing changed.
+                non-negative ints (a bool is refused as a token id, taken as 0
+                or 1 as a slot), or ``namespace`` is unhashable; nothing changed.
             CopyFailed: A node on the path is still loading after its copy failed
                 and was started again (a locked node); nothing was inserted.
             ForeignSlot: ``device_slots`` are too few, not whole pages, repeat a
@@ -743,8 +743,9 @@ class HiCache:
             when ``node`` is on the device or loading already (a load in
             flight is not waited for), the chain is shorter than the
             load-back threshold, device memory cannot be freed for it, the
-            node left the tree meanwhile, or the copy engine refused to start the copy (the chain is then
-            host-only again, its ``load_failed`` fired). Under tensor-parallel
+            node left the tree meanwhile, or the copy engine refused to start
+            the copy (the chain is then host-only again, its ``load_failed``
+            fired). Under tensor-parallel
             agreement a refused start is a copy that failed instead, applied
             at the next step: the chain is returned on every rank, and
             :meth:`wait_loaded` answers False for it. An operation that waits

@@ -142,7 +142,8 @@ class Stats:
         hit_tokens: Of those, tokens matched on the device (``device``) and
             on the host only (``host``).
         transitions: Applied transitions by event.
-        refused: Refused transitions by event.
+        refused: Transitions not applied, by event: refused by the spec, or
+            their effect failed (the log tells a failure from outside apart).
         states: Nodes per ``host/device`` state pair.
         storage_tokens: Tokens whose pages a storage tier holds or is being given.
         storage_in_flight: Copies to or from a storage tier started, not yet applied.
