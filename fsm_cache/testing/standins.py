@@ -174,18 +174,34 @@ def install(
 ) -> StandInFinder:
     """Put stand-ins in front of the import system, once per set of names; return the finder.
 
+    All or nothing: a package of ``hollows`` that is not installed takes the
+    finder and the stand-ins and hollow packages this call registered back
+    out before the error goes on, so a second try in the same process meets
+    the same error.
+
     Args:
         always: Modules stood in even when installed.
         if_missing: Modules stood in only when not installed.
         hollows: Installed packages registered without running their ``__init__``.
         presets: See :class:`StandInFinder`.
+
+    Raises:
+        ModuleNotFoundError: A package of ``hollows`` is not installed; nothing changed.
     """
     names = (*always, *(n for n in if_missing if importlib.util.find_spec(n) is None))
     for finder in sys.meta_path:
         if isinstance(finder, StandInFinder) and set(names) <= set(finder.names):
             return finder
     finder = StandInFinder(names, presets)
+    known = set(sys.modules)
     sys.meta_path.insert(0, finder)
-    for name in hollows:
-        hollow(name)
+    try:
+        for name in hollows:
+            hollow(name)
+    except BaseException:
+        sys.meta_path.remove(finder)
+        for name in set(sys.modules) - known:  # what the stand-ins and hollows brought in
+            if isinstance(sys.modules[name], StandInModule):
+                del sys.modules[name]
+        raise
     return finder
