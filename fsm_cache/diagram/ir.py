@@ -260,7 +260,8 @@ def state_id(diagram: Diagram, region: str, state: str) -> str:
     (:func:`start_id`, :func:`birth_id`) nor Mermaid composite (:func:`composite_id`),
     which start with ``_``; and no Mermaid end point either (``root_start``,
     ``COMPOSITE_start``, ``COMPOSITE_end``): a machine's ids hold only even runs,
-    a composite's implicit ones start with ``_``.
+    a composite's implicit ones start with ``_``. Mermaid adds a ``_`` to a
+    machine's id that is one of its keywords (:data:`fsm_cache.diagram.mermaid.KEYWORDS`).
     """
     return f"{_escaped(region)}_{_escaped(state)}" if diagram.composed else _escaped(state)
 

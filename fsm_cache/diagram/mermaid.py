@@ -3,7 +3,9 @@
 Composed machines are drawn as composite states side by side, their
 cross-region and tree refusals in a note beside the last region, and each
 birth as an arrow from a region's start point labelled ``birth NAME``; parallel
-edges between two states are merged into one multi-line label.
+edges between two states are merged into one multi-line label. A machine's
+state named as a Mermaid keyword (``note``) is drawn through an id with a
+trailing ``_`` (:data:`KEYWORDS`), its label unchanged.
 """
 
 from __future__ import annotations
@@ -36,30 +38,61 @@ def mermaid(diagram: Diagram) -> str:
         if diagram.composed:
             lines.append("    }")
     lines += _refusal_note(diagram)
-    marked = [state_id(diagram, region, state) for region, state in sorted(diagram.highlight)]
+    marked = [_id(diagram, region, state) for region, state in sorted(diagram.highlight)]
     if marked:
         style = f"fill:{HIGHLIGHT_FILL},stroke:{HIGHLIGHT_STROKE},stroke-width:3px"
         lines += [f"    classDef here {style}", f"    class {','.join(marked)} here"]
     return "\n".join(lines) + "\n"
 
 
+KEYWORDS = frozenset(
+    word.casefold()
+    for word in (
+        "accDescr", "accTitle", "class", "classDef", "click", "default", "direction",
+        "end", "href", "note", "scale", "state", "stateDiagram", "style",
+    )
+)  # fmt: skip
+"""Words Mermaid's ``stateDiagram`` reads as keywords where an id stands, in any case.
+
+Mermaid 11's lexer takes ``note``, ``state``, ``scale``, ``style``,
+``class``, ``classDef``, ``click``, ``href``, ``default``, ``accTitle``,
+``accDescr`` and ``stateDiagram`` before an id (``a --> note : go`` is a
+parse error); ``end`` and ``direction`` close a note and set a layout, and
+are kept out too. A spec name may be any of them but ``class`` (a Python
+keyword), ``Class`` included.
+"""
+
+
+def _id(diagram: Diagram, region: str, state: str) -> str:
+    """Return a state's Mermaid id: :func:`~fsm_cache.diagram.ir.state_id`, kept off :data:`KEYWORDS`.
+
+    A keyword id gets a trailing ``_`` (``note_``). It is still no other
+    state's id: a machine's ids hold only even runs of underscores, and a
+    composition's are never keywords (each holds a ``_``, no keyword does).
+    """
+    ident = state_id(diagram, region, state)
+    return f"{ident}_" if ident.casefold() in KEYWORDS else ident
+
+
 def _mermaid_region(diagram: Diagram, region: Region) -> list[str]:
+    def ident(state: str) -> str:
+        return _id(diagram, region.name, state)
+
     lines = []
     for state in region.states:
-        lines.append(f'state "{state.label}" as {state_id(diagram, region.name, state.name)}')
+        lines.append(f'state "{state.label}" as {ident(state.name)}')
     for state in region.states:
         if state.initial:
-            lines.append(f"[*] --> {state_id(diagram, region.name, state.name)}")
+            lines.append(f"[*] --> {ident(state.name)}")
     # Mermaid has one start point per composite state: a birth is a labelled arrow from it.
     for birth, born in births_in(diagram, region.name):
-        target = state_id(diagram, region.name, born)
-        lines.append(f"[*] --> {target} : {_mermaid_text(f'birth {birth}')}")
+        lines.append(f"[*] --> {ident(born)} : {_mermaid_text(f'birth {birth}')}")
     for (source, dest), labels in parallel(region).items():
-        src, dst = state_id(diagram, region.name, source), state_id(diagram, region.name, dest)
+        src, dst = ident(source), ident(dest)
         lines.append(f"{src} --> {dst} : {'<br/>'.join(map(_mermaid_text, labels))}")
     for state in region.states:
         if state.final:
-            lines.append(f"{state_id(diagram, region.name, state.name)} --> [*]")
+            lines.append(f"{ident(state.name)} --> [*]")
     return lines
 
 
