@@ -60,6 +60,9 @@ reported: filled in mermaid, dot and svg; bold, and '(here)', in md's tables.
 --check and --write without -o work on each SPEC's .mmd, .dot and .md files in
 --dir (default: docs/diagrams). With no SPEC they work on fsm_cache's own specs,
 and only in its checkout's docs/diagrams: in your project, name your specs.
+
+An existing file is replaced or checked only when it is empty or a diagram
+fsm-cache drew (each format marks it in a comment): -o README.md is refused.
 """
 
 
