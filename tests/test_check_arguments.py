@@ -167,3 +167,21 @@ def test_a_counter_that_starts_above_its_ceiling_is_refused_naming_the_option(
     found = check.check_spec(path, 1, Bounds({}, 3))
     assert found.violation == "invariant 6: node 0: pins is 0 but its holders account for 1"
     assert found.trace == ["start: chain", "node 0: pin", "node 0: drop"]
+
+
+@pytest.mark.usefixtures("unexplored")
+def test_every_bad_spec_is_reported_before_the_exit(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the first bad spec's errors were printed, where ``validate`` prints every one's."""
+    monkeypatch.chdir(tmp_path)
+    Path("a.toml").write_text('[machine]\nname = "a"\n', encoding="utf-8")
+    Path("b.toml").write_text('[machine]\nname = "b"\n', encoding="utf-8")
+    assert main(["check", "--nodes", "1", "a.toml", str(HOST), "b.toml"]) == 2
+    assert capsys.readouterr() == (
+        "",
+        "error: a.toml: states: missing: a table of NAME = { doc = ... }\n"
+        "error: a.toml: machine.initial: missing or not a string\n"
+        "error: b.toml: states: missing: a table of NAME = { doc = ... }\n"
+        "error: b.toml: machine.initial: missing or not a string\n",
+    )

@@ -90,3 +90,22 @@ def test_a_server_whose_code_moved_is_one_error_line_not_a_traceback(
         "",
         "error: cannot import name 'RadixKey' from 'sglang.srt.mem_cache.radix_key'\n",
     )
+
+
+@pytest.mark.parametrize(
+    "argv", [["sglang"], ["cache", "--against", "sglang"]], ids=["sglang", "against"]
+)
+def test_a_bench_of_sglang_without_sglang_says_how_to_run_it(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    """It said only ``sglang is not an installed package``, where ``bench vllm`` names its make target."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("SGLang is installed here; tests/sglang_real runs the benchmarks")
+    assert main(["bench", *argv, "--quick"]) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"error: fsm-cache bench {' '.join(argv)} needs SGLang's RadixCache importable "
+        "(sglang is not an installed package); in this repository run `make bench-sglang`\n",
+    )

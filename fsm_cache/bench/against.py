@@ -134,7 +134,7 @@ def run_against_sglang(num_requests: int = 2000, rounds: int = 3) -> AgainstBenc
         UnequalWork: A replay of HiCache hit or evicted other tokens than
             SGLang's replay of the same trace.
     """
-    driver = Driver()
+    driver = Driver("fsm-cache bench cache --against sglang")
     keys = trace(num_requests)
     tokens = sum(len(k) for k in keys)
     traces = [

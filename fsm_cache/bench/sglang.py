@@ -122,9 +122,25 @@ def chat_trace(requests: int, seed: int = 0) -> list[list[int]]:
 class Driver:
     """SGLang's ``RadixCache`` calls, spelled for the installed version (0.5.6 or 0.5.23)."""
 
-    def __init__(self) -> None:
+    def __init__(self, command: str = "fsm-cache bench sglang") -> None:
+        """Import SGLang's cache modules, its GPU-only imports stood in.
+
+        Args:
+            command: The command that needs SGLang, for the message when it is missing.
+
+        Raises:
+            ModuleNotFoundError: SGLang is not installed: the message names
+                ``command`` and ``make bench-sglang``, which runs it where SGLang
+                is. Told before the stand-ins go in, so nothing is left installed.
+        """
         from fsm_cache.testing import sglang as standins
 
+        if not standins.sglang_present():
+            msg = (
+                f"{command} needs SGLang's RadixCache importable (sglang is not an "
+                "installed package); in this repository run `make bench-sglang`"
+            )
+            raise ModuleNotFoundError(msg, name="sglang")
         standins.install()
         self.rc: Any = importlib.import_module("sglang.srt.mem_cache.radix_cache")
         self.base: Any = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")

@@ -21,6 +21,10 @@ other mode is refused, never silently ignored.
 
 Every write goes through :func:`fsm_cache.cli.files.write_files`: all files or
 none, never over a spec file the command reads, and never to a ``.toml`` file.
+An existing file is replaced, or checked, only when it is empty or a diagram
+this command drew (of any spec, in any format): each format carries a mark in
+a comment (:func:`fsm_cache.diagram.is_diagram`), so ``-o README.md`` refuses a
+user's README instead of overwriting it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import sys
 from pathlib import Path
 
 from fsm_cache.cli.files import STDOUT, current_text, output_argument, write_files
-from fsm_cache.diagram import FORMATS, DiagramError, one_line, render
+from fsm_cache.diagram import FORMATS, DiagramError, is_diagram, render, render_sections
 from fsm_cache.shell import named_once, path_argument, path_text
 from fsm_cache.spec.loader import load_spec, spec_files
 from fsm_cache.spec.shipped import shipped_spec_paths, spec_argument, spec_dir
@@ -56,6 +60,9 @@ reported: filled in mermaid, dot and svg; bold, and '(here)', in md's tables.
 --check and --write without -o work on each SPEC's .mmd, .dot and .md files in
 --dir (default: docs/diagrams). With no SPEC they work on fsm_cache's own specs,
 and only in its checkout's docs/diagrams: in your project, name your specs.
+
+An existing file is replaced or checked only when it is empty or a diagram
+fsm-cache drew (each format marks it in a comment): -o README.md is refused.
 """
 
 
@@ -109,9 +116,9 @@ def run(args: argparse.Namespace) -> int:
             the mode does not use (``--format`` to the set of files,
             ``--dir`` to one rendering).
         OutputError: A file to write is a spec the command reads or a
-            ``.toml`` file, is no regular file, or cannot be written (nothing
-            was changed), or a
-            file to check is no regular file.
+            ``.toml`` file, is no regular file, is not a diagram this command
+            wrote, or cannot be written (nothing was changed), or a file to
+            check is no regular file or not a diagram this command wrote.
     """
     if args.output is STDOUT and args.check:
         raise DiagramError("-o - is stdout: --check compares a file; give the file to check")
@@ -206,11 +213,7 @@ def document(specs: list[Path], fmt: str, highlight: tuple[str, ...] = ()) -> st
     if highlight:
         msg = f"--highlight marks a state of one SPEC (got {len(specs)})"
         raise DiagramError(msg)
-    sections = []
-    for path in specs:
-        spec = load_spec(path)
-        sections.append(f"## {one_line(spec.name)}\n\n{render(spec, fmt)}")
-    return "\n".join(sections)
+    return render_sections([load_spec(path) for path in specs])
 
 
 def expected(specs: list[Path], folder: Path) -> dict[Path, str]:
@@ -259,10 +262,11 @@ def _check(wanted: dict[Path, str], rewrite: str) -> int:
 
     Raises:
         OutputError: A file to check is a ``.toml`` file, is there but is no
-            regular file, or cannot be read.
+            regular file or not a diagram this command wrote (nor empty), or
+            cannot be read.
     """
     stale = 0
-    currents = {path: current_text(path) for path in wanted}  # any error before any line
+    currents = {path: current_text(path, "diagram", is_diagram) for path in wanted}  # errors first
     for path, text in wanted.items():
         current = currents[path]
         if current is None:
@@ -283,10 +287,11 @@ def _write(wanted: dict[Path, str], specs: list[Path]) -> int:
 
     Raises:
         OutputError: A target is a file one of ``specs`` is read from or a
-            ``.toml`` file, is not a regular file, sits under a path that is
-            not a folder, or cannot be written; nothing was changed.
+            ``.toml`` file, is not a regular file, is neither empty nor a
+            diagram this command wrote, sits under a path that is not a
+            folder, or cannot be written; nothing was changed.
     """
     protected = [file for spec in specs for file in spec_files(spec)]
-    for path in write_files(wanted, "diagram", protected):
+    for path in write_files(wanted, "diagram", protected, ours=is_diagram):
         print(f"wrote {path}")
     return 0

@@ -9,9 +9,10 @@ target (never a staging file) and says that nothing was changed. A target that
 is one of the spec files the command reads is refused before anything is
 written: ``fsm-cache types d.toml --write d.toml`` would otherwise replace the
 spec with its own stub. So is any ``.toml`` target, read or not (another spec,
-a ``pyproject.toml``): fsm_cache generates no TOML. A command whose files carry
-a mark (``types``: the stub's first line) also refuses an existing target
-without it, so a module of the user's code named by mistake is left whole.
+a ``pyproject.toml``): fsm_cache generates no TOML. Both commands' files carry
+a mark (``types``: the stub's first line; ``diagram``: a comment in each
+format's first or second line), and an existing target without it is refused,
+so a module of the user's code or a README named by mistake is left whole.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ format the same way.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -24,6 +24,7 @@ from fsm_cache.diagram.ir import (
     DiagramState,
     Region,
     highlight,
+    is_diagram,
     one_line,
 )
 
@@ -44,8 +45,10 @@ __all__ = [
     "Region",
     "build",
     "highlight",
+    "is_diagram",
     "one_line",
     "render",
+    "render_sections",
 ]
 
 RENDERERS: Mapping[str, Callable[[Diagram], str]] = MappingProxyType(
@@ -81,3 +84,11 @@ def render(spec: Spec, fmt: str, *, mark: tuple[str, ...] = ()) -> str:
     for where in mark:
         diagram = highlight(diagram, where)
     return renderer(diagram)
+
+
+def render_sections(specs: Sequence[Spec]) -> str:
+    """Render several specs as one Markdown document, a ``## NAME`` section of tables each.
+
+    Markdown is the one format whose document holds several specs; the others draw one picture.
+    """
+    return markdown.markdown_sections([build(spec) for spec in specs])

@@ -11,12 +11,14 @@ import shutil
 import subprocess
 
 from fsm_cache.diagram.ir import (
+    COMMENT_MARK,
     HIGHLIGHT_FILL,
     Diagram,
     DiagramError,
     Region,
     birth_id,
     births_in,
+    generated,
     one_line,
     parallel,
     refusal_line,
@@ -26,8 +28,13 @@ from fsm_cache.diagram.ir import (
 
 
 def dot(diagram: Diagram) -> str:
-    """Return a Graphviz DOT digraph of the diagram (regions as side-by-side clusters)."""
+    """Return a Graphviz DOT digraph of the diagram (regions as side-by-side clusters).
+
+    Its first line is a ``//`` comment that marks it as generated
+    (:func:`~fsm_cache.diagram.ir.is_diagram`).
+    """
     lines = [
+        f"// {generated(diagram.name)}",
         f"digraph {_q(diagram.name)} {{",
         '    graph [fontname="Helvetica", labeljust=l];',
         '    node [shape=box, style=rounded, fontname="Helvetica"];',
@@ -88,7 +95,10 @@ DOT_SECONDS = 60.0
 
 
 def svg(diagram: Diagram) -> str:
-    """Return the diagram as SVG, drawn by Graphviz's ``dot``.
+    """Return the diagram as SVG, drawn by Graphviz's ``dot``, marked as generated.
+
+    The mark (:data:`~fsm_cache.diagram.ir.COMMENT_MARK`) is an XML comment
+    after the XML declaration, so ``fsm-cache diagram`` knows the file for its own.
 
     Raises:
         DiagramError: ``dot`` is not on PATH, or it failed, took longer than
@@ -114,8 +124,13 @@ def svg(diagram: Diagram) -> str:
         reason = done.stderr.decode(errors="replace").strip()
         raise DiagramError(f"dot -Tsvg failed with exit status {done.returncode}: {reason}")
     try:
-        return str(done.stdout.decode())
+        drawn = str(done.stdout.decode())
     except UnicodeDecodeError as exc:
         raise DiagramError(
             f"dot -Tsvg ({program}) wrote bytes that are not UTF-8 (at byte {exc.start})"
         ) from None
+    # The mark goes after the XML declaration, which nothing may precede.
+    declaration, _, rest = drawn.partition("\n")
+    if declaration.startswith("<?xml"):
+        return f"{declaration}\n{COMMENT_MARK}\n{rest}"
+    return f"{COMMENT_MARK}\n{drawn}"

@@ -11,6 +11,7 @@ import re
 from collections.abc import Sequence
 
 from fsm_cache.diagram.ir import (
+    COMMENT_MARK,
     Diagram,
     DiagramBirth,
     DiagramEdge,
@@ -24,12 +25,28 @@ from fsm_cache.diagram.ir import (
 def markdown_tables(diagram: Diagram) -> str:
     """Return Markdown tables: states, transitions, refused pairs and cross-region refusals.
 
+    The first line marks the document as generated
+    (:data:`~fsm_cache.diagram.ir.COMMENT_MARK`, an HTML comment: no reader sees it).
     Each machine's tables follow its name and ``doc``; a composition's own
     ``doc``, where it has one, comes first, then its births, a row each.
 
     A highlighted state is bold in each row it starts and marked ``(here)`` in the
     states table, so a report can show where a node was and what it could do there.
     """
+    return f"{COMMENT_MARK}\n\n{_tables(diagram)}"
+
+
+def markdown_sections(diagrams: Sequence[Diagram]) -> str:
+    """Return one Markdown document of several diagrams' tables, a ``## NAME`` section each.
+
+    The mark comes once, in the document's first line, as in :func:`markdown_tables`.
+    """
+    sections = [f"## {one_line(diagram.name)}\n\n{_tables(diagram)}" for diagram in diagrams]
+    return f"{COMMENT_MARK}\n\n" + "\n".join(sections)
+
+
+def _tables(diagram: Diagram) -> str:
+    """Return the tables of :func:`markdown_tables`, without the mark."""
     parts: list[str] = []
     if diagram.composed and diagram.doc:
         parts.append(_heading(f"**{_c(diagram.name)}**", diagram.doc))

@@ -555,10 +555,19 @@ def targets(args: argparse.Namespace) -> list[Target]:
     (:attr:`Target.files`).
 
     Raises:
-        SpecError: A spec does not load.
+        SpecError: A spec does not load; its problems and those of every other
+            spec that does not load, as ``validate`` reports them all.
     """
     paths = [Path(p) for p in named_once(args.specs)] if args.specs else shipped_spec_paths()
-    read = {path: load_snapshot(path) for path in paths}
+    read = {}
+    problems: list[str] = []
+    for path in paths:
+        try:
+            read[path] = load_snapshot(path)
+        except SpecError as exc:
+            problems += exc.problems
+    if problems:
+        raise SpecError(problems)
 
     def target(path: Path, policy: str, most: int | None = None) -> Target:
         files = read[path][1]
