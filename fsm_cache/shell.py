@@ -57,7 +57,7 @@ STDIO = "-"
 """How a command line names stdin or stdout instead of a file."""
 
 DASH_PATH = (
-    f"'{STDIO}' (stdin or stdout) names no file here; give one (./{STDIO} for a file named {STDIO})"
+    f"'{STDIO}' (stdin or stdout) names no file here; give a path (./{STDIO} for one named {STDIO})"
 )
 """Why a path argument ``-`` is refused where the command reads or writes no stream for it."""
 

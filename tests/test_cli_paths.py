@@ -81,7 +81,7 @@ def test_a_path_to_read_of_dash_is_refused_as_no_stdin(
     assert usage_error(capsys, *(a.format(spec=spec) for a in argv)) == (
         "",
         f"fsm-cache {argv[0]}: error: argument {argument}: '-' (stdin or stdout) names no file "
-        "here; give one (./- for a file named -)",
+        "here; give a path (./- for one named -)",
     )
 
 
@@ -157,7 +157,7 @@ def test_a_file_to_check_of_dash_is_refused(
     assert usage_error(capsys, "types", spec, "--check", "-") == (
         "",
         "fsm-cache types: error: argument --check: '-' (stdin or stdout) names no file here; "
-        "give one (./- for a file named -)",
+        "give a path (./- for one named -)",
     )
     assert main(["diagram", spec, "--check", "-o", "-"]) == 2
     assert capsys.readouterr() == (
