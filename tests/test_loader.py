@@ -905,6 +905,102 @@ def test_a_base_composition_region_fault_is_named_in_the_base(tmp_path: Path) ->
     ]
 
 
+def lamp_counting(counter: str) -> str:
+    """Return LAMP with its counter ``n`` called ``counter``."""
+    return re.sub(r"\bn\b", counter, LAMP)
+
+
+def test_a_region_clash_an_extension_brings_is_named_in_the_extension(tmp_path: Path) -> None:
+    """A counter an extension adds, named like a base's region, was filed in the base.
+
+    The shipped spec validates on its own: the fix is in the file that adds the counter.
+    """
+    write(tmp_path, lamp_counting("host"), "mh.toml")
+    mine = write(
+        tmp_path,
+        "[composition]\nextends = 'fsm_cache:residency'\nname = 'mine'\n"
+        "[composition.regions]\nextra = 'mh.toml'\n",
+        "mine.toml",
+    )
+    assert problems(mine) == [
+        f"{mine}: composition.regions.extra: counter 'host' is also the name of region 'host' "
+        "(each is an attribute of the record); rename one"
+    ]
+
+
+def test_a_counter_clash_of_a_replaced_region_is_named_in_the_extension(tmp_path: Path) -> None:
+    """A region replaced in place keeps its place: order did not tell which file is at fault."""
+    write(tmp_path, LAMP, "lamp.toml")
+    write(tmp_path, lamp_counting("m"), "switch.toml")
+    write(
+        tmp_path,
+        "[composition]\nname = 'one'\n[composition.regions]\na = 'lamp.toml'\nb = 'switch.toml'\n",
+        "one.toml",
+    )
+    two = extending_one(tmp_path, "[composition.regions]\na = 'switch.toml'\n")
+    assert problems(two) == [f"{two}: composition.regions.a: counter 'm' also in region 'b'"]
+
+
+def test_a_type_an_extension_brings_is_named_in_the_extension(tmp_path: Path) -> None:
+    """A region added makes the alias ``BState``: a base counter or region of that name was filed in the base."""
+    write(tmp_path, lamp_counting("BState"), "mb.toml")
+    write(tmp_path, LAMP, "lamp.toml")
+    write(tmp_path, lamp_counting("k"), "mk.toml")
+    five = write(
+        tmp_path,
+        "[composition]\nname = 'five'\n[composition.regions]\na = 'mb.toml'\n",
+        "five.toml",
+    )
+    six = write(
+        tmp_path,
+        "[composition]\nextends = 'five.toml'\nname = 'six'\n[composition.regions]\nb = 'lamp.toml'\n",
+        "six.toml",
+    )
+    assert load_spec(five).name == "five"
+    typed = (
+        "is the type of the states of region 'b' in the types fsm-cache types writes, where a "
+        "field of that name would hide it from the fields after it (mypy rejects the file); rename one"
+    )
+    assert problems(six) == [
+        f"{six}: composition.regions.b: counter 'BState' of region 'a' {typed}"
+    ]
+    write(
+        tmp_path,
+        "[composition]\nname = 'five'\n[composition.regions]\nBState = 'mk.toml'\n",
+        "five.toml",
+    )
+    assert load_spec(five).name == "five"
+    assert problems(six) == [f"{six}: composition.regions.b: region 'BState' {typed}"]
+
+
+def test_a_region_clash_inside_the_base_is_still_named_in_the_base(tmp_path: Path) -> None:
+    """Two regions of the base clash: the base's fault, found through each spec built on it."""
+    write(tmp_path, LAMP, "lamp.toml")
+    write(tmp_path, lamp_counting("a"), "ma.toml")
+    one = write(
+        tmp_path,
+        "[composition]\nname = 'one'\n[composition.regions]\na = 'lamp.toml'\nb = 'ma.toml'\n"
+        "c = 'lamp.toml'\n",
+        "one.toml",
+    )
+    write(tmp_path, lamp_counting("k"), "mk.toml")
+    two = extending_one(tmp_path, "[composition.regions]\nd = 'mk.toml'\n")
+    three = write(tmp_path, "[composition]\nextends = 'two.toml'\nname = 'three'\n", "three.toml")
+    name = (
+        f"{one}: composition.regions.a: not a usable region name (an identifier that is no "
+        "keyword, record attribute or counter)"
+    )
+    twice = f"{one}: composition.regions.c: counter 'n' also in region 'a'"
+    assert problems(two) == [
+        f"{name}; found validating {two}, which extends it",
+        f"{twice}; found validating {two}, which extends it",
+    ]
+    assert problems(three) == [
+        f"{name}; found validating {three}, which builds on it through {two}",
+        f"{twice}; found validating {three}, which builds on it through {two}",
+    ]
+
+
 def test_an_extending_composition_counts_its_own_forbids(tmp_path: Path) -> None:
     write(tmp_path, LAMP, "lamp.toml")
     refuse = "[[forbid]]\nevent = 'press'\nwhen = '{} in [on]'\nerror = 'Busy'\nreason = 'busy'\n"

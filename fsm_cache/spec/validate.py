@@ -286,7 +286,7 @@ def layout_problems(spec: Spec) -> list[str]:
     out: dict[str, None] = {}  # ordered, each line once (regions may share a machine)
     for _, machine in spec.regions:
         out.update(dict.fromkeys(layout_problems(machine)))
-    own = [line for region, _ in spec.regions for line in _region_clashes(spec, region)]
+    own = [line for region, _ in spec.regions for _, line in _region_clashes(spec, region, ())]
     return [*out, *(f"{spec.source}: {line}" for line in own)]
 
 
@@ -312,24 +312,66 @@ def _clashes(spec: MachineSpec) -> list[tuple[str, str]]:
     ]
 
 
-def _region_clashes(system: System, region: str) -> list[str]:
-    """Whether ``region`` is no usable name, and each of its counters another region has too."""
+def _region_clashes(system: System, region: str, chain: Sequence[str]) -> list[_Line]:
+    """Whether ``region`` is no usable name, and each of its counters an earlier region has too.
+
+    A name that is no identifier, or one reserved, is the region's own fault,
+    filed in the file that declares it (:meth:`System.origin`). A clash with
+    another region's name (a counter called ``region``, a counter in both) is
+    filed at the later of the two files (:func:`_filed`), keyed by the region
+    that file declares, ``chain`` as :func:`_later`.
+    """
+    held = system.origin(f"composition.regions.{region}")
+    holders = [name for name, machine in system.regions if region in machine.counter_names]
+    later = [s for s in holders if s != region and _filed(system, region, s, chain)[1] == s]
     out = []
-    if not _region_name_ok(region, system):
+    # "state" is the region name of a single machine (System.single), so it stays allowed;
+    # a counter called `region` that no later file brings makes the name unusable here.
+    if bad_name(region) is not None or region in RESERVED - {"state"} or len(later) < len(holders):
         out.append(
-            f"composition.regions.{region}: not a usable region name (an identifier that is no keyword, record attribute or counter)"
+            (
+                held,
+                f"composition.regions.{region}: not a usable region name (an identifier that is no keyword, record attribute or counter)",
+            )
         )
+    out += [
+        (
+            system.origin(f"composition.regions.{s}"),
+            f"composition.regions.{s}: counter {region!r} is also the name of region {region!r} (each is an attribute of the record); rename one",
+        )
+        for s in later
+    ]
     seen: dict[str, str] = {}  # each counter's latest region so far, as validation names it
     for name, machine in system.regions:
         for counter in machine.counter_names:
             if name == region and counter in seen:
+                file, at, other = _filed(system, region, seen[counter], chain)
                 out.append(
-                    f"composition.regions.{region}: counter {counter!r} also in region {seen[counter]!r}"
+                    (
+                        file,
+                        f"composition.regions.{at}: counter {counter!r} also in region {other!r}",
+                    )
                 )
             seen[counter] = name
         if name == region:
             break
     return out
+
+
+def _filed(system: System, region: str, other: str, chain: Sequence[str]) -> tuple[str, str, str]:
+    """Return where a clash between the names of ``region`` and ``other`` is filed.
+
+    That is ``(file, at, other)``: the file (:meth:`System.origin`) of the
+    region of the two that a later file declares (:func:`_later`; ``region``
+    when neither does), that region, and the other. The later file's author
+    wrote it knowing of the other, and may edit it, where the other may be a
+    shipped spec.
+    """
+    mine = system.origin(f"composition.regions.{region}")
+    theirs = system.origin(f"composition.regions.{other}")
+    if _later(theirs, mine, chain):
+        return theirs, other, region
+    return mine, region, other
 
 
 def _name_problems(spec: MachineSpec) -> list[_Line]:
@@ -404,22 +446,22 @@ def _undeclared(spec: MachineSpec, where: str, event: str) -> list[str]:
     return [f"{where}: unknown event {event!r} (declared in [events]: {', '.join(declared)})"]
 
 
-def _typed(name: str, what: str) -> str:
-    """Return why a record field may not be called ``name``: ``fsm-cache types`` annotates with it."""
+def _typed(name: str, what: str, of: str | None = None) -> str:
+    """Return why a record field may not be called ``name``: ``fsm-cache types`` annotates with it.
+
+    ``of`` is given where the line is filed at another region than the one
+    ``name`` belongs to: the fault is then a clash of two regions' names,
+    either of which may be renamed, and ``of`` says whose ``name`` is
+    (`` of region 'a'`` for a counter, empty for a region).
+    """
     return (
-        f"{name!r} is {what} in the types fsm-cache types writes, where a field of that "
-        "name would hide it from the fields after it (mypy rejects the file); rename it"
+        f"{name!r}{of or ''} is {what} in the types fsm-cache types writes, where a field of that "
+        f"name would hide it from the fields after it (mypy rejects the file); rename {'it' if of is None else 'one'}"
     )
 
 
 def _reserved(name: str) -> bool:
     return name in RESERVED  # keywords are refused by the spelling pass first
-
-
-def _region_name_ok(region: str, system: System) -> bool:
-    # "state" is the region name of a single machine (System.single), so it stays allowed.
-    clash = region in RESERVED - {"state"} or region in machine_counters(system)
-    return bad_name(region) is None and not clash
 
 
 def _error_name(where: str, name: str) -> list[str]:
@@ -753,16 +795,16 @@ def _system_problems(system: System, chains: Chains) -> list[str]:
     out: list[_Line] = []
     inner: dict[str, None] = {}  # ordered, each line once
     validated: set[int] = set()  # the machines already validated, by identity
+    chain = tuple(chains.get(system.source, ()))
     for region, machine in system.regions:
         if id(machine) not in validated:
             validated.add(id(machine))
             inner.update(dict.fromkeys(problems(machine, chains)))
-        held = system.origin(f"composition.regions.{region}")
-        out += [(held, line) for line in _region_clashes(system, region)]
+        out += _region_clashes(system, region, chain)
     if (bad := bad_title(system.name)) is not None:
         out.append(("", f"composition.name: {system.name!r}: {bad}"))
-    for region, line in (*_alias_problems(system), *_annotation_problems(system)):
-        out.append((system.origin(f"composition.regions.{region}"), line))
+    out += _alias_problems(system, chain)
+    out += _annotation_problems(system, chain)
     for (file, key), fb in zip(
         _places(system, "forbid", system.forbids), system.forbids, strict=True
     ):
@@ -770,7 +812,7 @@ def _system_problems(system: System, chains: Chains) -> list[str]:
     out += _birth_problems(system)
     if not inner and not out:  # the search runs the spec's steps, so they must be well defined
         out = list(_records(system))
-    return [*inner, *_located(system, out, tuple(chains.get(system.source, ())))]
+    return [*inner, *_located(system, out, chain)]
 
 
 def _records(spec: Spec) -> Iterator[_Line]:
@@ -863,42 +905,62 @@ def _unreached(spec: Spec, runs: Runs) -> Iterator[_Line]:
                 )
 
 
-def _alias_problems(system: System) -> Iterator[tuple[str, str]]:
-    """``(region, line)`` for each region whose ``fsm-cache types`` alias (``DoorState``) an earlier region has too.
+def _alias_problems(system: System, chain: Sequence[str]) -> Iterator[_Line]:
+    """Each region whose ``fsm-cache types`` alias (``DoorState``) an earlier region has too.
 
     The alias camel-cases the region name, so ``door`` and ``Door``, or ``my_door``
-    and ``my__door``, would declare one alias twice; the second region is refused.
+    and ``my__door``, would declare one alias twice; the second region is
+    refused, or the first where a later file declares it (:func:`_filed`).
     """
     owners: dict[str, str] = {}
     for region, _ in system.regions:
         alias = state_alias(system, region)
         if alias in owners:
+            file, at, other = _filed(system, region, owners[alias], chain)
             yield (
-                region,
-                f"composition.regions.{region}: region {owners[alias]!r} has the same type "
+                file,
+                f"composition.regions.{at}: region {other!r} has the same type "
                 f"alias {alias} (fsm-cache types camel-cases region names); rename one",
             )
         else:
             owners[alias] = region
 
 
-def _annotation_problems(system: System) -> Iterator[tuple[str, str]]:
-    """``(region, line)`` for each region, or counter, named like a type the composition's stub annotates with.
+def _annotation_problems(system: System, chain: Sequence[str]) -> Iterator[_Line]:
+    """Each region, or counter, named like a type the composition's stub annotates with.
 
     A counter named ``int`` or ``object`` is its machine file's fault, reported
     there; here are the names only the composition gives a meaning to: the
-    region aliases (a region ``HostState`` beside the region ``host``).
+    region aliases (a region ``HostState`` beside the region ``host``). A
+    region named ``int`` is its own fault; a name like another region's alias
+    is a clash of the two, filed at the later file's region (:func:`_filed`).
     """
     typed = annotation_types(system)
+    aliases = {state_alias(system, region): region for region, _ in system.regions}
     for region, machine in system.regions:
         if region in typed:
-            yield region, f"composition.regions.{region}: {_typed(region, typed[region])}"
+            file, at, _ = _filed(system, region, aliases.get(region, region), chain)
+            yield (
+                file,
+                f"composition.regions.{at}: "
+                + (
+                    _typed(region, typed[region])
+                    if at == region
+                    else f"region {_typed(region, typed[region], '')}"
+                ),
+            )
         own = annotation_types(System.single(machine))  # reported in the machine's file
         for counter in machine.counter_names:
             if counter in typed and counter not in own:
+                file, at, _ = _filed(system, region, aliases[counter], chain)
                 yield (
-                    region,
-                    f"composition.regions.{region}: counter {_typed(counter, typed[counter])}",
+                    file,
+                    f"composition.regions.{at}: "
+                    + (
+                        f"counter {_typed(counter, typed[counter])}"
+                        if at == region
+                        else f"counter {_typed(counter, typed[counter], f' of region {region!r}')}"
+                    ),
                 )
 
 
