@@ -73,12 +73,14 @@ from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.storage_tier import StorageConfig
 from fsm_cache.distributed.collectives import CPU, Collectives
 from fsm_cache.distributed.digest import (
+    AppliedFailure,
     AppliedOperation,
     AppliedTransition,
     TransitionDigest,
     collectives_message,
     copy_nodes,
     divergence_message,
+    failure_difference,
     failure_message,
     first_difference,
     involved_nodes,
@@ -756,10 +758,10 @@ class DistributedCache:
         self._digest.update()
         start = self._digest.agreed
         if why == "split":
-            failed: list[list[AppliedOperation]] = self.comm.all_gather_object(
+            failed: list[list[AppliedFailure]] = self.comm.all_gather_object(
                 self._digest.failures()
             )
-            index = first_difference(failed)
+            index = failure_difference(failed)
             if index is not None:
                 return failure_message(index, failed)
         tails: list[list[AppliedTransition]] = self.comm.all_gather_object(self._digest.tail())
