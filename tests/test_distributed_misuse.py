@@ -26,8 +26,11 @@ with warnings.catch_warnings():
 
     from fsm_cache.bench.tp import bench_config, chat_trace, serve_request
     from fsm_cache.cache.hicache import HiCache
+    from fsm_cache.cache.storage_tier import StorageConfig
     from fsm_cache.distributed.agreement import DistributedCache
     from fsm_cache.errors import FsmCacheError
+    from fsm_cache.memory.tiers import CacheConfig
+    from fsm_cache.storage import LocalFileStore
 
 TIMEOUT = 20.0  # seconds the default group's collectives wait
 DEADLINE = 240.0  # seconds the spawned ranks may run before the test kills them
@@ -107,6 +110,29 @@ def stepped_after_a_timeout(rank: int) -> list[Any]:
     return [first, again, quick, shared.transitions == transitions]
 
 
+def looked_up_different_prefixes(rank: int, folder: Path) -> str:
+    """Both ranks' stores hold six pages; rank 0 looks up four of them, rank 1 all six."""
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+    config = CacheConfig(
+        device_pages=16, host_pages=32, page_size=4, layers=1, heads=1, head_dim=4, device="cpu"
+    )
+    store = LocalFileStore(folder / f"store{rank}")
+
+    def wrapped() -> DistributedCache:
+        tier = StorageConfig(
+            store, model="test", rank=rank, ranks=2, threads=0, io_timeout=5.0, prefetch_threshold=4
+        )
+        return DistributedCache(HiCache(config, storage=tier), side, timeout=TIMEOUT)
+
+    tokens = list(range(1000, 1024))
+    writer = wrapped()
+    writer.cache.insert(tokens)
+    writer.drain()
+    writer.cache.close()
+    shared = wrapped()
+    return said(lambda: shared.cache.match_prefix(tokens[: 16 if rank == 0 else 24]))
+
+
 def worker(rank: int, world: int, store: str, out: str) -> None:
     dist.init_process_group(
         "gloo",
@@ -124,6 +150,7 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
     ):
         report[scenario.__name__] = scenario(rank)
         dist.barrier()  # the default group is whole: a late rank catches up here
+    report["looked_up_different_prefixes"] = looked_up_different_prefixes(rank, Path(out))
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
@@ -189,3 +216,15 @@ def test_a_step_after_a_timeout_is_refused_at_once(ranks: Results) -> None:
     # the late rank may complete the step with rank 0's part (gloo keeps it), as
     # documented; its next step, which nobody joins, fails
     assert ranks[1]["stepped_after_a_timeout"][1].startswith("RankFailure: rank 1 of 2: ")
+
+
+def test_lookups_that_ask_the_store_about_different_prefixes_name_each_rank(
+    ranks: Results,
+) -> None:
+    expected = (
+        "RankDivergence: rank divergence after transition 0: the ranks asked the storage tier "
+        "about different prefixes: from [0, 4, 1, 1] to [0, 6, 1, 1] pages: rank 0 asked "
+        "[0, 4, 1, 1] in match_prefix(<16 ids {}>, None), rank 1 asked [0, 6, 1, 1] in "
+        "match_prefix(<24 ids {}>, None)"
+    ).format(*(f"{hash(tuple(range(1000, n))) & (1 << 64) - 1:016x}" for n in (1016, 1024)))
+    assert [r["looked_up_different_prefixes"] for r in ranks] == [expected, expected]

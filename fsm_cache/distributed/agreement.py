@@ -60,6 +60,7 @@ cache's ``wait_loaded``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import struct
 import time
 import warnings
@@ -86,6 +87,7 @@ from fsm_cache.distributed.digest import (
     involved_nodes,
     lost_message,
     operation_message,
+    operation_text,
     queued_message,
     reset_message,
     stalled_message,
@@ -151,6 +153,10 @@ _KINDS = {
 joins in place of a step's or a verification's when its own work before it raised. A
 drain's rounds have a kind of their own, so a rank that steps where another drains is
 named at once, not as different transitions at some later call."""
+
+
+_RECENT = 64
+"""Log entries, newest first, searched for the operation a divergence inside it names."""
 
 
 Loss = tuple[int, list[list[int]], int]
@@ -654,7 +660,8 @@ class DistributedCache:
         each rank's clock says only whether its own store was slow.
 
         Raises:
-            RankDivergence: The ranks asked about different numbers of pages.
+            RankDivergence: The ranks asked about different numbers of pages (each
+                rank named, with what it asked and the lookup it asked in).
             RankFailure: The collective failed or timed out, or an earlier call
                 raised RankFailure (refused at once: the group is broken).
         """
@@ -665,15 +672,33 @@ class DistributedCache:
                 [*found, *asked, *(-a for a in asked)],
                 "prefetch hit count (all_reduce MIN)",
             )
-        lows, highs = reduced[n : n + m], [-h for h in reduced[n + m : n + 2 * m]]
-        if lows != highs:
-            raise RankDivergence(
-                f"rank divergence after transition {self._digest.agreed}: the ranks asked the "
-                f"storage tier about different prefixes: from {lows} to {highs} pages"
-            )
+            lows, highs = reduced[n : n + m], [-h for h in reduced[n + m : n + 2 * m]]
+            if lows != highs:  # every rank found it so: each says what it asked, and in what
+                said = self.comm.all_gather_object((list(asked), self._operation_running()))
+                each = ", ".join(
+                    f"rank {rank} asked {pages} in {operation}"
+                    for rank, (pages, operation) in enumerate(said)
+                )
+                raise RankDivergence(
+                    f"rank divergence after transition {self._digest.agreed}: the ranks asked "
+                    f"the storage tier about different prefixes: from {lows} to {highs} pages: "
+                    f"{each}"
+                )
         agreed = reduced[:n]
         self.cache.log.op("agreed_hits", tuple(found), tuple(agreed))
         return agreed
+
+    def _operation_running(self) -> str:
+        """The operation this rank's cache logged last, as every rank renders it.
+
+        A storage query runs inside a lookup, logged when it began, and
+        logs nothing of its own before the hit count is agreed, so the
+        lookup is among the last few entries.
+        """
+        for kind, name, args in itertools.islice(reversed(self.cache.log.entries), _RECENT):
+            if kind == "op":
+                return operation_text(name, args) or name
+        return "an operation"
 
     # -- divergence detection --------------------------------------------------
 
