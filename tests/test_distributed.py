@@ -74,6 +74,7 @@ with warnings.catch_warnings():
         collectives_message,
         copy_nodes,
         divergence_message,
+        failure_difference,
         failure_message,
         first_difference,
         involved_nodes,
@@ -1872,22 +1873,23 @@ def test_a_failure_folds_in_apart_from_a_refusal_and_names_its_operation() -> No
     assert (
         failed.update() != digest(("refused", "insert", "RuntimeError: allocator broke")).update()
     )
-    assert failed.failures() == [
-        (0, "insert((1, 2), None, None) raised RuntimeError: allocator broke")
-    ]
+    assert failed.failures() == [(0, "insert((1, 2), None, None)", "RuntimeError: allocator broke")]
     assert digest(("refused", "insert", "PoolExhausted: no room")).failures() == []
 
 
 def test_failure_message_names_each_ranks_failure() -> None:
     failed = [
-        [(3, "insert((1,), None, None) raised RuntimeError: broke")],
+        [(3, "insert((1,), None, None)", "RuntimeError: broke")],
         [],
-        [
-            (3, "insert((1,), None, None) raised RuntimeError: broke"),
-            (5, "evict(4) raised OSError: x"),
-        ],
+        [(3, "insert((1,), None, None)", "RuntimeError: broke"), (5, "evict(4)", "OSError: x")],
     ]
-    assert first_difference(failed) == 0
+    assert failure_difference(failed) == 0
+    # compared as the digest folds them in: by the error's class, not its message
+    gpus = [
+        [(3, "insert((1,), None, None)", f"RuntimeError: out of memory on GPU {r}")] for r in (0, 1)
+    ]
+    assert failure_difference(gpus) is None
+    assert failure_difference([gpus[0], [(3, "insert((1,), None, None)", "OSError: x")]]) == 0
     assert failure_message(0, failed) == (
         "rank divergence after transition 3: an operation failed on some ranks only: "
         "rank 0's insert((1,), None, None) raised RuntimeError: broke, rank 1 had no failure, "

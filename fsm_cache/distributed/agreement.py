@@ -60,6 +60,7 @@ cache's ``wait_loaded``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import struct
 import time
 import warnings
@@ -73,17 +74,20 @@ from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.storage_tier import StorageConfig
 from fsm_cache.distributed.collectives import CPU, Collectives
 from fsm_cache.distributed.digest import (
+    AppliedFailure,
     AppliedOperation,
     AppliedTransition,
     TransitionDigest,
     collectives_message,
     copy_nodes,
     divergence_message,
+    failure_difference,
     failure_message,
     first_difference,
     involved_nodes,
     lost_message,
     operation_message,
+    operation_text,
     queued_message,
     reset_message,
     stalled_message,
@@ -92,6 +96,7 @@ from fsm_cache.distributed.digest import (
 )
 from fsm_cache.errors import (
     BadArgument,
+    CacheClosed,
     ConfigError,
     CopyFailed,
     FsmCacheError,
@@ -148,6 +153,10 @@ _KINDS = {
 joins in place of a step's or a verification's when its own work before it raised. A
 drain's rounds have a kind of their own, so a rank that steps where another drains is
 named at once, not as different transitions at some later call."""
+
+
+_RECENT = 64
+"""Log entries, newest first, searched for the operation a divergence inside it names."""
 
 
 Loss = tuple[int, list[list[int]], int]
@@ -233,6 +242,7 @@ class DistributedCache:
         self._log = cache.log
         self._digest = TransitionDigest(cache.log)
         self._refused = 0  # starts the copy engine refused, kept in flight as failed copies
+        self._broken: str | None = None  # the RankFailure that broke the group, if one did
         cache.transfers.take_acks_from(self, self._agree_wait, self._failed_here)
         cache.transfers.start_copies_with(_AgreedStarts(cache.tiers.copier, self._keep_refused))
         if cache.storage is not None:
@@ -377,7 +387,10 @@ class DistributedCache:
         waits for the GPU. Returns how many copies (host and storage) were applied.
 
         Raises:
-            RankFailure: The agreement collective failed or timed out.
+            RankFailure: The agreement collective failed or timed out, or an
+                earlier call raised RankFailure (refused at once: the group is broken).
+            CacheClosed: The cache was closed (raised before the collective: the
+                other ranks raise RankFailure naming this rank).
             RankDivergence: The ranks applied different transitions or served
                 different operations, or have different numbers of copies in
                 flight (one lost or invented a copy); a rank's cache was reset
@@ -386,11 +399,13 @@ class DistributedCache:
                 others for longer than ``timeout``; or some ranks called
                 another method (:meth:`verify_agreement`, say) instead.
         """
-        with self._announcing("step"):
-            self._follow_reset()
-            for completion in self.cache.tiers.copier.poll():
-                self._finished[completion.ticket.id] = completion
-        return self._agree(drained=False)[0]
+        with self._in_group("step"):
+            with self._announcing("step"):
+                self._check_open("step")
+                self._follow_reset()
+                for completion in self.cache.tiers.copier.poll():
+                    self._finished[completion.ticket.id] = completion
+            return self._agree(drained=False)[0]
 
     def poll(self) -> int:
         """Deprecated: :meth:`step`, which is meant once per scheduler step, not per request."""
@@ -419,21 +434,26 @@ class DistributedCache:
             RankDivergence: As :meth:`step`; also when a rank's copy engine
                 drained without reporting a copy that rank started (a lost
                 completion), which would otherwise leave every rank waiting.
-            RankFailure: A collective failed or timed out.
+            RankFailure: A collective failed or timed out, or an earlier call
+                raised RankFailure (refused at once: the group is broken).
+            CacheClosed: The cache was closed (raised before the collective: the
+                other ranks raise RankFailure naming this rank).
         """
-        with self._announcing("drain"):
-            self._follow_reset()
-        applied, rounds, limit = 0, 0, None
-        while True:  # agree at least once, so that every rank takes the same turns
+        with self._in_group("drain"):
             with self._announcing("drain"):
-                for completion in self.cache.tiers.copier.drain():
-                    self._finished[completion.ticket.id] = completion
-            count, quiet = self._agree(drained=True)
-            applied, rounds = applied + count, rounds + 1
-            if limit is None:  # the first round checked that the trees agree, so this does
-                limit = len(self.cache.tree.nodes) + 2
-            if quiet or rounds >= limit:
-                return applied
+                self._check_open("drain")
+                self._follow_reset()
+            applied, rounds, limit = 0, 0, None
+            while True:  # agree at least once, so that every rank takes the same turns
+                with self._announcing("drain"):
+                    for completion in self.cache.tiers.copier.drain():
+                        self._finished[completion.ticket.id] = completion
+                count, quiet = self._agree(drained=True)
+                applied, rounds = applied + count, rounds + 1
+                if limit is None:  # the first round checked that the trees agree, so this does
+                    limit = len(self.cache.tree.nodes) + 2
+                if quiet or rounds >= limit:
+                    return applied
 
     def _agree(self, *, drained: bool) -> tuple[int, bool]:
         """Agree on the finished head of the issue order and apply it; see :meth:`step`.
@@ -558,6 +578,48 @@ class DistributedCache:
         return reduced[2:]
 
     @contextlib.contextmanager
+    def _in_group(self, where: str) -> Iterator[None]:
+        """Run one of this rank's agreement calls; refuse it once the group has broken.
+
+        A :class:`RankFailure` means the group is broken: a rank that timed out
+        of a collective has sent its part, and a rank that reaches it later
+        completes it with that part and applies the step alone. This rank's
+        next collective would then pair with another rank's next one (a
+        different step, or another kind), so every later call is refused
+        here, before it touches the group or the cache, naming the failure.
+
+        Raises:
+            RankFailure: The group broke at an earlier call of this wrapper.
+        """
+        if self._broken is not None:
+            raise RankFailure(
+                f"rank {self.rank} of {self.world_size}: {where} refused: the agreement group "
+                "broke at an earlier collective, and a later one could pair with another "
+                "collective of the other ranks; tear the group down and rebuild it and the "
+                f"caches (it broke with: {self._broken})"
+            )
+        try:
+            yield
+        except RankFailure as failure:
+            self._broken = self._broken or str(failure)
+            raise
+
+    def _check_open(self, where: str) -> None:
+        """Refuse an agreement on a closed cache, before its collective.
+
+        ``close()`` applied what was left as it finished on this rank alone,
+        so there is nothing left to agree on; raised inside
+        :meth:`_announcing`, the other ranks learn it at once.
+
+        Raises:
+            CacheClosed: The cache was closed.
+        """
+        if self.cache.tiers.closed:
+            raise CacheClosed(
+                f"{where}: the cache of rank {self.rank} of {self.world_size} was closed"
+            )
+
+    @contextlib.contextmanager
     def _announcing(self, where: str) -> Iterator[None]:
         """Run this rank's work before a collective; if it raises, tell the others first.
 
@@ -598,24 +660,45 @@ class DistributedCache:
         each rank's clock says only whether its own store was slow.
 
         Raises:
-            RankDivergence: The ranks asked about different numbers of pages.
-            RankFailure: The collective failed or timed out.
+            RankDivergence: The ranks asked about different numbers of pages (each
+                rank named, with what it asked and the lookup it asked in).
+            RankFailure: The collective failed or timed out, or an earlier call
+                raised RankFailure (refused at once: the group is broken).
         """
         n, m = len(found), len(asked)
-        reduced = self._reduce(
-            _HITS,
-            [*found, *asked, *(-a for a in asked)],
-            "prefetch hit count (all_reduce MIN)",
-        )
-        lows, highs = reduced[n : n + m], [-h for h in reduced[n + m : n + 2 * m]]
-        if lows != highs:
-            raise RankDivergence(
-                f"rank divergence after transition {self._digest.agreed}: the ranks asked the "
-                f"storage tier about different prefixes: from {lows} to {highs} pages"
+        with self._in_group("a prefetch's hit count"):
+            reduced = self._reduce(
+                _HITS,
+                [*found, *asked, *(-a for a in asked)],
+                "prefetch hit count (all_reduce MIN)",
             )
+            lows, highs = reduced[n : n + m], [-h for h in reduced[n + m : n + 2 * m]]
+            if lows != highs:  # every rank found it so: each says what it asked, and in what
+                said = self.comm.all_gather_object((list(asked), self._operation_running()))
+                each = ", ".join(
+                    f"rank {rank} asked {pages} in {operation}"
+                    for rank, (pages, operation) in enumerate(said)
+                )
+                raise RankDivergence(
+                    f"rank divergence after transition {self._digest.agreed}: the ranks asked "
+                    f"the storage tier about different prefixes: from {lows} to {highs} pages: "
+                    f"{each}"
+                )
         agreed = reduced[:n]
         self.cache.log.op("agreed_hits", tuple(found), tuple(agreed))
         return agreed
+
+    def _operation_running(self) -> str:
+        """The operation this rank's cache logged last, as every rank renders it.
+
+        A storage query runs inside a lookup, logged when it began, and
+        logs nothing of its own before the hit count is agreed, so the
+        lookup is among the last few entries.
+        """
+        for kind, name, args in itertools.islice(reversed(self.cache.log.entries), _RECENT):
+            if kind == "op":
+                return operation_text(name, args) or name
+        return "an operation"
 
     # -- divergence detection --------------------------------------------------
 
@@ -646,17 +729,22 @@ class DistributedCache:
                 ranks whose cache was reset alone (every rank raises the same
                 message). Or some ranks called :meth:`step` (or :meth:`drain`)
                 where the others called this: every rank raises at once.
-            RankFailure: A collective failed or timed out.
+            RankFailure: A collective failed or timed out, or an earlier call
+                raised RankFailure (refused at once: the group is broken).
+            CacheClosed: The cache was closed (raised before the collective: the
+                other ranks raise RankFailure naming this rank).
         """
-        with self._announcing("verify_agreement"):
-            self._follow_reset()
-            mine = self._digest.update()
-        same = self._shared(mine, len(self.cache.issued()))
-        reduced = self._reduce(
-            _VERIFY, [*same, *(-v for v in same)], "digest verification (all_reduce MIN)"
-        )
-        self._check_shared(reduced[: len(same)], reduced[len(same) : 2 * len(same)])
-        return mine
+        with self._in_group("verify_agreement"):
+            with self._announcing("verify_agreement"):
+                self._check_open("verify_agreement")
+                self._follow_reset()
+                mine = self._digest.update()
+            same = self._shared(mine, len(self.cache.issued()))
+            reduced = self._reduce(
+                _VERIFY, [*same, *(-v for v in same)], "digest verification (all_reduce MIN)"
+            )
+            self._check_shared(reduced[: len(same)], reduced[len(same) : 2 * len(same)])
+            return mine
 
     def _agree_wait(self, local: Callable[[], bool]) -> bool:
         """Agree on whether a load can be read (the cache's ``wait_loaded``): the MIN over the ranks.
@@ -676,18 +764,21 @@ class DistributedCache:
         Raises:
             RankDivergence: As :meth:`verify_agreement`, or some ranks reached
                 another collective (every rank raises).
-            RankFailure: The collective failed or timed out.
+            RankFailure: The collective failed or timed out, or an earlier call
+                raised RankFailure (refused at once: the group is broken).
         """
-        with self._announcing("wait_loaded"):
-            self._follow_reset()
-            ready = int(local())
-            mine = self._digest.update()
-        same = self._shared(mine, len(self.cache.issued()))
-        reduced = self._reduce(
-            _WAIT, [ready, *same, *(-v for v in same)], "load wait agreement (all_reduce MIN)"
-        )
-        self._check_shared(reduced[1 : 1 + len(same)], reduced[1 + len(same) : 1 + 2 * len(same)])
-        return reduced[0] == 1
+        with self._in_group("wait_loaded"):
+            with self._announcing("wait_loaded"):
+                self._follow_reset()
+                ready = int(local())
+                mine = self._digest.update()
+            same = self._shared(mine, len(self.cache.issued()))
+            reduced = self._reduce(
+                _WAIT, [ready, *same, *(-v for v in same)], "load wait agreement (all_reduce MIN)"
+            )
+            lows, highs = reduced[1 : 1 + len(same)], reduced[1 + len(same) : 1 + 2 * len(same)]
+            self._check_shared(lows, highs)
+            return reduced[0] == 1
 
     def _failed_here(self, tickets: Sequence[int]) -> bool:
         """Whether a copy of ``tickets`` finished failed on this rank, held back until agreed.
@@ -756,10 +847,10 @@ class DistributedCache:
         self._digest.update()
         start = self._digest.agreed
         if why == "split":
-            failed: list[list[AppliedOperation]] = self.comm.all_gather_object(
+            failed: list[list[AppliedFailure]] = self.comm.all_gather_object(
                 self._digest.failures()
             )
-            index = first_difference(failed)
+            index = failure_difference(failed)
             if index is not None:
                 return failure_message(index, failed)
         tails: list[list[AppliedTransition]] = self.comm.all_gather_object(self._digest.tail())

@@ -26,7 +26,7 @@ import enum
 import hashlib
 import struct
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 from fsm_cache.cache.eventlog import EventLog
 from fsm_cache.errors import ConfigError
@@ -41,6 +41,10 @@ AppliedOperation = tuple[int, str]
 """``(transitions applied before it, what the rank did)`` for an operation a cache
 served (``called insert(...)``, after :func:`operation_text`) or refused
 (``had insert refused (PoolExhausted)``)."""
+
+AppliedFailure = tuple[int, str, str]
+"""``(transitions applied before it, the operation as every rank renders it, "ErrorClass:
+message")`` for an operation that failed from outside the cache (:meth:`TransitionDigest.failures`)."""
 
 DIGEST_BYTES = 16
 
@@ -275,7 +279,7 @@ class TransitionDigest:
                     for i, value in enumerate(shared):
                         words.extend(_argument_words(value, namespaced and i == 1))
             elif kind in _OUTCOMES:  # a refusal, or a failure from outside the cache
-                error = second.partition(":")[0]
+                error = _error_class(second)
                 words.extend((_OUTCOMES[kind], _code(codes, first), _code(codes, error)))
         if words:
             self._hash.update(_pack(words))
@@ -293,10 +297,10 @@ class TransitionDigest:
         entries = self._log.since(self._agreed_entry, self._scanned)
         return [(node, event) for kind, node, event in entries if kind == "transition"]
 
-    def failures(self) -> list[AppliedOperation]:
+    def failures(self) -> list[AppliedFailure]:
         """Return the operations that failed from outside the cache since the last agreed point.
 
-        Each as ``(transitions applied before it, "insert(...) raised RuntimeError: ...")``:
+        Each as ``(transitions applied before it, "insert(...)", "RuntimeError: ...")``:
         the operation as every rank renders it, then the error and its message.
         """
         applied, found, last = self.agreed, [], "an operation"
@@ -306,7 +310,7 @@ class TransitionDigest:
             elif kind == "op":
                 last = operation_text(first, second) or first
             elif kind == "failed":
-                found.append((applied, f"{last} raised {second}"))
+                found.append((applied, last, second))
         return found
 
     def operations(self) -> list[AppliedOperation]:
@@ -328,10 +332,12 @@ class TransitionDigest:
         return found
 
 
-def first_difference(tails: Sequence[Sequence[AppliedTransition]]) -> int | None:
-    """Return the first index at which the ranks' transitions differ, or None if none does.
+def first_difference(tails: Sequence[Sequence[Hashable]]) -> int | None:
+    """Return the first index at which the ranks' entries differ, or None if none does.
 
-    A rank that applied fewer transitions differs at the index just past its last one.
+    Entries are transitions, operations or failures, per rank, in order.
+
+    A rank with fewer entries differs at the index just past its last one.
     """
     longest = max((len(t) for t in tails), default=0)
     for i in range(longest):
@@ -391,11 +397,29 @@ def operation_message(index: int, operations: Sequence[Sequence[AppliedOperation
     )
 
 
-def failure_message(index: int, failures: Sequence[Sequence[AppliedOperation]]) -> str:
+def failure_difference(failures: Sequence[Sequence[AppliedFailure]]) -> int | None:
+    """Return the first index at which the ranks' failures differ, as the digest tells them apart.
+
+    Failures compare by where they came, their operation and their error's
+    class, not by its message, which may name what differs between ranks (a
+    device, an address): an operation that failed alike everywhere is no
+    divergence, and whatever parted the ranks is to be named instead.
+    """
+    return first_difference(
+        [[(at, operation, _error_class(error)) for at, operation, error in f] for f in failures]
+    )
+
+
+def _error_class(error: str) -> str:
+    """The class of a logged ``"ErrorClass: message"``, as the digest folds it in."""
+    return error.partition(":")[0]
+
+
+def failure_message(index: int, failures: Sequence[Sequence[AppliedFailure]]) -> str:
     """Describe the first operation that failed from outside the cache on some ranks only.
 
     Args:
-        index: Where the ranks' failures first differ (from :func:`first_difference`).
+        index: Where the ranks' failures first differ (from :func:`failure_difference`).
         failures: Per rank, its failures since the agreed point (see
             :meth:`TransitionDigest.failures`).
 
@@ -404,8 +428,9 @@ def failure_message(index: int, failures: Sequence[Sequence[AppliedOperation]]) 
         only: rank 0 had no failure, rank 1's insert(<32 ids 13514aa7e54a0922>,
         None, None) raised RuntimeError: allocator broke``.
     """
+    shown = [[(at, f"{operation} raised {error}") for at, operation, error in f] for f in failures]
     return _apart(
-        index, failures, "an operation failed on some ranks only", "rank {}'s {}", "had no failure"
+        index, shown, "an operation failed on some ranks only", "rank {}'s {}", "had no failure"
     )
 
 

@@ -1,0 +1,230 @@
+"""Tensor-parallel agreement misused or after a fault: refused with a typed error, named right.
+
+Two gloo ranks (spawned as in ``tests/test_distributed.py``) run each scenario
+on a gloo group of its own and write what each call said as JSON; the tests
+compare the ranks' reports.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+with warnings.catch_warnings():
+    # A torch without numpy warns at import, which filterwarnings=error would turn into an error.
+    warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+    import torch.distributed as dist
+    from torch.multiprocessing.spawn import start_processes
+
+    from fsm_cache.bench.tp import bench_config, chat_trace, serve_request
+    from fsm_cache.cache.hicache import HiCache
+    from fsm_cache.cache.storage_tier import StorageConfig
+    from fsm_cache.distributed.agreement import DistributedCache
+    from fsm_cache.errors import FsmCacheError
+    from fsm_cache.memory.tiers import CacheConfig
+    from fsm_cache.storage import LocalFileStore
+
+TIMEOUT = 20.0  # seconds the default group's collectives wait
+DEADLINE = 240.0  # seconds the spawned ranks may run before the test kills them
+Results = list[dict[str, Any]]
+
+
+def said(call: Callable[[], object]) -> str:
+    """What ``call`` raised, as ``Class: message``, or ``returned``."""
+    try:
+        call()
+    except FsmCacheError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "returned"
+
+
+def served(timeout: float, **config: object) -> DistributedCache:
+    """A wrapper on a gloo group of its own that served four requests, a step after each."""
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+    shared = DistributedCache(HiCache(bench_config(debug=True, **config)), side, timeout=timeout)
+    for tokens in chat_trace(4, seed=1):
+        serve_request(shared.cache, tokens)
+        shared.step()
+    return shared
+
+
+def failed_alike_then_parted(rank: int) -> str:
+    """An insert fails alike on both ranks, its message naming the rank's GPU; rank 1 evicts.
+
+    The failure, folded in by its class, is no divergence; the eviction is, and
+    must be named, not the messages of the failures that agree.
+    """
+    shared = served(TIMEOUT, write_policy="write_through_selective")
+    allocator = shared.cache.tiers.device.allocator
+
+    def broken(*args: Any, **kwargs: Any) -> list[int]:
+        raise RuntimeError(f"CUDA out of memory on GPU {rank}")
+
+    allocator.alloc = broken  # type: ignore[method-assign]
+    try:
+        shared.cache.insert(list(range(5000, 5032)))
+    except RuntimeError:
+        pass
+    finally:
+        vars(allocator).pop("alloc", None)
+    if rank == 1:
+        shared.cache.evict(8)
+    return said(shared.step)
+
+
+def closed_on_one_rank(rank: int) -> list[str]:
+    """Rank 1 closes its cache, then both step twice."""
+    shared = served(5.0)
+    if rank == 1:
+        shared.cache.close()
+    return [said(shared.step), said(shared.step)]
+
+
+def closed_on_every_rank(rank: int) -> list[str]:
+    """Both ranks close their caches, then call every agreement."""
+    del rank
+    shared = served(5.0)
+    shared.cache.close()
+    return [said(shared.step), said(shared.drain), said(shared.verify_agreement)]
+
+
+def stepped_after_a_timeout(rank: int) -> list[Any]:
+    """Rank 1 is late to a step past the timeout; both then step again."""
+    shared = served(1.0)
+    serve_request(shared.cache, chat_trace(5, seed=1)[-1])  # leaves copies in flight
+    if rank == 1:
+        time.sleep(2.5)
+    first = said(shared.step)
+    transitions = shared.transitions
+    started = time.monotonic()
+    again = said(shared.step)
+    quick = time.monotonic() - started < 0.5
+    return [first, again, quick, shared.transitions == transitions]
+
+
+def looked_up_different_prefixes(rank: int, folder: Path) -> str:
+    """Both ranks' stores hold six pages; rank 0 looks up four of them, rank 1 all six."""
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+    config = CacheConfig(
+        device_pages=16, host_pages=32, page_size=4, layers=1, heads=1, head_dim=4, device="cpu"
+    )
+    store = LocalFileStore(folder / f"store{rank}")
+
+    def wrapped() -> DistributedCache:
+        tier = StorageConfig(
+            store, model="test", rank=rank, ranks=2, threads=0, io_timeout=5.0, prefetch_threshold=4
+        )
+        return DistributedCache(HiCache(config, storage=tier), side, timeout=TIMEOUT)
+
+    tokens = list(range(1000, 1024))
+    writer = wrapped()
+    writer.cache.insert(tokens)
+    writer.drain()
+    writer.cache.close()
+    shared = wrapped()
+    return said(lambda: shared.cache.match_prefix(tokens[: 16 if rank == 0 else 24]))
+
+
+def worker(rank: int, world: int, store: str, out: str) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=TIMEOUT),
+    )
+    report: dict[str, Any] = {}
+    for scenario in (
+        failed_alike_then_parted,
+        closed_on_one_rank,
+        closed_on_every_rank,
+        stepped_after_a_timeout,
+    ):
+        report[scenario.__name__] = scenario(rank)
+        dist.barrier()  # the default group is whole: a late rank catches up here
+    report["looked_up_different_prefixes"] = looked_up_different_prefixes(rank, Path(out))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> Results:
+    folder = tmp_path_factory.mktemp("misuse")
+    ctx = start_processes(
+        worker, args=(2, str(folder / "store"), str(folder)), nprocs=2, join=False
+    )  # type: ignore[no-untyped-call]
+    ends = time.monotonic() + DEADLINE
+    while not ctx.join(timeout=1.0):  # raises ProcessRaisedException with a rank's traceback
+        if time.monotonic() > ends:
+            for process in ctx.processes:
+                process.kill()
+            pytest.fail(f"2 ranks still running after {DEADLINE:g} s")
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_a_failure_alike_on_every_rank_is_not_named_for_its_messages(ranks: Results) -> None:
+    expected = (
+        "RankDivergence: rank divergence at transition 8: rank 0 applied nothing (only 8 "
+        "transitions), rank 1 applied node 2 delete; node 2 now: rank 0 unbacked/resident "
+        "(pins=0, locks=0), rank 1 not in the tree"
+    )
+    assert [r["failed_alike_then_parted"] for r in ranks] == [expected, expected]
+
+
+def test_a_step_on_a_cache_closed_on_one_rank_is_refused_and_named(ranks: Results) -> None:
+    closed = "CacheClosed: step: the cache of rank 1 of 2 was closed"
+    failed = (
+        "rank 0 of 2: the agreement stopped before its collective, and no rank applied "
+        f"anything in it: rank 1 raised {closed.replace(': ', ' in step: ', 1)}"
+    )
+    assert ranks[1]["closed_on_one_rank"] == [closed, closed]
+    assert ranks[0]["closed_on_one_rank"] == [
+        f"RankFailure: {failed}",
+        "RankFailure: rank 0 of 2: step refused: the agreement group broke at an earlier "
+        "collective, and a later one could pair with another collective of the other ranks; "
+        f"tear the group down and rebuild it and the caches (it broke with: {failed})",
+    ]
+
+
+def test_agreements_on_caches_closed_everywhere_are_refused_alike(ranks: Results) -> None:
+    for rank, report in enumerate(ranks):
+        assert report["closed_on_every_rank"] == [
+            f"CacheClosed: {call}: the cache of rank {rank} of 2 was closed"
+            for call in ("step", "drain", "verify_agreement")
+        ]
+
+
+def test_a_step_after_a_timeout_is_refused_at_once(ranks: Results) -> None:
+    first, again, quick, unchanged = ranks[0]["stepped_after_a_timeout"]
+    assert first.startswith(
+        "RankFailure: rank 0 of 2: step agreement (all_reduce MIN) failed after "
+    )
+    assert again == (
+        "RankFailure: rank 0 of 2: step refused: the agreement group broke at an earlier "
+        "collective, and a later one could pair with another collective of the other ranks; "
+        f"tear the group down and rebuild it and the caches (it broke with: {first[13:]})"
+    )
+    assert (quick, unchanged) == (True, True)
+    # the late rank may complete the step with rank 0's part (gloo keeps it), as
+    # documented; its next step, which nobody joins, fails
+    assert ranks[1]["stepped_after_a_timeout"][1].startswith("RankFailure: rank 1 of 2: ")
+
+
+def test_lookups_that_ask_the_store_about_different_prefixes_name_each_rank(
+    ranks: Results,
+) -> None:
+    expected = (
+        "RankDivergence: rank divergence after transition 0: the ranks asked the storage tier "
+        "about different prefixes: from [0, 4, 1, 1] to [0, 6, 1, 1] pages: rank 0 asked "
+        "[0, 4, 1, 1] in match_prefix(<16 ids {}>, None), rank 1 asked [0, 6, 1, 1] in "
+        "match_prefix(<24 ids {}>, None)"
+    ).format(*(f"{hash(tuple(range(1000, n))) & (1 << 64) - 1:016x}" for n in (1016, 1024)))
+    assert [r["looked_up_different_prefixes"] for r in ranks] == [expected, expected]
