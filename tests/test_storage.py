@@ -14,6 +14,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 import warnings
 import zlib
 from collections.abc import Callable
@@ -734,6 +735,45 @@ def test_local_a_page_found_while_its_put_places_it_is_neither_evicted_nor_count
     assert meanwhile == [1, [S]]
     assert same(store.get(keys[:1]), pages[:1])  # acknowledged, and there
     assert store.capacity() == Capacity(2 * size, 0, 2 * size, 2)
+
+
+def test_local_a_page_another_put_of_it_settled_is_not_evicted_while_its_own_put_places_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second put of the same page settles first, indexing it; the first is still placing it.
+
+    Eviction skipped pages being read but not pages being written: a put
+    that needed room deleted the page between the first put's rename and its
+    settling, and the first put then acknowledged a page no longer on disk.
+    """
+    keys, pages = page_keys(NS, list(range(8))), pages_of(2)
+    size = page_bytes(keys[0], pages[0])
+    store = LocalFileStore(tmp_path, limit_bytes=2 * size)
+    rename = os.replace
+    meanwhile: list[object] = []
+
+    def on_another_thread(at: slice) -> None:  # a temporary file is named per thread
+        worker = threading.Thread(target=lambda: meanwhile.append(store.put(keys[at], pages[at])))
+        worker.start()
+        worker.join()
+
+    first: list[bool] = []
+
+    def placed(*args: Any, **options: Any) -> None:
+        if first:  # the puts made meanwhile place their files plainly
+            rename(*args, **options)
+            return
+        first.append(True)
+        on_another_thread(slice(0, 1))  # settles, indexes the page
+        rename(*args, **options)  # the first put's file is in place, not settled
+        on_another_thread(slice(1, 2))  # needs room
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", placed)
+        assert store.put(keys[:1], pages[:1]) == [S]
+    assert meanwhile == [[S], [F]]  # no room but the page being written
+    assert store.exists_prefix(keys[:1]) == 1  # acknowledged, and there
+    assert same(store.get(keys[:1]), pages[:1])
 
 
 class RefusingPipeline:

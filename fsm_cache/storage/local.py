@@ -381,6 +381,9 @@ class LocalFileStore:
     def _make_room(self, nbytes: int) -> bool:
         """Evict least recently used unheld pages until ``nbytes`` fit; False (evicting none) if they cannot.
 
+        A page is held while a get reads it or a put of it in this process
+        is writing it: another put of the same page may have settled and
+        indexed it, but the first put's answer must still hold when it settles.
         The shortfall counts everything over the limit, not just ``nbytes``:
         pages found on disk (a restart, another process) may already exceed it.
 
@@ -394,7 +397,7 @@ class LocalFileStore:
         for key, size in self._index.items():
             if freed >= short:
                 break
-            if not self._readers.get(key, 0):
+            if not self._readers.get(key, 0) and key not in self._writing:
                 victims.append(key)
                 freed += size
         if freed < short:
