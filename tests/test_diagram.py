@@ -1213,6 +1213,22 @@ def test_an_empty_file_or_a_diagram_of_ours_in_any_format_is_replaced(
     assert target.read_text(encoding="utf-8") == render(door(specs), after)
 
 
+@pytest.mark.parametrize("fmt", ["mermaid", "dot", "md"])
+def test_a_diagram_of_ours_with_crlf_line_ends_or_a_bom_is_ours(
+    specs: Path, capsys: pytest.CaptureFixture[str], fmt: str
+) -> None:
+    """A Windows checkout (``core.autocrlf``) or an editor's BOM hid the mark: refused as foreign."""
+    target = specs / "drawn.txt"
+    for text in (
+        render(door(specs), fmt).replace("\n", "\r\n"),
+        "\ufeff" + render(door(specs), fmt),
+    ):
+        target.write_bytes(text.encode("utf-8"))
+        assert run(str(specs / "door.toml"), "--format", fmt, "-o", str(target)) == 0
+        assert capsys.readouterr() == (f"wrote {target}\n", "")
+        assert target.read_text(encoding="utf-8") == render(door(specs), fmt)
+
+
 def test_every_format_carries_its_mark_in_a_comment_of_its_own(specs: Path) -> None:
     """Mermaid had a mark; DOT and Markdown had none to tell a file of ours from the user's."""
     assert (

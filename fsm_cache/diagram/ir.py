@@ -52,8 +52,10 @@ def is_diagram(text: str) -> bool:
     (Mermaid, after ``stateDiagram-v2``; SVG, after the XML declaration).
     ``fsm-cache diagram`` replaces an existing file only when it is empty or
     so marked: a ``README.md`` or a module named by mistake is left whole.
+    A byte order mark and CRLF line ends (a Windows checkout) do not hide it.
     """
-    return any(_MARKS.fullmatch(line) for line in text.split("\n", 2)[:2])
+    lines = text.removeprefix("\ufeff").split("\n", 2)[:2]
+    return any(_MARKS.fullmatch(line.removesuffix("\r")) for line in lines)
 
 
 class DiagramError(FsmCacheError):
