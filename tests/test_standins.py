@@ -27,3 +27,14 @@ def test_an_install_whose_hollow_package_is_missing_takes_everything_back() -> N
     import xmlrpc.client  # the real package, not a hollow one
 
     assert hasattr(xmlrpc.client, "ServerProxy")
+
+
+def test_an_install_that_fails_gives_a_parent_its_attribute_back() -> None:
+    """``hollow`` hangs a dotted package on its parent; a failed install left it there."""
+    import email
+
+    had = vars(email).get("mime")
+    with pytest.raises(ModuleNotFoundError, match=r"^fsm_no_such_pkg is not an installed package$"):
+        install([], [], hollows=["email.mime", "fsm_no_such_pkg"])
+    assert vars(email).get("mime") is had
+    assert not isinstance(sys.modules.get("email.mime"), HollowPackage)

@@ -194,12 +194,25 @@ def install(
             return finder
     finder = StandInFinder(names, presets)
     known = set(sys.modules)
+    missing = object()
+    attributes = []  # (parent module, child name, what it held): hollow() sets them
+    for name in hollows:
+        parent, _, child = name.rpartition(".")
+        if parent in sys.modules:
+            attributes.append(
+                (sys.modules[parent], child, vars(sys.modules[parent]).get(child, missing))
+            )
     sys.meta_path.insert(0, finder)
     try:
         for name in hollows:
             hollow(name)
     except BaseException:
         sys.meta_path.remove(finder)
+        for module, child, held in attributes:
+            if held is missing:
+                module.__dict__.pop(child, None)
+            else:
+                setattr(module, child, held)
         for name in set(sys.modules) - known:  # what the stand-ins and hollows brought in
             if isinstance(sys.modules[name], StandInModule):
                 del sys.modules[name]
