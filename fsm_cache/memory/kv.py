@@ -341,7 +341,18 @@ class KVPool:
             seen.add(p)
 
     def fill(self, pages: Sequence[int], byte: int) -> None:
-        """Set every byte of ``pages`` to ``byte`` (poisons the pages a failed copy wrote)."""
+        """Set every byte of ``pages`` to ``byte`` (poisons the pages a failed copy wrote).
+
+        Checked whole first, as :meth:`write` is: a refused fill changes no
+        page (a negative page would otherwise poison one counted from the end).
+
+        Raises:
+            ForeignSlot: a page is not an int (bools neither) in ``0..num_pages - 1``.
+            BadArgument: ``byte`` is not an int in ``0..255``.
+        """
+        self.check_pages(pages)
+        if not whole(byte) or byte > 0xFF:
+            raise BadArgument(f"{self.name} pool: fill byte must be an int in 0..255, got {byte!r}")
         for p in pages:
             self.pages[p].fill_(byte)
 
