@@ -483,6 +483,10 @@ def test_the_first_256_layer_and_plane_blocks_all_differ() -> None:
         ({"planes": 3}, "KV layout: planes must be 1 or 2, got 3"),
         ({"planes": True}, "KV layout: planes must be 1 or 2, got True"),
         ({"dtype": "float16"}, "KV layout: dtype must be a torch.dtype, got 'float16'"),
+        *(
+            ({"dtype": q}, f"KV layout: dtype must be a plain dtype, got the quantized {q}")
+            for q in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4)
+        ),
     ],
 )
 def test_a_layout_of_no_bytes_or_no_type_is_refused(
