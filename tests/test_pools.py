@@ -225,7 +225,11 @@ def test_free_pages_are_no_owners_own_to_free_or_hand_over() -> None:
     """FREE owns no page: free pages passed as its own were listed twice, or handed out."""
     a = PageAllocator("device", 4, 1)
     before = snapshot(a)
-    for call in (lambda: a.free([0, 1], FREE), lambda: a.reassign([0], FREE, 5)):
+    calls: list[Callable[[], None]] = [
+        lambda: a.free([0, 1], FREE),
+        lambda: a.reassign([0], FREE, 5),
+    ]
+    for call in calls:
         with pytest.raises(PoolError) as info:
             call()
         assert str(info.value) == "device pool: owner must be an integer >= 0, got -1"
@@ -240,11 +244,12 @@ def test_an_owner_that_is_no_integer_at_least_0_is_refused_whole(bad: object) ->
     pages = a.alloc(4, owner=1)
     before = snapshot(a)
     message = f"device pool: owner must be an integer >= 0, got {bad!r}"
-    for call in (
+    calls: list[Callable[[], None]] = [
         lambda: a.reassign(pages, owner=1, new_owner=bad),  # type: ignore[arg-type]
         lambda: a.reassign(pages, owner=bad, new_owner=2),  # type: ignore[arg-type]
         lambda: a.free(pages, owner=bad),  # type: ignore[arg-type]
-    ):
+    ]
+    for call in calls:
         with pytest.raises(PoolError) as info:
             call()
         assert str(info.value) == message
