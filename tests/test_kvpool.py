@@ -89,6 +89,29 @@ def test_fill_poisons_only_the_given_pages() -> None:
     assert int(pool.pages[2].count_nonzero()) == 0
 
 
+@pytest.mark.parametrize(
+    ("pages", "byte", "error", "message"),
+    [
+        ([0, -1], 0xFF, ForeignSlot, "device pool: page -1 outside 0..2"),
+        ([0, 3], 0xFF, ForeignSlot, "device pool: page 3 outside 0..2"),
+        ([0, True], 0xFF, ForeignSlot, "device pool: page True outside 0..2"),
+        ([0], 256, BadArgument, "device pool: fill byte must be an int in 0..255, got 256"),
+        ([0], -1, BadArgument, "device pool: fill byte must be an int in 0..255, got -1"),
+        ([0], 1.5, BadArgument, "device pool: fill byte must be an int in 0..255, got 1.5"),
+    ],
+)
+def test_a_refused_fill_poisons_no_page(
+    pages: list[int], byte: object, error: type[Exception], message: str
+) -> None:
+    """A page counted from the end, or one past it, was poisoned, or the pages before it."""
+    pool = device_pool(LAYOUT, 3, torch.device("cpu"))
+    pool.tensor.zero_()
+    with pytest.raises(error) as info:
+        pool.fill(pages, byte)  # type: ignore[arg-type]
+    assert str(info.value) == message
+    assert int(pool.tensor.view(torch.uint8).count_nonzero()) == 0
+
+
 def test_host_pool_sized_by_bytes_or_ratio() -> None:
     assert host_pool(LAYOUT, byte_budget=LAYOUT.page_bytes * 3 + 7).num_pages == 3
     assert host_pool(LAYOUT, ratio=2.5, device_pages=4).num_pages == 10
@@ -460,6 +483,10 @@ def test_the_first_256_layer_and_plane_blocks_all_differ() -> None:
         ({"planes": 3}, "KV layout: planes must be 1 or 2, got 3"),
         ({"planes": True}, "KV layout: planes must be 1 or 2, got True"),
         ({"dtype": "float16"}, "KV layout: dtype must be a torch.dtype, got 'float16'"),
+        *(
+            ({"dtype": q}, f"KV layout: dtype must be a plain dtype, got the quantized {q}")
+            for q in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4)
+        ),
     ],
 )
 def test_a_layout_of_no_bytes_or_no_type_is_refused(

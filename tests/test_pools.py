@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import pytest
 from hypothesis import settings
@@ -220,6 +221,52 @@ def test_reassign_moves_ownership_for_a_split() -> None:
         a.reassign(pages[:1], owner=1, new_owner=-5)
 
 
+def test_free_pages_are_no_owners_own_to_free_or_hand_over() -> None:
+    """FREE owns no page: free pages passed as its own were listed twice, or handed out."""
+    a = PageAllocator("device", 4, 1)
+    before = snapshot(a)
+    calls: list[Callable[[], None]] = [
+        lambda: a.free([0, 1], FREE),
+        lambda: a.reassign([0], FREE, 5),
+    ]
+    for call in calls:
+        with pytest.raises(PoolError) as info:
+            call()
+        assert str(info.value) == "device pool: owner must be an integer >= 0, got -1"
+        assert snapshot(a) == before
+    a.check()
+    assert a.alloc(4, owner=1) == [0, 1, 2, 3]  # each page once
+
+
+@pytest.mark.parametrize("bad", [-5, FREE, 2.5, True, None, "7"])
+def test_an_owner_that_is_no_integer_at_least_0_is_refused_whole(bad: object) -> None:
+    a = PageAllocator("device", 4, 2)
+    pages = a.alloc(4, owner=1)
+    before = snapshot(a)
+    message = f"device pool: owner must be an integer >= 0, got {bad!r}"
+    calls: list[Callable[[], None]] = [
+        lambda: a.reassign(pages, owner=1, new_owner=bad),  # type: ignore[arg-type]
+        lambda: a.reassign(pages, owner=bad, new_owner=2),  # type: ignore[arg-type]
+        lambda: a.free(pages, owner=bad),  # type: ignore[arg-type]
+    ]
+    for call in calls:
+        with pytest.raises(PoolError) as info:
+            call()
+        assert str(info.value) == message
+        assert snapshot(a) == before
+
+
+def test_pages_as_a_numpy_array_are_freed_as_a_list_is() -> None:
+    np = pytest.importorskip("numpy")
+    a = PageAllocator("device", 4, 1)
+    pages = a.alloc(3, owner=np.int64(2))
+    a.reassign(np.array(pages), 2, np.int64(3))
+    a.free(np.array(pages), owner=3)
+    a.check()
+    assert a.free_pages == 4
+    assert all(type(p) is int for p in a.free_list)  # the pool's own pages, not numpy's
+
+
 def test_owner_of_reports_free_and_refuses_out_of_range() -> None:
     a = PageAllocator("host", 2, 1)
     assert a.owner_of(1) == FREE
@@ -320,6 +367,31 @@ class AllocatorMachine(RuleBasedStateMachine):
         with pytest.raises(ForeignSlot):
             self.pool.free([page], owner + 1)
         assert snapshot(self.pool) == before
+
+    @rule(
+        pages=st.lists(st.integers(0, 15), max_size=4),
+        owner=st.integers(FREE - 1, 6),
+        new_owner=st.integers(FREE - 1, 6),
+    )
+    def free_or_reassign_anything(self, pages: list[int], owner: int, new_owner: int) -> None:
+        """Any pages, free ones included, by any owner: done exactly when the model allows."""
+        allowed = (
+            owner >= 0
+            and len(set(pages)) == len(pages)
+            and all(p in self.held.get(owner, ()) for p in pages)
+        )
+        before = snapshot(self.pool)
+        with pytest.raises(PoolError) if not allowed or new_owner < 0 else nullcontext():
+            self.pool.reassign(pages, owner, new_owner)
+            self.pool.reassign(pages, new_owner, owner)  # and back, so the model stays
+        assert snapshot(self.pool) == before
+        if not allowed:
+            with pytest.raises(PoolError):
+                self.pool.free(pages, owner)
+            assert snapshot(self.pool) == before
+            return
+        self.pool.free(pages, owner)
+        self.held[owner] = [p for p in self.held.get(owner, []) if p not in pages]
 
     @precondition(lambda self: any(self.held.values()))
     @rule(data=st.data(), new_owner=st.integers(0, 5))

@@ -35,6 +35,12 @@ from fsm_cache.memory.pages import PageAllocator, outside
 from fsm_cache.numeric import real, whole
 
 
+QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+"""The quantized dtypes: torch offers no test of a dtype (``is_quantized`` is a tensor's).
+
+Plain bytes mean nothing in them without a scale, and a pool of one (a
+tensor made without a quantizer) crashes the interpreter."""
+
 _INT = frozenset((int,))
 """The one page type :meth:`KVPool._index` accepts without a look at each page."""
 
@@ -54,7 +60,7 @@ class KVLayout:
     Raises:
         BadArgument: a size is not an int >= 1 (a page of no bytes cannot be
             copied or counted), ``planes`` is neither 1 nor 2, or ``dtype`` is
-            not a ``torch.dtype``.
+            not a ``torch.dtype`` or is a quantized one (:data:`QUANTIZED`).
     """
 
     layers: int
@@ -73,6 +79,10 @@ class KVLayout:
             raise BadArgument(f"KV layout: planes must be 1 or 2, got {self.planes!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise BadArgument(f"KV layout: dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.dtype in QUANTIZED:  # torch.empty of one crashes the interpreter
+            raise BadArgument(
+                f"KV layout: dtype must be a plain dtype, got the quantized {self.dtype}"
+            )
 
     @classmethod
     def mla(cls, layers: int, latent_dim: int, dtype: torch.dtype, page_size: int) -> KVLayout:
@@ -341,7 +351,18 @@ class KVPool:
             seen.add(p)
 
     def fill(self, pages: Sequence[int], byte: int) -> None:
-        """Set every byte of ``pages`` to ``byte`` (poisons the pages a failed copy wrote)."""
+        """Set every byte of ``pages`` to ``byte`` (poisons the pages a failed copy wrote).
+
+        Checked whole first, as :meth:`write` is: a refused fill changes no
+        page (a negative page would otherwise poison one counted from the end).
+
+        Raises:
+            ForeignSlot: a page is not an int (bools neither) in ``0..num_pages - 1``.
+            BadArgument: ``byte`` is not an int in ``0..255``.
+        """
+        self.check_pages(pages)
+        if not whole(byte) or byte > 0xFF:
+            raise BadArgument(f"{self.name} pool: fill byte must be an int in 0..255, got {byte!r}")
         for p in pages:
             self.pages[p].fill_(byte)
 

@@ -198,14 +198,17 @@ class PageAllocator:
         listed once. Postcondition: those pages are free.
 
         Raises:
+            PoolError: ``owner`` is not an integer ``>= 0`` (``FREE`` owns no
+                page: free pages would pass as its own and be listed twice).
             ForeignSlot: a page is out of range or owned by someone else.
             DoubleFree: a page is already free or listed twice.
         """
+        self._check_owner(owner)
         self._check_owned(pages, owner)
         self._set_owner(pages, FREE)
         # The pool's own page objects, never the caller's: a bool, a numpy integer or a
         # float that passed as the page it equals must not be handed out later.
-        if pages and self._is_run(pages):
+        if len(pages) and self._is_run(pages):  # len: a numpy array has no truth value
             first = pages[0]
             self._free.extend(reversed(self._index[first : first + len(pages)]))
         else:
@@ -215,12 +218,14 @@ class PageAllocator:
         """Hand ``pages`` from ``owner`` to ``new_owner`` (a radix split); all or none.
 
         Raises:
-            PoolError: ``new_owner < 0``.
+            PoolError: ``owner`` or ``new_owner`` is not an integer ``>= 0``
+                (``FREE`` owns no page: free pages would be handed out while
+                still on the free list).
             ForeignSlot: a page is out of range or owned by someone else.
             DoubleFree: a page is free or listed twice.
         """
-        if new_owner < 0:
-            raise PoolError(f"{self.name} pool: owner must be >= 0, got {new_owner}")
+        self._check_owner(owner)
+        self._check_owner(new_owner)
         self._check_owned(pages, owner)
         self._set_owner(pages, new_owner)
 
@@ -341,7 +346,7 @@ class PageAllocator:
 
         A run of pages is one slice assignment, in C, instead of a loop.
         """
-        if not pages:
+        if len(pages) == 0:  # not ``not pages``: a numpy array has no truth value
             return
         self._verified = ()  # every earlier ownership check is void now
         if self._is_run(pages):
@@ -358,6 +363,18 @@ class PageAllocator:
                 raise ForeignSlot(f"{self.name} pool: page {page!r} is not an int") from None
         if not 0 <= page < self.num_pages:
             raise ForeignSlot(f"{self.name} pool: page {page} {outside(self.num_pages)}")
+
+    def _check_owner(self, owner: int) -> None:
+        """Refuse an owner that is not an integer ``>= 0``, as :meth:`alloc` takes them.
+
+        ``FREE`` in particular: every free page is recorded as its, so the
+        ownership checks would pass free pages for it.
+        """
+        if type(owner) is int and owner >= 0:
+            return  # the common case
+        index = as_index(owner)
+        if index is None or index < 0:
+            raise PoolError(f"{self.name} pool: owner must be an integer >= 0, got {owner!r}")
 
     def _check_owned(self, pages: Sequence[int], owner: int) -> None:
         if self.all_owned_by(pages, owner):
