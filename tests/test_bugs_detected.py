@@ -189,7 +189,7 @@ def test_a_verify_control_is_read_once(monkeypatch: pytest.MonkeyPatch, tmp_path
     def read_again(path: Path) -> None:
         raise AssertionError(f"{path} read again")
 
-    def proved(name: str, module: Path, options: Options) -> list[Row]:
+    def proved(name: str, module: Path, options: Options, **_: bool) -> list[Row]:
         return [Row(name, "pin", "the step follows the spec", crosshair_run.COUNTEREXAMPLE, "x")]
 
     monkeypatch.setattr(verify, "load_snapshot", read_again)

@@ -144,7 +144,10 @@ def test_crosshair_refutes_each_slip_in_the_engines_counter_code(tmp_path: Path)
         source = source.replace(body, body.replace(old, new, 1))
     planted = tmp_path / "contracts_host_residency.py"
     planted.write_text(source)
-    rows = [module.reported(r) for r in crosshair_run.prove("host", planted, Options())]
+    rows = [
+        module.reported(r)
+        for r in crosshair_run.prove("host", planted, Options(), by_function=True)
+    ]
     refuted: dict[str, set[str]] = {}
     for row in rows:
         if row.status != crosshair_run.CONFIRMED:

@@ -167,7 +167,8 @@ def test_crosshair_finds_code_that_reads_only_the_first_child(tmp_path: Path) ->
     assert len(kept) == len(blocks) - len(module.functions) + len(reading)
     path.write_text("\n\n\n\n".join(kept))
     rows = [
-        module.reported(r) for r in crosshair_run.prove("residency", path, crosshair_run.Options())
+        module.reported(r)
+        for r in crosshair_run.prove("residency", path, crosshair_run.Options(), by_function=True)
     ]
     bad = [r for r in rows if r.failed]
     assert {(r.function, r.contract, r.status) for r in bad} == {

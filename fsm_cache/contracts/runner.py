@@ -173,20 +173,34 @@ def functions(path: Path) -> list[tuple[str, int]]:
     return list(seen.items())
 
 
-def prove(target: str, path: Path, options: Options) -> list[Row]:
+def prove(target: str, path: Path, options: Options, *, by_function: bool = False) -> list[Row]:
     """Run CrossHair on ``path``; one row per postcondition it declares or reports on.
 
-    A module whose own file declares no postcondition (one that builds its
-    checked functions from a harness elsewhere) is checked as a whole, and its
-    rows are the contracts of the files CrossHair reports on.
+    The module is checked as a whole, as CrossHair finds its checkable
+    functions itself, and its rows are the contracts of the files CrossHair
+    reports on: a contract this module's parser does not recognise (an
+    aliased ``ensure``, a class invariant, a function a harness builds) is
+    still checked, and reported on a row of its own (:func:`strays`).
+    Where a postcondition was checked only if it was named as a target,
+    a module of recognised contracts and some other checked function was
+    exit 0 with that function never run.
+
+    Args:
+        target: What the rows are of.
+        path: The module.
+        options: CrossHair's options.
+        by_function: Whether every checkable function of the module is a
+            top-level function whose postconditions :func:`contracts` finds
+            (a module the generator wrote): each is then a target of its own,
+            shared among ``options.jobs`` processes.
 
     Raises:
         FsmCacheError: CrossHair could not run or import the module, or a
             ``# crosshair:`` directive in it is malformed.
     """
     options = with_directives(options, path)
-    lines = [_def_line(path, name) for name, _ in functions(path)]
-    targets = [f"{path.resolve()}:{n}" for n in lines] if all(lines) else []
+    lines = [_def_line(path, name) for name, _ in functions(path)] if by_function else []
+    targets = [f"{path.resolve()}:{n}" for n in lines] if lines and all(lines) else []
     chunks = _chunks(targets, options.jobs) if targets else [[str(path.resolve())]]
     children = _Children()
     with ThreadPoolExecutor(max_workers=options.jobs) as pool:
@@ -202,12 +216,95 @@ def prove(target: str, path: Path, options: Options) -> list[Row]:
     verdicts: dict[tuple[str, int], tuple[str, str]] = {}
     for report in reports:
         verdicts.update(parse_report(report, known))
-    if not known:
+    extra = [row for report in reports for row in strays(target, report, known)]
+    if not known and not extra:
         return [Row(target, "-", "-", NOT_ANALYSED, "no checkable functions")]
-    return [
+    rows = [
         Row(target, c.function, c.text, *verdicts.get(key, _unreported()))
         for key, c in sorted(known.items())
     ]
+    merged: dict[tuple[str, str], Row] = {}
+    for row in extra:
+        key = (row.function, row.contract)
+        merged[key] = worse(merged[key], row) if key in merged else row
+    return rows + list(merged.values())
+
+
+_CONDITION = re.compile(r'^"(?P<cond>.*)" yields false when calling ')
+
+
+def strays(target: str, report: str, known: dict[tuple[str, int], Contract]) -> list[Row]:
+    """Return a row for each verdict of ``report`` on a line that no contract of ``known`` holds.
+
+    CrossHair checks what it finds checkable, and :func:`contracts` knows
+    postconditions by their decorator's name: one declared through an alias
+    (``from icontract import ensure as post``), a class invariant (reported
+    on the line of the method that broke it) or a condition given as a named
+    function is on a line of no known contract, and its counterexample was
+    dropped, the run passing. Each such row names the function or class
+    whose lines hold the line (``-`` if none), and as its contract the
+    decorator's description, the condition CrossHair quotes, or the line.
+    """
+    rows: list[Row] = []
+    for raw in report.splitlines():
+        match = _LINE.match(raw.strip())
+        if match is None:
+            continue
+        file, line, msg = match["file"], int(match["line"]), match["msg"]
+        if any(c.file == file and c.span[0] <= line <= c.span[1] for c in known.values()):
+            continue
+        if "Unable to meet precondition" in msg:
+            verdict = (NOT_ANALYSED, "unable to meet precondition")
+        elif match["kind"] == "error":
+            verdict = (COUNTEREXAMPLE, _counterexample(msg, raised=True))
+        elif msg.startswith("Confirmed over all paths"):
+            verdict = (CONFIRMED, "")
+        elif msg.startswith("Not confirmed"):
+            verdict = (WITHIN_BUDGET, "")
+        else:
+            continue
+        function, contract = _located(Path(file), line)
+        condition = _CONDITION.match(msg)
+        if condition:
+            contract = _quoted(condition["cond"])
+        rows.append(Row(target, function, contract, *verdict))
+    return rows
+
+
+def _quoted(condition: str) -> str:
+    """Return the description of a decorator CrossHair quotes (``@icontract.invariant(...)``), else it."""
+    try:
+        tree = ast.parse(condition.removeprefix("@"), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return condition
+    return _description(tree.body) if isinstance(tree.body, ast.Call) else condition
+
+
+def _located(path: Path, line: int) -> tuple[str, str]:
+    """Return the innermost function or class holding ``line`` of ``path``, and what the line declares.
+
+    What it declares is the description of a decorator on that line, else the line itself.
+    """
+    try:
+        tree = parse_module(path)
+        text = read_module(path).splitlines()[line - 1].strip()
+    except (SpecError, IndexError):
+        return "-", f"line {line}"
+    name, contract = "-", text
+    stack: list[tuple[ast.AST, str]] = [(tree, "")]
+    while stack:
+        node, prefix = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                continue
+            first = min(d.lineno for d in (child, *child.decorator_list))
+            if first <= line <= (child.end_lineno or child.lineno):
+                name = f"{prefix}{child.name}"
+                stack.append((child, f"{name}."))
+                for deco in child.decorator_list:
+                    if isinstance(deco, ast.Call) and deco.lineno <= line <= (deco.end_lineno or 0):
+                        contract = _description(deco)
+    return name, contract
 
 
 EXTRA_MODULES = ("crosshair", "icontract")
@@ -376,6 +473,8 @@ def _counterexample(msg: str, *, raised: bool) -> str:
     if call is None:
         return msg
     what = msg[: call.start()].strip()
+    if what == "false" or what.endswith(" yields false"):  # a condition, not a raise
+        return call["call"]
     return f"{call['call']} raises {what}" if raised and what else call["call"]
 
 

@@ -187,7 +187,7 @@ def verify_spec(
 
     if proved_by_crosshair(system):
         generated = generate(system, path, files, classes=True)
-        rows = crosshair_run.prove(system.name, generated.write(folder), options)
+        rows = crosshair_run.prove(system.name, generated.write(folder), options, by_function=True)
         rows = every_family(system, every, folder, rows)
     else:
         generated = every(())
