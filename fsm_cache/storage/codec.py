@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fsm_cache.errors import BadArgument, CorruptPage, LaterFormatPage
+from fsm_cache.memory.kv import QUANTIZED
 from fsm_cache.numeric import whole
 from fsm_cache.storage.base import check_sequence
 from fsm_cache.storage.keys import check_keys
@@ -62,8 +63,6 @@ _PREFIX = struct.Struct("<8sI")
 _MAX_HEADER = 1 << 16
 _CHECKED = frozenset({MAGIC, BYTES_ONLY_MAGIC})
 """The magics of the formats read: both have a checksum."""
-_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
-"""The quantized dtypes: torch offers no test of a dtype (``is_quantized`` is a tensor's)."""
 
 
 class Header(NamedTuple):
@@ -133,7 +132,7 @@ def _unstored(dtype: torch.dtype) -> str:
     dtype is refused whether or not the tensor is quantized: plain bytes viewed
     as ``qint8`` report ``is_quantized`` False, yet mean nothing without a scale.
     """
-    if dtype in _QUANTIZED:
+    if dtype in QUANTIZED:
         return f"quantized ({_dtype_name(dtype)}), not of a plain dtype"
     return ""
 
