@@ -132,18 +132,35 @@ class Walker:
         names = frozenset(ast.unparse(sub) for target in targets for sub in _stored(target))
         return states_of(*(state.forget(names, self.scope.mentions) for state in states))
 
+    def bind(self, targets: list[ast.expr], value: ast.expr | None, states: States) -> States:
+        """Store ``value`` into ``targets``, by ``=`` or ``:=``, after its calls have run.
+
+        A receipt bound to one name stands for what it acquired, a store that
+        escapes hands the value on, one into a local container aliases it, and
+        the branch facts that read a target are forgotten.
+        """
+        if len(targets) == 1 and value is not None:
+            states = self.receipt(targets[0], value, states)
+        if any(_escapes(self.scope, target) for target in targets):
+            states = self.hand_on(value, states)
+        elif value is not None:
+            for target in targets:
+                if isinstance(target, ast.Subscript):
+                    states = self.collect(target.value, [value], states)
+        states = self.forget(targets, states)
+        if len(targets) == 1 and value is not None:
+            states = self.known_none(targets[0], value, states)
+        return states
+
     def _effect(self, effect: ast.AST, states: States, outcome: FlowOutcome) -> States:
         if isinstance(effect, ast.Lambda):
             return self.closure(effect, states)
-        if isinstance(effect, ast.IfExp):
-            states = self.evaluate(effect.test, states, outcome)
-            taken, skipped = _split(self, effect.test, states)
-            taken = self.evaluate(effect.body, taken, outcome)
-            return {**taken, **self.evaluate(effect.orelse, skipped, outcome)}
-        if isinstance(effect, ast.BoolOp):
-            return self._bool_op(effect, states, outcome)
+        if isinstance(effect, ast.IfExp | ast.BoolOp):
+            return self._conditional(effect, states, outcome)
         if isinstance(effect, Comprehension):
             return self._comprehension(effect, states, outcome)
+        if isinstance(effect, ast.NamedExpr):
+            return self.bind([effect.target], effect.value, states)
         if isinstance(effect, ast.Yield | ast.YieldFrom):
             states = self.hand_on(effect.value, states)
             add(outcome, Flow.RAISE, _at(states, effect.lineno))
@@ -153,6 +170,17 @@ class Walker:
         if op.kind is OpKind.CALL and self.classifier.reads_receipt(effect, self.scope):
             op = Op(OpKind.SAFE, effect)
         return self._call(op, states, outcome)
+
+    def _conditional(
+        self, expr: ast.IfExp | ast.BoolOp, states: States, outcome: FlowOutcome
+    ) -> States:
+        """Run ``a if c else b`` or ``a and b``: each part only on the paths that reach it."""
+        if isinstance(expr, ast.BoolOp):
+            return self._bool_op(expr, states, outcome)
+        states = self.evaluate(expr.test, states, outcome)
+        taken, skipped = _split(self, expr.test, states)
+        taken = self.evaluate(expr.body, taken, outcome)
+        return {**taken, **self.evaluate(expr.orelse, skipped, outcome)}
 
     def _bool_op(self, op: ast.BoolOp, states: States, outcome: FlowOutcome) -> States:
         """Run ``a and b and c``: each operand runs only when the ones before did not decide."""
@@ -432,19 +460,8 @@ def _simple(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
         states = walker.closure(stmt, states)
     elif not isinstance(stmt, ast.ClassDef):
         states = walker.evaluate(stmt, states, outcome)
-    targets = _targets(stmt)
     value = getattr(stmt, "value", None)
-    if len(targets) == 1 and isinstance(value, ast.expr):
-        states = walker.receipt(targets[0], value, states)
-    if any(_escapes(walker.scope, target) for target in targets):
-        states = walker.hand_on(value, states)
-    elif isinstance(value, ast.expr):
-        for target in targets:
-            if isinstance(target, ast.Subscript):
-                states = walker.collect(target.value, [value], states)
-    states = walker.forget(targets, states)
-    if len(targets) == 1 and isinstance(value, ast.expr):
-        states = walker.known_none(targets[0], value, states)
+    states = walker.bind(_targets(stmt), value if isinstance(value, ast.expr) else None, states)
     add(outcome, Flow.NORMAL, states)
     return outcome
 

@@ -131,12 +131,17 @@ def verb_names(body: list[ast.AST]) -> dict[str, str]:
 
 
 def name_bindings(body: list[ast.AST], *, with_items: bool) -> Iterator[tuple[str, ast.expr]]:
-    """Yield (name, value) of each ``name = value`` in ``body``, and of each ``with value as name``."""
+    """Yield (name, value) of each ``name = value`` and ``(name := value)`` in ``body``.
+
+    With ``with_items``, also of each ``with value as name``.
+    """
     for node in body:
         for sub in walk_same_scope(node):
             if isinstance(sub, ast.Assign) and len(sub.targets) == 1:
                 if isinstance(sub.targets[0], ast.Name):
                     yield sub.targets[0].id, sub.value
+            elif isinstance(sub, ast.NamedExpr):
+                yield sub.target.id, sub.value
             elif (
                 with_items
                 and isinstance(sub, ast.withitem)
@@ -224,6 +229,10 @@ def test_fact(test: ast.expr) -> tuple[str, bool]:
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         text, outcome = test_fact(test.operand)
         return text, not outcome
+    if isinstance(test, ast.NamedExpr):  # (lock := cache.lock(node)) tests lock, once bound
+        return test_fact(test.target)
+    if isinstance(test, ast.Compare) and isinstance(test.left, ast.NamedExpr):
+        test = ast.Compare(test.left.target, test.ops, test.comparators)
     if isinstance(test, ast.Compare) and len(test.ops) == 1:
         flipped = {ast.IsNot: ast.Is(), ast.NotEq: ast.Eq(), ast.NotIn: ast.In()}
         op = flipped.get(type(test.ops[0]))
