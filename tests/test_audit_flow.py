@@ -409,6 +409,43 @@ def test_a_closure_that_releases_takes_the_resource() -> None:
     """)
 
 
+def test_a_release_passed_uncalled_is_a_callback_that_takes_the_resource() -> None:
+    """``stack.callback(node.release_host)`` is ``lambda: node.release_host()``: it was FSM101."""
+    assert not audit("""
+        import contextlib
+        import functools
+
+        def exit_stack(node):
+            with contextlib.ExitStack() as stack:
+                node.protect_host()
+                stack.callback(node.release_host)
+                work(node)
+
+        def with_arguments(self, loop, node):
+            self.inc_lock_ref(node)
+            loop.call_soon(self.dec_lock_ref, node)
+
+        def partial(self, node):
+            self.inc_lock_ref(node)
+            self.on_done = functools.partial(self.dec_lock_ref, node)
+
+        def keyword(controller, node):
+            node.protect_host()
+            controller.submit(node.host_value, callback=node.release_host)
+    """)
+
+
+def test_a_release_passed_for_another_resource_takes_nothing() -> None:
+    assert audit("""
+        def f(self, loop, node, other):
+            self.inc_lock_ref(node)
+            loop.call_soon(self.dec_lock_ref, other)
+    """) == [
+        "3:5: FSM101 inc_lock_ref() on 'node' is not released or handed on"
+        " when the function ends at line 4 [f]"
+    ]
+
+
 def test_a_contextmanager_with_try_finally_is_clean() -> None:
     assert not audit("""
         import contextlib

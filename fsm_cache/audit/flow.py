@@ -166,6 +166,7 @@ class Walker:
             add(outcome, Flow.RAISE, _at(states, effect.lineno))
             return states
         assert isinstance(effect, ast.Call)
+        states = self.deferred(effect, states)
         op = self.classifier.classify(effect, self.scope)
         if op.kind is OpKind.CALL and self.classifier.reads_receipt(effect, self.scope):
             op = Op(OpKind.SAFE, effect)
@@ -393,6 +394,28 @@ class Walker:
                 self.sink.unmatch((line, col, key))
             after.append(released)
         return states_of(*after)
+
+    def deferred(self, call: ast.Call, states: States) -> States:
+        """A release passed uncalled to ``call`` is a callback that takes its resource.
+
+        ``stack.callback(node.release_host)``, ``submit(x, callback=lock.release)``,
+        ``loop.call_soon(self.dec_lock_ref, node)`` and ``partial(self.dec_lock_ref,
+        node)`` call the release later, with the positional arguments that follow
+        it, as ``lambda: self.dec_lock_ref(node)`` would.
+        """
+        later = [(argument, call.args[index + 1 :]) for index, argument in enumerate(call.args)]
+        later += [(keyword.value, []) for keyword in call.keywords]
+        texts: set[str] = set()
+        for function, arguments in later:
+            if not isinstance(function, ast.Attribute | ast.Name):
+                continue
+            release = ast.copy_location(ast.Call(func=function, args=arguments, keywords=[]), call)
+            op = self.classifier.classify(release, self.scope)
+            if op.kind is OpKind.RELEASE and op.resource is not None:
+                texts.add(self.scope.canon(op.resource))
+        if not texts:
+            return states
+        return states_of(*(state.hand_on(frozenset(texts)) for state in states))
 
     def closure(
         self, func: ast.Lambda | ast.FunctionDef | ast.AsyncFunctionDef, states: States
