@@ -189,10 +189,29 @@ def _findings(module: Module, fn: Function, outcome: FlowOutcome, sink: Sink) ->
             else:
                 sink.leak(site, line, how)
     own = _implemented_pairs(fn.node, module.config)
+    ends = _call_ends(fn.node)
+    markers = module.markers
     for item in messages.render_events(sink, module.config.pairs):
-        if item.key[0] not in own and not _declared_away(fn, item, module.markers):
-            col = _char_col(module.lines, item.line, item.col)
-            yield Finding(module.path, item.line, col, item.code, item.message, fn.qualname)
+        lines = (item.line, ends.get((item.line, item.col), item.line))
+        if item.key[0] in own or _declared_away(fn, item, markers, lines):
+            continue
+        if any(markers.ignored(line, item.code) for line in lines):
+            continue
+        col = _char_col(module.lines, item.line, item.col)
+        yield Finding(module.path, item.line, col, item.code, item.message, fn.qualname)
+
+
+def _call_ends(node: FunctionNode) -> dict[tuple[int, int], int]:
+    """Return the last line of each call in ``node``, by its place (line, 1-based byte column).
+
+    A marker on a call's last line covers it as one on its first line does:
+    a formatter puts the comment of a call split over lines after its ``)``.
+    """
+    return {
+        (sub.lineno, sub.col_offset + 1): sub.end_lineno or sub.lineno
+        for sub in ast.walk(node)
+        if isinstance(sub, ast.Call)
+    }
 
 
 def _implemented_pairs(node: FunctionNode, config: AuditConfig) -> frozenset[int]:
@@ -216,17 +235,19 @@ def _char_col(lines: tuple[str, ...], line: int, col: int) -> int:
     return len(prefix.decode("utf-8", errors="ignore")) + 1
 
 
-def _declared_away(fn: Function, item: messages.Rendered, markers: Markers) -> bool:
-    """Return whether a documented hand-off covers this finding.
+def _declared_away(
+    fn: Function, item: messages.Rendered, markers: Markers, lines: tuple[int, int]
+) -> bool:
+    """Return whether a documented hand-off covers this finding, placed at a call on ``lines``.
 
     A release in a closure of a resource the closure captures is a hand-off too:
     the enclosing function gave the resource to the callback.
     """
     if item.code in ("FSM101", "FSM104"):
-        return fn.hands_off or markers.has((item.line,), HANDS_OFF)
+        return fn.hands_off or markers.has(lines, HANDS_OFF)
     if item.code in ("FSM103", "FSM105"):
         captured = fn.nested and messages.root_of(item.key) not in _own_names(fn.node)
-        return fn.takes_ownership or markers.has((item.line,), TAKES_OWNERSHIP) or captured
+        return fn.takes_ownership or markers.has(lines, TAKES_OWNERSHIP) or captured
     return False
 
 
