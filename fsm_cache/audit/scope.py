@@ -311,9 +311,14 @@ def _zipped(target: ast.expr, iterable: ast.expr) -> list[ast.expr | None] | Non
         return None
     if func.id == "enumerate" and len(target.elts) == 2 and len(args) >= 1:
         return [None, args[0]]
-    if func.id == "zip" and len(target.elts) == len(args) and not iterable.keywords:
+    if func.id == "zip" and len(target.elts) == len(args) and _only_strict(iterable.keywords):
         return list(args)
     return None
+
+
+def _only_strict(keywords: list[ast.keyword]) -> bool:
+    """Return whether ``zip``'s keywords are at most ``strict=``, which pairs the same elements."""
+    return all(keyword.arg == "strict" for keyword in keywords)
 
 
 def unwrap(expr: ast.expr) -> ast.expr:
