@@ -1066,3 +1066,46 @@ def test_a_function_named_after_its_pair_is_its_implementation() -> None:
         "12:9: FSM101 inc_lock_ref() on 'node' is not released or handed on"
         " when the function ends at line 12 [Cache.release_host]",
     ]
+
+
+LOCKS = AuditConfig(pairs=(Pair("acquire", "release"),))
+
+
+def test_an_acquire_tested_for_its_result_took_nothing_where_it_returned_false() -> None:
+    """``if not lock.acquire(False): return`` was FSM101 on the return, where nothing was taken."""
+    assert not audit(
+        """
+        def refused(lock):
+            if not lock.acquire(False):
+                return None
+            try:
+                return work()
+            finally:
+                lock.release()
+
+        def taken(lock):
+            if lock.acquire(blocking=False):
+                lock.release()
+                return False
+            return True
+
+        def conditional(lock):
+            return lock.release() if lock.acquire(False) else None
+        """,
+        LOCKS,
+    )
+
+
+def test_an_acquire_tested_for_its_result_still_leaks_where_it_returned_true() -> None:
+    assert audit(
+        """
+        def f(lock):
+            if not lock.acquire(False):
+                return None
+            return work()
+        """,
+        LOCKS,
+    ) == [
+        "3:12: FSM101 acquire() on 'lock' is not released or handed on"
+        " when the function returns at line 5 [f]"
+    ]

@@ -417,6 +417,23 @@ class Walker:
             return states
         return states_of(*(state.hand_on(frozenset(texts)) for state in states))
 
+    def tried(self, test: ast.expr) -> tuple[ast.Call, bool] | None:
+        """Return the acquire ``test`` is, and whether it is negated, if it is one.
+
+        ``if lock.acquire(False):`` and ``if not lock.acquire(blocking=False):``
+        test whether the acquire took the resource: where it returned false, it did not.
+        """
+        negated = False
+        while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            test, negated = test.operand, not negated
+        if isinstance(test, ast.Await):
+            test = test.value
+        if not isinstance(test, ast.Call):
+            return None
+        if self.classifier.classify(test, self.scope).kind is not OpKind.ACQUIRE:
+            return None
+        return test, negated
+
     def closure(
         self, func: ast.Lambda | ast.FunctionDef | ast.AsyncFunctionDef, states: States
     ) -> States:
@@ -586,7 +603,11 @@ def _if(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
 
 
 def _split(walker: Walker, test: ast.expr, states: States) -> tuple[States, States]:
-    """Return the states that take a branch on ``test`` and those that skip it."""
+    """Return the states that take a branch on ``test`` and those that skip it.
+
+    Where ``test`` is an acquire (:meth:`Walker.tried`), the side on which it
+    returned false holds nothing from it.
+    """
     fact, polarity = test_fact(test)
     tracked = fact in walker.scope.correlated
     branches: dict[bool, list[State]] = {True: [], False: []}
@@ -596,7 +617,14 @@ def _split(walker: Walker, test: ast.expr, states: States) -> tuple[States, Stat
             value = polarity == taken
             if known is None or known == value:
                 branches[taken].append(state.assume(fact, value) if tracked else state)
-    return states_of(*branches[True]), states_of(*branches[False])
+    through, around = states_of(*branches[True]), states_of(*branches[False])
+    tried = walker.tried(test)
+    if tried is None:
+        return through, around
+    call, negated = tried
+    place = (call.lineno, call.col_offset + 1)
+    failed = states_of(*(state.retract(*place) for state in (through if negated else around)))
+    return (failed, around) if negated else (through, failed)
 
 
 _HANDLERS: dict[type[ast.stmt], Handler] = {

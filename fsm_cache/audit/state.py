@@ -104,6 +104,19 @@ class State:
         held.remove(entry)
         return replace(self, held=tuple(held), released=released), None, True
 
+    def retract(self, line: int, col: int) -> State:
+        """Return the state where the acquire at ``line``, ``col`` took nothing after all.
+
+        ``if not lock.acquire(False): return``: on the path where it returned
+        false, the acquire did not acquire.
+        """
+        entry = next((e for e in reversed(self.held) if (e.line, e.col) == (line, col)), None)
+        if entry is None:
+            return self
+        held = list(self.held)
+        held.remove(entry)
+        return replace(self, held=tuple(held))
+
     def last_release(self, key: ResourceKey) -> int | None:
         """Return the line of this path's latest release of ``key``, if any."""
         return dict(self.released).get(key)
