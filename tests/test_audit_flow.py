@@ -1109,3 +1109,52 @@ def test_an_acquire_tested_for_its_result_still_leaks_where_it_returned_true() -
         "3:12: FSM101 acquire() on 'lock' is not released or handed on"
         " when the function returns at line 5 [f]"
     ]
+
+
+def test_a_context_manager_class_keeps_what_enter_takes_for_exit_to_give_back() -> None:
+    """``__enter__`` pinning ``self.node`` was FSM101, and ``__exit__`` releasing it FSM103."""
+    assert not audit("""
+        class Pinned:
+            def __enter__(self):
+                self.node.protect_host()
+
+            def __exit__(self, *exc):
+                self.node.release_host()
+
+        class Locked:
+            def __init__(self, cache, node):
+                self.cache, self.node = cache, node
+                self.cache.inc_lock_ref(self.node)
+
+            async def __aenter__(self):
+                self.cache.inc_lock_ref(self.node)
+
+            async def __aexit__(self, *exc):
+                self.cache.dec_lock_ref(self.node)
+
+            def __del__(self):
+                self.cache.dec_lock_ref(self.node)
+    """)
+
+
+def test_enter_still_leaks_what_it_takes_when_it_raises_or_is_not_its_objects() -> None:
+    assert audit("""
+        class Pinned:
+            def __enter__(self):
+                self.node.protect_host()
+                self.check(self.node)
+                return self
+
+            def __exit__(self, node, *exc):
+                node.release_host()
+
+        def __enter__(node):
+            node.protect_host()
+    """) == [
+        f"4:9: FSM104 protect_host() on 'self.node' leaks if line 5 raises; {LEAK_HINT}"
+        " [Pinned.__enter__]",
+        "9:9: FSM103 release_host() on 'node' has no protect_host() in reach"
+        " and no documented hand-off [Pinned.__exit__]",
+        "12:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function ends at line 12 [__enter__]",
+    ]
