@@ -263,3 +263,54 @@ def test_a_receipt_bound_by_walrus_still_leaks() -> None:
         "3:17: FSM101 lock() on 'node' is not released or handed on"
         " when the function returns at line 5 [f]"
     ]
+
+
+def test_receipts_built_into_a_local_list_or_dict_are_its_elements() -> None:
+    """``locks = [cache.lock(n) for n in nodes]`` stood for nothing: FSM101, and FSM103 on each unlock."""
+    assert not audit(
+        """
+        def listed(cache, nodes):
+            locks = [cache.lock(n) for n in nodes]
+            try:
+                work(nodes)
+            finally:
+                for lock in locks:
+                    cache.unlock(lock)
+
+        def keyed(cache, nodes):
+            locks = {n.id: cache.lock(n) for n in nodes}
+            try:
+                work(nodes)
+            finally:
+                for lock in locks.values():
+                    cache.unlock(lock)
+
+        def stored(cache, nodes):
+            locks = {}
+            for n in nodes:
+                locks[n.id] = cache.lock(n)
+            try:
+                work(nodes)
+            finally:
+                for lock in locks.values():
+                    cache.unlock(lock)
+        """,
+        LOCK,
+    )
+
+
+def test_receipts_built_into_a_local_list_still_leak_unreleased() -> None:
+    assert audit(
+        """
+        def f(cache, nodes):
+            locks = [cache.lock(n) for n in nodes]
+            if not locks:
+                return None
+            for lock in locks:
+                cache.unlock(lock)
+        """,
+        LOCK,
+    ) == [
+        "3:14: FSM101 lock() on 'nodes[*]' is not released or handed on"
+        " when the function returns at line 5 [f]"
+    ]

@@ -147,6 +147,8 @@ class Walker:
             for target in targets:
                 if isinstance(target, ast.Subscript):
                     states = self.collect(target.value, [value], states)
+                elif isinstance(target, ast.Name) and isinstance(value, Comprehension):
+                    states = self.collect_built(target, value, states)
         states = self.forget(targets, states)
         if len(targets) == 1 and value is not None:
             states = self.known_none(targets[0], value, states)
@@ -277,6 +279,22 @@ class Walker:
         if texts:
             self.sink.aliased(alias, texts)
         return states_of(*(state.alias(alias, texts) for state in states)) if texts else states
+
+    def collect_built(self, target: ast.Name, comp: Comprehension, states: States) -> States:
+        """Record that the elements of a local list built by ``comp`` stand for its elements.
+
+        ``locks = [cache.lock(n) for n in nodes]`` puts into ``locks`` what
+        ``for n in nodes: locks.append(cache.lock(n))`` does.
+        """
+        saved = self.scope.env
+        try:
+            for generator in comp.generators:
+                bindings = element_bindings(generator.target, generator.iter, self.scope)
+                self.scope.env = {**self.scope.env, **bindings}
+            element = comp.value if isinstance(comp, ast.DictComp) else comp.elt
+            return self.collect(target, [element], states)
+        finally:
+            self.scope.env = saved
 
     def receipt(self, target: ast.expr, value: ast.expr, states: States) -> States:
         """Make ``target`` of ``target = <acquire call>`` stand for the resource acquired.

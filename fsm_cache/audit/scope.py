@@ -322,14 +322,19 @@ def _only_strict(keywords: list[ast.keyword]) -> bool:
 
 
 def unwrap(expr: ast.expr) -> ast.expr:
-    """Strip order-only wrappers: ``reversed(nodes)`` iterates the same nodes."""
-    while (
-        isinstance(expr, ast.Call)
-        and isinstance(expr.func, ast.Name)
-        and expr.func.id in _WRAPPERS
-        and len(expr.args) == 1
-    ):
-        expr = expr.args[0]
+    """Strip order-only wrappers: ``reversed(nodes)`` iterates the same nodes.
+
+    ``table.values()`` iterates the elements of ``table`` too: those that
+    ``table[k] = x`` puts there.
+    """
+    while isinstance(expr, ast.Call) and not expr.keywords:
+        func = expr.func
+        if isinstance(func, ast.Name) and func.id in _WRAPPERS and len(expr.args) == 1:
+            expr = expr.args[0]
+        elif isinstance(func, ast.Attribute) and func.attr == "values" and not expr.args:
+            expr = func.value
+        else:
+            break
     return expr
 
 
