@@ -1091,6 +1091,18 @@ def test_an_acquire_tested_for_its_result_took_nothing_where_it_returned_false()
 
         def conditional(lock):
             return lock.release() if lock.acquire(False) else None
+
+        def spin(lock):
+            while not lock.acquire(False):
+                wait()
+            try:
+                work()
+            finally:
+                lock.release()
+
+        def drain(lock):
+            while lock.acquire(False):
+                lock.release()
         """,
         LOCKS,
     )

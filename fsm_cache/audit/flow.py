@@ -435,6 +435,20 @@ class Walker:
             return states
         return states_of(*(state.hand_on(frozenset(texts)) for state in states))
 
+    def attempted(self, test: ast.expr, states: States) -> tuple[States, States]:
+        """Return ``states`` as they pass ``test`` and as they fail it.
+
+        They differ only where ``test`` is an acquire (:meth:`tried`): where
+        it returned false, it took nothing.
+        """
+        tried = self.tried(test)
+        if tried is None:
+            return states, states
+        call, negated = tried
+        place = (call.lineno, call.col_offset + 1)
+        failed = states_of(*(state.retract(*place) for state in states))
+        return (failed, states) if negated else (states, failed)
+
     def tried(self, test: ast.expr) -> tuple[ast.Call, bool] | None:
         """Return the acquire ``test`` is, and whether it is negated, if it is one.
 
@@ -623,8 +637,8 @@ def _if(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
 def _split(walker: Walker, test: ast.expr, states: States) -> tuple[States, States]:
     """Return the states that take a branch on ``test`` and those that skip it.
 
-    Where ``test`` is an acquire (:meth:`Walker.tried`), the side on which it
-    returned false holds nothing from it.
+    Where ``test`` is an acquire, the side on which it returned false holds
+    nothing from it (:meth:`Walker.attempted`).
     """
     fact, polarity = test_fact(test)
     tracked = fact in walker.scope.correlated
@@ -635,14 +649,9 @@ def _split(walker: Walker, test: ast.expr, states: States) -> tuple[States, Stat
             value = polarity == taken
             if known is None or known == value:
                 branches[taken].append(state.assume(fact, value) if tracked else state)
-    through, around = states_of(*branches[True]), states_of(*branches[False])
-    tried = walker.tried(test)
-    if tried is None:
-        return through, around
-    call, negated = tried
-    place = (call.lineno, call.col_offset + 1)
-    failed = states_of(*(state.retract(*place) for state in (through if negated else around)))
-    return (failed, around) if negated else (through, failed)
+    through, _ = walker.attempted(test, states_of(*branches[True]))
+    _, around = walker.attempted(test, states_of(*branches[False]))
+    return through, around
 
 
 _HANDLERS: dict[type[ast.stmt], Handler] = {
