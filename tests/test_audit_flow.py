@@ -1103,6 +1103,15 @@ def test_an_acquire_tested_for_its_result_took_nothing_where_it_returned_false()
         def drain(lock):
             while lock.acquire(False):
                 lock.release()
+
+        def kept(lock):
+            ok = lock.acquire(False)
+            if not ok:
+                return None
+            try:
+                return work()
+            finally:
+                lock.release()
         """,
         LOCKS,
     )

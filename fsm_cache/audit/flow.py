@@ -444,27 +444,31 @@ class Walker:
         tried = self.tried(test)
         if tried is None:
             return states, states
-        call, negated = tried
-        place = (call.lineno, call.col_offset + 1)
-        failed = states_of(*(state.retract(*place) for state in states))
+        key, negated = tried
+        failed = states_of(*(state.retract(key) for state in states))
         return (failed, states) if negated else (states, failed)
 
-    def tried(self, test: ast.expr) -> tuple[ast.Call, bool] | None:
-        """Return the acquire ``test`` is, and whether it is negated, if it is one.
+    def tried(self, test: ast.expr) -> tuple[ResourceKey, bool] | None:
+        """Return what ``test`` tried to acquire, and whether it is negated, if it is an acquire.
 
         ``if lock.acquire(False):`` and ``if not lock.acquire(blocking=False):``
-        test whether the acquire took the resource: where it returned false, it did not.
+        test whether the acquire took the resource: where it returned false, it
+        did not. So does ``if not ok:`` after ``ok = lock.acquire(False)``, a
+        name bound only to that pair's acquires (a receipt).
         """
         negated = False
         while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
             test, negated = test.operand, not negated
+        if isinstance(test, ast.Name) and self.scope.receipts.get(test.id, -1) >= 0:
+            return (self.scope.receipts[test.id], self.scope.canon(test)), negated
         if isinstance(test, ast.Await):
             test = test.value
         if not isinstance(test, ast.Call):
             return None
-        if self.classifier.classify(test, self.scope).kind is not OpKind.ACQUIRE:
+        op = self.classifier.classify(test, self.scope)
+        if op.kind is not OpKind.ACQUIRE or op.resource is None:
             return None
-        return test, negated
+        return (op.pair, self.scope.canon(op.resource)), negated
 
     def closure(
         self, func: ast.Lambda | ast.FunctionDef | ast.AsyncFunctionDef, states: States

@@ -104,13 +104,14 @@ class State:
         held.remove(entry)
         return replace(self, held=tuple(held), released=released), None, True
 
-    def retract(self, line: int, col: int) -> State:
-        """Return the state where the acquire at ``line``, ``col`` took nothing after all.
+    def retract(self, key: ResourceKey) -> State:
+        """Return the state where the latest acquire of ``key`` took nothing after all.
 
         ``if not lock.acquire(False): return``: on the path where it returned
-        false, the acquire did not acquire.
+        false, the acquire did not acquire. Nothing is released, so no later
+        release is a double one.
         """
-        entry = next((e for e in reversed(self.held) if (e.line, e.col) == (line, col)), None)
+        entry = _pick(self.held, key, self.aliases)
         if entry is None:
             return self
         held = list(self.held)
