@@ -820,6 +820,19 @@ def test_enumerate_and_zip_targets_stand_for_the_elements() -> None:
     """)
 
 
+def test_a_sorted_copy_with_a_key_iterates_the_same_elements() -> None:
+    assert not audit("""
+        def f(nodes):
+            for node in sorted(nodes, key=len):
+                node.protect_host()
+            try:
+                work()
+            finally:
+                for node in reversed(nodes):
+                    node.release_host()
+    """)
+
+
 def test_a_strict_zip_pairs_the_same_elements() -> None:
     """``zip(nodes, ops, strict=True)`` gave FSM101 on ``node[*]`` and FSM103 on ``nodes[*]``."""
     assert not audit("""

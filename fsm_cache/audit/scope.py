@@ -327,10 +327,10 @@ def unwrap(expr: ast.expr) -> ast.expr:
     ``table.values()`` iterates the elements of ``table`` too: those that
     ``table[k] = x`` puts there.
     """
-    while isinstance(expr, ast.Call) and not expr.keywords:
+    while isinstance(expr, ast.Call):
         func = expr.func
         if isinstance(func, ast.Name) and func.id in _WRAPPERS and len(expr.args) == 1:
-            expr = expr.args[0]
+            expr = expr.args[0]  # sorted(nodes, key=...) too
         elif isinstance(func, ast.Attribute) and func.attr == "values" and not expr.args:
             expr = func.value
         else:
