@@ -21,6 +21,7 @@ MODULES = sorted(CORPUS.glob("*.py"))
 CLEAN = [
     "callbacks_clean.py",
     "guarded_locks.py",
+    "idioms_clean.py",
     "load_back_fixed.py",
     "prefill_adder.py",
     "write_through_clean.py",
