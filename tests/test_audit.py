@@ -21,6 +21,7 @@ MODULES = sorted(CORPUS.glob("*.py"))
 CLEAN = [
     "callbacks_clean.py",
     "guarded_locks.py",
+    "idioms_clean.py",
     "load_back_fixed.py",
     "prefill_adder.py",
     "write_through_clean.py",
@@ -276,7 +277,71 @@ def test_a_named_pipe_is_not_read(tmp_path: Path, capsys: pytest.CaptureFixture[
     fifo = tmp_path / "fifo.py"
     os.mkfifo(fifo)
     status, _, err = run_main([str(fifo)], capsys)
-    assert (status, err) == (2, f"error: {fifo}: not a regular file\n")
+    assert (status, err) == (
+        2,
+        f"error: {fifo}: cannot read: not a regular file (a named pipe)\n",
+    )
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
+def test_a_named_pipe_under_a_folder_is_bad_input_not_skipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``.py`` entry the walk cannot read was skipped: its code passed unread, exit 0."""
+    (tmp_path / "ok.py").write_text("x = 1\n")
+    fifo = tmp_path / "pipe.py"
+    os.mkfifo(fifo)
+    status, out, err = run_main([str(tmp_path)], capsys)
+    assert (status, out, err) == (
+        2,
+        "",
+        f"error: {fifo}: cannot read: not a regular file (a named pipe)\n",
+    )
+
+
+@pytest.mark.parametrize(
+    ("target", "why"),
+    [
+        ("missing.py", "No such file or directory"),
+        ("loop.py", "Too many levels of symbolic links"),
+    ],
+    ids=["dangling", "loop"],
+)
+def test_a_broken_link_under_a_folder_is_bad_input_not_skipped(
+    target: str, why: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "ok.py").write_text("x = 1\n")
+    link = tmp_path / "loop.py"
+    link.symlink_to(tmp_path / target)
+    status, out, err = run_main([str(tmp_path)], capsys)
+    assert (status, out, err) == (2, "", f"error: {link}: cannot read: {why}\n")
+    status, out, err = run_main([str(link)], capsys)
+    assert (status, out, err) == (2, "", f"error: {link}: cannot read: {why}\n")
+
+
+def test_a_link_to_a_folder_is_not_followed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A link loop between folders ends the walk; the folder's own files are audited."""
+    (tmp_path / "leak.py").write_text("def f(node):\n    node.protect_host()\n")
+    (tmp_path / "again").symlink_to(tmp_path)
+    status, out, _ = run_main([str(tmp_path)], capsys)
+    assert (status, out.count("FSM101")) == (1, 1)
+
+
+@pytest.mark.parametrize("name", ["pyproject.toml", "notes", "stub.pyi"])
+def test_a_named_file_that_is_not_python_is_bad_input(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``audit x.toml`` read the TOML as Python: a syntax error, or silence on one that parsed."""
+    other = tmp_path / name
+    other.write_text("x = 1\n")
+    status, out, err = run_main([str(other)], capsys)
+    assert (status, out, err) == (
+        2,
+        "",
+        f"error: {other}: not a Python source: its name does not end in .py\n",
+    )
 
 
 def test_a_folder_that_cannot_be_listed_is_bad_input(

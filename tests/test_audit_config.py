@@ -272,6 +272,39 @@ def test_an_ignore_marker_silences_one_line() -> None:
     assert check_source(source, "m.py", AuditConfig()) == []
 
 
+def test_a_marker_after_a_split_calls_closing_parenthesis_covers_it() -> None:
+    """Formatters put a split call's comment after its ``)``: the marker documented nothing there."""
+    source = textwrap.dedent("""
+        class Cache:
+            def stage(self, node):
+                self.controller.inc_lock_ref(
+                    node
+                )  # fsm-cache: hands-off -- the ack handler releases it
+
+            def finish(self, rid):
+                self.controller.dec_lock_ref(
+                    self.ongoing.pop(rid)
+                )  # fsm-cache: takes-ownership
+
+            def tolerated(self, node):
+                self.controller.inc_lock_ref(
+                    node,
+                )  # fsm-cache: ignore[FSM101]
+    """)
+    assert check_source(source, "m.py", AuditConfig()) == []
+
+
+def test_a_marker_inside_a_split_call_covers_only_its_own_line() -> None:
+    source = textwrap.dedent("""
+        def f(node, other):
+            node.inc_lock_ref(
+                other.protect_host(),  # fsm-cache: hands-off
+            )
+    """)
+    found = check_source(source, "m.py", AuditConfig())
+    assert [(f.line, f.code) for f in found] == [(3, "FSM101")]
+
+
 # Where the config is found: the nearest pyproject.toml at or above each audited file.
 
 HANDOFFS = """

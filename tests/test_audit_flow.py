@@ -409,6 +409,43 @@ def test_a_closure_that_releases_takes_the_resource() -> None:
     """)
 
 
+def test_a_release_passed_uncalled_is_a_callback_that_takes_the_resource() -> None:
+    """``stack.callback(node.release_host)`` is ``lambda: node.release_host()``: it was FSM101."""
+    assert not audit("""
+        import contextlib
+        import functools
+
+        def exit_stack(node):
+            with contextlib.ExitStack() as stack:
+                node.protect_host()
+                stack.callback(node.release_host)
+                work(node)
+
+        def with_arguments(self, loop, node):
+            self.inc_lock_ref(node)
+            loop.call_soon(self.dec_lock_ref, node)
+
+        def partial(self, node):
+            self.inc_lock_ref(node)
+            self.on_done = functools.partial(self.dec_lock_ref, node)
+
+        def keyword(controller, node):
+            node.protect_host()
+            controller.submit(node.host_value, callback=node.release_host)
+    """)
+
+
+def test_a_release_passed_for_another_resource_takes_nothing() -> None:
+    assert audit("""
+        def f(self, loop, node, other):
+            self.inc_lock_ref(node)
+            loop.call_soon(self.dec_lock_ref, other)
+    """) == [
+        "3:5: FSM101 inc_lock_ref() on 'node' is not released or handed on"
+        " when the function ends at line 4 [f]"
+    ]
+
+
 def test_a_contextmanager_with_try_finally_is_clean() -> None:
     assert not audit("""
         import contextlib
@@ -783,6 +820,33 @@ def test_enumerate_and_zip_targets_stand_for_the_elements() -> None:
     """)
 
 
+def test_a_sorted_copy_with_a_key_iterates_the_same_elements() -> None:
+    assert not audit("""
+        def f(nodes):
+            for node in sorted(nodes, key=len):
+                node.protect_host()
+            try:
+                work()
+            finally:
+                for node in reversed(nodes):
+                    node.release_host()
+    """)
+
+
+def test_a_strict_zip_pairs_the_same_elements() -> None:
+    """``zip(nodes, ops, strict=True)`` gave FSM101 on ``node[*]`` and FSM103 on ``nodes[*]``."""
+    assert not audit("""
+        def f(nodes, ops):
+            for node, op in zip(nodes, ops, strict=True):
+                node.protect_host()
+            try:
+                work()
+            finally:
+                for node in nodes:
+                    node.release_host()
+    """)
+
+
 def test_comprehension_variables_stand_for_the_elements() -> None:
     assert not audit("""
         def f(nodes):
@@ -1014,4 +1078,117 @@ def test_a_function_named_after_its_pair_is_its_implementation() -> None:
     """) == [
         "12:9: FSM101 inc_lock_ref() on 'node' is not released or handed on"
         " when the function ends at line 12 [Cache.release_host]",
+    ]
+
+
+LOCKS = AuditConfig(pairs=(Pair("acquire", "release"),))
+
+
+def test_an_acquire_tested_for_its_result_took_nothing_where_it_returned_false() -> None:
+    """``if not lock.acquire(False): return`` was FSM101 on the return, where nothing was taken."""
+    assert not audit(
+        """
+        def refused(lock):
+            if not lock.acquire(False):
+                return None
+            try:
+                return work()
+            finally:
+                lock.release()
+
+        def taken(lock):
+            if lock.acquire(blocking=False):
+                lock.release()
+                return False
+            return True
+
+        def conditional(lock):
+            return lock.release() if lock.acquire(False) else None
+
+        def spin(lock):
+            while not lock.acquire(False):
+                wait()
+            try:
+                work()
+            finally:
+                lock.release()
+
+        def drain(lock):
+            while lock.acquire(False):
+                lock.release()
+
+        def kept(lock):
+            ok = lock.acquire(False)
+            if not ok:
+                return None
+            try:
+                return work()
+            finally:
+                lock.release()
+        """,
+        LOCKS,
+    )
+
+
+def test_an_acquire_tested_for_its_result_still_leaks_where_it_returned_true() -> None:
+    assert audit(
+        """
+        def f(lock):
+            if not lock.acquire(False):
+                return None
+            return work()
+        """,
+        LOCKS,
+    ) == [
+        "3:12: FSM101 acquire() on 'lock' is not released or handed on"
+        " when the function returns at line 5 [f]"
+    ]
+
+
+def test_a_context_manager_class_keeps_what_enter_takes_for_exit_to_give_back() -> None:
+    """``__enter__`` pinning ``self.node`` was FSM101, and ``__exit__`` releasing it FSM103."""
+    assert not audit("""
+        class Pinned:
+            def __enter__(self):
+                self.node.protect_host()
+
+            def __exit__(self, *exc):
+                self.node.release_host()
+
+        class Locked:
+            def __init__(self, cache, node):
+                self.cache, self.node = cache, node
+                self.cache.inc_lock_ref(self.node)
+
+            async def __aenter__(self):
+                self.cache.inc_lock_ref(self.node)
+
+            async def __aexit__(self, *exc):
+                self.cache.dec_lock_ref(self.node)
+
+            def __del__(self):
+                self.cache.dec_lock_ref(self.node)
+    """)
+
+
+def test_enter_still_leaks_what_it_takes_when_it_raises_or_is_not_its_objects() -> None:
+    assert audit("""
+        class Pinned:
+            def __enter__(self):
+                self.node.protect_host()
+                self.check(self.node)
+                return self
+
+            def __exit__(self, node, *exc):
+                node.release_host()
+
+        def __enter__(node):
+            node.protect_host()
+    """) == [
+        f"4:9: FSM104 protect_host() on 'self.node' leaks if line 5 raises; {LEAK_HINT}"
+        " [Pinned.__enter__]",
+        "9:9: FSM103 release_host() on 'node' has no protect_host() in reach"
+        " and no documented hand-off [Pinned.__exit__]",
+        "12:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function ends at line 12 [__enter__]",
     ]

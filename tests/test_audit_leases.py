@@ -220,3 +220,97 @@ def test_receipts_taken_per_loop_pass_are_released_per_pass() -> None:
         """,
         LOCK,
     )
+
+
+def test_a_receipt_bound_by_walrus_is_a_receipt() -> None:
+    """``(lock := cache.lock(node))`` was no receipt: its unlock was FSM103 and its lock FSM101."""
+    assert not audit(
+        """
+        def tested(cache, node):
+            if (lock := cache.lock(node)) is not None:
+                try:
+                    work(node)
+                finally:
+                    cache.unlock(lock)
+
+        def refused(cache, node):
+            if (lock := cache.lock(node)) is None:
+                return None
+            try:
+                return work(node)
+            finally:
+                lock.release()
+
+        def plain(cache, node):
+            print(lock := cache.lock(node))
+            cache.unlock(lock)
+        """,
+        LOCK,
+    )
+
+
+def test_a_receipt_bound_by_walrus_still_leaks() -> None:
+    assert audit(
+        """
+        def f(cache, node):
+            if (lock := cache.lock(node)) is not None:
+                if node.evicted:
+                    return None
+                cache.unlock(lock)
+        """,
+        LOCK,
+    ) == [
+        "3:17: FSM101 lock() on 'node' is not released or handed on"
+        " when the function returns at line 5 [f]"
+    ]
+
+
+def test_receipts_built_into_a_local_list_or_dict_are_its_elements() -> None:
+    """``locks = [cache.lock(n) for n in nodes]`` stood for nothing: FSM101, and FSM103 on each unlock."""
+    assert not audit(
+        """
+        def listed(cache, nodes):
+            locks = [cache.lock(n) for n in nodes]
+            try:
+                work(nodes)
+            finally:
+                for lock in locks:
+                    cache.unlock(lock)
+
+        def keyed(cache, nodes):
+            locks = {n.id: cache.lock(n) for n in nodes}
+            try:
+                work(nodes)
+            finally:
+                for lock in locks.values():
+                    cache.unlock(lock)
+
+        def stored(cache, nodes):
+            locks = {}
+            for n in nodes:
+                locks[n.id] = cache.lock(n)
+            try:
+                work(nodes)
+            finally:
+                for lock in locks.values():
+                    cache.unlock(lock)
+        """,
+        LOCK,
+    )
+
+
+def test_receipts_built_into_a_local_list_still_leak_unreleased() -> None:
+    assert audit(
+        """
+        def f(cache, nodes):
+            locks = [cache.lock(n) for n in nodes]
+            if not locks:
+                return None
+            for lock in locks:
+                cache.unlock(lock)
+        """,
+        LOCK,
+    ) == [
+        "3:14: FSM101 lock() on 'nodes[*]' is not released or handed on"
+        " when the function returns at line 5 [f]"
+    ]

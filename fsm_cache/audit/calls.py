@@ -323,11 +323,22 @@ def call_arguments(call: ast.Call) -> list[ast.expr]:
 
 
 Comprehension = ast.ListComp | ast.SetComp | ast.GeneratorExp | ast.DictComp
-Effect = ast.Call | ast.Yield | ast.YieldFrom | ast.Lambda | ast.IfExp | ast.BoolOp | Comprehension
+Effect = (
+    ast.Call
+    | ast.Yield
+    | ast.YieldFrom
+    | ast.Lambda
+    | ast.IfExp
+    | ast.BoolOp
+    | ast.NamedExpr
+    | Comprehension
+)
 
 
 def effects(node: ast.AST) -> Iterator[Effect]:
-    """Yield the calls, yields and lambdas of ``node`` in evaluation order (post-order).
+    """Yield the calls, yields, lambdas and ``:=`` bindings of ``node`` in evaluation order.
+
+    In post-order: ``(lock := cache.lock(node))`` yields the call, then the binding.
 
     A conditional expression or boolean operation whose guarded operands call
     something, and a comprehension that calls something, are yielded whole
@@ -342,7 +353,7 @@ def effects(node: ast.AST) -> Iterator[Effect]:
             yield child
         elif not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             yield from effects(child)
-    if isinstance(node, ast.Call | ast.Yield | ast.YieldFrom):
+    if isinstance(node, ast.Call | ast.Yield | ast.YieldFrom | ast.NamedExpr):
         yield node
 
 

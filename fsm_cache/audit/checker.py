@@ -24,6 +24,11 @@ from fsm_cache.audit.state import Flow, FlowOutcome, TooComplex
 # The line breaks of the parser: not the form feeds and others str.splitlines() knows.
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 
+# Methods that acquire for their object, and methods that release what it holds: an
+# acquire on what hangs off ``self`` is the object's to keep, a release its to give back.
+_ACQUIRE_FOR_SELF = frozenset({"__init__", "__post_init__", "__enter__", "__aenter__"})
+_RELEASE_FOR_SELF = frozenset({"__exit__", "__aexit__", "__del__"})
+
 
 @dataclass(frozen=True)
 class Module:
@@ -179,6 +184,7 @@ def _findings(module: Module, fn: Function, outcome: FlowOutcome, sink: Sink) ->
         *((state, state.site, "returns") for state in outcome.get(Flow.RETURN, {})),
         *((state, state.site, "raises") for state in outcome.get(Flow.RAISE, {})),
     ]
+    kept = _self_owned(fn, _ACQUIRE_FOR_SELF)
     for state, line, how in exits:
         for held in state.held:
             site = (held.line, held.col, held.key)
@@ -186,13 +192,32 @@ def _findings(module: Module, fn: Function, outcome: FlowOutcome, sink: Sink) ->
                 continue
             if how == "raises":
                 sink.raised(site, line)
-            else:
+            elif messages.root_of(held.key) not in kept:
                 sink.leak(site, line, how)
     own = _implemented_pairs(fn.node, module.config)
+    ends = _call_ends(fn.node)
+    markers = module.markers
     for item in messages.render_events(sink, module.config.pairs):
-        if item.key[0] not in own and not _declared_away(fn, item, module.markers):
-            col = _char_col(module.lines, item.line, item.col)
-            yield Finding(module.path, item.line, col, item.code, item.message, fn.qualname)
+        lines = (item.line, ends.get((item.line, item.col), item.line))
+        if item.key[0] in own or _declared_away(fn, item, markers, lines):
+            continue
+        if any(markers.ignored(line, item.code) for line in lines):
+            continue
+        col = _char_col(module.lines, item.line, item.col)
+        yield Finding(module.path, item.line, col, item.code, item.message, fn.qualname)
+
+
+def _call_ends(node: FunctionNode) -> dict[tuple[int, int], int]:
+    """Return the last line of each call in ``node``, by its place (line, 1-based byte column).
+
+    A marker on a call's last line covers it as one on its first line does:
+    a formatter puts the comment of a call split over lines after its ``)``.
+    """
+    return {
+        (sub.lineno, sub.col_offset + 1): sub.end_lineno or sub.lineno
+        for sub in ast.walk(node)
+        if isinstance(sub, ast.Call)
+    }
 
 
 def _implemented_pairs(node: FunctionNode, config: AuditConfig) -> frozenset[int]:
@@ -216,18 +241,37 @@ def _char_col(lines: tuple[str, ...], line: int, col: int) -> int:
     return len(prefix.decode("utf-8", errors="ignore")) + 1
 
 
-def _declared_away(fn: Function, item: messages.Rendered, markers: Markers) -> bool:
-    """Return whether a documented hand-off covers this finding.
+def _declared_away(
+    fn: Function, item: messages.Rendered, markers: Markers, lines: tuple[int, int]
+) -> bool:
+    """Return whether a documented hand-off covers this finding, placed at a call on ``lines``.
 
     A release in a closure of a resource the closure captures is a hand-off too:
     the enclosing function gave the resource to the callback.
     """
     if item.code in ("FSM101", "FSM104"):
-        return fn.hands_off or markers.has((item.line,), HANDS_OFF)
+        return fn.hands_off or markers.has(lines, HANDS_OFF)
     if item.code in ("FSM103", "FSM105"):
-        captured = fn.nested and messages.root_of(item.key) not in _own_names(fn.node)
-        return fn.takes_ownership or markers.has((item.line,), TAKES_OWNERSHIP) or captured
+        root = messages.root_of(item.key)
+        captured = fn.nested and root not in _own_names(fn.node)
+        given_back = root in _self_owned(fn, _RELEASE_FOR_SELF)
+        return fn.takes_ownership or markers.has(lines, TAKES_OWNERSHIP) or captured or given_back
     return False
+
+
+def _self_owned(fn: Function, methods: frozenset[str]) -> frozenset[str]:
+    """Return the name of ``self`` when ``fn`` is one of ``methods``, else nothing.
+
+    ``__enter__`` that pins ``self.node`` leaves the pin to the object, and
+    ``__exit__`` that releases it gives back what ``__enter__`` took: neither
+    is a leak or an unmatched release. An exception out of ``__enter__`` or
+    ``__init__`` still leaks (FSM104): no ``__exit__`` runs for it.
+    """
+    positional = [*fn.node.args.posonlyargs, *fn.node.args.args]
+    method = "." in fn.qualname and not fn.nested
+    if not method or fn.node.name not in methods or not positional:
+        return frozenset()
+    return frozenset({positional[0].arg})
 
 
 def _own_names(node: FunctionNode) -> frozenset[str]:

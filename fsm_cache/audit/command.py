@@ -25,6 +25,7 @@ from fsm_cache.audit.config import ConfigFinder
 from fsm_cache.audit.model import DEFAULT_PAIRS, AuditConfig, AuditError, Finding
 from fsm_cache.audit.report import REPORT_FORMATS, render_report
 from fsm_cache.shell import Parser, named_once, path_argument, path_text, run_command
+from fsm_cache.spec.loader import unreadable
 
 
 _SKIPPED_DIRS = frozenset({"__pycache__", "node_modules", "site-packages"})
@@ -130,30 +131,59 @@ def _python_files(paths: Sequence[str]) -> list[str]:
     """Return the files named, and the ``.py`` files under the folders named, in order.
 
     A file reached twice (named twice, or named and under a folder named) is
-    kept once, as first reached (:func:`~fsm_cache.shell.named_once`).
+    kept once, as first reached (:func:`~fsm_cache.shell.named_once`). A
+    file named is a Python source by the rule a folder's files are: its name
+    ends in ``.py``. ``audit pyproject.toml`` read the TOML as Python and
+    reported its syntax error, or passed in silence on a file that parsed.
 
     Raises:
-        AuditError: A path is missing or not a regular file, or a folder cannot be listed.
+        AuditError: A path is missing, not a regular file or folder, or not
+            named ``*.py``; or a folder cannot be listed or holds a ``.py``
+            entry that cannot be read (:func:`_walk`).
     """
     found: list[str] = []
     for name in paths:
         path = Path(name)
         if path.is_dir():
             found += [str(file) for file in _walk(path)]
-        elif path.is_file():
-            found.append(name)
-        elif path.exists():
-            raise AuditError(f"{name}: not a regular file")
-        else:
+        elif not path.exists() and not path.is_symlink():
             raise AuditError(f"{name}: no such file or directory")
+        else:
+            found.append(_source(path, name))
     return named_once(found)
 
 
-def _walk(root: Path) -> list[Path]:
-    """Return the regular ``.py`` files under ``root``, sorted, skipping hidden and vendored folders.
+def _source(path: Path, name: str) -> str:
+    """Return ``name`` if it is a ``.py`` file one can read.
 
     Raises:
-        AuditError: A folder under ``root`` cannot be listed.
+        AuditError: It is not named ``*.py``, or is not a regular file (a
+            named pipe, a dangling link, a link loop).
+    """
+    why = unreadable(path)
+    if why is not None:
+        raise AuditError(f"{name}: cannot read: {why}")
+    if not _is_python(path.name):
+        raise AuditError(f"{name}: not a Python source: its name does not end in .py")
+    return name
+
+
+def _is_python(name: str) -> bool:
+    """Return whether a file of this name is a Python source to audit."""
+    return name.endswith(".py")
+
+
+def _walk(root: Path) -> list[Path]:
+    """Return the ``.py`` files under ``root``, sorted, skipping hidden and vendored folders.
+
+    A ``.py`` entry that is not a regular file one can read (a named pipe, a
+    dangling link, a link loop) is bad input, as it is when named: skipped,
+    its code would pass the audit unread. Links to folders are not followed,
+    so a link loop between folders ends the walk rather than repeating it.
+
+    Raises:
+        AuditError: A folder under ``root`` cannot be listed, or a ``.py``
+            entry cannot be read.
     """
 
     def refuse(exc: OSError) -> None:
@@ -163,7 +193,7 @@ def _walk(root: Path) -> list[Path]:
     for folder, dirs, names in os.walk(root, onerror=refuse):
         dirs[:] = [d for d in dirs if not (d.startswith(".") or d in _SKIPPED_DIRS)]
         here = Path(folder)
-        files.extend(here / n for n in names if n.endswith(".py") and (here / n).is_file())
+        files.extend(Path(_source(here / n, str(here / n))) for n in names if _is_python(n))
     return sorted(files)
 
 

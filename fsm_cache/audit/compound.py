@@ -55,6 +55,9 @@ class Walking(Protocol):
     def forget(self, targets: list[ast.expr], states: States) -> States:
         """Drop the branch facts that read any of the assigned ``targets``."""
 
+    def attempted(self, test: ast.expr, states: States) -> tuple[States, States]:
+        """Return ``states`` as they pass ``test`` and as they fail it (an acquire's result)."""
+
     def receipt(self, target: ast.expr, value: ast.expr, states: States) -> States:
         """Make ``target`` of ``target = <acquire call>`` stand for the resource acquired."""
 
@@ -145,18 +148,21 @@ def run_loop(walker: Walking, stmt: ast.stmt, states: States) -> FlowOutcome:
     endless = isinstance(stmt, ast.While) and _always_true(stmt.test)
     exits: States = {}
     if isinstance(stmt, ast.While) and not endless:
-        exits.update(current)
+        current, leaving = walker.attempted(stmt.test, current)
+        exits.update(leaving)
     bindings = loop_bindings(stmt, walker.scope)
     for iteration in range(2):
         entry, pair_ops = current, walker.pair_ops
         body = _iterate(walker, stmt, current, bindings, iteration)
         add(outcome, Flow.NORMAL, body.pop(Flow.BREAK, {}))
         current = {**body.pop(Flow.NORMAL, {}), **body.pop(Flow.CONTINUE, {})}
+        leaving = current
         if isinstance(stmt, ast.While):
             current = walker.evaluate(stmt.test, current, outcome)
+            current, leaving = walker.attempted(stmt.test, current)
         merge(outcome, body)
         if not endless:
-            exits.update(current)
+            exits.update(leaving)
         if walker.pair_ops == pair_ops and current.keys() <= entry.keys():
             break
     merge(outcome, walker.block(stmt.orelse, exits))

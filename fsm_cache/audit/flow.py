@@ -132,27 +132,58 @@ class Walker:
         names = frozenset(ast.unparse(sub) for target in targets for sub in _stored(target))
         return states_of(*(state.forget(names, self.scope.mentions) for state in states))
 
+    def bind(self, targets: list[ast.expr], value: ast.expr | None, states: States) -> States:
+        """Store ``value`` into ``targets``, by ``=`` or ``:=``, after its calls have run.
+
+        A receipt bound to one name stands for what it acquired, a store that
+        escapes hands the value on, one into a local container aliases it, and
+        the branch facts that read a target are forgotten.
+        """
+        if len(targets) == 1 and value is not None:
+            states = self.receipt(targets[0], value, states)
+        if any(_escapes(self.scope, target) for target in targets):
+            states = self.hand_on(value, states)
+        elif value is not None:
+            for target in targets:
+                if isinstance(target, ast.Subscript):
+                    states = self.collect(target.value, [value], states)
+                elif isinstance(target, ast.Name) and isinstance(value, Comprehension):
+                    states = self.collect_built(target, value, states)
+        states = self.forget(targets, states)
+        if len(targets) == 1 and value is not None:
+            states = self.known_none(targets[0], value, states)
+        return states
+
     def _effect(self, effect: ast.AST, states: States, outcome: FlowOutcome) -> States:
         if isinstance(effect, ast.Lambda):
             return self.closure(effect, states)
-        if isinstance(effect, ast.IfExp):
-            states = self.evaluate(effect.test, states, outcome)
-            taken, skipped = _split(self, effect.test, states)
-            taken = self.evaluate(effect.body, taken, outcome)
-            return {**taken, **self.evaluate(effect.orelse, skipped, outcome)}
-        if isinstance(effect, ast.BoolOp):
-            return self._bool_op(effect, states, outcome)
+        if isinstance(effect, ast.IfExp | ast.BoolOp):
+            return self._conditional(effect, states, outcome)
         if isinstance(effect, Comprehension):
             return self._comprehension(effect, states, outcome)
+        if isinstance(effect, ast.NamedExpr):
+            return self.bind([effect.target], effect.value, states)
         if isinstance(effect, ast.Yield | ast.YieldFrom):
             states = self.hand_on(effect.value, states)
             add(outcome, Flow.RAISE, _at(states, effect.lineno))
             return states
         assert isinstance(effect, ast.Call)
+        states = self.deferred(effect, states)
         op = self.classifier.classify(effect, self.scope)
         if op.kind is OpKind.CALL and self.classifier.reads_receipt(effect, self.scope):
             op = Op(OpKind.SAFE, effect)
         return self._call(op, states, outcome)
+
+    def _conditional(
+        self, expr: ast.IfExp | ast.BoolOp, states: States, outcome: FlowOutcome
+    ) -> States:
+        """Run ``a if c else b`` or ``a and b``: each part only on the paths that reach it."""
+        if isinstance(expr, ast.BoolOp):
+            return self._bool_op(expr, states, outcome)
+        states = self.evaluate(expr.test, states, outcome)
+        taken, skipped = _split(self, expr.test, states)
+        taken = self.evaluate(expr.body, taken, outcome)
+        return {**taken, **self.evaluate(expr.orelse, skipped, outcome)}
 
     def _bool_op(self, op: ast.BoolOp, states: States, outcome: FlowOutcome) -> States:
         """Run ``a and b and c``: each operand runs only when the ones before did not decide."""
@@ -248,6 +279,22 @@ class Walker:
         if texts:
             self.sink.aliased(alias, texts)
         return states_of(*(state.alias(alias, texts) for state in states)) if texts else states
+
+    def collect_built(self, target: ast.Name, comp: Comprehension, states: States) -> States:
+        """Record that the elements of a local list built by ``comp`` stand for its elements.
+
+        ``locks = [cache.lock(n) for n in nodes]`` puts into ``locks`` what
+        ``for n in nodes: locks.append(cache.lock(n))`` does.
+        """
+        saved = self.scope.env
+        try:
+            for generator in comp.generators:
+                bindings = element_bindings(generator.target, generator.iter, self.scope)
+                self.scope.env = {**self.scope.env, **bindings}
+            element = comp.value if isinstance(comp, ast.DictComp) else comp.elt
+            return self.collect(target, [element], states)
+        finally:
+            self.scope.env = saved
 
     def receipt(self, target: ast.expr, value: ast.expr, states: States) -> States:
         """Make ``target`` of ``target = <acquire call>`` stand for the resource acquired.
@@ -366,6 +413,63 @@ class Walker:
             after.append(released)
         return states_of(*after)
 
+    def deferred(self, call: ast.Call, states: States) -> States:
+        """A release passed uncalled to ``call`` is a callback that takes its resource.
+
+        ``stack.callback(node.release_host)``, ``submit(x, callback=lock.release)``,
+        ``loop.call_soon(self.dec_lock_ref, node)`` and ``partial(self.dec_lock_ref,
+        node)`` call the release later, with the positional arguments that follow
+        it, as ``lambda: self.dec_lock_ref(node)`` would.
+        """
+        later = [(argument, call.args[index + 1 :]) for index, argument in enumerate(call.args)]
+        later += [(keyword.value, []) for keyword in call.keywords]
+        texts: set[str] = set()
+        for function, arguments in later:
+            if not isinstance(function, ast.Attribute | ast.Name):
+                continue
+            release = ast.copy_location(ast.Call(func=function, args=arguments, keywords=[]), call)
+            op = self.classifier.classify(release, self.scope)
+            if op.kind is OpKind.RELEASE and op.resource is not None:
+                texts.add(self.scope.canon(op.resource))
+        if not texts:
+            return states
+        return states_of(*(state.hand_on(frozenset(texts)) for state in states))
+
+    def attempted(self, test: ast.expr, states: States) -> tuple[States, States]:
+        """Return ``states`` as they pass ``test`` and as they fail it.
+
+        They differ only where ``test`` is an acquire (:meth:`tried`): where
+        it returned false, it took nothing.
+        """
+        tried = self.tried(test)
+        if tried is None:
+            return states, states
+        key, negated = tried
+        failed = states_of(*(state.retract(key) for state in states))
+        return (failed, states) if negated else (states, failed)
+
+    def tried(self, test: ast.expr) -> tuple[ResourceKey, bool] | None:
+        """Return what ``test`` tried to acquire, and whether it is negated, if it is an acquire.
+
+        ``if lock.acquire(False):`` and ``if not lock.acquire(blocking=False):``
+        test whether the acquire took the resource: where it returned false, it
+        did not. So does ``if not ok:`` after ``ok = lock.acquire(False)``, a
+        name bound only to that pair's acquires (a receipt).
+        """
+        negated = False
+        while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            test, negated = test.operand, not negated
+        if isinstance(test, ast.Name) and self.scope.receipts.get(test.id, -1) >= 0:
+            return (self.scope.receipts[test.id], self.scope.canon(test)), negated
+        if isinstance(test, ast.Await):
+            test = test.value
+        if not isinstance(test, ast.Call):
+            return None
+        op = self.classifier.classify(test, self.scope)
+        if op.kind is not OpKind.ACQUIRE or op.resource is None:
+            return None
+        return (op.pair, self.scope.canon(op.resource)), negated
+
     def closure(
         self, func: ast.Lambda | ast.FunctionDef | ast.AsyncFunctionDef, states: States
     ) -> States:
@@ -432,19 +536,8 @@ def _simple(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
         states = walker.closure(stmt, states)
     elif not isinstance(stmt, ast.ClassDef):
         states = walker.evaluate(stmt, states, outcome)
-    targets = _targets(stmt)
     value = getattr(stmt, "value", None)
-    if len(targets) == 1 and isinstance(value, ast.expr):
-        states = walker.receipt(targets[0], value, states)
-    if any(_escapes(walker.scope, target) for target in targets):
-        states = walker.hand_on(value, states)
-    elif isinstance(value, ast.expr):
-        for target in targets:
-            if isinstance(target, ast.Subscript):
-                states = walker.collect(target.value, [value], states)
-    states = walker.forget(targets, states)
-    if len(targets) == 1 and isinstance(value, ast.expr):
-        states = walker.known_none(targets[0], value, states)
+    states = walker.bind(_targets(stmt), value if isinstance(value, ast.expr) else None, states)
     add(outcome, Flow.NORMAL, states)
     return outcome
 
@@ -546,7 +639,11 @@ def _if(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
 
 
 def _split(walker: Walker, test: ast.expr, states: States) -> tuple[States, States]:
-    """Return the states that take a branch on ``test`` and those that skip it."""
+    """Return the states that take a branch on ``test`` and those that skip it.
+
+    Where ``test`` is an acquire, the side on which it returned false holds
+    nothing from it (:meth:`Walker.attempted`).
+    """
     fact, polarity = test_fact(test)
     tracked = fact in walker.scope.correlated
     branches: dict[bool, list[State]] = {True: [], False: []}
@@ -556,7 +653,9 @@ def _split(walker: Walker, test: ast.expr, states: States) -> tuple[States, Stat
             value = polarity == taken
             if known is None or known == value:
                 branches[taken].append(state.assume(fact, value) if tracked else state)
-    return states_of(*branches[True]), states_of(*branches[False])
+    through, _ = walker.attempted(test, states_of(*branches[True]))
+    _, around = walker.attempted(test, states_of(*branches[False]))
+    return through, around
 
 
 _HANDLERS: dict[type[ast.stmt], Handler] = {

@@ -131,12 +131,17 @@ def verb_names(body: list[ast.AST]) -> dict[str, str]:
 
 
 def name_bindings(body: list[ast.AST], *, with_items: bool) -> Iterator[tuple[str, ast.expr]]:
-    """Yield (name, value) of each ``name = value`` in ``body``, and of each ``with value as name``."""
+    """Yield (name, value) of each ``name = value`` and ``(name := value)`` in ``body``.
+
+    With ``with_items``, also of each ``with value as name``.
+    """
     for node in body:
         for sub in walk_same_scope(node):
             if isinstance(sub, ast.Assign) and len(sub.targets) == 1:
                 if isinstance(sub.targets[0], ast.Name):
                     yield sub.targets[0].id, sub.value
+            elif isinstance(sub, ast.NamedExpr):
+                yield sub.target.id, sub.value
             elif (
                 with_items
                 and isinstance(sub, ast.withitem)
@@ -224,6 +229,10 @@ def test_fact(test: ast.expr) -> tuple[str, bool]:
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         text, outcome = test_fact(test.operand)
         return text, not outcome
+    if isinstance(test, ast.NamedExpr):  # (lock := cache.lock(node)) tests lock, once bound
+        return test_fact(test.target)
+    if isinstance(test, ast.Compare) and isinstance(test.left, ast.NamedExpr):
+        test = ast.Compare(test.left.target, test.ops, test.comparators)
     if isinstance(test, ast.Compare) and len(test.ops) == 1:
         flipped = {ast.IsNot: ast.Is(), ast.NotEq: ast.Eq(), ast.NotIn: ast.In()}
         op = flipped.get(type(test.ops[0]))
@@ -302,20 +311,30 @@ def _zipped(target: ast.expr, iterable: ast.expr) -> list[ast.expr | None] | Non
         return None
     if func.id == "enumerate" and len(target.elts) == 2 and len(args) >= 1:
         return [None, args[0]]
-    if func.id == "zip" and len(target.elts) == len(args) and not iterable.keywords:
+    if func.id == "zip" and len(target.elts) == len(args) and _only_strict(iterable.keywords):
         return list(args)
     return None
 
 
+def _only_strict(keywords: list[ast.keyword]) -> bool:
+    """Return whether ``zip``'s keywords are at most ``strict=``, which pairs the same elements."""
+    return all(keyword.arg == "strict" for keyword in keywords)
+
+
 def unwrap(expr: ast.expr) -> ast.expr:
-    """Strip order-only wrappers: ``reversed(nodes)`` iterates the same nodes."""
-    while (
-        isinstance(expr, ast.Call)
-        and isinstance(expr.func, ast.Name)
-        and expr.func.id in _WRAPPERS
-        and len(expr.args) == 1
-    ):
-        expr = expr.args[0]
+    """Strip order-only wrappers: ``reversed(nodes)`` iterates the same nodes.
+
+    ``table.values()`` iterates the elements of ``table`` too: those that
+    ``table[k] = x`` puts there.
+    """
+    while isinstance(expr, ast.Call):
+        func = expr.func
+        if isinstance(func, ast.Name) and func.id in _WRAPPERS and len(expr.args) == 1:
+            expr = expr.args[0]  # sorted(nodes, key=...) too
+        elif isinstance(func, ast.Attribute) and func.attr == "values" and not expr.args:
+            expr = func.value
+        else:
+            break
     return expr
 
 

@@ -104,6 +104,20 @@ class State:
         held.remove(entry)
         return replace(self, held=tuple(held), released=released), None, True
 
+    def retract(self, key: ResourceKey) -> State:
+        """Return the state where the latest acquire of ``key`` took nothing after all.
+
+        ``if not lock.acquire(False): return``: on the path where it returned
+        false, the acquire did not acquire. Nothing is released, so no later
+        release is a double one.
+        """
+        entry = _pick(self.held, key, self.aliases)
+        if entry is None:
+            return self
+        held = list(self.held)
+        held.remove(entry)
+        return replace(self, held=tuple(held))
+
     def last_release(self, key: ResourceKey) -> int | None:
         """Return the line of this path's latest release of ``key``, if any."""
         return dict(self.released).get(key)
@@ -201,16 +215,19 @@ def add(outcome: FlowOutcome, flow: Flow, states: States) -> None:
         TooComplex: A state fits neither as it is nor loosened.
     """
     bucket = outcome.setdefault(flow, {})
+    covered: set[State] | None = None  # the bucket's states without their exit lines
     for state in states:
         if state in bucket:
             continue
         if len(bucket) < MAX_STATES:
             bucket[state] = None
-        else:
-            _add_loosened(bucket, state)
+            continue
+        if covered is None:
+            covered = {_sans_site(other) for other in bucket}
+        _add_loosened(bucket, covered, state)
 
 
-def _add_loosened(bucket: States, state: State) -> None:
+def _add_loosened(bucket: States, covered: set[State], state: State) -> None:
     """Add ``state`` to a full ``bucket`` loosened, unless a state there covers it.
 
     The loosened state forgets its branch facts, so it takes both sides of
@@ -219,7 +236,8 @@ def _add_loosened(bucket: States, state: State) -> None:
     so a later release through them matches nothing. It stands for more paths
     than ``state``: loosening can add a finding, never hide one. A state
     differing from it only in its exit line leaks the same acquisitions, so it
-    covers it.
+    covers it: ``covered`` holds the bucket's states without their exit lines,
+    to look that up in one step, not one per state of the bucket.
 
     Raises:
         TooComplex: The bucket holds twice :data:`MAX_STATES` and ``state`` is new.
@@ -227,11 +245,12 @@ def _add_loosened(bucket: States, state: State) -> None:
     held = {entry.key[1] for entry in state.held}
     aliases = frozenset(pair for pair in state.aliases if pair[1] in held)
     loose = replace(state, facts=(), stored=frozenset(), owners=frozenset(), aliases=aliases)
-    if loose in bucket or any(_sans_site(other) == _sans_site(loose) for other in bucket):
+    if loose in bucket or _sans_site(loose) in covered:
         return
     if len(bucket) >= 2 * MAX_STATES:
         raise TooComplex(f"more than {2 * MAX_STATES} distinct path states")
     bucket[loose] = None
+    covered.add(_sans_site(loose))
 
 
 @functools.lru_cache(maxsize=4096)
