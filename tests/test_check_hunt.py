@@ -208,6 +208,28 @@ BUGS: dict[str, Bug] = {
         "invariant 6: node 0: store_done would take pins held by pin (pins=1, none held by store)",
         ["start: chain", "node 0: write", "node 0: write_done", "node 0: pin", "node 0: discover"],
     ),
+    # The same duplicate accepted as a no-op on the host too: a give-back of nothing.
+    "store_acknowledged_twice_as_a_no_op": Bug(
+        RESIDENCY_STORAGE,
+        [
+            Edit(
+                STORAGE,
+                '[[forbid]]\nevent = "store_done"\nsource = ["unstored", "stored", "reading"]',
+                _transition("store_done", "stored", "stored")
+                + '\n[[forbid]]\nevent = "store_done"\nsource = ["unstored", "reading"]',
+            ),
+            Edit(
+                HOST_STORAGE,
+                '[[forbid]]\nevent = "store_done"\nsource = ["unbacked", "writing", "backed", "evicted", "fetching"]',
+                _transition("store_done", "backed", "backed")
+                + '\n[[forbid]]\nevent = "store_done"\nsource = ["unbacked", "writing", "evicted", "fetching"]',
+            ),
+        ],
+        2,
+        "invariant 6: node 0: store_done is accepted though nothing holds pins there"
+        " (pins=0, no store to give back)",
+        ["start: chain", "node 0: write", "node 0: write_done", "node 0: discover"],
+    ),
     # A child on the device under a parent evicted from it.
     "evict_device_above_a_loading_child": Bug(
         RESIDENCY,
