@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from typing import Protocol
 
-from fsm_cache.residency import HOST_VALID, AnyHostState, DeviceState
+from fsm_cache.residency import HOST_HELD, HOST_VALID, AnyHostState, DeviceState
 
 
 class WritePolicy(str, enum.Enum):
@@ -60,6 +60,9 @@ def backup_threshold(policy: WritePolicy, selective_threshold: int) -> int | Non
 def wants_backup(policy: WritePolicy, node: PolicyNode, selective_threshold: int) -> bool:
     """Return whether the policy starts a backup of ``node`` now.
 
+    A backup starts from a device copy where the host holds no slots (none
+    of :data:`~fsm_cache.residency.HOST_HELD`), whatever a spec names that
+    state: ``unbacked`` and ``evicted`` in ours, free names in a user's.
     Write-through backups are prefix-closed (design invariant 3): a node is
     backed up only once its parent holds a valid host copy or is a root, so a
     child's acknowledgement can never overtake its parent's.
@@ -67,7 +70,7 @@ def wants_backup(policy: WritePolicy, node: PolicyNode, selective_threshold: int
     threshold = backup_threshold(policy, selective_threshold)
     if threshold is None or node.hit_count < threshold:
         return False
-    if node.host not in ("unbacked", "evicted") or node.device != "resident":
+    if node.host in HOST_HELD or node.device != "resident":
         return False
     return parent_allows_backup(policy, node)
 
