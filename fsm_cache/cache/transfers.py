@@ -37,7 +37,7 @@ from fsm_cache.errors import (
 from fsm_cache.memory.tickets import Completion, Copier, Direction, Ticket
 from fsm_cache.memory.tiers import Tiers
 from fsm_cache.policy import WritePolicy, backup_threshold, parent_allows_backup, wants_backup
-from fsm_cache.residency import Event
+from fsm_cache.residency import HOST_HELD, Event
 
 
 trail.internal(__file__)
@@ -47,9 +47,6 @@ ACKNOWLEDGEMENTS = frozenset({"write_done", "write_failed", "load_done", "load_f
 nothing else may: fired while the copy runs, they would part the node from its copy."""
 _LOAD_ROUNDS = 3
 """Waits for a load that failed and was copied again before an operation gives up on it."""
-
-_NOT_BACKED = frozenset({"unbacked", "evicted"})
-"""Host states a backup can start from (what :func:`wants_backup` asks, tested first here)."""
 
 AckListener = Callable[[Sequence[TreeNode], Event], None]
 """Called as ``listener(nodes, event)`` once one copy's acknowledgement events were fired."""
@@ -324,7 +321,7 @@ class Transfers:
     def maybe_backup(self, node: TreeNode) -> None:
         """Start a write of ``node`` if the write policy wants one and the host has room."""
         threshold = self._threshold
-        if threshold is None or node.hit_count < threshold or node.host not in _NOT_BACKED:
+        if threshold is None or node.hit_count < threshold or node.host in HOST_HELD:
             return  # no host tier, too few hits, or backed already: the common answers, first
         if wants_backup(self._policy, node, self._selective):
             self.try_write(node)
