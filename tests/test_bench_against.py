@@ -60,6 +60,9 @@ class _HiCacheAsSGLang:
 
     version = "stand-in"
 
+    def __init__(self, command: str = "fsm-cache bench sglang") -> None:
+        self.command = command  # as the real Driver takes it, for its message
+
     def build(self, slots: int, page_size: int = 1) -> tuple[HiCache, Allocator]:
         return HiCache(trace_config(slots // page_size, 0, page_size)), Allocator(slots)
 
