@@ -214,7 +214,7 @@ class MachineSpec:
     doc: str = ""
     label: str = "instance"
     source: str = "<python>"
-    origins: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    origins: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     def origin(self, key: str) -> str:
         """Return the file that declares ``key`` (``counters.pins``) when another does, else ""."""
@@ -336,7 +336,7 @@ class System:
     label: str = "instance"
     source: str = "<python>"
     births: tuple[Birth, ...] = ()
-    origins: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    origins: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
     _event_regions: dict[str, tuple[str, ...]] = field(
         default_factory=dict, compare=False, repr=False
     )
