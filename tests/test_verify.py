@@ -444,6 +444,8 @@ def test_an_interrupt_stops_crosshair_at_once(tmp_path: Path) -> None:
     workers: two minutes on ``residency.toml`` before ``interrupted``. The proof runs
     in a process of its own, as the command line does, and gets the SIGINT once both
     (stand-in) CrossHair processes run; it must end at once, and take them with it.
+    (A user's module is checked whole, in one process: split by function, as a
+    generated module is, it runs in two.)
     """
     running = tmp_path / "running"
     running.mkdir()
@@ -473,7 +475,7 @@ def test_an_interrupt_stops_crosshair_at_once(tmp_path: Path) -> None:
         "from fsm_cache.contracts.runner import Options, prove\n"
         "import crosshair.codeconfig\n"
         "os.environ['PYTHONPATH'] = sys.argv[2]\n"
-        "prove('two', pathlib.Path(sys.argv[1]), Options(jobs=2))\n"
+        "prove('two', pathlib.Path(sys.argv[1]), Options(jobs=2), by_function=True)\n"
     )
     argv = [sys.executable, "-c", proof, str(module), os.pathsep.join(path)]
     with subprocess.Popen(argv) as child:

@@ -199,7 +199,8 @@ def prove(target: str, path: Path, options: Options, *, by_function: bool = Fals
             ``# crosshair:`` directive in it is malformed.
     """
     options = with_directives(options, path)
-    lines = [_def_line(path, name) for name, _ in functions(path)] if by_function else []
+    found = functions(path)  # read first: a module that is no Python is refused as such
+    lines = [_def_line(path, name) for name, _ in found] if by_function else []
     targets = [f"{path.resolve()}:{n}" for n in lines] if lines and all(lines) else []
     chunks = _chunks(targets, options.jobs) if targets else [[str(path.resolve())]]
     children = _Children()
