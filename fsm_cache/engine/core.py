@@ -141,7 +141,7 @@ class Engine:
         self._pairs: dict[tuple[str, str], str | None] = {}
         """Why each (acquire, release) pair :meth:`lease` was given does not pair, or None."""
         self._effects = self._bind(effects)
-        self._past = {e.name: e.past for _, m in self.system.regions for e in m.events if e.past}
+        self._past = self.system.past_tenses
         self._compiled: Compiled = compile_system(
             self.system,
             self._refuser,

@@ -102,7 +102,7 @@ class _Shape:
         self.own = [(c, v) for c, v in self.carried if c not in spread]
         """The carried counters no event propagates to ancestors: a root's are its own."""
         self.names = ("id", *self.regions, *(c for c, _ in system.counters))
-        self.past = {e.name: e.past for _, m in system.regions for e in m.events if e.past}
+        self.past = system.past_tenses
 
     def held(self, obj: object, fields: list[_Field]) -> Held | None:
         """Return ``obj`` as a :class:`Held` if it is a record of this shape that holds."""

@@ -362,6 +362,11 @@ class System:
         return dict(self.regions)
 
     @property
+    def past_tenses(self) -> dict[str, str]:
+        """Each event that declares a past tense, to it (``pin`` to ``pinned``), for call-site accounts."""
+        return {e.name: e.past for _, m in self.regions for e in m.events if e.past}
+
+    @property
     def counters(self) -> tuple[tuple[str, int], ...]:
         """Every region's counters with initial values, in region order."""
         return tuple(pair for _, machine in self.regions for pair in machine.counters)

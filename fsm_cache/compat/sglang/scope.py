@@ -316,7 +316,7 @@ def _with_sites(msg: str, node: Any) -> str:
     engine = node.machine().engine
     if not engine.trail:
         return msg
-    past = {e.name: e.past for _, m in engine.system.regions for e in m.events if e.past}
+    past = engine.system.past_tenses
     return f"{msg}; {trail.account(trail.sites(node.trail), past, trail.caller_site())}"
 
 
