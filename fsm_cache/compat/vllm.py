@@ -889,8 +889,8 @@ class CheckedOffloadingManager:
 
     def _request(self, call: str, req_context: ReqContextLike) -> _Request:
         _check_context(call, req_context)
-        request = req_context.get_state(_Request)
-        if request is None or request.owner is not self or request.generation != self.generation:
+        request = self._held(req_context)
+        if request is None:
             request = _Request(self, self.generation)
             req_context.set_state(request)
         return request
@@ -950,7 +950,7 @@ class CheckedOffloadingManager:
         on = self.engine.trail
         recent = trail.sites(rec.trail) if on else ()
         site = trail.caller_site() if on else None
-        past = {e.name: e.past for _, m in self.engine.system.regions for e in m.events if e.past}
+        past = self.engine.system.past_tenses
         raise error(
             label=self.engine.system.label,
             instance=rec.id,
