@@ -252,7 +252,7 @@ def strays(target: str, report: str, known: dict[tuple[str, int], Contract]) -> 
         if match is None:
             continue
         file, line, msg = match["file"], int(match["line"]), match["msg"]
-        if any(c.file == file and c.span[0] <= line <= c.span[1] for c in known.values()):
+        if _function_at(known, file, line):
             continue
         if "Unable to meet precondition" in msg:
             verdict = (NOT_ANALYSED, "unable to meet precondition")

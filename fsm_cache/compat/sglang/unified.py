@@ -255,7 +255,7 @@ class SpentLocks:
         self.sweep_at = max(SWEEP, 2 * len(self.spent))
 
     def clear(self) -> None:
-        """Forget every released lock: the cache's ``reset`` dropped the tree they anchor on."""
+        """Forget every released lock (:meth:`ReceiptBook.clear` calls it on ``reset``)."""
         self.spent.clear()
         self.sweep_at = SWEEP
 
