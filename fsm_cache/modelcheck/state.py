@@ -130,6 +130,16 @@ class Layout:
         return int(entry[1 + len(self.regions) + self.counters.index(name)])
 
     @cached_property
+    def batch_pins(self) -> Mapping[Hold, tuple[Copy, ...]]:
+        """The pin holder kinds of :attr:`copy_holds` whose acquiring event starts several copies.
+
+        Only these can hold fewer pins than copies in flight (a batch that
+        loads and stores under one pin); empty for the shipped specs, so a
+        split reads no copies for them.
+        """
+        return {k: c for k, c in self.copy_holds.items() if k[0] == "pins" and len(c) > 1}
+
+    @cached_property
     def base(self) -> int:
         """Index of the first hold in an entry."""
         return 1 + len(self.regions) + len(self.counters)

@@ -102,15 +102,17 @@ def _shared(layout: Layout, entry: NodeEntry) -> int:
 
     It counts a pin per copy in flight at the node. Each pin holder kind
     held there whose acquiring event starts several copies (the spec's
-    :attr:`~fsm_cache.modelcheck.state.Layout.copy_holds`) holds its count for
+    :attr:`~fsm_cache.modelcheck.state.Layout.batch_pins`) holds its count for
     all of those in flight: the ones beyond its count hold no pin of their
     own. Zero where every copy has a holder of its own (the shipped specs).
     """
+    if not layout.batch_pins:  # a holder of one copy holds a pin for it
+        return 0
     flying = layout.memory.in_flight(layout.pages(entry))
     out = 0
-    for key, started in layout.copy_holds.items():
+    for key, started in layout.batch_pins.items():
         held = layout.hold(entry, key)
-        if key[0] == "pins" and held:
+        if held:
             out += max(0, sum(c in flying for c in started) - held)
     return out
 
