@@ -60,17 +60,23 @@ typecheck: $(DEVSTAMP)
 # pytest-xdist: the suite in PYTEST_JOBS processes (the CI machine has two cores), a test
 # file's tests in one of them (--dist loadfile): a module's group of spawned ranks is then
 # started once, not once per process at the same time on two cores, for the same time.
+# The tests marked `stage` prove through the API what the verify and check stages prove
+# through the command line (about four minutes of CPU): `make pytest` leaves them to those
+# stages; a bare `pytest` runs them.
 PYTEST_JOBS ?= 2
 XDIST := -n $(PYTEST_JOBS) --dist loadfile
 pytest: $(DEVSTAMP) compile
-	$(BIN)/pytest -q $(XDIST)
+	$(BIN)/pytest -q $(XDIST) -m "not stage"
 
 # The tests that build a HiCache again on the compiled modules' sources, as a plain
-# `pip install` runs them (about a minute).
+# `pip install` runs them (about two minutes of CPU). None of them reads the compiled modules
+# (tests/test_native.py, which probes them, runs in `make pytest`), so `make test` runs them
+# beside the build of those modules.
 OPEN    := (
-PURE_TESTS ?= $(shell grep -lF 'HiCache$(OPEN)' tests/test_*.py) tests/test_native.py
+PURE_TESTS ?= $(shell grep -lF 'HiCache$(OPEN)' tests/test_*.py)
+PURE_JOBS ?= $(PYTEST_JOBS)
 pytest-pure: $(DEVSTAMP)
-	FSM_CACHE_PURE=1 $(BIN)/pytest -q $(XDIST) -p no:cacheprovider $(PURE_TESTS)
+	FSM_CACHE_PURE=1 $(BIN)/pytest -q -n $(PURE_JOBS) --dist loadfile -p no:cacheprovider $(PURE_TESTS)
 
 verify: $(DEVSTAMP)
 	$(BIN)/fsm-cache verify
@@ -84,14 +90,24 @@ audit: $(DEVSTAMP)
 diagrams: $(DEVSTAMP)
 	$(BIN)/fsm-cache diagram --check
 
-docs: $(DEVSTAMP)
+# What `make test` runs beside compile waits for it where it imports the compiled modules.
+AFTER ?=
+docs: $(DEVSTAMP) | $(AFTER)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench: $(STAMP) compile
 	$(BIN)/fsm-cache bench
 
-test: system-deps $(DEVSTAMP)
-	$(MAKE) lint typecheck pytest pytest-pure verify check audit diagrams docs test-sglang test-vllm
+# Two phases, each keeping both cores of a two-core machine busy. First the stages that run
+# in one process, two at a time: the C build of `compile`, the static checks, the side venvs'
+# installs, the tests on the sources (FSM_CACHE_PURE never loads what compile builds), and,
+# once compile is done (AFTER), what imports the compiled modules: the docs' API pages and the
+# SGLang and vLLM tests. Then the stages that use both cores, one at a time. -O prints each
+# stage's output whole, when it ends.
+test: system-deps $(DEVSTAMP) $(COMPSTAMP)
+	$(MAKE) -j2 -O AFTER=compile PURE_JOBS=1 compile pytest-pure lint typecheck $(SIDE_VENVS) \
+		audit diagrams docs $(SGLANG_TESTS) $(VLLM_TESTS)
+	$(MAKE) pytest verify check
 
 # SGLang's real radix caches (tests/sglang_real): one side venv per version under .cache/sglang
 # (ignored by git), holding only the wheel (--no-deps); torch, pytest and fsm_cache come from
@@ -117,11 +133,11 @@ $(SGCACHE)/venv-%/.installed: $(DEVSTAMP) Makefile
 		$(SGCACHE)/wheels/sglang-$*-*.whl $(SGLANG_NEEDS_$*)
 	touch $@
 
-test-sglang: $(foreach v,$(SGLANG_VERSIONS),$(SGCACHE)/venv-$(v)/.installed)
-	@set -e; for v in $(SGLANG_VERSIONS); do \
-		echo "== sglang $$v"; \
-		$(SGCACHE)/venv-$$v/bin/python -m pytest -q -p no:cacheprovider tests/sglang_real; \
-	done
+SGLANG_TESTS := $(foreach v,$(SGLANG_VERSIONS),test-sglang-$(v))
+test-sglang: $(SGLANG_TESTS)
+$(SGLANG_TESTS): test-sglang-%: $(SGCACHE)/venv-%/.installed | $(AFTER)
+	@echo "== sglang $*"
+	$(SGCACHE)/venv-$*/bin/python -m pytest -q -p no:cacheprovider tests/sglang_real
 
 # What fsm_cache.compat.sglang.patch() costs SGLang's RadixCache, per version, and HiCache
 # against the newest SGLang's own RadixCache (docs/benchmarks.md).
@@ -155,16 +171,20 @@ $(VLCACHE)/venv-%/.installed: $(DEVSTAMP)
 		$(VLCACHE)/wheels/$*-*.whl
 	touch $@
 
+.PHONY: $(SGLANG_TESTS) $(VLLM_TESTS)
+SIDE_VENVS := $(foreach v,$(SGLANG_VERSIONS),$(SGCACHE)/venv-$(v)/.installed) \
+	$(foreach w,$(VLLM_WHEELS),$(VLCACHE)/venv-$(w)/.installed)
+
 # `fsm-cache bench vllm` needs vLLM's manager importable: here, the side venv with the stand-ins.
 bench-vllm: $(VLCACHE)/venv-$(lastword $(VLLM_WHEELS))/.installed
 	$(VLCACHE)/venv-$(lastword $(VLLM_WHEELS))/bin/python -c "from fsm_cache.testing import vllm; \
 		vllm.install(); from fsm_cache.cli.main import main; raise SystemExit(main(['bench', 'vllm']))"
 
-test-vllm: $(foreach w,$(VLLM_WHEELS),$(VLCACHE)/venv-$(w)/.installed)
-	@set -e; for w in $(VLLM_WHEELS); do \
-		echo "== $$w"; \
-		$(VLCACHE)/venv-$$w/bin/python -m pytest -q -p no:cacheprovider tests/vllm_real; \
-	done
+VLLM_TESTS := $(foreach w,$(VLLM_WHEELS),test-$(w))
+test-vllm: $(VLLM_TESTS)
+$(VLLM_TESTS): test-%: $(VLCACHE)/venv-%/.installed | $(AFTER)
+	@echo "== $*"
+	$(VLCACHE)/venv-$*/bin/python -m pytest -q -p no:cacheprovider tests/vllm_real
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .cache/sglang/venv-* .cache/vllm/venv-* .mypy_cache .ruff_cache .import_linter_cache

@@ -92,11 +92,13 @@ def test_every_control_file_has_an_expected_finding() -> None:
     assert tops == {c.name for c in ALL}
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("control", [c for c in ALL if c.tool != "verify"], ids=lambda c: c.name)
 def test_validate_and_check_controls_yield_their_finding(control: Control) -> None:
     assert check.check_control(control) == control.expected
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("control", [c for c in ALL if c.tool == "verify"], ids=lambda c: c.name)
 def test_verify_controls_yield_their_counterexample(control: Control, tmp_path: Path) -> None:
     assert control.matches(
@@ -149,6 +151,7 @@ def test_other_controls_match_exactly() -> None:
     assert not control.matches("check: violation: invariant 6: node 1: locks is 1")
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("path", shipped_spec_paths(), ids=lambda p: p.name)
 def test_shipped_specs_hold_in_the_model_checker(path: Path) -> None:
     """On three nodes; a spec with a storage region on one fewer than its own size, to stay short."""
@@ -164,7 +167,7 @@ CROSSHAIR_TIMEOUT = 900
 residency.toml's took 270 s and the pool contracts' 233 s (each contract keeps its own budget)."""
 
 
-@pytest.mark.slow
+@pytest.mark.stage
 @pytest.mark.timeout(CROSSHAIR_TIMEOUT)
 @pytest.mark.parametrize("path", shipped_spec_paths(), ids=lambda p: p.name)
 def test_shipped_specs_have_no_counterexample(path: Path, tmp_path: Path) -> None:
@@ -173,6 +176,7 @@ def test_shipped_specs_have_no_counterexample(path: Path, tmp_path: Path) -> Non
     assert [r for r in rows if r.failed] == []
 
 
+@pytest.mark.stage
 @pytest.mark.timeout(CROSSHAIR_TIMEOUT)
 def test_pool_contracts_have_no_counterexample() -> None:
     """Every one proved, with the budgets ``make verify`` has (a tighter one may leave some unknown)."""
