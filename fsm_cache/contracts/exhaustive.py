@@ -188,33 +188,47 @@ def _check_function(
     pre = [c for group in getattr(checker, "__preconditions__", []) for c in group]
     post = list(getattr(checker, "__postconditions__", []))
     raw = inspect.unwrap(func)
-    names, axes = _axes(func, counters, together)
+    params, axes = _axes(func, counters, together)
     size = _size(axes)
     if size > MAX_INPUTS:
         why = f"{size} inputs, more than {MAX_INPUTS}"
         return [Row(target, func.__name__, _text(c), NOT_ANALYSED, why) for c in post]
+    checked = _checked_by_axis(params, pre)
     found: dict[int, str] = {}
-    for values in itertools.product(*axes):
-        args = dict(zip(names, itertools.chain.from_iterable(values), strict=True))
-        if not all(_holds(c, args) for c in pre):
-            continue
+    args: dict[str, Any] = {}
+
+    def call(args: dict[str, Any]) -> None:
         try:
             result = raw(**args)
         except Exception as exc:  # the code under test raised: no contract holds on this input
             why = f"{_call(func.__name__, args)} raises {_raised(exc)}"
             for i in range(len(post)):
                 found.setdefault(i, why)
-            continue
+            return
+        given = {**args, "result": result}
         for i, c in enumerate(post):
             if i in found:
                 continue
             try:
-                held = _holds(c, {**args, "result": result})
+                held = _holds(c, given)
             except Exception as exc:  # the contract itself raised (its meaning, say)
                 found[i] = f"{_call(func.__name__, args)}: the contract raises {_raised(exc)}"
                 continue
             if not held:
                 found[i] = _call(func.__name__, args)
+
+    def walk(axis: int) -> bool:
+        """Call on every input past the axes bound so far; False once every contract has failed."""
+        if axis == len(axes):
+            call(args)
+            return len(found) < len(post)
+        for values in axes[axis]:
+            args.update(zip(params[axis], values, strict=True))
+            if all(_holds(c, args) for c in checked[axis]) and not walk(axis + 1):
+                return False
+        return True
+
+    walk(0)
     return [
         Row(target, func.__name__, _text(c), COUNTEREXAMPLE, found[i])
         if i in found
@@ -227,8 +241,8 @@ def _axes(
     func: Callable[..., Any],
     counters: Mapping[str, Sequence[int]],
     together: Sequence[Sequence[str]],
-) -> tuple[list[str], list[list[tuple[Any, ...]]]]:
-    """Return the parameter names, in the order the axes give them, and each axis's values.
+) -> tuple[list[tuple[str, ...]], list[list[tuple[Any, ...]]]]:
+    """Return the parameters each axis gives values to, and each axis's values.
 
     An axis is one parameter, or the states of one neighbour (``together``,
     a run of consecutive parameters, :data:`~fsm_cache.contracts.generate.NEIGHBOURS`):
@@ -241,18 +255,33 @@ def _axes(
     domain = dict(zip(names, domains, strict=True))
     first = {group[0]: tuple(group) for group in together}
     grouped = {name for group in together for name in group}
-    order: list[str] = []
+    order: list[tuple[str, ...]] = []
     axes: list[list[tuple[Any, ...]]] = []
     for name in names:
         if name in first:
             group = first[name]
             present = itertools.product(*([v for v in domain[n] if v is not None] for n in group))
-            order += group
+            order.append(group)
             axes.append([(None,) * len(group), *present])
         elif name not in grouped:
-            order.append(name)
+            order.append((name,))
             axes.append([(value,) for value in domain[name]])
     return order, axes
+
+
+def _checked_by_axis(params: Sequence[tuple[str, ...]], pre: Sequence[Any]) -> list[list[Any]]:
+    """Return, per axis, the preconditions whose last parameter it binds.
+
+    Each is checked once that axis is bound, for every input below it: it
+    rules all of them out or none. The inputs every precondition holds on
+    are called in the order the axes' product gives them, as when each
+    precondition was checked on each input.
+    """
+    axis_of = {name: axis for axis, names in enumerate(params) for name in names}
+    checked: list[list[Any]] = [[] for _ in params]
+    for c in pre:
+        checked[max((axis_of[a] for a in c.condition_args), default=0)].append(c)
+    return checked
 
 
 def _size(axes: Sequence[Sequence[object]]) -> int:
