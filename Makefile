@@ -69,11 +69,15 @@ pytest: $(DEVSTAMP) compile
 	$(BIN)/pytest -q $(XDIST) -m "not stage"
 
 # The tests that build a HiCache again on the compiled modules' sources, as a plain
-# `pip install` runs them (about two minutes of CPU). None of them reads the compiled modules
-# (tests/test_native.py, which probes them, runs in `make pytest`), so `make test` runs them
-# beside the build of those modules.
+# `pip install` runs them (about three minutes of CPU), but those whose subject is a
+# benchmark's harness, the model checker or the refusals of tensor-parallel agreement (not a
+# compiled module). None of them reads the compiled modules (tests/test_native.py, which
+# probes them, runs in `make pytest`), so `make test` runs them beside the build of those
+# modules.
 OPEN    := (
-PURE_TESTS ?= $(shell grep -lF 'HiCache$(OPEN)' tests/test_*.py)
+NOT_PURE := tests/test_bench_against.py tests/test_bench_tp.py tests/test_check_differential.py \
+	tests/test_distributed_misuse.py
+PURE_TESTS ?= $(filter-out $(NOT_PURE),$(shell grep -lF 'HiCache$(OPEN)' tests/test_*.py))
 PURE_JOBS ?= $(PYTEST_JOBS)
 pytest-pure: $(DEVSTAMP)
 	FSM_CACHE_PURE=1 $(BIN)/pytest -q -n $(PURE_JOBS) --dist loadfile -p no:cacheprovider $(PURE_TESTS)
@@ -98,16 +102,17 @@ docs: $(DEVSTAMP) | $(AFTER)
 bench: $(STAMP) compile
 	$(BIN)/fsm-cache bench
 
-# Two phases, each keeping both cores of a two-core machine busy. First the stages that run
-# in one process, two at a time: the C build of `compile`, the static checks, the side venvs'
-# installs, the tests on the sources (FSM_CACHE_PURE never loads what compile builds), and,
-# once compile is done (AFTER), what imports the compiled modules: the docs' API pages and the
-# SGLang and vLLM tests. Then the stages that use both cores, one at a time. -O prints each
-# stage's output whole, when it ends.
+# Two phases, each keeping both cores of a two-core machine busy. First the stages that need
+# no time budget, two at a time: the C build of `compile` (one process), the tests on the
+# sources in one process (FSM_CACHE_PURE never loads what compile builds), the model checker
+# (two), the static checks, the side venvs' installs, and, once compile is done (AFTER), what
+# imports the compiled modules: the docs' API pages and the SGLang and vLLM tests. Then pytest
+# and verify, each on both cores and alone: CrossHair's budgets are wall-clock seconds, and a
+# proof beside other work could run out of them. -O prints each stage's output whole.
 test: system-deps $(DEVSTAMP) $(COMPSTAMP)
-	$(MAKE) -j2 -O AFTER=compile PURE_JOBS=1 compile pytest-pure lint typecheck $(SIDE_VENVS) \
-		audit diagrams docs $(SGLANG_TESTS) $(VLLM_TESTS)
-	$(MAKE) pytest verify check
+	$(MAKE) -j2 -O AFTER=compile PURE_JOBS=1 compile pytest-pure check lint typecheck \
+		$(SIDE_VENVS) audit diagrams docs $(SGLANG_TESTS) $(VLLM_TESTS)
+	$(MAKE) pytest verify
 
 # SGLang's real radix caches (tests/sglang_real): one side venv per version under .cache/sglang
 # (ignored by git), holding only the wheel (--no-deps); torch, pytest and fsm_cache come from
