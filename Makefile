@@ -102,17 +102,17 @@ docs: $(DEVSTAMP) | $(AFTER)
 bench: $(STAMP) compile
 	$(BIN)/fsm-cache bench
 
-# Two phases, each keeping both cores of a two-core machine busy. First the stages that need
-# no time budget, two at a time: the C build of `compile` (one process), the tests on the
-# sources in one process (FSM_CACHE_PURE never loads what compile builds), the model checker
-# (two), the static checks, the side venvs' installs, and, once compile is done (AFTER), what
-# imports the compiled modules: the docs' API pages and the SGLang and vLLM tests. Then pytest
-# and verify, each on both cores and alone: CrossHair's budgets are wall-clock seconds, and a
-# proof beside other work could run out of them. -O prints each stage's output whole.
+# Two phases, each keeping both cores of a two-core machine busy. First the stages that run
+# in one process, two at a time: the C build of `compile`, the static checks, the side venvs'
+# installs, the tests on the sources (FSM_CACHE_PURE never loads what compile builds), and,
+# once compile is done (AFTER), what imports the compiled modules: the docs' API pages and the
+# SGLang and vLLM tests. Then the stages that use both cores, one at a time (check beside the
+# first phase measured slower: four processes on two cores ran each stage at half speed or
+# worse). -O prints each stage's output whole, when it ends.
 test: system-deps $(DEVSTAMP) $(COMPSTAMP)
-	$(MAKE) -j2 -O AFTER=compile PURE_JOBS=1 compile pytest-pure check lint typecheck \
-		$(SIDE_VENVS) audit diagrams docs $(SGLANG_TESTS) $(VLLM_TESTS)
-	$(MAKE) pytest verify
+	$(MAKE) -j2 -O AFTER=compile PURE_JOBS=1 compile pytest-pure lint typecheck $(SIDE_VENVS) \
+		audit diagrams docs $(SGLANG_TESTS) $(VLLM_TESTS)
+	$(MAKE) pytest verify check
 
 # SGLang's real radix caches (tests/sglang_real): one side venv per version under .cache/sglang
 # (ignored by git), holding only the wheel (--no-deps); torch, pytest and fsm_cache come from
