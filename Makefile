@@ -78,9 +78,8 @@ OPEN    := (
 NOT_PURE := tests/test_bench_against.py tests/test_bench_tp.py tests/test_check_differential.py \
 	tests/test_distributed_misuse.py
 PURE_TESTS ?= $(filter-out $(NOT_PURE),$(shell grep -lF 'HiCache$(OPEN)' tests/test_*.py))
-PURE_JOBS ?= $(PYTEST_JOBS)
 pytest-pure: $(DEVSTAMP)
-	FSM_CACHE_PURE=1 $(BIN)/pytest -q -n $(PURE_JOBS) --dist loadfile -p no:cacheprovider $(PURE_TESTS)
+	FSM_CACHE_PURE=1 $(BIN)/pytest -q $(XDIST) -p no:cacheprovider $(PURE_TESTS)
 
 verify: $(DEVSTAMP)
 	$(BIN)/fsm-cache verify
@@ -110,7 +109,7 @@ bench: $(STAMP) compile
 # first phase measured slower: four processes on two cores ran each stage at half speed or
 # worse). -O prints each stage's output whole, when it ends.
 test: system-deps $(DEVSTAMP) $(COMPSTAMP)
-	$(MAKE) -j2 -O AFTER=compile PURE_JOBS=1 compile pytest-pure lint typecheck $(SIDE_VENVS) \
+	$(MAKE) -j2 -O AFTER=compile PYTEST_JOBS=1 compile pytest-pure lint typecheck $(SIDE_VENVS) \
 		audit diagrams docs $(SGLANG_TESTS) $(VLLM_TESTS)
 	$(MAKE) pytest verify check
 
@@ -176,7 +175,6 @@ $(VLCACHE)/venv-%/.installed: $(DEVSTAMP)
 		$(VLCACHE)/wheels/$*-*.whl
 	touch $@
 
-.PHONY: $(SGLANG_TESTS) $(VLLM_TESTS)
 SIDE_VENVS := $(foreach v,$(SGLANG_VERSIONS),$(SGCACHE)/venv-$(v)/.installed) \
 	$(foreach w,$(VLLM_WHEELS),$(VLCACHE)/venv-$(w)/.installed)
 
@@ -190,6 +188,8 @@ test-vllm: $(VLLM_TESTS)
 $(VLLM_TESTS): test-%: $(VLCACHE)/venv-%/.installed | $(AFTER)
 	@echo "== $*"
 	$(VLCACHE)/venv-$*/bin/python -m pytest -q -p no:cacheprovider tests/vllm_real
+
+.PHONY: $(SGLANG_TESTS) $(VLLM_TESTS)
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .cache/sglang/venv-* .cache/vllm/venv-* .mypy_cache .ruff_cache .import_linter_cache
