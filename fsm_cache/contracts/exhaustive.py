@@ -197,7 +197,8 @@ def _check_function(
     found: dict[int, str] = {}
     args: dict[str, Any] = {}
 
-    def call(args: dict[str, Any]) -> None:
+    def call() -> None:
+        """Call ``func`` on the input ``args`` holds, and note the contracts it breaks."""
         try:
             result = raw(**args)
         except Exception as exc:  # the code under test raised: no contract holds on this input
@@ -220,7 +221,7 @@ def _check_function(
     def walk(axis: int) -> bool:
         """Call on every input past the axes bound so far; False once every contract has failed."""
         if axis == len(axes):
-            call(args)
+            call()
             return len(found) < len(post)
         for values in axes[axis]:
             args.update(zip(params[axis], values, strict=True))
