@@ -211,12 +211,15 @@ def test_parse_maps_lines_to_contracts() -> None:
         "/m.py:12: info: Unable to meet precondition.\n"
         "/m.py:21: info: Confirmed over all paths.\n"
     )
-    assert crosshair_run.parse_report(report, known) == {
-        ("/m.py", 10): (crosshair_run.CONFIRMED, ""),
-        ("/m.py", 11): (crosshair_run.COUNTEREXAMPLE, "pin(State.backed, 0)"),
-        ("/m.py", 12): (crosshair_run.NOT_ANALYSED, "unable to meet precondition"),
-        ("/m.py", 20): (crosshair_run.CONFIRMED, ""),
-    }
+    assert crosshair_run.read_report("m", report, known) == (
+        {
+            ("/m.py", 10): (crosshair_run.CONFIRMED, ""),
+            ("/m.py", 11): (crosshair_run.COUNTEREXAMPLE, "pin(State.backed, 0)"),
+            ("/m.py", 12): (crosshair_run.NOT_ANALYSED, "unable to meet precondition"),
+            ("/m.py", 20): (crosshair_run.CONFIRMED, ""),
+        },
+        [],
+    )
 
 
 _TWO_FUNCTIONS = """import icontract

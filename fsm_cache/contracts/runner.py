@@ -180,7 +180,7 @@ def prove(target: str, path: Path, options: Options, *, by_function: bool = Fals
     functions itself, and its rows are the contracts of the files CrossHair
     reports on: a contract this module's parser does not recognise (an
     aliased ``ensure``, a class invariant, a function a harness builds) is
-    still checked, and reported on a row of its own (:func:`strays`).
+    still checked, and reported on a row of its own (:func:`read_report`).
     Where a postcondition was checked only if it was named as a target,
     a module of recognised contracts and some other checked function was
     exit 0 with that function never run.
@@ -215,9 +215,11 @@ def prove(target: str, path: Path, options: Options, *, by_function: bool = Fals
     files = {str(path.resolve())} | {f for r in reports for f in _files(r)}
     known = {(c.file, c.line): c for f in sorted(files) for c in contracts(Path(f))}
     verdicts: dict[tuple[str, int], tuple[str, str]] = {}
+    extra: list[Row] = []
     for report in reports:
-        verdicts.update(parse_report(report, known))
-    extra = [row for report in reports for row in strays(target, report, known)]
+        own, stray = read_report(target, report, known)
+        verdicts.update(own)
+        extra += stray
     if not known and not extra:
         return [Row(target, "-", "-", NOT_ANALYSED, "no checkable functions")]
     rows = [
@@ -234,42 +236,81 @@ def prove(target: str, path: Path, options: Options, *, by_function: bool = Fals
 _CONDITION = re.compile(r'^"(?P<cond>.*)" yields false when calling ')
 
 
-def strays(target: str, report: str, known: dict[tuple[str, int], Contract]) -> list[Row]:
-    """Return a row for each verdict of ``report`` on a line that no contract of ``known`` holds.
+def read_report(
+    target: str, report: str, known: dict[tuple[str, int], Contract]
+) -> tuple[dict[tuple[str, int], tuple[str, str]], list[Row]]:
+    """Return a status and detail for each contract a CrossHair report speaks of, and its strays.
 
-    CrossHair checks what it finds checkable, and :func:`contracts` knows
-    postconditions by their decorator's name: one declared through an alias
-    (``from icontract import ensure as post``), a class invariant (reported
-    on the line of the method that broke it) or a condition given as a named
-    function is on a line of no known contract, and its counterexample was
-    dropped, the run passing. Each such row names the function or class
-    whose lines hold the line (``-`` if none), and as its contract the
-    decorator's description, the condition CrossHair quotes, or the line.
+    Each line of the report is read once.
+
+    Args:
+        target: The target the rows of strays name.
+        report: CrossHair's output (``FILE:LINE: KIND: MESSAGE`` lines; others are skipped).
+        known: The contracts by ``(file, line)``. A report on a line of a
+            contract's decorator is on that contract; one on another line of a
+            function (a precondition it cannot meet, a raise in the body) is on
+            every contract of that function: CrossHair checks each contract
+            alone, then prints one line for the lot.
+
+    Returns:
+        The verdicts on known contracts, and a row for each verdict on a line
+        that no contract of ``known`` holds (a stray). CrossHair checks what it
+        finds checkable, and :func:`contracts` knows postconditions by their
+        decorator's name: one declared through an alias (``from icontract
+        import ensure as post``), a class invariant (reported on the line of
+        the method that broke it) or a condition given as a named function is
+        on a line of no known contract, and its counterexample was dropped,
+        the run passing. Each stray row names the function or class whose
+        lines hold the line (``-`` if none), and as its contract the
+        decorator's description, the condition CrossHair quotes, or the line.
+
+    A contract reported twice keeps its worse verdict (a counterexample over
+    ``not analysed`` over ``no counterexample within budget`` over confirmed),
+    as CrossHair keeps the worse of two messages on one line.
     """
+    out: dict[tuple[str, int], tuple[str, str]] = {}
     rows: list[Row] = []
+    sources: dict[str, tuple[ast.Module, list[str]] | None] = {}
     for raw in report.splitlines():
         match = _LINE.match(raw.strip())
         if match is None:
             continue
         file, line, msg = match["file"], int(match["line"]), match["msg"]
-        if _function_at(known, file, line):
+        own = [k for k, c in known.items() if c.file == file and c.line <= line <= c.end]
+        inner = own or _function_at(known, file, line)
+        verdict = _verdict(match["kind"], msg, raised=not own)
+        if verdict is None or (inner and not own and verdict[0] in (CONFIRMED, WITHIN_BUDGET)):
             continue
-        if "Unable to meet precondition" in msg:
-            verdict = (NOT_ANALYSED, "unable to meet precondition")
-        elif match["kind"] == "error":
-            verdict = (COUNTEREXAMPLE, _counterexample(msg, raised=True))
-        elif msg.startswith("Confirmed over all paths"):
-            verdict = (CONFIRMED, "")
-        elif msg.startswith("Not confirmed"):
-            verdict = (WITHIN_BUDGET, "")
-        else:
-            continue
-        function, contract = _located(Path(file), line)
-        condition = _CONDITION.match(msg)
-        if condition:
-            contract = _quoted(condition["cond"])
-        rows.append(Row(target, function, contract, *verdict))
-    return rows
+        for key in inner:
+            if _RANK[verdict[0]] > _RANK[out.get(key, ("", ""))[0]]:
+                out[key] = verdict
+        if not inner:
+            if file not in sources:
+                sources[file] = _source(Path(file))
+            function, contract = _located(sources[file], line)
+            condition = _CONDITION.match(msg)
+            rows.append(
+                Row(
+                    target,
+                    function,
+                    _quoted(condition["cond"]) if condition else contract,
+                    *verdict,
+                )
+            )
+    return out, rows
+
+
+def _verdict(kind: str, msg: str, *, raised: bool) -> tuple[str, str] | None:
+    """Return the status and detail of one CrossHair message, or None if it gives no verdict."""
+    if "Unable to meet precondition" in msg:
+        return NOT_ANALYSED, "unable to meet precondition"
+    if kind == "error":
+        return COUNTEREXAMPLE, _counterexample(msg, raised=raised)
+    if msg.startswith("Confirmed over all paths"):
+        return CONFIRMED, ""
+    if msg.startswith("Not confirmed"):
+        return WITHIN_BUDGET, ""
+    return None
 
 
 def _quoted(condition: str) -> str:
@@ -281,16 +322,22 @@ def _quoted(condition: str) -> str:
     return _description(tree.body) if isinstance(tree.body, ast.Call) else condition
 
 
-def _located(path: Path, line: int) -> tuple[str, str]:
-    """Return the innermost function or class holding ``line`` of ``path``, and what the line declares.
+def _source(path: Path) -> tuple[ast.Module, list[str]] | None:
+    """Return the syntax tree and lines of the module at ``path``, or None if it cannot be read."""
+    try:
+        return parse_module(path), read_module(path).splitlines()
+    except SpecError:
+        return None
+
+
+def _located(source: tuple[ast.Module, list[str]] | None, line: int) -> tuple[str, str]:
+    """Return the innermost function or class holding ``line`` of ``source``, and what the line declares.
 
     What it declares is the description of a decorator on that line, else the line itself.
     """
-    try:
-        tree = parse_module(path)
-        text = read_module(path).splitlines()[line - 1].strip()
-    except (SpecError, IndexError):
+    if source is None or not 0 < line <= len(source[1]):
         return "-", f"line {line}"
+    tree, text = source[0], source[1][line - 1].strip()
     name, contract = "-", text
     stack: list[tuple[ast.AST, str]] = [(tree, "")]
     while stack:
@@ -408,46 +455,6 @@ def _run(targets: Sequence[str], options: Options, cwd: Path, children: _Childre
     return stdout + stderr
 
 
-def parse_report(
-    report: str, known: dict[tuple[str, int], Contract]
-) -> dict[tuple[str, int], tuple[str, str]]:
-    """Return a status and detail for each contract a CrossHair report speaks of.
-
-    Args:
-        report: CrossHair's output (``FILE:LINE: KIND: MESSAGE`` lines; others are skipped).
-        known: The contracts by ``(file, line)``. A report on a line of a
-            contract's decorator is on that contract; one on another line of a
-            function (a precondition it cannot meet, a raise in the body) is on
-            every contract of that function: CrossHair checks each contract
-            alone, then prints one line for the lot.
-
-    A contract reported twice keeps its worse verdict (a counterexample over
-    ``not analysed`` over ``no counterexample within budget`` over confirmed),
-    as CrossHair keeps the worse of two messages on one line.
-    """
-    out: dict[tuple[str, int], tuple[str, str]] = {}
-    for raw in report.splitlines():
-        match = _LINE.match(raw.strip())
-        if match is None:
-            continue
-        file, line, msg = match["file"], int(match["line"]), match["msg"]
-        own = [k for k, c in known.items() if c.file == file and c.line <= line <= c.end]
-        if "Unable to meet precondition" in msg:
-            verdict = (NOT_ANALYSED, "unable to meet precondition")
-        elif match["kind"] == "error":
-            verdict = (COUNTEREXAMPLE, _counterexample(msg, raised=not own))
-        elif own and msg.startswith("Confirmed over all paths"):
-            verdict = (CONFIRMED, "")
-        elif own and msg.startswith("Not confirmed"):
-            verdict = (WITHIN_BUDGET, "")
-        else:
-            continue
-        for key in own or _function_at(known, file, line):
-            if _RANK[verdict[0]] > _RANK[out.get(key, ("", ""))[0]]:
-                out[key] = verdict
-    return out
-
-
 _RANK = {"": -1, CONFIRMED: 0, WITHIN_BUDGET: 1, NOT_ANALYSED: 2, COUNTEREXAMPLE: 3}
 """Which of two verdicts on one contract is kept: the higher."""
 
@@ -455,7 +462,7 @@ _RANK = {"": -1, CONFIRMED: 0, WITHIN_BUDGET: 1, NOT_ANALYSED: 2, COUNTEREXAMPLE
 def worse(first: Row, second: Row) -> Row:
     """Return whichever of two rows on one contract has the worse verdict, ``first`` on a tie.
 
-    The rule :func:`parse_report` keeps for a contract reported twice: a
+    The rule :func:`read_report` keeps for a contract reported twice: a
     counterexample over ``not analysed`` over ``no counterexample within
     budget`` over a confirmation, of either kind.
     """
