@@ -59,6 +59,7 @@ from itertools import chain
 from typing import Any, NoReturn, Protocol, TypeVar
 
 from fsm_cache.engine import trail
+from fsm_cache.engine.codegen import Refusal
 from fsm_cache.engine.core import Engine, Verb
 from fsm_cache.errors import (
     BadArgument,
@@ -941,27 +942,12 @@ class CheckedOffloadingManager:
         """Raise a refusal of the request's claim on ``rec``, shaped as the spec's own.
 
         The spec counts a block's copies, not whose they are, so the refusal is
-        the manager's; in trail mode it names the block's recent call sites and
-        the refused call's, as the engine's refusals do.
+        the manager's (:meth:`~fsm_cache.engine.core.Engine.refusal`).
 
         Raises:
             IllegalTransition: ``error``, always.
         """
-        on = self.engine.trail
-        recent = trail.sites(rec.trail) if on else ()
-        site = trail.caller_site() if on else None
-        past = self.engine.system.past_tenses
-        raise error(
-            label=self.engine.system.label,
-            instance=rec.id,
-            state=rec.host,
-            counters={"pins": rec.pins},
-            event=event,
-            reason=reason,
-            history=trail.account(recent, past, site) if on else "",
-            site=site,
-            sites=recent,
-        )
+        raise self.engine.refusal(rec, Refusal("host", event, error.__name__, reason))
 
     def _check_open(self, keys: Iterable[bytes], request: _Request) -> None:
         """Refuse new keys for a finished request (vLLM asserts)."""

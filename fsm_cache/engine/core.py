@@ -667,7 +667,7 @@ class Engine:
 
     def _refuser(self, refusals: Sequence[Refusal]) -> Refuser:
         """Return the ``_refuse(rec, index)`` generated code calls to raise ``refusals[index]``."""
-        system, past, on = self.system, self._past, self.trail
+        system = self.system
 
         def refuse(rec: Any, index: int) -> None:
             refusal = refusals[index]
@@ -675,24 +675,38 @@ class Engine:
             unknown = unknown_state(refusal.region, machine, getattr(rec, refusal.region))
             if unknown is not None:  # not a refusal of the spec's: a record no run makes
                 raise BadArgument(f"{system.label} {rec.id}: {unknown}")
-            # Only trail mode pays for the frame walk to the refused call's own site; outside
-            # it a trail left from an earlier trail-mode engine is stale, and is not reported.
-            recent = trails.sites(getattr(rec, "trail", None)) if on else ()
-            site = trails.caller_site() if on else None
-            raise error_class(refusal.error)(
-                label=system.label,
-                instance=rec.id,
-                state=getattr(rec, refusal.region),
-                counters={c: getattr(rec, c) for c in machine.counter_names},
-                event=refusal.event,
-                reason=refusal.reason,
-                history=trails.account(recent, past, site),
-                site=site,
-                sites=recent,
-                others={other: getattr(rec, other) for other in refusal.others},
-            )
+            raise self.refusal(rec, refusal)
 
         return refuse
+
+    def refusal(self, rec: Any, refusal: Refusal) -> IllegalTransition:
+        """Return the error refusing ``refusal.event`` on ``rec``, shaped as the spec's own.
+
+        The generated code raises it for the spec's refusals; a collaborator that
+        refuses by a rule of its own (vLLM's manager: a request claiming another
+        request's copy) raises it too, so that its message, its trail and its
+        class read as the engine's. In trail mode it names the record's recent
+        call sites and the refused call's.
+        """
+        # Only trail mode pays for the frame walk to the refused call's own site; outside
+        # it a trail left from an earlier trail-mode engine is stale, and is not reported.
+        on = self.trail
+        recent = trails.sites(getattr(rec, "trail", None)) if on else ()
+        site = trails.caller_site() if on else None
+        return error_class(refusal.error)(
+            label=self.system.label,
+            instance=rec.id,
+            state=getattr(rec, refusal.region),
+            counters={
+                c: getattr(rec, c) for c in self.system.machines[refusal.region].counter_names
+            },
+            event=refusal.event,
+            reason=refusal.reason,
+            history=trails.account(recent, self._past, site),
+            site=site,
+            sites=recent,
+            others={other: getattr(rec, other) for other in refusal.others},
+        )
 
 
 def _check_arguments(
