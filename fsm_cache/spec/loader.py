@@ -25,7 +25,7 @@ import os
 import reprlib
 import stat
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -580,19 +580,15 @@ def _machine(data: _Table, source: str, base: Path | None, route: _Route) -> Mac
     counters = _counters(data.get("counters", {}), problems)
     states = _states(data.get("states", {}), problems, required=not extending)
     if basis is not None:
-        for kind, names, known in (
-            ("counter", [name for name, _ in counters], basis.counter_names),
-            ("state", [state.name for state in states], basis.state_names),
-        ):
-            for name in (n for n in names if n in known):
-                problems.add(f"{kind}s.{name}", _redeclared(kind, name, basis, route.files))
+        redeclared = _Redeclared(basis, route.files, problems)
+        redeclared.refuse("counter", [name for name, _ in counters], basis.counter_names)
+        redeclared.refuse("state", [state.name for state in states], basis.state_names)
     transitions = _transitions(data.get("transition", []), problems)
     forbids = _forbids(data.get("forbid", []), "forbid", problems)
     events = _events(data.get("events", {}), problems)
     if basis is not None:  # a second doc would be ignored: event_doc reads the first
         documented = [event.name for event in basis.events]
-        for name in (event.name for event in events if event.name in documented):
-            problems.add(f"events.{name}", _redeclared("event", name, basis, route.files))
+        redeclared.refuse("event", [event.name for event in events], documented)
     for key in ("name", "initial"):
         value = head.get(key, getattr(basis, key, None))
         if not isinstance(value, str) and (key in head or not extending):
@@ -785,6 +781,20 @@ def _declares(spec: Spec, kind: str, name: str) -> bool:
     if kind == "event":
         return name in (event.name for event in spec.events)
     return name in (spec.counter_names if kind == "counter" else spec.state_names)
+
+
+@dataclass(frozen=True)
+class _Redeclared:
+    """Files a problem for each name a spec extending ``basis`` redeclares."""
+
+    basis: Spec
+    files: _Files
+    problems: _Problems
+
+    def refuse(self, kind: str, names: Iterable[str], known: Collection[str]) -> None:
+        """File each of ``names`` that ``known`` (the basis's ``kind`` names) already holds."""
+        for name in (n for n in names if n in known):
+            self.problems.add(f"{kind}s.{name}", _redeclared(kind, name, self.basis, self.files))
 
 
 def _redeclared(kind: str, name: str, basis: Spec, files: _Files) -> str:
