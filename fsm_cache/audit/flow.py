@@ -31,6 +31,7 @@ from fsm_cache.audit.calls import (
 )
 from fsm_cache.audit.events import Sink
 from fsm_cache.audit.scope import (
+    ELEMENT,
     Scope,
     build_scope,
     element_bindings,
@@ -273,9 +274,14 @@ class Walker:
         return states
 
     def collect(self, container: ast.expr, values: list[ast.expr], states: States) -> States:
-        """Record that the elements of a local ``container`` stand for ``values``."""
+        """Record that the elements of a local ``container`` stand for ``values``.
+
+        And for what those stand for: after ``lock = cache.lock(node)``,
+        ``locks.append(lock)`` puts in ``locks`` the receipt of ``node``.
+        """
         texts = frozenset(text for value in values for text in self.scope.texts(value))
-        alias = f"{self.scope.canon(container)}[*]"
+        texts |= self.sink.stood_for(texts)
+        alias = f"{self.scope.canon(container)}{ELEMENT}"
         if texts:
             self.sink.aliased(alias, texts)
         return states_of(*(state.alias(alias, texts) for state in states)) if texts else states
@@ -676,6 +682,7 @@ def analyze(
     scope = build_scope(func)
     scope.receipts = classifier.receipt_names(func.body, scope)
     scope.guards = classifier.none_guards(func.body, scope)
+    scope.receipt_containers = classifier.receipt_containers(func.body, scope)
     scope.correlated |= {none_test(name) for name in scope.guards}
     walker = Walker(scope, classifier)
     outcome = walker.block(func.body, states_of(State()))
