@@ -441,18 +441,22 @@ class Walker:
             return states
         return states_of(*(state.hand_on(frozenset(texts)) for state in states))
 
-    def attempted(self, test: ast.expr, states: States) -> tuple[States, States]:
-        """Return ``states`` as they pass ``test`` and as they fail it.
+    def attempted(
+        self, test: ast.expr, through: States, around: States | None = None
+    ) -> tuple[States, States]:
+        """Return ``through`` as it passes ``test``, and ``around`` (default ``through``) as it fails it.
 
-        They differ only where ``test`` is an acquire (:meth:`tried`): where
-        it returned false, it took nothing.
+        They change only where ``test`` is an acquire (:meth:`tried`, asked
+        once for both sides): where it returned false, it took nothing.
         """
+        around = through if around is None else around
         tried = self.tried(test)
         if tried is None:
-            return states, states
+            return through, around
         key, negated = tried
-        failed = states_of(*(state.retract(key) for state in states))
-        return (failed, states) if negated else (states, failed)
+        if negated:
+            return states_of(*(state.retract(key) for state in through)), around
+        return through, states_of(*(state.retract(key) for state in around))
 
     def tried(self, test: ast.expr) -> tuple[ResourceKey, bool] | None:
         """Return what ``test`` tried to acquire, and whether it is negated, if it is an acquire.
@@ -659,9 +663,7 @@ def _split(walker: Walker, test: ast.expr, states: States) -> tuple[States, Stat
             value = polarity == taken
             if known is None or known == value:
                 branches[taken].append(state.assume(fact, value) if tracked else state)
-    through, _ = walker.attempted(test, states_of(*branches[True]))
-    _, around = walker.attempted(test, states_of(*branches[False]))
-    return through, around
+    return walker.attempted(test, states_of(*branches[True]), states_of(*branches[False]))
 
 
 _HANDLERS: dict[type[ast.stmt], Handler] = {
