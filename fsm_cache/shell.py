@@ -113,16 +113,70 @@ class Parser(argparse.ArgumentParser):
     _given: tuple[str, ...] = ()
     """The arguments of the latest parse, for :meth:`error` to find unrecognised ones in."""
 
+    _intermixing: bool = False
+    """Whether :meth:`parse_known_args` runs inside argparse's intermixed parse, as its passes."""
+
+    _held: list[str] | None = None
+    """The arguments after ``--``, held back from the intermixed parse's first pass (options only)."""
+
     def parse_known_args(  # type: ignore[override]  # typeshed's overloads; one signature here
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
-        """Parse as argparse does, keeping ``args`` for :meth:`error`."""
-        self._given = tuple(sys.argv[1:] if args is None else args)
-        return super().parse_known_args(args, namespace)
+        """Parse as argparse does, options and positionals in any order; keep ``args`` for :meth:`error`.
+
+        argparse fills a list of positionals (``SPEC...``) from one run of
+        them only: ``fsm-cache check A.toml --nodes 5 B.toml`` said
+        ``unrecognized arguments: B.toml``. A parser with no subcommands
+        parses intermixed (:meth:`argparse.ArgumentParser.parse_known_intermixed_args`),
+        so they mix freely. One with subcommands cannot (argparse refuses
+        it) and needs not: it hands everything after the subcommand's name
+        to that subcommand's parser.
+
+        argparse's intermixed parse reads the options first, with the
+        positionals set aside, and there it takes a ``--`` for an empty run
+        of positionals and drops it: ``validate -- -x.toml`` read ``-x.toml``
+        as an unknown option. What follows ``--`` holds no option, so that
+        first pass is not given it (:attr:`_held`); the second, which reads
+        the positionals, gets it back behind its ``--``.
+        """
+        given = list(sys.argv[1:] if args is None else args)
+        if self._intermixing:  # one of the intermixed parse's passes
+            parsed, extras = super().parse_known_args(given, namespace)
+            held, self._held = self._held, None
+            return parsed, extras if held is None else [*extras, "--", *held]
+        self._given = tuple(given)
+        if self._subcommands():
+            return super().parse_known_args(given, namespace)
+        if "--" in given:
+            cut = given.index("--")
+            given, self._held = given[:cut], given[cut + 1 :]
+        self._intermixing = True
+        try:
+            return super().parse_known_intermixed_args(given, namespace)
+        except _Missing as missing:  # the passes are over: the parser is as it was
+            self._intermixing = False
+            self.error(missing.message)
+        finally:
+            self._intermixing, self._held = False, None
+
+    def _subcommands(self) -> bool:
+        """Whether this parser has a positional intermixed parsing refuses (subcommands, a remainder)."""
+        return any(
+            action.nargs in (argparse.PARSER, argparse.REMAINDER)
+            for action in self._get_positional_actions()
+        )
 
     def error(self, message: str) -> NoReturn:
-        """Report ``message`` as argparse does, led by the arguments it does not recognise, if any."""
+        """Report ``message`` as argparse does, led by the arguments it does not recognise, if any.
+
+        Raises:
+            _Missing: ``message`` says arguments are missing, in a pass of
+                the intermixed parse: :meth:`parse_known_args` reports it
+                once the pass has put the parser back as it was.
+        """
         if message.startswith(_REQUIRED):
+            if self._intermixing:
+                raise _Missing(message)
             unknown = self.unrecognized(self._given)
             if unknown:
                 message = f"unrecognized arguments: {' '.join(unknown)}; {message}"
@@ -144,9 +198,11 @@ class Parser(argparse.ArgumentParser):
         ]
         for item in required:
             item.required = False
+        given = self._given
         try:
-            return super().parse_known_args(list(args))[1]
+            return self.parse_known_args(list(args))[1]
         finally:
+            self._given = given
             for item in required:
                 item.required = True
 
@@ -162,6 +218,14 @@ class Parser(argparse.ArgumentParser):
 
 _REQUIRED = "the following arguments are required"
 """How argparse's message on missing arguments begins (its English text: fsm_cache sets no locale)."""
+
+
+class _Missing(Exception):
+    """A missing-arguments message of an intermixed parse's pass, carried out of the pass."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 class _StdoutUnwritten(OSError):

@@ -314,3 +314,91 @@ def test_receipts_built_into_a_local_list_still_leak_unreleased() -> None:
         "3:14: FSM101 lock() on 'nodes[*]' is not released or handed on"
         " when the function returns at line 5 [f]"
     ]
+
+
+def test_receipts_put_in_a_local_container_are_released_by_their_own_release() -> None:
+    """``for lock in locks: lock.release()`` left every receipt in ``locks`` reported as FSM101."""
+    assert not audit(
+        """
+        def appended(cache, nodes):
+            locks = []
+            try:
+                for n in nodes:
+                    locks.append(cache.lock(n))
+                work(nodes)
+            finally:
+                for lock in locks:
+                    lock.release()
+
+        def built(cache, nodes):
+            locks = [cache.lock(n) for n in nodes]
+            try:
+                work(nodes)
+            finally:
+                for lock in reversed(locks):
+                    lock.release()
+
+        def named_first(cache, nodes):
+            locks = []
+            try:
+                for n in nodes:
+                    lock = cache.lock(n)
+                    locks.append(lock)
+                work(nodes)
+            finally:
+                for lock in locks:
+                    lock.release()
+
+        def keyed(cache, nodes):
+            locks = {}
+            try:
+                for n in nodes:
+                    locks[n.id] = cache.lock(n)
+                work(nodes)
+            finally:
+                for lock in locks.values():
+                    lock.release()
+        """,
+        LOCK,
+    )
+
+
+def test_receipts_in_a_local_container_not_drained_still_leak() -> None:
+    assert audit(
+        """
+        def never(cache, nodes):
+            locks = []
+            for n in nodes:
+                locks.append(cache.lock(n))
+            work(nodes)
+
+        def early(cache, nodes, x):
+            locks = [cache.lock(n) for n in nodes]
+            if x:
+                return None
+            for lock in locks:
+                lock.release()
+
+        def mixed(cache, nodes, other):
+            locks = [cache.lock(n) for n in nodes]
+            locks.append(other)
+            for lock in locks:
+                lock.release()
+
+        def twice(cache, nodes):
+            locks = [cache.lock(n) for n in nodes]
+            for lock in locks:
+                lock.release()
+            for lock in locks:
+                lock.release()
+        """,
+        LOCK,
+    ) == [
+        "5:22: FSM101 lock() on 'nodes[*]' is not released or handed on"
+        " when the function ends at line 6 [never]",
+        "9:14: FSM101 lock() on 'nodes[*]' is not released or handed on"
+        " when the function returns at line 11 [early]",
+        "16:14: FSM101 lock() on 'nodes[*]' is not released or handed on"
+        " when the function ends at line 19 [mixed]",
+        "26:9: FSM102 unlock() on 'locks[*]' can run twice: already released at line 24 [twice]",
+    ]

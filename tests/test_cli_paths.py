@@ -96,6 +96,33 @@ def test_a_spec_file_named_dash_is_spelled_dot_slash_dash(
     )
 
 
+@pytest.mark.parametrize("command", ["validate", "types", "diagram"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        (None, "cannot read: No such file or directory"),
+        ("x\n", "invalid TOML: Expected '=' after a key in a key/value pair (at line 1, column 2)"),
+        ("[machine]\n", "machine.name: missing or not a string"),
+    ],
+)
+def test_a_spec_file_named_dash_is_named_as_given_in_its_problems(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    command: str,
+    case: tuple[str | None, str],
+) -> None:
+    """``validate ./-`` said ``error: -: ...``: the name that means stdin, not the file given."""
+    text, problem = case
+    monkeypatch.chdir(tmp_path)
+    if text is not None:
+        (tmp_path / "-").write_text(text)
+    assert main([command, "./-"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert f"error: ./-: {problem}" in err.splitlines()
+
+
 @pytest.mark.parametrize(
     ("argv", "argument"),
     [

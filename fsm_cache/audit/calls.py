@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import enum
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeGuard
@@ -17,14 +18,19 @@ from typing import TypeGuard
 from fsm_cache.audit.model import Argument, AuditConfig
 from fsm_cache.audit.scope import (
     Scope,
+    bound_names,
     calls_anything,
     conditional_effects,
+    container_puts,
+    empty_container,
     name_bindings,
     none_test,
     root_name,
     sole_kinds,
     string_constant,
+    target_names,
     verb_event,
+    walk_same_scope,
 )
 
 
@@ -206,6 +212,67 @@ class Classifier:
         bindings = name_bindings(nodes, with_items=True)
         return sole_kinds(nodes, bindings, lambda value: self._lease_pair(value, scope))
 
+    def receipt_containers(self, body: list[ast.stmt], scope: Scope) -> dict[str, int]:
+        """Return the local containers that hold only receipts of one pair, with that pair's index.
+
+        ``locks = []`` filled by ``locks.append(cache.lock(node))`` (or
+        ``locks[k] = ...``, or with ``lock`` after ``lock = cache.lock(node)``),
+        or built as ``locks = [cache.lock(n) for n in nodes]``: each element
+        is a receipt, so ``for lock in locks: lock.release()`` releases them
+        (:meth:`Scope.receipt_pair`). A container bound or filled with
+        anything else, or with two pairs' receipts, holds none; -1 for leases.
+        """
+        nodes: list[ast.AST] = list(body)
+        valued = self._receipt_valued(nodes, scope)
+
+        def kind(value: ast.expr) -> int | None:
+            if isinstance(value, ast.Name):
+                return valued.get(value.id)
+            return self._lease_pair(value, scope)
+
+        kinds: dict[str, set[int | None]] = {}
+        assigned: Counter[str] = Counter()
+        for name, value in name_bindings(nodes, with_items=False):
+            assigned[name] += 1
+            found = kinds.setdefault(name, set())
+            if not empty_container(value):
+                built = _built_element(value)
+                found.add(None if built is None else kind(built))
+        for name, value in container_puts(nodes):
+            kinds.setdefault(name, set()).add(kind(value))
+        binds = Counter(name for node in nodes for name in bound_names(node))
+        return {
+            name: pair
+            for name, found in kinds.items()
+            if (pair := _sole(found)) is not None
+            and name in scope.locals
+            and binds[name] == assigned[name]
+        }
+
+    def _receipt_valued(self, nodes: list[ast.AST], scope: Scope) -> dict[str, int]:
+        """Return the names every ``=`` binds to a receipt of one pair, with its index.
+
+        As :meth:`receipt_names`, but a name may also be a ``for`` target
+        (``for lock in locks``, the container it was put into).
+        """
+        kinds: dict[str, set[int | None]] = {}
+        for name, value in name_bindings(nodes, with_items=True):
+            kinds.setdefault(name, set()).add(self._lease_pair(value, scope))
+        counted = Counter(name for name, _ in name_bindings(nodes, with_items=True))
+        counted.update(
+            name
+            for node in nodes
+            for sub in walk_same_scope(node)
+            if isinstance(sub, ast.For | ast.AsyncFor | ast.comprehension)
+            for name in target_names(sub.target)
+        )
+        binds = Counter(name for node in nodes for name in bound_names(node))
+        return {
+            name: pair
+            for name, found in kinds.items()
+            if (pair := _sole(found)) is not None and binds[name] == counted[name]
+        }
+
     def _lease_pair(self, value: ast.expr, scope: Scope) -> int | None:
         """Return the pair whose receipt ``value`` is, -1 for ``X.lease(...)``, else None."""
         op = self.receipt_of(value, scope)
@@ -224,10 +291,24 @@ def _receipt_release(call: ast.Call, scope: Scope) -> Op | None:
         return None
     if func.attr != "release" or not isinstance(func.value, ast.Name):
         return None
-    pair = scope.receipts.get(func.value.id)
+    pair = scope.receipt_pair(func.value.id)
     if pair is None:
         return None
     return Op(OpKind.CALL, call) if pair < 0 else Op(OpKind.RELEASE, call, pair, func.value)
+
+
+def _sole(kinds: set[int | None]) -> int | None:
+    """Return the one pair of ``kinds``; None where there are several, none, or an unknown one."""
+    return next(iter(kinds)) if len(kinds) == 1 else None
+
+
+def _built_element(value: ast.expr) -> ast.expr | None:
+    """Return the element a comprehension builds (a dict's value), or None for any other value."""
+    if isinstance(value, ast.DictComp):
+        return value.value
+    if isinstance(value, ast.ListComp | ast.SetComp):
+        return value.elt
+    return None
 
 
 def callee_name(call: ast.Call) -> str:

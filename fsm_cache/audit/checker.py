@@ -107,12 +107,13 @@ def check_tree(
     takers = config.takes_ownership | {fn.node.name for fn in functions if fn.takes_ownership}
     classifier = Classifier(config, frozenset(takers))
     found = [
-        Finding(path, line, col, "FSM100", text, "") for line, col, text in module.markers.problems
+        Finding(path, line, col, "FSM100", text, "")
+        for line, col, text in module.markers.problems
+        if not module.markers.ignored(line, "FSM100")
     ]
     for function in functions:
         found.extend(_analyzed(module, function, classifier))
-    ignored = module.markers.ignored
-    return sorted({f for f in found if f.code not in config.ignore and not ignored(f.line, f.code)})
+    return sorted({f for f in found if f.code not in config.ignore})
 
 
 def _analyzed(module: Module, function: Function, classifier: Classifier) -> list[Finding]:
@@ -123,7 +124,8 @@ def _analyzed(module: Module, function: Function, classifier: Classifier) -> lis
     most of the audit's time. A function past the analysis' bounds (nested
     too deeply for the recursion limit, or with too many paths) is one FSM106
     finding at its ``def``, so the rest of a file or folder is still audited
-    and the report says what was not.
+    and the report says what was not. Each finding is checked against the
+    ``ignore`` markers once, where it is made.
     """
     if not classifier.may_pair(function.node):
         return []
@@ -135,6 +137,8 @@ def _analyzed(module: Module, function: Function, classifier: Classifier) -> lis
     except TooComplex as exc:
         why = f"is too complex to analyze ({exc})"
     node = function.node
+    if module.markers.ignored(node.lineno, "FSM106"):
+        return []
     text = f"{function.qualname} {why}; nothing in it is checked"
     return [
         Finding(module.path, node.lineno, node.col_offset + 1, "FSM106", text, function.qualname)
@@ -198,7 +202,8 @@ def _findings(module: Module, fn: Function, outcome: FlowOutcome, sink: Sink) ->
     ends = _call_ends(fn.node)
     markers = module.markers
     for item in messages.render_events(sink, module.config.pairs):
-        lines = (item.line, ends.get((item.line, item.col), item.line))
+        last = ends.get((item.line, item.col), item.line)
+        lines = (item.line,) if last == item.line else (item.line, last)
         if item.key[0] in own or _declared_away(fn, item, markers, lines):
             continue
         if any(markers.ignored(line, item.code) for line in lines):
@@ -242,7 +247,7 @@ def _char_col(lines: tuple[str, ...], line: int, col: int) -> int:
 
 
 def _declared_away(
-    fn: Function, item: messages.Rendered, markers: Markers, lines: tuple[int, int]
+    fn: Function, item: messages.Rendered, markers: Markers, lines: tuple[int, ...]
 ) -> bool:
     """Return whether a documented hand-off covers this finding, placed at a call on ``lines``.
 

@@ -55,8 +55,10 @@ class Walking(Protocol):
     def forget(self, targets: list[ast.expr], states: States) -> States:
         """Drop the branch facts that read any of the assigned ``targets``."""
 
-    def attempted(self, test: ast.expr, states: States) -> tuple[States, States]:
-        """Return ``states`` as they pass ``test`` and as they fail it (an acquire's result)."""
+    def attempted(
+        self, test: ast.expr, through: States, around: States | None = None
+    ) -> tuple[States, States]:
+        """Return ``through`` as it passes ``test``, ``around`` as it fails it (an acquire's result)."""
 
     def receipt(self, target: ast.expr, value: ast.expr, states: States) -> States:
         """Make ``target`` of ``target = <acquire call>`` stand for the resource acquired."""

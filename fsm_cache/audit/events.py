@@ -77,6 +77,14 @@ class Sink:
         """Record that ``name`` holds the receipt of an acquire of ``text``."""
         self.receipts.setdefault(name, set()).add(text)
 
+    def stood_for(self, texts: frozenset[str]) -> frozenset[str]:
+        """Return what the receipts and container elements among ``texts`` stand for."""
+        return frozenset(
+            original
+            for text in texts
+            for original in (*self.receipts.get(text, ()), *self.aliases.get(text, ()))
+        )
+
     def first_acquire(self, key: ResourceKey) -> tuple[int, int] | None:
         """Return the earliest acquire of ``key`` or of what its alias or receipt stands for."""
         texts = {key[1], *self.aliases.get(key[1], ()), *self.receipts.get(key[1], ())}

@@ -31,6 +31,7 @@ from fsm_cache.audit.calls import (
 )
 from fsm_cache.audit.events import Sink
 from fsm_cache.audit.scope import (
+    ELEMENT,
     Scope,
     build_scope,
     element_bindings,
@@ -273,9 +274,14 @@ class Walker:
         return states
 
     def collect(self, container: ast.expr, values: list[ast.expr], states: States) -> States:
-        """Record that the elements of a local ``container`` stand for ``values``."""
+        """Record that the elements of a local ``container`` stand for ``values``.
+
+        And for what those stand for: after ``lock = cache.lock(node)``,
+        ``locks.append(lock)`` puts in ``locks`` the receipt of ``node``.
+        """
         texts = frozenset(text for value in values for text in self.scope.texts(value))
-        alias = f"{self.scope.canon(container)}[*]"
+        texts |= self.sink.stood_for(texts)
+        alias = f"{self.scope.canon(container)}{ELEMENT}"
         if texts:
             self.sink.aliased(alias, texts)
         return states_of(*(state.alias(alias, texts) for state in states)) if texts else states
@@ -435,18 +441,22 @@ class Walker:
             return states
         return states_of(*(state.hand_on(frozenset(texts)) for state in states))
 
-    def attempted(self, test: ast.expr, states: States) -> tuple[States, States]:
-        """Return ``states`` as they pass ``test`` and as they fail it.
+    def attempted(
+        self, test: ast.expr, through: States, around: States | None = None
+    ) -> tuple[States, States]:
+        """Return ``through`` as it passes ``test``, and ``around`` (default ``through``) as it fails it.
 
-        They differ only where ``test`` is an acquire (:meth:`tried`): where
-        it returned false, it took nothing.
+        They change only where ``test`` is an acquire (:meth:`tried`, asked
+        once for both sides): where it returned false, it took nothing.
         """
+        around = through if around is None else around
         tried = self.tried(test)
         if tried is None:
-            return states, states
+            return through, around
         key, negated = tried
-        failed = states_of(*(state.retract(key) for state in states))
-        return (failed, states) if negated else (states, failed)
+        if negated:
+            return states_of(*(state.retract(key) for state in through)), around
+        return through, states_of(*(state.retract(key) for state in around))
 
     def tried(self, test: ast.expr) -> tuple[ResourceKey, bool] | None:
         """Return what ``test`` tried to acquire, and whether it is negated, if it is an acquire.
@@ -653,9 +663,7 @@ def _split(walker: Walker, test: ast.expr, states: States) -> tuple[States, Stat
             value = polarity == taken
             if known is None or known == value:
                 branches[taken].append(state.assume(fact, value) if tracked else state)
-    through, _ = walker.attempted(test, states_of(*branches[True]))
-    _, around = walker.attempted(test, states_of(*branches[False]))
-    return through, around
+    return walker.attempted(test, states_of(*branches[True]), states_of(*branches[False]))
 
 
 _HANDLERS: dict[type[ast.stmt], Handler] = {
@@ -676,6 +684,7 @@ def analyze(
     scope = build_scope(func)
     scope.receipts = classifier.receipt_names(func.body, scope)
     scope.guards = classifier.none_guards(func.body, scope)
+    scope.receipt_containers = classifier.receipt_containers(func.body, scope)
     scope.correlated |= {none_test(name) for name in scope.guards}
     walker = Walker(scope, classifier)
     outcome = walker.block(func.body, states_of(State()))

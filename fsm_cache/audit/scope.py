@@ -20,6 +20,10 @@ K = TypeVar("K")
 
 
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
+ELEMENT = "[*]"
+"""What a container's text ends with to stand for each of its elements (``nodes[*]``)."""
+_PUT_METHODS = frozenset({"append", "appendleft", "add", "push", "put", "put_nowait"})
+_EMPTY_BUILDERS = frozenset({"list", "dict", "set", "deque"})
 _WRAPPERS = frozenset({"reversed", "list", "sorted", "tuple"})
 _BOUNDARIES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
 
@@ -44,6 +48,10 @@ class Scope:
         guards: Names that hold an acquire's receipt on some paths and that
             a branch tests against None (:func:`none_test`); their tests are
             correlated with their assignments. Set by the analysis.
+        receipt_containers: Local container bound and filled only with
+            receipts of one pair (``locks.append(cache.lock(node))``,
+            ``locks = [cache.lock(n) for n in nodes]``) -> that pair's index;
+            -1 for leases. Set by the analysis.
     """
 
     params: frozenset[str]
@@ -55,6 +63,22 @@ class Scope:
     verbs: dict[str, str] = field(default_factory=dict)
     receipts: dict[str, int] = field(default_factory=dict)
     guards: frozenset[str] = frozenset()
+    receipt_containers: dict[str, int] = field(default_factory=dict)
+
+    def receipt_pair(self, name: str) -> int | None:
+        """Return the pair whose receipt ``name`` holds here, -1 for a lease, else None.
+
+        A name bound only to receipts of one pair holds one (:attr:`receipts`);
+        so does the loop variable of ``for lock in locks`` while it stands for
+        an element of a container of receipts (:attr:`receipt_containers`).
+        """
+        pair = self.receipts.get(name)
+        if pair is not None:
+            return pair
+        element = self.env.get(name, "")
+        if not element.endswith(ELEMENT):
+            return None
+        return self.receipt_containers.get(element[: -len(ELEMENT)])
 
     def canon(self, expr: ast.expr) -> str:
         """Return the text of ``expr`` with a loop variable replaced by what it stands for."""
@@ -148,6 +172,48 @@ def name_bindings(body: list[ast.AST], *, with_items: bool) -> Iterator[tuple[st
                 and isinstance(sub.optional_vars, ast.Name)
             ):
                 yield sub.optional_vars.id, sub.context_expr
+
+
+def container_puts(body: list[ast.AST]) -> Iterator[tuple[str, ast.expr]]:
+    """Yield (name, value) of each value put into the container a name holds, in ``body``.
+
+    ``name.append(value)`` (and ``appendleft``, ``add``, ``push``, ``put``),
+    ``name.insert(i, value)`` and ``name[key] = value``.
+    """
+    for node in body:
+        for sub in walk_same_scope(node):
+            if isinstance(sub, ast.Assign):
+                for target in sub.targets:
+                    if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+                        yield target.value.id, sub.value
+            elif isinstance(sub, ast.Call):
+                container = _put_into(sub)
+                if container is not None:
+                    yield container, sub.args[-1]
+
+
+def _put_into(call: ast.Call) -> str | None:
+    """Return the name whose container ``call`` puts one value into, if it does."""
+    func = call.func
+    if not isinstance(func, ast.Attribute) or not isinstance(func.value, ast.Name):
+        return None
+    if call.keywords or any(isinstance(argument, ast.Starred) for argument in call.args):
+        return None
+    arity = 2 if func.attr == "insert" else 1 if func.attr in _PUT_METHODS else 0
+    return func.value.id if arity and len(call.args) == arity else None
+
+
+def empty_container(value: ast.expr) -> bool:
+    """Return whether ``value`` is an empty list, dict or set (``[]``, ``{}``, ``set()``, ``deque()``)."""
+    if isinstance(value, ast.List | ast.Set | ast.Tuple):
+        return not value.elts
+    if isinstance(value, ast.Dict):
+        return not value.keys
+    if isinstance(value, ast.Call) and not value.args and not value.keywords:
+        func = value.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        return name in _EMPTY_BUILDERS
+    return False
 
 
 def sole_kinds(
@@ -269,7 +335,7 @@ def loop_bindings(loop: ast.For | ast.AsyncFor | ast.While, scope: Scope) -> dic
     rebound in the body (and tuple targets) stand for ``name[*]``.
     """
     varying = {name for stmt in loop.body for name in bound_names(stmt)}
-    bindings = {name: f"{name}[*]" for name in varying}
+    bindings = {name: f"{name}{ELEMENT}" for name in varying}
     if isinstance(loop, ast.While):
         return bindings
     bindings.update(element_bindings(loop.target, loop.iter, scope))
@@ -285,14 +351,14 @@ def element_bindings(target: ast.expr, iterable: ast.expr, scope: Scope) -> dict
     """
     iterable = unwrap(iterable)
     if isinstance(target, ast.Name):
-        return {target.id: f"{scope.canon(iterable)}[*]"}
+        return {target.id: f"{scope.canon(iterable)}{ELEMENT}"}
     sources = _zipped(target, iterable)
     if not isinstance(target, ast.Tuple | ast.List) or sources is None:
-        return {name: f"{name}[*]" for name in target_names(target)}
+        return {name: f"{name}{ELEMENT}" for name in target_names(target)}
     bindings: dict[str, str] = {}
     for element, source in zip(target.elts, sources, strict=True):
         if source is None:
-            bindings.update({name: f"{name}[*]" for name in target_names(element)})
+            bindings.update({name: f"{name}{ELEMENT}" for name in target_names(element)})
         else:
             bindings.update(element_bindings(element, source, scope))
     return bindings

@@ -35,11 +35,12 @@ import shlex
 import sys
 from pathlib import Path
 
+from fsm_cache.cli.arguments import spec_path
 from fsm_cache.cli.files import STDOUT, current_text, output_argument, write_files
 from fsm_cache.diagram import FORMATS, DiagramError, is_diagram, render, render_sections
-from fsm_cache.shell import named_once, path_argument, path_text
+from fsm_cache.shell import named_once, path_argument
 from fsm_cache.spec.loader import load_spec, spec_files
-from fsm_cache.spec.shipped import shipped_spec_paths, spec_argument, spec_dir
+from fsm_cache.spec.shipped import shipped_spec_paths, spec_dir
 
 
 DEFAULT_DIR = Path("docs/diagrams")
@@ -78,7 +79,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "specs",
         nargs="*",
-        type=lambda text: Path(spec_argument(path_text(text))),
+        type=spec_path,
         metavar="SPEC",
         help="spec TOML files, or fsm_cache:NAME for a shipped spec (none: fsm_cache's own "
         "specs, for --check/--write in its checkout)",
@@ -156,7 +157,7 @@ def home() -> Path:
     return spec_dir().parent / DEFAULT_DIR
 
 
-def _shipped(folder: Path, mode: str) -> list[Path]:
+def _shipped(folder: Path, mode: str) -> list[str]:
     """Return the shipped specs, whose diagram files ``mode`` with no SPEC works on in ``folder``.
 
     Raises:
@@ -169,7 +170,7 @@ def _shipped(folder: Path, mode: str) -> list[Path]:
             f"name the specs whose diagrams to {mode[2:]}: fsm-cache diagram SPEC... {mode}"
         )
         raise DiagramError(msg)
-    return shipped_spec_paths()
+    return [str(path) for path in shipped_spec_paths()]
 
 
 def _rewrite(args: argparse.Namespace) -> str:
@@ -179,7 +180,7 @@ def _rewrite(args: argparse.Namespace) -> str:
     files in ``docs/diagrams``, not the user's: the command repeats the specs,
     and the folder, or the file with its format and highlights.
     """
-    words = ["fsm-cache", "diagram", *map(str, args.specs)]
+    words = ["fsm-cache", "diagram", *args.specs]
     if args.output is None:
         words.append("--write")
         words += [] if args.dir is None else ["--dir", str(args.dir)]
@@ -190,7 +191,7 @@ def _rewrite(args: argparse.Namespace) -> str:
     return shlex.join([*words, "-o", str(args.output)])
 
 
-def document(specs: list[Path], fmt: str, highlight: tuple[str, ...] = ()) -> str:
+def document(specs: list[str], fmt: str, highlight: tuple[str, ...] = ()) -> str:
     """Return one ``fmt`` document of ``specs``: the rendering of one, or md sections of several.
 
     A spec named twice, in any spelling, is drawn once.
@@ -216,7 +217,7 @@ def document(specs: list[Path], fmt: str, highlight: tuple[str, ...] = ()) -> st
     return render_sections([load_spec(path) for path in specs])
 
 
-def expected(specs: list[Path], folder: Path) -> dict[Path, str]:
+def expected(specs: list[str], folder: Path) -> dict[Path, str]:
     """Return the fresh rendering of each spec's diagram files in ``folder``, by path.
 
     A spec named twice (in any spelling) is drawn once.
@@ -227,12 +228,12 @@ def expected(specs: list[Path], folder: Path) -> dict[Path, str]:
             case-insensitive filesystem): one would silently replace the other's.
     """
     wanted: dict[Path, str] = {}
-    drawn: dict[str, Path] = {}
-    for path in specs:
-        spec = load_spec(path)
+    drawn: dict[str, tuple[str, Path]] = {}
+    for name in specs:
+        spec, path = load_spec(name), Path(name)
         # by the name folded to one case: Door.toml and door.toml would be one file on
         # macOS's and Windows' filesystems, and in every checkout of a repository there
-        first = drawn.setdefault(path.stem.casefold(), path)
+        first_name, first = drawn.setdefault(path.stem.casefold(), (name, path))
         if first is not path:
             if _same_file(first, path):
                 continue
@@ -240,7 +241,7 @@ def expected(specs: list[Path], folder: Path) -> dict[Path, str]:
             if first.stem != path.stem:
                 where += f" (and {folder / first.stem}, the same on a case-insensitive filesystem)"
             msg = (
-                f"{first} and {path} would both be drawn to {where}: give them different "
+                f"{first_name} and {name} would both be drawn to {where}: give them different "
                 "file names, or draw each into its own --dir"
             )
             raise DiagramError(msg)
@@ -282,7 +283,7 @@ def _check(wanted: dict[Path, str], rewrite: str) -> int:
     return 0
 
 
-def _write(wanted: dict[Path, str], specs: list[Path]) -> int:
+def _write(wanted: dict[Path, str], specs: list[str]) -> int:
     """Write each file whose text changed, all or none (:func:`~fsm_cache.cli.files.write_files`).
 
     Raises:
@@ -291,7 +292,7 @@ def _write(wanted: dict[Path, str], specs: list[Path]) -> int:
             diagram this command wrote, sits under a path that is not a
             folder, or cannot be written; nothing was changed.
     """
-    protected = [file for spec in specs for file in spec_files(spec)]
+    protected = [file for spec in specs for file in spec_files(Path(spec))]
     for path in write_files(wanted, "diagram", protected, ours=is_diagram):
         print(f"wrote {path}")
     return 0

@@ -24,10 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fsm_cache.cli.arguments import spec_path
 from fsm_cache.cli.files import STDOUT, current_text, file_argument, output_argument, write_files
-from fsm_cache.shell import path_text
 from fsm_cache.spec.loader import load_spec, spec_files
-from fsm_cache.spec.shipped import spec_argument
 from fsm_cache.spec.stubs import is_stub, stub
 
 
@@ -40,7 +39,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "spec",
-        type=lambda text: Path(spec_argument(path_text(text))),
+        type=spec_path,
         metavar="SPEC",
         help="a .toml spec file, or fsm_cache:NAME for a shipped spec",
     )
@@ -63,17 +62,17 @@ def run(args: argparse.Namespace) -> int:
             from (``--write``) or a ``.toml`` file, is not a stub this command
             wrote, or cannot be read or written; nothing was changed.
     """
-    spec: Path = args.spec
+    spec: str = args.spec
     text = stub(load_spec(spec))
     if args.write is not None and args.write is not STDOUT:
-        written = write_files({args.write: text}, "types", spec_files(spec), ours=is_stub)
+        written = write_files({args.write: text}, "types", spec_files(Path(spec)), ours=is_stub)
         print(f"wrote {args.write}" if written else f"{args.write} matches {spec}")
         return 0
     if args.check is not None:
         current = current_text(args.check, "types", ours=is_stub)
         if current != text:
             what = "is missing" if current is None else "differs from"
-            rewrite = shlex.join(["fsm-cache", "types", str(spec), "--write", str(args.check)])
+            rewrite = shlex.join(["fsm-cache", "types", spec, "--write", str(args.check)])
             print(f"{args.check} {what} the types of {spec}: run {rewrite}")
             return 1
         print(f"{args.check} matches {spec}")

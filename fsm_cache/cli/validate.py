@@ -17,11 +17,11 @@ import argparse
 import sys
 from typing import Any
 
+from fsm_cache.cli.arguments import spec_path
 from fsm_cache.errors import SpecError
-from fsm_cache.shell import named_once, path_text
+from fsm_cache.shell import named_once
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import MachineSpec, Spec
-from fsm_cache.spec.shipped import spec_argument
 
 
 def register(subparsers: Any) -> None:
@@ -34,7 +34,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "specs",
         nargs="+",
-        type=lambda text: spec_argument(path_text(text)),
+        type=spec_path,
         metavar="SPEC",
         help="a .toml spec file, or fsm_cache:NAME for a shipped spec",
     )

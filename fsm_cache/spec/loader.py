@@ -173,8 +173,11 @@ class _Files:
         """The specs each spec built builds on, its own base first, by its file as named:
         a fault is told by the file that declares what it names, and how that file is reached."""
 
-    def table(self, path: Path, target: Path | None) -> _Table | None:
+    def table(self, path: Path, target: Path | None, name: str | None = None) -> _Table | None:
         """Return the table of the file ``path`` (``target`` resolved), read once.
+
+        Its faults name it ``name`` (by default, ``path``): a top-level
+        file as its caller spelled it (:func:`_path`).
 
         Returns:
             Its table, or None when an earlier read found it is no spec file.
@@ -188,9 +191,10 @@ class _Files:
         self.reached.setdefault(os.path.realpath(path), path)
         if target is not None and target in self.tables:
             return self.tables[target]
+        name = str(path) if name is None else name
         try:
-            data = _toml(self._bytes(path, target), path)
-            _check_shape(data, str(path))
+            data = _toml(self._bytes(path, target), name)
+            _check_shape(data, name)
         except SpecError:
             if target is not None:
                 self.tables[target] = None
@@ -299,20 +303,25 @@ def load_spec(path: str | Path, files: Mapping[str, bytes] | None = None) -> Spe
         BadArgument: ``path`` names no file: it is no ``str`` or
             :class:`os.PathLike` (``None``, bytes).
     """
-    return _load(_path(path, "load_spec"), _Files(files))
+    return _load(*_path(path, "load_spec"), _Files(files))
 
 
-def _path(path: object, caller: str) -> Path:
-    """Return the spec path ``path`` a caller of ``caller`` gave, as a :class:`Path`.
+def _path(path: object, caller: str) -> tuple[Path, str]:
+    """Return the spec path ``path`` a caller of ``caller`` gave, as a :class:`Path`, and its name.
+
+    The name is the path as given, which the spec's problems name: a
+    :class:`Path` drops a leading ``./``, and ``./-`` (a file named ``-``)
+    was named ``-``, the name that means stdin.
 
     Raises:
         BadArgument: ``path`` is no ``str`` or :class:`os.PathLike` of one.
     """
     try:
-        return Path(path)  # type: ignore[arg-type]  # checked here: the caller may not be typed
+        parsed = Path(path)  # type: ignore[arg-type]  # checked here: the caller may not be typed
     except TypeError:
         msg = f"{caller}: path must be a spec file's path (str or os.PathLike), got {type(path).__name__}"
         raise BadArgument(msg) from None
+    return parsed, os.fspath(path)  # type: ignore[call-overload]  # a path, as Path() found
 
 
 def load_snapshot(path: str | Path) -> tuple[Spec, dict[str, bytes]]:
@@ -329,35 +338,38 @@ def load_snapshot(path: str | Path) -> tuple[Spec, dict[str, bytes]]:
         SpecError, BadArgument: As :func:`load_spec`.
     """
     files = _Files()
-    return _load(_path(path, "load_snapshot"), files), files.read
+    return _load(*_path(path, "load_snapshot"), files), files.read
 
 
-def _load(path: Path, files: _Files) -> Spec:
-    """Load the spec file ``path``, reading its files through ``files``.
+def _load(path: Path, name: str, files: _Files) -> Spec:
+    """Load the spec file ``path``, named ``name``, reading its files through ``files``.
 
     Raises:
         SpecError: As :func:`load_spec`.
     """
     from fsm_cache.spec.validate import validate
 
-    spec = _unvalidated(path, files)
+    spec = _unvalidated(path, files, name)
     validate(spec, files.chains())
     return spec
 
 
-def _unvalidated(path: Path, files: _Files) -> Spec:
+def _unvalidated(path: Path, files: _Files, name: str | None = None) -> Spec:
     """Build the spec of the file ``path``, reading its files through ``files``; do not validate it.
+
+    Its problems name the file ``name`` (by default, ``path``).
 
     Raises:
         SpecError: A file cannot be read, or the spec does not build.
     """
+    name = str(path) if name is None else name
     try:
-        data = files.table(path, _resolved(path))
+        data = files.table(path, _resolved(path), name)
     except (OSError, ValueError) as exc:
-        raise SpecError([f"{path}: cannot read: {_why(exc)}"]) from exc
+        raise SpecError([f"{name}: cannot read: {_why(exc)}"]) from exc
     if data is None:  # pragma: no cover - a first read is never one already refused
         raise SpecError([])
-    return _built(data, str(path), path.parent, _Route((), files))
+    return _built(data, name, path.parent, _Route((), files))
 
 
 def read_toml(path: Path) -> _Table:
@@ -403,8 +415,8 @@ def read_bytes(path: Path) -> bytes:
     return raw
 
 
-def _toml(raw: bytes, path: Path) -> _Table:
-    """Return the TOML table of ``raw``, the bytes of ``path``.
+def _toml(raw: bytes, path: str | Path) -> _Table:
+    """Return the TOML table of ``raw``, the bytes of the file ``path`` names.
 
     Raises:
         SpecError: Not UTF-8, or not TOML (as :func:`read_toml`).
