@@ -87,6 +87,7 @@ with warnings.catch_warnings():
     )
     from fsm_cache.errors import (
         BadArgument,
+        CacheClosed,
         ConfigError,
         CopyFailed,
         InvariantViolation,
@@ -1945,6 +1946,27 @@ def test_a_load_wait_under_agreement_is_one_collective_and_refuses_alike() -> No
     shared.drain()
     assert cache.wait_loaded(chain)  # resident now: nothing to wait for
     shared.verify_agreement()
+
+
+class _BrokenClose(FaultyCopyEngine):
+    """Cannot be closed: as a CUDA error in the engine's synchronisation would leave it."""
+
+    def close(self) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_an_agreement_on_a_cache_closed_while_its_tiers_stay_open_is_refused() -> None:
+    """The cache's own gate decides: its tiers stay open where giving memory back raised."""
+    shared = DistributedCache(HiCache(bench_config(copier=_BrokenClose.copier())), timeout=TIMEOUT)
+    with pytest.raises(RuntimeError):
+        shared.cache.close()
+    assert (shared.cache.closed, shared.cache.tiers.closed) == (True, False)
+    for call in ("step", "drain", "verify_agreement"):
+        with pytest.raises(CacheClosed) as caught:
+            getattr(shared, call)()
+        assert str(caught.value) == f"{call}: the cache of rank 0 of 1 was closed"
+    assert shared.steps == 0
 
 
 def test_without_a_process_group_it_says_so() -> None:

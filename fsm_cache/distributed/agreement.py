@@ -614,7 +614,7 @@ class DistributedCache:
         Raises:
             CacheClosed: The cache was closed.
         """
-        if self.cache.tiers.closed:
+        if self.cache.closed:
             raise CacheClosed(
                 f"{where}: the cache of rank {self.rank} of {self.world_size} was closed"
             )
