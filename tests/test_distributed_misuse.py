@@ -185,13 +185,15 @@ def test_a_step_on_a_cache_closed_on_one_rank_is_refused_and_named(ranks: Result
         "rank 0 of 2: the agreement stopped before its collective, and no rank applied "
         f"anything in it: rank 1 raised {closed.replace(': ', ' in step: ', 1)}"
     )
-    assert ranks[1]["closed_on_one_rank"] == [closed, closed]
-    assert ranks[0]["closed_on_one_rank"] == [
-        f"RankFailure: {failed}",
-        "RankFailure: rank 0 of 2: step refused: the agreement group broke at an earlier "
+    refused = (
+        "RankFailure: rank {0} of 2: step refused: the agreement group broke at an earlier "
         "collective, and a later one could pair with another collective of the other ranks; "
-        f"tear the group down and rebuild it and the caches (it broke with: {failed})",
-    ]
+        "tear the group down and rebuild it and the caches (it broke with: {1})"
+    )
+    assert ranks[0]["closed_on_one_rank"] == [f"RankFailure: {failed}", refused.format(0, failed)]
+    # the closed rank raises its own error, then is broken as the rank it told is
+    mine = failed.replace("rank 0 of 2", "rank 1 of 2", 1)
+    assert ranks[1]["closed_on_one_rank"] == [closed, refused.format(1, mine)]
 
 
 def test_agreements_on_caches_closed_everywhere_are_refused_alike(ranks: Results) -> None:

@@ -99,7 +99,6 @@ from fsm_cache.errors import (
     CacheClosed,
     ConfigError,
     CopyFailed,
-    FsmCacheError,
     NoProcessGroup,
     RankDivergence,
     RankFailure,
@@ -388,9 +387,10 @@ class DistributedCache:
 
         Raises:
             RankFailure: The agreement collective failed or timed out, or an
-                earlier call raised RankFailure (refused at once: the group is broken).
-            CacheClosed: The cache was closed (raised before the collective: the
-                other ranks raise RankFailure naming this rank).
+                earlier call raised RankFailure, or raised before a collective that
+                another rank reached without raising (refused at once: the group is broken).
+            CacheClosed: The cache was closed (raised before the collective: where
+                another rank's cache is open, it raises RankFailure naming this rank).
             RankDivergence: The ranks applied different transitions or served
                 different operations, or have different numbers of copies in
                 flight (one lost or invented a copy); a rank's cache was reset
@@ -435,9 +435,10 @@ class DistributedCache:
                 drained without reporting a copy that rank started (a lost
                 completion), which would otherwise leave every rank waiting.
             RankFailure: A collective failed or timed out, or an earlier call
-                raised RankFailure (refused at once: the group is broken).
-            CacheClosed: The cache was closed (raised before the collective: the
-                other ranks raise RankFailure naming this rank).
+                raised RankFailure, or raised before a collective that another rank
+                reached without raising (refused at once: the group is broken).
+            CacheClosed: The cache was closed (raised before the collective: where
+                another rank's cache is open, it raises RankFailure naming this rank).
         """
         with self._in_group("drain"):
             with self._announcing("drain"):
@@ -601,8 +602,12 @@ class DistributedCache:
         try:
             yield
         except RankFailure as failure:
-            self._broken = self._broken or str(failure)
+            self._break(failure)
             raise
+
+    def _break(self, failure: RankFailure) -> None:
+        """Note that the group broke with ``failure`` (the first one kept); see :meth:`_in_group`."""
+        self._broken = self._broken or str(failure)
 
     def _check_open(self, where: str) -> None:
         """Refuse an agreement on a closed cache, before its collective.
@@ -627,15 +632,21 @@ class DistributedCache:
         as a :data:`_RAISED` notice, then its part of a gather of what each
         rank raised, and raises its own error; the others raise
         :class:`RankFailure` naming it at once, instead of after ``timeout``.
-        Whatever the notice itself raises (the others gone too) gives way to
-        the error that caused it.
+        Where some rank did not raise (it was told, or is gone), this rank is
+        broken as the told ranks are: the ranks no longer did the same, so
+        every later agreement call is refused here too (:meth:`_in_group`),
+        with the :class:`RankFailure` the notice raised, which gives way to
+        the error that caused it. Where every rank raised, the notices paired
+        and the group goes on.
         """
         try:
             yield
         except Exception as exc:
             text = f"{type(exc).__name__} in {where}: {exc}"
-            with contextlib.suppress(FsmCacheError):
+            try:
                 self._reduce(_RAISED, [], f"notice that {where} raised (all_reduce MIN)", text)
+            except RankFailure as failure:  # the only error a notice raises
+                self._break(failure)
             raise
 
     def _raised_message(self, mine: str | None) -> str:
@@ -663,7 +674,8 @@ class DistributedCache:
             RankDivergence: The ranks asked about different numbers of pages (each
                 rank named, with what it asked and the lookup it asked in).
             RankFailure: The collective failed or timed out, or an earlier call
-                raised RankFailure (refused at once: the group is broken).
+                raised RankFailure, or raised before a collective that another rank
+                reached without raising (refused at once: the group is broken).
         """
         n, m = len(found), len(asked)
         with self._in_group("a prefetch's hit count"):
@@ -730,9 +742,10 @@ class DistributedCache:
                 message). Or some ranks called :meth:`step` (or :meth:`drain`)
                 where the others called this: every rank raises at once.
             RankFailure: A collective failed or timed out, or an earlier call
-                raised RankFailure (refused at once: the group is broken).
-            CacheClosed: The cache was closed (raised before the collective: the
-                other ranks raise RankFailure naming this rank).
+                raised RankFailure, or raised before a collective that another rank
+                reached without raising (refused at once: the group is broken).
+            CacheClosed: The cache was closed (raised before the collective: where
+                another rank's cache is open, it raises RankFailure naming this rank).
         """
         with self._in_group("verify_agreement"):
             with self._announcing("verify_agreement"):
@@ -765,7 +778,8 @@ class DistributedCache:
             RankDivergence: As :meth:`verify_agreement`, or some ranks reached
                 another collective (every rank raises).
             RankFailure: The collective failed or timed out, or an earlier call
-                raised RankFailure (refused at once: the group is broken).
+                raised RankFailure, or raised before a collective that another rank
+                reached without raising (refused at once: the group is broken).
         """
         with self._in_group("wait_loaded"):
             with self._announcing("wait_loaded"):
