@@ -54,7 +54,8 @@ answers alike and fails it at the same step.
 
 Every method here is a collective: all ranks of the group call it, in the same
 order; so are a lookup that asks a storage tier about its tail and the wrapped
-cache's ``wait_loaded``.
+cache's ``wait_loaded``, and the construction itself in a group of more than
+one, which refuses ranks given different timeouts.
 """
 
 from __future__ import annotations
@@ -202,7 +203,11 @@ class DistributedCache:
             cache's storage tier names another rank or group size (other than
             one namespace for all, ``ranks=1``), or does not say ``ranks`` in a
             group of more than one, or its ``io_timeout`` is not
-            below ``timeout``.
+            below ``timeout``. Or the ranks were given different timeouts:
+            every rank raises it, naming each rank's (in a group of more than
+            one, construction is a collective: every rank constructs at the
+            same point).
+        RankFailure: The comparison of the ranks' timeouts failed or timed out.
     """
 
     def __init__(
@@ -228,6 +233,7 @@ class DistributedCache:
             _check_storage(cache.storage.config, group, timeout)
         _deprecated(verify_every=verify_every != 0, device=device is not None)
         self.comm = Collectives.of(group, timeout)
+        _check_timeouts(self.comm)  # a collective: on every rank, before the cache is touched
         self.cache = cache
         self.group, self.timeout = self.comm.group, timeout
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
@@ -1056,6 +1062,33 @@ def _check_arguments(cache: object, group: object, timeout: object, verify_every
         )
     if not whole(verify_every):
         raise ConfigError(f"distributed: verify_every must be an int >= 0, got {verify_every!r}")
+
+
+def _check_timeouts(comm: Collectives) -> None:
+    """Refuse ranks given different timeouts, on every rank, naming each rank's.
+
+    A rank with a shorter timeout gives up on a collective that the others
+    still wait in, and a copy finished on some ranks only is overdue by its
+    clock first: every rank must wait alike. One all-gather of each rank's
+    timeout (its exact bits), skipped in a group of one; ``verify_every`` and
+    ``device`` are ignored, so they need not agree.
+
+    Raises:
+        ConfigError: The timeouts differ.
+        RankFailure: The all-gather failed or timed out (each rank waits its own timeout).
+    """
+    if comm.world_size == 1:
+        return
+    (bits,) = struct.unpack("<q", struct.pack("<d", comm.timeout))
+    each = comm.all_gather_digest([bits], "timeout agreement (all_gather)")
+    timeouts = [struct.unpack("<d", struct.pack("<q", word))[0] for (word,) in each]
+    if any(t != timeouts[0] for t in timeouts):
+        named = ", ".join(f"rank {rank} {t!r} s" for rank, t in enumerate(timeouts))
+        raise ConfigError(
+            f"distributed: the ranks were given different timeouts ({named}): give every "
+            "rank the same, or the rank that waits least gives up on a collective the "
+            "others still wait in"
+        )
 
 
 def _check_group(group: object) -> None:
