@@ -185,8 +185,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Results:
 def test_a_failure_alike_on_every_rank_is_not_named_for_its_messages(ranks: Results) -> None:
     expected = (
         "RankDivergence: rank divergence at transition 8: rank 0 applied nothing (only 8 "
-        "transitions), rank 1 applied node 2 delete; node 2 now: rank 0 unbacked/resident "
-        "(pins=0, locks=0), rank 1 not in the tree"
+        "transitions), rank 1 applied node 2 delete in evict(8); node 2 now: rank 0 "
+        "unbacked/resident (pins=0, locks=0), rank 1 not in the tree"
     )
     assert [r["failed_alike_then_parted"] for r in ranks] == [expected, expected]
 

@@ -20,7 +20,8 @@ Each rank keeps a running digest of the transitions it applied and the
 operations it served (their keys included); a step whose digests differ, like
 :meth:`~DistributedCache.verify_agreement`, raises
 :class:`~fsm_cache.errors.RankDivergence` naming the first differing
-transition, its node and that node's state on each rank (or, where the
+transition, the operation each rank applied it in, its node and that node's
+state on each rank (or, where the
 transitions agree, the first operation served differently). A lost completion
 raises it too, instead of leaving every rank waiting for a copy that will
 never be acknowledged: where an operation waited for it (on the rank that lost
@@ -742,7 +743,8 @@ class DistributedCache:
 
         Raises:
             RankDivergence: The digests differ; names the first differing
-                transition, its node and that node's state on each rank, or
+                transition, the operation each rank applied it in, its node and
+                that node's state on each rank, or
                 else the first operation the ranks served differently, or the
                 ranks whose cache was reset alone (every rank raises the same
                 message). Or some ranks called :meth:`step` (or :meth:`drain`)
@@ -877,7 +879,8 @@ class DistributedCache:
         index = first_difference(tails)
         if index is not None:
             states = self._gather_states(involved_nodes(tails, index))
-            return divergence_message(start, index, tails, states)
+            operations = self.comm.all_gather_object(self._digest.operation_of(index))
+            return divergence_message(start, index, tails, states, operations)
         applied = start + len(tails[0])
         if why != "split":
             return self._missing(applied, lost=why == "lost")
