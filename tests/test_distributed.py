@@ -87,6 +87,7 @@ with warnings.catch_warnings():
     )
     from fsm_cache.errors import (
         BadArgument,
+        CacheClosed,
         ConfigError,
         CopyFailed,
         InvariantViolation,
@@ -1189,10 +1190,12 @@ def test_a_load_refused_on_one_rank_and_waited_for_parts_the_ranks_named_alike(
     answers: Results,
 ) -> None:
     """Pins the known gap: the wait applies each rank's own outcome before the step can agree."""
+    key = hash((*range(16), *range(500, 516))) & ((1 << 64) - 1)
+    insert = f"insert(<32 ids {key:016x}>, None, None)"
     want = (
-        "RankDivergence: rank divergence at transition 4: rank 0 applied node 1 load_done,"
-        " rank 1 applied node 1 load_failed; node 1 now: rank 0 backed/resident (pins=0,"
-        " locks=0), rank 1 backed/resident (pins=0, locks=0)"
+        f"RankDivergence: rank divergence at transition 4: rank 0 applied node 1 load_done in"
+        f" {insert}, rank 1 applied node 1 load_failed in {insert}; node 1 now: rank 0"
+        " backed/resident (pins=0, locks=0), rank 1 backed/resident (pins=0, locks=0)"
     )
     for result in answers:
         report = result["refused_then_waited"]
@@ -1215,8 +1218,8 @@ def test_waits_for_different_loads_part_the_ranks_at_the_wait(answers: Results) 
     """The wait compares the digests: a rank whose load gave up alone is named there."""
     want = (
         "rank divergence at transition 7: rank 0 applied nothing (only 7 transitions), "
-        "rank 1 applied node 1 load_failed; node 1 now: rank 0 pinned/loading (pins=1, "
-        "locks=0), rank 1 backed/absent (pins=0, locks=0)"
+        "rank 1 applied node 1 load_failed in load_back(1); node 1 now: rank 0 "
+        "pinned/loading (pins=1, locks=0), rank 1 backed/absent (pins=0, locks=0)"
     )
     assert [r["different_loads"] for r in answers] == [["_agree_wait", want]] * 2
 
@@ -1312,7 +1315,7 @@ def test_a_dropped_acknowledgement_is_named(two_ranks: Results) -> None:
 def test_an_eviction_on_one_rank_is_named_at_the_next_step(two_ranks: Results) -> None:
     want = (
         "rank divergence at transition 24: rank 0 applied nothing (only 24 transitions), "
-        "rank 1 applied node 4 evict_device; "
+        "rank 1 applied node 4 evict_device in evict(8); "
         "node 4 now: rank 0 backed/resident (pins=0, locks=0), "
         "rank 1 backed/absent (pins=0, locks=0)"
     )
@@ -1322,9 +1325,11 @@ def test_an_eviction_on_one_rank_is_named_at_the_next_step(two_ranks: Results) -
 def test_a_copy_failed_on_one_rank_in_a_wait_is_named_at_the_next_step(
     two_ranks: Results,
 ) -> None:
+    key = hash(tuple(chat_trace(21, seed=1)[-1])) & ((1 << 64) - 1)
+    insert = f"insert(<44 ids {key:016x}>, None, None)"  # the request that waited
     want = (
-        "rank divergence at transition 96: rank 0 applied node 21 write_done, "
-        "rank 1 applied node 21 write_failed; node 21 now: rank 0 backed/resident "
+        f"rank divergence at transition 96: rank 0 applied node 21 write_done in {insert}, "
+        f"rank 1 applied node 21 write_failed in {insert}; node 21 now: rank 0 backed/resident "
         "(pins=0, locks=0), rank 1 unbacked/resident (pins=0, locks=0)"
     )
     assert [r["failed_in_wait"] for r in two_ranks] == [[want], [want]]
@@ -1354,8 +1359,8 @@ def test_drain_returns_while_a_locked_load_keeps_failing(two_ranks: Results) -> 
 def test_a_divergence_after_a_reset_is_named(two_ranks: Results) -> None:
     want = (
         "rank divergence at transition 13: rank 0 applied nothing (only 13 transitions), "
-        "rank 1 applied node 1 evict_device; node 1 now: rank 0 backed/resident "
-        "(pins=0, locks=0), rank 1 backed/absent (pins=0, locks=0)"
+        "rank 1 applied node 1 evict_device in evict(1000); node 1 now: rank 0 "
+        "backed/resident (pins=0, locks=0), rank 1 backed/absent (pins=0, locks=0)"
     )
     assert [r["after_reset"] for r in two_ranks] == [want, want]
 
@@ -1788,6 +1793,23 @@ def test_digest_tail_starts_at_the_agreed_point() -> None:
     assert digest.tail() == [(1, "write_done"), (2, "write")]
 
 
+def test_each_transition_of_the_tail_is_named_with_its_operation() -> None:
+    log = EventLog()
+    digest = TransitionDigest(log)
+    log.op("insert", tuple(range(4)), None, None)
+    log.transition(1, "write")
+    digest.update()
+    digest.agree()
+    log.transition(1, "write_done")  # still inside the insert, logged before the agreed point
+    log.op("apply_completions", ())
+    log.transition(1, "evict_device")
+    log.op("evict", 8)
+    log.transition(2, "delete")
+    digest.update()
+    named = [digest.operation_of(i) for i in range(4)]
+    assert named == ["insert((0, 1, 2, 3), None, None)", "apply_completions", "evict(8)", None]
+
+
 def test_first_difference() -> None:
     a = [(1, "write"), (1, "write_done")]
     assert first_difference([a, list(a)]) is None
@@ -1800,9 +1822,11 @@ def test_divergence_message_names_every_rank_and_node() -> None:
     tails = [[(4, "write"), (7, "write_done")], [(4, "write"), (9, "evict_device")], [(4, "write")]]
     states = [{7: "backed/resident (pins=0, locks=0)"}, {9: "backed/absent (pins=0, locks=0)"}, {}]
     assert involved_nodes(tails, 1) == [7, 9]
-    assert divergence_message(40, 1, tails, states) == (
-        "rank divergence at transition 41: rank 0 applied node 7 write_done, "
-        "rank 1 applied node 9 evict_device, rank 2 applied nothing (only 41 transitions); "
+    operations = ["apply_completions", "evict(9)", None]
+    assert divergence_message(40, 1, tails, states, operations) == (
+        "rank divergence at transition 41: rank 0 applied node 7 write_done in "
+        "apply_completions, rank 1 applied node 9 evict_device in evict(9), rank 2 applied "
+        "nothing (only 41 transitions); "
         "node 7 now: rank 0 backed/resident (pins=0, locks=0), rank 1 not in the tree, "
         "rank 2 not in the tree; "
         "node 9 now: rank 0 not in the tree, rank 1 backed/absent (pins=0, locks=0), "
@@ -1945,6 +1969,27 @@ def test_a_load_wait_under_agreement_is_one_collective_and_refuses_alike() -> No
     shared.drain()
     assert cache.wait_loaded(chain)  # resident now: nothing to wait for
     shared.verify_agreement()
+
+
+class _BrokenClose(FaultyCopyEngine):
+    """Cannot be closed: as a CUDA error in the engine's synchronisation would leave it."""
+
+    def close(self) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_an_agreement_on_a_cache_closed_while_its_tiers_stay_open_is_refused() -> None:
+    """The cache's own gate decides: its tiers stay open where giving memory back raised."""
+    shared = DistributedCache(HiCache(bench_config(copier=_BrokenClose.copier())), timeout=TIMEOUT)
+    with pytest.raises(RuntimeError):
+        shared.cache.close()
+    assert (shared.cache.closed, shared.cache.tiers.closed) == (True, False)
+    for call in ("step", "drain", "verify_agreement"):
+        with pytest.raises(CacheClosed) as caught:
+            getattr(shared, call)()
+        assert str(caught.value) == f"{call}: the cache of rank 0 of 1 was closed"
+    assert shared.steps == 0
 
 
 def test_without_a_process_group_it_says_so() -> None:

@@ -88,6 +88,17 @@ def closed_on_one_rank(rank: int) -> list[str]:
     return [said(shared.step), said(shared.step)]
 
 
+def built_with_different_timeouts(rank: int) -> list[Any]:
+    """Rank 1 is given a longer timeout: both are refused, and the cache can be wrapped again."""
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+    cache = HiCache(bench_config(debug=True))
+    refused = said(lambda: DistributedCache(cache, side, timeout=5.0 if rank == 0 else 7.5))
+    untouched = not cache.transfers.acks_taken
+    shared = DistributedCache(cache, side, timeout=5)  # an int: the same timeout as 5.0
+    serve_request(cache, chat_trace(1, seed=1)[0])
+    return [refused, untouched, said(shared.step), said(shared.verify_agreement)]
+
+
 def closed_on_every_rank(rank: int) -> list[str]:
     """Both ranks close their caches, then call every agreement."""
     del rank
@@ -146,6 +157,7 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
         failed_alike_then_parted,
         closed_on_one_rank,
         closed_on_every_rank,
+        built_with_different_timeouts,
         stepped_after_a_timeout,
     ):
         report[scenario.__name__] = scenario(rank)
@@ -173,8 +185,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Results:
 def test_a_failure_alike_on_every_rank_is_not_named_for_its_messages(ranks: Results) -> None:
     expected = (
         "RankDivergence: rank divergence at transition 8: rank 0 applied nothing (only 8 "
-        "transitions), rank 1 applied node 2 delete; node 2 now: rank 0 unbacked/resident "
-        "(pins=0, locks=0), rank 1 not in the tree"
+        "transitions), rank 1 applied node 2 delete in evict(8); node 2 now: rank 0 "
+        "unbacked/resident (pins=0, locks=0), rank 1 not in the tree"
     )
     assert [r["failed_alike_then_parted"] for r in ranks] == [expected, expected]
 
@@ -185,13 +197,15 @@ def test_a_step_on_a_cache_closed_on_one_rank_is_refused_and_named(ranks: Result
         "rank 0 of 2: the agreement stopped before its collective, and no rank applied "
         f"anything in it: rank 1 raised {closed.replace(': ', ' in step: ', 1)}"
     )
-    assert ranks[1]["closed_on_one_rank"] == [closed, closed]
-    assert ranks[0]["closed_on_one_rank"] == [
-        f"RankFailure: {failed}",
-        "RankFailure: rank 0 of 2: step refused: the agreement group broke at an earlier "
+    refused = (
+        "RankFailure: rank {0} of 2: step refused: the agreement group broke at an earlier "
         "collective, and a later one could pair with another collective of the other ranks; "
-        f"tear the group down and rebuild it and the caches (it broke with: {failed})",
-    ]
+        "tear the group down and rebuild it and the caches (it broke with: {1})"
+    )
+    assert ranks[0]["closed_on_one_rank"] == [f"RankFailure: {failed}", refused.format(0, failed)]
+    # the closed rank raises its own error, then is broken as the rank it told is
+    mine = failed.replace("rank 0 of 2", "rank 1 of 2", 1)
+    assert ranks[1]["closed_on_one_rank"] == [closed, refused.format(1, mine)]
 
 
 def test_agreements_on_caches_closed_everywhere_are_refused_alike(ranks: Results) -> None:
@@ -200,6 +214,16 @@ def test_agreements_on_caches_closed_everywhere_are_refused_alike(ranks: Results
             f"CacheClosed: {call}: the cache of rank {rank} of 2 was closed"
             for call in ("step", "drain", "verify_agreement")
         ]
+
+
+def test_ranks_given_different_timeouts_are_refused_on_every_rank(ranks: Results) -> None:
+    refused = (
+        "ConfigError: distributed: the ranks were given different timeouts (rank 0 5.0 s, "
+        "rank 1 7.5 s): give every rank the same, or the rank that waits least gives up on a "
+        "collective the others still wait in"
+    )
+    for report in ranks:
+        assert report["built_with_different_timeouts"] == [refused, True, "returned", "returned"]
 
 
 def test_a_step_after_a_timeout_is_refused_at_once(ranks: Results) -> None:

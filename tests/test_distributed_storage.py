@@ -35,6 +35,7 @@ with warnings.catch_warnings():
     from fsm_cache.cache.hicache import HiCache
     from fsm_cache.cache.storage_tier import StorageConfig
     from fsm_cache.distributed.agreement import DistributedCache
+    from fsm_cache.distributed.collectives import Collectives
     from fsm_cache.errors import ConfigError, InvariantViolation, RankDivergence, StoreFailed
     from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
     from fsm_cache.storage import LocalFileStore, PutResult, Store, page_keys
@@ -862,6 +863,8 @@ def test_a_storage_tier_that_leaves_its_ranks_unsaid_is_refused_in_a_group(
     alone = DistributedCache(HiCache(config(), storage=unsaid))  # a world of one: no shards
     assert alone.cache.storage is not None
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    # the other rank of the group of 2 was given the same timeout
+    monkeypatch.setattr(Collectives, "all_gather_digest", lambda self, mine, what: [mine, mine])
     cache = HiCache(config(), storage=unsaid)
     with pytest.raises(ConfigError) as caught:
         DistributedCache(cache)

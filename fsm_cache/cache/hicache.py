@@ -250,6 +250,16 @@ class HiCache:
         """The storage tier (its copies in flight, keys and namespace), or None without one."""
         return self._storage
 
+    @property
+    def closed(self) -> bool:
+        """Whether the cache was closed (:meth:`close` applied what was left): no operation runs.
+
+        Every later operation raises :class:`~fsm_cache.errors.CacheClosed`. It is
+        set before the tiers give their memory back, so it holds where that
+        raised, and the tiers' own ``closed`` stayed False.
+        """
+        return self._gate.closed
+
     # -- lookups and inserts -------------------------------------------------
 
     def match_prefix(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult:

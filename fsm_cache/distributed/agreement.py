@@ -20,7 +20,8 @@ Each rank keeps a running digest of the transitions it applied and the
 operations it served (their keys included); a step whose digests differ, like
 :meth:`~DistributedCache.verify_agreement`, raises
 :class:`~fsm_cache.errors.RankDivergence` naming the first differing
-transition, its node and that node's state on each rank (or, where the
+transition, the operation each rank applied it in, its node and that node's
+state on each rank (or, where the
 transitions agree, the first operation served differently). A lost completion
 raises it too, instead of leaving every rank waiting for a copy that will
 never be acknowledged: where an operation waited for it (on the rank that lost
@@ -54,7 +55,8 @@ answers alike and fails it at the same step.
 
 Every method here is a collective: all ranks of the group call it, in the same
 order; so are a lookup that asks a storage tier about its tail and the wrapped
-cache's ``wait_loaded``.
+cache's ``wait_loaded``, and the construction itself in a group of more than
+one, which refuses ranks given different timeouts.
 """
 
 from __future__ import annotations
@@ -99,7 +101,6 @@ from fsm_cache.errors import (
     CacheClosed,
     ConfigError,
     CopyFailed,
-    FsmCacheError,
     NoProcessGroup,
     RankDivergence,
     RankFailure,
@@ -203,7 +204,11 @@ class DistributedCache:
             cache's storage tier names another rank or group size (other than
             one namespace for all, ``ranks=1``), or does not say ``ranks`` in a
             group of more than one, or its ``io_timeout`` is not
-            below ``timeout``.
+            below ``timeout``. Or the ranks were given different timeouts:
+            every rank raises it, naming each rank's (in a group of more than
+            one, construction is a collective: every rank constructs at the
+            same point).
+        RankFailure: The comparison of the ranks' timeouts failed or timed out.
     """
 
     def __init__(
@@ -229,6 +234,7 @@ class DistributedCache:
             _check_storage(cache.storage.config, group, timeout)
         _deprecated(verify_every=verify_every != 0, device=device is not None)
         self.comm = Collectives.of(group, timeout)
+        _check_timeouts(self.comm)  # a collective: on every rank, before the cache is touched
         self.cache = cache
         self.group, self.timeout = self.comm.group, timeout
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
@@ -388,9 +394,10 @@ class DistributedCache:
 
         Raises:
             RankFailure: The agreement collective failed or timed out, or an
-                earlier call raised RankFailure (refused at once: the group is broken).
-            CacheClosed: The cache was closed (raised before the collective: the
-                other ranks raise RankFailure naming this rank).
+                earlier call raised RankFailure, or raised before a collective that
+                another rank reached without raising (refused at once: the group is broken).
+            CacheClosed: The cache was closed (raised before the collective: where
+                another rank's cache is open, it raises RankFailure naming this rank).
             RankDivergence: The ranks applied different transitions or served
                 different operations, or have different numbers of copies in
                 flight (one lost or invented a copy); a rank's cache was reset
@@ -435,9 +442,10 @@ class DistributedCache:
                 drained without reporting a copy that rank started (a lost
                 completion), which would otherwise leave every rank waiting.
             RankFailure: A collective failed or timed out, or an earlier call
-                raised RankFailure (refused at once: the group is broken).
-            CacheClosed: The cache was closed (raised before the collective: the
-                other ranks raise RankFailure naming this rank).
+                raised RankFailure, or raised before a collective that another rank
+                reached without raising (refused at once: the group is broken).
+            CacheClosed: The cache was closed (raised before the collective: where
+                another rank's cache is open, it raises RankFailure naming this rank).
         """
         with self._in_group("drain"):
             with self._announcing("drain"):
@@ -601,8 +609,12 @@ class DistributedCache:
         try:
             yield
         except RankFailure as failure:
-            self._broken = self._broken or str(failure)
+            self._break(failure)
             raise
+
+    def _break(self, failure: RankFailure) -> None:
+        """Note that the group broke with ``failure`` (the first one kept); see :meth:`_in_group`."""
+        self._broken = self._broken or str(failure)
 
     def _check_open(self, where: str) -> None:
         """Refuse an agreement on a closed cache, before its collective.
@@ -614,7 +626,7 @@ class DistributedCache:
         Raises:
             CacheClosed: The cache was closed.
         """
-        if self.cache.tiers.closed:
+        if self.cache.closed:
             raise CacheClosed(
                 f"{where}: the cache of rank {self.rank} of {self.world_size} was closed"
             )
@@ -627,15 +639,21 @@ class DistributedCache:
         as a :data:`_RAISED` notice, then its part of a gather of what each
         rank raised, and raises its own error; the others raise
         :class:`RankFailure` naming it at once, instead of after ``timeout``.
-        Whatever the notice itself raises (the others gone too) gives way to
-        the error that caused it.
+        Where some rank did not raise (it was told, or is gone), this rank is
+        broken as the told ranks are: the ranks no longer did the same, so
+        every later agreement call is refused here too (:meth:`_in_group`),
+        with the :class:`RankFailure` the notice raised, which gives way to
+        the error that caused it. Where every rank raised, the notices paired
+        and the group goes on.
         """
         try:
             yield
         except Exception as exc:
             text = f"{type(exc).__name__} in {where}: {exc}"
-            with contextlib.suppress(FsmCacheError):
+            try:
                 self._reduce(_RAISED, [], f"notice that {where} raised (all_reduce MIN)", text)
+            except RankFailure as failure:  # the only error a notice raises
+                self._break(failure)
             raise
 
     def _raised_message(self, mine: str | None) -> str:
@@ -663,7 +681,8 @@ class DistributedCache:
             RankDivergence: The ranks asked about different numbers of pages (each
                 rank named, with what it asked and the lookup it asked in).
             RankFailure: The collective failed or timed out, or an earlier call
-                raised RankFailure (refused at once: the group is broken).
+                raised RankFailure, or raised before a collective that another rank
+                reached without raising (refused at once: the group is broken).
         """
         n, m = len(found), len(asked)
         with self._in_group("a prefetch's hit count"):
@@ -724,15 +743,17 @@ class DistributedCache:
 
         Raises:
             RankDivergence: The digests differ; names the first differing
-                transition, its node and that node's state on each rank, or
+                transition, the operation each rank applied it in, its node and
+                that node's state on each rank, or
                 else the first operation the ranks served differently, or the
                 ranks whose cache was reset alone (every rank raises the same
                 message). Or some ranks called :meth:`step` (or :meth:`drain`)
                 where the others called this: every rank raises at once.
             RankFailure: A collective failed or timed out, or an earlier call
-                raised RankFailure (refused at once: the group is broken).
-            CacheClosed: The cache was closed (raised before the collective: the
-                other ranks raise RankFailure naming this rank).
+                raised RankFailure, or raised before a collective that another rank
+                reached without raising (refused at once: the group is broken).
+            CacheClosed: The cache was closed (raised before the collective: where
+                another rank's cache is open, it raises RankFailure naming this rank).
         """
         with self._in_group("verify_agreement"):
             with self._announcing("verify_agreement"):
@@ -765,7 +786,8 @@ class DistributedCache:
             RankDivergence: As :meth:`verify_agreement`, or some ranks reached
                 another collective (every rank raises).
             RankFailure: The collective failed or timed out, or an earlier call
-                raised RankFailure (refused at once: the group is broken).
+                raised RankFailure, or raised before a collective that another rank
+                reached without raising (refused at once: the group is broken).
         """
         with self._in_group("wait_loaded"):
             with self._announcing("wait_loaded"):
@@ -857,7 +879,8 @@ class DistributedCache:
         index = first_difference(tails)
         if index is not None:
             states = self._gather_states(involved_nodes(tails, index))
-            return divergence_message(start, index, tails, states)
+            operations = self.comm.all_gather_object(self._digest.operation_of(index))
+            return divergence_message(start, index, tails, states, operations)
         applied = start + len(tails[0])
         if why != "split":
             return self._missing(applied, lost=why == "lost")
@@ -1042,6 +1065,33 @@ def _check_arguments(cache: object, group: object, timeout: object, verify_every
         )
     if not whole(verify_every):
         raise ConfigError(f"distributed: verify_every must be an int >= 0, got {verify_every!r}")
+
+
+def _check_timeouts(comm: Collectives) -> None:
+    """Refuse ranks given different timeouts, on every rank, naming each rank's.
+
+    A rank with a shorter timeout gives up on a collective that the others
+    still wait in, and a copy finished on some ranks only is overdue by its
+    clock first: every rank must wait alike. One all-gather of each rank's
+    timeout (its exact bits), skipped in a group of one; ``verify_every`` and
+    ``device`` are ignored, so they need not agree.
+
+    Raises:
+        ConfigError: The timeouts differ.
+        RankFailure: The all-gather failed or timed out (each rank waits its own timeout).
+    """
+    if comm.world_size == 1:
+        return
+    (bits,) = struct.unpack("<q", struct.pack("<d", comm.timeout))
+    each = comm.all_gather_digest([bits], "timeout agreement (all_gather)")
+    timeouts = [struct.unpack("<d", struct.pack("<q", word))[0] for (word,) in each]
+    if any(t != timeouts[0] for t in timeouts):
+        named = ", ".join(f"rank {rank} {t!r} s" for rank, t in enumerate(timeouts))
+        raise ConfigError(
+            f"distributed: the ranks were given different timeouts ({named}): give every "
+            "rank the same, or the rank that waits least gives up on a collective the "
+            "others still wait in"
+        )
 
 
 def _check_group(group: object) -> None:

@@ -11,7 +11,8 @@ insert that adds a node logs no transition of its own (none at all under
 same keys in another order, would otherwise hash alike. When hashes differ,
 :func:`first_difference` and :func:`divergence_message` turn the transitions
 each rank applied since the last agreed point into a message naming the
-transition, the node and the node's state on every rank, and
+transition, the operation it was applied in, the node and the node's state on
+every rank, and
 :func:`operation_message` names the first operation that differs where the
 transitions do not.
 
@@ -53,6 +54,9 @@ _LOCAL_OPERATIONS = frozenset({"poll", "apply_completions"})
 agreed (logged as transitions), and ``poll()`` may be called on one rank alone."""
 _NAMESPACED = frozenset({"match_prefix", "insert"})
 """Operations whose second argument is a namespace, not ids."""
+_LOOKBACK = 64
+"""Entries before the agreed point searched for the operation that a transition after it
+was applied in (:meth:`TransitionDigest.operation_of`)."""
 _SHOWN = 8
 """Id sequences up to this long are shown in full; longer ones by length and hash."""
 _MASK = (1 << 64) - 1
@@ -297,6 +301,35 @@ class TransitionDigest:
         entries = self._log.since(self._agreed_entry, self._scanned)
         return [(node, event) for kind, node, event in entries if kind == "transition"]
 
+    def operation_of(self, index: int) -> str | None:
+        """Return the operation the transition at ``index`` of :meth:`tail` was applied in.
+
+        As every rank renders it (:func:`operation_text`, or its name where
+        that leaves it out: ``apply_completions`` for what a step applied);
+        None where this rank applied fewer transitions. An operation that
+        agreed inside itself (a load wait) was logged before the agreed point,
+        so the last :data:`_LOOKBACK` entries before it are searched too;
+        ``an operation`` where none is found.
+        """
+        before = self._log.since(max(self._agreed_entry - _LOOKBACK, 0), self._agreed_entry)
+        last = next(
+            (
+                operation_text(name, args) or name
+                for kind, name, args in reversed(before)
+                if kind == "op"
+            ),
+            "an operation",
+        )
+        applied = 0
+        for kind, first, second in self._log.since(self._agreed_entry, self._scanned):
+            if kind == "op":
+                last = operation_text(first, second) or first
+            elif kind == "transition":
+                if applied == index:
+                    return last
+                applied += 1
+        return None
+
     def failures(self) -> list[AppliedFailure]:
         """Return the operations that failed from outside the cache since the last agreed point.
 
@@ -352,25 +385,29 @@ def divergence_message(
     index: int,
     tails: Sequence[Sequence[AppliedTransition]],
     states: Sequence[Mapping[int, str]],
+    operations: Sequence[str | None],
 ) -> str:
-    """Describe the first differing transition and the involved nodes' states on every rank.
+    """Describe the first differing transition, its operation and the nodes' states on every rank.
 
     Args:
         start: Transitions every rank had agreed on before ``tails`` begin.
         index: Where the tails first differ (from :func:`first_difference`).
         tails: Per rank, the transitions applied since the agreed point.
         states: Per rank, the residency of each involved node now (absent: not in the tree).
+        operations: Per rank, the operation its transition at ``index`` was
+            applied in (:meth:`TransitionDigest.operation_of`; None where it applied fewer).
 
     Returns:
-        ``rank divergence at transition 41: rank 0 applied node 7 write_done, rank 1
-        applied node 7 write_failed; node 7 now: rank 0 backed/resident (pins=0,
-        locks=0), rank 1 unbacked/resident (pins=0, locks=0)``.
+        ``rank divergence at transition 41: rank 0 applied node 7 write_done in
+        apply_completions, rank 1 applied node 7 write_failed in insert((0, 1, 2),
+        None, None); node 7 now: rank 0 backed/resident (pins=0, locks=0), rank 1
+        unbacked/resident (pins=0, locks=0)``.
     """
     applied = []
     for rank, tail in enumerate(tails):
         if index < len(tail):
             node, event = tail[index]
-            applied.append(f"rank {rank} applied node {node} {event}")
+            applied.append(f"rank {rank} applied node {node} {event} in {operations[rank]}")
         else:
             applied.append(f"rank {rank} applied nothing (only {start + len(tail)} transitions)")
     now = _now(involved_nodes(tails, index), states)
