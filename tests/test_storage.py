@@ -606,6 +606,34 @@ def test_redis_a_corrupt_value_is_a_clear_error() -> None:
     assert str(caught.value) == f"{where}: not a valid page {keys[1][:12]}: unreadable page header"
 
 
+def test_redis_a_key_of_another_type_is_corrupt_once_not_missing_again_and_again() -> None:
+    """EXISTS counts a hash under a page's name and MGET reads it as nil: say what it is."""
+    server, store = fake()
+    keys, pages = page_keys(NS, list(range(12))), pages_of(3)
+    store.put(keys[:1], pages[:1])
+    fakeredis.FakeRedis(server=server).hset(f"fsm:page:{keys[1]}", "field", "value")
+    assert store.exists_prefix(keys) == 2
+    with pytest.raises(CorruptPage) as caught:
+        store.get(keys)
+    where = f"redis 127.0.0.1:6399 fsm:page:{keys[1]}"
+    assert (
+        str(caught.value) == f"{where}: not a valid page {keys[1][:12]}: a Redis hash, not a page"
+    )
+    assert caught.value.key == keys[1]
+    assert store.drop([keys[1]]) == 1  # what a cache does with a corrupt page: once
+    assert store.exists_prefix(keys) == 1
+    assert store.put(keys, pages) == [P, S, S]
+    assert same(store.get(keys), pages)
+
+
+def test_redis_a_read_that_misses_a_page_still_ends_the_prefix() -> None:
+    """The type query after a nil finds nothing there: a shorter prefix, no error."""
+    _, store = fake()
+    keys, pages = page_keys(NS, list(range(12))), pages_of(3)
+    store.put([keys[0], keys[2]], [pages[0], pages[2]])
+    assert same(store.get(keys), pages[:1])
+
+
 def test_redis_a_server_gone_is_store_failed() -> None:
     """Every operation on a server that went away fails with StoreFailed, changing nothing."""
     server, store = fake()
