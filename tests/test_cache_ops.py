@@ -14,7 +14,8 @@ from fsm_cache.cache.replay import replay
 from fsm_cache.cli.main import main
 from fsm_cache.engine import lease as leases
 from fsm_cache.errors import CacheClosed, ForeignSlot, ReplayMismatch
-from fsm_cache.memory.copies import CopyEngine
+from fsm_cache.memory import staging
+from fsm_cache.memory.copies import POISON, CopyEngine
 from fsm_cache.memory.kv import KVPool
 from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
 from fsm_cache.testing.fakecuda import deferred_copier
@@ -35,6 +36,11 @@ def config(fail: tuple[int, ...] = (), **overrides: object) -> CacheConfig:
     }
     settings.update(overrides)
     return CacheConfig(**settings)  # type: ignore[arg-type]
+
+
+def _fails(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+    """A copy that raises at launch, as ``Tensor.copy_`` does when it cannot run."""
+    raise RuntimeError("copy_ refused")
 
 
 class TestCopyFaults:
@@ -203,6 +209,39 @@ class TestCopyFaults:
             if node.host in ("backed", "pinned"):
                 expected = synthetic_kv(cache.tiers.device.layout, node.key)
                 assert torch.equal(cache.tiers.host.read(node.host_pages), expected)
+
+    def test_a_real_backup_whose_launch_fails_is_write_failed_over_poisoned_pages(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The plain engine, no injected fault: its host pages hold no half-written KV."""
+        cache = HiCache(config(copier=CopyEngine))
+        cache.insert(list(range(8)))
+        (node,) = list(cache.tree)
+        pages = node.host_pages  # the backup's, reserved while it is in flight
+        monkeypatch.setattr(staging, "_copy", _fails)
+        cache.poll()  # the batch is launched, fails, and is reported
+        assert (node.host, node.host_pages) == ("unbacked", ())
+        assert cache.stats().transitions["write_failed"] == 1
+        assert bool((cache.tiers.host.read(list(pages)).view(torch.uint8) == POISON).all())
+
+    def test_a_real_load_whose_launch_fails_is_load_failed_over_poisoned_pages(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The device pages a failed load was given read as poison, never as the node's KV."""
+        cache = HiCache(config(copier=CopyEngine))
+        cache.insert(list(range(8)))
+        cache.poll()
+        cache.evict(8)
+        (node,) = list(cache.tree)
+        monkeypatch.setattr(staging, "_copy", _fails)
+        assert cache.load_back(node) == [node]
+        pages = list(node.device_pages)  # the load's, until its failure is applied
+        cache.poll()
+        assert (node.host, node.device) == ("backed", "absent")
+        assert cache.stats().transitions["load_failed"] == 1
+        assert bool((cache.tiers.device.read(pages).view(torch.uint8) == POISON).all())
+        expected = synthetic_kv(cache.tiers.device.layout, node.key)
+        assert torch.equal(cache.tiers.host.read(node.host_pages), expected)
 
     @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float8_e4m3fn"])
     def test_round_trip_is_bit_exact_for_each_dtype(self, dtype: str) -> None:

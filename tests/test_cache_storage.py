@@ -1745,6 +1745,27 @@ def test_a_torn_page_is_dropped_and_only_the_pages_before_it_are_used(tmp_path: 
     assert device_kv_matches(reader, toks[: 2 * PAGE])
 
 
+def test_a_redis_key_of_another_type_is_dropped_once_not_fetched_at_every_lookup() -> None:
+    """A hash under a page's name: EXISTS counts it, MGET reads nil. Corrupt once, then gone."""
+    server = fakeredis.FakeServer()
+    store = RedisStore(fakeredis.FakeRedis(server=server), batch_pages=3)
+    toks = tokens(4)
+    writer = stored_cache(store, toks)
+    keys = page_keys(writer.storage.namespace(), toks)  # type: ignore[union-attr]
+    raw = fakeredis.FakeRedis(server=server)
+    raw.delete(store.name(keys[2]))
+    raw.hset(store.name(keys[2]), "planted", "by another client")
+    reader = HiCache(config(), storage=tier(store, prefetch_policy="wait"))
+    assert reader.match_prefix(toks).host_len == 2 * PAGE
+    assert reader.log.storage_acks() == [("prefetch", ((1, "fetch", 2, "corrupt"),))]
+    assert not raw.exists(store.name(keys[2]))
+    again = FaultyStore(store)
+    second = HiCache(config(), storage=tier(again, prefetch_policy="wait"))
+    assert second.match_prefix(toks).host_len == 2 * PAGE
+    assert again.calls == ["exists_prefix", "get"]  # the two pages still stored, nothing more
+    assert second.log.storage_acks() == [("prefetch", ((1, "fetch", 2, "ok"),))]
+
+
 # -- found by a review: fetches in flight under splits, host room, write-back --------------
 
 

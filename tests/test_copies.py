@@ -255,6 +255,93 @@ def test_a_launch_error_outside_the_copy_fails_the_batch_and_leaves_nothing_busy
     assert [c.ok for c in engine.drain()] == [True]
 
 
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_a_launch_that_fails_part_way_poisons_its_whole_destination(
+    monkeypatch: pytest.MonkeyPatch, direction: str
+) -> None:
+    """The first chunk landed and the second raised: no page may read as the copy's KV."""
+    engine = make(staging_pages=1)  # one page a chunk; pages 0 and 2 are two chunks
+    engine.host.tensor.view(torch.uint8).random_(0, 256)
+    real, calls = staging._copy, []  # noqa: SLF001
+
+    def second_fails(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+        calls.append(dst)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        real(dst, src, non_blocking)
+
+    monkeypatch.setattr(staging, "_copy", second_fails)
+    pool = engine.host if direction == "d2h" else engine.device
+    neighbour = raw(pool, [1]).clone()
+    start = engine.start_write if direction == "d2h" else engine.start_load
+    ticket = start([0, 2], [0, 2])
+    assert not engine.wait([ticket.id])  # the launch failed: compute must not read the pages
+    (done,) = engine.poll()
+    assert (done.ticket, done.ok) == (ticket, False)
+    assert str(done.error) == f"copy 1 ({direction}) failed: boom"
+    assert len(calls) == 2  # the first chunk was copied before the second raised
+    assert bool((raw(pool, [0, 2]) == POISON).all())
+    assert torch.equal(raw(pool, [1]), neighbour)
+    assert engine.busy_device_pages() == engine.busy_host_pages() == frozenset()
+
+
+class _FailingRun(FakeStreams):
+    """Fake streams whose ``fail_at``-th ``run_on`` raises, as a kernel launch that fails does."""
+
+    fail_at = 0
+    runs = 0
+
+    def run_on(self, stream: Stream, work: Callable[[], None]) -> None:
+        self.runs += 1
+        if self.runs == self.fail_at:
+            raise RuntimeError("CUDA error: launch failure")
+        super().run_on(stream, work)
+
+
+def test_a_failed_loads_poison_is_queued_on_its_stream_before_its_event() -> None:
+    """A stream made to wait for the load reads the poison; compute queues none of it."""
+    fake = _FailingRun(max_polls=2)
+    fake.fail_at = 3  # chunk 0's two stages are queued, chunk 1's first is not
+    engine = make("fake", staging_pages=1)
+    engine = CopyEngine(
+        engine.device, engine.host, staging_bytes=engine.device.layout.page_bytes, streams=fake
+    )
+    dev = engine.device
+    neighbour = raw(dev, [1]).clone()
+    ticket = engine.start_load([0, 2], [0, 2])
+    assert fake.runs == 4  # the poison's fill after the failed launch
+    compute = fake.current_stream(torch.device("cpu"))
+    assert not engine.wait([ticket.id], compute)
+    seen: list[bool] = []
+    compute.enqueue(lambda: seen.append(bool((raw(dev, [0, 2]) == POISON).all())))
+    compute.synchronize()
+    assert seen == [True]
+    (done,) = engine.drain()
+    assert str(done.error) == "copy 1 (h2d) failed: CUDA error: launch failure"
+    assert torch.equal(raw(dev, [1]), neighbour)
+
+
+def test_a_backup_whose_queued_work_fails_poisons_its_host_pages_when_reported() -> None:
+    """queue_after's work that raises fails the copy as a launch does, poison included."""
+    engine = make()
+
+    def broken() -> None:
+        raise ValueError("no room")
+
+    ticket = engine.start_write([3], [4])
+    engine.queue_after(ticket, broken)
+    (done,) = engine.poll()
+    assert str(done.error) == "copy 1 (d2h) failed: ValueError: no room"
+    assert bool((raw(engine.host, [4]) == POISON).all())
+
+
+def test_poison_destination_takes_a_ticket() -> None:
+    engine = make()
+    with pytest.raises(BadArgument) as caught:
+        engine.poison_destination([1])  # type: ignore[arg-type]
+    assert str(caught.value) == "copy: poison_destination takes a Ticket, got list"
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_one_directions_tickets_are_reported_in_start_order(seed: int) -> None:
     """An event queried after an earlier one of its stream may find later work done."""

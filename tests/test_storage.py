@@ -606,6 +606,34 @@ def test_redis_a_corrupt_value_is_a_clear_error() -> None:
     assert str(caught.value) == f"{where}: not a valid page {keys[1][:12]}: unreadable page header"
 
 
+def test_redis_a_key_of_another_type_is_corrupt_once_not_missing_again_and_again() -> None:
+    """EXISTS counts a hash under a page's name and MGET reads it as nil: say what it is."""
+    server, store = fake()
+    keys, pages = page_keys(NS, list(range(12))), pages_of(3)
+    store.put(keys[:1], pages[:1])
+    fakeredis.FakeRedis(server=server).hset(f"fsm:page:{keys[1]}", "field", "value")
+    assert store.exists_prefix(keys) == 2
+    with pytest.raises(CorruptPage) as caught:
+        store.get(keys)
+    where = f"redis 127.0.0.1:6399 fsm:page:{keys[1]}"
+    assert (
+        str(caught.value) == f"{where}: not a valid page {keys[1][:12]}: a Redis hash, not a page"
+    )
+    assert caught.value.key == keys[1]
+    assert store.drop([keys[1]]) == 1  # what a cache does with a corrupt page: once
+    assert store.exists_prefix(keys) == 1
+    assert store.put(keys, pages) == [P, S, S]
+    assert same(store.get(keys), pages)
+
+
+def test_redis_a_read_that_misses_a_page_still_ends_the_prefix() -> None:
+    """The type query after a nil finds nothing there: a shorter prefix, no error."""
+    _, store = fake()
+    keys, pages = page_keys(NS, list(range(12))), pages_of(3)
+    store.put([keys[0], keys[2]], [pages[0], pages[2]])
+    assert same(store.get(keys), pages[:1])
+
+
 def test_redis_a_server_gone_is_store_failed() -> None:
     """Every operation on a server that went away fails with StoreFailed, changing nothing."""
     server, store = fake()
@@ -1105,6 +1133,76 @@ def test_local_pages_it_did_not_use_are_evicted_tail_first(tmp_path: Path, how: 
     assert store.put(other, pages[:1]) == [S]
     assert store.exists_prefix(keys) == 7
     assert not store.path(keys[-1]).exists()
+
+
+def first_format(key: str, page: torch.Tensor) -> bytes:
+    """Return ``page`` as a page of the first format (``FSMPAGE1``: no checksum)."""
+    fields = {"key": key, "dtype": "bfloat16", "shape": list(page.shape), "nbytes": 256}
+    head = json.dumps(fields, separators=(",", ":")).encode()
+    return struct.pack("<8sI", b"FSMPAGE1", len(head)) + head + codec.encode(key, page)[-256:]
+
+
+def disk_bytes(store: LocalFileStore, keys: list[str]) -> int:
+    """Bytes the page files of ``keys`` take on disk (those that exist)."""
+    return sum(store.path(k).stat().st_size for k in keys if store.path(k).exists())
+
+
+@pytest.mark.parametrize("damage", ["torn", "zeroed", "first format", "another key's"])
+def test_local_a_put_replaces_a_damaged_page_it_finds_instead_of_calling_it_present(
+    tmp_path: Path, damage: str
+) -> None:
+    """PRESENT is what a later read gets back: a page there that reads as corrupt is replaced."""
+    keys, pages = page_keys(NS, list(range(8))), pages_of(2)
+    good = codec.encode(keys[1], pages[1])
+    bad = {
+        "torn": good[:-8],
+        "zeroed": good[:-16] + bytes(16),  # torn at an intact length: only the checksum says
+        "first format": first_format(keys[1], pages[1]),
+        "another key's": codec.encode(keys[0], pages[0]),
+    }[damage]
+    LocalFileStore(tmp_path).put(keys[:1], pages[:1])
+    store = LocalFileStore(tmp_path)
+    store.path(keys[1]).parent.mkdir(exist_ok=True)
+    store.path(keys[1]).write_bytes(bad)
+    assert store.exists_prefix(keys) == 2  # indexed at the damaged page's size
+    assert store.put(keys, pages) == [P, S]
+    assert same(store.get(keys), pages)
+    assert store.capacity().used_bytes == disk_bytes(store, keys)
+    assert store.capacity().pages == 2
+
+
+def test_local_a_put_leaves_a_page_of_a_later_format_it_finds(tmp_path: Path) -> None:
+    """A newer version's page is whole: PRESENT, for the servers that read it, and kept."""
+    keys, pages = page_keys(NS, list(range(4))), pages_of(1)
+    later = b"FSMPAGE4" + codec.encode(keys[0], pages[0])[8:]
+    store = LocalFileStore(tmp_path)
+    store.path(keys[0]).parent.mkdir()
+    store.path(keys[0]).write_bytes(later)
+    assert store.put(keys, pages) == [P]
+    assert store.path(keys[0]).read_bytes() == later
+
+
+def test_local_a_drop_while_a_put_places_its_page_leaves_no_phantom_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dropped between its rename and its count, a page was counted stored with no file."""
+    store = LocalFileStore(tmp_path)
+    keys, pages = page_keys(NS, list(range(4))), pages_of(1)
+    real, dropped = os.replace, []
+
+    def place_then_drop(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        dropped.append(store.drop(keys))  # another thread, at the worst moment
+
+    monkeypatch.setattr(os, "replace", place_then_drop)
+    assert store.put(keys, pages) == [S]
+    monkeypatch.undo()
+    assert (store.capacity().pages, store.path(keys[0]).exists()) == (1, True)
+    assert store.capacity().used_bytes == disk_bytes(store, keys)
+    assert dropped == [0]  # the drop came first: the put stored the page after it
+    assert same(store.get(keys), pages)
+    assert store.drop(keys) == 1  # a drop after the put deletes it, as ever
+    assert store.capacity().used_bytes == 0
 
 
 def test_codec_a_torn_page_of_intact_length_is_corrupt(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 import redis
 import torch
 
-from fsm_cache.errors import StoreFailed
+from fsm_cache.errors import CorruptPage, StoreFailed
 from fsm_cache.storage import Namespace, PutResult, RedisStore, page_keys
 from fsm_cache.testing import redis_server
 from fsm_cache.testing.redis_server import KillsServer, RedisServer, redis_server_path
@@ -84,6 +84,21 @@ def test_two_clients_share_pages_bit_exact(server: RedisServer) -> None:
     capacity = reader.capacity()
     assert capacity.used_bytes > 12 * pages[0].numel() * 2
     assert (capacity.limit_bytes, capacity.pages) == (None, None)
+
+
+def test_a_key_of_another_type_reads_as_corrupt_on_a_real_server(server: RedisServer) -> None:
+    """A real server's MGET answers nil for a list, as fakeredis does; TYPE tells them apart."""
+    store = RedisStore(server.client())
+    keys, pages = page_keys(NS, list(range(16 * 3))), pages_of(3, seed=2)
+    store.put(keys[:1], pages[:1])
+    server.client().rpush(store.name(keys[1]), b"not a page")
+    assert store.exists_prefix(keys) == 2
+    with pytest.raises(CorruptPage) as caught:
+        store.get(keys)
+    assert caught.value.problem == "a Redis list, not a page"
+    assert store.drop([keys[1]]) == 1
+    assert store.put(keys, pages) == [PutResult.PRESENT, S, S]
+    assert same(store.get(keys), pages)
 
 
 def test_maxmemory_lru_drops_pages_and_the_prefix_shortens(tmp_path: Path) -> None:

@@ -27,7 +27,10 @@ blocks. On CPU the same code runs synchronously at submission and its
 tickets are reported by the poll that submitted them.
 
 Pages named by an in-flight ticket are *busy* until :meth:`CopyEngine.poll`
-has reported that ticket; the cache must not free busy pages.
+has reported that ticket; the cache must not free busy pages. A copy whose
+launch fails may have written part of its destination, which is then
+overwritten with :data:`POISON` (:meth:`CopyEngine.poison_destination`), so
+what it left never reads as KV.
 
 Compute that reads a load's pages need not wait for its acknowledgement:
 :meth:`CopyEngine.wait` makes a stream wait on the load's event without
@@ -47,6 +50,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain
 from typing import cast
 
@@ -68,6 +72,7 @@ from fsm_cache.numeric import whole
 
 
 __all__ = [
+    "POISON",
     "BusyPages",
     "Completion",
     "Copier",
@@ -83,6 +88,15 @@ __all__ = [
     "host_runs",
     "refuse_busy_destination",
 ]
+
+
+POISON = 0xFF
+"""The byte a failed copy leaves in every byte of its destination pages.
+
+A copy that fails part-way may have written some of its pages, or some
+chunks: whatever it left is overwritten (:meth:`CopyEngine.poison_destination`),
+so a cache that goes on to read a failed copy's output reads ``0xFF`` bytes
+(NaN in every float dtype), never KV that looks right."""
 
 
 @dataclass(eq=False)  # compared by identity
@@ -365,16 +379,19 @@ class CopyEngine:
             dst = list(chain.from_iterable(t.dst_pages for t in tickets))
             runs = None
         stream = self._mover.streams.get(direction)
-        why = None
+        why, ordered = None, False
         try:
             if stream is not None and self._after is not None:
                 # D2H: read only what compute had written when the copy started. H2D: overwrite
                 # only what compute had read then.
                 stream.wait_stream(self._after)
                 self._after_writes(direction, stream, src, runs[0] if runs is not None else None)
+            ordered = True
             self._mover.move(direction, src, dst, runs)
         except Exception as exc:  # any failure to launch fails the tickets; none is left busy
             why = _launch_failure(direction, exc)
+            if ordered:  # else nothing was queued, and a fill could overtake compute's reads
+                self._poison_loads(tickets, stream)
         try:
             event = self._record(stream)
         except Exception as exc:  # what was queued cannot be tracked: wait for it here
@@ -555,7 +572,9 @@ class CopyEngine:
             else:
                 submission.event.record(stream)
         except Exception as exc:  # as a launch that fails: the copy's tickets fail
-            submission.failure = submission.failure or _launch_failure(ticket.direction, exc)
+            if submission.failure is None:
+                submission.failure = _launch_failure(ticket.direction, exc)
+                self._poison_loads(submission.tickets, stream)
             if stream is not None:
                 with contextlib.suppress(RuntimeError):  # a broken device runs nothing more
                     stream.synchronize()
@@ -584,6 +603,9 @@ class CopyEngine:
         self.stats.copies[direction] += len(tickets)
         if failure is not None:
             self.stats.failures[direction] += len(tickets)
+            if direction is Direction.D2H:  # the copy has finished: its host pages can be written
+                for ticket in tickets:
+                    self.poison_destination(ticket)
             return [Completion(t, CopyFailed(f"copy {t.id} {failure}")) for t in tickets]
         pages = (
             len(tickets[0].src_pages)
@@ -592,6 +614,51 @@ class CopyEngine:
         )
         self.stats.bytes[direction] += pages * self._page_bytes
         return [Completion(t) for t in tickets]
+
+    def poison_destination(self, ticket: Ticket) -> None:
+        """Overwrite every byte of ``ticket``'s destination pages with :data:`POISON`.
+
+        What the engine does to the destination of a copy that failed, so a
+        cache never takes what a half-done copy left for KV: a load's device
+        pages when its launch fails (in the copy's order, on its stream), a
+        backup's host pages when its failure is reported. A copy that fails on
+        the device (an asynchronous CUDA error, found by :meth:`poll`) leaves
+        its device pages as they are: a broken device runs nothing more.
+        :class:`~fsm_cache.testing.faults.FaultyCopyEngine` poisons the copies
+        it fails through here too.
+
+        A load's device pages are filled by device operations queued on the
+        current stream: call it on the copy's stream, after the copy
+        (:meth:`queue_after`), or once the copy is reported. A backup's host
+        pages are written at once, in host memory, not in a stream's order:
+        call it once the copy is reported.
+
+        Raises:
+            BadArgument: ``ticket`` is not a :class:`Ticket`; nothing is written.
+            ForeignSlot: a destination page is outside its pool; nothing is written.
+        """
+        if not isinstance(ticket, Ticket):
+            raise BadArgument(
+                f"copy: poison_destination takes a Ticket, got {type(ticket).__name__}"
+            )
+        pool = self.host if ticket.direction is Direction.D2H else self.device
+        pool.fill(ticket.dst_pages, POISON)
+
+    def _poison_loads(self, tickets: Sequence[Ticket], stream: Stream | None) -> None:
+        """Poison the device pages of the failed loads ``tickets``, after what their copy queued.
+
+        Queued on ``stream``, the one their batch's event is recorded on, so
+        the event covers the fill and a stream made to wait for the loads reads
+        the poison. A backup's host pages wait for its report (:meth:`_complete`).
+        """
+        if tickets[0].direction is not Direction.H2D:
+            return
+        work = partial(_poison_each, self, tickets)
+        with contextlib.suppress(RuntimeError):  # a broken device writes nothing more
+            if stream is None or self._api is None:
+                work()
+            else:
+                self._api.run_on(stream, work)
 
     def in_flight(self) -> list[Ticket]:
         """Tickets started and not yet reported, oldest first."""
@@ -730,6 +797,12 @@ def _busy(busy: PageSet, pool: KVPool, pages: Iterable[int]) -> bool:
         return False
     first = pool.allocator.run_of(pages) if isinstance(pages, (list, tuple)) else None
     return not busy.isdisjoint(pages, first)
+
+
+def _poison_each(engine: CopyEngine, tickets: Sequence[Ticket]) -> None:
+    """Poison the destination of each of ``tickets`` (:meth:`CopyEngine.poison_destination`)."""
+    for ticket in tickets:
+        engine.poison_destination(ticket)
 
 
 def _launch_failure(direction: Direction, exc: Exception) -> str:

@@ -2,7 +2,8 @@
 
 Pages are content-addressed: the file of a page is named by its key
 (``<root>/<key[:2]>/<key>.page``), so a second writer of the same page finds it
-present and writes nothing. A page is written to a temporary file under
+present and writes nothing, once it has read it back whole (a page there of
+the first format, torn or another key's is replaced instead). A page is written to a temporary file under
 ``<root>/.tmp`` and renamed into place with :func:`os.replace`, so a reader
 never sees part of a page under its name; a crash leaves only a temporary file.
 A temporary file is named by its writer's host and process: a store opened
@@ -56,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from fsm_cache.errors import BadArgument, PageInUse, StoreFailed
+from fsm_cache.errors import BadArgument, CorruptPage, LaterFormatPage, PageInUse, StoreFailed
 from fsm_cache.storage import codec
 from fsm_cache.storage.base import Capacity, PutResult
 from fsm_cache.storage.budget import Budget, Reservation
@@ -181,10 +182,11 @@ class LocalFileStore:
         A page that does not fit even after evicting every page nobody reads is
         ``FULL``, with nothing evicted for it, and the pages after it are
         ``SKIPPED``. The put holds the pages it has stored until it returns, so
-        it never evicts its own prefix.
+        it never evicts its own prefix. A page already on disk is ``PRESENT``
+        once read back whole; one that reads as corrupt is replaced.
 
         Raises:
-            StoreFailed: A file could not be written, looked at or evicted (the
+            StoreFailed: A file could not be written, read, looked at or evicted (the
                 disk failed or filled); that page's reservation and temporary
                 file are gone, and the ``acknowledged`` pages before it stay stored.
         """
@@ -206,6 +208,11 @@ class LocalFileStore:
     def drop(self, keys: Sequence[str]) -> int:
         """Delete the pages of ``keys``; return how many were on disk.
 
+        A page a put of this process is writing is left, and not counted: the
+        drop comes before that put, which stores it. Deleted between its
+        rename into place and its put's count, it would be counted stored with
+        no file, until a lookup missed it.
+
         Raises:
             PageInUse: A read holds one of them; nothing was deleted.
             StoreFailed: A page's file could not be deleted (a directory is in
@@ -219,6 +226,8 @@ class LocalFileStore:
                     raise PageInUse(key, self._readers[key])
             dropped = 0
             for key in dict.fromkeys(keys):
+                if key in self._writing:
+                    continue
                 try:
                     dropped += self._delete(key)
                 except OSError as exc:
@@ -267,18 +276,40 @@ class LocalFileStore:
     def _put_one(
         self, key: str, page: torch.Tensor, index: int, total: int, held: list[str]
     ) -> PutResult:
-        """Store one page of a put; a page it holds after is held (and added to ``held``) at once."""
+        """Store one page of a put; a page it holds after is held (and added to ``held``) at once.
+
+        A page file already under ``key`` is read back (held meanwhile, outside
+        the lock) before it is called ``PRESENT``: one of the first format,
+        torn or foreign would otherwise be acknowledged, and cost the first
+        fetch of it. Such a page is replaced, as if it were not there.
+        """
         flat = codec.dense(page)
         nbytes = codec.stored_bytes(key, flat)
         with self._lock:
             try:
-                early = self._present_or_full(key, nbytes, held)
+                found = self._present(key)
             except OSError as exc:
                 raise self._failed("put", index, total, exc) from exc
-            if early is not None:
-                return early
-            reservation = self._budget.reserve(nbytes)
-            self._hold([key], self._writing)
+            if found:
+                self._hold([key])
+            else:
+                reservation = self._reserve(key, nbytes, index, total)
+        if found:
+            try:
+                sound = self._sound(key, index, total)
+            except BaseException:
+                with self._lock:
+                    self._unhold([key])
+                raise
+            if sound:
+                held.append(key)
+                return PutResult.PRESENT
+            with self._lock:
+                self._unhold([key])
+                self._forget(key)  # the page replacing it is counted when its write settles
+                reservation = self._reserve(key, nbytes, index, total)
+        if reservation is None:
+            return PutResult.FULL
         try:
             self._write(key, flat)
         except BaseException as exc:
@@ -295,29 +326,49 @@ class LocalFileStore:
             held.append(key)
         return PutResult.STORED
 
-    def _present_or_full(self, key: str, nbytes: int, held: list[str]) -> PutResult | None:
-        """Under the lock: ``PRESENT`` (now held), ``FULL``, or None once room is made for a write.
+    def _reserve(self, key: str, nbytes: int, index: int, total: int) -> Reservation | None:
+        """Under the lock: make room for ``key``'s write, reserve it, and mark the key written.
+
+        None (``FULL``), with nothing evicted, where even evicting every page
+        nobody reads would not make room.
 
         Raises:
-            OSError: The page's file could not be looked at, or a victim deleted.
+            StoreFailed: A victim's file could not be deleted.
         """
-        if self._present(key):
-            self._hold([key])
-            held.append(key)
-            return PutResult.PRESENT
-        if not self._make_room(nbytes):
-            return PutResult.FULL
-        return None
+        try:
+            if not self._make_room(nbytes):
+                return None
+        except OSError as exc:
+            raise self._failed("put", index, total, exc) from exc
+        reservation = self._budget.reserve(nbytes)
+        self._hold([key], self._writing)
+        return reservation
 
-    def _read(self, key: str, done: int, total: int) -> torch.Tensor | None:
-        """Read one held page of a get; None when another process deleted it under the hold."""
+    def _sound(self, key: str, done: int, total: int) -> bool:
+        """Whether the page file found under ``key`` (held) reads back as its page.
+
+        A page of a later format counts: it is whole, for the servers that read
+        it, and a cache leaves it stored (its read here ends before it).
+
+        Raises:
+            StoreFailed: The file could not be read (a disk error, no permission).
+        """
+        try:
+            return self._read(key, done, total, "put") is not None
+        except LaterFormatPage:
+            return True
+        except CorruptPage:
+            return False
+
+    def _read(self, key: str, done: int, total: int, operation: str = "get") -> torch.Tensor | None:
+        """Read one held page (of a get, or a put's page found); None when another process deleted it."""
         try:
             with self._shard(key) as shard:
                 return codec.read(self._named(key), key, folder=shard)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise self._failed("get", done, total, exc) from exc
+            raise self._failed(operation, done, total, exc) from exc
 
     def _failed(self, operation: str, done: int, total: int, exc: OSError) -> StoreFailed:
         """Return the error for a disk error in ``operation`` after ``done`` of ``total`` pages."""

@@ -10,7 +10,11 @@ store the same prefix the second write is a no-op. Prefix queries pipeline one
 
 The server owns eviction (``maxmemory`` with an ``allkeys-lru`` policy): pages
 vanish whenever it needs room, so :meth:`RedisStore.exists_prefix` is a hint and
-:meth:`RedisStore.get` may return fewer pages than it said. A server that goes
+:meth:`RedisStore.get` may return fewer pages than it said. A key under the
+prefix that holds another type than a string (a hash, a list: not a page) is
+counted by ``EXISTS`` but read as nil by ``MGET``: a read that meets one
+raises :class:`~fsm_cache.errors.CorruptPage`, as for any value that is not a
+page, so a cache drops it once instead of finding it again at every lookup. A server that goes
 away fails the operation with :class:`~fsm_cache.errors.StoreFailed`, which says
 how many leading pages of a put were acknowledged; so does a round trip answered
 with another count of answers than it sent commands, since answers are matched
@@ -36,7 +40,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - tested in a fresh inter
         name="redis",
     ) from exc
 
-from fsm_cache.errors import BadArgument, StoreFailed
+from fsm_cache.errors import BadArgument, CorruptPage, StoreFailed
 from fsm_cache.numeric import whole
 from fsm_cache.storage import codec
 from fsm_cache.storage.base import Capacity, PutResult, check_count, stored_prefix
@@ -146,7 +150,13 @@ class RedisStore:
 
         The first round trip reads one page; later ones read as many pages of
         that size as :attr:`batch_bytes` allows (redis-py reads large replies
-        faster in moderate pieces).
+        faster in moderate pieces). Where a page reads as missing, one more
+        round trip asks whether its key holds a value of another type.
+
+        Raises:
+            CorruptPage: A value is not the page its key names, or its key
+                holds another type than a string (a hash, a list).
+            StoreFailed: The server went away; ``acknowledged`` pages were read.
         """
         check_keys(keys)
         pages: list[torch.Tensor] = []
@@ -158,12 +168,32 @@ class RedisStore:
             values = self._answers("get", start, len(keys), read, len(names))
             for index, value in enumerate(cast("list[bytes | None]", values), start):
                 if value is None:
+                    self._refuse_other_type(names[index - start], keys[index], index, len(keys))
                     return pages
                 pages.append(
                     codec.decode(f"{self.where} {names[index - start]}", keys[index], value)
                 )
                 step = max(1, min(self.batch_pages, self.batch_bytes // len(value)))
         return pages
+
+    def _refuse_other_type(self, name: str, key: str, done: int, total: int) -> None:
+        """Raise :class:`CorruptPage` where ``name`` holds a value that is not a string.
+
+        ``MGET`` answers nil for a key that is missing and for one holding a
+        hash, a list or any other type alike, but ``EXISTS`` (and ``SET NX``)
+        count the latter as there: read as missing, it would be offered by
+        every lookup, fetched and found gone again for ever. As a value that
+        is not a page, it is corrupt once, and a cache drops it. One round
+        trip, only where a read ends early.
+
+        Raises:
+            CorruptPage: ``name`` holds a value of another type than a string.
+            StoreFailed: The server went away.
+        """
+        answer = self._call("get", done, total, partial(self._client.type, name))
+        kind = answer.decode(errors="replace") if isinstance(answer, bytes) else str(answer)
+        if kind not in ("none", "string"):  # a string: stored since the read, a page after all
+            raise CorruptPage(f"{self.where} {name}", key, f"a Redis {kind}, not a page")
 
     def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[PutResult]:
         """Store ``pages`` with ``SET NX``, a pipelined batch at a time; see :class:`Store`.

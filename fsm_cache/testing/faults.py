@@ -6,8 +6,10 @@ cannot tell it apart, except that it can:
 
 * fail chosen copies (counted from 1 in start order): the copy runs, its
   completion carries a :class:`~fsm_cache.errors.CopyFailed`, and its
-  destination pages are poisoned with ``0xFF`` bytes, as a half-done copy would
-  leave them: a load's device pages in the copy's own order, on its stream
+  destination pages are poisoned with ``0xFF`` bytes as a half-done copy would
+  leave them (:meth:`~fsm_cache.memory.copies.CopyEngine.poison_destination`,
+  as the plain engine poisons a copy whose launch failed): a
+  load's device pages in the copy's own order, on its stream
   (:meth:`~fsm_cache.memory.copies.CopyEngine.queue_after`), so compute made to
   wait for the load reads the poison; a backup's host pages when its failure
   is delivered (on CUDA a write to host memory cannot be queued behind a copy);
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
 
 from fsm_cache.errors import CopyFailed
-from fsm_cache.memory.copies import CopyEngine
+from fsm_cache.memory.copies import POISON, CopyEngine
 from fsm_cache.memory.tickets import Completion, Direction, Ticket, refuse_busy_destination
 
 
@@ -41,8 +43,7 @@ if TYPE_CHECKING:  # Self and Unpack are Python 3.11's; annotations only, so 3.1
     from fsm_cache.memory.kv import KVPool
 
 
-POISON = 0xFF
-"""The byte a failed copy leaves in its destination pages."""
+__all__ = ["POISON", "Faults", "FaultyCopyEngine"]  # POISON: the engine's, named here as before
 
 
 class Faults(TypedDict, total=False):
@@ -76,7 +77,8 @@ class FaultyCopyEngine:
         delay: Polls each acknowledgement is held back after the copy finished.
         shuffle: Deliver each poll's acknowledgements in a random order.
         seed: Seed of that order, for reproducible tests.
-        poison: Overwrite the destination of failed copies with ``POISON``.
+        poison: Overwrite the destination of the copies it fails with ``POISON``
+            (those the inner engine fails itself are poisoned whatever this says).
     """
 
     def __init__(
@@ -220,8 +222,9 @@ class FaultyCopyEngine:
         if self.started in self.fail:
             self._doomed[ticket.id] = self.started
             if self.poison and ticket.direction is Direction.H2D:  # ordered with the copy
-                fill = functools.partial(self.inner.device.fill, ticket.dst_pages, POISON)
-                self.inner.queue_after(ticket, fill)
+                self.inner.queue_after(
+                    ticket, functools.partial(self.inner.poison_destination, ticket)
+                )
         return ticket
 
     @property
@@ -258,6 +261,10 @@ class FaultyCopyEngine:
         """
         self.inner.queue_after(ticket, work)
 
+    def poison_destination(self, ticket: Ticket) -> None:
+        """Poison ``ticket``'s destination pages (the inner engine's :meth:`CopyEngine.poison_destination`)."""
+        self.inner.poison_destination(ticket)
+
     def close(self) -> None:
         """Close the inner engine and drop held acknowledgements; idempotent."""
         self.inner.close()
@@ -283,7 +290,7 @@ class FaultyCopyEngine:
             return completion
         ticket = completion.ticket
         if self.poison and ticket.direction is Direction.D2H:  # the copy has finished
-            self.inner.host.fill(ticket.dst_pages, POISON)
+            self.inner.poison_destination(ticket)
         return Completion(ticket, CopyFailed(f"injected failure of copy {position}"))
 
     def in_flight(self) -> list[Ticket]:
