@@ -232,3 +232,27 @@ def test_a_lock_released_on_another_node_than_its_own_is_refused(
         0,
         8,
     )
+
+
+def lock_book(sg: Api, cache: Any) -> Any:
+    """The patch's book of ``cache``'s locks (None before the first one)."""
+    wrapper = vars(sg.rc.RadixCache)["dec_lock_ref"]
+    return inspect.getclosurevars(wrapper).nonlocals["books"].get(id(cache))
+
+
+def test_reset_forgets_the_locks_of_the_tree_it_drops(
+    sg: Api, allocator: FakeAllocator, mode: str
+) -> None:
+    """``reset`` (``flush_cache``) drops the tree: the patch's book of its locks goes with it."""
+    if not sg.new or mode == "stock":
+        pytest.skip("the book of 0.5.23's lock receipts is the patch's")
+    cache = build(sg, allocator)
+    sg.insert(cache, [1, 2, 3, 4], slots(allocator, [1, 2, 3, 4]))
+    node = sg.match(cache, [1, 2, 3, 4])[1]
+    done, _held = cache.lock(node), cache.lock(node)  # both receipts held: no sweep drops them
+    cache.unlock(done)
+    book = lock_book(sg, cache)
+    assert (len(book.spent), len(book.out)) == (1, 1)
+    cache.reset()
+    assert (book.spent, book.out) == ({}, {})  # not held until a sweep: gone with the tree
+    assert lock_book(sg, cache) is book

@@ -14,6 +14,7 @@ SGLang method                 what the wrapper adds
                               (0.5.23), refuses one whose lock came back already, or
                               one taken through ``lock`` on another node
 ``lock(node)``                (0.5.23 ``RadixCache``) notes the node its receipt is on
+``reset()``                   (0.5.23 ``RadixCache``) clears the book of its locks
 ``write_backup(node)``        fires ``write`` before the controller allocates host slots
                               (and the path's ``lock`` is checked); ``write_failed`` if
                               SGLang then gives up (host memory short)
@@ -703,8 +704,9 @@ def _wrap_class(result: Patch, module: ModuleType, cls: type, machine: Residency
     """Wrap the cache methods ``cls`` defines itself (defined in ``module``); return their names.
 
     A ``dec_lock_ref`` that takes a receipt (SGLang 0.5.23's ``RadixCache``)
-    brings the ``lock`` its instances call (:data:`RECEIPTS`), inherited or
-    not, so that its book knows each lock's node.
+    brings the ``lock`` and ``reset`` its instances call (:data:`RECEIPTS`),
+    inherited or not, so that its book knows each lock's node and forgets
+    the tree ``reset`` drops.
     """
     out = []
     receipts = False
@@ -843,8 +845,36 @@ def _noting_node(result: Patch, machine: Residency) -> Callable[[Method], Method
     return decorate
 
 
+def _reset_forgets(result: Patch, machine: Residency) -> Callable[[Method], Method]:
+    """Have ``reset()`` clear the cache's book: the tree its locks were on is gone.
+
+    Args:
+        result: The patch whose books the wrapper keeps.
+        machine: Unused (the signature :data:`RECEIPTS` shares).
+
+    Returns:
+        A decorator for ``reset``.
+    """
+    del machine
+    books = result.spent
+
+    def decorate(original: Method) -> Method:
+        @functools.wraps(original)
+        def reset(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(self, *args, **kwargs)
+            book = books.get(id(self))
+            if book is not None:
+                book.clear()
+            return out
+
+        return reset
+
+    return decorate
+
+
 RECEIPTS: dict[str, Callable[[Patch, Residency], Callable[[Method], Method]]] = {
     "lock": _noting_node,
+    "reset": _reset_forgets,
 }
 """The methods wrapped with a ``dec_lock_ref`` that takes a receipt, and their wrappers."""
 
