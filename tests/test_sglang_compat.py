@@ -37,7 +37,7 @@ from fsm_cache.compat.sglang import (
     walked,
 )
 from fsm_cache.compat.sglang.scope import CounterStep, counter_step
-from fsm_cache.compat.sglang.unified import ReceiptBook
+from fsm_cache.compat.sglang.unified import LockBook, ReceiptBook, lock_of
 from fsm_cache.engine import trail
 from fsm_cache.errors import (
     BadArgument,
@@ -1000,3 +1000,29 @@ def test_a_receipt_that_cannot_be_weakly_referenced_released_twice_is_not_called
         "released already (or a copy of it was); the node's 0 other receipt(s) out stay "
         "held; nothing changed"
     )
+
+
+def test_a_lock_book_pairs_each_receipt_with_its_node_until_it_comes_back_or_is_dropped() -> None:
+    """``RadixCache``'s book (0.5.23): a receipt out is refused on another node; reset forgets all."""
+    book = LockBook(Residency(trail=False))
+    here, there = types.SimpleNamespace(id=1), types.SimpleNamespace(id=2)
+    receipt, dropped = MapReceipt(0), MapReceipt(0)
+    book.take(here, lock_of(receipt))
+    book.take(here, lock_of(dropped))
+    with pytest.raises(BadArgument) as caught:
+        book.refuse_elsewhere(there, receipt, lock_of(receipt), "dec_lock_ref")
+    assert str(caught.value) == (
+        f"node 2: dec_lock_ref refused: this receipt (MapReceipt at {id(receipt):#x}) is of a "
+        "lock taken on node 1, and a receipt is released on the node it was taken on; the "
+        "locks on both nodes stay held; nothing changed"
+    )
+    book.refuse_elsewhere(here, receipt, lock_of(receipt), "dec_lock_ref")  # its own node
+    del dropped  # never released, and no copy left to come back: the sweep drops it
+    book.sweep()
+    assert list(book.out) == [lock_of(receipt)[0]]
+    book.spend(receipt)  # back: no longer out, and remembered as come back
+    assert (list(book.out), list(book.spent)) == ([], [lock_of(receipt)[0]])
+    book.refuse_elsewhere(there, receipt, lock_of(receipt), "dec_lock_ref")  # not out: not its
+    book.take(there, lock_of(MapReceipt(0)))
+    book.clear()  # the cache's reset: the tree the locks were on is gone
+    assert (book.out, book.spent, book.sweep_at) == ({}, {}, 256)

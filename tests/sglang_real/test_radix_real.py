@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from fsm_cache.errors import LeaseError, error_class
+from fsm_cache.errors import BadArgument, LeaseError, error_class
 
 from .conftest import Api, whole_state
 from .fakes import FakeAllocator
@@ -171,3 +171,88 @@ def test_a_lock_released_twice_while_another_request_holds_its_node_is_refused(
     cache.unlock(empty)
     cache.unlock(empty)  # nor does its release, stock or patched
     assert (cache.root_node.lock_ref, cache.protected_size()) == (1, 0)
+
+
+def test_a_lock_released_on_another_node_than_its_own_is_refused(
+    sg: Api, allocator: FakeAllocator, mode: str
+) -> None:
+    """0.5.23's ``RadixCache`` receipt names no node: released elsewhere, it took that node's lock.
+
+    A request's ``TreeLock`` is released with another node (a caller that
+    pairs ``req.lock.receipt`` with the wrong ``last_node``). Stock SGLang
+    walks up from the node it is given: the other request's lock is taken
+    off its prefix, which becomes evictable under it, and the first lock is
+    never released. Patched, ``lock`` notes the node each receipt is taken
+    on, and the release is refused before the walk, naming both nodes and
+    where the lock was taken; changing nothing.
+    """
+    if not sg.new:
+        pytest.skip(f"sglang {sg.version} has no lock receipts (dec_lock_ref(node) only)")
+    cache = build(sg, allocator)
+    sg.insert(cache, [1, 2, 3, 4], slots(allocator, [1, 2, 3, 4]))
+    sg.insert(cache, [5, 6, 7, 8], slots(allocator, [5, 6, 7, 8]))
+    mine, theirs = sg.match(cache, [1, 2, 3, 4])[1], sg.match(cache, [5, 6, 7, 8])[1]
+    taken_at = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+    lock = cache.lock(mine)
+    other = cache.lock(theirs)
+    moved = dataclasses.replace(lock, node=theirs)  # the receipt, paired with the wrong node
+    before = whole_state(cache, allocator)
+    if mode == "stock":
+        cache.unlock(moved)  # the other request's lock is gone; this one's is never released
+        assert (mine.lock_ref, theirs.lock_ref, cache.evictable_size()) == (1, 0, 4)
+        return
+    with pytest.raises(BadArgument) as caught:
+        cache.unlock(moved)
+    test = "test_a_lock_released_on_another_node_than_its_own_is_refused"
+    assert str(caught.value) == (
+        f"node {theirs.id}: dec_lock_ref refused: this receipt (DecLockRefParams at "
+        f"{id(lock.receipt):#x}) is of a lock taken on node {mine.id}, and a receipt is "
+        "released on the node it was taken on; the locks on both nodes stay held; nothing "
+        f"changed; taken at test_radix_real.py:{taken_at} in {test}; refused at "
+        f"test_radix_real.py:{taken_at + 9} in {test}"
+    )
+    assert whole_state(cache, allocator) == before
+    with pytest.raises(BadArgument, match=f"^node {theirs.id}: .* taken on node {mine.id},"):
+        cache.dec_lock_ref(theirs, dataclasses.replace(lock.receipt))  # a copy: the same lock
+    root = cache.root_node
+    with pytest.raises(BadArgument, match=f"^node {root.id}: .* taken on node {mine.id},"):
+        cache.dec_lock_ref(root, lock.receipt)  # the root's walk moves nothing: a lost lock
+    cache.unlock(other)
+    with pytest.raises(BadArgument, match=f"^node {theirs.id}: .* taken on node {mine.id},"):
+        cache.unlock(moved)  # no lock left there: refused as another node's all the same
+    cache.unlock(lock)  # its own node: SGLang's release, as stock
+    empty = cache.lock(root)  # an empty match's lock is its node's too
+    with pytest.raises(BadArgument, match=f"^node {mine.id}: .* taken on node {root.id},"):
+        cache.dec_lock_ref(mine, empty.receipt)
+    cache.unlock(empty)
+    cache.unlock(empty)  # on its own node (the root) it moves nothing, as before
+    assert (mine.lock_ref, theirs.lock_ref, cache.protected_size(), cache.evictable_size()) == (
+        0,
+        0,
+        0,
+        8,
+    )
+
+
+def lock_book(sg: Api, cache: Any) -> Any:
+    """The patch's book of ``cache``'s locks (None before the first one)."""
+    wrapper = vars(sg.rc.RadixCache)["dec_lock_ref"]
+    return inspect.getclosurevars(wrapper).nonlocals["books"].get(id(cache))
+
+
+def test_reset_forgets_the_locks_of_the_tree_it_drops(
+    sg: Api, allocator: FakeAllocator, mode: str
+) -> None:
+    """``reset`` (``flush_cache``) drops the tree: the patch's book of its locks goes with it."""
+    if not sg.new or mode == "stock":
+        pytest.skip("the book of 0.5.23's lock receipts is the patch's")
+    cache = build(sg, allocator)
+    sg.insert(cache, [1, 2, 3, 4], slots(allocator, [1, 2, 3, 4]))
+    node = sg.match(cache, [1, 2, 3, 4])[1]
+    done, _held = cache.lock(node), cache.lock(node)  # both receipts held: no sweep drops them
+    cache.unlock(done)
+    book = lock_book(sg, cache)
+    assert (len(book.spent), len(book.out)) == (1, 1)
+    cache.reset()
+    assert (book.spent, book.out) == ({}, {})  # not held until a sweep: gone with the tree
+    assert lock_book(sg, cache) is book

@@ -11,7 +11,10 @@ SGLang method                 what the wrapper adds
 ============================  ==============================================================
 ``inc_lock_ref(node)``        checks ``lock`` on the path to the root first (root excluded)
 ``dec_lock_ref(node)``        checks ``unlock`` on the path first; given a receipt
-                              (0.5.23), refuses one whose lock came back already
+                              (0.5.23), refuses one whose lock came back already, or
+                              one taken through ``lock`` on another node
+``lock(node)``                (0.5.23 ``RadixCache``) notes the node its receipt is on
+``reset()``                   (0.5.23 ``RadixCache``) clears the book of its locks
 ``write_backup(node)``        fires ``write`` before the controller allocates host slots
                               (and the path's ``lock`` is checked); ``write_failed`` if
                               SGLang then gives up (host memory short)
@@ -300,8 +303,8 @@ class Patch:
             too, added as one defined while patched is adopted).
         originals: SGLang's class of each checked class the patch built.
         spent: Per cache whose ``dec_lock_ref`` takes a receipt (SGLang
-            0.5.23's ``RadixCache``), the locks whose receipts came back
-            (:func:`_released_once`).
+            0.5.23's ``RadixCache``), by its ``id`` while it lives
+            (:meth:`book`), its locks out and come back (:func:`_released_once`).
     """
 
     modules: tuple[str, ...]
@@ -310,9 +313,20 @@ class Patch:
     _saved: list[tuple[Any, str, Any]] = field(default_factory=list, repr=False)
     _skipped: list[str] = field(default_factory=list, repr=False)
     originals: dict[type, type] = field(default_factory=dict, repr=False)
-    spent: weakref.WeakKeyDictionary[Any, unified.SpentLocks] = field(
-        default_factory=weakref.WeakKeyDictionary, repr=False
-    )
+    spent: dict[int, unified.LockBook] = field(default_factory=dict, repr=False)
+
+    def book(self, cache: Any, machine: Residency) -> unified.LockBook:
+        """``cache``'s book in :attr:`spent`, made on first use.
+
+        Keyed by ``id``, not weakly by the cache: a lookup per lock and
+        release builds no weak reference. The entry goes as the cache dies
+        (a finalizer, run before its id can be another object's).
+        """
+        book = self.spent.get(id(cache))
+        if book is None:
+            book = self.spent[id(cache)] = unified.LockBook(machine)
+            weakref.finalize(cache, self.spent.pop, id(cache), None)
+        return book
 
     def record(self, owner: Any, name: str, value: Any) -> None:
         """Set ``owner.name`` to ``value``, keeping the old value for :meth:`undo`.
@@ -687,13 +701,21 @@ def _wrap_caches(result: Patch, module: ModuleType, machine: Residency) -> list[
 
 
 def _wrap_class(result: Patch, module: ModuleType, cls: type, machine: Residency) -> list[str]:
-    """Wrap the cache methods ``cls`` defines itself (defined in ``module``); return their names."""
+    """Wrap the cache methods ``cls`` defines itself (defined in ``module``); return their names.
+
+    A ``dec_lock_ref`` that takes a receipt (SGLang 0.5.23's ``RadixCache``)
+    brings the ``lock`` and ``reset`` its instances call (:data:`RECEIPTS`),
+    inherited or not, so that its book knows each lock's node and forgets
+    the tree ``reset`` drops.
+    """
     out = []
+    receipts = False
     for name, method in list(vars(cls).items()):
         if name in WALKS:
             checked = scope.walked(WALKS[name], machine)(method)
             if name == "dec_lock_ref" and _takes_receipt(method):
                 checked = _released_once(result, machine)(checked)
+                receipts = True
         elif name == "evict" and not hasattr(cls, "_evict_backuped"):
             _check_victims(result, module)  # nothing to defer: RadixCache frees leaves only
             continue
@@ -703,6 +725,13 @@ def _wrap_class(result: Patch, module: ModuleType, cls: type, machine: Residency
             continue
         result.record(cls, name, checked)
         out.append(f"{cls.__name__}.{name}")
+    for name, wrapper in RECEIPTS.items() if receipts else ():
+        method = getattr(cls, name, None)
+        if callable(method) and not getattr(method, "fsm_receipts", False):
+            checked = wrapper(result, machine)(method)
+            checked.fsm_receipts = True  # type: ignore[attr-defined]
+            result.record(cls, name, checked)
+            out.append(f"{cls.__name__}.{name}")
     return out
 
 
@@ -715,20 +744,27 @@ def _takes_receipt(method: Method) -> bool:
 
 
 def _released_once(result: Patch, machine: Residency) -> Callable[[Method], Method]:
-    """Refuse a ``dec_lock_ref`` given a receipt whose lock came back already.
+    """Refuse a ``dec_lock_ref`` given a receipt whose lock came back already, or taken on another node.
 
     SGLang 0.5.23's ``RadixCache`` releases a lock with the receipt ``lock``
     made (``unlock(lock)`` is ``dec_lock_ref(lock.node, lock.receipt)``), but
     counts per node only: a lock released twice, while another request's
     lock holds its node, passes the count check and takes the other lock off
     the node, which becomes evictable under it. The receipt's objects tell
-    its lock (:class:`~fsm_cache.compat.sglang.unified.SpentLocks`), one book
-    per cache in ``result.spent``, shared by a subclass's override and the
-    base's wrapper (an override that calls ``super()`` records the lock
-    twice, after both released it). A release with no lock left on its node
-    is left to the walk, which refuses it (``UnlockAtZero``); a call without
-    a receipt (``dec_lock_ref(node)``, as FlexKV's cache makes), or with one
-    that has no uuid maps of its own (:func:`_tells_its_lock`), is only counted.
+    its lock (:class:`~fsm_cache.compat.sglang.unified.SpentLocks`), one
+    :class:`~fsm_cache.compat.sglang.unified.LockBook` per cache
+    (:meth:`Patch.book`), shared by a subclass's override and the base's
+    wrapper (an override that calls ``super()`` records the lock twice,
+    after both released it). A release with no lock left on its node is
+    left to the walk, which refuses it (``UnlockAtZero``).
+
+    The receipt names no node on ``RadixCache``: a lock taken through
+    ``lock`` (:func:`_noting_node`) and released on another node (the root
+    included) is refused first (``BadArgument``), whatever that node holds.
+
+    A call without a receipt (``dec_lock_ref(node)``, as FlexKV's cache
+    makes), or with one that has no uuid maps of its own
+    (:func:`~fsm_cache.compat.sglang.unified.told_by_maps`), is only counted.
     A lock on the root (an empty match) moves no count, stock or patched, and
     its release is not remembered either.
 
@@ -745,21 +781,25 @@ def _released_once(result: Patch, machine: Residency) -> Callable[[Method], Meth
         @functools.wraps(walked)
         def dec_lock_ref(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
             receipt = args[0] if args else kwargs.get("params")
-            if (
-                getattr(self, "disable", False)
-                or getattr(node, "parent", None) is None  # the root: its walk moves nothing
-                or not _tells_its_lock(receipt)
-            ):
+            if getattr(self, "disable", False):
                 return walked(self, node, *args, **kwargs)
-            book = books.get(self)
+            told = unified.told_by_maps(receipt)
+            if told is None:
+                return walked(self, node, *args, **kwargs)
+            book = books.get(id(self))
             if book is None:
-                book = books[self] = unified.SpentLocks(machine)
+                book = result.book(self, machine)
+            book.refuse_elsewhere(node, receipt, told, "dec_lock_ref")
+            if getattr(node, "parent", None) is None:  # the root: its walk moves nothing
+                released = walked(self, node, *args, **kwargs)
+                book.give_back(told)
+                return released
             locks = getattr(node, "locks", 0)
             if locks:  # with none, the walk refuses the release itself
                 held = f"the {locks} lock(s) on the node"
-                book.refuse_spent(getattr(node, "id", "?"), receipt, "dec_lock_ref", held)
+                book.refuse_spent(_node_id(node), receipt, "dec_lock_ref", held, told)
             released = walked(self, node, *args, **kwargs)
-            book.spend(receipt)
+            book.spend(receipt, told)
             return released
 
         return dec_lock_ref
@@ -767,15 +807,81 @@ def _released_once(result: Patch, machine: Residency) -> Callable[[Method], Meth
     return decorate
 
 
-def _tells_its_lock(receipt: Any) -> bool:
-    """Whether ``receipt`` has the uuid maps that tell its lock (``DecLockRefParams``'s).
+def _noting_node(result: Patch, machine: Residency) -> Callable[[Method], Method]:
+    """Have ``lock(node)`` note in the cache's book the node its receipt is taken on.
 
-    ``to_dec_params`` makes them afresh per lock, and a copy shares them
-    (:data:`~fsm_cache.compat.sglang.unified.SHARED`). Anything else given
-    (a fork's sentinel, a shared constant) could stand for many locks, and
-    is not remembered.
+    SGLang 0.5.23's ``BasePrefixCache.lock`` returns ``TreeLock(node,
+    receipt)``; the receipt (``to_dec_params``'s, its uuid maps made afresh)
+    is noted with the node (:meth:`~fsm_cache.compat.sglang.unified.LockBook.take`),
+    so that :func:`_released_once` refuses it on another node. The
+    ``TreeLock`` and the receipt are SGLang's, unchanged.
+
+    Args:
+        result: The patch whose books the wrapper keeps.
+        machine: The engine the books read trail mode from.
+
+    Returns:
+        A decorator for ``lock``.
     """
-    return all(isinstance(getattr(receipt, name, None), dict) for name in unified.SHARED)
+    books = result.spent
+
+    def decorate(original: Method) -> Method:
+        @functools.wraps(original)
+        def lock(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+            taken = original(self, node, *args, **kwargs)
+            if getattr(self, "disable", False):
+                return taken
+            told = unified.told_by_maps(getattr(taken, "receipt", None))
+            if told is None:
+                return taken
+            book = books.get(id(self))
+            if book is None:
+                book = result.book(self, machine)
+            book.take(node, told)
+            return taken
+
+        return lock
+
+    return decorate
+
+
+def _reset_forgets(result: Patch, machine: Residency) -> Callable[[Method], Method]:
+    """Have ``reset()`` clear the cache's book: the tree its locks were on is gone.
+
+    Args:
+        result: The patch whose books the wrapper keeps.
+        machine: Unused (the signature :data:`RECEIPTS` shares).
+
+    Returns:
+        A decorator for ``reset``.
+    """
+    del machine
+    books = result.spent
+
+    def decorate(original: Method) -> Method:
+        @functools.wraps(original)
+        def reset(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(self, *args, **kwargs)
+            book = books.get(id(self))
+            if book is not None:
+                book.clear()
+            return out
+
+        return reset
+
+    return decorate
+
+
+RECEIPTS: dict[str, Callable[[Patch, Residency], Callable[[Method], Method]]] = {
+    "lock": _noting_node,
+    "reset": _reset_forgets,
+}
+"""The methods wrapped with a ``dec_lock_ref`` that takes a receipt, and their wrappers."""
+
+
+def _node_id(node: Any) -> Any:
+    """A node's id as a refusal names it (``?`` for an object with none)."""
+    return getattr(node, "id", "?")
 
 
 def _adopt_subclasses(

@@ -86,7 +86,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from fsm_cache.compat.sglang.scope import BuiltBeforePatch
 from fsm_cache.engine import trail
@@ -148,16 +148,42 @@ class Spent:
         self.spot = spot
 
 
-def _parts(receipt: Any) -> tuple[Any, ...]:
-    """What ``receipt``'s copies share with it: its :data:`SHARED` maps, else the receipt itself.
+Told = tuple[tuple[int, ...], tuple[Any, ...]]
+"""A receipt's lock, as a book keys it: the ``id`` of each part, and the parts (:func:`lock_of`)."""
+
+
+def lock_of(receipt: Any) -> Told:
+    """The lock ``receipt`` tells: what its copies share with it (its :data:`SHARED` maps, else the receipt itself).
 
     Each object once (a hand-made receipt may give both fields one map), so
-    that :func:`_refs` counts the book's hold on it once.
+    that :func:`_refs` counts the book's hold on it once. Computed once per
+    release and handed to each step of it (:meth:`SpentLocks.refuse_spent`,
+    :meth:`SpentLocks.spend`).
     """
-    parts = tuple(getattr(receipt, name, None) for name in SHARED)
-    if any(part is None for part in parts):
-        return (receipt,)
-    return tuple({id(part): part for part in parts}.values())
+    return _told(receipt, getattr(receipt, SHARED[0], None), getattr(receipt, SHARED[1], None))
+
+
+def told_by_maps(receipt: Any) -> Told | None:
+    """:func:`lock_of` a receipt whose :data:`SHARED` fields are both dicts (``DecLockRefParams``'s); else None.
+
+    ``to_dec_params`` makes the maps afresh per lock, and a copy shares them.
+    Anything else given (a fork's sentinel, a shared constant) could stand
+    for many locks, and is not remembered.
+    """
+    first = getattr(receipt, SHARED[0], None)
+    second = getattr(receipt, SHARED[1], None)
+    if not (isinstance(first, dict) and isinstance(second, dict)):
+        return None
+    return _told(receipt, first, second)
+
+
+def _told(receipt: Any, first: Any, second: Any) -> Told:
+    """The :data:`Told` of ``receipt`` whose :data:`SHARED` fields hold ``first`` and ``second``."""
+    if first is None or second is None:
+        return (id(receipt),), (receipt,)
+    if first is second:
+        return (id(first),), (first,)
+    return (id(first), id(second)), (first, second)
 
 
 def _refs(parts: tuple[Any, ...]) -> list[int]:
@@ -169,15 +195,32 @@ _ALONE = _refs((object(),))[0]
 """What :func:`_refs` gives for an object held only by its ``parts`` tuple."""
 
 
+class Taken:
+    """A lock taken through ``lock(node)`` whose receipt has not come back: the node it is on.
+
+    Attributes:
+        parts: What the receipt's copies share with it (as :attr:`Spent.parts`).
+        node: The node the lock was taken on.
+        spot: In trail mode, where it was taken; else None.
+    """
+
+    __slots__ = ("node", "parts", "spot")
+
+    def __init__(self, parts: tuple[Any, ...], node: Any, spot: trail.Spot | None) -> None:
+        self.parts = parts
+        self.node = node
+        self.spot = spot
+
+
 class SpentLocks:
     """The locks whose receipts came back, while a receipt or a copy of one may come back again.
 
-    A lock is told by its receipt's objects (:func:`_parts`), so a second
+    A lock is told by its receipt's objects (:func:`lock_of`), so a second
     release of it, through the same receipt or a copy, either way round, is
     refused while other locks on its node are out: the release SGLang would
     take from another request's lock. :class:`ReceiptBook` keeps one per
-    ``UnifiedRadixCache``; the patch keeps one per ``RadixCache`` whose
-    ``dec_lock_ref`` takes SGLang 0.5.23's receipt.
+    ``UnifiedRadixCache``; the patch keeps a :class:`LockBook` per
+    ``RadixCache`` whose ``dec_lock_ref`` takes SGLang 0.5.23's receipt.
 
     Args:
         machine: The engine whose trail mode says whether call sites are kept.
@@ -196,7 +239,9 @@ class SpentLocks:
         self.spent: dict[tuple[int, ...], Spent] = {}
         self.sweep_at = SWEEP
 
-    def refuse_spent(self, node_id: Any, receipt: Any, call: str, held: str) -> None:
+    def refuse_spent(
+        self, node_id: Any, receipt: Any, call: str, held: str, lock: Told | None = None
+    ) -> None:
         """Refuse ``receipt`` if its lock came back already, changing nothing.
 
         Its lock came back if this very object did, or a copy of it
@@ -209,11 +254,12 @@ class SpentLocks:
             call: The method called, as the message names it.
             held: What stays held on the node, as the message says it
                 (``the node's 1 other receipt(s) out``).
+            lock: ``lock_of(receipt)``, if the caller has it already.
 
         Raises:
             LeaseError: ``receipt``, a copy of it or its original was released already.
         """
-        entry = self.spent.get(tuple(map(id, _parts(receipt))))
+        entry = self.spent.get((lock or lock_of(receipt))[0])
         if entry is None:
             return
         what = f"this receipt ({type(receipt).__name__} at {id(receipt):#x})"
@@ -231,11 +277,16 @@ class SpentLocks:
             msg += f"; released at {trail.spot_site(entry.spot)}; refused at {trail.caller_site()}"
         raise LeaseError(msg)
 
-    def spend(self, receipt: Any) -> None:
-        """Remember that ``receipt``'s lock came back, while it or a copy of it may come back again."""
-        parts = _parts(receipt)
+    def spend(self, receipt: Any, lock: Told | None = None) -> None:
+        """Remember that ``receipt``'s lock came back, while it or a copy of it may come back again.
+
+        Args:
+            receipt: The receipt that came back.
+            lock: ``lock_of(receipt)``, if the caller has it already.
+        """
+        key, parts = lock or lock_of(receipt)
         spot = trail.caller_spot() if self.machine.engine.trail else None
-        self.spent[tuple(map(id, parts))] = Spent(parts, receipt, spot)
+        self.spent[key] = Spent(parts, receipt, spot)
         if len(self.spent) >= self.sweep_at:
             self.sweep()
 
@@ -249,15 +300,104 @@ class SpentLocks:
         locks whose receipts were still held at the last sweep (those freed
         since stay until the next).
         """
-        for key, entry in list(self.spent.items()):
-            if any(count <= _ALONE for count in _refs(entry.parts)):
-                del self.spent[key]
+        _drop_unheld(self.spent)
         self.sweep_at = max(SWEEP, 2 * len(self.spent))
 
     def clear(self) -> None:
-        """Forget every released lock (:meth:`ReceiptBook.clear` calls it on ``reset``)."""
+        """Forget every released lock (the cache's ``reset`` dropped the tree they were on)."""
         self.spent.clear()
         self.sweep_at = SWEEP
+
+
+Entry = TypeVar("Entry", Spent, Taken)
+
+
+def _drop_unheld(entries: dict[tuple[int, ...], Entry]) -> None:
+    """Drop from ``entries`` each one with a part nothing but the book holds (no receipt left)."""
+    for key, entry in list(entries.items()):
+        if any(count <= _ALONE for count in _refs(entry.parts)):
+            del entries[key]
+
+
+class LockBook(SpentLocks):
+    """The locks of one ``RadixCache`` (SGLang 0.5.23) out and come back, each with its node.
+
+    ``RadixCache``'s receipt names no node (its ``node_id`` is ``None``), and
+    its ``dec_lock_ref`` walks up from whatever node it is given: a
+    ``TreeLock`` whose receipt is released on another node leaves its own
+    node locked forever and takes the other node's lock (another request's,
+    whose prefix becomes evictable under it). The patch's ``lock`` notes
+    the node each receipt is taken on (:meth:`take`), and a release on
+    another is refused (:meth:`refuse_elsewhere`). A receipt made from
+    ``inc_lock_ref``'s result by hand (``to_dec_params``, which copies its
+    maps) is not taken through ``lock``: it is known only once it came back.
+
+    Attributes:
+        out: The locks taken through ``lock`` whose receipts have not come
+            back, keyed as :attr:`SpentLocks.spent`; an entry goes when the
+            receipt comes back, or once nothing but the book holds its parts
+            (the receipt was dropped unreleased).
+    """
+
+    __slots__ = ("out",)
+
+    def __init__(self, machine: Residency) -> None:
+        super().__init__(machine)
+        self.out: dict[tuple[int, ...], Taken] = {}
+
+    def take(self, node: Any, lock: Told) -> None:
+        """Note that the receipt ``lock`` tells was taken on ``node``."""
+        key, parts = lock
+        spot = trail.caller_spot() if self.machine.engine.trail else None
+        self.out[key] = Taken(parts, node, spot)
+        if len(self.out) + len(self.spent) >= self.sweep_at:
+            self.sweep()
+
+    def refuse_elsewhere(self, node: Any, receipt: Any, lock: Told, call: str) -> None:
+        """Refuse ``receipt`` given with ``node`` if its lock was taken on another node, changing nothing.
+
+        Raises:
+            BadArgument: The lock ``receipt`` (or a copy of it) releases was
+                taken on another node.
+        """
+        taken = self.out.get(lock[0])
+        if taken is None or taken.node is node:
+            return
+        msg = (
+            f"node {_node_id(node)}: {call} refused: this receipt ({type(receipt).__name__} at "
+            f"{id(receipt):#x}) is of a lock taken on node {_node_id(taken.node)}, and a "
+            "receipt is released on the node it was taken on; the locks on both nodes stay "
+            "held; nothing changed"
+        )
+        if taken.spot is not None:
+            msg += f"; taken at {trail.spot_site(taken.spot)}; refused at {trail.caller_site()}"
+        raise BadArgument(msg)
+
+    def spend(self, receipt: Any, lock: Told | None = None) -> None:
+        """Remember that ``receipt``'s lock came back (no longer out), as :meth:`SpentLocks.spend`."""
+        told = lock or lock_of(receipt)
+        self.out.pop(told[0], None)
+        super().spend(receipt, told)
+
+    def give_back(self, lock: Told) -> None:
+        """Forget a lock on the root come back: it moved no count, and its release is not remembered."""
+        self.out.pop(lock[0], None)
+
+    def sweep(self) -> None:
+        """Drop the locks out or come back that nothing but the book holds a part of (:meth:`SpentLocks.sweep`)."""
+        _drop_unheld(self.out)
+        _drop_unheld(self.spent)
+        self.sweep_at = max(SWEEP, 2 * (len(self.out) + len(self.spent)))
+
+    def clear(self) -> None:
+        """Forget every lock, out or come back: the cache's ``reset`` dropped the tree they were on."""
+        super().clear()
+        self.out.clear()
+
+
+def _node_id(node: Any) -> Any:
+    """A node's id as a message names it (``?`` for an object with none)."""
+    return getattr(node, "id", "?")
 
 
 class ReceiptBook(SpentLocks):
@@ -305,8 +445,12 @@ class ReceiptBook(SpentLocks):
             if len(self.released) > KEPT:
                 self.released.popitem(last=False)
 
-    def check_receipt(self, node_id: Any, event: Event, receipt: Any, call: str) -> None:
+    def check_receipt(
+        self, node_id: Any, event: Event, receipt: Any, call: str, lock: Told | None = None
+    ) -> None:
         """Refuse ``receipt`` for ``event`` (a release) if its lock came back already, changing nothing.
+
+        ``lock`` is ``lock_of(receipt)``, if the caller has it already.
 
         Raises:
             LeaseError: ``receipt``, a copy of it or its original was released
@@ -314,7 +458,7 @@ class ReceiptBook(SpentLocks):
         """
         record = self._record(node_id)
         out = record.pins if event == "release" else record.locks
-        self.refuse_spent(node_id, receipt, call, f"the node's {out} other receipt(s) out")
+        self.refuse_spent(node_id, receipt, call, f"the node's {out} other receipt(s) out", lock)
 
     def clear(self) -> None:
         """Forget every receipt: the cache's ``reset`` dropped the tree they anchor on."""
@@ -439,8 +583,10 @@ class Receipts:
                     self._reach(cache, name, node_id)
                 return result
             book.check(node_id, event)
+            told = None
             if release:
-                book.check_receipt(node_id, event, receipt, name)
+                told = lock_of(receipt)  # once: the check and the record share it
+                book.check_receipt(node_id, event, receipt, name, told)
             if not override:
                 result = original(cache, node_id, *args, **kwargs)
                 if self.watches:  # recorded below once SGLang's ran: an override around it need not
@@ -455,8 +601,8 @@ class Receipts:
                     return result
                 self._reach(cache, name, node_id)  # an enclosing override's: recorded here
             book.fire(node_id, event)
-            if release:
-                book.spend(receipt)
+            if told is not None:
+                book.spend(receipt, told)
             return result
 
         return method
