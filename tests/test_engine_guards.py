@@ -389,8 +389,22 @@ def test_the_system_the_record_class_and_the_lease_book_cannot_be_assigned() -> 
     assert type(engine.new(2)) is record
     engine.init(rec, 1)
     assert not lease.held  # the engine's own book voided it
-    engine.foo = 1  # type: ignore[attr-defined]  # what the engine is not built with is the caller's
-    assert engine.foo == 1  # type: ignore[attr-defined]
+
+
+def test_a_built_engine_takes_no_attribute_it_was_not_built_with() -> None:
+    """A typo (``engine.trails = True``) set a new attribute and changed nothing, silently."""
+    engine = Engine(residency_system(), trail=False)
+    before = dict(vars(engine))
+    for name in ("trails", "foo", "Records"):
+        with pytest.raises(ReadOnlyAttribute) as info:
+            setattr(engine, name, True)
+        assert str(info.value) == (
+            f"Engine.{name} cannot be set (to True): an engine has no such attribute"
+            " (its settings are Engine(spec, ...)'s arguments)"
+        )
+        assert isinstance(info.value, AttributeError)
+    assert vars(engine) == before
+    assert not engine.trail
 
 
 @pytest.mark.parametrize("name", ["system", "Record", "leases"])
@@ -409,6 +423,3 @@ def test_what_the_engine_is_built_with_cannot_be_deleted(name: str) -> None:
     }[name]
     assert str(info.value) == f"Engine.{name} cannot be deleted: {why}"
     assert getattr(engine, name) is kept
-    engine.foo = 1  # type: ignore[attr-defined]
-    del engine.foo  # type: ignore[attr-defined]  # the caller's own: deleted as ever
-    assert not hasattr(engine, "foo")

@@ -159,17 +159,23 @@ class Engine:
     if not TYPE_CHECKING:  # mypy would take any attribute for settable, a typo included
 
         def __setattr__(self, name: str, value: object) -> None:
-            """Set ``name``, unless it is one of :data:`_BUILT` and the engine already has it.
+            """Set ``name`` while the engine is built, and none of :data:`_BUILT` after.
 
             Plain attributes rather than properties: reading ``engine.leases`` (the
             cache does per lock) stays an attribute read; only an assignment pays.
+            A built engine takes no attribute it was not built with: a typo
+            (``engine.trails = True``) set a new one and changed nothing.
 
             Raises:
-                ReadOnlyAttribute: ``name`` is fixed when the engine is built; nothing changed.
+                ReadOnlyAttribute: ``name`` is fixed when the engine is built, or
+                    no attribute an engine has; nothing changed.
             """
             why = _BUILT.get(name)
             if why is not None and name in self.__dict__:
                 raise _fixed(name, value, why)
+            known = name in self.__dict__ or hasattr(type(self), name)  # a property refuses
+            if not known and "Record" in self.__dict__:  # built: Record is set last
+                raise _fixed(name, value, _UNKNOWN)
             object.__setattr__(self, name, value)
 
         def __delattr__(self, name: str) -> None:
@@ -737,6 +743,10 @@ _BUILT: Final = {
     " release them, or void them with Engine.leases.void(site)",
 }
 """Why each plain attribute the engine is built with cannot be set (:meth:`Engine.__setattr__`)."""
+
+
+_UNKNOWN = "an engine has no such attribute (its settings are Engine(spec, ...)'s arguments)"
+"""Why a built engine refuses an attribute it was not built with (:meth:`Engine.__setattr__`)."""
 
 
 def _fixed(name: str, value: object, why: str) -> ReadOnlyAttribute:
