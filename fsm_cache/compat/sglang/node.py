@@ -219,7 +219,7 @@ class ResidencyMixin(metaclass=ABCMeta):
     trail: trail.Trail | None = None
     sealed = False
     pending: int | scope.Armed | None = None
-    ack_with: ResidencyMixin | None = None
+    ack_with: scope.CheckedNode | None = None
     evicting = False
     deleted = False
     undone: ClassVar[bool] = False
@@ -460,7 +460,7 @@ class ResidencyMixin(metaclass=ABCMeta):
         ),
     )
 
-    def path_to_root(self) -> Iterator[ResidencyMixin]:
+    def path_to_root(self) -> Iterator[scope.CheckedNode]:
         """Yield this node and its ancestors, the root (the node without a parent) excluded."""
         node: Any = self
         while node is not None and getattr(node, "parent", None) is not None:

@@ -35,20 +35,53 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from fsm_cache.engine import trail
 from fsm_cache.engine.core import Engine, Plan
 from fsm_cache.errors import FsmCacheError, IllegalTransition, StaleNode, error_class
-from fsm_cache.residency import HOST_HELD, Event, Residency
+from fsm_cache.residency import HOST_HELD, DeviceState, Event, HostState, Residency
 from fsm_cache.spec.meaning import composed_refusal
 from fsm_cache.spec.validate import representatives
 
 
-if TYPE_CHECKING:
-    from fsm_cache.compat.sglang.node import ResidencyMixin
-
 trail.internal(__file__)
+
+
+class CheckedNode(Protocol):
+    """What the checks here read and write of a checked node.
+
+    :class:`~fsm_cache.compat.sglang.node.ResidencyMixin` holds it all; the
+    checks take this reader rather than import the node class that imports them.
+    """
+
+    host: HostState
+    device: DeviceState
+    pins: int
+    locks: int
+    lock_ref: int
+    trail: trail.Trail | None
+    pending: int | Armed | None
+    ack_with: CheckedNode | None
+    evicting: bool
+    deleted: bool
+    parent: Any
+    value: Any
+    host_value: Any
+    children: Any
+
+    @property
+    def evicted(self) -> bool:
+        """Whether the node holds no device slots, or soon will."""
+
+    def machine(self) -> Residency:
+        """Return the residency engine the node fires through."""
+
+    def seal(self) -> None:
+        """End the node's construction: from now on every change is an event."""
+
+    def path_to_root(self) -> Iterator[CheckedNode]:
+        """Yield the node and its ancestors, the root excluded."""
 
 
 class BuiltBeforePatch(FsmCacheError, TypeError):
@@ -340,9 +373,7 @@ def _disarm(node: Any, stop: Any) -> None:
         at = at.parent
 
 
-def _armed(
-    node: ResidencyMixin, plan: Planner, event: Event, spot: trail.Spot | None
-) -> int | Armed:
+def _armed(node: CheckedNode, plan: Planner, event: Event, spot: trail.Spot | None) -> int | Armed:
     """``node``'s checked step as it is armed: the ``locks`` after it, or an :data:`Armed`.
 
     ``spot`` is the call site trail mode notes the step at; None outside trail mode.
@@ -388,9 +419,9 @@ class Walk:
 
     __slots__ = ("event", "path", "steps")
 
-    def __init__(self, node: ResidencyMixin, event: Event) -> None:
+    def __init__(self, node: CheckedNode, event: Event) -> None:
         self.event = event
-        self.path: list[ResidencyMixin] = []
+        self.path: list[CheckedNode] = []
         self.steps: list[int | Armed] = []
         engine = node.machine().engine
         plan = engine.planner(event)
@@ -416,7 +447,7 @@ class Walk:
         for node in self.path:
             node.pending = None
 
-    def __enter__(self) -> list[ResidencyMixin]:
+    def __enter__(self) -> list[CheckedNode]:
         self.open()
         return self.path
 
@@ -424,7 +455,7 @@ class Walk:
         self.close()
 
 
-def walk(node: ResidencyMixin, event: Event) -> Walk:
+def walk(node: CheckedNode, event: Event) -> Walk:
     """Check ``event`` (``lock``/``unlock``) on ``node`` and its ancestors; a :class:`Walk`.
 
     Raises:
@@ -433,13 +464,13 @@ def walk(node: ResidencyMixin, event: Event) -> Walk:
     return Walk(node, event)
 
 
-def absent_chain(node: ResidencyMixin) -> list[ResidencyMixin]:
+def absent_chain(node: CheckedNode) -> list[CheckedNode]:
     """Return ``node`` and the ancestors above it that hold no device slots, top down.
 
     The nodes SGLang's ``load_back`` copies in one load: it walks up while
     ``node.evicted``.
     """
-    chain: list[ResidencyMixin] = []
+    chain: list[CheckedNode] = []
     at: Any = node
     while at is not None and at.evicted and getattr(at, "parent", None) is not None:
         chain.append(at)
@@ -447,7 +478,7 @@ def absent_chain(node: ResidencyMixin) -> list[ResidencyMixin]:
     return chain[::-1]
 
 
-def loading(chain: Sequence[ResidencyMixin]) -> None:
+def loading(chain: Sequence[CheckedNode]) -> None:
     """Fire ``load`` on ``chain`` top down, before any memory is allocated for it.
 
     All or none: if a node refuses, the loads already fired are failed again
@@ -459,7 +490,7 @@ def loading(chain: Sequence[ResidencyMixin]) -> None:
     """
     for n in chain:
         require_checked(n, "load_back")
-    done: list[ResidencyMixin] = []
+    done: list[CheckedNode] = []
     try:
         for n in chain:
             n.seal()
@@ -470,14 +501,14 @@ def loading(chain: Sequence[ResidencyMixin]) -> None:
         raise
 
 
-def back_out(chain: Sequence[ResidencyMixin]) -> None:
+def back_out(chain: Sequence[CheckedNode]) -> None:
     """Fail the loads of ``chain`` that never got device slots, deepest first."""
     for n in reversed(chain):
         if n.device == "loading" and n.value is None:
             n.machine().load_failed(n)
 
 
-def ride(chain: Sequence[ResidencyMixin], end: ResidencyMixin) -> None:
+def ride(chain: Sequence[CheckedNode], end: CheckedNode) -> None:
     """Mark the nodes of ``chain`` above ``end`` as acknowledged with ``end``'s copy."""
     for n in chain:
         if n is not end:
@@ -511,7 +542,7 @@ class AckBook(dict[Any, Any]):
         self.acknowledge(self[key])
         super().__delitem__(key)
 
-    def acknowledge(self, node: ResidencyMixin) -> None:
+    def acknowledge(self, node: CheckedNode) -> None:
         """Fire the acknowledgement on ``node`` and its riders, every one checked first.
 
         Raises:
@@ -570,7 +601,7 @@ def device_evictions() -> Iterator[list[Any]]:
             node.evicting = False
 
 
-def defer_eviction(node: ResidencyMixin) -> bool:
+def defer_eviction(node: CheckedNode) -> bool:
     """Defer ``node``'s device eviction to the end of the ``evict`` in progress, if it must wait.
 
     It must wait when a :func:`device_evictions` block is open, the node is
@@ -589,7 +620,7 @@ def defer_eviction(node: ResidencyMixin) -> bool:
     return True
 
 
-def deepest_first(nodes: Sequence[ResidencyMixin]) -> list[ResidencyMixin]:
+def deepest_first(nodes: Sequence[CheckedNode]) -> list[CheckedNode]:
     """Return ``nodes`` ordered so that each comes before its ancestors (deepest first)."""
     return sorted(nodes, key=lambda n: sum(1 for _ in n.path_to_root()), reverse=True)
 
@@ -643,7 +674,7 @@ def host_eviction(slots: Any) -> None:
             return
 
 
-def free_host(node: ResidencyMixin) -> None:
+def free_host(node: CheckedNode) -> None:
     """Fire ``evict_host`` on ``node``; a copy a load reads is refused as the load's.
 
     A load holds a pin on the host copy while it reads it, and the host
@@ -734,7 +765,7 @@ def _refuse_deleted(node: Any, walk: str) -> NoReturn:
     raise StaleNode(_with_sites(msg, node))
 
 
-def check(path: Sequence[ResidencyMixin], event: Event) -> None:
+def check(path: Sequence[CheckedNode], event: Event) -> None:
     """Check ``event`` at every node of ``path``, changing nothing.
 
     Raises:
