@@ -10,7 +10,8 @@ quiet :data:`OUTPUT_CLOSED`; a stdout that cannot be
 written (``> /dev/full``) one ``error: cannot write to stdout`` line and exit
 2. It sits below every layer that has a command (the CLI imports the audit,
 never the reverse), with the argparse types their path arguments share
-(:func:`path_text`, :func:`path_argument`) and how they drop a file named
+(:func:`path_text`, :func:`path_argument`, and :func:`spec_path` for a SPEC, read
+as the spec layer names shipped specs) and how they drop a file named
 twice (:func:`named_once`), and where a command finds a file's settings
 (:func:`find_pyproject`).
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TextIO, TypeVar, cast
 
 from fsm_cache.errors import FsmCacheError, SpecError
+from fsm_cache.spec.shipped import shipped_file
 
 
 if TYPE_CHECKING:
@@ -90,6 +92,29 @@ def path_argument(text: str) -> Path:
         argparse.ArgumentTypeError: ``text`` is empty or ``-``.
     """
     return Path(path_text(text))
+
+
+def spec_path(text: str) -> str:
+    """Return a SPEC argument as the path of the spec file it names (an argparse ``type``).
+
+    Refused as any path to read when empty or ``-`` (:func:`path_text`);
+    ``fsm_cache:NAME`` is the shipped spec's file
+    (:func:`~fsm_cache.spec.shipped.shipped_file`), so ``fsm-cache diagram
+    fsm_cache:residency`` draws the installed copy, wherever the package is, as
+    ``extends = "fsm_cache:residency"`` reads it. Any other path is kept as it
+    was given, as text: a :class:`~pathlib.Path` drops a leading ``./``, and a
+    spec file named ``-`` was then named ``-`` in what the command said, the
+    name that means stdin.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is empty or ``-``, or names no
+            shipped spec; argparse reports it and exits 2.
+    """
+    try:
+        path = shipped_file(path_text(text))
+    except SpecError as exc:
+        raise argparse.ArgumentTypeError(exc.problems[0]) from None
+    return text if path is None else str(path)
 
 
 class Parser(argparse.ArgumentParser):

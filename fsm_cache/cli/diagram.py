@@ -35,10 +35,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from fsm_cache.cli.arguments import spec_path
 from fsm_cache.cli.files import STDOUT, current_text, output_argument, write_files
 from fsm_cache.diagram import FORMATS, DiagramError, is_diagram, render, render_sections
-from fsm_cache.shell import named_once, path_argument
+from fsm_cache.shell import named_once, path_argument, spec_path
 from fsm_cache.spec.loader import load_spec, spec_files
 from fsm_cache.spec.shipped import shipped_spec_paths, spec_dir
 

@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fsm_cache.cli.arguments import spec_path
 from fsm_cache.cli.files import STDOUT, current_text, file_argument, output_argument, write_files
+from fsm_cache.shell import spec_path
 from fsm_cache.spec.loader import load_spec, spec_files
 from fsm_cache.spec.stubs import is_stub, stub
 

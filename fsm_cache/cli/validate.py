@@ -17,9 +17,8 @@ import argparse
 import sys
 from typing import Any
 
-from fsm_cache.cli.arguments import spec_path
 from fsm_cache.errors import SpecError
-from fsm_cache.shell import named_once
+from fsm_cache.shell import named_once, spec_path
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import MachineSpec, Spec
 

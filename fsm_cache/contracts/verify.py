@@ -37,11 +37,11 @@ from fsm_cache.contracts.generate import Generated, checked_name, children_neede
 from fsm_cache.contracts.runner import Options, Row
 from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.numeric import whole
-from fsm_cache.shell import find_pyproject, named_once, path_text, summary_line
+from fsm_cache.shell import find_pyproject, named_once, spec_path, summary_line
 from fsm_cache.spec.controls import Control, controls, load_finding, relative, render_controls
 from fsm_cache.spec.loader import load_snapshot, load_spec, read_toml
 from fsm_cache.spec.machine import Spec, System, as_system
-from fsm_cache.spec.shipped import shipped_spec_paths, spec_argument
+from fsm_cache.spec.shipped import shipped_spec_paths
 
 
 POOL_CONTRACTS = "fsm_cache.contracts.pages"
@@ -574,7 +574,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "targets",
         nargs="*",
-        type=lambda text: spec_argument(path_text(text)),
+        type=spec_path,
         metavar="SPEC_OR_MODULE",
         help="spec .toml files (fsm_cache:NAME for a shipped spec), contract modules (.py or dotted names); default: the shipped specs, pool contracts and negative controls",
     )

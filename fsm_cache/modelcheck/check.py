@@ -59,11 +59,11 @@ from fsm_cache.modelcheck.progress import PLAIN_EVERY, progress
 from fsm_cache.modelcheck.state import Layout, Nodes, reference_states
 from fsm_cache.numeric import whole
 from fsm_cache.policy import WritePolicy
-from fsm_cache.shell import named_once, path_text, summary_line
+from fsm_cache.shell import named_once, path_text, spec_path, summary_line
 from fsm_cache.spec.controls import Control, controls, load_finding, render_controls
 from fsm_cache.spec.loader import load_snapshot, load_spec, unreadable
 from fsm_cache.spec.machine import System, as_system, comparisons
-from fsm_cache.spec.shipped import shipped_file, shipped_spec_paths, spec_argument
+from fsm_cache.spec.shipped import shipped_file, shipped_spec_paths
 
 
 SHAPES: dict[str, Callable[[int], list[int]]] = {
@@ -897,7 +897,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "specs",
         nargs="*",
-        type=lambda text: spec_argument(path_text(text)),
+        type=spec_path,
         metavar="SPEC",
         help="spec .toml files, or fsm_cache:NAME for a shipped spec; default: the shipped "
         "specs and the negative controls",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from functools import cache
 from pathlib import Path
 
@@ -65,24 +64,6 @@ def shipped_file(ref: str) -> Path | None:
         shown = repr(name) if len(name) <= _SHOWN else f"{name[:_SHOWN]!r}..."  # a file's string
         raise SpecError([f"no shipped spec {shown} (shipped: {known})"])
     return spec_dir() / f"{name}.toml"
-
-
-def spec_argument(text: str) -> str:
-    """Return a command's SPEC argument as a path: a shipped spec's file for ``fsm_cache:NAME``.
-
-    An argparse ``type`` (after :func:`fsm_cache.shell.path_text`), so
-    ``fsm-cache diagram fsm_cache:residency`` draws the installed copy,
-    wherever the package is, as ``extends = "fsm_cache:residency"`` reads it.
-
-    Raises:
-        argparse.ArgumentTypeError: ``text`` names no shipped spec
-            (:func:`shipped_file`); argparse reports it and exits 2.
-    """
-    try:
-        path = shipped_file(text)
-    except SpecError as exc:
-        raise argparse.ArgumentTypeError(exc.problems[0]) from None
-    return text if path is None else str(path)
 
 
 @cache
