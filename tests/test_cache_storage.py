@@ -342,6 +342,9 @@ def test_a_partial_acknowledgement_splits_the_node_at_the_first_failed_page(
     ]
     assert cache.log.storage_acks()[-1] == ("poll", ((1, "store", 2, "failed"),))
     assert cache.stats().storage_failures == {"store:failed": 1}
+    assert cache.stats().storage_errors == {
+        "store:failed": "faulty: put failed after 2 of 5 pages: planted"
+    }
     assert store.exists_prefix(page_keys(cache.storage.namespace(), toks)) == 2  # type: ignore[union-attr]
 
 
@@ -864,6 +867,7 @@ def test_a_read_that_raises_fails_the_fetch_and_removes_the_node(
     assert reader.tiers.host.allocator.free_pages == 32
     assert [e for _, e in reader.log.transitions()][-2:] == ["fetch_failed", "delete"]
     assert reader.stats().storage_failures == {"fetch:failed": 1}
+    assert reader.stats().storage_errors == {"fetch:failed": "RuntimeError: planted fault in get"}
     faulty.raises = set()  # a transient failure: the store may still be down, so back off
     assert reader.match_prefix(toks).host_len == 0
     assert faulty.calls == ["exists_prefix", "get"]

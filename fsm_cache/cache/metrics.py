@@ -55,6 +55,8 @@ class Counters:
     storage_bytes: Counter[str] = field(default_factory=Counter)
     storage_seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     storage_failures: Counter[str] = field(default_factory=Counter)
+    storage_errors: dict[str, str] = field(default_factory=dict)
+    """The last reason a store gave for each ``kind:outcome`` of :attr:`storage_failures`."""
     prefetch: Counter[str] = field(default_factory=Counter)
 
     def looked_up(self, tokens: int, device: int, host: int) -> None:
@@ -72,19 +74,30 @@ class Counters:
             self.copy_failures[direction] += 1
 
     def storage_copied(
-        self, kind: str, seconds: float, pages: int, nbytes: int, outcome: str
+        self,
+        kind: str,
+        seconds: float,
+        pages: int,
+        nbytes: int,
+        outcome: str,
+        *,
+        error: str | None = None,
     ) -> None:
         """Count one applied storage copy (``store`` or ``fetch``) and what it acknowledged.
 
         ``pages`` leading pages landed (``nbytes`` bytes); any outcome but
         ``ok`` also counts a failure of ``kind`` under that outcome
-        (``store:timeout``, ``fetch:missing``, ...).
+        (``store:timeout``, ``fetch:missing``, ...), and keeps ``error``, what
+        the store raised, as that failure's latest reason: a count says a
+        store fails, its reason says why, and one per outcome stays small.
         """
         self.storage_seconds[kind] += seconds
         self.storage_pages["stored" if kind == "store" else "fetched"] += pages
         self.storage_bytes[kind] += nbytes
         if outcome != "ok":
             self.storage_failures[f"{kind}:{outcome}"] += 1
+            if error is not None:
+                self.storage_errors[f"{kind}:{outcome}"] = error
 
 
 class Observed(Protocol):
@@ -155,6 +168,9 @@ class Stats:
             backups not started because lookups back off (``store:backing_off``),
             and evictions the store refused (``evict:failed``; the nodes stay
             ``stored``).
+        storage_errors: The latest reason a store gave (what it raised) for each
+            ``kind:outcome`` of ``storage_failures`` that had one. Not
+            exported to Prometheus: free text would make a label without bound.
         prefetch: What each lookup's prefetch decided (``started``, ``waited``,
             ``below_threshold``, ``rate_limited``, ``none_stored``,
             ``query_failed``, ``backing_off``, ...).
@@ -181,6 +197,7 @@ class Stats:
     storage_pages: dict[str, int] = field(default_factory=dict)
     storage_bytes: dict[str, int] = field(default_factory=dict)
     storage_failures: dict[str, int] = field(default_factory=dict)
+    storage_errors: dict[str, str] = field(default_factory=dict)
     prefetch: dict[str, int] = field(default_factory=dict)
     copy_failures: dict[str, int] = field(default_factory=dict)
     lookup_tokens: int = 0
@@ -213,6 +230,7 @@ def snapshot(cache: Observed, storage_in_flight: int = 0) -> Stats:
         storage_pages=dict(c.storage_pages),
         storage_bytes=dict(c.storage_bytes),
         storage_failures=dict(c.storage_failures),
+        storage_errors=dict(c.storage_errors),
         prefetch=dict(c.prefetch),
         copy_failures=dict(c.copy_failures),
         lookup_tokens=c.lookup_tokens,

@@ -868,7 +868,7 @@ class StorageTier:
             seconds = self._clock() - (copy.started or self._clock())
             nbytes = result.held * self._tiers.host.layout.page_bytes
             self._core.counters.storage_copied(
-                copy.kind, seconds, result.held, nbytes, result.outcome
+                copy.kind, seconds, result.held, nbytes, result.outcome, error=result.error
             )
             if copy.kind == "store":
                 self._apply_store(copy, result)
