@@ -344,8 +344,8 @@ class HiCache:
 
         Raises:
             BadArgument: ``tokens`` or ``device_slots`` is not a sequence of
-                non-negative ints (a bool is refused as a token id, taken as 0
-                or 1 as a slot), or ``namespace`` is unhashable; nothing changed.
+                non-negative ints (a bool is neither a token id nor a slot), or
+                ``namespace`` is unhashable; nothing changed.
             CopyFailed: A node on the path is still loading after its copy failed
                 and was started again (a locked node); nothing was inserted.
             ForeignSlot: ``device_slots`` are too few, not whole pages, repeat a
@@ -544,7 +544,8 @@ class HiCache:
         """Give back request-held device slots (e.g. the duplicates of a cached prefix).
 
         Raises:
-            BadArgument: ``device_slots`` is not a sequence of non-negative ints.
+            BadArgument: ``device_slots`` is not a sequence of non-negative ints
+                (a bool is not a slot); nothing was freed.
             ForeignSlot: A slot is outside the pool, not page-aligned, or not a
                 request's; nothing was freed.
         """
