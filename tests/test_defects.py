@@ -660,8 +660,8 @@ def test_slots_given_as_bools_are_refused_and_change_nothing(
     cache.alloc_slots(2)  # slots 0 and 1
     before = snapshot(cache), cache.tiers.device.allocator.free_list, len(cache.log.entries)
     for name, call in (
-        ("free_slots", lambda: cache.free_slots(given)),  # type: ignore[arg-type]
-        ("insert", lambda: cache.insert([5, 6], given)),  # type: ignore[arg-type]
+        ("free_slots", lambda: cache.free_slots(given)),
+        ("insert", lambda: cache.insert([5, 6], given)),
     ):
         with pytest.raises(BadArgument) as caught:
             call()
@@ -694,7 +694,7 @@ def test_slots_that_equal_pages_become_the_pages_themselves(kind: str) -> None:
     np = pytest.importorskip("numpy")
     given = [np.int64(s) for s in held]
     tokens = list(range(5, 5 + 2 * page))
-    cache.insert(tokens, given)  # type: ignore[arg-type]
+    cache.insert(tokens, given)
     cache.poll()
     match = cache.match_prefix(tokens)
     node = match.last_device_node

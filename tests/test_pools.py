@@ -147,7 +147,7 @@ def test_a_bool_is_no_page_and_every_call_refuses_it_changing_nothing(given: lis
     for call in (
         lambda: a.free(given, owner=1),  # type: ignore[arg-type]
         lambda: a.reassign(given, owner=1, new_owner=2),  # type: ignore[arg-type]
-        lambda: a.owner_of(culprit),  # type: ignore[arg-type]
+        lambda: a.owner_of(culprit),
     ):
         with pytest.raises(ForeignSlot) as info:
             call()
