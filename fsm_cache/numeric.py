@@ -16,6 +16,9 @@ Three forms, for what a site takes:
   engine passes per request, which may come from an array.
 * :func:`real`: an int or a float (a numpy float is a float subclass).
 
+:func:`boolean` says whether a value is a bool of any kind, for the checks
+that take values by comparison (a page list compared with a run of pages).
+
 A leaf: it imports nothing of ours, nor torch or numpy, so the checked core
 may use it and mypyc-compiled modules may call it.
 """
@@ -47,6 +50,15 @@ _BOOL_DTYPES = frozenset({"torch.bool", "bool"})
 """The names of torch's and numpy's bool dtypes."""
 
 
+def boolean(value: object) -> bool:
+    """Whether ``value`` is a bool: Python's, numpy's, or a bool tensor.
+
+    Each equals 0 or 1, so a check by value (``==``, a list index, a
+    ``range``) takes it for that number; a check that refuses bools asks this.
+    """
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in _BOOL_DTYPES
+
+
 def as_index(value: object) -> int | None:
     """Return the int ``value`` stands for, or None if it is not an integer (or is a bool).
 
@@ -55,7 +67,7 @@ def as_index(value: object) -> int | None:
     or 1: numpy 2.2, the newest on Python 3.10, only warns) and the rest do
     not. Read by the dtype's name, so neither torch nor numpy is imported.
     """
-    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in _BOOL_DTYPES:
+    if boolean(value):
         return None
     try:
         return operator.index(value)  # type: ignore[arg-type]

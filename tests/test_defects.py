@@ -649,12 +649,30 @@ def test_15_a_cache_of_something_that_is_no_config_is_a_config_error() -> None:
 # -- page numbers the argument check takes as ints ------------------------------
 
 
-def test_slots_given_back_as_bools_can_be_allocated_again() -> None:
-    cache = HiCache(CacheConfig(page_size=1, device_pages=8, host_pages=0))
+@pytest.mark.parametrize(
+    ("given", "culprit"), [([False, True], "slots[0] is False"), ([0, True], "slots[1] is True")]
+)
+def test_slots_given_as_bools_are_refused_and_change_nothing(
+    given: list[bool], culprit: str
+) -> None:
+    """A bool equals page 0 or 1 but is no slot: refused as a float is, by every call."""
+    cache = HiCache(CacheConfig(page_size=1, device_pages=8, host_pages=8))
     cache.alloc_slots(2)  # slots 0 and 1
-    cache.free_slots([False, True])  # the argument check takes bools as 0 and 1
-    cache.insert(list(range(10, 18)))  # needs all 8 pages, 0 and 1 included
-    assert cache.tiers.device.allocator.free_pages == 0
+    before = snapshot(cache), cache.tiers.device.allocator.free_list, len(cache.log.entries)
+    for name, call in (
+        ("free_slots", lambda: cache.free_slots(given)),
+        ("insert", lambda: cache.insert([5, 6], given)),
+    ):
+        with pytest.raises(BadArgument) as caught:
+            call()
+        assert str(caught.value) == f"{name}: {culprit}, not an int"
+    assert (
+        snapshot(cache),
+        cache.tiers.device.allocator.free_list,
+        len(cache.log.entries),
+    ) == before
+    cache.free_slots([0, 1])  # still the request's
+    cache.check_invariants()
 
 
 def test_a_node_inserted_with_numpy_slots_can_be_evicted() -> None:
@@ -667,19 +685,16 @@ def test_a_node_inserted_with_numpy_slots_can_be_evicted() -> None:
     assert cache.tiers.device.allocator.free_pages == 0
 
 
-@pytest.mark.parametrize("kind", ["bools", "numpy", "numpy, page 2"])
+@pytest.mark.parametrize("kind", ["numpy", "numpy, page 2"])
 def test_slots_that_equal_pages_become_the_pages_themselves(kind: str) -> None:
     """A node keeps the pool's own page ints, so its write-through copy and its match work."""
     page = 2 if kind.endswith("page 2") else 1
     cache = HiCache(CacheConfig(page_size=page, device_pages=8, host_pages=8))
     held = cache.alloc_slots(2 * page)  # pages 0 and 1
-    if kind == "bools":
-        given: list[object] = [False, True]
-    else:
-        np = pytest.importorskip("numpy")
-        given = [np.int64(s) for s in held]
+    np = pytest.importorskip("numpy")
+    given = [np.int64(s) for s in held]
     tokens = list(range(5, 5 + 2 * page))
-    cache.insert(tokens, given)  # type: ignore[arg-type]
+    cache.insert(tokens, given)
     cache.poll()
     match = cache.match_prefix(tokens)
     node = match.last_device_node

@@ -331,3 +331,17 @@ def test_a_log_copies_and_pickles_with_its_positions(how: Callable[[EventLog], E
     assert (len(log.entries), log.recorded, again.recorded) == (3, 5, 6)
     view: Any = how(log.entries)  # type: ignore[arg-type]
     assert list(view) == list(log.entries)
+
+
+def test_retract_takes_back_the_last_entry_only_if_it_is_the_one_named() -> None:
+    log = EventLog(2)
+    log.op("insert", (1, 2))
+    log.transition(1, "add")
+    log.transition(2, "split:1")  # drops the op: the limit is 2
+    assert not log.retract(("transition", 1, "add"))  # not the last
+    assert log.retract(("transition", 2, "split:1"))
+    assert list(log.entries) == [("transition", 1, "add")]
+    assert (log.recorded, log.dropped) == (2, 1)  # the op dropped for it stays dropped
+    assert log.retract(("transition", 1, "add"))
+    assert not log.retract(("transition", 1, "add"))  # empty
+    assert (log.recorded, log.dropped) == (1, 1)

@@ -132,7 +132,51 @@ def test_a_page_that_is_not_an_int_is_refused_by_name_and_changes_nothing(bad: o
     assert snapshot(a) == before
 
 
-@pytest.mark.parametrize("pages", ["bools", "run with a float", "numpy", "numpy, not a run"])
+@pytest.mark.parametrize(
+    "given",
+    [[False, True], [0, True], (0, True), [True, 0], [3, False], [True]],
+    ids=["bools", "a run ending in True", "a tuple run", "True first", "False last", "True"],
+)
+def test_a_bool_is_no_page_and_every_call_refuses_it_changing_nothing(given: list[object]) -> None:
+    """True equals page 1 and False page 0, in a run too; as a float, neither is a page."""
+    a = PageAllocator("device", 4, 1)
+    a.alloc(4, owner=1)  # pages 0 to 3
+    before = snapshot(a)
+    culprit = next(p for p in given if type(p) is bool)
+    message = f"device pool: page {culprit!r} is not an int"
+    for call in (
+        lambda: a.free(given, owner=1),  # type: ignore[arg-type]
+        lambda: a.reassign(given, owner=1, new_owner=2),  # type: ignore[arg-type]
+        lambda: a.owner_of(culprit),
+    ):
+        with pytest.raises(ForeignSlot) as info:
+            call()
+        assert str(info.value) == message
+    assert a.all_owned_by(given, 1) is False  # type: ignore[arg-type]
+    assert a.owned(given, 1) is None  # type: ignore[arg-type]
+    assert a.run_of(given) is None  # type: ignore[arg-type]
+    assert snapshot(a) == before
+
+
+def test_a_numpy_bool_is_no_page_either() -> None:
+    np = pytest.importorskip("numpy")
+    a = PageAllocator("device", 4, 1)
+    a.alloc(2, owner=1)  # pages 0 and 1
+    before = snapshot(a)
+    for given, culprit in (
+        ([np.True_], np.True_),
+        ([0, np.True_], np.True_),
+        (np.array([False, True]), np.False_),
+    ):
+        with pytest.raises(ForeignSlot) as info:
+            a.free(given, owner=1)
+        assert str(info.value) == f"device pool: page {culprit!r} is not an int"
+        assert a.owned(given, 1) is None
+        assert a.all_owned_by(given, 1) is False
+    assert snapshot(a) == before
+
+
+@pytest.mark.parametrize("pages", ["run with a float", "numpy", "numpy, not a run"])
 def test_pages_go_back_to_the_free_list_as_the_pools_own_ints(pages: str) -> None:
     """A page that passed as the page it equals is stored as that page, not as given."""
     if pages.startswith("numpy"):
@@ -140,7 +184,7 @@ def test_pages_go_back_to_the_free_list_as_the_pools_own_ints(pages: str) -> Non
         given: list[object] = [np.int64(0), np.int64(1)]
         given = given[::-1] if "not" in pages else given
     else:
-        given = [False, True] if pages == "bools" else [0, 1.0]
+        given = [0, 1.0]
     a = PageAllocator("device", 4, 1)
     a.alloc(2, owner=1)  # pages 0 and 1
     a.free(given, owner=1)  # type: ignore[arg-type]
@@ -155,8 +199,10 @@ def test_pages_go_back_to_the_free_list_as_the_pools_own_ints(pages: str) -> Non
     [
         ([0, 1], (0, 1)),
         ((3, 0), (3, 0)),
-        ([False, True], (0, 1)),
-        ([True, 3], (1, 3)),
+        ([False, True], None),  # a bool is no page, though it equals one
+        ([0, True], None),
+        ((0, True), None),
+        ([True, 3], None),
         ([0, 1.0], (0, 1)),  # a run: compared with the pool's pages, in C
         ([3, 1.0], None),  # not a run: a float never indexes the pool
         ([1, 1], None),

@@ -86,3 +86,55 @@ def test_a_split_whose_hand_over_fails_leaves_the_tree_as_it_was() -> None:
     assert split == [2]  # the id the failed split would have given
     assert [n.id for n in walk.path] == [2]
     assert leaf.parent is walk.path[0]
+
+
+def test_find_changes_nothing_and_says_where_walk_would_split() -> None:
+    tree = RadixTree(page_size=1)
+    leaf = tree.add_leaf(tree.root(), (1, 2, 3), (10, 11, 12))
+    found = tree.find((1, 2, 9))
+    assert ([n.id for n in found.path], found.matched, found.cut) == ([1], 2, 2)
+    assert (leaf.key, set(tree.nodes)) == ((1, 2, 3), {1})
+    walk = tree.walk((1, 2, 9))
+    assert ([n.id for n in walk.path], walk.matched, walk.cut) == ([2], 2, 0)
+    assert tree.find((1, 2, 9)) is walk  # no split left to make: the walk itself
+
+
+def test_an_unsplit_gives_the_suffix_back_its_prefix_and_the_next_node_its_id() -> None:
+    seen: list[tuple[Pages, Pages, int, int]] = []
+    tree = RadixTree(page_size=1, hand_over=lambda *args: seen.append(args))
+    root = tree.root()
+    leaf = tree.add_leaf(root, (1, 2, 3), (10, 11, 12))
+    host: Pages = (20, 21, 22)
+    leaf.host_pages = host
+    prefix = tree.split(leaf, 2)
+    assert tree.unsplit(prefix) is leaf
+    assert seen[-1] == ((10, 11), (20, 21), 2, 1)  # handed back before the tree changed
+    assert root.children == {(1,): leaf}
+    assert leaf.parent is root
+    assert (leaf.key, leaf.device_pages, leaf.host_pages) == ((1, 2, 3), (10, 11, 12), (20, 21, 22))
+    assert set(tree.nodes) == {leaf.id}
+    assert [n.id for n in tree.walk((1, 2, 9)).path] == [2]  # the id the prefix had
+
+
+def test_only_the_last_node_made_is_unsplit_and_a_failed_hand_back_changes_nothing() -> None:
+    broken = False
+
+    def hand_over(device: Pages, host: Pages, owner: int, new: int) -> None:
+        if broken:
+            raise RuntimeError("allocator broke")
+
+    tree = RadixTree(page_size=1, hand_over=hand_over)
+    leaf = tree.add_leaf(tree.root(), (1, 2, 3), (10, 11, 12))
+    prefix = tree.split(leaf, 2)
+    other = tree.add_leaf(tree.root(), (5,), (13,))
+    with pytest.raises(InvariantViolation) as refused:
+        tree.unsplit(prefix)
+    assert str(refused.value) == (
+        "node 2: only the last node made, with one child, can be unsplit (the last made is node 3)"
+    )
+    tree.retract(other)
+    broken = True
+    with pytest.raises(RuntimeError, match="allocator broke"):
+        tree.unsplit(prefix)
+    assert (prefix.children, leaf.parent, leaf.key) == ({(3,): leaf}, prefix, (3,))
+    assert set(tree.nodes) == {1, 2}

@@ -294,18 +294,49 @@ def test_an_allocator_that_breaks_as_a_split_hands_pages_over_changes_nothing(po
     assert states(again) == states(cache)
 
 
-def test_a_split_before_an_allocator_broke_is_logged_and_does_not_replay() -> None:
-    """An insert whose walk split a node changed the cache before its allocator broke.
+def test_a_split_before_an_allocator_broke_is_taken_back_and_replays() -> None:
+    """An insert split a node part way, then the allocator broke as its new leaf took its pages.
 
-    The split is logged before the failure, so the log cannot replay the insert
-    as nothing done: a replay names it, as it names an eviction.
+    The split stayed, logged, so the log could not replay the insert as nothing
+    done. Nothing else had changed since: the split is taken back, node id and
+    log entry included, and the log replays.
     """
     cache = HiCache(replace(BASE, debug=True))
     cache.insert(list(range(16)))
     cache.poll()
+    before = (shape(cache), states(cache), owners(cache))
     allocator = cache.tiers.device.allocator
     allocator.reassign = _Breaking(allocator.reassign, {2}, RuntimeError("allocator broke"))  # type: ignore[method-assign]
     prompt = (*range(8), *range(100, 104))  # parts inside node 1: the walk splits it
+    with pytest.raises(RuntimeError, match="allocator broke"):
+        cache.insert(prompt)
+    vars(allocator).pop("reassign")
+    assert (shape(cache), states(cache), owners(cache)) == before
+    cache.check_invariants()
+    at = cache.log.entries.index(("op", "insert", (prompt, None, None)))
+    assert cache.log.entries[at + 1 :] == [("failed", "insert", "RuntimeError: allocator broke")]
+    cache.insert(prompt)  # the allocator works again: the prefix gets the id it would have had
+    cache.poll()
+    assert sorted((n.id, n.key[0]) for n in cache.tree) == [(1, 8), (2, 0), (3, 100)]
+    again = replay(cache.log, BASE)
+    assert again.log.transitions() == cache.log.transitions()
+    assert states(again) == states(cache)
+
+
+def test_a_split_and_an_adoption_before_an_allocator_broke_are_logged_and_do_not_replay() -> None:
+    """The prefix of a host-only node adopted its pages before the allocator broke at the leaf.
+
+    The split cannot be taken back then: the log says what the insert did, and
+    a replay names it, as it names an eviction.
+    """
+    cache = HiCache(replace(BASE, debug=True))
+    cache.insert(list(range(16)))
+    cache.poll()
+    cache.evict(16)
+    cache.poll()
+    allocator = cache.tiers.device.allocator
+    allocator.reassign = _Breaking(allocator.reassign, {3}, RuntimeError("allocator broke"))  # type: ignore[method-assign]
+    prompt = (*range(8), *range(100, 104))  # parts inside host-only node 1: split, then adopt
     with pytest.raises(RuntimeError, match="allocator broke"):
         cache.insert(prompt)
     vars(allocator).pop("reassign")
@@ -313,13 +344,14 @@ def test_a_split_before_an_allocator_broke_is_logged_and_does_not_replay() -> No
     at = cache.log.entries.index(("op", "insert", (prompt, None, None)))
     assert cache.log.entries[at + 1 :] == [
         ("transition", 2, "split:1"),
+        ("transition", 2, "adopt"),
         ("failed", "insert", "RuntimeError: allocator broke"),
     ]
     with pytest.raises(ReplayMismatch) as caught:
         replay(cache.log, BASE)
     assert str(caught.value) == (
         f"replay: entry {at} {cache.log.entries[at]!r} failed in the recording (RuntimeError:"
-        f" allocator broke) after it changed the cache (entries {at + 1} to {at + 1});"
+        f" allocator broke) after it changed the cache (entries {at + 1} to {at + 2});"
         " a failure from outside the cache replays only where the operation changed nothing"
     )
 

@@ -73,11 +73,7 @@ def ints(value: object, op: str, what: str) -> tuple[int, ...]:
     """
     if type(value) is TokenKey:
         return value
-    out, words = packed(value, op, what)
-    at = _first_bool(out, words)
-    if at is not None:
-        raise BadArgument(f"{op}: {what}[{at}] is {out[at]!r}, not an int")
-    return out
+    return packed(value, op, what)[0]
 
 
 def packed(value: object, op: str, what: str) -> tuple[tuple[int, ...], array.array[int]]:
@@ -86,7 +82,8 @@ def packed(value: object, op: str, what: str) -> tuple[tuple[int, ...], array.ar
     The array is the one the check builds anyway. The event log keeps it in
     place of the tuple for long slot lists: eight bytes an id, and no int
     objects in it for the garbage collector to trace, however many entries
-    the log keeps.
+    the log keeps. Slots are refused as bools as token ids are: a bool is
+    no page index either, though it equals page 0 or 1.
 
     Raises:
         BadArgument: as :func:`ints`.
@@ -109,6 +106,9 @@ def packed(value: object, op: str, what: str) -> tuple[tuple[int, ...], array.ar
     except (TypeError, OverflowError):
         _name_culprit(out, op, what)
         raise  # not reached: _name_culprit raises
+    at = _first_bool(out, words)
+    if at is not None:
+        raise BadArgument(f"{op}: {what}[{at}] is {out[at]!r}, not an int")
     return out, words
 
 

@@ -18,9 +18,9 @@ from fsm_cache.cache.metrics import Counters
 from fsm_cache.cache.tree import Pages, RadixTree, TreeNode
 from fsm_cache.engine import trail
 from fsm_cache.engine.core import Effect
-from fsm_cache.errors import BadArgument, EffectFailed, IllegalTransition
+from fsm_cache.errors import BadArgument, EffectFailed, IllegalTransition, InvariantViolation
 from fsm_cache.memory.tiers import Tiers
-from fsm_cache.residency import AnyEvent, Residency
+from fsm_cache.residency import AnyEvent, Residency, split_prefix
 
 
 trail.internal(__file__)
@@ -160,8 +160,50 @@ class CacheCore:
             self.counters.evicted_tokens["device"] += len(node.key)
         self.log.transition(node.id, "delete")
 
+    def unsplit(self, prefix: TreeNode) -> bool:
+        """Take back the split that made ``prefix`` if nothing happened since; return whether it did.
+
+        For an operation that split a node and then failed from outside the
+        cache (an allocator that broke): the tree, the node ids and the log
+        are then as if the split had never been. Only where that is exactly
+        so: the split is the last entry logged (no transition since, on
+        either half or elsewhere), ``prefix`` is the last node made and still
+        in the residency the split gave it, and neither half has a copy in
+        flight (which the split would have re-homed onto the prefix too).
+
+        Raises:
+            Exception: Whatever the page hand-over raises (an allocator still
+                broken); the split then stays, and so does the log.
+        """
+        if len(prefix.children) != 1:
+            return False
+        (suffix,) = prefix.children.values()
+        entry = ("transition", prefix.id, f"split:{suffix.id}")
+        entries = self.log.entries
+        if not entries or entries[-1] != entry:
+            return False
+        residency = (prefix.host, prefix.device, prefix.pins, prefix.locks, prefix.storage)
+        split = split_prefix(suffix.host, suffix.device, suffix.locks, suffix.storage)
+        if residency != (*split, suffix.storage) or not _quiet(prefix):
+            return False
+        try:
+            self.tree.unsplit(prefix)
+        except InvariantViolation:  # not the last node made: its id may be known elsewhere
+            return False
+        self.log.retract(entry)
+        return True
+
     def _split(self, prefix: TreeNode, suffix: TreeNode) -> None:
         # the prefix's pages are its own already: the tree handed them over before it changed
         for listener in self._split_listeners:
             listener(prefix, suffix)
         self.log.transition(prefix.id, f"split:{suffix.id}")
+
+
+_QUIET = frozenset({"resident", "absent", "unbacked", "backed", "evicted", "unstored", "stored"})
+"""States in which no copy is in flight for a node (nor a read of its stored pages)."""
+
+
+def _quiet(node: TreeNode) -> bool:
+    """Whether no copy is in flight for ``node``: none a split could have re-homed onto a prefix."""
+    return node.pins == 0 and {node.device, node.host, node.storage} <= _QUIET

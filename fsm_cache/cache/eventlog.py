@@ -274,6 +274,19 @@ class EventLog:
         self._recorded += 1
         self._items.append(entry)
 
+    def retract(self, entry: Entry) -> bool:
+        """Take back the last entry if it is ``entry``; return whether it was.
+
+        For a step an operation took and then took back before it returned (a
+        split undone): the log reads as if it had never been logged. An entry
+        the limit dropped to make room for it stays dropped.
+        """
+        if not self._items or self._items[-1] != entry:
+            return False
+        self._items.pop()
+        self._recorded -= 1
+        return True
+
     def copy(self) -> EventLog:
         """Return a copy with the same limit, entries and count of entries dropped."""
         out = EventLog(self.limit)

@@ -447,19 +447,30 @@ class Evictor:
                 self._core.fire(held, "unlock")
         return self._tiers.alloc_device(pages, 0)
 
-    def refuse_impossible(self, pages: int, keep: TreeNode | None) -> None:
+    def refuse_impossible(self, pages: int, keep: TreeNode | None, prefix: int = 0) -> None:
         """Raise PoolExhausted, changing nothing, if eviction could never free ``pages``.
 
         Operations that would first wait for copies (an insert through a node
-        still loading) ask before they wait, so such a refusal changes nothing.
+        still loading) ask before they wait, and an insert asks before it
+        splits a node, so such a refusal changes nothing.
 
         The bound counts every free page and every page of an unlocked device
         node off ``keep``'s path: no eviction frees more than that. Filed
         device leaves that already reach it answer without walking the tree.
+
+        Args:
+            pages: Device pages wanted.
+            keep: The node whose path (it and its ancestors) eviction keeps.
+            prefix: If not 0, only ``keep``'s first ``prefix`` pages are kept,
+                the prefix an insert is about to split off: the rest, the
+                suffix, counts as any node off the path, as after the split.
         """
         allocator = self._tiers.device.allocator
         if pages <= allocator.free_pages:
             return
+        partial = keep if prefix else None
+        if partial is not None:  # the prefix to be is kept with the path above it
+            keep = partial.parent
         kept = set()
         while keep is not None:
             kept.add(keep.id)
@@ -467,7 +478,9 @@ class Evictor:
 
         def counted(node: TreeNode) -> int:
             held = node.locks == 0 and node.device in DEVICE_HELD and node.id not in kept
-            return len(node.device_pages) if held else 0
+            if not held:
+                return 0
+            return len(node.device_pages) - (prefix if node is partial else 0)
 
         need = pages - allocator.free_pages
         if self._leaves.hold(self._core.tree.nodes, need, counted):

@@ -21,6 +21,7 @@ machine, counters, log), :class:`~fsm_cache.cache.transfers.Transfers`
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from fsm_cache.cache.storage_tier import (
     local_prefix,
 )
 from fsm_cache.cache.transfers import ACKNOWLEDGEMENTS, AckSourceFactory, Transfers
-from fsm_cache.cache.tree import Pages, RadixTree, TreeNode
+from fsm_cache.cache.tree import Pages, RadixTree, TreeNode, Walk
 from fsm_cache.engine import trail
 from fsm_cache.engine.lease import Lease
 from fsm_cache.errors import (
@@ -344,18 +345,20 @@ class HiCache:
 
         Raises:
             BadArgument: ``tokens`` or ``device_slots`` is not a sequence of
-                non-negative ints (a bool is refused as a token id, taken as 0
-                or 1 as a slot), or ``namespace`` is unhashable; nothing changed.
+                non-negative ints (a bool is neither a token id nor a slot), or
+                ``namespace`` is unhashable; nothing changed.
             CopyFailed: A node on the path is still loading after its copy failed
                 and was started again (a locked node); nothing was inserted.
             ForeignSlot: ``device_slots`` are too few, not whole pages, repeat a
-                page, or name a page the request does not hold. Nothing was
-                inserted (a node may have been split at a page boundary).
+                page, or name a page the request does not hold. Nothing changed.
             PoolExhausted: Too little device memory even after eviction (only
-                when ``device_slots`` is None). Nothing was inserted; what the
-                eviction did stays done: the leaves it evicted are host-only
-                (or deleted, under write-through), and the write-backs it
-                started were waited for and applied.
+                when ``device_slots`` is None). Nothing was inserted. An
+                allocation no eviction could satisfy is refused before anything
+                changes; otherwise what the eviction did stays done: the leaves
+                it evicted are host-only (or deleted, under write-through), the
+                write-backs it started were waited for and applied, and a node
+                the insert runs into part way was split first (eviction may
+                take its suffix).
             EffectFailed: The device allocator broke (an error from outside
                 the cache) as a host-only node on the path took its pages: the
                 nodes before it keep theirs (logged), and nothing after it was
@@ -364,9 +367,18 @@ class HiCache:
                 pages the cache allocated itself went back to the pool, and of
                 ``device_slots`` the caller still holds those past
                 ``match_prefix(tokens).device_len``, to give back with
-                :meth:`free_slots` (the rest are the nodes' now). Or the
+                :meth:`free_slots` (the rest are the nodes' now). A node the
+                insert split part way is whole again, with the node ids and
+                the log as before, where nothing else changed since the split
+                (no node above adopted its pages). Or the
                 host allocator broke as a backup the insert started took its
                 pages: the insert was done, and its new leaf, unbacked, is logged.
+
+        Every refusal of the insert's own comes before it splits a node it
+        runs into part way (check, then act), and so does a KV write that
+        torch fails when the pool has room: such a call leaves the tree, the
+        node ids, the pools and the log (but for the call and its refusal) as
+        they were.
         """
         given = arguments.ints(tokens, "insert", "tokens")
         args, logged = (
@@ -379,33 +391,32 @@ class HiCache:
             tree = self._core.tree
             key = tree.aligned(given)
             slots.check_count(args, len(key))
-            walk = tree.walk(key, namespace)
-            cached, loading = 0, False
+            walk = tree.find(key, namespace)  # no split yet: every refusal comes first
             for node in walk.path:
                 if node.device == "loading":
-                    loading = True
+                    walk = self._wait_for_loads(walk, key, args, namespace)
                     break
-            if loading:  # refuse before waiting for anything, which applies copies
-                if args is None:  # what can never fit
-                    needed = sum(n for _, _, n in slots.wanted(walk.path, key))
-                    self._evictor.refuse_impossible(needed // self.config.page_size, walk.path[-1])
-                else:  # slots of the parts wanted now, which stay wanted whatever the loads do
-                    self._caller_pages(walk.path, key, args)
-                stuck = self._transfers.finish_loads(walk.path, "insert")
-                if stuck:
-                    raise CopyFailed(
-                        f"insert: node {stuck[0].id} is still loading: its copy failed and"
-                        " runs again; insert after a poll"
-                    )
-                walk = tree.walk(key, namespace)  # what the copies applied may have changed it
+            split: TreeNode | None = None
+            if walk.cut:  # the match ends inside a node: check, then split it
+                walk, parts, runs = self._split_checked(walk, key, namespace, args)
+                split = walk.path[-1]
+            else:
+                parts = slots.wanted(walk.path, key)
+                runs = self._fresh_pages(walk.path, key, parts, args)
+            cached = 0
             for node in walk.path:
                 if node.device == "absent":
                     break
                 cached += len(node.key)
-            fresh = self._fresh_pages(walk.path, key, args)
-            added = self._take_over(
-                walk.path, walk.matched, key, fresh, namespace, allocated=args is None
-            )
+            fresh = {ident: run for (ident, _, _), run in zip(parts, runs, strict=True)}
+            try:
+                added = self._take_over(
+                    walk.path, walk.matched, key, fresh, namespace, allocated=args is None
+                )
+            except BaseException:  # an allocator that broke: the split is taken back too
+                if split is not None:
+                    self._take_back(split)
+                raise
             touched = (*walk.path, *added)
             self._core.touch(touched)
             try:
@@ -416,55 +427,147 @@ class HiCache:
                 raise
             return cached
 
+    def _wait_for_loads(
+        self, walk: Walk, key: tuple[int, ...], given: Pages | None, namespace: Hashable
+    ) -> Walk:
+        """Apply the copies an insert through a node still loading waits for; return the new walk.
+
+        What can be refused now is refused before waiting for anything (which
+        applies copies): slots that are not the request's, or memory that no
+        eviction could free, for the parts that need device pages now, which
+        stay wanted whatever the loads do.
+
+        Raises:
+            ForeignSlot: As :meth:`_caller_pages`.
+            PoolExhausted: No eviction could free the pages wanted (no ``given`` slots).
+            CopyFailed: A load on the path failed and runs again (a locked node).
+        """
+        parts = slots.wanted(walk.path, key, walk.cut)
+        if given is None:  # what can never fit
+            page = self.config.page_size
+            needed = sum(n for _, _, n in parts) // page
+            self._evictor.refuse_impossible(needed, walk.path[-1], walk.cut // page)
+        else:
+            self._caller_pages(parts, given)
+        stuck = self._transfers.finish_loads(walk.path, "insert")
+        if stuck:
+            raise CopyFailed(
+                f"insert: node {stuck[0].id} is still loading: its copy failed and"
+                " runs again; insert after a poll"
+            )
+        return self._core.tree.find(key, namespace)  # what the copies applied may have changed it
+
     def _fresh_pages(
-        self, path: Sequence[TreeNode], key: tuple[int, ...], given: Pages | None
-    ) -> dict[int, Pages]:
-        """Device pages for host-only path nodes (by id) and the new tail (:data:`slots.NEW_TAIL`).
+        self,
+        path: Sequence[TreeNode],
+        key: tuple[int, ...],
+        parts: list[tuple[int, int, int]],
+        given: Pages | None,
+    ) -> list[Pages]:
+        """Device pages for each of ``parts`` (:func:`slots.wanted` of ``path``), in order.
 
         Only the caller's slots for those parts are read, and checked before
         anything changes; slots of the part already on the device are the
         caller's business. Without caller slots, pages are allocated (evicting
         if needed) and filled with KV derived from the tokens.
+
+        Raises:
+            ForeignSlot: As :meth:`_caller_pages`.
+            PoolExhausted: Too little device memory even after eviction.
         """
         if given is not None:
-            return self._caller_pages(path, key, given)
-        page, parts = self.config.page_size, slots.wanted(path, key)
+            return self._caller_pages(parts, given)
+        page = self.config.page_size
         total = sum(n for _, _, n in parts) // page
         run = self._evictor.alloc_device(total, path[-1] if path else None, path)
-        out, at = {}, 0
+        out, at = [], 0
         try:
-            for ident, o, n in parts:
-                out[ident] = run[at : at + n // page]
-                self.tiers.write_tokens(out[ident], key[o : o + n])
+            for _, o, n in parts:
+                out.append(run[at : at + n // page])
+                self.tiers.write_tokens(out[-1], key[o : o + n])
                 at += n // page
         except BaseException:  # torch refused the write (out of memory): the pages go back
             self.tiers.free_device(run, REQUEST)
             raise
         return out
 
-    def _caller_pages(
-        self, path: Sequence[TreeNode], key: tuple[int, ...], given: Pages
-    ) -> dict[int, Pages]:
-        """The caller's pages for the parts of ``key`` that need device memory, checked held.
+    def _split_checked(
+        self, walk: Walk, key: tuple[int, ...], namespace: Hashable, given: Pages | None
+    ) -> tuple[Walk, list[tuple[int, int, int]], list[Pages]]:
+        """Check an insert whose match ends inside a node, then split it; its walk, parts, pages.
+
+        ``walk`` is a :meth:`~fsm_cache.cache.tree.RadixTree.find`'s, with a
+        cut. Everything that can be refused is refused before the split: the
+        caller's slots, or (without them) an allocation no eviction could
+        satisfy; and when the pool has room the pages are allocated and
+        written first too, so that torch failing the write leaves no split
+        either. A pool short now is evicted from after the split, which
+        decides what eviction may take (the suffix, a leaf of its own).
+
+        The split hands the prefix's pages over first, so an allocator that
+        breaks there leaves the tree as it was; the pages allocated for the
+        insert go back with it.
+
+        Raises:
+            ForeignSlot: As :meth:`_caller_pages`; nothing changed.
+            PoolExhausted: Too little device memory even after eviction;
+                nothing changed, or (the pool short, eviction not enough) the
+                node was split and what eviction did stays done.
+        """
+        parts = slots.wanted(walk.path, key, walk.cut)
+        runs: list[Pages] | None = None
+        if given is not None:
+            runs = self._caller_pages(parts, given)
+        else:
+            page = self.config.page_size
+            total = sum(n for _, _, n in parts) // page
+            self._evictor.refuse_impossible(total, walk.path[-1], walk.cut // page)
+            if total <= self.tiers.device.allocator.free_pages:  # nothing to evict
+                runs = self._fresh_pages(walk.path, key, parts, None)
+        try:
+            walk = self._core.tree.walk(key, namespace)
+        except BaseException:  # an allocator that broke as the split handed pages over
+            if given is None and runs:
+                self.tiers.free_device(tuple(chain.from_iterable(runs)), REQUEST)
+            raise
+        parts = slots.wanted(walk.path, key)  # the same parts; the prefix's id for its own
+        if runs is None:
+            try:
+                runs = self._fresh_pages(walk.path, key, parts, None)
+            except BaseException:  # taken back if eviction changed nothing (its pages are back)
+                self._take_back(walk.path[-1])
+                raise
+        return walk, parts, runs
+
+    def _take_back(self, prefix: TreeNode) -> None:
+        """Undo the split an insert made before it failed, if nothing happened since.
+
+        :meth:`CacheCore.unsplit`: where the split was the last thing the
+        insert did (the steps after it undone, or failed before any change),
+        the tree, the node ids and the log are as before the insert.
+        """
+        with contextlib.suppress(Exception):  # an allocator still broken: the split stays
+            self._core.unsplit(prefix)
+
+    def _caller_pages(self, parts: list[tuple[int, int, int]], given: Pages) -> list[Pages]:
+        """The caller's pages for each of ``parts`` (:func:`slots.wanted`), checked held, in order.
 
         Raises:
             ForeignSlot: a slot is not whole pages, or a page is not the request's, or repeats.
         """
-        page, parts = self.config.page_size, slots.wanted(path, key)
+        page = self.config.page_size
         if page == 1:  # slots are pages
-            out = {ident: given[o : o + n] for ident, o, n in parts}
+            out = [given[o : o + n] for _, o, n in parts]
         else:
-            out = {
-                ident: tuple(slots.request_pages(given[o : o + n], page, "insert"))
-                for ident, o, n in parts
-            }
+            out = [
+                tuple(slots.request_pages(given[o : o + n], page, "insert")) for _, o, n in parts
+            ]
         allocator = self.tiers.device.allocator
         if len(out) == 1:
-            ident = next(iter(out))
-            return {ident: slots.held(allocator, out[ident])}
-        own, at = slots.held(allocator, tuple(chain(*out.values()))), 0
-        for ident, pages in out.items():
-            out[ident], at = own[at : at + len(pages)], at + len(pages)
+            return [slots.held(allocator, out[0])]
+        own, at = slots.held(allocator, tuple(chain(*out))), 0
+        for i, pages in enumerate(out):
+            out[i], at = own[at : at + len(pages)], at + len(pages)
         return out
 
     def _take_over(
@@ -544,7 +647,8 @@ class HiCache:
         """Give back request-held device slots (e.g. the duplicates of a cached prefix).
 
         Raises:
-            BadArgument: ``device_slots`` is not a sequence of non-negative ints.
+            BadArgument: ``device_slots`` is not a sequence of non-negative ints
+                (a bool is not a slot); nothing was freed.
             ForeignSlot: A slot is outside the pool, not page-aligned, or not a
                 request's; nothing was freed.
         """

@@ -27,17 +27,26 @@ def check_count(slots: Sequence[int] | None, tokens: int) -> None:
         raise ForeignSlot(f"insert: {len(slots)} device slots for {tokens} tokens")
 
 
-def wanted(path: Sequence[TreeNode], key: Key) -> list[tuple[int, int, int]]:
+def wanted(path: Sequence[TreeNode], key: Key, cut: int = 0) -> list[tuple[int, int, int]]:
     """Return ``(node id, offset, tokens)`` of each part of ``key`` that needs device pages.
 
     Those are the host-only nodes of the matched ``path`` (adopted with new
-    pages) and the unmatched tail (:data:`NEW_TAIL`), in key order.
+    pages) and the unmatched tail (:data:`NEW_TAIL`), in key order. With a
+    ``cut`` (a :meth:`~fsm_cache.cache.tree.RadixTree.find` that ended inside
+    the last node), the last node counts as the prefix a split would leave:
+    its first ``cut`` tokens, in its states, so the parts are those of the
+    walk that splits it (their ids aside).
     """
     offset, out = 0, []
     for node in path:
         if node.device == "absent":
             out.append((node.id, offset, len(node.key)))
         offset += len(node.key)
+    if cut:
+        last = path[-1]
+        offset += cut - len(last.key)
+        if last.device == "absent":
+            out[-1] = (last.id, out[-1][1], cut)
     if offset < len(key):
         out.append((NEW_TAIL, offset, len(key) - offset))
     return out

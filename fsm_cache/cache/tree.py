@@ -82,10 +82,19 @@ class TreeNode(ResidencyRecord):
 
 @dataclass(frozen=True)
 class Walk:
-    """The nodes a key runs through from the root, and how many tokens matched."""
+    """The nodes a key runs through from the root, and how many tokens matched.
+
+    Attributes:
+        path: The nodes matched, from the root's child down.
+        matched: Tokens matched, in whole pages.
+        cut: 0, or (a :meth:`RadixTree.find` only) the tokens matched of the
+            last node of ``path``, where the match ends inside it: the split
+            :meth:`RadixTree.walk` would make there.
+    """
 
     path: tuple[TreeNode, ...]
     matched: int
+    cut: int = 0
 
 
 SplitHook = Callable[[TreeNode, TreeNode], None]
@@ -141,6 +150,20 @@ class RadixTree:
         a split, the removal of a node on its path): an insert walks the key
         its request's ``match_prefix`` just walked.
         """
+        return self._follow(key, namespace, split=True)
+
+    def find(self, key: Key, namespace: Hashable = None) -> Walk:
+        """Follow ``key`` down the tree as :meth:`walk` does, changing nothing.
+
+        Where the match ends inside a node, that node ends the path, unsplit,
+        and :attr:`Walk.cut` says how many of its tokens matched: an operation
+        checks what it is about to do before :meth:`walk` splits it (check,
+        then act). Elsewhere the walk is the one :meth:`walk` returns.
+        """
+        return self._follow(key, namespace, split=False)
+
+    def _follow(self, key: Key, namespace: Hashable, *, split: bool) -> Walk:
+        """:meth:`walk` (``split``), or :meth:`find`."""
         last = self._last
         if last is not None and last[1] == key and last[0] == namespace:
             return last[2]
@@ -153,6 +176,9 @@ class RadixTree:
             common = len(child.key)
             if key[pos : pos + common] != child.key:  # the match ends inside the child
                 common = _common_pages(child.key, key[pos : pos + common], page)
+                if not split:  # kept unsplit, and not as the last walk: it is none of walk's
+                    path.append(child)
+                    return Walk(tuple(path), pos + common, common)
                 child = self.split(child, common)
             path.append(child)
             pos += common
@@ -207,6 +233,47 @@ class RadixTree:
             raise InvariantViolation(msg)
         self.remove_leaf(node)
         self._made = node.id - 1
+
+    def unsplit(self, prefix: TreeNode) -> TreeNode:
+        """Take back the split that made ``prefix``, the last node made, as if it had never been.
+
+        For an operation that split a node and then failed from outside the
+        cache before anything else saw the two halves: the suffix gets the
+        prefix's tokens, pages and page keys back, and the next node made
+        gets the prefix's id, as :meth:`retract` does for a leaf. The pages
+        are handed back (the ``hand_over`` hook) before the tree changes, so
+        a hand-over that raises leaves the split as it is. Residency is the
+        caller's to have checked: the suffix keeps its own, which the split
+        left as it was.
+
+        Returns:
+            The suffix, whole again.
+
+        Raises:
+            InvariantViolation: ``prefix`` is not the last node made, or has
+                not exactly one child. Nothing changes.
+        """
+        children = tuple(prefix.children.values())
+        parent = prefix.parent
+        if prefix.id != self._made or len(children) != 1 or parent is None:
+            msg = (
+                f"node {prefix.id}: only the last node made, with one child, can be unsplit "
+                f"(the last made is node {self._made})"
+            )
+            raise InvariantViolation(msg)
+        (suffix,) = children
+        if self._hand_over is not None:
+            self._hand_over(prefix.device_pages, prefix.host_pages, prefix.id, suffix.id)
+        _children(parent)[prefix.key[: self.page_size]] = suffix
+        suffix.key, suffix.parent = prefix.key + suffix.key, parent
+        suffix.device_pages = prefix.device_pages + suffix.device_pages
+        suffix.host_pages = prefix.host_pages + suffix.host_pages
+        if prefix.store_keys is not None and suffix.store_keys is not None:
+            suffix.store_keys = prefix.store_keys + suffix.store_keys
+        del self.nodes[prefix.id]
+        self._made = prefix.id - 1
+        self._last = None
+        return suffix
 
     def split(self, node: TreeNode, at: int) -> TreeNode:
         """Split ``node`` after ``at`` tokens; return the new prefix node (the old one's parent).

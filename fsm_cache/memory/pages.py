@@ -13,14 +13,13 @@ Every refusal raises a :class:`~fsm_cache.errors.PoolError` and changes nothing.
 
 from __future__ import annotations
 
-import operator
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 
 from fsm_cache.errors import DoubleFree, ForeignSlot, InvariantViolation, PoolError, PoolExhausted
-from fsm_cache.numeric import as_index, whole
+from fsm_cache.numeric import as_index, boolean, whole
 
 
 FREE = -1
@@ -60,6 +59,15 @@ def pages_of(slots: Sequence[int], page_size: int) -> list[int]:
     if slots_of(pages, page_size) != list(slots):
         raise ForeignSlot(f"slots are not whole pages of size {page_size}")
     return pages
+
+
+def _holds_bool(pages: Sequence[int]) -> bool:
+    """Whether ``pages`` (ints, or what stands for them) hold a Python bool (one loop in C).
+
+    A bool equals page 0 or 1 and indexes a list as that page, so the checks
+    by value take it; a numpy bool indexes nothing, and fails them already.
+    """
+    return bool in set(map(type, pages))
 
 
 def outside(num_pages: int) -> str:
@@ -200,14 +208,15 @@ class PageAllocator:
         Raises:
             PoolError: ``owner`` is not an integer ``>= 0`` (``FREE`` owns no
                 page: free pages would pass as its own and be listed twice).
-            ForeignSlot: a page is out of range or owned by someone else.
+            ForeignSlot: a page is out of range, not an int (a bool is not), or
+                owned by someone else.
             DoubleFree: a page is already free or listed twice.
         """
         self._check_owner(owner)
         self._check_owned(pages, owner)
         self._set_owner(pages, FREE)
-        # The pool's own page objects, never the caller's: a bool, a numpy integer or a
-        # float that passed as the page it equals must not be handed out later.
+        # The pool's own page objects, never the caller's: a numpy integer or a float
+        # that passed as the page it equals must not be handed out later.
         if len(pages) and self._is_run(pages):  # len: a numpy array has no truth value
             first = pages[0]
             self._free.extend(reversed(self._index[first : first + len(pages)]))
@@ -221,7 +230,8 @@ class PageAllocator:
             PoolError: ``owner`` or ``new_owner`` is not an integer ``>= 0``
                 (``FREE`` owns no page: free pages would be handed out while
                 still on the free list).
-            ForeignSlot: a page is out of range or owned by someone else.
+            ForeignSlot: a page is out of range, not an int (a bool is not), or
+                owned by someone else.
             DoubleFree: a page is free or listed twice.
         """
         self._check_owner(owner)
@@ -233,13 +243,15 @@ class PageAllocator:
         """Return the owner of ``page``, or ``FREE``.
 
         Raises:
-            ForeignSlot: ``page`` is outside the pool.
+            ForeignSlot: ``page`` is outside the pool, or not an int (a bool is not).
         """
         self._check_range(page)
         return self._owner[page]
 
     def all_owned_by(self, pages: Sequence[int], owner: int) -> bool:
         """Return whether every page of ``pages`` is in the pool, owned by ``owner``, listed once.
+
+        A bool is no page (though it equals page 0 or 1): False.
 
         A fast test (its loops run in C) for the checks that then name the
         first page at fault when it is False.
@@ -253,7 +265,10 @@ class PageAllocator:
             found = self._owner[first : first + len(pages)].count(owner) == len(pages)
         else:
             try:
-                if min(pages) < 0 or max(pages) >= self.num_pages or len(set(pages)) != len(pages):
+                low = min(pages)
+                if low < 0 or max(pages) >= self.num_pages or len(set(pages)) != len(pages):
+                    return False
+                if low <= 1 and _holds_bool(pages):  # only pages 0 and 1 can be bools
                     return False
                 found = list(map(self._owner.__getitem__, pages)).count(owner) == len(pages)
             except TypeError:  # a page that is not an int: the caller's check names it
@@ -265,9 +280,9 @@ class PageAllocator:
     def owned(self, pages: Sequence[int], owner: int) -> tuple[int, ...] | None:
         """Return ``pages`` as the pool's own page ints if :meth:`all_owned_by` holds, else None.
 
-        For a caller that keeps pages it was given: a bool or a numpy integer
-        that equals a page (both pass an ``array('Q')`` check) becomes the
-        page itself, and the pages kept take the identity shortcuts of the
+        For a caller that keeps pages it was given: a numpy integer that
+        equals a page becomes the page itself (a bool, which equals page 0 or
+        1, is no page: None), and the pages kept take the identity shortcuts of the
         pool's later checks. The result is remembered as checked, like a
         tuple :meth:`all_owned_by` found owned.
         """
@@ -282,7 +297,13 @@ class PageAllocator:
             self._last_run = own
         else:
             try:
-                if min(pages) < 0 or max(pages) >= self.num_pages or len(set(pages)) != n:
+                low = min(pages)
+                if (
+                    low < 0
+                    or max(pages) >= self.num_pages
+                    or len(set(pages)) != n
+                    or (low <= 1 and _holds_bool(pages))  # only pages 0 and 1 can be bools
+                ):
                     return None
                 own = tuple(map(self._index.__getitem__, pages))  # a float raises here
             except TypeError:  # a page that is not an int: the caller's check names it
@@ -302,6 +323,8 @@ class PageAllocator:
             return None
         n = len(pages)
         if not 0 <= first <= self.num_pages - n or pages[-1] != first + n - 1:
+            return None
+        if first == 0 and n > 1 and boolean(pages[1]):  # True equals page 1: no run of pages
             return None
         run = self._index[first : first + n]
         own = tuple(run)
@@ -331,8 +354,8 @@ class PageAllocator:
         first, n = pages[0], len(pages)
         if type(first) is not int or not 0 <= first <= self.num_pages - n:
             return False
-        if pages[-1] != first + n - 1:
-            return False
+        if pages[-1] != first + n - 1 or (first == 0 and n > 1 and boolean(pages[1])):
+            return False  # not a run; or True in it, equal to page 1 but no page
         run = self._index[first : first + n]
         if isinstance(pages, list):
             return pages == run
@@ -356,11 +379,13 @@ class PageAllocator:
             deque(map(self._owner.__setitem__, pages, repeat(owner)), maxlen=0)  # a loop in C
 
     def _check_range(self, page: int) -> None:
-        if not isinstance(page, int):
-            try:  # a numpy integer is the page it stands for, as the argument checks take it
-                page = operator.index(page)
-            except TypeError:
-                raise ForeignSlot(f"{self.name} pool: page {page!r} is not an int") from None
+        if type(page) is not int:
+            # a numpy integer is the page it stands for, as the argument checks take it;
+            # a bool is no page, though it equals page 0 or 1
+            index = as_index(page)
+            if index is None:
+                raise ForeignSlot(f"{self.name} pool: page {page!r} is not an int")
+            page = index
         if not 0 <= page < self.num_pages:
             raise ForeignSlot(f"{self.name} pool: page {page} {outside(self.num_pages)}")
 
