@@ -177,7 +177,9 @@ def test_local_a_link_planted_at_a_page_path_does_not_touch_the_file_it_names(
 
     Another user of the folder may plant a link at a page's name, to a file
     of this process's user (or to a page elsewhere): a put finding it present,
-    or a get reading through it, then set that file's modification time.
+    or a get reading through it, then set that file's modification time. A put
+    reads what the link names, finds no page there, and replaces the link (not
+    the file it names) with the page.
     """
     elsewhere = LocalFileStore(tmp_path / "elsewhere")
     elsewhere.put(KEYS[:1], PAGES[:1])
@@ -191,7 +193,9 @@ def test_local_a_link_planted_at_a_page_path_does_not_touch_the_file_it_names(
     if reads:
         assert torch.equal(store.get(KEYS[:1])[0], PAGES[0])
     else:
-        assert store.put(KEYS[:1], PAGES[:1]) == [PutResult.PRESENT]
+        assert store.put(KEYS[:1], PAGES[:1]) == [PutResult.STORED]
+        assert not store.path(KEYS[0]).is_symlink()
+        assert victim.read_bytes() == b"not yours to touch"
     assert victim.stat().st_mtime_ns == 1_000_000_000
     assert store.path(KEYS[0]).lstat().st_mtime_ns != 1_000_000_000
 
