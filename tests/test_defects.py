@@ -21,6 +21,7 @@ import torch
 
 from fsm_cache import native
 from fsm_cache.cache.hicache import HiCache, MatchResult
+from fsm_cache.cache.replay import replay
 from fsm_cache.distributed.digest import TransitionDigest
 from fsm_cache.errors import (
     BadArgument,
@@ -650,29 +651,54 @@ def test_15_a_cache_of_something_that_is_no_config_is_a_config_error() -> None:
 
 
 @pytest.mark.parametrize(
-    ("given", "culprit"), [([False, True], "slots[0] is False"), ([0, True], "slots[1] is True")]
+    ("given", "culprit"), [([False, True], "page False"), ([0, True], "page True")]
 )
 def test_slots_given_as_bools_are_refused_and_change_nothing(
     given: list[bool], culprit: str
 ) -> None:
-    """A bool equals page 0 or 1 but is no slot: refused as a float is, by every call."""
-    cache = HiCache(CacheConfig(page_size=1, device_pages=8, host_pages=8))
+    """A bool equals page 0 or 1 but is no slot: refused as a float is, by every call.
+
+    The log keeps a refused call's slots as given, so the refusal replays: packed,
+    a bool is page 0 or 1, which the pool would take.
+    """
+    config = CacheConfig(page_size=1, device_pages=8, host_pages=8)
+    cache = HiCache(config)
     cache.alloc_slots(2)  # slots 0 and 1
-    before = snapshot(cache), cache.tiers.device.allocator.free_list, len(cache.log.entries)
+    before = snapshot(cache), cache.tiers.device.allocator.free_list
+    logged = len(cache.log.entries)
     for name, call in (
         ("free_slots", lambda: cache.free_slots(given)),
         ("insert", lambda: cache.insert([5, 6], given)),
     ):
-        with pytest.raises(BadArgument) as caught:
+        with pytest.raises(ForeignSlot) as caught:  # the pool's check of every slot it reads
             call()
-        assert str(caught.value) == f"{name}: {culprit}, not an int"
-    assert (
-        snapshot(cache),
-        cache.tiers.device.allocator.free_list,
-        len(cache.log.entries),
-    ) == before
+        assert str(caught.value) == f"{name}: device pool: {culprit} is not an int"
+    assert (snapshot(cache), cache.tiers.device.allocator.free_list) == before
+    assert [entry[:2] for entry in cache.log.entries[logged:]] == [
+        ("op", "free_slots"),
+        ("refused", "free_slots"),
+        ("op", "insert"),
+        ("refused", "insert"),
+    ]
+    assert snapshot(replay(cache.log, config)) == snapshot(cache)
     cache.free_slots([0, 1])  # still the request's
     cache.check_invariants()
+
+
+@pytest.mark.parametrize("given", [[False, True], [0, True], [2, 3, False, 1]])
+def test_slots_given_as_bools_are_refused_at_a_page_size_above_one(given: list[int]) -> None:
+    """Slots become pages by division (``True // 2`` is 0): the pool never saw the bool."""
+    config = CacheConfig(page_size=2, device_pages=4, host_pages=4)
+    cache = HiCache(config)
+    assert cache.alloc_slots(4) == [0, 1, 2, 3]
+    before = snapshot(cache), cache.tiers.device.allocator.free_list
+    culprit = next(slot for slot in given if type(slot) is bool)
+    with pytest.raises(ForeignSlot) as caught:
+        cache.free_slots(given)
+    assert str(caught.value) == f"free_slots: slot {culprit!r} is not an int"
+    assert (snapshot(cache), cache.tiers.device.allocator.free_list) == before
+    assert snapshot(replay(cache.log, config)) == snapshot(cache)
+    cache.free_slots([0, 1, 2, 3])
 
 
 def test_a_node_inserted_with_numpy_slots_can_be_evicted() -> None:

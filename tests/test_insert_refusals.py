@@ -20,7 +20,6 @@ import pytest
 
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.errors import (
-    BadArgument,
     CacheClosed,
     CopyFailed,
     EffectFailed,
@@ -215,9 +214,9 @@ CASES: dict[str, tuple[Setup, Fault, Callable[[HiCache], object], type[Exception
     "bool slots": (
         None,
         None,
-        lambda c: c.insert(INTO, [0, 1, 2, 3, True, 15]),
-        BadArgument,
-        "insert: slots[4] is True, not an int",
+        lambda c: c.insert(INTO, [0, 1, 2, 3, False, True]),  # read where the insert reads
+        ForeignSlot,
+        "insert: slot False is not an int",
     ),
     "a closed cache": (
         closed,

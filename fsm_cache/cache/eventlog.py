@@ -302,6 +302,21 @@ class EventLog:
         self._recorded += 1
         self._items.append(("op", name, args))
 
+    def as_given(self, name: str, args: tuple[object, ...]) -> None:
+        """Record ``args`` as the arguments of the latest operation, ``name``, in place of its own.
+
+        A refused call's slot list is kept as it was given rather than packed
+        (:meth:`op`): ``array('Q')`` packs a bool as page 0 or 1, which the
+        pool would take on replay where it refused the bool. Nothing is done
+        if that operation's record was dropped already.
+        """
+        for at in range(len(self._items) - 1, -1, -1):
+            entry = self._items[at]
+            if entry[0] == "op":
+                if entry[1] == name:
+                    self._items[at] = ("op", name, args)
+                return
+
     def transition(self, node_id: int, event: str) -> None:
         """Record an applied transition."""
         self._recorded += 1

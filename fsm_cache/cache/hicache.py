@@ -345,12 +345,14 @@ class HiCache:
 
         Raises:
             BadArgument: ``tokens`` or ``device_slots`` is not a sequence of
-                non-negative ints (a bool is neither a token id nor a slot), or
-                ``namespace`` is unhashable; nothing changed.
+                non-negative ints (a bool is no token id), or ``namespace`` is
+                unhashable; nothing changed.
             CopyFailed: A node on the path is still loading after its copy failed
                 and was started again (a locked node); nothing was inserted.
             ForeignSlot: ``device_slots`` are too few, not whole pages, repeat a
-                page, or name a page the request does not hold. Nothing changed.
+                page, or name a page the request does not hold, or a bool where
+                the insert reads a slot (a bool is no page, though it equals 0
+                or 1). Nothing changed.
             PoolExhausted: Too little device memory even after eviction (only
                 when ``device_slots`` is None). Nothing was inserted. An
                 allocation no eviction could satisfy is refused before anything
@@ -387,7 +389,7 @@ class HiCache:
             else arguments.packed(device_slots, "insert", "slots")
         )
         namespace = arguments.namespace(namespace, "insert")
-        with self._operation("insert", given, namespace, logged):
+        with self._operation("insert", given, namespace, logged, unpacked=args):
             tree = self._core.tree
             key = tree.aligned(given)
             slots.check_count(args, len(key))
@@ -647,13 +649,14 @@ class HiCache:
         """Give back request-held device slots (e.g. the duplicates of a cached prefix).
 
         Raises:
-            BadArgument: ``device_slots`` is not a sequence of non-negative ints
-                (a bool is not a slot); nothing was freed.
-            ForeignSlot: A slot is outside the pool, not page-aligned, or not a
-                request's; nothing was freed.
+            BadArgument: ``device_slots`` is not a sequence of non-negative ints;
+                nothing was freed.
+            ForeignSlot: A slot is outside the pool, not page-aligned, not a
+                request's, or a bool (no page, though it equals 0 or 1);
+                nothing was freed.
         """
         given, logged = arguments.packed(device_slots, "free_slots", "slots")
-        with self._operation("free_slots", logged):
+        with self._operation("free_slots", logged, unpacked=given):
             pages = slots.request_pages(given, self.config.page_size, "free_slots")
             allocator = self.tiers.device.allocator
             self.tiers.free_device(slots.held(allocator, pages, "free_slots"), REQUEST)
@@ -1130,9 +1133,18 @@ class HiCache:
 
     # -- internals -----------------------------------------------------------
 
-    def _operation(self, name: str, *args: object) -> _Operation:
+    def _operation(
+        self, name: str, *args: object, unpacked: tuple[int, ...] | None = None
+    ) -> _Operation:
+        """Open public operation ``name``, logged with ``args``.
+
+        ``unpacked`` is the slot list as given, where ``args`` end in it packed
+        (:func:`~fsm_cache.cache.arguments.packed`): a refused call is logged
+        with it instead, so that a bool the pool refused replays as a bool.
+        """
         check = self.check_invariants if self.config.debug else None
-        return _Operation(self._gate, self._core.log, self._flush_all, check, name, args)
+        given = None if unpacked is None else (*args[:-1], unpacked)
+        return _Operation(self._gate, self._core.log, self._flush_all, check, name, args, given)
 
     def _flush(self) -> None:
         """Start every copy the operation queued: device-host copies, then storage copies."""
@@ -1208,7 +1220,7 @@ class _Operation:
     tensor-parallel digest sees an operation that raised on one rank only.
     """
 
-    __slots__ = ("args", "check", "flush", "gate", "log", "name")
+    __slots__ = ("args", "check", "flush", "gate", "given", "log", "name")
 
     def __init__(  # noqa: PLR0917 (built on every public call: keywords cost)
         self,
@@ -1218,9 +1230,10 @@ class _Operation:
         check: Callable[[str], None] | None,
         name: str,
         args: tuple[object, ...],
+        given: tuple[object, ...] | None = None,
     ) -> None:
         self.gate, self.log, self.flush, self.check = gate, log, flush, check
-        self.name, self.args = name, args
+        self.name, self.args, self.given = name, args, given
 
     def __enter__(self) -> None:
         self.gate.enter(self.name)
@@ -1231,6 +1244,8 @@ class _Operation:
     ) -> None:
         try:
             if exc is not None:  # logged either way, so that an agreement sees it on this rank
+                if self.given is not None:  # its slots as given: a bool packs as page 0 or 1
+                    self.log.as_given(self.name, self.given)
                 if isinstance(exc, FsmCacheError) and not _from_outside(exc):
                     self.log.refusal(self.name, exc)
                 else:  # a copy engine, an allocator or torch broke: no refusal of the cache's

@@ -46,19 +46,38 @@ def slots_of(pages: Iterable[int], page_size: int) -> list[int]:
 def pages_of(slots: Sequence[int], page_size: int) -> list[int]:
     """Return the pages whose slots are exactly ``slots`` (the inverse of :func:`slots_of`).
 
+    A bool is no slot, though it equals 0 or 1; at page size 1 the slots are
+    the pages, which the pool refuses as bools itself.
+
     Raises:
-        ForeignSlot: ``slots`` is not a run of whole, aligned pages.
+        ForeignSlot: ``slots`` is not a run of whole, aligned pages, or holds a bool.
     """
     if len(slots) % page_size:
         raise ForeignSlot(f"{len(slots)} slots is not a multiple of page_size {page_size}")
     if page_size == 1:  # every slot is a whole page
         return list(slots)
     if slots and slots[0] % page_size == 0 and run_start(slots) is not None:
+        if slots[0] == 0:  # only page 0's first two slots can be bools
+            _refuse_bools(slots[:2])
         return list(range(slots[0] // page_size, (slots[-1] + 1) // page_size))
     pages = [s // page_size for s in slots[::page_size]]
     if slots_of(pages, page_size) != list(slots):
         raise ForeignSlot(f"slots are not whole pages of size {page_size}")
+    if 0 in pages:
+        at = pages.index(0) * page_size
+        _refuse_bools(slots[at : at + 2])
     return pages
+
+
+def _refuse_bools(slots: Sequence[int]) -> None:
+    """Refuse a bool among ``slots`` (page 0's first two): it equals slot 0 or 1, and is none.
+
+    Raises:
+        ForeignSlot: One of ``slots`` is a bool.
+    """
+    for slot in slots:
+        if boolean(slot):
+            raise ForeignSlot(f"slot {slot!r} is not an int")
 
 
 def _holds_bool(pages: Sequence[int]) -> bool:
