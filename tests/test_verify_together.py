@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from fsm_cache.contracts import exhaustive, verify
 from fsm_cache.contracts import runner as crosshair_run
-from fsm_cache.contracts import verify
 from fsm_cache.errors import FsmCacheError
 
 
@@ -248,3 +248,26 @@ def test_a_check_in_this_process_takes_a_slot(tmp_path: Path) -> None:
     asker.join(timeout=30)
     holder.join(timeout=30)
     assert outcomes == ["verification was interrupted"]
+
+
+def test_a_module_loaded_while_another_of_its_name_loads_keeps_its_own_entry(
+    tmp_path: Path,
+) -> None:
+    """Two generated modules share a name when their specs do (``contracts_host_residency``).
+
+    Registered under that name alone, a load nested in another (or beside it,
+    on another thread) replaced the first's entry, then removed it: the
+    first's own removal raised ``KeyError``.
+    """
+    inner = tmp_path / "inner" / "contracts_same.py"
+    inner.parent.mkdir()
+    inner.write_text("import dataclasses\n\n\n@dataclasses.dataclass\nclass R:\n    x: int\n")
+    outer = tmp_path / "outer" / "contracts_same.py"
+    outer.parent.mkdir()
+    outer.write_text(
+        "import pathlib\n"
+        "from fsm_cache.contracts import exhaustive\n\n"
+        f"exhaustive.input_counts(pathlib.Path({str(inner)!r}), {{}}, [])\n"
+    )
+    assert exhaustive.input_counts(outer, {}, []) == {}
+    assert not [name for name in sys.modules if "contracts_same" in name]
