@@ -118,7 +118,7 @@ def test_a_verify_control_finds_its_counterexample_past_a_contract_left_unknown(
         Row("m", "f", "pages conserved", crosshair_run.WITHIN_BUDGET),
         Row("m", "f", "no page twice", crosshair_run.COUNTEREXAMPLE, "f(1, 1)"),
     ]
-    monkeypatch.setattr(verify, "verify_module", lambda name, options: rows)
+    monkeypatch.setattr(verify, "verify_module", lambda name, options, *_: rows)
     found = verify.verify_control(VERIFY_CONTROL, Options(), Path())
     assert found == "verify: m.f: no page twice: counterexample: f(1, 1)"
     assert VERIFY_CONTROL.matches(found)

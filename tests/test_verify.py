@@ -336,7 +336,7 @@ def test_a_spec_gets_its_projects_options_wherever_verify_runs(
     (root / "specs" / "door.toml").write_text(_BUILTIN_EVENTS)
     given: list[Options] = []
 
-    def verify_target(target: str, options: Options, workdir: Path) -> list[Row]:
+    def verify_target(target: str, options: Options, *_: object) -> list[Row]:
         given.append(options)
         return []
 

@@ -162,8 +162,21 @@ def _integers(node: ast.expr) -> set[int]:
     return {v for v in values if type(v) is int}
 
 
+_LOADS = itertools.count()
+"""Numbers each module :func:`_load` imports, so that no two share a name in ``sys.modules``."""
+
+
 def _load(path: Path) -> Any:
-    name = f"_fsm_cache_exhaustive_{path.stem}"
+    """Import the module at ``path`` under a name of its own, registered while it runs.
+
+    Two loads may overlap (two threads verifying specs, a run's targets
+    being verified side by side), and the file stem is the spec's name
+    (``contracts_<spec>``), which two specs may share (a negative control's
+    is ``host_residency``): under the stem alone, one load's entry was
+    replaced by the other's, then removed with it, and the first's ``del``
+    raised ``KeyError``.
+    """
+    name = f"_fsm_cache_exhaustive_{path.stem}_{next(_LOADS)}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise FsmCacheError(f"verify: cannot import {path}")

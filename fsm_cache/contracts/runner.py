@@ -17,15 +17,21 @@ no options were given on its command line.
 from __future__ import annotations
 
 import ast
+import concurrent.futures
+import contextlib
+import heapq
 import importlib.util
+import itertools
+import queue
 import re
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any, TypeVar
 
 from fsm_cache.errors import FsmCacheError, SpecError
 
@@ -173,7 +179,14 @@ def functions(path: Path) -> list[tuple[str, int]]:
     return list(seen.items())
 
 
-def prove(target: str, path: Path, options: Options, *, by_function: bool = False) -> list[Row]:
+def prove(
+    target: str,
+    path: Path,
+    options: Options,
+    *,
+    by_function: bool = False,
+    workers: Workers | None = None,
+) -> list[Row]:
     """Run CrossHair on ``path``; one row per postcondition it declares or reports on.
 
     The module is checked as a whole, as CrossHair finds its checkable
@@ -193,6 +206,8 @@ def prove(target: str, path: Path, options: Options, *, by_function: bool = Fals
             top-level function whose postconditions :func:`contracts` finds
             (a module the generator wrote): each is then a target of its own,
             shared among ``options.jobs`` processes.
+        workers: The run's processes, which this proof's share slots with
+            (:class:`Workers`); its own when None.
 
     Raises:
         FsmCacheError: CrossHair could not run or import the module, or a
@@ -203,14 +218,17 @@ def prove(target: str, path: Path, options: Options, *, by_function: bool = Fals
     lines = [_def_line(path, name) for name, _ in found] if by_function else []
     targets = [f"{path.resolve()}:{n}" for n in lines] if lines and all(lines) else []
     chunks = _chunks(targets, options.jobs) if targets else [[str(path.resolve())]]
-    children = _Children()
-    with ThreadPoolExecutor(max_workers=options.jobs) as pool:
+    run = Workers() if workers is None else workers
+    with ThreadPoolExecutor(max_workers=len(chunks)) as pool:
         try:
             reports = list(
-                pool.map(lambda chunk: _run(chunk, options, path.parent, children), chunks)
+                pool.map(
+                    lambda chunk: _run(chunk, options, path.parent, run, whole=not targets),
+                    chunks,
+                )
             )
         except BaseException:  # Ctrl-C: leaving the pool waits for its workers' CrossHair
-            children.stop()
+            run.stop()
             raise
     files = {str(path.resolve())} | {f for r in reports for f in _files(r)}
     known = {(c.file, c.line): c for f in sorted(files) for c in contracts(Path(f))}
@@ -404,30 +422,86 @@ def _unreported() -> tuple[str, str]:
     return NOT_ANALYSED, "CrossHair did not report this contract"
 
 
-class _Children:
-    """The CrossHair processes of one proof, stopped together when it is interrupted.
+class _Stopped(FsmCacheError):
+    """Work refused or cut short because the run it belongs to was stopped.
 
-    A SIGINT sent to fsm_cache alone (an IDE's stop button, ``kill -INT``,
-    ``timeout -s INT``), not to its process group as a terminal's Ctrl-C is,
-    reached the main thread only: leaving the thread pool then waited for each
-    worker's CrossHair to finish its contracts, minutes, before the run said
-    ``interrupted``. Once stopped, no worker starts another.
+    Never the cause a run fails with: another target's error, or an interrupt,
+    stopped it, and :meth:`Workers.wait` raises that.
     """
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running: list[subprocess.Popen[str]] = []
-        self._stopped = False
 
-    def start(self, argv: Sequence[str], cwd: Path) -> subprocess.Popen[str]:
-        """Start ``argv`` in ``cwd``, its output piped, unless the proof is stopped.
+_STOPPED = "verification was interrupted"
+
+
+_Work = TypeVar("_Work")
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A check to run in fsm_cache's own process, on the thread that serves the run."""
+
+    run: Callable[[], None]
+    future: Future[Any]
+
+
+class _Slots:
+    """What the :class:`Workers` of one run share: its slots, its processes, its queue of checks."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running: list[subprocess.Popen[str]] = []
+        self._held: list[int] = []
+        self._asking: list[tuple[bool, int, int]] = []
+        self._tickets = itertools.count()
+        self._stopped = False
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.server: threading.Thread | None = None
+        """The thread that runs the in-process checks; the asker's own when None."""
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the run was stopped."""
+        return self._stopped
+
+    @contextlib.contextmanager
+    def held(self, jobs: int, rank: int, *, whole: bool = False) -> Iterator[None]:
+        """Hold a slot while the block runs.
+
+        The first asker is served first: one for a ``whole`` module, then the
+        lowest ``rank``, then the earliest.
 
         Raises:
-            FsmCacheError: The proof was stopped, or the process cannot start.
+            FsmCacheError: The run was stopped.
         """
-        with self._lock:
+        ticket = (not whole, rank, next(self._tickets))
+        with self._cond:
+            heapq.heappush(self._asking, ticket)
+            try:
+                while not self._stopped and not (self._asking[0] == ticket and self._free(jobs)):
+                    self._cond.wait()
+            finally:
+                self._asking.remove(ticket)
+                heapq.heapify(self._asking)
+                self._cond.notify_all()
             if self._stopped:
-                raise FsmCacheError("CrossHair not started: verification was interrupted")
+                raise _Stopped(_STOPPED)
+            self._held.append(jobs)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held.remove(jobs)
+                self._cond.notify_all()
+
+    def start(self, argv: Sequence[str], cwd: Path) -> subprocess.Popen[str]:
+        """Start ``argv`` in ``cwd``, its output piped, unless the run is stopped.
+
+        Raises:
+            FsmCacheError: The run was stopped, or the process cannot start.
+        """
+        with self._cond:
+            if self._stopped:
+                raise _Stopped(_STOPPED)
             try:
                 child = subprocess.Popen(
                     argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd
@@ -437,19 +511,215 @@ class _Children:
             self._running.append(child)
             return child
 
+    def ended(self, child: subprocess.Popen[str]) -> None:
+        """Forget ``child``, killed first if it still runs."""
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        with self._cond:
+            self._running.remove(child)
+
+    def ask(self, job: _Job) -> None:
+        """Queue ``job`` for the serving thread.
+
+        Raises:
+            FsmCacheError: The run was stopped.
+        """
+        with self._cond:
+            if self._stopped:
+                raise _Stopped(_STOPPED)
+            self._jobs.put(job)
+
+    def wake(self) -> None:
+        """Wake the serving thread (a target ended)."""
+        self._jobs.put(None)
+
+    def next_job(self) -> _Job | None:
+        """Return the next check queued, or None for a wake-up; waits for one."""
+        return self._jobs.get()
+
     def stop(self) -> None:
-        """Kill every process started, and start no other."""
-        with self._lock:
+        """Kill every process started, refuse every check queued, and start nothing more."""
+        with self._cond:
             self._stopped = True
             for child in self._running:
                 child.kill()
+            self._cond.notify_all()
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None and job.future.set_running_or_notify_cancel():
+                    job.future.set_exception(_Stopped(_STOPPED))
+            self._jobs.put(None)  # the wake-ups taken wake the serving thread all the same
+
+    def _free(self, jobs: int) -> bool:
+        """Whether one more slot leaves every holder, and an asker of ``jobs``, within its jobs."""
+        return len(self._held) < min([jobs, *self._held])
 
 
-def _run(targets: Sequence[str], options: Options, cwd: Path, children: _Children) -> str:
+class Workers:
+    """The CrossHair processes and in-process checks of a verify run: at most ``jobs`` at once.
+
+    A run verifies its targets side by side (:meth:`submit`), each with a
+    :class:`Workers` of its own sharing the run's slots, so a target checked
+    in one process (a user's module, proved whole) runs beside another's
+    chunks rather than alone, one core idle. Each CrossHair process
+    (:meth:`process`) and each check run in this process (:meth:`in_process`,
+    every representative input) holds a slot while it runs. A slot is given
+    only while fewer than the ``jobs`` of the asker and of every holder are
+    held: CrossHair's budgets are wall-clock, so no target's contracts run
+    beside more processes than its ``jobs`` allow. Free slots go first to
+    a process that proves a whole module (it cannot be split: started last,
+    it would run alone), then to the targets in the order submitted (the
+    order a run reports them in, and took in turn before).
+
+    Checks in this process run on the thread that entered the run (``with
+    Workers() as workers``), one at a time (they hold the interpreter's lock),
+    so an interrupt (delivered to that thread) stops one at once; without a
+    run (a proof of one target), on the caller's thread.
+
+    A SIGINT sent to fsm_cache alone (an IDE's stop button, ``kill -INT``,
+    ``timeout -s INT``), not to its process group as a terminal's Ctrl-C is,
+    reached the main thread only: leaving the thread pool then waited for each
+    worker's CrossHair to finish its contracts, minutes, before the run said
+    ``interrupted``. Once stopped (:meth:`stop`: an interrupt, or an error in
+    any target), every process of every target is killed and nothing starts.
+    """
+
+    def __init__(self, slots: _Slots | None = None, rank: int = 0) -> None:
+        """Start a run of its own, or, given ``slots``, join one as its ``rank``-th target."""
+        self._slots = _Slots() if slots is None else slots
+        self._rank = rank
+        self._threads: list[threading.Thread] = []
+        self._futures: list[Future[Any]] = []
+
+    def __enter__(self) -> Workers:
+        """Serve the run's in-process checks on this thread (:meth:`wait`)."""
+        self._slots.server = threading.current_thread()
+        return self
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        """Stop everything if the run failed or was interrupted; wait for every target's thread."""
+        if exc is not None:
+            self.stop()
+        for thread in self._threads:
+            thread.join()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the run was stopped."""
+        return self._slots.stopped
+
+    def submit(self, work: Callable[[Workers], _Work]) -> Future[_Work]:
+        """Start ``work`` (one target) on a thread of its own, given its share of the run.
+
+        Its result, or its error, comes with :meth:`wait`.
+        """
+        future: Future[_Work] = Future()
+        share = Workers(self._slots, rank=len(self._futures))
+
+        def run() -> None:
+            future.set_running_or_notify_cancel()
+            try:
+                future.set_result(work(share))
+            except BaseException as exc:  # the target's error, raised by wait()
+                future.set_exception(exc)
+            finally:
+                self._slots.wake()
+
+        thread = threading.Thread(target=run, name="fsm-verify-target")
+        self._threads.append(thread)
+        self._futures.append(future)
+        thread.start()
+        return future
+
+    def wait(self) -> None:
+        """Run the in-process checks the targets ask for until every target is done.
+
+        Raises:
+            BaseException: The first target to fail stops the run; once every
+                target has ended, the error of the first in submission order
+                that the stop did not cause is raised.
+        """
+        futures = list(self._futures)
+        while not any(f.done() and f.exception() is not None for f in futures):
+            if all(f.done() for f in futures):
+                return
+            job = self._slots.next_job()
+            if job is not None:
+                job.run()
+        self.stop()
+        concurrent.futures.wait(futures)
+        errors = [exc for f in futures if (exc := f.exception()) is not None]
+        raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
+
+    def in_process(self, jobs: int, check: Callable[[], _Work]) -> _Work:
+        """Return what ``check`` returns, run in this process while it holds a slot.
+
+        Raises:
+            FsmCacheError: The run was stopped before it ran.
+        """
+        server = self._slots.server
+        if server is None or server is threading.current_thread():
+            with self._slots.held(jobs, self._rank):
+                return check()
+        future: Future[_Work] = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                with self._slots.held(jobs, self._rank):
+                    result = check()
+            except Exception as exc:  # the check's error, raised in its target's thread
+                future.set_exception(exc)
+            except BaseException:  # an interrupt: the run stops, and with it this target
+                future.set_exception(_Stopped(_STOPPED))
+                raise
+            else:
+                future.set_result(result)
+
+        self._slots.ask(_Job(run, future))
+        return future.result()
+
+    @contextlib.contextmanager
+    def process(
+        self, argv: Sequence[str], cwd: Path, jobs: int, *, whole: bool = False
+    ) -> Iterator[subprocess.Popen[str]]:
+        """Start ``argv`` in ``cwd``, its output piped, once a slot is free; killed if left running.
+
+        Args:
+            argv: The command.
+            cwd: Where it runs.
+            jobs: The most processes its target runs beside (its ``jobs``).
+            whole: Whether it proves a whole module (served first).
+
+        Raises:
+            FsmCacheError: The run was stopped, or the process cannot start.
+        """
+        with self._slots.held(jobs, self._rank, whole=whole):
+            child = self._slots.start(argv, cwd)
+            try:
+                yield child
+            finally:
+                self._slots.ended(child)
+
+    def stop(self) -> None:
+        """Kill every process of the run, refuse every check asked for, and start nothing more."""
+        self._slots.stop()
+
+
+def _run(
+    targets: Sequence[str], options: Options, cwd: Path, workers: Workers, *, whole: bool
+) -> str:
     argv = [sys.executable, "-m", "crosshair", "check", *options.argv(), *targets]
-    child = children.start(argv, cwd)
-    stdout, stderr = child.communicate()
+    with workers.process(argv, cwd, options.jobs, whole=whole) as child:
+        stdout, stderr = child.communicate()
     if child.returncode not in (0, 1):
+        if workers.stopped:  # killed by the stop, not failed
+            raise _Stopped(_STOPPED)
         tail = (stderr or stdout).strip().splitlines()[-1:] or ["no output"]
         raise FsmCacheError(f"CrossHair failed on {' '.join(targets)}: {tail[0]}")
     return stdout + stderr

@@ -20,11 +20,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from importlib.machinery import ModuleSpec
@@ -34,7 +36,7 @@ from typing import Any
 from fsm_cache.contracts import exhaustive
 from fsm_cache.contracts import runner as crosshair_run
 from fsm_cache.contracts.generate import Generated, checked_name, children_needed, generate
-from fsm_cache.contracts.runner import Options, Row
+from fsm_cache.contracts.runner import Options, Row, Workers
 from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.numeric import whole
 from fsm_cache.shell import find_pyproject, named_once, spec_path, summary_line
@@ -164,6 +166,7 @@ def verify_spec(
     options: Options,
     workdir: Path,
     snapshot: tuple[Spec, dict[str, bytes]] | None = None,
+    workers: Workers | None = None,
 ) -> list[Row]:
     """Generate the contracts of the spec at ``path`` and check them.
 
@@ -173,6 +176,10 @@ def verify_spec(
     code generated and the spec it is proved against are one version, though
     a file is saved over while CrossHair runs.
 
+    Its CrossHair processes and its checks on every representative input
+    each take a slot of ``workers`` (a run's, shared with its other targets;
+    this spec's own when None).
+
     Raises:
         SpecError: The spec does not load.
         FsmCacheError: The verify extra is not installed (:func:`~fsm_cache.contracts.runner.require_extra`).
@@ -181,17 +188,20 @@ def verify_spec(
     spec, files = load_snapshot(path) if snapshot is None else snapshot
     system = as_system(spec)
     folder = Path(tempfile.mkdtemp(dir=workdir))
+    run = Workers() if workers is None else workers
 
     def every(without_extra: Collection[str]) -> Generated:
         return generate(system, path, files, without_extra=without_extra)
 
     if proved_by_crosshair(system):
         generated = generate(system, path, files, classes=True)
-        rows = crosshair_run.prove(system.name, generated.write(folder), options, by_function=True)
-        rows = every_family(system, every, folder, rows)
+        module = generated.write(folder)
+        proved = crosshair_run.prove(system.name, module, options, by_function=True, workers=run)
+        rows = run.in_process(options.jobs, lambda: every_family(system, every, folder, proved))
     else:
         generated = every(())
-        rows = every_input(system, every, folder, system.event_names)
+        events = system.event_names
+        rows = run.in_process(options.jobs, lambda: every_input(system, every, folder, events))
     return [generated.reported(row) for row in rows]
 
 
@@ -328,14 +338,16 @@ def proved_by_crosshair(system: System) -> bool:
     return len(system.regions) < EXHAUSTIVE_REGIONS
 
 
-def verify_module(name: str, options: Options) -> list[Row]:
+def verify_module(name: str, options: Options, workers: Workers | None = None) -> list[Row]:
     """Check a contracts module given as a ``.py`` path or a dotted module name.
+
+    Its one CrossHair process takes a slot of ``workers`` (:func:`verify_spec`).
 
     Raises:
         SpecError: No such file or module, or importing its package raised or exited.
     """
     path = module_path(name)
-    return crosshair_run.prove(path.stem, path, options)
+    return crosshair_run.prove(path.stem, path, options, workers=workers)
 
 
 def module_path(name: str) -> Path:
@@ -355,6 +367,10 @@ def module_path(name: str) -> Path:
     return path
 
 
+_FINDING = threading.Lock()
+"""Held while :func:`_find_module` sends ``sys.stdout`` to stderr."""
+
+
 def _find_module(name: str) -> ModuleSpec | None:
     """Return where the module ``name`` is, or None if it is not there.
 
@@ -362,12 +378,14 @@ def _find_module(name: str) -> ModuleSpec | None:
     which may print, raise or call ``sys.exit``. Whatever it prints goes to
     stderr, so ``--json`` output stays JSON; whatever it raises, SystemExit
     included, is a finding naming the module, not a traceback or a silent exit.
+    One thread finds at a time: a run's targets are verified side by side, and
+    two redirections that overlapped would leave ``sys.stdout`` on stderr.
 
     Raises:
         SpecError: Importing a package of ``name`` raised or exited.
     """
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with _FINDING, contextlib.redirect_stdout(sys.stderr):
             return importlib.util.find_spec(name)
     except ModuleNotFoundError as exc:
         parts = name.split(".")
@@ -415,14 +433,18 @@ def modules_once(targets: Sequence[str]) -> list[str]:
     return list(seen.values())
 
 
-def verify_target(target: str, options: Options, workdir: Path) -> list[Row]:
+def verify_target(
+    target: str, options: Options, workdir: Path, workers: Workers | None = None
+) -> list[Row]:
     """Verify one command-line target: a spec file, a module file or a module name."""
     if target.endswith(".toml"):
-        return verify_spec(Path(target), options, workdir)
-    return verify_module(target, options)
+        return verify_spec(Path(target), options, workdir, workers=workers)
+    return verify_module(target, options, workers)
 
 
-def verify_control(control: Control, options: Options, workdir: Path) -> str:
+def verify_control(
+    control: Control, options: Options, workdir: Path, workers: Workers | None = None
+) -> str:
     """Return the first finding ``validate`` or ``verify`` reports on a control (``""`` if none).
 
     The first counterexample, if there is one, comes before any other failing
@@ -434,9 +456,9 @@ def verify_control(control: Control, options: Options, workdir: Path) -> str:
         loaded, problem = load_finding(control.path)
         if loaded is None:
             return f"validate: {problem}"
-        rows = verify_spec(control.path, options, workdir, loaded)
+        rows = verify_spec(control.path, options, workdir, loaded, workers)
     else:
-        rows = verify_module(str(control.path), options)
+        rows = verify_module(str(control.path), options, workers)
     found = [r for r in rows if r.status == crosshair_run.COUNTEREXAMPLE]
     bad = next(iter(found or [r for r in rows if r.failed]), None)
     if bad is None:
@@ -450,7 +472,11 @@ def run(targets: Sequence[str], jobs: int | None, with_controls: bool) -> dict[s
     """Verify targets (the shipped set when empty) and, if asked, the negative controls.
 
     Each is verified with the options of :func:`options_for`, ``jobs`` (``--jobs``)
-    replacing their ``jobs`` when given.
+    replacing their ``jobs`` when given. The targets and controls are verified
+    side by side, sharing one :class:`~fsm_cache.contracts.runner.Workers`:
+    a target checked in one process runs beside another's, and no more
+    CrossHair processes or in-process checks run at once than ``jobs``. Their
+    rows and findings are in the order given, whichever ends first.
 
     Raises:
         SpecError: A target does not load or is not found, or the pyproject its
@@ -464,19 +490,27 @@ def run(targets: Sequence[str], jobs: int | None, with_controls: bool) -> dict[s
     planned = [(target, options_for(target_file(target), jobs)) for target in chosen]
     checks = controls(tools=("validate", "verify")) if with_controls else []
     known = [(control, options_for(control.path, jobs)) for control in checks]
-    with tempfile.TemporaryDirectory(prefix="fsm-verify-") as tmp:
-        rows = [r for t, options in planned for r in verify_target(t, options, Path(tmp))]
-        checked = []
-        for control, options in known:
-            found = verify_control(control, options, Path(tmp))
-            checked.append(
-                {
-                    "control": control.name,
-                    "expected": control.expected,
-                    "found": found,
-                    "ok": control.matches(found),
-                }
-            )
+    with tempfile.TemporaryDirectory(prefix="fsm-verify-") as tmp, Workers() as workers:
+        work = Path(tmp)
+        verified = [
+            workers.submit(functools.partial(verify_target, target, options, work))
+            for target, options in planned
+        ]
+        findings = [
+            workers.submit(functools.partial(verify_control, control, options, work))
+            for control, options in known
+        ]
+        workers.wait()
+    rows = [r for future in verified for r in future.result()]
+    checked = [
+        {
+            "control": control.name,
+            "expected": control.expected,
+            "found": found,
+            "ok": control.matches(found),
+        }
+        for (control, _), found in zip(known, (f.result() for f in findings), strict=True)
+    ]
     return {"rows": rows, "controls": checked, "seconds": time.perf_counter() - started}
 
 
