@@ -257,14 +257,24 @@ def shape(cache: HiCache) -> list[tuple[int, int | None, tuple[int, ...], Pages,
     )
 
 
-@pytest.mark.parametrize("pool", ["device", "host"])
-def test_an_allocator_that_breaks_as_a_split_hands_pages_over_changes_nothing(pool: str) -> None:
-    """The walk split the node before the prefix's pages were handed over, and it stayed split.
+@pytest.mark.parametrize(
+    ("pool", "call"),
+    [("device", 1), ("host", 1), ("device", 2)],
+    ids=["device pages handed over", "host pages handed over", "the new leaf's pages"],
+)
+def test_an_allocator_that_breaks_after_a_split_changes_nothing_and_replays(
+    pool: str, call: int
+) -> None:
+    """The allocator broke as a split handed the prefix its pages (call 1), or later, as the
+    insert's new leaf took its own (call 2).
 
-    The pages stayed the suffix's while the prefix held them (invariant 7
-    broke), nothing was logged, and the prefix's id was spent, so a replay,
-    which skips the failed insert, named the later nodes differently. With the
-    host pool broken, the device pages had been handed over already.
+    As the split handed pages over: the walk had split the node first, and it
+    stayed split; the pages stayed the suffix's while the prefix held them
+    (invariant 7 broke), nothing was logged, and the prefix's id was spent, so
+    a replay, which skips the failed insert, named the later nodes differently.
+    At the new leaf: the split stayed, logged, so the log could not replay the
+    insert as nothing done. Nothing else had changed since either: the split
+    is taken back, node id and log entry included, and the log replays.
     """
     cache = HiCache(replace(BASE, debug=True))
     cache.insert(list(range(16)))
@@ -272,41 +282,7 @@ def test_an_allocator_that_breaks_as_a_split_hands_pages_over_changes_nothing(po
     assert shape(cache) == [(1, 0, tuple(range(16)), (0, 1, 2, 3), (0, 1, 2, 3))]  # both pools
     before = (shape(cache), states(cache), owners(cache))
     allocator = cache.tiers.device.allocator if pool == "device" else cache.tiers.host.allocator
-    allocator.reassign = _Breaking(allocator.reassign, {1}, RuntimeError("allocator broke"))  # type: ignore[method-assign]
-    prompt = (*range(8), *range(100, 104))  # parts inside node 1: the walk splits it
-    with pytest.raises(RuntimeError, match="allocator broke"):
-        cache.insert(prompt)
-    vars(allocator).pop("reassign")
-    assert (shape(cache), states(cache), owners(cache)) == before
-    cache.check_invariants()
-    at = cache.log.entries.index(("op", "insert", (prompt, None, None)))
-    assert cache.log.entries[at + 1 :] == [("failed", "insert", "RuntimeError: allocator broke")]
-    cache.insert(prompt)  # the allocator works again: the prefix gets the id it would have had
-    cache.poll()
-    assert [(n.id, n.key[0]) for n in sorted(cache.tree, key=lambda n: n.id)] == [
-        (1, 8),
-        (2, 0),
-        (3, 100),
-    ]
-    cache.check_invariants()
-    again = replay(cache.log, BASE)
-    assert again.log.transitions() == cache.log.transitions()
-    assert states(again) == states(cache)
-
-
-def test_a_split_before_an_allocator_broke_is_taken_back_and_replays() -> None:
-    """An insert split a node part way, then the allocator broke as its new leaf took its pages.
-
-    The split stayed, logged, so the log could not replay the insert as nothing
-    done. Nothing else had changed since: the split is taken back, node id and
-    log entry included, and the log replays.
-    """
-    cache = HiCache(replace(BASE, debug=True))
-    cache.insert(list(range(16)))
-    cache.poll()
-    before = (shape(cache), states(cache), owners(cache))
-    allocator = cache.tiers.device.allocator
-    allocator.reassign = _Breaking(allocator.reassign, {2}, RuntimeError("allocator broke"))  # type: ignore[method-assign]
+    allocator.reassign = _Breaking(allocator.reassign, {call}, RuntimeError("allocator broke"))  # type: ignore[method-assign]
     prompt = (*range(8), *range(100, 104))  # parts inside node 1: the walk splits it
     with pytest.raises(RuntimeError, match="allocator broke"):
         cache.insert(prompt)
@@ -318,6 +294,7 @@ def test_a_split_before_an_allocator_broke_is_taken_back_and_replays() -> None:
     cache.insert(prompt)  # the allocator works again: the prefix gets the id it would have had
     cache.poll()
     assert sorted((n.id, n.key[0]) for n in cache.tree) == [(1, 8), (2, 0), (3, 100)]
+    cache.check_invariants()
     again = replay(cache.log, BASE)
     assert again.log.transitions() == cache.log.transitions()
     assert states(again) == states(cache)
