@@ -1656,6 +1656,7 @@ def test_an_eviction_the_store_refuses_is_counted_and_keeps_the_nodes() -> None:
     assert cache.evict_storage(100) == 0
     assert [n.storage for n in cache.tree] == ["stored"] * 3
     assert cache.stats().storage_failures == {"evict:failed": 3}
+    assert list(cache.stats().storage_errors) == ["evict:failed"]
 
 
 def test_evicted_storage_pages_count_only_what_the_store_still_held(tmp_path: Path) -> None:

@@ -380,7 +380,8 @@ class HiCache:
         runs into part way (check, then act), and so does a KV write that
         torch fails when the pool has room: such a call leaves the tree, the
         node ids, the pools and the log (but for the call and its refusal) as
-        they were.
+        they were; but a ``CopyFailed``, which comes after the insert applied
+        the copies it waited for, and which stay applied.
         """
         given = arguments.ints(tokens, "insert", "tokens")
         args, logged = (
@@ -1139,12 +1140,12 @@ class HiCache:
         """Open public operation ``name``, logged with ``args``.
 
         ``unpacked`` is the slot list as given, where ``args`` end in it packed
-        (:func:`~fsm_cache.cache.arguments.packed`): a refused call is logged
-        with it instead, so that a bool the pool refused replays as a bool.
+        (:func:`~fsm_cache.cache.arguments.packed`): a refused call whose
+        slots hold a bool is logged with it instead, so that the bool the pool
+        refused replays as a bool.
         """
         check = self.check_invariants if self.config.debug else None
-        given = None if unpacked is None else (*args[:-1], unpacked)
-        return _Operation(self._gate, self._core.log, self._flush_all, check, name, args, given)
+        return _Operation(self._gate, self._core.log, self._flush_all, check, name, args, unpacked)
 
     def _flush(self) -> None:
         """Start every copy the operation queued: device-host copies, then storage copies."""
@@ -1230,7 +1231,7 @@ class _Operation:
         check: Callable[[str], None] | None,
         name: str,
         args: tuple[object, ...],
-        given: tuple[object, ...] | None = None,
+        given: tuple[int, ...] | None = None,
     ) -> None:
         self.gate, self.log, self.flush, self.check = gate, log, flush, check
         self.name, self.args, self.given = name, args, given
@@ -1244,8 +1245,9 @@ class _Operation:
     ) -> None:
         try:
             if exc is not None:  # logged either way, so that an agreement sees it on this rank
-                if self.given is not None:  # its slots as given: a bool packs as page 0 or 1
-                    self.log.as_given(self.name, self.given)
+                if self.given is not None and bool in set(map(type, self.given)):
+                    # its slots as given: packed, a bool is page 0 or 1, which a replay takes
+                    self.log.as_given(self.name, (*self.args[:-1], self.given))
                 if isinstance(exc, FsmCacheError) and not _from_outside(exc):
                     self.log.refusal(self.name, exc)
                 else:  # a copy engine, an allocator or torch broke: no refusal of the cache's

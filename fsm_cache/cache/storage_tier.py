@@ -1469,6 +1469,7 @@ class StorageTier:
             except EffectFailed as exc:  # a read holds a page, or the store would not delete
                 if not isinstance(exc.__cause__, PageInUse):
                     self._core.counters.storage_failures["evict:failed"] += 1
+                    self._core.counters.storage_errors["evict:failed"] = str(exc.__cause__ or exc)
                 continue  # it stays, and so does what is under it
             freed += len(node.key)
             parent = node.parent

@@ -797,7 +797,7 @@ def _released_once(result: Patch, machine: Residency) -> Callable[[Method], Meth
             locks = getattr(node, "locks", 0)
             if locks:  # with none, the walk refuses the release itself
                 held = f"the {locks} lock(s) on the node"
-                book.refuse_spent(_node_id(node), receipt, "dec_lock_ref", held, told)
+                book.refuse_spent(unified.node_id(node), receipt, "dec_lock_ref", held, told)
             released = walked(self, node, *args, **kwargs)
             book.spend(receipt, told)
             return released
@@ -877,11 +877,6 @@ RECEIPTS: dict[str, Callable[[Patch, Residency], Callable[[Method], Method]]] = 
     "reset": _reset_forgets,
 }
 """The methods wrapped with a ``dec_lock_ref`` that takes a receipt, and their wrappers."""
-
-
-def _node_id(node: Any) -> Any:
-    """A node's id as a refusal names it (``?`` for an object with none)."""
-    return getattr(node, "id", "?")
 
 
 def _adopt_subclasses(

@@ -364,8 +364,8 @@ class LockBook(SpentLocks):
         if taken is None or taken.node is node:
             return
         msg = (
-            f"node {_node_id(node)}: {call} refused: this receipt ({type(receipt).__name__} at "
-            f"{id(receipt):#x}) is of a lock taken on node {_node_id(taken.node)}, and a "
+            f"node {node_id(node)}: {call} refused: this receipt ({type(receipt).__name__} at "
+            f"{id(receipt):#x}) is of a lock taken on node {node_id(taken.node)}, and a "
             "receipt is released on the node it was taken on; the locks on both nodes stay "
             "held; nothing changed"
         )
@@ -395,7 +395,7 @@ class LockBook(SpentLocks):
         self.out.clear()
 
 
-def _node_id(node: Any) -> Any:
+def node_id(node: Any) -> Any:
     """A node's id as a message names it (``?`` for an object with none)."""
     return getattr(node, "id", "?")
 
