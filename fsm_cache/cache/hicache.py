@@ -447,9 +447,7 @@ class HiCache:
         """
         parts = slots.wanted(walk.path, key, walk.cut)
         if given is None:  # what can never fit
-            page = self.config.page_size
-            needed = sum(n for _, _, n in parts) // page
-            self._evictor.refuse_impossible(needed, walk.path[-1], walk.cut // page)
+            self._refuse_unfittable(walk, parts)
         else:
             self._caller_pages(parts, given)
         stuck = self._transfers.finish_loads(walk.path, "insert")
@@ -481,7 +479,7 @@ class HiCache:
         if given is not None:
             return self._caller_pages(parts, given)
         page = self.config.page_size
-        total = sum(n for _, _, n in parts) // page
+        total = slots.pages_in(parts, page)
         run = self._evictor.alloc_device(total, path[-1] if path else None, path)
         out, at = [], 0
         try:
@@ -522,9 +520,7 @@ class HiCache:
         if given is not None:
             runs = self._caller_pages(parts, given)
         else:
-            page = self.config.page_size
-            total = sum(n for _, _, n in parts) // page
-            self._evictor.refuse_impossible(total, walk.path[-1], walk.cut // page)
+            total = self._refuse_unfittable(walk, parts)
             if total <= self.tiers.device.allocator.free_pages:  # nothing to evict
                 runs = self._fresh_pages(walk.path, key, parts, None)
         try:
@@ -541,6 +537,20 @@ class HiCache:
                 self._take_back(walk.path[-1])
                 raise
         return walk, parts, runs
+
+    def _refuse_unfittable(self, walk: Walk, parts: list[tuple[int, int, int]]) -> int:
+        """Return the device pages ``parts`` need, refused if no eviction could free them.
+
+        ``walk`` may end inside its last node (a cut): the prefix a split
+        would leave counts as kept, the suffix as evictable.
+
+        Raises:
+            PoolExhausted: No eviction could free that many pages.
+        """
+        page = self.config.page_size
+        needed = slots.pages_in(parts, page)
+        self._evictor.refuse_impossible(needed, walk.path[-1], walk.cut // page)
+        return needed
 
     def _take_back(self, prefix: TreeNode) -> None:
         """Undo the split an insert made before it failed, if nothing happened since.

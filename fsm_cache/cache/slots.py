@@ -52,6 +52,11 @@ def wanted(path: Sequence[TreeNode], key: Key, cut: int = 0) -> list[tuple[int, 
     return out
 
 
+def pages_in(parts: Sequence[tuple[int, int, int]], page_size: int) -> int:
+    """Return how many device pages the parts of :func:`wanted` need, together."""
+    return sum(n for _, _, n in parts) // page_size
+
+
 def held(allocator: PageAllocator, pages: Sequence[int], op: str = "insert") -> tuple[int, ...]:
     """Return ``pages`` as the pool's own ints if every one is held by a request, once.
 
