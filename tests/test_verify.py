@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import too_big_toml
 from pools import ACCEPTED, REFUSED, pool
+from processes import all_gone
 from shipped_files import STORAGE_FILES
 
 from fsm_cache.cli.main import main
@@ -429,15 +430,6 @@ def test_a_malformed_crosshair_directive_is_named(tmp_path: Path) -> None:
     )
 
 
-def _gone(pid: int) -> bool:
-    """Whether process ``pid`` has ended (no longer there, or a zombie left to be reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_an_interrupt_stops_crosshair_at_once(tmp_path: Path) -> None:
     """A SIGINT to fsm_cache alone waited for each CrossHair worker to finish its contracts.
@@ -492,10 +484,7 @@ def test_an_interrupt_stops_crosshair_at_once(tmp_path: Path) -> None:
         child.send_signal(signal.SIGINT)
         assert child.wait(timeout=30) == -signal.SIGINT  # an uncaught KeyboardInterrupt
     assert time.monotonic() - began < 30
-    deadline = time.monotonic() + 10
-    while not all(_gone(pid) for pid in workers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert all(_gone(pid) for pid in workers)
+    assert all_gone(workers)
 
 
 def test_the_allocator_contracts_set_a_budget_that_exhausts_them() -> None:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import all_gone
 
 from fsm_cache.contracts import exhaustive, verify
 from fsm_cache.contracts import runner as crosshair_run
@@ -92,24 +93,8 @@ def _modules(tmp_path: Path, *names: str) -> list[str]:
     return paths
 
 
-def _gone(pid: int) -> bool:
-    """Whether process ``pid`` has ended (no longer there, or a zombie left to be reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
-
-
 def _pids(marks: Path) -> list[int]:
     return [int(p.suffix[1:]) for p in marks.glob("*.*")]
-
-
-def _all_gone(pids: list[int]) -> bool:
-    deadline = time.monotonic() + 10
-    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return all(_gone(pid) for pid in pids)
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
@@ -140,7 +125,7 @@ def test_an_interrupt_stops_the_crosshair_of_every_target_in_flight(tmp_path: Pa
         assert len(workers) == 2, "the two targets did not run side by side"
         child.send_signal(signal.SIGINT)
         assert child.wait(timeout=30) == -signal.SIGINT  # an uncaught KeyboardInterrupt
-    assert _all_gone(workers)
+    assert all_gone(workers)
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
@@ -168,7 +153,7 @@ def test_an_error_in_one_target_stops_the_others_and_is_the_one_raised(
     assert str(caught.value) == f"CrossHair failed on {Path(bad).resolve()}: crosshair: boom"
     pids = _pids(marks)
     assert len(pids) == 2
-    assert _all_gone(pids)
+    assert all_gone(pids)
     assert not (tmp_path / "good.done").exists()  # killed, not left to finish
 
 
