@@ -21,7 +21,6 @@ machine, counters, log), :class:`~fsm_cache.cache.transfers.Transfers`
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -372,7 +371,9 @@ class HiCache:
                 :meth:`free_slots` (the rest are the nodes' now). A node the
                 insert split part way is whole again, with the node ids and
                 the log as before, where nothing else changed since the split
-                (no node above adopted its pages). Or the
+                (no node above adopted its pages) and the allocator takes the
+                pages back; if it is still broken, the split stays, logged,
+                and a note on the error says so. Or the
                 host allocator broke as a backup the insert started took its
                 pages: the insert was done, and its new leaf, unbacked, is logged.
 
@@ -413,9 +414,9 @@ class HiCache:
                 cached += len(node.key)
             try:
                 added = self._take_over(walk, key, parts, runs, namespace, allocated=args is None)
-            except BaseException:  # an allocator that broke: the split is taken back too
+            except BaseException as error:  # an allocator that broke: the split is taken back too
                 if split is not None:
-                    self._take_back(split)
+                    self._take_back(split, error)
                 raise
             touched = walk.path + added  # walk.path itself where nothing was added
             self._core.touch(touched)
@@ -533,8 +534,8 @@ class HiCache:
         if runs is None:
             try:
                 runs = self._fresh_pages(walk.path, key, parts, None)
-            except BaseException:  # taken back if eviction changed nothing (its pages are back)
-                self._take_back(walk.path[-1])
+            except BaseException as error:  # taken back if eviction changed nothing
+                self._take_back(walk.path[-1], error)  # (its pages are back)
                 raise
         return walk, parts, runs
 
@@ -552,15 +553,32 @@ class HiCache:
         self._evictor.refuse_impossible(needed, walk.path[-1], walk.cut // page)
         return needed
 
-    def _take_back(self, prefix: TreeNode) -> None:
-        """Undo the split an insert made before it failed, if nothing happened since.
+    def _take_back(self, prefix: TreeNode, error: BaseException) -> None:
+        """Undo the split an insert made before it failed with ``error``, if nothing happened since.
 
         :meth:`CacheCore.unsplit`: where the split was the last thing the
         insert did (the steps after it undone, or failed before any change),
         the tree, the node ids and the log are as before the insert.
+
+        An allocator still broken (an error from outside the cache, which
+        the page hand-back raises before anything changes) leaves the split
+        as it is, logged: ``error`` goes on, with a note (Python 3.11 on)
+        saying so and what the allocator raised. An error of the cache's own
+        from the unsplit (the pool refusing to take back pages as not the
+        prefix's, say) is a fault of the cache, not of what it runs on: it is
+        raised instead of ``error``, which Python shows as its ``__context__``.
         """
-        with contextlib.suppress(Exception):  # an allocator still broken: the split stays
+        try:
             self._core.unsplit(prefix)
+        except FsmCacheError:
+            raise
+        except Exception as broken:  # from outside the cache: an allocator still broken
+            add_note = getattr(error, "add_note", None)  # exceptions take notes from Python 3.11
+            if add_note is not None:
+                add_note(
+                    f"node {prefix.id} stays split: taking the split back failed too"
+                    f" ({type(broken).__name__}: {broken})"
+                )
 
     def _caller_pages(self, parts: list[tuple[int, int, int]], given: Pages) -> list[Pages]:
         """The caller's pages for each of ``parts`` (:func:`slots.wanted`), checked held, in order.
