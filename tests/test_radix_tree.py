@@ -1,4 +1,4 @@
-"""RadixTree.retract and split: node ids, and a split whose page hand-over fails."""
+"""RadixTree.retract and split: node ids, a split whose page hand-over fails, split_cut."""
 
 from __future__ import annotations
 
@@ -97,6 +97,64 @@ def test_find_changes_nothing_and_says_where_walk_would_split() -> None:
     walk = tree.walk((1, 2, 9))
     assert ([n.id for n in walk.path], walk.matched, walk.cut) == ([2], 2, 0)
     assert tree.find((1, 2, 9)) is walk  # no split left to make: the walk itself
+
+
+def _shape(tree: RadixTree) -> list[tuple[int, int | None, tuple[int, ...], Pages, Pages]]:
+    return sorted(
+        (n.id, n.parent.id if n.parent is not None else None, n.key, n.device_pages, n.host_pages)
+        for n in tree
+    )
+
+
+@pytest.mark.parametrize(
+    "key",
+    [(1, 2, 3, 9, 9), (1, 2, 3, 4, 5, 9), (1, 2, 3), (1, 2, 3, 4, 5, 6), (1, 2, 7)],
+    ids=["inside the child", "inside the grandchild", "key ends inside", "ends deeper", "mid"],
+)
+@pytest.mark.parametrize("namespace", [None, "lora"])
+def test_split_cut_makes_the_split_and_returns_the_walk_walk_would(
+    key: tuple[int, ...], namespace: str | None
+) -> None:
+    """A find's cut split where it is, not by following the key again: what walk() does."""
+
+    def grown() -> tuple[RadixTree, list[tuple[object, ...]]]:
+        seen: list[tuple[object, ...]] = []
+        tree = RadixTree(
+            page_size=1,
+            hand_over=lambda d, h, o, n: seen.append(("hand_over", d, h, o, n)),
+            on_split=lambda p, s: seen.append(("split", p.id, s.id)),
+        )
+        top = tree.add_leaf(tree.root(namespace), (1, 2, 3, 4), (10, 11, 12, 13))
+        top.host_pages = (20, 21, 22, 23)
+        tree.add_leaf(top, (5, 6, 7), (14, 15, 16))
+        tree.add_leaf(top, (8,), (17,))
+        return tree, seen
+
+    walked, walked_seen = grown()
+    cut, cut_seen = grown()
+    expected = walked.walk(key, namespace)
+    found = cut.find(key, namespace)
+    assert found.cut
+    got = cut.split_cut(found, key, namespace)
+    assert [n.id for n in got.path] == [n.id for n in expected.path]
+    assert (got.matched, got.cut) == (expected.matched, expected.cut)
+    assert _shape(cut) == _shape(walked)
+    assert cut_seen == walked_seen  # the same pages handed over, the same split hook calls
+    assert cut.find(key, namespace) is got  # kept as the last walk, as walk() keeps its own
+    assert cut.walk(key, namespace) is got
+
+
+def test_split_cut_refuses_a_walk_without_a_cut_and_changes_nothing() -> None:
+    tree = RadixTree(page_size=1)
+    leaf = tree.add_leaf(tree.root(), (1, 2, 3), (10, 11, 12))
+    for key in [(1, 2, 3, 9), (9,)]:
+        found = tree.find(key)
+        with pytest.raises(InvariantViolation) as refused:
+            tree.split_cut(found, key)
+        assert str(refused.value) == (
+            f"a walk of {found.matched} tokens that ends where a node does has no cut to split"
+        )
+    assert (_shape(tree), leaf.parent) == ([(1, 0, (1, 2, 3), (10, 11, 12), ())], tree.root())
 
 
 def test_an_unsplit_gives_the_suffix_back_its_prefix_and_the_next_node_its_id() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from fsm_cache.errors import (
     BadArgument,
     CopyFailed,
     EffectFailed,
+    ForeignSlot,
     NoHostCopy,
     ReplayMismatch,
 )
@@ -298,6 +300,76 @@ def test_an_allocator_that_breaks_after_a_split_changes_nothing_and_replays(
     again = replay(cache.log, BASE)
     assert again.log.transitions() == cache.log.transitions()
     assert states(again) == states(cache)
+
+
+def _broken_after_the_split(cache: HiCache, hand_back: Exception) -> tuple[int, ...]:
+    """Break the device allocator at the new leaf's pages, then with ``hand_back`` at the unsplit's.
+
+    Returns the prompt, whose insert runs into node 1 part way: the split's
+    hand-over (call 1) works.
+    """
+    allocator = cache.tiers.device.allocator
+    works, calls = allocator.reassign, 0
+    errors = {2: RuntimeError("allocator broke"), 3: hand_back}
+
+    def reassign(pages: Sequence[int], owner: int, new_owner: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls in errors:
+            raise errors[calls]
+        works(pages, owner, new_owner)
+
+    allocator.reassign = reassign  # type: ignore[method-assign]
+    return (*range(8), *range(100, 104))
+
+
+def test_an_allocator_still_broken_as_a_split_is_taken_back_leaves_it_split_with_a_note() -> None:
+    """The split stays, logged, as it is: the insert's error goes on, and says so in a note.
+
+    The hand-back was suppressed whatever it raised, and left no trace.
+    """
+    cache = HiCache(replace(BASE, debug=True))
+    cache.insert(list(range(16)))
+    cache.poll()
+    prompt = _broken_after_the_split(cache, RuntimeError("allocator still broken"))
+    with pytest.raises(RuntimeError) as caught:
+        cache.insert(prompt)
+    vars(cache.tiers.device.allocator).pop("reassign")
+    assert str(caught.value) == "allocator broke"
+    note = "node 2 stays split: taking the split back failed too (RuntimeError: allocator still broken)"
+    notes = [note] if sys.version_info >= (3, 11) else None  # exception notes came with 3.11
+    assert getattr(caught.value, "__notes__", None) == notes
+    assert shape(cache) == [
+        (1, 2, tuple(range(8, 16)), (2, 3), (2, 3)),
+        (2, 0, tuple(range(8)), (0, 1), (0, 1)),
+    ]
+    at = cache.log.entries.index(("op", "insert", (prompt, None, None)))
+    assert cache.log.entries[at + 1 :] == [
+        ("transition", 2, "split:1"),
+        ("failed", "insert", "RuntimeError: allocator broke"),
+    ]
+    cache.check_invariants()
+
+
+def test_an_error_of_the_cache_s_own_as_a_split_is_taken_back_is_raised() -> None:
+    """The pool refusing the pages handed back is a fault of the cache's: raised, not swallowed.
+
+    The insert's own error is its ``__context__``. It was suppressed, and the
+    insert raised the allocator's error as if nothing else had gone wrong.
+    """
+    cache = HiCache(replace(BASE, debug=True))
+    cache.insert(list(range(16)))
+    cache.poll()
+    refused = ForeignSlot("device page 0 is not node 2's")
+    prompt = _broken_after_the_split(cache, refused)
+    with pytest.raises(ForeignSlot) as caught:
+        cache.insert(prompt)
+    vars(cache.tiers.device.allocator).pop("reassign")
+    assert caught.value is refused
+    assert isinstance(caught.value.__context__, RuntimeError)
+    assert str(caught.value.__context__) == "allocator broke"
+    assert [n.id for n in cache.tree] == [2, 1]  # the split stays
+    cache.check_invariants()
 
 
 def test_a_split_and_an_adoption_before_an_allocator_broke_are_logged_and_do_not_replay() -> None:

@@ -172,8 +172,11 @@ class CacheCore:
         flight (which the split would have re-homed onto the prefix too).
 
         Raises:
-            Exception: Whatever the page hand-over raises (an allocator still
-                broken); the split then stays, and so does the log.
+            PoolError: The pools refuse the pages handed back as not the
+                prefix's: the cache's own fault. The split stays, and so does the log.
+            Exception: Whatever else the page hand-over raises (an allocator
+                still broken, from outside the cache); the split stays, and so
+                does the log.
         """
         if len(prefix.children) != 1:
             return False

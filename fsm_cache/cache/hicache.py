@@ -21,7 +21,6 @@ machine, counters, log), :class:`~fsm_cache.cache.transfers.Transfers`
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -372,7 +371,9 @@ class HiCache:
                 :meth:`free_slots` (the rest are the nodes' now). A node the
                 insert split part way is whole again, with the node ids and
                 the log as before, where nothing else changed since the split
-                (no node above adopted its pages). Or the
+                (no node above adopted its pages) and the allocator takes the
+                pages back; if it is still broken, the split stays, logged,
+                and a note on the error says so. Or the
                 host allocator broke as a backup the insert started took its
                 pages: the insert was done, and its new leaf, unbacked, is logged.
 
@@ -411,16 +412,13 @@ class HiCache:
                 if node.device == "absent":
                     break
                 cached += len(node.key)
-            fresh = {ident: run for (ident, _, _), run in zip(parts, runs, strict=True)}
             try:
-                added = self._take_over(
-                    walk.path, walk.matched, key, fresh, namespace, allocated=args is None
-                )
-            except BaseException:  # an allocator that broke: the split is taken back too
+                added = self._take_over(walk, key, parts, runs, namespace, allocated=args is None)
+            except BaseException as error:  # an allocator that broke: the split is taken back too
                 if split is not None:
-                    self._take_back(split)
+                    self._take_back(split, error)
                 raise
-            touched = (*walk.path, *added)
+            touched = walk.path + added  # walk.path itself where nothing was added
             self._core.touch(touched)
             try:
                 self._transfers.maybe_backup_each(touched)
@@ -523,18 +521,21 @@ class HiCache:
             total = self._refuse_unfittable(walk, parts)
             if total <= self.tiers.device.allocator.free_pages:  # nothing to evict
                 runs = self._fresh_pages(walk.path, key, parts, None)
+        cut = walk.path[-1].id
         try:
-            walk = self._core.tree.walk(key, namespace)
+            walk = self._core.tree.split_cut(walk, key, namespace)
         except BaseException:  # an allocator that broke as the split handed pages over
             if given is None and runs:
                 self.tiers.free_device(tuple(chain.from_iterable(runs)), REQUEST)
             raise
-        parts = slots.wanted(walk.path, key)  # the same parts; the prefix's id for its own
+        for i, (ident, offset, tokens) in enumerate(parts):  # the same parts, ids aside
+            if ident == cut:  # the node split was host-only: its part is the prefix's
+                parts[i] = (walk.path[-1].id, offset, tokens)
         if runs is None:
             try:
                 runs = self._fresh_pages(walk.path, key, parts, None)
-            except BaseException:  # taken back if eviction changed nothing (its pages are back)
-                self._take_back(walk.path[-1])
+            except BaseException as error:  # taken back if eviction changed nothing
+                self._take_back(walk.path[-1], error)  # (its pages are back)
                 raise
         return walk, parts, runs
 
@@ -552,15 +553,32 @@ class HiCache:
         self._evictor.refuse_impossible(needed, walk.path[-1], walk.cut // page)
         return needed
 
-    def _take_back(self, prefix: TreeNode) -> None:
-        """Undo the split an insert made before it failed, if nothing happened since.
+    def _take_back(self, prefix: TreeNode, error: BaseException) -> None:
+        """Undo the split an insert made before it failed with ``error``, if nothing happened since.
 
         :meth:`CacheCore.unsplit`: where the split was the last thing the
         insert did (the steps after it undone, or failed before any change),
         the tree, the node ids and the log are as before the insert.
+
+        An allocator still broken (an error from outside the cache, which
+        the page hand-back raises before anything changes) leaves the split
+        as it is, logged: ``error`` goes on, with a note (Python 3.11 on)
+        saying so and what the allocator raised. An error of the cache's own
+        from the unsplit (the pool refusing to take back pages as not the
+        prefix's, say) is a fault of the cache, not of what it runs on: it is
+        raised instead of ``error``, which Python shows as its ``__context__``.
         """
-        with contextlib.suppress(Exception):  # an allocator still broken: the split stays
+        try:
             self._core.unsplit(prefix)
+        except FsmCacheError:
+            raise
+        except Exception as broken:  # from outside the cache: an allocator still broken
+            add_note = getattr(error, "add_note", None)  # exceptions take notes from Python 3.11
+            if add_note is not None:
+                add_note(
+                    f"node {prefix.id} stays split: taking the split back failed too"
+                    f" ({type(broken).__name__}: {broken})"
+                )
 
     def _caller_pages(self, parts: list[tuple[int, int, int]], given: Pages) -> list[Pages]:
         """The caller's pages for each of ``parts`` (:func:`slots.wanted`), checked held, in order.
@@ -585,18 +603,19 @@ class HiCache:
 
     def _take_over(
         self,
-        path: Sequence[TreeNode],
-        matched: int,
+        walk: Walk,
         key: tuple[int, ...],
-        fresh: dict[int, Pages],
+        parts: list[tuple[int, int, int]],
+        runs: list[Pages],
         namespace: Hashable,
         *,
         allocated: bool,
     ) -> tuple[TreeNode, ...]:
         """Adopt the host-only path nodes, then hang the new tail under the walk's end.
 
-        ``fresh`` holds request-held pages (:meth:`_fresh_pages`), so no step
-        here can be refused. The path nodes adopt first, top down, so that no
+        ``runs`` holds request-held pages (:meth:`_fresh_pages`) for each of
+        ``parts`` (:func:`slots.wanted` of ``walk.path``), so no step here can
+        be refused. The path nodes adopt first, top down, so that no
         node is ever on the device under one off it. An allocator that breaks
         as a node takes its pages (an error from outside the cache) stops the
         insert there: the path nodes above it keep what they adopted (logged),
@@ -607,19 +626,15 @@ class HiCache:
         skips it, and under tensor parallelism the rank it broke on is named
         at the next step. Returns the new leaf, if there is one.
         """
-        tail = fresh.get(slots.NEW_TAIL, ())
-        adopting = [node for node in path if node.id in fresh]
-        for at, node in enumerate(adopting):
-            self._core.stage(node, fresh[node.id])
-            try:
-                self._core.fire(node, "adopt")
-            except BaseException:
-                self._core.drop_staged([node.id])  # refused before its effect took them
-                if allocated:
-                    self._free_untaken(
-                        [*chain.from_iterable(fresh[n.id] for n in adopting[at:]), *tail]
-                    )
-                raise
+        adopted = len(parts)  # the tail, if any, is the last part
+        tail: Pages = ()
+        if adopted and parts[-1][0] == slots.NEW_TAIL:
+            adopted -= 1
+            tail = runs[adopted]
+        if adopted:  # most inserts adopt nothing: no dict of pages by node for them
+            fresh = {ident: run for (ident, _, _), run in zip(parts, runs, strict=True)}
+            self._adopt(walk.path, fresh, tail, allocated=allocated)
+        path, matched = walk.path, walk.matched
         if matched == len(key):
             return ()
         tree = self._core.tree
@@ -633,6 +648,28 @@ class HiCache:
             raise
         self._evictor.offer(leaf)
         return (leaf,)
+
+    def _adopt(
+        self, path: Sequence[TreeNode], fresh: dict[int, Pages], tail: Pages, *, allocated: bool
+    ) -> None:
+        """Adopt the path nodes ``fresh`` has pages for, top down (:meth:`_take_over`'s first step).
+
+        Where a node's adoption fails, the pages no node took (those of the
+        nodes from it on, and the ``tail``'s) go back to the pool if the cache
+        allocated them (``allocated``).
+        """
+        adopting = [node for node in path if node.id in fresh]
+        for at, node in enumerate(adopting):
+            self._core.stage(node, fresh[node.id])
+            try:
+                self._core.fire(node, "adopt")
+            except BaseException:
+                self._core.drop_staged([node.id])  # refused before its effect took them
+                if allocated:
+                    self._free_untaken(
+                        [*chain.from_iterable(fresh[n.id] for n in adopting[at:]), *tail]
+                    )
+                raise
 
     def _free_untaken(self, pages: Sequence[int]) -> None:
         """Give back those of ``pages`` the request still holds: no node took them before a failure."""

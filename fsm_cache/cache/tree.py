@@ -89,7 +89,8 @@ class Walk:
         matched: Tokens matched, in whole pages.
         cut: 0, or (a :meth:`RadixTree.find` only) the tokens matched of the
             last node of ``path``, where the match ends inside it: the split
-            :meth:`RadixTree.walk` would make there.
+            :meth:`RadixTree.walk` would make there (:meth:`RadixTree.split_cut`
+            makes it).
     """
 
     path: tuple[TreeNode, ...]
@@ -161,6 +162,30 @@ class RadixTree:
         then act). Elsewhere the walk is the one :meth:`walk` returns.
         """
         return self._follow(key, namespace, split=False)
+
+    def split_cut(self, walk: Walk, key: Key, namespace: Hashable = None) -> Walk:
+        """Make the split a :meth:`find` with a cut said :meth:`walk` would make; return its walk.
+
+        ``walk`` is what :meth:`find` just returned for ``key`` in
+        ``namespace``, with the tree unchanged since: its last node is split
+        at :attr:`Walk.cut` and the walk :meth:`walk` would have returned
+        comes back (and is kept as the last walk), without following the key
+        from the root again. The prefix takes the split node's place on the
+        path; the key cannot go on below it, since its only child, the
+        suffix, is where the match ended.
+
+        Raises:
+            InvariantViolation: ``walk`` has no cut: it ends where a node does. Nothing changes.
+            Exception: Whatever the page hand-over raises, as for :meth:`split`;
+                nothing changes.
+        """
+        if not walk.cut:
+            msg = f"a walk of {walk.matched} tokens that ends where a node does has no cut to split"
+            raise InvariantViolation(msg)
+        path = walk.path
+        found = Walk((*path[:-1], self.split(path[-1], walk.cut)), walk.matched)
+        self._last = (namespace, key, found)
+        return found
 
     def _follow(self, key: Key, namespace: Hashable, *, split: bool) -> Walk:
         """:meth:`walk` (``split``), or :meth:`find`."""
