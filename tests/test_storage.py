@@ -1171,6 +1171,43 @@ def test_local_a_put_replaces_a_damaged_page_it_finds_instead_of_calling_it_pres
     assert store.capacity().pages == 2
 
 
+def test_local_a_damaged_page_a_full_put_cannot_replace_stays_counted(tmp_path: Path) -> None:
+    """A put that answers FULL for a damaged page leaves it indexed and counted, as before it.
+
+    It was forgotten before the room for its replacement was sought: on FULL the
+    file stayed on disk uncounted, and the limit overrun, until a lookup found it.
+    """
+    keys, pages = page_keys(NS, list(range(8))), pages_of(2)
+    size = page_bytes(keys[0], pages[0])
+    torn = codec.encode(keys[1], pages[1])[:40]
+    store = LocalFileStore(tmp_path, limit_bytes=size + len(torn) + 10)
+    assert store.put(keys[:1], pages[:1]) == [S]
+    store.path(keys[1]).parent.mkdir(exist_ok=True)
+    store.path(keys[1]).write_bytes(torn)
+    assert store.exists_prefix(keys) == 2  # indexed at the torn page's size
+    before = (store.capacity(), store.exists_prefix(keys[1:]))
+    assert store.put(keys, pages) == [P, F]  # the first page is held: no room for the second
+    assert (store.capacity(), store.exists_prefix(keys[1:])) == before
+    assert store.capacity().used_bytes == disk_bytes(store, keys)
+    assert store.path(keys[1]).read_bytes() == torn
+
+
+def test_local_a_damaged_page_is_replaced_where_only_its_own_bytes_make_room(
+    tmp_path: Path,
+) -> None:
+    """The bytes of the damaged page a put replaces count as room: nothing else is evicted."""
+    keys, pages = page_keys(NS, list(range(8))), pages_of(2)
+    size = page_bytes(keys[0], pages[0])
+    store = LocalFileStore(tmp_path, limit_bytes=2 * size)
+    assert store.put(keys[:1], pages[:1]) == [S]
+    store.path(keys[1]).parent.mkdir(exist_ok=True)
+    store.path(keys[1]).write_bytes(codec.encode(keys[1], pages[1])[:-8])
+    assert store.exists_prefix(keys) == 2  # full but for 8 bytes
+    assert store.put(keys[1:], pages[1:]) == [S]
+    assert same(store.get(keys), pages)
+    assert store.capacity().used_bytes == disk_bytes(store, keys) == 2 * size
+
+
 def test_local_a_put_leaves_a_page_of_a_later_format_it_finds(tmp_path: Path) -> None:
     """A newer version's page is whole: PRESENT, for the servers that read it, and kept."""
     keys, pages = page_keys(NS, list(range(4))), pages_of(1)
