@@ -176,15 +176,139 @@ def test_a_numpy_bool_is_no_page_either() -> None:
     assert snapshot(a) == before
 
 
-@pytest.mark.parametrize("pages", ["run with a float", "numpy", "numpy, not a run"])
+@pytest.mark.parametrize(
+    "given",
+    [[0, 1.0], (0, 1.0), [0, 1.0, 2], [2, 3.0], (1, 2.0, 3)],
+    ids=["a run ending in a float", "a tuple run", "a float inside", "from page 2", "tuple inside"],
+)
+def test_a_float_is_no_page_in_a_run_either(given: list[object]) -> None:
+    """1.0 equals page 1, and a run is compared with the pool's pages by value: no page all the same."""
+    a = PageAllocator("device", 4, 1)
+    a.alloc(4, owner=1)  # pages 0 to 3
+    before = snapshot(a)
+    culprit = next(p for p in given if type(p) is float)
+    calls: list[Callable[[], object]] = [
+        lambda: a.free(given, owner=1),  # type: ignore[arg-type]
+        lambda: a.reassign(given, owner=1, new_owner=2),  # type: ignore[arg-type]
+    ]
+    for call in calls:
+        with pytest.raises(ForeignSlot) as info:
+            call()
+        assert str(info.value) == f"device pool: page {culprit!r} is not an int"
+    assert a.all_owned_by(given, 1) is False  # type: ignore[arg-type]
+    assert a.owned(given, 1) is None  # type: ignore[arg-type]
+    assert a.run_of(given) is None  # type: ignore[arg-type]
+    assert snapshot(a) == before
+
+
+def test_a_numpy_float_is_no_page_in_a_run_either() -> None:
+    np = pytest.importorskip("numpy")
+    a = PageAllocator("device", 4, 1)
+    a.alloc(2, owner=1)  # pages 0 and 1
+    before = snapshot(a)
+    given = [0, np.float64(1.0)]
+    with pytest.raises(ForeignSlot) as info:
+        a.free(given, owner=1)
+    assert str(info.value) == f"device pool: page {given[1]!r} is not an int"
+    assert (a.owned(given, 1), a.all_owned_by(given, 1), a.run_of(given)) == (None, False, None)
+    assert snapshot(a) == before
+
+
+class IndexingBool:
+    """A numpy bool as numpy before 2.3 has it (2.2 is the newest on Python 3.10).
+
+    Its ``__index__`` gives 0 or 1 (numpy 2.2 only warns), so it indexes a
+    list as page 0 or 1, which numpy 2.3 and later refuse.
+    """
+
+    dtype = "bool"
+
+    def __init__(self, value: bool) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return int(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return other == int(self.value)
+
+    def __lt__(self, other: int) -> bool:
+        return int(self.value) < other
+
+    def __gt__(self, other: int) -> bool:
+        return int(self.value) > other
+
+    def __le__(self, other: int) -> bool:
+        return int(self.value) <= other
+
+    def __ge__(self, other: int) -> bool:
+        return int(self.value) >= other
+
+    def __hash__(self) -> int:
+        return int(self.value)
+
+    def __repr__(self) -> str:
+        return f"np.{self.value}_"
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        [IndexingBool(True)],
+        [0, IndexingBool(True)],
+        [1, IndexingBool(False)],
+        [3, IndexingBool(True)],
+    ],
+    ids=["alone", "after page 0", "before page 1", "not a run"],
+)
+def test_a_numpy_bool_that_indexes_a_list_is_no_page_either(given: list[object]) -> None:
+    """Numpy 2.2's bool indexes the owners as page 0 or 1: the pool refuses it by its dtype."""
+    a = PageAllocator("device", 4, 1)
+    a.alloc(4, owner=1)  # pages 0 to 3
+    before = snapshot(a)
+    culprit = next(p for p in given if type(p) is IndexingBool)
+    for call in (
+        lambda: a.free(given, owner=1),  # type: ignore[arg-type]
+        lambda: a.reassign(given, owner=1, new_owner=2),  # type: ignore[arg-type]
+        lambda: a.owner_of(culprit),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ForeignSlot) as info:
+            call()
+        assert str(info.value) == f"device pool: page {culprit!r} is not an int"
+    assert (a.owned(given, 1), a.all_owned_by(given, 1)) == (None, False)  # type: ignore[arg-type]
+    assert snapshot(a) == before
+
+
+def test_a_bool_tensor_is_no_page_either() -> None:
+    """A bool tensor indexes a list as page 0 or 1: the pool refuses it by its dtype."""
+    torch = pytest.importorskip("torch")
+    a = PageAllocator("device", 4, 1)
+    a.alloc(4, owner=1)  # pages 0 to 3
+    before = snapshot(a)
+    true = torch.tensor(True)
+    for given, culprit in (
+        ([true], true),
+        ([0, true], true),
+        ([3, true], true),
+        (torch.tensor([False, True]), torch.tensor(False)),
+    ):
+        with pytest.raises(ForeignSlot) as info:
+            a.free(given, owner=1)
+        assert str(info.value) == f"device pool: page {culprit!r} is not an int"
+        assert (a.owned(given, 1), a.all_owned_by(given, 1)) == (None, False)
+    assert a.owned(torch.tensor([0, 1]), 1) == (0, 1)  # an int tensor's pages are pages
+    assert snapshot(a) == before
+
+
+@pytest.mark.parametrize("pages", ["numpy", "numpy, not a run", "a run with a numpy integer"])
 def test_pages_go_back_to_the_free_list_as_the_pools_own_ints(pages: str) -> None:
     """A page that passed as the page it equals is stored as that page, not as given."""
-    if pages.startswith("numpy"):
-        np = pytest.importorskip("numpy")
-        given: list[object] = [np.int64(0), np.int64(1)]
-        given = given[::-1] if "not" in pages else given
-    else:
-        given = [0, 1.0]
+    np = pytest.importorskip("numpy")
+    given: list[object] = [np.int64(0), np.int64(1)]
+    if "not" in pages:
+        given = given[::-1]
+    elif "a run" in pages:
+        given = [0, np.int64(1)]
     a = PageAllocator("device", 4, 1)
     a.alloc(2, owner=1)  # pages 0 and 1
     a.free(given, owner=1)  # type: ignore[arg-type]
@@ -203,7 +327,8 @@ def test_pages_go_back_to_the_free_list_as_the_pools_own_ints(pages: str) -> Non
         ([0, True], None),
         ((0, True), None),
         ([True, 3], None),
-        ([0, 1.0], (0, 1)),  # a run: compared with the pool's pages, in C
+        ([0, 1.0], None),  # a float is no page, though it equals one: in a run too
+        ((0, 1.0), None),
         ([3, 1.0], None),  # not a run: a float never indexes the pool
         ([1, 1], None),
         ([True, 1], None),

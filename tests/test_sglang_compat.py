@@ -1007,8 +1007,8 @@ def test_a_lock_book_pairs_each_receipt_with_its_node_until_it_comes_back_or_is_
     book = LockBook(Residency(trail=False))
     here, there = types.SimpleNamespace(id=1), types.SimpleNamespace(id=2)
     receipt, dropped = MapReceipt(0), MapReceipt(0)
-    book.take(here, lock_of(receipt))
-    book.take(here, lock_of(dropped))
+    book.take(here, lock_of(receipt), book.ready())
+    book.take(here, lock_of(dropped), book.ready())
     with pytest.raises(BadArgument) as caught:
         book.refuse_elsewhere(there, receipt, lock_of(receipt), "dec_lock_ref")
     assert str(caught.value) == (
@@ -1023,6 +1023,9 @@ def test_a_lock_book_pairs_each_receipt_with_its_node_until_it_comes_back_or_is_
     book.spend(receipt)  # back: no longer out, and remembered as come back
     assert (list(book.out), list(book.spent)) == ([], [lock_of(receipt)[0]])
     book.refuse_elsewhere(there, receipt, lock_of(receipt), "dec_lock_ref")  # not out: not its
-    book.take(there, lock_of(MapReceipt(0)))
+    book.take(there, lock_of(MapReceipt(0)), book.ready())
     book.clear()  # the cache's reset: the tree the locks were on is gone
     assert (book.out, book.spent, book.sweep_at) == ({}, {}, 256)
+    for _ in range(3 * 256):  # dropped unreleased: readying the book for a lock sweeps them
+        book.take(here, lock_of(MapReceipt(0)), book.ready())
+    assert 0 < len(book.out) <= 256

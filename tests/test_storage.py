@@ -626,6 +626,53 @@ def test_redis_a_key_of_another_type_is_corrupt_once_not_missing_again_and_again
     assert same(store.get(keys), pages)
 
 
+class CountingClient(fakeredis.FakeRedis):
+    """A client that counts its pipelines' round trips."""
+
+    trips = 0
+
+    def pipeline(self, transaction: bool = True, shard_hint: object = None) -> Any:
+        pipe = super().pipeline(transaction=transaction, shard_hint=shard_hint)
+        executor = pipe.execute
+
+        def execute(raise_on_error: bool = True) -> list[object]:
+            self.trips += 1
+            answers: list[object] = executor(raise_on_error)
+            return answers
+
+        setattr(pipe, "execute", execute)  # noqa: B010 (a method of the instance, for this test)
+        return pipe
+
+
+def test_redis_a_put_replaces_a_key_of_another_type_instead_of_calling_it_present() -> None:
+    """SET NX leaves a hash and answers as if the page were there: the put overwrites it.
+
+    The put asks each key's TYPE in the SET NX's own round trip; only a key of
+    another type costs one more, to overwrite it.
+    """
+    client = CountingClient(host="127.0.0.1", port=6399)
+    store = RedisStore(client)
+    keys, pages = page_keys(NS, list(range(16))), pages_of(4)
+    assert store.put(keys[:1], pages[:1]) == [S]
+    assert store.put(keys[:3], pages[:3]) == [P, S, S]
+    assert client.trips == 2  # one round trip a batch, PRESENT pages included
+    client.hset(store.name(keys[3]), "field", "value")
+    assert store.put(keys, pages) == [P, P, P, S]
+    assert client.trips == 4
+    assert same(store.get(keys), pages)
+
+
+def test_redis_a_key_of_another_type_a_full_server_cannot_replace_is_full() -> None:
+    """The overwrite of a key of another type refused for memory is FULL; later batches are not sent."""
+    client = OneRefusedClient()
+    store = RedisStore(client, batch_pages=2)
+    keys, pages = page_keys(NS, list(range(16))), pages_of(4)
+    client.hset(store.name(keys[1]), "field", "value")
+    client.refuse, client.overwrites_only = store.name(keys[1]), True
+    assert store.put(keys, pages) == [S, F, K, K]
+    assert client.type(store.name(keys[1])) == b"none"
+
+
 def test_redis_a_read_that_misses_a_page_still_ends_the_prefix() -> None:
     """The type query after a nil finds nothing there: a shorter prefix, no error."""
     _, store = fake()
@@ -805,17 +852,20 @@ def test_local_a_page_another_put_of_it_settled_is_not_evicted_while_its_own_put
 
 
 class RefusingPipeline:
-    """A pipeline whose server answers every SET with ``answer``."""
+    """A pipeline whose server answers every SET with ``answer`` (and finds no key's TYPE)."""
 
     def __init__(self, answer: Exception) -> None:
         self.answer = answer
-        self.sets = 0
+        self.answers: list[object] = []
 
     def set(self, *args: object, **options: object) -> None:
-        self.sets += 1
+        self.answers.append(self.answer)
+
+    def type(self, name: str) -> None:
+        self.answers.append(b"none")
 
     def execute(self, raise_on_error: bool = True) -> list[object]:
-        return [self.answer] * self.sets
+        return self.answers
 
 
 class RefusingClient:
@@ -848,31 +898,36 @@ def test_redis_a_full_server_is_full_and_a_refusing_one_is_store_failed() -> Non
 
 
 class OneRefusedClient(fakeredis.FakeRedis):
-    """A server that answers OOM to the SET of one page (``refuse``) and stores the rest."""
+    """A server that answers OOM to the SETs of one page (``refuse``) and stores the rest.
+
+    With ``overwrites_only``, only a SET without NX (one that replaces a key) is refused.
+    """
 
     refuse = ""
+    overwrites_only = False
 
     def pipeline(self, transaction: bool = True, shard_hint: object = None) -> Any:
         pipe = super().pipeline(transaction=transaction, shard_hint=shard_hint)
-        names: list[str] = []
-        setter, executor = pipe.set, pipe.execute
-
-        def set_(name: str, value: bytes, **options: Any) -> Any:
-            names.append(name)
-            return setter(name, value, **options)
+        executor = pipe.execute
 
         def execute(raise_on_error: bool = True) -> list[object]:
             import redis
 
+            commands = [args for args, _ in pipe.command_stack]
             answers: list[object] = executor(raise_on_error)
-            for index, name in enumerate(names):
-                if name == self.refuse:
+            refused = False
+            for index, (command, name, *rest) in enumerate(commands):
+                if name != self.refuse:
+                    continue
+                if command == "TYPE" and refused:
+                    answers[index] = b"none"
+                elif command == "SET" and not (self.overwrites_only and "NX" in rest):
+                    refused = True
                     self.delete(name)
                     answers[index] = redis.exceptions.OutOfMemoryError("OOM over 'maxmemory'")
             return answers
 
-        setattr(pipe, "set", set_)  # noqa: B010 (a method of the instance, for this test)
-        setattr(pipe, "execute", execute)  # noqa: B010
+        setattr(pipe, "execute", execute)  # noqa: B010 (a method of the instance, for this test)
         return pipe
 
 
@@ -1169,6 +1224,43 @@ def test_local_a_put_replaces_a_damaged_page_it_finds_instead_of_calling_it_pres
     assert same(store.get(keys), pages)
     assert store.capacity().used_bytes == disk_bytes(store, keys)
     assert store.capacity().pages == 2
+
+
+def test_local_a_damaged_page_a_full_put_cannot_replace_stays_counted(tmp_path: Path) -> None:
+    """A put that answers FULL for a damaged page leaves it indexed and counted, as before it.
+
+    It was forgotten before the room for its replacement was sought: on FULL the
+    file stayed on disk uncounted, and the limit overrun, until a lookup found it.
+    """
+    keys, pages = page_keys(NS, list(range(8))), pages_of(2)
+    size = page_bytes(keys[0], pages[0])
+    torn = codec.encode(keys[1], pages[1])[:40]
+    store = LocalFileStore(tmp_path, limit_bytes=size + len(torn) + 10)
+    assert store.put(keys[:1], pages[:1]) == [S]
+    store.path(keys[1]).parent.mkdir(exist_ok=True)
+    store.path(keys[1]).write_bytes(torn)
+    assert store.exists_prefix(keys) == 2  # indexed at the torn page's size
+    before = (store.capacity(), store.exists_prefix(keys[1:]))
+    assert store.put(keys, pages) == [P, F]  # the first page is held: no room for the second
+    assert (store.capacity(), store.exists_prefix(keys[1:])) == before
+    assert store.capacity().used_bytes == disk_bytes(store, keys)
+    assert store.path(keys[1]).read_bytes() == torn
+
+
+def test_local_a_damaged_page_is_replaced_where_only_its_own_bytes_make_room(
+    tmp_path: Path,
+) -> None:
+    """The bytes of the damaged page a put replaces count as room: nothing else is evicted."""
+    keys, pages = page_keys(NS, list(range(8))), pages_of(2)
+    size = page_bytes(keys[0], pages[0])
+    store = LocalFileStore(tmp_path, limit_bytes=2 * size)
+    assert store.put(keys[:1], pages[:1]) == [S]
+    store.path(keys[1]).parent.mkdir(exist_ok=True)
+    store.path(keys[1]).write_bytes(codec.encode(keys[1], pages[1])[:-8])
+    assert store.exists_prefix(keys) == 2  # full but for 8 bytes
+    assert store.put(keys[1:], pages[1:]) == [S]
+    assert same(store.get(keys), pages)
+    assert store.capacity().used_bytes == disk_bytes(store, keys) == 2 * size
 
 
 def test_local_a_put_leaves_a_page_of_a_later_format_it_finds(tmp_path: Path) -> None:
@@ -1475,7 +1567,7 @@ def test_redis_a_round_trip_short_of_an_answer_is_store_failed_not_shifted() -> 
     keys, pages = page_keys(NS, list(range(24))), pages_of(6)
     client.losing = True
     failures: dict[str, tuple[Callable[[], object], str]] = {
-        "put": (lambda: store.put(keys, pages), "answers to 1 of 2 commands"),
+        "put": (lambda: store.put(keys, pages), "answers to 3 of 4 commands"),  # SET NX, TYPE
         "exists": (lambda: store.exists_prefix(keys), "answers to 1 of 2 commands"),
         "get": (lambda: store.get(keys), "answers to 0 of 1 commands"),
     }

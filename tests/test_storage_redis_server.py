@@ -101,6 +101,16 @@ def test_a_key_of_another_type_reads_as_corrupt_on_a_real_server(server: RedisSe
     assert same(store.get(keys), pages)
 
 
+def test_a_put_overwrites_a_key_of_another_type_on_a_real_server(server: RedisServer) -> None:
+    """A real server's SET NX leaves a list and answers nil: TYPE tells the put to replace it."""
+    store = RedisStore(server.client())
+    keys, pages = page_keys(NS, list(range(16 * 3))), pages_of(3, seed=3)
+    store.put(keys[:1], pages[:1])
+    server.client().rpush(store.name(keys[1]), b"not a page")
+    assert store.put(keys, pages) == [PutResult.PRESENT, S, S]
+    assert same(store.get(keys), pages)
+
+
 def test_maxmemory_lru_drops_pages_and_the_prefix_shortens(tmp_path: Path) -> None:
     """Under a maxmemory cap the server evicts pages; a prefix counts and reads to its first gap.
 

@@ -81,12 +81,34 @@ def _refuse_bools(slots: Sequence[int]) -> None:
 
 
 def _holds_bool(pages: Sequence[int]) -> bool:
-    """Whether ``pages`` (ints, or what stands for them) hold a Python bool (one loop in C).
+    """Whether ``pages`` (ints, or what stands for them) hold a bool: Python's, numpy's, torch's.
 
     A bool equals page 0 or 1 and indexes a list as that page, so the checks
-    by value take it; a numpy bool indexes nothing, and fails them already.
+    by value take it. So does a bool tensor, and a numpy bool on numpy
+    before 2.3 (2.2 is the newest on Python 3.10: its ``__index__`` only
+    warns; later ones index nothing). An array or a tensor of pages says by
+    its dtype; in a list, the types are gathered in one loop in C, and only
+    pages of a type other than ``int`` (rare) are looked at one by one.
     """
-    return bool in set(map(type, pages))
+    if getattr(pages, "dtype", None) is not None:  # an array or tensor: its pages share its dtype
+        return boolean(pages)
+    kinds = set(map(type, pages))
+    if bool in kinds:
+        return True
+    kinds.discard(int)
+    return bool(kinds) and any(boolean(page) for page in pages if type(page) in kinds)
+
+
+def _ints(run: Sequence[int]) -> bool:
+    """Whether ``run``, equal page by page to a run of the pool's pages, holds only ints.
+
+    A float (``1.0``, numpy's) equals the page it would stand for, so the
+    comparison of a run by value takes it, though it is no page. A sum of
+    ints is an int, and one float (or numpy number) among them makes it
+    another type: one loop in C, paid once per call where a run is found (a
+    numpy integer in a run sends it to the general checks, which take it).
+    """
+    return type(sum(run)) is int
 
 
 def outside(num_pages: int) -> str:
@@ -232,11 +254,11 @@ class PageAllocator:
             DoubleFree: a page is already free or listed twice.
         """
         self._check_owner(owner)
-        self._check_owned(pages, owner)
-        self._set_owner(pages, FREE)
-        # The pool's own page objects, never the caller's: a numpy integer or a float
-        # that passed as the page it equals must not be handed out later.
-        if len(pages) and self._is_run(pages):  # len: a numpy array has no truth value
+        run = self._check_owned(pages, owner)
+        self._set_owner(pages, FREE, run)
+        # The pool's own page objects, never the caller's: a numpy integer that
+        # passed as the page it equals must not be handed out later.
+        if run:
             first = pages[0]
             self._free.extend(reversed(self._index[first : first + len(pages)]))
         else:
@@ -255,8 +277,7 @@ class PageAllocator:
         """
         self._check_owner(owner)
         self._check_owner(new_owner)
-        self._check_owned(pages, owner)
-        self._set_owner(pages, new_owner)
+        self._set_owner(pages, new_owner, self._check_owned(pages, owner))
 
     def owner_of(self, page: int) -> int:
         """Return the owner of ``page``, or ``FREE``.
@@ -275,26 +296,42 @@ class PageAllocator:
         A fast test (its loops run in C) for the checks that then name the
         first page at fault when it is False.
         """
+        return self._owned_run(pages, owner) is not None
+
+    def _owned_run(self, pages: Sequence[int], owner: int) -> bool | None:
+        """:meth:`all_owned_by`, saying how: None where it is False, else whether ``pages`` is a run.
+
+        A run (:meth:`_is_run`) is found once, for the check and for the
+        update after it.
+        """
         if len(pages) == 0:  # not ``not pages``: a numpy array has no truth value
-            return True
+            return False
         if pages is self._verified and owner == self._verified_owner:
-            return True  # this very tuple passed for this owner, and no owner changed since
-        if self._is_run(pages):  # distinct and in range
+            # this very tuple passed for this owner, and no owner changed since
+            return self._is_run(pages)
+        run = self._is_run(pages)
+        if run and _ints(pages):  # distinct and in range
             first = pages[0]
             found = self._owner[first : first + len(pages)].count(owner) == len(pages)
         else:
-            try:
-                low = min(pages)
-                if low < 0 or max(pages) >= self.num_pages or len(set(pages)) != len(pages):
-                    return False
-                if low <= 1 and _holds_bool(pages):  # only pages 0 and 1 can be bools
-                    return False
-                found = list(map(self._owner.__getitem__, pages)).count(owner) == len(pages)
-            except TypeError:  # a page that is not an int: the caller's check names it
-                return False
-        if found and type(pages) is tuple:
+            found = self._each_owned_by(pages, owner)
+        if not found:
+            return None
+        if type(pages) is tuple:
             self._verified, self._verified_owner = pages, owner
-        return found
+        return run
+
+    def _each_owned_by(self, pages: Sequence[int], owner: int) -> bool:
+        """:meth:`all_owned_by` of pages that are not a run of ints (its loops run in C too)."""
+        try:
+            low = min(pages)
+            if low < 0 or max(pages) >= self.num_pages or len(set(pages)) != len(pages):
+                return False
+            if low <= 1 and _holds_bool(pages):  # only pages 0 and 1 can be bools
+                return False
+            return list(map(self._owner.__getitem__, pages)).count(owner) == len(pages)
+        except TypeError:  # a page that is not an int: the caller's check names it
+            return False
 
     def owned(self, pages: Sequence[int], owner: int) -> tuple[int, ...] | None:
         """Return ``pages`` as the pool's own page ints if :meth:`all_owned_by` holds, else None.
@@ -347,7 +384,9 @@ class PageAllocator:
             return None
         run = self._index[first : first + n]
         own = tuple(run)
-        return own if (pages == run if type(pages) is list else pages == own) else None
+        if not (pages == run if type(pages) is list else pages == own):
+            return None
+        return own if _ints(pages) else None
 
     def run_of(self, pages: Sequence[int]) -> int | None:
         """Return the first page if ``pages`` is one ascending run inside this pool, else None.
@@ -359,7 +398,7 @@ class PageAllocator:
         """
         if pages and (type(pages) is tuple or type(pages) is list) and self._is_run(pages):
             first: int = pages[0]
-            return first
+            return first if _ints(pages) else None
         return None
 
     def _is_run(self, pages: Sequence[int]) -> bool:
@@ -383,15 +422,16 @@ class PageAllocator:
             return True
         return False
 
-    def _set_owner(self, pages: Sequence[int], owner: int) -> None:
+    def _set_owner(self, pages: Sequence[int], owner: int, run: bool | None = None) -> None:
         """Record ``owner`` for each of ``pages``, which are distinct (every caller checked that).
 
         A run of pages is one slice assignment, in C, instead of a loop.
+        ``run`` says whether ``pages`` is one (:meth:`_is_run`), if the caller knows.
         """
         if len(pages) == 0:  # not ``not pages``: a numpy array has no truth value
             return
         self._verified = ()  # every earlier ownership check is void now
-        if self._is_run(pages):
+        if self._is_run(pages) if run is None else run:
             first = pages[0]
             self._owner[first : first + len(pages)] = [owner] * len(pages)
         else:
@@ -420,9 +460,19 @@ class PageAllocator:
         if index is None or index < 0:
             raise PoolError(f"{self.name} pool: owner must be an integer >= 0, got {owner!r}")
 
-    def _check_owned(self, pages: Sequence[int], owner: int) -> None:
-        if self.all_owned_by(pages, owner):
-            return  # the common case, checked in C; otherwise name the first fault
+    def _check_owned(self, pages: Sequence[int], owner: int) -> bool:
+        """Refuse ``pages`` unless all are in the pool, owned by ``owner``, listed once.
+
+        Returns:
+            Whether ``pages`` is a run (:meth:`_is_run`), for the update after.
+
+        Raises:
+            ForeignSlot: A page is out of range, not an int, or another owner's.
+            DoubleFree: A page is free or listed twice.
+        """
+        run = self._owned_run(pages, owner)
+        if run is not None:
+            return run  # the common case, checked in C; otherwise name the first fault
         seen: set[int] = set()
         for p in pages:
             self._check_range(p)
@@ -434,6 +484,7 @@ class PageAllocator:
             if held != owner:
                 raise ForeignSlot(f"{self.name} pool: page {p} is owned by {held}, not {owner}")
             seen.add(p)
+        return len(pages) > 0 and self._is_run(pages)
 
     def check(self) -> None:
         """Verify conservation and single ownership (:func:`check_pages` of this pool).

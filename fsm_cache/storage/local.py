@@ -306,7 +306,6 @@ class LocalFileStore:
                 return PutResult.PRESENT
             with self._lock:
                 self._unhold([key])
-                self._forget(key)  # the page replacing it is counted when its write settles
                 reservation = self._reserve(key, nbytes, index, total)
         if reservation is None:
             return PutResult.FULL
@@ -329,14 +328,18 @@ class LocalFileStore:
     def _reserve(self, key: str, nbytes: int, index: int, total: int) -> Reservation | None:
         """Under the lock: make room for ``key``'s write, reserve it, and mark the key written.
 
-        None (``FULL``), with nothing evicted, where even evicting every page
-        nobody reads would not make room.
+        A damaged page indexed under ``key``, which the write replaces, is
+        forgotten (its bytes are room) once the room is certain: its
+        replacement is counted when its write settles.
+
+        None (``FULL``), with nothing evicted or forgotten, where even evicting
+        every page nobody reads would not make room.
 
         Raises:
             StoreFailed: A victim's file could not be deleted.
         """
         try:
-            if not self._make_room(nbytes):
+            if not self._make_room(nbytes, key):
                 return None
         except OSError as exc:
             raise self._failed("put", index, total, exc) from exc
@@ -429,8 +432,12 @@ class LocalFileStore:
         self._budget.commit(reservation)
         self._index[key] = reservation.nbytes
 
-    def _make_room(self, nbytes: int) -> bool:
-        """Evict least recently used unheld pages until ``nbytes`` fit; False (evicting none) if they cannot.
+    def _make_room(self, nbytes: int, replacing: str) -> bool:
+        """Evict least recently used unheld pages until ``nbytes`` fit; False (changing nothing) if they cannot.
+
+        The page indexed under ``replacing`` (a damaged one the write replaces;
+        mostly none) is no victim: its bytes count as room, and it is
+        forgotten once the room is certain.
 
         A page is held while a get reads it or a put of it in this process
         is writing it: another put of the same page may have settled and
@@ -441,20 +448,19 @@ class LocalFileStore:
         Raises:
             OSError: A victim's file could not be deleted (it is forgotten).
         """
-        short = self._budget.shortfall(nbytes)
-        if not short:
-            return True
+        short = max(0, self._budget.shortfall(nbytes) - self._index.get(replacing, 0))
         victims, freed = [], 0
         for key, size in self._index.items():
             if freed >= short:
                 break
-            if not self._readers.get(key, 0) and key not in self._writing:
+            if not self._readers.get(key, 0) and key not in self._writing and key != replacing:
                 victims.append(key)
                 freed += size
         if freed < short:
             return False
         for key in victims:
             self._delete(key)
+        self._forget(replacing)
         return self._budget.fits(nbytes)
 
     def _leading(self, keys: Sequence[str], operation: str) -> int:

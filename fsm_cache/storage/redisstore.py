@@ -14,7 +14,9 @@ vanish whenever it needs room, so :meth:`RedisStore.exists_prefix` is a hint and
 prefix that holds another type than a string (a hash, a list: not a page) is
 counted by ``EXISTS`` but read as nil by ``MGET``: a read that meets one
 raises :class:`~fsm_cache.errors.CorruptPage`, as for any value that is not a
-page, so a cache drops it once instead of finding it again at every lookup. A server that goes
+page, so a cache drops it once instead of finding it again at every lookup.
+``SET NX`` leaves such a key as if it held the page: a put asks each key's
+``TYPE`` in the same round trip, and overwrites one of another type. A server that goes
 away fails the operation with :class:`~fsm_cache.errors.StoreFailed`, which says
 how many leading pages of a put were acknowledged; so does a round trip answered
 with another count of answers than it sent commands, since answers are matched
@@ -180,8 +182,8 @@ class RedisStore:
         """Raise :class:`CorruptPage` where ``name`` holds a value that is not a string.
 
         ``MGET`` answers nil for a key that is missing and for one holding a
-        hash, a list or any other type alike, but ``EXISTS`` (and ``SET NX``)
-        count the latter as there: read as missing, it would be offered by
+        hash, a list or any other type alike, but ``EXISTS`` counts the
+        latter as there: read as missing, it would be offered by
         every lookup, fetched and found gone again for ever. As a value that
         is not a page, it is corrupt once, and a cache drops it. One round
         trip, only where a read ends early.
@@ -191,7 +193,7 @@ class RedisStore:
             StoreFailed: The server went away.
         """
         answer = self._call("get", done, total, partial(self._client.type, name))
-        kind = answer.decode(errors="replace") if isinstance(answer, bytes) else str(answer)
+        kind = _kind(answer)
         if kind not in ("none", "string"):  # a string: stored since the read, a page after all
             raise CorruptPage(f"{self.where} {name}", key, f"a Redis {kind}, not a page")
 
@@ -203,9 +205,15 @@ class RedisStore:
         of the same batch after it were already sent and are reported as the
         server answered them.
 
+        ``SET NX`` leaves a key that holds another type than a string (a hash,
+        a list) and answers as for a page there: each ``SET NX`` is followed by
+        the key's ``TYPE`` in the same round trip, and a key of another type is
+        overwritten (``STORED``) in one more round trip, only where a batch
+        has one. Called ``PRESENT``, it would cost the first read of it.
+
         Raises:
             StoreFailed: The server went away, or answered a batch with another
-                count of answers than it sent pages; ``acknowledged`` leading
+                count of answers than it sent commands; ``acknowledged`` leading
                 pages were stored before, and the batch it failed in may have
                 landed in part.
         """
@@ -221,11 +229,52 @@ class RedisStore:
                 keys[batch.start : batch.stop], pages[batch.start : batch.stop], strict=True
             ):
                 pipe.set(self._name(key), codec.encode(key, page), nx=True)
+                pipe.type(self._name(key))
             done = stored_prefix(results)
             send = partial(pipe.execute, False)
-            answers = self._answers("put", done, len(keys), send, len(batch))
-            results.extend(self._result(answer, done, len(keys)) for answer in answers)
+            answers = self._answers("put", done, len(keys), send, 2 * len(batch))
+            settled = [self._result(answer, done, len(keys)) for answer in answers[::2]]
+            others = [
+                batch.start + index
+                for index, (result, kind) in enumerate(zip(settled, answers[1::2], strict=True))
+                if result is PutResult.PRESENT and self._other_type(kind, done, len(keys))
+            ]
+            if others:  # the batch's pages before the first of them are stored
+                done = stored_prefix([*results, *settled[: others[0] - batch.start]])
+                replaced = self._replace(keys, pages, others, done)
+                for index, result in zip(others, replaced, strict=True):
+                    settled[index - batch.start] = result
+            results.extend(settled)
         return results
+
+    def _other_type(self, answer: object, done: int, total: int) -> bool:
+        """Whether a put's ``TYPE`` answer names another type than a string (``none``: evicted since).
+
+        Raises:
+            StoreFailed: The server answered the ``TYPE`` with an error.
+        """
+        if isinstance(answer, redis.exceptions.ResponseError):
+            raise StoreFailed(self.where, "put", acknowledged=done, total=total, cause=str(answer))
+        return _kind(answer) not in ("none", "string")
+
+    def _replace(
+        self, keys: Sequence[str], pages: Sequence[torch.Tensor], others: Sequence[int], done: int
+    ) -> list[PutResult]:
+        """Overwrite the keys at ``others`` (of another type) with their pages, in one round trip.
+
+        Returns:
+            What the server answered each overwrite: ``STORED``, or ``FULL``.
+
+        Raises:
+            StoreFailed: The server went away or refused an overwrite otherwise;
+                ``done`` leading pages were stored.
+        """
+        pipe = self._client.pipeline(transaction=False)
+        for index in others:
+            pipe.set(self._name(keys[index]), codec.encode(keys[index], pages[index]))
+        send = partial(pipe.execute, False)
+        answers = self._answers("put", done, len(keys), send, len(others))
+        return [self._result(answer, done, len(keys)) for answer in answers]
 
     def drop(self, keys: Sequence[str]) -> int:
         """Delete the pages of ``keys``, a batch at a time; return how many the server held.
@@ -321,3 +370,8 @@ class RedisStore:
             nbytes += size
         if start < len(sizes):
             yield range(start, len(sizes))
+
+
+def _kind(answer: object) -> str:
+    """Return the type a ``TYPE`` answer names (bytes, or text from a client that decodes it)."""
+    return answer.decode(errors="replace") if isinstance(answer, bytes) else str(answer)

@@ -234,6 +234,37 @@ def test_a_lock_released_on_another_node_than_its_own_is_refused(
     )
 
 
+def test_a_lock_whose_book_cannot_be_kept_is_not_taken(
+    sg: Api, allocator: FakeAllocator, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The patch's ``lock`` readies the book before SGLang takes the lock: a refusal takes none.
+
+    Readied after, a book that raised (here: a cache refusing the weak
+    reference its book's entry goes with) left the node locked, and the
+    caller, given no ``TreeLock``, could never release it.
+    """
+    if not sg.new or mode == "stock":
+        pytest.skip("the book of 0.5.23's lock receipts is the patch's")
+    from fsm_cache.compat.sglang.patch import Patch
+
+    cache = build(sg, allocator)
+    sg.insert(cache, [1, 2, 3, 4], slots(allocator, [1, 2, 3, 4]))
+    node = sg.match(cache, [1, 2, 3, 4])[1]
+    before = whole_state(cache, allocator)
+
+    def refuse(self: Patch, cache: Any, machine: Any) -> Any:
+        raise TypeError(f"cannot create weak reference to {type(cache).__name__!r} object")
+
+    with monkeypatch.context() as refusing:
+        refusing.setattr(Patch, "book", refuse)
+        with pytest.raises(TypeError, match=r"^cannot create weak reference"):
+            cache.lock(node)
+    assert whole_state(cache, allocator) == before
+    assert (node.lock_ref, cache.protected_size(), cache.evictable_size()) == (0, 0, 4)
+    cache.unlock(cache.lock(node))  # a book made, the lock is taken and released as ever
+    assert whole_state(cache, allocator) == before
+
+
 def lock_book(sg: Api, cache: Any) -> Any:
     """The patch's book of ``cache``'s locks (None before the first one)."""
     wrapper = vars(sg.rc.RadixCache)["dec_lock_ref"]

@@ -816,6 +816,11 @@ def _noting_node(result: Patch, machine: Residency) -> Callable[[Method], Method
     so that :func:`_released_once` refuses it on another node. The
     ``TreeLock`` and the receipt are SGLang's, unchanged.
 
+    The book is made and readied (:meth:`~fsm_cache.compat.sglang.unified.LockBook.ready`)
+    before SGLang takes the lock, and after it only noted in: a book that
+    raised after would leave the node locked, with no ``TreeLock`` returned
+    to release it by.
+
     Args:
         result: The patch whose books the wrapper keeps.
         machine: The engine the books read trail mode from.
@@ -828,16 +833,16 @@ def _noting_node(result: Patch, machine: Residency) -> Callable[[Method], Method
     def decorate(original: Method) -> Method:
         @functools.wraps(original)
         def lock(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
-            taken = original(self, node, *args, **kwargs)
             if getattr(self, "disable", False):
-                return taken
-            told = unified.told_by_maps(getattr(taken, "receipt", None))
-            if told is None:
-                return taken
+                return original(self, node, *args, **kwargs)
             book = books.get(id(self))
             if book is None:
                 book = result.book(self, machine)
-            book.take(node, told)
+            spot = book.ready()
+            taken = original(self, node, *args, **kwargs)
+            told = unified.told_by_maps(getattr(taken, "receipt", None))
+            if told is not None:
+                book.take(node, told, spot)
             return taken
 
         return lock

@@ -345,13 +345,21 @@ class LockBook(SpentLocks):
         super().__init__(machine)
         self.out: dict[tuple[int, ...], Taken] = {}
 
-    def take(self, node: Any, lock: Told) -> None:
-        """Note that the receipt ``lock`` tells was taken on ``node``."""
-        key, parts = lock
-        spot = trail.caller_spot() if self.machine.engine.trail else None
-        self.out[key] = Taken(parts, node, spot)
+    def ready(self) -> trail.Spot | None:
+        """Ready the book to note a lock about to be taken; return where it is taken (trail mode).
+
+        All that may fail is done here, before SGLang takes the lock (the
+        sweep, when due, and the call site): :meth:`take` after it only notes
+        the lock, so a book that raised leaves the node unlocked.
+        """
         if len(self.out) + len(self.spent) >= self.sweep_at:
             self.sweep()
+        return trail.caller_spot() if self.machine.engine.trail else None
+
+    def take(self, node: Any, lock: Told, spot: trail.Spot | None) -> None:
+        """Note that the receipt ``lock`` tells was taken on ``node``, at ``spot`` (:meth:`ready`'s)."""
+        key, parts = lock
+        self.out[key] = Taken(parts, node, spot)
 
     def refuse_elsewhere(self, node: Any, receipt: Any, lock: Told, call: str) -> None:
         """Refuse ``receipt`` given with ``node`` if its lock was taken on another node, changing nothing.
