@@ -144,6 +144,9 @@ class Parser(argparse.ArgumentParser):
     _held: list[str] | None = None
     """The arguments after ``--``, held back from the intermixed parse's first pass (options only)."""
 
+    _first: list[str] | None = None
+    """What the intermixed parse's first pass left, once it has run: unknown options and positionals."""
+
     def parse_known_args(  # type: ignore[override]  # typeshed's overloads; one signature here
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
@@ -163,12 +166,22 @@ class Parser(argparse.ArgumentParser):
         as an unknown option. What follows ``--`` holds no option, so that
         first pass is not given it (:attr:`_held`); the second, which reads
         the positionals, gets it back behind its ``--``.
+
+        The second pass is not given the first's unknown options either: it
+        reads the positionals as one run again, and one of them cut it, so
+        ``validate A --bogus B`` said ``unrecognized arguments: --bogus B``
+        though ``B`` is a SPEC. They are named with what it leaves, in the
+        order given (:func:`_in_order`).
         """
         given = list(sys.argv[1:] if args is None else args)
         if self._intermixing:  # one of the intermixed parse's passes
             parsed, extras = super().parse_known_args(given, namespace)
+            if self._first is not None:  # the second pass: the positionals
+                return parsed, _in_order(self._first, extras, self._is_option)
+            self._first = extras
+            values = [arg for arg in extras if not self._is_option(arg)]
             held, self._held = self._held, None
-            return parsed, extras if held is None else [*extras, "--", *held]
+            return parsed, values if held is None else [*values, "--", *held]
         self._given = tuple(given)
         if self._subcommands():
             return super().parse_known_args(given, namespace)
@@ -179,10 +192,14 @@ class Parser(argparse.ArgumentParser):
         try:
             return super().parse_known_intermixed_args(given, namespace)
         except _Missing as missing:  # the passes are over: the parser is as it was
-            self._intermixing = False
+            self._intermixing, self._first = False, None
             self.error(missing.message)
         finally:
-            self._intermixing, self._held = False, None
+            self._intermixing, self._held, self._first = False, None, None
+
+    def _is_option(self, arg: str) -> bool:
+        """Whether argparse reads ``arg`` as an option (``--name=value``, not ``-5`` or ``a b``)."""
+        return self._parse_optional(arg) is not None
 
     def _subcommands(self) -> bool:
         """Whether this parser has a positional intermixed parsing refuses (subcommands, a remainder)."""
@@ -239,6 +256,25 @@ class Parser(argparse.ArgumentParser):
         """
         if message:
             (file or sys.stdout).write(message)
+
+
+def _in_order(first: list[str], second: list[str], is_option: Callable[[str], bool]) -> list[str]:
+    """Return the arguments neither intermixed pass recognised, in the order ``first`` has them.
+
+    ``first`` is what the first pass left (unknown options, positionals),
+    ``second`` what the second left of its positionals, then of any held
+    behind ``--``; the options of ``first`` go where they stood among them.
+    """
+    named: list[str] = []
+    rest = iter(second)
+    waiting = next(rest, None)
+    for arg in first:
+        if is_option(arg):
+            named.append(arg)
+        elif arg == waiting:
+            named.append(arg)
+            waiting = next(rest, None)
+    return named if waiting is None else [*named, waiting, *rest]
 
 
 _REQUIRED = "the following arguments are required"
