@@ -5,7 +5,8 @@ audit``, ``python -m fsm_cache audit`` and ``python -m fsm_cache.audit`` end the
 same way: bad input (any :class:`~fsm_cache.errors.FsmCacheError`, OSError
 for unreadable files, and a package of an extra that is not installed)
 becomes ``error: ...`` lines and exit 2, never a traceback; Ctrl-C one line
-and :data:`INTERRUPTED`; a reader that leaves early (``... | head -1``) a
+and :data:`INTERRUPTED` (a SIGTERM, where a command takes it
+(:func:`terminating`), one line and :data:`TERMINATED`); a reader that leaves early (``... | head -1``) a
 quiet :data:`OUTPUT_CLOSED`; a stdout that cannot be
 written (``> /dev/full``) one ``error: cannot write to stdout`` line and exit
 2. It sits below every layer that has a command (the CLI imports the audit,
@@ -23,7 +24,9 @@ import contextlib
 import errno
 import io
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TextIO, TypeVar, cast
@@ -38,6 +41,50 @@ if TYPE_CHECKING:
 
 INTERRUPTED = 130
 """Exit status after Ctrl-C: 128 + SIGINT (2), as a shell reports it."""
+
+TERMINATED = 143
+"""Exit status after a SIGTERM a command took (:func:`terminating`): 128 + SIGTERM (15)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM, raised as SIGINT raises :class:`KeyboardInterrupt` (:func:`terminating`).
+
+    A :class:`KeyboardInterrupt`, so whatever stops its work on Ctrl-C
+    (killing its processes, ending its workers) stops it the same way.
+    """
+
+
+@contextlib.contextmanager
+def terminating() -> Iterator[None]:
+    """Let a SIGTERM raise :class:`Terminated` while the block runs, as SIGINT raises KeyboardInterrupt.
+
+    Python leaves SIGTERM to the system, which ends the process at once: no
+    ``finally`` runs, so the processes a command started (``verify``'s
+    CrossHair) ran on, orphaned, where Ctrl-C stopped them. The signal
+    raises once: one sent again while the command stops is ignored, so
+    stopping is not cut short. A SIGTERM a caller handles or ignores is
+    left as it is, and off the main thread, where no handler can be set,
+    so is the system's.
+    """
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+    raised = False
+
+    def terminate(_signal: int, _frame: object) -> None:
+        nonlocal raised
+        if not raised:
+            raised = True
+            raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
 
 OUTPUT_CLOSED = 141
 """Exit status when the reader of stdout or stderr has gone (``| head -1``).
@@ -397,7 +444,7 @@ def run_command(command: Callable[[], int]) -> int:
     that fails at import) is one error, no traceback, as is a package from
     outside fsm_cache that is not installed (an extra's). The statuses: the
     command's own (0 ok, 1 findings, 3 a check stopped short), 2 bad input,
-    :data:`INTERRUPTED`, :data:`OUTPUT_CLOSED`.
+    :data:`INTERRUPTED`, :data:`TERMINATED`, :data:`OUTPUT_CLOSED`.
     """
     with _escaping_output(), _standard_streams():
         try:
@@ -407,8 +454,8 @@ def run_command(command: Callable[[], int]) -> int:
                 sys.stdout.flush()  # a reader that has gone is met here, not in the exit's flush
         except BrokenPipeError:
             return _output_closed()
-        except KeyboardInterrupt:
-            return _report(["interrupted"], INTERRUPTED)
+        except KeyboardInterrupt as exc:  # Ctrl-C, or a SIGTERM the command took
+            return _stopped(exc)
         except SpecError as exc:
             return _report([f"error: {problem}" for problem in exc.problems], 2)
         except (FsmCacheError, ModuleNotFoundError) as exc:
@@ -421,6 +468,13 @@ def run_command(command: Callable[[], int]) -> int:
             _drop(sys.stderr)
             raise
         return status
+
+
+def _stopped(exc: KeyboardInterrupt) -> int:
+    """Report a command a signal stopped, in one line: SIGTERM's (:class:`Terminated`), or SIGINT's."""
+    if isinstance(exc, Terminated):
+        return _report(["terminated"], TERMINATED)
+    return _report(["interrupted"], INTERRUPTED)
 
 
 def _not_installed(exc: ModuleNotFoundError) -> bool:
