@@ -123,7 +123,7 @@ def test_a_spec_file_named_dash_is_named_as_given_in_its_problems(
     assert f"error: ./-: {problem}" in err.splitlines()
 
 
-@pytest.mark.parametrize("command", ["validate", "types", "diagram"])
+@pytest.mark.parametrize("command", ["validate", "types", "diagram", "verify"])
 def test_a_file_too_large_is_named_as_given(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
