@@ -5,7 +5,8 @@ audit``, ``python -m fsm_cache audit`` and ``python -m fsm_cache.audit`` end the
 same way: bad input (any :class:`~fsm_cache.errors.FsmCacheError`, OSError
 for unreadable files, and a package of an extra that is not installed)
 becomes ``error: ...`` lines and exit 2, never a traceback; Ctrl-C one line
-and :data:`INTERRUPTED`; a reader that leaves early (``... | head -1``) a
+and :data:`INTERRUPTED` (a SIGTERM, where a command takes it
+(:func:`terminating`), one line and :data:`TERMINATED`); a reader that leaves early (``... | head -1``) a
 quiet :data:`OUTPUT_CLOSED`; a stdout that cannot be
 written (``> /dev/full``) one ``error: cannot write to stdout`` line and exit
 2. It sits below every layer that has a command (the CLI imports the audit,
@@ -23,7 +24,9 @@ import contextlib
 import errno
 import io
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TextIO, TypeVar, cast
@@ -38,6 +41,50 @@ if TYPE_CHECKING:
 
 INTERRUPTED = 130
 """Exit status after Ctrl-C: 128 + SIGINT (2), as a shell reports it."""
+
+TERMINATED = 143
+"""Exit status after a SIGTERM a command took (:func:`terminating`): 128 + SIGTERM (15)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM, raised as SIGINT raises :class:`KeyboardInterrupt` (:func:`terminating`).
+
+    A :class:`KeyboardInterrupt`, so whatever stops its work on Ctrl-C
+    (killing its processes, ending its workers) stops it the same way.
+    """
+
+
+@contextlib.contextmanager
+def terminating() -> Iterator[None]:
+    """Let a SIGTERM raise :class:`Terminated` while the block runs, as SIGINT raises KeyboardInterrupt.
+
+    Python leaves SIGTERM to the system, which ends the process at once: no
+    ``finally`` runs, so the processes a command started (``verify``'s
+    CrossHair) ran on, orphaned, where Ctrl-C stopped them. The signal
+    raises once: one sent again while the command stops is ignored, so
+    stopping is not cut short. A SIGTERM a caller handles or ignores is
+    left as it is, and off the main thread, where no handler can be set,
+    so is the system's.
+    """
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+    raised = False
+
+    def terminate(_signal: int, _frame: object) -> None:
+        nonlocal raised
+        if not raised:
+            raised = True
+            raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
 
 OUTPUT_CLOSED = 141
 """Exit status when the reader of stdout or stderr has gone (``| head -1``).
@@ -144,6 +191,9 @@ class Parser(argparse.ArgumentParser):
     _held: list[str] | None = None
     """The arguments after ``--``, held back from the intermixed parse's first pass (options only)."""
 
+    _first: list[str] | None = None
+    """What the intermixed parse's first pass left, once it has run: unknown options and positionals."""
+
     def parse_known_args(  # type: ignore[override]  # typeshed's overloads; one signature here
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
@@ -163,12 +213,22 @@ class Parser(argparse.ArgumentParser):
         as an unknown option. What follows ``--`` holds no option, so that
         first pass is not given it (:attr:`_held`); the second, which reads
         the positionals, gets it back behind its ``--``.
+
+        The second pass is not given the first's unknown options either: it
+        reads the positionals as one run again, and one of them cut it, so
+        ``validate A --bogus B`` said ``unrecognized arguments: --bogus B``
+        though ``B`` is a SPEC. They are named with what it leaves, in the
+        order given (:func:`_in_order`).
         """
         given = list(sys.argv[1:] if args is None else args)
         if self._intermixing:  # one of the intermixed parse's passes
             parsed, extras = super().parse_known_args(given, namespace)
+            if self._first is not None:  # the second pass: the positionals
+                return parsed, _in_order(self._first, extras, self._is_option)
+            self._first = extras
+            values = [arg for arg in extras if not self._is_option(arg)]
             held, self._held = self._held, None
-            return parsed, extras if held is None else [*extras, "--", *held]
+            return parsed, values if held is None else [*values, "--", *held]
         self._given = tuple(given)
         if self._subcommands():
             return super().parse_known_args(given, namespace)
@@ -179,10 +239,14 @@ class Parser(argparse.ArgumentParser):
         try:
             return super().parse_known_intermixed_args(given, namespace)
         except _Missing as missing:  # the passes are over: the parser is as it was
-            self._intermixing = False
+            self._intermixing, self._first = False, None
             self.error(missing.message)
         finally:
-            self._intermixing, self._held = False, None
+            self._intermixing, self._held, self._first = False, None, None
+
+    def _is_option(self, arg: str) -> bool:
+        """Whether argparse reads ``arg`` as an option (``--name=value``, not ``-5`` or ``a b``)."""
+        return self._parse_optional(arg) is not None
 
     def _subcommands(self) -> bool:
         """Whether this parser has a positional intermixed parsing refuses (subcommands, a remainder)."""
@@ -239,6 +303,25 @@ class Parser(argparse.ArgumentParser):
         """
         if message:
             (file or sys.stdout).write(message)
+
+
+def _in_order(first: list[str], second: list[str], is_option: Callable[[str], bool]) -> list[str]:
+    """Return the arguments neither intermixed pass recognised, in the order ``first`` has them.
+
+    ``first`` is what the first pass left (unknown options, positionals),
+    ``second`` what the second left of its positionals, then of any held
+    behind ``--``; the options of ``first`` go where they stood among them.
+    """
+    named: list[str] = []
+    rest = iter(second)
+    waiting = next(rest, None)
+    for arg in first:
+        if is_option(arg):
+            named.append(arg)
+        elif arg == waiting:
+            named.append(arg)
+            waiting = next(rest, None)
+    return named if waiting is None else [*named, waiting, *rest]
 
 
 _REQUIRED = "the following arguments are required"
@@ -361,7 +444,7 @@ def run_command(command: Callable[[], int]) -> int:
     that fails at import) is one error, no traceback, as is a package from
     outside fsm_cache that is not installed (an extra's). The statuses: the
     command's own (0 ok, 1 findings, 3 a check stopped short), 2 bad input,
-    :data:`INTERRUPTED`, :data:`OUTPUT_CLOSED`.
+    :data:`INTERRUPTED`, :data:`TERMINATED`, :data:`OUTPUT_CLOSED`.
     """
     with _escaping_output(), _standard_streams():
         try:
@@ -371,8 +454,8 @@ def run_command(command: Callable[[], int]) -> int:
                 sys.stdout.flush()  # a reader that has gone is met here, not in the exit's flush
         except BrokenPipeError:
             return _output_closed()
-        except KeyboardInterrupt:
-            return _report(["interrupted"], INTERRUPTED)
+        except KeyboardInterrupt as exc:  # Ctrl-C, or a SIGTERM the command took
+            return _stopped(exc)
         except SpecError as exc:
             return _report([f"error: {problem}" for problem in exc.problems], 2)
         except (FsmCacheError, ModuleNotFoundError) as exc:
@@ -385,6 +468,13 @@ def run_command(command: Callable[[], int]) -> int:
             _drop(sys.stderr)
             raise
         return status
+
+
+def _stopped(exc: KeyboardInterrupt) -> int:
+    """Report a command a signal stopped, in one line: SIGTERM's (:class:`Terminated`), or SIGINT's."""
+    if isinstance(exc, Terminated):
+        return _report(["terminated"], TERMINATED)
+    return _report(["interrupted"], INTERRUPTED)
 
 
 def _not_installed(exc: ModuleNotFoundError) -> bool:

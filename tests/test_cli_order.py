@@ -7,6 +7,9 @@ parses intermixed now; ``--`` still ends the options.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,6 +92,54 @@ def test_usage_errors_read_as_before(
         main(argv)
     assert info.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == said
+
+
+@pytest.mark.parametrize(
+    ("argv", "unknown"),
+    [
+        (["validate", "A", "--bogus", "B"], "--bogus"),
+        (["validate", A, "--bogus", B, "-y", B], "--bogus -y"),
+        (["check", A, "--nodes", "5", "--bogus=1", B], "--bogus=1"),
+        (["diagram", "A", "--bogus", "B", "--format", "dot", "C"], "--bogus"),
+        # types takes one SPEC: B really is unrecognised, named where it stood.
+        (["types", "A", "--bogus", "B"], "--bogus B"),
+        (["types", "A", "B", "--bogus"], "B --bogus"),
+        (["types", "A", "--bogus", "--", "--bogus"], "--bogus --bogus"),
+    ],
+)
+def test_an_unknown_option_between_positionals_is_named_alone(
+    capsys: pytest.CaptureFixture[str], argv: list[str], unknown: str
+) -> None:
+    """The intermixed parse's second pass read the positionals after the unknown option as extras.
+
+    ``validate A --bogus B`` said ``unrecognized arguments: --bogus B``,
+    though ``B`` is a SPEC like ``A``.
+    """
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert capsys.readouterr() == (
+        "",
+        "usage: fsm-cache [-h] [--version] COMMAND ...\n"
+        f"fsm-cache: error: unrecognized arguments: {unknown}\n",
+    )
+
+
+def test_an_unknown_option_between_specs_is_a_usage_error_of_the_command() -> None:
+    """Run as a user runs it: exit 2, the usage and one error line, no traceback, nothing read."""
+    done = subprocess.run(
+        [sys.executable, "-m", "fsm_cache", "validate", "A", "--bogus", "B"],
+        env={**os.environ, "FSM_CACHE_PURE": "1"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (
+        2,
+        "",
+        "usage: fsm-cache [-h] [--version] COMMAND ...\n"
+        "fsm-cache: error: unrecognized arguments: --bogus\n",
+    )
 
 
 def test_audit_of_two_paths_with_an_option_between(

@@ -123,6 +123,88 @@ def test_a_spec_file_named_dash_is_named_as_given_in_its_problems(
     assert f"error: ./-: {problem}" in err.splitlines()
 
 
+@pytest.mark.parametrize("command", ["validate", "types", "diagram", "verify"])
+def test_a_file_too_large_is_named_as_given(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    command: str,
+) -> None:
+    """``validate ./huge.toml`` said ``error: huge.toml: larger than 16 MiB``: the path normalised."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    with (tmp_path / "sub" / "huge.toml").open("wb") as file:
+        file.truncate(16 * 2**20 + 1)  # sparse: costs no disk
+    (tmp_path / "sub" / "small.toml").write_text("[machine]\nextends = './huge.toml'\n")
+    assert main([command, "./sub/huge.toml"]) == 2
+    assert capsys.readouterr() == (
+        "",
+        "error: ./sub/huge.toml: larger than 16 MiB; not a spec file\n",
+    )
+    assert main([command, "./sub/small.toml"]) == 2
+    assert capsys.readouterr() == (
+        "",
+        "error: ./sub/./huge.toml: larger than 16 MiB; not a spec file\n",
+    )
+
+
+BAD_FORBID = "[[forbid]]\nevent = 'flip'\nerror = 'Bad'\nreason = 'r'\nbogus = 1\n"
+"""A refusal with a key no refusal has: one problem, named by the file that holds it."""
+
+
+@pytest.mark.parametrize(
+    ("extends", "named"),
+    [
+        ("base.toml", "./sub/base.toml"),
+        ("./base.toml", "./sub/./base.toml"),
+        ("../sub/base.toml", "./sub/../sub/base.toml"),
+    ],
+)
+def test_a_file_reached_through_extends_is_named_from_the_file_as_given(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    extends: str,
+    named: str,
+) -> None:
+    """The extending file as the user named it, then ``extends`` as written: a path to open from here.
+
+    ``validate ./sub/child.toml`` named its base ``sub/base.toml``: the
+    path normalised, where the file it was reached from kept its ``./``.
+    """
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    base = (spec_dir() / "host_residency.toml").read_text(encoding="utf-8")
+    (tmp_path / "sub" / "base.toml").write_text(base + BAD_FORBID)
+    (tmp_path / "sub" / "child.toml").write_text(f"[machine]\nname = 'c'\nextends = '{extends}'\n")
+    assert main(["validate", "./sub/child.toml"]) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"error: {named}: forbid[14].bogus: unknown key "
+        "(allowed: error, event, guard, reason, source, when)\n",
+    )
+
+
+def test_a_file_an_extends_or_a_region_cannot_read_is_named_from_the_file_as_given(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A composition's regions are reached as a base is: named the same way."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "child.toml").write_text("[machine]\nname = 'c'\nextends = 'none.toml'\n")
+    (tmp_path / "sub" / "both.toml").write_text(
+        "[composition]\nname = 'b'\n[composition.regions]\nr = 'm/none.toml'\n"
+    )
+    assert main(["validate", "./sub/child.toml", "./sub/both.toml"]) == 2
+    assert capsys.readouterr() == (
+        "",
+        "error: ./sub/child.toml: machine.extends: "
+        "cannot read ./sub/none.toml: No such file or directory\n"
+        "error: ./sub/both.toml: composition.regions.r: "
+        "cannot read ./sub/m/none.toml: No such file or directory\n",
+    )
+
+
 @pytest.mark.parametrize(
     ("argv", "argument"),
     [

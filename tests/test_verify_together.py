@@ -129,6 +129,39 @@ def test_an_interrupt_stops_the_crosshair_of_every_target_in_flight(tmp_path: Pa
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_sigterm_stops_the_crosshair_of_every_target_as_an_interrupt_does(
+    tmp_path: Path,
+) -> None:
+    """``fsm-cache verify`` ended at once on a SIGTERM, its CrossHair processes left running.
+
+    A supervisor, ``kill`` or ``timeout`` sends SIGTERM; Python leaves it to
+    the system, so nothing stopped them. Run as the command line runs it,
+    the run must stop as on SIGINT, say so, and exit 143.
+    """
+    marks = _fake(tmp_path, "time.sleep(60)")
+    first, second = _modules(tmp_path, "contracts_first", "contracts_second")
+    run = (
+        "import os, sys\n"
+        "import crosshair.codeconfig\n"  # the real one reads the directives
+        "from fsm_cache.cli.main import main\n"
+        "os.environ['PYTHONPATH'] = sys.argv[1]\n"
+        "sys.exit(main(['verify', '--jobs', '2', *sys.argv[2:]]))\n"
+    )
+    argv = [sys.executable, "-c", run, _path(tmp_path), first, second]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+        deadline = time.monotonic() + 60
+        while len(_pids(marks)) < 2 and time.monotonic() < deadline:
+            assert child.poll() is None, "the run ended before CrossHair ran"
+            time.sleep(0.05)
+        workers = _pids(marks)
+        assert len(workers) == 2, "the two targets did not run side by side"
+        child.send_signal(signal.SIGTERM)
+        out, err = child.communicate(timeout=30)
+    assert (child.returncode, out, err) == (143, "", "terminated\n")
+    assert all_gone(workers)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_an_error_in_one_target_stops_the_others_and_is_the_one_raised(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fsm_cache.errors import FsmCacheError, SpecError
+from fsm_cache.shell import terminating
 
 
 CONFIRMED = "confirmed over all paths"
@@ -586,6 +587,9 @@ class Workers:
     worker's CrossHair to finish its contracts, minutes, before the run said
     ``interrupted``. Once stopped (:meth:`stop`: an interrupt, or an error in
     any target), every process of every target is killed and nothing starts.
+    A SIGTERM (a supervisor, ``kill``, ``timeout``) ended fsm_cache alone, at
+    once, its CrossHair processes left running; while a run is entered it
+    stops the run as SIGINT does (:func:`~fsm_cache.shell.terminating`).
     """
 
     def __init__(self, slots: _Slots | None = None, rank: int = 0) -> None:
@@ -594,18 +598,21 @@ class Workers:
         self._rank = rank
         self._threads: list[threading.Thread] = []
         self._futures: list[Future[Any]] = []
+        self._signals = contextlib.ExitStack()
 
     def __enter__(self) -> Workers:
-        """Serve the run's in-process checks on this thread (:meth:`wait`)."""
+        """Serve the run's in-process checks on this thread (:meth:`wait`); a SIGTERM interrupts it."""
+        self._signals.enter_context(terminating())
         self._slots.server = threading.current_thread()
         return self
 
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         """Stop everything if the run failed or was interrupted; wait for every target's thread."""
-        if exc is not None:
-            self.stop()
-        for thread in self._threads:
-            thread.join()
+        with self._signals:  # a SIGTERM while the run stops is ignored, not the end of it
+            if exc is not None:
+                self.stop()
+            for thread in self._threads:
+                thread.join()
 
     @property
     def stopped(self) -> bool:

@@ -326,7 +326,7 @@ def by_crosshair(target: str) -> bool:
     Raises:
         SpecError: ``target`` is a spec that does not load.
     """
-    return not target.endswith(".toml") or proved_by_crosshair(as_system(load_spec(Path(target))))
+    return not target.endswith(".toml") or proved_by_crosshair(as_system(load_spec(target)))
 
 
 def proved_by_crosshair(system: System) -> bool:
@@ -412,7 +412,7 @@ def check_targets(targets: Sequence[str]) -> None:
     for target in targets:
         try:
             if target.endswith(".toml"):
-                load_spec(Path(target))
+                load_spec(target)  # named as given: a Path says x.toml for ./x.toml
             options_for(target_file(target))
         except SpecError as exc:
             problems += exc.problems

@@ -162,8 +162,9 @@ class _Files:
         """The bytes of every file to read, by resolved path (:func:`load_snapshot`); None: the disk's."""
         self.read: dict[str, bytes] = {}
         """The bytes of every file read, by resolved path: what the spec was built from."""
-        self.reached: dict[str, Path] = {}
-        """Every file the load went to read, as named, by real path: read or not (:func:`spec_files`)."""
+        self.reached: dict[str, str] = {}
+        """Every file the load went to read, as first named, by real path: read or not
+        (:func:`spec_files`). A file reached again is named so again (:meth:`name`)."""
         self.tables: dict[Path, _Table | None] = {}
         """A file's table by its resolved path; None when the file itself is at fault."""
         self.specs: dict[tuple[Path, int], Spec | None] = {}
@@ -177,7 +178,9 @@ class _Files:
         """Return the table of the file ``path`` (``target`` resolved), read once.
 
         Its faults name it ``name`` (by default, ``path``): a top-level
-        file as its caller spelled it (:func:`_path`).
+        file as its caller spelled it (:func:`_path`), another as the file
+        reaching it names it (:func:`_named_file`), first reached
+        (:meth:`name`).
 
         Returns:
             Its table, or None when an earlier read found it is no spec file.
@@ -188,12 +191,12 @@ class _Files:
             SpecError: It is no spec file (too large, not TOML, nested too
                 deeply): its own fault, reported where it is first read.
         """
-        self.reached.setdefault(os.path.realpath(path), path)
+        self.reached.setdefault(os.path.realpath(path), str(path) if name is None else name)
         if target is not None and target in self.tables:
             return self.tables[target]
         name = str(path) if name is None else name
         try:
-            data = _toml(self._bytes(path, target), name)
+            data = _toml(self._bytes(path, target, name), name)
             _check_shape(data, name)
         except SpecError:
             if target is not None:
@@ -203,8 +206,16 @@ class _Files:
             self.tables[target] = data
         return data
 
-    def _bytes(self, path: Path, target: Path | None) -> bytes:
-        """Return the bytes of the file ``path`` (``target`` resolved): from disk, or as given.
+    def name(self, path: str) -> str:
+        """Return what the file ``path`` is named in this load: as it was first reached, if it was.
+
+        A file reached by two spellings (``lamp.toml`` a region,
+        ``./lamp.toml`` a base) is one file, whose faults are named once.
+        """
+        return self.reached.get(os.path.realpath(path), path)
+
+    def _bytes(self, path: Path, target: Path | None, name: str) -> bytes:
+        """Return the bytes of the file ``path`` (``target`` resolved, ``name`` as named): from disk, or as given.
 
         Raises:
             OSError: It cannot be read, or, from given bytes, none are given for it.
@@ -213,7 +224,7 @@ class _Files:
         """
         given = None if self.given is None or target is None else self.given.get(str(target))
         if self.given is None:
-            raw = read_bytes(path)
+            raw = read_bytes(path, name)
         elif given is None:
             raise FileNotFoundError(errno.ENOENT, NOT_IN_SNAPSHOT)
         else:
@@ -222,8 +233,8 @@ class _Files:
             self.read[str(target)] = raw
         return raw
 
-    def spec(self, data: _Table, path: Path, route: _Route, key: tuple[Path, int] | None) -> Spec:
-        """Return the unvalidated spec of ``data``, the file ``path`` reached by ``route``, built once per ``key``.
+    def spec(self, data: _Table, name: str, route: _Route, key: tuple[Path, int] | None) -> Spec:
+        """Return the unvalidated spec of ``data``, the file ``name`` reached by ``route``, built once per ``key``.
 
         Raises:
             SpecError: It does not build; with no faults when it did not
@@ -235,7 +246,7 @@ class _Files:
                 raise SpecError([])
             return found
         try:
-            built = _built(data, str(path), path.parent, route)
+            built = _built(data, name, os.path.dirname(name), route)
         except SpecError:
             if key is not None:
                 self.specs[key] = None
@@ -369,7 +380,7 @@ def _unvalidated(path: Path, files: _Files, name: str | None = None) -> Spec:
         raise SpecError([f"{name}: cannot read: {_why(exc)}"]) from exc
     if data is None:  # pragma: no cover - a first read is never one already refused
         raise SpecError([])
-    return _built(data, name, path.parent, _Route((), files))
+    return _built(data, name, os.path.dirname(name), _Route((), files))
 
 
 def read_toml(path: Path) -> _Table:
@@ -392,11 +403,13 @@ def read_toml(path: Path) -> _Table:
     return _toml(read_bytes(path), path)
 
 
-def read_bytes(path: Path) -> bytes:
+def read_bytes(path: Path, name: str | None = None) -> bytes:
     """Return the bytes of ``path``, a regular file of at most :data:`MAX_BYTES`.
 
     The one way a spec file is read (:func:`read_toml`, and every file a
-    load reaches), so what a load read is what it built.
+    load reaches), so what a load read is what it built. A file too large
+    is named ``name`` (by default, ``path``): the path as the user gave it,
+    which a :class:`Path` does not keep (``./x.toml`` is ``x.toml`` to it).
 
     Raises:
         OSError, ValueError: As :func:`read_toml`.
@@ -411,7 +424,8 @@ def read_bytes(path: Path) -> bytes:
     finally:
         os.close(fd)
     if len(raw) > MAX_BYTES:
-        raise SpecError([f"{path}: larger than {MAX_BYTES // 2**20} MiB; not a spec file"])
+        shown_as = path if name is None else name
+        raise SpecError([f"{shown_as}: larger than {MAX_BYTES // 2**20} MiB; not a spec file"])
     return raw
 
 
@@ -514,19 +528,27 @@ def spec_from_dict(data: _Table, source: str = "<python>", base: Path | None = N
 
     _check_shape(data, source)
     route = _Route.start()
-    spec = _built(data, source, base, route)
+    spec = _built(data, source, _folder(base), route)
     validate(spec, route.files.chains())
     return spec
 
 
-def _built(data: _Table, source: str, base: Path | None, route: _Route) -> Spec:
+def _folder(base: Path | None) -> str:
+    """Return the folder ``base`` of a Python caller as the text the files it holds are named from."""
+    return "" if base is None else os.fspath(base)
+
+
+def _built(data: _Table, source: str, base: str, route: _Route) -> Spec:
     """Return the unvalidated spec of ``data``, a composition's or a machine's, reached by ``route``.
+
+    ``base`` is the folder of the file ``source``, as named (empty: the
+    working directory): the files it names are named from it.
 
     Raises:
         SpecError: It does not build, or holds both kinds (:func:`_kind`).
     """
     if _kind(data, source) == "composition":
-        return _composition(data, source, base or Path(), route)
+        return _composition(data, source, base, route)
     return _machine(data, source, base, route)
 
 
@@ -571,10 +593,10 @@ def machine_from_dict(
             data is not a table or nests too deeply (:data:`MAX_DEPTH`), or the
             machine it extends cannot be read.
     """
-    return _machine(data, source, base, _Route.start(chain))
+    return _machine(data, source, _folder(base), _Route.start(chain))
 
 
-def _machine(data: _Table, source: str, base: Path | None, route: _Route) -> MachineSpec:
+def _machine(data: _Table, source: str, base: str, route: _Route) -> MachineSpec:
     """:func:`machine_from_dict`, reached by ``route``."""
     _check_shape(data, source)
     problems = _Problems(source)
@@ -587,7 +609,7 @@ def _machine(data: _Table, source: str, base: Path | None, route: _Route) -> Mac
     head = _table(data, "machine", problems)
     _known_keys(head, {"name", "initial", "doc", "label", "extends"}, "machine", problems)
     extending = "extends" in head
-    parent = _extended("machine", head, base or Path(), route.then(source, _EXTENDS), problems)
+    parent = _extended("machine", head, base, route.then(source, _EXTENDS), problems)
     basis = parent if isinstance(parent, MachineSpec) else None
     counters = _counters(data.get("counters", {}), problems)
     states = _states(data.get("states", {}), problems, required=not extending)
@@ -640,7 +662,7 @@ def _origins(basis: MachineSpec | None, initial: bool) -> tuple[tuple[str, str],
 
 
 def _extended(
-    kind: str, head: _Table, base: Path, route: _Route, problems: _Problems
+    kind: str, head: _Table, base: str, route: _Route, problems: _Problems
 ) -> Spec | None:
     """Return the unvalidated spec ``head.extends`` names (:func:`_named_file`), if any.
 
@@ -659,7 +681,7 @@ def _extended(
 
 
 def _follow(  # noqa: PLR0917 (one reference: its key, its file, its kind, from where, how)
-    where: str, rel: str, kind: str, base: Path, route: _Route, problems: _Problems
+    where: str, rel: str, kind: str, base: str, route: _Route, problems: _Problems
 ) -> Spec | None:
     """Return the unvalidated ``kind`` spec the file ``rel`` names (:func:`_named_file`), or None.
 
@@ -670,49 +692,59 @@ def _follow(  # noqa: PLR0917 (one reference: its key, its file, its kind, from 
     faults name that file, once in a load however often it is reached
     (:class:`_Files`).
     """
-    path, links = _named_file(where, rel, base, problems), route.links
-    if path is None:
+    named, links = _named_file(where, rel, base, problems), route.links
+    if named is None:
         return None
+    name = route.files.name(named)
+    path = Path(name)
     cycle = _cycle(path, links)
     extending = len(links) - next(
         (i + 1 for i in reversed(range(len(links))) if links[i].how != _EXTENDS), 0
     )  # this file and those that extend it, up to the composition whose region it is
     if cycle:
-        problems.add(where, f"a cycle: {''.join(f'{c.source}{c.how}' for c in cycle)}{path}")
+        problems.add(where, f"a cycle: {''.join(f'{c.source}{c.how}' for c in cycle)}{name}")
         return None
     if extending > MAX_EXTENDS:
         problems.add(where, f"more than {MAX_EXTENDS} specs extend one another")
         return None
     target = _resolved(path)
     try:
-        data = route.files.table(path, target)
+        data = route.files.table(path, target, name)
         if data is None:  # no spec file, reported where it was first read
             problems.failed = True
-        elif _kind(data, str(path)) != kind:
+        elif _kind(data, name) != kind:
             problems.add(where, f"{rel} is not a [{kind}] file")
         else:
             key = None if target is None else (target, extending)
-            return route.files.spec(data, path, route, key)
+            return route.files.spec(data, name, route, key)
     except (OSError, ValueError) as exc:
-        problems.add(where, f"cannot read {path}: {_why(exc)}")
+        problems.add(where, f"cannot read {name}: {_why(exc)}")
     except SpecError as exc:
         problems.include(exc)
     return None
 
 
-def _named_file(where: str, rel: str, base: Path, problems: _Problems) -> Path | None:
-    """Return the file ``rel`` names: a path relative to ``base``, or a shipped spec's name.
+def _named_file(where: str, rel: str, base: str, problems: _Problems) -> str | None:
+    """Return the path of the file ``rel`` names: relative to the folder ``base``, or a shipped spec's.
 
     ``fsm_cache:NAME`` (:data:`~fsm_cache.spec.shipped.SHIPPED`) names the
     shipped spec ``NAME`` in the installed package; a name that is none is
     reported at ``where``, with the names there are, and gives None.
+
+    The path is what the file's faults name it: ``rel`` as written, joined
+    to the folder of the file that names it as that file is named, with
+    nothing normalised. That is a path the user can open from where the
+    command ran, spelled as the two files they wrote spell it:
+    ``./sub/a.toml`` extending ``b.toml`` names ``./sub/b.toml``, where a
+    :class:`Path` said ``sub/b.toml``. ``rel`` alone (``b.toml``) would be
+    relative to a folder the message does not name.
     """
     try:
         shipped = shipped_file(rel)
     except SpecError as exc:
         problems.add(where, exc.problems[0])
         return None
-    return base / rel if shipped is None else shipped
+    return os.path.join(base, rel) if shipped is None else str(shipped)
 
 
 def _cycle(path: Path, links: tuple[_Link, ...]) -> tuple[_Link, ...]:
@@ -728,7 +760,7 @@ def _cycle(path: Path, links: tuple[_Link, ...]) -> tuple[_Link, ...]:
     return () if first is None else links[first:]
 
 
-def _composition(data: _Table, source: str, base: Path, route: _Route) -> System:
+def _composition(data: _Table, source: str, base: str, route: _Route) -> System:
     """Build a :class:`System` from TOML-shaped data, reached by ``route``, without validating it."""
     problems = _Problems(source)
     _known_keys(data, {"composition", "forbid"}, "", problems)
@@ -862,7 +894,7 @@ def _births(table: object, source: str, problems: _Problems) -> tuple[Birth, ...
 
 
 def _region(
-    where: str, rel: object, base: Path, route: _Route, problems: _Problems
+    where: str, rel: object, base: str, route: _Route, problems: _Problems
 ) -> MachineSpec | None:
     """Read one region's machine file (relative to the composition), not yet validated.
 
@@ -1070,4 +1102,4 @@ def spec_files(path: Path) -> list[Path]:
     files = _Files()
     with contextlib.suppress(SpecError):
         _unvalidated(path, files)
-    return list(files.reached.values())
+    return [Path(name) for name in files.reached.values()]

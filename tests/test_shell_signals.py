@@ -1,0 +1,67 @@
+"""A SIGTERM while a command takes it (:func:`fsm_cache.shell.terminating`) stops it as Ctrl-C does."""
+
+from __future__ import annotations
+
+import os
+import signal
+from types import FrameType
+
+import pytest
+
+from fsm_cache.shell import TERMINATED, Terminated, run_command, terminating
+
+
+@pytest.fixture(autouse=True)
+def _default_sigterm() -> None:
+    """These tests send SIGTERM to pytest's process: only where the system's default is set."""
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        pytest.skip("SIGTERM is handled here already")
+
+
+def _sigterm() -> None:
+    """Send this process a SIGTERM, only while a handler of ours would take it."""
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_sigterm_raises_once_and_the_default_is_back_after() -> None:
+    """Raised once: one sent again while the command stops is ignored, so stopping is not cut short."""
+
+    def stopping() -> None:
+        with terminating():
+            try:
+                _sigterm()
+            finally:
+                _sigterm()  # while it stops: ignored
+
+    with pytest.raises(Terminated):
+        stopping()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_command_a_sigterm_stops_says_so_and_exits_143(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def command() -> int:
+        with terminating():
+            _sigterm()
+        return 0
+
+    assert run_command(command) == TERMINATED == 143
+    assert capsys.readouterr() == ("", "terminated\n")
+
+
+def test_a_sigterm_handler_of_the_caller_is_left_as_it_is() -> None:
+    seen: list[int] = []
+
+    def handler(number: int, _frame: FrameType | None) -> None:
+        seen.append(number)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        with terminating():
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert seen == [signal.SIGTERM]
