@@ -634,7 +634,7 @@ def test_every_input_reaches_a_constant_only_the_code_compares_with(tmp_path: Pa
         tmp_path, storage, "_fire_release", "if c_pins == 1:", "if c_pins == 1 or c_pins == 9:"
     )
     domains = exhaustive.counter_domains(storage)
-    rows = exhaustive.check_module("planted", path, domains)
+    rows = _checked(path, storage, "release")
     bad = {r.contract: r.detail for r in rows if r.status == crosshair_run.COUNTEREXAMPLE}
     assert bad.get("the step follows the spec") == (
         "_event_release(host=HostState.pinned, device=DeviceState.resident, "
