@@ -196,3 +196,20 @@ def test_views_refuse_an_explorer_of_a_spec_outside_the_class() -> None:
     explorer, _ = prepare(SPECS / "residency_storage.toml", 2, BOUNDS)
     with pytest.raises(NotCompositional, match=r"side condition 4 \(two residency regions\)"):
         views.Views(explorer)
+
+
+def test_a_finding_without_an_enumerative_trace_is_not_proven_with_exit_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    host = SPECS / "host_residency.toml"
+    monkeypatch.setattr(views, "refusal", lambda _path, _layout: [])
+    monkeypatch.setattr(views.Views, "__init__", lambda self, _explorer: None)
+    monkeypatch.setattr(views.Views, "run", lambda _self: views.Proof(7, "invariant 6: x", "", 0.0))
+    assert main(["check", "--compositional", str(host)]) == 1
+    out = capsys.readouterr().out
+    assert out.endswith(
+        "  compositional finding: invariant 6: x\n"
+        "  not proven: the enumerative check on 2 and 3 nodes finds no violation (the views "
+        "over-approximate; try more nodes without --compositional)\n"
+    )
+    assert "  views explored: 7\n" in out
