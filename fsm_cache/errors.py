@@ -116,6 +116,14 @@ class SpecError(FsmCacheError):
         super().__init__("\n".join(self.problems))
 
 
+class NotCompositional(SpecError):
+    """A spec or option is outside the class ``check --compositional`` is sound for.
+
+    Each problem names the side condition it fails and says to use the
+    enumerative check instead (:func:`fsm_cache.modelcheck.views.refusal`).
+    """
+
+
 class IllegalTransition(FsmCacheError):
     """An event was refused; the record it was fired at is exactly as before.
 

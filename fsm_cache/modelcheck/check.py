@@ -50,8 +50,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from fsm_cache.errors import BadArgument, ConfigError, FsmCacheError, SpecError
-from fsm_cache.modelcheck import treeops
+from fsm_cache.errors import BadArgument, ConfigError, FsmCacheError, NotCompositional, SpecError
+from fsm_cache.modelcheck import treeops, views
 from fsm_cache.modelcheck.budget import Budget
 from fsm_cache.modelcheck.explore import Bounds, Explorer, Result
 from fsm_cache.modelcheck.hooks import hooks, never_called, raised
@@ -877,6 +877,8 @@ def handle(args: argparse.Namespace) -> int:
         raise SpecError(
             [f"check: --nodes must be at most {MAX_NODES}, got {args.nodes} ({TOO_MANY_NODES})"]
         )
+    if args.compositional:
+        return compositional(args)
     if args.json:  # what an --ops module prints goes to stderr: stdout is the JSON alone
         with contextlib.redirect_stdout(sys.stderr):
             result = run(args)
@@ -887,6 +889,76 @@ def handle(args: argparse.Namespace) -> int:
     if bad or not all(c["ok"] for c in result["controls"]):
         return 1
     return STOPPED if any(s["stopped"] for s in result["specs"]) else 0
+
+
+def compositional(args: argparse.Namespace) -> int:
+    """Run ``check --compositional``: prove each SPEC for every tree size; return the exit status.
+
+    A spec or option outside the class the method is sound for is refused
+    first (:func:`~fsm_cache.modelcheck.views.refusal`). The method proves
+    but does not refute: on a finding the enumerative check runs on 2, then
+    3 nodes for a trace; without one the spec is "not proven". Exit status 1
+    on a finding either way, else 0.
+
+    Raises:
+        SpecError: An option that does not apply, or no SPEC.
+        NotCompositional: A spec or option outside the class.
+    """
+    given = {"--nodes": args.nodes, "--max-states": args.max_states}
+    given |= {"--max-seconds": args.max_seconds, "--no-symmetry": args.no_symmetry or None}
+    given |= {"--jobs": None if args.jobs == 1 else args.jobs}
+    problems = [
+        f"check: --compositional decides every tree size at once; {flag} does not apply"
+        for flag, value in given.items()
+        if value is not None
+    ]
+    if not args.specs:
+        problems.append("check: --compositional needs SPEC arguments (it runs no controls)")
+    if problems:
+        raise SpecError(problems)
+    problems = views.option_refusal({"--policy": args.policy, "--ops": args.ops})
+    if problems:
+        raise NotCompositional(problems)
+    runs = targets(args)
+    count = Bounds.default if args.max_count is None else args.max_count
+    ceiling = [ceilings(r.spec, r.pins, r.locks, count, files=r.files) for r in runs]
+    flags = zip(BOUND_BY.values(), (args.max_pins, args.max_locks), strict=True)
+    bounded = {flag: n for flag, n in [*flags, ("--max-count", args.max_count)] if n is not None}
+    problems = unused_bounds(bounded, {r.spec: list(c) for r, c in zip(runs, ceiling, strict=True)})
+    if problems:
+        raise SpecError(problems)
+    planned = []
+    for r, most in zip(runs, ceiling, strict=True):
+        explorer, _ = prepare(r.spec, 2, Bounds(most, count), files=r.files)
+        problems += views.refusal(r.spec, explorer.layout)
+        planned.append((r, most, explorer))
+    if problems:
+        raise NotCompositional(problems)
+    out = []
+    for r, most, explorer in planned:
+        started = time.perf_counter()
+        proof = views.Views(explorer).run()
+        entry: dict[str, Any] = {"spec": str(r.spec), "bounds": most, **vars(proof)}
+        entry["wall_seconds"] = time.perf_counter() - started
+        entry["trace"] = None
+        for nodes in (2, 3) if proof.finding else ():
+            plan = Search(
+                r.spec,
+                "none",
+                nodes,
+                most,
+                Bounds(most, count),
+                True,
+                Budget(),
+                args.progress,
+                r.files,
+            )
+            entry["trace"] = search(plan)
+            if entry["trace"]["violation"]:
+                break
+        out.append(entry)
+    print(json.dumps(out, indent=2) if args.json else views.report(out, report))
+    return 1 if any(e["finding"] for e in out) else 0
 
 
 def register(subparsers: Any) -> None:
@@ -974,6 +1046,13 @@ def register(subparsers: Any) -> None:
         metavar="N",
         help="run up to N searches at once, each in its own process (default 1); the report "
         "is the same; every search stops at the same machine-wide memory floor",
+    )
+    parser.add_argument(
+        "--compositional",
+        action="store_true",
+        help="prove each SPEC for every tree size at once from neighbourhood views (no "
+        "--nodes); a two-region residency spec without storage, births, --policy or --ops, "
+        "else refused; on a finding, a trace from 2 or 3 nodes, or 'not proven' (exit 1)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(handler=handle)

@@ -1,0 +1,215 @@
+"""``fsm-cache check --compositional``: the neighbourhood-view fixpoint (fsm_cache.modelcheck.views)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fsm_cache.cli.main import main
+from fsm_cache.errors import NotCompositional
+from fsm_cache.modelcheck import views
+from fsm_cache.modelcheck.budget import Budget
+from fsm_cache.modelcheck.check import prepare
+from fsm_cache.modelcheck.explore import Bounds
+from fsm_cache.modelcheck.state import Nodes, children
+from fsm_cache.spec.controls import Control, controls, load_finding
+from fsm_cache.spec.shipped import spec_dir
+
+
+SPECS = spec_dir()
+RESIDENCY = SPECS / "residency.toml"
+BOUNDS = Bounds({"pins": 2, "locks": 2})
+ENUMERATIVE = "use the enumerative check (fsm-cache check without --compositional)"
+
+
+@pytest.fixture(scope="module")
+def fixpoint() -> tuple[views.Views, views.Proof]:
+    """The fixpoint of the shipped residency spec, pins and locks up to 2 (about 10 s)."""
+    explorer, _ = prepare(RESIDENCY, 2, BOUNDS)
+    found = views.Views(explorer)
+    return found, found.run()
+
+
+def project(found: views.Views, nodes: Nodes) -> list[views.View]:
+    """Return the view of every node of a model state, as the fixpoint abstracts it."""
+    layout, trees = found.layout, found.trees
+    out = []
+    for i, e in enumerate(nodes):
+        if e is None:
+            continue
+        kids = [nodes[c] for c in children(nodes, i)]
+        atoms = 0
+        for k in kids:
+            assert k is not None
+            atoms |= found.info(trees.lid(k[1:]))[4]
+        up = nodes[int(e[0])] if int(e[0]) >= 0 else None
+        ps = -1 if up is None else trees.stid[trees.lid(up[1:])]
+        ksum = sum(layout.counter(k, "locks") for k in kids if k is not None)
+        busy = int(any(layout.unsettled(k) for k in kids if k is not None))
+        out.append((ps, trees.lid(e[1:]), atoms, int(bool(kids)), ksum, busy))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("nodes", "most"), [(3, None), (4, 30_000)])
+def test_every_explored_state_projects_into_the_fixpoint(
+    fixpoint: tuple[views.Views, views.Proof], nodes: int, most: int | None
+) -> None:
+    found, proof = fixpoint
+    assert proof.finding is None
+    explorer, start = prepare(RESIDENCY, nodes, BOUNDS)
+    result, states = explorer.reachable(start, Budget(max_states=most))
+    assert bool(result.stopped) == (most is not None)
+    assert len(states) >= (50_000 if most is None else most)
+    outside = {v for s in states for v in project(found, s)} - found.seen
+    assert [found.show(v) for v in outside] == []
+
+
+@pytest.mark.slow
+def test_the_shipped_residency_spec_holds_for_every_tree_size(
+    fixpoint: tuple[views.Views, views.Proof],
+) -> None:
+    found, proof = fixpoint
+    assert (proof.finding, proof.view) == (None, "")
+    assert proof.views == len(found.seen) > 1000
+
+
+def two_region(control: Control) -> bool:
+    """Whether a check control is a .toml spec the compositional check takes."""
+    if control.path.suffix != ".toml":
+        return False
+    explorer, _ = prepare(control.path, 2, BOUNDS, files=load_finding(control.path)[0][1])  # type: ignore[index]
+    return not views.refusal(control.path, explorer.layout)
+
+
+COVERED = [c for c in controls(tools=("check",)) if two_region(c)]
+SLOW = {"write_ack_waits_for_children.toml"}
+
+
+def finding_class(finding: str) -> str:
+    """Return a finding's class: ``invariant 6``, ``liveness``, ``copy load``, ``valid data``."""
+    return finding.removeprefix("check: violation: ").split(":")[0]
+
+
+@pytest.mark.parametrize(
+    "control",
+    [
+        pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.name in SLOW else [])
+        for c in COVERED
+    ],
+)
+def test_a_two_region_control_is_a_finding_of_the_enumerative_check_class(
+    control: Control,
+) -> None:
+    loaded, _ = load_finding(control.path)
+    assert loaded is not None
+    explorer, _ = prepare(control.path, 2, BOUNDS, files=loaded[1])
+    proof = views.Views(explorer).run()
+    assert proof.finding is not None
+    assert finding_class(proof.finding) == finding_class(control.expected)
+
+
+def test_every_two_region_toml_control_is_covered() -> None:
+    assert len(COVERED) == 12
+
+
+def test_a_finding_is_reported_with_the_enumerative_trace_and_exit_1(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = SPECS / "bugs_detected" / "write_failed_lands_backed.toml"
+    assert main(["check", "--compositional", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "  compositional finding: valid data: node 0: write_failed marks" in out
+    assert "  found by the enumerative check on 2 nodes:\n" in out
+    assert "        node 0: write_failed\n" in out
+
+
+def planted(tmp_path: Path, old: str, new: str) -> Path:
+    """Write residency.toml with its device machine's ``old`` text replaced by ``new``."""
+    device = (SPECS / "device_residency.toml").read_text()
+    assert old in device
+    (tmp_path / "device.toml").write_text(device.replace(old, new, 1))
+    (tmp_path / "host_residency.toml").write_text((SPECS / "host_residency.toml").read_text())
+    text = RESIDENCY.read_text().replace('"device_residency.toml"', '"device.toml"')
+    (tmp_path / "spec.toml").write_text(text)
+    return tmp_path / "spec.toml"
+
+
+LOCK = 'event = "lock"\nsource = "resident"\ndest = "resident"\nupdate = "locks += 1"\n'
+
+
+def test_a_lock_that_skips_the_ancestors_is_found(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = planted(tmp_path, LOCK + 'propagate = "ancestors"\n', LOCK)
+    assert main(["check", "--compositional", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "  compositional finding: invariant 6: locks is " in out
+    assert "violation: invariant 6: node 0: locks is 0 but its holders account for 1" in out
+
+
+def test_a_propagating_step_of_two_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = planted(tmp_path, 'update = "locks += 1"\npropagate', 'update = "locks += 2"\npropagate')
+    assert main(["check", "--compositional", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: check --compositional: {path}: side condition 2 (propagation): device "
+        "transition lock from resident to resident propagates (locks += 2), not as a self-loop "
+        f"moving one counter by 1; {ENUMERATIVE}\n"
+    )
+
+
+def test_a_storage_spec_is_refused_naming_its_conditions(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = SPECS / "residency_storage.toml"
+    assert main(["check", "--compositional", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: check --compositional: {path}: side condition 4 (two residency regions): its "
+        "regions are host, device, storage, not host and device alone with pins and locks (a "
+        f"storage region's prune deletes whole subtrees); {ENUMERATIVE}\n"
+        f"error: check --compositional: {path}: side condition 5 (no births): it declares "
+        f"births discovered; {ENUMERATIVE}\n"
+    )
+
+
+def test_a_write_policy_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["check", "--compositional", "--policy", "write_through", str(RESIDENCY)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "error: check --compositional: --policy write_through: side condition 6 (no write "
+        "policy): a policy's acknowledgements change several nodes' states at once; "
+        f"{ENUMERATIVE}\n"
+    )
+
+
+def test_a_tree_size_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--compositional", "--nodes", "5", str(RESIDENCY)]) == 2
+    assert capsys.readouterr().err == (
+        "error: check: --compositional decides every tree size at once; --nodes does not apply\n"
+    )
+
+
+def test_views_refuse_an_explorer_of_a_spec_outside_the_class() -> None:
+    explorer, _ = prepare(SPECS / "residency_storage.toml", 2, BOUNDS)
+    with pytest.raises(NotCompositional, match=r"side condition 4 \(two residency regions\)"):
+        views.Views(explorer)
+
+
+def test_a_finding_without_an_enumerative_trace_is_not_proven_with_exit_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    host = SPECS / "host_residency.toml"
+    monkeypatch.setattr(views, "refusal", lambda _path, _layout: [])
+    monkeypatch.setattr(views.Views, "__init__", lambda self, _explorer: None)
+    monkeypatch.setattr(views.Views, "run", lambda _self: views.Proof(7, "invariant 6: x", "", 0.0))
+    assert main(["check", "--compositional", str(host)]) == 1
+    out = capsys.readouterr().out
+    assert out.endswith(
+        "  compositional finding: invariant 6: x\n"
+        "  not proven: the enumerative check on 2 and 3 nodes finds no violation (the views "
+        "over-approximate; try more nodes without --compositional)\n"
+    )
+    assert "  views explored: 7\n" in out
