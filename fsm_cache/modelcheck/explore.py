@@ -489,6 +489,7 @@ class Explorer:
         otherwise than callers rely on (:meth:`_path_ok`).
         """
         trees = self.trees
+        lift = trees.lift
         order = trees.preorder((root,))
         chains: list[tuple[int, ...]] = []
         paths: list[tuple[int, ...]] = []
@@ -507,7 +508,7 @@ class Explorer:
             wrong = wrong or found[1] or not self._path_ok(paths[k])
             past = past or found[2]
             for event, lids, gone, settles in found[0]:
-                out.append((self._step(k, event), self._lift(order, k, lids), gone, settles))
+                out.append((self._step(k, event), lift(order, k, lids), gone, settles))
         if past:
             self.past.add(root)
         return out, wrong
@@ -537,19 +538,6 @@ class Explorer:
         if found is None:
             found = self.dataless[lid] = treeops.dataless(self.layout, (0, *self.trees.locals[lid]))
         return found
-
-    def _lift(self, order: list[tuple[int, int]], k: int, lids: tuple[int, ...]) -> int:
-        """Return the subtree of ``order`` with node ``k`` and its nearest ancestors given new locals."""
-        trees = self.trees
-        old, parent = order[k]
-        new = trees.sid(lids[0], trees.kids[old], trees.slot[old])
-        at = 1
-        while parent >= 0:
-            sid, parent = order[parent]
-            lid = lids[at] if at < len(lids) else trees.local[sid]
-            old, new = sid, trees.swap(sid, old, new, lid)
-            at += 1
-        return new
 
     def _prune(self, forest: Forest) -> Forest:
         """Delete the nodes that hold their data nowhere, as the ops module does."""
