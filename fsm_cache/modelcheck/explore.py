@@ -128,16 +128,27 @@ class Pace:
         return short
 
 
+CEILING = 2
+"""The ceiling of a counter its run names none for (the default of :attr:`Bounds.default`).
+
+A module constant, not read from the class: compiled (``make compile``), a
+dataclass's field is no class attribute."""
+
+
 @dataclass
 class Bounds:
     """How far the exploration goes: counter ceilings (events past them are not fired)."""
 
     counters: dict[str, int]
-    default: int = 2
+    default: int = CEILING
 
     def ceiling(self, counter: str) -> int:
         """Return the ceiling of ``counter``: its own, else :attr:`default`."""
         return self.counters.get(counter, self.default)
+
+    def __reduce__(self) -> tuple[type[Bounds], tuple[dict[str, int], int]]:
+        """Pickle as the arguments that make it: a compiled class pickles only so (``--jobs``)."""
+        return Bounds, (self.counters, self.default)
 
 
 @dataclass
