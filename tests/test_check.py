@@ -506,7 +506,7 @@ def test_a_spec_refused_after_another_is_refused_before_any_is_explored(
     def run(*_: object, **__: object) -> None:
         raise AssertionError("a spec was explored though another is refused")
 
-    monkeypatch.setattr(Explorer, "run", run)
+    monkeypatch.setattr(check, "check_spec", run)
     good = str(spec_dir() / "residency.toml")
     if refused == "policy":
         argv = ["--policy", "write_through", good, str(spec_dir() / "host_residency.toml")]

@@ -10,7 +10,7 @@ import pytest
 from fsm_cache.cli.main import main
 from fsm_cache.errors import BadArgument
 from fsm_cache.modelcheck import check
-from fsm_cache.modelcheck.explore import Bounds, Explorer
+from fsm_cache.modelcheck.explore import Bounds
 from fsm_cache.spec.shipped import spec_dir
 
 
@@ -27,7 +27,7 @@ def unexplored(monkeypatch: pytest.MonkeyPatch) -> None:
     def run(*_: object, **__: object) -> None:
         raise AssertionError("a spec was explored though the command line is refused")
 
-    monkeypatch.setattr(Explorer, "run", run)
+    monkeypatch.setattr(check, "check_spec", run)
 
 
 @pytest.mark.usefixtures("unexplored")

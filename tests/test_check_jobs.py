@@ -22,7 +22,7 @@ from fsm_cache.cli.main import main
 from fsm_cache.errors import IllegalTransition, SpecError, error_class
 from fsm_cache.modelcheck import check, treeops
 from fsm_cache.modelcheck.budget import Budget
-from fsm_cache.modelcheck.explore import Bounds, Explorer
+from fsm_cache.modelcheck.explore import Bounds
 from fsm_cache.spec.controls import controls
 from fsm_cache.spec.loader import NOT_IN_SNAPSHOT, load_snapshot
 from fsm_cache.spec.shipped import spec_dir
@@ -53,7 +53,7 @@ def not_here(monkeypatch: pytest.MonkeyPatch) -> None:
     def run(*_: object, **__: object) -> None:
         raise AssertionError("a search ran in the process that ordered it")
 
-    monkeypatch.setattr(Explorer, "run", run)
+    monkeypatch.setattr(check, "check_spec", run)
 
 
 def test_jobs_run_the_searches_in_other_processes_and_report_the_same(
@@ -61,10 +61,10 @@ def test_jobs_run_the_searches_in_other_processes_and_report_the_same(
 ) -> None:
     specs = [str(HOST), str(DEVICE), str(STORAGE), "--nodes", "3"]
     alone = checked(capsys, *specs)
-    explore = Explorer.run
-    monkeypatch.setattr(Explorer, "run", lambda *_, **__: pytest.fail("ran here"))
+    explore = check.check_spec
+    monkeypatch.setattr(check, "check_spec", lambda *_, **__: pytest.fail("ran here"))
     side_by_side = checked(capsys, *specs, "--jobs", "2")
-    monkeypatch.setattr(Explorer, "run", explore)
+    monkeypatch.setattr(check, "check_spec", explore)
     assert side_by_side == alone
     assert alone[0] == 0
     assert [s["spec"] for s in alone[1]["specs"]] == [str(HOST), str(DEVICE), str(STORAGE)]

@@ -424,3 +424,30 @@ def test_sibling_subtrees_are_interchangeable_at_any_depth(layout: Layout) -> No
     assert canonical(one)[0] == canonical(other)[0]
     moved = (*one[:3], layout.entry(1, *pinned), layout.fresh(1))  # both children under node 1
     assert trees.encode(moved) != trees.encode(one)
+
+
+@pytest.mark.parametrize("symmetry", [True, False])
+def test_lifting_new_locals_up_a_path_is_the_tree_with_them(layout: Layout, symmetry: bool) -> None:
+    """``Trees.lift`` (each event step of each root subtree) is the tree with the new locals, encoded anew."""
+    trees = Trees(layout, symmetry=symmetry)
+    pinned = trees.lid(layout.entry(-1, "pinned", "resident", 1, 0, 1, 0, 0)[1:])
+    # a chain of three under the root, and a leaf beside it: chains and fan-outs on the way up
+    tree = (layout.fresh(-1), layout.fresh(0), layout.fresh(1), layout.fresh(0))
+    (root,) = trees.encode(tree)
+    order = trees.preorder((root,))
+    flat, where = trees.decode((root,), len(tree)), trees.where((root,))
+    lifted = 0
+    for k in range(len(order)):
+        path = [k]
+        while order[path[-1]][1] >= 0:
+            path.append(order[path[-1]][1])
+        for given in range(1, len(path) + 1):
+            changed = list(flat)
+            for i in path[:given]:
+                entry = changed[where[i]]
+                assert entry is not None
+                changed[where[i]] = (entry[0], *trees.locals[pinned])
+            (expected,) = trees.encode(tuple(changed))
+            assert trees.lift(order, k, (pinned,) * given) == expected, (k, given)
+            lifted += 1
+    assert lifted == 1 + 2 + 3 + 2  # the root, its two children, the chain's leaf

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -53,7 +54,7 @@ from typing import Any, NamedTuple
 from fsm_cache.errors import BadArgument, ConfigError, FsmCacheError, NotCompositional, SpecError
 from fsm_cache.modelcheck import treeops, views
 from fsm_cache.modelcheck.budget import Budget
-from fsm_cache.modelcheck.explore import Bounds, Explorer, Result
+from fsm_cache.modelcheck.explore import CEILING, Bounds, Explorer, Result
 from fsm_cache.modelcheck.hooks import hooks, never_called, raised
 from fsm_cache.modelcheck.progress import PLAIN_EVERY, progress
 from fsm_cache.modelcheck.state import Layout, Nodes, reference_states
@@ -232,14 +233,14 @@ def sized(
     A spec with a ``storage`` region defaults to :data:`STORAGE_NODES` nodes,
     :data:`STORAGE_PINS` pins and :data:`STORAGE_LOCKS` locks, any other to
     :data:`NODES` and the default ceiling,
-    :attr:`Bounds.default <fsm_cache.modelcheck.explore.Bounds.default>`.
+    :data:`CEILING <fsm_cache.modelcheck.explore.CEILING>`.
     The spec is built from ``files`` if given (:data:`Files`).
 
     Raises:
         SpecError: The spec does not load.
     """
     storage = "storage" in dict(_system(path, files).regions)
-    default = Bounds.default
+    default = CEILING
     own = (STORAGE_NODES, STORAGE_PINS, STORAGE_LOCKS) if storage else (NODES, default, default)
     return (
         own[0] if nodes is None else nodes,
@@ -635,7 +636,7 @@ def search(
         "unexplored": unexplored(planned.spec, planned.bounded, files=planned.files),
         "symmetry": planned.symmetry,
         "seconds": time.perf_counter() - started,
-        **vars(result),
+        **dataclasses.asdict(result),
     }
 
 
@@ -738,7 +739,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     symmetry = not args.no_symmetry
     budget = Budget(max_states=args.max_states, max_seconds=args.max_seconds)
     runs = targets(args)
-    count = Bounds.default if args.max_count is None else args.max_count
+    count = CEILING if args.max_count is None else args.max_count
     ceiling = [ceilings(run.spec, run.pins, run.locks, count, files=run.files) for run in runs]
     flags = zip(
         ("--max-pins", "--max-locks", "--max-count"),
@@ -983,15 +984,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--max-pins",
         type=int,
-        help=f"pins per node at most (default {Bounds.default}; {STORAGE_PINS} for a spec with a storage region)",
+        help=f"pins per node at most (default {CEILING}; {STORAGE_PINS} for a spec with a storage region)",
     )
     parser.add_argument(
         "--max-locks",
         type=int,
-        help=f"locks per node at most (default {Bounds.default}; {STORAGE_LOCKS} for a spec with a storage region)",
+        help=f"locks per node at most (default {CEILING}; {STORAGE_LOCKS} for a spec with a storage region)",
     )
     parser.add_argument(
-        "--max-count", type=int, help=f"bound of any other counter (default {Bounds.default})"
+        "--max-count", type=int, help=f"bound of any other counter (default {CEILING})"
     )
     parser.add_argument(
         "--max-states",

@@ -128,16 +128,27 @@ class Pace:
         return short
 
 
+CEILING = 2
+"""The ceiling of a counter its run names none for (the default of :attr:`Bounds.default`).
+
+A module constant, not read from the class: compiled (``make compile``), a
+dataclass's field is no class attribute."""
+
+
 @dataclass
 class Bounds:
     """How far the exploration goes: counter ceilings (events past them are not fired)."""
 
     counters: dict[str, int]
-    default: int = 2
+    default: int = CEILING
 
     def ceiling(self, counter: str) -> int:
         """Return the ceiling of ``counter``: its own, else :attr:`default`."""
         return self.counters.get(counter, self.default)
+
+    def __reduce__(self) -> tuple[type[Bounds], tuple[dict[str, int], int]]:
+        """Pickle as the arguments that make it: a compiled class pickles only so (``--jobs``)."""
+        return Bounds, (self.counters, self.default)
 
 
 @dataclass
@@ -489,6 +500,7 @@ class Explorer:
         otherwise than callers rely on (:meth:`_path_ok`).
         """
         trees = self.trees
+        lift = trees.lift
         order = trees.preorder((root,))
         chains: list[tuple[int, ...]] = []
         paths: list[tuple[int, ...]] = []
@@ -507,7 +519,7 @@ class Explorer:
             wrong = wrong or found[1] or not self._path_ok(paths[k])
             past = past or found[2]
             for event, lids, gone, settles in found[0]:
-                out.append((self._step(k, event), self._lift(order, k, lids), gone, settles))
+                out.append((self._step(k, event), lift(order, k, lids), gone, settles))
         if past:
             self.past.add(root)
         return out, wrong
@@ -537,19 +549,6 @@ class Explorer:
         if found is None:
             found = self.dataless[lid] = treeops.dataless(self.layout, (0, *self.trees.locals[lid]))
         return found
-
-    def _lift(self, order: list[tuple[int, int]], k: int, lids: tuple[int, ...]) -> int:
-        """Return the subtree of ``order`` with node ``k`` and its nearest ancestors given new locals."""
-        trees = self.trees
-        old, parent = order[k]
-        new = trees.sid(lids[0], trees.kids[old], trees.slot[old])
-        at = 1
-        while parent >= 0:
-            sid, parent = order[parent]
-            lid = lids[at] if at < len(lids) else trees.local[sid]
-            old, new = sid, trees.swap(sid, old, new, lid)
-            at += 1
-        return new
 
     def _prune(self, forest: Forest) -> Forest:
         """Delete the nodes that hold their data nowhere, as the ops module does."""

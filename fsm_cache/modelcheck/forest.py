@@ -203,6 +203,43 @@ class Trees:
             self._swaps[(sid, old, new, lid)] = found
         return found
 
+    def lift(self, order: list[tuple[int, int]], k: int, lids: tuple[int, ...]) -> int:
+        """Return the subtree of ``order`` with node ``k`` and its nearest ancestors given new locals.
+
+        Args:
+            order: A root subtree's ``(subtree, parent's index)`` per node (:meth:`preorder`).
+            k: The node whose local changes, by its index in ``order``.
+            lids: The new locals of node ``k`` and of its nearest ancestors, nearest
+                first; the ancestors past them keep theirs.
+
+        The explorer asks this for every event step of every root subtree (millions on
+        four nodes), so :meth:`sid` and :meth:`swap` are inlined where their tables
+        already hold the answer: the same subtrees, interned in the same order.
+        """
+        sids, swaps, kids = self._sids, self._swaps, self.kids
+        keep = not self.symmetry
+        old, parent = order[k]
+        slot = self.slot[old] if keep else -1
+        new = sids.get((lids[0], kids[old], slot))
+        if new is None:
+            new = self.sid(lids[0], kids[old], slot)
+        at, given = 1, len(lids)
+        while parent >= 0:
+            sid, parent = order[parent]
+            lid = lids[at] if at < given else self.local[sid]
+            at += 1
+            if len(kids[sid]) == 1:  # a chain: as swap, its subtree's own table is the memo
+                slot = self.slot[sid] if keep else -1
+                found = sids.get((lid, (new,), slot))
+                if found is None:
+                    found = self.sid(lid, (new,), slot)
+            else:
+                found = swaps.get((sid, old, new, lid))
+                if found is None:
+                    found = self.swap(sid, old, new, lid)
+            old, new = sid, found
+        return new
+
     def swap_root(self, forest: Forest, old: int, new: int) -> Forest:
         """Return ``forest`` with root subtree ``old`` replaced by ``new``."""
         if len(forest) == 2:  # the common case, without a sort
