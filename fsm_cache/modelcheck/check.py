@@ -921,7 +921,7 @@ def compositional(args: argparse.Namespace) -> int:
     if problems:
         raise NotCompositional(problems)
     runs = targets(args)
-    count = Bounds.default if args.max_count is None else args.max_count
+    count = CEILING if args.max_count is None else args.max_count
     ceiling = [ceilings(r.spec, r.pins, r.locks, count, files=r.files) for r in runs]
     flags = zip(BOUND_BY.values(), (args.max_pins, args.max_locks), strict=True)
     bounded = {flag: n for flag, n in [*flags, ("--max-count", args.max_count)] if n is not None}
