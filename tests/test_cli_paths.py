@@ -337,3 +337,17 @@ def test_text_stdout_cannot_encode_is_escaped(tmp_path: Path) -> None:
     )
     assert (done.returncode, done.stderr) == (0, "")
     assert "D\\xe9j\\xe0: only the device" in done.stdout
+
+
+def test_check_names_a_spec_as_given(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``check ./x.toml`` said ``x.toml`` in its report and its problems: a ``Path`` drops ``./``."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(spec_dir() / "host_residency.toml", tmp_path / "x.toml")
+    assert main(["check", "./x.toml", "--nodes", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("./x.toml: 2 nodes")
+    assert main(["check", "./missing.toml"]) == 2
+    assert capsys.readouterr().err == (
+        "error: ./missing.toml: cannot read: No such file or directory\n"
+    )

@@ -210,6 +210,8 @@ class Target(NamedTuple):
     pins: int
     locks: int
     files: dict[str, bytes]
+    name: str
+    """The spec's file as given: the report says ``./x.toml`` where ``spec`` says ``x.toml``."""
 
 
 Files = Mapping[str, bytes] | None
@@ -559,12 +561,14 @@ def targets(args: argparse.Namespace) -> list[Target]:
         SpecError: A spec does not load; its problems and those of every other
             spec that does not load, as ``validate`` reports them all.
     """
-    paths = [Path(p) for p in named_once(args.specs)] if args.specs else shipped_spec_paths()
+    given = named_once(args.specs) if args.specs else shipped_spec_paths()
+    paths = [Path(p) for p in given]
+    names = {path: str(p) for path, p in zip(paths, given, strict=True)}
     read = {}
     problems: list[str] = []
     for path in paths:
         try:
-            read[path] = load_snapshot(path)
+            read[path] = load_snapshot(names[path])  # a problem names the file as given
         except SpecError as exc:
             problems += exc.problems
     if problems:
@@ -573,7 +577,8 @@ def targets(args: argparse.Namespace) -> list[Target]:
     def target(path: Path, policy: str, most: int | None = None) -> Target:
         files = read[path][1]
         nodes, pins, locks = sized(path, args.nodes, args.max_pins, args.max_locks, files=files)
-        return Target(path, policy, nodes if most is None else min(nodes, most), pins, locks, files)
+        nodes = nodes if most is None else min(nodes, most)
+        return Target(path, policy, nodes, pins, locks, files, names[path])
 
     if args.specs:
         return [target(path, args.policy or "none") for path in paths]
@@ -604,6 +609,8 @@ class Search(NamedTuple):
     budget: Budget
     progress: bool | None
     files: dict[str, bytes]
+    name: str = ""
+    """The spec's file as given (:attr:`Target.name`); ``spec``'s own text where empty."""
 
 
 def search(
@@ -628,7 +635,7 @@ def search(
             files=planned.files,
         )
     return {
-        "spec": str(planned.spec),
+        "spec": planned.name or str(planned.spec),
         "policy": planned.policy,
         "nodes": planned.nodes,
         "shapes": list(starting_shapes(planned.nodes)),
@@ -751,13 +758,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if problems:
         raise SpecError(problems)
     searches = []
-    for (path, policy, nodes, _, _, files), bounded in zip(runs, ceiling, strict=True):
+    for (path, policy, nodes, _, _, files, name), bounded in zip(runs, ceiling, strict=True):
         bounds = Bounds(bounded, count)
         # every target is refused or taken before one is explored: a refusal after a
         # search (minutes on four nodes) would throw its result away
         prepare(path, nodes, bounds, ops, policy=POLICIES[policy], symmetry=symmetry, files=files)
         searches.append(
-            Search(path, policy, nodes, bounded, bounds, symmetry, budget, args.progress, files)
+            Search(
+                path, policy, nodes, bounded, bounds, symmetry, budget, args.progress, files, name
+            )
         )
     chosen = (
         controls(tools=("validate", "check")) if not args.specs and not args.no_controls else []
@@ -939,7 +948,7 @@ def compositional(args: argparse.Namespace) -> int:
     for r, most, explorer in planned:
         started = time.perf_counter()
         proof = views.Views(explorer).run()
-        entry: dict[str, Any] = {"spec": str(r.spec), "bounds": most, **vars(proof)}
+        entry: dict[str, Any] = {"spec": r.name, "bounds": most, **vars(proof)}
         entry["wall_seconds"] = time.perf_counter() - started
         entry["trace"] = None
         for nodes in (2, 3) if proof.finding else ():
@@ -953,6 +962,7 @@ def compositional(args: argparse.Namespace) -> int:
                 Budget(),
                 args.progress,
                 r.files,
+                r.name,
             )
             entry["trace"] = search(plan)
             if entry["trace"]["violation"]:
