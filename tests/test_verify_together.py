@@ -97,6 +97,17 @@ def _pids(marks: Path) -> list[int]:
     return [int(p.suffix[1:]) for p in marks.glob("*.*")]
 
 
+def _side_by_side(child: subprocess.Popen[str] | subprocess.Popen[bytes], marks: Path) -> list[int]:
+    """Wait until the stand-in CrossHair of both targets runs; return their pids."""
+    deadline = time.monotonic() + 60
+    while len(_pids(marks)) < 2 and time.monotonic() < deadline:
+        assert child.poll() is None, "the run ended before CrossHair ran"
+        time.sleep(0.05)
+    workers = _pids(marks)
+    assert len(workers) == 2, "the two targets did not run side by side"
+    return workers
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_an_interrupt_stops_the_crosshair_of_every_target_in_flight(tmp_path: Path) -> None:
     """Two modules, each proved whole in one process, run at once; a SIGINT stops both.
@@ -117,12 +128,7 @@ def test_an_interrupt_stops_the_crosshair_of_every_target_in_flight(tmp_path: Pa
     )
     argv = [sys.executable, "-c", run, first, second, _path(tmp_path)]
     with subprocess.Popen(argv) as child:
-        deadline = time.monotonic() + 60
-        while len(_pids(marks)) < 2 and time.monotonic() < deadline:
-            assert child.poll() is None, "the run ended before CrossHair ran"
-            time.sleep(0.05)
-        workers = _pids(marks)
-        assert len(workers) == 2, "the two targets did not run side by side"
+        workers = _side_by_side(child, marks)
         child.send_signal(signal.SIGINT)
         assert child.wait(timeout=30) == -signal.SIGINT  # an uncaught KeyboardInterrupt
     assert all_gone(workers)
@@ -149,12 +155,7 @@ def test_a_sigterm_stops_the_crosshair_of_every_target_as_an_interrupt_does(
     )
     argv = [sys.executable, "-c", run, _path(tmp_path), first, second]
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
-        deadline = time.monotonic() + 60
-        while len(_pids(marks)) < 2 and time.monotonic() < deadline:
-            assert child.poll() is None, "the run ended before CrossHair ran"
-            time.sleep(0.05)
-        workers = _pids(marks)
-        assert len(workers) == 2, "the two targets did not run side by side"
+        workers = _side_by_side(child, marks)
         child.send_signal(signal.SIGTERM)
         out, err = child.communicate(timeout=30)
     assert (child.returncode, out, err) == (143, "", "terminated\n")
