@@ -213,3 +213,37 @@ def test_a_finding_without_an_enumerative_trace_is_not_proven_with_exit_1(
         "over-approximate; try more nodes without --compositional)\n"
     )
     assert "  views explored: 7\n" in out
+
+
+LOCK_LOADING = 'event = "lock"\nsource = "loading"\ndest = "loading"\nupdate = "locks += 1"\n'
+
+
+def test_a_propagating_event_that_changes_an_ancestors_states_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A lock fired at a resident node propagates; a loading ancestor takes the
+    # event's other transition and leaves loading, which its children read.
+    moved = LOCK_LOADING.replace('dest = "loading"', 'dest = "resident"')
+    path = planted(tmp_path, LOCK_LOADING + 'propagate = "ancestors"\n', moved)
+    assert main(["check", "--compositional", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: check --compositional: {path}: side condition 2 (propagation): device "
+        "transition lock from loading to resident changes the states of the ancestors lock "
+        f"propagates to (they take it too), not as a self-loop; {ENUMERATIVE}\n"
+    )
+
+
+def test_a_propagating_event_with_an_effect_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = planted(
+        tmp_path,
+        LOCK + 'propagate = "ancestors"\n',
+        LOCK + 'propagate = "ancestors"\neffect = "free_host"\n',
+    )
+    assert main(["check", "--compositional", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: check --compositional: {path}: side condition 2 (propagation): device "
+        "transition lock from resident to resident runs free_host at the ancestors lock "
+        f"propagates to (they take it too); {ENUMERATIVE}\n"
+    )
