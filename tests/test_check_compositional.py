@@ -247,3 +247,22 @@ def test_a_propagating_event_with_an_effect_is_refused(
         "transition lock from resident to resident runs free_host at the ancestors lock "
         f"propagates to (they take it too); {ENUMERATIVE}\n"
     )
+
+
+def test_a_propagating_settling_step_settles_only_as_a_give_back_of_the_propagated_count() -> None:
+    # The pair check accepts a give-back of locks at the ancestors above the
+    # parent; any other propagating event is not known to reach the top.
+    explorer, _ = prepare(RESIDENCY, 2, Bounds({"pins": 1, "locks": 1}))
+    found = views.Views(explorer)
+    assert found.run().finding is None
+    unlocking = [
+        (v, ev)
+        for v in found.seen
+        if v[0] >= 0 and found.info(v[1])[2]
+        for ev in found.answers.enabled(found.context(v))
+        if ev[0] == "unlock"
+    ]
+    assert unlocking
+    assert all(found.settles(v, ev) for v, ev in unlocking)
+    found.gives = []
+    assert not any(found.settles(v, ev) for v, ev in unlocking)

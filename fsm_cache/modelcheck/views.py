@@ -531,15 +531,13 @@ class Views:
             before = self.info(v[1])[2]
             if v[5] or not before:
                 continue
-            if not any(
-                self._settles(v, before, ev) for ev in self.answers.enabled(self.context(v))
-            ):
+            if not any(self.settles(v, ev) for ev in self.answers.enabled(self.context(v))):
                 e = self.entry(v[1])
                 shown = ", ".join(f"{r} {self.layout.state(e, r)}" for r in self.layout.regions)
                 return f"liveness: a node can never settle ({shown})", v
         return None
 
-    def _settles(self, v: View, before: int, enabled: tuple[str, int, bool]) -> bool:
+    def settles(self, v: View, enabled: tuple[str, int, bool]) -> bool:
         """Whether an enabled event settles the node of ``v``: lowers its measure, is accepted.
 
         A propagating one must be accepted by the parent (every fitting view)
@@ -548,7 +546,7 @@ class Views:
         any other propagating event is not taken to settle.
         """
         event, new, propagates = enabled
-        if event not in self.settling or self.info(new)[2] >= before:
+        if event not in self.settling or self.info(new)[2] >= self.info(v[1])[2]:
             return False
         return not propagates or (
             event in self.gives
