@@ -213,3 +213,56 @@ def test_a_finding_without_an_enumerative_trace_is_not_proven_with_exit_1(
         "over-approximate; try more nodes without --compositional)\n"
     )
     assert "  views explored: 7\n" in out
+
+
+LOCK_LOADING = 'event = "lock"\nsource = "loading"\ndest = "loading"\nupdate = "locks += 1"\n'
+
+
+def test_a_propagating_event_that_changes_an_ancestors_states_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A lock fired at a resident node propagates; a loading ancestor takes the
+    # event's other transition and leaves loading, which its children read.
+    moved = LOCK_LOADING.replace('dest = "loading"', 'dest = "resident"')
+    path = planted(tmp_path, LOCK_LOADING + 'propagate = "ancestors"\n', moved)
+    assert main(["check", "--compositional", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: check --compositional: {path}: side condition 2 (propagation): device "
+        "transition lock from loading to resident changes the states of the ancestors lock "
+        f"propagates to (they take it too), not as a self-loop; {ENUMERATIVE}\n"
+    )
+
+
+def test_a_propagating_event_with_an_effect_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = planted(
+        tmp_path,
+        LOCK + 'propagate = "ancestors"\n',
+        LOCK + 'propagate = "ancestors"\neffect = "free_host"\n',
+    )
+    assert main(["check", "--compositional", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: check --compositional: {path}: side condition 2 (propagation): device "
+        "transition lock from resident to resident runs free_host at the ancestors lock "
+        f"propagates to (they take it too); {ENUMERATIVE}\n"
+    )
+
+
+def test_a_propagating_settling_step_settles_only_as_a_give_back_of_the_propagated_count() -> None:
+    # The pair check accepts a give-back of locks at the ancestors above the
+    # parent; any other propagating event is not known to reach the top.
+    explorer, _ = prepare(RESIDENCY, 2, Bounds({"pins": 1, "locks": 1}))
+    found = views.Views(explorer)
+    assert found.run().finding is None
+    unlocking = [
+        (v, ev)
+        for v in found.seen
+        if v[0] >= 0 and found.info(v[1])[2]
+        for ev in found.answers.enabled(found.context(v))
+        if ev[0] == "unlock"
+    ]
+    assert unlocking
+    assert all(found.settles(v, ev) for v, ev in unlocking)
+    found.gives = []
+    assert not any(found.settles(v, ev) for v, ev in unlocking)

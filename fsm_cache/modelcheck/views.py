@@ -20,7 +20,9 @@ when its ``ps`` is the parent's states, its atoms are among the parent's
 **Soundness.** By induction on steps, every view of every node of every
 reachable tree, of any size, is in the fixpoint: a step changes the region
 states of the node it fires at only; propagation changes the ancestors'
-counters alone, which only the node and its parent read (via ``ksum``); so
+counters alone (side condition 2: every transition of a propagating event
+is a self-loop with no effect and no acknowledgement, whichever one an
+ancestor takes), which only the node and its parent read (via ``ksum``); so
 each view a step changes is computed here from two fitting views of the
 same real tree, both in the fixpoint already. Every check is a predicate on
 one view or one fitting pair, so a tree that breaks one has a view or pair
@@ -30,8 +32,12 @@ and reports "not proven" without one.
 
 **Liveness** is a sufficient rule: every view of an unsettled node whose
 children are all settled has a settling event enabled that lowers its
-unsettled measure (a propagating one accepted by every fitting parent).
-Settling a deepest unsettled node first then always has a step.
+unsettled measure (a propagating one is a give-back of the propagated count,
+accepted by every fitting parent, and above it by :meth:`Views.pairs`).
+Settling a deepest unsettled node first then always has a step, and the sum
+of the measures strictly drops: a propagated step leaves an ancestor's
+measure as it was (it gains no hold, as only the node fired at does, and by
+side condition 2 it starts, ends and frees no copy there).
 
 The argument holds only for the specs of :func:`refusal`'s side conditions,
 which are checked from the spec's data before anything runs.
@@ -81,7 +87,13 @@ def refusal(path: Path, layout: Layout) -> list[str]:
     1. the only tree conditions are ``parent R in [...]`` and ``any child R in
        [...]`` forbids (a transition never reads the tree);
     2. every propagating transition (``propagate = "ancestors"``) is a
-       self-loop on its region's states that moves one counter by 1;
+       self-loop on its region's states that moves one counter by 1; every
+       transition of its event, in any region, is a self-loop without an
+       effect, and the event acknowledges no copy (an ancestor takes
+       whichever transition of the event its own states take, so the
+       propagation changes its counters alone: not its states, which its
+       children and parent read, nor its pages or holds, which its unsettled
+       measure counts);
     3. those counters are exactly the propagating holder counts invariant 6 sums;
     4. the nodes are residency records with a ``host`` and a ``device`` region
        and no other (no ``storage``: its prune deletes whole subtrees);
@@ -91,7 +103,6 @@ def refusal(path: Path, layout: Layout) -> list[str]:
     (:func:`option_refusal`). The split is not a condition: the prefix's
     view is built from the split's own result.
     """
-    system = layout.system
     where = str(path)
     out = []
     scopes = {c.scope for f in _forbids(layout) for c in f.when} - {"self", "parent", "child"}
@@ -99,23 +110,8 @@ def refusal(path: Path, layout: Layout) -> list[str]:
         out.append(
             _refused(where, "1 (tree conditions)", f"a forbid reads the tree as {sorted(scopes)}")
         )
-    moved: set[str] = set()
-    for region, machine in system.regions:
-        for t in machine.transitions:
-            if t.propagate is None:
-                continue
-            steps = [a.delta() for a in t.update.assigns]
-            if t.propagate != PROPAGATES or set(t.sources) != {t.dest} or steps not in ([1], [-1]):
-                out.append(
-                    _refused(
-                        where,
-                        "2 (propagation)",
-                        f"{region} transition {t.event} from {', '.join(t.sources)} to {t.dest} "
-                        f"propagates ({t.update or 'no update'}), not as a self-loop moving one "
-                        "counter by 1",
-                    )
-                )
-            moved |= t.update.counters()
+    problems, moved = _propagation(where, layout)
+    out += problems
     holders = layout.holders
     if moved != set(holders.propagating) or not holders.propagating <= set(holders.counts):
         out.append(
@@ -140,6 +136,64 @@ def refusal(path: Path, layout: Layout) -> list[str]:
             _refused(where, "5 (no births)", f"it declares births {', '.join(layout.births)}")
         )
     return out
+
+
+def _propagation(where: str, layout: Layout) -> tuple[list[str], set[str]]:
+    """Return side condition 2's refusals, and the counters the propagating transitions move."""
+    system = layout.system
+    out: list[str] = []
+    moved: set[str] = set()
+    spread = {t.event for _, m in system.regions for t in m.transitions if t.propagate is not None}
+    for region, machine in system.regions:
+        for t in machine.transitions:
+            if t.event not in spread:
+                continue
+            named = f"{region} transition {t.event} from {', '.join(t.sources)} to {t.dest}"
+            if t.propagate is None:
+                # an ancestor applies whichever transition of the event its own states take
+                if set(t.sources) != {t.dest}:
+                    out.append(
+                        _refused(
+                            where,
+                            "2 (propagation)",
+                            f"{named} changes the states of the ancestors {t.event} "
+                            "propagates to (they take it too), not as a self-loop",
+                        )
+                    )
+            else:
+                steps = [a.delta() for a in t.update.assigns]
+                if (
+                    t.propagate != PROPAGATES
+                    or set(t.sources) != {t.dest}
+                    or steps not in ([1], [-1])
+                ):
+                    out.append(
+                        _refused(
+                            where,
+                            "2 (propagation)",
+                            f"{named} propagates ({t.update or 'no update'}), not as a self-loop "
+                            "moving one counter by 1",
+                        )
+                    )
+                moved |= t.update.counters()
+            if t.effect is not None:
+                out.append(
+                    _refused(
+                        where,
+                        "2 (propagation)",
+                        f"{named} runs {t.effect} at the ancestors {t.event} propagates to "
+                        "(they take it too)",
+                    )
+                )
+    for event in sorted(spread & set(layout.memory.acks)):
+        out.append(
+            _refused(
+                where,
+                "2 (propagation)",
+                f"{event} propagates and acknowledges a copy (at the ancestors too)",
+            )
+        )
+    return out, moved
 
 
 def option_refusal(options: dict[str, object]) -> list[str]:
@@ -477,20 +531,26 @@ class Views:
             before = self.info(v[1])[2]
             if v[5] or not before:
                 continue
-            if not any(
-                self._settles(v, before, ev) for ev in self.answers.enabled(self.context(v))
-            ):
+            if not any(self.settles(v, ev) for ev in self.answers.enabled(self.context(v))):
                 e = self.entry(v[1])
                 shown = ", ".join(f"{r} {self.layout.state(e, r)}" for r in self.layout.regions)
                 return f"liveness: a node can never settle ({shown})", v
         return None
 
-    def _settles(self, v: View, before: int, enabled: tuple[str, int, bool]) -> bool:
+    def settles(self, v: View, enabled: tuple[str, int, bool]) -> bool:
+        """Whether an enabled event settles the node of ``v``: lowers its measure, is accepted.
+
+        A propagating one must be accepted by the parent (every fitting view)
+        and by the ancestors above it, which :meth:`pairs` checks for the
+        give-backs of a propagating count alone (the parent holds one then):
+        any other propagating event is not taken to settle.
+        """
         event, new, propagates = enabled
-        if event not in self.settling or self.info(new)[2] >= before:
+        if event not in self.settling or self.info(new)[2] >= self.info(v[1])[2]:
             return False
-        return not propagates or all(
-            self.answers.answer(event, self.context(p), False) for p in self.parents(v)
+        return not propagates or (
+            event in self.gives
+            and all(self.answers.answer(event, self.context(p), False) for p in self.parents(v))
         )
 
     def show(self, v: View) -> str:
