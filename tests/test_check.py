@@ -543,23 +543,23 @@ def test_the_default_run_adds_write_through_on_three_nodes_and_sizes_storage_spe
     own = {storage: (3, 3, 1)}  # a spec with a storage region: its own tree size, pins and locks
     files = {p: load_snapshot(p)[1] for p in shipped}  # each target carries what its spec read
     assert check.targets(parser.parse_args(["check"])) == [
-        *((p, "none", *own.get(p, (4, 2, 2)), files[p]) for p in shipped),
-        (residency, "write_through", 3, 2, 2, files[residency]),
-        (storage, "write_through", 3, 3, 1, files[storage]),
+        *((p, "none", *own.get(p, (4, 2, 2)), files[p], str(p)) for p in shipped),
+        (residency, "write_through", 3, 2, 2, files[residency], str(residency)),
+        (storage, "write_through", 3, 3, 1, files[storage], str(storage)),
     ]
     assert check.targets(parser.parse_args(["check", "--policy", "write_through"])) == [
-        (residency, "write_through", 4, 2, 2, files[residency]),
-        (storage, "write_through", 3, 3, 1, files[storage]),
+        (residency, "write_through", 4, 2, 2, files[residency], str(residency)),
+        (storage, "write_through", 3, 3, 1, files[storage], str(storage)),
     ]
     named = parser.parse_args(["check", str(residency), str(storage)])
     assert check.targets(named) == [
-        (residency, "none", 4, 2, 2, files[residency]),
-        (storage, "none", 3, 3, 1, files[storage]),
+        (residency, "none", 4, 2, 2, files[residency], str(residency)),
+        (storage, "none", 3, 3, 1, files[storage], str(storage)),
     ]
     given = parser.parse_args(
         ["check", "--nodes", "2", "--max-pins", "2", "--max-locks", "2", str(storage)]
     )
-    assert check.targets(given) == [(storage, "none", 2, 2, 2, files[storage])]
+    assert check.targets(given) == [(storage, "none", 2, 2, 2, files[storage], str(storage))]
 
 
 def test_the_default_storage_run_reaches_every_pins_comparison(
