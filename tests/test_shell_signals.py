@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from types import FrameType
 
 import pytest
 
+from fsm_cache.contracts.runner import Workers
 from fsm_cache.shell import TERMINATED, Terminated, run_command, terminating
 
 
@@ -65,3 +68,26 @@ def test_a_sigterm_handler_of_the_caller_is_left_as_it_is() -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert seen == [signal.SIGTERM]
+
+
+def test_a_sigterm_while_a_verify_run_waits_for_its_targets_stops_them() -> None:
+    """Sent as the run's ``with`` ended well, it left without stopping the targets still running."""
+    seen: list[bool] = []
+
+    def target(share: Workers) -> None:
+        deadline = time.monotonic() + 10
+        while not share.stopped and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append(share.stopped)
+
+    def verify_run() -> None:
+        with Workers() as run:
+            run.submit(target)
+            timer.start()  # the SIGTERM comes while __exit__ waits for the target
+
+    timer = threading.Timer(0.2, _sigterm)
+    with pytest.raises(Terminated):
+        verify_run()
+    timer.join()
+    assert seen == [True]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

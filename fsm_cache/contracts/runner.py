@@ -609,10 +609,17 @@ class Workers:
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         """Stop everything if the run failed or was interrupted; wait for every target's thread."""
         with self._signals:  # a SIGTERM while the run stops is ignored, not the end of it
-            if exc is not None:
+            try:
+                if exc is not None:
+                    self.stop()
+                for thread in self._threads:
+                    thread.join()
+            except KeyboardInterrupt:  # a SIGTERM or Ctrl-C while the targets ended
                 self.stop()
-            for thread in self._threads:
-                thread.join()
+                # not join() again: the one interrupted marked its thread ended (CPython's
+                # bpo-45274 fix), and would return at once; each target's future says
+                concurrent.futures.wait(self._futures)
+                raise
 
     @property
     def stopped(self) -> bool:
