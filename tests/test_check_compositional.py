@@ -266,3 +266,26 @@ def test_a_propagating_settling_step_settles_only_as_a_give_back_of_the_propagat
     assert all(found.settles(v, ev) for v, ev in unlocking)
     found.gives = []
     assert not any(found.settles(v, ev) for v, ev in unlocking)
+
+
+def test_two_propagated_counters_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A view sums its children's propagated counts as one: pins and locks would be mixed.
+
+    A parent with locks 1 and refs 1 over a child with locks 1 and refs 0
+    matched the one sum on both counters, though refs is wrong.
+    """
+    path = planted(tmp_path, LOCK, LOCK)
+    host = (SPECS / "host_residency.toml").read_text()
+    waits = 'source = "writing"\ndest = "writing"\nupdate = "pins += 1"\n'
+    assert waits in host
+    (tmp_path / "host_residency.toml").write_text(
+        host.replace(waits, waits + 'propagate = "ancestors"\n', 1)
+    )
+    assert main(["check", "--compositional", str(path)]) == 2
+    assert (
+        f"error: check --compositional: {path}: side condition 3 (propagated counts): "
+        "propagating transitions move locks and pins: a view carries one sum of its "
+        f"children's counts, so one counter may propagate; {ENUMERATIVE}\n"
+    ) in capsys.readouterr().err

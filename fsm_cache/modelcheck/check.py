@@ -940,7 +940,7 @@ def compositional(args: argparse.Namespace) -> int:
     planned = []
     for r, most in zip(runs, ceiling, strict=True):
         explorer, _ = prepare(r.spec, 2, Bounds(most, count), files=r.files)
-        problems += views.refusal(r.spec, explorer.layout)
+        problems += views.refusal(r.name, explorer.layout)
         planned.append((r, most, explorer))
     if problems:
         raise NotCompositional(problems)

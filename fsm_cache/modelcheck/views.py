@@ -78,7 +78,7 @@ def _refused(where: str, condition: str, why: str) -> str:
     return f"check --compositional: {where}: side condition {condition}: {why}; {ENUMERATIVE}"
 
 
-def refusal(path: Path, layout: Layout) -> list[str]:
+def refusal(path: str | Path, layout: Layout) -> list[str]:
     """Return why the spec at ``path`` is outside the class the compositional check is sound for.
 
     Each line names the side condition it fails; an empty list: the spec is
@@ -120,6 +120,15 @@ def refusal(path: Path, layout: Layout) -> list[str]:
                 "3 (propagated counts)",
                 f"propagating transitions move {sorted(moved)}, invariant 6 sums "
                 f"{sorted(holders.propagating & set(holders.counts))} over children",
+            )
+        )
+    elif len(moved) > 1:  # a view sums its children's propagated counts as one
+        out.append(
+            _refused(
+                where,
+                "3 (propagated counts)",
+                f"propagating transitions move {' and '.join(sorted(moved))}: a view "
+                "carries one sum of its children's counts, so one counter may propagate",
             )
         )
     if not layout.residency or set(layout.regions) != set(RESIDENCY_REGIONS):
@@ -185,6 +194,32 @@ def _propagation(where: str, layout: Layout) -> tuple[list[str], set[str]]:
                         "(they take it too)",
                     )
                 )
+    out += _propagating_events(where, layout, spread)
+    return out, moved
+
+
+def _propagating_events(where: str, layout: Layout, spread: set[str]) -> list[str]:
+    """Return side condition 2's refusals of whole propagating events (``spread``).
+
+    One propagating in two regions could cancel at the node it fires at and
+    still move the ancestors' counts; one acknowledging a copy would end it
+    at the ancestors too.
+    """
+    out: list[str] = []
+    regions: dict[str, set[str]] = {}
+    for region, machine in layout.system.regions:
+        for t in machine.transitions:
+            if t.propagate is not None:
+                regions.setdefault(t.event, set()).add(region)
+    for event, named_in in sorted(regions.items()):
+        if len(named_in) > 1:  # its steps could cancel at the node and still move the ancestors
+            out.append(
+                _refused(
+                    where,
+                    "2 (propagation)",
+                    f"{event} propagates in {' and '.join(sorted(named_in))}, not in one region",
+                )
+            )
     for event in sorted(spread & set(layout.memory.acks)):
         out.append(
             _refused(
@@ -193,7 +228,7 @@ def _propagation(where: str, layout: Layout) -> tuple[list[str], set[str]]:
                 f"{event} propagates and acknowledges a copy (at the ancestors too)",
             )
         )
-    return out, moved
+    return out
 
 
 def option_refusal(options: dict[str, object]) -> list[str]:
@@ -297,7 +332,6 @@ class Views:
         self.by_ps: dict[int, set[View]] = defaultdict(set)
         self.by_st: dict[int, set[View]] = defaultdict(set)
         self.finding: tuple[str, View] | None = None
-        self.props: dict[tuple[str, int], bool] = {}
         self._info: dict[int, Info] = {}
         self._ctx: dict[tuple[int, int, int, int], int] = {}
         fresh = layout.fresh(-1)
@@ -413,29 +447,30 @@ class Views:
         """Return the views that fit below ``v``."""
         return [c for c in self.by_ps[self.info(v[1])[0]] if self.fits(v, c)]
 
-    def own(self, v: View) -> list[tuple[str, int | None]]:
-        """Return the node's own steps: each accepted event, a split and an insert below it."""
-        out: list[tuple[str, int | None]] = []
-        for event, new, prop in self.answers.enabled(self.context(v)):
-            self.props[(event, new)] = prop
-            out.append((event, new))
+    def own(self, v: View) -> list[tuple[str, int | None, bool]]:
+        """Return the node's own steps, each with whether it propagates to the ancestors.
+
+        Each accepted event, a split and an insert below the node.
+        """
+        out: list[tuple[str, int | None, bool]] = list(self.answers.enabled(self.context(v)))
         layout, e = self.layout, self.entry(v[1])
         prefix = (
             *treeops.prefix_fields(layout, e),
             *treeops.prefix_holds(layout, e),
             *layout.pages(e),
         )
-        out.append(("split", self.trees.lid(prefix)))
+        out.append(("split", self.trees.lid(prefix), False))
         if layout.state(e, "device") == "resident":
-            out.append(("insert", None))
+            out.append(("insert", None, False))
         return out
 
     def step_node(self, v: View) -> None:
         """Add the views a node's own steps give it (and a split's prefix, an insert's leaf)."""
         ps, lid, ka, kany, ksum, kbusy = v
-        for kind, new in self.own(v):
+        for kind, new, _ in self.own(v):
             if kind == "insert":
-                self.add((ps, lid, ka | self.info(self.fresh)[4], 1, ksum, kbusy))
+                fi = self.info(self.fresh)  # its count and copies are the spec's initial ones
+                self.add((ps, lid, ka | fi[4], 1, ksum + fi[1], int(kbusy or fi[2] > 0)))
                 self.add((self.info(lid)[0], self.fresh, 0, 0, 0, 0))
                 continue
             assert new is not None
@@ -448,7 +483,7 @@ class Views:
 
     def from_parent(self, cv: View, pv: View) -> None:
         """Add the views of child ``cv`` after a step of its parent ``pv``."""
-        for kind, new in self.own(pv):
+        for kind, new, _ in self.own(pv):
             if kind == "insert" or new is None:
                 continue
             ni = self.info(new)
@@ -470,7 +505,7 @@ class Views:
         rests = self._rests(pv, ci[4])
         busys = (0, 1) if kbusy else (0,)
         pc = self.context(pv)
-        for kind, new in self.own(cv):
+        for kind, new, prop in self.own(cv):
             if kind == "insert" or new is None:
                 continue
             ni = self.info(new)
@@ -480,7 +515,7 @@ class Views:
                 b2 = 1 if (ni[2] and not gone) else b
                 if gone:
                     self._child_gone(pv, r, b2, ksum - ci[1])
-                elif kind == "split" or dl == 0 or not self.props[(kind, new)]:
+                elif not prop:
                     # the prefix replaces the child, or a step (a count too) stays at the child
                     self.add((ps, lid, r | ni[4], 1, ksum + dl, b2))
                 else:  # a propagating step at the child reaches this node too
@@ -590,7 +625,8 @@ class Views:
         fi = self.info(self.fresh)
         for ps in (-1, fi[0]):
             for kany in (0, 1):
-                self.add((ps, self.fresh, fi[4] if kany else 0, kany, 0, 0))
+                kids = (fi[4], 1, fi[1], int(fi[2] > 0)) if kany else (0, 0, 0, 0)
+                self.add((ps, self.fresh, *kids))
         while self.work and not self.finding:
             v = self.work.pop()
             self.step_node(v)
