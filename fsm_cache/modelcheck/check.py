@@ -592,6 +592,28 @@ def targets(args: argparse.Namespace) -> list[Target]:
     ]
 
 
+def bounded_targets(args: argparse.Namespace) -> tuple[list[Target], list[dict[str, int]], int]:
+    """Return :func:`targets`, each one's counter ceilings, and the ceiling of other counters.
+
+    Raises:
+        SpecError: A spec does not load, or a bound flag names a counter no
+            spec has (:func:`unused_bounds`).
+    """
+    runs = targets(args)
+    count = CEILING if args.max_count is None else args.max_count
+    ceiling = [ceilings(run.spec, run.pins, run.locks, count, files=run.files) for run in runs]
+    flags = zip(
+        ("--max-pins", "--max-locks", "--max-count"),
+        (args.max_pins, args.max_locks, args.max_count),
+        strict=True,
+    )
+    counters = {run.spec: list(bounded) for run, bounded in zip(runs, ceiling, strict=True)}
+    problems = unused_bounds({flag: n for flag, n in flags if n is not None}, counters)
+    if problems:
+        raise SpecError(problems)
+    return runs, ceiling, count
+
+
 class Search(NamedTuple):
     """One planned search of :func:`run`, whole enough to run in another process (``--jobs``).
 
@@ -745,18 +767,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args = with_ops(args, spec, getattr(ops, "POLICY", None))
     symmetry = not args.no_symmetry
     budget = Budget(max_states=args.max_states, max_seconds=args.max_seconds)
-    runs = targets(args)
-    count = CEILING if args.max_count is None else args.max_count
-    ceiling = [ceilings(run.spec, run.pins, run.locks, count, files=run.files) for run in runs]
-    flags = zip(
-        ("--max-pins", "--max-locks", "--max-count"),
-        (args.max_pins, args.max_locks, args.max_count),
-        strict=True,
-    )
-    counters = {run.spec: list(bounded) for run, bounded in zip(runs, ceiling, strict=True)}
-    problems = unused_bounds({flag: n for flag, n in flags if n is not None}, counters)
-    if problems:
-        raise SpecError(problems)
+    runs, ceiling, count = bounded_targets(args)
     searches = []
     for (path, policy, nodes, _, _, files, name), bounded in zip(runs, ceiling, strict=True):
         bounds = Bounds(bounded, count)
@@ -929,14 +940,7 @@ def compositional(args: argparse.Namespace) -> int:
     problems = views.option_refusal({"--policy": args.policy, "--ops": args.ops})
     if problems:
         raise NotCompositional(problems)
-    runs = targets(args)
-    count = CEILING if args.max_count is None else args.max_count
-    ceiling = [ceilings(r.spec, r.pins, r.locks, count, files=r.files) for r in runs]
-    flags = zip(BOUND_BY.values(), (args.max_pins, args.max_locks), strict=True)
-    bounded = {flag: n for flag, n in [*flags, ("--max-count", args.max_count)] if n is not None}
-    problems = unused_bounds(bounded, {r.spec: list(c) for r, c in zip(runs, ceiling, strict=True)})
-    if problems:
-        raise SpecError(problems)
+    runs, ceiling, count = bounded_targets(args)
     planned = []
     for r, most in zip(runs, ceiling, strict=True):
         explorer, _ = prepare(r.spec, 2, Bounds(most, count), files=r.files)

@@ -26,7 +26,11 @@ ancestor takes), which only the node and its parent read (via ``ksum``); so
 each view a step changes is computed here from two fitting views of the
 same real tree, both in the fixpoint already. Every check is a predicate on
 one view or one fitting pair, so a tree that breaks one has a view or pair
-here that does. The views over-approximate: a finding here may be spurious,
+here that does. The lookups (:mod:`fsm_cache.modelcheck.lookup`) read a
+whole path, and follow from a node check: ``memory_claims`` makes each
+node's pages exactly what its states claim, so a path of nodes that each
+pass holds the pages the checker's own ``match_prefix`` finds (the reason
+``--ops``, whose lookups may differ, is refused). The views over-approximate: a finding here may be spurious,
 so :func:`fsm_cache.modelcheck.check.handle` looks for a trace on 2 and 3 nodes
 and reports "not proven" without one.
 
@@ -55,6 +59,7 @@ from typing import Any
 
 from fsm_cache.errors import NotCompositional
 from fsm_cache.modelcheck import treeops
+from fsm_cache.modelcheck.copies import FREE
 from fsm_cache.modelcheck.explore import Explorer
 from fsm_cache.modelcheck.invariants import NODE_ONLY, violation_at
 from fsm_cache.modelcheck.state import RESIDENCY_REGIONS, Layout, NodeEntry
@@ -363,7 +368,7 @@ class Views:
             atoms = sum(
                 1 << i for i, (r, ss) in enumerate(self.conds) if self.trees.states[stid][r] in ss
             )
-            if any(layout.memory.claims(t, str(named[t])) != "free" for t in layout.memory.tiers):
+            if any(layout.memory.claims(t, str(named[t])) != FREE for t in layout.memory.tiers):
                 atoms |= self.data
             found = self._info[lid] = (
                 stid,
