@@ -6,6 +6,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -132,6 +133,21 @@ def test_a_page_that_is_not_an_int_is_refused_by_name_and_changes_nothing(bad: o
     assert snapshot(a) == before
 
 
+def refuses(a: PageAllocator, given: Any, culprit: object) -> None:
+    """Every call of ``a`` on ``given`` (owner 1's) refuses ``culprit``, naming it; nothing moves."""
+    before = snapshot(a)
+    calls: list[Callable[[], object]] = [
+        lambda: a.free(given, owner=1),
+        lambda: a.reassign(given, owner=1, new_owner=2),
+    ]
+    for call in calls:
+        with pytest.raises(ForeignSlot) as info:
+            call()
+        assert str(info.value) == f"device pool: page {culprit!r} is not an int"
+    assert (a.owned(given, 1), a.all_owned_by(given, 1)) == (None, False)
+    assert snapshot(a) == before
+
+
 @pytest.mark.parametrize(
     "given",
     [
@@ -152,52 +168,32 @@ def test_a_bool_or_float_is_no_page_and_every_call_refuses_it_changing_nothing(
     """
     a = PageAllocator("device", 4, 1)
     a.alloc(4, owner=1)  # pages 0 to 3
-    before = snapshot(a)
     culprit = next(p for p in given if type(p) in (bool, float))
-    message = f"device pool: page {culprit!r} is not an int"
-    for call in (
-        lambda: a.free(given, owner=1),  # type: ignore[arg-type]
-        lambda: a.reassign(given, owner=1, new_owner=2),  # type: ignore[arg-type]
-        lambda: a.owner_of(culprit),  # type: ignore[arg-type]
-    ):
-        with pytest.raises(ForeignSlot) as info:
-            call()
-        assert str(info.value) == message
-    assert a.all_owned_by(given, 1) is False  # type: ignore[arg-type]
-    assert a.owned(given, 1) is None  # type: ignore[arg-type]
+    refuses(a, given, culprit)
+    with pytest.raises(ForeignSlot, match=f"page {culprit!r} is not an int"):
+        a.owner_of(culprit)  # type: ignore[arg-type]
     assert a.run_of(given) is None  # type: ignore[arg-type]
-    assert snapshot(a) == before
 
 
 def test_a_numpy_bool_is_no_page_either() -> None:
     np = pytest.importorskip("numpy")
     a = PageAllocator("device", 4, 1)
     a.alloc(2, owner=1)  # pages 0 and 1
-    before = snapshot(a)
     for given, culprit in (
         ([np.True_], np.True_),
         ([0, np.True_], np.True_),
         (np.array([False, True]), np.False_),
     ):
-        with pytest.raises(ForeignSlot) as info:
-            a.free(given, owner=1)
-        assert str(info.value) == f"device pool: page {culprit!r} is not an int"
-        assert a.owned(given, 1) is None
-        assert a.all_owned_by(given, 1) is False
-    assert snapshot(a) == before
+        refuses(a, given, culprit)
 
 
 def test_a_numpy_float_is_no_page_in_a_run_either() -> None:
     np = pytest.importorskip("numpy")
     a = PageAllocator("device", 4, 1)
     a.alloc(2, owner=1)  # pages 0 and 1
-    before = snapshot(a)
     given = [0, np.float64(1.0)]
-    with pytest.raises(ForeignSlot) as info:
-        a.free(given, owner=1)
-    assert str(info.value) == f"device pool: page {given[1]!r} is not an int"
-    assert (a.owned(given, 1), a.all_owned_by(given, 1), a.run_of(given)) == (None, False, None)
-    assert snapshot(a) == before
+    refuses(a, given, given[1])
+    assert a.run_of(given) is None
 
 
 class IndexingBool:
@@ -251,18 +247,10 @@ def test_a_numpy_bool_that_indexes_a_list_is_no_page_either(given: list[object])
     """Numpy 2.2's bool indexes the owners as page 0 or 1: the pool refuses it by its dtype."""
     a = PageAllocator("device", 4, 1)
     a.alloc(4, owner=1)  # pages 0 to 3
-    before = snapshot(a)
     culprit = next(p for p in given if type(p) is IndexingBool)
-    for call in (
-        lambda: a.free(given, owner=1),  # type: ignore[arg-type]
-        lambda: a.reassign(given, owner=1, new_owner=2),  # type: ignore[arg-type]
-        lambda: a.owner_of(culprit),  # type: ignore[arg-type]
-    ):
-        with pytest.raises(ForeignSlot) as info:
-            call()
-        assert str(info.value) == f"device pool: page {culprit!r} is not an int"
-    assert (a.owned(given, 1), a.all_owned_by(given, 1)) == (None, False)  # type: ignore[arg-type]
-    assert snapshot(a) == before
+    refuses(a, given, culprit)
+    with pytest.raises(ForeignSlot, match=f"page {culprit!r} is not an int"):
+        a.owner_of(culprit)  # type: ignore[arg-type]
 
 
 def test_a_bool_tensor_is_no_page_either() -> None:
@@ -270,7 +258,6 @@ def test_a_bool_tensor_is_no_page_either() -> None:
     torch = pytest.importorskip("torch")
     a = PageAllocator("device", 4, 1)
     a.alloc(4, owner=1)  # pages 0 to 3
-    before = snapshot(a)
     true = torch.tensor(True)
     for given, culprit in (
         ([true], true),
@@ -278,12 +265,8 @@ def test_a_bool_tensor_is_no_page_either() -> None:
         ([3, true], true),
         (torch.tensor([False, True]), torch.tensor(False)),
     ):
-        with pytest.raises(ForeignSlot) as info:
-            a.free(given, owner=1)
-        assert str(info.value) == f"device pool: page {culprit!r} is not an int"
-        assert (a.owned(given, 1), a.all_owned_by(given, 1)) == (None, False)
+        refuses(a, given, culprit)
     assert a.owned(torch.tensor([0, 1]), 1) == (0, 1)  # an int tensor's pages are pages
-    assert snapshot(a) == before
 
 
 @pytest.mark.parametrize("pages", ["numpy", "numpy, not a run", "a run with a numpy integer"])
