@@ -426,6 +426,18 @@ def test_slots_are_whole_aligned_pages() -> None:
 
 
 @pytest.mark.parametrize(
+    ("slots", "odd"),
+    [([0.0, 1, 2, 3], 0.0), ([4, 5, 6, 7.0], 7.0), ([8, 9, 10, 11, 4.0, 5, 6, 7], 4.0)],
+    ids=["first of a run", "last of a run", "first of a page out of order"],
+)
+def test_a_float_slot_at_a_page_size_above_one_is_refused(slots: list[float], odd: float) -> None:
+    """A float where a range needs an int raised a bare TypeError out of pages_of."""
+    with pytest.raises(ForeignSlot) as info:
+        pages_of(slots, 4)  # type: ignore[arg-type]
+    assert str(info.value) == f"slot {odd!r} is not an int"
+
+
+@pytest.mark.parametrize(
     ("corrupt", "message"),
     [
         (lambda free, owners: free.append(free[-1]), "host pool: a page is on the free list twice"),

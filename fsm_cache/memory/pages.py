@@ -56,6 +56,15 @@ def pages_of(slots: Sequence[int], page_size: int) -> list[int]:
         raise ForeignSlot(f"{len(slots)} slots is not a multiple of page_size {page_size}")
     if page_size == 1:  # every slot is a whole page
         return list(slots)
+    try:
+        return _pages_of(slots, page_size)
+    except TypeError:  # a slot that is no int (a float) where a range needs one
+        odd = next(s for s in slots if not hasattr(s, "__index__"))
+        raise ForeignSlot(f"slot {odd!r} is not an int") from None
+
+
+def _pages_of(slots: Sequence[int], page_size: int) -> list[int]:
+    """:func:`pages_of` at a page size above one; a float where a range needs an int raises TypeError."""
     if slots and slots[0] % page_size == 0 and run_start(slots) is not None:
         if slots[0] == 0:  # only page 0's first two slots can be bools
             _refuse_bools(slots[:2])
