@@ -483,17 +483,21 @@ class Views:
             if kind == "split":
                 self.add((ni[0], lid, ka, kany, ksum, kbusy))
                 self.add((ps, new, si[4], 1, si[1], int(si[2] > 0)))
-            elif not (ni[3] and not kany):  # a dataless leaf is pruned
+            elif not self._prunes(v, kind, new):
                 self.add((ps, new, ka, kany, ksum, kbusy))
+
+    def _prunes(self, v: View, kind: str, new: int) -> bool:
+        """Whether ``kind`` takes ``v``'s node, a leaf, to ``new``, a local with no data: it is pruned."""
+        return kind != "split" and self.info(new)[3] and not v[3]
 
     def from_parent(self, cv: View, pv: View) -> None:
         """Add the views of child ``cv`` after a step of its parent ``pv``."""
         for kind, new, _ in self.own(pv):
             if kind == "insert" or new is None:
                 continue
-            ni = self.info(new)
-            if kind != "split" and ni[3] and not pv[3]:
+            if self._prunes(pv, kind, new):
                 continue
+            ni = self.info(new)
             if ni[0] != cv[0]:
                 self.add((ni[0], *cv[1:]))
 
@@ -514,7 +518,7 @@ class Views:
             if kind == "insert" or new is None:
                 continue
             ni = self.info(new)
-            gone = kind != "split" and ni[3] and not cv[3]
+            gone = self._prunes(cv, kind, new)
             dl = ni[1] - ci[1]
             for r, b in itertools.product(rests, busys):
                 b2 = 1 if (ni[2] and not gone) else b
