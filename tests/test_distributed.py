@@ -1493,7 +1493,7 @@ def test_a_step_of_32_requests_takes_one_collective(two_ranks: Results) -> None:
         run = result["per_step"]
         # serving, waits for copies under memory pressure included, takes no collective
         assert run["per_step"] == [[0, 1], [0, 1], [0, 1]]
-        assert run["names"] == ["all_reduce"]
+        assert run["names"] == ["all_gather"]
         assert run["waits"] > 0
         assert run["steps"] == 3
     assert two_ranks[0]["per_step"]["waits"] == two_ranks[1]["per_step"]["waits"]
@@ -1532,7 +1532,7 @@ def test_a_dead_rank_makes_the_others_fail_not_hang(four_ranks: Results) -> None
     assert "death" not in four_ranks[3]  # it died before reporting
     for rank, result in enumerate(four_ranks[:3]):
         pattern = (
-            rf"rank {rank} of 4: step agreement \(all_reduce MIN\) failed after \d+\.\d\d s "
+            rf"rank {rank} of 4: step agreement \(all_gather MIN\) failed after \d+\.\d\d s "
             r"\(timeout 20 s\): another rank died or stopped taking part: .+"
         )
         assert re.fullmatch(pattern, result["death"]), result["death"]
@@ -1540,7 +1540,7 @@ def test_a_dead_rank_makes_the_others_fail_not_hang(four_ranks: Results) -> None
 
 def test_a_hung_rank_makes_the_other_fail_after_the_timeout(two_ranks: Results) -> None:
     pattern = (
-        r"rank 0 of 2: step agreement \(all_reduce MIN\) failed after \d+\.\d\d s "
+        r"rank 0 of 2: step agreement \(all_gather MIN\) failed after \d+\.\d\d s "
         r"\(timeout 1 s\): another rank died or stopped taking part: Operation timed out!"
     )
     assert re.fullmatch(pattern, two_ranks[0]["hang"]), two_ranks[0]["hang"]
@@ -1964,8 +1964,8 @@ def test_a_load_wait_under_agreement_is_one_collective_and_refuses_alike() -> No
     finally:
         undo()
     assert str(caught.value) == "wait_loaded: expected a sequence of tree nodes, got str"
-    # one all-reduce each: the wait's, then the notice that this rank raised
-    assert [name for name, *_ in calls] == ["all_reduce", "all_reduce"]
+    # one MIN all-reduce each (an all_gather): the wait's, then the notice this rank raised
+    assert [name for name, *_ in calls] == ["all_gather", "all_gather"]
     shared.drain()
     assert cache.wait_loaded(chain)  # resident now: nothing to wait for
     shared.verify_agreement()
@@ -2279,17 +2279,17 @@ def test_an_nccl_default_group_gets_a_gloo_side_group_and_cpu_tensors(
     assert shared.group is not None
     assert dist.get_backend(shared.group) == "gloo"
     reduced: list[torch.Tensor] = []
-    all_reduce = dist.all_reduce
+    all_gather = dist.all_gather
 
-    def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def spy(rows: list[torch.Tensor], tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         assert kwargs["group"] is shared.group
-        reduced.append(tensor)
-        return all_reduce(tensor, *args, **kwargs)
+        reduced.extend([*rows, tensor])
+        return all_gather(rows, tensor, *args, **kwargs)
 
-    monkeypatch.setattr(dist, "all_reduce", spy)
+    monkeypatch.setattr(dist, "all_gather", spy)
     shared.cache.insert(list(range(16)))
     assert shared.step() == 1
-    assert [t.device for t in reduced] == [CPU]
+    assert [t.device for t in reduced] == [CPU, CPU]
 
 
 @pytest.mark.usefixtures("world_of_one")

@@ -229,7 +229,7 @@ def test_ranks_given_different_timeouts_are_refused_on_every_rank(ranks: Results
 def test_a_step_after_a_timeout_is_refused_at_once(ranks: Results) -> None:
     first, again, quick, unchanged = ranks[0]["stepped_after_a_timeout"]
     assert first.startswith(
-        "RankFailure: rank 0 of 2: step agreement (all_reduce MIN) failed after "
+        "RankFailure: rank 0 of 2: step agreement (all_gather MIN) failed after "
     )
     assert again == (
         "RankFailure: rank 0 of 2: step refused: the agreement group broke at an earlier "

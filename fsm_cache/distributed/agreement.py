@@ -514,7 +514,7 @@ class DistributedCache:
                 *(-v for v in same),
                 *slots,
             ],
-            "step agreement (all_reduce MIN)",
+            "step agreement (all_gather MIN)",
         )
         agreed, most_ready, lost, late, first_failed, resumed, down_somewhere = reduced[:_OWN]
         lows = reduced[_OWN : _OWN + _SHARED]
@@ -651,7 +651,7 @@ class DistributedCache:
         except Exception as exc:
             text = f"{type(exc).__name__} in {where}: {exc}"
             try:
-                self._reduce(_RAISED, [], f"notice that {where} raised (all_reduce MIN)", text)
+                self._reduce(_RAISED, [], f"notice that {where} raised (all_gather MIN)", text)
             except RankFailure as failure:  # the only error a notice raises
                 self._break(failure)
             raise
@@ -689,7 +689,7 @@ class DistributedCache:
             reduced = self._reduce(
                 _HITS,
                 [*found, *asked, *(-a for a in asked)],
-                "prefetch hit count (all_reduce MIN)",
+                "prefetch hit count (all_gather MIN)",
             )
             lows, highs = reduced[n : n + m], [-h for h in reduced[n + m : n + 2 * m]]
             if lows != highs:  # every rank found it so: each says what it asked, and in what
@@ -762,7 +762,7 @@ class DistributedCache:
                 mine = self._digest.update()
             same = self._shared(mine, len(self.cache.issued()))
             reduced = self._reduce(
-                _VERIFY, [*same, *(-v for v in same)], "digest verification (all_reduce MIN)"
+                _VERIFY, [*same, *(-v for v in same)], "digest verification (all_gather MIN)"
             )
             self._check_shared(reduced[: len(same)], reduced[len(same) : 2 * len(same)])
             return mine
@@ -796,7 +796,7 @@ class DistributedCache:
                 mine = self._digest.update()
             same = self._shared(mine, len(self.cache.issued()))
             reduced = self._reduce(
-                _WAIT, [ready, *same, *(-v for v in same)], "load wait agreement (all_reduce MIN)"
+                _WAIT, [ready, *same, *(-v for v in same)], "load wait agreement (all_gather MIN)"
             )
             lows, highs = reduced[1 : 1 + len(same)], reduced[1 + len(same) : 1 + 2 * len(same)]
             self._check_shared(lows, highs)

@@ -11,6 +11,10 @@ group over the ranks of any other. Their tensors are made on the CPU by name,
 whatever torch's default device: a model loader's
 ``torch.set_default_device("cuda")`` put the divergence report's on the GPU.
 
+The MIN all-reduce is an ``all_gather`` reduced on every rank: gloo's
+``all_reduce`` passes round the ring twice (a reduce-scatter, then an all-gather),
+an ``all_gather`` once, and at a few dozen integers the passes are the cost.
+
 Each call waits at most the group's timeout (``Work.wait(timeout)``) and turns
 a backend error into a :class:`~fsm_cache.errors.RankFailure` that names the
 rank, the collective and how long it waited, so a dead or hung rank ends the
@@ -23,7 +27,7 @@ import array
 import pickle
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TypeVar
 
@@ -71,6 +75,30 @@ def cpu_group(group: dist.ProcessGroup | None, timeout: float) -> dist.ProcessGr
     return side
 
 
+class _Gathered:
+    """The buffers of one width of :meth:`Collectives.all_reduce_min`, kept between calls.
+
+    Tensors that share arrays' memory: filling and reading them stay in Python,
+    where ``torch.tensor(list)`` and ``.tolist()`` took about 50 us a step once the
+    step's own work had left the caches cold, and buffers made afresh each call
+    cost about as much again (``fsm-cache bench tp``).
+    """
+
+    def __init__(self, width: int, world: int) -> None:
+        self.width, self.world = width, world
+        self.mine = array.array("q", bytes(8 * width))
+        self.sent = torch.frombuffer(self.mine, dtype=torch.int64)
+        self.every = array.array("q", bytes(8 * width * world))
+        rows = torch.frombuffer(self.every, dtype=torch.int64).view(world, width)
+        self.rows = list(rows.unbind(0))
+
+    def minimum(self) -> list[int]:
+        """Return the element-wise minimum of the rows gathered last."""
+        flat, width = self.every.tolist(), self.width
+        rows = (flat[r * width : (r + 1) * width] for r in range(self.world))
+        return [min(column) for column in zip(*rows, strict=True)]
+
+
 @dataclass(frozen=True)
 class Collectives:
     """One rank's view of its CPU (gloo) agreement group.
@@ -86,6 +114,7 @@ class Collectives:
     rank: int
     world_size: int
     timeout: float
+    _gathered: dict[int, _Gathered] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | None, timeout: float) -> Collectives:
@@ -103,7 +132,7 @@ class Collectives:
         return CPU
 
     def all_reduce_min(
-        self, values: list[int], what: str = "step agreement (all_reduce MIN)"
+        self, values: list[int], what: str = "step agreement (all_gather MIN)"
     ) -> list[int]:
         """Return the element-wise minimum of ``values`` over the ranks.
 
@@ -113,18 +142,17 @@ class Collectives:
         """
         if not values:
             return []
-        # The tensor shares the array's memory: filling and reading it back stay in Python,
-        # where torch.tensor(list) and .tolist() took about 50 us a step once the step's
-        # own work had left the caches cold (fsm-cache bench tp).
-        buffer = array.array("q", values)
-        tensor = torch.frombuffer(buffer, dtype=torch.int64)
+        gathered = self._gathered.get(len(values))
+        if gathered is None:
+            gathered = self._gathered[len(values)] = _Gathered(len(values), self.world_size)
+        gathered.mine[:] = array.array("q", values)
 
         def call() -> None:
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+            work = dist.all_gather(gathered.rows, gathered.sent, group=self.group, async_op=True)
             self._wait(work)
 
         self._collective(what, call)
-        return buffer.tolist()
+        return gathered.minimum()
 
     def all_gather_digest(
         self, payload: list[int], what: str = "digest verification (all_gather)"
