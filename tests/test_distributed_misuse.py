@@ -99,6 +99,20 @@ def built_with_different_timeouts(rank: int) -> list[Any]:
     return [refused, untouched, said(shared.step), said(shared.verify_agreement)]
 
 
+def built_with_a_cache_refused_on_one_rank(rank: int) -> list[Any]:
+    """Rank 1 wraps a write_back cache: both refuse at once; then both wrap and step."""
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+    policy = "write_back" if rank == 1 else "write_through"
+    started = time.monotonic()
+    refused = said(
+        lambda: DistributedCache(HiCache(bench_config(write_policy=policy)), side, timeout=TIMEOUT)
+    )
+    at_once = time.monotonic() - started < TIMEOUT / 2  # not when the timeout ran out
+    shared = DistributedCache(HiCache(bench_config()), side, timeout=TIMEOUT)
+    serve_request(shared.cache, chat_trace(1, seed=1)[0])
+    return [refused, at_once, said(shared.step), said(shared.verify_agreement)]
+
+
 def closed_on_every_rank(rank: int) -> list[str]:
     """Both ranks close their caches, then call every agreement."""
     del rank
@@ -158,6 +172,7 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
         closed_on_one_rank,
         closed_on_every_rank,
         built_with_different_timeouts,
+        built_with_a_cache_refused_on_one_rank,
         stepped_after_a_timeout,
     ):
         report[scenario.__name__] = scenario(rank)
@@ -224,6 +239,21 @@ def test_ranks_given_different_timeouts_are_refused_on_every_rank(ranks: Results
     )
     for report in ranks:
         assert report["built_with_different_timeouts"] == [refused, True, "returned", "returned"]
+
+
+def test_a_cache_refused_on_one_rank_is_named_on_every_rank_at_once(ranks: Results) -> None:
+    own = (
+        "ConfigError: distributed: write_back waits for its copies inside an allocation, where "
+        "the ranks cannot agree on them yet; use write_through or write_through_selective"
+    )
+    told = (
+        "ConfigError: distributed: rank 0 of 2: the ranks must wrap their caches together, and "
+        f"not every rank could: rank 1 refused with {own}"
+    )
+    assert [r["built_with_a_cache_refused_on_one_rank"] for r in ranks] == [
+        [told, True, "returned", "returned"],
+        [own, True, "returned", "returned"],
+    ]
 
 
 def test_a_step_after_a_timeout_is_refused_at_once(ranks: Results) -> None:

@@ -863,8 +863,8 @@ def test_a_storage_tier_that_leaves_its_ranks_unsaid_is_refused_in_a_group(
     alone = DistributedCache(HiCache(config(), storage=unsaid))  # a world of one: no shards
     assert alone.cache.storage is not None
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    # the other rank of the group of 2 was given the same timeout
-    monkeypatch.setattr(Collectives, "all_gather_digest", lambda self, mine, what: [mine, mine])
+    # the other rank of the group of 2 was given the same timeout, and refused alike
+    monkeypatch.setattr(Collectives, "all_gather_object", lambda self, mine: [mine, mine])
     cache = HiCache(config(), storage=unsaid)
     with pytest.raises(ConfigError) as caught:
         DistributedCache(cache)

@@ -101,6 +101,7 @@ from fsm_cache.errors import (
     CacheClosed,
     ConfigError,
     CopyFailed,
+    FsmCacheError,
     NoProcessGroup,
     RankDivergence,
     RankFailure,
@@ -204,11 +205,14 @@ class DistributedCache:
             cache's storage tier names another rank or group size (other than
             one namespace for all, ``ranks=1``), or does not say ``ranks`` in a
             group of more than one, or its ``io_timeout`` is not
-            below ``timeout``. Or the ranks were given different timeouts:
-            every rank raises it, naming each rank's (in a group of more than
-            one, construction is a collective: every rank constructs at the
-            same point).
-        RankFailure: The comparison of the ranks' timeouts failed or timed out.
+            below ``timeout``. Or another rank refused its cache or
+            ``verify_every`` so (naming that rank and its error; a refused
+            group or timeout is not told), or the ranks were given different
+            timeouts: every rank raises it, naming each rank's (in a group of
+            more than one, construction is a collective: every rank
+            constructs at the same point, and a rank that refused its cache
+            still takes part, so that the others do not wait out their timeout).
+        RankFailure: The comparison of the ranks' constructions failed or timed out.
     """
 
     def __init__(
@@ -224,17 +228,18 @@ class DistributedCache:
             raise NoProcessGroup(
                 "distributed: no process group; call torch.distributed.init_process_group first"
             )
-        _check_arguments(cache, group, timeout, verify_every)
-        if cache.config.write_policy == "write_back":
-            raise ConfigError(
-                "distributed: write_back waits for its copies inside an allocation, where the "
-                "ranks cannot agree on them yet; use write_through or write_through_selective"
-            )
-        if cache.storage is not None:  # the side group below keeps the group's ranks and order
-            _check_storage(cache.storage.config, group, timeout)
-        _deprecated(verify_every=verify_every != 0, device=device is not None)
+        _check_group_and_timeout(group, timeout)
         self.comm = Collectives.of(group, timeout)
-        _check_timeouts(self.comm)  # a collective: on every rank, before the cache is touched
+        try:
+            _check_cache(cache, group, timeout, verify_every)
+        except (BadArgument, ConfigError) as refused:
+            # the other ranks are in the construction's collective: tell them, so that
+            # they raise at once instead of when their timeout runs out
+            _check_construction(self.comm, refused)
+            raise
+        assert isinstance(cache, HiCache)  # _check_cache refused anything else
+        _check_construction(self.comm, None)  # every rank, before the cache is touched
+        _deprecated(verify_every=verify_every != 0, device=device is not None)
         self.cache = cache
         self.group, self.timeout = self.comm.group, timeout
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
@@ -1038,18 +1043,14 @@ def shared_values_apart(lows: Sequence[int], highs: Sequence[int]) -> list[str]:
     )
 
 
-def _check_arguments(cache: object, group: object, timeout: object, verify_every: object) -> None:
-    """Refuse arguments :class:`DistributedCache` cannot work with (before anything is changed).
+def _check_group_and_timeout(group: object, timeout: object) -> None:
+    """Refuse a group or a timeout no agreement can run on (before anything is changed).
 
     Raises:
-        BadArgument: ``cache`` is not a :class:`HiCache`, or ``group`` not a
-            live process group this rank belongs to.
+        BadArgument: ``group`` is not a live process group this rank belongs to.
         ConfigError: ``timeout`` is not a number of seconds from a
-            millisecond to :data:`_LONGEST_TIMEOUT`, ``verify_every`` not an
-            int >= 0, or the cache is wrapped in a DistributedCache already.
+            millisecond to :data:`_LONGEST_TIMEOUT`.
     """
-    if not isinstance(cache, HiCache):
-        raise BadArgument(f"distributed: cache must be a HiCache, got {type(cache).__name__}")
     if group is not None:
         _check_group(group)
     if not real(timeout) or not (_SHORTEST_TIMEOUT <= timeout <= _LONGEST_TIMEOUT):
@@ -1058,33 +1059,72 @@ def _check_arguments(cache: object, group: object, timeout: object, verify_every
             f"{_LONGEST_TIMEOUT:g} (torch.distributed waits whole milliseconds, 0 meaning no "
             f"limit, and adds them to its clock in 64-bit nanoseconds), got {timeout!r}"
         )
-    if isinstance(cache, HiCache) and cache.transfers.acks_taken:
+
+
+def _check_cache(
+    cache: object, group: dist.ProcessGroup | None, timeout: float, verify_every: object
+) -> None:
+    """Refuse a cache this rank cannot agree over, or ``verify_every`` (before anything is changed).
+
+    Raises:
+        BadArgument: ``cache`` is not a :class:`HiCache`.
+        ConfigError: ``verify_every`` is not an int >= 0, the cache is wrapped in
+            a DistributedCache already, its write policy is ``write_back``, or
+            its storage tier does not fit the group (:func:`_check_storage`).
+    """
+    if not isinstance(cache, HiCache):
+        raise BadArgument(f"distributed: cache must be a HiCache, got {type(cache).__name__}")
+    if cache.transfers.acks_taken:
         raise ConfigError(
             "distributed: this cache's acknowledgements come from another DistributedCache"
             " already: wrap a cache once (two would each buffer completions the other waits for)"
         )
     if not whole(verify_every):
         raise ConfigError(f"distributed: verify_every must be an int >= 0, got {verify_every!r}")
+    if cache.config.write_policy == "write_back":
+        raise ConfigError(
+            "distributed: write_back waits for its copies inside an allocation, where the "
+            "ranks cannot agree on them yet; use write_through or write_through_selective"
+        )
+    if cache.storage is not None:
+        _check_storage(cache.storage.config, group, timeout)
 
 
-def _check_timeouts(comm: Collectives) -> None:
-    """Refuse ranks given different timeouts, on every rank, naming each rank's.
+def _check_construction(comm: Collectives, refused: FsmCacheError | None) -> None:
+    """Refuse a construction that some rank refused, or with different timeouts, on every rank.
 
-    A rank with a shorter timeout gives up on a collective that the others
-    still wait in, and a copy finished on some ranks only is overdue by its
-    clock first: every rank must wait alike. One all-gather of each rank's
-    timeout (its exact bits), skipped in a group of one; ``verify_every`` and
+    Every rank constructs at the same point, so a rank that refused its own
+    arguments still takes part, saying so: the others raise at once, naming
+    it, instead of waiting out their timeout for it. A rank with a shorter
+    timeout gives up on a collective that the others still wait in, and a
+    copy finished on some ranks only is overdue by its clock first: every
+    rank must wait alike. One all-gather (of each rank's timeout, its exact
+    bits, and its refusal), skipped in a group of one; ``verify_every`` and
     ``device`` are ignored, so they need not agree.
 
+    Args:
+        comm: The group's collectives.
+        refused: What this rank refused its arguments with; None if it did not.
+
     Raises:
-        ConfigError: The timeouts differ.
+        ConfigError: Another rank refused its arguments (this rank's own
+            refusal is its caller's to raise), or the timeouts differ.
         RankFailure: The all-gather failed or timed out (each rank waits its own timeout).
     """
     if comm.world_size == 1:
         return
-    (bits,) = struct.unpack("<q", struct.pack("<d", comm.timeout))
-    each = comm.all_gather_digest([bits], "timeout agreement (all_gather)")
-    timeouts = [struct.unpack("<d", struct.pack("<q", word))[0] for (word,) in each]
+    mine = None if refused is None else f"{type(refused).__name__}: {refused}"
+    each: list[tuple[float, str | None]] = comm.all_gather_object((float(comm.timeout), mine))
+    if refused is not None:
+        return
+    others = [(rank, text) for rank, (_, text) in enumerate(each) if text is not None]
+    if others:
+        named = "; ".join(f"rank {rank} refused with {text}" for rank, text in others)
+        raise ConfigError(
+            f"distributed: rank {comm.rank} of {comm.world_size}: the ranks must wrap their "
+            f"caches together, and not every rank could: {named}"
+        )
+    timeouts = [timeout for timeout, _ in each]
     if any(t != timeouts[0] for t in timeouts):
         named = ", ".join(f"rank {rank} {t!r} s" for rank, t in enumerate(timeouts))
         raise ConfigError(
