@@ -467,9 +467,9 @@ def raised_before_the_collective(rank: int) -> list[Any]:
 class _SlowReports(Collectives):
     """Takes part in every agreement, and is 3 s late to every report's gather."""
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, what: str = "divergence report") -> list[Any]:
         time.sleep(3.0)
-        return super().all_gather_object(obj)
+        return super().all_gather_object(obj, what)
 
 
 def a_slow_report(rank: int) -> str:

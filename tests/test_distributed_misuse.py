@@ -28,6 +28,7 @@ with warnings.catch_warnings():
     from fsm_cache.cache.hicache import HiCache
     from fsm_cache.cache.storage_tier import StorageConfig
     from fsm_cache.distributed.agreement import DistributedCache
+    from fsm_cache.distributed.collectives import Collectives
     from fsm_cache.errors import FsmCacheError
     from fsm_cache.memory.tiers import CacheConfig
     from fsm_cache.storage import LocalFileStore
@@ -113,6 +114,30 @@ def built_with_a_cache_refused_on_one_rank(rank: int) -> list[Any]:
     return [refused, at_once, said(shared.step), said(shared.verify_agreement)]
 
 
+def gathered_extremes(rank: int) -> list[Any]:
+    """Both ranks gather 130 signed 64-bit values (three rows) and objects of unequal sizes."""
+    comm = Collectives.of(
+        dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT)), TIMEOUT
+    )
+    values = [-(2**63), 2**63 - 1, -1, 0, *range(-63 * rank, 126 - 63 * rank)]
+    values[4 + rank] = 2**62 if rank else -(2**62)
+    blob = {"rank": rank, "text": "x" * (1000 * (rank + 1))}  # the longer takes 3 rows
+    return [
+        comm.all_reduce_min(values),
+        comm.all_gather_digest(values),
+        comm.all_gather_object(blob),
+    ]
+
+
+def reached_different_collectives(rank: int) -> list[str]:
+    """Rank 0 steps while rank 1 builds a second wrapper on the same group."""
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+    shared = DistributedCache(HiCache(bench_config()), side, timeout=TIMEOUT)
+    if rank == 0:
+        return [said(shared.step), said(shared.step)]
+    return [said(lambda: DistributedCache(HiCache(bench_config()), side, timeout=TIMEOUT))]
+
+
 def closed_on_every_rank(rank: int) -> list[str]:
     """Both ranks close their caches, then call every agreement."""
     del rank
@@ -173,6 +198,8 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
         closed_on_every_rank,
         built_with_different_timeouts,
         built_with_a_cache_refused_on_one_rank,
+        gathered_extremes,
+        reached_different_collectives,
         stepped_after_a_timeout,
     ):
         report[scenario.__name__] = scenario(rank)
@@ -253,6 +280,38 @@ def test_a_cache_refused_on_one_rank_is_named_on_every_rank_at_once(ranks: Resul
     assert [r["built_with_a_cache_refused_on_one_rank"] for r in ranks] == [
         [told, True, "returned", "returned"],
         [own, True, "returned", "returned"],
+    ]
+
+
+def test_gathers_reduce_and_carry_every_rank_values_exactly(ranks: Results) -> None:
+    sent = []
+    for rank in range(2):
+        values = [-(2**63), 2**63 - 1, -1, 0, *range(-63 * rank, 126 - 63 * rank)]
+        values[4 + rank] = 2**62 if rank else -(2**62)
+        sent.append(values)
+    least = [min(pair) for pair in zip(*sent, strict=True)]
+    assert least[:8] == [-(2**63), 2**63 - 1, -1, 0, -(2**62), 1, -61, -60]
+    blobs = [{"rank": rank, "text": "x" * (1000 * (rank + 1))} for rank in range(2)]
+    for report in ranks:
+        assert report["gathered_extremes"] == [least, sent, blobs]
+
+
+def test_ranks_at_different_collectives_are_refused_not_aborted(ranks: Results) -> None:
+    kinds = "rank 0 a MIN all-reduce, rank 1 an object gather (sizes)"
+    mismatch = (
+        "RankFailure: rank {} of 2: {}: the ranks reached different collectives ({}): they "
+        "called the group in different orders, so its collectives no longer pair; tear the "
+        "group down and rebuild it"
+    )
+    step = mismatch.format(0, "step agreement (all_gather MIN)", kinds)
+    assert ranks[0]["reached_different_collectives"] == [
+        step,
+        "RankFailure: rank 0 of 2: step refused: the agreement group broke at an earlier "
+        "collective, and a later one could pair with another collective of the other ranks; "
+        f"tear the group down and rebuild it and the caches (it broke with: {step[13:]})",
+    ]
+    assert ranks[1]["reached_different_collectives"] == [
+        mismatch.format(1, "construction agreement (all_gather sizes)", kinds)
     ]
 
 

@@ -864,7 +864,7 @@ def test_a_storage_tier_that_leaves_its_ranks_unsaid_is_refused_in_a_group(
     assert alone.cache.storage is not None
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     # the other rank of the group of 2 was given the same timeout, and refused alike
-    monkeypatch.setattr(Collectives, "all_gather_object", lambda self, mine: [mine, mine])
+    monkeypatch.setattr(Collectives, "all_gather_object", lambda self, mine, what: [mine, mine])
     cache = HiCache(config(), storage=unsaid)
     with pytest.raises(ConfigError) as caught:
         DistributedCache(cache)

@@ -101,7 +101,6 @@ from fsm_cache.errors import (
     CacheClosed,
     ConfigError,
     CopyFailed,
-    FsmCacheError,
     NoProcessGroup,
     RankDivergence,
     RankFailure,
@@ -232,14 +231,14 @@ class DistributedCache:
         self.comm = Collectives.of(group, timeout)
         try:
             _check_cache(cache, group, timeout, verify_every)
-        except (BadArgument, ConfigError) as refused:
+            _deprecated(verify_every=verify_every != 0, device=device is not None)
+        except Exception as refused:  # a deprecation warning made an error too
             # the other ranks are in the construction's collective: tell them, so that
             # they raise at once instead of when their timeout runs out
             _check_construction(self.comm, refused)
             raise
         assert isinstance(cache, HiCache)  # _check_cache refused anything else
         _check_construction(self.comm, None)  # every rank, before the cache is touched
-        _deprecated(verify_every=verify_every != 0, device=device is not None)
         self.cache = cache
         self.group, self.timeout = self.comm.group, timeout
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
@@ -1090,7 +1089,7 @@ def _check_cache(
         _check_storage(cache.storage.config, group, timeout)
 
 
-def _check_construction(comm: Collectives, refused: FsmCacheError | None) -> None:
+def _check_construction(comm: Collectives, refused: Exception | None) -> None:
     """Refuse a construction that some rank refused, or with different timeouts, on every rank.
 
     Every rank constructs at the same point, so a rank that refused its own
@@ -1114,7 +1113,9 @@ def _check_construction(comm: Collectives, refused: FsmCacheError | None) -> Non
     if comm.world_size == 1:
         return
     mine = None if refused is None else f"{type(refused).__name__}: {refused}"
-    each: list[tuple[float, str | None]] = comm.all_gather_object((float(comm.timeout), mine))
+    each: list[tuple[float, str | None]] = comm.all_gather_object(
+        (float(comm.timeout), mine), "construction agreement"
+    )
     if refused is not None:
         return
     others = [(rank, text) for rank, (_, text) in enumerate(each) if text is not None]

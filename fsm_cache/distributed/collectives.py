@@ -75,28 +75,54 @@ def cpu_group(group: dist.ProcessGroup | None, timeout: float) -> dist.ProcessGr
     return side
 
 
-class _Gathered:
-    """The buffers of one width of :meth:`Collectives.all_reduce_min`, kept between calls.
+ROW = 64
+"""Words (int64) each rank sends in every collective of :class:`Collectives`: a row.
 
-    Tensors that share arrays' memory: filling and reading them stay in Python,
-    where ``torch.tensor(list)`` and ``.tolist()`` took about 50 us a step once the
-    step's own work had left the caches cold, and buffers made afresh each call
-    cost about as much again (``fsm-cache bench tp``).
+Every collective on the group is an ``all_gather`` of one row per rank, two
+words of header (its kind and the kind's negation) and up to 62 of payload,
+longer payloads taking several rows. gloo aborts the process (``std::terminate``,
+which Python cannot catch) when a message is longer than the buffer it arrives
+in, so ranks that reach different collectives (one in a step, another building
+its wrapper or gathering a divergence report) must still send rows of one
+size; the headers then say that they differ, on every rank at once.
+"""
+
+_PAYLOAD = ROW - 2
+
+_MIN, _INTS, _SIZES, _BYTES = 1, 2, 3, 4
+"""The kinds of row: an element-wise MIN, a gather of ints, an object gather's sizes, its bytes."""
+
+_ROW_KINDS = {
+    _MIN: "a MIN all-reduce",
+    _INTS: "a gather of integers",
+    _SIZES: "an object gather (sizes)",
+    _BYTES: "an object gather (bytes)",
+}
+
+
+class _Rows:
+    """The buffers of one rank's rows, kept between collectives.
+
+    Tensors that share arrays' memory: filling and reading them stay in
+    Python, where ``torch.tensor(list)`` and ``.tolist()`` took about 50 us a
+    step once the step's own work had left the caches cold, and buffers made
+    afresh each call cost about as much again (``fsm-cache bench tp``). A
+    collective that failed may still write into its buffers later (gloo
+    finishes an operation a rank stopped waiting for), so they are made anew
+    after a failure (:meth:`renew`).
     """
 
-    def __init__(self, width: int, world: int) -> None:
-        self.width, self.world = width, world
-        self.mine = array.array("q", bytes(8 * width))
-        self.sent = torch.frombuffer(self.mine, dtype=torch.int64)
-        self.every = array.array("q", bytes(8 * width * world))
-        rows = torch.frombuffer(self.every, dtype=torch.int64).view(world, width)
-        self.rows = list(rows.unbind(0))
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.renew()
 
-    def minimum(self) -> list[int]:
-        """Return the element-wise minimum of the rows gathered last."""
-        flat, width = self.every.tolist(), self.width
-        rows = (flat[r * width : (r + 1) * width] for r in range(self.world))
-        return [min(column) for column in zip(*rows, strict=True)]
+    def renew(self) -> None:
+        """Make new buffers; the old ones stay with whatever collective still holds them."""
+        self.mine = array.array("q", bytes(8 * ROW))
+        self.sent = torch.frombuffer(self.mine, dtype=torch.int64)
+        self.every = array.array("q", bytes(8 * ROW * self.world))
+        rows = torch.frombuffer(self.every, dtype=torch.int64).view(self.world, ROW)
+        self.received = list(rows.unbind(0))
 
 
 @dataclass(frozen=True)
@@ -114,7 +140,11 @@ class Collectives:
     rank: int
     world_size: int
     timeout: float
-    _gathered: dict[int, _Gathered] = field(default_factory=dict, compare=False, repr=False)
+    _rows: _Rows = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        """Make this rank's row buffers (a frozen dataclass sets its own fields so)."""
+        object.__setattr__(self, "_rows", _Rows(self.world_size))
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | None, timeout: float) -> Collectives:
@@ -136,63 +166,111 @@ class Collectives:
     ) -> list[int]:
         """Return the element-wise minimum of ``values`` over the ranks.
 
+        An ``all_gather`` of every rank's values (a row each, :data:`ROW`),
+        reduced here: gloo's ``all_reduce`` passes around the ring twice (a
+        reduce-scatter, then an all-gather), an ``all_gather`` once.
+
         Args:
-            values: This rank's values; the same length on every rank.
+            values: This rank's values (signed 64-bit); the same length on every rank.
             what: The collective's name in a :class:`RankFailure`.
+
+        Raises:
+            RankFailure: The collective failed or timed out, or another rank
+                reached a different collective.
         """
-        if not values:
-            return []
-        gathered = self._gathered.get(len(values))
-        if gathered is None:
-            gathered = self._gathered[len(values)] = _Gathered(len(values), self.world_size)
-        gathered.mine[:] = array.array("q", values)
-
-        def call() -> None:
-            work = dist.all_gather(gathered.rows, gathered.sent, group=self.group, async_op=True)
-            self._wait(work)
-
-        self._collective(what, call)
-        return gathered.minimum()
+        return [min(column) for column in zip(*self._gather(_MIN, values, what), strict=True)]
 
     def all_gather_digest(
         self, payload: list[int], what: str = "digest verification (all_gather)"
     ) -> list[list[int]]:
-        """Return every rank's ``payload`` (equal lengths), in rank order.
+        """Return every rank's ``payload`` (signed 64-bit, equal lengths), in rank order.
 
         Args:
             payload: This rank's values; the same length on every rank.
             what: The collective's name in a :class:`RankFailure`.
+
+        Raises:
+            RankFailure: As :meth:`all_reduce_min`.
         """
-        mine = torch.tensor(payload, dtype=torch.int64, device=CPU)  # whatever the default device
-        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        return self._gather(_INTS, payload, what)
 
-        def call() -> None:
-            self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
-
-        self._collective(what, call)
-        return [[int(v) for v in t.tolist()] for t in out]
-
-    def all_gather_object(self, obj: T) -> list[T]:
+    def all_gather_object(self, obj: T, what: str = "divergence report") -> list[T]:
         """Return every rank's ``obj`` (picklable), in rank order.
 
-        Pickled and gathered as bytes in two timed collectives (the sizes, then
-        the padded bytes), so that it waits at most ``timeout`` like the others:
-        ``dist.all_gather_object`` would wait for the group's own timeout.
+        Pickled and gathered as rows of words: first the sizes, then as many
+        rows as the longest needs, each a timed collective, so that it waits at
+        most ``timeout`` like the others (``dist.all_gather_object`` would wait
+        for the group's own timeout).
+
+        Args:
+            obj: This rank's object.
+            what: The collective's name in a :class:`RankFailure`.
+
+        Raises:
+            RankFailure: As :meth:`all_reduce_min`.
         """
         data = pickle.dumps(obj)
-        sizes = self.all_gather_digest([len(data)], "divergence report (all_gather sizes)")
-        longest = max(size for (size,) in sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8, device=CPU)
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        sizes = [
+            size for (size,) in self._gather(_SIZES, [len(data)], f"{what} (all_gather sizes)")
+        ]
+        chunk = 8 * _PAYLOAD
+        padded = data.ljust(-(-max(sizes) // chunk) * chunk, b"\0")
+        words = self._gather(
+            _BYTES, array.array("q", padded).tolist(), f"{what} (all_gather_object)"
+        )
+        return [
+            pickle.loads(array.array("q", each).tobytes()[:size])
+            for each, size in zip(words, sizes, strict=True)
+        ]
+
+    def _gather(self, kind: int, payload: list[int], what: str) -> list[list[int]]:
+        """Gather every rank's ``payload`` in rows of ``kind``; return them in rank order.
+
+        Raises:
+            RankFailure: A collective failed or timed out, or another rank sent
+                a row of another kind (it reached a different collective: every
+                rank that reached this one raises it).
+        """
+        each: list[list[int]] = [[] for _ in range(self.world_size)]
+        for start in range(0, len(payload), _PAYLOAD):
+            part = payload[start : start + _PAYLOAD]
+            for mine, theirs in zip(each, self._row(kind, part, what), strict=True):
+                mine.extend(theirs[2 : 2 + len(part)])
+        return each
+
+    def _row(self, kind: int, part: list[int], what: str) -> list[list[int]]:
+        """One ``all_gather`` of a row of ``kind`` with ``part``; return every rank's row."""
+        rows = self._rows
+        rows.mine[:] = array.array("q", [kind, -kind, *part, *[0] * (_PAYLOAD - len(part))])
 
         def call() -> None:
-            self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
+            work = dist.all_gather(rows.received, rows.sent, group=self.group, async_op=True)
+            self._wait(work)
 
-        self._collective("divergence report (all_gather_object)", call)
-        return [
-            pickle.loads(bytes(t[:size].tolist())) for t, (size,) in zip(out, sizes, strict=True)
-        ]
+        try:
+            self._collective(what, call)
+        except RankFailure:
+            rows.renew()
+            raise
+        flat = rows.every.tolist()
+        each = [flat[r * ROW : (r + 1) * ROW] for r in range(self.world_size)]
+        if any(row[0] != kind or row[1] != -kind for row in each):
+            raise RankFailure(
+                self._mismatch(what, [row[0] if row[0] == -row[1] else 0 for row in each])
+            )
+        return each
+
+    def _mismatch(self, what: str, kinds: list[int]) -> str:
+        """Say which collective each rank reached, where they differ."""
+        named = ", ".join(
+            f"rank {rank} {_ROW_KINDS.get(kind, 'something else')}"
+            for rank, kind in enumerate(kinds)
+        )
+        return (
+            f"rank {self.rank} of {self.world_size}: {what}: the ranks reached different "
+            f"collectives ({named}): they called the group in different orders, so its "
+            "collectives no longer pair; tear the group down and rebuild it"
+        )
 
     def _wait(self, work: dist.Work | None) -> None:
         if work is not None:
