@@ -129,6 +129,14 @@ def gathered_extremes(rank: int) -> list[Any]:
     ]
 
 
+def reduced_different_widths(rank: int) -> str:
+    """Rank 0 reduces one value, rank 1 seventy (two rows): both raise at the first row."""
+    comm = Collectives.of(
+        dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT)), TIMEOUT
+    )
+    return said(lambda: comm.all_reduce_min([rank] * (70 if rank else 1), "test MIN"))
+
+
 def reached_different_collectives(rank: int) -> list[str]:
     """Rank 0 steps while rank 1 builds a second wrapper on the same group."""
     side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
@@ -199,6 +207,7 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
         built_with_different_timeouts,
         built_with_a_cache_refused_on_one_rank,
         gathered_extremes,
+        reduced_different_widths,
         reached_different_collectives,
         stepped_after_a_timeout,
     ):
@@ -296,8 +305,18 @@ def test_gathers_reduce_and_carry_every_rank_values_exactly(ranks: Results) -> N
         assert report["gathered_extremes"] == [least, sent, blobs]
 
 
+def test_reductions_of_different_widths_are_refused_on_every_rank(ranks: Results) -> None:
+    for rank, report in enumerate(ranks):
+        assert report["reduced_different_widths"] == (
+            f"RankFailure: rank {rank} of 2: test MIN: the ranks reached different collectives "
+            "(rank 0 a MIN all-reduce of 1 word, rank 1 a MIN all-reduce of 70 words): they "
+            "called the group in different orders, so its collectives no longer pair; tear the "
+            "group down and rebuild it"
+        )
+
+
 def test_ranks_at_different_collectives_are_refused_not_aborted(ranks: Results) -> None:
-    kinds = "rank 0 a MIN all-reduce, rank 1 an object gather (sizes)"
+    kinds = "rank 0 a MIN all-reduce of 61 words, rank 1 an object gather (sizes) of 1 word"
     mismatch = (
         "RankFailure: rank {} of 2: {}: the ranks reached different collectives ({}): they "
         "called the group in different orders, so its collectives no longer pair; tear the "

@@ -78,16 +78,18 @@ def cpu_group(group: dist.ProcessGroup | None, timeout: float) -> dist.ProcessGr
 ROW = 64
 """Words (int64) each rank sends in every collective of :class:`Collectives`: a row.
 
-Every collective on the group is an ``all_gather`` of one row per rank, two
-words of header (its kind and the kind's negation) and up to 62 of payload,
-longer payloads taking several rows. gloo aborts the process (``std::terminate``,
+Every collective on the group is an ``all_gather`` of one row per rank, three
+words of header (its kind, the kind's negation, and the length of its whole
+payload) and up to 61 of payload, longer payloads taking several rows. gloo aborts the process (``std::terminate``,
 which Python cannot catch) when a message is longer than the buffer it arrives
 in, so ranks that reach different collectives (one in a step, another building
 its wrapper or gathering a divergence report) must still send rows of one
-size; the headers then say that they differ, on every rank at once.
+size; the headers then say that they differ, on every rank at once, at the
+first row (every row of a gather carries the whole payload's length).
 """
 
-_PAYLOAD = ROW - 2
+_HEADER = 3
+_PAYLOAD = ROW - _HEADER
 
 _MIN, _INTS, _SIZES, _BYTES = 1, 2, 3, 4
 """The kinds of row: an element-wise MIN, a gather of ints, an object gather's sizes, its bytes."""
@@ -98,6 +100,14 @@ _ROW_KINDS = {
     _SIZES: "an object gather (sizes)",
     _BYTES: "an object gather (bytes)",
 }
+
+
+def _reached(header: list[int]) -> str:
+    """Name the collective a row's header says its rank reached."""
+    kind, negated, length = header
+    if kind != -negated or kind not in _ROW_KINDS:
+        return "something else"
+    return f"{_ROW_KINDS[kind]} of {length} word{'' if length == 1 else 's'}"
 
 
 class _Rows:
@@ -228,20 +238,21 @@ class Collectives:
 
         Raises:
             RankFailure: A collective failed or timed out, or another rank sent
-                a row of another kind (it reached a different collective: every
-                rank that reached this one raises it).
+                a row of another kind or payload length (it reached a different
+                collective: every rank raises it, at the first row).
         """
         each: list[list[int]] = [[] for _ in range(self.world_size)]
         for start in range(0, len(payload), _PAYLOAD):
             part = payload[start : start + _PAYLOAD]
-            for mine, theirs in zip(each, self._row(kind, part, what), strict=True):
-                mine.extend(theirs[2 : 2 + len(part)])
+            for mine, theirs in zip(each, self._row(kind, len(payload), part, what), strict=True):
+                mine.extend(theirs[_HEADER : _HEADER + len(part)])
         return each
 
-    def _row(self, kind: int, part: list[int], what: str) -> list[list[int]]:
-        """One ``all_gather`` of a row of ``kind`` with ``part``; return every rank's row."""
+    def _row(self, kind: int, length: int, part: list[int], what: str) -> list[list[int]]:
+        """One ``all_gather`` of a row of ``kind`` with ``part`` of ``length``; return every row."""
         rows = self._rows
-        rows.mine[:] = array.array("q", [kind, -kind, *part, *[0] * (_PAYLOAD - len(part))])
+        header = [kind, -kind, length]
+        rows.mine[:] = array.array("q", [*header, *part, *[0] * (_PAYLOAD - len(part))])
 
         def call() -> None:
             work = dist.all_gather(rows.received, rows.sent, group=self.group, async_op=True)
@@ -254,18 +265,13 @@ class Collectives:
             raise
         flat = rows.every.tolist()
         each = [flat[r * ROW : (r + 1) * ROW] for r in range(self.world_size)]
-        if any(row[0] != kind or row[1] != -kind for row in each):
-            raise RankFailure(
-                self._mismatch(what, [row[0] if row[0] == -row[1] else 0 for row in each])
-            )
+        if any(row[:_HEADER] != header for row in each):
+            raise RankFailure(self._mismatch(what, [row[:_HEADER] for row in each]))
         return each
 
-    def _mismatch(self, what: str, kinds: list[int]) -> str:
-        """Say which collective each rank reached, where they differ."""
-        named = ", ".join(
-            f"rank {rank} {_ROW_KINDS.get(kind, 'something else')}"
-            for rank, kind in enumerate(kinds)
-        )
+    def _mismatch(self, what: str, headers: list[list[int]]) -> str:
+        """Say which collective each rank reached (its rows' headers), where they differ."""
+        named = ", ".join(f"rank {rank} {_reached(header)}" for rank, header in enumerate(headers))
         return (
             f"rank {self.rank} of {self.world_size}: {what}: the ranks reached different "
             f"collectives ({named}): they called the group in different orders, so its "
