@@ -47,6 +47,15 @@ def said(call: Callable[[], object]) -> str:
     return "returned"
 
 
+def said_anything(call: Callable[[], object]) -> str:
+    """What ``call`` raised, as ``Class: message`` (any exception), or ``returned``."""
+    try:
+        call()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "returned"
+
+
 def served(timeout: float, **config: object) -> DistributedCache:
     """A wrapper on a gloo group of its own that served four requests, a step after each."""
     side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
@@ -115,17 +124,19 @@ def built_with_a_cache_refused_on_one_rank(rank: int) -> list[Any]:
 
 
 def gathered_extremes(rank: int) -> list[Any]:
-    """Both ranks gather 130 signed 64-bit values (three rows) and objects of unequal sizes."""
+    """Both ranks gather 130 signed 64-bit values (more than a row) and objects of unequal sizes."""
     comm = Collectives.of(
         dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT)), TIMEOUT
     )
     values = [-(2**63), 2**63 - 1, -1, 0, *range(-63 * rank, 126 - 63 * rank)]
     values[4 + rank] = 2**62 if rank else -(2**62)
-    blob = {"rank": rank, "text": "x" * (1000 * (rank + 1))}  # the longer takes 3 rows
+    blob = {"rank": rank, "text": "x" * (1000 * (rank + 1))}  # more than a row: two gathers
     return [
         comm.all_reduce_min(values),
         comm.all_gather_digest(values),
         comm.all_gather_object(blob),
+        comm.all_reduce_min([]),  # a collective still, so that the next ones pair
+        comm.all_reduce_min([rank]),
     ]
 
 
@@ -135,6 +146,29 @@ def reduced_different_widths(rank: int) -> str:
         dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT)), TIMEOUT
     )
     return said(lambda: comm.all_reduce_min([rank] * (70 if rank else 1), "test MIN"))
+
+
+def gathered_for_different_purposes(rank: int) -> str:
+    """Both ranks gather an object, rank 1 for its construction: both raise at the sizes."""
+    comm = Collectives.of(
+        dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT)), TIMEOUT
+    )
+    purpose = {"what": "construction agreement"} if rank else {}
+    return said(lambda: comm.all_gather_object((5.0, None), **purpose))
+
+
+def built_with_a_deprecation_made_an_error(rank: int) -> list[Any]:
+    """Rank 1 passes the deprecated ``verify_every`` with warnings made errors."""
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        started = time.monotonic()
+        refused = said_anything(
+            lambda: DistributedCache(
+                HiCache(bench_config()), side, timeout=TIMEOUT, verify_every=4 * rank
+            )
+        )
+    return [refused, time.monotonic() - started < TIMEOUT / 2]
 
 
 def reached_different_collectives(rank: int) -> list[str]:
@@ -208,6 +242,8 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
         built_with_a_cache_refused_on_one_rank,
         gathered_extremes,
         reduced_different_widths,
+        gathered_for_different_purposes,
+        built_with_a_deprecation_made_an_error,
         reached_different_collectives,
         stepped_after_a_timeout,
     ):
@@ -302,7 +338,7 @@ def test_gathers_reduce_and_carry_every_rank_values_exactly(ranks: Results) -> N
     assert least[:8] == [-(2**63), 2**63 - 1, -1, 0, -(2**62), 1, -61, -60]
     blobs = [{"rank": rank, "text": "x" * (1000 * (rank + 1))} for rank in range(2)]
     for report in ranks:
-        assert report["gathered_extremes"] == [least, sent, blobs]
+        assert report["gathered_extremes"] == [least, sent, blobs, [], [0]]
 
 
 def test_reductions_of_different_widths_are_refused_on_every_rank(ranks: Results) -> None:
@@ -315,8 +351,37 @@ def test_reductions_of_different_widths_are_refused_on_every_rank(ranks: Results
         )
 
 
+def test_object_gathers_for_different_purposes_are_refused_on_every_rank(
+    ranks: Results,
+) -> None:
+    for rank, report in enumerate(ranks):
+        what = "construction agreement" if rank else "divergence report"
+        assert report["gathered_for_different_purposes"] == (
+            f"RankFailure: rank {rank} of 2: {what} (all_gather sizes): the ranks reached "
+            "different collectives (rank 0 an object gather (sizes) of 1 word for a divergence "
+            "report, rank 1 an object gather (sizes) of 1 word for a construction agreement): "
+            "they called the group in different orders, so its collectives no longer pair; tear "
+            "the group down and rebuild it"
+        )
+
+
+def test_a_deprecation_made_an_error_on_one_rank_is_told_to_the_others(ranks: Results) -> None:
+    own = "DeprecationWarning: DistributedCache(verify_every=...) is deprecated and ignored: "
+    told, mine = (r["built_with_a_deprecation_made_an_error"] for r in ranks)
+    assert mine[0].startswith(own)
+    assert mine[1]  # at once, as the other rank
+    assert told == [
+        "ConfigError: distributed: rank 0 of 2: the ranks must wrap their caches together, and "
+        f"not every rank could: rank 1 refused with {mine[0]}",
+        True,
+    ]
+
+
 def test_ranks_at_different_collectives_are_refused_not_aborted(ranks: Results) -> None:
-    kinds = "rank 0 a MIN all-reduce of 61 words, rank 1 an object gather (sizes) of 1 word"
+    kinds = (
+        "rank 0 a MIN all-reduce of 61 words, rank 1 an object gather (sizes) of 1 word for a "
+        "construction agreement"
+    )
     mismatch = (
         "RankFailure: rank {} of 2: {}: the ranks reached different collectives ({}): they "
         "called the group in different orders, so its collectives no longer pair; tear the "

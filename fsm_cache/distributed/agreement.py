@@ -74,7 +74,7 @@ import torch.distributed as dist
 
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.storage_tier import StorageConfig
-from fsm_cache.distributed.collectives import CPU, Collectives
+from fsm_cache.distributed.collectives import CONSTRUCTION, CPU, Collectives
 from fsm_cache.distributed.digest import (
     AppliedFailure,
     AppliedOperation,
@@ -1114,7 +1114,7 @@ def _check_construction(comm: Collectives, refused: Exception | None) -> None:
         return
     mine = None if refused is None else f"{type(refused).__name__}: {refused}"
     each: list[tuple[float, str | None]] = comm.all_gather_object(
-        (float(comm.timeout), mine), "construction agreement"
+        (float(comm.timeout), mine), CONSTRUCTION
     )
     if refused is not None:
         return

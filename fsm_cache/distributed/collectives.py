@@ -26,6 +26,7 @@ from __future__ import annotations
 import array
 import pickle
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -75,20 +76,22 @@ def cpu_group(group: dist.ProcessGroup | None, timeout: float) -> dist.ProcessGr
     return side
 
 
-ROW = 64
-"""Words (int64) each rank sends in every collective of :class:`Collectives`: a row.
+ROW = 68
+"""Words (int64) each rank sends first in every collective of :class:`Collectives`: a row.
 
-Every collective on the group is an ``all_gather`` of one row per rank, three
-words of header (its kind, the kind's negation, and the length of its whole
-payload) and up to 61 of payload, longer payloads taking several rows. gloo aborts the process (``std::terminate``,
-which Python cannot catch) when a message is longer than the buffer it arrives
-in, so ranks that reach different collectives (one in a step, another building
+Every collective on the group starts with an ``all_gather`` of one row per
+rank: four words of header (its kind, the kind's negation, the length of its
+whole payload, and for an object gather the purpose it was called for) and
+up to 64 words of payload. gloo aborts the process (``std::terminate``, which
+Python cannot catch) when a message is longer than the buffer it arrives in,
+so ranks that reach different collectives (one in a step, another building
 its wrapper or gathering a divergence report) must still send rows of one
-size; the headers then say that they differ, on every rank at once, at the
-first row (every row of a gather carries the whole payload's length).
+size; the headers then say that they differ, on every rank at once. A longer
+payload sends the rest in one more ``all_gather``, once every rank's header
+has said it is in the same collective with the same length.
 """
 
-_HEADER = 3
+_HEADER = 4
 _PAYLOAD = ROW - _HEADER
 
 _MIN, _INTS, _SIZES, _BYTES = 1, 2, 3, 4
@@ -101,13 +104,21 @@ _ROW_KINDS = {
     _BYTES: "an object gather (bytes)",
 }
 
+DIVERGENCE_REPORT = "divergence report"
+CONSTRUCTION = "construction agreement"
+_PURPOSES = {zlib.crc32(what.encode()): what for what in (DIVERGENCE_REPORT, CONSTRUCTION)}
+"""The purposes of the library's own object gathers, by the word their rows carry."""
+
 
 def _reached(header: list[int]) -> str:
     """Name the collective a row's header says its rank reached."""
-    kind, negated, length = header
+    kind, negated, length, purpose = header
     if kind != -negated or kind not in _ROW_KINDS:
         return "something else"
-    return f"{_ROW_KINDS[kind]} of {length} word{'' if length == 1 else 's'}"
+    named = f"{_ROW_KINDS[kind]} of {length} word{'' if length == 1 else 's'}"
+    if kind in (_SIZES, _BYTES):
+        named += f" for a {_PURPOSES.get(purpose, 'purpose of its own')}"
+    return named
 
 
 class _Rows:
@@ -204,54 +215,67 @@ class Collectives:
         """
         return self._gather(_INTS, payload, what)
 
-    def all_gather_object(self, obj: T, what: str = "divergence report") -> list[T]:
+    def all_gather_object(self, obj: T, what: str = DIVERGENCE_REPORT) -> list[T]:
         """Return every rank's ``obj`` (picklable), in rank order.
 
-        Pickled and gathered as rows of words: first the sizes, then as many
-        rows as the longest needs, each a timed collective, so that it waits at
-        most ``timeout`` like the others (``dist.all_gather_object`` would wait
-        for the group's own timeout).
+        Pickled and gathered as words: first the sizes, then the bytes, each
+        timed, so that it waits at most twice ``timeout``
+        (``dist.all_gather_object`` would wait for the group's own timeout).
 
         Args:
             obj: This rank's object.
-            what: The collective's name in a :class:`RankFailure`.
+            what: What the gather is for: its name in a :class:`RankFailure`,
+                and carried in its rows, so that ranks gathering for different
+                purposes (a report on one, a construction on another) raise.
 
         Raises:
             RankFailure: As :meth:`all_reduce_min`.
         """
         data = pickle.dumps(obj)
-        sizes = [
-            size for (size,) in self._gather(_SIZES, [len(data)], f"{what} (all_gather sizes)")
-        ]
-        chunk = 8 * _PAYLOAD
-        padded = data.ljust(-(-max(sizes) // chunk) * chunk, b"\0")
-        words = self._gather(
-            _BYTES, array.array("q", padded).tolist(), f"{what} (all_gather_object)"
-        )
+        purpose = zlib.crc32(what.encode())
+        said = f"{what} (all_gather sizes)"
+        sizes = [size for (size,) in self._gather(_SIZES, [len(data)], said, purpose)]
+        padded = data.ljust(-(-max(sizes) // 8) * 8, b"\0")
+        said = f"{what} (all_gather_object)"
+        words = self._gather(_BYTES, array.array("q", padded).tolist(), said, purpose)
         return [
             pickle.loads(array.array("q", each).tobytes()[:size])
             for each, size in zip(words, sizes, strict=True)
         ]
 
-    def _gather(self, kind: int, payload: list[int], what: str) -> list[list[int]]:
-        """Gather every rank's ``payload`` in rows of ``kind``; return them in rank order.
+    def _gather(
+        self, kind: int, payload: list[int], what: str, purpose: int = 0
+    ) -> list[list[int]]:
+        """Gather every rank's ``payload`` as a collective of ``kind``; return them in rank order.
+
+        The first :data:`_PAYLOAD` words go in a row with the header (an empty
+        payload too, so that every call is a collective on every rank); the
+        rest, once every header agreed, in one more ``all_gather``.
 
         Raises:
             RankFailure: A collective failed or timed out, or another rank sent
-                a row of another kind or payload length (it reached a different
-                collective: every rank raises it, at the first row).
+                a row of another kind, payload length or purpose (it reached a
+                different collective: every rank raises it, at the first row).
         """
-        each: list[list[int]] = [[] for _ in range(self.world_size)]
-        for start in range(0, len(payload), _PAYLOAD):
-            part = payload[start : start + _PAYLOAD]
-            for mine, theirs in zip(each, self._row(kind, len(payload), part, what), strict=True):
-                mine.extend(theirs[_HEADER : _HEADER + len(part)])
+        head = payload[:_PAYLOAD]
+        rows = self._row([kind, -kind, len(payload), purpose], head, what)
+        each = [row[_HEADER : _HEADER + len(head)] for row in rows]
+        rest = payload[_PAYLOAD:]
+        if rest:
+            mine = torch.tensor(rest, dtype=torch.int64, device=CPU)
+            out = [torch.empty_like(mine) for _ in range(self.world_size)]
+
+            def call() -> None:
+                self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
+
+            self._collective(what, call)
+            for row, theirs in zip(each, out, strict=True):
+                row.extend(theirs.tolist())
         return each
 
-    def _row(self, kind: int, length: int, part: list[int], what: str) -> list[list[int]]:
-        """One ``all_gather`` of a row of ``kind`` with ``part`` of ``length``; return every row."""
+    def _row(self, header: list[int], part: list[int], what: str) -> list[list[int]]:
+        """One ``all_gather`` of a row of ``header`` and ``part``; return every rank's row."""
         rows = self._rows
-        header = [kind, -kind, length]
         rows.mine[:] = array.array("q", [*header, *part, *[0] * (_PAYLOAD - len(part))])
 
         def call() -> None:
@@ -260,7 +284,7 @@ class Collectives:
 
         try:
             self._collective(what, call)
-        except RankFailure:
+        except BaseException:  # gloo may still finish into these buffers
             rows.renew()
             raise
         flat = rows.every.tolist()
