@@ -334,8 +334,11 @@ class Views:
         ]
         self.seen: set[View] = set()
         self.work: list[View] = []
-        self.by_ps: dict[int, set[View]] = defaultdict(set)
-        self.by_st: dict[int, set[View]] = defaultdict(set)
+        # the views pairing reads, by what a fitting pair shares: a parent's
+        # region states and child atoms, a child's parent states and own atoms
+        self.uppers: dict[int, dict[int, list[View]]] = defaultdict(lambda: defaultdict(list))
+        self.lowers: dict[int, dict[int, list[View]]] = defaultdict(lambda: defaultdict(list))
+        self._own: dict[int, list[tuple[str, int | None, bool]]] = {}
         self.finding: tuple[str, View] | None = None
         self._info: dict[int, Info] = {}
         self._ctx: dict[tuple[int, int, int, int], int] = {}
@@ -393,8 +396,10 @@ class Views:
         if v in self.seen or self.finding:
             return
         self.seen.add(v)
-        self.by_ps[v[0]].add(v)
-        self.by_st[self.info(v[1])[0]].add(v)
+        info = self.info(v[1])
+        self.lowers[v[0]][info[4]].append(v)
+        if v[3]:  # only a view with children has a child that fits
+            self.uppers[info[0]][v[2]].append(v)
         self.work.append(v)
         bad = self.check(v)
         if bad:
@@ -445,18 +450,48 @@ class Views:
         )
 
     def parents(self, v: View) -> list[View]:
-        """Return the views that fit above ``v``."""
-        return [p for p in self.by_st[v[0]] if self.fits(p, v)] if v[0] >= 0 else []
+        """Return the views that fit above ``v``.
+
+        Only the views with children of ``v``'s parent states whose child
+        atoms include ``v``'s own are asked (:meth:`fits`), read from an index.
+        """
+        if v[0] < 0:
+            return []
+        atoms = self.info(v[1])[4]
+        return [
+            p
+            for ka, group in self.uppers[v[0]].items()
+            if atoms & ~ka == 0
+            for p in group
+            if self.fits(p, v)
+        ]
 
     def children(self, v: View) -> list[View]:
-        """Return the views that fit below ``v``."""
-        return [c for c in self.by_ps[self.info(v[1])[0]] if self.fits(v, c)]
+        """Return the views that fit below ``v``.
+
+        Only the views under ``v``'s region states whose atoms are among its
+        child atoms are asked (:meth:`fits`), read from an index.
+        """
+        if not v[3]:
+            return []
+        return [
+            c
+            for atoms, group in self.lowers[self.info(v[1])[0]].items()
+            if atoms & ~v[2] == 0
+            for c in group
+            if self.fits(v, c)
+        ]
 
     def own(self, v: View) -> list[tuple[str, int | None, bool]]:
         """Return the node's own steps, each with whether it propagates to the ancestors.
 
-        Each accepted event, a split and an insert below the node.
+        Each accepted event, a split and an insert below the node; they
+        depend on the node's engine context alone, so they are tabled by it.
         """
+        ctx = self.context(v)
+        found = self._own.get(ctx)
+        if found is not None:
+            return found
         out: list[tuple[str, int | None, bool]] = list(self.answers.enabled(self.context(v)))
         layout, e = self.layout, self.entry(v[1])
         prefix = (
@@ -467,6 +502,7 @@ class Views:
         out.append(("split", self.trees.lid(prefix), False))
         if layout.state(e, "device") == "resident":
             out.append(("insert", None, False))
+        self._own[ctx] = out
         return out
 
     def step_node(self, v: View) -> None:
