@@ -34,7 +34,7 @@ def fixpoint() -> tuple[views.Views, views.Proof]:
 
 @pytest.fixture(scope="module")
 def storage_fixpoint() -> tuple[views.Views, views.Proof]:
-    """The fixpoint of the shipped storage spec, pins and locks up to 2 (about a minute)."""
+    """The fixpoint of the shipped storage spec, pins and locks up to 2 (about 16 s)."""
     explorer, _ = prepare(STORAGE, 2, BOUNDS)
     found = views.Views(explorer)
     return found, found.run()

@@ -399,8 +399,6 @@ class Views:
         ]
         self.seen: set[View] = set()
         self.work: list[View] = []
-        # the views with children by region states and child atoms (parents())
-        self.uppers: dict[int, dict[int, list[View]]] = defaultdict(lambda: defaultdict(list))
         self._own: dict[int, list[tuple[str, int | None, bool]]] = {}
         self._rested: dict[tuple[int, int], list[int]] = {}
         # the pairing of popped views by key (register): each key's views, the keys that
@@ -500,9 +498,6 @@ class Views:
         if v in self.seen or self.finding:
             return
         self.seen.add(v)
-        info = self.info(v[1])
-        if v[3]:  # only a view with children has a child that fits
-            self.uppers[info[0]][v[2]].append(v)
         self.work.append(v)
         bad = self.check(v)
         if bad:
@@ -551,21 +546,17 @@ class Views:
         return bool(pv[3]) and self.keys_fit(self.parent_key(pv), self.child_key(cv))
 
     def parents(self, v: View) -> list[View]:
-        """Return the views that fit above ``v``.
+        """Return the views that fit above ``v``, of those paired so far (all, once run).
 
-        Only the views with children of ``v``'s parent states whose child
-        atoms include ``v``'s own are asked (:meth:`fits`), read from an index.
+        Read from the views grouped by key (:meth:`register`).
         """
         if v[0] < 0:
             return []
-        atoms = self.info(v[1])[4]
-        return [
-            p
-            for ka, group in self.uppers[v[0]].items()
-            if atoms & ~ka == 0
-            for p in group
-            if self.fits(p, v)
-        ]
+        ck = self.child_key(v)
+        keys = self.parents_of.get(ck)
+        if keys is None:
+            keys = [pk for pk in self.pkeys[ck[0]] if self.keys_fit(pk, ck)]
+        return [p for pk in keys for p in self.parent_groups[pk]]
 
     def own(self, v: View) -> list[tuple[str, int | None, bool]]:
         """Return the node's own steps, each with whether it propagates to the ancestors.
@@ -838,10 +829,10 @@ class Views:
 
     def pairs(self) -> tuple[str, View] | None:
         """Return a propagating give-back of a locked child that a fitting parent refuses."""
-        for cv in self.seen:
-            if self.info(cv[1])[1] < 1:
+        for pk, group in self.parent_groups.items():
+            if not any(ck[2] >= 1 for ck in self.kids_of[pk]):  # no locked child fits
                 continue
-            for pv in self.parents(cv):
+            for pv in group:
                 for e in self.gives:
                     if self.answers.answer(e, self.context(pv), False) is None:
                         return f"invariant 6: {e} propagated to an ancestor is refused", pv
