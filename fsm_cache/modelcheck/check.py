@@ -1066,8 +1066,8 @@ def register(subparsers: Any) -> None:
         "--compositional",
         action="store_true",
         help="prove each SPEC for every tree size at once from neighbourhood views (no "
-        "--nodes); a two-region residency spec without storage, births, --policy or --ops, "
-        "else refused; on a finding, a trace from 2 or 3 nodes, or 'not proven' (exit 1)",
+        "--nodes); a residency spec (host and device, and storage or no other region) without "
+        "--policy or --ops, else refused; on a finding, a trace from 2 or 3 nodes, or 'not proven' (exit 1)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(handler=handle)

@@ -10,7 +10,8 @@ every step (Namjoshi and Trefler's split invariants). A view of a node is::
 
 ``ps`` its parent's region states (-1: a root); ``lid`` its own local (states,
 counters, ghost holds and pages); ``ka`` which ``any child`` conditions of the
-spec some child meets, plus whether some child holds data (pruning reads it);
+spec some child meets, plus whether some child holds data and whether some
+child holds a copy of its own, not forgettable (pruning reads both);
 ``kany`` whether it has children; ``ksum`` the sum of its children's
 propagating counters (invariant 6 reads it); ``kbusy`` whether some child is
 unsettled (the liveness rule reads it). A child view *fits* a parent view
@@ -26,7 +27,18 @@ ancestor takes), which only the node and its parent read (via ``ksum``); so
 each view a step changes is computed here from two fitting views of the
 same real tree, both in the fixpoint already. Every check is a predicate on
 one view or one fitting pair, so a tree that breaks one has a view or pair
-here that does. The lookups (:mod:`fsm_cache.modelcheck.lookup`) read a
+here that does. A prune deletes a node that lost its data with every node
+below it when all of them are forgettable (they hold pages in the store
+alone, :func:`~fsm_cache.modelcheck.treeops.prune`): the view reads that
+off its children's atoms, as every view is checked to have no child holding
+a copy of its own where its node is forgettable (else a finding), so the
+children's children are forgettable too, and so on down. A birth is a new
+leaf under any node, or a new root. Where a child's step changes its
+parent's view, the parent's other children meet some union of atoms inside
+the parent's ``ka`` that some children's region states give (states that
+pass the checks reading states alone); where they are all settled, states
+with no copy in flight (a state claiming pages a copy fills has it in
+flight, by ``memory_claims``). The lookups (:mod:`fsm_cache.modelcheck.lookup`) read a
 whole path, and follow from a node check: ``memory_claims`` makes each
 node's pages exactly what its states claim, so a path of nodes that each
 pass holds the pages the checker's own ``match_prefix`` finds (the reason
@@ -38,8 +50,11 @@ and reports "not proven" without one.
 children are all settled has a settling event enabled that lowers its
 unsettled measure (a propagating one is a give-back of the propagated count,
 accepted by every fitting parent, and above it by :meth:`Views.pairs`).
-Settling a deepest unsettled node first then always has a step, and the sum
-of the measures strictly drops: a propagated step leaves an ancestor's
+A copy to or from the store may fail for good, so its success acknowledgement
+does not count as that step (the enumerative check's second pass leaves it
+out; a tree that settles without it settles with it too). Settling a
+deepest unsettled node first then always has a step, and the sum
+of the measures strictly drops (a prune only deletes nodes): a propagated step leaves an ancestor's
 measure as it was (it gains no hold, as only the node fired at does, and by
 side condition 2 it starts, ends and frees no copy there).
 
@@ -59,9 +74,16 @@ from typing import Any
 
 from fsm_cache.errors import NotCompositional
 from fsm_cache.modelcheck import treeops
-from fsm_cache.modelcheck.copies import FREE
+from fsm_cache.modelcheck.copies import FILLING, REMOTE
+from fsm_cache.modelcheck.copies import kind as page_kind
 from fsm_cache.modelcheck.explore import Explorer
-from fsm_cache.modelcheck.invariants import NODE_ONLY, violation_at
+from fsm_cache.modelcheck.invariants import (
+    NODE_ONLY,
+    Check,
+    copies_safe,
+    storage_copies_safe,
+    violation_at,
+)
 from fsm_cache.modelcheck.state import RESIDENCY_REGIONS, Layout, NodeEntry
 from fsm_cache.residency import DEVICE_HELD
 
@@ -72,11 +94,41 @@ View = tuple[int, int, int, int, int, int]
 Info = tuple[int, int, int, bool, int]
 """A local's region-states id, propagated count, unsettled measure, whether dataless, child atoms."""
 
+Key = tuple[int, int, int, int]
+"""What fitting reads of a view: a parent's :meth:`Views.parent_key`, a child's :meth:`Views.child_key`."""
+
+Item = tuple[str, Any, int]
+"""What a step at or through a node shows a fitting neighbour (:meth:`Views.register`).
+
+From a parent: ``(MOVE, states, 0)``, its new region states; ``(ACCEPT,
+event, 0)``, a propagating event (by index) it accepts from below. From a
+child: ``(STEP, outcome, 0)``, one of its own steps: its atoms and count
+before, the propagating event (or ``""``), its atoms and count change
+after, whether it is unsettled and stays, whether it is pruned;
+``(THROUGH, event, change)``, a propagating event from below that reaches
+its parent, with the count change."""
+
+MOVE, ACCEPT, STEP, THROUGH = "move", "accept", "step", "through"
+"""The kinds of :data:`Item`."""
+
 ENUMERATIVE = "use the enumerative check (fsm-cache check without --compositional)"
 """How every refusal of :func:`refusal` ends: the check that covers the spec."""
 
+INSERT = "insert"
+"""A node's own step adding a fresh leaf below it (:func:`~fsm_cache.modelcheck.treeops.insert`)."""
+
+BORN = "born"
+"""A node's own step adding a leaf born below it (:func:`~fsm_cache.modelcheck.treeops.born`)."""
+
+STORAGE = "storage"
+"""The region of the storage tier, the one region besides a residency record's (side condition 4)."""
+
 PROPAGATES = "ancestors"
 """The only ``propagate`` value a transition may take (:class:`~fsm_cache.spec.machine.Transition`)."""
+
+
+STATES_ONLY: frozenset[Check] = frozenset({copies_safe, storage_copies_safe})
+"""The node checks that read its region states alone: a child's states, whatever its counts, keep them."""
 
 
 def _refused(where: str, condition: str, why: str) -> str:
@@ -100,9 +152,12 @@ def refusal(path: str | Path, layout: Layout) -> list[str]:
        children and parent read, nor its pages or holds, which its unsettled
        measure counts);
     3. those counters are exactly the propagating holder counts invariant 6 sums;
-    4. the nodes are residency records with a ``host`` and a ``device`` region
-       and no other (no ``storage``: its prune deletes whole subtrees);
-    5. no births.
+    4. the nodes are residency records: a ``host`` and a ``device`` region,
+       ``pins`` and ``locks``, and a ``storage`` region or no other (its
+       memory tier is what tells a forgettable node, which a prune deletes
+       with the dataless node above it).
+
+    Births (a leaf under any node, or a root) are covered.
 
     No ``--policy`` and no ``--ops`` are the command line's conditions
     (:func:`option_refusal`). The split is not a condition: the prefix's
@@ -136,18 +191,14 @@ def refusal(path: str | Path, layout: Layout) -> list[str]:
                 "carries one sum of its children's counts, so one counter may propagate",
             )
         )
-    if not layout.residency or set(layout.regions) != set(RESIDENCY_REGIONS):
+    if not layout.residency or not set(layout.regions) <= {*RESIDENCY_REGIONS, STORAGE}:
         out.append(
             _refused(
                 where,
-                "4 (two residency regions)",
+                "4 (residency regions)",
                 f"its regions are {', '.join(layout.regions)}, not {' and '.join(RESIDENCY_REGIONS)} "
-                "alone with pins and locks (a storage region's prune deletes whole subtrees)",
+                f"with pins and locks, and no other but {STORAGE}",
             )
-        )
-    if layout.births:
-        out.append(
-            _refused(where, "5 (no births)", f"it declares births {', '.join(layout.births)}")
         )
     return out
 
@@ -247,7 +298,7 @@ def option_refusal(options: dict[str, object]) -> list[str]:
         out.append(
             _refused(
                 f"--policy {options['--policy']}",
-                "6 (no write policy)",
+                "5 (no write policy)",
                 "a policy's acknowledgements change several nodes' states at once",
             )
         )
@@ -255,7 +306,7 @@ def option_refusal(options: dict[str, object]) -> list[str]:
         out.append(
             _refused(
                 f"--ops {options['--ops']}",
-                "7 (the checker's own tree operations)",
+                "6 (the checker's own tree operations)",
                 "an ops module's hooks may read or change any node",
             )
         )
@@ -265,6 +316,17 @@ def option_refusal(options: dict[str, object]) -> list[str]:
 def _forbids(layout: Layout) -> list[Any]:
     system = layout.system
     return [*system.forbids, *(f for _, m in system.regions for f in m.forbids)]
+
+
+def _unions(masks: list[int]) -> set[int]:
+    """Return every union of some of ``masks`` (the empty one included)."""
+    out, todo = {0}, [0]
+    for mask in todo:
+        for more in (mask | m for m in masks):
+            if more not in out:
+                out.add(more)
+                todo.append(more)
+    return out
 
 
 def _submasks(mask: int) -> list[int]:
@@ -314,6 +376,8 @@ class Views:
         self.answers = explorer.answers
         self.trees = explorer.trees
         self.settling = explorer.settling
+        self.completes = explorer.completes
+        self.remote = bool(REMOTE & set(layout.memory.tiers))
         regions = layout.regions
         self.conds = sorted(
             {
@@ -325,6 +389,7 @@ class Views:
             key=repr,
         )
         self.data = 1 << len(self.conds)
+        self.local = self.data << 1
         self.prop = set(layout.holders.propagating)
         self.events = sorted(
             {t.event for _, m in layout.system.regions for t in m.transitions if t.propagate}
@@ -334,25 +399,61 @@ class Views:
         ]
         self.seen: set[View] = set()
         self.work: list[View] = []
-        self.by_ps: dict[int, set[View]] = defaultdict(set)
-        self.by_st: dict[int, set[View]] = defaultdict(set)
+        self._own: dict[int, list[tuple[str, int | None, bool]]] = {}
+        self._rested: dict[tuple[int, int], list[int]] = {}
+        # the pairing of popped views by key (register): each key's views, the keys that
+        # fit it, and the items its views show the other side and those reaching it
+        self.parent_groups: dict[Key, list[View]] = {}
+        self.child_groups: dict[Key, list[View]] = {}
+        self.pkeys: dict[int, list[Key]] = defaultdict(list)
+        self.ckeys: dict[int, list[Key]] = defaultdict(list)
+        self.kids_of: dict[Key, list[Key]] = {}
+        self.parents_of: dict[Key, list[Key]] = {}
+        self.to_kids: dict[Key, set[Item]] = {}
+        self.from_kids: dict[Key, set[Item]] = {}
+        self.to_parents: dict[Key, set[Item]] = {}
+        self.from_parents: dict[Key, set[Item]] = {}
         self.finding: tuple[str, View] | None = None
         self._info: dict[int, Info] = {}
         self._ctx: dict[tuple[int, int, int, int], int] = {}
         fresh = layout.fresh(-1)
         self.fresh = self.trees.lid(fresh[1:])
-        rest = fresh[1 + len(regions) :]
+        self.leaves = [self.fresh] + [self.trees.lid(layout.born(-1, b)[1:]) for b in layout.births]
+        """The locals a new leaf takes: fresh (an insert), then each birth's."""
+        kinds = self._kinds(fresh[1 + len(regions) :])
+        # a representative set of children for each union of child atoms (engine contexts)
+        self.rep: dict[int, tuple[int, ...]] = {0: ()}
+        groups: list[tuple[int, list[int]]] = [(0, [])]
+        for mask, group in groups:
+            for lid in kinds:
+                more = mask | self.info(lid)[4]
+                if more not in self.rep:
+                    kids = [*group, lid]
+                    self.rep[more] = self.trees.order([self.trees.sid(k, ()) for k in kids])
+                    groups.append((more, kids))
+        self.calm = _unions([self.info(lid)[4] for lid in kinds if not self._filling(lid)])
+        """The unions of atoms that settled children may meet."""
+
+    def _kinds(self, rest: NodeEntry) -> list[int]:
+        """Return a local (with ``rest`` after its states) per combination of states a child may be in.
+
+        Those that keep the checks reading states alone (every view is checked).
+        """
+        layout = self.layout
         combos = itertools.product(*(m.state_names for _, m in layout.system.regions))
-        kinds = [self.trees.lid((*st, *rest)) for st in combos]
-        # a representative set of children for each mask of child atoms (engine contexts)
-        self.rep: dict[int, tuple[int, ...]] = {}
-        for k in range(len(self.conds) + 2):
-            for group in itertools.combinations(kinds, k):
-                mask = 0
-                for lid in group:
-                    mask |= self.info(lid)[4]
-                if mask not in self.rep:
-                    self.rep[mask] = self.trees.order([self.trees.sid(lid, ()) for lid in group])
+        return [
+            lid
+            for lid in (self.trees.lid((*st, *rest)) for st in combos)
+            if violation_at(layout, (self.entry(lid),), 0, None, only=STATES_ONLY.__contains__)
+            is None
+        ]
+
+    def _filling(self, lid: int) -> bool:
+        """Whether a local's states claim pages a copy fills: the copy is in flight (``memory_claims``)."""
+        memory, e = self.layout.memory, self.entry(lid)
+        return any(
+            page_kind(memory.claims(t, self.layout.state(e, t))) == FILLING for t in memory.tiers
+        )
 
     def entry(self, lid: int) -> NodeEntry:
         """Return the node entry of a local, as a root."""
@@ -368,8 +469,12 @@ class Views:
             atoms = sum(
                 1 << i for i, (r, ss) in enumerate(self.conds) if self.trees.states[stid][r] in ss
             )
-            if any(layout.memory.claims(t, str(named[t])) != FREE for t in layout.memory.tiers):
+            memory = layout.memory
+            claimed = tuple(memory.claims(t, str(named[t])) for t in memory.tiers)
+            if memory.holds(claimed):
                 atoms |= self.data
+            if memory.local(claimed):  # not forgettable (treeops.forgettable, by its claims)
+                atoms |= self.local
             found = self._info[lid] = (
                 stid,
                 sum(layout.counter(e, c) for c in self.prop),
@@ -393,8 +498,6 @@ class Views:
         if v in self.seen or self.finding:
             return
         self.seen.add(v)
-        self.by_ps[v[0]].add(v)
-        self.by_st[self.info(v[1])[0]].add(v)
         self.work.append(v)
         bad = self.check(v)
         if bad:
@@ -422,6 +525,11 @@ class Views:
             return (
                 "invariant 2: a node holds its data nowhere but cannot be deleted (it has children)"
             )
+        if v[2] & self.local and not self.info(lid)[4] & self.local:
+            return (
+                "compositional: a node holding its data in storage alone has a child holding "
+                "a copy of its own (the views read a pruned subtree off the children alone)"
+            )
         return self.give_backs(v)
 
     def give_backs(self, v: View) -> str | None:
@@ -435,28 +543,31 @@ class Views:
 
     def fits(self, pv: View, cv: View) -> bool:
         """Whether the child view ``cv`` may sit under the parent view ``pv`` in one tree."""
-        _, locks, busy, _, atoms = self.info(cv[1])
-        return bool(
-            pv[3]
-            and cv[0] == self.info(pv[1])[0]
-            and atoms & ~pv[2] == 0
-            and locks <= pv[4]
-            and (pv[5] or not busy)
-        )
+        return bool(pv[3]) and self.keys_fit(self.parent_key(pv), self.child_key(cv))
 
     def parents(self, v: View) -> list[View]:
-        """Return the views that fit above ``v``."""
-        return [p for p in self.by_st[v[0]] if self.fits(p, v)] if v[0] >= 0 else []
+        """Return the views that fit above ``v``, of those paired so far (all, once run).
 
-    def children(self, v: View) -> list[View]:
-        """Return the views that fit below ``v``."""
-        return [c for c in self.by_ps[self.info(v[1])[0]] if self.fits(v, c)]
+        Read from the views grouped by key (:meth:`register`).
+        """
+        if v[0] < 0:
+            return []
+        ck = self.child_key(v)
+        keys = self.parents_of.get(ck)
+        if keys is None:
+            keys = [pk for pk in self.pkeys[ck[0]] if self.keys_fit(pk, ck)]
+        return [p for pk in keys for p in self.parent_groups[pk]]
 
     def own(self, v: View) -> list[tuple[str, int | None, bool]]:
         """Return the node's own steps, each with whether it propagates to the ancestors.
 
-        Each accepted event, a split and an insert below the node.
+        Each accepted event, a split and an insert below the node; they
+        depend on the node's engine context alone, so they are tabled by it.
         """
+        ctx = self.context(v)
+        found = self._own.get(ctx)
+        if found is not None:
+            return found
         out: list[tuple[str, int | None, bool]] = list(self.answers.enabled(self.context(v)))
         layout, e = self.layout, self.entry(v[1])
         prefix = (
@@ -465,21 +576,22 @@ class Views:
             *layout.pages(e),
         )
         out.append(("split", self.trees.lid(prefix), False))
-        if layout.state(e, "device") == "resident":
-            out.append(("insert", None, False))
+        if layout.state(e, "device") == "resident":  # a request computed it below (treeops.insert)
+            out.append((INSERT, self.leaves[0], False))
+        out += [(BORN, lid, False) for lid in self.leaves[1:]]  # under any node (treeops.born)
+        self._own[ctx] = out
         return out
 
     def step_node(self, v: View) -> None:
-        """Add the views a node's own steps give it (and a split's prefix, an insert's leaf)."""
+        """Add the views a node's own steps give it (and a split's prefix, a new leaf's)."""
         ps, lid, ka, kany, ksum, kbusy = v
         for kind, new, _ in self.own(v):
-            if kind == "insert":
-                fi = self.info(self.fresh)  # its count and copies are the spec's initial ones
-                self.add((ps, lid, ka | fi[4], 1, ksum + fi[1], int(kbusy or fi[2] > 0)))
-                self.add((self.info(lid)[0], self.fresh, 0, 0, 0, 0))
-                continue
             assert new is not None
             ni, si = self.info(new), self.info(lid)
+            if kind in (INSERT, BORN):  # its count and copies are the spec's initial ones
+                self.add((ps, lid, ka | ni[4], 1, ksum + ni[1], int(kbusy or ni[2] > 0)))
+                self.add((si[0], new, 0, 0, 0, 0))
+                continue
             if kind == "split":
                 self.add((ni[0], lid, ka, kany, ksum, kbusy))
                 self.add((ps, new, si[4], 1, si[1], int(si[2] > 0)))
@@ -487,52 +599,225 @@ class Views:
                 self.add((ps, new, ka, kany, ksum, kbusy))
 
     def _prunes(self, v: View, kind: str, new: int) -> bool:
-        """Whether ``kind`` takes ``v``'s node, a leaf, to ``new``, a local with no data: it is pruned."""
-        return kind != "split" and self.info(new)[3] and not v[3]
+        """Whether ``kind`` takes ``v``'s node to ``new``, a local with no data, and it is pruned.
 
-    def from_parent(self, cv: View, pv: View) -> None:
-        """Add the views of child ``cv`` after a step of its parent ``pv``."""
-        for kind, new, _ in self.own(pv):
-            if kind == "insert" or new is None:
-                continue
-            if self._prunes(pv, kind, new):
-                continue
-            ni = self.info(new)
-            if ni[0] != cv[0]:
-                self.add((ni[0], *cv[1:]))
+        It is, with the nodes below it, when every node below it is
+        forgettable (:func:`~fsm_cache.modelcheck.treeops.prune`): no child
+        meets the atom of a node that is not, and by :meth:`check` no
+        forgettable node has one that is not, so neither has any node below.
+        """
+        return kind != "split" and self.info(new)[3] and not v[2] & self.local
 
-    def _rests(self, pv: View, old_atoms: int) -> list[int]:
-        """Return the atoms the other children of ``pv`` may meet, besides a child of ``old_atoms``."""
-        ka = pv[2]
-        need = ka & ~old_atoms
-        return [r for r in _submasks(ka) if r & need == need and r in self.rep]
+    def parent_key(self, pv: View) -> Key:
+        """Return what a child's fit reads of a parent view with children: states, atoms, sum, busy."""
+        return (self.info(pv[1])[0], pv[2], pv[4], pv[5])
 
-    def from_child(self, pv: View, cv: View) -> None:
-        """Add the views of parent ``pv`` after a step of its child ``cv`` (or below it)."""
-        ps, lid, _, _, ksum, kbusy = pv
-        ci = self.info(cv[1])
-        rests = self._rests(pv, ci[4])
-        busys = (0, 1) if kbusy else (0,)
+    def child_key(self, cv: View) -> Key:
+        """Return what a parent's fit reads of a child view: parent states, atoms, count, busy."""
+        _, locks, busy, _, atoms = self.info(cv[1])
+        return (cv[0], atoms, locks, int(busy > 0))
+
+    @staticmethod
+    def keys_fit(pk: Key, ck: Key) -> bool:
+        """Whether children of key ``ck`` fit under parents of key ``pk`` (:meth:`fits`)."""
+        return bool(
+            ck[0] == pk[0] and ck[1] & ~pk[1] == 0 and ck[2] <= pk[2] and (pk[3] or not ck[3])
+        )
+
+    def register(self, v: View) -> None:
+        """Pair a popped view with every fitting view, as a parent and as a child.
+
+        A pair's step changes the parent's view in a way that depends on the
+        parent and on an *item* of the child (one of its steps' outcomes, or
+        a propagation it lets through from below), and the child's view in a
+        way that depends on the child and an item of the parent (states a
+        step leaves it in, or a propagation it accepts); whether they fit
+        depends on their keys alone (:meth:`keys_fit`). So the items of each
+        key's views are pooled, pooled items flow along the fitting keys, and
+        each view takes every item that reaches its key: the views of every
+        fitting pair's step, without visiting every pair.
+        """
+        if v[3]:
+            self._register_parent(v)
+        if v[0] >= 0:
+            self._register_child(v)
+
+    def _register_parent(self, v: View) -> None:
+        """:meth:`register` ``v`` as a parent: take its key's items, hand on its own."""
+        pk = self.parent_key(v)
+        group = self.parent_groups.get(pk)
+        if group is None:
+            group = self.parent_groups[pk] = []
+            self.from_kids[pk] = set()
+            self.to_kids[pk] = set()
+            self.pkeys[pk[0]].append(pk)
+            self.kids_of[pk] = [ck for ck in self.ckeys[pk[0]] if self.keys_fit(pk, ck)]
+            for ck in self.kids_of[pk]:
+                self.parents_of[ck].append(pk)
+                self._give_up(pk, self.to_parents[ck])
+        group.append(v)
+        for item in list(self.from_kids[pk]):
+            self.take_from_child(v, item)
+        for item in self._parent_items(v):
+            if item not in self.to_kids[pk]:
+                self.to_kids[pk].add(item)
+                for ck in self.kids_of[pk]:
+                    self._give_down(ck, (item,))
+
+    def _register_child(self, v: View) -> None:
+        """:meth:`register` ``v`` as a child: take its key's items, hand on its own."""
+        ck = self.child_key(v)
+        group = self.child_groups.get(ck)
+        if group is None:
+            group = self.child_groups[ck] = []
+            self.from_parents[ck] = set()
+            self.to_parents[ck] = set()
+            self.ckeys[ck[0]].append(ck)
+            self.parents_of[ck] = [pk for pk in self.pkeys[ck[0]] if self.keys_fit(pk, ck)]
+            for pk in self.parents_of[ck]:
+                self.kids_of[pk].append(ck)
+                self._give_down(ck, self.to_kids[pk])
+        group.append(v)
+        for item in list(self.from_parents[ck]):
+            self.take_from_parent(v, item)
+        for item in self._child_items(v):
+            if item not in self.to_parents[ck]:
+                self.to_parents[ck].add(item)
+                for pk in self.parents_of[ck]:
+                    self._give_up(pk, (item,))
+
+    def _give_down(self, ck: Key, items: Any) -> None:
+        """Hand a parent's items to the children of key ``ck`` (each new one to each child)."""
+        have = self.from_parents[ck]
+        for item in list(items):
+            if item not in have:
+                have.add(item)
+                for cv in list(self.child_groups[ck]):
+                    self.take_from_parent(cv, item)
+
+    def _give_up(self, pk: Key, items: Any) -> None:
+        """Hand a child's items to the parents of key ``pk`` (each new one to each parent)."""
+        have = self.from_kids[pk]
+        for item in list(items):
+            if item not in have:
+                have.add(item)
+                for pv in list(self.parent_groups[pk]):
+                    self.take_from_child(pv, item)
+
+    def _parent_items(self, pv: View) -> list[Item]:
+        """Return what a step at or through ``pv``'s node shows its children.
+
+        The region states a step leaves it in (where it is not pruned), and
+        the propagating events it accepts from below.
+        """
         pc = self.context(pv)
+        return [
+            *((MOVE, up, 0) for up in self._moved(pv)),
+            *(
+                (ACCEPT, i, 0)
+                for i, event in enumerate(self.events)
+                if self.answers.answer(event, pc, False) is not None
+            ),
+        ]
+
+    def _moved(self, pv: View) -> set[int]:
+        """Return the region states a step of ``pv``'s node leaves it in, where it stays."""
+        return {
+            self.info(new)[0]
+            for kind, new, _ in self.own(pv)
+            if kind not in (INSERT, BORN) and new is not None and not self._prunes(pv, kind, new)
+        }
+
+    def take_from_parent(self, cv: View, item: Item) -> None:
+        """Add the views of child ``cv`` after a step of a fitting parent showing ``item``."""
+        kind, arg, _ = item
+        if kind == MOVE:  # the parent's states changed
+            if arg != cv[0]:
+                self.add((arg, *cv[1:]))
+            return
+        through = self._through(cv, self.events[arg])  # the parent accepts it from below cv
+        if through is not None:
+            new, dl = through
+            self.add((cv[0], new, cv[2], 1, cv[4] + dl, cv[5]))
+
+    def _through(self, cv: View, event: str) -> tuple[int, int] | None:
+        """Return the local and count change of ``cv``'s node that ``event`` from below gives it.
+
+        None: it does not reach the node's parent (refused, no change, or a
+        give-back with nothing below to give it back).
+        """
+        if not cv[3]:
+            return None
+        through = self.answers.answer(event, self.context(cv), False)
+        if through is None:
+            return None
+        dl = self.info(through[0])[1] - self.info(cv[1])[1]
+        if dl == 0 or (dl < 0 and cv[4] < 1):
+            return None
+        return through[0], dl
+
+    def _child_items(self, cv: View) -> list[Item]:
+        """Return what a step at or through ``cv``'s node shows its parent.
+
+        Per own step (not a new leaf): its outcome (:data:`Item`); per
+        propagating event it lets through from below, the event and the
+        count change.
+        """
+        ci = self.info(cv[1])
+        out: list[Item] = []
         for kind, new, prop in self.own(cv):
-            if kind == "insert" or new is None:
+            if kind in (INSERT, BORN) or new is None:
                 continue
             ni = self.info(new)
             gone = self._prunes(cv, kind, new)
-            dl = ni[1] - ci[1]
-            for r, b in itertools.product(rests, busys):
-                b2 = 1 if (ni[2] and not gone) else b
-                if gone:
-                    self._child_gone(pv, r, b2, ksum - ci[1])
-                elif not prop:
-                    # the prefix replaces the child, or a step (a count too) stays at the child
-                    self.add((ps, lid, r | ni[4], 1, ksum + dl, b2))
-                else:  # a propagating step at the child reaches this node too
-                    ans = self.answers.answer(kind, pc, False)
-                    if ans is not None:
-                        self.add((ps, ans[0], r | ni[4], 1, ksum + dl, b2))
-        if cv[3]:
-            self._through(pv, cv, pc)
+            busy = bool(ni[2]) and not gone
+            out.append(
+                (STEP, (ci[4], ci[1], kind if prop else "", ni[4], ni[1] - ci[1], busy, gone), 0)
+            )
+        for i, event in enumerate(self.events):
+            through = self._through(cv, event)
+            if through is not None:
+                out.append((THROUGH, i, through[1]))
+        return out
+
+    def _rests(self, ka: int, old_atoms: int) -> list[int]:
+        """Return the atoms the other children of a node of child atoms ``ka`` may meet (tabled).
+
+        Besides a child of ``old_atoms``: those the child does not meet are
+        met by another, and any union of children's atoms may be.
+        """
+        found = self._rested.get((ka, old_atoms))
+        if found is None:
+            need = ka & ~old_atoms
+            found = [r for r in _submasks(ka) if r & need == need and r in self.rep]
+            self._rested[(ka, old_atoms)] = found
+        return found
+
+    def take_from_child(self, pv: View, item: Item) -> None:
+        """Add the views of parent ``pv`` after a step of a fitting child showing ``item``."""
+        kind, arg, dl = item
+        pc = self.context(pv)
+        ps, lid, _, _, ksum, kbusy = pv
+        if kind == THROUGH:  # a propagating step from below the child reaches this node too
+            ans = self.answers.answer(self.events[arg], pc, False)
+            if ans is not None:
+                self.add((ps, ans[0], pv[2], 1, ksum + dl, kbusy))
+            return
+        assert isinstance(arg, tuple)
+        old_atoms, locks, event, atoms, dl, busy, gone = arg
+        for r, b in itertools.product(self._rests(pv[2], old_atoms), (0, 1) if kbusy else (0,)):
+            if not b and r not in self.calm:  # settled other children meet calm atoms alone
+                continue
+            b2 = 1 if busy else b
+            if gone:
+                self._child_gone(pv, r, b2, ksum - locks)
+            elif not event:
+                # the prefix replaces the child, or a step (a count too) stays at the child
+                self.add((ps, lid, r | atoms, 1, ksum + dl, b2))
+            else:  # a propagating step at the child reaches this node too
+                ans = self.answers.answer(event, pc, False)
+                if ans is not None:
+                    self.add((ps, ans[0], r | atoms, 1, ksum + dl, b2))
 
     def _child_gone(self, pv: View, rest: int, busy: int, ksum: int) -> None:
         """Add the views of ``pv`` after its child was pruned, other children meeting ``rest``."""
@@ -542,28 +827,12 @@ class Views:
         if rest & self.data:  # other children hold data (else they were pruned)
             self.add((ps, lid, rest, 1, ksum, busy))
 
-    def _through(self, pv: View, cv: View, pc: int) -> None:
-        """Add the views a propagating step from below ``cv`` gives ``pv`` and ``cv``."""
-        ci = self.info(cv[1])
-        cc = self.context(cv)
-        for event in self.events:
-            through = self.answers.answer(event, cc, False)
-            if through is None:
-                continue
-            dl = self.info(through[0])[1] - ci[1]
-            if dl == 0 or (dl < 0 and cv[4] < 1):
-                continue
-            ans = self.answers.answer(event, pc, False)
-            if ans is not None:
-                self.add((pv[0], ans[0], pv[2], 1, pv[4] + dl, pv[5]))
-                self.add((cv[0], through[0], cv[2], 1, cv[4] + dl, cv[5]))
-
     def pairs(self) -> tuple[str, View] | None:
         """Return a propagating give-back of a locked child that a fitting parent refuses."""
-        for cv in self.seen:
-            if self.info(cv[1])[1] < 1:
+        for pk, group in self.parent_groups.items():
+            if not any(ck[2] >= 1 for ck in self.kids_of[pk]):  # no locked child fits
                 continue
-            for pv in self.parents(cv):
+            for pv in group:
                 for e in self.gives:
                     if self.answers.answer(e, self.context(pv), False) is None:
                         return f"invariant 6: {e} propagated to an ancestor is refused", pv
@@ -575,22 +844,35 @@ class Views:
             before = self.info(v[1])[2]
             if v[5] or not before:
                 continue
-            if not any(self.settles(v, ev) for ev in self.answers.enabled(self.context(v))):
+            enabled = self.answers.enabled(self.context(v))
+            if not any(self.settles(v, ev) for ev in enabled):
                 e = self.entry(v[1])
                 shown = ", ".join(f"{r} {self.layout.state(e, r)}" for r in self.layout.regions)
+                if any(self.settles(v, ev, failed=False) for ev in enabled):
+                    return (
+                        f"liveness: a node can never settle where its copy to or from the "
+                        f"store fails ({shown})",
+                        v,
+                    )
                 return f"liveness: a node can never settle ({shown})", v
         return None
 
-    def settles(self, v: View, enabled: tuple[str, int, bool]) -> bool:
+    def settles(self, v: View, enabled: tuple[str, int, bool], *, failed: bool = True) -> bool:
         """Whether an enabled event settles the node of ``v``: lowers its measure, is accepted.
 
         A propagating one must be accepted by the parent (every fitting view)
         and by the ancestors above it, which :meth:`pairs` checks for the
         give-backs of a propagating count alone (the parent holds one then):
-        any other propagating event is not taken to settle.
+        any other propagating event is not taken to settle. ``failed``: the
+        success of a copy whose failure is final (to or from the store) is
+        not taken either, so one rule decides both passes of the enumerative
+        liveness check (:func:`~fsm_cache.modelcheck.liveness.passes`): a
+        tree that settles where those copies fail settles where they complete.
         """
         event, new, propagates = enabled
         if event not in self.settling or self.info(new)[2] >= self.info(v[1])[2]:
+            return False
+        if failed and event in self.completes:
             return False
         return not propagates or (
             event in self.gives
@@ -619,6 +901,8 @@ class Views:
         met = [a for i, a in enumerate(atoms) if v[2] >> i & 1]
         if v[2] & self.data:
             met.append("a child holds data")
+        if v[2] & self.local and self.remote:
+            met.append("a child holds a copy of its own")
         return (
             f"node ({node}); parent ({parent}); children: {'yes' if v[3] else 'none'}"
             f"{' (' + '; '.join(met) + ')' if met else ''}, their "
@@ -636,15 +920,12 @@ class Views:
             for kany in (0, 1):
                 kids = (fi[4], 1, fi[1], int(fi[2] > 0)) if kany else (0, 0, 0, 0)
                 self.add((ps, self.fresh, *kids))
+        for born in self.leaves[1:]:  # a birth under the radix root (treeops.born)
+            self.add((-1, born, 0, 0, 0, 0))
         while self.work and not self.finding:
             v = self.work.pop()
             self.step_node(v)
-            for pv in self.parents(v):
-                self.from_parent(v, pv)
-                self.from_child(pv, v)
-            for cv in self.children(v):
-                self.from_child(v, cv)
-                self.from_parent(cv, v)
+            self.register(v)
         found = self.finding or self.pairs() or self.liveness()
         seconds = time.process_time() - started
         if found is None:
