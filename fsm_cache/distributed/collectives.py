@@ -218,9 +218,10 @@ class Collectives:
     def all_gather_object(self, obj: T, what: str = DIVERGENCE_REPORT) -> list[T]:
         """Return every rank's ``obj`` (picklable), in rank order.
 
-        Pickled and gathered as words: first the sizes, then the bytes, each
-        timed, so that it waits at most twice ``timeout``
-        (``dist.all_gather_object`` would wait for the group's own timeout).
+        Pickled and gathered as words: first the sizes (a row), then the bytes
+        (a row, and the rest in one more gather), each timed, so that it waits
+        at most three times ``timeout`` (``dist.all_gather_object`` would wait
+        for the group's own timeout).
 
         Args:
             obj: This rank's object.
