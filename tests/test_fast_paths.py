@@ -69,6 +69,33 @@ class TestTokenKey:
         assert key == (5, 6, 7)
         assert all(type(t) is int for t in key)
 
+    def test_ids_that_stand_for_ints_are_held_as_ints(self) -> None:
+        import numpy as np
+
+        ids = torch.arange(100, 104)
+        for given in (list(ids), [100, *list(ids[1:3]), 103], [np.int64(i) for i in range(100, 104)]):
+            key = TokenKey(given)
+            assert key == (100, 101, 102, 103)
+            assert [type(t) for t in key] == [int] * 4
+
+    def test_a_bool_tensor_among_the_ids_is_refused(self) -> None:
+        with pytest.raises(BadArgument) as caught:
+            TokenKey([7, *list(torch.tensor([True, False]))])
+        assert str(caught.value) == "TokenKey: tokens[1] is tensor(True), not an int"
+
+    def test_a_list_of_tensor_ids_matches_what_it_inserted(self) -> None:
+        """A list(tensor) of ids was kept as tensors, hashed by identity: never matched again."""
+        cache = make(page=2)
+        ids = torch.arange(100, 108)
+        assert cache.insert(list(ids)) == 0
+        cache.insert([1, 2, 3, 4])  # another walk: the tree's last walk no longer answers
+        assert cache.match_prefix(list(ids)).device_len == 8
+        assert cache.match_prefix(ids.tolist()).device_len == 8
+        free = cache.tiers.device.allocator.free_pages
+        assert cache.insert(ids.tolist()) == 8
+        assert cache.tiers.device.allocator.free_pages == free  # not cached twice
+        assert {type(t) for node in cache.tree for t in node.key} == {int}
+
     def test_a_cache_answers_a_key_as_it_answers_the_list(self) -> None:
         rng = random.Random(3)
         prompts = [[rng.randrange(1000) for _ in range(12)] for _ in range(3)]

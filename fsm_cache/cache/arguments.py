@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeAlias
 
 from fsm_cache.cache.tree import RadixTree, TreeNode
 from fsm_cache.errors import BadArgument, StaleNode
-from fsm_cache.numeric import as_index
+from fsm_cache.numeric import as_index, boolean
 
 
 class TokenArray(Protocol):
@@ -77,6 +77,10 @@ def ints(value: object, op: str, what: str) -> tuple[int, ...]:
     at = _first_bool(out, words)
     if at is not None:
         raise BadArgument(f"{op}: {what}[{at}] is {out[at]!r}, not an int")
+    # sum keeps an int over ints and bools only: a 0-d tensor or a numpy int among the
+    # ids (a list(tensor)) turns it into one of those; one pass in C either way
+    if type(sum(out)) is not int:
+        return _standing_for_ints(out, words, op, what)
     return out
 
 
@@ -149,6 +153,27 @@ def _first_bool(out: tuple[int, ...], words: array.array[int]) -> int | None:
                 break
             at = lowest.find(small, at + 1)
     return first
+
+
+def _standing_for_ints(
+    out: tuple[object, ...], words: array.array[int], op: str, what: str
+) -> tuple[int, ...]:
+    """Return the ids ``out`` stands for as Python ints; ``words`` is it packed.
+
+    An id that is not an int but converts to one (``__index__``: a 0-d
+    tensor, a numpy integer, what iterating a tensor or an array gives) is
+    kept as its int. Kept as it came, a tensor would hash by identity: the
+    prefix would never be matched again, and inserting it again would cache
+    the same tokens twice.
+
+    Raises:
+        BadArgument: An id is a bool of another kind (a 0-d bool tensor),
+            which ``array('Q')`` packs as 0 or 1.
+    """
+    for i, item in enumerate(out):
+        if boolean(item):
+            raise BadArgument(f"{op}: {what}[{i}] is {item!r}, not an int")
+    return tuple(words)
 
 
 def _text_like(value: object) -> bool:
