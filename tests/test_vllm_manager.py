@@ -439,6 +439,129 @@ def test_every_call_refuses_what_is_no_request_context(
     assert (dict(m.records), m.records[K[0]].host, m.records[K[0]].pins, list(m.free)) == before
 
 
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda m, c: m.prepare_load(K[0], c),
+            f"prepare_load: keys must be an iterable of offload keys (bytes), got {K[0]!r} (bytes)",
+        ),
+        (
+            lambda m, c: m.complete_load(K[0], c),
+            "complete_load: keys must be an iterable of offload keys (bytes), "
+            f"got {K[0]!r} (bytes)",
+        ),
+        (
+            lambda m, c: m.prepare_store(K[3], c),
+            "prepare_store: keys must be an iterable of offload keys (bytes), "
+            f"got {K[3]!r} (bytes)",
+        ),
+        (
+            lambda m, c: m.complete_store(K[2], c),
+            "complete_store: keys must be an iterable of offload keys (bytes), "
+            f"got {K[2]!r} (bytes)",
+        ),
+        (
+            lambda m, c: m.complete_store(K[2], c, success=False),
+            "complete_store: keys must be an iterable of offload keys (bytes), "
+            f"got {K[2]!r} (bytes)",
+        ),
+        (
+            lambda m, c: m.touch(K[1], c),
+            f"touch: keys must be an iterable of offload keys (bytes), got {K[1]!r} (bytes)",
+        ),
+        (
+            lambda m, c: m.prepare_load(bytearray(K[0]), c),
+            "prepare_load: keys must be an iterable of offload keys (bytes), "
+            f"got {bytearray(K[0])!r} (bytearray)",
+        ),
+        (
+            lambda m, c: m.prepare_store("0000000000000003/0", c),
+            "prepare_store: keys must be an iterable of offload keys (bytes), "
+            "got '0000000000000003/0' (str)",
+        ),
+        (
+            lambda m, c: m.complete_load(None, c),
+            "complete_load: keys must be an iterable of offload keys (bytes), got None (NoneType)",
+        ),
+        (
+            lambda m, c: m.prepare_load([K[1], 7], c),
+            "prepare_load: keys must be offload keys (bytes), got 7 (int) at position 1",
+        ),
+        (
+            lambda m, c: m.complete_load(iter([K[0], "k"]), c),
+            "complete_load: keys must be offload keys (bytes), got 'k' (str) at position 1",
+        ),
+        (
+            lambda m, c: m.complete_store([K[2], bytearray(K[2])], c),
+            "complete_store: keys must be offload keys (bytes), "
+            f"got {bytearray(K[2])!r} (bytearray) at position 1",
+        ),
+        (
+            lambda m, c: m.touch([[K[1]]], c),
+            f"touch: keys must be offload keys (bytes), got {[K[1]]!r} (list) at position 0",
+        ),
+    ],
+)
+@pytest.mark.parametrize("strict", [False, True])
+def test_every_call_refuses_what_is_no_list_of_keys(
+    ctx: RequestContext,
+    strict: bool,
+    call: Callable[[CheckedOffloadingManager, RequestContext], object],
+    message: str,
+) -> None:
+    """A bare key is iterable too: its items are ints, which no call may take for keys.
+
+    vLLM's calls take an iterable of keys; one key passed instead would look
+    its bytes up (and fail building its own refusal), or, in a tolerant
+    ``complete_store``, count a duplicate acknowledgement per byte.
+    """
+    m = CheckedOffloadingManager(4, events=True, strict=strict)
+    stored(m, [K[0], K[1]], ctx)
+    m.prepare_load([K[0]], ctx)
+    m.prepare_store([K[2]], ctx)
+    before, scratch = snapshot(m), repr(ctx.scratch)
+    with pytest.raises(BadArgument) as refused:
+        call(m, ctx)
+    assert str(refused.value) == message
+    assert (snapshot(m), repr(ctx.scratch)) == (before, scratch)
+
+
+def test_a_refusal_names_what_is_no_key() -> None:
+    assert block_label(7) == "7"
+    assert block_label([b"ab"]) == "[b'ab']"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"num_chunks": 1.5}, "num_chunks must be an int >= 0, got 1.5 (float)"),
+        ({"num_chunks": "4"}, "num_chunks must be an int >= 0, got '4' (str)"),
+        ({"num_chunks": None}, "num_chunks must be an int >= 0, got None (NoneType)"),
+        ({"num_chunks": -3}, "num_chunks must be an int >= 0, got -3 (int)"),
+        ({"num_chunks": True}, "num_chunks must be an int >= 0, got True (bool)"),
+        ({"store_threshold": -1}, "store_threshold must be an int >= 0, got -1 (int)"),
+        ({"store_threshold": 2.0}, "store_threshold must be an int >= 0, got 2.0 (float)"),
+        ({"max_tracker_size": 0}, "max_tracker_size must be an int >= 1, got 0 (int)"),
+        ({"max_tracker_size": "64"}, "max_tracker_size must be an int >= 1, got '64' (str)"),
+    ],
+)
+def test_the_counts_are_refused_at_construction(options: dict[str, Any], message: str) -> None:
+    """A bad count failed only later: 1.5 chunks evicted a block, then raised a TypeError."""
+    options.setdefault("num_chunks", 4)
+    with pytest.raises(BadArgument) as refused:
+        CheckedOffloadingManager(**options)
+    assert str(refused.value) == f"CheckedOffloadingManager: {message}"
+
+
+def test_the_least_counts_are_taken(ctx: RequestContext) -> None:
+    m = CheckedOffloadingManager(0, store_threshold=0, max_tracker_size=1)
+    assert m.prepare_store([K[0]], ctx) is None
+    m = CheckedOffloadingManager(1, store_threshold=2, max_tracker_size=1)
+    assert m.prepare_store([K[0]], ctx) == StoreOutput([], [], [])
+    assert m.prepare_store([K[0]], RequestContext("req-1")) == StoreOutput([K[0]], [0], [])
+
+
 def test_a_finished_request_may_not_bring_new_keys(ctx: RequestContext) -> None:
     m = CheckedOffloadingManager(4)
     m.on_new_request(ctx)

@@ -49,6 +49,7 @@ vLLM's calls: ``touch`` up to 0.33, none from 0.34 on.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import heapq
 import importlib
@@ -56,7 +57,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, NoReturn, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeGuard, TypeVar
 
 from fsm_cache.engine import trail
 from fsm_cache.engine.codegen import Refusal
@@ -108,12 +109,15 @@ def offload_system() -> System:
     )
 
 
-def block_label(key: bytes) -> str:
+def block_label(key: object) -> str:
     """Name an offload key in messages: ``<block hash hex>/<KV group>``.
 
     vLLM's ``OffloadKey`` is the block hash followed by the 4-byte big-endian
-    KV-group index; a key of 4 bytes or fewer is shown as plain hex.
+    KV-group index; a key of 4 bytes or fewer is shown as plain hex, and
+    anything that is no key by its ``repr``, so a refusal naming it is made.
     """
+    if not isinstance(key, bytes):
+        return repr(key)
     if len(key) <= 4:
         return key.hex()
     return f"{key[:-4].hex()}/{int.from_bytes(key[-4:], 'big')}"
@@ -368,6 +372,17 @@ class Recency:
         self.counter = 0
 
 
+# The least value of each of the manager's counts. vLLM's manager takes any int and
+# misbehaves below these: negative chunks store nothing, a tracker of no entries never
+# lets a block reach a store_threshold of 2 or more.
+_LEAST = {"num_chunks": 0, "store_threshold": 0, "max_tracker_size": 1}
+
+
+def _is_count(value: object, name: str) -> TypeGuard[int]:
+    """Whether ``value`` may be the manager's ``name`` (an int, not a bool, >= its least)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= _LEAST[name]
+
+
 def _accepting(engine: Engine, event: str) -> frozenset[str]:
     """Return the host states in which the spec accepts ``event`` (pinned probed with one pin).
 
@@ -410,6 +425,10 @@ class CheckedOffloadingManager:
         engine: The compiled host machine (:func:`offload_system`).
         duplicate_acks: ``complete_store`` keys ignored because no store of them
             was in flight (vLLM's tolerated duplicates; refused in strict mode).
+
+    Raises:
+        BadArgument: ``num_chunks`` or ``store_threshold`` is not an int >= 0,
+            or ``max_tracker_size`` not an int >= 1 (bools are not ints here).
     """
 
     def __init__(
@@ -425,6 +444,18 @@ class CheckedOffloadingManager:
         failure_events: bool = True,
         count_offers_once: bool = True,
     ) -> None:
+        counts = {
+            "num_chunks": num_chunks,
+            "store_threshold": store_threshold,
+            "max_tracker_size": max_tracker_size,
+        }
+        for name, value in counts.items():
+            if not _is_count(value, name):
+                msg = (
+                    f"{type(self).__name__}: {name} must be an int >= {_LEAST[name]}, "
+                    f"got {value!r} ({type(value).__name__})"
+                )
+                raise BadArgument(msg)
         self.num_chunks = num_chunks
         self.strict = strict
         self.store_threshold = store_threshold
@@ -516,10 +547,11 @@ class CheckedOffloadingManager:
         Raises:
             NoHostCopy: A key has no record or its store is still in flight
                 (vLLM asserts "not found" / "not ready"); nothing changed.
-            BadArgument: The request was already finished, or ``req_context``
-                is not a request context; nothing changed.
+            BadArgument: ``keys`` is no iterable of keys (one key, say), the
+                request was already finished, or ``req_context`` is not a
+                request context; nothing changed.
         """
-        keys, records = list(keys), self.records
+        keys, records = _listed_keys("prepare_load", keys), self.records
         for key in keys:
             rec = records.get(key)
             if rec is None or rec.host not in self._readable:
@@ -544,10 +576,11 @@ class CheckedOffloadingManager:
         bound to 0.34 has none).
 
         Raises:
-            BadArgument: ``req_context`` is not a request context; nothing changed.
+            BadArgument: ``keys`` is no iterable of keys, or ``req_context`` is
+                not a request context; nothing changed.
         """
         _check_context("touch", req_context)
-        self.recency.touch(keys)
+        self.recency.touch(_listed_keys("touch", keys))
 
     def complete_load(self, keys: Iterable[bytes], req_context: ReqContextLike) -> None:
         """Fire ``load_done`` on every key; a block whose last load ends becomes evictable.
@@ -563,10 +596,11 @@ class CheckedOffloadingManager:
                 or one for a block never loaded; vLLM asserts "ref_cnt is
                 already 0" or "not found"), or none of this request's (vLLM
                 accepts it); nothing changed.
-            BadArgument: ``req_context`` is not a request context; nothing changed.
+            BadArgument: ``keys`` is no iterable of keys, or ``req_context`` is
+                not a request context; nothing changed.
         """
         _check_context("complete_load", req_context)
-        keys, records = list(keys), self.records
+        keys, records = _listed_keys("complete_load", keys), self.records
         wanted = Counter(keys)
         if len(wanted) != len(keys):
             self._check_repeated(keys, self._load_done)
@@ -596,12 +630,12 @@ class CheckedOffloadingManager:
         then but the access bookkeeping, as in vLLM).
 
         Raises:
-            BadArgument: A key offered twice, the request was already
-                finished and a key it never saw would be recorded (vLLM
-                asserts), or ``req_context`` is not a request context;
-                nothing changed.
+            BadArgument: ``keys`` is no iterable of keys, a key offered
+                twice, the request was already finished and a key it never
+                saw would be recorded (vLLM asserts), or ``req_context`` is
+                not a request context; nothing changed.
         """
-        keys = list(keys)
+        keys = _listed_keys("prepare_store", keys)
         if len(set(keys)) != len(keys):
             msg = f"prepare_store offered a key twice: {[block_label(k) for k in keys]}"
             raise BadArgument(msg)
@@ -654,12 +688,14 @@ class CheckedOffloadingManager:
         Raises:
             DuplicateAck: Strict mode, and a key has no store of this request's
                 in flight; nothing changed.
-            BadArgument: ``req_context`` is not a request context (``complete_store(keys,
-                False)`` would otherwise store what failed); nothing changed.
+            BadArgument: ``keys`` is no iterable of keys (one key would count a
+                duplicate per byte), or ``req_context`` is not a request context
+                (``complete_store(keys, False)`` would otherwise store what
+                failed); nothing changed.
         """
         _check_context("complete_store", req_context)
         accepted = self._storing if success else self._failing
-        keys, records = list(keys), self.records
+        keys, records = _listed_keys("complete_store", keys), self.records
         request = self._held(req_context)
         storing: set[bytes] = request.storing if request is not None else set()
         if self.strict:
@@ -971,6 +1007,53 @@ class CheckedOffloadingManager:
             self.recency.access(new, positions, request)
 
 
+_ONLY_KEYS = frozenset({bytes})
+_NOT_A_KEY_LIST = (bytes, bytearray, memoryview, str)
+
+
+def _listed_keys(call: str, keys: Iterable[bytes]) -> list[bytes]:
+    """List a call's ``keys`` (walked once, as vLLM walks them), refusing what is no keys.
+
+    A bare key is iterable too, its items ints: ``prepare_load(key, ctx)``
+    would look its bytes up and ``complete_store(key, ctx)`` count each one
+    as a duplicate acknowledgement. The common all-``bytes`` list is checked
+    by its items' types alone.
+
+    Raises:
+        BadArgument: ``keys`` is one key (bytes, bytearray, memoryview or str)
+            or not iterable, or an item is not bytes.
+    """
+    if isinstance(keys, _NOT_A_KEY_LIST):
+        _refuse_keys(call, keys)
+    try:
+        walk = iter(keys)
+    except TypeError:
+        _refuse_keys(call, keys)
+    listed = list(walk)
+    if not _ONLY_KEYS.issuperset(map(type, listed)):
+        for position, key in enumerate(listed):
+            if not isinstance(key, bytes):
+                msg = (
+                    f"{call}: keys must be offload keys (bytes), got {key!r} "
+                    f"({type(key).__name__}) at position {position}"
+                )
+                raise BadArgument(msg)
+    return listed
+
+
+def _refuse_keys(call: str, keys: object) -> NoReturn:
+    """Refuse ``keys`` that are no iterable of keys (:func:`_listed_keys`).
+
+    Raises:
+        BadArgument: Always.
+    """
+    msg = (
+        f"{call}: keys must be an iterable of offload keys (bytes), "
+        f"got {keys!r} ({type(keys).__name__})"
+    )
+    raise BadArgument(msg)
+
+
 def _check_context(call: str, req_context: object) -> None:
     """Refuse a ``req_context`` that is not a request context (:class:`ReqContextLike`).
 
@@ -1232,6 +1315,33 @@ def _flag(extra: Mapping[str, Any], name: str) -> bool | None:
     raise BadArgument(msg)
 
 
+def _count(extra: Mapping[str, Any], name: str, default: int) -> int:
+    """Read a count of ``kv_connector_extra_config`` as vLLM does (``int()``), checked.
+
+    vLLM takes whatever ``int()`` takes: ints, and digits in a string from the
+    command line. A whole float is taken as its int; a fraction, another type,
+    or a value below the manager's least (``_LEAST``) is refused here, naming
+    the key, rather than failing in ``int()`` or in the manager.
+
+    Raises:
+        BadArgument: The value is no integer, or below the least.
+    """
+    value = extra.get(name, default)
+    found: object = value
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            found = int(value)
+    elif isinstance(value, float) and value.is_integer():
+        found = int(value)
+    if not _is_count(found, name):
+        msg = (
+            f"kv_connector_extra_config[{name!r}] must be an integer >= {_LEAST[name]}, "
+            f"got {value!r}"
+        )
+        raise BadArgument(msg)
+    return found
+
+
 def _spec_class(cpu_spec: Any, manager: type) -> type:
     """Build ``FsmCpuOffloadingSpec``: vLLM's CPU spec with the checked manager."""
 
@@ -1241,7 +1351,8 @@ def _spec_class(cpu_spec: Any, manager: type) -> type:
         Only ``get_manager`` differs: vLLM's GPU<->CPU worker, sizing and
         metrics definitions are the parent's. ``kv_connector_extra_config``
         keys read here: ``fsm_strict`` (refuse what vLLM tolerates) and
-        ``fsm_trail`` (name call sites in refusals), besides vLLM's own.
+        ``fsm_trail`` (name call sites in refusals), besides vLLM's own
+        (``store_threshold`` and ``max_tracker_size`` checked, :func:`_count`).
         """
 
         def get_manager(self) -> Any:
@@ -1250,8 +1361,8 @@ def _spec_class(cpu_spec: Any, manager: type) -> type:
                 extra = self.extra_config
                 options: dict[str, Any] = {
                     "events": self.kv_events_config.enable_kv_cache_events,
-                    "store_threshold": int(extra.get("store_threshold", 0)),
-                    "max_tracker_size": int(extra.get("max_tracker_size", 64_000)),
+                    "store_threshold": _count(extra, "store_threshold", 0),
+                    "max_tracker_size": _count(extra, "max_tracker_size", 64_000),
                     "strict": _flag(extra, "fsm_strict") is True,
                     "trail": _flag(extra, "fsm_trail"),
                 }

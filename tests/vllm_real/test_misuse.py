@@ -160,6 +160,42 @@ def test_a_key_offered_twice_in_one_store(vl: Vllm) -> None:
     assert _snapshot(ours) == before
 
 
+def test_a_bare_key_where_the_keys_go(vl: Vllm) -> None:
+    """One key passed for the keys: vLLM walks its bytes as keys, and ignores them on completion.
+
+    vLLM's ``complete_store(key, ctx)`` finds no block for any byte and leaves
+    the store in flight for good; ours refuses every such call, naming it.
+    """
+    ctx, key = vl.context("r"), vl.key(7)
+    theirs = vl.theirs(4)
+    theirs.prepare_store([key], ctx)
+    theirs.complete_store(key, ctx)
+    assert _gauge(theirs, "write_usage") == 0.25
+
+    ours = vl.ours(4, strict=True)
+    ours.prepare_store([key], ctx)
+    before = _snapshot(ours)
+    for call in (ours.prepare_load, ours.complete_load, ours.prepare_store, ours.complete_store):
+        with pytest.raises(BadArgument) as refused:
+            call(key, ctx)
+        assert str(refused.value) == (
+            f"{call.__name__}: keys must be an iterable of offload keys (bytes), "
+            f"got {key!r} (bytes)"
+        )
+    assert _snapshot(ours) == before
+    ours.complete_store([key], ctx)
+    assert ours.records[key].host == "backed"
+
+
+def test_a_count_that_is_no_int_is_refused_at_construction(vl: Vllm) -> None:
+    """vLLM's manager takes 1.5 chunks, and fails on a store after evicting a block."""
+    with pytest.raises(BadArgument) as refused:
+        vl.ours(1.5)  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        "FsmOffloadingManager: num_chunks must be an int >= 0, got 1.5 (float)"
+    )
+
+
 def test_new_keys_for_a_finished_request(vl: Vllm) -> None:
     """vLLM asserts after it has pinned the load; ours refuses before anything changes."""
     ctx, key, seen = vl.context("r"), vl.key(1), vl.key(2)
@@ -483,3 +519,33 @@ def test_the_spec_refuses_a_flag_that_is_no_on_off_word(vl: Vllm) -> None:
     assert str(refused.value) == (
         "kv_connector_extra_config['fsm_strict'] must be true or false, got 'maybe'"
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "least"),
+    [
+        ("store_threshold", "abc", 0),
+        ("store_threshold", 2.5, 0),
+        ("store_threshold", "-1", 0),
+        ("store_threshold", True, 0),
+        ("max_tracker_size", "0", 1),
+        ("max_tracker_size", None, 1),
+    ],
+)
+def test_the_spec_refuses_a_count_that_is_no_integer(
+    vl: Vllm, name: str, value: object, least: int
+) -> None:
+    """vLLM's spec reads the counts with ``int()``: ``'abc'`` fails there, 2.5 becomes 2."""
+    extra = {"cpu_bytes_to_use": 64 * 4096, name: value}
+    with pytest.raises(BadArgument) as refused:
+        vl.fsm.FsmCpuOffloadingSpec(_offloading_config(vl, extra)).get_manager()
+    assert str(refused.value) == (
+        f"kv_connector_extra_config[{name!r}] must be an integer >= {least}, got {value!r}"
+    )
+
+
+def test_the_spec_reads_counts_as_vllm_does(vl: Vllm) -> None:
+    """Digits in a string (the command line's) and a whole float are counts, as in vLLM."""
+    extra = {"cpu_bytes_to_use": 64 * 4096, "store_threshold": " 3", "max_tracker_size": 8.0}
+    ours = vl.fsm.FsmCpuOffloadingSpec(_offloading_config(vl, extra)).get_manager()
+    assert (ours.store_threshold, ours.max_tracker_size) == (3, 8)
