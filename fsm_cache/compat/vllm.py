@@ -57,7 +57,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, NoReturn, Protocol, TypeGuard, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from fsm_cache.engine import trail
 from fsm_cache.engine.codegen import Refusal
@@ -69,6 +69,7 @@ from fsm_cache.errors import (
     InvariantViolation,
     NotLoading,
 )
+from fsm_cache.numeric import whole
 from fsm_cache.spec.machine import System
 from fsm_cache.spec.shipped import host_machine
 
@@ -378,11 +379,6 @@ class Recency:
 _LEAST = {"num_chunks": 0, "store_threshold": 0, "max_tracker_size": 1}
 
 
-def _is_count(value: object, name: str) -> TypeGuard[int]:
-    """Whether ``value`` may be the manager's ``name`` (an int, not a bool, >= its least)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= _LEAST[name]
-
-
 def _accepting(engine: Engine, event: str) -> frozenset[str]:
     """Return the host states in which the spec accepts ``event`` (pinned probed with one pin).
 
@@ -450,7 +446,7 @@ class CheckedOffloadingManager:
             "max_tracker_size": max_tracker_size,
         }
         for name, value in counts.items():
-            if not _is_count(value, name):
+            if not whole(value, _LEAST[name]):
                 msg = (
                     f"{type(self).__name__}: {name} must be an int >= {_LEAST[name]}, "
                     f"got {value!r} ({type(value).__name__})"
@@ -1333,7 +1329,7 @@ def _count(extra: Mapping[str, Any], name: str, default: int) -> int:
             found = int(value)
     elif isinstance(value, float) and value.is_integer():
         found = int(value)
-    if not _is_count(found, name):
+    if not whole(found, _LEAST[name]):
         msg = (
             f"kv_connector_extra_config[{name!r}] must be an integer >= {_LEAST[name]}, "
             f"got {value!r}"
