@@ -582,22 +582,39 @@ def _get(store: Store, keys: Sequence[str], shape: tuple[int, ...]) -> StoreResu
     Wrong KV is never used, and a page left in the store would be found, read
     and refused again at every lookup: a torn or foreign page and one of
     another shape or dtype are dropped alike, keeping the pages before it.
+    The pages read again before a torn one are checked as a whole read's are:
+    the first of another shape or dtype ends the prefix there.
     """
+    error = None
     try:
         pages = store.get(keys)
+        outcome = "ok" if len(pages) == len(keys) else "missing"
     except CorruptPage as exc:
         at = keys.index(exc.key) if exc.key in keys else 0
         later = isinstance(exc, LaterFormatPage)
         if not later:  # a newer version's page is whole: it stays for the servers that read it
             _drop_bad(store, exc.key)
         pages = store.get(keys[:at]) if at else []
-        return StoreResult(len(pages), pages, "later_format" if later else "corrupt", str(exc))
+        outcome, error = "later_format" if later else "corrupt", str(exc)
+    foreign = _foreign(pages, shape)
+    if foreign is not None:
+        at, problem = foreign
+        _drop_bad(store, keys[at])
+        return StoreResult(at, pages[:at], "corrupt", problem)
+    return StoreResult(len(pages), pages, outcome, error)
+
+
+def _foreign(pages: Sequence[torch.Tensor], shape: tuple[int, ...]) -> tuple[int, str] | None:
+    """Return the first page not of a host page's ``shape`` and dtype (uint8) and why, or None.
+
+    ``copy_`` into a host page would broadcast one of a smaller shape (a page
+    of another layout, written whole into every slot of it) instead of
+    refusing it: only an exact match is a host page's KV.
+    """
     for i, page in enumerate(pages):
         if tuple(page.shape) != shape or page.dtype != torch.uint8:
-            _drop_bad(store, keys[i])
-            problem = f"page {i} is {page.dtype} {tuple(page.shape)}, not uint8 {shape}"
-            return StoreResult(i, pages[:i], "corrupt", problem)
-    return StoreResult(len(pages), pages, "ok" if len(pages) == len(keys) else "missing")
+            return i, f"page {i} is {page.dtype} {tuple(page.shape)}, not uint8 {shape}"
+    return None
 
 
 def _drop_bad(store: Store, key: str) -> None:
