@@ -6,15 +6,20 @@ review found in how the tier treats what a store gives back.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import fakeredis
+import pytest
 import redis
+import torch
 
+from fsm_cache.cache import storage_tier
 from fsm_cache.cache.hicache import HiCache
-from fsm_cache.cache.storage_tier import StorageConfig
-from fsm_cache.memory.tiers import CacheConfig
+from fsm_cache.cache.storage_tier import StorageConfig, StoreResult
+from fsm_cache.errors import CopyFailed, InvariantViolation
+from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
 from fsm_cache.storage import LocalFileStore, RedisStore, Store
 
 
@@ -90,3 +95,143 @@ def test_a_torn_page_the_store_cannot_drop_still_ends_the_prefix_before_it() -> 
     assert reader.log.storage_acks() == [("prefetch", ((1, "fetch", 1, "corrupt"),))]
     assert raw.exists(name)  # left for a read that may drop it
     assert reader.match_prefix(toks).host_len == PAGE  # the intact page stays cached
+
+
+def stored(store: Store, toks: list[int]) -> list[str]:
+    """Store ``toks``' pages through a writing cache; return their keys."""
+    writer = cache(store)
+    writer.insert(toks)
+    writer.poll()  # the host backup lands: the store starts
+    writer.poll()  # the store lands
+    return list(writer.storage.keys_of(next(iter(writer.tree))))  # type: ignore[union-attr]
+
+
+def fetched(reader: HiCache, toks: list[int]) -> list[tuple[int, str, str]]:
+    """Look ``toks`` up, apply what was fetched, check the cache; return each node's state.
+
+    Each node is (tokens, host state, storage state); the KV of every host
+    prefix matched is loaded to the device and compared with what was written.
+    """
+    reader.match_prefix(toks)
+    reader.poll()
+    reader.check_invariants()
+    assert reader.storage.idle()  # type: ignore[union-attr]
+    found = reader.match_prefix(toks)
+    if found.host_len:
+        assert reader.load_back(found.last_host_node) is not None
+        reader.poll()
+        found = reader.match_prefix(toks)
+    kv = reader.tiers.read_device(list(found.device_pages))
+    assert torch.equal(kv, synthetic_kv(reader.tiers.device.layout, toks[: found.device_len]))
+    return [(len(n.key), n.host, n.storage) for n in reader.tree]
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait"])
+@pytest.mark.parametrize("wrong", ["half a page", "flat"])
+def test_a_page_of_another_shape_before_a_torn_one_ends_the_prefix(
+    tmp_path: Path, wrong: str, policy: str
+) -> None:
+    """The pages read again before a torn page are checked for shape and dtype too.
+
+    They were not: a page of half a host page's shape (one of its two planes)
+    was broadcast into the host page (wrong KV served for its tokens), and a
+    flat page of the same bytes made the host write raise out of the poll
+    (or of the waiting lookup), leaving two nodes reading with no copy in flight.
+    """
+    store = LocalFileStore(tmp_path)
+    toks = list(range(1000, 1000 + 4 * PAGE))
+    keys = stored(store, toks)
+    page = store.get(keys[1:2])[0]
+    store.drop(keys[1:2])
+    store.put(keys[1:2], [page[:, :1].clone() if wrong == "half a page" else page.reshape(-1)])
+    torn = store.path(keys[3])
+    torn.write_bytes(torn.read_bytes()[:-8])
+    reader = cache(store, prefetch_policy=policy)
+    assert fetched(reader, toks) == [(PAGE, "backed", "stored")]  # as with no torn page
+    origin = "prefetch" if policy == "wait" else "poll"
+    assert reader.log.storage_acks()[0] == (origin, ((1, "fetch", 1, "corrupt"),))
+    assert dict(reader.stats().storage_failures) == {"fetch:corrupt": 1}
+    assert store.exists_prefix(keys) == 1  # the page of another shape was dropped
+    assert reader.tiers.host.allocator.free_pages == 32 - 1
+
+
+class NoDataPages(LocalFileStore):
+    """A local store whose reads give pages with no data (on the meta device): copy_ raises."""
+
+    def get(self, keys: Sequence[str]) -> list[torch.Tensor]:
+        return [page.to("meta") for page in super().get(keys)]
+
+
+def unwritten(reader: HiCache, toks: list[int], policy: str) -> CopyFailed:
+    """Look ``toks`` up and apply the fetch, which raises; return its error, the cache checked.
+
+    The fetch's nodes failed (nothing is left reading with no copy in flight)
+    and were removed, their host pages freed.
+    """
+    if policy == "wait":
+        with pytest.raises(CopyFailed) as failed:
+            reader.match_prefix(toks)  # the lookup applies the fetch
+    else:
+        assert reader.match_prefix(toks).storage_len == len(toks)
+        with pytest.raises(CopyFailed) as failed:
+            reader.poll()
+    reader.check_invariants()
+    assert reader.storage.idle()  # type: ignore[union-attr]
+    assert list(reader.tree) == []
+    assert reader.tiers.host.allocator.free_pages == 32
+    origin = "prefetch" if policy == "wait" else "poll"
+    assert reader.log.storage_acks() == [(origin, ((1, "fetch", 0, "failed"),))]
+    assert dict(reader.stats().storage_failures) == {"fetch:failed": 1}
+    return failed.value
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait"])
+def test_a_fetch_whose_pages_cannot_be_written_fails_its_nodes(tmp_path: Path, policy: str) -> None:
+    """An error of torch's while writing fetched pages to the host fails the fetch, typed.
+
+    It was raised as it came, after the copy had left the tier: its nodes
+    stayed fetching and reading, with no copy in flight, for ever.
+    """
+    toks = list(range(1000, 1000 + 3 * PAGE))
+    keys = stored(LocalFileStore(tmp_path), toks)
+    store = NoDataPages(tmp_path)
+    reader = cache(store, prefetch_policy=policy)
+    error = unwritten(reader, toks, policy)
+    cause = error.__cause__
+    assert isinstance(cause, NotImplementedError)
+    assert str(error) == (
+        "storage: fetch 1: its pages could not be written to the host: "
+        f"NotImplementedError: {cause}"
+    )
+    assert store.exists_prefix(keys) == 3  # the store is not at fault: its pages stay
+    assert not reader.storage.backoff.closed  # type: ignore[union-attr]  # lookups ask it still
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait"])
+def test_the_host_write_never_broadcasts_a_page_of_another_shape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
+    """Should a read pass on a page of another shape, the host write refuses it.
+
+    ``copy_`` broadcast a page of half a host page's shape into it: the fetch
+    landed, and the cache served KV that is not its tokens'.
+    """
+    store = LocalFileStore(tmp_path)
+    toks = list(range(1000, 1000 + 2 * PAGE))
+    keys = stored(store, toks)
+    page = store.get(keys[1:2])[0]
+    store.drop(keys[1:2])
+    store.put(keys[1:2], [page[:, :1].clone()])
+
+    def unchecked(store: Store, keys: Sequence[str], shape: tuple[int, ...]) -> StoreResult:
+        pages = store.get(keys)
+        return StoreResult(len(pages), pages, "ok")
+
+    monkeypatch.setattr(storage_tier, "_get", unchecked)
+    error = unwritten(cache(store, prefetch_policy=policy), toks, policy)
+    assert isinstance(error.__cause__, InvariantViolation)
+    assert str(error) == (
+        "storage: fetch 1: its pages could not be written to the host: InvariantViolation: "
+        "storage: a fetch's pages do not fit the host: "
+        "page 1 is torch.uint8 (1, 1, 4, 1, 8), not uint8 (1, 2, 4, 1, 8)"
+    )

@@ -284,6 +284,9 @@ class HiCache:
             BadArgument: ``tokens`` is not a sequence of non-negative ints (a 1-d
                 tensor or array is fine; a bool is no token id), or ``namespace``
                 is unhashable.
+            CopyFailed: The prefetch waited for (``wait``, ``timeout``) read
+                pages that could not be written to the host; the fetch was
+                applied as failed, as in :meth:`poll`.
         """
         key = arguments.ints(tokens, "match_prefix", "tokens")
         namespace = arguments.namespace(namespace, "match_prefix")
@@ -1043,6 +1046,11 @@ class HiCache:
 
         With a storage tier, also the finished copies to and from the store,
         and those that passed ``io_timeout`` unanswered, as failures.
+
+        Raises:
+            CopyFailed: A storage fetch's pages could not be written to the
+                host; it was applied as failed (its nodes settled), and so was
+                every other copy.
         """
         with self._operation("poll"):
             applied = self._transfers.apply(self._transfers.collect(wait=False), "poll")

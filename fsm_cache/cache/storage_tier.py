@@ -78,6 +78,7 @@ from fsm_cache.engine.core import Effect
 from fsm_cache.errors import (
     BadArgument,
     ConfigError,
+    CopyFailed,
     CorruptPage,
     EffectFailed,
     IllegalTransition,
@@ -357,8 +358,9 @@ class StoreResult:
         outcome: ``ok``, ``full`` (the store had no room), ``missing`` (the store
             no longer held a page), ``corrupt`` (a page read back torn or
             foreign; the worker dropped it), ``later_format`` (a page a newer
-            version wrote; left stored), ``failed`` (the store raised, or the
-            copy could not be started) or
+            version wrote; left stored), ``failed`` (the store raised, the
+            copy could not be started, or a fetch's pages could not be
+            written to the host) or
             ``timeout`` (no answer within ``io_timeout``); under tensor-parallel
             agreement also ``peer_failed`` or ``peer_missing``: this rank
             landed more pages, another rank's copy stopped first (``missing``:
@@ -582,22 +584,39 @@ def _get(store: Store, keys: Sequence[str], shape: tuple[int, ...]) -> StoreResu
     Wrong KV is never used, and a page left in the store would be found, read
     and refused again at every lookup: a torn or foreign page and one of
     another shape or dtype are dropped alike, keeping the pages before it.
+    The pages read again before a torn one are checked as a whole read's are:
+    the first of another shape or dtype ends the prefix there.
     """
+    error = None
     try:
         pages = store.get(keys)
+        outcome = "ok" if len(pages) == len(keys) else "missing"
     except CorruptPage as exc:
         at = keys.index(exc.key) if exc.key in keys else 0
         later = isinstance(exc, LaterFormatPage)
         if not later:  # a newer version's page is whole: it stays for the servers that read it
             _drop_bad(store, exc.key)
         pages = store.get(keys[:at]) if at else []
-        return StoreResult(len(pages), pages, "later_format" if later else "corrupt", str(exc))
+        outcome, error = "later_format" if later else "corrupt", str(exc)
+    foreign = _foreign(pages, shape)
+    if foreign is not None:
+        at, problem = foreign
+        _drop_bad(store, keys[at])
+        return StoreResult(at, pages[:at], "corrupt", problem)
+    return StoreResult(len(pages), pages, outcome, error)
+
+
+def _foreign(pages: Sequence[torch.Tensor], shape: tuple[int, ...]) -> tuple[int, str] | None:
+    """Return the first page not of a host page's ``shape`` and dtype (uint8) and why, or None.
+
+    ``copy_`` into a host page would broadcast one of a smaller shape (a page
+    of another layout, written whole into every slot of it) instead of
+    refusing it: only an exact match is a host page's KV.
+    """
     for i, page in enumerate(pages):
         if tuple(page.shape) != shape or page.dtype != torch.uint8:
-            _drop_bad(store, keys[i])
-            problem = f"page {i} is {page.dtype} {tuple(page.shape)}, not uint8 {shape}"
-            return StoreResult(i, pages[:i], "corrupt", problem)
-    return StoreResult(len(pages), pages, "ok" if len(pages) == len(keys) else "missing")
+            return i, f"page {i} is {page.dtype} {tuple(page.shape)}, not uint8 {shape}"
+    return None
 
 
 def _drop_bad(store: Store, key: str) -> None:
@@ -850,13 +869,23 @@ class StorageTier:
         """Apply finished (or timed-out) copies in order: log them, then fire their events.
 
         A copy the worker has not answered by now is failed as ``timeout``; an
-        answer that comes later is ignored. Returns how many were applied.
+        answer that comes later is ignored. A fetch's pages are written to its
+        host slots before anything is applied (:meth:`_land`); one whose pages
+        could not be is applied as ``failed``, so its nodes settle, and the
+        error is raised once every copy was applied. Returns how many were applied.
+
+        Raises:
+            CopyFailed: A fetch's pages could not be written to the host; its
+                nodes failed as after a store that raised, and the other copies
+                were applied.
         """
         if not copies:
             return 0
-        outcomes = [(copy, self._result(copy)) for copy in copies]
+        answered = [(copy, self._result(copy)) for copy in copies]
+        down = self._down(answered)  # the store's answers: a page not written is not its fault
+        unwritten: list[tuple[StorageCopy, Exception]] = []
+        outcomes = [(copy, self._land(copy, result, unwritten)) for copy, result in answered]
         self._core.log.storage(origin, [(c.number, c.kind, r.held, r.outcome) for c, r in outcomes])
-        down = self._down(outcomes)
         if not down:
             if not self.backoff.closed:  # a trial, or none needed: a later failure is a new row
                 self.backoff.answered()  # (while closed, a slow query's fetch still lands)
@@ -874,7 +903,39 @@ class StorageTier:
                 self._apply_store(copy, result)
             else:
                 self._apply_fetch(copy, result)
+        if unwritten:
+            copy, exc = unwritten[0]
+            raise CopyFailed(
+                f"storage: fetch {copy.number}: its pages could not be written to the host: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         return len(outcomes)
+
+    def _land(
+        self,
+        copy: StorageCopy,
+        result: StoreResult,
+        unwritten: list[tuple[StorageCopy, Exception]],
+    ) -> StoreResult:
+        """Write a fetch's pages into its nodes' host slots; return the result to apply.
+
+        Written before the copy leaves :attr:`_copies` and before any event
+        fires (check, then act): a fetch whose pages cannot be written (a page
+        the worker should have refused, an error of torch's) lands no page,
+        and is applied as ``failed`` so that its nodes settle instead of
+        staying ``reading`` with no copy in flight; the error is added to
+        ``unwritten`` for :meth:`apply` to raise.
+        """
+        if copy.kind != "fetch" or not result.held:
+            return result
+        slots = [page for node in copy.nodes for page in node.host_pages][: result.held]
+        try:
+            self._write_host(slots, result.pages)
+        except Exception as exc:  # torch's, or a page _get should have refused
+            unwritten.append((copy, exc))
+            why = f"not written to the host: {type(exc).__name__}: {exc}"
+            return StoreResult(0, [], "failed", why)
+        return result
 
     def _down(self, outcomes: Sequence[tuple[StorageCopy, StoreResult]]) -> list[int]:
         """Return the numbers of the copies applied that failed as a store that is down fails one.
@@ -935,12 +996,8 @@ class StorageTier:
                     self.maybe_store(child)
 
     def _apply_fetch(self, copy: StorageCopy, result: StoreResult) -> None:
-        done, failed = self._split_at(copy, result.held)
-        at = 0
+        done, failed = self._split_at(copy, result.held)  # the pages landed already (_land)
         for node in done:
-            count = len(node.host_pages)
-            self._write_host(node.host_pages, result.pages[at : at + count])
-            at += count
             self._core.fire(node, "fetch_done")
             for child in list(node.children.values()):  # recomputed under it meanwhile
                 self._transfers.maybe_backup(child)
@@ -961,8 +1018,18 @@ class StorageTier:
                     self._transfers.maybe_backup(child)
 
     def _write_host(self, pages: Sequence[int], data: Sequence[torch.Tensor]) -> None:
-        """Copy pages read from the store into host slots, one pass each (no staging copy)."""
+        """Copy pages read from the store into host slots, one pass each (no staging copy).
+
+        Raises:
+            InvariantViolation: Not one page for each slot, or a page not of a
+                host page's shape and dtype, which ``copy_`` would broadcast
+                (the worker refuses such a page: :func:`_get`); nothing was written.
+        """
         host = self._tiers.host.pages
+        foreign = _foreign(data, tuple(host.shape[1:]))
+        if len(data) != len(pages) or foreign is not None:
+            why = f"{len(data)} pages for {len(pages)} slots" if foreign is None else foreign[1]
+            raise InvariantViolation(f"storage: a fetch's pages do not fit the host: {why}")
         for page, page_data in zip(pages, data, strict=True):
             host[page].copy_(page_data)
 
