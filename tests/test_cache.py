@@ -776,6 +776,34 @@ class TestMisuseFoundByReview:
         assert cache.tiers.host.allocator.free_pages == free + 1
         assert cache.match_prefix(tokens(0, 4)).host_len == 0
 
+    def test_a_fired_unlock_of_a_lock_only_a_child_holds_is_refused(self) -> None:
+        """The spec's guard is locks >= 1; a child's lock counted in its parent passed it."""
+        cache = make()
+        cache.insert(tokens(0, 8))
+        parent = cache.match_prefix(tokens(0, 4)).last_device_node
+        cache.insert([*tokens(0, 4), *tokens(100, 4)])  # splits: the parent holds 4 tokens
+        child = cache.match_prefix([*tokens(0, 4), *tokens(100, 4)]).last_device_node
+        parent = child.parent
+        assert parent is not None
+        lease = cache.lock(child)
+        log = len(cache.log.entries)
+        with pytest.raises(BadArgument) as caught:
+            cache.fire("unlock", parent)
+        assert str(caught.value) == (
+            f"fire: unlock would take a lock of node {parent.id}'s children (locks=1, every "
+            "one held by a node under it): unlock the node a lock was taken on"
+        )
+        assert (parent.locks, child.locks, len(cache.log.entries)) == (
+            1,
+            1,
+            log,
+        )  # refused before it was logged
+        cache.fire("lock", parent)  # a lock of its own may be fired off again
+        cache.fire("unlock", parent)
+        cache.unlock(lease)
+        assert (parent.locks, child.locks) == (0, 0)
+        cache.check_invariants()
+
     @pytest.mark.parametrize(
         ("call", "message"),
         [

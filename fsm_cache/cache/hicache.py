@@ -839,6 +839,8 @@ class HiCache:
         would hold no host page (and count in no figure). An acknowledgement
         the spec would take means the node's copy is in flight (the spec allows
         it only then), and firing it by hand would part the node from that copy.
+        An unlock of a node whose every lock is a child's would leave the child
+        holding locks its ancestor no longer counts.
         """
         if node.parent is None:
             raise BadArgument(
@@ -852,6 +854,12 @@ class HiCache:
                 f"fire: write would back node {node.id} up before its parent, node {parent.id},"
                 f" which holds no host copy ({parent.host}): under {self.policy.value} a parent"
                 " is backed up first, and backup() leaves the node until then"
+            )
+        if event == "unlock" and 0 < node.locks <= invariants.children_locks(node):
+            raise BadArgument(
+                f"fire: unlock would take a lock of node {node.id}'s children (locks="
+                f"{node.locks}, every one held by a node under it): unlock the node a lock"
+                " was taken on"
             )
         acknowledgement = event in ACKNOWLEDGEMENTS or event in STORAGE_ACKNOWLEDGEMENTS
         if acknowledgement and self._core.allowed(node, event):

@@ -212,8 +212,17 @@ def _eviction_honoured(node: TreeNode, write_through: bool) -> tuple[int, str] |
     return None
 
 
+def children_locks(node: TreeNode) -> int:
+    """The locks ``node``'s children hold: ``node`` holds each of them too.
+
+    A lock is taken on a node and every ancestor below the root, so a node's
+    locks are at least its children's (invariant 6); those above are its own.
+    """
+    return sum(child.locks for child in node.children.values())
+
+
 def _locks_propagate(node: TreeNode, _: bool) -> tuple[int, str] | None:
-    below = sum(child.locks for child in node.children.values())
+    below = children_locks(node)
     if node.locks < below:
         return 6, f"{node.locks} locks but its children hold {below}"
     return None
