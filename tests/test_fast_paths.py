@@ -13,6 +13,7 @@ import random
 from array import array
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -70,11 +71,13 @@ class TestTokenKey:
         assert all(type(t) is int for t in key)
 
     def test_ids_that_stand_for_ints_are_held_as_ints(self) -> None:
-        import numpy as np
-
         ids = torch.arange(100, 104)
-        for given in (list(ids), [100, *list(ids[1:3]), 103], [np.int64(i) for i in range(100, 104)]):
-            key = TokenKey(given)
+        for passed in (
+            list(ids),
+            [100, *list(ids[1:3]), 103],
+            [np.int64(i) for i in range(100, 104)],
+        ):
+            key = TokenKey(passed)
             assert key == (100, 101, 102, 103)
             assert [type(t) for t in key] == [int] * 4
 
