@@ -780,7 +780,6 @@ class TestMisuseFoundByReview:
         """The spec's guard is locks >= 1; a child's lock counted in its parent passed it."""
         cache = make()
         cache.insert(tokens(0, 8))
-        parent = cache.match_prefix(tokens(0, 4)).last_device_node
         cache.insert([*tokens(0, 4), *tokens(100, 4)])  # splits: the parent holds 4 tokens
         child = cache.match_prefix([*tokens(0, 4), *tokens(100, 4)]).last_device_node
         parent = child.parent
