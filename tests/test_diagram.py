@@ -330,6 +330,19 @@ def test_mermaid_of_a_machine_has_no_refusal_note(specs: Path) -> None:
     assert "note" not in render(door(specs), "mermaid")
 
 
+@pytest.mark.parametrize("ending", ["\r", "\n", "\r\n"])
+def test_a_line_ending_in_a_doc_stays_in_its_table_cell(specs: Path, ending: str) -> None:
+    """A lone carriage return (a TOML ``\\r`` escape) ends a line in CommonMark too."""
+    source = DOOR.replace(
+        'doc = "Shut."', f'doc = "Shut{ending.encode("unicode_escape").decode()}tight."'
+    )
+    assert source != DOOR
+    (specs / "door.toml").write_text(source, encoding="utf-8")
+    text = render(door(specs), "md")
+    assert "| `closed` (initial) | `holds == 0` | Shut<br>tight. |\n" in text
+    assert "\r" not in text
+
+
 def test_markdown_of_a_composition_lists_each_region_then_the_cross_refusals(specs: Path) -> None:
     """The composition's own ``doc`` comes first: it was in no format at all."""
     text = render(doorway(specs), "md")

@@ -118,9 +118,13 @@ def _md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+_LINE_ENDING = re.compile(r"\r\n?|\n")
+"""CommonMark's line endings: a lone carriage return ends a line too."""
+
+
 def _cell(text: str) -> str:
     """Return ``text`` fit for one table cell: a ``|`` escaped, line breaks as ``<br>``."""
-    return text.replace("|", "\\|").replace("\r\n", "<br>").replace("\n", "<br>")
+    return _LINE_ENDING.sub("<br>", text.replace("|", "\\|"))
 
 
 def _state(name: str, here: set[str], label: str = "") -> str:
