@@ -179,7 +179,7 @@ def test_trail_mode_compiles_a_copy_of_each_fast_event_that_notes_its_caller() -
     assert dict(compile_system(system, refuser).direct) == {}
     compiled = compile_system(system, refuser, trail=True)
     assert list(compiled.direct) == list(compiled.verbs) == ["open", "close"]
-    assert compiled.direct["open"].__name__ == "_fire_open_at_caller"
+    assert compiled.direct["open"].__name__ == "_direct_open"
     # Called from dispatch code, the copy names it; the walking verb names its caller.
     helper: dict[str, Any] = {}
     exec(compile("def dispatch(verb, rec):\n    verb(rec)\n", "<dispatch>", "exec"), helper)
@@ -196,6 +196,31 @@ def test_trail_mode_compiles_a_copy_of_each_fast_event_that_notes_its_caller() -
         ("open", trail.Site("<dispatch>", 2, "dispatch")),
         ("close", trail.Site(__file__, line, inspect.stack()[0].function)),
     )
+
+
+def test_trail_mode_keeps_an_event_named_like_another_events_caller_copy_apart() -> None:
+    """``open_at_caller`` once took the name of ``open``'s copy that notes its caller, and ran it."""
+    spec = {
+        "machine": {"name": "gate", "initial": "shut"},
+        "states": {"shut": {}, "open": {}},
+        "transition": [
+            {"event": "open", "source": "shut", "dest": "open"},
+            {"event": "open_at_caller", "source": "open", "dest": "shut"},
+        ],
+        "forbid": [
+            {"event": "open", "source": "open", "error": "GateJammed", "reason": "already open"},
+            {"event": "open_at_caller", "source": "shut", "error": "GateJammed", "reason": "shut"},
+        ],
+    }
+    engine = Engine(spec_from_dict(spec), trail=True)
+    rec = engine.new(1)
+    assert str(refused(engine, rec, "open_at_caller")).startswith(
+        "instance 1: open_at_caller refused in shut: shut"
+    )
+    assert rec.state == "shut"
+    engine.fire(rec, "open")
+    engine.fire(rec, "open_at_caller")
+    assert rec.state == "shut"
 
 
 def test_a_walking_verb_with_only_dispatch_frames_below_names_the_outermost() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import enum
 import itertools
 import json
 import os
@@ -26,7 +27,7 @@ from fsm_cache.contracts.generate import generate
 from fsm_cache.contracts.runner import Contract, Options, Row
 from fsm_cache.engine.core import Engine
 from fsm_cache.errors import FsmCacheError, IllegalTransition, SpecError
-from fsm_cache.spec.loader import load_spec
+from fsm_cache.spec.loader import load_spec, spec_from_dict
 from fsm_cache.spec.machine import System, as_system
 from fsm_cache.spec.meaning import step
 from fsm_cache.spec.shipped import load_shipped, residency_system, spec_dir
@@ -114,6 +115,123 @@ def test_device_spec_confirmed_over_all_paths(tmp_path: Path) -> None:
     assert {r.status for r in rows} == {crosshair_run.CONFIRMED}
     assert {r.function for r in rows} == set(residency_system().machines["device"].event_names)
     assert "lock changes locks by exactly +1" in {r.contract for r in rows if r.function == "lock"}
+
+
+_DOOR = """\
+[machine]
+name = "door"
+initial = "shut"
+
+[states]
+shut = {}
+open = {}
+
+[[transition]]
+event = "swing"
+source = "shut"
+dest = "open"
+
+[[transition]]
+event = "swing"
+source = "open"
+dest = "shut"
+"""
+
+
+def _bell(counter: str) -> str:
+    """A machine that counts its rings in ``counter``."""
+    return f"""\
+[machine]
+name = "bell"
+initial = "quiet"
+
+[counters]
+{counter} = 0
+
+[states]
+quiet = {{}}
+ringing = {{}}
+
+[[transition]]
+event = "ring"
+source = "quiet"
+dest = "ringing"
+update = "{counter} += 1"
+
+[[transition]]
+event = "ring"
+source = "ringing"
+dest = "quiet"
+"""
+
+
+def _house(door: str, when: str) -> str:
+    """A composition of a door (as region ``door``) and the bell, ring refused ``when``."""
+    forbid = f'\n[[forbid]]\nevent = "ring"\nwhen = "{when}"\nerror = "Open"\nreason = "open"\n'
+    return f"""\
+[composition]
+name = "house"
+
+[composition.regions]
+{door} = "door.toml"
+bell = "bell.toml"
+{forbid if when else ""}"""
+
+
+# Names the loader accepts that once made the module the generated code broke on: a
+# parameter for the parent's or a child's state named as a counter, a region named as
+# a method's receiver, a state Enum refuses as a member name.
+_CLASHES = {
+    "a counter named as the parent's state": ("parent_door", "door", "parent door in [open]"),
+    "a counter named as a child's state": ("child1_door", "door", "any child door in [open]"),
+    "a region named self": ("rings", "self", ""),
+    "a state named mro": ("rings", "door", ""),
+}
+
+
+@pytest.mark.parametrize("case", list(_CLASHES))
+def test_names_the_loader_accepts_are_verified(tmp_path: Path, case: str) -> None:
+    counter, door, when = _CLASHES[case]
+    (tmp_path / "door.toml").write_text(
+        _DOOR.replace("shut", "mro") if case.endswith("mro") else _DOOR
+    )
+    (tmp_path / "bell.toml").write_text(_bell(counter))
+    path = tmp_path / "house.toml"
+    path.write_text(_house(door, when))
+    module = generate(as_system(load_spec(path)), path)
+    compile(module.source, "contracts_house.py", "exec")
+    rows = verify.verify_spec(path, Options(), tmp_path)
+    assert {r.function for r in rows} == {"swing", "ring"}
+    assert {r.status for r in rows} == {crosshair_run.CONFIRMED}
+
+
+def test_a_neighbours_state_named_as_a_counter_is_spelled_apart(tmp_path: Path) -> None:
+    (tmp_path / "door.toml").write_text(_DOOR)
+    (tmp_path / "bell.toml").write_text(_bell("parent_door"))
+    path = tmp_path / "house.toml"
+    path.write_text(_house("door", "parent door in [open]"))
+    module = generate(as_system(load_spec(path)), path)
+    assert (
+        "def _event_ring(door: _DoorState, bell: _BellState, parent_door: int, "
+        "_parent_door: _Optional[_DoorState]) -> _Result:"
+    ) in module.source
+
+
+def test_a_state_enum_refuses_is_a_member_no_state_is_named() -> None:
+    spec = {
+        "machine": {"name": "lamp", "initial": "mro"},
+        "states": {"mro": {}, "mro_": {}},
+        "transition": [
+            {"event": "turn", "source": "mro", "dest": "mro_"},
+            {"event": "turn", "source": "mro_", "dest": "mro"},
+        ],
+    }
+    module = generate(as_system(spec_from_dict(spec)), "lamp.toml")
+    line = "_State = _enum.Enum('State', [('mro__', 'mro'), ('mro_', 'mro_')])"
+    assert f"\n{line}\n" in module.source
+    made: dict[str, Any] = {"_enum": enum}
+    exec(line, made)
+    assert [m.value for m in made["_State"]] == ["mro", "mro_"]
 
 
 _HOST_MUTANTS = {

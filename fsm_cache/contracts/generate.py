@@ -271,8 +271,31 @@ def _enum_name(region: str) -> str:
     return "State" if region == "state" else f"{region.capitalize()}State"
 
 
+_ENUM_REFUSES = frozenset({"mro"})
+"""The names :class:`enum.Enum` refuses as member names that a spec's state may take."""
+
+
+def _members(machine: MachineSpec, states: Collection[str]) -> list[tuple[str, str]]:
+    """Return an enum's ``(member name, state)`` pairs for ``states`` of ``machine``.
+
+    A member is named as its state, but for a name Enum refuses (``mro``), which
+    takes ``_`` after it until no state of the machine is so named (``mro_``):
+    its value is still the state, which is all the module reads of it.
+    """
+    taken = set(machine.state_names)
+    out = []
+    for state in states:
+        name = state
+        if name in _ENUM_REFUSES:
+            name += "_"
+            while name in taken:
+                name += "_"
+        out.append((name, state))
+    return out
+
+
 def _enum(region: str, machine: MachineSpec) -> str:
-    members = [(s, s) for s in machine.state_names]
+    members = _members(machine, machine.state_names)
     name = _enum_name(region)
     return f"\n_{name} = _enum.Enum({name!r}, {members!r})\n"
 
@@ -291,8 +314,8 @@ def _harness(system: System) -> str:
     slots = ("id", "trail", "parent", "children", *regions, *counters)
     view = (
         f"\n\nclass _Rec_view:\n    __slots__ = {tuple(regions)!r}\n\n"
-        f"    def __init__(self, {', '.join(f'{r}=None' for r in regions)}):\n"
-        + "".join(f"        self.{r} = {r}\n" for r in regions)
+        f"    def __init__(_self, {', '.join(f'{r}=None' for r in regions)}):\n"
+        + "".join(f"        _self.{r} = {r}\n" for r in regions)
     )
     return view + _HARNESS.format(
         slots=", ".join(repr(s) for s in slots),
@@ -353,10 +376,11 @@ def family_states(system: System, event: str, region: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class _Child:
-    """A parameter of a checked function: one region's state of one child.
+    """A parameter of a checked function: one region's state of the parent or of one child.
 
     Attributes:
-        name: ``child1_host`` is the host state of the first child.
+        name: ``child1_host`` is the host state of the first child, ``parent_host``
+            the parent's (:func:`_param`).
         region: The region whose state it is.
         kind: Its enum: every state of the region, or, for a child after the
             first where families take classes, the region's :func:`family_states`.
@@ -395,12 +419,32 @@ def _children(system: System, event: str, classes: bool, extra: bool) -> list[li
     """
     regions = _context(system, event, "child")
     needed = children_needed(system, event)
-    kids = [[_Child(f"child1_{r}", r, f"_{_enum_name(r)}") for r in regions]]
+    kids = [[_Child(_param(system, f"child1_{r}"), r, f"_{_enum_name(r)}") for r in regions]]
     for i in range(2, needed + (2 if extra and not classes else 1)):
         by_class = classes or i > needed
         kinds = {r: _family_enum(event, r) if by_class else f"_{_enum_name(r)}" for r in regions}
-        kids.append([_Child(f"child{i}_{r}", r, kinds[r]) for r in regions])
+        kids.append([_Child(_param(system, f"child{i}_{r}"), r, kinds[r]) for r in regions])
     return kids if regions else []
+
+
+def _parent(system: System, event: str) -> list[_Child]:
+    """Return the parent's states ``event``'s function is given: one per region its rules read."""
+    return [
+        _Child(_param(system, f"parent_{r}"), r, f"_{_enum_name(r)}")
+        for r in _context(system, event, "parent")
+    ]
+
+
+def _param(system: System, name: str) -> str:
+    """Return ``name`` as a parameter of a checked function: ``_name`` where the spec takes it.
+
+    A checked function's own parameters are the spec's regions and counters,
+    so a counter named ``parent_door`` or ``child1_host`` would share a name
+    with the parent's or a child's state; no name of a spec starts with ``_``
+    (:data:`fsm_cache.spec.machine.NAME`), so ``_parent_door`` is free. Names
+    no spec takes stay as they are, which is how counterexamples show them.
+    """
+    return f"_{name}" if name in {n for n, _ in (*system.regions, *system.counters)} else name
 
 
 def _family(system: System, event: str, child: _Child) -> str:
@@ -408,7 +452,8 @@ def _family(system: System, event: str, child: _Child) -> str:
 
     It shows the name the region's own enum does, so a counterexample reads alike.
     """
-    members = [(s, s) for s in family_states(system, event, child.region)]
+    machine = system.machines[child.region]
+    members = _members(machine, family_states(system, event, child.region))
     return f"{child.kind} = _enum.Enum({_enum_name(child.region)!r}, {members!r})\n\n"
 
 
@@ -420,13 +465,14 @@ def _family_enum(event: str, region: str) -> str:
 def _checked(system: System, event: str, verb: str, classes: bool, *, extra: bool) -> str:
     regions = [r for r, _ in system.regions]
     counters = [c for c, _ in system.counters]
-    parent = _context(system, event, "parent")
+    parent = _parent(system, event)
     kids = _children(system, event, classes, extra)
     params = [f"{r}: _{_enum_name(r)}" for r in regions] + [f"{c}: int" for c in counters]
-    params += [f"parent_{r}: _Optional[_{_enum_name(r)}]" for r in parent]
-    params += [f"{k.name}: _Optional[{k.kind}]" for kid in kids for k in kid]
+    params += [f"{k.name}: _Optional[{k.kind}]" for kid in (parent, *kids) for k in kid]
     values = [f"{r}.value" for r in regions] + counters
-    parent_view = f"_view({', '.join(f'{r}=_v(parent_{r})' for r in parent)})" if parent else "None"
+    parent_view = (
+        f"_view({', '.join(f'{k.region}=_v({k.name})' for k in parent)})" if parent else "None"
+    )
     child_views = [f"_view({', '.join(f'{k.region}=_v({k.name})' for k in kid)})" for kid in kids]
     children = f"[c for c in [{', '.join(child_views)}] if c is not None]"
     runner = "_plan" if verb.startswith("_step_") else "_fire"
@@ -444,7 +490,7 @@ def _checked(system: System, event: str, verb: str, classes: bool, *, extra: boo
 
 
 def _requires(
-    system: System, event: str, parent: list[str], kids: list[list[_Child]], classes: bool
+    system: System, event: str, parent: list[_Child], kids: list[list[_Child]], classes: bool
 ) -> list[str]:
     out = []
     counters = [c for c, _ in system.counters]
@@ -475,13 +521,15 @@ def _requires(
     return out
 
 
-def _neighbours(parent: list[str], kids: list[list[_Child]]) -> list[list[str]]:
+def _neighbours(parent: list[_Child], kids: list[list[_Child]]) -> list[list[str]]:
     """Return the parameters of each neighbour read in more than one region: ``None`` alike."""
-    found = [[f"parent_{r}" for r in parent], *([k.name for k in kid] for kid in kids)]
+    found = [[k.name for k in kid] for kid in (parent, *kids)]
     return [names for names in found if len(names) > 1]
 
 
-def _ensures(system: System, event: str, parent: list[str], kids: list[list[_Child]]) -> list[str]:
+def _ensures(
+    system: System, event: str, parent: list[_Child], kids: list[list[_Child]]
+) -> list[str]:
     regions = [r for r, _ in system.regions]
     counters = [c for c, _ in system.counters]
     out = []
@@ -514,12 +562,11 @@ def _ensures(system: System, event: str, parent: list[str], kids: list[list[_Chi
                 (name,),
             )
         )
-    args = [*regions, *counters, *(f"parent_{r}" for r in parent)]
-    args += [k.name for kid in kids for k in kid]
+    args = [*regions, *counters, *(k.name for kid in (parent, *kids) for k in kid)]
     states = "{" + ", ".join(f"{r!r}: {r}.value" for r in regions) + "}"
     values = "{" + ", ".join(f"{c!r}: {c}" for c in counters) + "}"
-    pview = "{" + ", ".join(f"{r!r}: _v(parent_{r})" for r in parent) + "}"
-    pexpr = f"None if parent_{parent[0]} is None else {pview}" if parent else "None"
+    pview = "{" + ", ".join(f"{k.region!r}: _v({k.name})" for k in parent) + "}"
+    pexpr = f"None if {parent[0].name} is None else {pview}" if parent else "None"
     cviews = [
         f"None if {kid[0].name} is None else "
         + "{"

@@ -365,8 +365,10 @@ def compile_fast(
     and its pins once each, as the bare counter reads its count. With a trail,
     each commit first notes the call site: the first frame outside fsm_cache's
     dispatch files, or with ``walk`` false the immediate caller
-    (``_fire_<event>_at_caller``). The note comes before the writes, so a
-    record with no ``trail`` to note on is refused with nothing written.
+    (``_direct_<event>``: ``_fire_<event>_at_caller`` would be the name of
+    the fast path of an event named ``<event>_at_caller``). The note comes
+    before the writes, so a record with no ``trail`` to note on is refused
+    with nothing written.
 
     An event with effects needs ``live``, the effect names bound to a hook that
     does something: once every check has passed, those run in region order (the
@@ -374,7 +376,7 @@ def compile_fast(
     :class:`~fsm_cache.errors.EffectFailed` before anything is written; then the
     commit. A pure engine's ``no_effect`` stand-ins are not called at all.
     """
-    name = f"_fire_{event}" if walk else f"_fire_{event}_at_caller"
+    name = f"_fire_{event}" if walk else f"_direct_{event}"
     em.event = event
     em.emit(0, f"def {name}(rec):")
     regions = em.system.regions_of(event)
