@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import Api, build_hiradix
+from .conftest import Api, build_hiradix, whole_state
 from .fakes import FakeAllocator
 
 
@@ -114,6 +114,124 @@ def test_a_load_without_device_memory_is_given_up(
     assert (len(loaded), last is cache.root_node, a.evicted, b.evicted) == (0, True, True, True)
     for node in (a, b):
         assert residency(node, mode) in (None, ("backed", "absent", 0, 0))
+
+
+class FailingMetrics:
+    """A metrics collector whose ``observe_load_back_duration`` raises (its backend is down).
+
+    SGLang 0.5.6's ``load_back`` calls it last, after it registered the load
+    in ``ongoing_load_back`` and locked the loaded node and its ancestors.
+    """
+
+    def observe_load_back_duration(self, duration: float) -> None:
+        """Fail, as a collector whose backend is unreachable does."""
+        del duration
+        raise RuntimeError("metrics backend down")
+
+
+def fail_after_registering(sg: Api, cache: Any, ids: list[int]) -> None:
+    """``init_load_back`` of ``ids``' host hit, with the metrics call at its end raising."""
+    found = cache.match_prefix(sg.key(ids))
+    cache.metrics_collector = FailingMetrics()
+    with pytest.raises(RuntimeError) as caught:
+        cache.init_load_back(found.last_host_node, found.host_hit_length)
+    assert str(caught.value) == "metrics backend down"
+    cache.metrics_collector = None
+
+
+def test_a_load_back_failing_after_it_started_stays_in_flight_as_stock_leaves_it(
+    sg: Api, allocator: FakeAllocator, hiradix: Any, mode: str
+) -> None:
+    """The load is SGLang's once registered: its locks stay, and ``loading_check`` ends it.
+
+    The ancestor's lock now belongs to the load (``inc_lock_ref`` of the
+    loaded node locks it too); releasing it as a lock SGLang forgot would
+    leave the ancestor unlocked under a locked child, and the load's
+    acknowledgement refused.
+    """
+    cache = hiradix
+    cache.load_back_threshold = 1
+    sg.insert(cache, A, allocator.take(len(A)))
+    sg.insert(cache, AB, allocator.take(len(AB)))
+    cache.cache_controller.finish_writes()
+    cache.writing_check()
+    cache.evict(len(AB) - len(A))  # only the leaf B leaves the device
+    (a,) = cache.root_node.children.values()
+    (b,) = a.children.values()
+    assert (a.evicted, b.evicted) == (False, True)
+    fail_after_registering(sg, cache, AB)
+    assert (a.lock_ref, b.lock_ref, cache.ongoing_load_back == {b.id: b}) == (1, 1, True)
+    assert residency(a, mode) in (None, ("backed", "resident", 0, 1))
+    assert residency(b, mode) in (None, ("pinned", "loading", 1, 1))
+    cache.ready_to_load_host_cache()
+    cache.cache_controller.finish_loads()
+    cache.check_hicache_events()
+    assert (a.lock_ref, b.lock_ref, cache.ongoing_load_back) == (0, 0, {})
+    assert (cache.evictable_size(), cache.protected_size()) == (len(AB), 0)
+    for node in (a, b):
+        assert residency(node, mode) in (None, ("backed", "resident", 0, 0))
+
+
+def test_a_chain_load_failing_after_it_started_is_acknowledged_as_one(
+    sg: Api, allocator: FakeAllocator, hiradix: Any, mode: str
+) -> None:
+    """Both nodes of the chain are loading: ``loading_check`` acknowledges them, and they may go again."""
+    cache = hiradix
+    cache.load_back_threshold = 1
+    a, b = evicted_chain(sg, cache, allocator)
+    fail_after_registering(sg, cache, AB)
+    assert (a.lock_ref, b.lock_ref, cache.ongoing_load_back == {b.id: b}) == (1, 1, True)
+    for node in (a, b):
+        assert residency(node, mode) in (None, ("pinned", "loading", 1, 1))
+    cache.ready_to_load_host_cache()
+    cache.cache_controller.finish_loads()
+    cache.check_hicache_events()
+    assert (a.lock_ref, b.lock_ref, cache.ongoing_load_back) == (0, 0, {})
+    for node in (a, b):
+        assert residency(node, mode) in (None, ("backed", "resident", 0, 0))
+    cache.evict(len(AB))
+    assert (a.evicted, b.evicted, allocator.available_size()) == (True, True, 64 - len(A))
+    assert (cache.evictable_size(), cache.protected_size()) == (0, 0)
+
+
+def test_a_load_back_failing_before_it_started_is_undone(
+    sg: Api, allocator: FakeAllocator, hiradix: Any, mode: str
+) -> None:
+    """A deliberate difference: an error before SGLang registers the load leaves nothing of it.
+
+    The controller raises as it allocates the device slots, after SGLang
+    locked the chain's resident ancestor. Stock SGLang keeps that lock for
+    good; patched, the chain's loads fail and the lock is released, so the
+    cache is as it was before ``init_load_back``.
+    """
+    cache = hiradix
+    cache.load_back_threshold = 1
+    sg.insert(cache, A, allocator.take(len(A)))
+    sg.insert(cache, AB, allocator.take(len(AB)))
+    cache.cache_controller.finish_writes()
+    cache.writing_check()
+    cache.evict(len(AB) - len(A))
+    (a,) = cache.root_node.children.values()
+    (b,) = a.children.values()
+    found = cache.match_prefix(sg.key(AB))
+    before = whole_state(cache, allocator)
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("device copy failed")
+
+    cache.cache_controller.load = load
+    with pytest.raises(RuntimeError) as caught:
+        cache.init_load_back(found.last_host_node, found.host_hit_length)
+    assert str(caught.value) == "device copy failed"
+    del cache.cache_controller.load
+    after = whole_state(cache, allocator)
+    if mode == "patched":
+        assert after == before
+    else:
+        assert (a.lock_ref, b.lock_ref, cache.ongoing_load_back) == (1, 0, {})
+        assert after.pop("sizes") == (0, len(A))  # A's tokens protected for good
+        after["nodes"][tuple(A)][2] = 0  # the ancestor's lock, stock's only other difference
+        assert after == {k: v for k, v in before.items() if k != "sizes"}
 
 
 def test_a_prefetch_anchor_may_pin_a_node_still_being_written(

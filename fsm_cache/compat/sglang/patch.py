@@ -30,7 +30,9 @@ SGLang method                 what the wrapper adds
 ``load_back(node)``           fires ``load`` on the chain before device slots are allocated;
                               ``load_failed`` if SGLang then gives up; if a refusal inside
                               (its eviction making room) stops it, also releases the lock
-                              SGLang took on the chain's resident ancestor
+                              SGLang took on the chain's resident ancestor; an error raised
+                              after SGLang registered the load leaves it in flight, as
+                              SGLang does
 ``evict_host(n)``             fires ``evict_host`` at the controller call freeing a victim
 ``__init__``                  turns ``ongoing_write_through``/``ongoing_load_back`` into
                               :class:`~fsm_cache.compat.sglang.scope.AckBook`
@@ -226,9 +228,17 @@ def _load_back(original: Method) -> Method:
         scope.loading(chain)
         held = chain[0].parent if chain else node  # the resident ancestor SGLang locks first
         locks = held.locks
+        book = self.ongoing_load_back
+        was_registered = book.get(node.id) is node  # none for an evicted node
         try:
             result = original(self, node, *args, **kwargs)
-        except BaseException:  # a refusal inside (the eviction that makes room): undo it all
+        except BaseException:
+            if not was_registered and book.get(node.id) is node:
+                # Raised after SGLang registered the load (its metrics call): the
+                # load is in flight, its locks are the load's, loading_check ends it.
+                scope.ride(chain, node)
+                raise
+            # Raised before (a refusal in the eviction that makes room): undo it all.
             scope.back_out(chain)
             if held.locks > locks:  # SGLang's lock on the ancestor, its release skipped
                 self.dec_lock_ref(held)  # fsm-cache: takes-ownership -- the lock SGLang took
