@@ -7,7 +7,7 @@ import itertools
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 from hypothesis import example, given, settings
@@ -1085,3 +1085,80 @@ reason = "no"
     assert problems(spec) == []
     found = reach.runs(as_system(spec))
     assert found.run_to((("b",), (0,))) == ("", ["up", "down", "down", "down", "down", "win"])
+
+
+def _unused(text: str, count: int) -> str:
+    """Return ``text`` with ``count`` more counters, which nothing reads."""
+    return text.replace("n = 0\n", "n = 0\n" + "".join(f"c{i} = 0\n" for i in range(count)), 1)
+
+
+def test_a_check_asks_no_more_valuations_for_counters_it_does_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each check enumerates the counters it reads: unused counters cost no valuations.
+
+    Each of the ten would double what a product over every counter asks (a
+    thousandfold), as each counter a check reads multiplies it.
+    """
+    asked: list[dict[str, int]] = []
+
+    def counted(*args: Any) -> Iterator[dict[str, int]]:
+        for values in allowed(*args):
+            asked.append(values)
+            yield values
+
+    allowed = validate_module.allowed
+    monkeypatch.setattr(validate_module, "allowed", counted)
+    seen = []
+    for count in (0, 10):
+        path = tmp_path / f"gate{count}.toml"
+        path.write_text(_unused(GATE, count), encoding="utf-8")
+        spec = load_spec(path)
+        asked.clear()
+        assert problems(spec) == []
+        seen.append(len(asked))
+    assert seen[0] == seen[1] > 0
+
+
+def test_what_a_problem_names_of_counters_it_does_not_read(tmp_path: Path) -> None:
+    """The values a problem shows are those of the full product's first valuation that shows it."""
+    gap = _unused(HEAD + OPEN + LEAVE, 2)
+    assert found(tmp_path, gap) == [
+        "states.closed: event 'leave' is neither a transition nor a forbid when n=0, for every value of c0 and c1 (not total)"
+    ]
+    crowd = '\n[[forbid]]\nevent = "leave"\nsource = "open"\nguard = "n >= 5"\nerror = "Crowd"\nreason = "r"\n'
+    assert found(tmp_path, _unused(GATE + crowd, 2)) == [
+        "forbid[1]: overlaps transition[2] on leave in open when n=5, c0=0, c1=0"
+    ]
+    sink = '\n[[transition]]\nevent = "sink"\nsource = "open"\ndest = "open"\nupdate = "n -= 2"\n'
+    sink += '\n[[forbid]]\nevent = "sink"\nsource = "closed"\nerror = "E"\nreason = "r"\n'
+    assert found(tmp_path, _unused(GATE + sink, 2)) == [
+        "transition[3].update: drives n negative from open when n=1, c0=0, c1=0"
+    ]
+
+
+def test_a_check_reading_too_many_counters_together_is_refused(tmp_path: Path) -> None:
+    """18 counters in one guard make 2**18 valuations: past the limit, one line, not hours."""
+    names = [f"c{i}" for i in range(18)]
+    counters = "".join(f"{name} = 0\n" for name in names)
+    guard = " and ".join(f"{name} == 0" for name in names)
+    text = f"""
+[machine]
+name = "wide"
+initial = "s"
+[counters]
+{counters}[states]
+s = {{}}
+t = {{ final = true }}
+[[transition]]
+event = "go"
+source = "s"
+dest = "t"
+guard = "{guard}"
+"""
+    assert found(tmp_path, text) == [
+        f"states.s: a check there reads 18 counters together ({', '.join(names)}): 262144 "
+        "valuations of their representatives, more than validation tries (100000); "
+        "let one guard, invariant or update read fewer"
+    ]
+    assert validate_module.VALUATION_LIMIT == 100_000
