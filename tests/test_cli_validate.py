@@ -181,6 +181,51 @@ def test_big_constants_are_findings_not_tracebacks(
     )
 
 
+def test_a_counter_past_its_cap_set_back_is_validated_not_a_traceback(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Filled past 2**63 and drained to 0: the search once built range(0, 2**63 + 1).
+    path = tmp_path / "buf.toml"
+    path.write_text(
+        """
+[machine]
+name = "buf"
+initial = "empty"
+[counters]
+bytes = 9223372036854775807
+[states]
+empty = {}
+full = {}
+[[transition]]
+event = "fill"
+source = "empty"
+dest = "full"
+update = "bytes += 1"
+[[transition]]
+event = "drain"
+source = "full"
+dest = "empty"
+update = "bytes = 0"
+[[forbid]]
+event = "fill"
+source = "full"
+error = "AlreadyFull"
+reason = "full"
+[[forbid]]
+event = "drain"
+source = "empty"
+error = "AlreadyEmpty"
+reason = "empty"
+""",
+        encoding="utf-8",
+    )
+    assert run(capsys, str(path)) == (
+        0,
+        [f"ok: {path} (machine buf: 2 states, 2 transitions, 2 refusals)"],
+        [],
+    )
+
+
 def test_a_missing_region_file_names_the_composition_key(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

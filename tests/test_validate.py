@@ -7,7 +7,7 @@ import itertools
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 from hypothesis import example, given, settings
@@ -22,9 +22,11 @@ from fsm_cache.spec.machine import (
     Birth,
     Forbid,
     MachineSpec,
+    Spec,
     StateSpec,
     System,
     Transition,
+    as_system,
     compared,
 )
 from fsm_cache.spec.shipped import load_shipped, shipped_spec_paths
@@ -926,3 +928,237 @@ reason = "r"
     path.write_text(text, encoding="utf-8")
     assert problems(load_spec(path)) == []
     assert reach.RECORD_LIMIT == 10_000
+
+
+# A buffer filled (FILL, when GUARD holds) and drained; a few records, however large its counts.
+BUFFER = """
+[machine]
+name = "buf"
+initial = "empty"
+[counters]
+bytes = START
+[states]
+empty = {}
+full = {}
+[[transition]]
+event = "fill"
+source = "empty"
+dest = "full"
+guard = "GUARD"
+update = "FILL"
+[[transition]]
+event = "drain"
+source = "full"
+dest = "empty"
+guard = "EMPTIES"
+update = "DRAIN"
+[[forbid]]
+event = "fill"
+source = "full"
+error = "AlreadyFull"
+reason = "full"
+[[forbid]]
+event = "drain"
+source = "empty"
+error = "AlreadyEmpty"
+reason = "empty"
+"""
+
+
+def _buffer(
+    tmp_path: Path,
+    start: int,
+    fill: str,
+    drain: str = "bytes = 0",
+    *,
+    guard: str = "",
+    drains: str = "",
+) -> Spec:
+    """Return :data:`BUFFER`, each guard given with a forbid where it fails (``a < c``: ``a >= c``)."""
+    text = BUFFER.replace("START", str(start)).replace("GUARD", guard).replace("EMPTIES", drains)
+    text = text.replace("FILL", fill).replace("DRAIN", drain)
+    for event, source, holds in (("fill", "empty", guard), ("drain", "full", drains)):
+        if holds:
+            fails = holds.replace("<", ">=") if "<" in holds else holds.replace(">=", "<")
+            text += f'[[forbid]]\nevent = "{event}"\nsource = "{source}"\nguard = "{fails}"\nerror = "No"\nreason = "r"\n'
+    path = tmp_path / "buf.toml"
+    path.write_text(text, encoding="utf-8")
+    return load_spec(path)
+
+
+@pytest.mark.parametrize(
+    ("start", "fill", "guard", "reached"),
+    [
+        # Past the cap (2**63) and set back to 0: no range of 2**63 values to build.
+        (
+            2**63 - 1,
+            "bytes += 1",
+            "",
+            {("empty", 2**63 - 1), ("full", 2**63), ("empty", 0), ("full", 1)},
+        ),
+        # Set past the cap of a guard's constant, then to 0: 0 alone, not every value below the cap.
+        (0, "bytes = 2000000", "bytes < 1000000", {("empty", 0), ("full", 1000001)}),
+        (0, "bytes = 2000000000000", "bytes < 1000000000000", {("empty", 0), ("full", 10**12 + 1)}),
+    ],
+)
+def test_a_counter_set_below_its_cap_lands_on_that_value_alone(
+    tmp_path: Path, start: int, fill: str, guard: str, reached: set[tuple[str, int]]
+) -> None:
+    spec = _buffer(tmp_path, start, fill, guard=guard)
+    assert problems(spec) == []
+    found = reach.search(as_system(spec), limit=100)  # the old spread passed 100 before counting
+    assert found.complete
+    assert {(states[0], counts[0]) for states, counts in found.ways} == reached
+
+
+def test_a_spread_past_the_record_limit_stops_the_search(tmp_path: Path) -> None:
+    """A counter at its cap lowered by a large amount stands for that many records: counted, lazily."""
+    # `bytes >= 100000` caps the counter at 100001; drained from there it may be anything from 1 up.
+    spec = _buffer(tmp_path, 0, "bytes += 200000", "bytes -= 100000", drains="bytes >= 100000")
+    system = as_system(spec)
+    found = reach.search(system, limit=100)
+    assert not found.complete
+    assert len(found.ways) == 101
+    assert problems(spec) == []
+
+
+def test_a_spread_from_the_cap_stands_for_every_value_not_just_the_critical_ones(
+    tmp_path: Path,
+) -> None:
+    """From the cap 11, `x -= 3` lands on 8, 9, 10 or 11: 9 alone leads, by 6 and 3, to 0 and b.
+
+    The critical values (:func:`~fsm_cache.spec.guards.critical_values`) between 8
+    and 11 are 10 and 11: they stand for every value of one step, not of a run.
+    """
+    text = """
+[machine]
+name = "ce"
+initial = "a"
+[counters]
+x = 1
+[states]
+a = {}
+b = { final = true }
+[[transition]]
+event = "up"
+source = "a"
+dest = "a"
+update = "x += 20"
+[[transition]]
+event = "down"
+source = "a"
+dest = "a"
+guard = "x >= 3"
+update = "x -= 3"
+[[forbid]]
+event = "down"
+source = "a"
+guard = "x < 3"
+error = "Low"
+reason = "low"
+[[transition]]
+event = "peek"
+source = "a"
+dest = "a"
+guard = "x >= 10"
+[[forbid]]
+event = "peek"
+source = "a"
+guard = "x < 10"
+error = "Low"
+reason = "low"
+[[transition]]
+event = "win"
+source = "a"
+dest = "b"
+guard = "x == 0"
+[[forbid]]
+event = "win"
+source = "a"
+guard = "x != 0"
+error = "No"
+reason = "no"
+"""
+    path = tmp_path / "ce.toml"
+    path.write_text(text, encoding="utf-8")
+    spec = load_spec(path)
+    assert problems(spec) == []
+    found = reach.runs(as_system(spec))
+    assert found.run_to((("b",), (0,))) == ("", ["up", "down", "down", "down", "down", "win"])
+
+
+def _unused(text: str, count: int) -> str:
+    """Return ``text`` with ``count`` more counters, which nothing reads."""
+    return text.replace("n = 0\n", "n = 0\n" + "".join(f"c{i} = 0\n" for i in range(count)), 1)
+
+
+def test_a_check_asks_no_more_valuations_for_counters_it_does_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each check enumerates the counters it reads: unused counters cost no valuations.
+
+    Each of the ten would double what a product over every counter asks (a
+    thousandfold), as each counter a check reads multiplies it.
+    """
+    asked: list[dict[str, int]] = []
+
+    def counted(*args: Any) -> Iterator[dict[str, int]]:
+        for values in allowed(*args):
+            asked.append(values)
+            yield values
+
+    allowed = validate_module.allowed
+    monkeypatch.setattr(validate_module, "allowed", counted)
+    seen = []
+    for count in (0, 10):
+        path = tmp_path / f"gate{count}.toml"
+        path.write_text(_unused(GATE, count), encoding="utf-8")
+        spec = load_spec(path)
+        asked.clear()
+        assert problems(spec) == []
+        seen.append(len(asked))
+    assert seen[0] == seen[1] > 0
+
+
+def test_what_a_problem_names_of_counters_it_does_not_read(tmp_path: Path) -> None:
+    """The values a problem shows are those of the full product's first valuation that shows it."""
+    gap = _unused(HEAD + OPEN + LEAVE, 2)
+    assert found(tmp_path, gap) == [
+        "states.closed: event 'leave' is neither a transition nor a forbid when n=0, for every value of c0 and c1 (not total)"
+    ]
+    crowd = '\n[[forbid]]\nevent = "leave"\nsource = "open"\nguard = "n >= 5"\nerror = "Crowd"\nreason = "r"\n'
+    assert found(tmp_path, _unused(GATE + crowd, 2)) == [
+        "forbid[1]: overlaps transition[2] on leave in open when n=5, c0=0, c1=0"
+    ]
+    sink = '\n[[transition]]\nevent = "sink"\nsource = "open"\ndest = "open"\nupdate = "n -= 2"\n'
+    sink += '\n[[forbid]]\nevent = "sink"\nsource = "closed"\nerror = "E"\nreason = "r"\n'
+    assert found(tmp_path, _unused(GATE + sink, 2)) == [
+        "transition[3].update: drives n negative from open when n=1, c0=0, c1=0"
+    ]
+
+
+def test_a_check_reading_too_many_counters_together_is_refused(tmp_path: Path) -> None:
+    """18 counters in one guard make 2**18 valuations: past the limit, one line, not hours."""
+    names = [f"c{i}" for i in range(18)]
+    counters = "".join(f"{name} = 0\n" for name in names)
+    guard = " and ".join(f"{name} == 0" for name in names)
+    text = f"""
+[machine]
+name = "wide"
+initial = "s"
+[counters]
+{counters}[states]
+s = {{}}
+t = {{ final = true }}
+[[transition]]
+event = "go"
+source = "s"
+dest = "t"
+guard = "{guard}"
+"""
+    assert found(tmp_path, text) == [
+        f"states.s: a check there reads 18 counters together ({', '.join(names)}): 262144 "
+        "valuations of their representatives, more than validation tries (100000); "
+        "let one guard, invariant or update read fewer"
+    ]
+    assert validate_module.VALUATION_LIMIT == 100_000

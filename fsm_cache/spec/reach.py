@@ -17,7 +17,6 @@ add records, so a record left out is reached by no run in any tree.
 from __future__ import annotations
 
 import functools
-import itertools
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -127,8 +126,9 @@ def search(system: System, limit: int | None = None) -> Runs:
     A run starts at a birth (every region's initial state, or a declared
     birth, with the initial counters) and fires events as
     :func:`~fsm_cache.spec.meaning.step` takes them. A counter at its cap
-    stands for every value from it up: a step down from the cap may land
-    anywhere between its result and the cap.
+    stands for every value from it up: a step that subtracts from the cap
+    may land anywhere between its result and the cap, and each record that
+    stands for counts toward ``limit``.
 
     Args:
         system: The system to search.
@@ -144,7 +144,7 @@ def search(system: System, limit: int | None = None) -> Runs:
     for birth in ["", *(b.name for b in system.births)]:
         born = system.born(birth or None)
         ways.setdefault((tuple(born[r] for r in regions), initial), (None, birth))
-    frontier, stuck = deque(ways), set()
+    frontier, stuck = deque(ways), set[Point]()
     while frontier:
         point = frontier.popleft()
         here = dict(zip(regions, point[0], strict=True))
@@ -155,15 +155,18 @@ def search(system: System, limit: int | None = None) -> Runs:
             if taken is None:
                 continue
             moved = True
-            after, counts = tuple(taken[0].values()), list(taken[1].values())
-            for new in _spread(after, point[1], counts, [top[n] for n in names]):
+            # Counted as it is made: one step from a cap may stand for more records than any
+            # limit (a counter capped at 10**12 and lowered by as much).
+            for new in _spread(system, event, (here, values), taken, top):
                 if new not in ways:
                     ways[new] = (point, event)
                     frontier.append(new)
+                    if limit is not None and len(ways) > limit:
+                        return Runs(
+                            system, MappingProxyType(ways), frozenset(stuck), top, complete=False
+                        )
         if not moved:
             stuck.add(point)
-        if limit is not None and len(ways) > limit:
-            return Runs(system, MappingProxyType(ways), frozenset(stuck), top, complete=False)
     return Runs(system, MappingProxyType(ways), frozenset(stuck), top)
 
 
@@ -197,16 +200,48 @@ def replay(system: System, birth: str, events: list[str]) -> Record | None:
 
 
 def _spread(
-    states: States, before: tuple[int, ...], after: list[int], top: list[int]
+    system: System, event: str, before: Record, after: Record, top: Mapping[str, int]
 ) -> Iterator[Point]:
-    """Yield the capped records a step to ``states`` and ``after`` stands for.
+    """Yield, lazily, the capped records a step of ``event`` from ``before`` to ``after`` stands for.
 
     A counter at its cap stands for every value from it up, so a step that
-    lowers it lands anywhere from its result up to the cap.
+    subtracts from it lands anywhere from its result up to the cap; one that
+    sets it (``= 0``) lands on that value alone. The two are told apart by
+    the spec's own meaning: the step is fired again with each capped counter
+    one higher, where every guard answers as at the cap (:func:`ceilings`),
+    and a counter the step sets comes out the same. Yielded in
+    :func:`itertools.product`'s order, without building any range: a spread
+    may be far longer than the search's limit.
     """
+    states, counts = tuple(after[0].values()), after[1]
+    capped = {name: value + 1 for name, value in before[1].items() if value == top[name]}
+    higher = fire(system, event, (before[0], {**before[1], **capped})) if capped else None
     choices = [
-        range(value, cap + 1) if was == cap and value < cap else (min(value, cap),)
-        for was, value, cap in zip(before, after, top, strict=True)
+        range(value, top[name] + 1)
+        if name in capped and value < top[name] and (higher is None or higher[1][name] != value)
+        else range(min(value, top[name]), min(value, top[name]) + 1)
+        for name, value in counts.items()
     ]
-    for counts in itertools.product(*choices):
-        yield states, counts
+    for values in _product(choices):
+        yield states, values
+
+
+def _product(choices: list[range]) -> Iterator[tuple[int, ...]]:
+    """Yield :func:`itertools.product` of ``choices``, in its order, without making each a tuple."""
+    if not all(choices):
+        return
+    walks = [iter(choice) for choice in choices]
+    values = [next(walk) for walk in walks]
+    while True:
+        yield tuple(values)
+        axis = len(choices) - 1  # an odometer: the last axis turns fastest
+        while axis >= 0:
+            turned = next(walks[axis], None)
+            if turned is not None:
+                values[axis] = turned
+                break
+            walks[axis] = iter(choices[axis])
+            values[axis] = next(walks[axis])
+            axis -= 1
+        if axis < 0:
+            return

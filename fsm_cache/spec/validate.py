@@ -13,6 +13,7 @@ from __future__ import annotations
 import builtins
 import difflib
 import itertools
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from fsm_cache import errors
@@ -71,7 +72,12 @@ def validate(spec: Spec, chains: Chains | None = None) -> None:
 
 
 def problems(spec: Spec, chains: Chains | None = None) -> list[str]:
-    """Return one located line per problem of ``spec`` (empty when valid); ``chains`` as :func:`validate`."""
+    """Return one located line per problem of ``spec`` (empty when valid); ``chains`` as :func:`validate`.
+
+    Raises:
+        SpecError: A check reads counters with more than :data:`VALUATION_LIMIT`
+            valuations; the one line names the state and the counters.
+    """
     chains = chains or {}
     if isinstance(spec, System):
         return _system_problems(spec, chains)
@@ -213,6 +219,46 @@ def valuations(spec: MachineSpec, invariant: Guard) -> Iterator[dict[str, int]]:
     property of one step on these is checking it on every valuation.
     """
     yield from allowed(spec.counter_names, representatives(spec, invariant), invariant)
+
+
+VALUATION_LIMIT = 100_000
+"""The most counter valuations one check of one state may ask: the product, over the counters
+it reads, of their representatives. Past it validation would run for minutes or hours (each
+counter read multiplies the product), so the spec is refused, naming the state and counters."""
+
+
+def _read(
+    spec: MachineSpec, state: str, invariant: Guard, counters: Iterable[str]
+) -> Iterator[dict[str, int]]:
+    """Yield :func:`valuations` of ``invariant`` for a check in ``state`` that reads only ``counters``.
+
+    The valuations where each counter neither ``counters`` nor ``invariant``
+    names is at its least representative: the others are checked over all of
+    theirs. Guards, invariants and updates read counters one by one, so a
+    counter the check does not read answers it alike at each of its values:
+    a check asks only as many valuations as the counters it reads have, however
+    many the machine declares. And since the full product runs in ascending
+    lexicographic order, its first valuation where the check finds a problem
+    is the first of these, so what a problem names is the same.
+
+    Raises:
+        SpecError: The counters read have more than :data:`VALUATION_LIMIT`
+            valuations.
+    """
+    reps = representatives(spec, invariant)
+    read = set(counters) | invariant.counters()
+    names = [name for name in spec.counter_names if name in read]
+    count = math.prod(len(reps[name]) for name in names)
+    if count > VALUATION_LIMIT:
+        msg = (
+            f"{spec.source}: states.{state}: a check there reads {len(names)} counters together "
+            f"({', '.join(names)}): {count} valuations of their representatives, more than "
+            f"validation tries ({VALUATION_LIMIT}); let one guard, invariant or update read fewer"
+        )
+        raise SpecError([msg])
+    held = {name: reps[name][0] for name in spec.counter_names}
+    for values in allowed(names, reps, invariant):
+        yield {**held, **values}  # in declaration order, as valuations yields them
 
 
 def allowed(
@@ -530,7 +576,7 @@ def _determinism(spec: MachineSpec, chain: Sequence[str]) -> Iterator[_Line]:
             ]
             at = f"on {event} in {st.name}"
             for (i, a), (j, b) in itertools.combinations(moves, 2):
-                both = _overlap(spec, st.invariant, a.guard, b.guard)
+                both = _overlap(spec, st, a.guard, b.guard)
                 if both is not None:  # at the guard that lets it overlap, if it has one
                     file, key = moved[j]
                     where = f"{key}{'.guard' if b.guard else ''}"
@@ -539,7 +585,7 @@ def _determinism(spec: MachineSpec, chain: Sequence[str]) -> Iterator[_Line]:
             for n, (k, fb) in enumerate(refusals):
                 file, key = refused[k]
                 for i, tr in moves:
-                    both = _overlap(spec, st.invariant, tr.guard, fb.guard)
+                    both = _overlap(spec, st, tr.guard, fb.guard)
                     if both is None:
                         continue
                     tr_file, tr_key = moved[i]
@@ -550,15 +596,17 @@ def _determinism(spec: MachineSpec, chain: Sequence[str]) -> Iterator[_Line]:
                         other = _named(spec, moved[i], file)
                         yield file, f"{key}: overlaps {other} {at}{_when(both)}"
                 for m, earlier in refusals[:n]:
-                    both = _overlap(spec, st.invariant, earlier.guard, fb.guard)
+                    both = _overlap(spec, st, earlier.guard, fb.guard)
                     if both is not None:
                         other = _named(spec, refused[m], file)
                         yield file, f"{key}: overlaps {other} {at}{_when(both)} (ambiguous refusal)"
 
 
-def _overlap(spec: MachineSpec, invariant: Guard, a: Guard, b: Guard) -> dict[str, int] | None:
-    """Return a counter valuation allowed by ``invariant`` where both guards hold, if any."""
-    return next((c for c in valuations(spec, invariant) if a.holds(c) and b.holds(c)), None)
+def _overlap(spec: MachineSpec, state: StateSpec, a: Guard, b: Guard) -> dict[str, int] | None:
+    """Return a counter valuation ``state``'s invariant allows where both guards hold, if any."""
+    read = a.counters() | b.counters()
+    valued = _read(spec, state.name, state.invariant, read)
+    return next((c for c in valued if a.holds(c) and b.holds(c)), None)
 
 
 def _totality(spec: MachineSpec, chain: Sequence[str]) -> Iterator[tuple[str, str, _Line]]:
@@ -578,7 +626,9 @@ def _totality(spec: MachineSpec, chain: Sequence[str]) -> Iterator[tuple[str, st
         for event in spec.event_names:
             covers = [t.guard for t in spec.transitions_for(st.name, event)]
             covers += [f.guard for f in spec.forbids_for(st.name, event)]
-            allowed = list(valuations(spec, st.invariant))
+            read = {name for guard in covers for name in guard.counters()}
+            # A counter no cover reads holds one value here; _gap_when calls it free all the same.
+            allowed = list(_read(spec, st.name, st.invariant, read))
             gaps = [c for c in allowed if not any(g.holds(c) for g in covers)]
             if not gaps:
                 continue
@@ -682,8 +732,10 @@ def _gap_when(invariant: Guard, allowed: list[dict[str, int]], gaps: list[dict[s
 
     Args:
         invariant: The state's invariant.
-        allowed: The representative valuations it allows (:func:`valuations`,
-            a product of one axis per counter).
+        allowed: The representative valuations it allows (:func:`_read`: a
+            product of one axis per counter the event's guards read, the
+            others held at one value, which this calls free as it would at
+            every value of theirs).
         gaps: Those of ``allowed`` no transition or forbid covers, in order.
     """
     missing = {tuple(sorted(c.items())) for c in gaps}
@@ -718,8 +770,9 @@ def _safety(spec: MachineSpec) -> Iterator[_Line]:
         if tr.dest not in names:
             continue
         dest = spec.state(tr.dest)
+        read = tr.guard.counters() | tr.update.counters() | dest.invariant.counters()
         for source in tr.sources:
-            for before in valuations(spec, spec.state(source).invariant):
+            for before in _read(spec, source, spec.state(source).invariant, read):
                 if not tr.guard.holds(before):
                     continue
                 after = tr.update.apply(before)
@@ -781,7 +834,8 @@ def _under(st: StateSpec) -> str:
 
 
 def _enabled(spec: MachineSpec, state: str, guard: Guard) -> bool:
-    return any(guard.holds(c) for c in valuations(spec, spec.state(state).invariant))
+    invariant = spec.state(state).invariant
+    return any(guard.holds(c) for c in _read(spec, state, invariant, guard.counters()))
 
 
 def _system_problems(system: System, chains: Chains) -> list[str]:
