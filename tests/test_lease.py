@@ -6,10 +6,12 @@ Leaks are reported three ways: leases still open, leases collected while held
 
 from __future__ import annotations
 
+import copy
 import gc
 import inspect
 import os
-from collections.abc import Iterator
+import pickle
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -94,6 +96,30 @@ def test_a_released_lease_cannot_be_made_held_again(engine: Engine) -> None:
         lease.release()
     assert (rec.state, rec.pins) == ("pinned", 1)
     other.release()
+
+
+@pytest.mark.parametrize("copy_of", [copy.copy, copy.deepcopy])
+def test_a_copy_of_a_lease_is_the_lease(engine: Engine, copy_of: Callable[[Any], Any]) -> None:
+    """A copy was a second held receipt outside the book: two releases took another's pin."""
+    rec = backed(engine)
+    other = engine.lease(rec)
+    lease = engine.lease(rec)
+    request = {"lease": lease}
+    assert copy_of(request)["lease"] is lease
+    lease.release()
+    with pytest.raises(LeaseError):
+        copy_of(lease).release()
+    assert (rec.state, rec.pins, other.held) == ("pinned", 1, True)
+    other.release()
+
+
+def test_a_lease_cannot_be_pickled(engine: Engine) -> None:
+    rec = backed(engine)
+    lease = engine.lease(rec)
+    with pytest.raises(TypeError) as caught:
+        pickle.dumps(lease)
+    assert str(caught.value) == f"cannot pickle {lease!r}: a lease holds a pin in this process only"
+    lease.release()
 
 
 def test_a_with_block_releases_on_exceptions(engine: Engine) -> None:

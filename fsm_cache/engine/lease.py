@@ -19,7 +19,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
 
 from fsm_cache.engine import trail
 from fsm_cache.errors import BadArgument, LeaseError, ReadOnlyAttribute
@@ -213,6 +213,29 @@ class Lease:
             "was never released",
             ResourceWarning,
             stacklevel=1,
+        )
+
+    def __copy__(self) -> Lease:
+        """Return the lease itself: a receipt of one acquisition, released once.
+
+        A copy (``copy.copy`` of a request that holds the lease) used to be a
+        second held receipt of the same pin or lock, outside the book: releasing
+        both took another holder's hold, and the cache evicted under it.
+        """
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Lease:
+        """Return the lease itself, as :meth:`__copy__` does: its record is the live one."""
+        return self
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        """Refuse to be pickled: what a lease holds is held in this process only.
+
+        Raises:
+            TypeError: Always (pickle's own error for an object it cannot pickle).
+        """
+        raise TypeError(
+            f"cannot pickle {self!r}: a lease holds a {self._event} in this process only"
         )
 
     def __repr__(self) -> str:
