@@ -36,7 +36,7 @@ from functools import cache as memoized
 from fsm_cache.cache.eventlog import Acks, Entry, EventLog, RefusedStart, refusal_text
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.transfers import IssuedCopies, ReplayedRefusal
-from fsm_cache.cache.tree import TreeNode
+from fsm_cache.cache.tree import NamespaceRoot, TreeNode
 from fsm_cache.engine.lease import Lease
 from fsm_cache.errors import BadArgument, CopyFailed, FsmCacheError, ReplayMismatch
 from fsm_cache.memory.tickets import Completion, Copier, Ticket
@@ -69,6 +69,10 @@ _ARITY = {
 
 _KINDS = frozenset({"op", "transition", "acks", "refused", "failed", "copy_refused"})
 """The entry kinds of a two-tier cache's log (``storage`` entries are a storage tier's)."""
+
+_ANY_ROOT = frozenset({"backup", "load_back"})
+"""The operations that log a namespace root as node 0, every root's id: a root holds
+nothing to back up or load, so each one answers them alike (none is started)."""
 
 Step = tuple[int, Entry, str | None, str | None]
 """One operation to replay: its position in the log, its entry, its recorded refusal, and
@@ -427,7 +431,8 @@ def _lease(cache: HiCache, at: int, entry: Entry, held: dict[tuple[str, int], li
     name, ident = entry[1], entry[2][0]
     if name in ("lock", "pin"):
         take = cache.lock if name == "lock" else cache.pin
-        held.setdefault((name, ident), []).append(take(_node(cache, at, entry, ident)))
+        node = _node(cache, at, entry, ident)  # first: it refuses a name no dict can hold
+        held.setdefault((name, ident), []).append(take(node))
         return
     kind = "lock" if name == "unlock" else "pin"
     receipts = held.get((kind, ident))
@@ -441,10 +446,24 @@ def _lease(cache: HiCache, at: int, entry: Entry, held: dict[tuple[str, int], li
 def _node(cache: HiCache, at: int, entry: Entry, ident: object) -> TreeNode:
     """Return the replayed node ``ident`` an entry names.
 
+    A lock or unlock names a namespace root by its namespace
+    (:class:`~fsm_cache.cache.tree.NamespaceRoot`); :data:`_ANY_ROOT`'s
+    operations name one as node 0, and take any root of the replayed tree.
+
     Raises:
         ReplayMismatch: The replayed tree has no such node.
     """
-    node = cache.tree.nodes.get(ident) if isinstance(ident, int) else None
+    tree = cache.tree
+    node: TreeNode | None = None
+    if isinstance(ident, NamespaceRoot):
+        try:
+            node = tree.roots.get(ident.namespace)
+        except TypeError:  # an unhashable namespace, which no root has
+            node = None
+    elif isinstance(ident, int):
+        node = tree.nodes.get(ident)
+        if node is None and ident == 0 and entry[1] in _ANY_ROOT:
+            node = next(iter(tree.roots.values()), None)
     if node is None:
         raise ReplayMismatch(
             f"replay: entry {at} {entry!r}: node {ident!r} is not in the replayed tree"
