@@ -739,6 +739,40 @@ def short_log() -> EventLog:
             " TypeError: 'int' object is not iterable",
         ),
         (
+            (["op"], "poll", ()),
+            BadArgument,
+            "replay: entry 5 (['op'], 'poll', ()): unknown entry kind ['op']",
+        ),
+        (
+            ("op", ["poll"], ()),
+            BadArgument,
+            "replay: entry 5 ('op', ['poll'], ()): unknown operation ['poll']",
+        ),
+        (
+            ("op", "fire", (["write"], 1)),
+            ReplayMismatch,
+            "fire raised on replay, not in the recording:"
+            " BadArgument: fire: event must be a str, got list",
+        ),
+        (
+            ("acks", "poll", "garbage"),
+            BadArgument,
+            "replay: entry 5 ('acks', 'poll', 'garbage'): an acknowledgement batch is"
+            " (origin, ((copy, True or False), ...))",
+        ),
+        (
+            ("acks", "poll", ((2, "yes"),)),
+            BadArgument,
+            "replay: entry 5 ('acks', 'poll', ((2, 'yes'),)): an acknowledgement batch is"
+            " (origin, ((copy, True or False), ...))",
+        ),
+        (
+            ("acks", None, ()),
+            BadArgument,
+            "replay: entry 5 ('acks', None, ()): an acknowledgement batch is"
+            " (origin, ((copy, True or False), ...))",
+        ),
+        (
             ("op", "lock", (0,)),
             ReplayMismatch,
             "replay: entry 5 ('op', 'lock', (0,)): node 0 is not in the replayed tree",

@@ -19,7 +19,8 @@ cache takes its acknowledgements from its copy engine again, and works as any
 other cache.
 
 A log is checked whole before anything runs: an entry of an unknown kind, an
-unknown operation, or an operation with the wrong number of arguments raises
+unknown operation, an operation with the wrong number of arguments, or an
+acknowledgement batch of another shape than ``(origin, ((copy, ok), ...))`` raises
 :class:`~fsm_cache.errors.BadArgument` naming its position and content, and so
 does the log of a cache with a storage tier, which a replay cannot rebuild,
 and so does a log that is no event log or a configuration that is no
@@ -96,8 +97,9 @@ def replay(log: EventLog, config: CacheConfig) -> HiCache:
     Raises:
         BadArgument: ``log`` is no :class:`~fsm_cache.cache.eventlog.EventLog`
             or ``config`` no :class:`~fsm_cache.memory.tiers.CacheConfig`; an
-            entry is of an unknown kind, names an unknown operation or has the
-            wrong number of arguments, or the log is a storage-tier cache's;
+            entry is of an unknown kind, names an unknown operation, has the
+            wrong number of arguments or is a malformed acknowledgement batch,
+            or the log is a storage-tier cache's;
             nothing is replayed.
         ReplayMismatch: The log dropped its oldest entries, or an operation
             failed in it from outside the cache after changing the cache
@@ -200,16 +202,21 @@ def _check_entry(at: int, entry: object) -> None:
             "replay: logs of a cache with a storage tier are not replayable:"
             f" entry {at} {entry!r} needs the store, which a replay does not rebuild"
         )
-    if kind not in _KINDS:
+    if not isinstance(kind, str) or kind not in _KINDS:
         raise BadArgument(f"replay: entry {at} {entry!r}: unknown entry kind {kind!r}")
     if kind == "copy_refused" and not _refused_start(first, second):
         raise BadArgument(
             f"replay: entry {at} {entry!r}: a refused copy start is"
             " ((copy, 'd2h' or 'h2d', (node id, ...)), 'ErrorClass: message')"
         )
+    if kind == "acks" and not _acks(first, second):
+        raise BadArgument(
+            f"replay: entry {at} {entry!r}: an acknowledgement batch is"
+            " (origin, ((copy, True or False), ...))"
+        )
     if kind != "op":
         return
-    if first not in _ARITY:
+    if not isinstance(first, str) or first not in _ARITY:
         raise BadArgument(f"replay: entry {at} {entry!r}: unknown operation {first!r}")
     if not isinstance(second, tuple) or len(second) != _ARITY[first]:
         raise BadArgument(
@@ -230,12 +237,27 @@ def _refused_start(first: object, second: object) -> bool:
     )
 
 
+def _acks(first: object, second: object) -> bool:
+    """Return whether ``first`` and ``second`` are those of an ``acks`` entry."""
+    return (
+        isinstance(first, str)
+        and isinstance(second, tuple)
+        and all(
+            isinstance(ack, tuple)
+            and len(ack) == 2
+            and isinstance(ack[0], int)
+            and isinstance(ack[1], bool)
+            for ack in second
+        )
+    )
+
+
 def _storage_entry(kind: object, first: object, second: object) -> bool:
     """Return whether an entry is a storage tier's: its copies, operations or events."""
     if kind == "storage" or (kind == "op" and first == "evict_storage"):
         return True
     if kind == "op" and first == "fire" and isinstance(second, tuple) and second:
-        return second[0] in _storage_events()
+        return isinstance(second[0], str) and second[0] in _storage_events()
     if kind == "transition" and isinstance(second, str):
         return second.startswith("born:") or second in _storage_events()
     return False
