@@ -14,7 +14,8 @@ from fsm_cache.cache.eventlog import EventLog
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.replay import replay
 from fsm_cache.cache.storage_tier import StorageConfig
-from fsm_cache.cache.tree import Pages
+from fsm_cache.cache.tree import NamespaceRoot, Pages
+from fsm_cache.engine import lease as leases
 from fsm_cache.errors import (
     BadArgument,
     CopyFailed,
@@ -590,6 +591,78 @@ def test_fire_is_logged_as_fire_and_replays() -> None:
     assert states(again) == states(cache) == [(1, "backed/absent (pins=0, locks=0)")]
 
 
+def _lock_the_root(cache: HiCache, namespace: str | None) -> None:
+    """A miss, then the request runs under a lock of the node it hands back: the root."""
+    hit = cache.match_prefix(list(range(8)), namespace=namespace)
+    with cache.lock(hit.last_device_node):
+        cache.insert(list(range(8)), namespace=namespace)
+
+
+def _load_back_the_root(cache: HiCache, namespace: str | None) -> None:
+    """SGLang loads back a miss's last host node, the root: nothing to load."""
+    hit = cache.match_prefix(list(range(8)), namespace=namespace)
+    assert cache.load_back(hit.last_host_node) is None
+    cache.insert(list(range(8)), namespace=namespace)
+
+
+def _back_up_the_root(cache: HiCache, namespace: str | None) -> None:
+    """The root holds nothing to back up: no copy starts."""
+    hit = cache.match_prefix(list(range(8)), namespace=namespace)
+    assert cache.backup([hit.last_device_node]) == 0
+    cache.insert(list(range(8)), namespace=namespace)
+
+
+def _root_locks(cache: HiCache) -> dict[object, int]:
+    return {name: root.locks for name, root in cache.tree.roots.items()}
+
+
+@pytest.mark.parametrize(
+    ("run", "namespace"),
+    [
+        (_lock_the_root, None),
+        (_lock_the_root, "lora-1"),
+        (_load_back_the_root, None),
+        (_load_back_the_root, "lora-1"),
+        (_back_up_the_root, None),
+    ],
+)
+def test_an_operation_on_a_namespace_root_replays(
+    run: Callable[[HiCache, str | None], None], namespace: str | None
+) -> None:
+    """A miss hands back the root, which callers lock, load back or back up: the log replays."""
+    cache = HiCache(BASE)
+    run(cache, namespace)
+    cache.poll()
+    again = replay(cache.log, BASE)
+    assert list(again.log.entries) == list(cache.log.entries)
+    assert states(again) == states(cache) == [(1, "backed/resident (pins=0, locks=0)")]
+    assert _root_locks(again) == _root_locks(cache) == {namespace: 0}
+
+
+def test_a_lock_names_the_root_it_took_and_replays_there() -> None:
+    """Every root is node 0, but each counts its own locks: the log names the namespace."""
+    cache = HiCache(BASE)
+    default = cache.lock(cache.match_prefix(list(range(8))).last_device_node)
+    lora = cache.lock(cache.match_prefix(list(range(8)), namespace="lora-1").last_device_node)
+    again = cache.lock(cache.match_prefix(list(range(8)), namespace="lora-1").last_device_node)
+    cache.unlock(lora)
+    assert [op for op in cache.log.operations() if op[0] in ("lock", "unlock")] == [
+        ("lock", (NamespaceRoot(None),)),
+        ("lock", (NamespaceRoot("lora-1"),)),
+        ("lock", (NamespaceRoot("lora-1"),)),
+        ("unlock", (NamespaceRoot("lora-1"),)),
+    ]
+    known = {id(d) for d in leases.dropped_leases()}
+    # the replay's receipts of the locks still held are dropped, as in any replay
+    with pytest.warns(ResourceWarning, match=r"node 0: lease \(lock taken at replay.py"):
+        replayed = replay(cache.log, BASE)
+    leases.forget_dropped([d for d in leases.dropped_leases() if id(d) not in known])
+    assert list(replayed.log.entries) == list(cache.log.entries)
+    assert _root_locks(replayed) == _root_locks(cache) == {None: 1, "lora-1": 1}
+    default.release()
+    again.release()
+
+
 def test_a_storage_tier_log_is_refused(tmp_path: Path) -> None:
     """A log with storage copies or storage events raises BadArgument saying why."""
     tier = StorageConfig(LocalFileStore(str(tmp_path)), model="m", threads=0)
@@ -664,6 +737,57 @@ def short_log() -> EventLog:
             ReplayMismatch,
             "replay: entry 5 ('op', 'backup', (5,)) cannot be applied:"
             " TypeError: 'int' object is not iterable",
+        ),
+        (
+            (["op"], "poll", ()),
+            BadArgument,
+            "replay: entry 5 (['op'], 'poll', ()): unknown entry kind ['op']",
+        ),
+        (
+            ("op", ["poll"], ()),
+            BadArgument,
+            "replay: entry 5 ('op', ['poll'], ()): unknown operation ['poll']",
+        ),
+        (
+            ("op", "fire", (["write"], 1)),
+            ReplayMismatch,
+            "fire raised on replay, not in the recording:"
+            " BadArgument: fire: event must be a str, got list",
+        ),
+        (
+            ("acks", "poll", "garbage"),
+            BadArgument,
+            "replay: entry 5 ('acks', 'poll', 'garbage'): an acknowledgement batch is"
+            " (origin, ((copy, True or False), ...))",
+        ),
+        (
+            ("acks", "poll", ((2, "yes"),)),
+            BadArgument,
+            "replay: entry 5 ('acks', 'poll', ((2, 'yes'),)): an acknowledgement batch is"
+            " (origin, ((copy, True or False), ...))",
+        ),
+        (
+            ("acks", None, ()),
+            BadArgument,
+            "replay: entry 5 ('acks', None, ()): an acknowledgement batch is"
+            " (origin, ((copy, True or False), ...))",
+        ),
+        (
+            ("op", "lock", (0,)),
+            ReplayMismatch,
+            "replay: entry 5 ('op', 'lock', (0,)): node 0 is not in the replayed tree",
+        ),
+        (
+            ("op", "lock", (NamespaceRoot("lora-9"),)),
+            ReplayMismatch,
+            "replay: entry 5 ('op', 'lock', (NamespaceRoot(namespace='lora-9'),)):"
+            " node NamespaceRoot(namespace='lora-9') is not in the replayed tree",
+        ),
+        (
+            ("op", "lock", (NamespaceRoot(["lora"]),)),  # type: ignore[arg-type]  # tampered
+            ReplayMismatch,
+            "replay: entry 5 ('op', 'lock', (NamespaceRoot(namespace=['lora']),)):"
+            " node NamespaceRoot(namespace=['lora']) is not in the replayed tree",
         ),
     ],
 )

@@ -194,7 +194,9 @@ class EventLog:
             :class:`~fsm_cache.errors.EffectFailed` from such an error (an
             allocator that broke in an effect); the kept ones, oldest first, as an
             :class:`Entries` view. :meth:`~fsm_cache.cache.hicache.HiCache.fire`
-            is recorded as ``("op", "fire", (event, node_id))``. New leaves
+            is recorded as ``("op", "fire", (event, node_id))``; a lock or
+            unlock of a namespace root names it by a
+            :class:`~fsm_cache.cache.tree.NamespaceRoot` (every root's id is 0). New leaves
             are not logged, but for one an insert hung before it failed:
             ``("transition", leaf_id, "add")`` then precedes the failure.
 

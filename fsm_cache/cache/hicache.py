@@ -810,7 +810,8 @@ class HiCache:
         """Fire ``event`` at ``node`` as :meth:`fire` does, logged as operation ``name``.
 
         :meth:`fire` logs ``("fire", (event, node id))``; locks, pins and their
-        receipts log the event itself with the node id.
+        receipts log the event itself with the node id, or with a
+        :class:`~fsm_cache.cache.tree.NamespaceRoot` for a namespace root.
         """
         if not isinstance(event, str):
             raise BadArgument(f"fire: event must be a str, got {type(event).__name__}")
@@ -824,7 +825,8 @@ class HiCache:
         node = arguments.node(self._core.tree, node, known)
         if name == "fire" or known == "pin":  # a lock of a root is a zero-length hit's (SGLang)
             self._check_by_hand(name, known, node)
-        args = (known, node.id) if name == "fire" else (node.id,)
+        # a lock names a root by its namespace: each root counts its own, and all are node 0
+        args = (known, node.id) if name == "fire" else (self._core.tree.lease_name(node),)
         with self._operation(name, *args):
             if known == "evict_host":  # a node no tier holds afterwards leaves the tree
                 self._evictor.evict_host_node(node)

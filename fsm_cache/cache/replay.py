@@ -19,7 +19,8 @@ cache takes its acknowledgements from its copy engine again, and works as any
 other cache.
 
 A log is checked whole before anything runs: an entry of an unknown kind, an
-unknown operation, or an operation with the wrong number of arguments raises
+unknown operation, an operation with the wrong number of arguments, or an
+acknowledgement batch of another shape than ``(origin, ((copy, ok), ...))`` raises
 :class:`~fsm_cache.errors.BadArgument` naming its position and content, and so
 does the log of a cache with a storage tier, which a replay cannot rebuild,
 and so does a log that is no event log or a configuration that is no
@@ -36,7 +37,7 @@ from functools import cache as memoized
 from fsm_cache.cache.eventlog import Acks, Entry, EventLog, RefusedStart, refusal_text
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.transfers import IssuedCopies, ReplayedRefusal
-from fsm_cache.cache.tree import TreeNode
+from fsm_cache.cache.tree import NamespaceRoot, TreeNode
 from fsm_cache.engine.lease import Lease
 from fsm_cache.errors import BadArgument, CopyFailed, FsmCacheError, ReplayMismatch
 from fsm_cache.memory.tickets import Completion, Copier, Ticket
@@ -70,6 +71,10 @@ _ARITY = {
 _KINDS = frozenset({"op", "transition", "acks", "refused", "failed", "copy_refused"})
 """The entry kinds of a two-tier cache's log (``storage`` entries are a storage tier's)."""
 
+_ANY_ROOT = frozenset({"backup", "load_back"})
+"""The operations that log a namespace root as node 0, every root's id: a root holds
+nothing to back up or load, so each one answers them alike (none is started)."""
+
 Step = tuple[int, Entry, str | None, str | None]
 """One operation to replay: its position in the log, its entry, its recorded refusal, and
 its recorded failure (an error from outside the cache; the operation is then not run)."""
@@ -92,8 +97,9 @@ def replay(log: EventLog, config: CacheConfig) -> HiCache:
     Raises:
         BadArgument: ``log`` is no :class:`~fsm_cache.cache.eventlog.EventLog`
             or ``config`` no :class:`~fsm_cache.memory.tiers.CacheConfig`; an
-            entry is of an unknown kind, names an unknown operation or has the
-            wrong number of arguments, or the log is a storage-tier cache's;
+            entry is of an unknown kind, names an unknown operation, has the
+            wrong number of arguments or is a malformed acknowledgement batch,
+            or the log is a storage-tier cache's;
             nothing is replayed.
         ReplayMismatch: The log dropped its oldest entries, or an operation
             failed in it from outside the cache after changing the cache
@@ -196,16 +202,21 @@ def _check_entry(at: int, entry: object) -> None:
             "replay: logs of a cache with a storage tier are not replayable:"
             f" entry {at} {entry!r} needs the store, which a replay does not rebuild"
         )
-    if kind not in _KINDS:
+    if not isinstance(kind, str) or kind not in _KINDS:
         raise BadArgument(f"replay: entry {at} {entry!r}: unknown entry kind {kind!r}")
     if kind == "copy_refused" and not _refused_start(first, second):
         raise BadArgument(
             f"replay: entry {at} {entry!r}: a refused copy start is"
             " ((copy, 'd2h' or 'h2d', (node id, ...)), 'ErrorClass: message')"
         )
+    if kind == "acks" and not _acks(first, second):
+        raise BadArgument(
+            f"replay: entry {at} {entry!r}: an acknowledgement batch is"
+            " (origin, ((copy, True or False), ...))"
+        )
     if kind != "op":
         return
-    if first not in _ARITY:
+    if not isinstance(first, str) or first not in _ARITY:
         raise BadArgument(f"replay: entry {at} {entry!r}: unknown operation {first!r}")
     if not isinstance(second, tuple) or len(second) != _ARITY[first]:
         raise BadArgument(
@@ -226,12 +237,27 @@ def _refused_start(first: object, second: object) -> bool:
     )
 
 
+def _acks(first: object, second: object) -> bool:
+    """Return whether ``first`` and ``second`` are those of an ``acks`` entry."""
+    return (
+        isinstance(first, str)
+        and isinstance(second, tuple)
+        and all(
+            isinstance(ack, tuple)
+            and len(ack) == 2
+            and isinstance(ack[0], int)
+            and isinstance(ack[1], bool)
+            for ack in second
+        )
+    )
+
+
 def _storage_entry(kind: object, first: object, second: object) -> bool:
     """Return whether an entry is a storage tier's: its copies, operations or events."""
     if kind == "storage" or (kind == "op" and first == "evict_storage"):
         return True
     if kind == "op" and first == "fire" and isinstance(second, tuple) and second:
-        return second[0] in _storage_events()
+        return isinstance(second[0], str) and second[0] in _storage_events()
     if kind == "transition" and isinstance(second, str):
         return second.startswith("born:") or second in _storage_events()
     return False
@@ -427,7 +453,8 @@ def _lease(cache: HiCache, at: int, entry: Entry, held: dict[tuple[str, int], li
     name, ident = entry[1], entry[2][0]
     if name in ("lock", "pin"):
         take = cache.lock if name == "lock" else cache.pin
-        held.setdefault((name, ident), []).append(take(_node(cache, at, entry, ident)))
+        node = _node(cache, at, entry, ident)  # first: it refuses a name no dict can hold
+        held.setdefault((name, ident), []).append(take(node))
         return
     kind = "lock" if name == "unlock" else "pin"
     receipts = held.get((kind, ident))
@@ -441,10 +468,24 @@ def _lease(cache: HiCache, at: int, entry: Entry, held: dict[tuple[str, int], li
 def _node(cache: HiCache, at: int, entry: Entry, ident: object) -> TreeNode:
     """Return the replayed node ``ident`` an entry names.
 
+    A lock or unlock names a namespace root by its namespace
+    (:class:`~fsm_cache.cache.tree.NamespaceRoot`); :data:`_ANY_ROOT`'s
+    operations name one as node 0, and take any root of the replayed tree.
+
     Raises:
         ReplayMismatch: The replayed tree has no such node.
     """
-    node = cache.tree.nodes.get(ident) if isinstance(ident, int) else None
+    tree = cache.tree
+    node: TreeNode | None = None
+    if isinstance(ident, NamespaceRoot):
+        try:
+            node = tree.roots.get(ident.namespace)
+        except TypeError:  # an unhashable namespace, which no root has
+            node = None
+    elif isinstance(ident, int):
+        node = tree.nodes.get(ident)
+        if node is None and ident == 0 and entry[1] in _ANY_ROOT:
+            node = next(iter(tree.roots.values()), None)
     if node is None:
         raise ReplayMismatch(
             f"replay: entry {at} {entry!r}: node {ident!r} is not in the replayed tree"

@@ -732,7 +732,7 @@ class StorageTier:
         root = walk
         while root.parent is not None:
             root = root.parent
-        namespace = self.namespace(self._tree_namespace(root))
+        namespace = self.namespace(self._core.tree.namespace_of(root))
         computed = []
         for n in reversed(chain):
             keys = tuple(page_keys(namespace, n.key, parent=prior))
@@ -741,12 +741,6 @@ class StorageTier:
         for n, keys in computed:
             n.store_keys = keys
         return node.store_keys or ()
-
-    def _tree_namespace(self, root: TreeNode) -> Hashable:
-        for name, found in self._core.tree.roots.items():
-            if found is root:
-                return name
-        return None
 
     # -- the spec's effects ----------------------------------------------------
 

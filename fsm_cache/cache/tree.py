@@ -98,6 +98,23 @@ class Walk:
     cut: int = 0
 
 
+@dataclass(frozen=True)
+class NamespaceRoot:
+    """How the event log names the root of ``namespace`` in a lock or an unlock.
+
+    Every root's id is 0, but each root counts its own locks (a miss hands
+    back its namespace's root, and SGLang-style callers lock it), so a replay
+    must know which root a lock took. Plain data that compares by value, so
+    the log pickles, and a tensor-parallel digest renders it alike on every
+    rank (:func:`~fsm_cache.distributed.digest.operation_text`).
+
+    Attributes:
+        namespace: The namespace whose root it is (None: the default one).
+    """
+
+    namespace: Hashable
+
+
 SplitHook = Callable[[TreeNode, TreeNode], None]
 HandOver = Callable[[Pages, Pages, int, int], None]
 """Called as ``hand_over(device_pages, host_pages, owner, new_owner)`` before a split."""
@@ -138,6 +155,20 @@ class RadixTree:
             found.host = "backed"  # the empty prefix is trivially backed and resident
             self.roots[namespace] = found
         return found
+
+    def namespace_of(self, root: TreeNode) -> Hashable:
+        """Return the namespace whose root ``root`` is (None if it is no root of this tree)."""
+        for name, found in self.roots.items():
+            if found is root:
+                return name
+        return None
+
+    def lease_name(self, node: TreeNode) -> int | NamespaceRoot:
+        """Return how the log names ``node`` in a lock or unlock: its id, or its namespace's root.
+
+        A root's id, 0, is every root's (see :class:`NamespaceRoot`).
+        """
+        return node.id if node.parent is not None else NamespaceRoot(self.namespace_of(node))
 
     def aligned(self, tokens: Key) -> Key:
         """Return ``tokens`` cut down to a whole number of pages (``tokens`` if they are)."""
