@@ -130,6 +130,11 @@ def test_copies_in_flight_are_the_copies_issued_and_not_applied() -> None:
             lambda _, collector: collector.add(object(), "c"),
             "register: cache must have a stats() method (a HiCache), got object",
         ),
+        (  # its gauge fsm_cache_hit_tokens is the default prefix's counter
+            lambda reg, _: register(HiCache(BASE), reg, prefix="fsm_cache_hit", name="b"),
+            "register: prefix 'fsm_cache_hit' makes series the registry has already: "
+            "fsm_cache_hit_tokens",
+        ),
     ],
 )
 def test_what_a_scrape_could_not_read_is_refused_at_register(
@@ -337,3 +342,29 @@ def test_a_cache_that_cannot_be_read_leaves_only_its_own_series_out() -> None:
     collector.remove("broken")
     register(Unreadable(fails=None), registry, name="broken")  # its count starts again
     assert series(registry, "fsm_cache_scrape_errors_total")[(("cache", "broken"),)] == 1.0
+
+
+def test_a_collector_the_registry_dropped_is_not_used_again() -> None:
+    """After the registry's own ``unregister``, a new cache went to the dropped collector.
+
+    It was never scraped. It goes to a new collector, registered in its
+    place, which reports it and not the caches of the one dropped.
+    """
+    registry = prometheus_client.CollectorRegistry()
+    old = register(HiCache(BASE), registry, name="old")
+    registry.unregister(old)
+    new = register(HiCache(BASE), registry, name="new")
+    assert new is not old
+    assert new.names == ("new",)
+    assert register(HiCache(BASE), registry, name="next") is new  # still registered: shared
+    assert set(series(registry, "fsm_cache_pins")) == {
+        (("cache", "new"),),
+        (("cache", "next"),),
+    }
+    registry.unregister(new)
+    prometheus_client.Gauge("fsm_cache_pins", "Someone else's", registry=registry)
+    with pytest.raises(BadArgument) as caught:  # not the dropped collector either
+        register(HiCache(BASE), registry, name="last")
+    assert str(caught.value) == (
+        "register: prefix 'fsm_cache' makes series the registry has already: fsm_cache_pins"
+    )

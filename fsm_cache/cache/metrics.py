@@ -485,7 +485,8 @@ _NUMBERS = itertools.count(1)
 """Numbers of the generated cache names (``cache1``, ``cache2``, ...), unique in the process."""
 
 _SHARED: weakref.WeakKeyDictionary[Any, dict[str, Collector]] = weakref.WeakKeyDictionary()
-"""The collector of each registry, by prefix."""
+"""The collector of each registry, by prefix, as last registered (the registry's own
+``unregister`` may have dropped it since)."""
 
 _SHARED_LOCK = threading.Lock()
 
@@ -506,14 +507,20 @@ def register(
         prefix: Metric name prefix.
         name: The value of the ``cache`` label; None for a fresh ``cache<N>``.
 
+    A collector the registry's own ``unregister`` dropped is not used again:
+    the cache goes to a new collector, registered in its place.
+
     Raises:
-        BadArgument: ``cache`` has no ``stats()``, ``registry`` cannot register
-            collectors, ``prefix`` makes no Prometheus metric name, ``name`` is
-            not a non-empty str, or another cache of the registry has it
-            already; nothing was registered.
+        BadArgument: ``cache`` has no ``stats()`` or is registered with the
+            registry under the prefix already, ``registry`` cannot register
+            collectors, ``prefix`` makes no Prometheus metric name or makes a
+            series another collector of the registry has, ``name`` is not a
+            non-empty str, or another cache of the registry has it already;
+            nothing was registered.
     """
     try:
         from prometheus_client import REGISTRY
+        from prometheus_client.registry import DuplicateTimeseries
     except ModuleNotFoundError as exc:  # prometheus-client comes with the metrics extra
         raise ModuleNotFoundError(f"{exc}: pip install 'fsm-cache[metrics]'") from exc
 
@@ -523,10 +530,26 @@ def register(
     target = REGISTRY if registry is None else registry
     with _SHARED_LOCK:
         by_prefix = _SHARED.setdefault(target, {})
-        collector = by_prefix.get(prefix)
-        if collector is None:
-            collector = Collector(prefix)
+        held = by_prefix.get(prefix)
+        # prometheus_client tells no one whether it still has a collector, but it
+        # refuses one whose series it has: a new one registers only if ``held`` is
+        # gone (or never was), and ``held`` has every series if it is still there.
+        collector = Collector(prefix)
+        try:
             target.register(collector)
+        except DuplicateTimeseries as exc:
+            if held is None or not _families_in(collector, exc.duplicates):
+                clash = ", ".join(sorted(exc.duplicates))
+                raise BadArgument(
+                    f"register: prefix {prefix!r} makes series the registry has already: {clash}"
+                ) from exc
+            collector = held
+        else:
             by_prefix[prefix] = collector
     collector.add(cache, name)
     return collector
+
+
+def _families_in(collector: Collector, names: set[str]) -> bool:
+    """Whether ``names`` has every metric family ``collector`` reports: one like it has them."""
+    return all(family.name in names for family in collector.describe())
