@@ -368,3 +368,21 @@ def test_a_collector_the_registry_dropped_is_not_used_again() -> None:
     assert str(caught.value) == (
         "register: prefix 'fsm_cache' makes series the registry has already: fsm_cache_pins"
     )
+
+
+def test_a_cache_registered_twice_is_refused() -> None:
+    """The same cache registered again (named or not) was reported twice, doubling every sum."""
+    registry = prometheus_client.CollectorRegistry()
+    cache = HiCache(BASE)
+    cache.insert(list(range(8)))
+    collector = register(cache, registry, name="a")
+    before = prometheus_client.generate_latest(registry)
+    for name in (None, "b", "a"):
+        with pytest.raises(BadArgument) as caught:
+            register(cache, registry, name=name)
+        assert str(caught.value) == "register: this cache is registered already, as 'a'"
+    assert collector.names == ("a",)
+    assert prometheus_client.generate_latest(registry) == before
+    other = prometheus_client.CollectorRegistry()  # another registry may report it too
+    register(cache, other, name="a")
+    assert series(other, "fsm_cache_tokens") == series(registry, "fsm_cache_tokens")

@@ -363,12 +363,16 @@ class Collector:
         """Report ``cache`` under ``name`` (a fresh ``cache<N>`` if None); return the name.
 
         Raises:
-            BadArgument: ``cache`` has no ``stats()``, or ``name`` is not a
-                non-empty str or names a cache reported already.
+            BadArgument: ``cache`` has no ``stats()``, or is reported already
+                (under any name: its figures would count twice in every sum),
+                or ``name`` is not a non-empty str or names a cache reported already.
         """
         _check_cache(cache)
         _check_name(name)
         with self._lock:
+            for known, reported in self._caches.items():
+                if reported is cache:
+                    raise BadArgument(f"register: this cache is registered already, as {known!r}")
             if name is None:
                 name = f"cache{next(_NUMBERS)}"
                 while name in self._caches:  # a name a caller gave
