@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import pytest
 
@@ -127,6 +130,11 @@ def test_copies_in_flight_are_the_copies_issued_and_not_applied() -> None:
             lambda _, collector: collector.add(object(), "c"),
             "register: cache must have a stats() method (a HiCache), got object",
         ),
+        (  # its gauge fsm_cache_hit_tokens is the default prefix's counter
+            lambda reg, _: register(HiCache(BASE), reg, prefix="fsm_cache_hit", name="b"),
+            "register: prefix 'fsm_cache_hit' makes series the registry has already: "
+            "fsm_cache_hit_tokens",
+        ),
     ],
 )
 def test_what_a_scrape_could_not_read_is_refused_at_register(
@@ -227,3 +235,154 @@ def test_hit_counters_give_a_window_the_lifetime_gauge_cannot() -> None:
     assert (hits[device] - first[0][device]) / (looked[(("cache", "c"),)] - 8.0) == 0.0
     assert series(registry, "fsm_cache_hit_rate")[device] == 8 / 32
     assert "fsm_cache_lookup_tokens_created" in prometheus_client.generate_latest(registry).decode()
+
+
+def test_a_scrape_reads_a_cache_its_thread_changes_meanwhile() -> None:
+    """A scrape on the HTTP server's thread reads while the scheduler's thread inserts.
+
+    The scrape used to walk a node's children as they were being added and
+    raise ``dictionary changed size during iteration``, ending the whole
+    scrape. The interleaving is forced, not timed: a trace hook inserts a
+    child under one busy node between every two bytecodes the walk of the
+    tree runs (up to ``budget``), each a point where the interpreter could
+    switch threads.
+    """
+    config = replace(BASE, page_size=1, device_pages=4096, host_pages=8192)
+    cache = HiCache(config)
+    for token in range(1, 9):
+        cache.insert([0, token])
+    registry = prometheus_client.CollectorRegistry()
+    register(cache, registry, name="a")
+    budget = 3000  # the device holds every node: none is evicted
+    inserted: list[int] = []
+
+    def scheduler(frame: FrameType, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        code = frame.f_code
+        if (
+            event == "opcode"
+            and code.co_filename == metrics.__file__
+            and code.co_name in {"snapshot", "<genexpr>"}
+            and len(inserted) < budget
+        ):
+            inserted.append(100 + len(inserted))
+            cache.insert([0, inserted[-1]])
+        return scheduler
+
+    before = sys.gettrace()
+    sys.settrace(scheduler)
+    try:
+        scraped = list(registry.collect())
+    finally:
+        sys.settrace(before)
+    assert len(inserted) > 8  # the tree changed under the walk, all along it
+    figures = {
+        (sample.name, tuple(sample.labels.items())): sample.value
+        for family in scraped
+        for sample in family.samples
+    }
+    assert figures["fsm_cache_scrape_errors_total", (("cache", "a"),)] == 0.0
+    device = (("cache", "a"), ("tier", "device"))
+    assert 1 + 8 < figures["fsm_cache_tokens", device] < 1 + 8 + len(inserted)  # a moment's
+    assert series(registry, "fsm_cache_tokens")[device] == 1 + 8 + len(inserted)
+
+
+class Scraped:
+    """What one scrape of a registry read, to look at more than once."""
+
+    def __init__(self, registry: Any) -> None:
+        self.families = list(registry.collect())
+
+    def collect(self) -> list[Any]:
+        return self.families
+
+
+class Unreadable:
+    """A cache whose stats raise the first ``fails`` times they are read (all, if None)."""
+
+    def __init__(self, fails: int | None) -> None:
+        self.cache = HiCache(BASE)
+        self.fails = fails
+
+    def stats(self) -> metrics.Stats:
+        if self.fails is None or self.fails > 0:
+            self.fails = None if self.fails is None else self.fails - 1
+            raise RuntimeError("dictionary changed size during iteration")
+        return self.cache.stats()
+
+
+def test_a_cache_that_cannot_be_read_leaves_only_its_own_series_out() -> None:
+    """One cache's failing stats used to end the scrape: every cache's series went blank.
+
+    A read that fails is tried again (the cache changed under it); one that
+    keeps failing leaves that cache out of the scrape and counts a
+    ``scrape_errors``, and the registry's other caches still report.
+    """
+    registry = prometheus_client.CollectorRegistry()
+    good = HiCache(BASE)
+    good.insert(list(range(8)))
+    collector = register(good, registry, name="good")
+    register(Unreadable(fails=None), registry, name="broken")
+    register(Unreadable(fails=2), registry, name="flaky")  # read on its third try
+    for scrape in (1, 2):
+        once = Scraped(registry)
+        assert series(once, "fsm_cache_tokens") == {
+            (("cache", "good"), ("tier", "device")): 8.0,
+            (("cache", "good"), ("tier", "host")): 8.0,
+            (("cache", "good"), ("tier", "storage")): 0.0,
+            (("cache", "flaky"), ("tier", "device")): 0.0,
+            (("cache", "flaky"), ("tier", "host")): 0.0,
+            (("cache", "flaky"), ("tier", "storage")): 0.0,
+        }
+        assert series(once, "fsm_cache_scrape_errors_total") == {
+            (("cache", "good"),): 0.0,
+            (("cache", "broken"),): float(scrape),
+            (("cache", "flaky"),): 0.0,
+        }
+    collector.remove("broken")
+    register(Unreadable(fails=None), registry, name="broken")  # its count starts again
+    assert series(registry, "fsm_cache_scrape_errors_total")[(("cache", "broken"),)] == 1.0
+
+
+def test_a_collector_the_registry_dropped_is_not_used_again() -> None:
+    """After the registry's own ``unregister``, a new cache went to the dropped collector.
+
+    It was never scraped. It goes to a new collector, registered in its
+    place, which reports it and not the caches of the one dropped.
+    """
+    registry = prometheus_client.CollectorRegistry()
+    old = register(HiCache(BASE), registry, name="old")
+    registry.unregister(old)
+    new = register(HiCache(BASE), registry, name="new")
+    assert new is not old
+    assert new.names == ("new",)
+    assert register(HiCache(BASE), registry, name="next") is new  # still registered: shared
+    assert set(series(registry, "fsm_cache_pins")) == {
+        (("cache", "new"),),
+        (("cache", "next"),),
+    }
+    registry.unregister(new)
+    prometheus_client.Gauge("fsm_cache_pins", "Someone else's", registry=registry)
+    with pytest.raises(BadArgument) as caught:  # not the dropped collector either
+        register(HiCache(BASE), registry, name="last")
+    assert str(caught.value) == (
+        "register: prefix 'fsm_cache' makes series the registry has already: fsm_cache_pins"
+    )
+
+
+def test_a_cache_registered_twice_is_refused() -> None:
+    """The same cache registered again (named or not) was reported twice, doubling every sum."""
+    registry = prometheus_client.CollectorRegistry()
+    cache = HiCache(BASE)
+    cache.insert(list(range(8)))
+    collector = register(cache, registry, name="a")
+    before = prometheus_client.generate_latest(registry)
+    for name in (None, "b", "a"):
+        with pytest.raises(BadArgument) as caught:
+            register(cache, registry, name=name)
+        assert str(caught.value) == "register: this cache is registered already, as 'a'"
+    assert collector.names == ("a",)
+    assert prometheus_client.generate_latest(registry) == before
+    other = prometheus_client.CollectorRegistry()  # another registry may report it too
+    register(cache, other, name="a")
+    assert series(other, "fsm_cache_tokens") == series(registry, "fsm_cache_tokens")

@@ -8,10 +8,17 @@ scrape time so the hot path pays nothing for it. Every series carries a
 A counter's totals start again when its cache is reset, as a process's do when
 it restarts; each counter sample carries when its totals started (the
 ``_created`` series), so a scraper tells that reset from counts going down.
+
+A scrape runs on a thread of its own (``prometheus_client.start_http_server``'s)
+while the scheduler's thread works the cache, and takes no lock of the cache:
+:func:`snapshot` copies each container it walks in one step, so that what the
+cache changes meanwhile makes its figures a moment stale, never an error, and a
+cache that still cannot be read leaves only its own series out of that scrape.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 import threading
@@ -206,11 +213,18 @@ class Stats:
 
 
 def snapshot(cache: Observed, storage_in_flight: int = 0) -> Stats:
-    """Return the :class:`Stats` of ``cache`` now (``storage_in_flight`` from its storage tier)."""
+    """Return the :class:`Stats` of ``cache`` now (``storage_in_flight`` from its storage tier).
+
+    Another thread may call it while the cache's own thread works the cache (a
+    scrape does): every dict it walks is first copied whole by ``list()`` or
+    ``dict()``, which no other Python thread can interleave with, so the walk
+    never sees a dict change size under it. The figures are those of the
+    moments each was read.
+    """
     nodes = list(cache.tree)
     c = cache.counters
     looked = max(c.lookup_tokens, 1)
-    locks = sum(n.locks - sum(ch.locks for ch in n.children.values()) for n in nodes)
+    locks = sum(n.locks - sum(ch.locks for ch in list(n.children.values())) for n in nodes)
     return Stats(
         nodes=len(nodes),
         device_tokens=sum(len(n.key) for n in nodes if n.device in DEVICE_HELD),
@@ -268,8 +282,21 @@ _FAMILIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("storage_bytes", "counter", "Storage tier bytes", ("kind",)),
     ("storage_failures", "counter", "Failed storage copies", ("kind", "outcome")),
     ("prefetch", "counter", "Prefetch decisions", ("outcome",)),
+    (
+        "scrape_errors",
+        "counter",
+        "Scrapes that could not read the cache's stats, so left its other series out",
+        (),
+    ),
 )
-"""Each metric: name after the prefix, type, help text, and labels after ``cache``."""
+"""Each metric: name after the prefix, type, help text, and labels after ``cache``.
+
+``scrape_errors`` is the collector's own count (:meth:`Collector.collect`); every
+other metric is a figure of the cache's :class:`Stats` (:func:`_samples`).
+"""
+
+_TRIES = 3
+"""Reads of a cache's stats a scrape makes before it gives that cache up."""
 
 Samples = dict[str, list[tuple[tuple[str, ...], float]]]
 
@@ -322,6 +349,8 @@ class Collector:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self._caches: dict[str, Reported] = {}
+        self._failed: Counter[str] = Counter()
+        """Scrapes that could not read each cache, since it was added."""
         self._lock = threading.Lock()
 
     @property
@@ -334,12 +363,16 @@ class Collector:
         """Report ``cache`` under ``name`` (a fresh ``cache<N>`` if None); return the name.
 
         Raises:
-            BadArgument: ``cache`` has no ``stats()``, or ``name`` is not a
-                non-empty str or names a cache reported already.
+            BadArgument: ``cache`` has no ``stats()``, or is reported already
+                (under any name: its figures would count twice in every sum),
+                or ``name`` is not a non-empty str or names a cache reported already.
         """
         _check_cache(cache)
         _check_name(name)
         with self._lock:
+            for known, reported in self._caches.items():
+                if reported is cache:
+                    raise BadArgument(f"register: this cache is registered already, as {known!r}")
             if name is None:
                 name = f"cache{next(_NUMBERS)}"
                 while name in self._caches:  # a name a caller gave
@@ -358,26 +391,43 @@ class Collector:
         with self._lock:
             if self._caches.pop(name, None) is None:
                 raise BadArgument(f"register: no cache named {name!r} is registered")
+            self._failed.pop(name, None)
 
     def describe(self) -> Iterator[Any]:
         """Yield every metric family, without samples (what the registry checks names against)."""
         yield from self._families().values()
 
     def collect(self) -> Iterator[Any]:
-        """Yield every metric family with a sample set per cache reported."""
+        """Yield every metric family with a sample set per cache reported.
+
+        A cache whose stats cannot be read (:func:`_read` gave up) is left out
+        of this scrape, and counted in its ``scrape_errors`` series, rather
+        than ending the scrape: the registry's other caches still report.
+        """
         families = self._families()
         with self._lock:
             caches = list(self._caches.items())
         counters = {metric for metric, kind, _, _ in _FAMILIES if kind == "counter"}
         for name, cache in caches:
-            stats = cache.stats()
-            for metric, rows in _samples(stats).items():
+            try:
+                stats = _read(cache)
+                samples = _samples(stats)
+            except Exception:  # whatever it was, only this cache's series go
+                with self._lock:
+                    if name in self._caches:
+                        self._failed[name] += 1
+                continue
+            for metric, rows in samples.items():
                 family = families[metric]
                 for labels, value in rows:
                     if metric in counters:
                         family.add_metric([name, *labels], value, created=stats.counted_since)
                     else:
                         family.add_metric([name, *labels], value)
+        with self._lock:
+            failed = [(name, self._failed[name]) for name, _ in caches]
+        for name, count in failed:
+            families["scrape_errors"].add_metric([name], count)
         yield from families.values()
 
     def _families(self) -> dict[str, Any]:
@@ -388,6 +438,20 @@ class Collector:
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             out[metric] = family(f"{self.prefix}_{metric}", text, labels=["cache", *labels])
         return out
+
+
+def _read(cache: Reported) -> Stats:
+    """Return ``cache.stats()``, read again (up to :data:`_TRIES` in all) while it raises RuntimeError.
+
+    A container changing size under a walk raises RuntimeError (``dictionary
+    changed size during iteration``); :func:`snapshot` copies what it walks, so
+    only a cache of another kind, or a read the copies do not cover, still can.
+    Read again, the figures are a moment later's.
+    """
+    for _ in range(_TRIES - 1):
+        with contextlib.suppress(RuntimeError):
+            return cache.stats()
+    return cache.stats()
 
 
 def _check_name(name: object) -> None:
@@ -425,7 +489,8 @@ _NUMBERS = itertools.count(1)
 """Numbers of the generated cache names (``cache1``, ``cache2``, ...), unique in the process."""
 
 _SHARED: weakref.WeakKeyDictionary[Any, dict[str, Collector]] = weakref.WeakKeyDictionary()
-"""The collector of each registry, by prefix."""
+"""The collector of each registry, by prefix, as last registered (the registry's own
+``unregister`` may have dropped it since)."""
 
 _SHARED_LOCK = threading.Lock()
 
@@ -446,14 +511,20 @@ def register(
         prefix: Metric name prefix.
         name: The value of the ``cache`` label; None for a fresh ``cache<N>``.
 
+    A collector the registry's own ``unregister`` dropped is not used again:
+    the cache goes to a new collector, registered in its place.
+
     Raises:
-        BadArgument: ``cache`` has no ``stats()``, ``registry`` cannot register
-            collectors, ``prefix`` makes no Prometheus metric name, ``name`` is
-            not a non-empty str, or another cache of the registry has it
-            already; nothing was registered.
+        BadArgument: ``cache`` has no ``stats()`` or is registered with the
+            registry under the prefix already, ``registry`` cannot register
+            collectors, ``prefix`` makes no Prometheus metric name or makes a
+            series another collector of the registry has, ``name`` is not a
+            non-empty str, or another cache of the registry has it already;
+            nothing was registered.
     """
     try:
         from prometheus_client import REGISTRY
+        from prometheus_client.registry import DuplicateTimeseries
     except ModuleNotFoundError as exc:  # prometheus-client comes with the metrics extra
         raise ModuleNotFoundError(f"{exc}: pip install 'fsm-cache[metrics]'") from exc
 
@@ -463,10 +534,26 @@ def register(
     target = REGISTRY if registry is None else registry
     with _SHARED_LOCK:
         by_prefix = _SHARED.setdefault(target, {})
-        collector = by_prefix.get(prefix)
-        if collector is None:
-            collector = Collector(prefix)
+        held = by_prefix.get(prefix)
+        # prometheus_client tells no one whether it still has a collector, but it
+        # refuses one whose series it has: a new one registers only if ``held`` is
+        # gone (or never was), and ``held`` has every series if it is still there.
+        collector = Collector(prefix)
+        try:
             target.register(collector)
+        except DuplicateTimeseries as exc:
+            if held is None or not _families_in(collector, exc.duplicates):
+                clash = ", ".join(sorted(exc.duplicates))
+                raise BadArgument(
+                    f"register: prefix {prefix!r} makes series the registry has already: {clash}"
+                ) from exc
+            collector = held
+        else:
             by_prefix[prefix] = collector
     collector.add(cache, name)
     return collector
+
+
+def _families_in(collector: Collector, names: set[str]) -> bool:
+    """Whether ``names`` has every metric family ``collector`` reports: one like it has them."""
+    return all(family.name in names for family in collector.describe())
