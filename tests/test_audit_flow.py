@@ -297,6 +297,27 @@ def test_store_then_pin_is_a_hand_off() -> None:
     """)
 
 
+def test_a_value_read_from_a_resource_does_not_hand_it_on() -> None:
+    # Only whole values hand on: a length or an id put into a local list
+    # that is then returned holds no node.
+    assert audit("""
+        def counted(node):
+            sizes = []
+            node.protect_host()
+            sizes.append(len(node.key))
+            return sizes
+
+        def kept(node):
+            staged = []
+            node.protect_host()
+            staged.append(node)
+            return staged
+    """) == [
+        "4:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function returns at line 6 [counted]"
+    ]
+
+
 def test_release_without_acquire() -> None:
     assert audit("""
         def f(self, req):

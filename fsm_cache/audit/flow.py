@@ -120,13 +120,42 @@ class Walker:
         return states
 
     def hand_on(self, value: ast.AST | None, states: States) -> States:
-        """Mark the resources named in ``value``, or reachable from it, as handed on."""
+        """Mark the resources that ``value`` holds whole, or reachable from it, as handed on.
+
+        Only whole values count (:meth:`Scope.wholes`): returning or storing
+        ``node`` or ``(node, op)`` hands ``node`` on, ``len(node.key)`` or
+        ``node.id`` does not. What is read from a receipt is a receipt
+        (``return handle.params``, ``self.held =
+        cache.inc_lock_ref(node).to_dec_params()``), so it hands on what the
+        receipt stands for.
+        """
         if value is None:
             return states
-        texts, owners = self.scope.texts(value), self.scope.owners(value)
-        if not texts and not owners:
+        owners, reads = self.held_by(value)
+        if not owners and not reads:
             return states
-        return states_of(*(state.hand_on(texts, owners) for state in states))
+        return states_of(*(state.hand_on(owners, owners, reads) for state in states))
+
+    def held_by(self, value: ast.AST) -> tuple[frozenset[str], frozenset[str]]:
+        """Return the resources ``value`` holds whole, and the names it reads a receipt from.
+
+        The first are the texts of its whole values (:meth:`Scope.wholes`)
+        and of what an acquire in them acquired (``cache.lock(node)`` holds
+        ``node``); the second the names that a whole value reads an
+        attribute of or calls a method on (``handle`` of ``handle.params``).
+        """
+        owners: set[str] = set()
+        reads: set[str] = set()
+        for whole in self.scope.wholes(value):
+            if isinstance(whole, ast.Name | ast.Attribute | ast.Subscript):
+                owners.add(self.scope.canon(whole))
+            op = self.classifier.receipt_of(whole, self.scope)
+            if op is not None and op.resource is not None:
+                owners.add(self.scope.canon(op.resource))
+            root = _read_from(whole)
+            if root is not None:
+                reads.add(self.scope.canon(root))
+        return frozenset(owners), frozenset(reads)
 
     def forget(self, targets: list[ast.expr], states: States) -> States:
         """Drop the branch facts that read any of the assigned ``targets``."""
@@ -279,7 +308,7 @@ class Walker:
         And for what those stand for: after ``lock = cache.lock(node)``,
         ``locks.append(lock)`` puts in ``locks`` the receipt of ``node``.
         """
-        texts = frozenset(text for value in values for text in self.scope.texts(value))
+        texts = frozenset(text for value in values for text in self.held_by(value)[0])
         texts |= self.sink.stood_for(texts)
         alias = f"{self.scope.canon(container)}{ELEMENT}"
         if texts:
@@ -503,6 +532,19 @@ def _give_back(state: State, keys: list[ResourceKey], line: int) -> State:
         released, _, matched = state.release(key, line)
         state = released if matched else state
     return state
+
+
+def _read_from(expr: ast.expr) -> ast.Name | None:
+    """Return the name that ``expr`` reads an attribute of or calls a method on, if any.
+
+    ``handle`` of ``handle.params``, ``handle.to_dec_params()`` or ``(await
+    handle).params``: where ``handle`` is a receipt, so is what is read from it.
+    """
+    read = False
+    while isinstance(expr, ast.Attribute | ast.Call | ast.Await):
+        read = read or not isinstance(expr, ast.Await)
+        expr = expr.func if isinstance(expr, ast.Call) else expr.value
+    return expr if read and isinstance(expr, ast.Name) else None
 
 
 def _last_element(key: ResourceKey) -> ResourceKey:

@@ -88,33 +88,67 @@ class Scope:
             return self.env[root] + text[len(root) :]
         return text
 
-    def texts(self, node: ast.AST) -> frozenset[str]:
-        """Return the canonical texts of every name, attribute and subscript in ``node``."""
-        return frozenset(
-            self.canon(sub)
-            for sub in walk_same_scope(node)
-            if isinstance(sub, ast.Name | ast.Attribute | ast.Subscript)
-        )
+    def wholes(self, node: ast.AST) -> Iterator[ast.expr]:
+        """Yield the expressions whose values ``node`` evaluates to, or holds whole.
 
-    def owners(self, node: ast.AST) -> frozenset[str]:
-        """Return the canonical texts of the whole values ``node`` hands on.
+        What is reachable from them goes with them when ``node`` is handed
+        on: ``req`` in ``req``, ``(req, 1)``, ``Entry(req)`` or ``req if c else
+        None``; but a value read from one (``req.prefix_indices``,
+        ``len(req.key)``) does not hand on ``req``. A name, attribute or
+        subscript is itself; a container display holds
+        its elements (and a dict its keys); a call's result may hold its
+        arguments (``Entry(req)``), and is yielded too, for what reads a
+        receipt (``cache.lock(node).params``); ``a if c else b``, ``a and
+        b`` and ``(x := a)`` are one of their operands; ``await f(x)`` is
+        what ``f(x)`` gives, while ``await fut`` is not ``fut``; a
+        comprehension holds its elements. Anything else (``len(req.key)``,
+        ``a + b``, ``f"{req}"``) is a new value.
 
-        ``req`` in ``req``, ``(req, 1)``, ``[req]``, ``{k: req}`` or
-        ``Entry(req)``: what is reachable from them goes with them. A value
-        read from an attribute (``req.prefix_indices``) does not hand on ``req``.
+        While a comprehension's elements are yielded, its loop variables are
+        bound in :attr:`env`, so :meth:`canon` of what is yielded reads them.
         """
         if isinstance(node, ast.Name | ast.Attribute | ast.Subscript):
-            return frozenset({self.canon(node)})
+            yield node
+            return
+        parts: list[ast.expr | None] = []
         if isinstance(node, ast.Starred):
-            return self.owners(node.value)
-        parts: list[ast.AST] = []
-        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            parts = [node.value]
+        elif isinstance(node, ast.Tuple | ast.List | ast.Set):
             parts = list(node.elts)
         elif isinstance(node, ast.Dict):
-            parts = list(node.values)
+            parts = [*node.keys, *node.values]
         elif isinstance(node, ast.Call):
+            yield node
             parts = [*node.args, *(keyword.value for keyword in node.keywords)]
-        return frozenset(text for part in parts for text in self.owners(part))
+        elif isinstance(node, ast.IfExp):
+            parts = [node.body, node.orelse]
+        elif isinstance(node, ast.BoolOp):
+            parts = list(node.values)
+        elif isinstance(node, ast.NamedExpr):
+            parts = [node.value]
+        elif isinstance(node, ast.Await):
+            yield node
+            parts = [node.value] if isinstance(node.value, ast.Call) else []
+        elif isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp | ast.DictComp):
+            yield from self._elements(node)
+        for part in parts:
+            if part is not None:
+                yield from self.wholes(part)
+
+    def _elements(
+        self, comp: ast.ListComp | ast.SetComp | ast.GeneratorExp | ast.DictComp
+    ) -> Iterator[ast.expr]:
+        """Yield the whole values of a comprehension's elements, its loop variables bound."""
+        saved = self.env
+        try:
+            for generator in comp.generators:
+                bindings = element_bindings(generator.target, generator.iter, self)
+                self.env = {**self.env, **bindings}
+            parts = [comp.key, comp.value] if isinstance(comp, ast.DictComp) else [comp.elt]
+            for part in parts:
+                yield from self.wholes(part)
+        finally:
+            self.env = saved
 
     def is_local(self, expr: ast.expr) -> bool:
         """Return whether ``expr`` is rooted in a local variable of this function."""

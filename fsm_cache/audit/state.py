@@ -122,18 +122,31 @@ class State:
         """Return the line of this path's latest release of ``key``, if any."""
         return dict(self.released).get(key)
 
-    def hand_on(self, texts: frozenset[str], owners: frozenset[str] = frozenset()) -> State:
+    def hand_on(
+        self,
+        texts: frozenset[str],
+        owners: frozenset[str] = frozenset(),
+        reads: frozenset[str] = frozenset(),
+    ) -> State:
         """Return the state after the resources named by ``texts`` were handed on.
 
         Args:
-            texts: Every text read by the values handed on.
+            texts: The resources handed on, or what stands for them (a
+                receipt, a local container).
             owners: The texts of the whole values handed on; a resource
                 reachable from one of them (an attribute or element) is
                 handed on too.
+            reads: Names that the values handed on were read from
+                (``handle`` of ``handle.params``, ``staged`` of
+                ``staged.copy()``): a receipt or local container among them
+                hands on what it stands for; a resource among them is not
+                handed on.
         """
         held = tuple(
             replace(entry, handed=True)
-            if self._named(entry.key, texts) or _reachable(entry.key[1], owners)
+            if self._named(entry.key, texts)
+            or _reachable(entry.key[1], owners)
+            or self._receipt_read(entry.key, reads)
             else entry
             for entry in self.held
         )
@@ -153,6 +166,10 @@ class State:
         """Return whether ``texts`` names ``key``, directly or through an alias."""
         names = {key[1]} | {alias for alias, original in self.aliases if original == key[1]}
         return any(_names(name, texts) for name in names)
+
+    def _receipt_read(self, key: ResourceKey, reads: frozenset[str]) -> bool:
+        """Return whether ``reads`` names what stands for ``key``: a receipt, a local container."""
+        return any(_names(alias, reads) for alias, original in self.aliases if original == key[1])
 
     def assume(self, test: str, outcome: bool) -> State:
         """Return the state that assumes branch ``test`` evaluated to ``outcome``."""
