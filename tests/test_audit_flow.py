@@ -724,6 +724,22 @@ def test_a_guarded_wildcard_case_can_fall_through() -> None:
     ]
 
 
+def test_an_await_in_one_branch_raises_where_it_runs() -> None:
+    assert audit("""
+        async def leaks(node, fut, c):
+            node.protect_host()
+            value = await fut if c else None
+            node.release_host()
+
+        async def pinned_elsewhere(node, fut, c):
+            if not c:
+                node.protect_host()
+            value = await fut if c else None
+            if not c:
+                node.release_host()
+    """) == [f"3:5: FSM104 protect_host() on 'node' leaks if line 4 raises; {LEAK_HINT} [leaks]"]
+
+
 def test_a_release_before_the_only_acquire_has_none_in_reach() -> None:
     assert audit("""
         def f(self, node):

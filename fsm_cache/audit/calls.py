@@ -406,6 +406,7 @@ def call_arguments(call: ast.Call) -> list[ast.expr]:
 Comprehension = ast.ListComp | ast.SetComp | ast.GeneratorExp | ast.DictComp
 Effect = (
     ast.Call
+    | ast.Await
     | ast.Yield
     | ast.YieldFrom
     | ast.Lambda
@@ -417,9 +418,12 @@ Effect = (
 
 
 def effects(node: ast.AST) -> Iterator[Effect]:
-    """Yield the calls, yields, lambdas and ``:=`` bindings of ``node`` in evaluation order.
+    """Yield the calls, awaits, yields, lambdas and ``:=`` bindings of ``node`` in evaluation order.
 
     In post-order: ``(lock := cache.lock(node))`` yields the call, then the binding.
+    An ``await`` is yielded only when it awaits something other than a call
+    (``await fut``, ``await self.pending[k]``): awaiting a call is that call,
+    which raises or not as the call does.
 
     A conditional expression or boolean operation whose guarded operands call
     something, and a comprehension that calls something, are yielded whole
@@ -434,7 +438,9 @@ def effects(node: ast.AST) -> Iterator[Effect]:
             yield child
         elif not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             yield from effects(child)
-    if isinstance(node, ast.Call | ast.Yield | ast.YieldFrom | ast.NamedExpr):
+    awaits_call = isinstance(node, ast.Await) and isinstance(node.value, ast.Call)
+    effect = ast.Call | ast.Await | ast.Yield | ast.YieldFrom | ast.NamedExpr
+    if isinstance(node, effect) and not awaits_call:
         yield node
 
 

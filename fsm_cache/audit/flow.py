@@ -193,8 +193,9 @@ class Walker:
             return self._comprehension(effect, states, outcome)
         if isinstance(effect, ast.NamedExpr):
             return self.bind([effect.target], effect.value, states)
-        if isinstance(effect, ast.Yield | ast.YieldFrom):
-            states = self.hand_on(effect.value, states)
+        if isinstance(effect, ast.Yield | ast.YieldFrom | ast.Await):
+            if not isinstance(effect, ast.Await):  # an await raises the future's exception
+                states = self.hand_on(effect.value, states)
             add(outcome, Flow.RAISE, _at(states, effect.lineno))
             return states
         assert isinstance(effect, ast.Call)

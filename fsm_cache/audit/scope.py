@@ -312,15 +312,16 @@ def branch_tests(node: ast.AST) -> list[ast.expr]:
 
 
 def conditional_effects(node: ast.IfExp | ast.BoolOp) -> bool:
-    """Return whether the code that ``node`` runs only on some outcomes calls or yields."""
+    """Return whether the code that ``node`` runs only on some outcomes calls, awaits or yields."""
     guarded = [node.body, node.orelse] if isinstance(node, ast.IfExp) else node.values[1:]
     return any(calls_anything(part) for part in guarded)
 
 
 def calls_anything(node: ast.AST) -> bool:
-    """Return whether ``node`` calls or yields anything outside nested functions."""
+    """Return whether ``node`` calls, awaits or yields anything outside nested functions."""
     return any(
-        isinstance(sub, ast.Call | ast.Yield | ast.YieldFrom) for sub in walk_same_scope(node)
+        isinstance(sub, ast.Call | ast.Await | ast.Yield | ast.YieldFrom)
+        for sub in walk_same_scope(node)
     )
 
 
