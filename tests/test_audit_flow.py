@@ -724,6 +724,22 @@ def test_a_guarded_wildcard_case_can_fall_through() -> None:
     ]
 
 
+def test_a_failed_case_guard_still_ran_for_the_later_cases() -> None:
+    # The guard pinned where it returned true, only: the later case that
+    # releases runs where it returned false, so it releases nothing.
+    assert audit("""
+        def f(node, cmd):
+            match cmd:
+                case "load" if node.protect_host():
+                    node.release_host()
+                case _:
+                    node.release_host()
+    """) == [
+        "7:13: FSM103 release_host() on 'node' has no protect_host() in reach"
+        " and no documented hand-off [f]"
+    ]
+
+
 def test_an_await_in_one_branch_raises_where_it_runs() -> None:
     assert audit("""
         async def leaks(node, fut, c):

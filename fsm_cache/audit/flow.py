@@ -119,6 +119,10 @@ class Walker:
             states = self._effect(effect, states, outcome)
         return states
 
+    def split(self, test: ast.expr, states: States) -> tuple[States, States]:
+        """Return the states that pass ``test`` and those that fail it, as an ``if`` does."""
+        return _split(self, test, states)
+
     def hand_on(self, value: ast.AST | None, states: States) -> States:
         """Mark the resources that ``value`` holds whole, or reachable from it, as handed on.
 

@@ -298,12 +298,15 @@ def string_constant(expr: ast.expr | None) -> str | None:
 def branch_tests(node: ast.AST) -> list[ast.expr]:
     """Return the tests that decide which code of ``node`` runs, if it is a branch.
 
-    The test of an ``if``; the test of a conditional expression, and the
-    leading operands of a boolean operation, when the code they guard calls
-    something (``x.protect_host() if c else None``, ``c and x.protect_host()``).
+    The test of an ``if`` and the guard of a ``case``; the test of a
+    conditional expression, and the leading operands of a boolean operation,
+    when the code they guard calls something (``x.protect_host() if c else
+    None``, ``c and x.protect_host()``).
     """
     if isinstance(node, ast.If):
         return [node.test]
+    if isinstance(node, ast.match_case):
+        return [] if node.guard is None else [node.guard]
     if isinstance(node, ast.IfExp) and conditional_effects(node):
         return [node.test]
     if isinstance(node, ast.BoolOp) and conditional_effects(node):
