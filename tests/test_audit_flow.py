@@ -371,6 +371,43 @@ def test_reassigning_a_tested_name_forgets_the_branch() -> None:
     ]
 
 
+def test_a_flag_set_after_the_pin_tells_the_paths_that_pinned() -> None:
+    # `pinned = True` before the pin, a flag bound again to a test's result,
+    # or changed by `|=`, no longer tells which paths pinned.
+    assert audit("""
+        def set_late(node):
+            pinned = False
+            try:
+                node.protect_host()
+                work()
+                pinned = True
+            finally:
+                if pinned:
+                    node.release_host()
+
+        def bound_again(node, c):
+            pinned = False
+            node.protect_host()
+            pinned = True
+            pinned = c
+            if pinned:
+                node.release_host()
+
+        def augmented(node, c):
+            pinned = False
+            node.protect_host()
+            pinned |= c
+            if pinned:
+                node.release_host()
+    """) == [
+        f"5:9: FSM104 protect_host() on 'node' leaks if line 6 raises; {LEAK_HINT} [set_late]",
+        "14:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function ends at line 18 [bound_again]",
+        "22:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function ends at line 25 [augmented]",
+    ]
+
+
 def test_with_body_exceptions_pass_through() -> None:
     assert audit("""
         def f(node, lock):

@@ -166,15 +166,25 @@ class Walker:
         names = frozenset(ast.unparse(sub) for target in targets for sub in _stored(target))
         return states_of(*(state.forget(names, self.scope.mentions) for state in states))
 
-    def bind(self, targets: list[ast.expr], value: ast.expr | None, states: States) -> States:
-        """Store ``value`` into ``targets``, by ``=`` or ``:=``, after its calls have run.
+    def bind(
+        self,
+        targets: list[ast.expr],
+        value: ast.expr | None,
+        states: States,
+        *,
+        augmented: bool = False,
+    ) -> States:
+        """Store ``value`` into ``targets``, by ``=``, ``:=`` or (``augmented``) ``+=``.
 
-        A receipt bound to one name stands for what it acquired, a store that
-        escapes hands the value on, one into a local container aliases it, and
-        the branch facts that read a target are forgotten.
+        After ``value``'s calls have run. A receipt bound to one name stands
+        for what it acquired, a store that escapes hands the value on, one
+        into a local container aliases it, and the branch facts that read a
+        target are forgotten; a guard or flag bound by ``=`` to a value known
+        to pass or fail its test records that on the path.
         """
-        if len(targets) == 1 and value is not None:
-            states = self.receipt(targets[0], value, states)
+        plain = value if not augmented else None
+        if len(targets) == 1 and plain is not None:
+            states = self.receipt(targets[0], plain, states)
         if any(_escapes(self.scope, target) for target in targets):
             states = self.hand_on(value, states)
         elif value is not None:
@@ -184,8 +194,9 @@ class Walker:
                 elif isinstance(target, ast.Name) and isinstance(value, Comprehension):
                     states = self.collect_built(target, value, states)
         states = self.forget(targets, states)
-        if len(targets) == 1 and value is not None:
-            states = self.known_none(targets[0], value, states)
+        if len(targets) == 1 and plain is not None:
+            states = self.known_none(targets[0], plain, states)
+            states = self.known_flag(targets[0], plain, states)
         return states
 
     def _effect(self, effect: ast.AST, states: States, outcome: FlowOutcome) -> States:
@@ -373,6 +384,19 @@ class Walker:
             return states
         test = none_test(target.id)
         return states_of(*(state.assume(test, is_none) for state in states))
+
+    def known_flag(self, target: ast.expr, value: ast.expr, states: States) -> States:
+        """Record on each path that a flag name was just bound to True or to False.
+
+        ``pinned = False``, then ``node.protect_host(); pinned = True``, makes
+        a later ``if pinned: node.release_host()`` release on the paths that
+        pinned and only on those (:attr:`Scope.flags`).
+        """
+        if not isinstance(target, ast.Name) or target.id not in self.scope.flags:
+            return states
+        if not (isinstance(value, ast.Constant) and isinstance(value.value, bool)):
+            return states
+        return states_of(*(state.assume(target.id, value.value) for state in states))
 
     def entered(self, expr: ast.expr) -> ResourceKey | None:
         """Return what a ``with`` item holds: an acquire's (``with cache.lock(node):``) or a receipt's.
@@ -594,7 +618,9 @@ def _simple(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
     elif not isinstance(stmt, ast.ClassDef):
         states = walker.evaluate(stmt, states, outcome)
     value = getattr(stmt, "value", None)
-    states = walker.bind(_targets(stmt), value if isinstance(value, ast.expr) else None, states)
+    value = value if isinstance(value, ast.expr) else None
+    augmented = isinstance(stmt, ast.AugAssign)
+    states = walker.bind(_targets(stmt), value, states, augmented=augmented)
     add(outcome, Flow.NORMAL, states)
     return outcome
 

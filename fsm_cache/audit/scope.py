@@ -48,6 +48,9 @@ class Scope:
         guards: Names that hold an acquire's receipt on some paths and that
             a branch tests against None (:func:`none_test`); their tests are
             correlated with their assignments. Set by the analysis.
+        flags: Names bound to ``True`` or ``False`` somewhere and tested by
+            themselves (``if pinned:``, ``if not ok:``); their tests are
+            correlated with those assignments.
         receipt_containers: Local container bound and filled only with
             receipts of one pair (``locks.append(cache.lock(node))``,
             ``locks = [cache.lock(n) for n in nodes]``) -> that pair's index;
@@ -63,6 +66,7 @@ class Scope:
     verbs: dict[str, str] = field(default_factory=dict)
     receipts: dict[str, int] = field(default_factory=dict)
     guards: frozenset[str] = frozenset()
+    flags: frozenset[str] = frozenset()
     receipt_containers: dict[str, int] = field(default_factory=dict)
 
     def receipt_pair(self, name: str) -> int | None:
@@ -173,10 +177,23 @@ def build_scope(func: FunctionNode | ast.Lambda) -> Scope:
     tests = [test for node in body for sub in walk_same_scope(node) for test in branch_tests(sub)]
     counts = Counter(test_fact(test)[0] for test in tests)
     mentions = {test_fact(test)[0]: texts_of(test) for test in tests}
-    correlated = frozenset(test for test, count in counts.items() if count > 1)
+    flags = frozenset(
+        name
+        for name, value in name_bindings(body, with_items=False)
+        if isinstance(value, ast.Constant) and isinstance(value.value, bool) and name in mentions
+    )
+    correlated = frozenset(test for test, count in counts.items() if count > 1) | flags
     locals_ = frozenset(bound - params - shared)
     verbs = {name: event for name, event in verb_names(body).items() if name in locals_}
-    return Scope(params, locals_, correlated, mentions, shared=frozenset(shared), verbs=verbs)
+    return Scope(
+        params,
+        locals_,
+        correlated,
+        mentions,
+        shared=frozenset(shared),
+        verbs=verbs,
+        flags=flags,
+    )
 
 
 def verb_names(body: list[ast.AST]) -> dict[str, str]:
