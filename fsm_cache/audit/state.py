@@ -95,14 +95,28 @@ class State:
         already released the key (a double release); the flag says whether a
         held entry was consumed.
         """
-        previous = dict(self.released).get(key)
         released = tuple(sorted({**dict(self.released), key: line}.items()))
         entry = _pick(self.held, key, self.aliases)
         if entry is None:
-            return replace(self, released=released), previous, False
+            return replace(self, released=released), self._released_before(key), False
         held = list(self.held)
         held.remove(entry)
         return replace(self, held=tuple(held), released=released), None, True
+
+    def _released_before(self, key: ResourceKey) -> int | None:
+        """Return the line of this path's latest release of ``key``, or of what stands for it.
+
+        A receipt and what it acquired are one resource: after ``with
+        cache.lock(node) as lease:`` has released ``node``, ``cache.unlock(lease)``
+        releases it again, as ``cache.unlock(node)`` does after ``with lease:``.
+        """
+        released = dict(self.released)
+        if key in released:
+            return released[key]
+        related = {original for alias, original in self.aliases if alias == key[1]}
+        related |= {alias for alias, original in self.aliases if original == key[1]}
+        lines = [released[(key[0], text)] for text in related if (key[0], text) in released]
+        return max(lines, default=None)
 
     def retract(self, key: ResourceKey) -> State:
         """Return the state where the latest acquire of ``key`` took nothing after all.
