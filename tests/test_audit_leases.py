@@ -199,6 +199,30 @@ def test_an_engine_leases_release_is_its_own_not_a_pairs() -> None:
     )
 
 
+def test_a_receipt_or_none_is_released_by_its_own_release_under_its_none_test() -> None:
+    # A name bound to a receipt on some paths and to None on the others is
+    # still a receipt: its own release, where it is not None, releases.
+    assert not audit(
+        """
+        def conditional(cache, node, c):
+            lock = cache.lock(node) if c else None
+            try:
+                yield
+            finally:
+                if lock is not None:
+                    lock.release()
+
+        def in_a_branch(cache, node, c):
+            lock = None
+            if c:
+                lock = cache.lock(node)
+            if lock is not None:
+                lock.release()
+        """,
+        LOCK,
+    )
+
+
 def test_a_release_on_a_name_bound_to_anything_else_is_still_unmatched() -> None:
     assert audit(
         """

@@ -23,6 +23,7 @@ from fsm_cache.audit.scope import (
     conditional_effects,
     container_puts,
     empty_container,
+    is_none,
     name_bindings,
     none_test,
     root_name,
@@ -206,11 +207,20 @@ class Classifier:
         A receipt is bound by ``lock = cache.lock(node)`` or ``with
         cache.lock(node) as lock``. A name bound only to ``X.lease(...)`` (the
         engine's lease, which is no acquire to the audit) maps to -1. A name
-        also bound to anything else, or to two pairs' receipts, is none.
+        may also be bound to None, where it acquired nothing (``lock = None``,
+        ``lock = cache.lock(node) if c else None``). A name also bound to
+        anything else, or to two pairs' receipts, is none.
         """
         nodes: list[ast.AST] = list(body)
         bindings = name_bindings(nodes, with_items=True)
-        return sole_kinds(nodes, bindings, lambda value: self._lease_pair(value, scope))
+        return sole_kinds(nodes, bindings, lambda value: self._option_pair(value, scope), is_none)
+
+    def _option_pair(self, value: ast.expr, scope: Scope) -> int | None:
+        """Return the pair whose receipt ``value`` is, or each of its options not None is."""
+        if not isinstance(value, ast.IfExp):
+            return self._lease_pair(value, scope)
+        options = [option for option in (value.body, value.orelse) if not is_none(option)]
+        return _sole({self._lease_pair(option, scope) for option in options})
 
     def receipt_containers(self, body: list[ast.stmt], scope: Scope) -> dict[str, int]:
         """Return the local containers that hold only receipts of one pair, with that pair's index.

@@ -271,12 +271,14 @@ def sole_kinds(
     body: list[ast.AST],
     bindings: Iterable[tuple[str, ast.expr]],
     kind_of: Callable[[ast.expr], K | None],
+    neutral: Callable[[ast.expr], bool] = lambda _value: False,
 ) -> dict[str, K]:
     """Return the names that ``bindings`` bind only to values of one kind, with that kind.
 
     A name also bound in ``body`` any other way (a loop target, a parameter of
-    a nested ``def``, a value ``kind_of`` gives no kind), or bound to two
-    kinds, could be anything, so it is none.
+    a nested ``def``, a value ``kind_of`` gives no kind and that is not
+    ``neutral``), or bound to two kinds, could be anything, so it is none. A
+    ``neutral`` value (None, for a receipt) is no kind, and allowed.
     """
     kinds: dict[str, set[K]] = {}
     counted: Counter[str] = Counter()
@@ -284,6 +286,7 @@ def sole_kinds(
         kind = kind_of(value)
         if kind is not None:
             kinds.setdefault(name, set()).add(kind)
+        if kind is not None or neutral(value):
             counted[name] += 1
     binds = Counter(name for node in body for name in bound_names(node))
     return {
@@ -303,6 +306,11 @@ def verb_event(expr: ast.expr) -> str | None:
         return string_constant(expr.args[0])
     keyword = expr.keywords[0]
     return string_constant(keyword.value) if keyword.arg == "event" else None
+
+
+def is_none(expr: ast.expr) -> bool:
+    """Return whether ``expr`` is the literal ``None``."""
+    return isinstance(expr, ast.Constant) and expr.value is None
 
 
 def string_constant(expr: ast.expr | None) -> str | None:
