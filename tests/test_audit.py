@@ -20,6 +20,7 @@ REPO = Path(__file__).parent.parent
 MODULES = sorted(CORPUS.glob("*.py"))
 CLEAN = [
     "callbacks_clean.py",
+    "flag_idiom.py",
     "guarded_locks.py",
     "idioms_clean.py",
     "load_back_fixed.py",

@@ -297,6 +297,27 @@ def test_store_then_pin_is_a_hand_off() -> None:
     """)
 
 
+def test_a_value_read_from_a_resource_does_not_hand_it_on() -> None:
+    # Only whole values hand on: a length or an id put into a local list
+    # that is then returned holds no node.
+    assert audit("""
+        def counted(node):
+            sizes = []
+            node.protect_host()
+            sizes.append(len(node.key))
+            return sizes
+
+        def kept(node):
+            staged = []
+            node.protect_host()
+            staged.append(node)
+            return staged
+    """) == [
+        "4:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function returns at line 6 [counted]"
+    ]
+
+
 def test_release_without_acquire() -> None:
     assert audit("""
         def f(self, req):
@@ -347,6 +368,43 @@ def test_reassigning_a_tested_name_forgets_the_branch() -> None:
         " when the function ends at line 7 [f]",
         "7:9: FSM105 release_host() on 'node' also runs on a path that skipped"
         " protect_host() at line 4 [f]",
+    ]
+
+
+def test_a_flag_set_after_the_pin_tells_the_paths_that_pinned() -> None:
+    # `pinned = True` before the pin, a flag bound again to a test's result,
+    # or changed by `|=`, no longer tells which paths pinned.
+    assert audit("""
+        def set_late(node):
+            pinned = False
+            try:
+                node.protect_host()
+                work()
+                pinned = True
+            finally:
+                if pinned:
+                    node.release_host()
+
+        def bound_again(node, c):
+            pinned = False
+            node.protect_host()
+            pinned = True
+            pinned = c
+            if pinned:
+                node.release_host()
+
+        def augmented(node, c):
+            pinned = False
+            node.protect_host()
+            pinned |= c
+            if pinned:
+                node.release_host()
+    """) == [
+        f"5:9: FSM104 protect_host() on 'node' leaks if line 6 raises; {LEAK_HINT} [set_late]",
+        "14:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function ends at line 18 [bound_again]",
+        "22:5: FSM101 protect_host() on 'node' is not released or handed on"
+        " when the function ends at line 25 [augmented]",
     ]
 
 
@@ -701,6 +759,38 @@ def test_a_guarded_wildcard_case_can_fall_through() -> None:
         "3:5: FSM101 protect_host() on 'node' is not released or handed on"
         " when the function ends at line 8 [f]"
     ]
+
+
+def test_a_failed_case_guard_still_ran_for_the_later_cases() -> None:
+    # The guard pinned where it returned true, only: the later case that
+    # releases runs where it returned false, so it releases nothing.
+    assert audit("""
+        def f(node, cmd):
+            match cmd:
+                case "load" if node.protect_host():
+                    node.release_host()
+                case _:
+                    node.release_host()
+    """) == [
+        "7:13: FSM103 release_host() on 'node' has no protect_host() in reach"
+        " and no documented hand-off [f]"
+    ]
+
+
+def test_an_await_in_one_branch_raises_where_it_runs() -> None:
+    assert audit("""
+        async def leaks(node, fut, c):
+            node.protect_host()
+            value = await fut if c else None
+            node.release_host()
+
+        async def pinned_elsewhere(node, fut, c):
+            if not c:
+                node.protect_host()
+            value = await fut if c else None
+            if not c:
+                node.release_host()
+    """) == [f"3:5: FSM104 protect_host() on 'node' leaks if line 4 raises; {LEAK_HINT} [leaks]"]
 
 
 def test_a_release_before_the_only_acquire_has_none_in_reach() -> None:

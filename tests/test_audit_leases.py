@@ -87,6 +87,36 @@ def test_a_release_after_the_with_is_a_double_release() -> None:
     ) == ["5:5: FSM102 unlock() on 'node' can run twice: already released at line 3 [f]"]
 
 
+def test_a_receipt_released_after_the_with_is_a_double_release() -> None:
+    # The `as` name and the receipt entered by name are what they acquired:
+    # releasing either after the `with` released it again.
+    assert audit(
+        """
+        def unlocked(cache, node):
+            with cache.lock(node) as lease:
+                work()
+            cache.unlock(lease)
+
+        def released(cache, node):
+            with cache.lock(node) as lease:
+                work()
+            lease.release()
+
+        def entered_by_name(cache, node):
+            lease = cache.lock(node)
+            with lease:
+                work()
+            cache.unlock(node)
+        """,
+        LOCK,
+    ) == [
+        "5:5: FSM102 unlock() on 'lease' can run twice: already released at line 3 [unlocked]",
+        "10:5: FSM102 unlock() on 'lease' can run twice: already released at line 8 [released]",
+        "16:5: FSM102 unlock() on 'node' can run twice: already released at line 14"
+        " [entered_by_name]",
+    ]
+
+
 def test_an_acquire_inside_the_with_body_still_leaks() -> None:
     assert audit(
         """
@@ -166,6 +196,30 @@ def test_an_engine_leases_release_is_its_own_not_a_pairs() -> None:
                 lease.release()
         """,
         PIN,
+    )
+
+
+def test_a_receipt_or_none_is_released_by_its_own_release_under_its_none_test() -> None:
+    # A name bound to a receipt on some paths and to None on the others is
+    # still a receipt: its own release, where it is not None, releases.
+    assert not audit(
+        """
+        def conditional(cache, node, c):
+            lock = cache.lock(node) if c else None
+            try:
+                yield
+            finally:
+                if lock is not None:
+                    lock.release()
+
+        def in_a_branch(cache, node, c):
+            lock = None
+            if c:
+                lock = cache.lock(node)
+            if lock is not None:
+                lock.release()
+        """,
+        LOCK,
     )
 
 

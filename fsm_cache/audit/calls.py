@@ -23,6 +23,7 @@ from fsm_cache.audit.scope import (
     conditional_effects,
     container_puts,
     empty_container,
+    is_none,
     name_bindings,
     none_test,
     root_name,
@@ -206,11 +207,20 @@ class Classifier:
         A receipt is bound by ``lock = cache.lock(node)`` or ``with
         cache.lock(node) as lock``. A name bound only to ``X.lease(...)`` (the
         engine's lease, which is no acquire to the audit) maps to -1. A name
-        also bound to anything else, or to two pairs' receipts, is none.
+        may also be bound to None, where it acquired nothing (``lock = None``,
+        ``lock = cache.lock(node) if c else None``). A name also bound to
+        anything else, or to two pairs' receipts, is none.
         """
         nodes: list[ast.AST] = list(body)
         bindings = name_bindings(nodes, with_items=True)
-        return sole_kinds(nodes, bindings, lambda value: self._lease_pair(value, scope))
+        return sole_kinds(nodes, bindings, lambda value: self._option_pair(value, scope), is_none)
+
+    def _option_pair(self, value: ast.expr, scope: Scope) -> int | None:
+        """Return the pair whose receipt ``value`` is, or each of its options not None is."""
+        if not isinstance(value, ast.IfExp):
+            return self._lease_pair(value, scope)
+        options = [option for option in (value.body, value.orelse) if not is_none(option)]
+        return _sole({self._lease_pair(option, scope) for option in options})
 
     def receipt_containers(self, body: list[ast.stmt], scope: Scope) -> dict[str, int]:
         """Return the local containers that hold only receipts of one pair, with that pair's index.
@@ -406,6 +416,7 @@ def call_arguments(call: ast.Call) -> list[ast.expr]:
 Comprehension = ast.ListComp | ast.SetComp | ast.GeneratorExp | ast.DictComp
 Effect = (
     ast.Call
+    | ast.Await
     | ast.Yield
     | ast.YieldFrom
     | ast.Lambda
@@ -417,9 +428,12 @@ Effect = (
 
 
 def effects(node: ast.AST) -> Iterator[Effect]:
-    """Yield the calls, yields, lambdas and ``:=`` bindings of ``node`` in evaluation order.
+    """Yield the calls, awaits, yields, lambdas and ``:=`` bindings of ``node`` in evaluation order.
 
     In post-order: ``(lock := cache.lock(node))`` yields the call, then the binding.
+    An ``await`` is yielded only when it awaits something other than a call
+    (``await fut``, ``await self.pending[k]``): awaiting a call is that call,
+    which raises or not as the call does.
 
     A conditional expression or boolean operation whose guarded operands call
     something, and a comprehension that calls something, are yielded whole
@@ -434,7 +448,9 @@ def effects(node: ast.AST) -> Iterator[Effect]:
             yield child
         elif not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             yield from effects(child)
-    if isinstance(node, ast.Call | ast.Yield | ast.YieldFrom | ast.NamedExpr):
+    awaits_call = isinstance(node, ast.Await) and isinstance(node.value, ast.Call)
+    effect = ast.Call | ast.Await | ast.Yield | ast.YieldFrom | ast.NamedExpr
+    if isinstance(node, effect) and not awaits_call:
         yield node
 
 

@@ -55,6 +55,9 @@ class Walking(Protocol):
     def forget(self, targets: list[ast.expr], states: States) -> States:
         """Drop the branch facts that read any of the assigned ``targets``."""
 
+    def split(self, test: ast.expr, states: States) -> tuple[States, States]:
+        """Return the states that pass ``test`` and those that fail it."""
+
     def attempted(
         self, test: ast.expr, through: States, around: States | None = None
     ) -> tuple[States, States]:
@@ -215,15 +218,32 @@ def run_with(walker: Walking, stmt: ast.stmt, states: States) -> FlowOutcome:
 
 
 def run_match(walker: Walking, stmt: ast.stmt, states: States) -> FlowOutcome:
-    """Run ``match``: every case is a branch; no case matching falls through."""
+    """Run ``match``: every case is a branch; no case matching falls through.
+
+    A case's guard (``case "load" if node.protect_host():``) runs where its
+    pattern matched, as an ``if`` test: its raises leave the ``match``, the
+    paths that pass it run the body, and those that fail it (the guard
+    still ran) go on to the later cases, as do the paths whose pattern did
+    not match.
+    """
     assert isinstance(stmt, ast.Match)
     outcome: FlowOutcome = {}
     states = walker.evaluate(stmt.subject, states, outcome)
     for case in stmt.cases:
-        merge(outcome, walker.block(case.body, states))
-    last = stmt.cases[-1].pattern if stmt.cases else None
-    irrefutable = isinstance(last, ast.MatchAs) and last.pattern is None
-    if not (irrefutable and stmt.cases[-1].guard is None):
+        taken = states
+        if case.guard is not None:
+            guarded = walker.evaluate(case.guard, states, outcome)
+            taken, failed = walker.split(case.guard, guarded)
+            states = {**states, **failed}
+        merge(outcome, walker.block(case.body, taken))
+    last = stmt.cases[-1] if stmt.cases else None
+    catch_all = (
+        last is not None
+        and last.guard is None
+        and isinstance(last.pattern, ast.MatchAs)
+        and last.pattern.pattern is None
+    )
+    if not catch_all:
         add(outcome, Flow.NORMAL, states)
     return outcome
 

@@ -119,29 +119,72 @@ class Walker:
             states = self._effect(effect, states, outcome)
         return states
 
+    def split(self, test: ast.expr, states: States) -> tuple[States, States]:
+        """Return the states that pass ``test`` and those that fail it, as an ``if`` does."""
+        return _split(self, test, states)
+
     def hand_on(self, value: ast.AST | None, states: States) -> States:
-        """Mark the resources named in ``value``, or reachable from it, as handed on."""
+        """Mark the resources that ``value`` holds whole, or reachable from it, as handed on.
+
+        Only whole values count (:meth:`Scope.wholes`): returning or storing
+        ``node`` or ``(node, op)`` hands ``node`` on, ``len(node.key)`` or
+        ``node.id`` does not. What is read from a receipt is a receipt
+        (``return handle.params``, ``self.held =
+        cache.inc_lock_ref(node).to_dec_params()``), so it hands on what the
+        receipt stands for.
+        """
         if value is None:
             return states
-        texts, owners = self.scope.texts(value), self.scope.owners(value)
-        if not texts and not owners:
+        owners, reads = self.held_by(value)
+        if not owners and not reads:
             return states
-        return states_of(*(state.hand_on(texts, owners) for state in states))
+        return states_of(*(state.hand_on(owners, owners, reads) for state in states))
+
+    def held_by(self, value: ast.AST) -> tuple[frozenset[str], frozenset[str]]:
+        """Return the resources ``value`` holds whole, and the names it reads a receipt from.
+
+        The first are the texts of its whole values (:meth:`Scope.wholes`)
+        and of what an acquire in them acquired (``cache.lock(node)`` holds
+        ``node``); the second the names that a whole value reads an
+        attribute of or calls a method on (``handle`` of ``handle.params``).
+        """
+        owners: set[str] = set()
+        reads: set[str] = set()
+        for whole in self.scope.wholes(value):
+            if isinstance(whole, ast.Name | ast.Attribute | ast.Subscript):
+                owners.add(self.scope.canon(whole))
+            op = self.classifier.receipt_of(whole, self.scope)
+            if op is not None and op.resource is not None:
+                owners.add(self.scope.canon(op.resource))
+            root = _read_from(whole)
+            if root is not None:
+                reads.add(self.scope.canon(root))
+        return frozenset(owners), frozenset(reads)
 
     def forget(self, targets: list[ast.expr], states: States) -> States:
         """Drop the branch facts that read any of the assigned ``targets``."""
         names = frozenset(ast.unparse(sub) for target in targets for sub in _stored(target))
         return states_of(*(state.forget(names, self.scope.mentions) for state in states))
 
-    def bind(self, targets: list[ast.expr], value: ast.expr | None, states: States) -> States:
-        """Store ``value`` into ``targets``, by ``=`` or ``:=``, after its calls have run.
+    def bind(
+        self,
+        targets: list[ast.expr],
+        value: ast.expr | None,
+        states: States,
+        *,
+        augmented: bool = False,
+    ) -> States:
+        """Store ``value`` into ``targets``, by ``=``, ``:=`` or (``augmented``) ``+=``.
 
-        A receipt bound to one name stands for what it acquired, a store that
-        escapes hands the value on, one into a local container aliases it, and
-        the branch facts that read a target are forgotten.
+        After ``value``'s calls have run. A receipt bound to one name stands
+        for what it acquired, a store that escapes hands the value on, one
+        into a local container aliases it, and the branch facts that read a
+        target are forgotten; a guard or flag bound by ``=`` to a value known
+        to pass or fail its test records that on the path.
         """
-        if len(targets) == 1 and value is not None:
-            states = self.receipt(targets[0], value, states)
+        plain = value if not augmented else None
+        if len(targets) == 1 and plain is not None:
+            states = self.receipt(targets[0], plain, states)
         if any(_escapes(self.scope, target) for target in targets):
             states = self.hand_on(value, states)
         elif value is not None:
@@ -151,8 +194,9 @@ class Walker:
                 elif isinstance(target, ast.Name) and isinstance(value, Comprehension):
                     states = self.collect_built(target, value, states)
         states = self.forget(targets, states)
-        if len(targets) == 1 and value is not None:
-            states = self.known_none(targets[0], value, states)
+        if len(targets) == 1 and plain is not None:
+            states = self.known_none(targets[0], plain, states)
+            states = self.known_flag(targets[0], plain, states)
         return states
 
     def _effect(self, effect: ast.AST, states: States, outcome: FlowOutcome) -> States:
@@ -164,8 +208,9 @@ class Walker:
             return self._comprehension(effect, states, outcome)
         if isinstance(effect, ast.NamedExpr):
             return self.bind([effect.target], effect.value, states)
-        if isinstance(effect, ast.Yield | ast.YieldFrom):
-            states = self.hand_on(effect.value, states)
+        if isinstance(effect, ast.Yield | ast.YieldFrom | ast.Await):
+            if not isinstance(effect, ast.Await):  # an await raises the future's exception
+                states = self.hand_on(effect.value, states)
             add(outcome, Flow.RAISE, _at(states, effect.lineno))
             return states
         assert isinstance(effect, ast.Call)
@@ -279,7 +324,7 @@ class Walker:
         And for what those stand for: after ``lock = cache.lock(node)``,
         ``locks.append(lock)`` puts in ``locks`` the receipt of ``node``.
         """
-        texts = frozenset(text for value in values for text in self.scope.texts(value))
+        texts = frozenset(text for value in values for text in self.held_by(value)[0])
         texts |= self.sink.stood_for(texts)
         alias = f"{self.scope.canon(container)}{ELEMENT}"
         if texts:
@@ -339,6 +384,19 @@ class Walker:
             return states
         test = none_test(target.id)
         return states_of(*(state.assume(test, is_none) for state in states))
+
+    def known_flag(self, target: ast.expr, value: ast.expr, states: States) -> States:
+        """Record on each path that a flag name was just bound to True or to False.
+
+        ``pinned = False``, then ``node.protect_host(); pinned = True``, makes
+        a later ``if pinned: node.release_host()`` release on the paths that
+        pinned and only on those (:attr:`Scope.flags`).
+        """
+        if not isinstance(target, ast.Name) or target.id not in self.scope.flags:
+            return states
+        if not (isinstance(value, ast.Constant) and isinstance(value.value, bool)):
+            return states
+        return states_of(*(state.assume(target.id, value.value) for state in states))
 
     def entered(self, expr: ast.expr) -> ResourceKey | None:
         """Return what a ``with`` item holds: an acquire's (``with cache.lock(node):``) or a receipt's.
@@ -505,6 +563,19 @@ def _give_back(state: State, keys: list[ResourceKey], line: int) -> State:
     return state
 
 
+def _read_from(expr: ast.expr) -> ast.Name | None:
+    """Return the name that ``expr`` reads an attribute of or calls a method on, if any.
+
+    ``handle`` of ``handle.params``, ``handle.to_dec_params()`` or ``(await
+    handle).params``: where ``handle`` is a receipt, so is what is read from it.
+    """
+    read = False
+    while isinstance(expr, ast.Attribute | ast.Call | ast.Await):
+        read = read or not isinstance(expr, ast.Await)
+        expr = expr.func if isinstance(expr, ast.Call) else expr.value
+    return expr if read and isinstance(expr, ast.Name) else None
+
+
 def _last_element(key: ResourceKey) -> ResourceKey:
     """Return the key a loop gave ``key`` while its variable was rebound each pass.
 
@@ -547,7 +618,9 @@ def _simple(walker: Walker, stmt: ast.stmt, states: States) -> FlowOutcome:
     elif not isinstance(stmt, ast.ClassDef):
         states = walker.evaluate(stmt, states, outcome)
     value = getattr(stmt, "value", None)
-    states = walker.bind(_targets(stmt), value if isinstance(value, ast.expr) else None, states)
+    value = value if isinstance(value, ast.expr) else None
+    augmented = isinstance(stmt, ast.AugAssign)
+    states = walker.bind(_targets(stmt), value, states, augmented=augmented)
     add(outcome, Flow.NORMAL, states)
     return outcome
 

@@ -48,6 +48,9 @@ class Scope:
         guards: Names that hold an acquire's receipt on some paths and that
             a branch tests against None (:func:`none_test`); their tests are
             correlated with their assignments. Set by the analysis.
+        flags: Names bound to ``True`` or ``False`` somewhere and tested by
+            themselves (``if pinned:``, ``if not ok:``); their tests are
+            correlated with those assignments.
         receipt_containers: Local container bound and filled only with
             receipts of one pair (``locks.append(cache.lock(node))``,
             ``locks = [cache.lock(n) for n in nodes]``) -> that pair's index;
@@ -63,6 +66,7 @@ class Scope:
     verbs: dict[str, str] = field(default_factory=dict)
     receipts: dict[str, int] = field(default_factory=dict)
     guards: frozenset[str] = frozenset()
+    flags: frozenset[str] = frozenset()
     receipt_containers: dict[str, int] = field(default_factory=dict)
 
     def receipt_pair(self, name: str) -> int | None:
@@ -88,33 +92,67 @@ class Scope:
             return self.env[root] + text[len(root) :]
         return text
 
-    def texts(self, node: ast.AST) -> frozenset[str]:
-        """Return the canonical texts of every name, attribute and subscript in ``node``."""
-        return frozenset(
-            self.canon(sub)
-            for sub in walk_same_scope(node)
-            if isinstance(sub, ast.Name | ast.Attribute | ast.Subscript)
-        )
+    def wholes(self, node: ast.AST) -> Iterator[ast.expr]:
+        """Yield the expressions whose values ``node`` evaluates to, or holds whole.
 
-    def owners(self, node: ast.AST) -> frozenset[str]:
-        """Return the canonical texts of the whole values ``node`` hands on.
+        What is reachable from them goes with them when ``node`` is handed
+        on: ``req`` in ``req``, ``(req, 1)``, ``Entry(req)`` or ``req if c else
+        None``; but a value read from one (``req.prefix_indices``,
+        ``len(req.key)``) does not hand on ``req``. A name, attribute or
+        subscript is itself; a container display holds
+        its elements (and a dict its keys); a call's result may hold its
+        arguments (``Entry(req)``), and is yielded too, for what reads a
+        receipt (``cache.lock(node).params``); ``a if c else b``, ``a and
+        b`` and ``(x := a)`` are one of their operands; ``await f(x)`` is
+        what ``f(x)`` gives, while ``await fut`` is not ``fut``; a
+        comprehension holds its elements. Anything else (``len(req.key)``,
+        ``a + b``, ``f"{req}"``) is a new value.
 
-        ``req`` in ``req``, ``(req, 1)``, ``[req]``, ``{k: req}`` or
-        ``Entry(req)``: what is reachable from them goes with them. A value
-        read from an attribute (``req.prefix_indices``) does not hand on ``req``.
+        While a comprehension's elements are yielded, its loop variables are
+        bound in :attr:`env`, so :meth:`canon` of what is yielded reads them.
         """
         if isinstance(node, ast.Name | ast.Attribute | ast.Subscript):
-            return frozenset({self.canon(node)})
+            yield node
+            return
+        parts: list[ast.expr | None] = []
         if isinstance(node, ast.Starred):
-            return self.owners(node.value)
-        parts: list[ast.AST] = []
-        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            parts = [node.value]
+        elif isinstance(node, ast.Tuple | ast.List | ast.Set):
             parts = list(node.elts)
         elif isinstance(node, ast.Dict):
-            parts = list(node.values)
+            parts = [*node.keys, *node.values]
         elif isinstance(node, ast.Call):
+            yield node
             parts = [*node.args, *(keyword.value for keyword in node.keywords)]
-        return frozenset(text for part in parts for text in self.owners(part))
+        elif isinstance(node, ast.IfExp):
+            parts = [node.body, node.orelse]
+        elif isinstance(node, ast.BoolOp):
+            parts = list(node.values)
+        elif isinstance(node, ast.NamedExpr):
+            parts = [node.value]
+        elif isinstance(node, ast.Await):
+            yield node
+            parts = [node.value] if isinstance(node.value, ast.Call) else []
+        elif isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp | ast.DictComp):
+            yield from self._elements(node)
+        for part in parts:
+            if part is not None:
+                yield from self.wholes(part)
+
+    def _elements(
+        self, comp: ast.ListComp | ast.SetComp | ast.GeneratorExp | ast.DictComp
+    ) -> Iterator[ast.expr]:
+        """Yield the whole values of a comprehension's elements, its loop variables bound."""
+        saved = self.env
+        try:
+            for generator in comp.generators:
+                bindings = element_bindings(generator.target, generator.iter, self)
+                self.env = {**self.env, **bindings}
+            parts = [comp.key, comp.value] if isinstance(comp, ast.DictComp) else [comp.elt]
+            for part in parts:
+                yield from self.wholes(part)
+        finally:
+            self.env = saved
 
     def is_local(self, expr: ast.expr) -> bool:
         """Return whether ``expr`` is rooted in a local variable of this function."""
@@ -139,10 +177,23 @@ def build_scope(func: FunctionNode | ast.Lambda) -> Scope:
     tests = [test for node in body for sub in walk_same_scope(node) for test in branch_tests(sub)]
     counts = Counter(test_fact(test)[0] for test in tests)
     mentions = {test_fact(test)[0]: texts_of(test) for test in tests}
-    correlated = frozenset(test for test, count in counts.items() if count > 1)
+    flags = frozenset(
+        name
+        for name, value in name_bindings(body, with_items=False)
+        if isinstance(value, ast.Constant) and isinstance(value.value, bool) and name in mentions
+    )
+    correlated = frozenset(test for test, count in counts.items() if count > 1) | flags
     locals_ = frozenset(bound - params - shared)
     verbs = {name: event for name, event in verb_names(body).items() if name in locals_}
-    return Scope(params, locals_, correlated, mentions, shared=frozenset(shared), verbs=verbs)
+    return Scope(
+        params,
+        locals_,
+        correlated,
+        mentions,
+        shared=frozenset(shared),
+        verbs=verbs,
+        flags=flags,
+    )
 
 
 def verb_names(body: list[ast.AST]) -> dict[str, str]:
@@ -220,12 +271,14 @@ def sole_kinds(
     body: list[ast.AST],
     bindings: Iterable[tuple[str, ast.expr]],
     kind_of: Callable[[ast.expr], K | None],
+    neutral: Callable[[ast.expr], bool] = lambda _value: False,
 ) -> dict[str, K]:
     """Return the names that ``bindings`` bind only to values of one kind, with that kind.
 
     A name also bound in ``body`` any other way (a loop target, a parameter of
-    a nested ``def``, a value ``kind_of`` gives no kind), or bound to two
-    kinds, could be anything, so it is none.
+    a nested ``def``, a value ``kind_of`` gives no kind and that is not
+    ``neutral``), or bound to two kinds, could be anything, so it is none. A
+    ``neutral`` value (None, for a receipt) is no kind, and allowed.
     """
     kinds: dict[str, set[K]] = {}
     counted: Counter[str] = Counter()
@@ -233,6 +286,7 @@ def sole_kinds(
         kind = kind_of(value)
         if kind is not None:
             kinds.setdefault(name, set()).add(kind)
+        if kind is not None or neutral(value):
             counted[name] += 1
     binds = Counter(name for node in body for name in bound_names(node))
     return {
@@ -254,6 +308,11 @@ def verb_event(expr: ast.expr) -> str | None:
     return string_constant(keyword.value) if keyword.arg == "event" else None
 
 
+def is_none(expr: ast.expr) -> bool:
+    """Return whether ``expr`` is the literal ``None``."""
+    return isinstance(expr, ast.Constant) and expr.value is None
+
+
 def string_constant(expr: ast.expr | None) -> str | None:
     """Return the value of a string literal, or None for any other expression."""
     if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
@@ -264,12 +323,15 @@ def string_constant(expr: ast.expr | None) -> str | None:
 def branch_tests(node: ast.AST) -> list[ast.expr]:
     """Return the tests that decide which code of ``node`` runs, if it is a branch.
 
-    The test of an ``if``; the test of a conditional expression, and the
-    leading operands of a boolean operation, when the code they guard calls
-    something (``x.protect_host() if c else None``, ``c and x.protect_host()``).
+    The test of an ``if`` and the guard of a ``case``; the test of a
+    conditional expression, and the leading operands of a boolean operation,
+    when the code they guard calls something (``x.protect_host() if c else
+    None``, ``c and x.protect_host()``).
     """
     if isinstance(node, ast.If):
         return [node.test]
+    if isinstance(node, ast.match_case):
+        return [] if node.guard is None else [node.guard]
     if isinstance(node, ast.IfExp) and conditional_effects(node):
         return [node.test]
     if isinstance(node, ast.BoolOp) and conditional_effects(node):
@@ -278,15 +340,16 @@ def branch_tests(node: ast.AST) -> list[ast.expr]:
 
 
 def conditional_effects(node: ast.IfExp | ast.BoolOp) -> bool:
-    """Return whether the code that ``node`` runs only on some outcomes calls or yields."""
+    """Return whether the code that ``node`` runs only on some outcomes calls, awaits or yields."""
     guarded = [node.body, node.orelse] if isinstance(node, ast.IfExp) else node.values[1:]
     return any(calls_anything(part) for part in guarded)
 
 
 def calls_anything(node: ast.AST) -> bool:
-    """Return whether ``node`` calls or yields anything outside nested functions."""
+    """Return whether ``node`` calls, awaits or yields anything outside nested functions."""
     return any(
-        isinstance(sub, ast.Call | ast.Yield | ast.YieldFrom) for sub in walk_same_scope(node)
+        isinstance(sub, ast.Call | ast.Await | ast.Yield | ast.YieldFrom)
+        for sub in walk_same_scope(node)
     )
 
 

@@ -95,14 +95,28 @@ class State:
         already released the key (a double release); the flag says whether a
         held entry was consumed.
         """
-        previous = dict(self.released).get(key)
         released = tuple(sorted({**dict(self.released), key: line}.items()))
         entry = _pick(self.held, key, self.aliases)
         if entry is None:
-            return replace(self, released=released), previous, False
+            return replace(self, released=released), self._released_before(key), False
         held = list(self.held)
         held.remove(entry)
         return replace(self, held=tuple(held), released=released), None, True
+
+    def _released_before(self, key: ResourceKey) -> int | None:
+        """Return the line of this path's latest release of ``key``, or of what stands for it.
+
+        A receipt and what it acquired are one resource: after ``with
+        cache.lock(node) as lease:`` has released ``node``, ``cache.unlock(lease)``
+        releases it again, as ``cache.unlock(node)`` does after ``with lease:``.
+        """
+        released = dict(self.released)
+        if key in released:
+            return released[key]
+        related = {original for alias, original in self.aliases if alias == key[1]}
+        related |= {alias for alias, original in self.aliases if original == key[1]}
+        lines = [released[(key[0], text)] for text in related if (key[0], text) in released]
+        return max(lines, default=None)
 
     def retract(self, key: ResourceKey) -> State:
         """Return the state where the latest acquire of ``key`` took nothing after all.
@@ -122,18 +136,31 @@ class State:
         """Return the line of this path's latest release of ``key``, if any."""
         return dict(self.released).get(key)
 
-    def hand_on(self, texts: frozenset[str], owners: frozenset[str] = frozenset()) -> State:
+    def hand_on(
+        self,
+        texts: frozenset[str],
+        owners: frozenset[str] = frozenset(),
+        reads: frozenset[str] = frozenset(),
+    ) -> State:
         """Return the state after the resources named by ``texts`` were handed on.
 
         Args:
-            texts: Every text read by the values handed on.
+            texts: The resources handed on, or what stands for them (a
+                receipt, a local container).
             owners: The texts of the whole values handed on; a resource
                 reachable from one of them (an attribute or element) is
                 handed on too.
+            reads: Names that the values handed on were read from
+                (``handle`` of ``handle.params``, ``staged`` of
+                ``staged.copy()``): a receipt or local container among them
+                hands on what it stands for; a resource among them is not
+                handed on.
         """
         held = tuple(
             replace(entry, handed=True)
-            if self._named(entry.key, texts) or _reachable(entry.key[1], owners)
+            if self._named(entry.key, texts)
+            or _reachable(entry.key[1], owners)
+            or self._receipt_read(entry.key, reads)
             else entry
             for entry in self.held
         )
@@ -153,6 +180,10 @@ class State:
         """Return whether ``texts`` names ``key``, directly or through an alias."""
         names = {key[1]} | {alias for alias, original in self.aliases if original == key[1]}
         return any(_names(name, texts) for name in names)
+
+    def _receipt_read(self, key: ResourceKey, reads: frozenset[str]) -> bool:
+        """Return whether ``reads`` names what stands for ``key``: a receipt, a local container."""
+        return any(_names(alias, reads) for alias, original in self.aliases if original == key[1])
 
     def assume(self, test: str, outcome: bool) -> State:
         """Return the state that assumes branch ``test`` evaluated to ``outcome``."""
