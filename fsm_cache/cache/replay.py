@@ -42,6 +42,7 @@ from fsm_cache.engine.lease import Lease
 from fsm_cache.errors import BadArgument, CopyFailed, FsmCacheError, ReplayMismatch
 from fsm_cache.memory.tickets import Completion, Copier, Ticket
 from fsm_cache.memory.tiers import CacheConfig
+from fsm_cache.numeric import whole
 from fsm_cache.spec.shipped import load_shipped
 
 
@@ -245,7 +246,7 @@ def _acks(first: object, second: object) -> bool:
         and all(
             isinstance(ack, tuple)
             and len(ack) == 2
-            and isinstance(ack[0], int)
+            and whole(ack[0])  # a copy's number: not a bool
             and isinstance(ack[1], bool)
             for ack in second
         )
