@@ -322,6 +322,24 @@ def unexplored(path: Path, bounded: dict[str, int], *, files: Files = None) -> d
     return {name: at for name, at in turns.items() if bounded[name] < at}
 
 
+def not_explored(bounds: dict[str, int], cut: dict[str, int]) -> list[str]:
+    """Return the report's line for each counter :func:`unexplored` found cut by its ceiling.
+
+    One wording for every report of a check, enumerative or compositional
+    (and the pytest plugin's ``fsm-check``): ``not explored: pins above 1,
+    where a comparison turns at 3 (--max-pins 3 reaches it)``.
+
+    Args:
+        bounds: The ceiling of each counter, as the check ran.
+        cut: What :func:`unexplored` returned for those ceilings.
+    """
+    return [
+        f"not explored: {name} above {bounds[name]}, where a comparison turns at "
+        f"{at} ({BOUND_BY.get(name, '--max-count')} {at} reaches it)"
+        for name, at in cut.items()
+    ]
+
+
 def starts_past_ceiling(
     name: str, counters: Sequence[tuple[str, int]], bounds: Bounds
 ) -> str | None:
@@ -804,11 +822,7 @@ def report(result: dict[str, Any]) -> str:
             f"{_title(s['spec'], s['policy'])}: {_tree(s['nodes'], s['shapes'])}, "
             f"{_bounds(s['bounds'])}"
         )
-        lines += [
-            f"  not explored: {name} above {s['bounds'][name]}, where a comparison turns at "
-            f"{at} ({BOUND_BY.get(name, '--max-count')} {at} reaches it)"
-            for name, at in s["unexplored"].items()
-        ]
+        lines += [f"  {line}" for line in not_explored(s["bounds"], s["unexplored"])]
         if s["past_ceiling"]:
             lines.append(
                 f"  not explored: past the ceilings, where {_count(s['past_ceiling'], 'state')} "
@@ -953,6 +967,7 @@ def compositional(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         proof = views.Views(explorer).run()
         entry: dict[str, Any] = {"spec": r.name, "bounds": most, **vars(proof)}
+        entry["unexplored"] = unexplored(r.spec, most, files=r.files)
         entry["wall_seconds"] = time.perf_counter() - started
         entry["trace"] = None
         for nodes in (2, 3) if proof.finding else ():
@@ -972,7 +987,7 @@ def compositional(args: argparse.Namespace) -> int:
             if entry["trace"]["violation"]:
                 break
         out.append(entry)
-    print(json.dumps(out, indent=2) if args.json else views.report(out, report))
+    print(json.dumps(out, indent=2) if args.json else views.report(out, report, not_explored))
     return 1 if any(e["finding"] for e in out) else 0
 
 
