@@ -11,10 +11,11 @@ Installed with fsm_cache (a ``pytest11`` entry point), it adds:
 * the ini option ``fsm_specs`` (spec paths, relative to the rootdir, separated
   by spaces or line breaks and quoted like shell words, as ``testpaths``): each
   spec is collected as a file of two items, ``PATH::fsm-verify`` (the CrossHair
-  contracts of ``fsm-cache verify``) and ``PATH::fsm-check`` (the model
-  checker of ``fsm-cache check``), by a run without arguments or one whose
-  arguments name the spec or a directory above it (``docs/verify.md``);
-  ``fsm_check_nodes`` sets the tree size;
+  contracts of ``fsm-cache verify``) and ``PATH::fsm-check`` (``fsm-cache
+  check PATH --nodes N``'s own run, its ceilings and policy: a ``not
+  explored`` line of its report is a :class:`SpecUnexplored` warning), by a
+  run without arguments or one whose arguments name the spec or a directory
+  above it (``docs/verify.md``); ``fsm_check_nodes`` sets the tree size;
 * the marker ``@pytest.mark.fsm_spec("path.toml")``: before the marked test
   runs, the spec is model-checked and verified (``check=False`` or
   ``verify=False`` skips one), and the test errors on any finding; each spec
@@ -34,10 +35,11 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Generator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -50,6 +52,34 @@ from fsm_cache.engine.lease import (
 )
 from fsm_cache.engine.trail import ENV_FLAG
 from fsm_cache.errors import FsmCacheError
+
+
+class Found(NamedTuple):
+    """What a formal check of a spec found: the test's failure, and what it left unexplored."""
+
+    problem: str
+    """The failure's text, ``""`` if none."""
+    unexplored: tuple[str, ...] = ()
+    """``fsm-cache check``'s ``not explored`` lines: a passing check warns them
+    (:class:`SpecUnexplored`); a failing one ends ``problem`` with them."""
+
+    def warn(self, path: Path) -> None:
+        """Warn what a passing check of the spec at ``path`` left unexplored, as the command says it.
+
+        The warning is the spec's, not this module's: pytest's summary names
+        the spec's file where it would name the line that warned.
+        """
+        if self.unexplored and not self.problem:
+            warnings.warn_explicit("\n".join(self.unexplored), SpecUnexplored, str(path), 0)
+
+
+class SpecUnexplored(UserWarning):
+    """A model check passed under ceilings below where a comparison of the spec turns.
+
+    What that comparison guards was never explored: ``fsm-cache check``'s
+    report says so without failing, and so does this warning (``-W
+    error::fsm_cache.pytest_plugin.SpecUnexplored`` fails the test on it).
+    """
 
 
 _RECORDING = pytest.StashKey[bool]()
@@ -68,7 +98,7 @@ _WORKERS = pytest.StashKey[list[str]]()
 """The leak reports pytest-xdist workers handed the controller, in the order they finished."""
 _HANDED = "fsm_cache_leaks"
 """The key of a worker's leak report in pytest-xdist's ``workeroutput``."""
-_FOUND = pytest.StashKey[dict[tuple[object, ...], str]]()
+_FOUND = pytest.StashKey[dict[tuple[object, ...], Found]]()
 """What each ``fsm_spec`` marker's check and verify found, by spec and its files (:func:`_once`)."""
 
 
@@ -265,8 +295,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             found.append(_once(known, path, ("check", nodes), partial(_check, path, nodes)))
         if marker.kwargs.get("verify", True):
             found.append(_once(known, path, ("verify",), partial(_verify, path)))
-        if any(found):  # a spec that does not load fails both the same way: say it once
-            pytest.fail("\n".join(dict.fromkeys(x for x in found if x)), pytrace=False)
+        problems = [x.problem for x in found if x.problem]
+        if problems:  # a spec that does not load fails both the same way: say it once
+            pytest.fail("\n".join(dict.fromkeys(problems)), pytrace=False)
+        for x in found:
+            x.warn(path)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -370,13 +403,14 @@ class SpecItem(pytest.Item):
         self.kind = kind
 
     def runtest(self) -> None:
-        """Run verify or check; fail with the first finding."""
-        runner: Callable[[Path], str] = _verify if self.kind == "verify" else self._check
-        problem = runner(self.path)
-        if problem:
-            raise SpecFinding(problem)
+        """Run verify or check; fail with the first finding, else warn what went unexplored."""
+        runner: Callable[[Path], Found] = _verify if self.kind == "verify" else self._check
+        found = runner(self.path)
+        if found.problem:
+            raise SpecFinding(found.problem)
+        found.warn(self.path)
 
-    def _check(self, path: Path) -> str:
+    def _check(self, path: Path) -> Found:
         return _check(path, check_nodes(self.config))
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
@@ -394,11 +428,11 @@ class SpecFinding(Exception):
 
 
 def _once(
-    known: dict[tuple[object, ...], str],
+    known: dict[tuple[object, ...], Found],
     path: Path,
     what: tuple[object, ...],
-    run: Callable[[], str],
-) -> str:
+    run: Callable[[], Found],
+) -> Found:
     """Return what ``run()`` found of ``what`` at ``path``, running it once a run.
 
     The key holds every file the spec is read from (the spec, what it
@@ -430,34 +464,39 @@ def _stamp(file: Path) -> tuple[str, int, int, int, int]:
     return (os.path.realpath(file), info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
-def _check(path: Path, nodes: int) -> str:
-    """Return the model checker's violation and its trace, or ``""``."""
-    from fsm_cache.modelcheck.check import check_spec
-    from fsm_cache.modelcheck.explore import Bounds
+def _check(path: Path, nodes: int) -> Found:
+    """Return what ``fsm-cache check PATH --nodes NODES`` finds: a violation and its trace, or none.
+
+    The command's own run (:func:`~fsm_cache.modelcheck.check.as_command`):
+    the same ceilings and policy, and its ``not explored`` lines.
+    """
+    from fsm_cache.modelcheck.check import as_command, left_out
 
     try:
-        result = check_spec(path, nodes, Bounds({}))
+        entry = as_command(path, nodes)
     except FsmCacheError as exc:  # the spec does not load: its message names the file
-        return str(exc)
-    if result.violation is not None:
-        return "\n".join([f"{path}: violation: {result.violation}", *result.trace])
-    if result.stopped is not None:
-        return (
-            f"{path}: check stopped after {result.states} states, not exhaustive: {result.stopped}"
-        )
-    return ""
+        return Found(str(exc))
+    unexplored = tuple(left_out(entry))
+    if entry["violation"] is not None:
+        problem = [f"{path}: violation: {entry['violation']}", *entry["trace"]]
+    elif entry["stopped"] is not None:
+        stopped = f"check stopped after {entry['states']} states, not exhaustive"
+        problem = [f"{path}: {stopped}: {entry['stopped']}"]
+    else:
+        return Found("", unexplored)
+    return Found("\n".join([*problem, *(f"{path}: {line}" for line in unexplored)]), unexplored)
 
 
-def _verify(path: Path) -> str:
-    """Return one line per contract not proved (``fsm-cache verify``'s failing rows), or ``""``."""
+def _verify(path: Path) -> Found:
+    """Return one line per contract not proved (``fsm-cache verify``'s failing rows), if any."""
     from fsm_cache.contracts.verify import budget_note, options_for, verify_spec
 
     try:
         with tempfile.TemporaryDirectory(prefix="fsm-verify-") as tmp:
             rows = verify_spec(path, options_for(path), Path(tmp))
     except FsmCacheError as exc:
-        return str(exc)
+        return Found(str(exc))
     bad = [
         f"{path}: {r.target}.{r.function}: {r.contract}: {r.verdict()}" for r in rows if r.failed
     ]
-    return "\n".join([*bad, *budget_note(rows)])
+    return Found("\n".join([*bad, *budget_note(rows)]))

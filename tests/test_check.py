@@ -1332,6 +1332,26 @@ def test_a_node_held_only_in_storage_stays_and_goes_with_a_parent_holding_nothin
     assert trees.decode(prune(trees.encode(kept)), 2) == kept
 
 
+def test_invariant_2_says_why_a_node_holding_nothing_is_still_in_the_tree(
+    storage: Layout,
+) -> None:
+    """A dataless node the tree operations kept (an ``--ops`` prune) is not blamed on children."""
+    nothing = srec(storage, -1, "evicted", "absent", "unstored", 0, 0, 0, 0, 0, 0)
+    assert invariants.violation(storage, (nothing,)) == (
+        "invariant 2: node 0 holds its data nowhere but the tree operations did not delete it "
+        "(a leaf)"
+    )
+    stored = storage.born(0, "discovered")
+    assert invariants.violation(storage, (nothing, stored)) == (
+        "invariant 2: node 0 holds its data nowhere but the tree operations did not delete it "
+        "(nothing below it holds a copy of its own)"
+    )
+    fetching = srec(storage, 0, "fetching", "absent", "reading", 0, 0, 0, 0, 0, 0)
+    assert invariants.violation(storage, (nothing, fetching)) == (
+        "invariant 2: node 0 holds its data nowhere but cannot be deleted (it has children)"
+    )
+
+
 def test_a_lookup_stops_at_a_node_being_fetched_or_held_only_in_storage(
     storage: Layout,
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -247,6 +248,31 @@ def test_a_finding_without_an_enumerative_trace_is_not_proven_with_exit_1(
         "over-approximate; try more nodes without --compositional)\n"
     )
     assert "  views explored: 7\n" in out
+
+
+LOAD_PIN_HELD = (
+    '\n[[forbid]]\nevent = "release"\nwhen = "device in [loading]"\nguard = "pins == 2"\n'
+    'error = "LoadPinHeld"\nreason = "a client that pinned a loading node never releases"\n'
+)
+
+
+def test_a_proof_under_a_ceiling_that_cuts_a_guard_says_what_it_left_unexplored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``pins == 2`` turns at 3: a proof under ``--max-pins 1`` says so, as the enumerative check does."""
+    path = planted(tmp_path, LOCK, LOCK)  # the shipped spec, copied
+    path.write_text(path.read_text() + LOAD_PIN_HELD)
+    assert main(["check", "--compositional", str(path), "--max-pins", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == [
+        f"{path}: every tree size (compositional), pins <= 1, locks <= 2",
+        "  not explored: pins above 1, where a comparison turns at 3 (--max-pins 3 reaches it)",
+    ]
+    assert out[-1] == "  no invariant violated: holds for every tree size"
+    assert main(["check", "--compositional", str(path), "--max-pins", "1", "--json"]) == 0
+    assert [e["unexplored"] for e in json.loads(capsys.readouterr().out)] == [{"pins": 3}]
+    assert main(["check", "--compositional", str(RESIDENCY), "--json"]) == 0
+    assert [e["unexplored"] for e in json.loads(capsys.readouterr().out)] == [{}]
 
 
 LOCK_LOADING = 'event = "lock"\nsource = "loading"\ndest = "loading"\nupdate = "locks += 1"\n'

@@ -424,6 +424,65 @@ def test_the_pytest_plugin_fails_a_spec_whose_check_stopped(pytester: pytest.Pyt
     )
 
 
+FULL_GATE = GOOD_GATE.replace(
+    'dest = "held"\nupdate = "holders += 1"',
+    'dest = "held"\nguard = "holders < 5"\nupdate = "holders += 1"',
+) + (
+    '\n[[forbid]]\nevent = "take"\nsource = "held"\nguard = "holders >= 5"\n'
+    'error = "GateFull"\nreason = "five hold it"\n'
+)
+"""A gate refusing a sixth holder: under the default ``holders <= 2`` that refusal is never met."""
+
+
+def test_fsm_check_runs_the_check_command_with_its_ceilings_and_notes(
+    pytester: pytest.Pytester,
+) -> None:
+    """``fsm-check`` and the marker size a spec as ``fsm-cache check PATH --nodes N`` does.
+
+    They checked every spec with pins and locks up to 2, where the command
+    takes a spec with a storage region to 3 pins: without its ``pins == 2``
+    guard, ``StorePinHeld`` refuses every release of a node stored and loaded
+    with a client's pin, which only a third pin reaches, so the item passed
+    a spec the command fails. And the command's ``not explored`` lines were
+    dropped: they are a warning on a pass.
+    """
+    for spec in spec_dir().glob("*.toml"):
+        (pytester.path / spec.name).write_text(spec.read_text(encoding="utf-8"))
+    storage = pytester.path / "residency_storage.toml"
+    both = 'when = ["storage in [storing]", "device in [loading]"]\nguard = "pins == 2"\n'
+    text = storage.read_text(encoding="utf-8")
+    assert both in text
+    storage.write_text(text.replace(both, both.replace('guard = "pins == 2"\n', "")))
+    pytester.makefile(".toml", gate=FULL_GATE)
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.fsm_spec("gate.toml", verify=False)
+        def test_gate():
+            pass
+        """
+    )
+    pytester.makeini(
+        "[pytest]\nfsm_specs = residency_storage.toml gate.toml\nfsm_check_nodes = 1\n"
+    )
+    chosen = "fsm-check or test_gate"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", chosen)
+    result.assert_outcomes(passed=2, failed=1, warnings=2)
+    result.stdout.fnmatch_lines(
+        [
+            f"{storage}: violation: invariant 6: node 0: release is refused (StorePinHeld) "
+            "though pin holds pins there (pins=3)",
+        ]
+    )
+    gate = pytester.path / "gate.toml"
+    note = "not explored: holders above 2, where a comparison turns at 5 (--max-count 5 reaches it)"
+    # both passing checks warn it: pytest's summary lists one warning under the two items
+    result.stdout.fnmatch_lines(["*::test_gate", "gate.toml::fsm-check", f"  {gate}:0: *"])
+    warned = [line.strip() for line in result.stdout.lines if "SpecUnexplored" in line]
+    assert warned == [f"{gate}:0: SpecUnexplored: {note}"]
+
+
 def test_the_pytest_plugin_fails_a_spec_crosshair_ran_out_of_time_on(
     pytester: pytest.Pytester,
 ) -> None:

@@ -322,6 +322,62 @@ def unexplored(path: Path, bounded: dict[str, int], *, files: Files = None) -> d
     return {name: at for name, at in turns.items() if bounded[name] < at}
 
 
+def not_explored(bounds: dict[str, int], cut: dict[str, int]) -> list[str]:
+    """Return the report's line for each counter :func:`unexplored` found cut by its ceiling.
+
+    One wording for every report of a check, enumerative or compositional
+    (and the pytest plugin's ``fsm-check``): ``not explored: pins above 1,
+    where a comparison turns at 3 (--max-pins 3 reaches it)``.
+
+    Args:
+        bounds: The ceiling of each counter, as the check ran.
+        cut: What :func:`unexplored` returned for those ceilings.
+    """
+    return [
+        f"not explored: {name} above {bounds[name]}, where a comparison turns at "
+        f"{at} ({BOUND_BY.get(name, '--max-count')} {at} reaches it)"
+        for name, at in cut.items()
+    ]
+
+
+def left_out(entry: dict[str, Any]) -> list[str]:
+    """Return the report's ``not explored`` lines of a search's entry (:func:`search`).
+
+    The ceilings' cuts (:func:`not_explored`), then the states that settle
+    only past a ceiling.
+    """
+    lines = not_explored(entry["bounds"], entry["unexplored"])
+    if entry["past_ceiling"]:
+        lines.append(
+            f"not explored: past the ceilings, where {_count(entry['past_ceiling'], 'state')} "
+            "settle (each only by a step that takes a counter past its ceiling); liveness "
+            "takes them to settle"
+        )
+    return lines
+
+
+def as_command(path: Path, nodes: int) -> dict[str, Any]:
+    """Return what ``fsm-cache check PATH --nodes NODES`` finds: its entry of :func:`run`'s specs.
+
+    The command line is parsed as the command parses it, every other option
+    at its default: the spec is sized as the command sizes a SPEC argument
+    (:func:`sized` and :func:`ceilings`: a spec with a storage region up to
+    :data:`STORAGE_PINS` pins and :data:`STORAGE_LOCKS` lock) and runs under
+    no write policy, as a SPEC argument does. No progress is shown. This is
+    the pytest plugin's ``fsm-check`` (``docs/verify.md``): one path from
+    command line to search, so a spec the command fails cannot pass there.
+
+    Raises:
+        FsmCacheError: As :func:`run`: the spec does not load, or is refused.
+    """
+    parser = argparse.ArgumentParser(prog="fsm-cache")
+    register(parser.add_subparsers())
+    args = parser.parse_args(["check", str(path), "--nodes", str(nodes)])
+    args.progress = False
+    (entry,) = run(args)["specs"]
+    return dict(entry)
+
+
 def starts_past_ceiling(
     name: str, counters: Sequence[tuple[str, int]], bounds: Bounds
 ) -> str | None:
@@ -804,17 +860,7 @@ def report(result: dict[str, Any]) -> str:
             f"{_title(s['spec'], s['policy'])}: {_tree(s['nodes'], s['shapes'])}, "
             f"{_bounds(s['bounds'])}"
         )
-        lines += [
-            f"  not explored: {name} above {s['bounds'][name]}, where a comparison turns at "
-            f"{at} ({BOUND_BY.get(name, '--max-count')} {at} reaches it)"
-            for name, at in s["unexplored"].items()
-        ]
-        if s["past_ceiling"]:
-            lines.append(
-                f"  not explored: past the ceilings, where {_count(s['past_ceiling'], 'state')} "
-                "settle (each only by a step that takes a counter past its ceiling); liveness "
-                "takes them to settle"
-            )
+        lines += [f"  {line}" for line in left_out(s)]
         lines.append(f"  states explored: {s['states']} ({_symmetry(s['symmetry'])})")
         if s["symmetry"]:
             lines.append(
@@ -953,6 +999,7 @@ def compositional(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         proof = views.Views(explorer).run()
         entry: dict[str, Any] = {"spec": r.name, "bounds": most, **vars(proof)}
+        entry["unexplored"] = unexplored(r.spec, most, files=r.files)
         entry["wall_seconds"] = time.perf_counter() - started
         entry["trace"] = None
         for nodes in (2, 3) if proof.finding else ():
@@ -972,7 +1019,7 @@ def compositional(args: argparse.Namespace) -> int:
             if entry["trace"]["violation"]:
                 break
         out.append(entry)
-    print(json.dumps(out, indent=2) if args.json else views.report(out, report))
+    print(json.dumps(out, indent=2) if args.json else views.report(out, report, not_explored))
     return 1 if any(e["finding"] for e in out) else 0
 
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from fsm_cache.modelcheck.copies import FAILED, FILLING, FREE, VALID, Copy, copy_into, kind
 from fsm_cache.modelcheck.state import Layout, NodeEntry, Nodes, children
-from fsm_cache.modelcheck.treeops import dataless
+from fsm_cache.modelcheck.treeops import dataless, descendants, forgettable
 from fsm_cache.policy import WritePolicy
 from fsm_cache.residency import DEVICE_HELD, FETCHING, HOST_HELD, HOST_VALID
 from fsm_cache.spec.holders import Hold
@@ -86,19 +86,28 @@ def prefix_closed(layout: Layout, nodes: Nodes, i: int, entry: NodeEntry) -> str
     return None
 
 
-def held_somewhere(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
+def held_somewhere(layout: Layout, nodes: Nodes, i: int, entry: NodeEntry) -> str | None:
     """Invariant 2: every node that is not deleted holds its data on the device, the host or in storage.
 
     A node whose data is nowhere is deleted (with the nodes below it that
     hold nothing but pages in the store, :func:`~fsm_cache.modelcheck.treeops.prune`);
     one that cannot be, because a node below it holds a copy of its own, is
-    a violation.
+    a violation. So is one the tree operations could have deleted but kept
+    (an ``--ops`` module whose ``prune`` deletes less): the reason says which,
+    so a kept leaf is not blamed on children it does not have.
     """
-    if dataless(layout, entry):
+    if not dataless(layout, entry):
+        return None
+    below = descendants(nodes, i)
+    if any(not forgettable(layout, _at(nodes, d)) for d in below):
         return (
             f"invariant 2: node {i} holds its data nowhere but cannot be deleted (it has children)"
         )
-    return None
+    kept = "a leaf" if not below else "nothing below it holds a copy of its own"
+    return (
+        f"invariant 2: node {i} holds its data nowhere but the tree operations did not "
+        f"delete it ({kept})"
+    )
 
 
 def copies_safe(layout: Layout, _nodes: Nodes, i: int, entry: NodeEntry) -> str | None:

@@ -933,20 +933,32 @@ class Views:
         return Proof(len(self.seen), found[0], self.show(found[1]), seconds)
 
 
-def report(entries: list[dict[str, Any]], enumerative: Callable[[dict[str, Any]], str]) -> str:
+def report(
+    entries: list[dict[str, Any]],
+    enumerative: Callable[[dict[str, Any]], str],
+    not_explored: Callable[[dict[str, int], dict[str, int]], list[str]],
+) -> str:
     """Return the human summary of ``check --compositional``'s entries.
+
+    A ceiling below where a comparison turns is said under the first line,
+    as the enumerative report says it: a proof for every tree size holds
+    only up to the ceilings.
 
     Args:
         entries: One per spec: its :class:`Proof`'s fields, ``spec``, ``bounds``,
+            ``unexplored`` (:func:`fsm_cache.modelcheck.check.unexplored`),
             ``wall_seconds`` and ``trace`` (the enumerative search's entry on a
             finding, else None).
         enumerative: The enumerative check's report of a run's result
             (:func:`fsm_cache.modelcheck.check.report`), for the trace.
+        not_explored: The enumerative report's lines for ``unexplored``
+            (:func:`fsm_cache.modelcheck.check.not_explored`).
     """
     lines = []
     for e in entries:
         bounds = ", ".join(f"{name} <= {most}" for name, most in e["bounds"].items())
         lines.append(f"{e['spec']}: every tree size (compositional), {bounds or 'no counters'}")
+        lines += [f"  {line}" for line in not_explored(e["bounds"], e["unexplored"])]
         lines.append(f"  views explored: {e['views']}")
         lines.append(f"  cpu time: {e['seconds']:.2f} s")
         lines.append(f"  time: {e['wall_seconds']:.2f} s")
