@@ -35,6 +35,7 @@ from fsm_cache.audit.scope import (
     Scope,
     build_scope,
     element_bindings,
+    is_none,
     none_test,
     test_fact,
     walk_same_scope,
@@ -376,14 +377,14 @@ class Walker:
         """
         if not isinstance(target, ast.Name) or target.id not in self.scope.guards:
             return states
-        if isinstance(value, ast.Constant) and value.value is None:
-            is_none = True
+        if is_none(value):
+            none = True
         elif self.classifier.receipt_of(value, self.scope) is not None:
-            is_none = False
+            none = False
         else:
             return states
         test = none_test(target.id)
-        return states_of(*(state.assume(test, is_none) for state in states))
+        return states_of(*(state.assume(test, none) for state in states))
 
     def known_flag(self, target: ast.expr, value: ast.expr, states: States) -> States:
         """Record on each path that a flag name was just bound to True or to False.
