@@ -31,16 +31,18 @@ def residency(node: Any, mode: str) -> tuple[str, str, int, int] | None:
     return (node.host, node.device, node.pins, node.locks) if mode == "patched" else None
 
 
-def evicted_chain(sg: Api, cache: Any, allocator: FakeAllocator) -> tuple[Any, Any]:
-    """Two nodes A -> B, backed up and evicted from the device."""
+def evicted_chain(
+    sg: Api, cache: Any, allocator: FakeAllocator, *, leaf_only: bool = False
+) -> tuple[Any, Any]:
+    """Two nodes A -> B, backed up and evicted from the device (only the leaf B, with ``leaf_only``)."""
     sg.insert(cache, A, allocator.take(len(A)))
     sg.insert(cache, AB, allocator.take(len(AB)))  # its first 6 slots the caller frees
     cache.cache_controller.finish_writes()
     cache.writing_check()
-    cache.evict(len(AB))
+    cache.evict(len(AB) - len(A) if leaf_only else len(AB))
     (a,) = cache.root_node.children.values()
     (b,) = a.children.values()
-    assert (a.evicted, b.evicted, a.backuped, b.backuped) == (True, True, True, True)
+    assert (a.evicted, b.evicted, a.backuped, b.backuped) == (not leaf_only, True, True, True)
     return a, b
 
 
@@ -151,14 +153,7 @@ def test_a_load_back_failing_after_it_started_stays_in_flight_as_stock_leaves_it
     """
     cache = hiradix
     cache.load_back_threshold = 1
-    sg.insert(cache, A, allocator.take(len(A)))
-    sg.insert(cache, AB, allocator.take(len(AB)))
-    cache.cache_controller.finish_writes()
-    cache.writing_check()
-    cache.evict(len(AB) - len(A))  # only the leaf B leaves the device
-    (a,) = cache.root_node.children.values()
-    (b,) = a.children.values()
-    assert (a.evicted, b.evicted) == (False, True)
+    a, b = evicted_chain(sg, cache, allocator, leaf_only=True)
     fail_after_registering(sg, cache, AB)
     assert (a.lock_ref, b.lock_ref, cache.ongoing_load_back == {b.id: b}) == (1, 1, True)
     assert residency(a, mode) in (None, ("backed", "resident", 0, 1))
@@ -206,13 +201,7 @@ def test_a_load_back_failing_before_it_started_is_undone(
     """
     cache = hiradix
     cache.load_back_threshold = 1
-    sg.insert(cache, A, allocator.take(len(A)))
-    sg.insert(cache, AB, allocator.take(len(AB)))
-    cache.cache_controller.finish_writes()
-    cache.writing_check()
-    cache.evict(len(AB) - len(A))
-    (a,) = cache.root_node.children.values()
-    (b,) = a.children.values()
+    a, b = evicted_chain(sg, cache, allocator, leaf_only=True)
     found = cache.match_prefix(sg.key(AB))
     before = whole_state(cache, allocator)
 
