@@ -15,6 +15,7 @@ from fsm_cache.cache.replay import replay
 from fsm_cache.cache.tree import TreeNode
 from fsm_cache.errors import (
     BadArgument,
+    CacheClosed,
     ConfigError,
     CopyFailed,
     EffectFailed,
@@ -745,6 +746,31 @@ class TestMisuseFoundByReview:
         cache.poll()  # the parent's backup lands; the child's starts (prefix-closed)
         cache.poll()
         assert all(n.host == "backed" for n in cache.tree if n.key)
+
+    def test_close_finishes_when_a_copy_it_starts_is_refused(self) -> None:
+        """A start refused while close() settles is raised after the cache closed.
+
+        close() stopped at the error: the copy engine kept running, the cache
+        stayed open, and the memory was never given back.
+        """
+        cache = make(copier=self.raising_at_start("d2h", RuntimeError("out of memory")))
+        copier = type(cache.tiers.copier)
+        copier.armed = False  # type: ignore[attr-defined]  # armed for the child's start
+        cache.insert(tokens(0, 4))  # the parent's backup starts
+        cache.insert(tokens(0, 8))  # the child's waits for it (prefix-closed)
+        copier.armed = True  # type: ignore[attr-defined]
+        with pytest.raises(CopyFailed) as raised:
+            cache.close()  # the parent's backup lands; the child's start is refused
+        assert str(raised.value) == "d2h copy could not start: RuntimeError: out of memory"
+        assert cache.closed
+        assert cache.tiers.closed
+        assert nothing_queued(cache)
+        assert cache.log.refusals()[-1] == ("close", f"CopyFailed: {raised.value}")
+        copier.armed = False  # type: ignore[attr-defined]  # a replay refuses it from the log
+        assert replay(cache.log, cache.config).closed  # the replayed close is refused alike
+        cache.close()  # closed: nothing to do
+        with pytest.raises(CacheClosed):
+            cache.insert(tokens(0, 4))
 
     def test_an_engine_raising_at_a_load_start_fails_the_load_and_says_so(self) -> None:
         error = ValueError("copy: device page 3 is still in use by an unreported copy")

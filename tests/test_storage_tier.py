@@ -207,6 +207,25 @@ def test_a_fetch_whose_pages_cannot_be_written_fails_its_nodes(tmp_path: Path, p
     assert not reader.storage.backoff.closed  # type: ignore[union-attr]  # lookups ask it still
 
 
+def test_close_finishes_when_a_fetch_it_applies_cannot_be_written(tmp_path: Path) -> None:
+    """close() applies an unwritable fetch as failed, closes, then raises its error.
+
+    It stopped at the error: the cache stayed open, its copy engine running.
+    """
+    toks = list(range(1000, 1000 + 3 * PAGE))
+    stored(LocalFileStore(tmp_path), toks)
+    reader = cache(NoDataPages(tmp_path))
+    assert reader.match_prefix(toks).storage_len == len(toks)  # the fetch is in flight
+    with pytest.raises(CopyFailed, match=r"^storage: fetch 1: its pages could not be written"):
+        reader.close()
+    assert reader.closed
+    assert reader.tiers.closed
+    assert reader.storage.idle()  # type: ignore[union-attr]
+    assert list(reader.tree) == []
+    assert reader.log.storage_acks() == [("wait", ((1, "fetch", 0, "failed"),))]
+    reader.close()  # closed: nothing to do
+
+
 @pytest.mark.parametrize("policy", ["best_effort", "wait"])
 def test_the_host_write_never_broadcasts_a_page_of_another_shape(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str

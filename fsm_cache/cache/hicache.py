@@ -1103,31 +1103,49 @@ class HiCache:
         one still failing then stays queued, unstarted, and its node loading,
         so that no copy is started whose completion would be dropped.
         Idempotent; any later operation raises :class:`~fsm_cache.errors.CacheClosed`.
+
+        Raises:
+            CopyFailed: A copy failed while the copies were settled (a start the
+                engine refused, a fetch whose pages could not be written to the
+                host): it was applied as failed, as in :meth:`poll`, the other
+                copies were settled, and the cache closed all the same; the
+                first such error is raised once it is closed.
         """
         if self._gate.closed:
             return
         with self._operation("close"):
-            self._settle_tiers(len(self._core.tree.nodes) + 2)
+            failed = self._settle_tiers(len(self._core.tree.nodes) + 2)
             # a load that keeps failing under a lock is queued again after the last round:
             # started now, its completion would be dropped with the engine
             self._transfers.stop()
+        if failed is not None:  # logged as the close's own refusal, as a replay raises it too
+            self._core.log.refusal("close", failed)
         self._gate.closed = True
         if self._storage is not None:
             self._storage.close()
         self.tiers.close()
+        if failed is not None:
+            raise failed
 
-    def _settle_tiers(self, rounds: int) -> None:
+    def _settle_tiers(self, rounds: int) -> CopyFailed | None:
         """Settle the host copies, then the storage copies, until both are quiet.
 
         Applying a fetch may queue a host backup (a child recomputed under the
         node fetched), and a host backup acknowledged may start a store, so one
-        pass of each is not enough: at most ``rounds`` passes.
+        pass of each is not enough: at most ``rounds`` passes. A copy that
+        failed was applied before its error was raised, so the settling goes on
+        past it; returns the first such error.
         """
+        first: CopyFailed | None = None
         for _ in range(rounds):
-            self._transfers.settle_all(rounds)
-            if self._storage is None or self._storage.idle():
-                return
-            self._storage.settle(rounds)
+            try:
+                self._transfers.settle_all(rounds)
+                if self._storage is None or self._storage.idle():
+                    return first
+                self._storage.settle(rounds)
+            except CopyFailed as exc:
+                first = first or exc
+        return first
 
     def __enter__(self) -> HiCache:
         return self
