@@ -772,6 +772,30 @@ class TestMisuseFoundByReview:
         with pytest.raises(CacheClosed):
             cache.insert(tokens(0, 4))
 
+    def test_close_gives_the_memory_back_again_where_that_raised(self) -> None:
+        """An engine whose close raises (a CUDA error while draining) is closed by the next close().
+
+        The cache counted as closed, so a second close() did nothing: the copy
+        engine was never closed and the pinned memory never given back.
+        """
+
+        class Unclosable(FaultyCopyEngine):
+            raised = False
+
+            def close(self) -> None:
+                if not Unclosable.raised:
+                    Unclosable.raised = True
+                    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+                super().close()
+
+        cache = make(copier=Unclosable.copier())
+        cache.insert(tokens(0, 4))
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            cache.close()
+        assert (cache.closed, cache.tiers.closed) == (True, False)
+        cache.close()
+        assert (cache.closed, cache.tiers.closed) == (True, True)
+
     def test_an_engine_raising_at_a_load_start_fails_the_load_and_says_so(self) -> None:
         error = ValueError("copy: device page 3 is still in use by an unreported copy")
         cache = make(copier=self.raising_at_start("h2d", error), load_back_threshold=0)

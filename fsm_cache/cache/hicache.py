@@ -256,7 +256,8 @@ class HiCache:
 
         Every later operation raises :class:`~fsm_cache.errors.CacheClosed`. It is
         set before the tiers give their memory back, so it holds where that
-        raised, and the tiers' own ``closed`` stayed False.
+        raised, and the tiers' own ``closed`` stayed False (a later
+        :meth:`close` gives it back then).
         """
         return self._gate.closed
 
@@ -1103,6 +1104,8 @@ class HiCache:
         one still failing then stays queued, unstarted, and its node loading,
         so that no copy is started whose completion would be dropped.
         Idempotent; any later operation raises :class:`~fsm_cache.errors.CacheClosed`.
+        Where giving the memory back raised (the copies could not be waited
+        for: a CUDA error), the cache is closed and a later ``close()`` tries that again.
 
         Raises:
             CopyFailed: A copy failed while the copies were settled (a start the
@@ -1111,7 +1114,8 @@ class HiCache:
                 copies were settled, and the cache closed all the same; the
                 first such error is raised once it is closed.
         """
-        if self._gate.closed:
+        if self._gate.closed:  # giving the memory back may have raised: both are idempotent
+            self._give_back()
             return
         with self._operation("close"):
             failed = self._settle_tiers(len(self._core.tree.nodes) + 2)
@@ -1121,11 +1125,15 @@ class HiCache:
         if failed is not None:  # logged as the close's own refusal, as a replay raises it too
             self._core.log.refusal("close", failed)
         self._gate.closed = True
+        self._give_back()
+        if failed is not None:
+            raise failed
+
+    def _give_back(self) -> None:
+        """End the storage workers and give the tiers' memory back (again, where that raised)."""
         if self._storage is not None:
             self._storage.close()
         self.tiers.close()
-        if failed is not None:
-            raise failed
 
     def _settle_tiers(self, rounds: int) -> CopyFailed | None:
         """Settle the host copies, then the storage copies, until both are quiet.
