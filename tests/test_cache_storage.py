@@ -436,6 +436,51 @@ def test_a_copy_that_cannot_be_started_fails_and_the_copies_after_it_start(
     cache.close()
 
 
+class InterruptedStore(FaultyStore):
+    """A store whose next put is interrupted by Ctrl-C (KeyboardInterrupt), once."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.interrupt = False
+
+    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[PutResult]:
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt("Ctrl-C in a put")
+        return super().put(keys, pages)
+
+
+def test_an_interrupted_inline_store_fails_and_the_copies_after_it_start(store: Store) -> None:
+    """Ctrl-C in a store's put run inline (``threads=0``): it fails, the copies behind it start.
+
+    The flush took the whole queue and caught only Exception: the copy queued
+    behind the interrupted one was started by no one and never collected, even
+    as a timeout, so its node stayed ``storing`` with its host pin through
+    every poll and through close.
+    """
+    faulty = InterruptedStore(store)
+    cache = HiCache(config(), storage=tier(faulty))
+    cache.insert(tokens(2))
+    cache.insert(tokens(2, start=5000))
+    faulty.interrupt = True
+    with pytest.raises(KeyboardInterrupt, match="Ctrl-C in a put"):
+        cache.poll()  # write_done for both: two stores queued, the first put interrupted
+    first, second = copies = list(cache.storage.in_flight().values())  # type: ignore[union-attr]
+    assert [c.result.outcome if c.result else None for c in copies] == ["failed", None]
+    assert first.result.error == "KeyboardInterrupt: Ctrl-C in a put"  # type: ignore[union-attr]
+    assert second.started is None  # queued again, for the next flush
+    cache.check_invariants()
+    assert cache.poll() == 1  # the interrupted store fails; the other one starts
+    assert cache.poll() == 1
+    assert sorted((len(n.key), n.storage, n.pins) for n in cache.tree) == [
+        (2 * PAGE, "stored", 0),
+        (2 * PAGE, "unstored", 0),
+    ]
+    assert cache.stats().storage_failures == {"store:failed": 1}
+    assert cache.storage.idle()  # type: ignore[union-attr]
+    cache.close()
+
+
 def test_a_copy_waited_for_under_a_timeout_of_years_is_waited_for(store: Store) -> None:
     """An ``io_timeout`` past the longest wait a lock takes: close waits for the copy.
 

@@ -458,7 +458,8 @@ class StorageCopy:
     def fail(self, now: float, error: str) -> None:
         """End a copy no worker was given as ``failed`` with ``error``, started at ``now``.
 
-        Its snapshot is let go; the next :meth:`StorageTier.collect` returns it.
+        Or one whose inline worker (``threads=0``) a BaseException interrupted
+        before it answered. Its snapshot is let go; the next :meth:`StorageTier.collect` returns it.
         """
         self.abandon()
         if self.started is None:
@@ -807,14 +808,28 @@ class StorageTier:
         raised: the next poll applies it, and the copies after it start. Raised
         out of the flush, it would leave every copy queued behind it started
         by no one and applied never, its nodes in a copying state for ever.
+
+        A BaseException (KeyboardInterrupt from a store's put or get run
+        inline, ``threads=0``) fails the copy it interrupted, as a store that
+        raised fails it, and puts the copies not yet started back on the
+        queue, for the next flush; then it goes on.
         """
         queued, self._queued = self._queued, []
-        shape = tuple(self._tiers.host.pages.shape[1:])
-        for copy in queued:
-            try:
-                self._start_copy(copy, shape)
-            except Exception as exc:  # torch's allocator, the threading module: not the store's
-                copy.fail(self._clock(), f"not started: {type(exc).__name__}: {exc}")
+        taken = 0
+        try:
+            shape = tuple(self._tiers.host.pages.shape[1:])
+            for copy in queued:
+                taken += 1
+                try:
+                    self._start_copy(copy, shape)
+                except Exception as exc:  # torch's allocator, the threading module: not the store's
+                    copy.fail(self._clock(), f"not started: {type(exc).__name__}: {exc}")
+                except BaseException as exc:
+                    if not copy.done.is_set():  # interrupted before its worker answered
+                        copy.fail(self._clock(), f"{type(exc).__name__}: {exc}")
+                    raise
+        finally:
+            self._queued[:0] = queued[taken:]
 
     def _start_copy(self, copy: StorageCopy, shape: tuple[int, ...]) -> None:
         """Snapshot a store's host pages, stamp the copy started, and give it to a worker."""
