@@ -689,6 +689,7 @@ class StorageTier:
         self._clock = config.clock  # the config's: read for every timed decision
         self.backoff = QueryBackoff(config.query_backoff, config.query_backoff_max)
         transfers.on_ack(self._host_acknowledged)
+        evictor.on_short(partial(self.apply_finished, "evict"))
         core.on_split(self._rehome)
 
     # -- views ---------------------------------------------------------------
@@ -873,6 +874,23 @@ class StorageTier:
             if copy.done.is_set() or self._clock() >= deadline:
                 out.append(copy)
         return out
+
+    def apply_finished(self, origin: str, keep: frozenset[int] = frozenset()) -> int:
+        """Apply the copies :meth:`collect` returns, never waiting; return how many were applied.
+
+        Args:
+            origin: Who applies them, as the log records it (``poll``, ``evict``).
+            keep: Ids of nodes whose copies are left for a later poll: an
+                allocation short of room holds them, and applying a copy may
+                split its nodes or remove them (:meth:`Evictor.on_short`).
+
+        Raises:
+            CopyFailed: As :meth:`apply`.
+        """
+        copies = self.collect()
+        if keep:
+            copies = [c for c in copies if not any(n.id in keep for n in c.nodes)]
+        return self.apply(copies, origin)
 
     def apply(self, copies: Sequence[StorageCopy], origin: str) -> int:
         """Apply finished (or timed-out) copies in order: log them, then fire their events.
