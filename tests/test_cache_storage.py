@@ -32,6 +32,7 @@ from fsm_cache.errors import (
     ConfigError,
     EffectFailed,
     InvariantViolation,
+    PoolExhausted,
     StoreFailed,
     error_class,
 )
@@ -433,6 +434,51 @@ def test_a_copy_that_cannot_be_started_fails_and_the_copies_after_it_start(
     cache.storage.in_flight()[3].done.wait(5)  # type: ignore[union-attr]
     cache.poll()
     assert first.storage == "stored"
+    cache.close()
+
+
+class InterruptedStore(FaultyStore):
+    """A store whose next put is interrupted by Ctrl-C (KeyboardInterrupt), once."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.interrupt = False
+
+    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[PutResult]:
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt("Ctrl-C in a put")
+        return super().put(keys, pages)
+
+
+def test_an_interrupted_inline_store_fails_and_the_copies_after_it_start(store: Store) -> None:
+    """Ctrl-C in a store's put run inline (``threads=0``): it fails, the copies behind it start.
+
+    The flush took the whole queue and caught only Exception: the copy queued
+    behind the interrupted one was started by no one and never collected, even
+    as a timeout, so its node stayed ``storing`` with its host pin through
+    every poll and through close.
+    """
+    faulty = InterruptedStore(store)
+    cache = HiCache(config(), storage=tier(faulty))
+    cache.insert(tokens(2))
+    cache.insert(tokens(2, start=5000))
+    faulty.interrupt = True
+    with pytest.raises(KeyboardInterrupt, match="Ctrl-C in a put"):
+        cache.poll()  # write_done for both: two stores queued, the first put interrupted
+    first, second = copies = list(cache.storage.in_flight().values())  # type: ignore[union-attr]
+    assert [c.result.outcome if c.result else None for c in copies] == ["failed", None]
+    assert first.result.error == "KeyboardInterrupt: Ctrl-C in a put"
+    assert second.started is None  # queued again, for the next flush
+    cache.check_invariants()
+    assert cache.poll() == 1  # the interrupted store fails; the other one starts
+    assert cache.poll() == 1
+    assert sorted((len(n.key), n.storage, n.pins) for n in cache.tree) == [
+        (2 * PAGE, "stored", 0),
+        (2 * PAGE, "unstored", 0),
+    ]
+    assert cache.stats().storage_failures == {"store:failed": 1}
+    assert cache.storage.idle()  # type: ignore[union-attr]
     cache.close()
 
 
@@ -1727,6 +1773,100 @@ def test_an_insert_through_a_node_being_fetched_adopts_it(store: Store) -> None:
         ("backed", "stored"),
     ]
     assert device_kv_matches(reader, toks + more)
+
+
+def write_back_with_a_finished_store(store: Store) -> tuple[HiCache, list[list[int]]]:
+    """A full write-back cache whose host pool a finished, unapplied store holds (pinned).
+
+    Two pages of device and of host: the third insert evicted the first
+    node, whose backup it waited for; its store then ran inline, and no poll
+    applied it. Returns the cache and the four 2-page keys (the fourth not inserted).
+    """
+    cache = HiCache(
+        config(device_pages=4, host_pages=2, write_policy="write_back"), storage=tier(store)
+    )
+    keys = [tokens(2, start=s) for s in (1000, 2000, 3000, 4000)]
+    for key in keys[:3]:
+        assert cache.insert(key) == 0
+    (copy,) = cache.storage.in_flight().values()  # type: ignore[union-attr]
+    assert (copy.kind, copy.done.is_set(), [list(n.key) for n in copy.nodes]) == (
+        "store",
+        True,
+        [keys[0]],
+    )
+    assert cache.tiers.host.allocator.free_pages == 0
+    return cache, keys
+
+
+def test_an_allocation_applies_the_finished_stores_that_hold_its_host_room(store: Store) -> None:
+    """A caller that never polls is never refused room its finished storage copies would free.
+
+    The store's host pin kept the first node's host copy, so the write-back
+    backup of the next victim found no host room: the allocation waited for
+    and applied the host copies, never the storage copies, and the insert
+    was refused (PoolExhausted) although one poll would have let it fit.
+    """
+    cache, keys = write_back_with_a_finished_store(store)
+    assert cache.insert(keys[3]) == 0
+    assert cache.log.storage_acks() == [("evict", ((1, "store", 2, "ok"),))]
+    assert cache.match_prefix(keys[3]).device_len == 2 * PAGE
+    assert cache.storage.in_flight()[2].nodes[0].key == tuple(keys[1])  # type: ignore[union-attr]
+    cache.close()
+
+
+def test_under_agreement_an_allocation_applies_only_the_copies_the_group_accepted(
+    store: Store,
+) -> None:
+    """A store finished here alone waits for the group: the ranks refuse and evict alike."""
+    cache, keys = write_back_with_a_finished_store(store)
+    storage = cache.storage
+    assert storage is not None
+    storage.agree_by(lambda found, asked: list(found))
+    before = states(cache)
+    with pytest.raises(PoolExhausted):
+        cache.insert(keys[3])
+    assert (states(cache), len(storage.in_flight())) == (before, 1)
+    assert cache.log.storage_acks() == []
+    assert storage.accept(storage.report(2)) == 1  # the group's step, before it polls
+    assert cache.insert(keys[3]) == 0
+    assert cache.log.storage_acks() == [("evict", ((1, "store", 2, "ok"),))]
+    cache.close()
+
+
+def test_an_allocation_leaves_the_copies_of_the_nodes_it_holds_for_a_poll(store: Store) -> None:
+    """A load short of room applies other finished stores, never its own chain's.
+
+    Applying a store that landed part of its pages splits its node: applied
+    inside the load's allocation, the chain it was about to load would have
+    gained a prefix off the device, and the load would be refused half done.
+    """
+    faulty = FaultyStore(store)
+    cache = HiCache(
+        config(device_pages=4, host_pages=4, write_policy="write_back"), storage=tier(faulty)
+    )
+    first, second, third, fourth = (tokens(2, start=s) for s in (1000, 2000, 3000, 4000))
+    cache.insert(first)
+    cache.insert(second)
+    faulty.put_fails_after = 1  # each store lands its first page of two
+    cache.insert(third)  # evicts both: their backups, then their stores, unapplied
+    cache.insert(fourth)
+    assert [(c.done.is_set(), c.result.held) for c in cache.storage.in_flight().values()] == [  # type: ignore[union-attr]
+        (True, 1),
+        (True, 1),
+    ]
+    head = cache.match_prefix(first).last_host_node
+    chain = cache.load_back(head)  # the device is full: a victim needs the host room
+    assert chain == [head]
+    assert (len(head.key), head.device, head.storage) == (2 * PAGE, "loading", "storing")
+    assert cache.log.storage_acks() == [("evict", ((2, "store", 1, "failed"),))]
+    cache.poll()  # the load lands; its node's store is applied now, and splits it
+    assert cache.log.storage_acks()[-1] == ("poll", ((1, "store", 1, "failed"),))
+    assert [(n.device, n.storage) for n in cache.tree.walk(tuple(first)).path] == [
+        ("resident", "stored"),
+        ("resident", "unstored"),
+    ]
+    assert device_kv_matches(cache, first)
+    cache.close()
 
 
 def test_a_split_keeps_the_storage_state_and_the_store_pin() -> None:

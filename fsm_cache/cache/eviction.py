@@ -158,6 +158,9 @@ class Evictor:
         tiers: The pools.
         transfers: Backs up write-back leaves and waits for their acknowledgements.
         policy: The write policy: whether an unbacked leaf is deleted or backed up first.
+
+    A storage tier below the host registers how to apply its finished copies
+    (:meth:`on_short`), which an allocation short of room applies too.
     """
 
     def __init__(
@@ -171,7 +174,23 @@ class Evictor:
         self._host_leaves = LeafHeap(_structural_host_leaf)
         self._waiting: set[int] = set()  # write-back leaves evicted once their backup is acked
         self._spared: frozenset[int] = frozenset()  # nodes host eviction must keep, for now
+        # applies a storage tier's finished copies but those of the given node ids; see on_short
+        self._storage_finished: Callable[[frozenset[int]], int] | None = None
         transfers.on_ack(self._acknowledged)
+
+    def on_short(self, apply_finished: Callable[[frozenset[int]], int]) -> None:
+        """Let an allocation short of room apply a storage tier's finished copies too.
+
+        A store holds its node's host pin until it is applied, so under
+        write-back a finished store nobody applied keeps the host room a
+        backup needs, and the device room behind it. ``apply_finished`` applies
+        the copies that finished, never waiting (under tensor-parallel
+        agreement only those the group accepted, so the ranks stay in step),
+        except those serving a node whose id it is given: the allocation holds
+        those nodes (a path it adopts, a chain it loads), and applying a copy
+        may split its nodes or remove them. It returns how many it applied.
+        """
+        self._storage_finished = apply_finished
 
     # -- views ---------------------------------------------------------------
 
@@ -427,6 +446,9 @@ class Evictor:
         Raises:
             PoolExhausted: Too little can be evicted; nothing was allocated, and
                 what eviction did stays done (see :meth:`make_room`).
+            CopyFailed: A storage fetch :meth:`make_room` applied could not
+                write its pages to the host: every copy was applied (that one
+                as failed), as a poll applies them; nothing was allocated.
         """
         try:
             return self._tiers.alloc_device(pages, 0)
@@ -495,29 +517,48 @@ class Evictor:
 
         A leaf still being backed up (write-through) or whose write-back
         eviction waits for its backup frees its device pages only once the
-        copy is acknowledged. An allocation cannot wait for a later poll, so
-        while the pool is still short and copies are in flight or queued, this
-        first applies the copies that already finished (non-blocking) and
-        evicts again; then it starts the queued copies, waits for every copy in
-        flight, applies the acknowledgements (in issue order; the log records
-        them) and evicts again, as SGLang's eviction waits for its backups. It
-        stops when the pool has room, when nothing is in flight, or when a
-        round changed nothing (the backups failed, or their nodes were locked
-        meanwhile); a copy it started is then applied, never left in flight.
+        copy is acknowledged, and a write-back backup needs host room, which a
+        store to a storage tier holds (its host pin) until it is applied. An
+        allocation cannot wait for a later poll, so while the pool is still
+        short this first applies the copies that already finished
+        (non-blocking), host copies and storage copies (:meth:`on_short`), and
+        evicts again; then, while host copies are in flight or queued, it
+        starts the queued copies, waits for every copy in flight, applies the
+        acknowledgements (in issue order; the log records them) and the
+        storage copies finished meanwhile, and evicts again, as SGLang's
+        eviction waits for its backups. It never waits for a storage copy. It
+        stops when the pool has room, when no host copy is in flight, or when
+        a round changed nothing (the backups failed, or their nodes were
+        locked meanwhile); a copy it started is then applied, never left in
+        flight.
+
+        Raises:
+            CopyFailed: A storage fetch applied here could not write its pages
+                to the host (see :meth:`alloc_device`).
         """
         allocator = self._tiers.device.allocator
         self.evict_device(slots - allocator.free_slots)
-        if allocator.free_slots >= slots or self._transfers.idle():
+        if allocator.free_slots >= slots:
             return
-        self._transfers.apply(self._transfers.collect(wait=False), "evict")
-        self.evict_device(slots - allocator.free_slots)
+        busy = not self._transfers.idle()
+        if busy:
+            self._transfers.apply(self._transfers.collect(wait=False), "evict")
+        if self._apply_storage() or busy:
+            self.evict_device(slots - allocator.free_slots)
         rounds = len(self._core.tree.nodes) + 1  # each useful round backs up one more level
         while allocator.free_slots < slots and not self._transfers.idle():
             before = (allocator.free_slots, self._core.counters.transitions.total())
             self._transfers.settle()
+            self._apply_storage()
             rounds -= 1
             if rounds <= 0:
                 return
             self.evict_device(slots - allocator.free_slots)
             if before == (allocator.free_slots, self._core.counters.transitions.total()):
                 return
+
+    def _apply_storage(self) -> int:
+        """Apply the storage copies that finished, but those of spared nodes; return how many."""
+        if self._storage_finished is None:
+            return 0
+        return self._storage_finished(self._spared)

@@ -351,7 +351,10 @@ class HiCache:
                 non-negative ints (a bool is no token id), or ``namespace`` is
                 unhashable; nothing changed.
             CopyFailed: A node on the path is still loading after its copy failed
-                and was started again (a locked node); nothing was inserted.
+                and was started again (a locked node); or a storage fetch the
+                eviction applied could not write its pages to the host (every
+                finished copy was applied, as :meth:`poll` applies them).
+                Nothing was inserted.
             ForeignSlot: ``device_slots`` are too few, not whole pages, repeat a
                 page, or name a page the request does not hold, or a bool where
                 the insert reads a slot (a bool is no page, though it equals 0
@@ -690,6 +693,8 @@ class HiCache:
             BadArgument: ``num_tokens`` is not an int >= 0.
             PoolExhausted: Not enough device memory even after eviction; as
                 for :meth:`insert`, what the eviction did stays done.
+            CopyFailed: As for :meth:`insert`: a storage fetch the eviction
+                applied could not write its pages; nothing was allocated.
         """
         tokens = arguments.count(num_tokens, "alloc_slots")
         with self._operation("alloc_slots", tokens):
@@ -937,6 +942,8 @@ class HiCache:
             BadArgument: ``node`` is not a tree node.
             StaleNode: ``node`` is not in this cache (deleted, from before a reset, or another cache's).
             IllegalTransition: A node of the chain holds no valid host copy.
+            CopyFailed: As for :meth:`insert`: a storage fetch the eviction
+                applied could not write its pages; nothing was loaded.
             EffectFailed: The allocator broke (an error from outside the cache)
                 as a node of the chain took its pages: the nodes above it load,
                 it and those below stay off the device, and their pages go back.
@@ -1066,7 +1073,7 @@ class HiCache:
         with self._operation("poll"):
             applied = self._transfers.apply(self._transfers.collect(wait=False), "poll")
             if self._storage is not None:
-                applied += self._storage.apply(self._storage.collect(), "poll")
+                applied += self._storage.apply_finished("poll")
             return applied
 
     def apply_completions(self, completions: Sequence[Completion]) -> int:

@@ -458,7 +458,8 @@ class StorageCopy:
     def fail(self, now: float, error: str) -> None:
         """End a copy no worker was given as ``failed`` with ``error``, started at ``now``.
 
-        Its snapshot is let go; the next :meth:`StorageTier.collect` returns it.
+        Or one whose inline worker (``threads=0``) a BaseException interrupted
+        before it answered. Its snapshot is let go; the next :meth:`StorageTier.collect` returns it.
         """
         self.abandon()
         if self.started is None:
@@ -688,6 +689,7 @@ class StorageTier:
         self._clock = config.clock  # the config's: read for every timed decision
         self.backoff = QueryBackoff(config.query_backoff, config.query_backoff_max)
         transfers.on_ack(self._host_acknowledged)
+        evictor.on_short(partial(self.apply_finished, "evict"))
         core.on_split(self._rehome)
 
     # -- views ---------------------------------------------------------------
@@ -807,14 +809,28 @@ class StorageTier:
         raised: the next poll applies it, and the copies after it start. Raised
         out of the flush, it would leave every copy queued behind it started
         by no one and applied never, its nodes in a copying state for ever.
+
+        A BaseException (KeyboardInterrupt from a store's put or get run
+        inline, ``threads=0``) fails the copy it interrupted, as a store that
+        raised fails it, and puts the copies not yet started back on the
+        queue, for the next flush; then it goes on.
         """
         queued, self._queued = self._queued, []
-        shape = tuple(self._tiers.host.pages.shape[1:])
-        for copy in queued:
-            try:
-                self._start_copy(copy, shape)
-            except Exception as exc:  # torch's allocator, the threading module: not the store's
-                copy.fail(self._clock(), f"not started: {type(exc).__name__}: {exc}")
+        taken = 0
+        try:
+            shape = tuple(self._tiers.host.pages.shape[1:])
+            for copy in queued:
+                taken += 1
+                try:
+                    self._start_copy(copy, shape)
+                except Exception as exc:  # torch's allocator, the threading module: not the store's
+                    copy.fail(self._clock(), f"not started: {type(exc).__name__}: {exc}")
+                except BaseException as exc:
+                    if not copy.done.is_set():  # interrupted before its worker answered
+                        copy.fail(self._clock(), f"{type(exc).__name__}: {exc}")
+                    raise
+        finally:
+            self._queued[:0] = queued[taken:]
 
     def _start_copy(self, copy: StorageCopy, shape: tuple[int, ...]) -> None:
         """Snapshot a store's host pages, stamp the copy started, and give it to a worker."""
@@ -858,6 +874,23 @@ class StorageTier:
             if copy.done.is_set() or self._clock() >= deadline:
                 out.append(copy)
         return out
+
+    def apply_finished(self, origin: str, keep: frozenset[int] = frozenset()) -> int:
+        """Apply the copies :meth:`collect` returns, never waiting; return how many were applied.
+
+        Args:
+            origin: Who applies them, as the log records it (``poll``, ``evict``).
+            keep: Ids of nodes whose copies are left for a later poll: an
+                allocation short of room holds them, and applying a copy may
+                split its nodes or remove them (:meth:`Evictor.on_short`).
+
+        Raises:
+            CopyFailed: As :meth:`apply`.
+        """
+        copies = self.collect()
+        if keep:
+            copies = [c for c in copies if not any(n.id in keep for n in c.nodes)]
+        return self.apply(copies, origin)
 
     def apply(self, copies: Sequence[StorageCopy], origin: str) -> int:
         """Apply finished (or timed-out) copies in order: log them, then fire their events.
