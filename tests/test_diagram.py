@@ -1281,6 +1281,7 @@ a = { doc = "Start." }
 note = { doc = "A Mermaid keyword." }
 State = { doc = "A keyword in another case." }
 note_ = { doc = "What the keyword's id would be, but for the escaping." }
+root = { doc = "Mermaid's id of the whole diagram: a state of that id was not drawn." }
 
 [[transition]]
 event = "go"
@@ -1300,6 +1301,11 @@ dest = "note_"
 [[transition]]
 event = "go"
 source = "note_"
+dest = "root"
+
+[[transition]]
+event = "go"
+source = "root"
 dest = "a"
 """
 
@@ -1310,11 +1316,13 @@ stateDiagram-v2
     state "note" as note_
     state "State" as State_
     state "note_" as note__
+    state "root" as root_
     [*] --> a
     a --> note_ : go
     note_ --> State_ : go
     State_ --> note__ : go
-    note__ --> a : go
+    note__ --> root_ : go
+    root_ --> a : go
     classDef here fill:#ffd54f,stroke:#e65100,stroke-width:3px
     class note_ here
 """
@@ -1326,7 +1334,10 @@ def keyworded(specs: Path) -> Spec:
 
 
 def test_a_state_named_as_a_mermaid_keyword_gets_an_id_that_is_none(specs: Path) -> None:
-    """``a --> note : go`` is a Mermaid parse error: the whole diagram failed to draw."""
+    """``a --> note : go`` is a Mermaid parse error: the whole diagram failed to draw.
+
+    A state of id ``root`` parsed, but Mermaid did not draw it: the id is its diagram's own.
+    """
     assert render(keyworded(specs), "mermaid", mark=("note",)) == KEYWORDED_MERMAID
 
 
@@ -1386,4 +1397,4 @@ def test_the_vendored_mermaid_draws_a_machine_of_keyword_states(
     assert done.returncode == 0, done.stderr[-2000:]
     found = re.search(r'<pre id="out">([^<]*)</pre>', done.stdout)
     assert found is not None
-    assert found.group(1) == "drawn 4"  # a, note, State and note_, no parse error
+    assert found.group(1) == "drawn 5"  # a, note, State, note_ and root, no parse error

@@ -260,10 +260,13 @@ def state_id(diagram: Diagram, region: str, state: str) -> str:
     what precedes that run's last underscore and the state what follows it, each
     unescaped by halving its runs. It starts with a letter, so it is no start point
     (:func:`start_id`, :func:`birth_id`) nor Mermaid composite (:func:`composite_id`),
-    which start with ``_``; and no Mermaid end point either (``root_start``,
-    ``COMPOSITE_start``, ``COMPOSITE_end``): a machine's ids hold only even runs,
-    a composite's implicit ones start with ``_``. Mermaid adds a ``_`` to a
-    machine's id that is one of its keywords (:data:`fsm_cache.diagram.mermaid.KEYWORDS`).
+    which start with ``_``; and no Mermaid start or end point either (``root_start``
+    and ``root_end`` at the top level, ``COMPOSITE_start`` and ``COMPOSITE_end`` in a
+    composite): a machine's ids hold only even runs, a composite's points start with
+    ``_``, and a composition (whose ``root`` region's ``start`` state is ``root_start``)
+    draws no point at the top level. Mermaid adds a ``_`` to a machine's id that is
+    one of its keywords or ``root``, its own id of the whole diagram
+    (:data:`fsm_cache.diagram.mermaid.KEYWORDS`); a composed id, holding a ``_``, is neither.
     """
     return f"{_escaped(region)}_{_escaped(state)}" if diagram.composed else _escaped(state)
 

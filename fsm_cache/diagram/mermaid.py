@@ -5,7 +5,8 @@ cross-region and tree refusals in a note beside the last region, and each
 birth as an arrow from a region's start point labelled ``birth NAME``; parallel
 edges between two states are merged into one multi-line label. A machine's
 state named as a Mermaid keyword (``note``) is drawn through an id with a
-trailing ``_`` (:data:`KEYWORDS`), its label unchanged.
+trailing ``_`` (:data:`KEYWORDS`), its label unchanged; so is one named
+``root``, Mermaid's id of the diagram itself.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ KEYWORDS = frozenset(
     word.casefold()
     for word in (
         "accDescr", "accTitle", "class", "classDef", "click", "default", "direction",
-        "end", "href", "note", "scale", "state", "stateDiagram", "style",
+        "end", "href", "note", "root", "scale", "state", "stateDiagram", "style",
     )
 )  # fmt: skip
 """Words Mermaid's ``stateDiagram`` reads as keywords where an id stands, in any case.
@@ -58,8 +59,11 @@ Mermaid 11's lexer takes ``note``, ``state``, ``scale``, ``style``,
 ``class``, ``classDef``, ``click``, ``href``, ``default``, ``accTitle``,
 ``accDescr`` and ``stateDiagram`` before an id (``a --> note : go`` is a
 parse error); ``end`` and ``direction`` close a note and set a layout, and
-are kept out too. A spec name may be any of them but ``class`` (a Python
-keyword), ``Class`` included.
+are kept out too. ``root`` parses, but is the id Mermaid gives the diagram's
+own document: its renderer draws no state of that id, and leaves the arrows
+to and from it dangling (only that spelling; any case is kept out, as for the others).
+A spec name may be any of them but ``class`` (a Python keyword), ``Class``
+included.
 """
 
 
