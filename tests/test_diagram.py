@@ -1242,6 +1242,46 @@ def test_a_diagram_of_ours_with_crlf_line_ends_or_a_bom_is_ours(
         assert target.read_text(encoding="utf-8") == render(door(specs), fmt)
 
 
+@pytest.mark.parametrize("checkout", ["crlf", "bom"])
+def test_check_calls_a_set_with_crlf_line_ends_or_a_bom_current_but_sees_drift(
+    specs: Path, capsys: pytest.CaptureFixture[str], checkout: str
+) -> None:
+    """A Windows checkout of current diagrams was reported stale, every file of it."""
+    folder, spec = specs / "diagrams", str(specs / "door.toml")
+    assert run(spec, "--write", "--dir", str(folder)) == 0
+
+    def check_out(path: Path, text: str) -> None:
+        moved = text.replace("\n", "\r\n") if checkout == "crlf" else "\ufeff" + text
+        path.write_bytes(moved.encode("utf-8"))
+
+    for path in folder.iterdir():
+        check_out(path, path.read_text(encoding="utf-8"))
+    capsys.readouterr()
+    assert run(spec, "--check", "--dir", str(folder)) == 0
+    assert capsys.readouterr().out == "3 diagram files match their specs\n"
+    check_out(folder / "door.mmd", DOOR_MERMAID.replace("remove", "demolish"))
+    assert run(spec, "--check", "--dir", str(folder)) == 1
+    assert capsys.readouterr().out == (
+        f"{folder / 'door.mmd'}: differs from a fresh rendering\n"
+        f"1 of 3 diagram files are stale; run: fsm-cache diagram {spec} --write --dir {folder}\n"
+    )
+
+
+def test_check_calls_a_file_current_whose_doc_holds_a_crlf(
+    specs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Markdown writes a machine's doc as it is: its own CRLF is no drift either."""
+    source = DOOR.replace("hold open.", "hold\\r\\nopen.")
+    assert source != DOOR
+    (specs / "door.toml").write_text(source, encoding="utf-8")
+    out, spec = specs / "door.md", str(specs / "door.toml")
+    assert run(spec, "--format", "md", "-o", str(out)) == 0
+    assert b"hold\r\nopen." in out.read_bytes()
+    capsys.readouterr()
+    assert run(spec, "--format", "md", "-o", str(out), "--check") == 0
+    assert capsys.readouterr().out == "1 diagram files match their specs\n"
+
+
 def test_every_format_carries_its_mark_in_a_comment_of_its_own(specs: Path) -> None:
     """Mermaid had a mark; DOT and Markdown had none to tell a file of ours from the user's."""
     assert (

@@ -52,10 +52,23 @@ def is_diagram(text: str) -> bool:
     (Mermaid, after ``stateDiagram-v2``; SVG, after the XML declaration).
     ``fsm-cache diagram`` replaces an existing file only when it is empty or
     so marked: a ``README.md`` or a module named by mistake is left whole.
-    A byte order mark and CRLF line ends (a Windows checkout) do not hide it.
+    A byte order mark and CRLF line ends (a Windows checkout) do not hide it
+    (:func:`normalised`).
     """
-    lines = text.removeprefix("\ufeff").split("\n", 2)[:2]
+    lines = normalised(text).split("\n", 2)[:2]
+    # NOTE: the head of a file this is shown may end between a line's CR and its LF.
     return any(_MARKS.fullmatch(line.removesuffix("\r")) for line in lines)
+
+
+def normalised(text: str) -> str:
+    """Return a diagram file's ``text`` as ``fsm-cache diagram`` writes it: no BOM, LF line ends.
+
+    A Windows checkout (Git's ``core.autocrlf``) turns each line end into CRLF,
+    and some editors add a byte order mark; neither changes what the diagram
+    says, so :func:`is_diagram` recognises such a file and ``--check``, which
+    compares both texts so read, calls it current.
+    """
+    return text.removeprefix("\ufeff").replace("\r\n", "\n")
 
 
 class DiagramError(FsmCacheError):
