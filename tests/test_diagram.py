@@ -643,6 +643,15 @@ def test_highlight_of_an_initial_state_in_markdown_keeps_its_mark(specs: Path) -
     assert "| **`closed`** | `let_go` |  | `LetGoAtZero` | nobody holds it |" in text
 
 
+def test_a_state_both_initial_and_final_is_marked_both_in_markdown(specs: Path) -> None:
+    """The states table said ``(initial)`` alone: the ``final`` the pictures draw was lost."""
+    source = DOOR.replace('closed = { doc = "Shut.",', 'closed = { final = true, doc = "Shut.",')
+    assert source != DOOR
+    (specs / "door.toml").write_text(source, encoding="utf-8")
+    text = render(door(specs), "md", mark=("closed",))
+    assert "| **`closed`** (initial, final, here) | `holds == 0` | Shut. |\n" in text
+
+
 def test_highlight_in_markdown_marks_only_its_region(specs: Path) -> None:
     text = render(doorway(specs), "md", mark=("lock=open",))
     assert "| **`open`** (initial, here) |  | Bolt drawn back. |" in text

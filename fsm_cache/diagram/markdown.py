@@ -90,8 +90,8 @@ def _md_births(name: str, births: tuple[DiagramBirth, ...]) -> list[str]:
 
 def _md_states(region: Region, here: set[str]) -> str:
     def marks(state: DiagramState) -> str:
-        found = ["initial"] if state.initial else ["final"] if state.final else []
-        found += ["here"] if state.name in here else []
+        flags = (("initial", state.initial), ("final", state.final), ("here", state.name in here))
+        found = [mark for mark, on in flags if on]
         return f" ({', '.join(found)})" if found else ""
 
     rows = [
