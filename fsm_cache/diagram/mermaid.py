@@ -11,6 +11,8 @@ trailing ``_`` (:data:`KEYWORDS`), its label unchanged; so is one named
 
 from __future__ import annotations
 
+import re
+
 from fsm_cache.diagram.ir import (
     HIGHLIGHT_FILL,
     HIGHLIGHT_STROKE,
@@ -28,7 +30,8 @@ from fsm_cache.diagram.ir import (
 
 def mermaid(diagram: Diagram) -> str:
     """Return a Mermaid ``stateDiagram-v2`` of the diagram."""
-    lines = ["stateDiagram-v2", f"    %% {generated(diagram.name)}"]
+    mark = generated(_DIRECTIVE.sub("\uff05", diagram.name))
+    lines = ["stateDiagram-v2", f"    %% {mark}"]
     for region in diagram.regions:
         indent = "    "
         if diagram.composed:
@@ -111,6 +114,15 @@ def _refusal_note(diagram: Diagram) -> list[str]:
     body = [f"        {_note_text(text)}" for text in texts]
     return [f"    note right of {composite_id(diagram.regions[-1].name)}", *body, "    end note"]
 
+
+_DIRECTIVE = re.compile(r"%(?=\{)")
+"""A ``%`` that begins a ``{``: Mermaid reads ``%%{...}%%`` as a directive anywhere in a diagram.
+
+A spec's name is free text, and the mark's comment writes it
+(``%% NAME: generated...``): ``%%{init: ...}%%`` in it would restyle the
+picture, or hide its states. A ``%`` before each ``{`` is drawn fullwidth
+instead (U+FF05), so the comment holds no directive and still marks the file.
+"""
 
 _MERMAID_UNSAFE = str.maketrans({":": "\uff1a", ";": "\uff1b", "#": "\uff03"})
 
