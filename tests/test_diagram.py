@@ -29,6 +29,7 @@ from fsm_cache.diagram import (
     ir,
     mermaid,
     render,
+    render_sections,
 )
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import Spec
@@ -769,7 +770,21 @@ def test_several_specs_in_md_are_one_document_with_a_section_each(
     assert run(str(specs / "door.toml"), str(specs / "lock.toml"), "--format", "md") == 0
     door_tables = DOOR_MD.removeprefix(f"{MD_MARK}\n\n")
     lock = render(load_spec(specs / "lock.toml"), "md").removeprefix(f"{MD_MARK}\n\n")
-    assert capsys.readouterr().out == f"{MD_MARK}\n\n## door\n\n{door_tables}\n## lock\n\n{lock}"
+    assert capsys.readouterr().out == (
+        f"{MD_MARK}\n\n## `door`\n\n{door_tables}\n## `lock`\n\n{lock}"
+    )
+
+
+def test_a_section_heading_writes_the_spec_name_as_code(specs: Path) -> None:
+    """The heading wrote the free-text name raw: ``<v2>`` was HTML, ``*fast*`` italics."""
+    markdown = pytest.importorskip("markdown")
+    source = DOOR.replace('name = "door"', 'name = "kv <v2> *fast* cache"')
+    assert source != DOOR
+    (specs / "door.toml").write_text(source, encoding="utf-8")
+    text = render_sections([door(specs), load_spec(specs / "lock.toml")])
+    assert text.splitlines()[2] == "## `kv <v2> *fast* cache`"
+    html = markdown.markdown(text, extensions=["tables"])
+    assert "<h2><code>kv &lt;v2&gt; *fast* cache</code></h2>" in html
 
 
 @pytest.mark.parametrize("fmt", ["mermaid", "dot"])

@@ -40,8 +40,11 @@ def markdown_sections(diagrams: Sequence[Diagram]) -> str:
     """Return one Markdown document of several diagrams' tables, a ``## NAME`` section each.
 
     The mark comes once, in the document's first line, as in :func:`markdown_tables`.
+    Each heading writes the name as a code span, as the tables do: it is free
+    text, and ``kv <v2> *fast*`` would otherwise lose ``<v2>`` as HTML and set
+    ``fast`` in italics.
     """
-    sections = [f"## {one_line(diagram.name)}\n\n{_tables(diagram)}" for diagram in diagrams]
+    sections = [f"## {_c(diagram.name)}\n\n{_tables(diagram)}" for diagram in diagrams]
     return f"{COMMENT_MARK}\n\n" + "\n".join(sections)
 
 
