@@ -344,6 +344,33 @@ def test_a_line_ending_in_a_doc_stays_in_its_table_cell(specs: Path, ending: str
     assert "\r" not in text
 
 
+@pytest.mark.parametrize(
+    ("doc", "cell", "shown"),
+    [
+        (r"path C:\| here", r"path C:\\\| here", r"path C:\| here"),
+        (r"two \\| here", r"two \\\\\| here", r"two \\| here"),
+        ("C:\\\ntight", r"C:\\<br>tight", r"C:\<br>tight"),
+        (r"a \* b", r"a \* b", "a * b"),
+    ],
+    ids=["pipe", "two-before-a-pipe", "line-end", "elsewhere"],
+)
+def test_backslashes_before_a_pipe_or_line_end_stay_in_their_cell(
+    specs: Path, doc: str, cell: str, shown: str
+) -> None:
+    r"""``C:\|`` was ``C:\\|``: the ``|`` after the escaped backslash split the cell.
+
+    Elsewhere a backslash is left to Markdown, as the rest of a doc is.
+    """
+    markdown = pytest.importorskip("markdown")
+    source = DOOR.replace('doc = "Shut."', f"doc = {json.dumps(doc)}")  # a TOML string too
+    assert source != DOOR
+    (specs / "door.toml").write_text(source, encoding="utf-8")
+    text = render(door(specs), "md")
+    assert f"| `closed` (initial) | `holds == 0` | {cell} |\n" in text
+    html = markdown.markdown(text, extensions=["tables"])
+    assert f"<td>{shown}</td>\n</tr>" in html
+
+
 def test_markdown_of_a_composition_lists_each_region_then_the_cross_refusals(specs: Path) -> None:
     """The composition's own ``doc`` comes first: it was in no format at all."""
     text = render(doorway(specs), "md")

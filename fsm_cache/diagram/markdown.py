@@ -121,13 +121,25 @@ def _md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-_LINE_ENDING = re.compile(r"\r\n?|\n")
-"""CommonMark's line endings: a lone carriage return ends a line too."""
+_CELL_END = re.compile(r"(\\*)(\||\r\n?|\n)")
+"""A ``|`` or a line ending (a lone CR too, as in CommonMark), and the backslashes before it."""
 
 
 def _cell(text: str) -> str:
-    """Return ``text`` fit for one table cell: a ``|`` escaped, line breaks as ``<br>``."""
-    return _LINE_ENDING.sub("<br>", text.replace("|", "\\|"))
+    r"""Return ``text`` fit for one table cell: a ``|`` escaped, line breaks as ``<br>``.
+
+    A cell is Markdown, but a ``|`` would end it and a line break the row. The
+    backslashes right before either are escaped too, so they stay as written:
+    ``C:\|`` was ``C:\\|``, whose escaped backslash left the ``|`` to end the
+    cell (Python-Markdown, which draws these docs, dropped the rest), and in
+    ``\<br>`` CommonMark reads an escaped ``<``, showing the tag as text.
+    """
+
+    def escaped(found: re.Match[str]) -> str:
+        backslashes, end = found.groups()
+        return backslashes * 2 + ("\\|" if end == "|" else "<br>")
+
+    return _CELL_END.sub(escaped, text)
 
 
 def _state(name: str, here: set[str], label: str = "") -> str:
