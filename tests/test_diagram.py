@@ -29,6 +29,7 @@ from fsm_cache.diagram import (
     ir,
     mermaid,
     render,
+    render_sections,
 )
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import Spec
@@ -343,6 +344,33 @@ def test_a_line_ending_in_a_doc_stays_in_its_table_cell(specs: Path, ending: str
     assert "\r" not in text
 
 
+@pytest.mark.parametrize(
+    ("doc", "cell", "shown"),
+    [
+        (r"path C:\| here", r"path C:\\\| here", r"path C:\| here"),
+        (r"two \\| here", r"two \\\\\| here", r"two \\| here"),
+        ("C:\\\ntight", r"C:\\<br>tight", r"C:\<br>tight"),
+        (r"a \* b", r"a \* b", "a * b"),
+    ],
+    ids=["pipe", "two-before-a-pipe", "line-end", "elsewhere"],
+)
+def test_backslashes_before_a_pipe_or_line_end_stay_in_their_cell(
+    specs: Path, doc: str, cell: str, shown: str
+) -> None:
+    r"""``C:\|`` was ``C:\\|``: the ``|`` after the escaped backslash split the cell.
+
+    Elsewhere a backslash is left to Markdown, as the rest of a doc is.
+    """
+    markdown = pytest.importorskip("markdown")
+    source = DOOR.replace('doc = "Shut."', f"doc = {json.dumps(doc)}")  # a TOML string too
+    assert source != DOOR
+    (specs / "door.toml").write_text(source, encoding="utf-8")
+    text = render(door(specs), "md")
+    assert f"| `closed` (initial) | `holds == 0` | {cell} |\n" in text
+    html = markdown.markdown(text, extensions=["tables"])
+    assert f"<td>{shown}</td>\n</tr>" in html
+
+
 def test_markdown_of_a_composition_lists_each_region_then_the_cross_refusals(specs: Path) -> None:
     """The composition's own ``doc`` comes first: it was in no format at all."""
     text = render(doorway(specs), "md")
@@ -643,6 +671,15 @@ def test_highlight_of_an_initial_state_in_markdown_keeps_its_mark(specs: Path) -
     assert "| **`closed`** | `let_go` |  | `LetGoAtZero` | nobody holds it |" in text
 
 
+def test_a_state_both_initial_and_final_is_marked_both_in_markdown(specs: Path) -> None:
+    """The states table said ``(initial)`` alone: the ``final`` the pictures draw was lost."""
+    source = DOOR.replace('closed = { doc = "Shut.",', 'closed = { final = true, doc = "Shut.",')
+    assert source != DOOR
+    (specs / "door.toml").write_text(source, encoding="utf-8")
+    text = render(door(specs), "md", mark=("closed",))
+    assert "| **`closed`** (initial, final, here) | `holds == 0` | Shut. |\n" in text
+
+
 def test_highlight_in_markdown_marks_only_its_region(specs: Path) -> None:
     text = render(doorway(specs), "md", mark=("lock=open",))
     assert "| **`open`** (initial, here) |  | Bolt drawn back. |" in text
@@ -760,7 +797,21 @@ def test_several_specs_in_md_are_one_document_with_a_section_each(
     assert run(str(specs / "door.toml"), str(specs / "lock.toml"), "--format", "md") == 0
     door_tables = DOOR_MD.removeprefix(f"{MD_MARK}\n\n")
     lock = render(load_spec(specs / "lock.toml"), "md").removeprefix(f"{MD_MARK}\n\n")
-    assert capsys.readouterr().out == f"{MD_MARK}\n\n## door\n\n{door_tables}\n## lock\n\n{lock}"
+    assert capsys.readouterr().out == (
+        f"{MD_MARK}\n\n## `door`\n\n{door_tables}\n## `lock`\n\n{lock}"
+    )
+
+
+def test_a_section_heading_writes_the_spec_name_as_code(specs: Path) -> None:
+    """The heading wrote the free-text name raw: ``<v2>`` was HTML, ``*fast*`` italics."""
+    markdown = pytest.importorskip("markdown")
+    source = DOOR.replace('name = "door"', 'name = "kv <v2> *fast* cache"')
+    assert source != DOOR
+    (specs / "door.toml").write_text(source, encoding="utf-8")
+    text = render_sections([door(specs), load_spec(specs / "lock.toml")])
+    assert text.splitlines()[2] == "## `kv <v2> *fast* cache`"
+    html = markdown.markdown(text, extensions=["tables"])
+    assert "<h2><code>kv &lt;v2&gt; *fast* cache</code></h2>" in html
 
 
 @pytest.mark.parametrize("fmt", ["mermaid", "dot"])
@@ -1242,6 +1293,60 @@ def test_a_diagram_of_ours_with_crlf_line_ends_or_a_bom_is_ours(
         assert target.read_text(encoding="utf-8") == render(door(specs), fmt)
 
 
+@pytest.mark.parametrize("checkout", ["crlf", "bom"])
+def test_check_calls_a_set_with_crlf_line_ends_or_a_bom_current_but_sees_drift(
+    specs: Path, capsys: pytest.CaptureFixture[str], checkout: str
+) -> None:
+    """A Windows checkout of current diagrams was reported stale, every file of it."""
+    folder, spec = specs / "diagrams", str(specs / "door.toml")
+    assert run(spec, "--write", "--dir", str(folder)) == 0
+
+    def check_out(path: Path, text: str) -> None:
+        moved = text.replace("\n", "\r\n") if checkout == "crlf" else "\ufeff" + text
+        path.write_bytes(moved.encode("utf-8"))
+
+    for path in folder.iterdir():
+        check_out(path, path.read_text(encoding="utf-8"))
+    capsys.readouterr()
+    assert run(spec, "--check", "--dir", str(folder)) == 0
+    assert capsys.readouterr().out == "3 diagram files match their specs\n"
+    check_out(folder / "door.mmd", DOOR_MERMAID.replace("remove", "demolish"))
+    assert run(spec, "--check", "--dir", str(folder)) == 1
+    assert capsys.readouterr().out == (
+        f"{folder / 'door.mmd'}: differs from a fresh rendering\n"
+        f"1 of 3 diagram files are stale; run: fsm-cache diagram {spec} --write --dir {folder}\n"
+    )
+
+
+def test_check_calls_a_file_current_whose_doc_holds_a_crlf(
+    specs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Markdown writes a machine's doc as it is: its own CRLF is no drift either."""
+    source = DOOR.replace("hold open.", "hold\\r\\nopen.")
+    assert source != DOOR
+    (specs / "door.toml").write_text(source, encoding="utf-8")
+    out, spec = specs / "door.md", str(specs / "door.toml")
+    assert run(spec, "--format", "md", "-o", str(out)) == 0
+    assert b"hold\r\nopen." in out.read_bytes()
+    capsys.readouterr()
+    assert run(spec, "--format", "md", "-o", str(out), "--check") == 0
+    assert capsys.readouterr().out == "1 diagram files match their specs\n"
+
+
+def test_a_spec_name_writes_no_mermaid_directive_into_the_mark(specs: Path) -> None:
+    """Mermaid reads ``%%{...}%%`` anywhere: a name holding one restyled the picture."""
+    name = 'door %%{init: {"theme": "dark"}}%% v2'
+    source = DOOR.replace('name = "door"', f"name = '{name}'")
+    assert source != DOOR
+    (specs / "door.toml").write_text(source, encoding="utf-8")
+    text = render(door(specs), "mermaid")
+    assert text.splitlines()[1] == (
+        '    %% door %\uff05{init: {"theme": "dark"}}%% v2: generated by fsm-cache diagram'
+    )
+    assert re.search(r"%%\{", text) is None  # what Mermaid's directive pattern starts with
+    assert ir.is_diagram(text)
+
+
 def test_every_format_carries_its_mark_in_a_comment_of_its_own(specs: Path) -> None:
     """Mermaid had a mark; DOT and Markdown had none to tell a file of ours from the user's."""
     assert (
@@ -1281,6 +1386,7 @@ a = { doc = "Start." }
 note = { doc = "A Mermaid keyword." }
 State = { doc = "A keyword in another case." }
 note_ = { doc = "What the keyword's id would be, but for the escaping." }
+root = { doc = "Mermaid's id of the whole diagram: a state of that id was not drawn." }
 
 [[transition]]
 event = "go"
@@ -1300,6 +1406,11 @@ dest = "note_"
 [[transition]]
 event = "go"
 source = "note_"
+dest = "root"
+
+[[transition]]
+event = "go"
+source = "root"
 dest = "a"
 """
 
@@ -1310,11 +1421,13 @@ stateDiagram-v2
     state "note" as note_
     state "State" as State_
     state "note_" as note__
+    state "root" as root_
     [*] --> a
     a --> note_ : go
     note_ --> State_ : go
     State_ --> note__ : go
-    note__ --> a : go
+    note__ --> root_ : go
+    root_ --> a : go
     classDef here fill:#ffd54f,stroke:#e65100,stroke-width:3px
     class note_ here
 """
@@ -1326,7 +1439,10 @@ def keyworded(specs: Path) -> Spec:
 
 
 def test_a_state_named_as_a_mermaid_keyword_gets_an_id_that_is_none(specs: Path) -> None:
-    """``a --> note : go`` is a Mermaid parse error: the whole diagram failed to draw."""
+    """``a --> note : go`` is a Mermaid parse error: the whole diagram failed to draw.
+
+    A state of id ``root`` parsed, but Mermaid did not draw it: the id is its diagram's own.
+    """
     assert render(keyworded(specs), "mermaid", mark=("note",)) == KEYWORDED_MERMAID
 
 
@@ -1386,4 +1502,4 @@ def test_the_vendored_mermaid_draws_a_machine_of_keyword_states(
     assert done.returncode == 0, done.stderr[-2000:]
     found = re.search(r'<pre id="out">([^<]*)</pre>', done.stdout)
     assert found is not None
-    assert found.group(1) == "drawn 4"  # a, note, State and note_, no parse error
+    assert found.group(1) == "drawn 5"  # a, note, State, note_ and root, no parse error

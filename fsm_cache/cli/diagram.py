@@ -36,7 +36,14 @@ import sys
 from pathlib import Path
 
 from fsm_cache.cli.files import STDOUT, current_text, output_argument, write_files
-from fsm_cache.diagram import FORMATS, DiagramError, is_diagram, render, render_sections
+from fsm_cache.diagram import (
+    FORMATS,
+    DiagramError,
+    is_diagram,
+    normalised,
+    render,
+    render_sections,
+)
 from fsm_cache.shell import named_once, path_argument, spec_path
 from fsm_cache.spec.loader import load_spec, spec_files
 from fsm_cache.spec.shipped import shipped_spec_paths, spec_dir
@@ -260,6 +267,9 @@ def _same_file(first: Path, second: Path) -> bool:
 def _check(wanted: dict[Path, str], rewrite: str) -> int:
     """Print each file that is missing or stale, and the command ``rewrite`` if any is; return 1 then.
 
+    A file that differs from its fresh rendering only by CRLF line ends or a
+    byte order mark (:func:`~fsm_cache.diagram.normalised`) is current.
+
     Raises:
         OutputError: A file to check is a ``.toml`` file, is there but is no
             regular file or not a diagram this command wrote (nor empty), or
@@ -272,7 +282,7 @@ def _check(wanted: dict[Path, str], rewrite: str) -> int:
         if current is None:
             print(f"{path}: missing")
             stale += 1
-        elif current != text:
+        elif normalised(current) != normalised(text):  # a Windows checkout is no drift
             print(f"{path}: differs from a fresh rendering")
             stale += 1
     if stale:

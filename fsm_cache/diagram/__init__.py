@@ -25,6 +25,7 @@ from fsm_cache.diagram.ir import (
     Region,
     highlight,
     is_diagram,
+    normalised,
     one_line,
 )
 
@@ -46,6 +47,7 @@ __all__ = [
     "build",
     "highlight",
     "is_diagram",
+    "normalised",
     "one_line",
     "render",
     "render_sections",

@@ -52,10 +52,23 @@ def is_diagram(text: str) -> bool:
     (Mermaid, after ``stateDiagram-v2``; SVG, after the XML declaration).
     ``fsm-cache diagram`` replaces an existing file only when it is empty or
     so marked: a ``README.md`` or a module named by mistake is left whole.
-    A byte order mark and CRLF line ends (a Windows checkout) do not hide it.
+    A byte order mark and CRLF line ends (a Windows checkout) do not hide it
+    (:func:`normalised`).
     """
-    lines = text.removeprefix("\ufeff").split("\n", 2)[:2]
+    lines = normalised(text).split("\n", 2)[:2]
+    # NOTE: the head of a file this is shown may end between a line's CR and its LF.
     return any(_MARKS.fullmatch(line.removesuffix("\r")) for line in lines)
+
+
+def normalised(text: str) -> str:
+    """Return a diagram file's ``text`` as ``fsm-cache diagram`` writes it: no BOM, LF line ends.
+
+    A Windows checkout (Git's ``core.autocrlf``) turns each line end into CRLF,
+    and some editors add a byte order mark; neither changes what the diagram
+    says, so :func:`is_diagram` recognises such a file and ``--check``, which
+    compares both texts so read, calls it current.
+    """
+    return text.removeprefix("\ufeff").replace("\r\n", "\n")
 
 
 class DiagramError(FsmCacheError):
@@ -260,10 +273,13 @@ def state_id(diagram: Diagram, region: str, state: str) -> str:
     what precedes that run's last underscore and the state what follows it, each
     unescaped by halving its runs. It starts with a letter, so it is no start point
     (:func:`start_id`, :func:`birth_id`) nor Mermaid composite (:func:`composite_id`),
-    which start with ``_``; and no Mermaid end point either (``root_start``,
-    ``COMPOSITE_start``, ``COMPOSITE_end``): a machine's ids hold only even runs,
-    a composite's implicit ones start with ``_``. Mermaid adds a ``_`` to a
-    machine's id that is one of its keywords (:data:`fsm_cache.diagram.mermaid.KEYWORDS`).
+    which start with ``_``; and no Mermaid start or end point either (``root_start``
+    and ``root_end`` at the top level, ``COMPOSITE_start`` and ``COMPOSITE_end`` in a
+    composite): a machine's ids hold only even runs, a composite's points start with
+    ``_``, and a composition (whose ``root`` region's ``start`` state is ``root_start``)
+    draws no point at the top level. Mermaid adds a ``_`` to a machine's id that is
+    one of its keywords or ``root``, its own id of the whole diagram
+    (:data:`fsm_cache.diagram.mermaid.KEYWORDS`); a composed id, holding a ``_``, is neither.
     """
     return f"{_escaped(region)}_{_escaped(state)}" if diagram.composed else _escaped(state)
 

@@ -40,8 +40,11 @@ def markdown_sections(diagrams: Sequence[Diagram]) -> str:
     """Return one Markdown document of several diagrams' tables, a ``## NAME`` section each.
 
     The mark comes once, in the document's first line, as in :func:`markdown_tables`.
+    Each heading writes the name as a code span, as the tables do: it is free
+    text, and ``kv <v2> *fast*`` would otherwise lose ``<v2>`` as HTML and set
+    ``fast`` in italics.
     """
-    sections = [f"## {one_line(diagram.name)}\n\n{_tables(diagram)}" for diagram in diagrams]
+    sections = [f"## {_c(diagram.name)}\n\n{_tables(diagram)}" for diagram in diagrams]
     return f"{COMMENT_MARK}\n\n" + "\n".join(sections)
 
 
@@ -90,8 +93,8 @@ def _md_births(name: str, births: tuple[DiagramBirth, ...]) -> list[str]:
 
 def _md_states(region: Region, here: set[str]) -> str:
     def marks(state: DiagramState) -> str:
-        found = ["initial"] if state.initial else ["final"] if state.final else []
-        found += ["here"] if state.name in here else []
+        flags = (("initial", state.initial), ("final", state.final), ("here", state.name in here))
+        found = [mark for mark, on in flags if on]
         return f" ({', '.join(found)})" if found else ""
 
     rows = [
@@ -118,13 +121,25 @@ def _md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-_LINE_ENDING = re.compile(r"\r\n?|\n")
-"""CommonMark's line endings: a lone carriage return ends a line too."""
+_CELL_END = re.compile(r"(\\*)(\||\r\n?|\n)")
+"""A ``|`` or a line ending (a lone CR too, as in CommonMark), and the backslashes before it."""
 
 
 def _cell(text: str) -> str:
-    """Return ``text`` fit for one table cell: a ``|`` escaped, line breaks as ``<br>``."""
-    return _LINE_ENDING.sub("<br>", text.replace("|", "\\|"))
+    r"""Return ``text`` fit for one table cell: a ``|`` escaped, line breaks as ``<br>``.
+
+    A cell is Markdown, but a ``|`` would end it and a line break the row. The
+    backslashes right before either are escaped too, so they stay as written:
+    ``C:\|`` was ``C:\\|``, whose escaped backslash left the ``|`` to end the
+    cell (Python-Markdown, which draws these docs, dropped the rest), and in
+    ``\<br>`` CommonMark reads an escaped ``<``, showing the tag as text.
+    """
+
+    def escaped(found: re.Match[str]) -> str:
+        backslashes, end = found.groups()
+        return backslashes * 2 + ("\\|" if end == "|" else "<br>")
+
+    return _CELL_END.sub(escaped, text)
 
 
 def _state(name: str, here: set[str], label: str = "") -> str:

@@ -5,10 +5,13 @@ cross-region and tree refusals in a note beside the last region, and each
 birth as an arrow from a region's start point labelled ``birth NAME``; parallel
 edges between two states are merged into one multi-line label. A machine's
 state named as a Mermaid keyword (``note``) is drawn through an id with a
-trailing ``_`` (:data:`KEYWORDS`), its label unchanged.
+trailing ``_`` (:data:`KEYWORDS`), its label unchanged; so is one named
+``root``, Mermaid's id of the diagram itself.
 """
 
 from __future__ import annotations
+
+import re
 
 from fsm_cache.diagram.ir import (
     HIGHLIGHT_FILL,
@@ -27,7 +30,8 @@ from fsm_cache.diagram.ir import (
 
 def mermaid(diagram: Diagram) -> str:
     """Return a Mermaid ``stateDiagram-v2`` of the diagram."""
-    lines = ["stateDiagram-v2", f"    %% {generated(diagram.name)}"]
+    mark = generated(_DIRECTIVE.sub("\uff05", diagram.name))
+    lines = ["stateDiagram-v2", f"    %% {mark}"]
     for region in diagram.regions:
         indent = "    "
         if diagram.composed:
@@ -49,7 +53,7 @@ KEYWORDS = frozenset(
     word.casefold()
     for word in (
         "accDescr", "accTitle", "class", "classDef", "click", "default", "direction",
-        "end", "href", "note", "scale", "state", "stateDiagram", "style",
+        "end", "href", "note", "root", "scale", "state", "stateDiagram", "style",
     )
 )  # fmt: skip
 """Words Mermaid's ``stateDiagram`` reads as keywords where an id stands, in any case.
@@ -58,8 +62,11 @@ Mermaid 11's lexer takes ``note``, ``state``, ``scale``, ``style``,
 ``class``, ``classDef``, ``click``, ``href``, ``default``, ``accTitle``,
 ``accDescr`` and ``stateDiagram`` before an id (``a --> note : go`` is a
 parse error); ``end`` and ``direction`` close a note and set a layout, and
-are kept out too. A spec name may be any of them but ``class`` (a Python
-keyword), ``Class`` included.
+are kept out too. ``root`` parses, but is the id Mermaid gives the diagram's
+own document: its renderer draws no state of that id, and leaves the arrows
+to and from it dangling (only that spelling; any case is kept out, as for the others).
+A spec name may be any of them but ``class`` (a Python keyword), ``Class``
+included.
 """
 
 
@@ -107,6 +114,15 @@ def _refusal_note(diagram: Diagram) -> list[str]:
     body = [f"        {_note_text(text)}" for text in texts]
     return [f"    note right of {composite_id(diagram.regions[-1].name)}", *body, "    end note"]
 
+
+_DIRECTIVE = re.compile(r"%(?=\{)")
+"""A ``%`` that begins a ``{``: Mermaid reads ``%%{...}%%`` as a directive anywhere in a diagram.
+
+A spec's name is free text, and the mark's comment writes it
+(``%% NAME: generated...``): ``%%{init: ...}%%`` in it would restyle the
+picture, or hide its states. A ``%`` before each ``{`` is drawn fullwidth
+instead (U+FF05), so the comment holds no directive and still marks the file.
+"""
 
 _MERMAID_UNSAFE = str.maketrans({":": "\uff1a", ";": "\uff1b", "#": "\uff03"})
 
