@@ -18,6 +18,8 @@ Every error the library raises on bad input or an illegal step derives from
     │   ├── PoolExhausted         more requested than is free
     │   ├── DoubleFree            a slot freed that is already free
     │   ├── ForeignSlot           a slot outside the pool or not owned
+    │   │   └── NotASlot          a slot or page that is no int, a bool included
+    │   │                         (also a BadArgument)
     │   └── PageBusy              a page still read or written by a copy
     ├── CopyFailed                a copy between tiers failed
     ├── PinnedMemoryError         cudaHostRegister or cudaHostUnregister failed
@@ -340,6 +342,16 @@ class ParentLoop(BadArgument):
 
     The message names the records of the chain up to the repeated one; no
     record was changed.
+    """
+
+
+class NotASlot(ForeignSlot, BadArgument):
+    """A slot or page that is no int: a bool of any kind, a float, a string; nothing changed.
+
+    A :class:`ForeignSlot`, as the pool refuses it, and a :class:`BadArgument`
+    (so also a TypeError and a ValueError), as an argument of the wrong type
+    is: a bool equals slot 0 or 1 and passes the checks by value, so it is
+    named before anything else wrong with the slots it is among.
     """
 
 

@@ -31,6 +31,7 @@ from fsm_cache.errors import (
     DuplicateAck,
     EffectFailed,
     ForeignSlot,
+    NotASlot,
     PoolExhausted,
     StaleNode,
 )
@@ -651,12 +652,13 @@ def test_15_a_cache_of_something_that_is_no_config_is_a_config_error() -> None:
 
 
 @pytest.mark.parametrize(
-    ("given", "culprit"), [([False, True], "page False"), ([0, True], "page True")]
+    ("given", "culprit"),
+    [([False, True], "slots[0] is False"), ([0, True], "slots[1] is True")],
 )
 def test_slots_given_as_bools_are_refused_and_change_nothing(
     given: list[bool], culprit: str
 ) -> None:
-    """A bool equals page 0 or 1 but is no slot: refused as a float is, by every call.
+    """A bool equals page 0 or 1 but is no slot: a BadArgument, as among token ids.
 
     The log keeps a refused call's slots as given, so the refusal replays: packed,
     a bool is page 0 or 1, which the pool would take.
@@ -670,9 +672,10 @@ def test_slots_given_as_bools_are_refused_and_change_nothing(
         ("free_slots", lambda: cache.free_slots(given)),
         ("insert", lambda: cache.insert([5, 6], given)),
     ):
-        with pytest.raises(ForeignSlot) as caught:  # the pool's check of every slot it reads
+        with pytest.raises(NotASlot) as caught:  # the pool's check of every slot it reads
             call()
-        assert str(caught.value) == f"{name}: device pool: {culprit} is not an int"
+        assert isinstance(caught.value, BadArgument)  # as the docs promise
+        assert str(caught.value) == f"{name}: {culprit}, not an int"
     assert (snapshot(cache), cache.tiers.device.allocator.free_list) == before
     assert [entry[:2] for entry in cache.log.entries[logged:]] == [
         ("op", "free_slots"),
@@ -692,13 +695,58 @@ def test_slots_given_as_bools_are_refused_at_a_page_size_above_one(given: list[i
     cache = HiCache(config)
     assert cache.alloc_slots(4) == [0, 1, 2, 3]
     before = snapshot(cache), cache.tiers.device.allocator.free_list
-    culprit = next(slot for slot in given if type(slot) is bool)
-    with pytest.raises(ForeignSlot) as caught:
+    at, culprit = next((i, slot) for i, slot in enumerate(given) if type(slot) is bool)
+    with pytest.raises(NotASlot) as caught:
         cache.free_slots(given)
-    assert str(caught.value) == f"free_slots: slot {culprit!r} is not an int"
+    assert str(caught.value) == f"free_slots: slots[{at}] is {culprit!r}, not an int"
     assert (snapshot(cache), cache.tiers.device.allocator.free_list) == before
     assert snapshot(replay(cache.log, config)) == snapshot(cache)
     cache.free_slots([0, 1, 2, 3])
+
+
+BOOLS_AMONG_FAULTY_SLOTS: dict[str, tuple[Callable[[HiCache], object], str]] = {
+    "not whole pages": (lambda c: c.free_slots([True] * 4), "free_slots: slots[0] is True"),
+    "too few for a page": (lambda c: c.free_slots([4, True]), "free_slots: slots[1] is True"),
+    "a free page first": (
+        lambda c: c.free_slots([8, 9, 10, 11, False, True, 2, 3]),
+        "free_slots: slots[4] is False",
+    ),
+    "a numpy array": (
+        lambda c: c.free_slots(__import__("numpy").array([False, True, True, True])),
+        "free_slots: slots[0] is False",
+    ),
+    "too few for the tokens": (
+        lambda c: c.insert(list(range(8)), [0, 1, 2, True]),
+        "insert: slots[3] is True",
+    ),
+    "a page given twice": (
+        lambda c: c.insert(list(range(8)), [0, 1, 2, 3, 0, True, 2, 3]),
+        "insert: slots[5] is True",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BOOLS_AMONG_FAULTY_SLOTS))
+def test_a_bool_among_slots_is_named_whatever_else_is_wrong(case: str) -> None:
+    """docs/hicache.md: a bool among slots is BadArgument, though the slots fail other checks too.
+
+    The pool refused them as ``ForeignSlot`` for the other fault, or for the
+    bool with a message naming no position.
+    """
+    if case == "a numpy array":
+        pytest.importorskip("numpy")
+    config = CacheConfig(page_size=4, device_pages=4, host_pages=4)
+    cache = HiCache(config)
+    assert cache.alloc_slots(8) == list(range(8))  # pages 0 and 1
+    before = snapshot(cache), cache.tiers.device.allocator.free_list
+    call, message = BOOLS_AMONG_FAULTY_SLOTS[case]
+    with pytest.raises(BadArgument) as caught:
+        call(cache)
+    assert (type(caught.value), str(caught.value)) == (NotASlot, f"{message}, not an int")
+    assert (snapshot(cache), cache.tiers.device.allocator.free_list) == before
+    assert snapshot(replay(cache.log, config)) == snapshot(cache)  # refused again on replay
+    cache.free_slots(list(range(8)))
+    cache.check_invariants()
 
 
 def test_a_node_inserted_with_numpy_slots_can_be_evicted() -> None:

@@ -24,6 +24,7 @@ from fsm_cache.errors import (
     CopyFailed,
     EffectFailed,
     ForeignSlot,
+    NotASlot,
     PoolExhausted,
 )
 from fsm_cache.memory.pages import REQUEST
@@ -215,8 +216,8 @@ CASES: dict[str, tuple[Setup, Fault, Callable[[HiCache], object], type[Exception
         None,
         None,
         lambda c: c.insert(INTO, [0, 1, 2, 3, False, True]),  # read where the insert reads
-        ForeignSlot,
-        "insert: slot False is not an int",
+        NotASlot,
+        "insert: slots[4] is False, not an int",
     ),
     "a closed cache": (
         closed,

@@ -13,7 +13,15 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from fsm_cache.errors import DoubleFree, ForeignSlot, InvariantViolation, PoolError, PoolExhausted
+from fsm_cache.errors import (
+    BadArgument,
+    DoubleFree,
+    ForeignSlot,
+    InvariantViolation,
+    NotASlot,
+    PoolError,
+    PoolExhausted,
+)
 from fsm_cache.memory.pages import FREE, PageAllocator, check_pages, pages_of, slots_of
 
 
@@ -435,6 +443,32 @@ def test_a_float_slot_at_a_page_size_above_one_is_refused(slots: list[float], od
     with pytest.raises(ForeignSlot) as info:
         pages_of(slots, 4)  # type: ignore[arg-type]
     assert str(info.value) == f"slot {odd!r} is not an int"
+
+
+@pytest.mark.parametrize(
+    ("slots", "odd"),
+    [([True] * 4, True), ([4, 5, True], True), ([0, 1, 2, 3, 4, False, 6, 7], False)],
+    ids=["not whole pages", "not a multiple of the page size", "not page-aligned"],
+)
+def test_a_bool_slot_is_named_before_what_else_is_wrong(slots: list[int], odd: bool) -> None:
+    """A bool equals slot 0 or 1, and is no slot: that, not the other fault, is the refusal."""
+    with pytest.raises(NotASlot) as info:
+        pages_of(slots, 4)
+    assert isinstance(info.value, BadArgument)
+    assert str(info.value) == f"slot {odd!r} is not an int"
+
+
+def test_a_bool_page_is_named_before_a_page_that_is_free() -> None:
+    """The pool names the bool (a BadArgument too), not the free page listed before it."""
+    a = PageAllocator("device", 4, 1)
+    a.alloc(2, owner=1)  # pages 0 and 1
+    before = snapshot(a)
+    for call in (lambda: a.free([3, True], owner=1), lambda: a.reassign([3, True], 1, 2)):
+        with pytest.raises(NotASlot) as info:
+            call()
+        assert isinstance(info.value, BadArgument)
+        assert str(info.value) == "device pool: page True is not an int"
+    assert snapshot(a) == before
 
 
 @pytest.mark.parametrize(

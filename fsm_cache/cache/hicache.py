@@ -54,6 +54,7 @@ from fsm_cache.errors import (
     CopyFailed,
     EffectFailed,
     EffectReentered,
+    ForeignSlot,
     FsmCacheError,
     LeaseError,
     PoolExhausted,
@@ -355,10 +356,13 @@ class HiCache:
                 eviction applied could not write its pages to the host (every
                 finished copy was applied, as :meth:`poll` applies them).
                 Nothing was inserted.
+            NotASlot: A slot the insert reads is a bool (no page, though it
+                equals 0 or 1), or any slot is and the slots are refused for
+                another reason too: a ``BadArgument`` and a ``ForeignSlot``,
+                naming the bool. The slots of the prefix already on the device
+                are not read. Nothing changed.
             ForeignSlot: ``device_slots`` are too few, not whole pages, repeat a
-                page, or name a page the request does not hold, or a bool where
-                the insert reads a slot (a bool is no page, though it equals 0
-                or 1). Nothing changed.
+                page, or name a page the request does not hold. Nothing changed.
             PoolExhausted: Too little device memory even after eviction (only
                 when ``device_slots`` is None). Nothing was inserted. An
                 allocation no eviction could satisfy is refused before anything
@@ -591,19 +595,25 @@ class HiCache:
         """The caller's pages for each of ``parts`` (:func:`slots.wanted`), checked held, in order.
 
         Raises:
+            NotASlot: a slot is a bool (named first, whatever else is wrong).
             ForeignSlot: a slot is not whole pages, or a page is not the request's, or repeats.
         """
         page = self.config.page_size
-        if page == 1:  # slots are pages
-            out = [given[o : o + n] for _, o, n in parts]
-        else:
-            out = [
-                tuple(slots.request_pages(given[o : o + n], page, "insert")) for _, o, n in parts
-            ]
-        allocator = self.tiers.device.allocator
-        if len(out) == 1:
-            return [slots.held(allocator, out[0])]
-        own, at = slots.held(allocator, tuple(chain(*out))), 0
+        try:
+            if page == 1:  # slots are pages
+                out = [given[o : o + n] for _, o, n in parts]
+            else:
+                out = [
+                    tuple(slots.request_pages(given[o : o + n], page, "insert"))
+                    for _, o, n in parts
+                ]
+            allocator = self.tiers.device.allocator
+            if len(out) == 1:
+                return [slots.held(allocator, out[0])]
+            own, at = slots.held(allocator, tuple(chain(*out))), 0
+        except ForeignSlot:
+            slots.refuse_bool(given, "insert")  # a bool among them is what the refusal names
+            raise
         for i, pages in enumerate(out):
             out[i], at = own[at : at + len(pages)], at + len(pages)
         return out
@@ -708,15 +718,22 @@ class HiCache:
         Raises:
             BadArgument: ``device_slots`` is not a sequence of non-negative ints;
                 nothing was freed.
-            ForeignSlot: A slot is outside the pool, not page-aligned, not a
-                request's, or a bool (no page, though it equals 0 or 1);
-                nothing was freed.
+            NotASlot: A slot is a bool (no page, though it equals 0 or 1): a
+                ``BadArgument`` and a ``ForeignSlot``, naming the bool whatever
+                else is wrong; nothing was freed.
+            ForeignSlot: A slot is outside the pool, not page-aligned, or not a
+                request's; nothing was freed.
         """
         given, logged = arguments.packed(device_slots, "free_slots", "slots")
         with self._operation("free_slots", logged, unpacked=given):
-            pages = slots.request_pages(given, self.config.page_size, "free_slots")
             allocator = self.tiers.device.allocator
-            self.tiers.free_device(slots.held(allocator, pages, "free_slots"), REQUEST)
+            try:
+                pages = slots.request_pages(given, self.config.page_size, "free_slots")
+                own = slots.held(allocator, pages, "free_slots")
+            except ForeignSlot:
+                slots.refuse_bool(given, "free_slots")  # a bool among them is what it names
+                raise
+            self.tiers.free_device(own, REQUEST)
 
     def backup(self, nodes: Sequence[TreeNode]) -> int:
         """Start backing up ``nodes`` to the host in one batched copy; return how many started.

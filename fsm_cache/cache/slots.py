@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fsm_cache.cache.tree import Key, TreeNode
-from fsm_cache.errors import ForeignSlot
+from fsm_cache.errors import ForeignSlot, NotASlot
 from fsm_cache.memory.pages import FREE, REQUEST, PageAllocator, pages_of
+from fsm_cache.numeric import boolean
 
 
 NEW_TAIL = -1
@@ -22,9 +23,33 @@ NEW_TAIL = -1
 
 
 def check_count(slots: Sequence[int] | None, tokens: int) -> None:
-    """Refuse fewer caller slots than tokens (before the walk, so that nothing changes)."""
+    """Refuse fewer caller slots than tokens (before the walk, so that nothing changes).
+
+    Raises:
+        NotASlot: There are too few, and one is a bool (:func:`refuse_bool`).
+        ForeignSlot: There are too few.
+    """
     if slots is not None and len(slots) < tokens:
+        refuse_bool(slots, "insert")
         raise ForeignSlot(f"insert: {len(slots)} device slots for {tokens} tokens")
+
+
+def refuse_bool(slots: Sequence[object], op: str) -> None:
+    """Refuse the caller's ``slots`` if one is a bool of any kind, naming the first and where.
+
+    Called where a check of ``slots`` refused them, never on an accepted
+    call: the argument checks let bools through (looking for them cost an
+    insert a fifth of its time), and the pool refuses each one it reads. A
+    bool equals slot 0 or 1, so it can also pass as the slot it equals and
+    fail a later check (a page given twice, not whole pages); the refusal
+    names the bool, whatever else is wrong.
+
+    Raises:
+        NotASlot: ``slots[i]`` is a bool (``free_slots: slots[1] is True, not an int``).
+    """
+    for i, slot in enumerate(slots):
+        if boolean(slot):
+            raise NotASlot(f"{op}: slots[{i}] is {slot!r}, not an int") from None
 
 
 def wanted(path: Sequence[TreeNode], key: Key, cut: int = 0) -> list[tuple[int, int, int]]:
@@ -78,8 +103,8 @@ def held(allocator: PageAllocator, pages: Sequence[int], op: str = "insert") -> 
     for p in pages:
         try:
             owner = allocator.owner_of(p)
-        except ForeignSlot as exc:  # outside the pool
-            raise ForeignSlot(f"{op}: {exc}") from None
+        except ForeignSlot as exc:  # outside the pool, or no int (of the same class)
+            raise type(exc)(f"{op}: {exc}") from None
         if owner == FREE:
             raise ForeignSlot(
                 f"{op}: device page {p} is free; a request's slots come from alloc_slots"
@@ -97,9 +122,10 @@ def request_pages(slots: Sequence[int], page_size: int, op: str) -> list[int]:
     """Return the pages whose slots are exactly ``slots``, as :func:`pages_of`, naming ``op``.
 
     Raises:
+        NotASlot: A slot is no int (a bool).
         ForeignSlot: ``slots`` is not a run of whole, aligned pages.
     """
     try:
         return pages_of(slots, page_size)
-    except ForeignSlot as exc:
-        raise ForeignSlot(f"{op}: {exc}") from None
+    except ForeignSlot as exc:  # or a NotASlot, kept as one
+        raise type(exc)(f"{op}: {exc}") from None

@@ -18,7 +18,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 
-from fsm_cache.errors import DoubleFree, ForeignSlot, InvariantViolation, PoolError, PoolExhausted
+from fsm_cache.errors import (
+    DoubleFree,
+    ForeignSlot,
+    InvariantViolation,
+    NotASlot,
+    PoolError,
+    PoolExhausted,
+)
 from fsm_cache.numeric import as_index, boolean, whole
 
 
@@ -47,20 +54,26 @@ def pages_of(slots: Sequence[int], page_size: int) -> list[int]:
     """Return the pages whose slots are exactly ``slots`` (the inverse of :func:`slots_of`).
 
     A bool is no slot, though it equals 0 or 1; at page size 1 the slots are
-    the pages, which the pool refuses as bools itself.
+    the pages, which the pool refuses as bools itself. A bool among slots
+    that are refused for another reason too (too few, not whole pages) is
+    what the refusal names: it is the fault the caller has to see first.
 
     Raises:
-        ForeignSlot: ``slots`` is not a run of whole, aligned pages, or holds a bool.
+        NotASlot: A slot is a bool, or no int (a float).
+        ForeignSlot: ``slots`` is not a run of whole, aligned pages.
     """
-    if len(slots) % page_size:
-        raise ForeignSlot(f"{len(slots)} slots is not a multiple of page_size {page_size}")
-    if page_size == 1:  # every slot is a whole page
-        return list(slots)
     try:
+        if len(slots) % page_size:
+            raise ForeignSlot(f"{len(slots)} slots is not a multiple of page_size {page_size}")
+        if page_size == 1:  # every slot is a whole page
+            return list(slots)
         return _pages_of(slots, page_size)
-    except TypeError:  # a slot that is no int (a float) where a range needs one
+    except (ForeignSlot, TypeError) as refused:  # a TypeError: a float where a range needs an int
+        _refuse_bools(slots)
+        if isinstance(refused, ForeignSlot):
+            raise
         odd = next(s for s in slots if not hasattr(s, "__index__"))
-        raise ForeignSlot(f"slot {odd!r} is not an int") from None
+        raise NotASlot(f"slot {odd!r} is not an int") from None
 
 
 def _pages_of(slots: Sequence[int], page_size: int) -> list[int]:
@@ -79,14 +92,14 @@ def _pages_of(slots: Sequence[int], page_size: int) -> list[int]:
 
 
 def _refuse_bools(slots: Sequence[int]) -> None:
-    """Refuse a bool among ``slots`` (page 0's first two): it equals slot 0 or 1, and is none.
+    """Refuse a bool among ``slots``: it equals slot 0 or 1, and is none.
 
     Raises:
-        ForeignSlot: One of ``slots`` is a bool.
+        NotASlot: One of ``slots`` is a bool, naming the first.
     """
     for slot in slots:
         if boolean(slot):
-            raise ForeignSlot(f"slot {slot!r} is not an int")
+            raise NotASlot(f"slot {slot!r} is not an int") from None
 
 
 def _holds_bool(pages: Sequence[int]) -> bool:
@@ -258,8 +271,9 @@ class PageAllocator:
         Raises:
             PoolError: ``owner`` is not an integer ``>= 0`` (``FREE`` owns no
                 page: free pages would pass as its own and be listed twice).
-            ForeignSlot: a page is out of range, not an int (a bool is not), or
-                owned by someone else.
+            NotASlot: a page is not an int (a bool is not), named before any
+                other fault.
+            ForeignSlot: a page is out of range, or owned by someone else.
             DoubleFree: a page is already free or listed twice.
         """
         self._check_owner(owner)
@@ -280,8 +294,9 @@ class PageAllocator:
             PoolError: ``owner`` or ``new_owner`` is not an integer ``>= 0``
                 (``FREE`` owns no page: free pages would be handed out while
                 still on the free list).
-            ForeignSlot: a page is out of range, not an int (a bool is not), or
-                owned by someone else.
+            NotASlot: a page is not an int (a bool is not), named before any
+                other fault.
+            ForeignSlot: a page is out of range, or owned by someone else.
             DoubleFree: a page is free or listed twice.
         """
         self._check_owner(owner)
@@ -292,7 +307,8 @@ class PageAllocator:
         """Return the owner of ``page``, or ``FREE``.
 
         Raises:
-            ForeignSlot: ``page`` is outside the pool, or not an int (a bool is not).
+            NotASlot: ``page`` is not an int (a bool is not).
+            ForeignSlot: ``page`` is outside the pool.
         """
         self._check_range(page)
         return self._owner[page]
@@ -452,7 +468,7 @@ class PageAllocator:
             # a bool is no page, though it equals page 0 or 1
             index = as_index(page)
             if index is None:
-                raise ForeignSlot(f"{self.name} pool: page {page!r} is not an int")
+                raise NotASlot(f"{self.name} pool: page {page!r} is not an int")
             page = index
         if not 0 <= page < self.num_pages:
             raise ForeignSlot(f"{self.name} pool: page {page} {outside(self.num_pages)}")
@@ -476,12 +492,16 @@ class PageAllocator:
             Whether ``pages`` is a run (:meth:`_is_run`), for the update after.
 
         Raises:
-            ForeignSlot: A page is out of range, not an int, or another owner's.
+            NotASlot: A page is not an int (a bool, named before any other fault).
+            ForeignSlot: A page is out of range, or another owner's.
             DoubleFree: A page is free or listed twice.
         """
         run = self._owned_run(pages, owner)
         if run is not None:
             return run  # the common case, checked in C; otherwise name the first fault
+        for p in pages:  # a bool first: it equals page 0 or 1, so the checks below may take it
+            if boolean(p):
+                self._check_range(p)
         seen: set[int] = set()
         for p in pages:
             self._check_range(p)
