@@ -221,12 +221,56 @@ def test_copier_over_deferred_copies_and_its_options_pickle() -> None:
 
 
 def test_copier_refuses_an_engine_that_cannot_be_called_when_called() -> None:
-    with pytest.raises(TypeError) as caught:
+    with pytest.raises(BadArgument) as caught:  # a TypeError too
         FaultyCopyEngine.copier(engine="CopyEngine", fail=[1])  # type: ignore[arg-type]
     assert str(caught.value) == (
         "FaultyCopyEngine.copier: engine must build a CopyEngine from the device and host "
         "pools, got str"
     )
+
+
+BAD_FAULTS: dict[str, tuple[dict[str, object], str]] = {
+    "a lone position": (
+        {"fail": 3},
+        "fail must be a collection of copy positions (ints >= 1), got 3",
+    ),
+    "a string of positions": (
+        {"refuse": "3"},
+        "refuse must be a collection of copy positions (ints >= 1), got '3'",
+    ),
+    "position 0": ({"fail": [0]}, "fail holds 0; copies are counted from 1 (ints >= 1)"),
+    "a bool position": (
+        {"refuse": [True]},
+        "refuse holds True; copies are counted from 1 (ints >= 1)",
+    ),
+    "a negative delay": ({"delay": -1}, "delay must be an int >= 0, got -1"),
+    "a bool delay": ({"delay": True}, "delay must be an int >= 0, got True"),
+    "a string seed": ({"seed": "x"}, "seed must be an int, got 'x'"),
+    "a shuffle that is no bool": ({"shuffle": 1}, "shuffle must be a bool, got 1"),
+    "a poison that is no bool": ({"poison": None}, "poison must be a bool, got None"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FAULTS))
+def test_a_bad_fault_setting_is_refused_by_name_when_given(case: str) -> None:
+    """``fail=3`` raised a bare TypeError; a negative delay or a string seed was taken silently."""
+    faults, message = BAD_FAULTS[case]
+    dev, host = _pools()
+    with pytest.raises(BadArgument) as caught:
+        FaultyCopyEngine(CopyEngine(dev, host), **faults)  # type: ignore[arg-type]
+    assert str(caught.value) == f"FaultyCopyEngine: {message}"
+    with pytest.raises(
+        BadArgument
+    ) as caught:  # when the factory is made, not when a cache calls it
+        FaultyCopyEngine.copier(**faults)  # type: ignore[arg-type]
+    assert str(caught.value) == f"FaultyCopyEngine: {message}"
+
+
+def test_copier_refuses_an_unknown_fault_as_a_bad_argument() -> None:
+    """docs/errors.md: every error raised on purpose is an FsmCacheError; this was a TypeError."""
+    with pytest.raises(BadArgument) as caught:
+        FaultyCopyEngine.copier(fial=[3])  # type: ignore[call-arg]
+    assert str(caught.value) == "FaultyCopyEngine.copier got unknown faults: fial"
 
 
 @pytest.mark.gpu

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
 
-from fsm_cache.errors import CopyFailed
+from fsm_cache.errors import BadArgument, CopyFailed
 from fsm_cache.memory.copies import POISON, CopyEngine
 from fsm_cache.memory.tickets import Completion, Direction, Ticket, refuse_busy_destination
+from fsm_cache.numeric import whole
 
 
 if TYPE_CHECKING:  # Self and Unpack are Python 3.11's; annotations only, so 3.10 imports this
@@ -61,6 +62,43 @@ class Faults(TypedDict, total=False):
     poison: bool
 
 
+def _positions(name: str, value: object) -> frozenset[int]:
+    """Return ``value``, copy positions counted from 1, as a frozenset.
+
+    Raises:
+        BadArgument: ``value`` is not a collection (a lone int, a string), or
+            holds something other than an int >= 1 (a bool, 0: no copy has it).
+    """
+    if isinstance(value, (str, bytes)) or not isinstance(value, Collection):
+        raise BadArgument(
+            f"FaultyCopyEngine: {name} must be a collection of copy positions (ints >= 1), "
+            f"got {value!r}"
+        )
+    for item in value:
+        if not whole(item, 1):
+            raise BadArgument(
+                f"FaultyCopyEngine: {name} holds {item!r}; copies are counted from 1 (ints >= 1)"
+            )
+    return frozenset(value)
+
+
+def _checked(faults: Mapping[str, object]) -> None:
+    """Refuse fault settings (:class:`Faults`) of the wrong type or value, naming setting and value.
+
+    Raises:
+        BadArgument: A setting outside what :class:`FaultyCopyEngine` documents.
+    """
+    for name, value in faults.items():
+        if name in ("fail", "refuse"):
+            _positions(name, value)
+        elif name == "delay" and not whole(value):
+            raise BadArgument(f"FaultyCopyEngine: delay must be an int >= 0, got {value!r}")
+        elif name == "seed" and not whole(value, None):
+            raise BadArgument(f"FaultyCopyEngine: seed must be an int, got {value!r}")
+        elif name in ("shuffle", "poison") and not isinstance(value, bool):
+            raise BadArgument(f"FaultyCopyEngine: {name} must be a bool, got {value!r}")
+
+
 @dataclass
 class _Held:
     completion: Completion
@@ -79,6 +117,10 @@ class FaultyCopyEngine:
         seed: Seed of that order, for reproducible tests.
         poison: Overwrite the destination of the copies it fails with ``POISON``
             (those the inner engine fails itself are poisoned whatever this says).
+
+    Raises:
+        BadArgument: A setting of the wrong type or value (``fail=3``, a
+            negative ``delay``, a ``seed`` that is no int), naming it.
     """
 
     def __init__(
@@ -92,6 +134,16 @@ class FaultyCopyEngine:
         seed: int = 0,
         poison: bool = True,
     ) -> None:
+        _checked(
+            {
+                "fail": fail,
+                "refuse": refuse,
+                "delay": delay,
+                "shuffle": shuffle,
+                "seed": seed,
+                "poison": poison,
+            }
+        )
         self.inner = inner
         self.fail = frozenset(fail)
         self.refuse = frozenset(refuse)
@@ -130,15 +182,18 @@ class FaultyCopyEngine:
                 (``fail``, ``refuse``, ``delay``, ``shuffle``, ``seed``, ``poison``).
 
         Raises:
-            TypeError: A keyword that is none of those, or an ``engine`` that
-                is not callable, here rather than when a cache first builds
-                its engine.
+            BadArgument: A keyword that is none of those, a fault setting of
+                the wrong type or value, or an ``engine`` that is not
+                callable, here rather than when a cache first builds its
+                engine (also a TypeError, as Python's refusal of an unknown
+                keyword is).
         """
         unknown = sorted(faults.keys() - Faults.__optional_keys__)
         if unknown:
-            raise TypeError(f"{cls.__name__}.copier got unknown faults: {', '.join(unknown)}")
+            raise BadArgument(f"{cls.__name__}.copier got unknown faults: {', '.join(unknown)}")
+        _checked(faults)
         if not callable(engine):
-            raise TypeError(
+            raise BadArgument(
                 f"{cls.__name__}.copier: engine must build a CopyEngine from the device and "
                 f"host pools, got {type(engine).__name__}"
             )
