@@ -5,8 +5,10 @@ Every error the library raises on bad input or an illegal step derives from
 
     FsmCacheError
     ├── SpecError                 a spec file or spec object is malformed
+    │   └── NotCompositional      outside the class check --compositional is sound for
     ├── IllegalTransition         an event refused by a machine; nothing changed
     │   ├── ReleaseAtZero         (also a RuntimeError, as SGLang's check was)
+    │   │   └── HostRefCounterZero   SGLang's message first (compat.sglang)
     │   ├── UnlockAtZero, HostCopyPinned, CopyInFlight, NoHostCopy,
     │   │   AlreadyBacked, NotLoading, DuplicateAck, ...
     │   ├── FinalState            an event a final state does not answer
@@ -46,9 +48,16 @@ Every error the library raises on bad input or an illegal step derives from
         └── ReservationError      a reservation settled twice, or by another budget
 
 Tools add their own under the root: ``DiagramError`` (diagram), ``AuditError``
-(audit), ``ReadOnlyCounter`` (compat.sglang), ``OutputError`` (cli: a generated
-file that cannot be checked or written; nothing was changed), ``UnequalWork``
-(bench: the two sides of a ratio did different work, so no ratio is given).
+(audit), ``OutputError`` (cli: a generated file that cannot be checked or
+written; nothing was changed), ``UnequalWork`` (bench: the two sides of a ratio
+did different work, so no ratio is given), and compat.sglang's, each also the
+builtin error SGLang's own code raised or would meet there: ``ReadOnlyCounter``
+(a machine-owned counter assigned; an AttributeError) and its ``PatchUndone``
+(a node driven after its patch's ``undo()``), ``SlotsOutOfStep`` (slot fields
+assigned as no event allows; an AttributeError), ``RemovedInUse`` (a node left
+the tree while in use; a RuntimeError), ``PatchError`` (a module that cannot be
+patched; a TypeError) and ``BuiltBeforePatch`` (a node SGLang built before the
+patch; a TypeError).
 
 Refusals carry the instance, its state and counters, the event and the reason,
 so messages read ``node 17: release refused in backed (pins=0): <reason>``. A

@@ -7,6 +7,7 @@ import http.server
 import importlib.util
 import logging
 import os
+import pkgutil
 import re
 import shlex
 import shutil
@@ -21,6 +22,8 @@ import griffe
 import pytest
 from mypy import api as mypy_api
 
+import fsm_cache
+from fsm_cache import errors
 from fsm_cache.cli.main import main
 from fsm_cache.contracts.generate import generate
 from fsm_cache.contracts.runner import contracts
@@ -247,6 +250,35 @@ def resolves(dotted: str) -> bool:
         except ImportError:
             return False
     return True
+
+
+def test_the_error_tree_names_every_error_class_fsm_cache_defines() -> None:
+    """Each public FsmCacheError subclass of every module is in the tree docs/errors.md renders.
+
+    The tree is ``fsm_cache.errors``' docstring (the page's "The tree"), which
+    left out classes defined elsewhere (``NotCompositional``, compat.sglang's).
+    Classes a spec names (:func:`~fsm_cache.errors.error_class`) are made at
+    run time and covered by the tree's ``<classes a spec names>``.
+    """
+    for module in pkgutil.walk_packages(fsm_cache.__path__, "fsm_cache."):
+        if not module.name.endswith("__main__"):  # the CLI, run on import
+            importlib.import_module(module.name)  # none needs SGLang (or another extra) to import
+
+    def below(cls: type) -> Iterator[type]:
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from below(sub)
+
+    defined = {
+        cls.__name__
+        for cls in below(errors.FsmCacheError)
+        if cls.__module__.startswith("fsm_cache.")  # not a test's own
+        and not cls.__name__.startswith("_")
+        and (cls.__module__ != errors.__name__ or getattr(errors, cls.__name__, None) is cls)
+    }
+    tree = errors.__doc__ or ""
+    assert {"NotCompositional", "PatchError", "NotASlot"} <= defined
+    assert sorted(name for name in defined if not re.search(rf"\b{name}\b", tree)) == []
 
 
 def test_verify_page_counts_the_contracts_verify_runs(tmp_path: Path) -> None:
