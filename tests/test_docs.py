@@ -264,7 +264,7 @@ def test_the_error_tree_names_every_error_class_fsm_cache_defines() -> None:
         if not module.name.endswith("__main__"):  # the CLI, run on import
             importlib.import_module(module.name)  # none needs SGLang (or another extra) to import
 
-    def below(cls: type) -> Iterator[type]:
+    def below(cls: type[Exception]) -> Iterator[type[Exception]]:
         for sub in cls.__subclasses__():
             yield sub
             yield from below(sub)

@@ -463,7 +463,11 @@ def test_a_bool_page_is_named_before_a_page_that_is_free() -> None:
     a = PageAllocator("device", 4, 1)
     a.alloc(2, owner=1)  # pages 0 and 1
     before = snapshot(a)
-    for call in (lambda: a.free([3, True], owner=1), lambda: a.reassign([3, True], 1, 2)):
+    calls: list[Callable[[], None]] = [
+        lambda: a.free([3, True], owner=1),
+        lambda: a.reassign([3, True], 1, 2),
+    ]
+    for call in calls:
         with pytest.raises(NotASlot) as info:
             call()
         assert isinstance(info.value, BadArgument)
