@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Hashable, Sequence, ValuesView
+from functools import partial
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from fsm_cache.errors import (
     LeaseError,
     PoolExhausted,
 )
+from fsm_cache.memory import staging
 from fsm_cache.memory.pages import slots_of
 from fsm_cache.memory.tickets import Ticket
 from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
@@ -701,7 +703,7 @@ class TestMisuseFoundByReview:
     """Copy engines that raise, public events that need bookkeeping, inputs with no order."""
 
     @staticmethod
-    def raising_at_start(direction: str, error: Exception) -> object:
+    def raising_at_start(direction: str, error: BaseException) -> object:
         """A copy engine whose next start in ``direction`` raises ``error`` (then works)."""
 
         class Raising(FaultyCopyEngine):
@@ -789,6 +791,91 @@ class TestMisuseFoundByReview:
         )
         assert nothing_queued(cache)
         cache.check_invariants()
+
+    def test_an_interrupt_at_a_write_start_fails_the_write_and_goes_on(self) -> None:
+        """A KeyboardInterrupt from the engine as a backup starts: the node was left writing.
+
+        The batch was taken off the queue before the start, which caught only
+        Exception: no copy was in flight or queued for the node, for good.
+        """
+        cache = make(copier=self.raising_at_start("d2h", KeyboardInterrupt("Ctrl-C")))
+        with pytest.raises(KeyboardInterrupt):
+            cache.insert(tokens(0, 4))  # write-through: the backup starts as the insert returns
+        (node,) = (n for n in cache.tree if n.key)
+        assert node.residency() == "unbacked/resident (pins=0, locks=0)"
+        assert nothing_queued(cache)
+        cache.check_invariants()
+        assert cache.log.refused_starts() == [(1, "d2h", (node.id,), "KeyboardInterrupt: Ctrl-C")]
+        assert cache.log.failures() == [("insert", "KeyboardInterrupt: Ctrl-C")]
+        cache.insert(tokens(0, 8))  # the engine works again: the next insert backs both up
+        cache.poll()
+        cache.poll()
+        assert all(n.host == "backed" for n in cache.tree if n.key)
+
+    def test_an_interrupt_at_a_load_start_fails_the_load_and_goes_on(self) -> None:
+        cache = make(
+            copier=self.raising_at_start("h2d", KeyboardInterrupt("Ctrl-C")),
+            load_back_threshold=0,
+        )
+        cache.insert(tokens(0, 8))
+        cache.poll()
+        cache.evict(8)
+        node = cache.match_prefix(tokens(0, 8)).last_host_node
+        free = cache.tiers.device.allocator.free_pages
+        with pytest.raises(KeyboardInterrupt):
+            cache.load_back(node)
+        assert (node.device, node.pins, cache.tiers.device.allocator.free_pages) == (
+            "absent",
+            0,
+            free,
+        )
+        assert nothing_queued(cache)
+        cache.check_invariants()
+        assert cache.load_back(node)  # the engine works again
+        assert cache.wait_loaded([node])
+        cache.poll()
+        assert node.device == "resident"
+
+    @pytest.mark.parametrize("where", ["backup", "load"])
+    def test_an_interrupt_inside_a_copy_fails_it_and_goes_on(
+        self, monkeypatch: pytest.MonkeyPatch, where: str
+    ) -> None:
+        """Ctrl-C while the engine moves a copy's bytes: its ticket was never reported.
+
+        The node stayed writing for good, close() returned with it so, and
+        reset() raised PageBusy.
+        """
+        cache = make(load_back_threshold=0)
+        cache.insert(tokens(0, 4))
+        node = next(n for n in cache.tree if n.key)
+        if where == "load":
+            cache.poll()
+            cache.evict(4)
+        real, armed = staging._copy, [True]  # noqa: SLF001
+
+        def copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+            if armed[0]:
+                armed[0] = False
+                raise KeyboardInterrupt("Ctrl-C")
+            real(dst, src, non_blocking)
+
+        monkeypatch.setattr(staging, "_copy", copy)
+        # a load is submitted as it starts; a backup by the engine's poll
+        call = partial(cache.load_back, node) if where == "load" else cache.poll
+        with pytest.raises(KeyboardInterrupt):
+            call()
+        cache.check_invariants()
+        cache.poll()  # the interrupted copy is reported failed, and applied
+        if where == "load":
+            assert node.residency() == "backed/absent (pins=0, locks=0)"
+        else:
+            assert node.residency() == "unbacked/resident (pins=0, locks=0)"
+        assert nothing_queued(cache)
+        cache.check_invariants()
+        cache.reset()  # nothing is left in flight: it no longer raises PageBusy
+        cache.insert(tokens(0, 4))
+        cache.poll()
+        assert all(n.host == "backed" for n in cache.tree if n.key)
 
     def test_a_fired_host_eviction_removes_the_node_no_tier_holds(self) -> None:
         cache = make()

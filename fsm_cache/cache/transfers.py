@@ -403,11 +403,13 @@ class Transfers:
         copy that fails later does. Anything else it raises is a broken engine
         or a page it should not have been given: the copy is failed all the
         same, so no node is left waiting for it, and the error is raised as a
-        :class:`CopyFailed` naming it. Either way the refused start is logged
-        (``copy_refused``) before the nodes fail, so a replay refuses it too.
+        :class:`CopyFailed` naming it; an interrupt (a ``KeyboardInterrupt``)
+        fails it too, and is raised as it came. Either way the refused start
+        is logged (``copy_refused``) before the nodes fail, so a replay
+        refuses it too.
 
         Raises:
-            CopyFailed: The engine raised something else than CopyFailed; the
+            CopyFailed: The engine raised another Exception than CopyFailed; the
                 nodes' copies were failed (or queued to run again).
         """
         starts = self._starts
@@ -421,18 +423,24 @@ class Transfers:
                 ticket = starts.start_write(dev, host)
             else:
                 ticket = starts.start_load(host, dev)
-        except Exception as exc:
+        except BaseException as exc:
             self._refused(direction, nodes, exc)
+            if not isinstance(exc, Exception):  # a KeyboardInterrupt: the copy failed, go on
+                raise
             return
         self._started += 1
         self._tickets[ticket.id] = CopyBatch(nodes, time.perf_counter(), self._started, ticket)
 
-    def _refused(self, direction: Direction, nodes: list[TreeNode], exc: Exception) -> None:
-        """Log a start the engine refused with ``exc`` and fail its copy; raise if it is broken."""
+    def _refused(self, direction: Direction, nodes: list[TreeNode], exc: BaseException) -> None:
+        """Log a start the engine refused with ``exc`` and fail its copy; raise if it is broken.
+
+        An interrupt is no broken engine: the caller raises it as it came.
+        """
         if isinstance(exc, ReplayedRefusal):
             text, broken = exc.text, exc.broken
         else:
-            text, broken = refusal_text(exc), not isinstance(exc, CopyFailed)
+            text = refusal_text(exc)
+            broken = isinstance(exc, Exception) and not isinstance(exc, CopyFailed)
         ids = tuple(n.id for n in nodes)
         self._core.log.copy_refused(self._started + 1, direction.value, ids, text)
         self._fail(direction, nodes)
