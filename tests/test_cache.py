@@ -877,6 +877,87 @@ class TestMisuseFoundByReview:
         cache.poll()
         assert all(n.host == "backed" for n in cache.tree if n.key)
 
+    @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+    def test_an_error_applying_a_copy_holds_the_rest_back(
+        self, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]
+    ) -> None:
+        """An effect that breaks while a poll applies copies loses none of them.
+
+        The failing copy's node is copied again, the copies after it in the
+        batch are applied by the next poll, and the log lists each copy as
+        applied once, where it was: it used to list both as applied, the
+        second never was, and both nodes stayed writing for good.
+        """
+        cache = make(copier=FaultyCopyEngine.copier(fail=(1,), delay=1), log_limit=None)
+        cache.insert(tokens(0, 4))  # copy 1: fails
+        cache.insert(tokens(100, 4))  # copy 2: lands
+        first, second = sorted((n for n in cache.tree if n.key), key=lambda n: n.id)
+        allocator = cache.tiers.host.allocator
+        works, armed = allocator.free, [True]
+
+        def free(pages: Sequence[int], owner: int = -1) -> None:
+            if armed[0]:
+                armed[0] = False
+                raise error("allocator broke")
+            works(pages, owner)
+
+        monkeypatch.setattr(allocator, "free", free)
+        cache.poll()  # delayed: nothing reported yet
+        with pytest.raises((EffectFailed, error)):
+            cache.poll()  # copy 1's failure gives its host pages back: the allocator breaks
+        assert (first.host, second.host) == ("writing", "writing")
+        cache.check_invariants()  # nothing writing without a copy in flight or queued
+        assert cache.log.acknowledgements()[-1] == ("poll", ((1, False),))
+        assert cache.issued() == [2, 3]  # copy 2, held back; node 1 copied again as copy 3
+        cache.poll()  # copy 2, held back, is applied; copy 3 (node 1's again) is delayed
+        cache.poll()
+        assert (first.host, second.host) == ("backed", "backed")
+        assert nothing_queued(cache)
+        applied = [n for _, acks in cache.log.acknowledgements() for n, _ in acks]
+        assert applied == [1, 2, 3]
+
+    def test_an_error_failing_one_node_of_a_copy_copies_the_rest_again(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A failed copy of two write-back leaves: the second's failure breaks the allocator.
+
+        The first is failed (and filed for eviction again), the second, still
+        writing, is copied again, and its backup then lets it be evicted.
+        """
+        cache = make(
+            write_policy="write_back",
+            copier=FaultyCopyEngine.copier(fail=(1,)),
+            log_limit=None,
+        )
+        cache.insert(tokens(0, 4))
+        cache.insert(tokens(100, 4))
+        assert cache.evict(8) == 0  # one copy backs both up; eviction waits for it
+        first, second = sorted((n for n in cache.tree if n.key), key=lambda n: n.id)
+        allocator = cache.tiers.host.allocator
+        works, calls = allocator.free, [0]
+
+        def free(pages: Sequence[int], owner: int = -1) -> None:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("allocator broke")
+            works(pages, owner)
+
+        monkeypatch.setattr(allocator, "free", free)
+        with pytest.raises(EffectFailed, match="effect free_host of write_failed failed"):
+            cache.poll()
+        assert (first.host, second.host) == ("unbacked", "writing")
+        assert cache.issued() == [2]  # the second's copy again
+        cache.check_invariants()
+        cache.poll()
+        assert states(cache) == [
+            (first.id, "unbacked/resident (pins=0, locks=0)"),
+            (second.id, "backed/absent (pins=0, locks=0)"),
+        ]
+        assert cache.log.acknowledgements()[-2:] == [
+            ("poll", ((1, False),)),
+            ("poll", ((2, True),)),
+        ]
+
     def test_a_fired_host_eviction_removes_the_node_no_tier_holds(self) -> None:
         cache = make()
         cache.insert(tokens(0, 4))
