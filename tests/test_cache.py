@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Hashable, Sequence, ValuesView
+from functools import partial
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from fsm_cache.errors import (
     LeaseError,
     PoolExhausted,
 )
+from fsm_cache.memory import staging
 from fsm_cache.memory.pages import slots_of
 from fsm_cache.memory.tickets import Ticket
 from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
@@ -701,7 +703,7 @@ class TestMisuseFoundByReview:
     """Copy engines that raise, public events that need bookkeeping, inputs with no order."""
 
     @staticmethod
-    def raising_at_start(direction: str, error: Exception) -> object:
+    def raising_at_start(direction: str, error: BaseException) -> object:
         """A copy engine whose next start in ``direction`` raises ``error`` (then works)."""
 
         class Raising(FaultyCopyEngine):
@@ -813,6 +815,172 @@ class TestMisuseFoundByReview:
         )
         assert nothing_queued(cache)
         cache.check_invariants()
+
+    def test_an_interrupt_at_a_write_start_fails_the_write_and_goes_on(self) -> None:
+        """A KeyboardInterrupt from the engine as a backup starts: the node was left writing.
+
+        The batch was taken off the queue before the start, which caught only
+        Exception: no copy was in flight or queued for the node, for good.
+        """
+        cache = make(copier=self.raising_at_start("d2h", KeyboardInterrupt("Ctrl-C")))
+        with pytest.raises(KeyboardInterrupt):
+            cache.insert(tokens(0, 4))  # write-through: the backup starts as the insert returns
+        (node,) = (n for n in cache.tree if n.key)
+        assert node.residency() == "unbacked/resident (pins=0, locks=0)"
+        assert nothing_queued(cache)
+        cache.check_invariants()
+        assert cache.log.refused_starts() == [(1, "d2h", (node.id,), "KeyboardInterrupt: Ctrl-C")]
+        assert cache.log.failures() == [("insert", "KeyboardInterrupt: Ctrl-C")]
+        cache.insert(tokens(0, 8))  # the engine works again: the next insert backs both up
+        cache.poll()
+        cache.poll()
+        assert all(n.host == "backed" for n in cache.tree if n.key)
+
+    def test_an_interrupt_at_a_load_start_fails_the_load_and_goes_on(self) -> None:
+        cache = make(
+            copier=self.raising_at_start("h2d", KeyboardInterrupt("Ctrl-C")),
+            load_back_threshold=0,
+        )
+        cache.insert(tokens(0, 8))
+        cache.poll()
+        cache.evict(8)
+        node = cache.match_prefix(tokens(0, 8)).last_host_node
+        free = cache.tiers.device.allocator.free_pages
+        with pytest.raises(KeyboardInterrupt):
+            cache.load_back(node)
+        assert (node.device, node.pins, cache.tiers.device.allocator.free_pages) == (
+            "absent",
+            0,
+            free,
+        )
+        assert nothing_queued(cache)
+        cache.check_invariants()
+        assert cache.load_back(node)  # the engine works again
+        assert cache.wait_loaded([node])
+        cache.poll()
+        assert node.device == "resident"
+
+    @pytest.mark.parametrize("where", ["backup", "load"])
+    def test_an_interrupt_inside_a_copy_fails_it_and_goes_on(
+        self, monkeypatch: pytest.MonkeyPatch, where: str
+    ) -> None:
+        """Ctrl-C while the engine moves a copy's bytes: its ticket was never reported.
+
+        The node stayed writing for good, close() returned with it so, and
+        reset() raised PageBusy.
+        """
+        cache = make(load_back_threshold=0)
+        cache.insert(tokens(0, 4))
+        node = next(n for n in cache.tree if n.key)
+        if where == "load":
+            cache.poll()
+            cache.evict(4)
+        real, armed = staging._copy, [True]  # noqa: SLF001
+
+        def copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+            if armed[0]:
+                armed[0] = False
+                raise KeyboardInterrupt("Ctrl-C")
+            real(dst, src, non_blocking)
+
+        monkeypatch.setattr(staging, "_copy", copy)
+        # a load is submitted as it starts; a backup by the engine's poll
+        call = partial(cache.load_back, node) if where == "load" else cache.poll
+        with pytest.raises(KeyboardInterrupt):
+            call()
+        cache.check_invariants()
+        cache.poll()  # the interrupted copy is reported failed, and applied
+        if where == "load":
+            assert node.residency() == "backed/absent (pins=0, locks=0)"
+        else:
+            assert node.residency() == "unbacked/resident (pins=0, locks=0)"
+        assert nothing_queued(cache)
+        cache.check_invariants()
+        cache.reset()  # nothing is left in flight: it no longer raises PageBusy
+        cache.insert(tokens(0, 4))
+        cache.poll()
+        assert all(n.host == "backed" for n in cache.tree if n.key)
+
+    @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+    def test_an_error_applying_a_copy_holds_the_rest_back(
+        self, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]
+    ) -> None:
+        """An effect that breaks while a poll applies copies loses none of them.
+
+        The failing copy's node is copied again, the copies after it in the
+        batch are applied by the next poll, and the log lists each copy as
+        applied once, where it was: it used to list both as applied, the
+        second never was, and both nodes stayed writing for good.
+        """
+        cache = make(copier=FaultyCopyEngine.copier(fail=(1,), delay=1), log_limit=None)
+        cache.insert(tokens(0, 4))  # copy 1: fails
+        cache.insert(tokens(100, 4))  # copy 2: lands
+        first, second = sorted((n for n in cache.tree if n.key), key=lambda n: n.id)
+        allocator = cache.tiers.host.allocator
+        works, armed = allocator.free, [True]
+
+        def free(pages: Sequence[int], owner: int = -1) -> None:
+            if armed[0]:
+                armed[0] = False
+                raise error("allocator broke")
+            works(pages, owner)
+
+        monkeypatch.setattr(allocator, "free", free)
+        cache.poll()  # delayed: nothing reported yet
+        with pytest.raises((EffectFailed, error)):
+            cache.poll()  # copy 1's failure gives its host pages back: the allocator breaks
+        assert (first.host, second.host) == ("writing", "writing")
+        cache.check_invariants()  # nothing writing without a copy in flight or queued
+        assert cache.log.acknowledgements()[-1] == ("poll", ((1, False),))
+        assert cache.issued() == [2, 3]  # copy 2, held back; node 1 copied again as copy 3
+        cache.poll()  # copy 2, held back, is applied; copy 3 (node 1's again) is delayed
+        cache.poll()
+        assert (first.host, second.host) == ("backed", "backed")
+        assert nothing_queued(cache)
+        applied = [n for _, acks in cache.log.acknowledgements() for n, _ in acks]
+        assert applied == [1, 2, 3]
+
+    def test_an_error_failing_one_node_of_a_copy_copies_the_rest_again(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A failed copy of two write-back leaves: the second's failure breaks the allocator.
+
+        The first is failed (and filed for eviction again), the second, still
+        writing, is copied again, and its backup then lets it be evicted.
+        """
+        cache = make(
+            write_policy="write_back",
+            copier=FaultyCopyEngine.copier(fail=(1,)),
+            log_limit=None,
+        )
+        cache.insert(tokens(0, 4))
+        cache.insert(tokens(100, 4))
+        assert cache.evict(8) == 0  # one copy backs both up; eviction waits for it
+        first, second = sorted((n for n in cache.tree if n.key), key=lambda n: n.id)
+        allocator = cache.tiers.host.allocator
+        works, calls = allocator.free, [0]
+
+        def free(pages: Sequence[int], owner: int = -1) -> None:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("allocator broke")
+            works(pages, owner)
+
+        monkeypatch.setattr(allocator, "free", free)
+        with pytest.raises(EffectFailed, match="effect free_host of write_failed failed"):
+            cache.poll()
+        assert (first.host, second.host) == ("unbacked", "writing")
+        assert cache.issued() == [2]  # the second's copy again
+        cache.check_invariants()
+        cache.poll()
+        assert states(cache) == [
+            (first.id, "unbacked/resident (pins=0, locks=0)"),
+            (second.id, "backed/absent (pins=0, locks=0)"),
+        ]
+        assert cache.log.acknowledgements()[-2:] == [
+            ("poll", ((1, False),)),
+            ("poll", ((2, True),)),
+        ]
 
     def test_a_fired_host_eviction_removes_the_node_no_tier_holds(self) -> None:
         cache = make()

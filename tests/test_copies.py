@@ -205,6 +205,64 @@ def test_a_launch_that_raises_is_reported_as_a_failed_ticket(
     assert engine.stats.failures[Direction.H2D] == 1
 
 
+def _interrupting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the next copy step raise KeyboardInterrupt (Ctrl-C while torch copies), then work."""
+    real, armed = staging._copy, [True]  # noqa: SLF001
+
+    def copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt("Ctrl-C")
+        real(dst, src, non_blocking)
+
+    monkeypatch.setattr(staging, "_copy", copy)
+
+
+def test_an_interrupt_inside_a_launch_fails_its_tickets_and_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The batch was taken off the queue before the interrupt: its tickets were never reported."""
+    engine = make()
+    ticket = engine.start_write([0, 1], [0, 1])
+    _interrupting(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        engine.poll()  # submits the backup: its copy is interrupted
+    assert engine.in_flight() == [ticket]  # still to be reported
+    (done,) = engine.poll()
+    assert (done.ticket, done.ok) == (ticket, False)
+    assert str(done.error) == "copy 1 (d2h) failed: KeyboardInterrupt: Ctrl-C"
+    assert engine.in_flight() == []
+    assert engine.busy_device_pages() == engine.busy_host_pages() == frozenset()
+    engine.start_write([2, 3], [0, 1])  # the host pages are free again
+    assert [c.ok for c in engine.drain()] == [True]
+
+
+@pytest.mark.parametrize("interrupted", ["backup", "load"])
+def test_an_interrupt_as_a_load_is_submitted_starts_no_load(
+    monkeypatch: pytest.MonkeyPatch, interrupted: str
+) -> None:
+    """start_load raises: the load is taken back, the backup submitted before it fails.
+
+    Whether the backup's copy or the load's own was interrupted, the caller
+    never got the load's ticket, so none may be left to report it.
+    """
+    engine = make()
+    backup = engine.start_write([0, 1], [0, 1])
+    if interrupted == "load":
+        engine.submit()
+    _interrupting(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        engine.start_load([4], [4])
+    assert engine.in_flight() == [backup]
+    assert not engine.host_busy([4])
+    assert not engine.device_busy([4])
+    done = engine.drain()
+    assert [(c.ticket, c.ok) for c in done] == [(backup, interrupted == "load")]
+    assert engine.busy_device_pages() == engine.busy_host_pages() == frozenset()
+    load = engine.start_load([4], [4])  # the pages were given back: it starts, and lands
+    assert [(c.ticket, c.ok) for c in engine.drain()] == [(load, True)]
+
+
 class _FlakyStreams(FakeStreams):
     """Fake streams whose next event, or next stream wait, fails as a CUDA launch error does."""
 

@@ -345,3 +345,19 @@ def test_retract_takes_back_the_last_entry_only_if_it_is_the_one_named() -> None
     assert log.retract(("transition", 1, "add"))
     assert not log.retract(("transition", 1, "add"))  # empty
     assert (log.recorded, log.dropped) == (1, 1)
+
+
+def test_cut_acks_lists_only_the_copies_taken_where_the_entry_is_kept() -> None:
+    log = EventLog(3)
+    log.op("poll")
+    at = log.recorded
+    log.acks("poll", [(1, False), (2, True)])
+    log.transition(1, "write_failed")
+    log.cut_acks(at, [(1, False)])  # the apply stopped after copy 1: copy 2 comes later
+    assert log.acknowledgements() == [("poll", ((1, False),))]
+    assert list(log.entries)[-1] == ("transition", 1, "write_failed")  # nothing else moved
+    log.transition(2, "write")
+    log.transition(3, "write")  # drops the acks entry: the limit is 3
+    log.cut_acks(at, [])  # a position the limit dropped: nothing is done
+    assert log.acknowledgements() == []
+    assert log.recorded == 5

@@ -329,6 +329,19 @@ class EventLog:
         self._recorded += 1
         self._items.append(("acks", origin, tuple(applied)))
 
+    def cut_acks(self, at: int, applied: Iterable[tuple[int, bool]]) -> None:
+        """List only ``applied`` in the acknowledgement batch recorded at position ``at``.
+
+        For a batch whose applying stopped part-way (an effect that broke):
+        the copies it did not take are applied, and listed, by a later batch,
+        so no copy is listed as applied that was not, nor twice. ``at`` counts
+        from the first entry ever recorded (:attr:`recorded` before it was
+        logged); nothing is done where the limit dropped the entry.
+        """
+        index = at - self.dropped
+        if index >= 0 and self._items[index][0] == "acks":
+            self._items[index] = ("acks", self._items[index][1], tuple(applied))
+
     def storage(self, origin: str, applied: Iterable[StorageAck]) -> None:
         """Record one batch of applied storage copies (see :data:`StorageAck`)."""
         self._recorded += 1

@@ -1372,6 +1372,9 @@ class _Operation:
             except FsmCacheError as failed:  # what the caller gets instead: logged, to replay
                 self.log.refusal(self.name, failed)
                 raise
+            except BaseException as failed:  # an interrupt as a copy started: no refusal
+                self.log.failure(self.name, failed)
+                raise
             if exc is None and self.check is not None:
                 self.check(self.name)
         finally:

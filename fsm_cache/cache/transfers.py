@@ -178,6 +178,8 @@ class Transfers:
         self._listeners: list[AckListener] = []
         self._batch: dict[Direction, list[TreeNode]] = {Direction.D2H: [], Direction.H2D: []}
         self._tickets: dict[int, CopyBatch] = {}
+        # reported and not applied, as an apply that raised left them: collected again first
+        self._held: dict[int, Completion] = {}
         # nodes whose copy failed but may not be failed (locked loads, pinned writes): copied again
         self._retry: dict[Direction, list[TreeNode]] = {Direction.D2H: [], Direction.H2D: []}
         self._started = 0  # copies started since construction or reset: their log numbers
@@ -306,6 +308,7 @@ class Transfers:
         """Forget every batch and ticket (the copy engine was drained) and renumber from 1."""
         self._batch = {Direction.D2H: [], Direction.H2D: []}
         self._tickets = {}
+        self._held = {}
         self._retry = {Direction.D2H: [], Direction.H2D: []}
         self._started = 0
         self._dirty = False
@@ -403,11 +406,13 @@ class Transfers:
         copy that fails later does. Anything else it raises is a broken engine
         or a page it should not have been given: the copy is failed all the
         same, so no node is left waiting for it, and the error is raised as a
-        :class:`CopyFailed` naming it. Either way the refused start is logged
-        (``copy_refused``) before the nodes fail, so a replay refuses it too.
+        :class:`CopyFailed` naming it; an interrupt (a ``KeyboardInterrupt``)
+        fails it too, and is raised as it came. Either way the refused start
+        is logged (``copy_refused``) before the nodes fail, so a replay
+        refuses it too.
 
         Raises:
-            CopyFailed: The engine raised something else than CopyFailed; the
+            CopyFailed: The engine raised another Exception than CopyFailed; the
                 nodes' copies were failed (or queued to run again).
         """
         starts = self._starts
@@ -421,18 +426,24 @@ class Transfers:
                 ticket = starts.start_write(dev, host)
             else:
                 ticket = starts.start_load(host, dev)
-        except Exception as exc:
+        except BaseException as exc:
             self._refused(direction, nodes, exc)
+            if not isinstance(exc, Exception):  # a KeyboardInterrupt: the copy failed, go on
+                raise
             return
         self._started += 1
         self._tickets[ticket.id] = CopyBatch(nodes, time.perf_counter(), self._started, ticket)
 
-    def _refused(self, direction: Direction, nodes: list[TreeNode], exc: Exception) -> None:
-        """Log a start the engine refused with ``exc`` and fail its copy; raise if it is broken."""
+    def _refused(self, direction: Direction, nodes: list[TreeNode], exc: BaseException) -> None:
+        """Log a start the engine refused with ``exc`` and fail its copy; raise if it is broken.
+
+        An interrupt is no broken engine: the caller raises it as it came.
+        """
         if isinstance(exc, ReplayedRefusal):
             text, broken = exc.text, exc.broken
         else:
-            text, broken = refusal_text(exc), not isinstance(exc, CopyFailed)
+            text = refusal_text(exc)
+            broken = isinstance(exc, Exception) and not isinstance(exc, CopyFailed)
         ids = tuple(n.id for n in nodes)
         self._core.log.copy_refused(self._started + 1, direction.value, ids, text)
         self._fail(direction, nodes)
@@ -442,16 +453,39 @@ class Transfers:
     # -- acknowledgements ----------------------------------------------------
 
     def collect(self, wait: bool) -> list[Completion]:
-        """Return finished copies from the acknowledgement source (all of them with ``wait``)."""
-        return self._source.collect(wait)
+        """Return finished copies from the acknowledgement source (all of them with ``wait``).
+
+        The completions an :meth:`apply` that raised did not apply come too,
+        first (with ``wait``, all of them in issue order): the source reported
+        them already, and will not again.
+        """
+        got = self._source.collect(wait)
+        if not self._held:
+            return got
+        out = [c for c in self._held.values() if c.ticket.id in self._tickets]
+        self._held = {}
+        out.extend(got)
+        if wait:
+            order = {ident: i for i, ident in enumerate(self._tickets)}
+            out.sort(key=lambda c: order.get(c.ticket.id, len(order)))
+        return out
 
     def apply(self, completions: Sequence[Completion], origin: str) -> int:
         """Log which copies ``completions`` acknowledge, then apply them in that order.
 
         The log entry lists ``(copy number, ok)`` per completion, so that a replay
         applies exactly these acknowledgements, at this point, with these outcomes.
-        Every completion is checked before any is applied, and applying one never
-        raises: a failed load that cannot be failed yet is copied again.
+        Every completion is checked before any is applied; the cache's own
+        checks never refuse one: a failed load that cannot be failed yet is
+        copied again.
+
+        An error from outside the cache while one is applied (an allocator that
+        broke as a failed copy gave its pages back, a ``KeyboardInterrupt``)
+        stops the batch there and is raised once nothing is left hanging: the
+        nodes of that copy that had not moved yet are copied again, those that
+        had are acknowledged, the completions after it are held back for the
+        next :meth:`collect`, and the log entry is cut to the copies taken, so
+        that it never lists a copy as applied that was not.
 
         Raises:
             BadArgument: An item is not a :class:`Completion`.
@@ -461,9 +495,21 @@ class Transfers:
         """
         self._check_acks(completions)
         acks = [(self._tickets[c.ticket.id].number, c.ok) for c in completions]
-        self._core.log.acks(origin, acks)
-        for completion in completions:
-            self._apply_one(completion)
+        log = self._core.log
+        at = log.recorded
+        log.acks(origin, acks)
+        done = 0
+        try:
+            for completion in completions:
+                self._apply_one(completion)
+                done += 1
+        except BaseException:
+            if done < len(completions) and completions[done].ticket.id not in self._tickets:
+                done += 1  # taken, and settled part-way (_apply_one): listed as applied
+            for completion in completions[done:]:
+                self._held[completion.ticket.id] = completion
+            log.cut_acks(at, acks[:done])
+            raise
         return len(completions)
 
     def _check_acks(self, completions: Sequence[Completion]) -> None:
@@ -541,19 +587,52 @@ class Transfers:
         return [n for n in nodes if n.device == "loading"]
 
     def _apply_one(self, completion: Completion) -> None:
-        """Fire the acknowledgement events of one finished copy, and their follow-ups."""
+        """Fire the acknowledgement events of one finished copy, and their follow-ups.
+
+        Where an event's effect raises, the nodes not moved yet are copied
+        again and those moved are acknowledged before the error goes on.
+        """
+        if self._held:  # applied by hand (apply_completions) after an apply held it back
+            self._held.pop(completion.ticket.id, None)
         batch = self._tickets.pop(completion.ticket.id)
-        write = completion.ticket.direction is Direction.D2H
+        direction = completion.ticket.direction
+        write = direction is Direction.D2H
         seconds = time.perf_counter() - batch.started
         nbytes = len(completion.ticket.src_pages) * self._page_bytes
         self._core.counters.copied("d2h" if write else "h2d", seconds, nbytes, completion.ok)
         if not completion.ok:
-            self._fail(completion.ticket.direction, batch.nodes)
+            self._fail(direction, batch.nodes)
             return
         event: Event = "write_done" if write else "load_done"
-        for node in batch.nodes:
-            self._core.fire(node, event)
-        self._acknowledged(batch.nodes, event)
+        nodes, moved = batch.nodes, 0
+        try:
+            for node in nodes:
+                self._core.fire(node, event)
+                moved += 1
+        except BaseException:
+            self._stopped(direction, event, nodes[:moved], nodes[moved:])
+            raise
+        self._acknowledged(nodes, event)
+
+    def _stopped(
+        self,
+        direction: Direction,
+        event: Event,
+        moved: Sequence[TreeNode],
+        again: Sequence[TreeNode],
+    ) -> None:
+        """Settle a copy whose acknowledgement raised part-way: ``again`` copied again.
+
+        ``moved`` took ``event``, so they are acknowledged; the nodes after
+        them (the one whose effect raised first) are still writing or loading,
+        their source still valid, so they join the next copy in ``direction``,
+        as the nodes a failed copy may not fail yet do (:meth:`_fail`).
+        """
+        if again:
+            self._retry[direction].extend(again)
+            self._dirty = True
+        if moved:
+            self._acknowledged(moved, event)
 
     def _fail(self, direction: Direction, nodes: Sequence[TreeNode]) -> None:
         """Fail the copies of ``nodes``, deepest first; queue the rest to be copied again.
@@ -573,9 +652,15 @@ class Transfers:
         failed: list[TreeNode] = []
         again: list[TreeNode] = []
         above: set[int] = set()  # the ancestors of the nodes copied again
-        for node in sorted(nodes, key=_depth, reverse=True):
+        deepest = sorted(nodes, key=_depth, reverse=True)
+        for at, node in enumerate(deepest):
             if node.id not in above and self._core.allowed(node, event):
-                self._core.fire(node, event)
+                try:
+                    self._core.fire(node, event)
+                except BaseException:  # an effect that broke: it and those left copied again
+                    again.extend(deepest[at:])
+                    self._stopped(direction, event, failed, again[::-1])
+                    raise
                 failed.append(node)
             else:
                 again.append(node)

@@ -236,7 +236,7 @@ class CopyEngine:
         """
         ticket = self._start(Direction.D2H, device_pages, host_pages, stream)
         if self._open_pages >= self._chunk:
-            self.submit()
+            self._submit_started(ticket)
         return ticket
 
     def start_load(
@@ -262,8 +262,39 @@ class CopyEngine:
                 copy was being ordered after compute (nothing is started).
         """
         ticket = self._start(Direction.H2D, host_pages, device_pages, stream)
-        self.submit()
+        self._submit_started(ticket)
         return ticket
+
+    def _submit_started(self, ticket: Ticket) -> None:
+        """Submit the open batch from a ``start_*`` that started ``ticket``.
+
+        An interrupt (a ``KeyboardInterrupt``) raised while it is submitted
+        takes ``ticket`` back before it goes on: a start that raises started
+        nothing, so the caller, which never got the ticket, fails its copy
+        itself. The other tickets of the batch stay, failed, to be reported.
+        """
+        try:
+            self.submit()
+        except BaseException:
+            self._withdraw(ticket)
+            raise
+
+    def _withdraw(self, ticket: Ticket) -> None:
+        """Forget ``ticket`` as if never started, once what its launch queued has run."""
+        stream = self._mover.streams.get(ticket.direction)
+        if stream is not None:  # its pages go back to the caller, who may hand them out again
+            with contextlib.suppress(RuntimeError):  # a broken device runs nothing more
+                stream.synchronize()
+        del self._pending[ticket.id]
+        self._busy.remove(ticket)
+        for at, submission in enumerate(self._submitted):
+            if ticket in submission.tickets:
+                rest = [t for t in submission.tickets if t is not ticket]
+                if rest:
+                    submission.tickets = rest
+                else:
+                    del self._submitted[at]
+                return
 
     def _start(
         self, direction: Direction, src: Sequence[int], dst: Sequence[int], stream: object | None
@@ -358,16 +389,26 @@ class CopyEngine:
 
         Never blocks on CUDA (the copies are queued on the side streams); on a
         CPU engine the copies run here. A submission that fails to queue fails
-        every ticket in it.
+        every ticket in it. An interrupt (a ``KeyboardInterrupt``) raised
+        while one is launched fails it, and every submission after it, which
+        is not launched, and then goes on: each ticket is still reported.
         """
         if not self._open:
             return
         tickets, self._open, self._open_pages, self._open_polls = self._open, [], 0, 0
-        lo = 0
+        groups, lo = [], 0
         for hi in range(1, len(tickets) + 1):  # consecutive tickets of one direction together
             if hi == len(tickets) or tickets[hi].direction is not tickets[lo].direction:
-                self._launch(tickets[lo:hi])
+                groups.append(tickets[lo:hi])
                 lo = hi
+        for at, group in enumerate(groups):
+            try:
+                self._launch(group)
+            except BaseException as exc:  # an interrupt: _launch failed its own group
+                for rest in groups[at + 1 :]:
+                    why = _launch_failure(rest[0].direction, exc)
+                    self._submitted.append(_Submission(rest, None, why))
+                raise
 
     def _launch(self, tickets: Sequence[Ticket]) -> None:
         direction, runs = tickets[0].direction, tickets[0].runs
@@ -380,6 +421,7 @@ class CopyEngine:
             runs = None
         stream = self._mover.streams.get(direction)
         why, ordered = None, False
+        interrupt: BaseException | None = None  # raised on once the submission is tracked
         try:
             if stream is not None and self._after is not None:
                 # D2H: read only what compute had written when the copy started. H2D: overwrite
@@ -388,19 +430,23 @@ class CopyEngine:
                 self._after_writes(direction, stream, src, runs[0] if runs is not None else None)
             ordered = True
             self._mover.move(direction, src, dst, runs)
-        except Exception as exc:  # any failure to launch fails the tickets; none is left busy
+        except BaseException as exc:  # any failure to launch fails the tickets; none is left busy
             why = _launch_failure(direction, exc)
+            interrupt = None if isinstance(exc, Exception) else exc
             if ordered:  # else nothing was queued, and a fill could overtake compute's reads
                 self._poison_loads(tickets, stream)
+        event = None
         try:
             event = self._record(stream)
-        except Exception as exc:  # what was queued cannot be tracked: wait for it here
+        except BaseException as exc:  # what was queued cannot be tracked: wait for it here
             why = why or _launch_failure(direction, exc)
-            event = None
+            interrupt = interrupt or (None if isinstance(exc, Exception) else exc)
             if stream is not None:
                 with contextlib.suppress(RuntimeError):  # a broken device runs nothing more
                     stream.synchronize()
         self._submitted.append(_Submission(tickets, event, why))
+        if interrupt is not None:  # a KeyboardInterrupt: the tickets fail, and it goes on
+            raise interrupt
 
     def _after_writes(
         self, direction: Direction, stream: Stream, src: Sequence[int], first: int | None
@@ -571,13 +617,15 @@ class CopyEngine:
                 stream.synchronize()
             else:
                 submission.event.record(stream)
-        except Exception as exc:  # as a launch that fails: the copy's tickets fail
+        except BaseException as exc:  # as a launch that fails: the copy's tickets fail
             if submission.failure is None:
                 submission.failure = _launch_failure(ticket.direction, exc)
                 self._poison_loads(submission.tickets, stream)
             if stream is not None:
                 with contextlib.suppress(RuntimeError):  # a broken device runs nothing more
                     stream.synchronize()
+            if not isinstance(exc, Exception):  # a KeyboardInterrupt: failed, and it goes on
+                raise
 
     def close(self) -> None:
         """Drain every copy, let the device go idle, and refuse copies from now on.
@@ -805,7 +853,7 @@ def _poison_each(engine: CopyEngine, tickets: Sequence[Ticket]) -> None:
         engine.poison_destination(ticket)
 
 
-def _launch_failure(direction: Direction, exc: Exception) -> str:
+def _launch_failure(direction: Direction, exc: BaseException) -> str:
     """Return why a submission failed to launch, as its tickets' :class:`CopyFailed` says it."""
     kind = "" if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: "
     return f"({direction.value}) failed: {kind}{exc}"
