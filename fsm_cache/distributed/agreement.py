@@ -74,6 +74,7 @@ import torch.distributed as dist
 
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.storage_tier import StorageConfig
+from fsm_cache.cache.tree import TreeNode
 from fsm_cache.distributed.collectives import CONSTRUCTION, CPU, Collectives
 from fsm_cache.distributed.digest import (
     AppliedFailure,
@@ -966,9 +967,9 @@ class DistributedCache:
         return waits
 
     def _gather_states(self, nodes: list[int]) -> list[dict[int, str]]:
-        """Every rank's residency of ``nodes`` (the same list on every rank)."""
-        tree = self.cache.tree.nodes
-        here = {n: tree[n].residency() for n in dict.fromkeys(nodes) if n in tree}
+        """Every rank's state of ``nodes`` (the same list on every rank): see :func:`node_state`."""
+        tree, storage = self.cache.tree.nodes, self.cache.storage is not None
+        here = {n: node_state(tree[n], storage) for n in dict.fromkeys(nodes) if n in tree}
         return self.comm.all_gather_object(here)
 
 
@@ -1133,6 +1134,20 @@ def _check_construction(comm: Collectives, refused: Exception | None) -> None:
             "rank the same, or the rank that waits least gives up on a collective the "
             "others still wait in"
         )
+
+
+def node_state(node: TreeNode, storage: bool) -> str:
+    """A node's state as a divergence message shows it: ``backed/resident (pins=0, locks=0)``.
+
+    With a storage tier (``storage``) its storage state follows the device's:
+    ``backed/resident/stored (pins=0, locks=0)``, since ranks may part there
+    alone (one rank's store dropped the pages, another's did not).
+    """
+    shown = node.residency()
+    if not storage:
+        return shown
+    regions, counts = shown.split(" ", 1)
+    return f"{regions}/{node.storage} {counts}"
 
 
 def _check_group(group: object) -> None:
