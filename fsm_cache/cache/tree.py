@@ -147,6 +147,11 @@ class RadixTree:
         self._hand_over = hand_over
         self._last: tuple[Hashable, Key, Walk] | None = None  # dropped when it may be stale
 
+    @property
+    def last_id(self) -> int:
+        """The id of the last node made (0 before any): the next one gets the id after it."""
+        return self._made
+
     def root(self, namespace: Hashable = None) -> TreeNode:
         """Return the root of ``namespace``, creating it on first use."""
         found = self.roots.get(namespace)

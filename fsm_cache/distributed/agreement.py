@@ -56,7 +56,10 @@ answers alike and fails it at the same step.
 Every method here is a collective: all ranks of the group call it, in the same
 order; so are a lookup that asks a storage tier about its tail and the wrapped
 cache's ``wait_loaded``, and the construction itself in a group of more than
-one, which refuses ranks given different timeouts.
+one, which refuses ranks given different timeouts or caches that differ
+(:func:`cache_state`). A cache may have served before it is wrapped, each
+rank applying its acknowledgements in its own order: the digest starts where
+the wrap found the event log, and agreement from the caches as they are.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ import itertools
 import struct
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -74,11 +77,13 @@ import torch.distributed as dist
 
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.storage_tier import StorageConfig
+from fsm_cache.cache.tree import TreeNode
 from fsm_cache.distributed.collectives import CONSTRUCTION, CPU, Collectives
 from fsm_cache.distributed.digest import (
     AppliedFailure,
     AppliedOperation,
     AppliedTransition,
+    StatePart,
     TransitionDigest,
     collectives_message,
     copy_nodes,
@@ -86,13 +91,17 @@ from fsm_cache.distributed.digest import (
     failure_difference,
     failure_message,
     first_difference,
+    ids_text,
     involved_nodes,
     lost_message,
+    namespace_text,
     operation_message,
     operation_text,
     queued_message,
     reset_message,
     stalled_message,
+    state_difference,
+    state_fingerprint,
     storage_waiting_message,
     waiting_message,
 )
@@ -211,6 +220,12 @@ class DistributedCache:
             more than one, construction is a collective: every rank
             constructs at the same point, and a rank that refused its cache
             still takes part, so that the others do not wait out their timeout).
+        RankDivergence: The ranks' caches differ (in a group of more than one):
+            their trees, the nodes' states, the device pool's free pages or the
+            copies in flight (:func:`cache_state`); every rank raises, naming
+            the first difference. A cache that served before it is wrapped is
+            accepted where the ranks' caches are alike: the digest covers
+            what is logged from the wrap on.
         RankFailure: The comparison of the ranks' constructions failed or timed out.
     """
 
@@ -232,13 +247,14 @@ class DistributedCache:
         try:
             _check_cache(cache, group, timeout, verify_every)
             _deprecated(verify_every=verify_every != 0, device=device is not None)
+            assert isinstance(cache, HiCache)  # _check_cache refused anything else
+            state = cache_state(cache) if self.comm.world_size > 1 else []
         except Exception as refused:  # a deprecation warning made an error too
             # the other ranks are in the construction's collective: tell them, so that
             # they raise at once instead of when their timeout runs out
             _check_construction(self.comm, refused)
             raise
-        assert isinstance(cache, HiCache)  # _check_cache refused anything else
-        _check_construction(self.comm, None)  # every rank, before the cache is touched
+        _check_construction(self.comm, None, state)  # every rank, before the cache is touched
         self.cache = cache
         self.group, self.timeout = self.comm.group, timeout
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
@@ -250,7 +266,9 @@ class DistributedCache:
         self._loss: Loss | None = None
         self._resets = 0
         self._log = cache.log
-        self._digest = TransitionDigest(cache.log)
+        # from the log's end: before now each rank applied its own acknowledgements, in
+        # its own order; the construction checked that the ranks' caches agree now
+        self._digest = TransitionDigest(cache.log, cache.log.recorded)
         self._refused = 0  # starts the copy engine refused, kept in flight as failed copies
         self._broken: str | None = None  # the RankFailure that broke the group, if one did
         cache.transfers.take_acks_from(self, self._agree_wait, self._failed_here)
@@ -727,13 +745,13 @@ class DistributedCache:
 
     @property
     def digest(self) -> bytes:
-        """The running digest of every transition this rank's cache applied (since its reset)."""
+        """The running digest of the transitions this cache applied since the wrap or its reset."""
         self._follow_reset()
         return self._digest.update()
 
     @property
     def transitions(self) -> int:
-        """How many transitions the digest covers."""
+        """How many transitions the digest covers (since the wrap, or the cache's last reset)."""
         self._follow_reset()
         self._digest.update()
         return self._digest.count
@@ -966,9 +984,9 @@ class DistributedCache:
         return waits
 
     def _gather_states(self, nodes: list[int]) -> list[dict[int, str]]:
-        """Every rank's residency of ``nodes`` (the same list on every rank)."""
-        tree = self.cache.tree.nodes
-        here = {n: tree[n].residency() for n in dict.fromkeys(nodes) if n in tree}
+        """Every rank's state of ``nodes`` (the same list on every rank): see :func:`node_state`."""
+        tree, storage = self.cache.tree.nodes, self.cache.storage is not None
+        here = {n: node_state(tree[n], storage) for n in dict.fromkeys(nodes) if n in tree}
         return self.comm.all_gather_object(here)
 
 
@@ -1089,43 +1107,51 @@ def _check_cache(
         _check_storage(cache.storage.config, group, timeout)
 
 
-def _check_construction(comm: Collectives, refused: Exception | None) -> None:
-    """Refuse a construction that some rank refused, or with different timeouts, on every rank.
+def _check_construction(
+    comm: Collectives, refused: Exception | None, state: Sequence[StatePart] = ()
+) -> None:
+    """Refuse a construction that some rank refused, with different timeouts or caches, everywhere.
 
     Every rank constructs at the same point, so a rank that refused its own
     arguments still takes part, saying so: the others raise at once, naming
     it, instead of waiting out their timeout for it. A rank with a shorter
     timeout gives up on a collective that the others still wait in, and a
     copy finished on some ranks only is overdue by its clock first: every
-    rank must wait alike. One all-gather (of each rank's timeout, its exact
-    bits, and its refusal), skipped in a group of one; ``verify_every`` and
-    ``device`` are ignored, so they need not agree.
+    rank must wait alike. The caches must be alike too (:func:`cache_state`):
+    a cache may have served before it is wrapped, each rank applying its own
+    acknowledgements as they came, and agreement starts from where the caches
+    are. One all-gather (of each rank's timeout, its exact bits, its refusal
+    and a hash of its cache's state), and where the hashes differ one more, of
+    the states, to name the first difference; skipped in a group of one.
+    ``verify_every`` and ``device`` are ignored, so they need not agree.
 
     Args:
         comm: The group's collectives.
         refused: What this rank refused its arguments with; None if it did not.
+        state: This rank's cache's state (:func:`cache_state`); none where it refused.
 
     Raises:
         ConfigError: Another rank refused its arguments (this rank's own
             refusal is its caller's to raise), or the timeouts differ.
-        RankFailure: The all-gather failed or timed out (each rank waits its own timeout).
+        RankDivergence: The caches' states differ: the first difference is named.
+        RankFailure: An all-gather failed or timed out (each rank waits its own timeout).
     """
     if comm.world_size == 1:
         return
     mine = None if refused is None else f"{type(refused).__name__}: {refused}"
-    each: list[tuple[float, str | None]] = comm.all_gather_object(
-        (float(comm.timeout), mine), CONSTRUCTION
+    each: list[tuple[float, str | None, bytes]] = comm.all_gather_object(
+        (float(comm.timeout), mine, state_fingerprint(state)), CONSTRUCTION
     )
     if refused is not None:
         return
-    others = [(rank, text) for rank, (_, text) in enumerate(each) if text is not None]
+    others = [(rank, text) for rank, (_, text, _) in enumerate(each) if text is not None]
     if others:
         named = "; ".join(f"rank {rank} refused with {text}" for rank, text in others)
         raise ConfigError(
             f"distributed: rank {comm.rank} of {comm.world_size}: the ranks must wrap their "
             f"caches together, and not every rank could: {named}"
         )
-    timeouts = [timeout for timeout, _ in each]
+    timeouts = [timeout for timeout, _, _ in each]
     if any(t != timeouts[0] for t in timeouts):
         named = ", ".join(f"rank {rank} {t!r} s" for rank, t in enumerate(timeouts))
         raise ConfigError(
@@ -1133,6 +1159,95 @@ def _check_construction(comm: Collectives, refused: Exception | None) -> None:
             "rank the same, or the rank that waits least gives up on a collective the "
             "others still wait in"
         )
+    if any(fingerprint != each[0][2] for _, _, fingerprint in each):
+        states: list[list[StatePart]] = comm.all_gather_object(list(state), CONSTRUCTION)
+        apart = state_difference(states) or "their states hash differently"
+        raise RankDivergence(
+            f"distributed: rank {comm.rank} of {comm.world_size}: the ranks' caches differ, so "
+            f"they cannot start to agree: {apart}; wrap caches that served the same operations, "
+            "once every copy is applied on every rank (poll each until none is in flight), or "
+            "new ones"
+        )
+
+
+def node_state(node: TreeNode, storage: bool) -> str:
+    """A node's state as a divergence message shows it: ``backed/resident (pins=0, locks=0)``.
+
+    With a storage tier (``storage``) its storage state follows the device's:
+    ``backed/resident/stored (pins=0, locks=0)``, since ranks may part there
+    alone (one rank's store dropped the pages, another's did not).
+    """
+    shown = node.residency()
+    if not storage:
+        return shown
+    regions, counts = shown.split(" ", 1)
+    return f"{regions}/{node.storage} {counts}"
+
+
+def cache_state(cache: HiCache) -> list[StatePart]:
+    """The state a cache must share with the other ranks' when it is wrapped, as text.
+
+    Its nodes by id: each node's parent, key, namespace, state
+    (:func:`node_state`), device pages, last access and hits (what later
+    lookups, evictions and selective backups read), and each namespace root's
+    state (its locks); the last node id made; the device pool's free pages in
+    the order they are handed out (a later allocation's slots are folded into
+    the digest); and the copies in flight, waiting to start, or to and from a
+    storage tier. Host page numbers are left out: which host pages a copy took
+    depends on the order the copies before it were acknowledged in, and
+    nothing the ranks must share reads them.
+
+    Args:
+        cache: This rank's cache.
+    """
+    storage = cache.storage is not None
+    tree = cache.tree
+    parts: list[StatePart] = []
+    namespaces: dict[int, str] = {}
+    for namespace, root in tree.roots.items():
+        name = namespace_text(namespace)
+        parts.append((f"the root of namespace {name}", (("state", node_state(root, storage)),)))
+        below = list(root.children.values())
+        while below:
+            node = below.pop()
+            namespaces[node.id] = name
+            below.extend(node.children.values())
+    for ident in sorted(tree.nodes):
+        node = tree.nodes[ident]
+        parent = node.parent
+        fields = (
+            ("parent", "a root" if parent is None or parent.is_root else f"node {parent.id}"),
+            ("namespace", namespaces.get(ident, "none")),
+            ("key", ids_text(tuple(node.key))),
+            ("state", node_state(node, storage)),
+            ("device pages", ids_text(tuple(node.device_pages))),
+            ("last access", str(node.last_access)),
+            ("hits", str(node.hit_count)),
+        )
+        parts.append((f"node {ident}", fields))
+    parts.append(("the tree", (("last node id", str(tree.last_id)),)))
+    free = cache.tiers.device.allocator.free_list
+    parts.append(("the device pool", (("free pages", ids_text(free)),)))
+    batches = cache.transfers.in_flight()
+    copies = (batches[ticket] for ticket in cache.issued())
+    tier = cache.storage
+    stores = () if tier is None else tier.in_flight().values()
+    waits = (
+        ("copies in flight", _copies((b.ticket.direction.value, b.nodes) for b in copies)),
+        ("storage copies in flight", _copies((c.kind, c.nodes) for c in stores)),
+        ("waiting to start", _copies(cache.transfers.queued_nodes())),
+    )
+    parts.append(("the copies", waits))
+    return parts
+
+
+def _copies(copies: Iterable[tuple[str, Sequence[TreeNode | int]]]) -> str:
+    """``d2h of nodes [1, 2] then h2d of nodes [4]`` (nodes or their ids), or ``none``."""
+    named = (
+        f"{kind} of nodes {[n if isinstance(n, int) else n.id for n in nodes]}"
+        for kind, nodes in copies
+    )
+    return " then ".join(named) or "none"
 
 
 def _check_group(group: object) -> None:

@@ -96,13 +96,13 @@ def operation_text(name: str, args: tuple[object, ...]) -> str | None:
     if shared is None:
         return None
     if name in _NAMESPACED:  # (tokens, namespace, slots or none): most of what is logged
-        shown = [_ids(shared[0]), _namespace(shared[1]), *map(_ids, shared[2:])]
+        shown = [ids_text(shared[0]), namespace_text(shared[1]), *map(ids_text, shared[2:])]
     else:
-        shown = list(map(_ids, shared))
+        shown = list(map(ids_text, shared))
     return f"{name}({', '.join(shown)})"
 
 
-def _ids(value: object) -> str:
+def ids_text(value: object) -> str:
     """A count, or ids (a tuple, or an ``array('Q')`` of slots), as every rank renders them."""
     if value is None or type(value) is int:
         return str(value)
@@ -114,10 +114,10 @@ def _ids(value: object) -> str:
         if len(value) <= _SHOWN:
             return repr(value.tolist())
         return f"<{len(value)} ids {hashlib.blake2b(value, digest_size=8).hexdigest()}>"
-    return _namespace(value)
+    return namespace_text(value)
 
 
-def _namespace(value: object) -> str:
+def namespace_text(value: object) -> str:
     """A namespace as every rank renders it: by value where that is the same everywhere.
 
     Plain values and tuples of them in full; an enum member by its class and
@@ -131,17 +131,17 @@ def _namespace(value: object) -> str:
     if value is None or isinstance(value, (str, bytes, int, float)):
         return repr(value)
     if isinstance(value, tuple):
-        return "(" + ", ".join(_namespace(v) for v in value) + ")"
+        return "(" + ", ".join(namespace_text(v) for v in value) + ")"
     kind = type(value)
     if isinstance(value, enum.Enum):
         return f"{kind.__qualname__}.{value.name}"
     if isinstance(value, frozenset):
-        return "frozenset({" + ", ".join(sorted(_namespace(v) for v in value)) + "})"
+        return "frozenset({" + ", ".join(sorted(namespace_text(v) for v in value)) + "})"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         params = getattr(kind, "__dataclass_params__", None)
         if params is not None and params.eq:  # compared field by field, as a namespace key is
             shown = (
-                f"{f.name}={_namespace(getattr(value, f.name))}"
+                f"{f.name}={namespace_text(getattr(value, f.name))}"
                 for f in dataclasses.fields(value)
                 if f.compare
             )
@@ -176,7 +176,7 @@ def _code(codes: dict[str, int], name: str) -> int:
 
 
 def _argument_words(value: object, namespace: bool) -> tuple[int, ...]:
-    """Return the words an operation's argument folds in as: what :func:`_ids` shows, as ints.
+    """Return the words an operation's argument folds in as: what :func:`ids_text` shows, as ints.
 
     A count as itself, None as a tag, a tuple of ids by its length and
     ``hash()`` (the same in every process for ints), slots (``array('Q')``) by
@@ -188,12 +188,12 @@ def _argument_words(value: object, namespace: bool) -> tuple[int, ...]:
     if value is None:
         return (_NONE,)
     if namespace:
-        return (_TEXT, zlib.crc32(_namespace(value).encode()))
+        return (_TEXT, zlib.crc32(namespace_text(value).encode()))
     if isinstance(value, tuple):  # a TokenKey too; numpy integers hash as the ints they are
         return (_IDS, len(value), hash(value))
     if isinstance(value, array.array):
         return (_ARRAY, len(value), zlib.crc32(value))
-    return (_TEXT, zlib.crc32(_ids(value).encode()))
+    return (_TEXT, zlib.crc32(ids_text(value).encode()))
 
 
 def _pack(words: list[int]) -> bytes:
@@ -238,18 +238,23 @@ class TransitionDigest:
 
     Args:
         log: The cache's event log; only appended to, never rewritten.
+        start: The position in ``log`` (:attr:`~fsm_cache.cache.eventlog.EventLog.recorded`
+            counts them) of the first entry folded in: 0 for the whole log;
+            ``log.recorded`` for what is logged from now on, for a cache that
+            served before it was wrapped, whose acknowledgements each rank
+            applied in its own order then.
 
     Attributes:
         count: Transitions folded in so far (operations are not counted).
         agreed: Transitions folded in when the group last agreed (see :meth:`agree`).
     """
 
-    def __init__(self, log: EventLog) -> None:
+    def __init__(self, log: EventLog, start: int = 0) -> None:
         self._log = log
         self._hash = hashlib.blake2b(digest_size=DIGEST_BYTES)
         self._codes: dict[str, int] = {}
-        self._scanned = 0
-        self._agreed_entry = 0
+        self._scanned = start
+        self._agreed_entry = start
         self.count = 0
         self.agreed = 0
 
@@ -363,6 +368,52 @@ class TransitionDigest:
             elif kind == "refused":
                 found.append((applied, f"had {first} refused ({second.partition(':')[0]})"))
         return found
+
+
+StatePart = tuple[str, tuple[tuple[str, str], ...]]
+"""One part of a cache's state, as every rank renders it (:func:`ids_text`, :func:`namespace_text`):
+what it is and its fields by name, e.g. ``("node 3", (("parent", "node 1"), ("state",
+"backed/resident (pins=0, locks=0)"), ...))``. The ranks compare theirs when they wrap their
+caches (:func:`state_fingerprint`, :func:`state_difference`)."""
+
+
+def state_fingerprint(parts: Sequence[StatePart]) -> bytes:
+    """Return a 16-byte blake2b hash of ``parts``, the same on every rank whose parts are equal.
+
+    The parts are text as every rank renders it, so their ``repr`` is too.
+    """
+    return hashlib.blake2b(repr(list(parts)).encode(), digest_size=DIGEST_BYTES).digest()
+
+
+def state_difference(states: Sequence[Sequence[StatePart]]) -> str | None:
+    """Name the first part of the ranks' states that differs, with each rank's value of it.
+
+    A part that only some ranks list (a node some trees lack) is named first,
+    as in the tree or not; else the first part whose fields differ, and the
+    first of them that does. Parts are taken in the order the ranks list them.
+
+    Args:
+        states: Per rank, its parts (:data:`StatePart`).
+
+    Returns:
+        ``node 3 state: rank 0 backed/resident (pins=0, locks=0), rank 1
+        writing/resident (pins=0, locks=0)``, or ``node 5: rank 0 in the tree,
+        rank 1 not in the tree``; None where every rank's parts are equal.
+    """
+    found = [dict(parts) for parts in states]
+    listed = list(dict.fromkeys(what for parts in states for what, _ in parts))
+    for what in listed:
+        if any(what not in fields for fields in found):
+            held = ("in the tree" if what in fields else "not in the tree" for fields in found)
+            return f"{what}: " + ", ".join(f"rank {r} {h}" for r, h in enumerate(held))
+    for what in listed:
+        named = [dict(fields[what]) for fields in found]
+        for field in dict.fromkeys(name for fields in named for name in fields):
+            values = [fields.get(field, "none") for fields in named]
+            if any(value != values[0] for value in values):
+                shown = ", ".join(f"rank {r} {value}" for r, value in enumerate(values))
+                return f"{what} {field}: {shown}"
+    return None
 
 
 def first_difference(tails: Sequence[Sequence[Hashable]]) -> int | None:
