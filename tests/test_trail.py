@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
+import pickle
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -280,6 +283,60 @@ def test_the_trail_keeps_only_the_last_events() -> None:
         f"test_the_trail_keeps_only_the_last_events; {REFUSED}"
     )
     assert b not in (c, last)
+
+
+def test_a_copy_of_a_record_keeps_a_trail_of_its_own() -> None:
+    """Events fired at a copy are not the original's: its refusal names only its own.
+
+    ``copy.copy`` once shared the trail's deque, so a refusal of the
+    original named a pin and a release that only the copy had.
+    """
+    engine = Engine(host_machine(), trail=True, history=3)
+    node = backed(engine)
+    a = backup_to_storage(engine, node)
+    trial = copy.copy(node)
+    drain_backup(engine, trial)
+    backup_to_storage(engine, trial)
+    assert (node.state, node.pins, trial.state, trial.pins) == ("pinned", 1, "pinned", 1)
+    assert trial.trail.maxlen == 3
+    assert [event for event, *_ in trial.trail] == ["pin", "release", "pin"]
+    c = drain_backup(engine, node)
+    exc = refusal(engine, node, "release")
+    assert exc.history == (
+        f"pinned at {HERE}:{a} in backup_to_storage; released at {HERE}:{c} in drain_backup; "
+        f"{REFUSED}"
+    )
+
+
+@pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy], ids=["copy", "deepcopy"])
+@pytest.mark.parametrize("traced", [True, False], ids=["trail", "no-trail"])
+def test_a_copy_of_a_record_has_its_fields_and_changes_apart(
+    copier: Callable[[Any], Any], traced: bool
+) -> None:
+    engine = Engine(residency_system(), trail=traced)
+    node = engine.new(("node", 7))
+    engine.fire(node, "write")
+    twin = copier(node)
+    assert repr(twin) == repr(node)
+    assert (twin.trail is None) == (not traced)
+    assert twin.trail is None or twin.trail is not node.trail
+    assert twin.trail is None or list(twin.trail) == list(node.trail)
+    engine.fire(twin, "write_done")
+    assert (node.host, twin.host) == ("writing", "backed")
+    assert node.trail is None or [event for event, *_ in node.trail] == ["write"]
+    assert type(twin) is engine.Record
+
+
+def test_a_record_does_not_pickle_and_says_why() -> None:
+    engine = Engine(host_machine(), trail=True)
+    node = engine.new(3)
+    with pytest.raises(TypeError) as info:
+        pickle.dumps(node)
+    assert str(info.value) == (
+        "cannot pickle host_residency.Record(id=3, state='unbacked', pins=0): a record's class is "
+        "built by its Engine at run time; pickle its id, states and counters and set them "
+        "on engine.new(id) instead"
+    )
 
 
 def test_without_trail_mode_there_is_no_history() -> None:

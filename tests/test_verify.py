@@ -9,8 +9,10 @@ import json
 import os
 import signal
 import subprocess
+import symtable
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +141,11 @@ dest = "shut"
 
 
 def _bell(counter: str) -> str:
-    """A machine that counts its rings in ``counter``."""
+    """A machine that counts its rings in ``counter``, carried by ``ringing``.
+
+    As ``ringing`` carries it, the module holds the contract ``counter moves
+    by at most one``, which reads the counter beside the result's.
+    """
     return f"""\
 [machine]
 name = "bell"
@@ -150,7 +156,7 @@ initial = "quiet"
 
 [states]
 quiet = {{}}
-ringing = {{}}
+ringing = {{ counter = "{counter}" }}
 
 [[transition]]
 event = "ring"
@@ -180,12 +186,17 @@ bell = "bell.toml"
 
 # Names the loader accepts that once made the module the generated code broke on: a
 # parameter for the parent's or a child's state named as a counter, a region named as
-# a method's receiver, a state Enum refuses as a member name.
+# a method's receiver, a state Enum refuses as a member name, a counter named as a
+# builtin a contract called (abs: `abs(result.abs - abs)` called the int), a counter or
+# region named as the argument icontract gives a postcondition itself (OLD).
 _CLASHES = {
     "a counter named as the parent's state": ("parent_door", "door", "parent door in [open]"),
     "a counter named as a child's state": ("child1_door", "door", "any child door in [open]"),
     "a region named self": ("rings", "self", ""),
     "a state named mro": ("rings", "door", ""),
+    "a counter named abs": ("abs", "door", ""),
+    "a counter named OLD": ("OLD", "door", ""),
+    "a region named OLD": ("rings", "OLD", "parent OLD in [open]"),
 }
 
 
@@ -203,6 +214,131 @@ def test_names_the_loader_accepts_are_verified(tmp_path: Path, case: str) -> Non
     rows = verify.verify_spec(path, Options(), tmp_path)
     assert {r.function for r in rows} == {"swing", "ring"}
     assert {r.status for r in rows} == {crosshair_run.CONFIRMED}
+
+
+# Builtins (and names icontract and the module use) that fsm-cache validate accepts as
+# names: the module's code that takes a spec's names calls none of them, so each is
+# checked as any other name, in every role the loader lets it take.
+_BUILTIN_NAMES = (
+    "abs", "all", "any", "dict", "getattr", "int", "isinstance", "len", "list", "max", "min",
+    "object", "print", "range", "set", "setattr", "str", "sum", "tuple", "type",
+    "Exception", "RuntimeError", "State", "OLD",
+)  # fmt: skip
+
+_TYPED = frozenset({"int", "object", "State"})
+"""Of those, the types ``fsm-cache types`` annotates fields with, which the loader refuses
+as a counter's or a region's name: these are a state, an event and an effect only."""
+
+
+def _named_door(name: str) -> str:
+    """A door whose open state, event and effect are all called ``name``."""
+    return f"""\
+[machine]
+name = "door"
+initial = "shut"
+
+[states]
+shut = {{}}
+{name} = {{}}
+
+[[transition]]
+event = "{name}"
+source = "shut"
+dest = "{name}"
+effect = "{name}"
+
+[[transition]]
+event = "{name}"
+source = "{name}"
+dest = "shut"
+"""
+
+
+def _named_house(folder: Path, name: str, region: str, counter: str) -> Path:
+    """Write a house of a :func:`_named_door` (region ``region``) and a bell counting in ``counter``.
+
+    Its rules read the parent's door and the children's bells, so the checked
+    functions take a neighbour's states too.
+    """
+    folder.mkdir()
+    (folder / "door.toml").write_text(_named_door(name))
+    (folder / "bell.toml").write_text(_bell(counter))
+    path = folder / "house.toml"
+    path.write_text(f"""\
+[composition]
+name = "house"
+
+[composition.regions]
+{region} = "door.toml"
+bell = "bell.toml"
+
+[[forbid]]
+event = "ring"
+when = "parent {region} in [{name}]"
+error = "Open"
+reason = "the parent is open"
+
+[[forbid]]
+event = "{name}"
+when = "any child bell in [ringing]"
+error = "Ringing"
+reason = "a child rings"
+""")
+    return path
+
+
+@pytest.mark.parametrize("name", _BUILTIN_NAMES)
+def test_names_of_builtins_are_checked_on_every_input_in_every_role(
+    tmp_path: Path, name: str
+) -> None:
+    field = name not in _TYPED
+    houses = {_named_house(tmp_path / "region", name, name if field else "door", "rings"): "rings"}
+    if field:
+        houses[_named_house(tmp_path / "counter", name, "door", name)] = name
+    for path, counter in houses.items():
+        system = as_system(load_spec(path))
+        module = generate(system, path)
+        written = module.write(path.parent)
+        rows = exhaustive.check_module("house", written, exhaustive.counter_domains(system))
+        reported = [module.reported(r) for r in rows]
+        assert {r.function for r in reported} == {name, "ring"}
+        moves = f"{counter} moves by at most one (ringing(N) counts holders)"
+        assert moves in {r.contract for r in reported}
+        assert [(r.function, r.contract, r.detail) for r in reported if r.failed] == []
+
+
+def _global_reads(table: symtable.SymbolTable, names: Collection[str], inside: bool) -> set[str]:
+    """Return the globals and builtins read without a leading ``_`` where ``names`` may be bound.
+
+    That is in a function or lambda taking one of ``names`` as a parameter,
+    and in every scope inside one (a comprehension), where a spec's name
+    would be read for a builtin of the same name.
+    """
+    params = table.get_parameters() if isinstance(table, symtable.Function) else ()
+    inside = inside or bool(set(params) & set(names))
+    found = set()
+    if inside:
+        found = {
+            s.get_name()
+            for s in table.get_symbols()
+            if s.is_global() and s.is_referenced() and not s.get_name().startswith("_")
+        }
+    for child in table.get_children():
+        found |= _global_reads(child, names, inside)
+    return found
+
+
+@pytest.mark.parametrize("spec", [*sorted(p.name for p in spec_dir().glob("*.toml")), "house"])
+def test_code_taking_a_specs_names_reads_no_builtin(tmp_path: Path, spec: str) -> None:
+    path = (
+        _named_house(tmp_path / "house", "open", "door", "rings")
+        if spec == "house"
+        else spec_dir() / spec
+    )
+    system = as_system(load_spec(path))
+    names = [n for n, _ in (*system.regions, *system.counters)]
+    source = generate(system, path).source
+    assert _global_reads(symtable.symtable(source, "contracts.py", "exec"), names, False) == set()
 
 
 def test_a_neighbours_state_named_as_a_counter_is_spelled_apart(tmp_path: Path) -> None:

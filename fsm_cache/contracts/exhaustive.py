@@ -38,7 +38,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fsm_cache.contracts.generate import NEIGHBOURS
+from fsm_cache.contracts.generate import NEIGHBOURS, parameter
 from fsm_cache.contracts.runner import COUNTEREXAMPLE, NOT_ANALYSED, Row, contracts, parse_module
 from fsm_cache.errors import FsmCacheError
 from fsm_cache.spec.machine import System
@@ -305,10 +305,15 @@ def _size(axes: Sequence[Sequence[object]]) -> int:
 def _domains(
     func: Callable[..., Any], counters: Mapping[str, Sequence[int]]
 ) -> tuple[list[str], list[Sequence[Any]]]:
-    """Return the parameter names and the values each one ranges over."""
+    """Return the parameter names and the values each one ranges over.
+
+    A counter's parameter is spelled as :func:`~fsm_cache.contracts.generate.parameter`
+    spells it (``_OLD`` for the counter ``OLD``).
+    """
     hints = typing.get_type_hints(inspect.unwrap(func))
     names = list(inspect.signature(func).parameters)
-    return names, [_domain(name, hints[name], counters) for name in names]
+    by_param = {parameter(name): values for name, values in counters.items()}
+    return names, [_domain(name, hints[name], by_param) for name in names]
 
 
 def _domain(name: str, hint: Any, counters: Mapping[str, Sequence[int]]) -> Sequence[Any]:

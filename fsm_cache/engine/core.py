@@ -34,11 +34,13 @@ refusal's traceback shows the generated line that refused.
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
+from collections import deque
 from collections.abc import Mapping, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Final, NoReturn
+from typing import TYPE_CHECKING, Any, Final, NoReturn, SupportsIndex
 
 from fsm_cache.engine import trail as trails
 from fsm_cache.engine.codegen import Compiled, Plan, Refusal, Refuser, Step, Verb, compile_system
@@ -821,17 +823,63 @@ def _slots(system: System) -> tuple[str, ...]:
 
 
 def _record_class(system: System) -> type:
-    """Build the slotted record class of ``system`` (under 100 bytes an instance)."""
+    """Build the slotted record class of ``system`` (under 100 bytes an instance).
+
+    A copy (``copy.copy``) has the record's id, states and counters and a
+    trail of its own: the trail is a deque, and a copy that shared it wrote
+    the events fired at it into the original's, whose next refusal then named
+    them. ``copy.deepcopy`` copies every field deeply, the trail included.
+    A record does not pickle: its class is built here, at run time, where
+    unpickling cannot find it, and its trail keeps code objects
+    (:data:`~fsm_cache.engine.trail.Entry`), which do not pickle either.
+    """
+    slots = _slots(system)
 
     def init(self: Any, ident: object = 0) -> None:
         _initialise(system, self, ident)
 
     def show(self: Any) -> str:
-        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in _slots(system)[:-1])
+        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in slots[:-1])
         return f"{system.name}.Record({fields})"
+
+    def copied(self: Any) -> Any:
+        """Return a record of the same fields with a trail of its own (None where it has none)."""
+        twin = object.__new__(self.__class__)
+        for name in slots:
+            value = getattr(self, name, _UNSET)
+            if value is not _UNSET:
+                setattr(twin, name, value)
+        kept: trails.Trail | None = getattr(self, "trail", None)
+        if kept is not None:
+            twin.trail = deque(kept, maxlen=kept.maxlen)
+        return twin
+
+    def deep(self: Any, memo: dict[int, object]) -> Any:
+        """Return a record of deep copies of the fields (``copy.deepcopy``)."""
+        twin = object.__new__(self.__class__)
+        memo[id(self)] = twin
+        for name in slots:
+            value = getattr(self, name, _UNSET)
+            if value is not _UNSET:
+                setattr(twin, name, copy.deepcopy(value, memo))
+        return twin
+
+    def unpicklable(self: Any, protocol: SupportsIndex) -> NoReturn:  # noqa: ARG001 (pickle's)
+        """Refuse to be pickled (see :func:`_record_class`), with pickle's own error class."""
+        raise TypeError(
+            f"cannot pickle {show(self)}: a record's class is built by its Engine at run time; "
+            "pickle its id, states and counters and set them on engine.new(id) instead"
+        )
 
     return type(
         "Record",
         (),
-        {"__slots__": _slots(system), "__init__": init, "__repr__": show},
+        {
+            "__slots__": slots,
+            "__init__": init,
+            "__repr__": show,
+            "__copy__": copied,
+            "__deepcopy__": deep,
+            "__reduce_ex__": unpicklable,
+        },
     )
