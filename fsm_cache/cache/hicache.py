@@ -1068,7 +1068,8 @@ class HiCache:
         Raises:
             CopyFailed: A storage fetch's pages could not be written to the
                 host; it was applied as failed (its nodes settled), and so was
-                every other copy.
+                every other copy. Under tensor-parallel agreement the group's
+                step raises it instead, after this poll.
         """
         with self._operation("poll"):
             applied = self._transfers.apply(self._transfers.collect(wait=False), "poll")
