@@ -34,6 +34,7 @@ with warnings.catch_warnings():
 
     from fsm_cache.cache.hicache import HiCache
     from fsm_cache.cache.storage_tier import StorageConfig
+    from fsm_cache.cache.tree import TreeNode
     from fsm_cache.distributed.agreement import DistributedCache
     from fsm_cache.distributed.collectives import Collectives
     from fsm_cache.errors import (
@@ -113,6 +114,7 @@ class Faulty:
         before_put: Called with a put's keys before it runs (raise, or wait).
         queries: How many times ``exists_prefix`` was called.
         no_data: ``get`` gives pages with no data (on the meta device): a host write raises.
+        drop_fails: ``drop`` raises (a Redis blip).
     """
 
     def __init__(self, inner: Store) -> None:
@@ -124,6 +126,7 @@ class Faulty:
         self.before_put: Callable[[Sequence[str]], None] | None = None
         self.queries = 0
         self.no_data = False
+        self.drop_fails = False
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
         self.queries += 1
@@ -150,6 +153,8 @@ class Faulty:
         return self.inner.put(keys, pages)
 
     def drop(self, keys: Sequence[str]) -> int:
+        if self.drop_fails:
+            raise StoreFailed("faulty", "drop", acknowledged=0, total=len(keys), cause="planted")
         return self.inner.drop(keys)
 
     def capacity(self) -> Any:
@@ -556,6 +561,34 @@ def fetch_unwritten_on_one_rank(rank: int, folder: Path) -> dict[str, Any]:
     return report(shared, during=during, raised=raised)
 
 
+def evict_storage_drop_fails_on_one_rank(rank: int, folder: Path) -> dict[str, Any]:
+    """Rank 1's store fails to drop: both ranks evict the node all the same.
+
+    Rank 1 kept the node stored and answered 0 where rank 0 answered 8, and
+    the ranks parted at the next step.
+    """
+    inner = LocalFileStore(folder / f"rank{rank}")
+    store = Faulty(inner)
+    shared = DistributedCache(
+        HiCache(config(), storage=tier(store, rank, owned=True)), timeout=TIMEOUT
+    )
+    prompts = [tokens(2), tokens(2, start=5000)]
+    for toks in prompts:
+        shared.cache.insert(toks)
+    shared.drain()
+    store.drop_fails = rank == 1
+    evicted = shared.cache.evict_storage(2 * PAGE)
+    store.drop_fails = False
+    shared.step()
+    namespace = shared.cache.storage.namespace()  # type: ignore[union-attr]
+    return report(
+        shared,
+        evicted=evicted,
+        held=sum(inner.exists_prefix(page_keys(namespace, toks)) for toks in prompts),
+        errors=dict(shared.cache.stats().storage_errors),
+    )
+
+
 def different_collectives(rank: int, folder: Path) -> str:
     """Rank 0's lookup asks the store while rank 1 ends a step: both say so."""
     toks = tokens(2)
@@ -586,6 +619,7 @@ SCENARIOS: dict[str, Callable[[int, Path], Any]] = {
     "no_backup": no_backup_while_backing_off,
     "collectives": different_collectives,
     "fetch_unwritten": fetch_unwritten_on_one_rank,
+    "evict_drop_fails": evict_storage_drop_fails_on_one_rank,
 }
 
 
@@ -835,6 +869,19 @@ def test_a_fetch_one_rank_cannot_write_to_its_host_fails_on_every_rank(ranks: Re
     ]
 
 
+def test_evict_storage_that_one_rank_cannot_drop_evicts_on_every_rank(ranks: Results) -> None:
+    run = agreed(ranks, "evict_drop_fails")
+    assert [r["evict_drop_fails"]["evicted"] for r in ranks] == [2 * PAGE, 2 * PAGE]
+    assert sorted(row[5] for row in run["tree"]) == ["stored", "unstored"]
+    assert [r["evict_drop_fails"]["failures"] for r in ranks] == [{}, {"evict:failed": 1}]
+    assert [r["evict_drop_fails"]["errors"] for r in ranks] == [
+        {},
+        {"evict:failed": "faulty: drop failed after 0 of 2 pages: planted"},
+    ]
+    # rank 1's store keeps the evicted node's pages, unknown to its tree
+    assert [r["evict_drop_fails"]["held"] for r in ranks] == [2, 4]
+
+
 # -- one tier, the other rank made up ---------------------------------------------
 
 
@@ -980,6 +1027,55 @@ def test_a_fetch_another_rank_cannot_write_fails_here_as_peer_failed(tmp_path: P
     assert reader.tiers.host.allocator.free_pages == 32
     assert reader.log.storage_acks() == [("poll", ((1, "fetch", 0, "peer_failed"),))]
     storage.raise_unwritten()  # nothing to raise here
+
+
+def agreed_owner(store: Store) -> tuple[HiCache, TreeNode]:
+    """An owned store's cache holding one stored node, under a made-up agreement from then on."""
+    cache = HiCache(config(), storage=tier(store, ranks=1, owned=True))
+    cache.insert(tokens(2))
+    cache.poll()
+    cache.poll()
+    (node,) = cache.tree
+    assert node.storage == "stored"
+    assert cache.storage is not None
+    cache.storage.agree_by(lambda found, asked: list(found))
+    return cache, node
+
+
+def test_under_agreement_a_drop_this_rank_fails_still_evicts(tmp_path: Path) -> None:
+    """What this rank's store does cannot change which nodes the group evicts.
+
+    The node stayed stored here, and evict_storage answered 0 where the
+    other ranks answered 8.
+    """
+    inner = LocalFileStore(tmp_path)
+    store = Faulty(inner)
+    cache, node = agreed_owner(store)
+    keys = list(node.store_keys or ())
+    store.drop_fails = True
+    assert cache.evict_storage(100) == 2 * PAGE
+    assert node.storage == "unstored"
+    assert cache.stats().storage_failures == {"evict:failed": 1}
+    assert cache.stats().storage_errors == {
+        "evict:failed": "faulty: drop failed after 0 of 2 pages: planted"
+    }
+    assert "evicted" not in cache.stats().storage_pages
+    assert inner.exists_prefix(keys) == 2  # left in the store, unknown to the tree
+
+
+def test_under_agreement_a_page_a_read_holds_still_evicts(tmp_path: Path) -> None:
+    """A read of a fetch that timed out here may hold a page: the node is evicted all the same.
+
+    The event itself (``fire``) raised EffectFailed on this rank alone.
+    """
+    store = LocalFileStore(tmp_path)
+    cache, node = agreed_owner(store)
+    keys = list(node.store_keys or ())
+    with store.reading(keys):
+        cache.fire("evict_storage", node)
+    assert node.storage == "unstored"
+    assert cache.stats().storage_failures == {"evict:failed": 1}
+    assert store.exists_prefix(keys) == 2
 
 
 @pytest.fixture

@@ -903,7 +903,10 @@ class HiCache:
 
         Least recently used stored leaves go first (no child with pages in
         storage, no copy reading or writing them, no read holding a page of a
-        local store); the nodes keep their device and host copies.
+        local store); the nodes keep their device and host copies. Under
+        tensor-parallel agreement a drop this rank's store fails or refuses
+        does not keep its node (every rank evicts the same nodes): it is
+        counted as ``evict:failed``, its pages left in the store.
 
         Raises:
             BadArgument: ``num_tokens`` is not an int >= 0.

@@ -785,16 +785,39 @@ class StorageTier:
     def delete_storage(self, node: TreeNode) -> None:
         """Delete ``node``'s pages from a store this cache owns.
 
+        Under tensor-parallel agreement a drop this rank's store refuses or
+        fails (a read of a fetch that timed out still holds a page, a Redis
+        blip) is this rank's alone: failing the event here would leave the node
+        stored on this rank and evicted on the others, so ``evict_storage``
+        goes on, counted as ``evict:failed``. The pages left behind in this
+        rank's store are unknown to the tree, as pages a rank's store landed
+        past the prefix the group agreed on: found again by key, or evicted by
+        the store's own limit.
+
         Raises:
             ConfigError: The store is shared (``owned=False``).
-            PageInUse: A read holds a page (local store); nothing was deleted.
+            PageInUse: A read holds a page (local store); nothing was deleted
+                (not under agreement).
         """
         if not self.config.owned:
             raise ConfigError(
                 "storage: the store is shared (owned=False): its own eviction deletes pages"
             )
-        dropped = self._store.drop(list(self.keys_of(node)))
+        keys = list(self.keys_of(node))
+        if not self._agreed_only:
+            dropped = self._store.drop(keys)
+        else:
+            try:
+                dropped = self._store.drop(keys)
+            except Exception as exc:  # whatever this rank's store raised: the group evicts
+                self._evict_failed(exc)
+                return
         self._core.counters.storage_pages["evicted"] += dropped  # what was still stored
+
+    def _evict_failed(self, error: BaseException) -> None:
+        """Count a drop the store would not do as ``evict:failed``, with what it said."""
+        self._core.counters.storage_failures["evict:failed"] += 1
+        self._core.counters.storage_errors["evict:failed"] = str(error)
 
     def _queue(self, kind: str, node: TreeNode, keys: Sequence[str]) -> None:
         self._numbers += 1
@@ -1617,7 +1640,10 @@ class StorageTier:
         Only nodes whose pages are ``stored`` (no copy reads or writes them) and
         none of whose children has pages in storage; a page a read holds
         (local store) keeps its node, and so does a store that would not
-        delete (it went away: counted as ``evict:failed``).
+        delete (it went away: counted as ``evict:failed``). Under
+        tensor-parallel agreement neither keeps it: what a rank's own store
+        does cannot change which nodes the group evicts
+        (:meth:`delete_storage`), so every rank returns the same count.
 
         Raises:
             ConfigError: The store is shared (``owned=False``).
@@ -1637,8 +1663,7 @@ class StorageTier:
                 self._core.fire(node, "evict_storage")
             except EffectFailed as exc:  # a read holds a page, or the store would not delete
                 if not isinstance(exc.__cause__, PageInUse):
-                    self._core.counters.storage_failures["evict:failed"] += 1
-                    self._core.counters.storage_errors["evict:failed"] = str(exc.__cause__ or exc)
+                    self._evict_failed(exc.__cause__ or exc)
                 continue  # it stays, and so does what is under it
             freed += len(node.key)
             parent = node.parent
