@@ -34,9 +34,16 @@ with warnings.catch_warnings():
 
     from fsm_cache.cache.hicache import HiCache
     from fsm_cache.cache.storage_tier import StorageConfig
+    from fsm_cache.cache.tree import TreeNode
     from fsm_cache.distributed.agreement import DistributedCache
     from fsm_cache.distributed.collectives import Collectives
-    from fsm_cache.errors import ConfigError, InvariantViolation, RankDivergence, StoreFailed
+    from fsm_cache.errors import (
+        ConfigError,
+        CopyFailed,
+        InvariantViolation,
+        RankDivergence,
+        StoreFailed,
+    )
     from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
     from fsm_cache.storage import LocalFileStore, PutResult, Store, page_keys
 
@@ -106,6 +113,8 @@ class Faulty:
         exists_fails: ``exists_prefix`` raises (a server that stopped answering).
         before_put: Called with a put's keys before it runs (raise, or wait).
         queries: How many times ``exists_prefix`` was called.
+        no_data: ``get`` gives pages with no data (on the meta device): a host write raises.
+        drop_fails: ``drop`` raises (a Redis blip).
     """
 
     def __init__(self, inner: Store) -> None:
@@ -116,6 +125,8 @@ class Faulty:
         self.exists_fails = False
         self.before_put: Callable[[Sequence[str]], None] | None = None
         self.queries = 0
+        self.no_data = False
+        self.drop_fails = False
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
         self.queries += 1
@@ -127,7 +138,8 @@ class Faulty:
         return found
 
     def get(self, keys: Sequence[str]) -> list[torch.Tensor]:
-        return self.inner.get(keys)
+        pages = self.inner.get(keys)
+        return [page.to("meta") for page in pages] if self.no_data else pages
 
     def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[PutResult]:
         if self.gate is not None:
@@ -141,6 +153,8 @@ class Faulty:
         return self.inner.put(keys, pages)
 
     def drop(self, keys: Sequence[str]) -> int:
+        if self.drop_fails:
+            raise StoreFailed("faulty", "drop", acknowledged=0, total=len(keys), cause="planted")
         return self.inner.drop(keys)
 
     def capacity(self) -> Any:
@@ -525,6 +539,56 @@ def no_backup_while_backing_off(rank: int, folder: Path) -> dict[str, Any]:
     return report(shared, during=during, held=inner.exists_prefix(keys))
 
 
+def fetch_unwritten_on_one_rank(rank: int, folder: Path) -> dict[str, Any]:
+    """Rank 1 reads 3 pages it cannot write to its host: the fetch fails on both.
+
+    Rank 1 alone raises CopyFailed, from the step that applied the failure.
+    Its step applied it as failed and rank 0's landed it, and the ranks
+    parted at the next step.
+    """
+    toks = tokens(3)
+    store, _ = written(rank, folder, toks)
+    faulty = Faulty(store)
+    faulty.no_data = rank == 1
+    shared = wrapped(faulty, rank)
+    during = shared.cache.match_prefix(toks).storage_len
+    try:
+        shared.step()
+        raised = None
+    except CopyFailed as exc:
+        raised = str(exc)
+    shared.step()
+    return report(shared, during=during, raised=raised)
+
+
+def evict_storage_drop_fails_on_one_rank(rank: int, folder: Path) -> dict[str, Any]:
+    """Rank 1's store fails to drop: both ranks evict the node all the same.
+
+    Rank 1 kept the node stored and answered 0 where rank 0 answered 8, and
+    the ranks parted at the next step.
+    """
+    inner = LocalFileStore(folder / f"rank{rank}")
+    store = Faulty(inner)
+    shared = DistributedCache(
+        HiCache(config(), storage=tier(store, rank, owned=True)), timeout=TIMEOUT
+    )
+    prompts = [tokens(2), tokens(2, start=5000)]
+    for toks in prompts:
+        shared.cache.insert(toks)
+    shared.drain()
+    store.drop_fails = rank == 1
+    evicted = shared.cache.evict_storage(2 * PAGE)
+    store.drop_fails = False
+    shared.step()
+    namespace = shared.cache.storage.namespace()  # type: ignore[union-attr]
+    return report(
+        shared,
+        evicted=evicted,
+        held=sum(inner.exists_prefix(page_keys(namespace, toks)) for toks in prompts),
+        errors=dict(shared.cache.stats().storage_errors),
+    )
+
+
 def different_collectives(rank: int, folder: Path) -> str:
     """Rank 0's lookup asks the store while rank 1 ends a step: both say so."""
     toks = tokens(2)
@@ -554,6 +618,8 @@ SCENARIOS: dict[str, Callable[[int, Path], Any]] = {
     "one_outage": one_outage_seen_at_two_steps,
     "no_backup": no_backup_while_backing_off,
     "collectives": different_collectives,
+    "fetch_unwritten": fetch_unwritten_on_one_rank,
+    "evict_drop_fails": evict_storage_drop_fails_on_one_rank,
 }
 
 
@@ -787,6 +853,35 @@ def test_ranks_that_reach_different_collectives_say_so(ranks: Results) -> None:
     )
 
 
+def test_a_fetch_one_rank_cannot_write_to_its_host_fails_on_every_rank(ranks: Results) -> None:
+    run = agreed(ranks, "fetch_unwritten")
+    assert run["during"] == 3 * PAGE
+    assert run["tree"] == []
+    assert run["free_host"] == 32
+    assert [r["fetch_unwritten"]["acks"] for r in ranks] == [
+        [["poll", [[1, "fetch", 0, "peer_failed"]]]],
+        [["poll", [[1, "fetch", 0, "failed"]]]],
+    ]
+    assert [r["fetch_unwritten"]["raised"] for r in ranks] == [
+        None,
+        "storage: fetch 1: its pages could not be written to the host: "
+        "NotImplementedError: Cannot copy out of meta tensor; no data!",
+    ]
+
+
+def test_evict_storage_that_one_rank_cannot_drop_evicts_on_every_rank(ranks: Results) -> None:
+    run = agreed(ranks, "evict_drop_fails")
+    assert [r["evict_drop_fails"]["evicted"] for r in ranks] == [2 * PAGE, 2 * PAGE]
+    assert sorted(row[5] for row in run["tree"]) == ["stored", "unstored"]
+    assert [r["evict_drop_fails"]["failures"] for r in ranks] == [{}, {"evict:failed": 1}]
+    assert [r["evict_drop_fails"]["errors"] for r in ranks] == [
+        {},
+        {"evict:failed": "faulty: drop failed after 0 of 2 pages: planted"},
+    ]
+    # rank 1's store keeps the evicted node's pages, unknown to its tree
+    assert [r["evict_drop_fails"]["held"] for r in ranks] == [2, 4]
+
+
 # -- one tier, the other rank made up ---------------------------------------------
 
 
@@ -841,6 +936,146 @@ def test_a_read_agreed_shorter_vanishes_past_the_agreed_page(tmp_path: Path) -> 
     assert events(reader)[-4:] == ["fetch_done", "fetch_failed", "vanish", "delete"]
     assert reader.log.storage_acks() == [("poll", ((1, "fetch", 2, "peer_missing"),))]
     assert reader.tiers.host.allocator.free_pages == 32 - 2
+
+
+def agreed_reader(store: Store, toks: list[int]) -> HiCache:
+    """A cache under a made-up agreement (every rank found what this one did), reading ``toks``."""
+    reader = HiCache(config(), storage=tier(store, ranks=1))
+    assert reader.storage is not None
+    reader.storage.agree_by(lambda found, asked: list(found))
+    assert reader.match_prefix(toks).storage_len == len(toks)
+    return reader
+
+
+def test_a_fetch_this_rank_cannot_write_to_its_host_is_reported_as_none(tmp_path: Path) -> None:
+    """The group fails it on every rank; this rank raises its error once that is applied.
+
+    It was reported as read, so every rank applied it as landed, and this
+    rank's poll then failed it alone (and raised inside the cache's
+    operation, a refusal the other ranks' logs lacked).
+    """
+    toks = tokens(3)
+    written_store = LocalFileStore(tmp_path)
+    writer = HiCache(config(), storage=tier(written_store, ranks=1))
+    writer.insert(toks)
+    writer.poll()
+    writer.poll()
+    store = Faulty(LocalFileStore(tmp_path))
+    store.no_data = True
+    reader = agreed_reader(store, toks)
+    storage = reader.storage
+    assert storage is not None
+    assert storage.report(2) == [2 * 0 + 1, -1]  # read 3 pages, wrote none to the host
+    assert storage.report(2) == [2 * 0 + 1, -1]  # the same at every report
+    assert storage.accept([1, -1]) == 1
+    assert reader.poll() == 1  # applied as failed; the group's step raises, not the cache
+    assert list(reader.tree) == []
+    assert reader.tiers.host.allocator.free_pages == 32
+    assert reader.log.storage_acks() == [("poll", ((1, "fetch", 0, "failed"),))]
+    assert [kind for kind, _, _ in reader.log.since(0)].count("refused") == 0
+    with pytest.raises(CopyFailed) as caught:
+        storage.raise_unwritten()
+    assert str(caught.value) == (
+        "storage: fetch 1: its pages could not be written to the host: "
+        "NotImplementedError: Cannot copy out of meta tensor; no data!"
+    )
+    storage.raise_unwritten()  # raised once
+
+
+def test_a_fetch_reported_is_written_to_the_host_once(tmp_path: Path) -> None:
+    """The report writes the pages; applying the group's outcome does not write them again."""
+    toks = tokens(3)
+    store = LocalFileStore(tmp_path)
+    writer = HiCache(config(), storage=tier(store, ranks=1))
+    writer.insert(toks)
+    writer.poll()
+    writer.poll()
+    reader = agreed_reader(store, toks)
+    storage = reader.storage
+    assert storage is not None
+    keys = page_keys(storage.namespace(), toks)
+    (node,) = reader.tree
+    assert storage.report(2) == [2 * 3 + 1, -1]
+    host = reader.tiers.host.pages
+    assert torch.equal(host[list(node.host_pages)], torch.stack(store.get(keys)))
+    (copy,) = storage.in_flight().values()
+    assert copy.result is not None
+    for page in copy.result.pages:  # a second write would land these zeros
+        page.zero_()
+    storage.accept([2 * 3 + 1, -1])
+    reader.poll()
+    assert [(len(n.key), n.host, n.storage) for n in reader.tree] == [
+        (3 * PAGE, "backed", "stored")
+    ]
+    assert torch.equal(host[list(node.host_pages)], torch.stack(store.get(keys)))
+
+
+def test_a_fetch_another_rank_cannot_write_fails_here_as_peer_failed(tmp_path: Path) -> None:
+    toks = tokens(3)
+    store = LocalFileStore(tmp_path)
+    writer = HiCache(config(), storage=tier(store, ranks=1))
+    writer.insert(toks)
+    writer.poll()
+    writer.poll()
+    reader = agreed_reader(store, toks)
+    storage = reader.storage
+    assert storage is not None
+    assert storage.report(2) == [2 * 3 + 1, -1]
+    storage.accept([2 * 0 + 1, -1])  # the other rank wrote none
+    assert reader.poll() == 1
+    assert list(reader.tree) == []
+    assert reader.tiers.host.allocator.free_pages == 32
+    assert reader.log.storage_acks() == [("poll", ((1, "fetch", 0, "peer_failed"),))]
+    storage.raise_unwritten()  # nothing to raise here
+
+
+def agreed_owner(store: Store) -> tuple[HiCache, TreeNode]:
+    """An owned store's cache holding one stored node, under a made-up agreement from then on."""
+    cache = HiCache(config(), storage=tier(store, ranks=1, owned=True))
+    cache.insert(tokens(2))
+    cache.poll()
+    cache.poll()
+    (node,) = cache.tree
+    assert node.storage == "stored"
+    assert cache.storage is not None
+    cache.storage.agree_by(lambda found, asked: list(found))
+    return cache, node
+
+
+def test_under_agreement_a_drop_this_rank_fails_still_evicts(tmp_path: Path) -> None:
+    """What this rank's store does cannot change which nodes the group evicts.
+
+    The node stayed stored here, and evict_storage answered 0 where the
+    other ranks answered 8.
+    """
+    inner = LocalFileStore(tmp_path)
+    store = Faulty(inner)
+    cache, node = agreed_owner(store)
+    keys = list(node.store_keys or ())
+    store.drop_fails = True
+    assert cache.evict_storage(100) == 2 * PAGE
+    assert node.storage == "unstored"
+    assert cache.stats().storage_failures == {"evict:failed": 1}
+    assert cache.stats().storage_errors == {
+        "evict:failed": "faulty: drop failed after 0 of 2 pages: planted"
+    }
+    assert "evicted" not in cache.stats().storage_pages
+    assert inner.exists_prefix(keys) == 2  # left in the store, unknown to the tree
+
+
+def test_under_agreement_a_page_a_read_holds_still_evicts(tmp_path: Path) -> None:
+    """A read of a fetch that timed out here may hold a page: the node is evicted all the same.
+
+    The event itself (``fire``) raised EffectFailed on this rank alone.
+    """
+    store = LocalFileStore(tmp_path)
+    cache, node = agreed_owner(store)
+    keys = list(node.store_keys or ())
+    with store.reading(keys):
+        cache.fire("evict_storage", node)
+    assert node.storage == "unstored"
+    assert cache.stats().storage_failures == {"evict:failed": 1}
+    assert store.exists_prefix(keys) == 2
 
 
 @pytest.fixture

@@ -920,7 +920,10 @@ class HiCache:
 
         Least recently used stored leaves go first (no child with pages in
         storage, no copy reading or writing them, no read holding a page of a
-        local store); the nodes keep their device and host copies.
+        local store); the nodes keep their device and host copies. Under
+        tensor-parallel agreement a drop this rank's store fails or refuses
+        does not keep its node (every rank evicts the same nodes): it is
+        counted as ``evict:failed``, its pages left in the store.
 
         Raises:
             BadArgument: ``num_tokens`` is not an int >= 0.
@@ -1085,7 +1088,8 @@ class HiCache:
         Raises:
             CopyFailed: A storage fetch's pages could not be written to the
                 host; it was applied as failed (its nodes settled), and so was
-                every other copy.
+                every other copy. Under tensor-parallel agreement the group's
+                step raises it instead, after this poll.
         """
         with self._operation("poll"):
             applied = self._transfers.apply(self._transfers.collect(wait=False), "poll")

@@ -682,6 +682,9 @@ class StorageTier:
         self._agreed_only = False  # a group agrees on what collect() returns
         self._reported: dict[int, StoreResult | None] = {}  # the window of the last report
         self._agreed: dict[int, StoreResult] = {}  # accepted, not yet applied, by number
+        # fetches report() wrote to the host, not yet applied: the result, the write's error
+        self._landed: dict[int, tuple[StoreResult, Exception | None]] = {}
+        self._unwritten: CopyFailed | None = None  # the first such write failed, applied, unraised
         # copies whose failure backs nothing off (again): a step carried it already, or
         # lookups backed off while the copy was in flight (:meth:`_back_off`)
         self._told: set[int] = set()
@@ -782,16 +785,39 @@ class StorageTier:
     def delete_storage(self, node: TreeNode) -> None:
         """Delete ``node``'s pages from a store this cache owns.
 
+        Under tensor-parallel agreement a drop this rank's store refuses or
+        fails (a read of a fetch that timed out still holds a page, a Redis
+        blip) is this rank's alone: failing the event here would leave the node
+        stored on this rank and evicted on the others, so ``evict_storage``
+        goes on, counted as ``evict:failed``. The pages left behind in this
+        rank's store are unknown to the tree, as pages a rank's store landed
+        past the prefix the group agreed on: found again by key, or evicted by
+        the store's own limit.
+
         Raises:
             ConfigError: The store is shared (``owned=False``).
-            PageInUse: A read holds a page (local store); nothing was deleted.
+            PageInUse: A read holds a page (local store); nothing was deleted
+                (not under agreement).
         """
         if not self.config.owned:
             raise ConfigError(
                 "storage: the store is shared (owned=False): its own eviction deletes pages"
             )
-        dropped = self._store.drop(list(self.keys_of(node)))
+        keys = list(self.keys_of(node))
+        if not self._agreed_only:
+            dropped = self._store.drop(keys)
+        else:
+            try:
+                dropped = self._store.drop(keys)
+            except Exception as exc:  # whatever this rank's store raised: the group evicts
+                self._evict_failed(exc)
+                return
         self._core.counters.storage_pages["evicted"] += dropped  # what was still stored
+
+    def _evict_failed(self, error: BaseException) -> None:
+        """Count a drop the store would not do as ``evict:failed``, with what it said."""
+        self._core.counters.storage_failures["evict:failed"] += 1
+        self._core.counters.storage_errors["evict:failed"] = str(error)
 
     def _queue(self, kind: str, node: TreeNode, keys: Sequence[str]) -> None:
         self._numbers += 1
@@ -901,6 +927,11 @@ class StorageTier:
         could not be is applied as ``failed``, so its nodes settle, and the
         error is raised once every copy was applied. Returns how many were applied.
 
+        Under agreement the copies the group accepted were written by
+        :meth:`report`, and the error is kept for :meth:`raise_unwritten`
+        instead (the group's step raises it), except when the cache closes
+        (``wait``).
+
         Raises:
             CopyFailed: A fetch's pages could not be written to the host; its
                 nodes failed as after a store that raised, and the other copies
@@ -932,10 +963,16 @@ class StorageTier:
                 self._apply_fetch(copy, result)
         if unwritten:
             copy, exc = unwritten[0]
-            raise CopyFailed(
+            error = CopyFailed(
                 f"storage: fetch {copy.number}: its pages could not be written to the host: "
                 f"{type(exc).__name__}: {exc}"
-            ) from exc
+            )
+            error.__cause__ = exc
+            if not self._agreed_only or origin == "wait":
+                raise error
+            # the group's failure, applied inside an operation of every rank: raised there on
+            # this rank alone, it would be a refusal the others' logs lack (raise_unwritten)
+            self._unwritten = self._unwritten or error
         return len(outcomes)
 
     def _land(
@@ -951,18 +988,38 @@ class StorageTier:
         the worker should have refused, an error of torch's) lands no page,
         and is applied as ``failed`` so that its nodes settle instead of
         staying ``reading`` with no copy in flight; the error is added to
-        ``unwritten`` for :meth:`apply` to raise.
+        ``unwritten`` for :meth:`apply` to raise. A fetch :meth:`report` wrote
+        already (under agreement) is not written again: ``result`` is the
+        group's outcome of what it wrote, and the error of a write that
+        failed here is raised as after a write here.
+        """
+        landed = self._landed.pop(copy.number, None)
+        if landed is None:
+            landed = self._write_fetch(copy, result)
+            result = landed[0]
+        if landed[1] is not None:
+            unwritten.append((copy, landed[1]))
+        return result
+
+    def _write_fetch(
+        self, copy: StorageCopy, result: StoreResult
+    ) -> tuple[StoreResult, Exception | None]:
+        """Write a finished fetch's pages into its host slots: the result it leaves, and the error.
+
+        The slots were taken for the fetching nodes when the fetch started
+        (:meth:`start_fetch`), and nothing reads them until ``fetch_done``; a
+        write that fails leaves ``failed`` with no page landed. Anything but a
+        fetch that read pages is left as it is.
         """
         if copy.kind != "fetch" or not result.held:
-            return result
+            return result, None
         slots = [page for node in copy.nodes for page in node.host_pages][: result.held]
         try:
             self._write_host(slots, result.pages)
         except Exception as exc:  # torch's, or a page _get should have refused
-            unwritten.append((copy, exc))
             why = f"not written to the host: {type(exc).__name__}: {exc}"
-            return StoreResult(0, [], "failed", why)
-        return result
+            return StoreResult(0, [], "failed", why), exc
+        return result, None
 
     def _down(self, outcomes: Sequence[tuple[StorageCopy, StoreResult]]) -> list[int]:
         """Return the numbers of the copies applied that failed as a store that is down fails one.
@@ -982,9 +1039,16 @@ class StorageTier:
         return [c.number for c, r in outcomes if c.number in self._told and r.outcome != "ok"]
 
     def _result(self, copy: StorageCopy) -> StoreResult:
-        """The result to apply: the group's, when it accepted the copy; else this rank's."""
+        """The result to apply: the group's, when it accepted the copy; else this rank's.
+
+        This rank's is what :meth:`report` told the group, where it reported
+        the copy (a fetch whose pages could not be written to the host failed).
+        """
         agreed = self._agreed.pop(copy.number, None)
-        return self._outcome(copy) if agreed is None else agreed
+        if agreed is not None:
+            return agreed
+        landed = self._landed.get(copy.number)
+        return self._outcome(copy) if landed is None else landed[0]
 
     def _outcome(self, copy: StorageCopy) -> StoreResult:
         """The worker's result (which checked a fetch's pages), or a timeout; the same at each call.
@@ -1084,6 +1148,8 @@ class StorageTier:
         self._numbers = 0
         self._reported = {}
         self._agreed = {}
+        self._landed = {}
+        self._unwritten = None
         self._told = set()
 
     def close(self) -> None:
@@ -1128,6 +1194,13 @@ class StorageTier:
         copy, else the fewest pages any rank landed and, where a rank that
         landed that few found the page gone, 0. Pass the MIN to :meth:`accept`.
 
+        A fetch that finished here is written into its host slots first, once
+        (:meth:`apply` does not write it again): a write that fails is local
+        (torch's, a page the store handed back with no data), so it is
+        reported as 0 pages, ``failed``, and the MIN fails the fetch on every
+        rank; this rank raises its ``CopyFailed`` once that is applied, the
+        others apply ``peer_failed`` (or ``peer_missing``).
+
         Args:
             slots: How many copies the group considers at once (the same on every rank).
             wait: First wait for each started copy of those until its timeout
@@ -1141,10 +1214,19 @@ class StorageTier:
                 deadline = copy.started + self.config.io_timeout
                 _wait(copy, deadline - self._clock())
             result = None if copy.started is None else self._ended(copy)
+            if result is not None and copy.kind == "fetch":
+                result = self._landed_here(copy, result)
             self._reported[copy.number] = result
             flag = result is not None and result.outcome not in _GONE
             out.append(-1 if result is None else 2 * result.held + flag)
         return out + [-1] * (slots - len(window))
+
+    def _landed_here(self, copy: StorageCopy, result: StoreResult) -> StoreResult:
+        """Write a fetch that ended here (``result``) to the host once; return what it left."""
+        landed = self._landed.get(copy.number)
+        if landed is None:
+            landed = self._landed[copy.number] = self._write_fetch(copy, result)
+        return landed[0]
 
     def _ended(self, copy: StorageCopy) -> StoreResult | None:
         """Return how a started copy ended here (a timeout too), or None while it runs."""
@@ -1178,6 +1260,22 @@ class StorageTier:
         self._agreed.update(taken)
         self._reported = {}
         return len(taken)
+
+    def raise_unwritten(self) -> None:
+        """Raise the first fetch this rank could not write to the host since the last call.
+
+        Under agreement such a fetch is reported as 0 pages (:meth:`report`),
+        so the group fails it on every rank, inside each rank's ``poll``; the
+        error is raised after the group's step instead, outside any operation
+        of the cache, so that the ranks' logs (and digests) stay equal.
+
+        Raises:
+            CopyFailed: A fetch's pages could not be written to this rank's
+                host; the group applied it as failed on every rank.
+        """
+        error, self._unwritten = self._unwritten, None
+        if error is not None:
+            raise error
 
     # -- backup to storage -----------------------------------------------------
 
@@ -1542,7 +1640,10 @@ class StorageTier:
         Only nodes whose pages are ``stored`` (no copy reads or writes them) and
         none of whose children has pages in storage; a page a read holds
         (local store) keeps its node, and so does a store that would not
-        delete (it went away: counted as ``evict:failed``).
+        delete (it went away: counted as ``evict:failed``). Under
+        tensor-parallel agreement neither keeps it: what a rank's own store
+        does cannot change which nodes the group evicts
+        (:meth:`delete_storage`), so every rank returns the same count.
 
         Raises:
             ConfigError: The store is shared (``owned=False``).
@@ -1562,8 +1663,7 @@ class StorageTier:
                 self._core.fire(node, "evict_storage")
             except EffectFailed as exc:  # a read holds a page, or the store would not delete
                 if not isinstance(exc.__cause__, PageInUse):
-                    self._core.counters.storage_failures["evict:failed"] += 1
-                    self._core.counters.storage_errors["evict:failed"] = str(exc.__cause__ or exc)
+                    self._evict_failed(exc.__cause__ or exc)
                 continue  # it stays, and so does what is under it
             freed += len(node.key)
             parent = node.parent

@@ -427,6 +427,10 @@ class DistributedCache:
                 lost; the oldest copy finished on some ranks and not on
                 others for longer than ``timeout``; or some ranks called
                 another method (:meth:`verify_agreement`, say) instead.
+            CopyFailed: A storage fetch's pages could not be written to this
+                rank's host: the group failed the fetch on every rank, and
+                this rank alone raises it, once the step is done
+                (:meth:`~fsm_cache.cache.storage_tier.StorageTier.raise_unwritten`).
         """
         with self._in_group("step"):
             with self._announcing("step"):
@@ -434,7 +438,10 @@ class DistributedCache:
                 self._follow_reset()
                 for completion in self.cache.tiers.copier.poll():
                     self._finished[completion.ticket.id] = completion
-            return self._agree(drained=False)[0]
+            applied = self._agree(drained=False)[0]
+        if self.cache.storage is not None:  # after the step, on this rank alone: see the tier's
+            self.cache.storage.raise_unwritten()
+        return applied
 
     def poll(self) -> int:
         """Deprecated: :meth:`step`, which is meant once per scheduler step, not per request."""
@@ -468,6 +475,7 @@ class DistributedCache:
                 reached without raising (refused at once: the group is broken).
             CacheClosed: The cache was closed (raised before the collective: where
                 another rank's cache is open, it raises RankFailure naming this rank).
+            CopyFailed: As :meth:`step`, once the last round is done.
         """
         with self._in_group("drain"):
             with self._announcing("drain"):
@@ -483,7 +491,10 @@ class DistributedCache:
                 if limit is None:  # the first round checked that the trees agree, so this does
                     limit = len(self.cache.tree.nodes) + 2
                 if quiet or rounds >= limit:
-                    return applied
+                    break
+        if self.cache.storage is not None:  # after the last round: the others' rounds go on
+            self.cache.storage.raise_unwritten()
+        return applied
 
     def _agree(self, *, drained: bool) -> tuple[int, bool]:
         """Agree on the finished head of the issue order and apply it; see :meth:`step`.
