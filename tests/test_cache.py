@@ -798,6 +798,34 @@ class TestMisuseFoundByReview:
         cache.close()
         assert (cache.closed, cache.tiers.closed) == (True, True)
 
+    @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+    def test_write_back_leaves_stay_evictable_when_their_eviction_breaks(
+        self, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]
+    ) -> None:
+        """An allocator that breaks as an acknowledged write-back leaf is evicted spoils nothing.
+
+        The leaf that raised was filed nowhere and the one after it stayed
+        waiting for an acknowledgement already applied: neither could be
+        evicted again, so a later allocation was refused with both unlocked.
+        """
+        cache = make(write_policy="write_back", device_pages=4, host_pages=8)
+        cache.insert(tokens(0, 4))
+        cache.insert(tokens(100, 4))
+        assert cache.evict(4) == 0  # one backup of both leaves; evicted once it lands
+        allocator = cache.tiers.device.allocator
+        works = allocator.free
+
+        def free(pages: Sequence[int], owner: int = -1) -> None:
+            monkeypatch.setattr(allocator, "free", works)
+            raise error("allocator broke")
+
+        monkeypatch.setattr(allocator, "free", free)
+        with pytest.raises((EffectFailed, error)):
+            cache.poll()
+        cache.check_invariants()
+        assert cache.evict(8) == 8
+        assert len(cache.alloc_slots(16)) == 16
+
     def test_an_engine_raising_at_a_load_start_fails_the_load_and_says_so(self) -> None:
         error = ValueError("copy: device page 3 is still in use by an unreported copy")
         cache = make(copier=self.raising_at_start("h2d", error), load_back_threshold=0)

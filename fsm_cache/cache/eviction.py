@@ -311,14 +311,23 @@ class Evictor:
         """Evict the write-back leaves whose backup was just acknowledged."""
         if event not in ("write_done", "write_failed") or not self._waiting:
             return
-        for node in nodes:
-            if node.id not in self._waiting:
-                continue
+        waiting = [n for n in nodes if n.id in self._waiting]
+        for at, node in enumerate(waiting):
             self._waiting.discard(node.id)
             if event == "write_done" and self._core.allowed(node, "evict_device"):
-                self._core.fire(node, "evict_device")
+                try:
+                    self._core.fire(node, "evict_device")
+                except BaseException:  # the allocator broke as it freed: evict them later
+                    self._refile(waiting[at:])
+                    raise
             else:
                 self._leaves.push(node)  # locked meanwhile, or the backup failed: evict later
+
+    def _refile(self, nodes: Sequence[TreeNode]) -> None:
+        """File ``nodes`` as device leaves again, waiting no more: their eviction broke off."""
+        for node in nodes:
+            self._waiting.discard(node.id)
+            self._leaves.push(node)
 
     # -- host ----------------------------------------------------------------
 
