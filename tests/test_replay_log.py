@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -19,10 +19,13 @@ from fsm_cache.engine import lease as leases
 from fsm_cache.errors import (
     BadArgument,
     CopyFailed,
+    DuplicateAck,
     EffectFailed,
     ForeignSlot,
     NoHostCopy,
+    ReleaseAtZero,
     ReplayMismatch,
+    UnlockAtZero,
 )
 from fsm_cache.memory.copies import CopyEngine
 from fsm_cache.memory.kv import KVPool
@@ -842,3 +845,50 @@ def test_a_log_or_config_of_the_wrong_type_is_named(
     with pytest.raises(BadArgument) as caught:
         replay(log, config)  # type: ignore[arg-type]
     assert str(caught.value) == message
+
+
+def test_a_refused_apply_completions_replays() -> None:
+    """A refused ``apply_completions`` logs no batch; a replay takes none for it.
+
+    The replay took the next recorded batch for it, a later poll's, and
+    raised ``ReplayMismatch`` on a log every call of which was sound.
+    """
+    cache = HiCache(BASE)
+    cache.insert(list(range(8)))
+    done = cache.tiers.copier.poll()  # the finished copy, as a tensor-parallel step collects it
+    cache.apply_completions(done)
+    with pytest.raises(DuplicateAck):
+        cache.apply_completions(done)  # the same completion again: nothing applied
+    with pytest.raises(BadArgument):
+        cache.apply_completions([object()])  # type: ignore[list-item]
+    cache.insert(list(range(100, 108)))
+    cache.poll()
+    assert states(replay(cache.log, BASE)) == states(cache)
+
+
+@pytest.mark.parametrize(("take", "by_hand"), [("pin", "release"), ("lock", "unlock")])
+def test_a_release_refused_and_tried_again_replays(
+    take: Literal["pin", "lock"], by_hand: Literal["release", "unlock"]
+) -> None:
+    """A receipt whose release was refused is still held: releasing it again replays.
+
+    The replay let go of its receipt at the first, refused, release, and the
+    second raised ``ReplayMismatch`` (no receipt held).
+    """
+    cache = HiCache(BASE)
+    cache.insert(list(range(8)))
+    cache.poll()
+    node = cache.match_prefix(list(range(8))).last_device_node
+    receipt = cache.pin(node) if take == "pin" else cache.lock(node)
+    cache.fire(by_hand, node)  # a tool releases it by hand
+    for _ in range(2):
+        with pytest.raises((ReleaseAtZero, UnlockAtZero)):
+            receipt.release()
+    known = {id(d) for d in leases.dropped_leases()}
+    # the replay's receipt is still held after its refused releases, as the recording's is
+    with pytest.warns(ResourceWarning, match=rf"node {node.id}: lease \({take} taken at replay.py"):
+        replayed = replay(cache.log, BASE)
+    leases.forget_dropped([d for d in leases.dropped_leases() if id(d) not in known])
+    assert states(replayed) == states(cache)
+    cache.fire(take, node)  # taken again by hand, so the receipt still held can go
+    receipt.release()

@@ -147,6 +147,8 @@ def _step(
 ) -> None:
     """Replay the operation logged at position ``at`` and check its outcome."""
     name = entry[1]
+    if name == "apply_completions" and refused is not None:
+        return  # refused before any completion was taken: what the caller passed is not logged
     try:
         _apply(cache, at, entry, held)
     except ReplayMismatch:
@@ -463,7 +465,8 @@ def _lease(cache: HiCache, at: int, entry: Entry, held: dict[tuple[str, int], li
         raise ReplayMismatch(
             f"replay: entry {at} {entry!r}: no {kind} of node {ident} is held on replay"
         )
-    receipts.pop(0).release()
+    receipts[0].release()  # a refused release leaves the receipt held, to be released again
+    receipts.pop(0)
 
 
 def _node(cache: HiCache, at: int, entry: Entry, ident: object) -> TreeNode:
