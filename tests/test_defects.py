@@ -586,7 +586,7 @@ def test_pin_refuses_a_namespace_root_and_lock_takes_it() -> None:
     assert snapshot(cache) == before
     assert cache.stats().pins == 0
     with cache.lock(root):
-        assert cache.stats().locks == 0  # SGLang locks the root on a zero-length hit
+        assert cache.stats().locks == 1  # SGLang locks the root on a zero-length hit: counted
     assert snapshot(cache) == before
 
 

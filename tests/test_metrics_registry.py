@@ -386,3 +386,39 @@ def test_a_cache_registered_twice_is_refused() -> None:
     other = prometheus_client.CollectorRegistry()  # another registry may report it too
     register(cache, other, name="a")
     assert series(other, "fsm_cache_tokens") == series(registry, "fsm_cache_tokens")
+
+
+def test_a_lock_on_a_namespace_root_is_counted() -> None:
+    """A miss's lock is its root's: ``locks`` counts it, so a leaked one shows.
+
+    The sum ran over the tree's nodes, which leave the roots out: a request
+    that matched nothing held a lock no figure showed.
+    """
+    registry = prometheus_client.CollectorRegistry()
+    cache = HiCache(BASE)
+    register(cache, registry, name="c")
+    miss = cache.lock(cache.match_prefix(list(range(6))).last_device_node)
+    lora = cache.lock(cache.match_prefix(list(range(6)), namespace="lora").last_device_node)
+    assert cache.stats().locks == 2
+    assert series(registry, "fsm_cache_locks") == {(("cache", "c"),): 2.0}
+    cache.insert(list(range(8)))
+    held = cache.lock(cache.match_prefix(list(range(8))).last_device_node)  # under the root
+    assert cache.stats().locks == 3
+    for lease in (miss, lora, held):
+        lease.release()
+    assert cache.stats().locks == 0
+
+
+def test_hit_rates_are_over_the_tokens_looked_up() -> None:
+    """A lookup counts every token asked for, a partial last page too, as SGLang's hit rate does.
+
+    It counted the page-aligned part: a 3-token lookup of 4-token pages
+    counted none, and the hit rates came out higher than they were.
+    """
+    cache = HiCache(BASE)
+    cache.insert(list(range(4)))
+    cache.match_prefix(list(range(7)))  # 4 of 7 on the device
+    cache.match_prefix([9, 9, 9])  # 0 of 3
+    stats = cache.stats()
+    assert stats.lookup_tokens == 10
+    assert stats.device_hit_rate == 4 / 10

@@ -294,6 +294,7 @@ class HiCache:
         namespace = arguments.namespace(namespace, "match_prefix")
         with self._operation("match_prefix", key, namespace):
             tree = self._core.tree
+            asked = len(key)  # a hit rate's denominator: the tokens asked for, a partial page too
             key = tree.aligned(key)
             walk = tree.walk(key, namespace)
             if self._storage is not None:
@@ -312,7 +313,7 @@ class HiCache:
                 cached = local_prefix(walk.path)
                 matched = sum(len(n.key) for n in cached)
                 storage_len = walk.matched - matched
-            self._core.counters.looked_up(len(key), device_len, matched - device_len)
+            self._core.counters.looked_up(asked, device_len, matched - device_len)
             return MatchResult(
                 device_len=device_len,
                 host_len=matched - device_len,

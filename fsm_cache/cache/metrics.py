@@ -151,14 +151,15 @@ class Stats:
             divide the increases of ``hit_tokens`` and ``lookup_tokens``).
         host_hit_rate: Host-only matched tokens over looked-up tokens, likewise.
         pins: Pins outstanding, summed over nodes.
-        locks: Locks outstanding on leaves of lock paths (a lock counts once).
+        locks: Locks outstanding on leaves of lock paths (a lock counts once),
+            a namespace root's included (the lock of a request that matched nothing).
         copies_in_flight: Copies between the device and the host started and
             not yet applied (:meth:`~fsm_cache.cache.hicache.HiCache.issued`),
             whatever the copy engine reports of them.
         bytes: Bytes copied per direction (``d2h``, ``h2d``).
         seconds: Seconds from start to applied acknowledgement, per direction.
         copy_failures: Copies whose acknowledgement reported failure, per direction.
-        lookup_tokens: Tokens looked up, since ``counted_since``.
+        lookup_tokens: Tokens looked up (a partial last page too), since ``counted_since``.
         hit_tokens: Of those, tokens matched on the device (``device``) and
             on the host only (``host``).
         transitions: Applied transitions by event.
@@ -224,7 +225,8 @@ def snapshot(cache: Observed, storage_in_flight: int = 0) -> Stats:
     nodes = list(cache.tree)
     c = cache.counters
     looked = max(c.lookup_tokens, 1)
-    locks = sum(n.locks - sum(ch.locks for ch in list(n.children.values())) for n in nodes)
+    held = [*list(cache.tree.roots.values()), *nodes]  # a miss's lock is its root's
+    locks = sum(n.locks - sum(ch.locks for ch in list(n.children.values())) for n in held)
     return Stats(
         nodes=len(nodes),
         device_tokens=sum(len(n.key) for n in nodes if n.device in DEVICE_HELD),
