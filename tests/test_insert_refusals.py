@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from fsm_cache.cache.hicache import HiCache
+from fsm_cache.cache.replay import replay
 from fsm_cache.errors import (
     CacheClosed,
     CopyFailed,
@@ -315,3 +316,59 @@ def test_a_pool_short_of_what_only_the_prefix_holds_is_refused_unsplit() -> None
         cache.insert([1, 2, 3, 4, *range(20, 26)])  # three pages: the suffix holds two
     assert str(caught.value) == "device pool exhausted: requested 6 slots, 0 free"
     assert state(cache) == before
+
+
+def test_a_refused_insert_whose_eviction_changed_nothing_leaves_it_unsplit() -> None:
+    """The pool short, eviction tried and freed nothing: the split is taken back, log and all.
+
+    Write-back, one host page, held by a backed node whose device child is
+    unbacked: no backup can find room, so neither that child nor the suffix
+    of the node the insert runs into can leave the device. The eviction only
+    locked and unlocked the prefix; that pair goes from the log with the
+    split (the counters keep it, and the backups refused: they count what
+    ran), so a replay of the log reruns the refused insert to the same refusal.
+    """
+
+    def full() -> HiCache:
+        cache = HiCache(
+            CacheConfig(
+                device_pages=4,
+                host_pages=1,
+                page_size=2,
+                layers=1,
+                heads=1,
+                head_dim=4,
+                device="cpu",
+                write_policy="write_back",
+                debug=True,
+            )
+        )
+        cache.insert([1, 2])
+        cache.backup([cache.match_prefix([1, 2]).last_device_node])
+        cache.poll()  # the host pool's only page
+        cache.insert([1, 2, 3, 4])  # unbacked, under the backed node
+        cache.insert([9, 10, 11, 12])  # unbacked; the device pool is full
+        return cache
+
+    cache, twin = full(), full()
+    entries = list(cache.log.entries)
+    before = state(cache)
+    with pytest.raises(PoolExhausted) as caught:
+        cache.insert([9, 10, 13, 14])  # runs into [9..12] after its first page
+    assert str(caught.value) == "device pool exhausted: requested 2 slots, 0 free"
+    after = state(cache)
+    assert after[:3] == before[:3]
+    assert after[4:] == before[4:]
+    counted = after[3]["transitions"] - before[3]["transitions"]  # type: ignore[index]
+    assert counted == {"lock": 1, "unlock": 1}  # the eviction's hold of the prefix
+    refused = after[3]["refused"] - before[3]["refused"]  # type: ignore[index]
+    assert refused == {"write": 2}  # the backups no host room was found for
+    assert [kind for kind, _, _ in cache.log.entries[len(entries) :]] == ["op", "refused"]
+    assert cache.log.transitions() == twin.log.transitions()
+    cache.check_invariants()
+    replayed = replay(cache.log, cache.config)
+    assert state(replayed)[:3] == state(cache)[:3]
+    for c in (cache, twin):  # the same next step, a split: the same node ids
+        c.insert([9, 10])
+    assert state(cache)[:3] == state(twin)[:3]
+    assert cache.log.transitions() == twin.log.transitions()

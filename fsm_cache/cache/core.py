@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from fsm_cache.cache.eventlog import EventLog
+from fsm_cache.cache.eventlog import Entry, EventLog
 from fsm_cache.cache.metrics import Counters
 from fsm_cache.cache.tree import Pages, RadixTree, TreeNode
 from fsm_cache.engine import trail
@@ -163,13 +163,19 @@ class CacheCore:
     def unsplit(self, prefix: TreeNode) -> bool:
         """Take back the split that made ``prefix`` if nothing happened since; return whether it did.
 
-        For an operation that split a node and then failed from outside the
-        cache (an allocator that broke): the tree, the node ids and the log
+        For an operation that split a node and then failed: from outside the
+        cache (an allocator that broke), or short of device pages that the
+        eviction it ran could not free: the tree, the node ids and the log
         are then as if the split had never been. Only where that is exactly
-        so: the split is the last entry logged (no transition since, on
-        either half or elsewhere), ``prefix`` is the last node made and still
-        in the residency the split gave it, and neither half has a copy in
-        flight (which the split would have re-homed onto the prefix too).
+        so: nothing is logged after the split but, at most, a lock and then
+        an unlock of one node (the path an eviction that changed nothing
+        held, see :meth:`Evictor.alloc_device
+        <fsm_cache.cache.eviction.Evictor.alloc_device>`), which together
+        change nothing and are taken back with it; ``prefix`` is the last
+        node made and still in the residency the split gave it, and neither
+        half has a copy in flight (which the split would have re-homed onto
+        the prefix too). The counters keep the lock and the unlock: they
+        count what ran, and a counter never goes down.
 
         Raises:
             PoolError: The pools refuse the pages handed back as not the
@@ -182,8 +188,8 @@ class CacheCore:
             return False
         (suffix,) = prefix.children.values()
         entry = ("transition", prefix.id, f"split:{suffix.id}")
-        entries = self.log.entries
-        if not entries or entries[-1] != entry:
+        after = self._held_since(entry)
+        if after is None:
             return False
         residency = (prefix.host, prefix.device, prefix.pins, prefix.locks, prefix.storage)
         split = split_prefix(suffix.host, suffix.device, suffix.locks, suffix.storage)
@@ -193,8 +199,27 @@ class CacheCore:
             self.tree.unsplit(prefix)
         except InvariantViolation:  # not the last node made: its id may be known elsewhere
             return False
-        self.log.retract(entry)
+        for taken in (*reversed(after), entry):
+            self.log.retract(taken)
         return True
+
+    def _held_since(self, entry: Entry) -> tuple[Entry, ...] | None:
+        """The entries logged after ``entry`` if they change nothing together, else None.
+
+        That is none, or a lock and then an unlock of one node: the hold an
+        allocation puts on its path while it evicts, when the eviction
+        logged nothing else (no eviction, backup, deletion or acknowledgement).
+        """
+        entries = self.log.entries
+        count = len(entries)
+        if count and entries[-1] == entry:
+            return ()
+        if count < 3 or entries[-3] != entry:
+            return None
+        lock, unlock = entries[-2], entries[-1]
+        if lock[0] != "transition" or lock[2] != "lock" or unlock != (*lock[:2], "unlock"):
+            return None
+        return lock, unlock
 
     def _split(self, prefix: TreeNode, suffix: TreeNode) -> None:
         # the prefix's pages are its own already: the tree handed them over before it changed

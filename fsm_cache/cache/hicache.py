@@ -371,7 +371,9 @@ class HiCache:
                 it evicted are host-only (or deleted, under write-through), the
                 write-backs it started were waited for and applied, and a node
                 the insert runs into part way was split first (eviction may
-                take its suffix).
+                take its suffix). Where the eviction changed nothing after
+                all, that split is taken back: the tree, the node ids and the
+                log (but for the call and its refusal) are as they were.
             EffectFailed: The device allocator broke (an error from outside
                 the cache) as a host-only node on the path took its pages: the
                 nodes before it keep theirs (logged), and nothing after it was
@@ -523,7 +525,10 @@ class HiCache:
             ForeignSlot: As :meth:`_caller_pages`; nothing changed.
             PoolExhausted: Too little device memory even after eviction;
                 nothing changed, or (the pool short, eviction not enough) the
-                node was split and what eviction did stays done.
+                node was split and what eviction did stays done. A split
+                whose eviction changed nothing is taken back
+                (:meth:`CacheCore.unsplit
+                <fsm_cache.cache.core.CacheCore.unsplit>`).
         """
         parts = slots.wanted(walk.path, key, walk.cut)
         runs: list[Pages] | None = None
