@@ -208,7 +208,7 @@ def test_an_effect_that_fires_its_own_event_is_refused_at_the_first_reentry(
     with pytest.raises(EffectReentered) as info:
         engine.fire(node, "write")
     assert str(info.value) == (
-        "node 4: write fired again while its effect start_write was running on the record;"
+        "node 4: write fired while its effect start_write was already running on the record;"
         " the re-entrant write was refused before start_write ran again"
     )
     assert isinstance(info.value, EffectFailed)
@@ -218,6 +218,39 @@ def test_an_effect_that_fires_its_own_event_is_refused_at_the_first_reentry(
     while cause is not None:
         depth, cause = depth + 1, cause.__cause__
     assert depth <= 2
+
+
+@TRAILS
+def test_an_event_sharing_a_running_effect_is_named_as_the_one_that_fired(trail: bool) -> None:
+    """Two events bound to one effect: the second, fired from it, never fired before.
+
+    The message said the second event "fired again", pointing a reader at a
+    firing of it that never happened.
+    """
+    engines: list[Engine] = []
+
+    def shared(rec: Any) -> None:
+        engines[0].fire(rec, "b")
+
+    transitions = [
+        {**t, "effect": "on_a"} if t["event"] == "b" else t
+        for t in RING["transition"]  # type: ignore[attr-defined]
+    ]
+    engine = Engine(
+        spec_from_dict({**RING, "transition": transitions}),
+        effects={"grabbed": _nothing, "on_a": shared},
+        trail=trail,
+    )
+    engines.append(engine)
+    item = Item(engine, 6)
+    before = snapshot(engine, item)
+    with pytest.raises(EffectReentered) as info:
+        engine.fire(item, "a")
+    assert str(info.value) == (
+        "item 6: b fired while its effect on_a was already running on the record;"
+        " the re-entrant b was refused before on_a ran again"
+    )
+    assert snapshot(engine, item) == before
 
 
 @TRAILS
@@ -240,7 +273,7 @@ def test_an_effect_that_fires_its_event_through_another_is_refused(trail: bool) 
     with pytest.raises(EffectReentered) as info:
         engine.fire(item, "a")
     assert str(info.value) == (
-        "item 5: a fired again while its effect on_a was running on the record;"
+        "item 5: a fired while its effect on_a was already running on the record;"
         " the re-entrant a was refused before on_a ran again"
     )
     assert runs == ["on_a", "on_b"]
@@ -267,7 +300,7 @@ def test_a_reentry_while_the_effect_runs_on_two_records_is_refused(back: int) ->
     with pytest.raises(EffectReentered) as info:
         engine.fire(items[1], "a")
     assert str(info.value) == (
-        f"item {back}: a fired again while its effect on_a was running on the record;"
+        f"item {back}: a fired while its effect on_a was already running on the record;"
         " the re-entrant a was refused before on_a ran again"
     )
     assert runs == [1, 2]

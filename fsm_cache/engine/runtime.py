@@ -184,7 +184,7 @@ def effect_failed(exc: Exception, name: str, event: str, rec: Any, label: str) -
     """
     if isinstance(exc, Reentry):
         return EffectReentered(
-            f"{label} {rec.id}: {event} fired again while its effect {name} was running"
+            f"{label} {rec.id}: {event} fired while its effect {name} was already running"
             f" on the record; the re-entrant {event} was refused before {name} ran again"
         )
     if isinstance(exc, EffectReentered):
