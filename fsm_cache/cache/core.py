@@ -175,7 +175,9 @@ class CacheCore:
         node made and still in the residency the split gave it, and neither
         half has a copy in flight (which the split would have re-homed onto
         the prefix too). The counters keep the lock and the unlock: they
-        count what ran, and a counter never goes down.
+        count what ran, and a counter never goes down. An event log kept
+        shorter than those three entries (``log_limit`` under 3) has dropped
+        the split's own entry by then, so there the split stays.
 
         Raises:
             PoolError: The pools refuse the pages handed back as not the
