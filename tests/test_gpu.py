@@ -140,6 +140,10 @@ def test_tiers_close_waits_for_copies_and_unpins() -> None:
         device_pages=64, host_pages=64, layers=8, heads=8, head_dim=128, device="cuda"
     )
     tiers = Tiers(config)
+    # random bytes: a fresh device pool may read as zeros, as the host pool does, and a
+    # close that never ran the copy would pass
+    tiers.device.tensor.view(torch.uint8).random_(0, 256)
+    torch.cuda.synchronize()
     want = raw(tiers.device, list(range(64)))
     spin()
     tiers.copier.start_write(list(range(64)), list(range(64)))
@@ -239,12 +243,25 @@ def test_staging_is_allocated_on_the_copy_stream_not_the_callers() -> None:
     eng.close()
 
 
+def warm(cache: HiCache) -> None:
+    """Build the cache's synthetic-KV constants (an insert), then wait for the device.
+
+    The first insert of a layout builds them and synchronises the device as it
+    does: after a spin that would wait the spin out before the KV is written, and
+    a test of the order of that write could not fail.
+    """
+    cache.insert(list(range(10_000, 10_016)))
+    while cache.tiers.copier.in_flight():
+        cache.poll()
+    torch.cuda.synchronize()
+
+
 def test_a_cache_given_a_compute_stream_backs_up_the_kv_it_wrote_there() -> None:
     """The cache wrote its own KV on the current stream, which its copies no longer followed."""
     forward = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     config = CacheConfig(device="cuda", device_pages=64, page_size=16, head_dim=16)
     cache = HiCache(config, compute_stream=forward)
-    torch.cuda.synchronize()  # the pools' own initialisation is done before anything is timed
+    warm(cache)
     prompt = list(range(64))
     spin()  # the current stream is busy: work queued on it now runs seconds later
     cache.insert(prompt)  # write-through: the KV written, then a backup started
@@ -271,7 +288,7 @@ def test_a_copiers_engine_with_a_compute_stream_has_the_cache_write_its_kv_there
         copier=FaultyCopyEngine.copier(engine=engine),
     )  # fmt: skip
     cache = HiCache(config)
-    torch.cuda.synchronize()
+    warm(cache)
     prompt = list(range(64))
     spin()  # the current stream is busy: work queued on it now runs seconds later
     cache.insert(prompt)

@@ -25,6 +25,15 @@ does, and so does the next event of every stream made to wait for that work
 (on CUDA such an error poisons everything after it); the engine turns that
 into a failed completion.
 
+What it cannot show: work queued on two streams runs in the order it was
+queued, so a race between a direction's two streams over a staging buffer (a
+``wait_stream`` left out) moves every byte right here and corrupts on a GPU;
+a stream waits for an event object, not for the point it was recorded at, so
+waiting and then recording the event again (which CUDA would not wait for)
+looks the same as waiting for the later point; and :meth:`FakeStreams.synchronize`
+waits for the engine's streams, not for streams the caller made. Those orders
+are tested on a GPU (``tests/test_gpu.py``, ``scripts/gpu_check.sh``).
+
 For a whole cache::
 
     from fsm_cache.cache.hicache import HiCache
