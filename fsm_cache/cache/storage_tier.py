@@ -803,15 +803,13 @@ class StorageTier:
             raise ConfigError(
                 "storage: the store is shared (owned=False): its own eviction deletes pages"
             )
-        keys = list(self.keys_of(node))
-        if not self._agreed_only:
-            dropped = self._store.drop(keys)
-        else:
-            try:
-                dropped = self._store.drop(keys)
-            except Exception as exc:  # whatever this rank's store raised: the group evicts
-                self._evict_failed(exc)
-                return
+        try:
+            dropped = self._store.drop(list(self.keys_of(node)))
+        except Exception as exc:
+            if not self._agreed_only:
+                raise
+            self._evict_failed(exc)  # whatever this rank's store raised: the group evicts
+            return
         self._core.counters.storage_pages["evicted"] += dropped  # what was still stored
 
     def _evict_failed(self, error: BaseException) -> None:

@@ -621,12 +621,13 @@ class Transfers:
         moved: Sequence[TreeNode],
         again: Sequence[TreeNode],
     ) -> None:
-        """Settle a copy whose acknowledgement raised part-way: ``again`` copied again.
+        """Settle a copy's nodes: ``moved`` took ``event``, ``again`` are copied again.
 
-        ``moved`` took ``event``, so they are acknowledged; the nodes after
-        them (the one whose effect raised first) are still writing or loading,
-        their source still valid, so they join the next copy in ``direction``,
-        as the nodes a failed copy may not fail yet do (:meth:`_fail`).
+        ``moved`` are acknowledged; ``again`` are still writing or loading,
+        their source still valid, so they join the next copy in ``direction``:
+        the nodes a failed copy may not fail yet (:meth:`_fail`), or those an
+        acknowledgement that raised part-way did not reach (the one whose
+        effect raised first, and those after it).
         """
         if again:
             self._retry[direction].extend(again)
@@ -668,11 +669,7 @@ class Transfers:
                 while walk is not None and walk.id not in above:
                     above.add(walk.id)
                     walk = walk.parent
-        if again:
-            self._retry[direction].extend(reversed(again))  # prefixes first, as copies list them
-            self._dirty = True
-        if failed:
-            self._acknowledged(failed, event)
+        self._stopped(direction, event, failed, again[::-1])  # prefixes first, as copies list them
 
     def _acknowledged(self, nodes: Sequence[TreeNode], event: Event) -> None:
         """Tell the listeners, then start the backups a finished write allows (children next)."""
