@@ -194,6 +194,15 @@ def test_an_engine_leases_release_is_its_own_not_a_pairs() -> None:
             with engine.lease(rec) as lease:
                 work(rec)
                 lease.release()
+
+        def h(engine, rec):  # a lease's release naming its other give-back
+            lease = engine.lease(rec, "load", "load_done")
+            try:
+                work(rec)
+            except OSError:
+                lease.release("load_failed")
+                raise
+            lease.release()
         """,
         PIN,
     )

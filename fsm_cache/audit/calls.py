@@ -295,16 +295,23 @@ class Classifier:
 
 
 def _receipt_release(call: ast.Call, scope: Scope) -> Op | None:
-    """Return what ``NAME.release()`` does when NAME holds a receipt or a lease, else None."""
+    """Return what ``NAME.release()`` does when NAME holds a receipt or a lease, else None.
+
+    A lease's release is an ordinary call, its give-back named or not
+    (``lease.release("load_failed")``); a receipt's is a release of its pair
+    only without arguments.
+    """
     func = call.func
-    if call.args or call.keywords or not isinstance(func, ast.Attribute):
+    if not isinstance(func, ast.Attribute):
         return None
     if func.attr != "release" or not isinstance(func.value, ast.Name):
         return None
     pair = scope.receipt_pair(func.value.id)
     if pair is None:
         return None
-    return Op(OpKind.CALL, call) if pair < 0 else Op(OpKind.RELEASE, call, pair, func.value)
+    if pair < 0:
+        return Op(OpKind.CALL, call)
+    return None if call.args or call.keywords else Op(OpKind.RELEASE, call, pair, func.value)
 
 
 def _sole(kinds: set[int | None]) -> int | None:
