@@ -406,7 +406,10 @@ class TestEviction:
         (node,) = list(cache.tree)
         pin = cache.pin(node)
         assert cache.evict_host(8) == 0
-        pin.release()
+        with pytest.raises(BadArgument, match="cannot be released by 'unlock': release gives"):
+            pin.release("unlock")  # a receipt names its own give-back only
+        assert pin.held
+        pin.release("release")
         assert cache.evict_host(8) == 8
         assert list(cache.tree) == []
         assert cache.tiers.host.allocator.free_pages == 32

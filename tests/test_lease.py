@@ -329,6 +329,65 @@ def test_a_load_is_leased_with_its_own_give_back() -> None:
     assert (rec.host, rec.device, rec.pins) == ("backed", "resident", 0)
 
 
+def test_a_failed_load_closes_its_lease_by_naming_load_failed() -> None:
+    """A load leased with load_done could not be closed once its copy failed.
+
+    ``load_failed`` gives the load's pin back as ``load_done`` does, but the
+    lease fired only ``load_done``, which a failed copy refuses: the lease
+    stayed held for good and the pytest plugin reported a correct test's
+    lease as dropped.
+    """
+    engine = Engine(residency_system(), trail=False)
+    rec = engine.new(3)
+    rec.host, rec.device = "backed", "absent"
+    lease = engine.lease(rec, "load", "load_done")
+    assert lease.gives == ("load_done", "load_failed")
+    lease.release("load_failed")
+    assert (rec.host, rec.device, rec.pins, lease.held) == ("backed", "absent", 0, False)
+    assert engine.leases.outstanding() == []
+    with pytest.raises(LeaseError, match="already released at"):
+        lease.release("load_done")
+    again = engine.lease(rec, "load", "load_failed")
+    assert again.gives == ("load_failed", "load_done")
+    again.release("load_done")
+    assert (rec.host, rec.device, rec.pins) == ("backed", "resident", 0)
+
+
+@pytest.mark.parametrize("event", ["release", "unlock", "load", "nope", 7])
+def test_a_release_naming_what_does_not_give_back_the_acquire_is_refused(event: object) -> None:
+    """Only the give-backs of what the acquire took may be named; nothing fires otherwise."""
+    engine = Engine(residency_system(), trail=True)
+    rec = engine.new(3)
+    rec.host, rec.device = "backed", "absent"
+    taken = here() + 1
+    lease = engine.lease(rec, "load", "load_done")
+    before = (rec.host, rec.device, rec.pins, rec.locks, list(rec.trail))
+    with pytest.raises(BadArgument) as info:
+        lease.release(event)  # type: ignore[arg-type]
+    site = f"{HERE}:{taken} in test_a_release_naming_what_does_not_give_back_the_acquire_is_refused"
+    assert str(info.value) == (
+        f"node 3: lease (load taken at {site}) cannot be released by {event!r}:"
+        " load_done or load_failed gives back what load takes"
+    )
+    assert (rec.host, rec.device, rec.pins, rec.locks, list(rec.trail)) == before
+    assert lease.held
+    assert engine.leases.outstanding() == [lease]
+    lease.release("load_failed")
+    assert not lease.held
+
+
+def test_a_lease_opened_without_give_backs_is_released_by_release_alone(engine: Engine) -> None:
+    rec = backed(engine)
+    engine.fire(rec, "pin")
+    lease = engine.leases.open(rec, engine.verb("release"), "pin", "node")
+    assert lease.gives == ()
+    with pytest.raises(BadArgument, match=r"'release': release\(\) without an event gives back"):
+        lease.release("release")
+    assert (rec.state, rec.pins, lease.held) == ("pinned", 1, True)
+    lease.release()
+    assert (rec.state, rec.pins, lease.held) == ("backed", 0, False)
+
+
 def test_voiding_leases_without_a_site_is_refused(engine: Engine) -> None:
     rec = backed(engine)
     lease = engine.lease(rec)

@@ -799,7 +799,7 @@ class HiCache:
         """
         self._fire_as(event, event, node)
         return self._core.machine.engine.leases.open(
-            node, partial(self._fire_as, give_back, give_back), event, "node"
+            node, partial(self._fire_as, give_back, give_back), event, "node", gives=(give_back,)
         )
 
     @overload

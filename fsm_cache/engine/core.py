@@ -142,6 +142,8 @@ class Engine:
         self.leases: Final[LeaseBook] = LeaseBook()
         self._pairs: dict[tuple[str, str], str | None] = {}
         """Why each (acquire, release) pair :meth:`lease` was given does not pair, or None."""
+        self._gives: dict[tuple[str, str], tuple[str, ...]] = {}
+        """The give-backs a lease of each pair that pairs may be released by, its own first."""
         self._effects = self._bind(effects)
         self._past = self.system.past_tenses
         self._compiled: Compiled = compile_system(
@@ -480,6 +482,12 @@ class Engine:
         spell the flag as a count (``open = 1`` from a state whose invariant
         is ``open == 0``, given back by ``open = 0``), which is a hold.
 
+        An acquire the spec lets end more than one way is released by the
+        other give-back when it is named: a lease of ``load`` taken with
+        ``load_done`` is closed by ``lease.release("load_failed")`` when the
+        copy failed (:attr:`Lease.gives <fsm_cache.engine.lease.Lease.gives>`
+        lists them, by the same rule as the pair here).
+
         Raises:
             SpecError: Unknown ``acquire`` or ``release`` event; nothing was fired.
             BadArgument: ``release`` does not give back exactly what
@@ -493,18 +501,32 @@ class Engine:
         unpaired = self._pairs[pair] if pair in self._pairs else self._pair(acquire, release)
         if unpaired is not None:
             raise BadArgument(unpaired)
+        gives = self._gives[pair]
         try:
             take(rec)
         except AttributeError:
             self._name_non_record(rec, "lease")
             raise
-        return self.leases.open(rec, undo, acquire, self.system.label)
+        return self.leases.open(
+            rec, undo, acquire, self.system.label, gives=gives, choose=self._give_back
+        )
 
     def _pair(self, acquire: str, release: str) -> str | None:
-        """Return (and keep) why ``release`` does not give back what ``acquire`` takes, or None."""
+        """Return (and keep) why ``release`` does not give back what ``acquire`` takes, or None.
+
+        A pair that pairs keeps its lease's give-backs too: ``release`` first,
+        then the others :meth:`Holders.givers` names, the rule the pair is judged by.
+        """
         why = _unreturned(self.system, self._holders, acquire, release)
+        if why is None:
+            others = (x for x in self._holders.givers(acquire) if x != release)
+            self._gives[acquire, release] = (release, *others)
         self._pairs[acquire, release] = why
         return why
+
+    def _give_back(self, event: str) -> Verb:
+        """Return the function a lease fires for its named give-back ``event`` (one of its gives)."""
+        return self._verb(event, "lease")
 
     @cached_property
     def _holders(self) -> Holders:
@@ -767,16 +789,15 @@ def _unknown_effects(system: System, unknown: Sequence[object]) -> str:
 
 def _unreturned(system: System, holders: Holders, acquire: str, release: str) -> str | None:
     """Return why ``release`` does not give back exactly what ``acquire`` takes, or None."""
-    takes = set(holders.acquires[acquire])
-    if not takes:
+    if not holders.acquires[acquire]:
         return (
             f"Engine.lease: {acquire} takes no hold of {system.name}: it adds one to no count"
             " that an event gives back, so no release would give back what it took"
         )
-    gives = holders.releases[release]
-    if set(gives) == takes:
+    takers = holders.givers(acquire)
+    if release in takers:
         return None
-    takers = [event for event, keys in holders.releases.items() if set(keys) == takes]
+    gives = holders.releases[release]
     if not takers:
         back = "no event gives it back"
     else:

@@ -42,6 +42,7 @@ class Lease:
         serial: The lease's number in its book, in the order they were taken.
         taken_at: Where the lease was taken.
         released_at: Where it was released, or None while held.
+        gives: The events ``release(event)`` may fire, its own release first.
 
     A lease is the receipt of what was taken, so what it says is fixed:
     assigning ``record``, ``event``, ``label`` or ``serial`` raises
@@ -55,7 +56,9 @@ class Lease:
         "__weakref__",
         "_book",
         "_busy",
+        "_choose",
         "_event",
+        "_gives",
         "_label",
         "_record",
         "_release",
@@ -73,10 +76,16 @@ class Lease:
         book: LeaseBook,
         *,
         serial: int = 0,
+        gives: tuple[str, ...] = (),
+        choose: Callable[[str], Callable[[Any], None]] | None = None,
     ) -> None:
         self._record = record
         self._release = release
         self._event = event
+        self._gives = gives
+        """The give-backs ``release(event)`` may name; the first is what ``release()`` fires."""
+        self._choose = choose
+        """Return the function that fires a named give-back other than the first."""
         self._label = label
         # the sites are kept as code and offset, and rendered only when asked for
         self._taken = trail.caller_spot()
@@ -123,6 +132,16 @@ class Lease:
         raise _fixed("serial", value)
 
     @property
+    def gives(self) -> tuple[str, ...]:
+        """The events ``release(event)`` may fire: its own release first, then the others.
+
+        Each gives back exactly what the acquire took, as the spec says (a
+        ``load`` is given back by ``load_done`` or ``load_failed``). Empty for a
+        lease opened without names: it is released by ``release()`` alone.
+        """
+        return self._gives
+
+    @property
     def taken_at(self) -> trail.Site:
         """Where the lease was taken."""
         return trail.spot_site(self._taken)
@@ -152,8 +171,16 @@ class Lease:
         """Whether ``book`` handed out this lease (a cache takes back only its own)."""
         return self._book is book
 
-    def release(self) -> None:
-        """Fire the releasing event once.
+    def release(self, event: str | None = None) -> None:
+        """Fire the releasing event once: the lease's own, or ``event`` if named.
+
+        ``event`` names another give-back of what the acquire took, for an
+        acquire the spec lets end more than one way: a lease of ``load``
+        taken with ``load_done`` is released by ``release("load_failed")``
+        when the copy failed, which gives the same pin back. It must be one
+        of :attr:`gives`, the events the spec says give back exactly what the
+        acquire takes (the rule :meth:`~fsm_cache.engine.core.Engine.lease`
+        pairs them by).
 
         A release asked for while this one is still firing (by an effect of
         the release event itself) is refused rather than fired again: it
@@ -164,6 +191,8 @@ class Lease:
         Raises:
             LeaseError: The lease was already released (names the first
                 release), or is being released now.
+            BadArgument: ``event`` is not one of :attr:`gives`; nothing was
+                fired, the lease is still held.
             IllegalTransition: The machine refused the release (nothing
                 changed; the lease is still held).
             EffectFailed: An effect of the release failed (as for
@@ -173,13 +202,32 @@ class Lease:
             done = "is being released" if self._busy else self._ended()
             msg = f"{self._label} {self._record.id}: lease ({self._event} taken at {self.taken_at}) {done}"
             raise LeaseError(msg)
+        fire = self._release if event is None else self._named(event)
         self._busy = True
         try:
-            self._release(self._record)
+            fire(self._record)
         finally:
             self._busy = False
         self._released = trail.caller_spot()
         self._book.closed(self)
+
+    def _named(self, event: object) -> Callable[[Any], None]:
+        """Return the function that fires the give-back ``event``, one of :attr:`gives`.
+
+        Raises:
+            BadArgument: ``event`` is not one of them (the message names them).
+        """
+        gives = self._gives
+        if isinstance(event, str) and event in gives:
+            if event == gives[0]:
+                return self._release
+            if self._choose is not None:
+                return self._choose(event)
+        allowed = " or ".join(gives) if gives else "release() without an event"
+        raise BadArgument(
+            f"{self._label} {self._record.id}: lease ({self._event} taken at {self.taken_at})"
+            f" cannot be released by {event!r}: {allowed} gives back what {self._event} takes"
+        )
 
     def _ended(self) -> str:
         """Say how a lease no longer held ended: released, or voided by its book (a reset)."""
@@ -252,10 +300,31 @@ class LeaseBook:
         self._serial = 0
         _BOOKS.add(self)
 
-    def open(self, record: Any, release: Callable[[Any], None], event: str, label: str) -> Lease:
-        """Record and return a new held lease on ``record``."""
+    def open(
+        self,
+        record: Any,
+        release: Callable[[Any], None],
+        event: str,
+        label: str,
+        *,
+        gives: tuple[str, ...] = (),
+        choose: Callable[[str], Callable[[Any], None]] | None = None,
+    ) -> Lease:
+        """Record and return a new held lease on ``record``.
+
+        Args:
+            record: The record the acquire ``event`` was fired on.
+            release: Fires the lease's own give-back, ``gives[0]``.
+            event: The acquiring event.
+            label: How the record is called in messages.
+            gives: The give-backs ``Lease.release(event)`` may name, its own first.
+            choose: Return the function that fires one of ``gives[1:]``;
+                None where there is only the first.
+        """
         self._serial += 1
-        lease = Lease(record, release, event, label, self, serial=self._serial)
+        lease = Lease(
+            record, release, event, label, self, serial=self._serial, gives=gives, choose=choose
+        )
         self._open.add(lease)
         return lease
 

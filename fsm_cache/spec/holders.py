@@ -94,6 +94,19 @@ class Holders:
         paired = {event: tuple(k for k in keys if k in kinds) for event, keys in releases.items()}
         return cls(counts, acquires, paired, kinds, propagating, unpaired)
 
+    def givers(self, acquire: str) -> tuple[str, ...]:
+        """Return the events that give back exactly what ``acquire`` takes, in declaration order.
+
+        The rule a lease is held to: :meth:`~fsm_cache.engine.core.Engine.lease`
+        pairs ``acquire`` only with one of these, and its ``release(event)``
+        fires only one of these. Empty where ``acquire`` takes no hold, or no
+        event gives back what it takes. ``acquire`` must be an event of the spec.
+        """
+        takes = set(self.acquires[acquire])
+        if not takes:
+            return ()
+        return tuple(event for event, keys in self.releases.items() if set(keys) == takes)
+
     def acquirers(self, key: Hold) -> str:
         """Return the events that acquire hold ``key``, as messages name its holders (``pin``)."""
         return "/".join(event for event, keys in self.acquires.items() if key in keys)
