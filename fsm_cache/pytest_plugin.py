@@ -26,6 +26,9 @@ Installed with fsm_cache (a ``pytest11`` entry point), it adds:
   turns both off) and live records still holding a counter a state carries,
   pins or locks taken with or without a lease (``fsm_holds = false``).
   ``@pytest.mark.fsm_allow_leaks`` excuses the leases a test drops on purpose.
+  The dropped leases are taken out of the process-wide log at each test's end
+  into the run's own list, and recording is turned on at each test's start, so
+  a test that forgets entries or turns recording off hides no other's.
   Under pytest-xdist each worker accounts for the tests it ran and hands its
   report to the controller, which prints them all and fails the run.
 """
@@ -84,8 +87,14 @@ class SpecUnexplored(UserWarning):
 
 _RECORDING = pytest.StashKey[bool]()
 """Whether dropped leases were recorded before this run turned recording on."""
-_DURING = pytest.StashKey[dict[int, str]]()
-"""The test each dropped lease was collected during, by ``id()`` of its :class:`Dropped`."""
+_TAKEN = pytest.StashKey[list[tuple[Dropped, str | None]]]()
+"""The leases this run saw dropped while held, each with the test it was collected during.
+
+Taken out of the process-wide log (:func:`dropped_leases`) at the end of each
+test, and kept here, so that a test that forgets entries of the log or turns
+recording off cannot hide what other tests dropped. None: collected outside
+any test (during collection, or a fixture's teardown after the last test).
+"""
 _SGLANG = pytest.StashKey[Any]()
 """The patch ``--fsm-sglang`` applied to the installed SGLang."""
 _REPORT = pytest.StashKey[list[str]]()
@@ -191,7 +200,7 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[ENV_FLAG] = "1"
     if config.getini("fsm_leases"):
         config.stash[_RECORDING] = record_dropped(True)
-        config.stash[_DURING] = {}
+        config.stash[_TAKEN] = []
     if config.getoption("--fsm-sglang"):
         from fsm_cache.compat.sglang import patch
 
@@ -304,21 +313,36 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
-    """Note which test each dropped lease was collected during (or forget it if allowed)."""
-    during = item.config.stash.get(_DURING, None)
+    """Take the leases each test dropped while held into the run's own list (or forget them).
+
+    Each test starts with recording on (an earlier one may have turned it
+    off) and the process-wide log empty: what was dropped between tests is
+    taken first. So a test that forgets the whole log (``forget_dropped(
+    dropped_leases())``) forgets only what it dropped itself.
+    """
+    taken = item.config.stash.get(_TAKEN, None)
+    if taken is not None:
+        _take(taken, dropped_leases(), None)
+        record_dropped(True)
     allowed = item.get_closest_marker("fsm_allow_leaks") is not None
     before = dropped_leases()  # kept alive, so that no lease dropped meanwhile reuses an id
     try:
         return (yield)
     finally:
-        if (allowed or during is not None) and open_leases():
+        if (allowed or taken is not None) and open_leases():
             gc.collect()  # a held lease only a reference cycle keeps is dropped now, in its test
         known = {id(x) for x in before}
         new = [x for x in dropped_leases() if id(x) not in known]
         if allowed:
             forget_dropped(new)
-        elif during is not None:
-            during.update((id(x), item.nodeid) for x in new)
+        elif taken is not None:
+            _take(taken, new, item.nodeid)
+
+
+def _take(taken: list[tuple[Dropped, str | None]], new: list[Dropped], test: str | None) -> None:
+    """Move ``new`` out of the process-wide log into ``taken``, as collected during ``test``."""
+    forget_dropped(new)
+    taken.extend((x, test) for x in new)
 
 
 @pytest.hookimpl(trylast=True)
@@ -368,9 +392,10 @@ def _leaks(config: pytest.Config, where: str = "") -> list[str]:
     sections: list[tuple[str, list[str]]] = []
     if config.getini("fsm_leases"):
         gc.collect()  # a held lease only a reference cycle keeps is dropped, not open
-        during = config.stash.get(_DURING, {})
+        taken = config.stash.get(_TAKEN, [])
+        _take(taken, dropped_leases(), None)  # dropped after the last test: a fixture's teardown
         sections.append(("lease(s) never released", [repr(x) for x in open_leases()]))
-        dropped = [_dropped(x, during.get(id(x))) for x in dropped_leases()]
+        dropped = [_dropped(x, test) for x, test in taken]
         sections.append(("lease(s) dropped while held", dropped))
     if config.getini("fsm_holds"):
         from fsm_cache.engine.holds import held_records  # late: pytest starts without the engine

@@ -420,7 +420,8 @@ def record_dropped(on: bool = True) -> bool:
     """Turn on (or off) keeping leases collected while held; return the previous setting.
 
     Off by default, so a process that does not ask keeps nothing (a leak
-    still warns); the pytest plugin turns it on for the run.
+    still warns); the pytest plugin turns it on for the run, and again at
+    each test's start.
     """
     before = _DROPS.recording
     _DROPS.recording = on
@@ -428,12 +429,21 @@ def record_dropped(on: bool = True) -> bool:
 
 
 def dropped_leases() -> list[Dropped]:
-    """Return the leases collected while held since recording was turned on, oldest first."""
+    """Return the leases collected while held since recording was turned on, oldest first.
+
+    Under the pytest plugin, only those of the running test (and any dropped
+    since the last test ended): it takes each test's out at the test's end.
+    """
     return list(_DROPS.entries)
 
 
 def forget_dropped(dropped: Iterable[Dropped]) -> None:
-    """Stop reporting these dropped leases (a test that drops one on purpose forgets it)."""
+    """Stop reporting these dropped leases (a test that drops one on purpose forgets it).
+
+    Forget only your own: ``mark = len(dropped_leases())`` before dropping,
+    then ``forget_dropped(dropped_leases()[mark:])``; the whole log may hold
+    what other code dropped.
+    """
     gone = {id(entry) for entry in dropped}
     entries = _DROPS.entries
     # Delete in place, from the end: a finalizer may append meanwhile.
