@@ -2,7 +2,8 @@
 
 Installed with fsm_cache (a ``pytest11`` entry point), it adds:
 
-* ``--fsm-trail``: trail mode for the whole run (``FSM_CACHE_TRAIL=1``), so
+* ``--fsm-trail``: trail mode for the whole run (``FSM_CACHE_TRAIL=1``, set
+  before the initial conftests are imported, so their engines have it too), so
   every refusal names the call sites of the record's recent events
   (``--fsm-audit`` is its deprecated spelling and warns);
 * ``--fsm-sglang``: the installed SGLang's radix caches run checked for the
@@ -154,6 +155,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    """Turn on trail mode if asked, before the initial conftests are imported.
+
+    An engine's trail mode is fixed when it is built: one a conftest builds
+    as it is imported, before :func:`pytest_configure`, kept it off.
+    """
+    options = early_config.known_args_namespace
+    _trail_if_asked(bool(options.fsm_trail or options.fsm_audit))
+
+
+def _trail_if_asked(asked: bool) -> None:
+    """Turn on trail mode for the process (``FSM_CACHE_TRAIL=1``) if ``asked``."""
+    if asked:
+        os.environ[ENV_FLAG] = "1"
+
+
 def check_nodes(config: pytest.Config) -> int:
     """Return the ``fsm_check_nodes`` ini option: the model checker's tree size.
 
@@ -196,8 +214,8 @@ def pytest_configure(config: pytest.Config) -> None:
         config.issue_config_time_warning(
             DeprecationWarning("--fsm-audit is deprecated; pass --fsm-trail instead"), stacklevel=2
         )
-    if config.getoption("--fsm-trail") or config.getoption("--fsm-audit"):
-        os.environ[ENV_FLAG] = "1"
+    # again here: a plugin registered late (a conftest's pytest_plugins) missed the early hook
+    _trail_if_asked(bool(config.getoption("--fsm-trail") or config.getoption("--fsm-audit")))
     if config.getini("fsm_leases"):
         config.stash[_RECORDING] = record_dropped(True)
         config.stash[_TAKEN] = []

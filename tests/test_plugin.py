@@ -93,15 +93,30 @@ def leaks(result: pytest.RunResult) -> list[str]:
 
 
 def test_fsm_trail_turns_on_trail_mode(pytester: pytest.Pytester) -> None:
+    """Engines built as a conftest is imported too: it was turned on only after that."""
+    pytester.makeconftest(
+        """
+        import pytest
+        from fsm_cache.engine.core import Engine
+        from fsm_cache.spec.shipped import host_machine
+
+        ENGINE = Engine(host_machine())
+
+        @pytest.fixture
+        def conftest_engine():
+            return ENGINE
+        """
+    )
     pytester.makepyfile(
         """
         import os
         from fsm_cache.engine.core import Engine
         from fsm_cache.spec.shipped import host_machine
 
-        def test_trail():
+        def test_trail(conftest_engine):
             assert os.environ["FSM_CACHE_TRAIL"] == "1"
             assert Engine(host_machine()).trail
+            assert conftest_engine.trail
         """
     )
     result = pytester.runpytest_subprocess("--fsm-trail")
