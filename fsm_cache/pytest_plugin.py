@@ -138,9 +138,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "spec files to verify and model-check as tests (separated by spaces or lines)",
         type="args",
     )
-    parser.addini(
-        "fsm_check_nodes", "tree size of the model checker (default 3)", default=_DEFAULT_NODES
-    )
+    nodes = "tree size of the model checker (default 3)"
+    if pytest.version_tuple >= (9, 2):  # type expressions: a TOML table's `= 2` is an int
+        parser.addini("fsm_check_nodes", nodes, type=int | str, default=_DEFAULT_NODES)
+    else:  # pytest 9.0 and 9.1 refuse an int in a [tool.pytest] table: quote it there
+        parser.addini("fsm_check_nodes", nodes, default=_DEFAULT_NODES)
     parser.addini(
         "fsm_leases",
         "fail the run on leases never released or dropped while held (default true)",
@@ -176,7 +178,8 @@ def check_nodes(config: pytest.Config) -> int:
     """Return the ``fsm_check_nodes`` ini option: the model checker's tree size.
 
     Checked when the run starts, so a bad value stops it before anything runs
-    instead of failing every ``fsm-check`` item.
+    instead of failing every ``fsm-check`` item. A TOML table's
+    ``fsm_check_nodes = 2`` is an int, an ini file's a str: both are read.
 
     Raises:
         pytest.UsageError: It is not a whole number >= 1 (0 nodes would check
@@ -196,13 +199,31 @@ def check_nodes(config: pytest.Config) -> int:
     return nodes
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Register the markers, turn on trail mode if asked and start recording dropped leases.
+def switched(config: pytest.Config, name: str) -> bool:
+    """Return the bool ini option ``name`` (``fsm_leases``, ``fsm_holds``).
 
     Raises:
-        pytest.UsageError: ``fsm_check_nodes`` is not a whole number >= 1.
+        pytest.UsageError: Its value is no bool (the message names the option).
+    """
+    try:
+        return bool(config.getini(name))
+    except pytest.UsageError as exc:
+        raise pytest.UsageError(f"{name} must be true or false: {exc}") from None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Check the ini options, register the markers, turn on trail mode and record dropped leases.
+
+    Every ini option is read here, so a bad value stops the run before any
+    test runs rather than after all of them.
+
+    Raises:
+        pytest.UsageError: ``fsm_check_nodes`` is not a whole number >= 1,
+            or ``fsm_leases`` or ``fsm_holds`` is no bool.
     """
     check_nodes(config)
+    for switch in ("fsm_leases", "fsm_holds"):  # read only at the end of the run otherwise
+        switched(config, switch)
     config.addinivalue_line(
         "markers",
         "fsm_spec(path, verify=True, check=True): verify and model-check this spec before the test",
@@ -216,7 +237,7 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     # again here: a plugin registered late (a conftest's pytest_plugins) missed the early hook
     _trail_if_asked(bool(config.getoption("--fsm-trail") or config.getoption("--fsm-audit")))
-    if config.getini("fsm_leases"):
+    if switched(config, "fsm_leases"):
         config.stash[_RECORDING] = record_dropped(True)
         config.stash[_TAKEN] = []
     if config.getoption("--fsm-sglang"):
@@ -408,14 +429,14 @@ def _leaks(config: pytest.Config, where: str = "") -> list[str]:
         where: What each heading adds to say where it was found (a worker).
     """
     sections: list[tuple[str, list[str]]] = []
-    if config.getini("fsm_leases"):
+    if switched(config, "fsm_leases"):
         gc.collect()  # a held lease only a reference cycle keeps is dropped, not open
         taken = config.stash.get(_TAKEN, [])
         _take(taken, dropped_leases(), None)  # dropped after the last test: a fixture's teardown
         sections.append(("lease(s) never released", [repr(x) for x in open_leases()]))
         dropped = [_dropped(x, test) for x, test in taken]
         sections.append(("lease(s) dropped while held", dropped))
-    if config.getini("fsm_holds"):
+    if switched(config, "fsm_holds"):
         from fsm_cache.engine.holds import held_records  # late: pytest starts without the engine
 
         sections.append(("record(s) still held", [str(x) for x in held_records()]))

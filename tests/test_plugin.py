@@ -761,6 +761,34 @@ def test_a_tree_size_that_checks_nothing_is_a_usage_error(
     )
 
 
+def test_a_tree_size_in_a_native_toml_table_is_a_number(pytester: pytest.Pytester) -> None:
+    """pytest 9's ``[tool.pytest]`` table holds ``fsm_check_nodes = 2`` as an int: it was refused."""
+    pytester.makepyfile(
+        """
+        from fsm_cache.pytest_plugin import check_nodes
+
+        def test_nodes(request):
+            assert check_nodes(request.config) == 2
+        """
+    )
+    pytester.makepyprojecttoml("[tool.pytest]\nfsm_check_nodes = 2\n")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("name", ["fsm_leases", "fsm_holds"])
+def test_a_leak_switch_that_is_no_bool_is_a_usage_error_before_anything_runs(
+    pytester: pytest.Pytester, name: str
+) -> None:
+    """A bad ``fsm_holds`` was read only at the end of the run, after every test had run."""
+    pytester.makepyfile("def test_runs():\n    pass\n")
+    pytester.makeini(f"[pytest]\n{name} = 2\n")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: {name} must be true or false: invalid truth value '2'"])
+    assert "passed" not in result.stdout.str()
+
+
 def test_a_tree_size_check_refuses_is_a_usage_error_before_anything_runs(
     pytester: pytest.Pytester,
 ) -> None:
