@@ -132,7 +132,8 @@ class FaultyStore:
 
     Attributes:
         put_fails_after: Raise StoreFailed after storing this many pages of a put.
-        raises: Method names that raise RuntimeError instead.
+        raises: Method names that raise ``error`` instead.
+        error: What they raise (a RuntimeError unless a test says otherwise).
         gate: Puts and gets wait for this event first (a hung backend).
         after_exists: Called after each ``exists_prefix`` (drop a page behind its back).
         calls: Method names called, in order.
@@ -143,6 +144,7 @@ class FaultyStore:
         self.put_fails_after: int | None = None
         self.reports: Callable[[int], object] = int  # the acknowledged count a failure reports
         self.raises: set[str] = set()
+        self.error: type[BaseException] = RuntimeError
         self.gate: threading.Event | None = None
         self.after_exists: Callable[[], None] | None = None
         self.calls: list[str] = []
@@ -152,7 +154,7 @@ class FaultyStore:
         if name in ("put", "get") and self.gate is not None:
             self.gate.wait()
         if name in self.raises:
-            raise RuntimeError(f"planted fault in {name}")
+            raise self.error(f"planted fault in {name}")
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
         self._enter("exists_prefix")
@@ -384,9 +386,21 @@ def test_a_failed_put_counts_only_what_it_acknowledged_as_a_count_of_its_pages(
     )
 
 
-def test_a_store_that_raises_fails_the_store_and_the_worker_lives_on(store: Store) -> None:
+class Cancelled(BaseException):
+    """What an event loop's cancellation or a green thread's timeout raises: no Exception."""
+
+
+@pytest.mark.parametrize("error", [RuntimeError, Cancelled, SystemExit])
+def test_a_store_that_raises_fails_the_store_and_the_worker_lives_on(
+    store: Store, error: type[BaseException]
+) -> None:
+    """Whatever the store raises on a worker thread, that copy fails and the thread goes on.
+
+    A BaseException ended the thread: every later copy waited in the queue
+    for its timeout, and the storage tier served nothing until a restart.
+    """
     faulty = FaultyStore(store)
-    faulty.raises = {"put"}
+    faulty.raises, faulty.error = {"put"}, error
     cache = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=5.0))
     cache.insert(tokens(2))
     cache.poll()
@@ -400,7 +414,49 @@ def test_a_store_that_raises_fails_the_store_and_the_worker_lives_on(store: Stor
     cache.storage.in_flight()[2].done.wait(5)  # type: ignore[union-attr]
     cache.poll()
     assert (node.storage, node.pins) == ("stored", 0)
+    assert cache.stats().storage_failures == {"store:failed": 1}
     cache.close()
+
+
+def _workers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("fsm-storage-")]
+
+
+def test_close_waits_for_the_worker_threads_to_end(store: Store, clock: HandClock) -> None:
+    """A thread still in the store when the interpreter exits can abort the process.
+
+    close() let the threads go without waiting: one still in a put whose copy
+    had timed out ran on past it, and a server that exited then could die of
+    SIGABRT ("terminate called without an active exception").
+    """
+    assert not _workers()
+    faulty = FaultyStore(store)
+    faulty.gate = threading.Event()
+    cache = HiCache(
+        config(), storage=tier(faulty, clock=clock.monotonic, threads=2, io_timeout=30.0)
+    )
+    cache.insert(tokens(2))
+    cache.poll()
+    clock.now += 30.0
+    assert cache.poll() == 1  # the store timed out; its put still hangs on a thread
+    assert len(_workers()) == 2
+    threading.Timer(0.2, faulty.gate.set).start()  # the put returns while close waits
+    cache.close()
+    assert not _workers()
+
+
+def test_close_leaves_a_thread_hung_past_the_timeout(store: Store) -> None:
+    """close() waits for the threads up to ``io_timeout``, and not for ever."""
+    faulty = FaultyStore(store)
+    faulty.gate = threading.Event()
+    cache = HiCache(config(), storage=tier(faulty, threads=1, io_timeout=0.2))
+    cache.insert(tokens(2))
+    cache.poll()
+    cache.close()
+    (hung,) = _workers()
+    faulty.gate.set()
+    hung.join(5)
+    assert not _workers()
 
 
 def test_a_copy_that_cannot_be_started_fails_and_the_copies_after_it_start(

@@ -487,11 +487,14 @@ class StorageCopy:
 class _Workers:
     """Threads that run the store's I/O, or none (``threads=0``: each job runs when submitted).
 
-    Jobs never raise (each catches what its store raises), so a thread lives as
-    long as the cache; a job that hangs holds its thread, and the copies behind
-    it are failed by their timeout (and not run once a thread gets to them);
-    their snapshots are let go then (:meth:`StorageCopy.abandon`), though the
-    jobs stay queued.
+    A job records its copy's result whatever its store raises, so a thread
+    lives as long as the cache: a BaseException a store raises on a thread
+    (``asyncio.CancelledError``, ``SystemExit``, a green thread's timeout) fails
+    that copy and the thread goes on to the next (SGLang #38427: one exception
+    ended the backup thread, and every later backup waited for its timeout). A
+    job that hangs holds its thread, and the copies behind it are failed by
+    their timeout (and not run once a thread gets to them); their snapshots
+    are let go then (:meth:`StorageCopy.abandon`), though the jobs stay queued.
     """
 
     def __init__(self, threads: int) -> None:
@@ -515,13 +518,26 @@ class _Workers:
             job = self._jobs.get()
             if job is None:
                 return
-            job()
+            try:
+                job()
+            except BaseException:  # the job failed its copy with it (_run); the thread goes on
+                continue
 
-    def close(self) -> None:
-        """Let each thread end once the jobs before it ran (daemon threads: a hung one stays)."""
-        for _ in self._threads:
+    def close(self, wait: float) -> None:
+        """Let each thread end once the jobs before it ran, and wait up to ``wait`` seconds for it.
+
+        A thread still in the store's code when the interpreter exits can abort
+        the process (a C++ runtime that is torn down under it): a cache closed
+        by a server that then exits must leave none running. A thread whose
+        store hangs past ``wait`` is left (a daemon thread); its copy was
+        failed by its timeout already.
+        """
+        threads, self._threads = self._threads, []
+        for _ in threads:
             self._jobs.put(None)
-        self._threads = []
+        deadline = time.monotonic() + min(max(0.0, wait), threading.TIMEOUT_MAX)
+        for thread in threads:
+            thread.join(min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX))
 
 
 def _run(
@@ -555,6 +571,10 @@ def _run(
             result = _get(store, copy.keys, shape)
     except Exception as exc:  # the copy fails; the thread must live on (SGLang #38427)
         result = StoreResult(0, [], "failed", f"{type(exc).__name__}: {exc}")
+    except BaseException as exc:  # failed all the same; a thread goes on, inline it is raised
+        copy.result = StoreResult(0, [], "failed", f"{type(exc).__name__}: {exc}")
+        copy.done.set()
+        raise
     copy.result = result
     copy.done.set()
 
@@ -1151,8 +1171,8 @@ class StorageTier:
         self._told = set()
 
     def close(self) -> None:
-        """Let the worker threads end; the store stays open (it is the caller's)."""
-        self._workers.close()
+        """End the worker threads, waiting up to ``io_timeout``; the store stays open (the caller's)."""
+        self._workers.close(self.config.io_timeout)
 
     # -- tensor-parallel agreement ---------------------------------------------
 
