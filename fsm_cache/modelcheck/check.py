@@ -1094,7 +1094,9 @@ def register(subparsers: Any) -> None:
         "--no-symmetry",
         action="store_true",
         help="explore every numbering of each tree as its own state (default: one state per "
-        "tree up to interchangeable sibling subtrees; same verdicts, fewer states)",
+        "tree up to interchangeable sibling subtrees; same verdicts, fewer states; an --ops "
+        "module's hooks then see one numbering of each tree: one that reads slot numbers "
+        "needs this)",
     )
     parser.add_argument(
         "--no-controls",

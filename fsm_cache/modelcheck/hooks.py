@@ -20,6 +20,10 @@ invariants are what find it. A hook the check of its spec would never call
 (:func:`never_called`) is refused too, rather than ignored by a check that
 passes as if it had tried it. The checker's own hooks are used unwrapped, so
 its fast paths (which test them by identity) still apply.
+
+Slot numbers are names to a hook: under the symmetry reduction it is given
+each tree in one numbering (canonical preorder, free slots last), so a hook
+whose answer depends on the numbers must be checked with ``--no-symmetry``.
 """
 
 from __future__ import annotations
