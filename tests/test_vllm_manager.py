@@ -415,6 +415,46 @@ def test_success_passed_where_the_request_context_goes_is_refused(ctx: RequestCo
     assert m.lookup(K[0], ctx) == Lookup.HIT_PENDING
 
 
+_CALLS = [
+    lambda m, c: m.on_new_request(c),
+    lambda m, c: m.lookup(K[0], c),
+    lambda m, c: m.prepare_load([K[0]], c),
+    lambda m, c: m.touch([K[0]], c),
+    lambda m, c: m.complete_load([K[0]], c),
+    lambda m, c: m.prepare_store([K[1]], c),
+    lambda m, c: m.complete_store([K[0]], c),
+    lambda m, c: m.on_request_finished(c),
+]
+
+
+class _PositionsOnly:
+    """Half a request context: it has the position lookup only."""
+
+    def get_offload_key_position(self, key: bytes) -> int | None:
+        return None
+
+
+@pytest.mark.parametrize("call", _CALLS)
+@pytest.mark.parametrize(
+    ("bad", "named"), [(_PositionsOnly(), "_PositionsOnly"), (RequestContext, "type")]
+)
+def test_every_call_refuses_half_a_request_context_or_its_class(
+    ctx: RequestContext,
+    call: Callable[[CheckedOffloadingManager, object], object],
+    bad: object,
+    named: str,
+) -> None:
+    """Each method the manager calls on a context is asked for: a missing one was an AttributeError."""
+    m = CheckedOffloadingManager(4)
+    stored(m, [K[0]], ctx)
+    before = (dict(m.records), m.records[K[0]].host, m.records[K[0]].pins, list(m.free))
+    with pytest.raises(
+        BadArgument, match=rf"req_context must be a request context .* \({named}\)$"
+    ):
+        call(m, bad)
+    assert (dict(m.records), m.records[K[0]].host, m.records[K[0]].pins, list(m.free)) == before
+
+
 @pytest.mark.parametrize(
     "call",
     [

@@ -1050,6 +1050,10 @@ def _refuse_keys(call: str, keys: object) -> NoReturn:
     raise BadArgument(msg)
 
 
+_CONTEXT_METHODS = ("get_state", "set_state", "get_offload_key_position")
+"""What the manager calls on a request context (:class:`ReqContextLike`)."""
+
+
 def _check_context(call: str, req_context: object) -> None:
     """Refuse a ``req_context`` that is not a request context (:class:`ReqContextLike`).
 
@@ -1058,9 +1062,12 @@ def _check_context(call: str, req_context: object) -> None:
     store the blocks whose store failed.
 
     Raises:
-        BadArgument: It lacks ``get_offload_key_position``.
+        BadArgument: It lacks one of the three methods, or is a class, not an
+            instance of one (each is called on it).
     """
-    if not hasattr(req_context, "get_offload_key_position"):
+    if isinstance(req_context, type) or not all(
+        callable(getattr(req_context, name, None)) for name in _CONTEXT_METHODS
+    ):
         msg = (
             f"{call}: req_context must be a request context (get_state, set_state, "
             f"get_offload_key_position), got {req_context!r} ({type(req_context).__name__})"
