@@ -230,6 +230,8 @@ class CopyEngine:
                 length, a destination repeats, a destination is busy with
                 an unreported copy (also a ValueError, as these were), or
                 ``stream`` is not a stream (or one of another GPU).
+            NotASlot: a page is not an int (a bool, a float); a numpy
+                integer is the page it stands for, as the allocator takes it.
             ForeignSlot: a page is outside its pool.
             CopyFailed: the engine is closed, or the device failed while the
                 copy was being ordered after compute (nothing is started).
@@ -257,6 +259,8 @@ class CopyEngine:
                 length, a destination repeats, a destination is busy with
                 an unreported copy (also a ValueError, as these were), or
                 ``stream`` is not a stream (or one of another GPU).
+            NotASlot: a page is not an int (a bool, a float); a numpy
+                integer is the page it stands for, as the allocator takes it.
             ForeignSlot: a page is outside its pool.
             CopyFailed: the engine is closed, or the device failed while the
                 copy was being ordered after compute (nothing is started).
@@ -301,7 +305,7 @@ class CopyEngine:
     ) -> Ticket:
         if self.closed:
             raise CopyFailed(f"copy engine closed: {direction.value} copy refused")
-        runs = self._validate(direction, src, dst)
+        src, dst, runs = self._validate(direction, src, dst)
         check_stream("stream", stream, self.device.device)  # on CPU too: a slip shows here
         if self._api is not None:
             try:
@@ -321,11 +325,12 @@ class CopyEngine:
 
     def _validate(
         self, direction: Direction, src: Sequence[int], dst: Sequence[int]
-    ) -> tuple[int | None, int | None]:
+    ) -> tuple[Sequence[int], Sequence[int], tuple[int | None, int | None]]:
         """Refuse a copy that cannot run, in C where nothing is wrong (the common case).
 
-        Returns the first page of ``src`` and of ``dst`` where each is one run of its
-        pool's pages (:meth:`~fsm_cache.memory.pages.PageAllocator.run_of`), for the ticket.
+        Returns ``src`` and ``dst`` as ints (:meth:`~fsm_cache.memory.kv.KVPool.check_pages`:
+        a numpy integer becomes its int), and the first page of each where it is one run of
+        its pool's pages (:meth:`~fsm_cache.memory.pages.PageAllocator.run_of`), for the ticket.
         """
         try:
             lengths = len(src), len(dst)
@@ -343,14 +348,14 @@ class CopyEngine:
         # a run of a pool's pages (the common case) is distinct and inside it: nothing more to check
         src_run, dst_run = source.allocator.run_of(src), target.allocator.run_of(dst)
         if src_run is None:
-            source.check_pages(src)
+            src = source.check_pages(src)
         if dst_run is None:
-            target.check_pages(dst)
+            dst = target.check_pages(dst)
             if len(set(dst)) != len(dst):
                 raise BadArgument("copy: a destination page is listed twice")
         if not busy.isdisjoint(dst, dst_run):
             refuse_busy_destination(direction, dst, busy)
-        return src_run, dst_run
+        return src, dst, (src_run, dst_run)
 
     def _mark(self, stream: Stream | None) -> None:
         """Make the ordering stream wait for each compute stream's work queued so far.
