@@ -125,6 +125,9 @@ def test_overlapping_tickets_keep_pages_busy_until_both_are_reported() -> None:
     assert not engine.host_busy([0])
 
 
+NO_SEQUENCE = "copy: pages must be a sequence (a list or tuple), got"
+
+
 @pytest.mark.parametrize(
     ("src", "dst", "error", "message"),
     [
@@ -140,6 +143,10 @@ def test_overlapping_tickets_keep_pages_busy_until_both_are_reported() -> None:
         ([0, 1], (2, 0.0), NotASlot, "host pool: page 0.0 is not an int"),
         ([torch.tensor(8)], [0], ForeignSlot, "device pool: page 8 outside 0..7"),
         ([torch.tensor([1, 2])], [0], NotASlot, "device pool: page tensor([1, 2]) is not an int"),
+        (torch.tensor([0, 1]), [2, 3], BadArgument, f"{NO_SEQUENCE} Tensor"),
+        ([0, 1], torch.tensor([2, 3]), BadArgument, f"{NO_SEQUENCE} Tensor"),
+        ([0], {1}, BadArgument, f"{NO_SEQUENCE} set"),
+        (b"\x00", [1], BadArgument, f"{NO_SEQUENCE} bytes"),
     ],
 )
 def test_bad_copies_are_refused_before_anything_starts(
@@ -152,6 +159,22 @@ def test_bad_copies_are_refused_before_anything_starts(
     assert engine.in_flight() == []
     assert engine.poll() == []
     assert engine.busy_device_pages() == engine.busy_host_pages() == frozenset()
+
+
+def test_an_array_of_pages_is_refused_as_no_sequence() -> None:
+    """A numpy array raised numpy's ValueError (no truth value), a tensor torch's RuntimeError."""
+    np = pytest.importorskip("numpy")
+    engine = make()
+    arrays: list[tuple[Any, Any, str]] = [
+        (np.array([0, 1]), [2, 3], "ndarray"),
+        ([0, 1], torch.tensor([2, 3]), "Tensor"),
+    ]
+    for start in (engine.start_write, engine.start_load):
+        for src, dst, kind in arrays:
+            with pytest.raises(BadArgument) as caught:
+                start(src, dst)
+            assert str(caught.value) == f"{NO_SEQUENCE} {kind}"
+    assert engine.in_flight() == []
 
 
 def test_numpy_and_tensor_integer_pages_are_copied_as_the_ints_they_stand_for() -> None:

@@ -226,7 +226,8 @@ class CopyEngine:
         stream given to :meth:`wait`, whenever it is submitted.
 
         Raises:
-            BadArgument: the pages are not sequences, the lists differ in
+            BadArgument: the pages are not sequences (an array or a tensor of
+                pages is not one: pass a list), the lists differ in
                 length, a destination repeats, a destination is busy with
                 an unreported copy (also a ValueError, as these were), or
                 ``stream`` is not a stream (or one of another GPU).
@@ -255,7 +256,8 @@ class CopyEngine:
         (as for :meth:`start_write`) and on every stream given to :meth:`wait`.
 
         Raises:
-            BadArgument: the pages are not sequences, the lists differ in
+            BadArgument: the pages are not sequences (an array or a tensor of
+                pages is not one: pass a list), the lists differ in
                 length, a destination repeats, a destination is busy with
                 an unreported copy (also a ValueError, as these were), or
                 ``stream`` is not a stream (or one of another GPU).
@@ -332,13 +334,14 @@ class CopyEngine:
         a numpy integer becomes its int), and the first page of each where it is one run of
         its pool's pages (:meth:`~fsm_cache.memory.pages.PageAllocator.run_of`), for the ticket.
         """
-        try:
-            lengths = len(src), len(dst)
-        except TypeError:  # an iterator, or a single page: the pages are read more than once
-            bad = src if not hasattr(src, "__len__") else dst
-            raise BadArgument(
-                f"copy: pages must be a sequence (a list or tuple), got {type(bad).__name__}"
-            ) from None
+        for pages in (src, dst):
+            if type(pages) is not list and type(pages) is not tuple and not _ordered(pages):
+                # an iterator or a set has no order to pair pages by, or is read once; an
+                # array or a tensor of pages is no sequence of pages (and has no truth value)
+                raise BadArgument(
+                    f"copy: pages must be a sequence (a list or tuple), got {type(pages).__name__}"
+                )
+        lengths = len(src), len(dst)
         if lengths[0] != lengths[1]:
             raise BadArgument(f"copy: {lengths[0]} source pages but {lengths[1]} destination pages")
         if direction is Direction.D2H:
@@ -813,6 +816,17 @@ def check_stream(name: str, stream: object, device: object = None) -> None:
             f"copy engine: {name} is a stream of {on}, but the device pool is on {device}: "
             "give a stream of the pool's GPU"
         )
+
+
+def _ordered(pages: object) -> bool:
+    """Whether ``pages`` is a sequence a copy can read its pages from, by position, twice.
+
+    A :class:`~collections.abc.Sequence` that is no text: not an iterator
+    (read once), a set (no order), a single page, a numpy array or a tensor
+    (no ``Sequence``, and no truth value), nor a ``str`` or ``bytes`` (whose
+    items are characters or bytes).
+    """
+    return isinstance(pages, Sequence) and not isinstance(pages, (str, bytes, bytearray))
 
 
 def _pool_of(name: str, pool: object) -> KVPool:
