@@ -85,6 +85,7 @@ __all__ = [
     "Streams",
     "Ticket",
     "check_stream",
+    "engine_of",
     "host_runs",
     "refuse_busy_destination",
 ]
@@ -827,6 +828,26 @@ def _ordered(pages: object) -> bool:
     items are characters or bytes).
     """
     return isinstance(pages, Sequence) and not isinstance(pages, (str, bytes, bytearray))
+
+
+def engine_of(copier: object) -> CopyEngine | None:
+    """Return the :class:`CopyEngine` that ``copier`` is, or wraps; None if it is neither.
+
+    A wrapper (:class:`~fsm_cache.testing.faults.FaultyCopyEngine`, a user's)
+    names the engine it wraps ``inner``, which may be a wrapper in turn: the
+    chain is followed to the engine that moves the bytes. The cache asks this
+    to check a ``CacheConfig(copier=...)`` factory's engine
+    (:class:`~fsm_cache.memory.tiers.Tiers`).
+    """
+    seen: set[int] = set()
+    while not isinstance(copier, CopyEngine):
+        if id(copier) in seen:  # a wrapper that wraps itself, maybe through others
+            return None
+        seen.add(id(copier))
+        copier = getattr(copier, "inner", None)
+        if copier is None:
+            return None
+    return copier
 
 
 def _pool_of(name: str, pool: object) -> KVPool:
