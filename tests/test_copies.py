@@ -8,6 +8,7 @@ import pickle
 import re
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,7 @@ with warnings.catch_warnings():
     from fsm_cache.cache.hicache import HiCache
     from fsm_cache.cache.tree import TreeNode
     from fsm_cache.cli.main import main
-    from fsm_cache.errors import BadArgument, CopyFailed, ForeignSlot, PageBusy
+    from fsm_cache.errors import BadArgument, CopyFailed, ForeignSlot, NotASlot, PageBusy
     from fsm_cache.memory import copies, staging
     from fsm_cache.memory.copies import Completion, CopyEngine, Direction, host_runs
     from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
@@ -124,6 +125,9 @@ def test_overlapping_tickets_keep_pages_busy_until_both_are_reported() -> None:
     assert not engine.host_busy([0])
 
 
+NO_SEQUENCE = "copy: pages must be a sequence (a list or tuple), got"
+
+
 @pytest.mark.parametrize(
     ("src", "dst", "error", "message"),
     [
@@ -131,10 +135,18 @@ def test_overlapping_tickets_keep_pages_busy_until_both_are_reported() -> None:
         ([1, 2], [0, 0], ValueError, "copy: a destination page is listed twice"),
         ([8], [0], ForeignSlot, "device pool: page 8 outside 0..7"),
         ([0], [-1], ForeignSlot, "host pool: page -1 outside 0..7"),
-        ([1.5], [2], ForeignSlot, "device pool: page 1.5 outside 0..7"),
-        ([True], [2], ForeignSlot, "device pool: page True outside 0..7"),
-        ([0, 1], [2, False], ForeignSlot, "host pool: page False outside 0..7"),
-        ([0], [[1]], ForeignSlot, "host pool: page [1] outside 0..7"),
+        ([1.5], [2], NotASlot, "device pool: page 1.5 is not an int"),
+        ([True], [2], NotASlot, "device pool: page True is not an int"),
+        ([0, 1], [2, False], NotASlot, "host pool: page False is not an int"),
+        ([0], [[1]], NotASlot, "host pool: page [1] is not an int"),
+        ([9, True], [0, 1], NotASlot, "device pool: page True is not an int"),  # a bool first
+        ([0, 1], (2, 0.0), NotASlot, "host pool: page 0.0 is not an int"),
+        ([torch.tensor(8)], [0], ForeignSlot, "device pool: page 8 outside 0..7"),
+        ([torch.tensor([1, 2])], [0], NotASlot, "device pool: page tensor([1, 2]) is not an int"),
+        (torch.tensor([0, 1]), [2, 3], BadArgument, f"{NO_SEQUENCE} Tensor"),
+        ([0, 1], torch.tensor([2, 3]), BadArgument, f"{NO_SEQUENCE} Tensor"),
+        ([0], {1}, BadArgument, f"{NO_SEQUENCE} set"),
+        (b"\x00", [1], BadArgument, f"{NO_SEQUENCE} bytes"),
     ],
 )
 def test_bad_copies_are_refused_before_anything_starts(
@@ -147,6 +159,48 @@ def test_bad_copies_are_refused_before_anything_starts(
     assert engine.in_flight() == []
     assert engine.poll() == []
     assert engine.busy_device_pages() == engine.busy_host_pages() == frozenset()
+
+
+def test_an_array_of_pages_is_refused_as_no_sequence() -> None:
+    """A numpy array raised numpy's ValueError (no truth value), a tensor torch's RuntimeError."""
+    np = pytest.importorskip("numpy")
+    engine = make()
+    arrays: list[tuple[Any, Any, str]] = [
+        (np.array([0, 1]), [2, 3], "ndarray"),
+        ([0, 1], torch.tensor([2, 3]), "Tensor"),
+    ]
+    for start in (engine.start_write, engine.start_load):
+        for src, dst, kind in arrays:
+            with pytest.raises(BadArgument) as caught:
+                start(src, dst)
+            assert str(caught.value) == f"{NO_SEQUENCE} {kind}"
+    assert engine.in_flight() == []
+
+
+def test_numpy_and_tensor_integer_pages_are_copied_as_the_ints_they_stand_for() -> None:
+    """In-range pages the allocator takes were refused as outside the pool.
+
+    The ticket holds the ints, so the busy pages compare with the cache's ints
+    (a 0-d tensor hashes by identity, and would never have looked busy).
+    """
+    np = pytest.importorskip("numpy")
+    tensor: Any = torch.tensor  # pages are typed ints; these stand for ints
+    engine = make()
+    engine.device.fill([1], 7)
+    engine.device.fill([2], 9)
+    ticket = engine.start_write([np.int64(1), tensor(2)], (np.int32(5), tensor([6])))
+    assert (ticket.src_pages, ticket.dst_pages) == ((1, 2), (5, 6))
+    assert all(type(p) is int for p in (*ticket.src_pages, *ticket.dst_pages))
+    assert engine.host_busy([5])
+    assert engine.device_busy([2])
+    with pytest.raises(BadArgument, match="host page 6 is still in use"):
+        engine.start_write([3], [6])
+    assert [c.ok for c in engine.drain()] == [True]
+    assert torch.equal(engine.host.read([5, 6]), engine.device.read([1, 2]))
+    load = engine.start_load([np.int64(5)], [tensor(7)])
+    assert (load.src_pages, load.dst_pages) == ((5,), (7,))
+    assert [c.ok for c in engine.drain()] == [True]
+    assert torch.equal(engine.device.read([7]), engine.device.read([1]))
 
 
 @pytest.mark.parametrize("delay", [0, 2])

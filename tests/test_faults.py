@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from fsm_cache.cache.hicache import HiCache
-from fsm_cache.errors import BadArgument, CopyFailed
+from fsm_cache.errors import BadArgument, ConfigError, CopyFailed
 from fsm_cache.memory.copies import CopyEngine, Stream
 from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
-from fsm_cache.memory.tiers import CacheConfig, Tiers
+from fsm_cache.memory.tiers import CacheConfig, Tiers, synthetic_kv
 from fsm_cache.testing.fakecuda import FakeStream, FakeStreams, deferred_copier
 from fsm_cache.testing.faults import POISON, FaultyCopyEngine
 
@@ -202,6 +202,184 @@ def test_a_copier_whose_engine_exposes_no_stream_is_refused_at_construction() ->
     )
     with pytest.raises(CopyFailed, match=r"^copy engine closed: d2h copy refused$"):
         built[0].start_write([0], [0])  # closed, as Tiers.close closes it
+
+
+def _config(copier: Callable[[KVPool, KVPool], object]) -> CacheConfig:
+    return CacheConfig(
+        device_pages=4, host_pages=4, page_size=2, layers=1, heads=1, head_dim=4,
+        device="cpu", load_back_threshold=0, copier=copier,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+@pytest.fixture
+def closed_pools(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the pools closed (their memory given back) from now on, in order."""
+    closed: list[str] = []
+    close = KVPool.close
+
+    def recording(pool: KVPool) -> None:
+        closed.append(pool.name)
+        close(pool)
+
+    monkeypatch.setattr(KVPool, "close", recording)
+    return closed
+
+
+def _raw(kv: torch.Tensor) -> torch.Tensor:
+    return kv.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["engine", "wrapped"])
+def test_a_copier_handing_one_engine_to_two_caches_is_refused_at_the_second(
+    wrap: bool, closed_pools: list[str]
+) -> None:
+    """The second cache's copies ran in the first cache's pools, corrupting its KV.
+
+    Refused as the second cache is built, through a wrapper too (each cache a
+    new wrapper over the one engine); the first cache's engine is not closed,
+    and the second cache's pools are given back.
+    """
+    engines: list[CopyEngine] = []
+
+    def once(device: KVPool, host: KVPool) -> object:  # a factory that caches its engine
+        if not engines:
+            engines.append(CopyEngine(device, host))
+        return FaultyCopyEngine(engines[0]) if wrap else engines[0]
+
+    config = _config(once)
+    first = HiCache(config)
+    with pytest.raises(ConfigError) as refused:
+        HiCache(config)
+    assert str(refused.value) == (
+        "config: copier returned an engine over another device pool and another host pool "
+        "than it was called with (another cache's engine?): it must build a new CopyEngine "
+        "from the pools it is given"
+    )
+    assert closed_pools == ["host", "device"]  # the second cache's, as Tiers.close gives them
+    assert not engines[0].closed
+    tokens = [1, 2, 3, 4]
+    first.insert(tokens)
+    first.poll()
+    assert first.evict(4) == 4
+    first.load_back(first.match_prefix(tokens).last_host_node)
+    first.poll()
+    hit = first.match_prefix(tokens)
+    assert hit.device_len == 4
+    layout = config.layout()
+    assert torch.equal(
+        _raw(first.tiers.read_device(hit.device_pages)), _raw(synthetic_kv(layout, tokens))
+    )
+    first.close()
+
+
+class _Delegating:
+    """A user's wrapper of a copy engine, no FaultyCopyEngine: ``inner``, and its methods."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+class _Bare:
+    """Names an engine ``inner`` but has none of a copy engine's methods."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+
+def test_a_wrapper_of_the_caches_own_engine_is_taken_by_its_inner() -> None:
+    """A wrapper is found by its ``inner``, whatever its class, and through wrappers of wrappers."""
+    for build in (
+        lambda d, h: _Delegating(CopyEngine(d, h)),
+        lambda d, h: _Delegating(FaultyCopyEngine(CopyEngine(d, h))),
+        FaultyCopyEngine.copier(engine=lambda d, h: _Delegating(CopyEngine(d, h))),  # type: ignore[arg-type,return-value]
+    ):
+        cache = HiCache(_config(build))
+        cache.insert([1, 2, 3, 4])
+        cache.poll()
+        assert [n.host for n in cache.tree if n.key] == ["backed"]
+        cache.close()
+
+
+@pytest.mark.parametrize(
+    ("made", "message"),
+    [
+        (lambda d, h: None, "got NoneType"),
+        (lambda d, h: (d, h), "got tuple"),
+        (lambda d, h: _Bare(None), "got _Bare"),
+        (lambda d, h: _Delegating(_Delegating(h)), "got _Delegating"),
+    ],
+    ids=["None", "the pools", "no inner engine", "a wrapper of no engine"],
+)
+def test_a_copier_returning_no_copy_engine_is_refused_and_gives_the_pools_back(
+    made: Callable[[KVPool, KVPool], object], message: str, closed_pools: list[str]
+) -> None:
+    """Taken, it failed at the first insert, untyped (EffectFailed: 'NoneType' ... 'host_busy')."""
+    with pytest.raises(ConfigError) as refused:
+        HiCache(_config(made))
+    assert str(refused.value) == (
+        "config: copier must return a CopyEngine over the pools it is given, or a wrapper of "
+        f"one that names it inner, {message}"
+    )
+    assert closed_pools == ["host", "device"]
+
+
+def test_a_wrapper_that_wraps_itself_is_no_engine() -> None:
+    looped = _Bare(None)
+    looped.inner = _Bare(looped)
+    with pytest.raises(ConfigError, match=r"or a wrapper of one that names it inner, got _Bare$"):
+        Tiers(_config(lambda d, h: looped))
+
+
+def test_a_wrapper_without_the_engine_methods_is_refused_and_its_engine_closed(
+    closed_pools: list[str],
+) -> None:
+    built: list[CopyEngine] = []
+
+    def bare(device: KVPool, host: KVPool) -> _Bare:
+        built.append(CopyEngine(device, host))
+        return _Bare(built[-1])
+
+    with pytest.raises(ConfigError) as refused:
+        Tiers(_config(bare))
+    assert str(refused.value) == (
+        "config: copier returned a _Bare, which lacks the copy engine methods start_write, "
+        "start_load, poll, drain, wait, close, in_flight, device_busy, host_busy, "
+        "busy_device_pages, busy_host_pages"
+    )
+    assert built[0].closed  # built over this cache's pools: no one else's
+    assert closed_pools == ["host", "device"]
+
+
+def test_an_engine_over_one_pool_of_the_cache_is_refused_and_closed(
+    closed_pools: list[str],
+) -> None:
+    """An engine over the cache's device pool and a host pool of its own: the cache's to close."""
+    built: list[CopyEngine] = []
+
+    def half(device: KVPool, host: KVPool) -> CopyEngine:
+        built.append(CopyEngine(device, host_pool(device.layout, 4)))
+        return built[-1]
+
+    with pytest.raises(ConfigError) as refused:
+        Tiers(_config(half))
+    assert str(refused.value) == (
+        "config: copier returned an engine over another host pool than it was called with "
+        "(another cache's engine?): it must build a new CopyEngine from the pools it is given"
+    )
+    assert built[0].closed
+    assert closed_pools == ["host", "device"]
+
+
+def test_a_copier_that_raises_gives_the_pools_back(closed_pools: list[str]) -> None:
+    def broken(device: KVPool, host: KVPool) -> CopyEngine:
+        raise RuntimeError("no engine today")
+
+    with pytest.raises(RuntimeError, match=r"^no engine today$"):
+        Tiers(_config(broken))
+    assert closed_pools == ["host", "device"]
 
 
 def test_copier_over_deferred_copies_and_its_options_pickle() -> None:

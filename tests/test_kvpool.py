@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import re
 import warnings
+from typing import Any
 
 import pytest
 
@@ -14,7 +15,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
     import torch
 
-    from fsm_cache.errors import BadArgument, ForeignSlot, PinnedMemoryError, PoolError
+    from fsm_cache.errors import BadArgument, ForeignSlot, NotASlot, PinnedMemoryError, PoolError
     from fsm_cache.memory import kv
     from fsm_cache.memory.kv import (
         KVLayout,
@@ -94,7 +95,9 @@ def test_fill_poisons_only_the_given_pages() -> None:
     [
         ([0, -1], 0xFF, ForeignSlot, "device pool: page -1 outside 0..2"),
         ([0, 3], 0xFF, ForeignSlot, "device pool: page 3 outside 0..2"),
-        ([0, True], 0xFF, ForeignSlot, "device pool: page True outside 0..2"),
+        ([0, True], 0xFF, NotASlot, "device pool: page True is not an int"),
+        ([0, 1.0], 0xFF, NotASlot, "device pool: page 1.0 is not an int"),
+        ([3, False], 0xFF, NotASlot, "device pool: page False is not an int"),  # a bool first
         ([0], 256, BadArgument, "device pool: fill byte must be an int in 0..255, got 256"),
         ([0], -1, BadArgument, "device pool: fill byte must be an int in 0..255, got -1"),
         ([0], 1.5, BadArgument, "device pool: fill byte must be an int in 0..255, got 1.5"),
@@ -110,6 +113,39 @@ def test_a_refused_fill_poisons_no_page(
         pool.fill(pages, byte)  # type: ignore[arg-type]
     assert str(info.value) == message
     assert int(pool.tensor.view(torch.uint8).count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("name", ["device", "host"])
+def test_a_pool_takes_the_integer_pages_its_allocator_takes(name: str) -> None:
+    """A numpy integer or a one-element tensor in range was refused as outside the pool.
+
+    Its allocator takes them (``as_index``): the pool reads, writes and fills
+    the pages they stand for, and names a bool or a float as no int, as the
+    allocator does, rather than as outside a range it is inside.
+    """
+    np = pytest.importorskip("numpy")
+    tensor: Any = torch.tensor  # pages are typed ints; these stand for ints
+    pool = device_pool(LAYOUT, 3, torch.device("cpu")) if name == "device" else host_pool(LAYOUT, 3)
+    pool.tensor.zero_()
+    kv = synthetic_kv(LAYOUT, list(range(8)))
+    for pages in ([np.int64(2), tensor(0)], (np.int32(0), np.int64(1))):
+        pool.write(pages, kv)
+        assert torch.equal(pool.read(pages), kv)
+        assert torch.equal(pool.read([int(p) for p in pages]), kv)
+    pool.fill([np.int16(2), tensor([1])], 0x7F)
+    assert bool((pool.pages[1] == 0x7F).all() and (pool.pages[2] == 0x7F).all())
+    assert pool.check_pages([np.int64(1), tensor(2)]) == [1, 2]
+    assert pool.allocator.owner_of(np.int64(1)) == -1  # the allocator's take, for comparison
+    bads: list[Any] = [np.True_, True, 1.0, np.float64(1.0), tensor(True), "1", None]
+    for bad in bads:
+        with pytest.raises(NotASlot) as caught:
+            pool.read([0, bad])
+        assert str(caught.value) == f"{name} pool: page {bad!r} is not an int"
+        with pytest.raises(NotASlot):
+            pool.allocator.owner_of(bad)  # the same refusal
+    with pytest.raises(ForeignSlot) as outside:
+        pool.read([np.int64(3)])
+    assert str(outside.value) == f"{name} pool: page 3 outside 0..2"
 
 
 def test_host_pool_sized_by_bytes_or_ratio() -> None:
@@ -255,11 +291,18 @@ def test_a_write_that_does_not_fit_is_refused_and_changes_nothing(
     assert bool((pool.tensor.view(torch.uint8) == 7).all())
 
 
-@pytest.mark.parametrize(("page", "shown"), [(4, "4"), (-1, "-1"), (1.0, "1.0"), (True, "True")])
-def test_a_page_outside_the_pool_is_refused_by_read_and_write(page: object, shown: str) -> None:
+@pytest.mark.parametrize(
+    ("page", "message"),
+    [
+        (4, "host pool: page 4 outside 0..3"),
+        (-1, "host pool: page -1 outside 0..3"),
+        (1.0, "host pool: page 1.0 is not an int"),  # a NotASlot, as the allocator says
+        (True, "host pool: page True is not an int"),
+    ],
+)
+def test_a_page_outside_the_pool_is_refused_by_read_and_write(page: object, message: str) -> None:
     pool = host_pool(LAYOUT, 4)
     pool.tensor.view(torch.uint8).fill_(7)
-    message = f"host pool: page {shown} outside 0..3"
     with pytest.raises(ForeignSlot) as caught:
         pool.read([0, page])  # type: ignore[list-item]
     assert str(caught.value) == message

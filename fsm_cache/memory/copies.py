@@ -85,6 +85,7 @@ __all__ = [
     "Streams",
     "Ticket",
     "check_stream",
+    "engine_of",
     "host_runs",
     "refuse_busy_destination",
 ]
@@ -226,10 +227,13 @@ class CopyEngine:
         stream given to :meth:`wait`, whenever it is submitted.
 
         Raises:
-            BadArgument: the pages are not sequences, the lists differ in
+            BadArgument: the pages are not sequences (an array or a tensor of
+                pages is not one: pass a list), the lists differ in
                 length, a destination repeats, a destination is busy with
                 an unreported copy (also a ValueError, as these were), or
                 ``stream`` is not a stream (or one of another GPU).
+            NotASlot: a page is not an int (a bool, a float); a numpy
+                integer is the page it stands for, as the allocator takes it.
             ForeignSlot: a page is outside its pool.
             CopyFailed: the engine is closed, or the device failed while the
                 copy was being ordered after compute (nothing is started).
@@ -253,10 +257,13 @@ class CopyEngine:
         (as for :meth:`start_write`) and on every stream given to :meth:`wait`.
 
         Raises:
-            BadArgument: the pages are not sequences, the lists differ in
+            BadArgument: the pages are not sequences (an array or a tensor of
+                pages is not one: pass a list), the lists differ in
                 length, a destination repeats, a destination is busy with
                 an unreported copy (also a ValueError, as these were), or
                 ``stream`` is not a stream (or one of another GPU).
+            NotASlot: a page is not an int (a bool, a float); a numpy
+                integer is the page it stands for, as the allocator takes it.
             ForeignSlot: a page is outside its pool.
             CopyFailed: the engine is closed, or the device failed while the
                 copy was being ordered after compute (nothing is started).
@@ -301,7 +308,7 @@ class CopyEngine:
     ) -> Ticket:
         if self.closed:
             raise CopyFailed(f"copy engine closed: {direction.value} copy refused")
-        runs = self._validate(direction, src, dst)
+        src, dst, runs = self._validate(direction, src, dst)
         check_stream("stream", stream, self.device.device)  # on CPU too: a slip shows here
         if self._api is not None:
             try:
@@ -321,19 +328,21 @@ class CopyEngine:
 
     def _validate(
         self, direction: Direction, src: Sequence[int], dst: Sequence[int]
-    ) -> tuple[int | None, int | None]:
+    ) -> tuple[Sequence[int], Sequence[int], tuple[int | None, int | None]]:
         """Refuse a copy that cannot run, in C where nothing is wrong (the common case).
 
-        Returns the first page of ``src`` and of ``dst`` where each is one run of its
-        pool's pages (:meth:`~fsm_cache.memory.pages.PageAllocator.run_of`), for the ticket.
+        Returns ``src`` and ``dst`` as ints (:meth:`~fsm_cache.memory.kv.KVPool.check_pages`:
+        a numpy integer becomes its int), and the first page of each where it is one run of
+        its pool's pages (:meth:`~fsm_cache.memory.pages.PageAllocator.run_of`), for the ticket.
         """
-        try:
-            lengths = len(src), len(dst)
-        except TypeError:  # an iterator, or a single page: the pages are read more than once
-            bad = src if not hasattr(src, "__len__") else dst
-            raise BadArgument(
-                f"copy: pages must be a sequence (a list or tuple), got {type(bad).__name__}"
-            ) from None
+        for pages in (src, dst):
+            if type(pages) is not list and type(pages) is not tuple and not _ordered(pages):
+                # an iterator or a set has no order to pair pages by, or is read once; an
+                # array or a tensor of pages is no sequence of pages (and has no truth value)
+                raise BadArgument(
+                    f"copy: pages must be a sequence (a list or tuple), got {type(pages).__name__}"
+                )
+        lengths = len(src), len(dst)
         if lengths[0] != lengths[1]:
             raise BadArgument(f"copy: {lengths[0]} source pages but {lengths[1]} destination pages")
         if direction is Direction.D2H:
@@ -343,14 +352,14 @@ class CopyEngine:
         # a run of a pool's pages (the common case) is distinct and inside it: nothing more to check
         src_run, dst_run = source.allocator.run_of(src), target.allocator.run_of(dst)
         if src_run is None:
-            source.check_pages(src)
+            src = source.check_pages(src)
         if dst_run is None:
-            target.check_pages(dst)
+            dst = target.check_pages(dst)
             if len(set(dst)) != len(dst):
                 raise BadArgument("copy: a destination page is listed twice")
         if not busy.isdisjoint(dst, dst_run):
             refuse_busy_destination(direction, dst, busy)
-        return src_run, dst_run
+        return src, dst, (src_run, dst_run)
 
     def _mark(self, stream: Stream | None) -> None:
         """Make the ordering stream wait for each compute stream's work queued so far.
@@ -808,6 +817,37 @@ def check_stream(name: str, stream: object, device: object = None) -> None:
             f"copy engine: {name} is a stream of {on}, but the device pool is on {device}: "
             "give a stream of the pool's GPU"
         )
+
+
+def _ordered(pages: object) -> bool:
+    """Whether ``pages`` is a sequence a copy can read its pages from, by position, twice.
+
+    A :class:`~collections.abc.Sequence` that is no text: not an iterator
+    (read once), a set (no order), a single page, a numpy array or a tensor
+    (no ``Sequence``, and no truth value), nor a ``str`` or ``bytes`` (whose
+    items are characters or bytes).
+    """
+    return isinstance(pages, Sequence) and not isinstance(pages, (str, bytes, bytearray))
+
+
+def engine_of(copier: object) -> CopyEngine | None:
+    """Return the :class:`CopyEngine` that ``copier`` is, or wraps; None if it is neither.
+
+    A wrapper (:class:`~fsm_cache.testing.faults.FaultyCopyEngine`, a user's)
+    names the engine it wraps ``inner``, which may be a wrapper in turn: the
+    chain is followed to the engine that moves the bytes. The cache asks this
+    to check a ``CacheConfig(copier=...)`` factory's engine
+    (:class:`~fsm_cache.memory.tiers.Tiers`).
+    """
+    seen: set[int] = set()
+    while not isinstance(copier, CopyEngine):
+        if id(copier) in seen:  # a wrapper that wraps itself, maybe through others
+            return None
+        seen.add(id(copier))
+        copier = getattr(copier, "inner", None)
+        if copier is None:
+            return None
+    return copier
 
 
 def _pool_of(name: str, pool: object) -> KVPool:

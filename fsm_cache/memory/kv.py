@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from fsm_cache.errors import BadArgument, ForeignSlot, PinnedMemoryError, PoolError
-from fsm_cache.memory.pages import PageAllocator, outside
-from fsm_cache.numeric import real, whole
+from fsm_cache.errors import BadArgument, PinnedMemoryError, PoolError
+from fsm_cache.memory.pages import PageAllocator, page_index
+from fsm_cache.numeric import boolean, real, whole
 
 
 QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
@@ -189,6 +189,7 @@ class KVPool:
         No pages give an empty tensor of that shape.
 
         Raises:
+            NotASlot: a page is not an int (a bool, a float).
             ForeignSlot: a page is outside the pool.
         """
         idx = self._index(pages)
@@ -211,11 +212,12 @@ class KVPool:
         ``index_copy_`` of the pool's words.
 
         Raises:
+            NotASlot: a page is not an int (a bool, a float).
             ForeignSlot: a page is outside the pool.
             PoolError: a page is listed twice, or ``kv`` has another shape or
                 dtype than ``pages`` need.
         """
-        where = self._where(pages)
+        pages, where = self._where(pages)
         lay, n = self.layout, len(pages)
         shape = _pool_shape("device", lay, n)
         if kv.shape != shape or kv.dtype != lay.dtype:
@@ -244,11 +246,12 @@ class KVPool:
         :meth:`write`; a refused write changes no page.
 
         Raises:
+            NotASlot: a page is not an int (a bool, a float).
             ForeignSlot: a page is outside the pool.
             PoolError: a page is listed twice, or ``values`` has another
                 shape than ``pages`` need.
         """
-        where = self._where(pages)
+        pages, where = self._where(pages)
         n = len(pages)
         shape = _paged_shape(self.layout, n)
         if pages_last:
@@ -290,33 +293,37 @@ class KVPool:
         else:
             self._dest.index_copy_(1, where, rows)
 
-    def _where(self, pages: Sequence[int]) -> int | torch.Tensor | None:
-        """Check ``pages``; return the first page of an ascending run, else an index (None: none).
+    def _where(self, pages: Sequence[int]) -> tuple[Sequence[int], int | torch.Tensor | None]:
+        """Check ``pages``; return them as ints (:meth:`check_pages`) and where they are.
+
+        Where: the first page of an ascending run, else an index (None: no pages).
 
         Raises:
-            ForeignSlot: a page is not an int (bools neither) in ``0..num_pages - 1``.
+            NotASlot: a page is not an int (a bool, a float).
+            ForeignSlot: a page is outside ``0..num_pages - 1``.
         """
-        if not pages:
-            return None
+        if len(pages) == 0:  # not ``not pages``: an array of pages has no truth value
+            return pages, None
         if not _INT.issuperset(map(type, pages)):
-            self.check_pages(pages)  # names the culprit (an int subclass passes)
+            pages = self.check_pages(pages)  # names the culprit, or converts (a numpy integer)
         first, n = pages[0], len(pages)
         if pages[-1] == first + n - 1 and first >= 0 and first + n <= self.num_pages:
             run = range(first, first + n)  # compared in C, as a tuple or a list
             if (pages == tuple(run)) if isinstance(pages, tuple) else (list(pages) == list(run)):
-                return first
-        return self._pages_index(pages)
+                return pages, first
+        return pages, self._pages_index(pages)
 
     def _index(self, pages: Sequence[int]) -> torch.Tensor | None:
         """Check ``pages`` and return them as an index on the pool's device (None: no pages).
 
         Raises:
-            ForeignSlot: a page is not an int (bools neither) in ``0..num_pages - 1``.
+            NotASlot: a page is not an int (a bool, a float).
+            ForeignSlot: a page is outside ``0..num_pages - 1``.
         """
-        if not pages:
+        if len(pages) == 0:  # not ``not pages``: an array of pages has no truth value
             return None
         if not _INT.issuperset(map(type, pages)):
-            self.check_pages(pages)
+            pages = self.check_pages(pages)
         return self._pages_index(pages)
 
     def _pages_index(self, pages: Sequence[int]) -> torch.Tensor:
@@ -326,21 +333,31 @@ class KVPool:
         idx = torch.frombuffer(array("q", pages), dtype=torch.int64)
         return idx if self._on_cpu else upload(idx, self.device)  # device: a tensor's, ~1 us
 
-    def check_pages(self, pages: Sequence[int]) -> None:
-        """Refuse ``pages`` unless each is an int (a bool is not) in ``0..num_pages - 1``.
+    def check_pages(self, pages: Sequence[int]) -> Sequence[int]:
+        """Return ``pages`` as ints, refusing them unless each is a page of the pool.
 
-        Checked in C where nothing is wrong (the common case); the first fault is named.
+        Pages are taken as the pool's allocator takes them
+        (:func:`~fsm_cache.memory.pages.page_index`): a numpy integer or a
+        one-element integer tensor is the int it stands for, and the result
+        holds that int, so the pages compare and hash as ints (a tensor hashes
+        by identity); a bool (equal to page 0 or 1) or a float is no page.
+        Checked in C where every page is an int in range (the common case),
+        which returns ``pages`` itself; otherwise the first fault is named, a
+        bool first, as the allocator names it.
 
         Raises:
-            ForeignSlot: naming the first page that is not.
+            NotASlot: a page is not an int (``device pool: page True is not an int``).
+            ForeignSlot: a page is outside ``0..num_pages - 1``.
         """
-        if not pages or (
+        if len(pages) == 0 or (  # not ``not pages``: an array of pages has no truth value
             _INT.issuperset(map(type, pages)) and min(pages) >= 0 and max(pages) < self.num_pages
         ):
-            return
-        for p in pages:
-            if not whole(p) or p >= self.num_pages:
-                raise ForeignSlot(f"{self.name} pool: page {p!r} {outside(self.num_pages)}")
+            return pages
+        name, num_pages = self.name, self.num_pages
+        for p in pages:  # a bool first: it equals page 0 or 1, so the range would take it
+            if boolean(p):
+                page_index(name, num_pages, p)
+        return [page_index(name, num_pages, p) for p in pages]
 
     def _refuse_repeats(self, pages: Sequence[int]) -> None:
         """Raise :class:`PoolError` naming the first page ``pages`` lists twice."""
@@ -357,10 +374,11 @@ class KVPool:
         page (a negative page would otherwise poison one counted from the end).
 
         Raises:
-            ForeignSlot: a page is not an int (bools neither) in ``0..num_pages - 1``.
+            NotASlot: a page is not an int (a bool, a float).
+            ForeignSlot: a page is outside ``0..num_pages - 1``.
             BadArgument: ``byte`` is not an int in ``0..255``.
         """
-        self.check_pages(pages)
+        pages = self.check_pages(pages)
         if not whole(byte) or byte > 0xFF:
             raise BadArgument(f"{self.name} pool: fill byte must be an int in 0..255, got {byte!r}")
         for p in pages:

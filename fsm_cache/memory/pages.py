@@ -140,6 +140,33 @@ def outside(num_pages: int) -> str:
     return "outside the pool, which has no pages"
 
 
+def page_index(name: str, num_pages: int, page: object) -> int:
+    """Return the int ``page`` stands for, refusing it unless it is a page of the pool.
+
+    The one test of a single page that the allocator and the KV pools
+    (:meth:`~fsm_cache.memory.kv.KVPool.check_pages`) share, so both take and
+    word the same pages: a numpy integer or a one-element integer tensor is
+    the page it stands for (:func:`~fsm_cache.numeric.as_index`), as the
+    argument checks take it; a bool is no page, though it equals page 0 or 1,
+    and neither is a float.
+
+    Args:
+        name: The pool's name in messages (``device``, ``host``).
+        num_pages: Pages in the pool.
+        page: What the caller gave as a page.
+
+    Raises:
+        NotASlot: ``page`` is not an int (``device pool: page True is not an int``).
+        ForeignSlot: ``page`` is outside ``0..num_pages - 1``.
+    """
+    index = page if type(page) is int else as_index(page)
+    if index is None:
+        raise NotASlot(f"{name} pool: page {page!r} is not an int")
+    if not 0 <= index < num_pages:
+        raise ForeignSlot(f"{name} pool: page {index} {outside(num_pages)}")
+    return index
+
+
 def run_start(pages: Sequence[int]) -> int | None:
     """Return the first page if ``pages`` is one run of consecutive ascending pages, else None.
 
@@ -310,8 +337,7 @@ class PageAllocator:
             NotASlot: ``page`` is not an int (a bool is not).
             ForeignSlot: ``page`` is outside the pool.
         """
-        self._check_range(page)
-        return self._owner[page]
+        return self._owner[self._check_range(page)]
 
     def all_owned_by(self, pages: Sequence[int], owner: int) -> bool:
         """Return whether every page of ``pages`` is in the pool, owned by ``owner``, listed once.
@@ -462,16 +488,9 @@ class PageAllocator:
         else:
             deque(map(self._owner.__setitem__, pages, repeat(owner)), maxlen=0)  # a loop in C
 
-    def _check_range(self, page: int) -> None:
-        if type(page) is not int:
-            # a numpy integer is the page it stands for, as the argument checks take it;
-            # a bool is no page, though it equals page 0 or 1
-            index = as_index(page)
-            if index is None:
-                raise NotASlot(f"{self.name} pool: page {page!r} is not an int")
-            page = index
-        if not 0 <= page < self.num_pages:
-            raise ForeignSlot(f"{self.name} pool: page {page} {outside(self.num_pages)}")
+    def _check_range(self, page: object) -> int:
+        """Return the int ``page`` stands for (:func:`page_index` in this pool)."""
+        return page_index(self.name, self.num_pages, page)
 
     def _check_owner(self, owner: int) -> None:
         """Refuse an owner that is not an integer ``>= 0``, as :meth:`alloc` takes them.

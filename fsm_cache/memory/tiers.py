@@ -19,7 +19,7 @@ import torch
 
 from fsm_cache.engine.trail import choose
 from fsm_cache.errors import BadArgument, ConfigError, PageBusy
-from fsm_cache.memory.copies import CopyEngine, check_stream
+from fsm_cache.memory.copies import CopyEngine, check_stream, engine_of
 from fsm_cache.memory.kv import (
     KVLayout,
     KVPool,
@@ -34,6 +34,10 @@ from fsm_cache.numeric import real, whole
 
 
 CopierFactory = Callable[[KVPool, KVPool], Copier]
+_COPIER_METHODS = tuple(
+    name for name, value in vars(Copier).items() if callable(value) and not name.startswith("_")
+)
+"""What the cache calls on its copy engine: the methods of the :class:`Copier` protocol."""
 DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")
 """The element types a cache's KV may have, by the name of their ``torch`` attribute."""
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -61,7 +65,11 @@ class CacheConfig:
         debug: Check every invariant after every operation.
         trail: Trail mode: keep call sites of recent events per node, so refusals
             name them (``None``: ``FSM_CACHE_TRAIL``).
-        copier: Builds the copy engine from the two pools (tests inject faults here).
+        copier: Builds the copy engine from the two pools (tests inject faults here):
+            a new :class:`~fsm_cache.memory.copies.CopyEngine` over the pools it
+            is given, or a wrapper of one that names it ``inner``
+            (:class:`~fsm_cache.testing.faults.FaultyCopyEngine`); anything
+            else is refused when a cache is built (see :class:`Tiers`).
         log_limit: Most entries the cache's event log keeps (the oldest go
             first), so a long-running server's log stays bounded; None keeps
             every entry (replays and audits of whole runs). Keyword-only.
@@ -300,7 +308,12 @@ class Tiers:
         ConfigError: A value is bad (see :meth:`CacheConfig.check`), a
             ``compute_stream`` is given with a ``config.copier``, or a pool
             could not be allocated or page-locked; the message names the pool,
-            its pages and bytes, the device, and the allocator's reason.
+            its pages and bytes, the device, and the allocator's reason. Or
+            ``config.copier`` returned no copy engine over this cache's own
+            pools (see :func:`_checked_copier`): the pools are given back, as
+            :meth:`close` gives them back, and an engine the copier built
+            over them is closed; one over other pools (another cache's) is
+            left alone.
         BadArgument: ``compute_stream`` is not a stream, or one of another
             GPU than the device pool's. Nothing is allocated. Or the copier's
             engine exposes a ``compute_stream`` that is no stream, or one of
@@ -333,13 +346,12 @@ class Tiers:
             torch.device("cpu"),
             lambda n: host_pool(layout, n, pin=gpu is not None, device=gpu),
         )
-        self.copier: Copier = (
-            config.copier(self.device, self.host)
-            if config.copier is not None
-            else CopyEngine(self.device, self.host, compute_stream=compute_stream)
-        )
-        self.page_size = config.page_size
         self.closed = False
+        if config.copier is None:
+            self.copier: Copier = CopyEngine(self.device, self.host, compute_stream=compute_stream)
+        else:
+            self.copier = self._build_copier(config.copier)
+        self.page_size = config.page_size
         # CUDA only: the stream write_tokens writes on, so the copies ordered after it see the KV.
         # The engine owns it; a copier's engine may have one too (FaultyCopyEngine's, a user's).
         forward = getattr(self.copier, "compute_stream", None)
@@ -354,6 +366,37 @@ class Tiers:
             if forward is not None and self.device.device.type == "cuda"
             else None
         )
+
+    def _build_copier(self, copier: CopierFactory) -> Copier:
+        """Return the engine ``copier`` builds over this cache's pools, checked.
+
+        A factory that raises, or returns no engine over these pools, gives
+        the pools back before its error goes on (:meth:`_release`); an engine
+        it built over them is closed first, and one over other pools, which
+        belongs to someone else (another cache's), is left as it is.
+
+        Raises:
+            ConfigError: What the factory returned is refused (:func:`_checked_copier`).
+        """
+        try:
+            made = copier(self.device, self.host)
+        except BaseException:
+            self._release()
+            raise
+        try:
+            return _checked_copier(made, self.device, self.host)
+        except ConfigError:
+            engine = engine_of(made)
+            try:  # one over these pools was built for this cache: no other holds them
+                if engine is not None and self._holds_a_pool(engine):
+                    engine.close()
+            finally:
+                self._release()
+            raise
+
+    def _holds_a_pool(self, engine: CopyEngine) -> bool:
+        """Whether ``engine`` moves into or out of one of this cache's pools."""
+        return engine.device is self.device or engine.host is self.host
 
     def close(self) -> None:
         """Wait for every copy, then release the pinned host memory; idempotent.
@@ -375,6 +418,10 @@ class Tiers:
         if self.closed:
             return
         self.copier.close()
+        self._release()
+
+    def _release(self) -> None:
+        """Let the device go idle, then give the pools' pinned memory back (:meth:`close`'s end)."""
         if self.device.device.type == "cuda":
             torch.cuda.synchronize(self.device.device)
         self.closed = True
@@ -476,6 +523,47 @@ class Tiers:
         if self._forward is not None:  # CUDA only
             torch.cuda.current_stream(self.device.device).wait_stream(self._forward)
         return self.device.read(pages)
+
+
+def _checked_copier(made: object, device: KVPool, host: KVPool) -> Copier:
+    """Return what a ``CacheConfig(copier=...)`` factory made, if it is a copy engine for these pools.
+
+    It must have the :class:`Copier` methods, and be a
+    :class:`~fsm_cache.memory.copies.CopyEngine` or wrap one
+    (:func:`~fsm_cache.memory.copies.engine_of`: through ``inner``) that
+    moves between ``device`` and ``host``, the pools the factory was given.
+    Those are new with every cache, so an engine over them belongs to no
+    other cache: a factory that hands one engine to two caches is refused at
+    the second, whose copies would otherwise run in the first cache's pools.
+
+    Raises:
+        ConfigError: Naming what is wrong: no engine (``None``, a tuple), a
+            wrapper without a :class:`Copier` method, or an engine over other pools.
+    """
+    engine = engine_of(made)
+    if engine is None:
+        raise ConfigError(
+            "config: copier must return a CopyEngine over the pools it is given, or a wrapper "
+            f"of one that names it inner, got {type(made).__name__}"
+        )
+    missing = [name for name in _COPIER_METHODS if not callable(getattr(made, name, None))]
+    if missing:
+        raise ConfigError(
+            f"config: copier returned a {type(made).__name__}, which lacks the copy engine "
+            f"methods {', '.join(missing)}"
+        )
+    foreign = [
+        f"another {pool.name} pool"
+        for pool, held in ((device, engine.device), (host, engine.host))
+        if held is not pool
+    ]
+    if foreign:
+        raise ConfigError(
+            f"config: copier returned an engine over {' and '.join(foreign)} than it was "
+            "called with (another cache's engine?): it must build a new CopyEngine from the "
+            "pools it is given"
+        )
+    return cast("Copier", made)
 
 
 def _allocate(
