@@ -220,6 +220,43 @@ def test_a_node_in_use_cannot_leave_the_tree() -> None:
     assert root.children.pop(1) is node
 
 
+def test_a_node_with_a_copy_below_it_cannot_leave_the_tree() -> None:
+    """Deleting a node deletes its subtree: a child holding a copy in a tier is refused.
+
+    Whoever deletes it: the eviction's check (:func:`deleting`, before SGLang
+    frees anything) or the removal itself (``del``/``pop``, a fork's own
+    ``_delete_leaf``), with the spec's refusal of dropping a copy above a child's.
+    """
+    root, a, b = tree([1], [2])
+    backed(b, [8])
+    b.value = None  # b: host only, under the unbacked a
+    host_leaf = (
+        "node 1: delete refused in unbacked (pins=0, device resident): a child still holds a "
+        "host copy: node 2 (backed/absent) would leave the tree with it, its slots never "
+        "freed; free the copies below it first; nothing changed"
+    )
+    with pytest.raises(error_class("NotAHostLeaf")) as caught:
+        deleting(a)
+    assert (str(caught.value), a.deleted) == (host_leaf, False)
+    with pytest.raises(error_class("NotAHostLeaf")) as caught:
+        del root.children[1]
+    assert str(caught.value) == host_leaf
+    with pytest.raises(error_class("NotAHostLeaf")) as caught:
+        root.children.pop(1, None)
+    assert str(caught.value) == host_leaf
+    b.value = [4]  # b back on the device
+    with pytest.raises(
+        error_class("NotADeviceLeaf"), match=r"^node 1: delete refused in resident "
+    ):
+        root.children.pop(1)
+    assert (root.children[1], a.children[2], state(a)) == (a, b, ("unbacked", "resident", 0, 0))
+    b.value = None
+    b.host_value = None  # its host copy evicted first, as SGLang's evict_host does
+    del a.children[2]
+    deleting(a)
+    assert (root.children.pop(1), a.deleted) == (a, True)
+
+
 def test_a_load_failed_while_locked_is_refused() -> None:
     _, node = tree([1])
     backed(node, [7])

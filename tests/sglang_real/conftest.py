@@ -25,7 +25,7 @@ import pytest
 
 from fsm_cache.testing import sglang as standins
 
-from .fakes import CpuController, FakeAllocator, FakeHostPool, server_args
+from .fakes import CpuController, FakeAllocator, FakeHostPool, StorageController, server_args
 
 
 if standins.sglang_present():
@@ -171,16 +171,23 @@ def build_hiradix(
     monkeypatch: pytest.MonkeyPatch,
     write_policy: str,
     page_size: int = 1,
+    *,
+    storage: bool = False,
 ) -> Any:
-    """SGLang's real ``HiRadixCache`` over the CPU fakes (host pool, controller, one rank)."""
+    """SGLang's real ``HiRadixCache`` over the CPU fakes (host pool, controller, one rank).
+
+    With ``storage``, a storage tier too (:class:`~.fakes.StorageController`).
+    """
     import torch
 
     hi = hiradix_module()
     allocator.kvcache = hi.MHATokenToKVPool.__new__(hi.MHATokenToKVPool)
+    controller = StorageController if storage else CpuController
     monkeypatch.setattr(hi, "MHATokenToKVPoolHost", FakeHostPool)
-    monkeypatch.setattr(hi, "HiCacheController", CpuController.build)
+    monkeypatch.setattr(hi, "HiCacheController", controller.build)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
-    return hi.HiRadixCache(sg.cache_params(allocator, page_size), server_args(write_policy))
+    args = server_args(write_policy, storage=storage)
+    return hi.HiRadixCache(sg.cache_params(allocator, page_size), args)
 
 
 def whole_state(cache: Any, allocator: Any) -> dict[str, Any]:

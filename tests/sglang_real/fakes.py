@@ -10,8 +10,11 @@ slot freed, and a controller whose copies "finish" when the test says so.
 
 from __future__ import annotations
 
+import itertools
+import queue
 import types
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -226,15 +229,100 @@ class CpuController:
             ack.finish_event.done = True
 
 
-def server_args(write_policy: str = "write_through") -> types.SimpleNamespace:
-    """The ``ServerArgs`` fields ``HiRadixCache.__init__`` reads, without storage (L3)."""
+@dataclass
+class Prefetch:
+    """One prefetch from storage (SGLang's ``PrefetchOperation``): its host slots and progress."""
+
+    req_id: str
+    host_indices: torch.Tensor
+    token_ids: list[int]
+    completed_tokens: int = 0
+    hash_value: list[str] = field(default_factory=list)
+    terminated: bool = False
+
+    def is_terminated(self) -> bool:
+        """Whether ``terminate_prefetch`` ended it."""
+        return self.terminated
+
+    def land(self, tokens: int) -> None:
+        """The first ``tokens`` tokens arrive from storage (one hash a page of one token)."""
+        self.completed_tokens = tokens
+        self.hash_value = [f"h{i}" for i in range(tokens)]
+
+
+@dataclass
+class StorageController(CpuController):
+    """:class:`CpuController` with a storage tier (L3): prefetches land when the test says.
+
+    The queues are those ``drain_storage_control_queues`` reads; no prefetch
+    is revoked and no storage backup is acknowledged unless the test does it.
+    """
+
+    prefetch_revoke_queue: queue.Queue[str] = field(default_factory=queue.Queue)
+    ack_backup_queue: queue.Queue[Any] = field(default_factory=queue.Queue)
+    host_mem_release_queue: queue.Queue[torch.Tensor] = field(default_factory=queue.Queue)
+    prefetch_tokens_occupied: int = 0
+    prefetches: list[Prefetch] = field(default_factory=list)
+    backups: list[int] = field(default_factory=list)
+    _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1), repr=False)
+
+    def prefetch_rate_limited(self) -> bool:
+        """Never: every prefetch asked for starts."""
+        return False
+
+    def prefetch(
+        self,
+        req_id: str,
+        host_indices: torch.Tensor,
+        new_input_tokens: list[int],
+        last_hash: str | None = None,
+        prefix_keys: list[str] | None = None,
+    ) -> Prefetch:
+        """Start reading ``new_input_tokens`` from storage into ``host_indices``."""
+        del last_hash, prefix_keys
+        operation = Prefetch(req_id, host_indices, list(new_input_tokens))
+        self.prefetches.append(operation)
+        return operation
+
+    def terminate_prefetch(self, operation: Prefetch) -> tuple[int, list[str]]:
+        """End ``operation``; what has landed so far."""
+        operation.terminated = True
+        return operation.completed_tokens, operation.hash_value
+
+    def append_host_mem_release(self, host_indices: torch.Tensor) -> None:
+        """Queue host slots a prefetch did not fill, for ``drain_storage_control_queues``."""
+        if host_indices.numel():
+            self.host_mem_release_queue.put(host_indices)
+
+    def write_storage(
+        self,
+        host_indices: torch.Tensor,
+        token_ids: Any,
+        hash_value: Any = None,
+        prefix_keys: Any = None,
+    ) -> int:
+        """Start a host-to-storage backup; its operation id."""
+        del host_indices, token_ids, hash_value, prefix_keys
+        ident = next(self._ids)
+        self.backups.append(ident)
+        return ident
+
+
+def server_args(
+    write_policy: str = "write_through", storage: bool = False
+) -> types.SimpleNamespace:
+    """The ``ServerArgs`` fields ``HiRadixCache.__init__`` reads; with ``storage``, an L3 tier.
+
+    With a storage tier a prefetch of one token or more starts (SGLang's
+    default threshold is 256).
+    """
     return types.SimpleNamespace(
         hicache_io_backend="kernel",
         hicache_mem_layout="layer_first",
         hicache_ratio=1.0,
         hicache_size=0,
-        hicache_storage_backend=None,
-        hicache_storage_backend_extra_config=None,
+        hicache_storage_backend="cpu-fake" if storage else None,
+        hicache_storage_backend_extra_config='{"prefetch_threshold": 1}' if storage else None,
         hicache_storage_prefetch_policy="best_effort",
         hicache_write_policy=write_policy,
         served_model_name="fake",

@@ -247,3 +247,104 @@ def test_a_cache_built_before_the_patch_is_refused_at_its_first_checked_call(
         with pytest.raises(BuiltBeforePatch, match=f"^node {node.id}: evict of a node built "):
             sg.evict(cache, 4)
         assert whole_state(cache, allocator) == before
+
+
+def test_deleting_a_device_leaf_above_a_host_copy_is_refused_before_its_slots_are_freed(
+    sg: Api, allocator: FakeAllocator, monkeypatch: pytest.MonkeyPatch, patched: Any
+) -> None:
+    """0.5.6's ``_evict_regular`` deletes an unbacked device leaf that has a backed child.
+
+    Write-through with 8 host slots: a later request's suffix B is backed up
+    under its prefix A, whose own backup did not fit. Once B leaves the
+    device, A is a device leaf without a host copy: stock SGLang frees A's
+    device slots and deletes A with B under it, and B's host slots are never
+    freed again. The patch refuses the deletion (the spec's ``NotAHostLeaf``)
+    before A's slots are freed; evicting B's host copy first lets it through,
+    every slot coming back.
+    """
+    del patched
+    cache = build_hiradix(sg, allocator, monkeypatch, "write_through")
+    controller, host = cache.cache_controller, cache.cache_controller.mem_pool_host
+    host.take(host.available_size() - 8)  # 8 host slots left
+    a, ab = [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]
+    sg.insert(cache, [9, 9, 9, 9], allocator.take(4))  # backed up: 4 host slots left
+    controller.finish_writes()
+    cache.writing_check()
+    sg.insert(cache, a, allocator.take(len(a)))  # its backup needs 8: A stays unbacked
+    value = allocator.take(len(ab))
+    allocator.free(value[: sg.insert(cache, ab, value)])  # A's backup fails again, B's fits
+    controller.finish_writes()
+    cache.writing_check()
+    cache.evict(6)  # [9, 9, 9, 9] and then B leave the device (both backed)
+    node_a = cache.root_node.children[1]
+    (node_b,) = node_a.children.values()
+    assert (node_a.host, node_a.device, node_b.host, node_b.device) == (
+        "unbacked",
+        "resident",
+        "backed",
+        "absent",
+    )
+    before = whole_state(cache, allocator)
+    with pytest.raises(error_class("NotAHostLeaf")) as caught:
+        cache.evict(len(a))  # A is the next victim
+    hi = type(cache)
+    write = sglang_site(hi._inc_hit_count, "self.write_backup(node)")  # noqa: SLF001
+    assert str(caught.value) == (
+        f"node {node_a.id}: delete refused in unbacked (pins=0, device resident): a child "
+        f"still holds a host copy: node {node_b.id} (backed/absent) would leave the tree "
+        "with it, its slots never freed; free the copies below it first; nothing changed; "
+        f"written at {write}; failed at {write}; written at {write}; failed at {write}; "
+        f"locked at {sglang_site(hi.write_backup, 'self.inc_lock_ref(node)')}; "
+        f"unlocked at {sglang_site(hi.writing_check, 'self.dec_lock_ref(backuped_node)')}; "
+        f"refused at {sglang_site(hi.evict, 'self._evict_regular(x)')}"
+    )
+    assert whole_state(cache, allocator) == before
+    cache.evict_host(4 + len(node_b.key))  # the host copies go first ([9, 9, 9, 9], B)...
+    cache.evict(len(a))  # ...then A may
+    assert (host.available_size(), allocator.available_size(), cache.root_node.children) == (
+        8,
+        64,
+        {},
+    )
+
+
+def test_deleting_a_device_leaf_above_a_prefetched_copy_is_refused(
+    sg: Api, allocator: FakeAllocator, monkeypatch: pytest.MonkeyPatch, patched: Any
+) -> None:
+    """The same through 0.5.6's storage prefetch: a host-only node lands under an unbacked one.
+
+    A prefetch anchored at the root lands after another request computed
+    part of its tokens itself (an unbacked device node): ``_insert_helper_host``
+    hangs the rest, host only, under that node. Stock SGLang's ``evict`` then
+    deletes the unbacked node with the prefetched one under it, whose host
+    slots are never freed again; the patch refuses before anything is freed.
+    """
+    del patched
+    cache = build_hiradix(sg, allocator, monkeypatch, "write_through_selective", storage=True)
+    controller = cache.cache_controller
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    found = cache.match_prefix(sg.key(tokens))
+    cache.prefetch_from_storage("r1", found.last_host_node, tokens)  # 8 host slots
+    sg.insert(cache, tokens[:6], allocator.take(6))  # another request computed [1..6]
+    (prefetch,) = controller.prefetches
+    prefetch.land(len(tokens))
+    cache.check_prefetch_progress("r1")  # [7, 8], host only, under the unbacked [1..6]
+    computed = cache.root_node.children[1]
+    (fetched,) = computed.children.values()
+    assert (computed.host, computed.device, fetched.host, fetched.device) == (
+        "unbacked",
+        "resident",
+        "backed",
+        "absent",
+    )
+    before = whole_state(cache, allocator)
+    with pytest.raises(error_class("NotAHostLeaf")) as caught:
+        cache.evict(len(tokens))
+    hi = type(cache)
+    assert str(caught.value) == (
+        f"node {computed.id}: delete refused in unbacked (pins=0, device resident): a child "
+        f"still holds a host copy: node {fetched.id} (backed/absent) would leave the tree "
+        "with it, its slots never freed; free the copies below it first; nothing changed; "
+        f"refused at {sglang_site(hi.evict, 'self._evict_regular(x)')}"
+    )
+    assert whole_state(cache, allocator) == before

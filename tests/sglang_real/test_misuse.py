@@ -627,3 +627,36 @@ def test_a_lock_of_a_node_evict_deleted_is_refused(
         f"deleted at {evict}; refused at test_misuse.py:{refused_at} in {test}"
     )
     assert (cache.evictable_size(), cache.protected_size(), node.lock_ref) == before == (0, 0, 0)
+
+
+def test_a_fork_deleting_a_node_with_a_child_on_the_device_is_refused(
+    sg: Api, allocator: FakeAllocator, patched: Any
+) -> None:
+    """A fork's own ``_delete_leaf`` of a node that is no leaf: refused at the removal.
+
+    SGLang deletes the node with its subtree: the child, still on the device,
+    would leave the tree with its slots, never to be matched or freed. The
+    check is in the node's ``children``, which every deletion passes through.
+    """
+    cache = sg.rc.RadixCache(sg.cache_params(allocator))
+    sg.insert(cache, AB[:6], allocator.take(6))
+    value = allocator.take(len(AB))
+    allocator.free(value[: sg.insert(cache, AB, value)])
+    parent = only_child(cache)
+    (child,) = parent.children.values()
+    before = whole_state(cache, allocator)
+    with pytest.raises(error_class("NotADeviceLeaf")) as caught:
+        cache._delete_leaf(parent)  # noqa: SLF001
+    removal = "children.pop" if sg.new else "del node.parent.children"
+    assert str(caught.value) == (
+        f"node {parent.id}: delete refused in resident (locks=0, host unbacked): a child is "
+        f"still on the device (device residency is prefix-closed): node {child.id} "
+        "(unbacked/resident) would leave the tree with it, its slots never freed; free the "
+        "copies below it first; nothing changed; "
+        f"refused at {line_of(sg.rc.RadixCache._delete_leaf, removal)}"  # noqa: SLF001
+    )
+    assert whole_state(cache, allocator) == before
+    cache._delete_leaf(child)  # noqa: SLF001
+    # a node whose children went first is deleted as SGLang deletes it
+    cache._delete_leaf(parent)  # noqa: SLF001
+    assert cache.root_node.children == {}

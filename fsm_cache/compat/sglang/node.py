@@ -75,7 +75,11 @@ class SlotsOutOfStep(FsmCacheError, AttributeError):
 
 
 class RemovedInUse(FsmCacheError, RuntimeError):
-    """A node left the tree while locked, pinned, or with a copy in flight."""
+    """A node left the tree while locked, pinned, or with a copy in flight.
+
+    A node whose child still holds a copy is refused with the spec's own
+    ``NotADeviceLeaf``/``NotAHostLeaf`` instead (see ``Children``).
+    """
 
 
 class PatchUndone(ReadOnlyCounter):
@@ -94,6 +98,9 @@ _NO_DEFAULT: Any = object()
 
 class Children(defaultdict[Any, Any]):
     """A node's ``children`` mapping: attaching a node seals it, removing one checks it is idle.
+
+    Idle: not locked, pinned or copying, and no child of it still holding a
+    copy in a tier (SGLang deletes a node with its subtree).
 
     A ``defaultdict`` like SGLang's (``defaultdict(TreeNode)``): the patch has
     SGLang's ``TreeNode.__init__`` build one in its place, and sealing a node
@@ -133,12 +140,16 @@ class Children(defaultdict[Any, Any]):
         child: Any = self.get(key)
         try:
             held = child.sealed and (
-                child.locks or child.pins or child.host == "writing" or child.device == "loading"
+                child.locks
+                or child.pins
+                or child.host == "writing"
+                or child.device == "loading"
+                or child.children
             )
         except AttributeError:  # not a checked node (or no child under ``key``)
             held = False
         if held:
-            _refuse_removal(child)
+            _check_removal(child)
         dict.__delitem__(self, key)
 
     def pop(self, key: Any, default: Any = _NO_DEFAULT) -> Any:
@@ -146,12 +157,16 @@ class Children(defaultdict[Any, Any]):
         child: Any = self.get(key)
         try:
             held = child.sealed and (
-                child.locks or child.pins or child.host == "writing" or child.device == "loading"
+                child.locks
+                or child.pins
+                or child.host == "writing"
+                or child.device == "loading"
+                or child.children
             )
         except AttributeError:  # not a checked node (or no child under ``key``)
             held = False
         if held:
-            _refuse_removal(child)
+            _check_removal(child)
         if default is _NO_DEFAULT:
             return dict.pop(self, key)
         return dict.pop(self, key, default)
@@ -161,6 +176,24 @@ def _checked(mapping: Any) -> Children:
     """``mapping`` as a :class:`Children`, with its default factory if it has one."""
     factory = getattr(mapping, "default_factory", None)
     return Children(factory, mapping) if mapping else Children(factory)
+
+
+def _check_removal(child: ResidencyMixin) -> None:
+    """Refuse to take a node out of the tree while it, or a child of it, is still held.
+
+    A node is held by its locks, pins and copies in flight; a child still
+    holding a copy in a tier would leave the tree with it
+    (:func:`~fsm_cache.compat.sglang.scope.check_below`), whoever deletes
+    the node: SGLang's eviction, or a fork's own call of ``_delete_leaf``.
+
+    Raises:
+        RemovedInUse: The node is locked, pinned, or has a copy in flight.
+        IllegalTransition: ``NotADeviceLeaf`` or ``NotAHostLeaf``: a child
+            still holds a copy.
+    """
+    if child.locks or child.pins or child.host == "writing" or child.device == "loading":
+        _refuse_removal(child)
+    scope.check_below(child)
 
 
 def _refuse_removal(child: ResidencyMixin) -> NoReturn:

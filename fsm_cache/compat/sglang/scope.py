@@ -12,7 +12,8 @@ before the first step, so a refusal changes nothing:
   copy, before the controller allocates device slots; :func:`back_out` fails
   those loads again when SGLang gives up (device memory short).
 * :func:`deleting` checks a victim ``evict`` is about to free and delete
-  (a locked one is refused) and marks it deleted, so it cannot be locked again.
+  (a locked one is refused, and one with a child still holding a copy,
+  :func:`check_below`) and marks it deleted, so it cannot be locked again.
 * :func:`device_evictions` lets a write-back ``evict`` free a parent after
   the child it is writing back, as the spec requires, with SGLang's loop
   seeing the order it expects.
@@ -38,10 +39,12 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
 from fsm_cache.engine import trail
+from fsm_cache.engine.codegen import Refusal
 from fsm_cache.engine.core import Engine, Plan
 from fsm_cache.errors import FsmCacheError, IllegalTransition, StaleNode, error_class
 from fsm_cache.residency import HOST_HELD, DeviceState, Event, HostState, Residency
-from fsm_cache.spec.meaning import composed_refusal
+from fsm_cache.spec.machine import Forbid
+from fsm_cache.spec.meaning import composed_refusal, condition_holds
 from fsm_cache.spec.validate import representatives
 
 
@@ -737,7 +740,8 @@ def deleting(node: Any) -> None:
     node with it) is marked ``deleted``, and the lock walks refuse it.
 
     Raises:
-        IllegalTransition: The victim is locked, or has a copy in flight;
+        IllegalTransition: The victim is locked, has a copy in flight, or
+            has a child that still holds a copy (:func:`check_below`);
             nothing was freed.
         BuiltBeforePatch: The victim is SGLang's own node; nothing was freed.
     """
@@ -745,6 +749,7 @@ def deleting(node: Any) -> None:
     if getattr(node, "device", "absent") == "absent" or getattr(node, "parent", None) is None:
         return  # not an SGLang node, off the device already, or a root
     node.seal()
+    check_below(node)
     machine = node.machine()
     if node.host in HOST_HELD:
         machine.evict_device(node)
@@ -754,6 +759,77 @@ def deleting(node: Any) -> None:
     node.deleted = True
     if machine.engine.trail:
         node.trail = trail.note(node.trail, "delete", machine.engine.history)
+
+
+DROPS: tuple[Event, ...] = ("evict_device", "evict_host")
+"""The events that drop a node's copies: deleting the node from the tree drops both at once."""
+
+
+def below_rules(residency: Residency) -> tuple[Forbid, ...]:
+    """The spec's rules along the tree that keep a copy from being dropped above a child's.
+
+    The composition's refusals of :data:`DROPS` whose conditions read the
+    node's children only (``NotADeviceLeaf``, ``NotAHostLeaf`` in
+    ``specs/residency.toml``): deleting a node breaks what they protect as
+    dropping either copy does, whatever the node itself holds.
+    """
+    system = residency.engine.system
+    return tuple(
+        forbid
+        for event in DROPS
+        for forbid in system.forbids_for(event)
+        if forbid.when and all(cond.scope == "child" for cond in forbid.when)
+    )
+
+
+def check_below(node: Any) -> None:
+    """Refuse deleting ``node`` from the tree while a child of it still holds a copy in a tier.
+
+    SGLang deletes a node with its whole subtree: a child still on the
+    device, or holding a host copy (0.5.6's ``_evict_regular`` deleting an
+    unbacked device leaf whose child was backed up when the parent's backup
+    did not fit), would leave the tree with its slots allocated, never to be
+    matched or freed. The refusal is the spec's rule of :func:`below_rules`
+    that holds, naming the node, the child and, in trail mode, the node's
+    recent call sites and the refused call's.
+
+    Raises:
+        IllegalTransition: ``NotADeviceLeaf`` or ``NotAHostLeaf`` (the spec's
+            classes); nothing changed.
+    """
+    children = getattr(node, "children", None)
+    if not children:
+        return
+    engine = node.machine().engine
+    system = engine.system
+    kids = list(children.values())
+    views: list[dict[str, str]] = [
+        {region: getattr(kid, region, "") for region, _ in system.regions} for kid in kids
+    ]
+    counters = engine.counters(node)
+    for forbid in below_rules(node.machine()):
+        if forbid.guard.holds(counters) and all(
+            condition_holds(cond, {}, None, views) for cond in forbid.when
+        ):
+            first = forbid.when[0]  # the child it names: one the first condition reads
+            kid = next(
+                k for k, v in zip(kids, views, strict=True) if v[first.region] in first.states
+            )
+            _refuse_below(node, kid, forbid)
+
+
+def _refuse_below(node: Any, kid: Any, forbid: Forbid) -> NoReturn:
+    """Raise ``forbid``'s refusal of deleting ``node`` above ``kid``, shaped as the spec's own."""
+    engine = node.machine().engine
+    system = engine.system
+    owner = system.regions_of(forbid.event)[0]
+    reason = (
+        f"{forbid.reason}: node {getattr(kid, 'id', '?')} ({kid.host}/{kid.device}) would "
+        "leave the tree with it, its slots never freed; free the copies below it first; "
+        "nothing changed"
+    )
+    others = tuple(r for r, _ in system.regions if r != owner and hasattr(node, r))
+    raise engine.refusal(node, Refusal(owner, "delete", forbid.error, reason, others))
 
 
 def _refuse_deleted(node: Any, walk: str) -> NoReturn:
