@@ -26,10 +26,15 @@ Installed with fsm_cache (a ``pytest11`` entry point), it adds:
   leases still held, leases collected while held (``fsm_leases = false``
   turns both off) and live records still holding a counter a state carries,
   pins or locks taken with or without a lease (``fsm_holds = false``).
-  ``@pytest.mark.fsm_allow_leaks`` excuses the leases a test drops on purpose.
-  The dropped leases are taken out of the process-wide log at each test's end
-  into the run's own list, and recording is turned on at each test's start, so
-  a test that forgets entries or turns recording off hides no other's.
+  ``@pytest.mark.fsm_allow_leaks`` excuses the leases a test drops on purpose:
+  those taken since its setup began (its own, its function-scoped
+  fixtures'), not those of a module or session fixture torn down after it.
+  Recording is turned on as each phase of a test (setup, call, teardown)
+  starts, and what the test dropped is taken out of the process-wide log at
+  the end of its teardown into the run's own list, so a test that forgets
+  entries or turns recording off hides no other's, nor what the fixtures
+  torn down after it drop (reported as collected during "the teardown of"
+  that test).
   Under pytest-xdist each worker accounts for the tests it ran and hands its
   report to the controller, which prints them all and fails the run.
 """
@@ -51,6 +56,7 @@ from fsm_cache.engine.lease import (
     Dropped,
     dropped_leases,
     forget_dropped,
+    lease_mark,
     open_leases,
     record_dropped,
 )
@@ -89,13 +95,17 @@ class SpecUnexplored(UserWarning):
 _RECORDING = pytest.StashKey[bool]()
 """Whether dropped leases were recorded before this run turned recording on."""
 _TAKEN = pytest.StashKey[list[tuple[Dropped, str | None]]]()
-"""The leases this run saw dropped while held, each with the test it was collected during.
+"""The leases this run saw dropped while held, each with what it was collected during.
 
 Taken out of the process-wide log (:func:`dropped_leases`) at the end of each
-test, and kept here, so that a test that forgets entries of the log or turns
-recording off cannot hide what other tests dropped. None: collected outside
-any test (during collection, or a fixture's teardown after the last test).
+test's teardown (:class:`_Phases`), and kept here, so that a test that
+forgets entries of the log or turns recording off cannot hide what other
+tests, or fixtures torn down after it, dropped. What it was collected during:
+a test's node id (its setup or call), ``the teardown of`` one, or None outside
+any test (during collection, between tests, or after the last one).
 """
+_START = pytest.StashKey[int]()
+"""A test's :func:`lease_mark` as its setup began: the leases it took itself are above it."""
 _SGLANG = pytest.StashKey[Any]()
 """The patch ``--fsm-sglang`` applied to the installed SGLang."""
 _REPORT = pytest.StashKey[list[str]]()
@@ -240,6 +250,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if switched(config, "fsm_leases"):
         config.stash[_RECORDING] = record_dropped(True)
         config.stash[_TAKEN] = []
+        config.pluginmanager.register(_Phases(config.stash[_TAKEN]), "fsm_cache-phases")
     if config.getoption("--fsm-sglang"):
         from fsm_cache.compat.sglang import patch
 
@@ -350,32 +361,69 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             x.warn(path)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
-    """Take the leases each test dropped while held into the run's own list (or forget them).
+class _Phases:
+    """Takes the leases each test dropped while held into the run's own list (or forgets them).
 
-    Each test starts with recording on (an earlier one may have turned it
-    off) and the process-wide log empty: what was dropped between tests is
-    taken first. So a test that forgets the whole log (``forget_dropped(
-    dropped_leases())``) forgets only what it dropped itself.
+    A plugin of its own (registered when ``fsm_leases`` is on), as its hooks
+    wrap each phase of a test: module- and session-scoped fixtures are torn
+    down in the teardown of whichever test ends their scope, so what that
+    test does (turn recording off, be marked ``fsm_allow_leaks``) must not
+    reach what they drop. Each phase starts with recording on; the test's
+    entries stay in the process-wide log until its teardown ends, so that
+    its own fixtures may still forget what it dropped.
     """
-    taken = item.config.stash.get(_TAKEN, None)
-    if taken is not None:
-        _take(taken, dropped_leases(), None)
+
+    def __init__(self, taken: list[tuple[Dropped, str | None]]) -> None:
+        self.taken = taken
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        """Start the test with recording on and the log empty, and mark its first lease.
+
+        What was dropped since the last test is taken first, so a test that
+        forgets the whole log (``forget_dropped(dropped_leases())``) forgets
+        only what it dropped itself.
+        """
         record_dropped(True)
-    allowed = item.get_closest_marker("fsm_allow_leaks") is not None
-    before = dropped_leases()  # kept alive, so that no lease dropped meanwhile reuses an id
-    try:
+        _take(self.taken, dropped_leases(), None)
+        item.stash[_START] = lease_mark()
         return (yield)
-    finally:
-        if (allowed or taken is not None) and open_leases():
-            gc.collect()  # a held lease only a reference cycle keeps is dropped now, in its test
-        known = {id(x) for x in before}
-        new = [x for x in dropped_leases() if id(x) not in known]
-        if allowed:
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_call(self) -> Generator[None, None, None]:
+        """Run the test with recording on (its setup may have turned it off)."""
+        record_dropped(True)
+        try:
+            return (yield)
+        finally:
+            if open_leases():
+                gc.collect()  # a held lease only a cycle keeps is dropped now, in its test
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
+        """Tear the fixtures down with recording on, then take the test's entries out of the log.
+
+        What was dropped before the teardown is the test's; what was dropped
+        during it is "the teardown of" the test's, whatever the fixture's
+        scope. ``fsm_allow_leaks`` excuses only the leases taken since the
+        test's setup began (its own and its function-scoped fixtures'), not
+        those of a wider fixture it was handed and whose teardown it ends.
+        """
+        record_dropped(True)
+        before = dropped_leases()  # kept alive, so that no lease dropped meanwhile reuses an id
+        try:
+            return (yield)
+        finally:
+            if open_leases():
+                gc.collect()
+            new = dropped_leases()
             forget_dropped(new)
-        elif taken is not None:
-            _take(taken, new, item.nodeid)
+            if item.get_closest_marker("fsm_allow_leaks") is not None:
+                start = item.stash.get(_START, None)
+                new = [x for x in new if start is None or x.order < start]
+            known = {id(x) for x in before}
+            during = {True: item.nodeid, False: f"the teardown of {item.nodeid}"}
+            self.taken.extend((x, during[id(x) in known]) for x in new)
 
 
 def _take(taken: list[tuple[Dropped, str | None]], new: list[Dropped], test: str | None) -> None:
@@ -430,9 +478,10 @@ def _leaks(config: pytest.Config, where: str = "") -> list[str]:
     """
     sections: list[tuple[str, list[str]]] = []
     if switched(config, "fsm_leases"):
+        record_dropped(True)  # the last test may have turned it off
         gc.collect()  # a held lease only a reference cycle keeps is dropped, not open
         taken = config.stash.get(_TAKEN, [])
-        _take(taken, dropped_leases(), None)  # dropped after the last test: a fixture's teardown
+        _take(taken, dropped_leases(), None)  # dropped after the last test's teardown
         sections.append(("lease(s) never released", [repr(x) for x in open_leases()]))
         dropped = [_dropped(x, test) for x, test in taken]
         sections.append(("lease(s) dropped while held", dropped))

@@ -542,6 +542,26 @@ def test_a_lease_dropped_in_a_reference_cycle_is_recorded_when_collected(
     assert [(x.ident, x.event) for x in new_drops(known)] == [(7, "pin")]
 
 
+def test_a_dropped_lease_says_whether_it_was_taken_before_a_mark(
+    engine: Engine, recording: None
+) -> None:
+    """What lets the pytest plugin excuse a test's own leases, not those it was handed."""
+    handed = engine.lease(backed(engine))
+    mark = leases.lease_mark()
+    later = engine.new(8)
+    later.state = "backed"
+    known = {id(x) for x in leases.dropped_leases()}
+    with pytest.warns(ResourceWarning):
+        engine.lease(later)  # taken after the mark, dropped at once
+    with pytest.warns(ResourceWarning):
+        del handed
+    dropped = new_drops(known)
+    assert [(x.ident, x.order > mark) for x in dropped] == [(8, True), (7, False)]
+    assert repr(dropped[0]) == (
+        f"Dropped(label='node', ident=8, event='pin', taken_at={dropped[0].taken_at!r})"
+    )
+
+
 def test_dropped_leases_are_not_kept_unless_recording(engine: Engine) -> None:
     before = leases.record_dropped(False)
     known = {id(x) for x in leases.dropped_leases()}

@@ -287,7 +287,10 @@ def test_allow_leaks_excuses_a_lease_dropped_on_purpose(pytester: pytest.Pyteste
 
     The plugin reported from the process-wide log: a test that forgot the
     whole log, as the docs advised, forgot what every earlier test had
-    dropped, and one that turned recording off hid every later leak.
+    dropped, and one that turned recording off hid every later leak. The
+    teardown of a module fixture runs in its last test's: what it dropped was
+    excused by that test's marker, hidden when the test turned recording off,
+    and said to be collected during the test itself.
     """
     module = pytester.makepyfile(
         """
@@ -296,14 +299,29 @@ def test_allow_leaks_excuses_a_lease_dropped_on_purpose(pytester: pytest.Pyteste
         from fsm_cache.engine.lease import dropped_leases, forget_dropped, record_dropped
         from fsm_cache.spec.shipped import host_machine
 
-        def drop(ident):
+        def hold(ident):
             engine = Engine(host_machine())
             rec = engine.new(ident)
             rec.state = "backed"
-            engine.lease(rec)
+            return engine.lease(rec)
+
+        def drop(ident):
+            hold(ident)
+
+        @pytest.fixture(scope="module")
+        def handed():
+            lease = hold(5)
+            yield
+            del lease  # in the teardown of the module's last test
+
+        @pytest.fixture
+        def own():
+            lease = hold(6)
+            yield
+            del lease  # in the marked test's own teardown: excused
 
         @pytest.mark.fsm_allow_leaks
-        def test_on_purpose():
+        def test_on_purpose(handed, own):
             drop(1)
 
         def test_by_mistake():
@@ -318,15 +336,21 @@ def test_allow_leaks_excuses_a_lease_dropped_on_purpose(pytester: pytest.Pyteste
 
         def test_later_by_mistake():
             drop(4)
+
+        @pytest.mark.fsm_allow_leaks
+        def test_last():
+            record_dropped(False)
         """
     )
     result = pytester.runpytest_subprocess("-W", "ignore::ResourceWarning")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    taken = f"{module.name}:{line_of(module, 'engine.lease(rec)')} in drop"
+    taken = f"{module.name}:{line_of(module, 'return engine.lease(rec)')} in hold"
     assert leaks(result) == [
-        "fsm_cache: 2 lease(s) dropped while held:",
+        "fsm_cache: 3 lease(s) dropped while held:",
         f"  node 2: pin taken at {taken} (collected during {module.name}::test_by_mistake)",
         f"  node 4: pin taken at {taken} (collected during {module.name}::test_later_by_mistake)",
+        f"  node 5: pin taken at {taken}"
+        f" (collected during the teardown of {module.name}::test_last)",
     ]
 
 

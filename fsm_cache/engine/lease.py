@@ -15,10 +15,11 @@ records whose hold counters (pins, locks) are still up, lease or no lease.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
 
 from fsm_cache.engine import trail
@@ -60,6 +61,7 @@ class Lease:
         "_event",
         "_gives",
         "_label",
+        "_order",
         "_record",
         "_release",
         "_released",
@@ -94,6 +96,8 @@ class Lease:
         self._busy = False
         """Whether ``release()`` is firing the release now (an effect of it may call it again)."""
         self._serial = serial
+        self._order = next(_ORDER)
+        """The lease's place among all this process took (:func:`lease_mark`)."""
 
     @property
     def record(self) -> Any:
@@ -253,7 +257,7 @@ class Lease:
         # lock to deadlock on), and record before warning, which may raise.
         if getattr(self, "_released", True) is not None:
             return
-        dropped = Dropped(self._label, self._record.id, self._event, self.taken_at)
+        dropped = Dropped(self._label, self._record.id, self._event, self.taken_at, self._order)
         if _DROPS.recording:
             _DROPS.entries.append(dropped)
         warnings.warn(
@@ -392,12 +396,16 @@ class Dropped:
         ident: The record's id.
         event: The acquiring event (``pin``, ``lock``).
         taken_at: Where the lease was taken.
+        order: The lease's place among all the leases this process took,
+            in the order they were taken: above a :func:`lease_mark`, it
+            was taken after that mark was made (0: before any mark).
     """
 
     label: str
     ident: object
     event: str
     taken_at: trail.Site
+    order: int = field(default=0, repr=False)
 
     def __str__(self) -> str:
         return f"{self.label} {self.ident}: {self.event} taken at {self.taken_at}"
@@ -414,14 +422,27 @@ class _DropLog:
 
 
 _DROPS = _DropLog()
+_ORDER = itertools.count(1)
+"""The places of the leases this process takes, and its marks (:func:`lease_mark`)."""
+
+
+def lease_mark() -> int:
+    """Return a mark between the leases taken so far and those taken later.
+
+    A :class:`Dropped` whose ``order`` is above the mark was taken after
+    this call, one whose ``order`` is below it before: the pytest plugin
+    tells so a test's own leases from those it was handed (a module or
+    session fixture's), which ``fsm_allow_leaks`` does not excuse.
+    """
+    return next(_ORDER)
 
 
 def record_dropped(on: bool = True) -> bool:
     """Turn on (or off) keeping leases collected while held; return the previous setting.
 
     Off by default, so a process that does not ask keeps nothing (a leak
-    still warns); the pytest plugin turns it on for the run, and again at
-    each test's start.
+    still warns); the pytest plugin turns it on for the run, and again as
+    each phase of each test (setup, call, teardown) starts.
     """
     before = _DROPS.recording
     _DROPS.recording = on
