@@ -1773,6 +1773,37 @@ def test_evicted_storage_pages_count_only_what_the_store_still_held(tmp_path: Pa
     assert cache.stats().storage_pages["evicted"] == 1
 
 
+class _Uncounting(LocalFileStore):
+    """A store whose ``drop`` answers no count of its pages (a user's, to a looser protocol)."""
+
+    answer: object = None
+
+    def drop(self, keys: Sequence[str]) -> Any:
+        super().drop(keys)
+        return self.answer
+
+
+@pytest.mark.parametrize("answer", [None, True, -1, 99])
+def test_a_drop_that_answers_no_count_still_evicts(tmp_path: Path, answer: object) -> None:
+    """The pages were dropped: the node is unstored, and nothing is counted as evicted.
+
+    ``+= None`` raised TypeError from the effect after the store had dropped
+    the pages: ``evict_storage`` failed and the node stayed ``stored`` over
+    pages that were gone.
+    """
+    store = _Uncounting(tmp_path)
+    store.answer = answer
+    cache = HiCache(config(), storage=tier(store, owned=True))
+    cache.insert(tokens(2))
+    for _ in range(3):
+        cache.poll()
+    (node,) = cache.tree
+    assert cache.evict_storage(100) == 2 * PAGE
+    assert node.storage == "unstored"
+    assert store.capacity().pages == 0
+    assert cache.stats().storage_pages["evicted"] == 0
+
+
 def test_metrics_report_the_storage_tier(store: Store) -> None:
     toks = tokens(3)
     stored_cache(store, toks)

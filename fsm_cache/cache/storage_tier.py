@@ -583,17 +583,18 @@ def _put(store: Store, keys: Sequence[str], pages: list[torch.Tensor]) -> StoreR
     try:
         held = stored_prefix(store.put(keys, pages))
     except StoreFailed as exc:
-        return StoreResult(_acknowledged(exc.acknowledged, len(keys)), [], "failed", str(exc))
+        return StoreResult(_counted(exc.acknowledged, len(keys)), [], "failed", str(exc))
     return StoreResult(held, [], "ok" if held == len(keys) else "full")
 
 
-def _acknowledged(value: object, total: int) -> int:
-    """The leading pages a failed put says it stored, as an int in ``0..total``.
+def _counted(value: object, total: int) -> int:
+    """A store's count of ``total`` pages (a failed put's stored, a drop's dropped), in ``0..total``.
 
     A store's count may be a numpy integer, which is the int it stands for.
-    One that is not a count of those pages (a bool, a negative number, more
-    pages than were put, not an integer) counts as none: the pages are not
-    taken as stored, and a later lookup may still find them.
+    One that is not a count of those pages (None, a bool, a negative number,
+    more pages than were given, not an integer) counts as none: a failed
+    put's pages are not taken as stored (a later lookup may still find them),
+    and a drop's are not counted as evicted.
     """
     held = as_index(value)
     return held if held is not None and 0 <= held <= total else 0
@@ -823,14 +824,16 @@ class StorageTier:
             raise ConfigError(
                 "storage: the store is shared (owned=False): its own eviction deletes pages"
             )
+        keys = list(self.keys_of(node))
         try:
-            dropped = self._store.drop(list(self.keys_of(node)))
+            dropped = self._store.drop(keys)
         except Exception as exc:
             if not self._agreed_only:
                 raise
             self._evict_failed(exc)  # whatever this rank's store raised: the group evicts
             return
-        self._core.counters.storage_pages["evicted"] += dropped  # what was still stored
+        # what was still stored; a store that answers no count (None) has dropped them all the same
+        self._core.counters.storage_pages["evicted"] += _counted(dropped, len(keys))
 
     def _evict_failed(self, error: BaseException) -> None:
         """Count a drop the store would not do as ``evict:failed``, with what it said."""
