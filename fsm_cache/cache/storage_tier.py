@@ -535,9 +535,9 @@ class _Workers:
         threads, self._threads = self._threads, []
         for _ in threads:
             self._jobs.put(None)
-        deadline = time.monotonic() + min(max(0.0, wait), threading.TIMEOUT_MAX)
+        deadline = time.monotonic() + _waitable(wait)
         for thread in threads:
-            thread.join(min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX))
+            thread.join(_waitable(deadline - time.monotonic()))
 
 
 def _run(
@@ -1694,13 +1694,18 @@ class StorageTier:
 
 
 def _wait(copy: StorageCopy, seconds: float) -> None:
-    """Wait up to ``seconds`` (none when negative) for ``copy``'s worker to answer.
+    """Wait up to ``seconds`` (none when negative) for ``copy``'s worker to answer."""
+    copy.done.wait(_waitable(seconds))
 
-    Cut to the longest wait the platform's locks take: an ``io_timeout`` of
-    years (a copy that may take as long as it likes) is a valid setting, and
-    ``Event.wait`` raises OverflowError past ``threading.TIMEOUT_MAX``.
+
+def _waitable(seconds: float) -> float:
+    """``seconds`` as a wait a lock takes: none when negative, and cut to the longest.
+
+    An ``io_timeout`` of years (a copy that may take as long as it likes) is
+    a valid setting, and ``Event.wait`` and ``Thread.join`` raise
+    OverflowError past ``threading.TIMEOUT_MAX``.
     """
-    copy.done.wait(min(max(0.0, seconds), threading.TIMEOUT_MAX))
+    return min(max(0.0, seconds), threading.TIMEOUT_MAX)
 
 
 def _agreed_result(copy: StorageCopy, local: StoreResult, value: int) -> StoreResult:
