@@ -48,9 +48,9 @@ OPAQUE = (
     MachineSpec,
 )
 """Compared by identity: code, classes, functions and the frozen spec objects."""
-LAZY = {"_legal", "_holders", "_pairs", "_gives"}
+LAZY = {"_legal", "_holders", "_pairs"}
 """Engine attributes computed on first use (``bad_record``'s search, ``lease``'s pairing
-of acquire and release and the give-backs of a pair): a cache, not state."""
+of acquire and release): a cache, not state."""
 
 
 def snapshot(*roots: object) -> object:

@@ -140,10 +140,9 @@ class Engine:
         self._trail = trails.from_environment(stacklevel=2) if chosen is None else chosen
         self._history = min(history, sys.maxsize)  # a deque's longest; more would overflow it
         self.leases: Final[LeaseBook] = LeaseBook()
-        self._pairs: dict[tuple[str, str], str | None] = {}
-        """Why each (acquire, release) pair :meth:`lease` was given does not pair, or None."""
-        self._gives: dict[tuple[str, str], tuple[str, ...]] = {}
-        """The give-backs a lease of each pair that pairs may be released by, its own first."""
+        self._pairs: dict[tuple[str, str], str | tuple[str, ...]] = {}
+        """Each (acquire, release) pair :meth:`lease` was given, judged (:meth:`_pair`): why
+        it does not pair, or the give-backs its lease may be released by, its own first."""
         self._effects = self._bind(effects)
         self._past = self.system.past_tenses
         self._compiled: Compiled = compile_system(
@@ -497,11 +496,9 @@ class Engine:
             EffectFailed: A bound effect of ``acquire`` failed (as for :meth:`fire`).
         """
         undo, take = self._verb(release, "lease"), self._verb(acquire, "lease")
-        pair = (acquire, release)
-        unpaired = self._pairs[pair] if pair in self._pairs else self._pair(acquire, release)
-        if unpaired is not None:
-            raise BadArgument(unpaired)
-        gives = self._gives[pair]
+        gives = self._pairs.get((acquire, release)) or self._pair(acquire, release)
+        if isinstance(gives, str):
+            raise BadArgument(gives)
         try:
             take(rec)
         except AttributeError:
@@ -511,18 +508,21 @@ class Engine:
             rec, undo, acquire, self.system.label, gives=gives, choose=self._give_back
         )
 
-    def _pair(self, acquire: str, release: str) -> str | None:
-        """Return (and keep) why ``release`` does not give back what ``acquire`` takes, or None.
+    def _pair(self, acquire: str, release: str) -> str | tuple[str, ...]:
+        """Judge the pair, and keep the verdict for the next lease of it.
 
-        A pair that pairs keeps its lease's give-backs too: ``release`` first,
-        then the others :meth:`Holders.givers` names, the rule the pair is judged by.
+        The verdict is why ``release`` does not give back what ``acquire``
+        takes, or the give-backs a lease of the pair may be released by:
+        ``release`` first, then the others :meth:`Holders.givers` names, the
+        rule the pair is judged by.
         """
-        why = _unreturned(self.system, self._holders, acquire, release)
-        if why is None:
-            others = (x for x in self._holders.givers(acquire) if x != release)
-            self._gives[acquire, release] = (release, *others)
-        self._pairs[acquire, release] = why
-        return why
+        judged: str | tuple[str, ...] | None = _unreturned(
+            self.system, self._holders, acquire, release
+        )
+        if judged is None:
+            judged = (release, *(x for x in self._holders.givers(acquire) if x != release))
+        self._pairs[acquire, release] = judged
+        return judged
 
     def _give_back(self, event: str) -> Verb:
         """Return the function a lease fires for its named give-back ``event`` (one of its gives)."""
