@@ -447,6 +447,29 @@ def test_a_backup_whose_queued_work_fails_poisons_its_host_pages_when_reported()
     assert bool((raw(engine.host, [4]) == POISON).all())
 
 
+def test_a_failed_backup_is_reported_when_its_poison_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The report is what frees the copy's nodes: a poison that fails must not lose it."""
+    engine = make()
+
+    def broken() -> None:
+        raise ValueError("no room")
+
+    def unwritable(pages: object, byte: int) -> None:
+        raise RuntimeError("host memory unwritable")
+
+    first = engine.start_write([3], [4])
+    engine.queue_after(first, broken)
+    second = engine.start_write([5], [6])
+    monkeypatch.setattr(engine.host, "fill", unwritable)
+    done = engine.poll()
+    assert [c.ticket for c in done] == [first, second]
+    assert str(done[0].error) == "copy 1 (d2h) failed: ValueError: no room"
+    assert done[1].ok
+    assert engine.in_flight() == []
+
+
 def test_poison_destination_takes_a_ticket() -> None:
     engine = make()
     with pytest.raises(BadArgument) as caught:

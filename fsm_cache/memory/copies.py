@@ -662,7 +662,11 @@ class CopyEngine:
             self.stats.failures[direction] += len(tickets)
             if direction is Direction.D2H:  # the copy has finished: its host pages can be written
                 for ticket in tickets:
-                    self.poison_destination(ticket)
+                    # the tickets are no longer pending: a poison that raised would lose their
+                    # report and leave their nodes copying for ever; reported as failed, their
+                    # host pages are given back unread
+                    with contextlib.suppress(Exception):
+                        self.poison_destination(ticket)
             return [Completion(t, CopyFailed(f"copy {t.id} {failure}")) for t in tickets]
         pages = (
             len(tickets[0].src_pages)
