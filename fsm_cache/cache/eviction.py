@@ -285,6 +285,8 @@ class Evictor:
         if node.host == FETCHING:
             return None  # its host copy is on its way from storage: evict it once that lands
         if node.host in HOST_VALID:
+            if not self._core.allowed(node, "evict_device"):
+                return None  # a rule of the spec's the leaf test above does not spell out
             self._core.fire(node, "evict_device")
             return tokens
         if deletes_unbacked(self._policy):
@@ -332,12 +334,14 @@ class Evictor:
     # -- host ----------------------------------------------------------------
 
     def _host_leaf(self, node: TreeNode) -> bool:
+        """Whether ``node`` is a host-only leaf to evict now, not spared, and the spec allows it."""
         return (
             node.parent is not None
             and node.id not in self._spared
             and node.host == "backed"
             and node.device == "absent"
             and not any(c.host in HOST_HELD for c in node.children.values())
+            and self._core.allowed(node, "evict_host")
         )
 
     def host_evictable(self, spare: Sequence[TreeNode] = (), need: int | None = None) -> int:
@@ -352,6 +356,10 @@ class Evictor:
         children holding a host copy went: it costs the candidates and the
         nodes that could go, never the tree (whose device-resident nodes'
         host copies, under write-through most of the host pool, could not).
+        Each leaf it starts from is one the spec lets go now; a parent above
+        it, which the spec refuses while a child holds a host copy, is counted
+        by the same tests as a leaf but that one (a rule of a spec's that
+        refuses it for another reason would make this an overestimate).
 
         Args:
             spare: Nodes kept besides those already spared.
@@ -367,6 +375,8 @@ class Evictor:
                 continue  # counted, or a stale entry
             if any(c.host in HOST_HELD for c in node.children.values()):
                 continue  # not a leaf: counted, if it goes, from its children
+            if not self._core.allowed(node, "evict_host"):
+                continue  # a rule of the spec's the walk below does not spell out
             walk: TreeNode | None = node
             while (
                 walk is not None

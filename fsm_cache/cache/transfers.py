@@ -326,8 +326,8 @@ class Transfers:
         threshold = self._threshold
         if threshold is None or node.hit_count < threshold or node.host in HOST_HELD:
             return  # no host tier, too few hits, or backed already: the common answers, first
-        if wants_backup(self._policy, node, self._selective):
-            self.try_write(node)
+        if wants_backup(self._policy, node, self._selective) and self._core.allowed(node, "write"):
+            self.try_write(node)  # the spec may refuse what the policy wants: skipped, not raised
 
     def start_writes(self, nodes: Iterable[TreeNode]) -> int:
         """Fire ``write`` on each node the machines and the write policy allow; return how many.
