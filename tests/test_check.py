@@ -447,6 +447,34 @@ def test_a_policy_names_the_counter_a_residency_spec_lacks(tmp_path: Path) -> No
     ]
 
 
+def test_a_policy_finds_the_backup_by_the_copy_it_starts(tmp_path: Path) -> None:
+    """Events are named freely under a policy too: ``write`` renamed explores as ``write``."""
+    for name in ("host", "device"):
+        text = (spec_dir() / f"{name}_residency.toml").read_text()
+        text = re.sub(r'(event = ")write(_done|_failed)?"', r'\1backup\2"', text)
+        (tmp_path / f"{name}_residency.toml").write_text(
+            re.sub(r"^write", "backup", text, flags=re.M)
+        )
+    composed = (spec_dir() / "residency.toml").read_text()
+    (tmp_path / "residency.toml").write_text(
+        re.sub(r'(event = ")write(_done|_failed)?"', r'\1backup\2"', composed)
+    )
+    renamed = Layout.of(as_system(load_spec(tmp_path / "residency.toml")))
+    assert "backup" in renamed.system.event_names
+    assert "write" not in renamed.system.event_names
+    choices = Choices.of(renamed, WRITE_THROUGH)
+    assert (choices.backup, choices.prefetch) == ("backup", "fetch")
+    assert dict(choices.joined) == {"backup_done": "writing", "backup_failed": "writing"}
+    shapes, bounds = check.shapes(renamed, 2), Bounds({"pins": 2, "locks": 2})
+    result = Explorer(renamed, bounds, policy=WRITE_THROUGH).run(shapes)
+    assert result.violation is None
+    shipped = Layout.of(residency_system())
+    assert (
+        result.states
+        == Explorer(shipped, bounds, policy=WRITE_THROUGH).run(check.shapes(shipped, 2)).states
+    )
+
+
 def _renamed(tmp_path: Path, region: str, old: str, new: str) -> Path:
     """Return the shipped residency spec with ``region``'s state ``old`` renamed ``new`` throughout."""
     for name in ("host", "device"):
