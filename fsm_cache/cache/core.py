@@ -125,6 +125,32 @@ class CacheCore:
         except (IllegalTransition, EffectFailed):
             self.counters.refused[event] += 1
             raise
+        self._applied(node, event)
+
+    def attempt(self, node: TreeNode, event: AnyEvent) -> bool:
+        """Fire ``event`` at ``node`` if the spec accepts it now; False, changing nothing, if not.
+
+        For the cache's own choices (a leaf to evict, a backup the write policy
+        wants), picked by tests that mirror the shipped rules: where a spec
+        adds a rule, the node is passed by instead of failing the operation,
+        at no cost beyond the fire (:meth:`allowed` first would check twice).
+        A refusal here is the cache's choice not taken, so it is not counted.
+
+        Raises:
+            EffectFailed: An effect failed; nothing changed.
+        """
+        try:
+            self.machine.verb(event)(node)
+        except IllegalTransition:
+            return False
+        except EffectFailed:
+            self.counters.refused[event] += 1
+            raise
+        self._applied(node, event)
+        return True
+
+    def _applied(self, node: TreeNode, event: AnyEvent) -> None:
+        """Count and log ``event``, just applied at ``node``."""
         self.counters.transitions[event] += 1
         tier = _EVICTED.get(event)
         if tier is not None:  # counted where it happens: eviction has many callers

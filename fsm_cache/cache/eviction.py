@@ -285,14 +285,12 @@ class Evictor:
         if node.host == FETCHING:
             return None  # its host copy is on its way from storage: evict it once that lands
         if node.host in HOST_VALID:
-            if not self._core.allowed(node, "evict_device"):
-                return None  # a rule of the spec's the leaf test above does not spell out
-            self._core.fire(node, "evict_device")
-            return tokens
+            # None where a rule of the spec's that the leaf test does not spell out keeps it
+            return tokens if self._core.attempt(node, "evict_device") else None
         if deletes_unbacked(self._policy):
             self._delete(node)
             return tokens
-        if not self._core.allowed(node, "write") or not self._transfers.try_write(node):
+        if not self._transfers.try_write(node):
             return None  # write-back: back up, evict once acked (later if refused or no room)
         self._waiting.add(node.id)
         return 0
@@ -334,14 +332,12 @@ class Evictor:
     # -- host ----------------------------------------------------------------
 
     def _host_leaf(self, node: TreeNode) -> bool:
-        """Whether ``node`` is a host-only leaf to evict now, not spared, and the spec allows it."""
         return (
             node.parent is not None
             and node.id not in self._spared
             and node.host == "backed"
             and node.device == "absent"
             and not any(c.host in HOST_HELD for c in node.children.values())
-            and self._core.allowed(node, "evict_host")
         )
 
     def host_evictable(self, spare: Sequence[TreeNode] = (), need: int | None = None) -> int:
@@ -375,8 +371,6 @@ class Evictor:
                 continue  # counted, or a stale entry
             if any(c.host in HOST_HELD for c in node.children.values()):
                 continue  # not a leaf: counted, if it goes, from its children
-            if not self._core.allowed(node, "evict_host"):
-                continue  # a rule of the spec's the walk below does not spell out
             walk: TreeNode | None = node
             while (
                 walk is not None
@@ -384,6 +378,8 @@ class Evictor:
                 and walk.host == "backed"
                 and walk.device == "absent"
             ):
+                if walk is node and not self._core.allowed(node, "evict_host"):
+                    break  # a rule of the spec's the tests above do not spell out keeps it
                 seen.add(walk.id)
                 total += len(walk.host_pages)
                 if need is not None and total >= need:
@@ -429,9 +425,9 @@ class Evictor:
         None: it is not one (pinned, fetching, or spared). Its host copy's
         going files its parent.
         """
-        if not self._host_leaf(node):
-            return None
-        self.evict_host_node(node)
+        if not self._host_leaf(node) or not self._core.attempt(node, "evict_host"):
+            return None  # the tests above mirror the shipped rules; a spec may add one
+        self._drop_if_empty(node)
         return len(node.key)
 
     def evict_host_node(self, node: TreeNode) -> None:
@@ -445,6 +441,10 @@ class Evictor:
             EffectFailed: A copy still reads or writes its host pages; nothing changed.
         """
         self._core.fire(node, "evict_host")
+        self._drop_if_empty(node)
+
+    def _drop_if_empty(self, node: TreeNode) -> None:
+        """Delete ``node``, whose host copy just went, if it holds nothing else (no device copy or child)."""
         if node.device == "absent" and not node.children:
             self._core.delete(node)
 

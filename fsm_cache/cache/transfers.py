@@ -326,8 +326,8 @@ class Transfers:
         threshold = self._threshold
         if threshold is None or node.hit_count < threshold or node.host in HOST_HELD:
             return  # no host tier, too few hits, or backed already: the common answers, first
-        if wants_backup(self._policy, node, self._selective) and self._core.allowed(node, "write"):
-            self.try_write(node)  # the spec may refuse what the policy wants: skipped, not raised
+        if wants_backup(self._policy, node, self._selective):
+            self.try_write(node)
 
     def start_writes(self, nodes: Iterable[TreeNode]) -> int:
         """Fire ``write`` on each node the machines and the write policy allow; return how many.
@@ -350,10 +350,14 @@ class Transfers:
     def try_write(self, node: TreeNode) -> bool:
         """Fire ``write`` on ``node``; False when the host pool has no room even after eviction.
 
-        Any other failing effect, and any refusal, raises.
+        False too, with nothing changed, where the spec refuses the backup now
+        (:meth:`~fsm_cache.cache.core.CacheCore.attempt`): the write policy
+        picks its nodes by tests that mirror the shipped rules, and a node a
+        spec's added rule keeps is passed by. Any other failing effect raises.
         """
         try:
-            self._core.fire(node, "write")
+            if not self._core.attempt(node, "write"):
+                return False
         except EffectFailed as exc:
             if isinstance(exc.__cause__, PoolExhausted):
                 return False
