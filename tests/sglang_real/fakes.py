@@ -62,17 +62,30 @@ class SlotPool:
 
 
 class FakeAllocator(SlotPool):
-    """``token_to_kv_pool_allocator``: device slots, on the CPU."""
+    """``token_to_kv_pool_allocator``: device slots, on the CPU.
 
-    def __init__(self, size: int, kvcache: object | None = None) -> None:
+    Slots are handed out one token each whatever ``page_size`` says; SGLang's
+    caches take them as opaque indices.
+    """
+
+    def __init__(self, size: int, kvcache: object | None = None, page_size: int = 1) -> None:
         super().__init__(size)
         self.device = "cpu"
         self.kvcache = kvcache
+        self.page_size = page_size
 
     def free_segment(self, indices: Any, start_pos: int = 0) -> None:
         """0.5.23's page-exact free (``RadixCache.evict``)."""
         del start_pos
         self.free(indices)
+
+    def free_segments(self, segments: list[tuple[Any, int]]) -> None:
+        """0.5.23's free of a request's KV row in pieces (``free_kv_row``)."""
+        for indices, start_pos in segments:
+            self.free_segment(indices, start_pos)
+
+    def mamba_full_cache_donor(self) -> None:
+        """0.5.23's shared-pool donor (``evict_for_alloc``): none, as SGLang's plain allocators."""
 
     def get_kvcache(self) -> object | None:
         """The KV cache ``HiRadixCache`` sizes its host pool from."""
@@ -357,6 +370,10 @@ class FakeReq:
 
     0.5.6 keeps the KV row's fields on the request; 0.5.23 on ``req.kv``,
     which is the request itself here, and wants its token ids as ``array('q')``.
+    0.5.23's ``UnifiedRadixCache`` also reads a streaming session (none here:
+    ``session`` is None), a rotation base (None: no logical-page sharding)
+    and whether the request has finished, and its ``free_kv_row`` asks the KV
+    record where the request's SWA window ends (nothing evicted: no SWA).
     """
 
     def __init__(
@@ -377,7 +394,14 @@ class FakeReq:
         self.cache_inserted_len = 0
         self.swa_evict_floor = 0
         self.kv_committed_len = 0
+        self.kv_allocated_len = 0
         self.prefix_indices: Any = None
+        self.prefix_len = 0
+        self.extend_end = 0
+        self.session: Any = None
+        self.session_id: str | None = None
+        self.kv_rotation_base: int | None = None
+        self.finished_reason: str | None = None
 
     def _ids(self, ids: list[int]) -> Any:
         return array("q", ids) if self.arrays else list(ids)
@@ -398,3 +422,19 @@ class FakeReq:
     def pop_committed_kv_cache(self) -> int:
         """0.5.6: the KV length ``cache_finished_req`` takes over."""
         return self.kv_committed_len
+
+    def finished(self) -> bool:
+        """Whether the request has a finish reason (0.5.23's ``checkpoint`` reads it)."""
+        return self.finished_reason is not None
+
+    def get_evicted_seqlen(self, component_type: Any) -> int:
+        """0.5.23: how far a component (SWA) has evicted the row; nothing here."""
+        del component_type
+        return 0
+
+    def swa_dead_lo(self, page_size: int) -> int:
+        """0.5.23: the lowest row position the request frees itself, as SGLang's ``ReqKvInfo``."""
+        low = max(self.cache_protected_len, self.swa_evict_floor)
+        if page_size > 1 and low > self.cache_protected_len:
+            low = -(-low // page_size) * page_size
+        return low
