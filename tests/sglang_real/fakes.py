@@ -342,6 +342,145 @@ def server_args(
     )
 
 
+class HybridHostPool(SlotPool):
+    """0.5.23's host pool group's KV pool, as ``UnifiedRadixCache`` reads it.
+
+    Its anchor entry shares no allocation domain with another pool, so the
+    cache evicts host leaves itself before a backup (``_execute_kv_backup``).
+    """
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.anchor_entry = types.SimpleNamespace(
+            host_pool=types.SimpleNamespace(shared_allocation_domain=None), host_evict_fn=None
+        )
+
+
+class HostPoolGroup:
+    """``HostPoolGroup`` of a ``FULL``-only tree: the one KV pool (``free_host_values`` frees into it)."""
+
+    def __init__(self, pool: HybridHostPool) -> None:
+        self.pool = pool
+
+    def free(self, indices: Any, pool: object = None) -> None:
+        """Give host slots back."""
+        del pool
+        self.pool.free(indices)
+
+    def get_pool(self, name: object) -> None:
+        """No SWA or Mamba host pool."""
+        del name
+
+    def destroy(self) -> None:
+        """Nothing to release on the CPU."""
+
+
+@dataclass
+class LayerDoneCounter:
+    """How many loads may be in flight at once (``has_free_load_back_slot`` reads it)."""
+
+    num_counters: int
+
+
+@dataclass
+class HybridController:
+    """The parts of 0.5.23's ``HybridCacheController`` a ``FULL``-only ``UnifiedRadixCache`` calls.
+
+    As :class:`CpuController`: ``write`` allocates host slots (queued until
+    ``start_writing`` unless flushed), ``load`` allocates device slots and
+    ``start_loading`` starts them as one copy; an ack finishes only when the
+    test calls :meth:`finish_writes` / :meth:`finish_loads`. No storage tier.
+    """
+
+    mem_pool_device_allocator: FakeAllocator
+    mem_pool_host: HybridHostPool
+    write_policy: str
+    ack_write_queue: list[Ack] = field(default_factory=list)
+    ack_load_queue: list[Ack] = field(default_factory=list)
+    write_queue: list[Copy] = field(default_factory=list)
+    load_queue: list[Copy] = field(default_factory=list)
+    writes: list[Copy] = field(default_factory=list)
+    loads: list[Copy] = field(default_factory=list)
+    enable_storage: bool = False
+    pp_prefetch_command_group: object | None = None
+    layer_done_counter: LayerDoneCounter = field(default_factory=lambda: LayerDoneCounter(3))
+
+    def write(
+        self,
+        device_indices: torch.Tensor,
+        priority: int | None = None,
+        *,
+        node_id: int = -1,
+        extra_pools: object = None,
+        flush: bool = True,
+        start_owner: int | None = None,
+    ) -> torch.Tensor | None:
+        """Allocate host slots for a device-to-host copy; None when the host is full."""
+        del priority, extra_pools, start_owner
+        host = self.mem_pool_host.alloc(len(device_indices))
+        if host is None:
+            return None
+        self.write_queue.append(Copy(host.tolist(), [int(i) for i in device_indices], node_id))
+        if flush:
+            self.start_writing()
+        return host
+
+    def start_writing(self) -> None:
+        """Start the queued writes as one copy."""
+        if not self.write_queue:
+            return
+        self.writes.extend(self.write_queue)
+        ids = [c.node_id for c in self.write_queue]
+        self.write_queue.clear()
+        self.ack_write_queue.append(Ack(Event(True), Event(), ids))
+
+    def load(
+        self,
+        host_indices: torch.Tensor,
+        priority: int | None = None,
+        node_id: int = -1,
+        extra_pools: object = None,
+        *,
+        device_indices: torch.Tensor | None = None,
+        anchor_indices: object = None,
+    ) -> torch.Tensor | None:
+        """Allocate device slots for a host-to-device copy; None when the device is full."""
+        del priority, extra_pools, anchor_indices
+        if device_indices is None:
+            device_indices = self.mem_pool_device_allocator.alloc(len(host_indices))
+        if device_indices is None:
+            return None
+        self.load_queue.append(Copy(host_indices.tolist(), device_indices.tolist(), node_id))
+        return device_indices
+
+    def start_loading(self) -> int:
+        """Start the queued loads as one copy; -1 when none are queued."""
+        if not self.load_queue:
+            return -1
+        ids = [c.node_id for c in self.load_queue]
+        self.loads.extend(self.load_queue)
+        self.load_queue.clear()
+        self.ack_load_queue.append(Ack(Event(True), Event(), ids))
+        return len(self.loads) % self.layer_done_counter.num_counters
+
+    def reset(self) -> None:
+        """Drop every queued copy and acknowledgement (``UnifiedRadixCache.reset``)."""
+        self.ack_write_queue.clear()
+        self.ack_load_queue.clear()
+        self.write_queue.clear()
+        self.load_queue.clear()
+
+    def finish_writes(self) -> None:
+        """Every device-to-host copy started so far lands."""
+        for ack in self.ack_write_queue:
+            ack.finish_event.done = True
+
+    def finish_loads(self) -> None:
+        """Every host-to-device copy started so far lands."""
+        for ack in self.ack_load_queue:
+            ack.finish_event.done = True
+
+
 class FakeReqToTokenPool:
     """``req_to_token_pool``: one row of device slots per running request."""
 
@@ -373,7 +512,8 @@ class FakeReq:
     0.5.23's ``UnifiedRadixCache`` also reads a streaming session (none here:
     ``session`` is None), a rotation base (None: no logical-page sharding)
     and whether the request has finished, and its ``free_kv_row`` asks the KV
-    record where the request's SWA window ends (nothing evicted: no SWA).
+    record where the request's SWA window ends (nothing evicted: no SWA); a
+    load back reads its Mamba slot and SWA and Mamba host hits (none).
     """
 
     def __init__(
@@ -402,6 +542,9 @@ class FakeReq:
         self.session_id: str | None = None
         self.kv_rotation_base: int | None = None
         self.finished_reason: str | None = None
+        self.mamba_pool_idx: Any = None
+        self.swa_host_hit_length = 0
+        self.mamba_host_hit_length = 0
 
     def _ids(self, ids: list[int]) -> Any:
         return array("q", ids) if self.arrays else list(ids)
