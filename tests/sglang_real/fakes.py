@@ -62,17 +62,30 @@ class SlotPool:
 
 
 class FakeAllocator(SlotPool):
-    """``token_to_kv_pool_allocator``: device slots, on the CPU."""
+    """``token_to_kv_pool_allocator``: device slots, on the CPU.
 
-    def __init__(self, size: int, kvcache: object | None = None) -> None:
+    Slots are handed out one token each whatever ``page_size`` says; SGLang's
+    caches take them as opaque indices.
+    """
+
+    def __init__(self, size: int, kvcache: object | None = None, page_size: int = 1) -> None:
         super().__init__(size)
         self.device = "cpu"
         self.kvcache = kvcache
+        self.page_size = page_size
 
     def free_segment(self, indices: Any, start_pos: int = 0) -> None:
         """0.5.23's page-exact free (``RadixCache.evict``)."""
         del start_pos
         self.free(indices)
+
+    def free_segments(self, segments: list[tuple[Any, int]]) -> None:
+        """0.5.23's free of a request's KV row in pieces (``free_kv_row``)."""
+        for indices, start_pos in segments:
+            self.free_segment(indices, start_pos)
+
+    def mamba_full_cache_donor(self) -> None:
+        """0.5.23's shared-pool donor (``evict_for_alloc``): none, as SGLang's plain allocators."""
 
     def get_kvcache(self) -> object | None:
         """The KV cache ``HiRadixCache`` sizes its host pool from."""
@@ -329,6 +342,145 @@ def server_args(
     )
 
 
+class HybridHostPool(SlotPool):
+    """0.5.23's host pool group's KV pool, as ``UnifiedRadixCache`` reads it.
+
+    Its anchor entry shares no allocation domain with another pool, so the
+    cache evicts host leaves itself before a backup (``_execute_kv_backup``).
+    """
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.anchor_entry = types.SimpleNamespace(
+            host_pool=types.SimpleNamespace(shared_allocation_domain=None), host_evict_fn=None
+        )
+
+
+class HostPoolGroup:
+    """``HostPoolGroup`` of a ``FULL``-only tree: the one KV pool (``free_host_values`` frees into it)."""
+
+    def __init__(self, pool: HybridHostPool) -> None:
+        self.pool = pool
+
+    def free(self, indices: Any, pool: object = None) -> None:
+        """Give host slots back."""
+        del pool
+        self.pool.free(indices)
+
+    def get_pool(self, name: object) -> None:
+        """No SWA or Mamba host pool."""
+        del name
+
+    def destroy(self) -> None:
+        """Nothing to release on the CPU."""
+
+
+@dataclass
+class LayerDoneCounter:
+    """How many loads may be in flight at once (``has_free_load_back_slot`` reads it)."""
+
+    num_counters: int
+
+
+@dataclass
+class HybridController:
+    """The parts of 0.5.23's ``HybridCacheController`` a ``FULL``-only ``UnifiedRadixCache`` calls.
+
+    As :class:`CpuController`: ``write`` allocates host slots (queued until
+    ``start_writing`` unless flushed), ``load`` allocates device slots and
+    ``start_loading`` starts them as one copy; an ack finishes only when the
+    test calls :meth:`finish_writes` / :meth:`finish_loads`. No storage tier.
+    """
+
+    mem_pool_device_allocator: FakeAllocator
+    mem_pool_host: HybridHostPool
+    write_policy: str
+    ack_write_queue: list[Ack] = field(default_factory=list)
+    ack_load_queue: list[Ack] = field(default_factory=list)
+    write_queue: list[Copy] = field(default_factory=list)
+    load_queue: list[Copy] = field(default_factory=list)
+    writes: list[Copy] = field(default_factory=list)
+    loads: list[Copy] = field(default_factory=list)
+    enable_storage: bool = False
+    pp_prefetch_command_group: object | None = None
+    layer_done_counter: LayerDoneCounter = field(default_factory=lambda: LayerDoneCounter(3))
+
+    def write(
+        self,
+        device_indices: torch.Tensor,
+        priority: int | None = None,
+        *,
+        node_id: int = -1,
+        extra_pools: object = None,
+        flush: bool = True,
+        start_owner: int | None = None,
+    ) -> torch.Tensor | None:
+        """Allocate host slots for a device-to-host copy; None when the host is full."""
+        del priority, extra_pools, start_owner
+        host = self.mem_pool_host.alloc(len(device_indices))
+        if host is None:
+            return None
+        self.write_queue.append(Copy(host.tolist(), [int(i) for i in device_indices], node_id))
+        if flush:
+            self.start_writing()
+        return host
+
+    def start_writing(self) -> None:
+        """Start the queued writes as one copy."""
+        if not self.write_queue:
+            return
+        self.writes.extend(self.write_queue)
+        ids = [c.node_id for c in self.write_queue]
+        self.write_queue.clear()
+        self.ack_write_queue.append(Ack(Event(True), Event(), ids))
+
+    def load(
+        self,
+        host_indices: torch.Tensor,
+        priority: int | None = None,
+        node_id: int = -1,
+        extra_pools: object = None,
+        *,
+        device_indices: torch.Tensor | None = None,
+        anchor_indices: object = None,
+    ) -> torch.Tensor | None:
+        """Allocate device slots for a host-to-device copy; None when the device is full."""
+        del priority, extra_pools, anchor_indices
+        if device_indices is None:
+            device_indices = self.mem_pool_device_allocator.alloc(len(host_indices))
+        if device_indices is None:
+            return None
+        self.load_queue.append(Copy(host_indices.tolist(), device_indices.tolist(), node_id))
+        return device_indices
+
+    def start_loading(self) -> int:
+        """Start the queued loads as one copy; -1 when none are queued."""
+        if not self.load_queue:
+            return -1
+        ids = [c.node_id for c in self.load_queue]
+        self.loads.extend(self.load_queue)
+        self.load_queue.clear()
+        self.ack_load_queue.append(Ack(Event(True), Event(), ids))
+        return len(self.loads) % self.layer_done_counter.num_counters
+
+    def reset(self) -> None:
+        """Drop every queued copy and acknowledgement (``UnifiedRadixCache.reset``)."""
+        self.ack_write_queue.clear()
+        self.ack_load_queue.clear()
+        self.write_queue.clear()
+        self.load_queue.clear()
+
+    def finish_writes(self) -> None:
+        """Every device-to-host copy started so far lands."""
+        for ack in self.ack_write_queue:
+            ack.finish_event.done = True
+
+    def finish_loads(self) -> None:
+        """Every host-to-device copy started so far lands."""
+        for ack in self.ack_load_queue:
+            ack.finish_event.done = True
+
+
 class FakeReqToTokenPool:
     """``req_to_token_pool``: one row of device slots per running request."""
 
@@ -357,6 +509,11 @@ class FakeReq:
 
     0.5.6 keeps the KV row's fields on the request; 0.5.23 on ``req.kv``,
     which is the request itself here, and wants its token ids as ``array('q')``.
+    0.5.23's ``UnifiedRadixCache`` also reads a streaming session (none here:
+    ``session`` is None), a rotation base (None: no logical-page sharding)
+    and whether the request has finished, and its ``free_kv_row`` asks the KV
+    record where the request's SWA window ends (nothing evicted: no SWA); a
+    load back reads its Mamba slot and SWA and Mamba host hits (none).
     """
 
     def __init__(
@@ -377,7 +534,17 @@ class FakeReq:
         self.cache_inserted_len = 0
         self.swa_evict_floor = 0
         self.kv_committed_len = 0
+        self.kv_allocated_len = 0
         self.prefix_indices: Any = None
+        self.prefix_len = 0
+        self.extend_end = 0
+        self.session: Any = None
+        self.session_id: str | None = None
+        self.kv_rotation_base: int | None = None
+        self.finished_reason: str | None = None
+        self.mamba_pool_idx: Any = None
+        self.swa_host_hit_length = 0
+        self.mamba_host_hit_length = 0
 
     def _ids(self, ids: list[int]) -> Any:
         return array("q", ids) if self.arrays else list(ids)
@@ -398,3 +565,19 @@ class FakeReq:
     def pop_committed_kv_cache(self) -> int:
         """0.5.6: the KV length ``cache_finished_req`` takes over."""
         return self.kv_committed_len
+
+    def finished(self) -> bool:
+        """Whether the request has a finish reason (0.5.23's ``checkpoint`` reads it)."""
+        return self.finished_reason is not None
+
+    def get_evicted_seqlen(self, component_type: Any) -> int:
+        """0.5.23: how far a component (SWA) has evicted the row; nothing here."""
+        del component_type
+        return 0
+
+    def swa_dead_lo(self, page_size: int) -> int:
+        """0.5.23: the lowest row position the request frees itself, as SGLang's ``ReqKvInfo``."""
+        low = max(self.cache_protected_len, self.swa_evict_floor)
+        if page_size > 1 and low > self.cache_protected_len:
+            low = -(-low // page_size) * page_size
+        return low
