@@ -81,6 +81,7 @@ def test_device_eviction_passes_by_a_leaf_the_spec_keeps(
     other = cache.match_prefix(newer).last_device_node
     lease = cache.pin(kept)  # the least recently used leaf, which the new rule keeps
     assert cache.evict(4 * PAGE) == 4 * PAGE
+    assert cache.stats().refused == {"evict_device": 1}  # seen, as any refusal is
     assert (kept.residency(), other.residency()) == (
         "pinned/resident (pins=1, locks=0)",
         "backed/absent (pins=0, locks=0)",

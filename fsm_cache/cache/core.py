@@ -134,7 +134,8 @@ class CacheCore:
         wants), picked by tests that mirror the shipped rules: where a spec
         adds a rule, the node is passed by instead of failing the operation,
         at no cost beyond the fire (:meth:`allowed` first would check twice).
-        A refusal here is the cache's choice not taken, so it is not counted.
+        A refusal is counted as :meth:`fire` counts one, so that a choice the
+        spec keeps refusing shows in ``stats().refused``.
 
         Raises:
             EffectFailed: An effect failed; nothing changed.
@@ -142,6 +143,7 @@ class CacheCore:
         try:
             self.machine.verb(event)(node)
         except IllegalTransition:
+            self.counters.refused[event] += 1
             return False
         except EffectFailed:
             self.counters.refused[event] += 1
