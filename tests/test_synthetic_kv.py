@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from fsm_cache.errors import ForeignSlot, NotASlot, PoolError
 from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
+from fsm_cache.memory.pages import PageAllocator
 from fsm_cache.memory.tiers import CacheConfig, Tiers, synthetic_kv
 
 
@@ -338,6 +339,27 @@ def test_write_values_refuses_a_shape_or_page_and_changes_nothing(name: str) -> 
     with pytest.raises(NotASlot, match=rf"^{name} pool: page 1\.0 is not an int$"):
         target.write_values([0, 1.0], good)  # type: ignore[list-item]
     assert bool((target.tensor.view(torch.uint8) == SENTINEL).all())
+
+
+def test_pages_the_allocator_handed_out_are_written_where_they_are() -> None:
+    """A run the pool's allocator knows is found by identity; the pool's own bounds still hold.
+
+    After a reset of the tiers (a new allocator), and for an allocator of
+    more pages than the pool (a run past the pool's end is refused).
+    """
+    made = tiers(1, 1, 8, torch.float16, 16)
+    layout = made.device.layout
+    for _ in range(2):
+        pages = made.alloc_device(3, 0)
+        tokens = [(7919 * i + 5) % 2**40 for i in range(3 * 16)]
+        made.write_tokens(pages, tokens)
+        assert same_bytes(made.read_device(list(pages)), reference_kv(layout, tokens))
+        made.device.allocator.free(pages, 0)
+        made.reset()
+    made.device.allocator = PageAllocator("device", 20, 16)
+    with pytest.raises(ForeignSlot, match=r"^device pool: page 12 outside 0\.\.11$"):
+        made.write_tokens(tuple(range(10, 13)), list(range(48)))
+    assert bool((made.read_device([10, 11]).view(torch.uint8) == SENTINEL).all())
 
 
 def test_pages_of_an_int_subclass_are_pages() -> None:

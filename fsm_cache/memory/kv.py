@@ -266,7 +266,7 @@ class KVPool:
         if not pages_last:
             self._store(pages, where, values)
         elif isinstance(where, int):  # a run: one slice, in the values' own order
-            self._paged_last.narrow(5, where, n).copy_(values)
+            self._paged_last[..., where : where + n] = values  # a view and a copy_, in one call
         else:
             self._store(pages, where, values.permute(0, 1, 5, 2, 3, 4))
 
@@ -297,6 +297,9 @@ class KVPool:
         """Check ``pages``; return them as ints (:meth:`check_pages`) and where they are.
 
         Where: the first page of an ascending run, else an index (None: no pages).
+        A run the pool's allocator handed out is recognised by identity, in C
+        (:meth:`~fsm_cache.memory.pages.PageAllocator.run_of`), before any
+        look at each page's type: the pages an insert writes its KV to.
 
         Raises:
             NotASlot: a page is not an int (a bool, a float).
@@ -304,9 +307,12 @@ class KVPool:
         """
         if len(pages) == 0:  # not ``not pages``: an array of pages has no truth value
             return pages, None
+        first, n = self.allocator.run_of(pages), len(pages)
+        if first is not None and first + n <= self.num_pages:  # pages the allocator handed out
+            return pages, first
         if not _INT.issuperset(map(type, pages)):
             pages = self.check_pages(pages)  # names the culprit, or converts (a numpy integer)
-        first, n = pages[0], len(pages)
+        first = pages[0]
         if pages[-1] == first + n - 1 and first >= 0 and first + n <= self.num_pages:
             run = range(first, first + n)  # compared in C, as a tuple or a list
             if (pages == tuple(run)) if isinstance(pages, tuple) else (list(pages) == list(run)):
