@@ -116,6 +116,34 @@ def test_a_refused_fill_poisons_no_page(
 
 
 @pytest.mark.parametrize("name", ["device", "host"])
+@pytest.mark.parametrize("as_", ["numpy", "tensor"])
+def test_pages_in_an_array_or_a_tensor_are_written_as_a_list_of_them(name: str, as_: str) -> None:
+    """An array of pages has no truth value: a write asks it nothing but what it asked before.
+
+    The writes look for the allocator's runs first (``run_of``), which must
+    answer None for such a sequence rather than raise.
+    """
+    np = pytest.importorskip("numpy")
+    made: Any = np.array if as_ == "numpy" else torch.tensor
+    pool = device_pool(LAYOUT, 6, torch.device("cpu")) if name == "device" else host_pool(LAYOUT, 6)
+    pool.tensor.zero_()
+    kv = synthetic_kv(LAYOUT, list(range(8)))
+    lay = LAYOUT
+    shape = (lay.layers, lay.planes, 2, lay.page_size, lay.heads, lay.head_dim)
+    for listed in ([3, 4], [5, 0]):
+        pages = made(listed)
+        assert pool.allocator.run_of(pages) is None
+        pool.write(pages, kv)
+        assert torch.equal(pool.read(listed), kv)
+        pool.tensor.zero_()
+        pool.write_values(pages, kv.reshape(shape).permute(0, 1, 3, 4, 5, 2), pages_last=True)
+        assert torch.equal(pool.read(listed), kv)
+        pool.tensor.zero_()
+        pool.write_slots(pages, kv.permute(0, 1, 3, 4, 2))
+        assert torch.equal(pool.read(listed), kv)
+
+
+@pytest.mark.parametrize("name", ["device", "host"])
 def test_a_pool_takes_the_integer_pages_its_allocator_takes(name: str) -> None:
     """A numpy integer or a one-element tensor in range was refused as outside the pool.
 

@@ -10,14 +10,18 @@ layouts, dtypes and page sizes.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
 
 from fsm_cache.errors import ForeignSlot, NotASlot, PoolError
 from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
-from fsm_cache.memory.tiers import CacheConfig, Tiers, synthetic_kv
+from fsm_cache.memory.pages import PageAllocator
+from fsm_cache.memory.tiers import SLOT_RUN, CacheConfig, Tiers, synthetic_kv
 
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn]
@@ -268,7 +272,7 @@ def pool(name: str, layout: KVLayout, pages: int = 10) -> KVPool:
     layouts(),
     st.permutations(range(10)).flatmap(lambda order: st.integers(0, 10).map(lambda k: order[:k])),
     st.booleans(),
-    st.sampled_from(["kv", "values", "pages last"]),
+    st.sampled_from(["kv", "values", "pages last", "slots last"]),
 )
 def test_a_write_stores_each_page_and_nothing_else(
     name: str, layout: KVLayout, pages: list[int], sort: bool, given_as: str
@@ -277,7 +281,9 @@ def test_a_write_stores_each_page_and_nothing_else(
     target = pool(name, layout)
     tokens = [(104_729 * i) % 2**45 for i in range(len(chosen) * layout.page_size)]
     kv = synthetic_kv(layout, tokens)
-    if given_as != "kv":  # the same integers as float64 values, split into pages, cast by the pool
+    if given_as == "slots last":  # [layers, planes, heads, head_dim, slots], as float64
+        target.write_slots(chosen, kv.to(torch.float64).permute(0, 1, 3, 4, 2).contiguous())
+    elif given_as != "kv":  # the same integers as float64 values, in pages, cast by the pool
         paged = kv.to(torch.float64).reshape(
             layout.layers,
             layout.planes,
@@ -338,6 +344,104 @@ def test_write_values_refuses_a_shape_or_page_and_changes_nothing(name: str) -> 
     with pytest.raises(NotASlot, match=rf"^{name} pool: page 1\.0 is not an int$"):
         target.write_values([0, 1.0], good)  # type: ignore[list-item]
     assert bool((target.tensor.view(torch.uint8) == SENTINEL).all())
+
+
+@pytest.mark.parametrize("name", ["device", "host"])
+def test_write_slots_refuses_a_shape_or_page_and_changes_nothing(name: str) -> None:
+    layout = KVLayout(1, 2, 4, torch.bfloat16, 2)
+    target = pool(name, layout)
+    slots = torch.zeros(1, 2, 2, 4, 4)
+    with pytest.raises(PoolError) as caught:
+        target.write_slots([1, 2], torch.zeros(1, 2, 2, 4, 3))
+    assert str(caught.value) == (
+        f"{name} pool: values of shape (1, 2, 2, 4, 3) do not fit 2 pages, "
+        "which need shape (1, 2, 2, 4, 4)"
+    )
+    with pytest.raises(PoolError, match=rf"^{name} pool: page 2 is listed twice$"):
+        target.write_slots([2, 2], slots)
+    with pytest.raises(ForeignSlot, match=rf"^{name} pool: page 10 outside 0\.\.9$"):
+        target.write_slots([9, 10], slots)
+    with pytest.raises(NotASlot, match=rf"^{name} pool: page True is not an int$"):
+        target.write_slots([0, True], slots)
+    with pytest.raises(NotASlot, match=rf"^{name} pool: page 1\.0 is not an int$"):
+        target.write_slots([0, 1.0], slots)  # type: ignore[list-item]
+    assert bool((target.tensor.view(torch.uint8) == SENTINEL).all())
+
+
+def test_pages_the_allocator_handed_out_are_written_where_they_are() -> None:
+    """A run the pool's allocator knows is found by identity; the pool's own bounds still hold.
+
+    After a reset of the tiers (a new allocator), and for an allocator of
+    more pages than the pool (a run past the pool's end is refused).
+    """
+    made = tiers(1, 1, 8, torch.float16, 16)
+    layout = made.device.layout
+    for _ in range(2):
+        pages = made.alloc_device(3, 0)
+        tokens = [(7919 * i + 5) % 2**40 for i in range(3 * 16)]
+        made.write_tokens(pages, tokens)
+        assert same_bytes(made.read_device(list(pages)), reference_kv(layout, tokens))
+        made.device.allocator.free(pages, 0)
+        made.reset()
+    made.device.allocator = PageAllocator("device", 20, 16)
+    with pytest.raises(ForeignSlot, match=r"^device pool: page 12 outside 0\.\.11$"):
+        made.write_tokens(tuple(range(10, 13)), list(range(48)))
+    assert bool((made.read_device([10, 11]).view(torch.uint8) == SENTINEL).all())
+
+
+class _Calls(TorchFunctionMode):
+    """Records the names of the tensor operations called under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(
+        self,
+        func: Callable[..., object],
+        types: object,
+        args: Sequence[object] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
+        self.names.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("page", [1, 2, 16])
+def test_write_tokens_of_a_run_makes_the_kv_with_no_view_of_the_tokens(page: int) -> None:
+    """A small layout's run of pages costs one addcmul, one shift and one store, at any page size.
+
+    What an insert that writes its own KV pays: no view of the tokens to
+    lay them out by page, and the pool's slice taken in the store itself.
+    """
+    made = tiers(2, 1, 8, torch.float16, page)
+    made.write_tokens((9, 10, 11), list(range(3 * page)))  # made once: constants, a view by length
+    pages = made.alloc_device(3, 0)
+    tokens = [(7919 * i + 2**35) % 2**50 for i in range(3 * page)]
+    with _Calls() as calls:
+        made.write_tokens(pages, tokens)
+    assert [name for name in calls.names if name != "__get__"] == [  # __get__: a shape read
+        "addcmul",
+        "bitwise_right_shift_",
+        "__setitem__",
+    ]
+    assert same_bytes(made.read_device(list(pages)), reference_kv(made.device.layout, tokens))
+
+
+def test_a_write_longer_than_a_slot_run_takes_the_general_path_to_the_same_bytes() -> None:
+    config = CacheConfig(
+        device_pages=40, host_pages=1, page_size=16, layers=1, heads=1, head_dim=8,
+        dtype="float16", device="cpu",
+    )  # fmt: skip
+    made = Tiers(config)
+    made.write_tokens((39,), list(range(16)))  # the constants are made at the first write
+    for count in (SLOT_RUN // 16, SLOT_RUN // 16 + 1, 40):
+        pages = tuple(range(count))
+        tokens = [(104_729 * i + count) % 2**45 for i in range(count * 16)]
+        with _Calls() as calls:
+            made.write_tokens(pages, tokens)
+        assert ("as_strided" in calls.names) == (count * 16 > SLOT_RUN)
+        assert same_bytes(made.read_device(list(pages)), reference_kv(made.device.layout, tokens))
 
 
 def test_pages_of_an_int_subclass_are_pages() -> None:

@@ -166,6 +166,9 @@ class KVPool:
             (1, 2, 3, 4, 5, 0) if self._page_first else (0, 1, 3, 4, 5, 2)
         )
         self._dest = self.words if self._page_first else self.words.permute(1, 0, 2)
+        # the device pool with its slots last, ``[layers, planes, heads, head_dim, slots]``:
+        # what write_slots addresses (the host's pages are first: no such view of it)
+        self._slots_last = tensor if self._page_first else tensor.permute(0, 1, 3, 4, 2)
         self._on_cpu = tensor.device.type == "cpu"  # the page index's fast path reads it
         self._pin_device = pin_device
         self._finalizer: weakref.finalize[..., KVPool] | None = None
@@ -266,9 +269,44 @@ class KVPool:
         if not pages_last:
             self._store(pages, where, values)
         elif isinstance(where, int):  # a run: one slice, in the values' own order
-            self._paged_last.narrow(5, where, n).copy_(values)
+            self._paged_last[..., where : where + n] = values  # a view and a copy_, in one call
         else:
             self._store(pages, where, values.permute(0, 1, 5, 2, 3, 4))
+
+    def write_slots(self, pages: Sequence[int], values: torch.Tensor) -> None:
+        """Store ``values``, laid out with the slots last, into ``pages``, cast as ``copy_`` casts.
+
+        ``values`` is ``[layers, planes, heads, head_dim, len(pages) *
+        page_size]``: the device layout with its slots moved last, the
+        order :meth:`Tiers.write_tokens <fsm_cache.memory.tiers.Tiers.write_tokens>`
+        makes a small layout's KV in, broadcast over the tokens as they come.
+        A run of pages of the device pool is one slice of the pool in that
+        order; other pages, and the host pool, are written as
+        :meth:`write_values` writes them. Checked as :meth:`write`; a
+        refused write changes no page.
+
+        Raises:
+            NotASlot: a page is not an int (a bool, a float).
+            ForeignSlot: a page is outside the pool.
+            PoolError: a page is listed twice, or ``values`` has another
+                shape than ``pages`` need.
+        """
+        pages, where = self._where(pages)
+        lay, n = self.layout, len(pages)
+        ps = lay.page_size
+        shape = (lay.layers, lay.planes, lay.heads, lay.head_dim, n * ps)
+        if values.shape != shape:
+            raise PoolError(
+                f"{self.name} pool: values of shape {tuple(values.shape)} do not fit "
+                f"{n} pages, which need shape {shape}"
+            )
+        if where is None:
+            return
+        if isinstance(where, int) and not self._page_first:  # a run: one slice of the slots
+            self._slots_last[..., where * ps : (where + n) * ps] = values
+        else:
+            paged = values.reshape(*shape[:4], n, ps).permute(0, 1, 4, 5, 2, 3)
+            self._store(pages, where, paged)
 
     def _store(self, pages: Sequence[int], where: int | torch.Tensor, paged: torch.Tensor) -> None:
         """Write ``paged`` (``[layers, planes, pages, page_size, heads, head_dim]``) to ``pages``.
@@ -297,6 +335,9 @@ class KVPool:
         """Check ``pages``; return them as ints (:meth:`check_pages`) and where they are.
 
         Where: the first page of an ascending run, else an index (None: no pages).
+        A run the pool's allocator handed out is recognised by identity, in C
+        (:meth:`~fsm_cache.memory.pages.PageAllocator.run_of`), before any
+        look at each page's type: the pages an insert writes its KV to.
 
         Raises:
             NotASlot: a page is not an int (a bool, a float).
@@ -304,9 +345,12 @@ class KVPool:
         """
         if len(pages) == 0:  # not ``not pages``: an array of pages has no truth value
             return pages, None
+        first, n = self.allocator.run_of(pages), len(pages)
+        if first is not None and first + n <= self.num_pages:  # pages the allocator handed out
+            return pages, first
         if not _INT.issuperset(map(type, pages)):
             pages = self.check_pages(pages)  # names the culprit, or converts (a numpy integer)
-        first, n = pages[0], len(pages)
+        first = pages[0]
         if pages[-1] == first + n - 1 and first >= 0 and first + n <= self.num_pages:
             run = range(first, first + n)  # compared in C, as a tuple or a list
             if (pages == tuple(run)) if isinstance(pages, tuple) else (list(pages) == list(run)):

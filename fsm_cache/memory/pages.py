@@ -445,9 +445,10 @@ class PageAllocator:
         :func:`run_start` for pages of this pool, several times cheaper on the
         pages it handed out: they are compared with the pool's own page
         numbers by identity, in C. A run is distinct and in range, so a caller
-        that gets a page back need not check either.
+        that gets a page back need not check either. Pages in any other
+        sequence (an array, a tensor: no truth value to test) answer None.
         """
-        if pages and (type(pages) is tuple or type(pages) is list) and self._is_run(pages):
+        if (type(pages) is tuple or type(pages) is list) and pages and self._is_run(pages):
             first: int = pages[0]
             return first if _ints(pages) else None
         return None

@@ -504,7 +504,12 @@ class Tiers:
     def _write_tokens(self, pages: Sequence[int], tokens: Sequence[int]) -> None:
         n = len(tokens)
         if n and n == len(pages) * self.page_size:
-            self.device.write_values(pages, self._synthetic.values(tokens), pages_last=True)
+            pattern = self._synthetic
+            slots = pattern.slot_values(tokens)  # a small layout, a short write: slots last
+            if slots is not None:
+                self.device.write_slots(pages, slots)
+            else:
+                self.device.write_values(pages, pattern.values(tokens), pages_last=True)
         else:  # nothing to write, or refused by the pool with its message
             self.device.write(pages, self._synthetic.kv(tokens))
 
@@ -590,6 +595,12 @@ _DIGITS = 1 << DIGIT_BITS  # 16 digits of a 64-bit code, each 0..15
 _PERIOD = _DIGITS * _DIGITS  # the pattern's length: digit k % 16 plus offset k + k // 16
 _TOP = 64 - DIGIT_BITS  # an entry is computed in the top 4 bits of a 64-bit word
 _CPU = torch.device("cpu")
+SLOT_RUN = 512
+"""Most tokens a small layout's KV is made for in the device order, slots last, in one call.
+
+Its constants take ``8 * SLOT_RUN`` bytes per element of a token (rounded up
+to whole pages), about 1 MiB at 256 elements; longer writes take the general
+path, a view more."""
 
 
 def synthetic_kv(layout: KVLayout, tokens: Sequence[int]) -> torch.Tensor:
@@ -670,6 +681,13 @@ class _Pattern:
             or ``[ring]``.
         starts: Where each block's window starts in the ring (empty for a
             small layout).
+
+    A small layout's KV of up to :data:`SLOT_RUN` tokens is also made in
+    the device pool's order with the slots last (:meth:`slot_values`), from
+    :attr:`base` laid out that way and repeated over that many slots once:
+    a view of it per length (kept) broadcasts against the tokens as they
+    come, so no view of the tokens is made per call, which at page sizes
+    above one saves a tensor operation an insert.
     """
 
     def __init__(self, layout: KVLayout, device: torch.device) -> None:
@@ -692,10 +710,17 @@ class _Pattern:
         base = [[_wrap(c + j * m) for c, m in zip(lift, mult, strict=True)] for j in range(ps)]
         self.base = torch.tensor(base, dtype=torch.int64, device=device)
         self.scale = torch.tensor([_wrap(ps * m) for m in mult], dtype=torch.int64, device=device)
+        self._slot_bases: dict[int, torch.Tensor] = {}  # by tokens: views of _tiled
+        self._tiled: torch.Tensor | None = None  # a small layout's base over SLOT_RUN slots
+        self._slot_scale = self.scale  # and its factor, slots last (set below)
         if not self.starts:  # to the KV's order with the pages last (see values)
             per_position = self.base.view(ps, lay.layers, lay.planes, lay.heads, lay.head_dim)
             self.base = per_position.permute(1, 2, 0, 3, 4).unsqueeze(-1).contiguous()
             self.scale = self.scale.view(lay.layers, lay.planes, 1, lay.heads, lay.head_dim, 1)
+            # the slots last, [layers, planes, heads, head_dim, slots]: see slot_values
+            by_slot = per_position.permute(1, 2, 3, 4, 0)
+            self._tiled = by_slot.repeat(1, 1, 1, 1, -(-SLOT_RUN // ps))  # a new, contiguous one
+            self._slot_scale = self.scale.view(*self._dims, 1)
         if device.type == "cuda":  # shared by caches on other streams: done before any reads
             torch.cuda.synchronize(device)
 
@@ -741,6 +766,29 @@ class _Pattern:
         for block, start in enumerate(self.starts):  # slices of whole rows: plain copies
             kv[block].copy_(ring[:, start : start + heads * dim])
         return kv.view(layers, planes, n // ps, ps, heads, dim).permute(0, 1, 3, 4, 5, 2)
+
+    def slot_values(self, tokens: Sequence[int]) -> torch.Tensor | None:
+        """The KV of ``tokens`` as the device pool lays it out, the slots last; None if not made so.
+
+        ``[layers, planes, heads, head_dim, len(tokens)]`` of the KV's
+        integers as int64, for :meth:`KVPool.write_slots`: made in one
+        ``addcmul`` of the tokens as they come and one shift, for a small
+        layout and whole pages of at most :data:`SLOT_RUN` tokens (at least
+        one page). Otherwise None: :meth:`values` makes them, with a view
+        of the tokens more at page sizes above one.
+        """
+        n = len(tokens)
+        base = self._slot_bases.get(n)
+        if base is None:
+            tiled, ps = self._tiled, self.layout.page_size
+            if tiled is None or not 0 < n <= tiled.shape[-1] or n % ps:
+                return None
+            base = self._slot_bases[n] = tiled[..., :n]  # one view per length, at most
+        # ids up to 2**64 - 1, read as int64: the code's arithmetic is modulo 2**64 either way
+        ids = torch.frombuffer(array("Q", tokens), dtype=torch.int64)
+        if not self._on_cpu:  # a call per insert: the upload's own test would cost it
+            ids = upload(ids, self.device)
+        return torch.addcmul(base, ids, self._slot_scale).bitwise_right_shift_(_TOP)
 
     def _part(self, tokens: Sequence[int]) -> torch.Tensor:
         """The KV of no tokens, or of a part of a page: made for whole pages, then cut.
