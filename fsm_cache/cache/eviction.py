@@ -290,7 +290,7 @@ class Evictor:
         if deletes_unbacked(self._policy):
             self._delete(node)
             return tokens
-        if not self._transfers.try_write(node):
+        if not self._core.allowed(node, "write") or not self._transfers.try_write(node):
             return None  # write-back: back up, evict once acked (later if refused or no room)
         self._waiting.add(node.id)
         return 0
