@@ -470,6 +470,23 @@ def test_a_failed_backup_is_reported_when_its_poison_raises(
     assert engine.in_flight() == []
 
 
+def test_an_injected_failure_is_reported_when_its_poison_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fault injector reports as the engine does: the poll's other copy is not lost."""
+    engine = FaultyCopyEngine(make(), fail=(1,))
+    first, second = engine.start_write([3], [4]), engine.start_write([5], [6])
+
+    def unwritable(pages: object, byte: int) -> None:
+        raise RuntimeError("host memory unwritable")
+
+    monkeypatch.setattr(engine.inner.host, "fill", unwritable)
+    done = engine.poll()
+    assert [c.ticket for c in done] == [first, second]
+    assert str(done[0].error) == "injected failure of copy 1"
+    assert done[1].ok
+
+
 def test_poison_destination_takes_a_ticket() -> None:
     engine = make()
     with pytest.raises(BadArgument) as caught:
