@@ -463,7 +463,7 @@ def test_a_policy_finds_the_backup_by_the_copy_it_starts(tmp_path: Path) -> None
     assert "backup" in renamed.system.event_names
     assert "write" not in renamed.system.event_names
     choices = Choices.of(renamed, WRITE_THROUGH)
-    assert (choices.backup, choices.prefetch) == ("backup", "fetch")
+    assert (choices.backup, choices.prefetch) == (frozenset({"backup"}), frozenset({"fetch"}))
     assert dict(choices.joined) == {"backup_done": "writing", "backup_failed": "writing"}
     shapes, bounds = check.shapes(renamed, 2), Bounds({"pins": 2, "locks": 2})
     result = Explorer(renamed, bounds, policy=WRITE_THROUGH).run(shapes)
@@ -473,6 +473,55 @@ def test_a_policy_finds_the_backup_by_the_copy_it_starts(tmp_path: Path) -> None
         result.states
         == Explorer(shipped, bounds, policy=WRITE_THROUGH).run(check.shapes(shipped, 2)).states
     )
+
+
+def _two_writes(tmp_path: Path) -> Path:
+    """The shipped residency spec with a second backup event: ``rewrite`` backs up an evicted node."""
+    for spec in spec_dir().glob("*.toml"):
+        (tmp_path / spec.name).write_text(spec.read_text())
+    host = tmp_path / "host_residency.toml"
+    text = host.read_text().replace(
+        "write       = { doc",
+        'rewrite     = { doc = "Back up again after an eviction.", past = "rewritten" }\n'
+        "write       = { doc",
+        1,
+    )
+    split = (
+        'event = "write"\nsource = "unbacked"\ndest = "writing"\neffect = "start_write"\n\n'
+        '[[transition]]\nevent = "rewrite"\nsource = "evicted"\ndest = "writing"\n'
+        'effect = "start_write"'
+    )
+    both = 'event = "write"\nsource = ["unbacked", "evicted"]\ndest = "writing"\neffect = "start_write"'
+    assert text.count(both) == 1
+    text = text.replace(both, split)
+    for rule in re.findall(r'\[\[forbid\]\]\nevent = "write"\n.*?(?=\n\n|\Z)', text, flags=re.S):
+        text = text.replace(rule, rule + "\n\n" + rule.replace('"write"', '"rewrite"'), 1)
+    text += (
+        '\n[[forbid]]\nevent = "write"\nsource = "evicted"\nerror = "UseRewrite"\n'
+        'reason = "rewrite backs up an evicted node"\n'
+        '\n[[forbid]]\nevent = "rewrite"\nsource = "unbacked"\nerror = "UseWrite"\n'
+        'reason = "write backs up a node never backed"\n'
+    )
+    host.write_text(text)
+    composed = tmp_path / "residency.toml"
+    text = composed.read_text()
+    rule = re.search(r'\[\[forbid\]\]\nevent = "write"\n.*?(?=\n\n)', text, flags=re.S)
+    assert rule is not None
+    composed.write_text(
+        text.replace(rule[0], rule[0] + "\n\n" + rule[0].replace('"write"', '"rewrite"'), 1)
+    )
+    return composed
+
+
+def test_a_policy_decides_every_event_that_starts_a_backup(tmp_path: Path) -> None:
+    """Two events run start_write: the policy gates both, in whatever order they are declared."""
+    layout = Layout.of(as_system(load_spec(_two_writes(tmp_path))))
+    choices = Choices.of(layout, WRITE_THROUGH)
+    assert choices.backup == frozenset({"write", "rewrite"})
+    result = Explorer(layout, Bounds({"pins": 2, "locks": 2}), policy=WRITE_THROUGH).run(
+        check.shapes(layout, 2)
+    )
+    assert result.violation is None
 
 
 def _renamed(tmp_path: Path, region: str, old: str, new: str) -> Path:

@@ -337,18 +337,20 @@ PREFETCH = "fetch"
 effect is ``start_fetch``; under a write policy, only where a backup could start."""
 
 
-def started_by(layout: Layout, effect: str, named: str) -> str:
-    """Return the event of ``layout``'s spec whose transitions run ``effect``.
+def started_by(layout: Layout, effect: str, named: str) -> frozenset[str]:
+    """Return the events of ``layout``'s spec whose transitions run ``effect``.
 
-    Events are named freely (check.md), so the backup and the fetch a policy
-    decides on are found by the copies they start; ``named`` (the shipped
-    specs' name) where no transition runs ``effect``.
+    Events are named freely (check.md), so the backups and the fetches a
+    policy decides on are found by the copies they start, however many
+    events start one; ``{named}`` (the shipped specs' name) where none does.
     """
-    for machine in layout.system.machines.values():
-        for t in machine.transitions:
-            if t.effect == effect:
-                return t.event
-    return named
+    found = frozenset(
+        t.event
+        for machine in layout.system.machines.values()
+        for t in machine.transitions
+        if t.effect == effect
+    )
+    return found or frozenset({named})
 
 
 @dataclass(frozen=True)
@@ -387,7 +389,7 @@ class Choices:
     acknowledged in any order, as the cache's hand acknowledgements may be:
     its failure is accepted whatever lies below. Under a write policy:
 
-    * a backup (the event that runs ``start_write``, :func:`started_by`) starts only where
+    * a backup (an event that runs ``start_write``, :func:`started_by`) starts only where
       :func:`fsm_cache.policy.wants_backup` says so (the model asks it for a
       node hit often enough: it does not count hits);
     * a backup in flight is acknowledged as HiCache does it, for a whole copy
@@ -399,7 +401,7 @@ class Choices:
     * a fetch from storage lands its pages in order, so its success
       (``fetch_done``) is fired likewise at the lowest node of a chain being
       fetched and applied up to its top, and its failures node by node;
-    * a fetch from storage (the event that runs ``start_fetch``) fills a host copy as a backup
+    * a fetch from storage (an event that runs ``start_fetch``) fills a host copy as a backup
       does, so it starts only under a parent the policy would back a node up
       under (:func:`fsm_cache.policy.parent_allows_backup`: under
       write-through, a parent with a valid host copy, or the root), as
@@ -424,10 +426,10 @@ class Choices:
             order is explored.
         ordered_in: The region of each :attr:`ordered` state, where it is not
             the host's (``sync_done``: ``storage``).
-        backup: The event the policy decides on: the one whose effect is
+        backup: The events the policy decides on: those whose transitions run
             ``start_write`` (``write`` in the shipped specs).
-        prefetch: The event that fills a host copy from storage: the one whose
-            effect is ``start_fetch`` (``fetch``).
+        prefetch: The events that fill a host copy from storage: those whose
+            transitions run ``start_fetch`` (``fetch``).
     """
 
     policy: WritePolicy | None = None
@@ -435,8 +437,8 @@ class Choices:
     wants: Wants = wants_backup
     ordered: Mapping[str, str] = field(default_factory=dict)
     ordered_in: Mapping[str, str] = field(default_factory=dict)
-    backup: str = BACKUP
-    prefetch: str = PREFETCH
+    backup: frozenset[str] = frozenset({BACKUP})
+    prefetch: frozenset[str] = frozenset({PREFETCH})
 
     @classmethod
     def of(cls, layout: Layout, policy: WritePolicy | None, wants: Wants = wants_backup) -> Choices:
@@ -470,19 +472,19 @@ class Choices:
         backup = started_by(layout, "start_write", BACKUP)
         prefetch = started_by(layout, "start_fetch", PREFETCH)
         joined = {
-            **_acknowledging(layout, backup, False),
-            **_acknowledging(layout, prefetch, True),
+            **{e: s for start in backup for e, s in _acknowledging(layout, start, False).items()},
+            **{e: s for start in prefetch for e, s in _acknowledging(layout, start, True).items()},
         }
         return cls(policy, joined, wants, backup=backup, prefetch=prefetch)
 
     def fires(self, layout: Layout, event: str, node: NodeEntry, parent: NodeEntry | None) -> bool:
         """Whether the cache fires ``event`` at ``node`` under ``parent`` (None: the root)."""
-        if self.policy is None or event not in (self.backup, self.prefetch):
+        if self.policy is None or (event not in self.backup and event not in self.prefetch):
             return True
         # Above a modelled parent is the root or another node; the policy asks only which.
         up = ROOT if parent is None else PolicyView(*_residency(layout, parent), 0, ROOT)
         view = PolicyView(*_residency(layout, node), 1, up)
-        if event == self.prefetch:
+        if event in self.prefetch:
             return parent_allows_backup(self.policy, view)
         return self.wants(self.policy, view, 1)
 
@@ -511,15 +513,16 @@ class Choices:
 def _in_order(layout: Layout) -> dict[str, tuple[str, str]]:
     """Return the successes that land a parent's share first, each with its copy's region and state.
 
-    A fetch's (:func:`_acknowledging` of the event that runs ``start_fetch``), and a batch's:
+    A fetch's (:func:`_acknowledging` of each event that runs ``start_fetch``), and a batch's:
     an event acknowledging several copies, one of them to or from the store
     (:func:`~fsm_cache.modelcheck.copies.final`), with the state that copy
     is in flight in.
     """
     memory = layout.memory
-    prefetch = started_by(layout, "start_fetch", PREFETCH)
     out = {
-        event: ("host", state) for event, state in _acknowledging(layout, prefetch, True).items()
+        event: ("host", state)
+        for start in started_by(layout, "start_fetch", PREFETCH)
+        for event, state in _acknowledging(layout, start, True).items()
     }
     for event, acks in memory.acks.items():
         landing = [a for a in acks if a.ok and final(a.copy)] if len(acks) > 1 else []
