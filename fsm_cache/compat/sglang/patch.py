@@ -863,6 +863,8 @@ def _released_once(result: Patch, machine: Residency) -> Callable[[Method], Meth
     def decorate(walked: Method) -> Method:
         @functools.wraps(walked)
         def dec_lock_ref(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+            if not args and not kwargs:  # no receipt: only counted (what told_by_maps(None) says)
+                return walked(self, node)
             receipt = args[0] if args else kwargs.get("params")
             if getattr(self, "disable", False):
                 return walked(self, node, *args, **kwargs)
