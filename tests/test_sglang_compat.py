@@ -206,6 +206,23 @@ def test_a_loaded_chain_is_acknowledged_together_or_backed_out() -> None:
     assert (state(a), state(b)) == (("backed", "resident", 0, 0),) * 2
 
 
+def test_host_ref_counter_takes_only_the_count_it_reads_while_a_load_holds_a_pin() -> None:
+    _, node = tree([1])
+    backed(node, [7])
+    node.protect_host()
+    node.value = None
+    loading([node])  # the load's own pin: SGLang's count leaves it out
+    assert (node.pins, node.host_ref_counter) == (2, 1)
+    node.host_ref_counter = 1  # SGLang writing the count it reads: no change
+    with pytest.raises(ReadOnlyCounter) as caught:
+        node.host_ref_counter = 2
+    assert str(caught.value) == (
+        "node 1: host_ref_counter is driven by the residency machines; "
+        "use protect_host()/release_host()"
+    )
+    assert (node.pins, node.host_ref_counter) == (2, 1)
+
+
 def test_a_node_in_use_cannot_leave_the_tree() -> None:
     root, node = tree([1])
     node.inc_lock_ref()
