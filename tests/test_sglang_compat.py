@@ -206,6 +206,23 @@ def test_a_loaded_chain_is_acknowledged_together_or_backed_out() -> None:
     assert (state(a), state(b)) == (("backed", "resident", 0, 0),) * 2
 
 
+def test_host_ref_counter_takes_only_the_count_it_reads_while_a_load_holds_a_pin() -> None:
+    _, node = tree([1])
+    backed(node, [7])
+    node.protect_host()
+    node.value = None
+    loading([node])  # the load's own pin: SGLang's count leaves it out
+    assert (node.pins, node.host_ref_counter) == (2, 1)
+    node.host_ref_counter = 1  # SGLang writing the count it reads: no change
+    with pytest.raises(ReadOnlyCounter) as caught:
+        node.host_ref_counter = 2
+    assert str(caught.value) == (
+        "node 1: host_ref_counter is driven by the residency machines; "
+        "use protect_host()/release_host()"
+    )
+    assert (node.pins, node.host_ref_counter) == (2, 1)
+
+
 def test_a_node_in_use_cannot_leave_the_tree() -> None:
     root, node = tree([1])
     node.inc_lock_ref()
@@ -530,6 +547,90 @@ def test_the_patch_builds_a_flat_checked_node_with_checked_children(
         with pytest.raises(ReadOnlyCounter):
             node.lock_ref += 1
     assert (shaped.TreeNode, shaped.defaultdict) == (stock, defaultdict)
+
+
+def test_building_a_node_while_patched_writes_no_class_namespace(
+    shaped: types.ModuleType,
+) -> None:
+    """SGLang's ``TreeNode.counter += 1`` moves the one count, not a class's namespace.
+
+    A write into a class's namespace (or its base's) costs the class every
+    lookup CPython cached for its nodes; SGLang builds a node per request.
+    """
+    stock = shaped.TreeNode
+    with patch(shaped):
+        checked: Any = shaped.TreeNode
+        cache = shaped.RadixCache()
+        count, namespace = vars(stock)["counter"], dict(vars(checked))
+        first, second = cache.insert(1, [5]), cache.insert(2, [6])
+        assert (vars(stock)["counter"], dict(vars(checked))) == (count, namespace)
+        assert vars(stock)["counter"] is count
+        assert (first.id + 1, second.id + 1) == (second.id, stock.counter)
+        assert checked.counter == stock.counter
+        checked.counter = 0  # 0.5.6's HiRadixCache.reset numbers anew
+        assert (cache.insert(3, [7]).id, stock.counter) == (0, 1)
+    assert (type(vars(stock)["counter"]), stock.counter) == (int, 1)  # SGLang's int again
+    checked.counter += 1  # the checked class, after the undo: SGLang's int, as stock
+    assert (type(vars(stock)["counter"]), stock.counter) == (int, 2)
+
+
+def test_sglangs_own_class_numbered_anew_while_patched_numbers_the_checked_one(
+    shaped: types.ModuleType,
+) -> None:
+    stock = shaped.TreeNode  # what a module that imported it before the patch holds
+    with patch(shaped):
+        cache = shaped.RadixCache()
+        first = cache.insert(1, [5])
+        own = stock()  # SGLang's class: numbered on with the checked one
+        stock.counter = 0  # 0.5.6's HiRadixCache.reset through that module: an int, as stock
+        second, third = cache.insert(2, [6]), cache.insert(3, [7])
+        assert not isinstance(vars(stock)["counter"], int)  # a count again, from there on
+    ids = [n.id for n in (cache.root_node, first, own)]
+    assert ids == list(range(ids[0], ids[0] + 3))
+    assert (second.id, third.id) == (0, 1)
+    assert (type(vars(stock)["counter"]), stock.counter) == (int, 2)
+
+
+SHARING = """
+from sglang_shaped_radix_cache import TreeNode
+
+
+class RadixCache:
+    def __init__(self):
+        self.disable = False
+        self.root_node = TreeNode()
+        self.root_node.value = []
+        self.root_node.lock_ref = 1
+
+    def insert(self, key, value):
+        node = TreeNode()
+        node.parent, node.value = self.root_node, value
+        self.root_node.children[key] = node
+        return node
+"""
+
+
+@pytest.mark.parametrize("first_undone", [True, False])
+def test_two_patches_over_one_sglang_node_class_share_its_count(
+    shaped: types.ModuleType, monkeypatch: pytest.MonkeyPatch, first_undone: bool
+) -> None:
+    """Two modules importing one ``TreeNode``, each under a patch of its own: one count."""
+    other = types.ModuleType("sglang_shaped_other_cache")
+    exec(compile(SHARING, other.__name__, "exec"), other.__dict__)
+    monkeypatch.setitem(sys.modules, other.__name__, other)
+    stock = shaped.TreeNode
+    first, second = patch(shaped), patch(other)
+    assert first.node_class is not second.node_class
+    ours, theirs = shaped.RadixCache(), other.RadixCache()
+    nodes = [ours.root_node, theirs.root_node, ours.insert(1, [5]), theirs.insert(1, [6])]
+    (first if first_undone else second).undo()
+    assert (type(vars(stock)["counter"]), stock.counter) == (int, nodes[-1].id + 1)
+    still = theirs if first_undone else ours
+    nodes += [still.insert(2, [7]), stock(), still.insert(3, [8])]
+    (second if first_undone else first).undo()
+    ids = [n.id for n in nodes]
+    assert ids == list(range(ids[0], ids[0] + 7))
+    assert (type(vars(stock)["counter"]), stock.counter) == (int, ids[-1] + 1)
 
 
 def test_a_cache_built_before_the_patch_is_refused_before_its_walk_runs(

@@ -312,6 +312,8 @@ class Patch:
         wrapped: ``Class.method`` for each wrapped cache method (a subclass's
             too, added as one defined while patched is adopted).
         originals: SGLang's class of each checked class the patch built.
+        counts: SGLang's node classes whose ``counter`` is a :class:`_NodeCount`
+            while the patch holds (:func:`_share_count`), an ``int`` again after the undo.
         spent: Per cache whose ``dec_lock_ref`` takes a receipt (SGLang
             0.5.23's ``RadixCache``), by its ``id`` while it lives
             (:meth:`book`), its locks out and come back (:func:`_released_once`).
@@ -323,6 +325,7 @@ class Patch:
     _saved: list[tuple[Any, str, Any]] = field(default_factory=list, repr=False)
     _skipped: list[str] = field(default_factory=list, repr=False)
     originals: dict[type, type] = field(default_factory=dict, repr=False)
+    counts: list[type] = field(default_factory=list, repr=False)
     spent: dict[int, unified.LockBook] = field(default_factory=dict, repr=False)
 
     def book(self, cache: Any, machine: Residency) -> unified.LockBook:
@@ -365,6 +368,9 @@ class Patch:
                 else:
                     setattr(owner, name, old)
             self._saved.clear()
+            for original in self.counts:
+                _count_back(original)
+            self.counts.clear()
             self._restore_importers()
             for filename in self._skipped:
                 trail.forget(filename)
@@ -455,6 +461,7 @@ def _apply(result: Patch, found: list[ModuleType], engine: Residency) -> tuple[s
         original = _tree_node(module)
         if original not in checked:
             born = _children_built_checked(result, original)
+            _share_count(result, original)
             checked[original] = _checked_class(original, engine, children_property=not born)
             result.originals[checked[original]] = original
         result.node_class = checked[original]
@@ -673,23 +680,89 @@ def _ids_of(original: type) -> type[type]:
     class, and the ``+=`` would give it a ``counter`` of its own: SGLang's own
     class, still built by modules that imported it before the patch, would
     hand out the same ids meanwhile, and again after ``undo()``, over nodes
-    still alive. Read and written through this metaclass, the name is SGLang's
-    class's counter, so that a node id a refusal or a trail names is one
-    node's, patched or not. The numbering is SGLang's, resets included: SGLang's
-    results depend on it (tests/sglang_real/test_differential.py).
+    still alive. The name is one count for both classes instead (a
+    :class:`_NodeCount` in SGLang's class, :func:`_share_count`), so that a node
+    id a refusal or a trail names is one node's, patched or not. The numbering
+    is SGLang's, resets included: SGLang's results depend on it
+    (tests/sglang_real/test_differential.py).
+
+    A read of ``TreeNode.counter`` finds the count in SGLang's class, as any
+    class attribute is found. A write goes to the count through this
+    metaclass's ``__setattr__``, not into a class's namespace: a class whose
+    namespace changes (or whose base's does) loses its version in CPython's
+    attribute caches, and with it every lookup cached on its nodes; SGLang
+    builds a node per request, so a write per node would cost the checked
+    class every cached lookup, each request. Code holding SGLang's own class
+    (imported before the patch) that sets ``TreeNode.counter`` puts an ``int``
+    over the count, as stock; the next write through the checked class puts a
+    count back, from that value on.
     """
     meta = type(original)
-    if not isinstance(vars(original).get("counter"), int):
+    names = vars(original)
+    if not isinstance(names.get("counter"), (int, _NodeCount)):
         return meta  # no counter of SGLang's to share
 
-    def read(_cls: type) -> int:
-        return cast("int", original.counter)  # type: ignore[attr-defined]
+    def set_class_attribute(cls: type, name: str, value: Any) -> None:
+        if name != "counter":
+            meta.__setattr__(cls, name, value)
+            return
+        count = names.get("counter")
+        if isinstance(count, _NodeCount):
+            count.value = value
+        elif cls.undone:  # type: ignore[attr-defined]  # the patch is gone: SGLang's int, as stock
+            meta.__setattr__(original, "counter", value)
+        else:  # SGLang's own class wrote an int over it: a count again, from here on
+            meta.__setattr__(original, "counter", _NodeCount(value))
 
-    def write(_cls: type, value: int) -> None:
-        original.counter = value  # type: ignore[attr-defined]
+    return type(
+        f"{original.__name__}Ids",
+        (meta,),
+        {"__setattr__": set_class_attribute, "__module__": __name__},
+    )
 
-    counter = property(read, write, doc="SGLang's node counter, shared with its own class.")
-    return type(f"{original.__name__}Ids", (meta,), {"counter": counter, "__module__": __name__})
+
+class _NodeCount:
+    """SGLang's node counter while patched, in its ``TreeNode``'s namespace (:func:`_ids_of`).
+
+    Read as ``TreeNode.counter`` (a descriptor: reading it gives the count),
+    through SGLang's class or the checked one; written through the checked
+    class's metaclass. A write through SGLang's own class replaces it with the
+    ``int`` written, as stock.
+
+    Attributes:
+        value: The next node's id.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __get__(self, node: object, owner: type | None = None) -> Any:
+        """The count."""
+        return self.value
+
+
+def _share_count(result: Patch, original: type) -> None:
+    """Put one :class:`_NodeCount` in ``original``'s namespace for its ``counter``, until the undo.
+
+    A count a patch still holding put there already (two patches over two
+    modules importing one ``TreeNode``) is kept, and what has no integer
+    ``counter`` is left alone (nothing to share). The undo puts the count
+    back as an ``int`` (:func:`_count_back`).
+    """
+    held = vars(original).get("counter")
+    if isinstance(held, int):
+        setattr(original, "counter", _NodeCount(held))  # noqa: B010 (a type has no counter to type-check)
+    if isinstance(held, (int, _NodeCount)):
+        result.counts.append(original)
+
+
+def _count_back(original: type) -> None:
+    """Put ``original``'s ``counter`` back as an ``int`` (its count, if one is there)."""
+    held = vars(original).get("counter")
+    if isinstance(held, _NodeCount):
+        setattr(original, "counter", held.value)  # noqa: B010 (as above)
 
 
 _NOT_COPIED = frozenset(
@@ -790,6 +863,8 @@ def _released_once(result: Patch, machine: Residency) -> Callable[[Method], Meth
     def decorate(walked: Method) -> Method:
         @functools.wraps(walked)
         def dec_lock_ref(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+            if not args and not kwargs:  # no receipt: only counted (what told_by_maps(None) says)
+                return walked(self, node)
             receipt = args[0] if args else kwargs.get("params")
             if getattr(self, "disable", False):
                 return walked(self, node, *args, **kwargs)
