@@ -470,7 +470,7 @@ class Choices:
                 ]
             )
         backup = started_by(layout, "start_write", BACKUP)
-        prefetch = started_by(layout, "start_fetch", PREFETCH)
+        prefetch = _prefetches(layout)
         joined = {
             **{e: s for start in backup for e, s in _acknowledging(layout, start, False).items()},
             **{e: s for start in prefetch for e, s in _acknowledging(layout, start, True).items()},
@@ -510,6 +510,19 @@ class Choices:
         return copying is not None and layout.state(ancestor, "host") == copying
 
 
+def _prefetches(layout: Layout) -> frozenset[str]:
+    """Return the events that stand for the cache's prefetch: ``fetch`` where the spec has it.
+
+    Every backup is the policy's (:func:`started_by`), but a spec may read
+    from the store in more than one way, and only the prefetch is the cache's
+    (a ``refetch`` into a ``refetching`` state of its own is another copy,
+    acknowledged in any order); a spec that names no ``fetch`` has its reads
+    found by the copy they start.
+    """
+    found = started_by(layout, "start_fetch", PREFETCH)
+    return frozenset({PREFETCH}) if PREFETCH in found else found
+
+
 def _in_order(layout: Layout) -> dict[str, tuple[str, str]]:
     """Return the successes that land a parent's share first, each with its copy's region and state.
 
@@ -521,7 +534,7 @@ def _in_order(layout: Layout) -> dict[str, tuple[str, str]]:
     memory = layout.memory
     out = {
         event: ("host", state)
-        for start in started_by(layout, "start_fetch", PREFETCH)
+        for start in _prefetches(layout)
         for event, state in _acknowledging(layout, start, True).items()
     }
     for event, acks in memory.acks.items():
