@@ -333,8 +333,9 @@ BACKUP = "write"
 ``start_write`` (:func:`started_by`), whatever a spec names it."""
 
 PREFETCH = "fetch"
-"""The event that fills a host copy from storage, as the shipped specs name it: the one whose
-effect is ``start_fetch``; under a write policy, only where a backup could start."""
+"""The event that fills a host copy from storage, as the shipped specs name it; a spec without
+one has its prefetches found by the copy they start (:func:`_prefetches`); under a write
+policy, only where a backup could start."""
 
 
 def started_by(layout: Layout, effect: str, named: str) -> frozenset[str]:
@@ -401,7 +402,7 @@ class Choices:
     * a fetch from storage lands its pages in order, so its success
       (``fetch_done``) is fired likewise at the lowest node of a chain being
       fetched and applied up to its top, and its failures node by node;
-    * a fetch from storage (an event that runs ``start_fetch``) fills a host copy as a backup
+    * a prefetch from storage (:func:`_prefetches`) fills a host copy as a backup
       does, so it starts only under a parent the policy would back a node up
       under (:func:`fsm_cache.policy.parent_allows_backup`: under
       write-through, a parent with a valid host copy, or the root), as
@@ -428,8 +429,9 @@ class Choices:
             the host's (``sync_done``: ``storage``).
         backup: The events the policy decides on: those whose transitions run
             ``start_write`` (``write`` in the shipped specs).
-        prefetch: The events that fill a host copy from storage: those whose
-            transitions run ``start_fetch`` (``fetch``).
+        prefetch: The events that stand for the cache's prefetch
+            (:func:`_prefetches`): ``fetch`` where the spec has one, else those
+            whose transitions run ``start_fetch``.
     """
 
     policy: WritePolicy | None = None
@@ -472,8 +474,8 @@ class Choices:
         backup = started_by(layout, "start_write", BACKUP)
         prefetch = _prefetches(layout)
         joined = {
-            **{e: s for start in backup for e, s in _acknowledging(layout, start, False).items()},
-            **{e: s for start in prefetch for e, s in _acknowledging(layout, start, True).items()},
+            **_acknowledging(layout, backup, False),
+            **_acknowledging(layout, prefetch, True),
         }
         return cls(policy, joined, wants, backup=backup, prefetch=prefetch)
 
@@ -526,7 +528,7 @@ def _prefetches(layout: Layout) -> frozenset[str]:
 def _in_order(layout: Layout) -> dict[str, tuple[str, str]]:
     """Return the successes that land a parent's share first, each with its copy's region and state.
 
-    A fetch's (:func:`_acknowledging` of each event that runs ``start_fetch``), and a batch's:
+    A fetch's (:func:`_acknowledging` of the prefetches, :func:`_prefetches`), and a batch's:
     an event acknowledging several copies, one of them to or from the store
     (:func:`~fsm_cache.modelcheck.copies.final`), with the state that copy
     is in flight in.
@@ -534,8 +536,7 @@ def _in_order(layout: Layout) -> dict[str, tuple[str, str]]:
     memory = layout.memory
     out = {
         event: ("host", state)
-        for start in _prefetches(layout)
-        for event, state in _acknowledging(layout, start, True).items()
+        for event, state in _acknowledging(layout, _prefetches(layout), True).items()
     }
     for event, acks in memory.acks.items():
         landing = [a for a in acks if a.ok and final(a.copy)] if len(acks) > 1 else []
@@ -546,8 +547,8 @@ def _in_order(layout: Layout) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _acknowledging(layout: Layout, start: str, successes_only: bool) -> dict[str, str]:
-    """Return the host events that acknowledge the copy ``start`` begins, each with its copying state.
+def _acknowledging(layout: Layout, starts: frozenset[str], successes_only: bool) -> dict[str, str]:
+    """Return the host events that acknowledge the copies ``starts`` begin, each with its copying state.
 
     They are the copy's acknowledgements as the pages account reads them from
     the spec's effects (:attr:`fsm_cache.modelcheck.copies.Memory.acks`), not
@@ -563,16 +564,19 @@ def _acknowledging(layout: Layout, start: str, successes_only: bool) -> dict[str
     applied node by node).
     """
     host = layout.system.machines["host"].transitions
-    copying = next((t.dest for t in host if t.event == start), None)
-    copy = layout.memory.copying.get("host", {}).get(str(copying))
-    leaving = {t.event for t in host if copying in t.sources and t.dest != copying}
-    return {
-        event: str(copying)
-        for event, acks in layout.memory.acks.items()
-        for ack in acks
-        if copy is not None and ack.region == "host" and ack.copy == copy
-        if event in leaving and (ack.ok or not successes_only)
-    }
+    out: dict[str, str] = {}
+    for start in starts:
+        copying = next((t.dest for t in host if t.event == start), None)
+        copy = layout.memory.copying.get("host", {}).get(str(copying))
+        leaving = {t.event for t in host if copying in t.sources and t.dest != copying}
+        out.update(
+            (event, str(copying))
+            for event, acks in layout.memory.acks.items()
+            for ack in acks
+            if copy is not None and ack.region == "host" and ack.copy == copy
+            if event in leaving and (ack.ok or not successes_only)
+        )
+    return out
 
 
 def _residency(layout: Layout, entry: NodeEntry) -> tuple[HostState, DeviceState]:
