@@ -259,11 +259,7 @@ class KVPool:
         shape = _paged_shape(self.layout, n)
         if pages_last:
             shape = (*shape[:2], *shape[3:], n)
-        if values.shape != shape:
-            raise PoolError(
-                f"{self.name} pool: values of shape {tuple(values.shape)} do not fit "
-                f"{n} pages, which need shape {shape}"
-            )
+        self._refuse_shape(values, shape, n)
         if where is None:
             return
         if not pages_last:
@@ -295,11 +291,7 @@ class KVPool:
         lay, n = self.layout, len(pages)
         ps = lay.page_size
         shape = (lay.layers, lay.planes, lay.heads, lay.head_dim, n * ps)
-        if values.shape != shape:
-            raise PoolError(
-                f"{self.name} pool: values of shape {tuple(values.shape)} do not fit "
-                f"{n} pages, which need shape {shape}"
-            )
+        self._refuse_shape(values, shape, n)
         if where is None:
             return
         if isinstance(where, int) and not self._page_first:  # a run: one slice of the slots
@@ -307,6 +299,14 @@ class KVPool:
         else:
             paged = values.reshape(*shape[:4], n, ps).permute(0, 1, 4, 5, 2, 3)
             self._store(pages, where, paged)
+
+    def _refuse_shape(self, values: torch.Tensor, shape: tuple[int, ...], n: int) -> None:
+        """Raise :class:`PoolError` unless ``values`` has the ``shape`` that ``n`` pages need."""
+        if values.shape != shape:
+            raise PoolError(
+                f"{self.name} pool: values of shape {tuple(values.shape)} do not fit "
+                f"{n} pages, which need shape {shape}"
+            )
 
     def _store(self, pages: Sequence[int], where: int | torch.Tensor, paged: torch.Tensor) -> None:
         """Write ``paged`` (``[layers, planes, pages, page_size, heads, head_dim]``) to ``pages``.
