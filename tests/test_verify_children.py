@@ -149,18 +149,20 @@ def test_every_input_finds_code_that_reads_children_otherwise_than_any(
     """The slip is in the tree test: checked in the events that call it.
 
     The module's other events never read a child (the test above); they are
-    the shipped code, which the verify stage checks whole.
+    the shipped code, which the verify stage checks whole. The slips read
+    children alone, so each counter is given only the values the code
+    compares it with (which :func:`exhaustive.check_module` adds to any
+    domain: pins 0 to 3, locks 0 to 2), not the spec's beyond them: each first
+    counterexample below is at values among those, and it comes first in the
+    smaller product too, walked in the same order.
     """
     storage = _storage()
     module = generate(storage, spec_dir() / "residency_storage.toml")
     path = _slipped(tmp_path, module, slip)
     reading = {f"_event_{e}" for e in storage.event_names if children_needed(storage, e)}
-    rows = [
-        module.reported(r)
-        for r in exhaustive.check_module(
-            "slipped", path, exhaustive.counter_domains(storage), reading
-        )
-    ]
+    counters = dict.fromkeys(exhaustive.counter_domains(storage), (0,))
+    assert exhaustive.widened(counters, path) == {"pins": (0, 1, 2, 3), "locks": (0, 1, 2)}
+    rows = [module.reported(r) for r in exhaustive.check_module("slipped", path, counters, reading)]
     bad = {r.function: r for r in rows if r.failed}
     assert {r.contract for r in bad.values()} == {"the step follows the spec"}
     assert {r.status for r in bad.values()} == {crosshair_run.COUNTEREXAMPLE}
@@ -220,7 +222,14 @@ reason = "children write, hold and pin host copies under this node"
 
 
 def test_a_rule_that_takes_three_children_is_given_three(tmp_path: Path) -> None:
-    """One child, or a constant two, never fired this refusal: code that lost it passed."""
+    """One child, or a constant two, never fired this refusal: code that lost it passed.
+
+    The rule reads children alone, so each counter is given only the values
+    the code compares it with (pins and locks 0 to 2, which
+    :func:`exhaustive.check_module` adds to any domain), not the spec's
+    beyond them: the refusal lost is met at pins 0, and comes first in the
+    smaller product too, walked in the same order.
+    """
     for name in ("host_residency.toml", "device_residency.toml"):
         shutil.copy(spec_dir() / name, tmp_path / name)
     spec = tmp_path / "three_children.toml"
@@ -238,8 +247,9 @@ def test_a_rule_that_takes_three_children_is_given_three(tmp_path: Path) -> None
         "child3_host: _Optional[_HostState], child4_host: _Optional[_HostState_evict_host]) "
         "-> _Result:" in module.source
     )
-    domains = exhaustive.counter_domains(system)
+    domains = dict.fromkeys(exhaustive.counter_domains(system), (0,))
     clean = module.write(tmp_path)
+    assert exhaustive.widened(domains, clean) == {"pins": (0, 1, 2), "locks": (0, 1, 2)}
     assert not [r for r in exhaustive.check_module("clean", clean, domains) if r.failed]
     dropped = module.source.replace(
         "_child_in(rec, 'host', ('writing',)) and _child_in(rec, 'host', ('backed',))", "False", 1
