@@ -250,7 +250,7 @@ class _Walk:
         self.post = [_reader(c, position, len(self.names)) for c in post]
         self.values: list[Any] = [None] * len(self.names)
         self.broken: dict[int, str] = {}
-        self.pending = list(enumerate(self.post))
+        self.pending = [(i, *reader) for i, reader in enumerate(self.post)]
         """The postconditions no input has broken yet, by index."""
 
     def found(self) -> dict[int, str]:
@@ -264,7 +264,7 @@ class _Walk:
 
     def _break(self, i: int, why: str) -> None:
         self.broken[i] = why
-        self.pending = [(j, holds) for j, holds in self.pending if j != i]
+        self.pending = [entry for entry in self.pending if entry[0] != i]
 
     def _call(self) -> None:
         """Call the function on the input ``values`` holds, and note the contracts it breaks."""
@@ -273,14 +273,19 @@ class _Walk:
             result = self.raw(**self._args()) if self.by_name else self.raw(*values)
         except Exception as exc:  # the code under test raised: no contract holds on this input
             why = f"{_call(self.func.__name__, self._args())} raises {_raised(exc)}"
-            for i, _ in list(self.pending):
+            for i, *_ in list(self.pending):
                 self._break(i, why)
             return
         values.append(result)
         try:
-            for i, holds in self.pending:
-                try:
-                    held = holds(values)
+            for i, condition, at, get in self.pending:
+                try:  # _reader's three ways, inline: a call less per condition and input
+                    if at is not None:
+                        held = bool(condition(values[at]))
+                    elif get is not None:
+                        held = bool(condition(*get(values)))
+                    else:
+                        held = bool(condition(values))
                 except Exception as exc:  # the contract itself raised (its meaning, say)
                     why = f"{_call(self.func.__name__, self._args())}: the contract raises"
                     self._break(i, f"{why} {_raised(exc)}")
@@ -301,8 +306,14 @@ class _Walk:
         last = axis + 1 == len(self.axes)
         for bound in self.axes[axis]:
             values[start:stop] = bound
-            for holds in checked:
-                if not holds(values):
+            for condition, at, get in checked:
+                if at is not None:
+                    held = condition(values[at])
+                elif get is not None:
+                    held = condition(*get(values))
+                else:
+                    held = condition(values)
+                if not held:
                     break
             else:
                 if last:
@@ -326,15 +337,19 @@ def _positional(func: Callable[..., Any], names: Sequence[str]) -> bool:
     )
 
 
-def _reader(
-    contract: Any, position: Mapping[str, int], result: int | None
-) -> Callable[[list[Any]], bool]:
-    """Return what says whether ``contract`` holds on an input's values (and the result).
+_Reader = tuple[Callable[..., Any], int | None, Callable[[list[Any]], Any] | None]
+"""A condition and where its arguments are in an input's values (:func:`_reader`)."""
+
+
+def _reader(contract: Any, position: Mapping[str, int], result: int | None) -> _Reader:
+    """Return how ``contract`` is evaluated on an input's values (and the result).
 
     Each argument is read at its parameter's position, the result at
-    ``result`` (postconditions only); a condition that cannot be called by
-    position, or reads a name no parameter has, is called by name as
-    :func:`_holds` calls it.
+    ``result`` (postconditions only). ``(condition, i, None)``: the
+    condition of one argument, ``values[i]``; ``(condition, None, get)``:
+    of several, ``*get(values)``; ``(check, None, None)``: ``check(values)``,
+    for a condition of none, or one that cannot be called by position or
+    reads a name no parameter has (called by name, as :func:`_holds` calls it).
     """
     condition = contract.condition
     names = list(contract.condition_args)
@@ -344,23 +359,13 @@ def _reader(
         def by_name(values: list[Any]) -> bool:
             return _holds(contract, {name: values[i] for name, i in where.items()})
 
-        return by_name
+        return by_name, None, None
     at = [where[name] for name in names]
     if not at:
-        return lambda _values: bool(condition())
+        return lambda _values: condition(), None, None
     if len(at) == 1:
-        (i,) = at
-
-        def one(values: list[Any]) -> bool:
-            return bool(condition(values[i]))
-
-        return one
-    get = operator.itemgetter(*at)
-
-    def many(values: list[Any]) -> bool:
-        return bool(condition(*get(values)))
-
-    return many
+        return condition, at[0], None
+    return condition, None, operator.itemgetter(*at)
 
 
 def _axes(
