@@ -10,8 +10,14 @@ only. These slips are planted in the tree test the engine's code calls.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import importlib.util
+import inspect
+import itertools
 import shutil
-from collections.abc import Callable, Collection
+import sys
+import typing
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +25,14 @@ import pytest
 
 from fsm_cache.contracts import exhaustive, verify
 from fsm_cache.contracts import runner as crosshair_run
-from fsm_cache.contracts.generate import Generated, children_needed, family_states, generate
+from fsm_cache.contracts.generate import (
+    NEIGHBOURS,
+    Generated,
+    children_needed,
+    family_states,
+    generate,
+    parameter,
+)
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import System, as_system
 from fsm_cache.spec.shipped import load_shipped, residency_system, spec_dir
@@ -136,18 +149,20 @@ def test_every_input_finds_code_that_reads_children_otherwise_than_any(
     """The slip is in the tree test: checked in the events that call it.
 
     The module's other events never read a child (the test above); they are
-    the shipped code, which the verify stage checks whole.
+    the shipped code, which the verify stage checks whole. The slips read
+    children alone, so each counter is given only the values the code
+    compares it with (which :func:`exhaustive.check_module` adds to any
+    domain: pins 0 to 3, locks 0 to 2), not the spec's beyond them: each first
+    counterexample below is at values among those, and it comes first in the
+    smaller product too, walked in the same order.
     """
     storage = _storage()
     module = generate(storage, spec_dir() / "residency_storage.toml")
     path = _slipped(tmp_path, module, slip)
     reading = {f"_event_{e}" for e in storage.event_names if children_needed(storage, e)}
-    rows = [
-        module.reported(r)
-        for r in exhaustive.check_module(
-            "slipped", path, exhaustive.counter_domains(storage), reading
-        )
-    ]
+    counters = dict.fromkeys(exhaustive.counter_domains(storage), (0,))
+    assert exhaustive.widened(counters, path) == {"pins": (0, 1, 2, 3), "locks": (0, 1, 2)}
+    rows = [module.reported(r) for r in exhaustive.check_module("slipped", path, counters, reading)]
     bad = {r.function: r for r in rows if r.failed}
     assert {r.contract for r in bad.values()} == {"the step follows the spec"}
     assert {r.status for r in bad.values()} == {crosshair_run.COUNTEREXAMPLE}
@@ -207,7 +222,14 @@ reason = "children write, hold and pin host copies under this node"
 
 
 def test_a_rule_that_takes_three_children_is_given_three(tmp_path: Path) -> None:
-    """One child, or a constant two, never fired this refusal: code that lost it passed."""
+    """One child, or a constant two, never fired this refusal: code that lost it passed.
+
+    The rule reads children alone, so each counter is given only the values
+    the code compares it with (pins and locks 0 to 2, which
+    :func:`exhaustive.check_module` adds to any domain), not the spec's
+    beyond them: the refusal lost is met at pins 0, and comes first in the
+    smaller product too, walked in the same order.
+    """
     for name in ("host_residency.toml", "device_residency.toml"):
         shutil.copy(spec_dir() / name, tmp_path / name)
     spec = tmp_path / "three_children.toml"
@@ -225,8 +247,9 @@ def test_a_rule_that_takes_three_children_is_given_three(tmp_path: Path) -> None
         "child3_host: _Optional[_HostState], child4_host: _Optional[_HostState_evict_host]) "
         "-> _Result:" in module.source
     )
-    domains = exhaustive.counter_domains(system)
+    domains = dict.fromkeys(exhaustive.counter_domains(system), (0,))
     clean = module.write(tmp_path)
+    assert exhaustive.widened(domains, clean) == {"pins": (0, 1, 2), "locks": (0, 1, 2)}
     assert not [r for r in exhaustive.check_module("clean", clean, domains) if r.failed]
     dropped = module.source.replace(
         "_child_in(rec, 'host', ('writing',)) and _child_in(rec, 'host', ('backed',))", "False", 1
@@ -316,6 +339,107 @@ def test_one_child_more_than_the_rules_tell_apart_finds_code_that_reads_only_so_
     clean = generate(system, spec).write(tmp_path / "clean")
     checked = exhaustive.check_module("clean", clean, domains)
     assert [r for r in checked if r.failed] == []
+
+
+def _reference(
+    path: Path, counters: Mapping[str, Sequence[int]], functions: Collection[str]
+) -> list[crosshair_run.Row]:
+    """Return :func:`exhaustive.check_module`'s rows as its docstring defines them, slowly.
+
+    Every input of the parameters' product, in its order (a neighbour's
+    states all ``None`` or none, else not an input), is counted; those every
+    precondition holds on are called, and each postcondition is evaluated on
+    the result by name until its first counterexample.
+    """
+    counters = exhaustive.widened(counters, path)
+    loaded = importlib.util.spec_from_file_location("_reference_contracts", path)
+    assert loaded is not None
+    assert loaded.loader is not None
+    module = importlib.util.module_from_spec(loaded)
+    sys.modules[loaded.name] = module
+    try:
+        loaded.loader.exec_module(module)
+    finally:
+        del sys.modules[loaded.name]
+    by_param = {parameter(name): values for name, values in counters.items()}
+
+    def domain(name: str, hint: Any) -> Sequence[Any]:
+        if hint is int:
+            return by_param[name]
+        members = [a for a in typing.get_args(hint) if a is not type(None)]
+        return (None, *members[0]) if members else tuple(hint)
+
+    def shown(func: Any, args: Mapping[str, Any]) -> str:
+        text = ", ".join(
+            f"{k}={type(v).__name__}.{v.name}" if isinstance(v, enum.Enum) else f"{k}={v!r}"
+            for k, v in args.items()
+        )
+        return f"{func.__name__}({text})"
+
+    def holds(contract: Any, given: Mapping[str, Any]) -> bool:
+        return bool(contract.condition(**{a: given[a] for a in contract.condition_args}))
+
+    rows = []
+    for name in dict.fromkeys(c.function for c in crosshair_run.contracts(path)):
+        if name not in functions:
+            continue
+        func = vars(module)[name]
+        raw = inspect.unwrap(func)
+        hints = typing.get_type_hints(raw)
+        names = list(inspect.signature(func).parameters)
+        groups = vars(module)[NEIGHBOURS].get(name, ())
+        pre = [c for group in func.__preconditions__ for c in group]
+        post = func.__postconditions__
+        found: dict[int, str] = {}
+        size = 0
+        for values in itertools.product(*(domain(n, hints[n]) for n in names)):
+            args = dict(zip(names, values, strict=True))
+            if any(len({args[n] is None for n in group}) > 1 for group in groups):
+                continue
+            size += 1
+            if len(found) == len(post) or not all(holds(c, args) for c in pre):
+                continue
+            try:
+                result = raw(**args)
+            except Exception as exc:
+                for i in range(len(post)):
+                    found.setdefault(i, f"{shown(func, args)} raises {type(exc).__name__}: {exc}")
+                continue
+            for i, c in enumerate(post):
+                if i not in found and not holds(c, {**args, "result": result}):
+                    found[i] = shown(func, args)
+        rows += [
+            crosshair_run.Row("ref", name, c.description, crosshair_run.COUNTEREXAMPLE, found[i])
+            if i in found
+            else crosshair_run.Row(
+                "ref", name, c.description, exhaustive.CONFIRMED_EVERY_INPUT, f"{size} inputs"
+            )
+            for i, c in enumerate(post)
+        ]
+    return rows
+
+
+def test_every_input_gives_the_rows_of_the_parameters_product_walked_by_name(
+    tmp_path: Path,
+) -> None:
+    """The checker reads each condition's arguments by position off one list per input.
+
+    Its rows (each contract's verdict, its first counterexample, the inputs
+    counted) are those of the product of the parameters' domains walked
+    input by input, each condition called by name; the functions that read
+    children take neighbours all ``None`` or none, and the slip breaks one
+    contract of one while the others hold. One function that reads children
+    (their axes, the slip's counterexample) and one that reads none (its
+    counter's constants widened) show each way an input is walked.
+    """
+    system = residency_system()
+    path = _slipped(tmp_path, generate(system, spec_dir() / "residency.toml"), "later")
+    functions = {"_event_evict_device", "_event_release"}
+    domains = exhaustive.counter_domains(system)
+    rows = exhaustive.check_module("ref", path, domains, functions)
+    assert rows == _reference(path, domains, functions)
+    assert {r.function for r in rows if r.failed} == {"_event_evict_device"}
+    assert {r.function for r in rows if not r.failed} == functions
 
 
 _BAD_LATER = ["evict_device", "evict_host", "load_failed"]

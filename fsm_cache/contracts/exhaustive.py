@@ -32,6 +32,7 @@ import importlib.util
 import inspect
 import itertools
 import math
+import operator
 import sys
 import typing
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -200,55 +201,171 @@ def _check_function(
     checker = find_checker(func)
     pre = [c for group in getattr(checker, "__preconditions__", []) for c in group]
     post = list(getattr(checker, "__postconditions__", []))
-    raw = inspect.unwrap(func)
     params, axes = _axes(func, counters, together)
     size = _size(axes)
     if size > MAX_INPUTS:
         why = f"{size} inputs, more than {MAX_INPUTS}"
         return [Row(target, func.__name__, _text(c), NOT_ANALYSED, why) for c in post]
-    checked = _checked_by_axis(params, pre)
-    found: dict[int, str] = {}
-    args: dict[str, Any] = {}
-
-    def call() -> None:
-        """Call ``func`` on the input ``args`` holds, and note the contracts it breaks."""
-        try:
-            result = raw(**args)
-        except Exception as exc:  # the code under test raised: no contract holds on this input
-            why = f"{_call(func.__name__, args)} raises {_raised(exc)}"
-            for i in range(len(post)):
-                found.setdefault(i, why)
-            return
-        given = {**args, "result": result}
-        for i, c in enumerate(post):
-            if i in found:
-                continue
-            try:
-                held = _holds(c, given)
-            except Exception as exc:  # the contract itself raised (its meaning, say)
-                found[i] = f"{_call(func.__name__, args)}: the contract raises {_raised(exc)}"
-                continue
-            if not held:
-                found[i] = _call(func.__name__, args)
-
-    def walk(axis: int) -> bool:
-        """Call on every input past the axes bound so far; False once every contract has failed."""
-        if axis == len(axes):
-            call()
-            return len(found) < len(post)
-        for values in axes[axis]:
-            args.update(zip(params[axis], values, strict=True))
-            if all(_holds(c, args) for c in checked[axis]) and not walk(axis + 1):
-                return False
-        return True
-
-    walk(0)
+    found = _Walk(func, params, axes, pre, post).found()
     return [
         Row(target, func.__name__, _text(c), COUNTEREXAMPLE, found[i])
         if i in found
         else Row(target, func.__name__, _text(c), CONFIRMED_EVERY_INPUT, f"{size} inputs")
         for i, c in enumerate(post)
     ]
+
+
+class _Walk:
+    """Call a function on the axes' product, its preconditions as filters; note what breaks.
+
+    An input is a list of the parameters' values, in the signature's order
+    (each axis binds a run of them), and the result is appended to it while
+    the postconditions are evaluated; each condition reads its arguments out
+    of it by position (:func:`_reader`), so no mapping is built per input and
+    per condition. The inputs are walked, and each contract's first
+    counterexample found, in the order of the axes' product.
+    """
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        params: Sequence[tuple[str, ...]],
+        axes: Sequence[Sequence[tuple[Any, ...]]],
+        pre: Sequence[Any],
+        post: Sequence[Any],
+    ) -> None:
+        self.func = func
+        self.raw = inspect.unwrap(func)
+        self.names = [name for names in params for name in names]
+        self.axes = axes
+        self.spans: list[tuple[int, int]] = []
+        for names in params:
+            start = self.names.index(names[0])
+            self.spans.append((start, start + len(names)))
+        position = {name: i for i, name in enumerate(self.names)}
+        self.by_name = not _positional(self.raw, self.names)
+        self.checked = [
+            [_reader(c, position, None) for c in group] for group in _checked_by_axis(params, pre)
+        ]
+        self.post = [_reader(c, position, len(self.names)) for c in post]
+        self.values: list[Any] = [None] * len(self.names)
+        self.broken: dict[int, str] = {}
+        self.pending = [(i, *reader) for i, reader in enumerate(self.post)]
+        """The postconditions no input has broken yet, by index."""
+
+    def found(self) -> dict[int, str]:
+        """Return, per postcondition broken, its first counterexample's text."""
+        self._walk(0)
+        return self.broken
+
+    def _args(self) -> dict[str, Any]:
+        """Return the input ``values`` holds, by parameter (the result appended to it left out)."""
+        return dict(zip(self.names, self.values, strict=False))
+
+    def _break(self, i: int, why: str) -> None:
+        self.broken[i] = why
+        self.pending = [entry for entry in self.pending if entry[0] != i]
+
+    def _call(self) -> None:
+        """Call the function on the input ``values`` holds, and note the contracts it breaks."""
+        values = self.values
+        try:
+            result = self.raw(**self._args()) if self.by_name else self.raw(*values)
+        except Exception as exc:  # the code under test raised: no contract holds on this input
+            why = f"{_call(self.func.__name__, self._args())} raises {_raised(exc)}"
+            for i, *_ in list(self.pending):
+                self._break(i, why)
+            return
+        values.append(result)
+        try:
+            for i, condition, at, get in self.pending:
+                try:  # _reader's three ways, inline: a call less per condition and input
+                    if at is not None:
+                        held = bool(condition(values[at]))
+                    elif get is not None:
+                        held = bool(condition(*get(values)))
+                    else:
+                        held = bool(condition(values))
+                except Exception as exc:  # the contract itself raised (its meaning, say)
+                    why = f"{_call(self.func.__name__, self._args())}: the contract raises"
+                    self._break(i, f"{why} {_raised(exc)}")
+                    continue
+                if not held:
+                    self._break(i, _call(self.func.__name__, self._args()))
+        finally:
+            values.pop()
+
+    def _walk(self, axis: int) -> bool:
+        """Call on every input past the axes bound so far; False once every contract has failed."""
+        if axis == len(self.axes):
+            self._call()
+            return bool(self.pending)
+        start, stop = self.spans[axis]
+        values = self.values
+        checked = self.checked[axis]
+        last = axis + 1 == len(self.axes)
+        for bound in self.axes[axis]:
+            values[start:stop] = bound
+            for condition, at, get in checked:
+                if at is not None:
+                    held = condition(values[at])
+                elif get is not None:
+                    held = condition(*get(values))
+                else:
+                    held = condition(values)
+                if not held:
+                    break
+            else:
+                if last:
+                    self._call()
+                    if not self.pending:
+                        return False
+                elif not self._walk(axis + 1):
+                    return False
+        return True
+
+
+def _positional(func: Callable[..., Any], names: Sequence[str]) -> bool:
+    """Return whether calling ``func`` with ``names``' values by position is calling it by name."""
+    try:
+        parameters = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: call it by name
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters[: len(names)]] == list(names) and all(
+        p.kind in kinds for p in parameters[: len(names)]
+    )
+
+
+_Reader = tuple[Callable[..., Any], int | None, Callable[[list[Any]], Any] | None]
+"""A condition and where its arguments are in an input's values (:func:`_reader`)."""
+
+
+def _reader(contract: Any, position: Mapping[str, int], result: int | None) -> _Reader:
+    """Return how ``contract`` is evaluated on an input's values (and the result).
+
+    Each argument is read at its parameter's position, the result at
+    ``result`` (postconditions only). ``(condition, i, None)``: the
+    condition of one argument, ``values[i]``; ``(condition, None, get)``:
+    of several, ``*get(values)``; ``(check, None, None)``: ``check(values)``,
+    for a condition of none, or one that cannot be called by position or
+    reads a name no parameter has (called by name, as :func:`_holds` calls it).
+    """
+    condition = contract.condition
+    names = list(contract.condition_args)
+    where = {**position, "result": result} if result is not None else dict(position)
+    if not _positional(condition, names) or not all(n in where for n in names):
+
+        def by_name(values: list[Any]) -> bool:
+            return _holds(contract, {name: values[i] for name, i in where.items()})
+
+        return by_name, None, None
+    at = [where[name] for name in names]
+    if not at:
+        return lambda _values: condition(), None, None
+    if len(at) == 1:
+        return condition, at[0], None
+    return condition, None, operator.itemgetter(*at)
 
 
 def _axes(
