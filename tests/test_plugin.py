@@ -76,6 +76,18 @@ BROKEN_GATE = GATE.format(take=2, last="holders = 0")
 """A take that adds two holders: verify and check both find it."""
 
 
+@pytest.fixture
+def pytester(pytester: pytest.Pytester) -> pytest.Pytester:
+    """pytester, its runs without Hypothesis's pytest plugin (``-p no:hypothesispytest``).
+
+    No run here uses Hypothesis, and its plugin imports all of it as a run
+    starts: two thirds of the CPU time of a run that collects a test or two.
+    Every other installed plugin, fsm_cache's among them, loads as in any run.
+    """
+    pytester.plugins.append("no:hypothesispytest")
+    return pytester
+
+
 def line_of(path: Path, text: str) -> int:
     """Return the number of the first line of the file at ``path`` that contains ``text``."""
     lines = path.read_text(encoding="utf-8").splitlines()
