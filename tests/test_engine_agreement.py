@@ -335,17 +335,40 @@ def test_random_specs_do_what_their_data_says(
 
 SHIPPED = [path.stem for path in shipped_spec_paths()]
 
+Built = dict[tuple[str, bool, bool], tuple[Engine, Hooks | None]]
+
+
+@pytest.fixture(scope="module")
+def built() -> Built:
+    """The engines of the shipped specs and their hooks, by spec, trail mode and hooks bound.
+
+    Each is built once, by the first example that needs it, and serves every
+    other: an engine keeps nothing of a firing but what it writes on the
+    records, and each example draws a tree of its own; the hooks' failing
+    effects are drawn before each step and their calls cleared by :func:`check`.
+    """
+    return {}
+
+
+def shipped_engine(built: Built, name: str, on: bool, bound: bool) -> tuple[Engine, Hooks | None]:
+    """Return the engine of the shipped spec ``name`` and its hooks, building them once."""
+    key = (name, on, bound)
+    if key not in built:
+        spec = load_shipped(name)
+        hooks = Hooks(as_system(spec)) if bound else None
+        engine = Engine(spec, effects=hooks.bound if hooks else None, trail=on, history=4)
+        built[key] = engine, hooks
+    return built[key]
+
 
 @pytest.mark.parametrize("name", SHIPPED)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(on=st.booleans(), bound=st.booleans(), data=st.data())
 def test_shipped_specs_do_what_their_data_says(
-    name: str, on: bool, bound: bool, data: st.DataObject
+    built: Built, name: str, on: bool, bound: bool, data: st.DataObject
 ) -> None:
-    spec = load_shipped(name)
-    system = as_system(spec)
-    hooks = Hooks(system) if bound else None
-    engine = Engine(spec, effects=hooks.bound if hooks else None, trail=on, history=4)
+    engine, hooks = shipped_engine(built, name, on, bound)
+    system = engine.system
     tree = data.draw(trees(engine))
     while data.draw(st.integers(0, 15)):
         if hooks is not None:

@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from random_specs import specs, trees
 
+from fsm_cache.engine.codegen import Refusal
 from fsm_cache.engine.core import Engine
 from fsm_cache.engine.lease import Lease
 from fsm_cache.engine.trail import Site
@@ -46,8 +47,14 @@ OPAQUE = (
     weakref.ref,
     System,
     MachineSpec,
+    Refusal,
 )
-"""Compared by identity: code, classes, functions and the frozen spec objects."""
+"""Compared by identity: code, classes, functions and the frozen spec objects.
+
+A compiled engine's :class:`~fsm_cache.engine.codegen.Refusal` entries (frozen, of
+strings, hundreds to an engine: nine in ten of the values a walk would take apart)
+are frozen spec objects too: a call could only swap one, which identity shows.
+"""
 LAZY = {"_legal", "_holders", "_pairs"}
 """Engine attributes computed on first use (``bad_record``'s search, ``lease``'s pairing
 of acquire and release): a cache, not state."""

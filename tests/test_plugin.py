@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -74,6 +79,18 @@ reason = "nobody holds it"
 GOOD_GATE = GATE.format(take=1, last="holders -= 1")
 BROKEN_GATE = GATE.format(take=2, last="holders = 0")
 """A take that adds two holders: verify and check both find it."""
+
+
+@pytest.fixture
+def pytester(pytester: pytest.Pytester) -> pytest.Pytester:
+    """pytester, its runs without Hypothesis's pytest plugin (``-p no:hypothesispytest``).
+
+    No run here uses Hypothesis, and its plugin imports all of it as a run
+    starts: two thirds of the CPU time of a run that collects a test or two.
+    Every other installed plugin, fsm_cache's among them, loads as in any run.
+    """
+    pytester.plugins.append("no:hypothesispytest")
+    return pytester
 
 
 def line_of(path: Path, text: str) -> int:
@@ -846,14 +863,20 @@ def spec_project(
     pytester: pytest.Pytester, specs: str = "specs/gate.toml specs/broken.toml"
 ) -> None:
     """Lay out a project: two tests under ``tests/``, two user specs under ``specs/``."""
-    pytester.mkdir("tests")
-    (pytester.path / "tests" / "test_a.py").write_text(
+    lay_out(pytester.path, specs)
+
+
+def lay_out(path: Path, specs: str = "specs/gate.toml specs/broken.toml") -> None:
+    """Lay out :func:`spec_project`'s project at ``path``."""
+    (path / "tests").mkdir()
+    (path / "tests" / "test_a.py").write_text(
         "def test_x():\n    pass\n\n\ndef test_y():\n    pass\n", encoding="utf-8"
     )
-    pytester.mkdir("specs")
-    (pytester.path / "specs" / "gate.toml").write_text(GOOD_GATE, encoding="utf-8")
-    (pytester.path / "specs" / "broken.toml").write_text(BROKEN_GATE, encoding="utf-8")
-    pytester.makeini(f"[pytest]\ntestpaths = tests\nfsm_specs = {specs}\nfsm_check_nodes = 2\n")
+    (path / "specs").mkdir()
+    (path / "specs" / "gate.toml").write_text(GOOD_GATE, encoding="utf-8")
+    (path / "specs" / "broken.toml").write_text(BROKEN_GATE, encoding="utf-8")
+    ini = f"[pytest]\ntestpaths = tests\nfsm_specs = {specs}\nfsm_check_nodes = 2\n"
+    (path / "tox.ini").write_text(ini, encoding="utf-8")
 
 
 def collected(pytester: pytest.Pytester, *args: str) -> list[str]:
@@ -861,6 +884,34 @@ def collected(pytester: pytest.Pytester, *args: str) -> list[str]:
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--collect-only", "-q", *args)
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
     return [line for line in result.stdout.lines if "::" in line]
+
+
+COLLECTIONS = """
+import json
+import os
+import sys
+
+import pytest
+
+for i, (where, *args) in enumerate(json.loads(sys.argv[1])):
+    os.chdir(where)
+    print(f"@@ {i} starts", flush=True)
+    code = pytest.main(["-p", "no:cacheprovider", "-p", "no:hypothesispytest", *args])
+    print(f"@@ {i} exits {int(code)}", flush=True)
+"""
+"""A child that runs ``pytest.main`` once per run its argument lists: a directory, then args."""
+
+
+class Collection(NamedTuple):
+    """What one ``pytest --collect-only`` run of :func:`spec_project`'s project printed."""
+
+    ret: int
+    lines: list[str]
+
+    def ids(self) -> list[str]:
+        """The node ids it lists, in order."""
+        assert self.ret == pytest.ExitCode.OK, self.lines
+        return [line for line in self.lines if "::" in line]
 
 
 TESTS = ["tests/test_a.py::test_x", "tests/test_a.py::test_y"]
@@ -900,56 +951,100 @@ REACHED = [
 """The arguments of a run of :func:`spec_project`, and the node ids it collects."""
 
 
+LEFT_OUT = [
+    (("tests",), "specs/gate.toml, specs/broken.toml"),
+    (("tests", "specs/gate.toml"), "specs/broken.toml"),
+    (("tests/test_a.py::test_x", "specs/broken.toml::fsm-check"), "specs/gate.toml"),
+]
+"""The arguments of a run that leaves specs out, and the specs it says it left."""
+EVERY = [(), ("specs",), ("specs/gate.toml", "specs/broken.toml")]
+"""The arguments of runs that reach every spec."""
+COLLECTED = [
+    *(("", "--collect-only", "-q", *args) for args, _ in REACHED),
+    ("tests", "--collect-only", "-q"),
+    ("specs", "--collect-only", "-q"),
+    *(("", "--collect-only", *args) for args, _ in LEFT_OUT),
+    *(("", "--collect-only", *args) for args in EVERY),
+]
+"""Every ``--collect-only`` run of :func:`spec_project`'s project the tests below look at:
+the directory it starts from (under the project), then its arguments."""
+
+
+@pytest.fixture(scope="module")
+def collections(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], Collection]:
+    """What each run of :data:`COLLECTED` printed, by the run.
+
+    One child process makes them all, each by its own ``pytest.main`` from its
+    own directory, in a project laid out once: starting a child (Python,
+    pytest, the plugins) cost more than the collection it made. The runs
+    only collect, so none changes what the others see.
+    """
+    root = tmp_path_factory.mktemp("spec-project")
+    lay_out(root)
+    env = {**os.environ, "PY_COLORS": "0", "HOME": str(root)}
+    env.pop("PYTEST_ADDOPTS", None)
+    runs = json.dumps([[str(root / where), *args] for where, *args in COLLECTED])
+    child = subprocess.run(
+        [sys.executable, "-c", COLLECTIONS, runs],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        check=False,
+    )
+    assert child.returncode == 0, child.stdout + child.stderr
+    found: dict[tuple[str, ...], Collection] = {}
+    lines: list[str] = []
+    for line in child.stdout.splitlines():
+        marker = re.fullmatch(r"@@ (\d+) (starts|exits) ?(-?\d*)", line)
+        if marker is None:
+            lines.append(line)
+        elif marker[2] == "starts":
+            lines = []
+        else:
+            found[COLLECTED[int(marker[1])]] = Collection(int(marker[3]), lines)
+    assert len(found) == len(COLLECTED), child.stdout + child.stderr
+    return found
+
+
 @pytest.mark.parametrize(
     ("args", "expected"), [pytest.param(*x, id=" ".join(x[0]) or "no-args") for x in REACHED]
 )
 def test_spec_items_are_collected_where_the_arguments_reach_the_spec(
-    pytester: pytest.Pytester, args: tuple[str, ...], expected: list[str]
+    collections: dict[tuple[str, ...], Collection], args: tuple[str, ...], expected: list[str]
 ) -> None:
     """The whole session, a directory above the spec or the spec itself runs it; other tests do not."""
-    spec_project(pytester)
-    assert collected(pytester, *args) == expected
+    run = ("", "--collect-only", "-q", *args)
+    assert collections[run].ids() == expected
 
 
-@pytest.mark.parametrize(
-    ("args", "left"),
-    [
-        (("tests",), "specs/gate.toml, specs/broken.toml"),
-        (("tests", "specs/gate.toml"), "specs/broken.toml"),
-        (("tests/test_a.py::test_x", "specs/broken.toml::fsm-check"), "specs/gate.toml"),
-    ],
-)
+@pytest.mark.parametrize(("args", "left"), LEFT_OUT)
 def test_a_run_that_reaches_no_spec_says_which_it_left_out(
-    pytester: pytest.Pytester, args: tuple[str, ...], left: str
+    collections: dict[tuple[str, ...], Collection], args: tuple[str, ...], left: str
 ) -> None:
     """A CI that names its test folder sees that it no longer checks the specs."""
-    spec_project(pytester)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--collect-only", *args)
-    result.stdout.fnmatch_lines(
-        [
-            f"fsm_specs not collected (no argument reaches them): {left}; "
-            "run pytest without arguments, or name them, to check them"
-        ]
-    )
+    run = ("", "--collect-only", *args)
+    assert (
+        f"fsm_specs not collected (no argument reaches them): {left}; "
+        "run pytest without arguments, or name them, to check them"
+    ) in collections[run].lines
 
 
-@pytest.mark.parametrize("args", [(), ("specs",), ("specs/gate.toml", "specs/broken.toml")])
+@pytest.mark.parametrize("args", EVERY)
 def test_a_run_that_reaches_every_spec_says_nothing_of_them(
-    pytester: pytest.Pytester, args: tuple[str, ...]
+    collections: dict[tuple[str, ...], Collection], args: tuple[str, ...]
 ) -> None:
-    spec_project(pytester)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--collect-only", *args)
-    assert "fsm_specs not collected" not in result.stdout.str()
+    run = ("", "--collect-only", *args)
+    lines = collections[run].lines
+    assert sum("fsm-check" in line for line in lines) == 2, lines  # it reached both
+    assert not any("fsm_specs not collected" in line for line in lines)
 
 
 def test_no_arguments_in_a_subdirectory_collect_only_the_specs_under_it(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    collections: dict[tuple[str, ...], Collection],
 ) -> None:
-    spec_project(pytester)
-    monkeypatch.chdir(pytester.path / "tests")
-    assert collected(pytester) == TESTS
-    monkeypatch.chdir(pytester.path / "specs")
-    assert collected(pytester) == GATE_ITEMS + BROKEN_ITEMS
+    assert collections["tests", "--collect-only", "-q"].ids() == TESTS
+    assert collections["specs", "--collect-only", "-q"].ids() == GATE_ITEMS + BROKEN_ITEMS
 
 
 def test_last_failed_reruns_only_the_spec_item_that_failed(pytester: pytest.Pytester) -> None:
