@@ -8,13 +8,14 @@ import gc
 import inspect
 import linecache
 import traceback
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fsm_cache.contracts.generate import generate
-from fsm_cache.engine import runtime, trail
+from fsm_cache.engine import codegen, runtime, trail
 from fsm_cache.engine.codegen import Compiled, Refusal, compile_system
 from fsm_cache.engine.core import Engine
 from fsm_cache.errors import IllegalTransition, NoHostCopy
@@ -108,6 +109,33 @@ def test_two_engines_of_one_system_have_their_own_filenames() -> None:
     text = "".join(traceback.format_exception(refused(second, rec, "open")))
     assert f'  File "{second.filename}", line 31, in _fire_open\n' in text
     assert first.filename not in text
+
+
+def test_a_second_engine_of_one_system_reuses_the_compiled_code(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Generating and compiling the module was most of building a cache; once per system now."""
+    first = gate()
+    compiled: list[str] = []
+    real = compile
+
+    def counted(source: str, filename: str, mode: str) -> Any:
+        compiled.append(filename)
+        return real(source, filename, mode)
+
+    monkeypatch.setattr(codegen, "compile", counted, raising=False)  # its global, not the builtin
+    second = gate()
+    assert compiled == []
+    assert second.source == first.source
+    assert second.filename != first.filename
+    rec = second.new(2)
+    second.fire(rec, "open")
+    text = "".join(traceback.format_exception(refused(second, rec, "open")))
+    assert f'  File "{second.filename}", line 31, in _fire_open\n' in text
+    assert inspect.getsourcefile(second.verb("open")) == second.filename
+    other = {**GATE, "machine": {"name": f"gate_{uuid.uuid4().hex}", "initial": "shut"}}
+    Engine(spec_from_dict(other), trail=False)  # a system no engine had: generated and compiled
+    assert compiled == ["<fsm_cache engine>"]
 
 
 def test_the_source_survives_checkcache() -> None:

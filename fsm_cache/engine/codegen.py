@@ -12,20 +12,23 @@ record, so a refused event changes nothing.
 
 :func:`compile_system` turns the text into functions the way attrs does: the
 source is registered in :mod:`linecache` under a filename unique to each
-compilation (``<fsm_cache residency engine 3>``), so tracebacks, ``pdb`` and
+engine (``<fsm_cache residency engine 3>``), so tracebacks, ``pdb`` and
 ``inspect`` show the generated line that refused, and two engines of one
 system never share a name. The entry is dropped once nothing runs the code.
+A system's module is generated and compiled once (the last 32 kept), and each
+engine's functions are made from that code renamed to the engine's filename.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import linecache
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
+from types import CodeType, MappingProxyType
 from typing import Any
 
 from fsm_cache.engine import runtime
@@ -127,6 +130,21 @@ class Compiled:
 _numbers = itertools.count(1)
 """Numbers compilations, so each gets its own filename (``next()`` is atomic)."""
 
+_PLACEHOLDER = "<fsm_cache engine>"
+"""The filename a generated module is compiled under once, before each engine renames it."""
+
+
+@dataclass(frozen=True)
+class _Generated:
+    """A system's generated module, compiled: what every engine of it shares."""
+
+    source: str
+    code: CodeType
+    refusals: tuple[Refusal, ...]
+    steps: Mapping[str, str]
+    fast: Mapping[str, str]
+    direct: Mapping[str, str]
+
 
 def compile_system(
     system: System,
@@ -138,6 +156,12 @@ def compile_system(
 ) -> Compiled:
     """Generate, register and compile ``system``'s functions; return them with their source.
 
+    The source and its compiled code depend on the system, ``trail`` and
+    which effects are given only, so the last few are kept
+    (:func:`_generated`): a second engine of one system (a cache built per
+    test, per request batch) renames the code to its own filename instead of
+    generating and compiling it again, which was most of building a cache.
+
     Args:
         system: The machine or composition to compile.
         refuser: Given the refusals the source refers to by index, returns the
@@ -148,6 +172,28 @@ def compile_system(
             with effects and no propagation get fast paths too, which call
             them; without, those events have steps only.
     """
+    live: dict[str, runtime.Effect] = {}
+    if effects is not None:
+        live = {n: f for n, f in effects.items() if f is not runtime.no_effect}
+    hooked = None if effects is None else frozenset(live)
+    made = _generated(system, trail, hooked)
+    filename = f"<fsm_cache {system.name} engine {next(_numbers)}>"
+    namespace = _namespace(refuser(made.refusals), history, system.label, live)
+    _register(made.source, filename, namespace["_registration"])
+    exec(_renamed(made.code, filename), namespace)
+    return Compiled(
+        source=made.source,
+        filename=filename,
+        steps=MappingProxyType({event: namespace[name] for event, name in made.steps.items()}),
+        verbs=MappingProxyType({event: namespace[name] for event, name in made.fast.items()}),
+        refusals=made.refusals,
+        direct=MappingProxyType({event: namespace[name] for event, name in made.direct.items()}),
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def _generated(system: System, trail: bool, hooked: frozenset[str] | None) -> _Generated:
+    """Generate and compile ``system``'s module; ``hooked``: the effects given hooks, if any."""
     em = Emitter(system, trail=trail)
     steps = {event: compile_event(em, event) for event in system.event_names}
     hot = [event for event in system.event_names if not needs_general(system, event)]
@@ -157,26 +203,19 @@ def compile_system(
         for event in system.event_names:
             if propagates(system, event) and not _has_effects(system, event):
                 fast[event] = compile_chain(em, event)
-    live: dict[str, runtime.Effect] = {}
-    if effects is not None:  # emitted last: the lines of the functions above do not move
-        live = {n: f for n, f in effects.items() if f is not runtime.no_effect}
+    if hooked is not None:  # emitted last: the lines of the functions above do not move
         for event in system.event_names:
             if needs_general(system, event) and not propagates(system, event):
-                fast[event] = compile_fast(em, event, live=frozenset(live))
+                fast[event] = compile_fast(em, event, live=hooked)
     source = "\n".join(em.lines)
-    refusals = tuple(em.refusals)
-    filename = f"<fsm_cache {system.name} engine {next(_numbers)}>"
-    namespace = _namespace(refuser(refusals), history, system.label, live)
-    _register(source, filename, namespace["_registration"])
-    exec(compile(source, filename, "exec"), namespace)
-    return Compiled(
-        source=source,
-        filename=filename,
-        steps=MappingProxyType({event: namespace[name] for event, name in steps.items()}),
-        verbs=MappingProxyType({event: namespace[name] for event, name in fast.items()}),
-        refusals=refusals,
-        direct=MappingProxyType({event: namespace[name] for event, name in direct.items()}),
-    )
+    code = compile(source, _PLACEHOLDER, "exec")
+    return _Generated(source, code, tuple(em.refusals), steps, fast, direct)
+
+
+def _renamed(code: CodeType, filename: str) -> CodeType:
+    """Return ``code`` and the code of every function in it, compiled under ``filename``."""
+    consts = tuple(_renamed(c, filename) if isinstance(c, CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
 
 
 class _Registration:
