@@ -20,6 +20,7 @@ and the ``FSM_CACHE_AUDIT`` variable still work for one release, with a
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections import deque
@@ -198,8 +199,14 @@ def site_of(entry: Entry) -> Site:
     return spot_site(entry[1:])
 
 
+@functools.lru_cache(maxsize=4096)
 def spot_site(spot: Spot) -> Site:
-    """Return the :class:`Site` of a kept call site, mapping its instruction offset to a line."""
+    """Return the :class:`Site` of a kept call site, mapping its instruction offset to a line.
+
+    Kept per spot: the mapping scans the code's whole line table, and a
+    refusal in trail mode maps every entry of the record's trail, most of
+    them the same few call sites.
+    """
     code, lasti = spot
     line = next(
         (ln for start, end, ln in code.co_lines() if start <= lasti < end and ln is not None),
