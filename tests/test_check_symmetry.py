@@ -63,9 +63,10 @@ def _numbered_states(
         orders = list(itertools.permutations(range(nodes)))
         seen = {_renumbered(shape, to) for shape in seen for to in orders}
     frontier = list(seen)
+    events, births = layout.system.event_names, layout.births  # each a property built anew
     while frontier:
         state = frontier.pop()
-        for step in _steps(state, layout.system.event_names, layout.births):
+        for step in _steps(state, events, births):
             after = replay.apply(state, step)
             if after is not None and after not in seen:
                 seen.add(after)
