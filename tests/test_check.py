@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 from array import array
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from fsm_cache.cli.main import main as cli_main
 from fsm_cache.errors import ConfigError, SpecError
 from fsm_cache.modelcheck import check, copies, invariants, liveness, lookup, progress, treeops
 from fsm_cache.modelcheck.copies import VALID
-from fsm_cache.modelcheck.explore import Bounds, Explorer
+from fsm_cache.modelcheck.explore import Bounds, Explorer, Result
 from fsm_cache.modelcheck.forest import Trees
 from fsm_cache.modelcheck.state import Choices, Layout, NodeEntry, canonical
 from fsm_cache.modelcheck.traces import label
@@ -54,6 +55,27 @@ def _cli(argv: list[str]) -> int:
 @pytest.fixture(scope="module")
 def layout() -> Layout:
     return Layout.of(residency_system())
+
+
+Shipped = Callable[[WritePolicy | None], tuple[Explorer, Result]]
+
+
+@pytest.fixture(scope="module")
+def shipped(layout: Layout) -> Shipped:
+    """The shipped spec on 3 nodes, pins and locks up to 2, explored once per policy.
+
+    Several tests read the same search (its result, the explorer's settling
+    events); none changes it.
+    """
+    made: dict[WritePolicy | None, tuple[Explorer, Result]] = {}
+
+    def of(policy: WritePolicy | None) -> tuple[Explorer, Result]:
+        if policy not in made:
+            explorer = Explorer(layout, Bounds({"pins": 2, "locks": 2}), policy=policy)
+            made[policy] = explorer, explorer.run(check.shapes(layout, 3))
+        return made[policy]
+
+    return of
 
 
 def test_layout_reads_counter_roles_from_the_spec(layout: Layout) -> None:
@@ -412,12 +434,10 @@ def test_write_through_acknowledges_a_split_copy_at_once(layout: Layout) -> None
     assert [layout.state(e, "host") for e in alone if e is not None] == ["writing", "unbacked"]
 
 
-def test_shipped_residency_holds_under_write_through(layout: Layout) -> None:
-    shapes = check.shapes(layout, 3)
-    bounds = Bounds({"pins": 2, "locks": 2})
-    result = Explorer(layout, bounds, policy=WRITE_THROUGH).run(shapes)
+def test_shipped_residency_holds_under_write_through(shipped: Shipped) -> None:
+    result = shipped(WRITE_THROUGH)[1]
     assert result.violation is None
-    assert 0 < result.states < Explorer(layout, bounds).run(shapes).states
+    assert 0 < result.states < shipped(None)[1].states
 
 
 def test_a_policy_needs_residency_regions() -> None:
@@ -1218,7 +1238,8 @@ def test_settling_is_decided_in_order_of_weight_or_backwards() -> None:
 
 
 def test_a_copy_that_can_never_finish_is_a_liveness_violation() -> None:
-    result = check.check_spec(WRITE_ACK_WAITS, 3, Bounds({}))
+    # 2 nodes: a chain of two has a node above a device leaf, the copy that never finishes
+    result = check.check_spec(WRITE_ACK_WAITS, 2, Bounds({}))
     assert result.violation == (
         "liveness: node 0: its device-to-host copy can never finish "
         "(write_done: NotADeviceLeaf; write_failed: NotADeviceLeaf)"
@@ -1229,11 +1250,11 @@ def test_a_copy_that_can_never_finish_is_a_liveness_violation() -> None:
 
 @pytest.mark.parametrize("policy", [None, WRITE_THROUGH])
 def test_every_state_of_the_shipped_spec_settles(
-    layout: Layout, policy: WritePolicy | None
+    shipped: Shipped, policy: WritePolicy | None
 ) -> None:
     """A failed load under a child still on the device is copied again, and may complete."""
-    explorer = Explorer(layout, Bounds({"pins": 2, "locks": 2}), policy=policy)
-    assert explorer.run(check.shapes(layout, 3)).violation is None
+    explorer, result = shipped(policy)
+    assert result.violation is None
     assert {"write_done", "load_done", "release", "unlock"} <= explorer.settling
 
 

@@ -335,6 +335,12 @@ def write_through() -> set[Tree]:
     return explored(RESIDENCY, 3, BOUNDS, policy=WritePolicy.WRITE_THROUGH)
 
 
+@pytest.fixture(scope="module")
+def storage() -> set[Tree]:
+    """What ``check`` explores of the storage composition on 2 nodes (each policy's test reads it)."""
+    return explored(STORAGE, 2, STORAGE_BOUNDS)
+
+
 def _missing(found: dict[Tree, tuple[int, int]], states: set[Tree]) -> list[str]:
     """The trees the cache reached that the checker never explored, with the seed and step."""
     return [
@@ -359,8 +365,10 @@ def test_under_write_through_every_tree_is_explored_under_its_choices(
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_every_tree_a_cache_with_a_storage_tier_reaches_is_explored(policy: str) -> None:
-    states = explored(STORAGE, 2, STORAGE_BOUNDS)
+def test_every_tree_a_cache_with_a_storage_tier_reaches_is_explored(
+    storage: set[Tree], policy: str
+) -> None:
+    states = storage
     found = reached(STORAGE, policy, range(30), steps=250, slots=2, bounds=STORAGE_BOUNDS)
     assert any(len(tree) == 1 and tree[0][0][0][2] == "reading" for tree in found)  # a fetch
     assert _missing(found, states) == []

@@ -63,9 +63,10 @@ def _numbered_states(
         orders = list(itertools.permutations(range(nodes)))
         seen = {_renumbered(shape, to) for shape in seen for to in orders}
     frontier = list(seen)
+    events, births = layout.system.event_names, layout.births  # each a property built anew
     while frontier:
         state = frontier.pop()
-        for step in _steps(state, layout.system.event_names, layout.births):
+        for step in _steps(state, events, births):
             after = replay.apply(state, step)
             if after is not None and after not in seen:
                 seen.add(after)
@@ -201,14 +202,22 @@ def _control(control: Control) -> tuple[Path, ModuleType | Any, WritePolicy | No
     return path, ops, check.POLICIES[getattr(ops, "POLICY", "none")]
 
 
-LIVENESS = {
+SMALL_TREE = {
     "write_ack_waits_for_children.toml": 2,
     "fetch_ignores_parent.toml": 2,
     "evict_prefetch_anchor.toml": 2,
     "fetch_failed_refused_on_device.toml": 2,
+    # the costliest on 3 nodes: on 2, each is found by the same trace length, and the
+    # reduction still merges numberings (fewer states than without it), so it is exercised
+    "evict_storage_while_reading.toml": 2,
+    "load_under_absent_parent.toml": 2,
+    "match_skips_loading.py": 2,
+    "split_drops_pins.py": 2,
+    "store_ack_applied_whole.py": 2,
 }
-"""Controls found only once every state is explored, or deep in a three-region space, on a
-tree small enough to keep the test short (the finding may name another node there)."""
+"""Controls found only once every state is explored, or deep in a three-region space, or
+deep in a large one, on a tree small enough to keep the test short (the finding may name
+another node there)."""
 
 
 def _bounds(path: Path, nodes: int) -> Bounds:
@@ -220,7 +229,7 @@ def _bounds(path: Path, nodes: int) -> Bounds:
 def _check(control: Control, *, symmetry: bool) -> Result:
     """Run a control as ``check_control`` does, once per module: several tests read the result."""
     path, ops, policy = _control(control)
-    nodes = LIVENESS.get(control.name, check.CONTROL_NODES)
+    nodes = SMALL_TREE.get(control.name, check.CONTROL_NODES)
     return check.check_spec(
         path, nodes, _bounds(path, nodes), ops, policy=policy, symmetry=symmetry
     )
@@ -239,6 +248,8 @@ def test_every_control_yields_its_finding_at_the_same_depth_without_symmetry(
     assert unreduced.violation == reduced.violation
     assert len(unreduced.trace) == len(reduced.trace)
     assert reduced.states <= unreduced.states
+    if control.name in SMALL_TREE:  # the reduction merges numberings on the small tree too
+        assert reduced.states < unreduced.states
 
 
 def test_check_control_passes_the_choice_on() -> None:
@@ -304,7 +315,7 @@ def test_a_printed_trace_replays_by_its_node_numbers(control: Control, symmetry:
         assert result.trace == []
         return
     layout = Layout.of(as_system(load_spec(path)))
-    nodes = LIVENESS.get(control.name, check.CONTROL_NODES)
+    nodes = SMALL_TREE.get(control.name, check.CONTROL_NODES)
     shape = result.trace[0].removeprefix("start: ")
     start = check.shapes(layout, nodes)[shape]
     explorer = Explorer(layout, _bounds(path, nodes), ops, policy, symmetry=symmetry)

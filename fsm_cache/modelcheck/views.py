@@ -67,7 +67,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,6 +107,13 @@ before, the propagating event (or ``""``), its atoms and count change
 after, whether it is unsettled and stays, whether it is pruned;
 ``(THROUGH, event, change)``, a propagating event from below that reaches
 its parent, with the count change."""
+
+Merge = tuple[int, int, int, bool, int, bool]
+"""What a parent's views after a child's step read (:meth:`Views._merged`).
+
+``(ka, old_atoms, kbusy, busy, atoms, gone)``: the parent's child atoms and
+whether a child is unsettled; the child's atoms before and after (0 where
+pruned), whether it is unsettled after, whether it was pruned."""
 
 MOVE, ACCEPT, STEP, THROUGH = "move", "accept", "step", "through"
 """The kinds of :data:`Item`."""
@@ -401,6 +408,9 @@ class Views:
         self.work: list[View] = []
         self._own: dict[int, list[tuple[str, int | None, bool]]] = {}
         self._rested: dict[tuple[int, int], list[int]] = {}
+        # the checks of a view that read its node's local alone, or its engine context alone
+        self._checked: dict[tuple[str, int], str | None] = {}
+        self._merges: dict[Merge, list[tuple[int, int, int]]] = {}
         # the pairing of popped views by key (register): each key's views, the keys that
         # fit it, and the items its views show the other side and those reaching it
         self.parent_groups: dict[Key, list[View]] = {}
@@ -507,7 +517,11 @@ class Views:
         """Return the first property one view breaks, or None."""
         ps, lid, _, kany, ksum, _ = v
         layout, e = self.layout, self.entry(lid)
-        found = violation_at(layout, (e,), 0, None, only=NODE_ONLY.__contains__)
+        if ("node", lid) not in self._checked:  # they read the node's local alone
+            self._checked["node", lid] = violation_at(
+                layout, (e,), 0, None, only=NODE_ONLY.__contains__
+            )
+        found = self._checked["node", lid]
         if found:
             return found
         if ps >= 0 and layout.state(e, "device") in DEVICE_HELD:
@@ -535,11 +549,15 @@ class Views:
     def give_backs(self, v: View) -> str | None:
         """Return how the node's own give-backs break invariant 6 (ancestors accepting), or None."""
         c = self.context(v)
+        if ("give-back", c) in self._checked:  # they read the node's engine context alone
+            return self._checked["give-back", c]
+        found = None
         if self.answers.takes_unheld((c,)):
-            return "invariant 6: a give-back no client holds is accepted"
-        if self.answers.refuses_owed((c,)):
-            return "invariant 6: a give-back its holder holds is refused"
-        return None
+            found = "invariant 6: a give-back no client holds is accepted"
+        elif self.answers.refuses_owed((c,)):
+            found = "invariant 6: a give-back its holder holds is refused"
+        self._checked["give-back", c] = found
+        return found
 
     def fits(self, pv: View, cv: View) -> bool:
         """Whether the child view ``cv`` may sit under the parent view ``pv`` in one tree."""
@@ -656,8 +674,7 @@ class Views:
                 self.parents_of[ck].append(pk)
                 self._give_up(pk, self.to_parents[ck])
         group.append(v)
-        for item in list(self.from_kids[pk]):
-            self.take_from_child(v, item)
+        self._take_from_kids(v, list(self.from_kids[pk]))
         for item in self._parent_items(v):
             if item not in self.to_kids[pk]:
                 self.to_kids[pk].add(item)
@@ -795,37 +812,71 @@ class Views:
 
     def take_from_child(self, pv: View, item: Item) -> None:
         """Add the views of parent ``pv`` after a step of a fitting child showing ``item``."""
-        kind, arg, dl = item
-        pc = self.context(pv)
-        ps, lid, _, _, ksum, kbusy = pv
-        if kind == THROUGH:  # a propagating step from below the child reaches this node too
-            ans = self.answers.answer(self.events[arg], pc, False)
-            if ans is not None:
-                self.add((ps, ans[0], pv[2], 1, ksum + dl, kbusy))
-            return
-        assert isinstance(arg, tuple)
-        old_atoms, locks, event, atoms, dl, busy, gone = arg
-        for r, b in itertools.product(self._rests(pv[2], old_atoms), (0, 1) if kbusy else (0,)):
+        self._take_from_kids(pv, (item,))
+
+    def _take_from_kids(self, pv: View, items: Iterable[Item]) -> None:
+        """:meth:`take_from_child` each of ``items`` in turn (a new parent takes its key's)."""
+        ps, lid, ka, _, ksum, kbusy = pv
+        seen, merges, answer = self.seen, self._merges, self.answers.answer
+        for kind, arg, change in items:
+            if kind == THROUGH:  # a propagating step from below the child reaches this node too
+                ans = answer(self.events[arg], self.context(pv), False)
+                if ans is not None:
+                    self.add((ps, ans[0], ka, 1, ksum + change, kbusy))
+                continue
+            assert isinstance(arg, tuple)
+            old_atoms, locks, event, atoms, dl, busy, gone = arg
+            key = (ka, old_atoms, kbusy, busy, 0 if gone else atoms, gone)
+            merged = merges.get(key)
+            if merged is None:
+                merged = self._merged(key)
+            if not merged:
+                continue
+            at = lid
+            if gone:
+                count = ksum - locks
+            else:
+                count = ksum + dl
+                if event:  # a propagating step at the child reaches this node too
+                    ans = answer(event, self.context(pv), False)
+                    if ans is None:
+                        continue
+                    at = ans[0]
+            for a, k, b in merged:
+                v = (ps, at, a, k, count, b)
+                if v not in seen:
+                    self.add(v)
+
+    def _merged(self, key: Merge) -> list[tuple[int, int, int]]:
+        """Return the ``(ka, kany, kbusy)`` of a parent's views after a child's step (tabled).
+
+        ``key`` (:data:`Merge`): the parent's child atoms ``ka`` and
+        ``kbusy``; the child met ``old_atoms`` and meets ``atoms`` after, is
+        unsettled after (``busy``), or was pruned (``gone``). Its other
+        children meet any of :meth:`_rests`, settled ones calm atoms alone;
+        each outcome once, in the order they first come (so the work list is
+        as one view at a time would leave it).
+        """
+        ka, old_atoms, kbusy, busy, atoms, gone = key
+        found = self._merges.get(key)
+        if found is not None:
+            return found
+        out: dict[tuple[int, int, int], None] = {}
+        for r, b in itertools.product(self._rests(ka, old_atoms), (0, 1) if kbusy else (0,)):
             if not b and r not in self.calm:  # settled other children meet calm atoms alone
                 continue
             b2 = 1 if busy else b
-            if gone:
-                self._child_gone(pv, r, b2, ksum - locks)
-            elif not event:
+            if not gone:
                 # the prefix replaces the child, or a step (a count too) stays at the child
-                self.add((ps, lid, r | atoms, 1, ksum + dl, b2))
-            else:  # a propagating step at the child reaches this node too
-                ans = self.answers.answer(event, pc, False)
-                if ans is not None:
-                    self.add((ps, ans[0], r | atoms, 1, ksum + dl, b2))
-
-    def _child_gone(self, pv: View, rest: int, busy: int, ksum: int) -> None:
-        """Add the views of ``pv`` after its child was pruned, other children meeting ``rest``."""
-        ps, lid = pv[0], pv[1]
-        if not (rest or busy):
-            self.add((ps, lid, 0, 0, ksum, 0))
-        if rest & self.data:  # other children hold data (else they were pruned)
-            self.add((ps, lid, rest, 1, ksum, busy))
+                out[(r | atoms, 1, b2)] = None
+                continue
+            # pruned: the other children meet r (none left where r is empty and all settled)
+            if not (r or b2):
+                out[(0, 0, 0)] = None
+            if r & self.data:  # other children hold data (else they were pruned)
+                out[(r, 1, b2)] = None
+        found = self._merges[key] = list(out)
+        return found
 
     def pairs(self) -> tuple[str, View] | None:
         """Return a propagating give-back of a locked child that a fitting parent refuses."""
