@@ -412,17 +412,19 @@ class Views:
         self._checked: dict[tuple[str, int], str | None] = {}
         self._merges: dict[Merge, list[tuple[int, int, int]]] = {}
         # the pairing of popped views by key (register): each key's views, the keys that
-        # fit it, and the items its views show the other side and those reaching it
+        # fit it, and the items its views show the other side and those reaching it, in
+        # the order they came (dicts, not sets: a set's order follows the hash seed, and
+        # so did the views explored before a finding and which one was shown)
         self.parent_groups: dict[Key, list[View]] = {}
         self.child_groups: dict[Key, list[View]] = {}
         self.pkeys: dict[int, list[Key]] = defaultdict(list)
         self.ckeys: dict[int, list[Key]] = defaultdict(list)
         self.kids_of: dict[Key, list[Key]] = {}
         self.parents_of: dict[Key, list[Key]] = {}
-        self.to_kids: dict[Key, set[Item]] = {}
-        self.from_kids: dict[Key, set[Item]] = {}
-        self.to_parents: dict[Key, set[Item]] = {}
-        self.from_parents: dict[Key, set[Item]] = {}
+        self.to_kids: dict[Key, dict[Item, None]] = {}
+        self.from_kids: dict[Key, dict[Item, None]] = {}
+        self.to_parents: dict[Key, dict[Item, None]] = {}
+        self.from_parents: dict[Key, dict[Item, None]] = {}
         self.finding: tuple[str, View] | None = None
         self._info: dict[int, Info] = {}
         self._ctx: dict[tuple[int, int, int, int], int] = {}
@@ -666,8 +668,8 @@ class Views:
         group = self.parent_groups.get(pk)
         if group is None:
             group = self.parent_groups[pk] = []
-            self.from_kids[pk] = set()
-            self.to_kids[pk] = set()
+            self.from_kids[pk] = {}
+            self.to_kids[pk] = {}
             self.pkeys[pk[0]].append(pk)
             self.kids_of[pk] = [ck for ck in self.ckeys[pk[0]] if self.keys_fit(pk, ck)]
             for ck in self.kids_of[pk]:
@@ -677,7 +679,7 @@ class Views:
         self._take_from_kids(v, list(self.from_kids[pk]))
         for item in self._parent_items(v):
             if item not in self.to_kids[pk]:
-                self.to_kids[pk].add(item)
+                self.to_kids[pk][item] = None
                 for ck in self.kids_of[pk]:
                     self._give_down(ck, (item,))
 
@@ -687,8 +689,8 @@ class Views:
         group = self.child_groups.get(ck)
         if group is None:
             group = self.child_groups[ck] = []
-            self.from_parents[ck] = set()
-            self.to_parents[ck] = set()
+            self.from_parents[ck] = {}
+            self.to_parents[ck] = {}
             self.ckeys[ck[0]].append(ck)
             self.parents_of[ck] = [pk for pk in self.pkeys[ck[0]] if self.keys_fit(pk, ck)]
             for pk in self.parents_of[ck]:
@@ -699,7 +701,7 @@ class Views:
             self.take_from_parent(v, item)
         for item in self._child_items(v):
             if item not in self.to_parents[ck]:
-                self.to_parents[ck].add(item)
+                self.to_parents[ck][item] = None
                 for pk in self.parents_of[ck]:
                     self._give_up(pk, (item,))
 
@@ -708,7 +710,7 @@ class Views:
         have = self.from_parents[ck]
         for item in list(items):
             if item not in have:
-                have.add(item)
+                have[item] = None
                 for cv in list(self.child_groups[ck]):
                     self.take_from_parent(cv, item)
 
@@ -717,7 +719,7 @@ class Views:
         have = self.from_kids[pk]
         for item in list(items):
             if item not in have:
-                have.add(item)
+                have[item] = None
                 for pv in list(self.parent_groups[pk]):
                     self.take_from_child(pv, item)
 
