@@ -20,6 +20,7 @@ import pytest
 import too_big_toml
 from pools import ACCEPTED, REFUSED, pool
 from processes import all_gone
+from tier_specs import TIER
 
 from fsm_cache.cli.main import main
 from fsm_cache.contracts import exhaustive, verify
@@ -763,54 +764,10 @@ def test_a_three_region_composition_is_checked_on_every_representative_input(
     assert exhaustive.counter_domains(storage) == {"pins": (0, 1, 2, 3, 4), "locks": (0, 1, 2, 3)}
 
 
-_TIER = """
-[machine]
-name = "{name}"
-initial = "empty"
-label = "node"
-doc = "Whether a node has a copy in a tier."
-
-[states]
-empty = {{ doc = "No copy." }}
-filling = {{ doc = "A copy is being made." }}
-full = {{ doc = "The copy is there." }}
-
-[events]
-fill = {{ doc = "Start a copy, or finish it.", past = "filled" }}
-drop = {{ doc = "Free the copy.", past = "dropped" }}
-
-[[transition]]
-event = "fill"
-source = "empty"
-dest = "filling"
-
-[[transition]]
-event = "fill"
-source = "filling"
-dest = "full"
-
-[[transition]]
-event = "drop"
-source = ["filling", "full"]
-dest = "empty"
-
-[[forbid]]
-event = "drop"
-source = "empty"
-error = "IllegalTransition"
-reason = "there is no copy to free"
-
-[[forbid]]
-event = "fill"
-source = "full"
-error = "IllegalTransition"
-reason = "the copy is there already"
-"""
-
 _TIERS = {
-    "tier.toml": _TIER.format(name="tier"),
-    "mark.toml": _TIER.format(name="mark"),
-    "flag.toml": _TIER.format(name="flag"),
+    "tier.toml": TIER.format(name="tier"),
+    "mark.toml": TIER.format(name="mark"),
+    "flag.toml": TIER.format(name="flag"),
     "pair.toml": """
 [composition]
 name = "pair"

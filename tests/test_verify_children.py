@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tier_specs import TIER
 
 from fsm_cache.contracts import exhaustive, verify
 from fsm_cache.contracts import runner as crosshair_run
@@ -520,50 +521,6 @@ def test_a_spec_whose_rules_read_two_regions_of_the_children_is_checked_whole(
     }
 
 
-_TIER = """
-[machine]
-name = "{name}"
-initial = "empty"
-label = "node"
-doc = "Whether a node has a copy in a tier."
-
-[states]
-empty = {{ doc = "No copy." }}
-filling = {{ doc = "A copy is being made." }}
-full = {{ doc = "The copy is there." }}
-
-[events]
-fill = {{ doc = "Start a copy, or finish it.", past = "filled" }}
-drop = {{ doc = "Free the copy.", past = "dropped" }}
-
-[[transition]]
-event = "fill"
-source = "empty"
-dest = "filling"
-
-[[transition]]
-event = "fill"
-source = "filling"
-dest = "full"
-
-[[transition]]
-event = "drop"
-source = ["filling", "full"]
-dest = "empty"
-
-[[forbid]]
-event = "drop"
-source = "empty"
-error = "IllegalTransition"
-reason = "there is no copy to free"
-
-[[forbid]]
-event = "fill"
-source = "full"
-error = "IllegalTransition"
-reason = "the copy is there already"
-"""
-
 _TIERS = """
 [composition]
 name = "tiers"
@@ -593,7 +550,7 @@ def test_verify_finds_a_later_child_read_against_the_first_state_only(
     and not by the slip.
     """
     for name in ("tier", "mark"):
-        (tmp_path / f"{name}.toml").write_text(_TIER.format(name=name))
+        (tmp_path / f"{name}.toml").write_text(TIER.format(name=name))
     spec = tmp_path / "tiers.toml"
     spec.write_text(_TIERS)
 
