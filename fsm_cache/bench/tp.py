@@ -32,6 +32,7 @@ named; ``fsm-cache bench tp`` calls :func:`run_tp_bench`.
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import statistics
@@ -55,6 +56,7 @@ from fsm_cache.bench import cache as cachebench
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.tree import Key
 from fsm_cache.distributed.agreement import DistributedCache
+from fsm_cache.distributed.collectives import Collectives
 from fsm_cache.errors import FsmCacheError, PoolExhausted, RankFailure
 from fsm_cache.memory.tiers import CacheConfig
 
@@ -401,27 +403,18 @@ def compare_steps(
         UnequalWork: On every rank, when on some rank the agreed cache applied
             other transitions than the local one (``name`` says which trace).
     """
-    starts = range(0, len(trace), settings.per_step)
     local: list[list[Span]] = []  # per round, per step
     agreed: list[list[Span]] = []
     unequal = ""  # on this rank, the first round's transitions that differ between the sides
     for round_ in range(settings.rounds):
-        cache = HiCache(config())
-        shared = DistributedCache(HiCache(config()), timeout=settings.timeout)
-        local.append([])
-        agreed.append([])
-        sides = [(local[-1], cache, cache.poll), (agreed[-1], shared.cache, shared.step)]
-        for i, start in enumerate(starts):
-            chunk = trace[start : start + settings.per_step]
-            for spans, served, poll in sides[:: 1 if (i + round_) % 2 else -1]:
-                dist.barrier()  # the ranks start each half together
-                spans.append(_step_span(run, served, chunk, poll))
-        shared.drain()
-        shared.verify_agreement()  # the ranks really applied the same transitions (not timed)
-        cache.close()  # its last copies applied, as drain() applied the agreed side's
-        unequal = unequal or unequal_transitions(cache, shared.cache)
+        # the last round's caches hold each other in cycles: collected here, not in a timed step
+        gc.collect()
+        mine, theirs, differs = _round(config, run, trace, settings, round_)
+        local.append(mine)
+        agreed.append(theirs)
+        unequal = unequal or differs
     every: list[tuple[list[list[Span]], list[list[Span]], str]]
-    every = shared.comm.all_gather_object((local, agreed, unequal))
+    every = Collectives.of(None, settings.timeout).all_gather_object((local, agreed, unequal))
     for rank, (_, _, differs) in enumerate(every):
         if differs:  # raised on every rank, so that none waits for the others' next collective
             raise cachebench.UnequalWork(
@@ -430,7 +423,37 @@ def compare_steps(
             )
     local_ms = _best_group_ms([mine[0] for mine in every])
     agreed_ms = _best_group_ms([mine[1] for mine in every])
-    return StepTimes(len(trace), settings.per_step, len(starts), local_ms, agreed_ms)
+    steps = len(range(0, len(trace), settings.per_step))
+    return StepTimes(len(trace), settings.per_step, steps, local_ms, agreed_ms)
+
+
+def _round(
+    config: Callable[[], CacheConfig],
+    run: Replayer[K],
+    trace: Sequence[K],
+    settings: Settings,
+    round_: int,
+) -> tuple[list[Span], list[Span], str]:
+    """Serve ``trace`` once each way on new caches, alternating step by step; see :func:`compare_steps`.
+
+    Returns:
+        This rank's spans of the local and of the agreed steps, and the
+        transitions that differ between the two caches (empty when none do).
+    """
+    cache = HiCache(config())
+    shared = DistributedCache(HiCache(config()), timeout=settings.timeout)
+    local: list[Span] = []
+    agreed: list[Span] = []
+    sides = [(local, cache, cache.poll), (agreed, shared.cache, shared.step)]
+    for i, start in enumerate(range(0, len(trace), settings.per_step)):
+        chunk = trace[start : start + settings.per_step]
+        for spans, served, poll in sides[:: 1 if (i + round_) % 2 else -1]:
+            dist.barrier()  # the ranks start each half together
+            spans.append(_step_span(run, served, chunk, poll))
+    shared.drain()
+    shared.verify_agreement()  # the ranks really applied the same transitions (not timed)
+    cache.close()  # its last copies applied, as drain() applied the agreed side's
+    return local, agreed, unequal_transitions(cache, shared.cache)
 
 
 def unequal_transitions(local: HiCache, agreed: HiCache) -> str:
