@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from collections.abc import Hashable, Sequence, ValuesView
 from functools import partial
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +29,8 @@ from fsm_cache.errors import (
     PoolExhausted,
 )
 from fsm_cache.memory import staging
+from fsm_cache.memory import tiers as tiers_module
+from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
 from fsm_cache.memory.pages import slots_of
 from fsm_cache.memory.tickets import Ticket
 from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
@@ -1137,3 +1142,79 @@ class TestMisuseFoundByReview:
             "for it (load_back or insert allocate them; the event alone cannot)"
         )
         assert states(cache) == before
+
+
+def observed_memory(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref[object]]:
+    """Make the next cache's pools over numpy buffers; return weak references to the buffers.
+
+    A buffer dies exactly when the last tensor over its memory does (a view
+    included), which a weak reference to a pool's tensor object would not say.
+    """
+    np = pytest.importorskip("numpy")
+    buffers: list[weakref.ref[object]] = []
+
+    def over_numpy(make: Any) -> Any:
+        def made(layout: KVLayout, pages: int, *args: Any, **kwargs: Any) -> KVPool:
+            pool = make(layout, pages, *args, **kwargs)
+            raw = np.zeros(pool.tensor.numel() * pool.tensor.element_size(), dtype=np.uint8)
+            buffers.append(weakref.ref(raw))
+            tensor = torch.from_numpy(raw).view(pool.tensor.dtype).view(pool.tensor.shape)
+            return KVPool(pool.name, layout, pages, tensor, pinned=False)
+
+        return made
+
+    monkeypatch.setattr(tiers_module, "device_pool", over_numpy(device_pool))
+    monkeypatch.setattr(tiers_module, "host_pool", over_numpy(host_pool))
+    return buffers
+
+
+@pytest.mark.parametrize("copier", [None, FaultyCopyEngine.copier()], ids=["plain", "wrapped"])
+def test_close_gives_both_pools_memory_back_without_the_cyclic_collector(
+    copier: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Closed, a cache kept its pools' memory until Python's cyclic collector ran.
+
+    The cache's parts refer to each other (the engine's effect hooks, the
+    tree's split callback, the copy acknowledgements), so nothing but a full
+    collection freed them: device memory on a GPU, pinned host memory. The
+    copy engine's views of the pools would keep the memory too.
+    """
+    memory = observed_memory(monkeypatch)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        cache = make(write_policy="write_through", copier=copier)
+        assert len(memory) == 2
+        cache.insert(tokens(0, 32))
+        cache.poll()  # the backups ran
+        cache.evict(32)
+        chain = cache.load_back(cache.match_prefix(tokens(0, 32)).last_host_node)
+        assert chain  # loaded back: the other direction ran too
+        cache.close()
+        assert [buffer() for buffer in memory] == [None, None]
+        with pytest.raises(ForeignSlot) as raised:
+            cache.tiers.read_device(chain[-1].device_pages)
+        assert str(raised.value) == (
+            f"device pool: page {chain[-1].device_pages[0]} refused: the pool was released (its "
+            "cache closed) and gave its memory back, so it has no pages"
+        )
+        with pytest.raises(CacheClosed):
+            cache.match_prefix(tokens(0, 32))
+    finally:
+        if was:
+            gc.enable()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_close_returns_the_device_pool_to_torch_at_once() -> None:
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    cache = make(device="cuda", device_pages=256, host_pages=256, heads=8, head_dim=128)
+    cache.insert(tokens(0, 64))
+    cache.poll()
+    held = torch.cuda.memory_allocated() - before
+    assert held >= cache.tiers.device.nbytes > 0
+    cache.close()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < cache.config.page_size * 1024

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import re
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -680,3 +681,63 @@ def test_a_pool_dropped_pinned_waits_for_the_device_before_unregistering(
     )
     del pool  # the last reference: the finalizer runs here
     assert [c[0] for c in cudart.calls] == ["register", "synchronize", "unregister"]
+
+
+@pytest.fixture
+def no_cyclic_gc() -> Any:
+    """Python's cyclic collector off: memory must go back by reference counts alone."""
+    was = gc.isenabled()
+    gc.disable()
+    yield
+    if was:
+        gc.enable()
+
+
+@pytest.mark.usefixtures("no_cyclic_gc")
+@pytest.mark.parametrize("make", [device_pool, host_pool], ids=["device", "host"])
+def test_release_gives_the_memory_back_and_refuses_every_page_after(make: Any) -> None:
+    np = pytest.importorskip("numpy")
+    shape = make(LAYOUT, 3, device=torch.device("cpu")).tensor.shape
+    raw = np.zeros(shape.numel() * LAYOUT.itemsize, dtype=np.uint8)  # dies with its last view
+    memory = weakref.ref(raw)
+    tensor = torch.from_numpy(raw).view(LAYOUT.dtype).view(shape)
+    pool = KVPool(make.__name__.partition("_")[0], LAYOUT, 3, tensor, pinned=False)
+    del raw, tensor
+    pool.write([1], synthetic_kv(LAYOUT, [7] * LAYOUT.page_size))
+    pool.release()
+    assert memory() is None
+    assert (pool.released, pool.num_pages, pool.layout) == (True, 0, LAYOUT)
+    refused = (
+        f"{pool.name} pool: page 1 refused: the pool was released (its cache closed) and gave "
+        "its memory back, so it has no pages"
+    )
+    with pytest.raises(ForeignSlot) as raised:
+        pool.read([1])
+    assert str(raised.value) == refused
+    with pytest.raises(ForeignSlot) as raised:
+        pool.write([1], synthetic_kv(LAYOUT, [7] * LAYOUT.page_size))
+    assert str(raised.value) == refused
+    assert pool.read([]).numel() == 0  # no pages: nothing to refuse
+    pool.release()  # idempotent
+    assert pool.num_pages == 0
+
+
+def test_a_view_taken_before_release_keeps_what_it_views() -> None:
+    pool = device_pool(LAYOUT, 2, device=torch.device("cpu"))
+    kv_ = synthetic_kv(LAYOUT, [3] * LAYOUT.page_size)
+    pool.write([0], kv_)
+    kept = KVPool("device", LAYOUT, 2, pool.tensor, pinned=False)
+    pool.release()
+    assert torch.equal(kept.read([0]).view(torch.uint8), kv_.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_release_unregisters_a_pinned_pool_before_dropping_it() -> None:
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    pool = host_pool(LAYOUT, 2, pin=True, device=gpu)
+    tensor = pool.tensor
+    assert tensor.is_pinned()
+    pool.release()
+    assert not tensor.is_pinned()  # unregistered first: freeing registered memory is undefined
+    assert (pool.released, pool.pinned, pool.num_pages) == (True, False, 0)

@@ -1132,8 +1132,12 @@ class HiCache:
     def close(self) -> None:
         """Wait for every copy in flight, apply it, and give the tiers' memory back.
 
-        Pinned host memory is unregistered and device memory returned only once
-        no copy can still read or write it. A copy that fails and must run again
+        Pinned host memory is unregistered and both pools' memory given back
+        only once no copy can still read or write it, and then at once: it is
+        free when this returns (:meth:`Tiers.close <fsm_cache.memory.tiers.Tiers.close>`),
+        not when Python's cyclic garbage collector reclaims the cache, whose
+        parts refer to each other. A cache dropped unclosed keeps its memory
+        until that collection. A copy that fails and must run again
         (a load a request locked) is retried for a bounded number of rounds;
         one still failing then stays queued, unstarted, and its node loading,
         so that no copy is started whose completion would be dropped.

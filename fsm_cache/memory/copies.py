@@ -649,6 +649,7 @@ class CopyEngine:
             self._api.synchronize(self.device.device)
         self.closed = True
         self._finalizer.detach()  # nothing is in flight: the memory may go with the engine
+        self._mover.close()  # its views and staging buffers would keep the pools' memory
 
     def _complete(self, submission: _Submission) -> list[Completion]:
         """Report a finished submission's tickets: no longer busy, counted, each completed once."""

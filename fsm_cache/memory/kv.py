@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from fsm_cache.errors import BadArgument, PinnedMemoryError, PoolError
+from fsm_cache.errors import BadArgument, ForeignSlot, PinnedMemoryError, PoolError
 from fsm_cache.memory.pages import PageAllocator, page_index
 from fsm_cache.numeric import boolean, real, whole
 
@@ -116,7 +116,7 @@ class KVPool:
     Attributes:
         name: ``device`` or ``host``; also the allocator's name.
         layout: The KV layout.
-        num_pages: Pages in the pool.
+        num_pages: Pages in the pool (none once :meth:`release` gave its memory back).
         tensor: The KV in the tier's layout (see the module docstring).
         pages: A uint8 view ``[pages, ...]`` indexed by page on dim 0 (for the
             device pool a non-contiguous permuted view).
@@ -127,6 +127,7 @@ class KVPool:
             of one, bit for bit.
         allocator: The pool's :class:`PageAllocator`.
         pinned: Whether the memory is page-locked by this pool.
+        released: Whether :meth:`release` gave the pool's memory back.
 
     Raises:
         BadArgument: ``name`` is neither ``device`` nor ``host``, ``num_pages``
@@ -149,16 +150,27 @@ class KVPool:
         _check_pool(name, layout, num_pages, tensor)
         self.name = name
         self.layout = layout
+        self.pinned = pinned
+        self.released = False
+        self.allocator = PageAllocator(name, num_pages, layout.page_size)
+        self._page_first = name == "host"
+        self._hold(tensor, num_pages)
+        self._on_cpu = tensor.device.type == "cpu"  # the page index's fast path reads it
+        self._pin_device = pin_device
+        self._finalizer: weakref.finalize[..., KVPool] | None = None
+        if pinned:
+            self._finalizer = weakref.finalize(self, _unregister_at_exit, tensor, pin_device)
+
+    def _hold(self, tensor: torch.Tensor, num_pages: int) -> None:
+        """Take ``tensor`` as the pool's memory of ``num_pages`` pages, with every view of it."""
+        layout, name = self.layout, self.name
         self.num_pages = num_pages
         self.tensor = tensor
-        self.pinned = pinned
-        self.allocator = PageAllocator(name, num_pages, layout.page_size)
         self.pages = _page_view(tensor, layout, num_pages, page_first=name == "host")
         self.words = _word_view(tensor, layout, num_pages, page_first=name == "host")
         # what writes address: runs of pages as slices of the pool split into pages,
         # other pages by index in a contiguous view of the words (the host's own, or
         # the device's layer-first ``[layers * planes, pages, words]``)
-        self._page_first = name == "host"
         self._paged = tensor if self._page_first else tensor.view(*_paged_shape(layout, num_pages))
         # the same split into pages with the pages last, ``[layers, planes, page_size, heads,
         # head_dim, pages]`` on either tier: what write_values(pages_last=True) addresses
@@ -169,11 +181,6 @@ class KVPool:
         # the device pool with its slots last, ``[layers, planes, heads, head_dim, slots]``:
         # what write_slots addresses (the host's pages are first: no such view of it)
         self._slots_last = tensor if self._page_first else tensor.permute(0, 1, 3, 4, 2)
-        self._on_cpu = tensor.device.type == "cpu"  # the page index's fast path reads it
-        self._pin_device = pin_device
-        self._finalizer: weakref.finalize[..., KVPool] | None = None
-        if pinned:
-            self._finalizer = weakref.finalize(self, _unregister_at_exit, tensor, pin_device)
 
     @property
     def device(self) -> torch.device:
@@ -391,7 +398,7 @@ class KVPool:
 
         Raises:
             NotASlot: a page is not an int (``device pool: page True is not an int``).
-            ForeignSlot: a page is outside ``0..num_pages - 1``.
+            ForeignSlot: a page is outside ``0..num_pages - 1``, or the pool was released.
         """
         if len(pages) == 0 or (  # not ``not pages``: an array of pages has no truth value
             _INT.issuperset(map(type, pages)) and min(pages) >= 0 and max(pages) < self.num_pages
@@ -401,6 +408,11 @@ class KVPool:
         for p in pages:  # a bool first: it equals page 0 or 1, so the range would take it
             if boolean(p):
                 page_index(name, num_pages, p)
+        if self.released:
+            raise ForeignSlot(
+                f"{name} pool: page {pages[0]!r} refused: the pool was released (its cache "
+                "closed) and gave its memory back, so it has no pages"
+            )
         return [page_index(name, num_pages, p) for p in pages]
 
     def _refuse_repeats(self, pages: Sequence[int]) -> None:
@@ -444,6 +456,28 @@ class KVPool:
             return
         self.pinned = False
         unregister_host(self.tensor, self._pin_device)
+
+    def release(self) -> None:
+        """Give the pool's memory back now: unregister it (:meth:`close`), then drop it; idempotent.
+
+        The end of a cache (:meth:`Tiers.close`): a cache's parts refer to each
+        other, so without this its pools would stay allocated until Python's
+        cyclic garbage collector reclaimed the cache. The pool keeps its
+        layout, its allocator and a tensor of no pages: every page asked of it
+        from now on is refused (:class:`~fsm_cache.errors.ForeignSlot`). A view
+        of the pool taken before (``pages``, ``words``, a tensor ``read``
+        returned) keeps the memory it views. Wait for every copy that reads or
+        writes the pool first (:meth:`Tiers.close` does).
+
+        Raises:
+            PinnedMemoryError: As :meth:`close`; the memory is kept then (it
+                may still be registered), and a later ``release`` tries again.
+        """
+        if self.released:
+            return
+        self.close()
+        self.released = True
+        self._hold(self.tensor.new_empty(_pool_shape(self.name, self.layout, 0)), 0)
 
 
 def _check_pool(name: object, layout: KVLayout, num_pages: object, tensor: object) -> None:

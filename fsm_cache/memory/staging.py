@@ -286,6 +286,18 @@ class Mover:
         """Drop outgrown staging buffers; call only when no queued copy can still use them."""
         self._retired.clear()
 
+    def close(self) -> None:
+        """Drop the staging buffers and the views of the pools: the engine moves nothing more.
+
+        Its pools can then give their memory back
+        (:meth:`~fsm_cache.memory.kv.KVPool.release`): a view would keep it.
+        Call only when no queued copy can still use them.
+        """
+        self.release()
+        self._buffers = {d: [None, None] for d in Direction}
+        self._dev = self._dev.new_empty((0, *self._dev.shape[1:]))
+        self._host = self._host.new_empty((0, *self._host.shape[1:]))
+
     def _first_stream(self, direction: Direction) -> Stream | None:
         if self._api is None:
             return None

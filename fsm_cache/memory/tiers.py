@@ -399,18 +399,24 @@ class Tiers:
         return engine.device is self.device or engine.host is self.host
 
     def close(self) -> None:
-        """Wait for every copy, then release the pinned host memory; idempotent.
+        """Wait for every copy, then give both pools' memory back; idempotent.
 
         Drains and closes the copy engine (every copy in flight finishes; the
         completions are dropped, so apply them first if they matter, as
         ``HiCache.close`` does), synchronises the device (no queued kernel or
         side-stream copy may still touch the pools when their memory goes
-        back to the allocator), and unregisters the host pool. After it the
-        engine refuses new copies; the pools may be dropped.
+        back to the allocator), unregisters the host pool and drops both
+        pools' memory (:meth:`~fsm_cache.memory.kv.KVPool.release`): it is
+        free when this returns, not when Python's cyclic garbage collector
+        reclaims the cache whose parts refer to each other. After it the
+        engine refuses new copies and the pools refuse every page. A view of
+        a pool taken before (or held by a copy engine of the caller's own)
+        keeps the memory it views.
 
         Raises:
             PinnedMemoryError: ``cudaHostUnregister`` failed; the tiers count
-                as closed all the same.
+                as closed all the same, and the host pool keeps its memory
+                (it may still be registered).
             RuntimeError: The copies could not be waited for (a CUDA error);
                 nothing is released and the tiers stay open, so ``close`` may
                 be called again: no copy may still run into memory given back.
@@ -421,12 +427,16 @@ class Tiers:
         self._release()
 
     def _release(self) -> None:
-        """Let the device go idle, then give the pools' pinned memory back (:meth:`close`'s end)."""
+        """Let the device go idle, then give the pools' memory back (:meth:`close`'s end)."""
         if self.device.device.type == "cuda":
             torch.cuda.synchronize(self.device.device)
         self.closed = True
-        self.host.close()
-        self.device.close()
+        # now, not when the cache is collected: its parts refer to each other, so only
+        # Python's cyclic garbage collector would free them, at a time of its choosing
+        try:
+            self.host.release()
+        finally:
+            self.device.release()
 
     def reset(self) -> None:
         """Free every page of both pools, keeping their tensors (and pinned memory) as they are.
