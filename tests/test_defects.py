@@ -530,6 +530,33 @@ def test_14_a_completion_listed_twice_applies_neither() -> None:
     assert settled(cache) == [(1, "backed/resident (pins=0, locks=0)")]
 
 
+def test_14_a_poll_refused_for_a_stray_acknowledgement_keeps_the_other_copies() -> None:
+    """A poll whose engine reports a copy applied by hand refused the batch and lost the rest.
+
+    The copy engine reports each copy once; the poll took copy 1 (applied
+    already with ``apply_completions``) and copy 2 from it, refused both, and
+    copy 2's node stayed ``writing`` for good, through ``close()`` too.
+    """
+    cache = make()
+    cache.insert([1, 2])
+    (first,) = cache.tiers.copier.in_flight()
+    cache.apply_completions([Completion(first)])  # by hand: the engine still reports it
+    cache.insert([5, 6])
+    before = snapshot(cache)
+    with pytest.raises(DuplicateAck) as caught:
+        cache.poll()
+    assert str(caught.value) == (
+        f"ticket {first.id}: ack refused in not in flight:"
+        " a duplicate or stray acknowledgement; nothing was applied"
+    )
+    assert snapshot(cache) == before
+    assert cache.poll() == 1  # copy 2, held back for the next poll; the stray one is gone
+    assert settled(cache) == [
+        (1, "backed/resident (pins=0, locks=0)"),
+        (2, "backed/resident (pins=0, locks=0)"),
+    ]
+
+
 @pytest.mark.parametrize("kind", ["another cache's", "built by hand"])
 def test_a_completion_of_another_copy_under_the_same_id_applies_nothing(kind: str) -> None:
     """Every copy engine numbers its tickets from 1: an id alone does not name this copy."""

@@ -560,7 +560,7 @@ class Evictor:
             return
         busy = not self._transfers.idle()
         if busy:
-            self._transfers.apply(self._transfers.collect(wait=False), "evict")
+            self._transfers.apply_collected(False, "evict")
         if self._apply_storage() or busy:
             self.evict_device(slots - allocator.free_slots)
         rounds = len(self._core.tree.nodes) + 1  # each useful round backs up one more level

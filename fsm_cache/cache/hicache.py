@@ -1096,9 +1096,13 @@ class HiCache:
                 host; it was applied as failed (its nodes settled), and so was
                 every other copy. Under tensor-parallel agreement the group's
                 step raises it instead, after this poll.
+            DuplicateAck: The copy engine reported a copy that is not in
+                flight (one applied by hand with :meth:`apply_completions`,
+                say); nothing was applied, and the copies it reported that are
+                in flight are applied by the next poll.
         """
         with self._operation("poll"):
-            applied = self._transfers.apply(self._transfers.collect(wait=False), "poll")
+            applied = self._transfers.apply_collected(False, "poll")
             if self._storage is not None:
                 applied += self._storage.apply_finished("poll")
             return applied

@@ -516,6 +516,30 @@ class Transfers:
             raise
         return len(completions)
 
+    def apply_collected(self, wait: bool, origin: str) -> int:
+        """Apply what :meth:`collect` returns; on a refusal, keep the copies still in flight.
+
+        The source reported those copies and will not again, so a batch
+        refused for one stray acknowledgement (a copy applied by hand with
+        ``apply_completions`` that the engine then reports too) would lose
+        the others, and their nodes would stay ``writing`` or ``loading``
+        for ever. They are held back for the next :meth:`collect`; the stray
+        one is dropped. Returns how many were applied.
+
+        Raises:
+            DuplicateAck: As :meth:`apply`; nothing was applied.
+        """
+        completions = self.collect(wait)
+        try:
+            return self.apply(completions, origin)
+        except DuplicateAck:
+            flying = self._tickets
+            for c in completions:
+                batch = flying.get(c.ticket.id) if isinstance(c, Completion) else None
+                if batch is not None and batch.ticket is c.ticket:
+                    self._held[c.ticket.id] = c
+            raise
+
     def _check_acks(self, completions: Sequence[Completion]) -> None:
         seen: set[int] = set()
         for c in completions:
@@ -551,7 +575,7 @@ class Transfers:
         eviction); a poll would apply them later. Returns how many were applied.
         """
         self.flush()
-        return self.apply(self.collect(wait=True), "wait")
+        return self.apply_collected(True, "wait")
 
     def settle_all(self, rounds: int) -> None:
         """Settle until no copy is in flight or queued, for at most ``rounds`` waits.
@@ -583,7 +607,7 @@ class Transfers:
         """
         if not any(n.device == "loading" for n in nodes):
             return []
-        self.apply(self.collect(wait=False), origin)
+        self.apply_collected(False, origin)
         for _ in range(_LOAD_ROUNDS):
             if not any(n.device == "loading" for n in nodes):
                 break
