@@ -1076,6 +1076,16 @@ class TestMisuseFoundByReview:
                 lambda c: c.insert(tokens(0, 4), namespace=float("nan")),
                 "insert: namespace must equal itself, got nan",
             ),
+            (  # a tensor with no values: torch's own error came through untyped
+                lambda c: c.match_prefix(torch.empty(8, dtype=torch.int64, device="meta")),
+                "match_prefix: tokens must be a sequence of ints, got a Tensor whose values "
+                "cannot be read: Cannot copy out of meta tensor; no data!",
+            ),
+            (
+                lambda c: c.free_slots(torch.arange(8).to_sparse()),
+                "free_slots: slots must be a sequence of ints, got a Tensor whose values "
+                "cannot be read: Cannot access data pointer of Tensor that doesn't have storage",
+            ),
         ],
     )
     def test_inputs_without_a_meaning_are_refused(self, call: object, message: str) -> None:

@@ -111,7 +111,15 @@ def packed(value: object, op: str, what: str) -> tuple[tuple[int, ...], array.ar
             raise BadArgument(f"{op}: {what} must be a sequence of ints, got {name}")
         tolist = getattr(value, "tolist", None)
         if callable(tolist):
-            value = tolist()
+            try:
+                value = tolist()
+            except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+                # a tensor with no values to read: on the meta device, sparse, ...
+                reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+                raise BadArgument(
+                    f"{op}: {what} must be a sequence of ints, got a {name} whose values "
+                    f"cannot be read: {reason}"
+                ) from exc
         # an ordered sequence: a set's or a dict's order is not the tokens' order
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
             raise BadArgument(f"{op}: {what} must be a sequence of ints, got {name}")
