@@ -223,5 +223,11 @@ def _pending(layout: Layout, entry: tuple[int | str, ...], events: frozenset[str
 
 
 def _answers(nodes: Nodes, i: int, events: list[str], refusal: Refusal) -> str:
-    """Return ``event: Error`` for each event (``waits`` where the engine accepts it)."""
+    """Return ``event: Error`` for each event (``waits`` where the engine accepts it).
+
+    With no events, say that the spec has none: a hold no event of the spec
+    gives back, or a copy none acknowledges (a final state that keeps it).
+    """
+    if not events:
+        return "no event of the spec does"
     return "; ".join(f"{e}: {refusal(nodes, i, e) or 'waits'}" for e in dict.fromkeys(events))
