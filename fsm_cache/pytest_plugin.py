@@ -153,6 +153,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         parser.addini("fsm_check_nodes", nodes, type=int | str, default=_DEFAULT_NODES)
     else:  # pytest 9.0 and 9.1 refuse an int in a [tool.pytest] table: quote it there
         parser.addini("fsm_check_nodes", nodes, default=_DEFAULT_NODES)
+    for name, (flag, what) in _BOUNDS.items():
+        said = f"ceiling of {what} in fsm-check, as fsm-cache check {flag} (default the command's)"
+        if pytest.version_tuple >= (9, 2):
+            parser.addini(name, said, type=int | str, default="")
+        else:
+            parser.addini(name, said, default="")
     parser.addini(
         "fsm_leases",
         "fail the run on leases never released or dropped while held (default true)",
@@ -209,6 +215,43 @@ def check_nodes(config: pytest.Config) -> int:
     return nodes
 
 
+_BOUNDS = {
+    "fsm_check_max_pins": ("--max-pins", "counters named pins"),
+    "fsm_check_max_locks": ("--max-locks", "counters named locks"),
+    "fsm_check_max_count": ("--max-count", "any other counter"),
+}
+"""The ini options that set ``fsm-check``'s ceilings, with the option of ``fsm-cache check`` each is."""
+
+
+def check_bounds(config: pytest.Config) -> dict[str, int]:
+    """Return the ceilings the ini sets for ``fsm-check``, by ``fsm-cache check`` option.
+
+    What a ``not explored`` warning names (``--max-count 4 reaches it``)
+    set as ``fsm_check_max_count = 4``. Each applies to the specs that have
+    such a counter and is left out for the others, so one setting serves a
+    project's specs.
+
+    Raises:
+        pytest.UsageError: A value is not a whole number >= 0, or is more
+            than ``fsm-cache check`` takes.
+    """
+    found: dict[str, int] = {}
+    for name, (flag, _) in _BOUNDS.items():
+        value = str(config.getini(name)).strip()
+        if not value:
+            continue
+        if not value.isdecimal():
+            raise pytest.UsageError(f"{name} must be a whole number >= 0, got {value!r}")
+        from fsm_cache.modelcheck.check import MAX_BOUND, TOO_HIGH_A_BOUND  # set: worth its import
+
+        if int(value) > MAX_BOUND:
+            raise pytest.UsageError(
+                f"{name} must be at most {MAX_BOUND}, got {value} ({TOO_HIGH_A_BOUND})"
+            )
+        found[flag] = int(value)
+    return found
+
+
 def switched(config: pytest.Config, name: str) -> bool:
     """Return the bool ini option ``name`` (``fsm_leases``, ``fsm_holds``).
 
@@ -232,6 +275,7 @@ def pytest_configure(config: pytest.Config) -> None:
             or ``fsm_leases`` or ``fsm_holds`` is no bool.
     """
     check_nodes(config)
+    check_bounds(config)
     for switch in ("fsm_leases", "fsm_holds"):  # read only at the end of the run otherwise
         switched(config, switch)
     config.addinivalue_line(
@@ -350,8 +394,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         known = item.config.stash.setdefault(_FOUND, {})
         found = []
         if marker.kwargs.get("check", True):
-            nodes = check_nodes(item.config)
-            found.append(_once(known, path, ("check", nodes), partial(_check, path, nodes)))
+            nodes, bounds = check_nodes(item.config), check_bounds(item.config)
+            what = ("check", nodes, *sorted(bounds.items()))
+            found.append(_once(known, path, what, partial(_check, path, nodes, bounds)))
         if marker.kwargs.get("verify", True):
             found.append(_once(known, path, ("verify",), partial(_verify, path)))
         problems = [x.problem for x in found if x.problem]
@@ -524,7 +569,7 @@ class SpecItem(pytest.Item):
         found.warn(self.path)
 
     def _check(self, path: Path) -> Found:
-        return _check(path, check_nodes(self.config))
+        return _check(path, check_nodes(self.config), check_bounds(self.config))
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
         """Show the finding, not a traceback."""
@@ -577,16 +622,17 @@ def _stamp(file: Path) -> tuple[str, int, int, int, int]:
     return (os.path.realpath(file), info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
-def _check(path: Path, nodes: int) -> Found:
+def _check(path: Path, nodes: int, bounds: dict[str, int]) -> Found:
     """Return what ``fsm-cache check PATH --nodes NODES`` finds: a violation and its trace, or none.
 
     The command's own run (:func:`~fsm_cache.modelcheck.check.as_command`):
-    the same ceilings and policy, and its ``not explored`` lines.
+    the same ceilings (those ``bounds`` sets: :func:`check_bounds`) and
+    policy, and its ``not explored`` lines.
     """
     from fsm_cache.modelcheck.check import as_command, left_out
 
     try:
-        entry = as_command(path, nodes)
+        entry = as_command(path, nodes, bounds)
     except FsmCacheError as exc:  # the spec does not load: its message names the file
         return Found(str(exc))
     unexplored = tuple(left_out(entry))

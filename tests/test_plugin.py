@@ -1115,3 +1115,137 @@ def test_a_composed_spec_is_checked_again_once_a_region_file_changes(
     result.assert_outcomes(passed=5)
     calls = (pytester.path / "calls.txt").read_text().split()
     assert calls == ["check", "check", "check"]
+
+
+STUCK_AT_THREE = """
+[machine]
+name = "block"
+initial = "free"
+
+[counters]
+readers = 0
+
+[states]
+free = { invariant = "readers == 0" }
+reading = { invariant = "readers >= 1 and readers <= 3", counter = "readers" }
+
+[events]
+load = { doc = "a reader starts" }
+done = { doc = "a reader finished" }
+touch = { doc = "a reader reads" }
+
+[[transition]]
+event = "load"
+source = "free"
+dest = "reading"
+update = "readers = 1"
+
+[[transition]]
+event = "load"
+source = "reading"
+dest = "reading"
+guard = "readers <= 2"
+update = "readers += 1"
+
+[[forbid]]
+event = "load"
+source = "reading"
+guard = "readers >= 3"
+error = "TooMany"
+reason = "three readers at most"
+
+[[transition]]
+event = "done"
+source = "reading"
+dest = "free"
+guard = "readers == 1"
+update = "readers = 0"
+
+[[transition]]
+event = "done"
+source = "reading"
+dest = "reading"
+guard = "readers == 2"
+update = "readers -= 1"
+
+[[forbid]]
+event = "done"
+source = "reading"
+guard = "readers >= 3"
+error = "WaitForOthers"
+reason = "the others finish first"
+
+[[forbid]]
+event = "done"
+source = "free"
+error = "NotNow"
+reason = "no reader to finish"
+
+[[transition]]
+event = "touch"
+source = "reading"
+dest = "reading"
+
+[[forbid]]
+event = "touch"
+source = "free"
+error = "NotNow"
+reason = "no reader"
+"""
+"""Three readers can never finish: a livelock above ``fsm-check``'s default ceiling of 2."""
+
+
+@pytest.mark.parametrize("table", [False, True], ids=["ini", "pyproject"])
+def test_the_ceiling_a_warning_names_can_be_set_for_fsm_check(
+    pytester: pytest.Pytester, table: bool
+) -> None:
+    """The warning said ``--max-count 4 reaches it``, which no setting of the plugin could do."""
+    pytester.makefile(".toml", stuck=STUCK_AT_THREE)
+    pytester.makefile(".toml", gate=FULL_GATE)  # counts holders too: the setting bounds both
+    names = "stuck.toml gate.toml"
+    pytester.makeini(f"[pytest]\nfsm_specs = {names}\nfsm_check_nodes = 1\n")
+    before = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "fsm-check")
+    before.assert_outcomes(passed=2, warnings=2)
+    stuck = pytester.path / "stuck.toml"
+    note = "not explored: readers above 2, where a comparison turns at 4 (--max-count 4 reaches it)"
+    assert f"{stuck}:0: SpecUnexplored: {note}" in [line.strip() for line in before.stdout.lines]
+    (pytester.path / "tox.ini").unlink()
+    if table:
+        pytester.makepyprojecttoml(
+            f'[tool.pytest]\nfsm_specs = {names.split()!r}\nfsm_check_nodes = "1"\n'
+            'fsm_check_max_count = "5"\n'
+        )
+    else:
+        pytester.makeini(
+            f"[pytest]\nfsm_specs = {names}\nfsm_check_nodes = 1\nfsm_check_max_count = 5\n"
+        )
+    after = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "fsm-check")
+    after.assert_outcomes(passed=1, failed=1)  # the gate explored to 5: no warning left
+    after.stdout.fnmatch_lines(
+        [
+            f"{stuck}: violation: liveness: node 0: load can never give back its readers "
+            "(done: WaitForOthers)"
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("-1", "fsm_check_max_count must be a whole number >= 0, got '-1'"),
+        ("four", "fsm_check_max_count must be a whole number >= 0, got 'four'"),
+        (
+            "65",
+            "fsm_check_max_count must be at most 64, got 65 (each value of a counter is a "
+            "state of its own on every node)",
+        ),
+    ],
+)
+def test_a_ceiling_fsm_check_cannot_take_is_a_usage_error(
+    pytester: pytest.Pytester, value: str, error: str
+) -> None:
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    pytester.makeini(f"[pytest]\nfsm_check_max_count = {value}\n")
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: {error}"])

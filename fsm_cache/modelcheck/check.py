@@ -356,23 +356,31 @@ def left_out(entry: dict[str, Any]) -> list[str]:
     return lines
 
 
-def as_command(path: Path, nodes: int) -> dict[str, Any]:
+def as_command(path: Path, nodes: int, bounds: Mapping[str, int] | None = None) -> dict[str, Any]:
     """Return what ``fsm-cache check PATH --nodes NODES`` finds: its entry of :func:`run`'s specs.
 
     The command line is parsed as the command parses it, every other option
-    at its default: the spec is sized as the command sizes a SPEC argument
-    (:func:`sized` and :func:`ceilings`: a spec with a storage region up to
+    at its default but the ceilings in ``bounds`` (``{"--max-count": 4}``):
+    the spec is sized as the command sizes a SPEC argument (:func:`sized`
+    and :func:`ceilings`: a spec with a storage region up to
     :data:`STORAGE_PINS` pins and :data:`STORAGE_LOCKS` lock) and runs under
-    no write policy, as a SPEC argument does. No progress is shown. This is
-    the pytest plugin's ``fsm-check`` (``docs/verify.md``): one path from
-    command line to search, so a spec the command fails cannot pass there.
+    no write policy, as a SPEC argument does. A ceiling in ``bounds`` that
+    bounds no counter of the spec is left out, where the command would
+    refuse it (:func:`unused_bounds`): one setting serves every spec of a
+    project. No progress is shown. This is the pytest plugin's ``fsm-check``
+    (``docs/verify.md``): one path from command line to search, so a spec
+    the command fails cannot pass there.
 
     Raises:
         FsmCacheError: As :func:`run`: the spec does not load, or is refused.
     """
     parser = argparse.ArgumentParser(prog="fsm-cache")
     register(parser.add_subparsers())
-    args = parser.parse_args(["check", str(path), "--nodes", str(nodes)])
+    line = ["check", str(path), "--nodes", str(nodes)]
+    if bounds:
+        used = {BOUND_BY.get(name, "--max-count") for name, _ in _system(path, None).counters}
+        line += [str(x) for flag, value in bounds.items() if flag in used for x in (flag, value)]
+    args = parser.parse_args(line)
     args.progress = False
     (entry,) = run(args)["specs"]
     return dict(entry)
