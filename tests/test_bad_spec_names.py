@@ -91,6 +91,11 @@ def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
             'event = "_take"',
             "transition[0].event: missing or not an identifier: '_take'",
         ),
+        (  # a list, as a source takes: it read as no name at all
+            'event = "pin"',
+            'event = ["pin"]',
+            "transition[0].event: one name, not a list: ['pin']",
+        ),
         ("pins = 0\n", "pins = 0\n__init__ = 0\n", "counters.__init__: not an identifier"),
         ("pins = 0\n", "pins = 0\nrec = 0\n", "counters.rec: 'rec' is reserved"),
         (

@@ -1053,6 +1053,9 @@ def _known_keys(body: _Table, allowed: set[str], where: str, problems: _Problems
 def _name(body: _Table, key: str, where: str, problems: _Problems) -> str:
     value = body.get(key)
     bad = bad_name(value)
+    if isinstance(value, list):  # as a transition's source takes: this key takes one
+        problems.add(f"{where}.{key}", f"one name, not a list: {shown(value)}")
+        return ""
     if bad is not None:
         shown_bad = f"missing or {bad}: {shown(value)}" if bad == NOT_A_NAME else bad
         problems.add(f"{where}.{key}", shown_bad)
