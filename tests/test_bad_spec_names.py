@@ -96,6 +96,18 @@ def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
             'event = ["pin"]',
             "transition[0].event: one name, not a list: ['pin']",
         ),
+        (  # shown inline in a refusal's message: a line break forged a line of its own
+            'reason = "no pin"',
+            'reason = "no pin\\nerror: forged\\u001b[31m"',
+            "forbid[0].reason: not one line of printable text (no line break, tab or other "
+            "control character): 'no pin\\nerror: forged\\x1b[31m'",
+        ),
+        (
+            'initial = "idle"',
+            'initial = "idle"\nlabel = "line1\\nline2\\u0007"',
+            "machine.label: not one line of printable text (no line break, tab or other "
+            "control character): 'line1\\nline2\\x07'",
+        ),
         ("pins = 0\n", "pins = 0\n__init__ = 0\n", "counters.__init__: not an identifier"),
         ("pins = 0\n", "pins = 0\nrec = 0\n", "counters.rec: 'rec' is reserved"),
         (

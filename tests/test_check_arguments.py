@@ -169,6 +169,22 @@ def test_a_counter_that_starts_above_its_ceiling_is_refused_naming_the_option(
     assert found.trace == ["start: chain", "node 0: pin", "node 0: drop"]
 
 
+def test_a_counter_that_starts_above_every_ceiling_is_not_told_to_raise_one(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """It was told ``give --max-count 65 or more``, which the command then refused."""
+    path = tmp_path / "kept.toml"
+    path.write_text(KEPT_FROM_THREE.replace("generation = 3", "generation = 65"))
+    assert main(["check", "--nodes", "1", str(path)]) == 2
+    assert capsys.readouterr() == (
+        "",
+        "error: check: kept: generation starts at 65, above its ceiling 2 (--max-count): no "
+        "step is taken past a ceiling, so nothing would be explored; no ceiling check takes "
+        "reaches it (--max-count is at most 64: each value of a counter is a state of its "
+        "own on every node); start it lower\n",
+    )
+
+
 @pytest.mark.usefixtures("unexplored")
 def test_every_bad_spec_is_reported_before_the_exit(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -262,6 +262,20 @@ def test_a_write_policy_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     )
 
 
+def test_an_ops_module_is_refused_for_what_it_is(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """An ``--ops`` module names its spec, yet the refusal asked for SPEC arguments."""
+    ops = tmp_path / "ops_rec.py"
+    ops.write_text('SPEC = "fsm_cache:residency"\n')
+    assert main(["check", "--compositional", "--ops", str(ops)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: check --compositional: --ops {ops}: side condition 6 (the checker's own tree "
+        "operations): an ops module's hooks may read or change any node; "
+        f"{ENUMERATIVE}\n"
+    )
+
+
 def test_a_tree_size_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "--compositional", "--nodes", "5", str(RESIDENCY)]) == 2
     assert capsys.readouterr().err == (

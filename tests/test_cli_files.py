@@ -75,3 +75,20 @@ def test_a_link_to_a_toml_file_and_a_file_ours_does_not_know_are_refused(tmp_pat
         == f"{binary}: is not a types file fsm-cache wrote; no types file was changed"
     )
     assert (spec.read_text(), binary.read_bytes()) == ("[machine]\n", b"\xff\xfe mark\n")
+
+
+def test_a_link_into_a_missing_folder_is_refused_and_makes_no_folder(tmp_path: Path) -> None:
+    """The folders of a dangling link's target were made: a write outside the path named."""
+    link, target = tmp_path / "drawn.mmd", tmp_path / "elsewhere" / "deep" / "x.mmd"
+    link.symlink_to(target)
+    with pytest.raises(OutputError) as caught:
+        write_files({link: "graph\n"}, "diagram")
+    assert str(caught.value) == (
+        f"{link}: cannot write: it links to {target}, in a folder that does not exist; "
+        "no diagram file was changed"
+    )
+    assert not (tmp_path / "elsewhere").exists()
+    assert link.is_symlink()
+    nested = tmp_path / "new" / "drawn.mmd"  # the named path's own folders are still made
+    assert write_files({nested: "graph\n"}, "diagram") == [nested]
+    assert nested.read_text() == "graph\n"

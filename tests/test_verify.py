@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import importlib.util
 import itertools
 import json
 import os
@@ -450,6 +451,26 @@ def test_unknown_target_is_a_clear_error() -> None:
         SpecError, match=r"^no_such\.module: not a spec file, a \.py file or an importable module$"
     ):
         verify.verify_target("no_such.module", Options(), Path())
+
+
+def test_a_target_that_is_no_module_file_says_what_it_is(tmp_path: Path) -> None:
+    """A folder, a named pipe or a frozen module were each ``no such file``."""
+    folder = tmp_path / "d.py"
+    folder.mkdir()
+    pipe = tmp_path / "fifo.py"
+    os.mkfifo(pipe)
+    cases = [
+        (str(folder), "Is a directory"),
+        (str(pipe), "not a regular file (a named pipe)"),
+        (str(tmp_path / "gone.py"), "no such file"),
+    ]
+    found = importlib.util.find_spec("os.path")
+    if found is not None and not found.has_location:  # frozen in CPython 3.11
+        cases.append(("os.path", f"a {found.origin} module, with no source file to verify"))
+    for target, why in cases:
+        with pytest.raises(SpecError) as caught:
+            verify.verify_target(target, Options(), Path())
+        assert str(caught.value) == f"{target}: {why}"
 
 
 def test_parse_maps_lines_to_contracts() -> None:

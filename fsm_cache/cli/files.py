@@ -152,9 +152,11 @@ def write_files(
     is then written to a staging file beside its target (a short random name,
     so a target name of any legal length has one), flushed to disk, and only
     when all are written are they renamed over their targets. Missing folders
-    are made on the way; on a failure the staging files and those folders are
-    removed. A target that is a symbolic link is written through: the file it
-    points at is replaced, the link stays.
+    of the path as named are made on the way (never those of a link's
+    target); on a failure the staging files and those folders are removed. A
+    target that is a symbolic link is written through: the file it points at
+    is replaced, the link stays; a link into a folder that does not exist is
+    refused.
 
     Args:
         texts: The new text of each target.
@@ -189,7 +191,11 @@ def write_files(
     try:
         for path, real, text in changed:
             failed_at = path
-            _make_folders(real.parent, made)
+            _make_folders(path.parent, made)  # the named path's: never a link's target's
+            if not real.parent.is_dir():  # a link whose target's folder is missing
+                raise FileNotFoundError(
+                    errno.ENOENT, f"it links to {real}, in a folder that does not exist"
+                )
             staged.append((_stage(real, text), real))
     except BaseException as exc:
         _discard([temporary for temporary, _ in staged], made)

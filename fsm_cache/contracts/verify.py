@@ -41,7 +41,7 @@ from fsm_cache.errors import BadArgument, SpecError
 from fsm_cache.numeric import whole
 from fsm_cache.shell import find_pyproject, named_once, spec_path, summary_line
 from fsm_cache.spec.controls import Control, controls, load_finding, relative, render_controls
-from fsm_cache.spec.loader import load_snapshot, load_spec, read_toml
+from fsm_cache.spec.loader import load_snapshot, load_spec, read_toml, unreadable
 from fsm_cache.spec.machine import Spec, System, as_system
 from fsm_cache.spec.shipped import shipped_spec_paths
 
@@ -361,9 +361,14 @@ def module_path(name: str) -> Path:
         spec = _find_module(name) if _dotted(name) else None
         if spec is None or spec.origin is None:
             raise SpecError([f"{name}: not a spec file, a .py file or an importable module"])
+        if not spec.has_location:  # os.path: frozen into the interpreter, no file to read
+            raise SpecError([f"{name}: a {spec.origin} module, with no source file to verify"])
         path = Path(spec.origin)
-    if not path.is_file():
+    if not path.exists():
         raise SpecError([f"{name}: no such file"])
+    why = unreadable(path)  # a directory, or a named pipe an import would wait on for ever
+    if why is not None:
+        raise SpecError([f"{name}: {why}"])
     return path
 
 

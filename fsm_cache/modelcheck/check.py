@@ -405,10 +405,16 @@ def starts_past_ceiling(
         most = bounds.ceiling(counter)
         if start > most:
             flag = BOUND_BY.get(counter, "--max-count")
+            advice = (
+                f"give {flag} {start} or more"
+                if start <= MAX_BOUND
+                else f"no ceiling check takes reaches it ({flag} is at most {MAX_BOUND}: "
+                f"{TOO_HIGH_A_BOUND}); start it lower"
+            )
             return (
                 f"check: {name}: {counter} starts at {start}, above its ceiling {most} "
                 f"({flag}): no step is taken past a ceiling, so nothing would be explored; "
-                f"give {flag} {start} or more"
+                f"{advice}"
             )
     return None
 
@@ -987,7 +993,7 @@ def compositional(args: argparse.Namespace) -> int:
         for flag, value in given.items()
         if value is not None
     ]
-    if not args.specs:
+    if not args.specs and args.ops is None:  # an --ops module names its spec: refused below
         problems.append("check: --compositional needs SPEC arguments (it runs no controls)")
     if problems:
         raise SpecError(problems)

@@ -41,6 +41,7 @@ from fsm_cache.spec.guards import (
 )
 from fsm_cache.spec.machine import (
     NOT_A_NAME,
+    NOT_A_TITLE,
     Birth,
     EventSpec,
     Forbid,
@@ -629,7 +630,7 @@ def _machine(data: _Table, source: str, base: str, route: _Route) -> MachineSpec
             problems.add(f"machine.{key}", "missing or not a string")
     if isinstance(head.get("name"), str) and (bad := bad_title(head["name"])) is not None:
         problems.add("machine.name", f"{bad}: {shown(head['name'])}")
-    doc, label = _text(head, "doc", "machine", problems), _text(head, "label", "machine", problems)
+    doc, label = _text(head, "doc", "machine", problems), _line(head, "label", "machine", problems)
     problems.check()
     route.files.bases[source] = _lineage(basis, route.files)
     return MachineSpec(
@@ -793,7 +794,7 @@ def _composition(data: _Table, source: str, base: str, route: _Route) -> System:
     elif (bad := bad_title(head["name"])) is not None:
         problems.add("composition.name", f"{bad}: {shown(head['name'])}")
     doc = _text(head, "doc", "composition", problems)
-    label = _text(head, "label", "composition", problems)
+    label = _line(head, "label", "composition", problems)
     problems.check()
     route.files.bases[source] = _lineage(basis, route.files)
     return System(
@@ -1010,6 +1011,8 @@ def _forbids(items: object, key: str, problems: _Problems) -> tuple[Forbid, ...]
         event, error = _name(body, "event", where, problems), _name(body, "error", where, problems)
         if not isinstance(body.get("reason"), str):
             problems.add(f"{where}.reason", "missing or not a string")
+        else:
+            _line(body, "reason", where, problems)
         if guard is None or None in when:
             continue
         conditions = tuple(c for c in when if c is not None)
@@ -1031,7 +1034,7 @@ def _events(table: object, problems: _Problems) -> tuple[EventSpec, ...]:
             problems.add(where, "must be a table")
             continue
         _known_keys(body, {"doc", "past"}, where, problems)
-        doc, past = _text(body, "doc", where, problems), _text(body, "past", where, problems)
+        doc, past = _text(body, "doc", where, problems), _line(body, "past", where, problems)
         result.append(EventSpec(name, doc, past, problems.source))
     return tuple(result)
 
@@ -1061,6 +1064,20 @@ def _name(body: _Table, key: str, where: str, problems: _Problems) -> str:
         problems.add(f"{where}.{key}", shown_bad)
         return ""
     return str(value)
+
+
+def _line(body: _Table, key: str, where: str, problems: _Problems) -> str:
+    """Return the optional ``body[key]`` ("" if absent), one line of printable text.
+
+    For what a refusal's message or a diagram shows inline (a label, a past
+    tense, a reason): a line break or an escape code there would forge a line
+    of its own (``error: ...``) or colour the terminal.
+    """
+    value = _text(body, key, where, problems)
+    if value and not value.isprintable():
+        problems.add(f"{where}.{key}", f"{NOT_A_TITLE}: {shown(value)}")
+        return ""
+    return value
 
 
 def _text(body: _Table, key: str, where: str, problems: _Problems) -> str:
