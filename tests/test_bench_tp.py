@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import signal
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -20,7 +23,11 @@ with warnings.catch_warnings():
     # A torch without numpy warns at import, which filterwarnings=error would turn into an error.
     warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
     import torch.distributed as dist
-    from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
+    from torch.multiprocessing.spawn import (
+        ProcessContext,
+        ProcessExitedException,
+        ProcessRaisedException,
+    )
 
     from fsm_cache.bench import tp as tpbench
     from fsm_cache.bench.cache import UnequalWork
@@ -134,3 +141,32 @@ def test_the_command_prints_a_failed_rank_as_one_error_line(
         "",
         "error: bench tp: rank 1 failed: process 1 terminated with signal SIGKILL\n",
     )
+
+
+def test_an_interrupted_run_ends_its_ranks_which_ignore_ctrl_c(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C reached every rank, and each printed a traceback under ``interrupted``.
+
+    The ranks ignore SIGINT (from their start: a rank still importing torch
+    printed one too); the interrupted run ends them and removes torch's error files.
+    """
+    seen: dict[str, object] = {}
+
+    def interrupted(ranked: ProcessContext, timeout: float | None = None) -> bool:
+        del timeout
+        for process in ranked.processes:  # as a terminal's Ctrl-C reaches its whole group
+            os.kill(process.pid, signal.SIGINT)
+        time.sleep(1.0)
+        seen["alive"] = [process.is_alive() for process in ranked.processes]
+        seen["ranked"] = ranked
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ProcessContext, "join", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tpbench.run_tp_bench(2, **tpbench.QUICK)
+    ranked = seen["ranked"]
+    assert isinstance(ranked, ProcessContext)
+    assert seen["alive"] == [True, True]  # the Ctrl-C left them running
+    assert [process.is_alive() for process in ranked.processes] == [False, False]
+    assert [os.path.exists(name) for name in ranked.error_files] == [False, False]

@@ -32,21 +32,26 @@ named; ``fsm-cache bench tp`` calls :func:`run_tp_bench`.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import os
 import random
+import signal
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import (
+    ProcessContext,
     ProcessException,
     ProcessExitedException,
     start_processes,
@@ -262,13 +267,56 @@ def run_tp_bench(
     settings = Settings(per_step, polls, requests, small_requests, rounds, timeout)
     with tempfile.TemporaryDirectory(prefix="fsm-tpbench-") as tmp:
         args = (ranks, str(Path(tmp) / "store"), tmp, settings)
+        ranked = _start_ranks(args, ranks)
         try:
-            start_processes(_bench_rank, args=args, nprocs=ranks)  # type: ignore[no-untyped-call]
+            while not ranked.join():
+                pass
         except ProcessException as exc:
             raise rank_error(exc, Path(tmp)) from exc
+        except BaseException:  # Ctrl-C: the ranks ignore it, so they are ended here
+            _end_ranks(ranked)
+            raise
         figures = json.loads((Path(tmp) / "rank0.json").read_text())
     big, small = (StepTimes(**figures.pop(k)) for k in ("cache_trace", "small_trace"))
     return TPBench(**figures, cache_trace=big, small_trace=small)
+
+
+def _start_ranks(args: tuple[object, ...], ranks: int) -> ProcessContext:
+    """Start the rank processes of :func:`run_tp_bench` with Ctrl-C (SIGINT) ignored in them.
+
+    A terminal's Ctrl-C goes to every process of its group: each rank,
+    still importing torch or in a collective, printed a traceback of its
+    own under the command's ``interrupted``. The ranks inherit SIGINT
+    ignored (a disposition that survives their ``exec``); the caller ends
+    them when it is interrupted (:func:`_end_ranks`).
+    """
+    main = threading.current_thread() is threading.main_thread()  # where signals are set
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        started = start_processes(_bench_rank, args=args, nprocs=ranks, join=False)  # type: ignore[no-untyped-call]
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, before)
+    return cast("ProcessContext", started)
+
+
+def _end_ranks(ranked: ProcessContext) -> None:
+    """End the rank processes of an interrupted :func:`run_tp_bench` and remove their error files."""
+    for process in ranked.processes:
+        if process.is_alive():
+            process.terminate()
+    for process in ranked.processes:
+        process.join(timeout=_END_WAIT)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    for name in ranked.error_files:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+
+
+_END_WAIT = 5.0
+"""Seconds an interrupted rank is given to end on SIGTERM before it is killed."""
 
 
 @dataclass(frozen=True)
