@@ -36,6 +36,8 @@ from fsm_cache.spec.shipped import shipped_file
 
 
 if TYPE_CHECKING:
+    from sys import UnraisableHookArgs
+
     from _typeshed import SupportsWrite
 
 
@@ -437,6 +439,36 @@ def find_pyproject(start: Path) -> Path | None:
     return None
 
 
+@contextlib.contextmanager
+def _dropped_interrupts() -> Iterator[list[bool]]:
+    """Take the Ctrl-C Python drops where it lands; yield whether one was.
+
+    A :class:`KeyboardInterrupt` raised inside a callback Python itself calls
+    (an import lock's, while a command imports torch; a ``__del__``) is
+    printed as ``Exception ignored ...`` with a traceback and dropped: the
+    command ran on to its end and exited 0. Here it is noted instead of
+    printed, so that the command, once it ends, reports ``interrupted``
+    (a second Ctrl-C stops it sooner, as any does). It is not raised again
+    from here: a signal raised in the hook lands in the hook, which Python
+    drops as well. Whatever else is unraisable goes to the hook there was.
+    """
+    dropped = [False]
+    previous = sys.unraisablehook
+
+    def hook(unraisable: UnraisableHookArgs) -> None:
+        kind = unraisable.exc_type
+        if kind is not None and issubclass(kind, KeyboardInterrupt):
+            dropped[0] = True
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield dropped
+    finally:
+        sys.unraisablehook = previous
+
+
 def run_command(command: Callable[[], int]) -> int:
     """Run ``command`` and return its exit status, or the status of what it raised.
 
@@ -446,12 +478,14 @@ def run_command(command: Callable[[], int]) -> int:
     command's own (0 ok, 1 findings, 3 a check stopped short), 2 bad input,
     :data:`INTERRUPTED`, :data:`TERMINATED`, :data:`OUTPUT_CLOSED`.
     """
-    with _escaping_output(), _standard_streams():
+    with _escaping_output(), _standard_streams(), _dropped_interrupts() as dropped:
         try:
             try:
                 status = command()
             finally:
                 sys.stdout.flush()  # a reader that has gone is met here, not in the exit's flush
+            if dropped[0]:  # a Ctrl-C Python dropped, and the command still finished
+                raise KeyboardInterrupt
         except BrokenPipeError:
             return _output_closed()
         except KeyboardInterrupt as exc:  # Ctrl-C, or a SIGTERM the command took

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from types import FrameType
@@ -11,7 +12,7 @@ from types import FrameType
 import pytest
 
 from fsm_cache.contracts.runner import Workers
-from fsm_cache.shell import TERMINATED, Terminated, run_command, terminating
+from fsm_cache.shell import INTERRUPTED, TERMINATED, Terminated, run_command, terminating
 
 
 @pytest.fixture(autouse=True)
@@ -91,3 +92,41 @@ def test_a_sigterm_while_a_verify_run_waits_for_its_targets_stops_them() -> None
     timer.join()
     assert seen == [True]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+class _Dropping:
+    """Raises KeyboardInterrupt from ``__del__``, where Python drops it, as an import lock's callback."""
+
+    def __del__(self) -> None:
+        raise KeyboardInterrupt
+
+
+def test_a_ctrl_c_python_drops_still_ends_the_command_as_interrupted(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A Ctrl-C that landed in such a callback printed a traceback, and the command exited 0."""
+
+    def command() -> int:
+        _Dropping()  # dropped as soon as made: its __del__ raises where Python ignores it
+        return 0
+
+    assert run_command(command) == INTERRUPTED == 130
+    assert capsys.readouterr() == ("", "interrupted\n")
+
+
+def test_an_unraisable_error_that_is_no_ctrl_c_is_left_to_the_hook_there_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[type[BaseException] | None] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda raised: seen.append(raised.exc_type))
+
+    class Failing:
+        def __del__(self) -> None:
+            raise ValueError("in __del__")
+
+    def command() -> int:
+        Failing()
+        return 0
+
+    assert run_command(command) == 0
+    assert seen == [ValueError]
