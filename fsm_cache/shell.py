@@ -587,21 +587,31 @@ def _escaping_output() -> Iterator[None]:
 
 
 def _report(lines: Iterable[str], status: int) -> int:
-    """Write ``lines`` to stderr and return ``status``, or :data:`OUTPUT_CLOSED` if stderr has gone.
+    r"""Write ``lines`` to stderr and return ``status``, or :data:`OUTPUT_CLOSED` if stderr has gone.
 
-    A stderr that cannot take them (``2> /dev/full``) leaves ``status`` to
-    tell: the lines are dropped (:func:`_drop`), or the interpreter's flush
-    at exit would fail on them again and exit 120.
+    Each is one line: a control character in it (a line break or a terminal
+    escape in a file name the user gave) is written escaped, as ``repr``
+    shows it (``\n``, ``\x1b``), so it can neither forge a line of its own
+    nor colour the terminal. A stderr that cannot take them (``2> /dev/full``)
+    leaves ``status`` to tell: the lines are dropped (:func:`_drop`), or the
+    interpreter's flush at exit would fail on them again and exit 120.
     """
     try:
         for line in lines:
-            print(line, file=sys.stderr)
+            print(one_line(line), file=sys.stderr)
         sys.stderr.flush()
     except BrokenPipeError:
         return _output_closed()
     except OSError:
         _drop(sys.stderr)
     return status
+
+
+def one_line(text: str) -> str:
+    """Return ``text`` with each character that is not printable escaped as ``repr`` shows it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _output_closed() -> int:

@@ -609,3 +609,21 @@ def test_a_file_named_twice_is_validated_once(
     )
     assert len(err) == 1
     assert err[0].startswith("error: bad.toml: invalid TOML: ")
+
+
+def test_a_file_name_with_a_line_break_or_an_escape_stays_on_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A name holding ``\\nerror: fake.toml`` printed a forged line, and an escape coloured the terminal."""
+    forged = tmp_path / "nl\nerror: fake.toml"
+    forged.write_text("junk [")
+    coloured = tmp_path / "red\x1b[31m.toml"
+    coloured.write_text("[machine]\n")
+    assert main(["validate", str(forged), str(coloured)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert lines[0].startswith(f"error: {tmp_path}/nl\\nerror: fake.toml: invalid TOML: ")
+    assert all(line.startswith(f"error: {tmp_path}/") for line in lines)  # none forged
+    assert all(line.startswith(f"error: {tmp_path}/red\\x1b[31m.toml: ") for line in lines[1:])
+    assert "\x1b" not in err

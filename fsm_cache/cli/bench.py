@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 
 from fsm_cache.errors import BadArgument
+from fsm_cache.shell import one_line
 
 
 TAKES: dict[str, tuple[str, ...]] = {
@@ -173,6 +174,6 @@ def _server_bench(table: Callable[[], str]) -> int:
     try:
         print(table())
     except ImportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(one_line(f"error: {exc}"), file=sys.stderr)
         return 2
     return 0

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from fsm_cache.errors import SpecError
-from fsm_cache.shell import named_once, spec_path
+from fsm_cache.shell import named_once, one_line, spec_path
 from fsm_cache.spec.loader import load_spec
 from fsm_cache.spec.machine import MachineSpec, Spec
 
@@ -48,10 +48,10 @@ def run(args: argparse.Namespace) -> int:
             spec = load_spec(path)
         except SpecError as exc:
             for problem in exc.problems:
-                print(f"error: {problem}", file=sys.stderr)
+                print(one_line(f"error: {problem}"), file=sys.stderr)
             status = 2
             continue
-        print(f"ok: {path} ({summary(spec)})")
+        print(one_line(f"ok: {path} ({summary(spec)})"))
     return status
 
 
