@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from pools import ACCEPTED, REFUSED, pool
+from reader_specs import FINAL_HOLD
 
 from fsm_cache.cli.main import main
 from fsm_cache.modelcheck import check
@@ -278,50 +279,6 @@ def test_a_deadlock_is_found_beside_give_backs_a_ceiling_cuts(tmp_path: Path) ->
     )
     assert result.trace == ["start: chain", "node 0: acquire", "node 1: acquire"]
     assert result.past_ceiling > 0
-
-
-FINAL_HOLD = """
-[machine]
-name = "block"
-initial = "free"
-
-[counters]
-readers = 0
-
-[states]
-free = { invariant = "readers == 0" }
-reading = { final = true, invariant = "readers >= 1 and readers <= 2", counter = "readers" }
-
-[events]
-load = { doc = "a reader starts" }
-done = { doc = "a reader finished" }
-
-[[transition]]
-event = "load"
-source = "free"
-dest = "reading"
-update = "readers = 1"
-
-[[transition]]
-event = "load"
-source = "reading"
-dest = "reading"
-guard = "readers <= 1"
-update = "readers += 1"
-
-[[forbid]]
-event = "load"
-source = "reading"
-guard = "readers >= 2"
-error = "TooMany"
-reason = "two readers at most"
-
-[[forbid]]
-event = "done"
-source = ["free", "reading"]
-error = "NotNow"
-reason = "no reader to finish"
-"""
 
 
 def test_a_hold_no_event_gives_back_says_so(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from reader_specs import STUCK_AT_THREE
 
 from fsm_cache.modelcheck.check import TOO_MANY_NODES
 from fsm_cache.spec.shipped import spec_dir
@@ -1115,84 +1116,6 @@ def test_a_composed_spec_is_checked_again_once_a_region_file_changes(
     result.assert_outcomes(passed=5)
     calls = (pytester.path / "calls.txt").read_text().split()
     assert calls == ["check", "check", "check"]
-
-
-STUCK_AT_THREE = """
-[machine]
-name = "block"
-initial = "free"
-
-[counters]
-readers = 0
-
-[states]
-free = { invariant = "readers == 0" }
-reading = { invariant = "readers >= 1 and readers <= 3", counter = "readers" }
-
-[events]
-load = { doc = "a reader starts" }
-done = { doc = "a reader finished" }
-touch = { doc = "a reader reads" }
-
-[[transition]]
-event = "load"
-source = "free"
-dest = "reading"
-update = "readers = 1"
-
-[[transition]]
-event = "load"
-source = "reading"
-dest = "reading"
-guard = "readers <= 2"
-update = "readers += 1"
-
-[[forbid]]
-event = "load"
-source = "reading"
-guard = "readers >= 3"
-error = "TooMany"
-reason = "three readers at most"
-
-[[transition]]
-event = "done"
-source = "reading"
-dest = "free"
-guard = "readers == 1"
-update = "readers = 0"
-
-[[transition]]
-event = "done"
-source = "reading"
-dest = "reading"
-guard = "readers == 2"
-update = "readers -= 1"
-
-[[forbid]]
-event = "done"
-source = "reading"
-guard = "readers >= 3"
-error = "WaitForOthers"
-reason = "the others finish first"
-
-[[forbid]]
-event = "done"
-source = "free"
-error = "NotNow"
-reason = "no reader to finish"
-
-[[transition]]
-event = "touch"
-source = "reading"
-dest = "reading"
-
-[[forbid]]
-event = "touch"
-source = "free"
-error = "NotNow"
-reason = "no reader"
-"""
-"""Three readers can never finish: a livelock above ``fsm-check``'s default ceiling of 2."""
 
 
 @pytest.mark.parametrize("table", [False, True], ids=["ini", "pyproject"])
