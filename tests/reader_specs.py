@@ -4,6 +4,8 @@
 ``STUCK_AT_THREE``: three readers can never finish, a livelock above the model
 checker's default ceiling of 2 (a ``touch`` keeps it from being a deadlock,
 which the loader refuses).
+``ALL_AT_ONCE``: ``done`` lets every reader go at once (``readers = 0``), a step
+the holders' account takes as neither a hold nor a give-back.
 """
 
 _READERS = """
@@ -91,5 +93,20 @@ event = "touch"
 source = "free"
 error = "NotNow"
 reason = "no reader"
+""",
+)
+
+ALL_AT_ONCE = _READERS.format(
+    final="",
+    most=2,
+    below=1,
+    events="",
+    done_refused='"free"',
+    rules="""
+[[transition]]
+event = "done"
+source = "reading"
+dest = "free"
+update = "readers = 0"
 """,
 )

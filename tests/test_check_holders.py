@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from pools import ACCEPTED, REFUSED, pool
-from reader_specs import FINAL_HOLD
+from reader_specs import ALL_AT_ONCE, FINAL_HOLD
 
 from fsm_cache.cli.main import main
 from fsm_cache.modelcheck import check
@@ -294,3 +294,20 @@ def test_a_hold_no_event_gives_back_says_so(tmp_path: Path) -> None:
         "liveness: node 0: load can never give back its readers (no event of the spec does)"
     )
     assert result.trace == ["start: chain", "node 0: load"]
+
+
+def test_an_account_that_fails_names_the_steps_it_does_not_count(tmp_path: Path) -> None:
+    """``done`` sets ``readers = 0``: not one down, so no give-back, and one reader failed it.
+
+    The finding read as if a reader who loaded and finished broke the
+    account, without saying that ``done`` was not counted as a give-back.
+    """
+    path = tmp_path / "all.toml"
+    path.write_text(ALL_AT_ONCE)
+    result = check.check_spec(path, 1, Bounds({}))
+    assert result.violation == (
+        "invariant 6: node 0: readers is 0 but its holders account for 1 (done moves readers "
+        "by other steps than one up or one down, so the check counts it as neither a hold nor "
+        "a give-back)"
+    )
+    assert result.trace == ["start: chain", "node 0: load", "node 0: done"]

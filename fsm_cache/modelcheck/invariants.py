@@ -70,7 +70,15 @@ def accounted(layout: Layout, nodes: Nodes, i: int, entry: NodeEntry) -> str | N
             want += sum(layout.counter(_at(nodes, c), name) for c in children(nodes, i))
         have = layout.counter(entry, name)
         if have != want:
-            return f"invariant 6: node {i}: {name} is {have} but its holders account for {want}"
+            found = f"invariant 6: node {i}: {name} is {have} but its holders account for {want}"
+            uneven = layout.holders.uneven.get(name, ())
+            if uneven:
+                found += (
+                    f" ({', '.join(uneven)} {'moves' if len(uneven) == 1 else 'move'} {name} by "
+                    "other steps than one up or one down, so the check counts "
+                    f"{'it' if len(uneven) == 1 else 'them'} as neither a hold nor a give-back)"
+                )
+            return found
     return None
 
 

@@ -34,7 +34,7 @@ before anything is explored (:attr:`Holders.unpaired`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fsm_cache.spec.changes import Change, changes
 from fsm_cache.spec.machine import System
@@ -56,6 +56,10 @@ class Holders:
         kinds: The hold kinds, in order of their first acquiring event.
         propagating: Counters whose transitions propagate to ancestors.
         unpaired: One finding per give-back whose kind no event acquires.
+        uneven: Per counter of :attr:`counts`, the events that move it by
+            other steps than one up or one down alike (``readers = 0`` from
+            any count): counted as neither an acquire nor a give-back, which
+            a finding of the holders' account says.
     """
 
     counts: tuple[str, ...]
@@ -64,6 +68,7 @@ class Holders:
     kinds: tuple[Hold, ...]
     propagating: frozenset[str]
     unpaired: tuple[str, ...]
+    uneven: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, system: System) -> Holders:
@@ -92,7 +97,15 @@ class Holders:
             for a in t.update.assigns
         )
         paired = {event: tuple(k for k in keys if k in kinds) for event, keys in releases.items()}
-        return cls(counts, acquires, paired, kinds, propagating, unpaired)
+        uneven = {
+            name: tuple(
+                event
+                for event, by_region in moves.items()
+                if any(_uneven(found.get(name, set())) for found in by_region.values())
+            )
+            for name in counts
+        }
+        return cls(counts, acquires, paired, kinds, propagating, unpaired, uneven)
 
     def givers(self, acquire: str) -> tuple[str, ...]:
         """Return the events that give back exactly what ``acquire`` takes, in declaration order.
@@ -137,6 +150,12 @@ def _steps_by(found: set[Change], step: int) -> bool:
     """
     moving = [change for before, change in found if not (step < 0 and before == change == 0)]
     return bool(moving) and all(change == step for change in moving)
+
+
+def _uneven(found: set[Change]) -> bool:
+    """Whether the steps ``found`` move a counter, but not all by one up or all by one down."""
+    moving = [change for _, change in found if change != 0]
+    return bool(moving) and not (_steps_by(found, 1) or _steps_by(found, -1))
 
 
 def _unpaired(system: System, event: str, key: Hold) -> str:
