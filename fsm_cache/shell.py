@@ -440,8 +440,8 @@ def find_pyproject(start: Path) -> Path | None:
 
 
 @contextlib.contextmanager
-def _dropped_interrupts() -> Iterator[list[bool]]:
-    """Take the Ctrl-C Python drops where it lands; yield whether one was.
+def _dropped_interrupts() -> Iterator[list[type[KeyboardInterrupt]]]:
+    """Take the Ctrl-C (or SIGTERM) Python drops where it lands; yield the kinds dropped.
 
     A :class:`KeyboardInterrupt` raised inside a callback Python itself calls
     (an import lock's, while a command imports torch; a ``__del__``) is
@@ -452,13 +452,13 @@ def _dropped_interrupts() -> Iterator[list[bool]]:
     from here: a signal raised in the hook lands in the hook, which Python
     drops as well. Whatever else is unraisable goes to the hook there was.
     """
-    dropped = [False]
+    dropped: list[type[KeyboardInterrupt]] = []
     previous = sys.unraisablehook
 
     def hook(unraisable: UnraisableHookArgs) -> None:
         kind = unraisable.exc_type
         if kind is not None and issubclass(kind, KeyboardInterrupt):
-            dropped[0] = True
+            dropped.append(kind)  # a SIGTERM's Terminated is one too
         else:
             previous(unraisable)
 
@@ -484,8 +484,8 @@ def run_command(command: Callable[[], int]) -> int:
                 status = command()
             finally:
                 sys.stdout.flush()  # a reader that has gone is met here, not in the exit's flush
-            if dropped[0]:  # a Ctrl-C Python dropped, and the command still finished
-                raise KeyboardInterrupt
+            if dropped:  # a Ctrl-C or SIGTERM Python dropped, and the command still finished
+                raise dropped[0]
         except BrokenPipeError:
             return _output_closed()
         except KeyboardInterrupt as exc:  # Ctrl-C, or a SIGTERM the command took

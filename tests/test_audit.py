@@ -162,6 +162,14 @@ def test_a_folder_without_python_files_is_named_not_passed_in_silence(
     status, out, err = run_main([str(tmp_path)], capsys)
     assert (status, out) == (0, "")
     assert err == f"warning: no Python files under {tmp_path}: nothing was audited\n"
+    forged = tmp_path / "d\nerror: forged.toml"  # a folder whose name would forge a line
+    forged.mkdir()
+    status, out, err = run_main([str(forged)], capsys)
+    assert (status, out) == (0, "")
+    assert (
+        err
+        == f"warning: no Python files under {tmp_path}/d\\nerror: forged.toml: nothing was audited\n"
+    )
 
 
 def test_an_undecodable_file_is_reported_as_bad_input(

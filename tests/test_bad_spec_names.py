@@ -112,6 +112,11 @@ def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
         ("pins = 0\n", "pins = 0\nrec = 0\n", "counters.rec: 'rec' is reserved"),
         (
             'update = "pins += 1"',
+            'update = "pins += 1"\neffect = ["go"]',
+            "transition[0].effect: one name, not a list: ['go']",
+        ),
+        (
+            'update = "pins += 1"',
             'update = "pins += 1"\neffect = nan',
             "transition[0].effect: not an identifier: nan",
         ),

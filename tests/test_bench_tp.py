@@ -148,25 +148,42 @@ def test_an_interrupted_run_ends_its_ranks_which_ignore_ctrl_c(
 ) -> None:
     """A Ctrl-C reached every rank, and each printed a traceback under ``interrupted``.
 
-    The ranks ignore SIGINT (from their start: a rank still importing torch
-    printed one too); the interrupted run ends them and removes torch's error files.
+    The ranks ignore SIGINT (a rank still importing torch printed one too);
+    the interrupted run ends them, by a signal, not with a traceback's 1.
     """
-    seen: dict[str, object] = {}
+    seen: list[ProcessContext] = []
 
     def interrupted(ranked: ProcessContext, timeout: float | None = None) -> bool:
         del timeout
-        for process in ranked.processes:  # as a terminal's Ctrl-C reaches its whole group
-            os.kill(process.pid, signal.SIGINT)
-        time.sleep(1.0)
-        seen["alive"] = [process.is_alive() for process in ranked.processes]
-        seen["ranked"] = ranked
+        seen.append(ranked)
+        for delay in (0.0, 3.0):  # while the ranks start, then once they run
+            time.sleep(delay)
+            for process in ranked.processes:  # as a terminal's Ctrl-C reaches its whole group
+                if process.is_alive():
+                    os.kill(process.pid, signal.SIGINT)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(ProcessContext, "join", interrupted)
     with pytest.raises(KeyboardInterrupt):
         tpbench.run_tp_bench(2, **tpbench.QUICK)
-    ranked = seen["ranked"]
-    assert isinstance(ranked, ProcessContext)
-    assert seen["alive"] == [True, True]  # the Ctrl-C left them running
+    (ranked,) = seen
     assert [process.is_alive() for process in ranked.processes] == [False, False]
+    assert {process.exitcode for process in ranked.processes} <= {-signal.SIGINT, -signal.SIGTERM}
+    assert [os.path.exists(name) for name in ranked.error_files] == [False, False]
+
+
+def test_a_failed_rank_leaves_no_error_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch keeps the error file of the rank that failed; a failed run left it in /tmp."""
+    seen: list[ProcessContext] = []
+    join = ProcessContext.join
+
+    def joined(ranked: ProcessContext, timeout: float | None = None) -> bool:
+        seen.append(ranked)
+        return bool(join(ranked, timeout))
+
+    monkeypatch.setattr(ProcessContext, "join", joined)
+    with pytest.raises(RankFailure):
+        tpbench.run_tp_bench(2, **tpbench.QUICK, timeout=0.0001)
+    ranked = seen[0]
+    assert all(other is ranked for other in seen)
     assert [os.path.exists(name) for name in ranked.error_files] == [False, False]

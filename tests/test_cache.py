@@ -1086,6 +1086,11 @@ class TestMisuseFoundByReview:
                 "free_slots: slots must be a sequence of ints, got a Tensor whose values "
                 "cannot be read: Cannot access data pointer of Tensor that doesn't have storage",
             ),
+            (  # the same, one value at a time
+                lambda c: c.match_prefix([torch.tensor(3, device="meta")]),
+                "match_prefix: tokens[0] is tensor(..., device='meta', size=(), "
+                "dtype=torch.int64), not an int",
+            ),
         ],
     )
     def test_inputs_without_a_meaning_are_refused(self, call: object, message: str) -> None:

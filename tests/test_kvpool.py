@@ -413,6 +413,19 @@ def test_unregister_failure_at_close_raises_once(cudart: FakeCudart) -> None:
     assert [c[0] for c in cudart.calls] == ["register", "unregister"]
 
 
+def test_release_keeps_memory_that_may_still_be_registered(cudart: FakeCudart) -> None:
+    """A second release dropped the memory an unregistration had failed on, maybe still locked."""
+    pool = pinned_pool()
+    cudart.codes["cudaHostUnregister"] = 1
+    tensor = pool.tensor
+    with pytest.raises(PinnedMemoryError):
+        pool.release()
+    cudart.codes["cudaHostUnregister"] = 0
+    pool.release()
+    assert (pool.released, pool.num_pages, pool.tensor is tensor) == (False, 2, True)
+    assert [c[0] for c in cudart.calls] == ["register", "unregister"]
+
+
 def test_unregister_failure_at_garbage_collection_warns(cudart: FakeCudart) -> None:
     pool = pinned_pool()
     cudart.codes["cudaHostUnregister"] = 1

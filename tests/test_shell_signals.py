@@ -130,3 +130,21 @@ def test_an_unraisable_error_that_is_no_ctrl_c_is_left_to_the_hook_there_was(
 
     assert run_command(command) == 0
     assert seen == [ValueError]
+
+
+class _DroppingTerm:
+    """Raises Terminated (a SIGTERM's) from ``__del__``, where Python drops it."""
+
+    def __del__(self) -> None:
+        raise Terminated
+
+
+def test_a_sigterm_python_drops_ends_the_command_as_terminated(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def command() -> int:
+        _DroppingTerm()
+        return 0
+
+    assert run_command(command) == TERMINATED
+    assert capsys.readouterr() == ("", "terminated\n")

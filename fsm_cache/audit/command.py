@@ -24,7 +24,7 @@ from fsm_cache.audit.checker import check_source
 from fsm_cache.audit.config import ConfigFinder
 from fsm_cache.audit.model import DEFAULT_PAIRS, AuditConfig, AuditError, Finding
 from fsm_cache.audit.report import REPORT_FORMATS, render_report
-from fsm_cache.shell import Parser, named_once, path_argument, path_text, run_command
+from fsm_cache.shell import Parser, named_once, one_line, path_argument, path_text, run_command
 from fsm_cache.spec.loader import unreadable
 
 
@@ -78,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
     files = _python_files(args.paths)
     if not files:
         named = ", ".join(args.paths)
-        sys.stderr.write(f"warning: no Python files under {named}: nothing was audited\n")
+        sys.stderr.write(
+            one_line(f"warning: no Python files under {named}: nothing was audited") + "\n"
+        )
     findings = _findings(files, ConfigFinder(args.config, args.pair))
     sys.stdout.write(render_report(findings, args.format))
     return 1 if findings else 0

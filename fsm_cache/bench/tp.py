@@ -273,9 +273,8 @@ def run_tp_bench(
                 pass
         except ProcessException as exc:
             raise rank_error(exc, Path(tmp)) from exc
-        except BaseException:  # Ctrl-C: the ranks ignore it, so they are ended here
+        finally:  # a Ctrl-C leaves ranks running; torch keeps a failed rank's error file
             _end_ranks(ranked)
-            raise
         figures = json.loads((Path(tmp) / "rank0.json").read_text())
     big, small = (StepTimes(**figures.pop(k)) for k in ("cache_trace", "small_trace"))
     return TPBench(**figures, cache_trace=big, small_trace=small)
@@ -288,7 +287,8 @@ def _start_ranks(args: tuple[object, ...], ranks: int) -> ProcessContext:
     still importing torch or in a collective, printed a traceback of its
     own under the command's ``interrupted``. The ranks inherit SIGINT
     ignored (a disposition that survives their ``exec``); the caller ends
-    them when it is interrupted (:func:`_end_ranks`).
+    them (:func:`_end_ranks`), and the kernel does if the caller dies
+    (:func:`_end_with_parent`).
     """
     main = threading.current_thread() is threading.main_thread()  # where signals are set
     before = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
@@ -301,7 +301,7 @@ def _start_ranks(args: tuple[object, ...], ranks: int) -> ProcessContext:
 
 
 def _end_ranks(ranked: ProcessContext) -> None:
-    """End the rank processes of an interrupted :func:`run_tp_bench` and remove their error files."""
+    """End the rank processes of :func:`run_tp_bench` still running, and remove their error files."""
     for process in ranked.processes:
         if process.is_alive():
             process.terminate()
@@ -337,6 +337,7 @@ def _bench_rank(rank: int, world: int, store: str, out: str, settings: Settings)
     An error of fsm_cache's is written to ``rank<N>.error`` (its type's name
     and its message) before it ends the rank, for :func:`rank_error`.
     """
+    _end_with_parent()
     torch.set_num_threads(1)  # a core per rank at most; idle intra-op threads would spin
     try:
         dist.init_process_group(
@@ -355,6 +356,19 @@ def _bench_rank(rank: int, world: int, store: str, out: str, settings: Settings)
     except FsmCacheError as exc:
         (Path(out) / f"rank{rank}.error").write_text(json.dumps([type(exc).__name__, str(exc)]))
         raise
+
+
+def _end_with_parent() -> None:
+    """Have the kernel end this rank with SIGTERM when its parent dies (Linux only).
+
+    torch's spawn asks for SIGINT, which a rank ignores (:func:`_start_ranks`),
+    so a parent killed outright (SIGKILL, the OOM killer) left its ranks
+    running the benchmark to its end under init. Where torch offers no way to
+    ask (another platform), nothing is asked.
+    """
+    ask = getattr(torch.multiprocessing, "_prctl_pr_set_pdeathsig", None)
+    if callable(ask):
+        ask(signal.SIGTERM)
 
 
 def rank_error(failed: ProcessException, out: Path) -> BaseException:

@@ -126,7 +126,7 @@ def packed(value: object, op: str, what: str) -> tuple[tuple[int, ...], array.ar
     out = tuple(value)
     try:
         words = array.array("Q", out)  # one pass in C: non-negative ints below 2**64, or it raises
-    except (TypeError, OverflowError):
+    except (TypeError, OverflowError, RuntimeError):  # RuntimeError: a tensor with no value
         _name_culprit(out, op, what)
         raise  # not reached: _name_culprit raises
     return out, words

@@ -528,11 +528,13 @@ class Transfers:
 
         Raises:
             DuplicateAck: As :meth:`apply`; nothing was applied.
+            BadArgument: The acknowledgement source gave something that is not
+                a :class:`Completion`; nothing was applied.
         """
         completions = self.collect(wait)
         try:
             return self.apply(completions, origin)
-        except DuplicateAck:
+        except (DuplicateAck, BadArgument):  # refused before any was applied
             flying = self._tickets
             for c in completions:
                 batch = flying.get(c.ticket.id) if isinstance(c, Completion) else None

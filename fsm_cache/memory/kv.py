@@ -152,6 +152,7 @@ class KVPool:
         self.layout = layout
         self.pinned = pinned
         self.released = False
+        self._maybe_registered = False  # an unregistration failed: never give the memory back
         self.allocator = PageAllocator(name, num_pages, layout.page_size)
         self._page_first = name == "host"
         self._hold(tensor, num_pages)
@@ -455,7 +456,11 @@ class KVPool:
         if finalizer is None or finalizer.detach() is None:
             return
         self.pinned = False
-        unregister_host(self.tensor, self._pin_device)
+        try:
+            unregister_host(self.tensor, self._pin_device)
+        except PinnedMemoryError:
+            self._maybe_registered = True  # release() must not give this memory back
+            raise
 
     def release(self) -> None:
         """Give the pool's memory back now: unregister it (:meth:`close`), then drop it; idempotent.
@@ -469,13 +474,18 @@ class KVPool:
         returned) keeps the memory it views. Wait for every copy that reads or
         writes the pool first (:meth:`Tiers.close` does).
 
+        Where unregistering failed (now, or at an earlier :meth:`close`) the
+        memory is kept, as it may still be registered: freeing registered
+        memory is undefined. The pool is then not released.
+
         Raises:
-            PinnedMemoryError: As :meth:`close`; the memory is kept then (it
-                may still be registered), and a later ``release`` tries again.
+            PinnedMemoryError: As :meth:`close`; the memory is kept.
         """
         if self.released:
             return
         self.close()
+        if self._maybe_registered:
+            return
         self.released = True
         self._hold(self.tensor.new_empty(_pool_shape(self.name, self.layout, 0)), 0)
 

@@ -980,7 +980,9 @@ def _transitions(items: object, problems: _Problems) -> tuple[Transition, ...]:
         event, dest = _name(body, "event", where, problems), _name(body, "dest", where, problems)
         sources = _names(body.get("source"), f"{where}.source", problems)
         effect, propagate = body.get("effect"), body.get("propagate")
-        if effect is not None and (bad := bad_name(effect)) is not None:
+        if isinstance(effect, list):  # one effect a transition: a list reads as a slip
+            problems.add(f"{where}.effect", f"one name, not a list: {shown(effect)}")
+        elif effect is not None and (bad := bad_name(effect)) is not None:
             problems.add(f"{where}.effect", f"{bad}: {shown(effect)}")
         if propagate not in (None, "ancestors"):
             problems.add(f"{where}.propagate", f"must be 'ancestors', got {shown(propagate)}")
