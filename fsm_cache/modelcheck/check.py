@@ -255,6 +255,11 @@ BOUND_BY = {"pins": "--max-pins", "locks": "--max-locks"}
 """The option that bounds a counter of each of these names; any other's is ``--max-count``."""
 
 
+def bound_by(counter: str) -> str:
+    """Return the option that bounds ``counter``: :data:`BOUND_BY`'s, else ``--max-count``."""
+    return BOUND_BY.get(counter, "--max-count")
+
+
 def unused_bounds(given: dict[str, int], counters: dict[Path, list[str]]) -> list[str]:
     """Return a refusal of each bound option in ``given`` that bounds no counter of ``counters``.
 
@@ -268,7 +273,7 @@ def unused_bounds(given: dict[str, int], counters: dict[Path, list[str]]) -> lis
         given: The value of each bound option on the command line, by option.
         counters: The counters of each spec checked, in the spec's order.
     """
-    used = {BOUND_BY.get(name, "--max-count") for names in counters.values() for name in names}
+    used = {bound_by(name) for names in counters.values() for name in names}
     have = "; ".join(
         f"{path}: {', '.join(names) or 'no counters'}" for path, names in counters.items()
     )
@@ -335,7 +340,7 @@ def not_explored(bounds: dict[str, int], cut: dict[str, int]) -> list[str]:
     """
     return [
         f"not explored: {name} above {bounds[name]}, where a comparison turns at "
-        f"{at} ({BOUND_BY.get(name, '--max-count')} {at} reaches it)"
+        f"{at} ({bound_by(name)} {at} reaches it)"
         for name, at in cut.items()
     ]
 
@@ -378,7 +383,7 @@ def as_command(path: Path, nodes: int, bounds: Mapping[str, int] | None = None) 
     register(parser.add_subparsers())
     line = ["check", str(path), "--nodes", str(nodes)]
     if bounds:
-        used = {BOUND_BY.get(name, "--max-count") for name, _ in _system(path, None).counters}
+        used = {bound_by(name) for name, _ in _system(path, None).counters}
         line += [str(x) for flag, value in bounds.items() if flag in used for x in (flag, value)]
     args = parser.parse_args(line)
     args.progress = False
@@ -404,7 +409,7 @@ def starts_past_ceiling(
     for counter, start in counters:
         most = bounds.ceiling(counter)
         if start > most:
-            flag = BOUND_BY.get(counter, "--max-count")
+            flag = bound_by(counter)
             advice = (
                 f"give {flag} {start} or more"
                 if start <= MAX_BOUND

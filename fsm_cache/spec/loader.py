@@ -980,9 +980,8 @@ def _transitions(items: object, problems: _Problems) -> tuple[Transition, ...]:
         event, dest = _name(body, "event", where, problems), _name(body, "dest", where, problems)
         sources = _names(body.get("source"), f"{where}.source", problems)
         effect, propagate = body.get("effect"), body.get("propagate")
-        if isinstance(effect, list):  # one effect a transition: a list reads as a slip
-            problems.add(f"{where}.effect", f"one name, not a list: {shown(effect)}")
-        elif effect is not None and (bad := bad_name(effect)) is not None:
+        listed = _listed(effect, f"{where}.effect", problems)
+        if not listed and effect is not None and (bad := bad_name(effect)) is not None:
             problems.add(f"{where}.effect", f"{bad}: {shown(effect)}")
         if propagate not in (None, "ancestors"):
             problems.add(f"{where}.propagate", f"must be 'ancestors', got {shown(propagate)}")
@@ -1058,14 +1057,26 @@ def _known_keys(body: _Table, allowed: set[str], where: str, problems: _Problems
 def _name(body: _Table, key: str, where: str, problems: _Problems) -> str:
     value = body.get(key)
     bad = bad_name(value)
-    if isinstance(value, list):  # as a transition's source takes: this key takes one
-        problems.add(f"{where}.{key}", f"one name, not a list: {shown(value)}")
+    if _listed(value, f"{where}.{key}", problems):
         return ""
     if bad is not None:
         shown_bad = f"missing or {bad}: {shown(value)}" if bad == NOT_A_NAME else bad
         problems.add(f"{where}.{key}", shown_bad)
         return ""
     return str(value)
+
+
+def _listed(value: object, at: str, problems: _Problems) -> bool:
+    """Report ``value`` at ``at`` if it is a list where one name goes; return whether it was.
+
+    A transition's or a refusal's ``source`` takes a list, its ``event`` (or
+    ``effect``) one name: a list there is an easy slip, and read as no name at
+    all it was reported as ``missing or not an identifier``.
+    """
+    if not isinstance(value, list):
+        return False
+    problems.add(at, f"one name, not a list: {shown(value)}")
+    return True
 
 
 def _line(body: _Table, key: str, where: str, problems: _Problems) -> str:
