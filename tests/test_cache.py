@@ -1170,7 +1170,9 @@ def observed_memory(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref[object]
 
     def over_numpy(make: Any) -> Any:
         def made(layout: KVLayout, pages: int, *args: Any, **kwargs: Any) -> KVPool:
-            pool = make(layout, pages, *args, **kwargs)
+            pool: KVPool = make(layout, pages, *args, **kwargs)
+            if not pool.nbytes:  # no memory to watch (and numpy's empty buffer has no view)
+                return pool
             raw = np.zeros(pool.tensor.numel() * pool.tensor.element_size(), dtype=np.uint8)
             buffers.append(weakref.ref(raw))
             tensor = torch.from_numpy(raw).view(pool.tensor.dtype).view(pool.tensor.shape)
@@ -1215,6 +1217,56 @@ def test_close_gives_both_pools_memory_back_without_the_cyclic_collector(
         )
         with pytest.raises(CacheClosed):
             cache.match_prefix(tokens(0, 32))
+    finally:
+        if was:
+            gc.enable()
+
+
+@pytest.mark.parametrize("copier", [None, FaultyCopyEngine.copier()], ids=["plain", "wrapped"])
+def test_a_dropped_cache_gives_both_pools_memory_back_at_once(
+    copier: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dropped unclosed, a cache kept its pools' memory until Python's cyclic collector ran.
+
+    Its parts refer to each other, so the last reference going freed nothing:
+    a server that built a cache again (a test suite, a notebook, a reload)
+    held the old device pool beside the new one until a full collection.
+    """
+    memory = observed_memory(monkeypatch)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        cache = make(write_policy="write_through", copier=copier)
+        cache.insert(tokens(0, 32))
+        assert cache.issued()  # dropped with its backups in flight: they are waited for
+        del cache
+        assert [buffer() for buffer in memory] == [None, None]
+    finally:
+        if was:
+            gc.enable()
+
+
+def test_a_cache_refused_after_its_tiers_were_built_keeps_no_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cache refused half-built is dropped at once: its ``__del__`` must cope, and free the pools.
+
+    The first ``__del__`` read an attribute ``__init__`` had not set yet; mypyc
+    reads one that ``__init__`` always sets unchecked, and the process died
+    of a segmentation fault.
+    """
+    memory = observed_memory(monkeypatch)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(ConfigError) as refused:
+            make(write_policy="write_back", host_pages=0)
+        assert str(refused.value) == (
+            "config: write_back needs host pages: with none, no device page could be evicted"
+        )
+        del refused  # its traceback holds the half-built cache
+        assert len(memory) == 1  # the device pool's; the host pool has no pages
+        assert memory[0]() is None
     finally:
         if was:
             gc.enable()

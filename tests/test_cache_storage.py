@@ -445,6 +445,28 @@ def test_close_waits_for_the_worker_threads_to_end(store: Store, clock: HandCloc
     assert not _workers()
 
 
+def test_a_dropped_cache_ends_its_worker_threads(store: Store) -> None:
+    """Dropped unclosed, a cache left its worker threads waiting on its queue for good.
+
+    Its parts refer to each other, so only the cyclic collector ever reached
+    them; the threads then ran until the interpreter exited, where a thread
+    still in a store's code can abort the process.
+    """
+    assert not _workers()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        cache = HiCache(config(), storage=tier(store, threads=2))
+        cache.insert(tokens(2))
+        cache.poll()  # the backups finished: the stores start on the workers
+        assert len(_workers()) == 2
+        del cache
+        assert not _workers()
+    finally:
+        if was:
+            gc.enable()
+
+
 def test_close_leaves_a_thread_hung_past_the_timeout(store: Store) -> None:
     """close() waits for the threads up to ``io_timeout``, and not for ever."""
     faulty = FaultyStore(store)

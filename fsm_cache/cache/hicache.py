@@ -21,6 +21,7 @@ machine, counters, log), :class:`~fsm_cache.cache.transfers.Transfers`
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -168,6 +169,10 @@ class HiCache:
         storage: StorageConfig | None = None,
         compute_stream: object | None = None,
     ) -> None:
+        # first, and closed until the tiers are built: __del__ reads it, and under mypyc an
+        # attribute __init__ always sets is read unchecked (NULL where __init__ raised first)
+        self._gate = _Gate()
+        self._gate.closed = True
         if config is not None and not isinstance(config, CacheConfig):
             raise ConfigError(f"config: expected a CacheConfig, got {type(config).__name__}")
         if acks is not None and not callable(acks):
@@ -179,7 +184,9 @@ class HiCache:
         if storage is not None:
             storage.check()
         self.policy = WritePolicy(self.config.write_policy)
+        self._storage: StorageTier | None = None
         self.tiers = Tiers(self.config, compute_stream=compute_stream)
+        self._gate.closed = False  # from here, __del__ gives the tiers back
         if self.policy is WritePolicy.WRITE_BACK and self.tiers.host.num_pages == 0:
             raise ConfigError(
                 "config: write_back needs host pages: with none, no device page could be evicted"
@@ -189,7 +196,6 @@ class HiCache:
                 "storage: a storage tier needs host pages: copies to and from it pass"
                 " through the host"
             )
-        self._gate = _Gate()
         self._core = CacheCore(
             self.config.page_size, self.tiers, self.config.trail, self.config.log_limit
         )
@@ -198,7 +204,6 @@ class HiCache:
         )
         self._evictor = Evictor(self._core, self.tiers, self._transfers, self.policy)
         effects = MemoryEffects(self._core, self.tiers, self._transfers, self._evictor).bound()
-        self._storage: StorageTier | None = None
         if storage is not None:
             self._storage = StorageTier(
                 storage,
@@ -211,8 +216,11 @@ class HiCache:
             effects.update(self._storage.effects())
         self._core.bind(effects, storage=storage is not None)
         self._events = frozenset(self._core.machine.engine.events)
-        # what every operation's exit starts: device-host copies, then storage copies
-        self._flush_all = self._transfers.flush if self._storage is None else self._flush
+        # what every operation's exit starts: device-host copies, then storage copies (not a
+        # bound method of the cache's own, which would hold it in a cycle and delay __del__)
+        self._flush_all: Callable[[], None] = self._transfers.flush
+        if self._storage is not None:
+            self._flush_all = partial(_flush_both, self._transfers, self._storage)
 
     # -- the parts, read-only ------------------------------------------------
 
@@ -1140,9 +1148,10 @@ class HiCache:
         only once no copy can still read or write it, and then at once: it is
         free when this returns (:meth:`Tiers.close <fsm_cache.memory.tiers.Tiers.close>`),
         not when Python's cyclic garbage collector reclaims the cache, whose
-        parts refer to each other. A cache dropped unclosed keeps its memory
-        until that collection. A copy that fails and must run again
-        (a load a request locked) is retried for a bounded number of rounds;
+        parts refer to each other. A cache dropped unclosed gives it back
+        when its last reference goes (``__del__``), waiting for its copies the
+        same way, but applies nothing and raises nothing. A copy that fails
+        and must run again (a load a request locked) is retried for a bounded number of rounds;
         one still failing then stays queued, unstarted, and its node loading,
         so that no copy is started whose completion would be dropped.
         Idempotent; any later operation raises :class:`~fsm_cache.errors.CacheClosed`.
@@ -1170,6 +1179,22 @@ class HiCache:
         self._give_back()
         if failed is not None:
             raise failed
+
+    def __del__(self) -> None:
+        """Give the tiers' memory back when the cache is dropped unclosed, as :meth:`close` does.
+
+        The cache's parts refer to each other (the engine's effect hooks, the
+        tree's split callback, the copy acknowledgements), so without this the
+        pools (the whole device pool, on a GPU) stayed allocated until Python's
+        cyclic collector ran, at a time of its choosing. As in ``close()``,
+        the copies in flight are waited for before the memory goes back, so
+        none can still write into it; their completions go with the cache.
+        Nothing is done while the interpreter exits (torch may be gone). An
+        error giving the memory back reaches :func:`sys.unraisablehook`.
+        """
+        if not self._gate.closed and not sys.is_finalizing():
+            self._gate.closed = True
+            self._give_back()
 
     def _give_back(self) -> None:
         """End the storage workers and give the tiers' memory back (again, where that raised)."""
@@ -1280,11 +1305,11 @@ class HiCache:
         check = self.check_invariants if self.config.debug else None
         return _Operation(self._gate, self._core.log, self._flush_all, check, name, args, unpacked)
 
-    def _flush(self) -> None:
-        """Start every copy the operation queued: device-host copies, then storage copies."""
-        self._transfers.flush()
-        if self._storage is not None:
-            self._storage.flush()
+
+def _flush_both(transfers: Transfers, storage: StorageTier) -> None:
+    """Start every copy an operation queued: device-host copies, then storage copies."""
+    transfers.flush()
+    storage.flush()
 
 
 def _chain(node: TreeNode) -> tuple[list[TreeNode], TreeNode | None]:

@@ -530,14 +530,18 @@ class _Workers:
         the process (a C++ runtime that is torn down under it): a cache closed
         by a server that then exits must leave none running. A thread whose
         store hangs past ``wait`` is left (a daemon thread); its copy was
-        failed by its timeout already.
+        failed by its timeout already. Called on a worker (a dropped cache's
+        ``__del__`` run by the cyclic collector there), that worker is not
+        waited for: it ends after its job.
         """
         threads, self._threads = self._threads, []
         for _ in threads:
             self._jobs.put(None)
         deadline = time.monotonic() + _waitable(wait)
+        here = threading.current_thread()
         for thread in threads:
-            thread.join(_waitable(deadline - time.monotonic()))
+            if thread is not here:  # joining itself would raise
+                thread.join(_waitable(deadline - time.monotonic()))
 
 
 def _run(
