@@ -446,6 +446,45 @@ def test_cli_reports_a_counterexample_and_exits_1(capsys: pytest.CaptureFixture[
     assert "1 counterexample" in out
 
 
+_EXITS_AT_IMPORT = """
+import sys
+
+from icontract import ensure
+
+
+@ensure(lambda result: result >= 0)
+def square(x: int) -> int:
+    return x * x
+
+
+sys.exit({status})
+"""
+
+
+def test_a_module_that_exits_when_imported_is_named_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """CrossHair imports the module: ``sys.exit()`` there ended it with nothing printed.
+
+    Status 3 read ``CrossHair failed on FILE: no output``, and status 0 left
+    each contract ``CrossHair did not report this contract``: neither said why.
+    """
+    exits = tmp_path / "exits.py"
+    exits.write_text(_EXITS_AT_IMPORT.format(status=3))
+    assert main(["verify", str(exits)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: CrossHair failed on {exits}: it exited with status 3 and printed nothing,"
+        " as when the module calls sys.exit() while it is imported\n"
+    )
+    exits.write_text(_EXITS_AT_IMPORT.format(status=0))
+    assert main(["verify", str(exits)]) == 1
+    (row, _) = capsys.readouterr().out.splitlines()
+    assert row.split("  ")[-1] == (
+        "not analysed: CrossHair did not report this contract: it printed nothing at all, as"
+        " when the module exits with status 0 (sys.exit()) while it is imported"
+    )
+
+
 def test_unknown_target_is_a_clear_error() -> None:
     with pytest.raises(
         SpecError, match=r"^no_such\.module: not a spec file, a \.py file or an importable module$"

@@ -241,8 +241,9 @@ def prove(
         extra += stray
     if not known and not extra:
         return [Row(target, "-", "-", NOT_ANALYSED, "no checkable functions")]
+    silent = not any(r.strip() for r in reports)  # --report_all prints a line per contract
     rows = [
-        Row(target, c.function, c.text, *verdicts.get(key, _unreported()))
+        Row(target, c.function, c.text, *verdicts.get(key, _unreported(silent=silent)))
         for key, c in sorted(known.items())
     ]
     merged: dict[tuple[str, str], Row] = {}
@@ -419,7 +420,13 @@ def _files(report: str) -> set[str]:
     return {m["file"] for raw in report.splitlines() if (m := _LINE.match(raw.strip()))}
 
 
-def _unreported() -> tuple[str, str]:
+def _unreported(*, silent: bool = False) -> tuple[str, str]:
+    """The verdict on a contract CrossHair printed no line on; ``silent``: it printed nothing."""
+    if silent:
+        return NOT_ANALYSED, (
+            "CrossHair did not report this contract: it printed nothing at all, as when the"
+            " module exits with status 0 (sys.exit()) while it is imported"
+        )
     return NOT_ANALYSED, "CrossHair did not report this contract"
 
 
@@ -734,7 +741,10 @@ def _run(
     if child.returncode not in (0, 1):
         if workers.stopped:  # killed by the stop, not failed
             raise _Stopped(_STOPPED)
-        tail = (stderr or stdout).strip().splitlines()[-1:] or ["no output"]
+        tail = (stderr or stdout).strip().splitlines()[-1:] or [
+            f"it exited with status {child.returncode} and printed nothing, as when the module"
+            " calls sys.exit() while it is imported"
+        ]
         raise FsmCacheError(f"CrossHair failed on {' '.join(targets)}: {tail[0]}")
     return stdout + stderr
 
