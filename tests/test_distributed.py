@@ -17,6 +17,7 @@ import argparse
 import array
 import dataclasses
 import enum
+import gc
 import hashlib
 import inspect
 import itertools
@@ -28,6 +29,7 @@ import sys
 import time
 import traceback
 import warnings
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -2044,7 +2046,7 @@ def test_bad_settings_are_refused() -> None:
     with pytest.raises(BadArgument) as refused:
         DistributedCache("cache")  # type: ignore[arg-type]
     assert str(refused.value) == "distributed: cache must be a HiCache, got str"
-    DistributedCache(cache)
+    first = DistributedCache(cache)  # kept: its cache holds it weakly
     with pytest.raises(ConfigError) as twice:
         DistributedCache(cache)  # a second wrapper would buffer completions the first waits for
     assert str(twice.value) == (
@@ -2056,10 +2058,11 @@ def test_bad_settings_are_refused() -> None:
     assert str(refused.value) == (
         "distributed: group must be a torch.distributed ProcessGroup or None, got str"
     )
-    assert cache.poll() == 0  # nothing took the cache's acknowledgements over
+    assert cache.poll() == 0  # the refused wrappers took nothing over from the first
     cache.insert(list(range(16)))
     cache.close()
     assert cache.stats().transitions["write_done"] == 1
+    del first
     write_back = dataclasses.replace(bench_config(), write_policy="write_back")
     with pytest.raises(ConfigError) as caught:
         DistributedCache(HiCache(write_back))
@@ -2514,6 +2517,73 @@ def test_the_caches_own_poll_applies_nothing_once_a_group_owns_its_acks(
         assert shared.cache.issued()
         assert shared.drain() > 0
         assert shared.cache.issued() == []
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_dropped_distributed_cache_gives_its_caches_memory_back_at_once(
+    tmp_path: Path,
+) -> None:
+    """A DistributedCache and its cache held each other: dropped, both waited for the collector.
+
+    The cache held the DistributedCache's methods (its acknowledgements, load
+    waits, refused starts, storage hits) and the DistributedCache the cache,
+    so the cache's pools stayed allocated until a full collection ran.
+    """
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        shared = DistributedCache(HiCache(skewed(0)), timeout=TIMEOUT)
+        shared.cache.insert(list(range(32)))
+        shared.step()
+        pool = weakref.ref(shared.cache.tiers.device.tensor)
+        del shared
+        assert pool() is None
+    finally:
+        if was:
+            gc.enable()
+        dist.destroy_process_group()
+
+
+def test_a_cache_whose_distributed_cache_was_dropped_says_so_and_still_closes(
+    tmp_path: Path,
+) -> None:
+    """Held weakly by its cache, a dropped DistributedCache must neither strand nor lose a copy.
+
+    Its ``poll()`` is refused (only the agreed step applied copies, and none
+    runs again), and ``close()`` applies every copy in flight in issue order,
+    the start the copy engine refused, which only the DistributedCache held,
+    included.
+    """
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        cache = HiCache(bench_config(debug=True, copier=FaultyCopyEngine.copier(refuse=[1])))
+        shared = DistributedCache(cache, timeout=TIMEOUT)
+        cache.insert(list(range(32)))
+        cache.insert(list(range(100, 132)))
+        issued = cache.issued()
+        assert len(issued) == 2
+        assert shared.buffered == 1  # the refused start, held as failed
+        del shared
+        with pytest.raises(ConfigError) as dropped:
+            cache.poll()
+        assert str(dropped.value) == (
+            "distributed: the DistributedCache that agrees this cache's copies was dropped; keep"
+            " it for as long as the cache serves (close the cache to end both)"
+        )
+        assert cache.issued() == issued
+        cache.close()
+        assert cache.issued() == []
+        assert sorted(n.host for n in cache.tree) == ["backed", "unbacked"]
     finally:
         dist.destroy_process_group()
 

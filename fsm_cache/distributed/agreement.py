@@ -69,14 +69,16 @@ import itertools
 import struct
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Literal
+from typing import Literal, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.storage_tier import StorageConfig
+from fsm_cache.cache.transfers import IssuedCopies
 from fsm_cache.cache.tree import TreeNode
 from fsm_cache.distributed.collectives import CONSTRUCTION, CPU, Collectives
 from fsm_cache.distributed.digest import (
@@ -116,6 +118,10 @@ from fsm_cache.errors import (
 )
 from fsm_cache.memory.tickets import Completion, Copier, Direction, Ticket
 from fsm_cache.numeric import real, whole
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 STORAGE_SLOTS = 32
@@ -186,7 +192,11 @@ class DistributedCache:
     ``poll()`` applies nothing, and an allocation or insert that must wait for
     copies applies all of them in issue order on every rank (:meth:`collect`),
     without a collective. Its ``wait_loaded`` gives the group's answer, in a
-    collective of its own.
+    collective of its own. The cache holds this object weakly (so that a
+    dropped pair frees the cache's memory at once): keep it while the cache
+    serves; once it is gone, the cache's ``poll()`` raises
+    :class:`~fsm_cache.errors.ConfigError`, and ``close()`` applies what is
+    left in issue order.
 
     Args:
         cache: This rank's cache; same configuration and operations on every rank.
@@ -271,10 +281,14 @@ class DistributedCache:
         self._digest = TransitionDigest(cache.log, cache.log.recorded)
         self._refused = 0  # starts the copy engine refused, kept in flight as failed copies
         self._broken: str | None = None  # the RankFailure that broke the group, if one did
-        cache.transfers.take_acks_from(self, self._agree_wait, self._failed_here)
-        cache.transfers.start_copies_with(_AgreedStarts(cache.tiers.copier, self._keep_refused))
+        # held weakly by the cache (_weakly): strong both ways, a dropped pair kept the
+        # cache's memory until Python's cyclic collector ran
+        acks = _Acks(self, self._finished, cache.tiers.copier, cache.transfers)
+        cache.transfers.take_acks_from(acks, _weakly(self._agree_wait), _weakly(self._failed_here))
+        starts = _AgreedStarts(cache.tiers.copier, _weakly(self._keep_refused))
+        cache.transfers.start_copies_with(starts)
         if cache.storage is not None:
-            cache.storage.agree_by(self._agree_hits)
+            cache.storage.agree_by(_weakly(self._agree_hits))
 
     # -- agreement on acknowledgements -----------------------------------------
 
@@ -999,6 +1013,76 @@ class DistributedCache:
         tree, storage = self.cache.tree.nodes, self.cache.storage is not None
         here = {n: node_state(tree[n], storage) for n in dict.fromkeys(nodes) if n in tree}
         return self.comm.all_gather_object(here)
+
+
+_DROPPED = (
+    "distributed: the DistributedCache that agrees this cache's copies was dropped; keep it"
+    " for as long as the cache serves (close the cache to end both)"
+)
+
+
+def _weakly(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Return a bound ``method`` of a DistributedCache, held weakly, for its cache to call.
+
+    The cache holds what a DistributedCache gives it (its acknowledgement
+    source, its load waits, its refused starts, its storage hits), and the
+    DistributedCache holds the cache. Held strongly, the two made a reference
+    cycle, and a dropped pair kept the cache's pools until Python's cyclic
+    collector ran. Called once the DistributedCache is gone (dropped while
+    its cache serves on), it raises :class:`~fsm_cache.errors.ConfigError`.
+    """
+    held = weakref.WeakMethod(method)
+
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        live = held()
+        if live is None:
+            raise ConfigError(_DROPPED)
+        return live(*args, **kwargs)
+
+    return call
+
+
+class _Acks:
+    """A DistributedCache's acknowledgements as its cache reads them, the DistributedCache held weakly.
+
+    Once the DistributedCache is gone (dropped while its cache serves on), a
+    wait for every copy in flight (an allocation that must wait,
+    ``close()``) drains the copy engine and applies in issue order what it
+    and the copies the DistributedCache had buffered report, as
+    :meth:`DistributedCache.collect` did without a collective; a read of
+    what finished (``poll()``) raises :class:`~fsm_cache.errors.ConfigError`,
+    since only the agreed step applied those, and none will run again.
+
+    Args:
+        shared: The DistributedCache.
+        finished: Its buffer of completions not yet applied, read only once it is gone.
+        copier: This rank's copy engine.
+        copies: The cache's copies in flight.
+    """
+
+    def __init__(
+        self,
+        shared: DistributedCache,
+        finished: dict[int, Completion],
+        copier: Copier,
+        copies: IssuedCopies,
+    ) -> None:
+        self._shared = weakref.WeakMethod(shared.collect)
+        self._left = finished
+        self._copier, self._copies = copier, copies
+
+    def collect(self, wait: bool) -> list[Completion]:
+        """Return what the DistributedCache gives, or, once it is gone, what is said above."""
+        live = self._shared()
+        if live is not None:
+            return live(wait)
+        if not wait:
+            raise ConfigError(_DROPPED)
+        left = self._left
+        left.update((completion.ticket.id, completion) for completion in self._copier.drain())
+        out = [left.pop(ticket) for ticket in self._copies.issued() if ticket in left]
+        left.clear()  # of copies no longer in flight (the cache was reset)
+        return out
 
 
 class _AgreedStarts:
