@@ -232,6 +232,29 @@ def test_without_a_store_nothing_changes(tmp_path: Path) -> None:
         ({"rank": 2, "ranks": 2}, "storage: rank must be an int in 0..1, got 2"),
         ({"model": ""}, "storage: model must be a non-empty str, got ''"),
         ({"clock": 5.0}, "storage: clock must be a callable returning seconds, got 5.0"),
+        # an int too large for a float made every later poll raise OverflowError
+        ({"io_timeout": 10**400}, f"storage: io_timeout must be seconds > 0, got {10**400}"),
+        (
+            {"query_backoff_max": 10**400},
+            f"storage: query_backoff_max must be seconds >= 0, got {10**400}",
+        ),
+        # a clock that answered anything but seconds failed every poll, or timed nothing out
+        (
+            {"clock": lambda: "x"},
+            "storage: clock must return a finite number of seconds, returned 'x'",
+        ),
+        (
+            {"clock": lambda: None},
+            "storage: clock must return a finite number of seconds, returned None",
+        ),
+        (
+            {"clock": lambda: float("nan")},
+            "storage: clock must return a finite number of seconds, returned nan",
+        ),
+        (
+            {"clock": lambda: 1 / 0},
+            "storage: clock raised ZeroDivisionError when read: division by zero",
+        ),
     ],
 )
 def test_a_bad_storage_config_is_refused_by_name(

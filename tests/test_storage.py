@@ -333,6 +333,29 @@ def test_local_pages_are_files_named_by_key(tmp_path: Path) -> None:
     assert same(again.get(keys), pages)
 
 
+def test_a_relative_root_stays_where_the_store_was_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative root was looked up afresh at each call: a ``chdir`` moved the store.
+
+    Its pages then read as missing, and a folder of the same name under the
+    new working directory took its writes, unchecked.
+    """
+    keys, pages = page_keys(NS, list(range(8))), pages_of(2)
+    opened, elsewhere = tmp_path / "opened", tmp_path / "elsewhere"
+    opened.mkdir()
+    (elsewhere / "kv" / ".tmp").mkdir(parents=True)
+    monkeypatch.chdir(opened)
+    store = LocalFileStore("kv")
+    assert store.root == opened / "kv"
+    store.put(keys[:1], pages[:1])
+    monkeypatch.chdir(elsewhere)
+    assert store.exists_prefix(keys[:1]) == 1
+    store.put(keys[1:], pages[1:])
+    assert store.exists_prefix(keys) == 2
+    assert not [p for p in (elsewhere / "kv").rglob("*") if p.is_file()]
+
+
 def test_local_temporary_files_of_a_crashed_writer_are_deleted_at_open(tmp_path: Path) -> None:
     """A writer killed mid-page leaves its temporary file; the next store over the directory
     deletes it, and leaves alone those of live writers, of other hosts and of unknown form."""
@@ -742,6 +765,63 @@ def test_redis_capacity_from_an_info_without_byte_counts_is_store_failed(
     with pytest.raises(StoreFailed) as caught:
         RedisStore(client).capacity()
     assert str(caught.value) == f"redis 127.0.0.1:6399: capacity failed: {cause}"
+
+
+class OddClient(fakeredis.FakeRedis):
+    """A client of another make: socket errors of its own, and answers no Redis gives."""
+
+    raises: BaseException | None = None
+    deleted: object = 0
+    info_answer: object = None
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
+        pipe = super().pipeline(transaction, shard_hint)
+        if self.raises is not None:
+            pipe.execute = self._raise  # type: ignore[method-assign,assignment]
+        return pipe
+
+    def _raise(self, *args: object) -> Any:
+        assert self.raises is not None
+        raise self.raises
+
+    def delete(self, *names: Any) -> Any:
+        return self.deleted
+
+    def info(self, section: object = None, *args: object, **options: object) -> Any:
+        return self.info_answer
+
+
+@pytest.mark.parametrize(
+    "error",
+    [ConnectionResetError(104, "Connection reset by peer"), TimeoutError("timed out")],
+    ids=["reset", "timeout"],
+)
+def test_redis_a_clients_own_socket_error_is_store_failed(error: OSError) -> None:
+    """Only redis-py's own errors were a StoreFailed: an OSError of another client escaped bare."""
+    client = OddClient(host="127.0.0.1", port=6399)
+    client.raises = error
+    store = RedisStore(client)
+    with pytest.raises(StoreFailed) as caught:
+        store.exists_prefix(page_keys(NS, list(range(8))))
+    assert str(caught.value) == f"redis 127.0.0.1:6399: exists failed after 0 of 2 pages: {error}"
+
+
+def test_redis_answers_no_server_gives_are_store_failed() -> None:
+    """A DEL answered None, or an INFO answered None, raised a bare TypeError."""
+    client = OddClient(host="127.0.0.1", port=6399)
+    store = RedisStore(client)
+    client.deleted = None
+    with pytest.raises(StoreFailed) as caught:
+        store.drop(page_keys(NS, list(range(8))))
+    assert str(caught.value) == (
+        "redis 127.0.0.1:6399: drop failed after 0 of 2 pages: DEL of 2 keys answered None, not a"
+        " count of them"
+    )
+    with pytest.raises(StoreFailed) as caught:
+        store.capacity()
+    assert str(caught.value) == (
+        "redis 127.0.0.1:6399: capacity failed: INFO memory answered NoneType, not fields"
+    )
 
 
 def test_redis_store_without_the_client_names_the_extra() -> None:

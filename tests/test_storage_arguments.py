@@ -361,4 +361,9 @@ def test_redis_connect_refuses_a_bad_url_or_option_and_closes_what_it_opened(
         "batch_pages must be at least 1, not 0"
     )
     assert closed == [True]
+    # a misspelt option was a bare TypeError
+    assert refused(lambda: RedisStore.connect("redis://h", batch=4)) == (
+        "RedisStore.connect: RedisStore.__init__() got an unexpected keyword argument 'batch'"
+    )
+    assert closed == [True, True]
     assert RedisStore.connect("redis://h").put(KEYS[:1], pages_of(1)) == [PutResult.STORED]

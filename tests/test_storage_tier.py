@@ -20,7 +20,7 @@ from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.storage_tier import StorageConfig, StoreResult
 from fsm_cache.errors import CopyFailed, InvariantViolation
 from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
-from fsm_cache.storage import LocalFileStore, RedisStore, Store
+from fsm_cache.storage import LocalFileStore, PutResult, RedisStore, Store
 
 
 PAGE = 4
@@ -254,3 +254,42 @@ def test_the_host_write_never_broadcasts_a_page_of_another_shape(
         "storage: a fetch's pages do not fit the host: "
         "page 1 is torch.uint8 (1, 1, 4, 1, 8), not uint8 (1, 2, 4, 1, 8)"
     )
+
+
+class PutAnswersMore(LocalFileStore):
+    """A store whose put answers three results more than the pages it was given."""
+
+    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[PutResult]:
+        return [*super().put(keys, pages), *[PutResult.STORED] * 3]
+
+
+def test_a_put_answering_for_more_pages_than_given_fails_the_store(tmp_path: Path) -> None:
+    """The extra results were counted as stored pages: the node was ``stored``, counted ``full``."""
+    writer = cache(PutAnswersMore(tmp_path))
+    writer.insert(list(range(8)))
+    writer.poll()  # the host backup lands: the store starts
+    writer.poll()  # the store's answer is applied
+    assert [(n.host, n.storage, n.pins) for n in writer.tree] == [("backed", "unstored", 0)]
+    assert writer.stats().storage_failures == {"store:failed": 1}
+    assert writer.log.storage_acks() == [("poll", ((1, "store", 0, "failed"),))]
+
+
+class GetAnswersMore(LocalFileStore):
+    """A store whose get answers every page twice."""
+
+    def get(self, keys: Sequence[str]) -> list[torch.Tensor]:
+        pages = super().get(keys)
+        return pages + pages
+
+
+def test_a_get_answering_more_pages_than_keys_fails_the_fetch_as_the_stores(
+    tmp_path: Path,
+) -> None:
+    """The extra pages made ``poll()`` raise CopyFailed, as if the host could not be written."""
+    stored(LocalFileStore(tmp_path), list(range(8)))
+    reader = cache(GetAnswersMore(tmp_path))
+    assert reader.match_prefix(list(range(8))).storage_len == 8
+    assert reader.poll() == 1
+    assert reader.stats().storage_failures == {"fetch:failed": 1}
+    assert list(reader.tree) == []  # the node the lookup found is gone with its failed fetch
+    reader.check_invariants()

@@ -60,12 +60,14 @@ machine:
 from __future__ import annotations
 
 import heapq
+import math
 import queue
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import TypeGuard
 
 import torch
 
@@ -195,7 +197,8 @@ class StorageConfig:
             also depends on when its thread ran. The store threads call it
             too (whether a copy they start is already past its timeout), so
             it must be safe to call from several threads at once, as
-            ``time.monotonic`` is.
+            ``time.monotonic`` is. :meth:`check` reads it once: it must
+            answer a finite number of seconds.
     """
 
     store: Store
@@ -252,6 +255,7 @@ class StorageConfig:
             raise ConfigError(
                 f"storage: clock must be a callable returning seconds, got {self.clock!r}"
             )
+        _check_clock(self.clock)
 
     @property
     def shards(self) -> int:
@@ -273,7 +277,7 @@ def _check_seconds(config: StorageConfig) -> None:
         ("query_backoff_max", True),
     ):
         value = getattr(config, name)
-        if not real(value) or value == float("inf") or not (value >= 0 if zero else value > 0):
+        if not _finite(value) or not (value >= 0 if zero else value > 0):
             raise ConfigError(
                 f"storage: {name} must be seconds {'>=' if zero else '>'} 0, got {value!r}"
             )
@@ -281,6 +285,36 @@ def _check_seconds(config: StorageConfig) -> None:
         raise ConfigError(
             f"storage: query_backoff_max must be at least query_backoff "
             f"({config.query_backoff!r}), got {config.query_backoff_max!r}"
+        )
+
+
+def _finite(value: object) -> TypeGuard[float]:
+    """Whether ``value`` is an int or a float a float can hold, neither NaN nor infinite.
+
+    An int too large for a float would pass a comparison with infinity, then
+    make the first deadline computed from it (``clock() + timeout``) raise
+    ``OverflowError`` on every poll, with a copy in flight.
+    """
+    try:
+        return real(value) and math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _check_clock(clock: Callable[[], float]) -> None:
+    """Raise :class:`ConfigError` unless one reading of ``clock`` is a finite number of seconds.
+
+    Every deadline of the tier is read off it: a clock that answered
+    anything else failed every later poll (or, answering None, let no
+    copy ever time out), with copies in flight and their pins held.
+    """
+    try:
+        now = clock()
+    except Exception as exc:  # the user's clock: whatever it raises
+        raise ConfigError(f"storage: clock raised {type(exc).__name__} when read: {exc}") from None
+    if not _finite(now):
+        raise ConfigError(
+            f"storage: clock must return a finite number of seconds, returned {now!r}"
         )
 
 
@@ -584,10 +618,20 @@ def _run(
 
 
 def _put(store: Store, keys: Sequence[str], pages: list[torch.Tensor]) -> StoreResult:
+    """Write ``keys``' pages; a store that answers for other pages than it was given failed.
+
+    Results beyond the pages given were counted as stored pages: a node
+    whose put answered five results for two pages was ``stored`` and the
+    put counted ``full`` at once.
+    """
     try:
-        held = stored_prefix(store.put(keys, pages))
+        results = store.put(keys, pages)
     except StoreFailed as exc:
         return StoreResult(_counted(exc.acknowledged, len(keys)), [], "failed", str(exc))
+    if len(results) != len(keys):
+        cause = f"the store answered {len(results)} results for {len(keys)} pages"
+        return StoreResult(0, [], "failed", cause)
+    held = stored_prefix(results)
     return StoreResult(held, [], "ok" if held == len(keys) else "full")
 
 
@@ -616,6 +660,9 @@ def _get(store: Store, keys: Sequence[str], shape: tuple[int, ...]) -> StoreResu
     error = None
     try:
         pages = store.get(keys)
+        if len(pages) > len(keys):  # its fault, not the host's: the pages fit no slots
+            cause = f"the store answered {len(pages)} pages for {len(keys)} keys"
+            return StoreResult(0, [], "failed", cause)
         outcome = "ok" if len(pages) == len(keys) else "missing"
     except CorruptPage as exc:
         at = keys.index(exc.key) if exc.key in keys else 0

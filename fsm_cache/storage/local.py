@@ -655,7 +655,11 @@ class LocalFileStore:
 
 
 def _root(root: object) -> Path:
-    """Return ``root`` as a Path, if it is one that can name a directory.
+    """Return ``root`` as an absolute Path, if it is one that can name a directory.
+
+    A relative root is taken from the working directory now, once: looked up
+    afresh at each call, a ``chdir`` after the store was opened made its pages
+    read as missing, and its writes go to another folder's ``.tmp``.
 
     Raises:
         BadArgument: ``root`` is not a str or a str-valued ``os.PathLike``, is
@@ -669,7 +673,10 @@ def _root(root: object) -> Path:
         raise BadArgument(f"root must name a directory, not {text!r}")
     if "\0" in text:
         raise BadArgument(f"root {text!r} is not a valid path: embedded null byte")
-    return Path(text)
+    try:
+        return Path(text).absolute()
+    except OSError as exc:  # a relative root, and the working directory was removed
+        raise BadArgument(f"root {text!r} is relative, and {exc.strerror}") from None
 
 
 def _not_a_directory(path: Path) -> Path | None:

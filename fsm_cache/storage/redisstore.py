@@ -52,9 +52,11 @@ from fsm_cache.storage.keys import check_keys
 T = TypeVar("T")
 
 PREFIX = "fsm:page:"
-_FAILURES = (redis.exceptions.RedisError,)
+_FAILURES = (redis.exceptions.RedisError, OSError)
 """What a round trip may raise: the server went away, timed out, or answered an error
-(NOPERM, BUSY, MISCONF, ...); each is a :class:`StoreFailed`."""
+(NOPERM, BUSY, MISCONF, ...); each is a :class:`StoreFailed`. redis-py wraps a socket's
+errors in its own, but a client of another make may let ``ConnectionResetError`` or
+``TimeoutError`` through: both are ``OSError``."""
 
 
 class RedisStore:
@@ -119,8 +121,11 @@ class RedisStore:
             raise BadArgument(f"url is not a Redis URL: {exc}") from None
         try:
             return cls(client, **options)
-        except BaseException:
+        except BaseException as exc:
             client.close()
+            if isinstance(exc, TypeError) and not isinstance(exc, BadArgument):
+                # an option the class does not take (a misspelt name)
+                raise BadArgument(f"RedisStore.connect: {exc}") from None
             raise
 
     def name(self, key: str) -> str:
@@ -288,7 +293,13 @@ class RedisStore:
         for batch in self.batches([0] * len(keys)):
             names = [self._name(key) for key in keys[batch.start : batch.stop]]
             delete = partial(self._client.delete, *names)
-            dropped += self._call("drop", batch.start, len(keys), delete)
+            count = self._call("drop", batch.start, len(keys), delete)
+            if not whole(count) or count > len(names):  # DEL answers how many keys it deleted
+                cause = f"DEL of {len(names)} keys answered {count!r}, not a count of them"
+                raise StoreFailed(
+                    self.where, "drop", acknowledged=batch.start, total=len(keys), cause=cause
+                )
+            dropped += count
         return dropped
 
     def capacity(self) -> Capacity:
@@ -300,6 +311,8 @@ class RedisStore:
                 server may leave it out); a missing ``maxmemory`` is unset.
         """
         info = self._call("capacity", 0, 0, partial(self._client.info, "memory"))
+        if not isinstance(info, dict):
+            raise self._capacity_failed(f"INFO memory answered {type(info).__name__}, not fields")
         if "used_memory" not in info:
             raise self._capacity_failed("INFO memory has no used_memory")
         used, limit = info["used_memory"], info.get("maxmemory", 0)
