@@ -265,12 +265,25 @@ def test_a_bad_storage_config_is_refused_by_name(
     assert str(info.value) == message
 
 
+class Unreachable:
+    """An object whose every attribute lookup raises, as a client that connects on first use."""
+
+    def __getattr__(self, name: str) -> object:
+        raise ConnectionError("server down")
+
+
 def test_a_store_needs_the_store_methods_and_host_pages(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         HiCache(config(), storage=StorageConfig(object(), model="test"))  # type: ignore[arg-type]
     assert str(info.value) == (
         "storage: store must be a Store (exists_prefix, get, put, drop, capacity, close), "
         "got object without exists_prefix, get, put, drop, capacity, close"
+    )
+    with pytest.raises(ConfigError) as info:  # its lookups raised ConnectionError untyped
+        HiCache(config(), storage=StorageConfig(Unreachable(), model="test"))  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "storage: store must be a Store (exists_prefix, get, put, drop, capacity, close), "
+        "got Unreachable without exists_prefix, get, put, drop, capacity, close"
     )
     with pytest.raises(ConfigError) as info:  # every call would fail, as a store that is down
         HiCache(config(), storage=StorageConfig(LocalFileStore, model="test"))  # type: ignore[arg-type]

@@ -206,6 +206,19 @@ def test_5_a_caller_that_never_polls_is_never_refused_room(policy: str, delay: i
 # -- 6, 18: bad input ----------------------------------------------------------
 
 
+class _BadRepr:
+    """A namespace that hashes and compares, and whose ``repr`` raises."""
+
+    def __hash__(self) -> int:
+        return 1
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _BadRepr)
+
+    def __repr__(self) -> str:
+        raise ValueError("no repr today")
+
+
 class _BadHash:
     """A namespace whose ``__hash__`` raises something else than TypeError."""
 
@@ -269,6 +282,10 @@ class _BadHash:
         (
             lambda c: c.match_prefix([1, 2], namespace=_BadHash()),
             "match_prefix: namespace's hash raised ValueError: no hash today",
+        ),
+        (  # accepted, it broke the next poll and lookup: the storage keys are its repr
+            lambda c: c.insert([1, 2], namespace=_BadRepr()),
+            "insert: namespace's repr raised ValueError: no repr today",
         ),
         (lambda c: c.fire("nope", c.tree.nodes[1]), "fire: 'nope' is not a residency event"),
         (

@@ -218,7 +218,7 @@ def namespace(value: object, op: str) -> Hashable:
     """Return ``value`` if it can key a namespace (hashable, and equal to itself).
 
     Raises:
-        BadArgument: It is unhashable (or its hash raises), or it or an item
+        BadArgument: It is unhashable (or its hash or its ``repr`` raises), or it or an item
             of a tuple of it is unequal to itself or does not compare as a bool
             (a NaN would open a new namespace at every call; so would a tuple
             holding a new NaN).
@@ -240,6 +240,10 @@ def namespace(value: object, op: str) -> Hashable:
         ) from None
     if not itself:
         raise BadArgument(f"{op}: namespace must equal itself, got {value!r}")
+    try:  # the log, errors and a storage tier's page keys show it
+        repr(value)
+    except Exception as exc:  # a __repr__ of the caller's that raises
+        raise BadArgument(f"{op}: namespace's repr raised {type(exc).__name__}: {exc}") from None
     return value
 
 

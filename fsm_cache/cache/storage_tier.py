@@ -220,7 +220,7 @@ class StorageConfig:
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the first value of the wrong type or out of range."""
-        missing = [m for m in _STORE_METHODS if not callable(getattr(self.store, m, None))]
+        missing = [m for m in _STORE_METHODS if not callable(_method(self.store, m))]
         if missing:
             raise ConfigError(
                 f"storage: store must be a Store ({', '.join(_STORE_METHODS)}), "
@@ -286,6 +286,19 @@ def _check_seconds(config: StorageConfig) -> None:
             f"storage: query_backoff_max must be at least query_backoff "
             f"({config.query_backoff!r}), got {config.query_backoff_max!r}"
         )
+
+
+def _method(store: object, name: str) -> object:
+    """Return ``store``'s attribute ``name``; None where looking it up raises anything.
+
+    A store whose attribute lookup raises (a client that connects on first
+    use, and is down) is no store this check can accept, and its error is
+    not the cache's to let out untyped.
+    """
+    try:
+        return getattr(store, name, None)
+    except Exception:  # the caller's object: whatever its lookup raises
+        return None
 
 
 def _finite(value: object) -> TypeGuard[float]:
