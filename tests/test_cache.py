@@ -1213,7 +1213,7 @@ def test_close_gives_both_pools_memory_back_without_the_cyclic_collector(
             cache.tiers.read_device(chain[-1].device_pages)
         assert str(raised.value) == (
             f"device pool: page {chain[-1].device_pages[0]} refused: the pool was released (its "
-            "cache closed) and gave its memory back, so it has no pages"
+            "cache was closed, or dropped unclosed) and gave its memory back, so it has no pages"
         )
         with pytest.raises(CacheClosed):
             cache.match_prefix(tokens(0, 32))
@@ -1244,6 +1244,60 @@ def test_a_dropped_cache_gives_both_pools_memory_back_at_once(
     finally:
         if was:
             gc.enable()
+
+
+def test_a_cache_whose_close_could_not_give_the_memory_back_gives_it_when_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``close()`` counted the cache closed before the tiers raised, so ``__del__`` skipped it."""
+
+    class Unclosable(FaultyCopyEngine):
+        raised = False
+
+        def close(self) -> None:
+            if not Unclosable.raised:  # once: the CUDA error passed
+                Unclosable.raised = True
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            super().close()
+
+    memory = observed_memory(monkeypatch)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        cache = make(copier=Unclosable.copier())
+        cache.insert(tokens(0, 4))
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            cache.close()
+        assert [buffer() is None for buffer in memory] == [False, False]
+        del cache
+        assert [buffer() for buffer in memory] == [None, None]
+    finally:
+        if was:
+            gc.enable()
+
+
+def test_a_cache_cannot_be_copied_and_its_copy_never_closes_it() -> None:
+    """A shallow copy shared the pools and the gate: dropping it closed the original."""
+    cache = make()
+    cache.insert(tokens(0, 8))
+    for copier in (copy.copy, copy.deepcopy):
+        with pytest.raises(TypeError) as refused:
+            copier(cache)
+        assert str(refused.value) == (
+            "a HiCache cannot be copied: a copy would share its pools, its tree and its copies"
+            " in flight, and closing either (or dropping it) would close both; build another"
+            " HiCache"
+        )
+    gc.collect()
+    assert cache.match_prefix(tokens(0, 8)).device_len == 8
+    assert not cache.closed
+
+
+def test_a_cache_never_initialised_is_dropped_quietly() -> None:
+    """On the sources, ``__del__`` of an object ``__init__`` never ran on raised AttributeError."""
+    made = HiCache.__new__(HiCache)
+    del made
+    gc.collect()
 
 
 def test_a_cache_refused_after_its_tiers_were_built_keeps_no_memory(

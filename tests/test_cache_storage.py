@@ -10,6 +10,8 @@ deterministic: a poll applies what the previous operation started.
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -501,6 +503,55 @@ def test_a_dropped_cache_ends_its_worker_threads(store: Store) -> None:
     finally:
         if was:
             gc.enable()
+
+
+_EXITS_UNCLOSED = """
+import sys, time
+from pathlib import Path
+
+from fsm_cache.cache.hicache import HiCache
+from fsm_cache.cache.storage_tier import StorageConfig
+from fsm_cache.memory.tiers import CacheConfig
+from fsm_cache.storage import LocalFileStore
+
+folder = Path(sys.argv[1])
+
+
+class SlowStore(LocalFileStore):
+    def put(self, keys, pages):
+        time.sleep(0.5)  # still in the store's code when the script ends
+        done = super().put(keys, pages)
+        (folder / "put-ended").write_text("yes")
+        return done
+
+
+CACHE = HiCache(
+    CacheConfig(device_pages=16, host_pages=32, page_size=4, layers=1, heads=1, head_dim=4),
+    storage=StorageConfig(SlowStore(folder / "store"), model="test", threads=1),
+)
+CACHE.insert(list(range(8)))
+CACHE.poll()  # the host backup lands: the store starts on the worker
+"""
+
+
+def test_an_unclosed_cache_at_exit_lets_its_workers_end_first(tmp_path: Path) -> None:
+    """A module global's cache is dropped only as the interpreter is torn down: too late.
+
+    Its worker was still in the store's code then, and the process could
+    abort ("terminate called without an active exception", exit 134). The
+    workers of every unclosed cache are now ended at exit, as ``close()`` ends them.
+    """
+    script = tmp_path / "exits.py"
+    script.write_text(_EXITS_UNCLOSED)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    assert (tmp_path / "put-ended").read_text() == "yes"
 
 
 def test_close_leaves_a_thread_hung_past_the_timeout(store: Store) -> None:

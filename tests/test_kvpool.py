@@ -721,8 +721,8 @@ def test_release_gives_the_memory_back_and_refuses_every_page_after(make: Any) -
     assert memory() is None
     assert (pool.released, pool.num_pages, pool.layout) == (True, 0, LAYOUT)
     refused = (
-        f"{pool.name} pool: page 1 refused: the pool was released (its cache closed) and gave "
-        "its memory back, so it has no pages"
+        f"{pool.name} pool: page 1 refused: the pool was released (its cache was closed, or "
+        "dropped unclosed) and gave its memory back, so it has no pages"
     )
     with pytest.raises(ForeignSlot) as raised:
         pool.read([1])

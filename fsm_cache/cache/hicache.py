@@ -169,10 +169,10 @@ class HiCache:
         storage: StorageConfig | None = None,
         compute_stream: object | None = None,
     ) -> None:
-        # first, and closed until the tiers are built: __del__ reads it, and under mypyc an
-        # attribute __init__ always sets is read unchecked (NULL where __init__ raised first)
+        # first, as __del__ reads it: under mypyc an attribute __init__ always sets is read
+        # unchecked (NULL where __init__ raised before it); True once there are tiers to give back
+        self._built = False
         self._gate = _Gate()
-        self._gate.closed = True
         if config is not None and not isinstance(config, CacheConfig):
             raise ConfigError(f"config: expected a CacheConfig, got {type(config).__name__}")
         if acks is not None and not callable(acks):
@@ -186,7 +186,7 @@ class HiCache:
         self.policy = WritePolicy(self.config.write_policy)
         self._storage: StorageTier | None = None
         self.tiers = Tiers(self.config, compute_stream=compute_stream)
-        self._gate.closed = False  # from here, __del__ gives the tiers back
+        self._built = True
         if self.policy is WritePolicy.WRITE_BACK and self.tiers.host.num_pages == 0:
             raise ConfigError(
                 "config: write_back needs host pages: with none, no device page could be evicted"
@@ -1189,12 +1189,23 @@ class HiCache:
         cyclic collector ran, at a time of its choosing. As in ``close()``,
         the copies in flight are waited for before the memory goes back, so
         none can still write into it; their completions go with the cache.
-        Nothing is done while the interpreter exits (torch may be gone). An
+        A cache whose ``close()`` could not give the memory back (a CUDA
+        error) tries again. Nothing is done while the interpreter exits (torch
+        may be gone; a storage tier's workers are ended before, at exit). An
         error giving the memory back reaches :func:`sys.unraisablehook`.
         """
-        if not self._gate.closed and not sys.is_finalizing():
+        # a default: an object of the pure sources whose __init__ never ran has no attributes
+        if getattr(self, "_built", False) and not sys.is_finalizing():
             self._gate.closed = True
             self._give_back()
+
+    def __copy__(self) -> HiCache:
+        """Refuse: a copy would share the cache's pools, tree and copies in flight with it."""
+        raise TypeError(_NO_COPY)
+
+    def __deepcopy__(self, memo: object) -> HiCache:
+        """Refuse: the pools and the copy engine's work in flight cannot be duplicated."""
+        raise TypeError(_NO_COPY)
 
     def _give_back(self) -> None:
         """End the storage workers and give the tiers' memory back (again, where that raised)."""
@@ -1304,6 +1315,12 @@ class HiCache:
         """
         check = self.check_invariants if self.config.debug else None
         return _Operation(self._gate, self._core.log, self._flush_all, check, name, args, unpacked)
+
+
+_NO_COPY = (
+    "a HiCache cannot be copied: a copy would share its pools, its tree and its copies in"
+    " flight, and closing either (or dropping it) would close both; build another HiCache"
+)
 
 
 def _flush_both(transfers: Transfers, storage: StorageTier) -> None:

@@ -59,11 +59,13 @@ machine:
 
 from __future__ import annotations
 
+import atexit
 import heapq
 import math
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -544,8 +546,9 @@ class _Workers:
     are let go then (:meth:`StorageCopy.abandon`), though the jobs stay queued.
     """
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, wait: float) -> None:
         self._count = threads
+        self._wait = wait  # what close() waits at the interpreter's exit (_end_at_exit)
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
 
@@ -554,11 +557,16 @@ class _Workers:
             job()
             return
         if not self._threads:
+            _RUNNING.add(self)
             for i in range(self._count):
                 thread = threading.Thread(target=self._loop, name=f"fsm-storage-{i}", daemon=True)
                 thread.start()
                 self._threads.append(thread)
         self._jobs.put(job)
+
+    def end_at_exit(self) -> None:
+        """:meth:`close`, waiting as long as the cache's ``close()`` would (its ``io_timeout``)."""
+        self.close(self._wait)
 
     def _loop(self) -> None:
         while True:
@@ -582,6 +590,7 @@ class _Workers:
         waited for: it ends after its job.
         """
         threads, self._threads = self._threads, []
+        _RUNNING.discard(self)
         for _ in threads:
             self._jobs.put(None)
         deadline = time.monotonic() + _waitable(wait)
@@ -589,6 +598,25 @@ class _Workers:
         for thread in threads:
             if thread is not here:  # joining itself would raise
                 thread.join(_waitable(deadline - time.monotonic()))
+
+
+_RUNNING: weakref.WeakSet[_Workers] = weakref.WeakSet()
+"""The workers whose threads run, of caches not closed yet (a thread holds its workers)."""
+
+
+@atexit.register
+def _end_at_exit() -> None:
+    """End the worker threads of every cache left unclosed, as the interpreter exits.
+
+    A thread still in a store's code when the interpreter is torn down can
+    abort the process ("terminate called without an active exception"), and
+    a cache a module global holds is dropped only then, too late for its
+    ``__del__``. This runs before that, as ``close()`` would: each thread
+    ends once the jobs queued before it ran (copies past their timeout are
+    not run), waited for up to its cache's ``io_timeout``.
+    """
+    for workers in list(_RUNNING):
+        workers.end_at_exit()
 
 
 def _run(
@@ -773,7 +801,7 @@ class StorageTier:
         # copies whose failure backs nothing off (again): a step carried it already, or
         # lookups backed off while the copy was in flight (:meth:`_back_off`)
         self._told: set[int] = set()
-        self._workers = _Workers(config.threads)
+        self._workers = _Workers(config.threads, config.io_timeout)
         self._clock = config.clock  # the config's: read for every timed decision
         self.backoff = QueryBackoff(config.query_backoff, config.query_backoff_max)
         transfers.on_ack(self._host_acknowledged)

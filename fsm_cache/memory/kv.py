@@ -412,7 +412,7 @@ class KVPool:
         if self.released:
             raise ForeignSlot(
                 f"{name} pool: page {pages[0]!r} refused: the pool was released (its cache "
-                "closed) and gave its memory back, so it has no pages"
+                "was closed, or dropped unclosed) and gave its memory back, so it has no pages"
             )
         return [page_index(name, num_pages, p) for p in pages]
 
