@@ -194,9 +194,8 @@ class DistributedCache:
     without a collective. Its ``wait_loaded`` gives the group's answer, in a
     collective of its own. The cache holds this object weakly (so that a
     dropped pair frees the cache's memory at once): keep it while the cache
-    serves; once it is gone, the cache's ``poll()`` raises
-    :class:`~fsm_cache.errors.ConfigError`, and ``close()`` applies what is
-    left in issue order.
+    serves; once it is gone, the cache goes on as a cache of its own, no
+    longer kept alike with the other ranks.
 
     Args:
         cache: This rank's cache; same configuration and operations on every rank.
@@ -281,14 +280,19 @@ class DistributedCache:
         self._digest = TransitionDigest(cache.log, cache.log.recorded)
         self._refused = 0  # starts the copy engine refused, kept in flight as failed copies
         self._broken: str | None = None  # the RankFailure that broke the group, if one did
-        # held weakly by the cache (_weakly): strong both ways, a dropped pair kept the
+        # held weakly by the cache (_Alone): strong both ways, a dropped pair kept the
         # cache's memory until Python's cyclic collector ran
-        acks = _Acks(self, self._finished, cache.tiers.copier, cache.transfers)
-        cache.transfers.take_acks_from(acks, _weakly(self._agree_wait), _weakly(self._failed_here))
-        starts = _AgreedStarts(cache.tiers.copier, _weakly(self._keep_refused))
+        alone = _Alone(self, cache.tiers.copier, cache.transfers)
+        weakref.finalize(self, alone.adopt, self._finished)  # what it held, handed over
+        cache.transfers.take_acks_from(
+            alone,
+            _weakly(self._agree_wait, alone.wait_here),
+            _weakly(self._failed_here, alone.failed_here),
+        )
+        starts = _AgreedStarts(cache.tiers.copier, _weakly(self._keep_refused, _refused_alone))
         cache.transfers.start_copies_with(starts)
         if cache.storage is not None:
-            cache.storage.agree_by(_weakly(self._agree_hits))
+            cache.storage.agree_by(_weakly(self._agree_hits, _hits_alone))
 
     # -- agreement on acknowledgements -----------------------------------------
 
@@ -1015,74 +1019,83 @@ class DistributedCache:
         return self.comm.all_gather_object(here)
 
 
-_DROPPED = (
-    "distributed: the DistributedCache that agrees this cache's copies was dropped; keep it"
-    " for as long as the cache serves (close the cache to end both)"
-)
+def _weakly(method: Callable[_P, _R], alone: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Return a bound ``method`` of a DistributedCache, held weakly; ``alone`` once it is gone.
 
-
-def _weakly(method: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Return a bound ``method`` of a DistributedCache, held weakly, for its cache to call.
-
-    The cache holds what a DistributedCache gives it (its acknowledgement
-    source, its load waits, its refused starts, its storage hits), and the
-    DistributedCache holds the cache. Held strongly, the two made a reference
-    cycle, and a dropped pair kept the cache's pools until Python's cyclic
-    collector ran. Called once the DistributedCache is gone (dropped while
-    its cache serves on), it raises :class:`~fsm_cache.errors.ConfigError`.
+    The cache holds what a DistributedCache gives it (its load waits, its
+    refused starts, its storage hits; :class:`_Alone` its acknowledgements),
+    and the DistributedCache holds the cache. Held strongly, the two made a
+    reference cycle, and a dropped pair kept the cache's pools until
+    Python's cyclic collector ran. Once the DistributedCache is gone (dropped
+    while its cache serves on), the cache answers alone.
     """
     held = weakref.WeakMethod(method)
 
     def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         live = held()
-        if live is None:
-            raise ConfigError(_DROPPED)
-        return live(*args, **kwargs)
+        return alone(*args, **kwargs) if live is None else live(*args, **kwargs)
 
     return call
 
 
-class _Acks:
+def _refused_alone(
+    _direction: Direction, _src: Sequence[int], _dst: Sequence[int], refusal: CopyFailed
+) -> Ticket:
+    """A start the copy engine refused, with no group to hold it for: refused, as on a plain cache."""
+    raise refusal
+
+
+def _hits_alone(found: Sequence[int], _asked: Sequence[int]) -> list[int]:
+    """A prefetch query's hit counts with no group to agree with: this rank's own."""
+    return list(found)
+
+
+class _Alone:
     """A DistributedCache's acknowledgements as its cache reads them, the DistributedCache held weakly.
 
-    Once the DistributedCache is gone (dropped while its cache serves on), a
-    wait for every copy in flight (an allocation that must wait,
-    ``close()``) drains the copy engine and applies in issue order what it
-    and the copies the DistributedCache had buffered report, as
-    :meth:`DistributedCache.collect` did without a collective; a read of
-    what finished (``poll()``) raises :class:`~fsm_cache.errors.ConfigError`,
-    since only the agreed step applied those, and none will run again.
+    While the DistributedCache lives, :meth:`collect` is its
+    :meth:`~DistributedCache.collect`. Once it is gone (dropped while its
+    cache serves on), the cache goes on as a cache of its own: what its copy
+    engine reports, with the completions the DistributedCache had buffered
+    (handed over by :meth:`adopt` as it went), applied in issue order; its
+    load waits are its own answer. The ranks are no longer kept alike: no
+    step will run again.
 
     Args:
         shared: The DistributedCache.
-        finished: Its buffer of completions not yet applied, read only once it is gone.
         copier: This rank's copy engine.
         copies: The cache's copies in flight.
     """
 
-    def __init__(
-        self,
-        shared: DistributedCache,
-        finished: dict[int, Completion],
-        copier: Copier,
-        copies: IssuedCopies,
-    ) -> None:
-        self._shared = weakref.WeakMethod(shared.collect)
-        self._left = finished
+    def __init__(self, shared: DistributedCache, copier: Copier, copies: IssuedCopies) -> None:
+        self._shared = weakref.ref(shared)
         self._copier, self._copies = copier, copies
+        self._left: dict[int, Completion] = {}
+
+    def adopt(self, finished: dict[int, Completion]) -> None:
+        """Take over the completions the DistributedCache held, as it goes."""
+        self._left = finished
 
     def collect(self, wait: bool) -> list[Completion]:
         """Return what the DistributedCache gives, or, once it is gone, what is said above."""
-        live = self._shared()
-        if live is not None:
-            return live(wait)
-        if not wait:
-            raise ConfigError(_DROPPED)
+        shared = self._shared()
+        if shared is not None:
+            return shared.collect(wait)
         left = self._left
-        left.update((completion.ticket.id, completion) for completion in self._copier.drain())
+        reported = self._copier.drain() if wait else self._copier.poll()
+        left.update((completion.ticket.id, completion) for completion in reported)
         out = [left.pop(ticket) for ticket in self._copies.issued() if ticket in left]
         left.clear()  # of copies no longer in flight (the cache was reset)
         return out
+
+    def wait_here(self, local: Callable[[], bool]) -> bool:
+        """A load wait with no group to agree with: this rank's own answer."""
+        return local()
+
+    def failed_here(self, tickets: Sequence[int]) -> bool:
+        """Whether a copy of ``tickets`` failed and waits here, among what was handed over."""
+        left = self._left
+        return any(ticket in left and not left[ticket].ok for ticket in tickets)
 
 
 class _AgreedStarts:
