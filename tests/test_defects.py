@@ -207,13 +207,16 @@ def test_5_a_caller_that_never_polls_is_never_refused_room(policy: str, delay: i
 
 
 class _BadRepr:
-    """A namespace that hashes and compares, and whose ``repr`` raises."""
+    """A namespace that hashes and compares (equal to itself or not), whose ``repr`` raises."""
+
+    def __init__(self, *, equal: bool = True) -> None:
+        self.equal = equal
 
     def __hash__(self) -> int:
         return 1
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _BadRepr)
+        return self.equal and isinstance(other, _BadRepr)
 
     def __repr__(self) -> str:
         raise ValueError("no repr today")
@@ -285,6 +288,10 @@ class _BadHash:
         ),
         (  # accepted, it broke the next poll and lookup: the storage keys are its repr
             lambda c: c.insert([1, 2], namespace=_BadRepr()),
+            "insert: namespace's repr raised ValueError: no repr today",
+        ),
+        (  # the refusal of one unequal to itself showed its repr
+            lambda c: c.insert([1, 2], namespace=_BadRepr(equal=False)),
             "insert: namespace's repr raised ValueError: no repr today",
         ),
         (lambda c: c.fire("nope", c.tree.nodes[1]), "fire: 'nope' is not a residency event"),

@@ -18,7 +18,7 @@ import torch
 from fsm_cache.cache import storage_tier
 from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.storage_tier import StorageConfig, StoreResult
-from fsm_cache.errors import CopyFailed, InvariantViolation
+from fsm_cache.errors import CopyFailed, CorruptPage, InvariantViolation
 from fsm_cache.memory.tiers import CacheConfig, synthetic_kv
 from fsm_cache.storage import LocalFileStore, PutResult, RedisStore, Store
 
@@ -292,4 +292,27 @@ def test_a_get_answering_more_pages_than_keys_fails_the_fetch_as_the_stores(
     assert reader.poll() == 1
     assert reader.stats().storage_failures == {"fetch:failed": 1}
     assert list(reader.tree) == []  # the node the lookup found is gone with its failed fetch
+    reader.check_invariants()
+
+
+class RereadAnswersMore(LocalFileStore):
+    """A store whose second page is torn, and whose read again before it answers every page twice."""
+
+    def get(self, keys: Sequence[str]) -> list[torch.Tensor]:
+        if len(keys) > 1:
+            raise CorruptPage("here", keys[1], "torn")
+        pages = super().get(keys)
+        return pages + pages
+
+
+def test_a_get_read_again_before_a_torn_page_is_checked_as_the_first_read(
+    tmp_path: Path,
+) -> None:
+    """The read again of the pages before a torn one could answer more pages than keys too."""
+    stored(LocalFileStore(tmp_path), list(range(8)))
+    reader = cache(RereadAnswersMore(tmp_path))
+    assert reader.match_prefix(list(range(8))).storage_len == 8
+    assert reader.poll() == 1
+    assert reader.stats().storage_failures == {"fetch:failed": 1}
+    assert list(reader.tree) == []
     reader.check_invariants()

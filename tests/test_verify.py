@@ -447,6 +447,7 @@ def test_cli_reports_a_counterexample_and_exits_1(capsys: pytest.CaptureFixture[
 
 
 _EXITS_AT_IMPORT = """
+import os
 import sys
 
 from icontract import ensure
@@ -475,6 +476,13 @@ def test_a_module_that_exits_when_imported_is_named_so(
     assert capsys.readouterr().err == (
         f"error: CrossHair failed on {exits}: it exited with status 3 and printed nothing,"
         " as when the module calls sys.exit() while it is imported\n"
+    )
+    # killed by a signal (the out-of-memory killer, say): it was said to call sys.exit()
+    exits.write_text(_EXITS_AT_IMPORT.replace("sys.exit({status})", "os.kill(os.getpid(), 9)"))
+    assert main(["verify", str(exits)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: CrossHair failed on {exits}: it was killed by SIGKILL and printed nothing"
+        " (out of memory, or stopped from outside)\n"
     )
     exits.write_text(_EXITS_AT_IMPORT.format(status=0))
     assert main(["verify", str(exits)]) == 1

@@ -232,6 +232,13 @@ def namespace(value: object, op: str) -> Hashable:
         raise BadArgument(f"{op}: namespace must be hashable, got {name}") from None
     except Exception as exc:  # a __hash__ of the caller's that raises
         raise BadArgument(f"{op}: namespace's hash raised {type(exc).__name__}: {exc}") from None
+    if type(value) is not str and type(value) is not int:  # their repr cannot raise
+        try:  # the log, errors and a storage tier's page keys show it
+            repr(value)
+        except Exception as exc:  # a __repr__ of the caller's that raises
+            raise BadArgument(
+                f"{op}: namespace's repr raised {type(exc).__name__}: {exc}"
+            ) from None
     try:
         itself = _equals_itself(value)
     except Exception as exc:  # a tensor's ==, say: no single bool
@@ -240,10 +247,6 @@ def namespace(value: object, op: str) -> Hashable:
         ) from None
     if not itself:
         raise BadArgument(f"{op}: namespace must equal itself, got {value!r}")
-    try:  # the log, errors and a storage tier's page keys show it
-        repr(value)
-    except Exception as exc:  # a __repr__ of the caller's that raises
-        raise BadArgument(f"{op}: namespace's repr raised {type(exc).__name__}: {exc}") from None
     return value
 
 

@@ -1188,7 +1188,9 @@ class HiCache:
         pools (the whole device pool, on a GPU) stayed allocated until Python's
         cyclic collector ran, at a time of its choosing. As in ``close()``,
         the copies in flight are waited for before the memory goes back, so
-        none can still write into it; their completions go with the cache.
+        none can still write into it; their completions go with the cache. A
+        storage worker still in a store is not waited for (its copy works on
+        a snapshot); it ends after it, or is waited for at exit.
         A cache whose ``close()`` could not give the memory back (a CUDA
         error) tries again. Nothing is done while the interpreter exits (torch
         may be gone; a storage tier's workers are ended before, at exit). An
@@ -1197,7 +1199,7 @@ class HiCache:
         # a default: an object of the pure sources whose __init__ never ran has no attributes
         if getattr(self, "_built", False) and not sys.is_finalizing():
             self._gate.closed = True
-            self._give_back()
+            self._give_back(join=False)  # workers still in a store end after it
 
     def __copy__(self) -> HiCache:
         """Refuse: a copy would share the cache's pools, tree and copies in flight with it."""
@@ -1207,10 +1209,15 @@ class HiCache:
         """Refuse: the pools and the copy engine's work in flight cannot be duplicated."""
         raise TypeError(_NO_COPY)
 
-    def _give_back(self) -> None:
-        """End the storage workers and give the tiers' memory back (again, where that raised)."""
+    def _give_back(self, *, join: bool = True) -> None:
+        """End the storage workers and give the tiers' memory back (again, where that raised).
+
+        Without ``join`` the workers are told to end and not waited for (a
+        store's copy works on a snapshot of its pages, not on the pool); one
+        still running then is waited for as the interpreter exits.
+        """
         if self._storage is not None:
-            self._storage.close()
+            self._storage.close(None if join else 0.0)
         self.tiers.close()
 
     def _settle_tiers(self, rounds: int) -> CopyFailed | None:

@@ -279,6 +279,11 @@ def _check_seconds(config: StorageConfig) -> None:
         ("query_backoff_max", True),
     ):
         value = getattr(config, name)
+        if type(value) is int and not _finite(value):  # its repr may be thousands of digits
+            raise ConfigError(
+                f"storage: {name} must be seconds a float can hold, got an int of "
+                f"{value.bit_length()} bits"
+            )
         if not _finite(value) or not (value >= 0 if zero else value > 0):
             raise ConfigError(
                 f"storage: {name} must be seconds {'>=' if zero else '>'} 0, got {value!r}"
@@ -291,16 +296,20 @@ def _check_seconds(config: StorageConfig) -> None:
 
 
 def _method(store: object, name: str) -> object:
-    """Return ``store``'s attribute ``name``; None where looking it up raises anything.
+    """Return ``store``'s attribute ``name``, or None where it has none.
 
-    A store whose attribute lookup raises (a client that connects on first
-    use, and is down) is no store this check can accept, and its error is
-    not the cache's to let out untyped.
+    Raises:
+        ConfigError: Looking it up raised (a client that connects on first
+            use, and is down): no store this check can accept, and its error
+            is not the cache's to let out untyped.
     """
     try:
         return getattr(store, name, None)
-    except Exception:  # the caller's object: whatever its lookup raises
-        return None
+    except Exception as exc:  # the caller's object: whatever its lookup raises
+        raise ConfigError(
+            f"storage: store must be a Store, and looking up its {name} raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
 
 
 def _finite(value: object) -> TypeGuard[float]:
@@ -328,8 +337,9 @@ def _check_clock(clock: Callable[[], float]) -> None:
     except Exception as exc:  # the user's clock: whatever it raises
         raise ConfigError(f"storage: clock raised {type(exc).__name__} when read: {exc}") from None
     if not _finite(now):
+        shown = f"an int of {now.bit_length()} bits" if type(now) is int else repr(now)
         raise ConfigError(
-            f"storage: clock must return a finite number of seconds, returned {now!r}"
+            f"storage: clock must return a finite number of seconds, returned {shown}"
         )
 
 
@@ -551,6 +561,7 @@ class _Workers:
         self._wait = wait  # what close() waits at the interpreter's exit (_end_at_exit)
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        self._ending: list[threading.Thread] = []  # told to end, not seen to yet
 
     def submit(self, job: Callable[[], None]) -> None:
         if not self._count:
@@ -590,14 +601,17 @@ class _Workers:
         waited for: it ends after its job.
         """
         threads, self._threads = self._threads, []
-        _RUNNING.discard(self)
         for _ in threads:
             self._jobs.put(None)
+        self._ending += threads
         deadline = time.monotonic() + _waitable(wait)
         here = threading.current_thread()
-        for thread in threads:
+        for thread in self._ending:
             if thread is not here:  # joining itself would raise
                 thread.join(_waitable(deadline - time.monotonic()))
+        self._ending = [thread for thread in self._ending if thread.is_alive()]
+        if not self._ending:  # else the exit waits for them (_end_at_exit)
+            _RUNNING.discard(self)
 
 
 _RUNNING: weakref.WeakSet[_Workers] = weakref.WeakSet()
@@ -663,13 +677,14 @@ def _put(store: Store, keys: Sequence[str], pages: list[torch.Tensor]) -> StoreR
 
     Results beyond the pages given were counted as stored pages: a node
     whose put answered five results for two pages was ``stored`` and the
-    put counted ``full`` at once.
+    put counted ``full`` at once. Fewer results than pages store the
+    answered prefix, as a put that filled the store does.
     """
     try:
         results = store.put(keys, pages)
     except StoreFailed as exc:
         return StoreResult(_counted(exc.acknowledged, len(keys)), [], "failed", str(exc))
-    if len(results) != len(keys):
+    if len(results) > len(keys):
         cause = f"the store answered {len(results)} results for {len(keys)} pages"
         return StoreResult(0, [], "failed", cause)
     held = stored_prefix(results)
@@ -711,6 +726,10 @@ def _get(store: Store, keys: Sequence[str], shape: tuple[int, ...]) -> StoreResu
         if not later:  # a newer version's page is whole: it stays for the servers that read it
             _drop_bad(store, exc.key)
         pages = store.get(keys[:at]) if at else []
+        if len(pages) > at:  # read again, it is checked as the first read is
+            return StoreResult(
+                0, [], "failed", f"the store answered {len(pages)} pages for {at} keys"
+            )
         outcome, error = "later_format" if later else "corrupt", str(exc)
     foreign = _foreign(pages, shape)
     if foreign is not None:
@@ -1265,9 +1284,13 @@ class StorageTier:
         self._unwritten = None
         self._told = set()
 
-    def close(self) -> None:
-        """End the worker threads, waiting up to ``io_timeout``; the store stays open (the caller's)."""
-        self._workers.close(self.config.io_timeout)
+    def close(self, wait: float | None = None) -> None:
+        """End the worker threads, waiting up to ``wait`` (``io_timeout``); the store stays open.
+
+        The store is the caller's. A thread not seen to end is waited for
+        again as the interpreter exits.
+        """
+        self._workers.close(self.config.io_timeout if wait is None else wait)
 
     # -- tensor-parallel agreement ---------------------------------------------
 

@@ -24,6 +24,7 @@ import importlib.util
 import itertools
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -741,12 +742,25 @@ def _run(
     if child.returncode not in (0, 1):
         if workers.stopped:  # killed by the stop, not failed
             raise _Stopped(_STOPPED)
-        tail = (stderr or stdout).strip().splitlines()[-1:] or [
-            f"it exited with status {child.returncode} and printed nothing, as when the module"
-            " calls sys.exit() while it is imported"
-        ]
+        tail = (stderr or stdout).strip().splitlines()[-1:] or [_silent_end(child.returncode)]
         raise FsmCacheError(f"CrossHair failed on {' '.join(targets)}: {tail[0]}")
     return stdout + stderr
+
+
+def _silent_end(status: int) -> str:
+    """Say how a CrossHair process that printed nothing ended: a signal, or an exit at import."""
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        return (
+            f"it was killed by {name} and printed nothing (out of memory, or stopped from outside)"
+        )
+    return (
+        f"it exited with status {status} and printed nothing, as when the module calls"
+        " sys.exit() while it is imported"
+    )
 
 
 _RANK = {"": -1, CONFIRMED: 0, WITHIN_BUDGET: 1, NOT_ANALYSED: 2, COUNTEREXAMPLE: 3}
