@@ -773,3 +773,86 @@ def test_random_contract_sequences_keep_the_invariants(seed: int) -> None:
         else:
             list(m.take_events())
         check_invariants(m, loads)
+
+
+@pytest.mark.parametrize("position", ["2", True, 2.5])
+def test_a_position_that_is_no_int_is_refused_before_anything_changes(position: object) -> None:
+    """A str position failed ``prepare_store`` half-way, as a bare TypeError.
+
+    Its blocks were left ``writing`` with their chunks taken and the request
+    not recorded as the store's owner: its ``complete_store`` was ignored, and
+    a strict ``reset_cache`` refused for good. ``prepare_load`` and
+    ``on_request_finished`` failed the same way after changing state.
+    """
+    m = CheckedOffloadingManager(4, strict=True)
+    good = RequestContext("good", {K[2]: 7})
+    stored(m, [K[2]], good)
+    bad = RequestContext("bad", {K[0]: 1, K[1]: position, K[2]: position})  # type: ignore[dict-item]
+    shown = f"{position!r} ({type(position).__name__})"
+    for call, keys in (("prepare_store", [K[0], K[1]]), ("prepare_load", [K[2]])):
+        before = snapshot(m)
+        with pytest.raises(BadArgument) as refused:
+            getattr(m, call)(keys, bad)
+        label = block_label(keys[-1])
+        assert str(refused.value) == (
+            f"{call}: req_context.get_offload_key_position({label}) must be an int token "
+            f"position or None, got {shown}"
+        )
+        assert snapshot(m) == before
+    assert m.writing == 0
+    m.reset_cache()  # nothing in flight: a strict reset is not refused
+    seen = RequestContext("seen", {K[3]: 3})
+    stored(m, [K[3]], seen)
+    seen.positions[K[3]] = position  # type: ignore[assignment]
+    before = snapshot(m)
+    with pytest.raises(BadArgument):
+        m.on_request_finished(seen)
+    assert snapshot(m) == before
+    seen.positions[K[3]] = 3
+    m.on_request_finished(seen)  # not marked finished by the refused call: it commits now
+    assert snapshot(m) != before
+
+
+def test_lookup_refuses_what_is_no_key(ctx: RequestContext) -> None:
+    """A list raised a bare TypeError (unhashable); None, a str or an int read as a MISS."""
+    m = CheckedOffloadingManager(4)
+    stored(m, [K[0]], ctx)
+    for bad in ([1, 2], None, "k", 7, K[0].hex()):
+        with pytest.raises(BadArgument) as refused:
+            m.lookup(bad, ctx)  # type: ignore[arg-type]
+        assert str(refused.value) == (
+            f"lookup: key must be an offload key (bytes), got {bad!r} ({type(bad).__name__})"
+        )
+    assert m.lookup(K[0], ctx) is Lookup.HIT
+
+
+@pytest.mark.parametrize("success", [None, 0, 1, "False", []])
+def test_complete_store_refuses_a_success_that_is_no_bool(
+    ctx: RequestContext, success: object
+) -> None:
+    """None or 0 dropped the store as failed; "False" or 1 published it."""
+    m = CheckedOffloadingManager(4)
+    m.prepare_store([K[0]], ctx)
+    before = snapshot(m)
+    with pytest.raises(BadArgument) as refused:
+        m.complete_store([K[0]], ctx, success)  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        f"complete_store: success must be a bool, got {success!r} ({type(success).__name__})"
+    )
+    assert snapshot(m) == before
+    m.complete_store([K[0]], ctx, True)
+    assert m.records[K[0]].host == "backed"
+
+
+@pytest.mark.parametrize(
+    "flag", ["events", "strict", "request_ranks", "failure_events", "count_offers_once"]
+)
+def test_a_flag_that_is_no_bool_is_refused(flag: str) -> None:
+    """``strict="false"`` is truthy: it turned strict mode on; None was taken too."""
+    for value in ("false", None, 1):
+        with pytest.raises(BadArgument) as refused:
+            CheckedOffloadingManager(4, **{flag: value})
+        assert str(refused.value) == (
+            f"CheckedOffloadingManager: {flag} must be a bool, got {value!r} "
+            f"({type(value).__name__})"
+        )

@@ -69,7 +69,7 @@ from fsm_cache.errors import (
     InvariantViolation,
     NotLoading,
 )
-from fsm_cache.numeric import whole
+from fsm_cache.numeric import as_index, whole
 from fsm_cache.spec.machine import System
 from fsm_cache.spec.shipped import host_machine
 
@@ -452,6 +452,15 @@ class CheckedOffloadingManager:
                     f"got {value!r} ({type(value).__name__})"
                 )
                 raise BadArgument(msg)
+        flags = {
+            "events": events,
+            "strict": strict,
+            "request_ranks": request_ranks,
+            "failure_events": failure_events,
+            "count_offers_once": count_offers_once,
+        }
+        for name, flag in flags.items():  # strict="false" is truthy: it turned strict mode on
+            _need_bool(type(self).__name__, name, flag)
         self.num_chunks = num_chunks
         self.strict = strict
         self.store_threshold = store_threshold
@@ -527,6 +536,9 @@ class CheckedOffloadingManager:
             BadArgument: ``req_context`` is not a request context.
         """
         _check_context("lookup", req_context)
+        if not isinstance(key, bytes):  # a list raised TypeError; None or a str was a MISS
+            msg = f"lookup: key must be an offload key (bytes), got {key!r} ({type(key).__name__})"
+            raise BadArgument(msg)
         rec = self.records.get(key)
         if rec is None:
             return self._answer(Lookup.MISS)
@@ -554,6 +566,7 @@ class CheckedOffloadingManager:
                 self._refuse("load", key, rec)
         request = self._request("prepare_load", req_context)
         self._check_open(keys, request)
+        positions = _positions("prepare_load", keys, req_context)
         chunks, loads = [], request.loads
         for key in keys:
             rec = records[key]
@@ -562,7 +575,7 @@ class CheckedOffloadingManager:
             self._load(rec)
             loads[key] = loads.get(key, 0) + 1
             chunks.append(rec.chunk)
-        self._record(keys, req_context, request)
+        self._record(keys, positions, request)
         return self._load_spec(chunks)
 
     def touch(self, keys: Iterable[bytes], req_context: ReqContextLike) -> None:
@@ -643,6 +656,7 @@ class CheckedOffloadingManager:
             elif rec.host in self._readable:
                 ready.append(key)
         request = self._request("prepare_store", req_context)
+        positions = _positions("prepare_store", keys, req_context)
         # What vLLM records, and its finished-request assert covers: the ready keys and the
         # new ones this offer brings to the threshold (read lazily: only a finished request
         # needs them).
@@ -652,7 +666,7 @@ class CheckedOffloadingManager:
             to_store = self._admit(keys, to_store, request)
         recorded = set(to_store)
         recorded.update(ready)
-        self._record([k for k in keys if k in recorded], req_context, request)
+        self._record([k for k in keys if k in recorded], positions, request)
         if not to_store:
             return self._store_output([], [], [])
         self.allocation_sizes.append(len(to_store))
@@ -664,7 +678,7 @@ class CheckedOffloadingManager:
         for key, chunk in zip(to_store, chunks, strict=True):
             rec = records[key] = OffloadRecord(key, chunk)
             self._write(rec)
-            self.recency.insert(key, req_context.get_offload_key_position(key), request)
+            self.recency.insert(key, positions[key], request)
         request.storing.update(to_store)
         return self._store_output(to_store, chunks, evicted)
 
@@ -690,6 +704,7 @@ class CheckedOffloadingManager:
                 failed); nothing changed.
         """
         _check_context("complete_store", req_context)
+        _need_bool("complete_store", "success", success)  # None dropped it; "False" published it
         accepted = self._storing if success else self._failing
         keys, records = _listed_keys("complete_store", keys), self.records
         request = self._held(req_context)
@@ -738,11 +753,13 @@ class CheckedOffloadingManager:
         request = self._held(req_context)
         if request is None or request.finished:
             return
+        seen = [key for group in sorted(request.groups) for key in request.groups[group]]
+        positions = _positions("on_request_finished", seen, req_context)
         request.finished = True
         ordered: list[bytes] = []
         for group in sorted(request.groups):
-            ordered.extend(_by_position(request.groups[group], req_context))
-        self.recency.touch(_by_position(ordered, req_context))
+            ordered.extend(_by_position(request.groups[group], positions))
+        self.recency.touch(_by_position(ordered, positions))
 
     def take_events(self) -> Iterator[Any]:
         """Yield the events collected since the last call.
@@ -988,9 +1005,13 @@ class CheckedOffloadingManager:
             raise BadArgument(msg)
 
     def _record(
-        self, keys: Iterable[bytes], req_context: ReqContextLike, request: _Request
+        self, keys: Iterable[bytes], positions: Mapping[bytes, int | None], request: _Request
     ) -> None:
-        """Note the keys a request sees first, by KV group, and rank them (vLLM 0.33+)."""
+        """Note the keys a request sees first, by KV group, and rank them (vLLM 0.33+).
+
+        ``positions`` are the keys' token positions, read and checked before
+        the call changed anything (:func:`_positions`).
+        """
         new = []
         for key in keys:
             if key in request.seen:
@@ -999,8 +1020,7 @@ class CheckedOffloadingManager:
             request.seen.add(key)
             new.append(key)
         if new and self.recency.request_ranks:
-            positions = [req_context.get_offload_key_position(key) for key in new]
-            self.recency.access(new, positions, request)
+            self.recency.access(new, [positions[key] for key in new], request)
 
 
 _ONLY_KEYS = frozenset({bytes})
@@ -1054,6 +1074,17 @@ _CONTEXT_METHODS = ("get_state", "set_state", "get_offload_key_position")
 """What the manager calls on a request context (:class:`ReqContextLike`)."""
 
 
+def _need_bool(call: str, name: str, value: object) -> None:
+    """Refuse a flag that is not a bool: a truthy str or count would read as True.
+
+    Raises:
+        BadArgument: Naming the call, the flag and the value.
+    """
+    if not isinstance(value, bool):
+        msg = f"{call}: {name} must be a bool, got {value!r} ({type(value).__name__})"
+        raise BadArgument(msg)
+
+
 def _check_context(call: str, req_context: object) -> None:
     """Refuse a ``req_context`` that is not a request context (:class:`ReqContextLike`).
 
@@ -1075,15 +1106,38 @@ def _check_context(call: str, req_context: object) -> None:
         raise BadArgument(msg)
 
 
-def _by_position(keys: list[bytes], req_context: ReqContextLike) -> list[bytes]:
-    """Sort ``keys`` by token position when every key has one; else keep their order."""
-    positions = {}
+def _positions(
+    call: str, keys: Iterable[bytes], req_context: ReqContextLike
+) -> dict[bytes, int | None]:
+    """Return each key's token position as the request context says, checked before any change.
+
+    A position the context answers as something other than an int or None
+    (a str, a bool) failed the call half-way: its blocks writing and their
+    chunks taken, the request never recorded as the store's owner, so that
+    its ``complete_store`` was ignored and the blocks stayed ``writing``.
+
+    Raises:
+        BadArgument: A position is neither an int nor None; nothing changed.
+    """
+    positions: dict[bytes, int | None] = {}
     for key in keys:
         position = req_context.get_offload_key_position(key)
-        if position is None:
-            return keys
-        positions[key] = position
-    return sorted(keys, key=positions.__getitem__)
+        index = None if position is None else as_index(position)
+        if position is not None and index is None:
+            msg = (
+                f"{call}: req_context.get_offload_key_position({block_label(key)}) must be an"
+                f" int token position or None, got {position!r} ({type(position).__name__})"
+            )
+            raise BadArgument(msg)
+        positions[key] = index
+    return positions
+
+
+def _by_position(keys: list[bytes], positions: Mapping[bytes, int | None]) -> list[bytes]:
+    """Sort ``keys`` by token position when every key has one; else keep their order."""
+    if any(positions[key] is None for key in keys):
+        return keys
+    return sorted(keys, key=positions.__getitem__)  # type: ignore[arg-type]
 
 
 # -- the vLLM-facing classes, built from the installed vLLM on first access -----------
@@ -1264,8 +1318,18 @@ def _manager_class(
             return base.RequestOffloadingContext()
 
         def get_load_source(self, key: bytes, req_context: Any) -> Any:
-            """Where a hit comes from: the host (vLLM's ``CacheHitSource.HOST``)."""
-            del key, req_context
+            """Where a hit comes from: the host (vLLM's ``CacheHitSource.HOST``).
+
+            Raises:
+                BadArgument: ``key`` is no offload key, or ``req_context`` no request context.
+            """
+            _check_context("get_load_source", req_context)
+            if not isinstance(key, bytes):
+                msg = (
+                    f"get_load_source: key must be an offload key (bytes), got {key!r} "
+                    f"({type(key).__name__})"
+                )
+                raise BadArgument(msg)
             sources: Any = importlib.import_module("vllm.v1.metrics.cache_hit_source")
             return sources.CacheHitSource.HOST
 

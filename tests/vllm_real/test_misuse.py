@@ -549,3 +549,17 @@ def test_the_spec_reads_counts_as_vllm_does(vl: Vllm) -> None:
     extra = {"cpu_bytes_to_use": 64 * 4096, "store_threshold": " 3", "max_tracker_size": 8.0}
     ours = vl.fsm.FsmCpuOffloadingSpec(_offloading_config(vl, extra)).get_manager()
     assert (ours.store_threshold, ours.max_tracker_size) == (3, 8)
+
+
+def test_get_load_source_checks_its_key_and_context(vl: Vllm) -> None:
+    """``get_load_source(None, False)`` answered ``HOST``: every call taking a context checks it."""
+    ours, ctx = vl.ours(4), vl.context("r")
+    with pytest.raises(BadArgument) as refused:
+        ours.get_load_source(vl.key(1), False)
+    assert str(refused.value).startswith("get_load_source: req_context must be a request context")
+    with pytest.raises(BadArgument) as refused:
+        ours.get_load_source(None, ctx)
+    assert str(refused.value) == (
+        "get_load_source: key must be an offload key (bytes), got None (NoneType)"
+    )
+    assert ours.get_load_source(vl.key(1), ctx).name == "HOST"
