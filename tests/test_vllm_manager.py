@@ -851,8 +851,29 @@ def test_a_flag_that_is_no_bool_is_refused(flag: str) -> None:
     """``strict="false"`` is truthy: it turned strict mode on; None was taken too."""
     for value in ("false", None, 1):
         with pytest.raises(BadArgument) as refused:
-            CheckedOffloadingManager(4, **{flag: value})
+            CheckedOffloadingManager(4, **{flag: value})  # type: ignore[arg-type]
         assert str(refused.value) == (
             f"CheckedOffloadingManager: {flag} must be a bool, got {value!r} "
             f"({type(value).__name__})"
         )
+
+
+def test_two_managers_over_one_context_keep_their_own_requests() -> None:
+    """The second manager's scratch replaced the first's on the shared context.
+
+    The first manager's own ``complete_store`` was then ignored (its block
+    ``writing`` for good), or refused in strict mode as another request's.
+    """
+    shared = RequestContext("req")
+    for strict in (False, True):
+        first = CheckedOffloadingManager(4, strict=strict)
+        shadow = CheckedOffloadingManager(4, strict=strict)
+        first.prepare_store([K[0]], shared)
+        shadow.prepare_store([K[1]], shared)
+        first.complete_store([K[0]], shared)
+        shadow.complete_store([K[1]], shared)
+        assert (first.records[K[0]].host, shadow.records[K[1]].host) == ("backed", "backed")
+        assert (first.duplicate_acks, shadow.duplicate_acks) == (0, 0)
+        first.prepare_load([K[0]], shared)
+        first.complete_load([K[0]], shared)
+        assert first.records[K[0]].pins == 0

@@ -247,6 +247,17 @@ class _Request:
     finished: bool = False
 
 
+class _Requests(dict[int, _Request]):
+    """What each manager remembers of one request, by the manager's ``id``: the context's scratch.
+
+    A request context keeps one scratch value per type. Kept as the
+    :class:`_Request` itself, a second manager over the same contexts (an
+    audit or shadow manager) replaced the first's, whose own completions were
+    then taken as another request's: a store ignored, its block ``writing``
+    for good.
+    """
+
+
 class Recency:
     """vLLM's LRU order: the evictable block of the smallest ``(rank, key)`` goes first.
 
@@ -942,14 +953,19 @@ class CheckedOffloadingManager:
         request = self._held(req_context)
         if request is None:
             request = _Request(self, self.generation)
-            req_context.set_state(request)
+            requests = req_context.get_state(_Requests)
+            if requests is None:
+                requests = _Requests()
+                req_context.set_state(requests)
+            requests[id(self)] = request
         return request
 
     def _held(self, req_context: ReqContextLike) -> _Request | None:
         """Return what this manager remembers of the request since the last reset, if anything."""
-        request = req_context.get_state(_Request)
+        requests = req_context.get_state(_Requests)
+        request = None if requests is None else requests.get(id(self))
         if request is None or request.owner is not self or request.generation != self.generation:
-            return None
+            return None  # an id reused by another manager since is not this one's
         return request
 
     def _refuse_foreign_load(
