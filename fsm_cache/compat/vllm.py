@@ -576,7 +576,7 @@ class CheckedOffloadingManager:
             if rec is None or rec.host not in self._readable:
                 self._refuse("load", key, rec)
         request = self._request("prepare_load", req_context)
-        self._check_open(keys, request)
+        self._check_open("prepare_load", keys, request)
         positions = _positions("prepare_load", keys, req_context)
         chunks, loads = [], request.loads
         for key in keys:
@@ -656,8 +656,12 @@ class CheckedOffloadingManager:
                 not a request context; nothing changed.
         """
         keys = _listed_keys("prepare_store", keys)
-        if len(set(keys)) != len(keys):
-            msg = f"prepare_store offered a key twice: {[block_label(k) for k in keys]}"
+        if len(set(keys)) != len(keys):  # named, not the whole offer (thousands of keys)
+            twice = next(k for i, k in enumerate(keys) if k in keys[:i])
+            msg = (
+                f"prepare_store offered a key twice: {block_label(twice)} "
+                f"(in an offer of {len(keys)} keys)"
+            )
             raise BadArgument(msg)
         records, to_store, ready = self.records, [], []
         for key in keys:
@@ -672,7 +676,7 @@ class CheckedOffloadingManager:
         # new ones this offer brings to the threshold (read lazily: only a finished request
         # needs them).
         passing = (k for k in to_store if self._passes(k, request))
-        self._check_open(chain(ready, passing), request)
+        self._check_open("prepare_store", chain(ready, passing), request)
         if self.counts is not None:
             to_store = self._admit(keys, to_store, request)
         recorded = set(to_store)
@@ -1014,10 +1018,16 @@ class CheckedOffloadingManager:
         """
         raise self.engine.refusal(rec, Refusal("host", event, error.__name__, reason))
 
-    def _check_open(self, keys: Iterable[bytes], request: _Request) -> None:
-        """Refuse new keys for a finished request (vLLM asserts)."""
-        if request.finished and any(key not in request.seen for key in keys):
-            msg = "request finished: new cache keys observed after on_request_finished"
+    def _check_open(self, call: str, keys: Iterable[bytes], request: _Request) -> None:
+        """Refuse new keys for a finished request (vLLM asserts, in these words)."""
+        if not request.finished:
+            return
+        new = next((key for key in keys if key not in request.seen), None)
+        if new is not None:
+            msg = (
+                f"{call}: request finished: new cache keys observed after on_request_finished"
+                f" ({block_label(new)})"
+            )
             raise BadArgument(msg)
 
     def _record(

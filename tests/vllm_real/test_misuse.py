@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from fsm_cache.compat.vllm import block_label
 from fsm_cache.errors import (
     BadArgument,
     CopyInFlight,
@@ -152,8 +153,7 @@ def test_a_key_offered_twice_in_one_store(vl: Vllm) -> None:
     with pytest.raises(BadArgument) as refused:
         ours.prepare_store([key, other, key], ctx)
     assert str(refused.value) == (
-        "prepare_store offered a key twice: "
-        "['0000000000000001/0', '0000000000000002/0', '0000000000000001/0']"
+        "prepare_store offered a key twice: 0000000000000001/0 (in an offer of 3 keys)"
     )
     with pytest.raises(BadArgument, match="offered a key twice"):
         ours.prepare_store([other, other], ctx)  # held: vLLM skips it twice, harmlessly
@@ -217,7 +217,8 @@ def test_new_keys_for_a_finished_request(vl: Vllm) -> None:
         with pytest.raises(BadArgument) as refused:
             call([key], ctx)
         assert str(refused.value) == (
-            "request finished: new cache keys observed after on_request_finished"
+            f"{call.__name__}: request finished: new cache keys observed after"
+            f" on_request_finished ({block_label(key)})"
         )
     assert _snapshot(ours) == before
     assert ours.prepare_store([seen], ctx).keys_to_store == []  # a key it saw: no refusal
