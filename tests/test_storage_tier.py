@@ -282,19 +282,6 @@ class GetAnswersMore(LocalFileStore):
         return pages + pages
 
 
-def test_a_get_answering_more_pages_than_keys_fails_the_fetch_as_the_stores(
-    tmp_path: Path,
-) -> None:
-    """The extra pages made ``poll()`` raise CopyFailed, as if the host could not be written."""
-    stored(LocalFileStore(tmp_path), list(range(8)))
-    reader = cache(GetAnswersMore(tmp_path))
-    assert reader.match_prefix(list(range(8))).storage_len == 8
-    assert reader.poll() == 1
-    assert reader.stats().storage_failures == {"fetch:failed": 1}
-    assert list(reader.tree) == []  # the node the lookup found is gone with its failed fetch
-    reader.check_invariants()
-
-
 class RereadAnswersMore(LocalFileStore):
     """A store whose second page is torn, and whose read again before it answers every page twice."""
 
@@ -305,14 +292,20 @@ class RereadAnswersMore(LocalFileStore):
         return pages + pages
 
 
-def test_a_get_read_again_before_a_torn_page_is_checked_as_the_first_read(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    "store_class", [GetAnswersMore, RereadAnswersMore], ids=["first read", "read again"]
+)
+def test_a_get_answering_more_pages_than_keys_fails_the_fetch_as_the_stores(
+    tmp_path: Path, store_class: type[LocalFileStore]
 ) -> None:
-    """The read again of the pages before a torn one could answer more pages than keys too."""
+    """The extra pages made ``poll()`` raise CopyFailed, as if the host could not be written.
+
+    The read again of the pages before a torn one is checked as the first read is.
+    """
     stored(LocalFileStore(tmp_path), list(range(8)))
-    reader = cache(RereadAnswersMore(tmp_path))
+    reader = cache(store_class(tmp_path))
     assert reader.match_prefix(list(range(8))).storage_len == 8
     assert reader.poll() == 1
     assert reader.stats().storage_failures == {"fetch:failed": 1}
-    assert list(reader.tree) == []
+    assert list(reader.tree) == []  # the node the lookup found is gone with its failed fetch
     reader.check_invariants()
