@@ -65,8 +65,11 @@ typecheck: $(DEVSTAMP)
 # stages; a bare `pytest` runs them.
 PYTEST_JOBS ?= 2
 XDIST := -n $(PYTEST_JOBS) --dist loadfile
+# BUILT_SITE: a site `make docs` built from this tree in the same run (`make test` names
+# it), which tests/test_docs.py reads instead of building it again (about 20 s of CPU).
+BUILT_SITE ?=
 pytest: $(DEVSTAMP) compile
-	$(BIN)/pytest -q $(XDIST) -m "not stage"
+	FSM_CACHE_BUILT_SITE=$(BUILT_SITE) $(BIN)/pytest -q $(XDIST) -m "not stage"
 
 # The tests that build a HiCache again on the compiled modules' sources, as a plain
 # `pip install` runs them (about two minutes of CPU), but those whose subject is a
@@ -134,7 +137,7 @@ bytecode: $(DEVSTAMP)
 test: system-deps $(DEVSTAMP) $(COMPSTAMP) bytecode
 	$(MAKE) -j2 -O AFTER=compile PYTEST_JOBS=1 compile pytest-pure lint typecheck $(SIDE_VENVS) \
 		audit diagrams docs $(SGLANG_TESTS) $(VLLM_TESTS)
-	$(MAKE) pytest verify check
+	$(MAKE) pytest verify check BUILT_SITE=$(CURDIR)/site
 
 # SGLang's real radix caches (tests/sglang_real): one side venv per version under .cache/sglang
 # (ignored by git), holding only the wheel (--no-deps); torch, pytest and fsm_cache come from
