@@ -7,6 +7,7 @@ for any other reason, then fails, so a run that checked nothing cannot pass.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import sys
@@ -76,6 +77,22 @@ def _recursion_limit_kept() -> Iterator[None]:
         yield
     finally:
         sys.setrecursionlimit(limit)
+
+
+@pytest.fixture
+def no_cyclic_gc() -> Iterator[None]:
+    """Python's cyclic collector off for the test: memory must go back by reference counts alone.
+
+    A cache's parts refer to each other; a test that it frees its pools when
+    dropped or closed must not pass because a collection happened to run.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @pytest.fixture

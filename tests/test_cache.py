@@ -1187,6 +1187,7 @@ def observed_memory(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref[object]
     return buffers
 
 
+@pytest.mark.usefixtures("no_cyclic_gc")
 @pytest.mark.parametrize("copier", [None, FaultyCopyEngine.copier()], ids=["plain", "wrapped"])
 def test_close_gives_both_pools_memory_back_without_the_cyclic_collector(
     copier: object, monkeypatch: pytest.MonkeyPatch
@@ -1199,31 +1200,26 @@ def test_close_gives_both_pools_memory_back_without_the_cyclic_collector(
     copy engine's views of the pools would keep the memory too.
     """
     memory = observed_memory(monkeypatch)
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        cache = make(write_policy="write_through", copier=copier)
-        assert len(memory) == 2
-        cache.insert(tokens(0, 32))
-        cache.poll()  # the backups ran
-        cache.evict(32)
-        chain = cache.load_back(cache.match_prefix(tokens(0, 32)).last_host_node)
-        assert chain  # loaded back: the other direction ran too
-        cache.close()
-        assert [buffer() for buffer in memory] == [None, None]
-        with pytest.raises(ForeignSlot) as raised:
-            cache.tiers.read_device(chain[-1].device_pages)
-        assert str(raised.value) == (
-            f"device pool: page {chain[-1].device_pages[0]} refused: the pool was released (its "
-            "cache was closed, or dropped unclosed) and gave its memory back, so it has no pages"
-        )
-        with pytest.raises(CacheClosed):
-            cache.match_prefix(tokens(0, 32))
-    finally:
-        if was:
-            gc.enable()
+    cache = make(write_policy="write_through", copier=copier)
+    assert len(memory) == 2
+    cache.insert(tokens(0, 32))
+    cache.poll()  # the backups ran
+    cache.evict(32)
+    chain = cache.load_back(cache.match_prefix(tokens(0, 32)).last_host_node)
+    assert chain  # loaded back: the other direction ran too
+    cache.close()
+    assert [buffer() for buffer in memory] == [None, None]
+    with pytest.raises(ForeignSlot) as raised:
+        cache.tiers.read_device(chain[-1].device_pages)
+    assert str(raised.value) == (
+        f"device pool: page {chain[-1].device_pages[0]} refused: the pool was released (its "
+        "cache was closed, or dropped unclosed) and gave its memory back, so it has no pages"
+    )
+    with pytest.raises(CacheClosed):
+        cache.match_prefix(tokens(0, 32))
 
 
+@pytest.mark.usefixtures("no_cyclic_gc")
 @pytest.mark.parametrize("copier", [None, FaultyCopyEngine.copier()], ids=["plain", "wrapped"])
 def test_a_dropped_cache_gives_both_pools_memory_back_at_once(
     copier: object, monkeypatch: pytest.MonkeyPatch
@@ -1235,19 +1231,14 @@ def test_a_dropped_cache_gives_both_pools_memory_back_at_once(
     held the old device pool beside the new one until a full collection.
     """
     memory = observed_memory(monkeypatch)
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        cache = make(write_policy="write_through", copier=copier)
-        cache.insert(tokens(0, 32))
-        assert cache.issued()  # dropped with its backups in flight: they are waited for
-        del cache
-        assert [buffer() for buffer in memory] == [None, None]
-    finally:
-        if was:
-            gc.enable()
+    cache = make(write_policy="write_through", copier=copier)
+    cache.insert(tokens(0, 32))
+    assert cache.issued()  # dropped with its backups in flight: they are waited for
+    del cache
+    assert [buffer() for buffer in memory] == [None, None]
 
 
+@pytest.mark.usefixtures("no_cyclic_gc")
 def test_a_cache_whose_close_could_not_give_the_memory_back_gives_it_when_dropped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1263,19 +1254,13 @@ def test_a_cache_whose_close_could_not_give_the_memory_back_gives_it_when_droppe
             super().close()
 
     memory = observed_memory(monkeypatch)
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        cache = make(copier=Unclosable.copier())
-        cache.insert(tokens(0, 4))
-        with pytest.raises(RuntimeError, match="illegal memory access"):
-            cache.close()
-        assert [buffer() is None for buffer in memory] == [False, False]
-        del cache
-        assert [buffer() for buffer in memory] == [None, None]
-    finally:
-        if was:
-            gc.enable()
+    cache = make(copier=Unclosable.copier())
+    cache.insert(tokens(0, 4))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        cache.close()
+    assert [buffer() is None for buffer in memory] == [False, False]
+    del cache
+    assert [buffer() for buffer in memory] == [None, None]
 
 
 def test_a_cache_cannot_be_copied_and_its_copy_never_closes_it() -> None:
@@ -1306,6 +1291,7 @@ def test_a_cache_never_initialised_is_dropped_quietly(monkeypatch: pytest.Monkey
     assert reported == []
 
 
+@pytest.mark.usefixtures("no_cyclic_gc")
 def test_a_cache_refused_after_its_tiers_were_built_keeps_no_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1316,20 +1302,14 @@ def test_a_cache_refused_after_its_tiers_were_built_keeps_no_memory(
     of a segmentation fault.
     """
     memory = observed_memory(monkeypatch)
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        with pytest.raises(ConfigError) as refused:
-            make(write_policy="write_back", host_pages=0)
-        assert str(refused.value) == (
-            "config: write_back needs host pages: with none, no device page could be evicted"
-        )
-        del refused  # its traceback holds the half-built cache
-        assert len(memory) == 1  # the device pool's; the host pool has no pages
-        assert memory[0]() is None
-    finally:
-        if was:
-            gc.enable()
+    with pytest.raises(ConfigError) as refused:
+        make(write_policy="write_back", host_pages=0)
+    assert str(refused.value) == (
+        "config: write_back needs host pages: with none, no device page could be evicted"
+    )
+    del refused  # its traceback holds the half-built cache
+    assert len(memory) == 1  # the device pool's; the host pool has no pages
+    assert memory[0]() is None
 
 
 @pytest.mark.gpu

@@ -490,6 +490,7 @@ def test_close_waits_for_the_worker_threads_to_end(store: Store, clock: HandCloc
     assert not _workers()
 
 
+@pytest.mark.usefixtures("no_cyclic_gc")
 def test_a_dropped_cache_ends_its_worker_threads(store: Store) -> None:
     """Dropped unclosed, a cache left its worker threads waiting on its queue for good.
 
@@ -498,20 +499,14 @@ def test_a_dropped_cache_ends_its_worker_threads(store: Store) -> None:
     still in a store's code can abort the process.
     """
     assert not _workers()
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        cache = HiCache(config(), storage=tier(store, threads=2))
-        cache.insert(tokens(2))
-        cache.poll()  # the backups finished: the stores start on the workers
-        assert len(_workers()) == 2
-        del cache
-        for worker in _workers():  # told to end, not waited for: each ends after its job
-            worker.join(30)
-        assert not _workers()
-    finally:
-        if was:
-            gc.enable()
+    cache = HiCache(config(), storage=tier(store, threads=2))
+    cache.insert(tokens(2))
+    cache.poll()  # the backups finished: the stores start on the workers
+    assert len(_workers()) == 2
+    del cache
+    for worker in _workers():  # told to end, not waited for: each ends after its job
+        worker.join(30)
+    assert not _workers()
 
 
 _EXITS_UNCLOSED = """
@@ -563,6 +558,7 @@ def test_an_unclosed_cache_at_exit_lets_its_workers_end_first(tmp_path: Path) ->
     assert (tmp_path / "put-ended").read_text() == "yes"
 
 
+@pytest.mark.usefixtures("no_cyclic_gc")
 def test_a_dropped_cache_does_not_wait_for_a_worker_in_a_store(store: Store) -> None:
     """``__del__`` waited up to ``io_timeout`` behind a hung store, on whichever thread ran it.
 
@@ -577,14 +573,8 @@ def test_a_dropped_cache_does_not_wait_for_a_worker_in_a_store(store: Store) -> 
     (worker,) = _workers()
     release = threading.Timer(2.0, faulty.gate.set)
     release.start()
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        del cache
-        assert worker.is_alive()  # not waited for: the gate opens two seconds later
-    finally:
-        if was:
-            gc.enable()
+    del cache
+    assert worker.is_alive()  # not waited for: the gate opens two seconds later
     worker.join(30)
     assert not _workers()
     release.cancel()

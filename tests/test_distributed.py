@@ -17,7 +17,6 @@ import argparse
 import array
 import dataclasses
 import enum
-import gc
 import hashlib
 import inspect
 import itertools
@@ -2529,6 +2528,7 @@ def test_the_caches_own_poll_applies_nothing_once_a_group_owns_its_acks(
         dist.destroy_process_group()
 
 
+@pytest.mark.usefixtures("no_cyclic_gc")
 def test_a_dropped_distributed_cache_gives_its_caches_memory_back_at_once(
     tmp_path: Path,
 ) -> None:
@@ -2543,8 +2543,6 @@ def test_a_dropped_distributed_cache_gives_its_caches_memory_back_at_once(
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
     )
-    was = gc.isenabled()
-    gc.disable()
     try:
         shared = DistributedCache(HiCache(skewed(0)), timeout=TIMEOUT)
         shared.cache.insert(list(range(32)))
@@ -2553,8 +2551,6 @@ def test_a_dropped_distributed_cache_gives_its_caches_memory_back_at_once(
         del shared
         assert pool() is None
     finally:
-        if was:
-            gc.enable()
         dist.destroy_process_group()
 
 

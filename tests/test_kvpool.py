@@ -696,16 +696,6 @@ def test_a_pool_dropped_pinned_waits_for_the_device_before_unregistering(
     assert [c[0] for c in cudart.calls] == ["register", "synchronize", "unregister"]
 
 
-@pytest.fixture
-def no_cyclic_gc() -> Any:
-    """Python's cyclic collector off: memory must go back by reference counts alone."""
-    was = gc.isenabled()
-    gc.disable()
-    yield
-    if was:
-        gc.enable()
-
-
 @pytest.mark.usefixtures("no_cyclic_gc")
 @pytest.mark.parametrize("make", [device_pool, host_pool], ids=["device", "host"])
 def test_release_gives_the_memory_back_and_refuses_every_page_after(make: Any) -> None:
