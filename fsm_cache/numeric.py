@@ -25,6 +25,7 @@ may use it and mypyc-compiled modules may call it.
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import TypeGuard
 
@@ -44,6 +45,30 @@ def whole(value: object, least: int | None = 0) -> TypeGuard[int]:
 def real(value: object) -> TypeGuard[float]:
     """Whether ``value`` is an int or a float (NaN and the infinities included)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def finite(value: object) -> TypeGuard[float]:
+    """Whether ``value`` is an int or a float that a float can hold, neither NaN nor infinite.
+
+    An int too large for a float passes a comparison with infinity, then
+    makes the first float arithmetic with it (``clock() + timeout``, ``pages
+    * ratio``) raise ``OverflowError``, as ``math.isfinite`` itself does.
+    """
+    try:
+        return real(value) and math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for a message; an int too large for a float by its size.
+
+    Past 4,300 digits an int's ``repr`` raises ``ValueError``, so the
+    message refusing it would fail in its place.
+    """
+    if type(value) is int and not finite(value):
+        return f"an int of {value.bit_length()} bits"
+    return repr(value)
 
 
 _BOOL_DTYPES = frozenset({"torch.bool", "bool"})

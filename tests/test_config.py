@@ -46,6 +46,11 @@ BAD = [
         _case({"host_ratio": v}, f"config: host_ratio must be a finite real >= 0, got {v!r}")
         for v in (-0.5, math.nan, math.inf, -math.inf, True, "2", None, 1j)
     ),
+    # too large for a float: math.isfinite raised OverflowError
+    _case(
+        {"host_ratio": 10**400},
+        "config: host_ratio must be a finite real >= 0, got an int of 1329 bits",
+    ),
     *(_int("page_size", 1, v) for v in (0, 1.0, False, -16)),
     *(_int("layers", 1, v) for v in (0, 2.0)),
     *(_int("heads", 1, v) for v in (-2, None)),

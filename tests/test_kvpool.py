@@ -668,8 +668,21 @@ def test_a_pool_over_a_tensor_its_views_cannot_address_is_refused(
             lambda: host_pool(LAYOUT, ratio=2.0, device_pages=-4, pin=False),
             "host_pool: device_pages must be an int >= 0, got -4",
         ),
+        (  # math.isfinite raised OverflowError
+            lambda: host_pool(LAYOUT, ratio=10**400, device_pages=4, pin=False),
+            "host_pool: ratio must be a finite real >= 0, got an int of 1329 bits",
+        ),
     ],
-    ids=["device-negative", "negative", "fraction", "budget", "ratio", "nan", "device-pages"],
+    ids=[
+        "device-negative",
+        "negative",
+        "fraction",
+        "budget",
+        "ratio",
+        "nan",
+        "device-pages",
+        "huge-ratio",
+    ],
 )
 def test_a_pool_of_an_impossible_size_is_a_typed_error(make: object, message: str) -> None:
     with pytest.raises(BadArgument) as caught:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fsm_cache
-from fsm_cache.numeric import as_index, real, whole
+from fsm_cache.numeric import as_index, finite, real, shown, whole
 
 
 class Level(enum.IntEnum):
@@ -148,3 +148,12 @@ def test_no_module_spells_the_rule_by_hand() -> None:
             ):
                 found.append(f"{path.relative_to(package)}:{node.lineno}")
     assert found == []
+
+
+def test_finite_is_a_real_a_float_holds_and_shown_names_one_it_cannot_by_size() -> None:
+    """``math.isfinite(10**400)`` raises OverflowError, and ``repr(10**5000)`` ValueError."""
+    assert [finite(v) for v in (0, -3, 2.5, np.float64(1.0), 10**300)] == [True] * 5
+    assert [finite(v) for v in (math.nan, math.inf, 10**400, -(10**400), True, "1")] == [False] * 6
+    assert [shown(v) for v in (2.5, "x", None)] == ["2.5", "'x'", "None"]
+    assert shown(10**400) == "an int of 1329 bits"
+    assert shown(10**5000) == "an int of 16610 bits"

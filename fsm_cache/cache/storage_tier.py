@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import atexit
 import heapq
-import math
 import queue
 import threading
 import time
@@ -69,7 +68,6 @@ import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TypeGuard
 
 import torch
 
@@ -93,7 +91,7 @@ from fsm_cache.errors import (
     StoreFailed,
 )
 from fsm_cache.memory.tiers import Tiers
-from fsm_cache.numeric import as_index, real, whole
+from fsm_cache.numeric import as_index, finite, shown, whole
 from fsm_cache.policy import WritePolicy
 from fsm_cache.residency import FETCHING, HOST_HELD, HOST_VALID, STORAGE_HELD, Event
 from fsm_cache.storage.base import Store, stored_prefix
@@ -279,12 +277,11 @@ def _check_seconds(config: StorageConfig) -> None:
         ("query_backoff_max", True),
     ):
         value = getattr(config, name)
-        if type(value) is int and not _finite(value):  # its repr may be thousands of digits
+        if type(value) is int and not finite(value):
             raise ConfigError(
-                f"storage: {name} must be seconds a float can hold, got an int of "
-                f"{value.bit_length()} bits"
+                f"storage: {name} must be seconds a float can hold, got {shown(value)}"
             )
-        if not _finite(value) or not (value >= 0 if zero else value > 0):
+        if not finite(value) or not (value >= 0 if zero else value > 0):
             raise ConfigError(
                 f"storage: {name} must be seconds {'>=' if zero else '>'} 0, got {value!r}"
             )
@@ -312,19 +309,6 @@ def _method(store: object, name: str) -> object:
         ) from None
 
 
-def _finite(value: object) -> TypeGuard[float]:
-    """Whether ``value`` is an int or a float a float can hold, neither NaN nor infinite.
-
-    An int too large for a float would pass a comparison with infinity, then
-    make the first deadline computed from it (``clock() + timeout``) raise
-    ``OverflowError`` on every poll, with a copy in flight.
-    """
-    try:
-        return real(value) and math.isfinite(value)
-    except OverflowError:
-        return False
-
-
 def _check_clock(clock: Callable[[], float]) -> None:
     """Raise :class:`ConfigError` unless one reading of ``clock`` is a finite number of seconds.
 
@@ -336,10 +320,9 @@ def _check_clock(clock: Callable[[], float]) -> None:
         now = clock()
     except Exception as exc:  # the user's clock: whatever it raises
         raise ConfigError(f"storage: clock raised {type(exc).__name__} when read: {exc}") from None
-    if not _finite(now):
-        shown = f"an int of {now.bit_length()} bits" if type(now) is int else repr(now)
+    if not finite(now):
         raise ConfigError(
-            f"storage: clock must return a finite number of seconds, returned {shown}"
+            f"storage: clock must return a finite number of seconds, returned {shown(now)}"
         )
 
 

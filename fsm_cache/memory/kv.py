@@ -20,7 +20,6 @@ creates a context on GPU 0 nor pins the memory for the wrong context.
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 import weakref
 from array import array
@@ -32,7 +31,7 @@ import torch
 
 from fsm_cache.errors import BadArgument, ForeignSlot, PinnedMemoryError, PoolError
 from fsm_cache.memory.pages import PageAllocator, page_index
-from fsm_cache.numeric import boolean, real, whole
+from fsm_cache.numeric import boolean, finite, shown, whole
 
 
 QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
@@ -639,8 +638,8 @@ def _host_pages(
         raise BadArgument("host_pool: ratio needs device_pages")
     if not whole(device_pages):
         raise BadArgument(f"host_pool: device_pages must be an int >= 0, got {device_pages!r}")
-    if not real(ratio) or not math.isfinite(ratio) or ratio < 0:
-        raise BadArgument(f"host_pool: ratio must be a finite real >= 0, got {ratio!r}")
+    if not finite(ratio) or ratio < 0:
+        raise BadArgument(f"host_pool: ratio must be a finite real >= 0, got {shown(ratio)}")
     return int(device_pages * ratio)
 
 

@@ -30,7 +30,7 @@ from fsm_cache.memory.kv import (
 )
 from fsm_cache.memory.pages import PageAllocator
 from fsm_cache.memory.tickets import Copier
-from fsm_cache.numeric import real, whole
+from fsm_cache.numeric import finite, shown, whole
 
 
 CopierFactory = Callable[[KVPool, KVPool], Copier]
@@ -146,8 +146,8 @@ class CacheConfig:
         if self.host_pages is not None:
             _need_int(self, "host_pages", 0, none=True)
         ratio = self.host_ratio
-        if not real(ratio) or not math.isfinite(ratio) or ratio < 0:
-            raise ConfigError(f"config: host_ratio must be a finite real >= 0, got {ratio!r}")
+        if not finite(ratio) or ratio < 0:
+            raise ConfigError(f"config: host_ratio must be a finite real >= 0, got {shown(ratio)}")
         for name in ("page_size", "layers", "heads", "head_dim"):
             _need_int(self, name, 1)
         _dtype_of(self.dtype)
