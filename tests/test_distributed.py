@@ -2528,33 +2528,24 @@ def test_the_caches_own_poll_applies_nothing_once_a_group_owns_its_acks(
         dist.destroy_process_group()
 
 
-@pytest.mark.usefixtures("no_cyclic_gc")
-def test_a_dropped_distributed_cache_gives_its_caches_memory_back_at_once(
-    tmp_path: Path,
-) -> None:
+@pytest.mark.usefixtures("world_of_one", "no_cyclic_gc")
+def test_a_dropped_distributed_cache_gives_its_caches_memory_back_at_once() -> None:
     """A DistributedCache and its cache held each other: dropped, both waited for the collector.
 
     The cache held the DistributedCache's methods (its acknowledgements, load
     waits, refused starts, storage hits) and the DistributedCache the cache,
     so the cache's pools stayed allocated until a full collection ran.
     """
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        shared = DistributedCache(HiCache(skewed(0)), timeout=TIMEOUT)
-        shared.cache.insert(list(range(32)))
-        shared.step()
-        pool = weakref.ref(shared.cache.tiers.device.tensor)
-        del shared
-        assert pool() is None
-    finally:
-        dist.destroy_process_group()
+    shared = DistributedCache(HiCache(skewed(0)), timeout=TIMEOUT)
+    shared.cache.insert(list(range(32)))
+    shared.step()
+    pool = weakref.ref(shared.cache.tiers.device.tensor)
+    del shared
+    assert pool() is None
 
 
-def test_a_cache_whose_distributed_cache_was_dropped_goes_on_alone(tmp_path: Path) -> None:
+@pytest.mark.usefixtures("world_of_one")
+def test_a_cache_whose_distributed_cache_was_dropped_goes_on_alone() -> None:
     """Held weakly by its cache, a dropped DistributedCache must neither strand nor lose a copy.
 
     The cache then applies its copies as its copy engine reports them, in
@@ -2562,29 +2553,21 @@ def test_a_cache_whose_distributed_cache_was_dropped_goes_on_alone(tmp_path: Pat
     DistributedCache held; a later refused start fails at once, as on a
     plain cache, and a load wait is the rank's own answer.
     """
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        copier = FaultyCopyEngine.copier(refuse=[1, 3])
-        cache = HiCache(bench_config(debug=True, copier=copier, load_back_threshold=1))
-        shared = DistributedCache(cache, timeout=TIMEOUT)
-        cache.insert(list(range(32)))
-        cache.insert(list(range(100, 132)))
-        assert len(cache.issued()) == 2
-        assert shared.buffered == 1  # the refused start, held as failed
-        del shared
-        assert cache.poll() == 2
-        assert cache.issued() == []
-        assert sorted(n.host for n in cache.tree) == ["backed", "unbacked"]
-        cache.insert(list(range(200, 232)))  # the engine refuses its backup: failed at once
-        assert cache.issued() == []
-        assert sorted(n.host for n in cache.tree) == ["backed", "unbacked", "unbacked"]
-        cache.close()
-    finally:
-        dist.destroy_process_group()
+    copier = FaultyCopyEngine.copier(refuse=[1, 3])
+    cache = HiCache(bench_config(debug=True, copier=copier, load_back_threshold=1))
+    shared = DistributedCache(cache, timeout=TIMEOUT)
+    cache.insert(list(range(32)))
+    cache.insert(list(range(100, 132)))
+    assert len(cache.issued()) == 2
+    assert shared.buffered == 1  # the refused start, held as failed
+    del shared
+    assert cache.poll() == 2
+    assert cache.issued() == []
+    assert sorted(n.host for n in cache.tree) == ["backed", "unbacked"]
+    cache.insert(list(range(200, 232)))  # the engine refuses its backup: failed at once
+    assert cache.issued() == []
+    assert sorted(n.host for n in cache.tree) == ["backed", "unbacked", "unbacked"]
+    cache.close()
 
 
 def test_a_word_out_of_range_folds_in_alike_however_the_entries_are_split() -> None:
