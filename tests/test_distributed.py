@@ -69,7 +69,7 @@ with warnings.catch_warnings():
         DistributedCache,
         shared_values_apart,
     )
-    from fsm_cache.distributed.collectives import CPU, Collectives, cpu_group
+    from fsm_cache.distributed.collectives import CPU, Collectives, SameHostRows, cpu_group
     from fsm_cache.distributed.digest import (
         TransitionDigest,
         collectives_message,
@@ -235,9 +235,12 @@ def two_rank_worker(rank: int, world: int, store: str, out: str) -> None:
     report["lost_in_poll"] = lost_completion(rank, world, stall=True)
     report["lost_in_wait"] = lost_in_a_wait(rank, world)
     report["failed_in_wait"] = failed_in_a_wait(rank, world)
-    report["per_step"] = one_collective_per_step(rank)
-    report["side_group"] = agree_on_a_side_group(rank)
-    report["given_group"] = agree_on_a_given_group(rank)
+    report["per_step"] = one_collective_per_step(rank, local_sockets=True)
+    report["per_step_gloo"] = one_collective_per_step(rank, local_sockets=False)
+    report["side_group"] = agree_on_a_side_group(rank, local_sockets=False)
+    report["side_group_sockets"] = agree_on_a_side_group(rank, local_sockets=True)
+    report["given_group"] = agree_on_a_given_group(rank, local_sockets=False)
+    report["given_group_sockets"] = agree_on_a_given_group(rank, local_sockets=True)
     report["parted_keys"] = parted_keys(rank)
     report["reset_alone"] = reset_alone(rank, world)
     report["step_vs_verify"] = step_versus(rank, "verify_agreement")
@@ -486,7 +489,9 @@ def a_slow_report(rank: int) -> str:
     if rank == 1:
         shared.cache.evict(1000)
         comm = shared.comm
-        shared.comm = _SlowReports(comm.group, comm.rank, comm.world_size, comm.timeout)
+        shared.comm = _SlowReports.of(
+            comm.group, comm.timeout
+        )  # its group's sockets: no collective
     dist.barrier(group=side)
     try:
         shared.step()
@@ -646,9 +651,18 @@ def failed_in_a_wait(rank: int, world: int) -> list[str]:
 
 
 def count_collectives(calls: list[tuple[str, Any, list[str]]]) -> Callable[[], None]:
-    """Record ``(name, group, tensor devices)`` of each collective started here; return the undo."""
+    """Record ``(name, group, tensor devices)`` of each collective started here; return the undo.
+
+    An exchange over same-host sockets is recorded as ``("same-host rows", its
+    SameHostRows, [])``.
+    """
     names = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier")
     saved = {name: getattr(dist, name) for name in names}
+    exchange = SameHostRows.exchange
+
+    def exchanging(self: SameHostRows, data: bytes, timeout: float) -> list[bytes]:
+        calls.append(("same-host rows", self, []))
+        return exchange(self, data, timeout)
 
     def recording(name: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -660,17 +674,19 @@ def count_collectives(calls: list[tuple[str, Any, list[str]]]) -> Callable[[], N
 
     for name in names:
         setattr(dist, name, recording(name))
+    SameHostRows.exchange = exchanging  # type: ignore[method-assign]
 
     def undo() -> None:
         for name, original in saved.items():
             setattr(dist, name, original)
+        SameHostRows.exchange = exchange  # type: ignore[method-assign]
 
     return undo
 
 
-def one_collective_per_step(rank: int) -> dict[str, Any]:
+def one_collective_per_step(rank: int, local_sockets: bool) -> dict[str, Any]:
     """Serve 96 requests in three steps of 32 under memory pressure; count the collectives."""
-    shared = DistributedCache(HiCache(skewed(rank)), timeout=TIMEOUT)
+    shared = DistributedCache(HiCache(skewed(rank)), timeout=TIMEOUT, local_sockets=local_sockets)
     calls: list[tuple[str, Any, list[str]]] = []
     per_step = []
     undo = count_collectives(calls)
@@ -690,10 +706,11 @@ def one_collective_per_step(rank: int) -> dict[str, Any]:
         "names": sorted({name for name, *_ in calls}),
         "waits": sum(origin == "wait" and len(applied) > 0 for origin, applied in acks),
         "steps": shared.steps,
+        "transport": shared.comm.transport,
     }
 
 
-def agree_on_a_side_group(rank: int) -> dict[str, Any]:
+def agree_on_a_side_group(rank: int, local_sockets: bool) -> dict[str, Any]:
     """A default group that is not gloo (NCCL, as far as the cache can tell): a gloo side group.
 
     Only the default group's backend is disguised; the side group is a real gloo group.
@@ -705,16 +722,20 @@ def agree_on_a_side_group(rank: int) -> dict[str, Any]:
 
     dist.get_backend = nccl_default  # type: ignore[assignment]
     try:
-        shared = DistributedCache(HiCache(skewed(rank)), timeout=TIMEOUT)
+        shared = DistributedCache(
+            HiCache(skewed(rank)), timeout=TIMEOUT, local_sockets=local_sockets
+        )
     finally:
         dist.get_backend = real
     return observe_agreement(shared)
 
 
-def agree_on_a_given_group(rank: int) -> dict[str, Any]:
+def agree_on_a_given_group(rank: int, local_sockets: bool) -> dict[str, Any]:
     """A gloo group built by the caller (SGLang's ``tp_cpu_group``) is used as it is."""
     tp_cpu_group = dist.new_group(backend="gloo")
-    shared = DistributedCache(HiCache(skewed(rank)), tp_cpu_group, timeout=TIMEOUT)
+    shared = DistributedCache(
+        HiCache(skewed(rank)), tp_cpu_group, timeout=TIMEOUT, local_sockets=local_sockets
+    )
     report = observe_agreement(shared)
     report["given"] = shared.group is tp_cpu_group
     return report
@@ -733,10 +754,12 @@ def observe_agreement(shared: DistributedCache) -> dict[str, Any]:
     return {
         "backend": str(dist.get_backend(shared.group)),
         "default": shared.group is None or shared.group is dist.group.WORLD,
-        "on_the_group": all(group is shared.group for _, group, _ in calls),
+        "on_the_group": all(group in (shared.group, shared.comm.sockets) for _, group, _ in calls),
         "devices": sorted({d for *_, devices in calls for d in devices}),
         "collectives": len(calls),
+        "names": sorted({name for name, *_ in calls}),
         "device": str(shared.device),
+        "transport": shared.comm.transport,
     }
 
 
@@ -1489,15 +1512,22 @@ def test_a_completion_lost_in_a_wait_is_named_at_the_next_step(two_ranks: Result
     assert [r["lost_in_wait"] for r in two_ranks] == [["served", want], [here, want]]
 
 
-def test_a_step_of_32_requests_takes_one_collective(two_ranks: Results) -> None:
+@pytest.mark.parametrize(
+    ("scenario", "name", "transport"),
+    [("per_step", "same-host rows", "same-host sockets"), ("per_step_gloo", "all_gather", "gloo")],
+)
+def test_a_step_of_32_requests_takes_one_collective(
+    two_ranks: Results, scenario: str, name: str, transport: str
+) -> None:
     for result in two_ranks:
-        run = result["per_step"]
+        run = result[scenario]
         # serving, waits for copies under memory pressure included, takes no collective
         assert run["per_step"] == [[0, 1], [0, 1], [0, 1]]
-        assert run["names"] == ["all_gather"]
+        assert run["names"] == [name]
+        assert run["transport"] == transport
         assert run["waits"] > 0
         assert run["steps"] == 3
-    assert two_ranks[0]["per_step"]["waits"] == two_ranks[1]["per_step"]["waits"]
+    assert two_ranks[0][scenario]["waits"] == two_ranks[1][scenario]["waits"]
 
 
 def test_a_default_group_that_is_not_gloo_gets_a_gloo_side_group(two_ranks: Results) -> None:
@@ -1509,6 +1539,7 @@ def test_a_default_group_that_is_not_gloo_gets_a_gloo_side_group(two_ranks: Resu
         assert side["collectives"] > 0
         assert side["devices"] == ["cpu"]
         assert side["device"] == "cpu"
+        assert side["transport"] == "gloo"
 
 
 def test_a_given_gloo_group_is_used_as_it_is(two_ranks: Results) -> None:
@@ -1517,6 +1548,22 @@ def test_a_given_gloo_group_is_used_as_it_is(two_ranks: Results) -> None:
         assert given["given"]
         assert (given["backend"], given["default"], given["on_the_group"]) == ("gloo", False, True)
         assert given["devices"] == ["cpu"]
+        assert given["transport"] == "gloo"
+
+
+@pytest.mark.parametrize("scenario", ["side_group_sockets", "given_group_sockets"])
+def test_rows_go_over_the_sockets_of_the_agreement_group(two_ranks: Results, scenario: str) -> None:
+    """Set up over the side (or given) gloo group, at construction; every row after it by socket."""
+    for result in two_ranks:
+        agreed = result[scenario]
+        assert (agreed["backend"], agreed["default"], agreed["on_the_group"]) == (
+            "gloo",
+            False,
+            True,
+        )
+        assert agreed["transport"] == "same-host sockets"
+        assert agreed["names"] == ["same-host rows"]
+        assert agreed["collectives"] > 0
 
 
 def test_ranks_in_three_methods_are_each_named_for_their_own(four_ranks: Results) -> None:
@@ -1542,7 +1589,8 @@ def test_a_dead_rank_makes_the_others_fail_not_hang(four_ranks: Results) -> None
 def test_a_hung_rank_makes_the_other_fail_after_the_timeout(two_ranks: Results) -> None:
     pattern = (
         r"rank 0 of 2: step agreement \(all_gather MIN\) failed after \d+\.\d\d s "
-        r"\(timeout 1 s\): another rank died or stopped taking part: Operation timed out!"
+        r"\(timeout 1 s\): another rank died or stopped taking part: rank 1 answered nothing "
+        r"for 1 s"
     )
     assert re.fullmatch(pattern, two_ranks[0]["hang"]), two_ranks[0]["hang"]
 

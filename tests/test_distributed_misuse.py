@@ -8,6 +8,8 @@ compare the ranks' reports.
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
 import warnings
 from collections.abc import Callable
@@ -27,6 +29,7 @@ with warnings.catch_warnings():
     from fsm_cache.bench.tp import bench_config, chat_trace, serve_request
     from fsm_cache.cache.hicache import HiCache
     from fsm_cache.cache.storage_tier import StorageConfig
+    from fsm_cache.distributed import collectives
     from fsm_cache.distributed.agreement import DistributedCache
     from fsm_cache.distributed.collectives import Collectives
     from fsm_cache.errors import FsmCacheError
@@ -47,10 +50,11 @@ def said(call: Callable[[], object], caught: type[Exception] = FsmCacheError) ->
     return "returned"
 
 
-def served(timeout: float, **config: object) -> DistributedCache:
+def served(timeout: float, local_sockets: bool = True, **config: object) -> DistributedCache:
     """A wrapper on a gloo group of its own that served four requests, a step after each."""
     side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
-    shared = DistributedCache(HiCache(bench_config(debug=True, **config)), side, timeout=timeout)
+    cache = HiCache(bench_config(debug=True, **config))
+    shared = DistributedCache(cache, side, timeout=timeout, local_sockets=local_sockets)
     for tokens in chat_trace(4, seed=1):
         serve_request(shared.cache, tokens)
         shared.step()
@@ -180,9 +184,9 @@ def closed_on_every_rank(rank: int) -> list[str]:
     return [said(shared.step), said(shared.drain), said(shared.verify_agreement)]
 
 
-def stepped_after_a_timeout(rank: int) -> list[Any]:
+def stepped_after_a_timeout(rank: int, local_sockets: bool = True) -> list[Any]:
     """Rank 1 is late to a step past the timeout; both then step again."""
-    shared = served(1.0)
+    shared = served(1.0, local_sockets)
     serve_request(shared.cache, chat_trace(5, seed=1)[-1])  # leaves copies in flight
     if rank == 1:
         time.sleep(2.5)
@@ -192,6 +196,69 @@ def stepped_after_a_timeout(rank: int) -> list[Any]:
     again = said(shared.step)
     quick = time.monotonic() - started < 0.5
     return [first, again, quick, shared.transitions == transitions]
+
+
+def stepped_after_a_timeout_on_gloo(rank: int) -> list[Any]:
+    """As :func:`stepped_after_a_timeout`, every collective on gloo."""
+    return stepped_after_a_timeout(rank, local_sockets=False)
+
+
+def built_with_different_transports(rank: int) -> list[Any]:
+    """Rank 0 asks for same-host sockets, rank 1 for gloo: both refused; then both wrap alike."""
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+    started = time.monotonic()
+    refused = said(
+        lambda: DistributedCache(
+            HiCache(bench_config()), side, timeout=TIMEOUT, local_sockets=rank == 0
+        )
+    )
+    at_once = time.monotonic() - started < TIMEOUT / 2
+    shared = DistributedCache(HiCache(bench_config()), side, timeout=TIMEOUT)
+    serve_request(shared.cache, chat_trace(1, seed=1)[0])
+    return [refused, at_once, shared.comm.transport, said(shared.step)]
+
+
+def fell_back_to_gloo(rank: int) -> list[Any]:
+    """Rank 0 cannot connect, then rank 1 cannot listen: each time both agree over gloo, at once."""
+    found = []
+    for failing, part, broken in (
+        (0, "_dial", lambda *args: False),  # a refused connect, say
+        (1, "_listen", lambda world: None),  # out of descriptors, say
+    ):
+        side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+        started = time.monotonic()
+        with pytest.MonkeyPatch.context() as patch:
+            if rank == failing:
+                patch.setattr(collectives, part, broken)
+            shared = DistributedCache(HiCache(bench_config()), side, timeout=TIMEOUT)
+        serve_request(shared.cache, chat_trace(1, seed=1)[0])
+        found.append(
+            [time.monotonic() - started < TIMEOUT / 2, shared.comm.transport, said(shared.step)]
+        )
+    return found
+
+
+def forked_after_wrapping(rank: int) -> list[Any]:
+    """A forked child's exchange on its parent's sockets is refused; the parent's go on."""
+    shared = served(TIMEOUT)
+    sockets = shared.comm.sockets
+    assert sockets is not None
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: report what an exchange said, and leave at once
+        try:
+            sockets.exchange(b"x" * 544, 1.0)
+            os.write(write, b"exchanged")
+        except collectives.SocketFailure as exc:
+            os.write(write, str(exc).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as reading:
+        told = reading.read().decode()
+    os.waitpid(child, 0)
+    serve_request(shared.cache, chat_trace(2, seed=2)[1])
+    return [told, said(shared.step), said(shared.verify_agreement)]
 
 
 def looked_up_different_prefixes(rank: int, folder: Path) -> str:
@@ -238,6 +305,10 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
         built_with_a_deprecation_made_an_error,
         reached_different_collectives,
         stepped_after_a_timeout,
+        stepped_after_a_timeout_on_gloo,
+        built_with_different_transports,
+        fell_back_to_gloo,
+        forked_after_wrapping,
     ):
         report[scenario.__name__] = scenario(rank)
         dist.barrier()  # the default group is whole: a late rank catches up here
@@ -391,20 +462,53 @@ def test_ranks_at_different_collectives_are_refused_not_aborted(ranks: Results) 
     ]
 
 
-def test_a_step_after_a_timeout_is_refused_at_once(ranks: Results) -> None:
-    first, again, quick, unchanged = ranks[0]["stepped_after_a_timeout"]
-    assert first.startswith(
-        "RankFailure: rank 0 of 2: step agreement (all_gather MIN) failed after "
-    )
+@pytest.mark.parametrize(
+    ("scenario", "detail"),
+    [
+        ("stepped_after_a_timeout", "rank 1 answered nothing for 1 s"),
+        ("stepped_after_a_timeout_on_gloo", "Operation timed out!"),
+    ],
+)
+def test_a_step_after_a_timeout_is_refused_at_once(
+    ranks: Results, scenario: str, detail: str
+) -> None:
+    first, again, quick, unchanged = ranks[0][scenario]
+    assert re.fullmatch(
+        r"RankFailure: rank 0 of 2: step agreement \(all_gather MIN\) failed after \d+\.\d\d s "
+        rf"\(timeout 1 s\): another rank died or stopped taking part: {re.escape(detail)}",
+        first,
+    ), first
     assert again == (
         "RankFailure: rank 0 of 2: step refused: the agreement group broke at an earlier "
         "collective, and a later one could pair with another collective of the other ranks; "
         f"tear the group down and rebuild it and the caches (it broke with: {first[13:]})"
     )
     assert (quick, unchanged) == (True, True)
-    # the late rank may complete the step with rank 0's part (gloo keeps it), as
-    # documented; its next step, which nobody joins, fails
-    assert ranks[1]["stepped_after_a_timeout"][1].startswith("RankFailure: rank 1 of 2: ")
+    # the late rank may complete the step with rank 0's part (gloo keeps it, and rank 0's
+    # row is in its socket), as documented; its next step, which nobody joins, fails
+    assert ranks[1][scenario][1].startswith("RankFailure: rank 1 of 2: ")
+
+
+def test_ranks_given_different_transports_are_refused_on_every_rank_at_once(
+    ranks: Results,
+) -> None:
+    kinds = (
+        "rank 0 an object gather (sizes) of 1 word for a same-host socket setup, rank 1 an "
+        "object gather (sizes) of 1 word for a construction agreement"
+    )
+    mismatch = (
+        "RankFailure: rank {} of 2: {} (all_gather sizes): the ranks reached different "
+        f"collectives ({kinds}): they called the group in different orders, so its "
+        "collectives no longer pair; tear the group down and rebuild it"
+    )
+    for rank, what in enumerate(("same-host socket setup", "construction agreement")):
+        # wrapped again alike, the group's collectives pair again, now over the sockets
+        assert ranks[rank]["built_with_different_transports"] == [
+            mismatch.format(rank, what),
+            True,
+            "same-host sockets",
+            "returned",
+        ]
 
 
 def test_lookups_that_ask_the_store_about_different_prefixes_name_each_rank(
@@ -417,3 +521,20 @@ def test_lookups_that_ask_the_store_about_different_prefixes_name_each_rank(
         "match_prefix(<24 ids {}>, None)"
     ).format(*(f"{hash(tuple(range(1000, n))) & (1 << 64) - 1:016x}" for n in (1016, 1024)))
     assert [r["looked_up_different_prefixes"] for r in ranks] == [expected, expected]
+
+
+def test_a_rank_that_cannot_connect_or_listen_leaves_the_group_on_gloo_at_once(
+    ranks: Results,
+) -> None:
+    for report in ranks:
+        assert report["fell_back_to_gloo"] == [[True, "gloo", "returned"]] * 2
+
+
+def test_a_forked_child_cannot_exchange_on_its_parents_sockets(ranks: Results) -> None:
+    for report in ranks:
+        assert report["forked_after_wrapping"] == [
+            "the same-host sockets broke at an earlier exchange: inherited across a fork: a "
+            "child cannot take part in its parent's agreement",
+            "returned",
+            "returned",
+        ]

@@ -1101,8 +1101,8 @@ def test_a_storage_tier_that_leaves_its_ranks_unsaid_is_refused_in_a_group(
     # the other rank of the group of 2 was given the same timeout, and refused alike
     monkeypatch.setattr(Collectives, "all_gather_object", lambda self, mine, what: [mine, mine])
     cache = HiCache(config(), storage=unsaid)
-    with pytest.raises(ConfigError) as caught:
-        DistributedCache(cache)
+    with pytest.raises(ConfigError) as caught:  # a make-believe group: no sockets to set up
+        DistributedCache(cache, local_sockets=False)
     assert str(caught.value) == (
         "distributed: the storage tier does not say its ranks, in a group of 2: pass "
         "StorageConfig(rank=0, ranks=2) where each rank holds its own KV heads, or ranks=1 "
@@ -1112,7 +1112,8 @@ def test_a_storage_tier_that_leaves_its_ranks_unsaid_is_refused_in_a_group(
     assert cache.storage is not None
     assert cache.storage.collect() == []  # refused whole: the tier was not handed to a group
     shared = StorageConfig(store, model="test", ranks=1, threads=0, io_timeout=5.0)
-    assert DistributedCache(HiCache(config(), storage=shared)).cache.storage is not None
+    wrapped = DistributedCache(HiCache(config(), storage=shared), local_sockets=False)
+    assert wrapped.cache.storage is not None
 
 
 @pytest.mark.usefixtures("world_of_one")

@@ -209,13 +209,26 @@ class DistributedCache:
         verify_every: Deprecated and ignored: every :meth:`step` compares the
             ranks' digests in its one collective.
         device: Deprecated and ignored: the agreement tensors are always CPU tensors.
+        local_sockets: When every rank runs on this host, exchange the
+            collectives' rows over Unix sockets set up once over the gloo
+            group (:class:`~fsm_cache.distributed.collectives.SameHostRows`):
+            a gloo round trip wakes two threads on each side, about 300 us
+            more a step on a two-core host. Set up at a group's first
+            wrapper and shared by every later one on it. False keeps every
+            collective on gloo, as a group does whose ranks are on different
+            hosts or could not connect. Give every rank the same: where they
+            differ at a group's first wrapper, construction fails on every
+            rank, naming each rank's collective; once the group has its
+            sockets, a rank on gloo and the others on sockets wait for each
+            other until the timeout.
 
     Raises:
         NoProcessGroup: ``torch.distributed`` is not initialised.
         BadArgument: ``cache`` is not a :class:`HiCache`, or ``group`` is not a
             live process group this rank belongs to.
         ConfigError: ``timeout`` is not a number of seconds from 0.001 to
-            about 4.6e9 (146 years), ``verify_every`` is not an int >= 0, the cache
+            about 4.6e9 (146 years), ``local_sockets`` is not a bool,
+            ``verify_every`` is not an int >= 0, the cache
             is wrapped in another DistributedCache already,
             the cache's write policy is ``write_back``, ``group`` is an
             NCCL group smaller than the world (pass its gloo twin), or the
@@ -246,13 +259,14 @@ class DistributedCache:
         timeout: float = 60.0,
         verify_every: int = 0,
         device: torch.device | None = None,
+        local_sockets: bool = True,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise NoProcessGroup(
                 "distributed: no process group; call torch.distributed.init_process_group first"
             )
-        _check_group_and_timeout(group, timeout)
-        self.comm = Collectives.of(group, timeout)
+        _check_group_and_timeout(group, timeout, local_sockets)
+        self.comm = Collectives.of(group, timeout, local_sockets=local_sockets)
         try:
             _check_cache(cache, group, timeout, verify_every)
             _deprecated(verify_every=verify_every != 0, device=device is not None)
@@ -1168,16 +1182,20 @@ def shared_values_apart(lows: Sequence[int], highs: Sequence[int]) -> list[str]:
     )
 
 
-def _check_group_and_timeout(group: object, timeout: object) -> None:
-    """Refuse a group or a timeout no agreement can run on (before anything is changed).
+def _check_group_and_timeout(group: object, timeout: object, local_sockets: object) -> None:
+    """Refuse a group, a timeout or a transport no agreement can run on (before anything is changed).
 
     Raises:
         BadArgument: ``group`` is not a live process group this rank belongs to.
         ConfigError: ``timeout`` is not a number of seconds from a
-            millisecond to :data:`_LONGEST_TIMEOUT`.
+            millisecond to :data:`_LONGEST_TIMEOUT`, or ``local_sockets`` is not a bool.
     """
     if group is not None:
         _check_group(group)
+    if type(local_sockets) is not bool:
+        raise ConfigError(
+            f"distributed: local_sockets must be True or False, got {local_sockets!r}"
+        )
     if not real(timeout) or not (_SHORTEST_TIMEOUT <= timeout <= _LONGEST_TIMEOUT):
         raise ConfigError(
             f"distributed: timeout must be a number of seconds from {_SHORTEST_TIMEOUT:g} to "

@@ -15,17 +15,33 @@ The MIN all-reduce is an ``all_gather`` reduced on every rank: gloo's
 ``all_reduce`` passes round the ring twice (a reduce-scatter, then an all-gather),
 an ``all_gather`` once, and at a few dozen integers the passes are the cost.
 
-Each call waits at most the group's timeout (``Work.wait(timeout)``) and turns
-a backend error into a :class:`~fsm_cache.errors.RankFailure` that names the
-rank, the collective and how long it waited, so a dead or hung rank ends the
-run instead of hanging it.
+When every rank runs on one host (the usual tensor-parallel group: the GPUs
+of one machine), the rows go over Unix sockets between the ranks instead
+(:class:`SameHostRows`), set up once over gloo: a gloo collective wakes a
+worker thread and a transport thread on each side, about 300 us a round
+trip on a two-core host against 10 us for a socket pair, and a step's
+agreement is one round trip. vLLM broadcasts its scheduler's output over
+shared memory on one node for the same reason.
+
+Each call waits at most the group's timeout (``Work.wait(timeout)``, or a
+deadline on the sockets) and turns a backend error into a
+:class:`~fsm_cache.errors.RankFailure` that names the rank, the collective
+and how long it waited, so a dead or hung rank ends the run instead of
+hanging it.
 """
 
 from __future__ import annotations
 
 import array
+import os
 import pickle
+import secrets
+import select
+import socket
+import struct
+import sys
 import time
+import weakref
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,7 +122,10 @@ _ROW_KINDS = {
 
 DIVERGENCE_REPORT = "divergence report"
 CONSTRUCTION = "construction agreement"
-_PURPOSES = {zlib.crc32(what.encode()): what for what in (DIVERGENCE_REPORT, CONSTRUCTION)}
+SAME_HOST = "same-host socket setup"
+_PURPOSES = {
+    zlib.crc32(what.encode()): what for what in (DIVERGENCE_REPORT, CONSTRUCTION, SAME_HOST)
+}
 """The purposes of the library's own object gathers, by the word their rows carry."""
 
 
@@ -146,6 +165,299 @@ class _Rows:
         self.received = list(rows.unbind(0))
 
 
+class SocketFailure(RuntimeError):
+    """An exchange over the same-host sockets failed: a peer closed its end, or time ran out.
+
+    A RuntimeError, as gloo's errors are, so that one handler turns either into
+    a :class:`~fsm_cache.errors.RankFailure`.
+    """
+
+
+class SameHostRows:
+    """Unix sockets from this rank to every other rank of a group on one host, and their exchanges.
+
+    Owns the sockets. Exchanges pair in order, as a gloo group's collectives
+    do: an exchange that ran out of time still owes its peers the rest of its
+    bytes and is owed theirs, and the next exchange sends and skips those
+    first, so that a rank that arrives late still gets the row it was sent.
+    A peer that closed its end or failed a send or read breaks the sockets
+    for good: they are all closed, so that every other rank reads the end of
+    its stream and fails at once instead of at its timeout, and every later
+    exchange is refused. Dropped, it closes them too.
+
+    Args:
+        rank: This rank.
+        world: Ranks in the group.
+        peers: A connected socket per other rank, each rank's own.
+    """
+
+    def __init__(self, rank: int, world: int, peers: dict[int, socket.socket]) -> None:
+        self.rank, self.world = rank, world
+        self._peers = sorted(peers.items())
+        for _, peer in self._peers:
+            peer.setblocking(False)
+        self._owed = dict.fromkeys(peers, b"")  # to send before the next exchange's bytes
+        self._skip = dict.fromkeys(peers, 0)  # to read and drop before them
+        self.failed: str | None = None
+        self._close = weakref.finalize(self, _close_all, [peer for _, peer in self._peers])
+
+    def exchange(self, data: bytes, timeout: float) -> list[bytes]:
+        """Send ``data`` to every other rank; return every rank's, in rank order.
+
+        Every rank sends as many bytes (a row, or a payload's rest whose
+        length every rank's header agreed on). Sends and reads interleave, so
+        a payload longer than a socket's buffer does not leave both ends
+        blocked in a send.
+
+        Args:
+            data: This rank's bytes.
+            timeout: Seconds to wait, in all, for the other ranks' bytes.
+
+        Raises:
+            SocketFailure: A rank closed its end or failed a send or read, no
+                bytes came from a rank within ``timeout``, or the sockets
+                broke at an earlier exchange.
+        """
+        if self.failed is not None:
+            raise SocketFailure(
+                f"the same-host sockets broke at an earlier exchange: {self.failed}"
+            )
+        try:
+            return self._exchange(data, timeout)
+        except _Broken as exc:
+            self.close(str(exc))
+            raise
+        except SocketFailure:  # out of time: what is owed is kept, to pair the next exchange
+            raise
+        except BaseException as exc:  # a KeyboardInterrupt, say: what was sent is unknown
+            self.close(f"{type(exc).__name__} in an exchange")
+            raise
+
+    def close(self, reason: str = "closed on this rank") -> None:
+        """Close every socket: the other ranks read the end of their streams; exchanges are refused.
+
+        Args:
+            reason: What later exchanges name as the failure (the first one given stays).
+        """
+        if self.failed is None:
+            self.failed = reason
+        self._close()
+
+    def _exchange(self, data: bytes, timeout: float) -> list[bytes]:
+        size = len(data)
+        out = {rank: memoryview(self._owed[rank] + data) for rank, _ in self._peers}
+        got = {rank: bytearray(self._skip[rank] + size) for rank, _ in self._peers}
+        sent = dict.fromkeys(out, 0)
+        read = dict.fromkeys(out, 0)
+        deadline = None
+        while True:
+            waits = []
+            for rank, peer in self._peers:
+                if sent[rank] < len(out[rank]):
+                    sent[rank] += _send(rank, peer, out[rank][sent[rank] :])
+                if read[rank] < len(got[rank]):
+                    read[rank] += _read(rank, peer, memoryview(got[rank])[read[rank] :])
+                events = (select.POLLOUT if sent[rank] < len(out[rank]) else 0) | (
+                    select.POLLIN if read[rank] < len(got[rank]) else 0
+                )
+                if events:
+                    waits.append((rank, peer, events))
+            if not waits:
+                break
+            now = time.monotonic()
+            deadline = now + timeout if deadline is None else deadline
+            if now >= deadline:
+                for rank, _ in self._peers:  # what the late ranks will send, or wait for
+                    self._owed[rank] = bytes(out[rank][sent[rank] :])
+                    self._skip[rank] = len(got[rank]) - read[rank]
+                late = [str(rank) for rank, _, _ in waits]
+                named = ("rank " if len(late) == 1 else "ranks ") + ", ".join(late)
+                raise SocketFailure(f"{named} answered nothing for {timeout:g} s")
+            ready = select.poll()
+            for _, peer, events in waits:
+                ready.register(peer, events)
+            ready.poll(min(_LONGEST_POLL_MS, max(1, int(1000 * (deadline - now) + 1))))
+        for rank in got:
+            self._owed[rank], self._skip[rank] = b"", 0
+        return [bytes(got[rank][-size:]) if rank in got else data for rank in range(self.world)]
+
+
+_LONGEST_POLL_MS = 2**31 - 1
+"""``poll()`` takes a C int of milliseconds (about 24.8 days); a longer timeout waits again."""
+
+
+class _Broken(SocketFailure):
+    """A peer closed its end, or a send or read failed: the sockets cannot pair again."""
+
+
+_CLOSED = "rank {} closed its socket (it died, or its sockets broke)"
+
+
+def _send(rank: int, peer: socket.socket, data: memoryview) -> int:
+    """Send what ``peer`` takes now of ``data``; return how many bytes it took."""
+    try:
+        return peer.send(data, socket.MSG_NOSIGNAL)
+    except BlockingIOError:
+        return 0
+    except (BrokenPipeError, ConnectionResetError) as exc:
+        raise _Broken(_CLOSED.format(rank)) from exc
+    except OSError as exc:
+        raise _Broken(f"the socket to rank {rank} failed a send: {exc.strerror or exc}") from exc
+
+
+def _read(rank: int, peer: socket.socket, into: memoryview) -> int:
+    """Read what ``peer`` has now into ``into``; return how many bytes came."""
+    try:
+        count = peer.recv_into(into)
+    except BlockingIOError:
+        return 0
+    except ConnectionResetError as exc:
+        raise _Broken(_CLOSED.format(rank)) from exc
+    except OSError as exc:
+        raise _Broken(f"the socket to rank {rank} failed a read: {exc.strerror or exc}") from exc
+    if count == 0:
+        raise _Broken(_CLOSED.format(rank))
+    return count
+
+
+def _close_all(peers: list[socket.socket]) -> None:
+    for peer in peers:
+        peer.close()
+
+
+def same_host() -> tuple[str, str, int] | None:
+    """Return what names this process's host for Unix sockets; None where they cannot be used.
+
+    The host's name, its boot id and this process's network namespace: an
+    abstract Unix socket (Linux only) is reachable from that namespace alone.
+    """
+    if sys.platform != "linux":
+        return None
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as boot:
+            booted = boot.read().strip()
+        namespace = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return None
+    return socket.gethostname(), booted, namespace
+
+
+def _listen(world: int) -> tuple[socket.socket, str] | None:
+    """Listen on a new abstract Unix socket; return it and its name, or None if that failed."""
+    name = f"\0fsm_cache-agreement-{secrets.token_hex(16)}"
+    try:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError:  # out of descriptors, say
+        return None
+    try:
+        listener.bind(name)
+        listener.listen(world)
+    except OSError:
+        listener.close()
+        return None
+    return listener, name
+
+
+_BY_GROUP: weakref.WeakKeyDictionary[dist.ProcessGroup, SameHostRows] = weakref.WeakKeyDictionary()
+"""Each gloo group's sockets in this process, shared by every :class:`Collectives` on it.
+
+One ordered stream per group, as gloo has: collectives that two wrappers on
+one group call in different orders then meet, and their rows' headers say so,
+where streams of their own would each wait for the other until the timeout.
+"""
+
+
+def _after_fork_in_child() -> None:
+    """Refuse, in a forked child, the sockets its parent's groups agree over, and close its copies.
+
+    A child that exchanged on them would read and write its parent's streams.
+    Closing the child's copies leaves the parent's connections as they are.
+    """
+    for rows in list(_BY_GROUP.values()):
+        rows.close("inherited across a fork: a child cannot take part in its parent's agreement")
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, where no process forks
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+_ACCEPT_SECONDS = 10.0
+"""Longest wait for the lower ranks' connections, which are queued before it starts."""
+
+_HELLO = struct.Struct("<qq")
+"""What a rank sends on a socket it connected: its rank and its nonce (from the gloo gather)."""
+
+
+def _dial(
+    rank: int, names: list[str], nonces: list[int], timeout: float, peers: dict[int, socket.socket]
+) -> bool:
+    """Connect to each higher rank and send it this rank's hello; return whether all connected.
+
+    Each socket made goes into ``peers`` (closed by the caller if the group
+    does not take them). A Unix socket's connect completes once the
+    connection is in the listener's backlog, before the peer accepts it.
+    """
+    hello = _HELLO.pack(rank, nonces[rank])
+    for other in range(rank + 1, len(names)):
+        try:
+            peer = peers[other] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            peer.settimeout(timeout)
+            peer.connect(names[other])
+            peer.sendall(hello)
+        except OSError:
+            return False
+    return True
+
+
+def _answer(
+    rank: int,
+    nonces: list[int],
+    listener: socket.socket,
+    within: float,
+    peers: dict[int, socket.socket],
+) -> bool:
+    """Accept each lower rank's connection, checking its hello; return whether all came within ``within`` s.
+
+    The lower ranks connected before the group agreed that every rank had, so
+    their connections wait in the backlog. Anything else that connects (a
+    name in the abstract namespace can be reached by any process in the
+    network namespace) is dropped unless it says a lower rank's nonce.
+    """
+    ends = time.monotonic() + within
+    while len([other for other in peers if other < rank]) < rank:
+        left = ends - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            listener.settimeout(left)
+            peer, _ = listener.accept()
+        except OSError:
+            return False
+        said = _hello(peer, ends)
+        known = said is not None and 0 <= said[0] < rank and said[0] not in peers
+        if said is not None and known and said[1] == nonces[said[0]]:
+            peers[said[0]] = peer
+        else:
+            peer.close()
+    return True
+
+
+def _hello(peer: socket.socket, ends: float) -> tuple[int, int] | None:
+    """Read a connected socket's hello (its rank and nonce) by ``ends``; None if none came whole."""
+    hello = bytearray()
+    try:
+        while len(hello) < _HELLO.size:
+            peer.settimeout(max(0.001, ends - time.monotonic()))
+            part = peer.recv(_HELLO.size - len(hello))
+            if not part:
+                return None
+            hello += part
+    except OSError:
+        return None
+    rank, nonce = _HELLO.unpack(hello)
+    return rank, nonce
+
+
 @dataclass(frozen=True)
 class Collectives:
     """One rank's view of its CPU (gloo) agreement group.
@@ -162,20 +474,98 @@ class Collectives:
     world_size: int
     timeout: float
     _rows: _Rows = field(init=False, compare=False, repr=False)
+    _sockets: SameHostRows | None = field(init=False, compare=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         """Make this rank's row buffers (a frozen dataclass sets its own fields so)."""
         object.__setattr__(self, "_rows", _Rows(self.world_size))
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup | None, timeout: float) -> Collectives:
+    def of(
+        cls, group: dist.ProcessGroup | None, timeout: float, *, local_sockets: bool = True
+    ) -> Collectives:
         """Return the collectives of ``group``'s ranks, over a gloo group (see :func:`cpu_group`).
+
+        The first call on a group with ``local_sockets`` (the default) is a
+        collective, made of up to four gloo collectives (:meth:`_join_same_host`):
+        every rank of the group calls it at the same point.
+
+        Args:
+            group: The ranks that agree; None for the default group.
+            timeout: Seconds a collective may wait for the other ranks.
+            local_sockets: Exchange rows over Unix sockets when every rank runs
+                on this host (:class:`SameHostRows`, set up at the group's first
+                such call and shared by every later one); gloo otherwise, and
+                wherever a rank could not connect. Every rank must pass the
+                same. Where they differ at the group's first call, a rank that
+                sets the sockets up gathers over gloo while the others do not,
+                and the rows' headers say so (a
+                :class:`~fsm_cache.errors.RankFailure` on every rank); once
+                the group has its sockets, a rank on gloo and the others on
+                the sockets wait for each other until the timeout.
 
         Raises:
             ConfigError: ``group`` is a non-gloo group smaller than the world.
+            RankFailure: Setting up the sockets' gather failed or timed out.
         """
         cpu = cpu_group(group, timeout)
-        return cls(cpu, dist.get_rank(cpu), dist.get_world_size(cpu), timeout)
+        made = cls(cpu, dist.get_rank(cpu), dist.get_world_size(cpu), timeout)
+        key = dist.group.WORLD if cpu is None else cpu
+        if local_sockets and made.world_size > 1 and key is not None:
+            sockets = _BY_GROUP.get(key)
+            if sockets is None:  # set up once per group, by every rank at once
+                sockets = made._join_same_host()
+                if sockets is not None:
+                    _BY_GROUP[key] = sockets
+            object.__setattr__(made, "_sockets", sockets)
+        return made
+
+    @property
+    def sockets(self) -> SameHostRows | None:
+        """The same-host sockets the rows travel over; None where they go over gloo."""
+        return self._sockets
+
+    @property
+    def transport(self) -> str:
+        """How rows travel: ``"same-host sockets"`` or ``"gloo"``."""
+        return "gloo" if self._sockets is None else "same-host sockets"
+
+    def _join_same_host(self) -> SameHostRows | None:
+        """Connect this rank to every other by Unix socket if every rank can.
+
+        Gloo collectives every rank makes alike, whatever fails where: a
+        gather of each rank's host, socket name and nonce; if all share a
+        host and listen, a MIN of whether each connected to the ranks above
+        it; if all did, a MIN of whether each accepted the ranks below it
+        (queued by then, so no rank waits on one that gave up). Any rank
+        that cannot, or runs on another host, leaves the whole group on
+        gloo (None).
+        """
+        host = same_host()
+        listening = _listen(self.world_size) if host is not None else None
+        name, nonce = (listening[1] if listening else ""), secrets.randbits(62)
+        peers: dict[int, socket.socket] = {}
+        said = f"{SAME_HOST} (all_gather MIN)"
+        try:
+            every = self.all_gather_object((host, name, nonce), SAME_HOST)
+            hosts = {theirs for theirs, _, _ in every}
+            names, nonces = [n for _, n, _ in every], [k for _, _, k in every]
+            if len(hosts) != 1 or None in hosts or not all(names):  # alike on every rank
+                return None
+            dialed = _dial(self.rank, names, nonces, self.timeout, peers)
+            if not self.all_reduce_min([int(dialed)], said)[0]:
+                return None
+            assert listening is not None  # every rank's name is set
+            within = min(self.timeout, _ACCEPT_SECONDS)
+            answered = _answer(self.rank, nonces, listening[0], within, peers)
+            if not self.all_reduce_min([int(answered)], said)[0]:
+                return None
+            made, peers = SameHostRows(self.rank, self.world_size, peers), {}
+            return made
+        finally:  # what the group did not take, on every path
+            if listening is not None:
+                listening[0].close()
+            _close_all(list(peers.values()))
 
     @property
     def device(self) -> torch.device:
@@ -263,21 +653,45 @@ class Collectives:
         each = [row[_HEADER : _HEADER + len(head)] for row in rows]
         rest = payload[_PAYLOAD:]
         if rest:
-            mine = torch.tensor(rest, dtype=torch.int64, device=CPU)
-            out = [torch.empty_like(mine) for _ in range(self.world_size)]
-
-            def call() -> None:
-                self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
-
-            self._collective(what, call)
-            for row, theirs in zip(each, out, strict=True):
-                row.extend(theirs.tolist())
+            for row, theirs in zip(each, self._rest(rest, what), strict=True):
+                row.extend(theirs)
         return each
+
+    def _rest(self, rest: list[int], what: str) -> list[list[int]]:
+        """Gather the words of a payload past its row (the same count on every rank)."""
+        sockets = self._sockets
+        if sockets is not None:
+            data = array.array("q", rest).tobytes()
+            got = self._collective(what, lambda: sockets.exchange(data, self.timeout))
+            return [array.array("q", theirs).tolist() for theirs in got]
+        mine = torch.tensor(rest, dtype=torch.int64, device=CPU)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+
+        def call() -> None:
+            self._wait(dist.all_gather(out, mine, group=self.group, async_op=True))
+
+        self._collective(what, call)
+        return [theirs.tolist() for theirs in out]
 
     def _row(self, header: list[int], part: list[int], what: str) -> list[list[int]]:
         """One ``all_gather`` of a row of ``header`` and ``part``; return every rank's row."""
         rows = self._rows
         rows.mine[:] = array.array("q", [*header, *part, *[0] * (_PAYLOAD - len(part))])
+        sockets = self._sockets
+        if sockets is not None:
+            data = rows.mine.tobytes()
+            got = self._collective(what, lambda: sockets.exchange(data, self.timeout))
+            flat = array.array("q", b"".join(got)).tolist()
+        else:
+            flat = self._gloo_row(what)
+        each = [flat[r * ROW : (r + 1) * ROW] for r in range(self.world_size)]
+        if any(row[:_HEADER] != header for row in each):
+            raise RankFailure(self._mismatch(what, [row[:_HEADER] for row in each]))
+        return each
+
+    def _gloo_row(self, what: str) -> list[int]:
+        """One ``all_gather`` of this rank's row over gloo; return every rank's words, flat."""
+        rows = self._rows
 
         def call() -> None:
             work = dist.all_gather(rows.received, rows.sent, group=self.group, async_op=True)
@@ -288,11 +702,7 @@ class Collectives:
         except BaseException:  # gloo may still finish into these buffers
             rows.renew()
             raise
-        flat = rows.every.tolist()
-        each = [flat[r * ROW : (r + 1) * ROW] for r in range(self.world_size)]
-        if any(row[:_HEADER] != header for row in each):
-            raise RankFailure(self._mismatch(what, [row[:_HEADER] for row in each]))
-        return each
+        return rows.every.tolist()
 
     def _mismatch(self, what: str, headers: list[list[int]]) -> str:
         """Say which collective each rank reached (its rows' headers), where they differ."""
@@ -307,11 +717,11 @@ class Collectives:
         if work is not None:
             work.wait(timeout=timedelta(seconds=self.timeout))
 
-    def _collective(self, what: str, call: Callable[[], None]) -> None:
+    def _collective(self, what: str, call: Callable[[], T]) -> T:
         started = time.perf_counter()
         try:
-            call()
-        except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
+            return call()
+        except RuntimeError as exc:  # DistBackendError, gloo's errors and SocketFailure
             elapsed = time.perf_counter() - started
             detail = (str(exc).splitlines() or [type(exc).__name__])[0]
             raise RankFailure(
