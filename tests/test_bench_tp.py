@@ -55,7 +55,13 @@ def world_of_one(tmp_path: Path) -> Iterator[None]:
 
 def settings(per_step: int) -> tpbench.Settings:
     return tpbench.Settings(
-        per_step=per_step, polls=1, requests=0, small_requests=0, rounds=1, timeout=TIMEOUT
+        per_step=per_step,
+        polls=1,
+        requests=0,
+        small_requests=0,
+        rounds=1,
+        timeout=TIMEOUT,
+        local_sockets=True,
     )
 
 

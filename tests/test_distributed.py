@@ -2098,6 +2098,13 @@ def test_bad_settings_are_refused() -> None:
         with pytest.raises(ConfigError) as caught:
             DistributedCache(cache, verify_every=every)  # type: ignore[arg-type]
         assert str(caught.value) == f"distributed: verify_every must be an int >= 0, got {every!r}"
+    for transport in (1, "false", None):
+        with pytest.raises(ConfigError) as caught:
+            DistributedCache(cache, local_sockets=transport)  # type: ignore[arg-type]
+        assert str(caught.value) == (
+            f"distributed: local_sockets must be True or False, got {transport!r}"
+        )
+    assert not cache.transfers.acks_taken  # each refused before anything changed
     with pytest.raises(BadArgument) as refused:
         DistributedCache("cache")  # type: ignore[arg-type]
     assert str(refused.value) == "distributed: cache must be a HiCache, got str"
@@ -2482,7 +2489,9 @@ def test_tp_bench_format() -> None:
         2,
         32,
         100,
+        "same-host sockets",
         120.04,
+        540.0,
         3.5,
         3,
         StepTimes(2000, 32, 63, 630.0, 661.5),
@@ -2491,8 +2500,10 @@ def test_tp_bench_format() -> None:
     assert bench.cache_trace.ratio == pytest.approx(1.05)
     assert bench.format() == "\n".join(
         [
-            "tensor-parallel agreement: 2 gloo ranks on CPU, 32 requests per step",
+            "tensor-parallel agreement: 2 gloo ranks on CPU, 32 requests per step; "
+            "rows over same-host sockets",
             "  agreed step, nothing to apply      120.0 us (median of 100)",
+            "    all on gloo                      540.0 us",
             "  local HiCache.poll()                 3.5 us",
             "  bench cache trace: 2000 chat requests, write-through to host, page 16; "
             "63 steps, best of 3",
@@ -2512,7 +2523,16 @@ def test_bench_tp_runs_both_group_sizes_and_honours_quick(
 ) -> None:
     calls: list[tuple[int, dict[str, int]]] = []
     figures = TPBench(
-        2, 32, 1, 1.0, 1.0, 1, StepTimes(1, 32, 1, 1.0, 1.0), StepTimes(1, 32, 1, 1.0, 1.0)
+        2,
+        32,
+        1,
+        "gloo",
+        1.0,
+        1.0,
+        1.0,
+        1,
+        StepTimes(1, 32, 1, 1.0, 1.0),
+        StepTimes(1, 32, 1, 1.0, 1.0),
     )
 
     def fake(ranks: int, **sizes: int) -> TPBench:

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import TypedDict, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -193,7 +193,10 @@ class TPBench:
         ranks: Processes in the gloo group.
         per_step: Requests per scheduler step.
         polls: Polls timed for the per-call figures.
-        agreed_step_us: Median microseconds of one agreed step with nothing to apply.
+        transport: How the agreed caches' rows travel (``Collectives.transport``).
+        agreed_step_us: Median microseconds of one agreed step with nothing to apply,
+            its rows over ``transport``.
+        gloo_step_us: The same with every collective on gloo (``local_sockets=False``).
         local_poll_us: Median microseconds of one local ``HiCache.poll()``.
         rounds: Times each trace was served each way; each step counts its best round.
         cache_trace: The ``bench cache`` trace.
@@ -203,7 +206,9 @@ class TPBench:
     ranks: int
     per_step: int
     polls: int
+    transport: str
     agreed_step_us: float
+    gloo_step_us: float
     local_poll_us: float
     rounds: int
     cache_trace: StepTimes
@@ -214,9 +219,10 @@ class TPBench:
         return "\n".join(
             [
                 f"tensor-parallel agreement: {self.ranks} gloo ranks on CPU, "
-                f"{self.per_step} requests per step",
+                f"{self.per_step} requests per step; rows over {self.transport}",
                 f"  agreed step, nothing to apply {self.agreed_step_us:10.1f} us "
                 f"(median of {self.polls})",
+                f"    all on gloo                 {self.gloo_step_us:10.1f} us",
                 f"  local HiCache.poll()          {self.local_poll_us:10.1f} us",
                 f"  bench cache trace: {self.cache_trace.requests} chat requests, "
                 f"write-through to host, page {cachebench.PAGE}; {self.cache_trace.steps} steps, "
@@ -230,7 +236,16 @@ class TPBench:
         )
 
 
-QUICK: dict[str, int] = {"polls": 100, "requests": 128, "small_requests": 64, "rounds": 1}
+class Sizes(TypedDict, total=False):
+    """Sizes :func:`run_tp_bench` takes by keyword, as ``fsm-cache bench tp`` passes them."""
+
+    polls: int
+    requests: int
+    small_requests: int
+    rounds: int
+
+
+QUICK: Sizes = {"polls": 100, "requests": 128, "small_requests": 64, "rounds": 1}
 """Sizes for a smoke run (``fsm-cache bench tp --quick``): the measurements take seconds;
 starting the ranks (a torch import each) takes most of the run."""
 
@@ -244,6 +259,7 @@ def run_tp_bench(
     small_requests: int = 640,
     rounds: int = 3,
     timeout: float = 60.0,
+    local_sockets: bool = True,
 ) -> TPBench:
     """Spawn ``ranks`` gloo processes on 127.0.0.1, measure, and return the figures.
 
@@ -255,6 +271,9 @@ def run_tp_bench(
         small_requests: Requests of the small trace.
         rounds: Times each trace is served each way.
         timeout: Seconds a collective may wait.
+        local_sockets: The agreed caches' ``DistributedCache(local_sockets=)``:
+            rows over the ranks' Unix sockets (the default), or all on gloo.
+            The bare agreed step is timed both ways whichever this is.
 
     Raises:
         UnequalWork: On some rank the agreed replay applied other transitions
@@ -264,7 +283,7 @@ def run_tp_bench(
         ProcessRaisedException: A rank raised anything else (a defect);
             carries its traceback.
     """
-    settings = Settings(per_step, polls, requests, small_requests, rounds, timeout)
+    settings = Settings(per_step, polls, requests, small_requests, rounds, timeout, local_sockets)
     with tempfile.TemporaryDirectory(prefix="fsm-tpbench-") as tmp:
         args = (ranks, str(Path(tmp) / "store"), tmp, settings)
         ranked = _start_ranks(args, ranks)
@@ -329,6 +348,7 @@ class Settings:
     small_requests: int
     rounds: int
     timeout: float
+    local_sockets: bool
 
 
 def _bench_rank(rank: int, world: int, store: str, out: str, settings: Settings) -> None:
@@ -397,7 +417,9 @@ def rank_error(failed: ProcessException, out: Path) -> BaseException:
     return failed
 
 
-def idle_calls(timeout: float) -> tuple[Callable[[], int], Callable[[], int]]:
+def idle_calls(
+    timeout: float, local_sockets: bool = True
+) -> tuple[Callable[[], int], Callable[[], int]]:
     """Return the agreed step and the local poll that the per-call figures time, both idle.
 
     Each on a cache of its own, with the same (no) traffic. The local poll
@@ -408,21 +430,29 @@ def idle_calls(timeout: float) -> tuple[Callable[[], int], Callable[[], int]]:
 
     Args:
         timeout: Seconds the agreed step's collective may wait.
+        local_sockets: The agreed cache's ``DistributedCache(local_sockets=)``.
     """
-    agreed = DistributedCache(HiCache(bench_config()), timeout=timeout)
+    agreed = DistributedCache(HiCache(bench_config()), timeout=timeout, local_sockets=local_sockets)
     return agreed.step, HiCache(bench_config()).poll
 
 
 def _measure(world: int, settings: Settings) -> TPBench:
-    """Measure on this rank: an idle agreed step beside an idle local poll, then both traces."""
-    step, poll = idle_calls(settings.timeout)
+    """Measure on this rank: an idle agreed step (both ways) beside an idle local poll, then both traces."""
+    step, poll = idle_calls(settings.timeout, settings.local_sockets)
     agreed_us = _median_us(step, settings.polls)
     local_us = _median_us(poll, settings.polls)
+    gloo_step, _ = idle_calls(settings.timeout, local_sockets=False)
+    gloo_us = _median_us(gloo_step, settings.polls)
+    transport = DistributedCache(
+        HiCache(bench_config()), timeout=settings.timeout, local_sockets=settings.local_sockets
+    ).comm.transport  # as the agreed side of the traces has it
     return TPBench(
         world,
         settings.per_step,
         settings.polls,
+        transport,
         agreed_us,
+        gloo_us,
         local_us,
         settings.rounds,
         compare_steps(
@@ -475,8 +505,9 @@ def compare_steps(
         local.append(mine)
         agreed.append(theirs)
         unequal = unequal or differs
+    comm = Collectives.of(None, settings.timeout, local_sockets=settings.local_sockets)
     every: list[tuple[list[list[Span]], list[list[Span]], str]]
-    every = Collectives.of(None, settings.timeout).all_gather_object((local, agreed, unequal))
+    every = comm.all_gather_object((local, agreed, unequal))
     for rank, (_, _, differs) in enumerate(every):
         if differs:  # raised on every rank, so that none waits for the others' next collective
             raise cachebench.UnequalWork(
@@ -503,7 +534,9 @@ def _round(
         transitions that differ between the two caches (empty when none do).
     """
     cache = HiCache(config())
-    shared = DistributedCache(HiCache(config()), timeout=settings.timeout)
+    shared = DistributedCache(
+        HiCache(config()), timeout=settings.timeout, local_sockets=settings.local_sockets
+    )
     local: list[Span] = []
     agreed: list[Span] = []
     sides = [(local, cache, cache.poll), (agreed, shared.cache, shared.step)]

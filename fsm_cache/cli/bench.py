@@ -146,9 +146,9 @@ def _run(args: argparse.Namespace) -> int:
         small = {"requests": 200, "repeat": 1, "nodes": 500} if args.quick else {}
         return _server_bench(lambda: run_sglang_bench(**small).format())
     else:
-        from fsm_cache.bench.tp import QUICK, run_tp_bench
+        from fsm_cache.bench.tp import QUICK, Sizes, run_tp_bench
 
-        sizes = QUICK if args.quick else {}
+        sizes: Sizes = QUICK if args.quick else {}
         for ranks in (2, 4):
             print(run_tp_bench(ranks, **sizes).format())
     return 0
