@@ -178,8 +178,9 @@ class StorageConfig:
             budget ends it, and a poll outside a backoff whose copies the
             store all answered ends the row. 0: every lookup asks.
         query_backoff_max: The longest backoff, in seconds.
-        threads: Worker threads doing the store's I/O; 0 runs each copy inline
-            when it starts (deterministic, for tests and tools).
+        threads: Worker threads doing the store's I/O, at most
+            :data:`MOST_THREADS`; 0 runs each copy inline when it starts
+            (deterministic, for tests and tools).
         owned: The cache owns the store's contents and may delete pages
             (:meth:`~fsm_cache.cache.hicache.HiCache.evict_storage`). Leave it
             False for a store other servers share: its server evicts.
@@ -238,8 +239,11 @@ class StorageConfig:
                 raise ConfigError(
                     f"storage: {name} must be one of {', '.join(allowed)}, got {value!r}"
                 )
-        for name, least in (("prefetch_threshold", 0), ("threads", 0)):
-            _need_int(self, name, least)
+        _need_int(self, "prefetch_threshold", 0)
+        if not whole(self.threads, 0) or self.threads > MOST_THREADS:
+            raise ConfigError(
+                f"storage: threads must be an int from 0 to {MOST_THREADS}, got {self.threads!r}"
+            )
         if self.ranks is not None:
             _need_int(self, "ranks", 1)
         if not whole(self.rank) or self.rank >= self.shards:
@@ -324,6 +328,11 @@ def _check_clock(clock: Callable[[], float]) -> None:
         raise ConfigError(
             f"storage: clock must return a finite number of seconds, returned {shown(now)}"
         )
+
+
+MOST_THREADS = 256
+"""The most storage worker threads a tier takes: a store's I/O gains nothing from more, and a
+count the process cannot start failed only at the first store ("can't start new thread")."""
 
 
 def _need_int(config: StorageConfig, name: str, least: int) -> None:
