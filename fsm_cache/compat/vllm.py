@@ -1297,6 +1297,52 @@ _NO_TOUCH = (
 )
 
 
+_OPTIONS = (
+    "events",
+    "strict",
+    "trail",
+    "store_threshold",
+    "max_tracker_size",
+    "request_ranks",
+    "failure_events",
+    "count_offers_once",
+    "info",
+    "enable_events",
+    "cache_policy",
+    "cache_policy_module_path",
+)
+"""What ``FsmOffloadingManager`` takes by keyword: :class:`CheckedOffloadingManager`'s and vLLM's."""
+
+
+def _vllm_options(options: dict[str, Any]) -> None:
+    """Turn vLLM's ``CPUOffloadingManager`` keywords in ``options`` into this manager's, checked.
+
+    Raises:
+        BadArgument: A keyword neither manager takes, ``events`` and
+            ``enable_events`` both given, or a ``cache_policy`` other than ``"lru"``.
+    """
+    unknown = [name for name in options if name not in _OPTIONS]
+    if unknown:
+        msg = (
+            f"FsmOffloadingManager: unknown argument{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(unknown)}; it takes num_chunks and {', '.join(_OPTIONS)}"
+        )
+        raise BadArgument(msg)
+    if "enable_events" in options:
+        if "events" in options:
+            msg = "FsmOffloadingManager: give events or vLLM's enable_events, not both"
+            raise BadArgument(msg)
+        options["events"] = options.pop("enable_events")
+    policy = options.pop("cache_policy", "lru")
+    path = options.pop("cache_policy_module_path", None)
+    if policy != "lru":
+        msg = (
+            f"FsmOffloadingManager supports cache_policy 'lru' only, not {policy!r} "
+            f"(cache_policy_module_path {path!r})"
+        )
+        raise BadArgument(msg)
+
+
 def _manager_class(
     base: Any, cpu_common: Any, answers: dict[Lookup, Any], behaviour: _Behaviour
 ) -> type:
@@ -1306,7 +1352,12 @@ def _manager_class(
     class FsmOffloadingManager(CheckedOffloadingManager, base.OffloadingManager):  # type: ignore[misc]
         """vLLM's ``OffloadingManager`` whose blocks run the host residency machine.
 
-        Takes :class:`CheckedOffloadingManager`'s arguments; ``request_ranks``,
+        Takes :class:`CheckedOffloadingManager`'s arguments, and vLLM's
+        ``CPUOffloadingManager``'s (``enable_events`` for ``events``;
+        ``cache_policy`` ``"lru"`` only, and ``cache_policy_module_path``, which
+        vLLM reads only for a policy it has no name for; ``info``), so that
+        code building vLLM's manager builds this one; anything else is a
+        :class:`~fsm_cache.errors.BadArgument` naming it. ``request_ranks``,
         ``failure_events`` and ``count_offers_once`` default to the installed
         vLLM's behaviour, and ``touch`` exists only where vLLM's has it.
         """
@@ -1316,6 +1367,7 @@ def _manager_class(
             touch = _Withdrawn(_NO_TOUCH)
 
         def __init__(self, num_chunks: int, **options: Any) -> None:
+            _vllm_options(options)
             options.setdefault("request_ranks", behaviour.request_ranks)
             options.setdefault("failure_events", behaviour.failure_events)
             options.setdefault("count_offers_once", behaviour.count_offers_once)

@@ -196,6 +196,53 @@ def test_a_count_that_is_no_int_is_refused_at_construction(vl: Vllm) -> None:
     )
 
 
+def test_the_manager_takes_vllms_own_constructor_keywords(vl: Vllm) -> None:
+    """Code that builds vLLM's CPUOffloadingManager by keyword builds the checked one alike."""
+    vllms = {
+        "num_chunks": 4,
+        "cache_policy": "lru",
+        "cache_policy_module_path": None,
+        "enable_events": True,
+        "store_threshold": 0,
+        "max_tracker_size": 1000,
+    }
+    theirs, ours = vl.cpu.CPUOffloadingManager(**vllms), vl.fsm.FsmOffloadingManager(**vllms)
+    ctx = vl.context("r", {vl.key(0): 0})
+    for manager in (theirs, ours):
+        out = manager.prepare_store([vl.key(0)], ctx)
+        manager.complete_store(out.keys_to_store, ctx)
+    assert [e.removed for e in ours.take_events()] == [e.removed for e in theirs.take_events()]
+    assert ours.records[vl.key(0)].host == "backed"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"num_blocks": 4},
+            "FsmOffloadingManager: unknown argument num_blocks; it takes num_chunks and events, "
+            "strict, trail, store_threshold, max_tracker_size, request_ranks, failure_events, "
+            "count_offers_once, info, enable_events, cache_policy, cache_policy_module_path",
+        ),
+        (
+            {"events": True, "enable_events": True},
+            "FsmOffloadingManager: give events or vLLM's enable_events, not both",
+        ),
+        (
+            {"cache_policy": "arc"},
+            "FsmOffloadingManager supports cache_policy 'lru' only, not 'arc' "
+            "(cache_policy_module_path None)",
+        ),
+    ],
+)
+def test_arguments_neither_manager_takes_are_named(
+    vl: Vllm, options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(BadArgument) as refused:
+        vl.fsm.FsmOffloadingManager(4, **options)
+    assert str(refused.value) == message
+
+
 def test_new_keys_for_a_finished_request(vl: Vllm) -> None:
     """vLLM asserts after it has pinned the load; ours refuses before anything changes."""
     ctx, key, seen = vl.context("r"), vl.key(1), vl.key(2)
