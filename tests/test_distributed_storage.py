@@ -1088,6 +1088,25 @@ def world_of_one(tmp_path: Path) -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("world_of_one")
+def test_a_storage_tier_whose_distributed_cache_was_dropped_decides_alone(tmp_path: Path) -> None:
+    """Its stores and fetches waited for a group's acceptance that no step would give again."""
+    store = LocalFileStore(tmp_path / "pages")
+    cache = HiCache(config(), storage=tier(store, ranks=1))
+    shared = DistributedCache(cache)
+    cache.insert(tokens(2))
+    shared.step()  # the backup applied; the store starts, and waits for the group
+    cache.insert(tokens(2, start=5000))
+    assert cache.storage is not None
+    assert cache.storage.in_flight()
+    del shared
+    for _ in range(4):
+        cache.poll()
+    assert cache.storage.idle()
+    assert sorted(n.storage for n in cache.tree) == ["stored", "stored"]
+    cache.close()
+
+
+@pytest.mark.usefixtures("world_of_one")
 def test_a_storage_tier_that_leaves_its_ranks_unsaid_is_refused_in_a_group(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

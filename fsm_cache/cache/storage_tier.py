@@ -1310,6 +1310,19 @@ class StorageTier:
         self._agree_hits = hits
         self._agreed_only = True
 
+    def decide_alone(self) -> None:
+        """Decide alone again, the group that agreed (:meth:`agree_by`) being gone.
+
+        A cache whose DistributedCache was dropped while it serves on: its hit
+        counts are its own, and :meth:`collect` returns the copies finished
+        here; what the group accepted and this tier did not apply yet is
+        applied with the group's result. Without it, no copy was ever
+        accepted again, and every store and fetch stayed in flight for good.
+        """
+        self._agree_hits = _alone
+        self._agreed_only = False
+        self._reported = {}
+
     def report(self, slots: int, *, wait: bool = False) -> list[int]:
         """Say how each of the first ``slots`` copies in flight ended here, for a MIN over ranks.
 

@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 
 from fsm_cache.cache.hicache import HiCache
-from fsm_cache.cache.storage_tier import StorageConfig
+from fsm_cache.cache.storage_tier import StorageConfig, StorageTier
 from fsm_cache.cache.transfers import IssuedCopies
 from fsm_cache.cache.tree import TreeNode
 from fsm_cache.distributed.collectives import CONSTRUCTION, CPU, Collectives
@@ -296,7 +296,7 @@ class DistributedCache:
         self._broken: str | None = None  # the RankFailure that broke the group, if one did
         # held weakly by the cache (_Alone): strong both ways, a dropped pair kept the
         # cache's memory until Python's cyclic collector ran
-        alone = _Alone(self, cache.tiers.copier, cache.transfers)
+        alone = _Alone(self, cache.tiers.copier, cache.transfers, cache.storage)
         weakref.finalize(self, alone.adopt, self._finished)  # what it held, handed over
         cache.transfers.take_acks_from(
             alone,
@@ -1079,16 +1079,27 @@ class _Alone:
         shared: The DistributedCache.
         copier: This rank's copy engine.
         copies: The cache's copies in flight.
+        storage: The cache's storage tier, if it has one: it decides alone
+            again once the DistributedCache is gone.
     """
 
-    def __init__(self, shared: DistributedCache, copier: Copier, copies: IssuedCopies) -> None:
+    def __init__(
+        self,
+        shared: DistributedCache,
+        copier: Copier,
+        copies: IssuedCopies,
+        storage: StorageTier | None,
+    ) -> None:
         self._shared = weakref.ref(shared)
         self._copier, self._copies = copier, copies
+        self._storage = storage
         self._left: dict[int, Completion] = {}
 
     def adopt(self, finished: dict[int, Completion]) -> None:
-        """Take over the completions the DistributedCache held, as it goes."""
+        """Take over the completions the DistributedCache held, as it goes; free its storage tier."""
         self._left = finished
+        if self._storage is not None:
+            self._storage.decide_alone()
 
     def collect(self, wait: bool) -> list[Completion]:
         """Return what the DistributedCache gives, or, once it is gone, what is said above."""
