@@ -2638,6 +2638,29 @@ def test_a_cache_whose_distributed_cache_was_dropped_goes_on_alone() -> None:
     cache.close()
 
 
+@pytest.mark.usefixtures("world_of_one")
+def test_a_cache_whose_distributed_cache_was_dropped_can_be_wrapped_again() -> None:
+    """The new wrapper takes over what the dropped one had buffered; a live one still refuses."""
+    copier = FaultyCopyEngine.copier(refuse=[1])
+    cache = HiCache(bench_config(debug=True, copier=copier))
+    shared = DistributedCache(cache, timeout=TIMEOUT)
+    cache.insert(list(range(32)))  # its backup's start refused: held by the wrapper, failed
+    assert shared.buffered == 1
+    del shared
+    again = DistributedCache(cache, timeout=TIMEOUT)
+    assert again.buffered == 1  # handed over, not lost with the dropped wrapper
+    with pytest.raises(ConfigError) as twice:
+        DistributedCache(cache)
+    assert str(twice.value) == (
+        "distributed: this cache's acknowledgements come from another DistributedCache"
+        " already: wrap a cache once (two would each buffer completions the other waits for)"
+    )
+    assert again.step() == 1
+    assert cache.issued() == []
+    assert [n.host for n in cache.tree] == ["unbacked"]  # its backup failed, applied alike
+    cache.close()
+
+
 def test_a_word_out_of_range_folds_in_alike_however_the_entries_are_split() -> None:
     big = (1 << 70, -(1 << 63), (1 << 63) - 1, 5)
     whole, split = EventLog(), EventLog()

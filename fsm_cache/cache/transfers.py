@@ -263,11 +263,18 @@ class Transfers:
 
     # -- lifecycle -----------------------------------------------------------
 
+    @property
+    def ack_source(self) -> AckSource:
+        """Where finished copies are read from: the copy engine's reports, or :meth:`take_acks_from`'s."""
+        return self._source
+
     def take_acks_from(
         self,
         source: AckSource,
         waits: WaitAgreement | None = None,
         held: HeldFailures | None = None,
+        *,
+        replacing: AckSource | None = None,
     ) -> None:
         """Read finished copies from ``source`` from now on, and answer load waits by ``waits``.
 
@@ -282,11 +289,20 @@ class Transfers:
         forgets a copy once it reported it, so only the source can tell a
         load wait that the copy it waits on failed.
 
+        Args:
+            source: Where finished copies come from from now on.
+            waits: Who answers a load wait; None: this cache.
+            held: Who knows of failed copies held back; None: none are.
+            replacing: The source that took them before, which this one
+                replaces (its group gone; see
+                :class:`~fsm_cache.distributed.agreement.DistributedCache`).
+
         Raises:
             ConfigError: Another source took them already (a cache wrapped
-                twice): two would each buffer completions the other waits for.
+                twice), and ``source`` does not replace it: two would each
+                buffer completions the other waits for.
         """
-        if self.acks_taken:
+        if self.acks_taken and self._source is not replacing:
             raise ConfigError(
                 f"the cache's acknowledgements come from a {type(self._source).__name__} already:"
                 " wrap a cache in one DistributedCache"

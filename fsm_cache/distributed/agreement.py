@@ -195,7 +195,8 @@ class DistributedCache:
     collective of its own. The cache holds this object weakly (so that a
     dropped pair frees the cache's memory at once): keep it while the cache
     serves; once it is gone, the cache goes on as a cache of its own, no
-    longer kept alike with the other ranks.
+    longer kept alike with the other ranks, until a new DistributedCache
+    wraps it (on every rank at once, as any construction).
 
     Args:
         cache: This rank's cache; same configuration and operations on every rank.
@@ -298,10 +299,14 @@ class DistributedCache:
         # cache's memory until Python's cyclic collector ran
         alone = _Alone(self, cache.tiers.copier, cache.transfers, cache.storage)
         weakref.finalize(self, alone.adopt, self._finished)  # what it held, handed over
+        before = cache.transfers.ack_source if cache.transfers.acks_taken else None
+        if isinstance(before, _Alone):  # a dropped DistributedCache's: what it was handed
+            self._finished.update(before.hand_over())
         cache.transfers.take_acks_from(
             alone,
             _weakly(self._agree_wait, alone.wait_here),
             _weakly(self._failed_here, alone.failed_here),
+            replacing=before,
         )
         starts = _AgreedStarts(cache.tiers.copier, _weakly(self._keep_refused, _refused_alone))
         cache.transfers.start_copies_with(starts)
@@ -1033,6 +1038,11 @@ class DistributedCache:
         return self.comm.all_gather_object(here)
 
 
+def _orphaned(source: object) -> bool:
+    """Whether ``source`` is the acknowledgements of a DistributedCache that is gone."""
+    return isinstance(source, _Alone) and source.orphaned
+
+
 def _weakly(method: Callable[_P, _R], alone: Callable[_P, _R]) -> Callable[_P, _R]:
     """Return a bound ``method`` of a DistributedCache, held weakly; ``alone`` once it is gone.
 
@@ -1094,6 +1104,16 @@ class _Alone:
         self._copier, self._copies = copier, copies
         self._storage = storage
         self._left: dict[int, Completion] = {}
+
+    @property
+    def orphaned(self) -> bool:
+        """Whether its DistributedCache is gone, so that another may wrap the cache."""
+        return self._shared() is None
+
+    def hand_over(self) -> dict[int, Completion]:
+        """Give the completions it holds to the DistributedCache that wraps the cache next."""
+        left, self._left = self._left, {}
+        return left
 
     def adopt(self, finished: dict[int, Completion]) -> None:
         """Take over the completions the DistributedCache held, as it goes; free its storage tier."""
@@ -1228,7 +1248,7 @@ def _check_cache(
     """
     if not isinstance(cache, HiCache):
         raise BadArgument(f"distributed: cache must be a HiCache, got {type(cache).__name__}")
-    if cache.transfers.acks_taken:
+    if cache.transfers.acks_taken and not _orphaned(cache.transfers.ack_source):
         raise ConfigError(
             "distributed: this cache's acknowledgements come from another DistributedCache"
             " already: wrap a cache once (two would each buffer completions the other waits for)"
