@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import time
 import warnings
 from collections.abc import Callable
@@ -238,6 +239,37 @@ def fell_back_to_gloo(rank: int) -> list[Any]:
     return found
 
 
+def set_up_beside_a_stranger(rank: int) -> list[Any]:
+    """Something connects to rank 1's socket during setup and says nothing: it is dropped.
+
+    Any process in the network namespace can reach an abstract socket's name
+    (``/proc/net/unix`` lists it). Waiting on its hello made every rank raise.
+    """
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT))
+    held: list[socket.socket] = []
+    listen: Callable[[int], tuple[socket.socket, str] | None]
+    listen = vars(collectives)["_listen"]  # what the stranger connects to
+
+    def with_a_stranger(world: int) -> tuple[socket.socket, str] | None:
+        made = listen(world)
+        if made is not None:
+            stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            stranger.connect(made[1])
+            held.append(stranger)
+        return made
+
+    started = time.monotonic()
+    with pytest.MonkeyPatch.context() as patch:
+        if rank == 1:
+            patch.setattr(collectives, "_listen", with_a_stranger)
+        shared = DistributedCache(HiCache(bench_config()), side, timeout=4.0)
+    at_once = time.monotonic() - started < 2.0
+    for stranger in held:
+        stranger.close()
+    serve_request(shared.cache, chat_trace(1, seed=1)[0])
+    return [at_once, shared.comm.transport, said(shared.step)]
+
+
 def forked_after_wrapping(rank: int) -> list[Any]:
     """A forked child's exchange on its parent's sockets is refused; the parent's go on."""
     shared = served(TIMEOUT)
@@ -309,6 +341,7 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
         built_with_different_transports,
         fell_back_to_gloo,
         forked_after_wrapping,
+        set_up_beside_a_stranger,
     ):
         report[scenario.__name__] = scenario(rank)
         dist.barrier()  # the default group is whole: a late rank catches up here
@@ -538,3 +571,8 @@ def test_a_forked_child_cannot_exchange_on_its_parents_sockets(ranks: Results) -
             "returned",
             "returned",
         ]
+
+
+def test_a_silent_stranger_on_a_socket_holds_up_no_rank(ranks: Results) -> None:
+    for report in ranks:
+        assert report["set_up_beside_a_stranger"] == [True, "same-host sockets", "returned"]

@@ -200,6 +200,7 @@ class SameHostRows:
         self._skip = dict.fromkeys(peers, 0)  # to read and drop before them
         self.failed: str | None = None
         self._close = weakref.finalize(self, _close_all, [peer for _, peer in self._peers])
+        _LIVE.add(self)
 
     def exchange(self, data: bytes, timeout: float) -> list[bytes]:
         """Send ``data`` to every other rank; return every rank's, in rank order.
@@ -358,6 +359,9 @@ def _listen(world: int) -> tuple[socket.socket, str] | None:
     return listener, name
 
 
+_LIVE: weakref.WeakSet[SameHostRows] = weakref.WeakSet()
+"""Every :class:`SameHostRows` of this process, for the fork hook."""
+
 _BY_GROUP: weakref.WeakKeyDictionary[dist.ProcessGroup, SameHostRows] = weakref.WeakKeyDictionary()
 """Each gloo group's sockets in this process, shared by every :class:`Collectives` on it.
 
@@ -373,7 +377,7 @@ def _after_fork_in_child() -> None:
     A child that exchanged on them would read and write its parent's streams.
     Closing the child's copies leaves the parent's connections as they are.
     """
-    for rows in list(_BY_GROUP.values()):
+    for rows in list(_LIVE):  # those of a destroyed group too, which a wrapper may still hold
         rows.close("inherited across a fork: a child cannot take part in its parent's agreement")
 
 
@@ -416,46 +420,72 @@ def _answer(
     within: float,
     peers: dict[int, socket.socket],
 ) -> bool:
-    """Accept each lower rank's connection, checking its hello; return whether all came within ``within`` s.
+    """Accept each lower rank's connection and check its hello; return whether all came in ``within`` s.
 
-    The lower ranks connected before the group agreed that every rank had, so
-    their connections wait in the backlog. Anything else that connects (a
-    name in the abstract namespace can be reached by any process in the
-    network namespace) is dropped unless it says a lower rank's nonce.
+    The lower ranks connected and sent their hellos before the group agreed
+    that every rank had, so both wait in the listener's backlog. Anything
+    else that connects (a name in the abstract namespace can be reached by
+    any process in the network namespace) is dropped: every connection
+    queued is accepted and read at once, without blocking, so a stranger
+    that says nothing holds up no rank's hello.
     """
     ends = time.monotonic() + within
-    while len([other for other in peers if other < rank]) < rank:
-        left = ends - time.monotonic()
-        if left <= 0:
-            return False
-        try:
-            listener.settimeout(left)
-            peer, _ = listener.accept()
-        except OSError:
-            return False
-        said = _hello(peer, ends)
-        known = said is not None and 0 <= said[0] < rank and said[0] not in peers
-        if said is not None and known and said[1] == nonces[said[0]]:
-            peers[said[0]] = peer
-        else:
-            peer.close()
-    return True
-
-
-def _hello(peer: socket.socket, ends: float) -> tuple[int, int] | None:
-    """Read a connected socket's hello (its rank and nonce) by ``ends``; None if none came whole."""
-    hello = bytearray()
+    listener.setblocking(False)
+    hellos: dict[socket.socket, bytearray] = {}  # accepted, hello not read whole yet
     try:
-        while len(hello) < _HELLO.size:
-            peer.settimeout(max(0.001, ends - time.monotonic()))
-            part = peer.recv(_HELLO.size - len(hello))
-            if not part:
-                return None
-            hello += part
+        while len([other for other in peers if other < rank]) < rank:
+            _accept_queued(listener, hellos)
+            for peer, said in list(hellos.items()):
+                if _read_hello(peer, said):
+                    del hellos[peer]
+                    other, nonce = _HELLO.unpack(said) if len(said) == _HELLO.size else (-1, 0)
+                    if 0 <= other < rank and other not in peers and nonce == nonces[other]:
+                        peers[other] = peer
+                    else:
+                        peer.close()
+            if len([other for other in peers if other < rank]) == rank:
+                break
+            left = ends - time.monotonic()
+            if left <= 0:
+                return False
+            ready = select.poll()
+            for waiting in (listener, *hellos):
+                ready.register(waiting, select.POLLIN)
+            ready.poll(max(1, int(1000 * left + 1)))
+        return True
+    finally:
+        _close_all(list(hellos))
+
+
+def _accept_queued(listener: socket.socket, hellos: dict[socket.socket, bytearray]) -> None:
+    """Accept every connection queued on ``listener`` now, to read its hello."""
+    while True:
+        try:
+            peer, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # out of descriptors, say: the rest stay queued
+            return
+        peer.setblocking(False)
+        hellos[peer] = bytearray()
+
+
+def _read_hello(peer: socket.socket, said: bytearray) -> bool:
+    """Read what ``peer`` sent of its hello into ``said``; return whether it is whole or ended.
+
+    A connection that closed or failed is ended, ``said`` emptied (no hello).
+    """
+    try:
+        part = peer.recv(_HELLO.size - len(said))
+    except BlockingIOError:
+        return False
     except OSError:
-        return None
-    rank, nonce = _HELLO.unpack(hello)
-    return rank, nonce
+        part = b""
+    if not part:
+        said.clear()
+        return True
+    said += part
+    return len(said) == _HELLO.size
 
 
 @dataclass(frozen=True)
@@ -517,6 +547,8 @@ class Collectives:
                 sockets = made._join_same_host()
                 if sockets is not None:
                     _BY_GROUP[key] = sockets
+                    # a wrapper that outlives its group must not agree over it still
+                    weakref.finalize(key, sockets.close, "its process group was destroyed")
             object.__setattr__(made, "_sockets", sockets)
         return made
 
@@ -556,7 +588,7 @@ class Collectives:
             if not self.all_reduce_min([int(dialed)], said)[0]:
                 return None
             assert listening is not None  # every rank's name is set
-            within = min(self.timeout, _ACCEPT_SECONDS)
+            within = min(self.timeout / 2, _ACCEPT_SECONDS)  # the others wait in a MIN
             answered = _answer(self.rank, nonces, listening[0], within, peers)
             if not self.all_reduce_min([int(answered)], said)[0]:
                 return None
