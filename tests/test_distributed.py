@@ -2661,6 +2661,23 @@ def test_a_cache_whose_distributed_cache_was_dropped_can_be_wrapped_again() -> N
     cache.close()
 
 
+@pytest.mark.usefixtures("world_of_one")
+def test_a_rewrapped_cache_keeps_each_refused_start_under_its_own_ticket() -> None:
+    """The new wrapper's refused starts must not take the ids of those the dropped one left."""
+    copier = FaultyCopyEngine.copier(refuse=[1, 2])
+    cache = HiCache(bench_config(debug=True, copier=copier))
+    shared = DistributedCache(cache, timeout=TIMEOUT)
+    cache.insert(list(range(32)))  # refused: kept in flight as ticket -1
+    del shared
+    again = DistributedCache(cache, timeout=TIMEOUT)
+    cache.insert(list(range(100, 132)))  # refused too: a ticket of its own, not -1 again
+    assert cache.issued() == [-1, -2]
+    assert [again.step(), again.step()] == [1, 1]  # a step applies up to its first failure
+    assert cache.issued() == []
+    assert [n.host for n in cache.tree] == ["unbacked", "unbacked"]
+    cache.close()
+
+
 def test_a_word_out_of_range_folds_in_alike_however_the_entries_are_split() -> None:
     big = (1 << 70, -(1 << 63), (1 << 63) - 1, 5)
     whole, split = EventLog(), EventLog()

@@ -293,13 +293,15 @@ class DistributedCache:
         # from the log's end: before now each rank applied its own acknowledgements, in
         # its own order; the construction checked that the ranks' caches agree now
         self._digest = TransitionDigest(cache.log, cache.log.recorded)
-        self._refused = 0  # starts the copy engine refused, kept in flight as failed copies
+        # starts the copy engine refused, kept in flight as failed copies under ids -1, -2, ...:
+        # a wrapper dropped before this one may have left some in flight
+        self._refused = -min([0, *cache.issued()])
         self._broken: str | None = None  # the RankFailure that broke the group, if one did
         # held weakly by the cache (_Alone): strong both ways, a dropped pair kept the
         # cache's memory until Python's cyclic collector ran
         alone = _Alone(self, cache.tiers.copier, cache.transfers, cache.storage)
         weakref.finalize(self, alone.adopt, self._finished)  # what it held, handed over
-        before = cache.transfers.ack_source if cache.transfers.acks_taken else None
+        before = cache.transfers.ack_source
         if isinstance(before, _Alone):  # a dropped DistributedCache's: what it was handed
             self._finished.update(before.hand_over())
         cache.transfers.take_acks_from(
