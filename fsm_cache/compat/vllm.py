@@ -53,6 +53,7 @@ import contextlib
 import enum
 import heapq
 import importlib
+import inspect
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -1298,14 +1299,11 @@ _NO_TOUCH = (
 
 
 _OPTIONS = (
-    "events",
-    "strict",
-    "trail",
-    "store_threshold",
-    "max_tracker_size",
-    "request_ranks",
-    "failure_events",
-    "count_offers_once",
+    *(
+        name
+        for name, parameter in inspect.signature(CheckedOffloadingManager).parameters.items()
+        if parameter.kind is parameter.KEYWORD_ONLY
+    ),
     "info",
     "enable_events",
     "cache_policy",
