@@ -443,9 +443,10 @@ def _measure(world: int, settings: Settings) -> TPBench:
     local_us = _median_us(poll, settings.polls)
     gloo_step, _ = idle_calls(settings.timeout, local_sockets=False)
     gloo_us = _median_us(gloo_step, settings.polls)
-    transport = DistributedCache(
-        HiCache(bench_config()), timeout=settings.timeout, local_sockets=settings.local_sockets
-    ).comm.transport  # as the agreed side of the traces has it
+    # as the agreed side of the traces has it: the group's sockets, set up by then, or gloo
+    transport = Collectives.of(
+        None, settings.timeout, local_sockets=settings.local_sockets
+    ).transport
     return TPBench(
         world,
         settings.per_step,
