@@ -90,7 +90,7 @@ def test_each_rank_kth_exchange_pairs_with_the_others_kth_after_a_timeout(
     started = time.monotonic()
     with pytest.raises(SocketFailure) as caught:
         two[0].exchange(sent[0][0], 0.2)
-    assert str(caught.value) == "rank 1 answered nothing for 0.2 s"
+    assert str(caught.value) == "rank 1 did not finish the exchange within 0.2 s"
     assert 0.2 <= time.monotonic() - started < 2.0
     for k in (0, 1):  # rank 1's k-th exchange meets rank 0's k-th, while rank 0 is at k + 1
         late, ahead = together(
@@ -99,7 +99,7 @@ def test_each_rank_kth_exchange_pairs_with_the_others_kth_after_a_timeout(
         )
         assert late == sent[k]
         assert isinstance(ahead, SocketFailure)
-        assert str(ahead) == "rank 1 answered nothing for 1 s"
+        assert str(ahead) == "rank 1 did not finish the exchange within 1 s"
 
 
 def test_a_rank_that_closed_breaks_the_sockets_for_good_on_the_others() -> None:

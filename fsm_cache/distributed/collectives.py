@@ -215,9 +215,9 @@ class SameHostRows:
             timeout: Seconds to wait, in all, for the other ranks' bytes.
 
         Raises:
-            SocketFailure: A rank closed its end or failed a send or read, no
-                bytes came from a rank within ``timeout``, or the sockets
-                broke at an earlier exchange.
+            SocketFailure: A rank closed its end or failed a send or read, the
+                exchange with a rank did not finish within ``timeout``, or the
+                sockets broke at an earlier exchange.
         """
         if self.failed is not None:
             raise SocketFailure(
@@ -273,7 +273,7 @@ class SameHostRows:
                     self._skip[rank] = len(got[rank]) - read[rank]
                 late = [str(rank) for rank, _, _ in waits]
                 named = ("rank " if len(late) == 1 else "ranks ") + ", ".join(late)
-                raise SocketFailure(f"{named} answered nothing for {timeout:g} s")
+                raise SocketFailure(f"{named} did not finish the exchange within {timeout:g} s")
             ready = select.poll()
             for _, peer, events in waits:
                 ready.register(peer, events)
@@ -432,8 +432,9 @@ def _answer(
     ends = time.monotonic() + within
     listener.setblocking(False)
     hellos: dict[socket.socket, bytearray] = {}  # accepted, hello not read whole yet
+    lower = 0
     try:
-        while len([other for other in peers if other < rank]) < rank:
+        while lower < rank:
             _accept_queued(listener, hellos)
             for peer, said in list(hellos.items()):
                 if _read_hello(peer, said):
@@ -441,9 +442,10 @@ def _answer(
                     other, nonce = _HELLO.unpack(said) if len(said) == _HELLO.size else (-1, 0)
                     if 0 <= other < rank and other not in peers and nonce == nonces[other]:
                         peers[other] = peer
+                        lower += 1
                     else:
                         peer.close()
-            if len([other for other in peers if other < rank]) == rank:
+            if lower == rank:
                 break
             left = ends - time.monotonic()
             if left <= 0:
@@ -462,9 +464,7 @@ def _accept_queued(listener: socket.socket, hellos: dict[socket.socket, bytearra
     while True:
         try:
             peer, _ = listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:  # out of descriptors, say: the rest stay queued
+        except OSError:  # none queued, or out of descriptors: the rest stay queued
             return
         peer.setblocking(False)
         hellos[peer] = bytearray()
