@@ -470,6 +470,39 @@ def _workers() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("fsm-storage-")]
 
 
+def test_threads_the_process_cannot_start_are_done_without(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the process's thread limit after one thread, the first store failed needlessly.
+
+    When none can start, each copy fails at once (the test after this one).
+    """
+    startable = 1
+    assert not _workers()
+    start = threading.Thread.start
+    started: list[threading.Thread] = []
+
+    def limited(thread: threading.Thread) -> None:
+        if thread.name.startswith("fsm-storage-"):
+            if len(started) >= startable:
+                raise RuntimeError("can't start new thread")
+            started.append(thread)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", limited)
+    cache = HiCache(config(), storage=tier(store, threads=4, io_timeout=5.0))
+    for first in (1000, 5000):
+        cache.insert(tokens(2, start=first))
+        cache.poll()
+        for copy in list(cache.storage.in_flight().values()):  # type: ignore[union-attr]
+            copy.done.wait(5)
+        cache.poll()
+    assert sorted(n.storage for n in cache.tree) == ["stored", "stored"]
+    assert len(_workers()) == startable  # the jobs went to the one that started
+    cache.close()
+    assert not _workers()
+
+
 def test_close_waits_for_the_worker_threads_to_end(store: Store, clock: HandClock) -> None:
     """A thread still in the store when the interpreter exits can abort the process.
 

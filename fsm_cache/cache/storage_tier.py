@@ -538,6 +538,10 @@ class StorageCopy:
 class _Workers:
     """Threads that run the store's I/O, or none (``threads=0``: each job runs when submitted).
 
+    Threads the process cannot start (its thread limit, ``ulimit -u`` or a
+    cgroup's ``pids.max``) are done without: the jobs go to those that
+    started. If none did, the copy fails at once, and the next one tries again.
+
     A job records its copy's result whatever its store raises, so a thread
     lives as long as the cache: a BaseException a store raises on a thread
     (``asyncio.CancelledError``, ``SystemExit``, a green thread's timeout) fails
@@ -563,7 +567,12 @@ class _Workers:
             _RUNNING.add(self)
             for i in range(self._count):
                 thread = threading.Thread(target=self._loop, name=f"fsm-storage-{i}", daemon=True)
-                thread.start()
+                try:
+                    thread.start()
+                except RuntimeError:  # past the process's thread limit
+                    if not self._threads:  # none started: the copy fails, and the next tries again
+                        raise
+                    break  # go on with those that started
                 self._threads.append(thread)
         self._jobs.put(job)
 
