@@ -274,10 +274,7 @@ class SameHostRows:
                 late = [str(rank) for rank, _, _ in waits]
                 named = ("rank " if len(late) == 1 else "ranks ") + ", ".join(late)
                 raise SocketFailure(f"{named} did not finish the exchange within {timeout:g} s")
-            ready = select.poll()
-            for _, peer, events in waits:
-                ready.register(peer, events)
-            ready.poll(min(_LONGEST_POLL_MS, max(1, int(1000 * (deadline - now) + 1))))
+            _wait_for([(peer, events) for _, peer, events in waits], deadline - now)
         for rank in got:
             self._owed[rank], self._skip[rank] = b"", 0
         return [bytes(got[rank][-size:]) if rank in got else data for rank in range(self.world)]
@@ -285,6 +282,14 @@ class SameHostRows:
 
 _LONGEST_POLL_MS = 2**31 - 1
 """``poll()`` takes a C int of milliseconds (about 24.8 days); a longer timeout waits again."""
+
+
+def _wait_for(sockets: list[tuple[socket.socket, int]], seconds: float) -> None:
+    """Wait up to ``seconds`` (at least a millisecond) for any of ``sockets``' events."""
+    ready = select.poll()
+    for peer, events in sockets:
+        ready.register(peer, events)
+    ready.poll(min(_LONGEST_POLL_MS, max(1, int(1000 * seconds + 1))))
 
 
 class _Broken(SocketFailure):
@@ -450,10 +455,7 @@ def _answer(
             left = ends - time.monotonic()
             if left <= 0:
                 return False
-            ready = select.poll()
-            for waiting in (listener, *hellos):
-                ready.register(waiting, select.POLLIN)
-            ready.poll(max(1, int(1000 * left + 1)))
+            _wait_for([(waiting, select.POLLIN) for waiting in (listener, *hellos)], left)
         return True
     finally:
         _close_all(list(hellos))
