@@ -1741,6 +1741,53 @@ def test_a_namespace_keys_its_pages_apart(store: Store) -> None:
     assert reader.match_prefix(toks, namespace="lora-7").host_len == 3 * PAGE
 
 
+def test_a_tuple_namespace_of_strs_and_ints_keys_its_pages_as_well(store: Store) -> None:
+    toks = tokens(2)
+    writer = HiCache(config(), storage=tier(store))
+    writer.insert(toks, namespace=("lora", 7, b"v2"))
+    writer.poll()
+    writer.poll()
+    reader = HiCache(config(), storage=tier(store, prefetch_policy="wait"))
+    assert reader.match_prefix(toks, namespace=("lora", 7)).host_len == 0
+    assert reader.match_prefix(toks, namespace=("lora", 7, b"v2")).host_len == 2 * PAGE
+
+
+class _Adapter:
+    """A namespace whose repr is its address: no other server writes it alike."""
+
+
+@pytest.mark.parametrize(
+    "namespace",
+    [_Adapter(), 1.0, True, ("lora", 7.5), ("lora", (False,))],
+    ids=["an object", "a float", "a bool", "a float in a tuple", "a bool deeper in"],
+)
+@pytest.mark.parametrize("op", ["match_prefix", "insert"])
+def test_a_namespace_no_other_server_would_key_alike_is_refused_changing_nothing(
+    store: Store, namespace: object, op: str
+) -> None:
+    """Its repr keys the stored pages: an address, or ``1.0`` sharing the tree of ``1``."""
+    cache = HiCache(config(), storage=tier(store))
+    cache.insert(tokens(2))
+    cache.poll()
+    before, log = states(cache), cache.log.recorded
+    with pytest.raises(BadArgument) as refused:
+        getattr(cache, op)(tokens(3), namespace=namespace)
+    assert str(refused.value) == (
+        f"{op}: namespace {namespace!r} cannot key stored pages: a storage tier needs None, "
+        "a str, an int, bytes or a tuple of them, whose repr is the same on every server"
+    )
+    assert states(cache) == before
+    assert cache.log.recorded == log
+    assert cache.tiers.device.allocator.free_slots == cache.tiers.device.allocator.size - 2 * PAGE
+
+
+def test_a_cache_without_storage_takes_any_hashable_namespace() -> None:
+    cache = HiCache(config())
+    cache.insert(tokens(2), namespace=_Adapter)
+    assert cache.match_prefix(tokens(2), namespace=_Adapter).device_len == 2 * PAGE
+    assert cache.match_prefix(tokens(2)).device_len == 0
+
+
 def test_a_write_through_host_copy_never_lands_under_a_node_without_one(store: Store) -> None:
     """Invariant 3: under write-through the anchor of a prefetch holds a valid host copy."""
     toks = tokens(4)

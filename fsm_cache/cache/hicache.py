@@ -293,13 +293,17 @@ class HiCache:
         Raises:
             BadArgument: ``tokens`` is not a sequence of non-negative ints (a 1-d
                 tensor or array is fine; a bool is no token id), or ``namespace``
-                is unhashable.
+                is unhashable, or with a storage tier cannot key its pages
+                (:meth:`StorageTier.check_namespace
+                <fsm_cache.cache.storage_tier.StorageTier.check_namespace>`).
             CopyFailed: The prefetch waited for (``wait``, ``timeout``) read
                 pages that could not be written to the host; the fetch was
                 applied as failed, as in :meth:`poll`.
         """
         key = arguments.ints(tokens, "match_prefix", "tokens")
         namespace = arguments.namespace(namespace, "match_prefix")
+        if namespace is not None and self._storage is not None:
+            self._storage.check_namespace(namespace, "match_prefix")
         with self._operation("match_prefix", key, namespace):
             tree = self._core.tree
             asked = len(key)  # a hit rate's denominator: the tokens asked for, a partial page too
@@ -359,7 +363,8 @@ class HiCache:
         Raises:
             BadArgument: ``tokens`` or ``device_slots`` is not a sequence of
                 non-negative ints (a bool is no token id), or ``namespace`` is
-                unhashable; nothing changed.
+                unhashable, or with a storage tier cannot key its pages; nothing
+                changed.
             CopyFailed: A node on the path is still loading after its copy failed
                 and was started again (a locked node); or a storage fetch the
                 eviction applied could not write its pages to the host (every
@@ -413,6 +418,8 @@ class HiCache:
             else arguments.packed(device_slots, "insert", "slots")
         )
         namespace = arguments.namespace(namespace, "insert")
+        if namespace is not None and self._storage is not None:
+            self._storage.check_namespace(namespace, "insert")
         with self._operation("insert", given, namespace, logged, unpacked=args):
             tree = self._core.tree
             key = tree.aligned(given)

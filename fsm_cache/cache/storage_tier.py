@@ -267,6 +267,17 @@ class StorageConfig:
         return 1 if self.ranks is None else self.ranks
 
 
+def _portable(tree_namespace: object) -> bool:
+    """Whether ``tree_namespace`` is None, a str, an int, bytes, or a tuple of them (at any depth).
+
+    Exact types: a bool equals an int of another repr, and a subclass may
+    write its own.
+    """
+    if type(tree_namespace) is tuple:
+        return all(_portable(item) for item in tree_namespace)
+    return tree_namespace is None or type(tree_namespace) in (str, int, bytes)
+
+
 def _check_seconds(config: StorageConfig) -> None:
     """Raise :class:`ConfigError` naming the first duration that is not a finite number of seconds.
 
@@ -846,12 +857,32 @@ class StorageTier:
         """Return the key namespace of the tree's ``tree_namespace`` (None: the model's own).
 
         A tree namespace other than None (a LoRA adapter, say) keys its pages
-        apart by its ``repr``, which must therefore be the same on every server
-        (a str or an int).
+        apart by its ``repr``, which must therefore be the same on every server:
+        :meth:`check_namespace` refuses the others.
         """
         if tree_namespace is None:
             return self._base
         return replace(self._base, tree=repr(tree_namespace))
+
+    @staticmethod
+    def check_namespace(tree_namespace: Hashable, op: str) -> None:
+        """Refuse a tree namespace whose pages would not get the same keys on every server.
+
+        Its ``repr`` keys its pages (:meth:`namespace`). None, a str, an int,
+        bytes and tuples of them have one that every process writes alike, and
+        equal ones exactly when they are equal. An ``object()`` (its repr holds
+        its address) would key pages no other server finds; ``1.0`` or ``True``
+        would share the tree of ``1`` but not its stored pages.
+
+        Raises:
+            BadArgument: Naming ``op`` and the namespace.
+        """
+        if not _portable(tree_namespace):
+            raise BadArgument(
+                f"{op}: namespace {tree_namespace!r} cannot key stored pages: a storage "
+                "tier needs None, a str, an int, bytes or a tuple of them, "
+                "whose repr is the same on every server"
+            )
 
     def keys_of(self, node: TreeNode) -> tuple[str, ...]:
         """Return ``node``'s page keys, computing them (and its ancestors') once.
