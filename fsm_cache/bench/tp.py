@@ -432,8 +432,13 @@ def idle_calls(
         timeout: Seconds the agreed step's collective may wait.
         local_sockets: The agreed cache's ``DistributedCache(local_sockets=)``.
     """
+    return agreed_step(timeout, local_sockets), HiCache(bench_config()).poll
+
+
+def agreed_step(timeout: float, local_sockets: bool = True) -> Callable[[], int]:
+    """Return the step of a new, idle :class:`DistributedCache` (a collective, as :func:`idle_calls`)."""
     agreed = DistributedCache(HiCache(bench_config()), timeout=timeout, local_sockets=local_sockets)
-    return agreed.step, HiCache(bench_config()).poll
+    return agreed.step
 
 
 def _measure(world: int, settings: Settings) -> TPBench:
@@ -441,8 +446,7 @@ def _measure(world: int, settings: Settings) -> TPBench:
     step, poll = idle_calls(settings.timeout, settings.local_sockets)
     agreed_us = _median_us(step, settings.polls)
     local_us = _median_us(poll, settings.polls)
-    gloo_step, _ = idle_calls(settings.timeout, local_sockets=False)
-    gloo_us = _median_us(gloo_step, settings.polls)
+    gloo_us = _median_us(agreed_step(settings.timeout, local_sockets=False), settings.polls)
     # as the agreed side of the traces has it: the group's sockets, set up by then, or gloo
     transport = Collectives.of(
         None, settings.timeout, local_sockets=settings.local_sockets
