@@ -487,6 +487,68 @@ def test_an_injected_failure_is_reported_when_its_poison_raises(
     assert done[1].ok
 
 
+def test_a_poll_a_poison_interrupts_loses_no_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C while a failed backup is poisoned: the next poll poisons it, then reports all.
+
+    The poll had taken both copies off the engine; lost, their nodes would
+    stay ``writing`` for good.
+    """
+    engine = make()
+
+    def broken() -> None:
+        raise ValueError("no room")
+
+    first = engine.start_write([3], [4])
+    engine.queue_after(first, broken)
+    second = engine.start_write([5], [6])
+    fill = engine.host.fill
+    calls: list[object] = []
+
+    def interrupted(pages: object, byte: int) -> None:
+        calls.append(pages)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        fill(pages, byte)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.host, "fill", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.poll()
+    assert engine.in_flight() == [first, second]  # finished, not reported yet
+    done = engine.poll()
+    assert [c.ticket for c in done] == [first, second]
+    assert str(done[0].error) == "copy 1 (d2h) failed: ValueError: no room"
+    assert done[1].ok
+    assert bool((raw(engine.host, [4]) == POISON).all())  # poisoned before the report
+    assert engine.in_flight() == []
+    assert engine.poll() == []
+
+
+def test_an_injected_failure_a_poison_interrupts_is_delivered_at_the_next_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = FaultyCopyEngine(make(), fail=(1,))
+    first, second = engine.start_write([3], [4]), engine.start_write([5], [6])
+    fill = engine.inner.host.fill
+    calls: list[object] = []
+
+    def interrupted(pages: object, byte: int) -> None:
+        calls.append(pages)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        fill(pages, byte)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.inner.host, "fill", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.poll()
+    assert engine.in_flight() == [first, second]
+    done = engine.poll()
+    assert [c.ticket for c in done] == [first, second]
+    assert str(done[0].error) == "injected failure of copy 1"
+    assert done[1].ok
+    assert bool((raw(engine.inner.host, [4]) == POISON).all())
+    assert engine.poll() == []
+
+
 def test_poison_destination_takes_a_ticket() -> None:
     engine = make()
     with pytest.raises(BadArgument) as caught:

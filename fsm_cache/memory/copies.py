@@ -188,6 +188,10 @@ class CopyEngine:
         self._ids = itertools.count(1)
         self._started = 0
         self._pending: dict[int, Ticket] = {}  # started and not reported, in start order
+        # Taken from _submitted, returned once the poisons below are done: a poll that a
+        # poison interrupts (a KeyboardInterrupt) leaves them to the next one.
+        self._unreported: list[Completion] = []
+        self._unpoisoned: list[Ticket] = []  # failed backups whose host pages are not poisoned
         self._submitted: list[_Submission] = []  # launched and not reported, in launch order
         self._open: list[Ticket] = []  # started, not yet submitted, in start order
         self._open_pages = 0
@@ -500,7 +504,7 @@ class CopyEngine:
                 self.submit()
         submitted = self._submitted
         if not submitted:
-            return []
+            return self._report([]) if self._unreported else []
         done, behind = [], set()
         for s in submitted:  # one direction's events finish in order: report them in order
             direction = s.tickets[0].direction
@@ -514,8 +518,28 @@ class CopyEngine:
         else:
             self._submitted = [s for s in submitted if s not in done]
         if len(done) == 1:
-            return self._complete(done[0])
-        return [c for s in done for c in self._complete(s)]
+            return self._report(self._complete(done[0]))
+        return self._report([c for s in done for c in self._complete(s)])
+
+    def _report(self, completions: list[Completion]) -> list[Completion]:
+        """Return what earlier polls left unreported and ``completions``, once every poison is done.
+
+        A failed backup's host pages are poisoned before its report goes out:
+        the report gives them back, and a later poison would overwrite the
+        KV of whoever takes them next. Should a poison be interrupted (a
+        ``KeyboardInterrupt``), the reports wait for the next poll, which
+        finishes the poisons first; they are not lost, or their nodes would
+        stay copying for good. A poison that raises an ``Exception`` is given
+        up: the pages are given back unread either way.
+        """
+        self._unreported += completions
+        unpoisoned = self._unpoisoned
+        while unpoisoned:
+            with contextlib.suppress(Exception):
+                self.poison_destination(unpoisoned[0])
+            del unpoisoned[0]
+        out, self._unreported = self._unreported, []
+        return out
 
     def drain(self) -> list[Completion]:
         """Submit the open batch, wait for every in-flight ticket and report them all."""
@@ -662,12 +686,7 @@ class CopyEngine:
         if failure is not None:
             self.stats.failures[direction] += len(tickets)
             if direction is Direction.D2H:  # the copy has finished: its host pages can be written
-                for ticket in tickets:
-                    # the tickets are no longer pending: a poison that raised would lose their
-                    # report and leave their nodes copying for ever; reported as failed, their
-                    # host pages are given back unread
-                    with contextlib.suppress(Exception):
-                        self.poison_destination(ticket)
+                self._unpoisoned += tickets  # before the report goes out (_report)
             return [Completion(t, CopyFailed(f"copy {t.id} {failure}")) for t in tickets]
         pages = (
             len(tickets[0].src_pages)
@@ -724,6 +743,9 @@ class CopyEngine:
 
     def in_flight(self) -> list[Ticket]:
         """Tickets started and not yet reported, oldest first."""
+        if self._unreported:  # finished, their report held back by an interrupted poll
+            held = [c.ticket for c in self._unreported]
+            return sorted([*held, *self._pending.values()], key=lambda t: t.id)
         return list(self._pending.values())
 
     def device_busy(self, pages: Iterable[int]) -> bool:

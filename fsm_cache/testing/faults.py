@@ -155,6 +155,7 @@ class FaultyCopyEngine:
         self._rng = random.Random(seed)
         self._doomed: dict[int, int] = {}
         self._held: list[_Held] = []
+        self._unpoisoned: list[Ticket] = []  # failed backups to poison before their delivery
 
     @classmethod
     def copier(
@@ -329,6 +330,13 @@ class FaultyCopyEngine:
     def _deliver(self, finished: list[Completion], flush: bool) -> list[Completion]:
         for c in finished:
             self._held.append(_Held(self._inject(c), self.delay))
+        # held first, poisoned next, delivered last: a poison interrupted (a KeyboardInterrupt)
+        # loses no completion taken from the inner engine, and the next poll finishes it first
+        unpoisoned = self._unpoisoned
+        while unpoisoned:
+            with contextlib.suppress(Exception):  # as CopyEngine gives a failed poison up
+                self.inner.poison_destination(unpoisoned[0])
+            del unpoisoned[0]
         due: list[_Held] = []
         kept: list[_Held] = []
         for h in self._held:
@@ -346,10 +354,7 @@ class FaultyCopyEngine:
             return completion
         ticket = completion.ticket
         if self.poison and ticket.direction is Direction.D2H:  # the copy has finished
-            # as CopyEngine reports a failed backup: a poison that raised would lose this
-            # poll's completions, already taken from the inner engine
-            with contextlib.suppress(Exception):
-                self.inner.poison_destination(ticket)
+            self._unpoisoned.append(ticket)  # before its failure is delivered (_deliver)
         return Completion(ticket, CopyFailed(f"injected failure of copy {position}"))
 
     def in_flight(self) -> list[Ticket]:
