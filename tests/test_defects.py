@@ -581,6 +581,27 @@ def test_14_a_poll_refused_for_a_stray_acknowledgement_keeps_the_other_copies() 
     ]
 
 
+def test_a_log_with_a_poll_refused_for_a_stray_acknowledgement_replays() -> None:
+    """The refused poll applied nothing and logged no batch: the replay's took the next one.
+
+    It was refused on replay with ``poll was refused in the recording, not
+    on replay``: its copies, held back, were the next poll's batch.
+    """
+    cache = make()
+    cache.insert([1, 2])
+    (first,) = cache.tiers.copier.in_flight()
+    cache.apply_completions([Completion(first)])
+    cache.insert([5, 6])
+    with pytest.raises(DuplicateAck):
+        cache.poll()
+    cache.poll()
+    cache.insert([1, 2, 3, 4])
+    cache.poll()
+    replayed = replay(cache.log, cache.config)
+    assert snapshot(replayed) == snapshot(cache)
+    assert replayed.log.transitions() == cache.log.transitions()
+
+
 @pytest.mark.parametrize("kind", ["another cache's", "built by hand"])
 def test_a_completion_of_another_copy_under_the_same_id_applies_nothing(kind: str) -> None:
     """Every copy engine numbers its tickets from 1: an id alone does not name this copy."""

@@ -39,7 +39,13 @@ from fsm_cache.cache.hicache import HiCache
 from fsm_cache.cache.transfers import IssuedCopies, ReplayedRefusal
 from fsm_cache.cache.tree import NamespaceRoot, TreeNode
 from fsm_cache.engine.lease import Lease
-from fsm_cache.errors import BadArgument, CopyFailed, FsmCacheError, ReplayMismatch
+from fsm_cache.errors import (
+    BadArgument,
+    CopyFailed,
+    DuplicateAck,
+    FsmCacheError,
+    ReplayMismatch,
+)
 from fsm_cache.memory.tickets import Completion, Copier, Ticket
 from fsm_cache.memory.tiers import CacheConfig
 from fsm_cache.numeric import whole
@@ -85,7 +91,9 @@ def replay(log: EventLog, config: CacheConfig) -> HiCache:
     """Re-run the operations of ``log`` on a fresh cache and check the transitions match.
 
     An operation refused in the recording must be refused on replay with the
-    same error and message, and only then; locks and pins still held at the
+    same error and message, and only then (a refused ``apply_completions``, and
+    a poll refused for a stray acknowledgement before it applied any, changed
+    nothing and are skipped: the replay's engine reports no such copy); locks and pins still held at the
     end of the log stay held in the returned cache, which takes its
     acknowledgements from its own copy engine from then on (completions the
     replay drained and the log did not apply included).
@@ -163,6 +171,10 @@ def _step(
         raise ReplayMismatch(f"{name} was refused in the recording, not on replay: {refused}")
 
 
+_STRAY = f"{DuplicateAck.__name__}: "
+"""How the refusal of a batch with a stray or repeated acknowledgement begins in the log."""
+
+
 def _steps(log: EventLog) -> list[Step]:
     """Return each operation with its position and its recorded refusal or failure; check every entry.
 
@@ -182,6 +194,12 @@ def _steps(log: EventLog) -> list[Step]:
                 what = "refusal" if kind == "refused" else "failure"
                 raise BadArgument(f"replay: entry {at} {entry!r}: a {what} of no operation")
             start, op, refused, failed = out[-1]
+            stray = kind == "refused" and entry[2].startswith(_STRAY)
+            if stray and op[1] == "poll" and at == start + 1:
+                # refused before it applied a copy, so it logged no batch; the copies it held
+                # back are the next poll's batch, which a poll here would take too early
+                out.pop()
+                continue
             if kind == "refused":  # after a failure too: the copies its end started were refused
                 out[-1] = (start, op, entry[2], failed)
                 continue
