@@ -7,7 +7,7 @@ import inspect
 import pickle
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -487,6 +487,19 @@ def test_an_injected_failure_is_reported_when_its_poison_raises(
     assert done[1].ok
 
 
+def interrupt_first_fill(monkeypatch: pytest.MonkeyPatch, pool: KVPool) -> None:
+    """Make ``pool``'s first poison raise ``KeyboardInterrupt`` (a Ctrl-C), the later ones work."""
+    fill, calls = pool.fill, []
+
+    def interrupted(pages: Sequence[int], byte: int) -> None:
+        calls.append(pages)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        fill(pages, byte)
+
+    monkeypatch.setattr(pool, "fill", interrupted)
+
+
 def test_a_poll_a_poison_interrupts_loses_no_report(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Ctrl-C while a failed backup is poisoned: the next poll poisons it, then reports all.
 
@@ -501,16 +514,7 @@ def test_a_poll_a_poison_interrupts_loses_no_report(monkeypatch: pytest.MonkeyPa
     first = engine.start_write([3], [4])
     engine.queue_after(first, broken)
     second = engine.start_write([5], [6])
-    fill = engine.host.fill
-    calls: list[object] = []
-
-    def interrupted(pages: object, byte: int) -> None:
-        calls.append(pages)
-        if len(calls) == 1:
-            raise KeyboardInterrupt
-        fill(pages, byte)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(engine.host, "fill", interrupted)
+    interrupt_first_fill(monkeypatch, engine.host)
     with pytest.raises(KeyboardInterrupt):
         engine.poll()
     assert engine.in_flight() == [first, second]  # finished, not reported yet
@@ -528,16 +532,7 @@ def test_an_injected_failure_a_poison_interrupts_is_delivered_at_the_next_poll(
 ) -> None:
     engine = FaultyCopyEngine(make(), fail=(1,))
     first, second = engine.start_write([3], [4]), engine.start_write([5], [6])
-    fill = engine.inner.host.fill
-    calls: list[object] = []
-
-    def interrupted(pages: object, byte: int) -> None:
-        calls.append(pages)
-        if len(calls) == 1:
-            raise KeyboardInterrupt
-        fill(pages, byte)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(engine.inner.host, "fill", interrupted)
+    interrupt_first_fill(monkeypatch, engine.inner.host)
     with pytest.raises(KeyboardInterrupt):
         engine.poll()
     assert engine.in_flight() == [first, second]
