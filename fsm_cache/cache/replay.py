@@ -93,10 +93,10 @@ def replay(log: EventLog, config: CacheConfig) -> HiCache:
     An operation refused in the recording must be refused on replay with the
     same error and message, and only then (a refused ``apply_completions``, and
     a poll refused for a stray acknowledgement before it applied any, changed
-    nothing and are skipped: the replay's engine reports no such copy); locks and pins still held at the
-    end of the log stay held in the returned cache, which takes its
-    acknowledgements from its own copy engine from then on (completions the
-    replay drained and the log did not apply included).
+    nothing and are skipped: the replay's engine reports no such copy). Locks
+    and pins still held at the end of the log stay held in the returned cache,
+    which takes its acknowledgements from its own copy engine from then on
+    (completions the replay drained and the log did not apply included).
 
     The log must be :attr:`~fsm_cache.cache.eventlog.EventLog.complete`: a
     replay starts from an empty cache, so it needs the log from its first
