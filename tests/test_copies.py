@@ -468,6 +468,7 @@ def test_a_failed_backup_is_reported_when_its_poison_raises(
     assert str(done[0].error) == "copy 1 (d2h) failed: ValueError: no room"
     assert done[1].ok
     assert engine.in_flight() == []
+    assert engine.stats.poison_failures == {Direction.D2H: 1}  # given back unread: counted
 
 
 def test_an_injected_failure_is_reported_when_its_poison_raises(
@@ -485,6 +486,7 @@ def test_an_injected_failure_is_reported_when_its_poison_raises(
     assert [c.ticket for c in done] == [first, second]
     assert str(done[0].error) == "injected failure of copy 1"
     assert done[1].ok
+    assert engine.inner.stats.poison_failures == {Direction.D2H: 1}
 
 
 def interrupt_first_fill(monkeypatch: pytest.MonkeyPatch, pool: KVPool) -> None:
@@ -523,6 +525,7 @@ def test_a_poll_a_poison_interrupts_loses_no_report(monkeypatch: pytest.MonkeyPa
     assert str(done[0].error) == "copy 1 (d2h) failed: ValueError: no room"
     assert done[1].ok
     assert bool((raw(engine.host, [4]) == POISON).all())  # poisoned before the report
+    assert engine.stats.poison_failures == {}
     assert engine.in_flight() == []
     assert engine.poll() == []
 

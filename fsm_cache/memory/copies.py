@@ -529,14 +529,12 @@ class CopyEngine:
         KV of whoever takes them next. Should a poison be interrupted (a
         ``KeyboardInterrupt``), the reports wait for the next poll, which
         finishes the poisons first; they are not lost, or their nodes would
-        stay copying for good. A poison that raises an ``Exception`` is given
-        up: the pages are given back unread either way.
+        stay copying for good (:meth:`poison_failed`).
         """
         self._unreported += completions
         unpoisoned = self._unpoisoned
         while unpoisoned:
-            with contextlib.suppress(Exception):
-                self.poison_destination(unpoisoned[0])
+            self.poison_failed(unpoisoned[0])
             del unpoisoned[0]
         out, self._unreported = self._unreported, []
         return out
@@ -695,6 +693,19 @@ class CopyEngine:
         )
         self.stats.bytes[direction] += pages * self._page_bytes
         return [Completion(t) for t in tickets]
+
+    def poison_failed(self, ticket: Ticket) -> None:
+        """Poison a failed backup's host pages before its report goes out; count a poison that raises.
+
+        The report is what frees the copy's nodes, so it must go out whatever
+        the poison does: an ``Exception`` from it is counted
+        (``stats.poison_failures``) and given up, and the pages are given back
+        unread either way.
+        """
+        try:
+            self.poison_destination(ticket)
+        except Exception:
+            self.stats.poison_failures[ticket.direction] += 1
 
     def poison_destination(self, ticket: Ticket) -> None:
         """Overwrite every byte of ``ticket``'s destination pages with :data:`POISON`.

@@ -69,11 +69,17 @@ class Completion:
 
 @dataclass
 class CopyStats:
-    """Counts per direction since the engine started (bytes of reported successes)."""
+    """Counts per direction since the engine started (bytes of reported successes).
+
+    ``poison_failures`` counts failed copies whose destination could not be
+    poisoned before their report went out (the poison raised): their pages
+    were given back unread, holding whatever the copy left.
+    """
 
     copies: Counter[Direction] = field(default_factory=Counter)
     bytes: Counter[Direction] = field(default_factory=Counter)
     failures: Counter[Direction] = field(default_factory=Counter)
+    poison_failures: Counter[Direction] = field(default_factory=Counter)
 
 
 class Copier(Protocol):

@@ -26,7 +26,6 @@ its options, or :func:`~fsm_cache.testing.fakecuda.deferred_copier`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import random
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -322,6 +321,10 @@ class FaultyCopyEngine:
         """Poison ``ticket``'s destination pages (the inner engine's :meth:`CopyEngine.poison_destination`)."""
         self.inner.poison_destination(ticket)
 
+    def poison_failed(self, ticket: Ticket) -> None:
+        """Poison a failed backup's pages, counting a poison that raises (:meth:`CopyEngine.poison_failed`)."""
+        self.inner.poison_failed(ticket)
+
     def close(self) -> None:
         """Close the inner engine and drop held acknowledgements; idempotent."""
         self.inner.close()
@@ -334,8 +337,7 @@ class FaultyCopyEngine:
         # loses no completion taken from the inner engine, and the next poll finishes it first
         unpoisoned = self._unpoisoned
         while unpoisoned:
-            with contextlib.suppress(Exception):  # as CopyEngine gives a failed poison up
-                self.inner.poison_destination(unpoisoned[0])
+            self.poison_failed(unpoisoned[0])  # counted and given up if it raises
             del unpoisoned[0]
         due: list[_Held] = []
         kept: list[_Held] = []
