@@ -87,6 +87,7 @@ __all__ = [
     "check_stream",
     "engine_of",
     "host_runs",
+    "poison_in_order",
     "refuse_busy_destination",
 ]
 
@@ -532,10 +533,7 @@ class CopyEngine:
         stay copying for good (:meth:`poison_failed`).
         """
         self._unreported += completions
-        unpoisoned = self._unpoisoned
-        while unpoisoned:
-            self.poison_failed(unpoisoned[0])
-            del unpoisoned[0]
+        poison_in_order(self._unpoisoned, self.poison_failed)
         out, self._unreported = self._unreported, []
         return out
 
@@ -923,6 +921,18 @@ def _busy(busy: PageSet, pool: KVPool, pages: Iterable[int]) -> bool:
         return False
     first = pool.allocator.run_of(pages) if isinstance(pages, (list, tuple)) else None
     return not busy.isdisjoint(pages, first)
+
+
+def poison_in_order(pending: list[Ticket], poison: Callable[[Ticket], None]) -> None:
+    """Poison each of ``pending`` in order, taking a ticket off only once its poison returned.
+
+    A poison interrupted (a ``KeyboardInterrupt``) leaves that ticket and the
+    rest in ``pending`` for the next call: an engine reports the copies only
+    after this returns, so none is reported before its pages are poisoned.
+    """
+    while pending:
+        poison(pending[0])
+        del pending[0]
 
 
 def _poison_each(engine: CopyEngine, tickets: Sequence[Ticket]) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
 
 from fsm_cache.errors import BadArgument, CopyFailed
-from fsm_cache.memory.copies import POISON, CopyEngine
+from fsm_cache.memory.copies import POISON, CopyEngine, poison_in_order
 from fsm_cache.memory.tickets import Completion, Direction, Ticket, refuse_busy_destination
 from fsm_cache.numeric import whole
 
@@ -335,10 +335,7 @@ class FaultyCopyEngine:
             self._held.append(_Held(self._inject(c), self.delay))
         # held first, poisoned next, delivered last: a poison interrupted (a KeyboardInterrupt)
         # loses no completion taken from the inner engine, and the next poll finishes it first
-        unpoisoned = self._unpoisoned
-        while unpoisoned:
-            self.poison_failed(unpoisoned[0])  # counted and given up if it raises
-            del unpoisoned[0]
+        poison_in_order(self._unpoisoned, self.poison_failed)  # one that raises: counted
         due: list[_Held] = []
         kept: list[_Held] = []
         for h in self._held:
