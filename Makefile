@@ -10,7 +10,7 @@ DEVSTAMP:= $(VENV)/.installed-dev
 TORCH   ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # The extras `make run` and `make bench` need (rich for the demo, transitions for `bench engine`,
-# numpy for the object collectives of `bench tp`);
+# distributed for `bench tp`, which adds nothing to the core dependencies now);
 # `make test` installs `dev`, which holds every extra (pyproject.toml).
 EXTRAS  := cli,reference,distributed
 

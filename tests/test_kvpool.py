@@ -8,6 +8,7 @@ import warnings
 import weakref
 from typing import Any
 
+import numpy as np
 import pytest
 
 
@@ -142,6 +143,32 @@ def test_pages_in_an_array_or_a_tensor_are_written_as_a_list_of_them(name: str, 
         pool.tensor.zero_()
         pool.write_slots(pages, kv.permute(0, 1, 3, 4, 2))
         assert torch.equal(pool.read(listed), kv)
+
+
+@pytest.mark.parametrize("name", ["device", "host"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("listed", [[3, 4], [5, 0]], ids=str)
+def test_slots_given_as_a_numpy_array_are_stored_as_the_same_tensor(
+    name: str, dtype: torch.dtype, listed: list[int]
+) -> None:
+    """``write_slots`` stores int64 numpy values (what ``write_tokens`` makes on CPU) as their tensor.
+
+    Through a numpy view of a CPU device pool for a run, where numpy has the
+    dtype; otherwise as ``torch.from_numpy`` of them: each byte the same as
+    the tensor's store, which casts as ``copy_`` does.
+    """
+    layout = KVLayout(layers=3, heads=2, head_dim=4, dtype=dtype, page_size=4)
+    pool = device_pool(layout, 6, torch.device("cpu")) if name == "device" else host_pool(layout, 6)
+    ints = torch.randint(-8, 8, (3, 2, 2, 4, 8), generator=torch.Generator().manual_seed(5))
+    pool.tensor.zero_()
+    pool.write_slots(listed, ints)
+    expected = pool.read(listed)
+    pool.tensor.zero_()
+    pool.write_slots(listed, ints.numpy())
+    assert torch.equal(pool.read(listed).view(torch.uint8), expected.view(torch.uint8))
+    assert int(pool.read([1, 2]).view(torch.uint8).count_nonzero()) == 0
+    with pytest.raises(PoolError, match=r"values of shape \(3, 2, 2, 4, 7\) do not fit 2 pages"):
+        pool.write_slots(listed, np.zeros((3, 2, 2, 4, 7), dtype=np.int64))
 
 
 @pytest.mark.parametrize("name", ["device", "host"])

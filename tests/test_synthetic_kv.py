@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
 from fsm_cache.errors import ForeignSlot, NotASlot, PoolError
+from fsm_cache.memory import tiers as tiers_module
 from fsm_cache.memory.kv import KVLayout, KVPool, device_pool, host_pool
 from fsm_cache.memory.pages import PageAllocator
 from fsm_cache.memory.tiers import SLOT_RUN, CacheConfig, Tiers, synthetic_kv
@@ -220,7 +221,7 @@ def test_write_tokens_on_any_pages_is_the_reference(
     made = tiers(2, 1, 8, dtype, page)
     tokens = data.draw(
         st.lists(
-            st.integers(0, 2**63 - 1), min_size=len(chosen) * page, max_size=len(chosen) * page
+            st.integers(0, 2**64 - 1), min_size=len(chosen) * page, max_size=len(chosen) * page
         )
     )
     made.write_tokens(chosen, tokens)
@@ -408,24 +409,41 @@ class _Calls(TorchFunctionMode):
 
 
 @pytest.mark.parametrize("page", [1, 2, 16])
-def test_write_tokens_of_a_run_makes_the_kv_with_no_view_of_the_tokens(page: int) -> None:
-    """A small layout's run of pages costs one addcmul, one shift and one store, at any page size.
+def test_write_tokens_of_a_run_on_cpu_makes_no_torch_call(page: int) -> None:
+    """A small layout's run of pages of a CPU pool is computed and stored by numpy, at any page size.
 
-    What an insert that writes its own KV pays: no view of the tokens to
-    lay them out by page, and the pool's slice taken in the store itself.
+    What an insert that writes its own KV pays: a numpy call costs a fraction
+    of a torch call's dispatch on arrays this small, and the store goes
+    through a numpy view of the pool, so no torch call is made at all.
     """
     made = tiers(2, 1, 8, torch.float16, page)
     made.write_tokens((9, 10, 11), list(range(3 * page)))  # made once: constants, a view by length
     pages = made.alloc_device(3, 0)
-    tokens = [(7919 * i + 2**35) % 2**50 for i in range(3 * page)]
+    tokens = [(7919 * i + 2**35) % 2**64 for i in range(3 * page)]
     with _Calls() as calls:
         made.write_tokens(pages, tokens)
-    assert [name for name in calls.names if name != "__get__"] == [  # __get__: a shape read
+    assert calls.names == []
+    assert same_bytes(made.read_device(list(pages)), reference_kv(made.device.layout, tokens))
+
+
+@pytest.mark.parametrize("page", [1, 2, 16])
+def test_slot_values_off_the_cpu_are_one_addcmul_and_one_shift(page: int) -> None:
+    """On another device (a GPU; here the meta device) the tokens are uploaded, then two calls.
+
+    No view of the tokens lays them out by page; the pool's slice is taken in
+    the store itself (one ``__setitem__``, which ``KVPool.write_slots`` makes).
+    """
+    layout = KVLayout(2, 1, 8, torch.float16, page)
+    pattern = tiers_module._pattern(layout, torch.device("meta"))  # noqa: SLF001
+    pattern.slot_values(list(range(3 * page)))  # a view of the constants by length, made once
+    with _Calls() as calls:
+        made = pattern.slot_values(list(range(5, 5 + 3 * page)))
+    assert [name for name in calls.names if name not in {"__get__", "to"}] == [
         "addcmul",
         "bitwise_right_shift_",
-        "__setitem__",
     ]
-    assert same_bytes(made.read_device(list(pages)), reference_kv(made.device.layout, tokens))
+    assert isinstance(made, torch.Tensor)
+    assert made.shape == (2, 2, 1, 8, 3 * page)
 
 
 def test_a_write_longer_than_a_slot_run_takes_the_general_path_to_the_same_bytes() -> None:

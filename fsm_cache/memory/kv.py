@@ -27,7 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from fsm_cache.errors import BadArgument, ForeignSlot, PinnedMemoryError, PoolError
 from fsm_cache.memory.pages import PageAllocator, page_index
@@ -181,6 +183,9 @@ class KVPool:
         # the device pool with its slots last, ``[layers, planes, heads, head_dim, slots]``:
         # what write_slots addresses (the host's pages are first: no such view of it)
         self._slots_last = tensor if self._page_first else tensor.permute(0, 1, 3, 4, 2)
+        # and as a numpy array, on CPU where numpy has the dtype: what write_slots stores numpy
+        # values through, a numpy call costing a fraction of a torch call on a short write
+        self._slots_np = None if self._page_first else _numpy_view(self._slots_last)
 
     @property
     def device(self) -> torch.device:
@@ -276,7 +281,7 @@ class KVPool:
         else:
             self._store(pages, where, values.permute(0, 1, 5, 2, 3, 4))
 
-    def write_slots(self, pages: Sequence[int], values: torch.Tensor) -> None:
+    def write_slots(self, pages: Sequence[int], values: torch.Tensor | NDArray[Any]) -> None:
         """Store ``values``, laid out with the slots last, into ``pages``, cast as ``copy_`` casts.
 
         ``values`` is ``[layers, planes, heads, head_dim, len(pages) *
@@ -287,6 +292,12 @@ class KVPool:
         order; other pages, and the host pool, are written as
         :meth:`write_values` writes them. Checked as :meth:`write`; a
         refused write changes no page.
+
+        ``values`` may be a numpy array (what ``write_tokens`` makes on CPU):
+        a run of a CPU device pool whose dtype numpy has (not bfloat16 or
+        float8) is then stored through a numpy view of the pool, with
+        numpy's cast, which rounds to nearest even as ``copy_`` does; other
+        writes take it as a tensor (``torch.from_numpy``, no copy).
 
         Raises:
             NotASlot: a page is not an int (a bool, a float).
@@ -302,12 +313,17 @@ class KVPool:
         if where is None:
             return
         if isinstance(where, int) and not self._page_first:  # a run: one slice of the slots
-            self._slots_last[..., where * ps : (where + n) * ps] = values
+            if self._slots_np is not None and isinstance(values, np.ndarray):
+                self._slots_np[..., where * ps : (where + n) * ps] = values
+            else:
+                self._slots_last[..., where * ps : (where + n) * ps] = _tensor(values)
         else:
-            paged = values.reshape(*shape[:4], n, ps).permute(0, 1, 4, 5, 2, 3)
+            paged = _tensor(values).reshape(*shape[:4], n, ps).permute(0, 1, 4, 5, 2, 3)
             self._store(pages, where, paged)
 
-    def _refuse_shape(self, values: torch.Tensor, shape: tuple[int, ...], n: int) -> None:
+    def _refuse_shape(
+        self, values: torch.Tensor | NDArray[Any], shape: tuple[int, ...], n: int
+    ) -> None:
         """Raise :class:`PoolError` unless ``values`` has the ``shape`` that ``n`` pages need."""
         if values.shape != shape:
             raise PoolError(
@@ -487,6 +503,21 @@ class KVPool:
             return
         self.released = True
         self._hold(self.tensor.new_empty(_pool_shape(self.name, self.layout, 0)), 0)
+
+
+def _numpy_view(tensor: torch.Tensor) -> NDArray[Any] | None:
+    """``tensor``'s memory as a numpy array, or None off the CPU or for a dtype numpy lacks."""
+    if tensor.device.type != "cpu":
+        return None
+    try:
+        return tensor.numpy()
+    except TypeError:  # bfloat16, the float8 types
+        return None
+
+
+def _tensor(values: torch.Tensor | NDArray[Any]) -> torch.Tensor:
+    """``values`` as a tensor: itself, or a numpy array's memory (no copy)."""
+    return torch.from_numpy(values) if isinstance(values, np.ndarray) else values
 
 
 def _check_pool(name: object, layout: KVLayout, num_pages: object, tensor: object) -> None:

@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import cast
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from fsm_cache.engine.trail import choose
 from fsm_cache.errors import BadArgument, ConfigError, PageBusy
@@ -723,6 +725,9 @@ class _Pattern:
         self._slot_bases: dict[int, torch.Tensor] = {}  # by tokens: views of _tiled
         self._tiled: torch.Tensor | None = None  # a small layout's base over SLOT_RUN slots
         self._slot_scale = self.scale  # and its factor, slots last (set below)
+        # on CPU the same two as numpy arrays (views of them), and views of the first by tokens
+        self._np_bases: dict[int, NDArray[np.int64]] = {}
+        self._np: tuple[NDArray[np.int64], NDArray[np.int64]] | None = None
         if not self.starts:  # to the KV's order with the pages last (see values)
             per_position = self.base.view(ps, lay.layers, lay.planes, lay.heads, lay.head_dim)
             self.base = per_position.permute(1, 2, 0, 3, 4).unsqueeze(-1).contiguous()
@@ -731,6 +736,8 @@ class _Pattern:
             by_slot = per_position.permute(1, 2, 3, 4, 0)
             self._tiled = by_slot.repeat(1, 1, 1, 1, -(-SLOT_RUN // ps))  # a new, contiguous one
             self._slot_scale = self.scale.view(*self._dims, 1)
+            if self._on_cpu:
+                self._np = (self._tiled.numpy(), self._slot_scale.numpy())
         if device.type == "cuda":  # shared by caches on other streams: done before any reads
             torch.cuda.synchronize(device)
 
@@ -777,7 +784,7 @@ class _Pattern:
             kv[block].copy_(ring[:, start : start + heads * dim])
         return kv.view(layers, planes, n // ps, ps, heads, dim).permute(0, 1, 3, 4, 5, 2)
 
-    def slot_values(self, tokens: Sequence[int]) -> torch.Tensor | None:
+    def slot_values(self, tokens: Sequence[int]) -> torch.Tensor | NDArray[np.int64] | None:
         """The KV of ``tokens`` as the device pool lays it out, the slots last; None if not made so.
 
         ``[layers, planes, heads, head_dim, len(tokens)]`` of the KV's
@@ -786,8 +793,15 @@ class _Pattern:
         layout and whole pages of at most :data:`SLOT_RUN` tokens (at least
         one page). Otherwise None: :meth:`values` makes them, with a view
         of the tokens more at page sizes above one.
+
+        On CPU they are a numpy array, made by the same arithmetic on numpy
+        views of the same constants: a numpy call on arrays this small costs
+        a fraction of a torch call's dispatch, and these few calls were most
+        of an insert that writes its own KV (docs/benchmarks.md).
         """
         n = len(tokens)
+        if self._np is not None:
+            return self._numpy_values(tokens, n, *self._np)
         base = self._slot_bases.get(n)
         if base is None:
             tiled, ps = self._tiled, self.layout.page_size
@@ -799,6 +813,24 @@ class _Pattern:
         if not self._on_cpu:  # a call per insert: the upload's own test would cost it
             ids = upload(ids, self.device)
         return torch.addcmul(base, ids, self._slot_scale).bitwise_right_shift_(_TOP)
+
+    def _numpy_values(
+        self,
+        tokens: Sequence[int],
+        n: int,
+        tiled: NDArray[np.int64],
+        scale: NDArray[np.int64],
+    ) -> NDArray[np.int64] | None:
+        """:meth:`slot_values` on CPU: the same words, computed by numpy (wrapping as int64 does)."""
+        base = self._np_bases.get(n)
+        if base is None:
+            if not 0 < n <= tiled.shape[-1] or n % self.layout.page_size:
+                return None
+            base = self._np_bases[n] = tiled[..., :n]
+        words = np.frombuffer(array("Q", tokens), dtype=np.int64) * scale
+        words += base
+        words >>= _TOP
+        return words
 
     def _part(self, tokens: Sequence[int]) -> torch.Tensor:
         """The KV of no tokens, or of a part of a page: made for whole pages, then cut.
