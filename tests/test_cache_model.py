@@ -788,11 +788,11 @@ class ModelMachine(RuleBasedStateMachine):
 
     def _settle(self) -> None:
         """Apply every acknowledgement until no copy is left: then nothing is in between."""
-        for _ in range(40):
-            if not self.cache.transfers.in_flight():
+        for _ in range(40):  # a poll also starts the copies a refused start left queued
+            if self.cache.transfers.idle():
                 break
             self.cache.poll()
-        assert not self.cache.transfers.in_flight(), "copies still in flight after 40 polls"
+        assert self.cache.transfers.idle(), "copies still in flight or queued after 40 polls"
         busy = [n for n in self.cache.tree if n.host == "writing" or n.device == "loading"]
         assert not busy, f"no copy in flight, yet {busy} are copying"
         self._check_all_kv()
@@ -862,7 +862,14 @@ class ModelMachine(RuleBasedStateMachine):
     @invariant()
     def design_invariants(self) -> None:
         self.cache.check_invariants()
-        assert self.cache.transfers.queued() == 0
+        # Every operation starts the copies it queued. Only a copy the engine refused to start
+        # waits for the next operation's flush: its nodes the spec may not fail yet (a pinned
+        # backup, a locked load) are copied again then (tests/test_defects.py, defect 3).
+        waiting = {i for _, ids in self.cache.transfers.queued_nodes() for i in ids}
+        refused = {i for _, _, ids, _ in self.cache.log.refused_starts() for i in ids}
+        assert waiting <= refused, (
+            f"nodes {sorted(waiting - refused)} wait for a copy no engine refused to start"
+        )
 
     @invariant()
     def no_page_leaked(self) -> None:
@@ -907,14 +914,17 @@ class ModelMachine(RuleBasedStateMachine):
 
     @invariant()
     def nothing_stuck(self) -> None:
-        """A node copying has its copy in flight."""
+        """A node copying has its copy in flight, or waits for it after a refused start."""
         flying = {id(n) for batch in self.cache.transfers.in_flight().values() for n in batch.nodes}
+        waiting = {i for _, ids in self.cache.transfers.queued_nodes() for i in ids}
         stuck = [
             n
             for n in self.cache.tree
-            if (n.host == "writing" or n.device == "loading") and id(n) not in flying
+            if (n.host == "writing" or n.device == "loading")
+            and id(n) not in flying
+            and n.id not in waiting
         ]
-        assert not stuck, f"{stuck} are copying with no copy in flight"
+        assert not stuck, f"{stuck} are copying with no copy in flight or queued"
 
     def _check_all_kv(self) -> None:
         layout = self.cache.tiers.device.layout

@@ -173,6 +173,34 @@ def test_3_a_refused_retry_inside_poll_applies_every_other_completion() -> None:
     cache.unlock(lock)
 
 
+def test_3_a_pinned_backup_whose_retry_is_refused_waits_queued_for_the_next_poll() -> None:
+    """A backup pinned while it was written cannot fail: a refused retry leaves it queued.
+
+    The insert's backup (copy 1) fails after a lookup split its node and
+    pinned the prefix; the suffix gives its backup up, the pinned prefix is
+    copied again, and that start (copy 2) is refused: the prefix waits in
+    the queue, not stuck, and the next poll starts it (copy 3).
+    """
+    cache = make(FaultyCopyEngine.copier(fail={1}, refuse={2}), host_pages=8, device_pages=8)
+    cache.insert([1, 2] * 6)  # copy 1: it will fail
+    match = cache.match_prefix([1, 2, 3])  # splits the node writing: [1, 2] and the rest
+    prefix = match.last_host_node
+    pin = cache.pin(prefix)
+    cache.poll()  # copy 1 failed; the prefix's retry (copy 2) was refused: queued again
+    assert settled(cache) == [
+        (1, "unbacked/resident (pins=0, locks=0)"),
+        (2, "writing/resident (pins=1, locks=0)"),
+    ]
+    assert cache.transfers.queued_nodes() == [("d2h", [2])]
+    assert [start[:3] for start in cache.log.refused_starts()] == [(2, "d2h", (2,))]
+    cache.check_invariants()  # invariant 12: the retry is queued, nothing is stuck
+    cache.poll()  # copy 3 starts; the next poll lands it
+    drain(cache)
+    assert prefix.residency() == "pinned/resident (pins=1, locks=0)"
+    assert_kv(cache, [1, 2], cache.match_prefix([1, 2]))
+    pin.release()
+
+
 def test_4_a_failed_load_of_a_chain_fails_cleanly_once() -> None:
     cache = chain_cache(FaultyCopyEngine.copier(fail={3}))
     cache.load_back(cache.tree.nodes[2])
