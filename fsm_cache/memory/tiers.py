@@ -1,8 +1,8 @@
 """The two memory tiers of a cache: pools, their page allocators and the copy engine.
 
 :class:`Tiers` is where the residency machines' effects touch memory. It is
-the only cache module that imports torch; the tree, the policies and the
-machines stay torch-free.
+the only cache module that imports torch (and numpy, for a CPU pool's
+synthetic KV); the tree, the policies and the machines stay torch-free.
 """
 
 from __future__ import annotations
