@@ -171,6 +171,21 @@ def test_slots_given_as_a_numpy_array_are_stored_as_the_same_tensor(
         pool.write_slots(listed, np.zeros((3, 2, 2, 4, 7), dtype=np.int64))
 
 
+def test_a_pool_that_requires_grad_refuses_numpy_values_as_it_refuses_tensors() -> None:
+    """No numpy view of a tensor that requires grad: a store through it would bypass autograd.
+
+    Building the pool raised numpy's RuntimeError; a store is refused by
+    torch's own in-place check, for numpy values as for a tensor, and writes nothing.
+    """
+    tensor = torch.zeros((3, 2, 16, 2, 4), dtype=torch.float16, requires_grad=True)
+    pool = KVPool("device", LAYOUT, 4, tensor, pinned=False)
+    ints = np.ones((3, 2, 2, 4, 4), dtype=np.int64)
+    for values in (ints, torch.from_numpy(ints)):
+        with pytest.raises(RuntimeError, match="requires grad"):
+            pool.write_slots([0], values)
+    assert int(tensor.detach().count_nonzero()) == 0
+
+
 @pytest.mark.parametrize("name", ["device", "host"])
 def test_a_pool_takes_the_integer_pages_its_allocator_takes(name: str) -> None:
     """A numpy integer or a one-element tensor in range was refused as outside the pool.

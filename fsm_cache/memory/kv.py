@@ -506,8 +506,12 @@ class KVPool:
 
 
 def _numpy_view(tensor: torch.Tensor) -> NDArray[Any] | None:
-    """``tensor``'s memory as a numpy array, or None off the CPU or for a dtype numpy lacks."""
-    if tensor.device.type != "cpu":
+    """``tensor``'s memory as a numpy array, or None off the CPU or for a dtype numpy lacks.
+
+    None too for a tensor that requires grad: a store through numpy would
+    bypass the autograd check that refuses torch's own in-place writes to it.
+    """
+    if tensor.device.type != "cpu" or tensor.requires_grad:
         return None
     try:
         return tensor.numpy()
