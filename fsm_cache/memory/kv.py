@@ -506,12 +506,8 @@ class KVPool:
 
 
 def _numpy_view(tensor: torch.Tensor) -> NDArray[Any] | None:
-    """``tensor``'s memory as a numpy array, or None off the CPU or for a dtype numpy lacks.
-
-    None too for a tensor that requires grad: a store through numpy would
-    bypass the autograd check that refuses torch's own in-place writes to it.
-    """
-    if tensor.device.type != "cpu" or tensor.requires_grad:
+    """``tensor``'s memory as a numpy array, or None off the CPU or for a dtype numpy lacks."""
+    if tensor.device.type != "cpu":
         return None
     try:
         return tensor.numpy()
@@ -546,6 +542,11 @@ def _check_pool(name: object, layout: KVLayout, num_pages: object, tensor: objec
         raise BadArgument(
             f"{name} pool: the tensor must be contiguous, got strides {tensor.stride()}"
         )
+    # what the byte views and the copies would read past: autograd's in-place check, and a
+    # negative view's bit (a dtype view refuses it, and so would a store through numpy)
+    if tensor.requires_grad or tensor.is_neg():
+        what = "requires grad" if tensor.requires_grad else "is a lazy negation (is_neg())"
+        raise BadArgument(f"{name} pool: the tensor {what}; give it a plain tensor")
 
 
 def _pool_shape(name: str, layout: KVLayout, pages: int) -> tuple[int, ...]:
