@@ -725,6 +725,7 @@ class _Pattern:
         self._slot_bases: dict[int, torch.Tensor] = {}  # by tokens: views of _tiled
         self._tiled: torch.Tensor | None = None  # a small layout's base over SLOT_RUN slots
         self._slot_scale = self.scale  # and its factor, slots last (set below)
+        self._slot_run = 0  # the most tokens made slots last: the slots of _tiled (none: 0)
         # on CPU the same two as numpy arrays (views of them), and views of the first by tokens
         self._np_bases: dict[int, NDArray[np.int64]] = {}
         self._np: tuple[NDArray[np.int64], NDArray[np.int64]] | None = None
@@ -736,6 +737,7 @@ class _Pattern:
             by_slot = per_position.permute(1, 2, 3, 4, 0)
             self._tiled = by_slot.repeat(1, 1, 1, 1, -(-SLOT_RUN // ps))  # a new, contiguous one
             self._slot_scale = self.scale.view(*self._dims, 1)
+            self._slot_run = self._tiled.shape[-1]
             if self._on_cpu:
                 self._np = (self._tiled.numpy(), self._slot_scale.numpy())
         if device.type == "cuda":  # shared by caches on other streams: done before any reads
@@ -800,18 +802,17 @@ class _Pattern:
         of an insert that writes its own KV (docs/benchmarks.md).
         """
         n = len(tokens)
+        if not 0 < n <= self._slot_run or n % self.layout.page_size:
+            return None
         if self._np is not None:
             return self._numpy_values(tokens, n, *self._np)
         base = self._slot_bases.get(n)
         if base is None:
-            tiled, ps = self._tiled, self.layout.page_size
-            if tiled is None or not 0 < n <= tiled.shape[-1] or n % ps:
-                return None
+            tiled = cast("torch.Tensor", self._tiled)  # made wherever _slot_run is above 0
             base = self._slot_bases[n] = tiled[..., :n]  # one view per length, at most
-        # ids up to 2**64 - 1, read as int64: the code's arithmetic is modulo 2**64 either way
-        ids = torch.frombuffer(array("Q", tokens), dtype=torch.int64)
-        if not self._on_cpu:  # a call per insert: the upload's own test would cost it
-            ids = upload(ids, self.device)
+        # ids up to 2**64 - 1, read as int64: the code's arithmetic is modulo 2**64 either way;
+        # here off the CPU only (on it, numpy makes the values)
+        ids = upload(torch.frombuffer(array("Q", tokens), dtype=torch.int64), self.device)
         return torch.addcmul(base, ids, self._slot_scale).bitwise_right_shift_(_TOP)
 
     def _numpy_values(
@@ -820,13 +821,11 @@ class _Pattern:
         n: int,
         tiled: NDArray[np.int64],
         scale: NDArray[np.int64],
-    ) -> NDArray[np.int64] | None:
+    ) -> NDArray[np.int64]:
         """:meth:`slot_values` on CPU: the same words, computed by numpy (wrapping as int64 does)."""
         base = self._np_bases.get(n)
         if base is None:
-            if not 0 < n <= tiled.shape[-1] or n % self.layout.page_size:
-                return None
-            base = self._np_bases[n] = tiled[..., :n]
+            base = self._np_bases[n] = tiled[..., :n]  # one view per length, at most
         words = np.frombuffer(array("Q", tokens), dtype=np.int64) * scale
         words += base
         words >>= _TOP
