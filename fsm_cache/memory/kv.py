@@ -542,8 +542,8 @@ def _check_pool(name: object, layout: KVLayout, num_pages: object, tensor: objec
         raise BadArgument(
             f"{name} pool: the tensor must be contiguous, got strides {tensor.stride()}"
         )
-    # what the byte views and the copies would read past: autograd's in-place check, and a
-    # negative view's bit (a dtype view refuses it, and so would a store through numpy)
+    # no pool either way: autograd refuses every in-place write to a tensor that requires
+    # grad, and a lazy negation's bit is one no byte view (nor numpy view) can carry
     if tensor.requires_grad or tensor.is_neg():
         what = "requires grad" if tensor.requires_grad else "is a lazy negation (is_neg())"
         raise BadArgument(f"{name} pool: the tensor {what}; give it a plain tensor")
